@@ -1,0 +1,137 @@
+"""A model's shape and knobs, validated once, from flags or a YAML file.
+
+pydantic checks each field's type and range and rejects unknown keys;
+`check_divisibility` then checks the rules that tie fields together (a head
+count that t must divide, and so on), naming the equation with its values.
+Everything raises `ConfigError` with a one-line message.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from memcalc.errors import ConfigError
+
+Size = Field(strict=True, gt=0)
+
+
+class ModelConfig(BaseModel):
+    """One transformer and one parallel layout; defaults are the seed's model."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: Optional[str] = None
+    description: Optional[str] = None
+
+    b: int = Field(1, strict=True, gt=0, description="micro-batch size")
+    s: int = Field(strict=True, gt=0, description="sequence length")
+    h: int = Field(strict=True, gt=0, description="hidden size")
+    a: int = Field(strict=True, gt=0, description="attention heads")
+    t: int = Field(1, strict=True, gt=0, description="tensor-parallel size")
+    L: int = Field(1, strict=True, gt=0, description="transformer layers")
+
+    mlp: Literal["gelu", "swiglu"] = "gelu"
+    ffn_hidden_size: Optional[int] = Field(None, strict=True, gt=0, description="default 4h")
+    attention: Literal["eager", "flash"] = "eager"
+    num_query_groups: Optional[int] = Field(None, strict=True, gt=0, description="default a (multi-head)")
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    dropout: float = Field(0.1, ge=0.0, lt=1.0, description="0 saves no masks")
+    recompute: Literal["none", "selective", "full"] = "none"
+    dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+
+    @property
+    def ffn(self) -> int:
+        """The MLP's hidden size: 4h unless the config sets it."""
+        return self.ffn_hidden_size if self.ffn_hidden_size is not None else 4 * self.h
+
+    @property
+    def groups(self) -> int:
+        """K/V head groups: a (plain multi-head) unless the config sets fewer."""
+        return self.num_query_groups if self.num_query_groups is not None else self.a
+
+
+def build_config(fields: dict[str, Any]) -> ModelConfig:
+    """Validate `fields` into a config, or raise ConfigError naming the field and rule."""
+    try:
+        config = ModelConfig(**fields)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc)) from None
+    except TypeError as exc:  # e.g. a YAML key that is not a string
+        raise ConfigError(f"invalid config: {exc}") from None
+    check_divisibility(config)
+    return config
+
+
+def check_divisibility(config: ModelConfig) -> None:
+    """The rules between fields that any strategy needs; each names its values."""
+    c = config
+    _divides(c.a, "a", c.h, "h", "each head gets h/a channels")
+    _divides(c.t, "t", c.a, "a", "tensor parallelism gives each rank a/t heads")
+    _divides(c.t, "t", c.ffn, "ffn_hidden_size", "the MLP is split into t column shards")
+    _divides(c.groups, "num_query_groups", c.a, "a", "each K/V group serves a/num_query_groups heads")
+    _divides(c.t, "t", c.groups, "num_query_groups", "each rank holds num_query_groups/t K/V groups")
+
+
+def check_sequence_split(config: ModelConfig) -> None:
+    """Sequence parallelism (and full recompute's sharded input) needs t | s."""
+    _divides(config.t, "t", config.s, "s", "sequence parallelism splits the sequence across t ranks")
+
+
+def _divides(divisor: int, dname: str, value: int, vname: str, why: str) -> None:
+    if value % divisor:
+        raise ConfigError(f"{vname}={value} is not divisible by {dname}={divisor} ({why})")
+
+
+def load_yaml(path: Path) -> dict[str, Any]:
+    """Read a YAML mapping, turning every I/O or syntax problem into ConfigError."""
+    import yaml  # only the --config path pays for it
+
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+        problem = getattr(exc, "problem", None) or "invalid YAML"
+        raise ConfigError(f"{path}: YAML syntax error{at}: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of fields, got {type(data).__name__}")
+    return data
+
+
+def load_config(path: Path | None, overrides: dict[str, Any]) -> ModelConfig:
+    """A config from an optional YAML file with flag values laid over it."""
+    fields = load_yaml(path) if path is not None else {}
+    fields.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return build_config(fields)
+    except ConfigError as exc:
+        if path is None:
+            raise
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def _describe(exc: ValidationError) -> str:
+    """pydantic's first error as `field 'x': rule (got v)` on one line."""
+    err = exc.errors()[0]
+    field = ".".join(str(p) for p in err["loc"]) or "config"
+    if err["type"] == "extra_forbidden":
+        return f"unknown field '{field}' (allowed: {', '.join(_field_names())})"
+    if err["type"] == "missing":
+        return f"field '{field}' is required"
+    more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
+    return f"field '{field}': {err['msg'].lower()} (got {err.get('input')!r}){more}"
+
+
+def _field_names() -> list[str]:
+    return list(ModelConfig.model_fields)

@@ -1,0 +1,81 @@
+"""Numbers from the ledger: bytes per tensor, per layer and per model, per GPU.
+
+This path never touches sympy: a tensor's bytes are its element width times the
+product of its per-rank dimensions, computed in exact integers. The same code
+works element-wise on numpy arrays, which is how sweeps evaluate many
+configurations at once. `memcalc.formula` builds the symbolic twin from the
+same ledger, and a test checks the two agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+from typing import Any
+
+from memcalc.config import ModelConfig, check_sequence_split
+from memcalc.layer import Accounting, Knobs, element_bytes, layer_tensors
+from memcalc.ledger import Dim, Region, SavedTensor
+from memcalc.strategy import Strategy
+
+
+def dim_sizes(config: ModelConfig) -> dict[Dim, Any]:
+    """The value of every ledger dimension for this config."""
+    return {
+        Dim.B: config.b, Dim.S: config.s, Dim.H: config.h, Dim.A: config.a,
+        Dim.G: config.groups, Dim.D: config.h // config.a, Dim.F: config.ffn,
+    }
+
+
+def rank_shape(tensor: SavedTensor, strategy: Strategy, sizes: dict[Dim, Any], t: Any) -> tuple[Any, ...]:
+    """The tensor's shape on one rank: its split dimension (if any) divided by t."""
+    split = strategy.split_dim(tensor)
+    return tuple(sizes[d] // t if d is split else sizes[d] for d in tensor.shape)
+
+
+@dataclass(frozen=True)
+class TensorBytes:
+    """One saved tensor as one rank holds it."""
+
+    tensor: SavedTensor
+    shape: tuple[int, ...]
+    element_bytes: int
+
+    @property
+    def bytes(self) -> int:
+        return self.element_bytes * prod(self.shape)
+
+
+@dataclass(frozen=True)
+class LayerEstimate:
+    """What one rank keeps for one layer under one strategy, and for all L layers."""
+
+    strategy: Strategy
+    layers: int
+    tensors: tuple[TensorBytes, ...]
+
+    @property
+    def per_layer_bytes(self) -> int:
+        return sum(t.bytes for t in self.tensors)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.per_layer_bytes * self.layers
+
+
+def check_strategy(config: ModelConfig, strategy: Strategy) -> None:
+    """Refuse a config the strategy cannot lay out (SP needs t | s)."""
+    if Region.SEQUENCE in strategy.splits:
+        check_sequence_split(config)
+
+
+def estimate(config: ModelConfig, strategy: Strategy, accounting: Accounting = Accounting()) -> LayerEstimate:
+    """Per-rank activation bytes of `config` under `strategy`, tensor by tensor."""
+    check_strategy(config, strategy)
+    knobs = Knobs.of(config)
+    sizes = dim_sizes(config)
+    tensors = tuple(
+        TensorBytes(t, rank_shape(t, strategy, sizes, config.t), element_bytes(t.kind, knobs, accounting))
+        for t in layer_tensors(knobs, accounting)
+    )
+    return LayerEstimate(strategy, config.L, tensors)

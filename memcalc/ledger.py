@@ -1,0 +1,190 @@
+"""The ledger: every tensor a transformer layer keeps for backward, described once.
+
+Each `SavedTensor` names one activation, its shape in the model's dimensions,
+what decides its bytes per element, which region of the layer it lives in (and so
+how TP and SP split it), and why backward needs it. The derivations follow the
+seed (shared/SEED.md, section 1): a tensor is an activation exactly when some
+op's backward reads it.
+
+Everything else is derived from these objects: numbers (`memcalc.evaluate`),
+symbolic formulas (`memcalc.formula`), tables, docs, and the probe's labels.
+The layer is Megatron's pre-norm block:
+
+    x -> norm1 -> [QKV -> core attention -> out-proj] -> dropout -> +x
+      -> norm2 -> [fc1 -> GELU | SwiGLU -> fc2]        -> dropout -> +
+
+where [...] is the column-/row-parallel pair that tensor parallelism splits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import NamedTuple
+
+
+class Dim(Enum):
+    """A dimension of a saved tensor; the value is its symbol in formulas."""
+
+    B = "b"  # micro-batch
+    S = "s"  # sequence
+    H = "h"  # hidden
+    A = "a"  # attention heads
+    G = "g"  # K/V groups (= a for multi-head attention)
+    D = "d"  # head dimension, h/a
+    F = "f"  # MLP hidden size (= 4h unless set)
+
+
+class Region(Enum):
+    """Where in the layer a tensor lives, which decides who may split it."""
+
+    SEQUENCE = "sequence"  # outside the column/row-parallel pair: SP splits s
+    TENSOR = "tensor"  # inside the pair: TP splits heads, groups, hidden or ffn
+
+
+class Kind(Enum):
+    """What decides a tensor's bytes per element."""
+
+    ACTIVATION = "activation dtype"
+    MASK = "bool mask (1 byte)"
+    NORM_STATS = "norm statistics (fp32 on CUDA, activation dtype on CPU)"
+    FP32 = "fp32"
+
+
+@dataclass(frozen=True)
+class SavedTensor:
+    """One activation kept for backward, with the reason it is kept."""
+
+    name: str
+    saved_by: str
+    shape: tuple[Dim, ...]
+    kind: Kind
+    region: Region
+    why: str
+    paper: bool = True  # False: a small term the paper leaves out (shown with exact accounting)
+
+    @property
+    def block(self) -> str:
+        """The block a tensor belongs to: the part of its name before '/'."""
+        return self.name.split("/", 1)[0]
+
+
+class NormTensors(NamedTuple):
+    """What one normalisation layer saves."""
+
+    input: SavedTensor
+    mean: SavedTensor
+    rstd: SavedTensor
+
+
+def _norm(prefix: str, before: str) -> NormTensors:
+    """The tensors of the norm in front of `before`; the two norms differ only in name."""
+    by = f"norm before {before}"
+    return NormTensors(
+        SavedTensor(
+            f"{prefix}/input", by, (Dim.B, Dim.S, Dim.H), Kind.ACTIVATION, Region.SEQUENCE,
+            "the norm's backward rebuilds the normalised input from x itself",
+        ),
+        SavedTensor(
+            f"{prefix}/mean", by, (Dim.B, Dim.S), Kind.NORM_STATS, Region.SEQUENCE,
+            "LayerNorm keeps each token's mean so backward need not recompute it",
+            paper=False,
+        ),
+        SavedTensor(
+            f"{prefix}/rstd", by, (Dim.B, Dim.S), Kind.NORM_STATS, Region.SEQUENCE,
+            "the norm keeps each token's 1/sqrt(variance + eps) for backward",
+            paper=False,
+        ),
+    )
+
+
+_BSH = (Dim.B, Dim.S, Dim.H)
+_BSF = (Dim.B, Dim.S, Dim.F)
+_BASS = (Dim.B, Dim.A, Dim.S, Dim.S)
+
+LAYER_INPUT = SavedTensor(
+    "layer/input", "full-layer checkpoint", _BSH, Kind.ACTIVATION, Region.SEQUENCE,
+    "full recomputation keeps only the layer's input and reruns its forward in backward",
+)
+
+LN1 = _norm("ln1", "attention")
+LN2 = _norm("ln2", "the MLP")
+
+QKV_IN = SavedTensor(
+    "attention/qkv_in", "QKV linear (column-parallel)", _BSH, Kind.ACTIVATION, Region.SEQUENCE,
+    "dW = X^T dY needs the input; under SP only its sequence shard is kept and re-gathered",
+)
+Q = SavedTensor(
+    "attention/q", "core attention (QK^T or flash kernel)", (Dim.B, Dim.A, Dim.S, Dim.D),
+    Kind.ACTIVATION, Region.TENSOR, "the gradient of K in QK^T is dScores^T Q",
+)
+K = SavedTensor(
+    "attention/k", "core attention (QK^T or flash kernel)", (Dim.B, Dim.G, Dim.S, Dim.D),
+    Kind.ACTIVATION, Region.TENSOR, "the gradient of Q in QK^T is dScores K",
+)
+V = SavedTensor(
+    "attention/v", "core attention (weights x V or flash kernel)", (Dim.B, Dim.G, Dim.S, Dim.D),
+    Kind.ACTIVATION, Region.TENSOR, "the gradient of the attention weights is dOut V^T",
+)
+SOFTMAX_OUT = SavedTensor(
+    "attention/softmax_out", "softmax", _BASS, Kind.ACTIVATION, Region.TENSOR,
+    "softmax backward, diag(S') - S'S'^T, needs its output, not its input",
+)
+ATTN_DROPOUT_MASK = SavedTensor(
+    "attention/dropout_mask", "attention dropout", _BASS, Kind.MASK, Region.TENSOR,
+    "dropout's backward multiplies the gradient by the same mask",
+)
+ATTN_DROPOUT_OUT = SavedTensor(
+    "attention/dropout_out", "weights x V matmul", _BASS, Kind.ACTIVATION, Region.TENSOR,
+    "the gradient of V is (dropped-out weights)^T dOut",
+)
+SOFTMAX_LSE = SavedTensor(
+    "attention/softmax_lse", "flash attention kernel", (Dim.B, Dim.A, Dim.S), Kind.FP32,
+    Region.TENSOR,
+    "flash attention rebuilds the softmax in backward from Q, K and each row's log-sum-exp",
+    paper=False,
+)
+PROJ_IN = SavedTensor(
+    "attention/proj_in", "output projection (row-parallel)", _BSH, Kind.ACTIVATION, Region.TENSOR,
+    "dW = X^T dY needs the input (flash attention saves this same tensor as its output)",
+)
+ATTN_OUT_DROPOUT_MASK = SavedTensor(
+    "attention/out_dropout_mask", "dropout after attention", _BSH, Kind.MASK, Region.SEQUENCE,
+    "dropout's backward multiplies the gradient by the same mask",
+)
+
+FC1_IN = SavedTensor(
+    "mlp/fc1_in", "fc1 (column-parallel)", _BSH, Kind.ACTIVATION, Region.SEQUENCE,
+    "dW = X^T dY needs the input; under SP only its sequence shard is kept and re-gathered",
+)
+GELU_IN = SavedTensor(
+    "mlp/gelu_in", "GELU", _BSF, Kind.ACTIVATION, Region.TENSOR,
+    "GELU's derivative is evaluated at its input",
+)
+SWIGLU_GATE = SavedTensor(
+    "mlp/gate", "SiLU", _BSF, Kind.ACTIVATION, Region.TENSOR,
+    "SiLU's derivative is evaluated at its input, the gate projection",
+)
+SWIGLU_UP = SavedTensor(
+    "mlp/up", "SiLU(gate) * up", _BSF, Kind.ACTIVATION, Region.TENSOR,
+    "the gradient of SiLU(gate) in the product is dY * up",
+)
+SWIGLU_SILU_OUT = SavedTensor(
+    "mlp/silu_out", "SiLU(gate) * up", _BSF, Kind.ACTIVATION, Region.TENSOR,
+    "the gradient of up in the product is dY * SiLU(gate)",
+)
+FC2_IN = SavedTensor(
+    "mlp/fc2_in", "fc2 (row-parallel)", _BSF, Kind.ACTIVATION, Region.TENSOR,
+    "dW = X^T dY needs the input",
+)
+MLP_DROPOUT_MASK = SavedTensor(
+    "mlp/dropout_mask", "dropout after the MLP", _BSH, Kind.MASK, Region.SEQUENCE,
+    "dropout's backward multiplies the gradient by the same mask",
+)
+
+ALL_TENSORS: tuple[SavedTensor, ...] = (
+    LAYER_INPUT, *LN1, QKV_IN, Q, K, V, SOFTMAX_OUT, ATTN_DROPOUT_MASK, ATTN_DROPOUT_OUT,
+    SOFTMAX_LSE, PROJ_IN, ATTN_OUT_DROPOUT_MASK, *LN2, FC1_IN, GELU_IN, SWIGLU_GATE,
+    SWIGLU_UP, SWIGLU_SILU_OUT, FC2_IN, MLP_DROPOUT_MASK,
+)
+BY_NAME: dict[str, SavedTensor] = {t.name: t for t in ALL_TENSORS}
