@@ -18,10 +18,23 @@ from memcalc.errors import ConfigError
 Size = Field(strict=True, gt=0)
 
 
-class ModelConfig(BaseModel):
-    """One transformer and one parallel layout; defaults are the seed's model."""
+class ModelKnobs(BaseModel):
+    """The choices that decide which tensors a layer saves; defaults are the seed's model."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mlp: Literal["gelu", "swiglu"] = "gelu"
+    ffn_hidden_size: Optional[int] = Field(None, strict=True, gt=0, description="default 4h")
+    attention: Literal["eager", "flash"] = "eager"
+    num_query_groups: Optional[int] = Field(None, strict=True, gt=0, description="default a (multi-head)")
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    dropout: float = Field(0.1, ge=0.0, lt=1.0, description="0 saves no masks")
+    recompute: Literal["none", "selective", "full"] = "none"
+    dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+
+
+class ModelConfig(ModelKnobs):
+    """One transformer and one parallel layout."""
 
     name: Optional[str] = None
     description: Optional[str] = None
@@ -32,15 +45,6 @@ class ModelConfig(BaseModel):
     a: int = Field(strict=True, gt=0, description="attention heads")
     t: int = Field(1, strict=True, gt=0, description="tensor-parallel size")
     L: int = Field(1, strict=True, gt=0, description="transformer layers")
-
-    mlp: Literal["gelu", "swiglu"] = "gelu"
-    ffn_hidden_size: Optional[int] = Field(None, strict=True, gt=0, description="default 4h")
-    attention: Literal["eager", "flash"] = "eager"
-    num_query_groups: Optional[int] = Field(None, strict=True, gt=0, description="default a (multi-head)")
-    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
-    dropout: float = Field(0.1, ge=0.0, lt=1.0, description="0 saves no masks")
-    recompute: Literal["none", "selective", "full"] = "none"
-    dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
 
     @property
     def ffn(self) -> int:
@@ -55,14 +59,23 @@ class ModelConfig(BaseModel):
 
 def build_config(fields: dict[str, Any]) -> ModelConfig:
     """Validate `fields` into a config, or raise ConfigError naming the field and rule."""
+    config = _validate(ModelConfig, fields)
+    check_divisibility(config)
+    return config
+
+
+def build_knobs(fields: dict[str, Any]) -> ModelKnobs:
+    """Validate knob fields alone, for commands that need no sizes."""
+    return _validate(ModelKnobs, fields)
+
+
+def _validate(model: type[ModelKnobs], fields: dict[str, Any]) -> Any:
     try:
-        config = ModelConfig(**fields)
+        return model(**fields)
     except ValidationError as exc:
         raise ConfigError(_describe(exc)) from None
     except TypeError as exc:  # e.g. a YAML key that is not a string
         raise ConfigError(f"invalid config: {exc}") from None
-    check_divisibility(config)
-    return config
 
 
 def check_divisibility(config: ModelConfig) -> None:

@@ -15,7 +15,7 @@ from memcalc import ledger
 from memcalc.ledger import Kind, SavedTensor
 
 if TYPE_CHECKING:
-    from memcalc.config import ModelConfig
+    from memcalc.config import ModelKnobs
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
@@ -34,13 +34,13 @@ class Knobs:
     gqa: bool = False  # formulas write g for the K/V groups instead of a
 
     @classmethod
-    def of(cls, config: ModelConfig) -> Knobs:
-        """The knobs a validated config sets."""
+    def of(cls, config: ModelKnobs) -> Knobs:
+        """The knobs a validated config (or knob set, without sizes) chooses."""
         return cls(
             mlp=config.mlp, attention=config.attention, norm=config.norm,
             dropout=config.dropout > 0, recompute=config.recompute, dtype=config.dtype,
             ffn_set=config.ffn_hidden_size is not None,
-            gqa=config.num_query_groups is not None and config.num_query_groups != config.a,
+            gqa=config.num_query_groups not in (None, getattr(config, "a", None)),
         )
 
 

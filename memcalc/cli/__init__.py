@@ -1,0 +1,83 @@
+"""The `memcalc` command: a click group whose subcommands load on first use.
+
+Each subcommand lives in its own module and is imported only when it runs, so
+`memcalc estimate` never pays for sympy (formula) or torch (measure).
+Errors are rendered in one place, `main`: one line on stderr, non-zero exit.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import click
+
+from memcalc import __version__
+from memcalc.errors import MemcalcError
+
+# name -> (module under memcalc.cli, one-line help shown by `memcalc --help`)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "estimate": ("estimate", "Activation bytes per GPU, per strategy and per tensor."),
+    "formula": ("formula", "The per-layer formulas in symbols (text, LaTeX, JSON)."),
+    "explain": ("explain", "The ledger: every saved tensor, its shape, split and reason."),
+    "measure": ("measure", "Run real layers and compare saved bytes with the ledger."),
+}
+
+
+class LazyGroup(click.Group):
+    """A group that imports a subcommand's module only when that command runs."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in COMMANDS:
+            return None
+        module = importlib.import_module(f"memcalc.cli.{COMMANDS[name][0]}")
+        return module.command
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        # List commands from the table, so --help imports none of them.
+        with formatter.section("Commands"):
+            formatter.write_dl([(name, text) for name, (_, text) in COMMANDS.items()])
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["--help"]})
+@click.version_option(__version__, prog_name="memcalc")
+def cli() -> None:
+    """How much activation memory each GPU keeps for backward, and why.
+
+    Strategies: none (no parallelism), tp (tensor parallel) and tp-sp (tensor +
+    sequence parallel), as in Megatron-LM (Korthikanti et al. 2022).
+    Exit codes: 0 ok, 1 a measurement disagreed or a worker failed, 2 bad input.
+    Set MEMCALC_DEBUG=1 to see tracebacks.
+    """
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the CLI, turning every expected failure into one line on stderr."""
+    debug = bool(os.environ.get("MEMCALC_DEBUG"))
+    try:
+        code = cli.main(args=argv, prog_name="memcalc", standalone_mode=False)
+    except MemcalcError as exc:
+        if debug:
+            raise
+        _fail(str(exc), exc.exit_code)
+    except click.UsageError as exc:
+        hint = f" (see 'memcalc {exc.ctx.info_name} --help')" if exc.ctx and exc.ctx.parent else ""
+        _fail(f"{exc.format_message()}{hint}", exc.exit_code)
+    except click.ClickException as exc:
+        _fail(exc.format_message(), exc.exit_code)
+    except click.Abort:
+        _fail("aborted", 1)
+    except Exception as exc:  # a bug: still one line unless debugging
+        if debug:
+            raise
+        _fail(f"internal error: {type(exc).__name__}: {exc} (set MEMCALC_DEBUG=1 for the traceback)", 70)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+def _fail(message: str, code: int) -> None:
+    click.echo(f"memcalc: error: {' '.join(message.split())}", err=True)
+    sys.exit(code)

@@ -1,0 +1,128 @@
+"""Symbolic formulas from the ledger: per tensor, per layer, printed like the seed.
+
+Each tensor's term is its element width times the product of its dimensions,
+with the split dimension divided by t: the same rule `memcalc.evaluate` applies
+to numbers, here applied to sympy symbols. A layer's formula is the sum of its
+tensors' terms, written as sbh(...) the way the seed writes
+`sbh(34/t + 5as/(ht))`.
+
+sympy is slow to import (about a second), so only this module imports it, and
+only commands that print formulas import this module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from math import prod
+
+import sympy
+
+from memcalc.layer import Accounting, Knobs, element_bytes, layer_tensors
+from memcalc.ledger import Dim, SavedTensor
+from memcalc.strategy import Strategy
+
+# Symbols, made once; LaTeX names are the same letters.
+b, s, h, a, t, g, f = sympy.symbols("b s h a t g f", positive=True, integer=True)
+SYMBOLS: dict[str, sympy.Symbol] = {str(x): x for x in (b, s, h, a, t, g, f)}
+SBH = s * b * h
+MEANINGS = {
+    "b": "micro-batch size", "s": "sequence length", "h": "hidden size", "a": "attention heads",
+    "t": "tensor-parallel size", "g": "K/V groups (num_query_groups)", "f": "MLP hidden size (ffn_hidden_size)",
+}
+
+
+def dim_expr(dim: Dim, knobs: Knobs) -> sympy.Expr:
+    """A dimension in symbols: g and f appear only when the config sets them."""
+    if dim is Dim.D:
+        return h / a
+    if dim is Dim.G:
+        return g if knobs.gqa else a
+    if dim is Dim.F:
+        return f if knobs.ffn_set else 4 * h
+    return SYMBOLS[dim.value]
+
+
+def tensor_expr(tensor: SavedTensor, strategy: Strategy, knobs: Knobs, accounting: Accounting) -> sympy.Expr:
+    """Bytes one rank keeps for `tensor`, as an expression."""
+    split = strategy.split_dim(tensor)
+    width = element_bytes(tensor.kind, knobs, accounting)
+    return width * prod((dim_expr(d, knobs) / (t if d is split else 1) for d in tensor.shape), start=sympy.Integer(1))
+
+
+@dataclass(frozen=True)
+class LayerFormula:
+    """A strategy's per-layer formula and the term of each tensor in it."""
+
+    strategy: Strategy
+    terms: tuple[tuple[SavedTensor, sympy.Expr], ...]
+
+    @property
+    def total(self) -> sympy.Expr:
+        return sympy.Add(*(expr for _, expr in self.terms))
+
+
+@lru_cache(maxsize=None)
+def layer_formula(strategy: Strategy, knobs: Knobs, accounting: Accounting) -> LayerFormula:
+    """The layer's formula under `strategy`, built from the ledger."""
+    return LayerFormula(
+        strategy,
+        tuple((x, tensor_expr(x, strategy, knobs, accounting)) for x in layer_tensors(knobs, accounting)),
+    )
+
+
+def _monomials(expr: sympy.Expr) -> list[tuple[sympy.Rational, list[tuple[str, int]], list[tuple[str, int]]]]:
+    """expr/(sbh) as (coefficient, numerator powers, denominator powers) per term, seed order."""
+    out = []
+    for term in sympy.Add.make_args(sympy.expand(expr / SBH)):
+        coeff, rest = term.as_coeff_Mul()
+        powers = sorted((str(k), int(v)) for k, v in rest.as_powers_dict().items() if k != 1)
+        num = [(n, e) for n, e in powers if e > 0]
+        den = [(n, -e) for n, e in powers if e < 0]
+        out.append((sympy.Rational(coeff), num, den))
+    return sorted(out, key=lambda m: (len(m[1]), len(m[2]), m[1], m[2]))
+
+
+def _text_factor(coeff: int, powers: list[tuple[str, int]]) -> str:
+    syms = "".join(n if e == 1 else f"{n}^{e}" for n, e in powers)
+    return syms if coeff == 1 and syms else f"{coeff}{syms}"
+
+
+def to_text(expr: sympy.Expr) -> str:
+    """'sbh(34/t + 5as/(ht))': the seed's grouped, implicit-product notation."""
+    parts = []
+    for coeff, num, den in _monomials(expr):
+        top = _text_factor(coeff.p, num)
+        bottom = _text_factor(coeff.q, den)
+        if bottom == "1":
+            parts.append(top)
+        else:
+            wrap = len(den) + (coeff.q != 1) > 1 or any(e > 1 for _, e in den)
+            parts.append(f"{top}/({bottom})" if wrap else f"{top}/{bottom}")
+    return f"sbh({' + '.join(parts)})"
+
+
+def _latex_factor(coeff: int, powers: list[tuple[str, int]]) -> str:
+    syms = [n if e == 1 else f"{n}^{{{e}}}" for n, e in powers]
+    return " ".join(syms if coeff == 1 and syms else [str(coeff), *syms])
+
+
+def to_latex(expr: sympy.Expr) -> str:
+    """The same grouping as `to_text`, as LaTeX math: s b h \\left(... \\right)."""
+    parts = []
+    for coeff, num, den in _monomials(expr):
+        top = _latex_factor(coeff.p, num)
+        bottom = _latex_factor(coeff.q, den)
+        parts.append(top if bottom == "1" else f"\\frac{{{top}}}{{{bottom}}}")
+    return f"s b h \\cdot \\left({' + '.join(parts)}\\right)"
+
+
+def to_plain(expr: sympy.Expr) -> str:
+    """sympy's own string of the factored expression, for pasting into Python."""
+    return str(SBH * sympy.expand(expr / SBH))
+
+
+def symbols_in(exprs: list[sympy.Expr]) -> list[str]:
+    """The symbols the expressions use, in the order of MEANINGS."""
+    used = set().union(*(e.free_symbols for e in exprs))
+    return [n for n in MEANINGS if SYMBOLS[n] in used]

@@ -1,0 +1,30 @@
+"""Byte counts for people: binary units, and parsing '80GiB' style sizes."""
+
+from __future__ import annotations
+
+import re
+
+from memcalc.errors import ConfigError
+
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+_FACTORS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+            "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def human_bytes(n: int) -> str:
+    """'2.67 GiB': the largest binary unit that keeps the number at least 1."""
+    value = float(n)
+    for unit in _UNITS:
+        if abs(value) < 1024 or unit == _UNITS[-1]:
+            return f"{n} B" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def parse_bytes(text: str) -> int:
+    """'80GiB' -> 85899345920; decimal (GB) and binary (GiB) units, case-insensitive."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if not match or unit not in _FACTORS:
+        raise ConfigError(f"cannot read '{text}' as a size (examples: 80GiB, 40GB, 1024MiB, 123456789)")
+    return int(float(match.group(1)) * _FACTORS[unit])
