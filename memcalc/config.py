@@ -28,7 +28,7 @@ class ModelKnobs(BaseModel):
     attention: Literal["eager", "flash"] = "eager"
     num_query_groups: Optional[int] = Field(None, strict=True, gt=0, description="default a (multi-head)")
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"
-    dropout: float = Field(0.1, ge=0.0, lt=1.0, description="0 saves no masks")
+    dropout: float = Field(0.1, strict=True, ge=0.0, lt=1.0, description="0 saves no masks")
     recompute: Literal["none", "selective", "full"] = "none"
     dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
 
@@ -46,6 +46,21 @@ class ModelConfig(ModelKnobs):
     t: int = Field(1, strict=True, gt=0, description="tensor-parallel size")
     L: int = Field(1, strict=True, gt=0, description="transformer layers")
 
+    # The model's ends and its parameters (memcalc.states, memcalc.totals); Megatron-LM's names.
+    vocab_size: int = Field(51200, strict=True, gt=0, description="vocabulary v (the paper's 51200)")
+    tie_embeddings: bool = Field(True, strict=True, description="the output layer reuses the input embedding")
+    position_embedding_type: Literal["learned_absolute", "rope"] = "learned_absolute"
+    max_position_embeddings: Optional[int] = Field(None, strict=True, gt=0, description="learned table rows; default s")
+    add_bias_linear: bool = Field(True, strict=True, description="biases on QKV, projection, fc1 and fc2")
+    add_qkv_bias: bool = Field(False, strict=True, description="a QKV bias even without add_bias_linear (Qwen2)")
+
+    # The parallel layout beyond t (memcalc.pipeline, memcalc.totals).
+    pp: int = Field(1, strict=True, gt=0, description="pipeline stages")
+    vpp: Optional[int] = Field(None, strict=True, ge=2, description="interleaved model chunks per stage")
+    dp: int = Field(1, strict=True, gt=0, description="data-parallel size")
+    cp: int = Field(1, strict=True, gt=0, description="context-parallel size")
+    distributed_optimizer: bool = Field(False, strict=True, description="shard optimizer states over dp*cp")
+
     @property
     def ffn(self) -> int:
         """The MLP's hidden size: 4h unless the config sets it."""
@@ -56,11 +71,17 @@ class ModelConfig(ModelKnobs):
         """K/V head groups: a (plain multi-head) unless the config sets fewer."""
         return self.num_query_groups if self.num_query_groups is not None else self.a
 
+    @property
+    def positions(self) -> int:
+        """Rows of a learned position table: max_position_embeddings, else s."""
+        return self.max_position_embeddings if self.max_position_embeddings is not None else self.s
+
 
 def build_config(fields: dict[str, Any]) -> ModelConfig:
     """Validate `fields` into a config, or raise ConfigError naming the field and rule."""
     config = _validate(ModelConfig, fields)
     check_divisibility(config)
+    check_layout(config)
     return config
 
 
@@ -88,9 +109,33 @@ def check_divisibility(config: ModelConfig) -> None:
     _divides(c.t, "t", c.groups, "num_query_groups", "each rank holds num_query_groups/t K/V groups")
 
 
+def check_layout(config: ModelConfig) -> None:
+    """The rules of pipeline and context parallelism, and of a learned position table."""
+    c = config
+    if c.vpp is not None and c.pp < 2:
+        raise ConfigError(f"vpp={c.vpp} needs pp >= 2 (the interleaved schedule splits each stage into vpp chunks)")
+    chunks, name = (c.pp * c.vpp, f"pp*vpp={c.pp}*{c.vpp}") if c.vpp is not None else (c.pp, "pp")
+    _divides(chunks, name, c.L, "L", "every pipeline model chunk holds the same number of layers")
+    if c.cp > 1:
+        if c.attention != "flash":
+            raise ConfigError(
+                f"cp={c.cp} needs attention 'flash' (Megatron-LM runs context parallelism only in fused attention,"
+                " which never keeps the s x s scores)"
+            )
+        _divides(2 * c.cp, "2*cp", c.s, "s", "each context-parallel rank takes one early and one late chunk of 2*cp")
+    if c.position_embedding_type == "learned_absolute" and c.s > c.positions:
+        raise ConfigError(
+            f"s={c.s} exceeds max_position_embeddings={c.positions} (a learned table has one row per position)"
+        )
+
+
 def check_sequence_split(config: ModelConfig) -> None:
-    """Sequence parallelism (and full recompute's sharded input) needs t | s."""
-    _divides(config.t, "t", config.s, "s", "sequence parallelism splits the sequence across t ranks")
+    """Sequence parallelism (and full recompute's sharded input) needs t | s, or t | s/cp with context parallelism."""
+    if config.cp > 1:
+        why = "sequence parallelism splits each context rank's tokens across t"
+        _divides(config.t, "t", config.s // config.cp, "s/cp", why)
+    else:
+        _divides(config.t, "t", config.s, "s", "sequence parallelism splits the sequence across t ranks")
 
 
 def _divides(divisor: int, dname: str, value: int, vname: str, why: str) -> None:
@@ -122,9 +167,9 @@ def load_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
-def load_config(path: Path | None, overrides: dict[str, Any]) -> ModelConfig:
-    """A config from an optional YAML file with flag values laid over it."""
-    fields = load_yaml(path) if path is not None else {}
+def load_config(path: Path | None, overrides: dict[str, Any], base: dict[str, Any] | None = None) -> ModelConfig:
+    """A config from an optional YAML file (or `base`, fields already read from `path`) with flags laid over it."""
+    fields = dict(base) if base is not None else load_yaml(path) if path is not None else {}
     fields.update({k: v for k, v in overrides.items() if v is not None})
     try:
         return build_config(fields)

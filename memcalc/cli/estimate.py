@@ -7,42 +7,74 @@ from typing import Any
 
 import click
 
-from memcalc.cli.options import accounting_options, model_options, model_from, strategy_names, strategy_option
+from memcalc.cli.options import (
+    ByteSize, accounting_options, layout_options, model_from, model_options, strategy_names, strategy_option,
+)
 from memcalc.config import ModelConfig
-from memcalc.evaluate import LayerEstimate, estimate
+from memcalc.evaluate import LayerEstimate
 from memcalc.layer import Accounting
+from memcalc.states import total_params
 from memcalc.strategy import STRATEGIES
+from memcalc.totals import PerGpu, layer_estimate, per_gpu
+
+DEFAULT_DEVICE_MEMORY = 80 * 2**30
+# Flags that matter only for per-GPU totals, so giving one asks for them.
+TOTALS_FLAGS = ("pp", "vpp", "dp", "distributed_optimizer", "vocab_size", "tie_embeddings")
 
 
 @click.command("estimate")
 @model_options
+@layout_options
 @strategy_option
 @accounting_options
 @click.option("--breakdown", is_flag=True, help="Add the per-tensor table.")
+@click.option(
+    "--totals", is_flag=True,
+    help="Add per-GPU totals (layers, embedding, output and loss, model states) and a fits/does-not-fit verdict;"
+    " on whenever --device-memory or a flag that only totals use (--pp, --vpp, --dp, --vocab-size, ...) is given.",
+)
+@click.option(
+    "--device-memory", type=ByteSize(), default=None, help="Memory of one GPU for the verdict [default: 80GiB]."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of tables.")
-def command(strategy: str, exact: bool, device: str, breakdown: bool, as_json: bool, **params: Any) -> None:
+def command(
+    strategy: str, exact: bool, device: str, breakdown: bool, totals: bool, device_memory: int | None, as_json: bool,
+    **params: Any,
+) -> None:
     """Activation bytes one GPU keeps for backward: per layer, for all L layers,
-    and as a ratio to no parallelism.
+    and as a ratio to no parallelism; with --totals, everything one GPU holds.
 
     \b
     Example: memcalc estimate --b 1 --s 2048 --h 12288 --a 96 --t 8 --L 96
              memcalc estimate --config configs/gpt3-175b.yaml --breakdown
+             memcalc estimate --config configs/gpt3-175b.yaml --pp 8 --vpp 3 --recompute selective
     """
     config = model_from(params)
     accounting = Accounting(exact=exact, device=device)
-    baseline = estimate(config, STRATEGIES["none"], accounting)
-    results = [baseline if n == "none" else estimate(config, STRATEGIES[n], accounting) for n in strategy_names(strategy)]
+    baseline = layer_estimate(config, STRATEGIES["none"], accounting)
+    results = [
+        baseline if n == "none" else layer_estimate(config, STRATEGIES[n], accounting) for n in strategy_names(strategy)
+    ]
+    per = None
+    if totals or device_memory is not None or any(params.get(k) is not None for k in TOTALS_FLAGS):
+        per = [per_gpu(config, r.strategy, accounting) for r in results]
+    budget = device_memory if device_memory is not None else DEFAULT_DEVICE_MEMORY
     if as_json:
-        click.echo(json.dumps(to_json(config, accounting, results, baseline), indent=2))
+        click.echo(json.dumps(to_json(config, accounting, results, baseline, per, budget), indent=2))
         return
     from memcalc.cli import render  # rich, only for people
 
     render.print_estimates(config, accounting, results, baseline, breakdown)
+    if per is not None:
+        render.print_totals(config, per, budget)
 
 
-def to_json(config: ModelConfig, accounting: Accounting, results: list[LayerEstimate], baseline: LayerEstimate) -> dict:
-    """The JSON document: the config, how bytes were counted, and each strategy's numbers."""
-    return {
+def to_json(
+    config: ModelConfig, accounting: Accounting, results: list[LayerEstimate], baseline: LayerEstimate,
+    per: list[PerGpu] | None = None, budget: int = DEFAULT_DEVICE_MEMORY,
+) -> dict:
+    """The JSON document: the config, how bytes were counted, each strategy's numbers, and totals if asked."""
+    doc = {
         "config": config.model_dump(exclude_none=True) | {"ffn_hidden_size": config.ffn, "num_query_groups": config.groups},
         "accounting": {"exact": accounting.exact, "device": accounting.device},
         "strategies": {
@@ -56,5 +88,39 @@ def to_json(config: ModelConfig, accounting: Accounting, results: list[LayerEsti
                 ],
             }
             for r in results
+        },
+    }
+    if per is not None:
+        doc["per_gpu"] = per_gpu_json(config, per, budget)
+    return doc
+
+
+def per_gpu_json(config: ModelConfig, per: list[PerGpu], budget: int) -> dict:
+    """Per-GPU totals: for each strategy the verdict, and each bounding stage term by term."""
+    return {
+        "device_memory_bytes": budget,
+        "parameters": total_params(config),
+        "strategies": {
+            p.strategy.name: {
+                "total_bytes": p.bytes(),
+                "worst_stage": p.worst().stage.name,
+                "fits": p.bytes() <= budget,
+                "headroom_bytes": budget - p.bytes(),
+                "stages": [
+                    {
+                        "stage": st.stage.name,
+                        "layers": st.stage.layers,
+                        "layer_activations_kept": st.stage.layer_slots,
+                        "total_bytes": st.bytes(),
+                        "parameters": sum(st.params.values()),
+                        "parameter_groups": st.params,
+                        "terms": [
+                            {"name": x.name, "group": x.group, "bytes": x.bytes, "note": x.note} for x in st.terms
+                        ],
+                    }
+                    for st in p.stages
+                ],
+            }
+            for p in per
         },
     }

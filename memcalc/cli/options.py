@@ -1,8 +1,8 @@
-"""Options shared by the commands that take a model: sizes, knobs, --config.
+"""Options shared by the commands that take a model: sizes, knobs, --config or --hf-config.
 
 Flags default to None so that a value left out falls through to the YAML file
-(if any) and then to the config's own default; `model_from` does that merge and
-leaves all validation to `memcalc.config`.
+(or Hugging Face config.json, if any) and then to the config's own default;
+`model_from` does that merge and leaves all validation to `memcalc.config`.
 """
 
 from __future__ import annotations
@@ -13,11 +13,14 @@ from typing import Any, Callable
 import click
 
 from memcalc.config import ModelConfig, load_config
+from memcalc.errors import ConfigError
+from memcalc.units import parse_bytes
 
 SIZE_FLAGS = ("b", "s", "h", "a", "t", "L")
 KNOB_FLAGS = (
     "mlp", "ffn_hidden_size", "attention", "num_query_groups", "norm", "dropout", "recompute", "dtype",
 )
+LAYOUT_FLAGS = ("pp", "vpp", "dp", "cp", "distributed_optimizer", "vocab_size", "tie_embeddings")
 STRATEGY_CHOICES = ("all", "none", "tp", "tp-sp")
 
 
@@ -32,6 +35,11 @@ def _stack(*decorators: Callable) -> Callable:
 config_option = click.option(
     "--config", "config_path", type=click.Path(path_type=Path), default=None,
     help="YAML model config (see configs/); flags override its fields.",
+)
+
+hf_config_option = click.option(
+    "--hf-config", "hf_config_path", type=click.Path(path_type=Path), default=None,
+    help="A Hugging Face config.json (Llama, Mistral, Qwen2, GPT-2, GPT-NeoX) instead of --config.",
 )
 
 size_options = _stack(
@@ -70,13 +78,55 @@ strategy_option = click.option(
     help="Which strategy to show.",
 )
 
-model_options = _stack(config_option, size_options, knob_options)
+layout_options = _stack(
+    click.option("--pp", type=int, help="Pipeline stages [default: 1]."),
+    click.option("--vpp", type=int, help="Model chunks per stage, interleaved 1F1B [default: plain 1F1B]."),
+    click.option("--dp", type=int, help="Data-parallel size; shards optimizer states with --distributed-optimizer."),
+    click.option("--cp", type=int, help="Context-parallel size: each rank keeps s/cp tokens [default: 1]."),
+    click.option(
+        "--distributed-optimizer/--no-distributed-optimizer", default=None,
+        help="Shard fp32 master weights and Adam moments over dp*cp [default: off].",
+    ),
+    click.option("--vocab-size", type=int, help="Vocabulary size v [default: 51200]."),
+    click.option(
+        "--tie-embeddings/--untie-embeddings", default=None, help="Output layer shares the embedding [default: tied]."
+    ),
+)
+
+model_options = _stack(config_option, hf_config_option, size_options, knob_options)
+
+
+class ByteSize(click.ParamType):
+    """A size such as 80GiB, 40GB or 1024MiB, read by `memcalc.units.parse_bytes`."""
+
+    name = "size"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            return value
+        try:
+            return parse_bytes(value)
+        except ConfigError as exc:
+            self.fail(str(exc), param, ctx)
 
 
 def model_from(params: dict[str, Any]) -> ModelConfig:
-    """The validated config that --config and the size/knob flags describe."""
-    overrides = {k: params.get(k) for k in SIZE_FLAGS + KNOB_FLAGS}
-    return load_config(params.get("config_path"), overrides)
+    """The validated config that --config or --hf-config and the flags describe.
+
+    With --hf-config, the fields it used go to stderr, so stdout stays clean for --json.
+    """
+    overrides = {k: params.get(k) for k in SIZE_FLAGS + KNOB_FLAGS + LAYOUT_FLAGS}
+    hf_path = params.get("hf_config_path")
+    if hf_path is None:
+        return load_config(params.get("config_path"), overrides)
+    if params.get("config_path") is not None:
+        raise ConfigError("give --config or --hf-config, not both")
+    from memcalc.hf import read_hf_config
+
+    hf = read_hf_config(hf_path)
+    config = load_config(hf_path, overrides, base=hf.fields)
+    click.echo(f"memcalc: {hf.describe()}", err=True)
+    return config
 
 
 def strategy_names(choice: str) -> list[str]:

@@ -8,6 +8,8 @@ from rich.table import Table
 from memcalc.config import ModelConfig
 from memcalc.evaluate import LayerEstimate
 from memcalc.layer import Accounting
+from memcalc.states import total_params
+from memcalc.totals import PerGpu, StageTotal
 from memcalc.units import human_bytes
 
 console = Console()
@@ -34,6 +36,8 @@ def print_estimates(
 ) -> None:
     """The per-strategy table and, if asked, the per-tensor table."""
     console.print(describe(config), highlight=False)
+    if config.cp > 1:
+        console.print(f"context parallel: cp={config.cp}, so each rank keeps s/cp = {config.s // config.cp} tokens")
     console.print(f"[dim]{accounting_note(accounting)}[/dim]")
     table = Table(title="Activation memory per GPU")
     table.add_column("strategy")
@@ -63,4 +67,56 @@ def breakdown_table(results: list[LayerEstimate]) -> Table:
         name = x.name if x.paper else f"{x.name} [dim](exact)[/dim]"
         table.add_row(name, *(f"{row.bytes:,}" for row in rows))
     table.add_row("[bold]total[/bold]", *(f"[bold]{r.per_layer_bytes:,}[/bold]" for r in results), end_section=True)
+    return table
+
+
+def describe_layout(config: ModelConfig) -> str:
+    """One line naming the parallel layout and what the model's ends and parameters are."""
+    c = config
+    schedule = f"interleaved 1F1B, vpp={c.vpp}" if c.vpp else "1F1B" if c.pp > 1 else "no pipelining"
+    optimizer = f"distributed optimizer over dp*cp={c.dp * c.cp}" if c.distributed_optimizer else "optimizer unsharded"
+    tied = "tied" if c.tie_embeddings else "untied"
+    return (
+        f"layout: pp={c.pp} ({schedule}), dp={c.dp}, cp={c.cp}, {optimizer} | vocab {c.vocab_size} ({tied}),"
+        f" {c.position_embedding_type} positions | {total_params(c):,} parameters"
+    )
+
+
+def headroom(budget: int, used: int) -> str:
+    """'12.00 GiB left' or '3.00 GiB over'."""
+    return f"{human_bytes(budget - used)} left" if used <= budget else f"{human_bytes(used - budget)} over"
+
+
+def print_totals(config: ModelConfig, per: list[PerGpu], budget: int) -> None:
+    """A table per bounding pipeline stage, every term by name, then a verdict per strategy."""
+    console.print(describe_layout(config), highlight=False)
+    for i, stage in enumerate(per[0].stages):
+        console.print(stage_table([p.stages[i] for p in per], [p.strategy.name for p in per]))
+        where = "" if stage.stage.name == "only" else f"{stage.stage.name} stage: "
+        console.print(f"[dim]{where}{stage.stage.schedule}[/dim]")
+    console.print(f"Fits in {human_bytes(budget)} per GPU?")
+    for p in per:
+        worst, used = p.worst(), p.bytes()
+        where = f" ({worst.stage.name} stage)" if worst.stage.name != "only" else ""
+        console.print(
+            f"  {p.strategy.name}: {'yes' if used <= budget else 'no'}, {used:,} B = {human_bytes(used)}{where},"
+            f" {headroom(budget, used)}",
+            highlight=False,
+        )
+
+
+_STAGE_TITLES = {"only": "Per-GPU memory", "first": "Per-GPU memory, first stage", "last": "Per-GPU memory, last stage"}
+
+
+def stage_table(stages: list[StageTotal], names: list[str]) -> Table:
+    """One row per term of one stage, one column per strategy."""
+    table = Table(title=_STAGE_TITLES[stages[0].stage.name])
+    table.add_column("term", no_wrap=True)
+    for name in names:
+        table.add_column(name, justify="right", no_wrap=True)
+    for rows in zip(*(st.terms for st in stages)):
+        table.add_row(rows[0].name, *(human_bytes(x.bytes) for x in rows))
+    held = (f"[dim]{sum(st.params.values()):,}[/dim]" for st in stages)
+    table.add_row("[dim]parameters held[/dim]", *held, end_section=True)
+    table.add_row("[bold]total[/bold]", *(f"[bold]{human_bytes(st.bytes())}[/bold]" for st in stages))
     return table

@@ -1,0 +1,140 @@
+"""`memcalc fit`: the largest b or s, or the smallest t, that fits a per-GPU budget."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, get_args
+
+import click
+
+from memcalc.cli.options import (
+    ByteSize, accounting_options, layout_options, model_from, model_options, strategy_names, strategy_option,
+)
+from memcalc.config import ModelConfig, ModelKnobs, build_config
+from memcalc.errors import ConfigError
+from memcalc.fit import COUNTS, SOLVES, Fit, Probe, fit
+from memcalc.layer import Accounting
+from memcalc.strategy import STRATEGIES
+from memcalc.units import human_bytes
+
+RECOMPUTES = get_args(ModelKnobs.model_fields["recompute"].annotation)  # none, selective, full
+_WHAT = {"b": "largest micro-batch b", "s": "largest sequence length s", "t": "smallest tensor-parallel size t"}
+_COUNTED = {
+    "total": "the per-GPU total (activations + model states) of the most loaded pipeline stage",
+    "activations": "activations only (layers, embedding, output and loss) of the most loaded pipeline stage",
+}
+
+
+@click.command("fit")
+@model_options
+@layout_options
+@strategy_option
+@accounting_options
+@click.option("--budget", type=ByteSize(), required=True, help="Memory of one GPU, e.g. 80GiB or 40GB.")
+@click.option("--solve", type=click.Choice(SOLVES), default="b", show_default=True, help="What to solve for.")
+@click.option(
+    "--count", type=click.Choice(COUNTS), default="total", show_default=True,
+    help="Count the per-GPU total (with weights, gradients, Adam) or activations only.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of a table.")
+def command(
+    strategy: str, exact: bool, device: str, budget: int, solve: str, count: str, as_json: bool, **params: Any
+) -> None:
+    """For each strategy and recompute choice: the largest micro-batch b (or
+    sequence length s) that fits --budget, or the smallest t; with what is left over.
+
+    Answers are exact: the answer fits by `memcalc estimate --totals` and the next
+    valid value does not. Recompute none, selective and full are each tried
+    unless --recompute picks one. Exits 2 if nothing fits.
+
+    \b
+    Example: memcalc fit --config configs/gpt3-175b.yaml --budget 80GiB --solve b
+    """
+    config = model_from(params)
+    accounting = Accounting(exact=exact, device=device)
+    fits = _fit_all(config, strategy, params.get("recompute"), solve, budget, accounting, count)
+    if not any(f.answer for f in fits):
+        _nothing_fits(fits, solve, budget, count)
+    if as_json:
+        click.echo(json.dumps(to_json(config, solve, count, budget, fits), indent=2))
+        return
+    _print(config, solve, count, budget, fits, strategy)
+
+
+def _fit_all(
+    config: ModelConfig, strategy: str, recompute: str | None, solve: str, budget: int, accounting: Accounting,
+    count: str,
+) -> list[Fit]:
+    """One answer per strategy and recompute choice ("none" left out when solving t: it does not split by t)."""
+    names = [n for n in strategy_names(strategy) if not (solve == "t" and n == "none")]
+    if not names:
+        raise ConfigError("strategy 'none' does not split by t, so there is no t to solve for")
+    return [
+        fit(build_config(config.model_dump() | {"recompute": r}), STRATEGIES[n], solve, budget, accounting, count)
+        for n in names
+        for r in ([recompute] if recompute else RECOMPUTES)
+    ]
+
+
+def _nothing_fits(fits: list[Fit], solve: str, budget: int, count: str) -> None:
+    """One line: the cheapest candidate and by how much it is over (or why no candidate is valid)."""
+    valid = [f for f in fits if f.beyond is not None and f.beyond.bytes is not None]
+    if not valid:
+        raise ConfigError(f"no valid {solve}: {fits[0].beyond.reason if fits[0].beyond else 'no candidate'}")
+    cheapest = min(valid, key=lambda f: f.beyond.bytes)
+    needs = cheapest.beyond.bytes
+    raise ConfigError(
+        f"nothing fits in {human_bytes(budget)} per GPU: the cheapest candidate, {cheapest.strategy.name} with"
+        f" recompute {cheapest.recompute} at {solve}={cheapest.beyond.value}, needs {human_bytes(needs)}"
+        f" ({human_bytes(needs - budget)} over, counting {count})"
+    )
+
+
+def _probe_json(p: Probe | None) -> dict | None:
+    return None if p is None else {"value": p.value, "bytes": p.bytes, "invalid": p.reason or None}
+
+
+def to_json(config: ModelConfig, solve: str, count: str, budget: int, fits: list[Fit]) -> dict:
+    """The JSON document: what was solved and counted, and each row's answer with the candidate past it."""
+    return {
+        "config": config.model_dump(exclude_none=True),
+        "solve": solve,
+        "count": count,
+        "budget_bytes": budget,
+        "results": [
+            {
+                "strategy": f.strategy.name,
+                "recompute": f.recompute,
+                "answer": _probe_json(f.answer),
+                "left_over_bytes": budget - f.answer.bytes if f.answer else None,
+                "beyond": _probe_json(f.beyond),
+            }
+            for f in fits
+        ],
+    }
+
+
+def _print(config: ModelConfig, solve: str, count: str, budget: int, fits: list[Fit], strategy: str) -> None:
+    from rich.table import Table
+
+    from memcalc.cli.render import console, describe, describe_layout
+
+    console.print(describe(config), highlight=False)
+    console.print(describe_layout(config), highlight=False)
+    console.print(f"The {_WHAT[solve]} that fits {human_bytes(budget)} per GPU, counting {_COUNTED[count]}.")
+    if solve == "t" and strategy == "all":
+        console.print("[dim]'none' keeps whole layers on one GPU, so t does not change it: left out.[/dim]")
+    unanswered = any(f.answer is None for f in fits)
+    caption = f"-: nothing fits; next {solve} is the cheapest candidate" if unanswered else None
+    table = Table(caption=caption, pad_edge=False)  # no edge padding: seven columns fit 80 characters
+    for col in ("strategy", "recompute"):
+        table.add_column(col, no_wrap=True)
+    for col in (solve, "needs", "left over", f"next {solve}", "it needs"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for f, after in zip(fits, [*fits[1:], None]):
+        a, n = f.answer, f.beyond
+        cells = (str(a.value), human_bytes(a.bytes), human_bytes(budget - a.bytes)) if a else ("-", "-", "-")
+        nxt = ("-", "-") if n is None else (str(n.value), "invalid" if n.bytes is None else human_bytes(n.bytes))
+        last_of_strategy = after is None or after.strategy != f.strategy
+        table.add_row(f.strategy.name, f.recompute, *cells, *nxt, end_section=last_of_strategy)
+    console.print(table)

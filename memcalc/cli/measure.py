@@ -1,0 +1,162 @@
+"""`memcalc measure`: run real layers, and put what each rank saved next to the ledger."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from memcalc.cli.options import model_from, model_options, strategy_names, strategy_option
+from memcalc.config import ModelConfig
+from memcalc.errors import ProbeError
+
+if TYPE_CHECKING:  # torch: only when the command runs
+    from rich.table import Table
+
+    from memcalc.probe.measure import Row, StrategyMeasurement
+
+# memcalc.probe.launch.Mode's values, plus auto; spelled out so --help needs no torch.
+LAUNCHES = ("auto", "single", "spawn", "fake", "torchrun")
+
+
+@click.command("measure")
+@model_options
+@strategy_option
+@click.option(
+    "--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+    help="Where the layers run; the prediction's norm statistics follow it.",
+)
+@click.option(
+    "--backend", type=click.Choice(["gloo", "nccl"]), default=None,
+    help="Start t processes with real collectives (gloo on CPUs, nccl on GPUs)"
+    " [default: nccl when there are t GPUs, else rank 0 of t through torch's fake group].",
+)
+@click.option(
+    "--launch", type=click.Choice(LAUNCHES), default="auto", show_default=True,
+    help="How the t ranks run: this process (single), t processes (spawn), torch's fake group, or torchrun's ranks.",
+)
+@click.option(
+    "--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=300.0, show_default=True,
+    help="Seconds the ranks get before they are stopped.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of tables.")
+def command(strategy: str, device: str, backend: str | None, launch: str, timeout_s: float, as_json: bool,
+            **params: Any) -> None:
+    """Run one real transformer layer per strategy, record every tensor each rank
+    saves for backward, and compare it, tensor by tensor, with `memcalc estimate
+    --exact` for the device it ran on. Exits 1 if any tensor differs.
+
+    \b
+    Example: memcalc measure --config configs/tiny.yaml --t 2 --backend gloo
+             memcalc measure --config configs/tiny.yaml --t 8 --strategy tp-sp
+             torchrun --nproc-per-node 8 -m memcalc measure --config configs/tiny.yaml --t 8 --device cuda
+    """
+    config = model_from(params)
+    from memcalc.probe.measure import measure  # needs torch: a one-line ProbeError without it
+
+    results = measure(config, strategy_names(strategy), device, backend, launch, timeout_s)
+    if not results:
+        return  # a torchrun rank other than 0: rank 0 reports for the job
+    if as_json:
+        click.echo(json.dumps(to_json(config, results), indent=2))
+    else:
+        print_measurements(config, results)
+    differences = [f"{m.strategy.name}: {d}" for m in results for d in m.differences()]
+    if differences:
+        raise ProbeError(f"measured bytes differ from the ledger: {'; '.join(differences)}")
+
+
+def to_json(config: ModelConfig, results: list[StrategyMeasurement]) -> dict:
+    """The config, and per strategy how it ran, both totals and every tensor (rank 0)."""
+    return {
+        "config": config.model_dump(exclude_none=True) | {"ffn_hidden_size": config.ffn, "num_query_groups": config.groups},
+        "match": all(m.matches for m in results),
+        "strategies": {
+            m.strategy.name: {
+                "launch": m.launch.mode.value,
+                "group": m.ranks[0].group,
+                "device": m.ranks[0].device,
+                "t": m.launch.t,
+                "ranks_compared": len(m.ranks),
+                "how": m.how(),
+                "predicted_bytes": m.predicted_bytes,
+                "measured_bytes": m.measured_bytes,
+                "match": m.matches,
+                "differences": m.differences(),
+                "tensors": [
+                    {
+                        "name": row.name, "predicted": row.predicted, "measured": row.measured,
+                        "predicted_shape": _list(row.predicted_shape), "measured_shape": _list(row.measured_shape),
+                        "match": row.matches,
+                    }
+                    for row in m.rows[0]
+                ],
+                "cuda": None if m.ranks[0].cuda is None else vars(m.ranks[0].cuda),
+            }
+            for m in results
+        },
+    }
+
+
+def _list(shape: tuple[int, ...] | None) -> list[int] | None:
+    return None if shape is None else list(shape)
+
+
+def print_measurements(config: ModelConfig, results: list[StrategyMeasurement]) -> None:
+    """A table per strategy, how it ran, and whether it matched."""
+    from memcalc.cli.render import console, describe
+    from memcalc.units import human_bytes
+
+    console.print(describe(config), highlight=False)
+    console.print("[dim]one layer, bytes one rank saves for backward; predicted by `estimate --exact`[/dim]")
+    for m in results:
+        console.print(_table(m))
+        console.print(f"ran as: {m.how()}", highlight=False)
+        cuda = m.ranks[0].cuda
+        if cuda is not None:
+            console.print(
+                f"torch.cuda on rank 0: forward left {human_bytes(cuda.kept)} allocated (saved tensors, the layer's"
+                f" output, allocator rounding) and peaked {human_bytes(cuda.peak)} above its start",
+                highlight=False,
+            )
+        verdict = "[green]match[/green]: every tensor agrees to the byte" if m.matches else "[red]differs[/red]"
+        console.print(verdict)
+
+
+def _table(m: StrategyMeasurement) -> Table:
+    from rich.table import Table
+
+    table = Table(title=f"{m.strategy.name} ({m.strategy.title}): rank 0 of t={m.launch.t}")
+    table.add_column("tensor", no_wrap=True)
+    table.add_column("shape", no_wrap=True)
+    for col in ("predicted", "measured", "difference"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for row in m.rows[0]:
+        table.add_row(row.name, _shape_cell(row), f"{row.predicted:,}", f"{row.measured:,}", _difference(row))
+    total = m.measured_bytes - m.predicted_bytes
+    table.add_row(
+        "[bold]total[/bold]", "", f"[bold]{m.predicted_bytes:,}[/bold]", f"[bold]{m.measured_bytes:,}[/bold]",
+        f"[bold]{total:+,}[/bold]" if total else "[bold]0[/bold]", end_section=True,
+    )
+    return table
+
+
+def _shape_cell(row: Row) -> str:
+    """The predicted shape, and the measured one beside it when they differ (batch-first, per rank)."""
+    shape = row.predicted_shape if row.predicted_shape is not None else row.measured_shape
+    text = _compact(shape)
+    if row.predicted_shape is not None and row.measured_shape != row.predicted_shape:
+        text += f" [red]measured {_compact(row.measured_shape)}[/red]"
+    return text
+
+
+def _compact(shape: tuple[int, ...] | None) -> str:
+    """(2,16,64): a shape without spaces, so the table fits 80 columns."""
+    return "none" if shape is None else f"({','.join(map(str, shape))})"
+
+
+def _difference(row: Row) -> str:
+    if row.measured != row.predicted:
+        return f"[red]{row.measured - row.predicted:+,}[/red]"
+    return "0" if row.matches else "[red]shape[/red]"

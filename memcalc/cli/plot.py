@@ -1,0 +1,129 @@
+"""`memcalc plot`: activation memory against s or t, or the per-tensor breakdown, as PNG or SVG.
+
+The line view evaluates a one-size sweep (`memcalc.sweep`); the breakdown view
+is `memcalc estimate --breakdown` drawn as stacked bars. matplotlib and numpy
+are imported inside the command.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from memcalc.cli.options import SIZE_FLAGS, accounting_options, model_from, model_options
+from memcalc.cli.sweep import VALUES, build_sweep, chosen_strategies, check_out, describe_knobs, strategies_option
+from memcalc.errors import ConfigError
+from memcalc.layer import Accounting
+from memcalc.strategy import Strategy
+
+DEFAULT_RANGES = {"s": "1024:131072:x2", "t": "1:64:x2"}
+X_WORDS = {"s": "sequence length", "t": "tensor-parallel size"}
+
+
+def _image_out(ctx: click.Context, param: click.Parameter, out: Path) -> Path:
+    from memcalc.plot import check_suffix
+
+    try:
+        check_suffix(out)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from None
+    return check_out(ctx, param, out)
+
+
+def _size(ctx: click.Context, param: click.Parameter, text: str | None) -> int | None:
+    from memcalc.units import parse_bytes
+
+    try:
+        return None if text is None else parse_bytes(text)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from None
+
+
+@click.command("plot")
+@model_options
+@strategies_option
+@accounting_options
+@click.option(
+    "--kind", type=click.Choice(["line", "breakdown"]), default="line", show_default=True,
+    help="line: memory against --x, a line per strategy; breakdown: a stacked bar per strategy, a segment per tensor.",
+)
+@click.option(
+    "--x", "x_name", type=click.Choice(["s", "t"]), default="s", show_default=True, help="What the line view varies."
+)
+@click.option(
+    "--range", "x_values", type=VALUES,
+    help="Values of --x: a list or range as in `memcalc sweep`"
+    f" [default: s {DEFAULT_RANGES['s']}, t {DEFAULT_RANGES['t']}].",
+)
+@click.option("--group", type=click.Choice(["tensor", "block"]), default="tensor", show_default=True,
+              help="Breakdown segments: each saved tensor, or each block (norms, attention, MLP).")
+@click.option("--per-layer", is_flag=True, help="One layer's bytes instead of all L layers'.")
+@click.option("--device-memory", callback=_size, help="Draw the device's memory as a line, e.g. 80GiB.")
+@click.option(
+    "--out", type=click.Path(path_type=Path), required=True, callback=_image_out, help="Image to write: .png or .svg."
+)
+def command(
+    strategy: tuple[str, ...], exact: bool, device: str, kind: str, x_name: str, x_values: Any, group: str,
+    per_layer: bool, device_memory: int | None, out: Path, **params: Any,
+) -> None:
+    """Plot activation memory per GPU (in GiB) for a model.
+
+    \b
+    Example: memcalc plot --config configs/gpt3-175b.yaml --range 1024:65536:x2 --device-memory 80GiB --out s.png
+             memcalc plot --config configs/gpt3-175b.yaml --x t --range 1,2,4,8,16,32 --out t.svg
+             memcalc plot --config configs/gpt3-175b.yaml --kind breakdown --out breakdown.png
+
+    Sizes not plotted come from --config and the size flags. Points that break
+    a divisibility rule (e.g. t must divide s under tp-sp) leave a gap, counted
+    in one line on stderr.
+    """
+    from memcalc import plot
+
+    accounting = Accounting(exact=exact, device=device)
+    strategies = chosen_strategies(strategy)
+    if kind == "breakdown":
+        if x_values is not None:
+            raise click.UsageError("--range applies to --kind line; the breakdown is drawn at the config's sizes")
+        config = model_from(params)
+        from memcalc.totals import layer_estimate  # what `estimate --breakdown` shows
+
+        layers = 1 if per_layer else config.L
+        sizes = " ".join(f"{n}={getattr(config, n)}" for n in SIZE_FLAGS)
+        titles = plot.Titles(f"{config.name or 'model'}: what each GPU keeps for backward",
+                             _details(sizes, config, accounting))
+        estimates = [layer_estimate(config, st, accounting) for st in strategies]
+        figure = plot.breakdown_figure(estimates, group == "block", layers, titles, device_memory)
+    else:
+        figure = _line(params, x_name, x_values, strategies, accounting, per_layer, device_memory)
+    plot.save(figure, out)
+    click.echo(f"wrote {out}")
+
+
+def _line(
+    params: dict[str, Any], x_name: str, x_values: Any, strategies: list[Strategy], accounting: Accounting,
+    per_layer: bool, device_memory: int | None,
+) -> Any:
+    """Evaluate the one-size sweep and draw it."""
+    from memcalc import plot
+    from memcalc.sweep import describe_skips, evaluate_sweep, parse_values
+
+    values = x_values if x_values is not None else parse_values(DEFAULT_RANGES[x_name])
+    sweep = build_sweep(params, {x_name: values}, strategies, accounting)
+    result = evaluate_sweep(sweep)
+    skipped = describe_skips(result)
+    if skipped:
+        click.echo(f"memcalc: note: {skipped}", err=True)
+    layers = 1 if per_layer else sweep.values["L"][0]
+    lines = {f"{st.name} ({st.title})": y for st, y in result.along(x_name, per_layer).items()}
+    sizes = " ".join(f"{n}={sweep.values[n][0]}" for n in SIZE_FLAGS if n != x_name)
+    titles = plot.Titles(f"{sweep.name or 'model'}: activation memory per GPU against {X_WORDS[x_name]}",
+                         _details(sizes, sweep.knobs, accounting))
+    return plot.line_figure(x_name, list(values), lines, layers, titles, device_memory)
+
+
+def _details(sizes: str, knobs: Any, accounting: Accounting) -> str:
+    """The line under a figure's title: fixed sizes, then knobs and accounting."""
+    counted = f"exact accounting (as on {accounting.device})" if accounting.exact else "the paper's accounting"
+    return f"{sizes}\n{describe_knobs(knobs)}; {counted}"

@@ -1,0 +1,259 @@
+"""`memcalc sweep`: many configurations at once, as CSV, JSON or a table.
+
+Where the rows go: `--out FILE.csv|FILE.json` (or `--format`); without
+--out, a table on a terminal and CSV when stdout is a pipe or file, so that
+`memcalc sweep ... > runs.csv` and `| head` do what they look like.
+numpy and rich are imported inside the command, so `memcalc --help` and the
+other commands never load them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import click
+
+from memcalc.cli.options import (
+    KNOB_FLAGS, SIZE_FLAGS, STRATEGY_CHOICES, accounting_options, config_option, hf_config_option, knob_options,
+)
+from memcalc.config import ModelConfig, load_yaml
+from memcalc.errors import ConfigError, MemcalcError
+from memcalc.layer import Accounting
+from memcalc.strategy import STRATEGIES, Strategy
+
+FORMATS = {".csv": "csv", ".json": "json"}
+PROGRESS_ROWS = 200_000  # below this a sweep is done before a bar would draw
+TABLE_ROWS = 40  # a longer table shows its first and last 20 rows
+
+
+class Values(click.ParamType):
+    """A list or range of sizes, read where the flag is parsed (`memcalc.sweep.parse_values`)."""
+
+    name = "VALUES"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Sequence[int]:
+        if not isinstance(value, str):
+            return value
+        from memcalc.sweep import parse_values
+
+        try:
+            return parse_values(value)
+        except ConfigError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+VALUES = Values()
+
+
+def size_range_options(f: Callable) -> Callable:
+    """--b .. --L, each a list or range (the config's descriptions as help)."""
+    for name in reversed(SIZE_FLAGS):
+        meaning = ModelConfig.model_fields[name].description
+        help_text = f"{meaning.capitalize()}: one value, a list or a range."
+        f = click.option(f"--{name}", name, type=VALUES, help=help_text)(f)
+    return f
+
+
+def check_out(ctx: click.Context, param: click.Parameter, out: Path | None) -> Path | None:
+    """Refuse an --out path that cannot be written, before any work is done."""
+    if out is None:
+        return None
+    parent = out.parent if str(out.parent) else Path(".")
+    if out.is_dir():
+        raise click.BadParameter(f"'{out}' is a directory", ctx, param)
+    if not parent.is_dir():
+        raise click.BadParameter(f"directory '{parent}' does not exist", ctx, param)
+    if not os.access(parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise click.BadParameter(f"'{out}' is not writable", ctx, param)
+    return out
+
+
+strategies_option = click.option(
+    "--strategy", "strategy", type=click.Choice(STRATEGY_CHOICES), multiple=True, default=("all",), show_default=True,
+    help="Strategy to evaluate; repeat for several.",
+)
+
+
+def chosen_strategies(choices: Sequence[str]) -> list[Strategy]:
+    """The strategies --strategy names, each once, in the order of memcalc.strategy."""
+    names = {n for c in choices for n in (STRATEGIES if c == "all" else [c])}
+    return [st for name, st in STRATEGIES.items() if name in names]
+
+
+def build_sweep(
+    params: dict[str, Any], ranges: dict[str, Sequence[int]], strategies: Sequence[Strategy], accounting: Accounting
+) -> Any:
+    """A checked `memcalc.sweep.Sweep`: the fields of --config or --hf-config, the size
+    and knob flags laid over them, `ranges` over those. Errors name the file, as
+    `options.model_from`'s do."""
+    from memcalc.sweep import make_sweep
+
+    fields, path = _file_fields(params)
+    fields.update({k: params[k] for k in SIZE_FLAGS + KNOB_FLAGS if params.get(k) is not None and k not in ranges})
+    try:
+        return make_sweep(fields, ranges, strategies, accounting)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}" if path is not None else str(exc)) from None
+
+
+def _file_fields(params: dict[str, Any]) -> tuple[dict[str, Any], Path | None]:
+    """The fields --config or --hf-config holds, and that file; as `options.model_from` reads them."""
+    path, hf_path = params.get("config_path"), params.get("hf_config_path")
+    if hf_path is None:
+        return (load_yaml(path) if path is not None else {}), path
+    if path is not None:
+        raise ConfigError("give --config or --hf-config, not both")
+    from memcalc.hf import read_hf_config
+
+    hf = read_hf_config(hf_path)
+    click.echo(f"memcalc: {hf.describe()}", err=True)
+    return dict(hf.fields), hf_path
+
+
+def describe_knobs(knobs: Any) -> str:
+    """'gelu (ffn 4h), eager attention (a K/V groups), layernorm, dropout 0.1, recompute none, bf16'."""
+    k = knobs
+    return (
+        f"{k.mlp} (ffn {k.ffn_hidden_size or '4h'}), {k.attention} attention ({k.num_query_groups or 'a'} K/V groups),"
+        f" {k.norm}, dropout {k.dropout}, recompute {k.recompute}, {k.dtype}"
+    )
+
+
+@click.command("sweep")
+@config_option
+@hf_config_option
+@size_range_options
+@knob_options
+@strategies_option
+@accounting_options
+@click.option(
+    "--out", type=click.Path(path_type=Path), callback=check_out,
+    help="Write every row to this file; .csv or .json picks the format.",
+)
+@click.option(
+    "--format", "fmt", type=click.Choice(["csv", "json", "table"]),
+    help="Output format [default: from --out's suffix; else a table on a terminal, CSV when piped].",
+)
+def command(
+    strategy: tuple[str, ...], exact: bool, device: str, out: Path | None, fmt: str | None, **params: Any
+) -> None:
+    """Activation bytes for every combination of the given sizes and strategies.
+
+    Each of --b --s --h --a --t --L takes one value, a list (1024,2048), an
+    arithmetic range start:stop[:step] with stop included (1:64, 64:65536:64)
+    or a geometric one start:stop:xK (1024:32768:x2); sizes not given come from
+    --config or --hf-config. Configurations that break a divisibility rule (e.g. t must divide
+    a, and s under tp-sp) are skipped and counted in one line on stderr.
+
+    \b
+    CSV columns: b,s,h,a,t,L,strategy,per_layer_bytes,total_bytes, then the
+    knobs and the accounting (the same on every row). JSON holds the knobs
+    once and one list per column.
+
+    \b
+    Example: memcalc sweep --config configs/gpt3-175b.yaml --b 1:8 --s 1024:32768:x2
+             memcalc sweep --config configs/gpt3-175b.yaml --b 1:100 --s 64:640000:64 --out runs.csv
+    """
+    fmt = _output_format(out, fmt)
+    from memcalc.sweep import describe_skips, evaluate_sweep
+
+    ranges = {name: params[name] for name in SIZE_FLAGS if params.get(name) is not None}
+    sweep = build_sweep(params, ranges, chosen_strategies(strategy), Accounting(exact=exact, device=device))
+    rows_to_terminal = out is None and fmt != "table" and sys.stdout.isatty()
+    with _progress(sweep.rows, shown=not rows_to_terminal) as advance:
+        result = evaluate_sweep(sweep, advance)
+        if fmt != "table":
+            _write(result, fmt, out, advance)
+    if fmt == "table":
+        _print_table(result)
+    skipped = describe_skips(result)
+    if skipped:
+        click.echo(f"memcalc: note: {skipped}", err=True)
+
+
+def _output_format(out: Path | None, fmt: str | None) -> str:
+    """--format if given, else --out's suffix, else a table for a person and CSV for a pipe."""
+    if out is not None:
+        if fmt == "table":
+            raise click.UsageError("--format table prints to the terminal; write --out files as csv or json")
+        if fmt is None and out.suffix.lower() not in FORMATS:
+            raise click.UsageError(f"cannot tell the format of '{out}' from its suffix: use .csv or .json, or --format")
+        return fmt or FORMATS[out.suffix.lower()]
+    if fmt is not None:
+        return fmt
+    return "table" if sys.stdout.isatty() else "csv"
+
+
+def _write(result: Any, fmt: str, out: Path | None, advance: Callable[[float], None]) -> None:
+    """Stream the rows to --out or to stdout, chunk by chunk."""
+    from memcalc.sweep import csv_chunks, json_chunks
+
+    chunks = csv_chunks(result) if fmt == "csv" else json_chunks(result)
+    if out is not None:
+        try:
+            with open(out, "wb") as stream:
+                _copy(chunks, stream.write, advance)
+        except OSError as exc:
+            raise MemcalcError(f"cannot write {out}: {exc.strerror or exc}") from None
+        return
+    binary = getattr(sys.stdout, "buffer", None)  # absent when stdout is swapped for a StringIO
+    try:
+        _copy(chunks, binary.write if binary else lambda data: sys.stdout.write(data.decode()), advance)
+        sys.stdout.flush()
+    except BrokenPipeError:  # `| head` stopped reading: not an error; keep Python's exit quiet too
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def _copy(
+    chunks: Iterator[tuple[float, bytes]], write: Callable[[bytes], Any], advance: Callable[[float], None]
+) -> None:
+    for rows, data in chunks:
+        write(data)
+        advance(rows)
+
+
+@contextmanager
+def _progress(rows: int, shown: bool) -> Iterator[Callable[[float], None]]:
+    """A rich bar on stderr for a long sweep, if stderr is a terminal; else nothing."""
+    if not shown or rows < PROGRESS_ROWS or not sys.stderr.isatty():
+        yield lambda n: None
+        return
+    from rich.console import Console
+    from rich.progress import Progress
+
+    with Progress(console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(f"sweep: {rows:,} configurations", total=2 * rows)  # evaluating, then writing
+        yield lambda n: bar.advance(task, n)
+
+
+def _print_table(result: Any) -> None:
+    """The rows as a rich table: swept sizes, strategy, bytes; long tables keep head and tail."""
+    from rich.table import Table
+
+    from memcalc.cli.render import accounting_note, console
+    from memcalc.units import human_bytes
+
+    sweep = result.sweep
+    swept = [n for n in SIZE_FLAGS if len(sweep.values[n]) > 1]
+    fixed = " ".join(f"{n}={sweep.values[n][0]}" for n in SIZE_FLAGS if n not in swept)
+    console.print(f"{sweep.name + ': ' if sweep.name else ''}{fixed} | {describe_knobs(sweep.knobs)}", highlight=False)
+    console.print(f"[dim]{accounting_note(sweep.accounting)}[/dim]")
+    layers = "all L layers" if "L" in swept else f"all {sweep.values['L'][0]} layers"
+    table = Table(title="Activation memory per GPU")
+    for col in (*swept, "strategy", "per layer", layers):
+        table.add_column(col, justify="left" if col == "strategy" else "right", no_wrap=True)
+    half = TABLE_ROWS // 2
+    shown = range(result.rows) if result.rows <= TABLE_ROWS else [*range(half), *range(result.rows - half, result.rows)]
+    for i in shown:
+        if i == result.rows - half and result.rows > TABLE_ROWS:
+            table.add_row(*["..."] * (len(swept) + 3))
+        row = result.row(i)
+        table.add_row(*(str(row[n]) for n in swept), row["strategy"],
+                      human_bytes(row["per_layer_bytes"]), human_bytes(row["total_bytes"]))
+    if result.rows > TABLE_ROWS:
+        table.caption = f"the first and last {half} of {result.rows:,} rows; --out FILE.csv writes them all, in bytes"
+    console.print(table)

@@ -1,0 +1,120 @@
+"""What fits a memory budget: the largest micro-batch b or sequence s, or the smallest t.
+
+Every answer is an exact integer found by evaluating the same per-GPU totals
+`memcalc estimate --totals` prints (`memcalc.totals.per_gpu`), never by
+rounding a formula: so the answer fits by estimate's own numbers, and the next
+valid value does not.
+
+- b and s: every ledger term is a product of sizes with positive coefficients
+  (linear in b, at most quadratic in s) and model states do not shrink as they
+  grow, so the total is monotonic. Among the valid values (for s: multiples of
+  `sequence_step`), doubling then bisection finds the largest that fits.
+- t: the total need not be monotonic in t (replicated terms stay put), and the
+  valid t are few (divisors of a that pass every divisibility rule), so each is
+  tried, smallest first. "none" splits nothing by t, so it has no answer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from math import lcm
+from typing import Callable
+
+from memcalc.config import ModelConfig, build_config
+from memcalc.errors import ConfigError
+from memcalc.layer import Accounting
+from memcalc.ledger import Region
+from memcalc.strategy import Strategy
+from memcalc.totals import per_gpu
+
+SOLVES = ("b", "s", "t")
+COUNTS = ("total", "activations")
+_SEARCH_LIMIT = 2**48  # a guard: no real budget fits this many tokens or micro-batches
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One candidate value and what it needs (None: the value makes an invalid config, `reason` says why)."""
+
+    value: int
+    bytes: int | None
+    reason: str = ""
+
+    def fits(self, budget: int) -> bool:
+        return self.bytes is not None and self.bytes <= budget
+
+
+@dataclass(frozen=True)
+class Fit:
+    """The answer for one strategy and recompute choice.
+
+    `answer` is the best value that fits (None if none does). `beyond` is the
+    candidate just past it, which does not fit or is invalid: the next larger b
+    or s, or the next smaller valid t; when nothing fits, the cheapest
+    candidate. None when there is no such candidate (the answer is t's smallest valid value).
+    """
+
+    strategy: Strategy
+    recompute: str
+    solve: str
+    answer: Probe | None
+    beyond: Probe | None
+
+
+def sequence_step(config: ModelConfig, strategy: Strategy) -> int:
+    """s must be a multiple of this: 2*cp under context parallelism, and t*cp under sequence parallelism.
+
+    The rules themselves live in `memcalc.config` (check_layout, check_sequence_split); the search
+    only uses this to skip values they would refuse.
+    """
+    step = 2 * config.cp if config.cp > 1 else 1
+    return lcm(step, config.t * config.cp) if Region.SEQUENCE in strategy.splits else step
+
+
+def fit(
+    config: ModelConfig, strategy: Strategy, solve: str, budget: int,
+    accounting: Accounting = Accounting(), count: str = "total",
+) -> Fit:
+    """The largest b or s, or the smallest t, whose per-GPU bytes (`count`) are at most `budget`."""
+    def probe(value: int) -> Probe:
+        try:
+            candidate = build_config(config.model_dump() | {solve: value})
+            return Probe(value, per_gpu(candidate, strategy, accounting).bytes(count))
+        except ConfigError as exc:
+            return Probe(value, None, str(exc))
+
+    if solve == "t":
+        answer, beyond = _smallest_t(config, probe, budget)
+    else:
+        step = sequence_step(config, strategy) if solve == "s" else 1
+        answer, beyond = _largest(lambda k: probe(k * step), budget)
+    return Fit(strategy, config.recompute, solve, answer, beyond)
+
+
+def _largest(probe: Callable[[int], Probe], budget: int) -> tuple[Probe | None, Probe]:
+    """The probe of the largest k that fits (None if k = 1 does not), and the probe of k + 1.
+
+    Sizes only grow with k, and an invalid k (past a learned position table) stays invalid above.
+    """
+    probe = lru_cache(maxsize=None)(probe)
+    lo, hi = 0, 1
+    while probe(hi).fits(budget):  # double until some k does not fit
+        if hi >= _SEARCH_LIMIT:
+            raise ConfigError(f"every value up to {probe(hi).value} fits; is the budget right?")
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if probe(mid).fits(budget) else (lo, mid)
+    return (probe(lo) if lo else None), probe(hi)
+
+
+def _smallest_t(config: ModelConfig, probe: Callable[[int], Probe], budget: int) -> tuple[Probe | None, Probe | None]:
+    """The smallest valid t that fits, and the valid t just below it (or the cheapest, if none fits)."""
+    valid = [p for p in (probe(t) for t in range(1, config.a + 1) if config.a % t == 0) if p.bytes is not None]
+    if not valid:
+        raise ConfigError(f"no t that divides a={config.a} makes a valid config")
+    for below, p in zip([None, *valid], valid):
+        if p.fits(budget):
+            return p, below
+    return None, min(valid, key=lambda p: p.bytes)

@@ -1,0 +1,210 @@
+"""Hugging Face `config.json` files, read into memcalc's fields.
+
+Each family is a short table: a memcalc field, the config.json fields that give
+it (first present wins, or all of them combined), and how a value is turned
+into memcalc's. Whatever config.json does not say keeps memcalc's default
+(e.g. attention: eager, since config.json does not record the kernel), and
+flags given beside --hf-config override the result. `HfConfig.used` says
+which field gave which value, so the CLI can show it.
+
+Field names are those of the public `transformers` configuration classes
+(LlamaConfig, MistralConfig, Qwen2Config, GPT2Config, GPTNeoXConfig); where a
+field is absent, the class's own default applies (noted per row).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from memcalc.errors import ConfigError
+
+_GELUS = ("gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh", "gelu_python", "quick_gelu")
+
+
+def _gated(act: str) -> str:
+    """Llama-style MLPs are gated: SiLU(gate) * up is SwiGLU."""
+    if act in ("silu", "swish"):
+        return "swiglu"
+    raise ConfigError(f"hidden_act '{act}' in a gated MLP is not modelled (memcalc knows SwiGLU: silu)")
+
+
+def _plain(act: str) -> str:
+    """GPT-2 and GPT-NeoX MLPs are fc1 -> activation -> fc2."""
+    if act in _GELUS:
+        return "gelu"
+    raise ConfigError(f"activation '{act}' is not modelled (memcalc knows the GELU variants: {', '.join(_GELUS)})")
+
+
+def _both_or_neither(values: list[Any]) -> Any:
+    """Llama's attention_bias and mlp_bias: memcalc's add_bias_linear puts biases on every linear or on none."""
+    if len(set(values)) > 1:
+        raise ConfigError(f"attention_bias and mlp_bias differ ({values}); memcalc's add_bias_linear is all or none")
+    return values[0]
+
+
+@dataclass(frozen=True)
+class Row:
+    """One memcalc field and where config.json keeps it."""
+
+    target: str
+    sources: tuple[str, ...]
+    convert: Callable[[Any], Any] = lambda v: v
+    default: Any = ...  # when absent: ... required; None: memcalc's default; else the transformers class default
+    combine: Callable[[list[Any]], Any] | None = None  # combine every source (absent ones at default); else the first
+
+
+def _sizes(h: str, a: str, layers: str, vocab: str) -> tuple[Row, ...]:
+    return (Row("h", (h,)), Row("a", (a,)), Row("L", (layers,)), Row("vocab_size", (vocab,)))
+
+
+_LLAMA = (
+    *_sizes("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size"),
+    Row("num_query_groups", ("num_key_value_heads",), default=None),  # absent: multi-head (Llama 1)
+    Row("ffn_hidden_size", ("intermediate_size",)),
+    Row("mlp", ("hidden_act",), _gated, default="swiglu"),
+    Row("norm", ("rms_norm_eps",), lambda eps: "rmsnorm", default="rmsnorm"),
+    Row("s", ("max_position_embeddings",), default=None),
+    Row("dropout", ("attention_dropout",), default=0.0),
+    Row("tie_embeddings", ("tie_word_embeddings",), default=False),
+    Row("add_bias_linear", ("attention_bias", "mlp_bias"), default=False, combine=_both_or_neither),
+)
+_GPT2 = (
+    *_sizes("n_embd", "n_head", "n_layer", "vocab_size"),
+    Row("ffn_hidden_size", ("n_inner",), default=None),  # null or absent: 4h
+    Row("mlp", ("activation_function",), _plain, default="gelu"),  # GPT2Config default gelu_new
+    Row("norm", ("layer_norm_epsilon",), lambda eps: "layernorm", default="layernorm"),
+    Row("s", ("n_positions",)),
+    Row("max_position_embeddings", ("n_positions",)),
+    Row("dropout", ("resid_pdrop", "embd_pdrop", "attn_pdrop"), default=0.1, combine=max),
+    Row("tie_embeddings", ("tie_word_embeddings",), default=True),
+)
+_GPT_NEOX = (
+    *_sizes("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size"),
+    Row("ffn_hidden_size", ("intermediate_size",)),
+    Row("mlp", ("hidden_act",), _plain, default="gelu"),
+    Row("norm", ("layer_norm_eps",), lambda eps: "layernorm", default="layernorm"),
+    Row("s", ("max_position_embeddings",), default=None),
+    Row("dropout", ("attention_dropout", "hidden_dropout"), default=0.0, combine=max),
+    Row("tie_embeddings", ("tie_word_embeddings",), default=False),
+    Row("add_bias_linear", ("attention_bias",), default=True),
+)
+
+
+@dataclass(frozen=True)
+class Family:
+    """An architecture: its names in config.json, its rows, and what it fixes regardless of fields."""
+
+    name: str
+    architectures: tuple[str, ...]
+    rows: tuple[Row, ...]
+    fixed: dict[str, Any] = field(default_factory=dict)
+
+
+_ROPE = {"position_embedding_type": "rope"}
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family("llama", ("LlamaForCausalLM",), _LLAMA, _ROPE),
+        Family("mistral", ("MistralForCausalLM",), _LLAMA, _ROPE),
+        Family("qwen2", ("Qwen2ForCausalLM",), _LLAMA, _ROPE | {"add_qkv_bias": True}),  # Q, K, V carry biases
+        Family("gpt2", ("GPT2LMHeadModel",), _GPT2, {"position_embedding_type": "learned_absolute"}),
+        Family("gpt_neox", ("GPTNeoXForCausalLM",), _GPT_NEOX, _ROPE),
+    )
+}
+
+
+@dataclass(frozen=True)
+class HfConfig:
+    """memcalc fields read from one config.json, and which of its fields gave them."""
+
+    family: str
+    fields: dict[str, Any]
+    used: tuple[tuple[str, str, Any], ...]  # (config.json field(s), memcalc field, value)
+    assumed: tuple[tuple[str, Any], ...]  # (memcalc field, value) fixed by the architecture or a class default
+
+    def describe(self) -> str:
+        """One line: the family, each field used, and what was assumed."""
+        used = ", ".join(f"{src}->{dst}={value}" for src, dst, value in self.used)
+        assumed = ", ".join(f"{dst}={value}" for dst, value in self.assumed)
+        return f"read {self.family} config.json: {used}; assumed: {assumed}"
+
+
+def read_hf_config(path: Path) -> HfConfig:
+    """Map a Hugging Face config.json to memcalc fields, or raise ConfigError naming what is wrong."""
+    raw = _load_json(Path(path))
+    family = _family(raw, path)
+    fields, used, missing = dict(family.fixed), [], []
+    assumed = list(family.fixed.items())
+    for row in family.rows:
+        present = [name for name in row.sources if raw.get(name) is not None]
+        if not present:
+            if row.default is ...:
+                missing.append(row.sources[0])
+            elif row.default is not None:
+                fields[row.target] = row.default
+                assumed.append((row.target, row.default))
+            continue
+        if row.combine:
+            value = row.combine([raw[n] if n in present else row.default for n in row.sources])
+        else:
+            present = present[:1]
+            value = raw[present[0]]
+        try:
+            fields[row.target] = row.convert(value)
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
+        used.append(("+".join(present), row.target, fields[row.target]))
+    if missing:
+        raise ConfigError(f"{path}: {family.name} config.json is missing {', '.join(missing)}")
+    _check_head_dim(raw, fields, path)
+    fields.setdefault("name", raw.get("_name_or_path") or _name_from(Path(path)))
+    fields.setdefault("description", f"Hugging Face {family.name} config ({path})")
+    return HfConfig(family.name, fields, tuple(used), tuple(assumed))
+
+
+def _name_from(path: Path) -> str:
+    """A model directory's name for .../name/config.json, else the file's stem."""
+    return path.parent.name if path.stem == "config" and path.parent.name else path.stem
+
+
+def _load_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"Hugging Face config not found: {path}") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read Hugging Face config {path}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object of fields, got {type(data).__name__}")
+    return data
+
+
+def _family(raw: dict[str, Any], path: Path) -> Family:
+    """The family named by model_type, else by architectures."""
+    model_type, architectures = raw.get("model_type"), raw.get("architectures") or []
+    if model_type in FAMILIES:
+        return FAMILIES[model_type]
+    for family in FAMILIES.values():
+        if any(a in family.architectures for a in architectures):
+            return family
+    known = ", ".join(FAMILIES)
+    if model_type is None and not architectures:
+        raise ConfigError(f"{path}: names no architecture (no model_type, no architectures); memcalc reads {known}")
+    raise ConfigError(
+        f"{path}: unknown architecture (model_type={model_type!r}, architectures={architectures});"
+        f" memcalc reads {known}"
+    )
+
+
+def _check_head_dim(raw: dict[str, Any], fields: dict[str, Any], path: Path) -> None:
+    """memcalc's ledger assumes heads of h/a channels; some configs set head_dim otherwise."""
+    head_dim, h, a = raw.get("head_dim"), fields["h"], fields["a"]
+    if head_dim is not None and head_dim * a != h:
+        raise ConfigError(
+            f"{path}: head_dim={head_dim} is not hidden_size/num_attention_heads={h}/{a} (memcalc needs h/a)"
+        )

@@ -1,0 +1,29 @@
+"""The probe: a real transformer layer run under torch, to check the ledger's bytes.
+
+Everything torch-related in memcalc lives in this package, and even here torch is
+imported only when a submodule is loaded: importing `memcalc.probe` itself stays
+cheap. Each submodule begins with `torch = require_torch()`, so a missing torch
+surfaces as a one-line `ProbeError` saying how to install it, not an ImportError.
+
+Communication (this half): `group` (who am I among t ranks), `mappings` (Megatron's
+f, f*, g, g*), `linear` (column- and row-parallel linears), `launch` (how t ranks
+get started: one process, spawned processes, torch's fake group, or torchrun).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from memcalc.errors import ProbeError
+
+INSTALL_HINT = "pip install 'memcalc[probe]' (or: pip install torch==2.13.0)"
+
+
+def require_torch() -> ModuleType:
+    """Return the torch module, or raise ProbeError saying how to install it."""
+    try:
+        import torch
+    except ImportError as err:
+        message = f"the probe needs PyTorch, which is not installed ({err}); install it with: {INSTALL_HINT}"
+        raise ProbeError(message) from err
+    return torch

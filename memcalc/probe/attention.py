@@ -1,0 +1,188 @@
+"""Self-attention between the column-parallel QKV linear and the row-parallel output projection.
+
+    x (s, b, h)  [SP: (s/t, b, h)]
+      -> QKV (column-parallel)                       (s, b, g/t * (a/g + 2) * d)
+      -> q (b, a/t, s, d), k and v (b, g/t, s, d)    each copied into a storage of its own
+      -> core: eager or flash                        (s, b, h/t), the projection's input
+      -> output projection (row-parallel, f* or g*)  (s, b, h)  [SP: (s/t, b, h)]
+
+The fused QKV output is laid out group by group, [a/g query heads, one key, one
+value] per K/V group (as Megatron's is), so a rank's column block holds whole
+groups. Megatron keeps q, k and v as views of that one QKV output; the probe
+copies them apart so that each ledger row is one storage (same bytes in total).
+
+Grouped-query attention never materialises expanded K/V: with the a/g query
+heads of a group stacked along the rows, (b*g, a/g*s, d) @ (b*g, d, s) scores
+every head of the group against its one key. The scale and the causal mask go
+into one `baddbmm` (additive mask), so neither keeps a tensor for backward.
+
+Eager attention keeps what its ops' backwards read: q and k (QK^T), the softmax
+output, the dropout mask, the dropped-out weights and v (weights x V); with
+dropout 0 the weights x V matmul keeps the softmax output itself.
+
+Flash attention is `FlashAttention` below, not torch's kernel: torch 2.13's CPU
+flash kernel (`_scaled_dot_product_flash_attention_for_cpu`) refuses dropout and
+returns its output in (b, a, s, d) layout, so the sequence-first projection
+input could not be that same storage. Like the CUDA kernels it keeps q, k, v,
+the output and each row's fp32 log-sum-exp, and regenerates the dropout mask
+from a seed in backward.
+"""
+
+from __future__ import annotations
+
+from memcalc import ledger
+from memcalc.config import ModelConfig
+from memcalc.probe import require_torch
+from memcalc.probe.checkpoint import checkpoint
+from memcalc.probe.group import TensorParallelGroup
+from memcalc.probe.linear import ColumnParallelLinear, RowParallelLinear
+from memcalc.probe.recorder import batch_first, label
+
+torch = require_torch()
+from torch import nn  # noqa: E402  (after the install check above)
+
+
+class SelfAttention(nn.Module):
+    """QKV, core attention (eager or flash, optionally recomputed) and the output projection."""
+
+    def __init__(
+        self, config: ModelConfig, tp: TensorParallelGroup, sequence_parallel: bool, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.head_dim = config.h // config.a
+        self.heads_per_group = config.a // config.groups
+        self.dropout = config.dropout
+        self.flash = config.attention == "flash"
+        self.recompute = config.recompute == "selective"
+        linear = {"tp": tp, "sequence_parallel": sequence_parallel, "dtype": dtype, "device": tp.device}
+        qkv_width = (config.a + 2 * config.groups) * self.head_dim
+        qkv_bias = config.add_bias_linear or config.add_qkv_bias
+        self.qkv = ColumnParallelLinear(config.h, qkv_width, bias=qkv_bias, seed=1, **linear)
+        self.proj = RowParallelLinear(config.h, config.h, bias=config.add_bias_linear, seed=2, **linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        label(batch_first(x), ledger.QKV_IN)
+        q, k, v = self._split_heads(self.qkv(x))
+        for tensor, saved in ((q, ledger.Q), (k, ledger.K), (v, ledger.V)):
+            label(tensor, saved)
+        context = checkpoint(self._core, q, k, v) if self.recompute else self._core(q, k, v)
+        label(batch_first(context), ledger.PROJ_IN)
+        return self.proj(context)
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return (flash_core if self.flash else eager_core)(q, k, v, self.dropout)
+
+    def _split_heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(s, b, g/t * (a/g + 2) * d) -> q (b, a/t, s, d), k and v (b, g/t, s, d), each its own storage."""
+        s, b, _ = mixed.shape
+        groups = mixed.view(s, b, -1, self.heads_per_group + 2, self.head_dim)  # (s, b, g/t, a/g + 2, d)
+        parts = groups.split([self.heads_per_group, 1, 1], dim=3)
+        # (s, b, g/t, n, d) -> (b, g/t, n, s, d) -> (b, g/t * n, s, d); clone: always a storage of its own
+        q, k, v = (p.permute(1, 2, 3, 0, 4).clone(memory_format=torch.contiguous_format) for p in parts)
+        return tuple(x.view(b, -1, s, self.head_dim) for x in (q, k, v))
+
+
+# -- the core: softmax(q k^T / sqrt(d) + causal mask) v, per K/V group ---------
+
+
+def _grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Views that stack each group's query heads along the rows: (b*g, a/g*s, d), (b*g, s, d), (b*g, s, d)."""
+    b, groups, s, d = k.shape
+    return q.view(b * groups, -1, d), k.view(b * groups, s, d), v.view(b * groups, s, d)
+
+
+def _scores(q3: torch.Tensor, k3: torch.Tensor) -> torch.Tensor:
+    """Causal, scaled scores (b*g, a/g*s, s): one baddbmm, which keeps q and k only."""
+    rows, s, d = q3.shape[1], k3.shape[1], k3.shape[2]
+    query_pos = torch.arange(rows, device=q3.device) % s  # row r is query r mod s of some head
+    future = torch.arange(s, device=q3.device) > query_pos[:, None]
+    mask = torch.zeros(rows, s, dtype=q3.dtype, device=q3.device).masked_fill(future, float("-inf"))
+    return torch.baddbmm(mask, q3, k3.transpose(1, 2), alpha=d**-0.5)
+
+
+def eager_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
+    """Attention op by op, keeping the s x s softmax output (and dropout mask and output)."""
+    b, heads, s, d = q.shape
+    q3, k3, v3 = _grouped(q, k, v)
+    weights = torch.softmax(_scores(q3, k3), dim=-1)  # keeps its output
+    label(weights.view(b, heads, s, s), ledger.SOFTMAX_OUT)
+    if p > 0:
+        weights, keep = torch.native_dropout(weights, p, True)  # keeps a 1-byte mask
+        label(keep.view(b, heads, s, s), ledger.ATTN_DROPOUT_MASK)
+        label(weights.view(b, heads, s, s), ledger.ATTN_DROPOUT_OUT)
+    context = torch.bmm(weights, v3)  # (b*g, a/g*s, d); keeps the weights and v
+    # (b, a/t, s, d) -> (s, b, a/t, d), copied: the projection's GEMM needs a contiguous input,
+    # and F.linear would otherwise make (and keep) a contiguous copy of its own
+    return context.view(b, heads, s, d).permute(2, 0, 1, 3).contiguous().view(s, b, heads * d)
+
+
+def flash_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
+    """Attention that keeps q, k, v, its output and the fp32 log-sum-exp: no s x s tensor."""
+    b, heads, s, d = q.shape
+    seed = int(torch.randint(2**62, ())) if p > 0 else 0  # drawn from torch's RNG, so a recompute redraws it
+    out, lse = FlashAttention.apply(q, k, v, p, seed)  # (s, b, a/t, d), (b, a/t, s)
+    label(lse, ledger.SOFTMAX_LSE)
+    return out.view(s, b, heads * d)  # a view: the projection keeps this same storage
+
+
+class FlashAttention(torch.autograd.Function):
+    """softmax(q k^T / sqrt(d) + causal mask) v as a flash kernel keeps it for backward.
+
+    forward:  q (b, a/t, s, d), k, v (b, g/t, s, d) -> out (s, b, a/t, d), lse (b, a/t, s) fp32
+    backward: rebuilds the softmax from q, k and lse, and the dropout mask from the seed
+
+    It computes naively (the s x s scores exist, briefly, as temporaries); only what it
+    keeps is a flash kernel's. The output is allocated sequence-first, so that the
+    output projection's input is a view of it, as with Transformer Engine's sbhd layout.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, p, seed):
+        b, heads, s, d = q.shape
+        q3, k3, v3 = _grouped(_wide(q), _wide(k), _wide(v))
+        scores = _scores(q3, k3)
+        lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # (b*g, a/g*s, 1)
+        weights = _dropped(torch.exp(scores - lse), p, seed)
+        out = q.new_empty(s, b, heads, d)
+        out.copy_(torch.bmm(weights, v3).view(b, heads, s, d).permute(2, 0, 1, 3))
+        lse = lse.view(b, heads, s)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.p, ctx.seed = p, seed
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        b, heads, s, d = q.shape
+        q3, k3, v3 = _grouped(_wide(q), _wide(k), _wide(v))
+        grad_o, o = (_grouped_rows(x, k.shape[1]) for x in (grad_out, out))  # (b*g, a/g*s, d)
+        weights = torch.exp(_scores(q3, k3) - lse.view(*q3.shape[:2], 1))  # the softmax, rebuilt
+        dropped = _dropped(weights, ctx.p, ctx.seed)
+        grad_v = dropped.transpose(1, 2) @ grad_o  # sums over the group's heads: (b*g, s, d)
+        grad_weights = _dropped(grad_o @ v3.transpose(1, 2), ctx.p, ctx.seed)
+        delta = (grad_o * o).sum(-1, keepdim=True)  # rowsum(dP * P) = rowsum(dO * O)
+        grad_scores = weights * (grad_weights - delta) * d**-0.5
+        grad_q, grad_k = grad_scores @ k3, grad_scores.transpose(1, 2) @ q3
+        grads = (grad.view_as(x).to(x.dtype) for grad, x in ((grad_q, q), (grad_k, k), (grad_v, v)))
+        return (*grads, None, None)
+
+
+def _grouped_rows(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """A sequence-first (s, b, a/t, d) tensor as (b*g, a/g*s, d) in at least fp32, the grouped layout."""
+    s, b, heads, d = x.shape
+    return _wide(x.permute(1, 2, 0, 3).reshape(b * groups, -1, d))
+
+
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """x in at least fp32, the precision flash kernels accumulate in."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def _dropped(weights: torch.Tensor, p: float, seed: int) -> torch.Tensor:
+    """weights * mask / (1 - p), the mask drawn from `seed` alone, so backward can draw it again."""
+    if p == 0:
+        return weights
+    generator = torch.Generator(device=weights.device).manual_seed(seed)
+    keep = torch.rand(weights.shape, generator=generator, device=weights.device) >= p
+    return weights * keep / (1 - p)

@@ -1,0 +1,58 @@
+"""Who this process is among the t tensor-parallel ranks, and how to cut a tensor for it.
+
+Every probe module takes a `TensorParallelGroup` rather than asking
+torch.distributed for the default group: the same layer code then runs in one
+process (t = 1, no collectives at all), in t real processes (gloo or nccl), or
+as one rank of torch's fake group, which gives exact per-rank shapes without t
+devices (see `memcalc.probe.launch`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from memcalc.errors import ProbeError
+from memcalc.probe import require_torch
+
+torch = require_torch()
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+MODES = ("single", "gloo", "nccl", "fake")
+
+
+@dataclass(frozen=True)
+class TensorParallelGroup:
+    """This rank's place in a tensor-parallel group of `size` (the seed's t) ranks."""
+
+    group: ProcessGroup | None  # None: one process, t = 1, no collectives
+    rank: int
+    size: int  # t
+    mode: str  # one of MODES; "fake" is torch's fake group: one process acting as `rank` of `size`
+    device: torch.device
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ProbeError(f"unknown process-group mode {self.mode!r}; expected one of {', '.join(MODES)}")
+        if not 0 <= self.rank < self.size:
+            raise ProbeError(f"rank={self.rank} is outside a group of t={self.size}")
+        if self.group is None and self.size != 1:
+            raise ProbeError(f"a group of t={self.size} ranks needs a process group")
+
+    def divide(self, n: int, what: str) -> int:
+        """n / t, or a ProbeError naming the equation when t does not divide n."""
+        if n % self.size:
+            raise ProbeError(f"{what}={n} is not divisible by t={self.size}")
+        return n // self.size
+
+    def block(self, x: torch.Tensor, dim: int, what: str = "size") -> torch.Tensor:
+        """This rank's contiguous block of x along dim: block `rank` of t equal ones (a view)."""
+        n = self.divide(x.shape[dim], f"{what} (dim {dim})")
+        return x.narrow(dim, self.rank * n, n)
+
+
+def single(device: str | torch.device = "cpu") -> TensorParallelGroup:
+    """The t = 1 group: one process, no process group, every TP operator an identity."""
+    return TensorParallelGroup(group=None, rank=0, size=1, mode="single", device=torch.device(device))

@@ -1,0 +1,361 @@
+"""How the probe's t ranks get started: four modes behind one entry point, `run`.
+
+    single    one process, t = 1, no process group and no collectives
+    spawn     t worker processes started here, on one machine: gloo on CPUs, or
+              nccl with one GPU per rank (cuda:rank)
+    fake      one process acting as rank 0 of t through torch's fake process
+              group: exact per-rank shapes without t devices (its collectives
+              move no data, so values are meaningless; shapes and bytes are not)
+    torchrun  this process is one rank of a torchrun job, on one node or several;
+              the tensor-parallel group is the whole world: t = WORLD_SIZE
+
+Each mode calls a per-rank function `fn(tp, *args)` with a `TensorParallelGroup`
+and hands back its result. Under spawn, fn and args reach fresh processes by
+pickle, so fn must be a module-level function (importable by name), and args
+and results must be picklable; results come back pickled by value.
+
+Spawned workers fork from a forkserver that imported torch once, so each rank
+costs a fork rather than a torch import; plain fork is avoided because neither
+CUDA nor OpenMP survives it. Workers meet at a TCPStore that this process hosts
+on a free port of 127.0.0.1 (port 0: the kernel picks, so there is no race).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import time
+import traceback
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from enum import Enum
+from multiprocessing import connection
+from typing import Any, Callable, Iterator, Sequence
+
+from memcalc.errors import ProbeError
+from memcalc.probe import require_torch
+from memcalc.probe.group import TensorParallelGroup, single
+
+torch = require_torch()
+import torch.distributed as dist  # noqa: E402  (after the install check above)
+
+RankFn = Callable[..., Any]  # fn(tp: TensorParallelGroup, *args) -> picklable result
+
+DEFAULT_TIMEOUT_S = 300.0
+LOCALHOST = "127.0.0.1"
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+EXIT_GRACE_S = 5.0  # how long finished workers get to leave their group before being killed
+
+
+class Mode(str, Enum):
+    """Which way the ranks ran, so output can say so."""
+
+    SINGLE = "single"
+    SPAWN = "spawn"
+    FAKE = "fake"
+    TORCHRUN = "torchrun"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def run(
+    fn: RankFn,
+    args: Sequence[Any] = (),
+    *,
+    mode: Mode | str,
+    t: int = 1,
+    backend: str = "gloo",
+    device: str = "cpu",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> list[Any]:
+    """Run fn(tp, *args) on t ranks in `mode`; the results this process holds, in rank order.
+
+    spawn holds all t results; single and fake hold rank 0's; torchrun holds rank
+    0's on rank 0 and none on the others. `backend` is for spawn only; torchrun
+    picks its own backend and device (nccl on cuda:LOCAL_RANK when CUDA is there).
+    """
+    try:
+        mode = Mode(mode)
+    except ValueError:
+        raise ProbeError(f"unknown launch mode {mode!r}; expected one of {', '.join(Mode)}") from None
+    if mode is Mode.SPAWN:
+        return run_spawned(fn, args, t, backend, device, timeout_s)
+    if mode is Mode.FAKE:
+        return [run_fake(fn, args, t, device)]
+    if mode is Mode.SINGLE:
+        if t != 1:
+            raise ProbeError(f"mode single runs one rank, but t={t}; use spawn, fake or torchrun")
+        return [run_single(fn, args, device)]
+    world = os.environ.get("WORLD_SIZE", str(t))
+    if world != str(t):
+        raise ProbeError(f"t={t}, but torchrun started WORLD_SIZE={world} ranks (under torchrun t = WORLD_SIZE)")
+    result = run_torchrun(fn, args, timeout_s)
+    return [result] if os.environ["RANK"] == "0" else []
+
+
+def run_single(fn: RankFn, args: Sequence[Any] = (), device: str = "cpu") -> Any:
+    """fn on the t = 1 group, in this process, without any process group."""
+    return fn(single(device), *args)
+
+
+# -- fake: one process posing as one rank of t ---------------------------------
+
+
+def run_fake(fn: RankFn, args: Sequence[Any], t: int, device: str = "cpu", rank: int = 0) -> Any:
+    """fn as rank `rank` (0 by default) of t, in this process, through torch's fake process group.
+
+    torch 2.13 ships the fake group in its testing package: importing
+    torch.testing._internal.distributed.fake_pg registers backend "fake", which
+    `init_process_group` then builds from a `FakeStore`. It becomes the default
+    group for the duration of the call and is destroyed afterwards, so the call
+    can be repeated; since a process has one default group, a process that
+    already has one (a spawned worker, a torchrun rank) is refused.
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers backend "fake"
+
+    if dist.is_initialized():
+        raise ProbeError(
+            f"mode fake needs a process without a process group, but this one already belongs to one "
+            f"(backend {dist.get_backend()}, world size {dist.get_world_size()})"
+        )
+    with _joined("fake", rank, t, torch.device(device), store=FakeStore()) as tp:
+        return fn(tp, *args)
+
+
+# -- torchrun: this process is one rank of the job -----------------------------
+
+
+def under_torchrun() -> bool:
+    """Whether torchrun (or a launcher that sets the same variables) started this process."""
+    return all(name in os.environ for name in TORCHRUN_ENV)
+
+
+def run_torchrun(fn: RankFn, args: Sequence[Any] = (), timeout_s: float = DEFAULT_TIMEOUT_S) -> Any | None:
+    """fn on this torchrun rank, t = WORLD_SIZE; rank 0's result on rank 0, None on the others.
+
+    nccl on cuda:LOCAL_RANK when CUDA is available, gloo on the CPU otherwise.
+    Over several nodes the TP group spans them all, which is slow but exact:
+    the probe measures memory, not speed.
+    """
+    if not under_torchrun():
+        missing = ", ".join(name for name in TORCHRUN_ENV if name not in os.environ)
+        raise ProbeError(f"mode torchrun needs the environment torchrun sets, but {missing} is not set")
+    rank, t, local_rank = (int(os.environ[name]) for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    device = _rank_device("cuda" if backend == "nccl" else "cpu", local_rank)
+    with _joined(backend, rank, t, device, init_method="env://", timeout=timedelta(seconds=timeout_s)) as tp:
+        result = fn(tp, *args)
+    return result if rank == 0 else None
+
+
+# -- spawn: t local worker processes -------------------------------------------
+
+
+JOIN_ATTEMPTS = 2  # gloo rarely fails to connect ("Connection closed by peer"); a fresh group then works
+
+
+@dataclass(frozen=True)
+class _Job:
+    """Everything a spawned worker needs; pickled once, here, so a lambda fails before any process starts."""
+
+    fn: RankFn
+    args: tuple
+    t: int
+    backend: str
+    device: str
+    timeout_s: float
+
+
+class _JoinFailed(ProbeError):
+    """A rank could not form the process group before fn ran: worth one fresh attempt."""
+
+
+def run_spawned(
+    fn: RankFn,
+    args: Sequence[Any],
+    t: int,
+    backend: str = "gloo",
+    device: str = "cpu",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> list[Any]:
+    """fn on t fresh local processes, one per rank; their results in rank order.
+
+    A failing rank raises ProbeError naming the rank and its error in one line
+    (its traceback is chained as the cause); ranks that do not finish within
+    timeout_s raise ProbeError naming them. Either way every worker still
+    running is killed: the caller never hangs and leaves nothing behind. Only a
+    failure to form the group, before fn runs, is tried again (once).
+    """
+    _check_spawn(t, backend, device)
+    job = _Job(fn, tuple(args), t, backend, device, timeout_s)
+    try:
+        pickled = pickle.dumps(job)
+    except Exception as err:
+        raise ProbeError(
+            f"spawned ranks receive fn and its args by pickle, which failed ({err}); define fn at module level"
+        ) from err
+    for _ in range(JOIN_ATTEMPTS - 1):
+        try:
+            return _spawn_once(job, pickled)
+        except _JoinFailed:
+            pass
+    return _spawn_once(job, pickled)
+
+
+def _spawn_once(job: _Job, pickled: bytes) -> list[Any]:
+    """Start the t workers around a fresh store, collect their results, and stop them all."""
+    timeout = timedelta(seconds=job.timeout_s)
+    store = dist.TCPStore(LOCALHOST, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+    workers: list[tuple[multiprocessing.Process, connection.Connection]] = []
+    results = None
+    try:
+        context = _worker_context(job.fn)
+        for rank in range(job.t):
+            receiver, sender = context.Pipe(duplex=False)
+            process = context.Process(target=_spawned_rank, args=(rank, pickled, store.port, sender))
+            process.daemon = True  # dies with this process, whatever happens
+            process.start()
+            sender.close()  # keep only the worker's end open, so its death reads as end-of-file
+            workers.append((process, receiver))
+        results = _collect(workers, job, time.monotonic() + job.timeout_s)
+        return results
+    finally:
+        _stop(workers, grace_s=EXIT_GRACE_S if results is not None else 0.0)
+
+
+def _check_spawn(t: int, backend: str, device: str) -> None:
+    if t < 1:
+        raise ProbeError(f"t={t}: tensor parallelism needs at least one rank")
+    if backend not in ("gloo", "nccl"):
+        raise ProbeError(f"unknown backend {backend!r}; expected gloo or nccl")
+    if device not in ("cpu", "cuda"):
+        raise ProbeError(f"unknown device {device!r}; expected cpu or cuda")
+    if backend == "nccl" and device != "cuda":
+        raise ProbeError("backend nccl runs on GPUs only; use device cuda, or backend gloo on the CPU")
+    if device == "cuda" and torch.cuda.device_count() < t:
+        raise ProbeError(f"t={t} needs {t} GPUs (one per rank), but torch sees {torch.cuda.device_count()}")
+
+
+# Imported once in the forkserver rather than in every worker. torch's first backward imports
+# symbolic_shapes, and with it sympy: seconds per worker on a small machine.
+FORKSERVER_PRELOAD = ["__main__", "torch", "torch.fx.experimental.symbolic_shapes", __name__]
+
+
+def _worker_context(fn: RankFn) -> multiprocessing.context.BaseContext:
+    """The forkserver context; the preload (with fn's module) counts only when the server first starts."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([*FORKSERVER_PRELOAD, fn.__module__])
+    return context
+
+
+def _spawned_rank(rank: int, pickled_job: bytes, store_port: int, sender: connection.Connection) -> None:
+    """One worker: join the group, run fn, send home its result or its error, leave."""
+    status = "failed"  # what an error at this point means to the parent; "unjoined" is tried again
+    try:
+        job: _Job = pickle.loads(pickled_job)  # here, so that a module fn cannot be imported from is reported
+        status = "unjoined"
+        timeout = timedelta(seconds=job.timeout_s)
+        store = dist.TCPStore(LOCALHOST, store_port, is_master=False, timeout=timeout)
+        device = _rank_device(job.device, rank)
+        with _joined(job.backend, rank, job.t, device, store=store, timeout=timeout) as tp:
+            status = "failed"
+            # Sent before leaving the group: after a failure, leaving may wait on peers stuck in a collective.
+            sender.send_bytes(_outcome(job.fn, tp, job.args))
+    except BaseException as err:  # loading, joining or leaving failed; the parent reads only the first message
+        sender.send_bytes(_failure(err, status))
+
+
+def _outcome(fn: RankFn, tp: TensorParallelGroup, args: tuple) -> bytes:
+    """The pickled ("ok", result) of fn(tp, *args), or its pickled failure."""
+    try:
+        return pickle.dumps(("ok", fn(tp, *args)))
+    except BaseException as err:
+        return _failure(err, "failed")
+
+
+def _failure(err: BaseException, status: str) -> bytes:
+    """(status, the error in one line with where it was raised, its traceback), pickled."""
+    where = traceback.extract_tb(err.__traceback__)[-1:]
+    at = f" (at {os.path.basename(where[0].filename)}:{where[0].lineno} in {where[0].name})" if where else ""
+    line = " ".join(f"{type(err).__name__}: {err}".split())
+    return pickle.dumps((status, line + at, traceback.format_exc()))
+
+
+class _RemoteTraceback(Exception):
+    """A worker's traceback, chained under the ProbeError so a debug run can print it."""
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+def _collect(workers: list, job: _Job, deadline: float) -> list[Any]:
+    """Each worker's result, in rank order; the first failure, death or the deadline raises."""
+    results: dict[int, Any] = {}
+    while len(results) < job.t:
+        waiting = {rank: worker for rank, worker in enumerate(workers) if rank not in results}
+        receivers = [receiver for _, receiver in waiting.values()]
+        ready = connection.wait(receivers, timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            late = ", ".join(str(rank) for rank in waiting)
+            raise ProbeError(
+                f"rank(s) {late} of t={job.t} ({job.backend}) did not finish within {job.timeout_s:g} s; "
+                "stopped all workers"
+            )
+        for rank, (process, receiver) in waiting.items():
+            if receiver in ready:
+                results[rank] = _received(rank, process, receiver, job)
+    return [results[rank] for rank in range(job.t)]
+
+
+def _received(rank: int, process: multiprocessing.Process, receiver: connection.Connection, job: _Job) -> Any:
+    """One worker's result, or the ProbeError that its failure or silent death amounts to."""
+    who = f"rank {rank} of t={job.t} ({job.backend})"
+    try:
+        status, *payload = pickle.loads(receiver.recv_bytes())
+    except EOFError:
+        process.join(timeout=1.0)
+        raise ProbeError(f"{who} died without a result (exit code {process.exitcode})") from None
+    if status == "ok":
+        return payload[0]
+    message, remote = payload
+    if status == "unjoined":
+        raise _JoinFailed(f"{who} could not join the process group: {message}") from _RemoteTraceback(remote)
+    raise ProbeError(f"{who} failed: {message}") from _RemoteTraceback(remote)
+
+
+def _stop(workers: list, grace_s: float) -> None:
+    """Let workers exit within grace_s, then kill whatever is left."""
+    deadline = time.monotonic() + grace_s
+    for process, receiver in workers:
+        process.join(timeout=max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join()
+        receiver.close()
+
+
+# -- shared by every mode with a process group ---------------------------------
+
+
+@contextmanager
+def _joined(
+    backend: str, rank: int, t: int, device: torch.device, **init: Any
+) -> Iterator[TensorParallelGroup]:
+    """Membership of a t-rank default process group for the duration of the block."""
+    dist.init_process_group(backend, rank=rank, world_size=t, **init)
+    try:
+        yield TensorParallelGroup(dist.group.WORLD, rank, t, backend, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def _rank_device(kind: str, index: int) -> torch.device:
+    """cpu, or the GPU cuda:index made current (one GPU per rank)."""
+    if kind != "cuda":
+        return torch.device("cpu")
+    device = torch.device("cuda", index)
+    torch.cuda.set_device(device)
+    return device

@@ -1,0 +1,69 @@
+"""One transformer layer on one tensor-parallel rank, built to save what the ledger says.
+
+Megatron's pre-norm block, sequence-first (hidden states are (s, b, h)):
+
+    x -> norm1 -> attention (QKV | core | out-proj) -> dropout -> + x
+      -> norm2 -> MLP (fc1 | GELU or SwiGLU | fc2)   -> dropout -> +
+
+Every knob of `memcalc estimate` is a constructor choice here: the MLP's
+activation, grouped-query attention, the norm, dropout, eager or flash attention,
+recomputation and dtype. Under TP each rank holds a/t heads, g/t K/V groups and
+f/t of the MLP; under SP the layer's input and output are this rank's sequence
+shard (s/t, b, h) and the column-parallel linears all-gather it themselves.
+
+Every tensor the layer makes that the ledger lists is labelled with the ledger's
+name (`recorder.label`), so a recorded run reads as the ledger does. Dropout is
+`torch.native_dropout`, which keeps a 1-byte mask; on the CPU `F.dropout` would
+keep a mask in the activation dtype instead (on CUDA it runs native_dropout).
+"""
+
+from __future__ import annotations
+
+from memcalc import ledger
+from memcalc.config import ModelConfig
+from memcalc.ledger import SavedTensor
+from memcalc.probe import require_torch
+from memcalc.probe.attention import SelfAttention
+from memcalc.probe.checkpoint import checkpoint
+from memcalc.probe.group import TensorParallelGroup
+from memcalc.probe.mlp import MLP
+from memcalc.probe.norm import Norm
+from memcalc.probe.recorder import batch_first, label
+
+torch = require_torch()
+from torch import nn  # noqa: E402  (after the install check above)
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+class TransformerLayer(nn.Module):
+    """The block for `config` on rank `tp.rank` of `tp.size`; SP if `sequence_parallel`."""
+
+    def __init__(self, config: ModelConfig, tp: TensorParallelGroup, sequence_parallel: bool) -> None:
+        super().__init__()
+        dtype = DTYPES[config.dtype]
+        self.ln1 = Norm(config.norm, config.h, ledger.LN1, dtype, tp.device)
+        self.attention = SelfAttention(config, tp, sequence_parallel, dtype)
+        self.ln2 = Norm(config.norm, config.h, ledger.LN2, dtype, tp.device)
+        self.mlp = MLP(config, tp, sequence_parallel, dtype)
+        self.dropout = config.dropout
+        self.full_recompute = config.recompute == "full"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(s, b, h) -> (s, b, h), or (s/t, b, h) in and out under SP."""
+        if self.full_recompute:
+            label(batch_first(x), ledger.LAYER_INPUT)
+            return checkpoint(self._block, x)  # keeps x alone; the block reruns in backward
+        return self._block(x)
+
+    def _block(self, x: torch.Tensor) -> torch.Tensor:
+        x = _dropout_add(self.attention(self.ln1(x)), x, self.dropout, ledger.ATTN_OUT_DROPOUT_MASK)
+        return _dropout_add(self.mlp(self.ln2(x)), x, self.dropout, ledger.MLP_DROPOUT_MASK)
+
+
+def _dropout_add(x: torch.Tensor, residual: torch.Tensor, p: float, mask: SavedTensor) -> torch.Tensor:
+    """residual + dropout(x): the dropout keeps its 1-byte mask, the add keeps nothing."""
+    if p > 0:
+        x, keep = torch.native_dropout(x, p, True)
+        label(batch_first(keep), mask)
+    return residual + x

@@ -1,0 +1,155 @@
+"""Column- and row-parallel linears, the pair that tensor parallelism splits (seed, sections 3-4).
+
+A column-parallel linear holds a block of the weight's rows (out/t outputs); a
+row-parallel linear holds a block of its columns (in/t inputs) and sums partial
+results across ranks. Chained column -> row (fc1 -> fc2, QKV -> out-proj), the
+tensor between them never leaves its rank:
+
+    not SP:  x (s, b, h) --f--> column --> (s, b, 4h/t) --> row --> f* --> (s, b, h)
+    SP:      x (s/t, b, h) --g--> column --> (s, b, 4h/t) --> row --> g* --> (s/t, b, h)
+
+Under SP the column linear fuses g into its GEMM, as Megatron's
+LinearWithGradAccumulationAndAsyncCommunication does, so that it saves only its
+input's sequence shard for backward and all-gathers it again there (the seed's
+"nothing of size (b, s, h) is kept whole").
+
+Weights start from a seeded generator on the *full* (unsharded) matrix, cut
+into this rank's block: any t then holds the same model, so results compare
+across t. That costs one full weight on the CPU while a layer is built.
+"""
+
+from __future__ import annotations
+
+import math
+
+from memcalc.errors import ProbeError
+from memcalc.probe import require_torch
+from memcalc.probe.group import TensorParallelGroup
+from memcalc.probe.mappings import (
+    all_gather_seq,
+    f_enter_tp,
+    f_star_leave_tp,
+    g_star_scatter_seq,
+    reduce_scatter_seq,
+)
+
+torch = require_torch()
+from torch import nn  # noqa: E402  (after the install check above)
+from torch.nn import functional as F  # noqa: E402
+
+
+class _GatheredInputLinear(torch.autograd.Function):
+    """g fused into a column-parallel GEMM under SP: forward all-gather along s, backward
+    reduce-scatter along s, saving only the input's sequence shard (no (s, b, h) tensor)."""
+
+    @staticmethod
+    def forward(ctx, x_shard, weight, bias, tp):
+        ctx.save_for_backward(x_shard, weight)  # the caller's shard itself, not the gathered input
+        ctx.tp = tp
+        ctx.has_bias = bias is not None
+        x_full = all_gather_seq(x_shard, tp)  # (s, b, in), dropped when forward returns
+        return F.linear(x_full, weight, bias)  # (s, b, out/t)
+
+    @staticmethod
+    def backward(ctx, grad_out):  # (s, b, out/t)
+        x_shard, weight = ctx.saved_tensors
+        x_full = all_gather_seq(x_shard, ctx.tp)  # gathered again: forward kept only the shard
+        grad_x = reduce_scatter_seq(grad_out @ weight, ctx.tp)  # partial dX (s, b, in) -> (s/t, b, in)
+        grad_rows = grad_out.reshape(-1, grad_out.shape[-1])  # (s*b, out/t)
+        grad_weight = grad_rows.t() @ x_full.reshape(-1, x_full.shape[-1])  # (out/t, in)
+        grad_bias = grad_rows.sum(dim=0) if ctx.has_bias else None
+        return grad_x, grad_weight, grad_bias, None
+
+
+class _ParallelLinear(nn.Module):
+    """What both halves share: a weight block, an optional bias, seeded init and shard loading."""
+
+    shard_dim: int  # the full weight's dim cut by rank: 0 rows (column-parallel), 1 columns (row-parallel)
+    bias_is_split: bool  # column: each rank owns its outputs' bias; row: the whole bias, added after the sum
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        tp: TensorParallelGroup,
+        sequence_parallel: bool,
+        bias: bool = True,
+        dtype: torch.dtype | None = None,
+        device: str | torch.device | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.tp, self.sequence_parallel = tp, sequence_parallel
+        factory = {"dtype": dtype, "device": tp.device if device is None else device}
+        self.weight = nn.Parameter(torch.empty(self._shard_shape((out_features, in_features)), **factory))
+        self.bias = None
+        if bias:
+            bias_features = tp.divide(out_features, "out_features") if self.bias_is_split else out_features
+            self.bias = nn.Parameter(torch.empty(bias_features, **factory))
+            # A whole bias added to a sequence shard gets a partial gradient; Megatron marks such
+            # parameters so that their gradients are summed across ranks before an optimizer step.
+            self.bias.sequence_parallel = sequence_parallel and not self.bias_is_split
+        self.load_shard_of(*self._seeded_full_weights(seed))
+
+    def _shard_shape(self, full: tuple[int, int]) -> list[int]:
+        shape = list(full)
+        what = ("out_features", "in_features")[self.shard_dim]
+        shape[self.shard_dim] = self.tp.divide(full[self.shard_dim], what)
+        return shape
+
+    def _seeded_full_weights(self, seed: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """nn.Linear's uniform(+-1/sqrt(in)) init of the whole unsharded layer, drawn from `seed`."""
+        generator = torch.Generator().manual_seed(seed)
+        bound = 1 / math.sqrt(self.in_features)
+        weight = torch.empty(self.out_features, self.in_features).uniform_(-bound, bound, generator=generator)
+        bias = torch.empty(self.out_features).uniform_(-bound, bound, generator=generator)
+        return weight, bias if self.bias is not None else None
+
+    @torch.no_grad()
+    def load_shard_of(self, full_weight: torch.Tensor, full_bias: torch.Tensor | None = None) -> None:
+        """Copy in this rank's block of a full (out_features, in_features) weight, and of its bias."""
+        expected = (self.out_features, self.in_features)
+        if tuple(full_weight.shape) != expected:
+            raise ProbeError(f"full weight has shape {tuple(full_weight.shape)}, expected {expected}")
+        self.weight.copy_(self.tp.block(full_weight, self.shard_dim, "weight"))
+        if full_bias is not None:
+            if self.bias is None:
+                raise ProbeError("a bias was given to a linear built with bias=False")
+            self.bias.copy_(self.tp.block(full_bias, 0, "bias") if self.bias_is_split else full_bias)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, t={self.tp.size}, "
+            f"sequence_parallel={self.sequence_parallel}, bias={self.bias is not None}"
+        )
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """y = x W^T + b, W's rows and b split by rank: (s, b, in), or (s/t, b, in) under SP -> (s, b, out/t)."""
+
+    shard_dim = 0
+    bias_is_split = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel and self.tp.size > 1:
+            return _GatheredInputLinear.apply(x, self.weight, self.bias, self.tp)
+        return F.linear(f_enter_tp(x, self.tp), self.weight, self.bias)  # autograd saves x itself and W
+
+
+class RowParallelLinear(_ParallelLinear):
+    """y = (sum over ranks of x_r W_r^T) + b: (s, b, in/t) -> (s, b, out), or (s/t, b, out) under SP.
+
+    The bias is whole on every rank and added after the reduction. Under SP each
+    rank adds it to its own sequence shard only, so its gradient here is a
+    partial sum over that shard, and the bias is marked `sequence_parallel`.
+    """
+
+    shard_dim = 1
+    bias_is_split = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        partial = F.linear(x, self.weight)  # (s, b, out): this rank's share of the sum
+        leave = g_star_scatter_seq if self.sequence_parallel else f_star_leave_tp
+        y = leave(partial, self.tp)  # (s, b, out), or (s/t, b, out) under SP
+        return y if self.bias is None else y + self.bias

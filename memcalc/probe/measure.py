@@ -1,0 +1,298 @@
+"""Run the probe's layer under each strategy and hold what it saved up against the ledger.
+
+Each rank builds the layer with seeded weights, feeds it the full input (s, b, h)
+or, under SP, its sequence shard, runs forward inside a `SavedTensorRecorder`
+(and, on CUDA, between readings of torch.cuda's allocator), then backward once
+to show the graph is whole. The prediction is `memcalc.evaluate.estimate` with
+exact accounting for the device the layer actually ran on; the two are compared
+name by name, in bytes and in per-rank shape (batch-first, as the ledger writes it).
+
+Which way the ranks run (`choose_launch`, for --launch auto):
+
+    torchrun's variables are set          -> torchrun (t = WORLD_SIZE)
+    t = 1, or the strategy is none        -> single: this process
+    --backend given                       -> spawn: t processes, real collectives
+    --device cuda with >= t GPUs          -> spawn with nccl
+    otherwise                             -> fake: rank 0 of t through torch's fake group
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from dataclasses import dataclass
+
+from memcalc.config import ModelConfig
+from memcalc.errors import ConfigError
+from memcalc.evaluate import LayerEstimate, check_strategy, estimate
+from memcalc.layer import Accounting
+from memcalc.ledger import Region
+from memcalc.probe import require_torch
+from memcalc.probe.group import TensorParallelGroup
+from memcalc.probe.launch import Mode, run, under_torchrun
+from memcalc.probe.layer import DTYPES, TransformerLayer
+from memcalc.probe.mappings import copy_seq_shard
+from memcalc.probe.recorder import SavedStorage, SavedTensorRecorder
+from memcalc.strategy import STRATEGIES, Strategy
+
+torch = require_torch()
+
+INPUT_SEED = 1234
+
+
+# -- on each rank ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CudaMemory:
+    """torch.cuda's allocator around the forward pass, in bytes above where it started."""
+
+    kept: int  # still allocated after forward: saved tensors and the layer's output, in allocator blocks
+    peak: int  # the most allocated at any moment during forward
+
+
+@dataclass(frozen=True)
+class RankResult:
+    """What one rank saved for backward: plain values, so it pickles home from a worker."""
+
+    strategy: str
+    rank: int
+    t: int
+    group: str  # the group's mode: single, gloo, nccl or fake
+    device: str  # cpu or cuda: decides the width of norm statistics
+    saved: tuple[SavedStorage, ...]
+    cuda: CudaMemory | None
+
+
+def measure_on_rank(tp: TensorParallelGroup, cases: tuple[tuple[ModelConfig, str], ...]) -> list[RankResult]:
+    """The per-rank entry point for `launch.run`: each (config, strategy name) in turn."""
+    return [measure_layer(tp, config, STRATEGIES[name]) for config, name in cases]
+
+
+def measure_layer(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy) -> RankResult:
+    """Build the layer, record one forward pass, run backward once."""
+    torch.manual_seed(INPUT_SEED + tp.rank)  # dropout masks; weights are seeded by the linears
+    sequence_parallel = Region.SEQUENCE in strategy.splits
+    layer = TransformerLayer(config, tp, sequence_parallel)
+    x = _layer_input(config, tp, sequence_parallel)
+    start = _cuda_start(tp.device)
+    with SavedTensorRecorder(layer.parameters()) as recorder:
+        y = layer(x)
+    cuda = _cuda_end(tp.device, start)
+    y.backward(torch.ones_like(y))
+    return RankResult(strategy.name, tp.rank, tp.size, tp.mode, tp.device.type, recorder.saved, cuda)
+
+
+def _layer_input(config: ModelConfig, tp: TensorParallelGroup, sequence_parallel: bool) -> torch.Tensor:
+    """The same full input on every rank, or this rank's sequence shard of it, in a storage of its own.
+
+    It requires grad, as every layer's input past the embedding does.
+    """
+    generator = torch.Generator().manual_seed(INPUT_SEED)
+    full = torch.randn(config.s, config.b, config.h, generator=generator).to(DTYPES[config.dtype])
+    x = copy_seq_shard(full, tp) if sequence_parallel else full
+    return x.to(tp.device).requires_grad_()
+
+
+def _cuda_start(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
+
+
+def _cuda_end(device: torch.device, start: int | None) -> CudaMemory | None:
+    if start is None:
+        return None
+    torch.cuda.synchronize(device)
+    return CudaMemory(torch.cuda.memory_allocated(device) - start, torch.cuda.max_memory_allocated(device) - start)
+
+
+# -- prediction next to measurement ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class Row:
+    """One tensor: the ledger's bytes and shape next to the measured ones (0 and None when absent)."""
+
+    name: str
+    predicted: int
+    measured: int
+    predicted_shape: tuple[int, ...] | None
+    measured_shape: tuple[int, ...] | None
+
+    @property
+    def matches(self) -> bool:
+        return self.predicted == self.measured and self.predicted_shape == self.measured_shape
+
+    def describe(self) -> str:
+        """What differs, for a one-line error."""
+        if self.predicted != self.measured:
+            return f"{self.name} ({self.measured - self.predicted:+,} B)"
+        return f"{self.name} (shape {self.measured_shape}, expected {self.predicted_shape})"
+
+
+def compare(prediction: LayerEstimate, saved: tuple[SavedStorage, ...]) -> tuple[Row, ...]:
+    """Rows in ledger order, then labelled tensors the ledger did not predict, then unlabelled storages."""
+    measured: dict[str, list[SavedStorage]] = defaultdict(list)
+    for storage in saved:
+        if storage.name is not None:
+            measured[storage.name].append(storage)
+    rows = [_row(p.tensor.name, p.bytes, p.shape, measured.pop(p.tensor.name, [])) for p in prediction.tensors]
+    rows += [_row(name, 0, None, storages) for name, storages in measured.items()]
+    rows += [
+        Row(f"unlabelled {s.dtype} storage", 0, s.nbytes, None, s.shape) for s in saved if s.name is None
+    ]
+    return tuple(rows)
+
+
+def _row(name: str, predicted: int, shape: tuple[int, ...] | None, storages: list[SavedStorage]) -> Row:
+    """A ledger name's row; two storages under one name show as their sum and no single shape."""
+    measured_shape = storages[0].shape if len(storages) == 1 else None
+    return Row(name, predicted, sum(s.nbytes for s in storages), shape, measured_shape)
+
+
+# -- launching -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How a strategy's ranks run: the launch mode, t, and for spawn the backend."""
+
+    mode: Mode
+    t: int
+    device: str
+    backend: str | None = None
+
+
+def choose_launch(t: int, device: str, backend: str | None, launch: str = "auto") -> Launch:
+    """The launch for t ranks (see the module docstring), or ConfigError if the flags cannot work here."""
+    _check_device(device, backend)
+    mode = _auto_mode(t, device, backend) if launch == "auto" else Mode(launch)
+    if mode is Mode.SINGLE and t != 1:
+        raise ConfigError(f"--launch single runs one rank, but t={t}; use spawn, fake or torchrun")
+    if mode is Mode.TORCHRUN:
+        _check_torchrun(t)
+    if mode is Mode.SPAWN:
+        backend = backend or ("nccl" if device == "cuda" else "gloo")
+        if device == "cuda" and torch.cuda.device_count() < t:
+            raise ConfigError(f"t={t} spawned ranks need {t} GPUs, but torch sees {torch.cuda.device_count()}")
+    elif backend is not None and mode is not Mode.TORCHRUN:
+        raise ConfigError(f"--backend {backend} applies to spawned ranks, but this run is {mode.value}")
+    return Launch(mode, t, device, backend)
+
+
+def _auto_mode(t: int, device: str, backend: str | None) -> Mode:
+    if under_torchrun():
+        return Mode.TORCHRUN
+    if t == 1:
+        return Mode.SINGLE
+    if backend is not None or (device == "cuda" and torch.cuda.device_count() >= t):
+        return Mode.SPAWN
+    return Mode.FAKE
+
+
+def _check_device(device: str, backend: str | None) -> None:
+    if backend == "nccl" and device != "cuda":
+        raise ConfigError("--backend nccl runs on GPUs only; add --device cuda, or use --backend gloo")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda, but torch sees no GPU (this torch build or machine has no CUDA)")
+
+
+def _check_torchrun(t: int) -> None:
+    if not under_torchrun():
+        raise ConfigError("--launch torchrun needs torchrun's environment; start with torchrun -m memcalc measure ...")
+    world = int(os.environ["WORLD_SIZE"])
+    if world != t:
+        raise ConfigError(f"t={t}, but torchrun started WORLD_SIZE={world} ranks; under torchrun t is the world size")
+
+
+# -- the whole measurement -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StrategyMeasurement:
+    """One strategy: how it ran, the prediction, and each rank's rows (rank 0 first)."""
+
+    strategy: Strategy
+    launch: Launch
+    prediction: LayerEstimate
+    ranks: tuple[RankResult, ...]
+    rows: tuple[tuple[Row, ...], ...]  # per rank, in rank order
+
+    @property
+    def matches(self) -> bool:
+        return all(row.matches for rows in self.rows for row in rows)
+
+    @property
+    def predicted_bytes(self) -> int:
+        return self.prediction.per_layer_bytes
+
+    @property
+    def measured_bytes(self) -> int:
+        return sum(s.nbytes for s in self.ranks[0].saved)
+
+    def how(self) -> str:
+        """Which way the ranks ran, in words, for output."""
+        t, group, device = self.launch.t, self.ranks[0].group, self.ranks[0].device
+        if self.launch.mode is Mode.SINGLE:
+            return f"one process (t=1) on {device}"
+        if self.launch.mode is Mode.FAKE:
+            return f"one process as rank 0 of t={t} through torch's fake process group on {device} (no data moves)"
+        if self.launch.mode is Mode.SPAWN:
+            return f"{t} processes started here, real {group} collectives on {device}; all {t} ranks compared"
+        return f"torchrun: t={t} ranks, real {group} collectives on {device}; rank 0 compared"
+
+    def differences(self) -> list[str]:
+        """Each tensor that differs, prefixed with its rank when it is not rank 0."""
+        return [
+            f"{'' if result.rank == 0 else f'rank {result.rank}: '}{row.describe()}"
+            for result, rows in zip(self.ranks, self.rows)
+            for row in rows
+            if not row.matches
+        ]
+
+
+def measure(
+    config: ModelConfig, strategies: list[str], device: str, backend: str | None, launch: str, timeout_s: float
+) -> list[StrategyMeasurement]:
+    """Measure each strategy; everything is checked before any rank starts.
+
+    Returns nothing on a torchrun rank other than 0: rank 0 reports for the job.
+    """
+    if config.cp != 1:
+        raise ConfigError(f"cp={config.cp}: the probe runs one layer without context parallelism; measure with cp=1")
+    plans = {name: _plan(config, STRATEGIES[name], device, backend, launch) for name in strategies}
+    by_launch: dict[Launch, list[str]] = defaultdict(list)
+    for name, plan in plans.items():
+        by_launch[plan].append(name)
+    ranks: dict[str, list[RankResult]] = {}
+    # Ranks under torchrun first: rank 0 must not keep the others waiting while it runs "none" alone.
+    for plan in sorted(by_launch, key=lambda p: p.mode is not Mode.TORCHRUN):
+        if plan.mode is Mode.SINGLE and under_torchrun() and int(os.environ["RANK"]) != 0:
+            return []
+        per_rank = run(
+            measure_on_rank, (tuple((config, name) for name in by_launch[plan]),), mode=plan.mode, t=plan.t,
+            backend=plan.backend or "gloo", device=device, timeout_s=timeout_s,
+        )
+        if not per_rank:  # a torchrun rank other than 0
+            return []
+        for index, name in enumerate(by_launch[plan]):
+            ranks[name] = [results[index] for results in per_rank]
+    return [_compared(STRATEGIES[name], plans[name], config, ranks[name]) for name in strategies]
+
+
+def _plan(config: ModelConfig, strategy: Strategy, device: str, backend: str | None, launch: str) -> Launch:
+    """The launch for one strategy; "none" always runs in this process, as t = 1."""
+    check_strategy(config, strategy)
+    if strategy.splits:
+        return choose_launch(config.t, device, backend, launch)
+    _check_device(device, backend)
+    return Launch(Mode.SINGLE, 1, device)
+
+
+def _compared(strategy: Strategy, plan: Launch, config: ModelConfig, ranks: list[RankResult]) -> StrategyMeasurement:
+    prediction = estimate(config, strategy, Accounting(exact=True, device=ranks[0].device))
+    rows = tuple(compare(prediction, result.saved) for result in ranks)
+    return StrategyMeasurement(strategy, plan, prediction, tuple(ranks), rows)

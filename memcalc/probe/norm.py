@@ -1,0 +1,85 @@
+"""The layer's two norms, LayerNorm and RMSNorm, labelling what they keep for backward.
+
+LayerNorm is torch's own kernel (`native_layer_norm`, what `F.layer_norm` runs),
+called directly so that its saved mean and rstd can be labelled. Their width is
+the kernel's: fp32 on CUDA, the input's dtype on the CPU.
+
+RMSNorm is a small autograd function in the style of the fused kernels Megatron
+uses (Apex, Transformer Engine): it keeps the input and each token's rstd,
+nothing else. torch 2.13's `F.rms_norm` on the CPU is not fused: it keeps fp32
+copies of the input and of intermediate products instead. The rstd is kept at
+the width the device's LayerNorm kernel keeps its statistics, so the two norms
+differ only in the missing mean.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from memcalc.ledger import NormTensors
+from memcalc.probe import require_torch
+from memcalc.probe.recorder import batch_first, label
+
+torch = require_torch()
+from torch import nn  # noqa: E402  (after the install check above)
+
+EPS = 1e-5
+
+
+class Norm(nn.Module):
+    """LayerNorm or RMSNorm over the hidden dim of (s, b, h), labelled as `names`."""
+
+    def __init__(self, kind: str, h: int, names: NormTensors, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.kind, self.names = kind, names
+        self.weight = nn.Parameter(torch.ones(h, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.zeros(h, dtype=dtype, device=device)) if kind == "layernorm" else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        label(batch_first(x), self.names.input)
+        if self.kind == "layernorm":
+            y, mean, rstd = torch.native_layer_norm(x, x.shape[-1:], self.weight, self.bias, EPS)
+            label(batch_first(mean.squeeze(-1)), self.names.mean)  # (s, b, 1) -> (b, s)
+        else:
+            y, rstd = _RMSNorm.apply(x, self.weight)
+        label(batch_first(rstd.squeeze(-1)), self.names.rstd)
+        return y
+
+
+class _RMSNorm(torch.autograd.Function):
+    """y = x / rms(x) * weight, keeping x and rstd = 1/rms(x) (s, b, 1) for backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        wide = _wide(x)
+        rstd = torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + EPS)  # (s, b, 1)
+        y = (wide * rstd).to(x.dtype) * weight
+        rstd = rstd.to(norm_stats_dtype(x))
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.mark_non_differentiable(rstd)
+        return y, rstd
+
+    @staticmethod
+    def backward(ctx, grad_y, _grad_rstd):
+        x, weight, rstd = ctx.saved_tensors
+        x_hat = _wide(x) * _wide(rstd)  # the normalised input, rebuilt from x
+        grad_x_hat = _wide(grad_y) * _wide(weight)
+        grad_x = _wide(rstd) * (grad_x_hat - x_hat * (grad_x_hat * x_hat).mean(-1, keepdim=True))
+        grad_weight = (_wide(grad_y) * x_hat).reshape(-1, x.shape[-1]).sum(0)
+        return grad_x.to(x.dtype), grad_weight.to(weight.dtype)
+
+
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """x in at least fp32, the precision fused norm kernels compute in."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+@lru_cache(maxsize=None)
+def _stats_dtype(device_type: str, dtype: torch.dtype) -> torch.dtype:
+    probe = torch.zeros(1, 2, dtype=dtype, device=device_type)
+    return torch.native_layer_norm(probe, (2,), None, None, EPS)[2].dtype
+
+
+def norm_stats_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype torch's LayerNorm kernel keeps its statistics in, for x's dtype on x's device."""
+    return _stats_dtype(x.device.type, x.dtype)

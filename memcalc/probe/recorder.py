@@ -1,0 +1,106 @@
+"""Count what autograd really keeps for backward, storage by storage, under ledger names.
+
+While a `SavedTensorRecorder` is active, autograd hands every tensor it saves
+for backward to the recorder's pack hook (`torch.autograd.graph.saved_tensors_hooks`),
+custom autograd functions' `ctx.save_for_backward` included. The recorder
+counts each *storage* once, at its full size: ops often save a view (linear
+saves its input flattened to 2-D, a matmul saves K^T), and a view keeps its
+whole storage alive, so storage bytes are the real memory. Parameters are not
+activations and are skipped.
+
+The layer names the tensors it makes with `label(tensor, ledger.X)`, as a view
+in the ledger's axis order (batch first), so that a saved storage can be shown
+next to the ledger's prediction with its shape. A saved storage nobody labelled
+is reported without a name: that is how a tensor the ledger does not know about
+shows up. Labels made while gradients are disabled are ignored: nothing
+computed then is saved, and a checkpoint's no-grad forward must not rename the
+inputs the checkpoint itself keeps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+from memcalc.errors import ProbeError
+from memcalc.ledger import SavedTensor
+from memcalc.probe import require_torch
+
+torch = require_torch()
+
+_active: list[SavedTensorRecorder] = []  # the recorders in effect, innermost last
+
+
+@dataclass(frozen=True)
+class SavedStorage:
+    """One storage autograd kept for backward: plain values, so results pickle across processes."""
+
+    name: str | None  # the ledger name it was labelled with, None if unlabelled
+    nbytes: int
+    shape: tuple[int, ...]  # the labelled view's shape, or the saved tensor's if unlabelled
+    dtype: str
+
+
+def label(tensor: torch.Tensor, saved: SavedTensor) -> None:
+    """Name the storage under `tensor` after the ledger entry `saved`, for the active recorder.
+
+    Pass the tensor as a view in the ledger's axis order: its shape is the one reported.
+    """
+    if _active and torch.is_grad_enabled():
+        _active[-1].add_label(tensor, saved)
+
+
+def batch_first(x: torch.Tensor) -> torch.Tensor:
+    """A sequence-first (s, b, ...) tensor as a (b, s, ...) view: the ledger's axis order, for labels."""
+    return x.transpose(0, 1)
+
+
+class SavedTensorRecorder:
+    """Context manager: every storage saved for backward inside it, deduplicated and labelled."""
+
+    def __init__(self, parameters: Iterable[torch.Tensor] = ()) -> None:
+        self._parameter_storages = {_storage_key(p) for p in parameters}
+        self._saved: dict[int, torch.Tensor] = {}  # storage key -> first saved tensor using it
+        # Labels hold their tensor until the recorder closes, so no storage address is
+        # reused for another tensor while labels and saved storages are being matched.
+        self._labels: dict[int, tuple[str, torch.Tensor]] = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        self.saved: tuple[SavedStorage, ...] = ()
+
+    def __enter__(self) -> SavedTensorRecorder:
+        _active.append(self)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._hooks.__exit__(*exc_info)
+        _active.remove(self)
+        self.saved = tuple(self._describe(key, tensor) for key, tensor in self._saved.items())
+        self._saved.clear()
+        self._labels.clear()
+
+    def add_label(self, tensor: torch.Tensor, saved: SavedTensor) -> None:
+        key = _storage_key(tensor)
+        known = self._labels.get(key)
+        if known is not None and known[0] != saved.name:
+            raise ProbeError(f"one storage labelled both {known[0]} and {saved.name}: the probe's layer has a bug")
+        self._labels[key] = (saved.name, tensor)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(tensor)
+        if key not in self._parameter_storages:
+            self._saved.setdefault(key, tensor)
+        return tensor  # unchanged: backward must still work
+
+    def _describe(self, key: int, tensor: torch.Tensor) -> SavedStorage:
+        name, labelled = self._labels.get(key, (None, tensor))
+        storage = tensor.untyped_storage()
+        return SavedStorage(name, storage.nbytes(), tuple(labelled.shape), str(tensor.dtype).removeprefix("torch."))
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor

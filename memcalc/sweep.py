@@ -1,0 +1,527 @@
+"""Sweeps: many configurations evaluated at once, from the ledger, with numpy.
+
+Each of b, s, h, a, t, L takes a list or a range of values (`parse_values`);
+every combination is a point of a grid, and every point is evaluated under
+every chosen strategy. The bytes come from the code a single estimate uses,
+`evaluate.dim_sizes` and `evaluate.rank_shape`, applied to numpy arrays that lie
+along separate axes: broadcasting builds each tensor's bytes over the whole
+grid in a few array operations, with no Python loop over points and no second
+copy of any formula.
+
+A point that breaks a divisibility rule gets no number. It is dropped, and the
+drops are counted by rule (`Skip`), each with an example worded the way
+`memcalc.config` words it. Bytes are exact int64; a sweep whose bytes could
+pass 2^63 is refused before anything is computed, never wrapped.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from dataclasses import dataclass
+from math import prod
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+
+from memcalc.config import ModelConfig, ModelKnobs, build_knobs
+from memcalc.errors import ConfigError
+from memcalc.evaluate import dim_sizes, rank_shape
+from memcalc.layer import Accounting, Knobs, element_bytes, layer_tensors
+from memcalc.ledger import Region
+from memcalc.strategy import Strategy
+
+SIZES = ("b", "s", "h", "a", "t", "L")  # the grid's axes, in this order
+MAX_SIZE = 2**40  # far above any model; keeps 4h and every per-rank dimension exact in int64
+MAX_ROWS = 10_000_000  # points x strategies; about 1 GB of arrays at the peak
+INT64_MAX = 2**63 - 1
+
+RANGE_SYNTAX = "a list 1024,2048, a range start:stop[:step] (stop included) or start:stop:xK"
+
+
+# --- Values of one size -------------------------------------------------------
+
+def parse_values(text: str) -> Sequence[int]:
+    """The values a flag like `--s` stands for, in order.
+
+    '1024,2048' -> (1024, 2048); '1:64' -> 1..64; '64:640000:64' -> 64, 128, ..,
+    640000; '1024:32768:x2' -> 1024, 2048, .., 32768. A stop is included when
+    the steps land on it. Arithmetic ranges stay lazy `range` objects, so a long
+    one costs nothing until the sweep lays it out.
+    """
+    if ":" not in text:
+        values = tuple(_whole(part, text) for part in text.split(","))
+        repeated = sorted(v for v, n in Counter(values).items() if n > 1)
+        if repeated:
+            raise ConfigError(f"'{text}' repeats {', '.join(map(str, repeated))}; give each value once")
+        return values
+    parts = text.split(":")
+    if len(parts) > 3:
+        raise ConfigError(f"'{text}' has {len(parts) - 1} colons; expected {RANGE_SYNTAX}")
+    start, stop = _whole(parts[0], text), _whole(parts[1], text)
+    if start > stop:
+        raise ConfigError(f"'{text}' is empty: start {start} is above stop {stop}")
+    step = parts[2].strip() if len(parts) == 3 else "1"
+    if step[:1] in ("x", "X"):
+        factor = _whole(step[1:], text, what="factor")
+        if factor < 2:
+            raise ConfigError(f"'{text}': a geometric factor must be at least 2 (got x{factor})")
+        return _geometric(start, stop, factor)
+    return range(start, stop + 1, _whole(step, text, what="step"))
+
+
+def _whole(part: str, text: str, what: str = "value") -> int:
+    """A positive whole number, or an error naming the part of `text` that is not one."""
+    part = part.strip()
+    if not re.fullmatch(r"[0-9]+", part):
+        hint = "" if part else f"; expected {RANGE_SYNTAX}"
+        raise ConfigError(f"'{text}': {what} '{part}' is not a positive whole number{hint}")
+    if int(part) == 0:
+        raise ConfigError(f"'{text}': {what} must be positive (got 0)")
+    return int(part)
+
+
+def _geometric(start: int, stop: int, factor: int) -> tuple[int, ...]:
+    values = [start]
+    while values[-1] * factor <= stop:
+        values.append(values[-1] * factor)
+    return tuple(values)
+
+
+# --- What to sweep ------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Sweep:
+    """What to evaluate: the values of each size, the knobs, strategies, accounting."""
+
+    values: dict[str, Sequence[int]]  # every name in SIZES, in that order
+    knobs: ModelKnobs
+    strategies: tuple[Strategy, ...]
+    accounting: Accounting
+    name: str | None = None
+
+    @property
+    def rows(self) -> int:
+        """Configurations before skipping: points times strategies."""
+        return prod(len(v) for v in self.values.values()) * len(self.strategies)
+
+
+def make_sweep(
+    fields: dict[str, Any], ranges: dict[str, Sequence[int]], strategies: Sequence[Strategy], accounting: Accounting
+) -> Sweep:
+    """A checked sweep: `ranges` give swept sizes, `fields` (a config's keys) the rest.
+
+    Knobs are validated once, by the same pydantic model as any config; the
+    sizes are positive whole numbers by construction or checked here. Rules
+    between sizes are left to `evaluate_sweep`, which applies them per point.
+    The layout fields of a config (pp, vpp, dp, vocab_size, ...) do not change
+    one layer's activations and are not read; context parallelism would (each
+    rank keeps s/cp tokens), so a config with cp > 1 is refused.
+    """
+    # Knobs, and unknown keys so that pydantic names them; sizes and layout fields are not knobs.
+    knobs = build_knobs({
+        k: v for k, v in fields.items() if k in ModelKnobs.model_fields or k not in ModelConfig.model_fields
+    })
+    if fields.get("cp", 1) != 1:
+        raise ConfigError(f"sweeps do not model context parallelism (cp={fields['cp']}); use memcalc estimate for it")
+    values = {name: ranges[name] if name in ranges else (_fixed(name, fields),) for name in SIZES}
+    sweep = Sweep(values, knobs, tuple(strategies), accounting, fields.get("name"))
+    if sweep.rows > MAX_ROWS:
+        raise ConfigError(
+            f"the sweep has {sweep.rows:,} configurations; at most {MAX_ROWS:,} fit in memory at once "
+            "(narrow the ranges, or split the sweep)"
+        )
+    largest = {n: v[-1] if isinstance(v, range) else max(v) for n, v in values.items()}  # a range is increasing
+    largest |= {"ffn_hidden_size": knobs.ffn_hidden_size, "num_query_groups": knobs.num_query_groups}
+    for name, value in largest.items():
+        if value is not None and value > MAX_SIZE:
+            raise ConfigError(f"{name}={value} is too large for a sweep (at most 2^40)")
+    return sweep
+
+
+def _fixed(name: str, fields: dict[str, Any]) -> int:
+    """A size that is not swept: from the config, else the config's default."""
+    field = ModelConfig.model_fields[name]
+    if name not in fields:
+        if field.is_required():
+            raise ConfigError(f"field '{name}' is required")
+        return field.default
+    value = fields[name]
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"field '{name}': must be a positive whole number (got {value!r})")
+    return value
+
+
+# --- The grid -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class GridSizes:
+    """The six sizes as arrays along separate axes, so arithmetic broadcasts to every
+    combination. It reads like the ModelConfig that `evaluate.dim_sizes` takes."""
+
+    b: np.ndarray
+    s: np.ndarray
+    h: np.ndarray
+    a: np.ndarray
+    t: np.ndarray
+    L: np.ndarray
+    ffn_hidden_size: int | None
+    num_query_groups: int | None
+
+    # The config's own rules (4h unless set; a unless set), here on arrays.
+    ffn = property(ModelConfig.ffn.fget)
+    groups = property(ModelConfig.groups.fget)
+
+    @classmethod
+    def of(cls, sweep: Sweep) -> GridSizes:
+        axes = {}
+        for i, (name, values) in enumerate(sweep.values.items()):
+            shape = [1] * len(SIZES)
+            shape[i] = -1
+            axes[name] = _array(values).reshape(shape)  # (1, .., n_i, .., 1)
+        return cls(**axes, ffn_hidden_size=sweep.knobs.ffn_hidden_size, num_query_groups=sweep.knobs.num_query_groups)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(getattr(self, name).size for name in SIZES)
+
+    def operand(self, name: str) -> Any:
+        """A size as the divisibility rules name it."""
+        return getattr(self, {"ffn_hidden_size": "ffn", "num_query_groups": "groups"}.get(name, name))
+
+
+def _array(values: Sequence[int]) -> np.ndarray:
+    if isinstance(values, range):
+        return np.arange(values.start, values.stop, values.step, dtype=np.int64)
+    return np.array(values, dtype=np.int64)
+
+
+def per_layer_bytes(grid: GridSizes, strategy: Strategy, knobs: Knobs, accounting: Accounting) -> np.ndarray:
+    """One rank's bytes for one layer at every point of the grid (broadcastable, L-free).
+
+    Each tensor's per-rank dimensions come from `rank_shape`, exactly as for a
+    single estimate; multiplying the smallest arrays first keeps most products
+    small until the last factor spreads them over the grid.
+    """
+    sizes = dim_sizes(grid)
+    terms = (
+        prod(sorted(rank_shape(x, strategy, sizes, grid.t), key=np.size),
+             start=element_bytes(x.kind, knobs, accounting))
+        for x in layer_tensors(knobs, accounting)
+    )
+    return np.asarray(sum(terms))
+
+
+def _check_int64(grid: GridSizes, sweep: Sweep, knobs: Knobs) -> None:
+    """Refuse a sweep whose bytes could pass int64, before computing any.
+
+    Every per-rank dimension grows with the sizes and shrinks with t, so each
+    tensor's bytes are at most the product of its dimensions' largest values
+    with the smallest t; the bound is worked out in Python integers.
+    """
+    largest = {d: int(np.max(v)) for d, v in dim_sizes(grid).items()}
+    t, layers = int(np.min(grid.t)), int(np.max(grid.L))
+    bound = layers * max(
+        sum(element_bytes(x.kind, knobs, sweep.accounting) * prod(rank_shape(x, st, largest, t))
+            for x in layer_tensors(knobs, sweep.accounting))
+        for st in sweep.strategies
+    )
+    if bound > INT64_MAX:
+        raise ConfigError(
+            f"bytes in this sweep could reach {bound:.3g}, beyond 64-bit integers ({INT64_MAX:.3g}); narrow the ranges"
+        )
+
+
+# --- Divisibility, point by point ---------------------------------------------
+
+@dataclass(frozen=True)
+class Rule:
+    """`divisor` must divide `value`; worded exactly as memcalc.config words it."""
+
+    divisor: str
+    value: str
+    why: str
+
+    def message(self, divisor: int, value: int) -> str:
+        return f"{self.value}={value} is not divisible by {self.divisor}={divisor} ({self.why})"
+
+    @property
+    def text(self) -> str:
+        return f"{self.divisor} must divide {self.value}"
+
+
+# The rules of config.check_divisibility (every strategy), then of
+# config.check_sequence_split (strategies that split the sequence), in their order.
+DIVISIBILITY = (
+    Rule("a", "h", "each head gets h/a channels"),
+    Rule("t", "a", "tensor parallelism gives each rank a/t heads"),
+    Rule("t", "ffn_hidden_size", "the MLP is split into t column shards"),
+    Rule("num_query_groups", "a", "each K/V group serves a/num_query_groups heads"),
+    Rule("t", "num_query_groups", "each rank holds num_query_groups/t K/V groups"),
+)
+SEQUENCE_SPLIT = Rule("t", "s", "sequence parallelism splits the sequence across t ranks")
+
+
+@dataclass(frozen=True)
+class Skip:
+    """Configurations dropped because of one rule (the first each one breaks)."""
+
+    rule: Rule
+    count: int
+    example: str
+
+
+def _failures(grid: GridSizes, strategies: tuple[Strategy, ...]) -> Iterator[tuple[Rule, np.ndarray]]:
+    """Each rule with where it fails, shaped (*grid, strategy) for broadcasting."""
+    for rule in DIVISIBILITY:
+        yield rule, np.asarray(grid.operand(rule.value) % grid.operand(rule.divisor) != 0)[..., None]
+    splits_s = np.array([Region.SEQUENCE in st.splits for st in strategies])
+    yield SEQUENCE_SPLIT, (grid.s % grid.t != 0)[..., None] & splits_s
+
+
+def _apply_rules(grid: GridSizes, strategies: tuple[Strategy, ...]) -> tuple[np.ndarray, tuple[Skip, ...]]:
+    """Which configurations keep their numbers, and what was dropped, rule by rule."""
+    full = grid.shape + (len(strategies),)
+    keep = np.ones(full, dtype=bool)
+    skips = []
+    for rule, fails in _failures(grid, strategies):
+        hit = keep & fails
+        count = int(np.count_nonzero(hit))
+        if count:
+            at = np.unravel_index(int(np.argmax(hit)), full)[:-1]  # the first dropped point
+            value, divisor = (int(np.broadcast_to(grid.operand(n), grid.shape)[at]) for n in (rule.value, rule.divisor))
+            skips.append(Skip(rule, count, rule.message(divisor, value)))
+        keep &= ~fails
+    return keep, tuple(skips)
+
+
+# --- Evaluation ---------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SweepResult:
+    """Every kept configuration: one row per (point, strategy), points in grid order."""
+
+    sweep: Sweep
+    grid: GridSizes
+    index: tuple[np.ndarray, ...]  # per row: the index into each of SIZES, then the strategy
+    per_layer: np.ndarray
+    total: np.ndarray
+    skipped: tuple[Skip, ...]
+
+    @property
+    def rows(self) -> int:
+        return len(self.per_layer)
+
+    def row(self, i: int) -> dict[str, Any]:
+        """Row `i` as CSV_COLUMNS -> Python values."""
+        sizes = {name: int(getattr(self.grid, name).ravel()[self.index[k][i]]) for k, name in enumerate(SIZES)}
+        strategy = self.sweep.strategies[self.index[-1][i]].name
+        bytes_ = {"per_layer_bytes": int(self.per_layer[i]), "total_bytes": int(self.total[i])}
+        return {**sizes, "strategy": strategy, **bytes_}
+
+    def along(self, name: str, per_layer: bool = False) -> dict[Strategy, np.ndarray]:
+        """Bytes against the one swept size `name`: per strategy, one value per value
+        of `name` (float, NaN where a rule dropped the point)."""
+        others = [n for n in SIZES if n != name and len(self.sweep.values[n]) > 1]
+        if others:
+            raise ValueError(f"a series along {name} needs every other size fixed (several values for {others})")
+        values = self.per_layer if per_layer else self.total
+        at = self.index[SIZES.index(name)]
+        series = {}
+        for k, strategy in enumerate(self.sweep.strategies):
+            mine = self.index[-1] == k
+            line = np.full(len(self.sweep.values[name]), np.nan)
+            line[at[mine]] = values[mine]
+            series[strategy] = line
+        return series
+
+
+def evaluate_sweep(sweep: Sweep, advance: Callable[[int], None] = lambda rows: None) -> SweepResult:
+    """Bytes for every configuration of the sweep that passes the divisibility rules.
+
+    `advance` is told how many configurations each strategy's pass covered, for
+    a progress bar.
+    """
+    knobs = Knobs.of(sweep.knobs)
+    grid = GridSizes.of(sweep)
+    _check_int64(grid, sweep, knobs)
+    keep, skipped = _apply_rules(grid, sweep.strategies)
+    if not keep.any():
+        raise ConfigError(f"no configuration in the sweep passes the divisibility rules, e.g. {skipped[0].example}")
+    layer_free = grid.shape[:-1] + (1,)
+    columns = []
+    for st in sweep.strategies:
+        columns.append(np.broadcast_to(per_layer_bytes(grid, st, knobs, sweep.accounting), layer_free))
+        advance(sweep.rows // len(sweep.strategies))
+    per_layer = np.stack(columns, axis=-1)  # (b, s, h, a, t, 1, strategy)
+    index = np.nonzero(keep)
+    per_layer = per_layer[index[:-2] + (0, index[-1])]
+    total = per_layer * grid.L.ravel()[index[-2]]
+    return SweepResult(sweep, grid, index, per_layer, total, skipped)
+
+
+def describe_skips(result: SweepResult) -> str | None:
+    """One line on what was dropped and why, or None if nothing was."""
+    if not result.skipped:
+        return None
+    parts = "; ".join(f"{s.count:,} because {s.rule.text}, e.g. {s.example}" for s in result.skipped)
+    dropped = sum(s.count for s in result.skipped)
+    return f"skipped {dropped:,} of {result.sweep.rows:,} configurations that break a divisibility rule: {parts}"
+
+
+# --- Output: CSV and JSON, written as bytes by numpy ---------------------------
+#
+# A row's text is built as a (rows, width) byte matrix, one slice per field,
+# each field NUL-padded to its widest value; dropping the NULs leaves the lines.
+# Fields that are the same on every row are merged into one constant slice.
+
+CSV_COLUMNS = (*SIZES, "strategy", "per_layer_bytes", "total_bytes")
+# The same on every row of a sweep, except ffn_hidden_size and num_query_groups
+# (4h and a unless set), written as used so each row is a complete configuration.
+KNOB_COLUMNS = ("ffn_hidden_size", "num_query_groups", "mlp", "attention", "norm", "dropout", "recompute", "dtype")
+CHUNK_ROWS = 1 << 16
+
+# Four-digit groups as text, four bytes each: zero-padded for a group with digits
+# to its left, NUL-padded for the leading group (all NUL above it); then zero
+# itself, then the separator that ends every field.
+_GROUPS = np.array(
+    [f"{i:04d}".encode() for i in range(10_000)]
+    + [str(i).encode().rjust(4, b"\0") if i else b"" for i in range(10_000)]
+    + [b"\0\0\0" b"0", b","],
+    dtype="S4",
+).view(np.uint32)
+_LEADING, _ZERO, _SEP = 10_000, 20_000, 20_001
+
+
+def _digits(values: np.ndarray) -> np.ndarray:
+    """Non-negative integers as text fields ending in ',', one row each.
+
+    str() costs about a microsecond a number; this looks four digits at a time
+    up in a table, which is what lets a million-row CSV take about a second.
+    """
+    values = np.asarray(values, dtype=np.int64).ravel()
+    n, groups = len(values), max(1, (len(str(int(values.max(initial=0)))) + 3) // 4)
+    codes = np.empty((n, groups + 1), dtype=np.int64)
+    rest = values
+    for k in reversed(range(groups)):
+        rest, codes[:, k] = np.divmod(rest, 10_000)
+    # Group j (from the left) leads, or stands above the leading group, while the
+    # value is below 10^(4 * (groups - j)).
+    below = np.array([min(10_000 ** (groups - j), 2**63) - 1 for j in range(groups)], dtype=np.int64)
+    codes[:, :groups] += _LEADING * (values[:, None] <= below)
+    codes[values == 0, groups - 1] = _ZERO
+    codes[:, groups] = _SEP
+    return _GROUPS[codes].view(np.uint8).reshape(n, 4 * (groups + 1))
+
+
+def _text(strings: Sequence[str]) -> np.ndarray:
+    """Short strings as text fields ending in ',', one row each."""
+    encoded = np.array([f"{s},".encode() for s in strings], dtype="S")
+    return encoded.view(np.uint8).reshape(len(strings), -1)
+
+
+@dataclass(frozen=True)
+class _Field:
+    """A column's text: rows of a table picked by one of the result's indexes, or numbers."""
+
+    table: np.ndarray
+    index: int | None = None  # which of SweepResult.index picks the rows; None: numbers, one per row
+
+    def text(self, result: SweepResult, rows: slice) -> np.ndarray:
+        if self.index is None:
+            return _digits(self.table[rows])
+        return self.table[result.index[self.index][rows]]
+
+    def constant(self) -> bytes | None:
+        """The text if it is the same on every row."""
+        if self.index is None or len(self.table) > 1:
+            return None
+        return self.table[0][self.table[0] != 0].tobytes()
+
+
+def _layout(fields: list[_Field], end: bytes) -> list[_Field | bytes]:
+    """The fields of a line, then `end`, with runs of constant text merged into one."""
+    layout: list[_Field | bytes] = []
+    for piece in [*(f.constant() or f for f in fields), end]:
+        if piece == b"":
+            continue
+        if isinstance(piece, bytes) and layout and isinstance(layout[-1], bytes):
+            layout[-1] += piece
+        else:
+            layout.append(piece)
+    return layout
+
+
+def _lines(layout: list[_Field | bytes], result: SweepResult, rows: slice) -> bytes:
+    n = rows.stop - rows.start
+    parts = [
+        np.broadcast_to(np.frombuffer(p, dtype=np.uint8), (n, len(p))) if isinstance(p, bytes) else p.text(result, rows)
+        for p in layout
+    ]
+    matrix = np.concatenate(parts, axis=1)
+    return matrix[matrix != 0].tobytes()
+
+
+def _fields(result: SweepResult, quote: bool) -> list[_Field]:
+    """CSV_COLUMNS as text; `quote` writes strategy names as JSON strings."""
+    names = [json.dumps(st.name) if quote else st.name for st in result.sweep.strategies]
+    return [
+        *(_Field(_digits(getattr(result.grid, name)), i) for i, name in enumerate(SIZES)),
+        _Field(_text(names), -1), _Field(result.per_layer), _Field(result.total),
+    ]
+
+
+def _chunks(rows: int, chunk_rows: int) -> Iterator[slice]:
+    return (slice(start, min(start + chunk_rows, rows)) for start in range(0, rows, chunk_rows))
+
+
+def accounting_label(accounting: Accounting) -> str:
+    """'paper', or 'exact-cuda' / 'exact-cpu'."""
+    return f"exact-{accounting.device}" if accounting.exact else "paper"
+
+
+def csv_chunks(result: SweepResult, chunk_rows: int = CHUNK_ROWS) -> Iterator[tuple[float, bytes]]:
+    """The CSV, piece by piece, each with how many rows it holds.
+
+    Columns: CSV_COLUMNS, then KNOB_COLUMNS and the accounting, so that each
+    row is a configuration `memcalc estimate` reproduces.
+    """
+    yield 0, (",".join(CSV_COLUMNS + KNOB_COLUMNS + ("accounting",)) + "\n").encode()
+    grid = result.grid
+    fields = _fields(result, quote=False) + [
+        _Field(_digits(np.broadcast_to(grid.ffn, grid.h.shape)), SIZES.index("h")),
+        _Field(_digits(np.broadcast_to(grid.groups, grid.a.shape)), SIZES.index("a")),
+    ]
+    knobs = result.sweep.knobs.model_dump()
+    constants = [str(knobs[name]) for name in KNOB_COLUMNS[2:]] + [accounting_label(result.sweep.accounting)]
+    layout = _layout(fields, (",".join(constants) + "\n").encode())
+    for rows in _chunks(result.rows, chunk_rows):
+        yield rows.stop - rows.start, _lines(layout, result, rows)
+
+
+def json_chunks(result: SweepResult, chunk_rows: int = CHUNK_ROWS) -> Iterator[tuple[float, bytes]]:
+    """The JSON document, piece by piece: knobs and skips once, then one list per column.
+
+    Lists per column rather than an object per row: a million rows as objects
+    would be several times larger and slower to read back.
+    """
+    sweep = result.sweep
+    head = {
+        "model": sweep.name,
+        "knobs": sweep.knobs.model_dump(),
+        "accounting": accounting_label(sweep.accounting),
+        "configurations": sweep.rows,
+        "skipped": [{"rule": s.rule.text, "count": s.count, "example": s.example} for s in result.skipped],
+        "rows": result.rows,
+    }
+    yield 0, (json.dumps(head, indent=1)[:-2] + ',\n "columns": {').encode()
+    fields = _fields(result, quote=True)
+    for i, (name, field) in enumerate(zip(CSV_COLUMNS, fields)):
+        yield 0, f'{"," if i else ""}\n  "{name}": ['.encode()
+        layout = _layout([field], b"")
+        for rows in _chunks(result.rows, chunk_rows):
+            text = _lines(layout, result, rows)  # every value ends in ','
+            yield (rows.stop - rows.start) / len(fields), text[:-1] if rows.stop == result.rows else text
+        yield 0, b"]"
+    yield 0, b"\n }\n}\n"

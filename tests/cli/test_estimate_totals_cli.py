@@ -1,0 +1,112 @@
+"""`memcalc estimate` with per-GPU totals, --cp and --hf-config: the existing output stays as it was,
+totals list every term and answer "does it fit", and bad input is one line with exit code 2."""
+
+import json
+
+import pytest
+
+from . import memcalc_cli
+
+GPT3 = ["--config", "configs/gpt3-175b.yaml"]
+GPT2 = ["--hf-config", "tests/data/hf/gpt2.json"]
+
+
+def _json(*args: str) -> dict:
+    run = memcalc_cli("estimate", *args, "--json")
+    assert run.code == 0, run.err
+    return json.loads(run.out)
+
+
+def _one_line_error(run, *needles: str) -> None:
+    assert (run.code, run.out) == (2, ""), run.err
+    assert run.err.startswith("memcalc: error: ") and run.err.count("\n") == 1, run.err
+    for needle in needles:
+        assert needle in run.err, (needle, run.err)
+
+
+def test_without_a_totals_flag_estimate_is_unchanged():
+    doc = _json(*GPT3)
+    assert set(doc) == {"config", "accounting", "strategies"}
+    assert "Per-GPU memory" not in memcalc_cli("estimate", *GPT3).out
+
+
+@pytest.mark.parametrize("flags", [
+    ["--totals"], ["--pp", "4"], ["--vpp", "2"], ["--dp", "8"], ["--distributed-optimizer"],
+    ["--device-memory", "40GiB"], ["--vocab-size", "50304"], ["--untie-embeddings"],
+])
+def test_totals_add_a_per_gpu_key_and_keep_the_rest(flags):
+    plain, with_totals = _json(*GPT3), _json(*GPT3, *flags)
+    assert with_totals["strategies"] == plain["strategies"]
+    assert set(with_totals["per_gpu"]["strategies"]) == {"none", "tp", "tp-sp"}
+
+
+def test_per_gpu_json_adds_up():
+    per = _json(*GPT3, "--totals", "--device-memory", "64GiB")["per_gpu"]
+    assert per["device_memory_bytes"] == 64 * 2**30 and per["parameters"] > 174e9
+    for result in per["strategies"].values():
+        for stage in result["stages"]:
+            assert stage["total_bytes"] == sum(x["bytes"] for x in stage["terms"])
+            assert stage["parameters"] == sum(stage["parameter_groups"].values())
+        assert [s["stage"] for s in result["stages"]] == ["first", "last"]  # the config has pp: 8, vpp: 3
+        assert result["total_bytes"] == max(s["total_bytes"] for s in result["stages"])
+        assert result["fits"] == (result["total_bytes"] <= 64 * 2**30)
+        assert result["headroom_bytes"] == 64 * 2**30 - result["total_bytes"]
+
+
+def test_the_table_names_every_term_and_gives_a_verdict_per_strategy():
+    args = [*GPT3, "--totals", "--exact", "--recompute", "full"]
+    per = _json(*args)["per_gpu"]["strategies"]
+    out = memcalc_cli("estimate", *args).out
+    for stage in per["tp-sp"]["stages"]:
+        for term in stage["terms"]:
+            assert f"\u2502 {term['name']} " in out, term["name"]
+    for name, result in per.items():
+        verdict = "yes" if result["fits"] else "no"
+        assert f"  {name}: {verdict}, {result['total_bytes']:,} B = " in out
+
+
+def test_device_memory_decides_the_verdict():
+    per = _json(*GPT3, "--totals")["per_gpu"]["strategies"]
+    between = (per["tp-sp"]["total_bytes"] + per["tp"]["total_bytes"]) // 2
+    verdict = _json(*GPT3, "--device-memory", str(between))["per_gpu"]["strategies"]
+    assert (verdict["tp-sp"]["fits"], verdict["tp"]["fits"]) == (True, False)
+
+
+def test_context_parallelism_halves_the_sequence_each_rank_keeps():
+    flash = [*GPT3, "--attention", "flash"]
+    halved, shorter = _json(*flash, "--cp", "2"), _json(*flash, "--s", "1024")
+    for name in ("none", "tp", "tp-sp"):
+        assert halved["strategies"][name]["per_layer_bytes"] == shorter["strategies"][name]["per_layer_bytes"]
+    assert "each rank keeps s/cp = 1024 tokens" in memcalc_cli("estimate", *flash, "--cp", "2").out
+
+
+def test_hf_config_says_which_fields_it_used():
+    run = memcalc_cli("estimate", *GPT2, "--json")
+    assert run.code == 0
+    assert json.loads(run.out)["config"]["h"] == 768
+    assert run.err.startswith("memcalc: read gpt2 config.json: n_embd->h=768") and run.err.count("\n") == 1
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["--config", "configs/gpt3-22b.yaml", "--pp", "5"], ["L=48 is not divisible by pp=5"]),
+    ([*GPT3, "--pp", "5"], ["L=96 is not divisible by pp*vpp=5*3=15"]),  # the config has vpp: 3
+    ([*GPT3, "--cp", "2"], ["cp=2 needs attention 'flash'"]),
+    ([*GPT3, "--attention", "flash", "--cp", "3"], ["s=2048 is not divisible by 2*cp=6"]),
+    ([*GPT3, "--device-memory", "lots"], ["'--device-memory'", "cannot read 'lots' as a size"]),
+    ([*GPT3, *GPT2], ["give --config or --hf-config, not both"]),
+    (["--hf-config", "tests/data/hf/none.json"], ["Hugging Face config not found"]),
+    ([*GPT2, "--s", "2048"], ["s=2048 exceeds max_position_embeddings=1024"]),
+])
+def test_bad_layouts_and_files_are_one_line(args, needles):
+    _one_line_error(memcalc_cli("estimate", *args), *needles)
+
+
+def test_unknown_architecture_and_missing_fields_are_one_line(tmp_path):
+    falcon = memcalc_cli("estimate", "--hf-config", "tests/data/hf/falcon-7b.json")
+    _one_line_error(falcon, "unknown architecture (model_type='falcon'", "FalconForCausalLM", "memcalc reads llama")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "gpt_neox", "hidden_size": 512}))
+    _one_line_error(
+        memcalc_cli("estimate", "--hf-config", str(path)),
+        "gpt_neox config.json is missing num_attention_heads, num_hidden_layers, vocab_size, intermediate_size",
+    )

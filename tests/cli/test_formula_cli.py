@@ -1,0 +1,85 @@
+"""`memcalc formula`: the seed's formulas in text, LaTeX that parses back, JSON and sympy."""
+
+import json
+
+import sympy
+from sympy.parsing.latex import parse_latex
+
+from memcalc.formula import SYMBOLS
+from memcalc.layer import Accounting, Knobs, layer_tensors
+
+from . import memcalc_cli, shipped
+
+b, s, h, a, t = (SYMBOLS[n] for n in "bshat")
+SEED = {
+    "none": s * b * h * (34 + 5 * a * s / h),
+    "tp": s * b * h * (10 + 24 / t + 5 * a * s / (h * t)),
+    "tp-sp": s * b * h * (34 / t + 5 * a * s / (h * t)),
+}
+SEED_TEXT = {"none": "sbh(34 + 5as/h)", "tp": "sbh(10 + 24/t + 5as/(ht))", "tp-sp": "sbh(34/t + 5as/(ht))"}
+
+
+def _ok(*args: str) -> str:
+    run = memcalc_cli("formula", *args)
+    assert (run.code, run.err) == (0, "")
+    return run.out
+
+
+def test_text_prints_the_seeds_three_formulas():
+    out = _ok()
+    for name, text in SEED_TEXT.items():
+        assert any(line.split() == [name, *text.split()] for line in out.splitlines()), name
+    assert "b = micro-batch size" in out and "multiply by L" in out
+
+
+def test_text_lists_each_tensors_term():
+    # The softmax output is 2bas^2 bytes: 2as/h per sbh, split by t under both tp and tp-sp.
+    row = next(line for line in _ok().splitlines() if "attention/softmax_out" in line)
+    assert [cell.strip() for cell in row.split("│")[1:-1]] == [
+        "attention/softmax_out", "sbh(2as/h)", "sbh(2as/(ht))", "sbh(2as/(ht))",
+    ]
+
+
+def test_latex_pastes_into_a_paper_and_parses_back_to_the_seed():
+    lines = _ok("--format", "latex").splitlines()
+    assert [line.split(":")[0] for line in lines[::2]] == ["% none", "% tp", "% tp-sp"]
+    for name, latex in zip(SEED, lines[1::2], strict=True):
+        parsed = parse_latex(latex, backend="antlr").subs({sympy.Symbol(n): x for n, x in SYMBOLS.items()})
+        assert sympy.simplify(parsed - SEED[name]) == 0, latex
+
+
+def test_sympy_format_is_python_sympy_reads_back():
+    for line in _ok("--format", "sympy").splitlines():
+        name, expr = line.split(": ", 1)
+        assert sympy.simplify(sympy.sympify(expr, locals=SYMBOLS) - SEED[name]) == 0
+
+
+def test_json_has_every_strategys_formula_and_each_tensors_term():
+    doc = json.loads(_ok("--format", "json"))
+    assert list(doc["symbols"]) == ["b", "s", "h", "a", "t"]
+    assert doc["accounting"] == {"exact": False, "device": "cuda"}
+    for name, text in SEED_TEXT.items():
+        entry = doc["strategies"][name]
+        assert entry["formula"] == text
+        assert {"latex", "sympy", "terms"} <= set(entry)
+        assert [x["name"] for x in entry["terms"]] == [x.name for x in layer_tensors(Knobs(), Accounting())]
+        assert all({"name", "formula", "latex", "paper"} <= set(x) for x in entry["terms"])
+
+
+def test_knob_flags_change_the_formula():
+    # Korthikanti et al. 2022: selective recomputation removes the 5as/h terms.
+    out = _ok("--recompute", "selective", "--strategy", "tp-sp")
+    assert "sbh(34/t)" in out and "5as" not in out
+
+
+def test_a_config_with_gqa_and_its_own_ffn_writes_g_and_f():
+    doc = json.loads(_ok("--config", shipped("llama3-70b"), "--format", "json"))
+    assert {"g", "f"} <= set(doc["symbols"])
+    assert doc["knobs"]["mlp"] == "swiglu" and doc["knobs"]["attention"] == "flash"
+
+
+def test_exact_adds_the_per_token_norm_statistics():
+    doc = json.loads(_ok("--exact", "--format", "json", "--strategy", "none"))
+    assert doc["strategies"]["none"]["formula"] == "sbh(34 + 16/h + 5as/h)"
+    stats = [x for x in doc["strategies"]["none"]["terms"] if not x["paper"]]
+    assert {x["name"] for x in stats} == {"ln1/mean", "ln1/rstd", "ln2/mean", "ln2/rstd"}

@@ -1,0 +1,53 @@
+"""`memcalc plot` through click's test runner: the images it writes open at the
+expected size, and bad input is one line with exit 2."""
+
+import xml.etree.ElementTree as ET
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+from matplotlib.image import imread  # noqa: E402
+
+from .test_sweep_cli import GPT3, _one_line_error, invoke  # noqa: E402
+
+
+def test_memory_against_s_as_png(tmp_path):
+    out = tmp_path / "mem.png"
+    result = invoke("plot", "--config", GPT3, "--x", "s", "--range", "1024:65536:x2", "--device-memory", "80GiB",
+                    "--out", str(out))
+    assert (result.exit_code, result.stdout, result.stderr) == (0, f"wrote {out}\n", "")
+    assert imread(out).shape == (500, 800, 4)
+
+
+def test_memory_against_t_as_svg_with_a_gap_where_t_does_not_divide_a(tmp_path):
+    out = tmp_path / "t.svg"
+    result = invoke("plot", "--config", GPT3, "--x", "t", "--out", str(out))  # default range 1:64:x2
+    assert result.exit_code == 0, result.output
+    assert result.stderr.startswith("memcalc: note: skipped 3 of 21 configurations")  # t=64 under each strategy
+    assert "a=96 is not divisible by t=64" in result.stderr
+    assert ET.parse(out).getroot().tag == "{http://www.w3.org/2000/svg}svg"
+
+
+@pytest.mark.parametrize("group", ["tensor", "block"])
+def test_breakdown_as_png(tmp_path, group):
+    out = tmp_path / "breakdown.png"
+    result = invoke("plot", "--config", GPT3, "--kind", "breakdown", "--group", group, "--out", str(out))
+    assert result.exit_code == 0, result.output
+    assert imread(out).shape == (500, 1000, 4)
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--out", "mem.jpg"], ["'--out'", "use .png or .svg"]),
+    (["--out", "missing/mem.png"], ["'--out'", "directory 'missing' does not exist"]),
+    (["--out", "mem.png", "--device-memory", "lots"], ["'--device-memory'", "cannot read 'lots' as a size"]),
+    (["--out", "mem.png", "--range", "65536:1024"], ["'--range'", "is empty"]),
+    (["--out", "mem.png", "--x", "b"], ["'--x'"]),
+    (["--out", "mem.png", "--kind", "breakdown", "--range", "1:8"], ["--range applies to --kind line"]),
+    (["--out", "mem.png", "--x", "t", "--range", "5,7"], ["no configuration in the sweep passes"]),
+    ([], ["Missing option '--out'"]),
+])
+def test_bad_input_is_one_line_and_exit_2(args, needles, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _one_line_error(invoke("plot", "--config", GPT3, *args), *needles)
+    assert list(tmp_path.iterdir()) == []

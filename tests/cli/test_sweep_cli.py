@@ -1,0 +1,190 @@
+"""`memcalc sweep` through click's test runner: the files it writes, what goes to a
+pipe, the table, and one line with exit 2 for every kind of bad input."""
+
+import csv
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+
+from memcalc.cli import main
+
+ROOT = Path(__file__).parents[2]
+GPT3 = str(ROOT / "configs/gpt3-175b.yaml")
+
+
+class _Script:
+    """What the `memcalc` console script runs, shaped for CliRunner.invoke: `main`
+    renders errors as the user sees them (one line on stderr, an exit code)."""
+
+    name = "memcalc"
+
+    @staticmethod
+    def main(args, prog_name, **_):
+        main(list(args))
+
+
+def invoke(*args: str) -> Result:
+    """Run `memcalc ARGS` in click's runner (stdout is not a terminal there)."""
+    return CliRunner().invoke(_Script, list(args), prog_name="memcalc")
+
+
+def _one_line_error(result: Result, *needles: str) -> None:
+    assert result.exit_code == 2, result.output
+    assert result.stdout == ""
+    assert result.stderr.startswith("memcalc: error: ") and result.stderr.count("\n") == 1, result.stderr
+    for needle in needles:
+        assert needle in result.stderr
+
+
+def test_csv_file_has_a_row_per_size_combination_and_strategy(tmp_path):
+    out = tmp_path / "runs.csv"
+    result = invoke("sweep", "--config", GPT3, "--b", "1:4", "--s", "1024:4096:1024", "--out", str(out))
+    assert (result.exit_code, result.stdout, result.stderr) == (0, "", "")
+    rows = list(csv.DictReader(out.open()))
+    assert len(rows) == 4 * 4 * 3
+    assert [(r["b"], r["s"], r["strategy"]) for r in rows[:4]] == [
+        ("1", "1024", "none"), ("1", "1024", "tp"), ("1", "1024", "tp-sp"), ("1", "2048", "none"),
+    ]
+    # b=1, s=2048, tp-sp at GPT-3 175B: sbh(34/t + 5as/(ht)) = 358,612,992 bytes a layer (seed, section 3).
+    assert (rows[5]["per_layer_bytes"], rows[5]["total_bytes"]) == ("358612992", str(96 * 358612992))
+
+
+def test_json_file_by_suffix(tmp_path):
+    out = tmp_path / "runs.json"
+    result = invoke("sweep", "--config", GPT3, "--t", "1,2,4,8", "--strategy", "tp", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    assert doc["model"] == "gpt3-175b"
+    assert doc["columns"]["t"] == [1, 2, 4, 8] and doc["columns"]["strategy"] == ["tp"] * 4
+
+
+def test_csv_goes_to_stdout_when_it_is_not_a_terminal():
+    result = invoke("sweep", "--s", "16,32", "--h", "64", "--a", "8", "--strategy", "none")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("b,s,h,a,t,L,strategy,per_layer_bytes,total_bytes,")
+    assert [line.split(",")[:2] for line in lines[1:]] == [["1", "16"], ["1", "32"]]
+
+
+def test_a_hugging_face_config_gives_the_sizes_and_knobs_estimate_reads():
+    from memcalc.config import build_config
+    from memcalc.evaluate import estimate
+    from memcalc.hf import read_hf_config
+    from memcalc.strategy import TP_SP
+
+    path = ROOT / "tests/data/hf/llama2-7b.json"
+    result = invoke("sweep", "--hf-config", str(path), "--s", "1024,2048", "--strategy", "tp-sp", "--t", "2")
+    assert result.exit_code == 0, result.output
+    assert result.stderr.startswith("memcalc: read llama config.json:")
+    rows = list(csv.DictReader(io.StringIO(result.stdout)))
+    fields = read_hf_config(path).fields
+    for row in rows:
+        expected = estimate(build_config(fields | {"s": int(row["s"]), "t": 2}), TP_SP).per_layer_bytes
+        assert (row["mlp"], int(row["per_layer_bytes"])) == ("swiglu", expected)
+
+
+def test_repeated_strategies_pick_those_strategies_once_each():
+    result = invoke("sweep", "--config", GPT3, "--strategy", "tp-sp", "--strategy", "none", "--strategy", "none")
+    assert [line.split(",")[6] for line in result.stdout.splitlines()[1:]] == ["none", "tp-sp"]
+
+
+def test_table_shows_swept_sizes_and_hides_the_middle_of_long_sweeps():
+    result = invoke("sweep", "--config", GPT3, "--b", "1:100", "--format", "table")
+    assert result.exit_code == 0, result.output
+    assert "gpt3-175b: s=2048 h=12288 a=96 t=8 L=96" in result.stdout
+    assert "342.00 MiB" in result.stdout  # b=1, tp-sp
+    assert "the first and last 20 of 300 rows" in result.stdout
+
+
+def test_skipped_configurations_are_one_note_on_stderr(tmp_path):
+    out = tmp_path / "t.csv"
+    result = invoke("sweep", "--config", GPT3, "--t", "1:8", "--out", str(out))
+    assert result.exit_code == 0
+    assert result.stderr.count("\n") == 1
+    assert result.stderr.startswith("memcalc: note: skipped 8 of 24 configurations")
+    assert len(out.read_text().splitlines()) == 1 + 16
+
+
+LONG = ["sweep", "--config", GPT3, "--b", "1:100", "--s", "64:640000:640"]  # 300,000 configurations
+
+
+def test_no_progress_bar_when_stderr_is_not_a_terminal(tmp_path):
+    result = invoke(*LONG, "--out", str(tmp_path / "x.csv"))
+    assert (result.exit_code, result.stderr) == (0, "")
+
+
+def test_a_long_sweep_draws_a_progress_bar_on_a_terminal(tmp_path, monkeypatch):
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    with pytest.raises(SystemExit) as exit:
+        main([*LONG, "--out", str(tmp_path / "x.csv")])
+    assert exit.value.code == 0
+    assert "sweep: 300,000 configurations" in sys.stderr.getvalue()
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--s", "4096:1024"], ["'--s'", "is empty: start 4096 is above stop 1024"]),
+    (["--b", "1:8:0"], ["'--b'", "step must be positive"]),
+    (["--t", "1:8:x1"], ["'--t'", "factor must be at least 2"]),
+    (["--h", "1.5"], ["'--h'", "not a positive whole number"]),
+    (["--L", "1:2:3:4"], ["'--L'", "has 3 colons"]),
+    (["--strategy", "sp"], ["'--strategy'"]),
+    (["--t", "5,7"], ["no configuration in the sweep passes", "a=96 is not divisible by t=5"]),
+    (["--s", "1:2", "--b", "1:10000000"], ["at most 10,000,000"]),
+    (["--b", "64", "--s", str(2**21), "--t", "1"], ["beyond 64-bit integers"]),
+    (["--dropout", "1.5"], ["gpt3-175b.yaml: field 'dropout'"]),
+    (["--out", "runs.txt"], ["cannot tell the format of 'runs.txt'", ".csv or .json"]),
+    (["--out", "runs.csv", "--format", "table"], ["--format table prints to the terminal"]),
+])
+def test_bad_input_is_one_line_and_exit_2(args, needles, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _one_line_error(invoke("sweep", "--config", GPT3, *args), *needles)
+    assert list(tmp_path.iterdir()) == []  # and nothing written
+
+
+@pytest.mark.parametrize("target, needle", [
+    ("missing/runs.csv", "directory 'missing' does not exist"),
+    (".", "is a directory"),
+])
+def test_an_unwritable_out_path_is_refused_before_the_sweep(target, needle, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _one_line_error(invoke("sweep", "--config", GPT3, "--out", target), "'--out'", needle)
+
+
+def test_the_sweep_and_plot_modules_import_no_numpy_rich_or_matplotlib():
+    code = ("import sys, memcalc.cli.sweep, memcalc.cli.plot;"
+            "print(sorted(m for m in ('numpy', 'rich', 'matplotlib') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert proc.stdout.strip() == "[]"
+
+
+GUIDE = ROOT / "docs" / "guide-sweep-plot.md"
+
+
+def _guide_examples() -> list[tuple[str, list[str]]]:
+    """(command, expected output lines) for each `$ memcalc sweep` in the guide that prints its rows."""
+    examples = []
+    for block in GUIDE.read_text().split("```text\n")[1:]:
+        for run in block.split("```", 1)[0].split("$ memcalc ")[1:]:
+            command, *output = run.rstrip("\n").split("\n")
+            if command.startswith("sweep ") and "--out" not in command:
+                examples.append((command, output))
+    return examples
+
+
+@pytest.mark.parametrize("command, output", _guide_examples(), ids=lambda x: x if isinstance(x, str) else "")
+def test_the_guide_shows_what_the_command_prints(command, output, monkeypatch):
+    from memcalc.cli import render
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(render.console, "width", 80)  # the guide's terminal
+    result = invoke(*command.split())
+    assert [line.rstrip() for line in result.output.splitlines()] == output

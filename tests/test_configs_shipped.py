@@ -1,0 +1,41 @@
+"""Every shipped config loads and estimates; the GPT ones are the seed's model."""
+
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+
+from memcalc.config import load_config, load_yaml
+from memcalc.evaluate import estimate
+from memcalc.strategy import STRATEGIES
+
+CONFIGS = sorted((Path(__file__).parents[1] / "configs").glob("*.yaml"))
+GPT = [p for p in CONFIGS if p.stem.startswith("gpt3-")]
+
+
+def test_the_shipped_configs_are_found():
+    assert len(CONFIGS) >= 7 and len(GPT) >= 4
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_config_loads_and_every_strategy_estimates(path):
+    config = load_config(path, {})
+    assert config.name == path.stem
+    for strategy in STRATEGIES.values():
+        result = estimate(config, strategy)
+        assert result.total_bytes == config.L * result.per_layer_bytes > 0
+
+
+@pytest.mark.parametrize("path", GPT, ids=lambda p: p.stem)
+def test_gpt_configs_keep_every_knob_at_the_seeds_default(path):
+    knobs = {"mlp", "ffn_hidden_size", "attention", "num_query_groups", "norm", "dropout", "recompute", "dtype"}
+    assert not knobs & set(load_yaml(path))
+
+
+@pytest.mark.parametrize("path", GPT, ids=lambda p: p.stem)
+def test_gpt_configs_estimate_the_seeds_formulas(path):
+    c = load_config(path, {})
+    sbh, core = c.s * c.b * c.h, Fraction(5 * c.a * c.s, c.h)
+    seed = {"none": 34 + core, "tp": 10 + Fraction(24, c.t) + core / c.t, "tp-sp": Fraction(34, c.t) + core / c.t}
+    for name, per_sbh in seed.items():
+        assert estimate(c, STRATEGIES[name]).per_layer_bytes == sbh * per_sbh, name

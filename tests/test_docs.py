@@ -1,0 +1,63 @@
+"""docs/model.md is what `memcalc.docgen` renders from the code, and says what the seed says."""
+
+import re
+from pathlib import Path
+
+import pytest
+import sympy
+from sympy.parsing.latex import parse_latex
+
+from memcalc import docgen, ledger
+from memcalc.formula import SYMBOLS
+
+DOCS = Path(__file__).parents[1] / "docs" / "model.md"
+
+
+@pytest.fixture(scope="module")
+def rendered() -> str:
+    return docgen.render()
+
+
+def test_checked_in_docs_match_the_generator(rendered):
+    assert DOCS.read_text() == rendered, "docs/model.md is stale: run `python -m memcalc.docgen --write`"
+
+
+def test_docs_describe_every_ledger_tensor_with_its_reason(rendered):
+    for x in ledger.ALL_TENSORS:
+        row = next(line for line in rendered.splitlines() if line.startswith(f"| `{x.name}` | {x.saved_by} |"))
+        assert x.why in row
+
+
+def test_docs_print_the_seeds_three_formulas(rendered):
+    default = rendered.split("## Formulas of the default layer", 1)[1].split("\n## ", 1)[0]
+    for name, text in (("none", "sbh(34 + 5as/h)"), ("tp", "sbh(10 + 24/t + 5as/(ht))"),
+                       ("tp-sp", "sbh(34/t + 5as/(ht))")):
+        assert f"| `{name}` | `{text}` |" in default
+
+
+def test_docs_latex_totals_parse_back_to_the_seeds_formulas(rendered):
+    b, s, h, a, t = (SYMBOLS[n] for n in "bshat")
+    seed = {
+        "none": s * b * h * (34 + 5 * a * s / h),
+        "tp": s * b * h * (10 + 24 / t + 5 * a * s / (h * t)),
+        "tp-sp": s * b * h * (34 / t + 5 * a * s / (h * t)),
+    }
+    default = rendered.split("## Formulas of the default layer", 1)[1]
+    for name, expr in seed.items():
+        latex = re.search(rf"\\text{{{name}}} &= (.*?)(?: \\\\)?$", default, re.M).group(1)
+        parsed = parse_latex(latex, backend="antlr").subs({sympy.Symbol(n): x for n, x in SYMBOLS.items()})
+        assert sympy.expand(parsed - expr) == 0, latex
+
+
+def test_docs_mark_which_knobs_add_each_optional_tensor(rendered):
+    lse = next(line for line in rendered.splitlines() if line.startswith("| `attention/softmax_lse` |"))
+    assert "added by `--attention flash` (with `--exact`)" in lse
+    gate = next(line for line in rendered.splitlines() if line.startswith("| `mlp/gate` |"))
+    assert "added by `--mlp swiglu" in gate
+
+
+def test_docgen_write_updates_the_file(tmp_path, monkeypatch, rendered):
+    target = tmp_path / "docs" / "model.md"
+    monkeypatch.setattr(docgen, "DOCS", target)
+    docgen.main(["--write"])
+    assert target.read_text() == rendered

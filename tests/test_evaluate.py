@@ -1,0 +1,91 @@
+"""Integer bytes per rank, checked against the seed's tables and formulas by hand."""
+
+from fractions import Fraction
+
+import pytest
+
+from memcalc.config import build_config
+from memcalc.errors import ConfigError
+from memcalc.evaluate import TensorBytes, estimate, rank_shape
+from memcalc.layer import Accounting
+from memcalc.ledger import GELU_IN, PROJ_IN, QKV_IN, Dim
+from memcalc.strategy import NONE, TP, TP_SP
+
+SIZES = dict(b=3, s=40, h=80, a=10, t=5)
+
+
+def _seed_formula(strategy: str, b, s, h, a, t) -> Fraction:
+    """SEED.md section 3, written out by hand."""
+    sbh, core = s * b * h, Fraction(5 * a * s, h)
+    return sbh * {
+        "none": 34 + core,
+        "tp": 10 + Fraction(24, t) + core / t,
+        "tp-sp": Fraction(34, t) + core / t,
+    }[strategy]
+
+
+@pytest.mark.parametrize("strategy", [NONE, TP, TP_SP], ids=lambda x: x.name)
+@pytest.mark.parametrize("sizes", [SIZES, dict(b=1, s=2048, h=12288, a=96, t=8), dict(b=1, s=8, h=8, a=1, t=1)])
+def test_per_layer_bytes_are_the_seeds_formulas(strategy, sizes):
+    result = estimate(build_config(sizes), strategy)
+    assert result.per_layer_bytes == _seed_formula(strategy.name, **sizes)
+
+
+def test_no_parallelism_matches_the_seeds_table_tensor_by_tensor():
+    b, s, h, a = (SIZES[k] for k in "bsha")
+    bsh, bass = b * s * h, b * a * s * s
+    got = {x.tensor.name: x.bytes for x in estimate(build_config(SIZES), NONE).tensors}
+    assert got == {
+        # MLP: 19bsh
+        "mlp/fc1_in": 2 * bsh, "mlp/gelu_in": 8 * bsh, "mlp/fc2_in": 8 * bsh, "mlp/dropout_mask": bsh,
+        # attention: 11bsh + 5bas^2
+        "attention/qkv_in": 2 * bsh, "attention/q": 2 * bsh, "attention/k": 2 * bsh, "attention/v": 2 * bsh,
+        "attention/softmax_out": 2 * bass, "attention/dropout_out": 2 * bass, "attention/dropout_mask": bass,
+        "attention/proj_in": 2 * bsh, "attention/out_dropout_mask": bsh,
+        # two norms: 4bsh
+        "ln1/input": 2 * bsh, "ln2/input": 2 * bsh,
+    }
+
+
+def test_all_layers_are_L_times_one_layer():
+    one = estimate(build_config(SIZES | {"L": 1}), TP)
+    many = estimate(build_config(SIZES | {"L": 7}), TP)
+    assert many.per_layer_bytes == one.per_layer_bytes
+    assert many.total_bytes == 7 * one.per_layer_bytes
+
+
+def test_rank_shape_divides_only_the_split_dimension():
+    sizes = {Dim.B: 2, Dim.S: 12, Dim.H: 6, Dim.F: 24}
+    assert rank_shape(QKV_IN, NONE, sizes, 3) == (2, 12, 6)
+    assert rank_shape(QKV_IN, TP, sizes, 3) == (2, 12, 6)
+    assert rank_shape(QKV_IN, TP_SP, sizes, 3) == (2, 4, 6)
+    assert rank_shape(PROJ_IN, TP, sizes, 3) == (2, 12, 2)
+    assert rank_shape(GELU_IN, TP_SP, sizes, 3) == (2, 12, 8)
+
+
+def test_tensor_bytes_is_element_width_times_element_count():
+    assert TensorBytes(QKV_IN, (2, 3, 5), 2).bytes == 60
+
+
+def test_estimate_reports_the_per_rank_shape_of_each_tensor():
+    result = estimate(build_config(SIZES), TP_SP)
+    shapes = {x.tensor.name: x.shape for x in result.tensors}
+    b, s, h, a, t = (SIZES[k] for k in "bshat")
+    assert shapes["attention/qkv_in"] == (b, s // t, h)
+    assert shapes["attention/q"] == (b, a // t, s, h // a)
+    assert shapes["attention/softmax_out"] == (b, a // t, s, s)
+    assert shapes["mlp/gelu_in"] == (b, s, 4 * h // t)
+
+
+def test_sequence_parallelism_needs_t_to_divide_s_but_tp_does_not():
+    config = build_config(SIZES | {"s": 42})
+    assert estimate(config, TP).per_layer_bytes > 0
+    with pytest.raises(ConfigError, match=r"s=42 is not divisible by t=5"):
+        estimate(config, TP_SP)
+
+
+def test_exact_accounting_never_counts_less_than_the_paper():
+    config = build_config(SIZES)
+    for strategy in (NONE, TP, TP_SP):
+        paper = estimate(config, strategy, Accounting()).per_layer_bytes
+        assert estimate(config, strategy, Accounting(exact=True)).per_layer_bytes > paper

@@ -1,0 +1,95 @@
+"""fit's answers are exact: the answer fits by per_gpu (estimate's totals), the next valid value does not,
+and brute force over every candidate finds nothing better."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from memcalc.config import build_config
+from memcalc.errors import ConfigError
+from memcalc.fit import fit
+from memcalc.strategy import STRATEGIES, TP, TP_SP
+from memcalc.totals import per_gpu
+
+GPT = dict(b=1, s=64, h=32, a=8, t=4, L=8, vocab_size=1000, position_embedding_type="rope")
+LAYOUTS = [{}, {"pp": 2}, {"pp": 2, "vpp": 2, "dp": 4, "distributed_optimizer": True}]
+RECOMPUTES = ["none", "selective", "full"]
+
+
+def _needs(fields: dict, strategy, count="total") -> int | None:
+    """What per_gpu says the config needs, or None if the config is invalid."""
+    try:
+        return per_gpu(build_config(fields), strategy).bytes(count)
+    except ConfigError:
+        return None
+
+
+@settings(max_examples=25, deadline=None)
+@given(budget=st.integers(2**20, 2**32), layout=st.sampled_from(LAYOUTS), recompute=st.sampled_from(RECOMPUTES),
+       name=st.sampled_from(list(STRATEGIES)))
+def test_b_is_where_the_linear_total_crosses_the_budget(budget, layout, recompute, name):
+    """Each stage needs fixed + b * per_b; the answer is the largest b every stage fits."""
+    fields = GPT | layout | {"recompute": recompute}
+    strategy = STRATEGIES[name]
+    one, two = (per_gpu(build_config(fields | {"b": b}), strategy).stages for b in (1, 2))
+    lines = [(2 * x.bytes() - y.bytes(), y.bytes() - x.bytes()) for x, y in zip(one, two)]  # (fixed, per_b)
+    expected = min((budget - fixed) // per_b for fixed, per_b in lines)
+    got = fit(build_config(fields), strategy, "b", budget)
+    assert (got.answer.value if got.answer else 0) == max(expected, 0)
+    if got.answer:
+        assert got.answer.bytes == _needs(fields | {"b": expected}, strategy) <= budget
+    assert got.beyond.value == max(expected, 0) + 1 and got.beyond.bytes > budget
+
+
+@settings(max_examples=20, deadline=None)
+@given(budget=st.integers(2**22, 2**31), cp=st.sampled_from([1, 2]), name=st.sampled_from(["none", "tp", "tp-sp"]))
+def test_s_is_the_largest_valid_length_that_fits(budget, cp, name):
+    fields = GPT | {"cp": cp, "attention": "flash"}
+    strategy = STRATEGIES[name]
+    got = fit(build_config(fields), strategy, "s", budget)
+    if got.answer is None:
+        lowest = min(s for s in range(1, 64) if _needs(fields | {"s": s}, strategy) is not None)
+        assert got.beyond.value == lowest and got.beyond.bytes > budget
+        return
+    answer = got.answer.value
+    assert got.answer.bytes == _needs(fields | {"s": answer}, strategy) <= budget
+    for s in range(answer + 1, got.beyond.value + 1):  # everything up to the next candidate: invalid or too big
+        needs = _needs(fields | {"s": s}, strategy)
+        assert needs is None or needs > budget, s
+    assert _needs(fields | {"s": got.beyond.value}, strategy) is not None
+
+
+def test_s_stops_at_a_learned_position_table():
+    fields = GPT | {"position_embedding_type": "learned_absolute", "max_position_embeddings": 128}
+    got = fit(build_config(fields), TP_SP, "s", 2**40)
+    assert got.answer.value == 128
+    assert got.beyond.bytes is None and "exceeds max_position_embeddings=128" in got.beyond.reason
+
+
+@pytest.mark.parametrize("budget", [2**20, 6 * 2**20, 2**22, 2**24, 2**30])
+@pytest.mark.parametrize("strategy", [TP, TP_SP], ids=lambda x: x.name)
+def test_t_is_the_smallest_valid_divisor_that_fits(budget, strategy):
+    fields = GPT | {"s": 36, "L": 4}  # s = 36: tp-sp cannot use t = 8
+    candidates = {t: _needs(fields | {"t": t}, strategy) for t in range(1, 9)}
+    fitting = [t for t, n in candidates.items() if n is not None and n <= budget]
+    got = fit(build_config(fields), strategy, "t", budget)
+    if fitting:
+        assert got.answer.value == fitting[0] and got.answer.bytes == candidates[fitting[0]]
+        below = [t for t, n in candidates.items() if n is not None and t < fitting[0]]
+        assert (got.beyond.value if got.beyond else None) == (below[-1] if below else None)
+    else:
+        assert got.answer is None
+        assert got.beyond.bytes == min(n for n in candidates.values() if n is not None)
+
+
+def test_nothing_fits_reports_the_cheapest_candidate():
+    got = fit(build_config(GPT), TP_SP, "b", 1000)
+    assert got.answer is None and (got.beyond.value, got.beyond.bytes) == (1, _needs(GPT, TP_SP))
+
+
+def test_counting_activations_only_leaves_the_model_states_out():
+    budget = 2**26
+    total = fit(build_config(GPT), TP_SP, "b", budget)
+    acts = fit(build_config(GPT), TP_SP, "b", budget, count="activations")
+    assert acts.answer.value > total.answer.value
+    assert acts.answer.bytes == _needs(GPT | {"b": acts.answer.value}, TP_SP, "activations") <= budget

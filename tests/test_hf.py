@@ -1,0 +1,133 @@
+"""Hugging Face config.json files: the fields each family maps, published parameter counts, and one-line errors."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from memcalc.config import load_config
+from memcalc.errors import ConfigError
+from memcalc.hf import read_hf_config
+from memcalc.states import total_params
+
+DATA = Path(__file__).parent / "data" / "hf"
+
+
+def _config(name: str, **overrides):
+    hf = read_hf_config(DATA / f"{name}.json")
+    return load_config(DATA / f"{name}.json", overrides, base=hf.fields)
+
+
+def _write(tmp_path: Path, fields: dict) -> Path:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(fields))
+    return path
+
+
+# Published totals: the model cards and papers (GPT-2 124M, Llama 2 7B, Mistral 7B, Qwen2 0.5B, Pythia 70M).
+PUBLISHED = {
+    "gpt2": 124_439_808,
+    "llama2-7b": 6_738_415_616,
+    "mistral-7b": 7_241_732_096,
+    "qwen2-0.5b": 494_032_768,
+    "pythia-70m": 70_426_624,
+}
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_mapped_config_has_the_published_parameter_count(name):
+    assert total_params(_config(name)) == PUBLISHED[name]
+
+
+def test_llama_fields():
+    c = _config("llama2-7b")
+    assert (c.h, c.a, c.num_query_groups, c.ffn, c.L, c.vocab_size, c.s) == (4096, 32, 32, 11008, 32, 32000, 4096)
+    assert (c.mlp, c.norm, c.dropout, c.tie_embeddings) == ("swiglu", "rmsnorm", 0.0, False)
+    assert (c.position_embedding_type, c.add_bias_linear, c.add_qkv_bias) == ("rope", False, False)
+
+
+def test_mistral_keeps_its_kv_heads_and_qwen2_its_qkv_bias():
+    mistral, qwen = _config("mistral-7b"), _config("qwen2-0.5b")
+    assert (mistral.groups, mistral.ffn, mistral.s) == (8, 14336, 32768)
+    assert (qwen.groups, qwen.add_qkv_bias, qwen.add_bias_linear, qwen.tie_embeddings) == (2, True, False, True)
+
+
+def test_gpt2_defaults_its_mlp_to_4h_and_learns_positions():
+    c = _config("gpt2")
+    assert (c.h, c.a, c.L, c.ffn, c.vocab_size) == (768, 12, 12, 4 * 768, 50257)
+    assert (c.mlp, c.norm, c.dropout, c.tie_embeddings) == ("gelu", "layernorm", 0.1, True)
+    assert (c.position_embedding_type, c.max_position_embeddings, c.s, c.add_bias_linear) == (
+        "learned_absolute", 1024, 1024, True,
+    )
+
+
+def test_gpt_neox_fields():
+    c = _config("pythia-70m")
+    assert (c.h, c.a, c.L, c.ffn, c.vocab_size, c.s) == (512, 8, 6, 2048, 50304, 2048)
+    assert (c.mlp, c.norm, c.dropout, c.tie_embeddings, c.position_embedding_type) == (
+        "gelu", "layernorm", 0.0, False, "rope",
+    )
+
+
+def test_flags_override_the_file():
+    c = _config("llama2-7b", s=1024, t=8, attention="flash")
+    assert (c.s, c.t, c.attention, c.h) == (1024, 8, "flash", 4096)
+
+
+def test_used_fields_are_named():
+    text = read_hf_config(DATA / "gpt2.json").describe()
+    for part in ("gpt2", "n_embd->h=768", "n_head->a=12", "n_layer->L=12", "layer_norm_epsilon->norm=layernorm",
+                 "resid_pdrop+embd_pdrop+attn_pdrop->dropout=0.1", "position_embedding_type=learned_absolute"):
+        assert part in text
+
+
+def test_architectures_alone_name_the_family(tmp_path):
+    raw = json.loads((DATA / "mistral-7b.json").read_text())
+    del raw["model_type"]
+    assert read_hf_config(_write(tmp_path, raw)).family == "mistral"
+
+
+def test_gpt2_takes_the_largest_dropout(tmp_path):
+    raw = json.loads((DATA / "gpt2.json").read_text()) | {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.2}
+    assert read_hf_config(_write(tmp_path, raw)).fields["dropout"] == 0.2
+
+
+def test_unknown_architecture_is_named(tmp_path):
+    path = _write(tmp_path, {"model_type": "falcon", "architectures": ["FalconForCausalLM"], "hidden_size": 4544})
+    with pytest.raises(ConfigError, match=r"unknown architecture \(model_type='falcon', .*FalconForCausalLM.*llama"):
+        read_hf_config(path)
+
+
+def test_no_architecture_at_all(tmp_path):
+    with pytest.raises(ConfigError, match="names no architecture"):
+        read_hf_config(_write(tmp_path, {"hidden_size": 64}))
+
+
+def test_missing_fields_are_all_named(tmp_path):
+    raw = json.loads((DATA / "llama2-7b.json").read_text())
+    for name in ("hidden_size", "intermediate_size", "vocab_size"):
+        del raw[name]
+    with pytest.raises(ConfigError, match="llama config.json is missing hidden_size, vocab_size, intermediate_size$"):
+        read_hf_config(_write(tmp_path, raw))
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu' in a gated MLP"),
+    ({"attention_bias": True, "mlp_bias": False}, "attention_bias and mlp_bias differ"),
+    ({"head_dim": 256}, "head_dim=256 is not hidden_size/num_attention_heads=4096/32"),
+])
+def test_what_memcalc_cannot_model_is_refused(tmp_path, change, message):
+    raw = json.loads((DATA / "llama2-7b.json").read_text()) | change
+    with pytest.raises(ConfigError, match=message):
+        read_hf_config(_write(tmp_path, raw))
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        read_hf_config(tmp_path / "nope.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"model_type": "llama",\n  "hidden_size": }')
+    with pytest.raises(ConfigError, match="invalid JSON at line 2, column 18"):
+        read_hf_config(bad)
+    with pytest.raises(ConfigError, match="expected a JSON object"):
+        read_hf_config(_write(tmp_path, [1, 2]))

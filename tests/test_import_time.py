@@ -1,0 +1,58 @@
+"""`memcalc estimate` runs in loops and sweeps, so its start-up path must stay light:
+no sympy, numpy, torch or matplotlib, and `memcalc --help` imports no subcommand.
+
+One fresh interpreter runs the CLI's entry point several times and reports what it
+imported; benchmarks/bench_estimate.py measures the wall time itself.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+HEAVY = ("sympy", "numpy", "torch", "matplotlib")
+
+PROBE = """
+import json, sys
+from memcalc.cli import main
+
+def run(*args):
+    try:
+        main(list(args))
+    except SystemExit as exc:
+        assert exc.code == 0, (args, exc.code)
+
+def loaded(prefixes):
+    return sorted(m for m in sys.modules if m.startswith(prefixes))
+
+report = {}
+run("--help")
+report["after_help"] = loaded(("memcalc.cli.",))
+run("estimate", "--config", "configs/gpt3-175b.yaml", "--json")
+report["after_json"] = loaded(%(heavy)r)
+run("estimate", "--config", "configs/gpt3-175b.yaml", "--breakdown", "--exact")
+report["after_table"] = loaded(%(heavy)r)
+print("REPORT" + json.dumps(report), file=sys.stderr)
+""" % {"heavy": HEAVY}
+
+
+@pytest.fixture(scope="module")
+def report() -> dict:
+    proc = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stderr.rsplit("REPORT", 1)[1])
+
+
+def test_help_imports_no_subcommand_module(report):
+    assert report["after_help"] == []
+
+
+def test_estimate_json_imports_no_heavy_library(report):
+    assert report["after_json"] == []
+
+
+def test_estimate_tables_import_no_heavy_library(report):
+    assert report["after_table"] == []

@@ -1,0 +1,84 @@
+"""Pipeline stages: the closed forms in memcalc.pipeline against a step-by-step run of Megatron-LM's schedules,
+and against the paper's statements (Korthikanti et al. 2022, section 4.2.3)."""
+
+from fractions import Fraction
+
+import pytest
+
+from memcalc.pipeline import stages
+
+
+def _simulate(p: int, m: int | None, rank: int, microbatches: int) -> list[dict[int, int]]:
+    """Chunk-micro-batches in flight on `rank` after every forward, by replaying the schedule's order.
+
+    Plain 1F1B (m None): rank r runs p - r - 1 warm-up forwards, then one forward and one backward per step.
+    Interleaved: forward k runs chunk (k mod pm) // p, backward k runs chunk m - 1 - (k mod pm) // p, and
+    rank r warms up with 2(p - r - 1) + (m - 1)p forwards (Megatron-LM's interleaved schedule).
+    """
+    chunks = m or 1
+    total = microbatches * chunks
+    warmup = min(p - rank - 1 if m is None else 2 * (p - rank - 1) + (m - 1) * p, total)
+    def forward_chunk(k: int) -> int:
+        return 0 if m is None else (k % (p * m)) // p
+
+    def backward_chunk(k: int) -> int:
+        return 0 if m is None else m - 1 - (k % (p * m)) // p
+
+    live, history = dict.fromkeys(range(chunks), 0), []
+    for k in range(warmup):
+        live[forward_chunk(k)] += 1
+        history.append(dict(live))
+    for i in range(total - warmup):
+        live[forward_chunk(warmup + i)] += 1
+        history.append(dict(live))
+        live[backward_chunk(i)] -= 1
+    return history
+
+
+LAYOUTS = [(p, m) for p in (2, 3, 4, 8) for m in (None, 2, 3, 4)]
+
+
+@pytest.mark.parametrize("p,m", LAYOUTS)
+def test_first_and_last_stage_counts_match_a_replay_of_the_schedule(p, m):
+    L = 2 * p * (m or 1)  # two layers per model chunk
+    first, last = stages(L, p, m)
+    per_chunk = L // (p * (m or 1))
+    peak_first = max(_simulate(p, m, 0, 4 * p), key=lambda live: (sum(live.values()), live[0]))
+    assert first.layer_slots == per_chunk * sum(peak_first.values())
+    assert first.embedding_in_flight == peak_first[0]  # chunk 0 holds the embedding, counted at the same peak
+    peak_last = max(_simulate(p, m, p - 1, 4 * p), key=lambda live: sum(live.values()))
+    assert last.layer_slots == per_chunk * sum(peak_last.values())
+    assert last.output_in_flight == max(live[(m or 1) - 1] for live in _simulate(p, m, p - 1, 4 * p))
+    assert first.layers == last.layers == L // p
+
+
+@pytest.mark.parametrize("p,m", LAYOUTS)
+def test_no_middle_stage_keeps_more_than_the_first(p, m):
+    L = 2 * p * (m or 1)
+    first = stages(L, p, m)[0]
+    per_chunk = L // (p * (m or 1))
+    for rank in range(1, p - 1):
+        assert per_chunk * max(sum(live.values()) for live in _simulate(p, m, rank, 4 * p)) <= first.layer_slots
+
+
+@pytest.mark.parametrize("p", [2, 4, 8, 35])
+def test_1f1b_first_stage_keeps_L_layers_whatever_p(p):
+    """Section 4.2.3: the first stage stores p micro-batches of L/p layers, L layers in all."""
+    L = 3 * p
+    first, last = stages(L, p, None)
+    assert (first.layer_slots, first.embedding_in_flight) == (L, p)
+    assert (last.layer_slots, last.output_in_flight) == (L // p, 1)
+
+
+@pytest.mark.parametrize("p,m", [(8, 3), (35, 3), (4, 2), (2, 5)])
+def test_interleaved_first_stage_keeps_the_papers_factor(p, m):
+    """Section 4.2.3: interleaving with m stages scales the first stage's activations by 1 + (p-1)/(pm)."""
+    L = 3 * p * m
+    assert stages(L, p, m)[0].layer_slots == L * (1 + Fraction(p - 1, p * m))
+
+
+def test_without_pipelining_one_stage_holds_everything_once():
+    (only,) = stages(24, 1, None)
+    assert (only.name, only.layers, only.layer_slots, only.embedding_in_flight, only.output_in_flight) == (
+        "only", 24, 24, 1, 1,
+    )

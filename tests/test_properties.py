@@ -1,0 +1,81 @@
+"""Properties over random valid configurations (hypothesis).
+
+Sizes are built from the divisibility rules outward (heads from groups, groups
+from t, and so on), so every drawn configuration is valid for all three strategies.
+"""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from memcalc.config import ModelConfig, build_config
+from memcalc.evaluate import estimate
+from memcalc.layer import Accounting
+from memcalc.strategy import NONE, TP, TP_SP
+
+small = st.integers(min_value=1, max_value=6)
+
+
+@st.composite
+def configs(draw, t=st.sampled_from([1, 2, 4, 8])) -> dict:
+    """Fields of a random configuration that every strategy can lay out."""
+    t = draw(t)
+    groups = t * draw(small)  # t | groups
+    a = groups * draw(small)  # groups | a
+    fields = dict(
+        b=draw(small), s=t * draw(st.integers(1, 64)), h=a * draw(st.integers(1, 16)), a=a, t=t,
+        L=draw(small), mlp=draw(st.sampled_from(["gelu", "swiglu"])),
+        attention=draw(st.sampled_from(["eager", "flash"])), norm=draw(st.sampled_from(["layernorm", "rmsnorm"])),
+        dropout=draw(st.sampled_from([0.0, 0.1])), recompute=draw(st.sampled_from(["none", "selective", "full"])),
+        dtype=draw(st.sampled_from(["bf16", "fp16", "fp32"])),
+    )
+    if draw(st.booleans()):
+        fields["num_query_groups"] = groups
+    if draw(st.booleans()):
+        fields["ffn_hidden_size"] = t * draw(st.integers(1, 256))
+    return fields
+
+
+accountings = st.builds(Accounting, exact=st.booleans(), device=st.sampled_from(["cuda", "cpu"]))
+examples = settings(max_examples=60, deadline=None)
+
+
+def _per_layer(config: ModelConfig, accounting: Accounting) -> list[int]:
+    return [estimate(config, s, accounting).per_layer_bytes for s in (NONE, TP, TP_SP)]
+
+
+@examples
+@given(configs(), accountings)
+def test_tp_sp_never_keeps_more_than_tp_and_tp_never_more_than_none(fields, accounting):
+    none, tp, tp_sp = _per_layer(build_config(fields), accounting)
+    assert tp_sp <= tp <= none
+
+
+@examples
+@given(configs(t=st.just(1)), accountings)
+def test_one_gpu_makes_the_three_strategies_equal(fields, accounting):
+    none, tp, tp_sp = _per_layer(build_config(fields), accounting)
+    assert none == tp == tp_sp
+
+
+@examples
+@given(configs(t=st.sampled_from([2, 4, 8])), accountings)
+def test_more_than_one_gpu_makes_tp_sp_strictly_smaller(fields, accounting):
+    none, tp, tp_sp = _per_layer(build_config(fields), accounting)
+    assert tp_sp < none
+
+
+@examples
+@given(configs(), accountings, st.integers(2, 9))
+def test_memory_is_linear_in_the_micro_batch(fields, accounting, k):
+    one = _per_layer(build_config(fields | {"b": 1}), accounting)
+    many = _per_layer(build_config(fields | {"b": k}), accounting)
+    assert many == [k * x for x in one]
+
+
+@examples
+@given(configs(), accountings, st.integers(2, 200))
+def test_memory_is_linear_in_the_number_of_layers(fields, accounting, layers):
+    config = build_config(fields | {"L": layers})
+    for strategy in (NONE, TP, TP_SP):
+        one_layer = estimate(build_config(fields | {"L": 1}), strategy, accounting).per_layer_bytes
+        assert estimate(config, strategy, accounting).total_bytes == layers * one_layer

@@ -1,0 +1,87 @@
+"""Strategies split regions of the layer: TP the inside of the pair, SP the rest."""
+
+import itertools
+
+import pytest
+
+from memcalc import ledger
+from memcalc.config import build_config
+from memcalc.errors import ConfigError
+from memcalc.evaluate import estimate
+from memcalc.layer import Accounting, Knobs, layer_tensors
+from memcalc.ledger import Dim, Region
+from memcalc.strategy import NONE, STRATEGIES, TP, TP_SP, get_strategy
+
+KNOB_CHOICES = {
+    "mlp": ["gelu", "swiglu"],
+    "attention": ["eager", "flash"],
+    "num_query_groups": [None, 4],
+    "norm": ["layernorm", "rmsnorm"],
+    "dropout": [0.0, 0.1],
+    "recompute": ["none", "selective", "full"],
+    "dtype": ["bf16", "fp32"],
+}
+
+
+def _every_knob_combination():
+    for values in itertools.product(*KNOB_CHOICES.values()):
+        yield dict(zip(KNOB_CHOICES, values))
+
+
+def test_no_parallelism_splits_nothing():
+    assert all(NONE.split_dim(x) is None for x in ledger.ALL_TENSORS)
+
+
+def test_tp_splits_heads_groups_ffn_or_hidden_inside_the_pair():
+    expected = {
+        ledger.Q: Dim.A, ledger.K: Dim.G, ledger.V: Dim.G, ledger.SOFTMAX_OUT: Dim.A,
+        ledger.ATTN_DROPOUT_MASK: Dim.A, ledger.ATTN_DROPOUT_OUT: Dim.A, ledger.SOFTMAX_LSE: Dim.A,
+        ledger.PROJ_IN: Dim.H, ledger.GELU_IN: Dim.F, ledger.SWIGLU_GATE: Dim.F, ledger.SWIGLU_UP: Dim.F,
+        ledger.SWIGLU_SILU_OUT: Dim.F, ledger.FC2_IN: Dim.F,
+    }
+    assert {x: TP.split_dim(x) for x in ledger.ALL_TENSORS if TP.split_dim(x)} == expected
+
+
+def test_tp_leaves_the_seeds_10bsh_replicated():
+    # Seed section 3: two norm inputs, the two norm outputs feeding QKV and fc1, two dropout masks.
+    replicated = [x for x in layer_tensors(Knobs(), Accounting()) if TP.split_dim(x) is None]
+    assert {x.name for x in replicated} == {
+        "ln1/input", "ln2/input", "attention/qkv_in", "mlp/fc1_in",
+        "attention/out_dropout_mask", "mlp/dropout_mask",
+    }
+
+
+def test_sp_splits_along_s_exactly_what_tp_replicates():
+    for x in ledger.ALL_TENSORS:
+        if TP.split_dim(x) is None:
+            assert TP_SP.split_dim(x) is Dim.S, x.name
+        else:
+            assert TP_SP.split_dim(x) is TP.split_dim(x), x.name
+
+
+def test_strategies_are_rules_over_regions():
+    assert NONE.splits == frozenset()
+    assert TP.splits == {Region.TENSOR}
+    assert TP_SP.splits == {Region.TENSOR, Region.SEQUENCE}
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_tp_sp_divides_every_term_by_t(exact):
+    t = 4
+    for knobs in _every_knob_combination():
+        config = build_config(dict(b=2, s=32, h=64, a=8, t=t) | knobs)
+        accounting = Accounting(exact=exact)
+        whole = estimate(config, NONE, accounting)
+        split = estimate(config, TP_SP, accounting)
+        for w, p in zip(whole.tensors, split.tensors, strict=True):
+            assert p.bytes * t == w.bytes, (knobs, p.tensor.name)
+
+
+def test_get_strategy_names_the_three_strategies():
+    assert [get_strategy(n) for n in ("none", "tp", "tp-sp")] == [NONE, TP, TP_SP]
+    assert list(STRATEGIES) == ["none", "tp", "tp-sp"]
+
+
+def test_unknown_strategy_lists_the_valid_names():
+    with pytest.raises(ConfigError, match=r"unknown strategy 'sp' \(choose from none, tp, tp-sp\)"):
+        get_strategy("sp")

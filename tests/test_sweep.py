@@ -1,0 +1,289 @@
+"""Sweeps: range syntax, numbers equal to single estimates, rules applied per point,
+int64 limits, and the CSV/JSON writers."""
+
+import csv
+import io
+import itertools
+import json
+import math
+from fractions import Fraction
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from memcalc.config import build_config
+from memcalc.errors import ConfigError
+from memcalc.evaluate import estimate
+from memcalc.layer import Accounting
+from memcalc.strategy import NONE, STRATEGIES, TP, TP_SP
+from memcalc.sweep import (
+    MAX_ROWS, csv_chunks, describe_skips, evaluate_sweep, json_chunks, make_sweep, parse_values,
+)
+from memcalc.sweep import _digits
+
+GPT3 = dict(name="gpt3-175b", b=1, s=2048, h=12288, a=96, t=8, L=96)  # Korthikanti et al. 2022, Table 3
+ALL = list(STRATEGIES.values())
+
+
+def _sweep(fields=GPT3, strategies=ALL, accounting=Accounting(), **ranges):
+    ranges = {k: parse_values(v) for k, v in ranges.items()}
+    return evaluate_sweep(make_sweep(dict(fields), ranges, strategies, accounting))
+
+
+# --- range syntax ---
+
+@pytest.mark.parametrize("text, values", [
+    ("1024,2048,4096", [1024, 2048, 4096]),
+    ("4096, 1024", [4096, 1024]),
+    ("7", [7]),
+    ("1:5", [1, 2, 3, 4, 5]),
+    ("64:320:64", [64, 128, 192, 256, 320]),
+    ("1:10:4", [1, 5, 9]),
+    ("1024:32768:x2", [1024, 2048, 4096, 8192, 16384, 32768]),
+    ("3:100:x3", [3, 9, 27, 81]),
+    ("5:5", [5]),
+])
+def test_values_are_a_list_an_inclusive_range_or_a_geometric_range(text, values):
+    assert list(parse_values(text)) == values
+
+
+def test_a_long_arithmetic_range_is_lazy():
+    values = parse_values("64:640000000000:64")
+    assert len(values) == 10_000_000_000 and values[-1] == 640000000000
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("10:1", "is empty: start 10 is above stop 1"),
+    ("1:10:0", "step must be positive"),
+    ("1:10:-2", "step '-2' is not a positive whole number"),
+    ("1.5", "value '1.5' is not a positive whole number"),
+    ("1024:2048:x1", "geometric factor must be at least 2"),
+    ("1:64:x1.5", "factor '1.5' is not a positive whole number"),
+    ("0:8", "value must be positive"),
+    ("abc", "value 'abc' is not"),
+    ("", "expected a list"),
+    ("1,,2", "expected a list"),
+    ("1:2:3:4", "has 3 colons"),
+    ("8,16,8", "repeats 8"),
+])
+def test_bad_values_name_the_rule(text, needle):
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(".", r"\.")):
+        parse_values(text)
+
+
+# --- what a sweep accepts ---
+
+def test_sizes_not_swept_come_from_the_config_then_its_defaults():
+    sweep = make_sweep({"s": 16, "h": 64, "a": 8}, {"t": range(1, 3)}, ALL, Accounting())
+    values = {k: list(v) for k, v in sweep.values.items()}
+    assert values == {"b": [1], "s": [16], "h": [64], "a": [8], "t": [1, 2], "L": [1]}
+
+
+@pytest.mark.parametrize("fields, needle", [
+    ({"h": 64, "a": 8}, "field 's' is required"),
+    ({"s": "16", "h": 64, "a": 8}, "field 's': must be a positive whole number (got '16')"),
+    ({"s": 16, "h": 64, "a": 8, "L": 0}, "field 'L': must be a positive whole number (got 0)"),
+    ({"s": 16, "h": 64, "a": 8, "heads": 8}, "unknown field 'heads'"),
+    ({"s": 16, "h": 64, "a": 8, "mlp": "relu"}, "field 'mlp'"),
+    ({"s": 16, "h": 64, "a": 8, "cp": 2}, "context parallelism (cp=2)"),
+    ({"s": 16, "h": 2**41, "a": 8}, "h=2199023255552 is too large"),
+])
+def test_bad_fields_are_refused_once_for_the_whole_sweep(fields, needle):
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        make_sweep(fields, {}, ALL, Accounting())
+
+
+def test_layout_fields_do_not_change_the_numbers():
+    plain = _sweep(s="1024,2048")
+    laid_out = _sweep(GPT3 | {"pp": 8, "vpp": 3, "vocab_size": 51200}, s="1024,2048")
+    assert laid_out.per_layer.tolist() == plain.per_layer.tolist()
+
+
+def test_a_sweep_too_big_for_memory_is_refused_before_any_work():
+    with pytest.raises(ConfigError, match=f"at most {MAX_ROWS:,}"):
+        make_sweep(GPT3, {"b": parse_values("1:10000"), "s": parse_values("1:10000")}, ALL, Accounting())
+
+
+# --- numbers ---
+
+def _seed_per_layer(strategy: str, b: int, s: int, t: int, h: int = 12288, a: int = 96) -> int:
+    """SEED.md section 3, evaluated exactly: sbh(34 + 5as/h), sbh(10 + 24/t + 5as/(ht)), sbh(34/t + 5as/(ht))."""
+    core = Fraction(5 * a * s, h)
+    per_sbh = {"none": 34 + core, "tp": 10 + Fraction(24, t) + core / t, "tp-sp": Fraction(34, t) + core / t}[strategy]
+    return int(s * b * h * per_sbh)
+
+
+def test_gpt3_175b_rows_are_the_seeds_formulas():
+    result = _sweep(b="1:3", s="1024:8192:x2", t="4,8")
+    assert result.rows == 3 * 4 * 2 * 3
+    for i in range(result.rows):
+        row = result.row(i)
+        expected = _seed_per_layer(row["strategy"], row["b"], row["s"], row["t"])
+        assert (row["per_layer_bytes"], row["total_bytes"]) == (expected, 96 * expected), row
+
+
+def _grids(draw):
+    """Random short lists per size, many of whose combinations break some rule."""
+    pick = lambda options: draw(st.lists(st.sampled_from(options), min_size=1, max_size=2, unique=True))  # noqa: E731
+    return dict(b=pick([1, 2, 3]), s=pick([6, 8, 15, 16, 64]), h=pick([48, 64, 96, 120]), a=pick([2, 3, 4, 8]),
+                t=pick([1, 2, 3, 4]), L=pick([1, 3]))
+
+
+@st.composite
+def sweeps(draw):
+    knobs = dict(
+        mlp=draw(st.sampled_from(["gelu", "swiglu"])), attention=draw(st.sampled_from(["eager", "flash"])),
+        norm=draw(st.sampled_from(["layernorm", "rmsnorm"])), dropout=draw(st.sampled_from([0.0, 0.1])),
+        recompute=draw(st.sampled_from(["none", "selective", "full"])), dtype=draw(st.sampled_from(["bf16", "fp32"])),
+    )
+    if draw(st.booleans()):
+        knobs["num_query_groups"] = draw(st.sampled_from([1, 2, 4]))
+    if draw(st.booleans()):
+        knobs["ffn_hidden_size"] = draw(st.sampled_from([96, 100, 256]))
+    accounting = Accounting(exact=draw(st.booleans()), device=draw(st.sampled_from(["cuda", "cpu"])))
+    return knobs, _grids(draw), accounting
+
+
+@settings(max_examples=40, deadline=None)
+@given(sweeps())
+def test_every_row_equals_estimate_and_every_dropped_point_is_one_estimate_refuses(case):
+    knobs, grid, accounting = case
+    try:
+        result = evaluate_sweep(make_sweep(knobs, grid, ALL, accounting))
+    except ConfigError as exc:  # every point breaks some rule: checked below, point by point
+        assert str(exc).startswith("no configuration in the sweep passes")
+        rows = {}
+    else:
+        rows = {
+            tuple(r[k] for k in ("b", "s", "h", "a", "t", "L", "strategy")): (r["per_layer_bytes"], r["total_bytes"])
+            for r in map(result.row, range(result.rows))
+        }
+    for point in _points(grid):
+        for strategy in ALL:
+            try:
+                expected = estimate(build_config(knobs | point), strategy, accounting)
+            except ConfigError:
+                assert (*point.values(), strategy.name) not in rows
+            else:
+                got = rows[(*point.values(), strategy.name)]
+                assert got == (expected.per_layer_bytes, expected.total_bytes)
+
+
+def _points(grid):
+    return [dict(zip(grid, combo)) for combo in itertools.product(*grid.values())]
+
+
+@pytest.mark.parametrize("fields, strategy", [
+    (dict(s=16, h=60, a=8), NONE),
+    (dict(s=16, h=64, a=8, t=3), NONE),
+    (dict(s=16, h=64, a=8, t=2, ffn_hidden_size=33), TP),
+    (dict(s=16, h=64, a=8, num_query_groups=3), NONE),
+    (dict(s=16, h=64, a=8, num_query_groups=2, t=4), TP),
+    (dict(s=15, h=64, a=8, t=2), TP_SP),
+])
+def test_a_dropped_point_is_explained_in_the_words_of_estimate(fields, strategy):
+    with pytest.raises(ConfigError) as refused:
+        estimate(build_config(fields), strategy)
+    with pytest.raises(ConfigError) as dropped:
+        evaluate_sweep(make_sweep(fields, {}, [strategy], Accounting()))
+    assert str(dropped.value) == f"no configuration in the sweep passes the divisibility rules, e.g. {refused.value}"
+
+
+def test_skips_are_counted_by_the_first_rule_each_point_breaks():
+    result = _sweep(t="1:8")  # a=96, s=2048
+    # t=5, 7 do not divide a=96: dropped under all three strategies (6 rows);
+    # t=3, 6 divide a but not s=2048: dropped under tp-sp only (2 rows).
+    assert [(s.rule.value, s.count) for s in result.skipped] == [("a", 6), ("s", 2)]
+    assert result.rows == 8 * 3 - 8
+    assert describe_skips(result) == (
+        "skipped 8 of 24 configurations that break a divisibility rule: "
+        "6 because t must divide a, e.g. a=96 is not divisible by t=5 (tensor parallelism gives each rank a/t heads); "
+        "2 because t must divide s, e.g. s=2048 is not divisible by t=3 (sequence parallelism splits the sequence"
+        " across t ranks)"
+    )
+
+
+def test_a_clean_sweep_reports_no_skips():
+    assert describe_skips(_sweep(b="1:4")) is None
+
+
+def test_bytes_past_int64_are_refused_not_wrapped():
+    # none keeps 5bas^2 L bytes in the attention core alone: 5 * 64 * 96 * (2^21)^2 * 96 > 2^63.
+    with pytest.raises(ConfigError, match="beyond 64-bit integers"):
+        _sweep(b="64", s=str(2**21))
+
+
+def test_bytes_just_inside_int64_are_exact():
+    result = _sweep(b="16", s=str(2**21), t="1")
+    for i in range(result.rows):
+        row = result.row(i)
+        config = build_config(GPT3 | {"b": 16, "s": 2**21, "t": 1})
+        exact = estimate(config, STRATEGIES[row["strategy"]])
+        assert (row["per_layer_bytes"], row["total_bytes"]) == (exact.per_layer_bytes, exact.total_bytes)
+        assert exact.total_bytes > 2**61
+
+
+def test_a_series_along_one_size_has_a_gap_where_a_rule_dropped_the_point():
+    series = _sweep(t="1:8").along("t")
+    tp_sp = series[TP_SP]
+    assert [math.isnan(v) for v in tp_sp] == [t in (3, 5, 6, 7) for t in range(1, 9)]
+    assert tp_sp[7] == 96 * _seed_per_layer("tp-sp", 1, 2048, 8)
+
+
+def test_a_series_needs_the_other_sizes_fixed():
+    with pytest.raises(ValueError, match="a series along s needs every other size fixed"):
+        _sweep(b="1:2", s="1024,2048").along("s")
+
+
+# --- writers ---
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.one_of(st.integers(0, 2**63 - 1), st.integers(0, 10**5), st.sampled_from([0, 9999, 10**8])),
+                min_size=1, max_size=20))
+def test_digits_write_integers_as_str_does(values):
+    text = _digits(np.array(values, dtype=np.int64))
+    assert text[text != 0].tobytes().decode() == "".join(f"{v}," for v in values)
+
+
+def _csv(result, chunk_rows=1 << 18) -> list[dict]:
+    data = b"".join(chunk for _, chunk in csv_chunks(result, chunk_rows))
+    return list(csv.DictReader(io.StringIO(data.decode())))
+
+
+def test_csv_has_a_header_and_one_complete_row_per_configuration():
+    result = _sweep(GPT3 | {"mlp": "swiglu", "dropout": 0.0}, b="1,2", s="1024,2048,4096")
+    rows = _csv(result)
+    assert len(rows) == 2 * 3 * 3
+    first = rows[0]
+    assert list(first) == ["b", "s", "h", "a", "t", "L", "strategy", "per_layer_bytes", "total_bytes",
+                           "ffn_hidden_size", "num_query_groups", "mlp", "attention", "norm", "dropout",
+                           "recompute", "dtype", "accounting"]
+    assert first | {"per_layer_bytes": None, "total_bytes": None} == dict(
+        b="1", s="1024", h="12288", a="96", t="8", L="96", strategy="none", per_layer_bytes=None, total_bytes=None,
+        ffn_hidden_size="49152", num_query_groups="96", mlp="swiglu", attention="eager", norm="layernorm",
+        dropout="0.0", recompute="none", dtype="bf16", accounting="paper",
+    )
+    for row in rows:  # each row is a configuration that estimate reproduces
+        fields = {k: int(row[k]) for k in ("b", "s", "h", "a", "t", "L", "ffn_hidden_size", "num_query_groups")}
+        config = build_config(fields | {"mlp": row["mlp"], "dropout": float(row["dropout"])})
+        expected = estimate(config, STRATEGIES[row["strategy"]])
+        got = (int(row["per_layer_bytes"]), int(row["total_bytes"]))
+        assert got == (expected.per_layer_bytes, expected.total_bytes)
+
+
+def test_csv_is_the_same_whatever_the_chunk_size():
+    result = _sweep(b="1:5", s="1024:4096:1024")
+    assert _csv(result, chunk_rows=7) == _csv(result)
+
+
+def test_json_holds_the_knobs_once_and_a_list_per_column():
+    result = _sweep(t="1:8", strategies=[TP_SP])
+    doc = json.loads(b"".join(chunk for _, chunk in json_chunks(result, chunk_rows=3)))
+    assert doc["knobs"]["mlp"] == "gelu" and doc["accounting"] == "paper"
+    assert doc["configurations"] == 8 and doc["rows"] == 4
+    assert doc["skipped"][0]["count"] == 2 and "a=96 is not divisible by t=5" in doc["skipped"][0]["example"]
+    assert doc["columns"]["t"] == [1, 2, 4, 8]
+    assert doc["columns"]["strategy"] == ["tp-sp"] * 4
+    assert doc["columns"]["per_layer_bytes"] == [_seed_per_layer("tp-sp", 1, 2048, t) for t in (1, 2, 4, 8)]
