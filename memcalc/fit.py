@@ -79,7 +79,7 @@ def fit(
     """The largest b or s, or the smallest t, whose per-GPU bytes (`count`) are at most `budget`."""
     def probe(value: int) -> Probe:
         try:
-            candidate = build_config(config.model_dump() | {solve: value})
+            candidate = build_config(config.as_dict() | {solve: value})
             return Probe(value, per_gpu(candidate, strategy, accounting).bytes(count))
         except ConfigError as exc:
             return Probe(value, None, str(exc))

@@ -16,7 +16,7 @@ Megatron-LM's optimizer group include the context-parallel ones: 6 + 12/(dp*cp).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from memcalc.config import ModelConfig
@@ -102,7 +102,7 @@ def group_params(config: ModelConfig, stage: Stage, t: int) -> dict[str, int]:
 def total_params(config: ModelConfig) -> int:
     """Distinct parameters in the whole model: as one stage, where a tied output layer is the embedding."""
     whole = {"layer": config.L, "first": 1, "last": 1}
-    one_stage = config.model_copy(update={"pp": 1, "vpp": None})
+    one_stage = replace(config, pp=1, vpp=None)
     return sum(whole[g.where] * g.count(one_stage, 1) for g in PARAM_GROUPS)
 
 

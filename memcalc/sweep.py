@@ -19,13 +19,15 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from math import prod
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from memcalc.config import ModelConfig, ModelKnobs, build_knobs
+from memcalc.config import (
+    DIVISIBILITY, SEQUENCE_SPLIT, ModelConfig, ModelKnobs, Rule, build_knobs, field_default, field_names,
+)
 from memcalc.errors import ConfigError
 from memcalc.evaluate import dim_sizes, rank_shape
 from memcalc.layer import Accounting, Knobs, element_bytes, layer_tensors
@@ -112,16 +114,16 @@ def make_sweep(
 ) -> Sweep:
     """A checked sweep: `ranges` give swept sizes, `fields` (a config's keys) the rest.
 
-    Knobs are validated once, by the same pydantic model as any config; the
+    Knobs are validated once, by the same schema as any config; the
     sizes are positive whole numbers by construction or checked here. Rules
     between sizes are left to `evaluate_sweep`, which applies them per point.
     The layout fields of a config (pp, vpp, dp, vocab_size, ...) do not change
     one layer's activations and are not read; context parallelism would (each
     rank keeps s/cp tokens), so a config with cp > 1 is refused.
     """
-    # Knobs, and unknown keys so that pydantic names them; sizes and layout fields are not knobs.
+    # Knobs, and unknown keys so that validation names them; sizes and layout fields are not knobs.
     knobs = build_knobs({
-        k: v for k, v in fields.items() if k in ModelKnobs.model_fields or k not in ModelConfig.model_fields
+        k: v for k, v in fields.items() if k in field_names(ModelKnobs) or k not in field_names()
     })
     if fields.get("cp", 1) != 1:
         raise ConfigError(f"sweeps do not model context parallelism (cp={fields['cp']}); use memcalc estimate for it")
@@ -142,11 +144,11 @@ def make_sweep(
 
 def _fixed(name: str, fields: dict[str, Any]) -> int:
     """A size that is not swept: from the config, else the config's default."""
-    field = ModelConfig.model_fields[name]
     if name not in fields:
-        if field.is_required():
+        default = field_default(name)
+        if default is None:
             raise ConfigError(f"field '{name}' is required")
-        return field.default
+        return default
     value = fields[name]
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(f"field '{name}': must be a positive whole number (got {value!r})")
@@ -234,34 +236,6 @@ def _check_int64(grid: GridSizes, sweep: Sweep, knobs: Knobs) -> None:
 
 
 # --- Divisibility, point by point ---------------------------------------------
-
-@dataclass(frozen=True)
-class Rule:
-    """`divisor` must divide `value`; worded exactly as memcalc.config words it."""
-
-    divisor: str
-    value: str
-    why: str
-
-    def message(self, divisor: int, value: int) -> str:
-        return f"{self.value}={value} is not divisible by {self.divisor}={divisor} ({self.why})"
-
-    @property
-    def text(self) -> str:
-        return f"{self.divisor} must divide {self.value}"
-
-
-# The rules of config.check_divisibility (every strategy), then of
-# config.check_sequence_split (strategies that split the sequence), in their order.
-DIVISIBILITY = (
-    Rule("a", "h", "each head gets h/a channels"),
-    Rule("t", "a", "tensor parallelism gives each rank a/t heads"),
-    Rule("t", "ffn_hidden_size", "the MLP is split into t column shards"),
-    Rule("num_query_groups", "a", "each K/V group serves a/num_query_groups heads"),
-    Rule("t", "num_query_groups", "each rank holds num_query_groups/t K/V groups"),
-)
-SEQUENCE_SPLIT = Rule("t", "s", "sequence parallelism splits the sequence across t ranks")
-
 
 @dataclass(frozen=True)
 class Skip:
@@ -493,7 +467,7 @@ def csv_chunks(result: SweepResult, chunk_rows: int = CHUNK_ROWS) -> Iterator[tu
         _Field(_digits(np.broadcast_to(grid.ffn, grid.h.shape)), SIZES.index("h")),
         _Field(_digits(np.broadcast_to(grid.groups, grid.a.shape)), SIZES.index("a")),
     ]
-    knobs = result.sweep.knobs.model_dump()
+    knobs = asdict(result.sweep.knobs)
     constants = [str(knobs[name]) for name in KNOB_COLUMNS[2:]] + [accounting_label(result.sweep.accounting)]
     layout = _layout(fields, (",".join(constants) + "\n").encode())
     for rows in _chunks(result.rows, chunk_rows):
@@ -509,7 +483,7 @@ def json_chunks(result: SweepResult, chunk_rows: int = CHUNK_ROWS) -> Iterator[t
     sweep = result.sweep
     head = {
         "model": sweep.name,
-        "knobs": sweep.knobs.model_dump(),
+        "knobs": asdict(sweep.knobs),
         "accounting": accounting_label(sweep.accounting),
         "configurations": sweep.rows,
         "skipped": [{"rule": s.rule.text, "count": s.count, "example": s.example} for s in result.skipped],

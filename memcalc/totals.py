@@ -19,7 +19,7 @@ here is the ledger's, evaluated at s/cp.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from math import prod
 
 from memcalc.config import ModelConfig, check_sequence_split
@@ -114,7 +114,7 @@ def end_bytes(x: EndTensor, config: ModelConfig, strategy: Strategy, accounting:
 
 def context_shard(config: ModelConfig) -> ModelConfig:
     """The config one context-parallel rank runs: s/cp tokens (the same config when cp = 1)."""
-    return config if config.cp == 1 else config.model_copy(update={"s": config.s // config.cp, "cp": 1})
+    return config if config.cp == 1 else replace(config, s=config.s // config.cp, cp=1)
 
 
 def layer_estimate(config: ModelConfig, strategy: Strategy, accounting: Accounting) -> LayerEstimate:
@@ -197,5 +197,5 @@ def _rebuilt_layer_bytes(config: ModelConfig, strategy: Strategy, accounting: Ac
     """
     if not accounting.exact or config.recompute == "none":
         return 0
-    whole = layer_estimate(config.model_copy(update={"recompute": "none"}), strategy, accounting)
+    whole = layer_estimate(replace(config, recompute="none"), strategy, accounting)
     return whole.per_layer_bytes - layer.per_layer_bytes

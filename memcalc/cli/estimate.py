@@ -10,7 +10,7 @@ import click
 from memcalc.cli.options import (
     ByteSize, accounting_options, layout_options, model_from, model_options, strategy_names, strategy_option,
 )
-from memcalc.config import ModelConfig
+from memcalc.config import ModelConfig, config_record
 from memcalc.evaluate import LayerEstimate
 from memcalc.layer import Accounting
 from memcalc.states import total_params
@@ -75,7 +75,7 @@ def to_json(
 ) -> dict:
     """The JSON document: the config, how bytes were counted, each strategy's numbers, and totals if asked."""
     doc = {
-        "config": config.model_dump(exclude_none=True) | {"ffn_hidden_size": config.ffn, "num_query_groups": config.groups},
+        "config": config_record(config),
         "accounting": {"exact": accounting.exact, "device": accounting.device},
         "strategies": {
             r.strategy.name: {

@@ -3,21 +3,21 @@
 from __future__ import annotations
 
 import json
-from typing import Any, get_args
+from typing import Any
 
 import click
 
 from memcalc.cli.options import (
     ByteSize, accounting_options, layout_options, model_from, model_options, strategy_names, strategy_option,
 )
-from memcalc.config import ModelConfig, ModelKnobs, build_config
+from memcalc.config import ModelConfig, build_config, choices, config_record
 from memcalc.errors import ConfigError
 from memcalc.fit import COUNTS, SOLVES, Fit, Probe, fit
 from memcalc.layer import Accounting
 from memcalc.strategy import STRATEGIES
 from memcalc.units import human_bytes
 
-RECOMPUTES = get_args(ModelKnobs.model_fields["recompute"].annotation)  # none, selective, full
+RECOMPUTES = choices("recompute")  # none, selective, full
 _WHAT = {"b": "largest micro-batch b", "s": "largest sequence length s", "t": "smallest tensor-parallel size t"}
 _COUNTED = {
     "total": "the per-GPU total (activations + model states) of the most loaded pipeline stage",
@@ -70,7 +70,7 @@ def _fit_all(
     if not names:
         raise ConfigError("strategy 'none' does not split by t, so there is no t to solve for")
     return [
-        fit(build_config(config.model_dump() | {"recompute": r}), STRATEGIES[n], solve, budget, accounting, count)
+        fit(build_config(config.as_dict() | {"recompute": r}), STRATEGIES[n], solve, budget, accounting, count)
         for n in names
         for r in ([recompute] if recompute else RECOMPUTES)
     ]
@@ -97,7 +97,7 @@ def _probe_json(p: Probe | None) -> dict | None:
 def to_json(config: ModelConfig, solve: str, count: str, budget: int, fits: list[Fit]) -> dict:
     """The JSON document: what was solved and counted, and each row's answer with the candidate past it."""
     return {
-        "config": config.model_dump(exclude_none=True),
+        "config": config_record(config),
         "solve": solve,
         "count": count,
         "budget_bytes": budget,

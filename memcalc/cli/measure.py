@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from memcalc.cli.options import model_from, model_options, strategy_names, strategy_option
-from memcalc.config import ModelConfig
+from memcalc.config import ModelConfig, config_record
 from memcalc.errors import ProbeError
 
 if TYPE_CHECKING:  # torch: only when the command runs
@@ -70,7 +70,7 @@ def command(strategy: str, device: str, backend: str | None, launch: str, timeou
 def to_json(config: ModelConfig, results: list[StrategyMeasurement]) -> dict:
     """The config, and per strategy how it ran, both totals and every tensor (rank 0)."""
     return {
-        "config": config.model_dump(exclude_none=True) | {"ffn_hidden_size": config.ffn, "num_query_groups": config.groups},
+        "config": config_record(config),
         "match": all(m.matches for m in results),
         "strategies": {
             m.strategy.name: {

@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from memcalc.cli.options import SIZE_FLAGS, accounting_options, model_from, model_options
+from memcalc.cli.options import SIZE_FLAGS, ByteSize, accounting_options, model_from, model_options
 from memcalc.cli.sweep import VALUES, build_sweep, chosen_strategies, check_out, describe_knobs, strategies_option
 from memcalc.errors import ConfigError
 from memcalc.layer import Accounting
@@ -30,15 +30,6 @@ def _image_out(ctx: click.Context, param: click.Parameter, out: Path) -> Path:
     except ConfigError as exc:
         raise click.BadParameter(str(exc), ctx, param) from None
     return check_out(ctx, param, out)
-
-
-def _size(ctx: click.Context, param: click.Parameter, text: str | None) -> int | None:
-    from memcalc.units import parse_bytes
-
-    try:
-        return None if text is None else parse_bytes(text)
-    except ConfigError as exc:
-        raise click.BadParameter(str(exc), ctx, param) from None
 
 
 @click.command("plot")
@@ -60,7 +51,7 @@ def _size(ctx: click.Context, param: click.Parameter, text: str | None) -> int |
 @click.option("--group", type=click.Choice(["tensor", "block"]), default="tensor", show_default=True,
               help="Breakdown segments: each saved tensor, or each block (norms, attention, MLP).")
 @click.option("--per-layer", is_flag=True, help="One layer's bytes instead of all L layers'.")
-@click.option("--device-memory", callback=_size, help="Draw the device's memory as a line, e.g. 80GiB.")
+@click.option("--device-memory", type=ByteSize(), help="Draw the device's memory as a line, e.g. 80GiB.")
 @click.option(
     "--out", type=click.Path(path_type=Path), required=True, callback=_image_out, help="Image to write: .png or .svg."
 )

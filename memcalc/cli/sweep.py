@@ -20,7 +20,7 @@ import click
 from memcalc.cli.options import (
     KNOB_FLAGS, SIZE_FLAGS, STRATEGY_CHOICES, accounting_options, config_option, hf_config_option, knob_options,
 )
-from memcalc.config import ModelConfig, load_yaml
+from memcalc.config import field_help, load_yaml
 from memcalc.errors import ConfigError, MemcalcError
 from memcalc.layer import Accounting
 from memcalc.strategy import STRATEGIES, Strategy
@@ -52,7 +52,7 @@ VALUES = Values()
 def size_range_options(f: Callable) -> Callable:
     """--b .. --L, each a list or range (the config's descriptions as help)."""
     for name in reversed(SIZE_FLAGS):
-        meaning = ModelConfig.model_fields[name].description
+        meaning = field_help(name)
         help_text = f"{meaning.capitalize()}: one value, a list or a range."
         f = click.option(f"--{name}", name, type=VALUES, help=help_text)(f)
     return f

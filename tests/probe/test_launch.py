@@ -194,7 +194,8 @@ def test_torchrun_mode_joins_from_the_environment_and_leaves(monkeypatch):
 
 
 TORCHRUN_SCRIPT = """
-import torch.distributed as dist
+import os
+import sys
 from memcalc.probe.launch import run
 from memcalc.probe.mappings import g_gather_seq
 import torch
@@ -202,7 +203,10 @@ import torch
 def gathered(tp):
     return g_gather_seq(torch.full((1,), float(tp.rank)), tp).tolist()
 
-print("results", run(gathered, mode="torchrun", t=2))
+# One file per rank: two ranks printing to one pipe can interleave their lines.
+result = run(gathered, mode="torchrun", t=2)
+with open(os.path.join(sys.argv[1], "rank" + os.environ["RANK"]), "w") as out:
+    out.write(repr(result))
 """
 
 
@@ -211,8 +215,10 @@ def test_torchrun_with_two_processes_gives_rank_0_the_result(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(TORCHRUN_SCRIPT)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script), str(tmp_path)
+    ]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    lines = [line for line in done.stdout.splitlines() if line.startswith("results")]
-    assert sorted(lines) == sorted(["results [[0.0, 1.0]]", "results []"])  # rank 0 holds the result
+    assert (tmp_path / "rank0").read_text() == "[[0.0, 1.0]]"  # rank 0 holds the gathered result
+    assert (tmp_path / "rank1").read_text() == "[]"

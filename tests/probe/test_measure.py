@@ -71,7 +71,7 @@ def _mismatches(cases, per_rank):
         for (config, name), result in zip(cases, results):
             assert (result.rank, result.strategy, result.device) == (rank, name, "cpu")
             prediction = estimate(config, STRATEGIES[name], Accounting(exact=True, device="cpu"))
-            bad += [(rank, name, config.model_dump(exclude_defaults=True), row)
+            bad += [(rank, name, config.as_dict(exclude_none=True), row)
                     for row in compare(prediction, result.saved) if not row.matches]
     return bad
 
