@@ -68,34 +68,44 @@ def command(strategy: str, device: str, backend: str | None, launch: str, timeou
 
 
 def to_json(config: ModelConfig, results: list[StrategyMeasurement]) -> dict:
-    """The config, and per strategy how it ran, both totals and every tensor (rank 0)."""
+    """The config; totals and every tensor over all strategies run; and each strategy in detail (rank 0).
+
+    The top-level `predicted_bytes` and `measured_bytes` add up the strategies
+    that ran (one layer each), and `tensors` lists every row with its strategy.
+    """
+    strategies = {m.strategy.name: _strategy_json(m) for m in results}
     return {
         "config": config_record(config),
         "match": all(m.matches for m in results),
-        "strategies": {
-            m.strategy.name: {
-                "launch": m.launch.mode.value,
-                "group": m.ranks[0].group,
-                "device": m.ranks[0].device,
-                "t": m.launch.t,
-                "ranks_compared": len(m.ranks),
-                "how": m.how(),
-                "predicted_bytes": m.predicted_bytes,
-                "measured_bytes": m.measured_bytes,
-                "match": m.matches,
-                "differences": m.differences(),
-                "tensors": [
-                    {
-                        "name": row.name, "predicted": row.predicted, "measured": row.measured,
-                        "predicted_shape": _list(row.predicted_shape), "measured_shape": _list(row.measured_shape),
-                        "match": row.matches,
-                    }
-                    for row in m.rows[0]
-                ],
-                "cuda": None if m.ranks[0].cuda is None else vars(m.ranks[0].cuda),
+        "predicted_bytes": sum(m.predicted_bytes for m in results),
+        "measured_bytes": sum(m.measured_bytes for m in results),
+        "tensors": [{"strategy": name, **row} for name, st in strategies.items() for row in st["tensors"]],
+        "strategies": strategies,
+    }
+
+
+def _strategy_json(m: StrategyMeasurement) -> dict:
+    """How one strategy ran, its totals, and each tensor on rank 0."""
+    return {
+        "launch": m.launch.mode.value,
+        "group": m.ranks[0].group,
+        "device": m.ranks[0].device,
+        "t": m.launch.t,
+        "ranks_compared": len(m.ranks),
+        "how": m.how(),
+        "predicted_bytes": m.predicted_bytes,
+        "measured_bytes": m.measured_bytes,
+        "match": m.matches,
+        "differences": m.differences(),
+        "tensors": [
+            {
+                "name": row.name, "predicted": row.predicted, "measured": row.measured,
+                "predicted_shape": _list(row.predicted_shape), "measured_shape": _list(row.measured_shape),
+                "match": row.matches,
             }
-            for m in results
-        },
+            for row in m.rows[0]
+        ],
+        "cuda": None if m.ranks[0].cuda is None else vars(m.ranks[0].cuda),
     }
 
 

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import click
 
-from memcalc.config import ModelConfig, load_config
+from memcalc.config import ModelConfig, load_config, load_yaml
 from memcalc.errors import ConfigError
 from memcalc.units import parse_bytes
 
@@ -115,18 +115,25 @@ def model_from(params: dict[str, Any]) -> ModelConfig:
 
     With --hf-config, the fields it used go to stderr, so stdout stays clean for --json.
     """
+    fields, path, note = file_fields(params)
     overrides = {k: params.get(k) for k in SIZE_FLAGS + KNOB_FLAGS + LAYOUT_FLAGS}
-    hf_path = params.get("hf_config_path")
+    config = load_config(path, overrides, base=fields)
+    if note is not None:
+        click.echo(f"memcalc: {note}", err=True)
+    return config
+
+
+def file_fields(params: dict[str, Any]) -> tuple[dict[str, Any], Path | None, str | None]:
+    """The fields --config or --hf-config holds, that file, and (for --hf-config) which fields it used."""
+    path, hf_path = params.get("config_path"), params.get("hf_config_path")
     if hf_path is None:
-        return load_config(params.get("config_path"), overrides)
-    if params.get("config_path") is not None:
+        return (load_yaml(path) if path is not None else {}), path, None
+    if path is not None:
         raise ConfigError("give --config or --hf-config, not both")
     from memcalc.hf import read_hf_config
 
     hf = read_hf_config(hf_path)
-    config = load_config(hf_path, overrides, base=hf.fields)
-    click.echo(f"memcalc: {hf.describe()}", err=True)
-    return config
+    return dict(hf.fields), hf_path, hf.describe()
 
 
 def strategy_names(choice: str) -> list[str]:

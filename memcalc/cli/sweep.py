@@ -18,9 +18,10 @@ from typing import Any, Callable, Iterator, Sequence
 import click
 
 from memcalc.cli.options import (
-    KNOB_FLAGS, SIZE_FLAGS, STRATEGY_CHOICES, accounting_options, config_option, hf_config_option, knob_options,
+    KNOB_FLAGS, SIZE_FLAGS, STRATEGY_CHOICES, accounting_options, config_option, file_fields, hf_config_option,
+    knob_options,
 )
-from memcalc.config import field_help, load_yaml
+from memcalc.config import field_help
 from memcalc.errors import ConfigError, MemcalcError
 from memcalc.layer import Accounting
 from memcalc.strategy import STRATEGIES, Strategy
@@ -92,26 +93,15 @@ def build_sweep(
     `options.model_from`'s do."""
     from memcalc.sweep import make_sweep
 
-    fields, path = _file_fields(params)
+    fields, path, note = file_fields(params)
     fields.update({k: params[k] for k in SIZE_FLAGS + KNOB_FLAGS if params.get(k) is not None and k not in ranges})
     try:
-        return make_sweep(fields, ranges, strategies, accounting)
+        sweep = make_sweep(fields, ranges, strategies, accounting)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}" if path is not None else str(exc)) from None
-
-
-def _file_fields(params: dict[str, Any]) -> tuple[dict[str, Any], Path | None]:
-    """The fields --config or --hf-config holds, and that file; as `options.model_from` reads them."""
-    path, hf_path = params.get("config_path"), params.get("hf_config_path")
-    if hf_path is None:
-        return (load_yaml(path) if path is not None else {}), path
-    if path is not None:
-        raise ConfigError("give --config or --hf-config, not both")
-    from memcalc.hf import read_hf_config
-
-    hf = read_hf_config(hf_path)
-    click.echo(f"memcalc: {hf.describe()}", err=True)
-    return dict(hf.fields), hf_path
+    if note is not None:
+        click.echo(f"memcalc: {note}", err=True)
+    return sweep
 
 
 def describe_knobs(knobs: Any) -> str:

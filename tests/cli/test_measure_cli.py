@@ -63,6 +63,10 @@ def test_json_on_two_gloo_ranks_has_both_totals_and_every_tensor():
     assert tp_sp["predicted_bytes"] == tp_sp["measured_bytes"] == sum(x["measured"] for x in tp_sp["tensors"])
     for tensor in tp_sp["tensors"]:
         assert {"name", "predicted", "measured"} <= set(tensor) and tensor["name"] in BY_NAME
+    # The top level sums the strategies that ran and lists every tensor with its strategy.
+    assert doc["predicted_bytes"] == doc["measured_bytes"] == sum(x["measured"] for x in doc["tensors"])
+    assert doc["predicted_bytes"] == sum(doc["strategies"][n]["predicted_bytes"] for n in doc["strategies"])
+    assert {x["strategy"] for x in doc["tensors"]} == {"none", "tp", "tp-sp"}
 
 
 def test_under_torchrun_rank_0_alone_reports_for_the_job():
