@@ -69,7 +69,8 @@ def in_process(strategies: list[str], runs: int) -> float:
     from memcalc.config import load_yaml
     from memcalc.layer import Accounting
     from memcalc.strategy import STRATEGIES
-    from memcalc.sweep import csv_chunks, evaluate_sweep, make_sweep, parse_values
+    from memcalc.sweep import evaluate_sweep, make_sweep, parse_values
+    from memcalc.sweep_output import csv_chunks
 
     ranges = {RANGES[i][2:]: parse_values(RANGES[i + 1]) for i in range(0, len(RANGES), 2)}
     sweep = make_sweep(load_yaml(ROOT / CONFIG), ranges, [STRATEGIES[n] for n in strategies], Accounting())

@@ -16,10 +16,9 @@ pass 2^63 is refused before anything is computed, never wrapped.
 
 from __future__ import annotations
 
-import json
 import re
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from math import prod
 from typing import Any, Callable, Iterator, Sequence
 
@@ -288,7 +287,7 @@ class SweepResult:
         return len(self.per_layer)
 
     def row(self, i: int) -> dict[str, Any]:
-        """Row `i` as CSV_COLUMNS -> Python values."""
+        """Row `i` as the CSV columns (memcalc.sweep_output.CSV_COLUMNS) -> Python values."""
         sizes = {name: int(getattr(self.grid, name).ravel()[self.index[k][i]]) for k, name in enumerate(SIZES)}
         strategy = self.sweep.strategies[self.index[-1][i]].name
         bytes_ = {"per_layer_bytes": int(self.per_layer[i]), "total_bytes": int(self.total[i])}
@@ -342,160 +341,3 @@ def describe_skips(result: SweepResult) -> str | None:
     parts = "; ".join(f"{s.count:,} because {s.rule.text}, e.g. {s.example}" for s in result.skipped)
     dropped = sum(s.count for s in result.skipped)
     return f"skipped {dropped:,} of {result.sweep.rows:,} configurations that break a divisibility rule: {parts}"
-
-
-# --- Output: CSV and JSON, written as bytes by numpy ---------------------------
-#
-# A row's text is built as a (rows, width) byte matrix, one slice per field,
-# each field NUL-padded to its widest value; dropping the NULs leaves the lines.
-# Fields that are the same on every row are merged into one constant slice.
-
-CSV_COLUMNS = (*SIZES, "strategy", "per_layer_bytes", "total_bytes")
-# The same on every row of a sweep, except ffn_hidden_size and num_query_groups
-# (4h and a unless set), written as used so each row is a complete configuration.
-KNOB_COLUMNS = ("ffn_hidden_size", "num_query_groups", "mlp", "attention", "norm", "dropout", "recompute", "dtype")
-CHUNK_ROWS = 1 << 16
-
-# Four-digit groups as text, four bytes each: zero-padded for a group with digits
-# to its left, NUL-padded for the leading group (all NUL above it); then zero
-# itself, then the separator that ends every field.
-_GROUPS = np.array(
-    [f"{i:04d}".encode() for i in range(10_000)]
-    + [str(i).encode().rjust(4, b"\0") if i else b"" for i in range(10_000)]
-    + [b"\0\0\0" b"0", b","],
-    dtype="S4",
-).view(np.uint32)
-_LEADING, _ZERO, _SEP = 10_000, 20_000, 20_001
-
-
-def _digits(values: np.ndarray) -> np.ndarray:
-    """Non-negative integers as text fields ending in ',', one row each.
-
-    str() costs about a microsecond a number; this looks four digits at a time
-    up in a table, which is what lets a million-row CSV take about a second.
-    """
-    values = np.asarray(values, dtype=np.int64).ravel()
-    n, groups = len(values), max(1, (len(str(int(values.max(initial=0)))) + 3) // 4)
-    codes = np.empty((n, groups + 1), dtype=np.int64)
-    rest = values
-    for k in reversed(range(groups)):
-        rest, codes[:, k] = np.divmod(rest, 10_000)
-    # Group j (from the left) leads, or stands above the leading group, while the
-    # value is below 10^(4 * (groups - j)).
-    below = np.array([min(10_000 ** (groups - j), 2**63) - 1 for j in range(groups)], dtype=np.int64)
-    codes[:, :groups] += _LEADING * (values[:, None] <= below)
-    codes[values == 0, groups - 1] = _ZERO
-    codes[:, groups] = _SEP
-    return _GROUPS[codes].view(np.uint8).reshape(n, 4 * (groups + 1))
-
-
-def _text(strings: Sequence[str]) -> np.ndarray:
-    """Short strings as text fields ending in ',', one row each."""
-    encoded = np.array([f"{s},".encode() for s in strings], dtype="S")
-    return encoded.view(np.uint8).reshape(len(strings), -1)
-
-
-@dataclass(frozen=True)
-class _Field:
-    """A column's text: rows of a table picked by one of the result's indexes, or numbers."""
-
-    table: np.ndarray
-    index: int | None = None  # which of SweepResult.index picks the rows; None: numbers, one per row
-
-    def text(self, result: SweepResult, rows: slice) -> np.ndarray:
-        if self.index is None:
-            return _digits(self.table[rows])
-        return self.table[result.index[self.index][rows]]
-
-    def constant(self) -> bytes | None:
-        """The text if it is the same on every row."""
-        if self.index is None or len(self.table) > 1:
-            return None
-        return self.table[0][self.table[0] != 0].tobytes()
-
-
-def _layout(fields: list[_Field], end: bytes) -> list[_Field | bytes]:
-    """The fields of a line, then `end`, with runs of constant text merged into one."""
-    layout: list[_Field | bytes] = []
-    for piece in [*(f.constant() or f for f in fields), end]:
-        if piece == b"":
-            continue
-        if isinstance(piece, bytes) and layout and isinstance(layout[-1], bytes):
-            layout[-1] += piece
-        else:
-            layout.append(piece)
-    return layout
-
-
-def _lines(layout: list[_Field | bytes], result: SweepResult, rows: slice) -> bytes:
-    n = rows.stop - rows.start
-    parts = [
-        np.broadcast_to(np.frombuffer(p, dtype=np.uint8), (n, len(p))) if isinstance(p, bytes) else p.text(result, rows)
-        for p in layout
-    ]
-    matrix = np.concatenate(parts, axis=1)
-    return matrix[matrix != 0].tobytes()
-
-
-def _fields(result: SweepResult, quote: bool) -> list[_Field]:
-    """CSV_COLUMNS as text; `quote` writes strategy names as JSON strings."""
-    names = [json.dumps(st.name) if quote else st.name for st in result.sweep.strategies]
-    return [
-        *(_Field(_digits(getattr(result.grid, name)), i) for i, name in enumerate(SIZES)),
-        _Field(_text(names), -1), _Field(result.per_layer), _Field(result.total),
-    ]
-
-
-def _chunks(rows: int, chunk_rows: int) -> Iterator[slice]:
-    return (slice(start, min(start + chunk_rows, rows)) for start in range(0, rows, chunk_rows))
-
-
-def accounting_label(accounting: Accounting) -> str:
-    """'paper', or 'exact-cuda' / 'exact-cpu'."""
-    return f"exact-{accounting.device}" if accounting.exact else "paper"
-
-
-def csv_chunks(result: SweepResult, chunk_rows: int = CHUNK_ROWS) -> Iterator[tuple[float, bytes]]:
-    """The CSV, piece by piece, each with how many rows it holds.
-
-    Columns: CSV_COLUMNS, then KNOB_COLUMNS and the accounting, so that each
-    row is a configuration `memcalc estimate` reproduces.
-    """
-    yield 0, (",".join(CSV_COLUMNS + KNOB_COLUMNS + ("accounting",)) + "\n").encode()
-    grid = result.grid
-    fields = _fields(result, quote=False) + [
-        _Field(_digits(np.broadcast_to(grid.ffn, grid.h.shape)), SIZES.index("h")),
-        _Field(_digits(np.broadcast_to(grid.groups, grid.a.shape)), SIZES.index("a")),
-    ]
-    knobs = asdict(result.sweep.knobs)
-    constants = [str(knobs[name]) for name in KNOB_COLUMNS[2:]] + [accounting_label(result.sweep.accounting)]
-    layout = _layout(fields, (",".join(constants) + "\n").encode())
-    for rows in _chunks(result.rows, chunk_rows):
-        yield rows.stop - rows.start, _lines(layout, result, rows)
-
-
-def json_chunks(result: SweepResult, chunk_rows: int = CHUNK_ROWS) -> Iterator[tuple[float, bytes]]:
-    """The JSON document, piece by piece: knobs and skips once, then one list per column.
-
-    Lists per column rather than an object per row: a million rows as objects
-    would be several times larger and slower to read back.
-    """
-    sweep = result.sweep
-    head = {
-        "model": sweep.name,
-        "knobs": asdict(sweep.knobs),
-        "accounting": accounting_label(sweep.accounting),
-        "configurations": sweep.rows,
-        "skipped": [{"rule": s.rule.text, "count": s.count, "example": s.example} for s in result.skipped],
-        "rows": result.rows,
-    }
-    yield 0, (json.dumps(head, indent=1)[:-2] + ',\n "columns": {').encode()
-    fields = _fields(result, quote=True)
-    for i, (name, field) in enumerate(zip(CSV_COLUMNS, fields)):
-        yield 0, f'{"," if i else ""}\n  "{name}": ['.encode()
-        layout = _layout([field], b"")
-        for rows in _chunks(result.rows, chunk_rows):
-            text = _lines(layout, result, rows)  # every value ends in ','
-            yield (rows.stop - rows.start) / len(fields), text[:-1] if rows.stop == result.rows else text
-        yield 0, b"]"
-    yield 0, b"\n }\n}\n"
