@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from memcalc.cli.knobs import knobs_from
 from memcalc.cli.options import accounting_options, config_option, knob_options
 from memcalc.layer import Accounting, element_bytes, layer_tensors
+from memcalc.ledger import SavedTensor
 from memcalc.strategy import TP, TP_SP
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 
 @click.command("explain")
@@ -23,24 +27,53 @@ def command(exact: bool, device: str, **params: Any) -> None:
     The knobs choose which tensors appear (e.g. --mlp swiglu, --attention flash,
     --dropout 0, --recompute selective); --exact adds the small terms.
     """
-    from rich.table import Table
-
     from memcalc.cli.render import accounting_note, console
 
     knobs = knobs_from(params)
     accounting = Accounting(exact=exact, device=device)
-    table = Table(title=f"Saved for backward, one layer ({accounting_note(accounting)})")
-    for col in ("tensor", "saved by", "shape", "bytes/elem", "split by tp", "split by sp", "why backward needs it"):
-        table.add_column(col)
-    for x in layer_tensors(knobs, accounting):
-        tp_dim, sp_dim = TP.split_dim(x), TP_SP.split_dim(x)
-        table.add_row(
-            x.name if x.paper else f"{x.name} [dim](exact)[/dim]",
-            x.saved_by,
-            "(" + ", ".join(d.value for d in x.shape) + ")",
-            str(element_bytes(x.kind, knobs, accounting)),
-            f"yes ({tp_dim.value}/t)" if tp_dim else "no",
-            f"yes ({sp_dim.value}/t)" if sp_dim and not tp_dim else "no",
-            x.why,
-        )
-    console.print(table)
+    rows = [_row(x, element_bytes(x.kind, knobs, accounting)) for x in layer_tensors(knobs, accounting)]
+    title = f"Saved for backward, one layer: {accounting_note(accounting)}"
+    if console.width >= WIDE:
+        console.print(_table(title, rows))
+    else:
+        _print_list(title, rows)
+
+
+WIDE = 140  # below this the seven columns wrap into unreadable slivers: print a list instead
+COLUMNS = ("tensor", "saved by", "shape", "bytes/elem", "split by tp", "split by sp", "why backward needs it")
+
+
+def _row(x: SavedTensor, width: int) -> tuple[str, ...]:
+    """A tensor's cells; a split shows which dimension each strategy divides by t."""
+    tp_dim, sp_dim = TP.split_dim(x), TP_SP.split_dim(x)
+    return (
+        x.name if x.paper else f"{x.name} (exact)",
+        x.saved_by,
+        "(" + ", ".join(d.value for d in x.shape) + ")",
+        str(width),
+        f"yes ({tp_dim.value}/t)" if tp_dim else "no",
+        f"yes ({sp_dim.value}/t)" if sp_dim and not tp_dim else "no",
+        x.why,
+    )
+
+
+def _table(title: str, rows: list[tuple[str, ...]]) -> Table:
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in COLUMNS:
+        table.add_column(col, no_wrap=col != COLUMNS[-1] and col != "saved by")
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def _print_list(title: str, rows: list[tuple[str, ...]]) -> None:
+    """Two lines a tensor: its facts, then what saves it and why."""
+    from memcalc.cli.render import console
+
+    console.print(f"[bold]{title}[/bold]")
+    console.print("[dim]tensor, shape, bytes per element, split by tp, split by sp[/dim]")
+    for name, saved_by, shape, width, tp, sp, why in rows:
+        console.print(f"[bold]{name}[/bold]  {shape} x {width} B  tp: {tp}  sp: {sp}", highlight=False)
+        console.print(f"    saved by {saved_by}: {why}", highlight=False)

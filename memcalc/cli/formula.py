@@ -28,9 +28,9 @@ def command(strategy: str, exact: bool, device: str, fmt: str, **params: Any) ->
     Built from the same ledger as `estimate`; with the default knobs they are
     the seed's sbh(34 + 5as/h), sbh(10 + 24/t + 5as/(ht)) and sbh(34/t + 5as/(ht)).
     """
+    knobs = knobs_from(params)  # bad input fails before the second that sympy takes to import
     from memcalc import formula as F  # sympy: paid only here
 
-    knobs = knobs_from(params)
     accounting = Accounting(exact=exact, device=device)
     formulas = [F.layer_formula(STRATEGIES[n], knobs, accounting) for n in strategy_names(strategy)]
     if fmt == "json":
@@ -69,7 +69,7 @@ def _print_text(F: Any, formulas: list, accounting: Accounting) -> None:
 
     from memcalc.cli.render import accounting_note, console
 
-    click.echo(f"Activation bytes per GPU, one layer ({accounting_note(accounting)}):")
+    click.echo(f"Activation bytes per GPU, one layer; {accounting_note(accounting)}:")
     width = max(len(lf.strategy.name) for lf in formulas)
     for lf in formulas:
         click.echo(f"  {lf.strategy.name:<{width}}  {F.to_text(lf.total)}")

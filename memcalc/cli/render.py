@@ -27,8 +27,8 @@ def describe(config: ModelConfig) -> str:
 
 def accounting_note(accounting: Accounting) -> str:
     if accounting.exact:
-        return f"exact accounting (every saved byte; norm statistics as on {accounting.device})"
-    return "the paper's accounting (use --exact for norm statistics and LSE)"
+        return f"exact accounting, every saved byte, norm statistics as on {accounting.device}"
+    return "the paper's accounting; --exact adds norm statistics and LSE"
 
 
 def print_estimates(
