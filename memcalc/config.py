@@ -30,15 +30,19 @@ def _field(schema: cs.CoreSchema, default: Any, help: str) -> Any:
     return field(default=default, metadata={"schema": schema, "help": help})
 
 
+# Sizes are int64 in every framework; the bound also keeps every byte count a float can show.
+_SIZE_LIMIT = 2**63
+
+
 def _size(help: str, default: Any = MISSING) -> Any:
     """A positive integer; required unless a default is given."""
-    return _field(cs.int_schema(strict=True, gt=0), default, help)
+    return _field(cs.int_schema(strict=True, gt=0, lt=_SIZE_LIMIT), default, help)
 
 
 def _optional_size(help: str, minimum: int = 1) -> Any:
     """A positive integer (at least `minimum`) or None, which means "derive it"."""
     bound = {"gt": 0} if minimum == 1 else {"ge": minimum}
-    return _field(cs.nullable_schema(cs.int_schema(strict=True, **bound)), None, help)
+    return _field(cs.nullable_schema(cs.int_schema(strict=True, lt=_SIZE_LIMIT, **bound)), None, help)
 
 
 def _choice(default: str, *values: str, help: str) -> Any:
@@ -170,9 +174,9 @@ def build_knobs(fields: dict[str, Any]) -> ModelKnobs:
 
 
 def _validate(cls: type[ModelKnobs], values: dict[str, Any]) -> Any:
-    if not all(isinstance(k, str) for k in values):
-        bad = next(k for k in values if not isinstance(k, str))
-        raise ConfigError(f"invalid config: field names must be text, got {bad!r}")
+    bad = [k for k in values if not isinstance(k, str)]
+    if bad:
+        raise ConfigError(f"invalid config: field names must be text, got {bad[0]!r}")
     try:
         return cls(**_validator(cls).validate_python(values))
     except ValidationError as exc:
@@ -188,7 +192,7 @@ class Rule:
     why: str
 
     def message(self, divisor: int, value: int) -> str:
-        return f"{self.value}={value} is not divisible by {self.divisor}={divisor} ({self.why})"
+        return _not_divisible(divisor, self.divisor, value, self.value, self.why)
 
     @property
     def text(self) -> str:
@@ -251,7 +255,12 @@ def check_sequence_split(config: ModelConfig) -> None:
 
 def _divides(divisor: int, dname: str, value: int, vname: str, why: str) -> None:
     if value % divisor:
-        raise ConfigError(f"{vname}={value} is not divisible by {dname}={divisor} ({why})")
+        raise ConfigError(_not_divisible(divisor, dname, value, vname, why))
+
+
+def _not_divisible(divisor: int, dname: str, value: int, vname: str, why: str) -> str:
+    """The one wording of a broken divisibility rule: the equation with its values, then why."""
+    return f"{vname}={value} is not divisible by {dname}={divisor} ({why})"
 
 
 def load_yaml(path: Path) -> dict[str, Any]:
@@ -264,6 +273,8 @@ def load_yaml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file not found: {path}") from None
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason}); a config is a YAML file") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:

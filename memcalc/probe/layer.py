@@ -45,6 +45,10 @@ class TransformerLayer(nn.Module):
         self.ln1 = Norm(config.norm, config.h, ledger.LN1, dtype, tp.device)
         self.attention = SelfAttention(config, tp, sequence_parallel, dtype)
         self.ln2 = Norm(config.norm, config.h, ledger.LN2, dtype, tp.device)
+        # Under SP each rank normalises its own sequence shard, so the norms' whole weights get
+        # partial gradients: marked, as linear.py marks a row-parallel bias (and Megatron its norms).
+        for param in (*self.ln1.parameters(), *self.ln2.parameters()):
+            param.sequence_parallel = sequence_parallel
         self.mlp = MLP(config, tp, sequence_parallel, dtype)
         self.dropout = config.dropout
         self.full_recompute = config.recompute == "full"

@@ -241,7 +241,8 @@ class StrategyMeasurement:
         if self.launch.mode is Mode.FAKE:
             return f"one process as rank 0 of t={t} through torch's fake process group on {device} (no data moves)"
         if self.launch.mode is Mode.SPAWN:
-            return f"{t} processes started here, real {group} collectives on {device}; all {t} ranks compared"
+            ranks = "1 process" if t == 1 else f"{t} processes"
+            return f"{ranks} started here, real {group} collectives on {device}; every rank compared"
         return f"torchrun: t={t} ranks, real {group} collectives on {device}; rank 0 compared"
 
     def differences(self) -> list[str]:

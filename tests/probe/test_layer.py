@@ -16,6 +16,7 @@ from memcalc.probe.attention import FlashAttention, eager_core, flash_core  # no
 from memcalc.probe.group import single  # noqa: E402
 from memcalc.probe.launch import run_fake, run_spawned  # noqa: E402
 from memcalc.probe.layer import DTYPES, TransformerLayer  # noqa: E402
+from memcalc.probe.linear import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from memcalc.probe.norm import Norm  # noqa: E402
 from memcalc.probe.recorder import SavedTensorRecorder  # noqa: E402
 
@@ -26,8 +27,8 @@ def _config(**knobs):
     return build_config(TINY | knobs)
 
 
-def _input(config, dtype=torch.float32):
-    generator = torch.Generator().manual_seed(7)
+def _input(config, dtype=torch.float32, seed=7):
+    generator = torch.Generator().manual_seed(seed)
     return torch.randn(config.s, config.b, config.h, generator=generator, dtype=dtype)
 
 
@@ -68,32 +69,107 @@ def test_tp_layer_without_sp_does_keep_full_sequence_tensors_there():
 
 # -- the layer on t ranks is the same function as on one ---------------------------
 
+# Between them the two knob sets take every operator path: both MLPs, both norms, both
+# attention cores and both recomputations (which rerun collectives in backward), GQA with
+# a/g = 2 query heads per K/V group (g = 4, divisible by t = 2 and 4), and a row-parallel
+# linear with and without bias. fp32, and dropout 0: masks drawn on t ranks would differ
+# from one process's.
+EQUIVALENCE_KNOBS = {
+    "swiglu-rmsnorm-eager-selective": {
+        "mlp": "swiglu", "norm": "rmsnorm", "attention": "eager", "recompute": "selective",
+    },
+    "gelu-layernorm-flash-full": {
+        "mlp": "gelu", "norm": "layernorm", "attention": "flash", "recompute": "full",
+        "add_bias_linear": False, "add_qkv_bias": True,
+    },
+}
+# Absolute only: every value compared is below about 5, where fp32's spacing is 5e-7, and a
+# rank's result differs from one process's by the rounding of a different summation order.
+EQUIVALENCE_TOL = {"atol": 1e-5, "rtol": 0}
 
-def _outputs_on_rank(tp, config):
-    """Per-rank fn: output and input gradient without SP, then with SP (this rank's sequence block)."""
-    results = []
-    for sequence_parallel in (False, True):
-        torch.manual_seed(0)
-        layer = TransformerLayer(config, tp, sequence_parallel)
-        x = _input(config)
-        if sequence_parallel:
-            x = x.narrow(0, tp.rank * config.s // tp.size, config.s // tp.size).clone()
-        x.requires_grad_()
-        y = layer(x)
-        y.backward(torch.ones_like(y))
-        results.append((y.detach(), x.grad))
+
+def _equivalence_config(knobs, t=1):
+    return _config(t=t, num_query_groups=4, dtype="fp32", dropout=0.0, **knobs)
+
+
+def _how_gradients_combine(layer):
+    """Per parameter name: the dim of the full gradient this rank holds a block of, else "whole" or "partial".
+
+    Read off the modules as they load a full model (`load_shard_of`): a parallel linear's
+    weight is cut along its `shard_dim`, its bias along 0 when `bias_is_split`. Any other
+    parameter is whole on every rank; its gradient is this rank's partial sum over its own
+    tokens when it is marked `sequence_parallel`, as Megatron marks the parameters whose
+    gradients it all-reduces under SP.
+    """
+    cut = {}
+    for prefix, module in layer.named_modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            cut[f"{prefix}.weight"] = module.shard_dim
+            if module.bias is not None and module.bias_is_split:
+                cut[f"{prefix}.bias"] = 0
+    return {
+        name: cut.get(name, "partial" if getattr(p, "sequence_parallel", False) else "whole")
+        for name, p in layer.named_parameters()
+    }
+
+
+def _layer_results(tp, config, sequence_parallel):
+    """Output, input and parameter gradients of this rank's layer, fed its part of one input and upstream."""
+    torch.manual_seed(0)
+    layer = TransformerLayer(config, tp, sequence_parallel)
+    # The upstream gradient at a quarter of a normal's scale keeps the weight and bias gradients,
+    # sums over b*s = 32 tokens, below about 5, where fp32's spacing is under 1e-6.
+    x, upstream = _input(config), _input(config, seed=8) / 4
+    if sequence_parallel:
+        x, upstream = (tp.block(v, 0, "sequence length").clone() for v in (x, upstream))
+    x.requires_grad_()
+    y = layer(x)
+    y.backward(upstream)
+    grads = {name: p.grad for name, p in layer.named_parameters()}
+    return {"out": y.detach(), "x": x.grad, "grads": grads, "combine": _how_gradients_combine(layer)}
+
+
+def _results_on_rank(tp):
+    """Per-rank fn: both knob sets, each under tp and tp-sp."""
+    torch.set_num_threads(1)  # t ranks share the machine's cores: more threads each only contend
+    results = {}
+    for name, knobs in EQUIVALENCE_KNOBS.items():
+        config = _equivalence_config(knobs, tp.size)
+        results[name] = {strategy: _layer_results(tp, config, strategy == "tp-sp") for strategy in ("tp", "tp-sp")}
     return results
 
 
-def test_tp_and_tp_sp_on_two_gloo_ranks_compute_what_one_process_computes():
-    # dropout 0: masks drawn on different ranks would differ from one process's
-    config = _config(t=2, num_query_groups=2, dtype="fp32", dropout=0.0, mlp="swiglu")
-    (y1, grad1), _ = _outputs_on_rank(single(), config)
-    rank0, rank1 = run_spawned(_outputs_on_rank, (config,), 2, timeout_s=120)
-    tp_sp = (torch.cat([rank0[1][0], rank1[1][0]]), torch.cat([rank0[1][1], rank1[1][1]]))  # sequence blocks
-    for y, grad in (rank0[0], rank1[0], tp_sp):
-        torch.testing.assert_close(y, y1, rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(grad, grad1, rtol=1e-4, atol=1e-5)
+def _assembled(ranks, reference, sequence_parallel):
+    """(what, the ranks' pieces put together as the one-process tensor, that tensor) for every tensor compared.
+
+    tp: every rank has the whole output and input gradient; tp-sp: each has its sequence block.
+    """
+    t = len(ranks)
+    for key in ("out", "x"):
+        if sequence_parallel:
+            yield key, torch.cat([rank[key] for rank in ranks]), reference[key]
+        else:
+            yield from ((f"{key} on rank {r}", rank[key], reference[key]) for r, rank in enumerate(ranks))
+    assert all(rank["grads"].keys() == reference["grads"].keys() for rank in ranks)
+    for name, full in reference["grads"].items():
+        combine = ranks[0]["combine"][name]
+        if combine == "partial":
+            yield f"{name} (sum over ranks)", sum(rank["grads"][name] for rank in ranks), full
+        else:
+            want = (lambda r: full) if combine == "whole" else (lambda r: full.chunk(t, combine)[r])
+            yield from ((f"{name} on rank {r}", rank["grads"][name], want(r)) for r, rank in enumerate(ranks))
+
+
+@pytest.mark.parametrize("t", [2, 4], ids=lambda t: f"t={t}")
+def test_tp_and_tp_sp_on_gloo_ranks_compute_the_outputs_and_gradients_one_process_computes(t):
+    per_rank = run_spawned(_results_on_rank, (), t, timeout_s=120)
+    for name, knobs in EQUIVALENCE_KNOBS.items():
+        reference = _layer_results(single(), _equivalence_config(knobs), False)
+        for strategy in ("tp", "tp-sp"):
+            ranks = [rank[name][strategy] for rank in per_rank]
+            for what, got, want in _assembled(ranks, reference, strategy == "tp-sp"):
+                where = f"{name}, {strategy}, {what}"
+                torch.testing.assert_close(got, want, **EQUIVALENCE_TOL, msg=lambda m: f"{where}: {m}")
 
 
 # -- attention ----------------------------------------------------------------------
