@@ -40,9 +40,16 @@ def _plain(act: str) -> str:
 
 def _both_or_neither(values: list[Any]) -> Any:
     """Llama's attention_bias and mlp_bias: memcalc's add_bias_linear puts biases on every linear or on none."""
-    if len(set(values)) > 1:
+    if any(v != values[0] for v in values[1:]):
         raise ConfigError(f"attention_bias and mlp_bias differ ({values}); memcalc's add_bias_linear is all or none")
     return values[0]
+
+
+def _largest_dropout(values: list[Any]) -> float:
+    """GPT-2's and GPT-NeoX's several dropouts: memcalc has one probability, so it keeps the largest."""
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        raise ConfigError(f"dropout probabilities must be numbers, got {values}")
+    return max(values)
 
 
 @dataclass(frozen=True)
@@ -78,7 +85,7 @@ _GPT2 = (
     Row("norm", ("layer_norm_epsilon",), lambda eps: "layernorm", default="layernorm"),
     Row("s", ("n_positions",)),
     Row("max_position_embeddings", ("n_positions",)),
-    Row("dropout", ("resid_pdrop", "embd_pdrop", "attn_pdrop"), default=0.1, combine=max),
+    Row("dropout", ("resid_pdrop", "embd_pdrop", "attn_pdrop"), default=0.1, combine=_largest_dropout),
     Row("tie_embeddings", ("tie_word_embeddings",), default=True),
 )
 _GPT_NEOX = (
@@ -87,7 +94,7 @@ _GPT_NEOX = (
     Row("mlp", ("hidden_act",), _plain, default="gelu"),
     Row("norm", ("layer_norm_eps",), lambda eps: "layernorm", default="layernorm"),
     Row("s", ("max_position_embeddings",), default=None),
-    Row("dropout", ("attention_dropout", "hidden_dropout"), default=0.0, combine=max),
+    Row("dropout", ("attention_dropout", "hidden_dropout"), default=0.0, combine=_largest_dropout),
     Row("tie_embeddings", ("tie_word_embeddings",), default=False),
     Row("add_bias_linear", ("attention_bias",), default=True),
 )
@@ -147,12 +154,13 @@ def read_hf_config(path: Path) -> HfConfig:
                 fields[row.target] = row.default
                 assumed.append((row.target, row.default))
             continue
-        if row.combine:
-            value = row.combine([raw[n] if n in present else row.default for n in row.sources])
-        else:
+        if not row.combine:
             present = present[:1]
-            value = raw[present[0]]
         try:
+            if row.combine:
+                value = row.combine([raw[n] if n in present else row.default for n in row.sources])
+            else:
+                value = raw[present[0]]
             fields[row.target] = row.convert(value)
         except ConfigError as exc:
             raise ConfigError(f"{path}: {exc}") from None
@@ -179,6 +187,8 @@ def _load_json(path: Path) -> dict[str, Any]:
         raise ConfigError(f"cannot read Hugging Face config {path}: {exc.strerror}") from None
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason}); config.json is JSON") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a JSON object of fields, got {type(data).__name__}")
     return data
@@ -187,6 +197,11 @@ def _load_json(path: Path) -> dict[str, Any]:
 def _family(raw: dict[str, Any], path: Path) -> Family:
     """The family named by model_type, else by architectures."""
     model_type, architectures = raw.get("model_type"), raw.get("architectures") or []
+    if not isinstance(model_type, (str, type(None))) or not isinstance(architectures, list):
+        raise ConfigError(
+            f"{path}: model_type should be a string and architectures a list"
+            f" (got {model_type!r} and {architectures!r})"
+        )
     if model_type in FAMILIES:
         return FAMILIES[model_type]
     for family in FAMILIES.values():
@@ -204,7 +219,9 @@ def _family(raw: dict[str, Any], path: Path) -> Family:
 def _check_head_dim(raw: dict[str, Any], fields: dict[str, Any], path: Path) -> None:
     """memcalc's ledger assumes heads of h/a channels; some configs set head_dim otherwise."""
     head_dim, h, a = raw.get("head_dim"), fields["h"], fields["a"]
-    if head_dim is not None and head_dim * a != h:
+    if head_dim is None or not all(type(x) is int for x in (h, a)):
+        return  # no head_dim to check, or h and a are not whole numbers, which validation names
+    if type(head_dim) is not int or head_dim * a != h:
         raise ConfigError(
             f"{path}: head_dim={head_dim} is not hidden_size/num_attention_heads={h}/{a} (memcalc needs h/a)"
         )
