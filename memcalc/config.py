@@ -23,7 +23,7 @@ from typing import Any
 from pydantic_core import SchemaValidator, ValidationError
 from pydantic_core import core_schema as cs
 
-from memcalc.errors import ConfigError
+from memcalc.errors import ConfigError, in_file
 
 
 def _field(schema: cs.CoreSchema, default: Any, help: str) -> Any:
@@ -293,12 +293,8 @@ def load_config(path: Path | None, overrides: dict[str, Any], base: dict[str, An
     """A config from an optional YAML file (or `base`, fields already read from `path`) with flags laid over it."""
     fields = dict(base) if base is not None else load_yaml(path) if path is not None else {}
     fields.update({k: v for k, v in overrides.items() if v is not None})
-    try:
+    with in_file(path):
         return build_config(fields)
-    except ConfigError as exc:
-        if path is None:
-            raise
-        raise ConfigError(f"{path}: {exc}") from None
 
 
 def _describe(exc: ValidationError, cls: type[ModelKnobs]) -> str:

@@ -1,8 +1,14 @@
 """The project's own error types.
 
 Domain code raises these; the CLI turns each into one line on stderr and a
-non-zero exit (see `memcalc.cli.errors`). Nothing here imports click.
+non-zero exit (see `memcalc.cli.main`). Nothing here imports click.
 """
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
 
 
 class MemcalcError(Exception):
@@ -19,3 +25,14 @@ class ProbeError(MemcalcError):
     """The probe could not run, or one of its workers failed."""
 
     exit_code = 1
+
+
+@contextmanager
+def in_file(path: Path | None) -> Iterator[None]:
+    """Name `path` at the front of any ConfigError raised inside, so the user knows which file is wrong."""
+    try:
+        yield
+    except ConfigError as exc:
+        if path is None:
+            raise
+        raise ConfigError(f"{path}: {exc}") from None

@@ -34,7 +34,7 @@ _SEARCH_LIMIT = 2**48  # a guard: no real budget fits this many tokens or micro-
 
 
 @dataclass(frozen=True)
-class Probe:
+class Candidate:
     """One candidate value and what it needs (None: the value makes an invalid config, `reason` says why)."""
 
     value: int
@@ -58,8 +58,8 @@ class Fit:
     strategy: Strategy
     recompute: str
     solve: str
-    answer: Probe | None
-    beyond: Probe | None
+    answer: Candidate | None
+    beyond: Candidate | None
 
 
 def sequence_step(config: ModelConfig, strategy: Strategy) -> int:
@@ -77,41 +77,43 @@ def fit(
     accounting: Accounting = Accounting(), count: str = "total",
 ) -> Fit:
     """The largest b or s, or the smallest t, whose per-GPU bytes (`count`) are at most `budget`."""
-    def probe(value: int) -> Probe:
+    def try_value(value: int) -> Candidate:
         try:
             candidate = build_config(config.as_dict() | {solve: value})
-            return Probe(value, per_gpu(candidate, strategy, accounting).bytes(count))
+            return Candidate(value, per_gpu(candidate, strategy, accounting).bytes(count))
         except ConfigError as exc:
-            return Probe(value, None, str(exc))
+            return Candidate(value, None, str(exc))
 
     if solve == "t":
-        answer, beyond = _smallest_t(config, probe, budget)
+        answer, beyond = _smallest_t(config, try_value, budget)
     else:
         step = sequence_step(config, strategy) if solve == "s" else 1
-        answer, beyond = _largest(lambda k: probe(k * step), budget)
+        answer, beyond = _largest(lambda k: try_value(k * step), budget)
     return Fit(strategy, config.recompute, solve, answer, beyond)
 
 
-def _largest(probe: Callable[[int], Probe], budget: int) -> tuple[Probe | None, Probe]:
-    """The probe of the largest k that fits (None if k = 1 does not), and the probe of k + 1.
+def _largest(try_value: Callable[[int], Candidate], budget: int) -> tuple[Candidate | None, Candidate]:
+    """The candidate of the largest k that fits (None if k = 1 does not), and the candidate of k + 1.
 
     Sizes only grow with k, and an invalid k (past a learned position table) stays invalid above.
     """
-    probe = lru_cache(maxsize=None)(probe)
+    try_value = lru_cache(maxsize=None)(try_value)
     lo, hi = 0, 1
-    while probe(hi).fits(budget):  # double until some k does not fit
+    while try_value(hi).fits(budget):  # double until some k does not fit
         if hi >= _SEARCH_LIMIT:
-            raise ConfigError(f"every value up to {probe(hi).value} fits; is the budget right?")
+            raise ConfigError(f"every value up to {try_value(hi).value} fits; is the budget right?")
         lo, hi = hi, 2 * hi
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if probe(mid).fits(budget) else (lo, mid)
-    return (probe(lo) if lo else None), probe(hi)
+        lo, hi = (mid, hi) if try_value(mid).fits(budget) else (lo, mid)
+    return (try_value(lo) if lo else None), try_value(hi)
 
 
-def _smallest_t(config: ModelConfig, probe: Callable[[int], Probe], budget: int) -> tuple[Probe | None, Probe | None]:
+def _smallest_t(
+    config: ModelConfig, try_value: Callable[[int], Candidate], budget: int
+) -> tuple[Candidate | None, Candidate | None]:
     """The smallest valid t that fits, and the valid t just below it (or the cheapest, if none fits)."""
-    valid = [p for p in (probe(t) for t in range(1, config.a + 1) if config.a % t == 0) if p.bytes is not None]
+    valid = [p for p in (try_value(t) for t in range(1, config.a + 1) if config.a % t == 0) if p.bytes is not None]
     if not valid:
         raise ConfigError(f"no t that divides a={config.a} makes a valid config")
     for below, p in zip([None, *valid], valid):

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from memcalc.errors import ConfigError
+from memcalc.errors import ConfigError, in_file
 
 _GELUS = ("gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh", "gelu_python", "quick_gelu")
 
@@ -154,16 +154,9 @@ def read_hf_config(path: Path) -> HfConfig:
                 fields[row.target] = row.default
                 assumed.append((row.target, row.default))
             continue
-        if not row.combine:
-            present = present[:1]
-        try:
-            if row.combine:
-                value = row.combine([raw[n] if n in present else row.default for n in row.sources])
-            else:
-                value = raw[present[0]]
-            fields[row.target] = row.convert(value)
-        except ConfigError as exc:
-            raise ConfigError(f"{path}: {exc}") from None
+        present = present if row.combine else present[:1]
+        with in_file(path):
+            fields[row.target] = _read(row, raw, present)
         used.append(("+".join(present), row.target, fields[row.target]))
     if missing:
         raise ConfigError(f"{path}: {family.name} config.json is missing {', '.join(missing)}")
@@ -171,6 +164,13 @@ def read_hf_config(path: Path) -> HfConfig:
     fields.setdefault("name", raw.get("_name_or_path") or _name_from(Path(path)))
     fields.setdefault("description", f"Hugging Face {family.name} config ({path})")
     return HfConfig(family.name, fields, tuple(used), tuple(assumed))
+
+
+def _read(row: Row, raw: dict[str, Any], present: list[str]) -> Any:
+    """A row's value as memcalc's: every source combined (absent ones at the default), or the first present."""
+    if row.combine:
+        return row.convert(row.combine([raw[n] if n in present else row.default for n in row.sources]))
+    return row.convert(raw[present[0]])
 
 
 def _name_from(path: Path) -> str:

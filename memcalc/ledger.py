@@ -77,24 +77,21 @@ class NormTensors(NamedTuple):
     rstd: SavedTensor
 
 
+# Reasons that several tensors share, here and at the model's ends (memcalc.totals).
+WHY_NORM_INPUT = "the norm's backward rebuilds the normalised input from x itself"
+WHY_NORM_MEAN = "LayerNorm keeps each token's mean so backward need not recompute it"
+WHY_NORM_RSTD = "the norm keeps each token's 1/sqrt(variance + eps) for backward"
+WHY_DROPOUT_MASK = "dropout's backward multiplies the gradient by the same mask"
+WHY_GATHERED_INPUT = "dW = X^T dY needs the input; under SP only its sequence shard is kept and re-gathered"
+
+
 def _norm(prefix: str, before: str) -> NormTensors:
     """The tensors of the norm in front of `before`; the two norms differ only in name."""
     by = f"norm before {before}"
     return NormTensors(
-        SavedTensor(
-            f"{prefix}/input", by, (Dim.B, Dim.S, Dim.H), Kind.ACTIVATION, Region.SEQUENCE,
-            "the norm's backward rebuilds the normalised input from x itself",
-        ),
-        SavedTensor(
-            f"{prefix}/mean", by, (Dim.B, Dim.S), Kind.NORM_STATS, Region.SEQUENCE,
-            "LayerNorm keeps each token's mean so backward need not recompute it",
-            paper=False,
-        ),
-        SavedTensor(
-            f"{prefix}/rstd", by, (Dim.B, Dim.S), Kind.NORM_STATS, Region.SEQUENCE,
-            "the norm keeps each token's 1/sqrt(variance + eps) for backward",
-            paper=False,
-        ),
+        SavedTensor(f"{prefix}/input", by, (Dim.B, Dim.S, Dim.H), Kind.ACTIVATION, Region.SEQUENCE, WHY_NORM_INPUT),
+        SavedTensor(f"{prefix}/mean", by, (Dim.B, Dim.S), Kind.NORM_STATS, Region.SEQUENCE, WHY_NORM_MEAN, paper=False),
+        SavedTensor(f"{prefix}/rstd", by, (Dim.B, Dim.S), Kind.NORM_STATS, Region.SEQUENCE, WHY_NORM_RSTD, paper=False),
     )
 
 
@@ -112,7 +109,7 @@ LN2 = _norm("ln2", "the MLP")
 
 QKV_IN = SavedTensor(
     "attention/qkv_in", "QKV linear (column-parallel)", _BSH, Kind.ACTIVATION, Region.SEQUENCE,
-    "dW = X^T dY needs the input; under SP only its sequence shard is kept and re-gathered",
+    WHY_GATHERED_INPUT,
 )
 Q = SavedTensor(
     "attention/q", "core attention (QK^T or flash kernel)", (Dim.B, Dim.A, Dim.S, Dim.D),
@@ -132,7 +129,7 @@ SOFTMAX_OUT = SavedTensor(
 )
 ATTN_DROPOUT_MASK = SavedTensor(
     "attention/dropout_mask", "attention dropout", _BASS, Kind.MASK, Region.TENSOR,
-    "dropout's backward multiplies the gradient by the same mask",
+    WHY_DROPOUT_MASK,
 )
 ATTN_DROPOUT_OUT = SavedTensor(
     "attention/dropout_out", "weights x V matmul", _BASS, Kind.ACTIVATION, Region.TENSOR,
@@ -150,12 +147,12 @@ PROJ_IN = SavedTensor(
 )
 ATTN_OUT_DROPOUT_MASK = SavedTensor(
     "attention/out_dropout_mask", "dropout after attention", _BSH, Kind.MASK, Region.SEQUENCE,
-    "dropout's backward multiplies the gradient by the same mask",
+    WHY_DROPOUT_MASK,
 )
 
 FC1_IN = SavedTensor(
     "mlp/fc1_in", "fc1 (column-parallel)", _BSH, Kind.ACTIVATION, Region.SEQUENCE,
-    "dW = X^T dY needs the input; under SP only its sequence shard is kept and re-gathered",
+    WHY_GATHERED_INPUT,
 )
 GELU_IN = SavedTensor(
     "mlp/gelu_in", "GELU", _BSF, Kind.ACTIVATION, Region.TENSOR,
@@ -179,7 +176,7 @@ FC2_IN = SavedTensor(
 )
 MLP_DROPOUT_MASK = SavedTensor(
     "mlp/dropout_mask", "dropout after the MLP", _BSH, Kind.MASK, Region.SEQUENCE,
-    "dropout's backward multiplies the gradient by the same mask",
+    WHY_DROPOUT_MASK,
 )
 
 ALL_TENSORS: tuple[SavedTensor, ...] = (

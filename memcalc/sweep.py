@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from memcalc.config import (
-    DIVISIBILITY, SEQUENCE_SPLIT, ModelConfig, ModelKnobs, Rule, build_knobs, field_default, field_names,
+    AS_USED, DIVISIBILITY, SEQUENCE_SPLIT, ModelConfig, ModelKnobs, Rule, build_knobs, field_default, field_names,
 )
 from memcalc.errors import ConfigError
 from memcalc.evaluate import dim_sizes, rank_shape
@@ -127,17 +127,18 @@ def make_sweep(
     if fields.get("cp", 1) != 1:
         raise ConfigError(f"sweeps do not model context parallelism (cp={fields['cp']}); use memcalc estimate for it")
     values = {name: ranges[name] if name in ranges else (_fixed(name, fields),) for name in SIZES}
+    # Sizes first: a range past MAX_SIZE may be too long for len() to count.
+    largest = {n: v[-1] if isinstance(v, range) else max(v) for n, v in values.items()}  # a range is increasing
+    largest |= {"ffn_hidden_size": knobs.ffn_hidden_size, "num_query_groups": knobs.num_query_groups}
+    for name, value in largest.items():
+        if value is not None and value > MAX_SIZE:
+            raise ConfigError(f"{name}={value} is too large for a sweep (at most 2^40)")
     sweep = Sweep(values, knobs, tuple(strategies), accounting, fields.get("name"))
     if sweep.rows > MAX_ROWS:
         raise ConfigError(
             f"the sweep has {sweep.rows:,} configurations; at most {MAX_ROWS:,} fit in memory at once "
             "(narrow the ranges, or split the sweep)"
         )
-    largest = {n: v[-1] if isinstance(v, range) else max(v) for n, v in values.items()}  # a range is increasing
-    largest |= {"ffn_hidden_size": knobs.ffn_hidden_size, "num_query_groups": knobs.num_query_groups}
-    for name, value in largest.items():
-        if value is not None and value > MAX_SIZE:
-            raise ConfigError(f"{name}={value} is too large for a sweep (at most 2^40)")
     return sweep
 
 
@@ -188,8 +189,8 @@ class GridSizes:
         return tuple(getattr(self, name).size for name in SIZES)
 
     def operand(self, name: str) -> Any:
-        """A size as the divisibility rules name it."""
-        return getattr(self, {"ffn_hidden_size": "ffn", "num_query_groups": "groups"}.get(name, name))
+        """A size as the divisibility rules name it, as used (ffn for ffn_hidden_size, groups for num_query_groups)."""
+        return getattr(self, AS_USED.get(name, name))
 
 
 def _array(values: Sequence[int]) -> np.ndarray:

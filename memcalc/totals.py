@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from math import prod
 
 from memcalc.config import ModelConfig, check_sequence_split
+from memcalc import ledger
 from memcalc.evaluate import LayerEstimate, estimate
 from memcalc.layer import Accounting, Knobs, element_bytes
 from memcalc.ledger import Kind, Region
@@ -56,23 +57,23 @@ EMBEDDING_INPUT_IDS = EndTensor(
 )
 EMBEDDING_DROPOUT_MASK = EndTensor(
     "embedding/dropout_mask", "dropout after the embedding", _BSH, Kind.MASK, Region.SEQUENCE, "first",
-    "dropout's backward multiplies the gradient by the same mask",
+    ledger.WHY_DROPOUT_MASK,
 )
 FINAL_NORM_INPUT = EndTensor(
     "final_norm/input", "norm before the output layer", _BSH, Kind.ACTIVATION, Region.SEQUENCE, "last",
-    "the norm's backward rebuilds the normalised input from x itself",
+    ledger.WHY_NORM_INPUT,
 )
 FINAL_NORM_MEAN = EndTensor(
     "final_norm/mean", "norm before the output layer", ("b", "s"), Kind.NORM_STATS, Region.SEQUENCE, "last",
-    "LayerNorm keeps each token's mean so backward need not recompute it", paper=False,
+    ledger.WHY_NORM_MEAN, paper=False,
 )
 FINAL_NORM_RSTD = EndTensor(
     "final_norm/rstd", "norm before the output layer", ("b", "s"), Kind.NORM_STATS, Region.SEQUENCE, "last",
-    "the norm keeps each token's 1/sqrt(variance + eps) for backward", paper=False,
+    ledger.WHY_NORM_RSTD, paper=False,
 )
 OUTPUT_INPUT = EndTensor(
     "output/input", "output layer (column-parallel over the vocabulary)", _BSH, Kind.ACTIVATION, Region.SEQUENCE,
-    "last", "dW = X^T dY needs the input; under SP only its sequence shard is kept and re-gathered",
+    "last", ledger.WHY_GATHERED_INPUT,
 )
 LOSS_LOGITS = EndTensor(
     "loss/logits_fp32", "cross-entropy (vocabulary-parallel)", ("b", "s", "v"), Kind.FP32, Region.TENSOR, "last",

@@ -8,7 +8,8 @@ from memcalc.errors import ConfigError
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 _FACTORS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-            "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+            "t": 10**12, "tb": 10**12, "p": 10**15, "pb": 10**15,
+            "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50}
 
 
 def human_bytes(n: int) -> str:

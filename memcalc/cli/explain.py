@@ -16,6 +16,10 @@ if TYPE_CHECKING:
     from rich.table import Table
 
 
+WIDE = 140  # below this the seven columns wrap into unreadable slivers: print a list instead
+COLUMNS = ("tensor", "saved by", "shape", "bytes/elem", "split by tp", "split by sp", "why backward needs it")
+
+
 @click.command("explain")
 @config_option
 @knob_options
@@ -37,10 +41,6 @@ def command(exact: bool, device: str, **params: Any) -> None:
         console.print(_table(title, rows))
     else:
         _print_list(title, rows)
-
-
-WIDE = 140  # below this the seven columns wrap into unreadable slivers: print a list instead
-COLUMNS = ("tensor", "saved by", "shape", "bytes/elem", "split by tp", "split by sp", "why backward needs it")
 
 
 def _row(x: SavedTensor, width: int) -> tuple[str, ...]:

@@ -12,7 +12,7 @@ from memcalc.cli.options import (
 )
 from memcalc.config import ModelConfig, build_config, choices, config_record
 from memcalc.errors import ConfigError
-from memcalc.fit import COUNTS, SOLVES, Fit, Probe, fit
+from memcalc.fit import COUNTS, SOLVES, Candidate, Fit, fit
 from memcalc.layer import Accounting
 from memcalc.strategy import STRATEGIES
 from memcalc.units import human_bytes
@@ -90,7 +90,7 @@ def _nothing_fits(fits: list[Fit], solve: str, budget: int, count: str) -> None:
     )
 
 
-def _probe_json(p: Probe | None) -> dict | None:
+def _candidate_json(p: Candidate | None) -> dict | None:
     return None if p is None else {"value": p.value, "bytes": p.bytes, "invalid": p.reason or None}
 
 
@@ -105,9 +105,9 @@ def to_json(config: ModelConfig, solve: str, count: str, budget: int, fits: list
             {
                 "strategy": f.strategy.name,
                 "recompute": f.recompute,
-                "answer": _probe_json(f.answer),
+                "answer": _candidate_json(f.answer),
                 "left_over_bytes": budget - f.answer.bytes if f.answer else None,
-                "beyond": _probe_json(f.beyond),
+                "beyond": _candidate_json(f.beyond),
             }
             for f in fits
         ],
@@ -115,6 +115,7 @@ def to_json(config: ModelConfig, solve: str, count: str, budget: int, fits: list
 
 
 def _print(config: ModelConfig, solve: str, count: str, budget: int, fits: list[Fit], strategy: str) -> None:
+    """The model, what was solved, and a row per strategy and recompute choice (a section per strategy)."""
     from rich.table import Table
 
     from memcalc.cli.render import console, describe, describe_layout

@@ -66,7 +66,9 @@ knob_options = _stack(
 )
 
 accounting_options = _stack(
-    click.option("--exact", is_flag=True, help="Also count the small terms the paper leaves out (norm statistics, LSE)."),
+    click.option(
+        "--exact", is_flag=True, help="Also count the small terms the paper leaves out (norm statistics, LSE).",
+    ),
     click.option(
         "--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,
         help="Where the layer runs; decides the width of norm statistics under --exact.",

@@ -13,7 +13,7 @@ from typing import Any
 import click
 
 from memcalc.cli.options import SIZE_FLAGS, ByteSize, accounting_options, model_from, model_options
-from memcalc.cli.sweep import VALUES, build_sweep, chosen_strategies, check_out, describe_knobs, strategies_option
+from memcalc.cli.sweep import VALUES, build_sweep, chosen_strategies, check_out, strategies_option
 from memcalc.errors import ConfigError
 from memcalc.layer import Accounting
 from memcalc.strategy import Strategy
@@ -23,6 +23,7 @@ X_WORDS = {"s": "sequence length", "t": "tensor-parallel size"}
 
 
 def _image_out(ctx: click.Context, param: click.Parameter, out: Path) -> Path:
+    """Refuse an --out that is not a writable .png or .svg path, before any work is done."""
     from memcalc.plot import check_suffix
 
     try:
@@ -77,19 +78,28 @@ def command(
     if kind == "breakdown":
         if x_values is not None:
             raise click.UsageError("--range applies to --kind line; the breakdown is drawn at the config's sizes")
-        config = model_from(params)
-        from memcalc.totals import layer_estimate  # what `estimate --breakdown` shows
-
-        layers = 1 if per_layer else config.L
-        sizes = " ".join(f"{n}={getattr(config, n)}" for n in SIZE_FLAGS)
-        titles = plot.Titles(f"{config.name or 'model'}: what each GPU keeps for backward",
-                             _details(sizes, config, accounting))
-        estimates = [layer_estimate(config, st, accounting) for st in strategies]
-        figure = plot.breakdown_figure(estimates, group == "block", layers, titles, device_memory)
+        figure = _breakdown(params, strategies, accounting, group == "block", per_layer, device_memory)
     else:
         figure = _line(params, x_name, x_values, strategies, accounting, per_layer, device_memory)
     plot.save(figure, out)
     click.echo(f"wrote {out}")
+
+
+def _breakdown(
+    params: dict[str, Any], strategies: list[Strategy], accounting: Accounting, by_block: bool, per_layer: bool,
+    device_memory: int | None,
+) -> Any:
+    """Estimate the config under each strategy, as `estimate --breakdown` does, and draw the stacked bars."""
+    from memcalc import plot
+    from memcalc.totals import layer_estimate  # what `estimate --breakdown` shows
+
+    config = model_from(params)
+    layers = 1 if per_layer else config.L
+    sizes = " ".join(f"{n}={getattr(config, n)}" for n in SIZE_FLAGS)
+    titles = plot.Titles(f"{config.name or 'model'}: what each GPU keeps for backward",
+                         _details(sizes, config, accounting))
+    estimates = [layer_estimate(config, st, accounting) for st in strategies]
+    return plot.breakdown_figure(estimates, by_block, layers, titles, device_memory)
 
 
 def _line(
@@ -116,5 +126,7 @@ def _line(
 
 def _details(sizes: str, knobs: Any, accounting: Accounting) -> str:
     """The line under a figure's title: fixed sizes, then knobs and accounting."""
+    from memcalc.cli.render import describe_knobs
+
     counted = f"exact accounting (as on {accounting.device})" if accounting.exact else "the paper's accounting"
     return f"{sizes}\n{describe_knobs(knobs)}; {counted}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from memcalc.config import ModelConfig
+from memcalc.config import ModelConfig, ModelKnobs
 from memcalc.evaluate import LayerEstimate
 from memcalc.layer import Accounting
 from memcalc.states import total_params
@@ -19,9 +19,21 @@ def describe(config: ModelConfig) -> str:
     """One line naming the model's sizes and knobs."""
     c = config
     name = f"{c.name}: " if c.name else ""
+    return f"{name}b={c.b} s={c.s} h={c.h} a={c.a} t={c.t} L={c.L} | {describe_knobs(c, c.ffn, c.groups)}"
+
+
+def describe_knobs(knobs: ModelKnobs, ffn: int | None = None, groups: int | None = None) -> str:
+    """'gelu (ffn 4h), eager attention (a K/V groups), layernorm, dropout 0.1, recompute none, bf16'.
+
+    The MLP width and K/V groups are `ffn` and `groups` if given (a config's, as used), else
+    what the knobs set, else 4h and a, the defaults they stand for.
+    """
+    k = knobs
+    ffn_text = ffn or k.ffn_hidden_size or "4h"
+    groups_text = groups or k.num_query_groups or "a"
     return (
-        f"{name}b={c.b} s={c.s} h={c.h} a={c.a} t={c.t} L={c.L} | {c.mlp} (ffn {c.ffn}), {c.attention} attention"
-        f" ({c.groups} K/V groups), {c.norm}, dropout {c.dropout}, recompute {c.recompute}, {c.dtype}"
+        f"{k.mlp} (ffn {ffn_text}), {k.attention} attention ({groups_text} K/V groups),"
+        f" {k.norm}, dropout {k.dropout}, recompute {k.recompute}, {k.dtype}"
     )
 
 

@@ -22,7 +22,7 @@ from memcalc.cli.options import (
     knob_options,
 )
 from memcalc.config import field_help
-from memcalc.errors import ConfigError, MemcalcError
+from memcalc.errors import ConfigError, MemcalcError, in_file
 from memcalc.layer import Accounting
 from memcalc.strategy import STRATEGIES, Strategy
 
@@ -95,22 +95,11 @@ def build_sweep(
 
     fields, path, note = file_fields(params)
     fields.update({k: params[k] for k in SIZE_FLAGS + KNOB_FLAGS if params.get(k) is not None and k not in ranges})
-    try:
+    with in_file(path):
         sweep = make_sweep(fields, ranges, strategies, accounting)
-    except ConfigError as exc:
-        raise ConfigError(f"{path}: {exc}" if path is not None else str(exc)) from None
     if note is not None:
         click.echo(f"memcalc: {note}", err=True)
     return sweep
-
-
-def describe_knobs(knobs: Any) -> str:
-    """'gelu (ffn 4h), eager attention (a K/V groups), layernorm, dropout 0.1, recompute none, bf16'."""
-    k = knobs
-    return (
-        f"{k.mlp} (ffn {k.ffn_hidden_size or '4h'}), {k.attention} attention ({k.num_query_groups or 'a'} K/V groups),"
-        f" {k.norm}, dropout {k.dropout}, recompute {k.recompute}, {k.dtype}"
-    )
 
 
 @click.command("sweep")
@@ -224,7 +213,7 @@ def _print_table(result: Any) -> None:
     """The rows as a rich table: swept sizes, strategy, bytes; long tables keep head and tail."""
     from rich.table import Table
 
-    from memcalc.cli.render import accounting_note, console
+    from memcalc.cli.render import accounting_note, console, describe_knobs
     from memcalc.units import human_bytes
 
     sweep = result.sweep

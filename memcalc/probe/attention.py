@@ -36,6 +36,7 @@ from memcalc.probe import require_torch
 from memcalc.probe.checkpoint import checkpoint
 from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.linear import ColumnParallelLinear, RowParallelLinear
+from memcalc.probe.norm import wide
 from memcalc.probe.recorder import batch_first, label
 
 torch = require_torch()
@@ -139,7 +140,7 @@ class FlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, p, seed):
         b, heads, s, d = q.shape
-        q3, k3, v3 = _grouped(_wide(q), _wide(k), _wide(v))
+        q3, k3, v3 = _grouped(wide(q), wide(k), wide(v))
         scores = _scores(q3, k3)
         lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # (b*g, a/g*s, 1)
         weights = _dropped(torch.exp(scores - lse), p, seed)
@@ -155,7 +156,7 @@ class FlashAttention(torch.autograd.Function):
     def backward(ctx, grad_out, _grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
         b, heads, s, d = q.shape
-        q3, k3, v3 = _grouped(_wide(q), _wide(k), _wide(v))
+        q3, k3, v3 = _grouped(wide(q), wide(k), wide(v))
         grad_o, o = (_grouped_rows(x, k.shape[1]) for x in (grad_out, out))  # (b*g, a/g*s, d)
         weights = torch.exp(_scores(q3, k3) - lse.view(*q3.shape[:2], 1))  # the softmax, rebuilt
         dropped = _dropped(weights, ctx.p, ctx.seed)
@@ -171,12 +172,7 @@ class FlashAttention(torch.autograd.Function):
 def _grouped_rows(x: torch.Tensor, groups: int) -> torch.Tensor:
     """A sequence-first (s, b, a/t, d) tensor as (b*g, a/g*s, d) in at least fp32, the grouped layout."""
     s, b, heads, d = x.shape
-    return _wide(x.permute(1, 2, 0, 3).reshape(b * groups, -1, d))
-
-
-def _wide(x: torch.Tensor) -> torch.Tensor:
-    """x in at least fp32, the precision flash kernels accumulate in."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
+    return wide(x.permute(1, 2, 0, 3).reshape(b * groups, -1, d))
 
 
 def _dropped(weights: torch.Tensor, p: float, seed: int) -> torch.Tensor:

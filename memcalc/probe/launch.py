@@ -47,6 +47,7 @@ DEFAULT_TIMEOUT_S = 300.0
 LOCALHOST = "127.0.0.1"
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 EXIT_GRACE_S = 5.0  # how long finished workers get to leave their group before being killed
+STORE_START_S = 30.0  # the least time the spawn store gets to start, whatever the ranks' timeout
 
 
 class Mode(str, Enum):
@@ -207,8 +208,7 @@ def run_spawned(
 
 def _spawn_once(job: _Job, pickled: bytes) -> list[Any]:
     """Start the t workers around a fresh store, collect their results, and stop them all."""
-    timeout = timedelta(seconds=job.timeout_s)
-    store = dist.TCPStore(LOCALHOST, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+    store = dist.TCPStore(LOCALHOST, 0, is_master=True, wait_for_workers=False, timeout=_store_timeout(job))
     workers: list[tuple[multiprocessing.Process, connection.Connection]] = []
     results = None
     try:
@@ -224,6 +224,15 @@ def _spawn_once(job: _Job, pickled: bytes) -> list[Any]:
         return results
     finally:
         _stop(workers, grace_s=EXIT_GRACE_S if results is not None else 0.0)
+
+
+def _store_timeout(job: _Job) -> timedelta:
+    """How long connecting to the local store may take: at least STORE_START_S.
+
+    The ranks' deadline is kept by `_collect`, which stops every worker at timeout_s; a store
+    given a tiny timeout would instead fail to connect, as torch's DistNetworkError plus a C++ log.
+    """
+    return timedelta(seconds=max(job.timeout_s, STORE_START_S))
 
 
 def _check_spawn(t: int, backend: str, device: str) -> None:
@@ -257,10 +266,10 @@ def _spawned_rank(rank: int, pickled_job: bytes, store_port: int, sender: connec
     try:
         job: _Job = pickle.loads(pickled_job)  # here, so that a module fn cannot be imported from is reported
         status = "unjoined"
-        timeout = timedelta(seconds=job.timeout_s)
-        store = dist.TCPStore(LOCALHOST, store_port, is_master=False, timeout=timeout)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.t))  # t ranks share this machine's cores
+        store = dist.TCPStore(LOCALHOST, store_port, is_master=False, timeout=_store_timeout(job))
         device = _rank_device(job.device, rank)
-        with _joined(job.backend, rank, job.t, device, store=store, timeout=timeout) as tp:
+        with _joined(job.backend, rank, job.t, device, store=store, timeout=timedelta(seconds=job.timeout_s)) as tp:
             status = "failed"
             # Sent before leaving the group: after a failure, leaving may wait on peers stuck in a collective.
             sender.send_bytes(_outcome(job.fn, tp, job.args))

@@ -51,9 +51,9 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight):
-        wide = _wide(x)
-        rstd = torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + EPS)  # (s, b, 1)
-        y = (wide * rstd).to(x.dtype) * weight
+        x_wide = wide(x)
+        rstd = torch.rsqrt(x_wide.pow(2).mean(-1, keepdim=True) + EPS)  # (s, b, 1)
+        y = (x_wide * rstd).to(x.dtype) * weight
         rstd = rstd.to(norm_stats_dtype(x))
         ctx.save_for_backward(x, weight, rstd)
         ctx.mark_non_differentiable(rstd)
@@ -62,15 +62,15 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y, _grad_rstd):
         x, weight, rstd = ctx.saved_tensors
-        x_hat = _wide(x) * _wide(rstd)  # the normalised input, rebuilt from x
-        grad_x_hat = _wide(grad_y) * _wide(weight)
-        grad_x = _wide(rstd) * (grad_x_hat - x_hat * (grad_x_hat * x_hat).mean(-1, keepdim=True))
-        grad_weight = (_wide(grad_y) * x_hat).reshape(-1, x.shape[-1]).sum(0)
+        x_hat = wide(x) * wide(rstd)  # the normalised input, rebuilt from x
+        grad_x_hat = wide(grad_y) * wide(weight)
+        grad_x = wide(rstd) * (grad_x_hat - x_hat * (grad_x_hat * x_hat).mean(-1, keepdim=True))
+        grad_weight = (wide(grad_y) * x_hat).reshape(-1, x.shape[-1]).sum(0)
         return grad_x.to(x.dtype), grad_weight.to(weight.dtype)
 
 
-def _wide(x: torch.Tensor) -> torch.Tensor:
-    """x in at least fp32, the precision fused norm kernels compute in."""
+def wide(x: torch.Tensor) -> torch.Tensor:
+    """x in at least fp32, the precision fused kernels (norms here, flash attention too) compute in."""
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 

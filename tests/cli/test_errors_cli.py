@@ -39,6 +39,7 @@ BAD_FLAGS = {
     "negative dropout": (["estimate", *TINY, "--dropout", "-0.1"], ["'dropout'", "greater than or equal to 0"]),
     "dropout for formula": (["formula", "--dropout", "1.5"], ["'dropout'", "less than 1"]),
     "bad choice for explain": (["explain", "--norm", "batchnorm"], ["'--norm'", "'batchnorm' is not one of"]),
+    "size beyond int64": (["estimate", *TINY, "--b", str(2**63)], ["'b'", "less than 9223372036854775808"]),
     "unknown option": (["estimate", "--heads", "8"], ["--heads"]),
     "unknown command": (["estimat"], ["estimat"]),
 }
@@ -76,6 +77,14 @@ def test_bad_config_files_are_one_line_naming_the_file_field_and_rule(tmp_path, 
     path.write_text(text)
     run = memcalc_cli(command, "--config", str(path))
     _assert_one_line_error(run.code, run.out, run.err, [str(path), *needles])
+
+
+@pytest.mark.parametrize("command", ["estimate", "formula", "explain"])
+def test_a_config_file_that_is_not_text_is_one_line(tmp_path, command):
+    path = tmp_path / "model.png"
+    path.write_bytes(b"\x89PNG\r\n\x1a\n\x00")
+    run = memcalc_cli(command, "--config", str(path))
+    _assert_one_line_error(run.code, run.out, run.err, [str(path), "not UTF-8 text (byte 0"])
 
 
 @pytest.mark.parametrize("command", ["estimate", "formula", "explain"])

@@ -110,3 +110,32 @@ def test_unknown_architecture_and_missing_fields_are_one_line(tmp_path):
         memcalc_cli("estimate", "--hf-config", str(path)),
         "gpt_neox config.json is missing num_attention_heads, num_hidden_layers, vocab_size, intermediate_size",
     )
+
+
+_LLAMA_FIELDS = {
+    "model_type": "llama", "hidden_size": 512, "num_attention_heads": 8, "num_hidden_layers": 2,
+    "vocab_size": 1000, "intermediate_size": 1024,
+}
+_GPT2_FIELDS = {
+    "model_type": "gpt2", "n_embd": 512, "n_head": 8, "n_layer": 2, "vocab_size": 1000, "n_positions": 1024,
+}
+
+
+@pytest.mark.parametrize("fields, needles", [
+    ({"model_type": ["llama"]}, ["model_type should be a string and architectures a list"]),
+    ({"architectures": "LlamaForCausalLM"}, ["model_type should be a string and architectures a list"]),
+    (_LLAMA_FIELDS | {"hidden_size": "512", "head_dim": 64}, ["field 'h': input should be a valid integer (got '512')"]),
+    (_LLAMA_FIELDS | {"attention_bias": [True], "mlp_bias": [True]}, ["field 'add_bias_linear'"]),
+    (_LLAMA_FIELDS | {"attention_bias": True, "mlp_bias": False}, ["attention_bias and mlp_bias differ"]),
+    (_GPT2_FIELDS | {"resid_pdrop": "0.1"}, ["dropout probabilities must be numbers"]),
+])
+def test_malformed_hf_fields_are_one_line_naming_the_file(tmp_path, fields, needles):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(fields))
+    _one_line_error(memcalc_cli("estimate", "--hf-config", str(path), "--s", "128"), f"{path}: ", *needles)
+
+
+def test_an_hf_config_that_is_not_text_is_one_line(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_bytes(b"\x89PNG\r\n\x1a\n\x00")
+    _one_line_error(memcalc_cli("estimate", "--hf-config", str(path)), str(path), "not UTF-8 text (byte 0")

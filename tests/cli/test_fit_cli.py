@@ -67,6 +67,12 @@ def test_recompute_flag_picks_one_choice():
     assert [(r["strategy"], r["recompute"]) for r in doc["results"]] == [("tp-sp", "selective")]
 
 
+@pytest.mark.parametrize("budget, expected", [("1PiB", 2**50), ("2PB", 2 * 10**15)])
+def test_a_budget_can_be_given_in_the_petabyte_units_fit_prints(budget, expected):
+    doc = _fit(*GPT3, "--budget", budget, "--strategy", "tp-sp", "--recompute", "none", "--solve", "t")
+    assert doc["budget_bytes"] == expected
+
+
 def test_hf_config_works_with_fit():
     run = memcalc_cli("fit", "--hf-config", "tests/data/hf/llama2-7b.json", "--attention", "flash",
                       "--budget", "40GiB", "--solve", "t", "--json")

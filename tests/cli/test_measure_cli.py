@@ -105,6 +105,12 @@ def test_ranks_that_do_not_finish_are_stopped_at_the_timeout(monkeypatch):
     assert time.monotonic() - started < 30
 
 
+def test_a_timeout_too_short_for_the_ranks_to_start_is_the_timeout_error(monkeypatch):
+    monkeypatch.delenv("MEMCALC_DEBUG", raising=False)
+    run = memcalc_cli("measure", *TINY, "--t", "2", "--backend", "gloo", "--strategy", "tp", "--timeout", "0.001")
+    _one_line_error(run, 1, "did not finish within 0.001 s")
+
+
 def test_sizes_the_strategy_cannot_split_exit_2_before_any_rank_starts(monkeypatch):
     monkeypatch.setattr(measure_module, "run", lambda *a, **k: pytest.fail("a rank was started"))
     run = memcalc_cli("measure", *TINY, "--s", "15", "--t", "2", "--backend", "gloo")

@@ -45,6 +45,7 @@ def test_breakdown_as_png(tmp_path, group):
     (["--out", "mem.png", "--x", "b"], ["'--x'"]),
     (["--out", "mem.png", "--kind", "breakdown", "--range", "1:8"], ["--range applies to --kind line"]),
     (["--out", "mem.png", "--x", "t", "--range", "5,7"], ["no configuration in the sweep passes"]),
+    (["--out", "mem.png", "--range", f"1:{10**30}"], [f"s={10**30} is too large for a sweep"]),
     ([], ["Missing option '--out'"]),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, needles, tmp_path, monkeypatch):

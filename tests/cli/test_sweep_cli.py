@@ -139,6 +139,7 @@ def test_a_long_sweep_draws_a_progress_bar_on_a_terminal(tmp_path, monkeypatch):
     (["--strategy", "sp"], ["'--strategy'"]),
     (["--t", "5,7"], ["no configuration in the sweep passes", "a=96 is not divisible by t=5"]),
     (["--s", "1:2", "--b", "1:10000000"], ["at most 10,000,000"]),
+    (["--s", f"1:{10**30}"], [f"s={10**30} is too large for a sweep"]),  # too long a range even to count
     (["--b", "64", "--s", str(2**21), "--t", "1"], ["beyond 64-bit integers"]),
     (["--dropout", "1.5"], ["gpt3-175b.yaml: field 'dropout'"]),
     (["--out", "runs.txt"], ["cannot tell the format of 'runs.txt'", ".csv or .json"]),

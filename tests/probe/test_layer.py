@@ -151,13 +151,15 @@ def _assembled(ranks, reference, sequence_parallel):
         else:
             yield from ((f"{key} on rank {r}", rank[key], reference[key]) for r, rank in enumerate(ranks))
     assert all(rank["grads"].keys() == reference["grads"].keys() for rank in ranks)
+    assert all(grad is not None for grad in reference["grads"].values()), "every parameter takes part"
     for name, full in reference["grads"].items():
         combine = ranks[0]["combine"][name]
         if combine == "partial":
             yield f"{name} (sum over ranks)", sum(rank["grads"][name] for rank in ranks), full
-        else:
-            want = (lambda r: full) if combine == "whole" else (lambda r: full.chunk(t, combine)[r])
-            yield from ((f"{name} on rank {r}", rank["grads"][name], want(r)) for r, rank in enumerate(ranks))
+            continue
+        for r, rank in enumerate(ranks):
+            want = full if combine == "whole" else full.chunk(t, combine)[r]
+            yield f"{name} on rank {r}", rank["grads"][name], want
 
 
 @pytest.mark.parametrize("t", [2, 4], ids=lambda t: f"t={t}")
