@@ -120,6 +120,10 @@ class ModelConfig(ModelKnobs):
         return {k: v for k, v in asdict(self).items() if not (exclude_none and v is None)}
 
 
+# One layer's sizes, in the order flags, sweeps and tables list them.
+SIZES = ("b", "s", "h", "a", "t", "L")
+
+
 def config_record(config: ModelConfig) -> dict[str, Any]:
     """The config for JSON output, with the MLP width and K/V groups as used."""
     return config.as_dict(exclude_none=True) | {"ffn_hidden_size": config.ffn, "num_query_groups": config.groups}
@@ -199,6 +203,7 @@ class Rule:
         return f"{self.divisor} must divide {self.value}"
 
     def check(self, config: ModelConfig) -> None:
+        """Raise ConfigError if the rule fails, reading each size as used (4h and a when unset)."""
         divisor, value = (getattr(config, AS_USED.get(n, n)) for n in (self.divisor, self.value))
         if value % divisor:
             raise ConfigError(self.message(divisor, value))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memcalc.errors import ConfigError
 from memcalc.ledger import Dim, Region, SavedTensor
 
 # In the TP region the first of these that a tensor has is the one split by t.
@@ -40,10 +39,3 @@ TP_SP = Strategy("tp-sp", "tensor + sequence parallel", frozenset({Region.TENSOR
 
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (NONE, TP, TP_SP)}
 
-
-def get_strategy(name: str) -> Strategy:
-    """The strategy called `name`, or a ConfigError listing the valid names."""
-    try:
-        return STRATEGIES[name]
-    except KeyError:
-        raise ConfigError(f"unknown strategy '{name}' (choose from {', '.join(STRATEGIES)})") from None

@@ -25,7 +25,8 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from memcalc.config import (
-    AS_USED, DIVISIBILITY, SEQUENCE_SPLIT, ModelConfig, ModelKnobs, Rule, build_knobs, field_default, field_names,
+    AS_USED, DIVISIBILITY, SEQUENCE_SPLIT, SIZES, ModelConfig, ModelKnobs, Rule, build_knobs, field_default,
+    field_names,
 )
 from memcalc.errors import ConfigError
 from memcalc.evaluate import dim_sizes, rank_shape
@@ -33,7 +34,7 @@ from memcalc.layer import Accounting, Knobs, element_bytes, layer_tensors
 from memcalc.ledger import Region
 from memcalc.strategy import Strategy
 
-SIZES = ("b", "s", "h", "a", "t", "L")  # the grid's axes, in this order
+# The grid's axes are SIZES, in that order.
 MAX_SIZE = 2**40  # far above any model; keeps 4h and every per-rank dimension exact in int64
 MAX_ROWS = 10_000_000  # points x strategies; about 1 GB of arrays at the peak
 INT64_MAX = 2**63 - 1
@@ -177,6 +178,7 @@ class GridSizes:
 
     @classmethod
     def of(cls, sweep: Sweep) -> GridSizes:
+        """Each size's values along an axis of its own, in the order of SIZES."""
         axes = {}
         for i, (name, values) in enumerate(sweep.values.items()):
             shape = [1] * len(SIZES)

@@ -6,11 +6,10 @@ import pytest
 
 from memcalc import ledger
 from memcalc.config import build_config
-from memcalc.errors import ConfigError
 from memcalc.evaluate import estimate
 from memcalc.layer import Accounting, Knobs, layer_tensors
 from memcalc.ledger import Dim, Region
-from memcalc.strategy import NONE, STRATEGIES, TP, TP_SP, get_strategy
+from memcalc.strategy import NONE, STRATEGIES, TP, TP_SP
 
 KNOB_CHOICES = {
     "mlp": ["gelu", "swiglu"],
@@ -77,11 +76,6 @@ def test_tp_sp_divides_every_term_by_t(exact):
             assert p.bytes * t == w.bytes, (knobs, p.tensor.name)
 
 
-def test_get_strategy_names_the_three_strategies():
-    assert [get_strategy(n) for n in ("none", "tp", "tp-sp")] == [NONE, TP, TP_SP]
+def test_strategies_are_the_three_of_the_seed_in_order():
+    assert list(STRATEGIES.values()) == [NONE, TP, TP_SP]
     assert list(STRATEGIES) == ["none", "tp", "tp-sp"]
-
-
-def test_unknown_strategy_lists_the_valid_names():
-    with pytest.raises(ConfigError, match=r"unknown strategy 'sp' \(choose from none, tp, tp-sp\)"):
-        get_strategy("sp")

@@ -12,16 +12,15 @@ from typing import Any, Callable
 
 import click
 
-from memcalc.config import ModelConfig, load_config, load_yaml
+from memcalc.config import SIZES, ModelConfig, ModelKnobs, choices, field_names, load_config, load_yaml
 from memcalc.errors import ConfigError
+from memcalc.strategy import STRATEGIES
 from memcalc.units import parse_bytes
 
-SIZE_FLAGS = ("b", "s", "h", "a", "t", "L")
-KNOB_FLAGS = (
-    "mlp", "ffn_hidden_size", "attention", "num_query_groups", "norm", "dropout", "recompute", "dtype",
-)
+SIZE_FLAGS = SIZES
+KNOB_FLAGS = tuple(field_names(ModelKnobs))
 LAYOUT_FLAGS = ("pp", "vpp", "dp", "cp", "distributed_optimizer", "vocab_size", "tie_embeddings")
-STRATEGY_CHOICES = ("all", "none", "tp", "tp-sp")
+STRATEGY_CHOICES = ("all", *STRATEGIES)
 
 
 def _stack(*decorators: Callable) -> Callable:
@@ -52,17 +51,17 @@ size_options = _stack(
 )
 
 knob_options = _stack(
-    click.option("--mlp", type=click.Choice(["gelu", "swiglu"]), help="MLP activation [default: gelu]."),
+    click.option("--mlp", type=click.Choice(choices("mlp")), help="MLP activation [default: gelu]."),
     click.option("--ffn-hidden-size", type=int, help="MLP hidden size [default: 4h]."),
-    click.option("--attention", type=click.Choice(["eager", "flash"]), help="Core attention [default: eager]."),
+    click.option("--attention", type=click.Choice(choices("attention")), help="Core attention [default: eager]."),
     click.option("--num-query-groups", type=int, help="K/V groups for grouped-query attention [default: a]."),
-    click.option("--norm", type=click.Choice(["layernorm", "rmsnorm"]), help="Norm [default: layernorm]."),
+    click.option("--norm", type=click.Choice(choices("norm")), help="Norm [default: layernorm]."),
     click.option("--dropout", type=float, help="Dropout probability; 0 keeps no masks [default: 0.1]."),
     click.option(
-        "--recompute", type=click.Choice(["none", "selective", "full"]),
+        "--recompute", type=click.Choice(choices("recompute")),
         help="Activation recomputation [default: none].",
     ),
-    click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), help="Activation dtype [default: bf16]."),
+    click.option("--dtype", type=click.Choice(choices("dtype")), help="Activation dtype [default: bf16]."),
 )
 
 accounting_options = _stack(
@@ -140,4 +139,4 @@ def file_fields(params: dict[str, Any]) -> tuple[dict[str, Any], Path | None, st
 
 def strategy_names(choice: str) -> list[str]:
     """The strategies a --strategy choice stands for."""
-    return ["none", "tp", "tp-sp"] if choice == "all" else [choice]
+    return list(STRATEGIES) if choice == "all" else [choice]

@@ -8,15 +8,19 @@ are imported inside the command.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import click
 
 from memcalc.cli.options import SIZE_FLAGS, ByteSize, accounting_options, model_from, model_options
 from memcalc.cli.sweep import VALUES, build_sweep, chosen_strategies, check_out, strategies_option
+from memcalc.config import ModelKnobs
 from memcalc.errors import ConfigError
 from memcalc.layer import Accounting
 from memcalc.strategy import Strategy
+
+if TYPE_CHECKING:  # matplotlib: only when the command runs
+    from matplotlib.figure import Figure
 
 DEFAULT_RANGES = {"s": "1024:131072:x2", "t": "1:64:x2"}
 X_WORDS = {"s": "sequence length", "t": "tensor-parallel size"}
@@ -57,7 +61,7 @@ def _image_out(ctx: click.Context, param: click.Parameter, out: Path) -> Path:
     "--out", type=click.Path(path_type=Path), required=True, callback=_image_out, help="Image to write: .png or .svg."
 )
 def command(
-    strategy: tuple[str, ...], exact: bool, device: str, kind: str, x_name: str, x_values: Any, group: str,
+    strategy: tuple[str, ...], exact: bool, device: str, kind: str, x_name: str, x_values: Sequence[int] | None, group: str,
     per_layer: bool, device_memory: int | None, out: Path, **params: Any,
 ) -> None:
     """Plot activation memory per GPU (in GiB) for a model.
@@ -88,7 +92,7 @@ def command(
 def _breakdown(
     params: dict[str, Any], strategies: list[Strategy], accounting: Accounting, by_block: bool, per_layer: bool,
     device_memory: int | None,
-) -> Any:
+) -> Figure:
     """Estimate the config under each strategy, as `estimate --breakdown` does, and draw the stacked bars."""
     from memcalc import plot
     from memcalc.totals import layer_estimate  # what `estimate --breakdown` shows
@@ -103,9 +107,9 @@ def _breakdown(
 
 
 def _line(
-    params: dict[str, Any], x_name: str, x_values: Any, strategies: list[Strategy], accounting: Accounting,
+    params: dict[str, Any], x_name: str, x_values: Sequence[int] | None, strategies: list[Strategy], accounting: Accounting,
     per_layer: bool, device_memory: int | None,
-) -> Any:
+) -> Figure:
     """Evaluate the one-size sweep and draw it."""
     from memcalc import plot
     from memcalc.sweep import describe_skips, evaluate_sweep, parse_values
@@ -124,7 +128,7 @@ def _line(
     return plot.line_figure(x_name, list(values), lines, layers, titles, device_memory)
 
 
-def _details(sizes: str, knobs: Any, accounting: Accounting) -> str:
+def _details(sizes: str, knobs: ModelKnobs, accounting: Accounting) -> str:
     """The line under a figure's title: fixed sizes, then knobs and accounting."""
     from memcalc.cli.render import describe_knobs
 

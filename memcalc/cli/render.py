@@ -38,6 +38,7 @@ def describe_knobs(knobs: ModelKnobs, ffn: int | None = None, groups: int | None
 
 
 def accounting_note(accounting: Accounting) -> str:
+    """How the bytes were counted, for the line above a table."""
     if accounting.exact:
         return f"exact accounting, every saved byte, norm statistics as on {accounting.device}"
     return "the paper's accounting; --exact adds norm statistics and LSE"

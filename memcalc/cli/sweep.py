@@ -13,7 +13,7 @@ import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import click
 
@@ -25,6 +25,9 @@ from memcalc.config import field_help
 from memcalc.errors import ConfigError, MemcalcError, in_file
 from memcalc.layer import Accounting
 from memcalc.strategy import STRATEGIES, Strategy
+
+if TYPE_CHECKING:  # numpy: only when the command runs
+    from memcalc.sweep import Sweep, SweepResult
 
 FORMATS = {".csv": "csv", ".json": "json"}
 PROGRESS_ROWS = 200_000  # below this a sweep is done before a bar would draw
@@ -87,7 +90,7 @@ def chosen_strategies(choices: Sequence[str]) -> list[Strategy]:
 
 def build_sweep(
     params: dict[str, Any], ranges: dict[str, Sequence[int]], strategies: Sequence[Strategy], accounting: Accounting
-) -> Any:
+) -> Sweep:
     """A checked `memcalc.sweep.Sweep`: the fields of --config or --hf-config, the size
     and knob flags laid over them, `ranges` over those. Errors name the file, as
     `options.model_from`'s do."""
@@ -167,7 +170,7 @@ def _output_format(out: Path | None, fmt: str | None) -> str:
     return "table" if sys.stdout.isatty() else "csv"
 
 
-def _write(result: Any, fmt: str, out: Path | None, advance: Callable[[float], None]) -> None:
+def _write(result: SweepResult, fmt: str, out: Path | None, advance: Callable[[float], None]) -> None:
     """Stream the rows to --out or to stdout, chunk by chunk."""
     from memcalc.sweep_output import csv_chunks, json_chunks
 
@@ -209,7 +212,7 @@ def _progress(rows: int, shown: bool) -> Iterator[Callable[[float], None]]:
         yield lambda n: bar.advance(task, n)
 
 
-def _print_table(result: Any) -> None:
+def _print_table(result: SweepResult) -> None:
     """The rows as a rich table: swept sizes, strategy, bytes; long tables keep head and tail."""
     from rich.table import Table
 

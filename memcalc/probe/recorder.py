@@ -80,6 +80,7 @@ class SavedTensorRecorder:
         self._labels.clear()
 
     def add_label(self, tensor: torch.Tensor, saved: SavedTensor) -> None:
+        """Name the storage under `tensor`; one storage under two ledger names is a bug in the layer."""
         key = _storage_key(tensor)
         known = self._labels.get(key)
         if known is not None and known[0] != saved.name:

@@ -43,3 +43,11 @@ def memcalc_cli(*args: str, width: int = 250) -> Run:
     finally:
         render.console.width = saved_width
     return Run(exit.value.code, out.getvalue(), err.getvalue())
+
+
+def one_line_error(run: Run, *needles: str) -> None:
+    """Bad input: exit 2, nothing on stdout, one line on stderr that holds every needle."""
+    assert (run.code, run.out) == (2, ""), run.err
+    assert run.err.startswith("memcalc: error: ") and run.err.count("\n") == 1, run.err
+    for needle in needles:
+        assert needle in run.err, (needle, run.err)

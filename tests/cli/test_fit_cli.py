@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from . import memcalc_cli
+from . import memcalc_cli, one_line_error
 
 GPT3 = ["--config", "configs/gpt3-175b.yaml"]  # Table 3's layout: t=8, pp=8, vpp=3
 
@@ -81,16 +81,9 @@ def test_hf_config_works_with_fit():
     assert answers[("tp-sp", "selective")] in (1, 2, 4, 8, 16, 32)
 
 
-def _one_line_error(run, *needles: str) -> None:
-    assert (run.code, run.out) == (2, ""), run.err
-    assert run.err.startswith("memcalc: error: ") and run.err.count("\n") == 1, run.err
-    for needle in needles:
-        assert needle in run.err, (needle, run.err)
-
-
 def test_nothing_fits_is_one_line_saying_by_how_much():
     run = memcalc_cli("fit", "--config", "configs/gpt3-22b.yaml", "--budget", "20GiB")
-    _one_line_error(run, "nothing fits in 20.00 GiB per GPU",
+    one_line_error(run, "nothing fits in 20.00 GiB per GPU",
                     "the cheapest candidate, tp-sp with recompute full at b=1", "GiB over, counting total")
 
 
@@ -100,14 +93,14 @@ def test_nothing_fits_is_one_line_saying_by_how_much():
     (["--solve", "b"], ["Missing option '--budget'"]),
 ])
 def test_bad_requests_are_one_line(args, needles):
-    _one_line_error(memcalc_cli("fit", *GPT3, *args), *needles)
+    one_line_error(memcalc_cli("fit", *GPT3, *args), *needles)
 
 
 def test_no_valid_candidate_names_the_rule(tmp_path):
     config = tmp_path / "short.yaml"
     config.write_text("s: 4\nh: 64\na: 8\nt: 8\nmax_position_embeddings: 4\n")  # tp-sp needs s = 8, 16, ...
     run = memcalc_cli("fit", "--config", str(config), "--strategy", "tp-sp", "--solve", "s", "--budget", "80GiB")
-    _one_line_error(run, "no valid s: s=8 exceeds max_position_embeddings=4")
+    one_line_error(run, "no valid s: s=8 exceeds max_position_embeddings=4")
 
 
 GUIDE = Path(__file__).parents[2] / "docs" / "guide-fit-totals.md"
