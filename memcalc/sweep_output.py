@@ -9,6 +9,9 @@ dropped in one pass.
 from __future__ import annotations
 
 import json
+import os
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Iterator, Sequence
 
@@ -121,6 +124,27 @@ def _chunks(rows: int, chunk_rows: int) -> Iterator[slice]:
     return (slice(start, min(start + chunk_rows, rows)) for start in range(0, rows, chunk_rows))
 
 
+def _text_of_chunks(layout: list[_Field | bytes], result: SweepResult, chunk_rows: int) -> Iterator[tuple[slice, bytes]]:
+    """Each chunk of rows with its text, in order, built on every core.
+
+    numpy lets go of the GIL while it copies and compacts the byte matrices, so
+    threads halve the time on two cores. At most two chunks per thread are in
+    flight, so memory stays bounded however long the sweep.
+    """
+    workers = os.cpu_count() or 1
+    chunks = _chunks(result.rows, chunk_rows)
+    with ThreadPoolExecutor(workers) as pool:
+        pending: deque[tuple[slice, Future[bytes]]] = deque()
+        for rows in chunks:
+            pending.append((rows, pool.submit(_lines, layout, result, rows)))
+            if len(pending) >= 2 * workers:
+                done, future = pending.popleft()
+                yield done, future.result()
+        while pending:
+            done, future = pending.popleft()
+            yield done, future.result()
+
+
 def accounting_label(accounting: Accounting) -> str:
     """'paper', or 'exact-cuda' / 'exact-cpu'."""
     return f"exact-{accounting.device}" if accounting.exact else "paper"
@@ -141,8 +165,8 @@ def csv_chunks(result: SweepResult, chunk_rows: int = CHUNK_ROWS) -> Iterator[tu
     knobs = asdict(result.sweep.knobs)
     constants = [str(knobs[name]) for name in KNOB_COLUMNS[2:]] + [accounting_label(result.sweep.accounting)]
     layout = _layout(fields, (",".join(constants) + "\n").encode())
-    for rows in _chunks(result.rows, chunk_rows):
-        yield rows.stop - rows.start, _lines(layout, result, rows)
+    for rows, text in _text_of_chunks(layout, result, chunk_rows):
+        yield rows.stop - rows.start, text
 
 
 def json_chunks(result: SweepResult, chunk_rows: int = CHUNK_ROWS) -> Iterator[tuple[float, bytes]]:
@@ -165,8 +189,7 @@ def json_chunks(result: SweepResult, chunk_rows: int = CHUNK_ROWS) -> Iterator[t
     for i, (name, field) in enumerate(zip(CSV_COLUMNS, fields)):
         yield 0, f'{"," if i else ""}\n  "{name}": ['.encode()
         layout = _layout([field], b"")
-        for rows in _chunks(result.rows, chunk_rows):
-            text = _lines(layout, result, rows)  # every value ends in ','
+        for rows, text in _text_of_chunks(layout, result, chunk_rows):  # every value ends in ','
             yield (rows.stop - rows.start) / len(fields), text[:-1] if rows.stop == result.rows else text
         yield 0, b"]"
     yield 0, b"\n }\n}\n"
