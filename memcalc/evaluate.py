@@ -20,9 +20,13 @@ from memcalc.strategy import Strategy
 
 
 def dim_sizes(config: ModelConfig) -> dict[Dim, Any]:
-    """The value of every ledger dimension for this config."""
+    """The value of every ledger dimension for this config, on one context-parallel rank.
+
+    Context parallelism gives each rank s/cp of the tokens (check_layout makes
+    2cp divide s), so that is the sequence every saved tensor spans.
+    """
     return {
-        Dim.B: config.b, Dim.S: config.s, Dim.H: config.h, Dim.A: config.a,
+        Dim.B: config.b, Dim.S: config.s // config.cp, Dim.H: config.h, Dim.A: config.a,
         Dim.G: config.groups, Dim.D: config.h // config.a, Dim.F: config.ffn,
     }
 

@@ -171,6 +171,7 @@ class GridSizes:
     L: np.ndarray
     ffn_hidden_size: int | None
     num_query_groups: int | None
+    cp = 1  # make_sweep refuses context parallelism
 
     # The config's own rules (4h unless set; a unless set), here on arrays.
     ffn = property(ModelConfig.ffn.fget)

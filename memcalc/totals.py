@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from math import prod
 
-from memcalc.config import ModelConfig, check_sequence_split
+from memcalc.config import ModelConfig
 from memcalc import ledger
 from memcalc.evaluate import LayerEstimate, estimate
 from memcalc.layer import Accounting, Knobs, element_bytes
@@ -113,18 +113,6 @@ def end_bytes(x: EndTensor, config: ModelConfig, strategy: Strategy, accounting:
     return width * prod(sizes[d] for d in x.shape)
 
 
-def context_shard(config: ModelConfig) -> ModelConfig:
-    """The config one context-parallel rank runs: s/cp tokens (the same config when cp = 1)."""
-    return config if config.cp == 1 else replace(config, s=config.s // config.cp, cp=1)
-
-
-def layer_estimate(config: ModelConfig, strategy: Strategy, accounting: Accounting) -> LayerEstimate:
-    """The ledger's per-rank layer activations, on each context rank's s/cp tokens."""
-    if Region.SEQUENCE in strategy.splits:
-        check_sequence_split(config)  # names s/cp, not the shard's s, when cp > 1
-    return estimate(context_shard(config), strategy, accounting)
-
-
 @dataclass(frozen=True)
 class Term:
     """One line of a per-GPU total."""
@@ -166,7 +154,7 @@ class PerGpu:
 
 def per_gpu(config: ModelConfig, strategy: Strategy, accounting: Accounting = Accounting()) -> PerGpu:
     """Per-GPU memory of `config` under `strategy`, for the first and last pipeline stages (or the only one)."""
-    layer = layer_estimate(config, strategy, accounting)
+    layer = estimate(config, strategy, accounting)
     rebuilt = _rebuilt_layer_bytes(config, strategy, accounting, layer)
     return PerGpu(strategy, layer, tuple(
         _stage_total(config, strategy, accounting, x, layer, rebuilt) for x in stages(config.L, config.pp, config.vpp)
@@ -198,5 +186,5 @@ def _rebuilt_layer_bytes(config: ModelConfig, strategy: Strategy, accounting: Ac
     """
     if not accounting.exact or config.recompute == "none":
         return 0
-    whole = layer_estimate(replace(config, recompute="none"), strategy, accounting)
+    whole = estimate(replace(config, recompute="none"), strategy, accounting)
     return whole.per_layer_bytes - layer.per_layer_bytes

@@ -11,11 +11,11 @@ from memcalc.cli.options import (
     ByteSize, accounting_options, layout_options, model_from, model_options, strategy_names, strategy_option,
 )
 from memcalc.config import ModelConfig, config_record
-from memcalc.evaluate import LayerEstimate
+from memcalc.evaluate import LayerEstimate, estimate
 from memcalc.layer import Accounting
 from memcalc.states import total_params
 from memcalc.strategy import STRATEGIES
-from memcalc.totals import PerGpu, layer_estimate, per_gpu
+from memcalc.totals import PerGpu, per_gpu
 
 DEFAULT_DEVICE_MEMORY = 80 * 2**30
 # Flags that matter only for per-GPU totals, so giving one asks for them.
@@ -51,9 +51,9 @@ def command(
     """
     config = model_from(params)
     accounting = Accounting(exact=exact, device=device)
-    baseline = layer_estimate(config, STRATEGIES["none"], accounting)
+    baseline = estimate(config, STRATEGIES["none"], accounting)
     results = [
-        baseline if n == "none" else layer_estimate(config, STRATEGIES[n], accounting) for n in strategy_names(strategy)
+        baseline if n == "none" else estimate(config, STRATEGIES[n], accounting) for n in strategy_names(strategy)
     ]
     per = None
     if totals or device_memory is not None or any(params.get(k) is not None for k in TOTALS_FLAGS):

@@ -95,14 +95,14 @@ def _breakdown(
 ) -> Figure:
     """Estimate the config under each strategy, as `estimate --breakdown` does, and draw the stacked bars."""
     from memcalc import plot
-    from memcalc.totals import layer_estimate  # what `estimate --breakdown` shows
+    from memcalc.evaluate import estimate  # what `estimate --breakdown` shows
 
     config = model_from(params)
     layers = 1 if per_layer else config.L
     sizes = " ".join(f"{n}={getattr(config, n)}" for n in SIZE_FLAGS)
     titles = plot.Titles(f"{config.name or 'model'}: what each GPU keeps for backward",
                          _details(sizes, config, accounting))
-    estimates = [layer_estimate(config, st, accounting) for st in strategies]
+    estimates = [estimate(config, st, accounting) for st in strategies]
     return plot.breakdown_figure(estimates, by_block, layers, titles, device_memory)
 
 
