@@ -4,7 +4,7 @@
 start, imports, one config file, three strategies, output) must take well under
 half of what importing sympy takes. This runs each command N times as a fresh
 process and prints min and median wall time, then counts in-process
-`memcalc.evaluate.estimate` calls per second.
+`memcalc.model.evaluate.estimate` calls per second.
 
     python benchmarks/bench_estimate.py [-n 10] [--check]
 
@@ -54,9 +54,9 @@ def process_times(argv: list[str], runs: int) -> tuple[list[float], list[float]]
 def estimates_per_second(seconds: float = 1.0) -> float:
     """In-process `estimate` calls per second: one config, the three strategies in turn."""
     sys.path.insert(0, str(ROOT))
-    from memcalc.config import load_config
-    from memcalc.evaluate import estimate
-    from memcalc.strategy import STRATEGIES
+    from memcalc.config.schema import load_config
+    from memcalc.model.evaluate import estimate
+    from memcalc.model.strategy import STRATEGIES
 
     config = load_config(ROOT / CONFIG, {})
     strategies = list(STRATEGIES.values())

@@ -4,7 +4,7 @@ The sweep of the issue, GPT-3 175B with --b 1:100 --s 64:640000:64, is a
 million points; under one strategy that is a million configurations (rows),
 under all three three million. This prints, best and median of N runs:
 
-  - evaluation alone (`memcalc.sweep.evaluate_sweep`, in-process);
+  - evaluation alone (`memcalc.sizing.sweep.evaluate_sweep`, in-process);
   - writing the CSV alone (`csv_chunks`, in-process, into memory);
   - the whole command as a fresh process writing the CSV to a file
     (interpreter start, imports, evaluation, writing).
@@ -66,11 +66,11 @@ def report(label: str, rows: int, times: list[tuple[float, float]]) -> float:
 def in_process(strategies: list[str], runs: int) -> float:
     """Evaluation, then CSV encoding, in this process; returns the median evaluation time."""
     sys.path.insert(0, str(ROOT))
-    from memcalc.config import load_yaml
-    from memcalc.layer import Accounting
-    from memcalc.strategy import STRATEGIES
-    from memcalc.sweep import evaluate_sweep, make_sweep, parse_values
-    from memcalc.sweep_output import csv_chunks
+    from memcalc.config.schema import load_yaml
+    from memcalc.model.knobs import Accounting
+    from memcalc.model.strategy import STRATEGIES
+    from memcalc.sizing.sweep import evaluate_sweep, make_sweep, parse_values
+    from memcalc.sizing.sweep_output import csv_chunks
 
     ranges = {RANGES[i][2:]: parse_values(RANGES[i + 1]) for i in range(0, len(RANGES), 2)}
     sweep = make_sweep(load_yaml(ROOT / CONFIG), ranges, [STRATEGIES[n] for n in strategies], Accounting())

@@ -3,8 +3,8 @@
 The reference explains every saved tensor (shape, width, how each strategy splits
 it, why backward needs it) and prints the three strategies' formulas, term by
 term, for the default layer and for each knob's variant. Every name, shape and
-formula comes from `memcalc.ledger`, `memcalc.layer`, `memcalc.strategy` and
-`memcalc.formula`; only the connecting prose is written here. A test fails when
+formula comes from `memcalc.model.ledger`, `memcalc.model.knobs`, `memcalc.model.strategy` and
+`memcalc.model.formula`; only the connecting prose is written here. A test fails when
 the checked-in file differs from what this module renders.
 
     python -m memcalc.docgen          # print
@@ -17,11 +17,11 @@ import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from memcalc import formula as F
-from memcalc import ledger
-from memcalc.layer import DTYPE_BYTES, Accounting, Knobs, layer_tensors
-from memcalc.ledger import Region, SavedTensor
-from memcalc.strategy import STRATEGIES, TP, TP_SP, Strategy
+from memcalc.model import formula as F
+from memcalc.model import ledger
+from memcalc.model.knobs import DTYPE_BYTES, Accounting, Knobs, layer_tensors
+from memcalc.model.ledger import Region, SavedTensor
+from memcalc.model.strategy import STRATEGIES, TP, TP_SP, Strategy
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "model.md"
 

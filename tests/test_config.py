@@ -2,7 +2,7 @@
 
 import pytest
 
-from memcalc.config import build_config, build_knobs, check_sequence_split, load_config, load_yaml
+from memcalc.config.schema import build_config, build_knobs, check_sequence_split, load_config, load_yaml
 from memcalc.errors import ConfigError, MemcalcError
 
 SIZES = dict(s=16, h=64, a=8)

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from memcalc.config import load_config, load_yaml
-from memcalc.evaluate import estimate
-from memcalc.strategy import STRATEGIES
+from memcalc.config.schema import load_config, load_yaml
+from memcalc.model.evaluate import estimate
+from memcalc.model.strategy import STRATEGIES
 
 CONFIGS = sorted((Path(__file__).parents[1] / "configs").glob("*.yaml"))
 GPT = [p for p in CONFIGS if p.stem.startswith("gpt3-")]

@@ -7,8 +7,9 @@ import pytest
 import sympy
 from sympy.parsing.latex import parse_latex
 
-from memcalc import docgen, ledger
-from memcalc.formula import SYMBOLS
+from memcalc import docgen
+from memcalc.model import ledger
+from memcalc.model.formula import SYMBOLS
 
 DOCS = Path(__file__).parents[1] / "docs" / "model.md"
 

@@ -4,12 +4,12 @@ from fractions import Fraction
 
 import pytest
 
-from memcalc.config import build_config
+from memcalc.config.schema import build_config
 from memcalc.errors import ConfigError
-from memcalc.evaluate import TensorBytes, estimate, rank_shape
-from memcalc.layer import Accounting
-from memcalc.ledger import GELU_IN, PROJ_IN, QKV_IN, Dim
-from memcalc.strategy import NONE, TP, TP_SP
+from memcalc.model.evaluate import TensorBytes, estimate, rank_shape
+from memcalc.model.knobs import Accounting
+from memcalc.model.ledger import GELU_IN, PROJ_IN, QKV_IN, Dim
+from memcalc.model.strategy import NONE, TP, TP_SP
 
 SIZES = dict(b=3, s=40, h=80, a=10, t=5)
 

@@ -5,11 +5,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memcalc.config import build_config
+from memcalc.config.schema import build_config
 from memcalc.errors import ConfigError
-from memcalc.fit import fit
-from memcalc.strategy import STRATEGIES, TP, TP_SP
-from memcalc.totals import per_gpu
+from memcalc.sizing.fit import fit
+from memcalc.model.strategy import STRATEGIES, TP, TP_SP
+from memcalc.sizing.totals import per_gpu
 
 GPT = dict(b=1, s=64, h=32, a=8, t=4, L=8, vocab_size=1000, position_embedding_type="rope")
 LAYOUTS = [{}, {"pp": 2}, {"pp": 2, "vpp": 2, "dp": 4, "distributed_optimizer": True}]

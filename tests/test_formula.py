@@ -5,11 +5,11 @@ import pytest
 import sympy
 from sympy.parsing.latex import parse_latex
 
-from memcalc import formula as F
-from memcalc.config import build_config
-from memcalc.evaluate import estimate
-from memcalc.layer import Accounting, Knobs
-from memcalc.strategy import NONE, STRATEGIES, TP, TP_SP
+from memcalc.model import formula as F
+from memcalc.config.schema import build_config
+from memcalc.model.evaluate import estimate
+from memcalc.model.knobs import Accounting, Knobs
+from memcalc.model.strategy import NONE, STRATEGIES, TP, TP_SP
 
 b, s, h, a, t, g, f = (F.SYMBOLS[n] for n in "bshatgf")
 SEED = {

@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from memcalc.config import load_config
+from memcalc.config.schema import load_config
 from memcalc.errors import ConfigError
-from memcalc.hf import read_hf_config
-from memcalc.states import total_params
+from memcalc.config.hf import read_hf_config
+from memcalc.sizing.states import total_params
 
 DATA = Path(__file__).parent / "data" / "hf"
 

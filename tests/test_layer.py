@@ -7,12 +7,12 @@ g=4.
 
 import pytest
 
-from memcalc import ledger
-from memcalc.config import build_config
-from memcalc.evaluate import estimate
-from memcalc.layer import Accounting, Knobs, element_bytes, layer_tensors
-from memcalc.ledger import Kind
-from memcalc.strategy import STRATEGIES
+from memcalc.model import ledger
+from memcalc.config.schema import build_config
+from memcalc.model.evaluate import estimate
+from memcalc.model.knobs import Accounting, Knobs, element_bytes, layer_tensors
+from memcalc.model.ledger import Kind
+from memcalc.model.strategy import STRATEGIES
 
 B, S, H, A, T, F, G = 2, 64, 96, 12, 4, 256, 4
 BSH, BSF, BASS, BS = B * S * H, B * S * F, B * A * S * S, B * S

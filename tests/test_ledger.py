@@ -2,8 +2,8 @@
 
 import re
 
-from memcalc import ledger
-from memcalc.ledger import ALL_TENSORS, BY_NAME, Dim, Kind, Region
+from memcalc.model import ledger
+from memcalc.model.ledger import ALL_TENSORS, BY_NAME, Dim, Kind, Region
 
 
 def test_every_tensor_has_a_unique_block_slash_name():

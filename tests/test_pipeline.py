@@ -1,11 +1,11 @@
-"""Pipeline stages: the closed forms in memcalc.pipeline against a step-by-step run of Megatron-LM's schedules,
+"""Pipeline stages: the closed forms in memcalc.sizing.pipeline against a step-by-step run of Megatron-LM's schedules,
 and against the paper's statements (Korthikanti et al. 2022, section 4.2.3)."""
 
 from fractions import Fraction
 
 import pytest
 
-from memcalc.pipeline import stages
+from memcalc.sizing.pipeline import stages
 
 
 def _simulate(p: int, m: int | None, rank: int, microbatches: int) -> list[dict[int, int]]:

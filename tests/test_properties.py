@@ -7,10 +7,10 @@ from t, and so on), so every drawn configuration is valid for all three strategi
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memcalc.config import ModelConfig, build_config
-from memcalc.evaluate import estimate
-from memcalc.layer import Accounting
-from memcalc.strategy import NONE, TP, TP_SP
+from memcalc.config.schema import ModelConfig, build_config
+from memcalc.model.evaluate import estimate
+from memcalc.model.knobs import Accounting
+from memcalc.model.strategy import NONE, TP, TP_SP
 
 small = st.integers(min_value=1, max_value=6)
 

@@ -3,9 +3,9 @@ by-hand tensor-parallel shards, and Megatron-LM's 18 and 6 + 12/dp bytes per par
 
 import pytest
 
-from memcalc.config import build_config, load_config
-from memcalc.pipeline import stages
-from memcalc.states import group_params, state_bytes, total_params
+from memcalc.config.schema import build_config, load_config
+from memcalc.sizing.pipeline import stages
+from memcalc.sizing.states import group_params, state_bytes, total_params
 
 GPT = dict(s=128, h=64, a=8, L=4, vocab_size=1000)
 

@@ -4,12 +4,12 @@ import itertools
 
 import pytest
 
-from memcalc import ledger
-from memcalc.config import build_config
-from memcalc.evaluate import estimate
-from memcalc.layer import Accounting, Knobs, layer_tensors
-from memcalc.ledger import Dim, Region
-from memcalc.strategy import NONE, STRATEGIES, TP, TP_SP
+from memcalc.model import ledger
+from memcalc.config.schema import build_config
+from memcalc.model.evaluate import estimate
+from memcalc.model.knobs import Accounting, Knobs, layer_tensors
+from memcalc.model.ledger import Dim, Region
+from memcalc.model.strategy import NONE, STRATEGIES, TP, TP_SP
 
 KNOB_CHOICES = {
     "mlp": ["gelu", "swiglu"],

@@ -6,12 +6,12 @@ from fractions import Fraction
 
 import pytest
 
-from memcalc.config import build_config, load_config
+from memcalc.config.schema import build_config, load_config
 from memcalc.errors import ConfigError
-from memcalc.evaluate import estimate
-from memcalc.layer import Accounting
-from memcalc.strategy import NONE, STRATEGIES, TP, TP_SP
-from memcalc.totals import ACTIVATIONS, STATES, per_gpu
+from memcalc.model.evaluate import estimate
+from memcalc.model.knobs import Accounting
+from memcalc.model.strategy import NONE, STRATEGIES, TP, TP_SP
+from memcalc.sizing.totals import ACTIVATIONS, STATES, per_gpu
 
 b, s, h, a, t, L, v = 2, 64, 32, 4, 4, 8, 1000
 GPT = dict(b=b, s=s, h=h, a=a, t=t, L=L, vocab_size=v)

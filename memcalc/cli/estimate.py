@@ -10,12 +10,12 @@ import click
 from memcalc.cli.options import (
     ByteSize, accounting_options, layout_options, model_from, model_options, strategy_names, strategy_option,
 )
-from memcalc.config import ModelConfig, config_record
-from memcalc.evaluate import LayerEstimate, estimate
-from memcalc.layer import Accounting
-from memcalc.states import total_params
-from memcalc.strategy import STRATEGIES
-from memcalc.totals import PerGpu, per_gpu
+from memcalc.config.schema import ModelConfig, config_record
+from memcalc.model.evaluate import LayerEstimate, estimate
+from memcalc.model.knobs import Accounting
+from memcalc.sizing.states import total_params
+from memcalc.model.strategy import STRATEGIES
+from memcalc.sizing.totals import PerGpu, per_gpu
 
 DEFAULT_DEVICE_MEMORY = 80 * 2**30
 # Flags that matter only for per-GPU totals, so giving one asks for them.

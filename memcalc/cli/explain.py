@@ -8,9 +8,9 @@ import click
 
 from memcalc.cli.knobs import knobs_from
 from memcalc.cli.options import accounting_options, config_option, knob_options
-from memcalc.layer import Accounting, element_bytes, layer_tensors
-from memcalc.ledger import SavedTensor
-from memcalc.strategy import TP, TP_SP
+from memcalc.model.knobs import Accounting, element_bytes, layer_tensors
+from memcalc.model.ledger import SavedTensor
+from memcalc.model.strategy import TP, TP_SP
 
 if TYPE_CHECKING:
     from rich.table import Table

@@ -10,11 +10,11 @@ import click
 from memcalc.cli.options import (
     ByteSize, accounting_options, layout_options, model_from, model_options, strategy_names, strategy_option,
 )
-from memcalc.config import ModelConfig, build_config, choices, config_record
+from memcalc.config.schema import ModelConfig, build_config, choices, config_record
 from memcalc.errors import ConfigError
-from memcalc.fit import COUNTS, SOLVES, Candidate, Fit, fit
-from memcalc.layer import Accounting
-from memcalc.strategy import STRATEGIES
+from memcalc.sizing.fit import COUNTS, SOLVES, Candidate, Fit, fit
+from memcalc.model.knobs import Accounting
+from memcalc.model.strategy import STRATEGIES
 from memcalc.units import human_bytes
 
 RECOMPUTES = choices("recompute")  # none, selective, full

@@ -9,8 +9,8 @@ import click
 
 from memcalc.cli.knobs import knobs_from
 from memcalc.cli.options import accounting_options, config_option, knob_options, strategy_names, strategy_option
-from memcalc.layer import Accounting, Knobs
-from memcalc.strategy import STRATEGIES
+from memcalc.model.knobs import Accounting, Knobs
+from memcalc.model.strategy import STRATEGIES
 
 
 @click.command("formula")
@@ -29,7 +29,7 @@ def command(strategy: str, exact: bool, device: str, fmt: str, **params: Any) ->
     the seed's sbh(34 + 5as/h), sbh(10 + 24/t + 5as/(ht)) and sbh(34/t + 5as/(ht)).
     """
     knobs = knobs_from(params)  # bad input fails before the second that sympy takes to import
-    from memcalc import formula as F  # sympy: paid only here
+    from memcalc.model import formula as F  # sympy: paid only here
 
     accounting = Accounting(exact=exact, device=device)
     formulas = [F.layer_formula(STRATEGIES[n], knobs, accounting) for n in strategy_names(strategy)]

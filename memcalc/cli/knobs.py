@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from memcalc.cli.options import KNOB_FLAGS, model_from
-from memcalc.config import build_knobs
-from memcalc.layer import Knobs
+from memcalc.config.schema import build_knobs
+from memcalc.model.knobs import Knobs
 
 
 def knobs_from(params: dict[str, Any]) -> Knobs:

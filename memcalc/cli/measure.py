@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from memcalc.cli.options import model_from, model_options, strategy_names, strategy_option
-from memcalc.config import ModelConfig, config_record
+from memcalc.config.schema import ModelConfig, config_record
 from memcalc.errors import ProbeError
 
 if TYPE_CHECKING:  # torch: only when the command runs

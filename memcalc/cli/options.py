@@ -2,7 +2,7 @@
 
 Flags default to None so that a value left out falls through to the YAML file
 (or Hugging Face config.json, if any) and then to the config's own default;
-`model_from` does that merge and leaves all validation to `memcalc.config`.
+`model_from` does that merge and leaves all validation to `memcalc.config.schema`.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import Any, Callable
 
 import click
 
-from memcalc.config import SIZES, ModelConfig, ModelKnobs, choices, field_names, load_config, load_yaml
+from memcalc.config.schema import SIZES, ModelConfig, ModelKnobs, choices, field_names, load_config, load_yaml
 from memcalc.errors import ConfigError
-from memcalc.strategy import STRATEGIES
+from memcalc.model.strategy import STRATEGIES
 from memcalc.units import parse_bytes
 
 SIZE_FLAGS = SIZES
@@ -131,7 +131,7 @@ def file_fields(params: dict[str, Any]) -> tuple[dict[str, Any], Path | None, st
         return (load_yaml(path) if path is not None else {}), path, None
     if path is not None:
         raise ConfigError("give --config or --hf-config, not both")
-    from memcalc.hf import read_hf_config
+    from memcalc.config.hf import read_hf_config
 
     hf = read_hf_config(hf_path)
     return dict(hf.fields), hf_path, hf.describe()

@@ -1,6 +1,6 @@
 """`memcalc plot`: activation memory against s or t, or the per-tensor breakdown, as PNG or SVG.
 
-The line view evaluates a one-size sweep (`memcalc.sweep`); the breakdown view
+The line view evaluates a one-size sweep (`memcalc.sizing.sweep`); the breakdown view
 is `memcalc estimate --breakdown` drawn as stacked bars. matplotlib and numpy
 are imported inside the command.
 """
@@ -14,10 +14,10 @@ import click
 
 from memcalc.cli.options import SIZE_FLAGS, ByteSize, accounting_options, model_from, model_options
 from memcalc.cli.sweep import VALUES, build_sweep, chosen_strategies, check_out, strategies_option
-from memcalc.config import ModelKnobs
+from memcalc.config.schema import ModelKnobs
 from memcalc.errors import ConfigError
-from memcalc.layer import Accounting
-from memcalc.strategy import Strategy
+from memcalc.model.knobs import Accounting
+from memcalc.model.strategy import Strategy
 
 if TYPE_CHECKING:  # matplotlib: only when the command runs
     from matplotlib.figure import Figure
@@ -28,7 +28,7 @@ X_WORDS = {"s": "sequence length", "t": "tensor-parallel size"}
 
 def _image_out(ctx: click.Context, param: click.Parameter, out: Path) -> Path:
     """Refuse an --out that is not a writable .png or .svg path, before any work is done."""
-    from memcalc.plot import check_suffix
+    from memcalc.sizing.plot import check_suffix
 
     try:
         check_suffix(out)
@@ -75,7 +75,7 @@ def command(
     a divisibility rule (e.g. t must divide s under tp-sp) leave a gap, counted
     in one line on stderr.
     """
-    from memcalc import plot
+    from memcalc.sizing import plot
 
     accounting = Accounting(exact=exact, device=device)
     strategies = chosen_strategies(strategy)
@@ -94,8 +94,8 @@ def _breakdown(
     device_memory: int | None,
 ) -> Figure:
     """Estimate the config under each strategy, as `estimate --breakdown` does, and draw the stacked bars."""
-    from memcalc import plot
-    from memcalc.evaluate import estimate  # what `estimate --breakdown` shows
+    from memcalc.sizing import plot
+    from memcalc.model.evaluate import estimate  # what `estimate --breakdown` shows
 
     config = model_from(params)
     layers = 1 if per_layer else config.L
@@ -111,8 +111,8 @@ def _line(
     per_layer: bool, device_memory: int | None,
 ) -> Figure:
     """Evaluate the one-size sweep and draw it."""
-    from memcalc import plot
-    from memcalc.sweep import describe_skips, evaluate_sweep, parse_values
+    from memcalc.sizing import plot
+    from memcalc.sizing.sweep import describe_skips, evaluate_sweep, parse_values
 
     values = x_values if x_values is not None else parse_values(DEFAULT_RANGES[x_name])
     sweep = build_sweep(params, {x_name: values}, strategies, accounting)

@@ -5,11 +5,11 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from memcalc.config import ModelConfig, ModelKnobs
-from memcalc.evaluate import LayerEstimate
-from memcalc.layer import Accounting
-from memcalc.states import total_params
-from memcalc.totals import PerGpu, StageTotal
+from memcalc.config.schema import ModelConfig, ModelKnobs
+from memcalc.model.evaluate import LayerEstimate
+from memcalc.model.knobs import Accounting
+from memcalc.sizing.states import total_params
+from memcalc.sizing.totals import PerGpu, StageTotal
 from memcalc.units import human_bytes
 
 console = Console()

@@ -21,13 +21,13 @@ from memcalc.cli.options import (
     KNOB_FLAGS, SIZE_FLAGS, STRATEGY_CHOICES, accounting_options, config_option, file_fields, hf_config_option,
     knob_options,
 )
-from memcalc.config import field_help
+from memcalc.config.schema import field_help
 from memcalc.errors import ConfigError, MemcalcError, in_file
-from memcalc.layer import Accounting
-from memcalc.strategy import STRATEGIES, Strategy
+from memcalc.model.knobs import Accounting
+from memcalc.model.strategy import STRATEGIES, Strategy
 
 if TYPE_CHECKING:  # numpy: only when the command runs
-    from memcalc.sweep import Sweep, SweepResult
+    from memcalc.sizing.sweep import Sweep, SweepResult
 
 FORMATS = {".csv": "csv", ".json": "json"}
 PROGRESS_ROWS = 200_000  # below this a sweep is done before a bar would draw
@@ -35,14 +35,14 @@ TABLE_ROWS = 40  # a longer table shows its first and last 20 rows
 
 
 class Values(click.ParamType):
-    """A list or range of sizes, read where the flag is parsed (`memcalc.sweep.parse_values`)."""
+    """A list or range of sizes, read where the flag is parsed (`memcalc.sizing.sweep.parse_values`)."""
 
     name = "VALUES"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Sequence[int]:
         if not isinstance(value, str):
             return value
-        from memcalc.sweep import parse_values
+        from memcalc.sizing.sweep import parse_values
 
         try:
             return parse_values(value)
@@ -83,7 +83,7 @@ strategies_option = click.option(
 
 
 def chosen_strategies(choices: Sequence[str]) -> list[Strategy]:
-    """The strategies --strategy names, each once, in the order of memcalc.strategy."""
+    """The strategies --strategy names, each once, in the order of memcalc.model.strategy."""
     names = {n for c in choices for n in (STRATEGIES if c == "all" else [c])}
     return [st for name, st in STRATEGIES.items() if name in names]
 
@@ -91,10 +91,10 @@ def chosen_strategies(choices: Sequence[str]) -> list[Strategy]:
 def build_sweep(
     params: dict[str, Any], ranges: dict[str, Sequence[int]], strategies: Sequence[Strategy], accounting: Accounting
 ) -> Sweep:
-    """A checked `memcalc.sweep.Sweep`: the fields of --config or --hf-config, the size
+    """A checked `memcalc.sizing.sweep.Sweep`: the fields of --config or --hf-config, the size
     and knob flags laid over them, `ranges` over those. Errors name the file, as
     `options.model_from`'s do."""
-    from memcalc.sweep import make_sweep
+    from memcalc.sizing.sweep import make_sweep
 
     fields, path, note = file_fields(params)
     fields.update({k: params[k] for k in SIZE_FLAGS + KNOB_FLAGS if params.get(k) is not None and k not in ranges})
@@ -141,7 +141,7 @@ def command(
              memcalc sweep --config configs/gpt3-175b.yaml --b 1:100 --s 64:640000:64 --out runs.csv
     """
     fmt = _output_format(out, fmt)
-    from memcalc.sweep import describe_skips, evaluate_sweep
+    from memcalc.sizing.sweep import describe_skips, evaluate_sweep
 
     ranges = {name: params[name] for name in SIZE_FLAGS if params.get(name) is not None}
     sweep = build_sweep(params, ranges, chosen_strategies(strategy), Accounting(exact=exact, device=device))
@@ -172,7 +172,7 @@ def _output_format(out: Path | None, fmt: str | None) -> str:
 
 def _write(result: SweepResult, fmt: str, out: Path | None, advance: Callable[[float], None]) -> None:
     """Stream the rows to --out or to stdout, chunk by chunk."""
-    from memcalc.sweep_output import csv_chunks, json_chunks
+    from memcalc.sizing.sweep_output import csv_chunks, json_chunks
 
     chunks = csv_chunks(result) if fmt == "csv" else json_chunks(result)
     if out is not None:

@@ -30,8 +30,8 @@ from a seed in backward.
 
 from __future__ import annotations
 
-from memcalc import ledger
-from memcalc.config import ModelConfig
+from memcalc.model import ledger
+from memcalc.config.schema import ModelConfig
 from memcalc.probe import require_torch
 from memcalc.probe.checkpoint import checkpoint
 from memcalc.probe.group import TensorParallelGroup

@@ -19,9 +19,9 @@ keep a mask in the activation dtype instead (on CUDA it runs native_dropout).
 
 from __future__ import annotations
 
-from memcalc import ledger
-from memcalc.config import ModelConfig
-from memcalc.ledger import SavedTensor
+from memcalc.model import ledger
+from memcalc.config.schema import ModelConfig
+from memcalc.model.ledger import SavedTensor
 from memcalc.probe import require_torch
 from memcalc.probe.attention import SelfAttention
 from memcalc.probe.checkpoint import checkpoint

@@ -3,7 +3,7 @@
 Each rank builds the layer with seeded weights, feeds it the full input (s, b, h)
 or, under SP, its sequence shard, runs forward inside a `SavedTensorRecorder`
 (and, on CUDA, between readings of torch.cuda's allocator), then backward once
-to show the graph is whole. The prediction is `memcalc.evaluate.estimate` with
+to show the graph is whole. The prediction is `memcalc.model.evaluate.estimate` with
 exact accounting for the device the layer actually ran on; the two are compared
 name by name, in bytes and in per-rank shape (batch-first, as the ledger writes it).
 
@@ -22,18 +22,18 @@ import os
 from collections import defaultdict
 from dataclasses import dataclass
 
-from memcalc.config import ModelConfig
+from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError
-from memcalc.evaluate import LayerEstimate, check_strategy, estimate
-from memcalc.layer import Accounting
-from memcalc.ledger import Region
+from memcalc.model.evaluate import LayerEstimate, check_strategy, estimate
+from memcalc.model.knobs import Accounting
+from memcalc.model.ledger import Region
 from memcalc.probe import require_torch
 from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.launch import Mode, run, under_torchrun
 from memcalc.probe.layer import DTYPES, TransformerLayer
 from memcalc.probe.mappings import copy_seq_shard
 from memcalc.probe.recorder import SavedStorage, SavedTensorRecorder
-from memcalc.strategy import STRATEGIES, Strategy
+from memcalc.model.strategy import STRATEGIES, Strategy
 
 torch = require_torch()
 

@@ -10,8 +10,8 @@ then gate and up are halves of one storage, the same bytes as two.
 
 from __future__ import annotations
 
-from memcalc import ledger
-from memcalc.config import ModelConfig
+from memcalc.model import ledger
+from memcalc.config.schema import ModelConfig
 from memcalc.probe import require_torch
 from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.linear import ColumnParallelLinear, RowParallelLinear

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from memcalc.ledger import NormTensors
+from memcalc.model.ledger import NormTensors
 from memcalc.probe import require_torch
 from memcalc.probe.recorder import batch_first, label
 

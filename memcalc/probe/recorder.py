@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from memcalc.errors import ProbeError
-from memcalc.ledger import SavedTensor
+from memcalc.model.ledger import SavedTensor
 from memcalc.probe import require_torch
 
 torch = require_torch()

@@ -107,7 +107,7 @@ def test_success_exits_zero(args):
 
 
 def test_a_bug_is_one_line_with_exit_code_70(monkeypatch):
-    from memcalc.layer import Knobs
+    from memcalc.model.knobs import Knobs
 
     def broken(cls, config):
         raise RuntimeError("boom")

@@ -5,7 +5,7 @@ from fractions import Fraction
 
 import pytest
 
-from memcalc.ledger import BY_NAME
+from memcalc.model.ledger import BY_NAME
 
 from . import memcalc_cli, shipped
 

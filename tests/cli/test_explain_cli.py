@@ -1,6 +1,6 @@
 """`memcalc explain`: one row per saved tensor, with shape, width, splits and reason."""
 
-from memcalc.ledger import BY_NAME
+from memcalc.model.ledger import BY_NAME
 
 from . import memcalc_cli, shipped
 

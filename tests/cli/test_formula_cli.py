@@ -5,8 +5,8 @@ import json
 import sympy
 from sympy.parsing.latex import parse_latex
 
-from memcalc.formula import SYMBOLS
-from memcalc.layer import Accounting, Knobs, layer_tensors
+from memcalc.model.formula import SYMBOLS
+from memcalc.model.knobs import Accounting, Knobs, layer_tensors
 
 from . import memcalc_cli, shipped
 

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from memcalc.ledger import BY_NAME
+from memcalc.model.ledger import BY_NAME
 
 from . import memcalc_cli
 
 torch = pytest.importorskip("torch")
 
-from memcalc.evaluate import estimate  # noqa: E402
-from memcalc.layer import Accounting  # noqa: E402
+from memcalc.model.evaluate import estimate  # noqa: E402
+from memcalc.model.knobs import Accounting  # noqa: E402
 from memcalc.probe import measure as measure_module  # noqa: E402
 from memcalc.probe.launch import Mode  # noqa: E402
 

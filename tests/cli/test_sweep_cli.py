@@ -72,10 +72,10 @@ def test_csv_goes_to_stdout_when_it_is_not_a_terminal():
 
 
 def test_a_hugging_face_config_gives_the_sizes_and_knobs_estimate_reads():
-    from memcalc.config import build_config
-    from memcalc.evaluate import estimate
-    from memcalc.hf import read_hf_config
-    from memcalc.strategy import TP_SP
+    from memcalc.config.schema import build_config
+    from memcalc.model.evaluate import estimate
+    from memcalc.config.hf import read_hf_config
+    from memcalc.model.strategy import TP_SP
 
     path = ROOT / "tests/data/hf/llama2-7b.json"
     result = invoke("sweep", "--hf-config", str(path), "--s", "1024,2048", "--strategy", "tp-sp", "--t", "2")

@@ -9,9 +9,9 @@ import pytest
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
-from memcalc import ledger  # noqa: E402
-from memcalc.config import build_config  # noqa: E402
-from memcalc.ledger import BY_NAME, Region  # noqa: E402
+from memcalc.model import ledger  # noqa: E402
+from memcalc.config.schema import build_config  # noqa: E402
+from memcalc.model.ledger import BY_NAME, Region  # noqa: E402
 from memcalc.probe.attention import FlashAttention, eager_core, flash_core  # noqa: E402
 from memcalc.probe.group import single  # noqa: E402
 from memcalc.probe.launch import run_fake, run_spawned  # noqa: E402

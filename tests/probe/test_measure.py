@@ -8,15 +8,15 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from memcalc.config import build_config  # noqa: E402
+from memcalc.config.schema import build_config  # noqa: E402
 from memcalc.errors import ConfigError  # noqa: E402
-from memcalc.evaluate import estimate  # noqa: E402
-from memcalc.layer import Accounting  # noqa: E402
+from memcalc.model.evaluate import estimate  # noqa: E402
+from memcalc.model.knobs import Accounting  # noqa: E402
 from memcalc.probe import measure as measure_module  # noqa: E402
 from memcalc.probe.launch import Mode, run  # noqa: E402
 from memcalc.probe.measure import Launch, choose_launch, compare, measure, measure_on_rank  # noqa: E402
 from memcalc.probe.recorder import SavedStorage  # noqa: E402
-from memcalc.strategy import STRATEGIES  # noqa: E402
+from memcalc.model.strategy import STRATEGIES  # noqa: E402
 
 TINY = {"b": 2, "s": 16, "h": 64, "a": 8}
 

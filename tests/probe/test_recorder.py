@@ -5,7 +5,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from memcalc import ledger  # noqa: E402
+from memcalc.model import ledger  # noqa: E402
 from memcalc.errors import ProbeError  # noqa: E402
 from memcalc.probe.recorder import SavedTensorRecorder, label  # noqa: E402
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memcalc.ledger import Dim, Region, SavedTensor
+from memcalc.model.ledger import Dim, Region, SavedTensor
 
 # In the TP region the first of these that a tensor has is the one split by t.
 _TP_SPLIT_DIMS = (Dim.A, Dim.G, Dim.F, Dim.H)

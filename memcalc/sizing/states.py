@@ -19,9 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from memcalc.config import ModelConfig
-from memcalc.layer import DTYPE_BYTES
-from memcalc.pipeline import Stage
+from memcalc.config.schema import ModelConfig
+from memcalc.model.knobs import DTYPE_BYTES
+from memcalc.sizing.pipeline import Stage
 
 
 def vocab_shard(config: ModelConfig, t: int) -> int:

@@ -1,7 +1,7 @@
 """Symbolic formulas from the ledger: per tensor, per layer, printed like the seed.
 
 Each tensor's term is its element width times the product of its dimensions,
-with the split dimension divided by t: the same rule `memcalc.evaluate` applies
+with the split dimension divided by t: the same rule `memcalc.model.evaluate` applies
 to numbers, here applied to sympy symbols. A layer's formula is the sum of its
 tensors' terms, written as sbh(...) the way the seed writes
 `sbh(34/t + 5as/(ht))`.
@@ -18,9 +18,9 @@ from math import prod
 
 import sympy
 
-from memcalc.layer import Accounting, Knobs, element_bytes, layer_tensors
-from memcalc.ledger import Dim, SavedTensor
-from memcalc.strategy import Strategy
+from memcalc.model.knobs import Accounting, Knobs, element_bytes, layer_tensors
+from memcalc.model.ledger import Dim, SavedTensor
+from memcalc.model.strategy import Strategy
 
 # Symbols, made once; LaTeX names are the same letters.
 b, s, h, a, t, g, f = sympy.symbols("b s h a t g f", positive=True, integer=True)

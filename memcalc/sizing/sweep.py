@@ -10,7 +10,7 @@ copy of any formula.
 
 A point that breaks a divisibility rule gets no number. It is dropped, and the
 drops are counted by rule (`Skip`), each with an example worded the way
-`memcalc.config` words it. Bytes are exact int64; a sweep whose bytes could
+`memcalc.config.schema` words it. Bytes are exact int64; a sweep whose bytes could
 pass 2^63 is refused before anything is computed, never wrapped.
 """
 
@@ -24,15 +24,15 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from memcalc.config import (
+from memcalc.config.schema import (
     AS_USED, DIVISIBILITY, SEQUENCE_SPLIT, SIZES, ModelConfig, ModelKnobs, Rule, build_knobs, field_default,
     field_names,
 )
 from memcalc.errors import ConfigError
-from memcalc.evaluate import dim_sizes, rank_shape
-from memcalc.layer import Accounting, Knobs, element_bytes, layer_tensors
-from memcalc.ledger import Region
-from memcalc.strategy import Strategy
+from memcalc.model.evaluate import dim_sizes, rank_shape
+from memcalc.model.knobs import Accounting, Knobs, element_bytes, layer_tensors
+from memcalc.model.ledger import Region
+from memcalc.model.strategy import Strategy
 
 # The grid's axes are SIZES, in that order.
 MAX_SIZE = 2**40  # far above any model; keeps 4h and every per-rank dimension exact in int64
@@ -291,7 +291,7 @@ class SweepResult:
         return len(self.per_layer)
 
     def row(self, i: int) -> dict[str, Any]:
-        """Row `i` as the CSV columns (memcalc.sweep_output.CSV_COLUMNS) -> Python values."""
+        """Row `i` as the CSV columns (memcalc.sizing.sweep_output.CSV_COLUMNS) -> Python values."""
         sizes = {name: int(getattr(self.grid, name).ravel()[self.index[k][i]]) for k, name in enumerate(SIZES)}
         strategy = self.sweep.strategies[self.index[-1][i]].name
         bytes_ = {"per_layer_bytes": int(self.per_layer[i]), "total_bytes": int(self.total[i])}

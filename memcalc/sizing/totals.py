@@ -1,14 +1,14 @@
 """Per-GPU totals: the layers' activations, the model's two ends, and the model states, stage by stage.
 
-The transformer layers' activations come from the ledger (`memcalc.evaluate`),
-times the layer-activations a pipeline stage keeps (`memcalc.pipeline`). The
+The transformer layers' activations come from the ledger (`memcalc.model.evaluate`),
+times the layer-activations a pipeline stage keeps (`memcalc.sizing.pipeline`). The
 tensors outside the layers are described here, once each, after Korthikanti et
 al. 2022, section 4.3: the dropout after the embedding keeps a mask of sbh
 bytes, the norm before the output layer and the output layer keep 2sbh each,
 and the cross-entropy keeps the logits in fp32, 4sbv; with sequence
 parallelism the first three are split by t along s, and the logits are split by
 t along the vocabulary under either tensor-parallel strategy. Parameters and
-their states come from `memcalc.states`.
+their states come from `memcalc.sizing.states`.
 
 Context parallelism (cp) gives each rank s/cp tokens of every sequence. Each
 rank keeps only its own tokens' activations: with fused attention (which cp
@@ -22,14 +22,14 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from math import prod
 
-from memcalc.config import ModelConfig
-from memcalc import ledger
-from memcalc.evaluate import LayerEstimate, estimate
-from memcalc.layer import Accounting, Knobs, element_bytes
-from memcalc.ledger import Kind, Region
-from memcalc.pipeline import Stage, stages
-from memcalc.states import group_params, state_bytes, vocab_shard
-from memcalc.strategy import Strategy
+from memcalc.config.schema import ModelConfig
+from memcalc.model import ledger
+from memcalc.model.evaluate import LayerEstimate, estimate
+from memcalc.model.knobs import Accounting, Knobs, element_bytes
+from memcalc.model.ledger import Kind, Region
+from memcalc.sizing.pipeline import Stage, stages
+from memcalc.sizing.states import group_params, state_bytes, vocab_shard
+from memcalc.model.strategy import Strategy
 
 INT64_BYTES = 8
 ACTIVATIONS, STATES = "activations", "model states"

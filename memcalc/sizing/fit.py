@@ -1,7 +1,7 @@
 """What fits a memory budget: the largest micro-batch b or sequence s, or the smallest t.
 
 Every answer is an exact integer found by evaluating the same per-GPU totals
-`memcalc estimate --totals` prints (`memcalc.totals.per_gpu`), never by
+`memcalc estimate --totals` prints (`memcalc.sizing.totals.per_gpu`), never by
 rounding a formula: so the answer fits by estimate's own numbers, and the next
 valid value does not.
 
@@ -21,12 +21,12 @@ from functools import lru_cache
 from math import lcm
 from typing import Callable
 
-from memcalc.config import ModelConfig, build_config
+from memcalc.config.schema import ModelConfig, build_config
 from memcalc.errors import ConfigError
-from memcalc.layer import Accounting
-from memcalc.ledger import Region
-from memcalc.strategy import Strategy
-from memcalc.totals import per_gpu
+from memcalc.model.knobs import Accounting
+from memcalc.model.ledger import Region
+from memcalc.model.strategy import Strategy
+from memcalc.sizing.totals import per_gpu
 
 SOLVES = ("b", "s", "t")
 COUNTS = ("total", "activations")
@@ -65,7 +65,7 @@ class Fit:
 def sequence_step(config: ModelConfig, strategy: Strategy) -> int:
     """s must be a multiple of this: 2*cp under context parallelism, and t*cp under sequence parallelism.
 
-    The rules themselves live in `memcalc.config` (check_layout, check_sequence_split); the search
+    The rules themselves live in `memcalc.config.schema` (check_layout, check_sequence_split); the search
     only uses this to skip values they would refuse.
     """
     step = 2 * config.cp if config.cp > 1 else 1

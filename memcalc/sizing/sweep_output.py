@@ -17,8 +17,8 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from memcalc.layer import Accounting
-from memcalc.sweep import SIZES, SweepResult
+from memcalc.model.knobs import Accounting
+from memcalc.sizing.sweep import SIZES, SweepResult
 
 # A row's text is built as a (rows, width) byte matrix, one slice per field,
 # each field NUL-padded to its widest value; dropping the NULs leaves the lines.

@@ -85,7 +85,7 @@ class ModelConfig(ModelKnobs):
     t: int = _size("tensor-parallel size", 1)
     L: int = _size("transformer layers", 1)
 
-    # The model's ends and its parameters (memcalc.states, memcalc.totals); Megatron-LM's names.
+    # The model's ends and its parameters (memcalc.sizing.states, memcalc.sizing.totals); Megatron-LM's names.
     vocab_size: int = _size("vocabulary v (the paper's 51200)", 51200)
     tie_embeddings: bool = _flag(True, "the output layer reuses the input embedding")
     position_embedding_type: str = _choice("learned_absolute", "rope", help="position embedding")
@@ -93,7 +93,7 @@ class ModelConfig(ModelKnobs):
     add_bias_linear: bool = _flag(True, "biases on QKV, projection, fc1 and fc2")
     add_qkv_bias: bool = _flag(False, "a QKV bias even without add_bias_linear (Qwen2)")
 
-    # The parallel layout beyond t (memcalc.pipeline, memcalc.totals).
+    # The parallel layout beyond t (memcalc.sizing.pipeline, memcalc.sizing.totals).
     pp: int = _size("pipeline stages", 1)
     vpp: int | None = _optional_size("interleaved model chunks per stage", minimum=2)
     dp: int = _size("data-parallel size", 1)

@@ -6,8 +6,8 @@ how TP and SP split it), and why backward needs it. The derivations follow the
 seed (shared/SEED.md, section 1): a tensor is an activation exactly when some
 op's backward reads it.
 
-Everything else is derived from these objects: numbers (`memcalc.evaluate`),
-symbolic formulas (`memcalc.formula`), tables, docs, and the probe's labels.
+Everything else is derived from these objects: numbers (`memcalc.model.evaluate`),
+symbolic formulas (`memcalc.model.formula`), tables, docs, and the probe's labels.
 The layer is Megatron's pre-norm block:
 
     x -> norm1 -> [QKV -> core attention -> out-proj] -> dropout -> +x
@@ -77,7 +77,7 @@ class NormTensors(NamedTuple):
     rstd: SavedTensor
 
 
-# Reasons that several tensors share, here and at the model's ends (memcalc.totals).
+# Reasons that several tensors share, here and at the model's ends (memcalc.sizing.totals).
 WHY_NORM_INPUT = "the norm's backward rebuilds the normalised input from x itself"
 WHY_NORM_MEAN = "LayerNorm keeps each token's mean so backward need not recompute it"
 WHY_NORM_RSTD = "the norm keeps each token's 1/sqrt(variance + eps) for backward"

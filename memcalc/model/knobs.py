@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from memcalc import ledger
-from memcalc.ledger import Kind, SavedTensor
+from memcalc.model import ledger
+from memcalc.model.ledger import Kind, SavedTensor
 
 if TYPE_CHECKING:
-    from memcalc.config import ModelKnobs
+    from memcalc.config.schema import ModelKnobs
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 

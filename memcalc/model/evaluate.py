@@ -3,7 +3,7 @@
 This path never touches sympy: a tensor's bytes are its element width times the
 product of its per-rank dimensions, computed in exact integers. The same code
 works element-wise on numpy arrays, which is how sweeps evaluate many
-configurations at once. `memcalc.formula` builds the symbolic twin from the
+configurations at once. `memcalc.model.formula` builds the symbolic twin from the
 same ledger, and a test checks the two agree.
 """
 
@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from math import prod
 from typing import Any
 
-from memcalc.config import ModelConfig, check_sequence_split
-from memcalc.layer import Accounting, Knobs, element_bytes, layer_tensors
-from memcalc.ledger import Dim, Region, SavedTensor
-from memcalc.strategy import Strategy
+from memcalc.config.schema import ModelConfig, check_sequence_split
+from memcalc.model.knobs import Accounting, Knobs, element_bytes, layer_tensors
+from memcalc.model.ledger import Dim, Region, SavedTensor
+from memcalc.model.strategy import Strategy
 
 
 def dim_sizes(config: ModelConfig) -> dict[Dim, Any]:

@@ -1,8 +1,8 @@
 """Figures: activation memory against s or t, and what each tensor adds to it.
 
 Two views of the same numbers: `line_figure` draws one line per strategy over
-a swept size (from `memcalc.sweep`), `breakdown_figure` stacks one bar per
-strategy from the ledger's tensors (from `memcalc.evaluate.estimate`). Bytes
+a swept size (from `memcalc.sizing.sweep`), `breakdown_figure` stacks one bar per
+strategy from the ledger's tensors (from `memcalc.model.evaluate.estimate`). Bytes
 are shown in GiB (2^30 bytes), and every axis says so.
 
 matplotlib is imported inside the functions (it costs about a second), and
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from memcalc.errors import ConfigError, MemcalcError
-from memcalc.evaluate import LayerEstimate
+from memcalc.model.evaluate import LayerEstimate
 from memcalc.units import human_bytes
 
 if TYPE_CHECKING:

@@ -1,0 +1,1 @@
+"""Configuration: validated model configs from flags, YAML files and Hugging Face config.json."""

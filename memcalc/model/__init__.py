@@ -1,0 +1,1 @@
+"""The model: the saved-tensor ledger, knobs, implementations, layouts, numbers and formulas."""
