@@ -19,7 +19,9 @@ from pathlib import Path
 
 from memcalc.model import formula as F
 from memcalc.model import ledger
-from memcalc.model.knobs import DTYPE_BYTES, Accounting, Knobs, layer_tensors
+from memcalc.model.impls import layer_tensors
+from memcalc.model.knobs import BY_NAME as KNOB_BY_NAME
+from memcalc.model.knobs import DTYPE_BYTES, KNOBS, Accounting, Knobs
 from memcalc.model.ledger import Region, SavedTensor
 from memcalc.model.strategy import STRATEGIES, TP, TP_SP, Strategy
 
@@ -35,6 +37,7 @@ BLOCK_TITLES = {
 REGION_PROSE = {
     Region.TENSOR: "inside the column/row-parallel pair (QKV to output projection, fc1 to fc2)",
     Region.SEQUENCE: "outside the pair: norms, the inputs of the column-parallel linears, residual-side dropouts",
+    Region.REPLICATED: "the token ids the embedding reads, whole on every rank",
 }
 
 
@@ -62,35 +65,17 @@ def _flags(knobs: Knobs, accounting: Accounting = Accounting()) -> str:
 
 
 def _flag(name: str, value: object) -> str:
-    """A field's command-line spelling; the size-setting knobs take their symbol."""
-    symbolic = {"ffn_set": "--ffn-hidden-size f", "gqa": "--num-query-groups g", "dropout": "--dropout 0"}
-    if name in symbolic:
-        return symbolic[name]
-    return f"--{name}" if value is True else f"--{name} {value}"
+    """A field's command-line spelling; a size-setting knob takes its symbol."""
+    knob = KNOB_BY_NAME.get(name)
+    flag = knob.flag if knob else f"--{name}"
+    if knob and knob.symbol:
+        return f"{flag} {knob.symbol}"
+    return flag if value is True else f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}"
 
 
+# Each knob's variants come from the knob table; accounting is not a knob, so its variants are listed here.
 VARIANTS = (
-    Variant(Knobs(mlp="swiglu", ffn_set=True), Accounting(),
-            "SwiGLU computes SiLU(gate) * up: backward needs the gate (for SiLU's derivative) and both factors "
-            "of the product, three (b, s, f) tensors where GELU kept one."),
-    Variant(Knobs(ffn_set=True), Accounting(),
-            "An MLP width f other than 4h changes only the two tensors of that width."),
-    Variant(Knobs(gqa=True), Accounting(),
-            "Grouped-query attention keeps K and V for g groups of heads instead of a."),
-    Variant(Knobs(attention="flash"), Accounting(),
-            "A fused kernel never materialises the s x s scores: backward rebuilds them from Q, K and V, and "
-            "regenerates the dropout mask from the RNG seed."),
-    Variant(Knobs(norm="rmsnorm"), Accounting(),
-            "RMSNorm subtracts no mean; under the paper's accounting nothing changes (see the exact variant)."),
-    Variant(Knobs(dropout=False), Accounting(),
-            "Without dropout there are no masks, and the weights x V matmul reads the softmax output itself."),
-    Variant(Knobs(recompute="selective"), Accounting(),
-            "Selective recomputation (Korthikanti et al. 2022) reruns the attention core in backward, so none "
-            "of its s x s tensors is kept."),
-    Variant(Knobs(recompute="full"), Accounting(),
-            "Full recomputation keeps only the layer's input and reruns the whole forward in backward."),
-    Variant(Knobs(dtype="fp32"), Accounting(),
-            "Activations take the wider dtype; dropout masks stay one byte."),
+    *(Variant(Knobs(**values), Accounting(), meaning) for k in KNOBS for values, meaning in k.variants()),
     Variant(Knobs(), Accounting(exact=True),
             "Exact accounting adds the small terms the paper leaves out: each norm's per-token statistics."),
     Variant(Knobs(), Accounting(exact=True, device="cpu"),

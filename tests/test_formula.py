@@ -20,8 +20,8 @@ SEED = {
 SEED_TEXT = {"none": "sbh(34 + 5as/h)", "tp": "sbh(10 + 24/t + 5as/(ht))", "tp-sp": "sbh(34/t + 5as/(ht))"}
 
 VARIANTS = [
-    Knobs(), Knobs(mlp="swiglu", ffn_set=True), Knobs(attention="flash", gqa=True), Knobs(norm="rmsnorm"),
-    Knobs(dropout=False), Knobs(recompute="selective"), Knobs(recompute="full"), Knobs(dtype="fp32"),
+    Knobs(), Knobs(mlp="swiglu", ffn_hidden_size=96), Knobs(attention="flash", num_query_groups=2), Knobs(norm="rmsnorm"),
+    Knobs(dropout=0.0), Knobs(recompute="selective"), Knobs(recompute="full"), Knobs(dtype="fp32"),
 ]
 ACCOUNTINGS = [Accounting(), Accounting(exact=True), Accounting(exact=True, device="cpu")]
 
@@ -48,19 +48,19 @@ def test_text_prints_the_seeds_notation(name):
 
 def test_swiglu_with_ffn_f_saves_four_bsf_tensors_in_place_of_two():
     # gate, up, SiLU out and fc2's input: 4 x 2bsf, where GELU saved 2 x 2bsh*4.
-    got = _total(NONE, Knobs(mlp="swiglu", ffn_set=True))
+    got = _total(NONE, Knobs(mlp="swiglu", ffn_hidden_size=96))
     assert _same(got, SEED["none"] - 16 * s * b * h + 8 * b * s * f)
 
 
 def test_gqa_writes_k_and_v_with_g_groups():
-    got = _total(TP, Knobs(gqa=True))
+    got = _total(TP, Knobs(num_query_groups=2))
     assert _same(got, SEED["tp"] - 4 * s * b * h / t + 2 * 2 * b * s * g * (h / a) / t)
 
 
 def test_g_and_f_appear_only_when_the_config_sets_them():
     assert _total(TP_SP).free_symbols == {b, s, h, a, t}
-    assert _total(TP_SP, Knobs(gqa=True, ffn_set=True)).free_symbols == {b, s, h, a, t, g, f}
-    assert F.symbols_in([_total(TP, Knobs(gqa=True))]) == ["b", "s", "h", "a", "t", "g"]
+    assert _total(TP_SP, Knobs(num_query_groups=2, ffn_hidden_size=96)).free_symbols == {b, s, h, a, t, g, f}
+    assert F.symbols_in([_total(TP, Knobs(num_query_groups=2))]) == ["b", "s", "h", "a", "t", "g"]
 
 
 def test_exact_accounting_adds_norm_statistics_per_token():
@@ -79,7 +79,7 @@ def test_terms_sum_to_the_total_and_follow_the_ledger_order():
 @pytest.mark.parametrize("knobs", VARIANTS)
 def test_numbers_are_the_formula_evaluated_at_the_config(knobs, accounting):
     fields = dict(b=2, s=24, h=48, a=6, t=3, mlp=knobs.mlp, attention=knobs.attention, norm=knobs.norm,
-                  dropout=0.1 if knobs.dropout else 0.0, recompute=knobs.recompute, dtype=knobs.dtype)
+                  dropout=knobs.dropout, recompute=knobs.recompute, dtype=knobs.dtype)
     fields |= {"ffn_hidden_size": 96} if knobs.ffn_set else {}
     fields |= {"num_query_groups": 3} if knobs.gqa else {}
     config = build_config(fields)
@@ -103,8 +103,8 @@ def test_latex_of_the_seed_formulas_parses_back_to_them(name):
 
 
 @pytest.mark.parametrize("knobs", [
-    Knobs(mlp="swiglu", ffn_set=True, gqa=True, attention="flash", dtype="fp32"),
-    Knobs(dropout=False, norm="rmsnorm"),
+    Knobs(mlp="swiglu", ffn_hidden_size=96, num_query_groups=2, attention="flash", dtype="fp32"),
+    Knobs(dropout=0.0, norm="rmsnorm"),
     Knobs(recompute="full"),
 ])
 def test_latex_of_knob_variants_totals_parses_back(knobs):
@@ -113,7 +113,7 @@ def test_latex_of_knob_variants_totals_parses_back(knobs):
         assert _same(_from_latex(F.to_latex(expr)), expr), F.to_latex(expr)
 
 
-@pytest.mark.parametrize("knobs", [Knobs(), Knobs(mlp="swiglu", attention="flash", gqa=True, ffn_set=True)])
+@pytest.mark.parametrize("knobs", [Knobs(), Knobs(mlp="swiglu", attention="flash", num_query_groups=2, ffn_hidden_size=96)])
 def test_latex_of_every_tensors_term_parses_back(knobs):
     # TP has both kinds of term: split by t and replicated.
     for x, expr in F.layer_formula(TP, knobs, Accounting(exact=True)).terms:

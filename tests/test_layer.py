@@ -10,7 +10,8 @@ import pytest
 from memcalc.model import ledger
 from memcalc.config.schema import build_config
 from memcalc.model.evaluate import estimate
-from memcalc.model.knobs import Accounting, Knobs, element_bytes, layer_tensors
+from memcalc.model.impls import layer_tensors
+from memcalc.model.knobs import Accounting, Knobs, element_bytes
 from memcalc.model.ledger import Kind
 from memcalc.model.strategy import STRATEGIES
 
@@ -160,6 +161,6 @@ def test_masks_are_one_byte_whatever_the_dtype():
 
 def test_knobs_of_a_config_note_which_sizes_the_config_set():
     plain = Knobs.of(build_config(dict(s=S, h=H, a=A)))
-    assert (plain.ffn_set, plain.gqa, plain.dropout) == (False, False, True)
+    assert (plain.ffn_set, plain.gqa, plain.has_dropout) == (False, False, True)
     custom = Knobs.of(build_config(dict(s=S, h=H, a=A, ffn_hidden_size=F, num_query_groups=G, dropout=0.0)))
-    assert (custom.ffn_set, custom.gqa, custom.dropout) == (True, True, False)
+    assert (custom.ffn_set, custom.gqa, custom.has_dropout) == (True, True, False)

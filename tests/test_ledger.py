@@ -3,7 +3,7 @@
 import re
 
 from memcalc.model import ledger
-from memcalc.model.ledger import ALL_TENSORS, BY_NAME, Dim, Kind, Region
+from memcalc.model.ledger import ALL_TENSORS, BY_NAME, END_TENSORS, Dim, Kind, Region
 
 
 def test_every_tensor_has_a_unique_block_slash_name():
@@ -14,7 +14,7 @@ def test_every_tensor_has_a_unique_block_slash_name():
 
 
 def test_by_name_finds_every_tensor_and_nothing_else():
-    assert set(BY_NAME) == {x.name for x in ALL_TENSORS}
+    assert set(BY_NAME) == {x.name for x in (*ALL_TENSORS, *END_TENSORS)}
     assert all(BY_NAME[x.name] is x for x in ALL_TENSORS)
 
 

@@ -15,7 +15,8 @@ from memcalc.sizing import plot  # noqa: E402
 from memcalc.config.schema import build_config  # noqa: E402
 from memcalc.errors import ConfigError, MemcalcError  # noqa: E402
 from memcalc.model.evaluate import estimate  # noqa: E402
-from memcalc.model.knobs import Accounting, Knobs, layer_tensors  # noqa: E402
+from memcalc.model.impls import layer_tensors  # noqa: E402
+from memcalc.model.knobs import Accounting, Knobs  # noqa: E402
 from memcalc.model.strategy import STRATEGIES  # noqa: E402
 
 GPT3 = build_config(dict(name="gpt3-175b", b=1, s=2048, h=12288, a=96, t=8, L=96))

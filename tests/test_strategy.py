@@ -7,7 +7,8 @@ import pytest
 from memcalc.model import ledger
 from memcalc.config.schema import build_config
 from memcalc.model.evaluate import estimate
-from memcalc.model.knobs import Accounting, Knobs, layer_tensors
+from memcalc.model.impls import layer_tensors
+from memcalc.model.knobs import Accounting, Knobs
 from memcalc.model.ledger import Dim, Region
 from memcalc.model.strategy import NONE, STRATEGIES, TP, TP_SP
 

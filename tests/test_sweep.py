@@ -256,12 +256,13 @@ def test_csv_has_a_header_and_one_complete_row_per_configuration():
     assert len(rows) == 2 * 3 * 3
     first = rows[0]
     assert list(first) == ["b", "s", "h", "a", "t", "L", "strategy", "per_layer_bytes", "total_bytes",
-                           "ffn_hidden_size", "num_query_groups", "mlp", "attention", "norm", "dropout",
-                           "recompute", "dtype", "accounting"]
+                           "ffn_hidden_size", "num_query_groups", "impl", "mlp", "attention", "norm", "dropout",
+                           "recompute", "dtype", "bias_activation_fusion", "accounting"]
     assert first | {"per_layer_bytes": None, "total_bytes": None} == dict(
         b="1", s="1024", h="12288", a="96", t="8", L="96", strategy="none", per_layer_bytes=None, total_bytes=None,
-        ffn_hidden_size="49152", num_query_groups="96", mlp="swiglu", attention="eager", norm="layernorm",
-        dropout="0.0", recompute="none", dtype="bf16", accounting="paper",
+        ffn_hidden_size="49152", num_query_groups="96", impl="megatron", mlp="swiglu", attention="eager",
+        norm="layernorm", dropout="0.0", recompute="none", dtype="bf16", bias_activation_fusion="false",
+        accounting="paper",
     )
     for row in rows:  # each row is a configuration that estimate reproduces
         fields = {k: int(row[k]) for k in ("b", "s", "h", "a", "t", "L", "ffn_hidden_size", "num_query_groups")}

@@ -53,7 +53,7 @@ def command(
     accounting = Accounting(exact=exact, device=device)
     baseline = estimate(config, STRATEGIES["none"], accounting)
     results = [
-        baseline if n == "none" else estimate(config, STRATEGIES[n], accounting) for n in strategy_names(strategy)
+        baseline if n == "none" else estimate(config, STRATEGIES[n], accounting) for n in strategy_names(strategy, config)
     ]
     per = None
     if totals or device_memory is not None or any(params.get(k) is not None for k in TOTALS_FLAGS):

@@ -8,7 +8,8 @@ import click
 
 from memcalc.cli.knobs import knobs_from
 from memcalc.cli.options import accounting_options, config_option, knob_options
-from memcalc.model.knobs import Accounting, element_bytes, layer_tensors
+from memcalc.model.impls import layer_tensors
+from memcalc.model.knobs import Accounting, element_bytes
 from memcalc.model.ledger import SavedTensor
 from memcalc.model.strategy import TP, TP_SP
 

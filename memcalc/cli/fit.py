@@ -66,7 +66,7 @@ def _fit_all(
     count: str,
 ) -> list[Fit]:
     """One answer per strategy and recompute choice ("none" left out when solving t: it does not split by t)."""
-    names = [n for n in strategy_names(strategy) if not (solve == "t" and n == "none")]
+    names = [n for n in strategy_names(strategy, config) if not (solve == "t" and n == "none")]
     if not names:
         raise ConfigError("strategy 'none' does not split by t, so there is no t to solve for")
     return [

@@ -32,7 +32,7 @@ def command(strategy: str, exact: bool, device: str, fmt: str, **params: Any) ->
     from memcalc.model import formula as F  # sympy: paid only here
 
     accounting = Accounting(exact=exact, device=device)
-    formulas = [F.layer_formula(STRATEGIES[n], knobs, accounting) for n in strategy_names(strategy)]
+    formulas = [F.layer_formula(STRATEGIES[n], knobs, accounting) for n in strategy_names(strategy, knobs)]
     if fmt == "json":
         click.echo(json.dumps(_json(F, formulas, knobs, accounting), indent=2))
     elif fmt == "latex":

@@ -55,7 +55,7 @@ def command(strategy: str, device: str, backend: str | None, launch: str, timeou
     config = model_from(params)
     from memcalc.probe.measure import measure  # needs torch: a one-line ProbeError without it
 
-    results = measure(config, strategy_names(strategy), device, backend, launch, timeout_s)
+    results = measure(config, strategy_names(strategy, config), device, backend, launch, timeout_s)
     if not results:
         return  # a torchrun rank other than 0: rank 0 reports for the job
     if as_json:

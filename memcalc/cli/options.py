@@ -12,13 +12,15 @@ from typing import Any, Callable
 
 import click
 
-from memcalc.config.schema import SIZES, ModelConfig, ModelKnobs, choices, field_names, load_config, load_yaml
+from memcalc.config.schema import SIZES, ModelConfig, load_config, load_yaml
 from memcalc.errors import ConfigError
+from memcalc.model.impls import strategies_of
 from memcalc.model.strategy import STRATEGIES
+from memcalc.model.knobs import KNOBS, Knob
 from memcalc.units import parse_bytes
 
 SIZE_FLAGS = SIZES
-KNOB_FLAGS = tuple(field_names(ModelKnobs))
+KNOB_FLAGS = tuple(k.name for k in KNOBS)
 LAYOUT_FLAGS = ("pp", "vpp", "dp", "cp", "distributed_optimizer", "vocab_size", "tie_embeddings")
 STRATEGY_CHOICES = ("all", *STRATEGIES)
 
@@ -50,19 +52,18 @@ size_options = _stack(
     click.option("--L", "L", type=int, help="Number of layers [default: 1]."),
 )
 
-knob_options = _stack(
-    click.option("--mlp", type=click.Choice(choices("mlp")), help="MLP activation [default: gelu]."),
-    click.option("--ffn-hidden-size", type=int, help="MLP hidden size [default: 4h]."),
-    click.option("--attention", type=click.Choice(choices("attention")), help="Core attention [default: eager]."),
-    click.option("--num-query-groups", type=int, help="K/V groups for grouped-query attention [default: a]."),
-    click.option("--norm", type=click.Choice(choices("norm")), help="Norm [default: layernorm]."),
-    click.option("--dropout", type=float, help="Dropout probability; 0 keeps no masks [default: 0.1]."),
-    click.option(
-        "--recompute", type=click.Choice(choices("recompute")),
-        help="Activation recomputation [default: none].",
-    ),
-    click.option("--dtype", type=click.Choice(choices("dtype")), help="Activation dtype [default: bf16]."),
-)
+def _knob_option(knob: Knob) -> Callable:
+    """A knob's flag, generated from the knob table: its type, choices, help and default."""
+    default = "4h" if knob.name == "ffn_hidden_size" else "a" if knob.name == "num_query_groups" else knob.default
+    help = f"{knob.help[:1].upper()}{knob.help[1:]} [default: {default}]."
+    if knob.kind == "flag":
+        return click.option(f"{knob.flag}/--no-{knob.flag[2:]}", knob.name, default=None, help=help)
+    kinds = {"size": int, "probability": float}
+    kind = click.Choice(knob.values) if knob.kind == "choice" else kinds[knob.kind]
+    return click.option(knob.flag, knob.name, type=kind, help=help)
+
+
+knob_options = _stack(*(_knob_option(k) for k in KNOBS))
 
 accounting_options = _stack(
     click.option(
@@ -137,6 +138,6 @@ def file_fields(params: dict[str, Any]) -> tuple[dict[str, Any], Path | None, st
     return dict(hf.fields), hf_path, hf.describe()
 
 
-def strategy_names(choice: str) -> list[str]:
-    """The strategies a --strategy choice stands for."""
-    return list(STRATEGIES) if choice == "all" else [choice]
+def strategy_names(choice: str, knobs: Any) -> list[str]:
+    """The strategies a --strategy choice stands for: "all" is every layout the implementation runs."""
+    return list(strategies_of(knobs)) if choice == "all" else [choice]

@@ -14,7 +14,7 @@ import click
 
 from memcalc.cli.options import SIZE_FLAGS, ByteSize, accounting_options, model_from, model_options
 from memcalc.cli.sweep import VALUES, build_sweep, chosen_strategies, check_out, strategies_option
-from memcalc.config.schema import ModelKnobs
+from memcalc.model.knobs import Knobs
 from memcalc.errors import ConfigError
 from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import Strategy
@@ -128,7 +128,7 @@ def _line(
     return plot.line_figure(x_name, list(values), lines, layers, titles, device_memory)
 
 
-def _details(sizes: str, knobs: ModelKnobs, accounting: Accounting) -> str:
+def _details(sizes: str, knobs: Knobs, accounting: Accounting) -> str:
     """The line under a figure's title: fixed sizes, then knobs and accounting."""
     from memcalc.cli.render import describe_knobs
 

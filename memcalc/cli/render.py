@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from rich.console import Console
 from rich.table import Table
 
-from memcalc.config.schema import ModelConfig, ModelKnobs
+from memcalc.config.schema import ModelConfig
+from memcalc.model.knobs import KNOBS
 from memcalc.model.evaluate import LayerEstimate
 from memcalc.model.knobs import Accounting
 from memcalc.sizing.states import total_params
@@ -19,22 +22,16 @@ def describe(config: ModelConfig) -> str:
     """One line naming the model's sizes and knobs."""
     c = config
     name = f"{c.name}: " if c.name else ""
-    return f"{name}b={c.b} s={c.s} h={c.h} a={c.a} t={c.t} L={c.L} | {describe_knobs(c, c.ffn, c.groups)}"
+    return f"{name}b={c.b} s={c.s} h={c.h} a={c.a} t={c.t} L={c.L} | {describe_knobs(c)}"
 
 
-def describe_knobs(knobs: ModelKnobs, ffn: int | None = None, groups: int | None = None) -> str:
-    """'gelu (ffn 4h), eager attention (a K/V groups), layernorm, dropout 0.1, recompute none, bf16'.
+def describe_knobs(knobs: Any) -> str:
+    """'gelu (ffn 49152), eager attention (96 K/V groups), layernorm, dropout 0.1, recompute none, bf16'.
 
-    The MLP width and K/V groups are `ffn` and `groups` if given (a config's, as used), else
-    what the knobs set, else 4h and a, the defaults they stand for.
+    Each knob's words come from the knob table; a config's MLP width and K/V
+    groups are shown as used, a bare knob set's as set (or 4h and a).
     """
-    k = knobs
-    ffn_text = ffn or k.ffn_hidden_size or "4h"
-    groups_text = groups or k.num_query_groups or "a"
-    return (
-        f"{k.mlp} (ffn {ffn_text}), {k.attention} attention ({groups_text} K/V groups),"
-        f" {k.norm}, dropout {k.dropout}, recompute {k.recompute}, {k.dtype}"
-    )
+    return ", ".join(words for k in KNOBS if (words := k.describe(knobs)))
 
 
 def accounting_note(accounting: Accounting) -> str:

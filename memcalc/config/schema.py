@@ -24,6 +24,9 @@ from pydantic_core import SchemaValidator, ValidationError
 from pydantic_core import core_schema as cs
 
 from memcalc.errors import ConfigError, in_file
+from memcalc.model.impls import implementation
+from memcalc.model.knobs import BY_NAME as KNOBS_BY_NAME
+from memcalc.model.knobs import Knob, Knobs
 
 
 def _field(schema: cs.CoreSchema, default: Any, help: str) -> Any:
@@ -49,6 +52,23 @@ def _choice(default: str, *values: str, help: str) -> Any:
     return _field(cs.literal_schema([default, *values]), default, help)
 
 
+def knob_schema(knob: Knob) -> cs.CoreSchema:
+    """A knob's validation rule, from its kind in the knob table."""
+    if knob.kind == "choice":
+        return cs.no_info_after_validator_function(knob.choices, cs.literal_schema(list(knob.values)))
+    if knob.kind == "size":
+        return cs.nullable_schema(cs.int_schema(strict=True, gt=0, lt=_SIZE_LIMIT))
+    if knob.kind == "probability":
+        return cs.float_schema(strict=True, ge=0.0, lt=1.0)
+    return cs.bool_schema(strict=True)
+
+
+def _schema(f: Any) -> cs.CoreSchema:
+    """A field's schema: a knob's from the knob table, any other field's from its metadata."""
+    knob = f.metadata.get("knob")
+    return knob_schema(knob) if knob is not None else f.metadata["schema"]
+
+
 def _flag(default: bool, help: str) -> Any:
     return _field(cs.bool_schema(strict=True), default, help)
 
@@ -58,21 +78,7 @@ def _text(help: str) -> Any:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ModelKnobs:
-    """The choices that decide which tensors a layer saves; defaults are the seed's model."""
-
-    mlp: str = _choice("gelu", "swiglu", help="MLP activation")
-    ffn_hidden_size: int | None = _optional_size("MLP hidden size (default 4h)")
-    attention: str = _choice("eager", "flash", help="core attention")
-    num_query_groups: int | None = _optional_size("K/V groups (default a, multi-head)")
-    norm: str = _choice("layernorm", "rmsnorm", help="normalisation")
-    dropout: float = _field(cs.float_schema(strict=True, ge=0.0, lt=1.0), 0.1, "dropout probability; 0 saves no masks")
-    recompute: str = _choice("none", "selective", "full", help="activation recomputation")
-    dtype: str = _choice("bf16", "fp16", "fp32", help="activation dtype")
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelConfig(ModelKnobs):
+class ModelConfig(Knobs):
     """One transformer and one parallel layout."""
 
     name: str | None = _text("a short name for the model")
@@ -135,7 +141,7 @@ def field_default(name: str) -> Any:
     return None if default is MISSING else default
 
 
-def field_names(cls: type[ModelKnobs] = ModelConfig) -> list[str]:
+def field_names(cls: type[Knobs] = ModelConfig) -> list[str]:
     """The fields a config (or knob set) accepts, in declaration order."""
     return [f.name for f in fields(cls)]
 
@@ -147,16 +153,19 @@ def field_help(name: str) -> str:
 
 def choices(name: str) -> tuple[str, ...]:
     """The values a choice field allows, default first."""
+    knob = KNOBS_BY_NAME.get(name)
+    if knob is not None:
+        return knob.values
     schema = next(f.metadata["schema"] for f in fields(ModelConfig) if f.name == name)
     return tuple(schema["expected"])
 
 
 @lru_cache(maxsize=None)
-def _validator(cls: type[ModelKnobs]) -> SchemaValidator:
+def _validator(cls: type[Knobs]) -> SchemaValidator:
     """One pydantic-core validator per class, made from its fields' schemas."""
     schema = cs.typed_dict_schema(
         {
-            f.name: cs.typed_dict_field(f.metadata["schema"], required=f.default is MISSING)
+            f.name: cs.typed_dict_field(_schema(f), required=f.default is MISSING)
             for f in fields(cls)
         },
         extra_behavior="forbid",
@@ -167,17 +176,20 @@ def _validator(cls: type[ModelKnobs]) -> SchemaValidator:
 def build_config(fields: dict[str, Any]) -> ModelConfig:
     """Validate `fields` into a config, or raise ConfigError naming the field and rule."""
     config = _validate(ModelConfig, fields)
+    implementation(config)  # the implementation refuses knobs its library cannot run
     check_divisibility(config)
     check_layout(config)
     return config
 
 
-def build_knobs(fields: dict[str, Any]) -> ModelKnobs:
+def build_knobs(fields: dict[str, Any]) -> Knobs:
     """Validate knob fields alone, for commands that need no sizes."""
-    return _validate(ModelKnobs, fields)
+    knobs = _validate(Knobs, fields)
+    implementation(knobs)
+    return knobs
 
 
-def _validate(cls: type[ModelKnobs], values: dict[str, Any]) -> Any:
+def _validate(cls: type[Knobs], values: dict[str, Any]) -> Any:
     bad = [k for k in values if not isinstance(k, str)]
     if bad:
         raise ConfigError(f"invalid config: field names must be text, got {bad[0]!r}")
@@ -302,7 +314,7 @@ def load_config(path: Path | None, overrides: dict[str, Any], base: dict[str, An
         return build_config(fields)
 
 
-def _describe(exc: ValidationError, cls: type[ModelKnobs]) -> str:
+def _describe(exc: ValidationError, cls: type[Knobs]) -> str:
     """pydantic's first error as `field 'x': rule (got v)` on one line."""
     err = exc.errors()[0]
     field = ".".join(str(p) for p in err["loc"]) or "config"

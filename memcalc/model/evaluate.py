@@ -14,8 +14,9 @@ from math import prod
 from typing import Any
 
 from memcalc.config.schema import ModelConfig, check_sequence_split
-from memcalc.model.knobs import Accounting, Knobs, element_bytes, layer_tensors
-from memcalc.model.ledger import Dim, Region, SavedTensor
+from memcalc.model.impls import layer_tensors, plan
+from memcalc.model.knobs import Accounting, Knobs, element_bytes
+from memcalc.model.ledger import Dim, SavedTensor
 from memcalc.model.strategy import Strategy
 
 
@@ -27,14 +28,18 @@ def dim_sizes(config: ModelConfig) -> dict[Dim, Any]:
     """
     return {
         Dim.B: config.b, Dim.S: config.s // config.cp, Dim.H: config.h, Dim.A: config.a,
-        Dim.G: config.groups, Dim.D: config.h // config.a, Dim.F: config.ffn,
+        Dim.G: config.groups, Dim.D: config.h // config.a, Dim.F: config.ffn, Dim.V: config.vocab_size,
     }
 
 
 def rank_shape(tensor: SavedTensor, strategy: Strategy, sizes: dict[Dim, Any], t: Any) -> tuple[Any, ...]:
-    """The tensor's shape on one rank: its split dimension (if any) divided by t."""
+    """The tensor's shape on one rank: its split dimension (if any) divided by t.
+
+    Every split dimension is a multiple of t (the config's rules) except the
+    vocabulary, which is padded up to one: hence the division rounds up.
+    """
     split = strategy.split_dim(tensor)
-    return tuple(sizes[d] // t if d is split else sizes[d] for d in tensor.shape)
+    return tuple(-(-sizes[d] // t) if d is split else sizes[d] for d in tensor.shape)
 
 
 @dataclass(frozen=True)
@@ -67,15 +72,17 @@ class LayerEstimate:
         return self.per_layer_bytes * self.layers
 
 
-def check_strategy(config: ModelConfig, strategy: Strategy) -> None:
-    """Refuse a config the strategy cannot lay out (SP needs t | s)."""
-    if Region.SEQUENCE in strategy.splits:
+def check_strategy(config: ModelConfig, strategy: Strategy) -> Strategy:
+    """The strategy as the config's implementation runs it; refuse what it cannot lay out (SP needs t | s)."""
+    planned = plan(config, strategy)
+    if strategy.sequence_parallel:
         check_sequence_split(config)
+    return planned
 
 
 def estimate(config: ModelConfig, strategy: Strategy, accounting: Accounting = Accounting()) -> LayerEstimate:
     """Per-rank activation bytes of `config` under `strategy`, tensor by tensor."""
-    check_strategy(config, strategy)
+    strategy = check_strategy(config, strategy)
     knobs = Knobs.of(config)
     sizes = dim_sizes(config)
     tensors = tuple(

@@ -18,17 +18,19 @@ from math import prod
 
 import sympy
 
-from memcalc.model.knobs import Accounting, Knobs, element_bytes, layer_tensors
+from memcalc.model.impls import layer_tensors, plan
+from memcalc.model.knobs import Accounting, Knobs, element_bytes
 from memcalc.model.ledger import Dim, SavedTensor
 from memcalc.model.strategy import Strategy
 
 # Symbols, made once; LaTeX names are the same letters.
-b, s, h, a, t, g, f = sympy.symbols("b s h a t g f", positive=True, integer=True)
-SYMBOLS: dict[str, sympy.Symbol] = {str(x): x for x in (b, s, h, a, t, g, f)}
+b, s, h, a, t, g, f, v = sympy.symbols("b s h a t g f v", positive=True, integer=True)
+SYMBOLS: dict[str, sympy.Symbol] = {str(x): x for x in (b, s, h, a, t, g, f, v)}
 SBH = s * b * h
 MEANINGS = {
     "b": "micro-batch size", "s": "sequence length", "h": "hidden size", "a": "attention heads",
     "t": "tensor-parallel size", "g": "K/V groups (num_query_groups)", "f": "MLP hidden size (ffn_hidden_size)",
+    "v": "vocabulary size",
 }
 
 
@@ -64,10 +66,11 @@ class LayerFormula:
 
 @lru_cache(maxsize=None)
 def layer_formula(strategy: Strategy, knobs: Knobs, accounting: Accounting) -> LayerFormula:
-    """The layer's formula under `strategy`, built from the ledger."""
+    """The layer's formula under `strategy` (as the knobs' implementation lays it out), built from the ledger."""
+    planned = plan(knobs, strategy)
     return LayerFormula(
         strategy,
-        tuple((x, tensor_expr(x, strategy, knobs, accounting)) for x in layer_tensors(knobs, accounting)),
+        tuple((x, tensor_expr(x, planned, knobs, accounting)) for x in layer_tensors(knobs, accounting)),
     )
 
 

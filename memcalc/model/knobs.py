@@ -1,47 +1,212 @@
-"""Which ledger tensors a layer keeps, given its knobs: blocks, then the layer.
+"""The knobs: every choice that changes what a layer saves, declared once in `KNOBS`.
 
-Each knob touches only the terms it changes: the MLP's activation picks its
-tensors, eager or flash attention picks the core's, dropout 0 removes masks,
-recomputation drops what it will rebuild. The paper's accounting leaves out the
-small `paper=False` terms; exact accounting keeps them.
+A knob is a vocabulary word: its name, its choices (an enum), its default, its
+help, the symbol a formula writes for it, the words that describe it, and what
+each non-default value changes. Everything else is generated from this table:
+the `Knobs` dataclass (and so the config schema, which extends it), the CLI
+flags, the sweep's CSV columns, the one-line description of a model, and the
+variants in docs/model.md. `tests/model/test_knobs.py` checks that every
+consumer covers every knob.
+
+Choice values are `str` enums, so `knobs.mlp == "swiglu"` reads naturally and
+JSON writes them as their text.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field, make_dataclass
+from enum import Enum
+from typing import Any, Callable
 
-from memcalc.model import ledger
-from memcalc.model.ledger import Kind, SavedTensor
+from memcalc.model.ledger import Kind
 
-if TYPE_CHECKING:
-    from memcalc.config.schema import ModelKnobs
 
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+class Choice(str, Enum):
+    """A knob's value: compares equal to, prints as, and serialises as its text."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    def __hash__(self) -> int:  # as its text, so a member and its string are one dict key
+        return str.__hash__(self)
+
+
+class Impl(Choice):
+    MEGATRON = "megatron"
+    TORCHTITAN = "torchtitan"
+    HF = "hf"
+
+
+class Mlp(Choice):
+    GELU = "gelu"
+    SWIGLU = "swiglu"
+
+
+class Attention(Choice):
+    EAGER = "eager"
+    FLASH = "flash"
+
+
+class Norm(Choice):
+    LAYERNORM = "layernorm"
+    RMSNORM = "rmsnorm"
+
+
+class Recompute(Choice):
+    NONE = "none"
+    SELECTIVE = "selective"
+    FULL = "full"
+
+
+class Dtype(Choice):
+    BF16 = "bf16"
+    FP16 = "fp16"
+    FP32 = "fp32"
+
+
+DTYPE_BYTES = {Dtype.BF16: 2, Dtype.FP16: 2, Dtype.FP32: 4}
 
 
 @dataclass(frozen=True)
-class Knobs:
-    """The choices that decide which tensors a layer saves and at what width."""
+class Knob:
+    """One knob: what it is called, what it may be, and how it reads everywhere.
 
-    mlp: str = "gelu"
-    attention: str = "eager"
-    norm: str = "layernorm"
-    dropout: bool = True  # any dropout at all: masks are saved only when p > 0
-    recompute: str = "none"
-    dtype: str = "bf16"
-    ffn_set: bool = False  # formulas write f for the MLP width instead of 4h
-    gqa: bool = False  # formulas write g for the K/V groups instead of a
+    `kind` is "choice" (one of `choices`), "size" (a positive integer, or None for
+    the default that depends on other sizes), "probability" (0 <= p < 1) or
+    "flag" (a boolean). `describe` gives the words of the model's one-line
+    description from a config or knob set (None: another knob's words carry it).
+    """
 
-    @classmethod
-    def of(cls, config: ModelKnobs) -> Knobs:
-        """The knobs a validated config (or knob set, without sizes) chooses."""
-        return cls(
-            mlp=config.mlp, attention=config.attention, norm=config.norm,
-            dropout=config.dropout > 0, recompute=config.recompute, dtype=config.dtype,
-            ffn_set=config.ffn_hidden_size is not None,
-            gqa=config.num_query_groups not in (None, getattr(config, "a", None)),
-        )
+    name: str
+    kind: str
+    default: Any
+    help: str
+    describe: Callable[[Any], str | None]
+    choices: type[Choice] | None = None
+    symbol: str | None = None  # the formula symbol for a set value (f, g)
+    # (a non-default value, or a mapping of knob values to set together, and what it changes), for docs/model.md
+    effects: tuple[tuple[Any, str], ...] = ()
+
+    def variants(self) -> tuple[tuple[dict[str, Any], str], ...]:
+        """Each effect as the knob values it sets and what it changes."""
+        return tuple((v if isinstance(v, dict) else {self.name: v}, meaning) for v, meaning in self.effects)
+
+    @property
+    def flag(self) -> str:
+        """The command-line flag: --num-query-groups for num_query_groups."""
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def values(self) -> tuple[str, ...]:
+        """A choice knob's values, default first."""
+        assert self.choices is not None, self.name
+        return (self.default.value, *(c.value for c in self.choices if c is not self.default))
+
+
+def _ffn(k: Any) -> str:
+    return str(getattr(k, "ffn", None) or k.ffn_hidden_size or "4h")
+
+
+def _groups(k: Any) -> str:
+    return str(getattr(k, "groups", None) or k.num_query_groups or "a")
+
+
+KNOBS: tuple[Knob, ...] = (
+    Knob(
+        "impl", "choice", Impl.MEGATRON,
+        "whose code runs the layer: megatron (Megatron-core), torchtitan, hf (Hugging Face transformers)",
+        lambda k: None if k.impl == Impl.MEGATRON else f"impl {k.impl}", Impl,
+    ),
+    Knob(
+        "mlp", "choice", Mlp.GELU, "MLP activation", lambda k: f"{k.mlp} (ffn {_ffn(k)})", Mlp,
+        effects=(({"mlp": Mlp.SWIGLU, "ffn_hidden_size": 1}, "SwiGLU computes SiLU(gate) * up: backward needs the gate (for SiLU's derivative)"
+                  " and both factors of the product, three (b, s, f) tensors where GELU kept one."),),
+    ),
+    Knob(
+        "ffn_hidden_size", "size", None, "MLP hidden size (default 4h)", lambda k: None, symbol="f",
+        effects=((1, "An MLP width f other than 4h changes only the two tensors of that width."),),
+    ),
+    Knob(
+        "attention", "choice", Attention.EAGER, "core attention: eager (op by op) or flash (a fused kernel)",
+        lambda k: f"{k.attention} attention ({_groups(k)} K/V groups)", Attention,
+        effects=((Attention.FLASH, "A fused kernel never materialises the s x s scores: backward rebuilds them"
+                  " from Q, K and V, and regenerates the dropout mask from the RNG seed."),),
+    ),
+    Knob(
+        "num_query_groups", "size", None, "K/V groups (default a, multi-head)", lambda k: None, symbol="g",
+        effects=((1, "Grouped-query attention keeps K and V for g groups of heads instead of a."),),
+    ),
+    Knob(
+        "norm", "choice", Norm.LAYERNORM, "normalisation", lambda k: f"{k.norm}", Norm,
+        effects=((Norm.RMSNORM, "RMSNorm subtracts no mean; under the paper's accounting nothing changes"
+                  " (see the exact variant)."),),
+    ),
+    Knob(
+        "dropout", "probability", 0.1, "dropout probability; 0 saves no masks", lambda k: f"dropout {k.dropout}",
+        effects=((0.0, "Without dropout there are no masks, and the weights x V matmul reads the softmax output"
+                  " itself."),),
+    ),
+    Knob(
+        "recompute", "choice", Recompute.NONE, "activation recomputation", lambda k: f"recompute {k.recompute}",
+        Recompute,
+        effects=(
+            (Recompute.SELECTIVE, "Selective recomputation (Korthikanti et al. 2022) reruns the attention core in"
+             " backward, so none of its s x s tensors is kept."),
+            (Recompute.FULL, "Full recomputation keeps only the layer's input and reruns the whole forward in"
+             " backward."),
+        ),
+    ),
+    Knob(
+        "dtype", "choice", Dtype.BF16, "activation dtype", lambda k: f"{k.dtype}", Dtype,
+        effects=((Dtype.FP32, "Activations take the wider dtype; dropout masks stay one byte."),),
+    ),
+    Knob(
+        "bias_activation_fusion", "flag", False,
+        "megatron: fused bias + activation kernel (bias_activation_fusion; keeps the fc1 output only)",
+        lambda k: "fused bias-activation" if k.bias_activation_fusion else None,
+    ),
+)
+BY_NAME: dict[str, Knob] = {k.name: k for k in KNOBS}
+
+
+def _knobs_namespace() -> dict[str, Any]:
+    """The properties every knob set (and so every config) has, beside its fields."""
+
+    def of(cls: type, config: Any) -> Any:
+        """The knobs of a config (or another knob set), alone: a small, hashable key.
+
+        K/V groups equal to the heads are multi-head attention, as if unset.
+        """
+        values = {k.name: getattr(config, k.name) for k in KNOBS}
+        if values["num_query_groups"] == getattr(config, "a", None):
+            values["num_query_groups"] = None
+        return Knobs(**values)
+
+    return {
+        "__doc__": "The choices that decide which tensors a layer saves; defaults are the seed's model (KNOBS).",
+        "of": classmethod(of),
+        "has_dropout": property(lambda self: self.dropout > 0, doc="any dropout at all: masks are kept only when p > 0"),
+        "ffn_set": property(lambda self: self.ffn_hidden_size is not None, doc="formulas write f, not 4h"),
+        "gqa": property(lambda self: self.num_query_groups is not None, doc="formulas write g, not a"),
+    }
+
+
+def knob_field(knob: Knob) -> Any:
+    """A dataclass field for a knob; its metadata carries the knob, for the config schema."""
+    return field(default=knob.default, metadata={"knob": knob, "help": knob.help})
+
+
+_TYPES = {"choice": str, "size": "int | None", "probability": float, "flag": bool}
+
+Knobs = make_dataclass(
+    "Knobs",
+    [(k.name, k.choices or _TYPES[k.kind], knob_field(k)) for k in KNOBS],
+    frozen=True, kw_only=True, namespace=_knobs_namespace(),
+)
+Knobs.__module__ = __name__  # for pickling across the probe's processes
 
 
 @dataclass(frozen=True)
@@ -49,62 +214,20 @@ class Accounting:
     """How strictly to count: the paper's terms only, or every saved byte.
 
     `device` matters only for exact accounting: LayerNorm statistics are fp32
-    on CUDA but kept in the activation dtype on CPU.
+    on CUDA but kept in the activation dtype on CPU, and an implementation may
+    keep other tensors where a CPU kernel is not its CUDA twin.
     """
 
     exact: bool = False
     device: str = "cuda"
 
 
-def element_bytes(kind: Kind, knobs: Knobs, accounting: Accounting) -> int:
+def element_bytes(kind: Kind, knobs: Any, accounting: Accounting) -> int:
     """Bytes per element of a tensor of this kind."""
     if kind is Kind.MASK:
         return 1
+    if kind is Kind.INT64:
+        return 8
     if kind is Kind.FP32 or (kind is Kind.NORM_STATS and accounting.device == "cuda"):
         return 4
     return DTYPE_BYTES[knobs.dtype]
-
-
-def norm_block(norm: ledger.NormTensors, knobs: Knobs) -> tuple[SavedTensor, ...]:
-    """LayerNorm keeps input, mean and rstd; RMSNorm has no mean."""
-    if knobs.norm == "layernorm":
-        return (norm.input, norm.mean, norm.rstd)
-    return (norm.input, norm.rstd)
-
-
-def core_attention(knobs: Knobs) -> tuple[SavedTensor, ...]:
-    """What softmax(QK^T)V keeps beyond Q, K, V: s^2 terms if eager, statistics if flash."""
-    if knobs.recompute == "selective":
-        return ()  # rebuilt from Q, K, V in backward (Korthikanti et al. 2022)
-    if knobs.attention == "flash":
-        return (ledger.SOFTMAX_LSE,)  # the dropout mask is regenerated from the RNG seed
-    if knobs.dropout:
-        return (ledger.SOFTMAX_OUT, ledger.ATTN_DROPOUT_MASK, ledger.ATTN_DROPOUT_OUT)
-    return (ledger.SOFTMAX_OUT,)  # weights x V saves the softmax output itself
-
-
-def attention_block(knobs: Knobs) -> tuple[SavedTensor, ...]:
-    """QKV input, Q/K/V, the core's terms, the projection input, the output mask."""
-    mask = (ledger.ATTN_OUT_DROPOUT_MASK,) if knobs.dropout else ()
-    return (ledger.QKV_IN, ledger.Q, ledger.K, ledger.V, *core_attention(knobs), ledger.PROJ_IN, *mask)
-
-
-def mlp_block(knobs: Knobs) -> tuple[SavedTensor, ...]:
-    """fc1 input, the activation's terms, fc2 input, the output mask."""
-    if knobs.mlp == "swiglu":
-        activation = (ledger.SWIGLU_GATE, ledger.SWIGLU_UP, ledger.SWIGLU_SILU_OUT)
-    else:
-        activation = (ledger.GELU_IN,)
-    mask = (ledger.MLP_DROPOUT_MASK,) if knobs.dropout else ()
-    return (ledger.FC1_IN, *activation, ledger.FC2_IN, *mask)
-
-
-def layer_tensors(knobs: Knobs, accounting: Accounting) -> tuple[SavedTensor, ...]:
-    """Every tensor one layer keeps for backward, in forward order."""
-    if knobs.recompute == "full":
-        return (ledger.LAYER_INPUT,)
-    blocks = (
-        norm_block(ledger.LN1, knobs) + attention_block(knobs)
-        + norm_block(ledger.LN2, knobs) + mlp_block(knobs)
-    )
-    return tuple(t for t in blocks if accounting.exact or t.paper)

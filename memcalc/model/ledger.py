@@ -18,7 +18,7 @@ where [...] is the column-/row-parallel pair that tensor parallelism splits.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import NamedTuple
 
@@ -33,13 +33,15 @@ class Dim(Enum):
     G = "g"  # K/V groups (= a for multi-head attention)
     D = "d"  # head dimension, h/a
     F = "f"  # MLP hidden size (= 4h unless set)
+    V = "v"  # vocabulary (padded to a multiple of t where split)
 
 
 class Region(Enum):
     """Where in the layer a tensor lives, which decides who may split it."""
 
     SEQUENCE = "sequence"  # outside the column/row-parallel pair: SP splits s
-    TENSOR = "tensor"  # inside the pair: TP splits heads, groups, hidden or ffn
+    TENSOR = "tensor"  # inside the pair: TP splits heads, groups, ffn, hidden (or the vocabulary)
+    REPLICATED = "replicated"  # whole on every rank under every layout (the token ids)
 
 
 class Kind(Enum):
@@ -49,6 +51,7 @@ class Kind(Enum):
     MASK = "bool mask (1 byte)"
     NORM_STATS = "norm statistics (fp32 on CUDA, activation dtype on CPU)"
     FP32 = "fp32"
+    INT64 = "int64 (8 bytes)"
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,7 @@ class SavedTensor:
     region: Region
     why: str
     paper: bool = True  # False: a small term the paper leaves out (shown with exact accounting)
+    stage: str = "layer"  # "layer": in every transformer layer; "first"/"last": beside the embedding/output layer
 
     @property
     def block(self) -> str:
@@ -184,4 +188,35 @@ ALL_TENSORS: tuple[SavedTensor, ...] = (
     SOFTMAX_LSE, PROJ_IN, ATTN_OUT_DROPOUT_MASK, *LN2, FC1_IN, GELU_IN, SWIGLU_GATE,
     SWIGLU_UP, SWIGLU_SILU_OUT, FC2_IN, MLP_DROPOUT_MASK,
 )
-BY_NAME: dict[str, SavedTensor] = {t.name: t for t in ALL_TENSORS}
+
+
+# -- The model's two ends: kept once per micro-batch on the first and the last pipeline stage -----------------
+# After Korthikanti et al. 2022, section 4.3: the dropout after the embedding keeps a mask of sbh bytes, the
+# norm before the output layer and the output layer keep 2sbh each, and the cross-entropy keeps the logits in
+# fp32, 4sbv; with sequence parallelism the first three are split by t along s, and the logits are split by t
+# along the vocabulary under either tensor-parallel layout.
+
+EMBEDDING_INPUT_IDS = SavedTensor(
+    "embedding/input_ids", "word embedding lookup", (Dim.B, Dim.S), Kind.INT64, Region.REPLICATED,
+    "the embedding's weight gradient adds dY into the rows the token ids picked", paper=False, stage="first",
+)
+EMBEDDING_DROPOUT_MASK = SavedTensor(
+    "embedding/dropout_mask", "dropout after the embedding", _BSH, Kind.MASK, Region.SEQUENCE, WHY_DROPOUT_MASK,
+    stage="first",
+)
+FINAL_NORM = NormTensors(*(
+    replace(x, stage="last")
+    for x in _norm("final_norm", "the output layer")
+))
+OUTPUT_INPUT = SavedTensor(
+    "output/input", "output layer (column-parallel over the vocabulary)", _BSH, Kind.ACTIVATION, Region.SEQUENCE,
+    WHY_GATHERED_INPUT, stage="last",
+)
+LOSS_LOGITS = SavedTensor(
+    "loss/logits_fp32", "cross-entropy (vocabulary-parallel)", (Dim.B, Dim.S, Dim.V), Kind.FP32, Region.TENSOR,
+    "the loss's gradient is softmax(logits) - onehot(target), from the fp32 softmax kept in forward", stage="last",
+)
+END_TENSORS: tuple[SavedTensor, ...] = (
+    EMBEDDING_INPUT_IDS, EMBEDDING_DROPOUT_MASK, *FINAL_NORM, OUTPUT_INPUT, LOSS_LOGITS,
+)
+BY_NAME: dict[str, SavedTensor] = {t.name: t for t in (*ALL_TENSORS, *END_TENSORS)}

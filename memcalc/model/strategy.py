@@ -1,36 +1,68 @@
-"""The three ways of laying a layer over t GPUs, as rules over the ledger's regions.
+"""The three ways of laying a layer over t GPUs, as plans over the ledger.
 
-A strategy does not list tensors; it says which regions of the layer it splits
-by t (SEED.md section 3). Which dimension of a tensor gets split follows from
-the region: TP splits heads (or K/V groups, MLP width, hidden) inside the
-column/row-parallel pair, SP splits the sequence outside it.
+A strategy does not list tensors. Its plan is region defaults (SEED.md section
+3): TP splits the tensors inside the column/row-parallel pair along heads, K/V
+groups, MLP width, hidden or vocabulary; SP splits the tensors outside it along
+the sequence. On top of the defaults a plan may carry per-tensor overrides, as
+torchtitan's parallelize plans name modules one by one: `planned(impl)` adds
+those an implementation needs (a column-parallel input that DTensor keeps
+gathered under SP). Code outside this module asks a strategy what it does
+(`tensor_parallel`, `sequence_parallel`, `split_dim`), never which regions it splits.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from memcalc.model.ledger import Dim, Region, SavedTensor
 
+if TYPE_CHECKING:
+    from memcalc.model.impls.base import Implementation
+
 # In the TP region the first of these that a tensor has is the one split by t.
-_TP_SPLIT_DIMS = (Dim.A, Dim.G, Dim.F, Dim.H)
+_TP_SPLIT_DIMS = (Dim.V, Dim.A, Dim.G, Dim.F, Dim.H)
 
 
 @dataclass(frozen=True)
 class Strategy:
-    """A parallel layout: its CLI name, a title, and the regions it splits by t."""
+    """A parallel layout: its CLI name, a title, the regions it splits by t, and per-tensor overrides."""
 
     name: str
     title: str
     splits: frozenset[Region]
+    overrides: tuple[tuple[str, Dim | None], ...] = ()  # (tensor name, the dim it splits, or None: whole)
+
+    @property
+    def tensor_parallel(self) -> bool:
+        """Weights and the tensors between the column- and row-parallel linears are split by t."""
+        return Region.TENSOR in self.splits
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """The tensors outside the pair are split along the sequence (so t must divide s)."""
+        return Region.SEQUENCE in self.splits
+
+    def weight_shards(self, t: int) -> int:
+        """How many ways the column/row-parallel weights are split: t under TP, else 1."""
+        return t if self.tensor_parallel else 1
 
     def split_dim(self, tensor: SavedTensor) -> Dim | None:
-        """The dimension of `tensor` that this strategy divides by t, if any."""
+        """The dimension of `tensor` that this plan divides by t, if any."""
+        for name, dim in self.overrides:
+            if name == tensor.name:
+                return dim
         if tensor.region not in self.splits:
             return None
         if tensor.region is Region.SEQUENCE:
             return Dim.S
         return next(d for d in tensor.shape if d in _TP_SPLIT_DIMS)
+
+    def planned(self, impl: Implementation) -> Strategy:
+        """This layout as `impl` runs it: under SP, the tensors it keeps gathered stay whole."""
+        overridden = {name for name, _ in self.overrides}
+        whole = sorted(impl.kept_whole - overridden) if self.sequence_parallel else []
+        return replace(self, overrides=self.overrides + tuple((name, None) for name in whole)) if whole else self
 
 
 NONE = Strategy("none", "no parallelism", frozenset())
@@ -38,4 +70,3 @@ TP = Strategy("tp", "tensor parallel", frozenset({Region.TENSOR}))
 TP_SP = Strategy("tp-sp", "tensor + sequence parallel", frozenset({Region.TENSOR, Region.SEQUENCE}))
 
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (NONE, TP, TP_SP)}
-

@@ -26,7 +26,6 @@ from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError
 from memcalc.model.evaluate import LayerEstimate, check_strategy, estimate
 from memcalc.model.knobs import Accounting
-from memcalc.model.ledger import Region
 from memcalc.probe import require_torch
 from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.launch import Mode, run, under_torchrun
@@ -72,7 +71,7 @@ def measure_on_rank(tp: TensorParallelGroup, cases: tuple[tuple[ModelConfig, str
 def measure_layer(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy) -> RankResult:
     """Build the layer, record one forward pass, run backward once."""
     torch.manual_seed(INPUT_SEED + tp.rank)  # dropout masks; weights are seeded by the linears
-    sequence_parallel = Region.SEQUENCE in strategy.splits
+    sequence_parallel = strategy.sequence_parallel
     layer = TransformerLayer(config, tp, sequence_parallel)
     x = _layer_input(config, tp, sequence_parallel)
     start = _cuda_start(tp.device)
@@ -287,7 +286,7 @@ def measure(
 def _plan(config: ModelConfig, strategy: Strategy, device: str, backend: str | None, launch: str) -> Launch:
     """The launch for one strategy; "none" always runs in this process, as t = 1."""
     check_strategy(config, strategy)
-    if strategy.splits:
+    if strategy.tensor_parallel:
         return choose_launch(config.t, device, backend, launch)
     _check_device(device, backend)
     return Launch(Mode.SINGLE, 1, device)

@@ -24,7 +24,6 @@ from typing import Callable
 from memcalc.config.schema import ModelConfig, build_config
 from memcalc.errors import ConfigError
 from memcalc.model.knobs import Accounting
-from memcalc.model.ledger import Region
 from memcalc.model.strategy import Strategy
 from memcalc.sizing.totals import per_gpu
 
@@ -69,7 +68,7 @@ def sequence_step(config: ModelConfig, strategy: Strategy) -> int:
     only uses this to skip values they would refuse.
     """
     step = 2 * config.cp if config.cp > 1 else 1
-    return lcm(step, config.t * config.cp) if Region.SEQUENCE in strategy.splits else step
+    return lcm(step, config.t * config.cp) if strategy.sequence_parallel else step
 
 
 def fit(

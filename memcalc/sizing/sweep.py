@@ -25,13 +25,13 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from memcalc.config.schema import (
-    AS_USED, DIVISIBILITY, SEQUENCE_SPLIT, SIZES, ModelConfig, ModelKnobs, Rule, build_knobs, field_default,
+    AS_USED, DIVISIBILITY, SEQUENCE_SPLIT, SIZES, ModelConfig, Rule, build_knobs, field_default,
     field_names,
 )
 from memcalc.errors import ConfigError
 from memcalc.model.evaluate import dim_sizes, rank_shape
-from memcalc.model.knobs import Accounting, Knobs, element_bytes, layer_tensors
-from memcalc.model.ledger import Region
+from memcalc.model.impls import layer_tensors, plan
+from memcalc.model.knobs import Accounting, Knobs, element_bytes
 from memcalc.model.strategy import Strategy
 
 # The grid's axes are SIZES, in that order.
@@ -98,7 +98,7 @@ class Sweep:
     """What to evaluate: the values of each size, the knobs, strategies, accounting."""
 
     values: dict[str, Sequence[int]]  # every name in SIZES, in that order
-    knobs: ModelKnobs
+    knobs: Knobs
     strategies: tuple[Strategy, ...]
     accounting: Accounting
     name: str | None = None
@@ -123,7 +123,7 @@ def make_sweep(
     """
     # Knobs, and unknown keys so that validation names them; sizes and layout fields are not knobs.
     knobs = build_knobs({
-        k: v for k, v in fields.items() if k in field_names(ModelKnobs) or k not in field_names()
+        k: v for k, v in fields.items() if k in field_names(Knobs) or k not in field_names()
     })
     if fields.get("cp", 1) != 1:
         raise ConfigError(f"sweeps do not model context parallelism (cp={fields['cp']}); use memcalc estimate for it")
@@ -134,7 +134,7 @@ def make_sweep(
     for name, value in largest.items():
         if value is not None and value > MAX_SIZE:
             raise ConfigError(f"{name}={value} is too large for a sweep (at most 2^40)")
-    sweep = Sweep(values, knobs, tuple(strategies), accounting, fields.get("name"))
+    sweep = Sweep(values, knobs, tuple(plan(knobs, st) for st in strategies), accounting, fields.get("name"))
     if sweep.rows > MAX_ROWS:
         raise ConfigError(
             f"the sweep has {sweep.rows:,} configurations; at most {MAX_ROWS:,} fit in memory at once "
@@ -172,6 +172,7 @@ class GridSizes:
     ffn_hidden_size: int | None
     num_query_groups: int | None
     cp = 1  # make_sweep refuses context parallelism
+    vocab_size = None  # a layer keeps nothing vocabulary-wide
 
     # The config's own rules (4h unless set; a unless set), here on arrays.
     ffn = property(ModelConfig.ffn.fget)
@@ -225,7 +226,7 @@ def _check_int64(grid: GridSizes, sweep: Sweep, knobs: Knobs) -> None:
     tensor's bytes are at most the product of its dimensions' largest values
     with the smallest t; the bound is worked out in Python integers.
     """
-    largest = {d: int(np.max(v)) for d, v in dim_sizes(grid).items()}
+    largest = {d: int(np.max(v)) for d, v in dim_sizes(grid).items() if v is not None}
     t, layers = int(np.min(grid.t)), int(np.max(grid.L))
     bound = layers * max(
         sum(element_bytes(x.kind, knobs, sweep.accounting) * prod(rank_shape(x, st, largest, t))
@@ -253,7 +254,7 @@ def _failures(grid: GridSizes, strategies: tuple[Strategy, ...]) -> Iterator[tup
     """Each rule with where it fails, shaped (*grid, strategy) for broadcasting."""
     for rule in DIVISIBILITY:
         yield rule, np.asarray(grid.operand(rule.value) % grid.operand(rule.divisor) != 0)[..., None]
-    splits_s = np.array([Region.SEQUENCE in st.splits for st in strategies])
+    splits_s = np.array([st.sequence_parallel for st in strategies])
     yield SEQUENCE_SPLIT, (grid.s % grid.t != 0)[..., None] & splits_s
 
 

@@ -17,7 +17,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from memcalc.model.knobs import Accounting
+from memcalc.model.knobs import KNOBS, Accounting
 from memcalc.sizing.sweep import SIZES, SweepResult
 
 # A row's text is built as a (rows, width) byte matrix, one slice per field,
@@ -25,9 +25,10 @@ from memcalc.sizing.sweep import SIZES, SweepResult
 # Fields that are the same on every row are merged into one constant slice.
 
 CSV_COLUMNS = (*SIZES, "strategy", "per_layer_bytes", "total_bytes")
-# The same on every row of a sweep, except ffn_hidden_size and num_query_groups
-# (4h and a unless set), written as used so each row is a complete configuration.
-KNOB_COLUMNS = ("ffn_hidden_size", "num_query_groups", "mlp", "attention", "norm", "dropout", "recompute", "dtype")
+# Every knob, from the knob table. The size knobs (4h and a unless set) come first and are written as used,
+# so each row is a complete configuration: the grid's property for each, and the swept size it follows.
+SIZE_KNOBS_AS_USED = {"ffn_hidden_size": ("ffn", "h"), "num_query_groups": ("groups", "a")}
+KNOB_COLUMNS = (*SIZE_KNOBS_AS_USED, *(k.name for k in KNOBS if k.name not in SIZE_KNOBS_AS_USED))
 CHUNK_ROWS = 1 << 16
 
 # Four-digit groups as text, four bytes each: zero-padded for a group with digits
@@ -159,14 +160,20 @@ def csv_chunks(result: SweepResult, chunk_rows: int = CHUNK_ROWS) -> Iterator[tu
     yield 0, (",".join(CSV_COLUMNS + KNOB_COLUMNS + ("accounting",)) + "\n").encode()
     grid = result.grid
     fields = _fields(result, quote=False) + [
-        _Field(_digits(np.broadcast_to(grid.ffn, grid.h.shape)), SIZES.index("h")),
-        _Field(_digits(np.broadcast_to(grid.groups, grid.a.shape)), SIZES.index("a")),
+        _Field(_digits(np.broadcast_to(getattr(grid, used), getattr(grid, axis).shape)), SIZES.index(axis))
+        for used, axis in SIZE_KNOBS_AS_USED.values()
     ]
     knobs = asdict(result.sweep.knobs)
-    constants = [str(knobs[name]) for name in KNOB_COLUMNS[2:]] + [accounting_label(result.sweep.accounting)]
+    constants = [_cell(knobs[name]) for name in KNOB_COLUMNS[len(SIZE_KNOBS_AS_USED):]]
+    constants.append(accounting_label(result.sweep.accounting))
     layout = _layout(fields, (",".join(constants) + "\n").encode())
     for rows, text in _text_of_chunks(layout, result, chunk_rows):
         yield rows.stop - rows.start, text
+
+
+def _cell(value: object) -> str:
+    """A knob's value as CSV text; booleans as YAML and JSON write them."""
+    return json.dumps(value) if isinstance(value, bool) else str(value)
 
 
 def json_chunks(result: SweepResult, chunk_rows: int = CHUNK_ROWS) -> Iterator[tuple[float, bytes]]:

@@ -1,14 +1,10 @@
 """Per-GPU totals: the layers' activations, the model's two ends, and the model states, stage by stage.
 
 The transformer layers' activations come from the ledger (`memcalc.model.evaluate`),
-times the layer-activations a pipeline stage keeps (`memcalc.sizing.pipeline`). The
-tensors outside the layers are described here, once each, after Korthikanti et
-al. 2022, section 4.3: the dropout after the embedding keeps a mask of sbh
-bytes, the norm before the output layer and the output layer keep 2sbh each,
-and the cross-entropy keeps the logits in fp32, 4sbv; with sequence
-parallelism the first three are split by t along s, and the logits are split by
-t along the vocabulary under either tensor-parallel strategy. Parameters and
-their states come from `memcalc.sizing.states`.
+times the layer-activations a pipeline stage keeps (`memcalc.sizing.pipeline`).
+The tensors outside the layers (embedding, final norm, output layer, loss) are
+ledger entries too (`ledger.END_TENSORS`, stage "first" or "last"), split by the
+same plans. Parameters and their states come from `memcalc.sizing.states`.
 
 Context parallelism (cp) gives each rank s/cp tokens of every sequence. Each
 rank keeps only its own tokens' activations: with fused attention (which cp
@@ -24,93 +20,32 @@ from math import prod
 
 from memcalc.config.schema import ModelConfig
 from memcalc.model import ledger
-from memcalc.model.evaluate import LayerEstimate, estimate
-from memcalc.model.knobs import Accounting, Knobs, element_bytes
-from memcalc.model.ledger import Kind, Region
+from memcalc.model.evaluate import LayerEstimate, dim_sizes, estimate, rank_shape
+from memcalc.model.impls.base import drop_small
+from memcalc.model.knobs import Accounting, element_bytes
+from memcalc.model.ledger import SavedTensor
 from memcalc.sizing.pipeline import Stage, stages
-from memcalc.sizing.states import group_params, state_bytes, vocab_shard
+from memcalc.sizing.states import group_params, state_bytes
 from memcalc.model.strategy import Strategy
 
-INT64_BYTES = 8
 ACTIVATIONS, STATES = "activations", "model states"
 
 
-@dataclass(frozen=True)
-class EndTensor:
-    """A tensor kept for backward outside the transformer layers, with the reason it is kept."""
-
-    name: str
-    saved_by: str
-    shape: tuple[str, ...]  # in the config's sizes: b, s (per context rank), h, v
-    kind: Kind | None  # None: int64 token ids
-    region: Region | None  # as in the ledger: SP splits SEQUENCE along s, TP splits TENSOR along v; None: whole
-    stage: str  # "first" (beside the embedding) or "last" (beside the output layer)
-    why: str
-    paper: bool = True  # False: a small term the paper leaves out (shown with exact accounting)
-
-
-_BSH = ("b", "s", "h")
-
-EMBEDDING_INPUT_IDS = EndTensor(
-    "embedding/input_ids", "word embedding lookup", ("b", "s"), None, None, "first",
-    "the embedding's weight gradient adds dY into the rows the token ids picked", paper=False,
-)
-EMBEDDING_DROPOUT_MASK = EndTensor(
-    "embedding/dropout_mask", "dropout after the embedding", _BSH, Kind.MASK, Region.SEQUENCE, "first",
-    ledger.WHY_DROPOUT_MASK,
-)
-FINAL_NORM_INPUT = EndTensor(
-    "final_norm/input", "norm before the output layer", _BSH, Kind.ACTIVATION, Region.SEQUENCE, "last",
-    ledger.WHY_NORM_INPUT,
-)
-FINAL_NORM_MEAN = EndTensor(
-    "final_norm/mean", "norm before the output layer", ("b", "s"), Kind.NORM_STATS, Region.SEQUENCE, "last",
-    ledger.WHY_NORM_MEAN, paper=False,
-)
-FINAL_NORM_RSTD = EndTensor(
-    "final_norm/rstd", "norm before the output layer", ("b", "s"), Kind.NORM_STATS, Region.SEQUENCE, "last",
-    ledger.WHY_NORM_RSTD, paper=False,
-)
-OUTPUT_INPUT = EndTensor(
-    "output/input", "output layer (column-parallel over the vocabulary)", _BSH, Kind.ACTIVATION, Region.SEQUENCE,
-    "last", ledger.WHY_GATHERED_INPUT,
-)
-LOSS_LOGITS = EndTensor(
-    "loss/logits_fp32", "cross-entropy (vocabulary-parallel)", ("b", "s", "v"), Kind.FP32, Region.TENSOR, "last",
-    "the loss's gradient is softmax(logits) - onehot(target), from the fp32 softmax kept in forward",
-)
-
-
-END_TENSORS: tuple[EndTensor, ...] = (
-    EMBEDDING_INPUT_IDS, EMBEDDING_DROPOUT_MASK,
-    FINAL_NORM_INPUT, FINAL_NORM_MEAN, FINAL_NORM_RSTD, OUTPUT_INPUT, LOSS_LOGITS,
-)
-
-
-def end_tensors(config: ModelConfig, accounting: Accounting, where: str) -> tuple[EndTensor, ...]:
+def end_tensors(config: ModelConfig, accounting: Accounting, stage: str) -> tuple[SavedTensor, ...]:
     """What the embedding side ("first") or the output side ("last") keeps, given the knobs."""
     absent = set()
-    if config.dropout == 0:
-        absent.add(EMBEDDING_DROPOUT_MASK)  # no dropout, no mask
+    if not config.has_dropout:
+        absent.add(ledger.EMBEDDING_DROPOUT_MASK)  # no dropout, no mask
     if config.norm == "rmsnorm":
-        absent.add(FINAL_NORM_MEAN)  # RMSNorm keeps no mean
-    return tuple(x for x in END_TENSORS if x.stage == where and x not in absent and (accounting.exact or x.paper))
+        absent.add(ledger.FINAL_NORM.mean)  # RMSNorm keeps no mean
+    kept = (x for x in ledger.END_TENSORS if x.stage == stage and x not in absent)
+    return drop_small(kept, accounting)
 
 
-def tp_size(config: ModelConfig, strategy: Strategy) -> int:
-    """The t a strategy splits weights by: config.t under tp and tp-sp, 1 under none."""
-    return config.t if Region.TENSOR in strategy.splits else 1
-
-
-def end_bytes(x: EndTensor, config: ModelConfig, strategy: Strategy, accounting: Accounting) -> int:
-    """Bytes one rank keeps of `x` for one micro-batch."""
-    sizes = {"b": config.b, "s": config.s // config.cp, "h": config.h, "v": config.vocab_size}
-    if x.region is Region.SEQUENCE and x.region in strategy.splits:
-        sizes["s"] //= config.t
-    elif x.region is Region.TENSOR and x.region in strategy.splits:
-        sizes["v"] = vocab_shard(config, config.t)
-    width = INT64_BYTES if x.kind is None else element_bytes(x.kind, Knobs.of(config), accounting)
-    return width * prod(sizes[d] for d in x.shape)
+def end_bytes(x: SavedTensor, config: ModelConfig, strategy: Strategy, accounting: Accounting) -> int:
+    """Bytes one rank keeps of `x` for one micro-batch (the vocabulary padded up to a multiple of t)."""
+    shape = rank_shape(x, strategy, dim_sizes(config), config.t)
+    return element_bytes(x.kind, config, accounting) * prod(shape)
 
 
 @dataclass(frozen=True)
@@ -172,7 +107,7 @@ def _stage_total(
     for x, in_flight in ends:
         note = f"{in_flight} micro-batch{'es' if in_flight > 1 else ''} in flight"
         terms.append(Term(x.name, ACTIVATIONS, in_flight * end_bytes(x, config, strategy, accounting), note))
-    params = group_params(config, stage, tp_size(config, strategy))
+    params = group_params(config, stage, strategy.weight_shards(config.t))
     held = sum(params.values())
     terms += [Term(name, STATES, n, f"{held:,} parameters") for name, n in state_bytes(config, held).items()]
     return StageTotal(stage, params, tuple(terms))

@@ -6,7 +6,8 @@ import sympy
 from sympy.parsing.latex import parse_latex
 
 from memcalc.model.formula import SYMBOLS
-from memcalc.model.knobs import Accounting, Knobs, layer_tensors
+from memcalc.model.impls import layer_tensors
+from memcalc.model.knobs import Accounting, Knobs
 
 from . import memcalc_cli, shipped
 

@@ -1,0 +1,54 @@
+"""The implementation axis: one module per library, each listing what its layer keeps.
+
+`IMPLEMENTATIONS` is the registry (`--impl` and `impl:` choose from it);
+`layer_tensors` asks the chosen implementation, after checking that it runs
+the knobs asked for. See `base.Implementation` for what an implementation says.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from memcalc.errors import ConfigError
+from memcalc.model.impls import megatron
+from memcalc.model.impls.base import Implementation
+from memcalc.model.knobs import Accounting
+from memcalc.model.ledger import SavedTensor
+from memcalc.model.strategy import Strategy
+
+IMPLEMENTATIONS: dict[str, Implementation] = {
+    impl.name: impl
+    for impl in (
+        megatron.IMPLEMENTATION,
+    )
+}
+
+
+def implementation(knobs: Any) -> Implementation:
+    """The implementation a knob set (or config) names, after it has checked the knobs."""
+    impl = IMPLEMENTATIONS.get(knobs.impl)
+    if impl is None:
+        raise ConfigError(f"impl {knobs.impl} has no rules yet (memcalc models: {', '.join(IMPLEMENTATIONS)})")
+    impl.check(knobs)
+    return impl
+
+
+def plan(knobs: Any, strategy: Strategy) -> Strategy:
+    """`strategy` as the chosen implementation lays it out, or ConfigError if the library does not run it."""
+    impl = implementation(knobs)
+    if strategy.name not in impl.strategies:
+        raise ConfigError(
+            f"impl {impl.name} ({impl.title}) does not run {strategy.name} ({strategy.title});"
+            f" it runs: {', '.join(impl.strategies)}"
+        )
+    return strategy.planned(impl)
+
+
+def strategies_of(knobs: Any) -> tuple[str, ...]:
+    """The layouts the chosen implementation runs, in the order of STRATEGIES."""
+    return implementation(knobs).strategies
+
+
+def layer_tensors(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]:
+    """Every tensor one layer keeps for backward, in forward order, as the chosen implementation keeps it."""
+    return implementation(knobs).layer_tensors(knobs, accounting)

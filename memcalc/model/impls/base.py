@@ -1,0 +1,41 @@
+"""What an implementation is: the rules one library's code follows when it keeps tensors for backward.
+
+The paper's ledger says what backward *needs*; a library decides what it
+*keeps*: an fp32 copy here, K and V expanded to every head there, a gathered
+input where Megatron keeps a shard. An implementation is one module under
+`memcalc.model.impls` that declares the tensors only its library keeps and the
+function that lists, for a knob set, every tensor one layer keeps, in forward
+order. How a layout splits each tensor stays with the layout
+(`memcalc.model.strategy`); an implementation only names the tensors that a
+sequence-parallel layout keeps gathered, as torchtitan's DTensor plan does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+from memcalc.model.knobs import Accounting
+from memcalc.model.ledger import SavedTensor
+
+
+def _accept_all(knobs: Any) -> None:
+    """Every knob value runs."""
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """One library's rules: which tensors a layer keeps, and which layouts and knobs it runs."""
+
+    name: str  # the --impl value
+    title: str
+    measured_on: str  # the library, its version and the modules the rules were measured on
+    layer_tensors: Callable[[Any, Accounting], tuple[SavedTensor, ...]]  # one layer, forward order
+    strategies: tuple[str, ...] = ("none", "tp", "tp-sp")  # the layouts the library runs
+    kept_whole: frozenset[str] = frozenset()  # tensors a sequence-splitting layout keeps gathered (full s)
+    check: Callable[[Any], None] = _accept_all  # ConfigError for knob values the library cannot run
+
+
+def drop_small(tensors: Iterable[SavedTensor], accounting: Accounting) -> tuple[SavedTensor, ...]:
+    """The paper's accounting leaves out the small terms (`paper=False`); exact accounting keeps all."""
+    return tuple(t for t in tensors if accounting.exact or t.paper)

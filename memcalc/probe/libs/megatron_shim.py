@@ -1,0 +1,228 @@
+"""What megatron-core 0.16 needs to run its own layer on a CPU, as CUDA would run it.
+
+megatron-core assumes a GPU in a few places that have nothing to do with what a
+layer keeps for backward; `cpu_megatron()` patches them while a layer is built and
+run, and undoes every patch afterwards. No file of megatron-core is edited.
+
+Made to run at all on the CPU:
+- `torch.cuda.current_device()` (the global memory buffer of the attention scores
+  and of the SP all-gather, dgrad's reduce-scatter buffer) answers the CPU device.
+- The CUDA RNG tracker (`tensor_parallel.random`): its states are the CPU
+  generator's, so dropout inside `get_cuda_rng_tracker().fork()` and a
+  checkpoint's RNG restore work as on CUDA.
+- `torch.compile`, megatron's `jit_fuser`, runs eagerly: the fused functions run
+  inside autograd Functions under no_grad, so compiling changes no saved tensor.
+- The local spec's norm (`WrappedTorchNorm`) refuses sequence parallelism; with
+  Apex, Megatron uses `FusedLayerNorm`, which accepts it and marks its weights
+  `sequence_parallel`. `local_spec` swaps in `SequenceParallelNorm`, which does
+  the same with torch's LayerNorm.
+
+Made to keep what CUDA keeps (each one is also a line of `NOTES`):
+- Dropout: torch's CPU `F.dropout` keeps a mask in the activation dtype, scaled
+  by 1/(1-p); on CUDA `at::dropout` runs `native_dropout`, which keeps a bool
+  mask. The patched `F.dropout` calls `native_dropout` for 0 < p < 1, as CUDA does.
+- Masked softmax: Megatron-LM trains with `masked_softmax_fusion` on, and the
+  fused kernel (`scaled_upper_triang_masked_softmax_cuda`, from Apex) keeps its
+  bf16 output. `_FusedCausalSoftmax` stands in for that extension module with the
+  same forward/backward signatures, computing in fp32 as the kernel does; the
+  kernel's own size checks (`FusedScaleMaskSoftmax.is_kernel_available`) still
+  decide whether it runs, with the CUDA extension's batch-per-block rule.
+  Outside them (s <= 16, s > 4096, b*a/t not a multiple of the kernel's batch per
+  block) Megatron falls back to torch's softmax in fp32, which keeps a 4-byte
+  output and the (s, s) causal bool mask of `masked_fill_`, on CUDA too.
+- RMSNorm: torch 2.13's `F.rms_norm` is unfused on the CPU (fp32 copies of the
+  input and of the normalised tensor plus fp32 rstd); the CUDA kernel
+  (`_fused_rms_norm`) keeps the input and rstd. `SequenceParallelNorm` runs
+  memcalc's fused-style RMSNorm, which keeps the same two.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import types
+from contextlib import ExitStack, contextmanager
+from typing import Any, Iterator
+from unittest import mock
+
+from memcalc.probe import require_torch
+from memcalc.probe.norm import EPS, _RMSNorm
+
+torch = require_torch()
+from torch import nn  # noqa: E402  (after the install check above)
+from torch.nn import functional as F  # noqa: E402
+
+NOTES: tuple[str, ...] = (
+    "dropout runs torch.native_dropout (a bool mask), as CUDA's at::dropout does; CPU F.dropout keeps a bf16 mask",
+    "the causal masked softmax runs a CPU twin of Apex's fused kernel (keeps its bf16 output) where Megatron's "
+    "size checks allow it; elsewhere Megatron's fp32 torch softmax runs, as it would on CUDA",
+    "RMSNorm keeps its input and rstd, as the fused CUDA kernel does; torch's CPU rms_norm keeps fp32 copies",
+    "torch.compile (megatron's jit_fuser) runs eagerly; CUDA RNG tracker and current_device() use the CPU",
+)
+
+_SOFTMAX_EXTENSION = "scaled_upper_triang_masked_softmax_cuda"
+_SOFTMAX_SIZES = "scaled_masked_softmax_cuda"  # only its get_batch_per_block is used for causal masks
+
+
+@contextmanager
+def cpu_megatron() -> Iterator[None]:
+    """Every patch below, for the duration of the block; undone on exit."""
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.tensor_parallel import random as mrandom
+
+    with ExitStack() as patches:
+        enter = patches.enter_context
+        enter(torch._dynamo.config.patch(disable=True))
+        enter(mock.patch.object(F, "dropout", _cuda_like_dropout))
+        enter(mock.patch.dict(sys.modules, {_SOFTMAX_EXTENSION: _softmax_extension(), _SOFTMAX_SIZES: _sizes()}))
+        enter(mock.patch.object(fused_softmax, "get_default_causal_mask", _causal_mask))
+        if not torch.cuda.is_available():
+            enter(mock.patch.object(torch.cuda, "current_device", lambda: torch.device("cpu")))
+        enter(mock.patch.object(mrandom, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state()))
+        enter(mock.patch.object(mrandom, "_set_cuda_rng_state", lambda state, *a, **k: torch.set_rng_state(state)))
+        enter(mock.patch.object(mrandom, "_CUDA_RNG_STATE_TRACKER", _CpuRNGStatesTracker()))
+        enter(mock.patch.object(mrandom, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", True))
+        yield
+
+
+# -- dropout and the causal mask ---------------------------------------------------
+
+_cpu_dropout = F.dropout
+
+
+def _cuda_like_dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False):
+    """at::dropout as on CUDA: native_dropout (bool mask) for 0 < p < 1 while training."""
+    if training and 0 < p < 1 and input.numel() > 0:
+        out = torch.native_dropout(input, p, True)[0]
+        return input.copy_(out) if inplace else out
+    return _cpu_dropout(input, p, training, inplace)
+
+
+def _causal_mask(sq: int) -> torch.Tensor:
+    """megatron's get_default_causal_mask, built on the CPU rather than on "cuda"."""
+    return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
+
+
+# -- the fused causal softmax ---------------------------------------------------------
+
+
+def _softmax_extension() -> types.ModuleType:
+    """A stand-in for the CUDA extension: forward(inputs, scale), backward(grads, softmax, scale)."""
+    module = types.ModuleType(_SOFTMAX_EXTENSION)
+    module.forward = _fused_causal_softmax
+    module.backward = _fused_causal_softmax_backward
+    return module
+
+
+def _fused_causal_softmax(inputs: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """(attn_batches, s, s) scores -> softmax(scale * scores, future masked), in the input's dtype."""
+    s = inputs.shape[-1]
+    future = torch.ones(s, s, dtype=torch.bool, device=inputs.device).triu(1)
+    scores = (inputs.float() * float(scale)).masked_fill(future, -math.inf)
+    return torch.softmax(scores, dim=-1).to(inputs.dtype)
+
+
+def _fused_causal_softmax_backward(grads: torch.Tensor, softmax: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """d scores = scale * y * (dy - rowsum(dy * y)), as the kernel computes it."""
+    y, dy = softmax.float(), grads.float()
+    return (float(scale) * y * (dy - (dy * y).sum(-1, keepdim=True))).to(grads.dtype)
+
+
+def _sizes() -> types.ModuleType:
+    module = types.ModuleType(_SOFTMAX_SIZES)
+    module.get_batch_per_block = _batch_per_block
+    return module
+
+
+def _batch_per_block(sq: int, sk: int, b: int, np: int) -> int:
+    """The CUDA extension's rule (Apex csrc/megatron/scaled_masked_softmax.h): 128 threads per block."""
+    next_power_of_two = 1 << math.ceil(math.log2(sk))
+    warp_size = min(next_power_of_two, 32)
+    batches_per_warp = 2 if next_power_of_two <= 128 else 1
+    return (128 // warp_size) * batches_per_warp
+
+
+# -- the RNG tracker ----------------------------------------------------------------
+
+
+class _CpuRNGStatesTracker:
+    """megatron's CudaRNGStatesTracker over torch's CPU generator: named states, forked in turn."""
+
+    def __init__(self) -> None:
+        self.states_: dict[str, torch.Tensor] = {}
+
+    def is_initialized(self) -> bool:
+        return bool(self.states_)
+
+    def reset(self) -> None:
+        self.states_ = {}
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return dict(self.states_)
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self.states_ = states
+
+    def add(self, name: str, seed: int) -> None:
+        outside = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(outside)
+
+    @contextmanager
+    def fork(self, name: str = "model-parallel-rng") -> Iterator[None]:
+        outside = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outside)
+
+
+def seed_rng_tracker(seed: int, tp_rank: int) -> None:
+    """model_parallel_cuda_manual_seed's states, on the CPU: data-parallel and tensor-parallel seeds."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    tracker = mrandom.get_cuda_rng_tracker()
+    tracker.reset()
+    torch.manual_seed(seed)
+    tracker.add(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+    tracker.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
+
+
+# -- the norm -----------------------------------------------------------------------
+
+
+class SequenceParallelNorm(nn.Module):
+    """The local spec's norm (torch LayerNorm, or a fused-style RMSNorm) that accepts SP.
+
+    Built as megatron builds a norm: `Norm(config=..., hidden_size=..., eps=...)`.
+    Under SP its weights are marked `sequence_parallel`, as Apex's FusedLayerNorm does,
+    so megatron all-reduces their gradients across the TP group.
+    """
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = EPS, **_: Any) -> None:
+        super().__init__()
+        dtype = config.params_dtype
+        self.rms = config.normalization == "RMSNorm"
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
+        self.bias = None if self.rms else nn.Parameter(torch.zeros(hidden_size, dtype=dtype))
+        for param in self.parameters():
+            param.sequence_parallel = config.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rms:
+            return _RMSNorm.apply(x, self.weight)[0]
+        return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+
+
+def local_spec(normalization: str) -> Any:
+    """megatron's GPT layer spec without Transformer Engine, its two norms swapped for SequenceParallelNorm."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(normalization=normalization)
+    spec.submodules.input_layernorm = SequenceParallelNorm
+    spec.submodules.pre_mlp_layernorm = SequenceParallelNorm
+    return spec
