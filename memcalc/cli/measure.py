@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # torch: only when the command runs
 
 # memcalc.probe.launch.Mode's values, plus auto; spelled out so --help needs no torch.
 LAUNCHES = ("auto", "single", "spawn", "fake", "torchrun")
+LAYERS = ("library", "memcalc")  # memcalc.probe.measure.LAYERS, spelled out so --help needs no torch
 
 
 @click.command("measure")
@@ -40,9 +41,14 @@ LAUNCHES = ("auto", "single", "spawn", "fake", "torchrun")
     "--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=300.0, show_default=True,
     help="Seconds the ranks get before they are stopped.",
 )
+@click.option(
+    "--layer", type=click.Choice(LAYERS), default="library", show_default=True,
+    help="library: the implementation's own code (--impl; needs memcalc[megatron|torchtitan|hf]);"
+    " memcalc: memcalc's own Megatron-style layer (--impl megatron only; needs memcalc[probe]).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of tables.")
-def command(strategy: str, device: str, backend: str | None, launch: str, timeout_s: float, as_json: bool,
-            **params: Any) -> None:
+def command(strategy: str, device: str, backend: str | None, launch: str, timeout_s: float, layer: str,
+            as_json: bool, **params: Any) -> None:
     """Run one real transformer layer per strategy, record every tensor each rank
     saves for backward, and compare it, tensor by tensor, with `memcalc estimate
     --exact` for the device it ran on. Exits 1 if any tensor differs.
@@ -55,7 +61,7 @@ def command(strategy: str, device: str, backend: str | None, launch: str, timeou
     config = model_from(params)
     from memcalc.probe.measure import measure  # needs torch: a one-line ProbeError without it
 
-    results = measure(config, strategy_names(strategy, config), device, backend, launch, timeout_s)
+    results = measure(config, strategy_names(strategy, config), device, backend, launch, timeout_s, layer)
     if not results:
         return  # a torchrun rank other than 0: rank 0 reports for the job
     if as_json:
@@ -87,6 +93,8 @@ def to_json(config: ModelConfig, results: list[StrategyMeasurement]) -> dict:
 def _strategy_json(m: StrategyMeasurement) -> dict:
     """How one strategy ran, its totals, and each tensor on rank 0."""
     return {
+        "layer": m.layer,
+        "cuda_like": list(m.notes),
         "launch": m.launch.mode.value,
         "group": m.ranks[0].group,
         "device": m.ranks[0].device,
@@ -122,7 +130,9 @@ def print_measurements(config: ModelConfig, results: list[StrategyMeasurement]) 
     console.print("[dim]one layer, bytes one rank saves for backward; predicted by `estimate --exact`[/dim]")
     for m in results:
         console.print(_table(m))
-        console.print(f"ran as: {m.how()}", highlight=False)
+        console.print(f"ran as: {m.layer}, {m.how()}", highlight=False)
+        for note in m.notes:
+            console.print(f"[dim]made CUDA-like: {note}[/dim]", highlight=False)
         cuda = m.ranks[0].cuda
         if cuda is not None:
             console.print(

@@ -18,12 +18,14 @@ Which way the ranks run (`choose_launch`, for --launch auto):
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections import defaultdict
 from dataclasses import dataclass
+from types import ModuleType
 
 from memcalc.config.schema import ModelConfig
-from memcalc.errors import ConfigError
+from memcalc.errors import ConfigError, ProbeError
 from memcalc.model.evaluate import LayerEstimate, check_strategy, estimate
 from memcalc.model.knobs import Accounting
 from memcalc.probe import require_torch
@@ -63,14 +65,48 @@ class RankResult:
     cuda: CudaMemory | None
 
 
-def measure_on_rank(tp: TensorParallelGroup, cases: tuple[tuple[ModelConfig, str], ...]) -> list[RankResult]:
-    """The per-rank entry point for `launch.run`: each (config, strategy name) in turn."""
-    return [measure_layer(tp, config, STRATEGIES[name]) for config, name in cases]
+# Which code builds the layer: the implementation's own library, or memcalc's own Megatron-style layer.
+LAYERS = ("library", "memcalc")
+# The runner module of each implementation's library (each imports its library only when loaded).
+# The install extra is the implementation's name: memcalc[megatron], memcalc[torchtitan], memcalc[hf].
+RUNNERS = {
+    "megatron": ("memcalc.probe.libs.megatron", "megatron-core"),
+    "torchtitan": ("memcalc.probe.libs.torchtitan", "torchtitan"),
+    "hf": ("memcalc.probe.libs.hf", "transformers"),
+}
 
 
-def measure_layer(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy) -> RankResult:
-    """Build the layer, record one forward pass, run backward once."""
+def measure_on_rank(tp: TensorParallelGroup, cases: tuple[tuple[ModelConfig, str, str], ...]) -> list[RankResult]:
+    """The per-rank entry point for `launch.run`: each (config, strategy name, layer) in turn."""
+    return [measure_layer(tp, config, STRATEGIES[name], layer) for config, name, layer in cases]
+
+
+def measure_layer(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, layer: str) -> RankResult:
+    """Build the layer (the library's, or memcalc's own), record one forward pass, run backward once."""
     torch.manual_seed(INPUT_SEED + tp.rank)  # dropout masks; weights are seeded by the linears
+    if layer == "library":
+        saved, cuda = runner(config.impl).run_layer(tp, config, strategy), None
+    else:
+        saved, cuda = _run_own_layer(tp, config, strategy)
+    return RankResult(strategy.name, tp.rank, tp.size, tp.mode, tp.device.type, saved, cuda)
+
+
+def runner(impl: str) -> ModuleType:
+    """The runner module for an implementation's library, or ProbeError saying what to install."""
+    module, package = RUNNERS[impl]
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        raise ProbeError(
+            f"--impl {impl} runs {package}'s own layer, which is not installed ({err});"
+            f" install it with: pip install 'memcalc[{impl}]'"
+        ) from err
+
+
+def _run_own_layer(
+    tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy
+) -> tuple[tuple[SavedStorage, ...], CudaMemory | None]:
+    """memcalc's Megatron-style layer: what it saves, and torch.cuda's readings around forward on a GPU."""
     sequence_parallel = strategy.sequence_parallel
     layer = TransformerLayer(config, tp, sequence_parallel)
     x = _layer_input(config, tp, sequence_parallel)
@@ -79,7 +115,7 @@ def measure_layer(tp: TensorParallelGroup, config: ModelConfig, strategy: Strate
         y = layer(x)
     cuda = _cuda_end(tp.device, start)
     y.backward(torch.ones_like(y))
-    return RankResult(strategy.name, tp.rank, tp.size, tp.mode, tp.device.type, recorder.saved, cuda)
+    return recorder.saved, cuda
 
 
 def _layer_input(config: ModelConfig, tp: TensorParallelGroup, sequence_parallel: bool) -> torch.Tensor:
@@ -216,6 +252,8 @@ class StrategyMeasurement:
 
     strategy: Strategy
     launch: Launch
+    layer: str  # whose layer ran: the implementation's library's name, or memcalc's own
+    notes: tuple[str, ...]  # what the library's CPU shim changed to make the run CUDA-like
     prediction: LayerEstimate
     ranks: tuple[RankResult, ...]
     rows: tuple[tuple[Row, ...], ...]  # per rank, in rank order
@@ -255,14 +293,19 @@ class StrategyMeasurement:
 
 
 def measure(
-    config: ModelConfig, strategies: list[str], device: str, backend: str | None, launch: str, timeout_s: float
+    config: ModelConfig, strategies: list[str], device: str, backend: str | None, launch: str, timeout_s: float,
+    layer: str = "library",
 ) -> list[StrategyMeasurement]:
-    """Measure each strategy; everything is checked before any rank starts.
+    """Measure each strategy on `layer` (see LAYERS); everything is checked before any rank starts.
 
     Returns nothing on a torchrun rank other than 0: rank 0 reports for the job.
     """
     if config.cp != 1:
         raise ConfigError(f"cp={config.cp}: the probe runs one layer without context parallelism; measure with cp=1")
+    if layer == "memcalc" and config.impl != "megatron":
+        raise ConfigError(f"--layer memcalc is memcalc's own Megatron-style layer; with --impl {config.impl} use --layer library")
+    if layer == "library":
+        runner(config.impl)  # a missing library is named before any rank starts
     plans = {name: _plan(config, STRATEGIES[name], device, backend, launch) for name in strategies}
     by_launch: dict[Launch, list[str]] = defaultdict(list)
     for name, plan in plans.items():
@@ -273,14 +316,14 @@ def measure(
         if plan.mode is Mode.SINGLE and under_torchrun() and int(os.environ["RANK"]) != 0:
             return []
         per_rank = run(
-            measure_on_rank, (tuple((config, name) for name in by_launch[plan]),), mode=plan.mode, t=plan.t,
+            measure_on_rank, (tuple((config, name, layer) for name in by_launch[plan]),), mode=plan.mode, t=plan.t,
             backend=plan.backend or "gloo", device=device, timeout_s=timeout_s,
         )
         if not per_rank:  # a torchrun rank other than 0
             return []
         for index, name in enumerate(by_launch[plan]):
             ranks[name] = [results[index] for results in per_rank]
-    return [_compared(STRATEGIES[name], plans[name], config, ranks[name]) for name in strategies]
+    return [_compared(STRATEGIES[name], plans[name], config, ranks[name], layer) for name in strategies]
 
 
 def _plan(config: ModelConfig, strategy: Strategy, device: str, backend: str | None, launch: str) -> Launch:
@@ -292,7 +335,13 @@ def _plan(config: ModelConfig, strategy: Strategy, device: str, backend: str | N
     return Launch(Mode.SINGLE, 1, device)
 
 
-def _compared(strategy: Strategy, plan: Launch, config: ModelConfig, ranks: list[RankResult]) -> StrategyMeasurement:
+def _compared(
+    strategy: Strategy, plan: Launch, config: ModelConfig, ranks: list[RankResult], layer: str
+) -> StrategyMeasurement:
     prediction = estimate(config, strategy, Accounting(exact=True, device=ranks[0].device))
     rows = tuple(compare(prediction, result.saved) for result in ranks)
-    return StrategyMeasurement(strategy, plan, prediction, tuple(ranks), rows)
+    if layer == "library":
+        whose, notes = f"{RUNNERS[config.impl][1]}'s own layer", tuple(runner(config.impl).NOTES)
+    else:
+        whose, notes = "memcalc's own Megatron-style layer", ()
+    return StrategyMeasurement(strategy, plan, whose, notes, prediction, tuple(ranks), rows)

@@ -23,7 +23,7 @@ from memcalc.probe import measure as measure_module  # noqa: E402
 from memcalc.probe.launch import Mode  # noqa: E402
 
 ROOT = Path(__file__).parents[2]
-TINY = ["--config", "configs/tiny.yaml"]
+TINY = ["--config", "configs/tiny.yaml", "--layer", "memcalc"]  # memcalc's own layer: needs torch alone
 
 
 def _fails_on_rank_1(tp, cases):

@@ -68,7 +68,7 @@ def _mismatches(cases, per_rank):
     """Every (rank, strategy, config, row) where the measurement differs from the prediction."""
     bad = []
     for rank, results in enumerate(per_rank):
-        for (config, name), result in zip(cases, results):
+        for (config, name, _), result in zip(cases, results):
             assert (result.rank, result.strategy, result.device) == (rank, name, "cpu")
             prediction = estimate(config, STRATEGIES[name], Accounting(exact=True, device="cpu"))
             bad += [(rank, name, config.as_dict(exclude_none=True), row)
@@ -84,7 +84,7 @@ def test_the_cases_take_every_value_of_every_knob(cases):
 
 
 def test_two_gloo_ranks_save_what_the_ledger_predicts_on_every_rank():
-    cases = tuple((_config(2, 4, knobs), name) for knobs in COVER for name in ("tp", "tp-sp"))
+    cases = tuple((_config(2, 4, knobs), name, "memcalc") for knobs in COVER for name in ("tp", "tp-sp"))
     per_rank = run(measure_on_rank, (cases,), mode="spawn", t=2, backend="gloo", timeout_s=240)
     assert len(per_rank) == 2 and all(r.group == "gloo" for results in per_rank for r in results)
     assert _mismatches(cases, per_rank) == []
@@ -92,14 +92,14 @@ def test_two_gloo_ranks_save_what_the_ledger_predicts_on_every_rank():
 
 @pytest.mark.parametrize("strategy", ["tp", "tp-sp"])
 def test_rank_0_of_8_in_the_fake_group_saves_what_the_ledger_predicts_across_the_knob_matrix(strategy):
-    cases = tuple((_config(8, 8, knobs), strategy) for knobs in _matrix())
+    cases = tuple((_config(8, 8, knobs), strategy, "memcalc") for knobs in _matrix())
     per_rank = run(measure_on_rank, (cases,), mode="fake", t=8)
     assert [r.group for r in per_rank[0]] == ["fake"] * len(cases)
     assert _mismatches(cases, per_rank) == []
 
 
 def test_no_parallelism_in_one_process_saves_what_the_ledger_predicts():
-    cases = tuple((_config(1, 4, knobs), "none") for knobs in COVER)
+    cases = tuple((_config(1, 4, knobs), "none", "memcalc") for knobs in COVER)
     assert _mismatches(cases, run(measure_on_rank, (cases,), mode="single")) == []
 
 
@@ -175,7 +175,7 @@ def test_measure_refuses_what_cannot_run_before_starting_any_rank(monkeypatch, f
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(ConfigError, match=message):
-        measure(build_config(TINY | fields), ["none", "tp", "tp-sp"], device, backend, launch, 10)
+        measure(build_config(TINY | fields), ["none", "tp", "tp-sp"], device, backend, launch, 10, "memcalc")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")

@@ -1,0 +1,121 @@
+"""Ledger names for tensors made inside a library's own code, which the probe cannot edit.
+
+memcalc's own layer calls `recorder.label` beside each op. A library's layer
+(Megatron-core, torchtitan, transformers) is run as it is, so its tensors are
+named from the outside, by rules: "the result of the first `softmax` called
+inside any module whose name ends in `self_attn` is attention/softmax_out".
+
+`Labels` follows which module is running with forward pre/post hooks on every
+submodule of the root, and sees each torch-level call (functions and tensor
+methods: `F.linear`, `x.to`, `a * b`) through a `TorchFunctionMode`. A call
+inside a torch function is not seen separately, so a rule names what the
+library's Python code calls, the same thing one reads in its source. A rule
+with `function="forward"` names a module's own input (`arg`) or output.
+
+    with SavedTensorRecorder(layer.parameters()) as recorder, Labels(layer, RULES):
+        y = layer(x)
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from typing import Any, Callable, Sequence
+
+from memcalc.model.ledger import SavedTensor
+from memcalc.probe import require_torch
+from memcalc.probe.recorder import label
+
+torch = require_torch()
+from torch.overrides import TorchFunctionMode  # noqa: E402  (after the install check above)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Which tensor, made where, is which ledger entry."""
+
+    module: str  # fnmatch pattern on the innermost running module's name under the root ("" is the root)
+    function: str  # __name__ of the torch function or tensor method called there, or "forward"
+    tensor: SavedTensor
+    nth: int | None = 0  # which matching call in one forward of that module (None: every one)
+    arg: int | str | None = None  # None: the result (a tuple's first tensor); int or keyword: that argument
+    view: Callable[[Any], Any] | None = None  # the tensor as a view in the ledger's axis order, for its shape
+
+
+@dataclass
+class _Frame:
+    """One running forward call of a module: its name and how often each function was called in it."""
+
+    name: str
+    calls: Counter = field(default_factory=Counter)
+
+
+class Labels(TorchFunctionMode):
+    """Context manager: label the tensors `rules` pick out while `root` (and its submodules) run."""
+
+    def __init__(self, root: torch.nn.Module, rules: Sequence[Rule]) -> None:
+        super().__init__()
+        self._root, self._rules = root, tuple(rules)
+        self._stack: list[_Frame] = []
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> Labels:
+        for name, module in self._root.named_modules():
+            self._handles.append(module.register_forward_pre_hook(self._entered(name), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._left(name), with_kwargs=True))
+        return super().__enter__()
+
+    def __exit__(self, *exc_info: object) -> None:
+        super().__exit__(*exc_info)
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._stack.clear()
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if self._stack:
+            self._match(self._stack[-1], getattr(func, "__name__", ""), args, kwargs, result)
+        return result
+
+    def _entered(self, name: str) -> Callable:
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            frame = _Frame(name)
+            self._stack.append(frame)
+            self._match(frame, "forward", args, kwargs, None, output=False)
+        return hook
+
+    def _left(self, name: str) -> Callable:
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            frame = self._stack.pop()
+            self._match(frame, "forward", args, kwargs, output, output=True)
+        return hook
+
+    def _match(
+        self, frame: _Frame, function: str, args: tuple, kwargs: dict, result: Any, output: bool | None = None
+    ) -> None:
+        """Label what each rule for this call names; count the call (a forward counts once, on entry)."""
+        nth = frame.calls[function]
+        if output is not True:
+            frame.calls[function] += 1
+        for rule in self._rules:
+            if rule.function != function or not fnmatchcase(frame.name, rule.module):
+                continue
+            if rule.nth is not None and rule.nth != (nth if output is None else 0):
+                continue
+            if output is not None and output != (rule.arg is None):
+                continue  # a forward's input rules apply on entry, its output rules on exit
+            target = _pick(result, args, kwargs, rule.arg)
+            if isinstance(target, torch.Tensor):
+                label(rule.view(target) if rule.view else target, rule.tensor)
+
+
+def _pick(result: Any, args: tuple, kwargs: dict, arg: int | str | None) -> Any:
+    """The result (a tuple's first tensor), or the positional or keyword argument `arg`."""
+    if arg is None:
+        return next((x for x in result if isinstance(x, torch.Tensor)), None) if isinstance(result, tuple) else result
+    if isinstance(arg, int):
+        return args[arg] if arg < len(args) else None
+    return kwargs.get(arg)
