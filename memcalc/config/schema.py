@@ -24,7 +24,7 @@ from pydantic_core import SchemaValidator, ValidationError
 from pydantic_core import core_schema as cs
 
 from memcalc.errors import ConfigError, in_file
-from memcalc.model.impls import implementation
+from memcalc.model.impls import IMPLEMENTATIONS, implementation
 from memcalc.model.knobs import BY_NAME as KNOBS_BY_NAME
 from memcalc.model.knobs import Knob, Knobs
 
@@ -173,9 +173,15 @@ def _validator(cls: type[Knobs]) -> SchemaValidator:
     return SchemaValidator(schema)
 
 
+def with_library_defaults(fields: dict[str, Any]) -> dict[str, Any]:
+    """`fields` over the chosen implementation's own knob defaults (HF Llama has no dropout, say)."""
+    impl = IMPLEMENTATIONS.get(fields.get("impl")) if isinstance(fields.get("impl"), str) else None
+    return fields if impl is None else impl.defaults | fields
+
+
 def build_config(fields: dict[str, Any]) -> ModelConfig:
     """Validate `fields` into a config, or raise ConfigError naming the field and rule."""
-    config = _validate(ModelConfig, fields)
+    config = _validate(ModelConfig, with_library_defaults(fields))
     implementation(config)  # the implementation refuses knobs its library cannot run
     check_divisibility(config)
     check_layout(config)
@@ -184,7 +190,7 @@ def build_config(fields: dict[str, Any]) -> ModelConfig:
 
 def build_knobs(fields: dict[str, Any]) -> Knobs:
     """Validate knob fields alone, for commands that need no sizes."""
-    knobs = _validate(Knobs, fields)
+    knobs = _validate(Knobs, with_library_defaults(fields))
     implementation(knobs)
     return knobs
 

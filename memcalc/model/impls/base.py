@@ -12,7 +12,7 @@ sequence-parallel layout keeps gathered, as torchtitan's DTensor plan does.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from memcalc.model.knobs import Accounting
@@ -34,6 +34,7 @@ class Implementation:
     strategies: tuple[str, ...] = ("none", "tp", "tp-sp")  # the layouts the library runs
     kept_whole: frozenset[str] = frozenset()  # tensors a sequence-splitting layout keeps gathered (full s)
     check: Callable[[Any], None] = _accept_all  # ConfigError for knob values the library cannot run
+    defaults: dict[str, Any] = field(default_factory=dict)  # the library's own knob values, where not the seed's
 
 
 def drop_small(tensors: Iterable[SavedTensor], accounting: Accounting) -> tuple[SavedTensor, ...]:

@@ -1,0 +1,42 @@
+"""Reference pages rendered from the code: docs/model.md and docs/impl-<name>.md.
+
+    python -m memcalc.docgen          # print them
+    python -m memcalc.docgen --write  # update the files
+
+Tests fail when a checked-in page differs from what the code renders.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+
+def pages() -> dict[Path, str]:
+    """Every generated page, by path."""
+    from memcalc.docgen import impls, model
+
+    return {model.DOCS: model.render(), **impls.pages()}
+
+
+def write(path: Path, text: str) -> None:
+    """Replace `path` whole: write a temporary file beside it, then rename it over."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as tmp:
+        tmp.write(text)
+    os.replace(tmp.name, path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Print every page, or with --write update the files."""
+    args = sys.argv[1:] if argv is None else argv
+    if args not in ([], ["--write"]):
+        sys.exit("usage: python -m memcalc.docgen [--write]")
+    for path, text in pages().items():
+        if args:
+            write(path, text)
+            print(f"wrote {path}")
+        else:
+            sys.stdout.write(text)

@@ -1,0 +1,3 @@
+from memcalc.docgen import main
+
+main()

@@ -1,0 +1,59 @@
+"""Every knob is declared once, in KNOBS, and every consumer is generated from that table."""
+
+import pytest
+from click.testing import CliRunner
+
+from memcalc.cli import cli
+from memcalc.cli.render import describe_knobs
+from memcalc.config.schema import build_knobs, field_names
+from memcalc.docgen.model import VARIANTS
+from memcalc.errors import ConfigError
+from memcalc.model.impls import IMPLEMENTATIONS
+from memcalc.model.knobs import KNOBS, Knobs
+from memcalc.sizing.sweep_output import KNOB_COLUMNS
+
+# A value other than the default, for each kind of knob.
+OTHER = {"size": 96, "probability": 0.0, "flag": True}
+
+
+def _other(knob):
+    return next(v for v in knob.values if v != knob.default) if knob.kind == "choice" else OTHER[knob.kind]
+
+
+@pytest.mark.parametrize("knob", KNOBS, ids=lambda k: k.name)
+def test_the_config_schema_accepts_the_knob_and_names_it_when_wrong(knob):
+    assert knob.name in field_names(Knobs)
+    with pytest.raises(ConfigError, match=f"field '{knob.name}'"):
+        build_knobs({knob.name: "not-a-value" if knob.kind != "choice" else 7})
+
+
+@pytest.mark.parametrize("knob", KNOBS, ids=lambda k: k.name)
+def test_every_command_that_takes_knobs_has_its_flag(knob):
+    for command in ("estimate", "formula", "explain", "sweep", "fit", "plot", "measure"):
+        help_text = CliRunner().invoke(cli, [command, "--help"], terminal_width=200).output
+        assert knob.flag in help_text, (command, knob.flag)
+
+
+@pytest.mark.parametrize("knob", KNOBS, ids=lambda k: k.name)
+def test_the_sweep_writes_a_column_for_the_knob(knob):
+    assert knob.name in KNOB_COLUMNS
+
+
+@pytest.mark.parametrize("knob", KNOBS, ids=lambda k: k.name)
+def test_the_description_changes_when_the_knob_does(knob):
+    assert describe_knobs(Knobs(**{knob.name: _other(knob)})) != describe_knobs(Knobs())
+
+
+@pytest.mark.parametrize("knob", [k for k in KNOBS if k.name != "impl"], ids=lambda k: k.name)
+def test_docs_show_a_variant_for_the_knob(knob):
+    assert any(getattr(v.knobs, knob.name) != knob.default for v in VARIANTS), knob.name
+
+
+def test_every_implementation_is_a_choice_of_the_impl_knob_and_back():
+    impl = next(k for k in KNOBS if k.name == "impl")
+    assert set(IMPLEMENTATIONS) <= set(impl.values)
+
+
+def test_a_choice_compares_and_prints_as_its_text():
+    knobs = build_knobs({"mlp": "swiglu"})
+    assert knobs.mlp == "swiglu" and f"{knobs.mlp}" == "swiglu" and {"swiglu": 1}[knobs.mlp] == 1
