@@ -8,10 +8,10 @@ import click
 
 from memcalc.cli.knobs import knobs_from
 from memcalc.cli.options import accounting_options, config_option, knob_options
-from memcalc.model.impls import layer_tensors
+from memcalc.model.impls import layer_tensors, plan, strategies_of
 from memcalc.model.knobs import Accounting, element_bytes
 from memcalc.model.ledger import SavedTensor
-from memcalc.model.strategy import TP, TP_SP
+from memcalc.model.strategy import TP, TP_SP, Strategy
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -36,7 +36,8 @@ def command(exact: bool, device: str, **params: Any) -> None:
 
     knobs = knobs_from(params)
     accounting = Accounting(exact=exact, device=device)
-    rows = [_row(x, element_bytes(x.kind, knobs, accounting)) for x in layer_tensors(knobs, accounting)]
+    plans = [plan(knobs, st) if st.name in strategies_of(knobs) else None for st in (TP, TP_SP)]
+    rows = [_row(x, element_bytes(x.kind, knobs, accounting), *plans) for x in layer_tensors(knobs, accounting)]
     title = f"Saved for backward, one layer: {accounting_note(accounting)}"
     if console.width >= WIDE:
         console.print(_table(title, rows))
@@ -44,9 +45,9 @@ def command(exact: bool, device: str, **params: Any) -> None:
         _print_list(title, rows)
 
 
-def _row(x: SavedTensor, width: int) -> tuple[str, ...]:
-    """A tensor's cells; a split shows which dimension each strategy divides by t."""
-    tp_dim, sp_dim = TP.split_dim(x), TP_SP.split_dim(x)
+def _row(x: SavedTensor, width: int, tp: Strategy | None, tp_sp: Strategy | None) -> tuple[str, ...]:
+    """A tensor's cells; a split shows which dimension each strategy (as the implementation plans it) divides by t."""
+    tp_dim, sp_dim = (st.split_dim(x) if st else None for st in (tp, tp_sp))
     return (
         x.name if x.paper else f"{x.name} (exact)",
         x.saved_by,
