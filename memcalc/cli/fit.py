@@ -69,11 +69,19 @@ def _fit_all(
     names = [n for n in strategy_names(strategy, config) if not (solve == "t" and n == "none")]
     if not names:
         raise ConfigError("strategy 'none' does not split by t, so there is no t to solve for")
-    return [
-        fit(build_config(config.as_dict() | {"recompute": r}), STRATEGIES[n], solve, budget, accounting, count)
-        for n in names
-        for r in ([recompute] if recompute else RECOMPUTES)
-    ]
+    configs = [build_config(config.as_dict() | {"recompute": recompute})] if recompute else _runnable(config)
+    return [fit(c, STRATEGIES[n], solve, budget, accounting, count) for n in names for c in configs]
+
+
+def _runnable(config: ModelConfig) -> list[ModelConfig]:
+    """The config under each recompute choice its implementation runs (a library may lack one)."""
+    configs = []
+    for choice in RECOMPUTES:
+        try:
+            configs.append(build_config(config.as_dict() | {"recompute": choice}))
+        except ConfigError:
+            continue  # e.g. a library with no selective recomputation: not a candidate
+    return configs
 
 
 def _nothing_fits(fits: list[Fit], solve: str, budget: int, count: str) -> None:
