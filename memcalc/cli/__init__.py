@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "formula": ("formula", "The per-layer formulas in symbols (text, LaTeX, JSON)."),
     "explain": ("explain", "The ledger: every saved tensor, its shape, split and reason."),
     "measure": ("measure", "Run real layers and compare saved bytes with the ledger."),
+    "comm": ("comm", "The collectives TP and SP issue per layer, and the bytes each rank sends."),
     "sweep": ("sweep", "Evaluate many configurations at once (lists and ranges of sizes)."),
     "plot": ("plot", "Plot activation memory against s or t, or a per-tensor breakdown."),
     "fit": ("fit", "The largest micro-batch or sequence, or smallest t, that fits a budget."),
