@@ -9,7 +9,7 @@ import click
 
 from memcalc.cli.options import model_from, model_options, strategy_names, strategy_option
 from memcalc.config.schema import ModelConfig, config_record
-from memcalc.errors import ProbeError
+from memcalc.errors import ConfigError, ProbeError
 
 if TYPE_CHECKING:  # torch: only when the command runs
     from rich.table import Table
@@ -46,9 +46,13 @@ LAYERS = ("library", "memcalc")  # memcalc.probe.measure.LAYERS, spelled out so 
     help="library: the implementation's own code (--impl; needs memcalc[megatron|torchtitan|hf]);"
     " memcalc: memcalc's own Megatron-style layer (--impl megatron only; needs memcalc[probe]).",
 )
+@click.option(
+    "--comm", is_flag=True,
+    help="Also show every collective the layer issued next to the communication ledger's (memcalc's own layer).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of tables.")
 def command(strategy: str, device: str, backend: str | None, launch: str, timeout_s: float, layer: str,
-            as_json: bool, **params: Any) -> None:
+            comm: bool, as_json: bool, **params: Any) -> None:
     """Run one real transformer layer per strategy, record every tensor each rank
     saves for backward, and compare it, tensor by tensor, with `memcalc estimate
     --exact` for the device it ran on. Exits 1 if any tensor differs.
@@ -59,6 +63,8 @@ def command(strategy: str, device: str, backend: str | None, launch: str, timeou
              torchrun --nproc-per-node 8 -m memcalc measure --config configs/tiny.yaml --t 8 --device cuda
     """
     config = model_from(params)
+    if comm and layer != "memcalc":
+        raise ConfigError("--comm counts the collectives of memcalc's own layer: add --layer memcalc")
     from memcalc.probe.measure import measure  # needs torch: a one-line ProbeError without it
 
     results = measure(config, strategy_names(strategy, config), device, backend, launch, timeout_s, layer)
@@ -67,7 +73,7 @@ def command(strategy: str, device: str, backend: str | None, launch: str, timeou
     if as_json:
         click.echo(json.dumps(to_json(config, results), indent=2))
     else:
-        print_measurements(config, results)
+        print_measurements(config, results, comm)
     differences = [f"{m.strategy.name}: {d}" for m in results for d in m.differences()]
     if differences:
         raise ProbeError(f"measured bytes differ from the ledger: {'; '.join(differences)}")
@@ -114,6 +120,11 @@ def _strategy_json(m: StrategyMeasurement) -> dict:
             for row in m.rows[0]
         ],
         "cuda": None if m.ranks[0].cuda is None else vars(m.ranks[0].cuda),
+        "collectives": [
+            {"name": c.name, "predicted": list(c.predicted or ()), "measured": list(c.measured or ()),
+             "match": c.matches}
+            for c in (m.comm[0] if m.comm else ())
+        ],
     }
 
 
@@ -121,7 +132,7 @@ def _list(shape: tuple[int, ...] | None) -> list[int] | None:
     return None if shape is None else list(shape)
 
 
-def print_measurements(config: ModelConfig, results: list[StrategyMeasurement]) -> None:
+def print_measurements(config: ModelConfig, results: list[StrategyMeasurement], comm: bool = False) -> None:
     """A table per strategy, how it ran, and whether it matched."""
     from memcalc.cli.render import console, describe
     from memcalc.units import human_bytes
@@ -130,6 +141,8 @@ def print_measurements(config: ModelConfig, results: list[StrategyMeasurement]) 
     console.print("[dim]one layer, bytes one rank saves for backward; predicted by `estimate --exact`[/dim]")
     for m in results:
         console.print(_table(m))
+        if comm and m.comm and m.comm[0]:
+            console.print(_comm_table(m))
         console.print(f"ran as: {m.layer}, {m.how()}", highlight=False)
         for note in m.notes:
             console.print(f"[dim]made CUDA-like: {note}[/dim]", highlight=False)
@@ -180,3 +193,16 @@ def _difference(row: Row) -> str:
     if row.measured != row.predicted:
         return f"[red]{row.measured - row.predicted:+,}[/red]"
     return "0" if row.matches else "[red]shape[/red]"
+
+
+def _comm_table(m: StrategyMeasurement) -> Table:
+    """Rank 0's collectives, in order, next to the communication ledger's: kind, pass and bytes sent."""
+    from rich.table import Table
+
+    table = Table(title=f"{m.strategy.name}: collectives on rank 0, bytes sent (ring)")
+    for col in ("collective", "predicted", "measured"):
+        table.add_column(col, no_wrap=True)
+    for c in m.comm[0]:
+        cells = [" ".join(map(str, x)) if x else "none" for x in (c.predicted, c.measured)]
+        table.add_row(c.name, cells[0], cells[1] if c.matches else f"[red]{cells[1]}[/red]")
+    return table

@@ -26,9 +26,11 @@ from types import ModuleType
 
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError, ProbeError
-from memcalc.model.evaluate import LayerEstimate, check_strategy, estimate
-from memcalc.model.knobs import Accounting
+from memcalc.model.comm import layer_collectives
+from memcalc.model.evaluate import LayerEstimate, check_strategy, dim_sizes, estimate
+from memcalc.model.knobs import DTYPE_BYTES, Accounting
 from memcalc.probe import require_torch
+from memcalc.probe.collectives import CollectiveLog, CommRow, LoggedCollective, compare_collectives
 from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.launch import Mode, run, under_torchrun
 from memcalc.probe.layer import DTYPES, TransformerLayer
@@ -63,6 +65,7 @@ class RankResult:
     device: str  # cpu or cuda: decides the width of norm statistics
     saved: tuple[SavedStorage, ...]
     cuda: CudaMemory | None
+    collectives: tuple[LoggedCollective, ...] = ()  # memcalc's own layer only: every collective it issued
 
 
 # Which code builds the layer: the implementation's own library, or memcalc's own Megatron-style layer.
@@ -85,10 +88,10 @@ def measure_layer(tp: TensorParallelGroup, config: ModelConfig, strategy: Strate
     """Build the layer (the library's, or memcalc's own), record one forward pass, run backward once."""
     torch.manual_seed(INPUT_SEED + tp.rank)  # dropout masks; weights are seeded by the linears
     if layer == "library":
-        saved, cuda = runner(config.impl).run_layer(tp, config, strategy), None
+        saved, cuda, collectives = runner(config.impl).run_layer(tp, config, strategy), None, ()
     else:
-        saved, cuda = _run_own_layer(tp, config, strategy)
-    return RankResult(strategy.name, tp.rank, tp.size, tp.mode, tp.device.type, saved, cuda)
+        saved, cuda, collectives = _run_own_layer(tp, config, strategy)
+    return RankResult(strategy.name, tp.rank, tp.size, tp.mode, tp.device.type, saved, cuda, collectives)
 
 
 def runner(impl: str) -> ModuleType:
@@ -105,17 +108,20 @@ def runner(impl: str) -> ModuleType:
 
 def _run_own_layer(
     tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy
-) -> tuple[tuple[SavedStorage, ...], CudaMemory | None]:
-    """memcalc's Megatron-style layer: what it saves, and torch.cuda's readings around forward on a GPU."""
+) -> tuple[tuple[SavedStorage, ...], CudaMemory | None, tuple[LoggedCollective, ...]]:
+    """memcalc's Megatron-style layer: what it saves, torch.cuda's readings around forward on a GPU,
+    and every collective it issues in forward and backward."""
     sequence_parallel = strategy.sequence_parallel
     layer = TransformerLayer(config, tp, sequence_parallel)
     x = _layer_input(config, tp, sequence_parallel)
     start = _cuda_start(tp.device)
-    with SavedTensorRecorder(layer.parameters()) as recorder:
-        y = layer(x)
-    cuda = _cuda_end(tp.device, start)
-    y.backward(torch.ones_like(y))
-    return recorder.saved, cuda
+    with CollectiveLog() as log:
+        with SavedTensorRecorder(layer.parameters()) as recorder:
+            y = layer(x)
+        cuda = _cuda_end(tp.device, start)
+        log.phase = "backward"
+        y.backward(torch.ones_like(y))
+    return recorder.saved, cuda, tuple(log.calls)
 
 
 def _layer_input(config: ModelConfig, tp: TensorParallelGroup, sequence_parallel: bool) -> torch.Tensor:
@@ -257,10 +263,11 @@ class StrategyMeasurement:
     prediction: LayerEstimate
     ranks: tuple[RankResult, ...]
     rows: tuple[tuple[Row, ...], ...]  # per rank, in rank order
+    comm: tuple[tuple[CommRow, ...], ...] = ()  # per rank: the collectives issued against the ledger's (own layer)
 
     @property
     def matches(self) -> bool:
-        return all(row.matches for rows in self.rows for row in rows)
+        return all(row.matches for rows in (*self.rows, *self.comm) for row in rows)
 
     @property
     def predicted_bytes(self) -> int:
@@ -283,12 +290,13 @@ class StrategyMeasurement:
         return f"torchrun: t={t} ranks, real {group} collectives on {device}; rank 0 compared"
 
     def differences(self) -> list[str]:
-        """Each tensor that differs, prefixed with its rank when it is not rank 0."""
+        """Each tensor (or collective) that differs, prefixed with its rank when it is not rank 0."""
+        comm = self.comm or ((),) * len(self.ranks)
         return [
-            f"{'' if result.rank == 0 else f'rank {result.rank}: '}{row.describe()}"
-            for result, rows in zip(self.ranks, self.rows)
-            for row in rows
-            if not row.matches
+            f"{'' if result.rank == 0 else f'rank {result.rank}: '}{text}"
+            for result, rows, comm_rows in zip(self.ranks, self.rows, comm)
+            for text in [row.describe() for row in rows if not row.matches]
+            + [f"collective {c.name} (issued {c.measured}, ledger {c.predicted})" for c in comm_rows if not c.matches]
         ]
 
 
@@ -340,8 +348,16 @@ def _compared(
 ) -> StrategyMeasurement:
     prediction = estimate(config, strategy, Accounting(exact=True, device=ranks[0].device))
     rows = tuple(compare(prediction, result.saved) for result in ranks)
+    comm = () if layer == "library" else tuple(_compared_comm(config, strategy, r) for r in ranks)
     if layer == "library":
         whose, notes = f"{RUNNERS[config.impl][1]}'s own layer", tuple(runner(config.impl).NOTES)
     else:
         whose, notes = "memcalc's own Megatron-style layer", ()
-    return StrategyMeasurement(strategy, plan, whose, notes, prediction, tuple(ranks), rows)
+    return StrategyMeasurement(strategy, plan, whose, notes, prediction, tuple(ranks), rows, comm)
+
+
+def _compared_comm(config: ModelConfig, strategy: Strategy, result: RankResult) -> tuple[CommRow, ...]:
+    """The collectives one rank issued against the communication ledger's, in order."""
+    t = config.t if strategy.tensor_parallel else 1
+    predicted = layer_collectives(config, strategy)
+    return compare_collectives(predicted, dim_sizes(config), t, DTYPE_BYTES[config.dtype], result.collectives)
