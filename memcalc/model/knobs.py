@@ -43,6 +43,7 @@ class Impl(Choice):
 class Mlp(Choice):
     GELU = "gelu"
     SWIGLU = "swiglu"
+    GELU_TANH = "gelu_tanh"  # tanh-approximate GELU written out in Python (HF GPT-2's gelu_new)
 
 
 class Attention(Choice):
@@ -59,6 +60,7 @@ class Recompute(Choice):
     NONE = "none"
     SELECTIVE = "selective"
     FULL = "full"
+    OP = "op"  # torchtitan's op-level selective checkpointing: keeps chosen ops' outputs, reruns the rest
 
 
 class Dtype(Choice):
