@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 import click
@@ -11,7 +12,8 @@ from memcalc.cli.options import layout_options, model_from, model_options, strat
 from memcalc.config.schema import ModelConfig, config_record
 from memcalc.model.comm import LayerComm, formula, layer_comm
 from memcalc.model.knobs import DTYPE_BYTES
-from memcalc.model.strategy import STRATEGIES
+from memcalc.model.overlap import DEFAULT_SPLITS, GPUS, Gpu, buffer_bytes, chosen, exposed, pairings, resolve
+from memcalc.model.strategy import STRATEGIES, TP_SP
 
 
 @click.command("comm")
@@ -22,8 +24,21 @@ from memcalc.model.strategy import STRATEGIES
               help="Micro-batches per step (each runs every layer's collectives once).")
 @click.option("--format", "fmt", type=click.Choice(["table", "latex"]), default="table", show_default=True,
               help="table: every collective; latex: the per-layer formula of each strategy.")
+@click.option(
+    "--overlap", default=None, metavar="METHODS",
+    help="Model hiding TP communication behind GEMMs (tp-sp, megatron): 'default' (tp_comm_overlap's own set)"
+    " or a comma list of ring-ag, ring-rs, pipelined-rs, bulk-dgrad, bulk-wgrad, rs-dgrad.",
+)
+@click.option("--gpu", type=click.Choice(list(GPUS)), default="h100", show_default=True,
+              help="Peak 16-bit TFLOPS and link bandwidth preset for the timing model.")
+@click.option("--peak-tflops", type=click.FloatRange(min=0, min_open=True), help="Override the preset's TFLOPS.")
+@click.option("--link-gbps", type=click.FloatRange(min=0, min_open=True),
+              help="Override the preset's link bandwidth, GB/s one way.")
+@click.option("--num-splits", type=click.IntRange(min=1), default=DEFAULT_SPLITS, show_default=True,
+              help="Chunks of a pipelined reduce-scatter.")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of tables.")
-def command(strategy: str, microbatches: int, fmt: str, as_json: bool, **params: Any) -> None:
+def command(strategy: str, microbatches: int, fmt: str, overlap: str | None, gpu: str, peak_tflops: float | None,
+            link_gbps: float | None, num_splits: int, as_json: bool, **params: Any) -> None:
     """What tensor parallelism sends: every collective of the f, f*, g, g* operators
     in one layer, forward and backward, and the bytes one rank sends (ring
     algorithm), per layer and per training step.
@@ -33,6 +48,12 @@ def command(strategy: str, microbatches: int, fmt: str, as_json: bool, **params:
              memcalc comm --config configs/gpt3-175b.yaml --format latex
     """
     config = model_from(params)
+    if overlap is not None:
+        device = replace(GPUS[gpu], tflops=peak_tflops or GPUS[gpu].tflops, link_gb_s=link_gbps or GPUS[gpu].link_gb_s)
+        methods = resolve(x.strip() for x in overlap.split(","))
+        report = overlap_report(config, methods, device, num_splits)
+        click.echo(json.dumps(report, indent=2)) if as_json else _print_overlap(config, report)
+        return
     results = [layer_comm(config, STRATEGIES[n], microbatches) for n in strategy_names(strategy, config)]
     width = DTYPE_BYTES[config.dtype]
     if as_json:
@@ -93,3 +114,52 @@ def _print(config: ModelConfig, results: list[LayerComm], microbatches: int, wid
             f" = {r.per_step_bytes:,} B ({human_bytes(r.per_step_bytes)}) sent by each rank",
             highlight=False,
         )
+
+
+def overlap_report(config: ModelConfig, methods: frozenset[str], gpu: Gpu, splits: int) -> dict:
+    """Per collective of one tp-sp layer: its GEMM, the method hiding it, the times, and the buffers."""
+    rows = []
+    for p in pairings(config, TP_SP, gpu):
+        method = chosen(p.methods, methods)
+        rows.append({
+            "collective": p.collective, "gemm": p.gemm, "method": method, "bytes_sent": p.comm_bytes,
+            "gemm_s": p.gemm_s, "comm_s": p.comm_s, "exposed_without_s": exposed(p, None, config.t, splits),
+            "exposed_s": exposed(p, method, config.t, splits),
+        })
+    buffers = buffer_bytes(config, methods, config.t)
+    return {
+        "gpu": vars(gpu), "methods": sorted(methods), "num_splits": splits, "collectives": rows,
+        "per_layer": {k: sum(r[k] for r in rows) for k in ("gemm_s", "comm_s", "exposed_without_s", "exposed_s")},
+        "userbuffer_bytes": buffers,
+        "userbuffer_total_bytes": sum(buffers.values()),
+        "note": "userbuffers are allocated once for the model, outside PyTorch's allocator: torch.cuda never sees them",
+    }
+
+
+def _print_overlap(config: ModelConfig, report: dict) -> None:
+    from rich.table import Table
+
+    from memcalc.cli.render import console, describe
+    from memcalc.units import human_bytes
+
+    console.print(describe(config), highlight=False)
+    gpu = report["gpu"]
+    title = f"tp-sp, one layer on {gpu['name']} ({gpu['tflops']:g} TFLOPS, {gpu['link_gb_s']:g} GB/s), microseconds"
+    table = Table(title=title)
+    for col in ("collective", "GEMM", "method"):
+        table.add_column(col, no_wrap=True)
+    for col in ("GEMM us", "comm us", "exposed"):  # without overlap all of comm is exposed
+        table.add_column(col, justify="right", no_wrap=True)
+    us = lambda x: f"{x * 1e6:,.1f}"  # noqa: E731
+    for r in report["collectives"]:
+        name = r["collective"].replace(" forward", " fwd").replace(" backward", " bwd")
+        table.add_row(name, r["gemm"], r["method"] or "-", us(r["gemm_s"]), us(r["comm_s"]), us(r["exposed_s"]))
+    t = report["per_layer"]
+    table.add_row("[bold]per layer[/bold]", "", "", us(t["gemm_s"]), us(t["comm_s"]), us(t["exposed_s"]),
+                  end_section=True)
+    console.print(table)
+    console.print(
+        f"userbuffers: {human_bytes(report['userbuffer_total_bytes'])} for the whole model"
+        f" ({len(report['userbuffer_bytes'])} GEMMs), outside PyTorch's allocator: torch.cuda never counts them",
+        highlight=False,
+    )
