@@ -112,7 +112,7 @@ def gemm_flops(config: ModelConfig) -> dict[str, int]:
 
 
 # (ledger collective name, pass, its index among equal names in that pass) -> (GEMM, methods that may hide it)
-_PAIRS = (
+PAIRS = (
     ("attention/g", "forward", 0, "qkv_fprop", ("ring-ag",)),
     ("attention/g*", "forward", 0, "proj_fprop", ("pipelined-rs", "ring-rs")),
     ("mlp/g", "forward", 0, "fc1_fprop", ("ring-ag",)),
@@ -143,7 +143,7 @@ def pairings(config: ModelConfig, strategy: Strategy, gpu: Gpu) -> tuple[Pairing
         found[(*key, seen.get(key, 0))] = sent_bytes(c, sizes, config.t, width)
         seen[key] = seen.get(key, 0) + 1
     out = []
-    for name, phase, index, gemm, methods in _PAIRS:
+    for name, phase, index, gemm, methods in PAIRS:
         sent = found.get((name, phase, index))
         if sent is None:
             continue  # an implementation without Megatron's re-gather has one collective fewer
@@ -185,7 +185,7 @@ def buffer_bytes(config: ModelConfig, methods: frozenset[str], t: int) -> dict[s
     """Userbuffers for the whole model, one per overlapped GEMM name (outside PyTorch's allocator)."""
     whole = config.b * (config.s // config.cp) * config.h * DTYPE_BYTES[config.dtype]
     out = {}
-    for _, _, _, gemm, options in _PAIRS:
+    for _, _, _, gemm, options in PAIRS:
         method = chosen(options, methods)
         if method is None:
             continue
