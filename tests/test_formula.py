@@ -46,21 +46,26 @@ def test_text_prints_the_seeds_notation(name):
     assert F.to_text(_total(STRATEGIES[name])) == SEED_TEXT[name]
 
 
-def test_swiglu_with_ffn_f_saves_four_bsf_tensors_in_place_of_two():
-    # gate, up, SiLU out and fc2's input: 4 x 2bsf, where GELU saved 2 x 2bsh*4.
+def test_swiglu_with_ffn_f_saves_five_bsf_tensors_in_place_of_two():
+    # gate, up, SiLU out, Megatron's copy of up and fc2's input: 5 x 2bsf, where GELU saved 2 x 2bsh*4.
     got = _total(NONE, Knobs(mlp="swiglu", ffn_hidden_size=96))
-    assert _same(got, SEED["none"] - 16 * s * b * h + 8 * b * s * f)
+    assert _same(got, SEED["none"] - 16 * s * b * h + 10 * b * s * f)
 
 
-def test_gqa_writes_k_and_v_with_g_groups():
-    got = _total(TP, Knobs(num_query_groups=2))
-    assert _same(got, SEED["tp"] - 4 * s * b * h / t + 2 * 2 * b * s * g * (h / a) / t)
+def test_gqa_writes_k_and_v_with_g_groups_where_they_are_not_expanded():
+    flash = Knobs(attention="flash")
+    got = _total(TP, Knobs(attention="flash", num_query_groups=2))
+    assert _same(got, _total(TP, flash) - 4 * s * b * h / t + 2 * 2 * b * s * g * (h / a) / t)
+    assert _same(_total(TP, Knobs(num_query_groups=2)), SEED["tp"])  # eager: K and V copied to every head
 
 
 def test_g_and_f_appear_only_when_the_config_sets_them():
+    gqa_flash = Knobs(attention="flash", num_query_groups=2)
     assert _total(TP_SP).free_symbols == {b, s, h, a, t}
-    assert _total(TP_SP, Knobs(num_query_groups=2, ffn_hidden_size=96)).free_symbols == {b, s, h, a, t, g, f}
-    assert F.symbols_in([_total(TP, Knobs(num_query_groups=2))]) == ["b", "s", "h", "a", "t", "g"]
+    assert _total(TP_SP, Knobs(attention="flash", num_query_groups=2, ffn_hidden_size=96)).free_symbols == {
+        b, s, h, a, t, g, f,
+    }
+    assert F.symbols_in([_total(TP, gqa_flash)]) == ["b", "s", "h", "a", "t", "g"]
 
 
 def test_exact_accounting_adds_norm_statistics_per_token():

@@ -51,13 +51,20 @@ def test_tensors_come_in_forward_order_of_blocks():
     assert set(blocks) == set(order)
 
 
-def test_swiglu_replaces_gelu_input_with_gate_up_and_silu_out():
+def test_swiglu_replaces_gelu_input_with_gate_up_silu_out_and_megatrons_copy_of_up():
     gelu = _by_name(ffn_hidden_size=F)
     swiglu = _by_name(mlp="swiglu", ffn_hidden_size=F)
     assert set(gelu) - set(swiglu) == {"mlp/gelu_in"}
-    assert set(swiglu) - set(gelu) == {"mlp/gate", "mlp/up", "mlp/silu_out"}
-    # Three (b, s, f) tensors in place of one.
-    assert sum(swiglu.values()) - sum(gelu.values()) == 3 * 2 * BSF - 2 * BSF
+    assert set(swiglu) - set(gelu) == {"mlp/gate", "mlp/up", "mlp/silu_out", "mlp/up_plus_offset"}
+    # Four (b, s, f) tensors in place of one: glu()'s `up + offset` is a copy the product keeps.
+    assert sum(swiglu.values()) - sum(gelu.values()) == 4 * 2 * BSF - 2 * BSF
+
+
+def test_fused_swiglu_keeps_fc1s_output_alone_gate_and_up():
+    gelu = _by_name(ffn_hidden_size=F)
+    fused = _by_name(mlp="swiglu", ffn_hidden_size=F, bias_activation_fusion=True)
+    assert set(fused) - set(gelu) == {"mlp/gate", "mlp/up"}
+    assert sum(fused.values()) - sum(gelu.values()) == 2 * 2 * BSF - 2 * BSF
 
 
 def test_ffn_hidden_size_changes_only_the_two_mlp_inner_terms():
@@ -105,11 +112,18 @@ def test_full_recompute_keeps_only_layer_input():
         assert _by_name(name, recompute="full") == {"layer/input": expected}
 
 
-def test_gqa_shrinks_k_and_v_by_groups_over_heads():
-    mha, gqa = _by_name(), _by_name(num_query_groups=G)
+def test_gqa_with_flash_attention_shrinks_k_and_v_by_groups_over_heads():
+    mha, gqa = _by_name(attention="flash"), _by_name(attention="flash", num_query_groups=G)
     for name in ("attention/k", "attention/v"):
         assert gqa[name] * A == mha[name] * G
     assert {n for n in mha if mha[n] != gqa[n]} == {"attention/k", "attention/v"}
+
+
+def test_gqa_in_megatrons_eager_attention_expands_k_and_v_to_every_head_and_saves_nothing():
+    mha, gqa = _by_name(), _by_name(num_query_groups=G)
+    assert set(mha) - set(gqa) == {"attention/k", "attention/v"}
+    assert set(gqa) - set(mha) == {"attention/k_expanded", "attention/v_expanded"}
+    assert gqa["attention/k_expanded"] == mha["attention/k"] and sum(gqa.values()) == sum(mha.values())
 
 
 def test_query_groups_equal_to_heads_is_plain_multi_head_attention():

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from memcalc.config.schema import ModelConfig, build_config
 from memcalc.model.evaluate import estimate
 from memcalc.model.knobs import Accounting
+from memcalc.model.ledger import Dim
 from memcalc.model.strategy import NONE, TP, TP_SP
 
 small = st.integers(min_value=1, max_value=6)
@@ -67,9 +68,17 @@ def test_more_than_one_gpu_makes_tp_sp_strictly_smaller(fields, accounting):
 @examples
 @given(configs(), accountings, st.integers(2, 9))
 def test_memory_is_linear_in_the_micro_batch(fields, accounting, k):
-    one = _per_layer(build_config(fields | {"b": 1}), accounting)
-    many = _per_layer(build_config(fields | {"b": k}), accounting)
+    # Every term with a batch dimension; megatron's fp32 causal mask, (s, s), is one per layer.
+    one = _batch_terms(build_config(fields | {"b": 1}), accounting)
+    many = _batch_terms(build_config(fields | {"b": k}), accounting)
     assert many == [k * x for x in one]
+
+
+def _batch_terms(config: ModelConfig, accounting: Accounting) -> list[int]:
+    return [
+        sum(x.bytes for x in estimate(config, s, accounting).tensors if Dim.B in x.tensor.shape)
+        for s in (NONE, TP, TP_SP)
+    ]
 
 
 @examples

@@ -29,6 +29,7 @@ def dim_sizes(config: ModelConfig) -> dict[Dim, Any]:
     return {
         Dim.B: config.b, Dim.S: config.s // config.cp, Dim.H: config.h, Dim.A: config.a,
         Dim.G: config.groups, Dim.D: config.h // config.a, Dim.F: config.ffn, Dim.V: config.vocab_size,
+        Dim.QKV: config.a + 2 * config.groups,
     }
 
 

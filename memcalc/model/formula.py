@@ -42,6 +42,8 @@ def dim_expr(dim: Dim, knobs: Knobs) -> sympy.Expr:
         return g if knobs.gqa else a
     if dim is Dim.F:
         return f if knobs.ffn_set else 4 * h
+    if dim is Dim.QKV:
+        return a + 2 * dim_expr(Dim.G, knobs)
     return SYMBOLS[dim.value]
 
 

@@ -169,6 +169,9 @@ KNOBS: tuple[Knob, ...] = (
         "bias_activation_fusion", "flag", False,
         "megatron: fused bias + activation kernel (bias_activation_fusion; keeps the fc1 output only)",
         lambda k: "fused bias-activation" if k.bias_activation_fusion else None,
+        effects=(({"mlp": Mlp.SWIGLU, "ffn_hidden_size": 1, "bias_activation_fusion": True},
+                  "Megatron's fused bias-SwiGLU (BiasSwiGLUFunction) keeps only fc1's 2f-wide output; unfused, the"
+                  " layer also keeps SiLU's output and a copy of up."),),
     ),
 )
 BY_NAME: dict[str, Knob] = {k.name: k for k in KNOBS}

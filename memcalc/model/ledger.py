@@ -34,6 +34,7 @@ class Dim(Enum):
     D = "d"  # head dimension, h/a
     F = "f"  # MLP hidden size (= 4h unless set)
     V = "v"  # vocabulary (padded to a multiple of t where split)
+    QKV = "a+2g"  # heads of a fused QKV projection's output: a query, g key and g value heads
 
 
 class Region(Enum):

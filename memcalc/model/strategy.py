@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from memcalc.model.impls.base import Implementation
 
 # In the TP region the first of these that a tensor has is the one split by t.
-_TP_SPLIT_DIMS = (Dim.V, Dim.A, Dim.G, Dim.F, Dim.H)
+_TP_SPLIT_DIMS = (Dim.V, Dim.A, Dim.G, Dim.QKV, Dim.F, Dim.H)
 
 
 @dataclass(frozen=True)

@@ -95,12 +95,18 @@ class SavedTensorRecorder:
 
     def _describe(self, key: int, tensor: torch.Tensor) -> SavedStorage:
         name, labelled = self._labels.get(key, (None, tensor))
-        storage = tensor.untyped_storage()
-        return SavedStorage(name, storage.nbytes(), tuple(labelled.shape), str(tensor.dtype).removeprefix("torch."))
+        storage = _local(tensor).untyped_storage()
+        shape = tuple(_local(labelled).shape)
+        return SavedStorage(name, storage.nbytes(), shape, str(tensor.dtype).removeprefix("torch."))
 
 
 def _storage_key(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage().data_ptr()
+    return _local(tensor).untyped_storage().data_ptr()
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard, the storage this rank holds (DTensor TP plans save DTensors); else the tensor."""
+    return getattr(tensor, "_local_tensor", None) if type(tensor).__name__ == "DTensor" else tensor
 
 
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from memcalc.errors import ConfigError
-from memcalc.model.impls import megatron
+from memcalc.model.impls import hf, megatron, torchtitan
 from memcalc.model.impls.base import Implementation
 from memcalc.model.knobs import Accounting
 from memcalc.model.ledger import SavedTensor
@@ -20,6 +20,8 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
     impl.name: impl
     for impl in (
         megatron.IMPLEMENTATION,
+        hf.IMPLEMENTATION,
+        torchtitan.IMPLEMENTATION,
     )
 }
 

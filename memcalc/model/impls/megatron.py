@@ -1,4 +1,4 @@
-"""Megatron-core: the seed's layer, as Megatron-LM's pre-norm block keeps it.
+"""Megatron-core: the seed's layer, as megatron-core's own TransformerLayer keeps it.
 
 Which ledger tensors the layer keeps, given its knobs: the MLP's activation
 picks its tensors, eager or flash attention picks the core's, dropout 0 removes
@@ -6,16 +6,75 @@ masks, recomputation drops what it will rebuild. The paper's accounting leaves
 out the small `paper=False` terms; exact accounting keeps them. With GELU and
 multi-head attention this is exactly the seed's sbh(34 + 5as/h) and its TP and
 TP+SP forms.
+
+Measured on megatron-core 0.16.1 (`memcalc measure --impl megatron`), three
+places where Megatron keeps other storages than the paper's layer:
+- SwiGLU (megatron/core/transformer/mlp.py, MLP.forward). fc1 is one GEMM whose
+  2f/t-wide output holds gate and up side by side. Fused
+  (`bias_activation_fusion`, `BiasSwiGLUFunction`), only that output is kept:
+  no SiLU output. Unfused, `glu()` chunks it: SiLU keeps the gate as a view, which
+  keeps the whole output (gate and up), and `x_linear + glu_linear_offset` makes
+  a copy of up (even for offset 0) that the product keeps beside SiLU's output.
+- Grouped-query attention (transformer/attention.py, get_query_key_value_tensors;
+  transformer/dot_product_attention.py, DotProductAttention.forward). With a/g > 1
+  heads per group, `query.reshape` copies the query heads out of the fused QKV
+  output, and the local core attention `repeat_interleave`s K and V to every
+  head before QK^T and weights x V, which keep the copies, (b, a, s, d) each.
+  Under selective recomputation the checkpoint keeps that query copy and K, V
+  as views of the fused QKV output, whose query columns so stay alive too
+  (except with one K/V group per rank, g = t: there the query heads are
+  contiguous, no copy is made, and the seed's Q, K, V is exact; the rules see
+  knobs, not t, so they model g/t > 1).
+- Q, K and V (multi-head) are views of the one fused QKV output: one storage,
+  the same bytes as the three ledger rows.
+- The softmax is Megatron-LM's default, the fused causal kernel (Apex's
+  scaled_upper_triang_masked_softmax), which keeps its fp16/bf16 output. In fp32
+  it cannot run, and FusedScaleMaskSoftmax.forward_torch_softmax keeps the (s, s)
+  causal mask of its masked_fill_ too. (In fp16/bf16 the kernel also needs
+  16 < s <= 4096 and b*a/t a multiple of its batch per block, 8 for s <= 128;
+  outside that Megatron keeps an fp32 softmax and the mask, which the knobs,
+  without sizes, do not model.)
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from memcalc.errors import ConfigError
 from memcalc.model import ledger
 from memcalc.model.impls.base import Implementation, drop_small
 from memcalc.model.knobs import Accounting
-from memcalc.model.ledger import SavedTensor
+from memcalc.model.ledger import Dim, Kind, Region, SavedTensor
+
+_BASD = (Dim.B, Dim.A, Dim.S, Dim.D)
+
+K_EXPANDED = SavedTensor(
+    "attention/k_expanded", "DotProductAttention: key.repeat_interleave(a/g) before QK^T", _BASD,
+    Kind.ACTIVATION, Region.TENSOR, "QK^T reads K copied to every head of its group; dQ = dScores K needs the copy",
+)
+V_EXPANDED = SavedTensor(
+    "attention/v_expanded", "DotProductAttention: value.repeat_interleave(a/g) before weights x V", _BASD,
+    Kind.ACTIVATION, Region.TENSOR, "weights x V reads V copied to every head; dWeights = dOut V^T needs the copy",
+)
+QKV_QUERY_COLUMNS = SavedTensor(
+    "attention/qkv_q_columns", "checkpointed core attention (keeps K, V as views of the fused QKV output)", _BASD,
+    Kind.ACTIVATION, Region.TENSOR,
+    "K and V are kept as views of the fused QKV output, which keeps its query columns alive beside the query copy",
+)
+SWIGLU_UP_COPY = SavedTensor(
+    "mlp/up_plus_offset", "MLP glu(): SiLU(gate) * (up + glu_linear_offset)", (Dim.B, Dim.S, Dim.F),
+    Kind.ACTIVATION, Region.TENSOR, "`up + offset` is a new tensor (even for offset 0); the product's dSiLU needs it",
+)
+CAUSAL_MASK = SavedTensor(
+    "attention/causal_mask", "FusedScaleMaskSoftmax.forward_torch_softmax: masked_fill_(causal mask)",
+    (Dim.S, Dim.S), Kind.MASK, Region.REPLICATED,
+    "without the fused softmax kernel (fp32 runs), masked_fill_'s backward zeroes the masked gradient",
+    paper=False,
+)
+
+TENSORS: tuple[SavedTensor, ...] = (  # megatron's own
+    K_EXPANDED, V_EXPANDED, QKV_QUERY_COLUMNS, SWIGLU_UP_COPY, CAUSAL_MASK,
+)
 
 
 def norm_block(norm: ledger.NormTensors, knobs: Any) -> tuple[SavedTensor, ...]:
@@ -31,23 +90,43 @@ def core_attention(knobs: Any) -> tuple[SavedTensor, ...]:
         return ()  # rebuilt from Q, K, V in backward (Korthikanti et al. 2022)
     if knobs.attention == "flash":
         return (ledger.SOFTMAX_LSE,)  # the dropout mask is regenerated from the RNG seed
+    # The fused causal softmax takes fp16/bf16 only; in fp32 megatron's torch softmax also keeps its mask.
+    mask = (CAUSAL_MASK,) if knobs.dtype == "fp32" else ()
     if knobs.has_dropout:
-        return (ledger.SOFTMAX_OUT, ledger.ATTN_DROPOUT_MASK, ledger.ATTN_DROPOUT_OUT)
-    return (ledger.SOFTMAX_OUT,)  # weights x V saves the softmax output itself
+        return (*mask, ledger.SOFTMAX_OUT, ledger.ATTN_DROPOUT_MASK, ledger.ATTN_DROPOUT_OUT)
+    return (*mask, ledger.SOFTMAX_OUT)  # weights x V saves the softmax output itself
+
+
+def query_key_value(knobs: Any) -> tuple[SavedTensor, ...]:
+    """Q, K, V as the core keeps them: views of the fused QKV output, or (GQA) copies for every head."""
+    if not knobs.gqa or knobs.attention == "flash":
+        return (ledger.Q, ledger.K, ledger.V)
+    if knobs.recompute == "selective":
+        # The checkpoint's inputs, expanded in backward. With one K/V group per rank (g = t) the query
+        # heads are contiguous, no copy is made, and Megatron keeps Q, K, V alone; knobs do not see t.
+        return (ledger.Q, ledger.K, ledger.V, QKV_QUERY_COLUMNS)
+    return (ledger.Q, K_EXPANDED, V_EXPANDED)
 
 
 def attention_block(knobs: Any) -> tuple[SavedTensor, ...]:
     """QKV input, Q/K/V, the core's terms, the projection input, the output mask."""
     mask = (ledger.ATTN_OUT_DROPOUT_MASK,) if knobs.has_dropout else ()
-    return (ledger.QKV_IN, ledger.Q, ledger.K, ledger.V, *core_attention(knobs), ledger.PROJ_IN, *mask)
+    return (ledger.QKV_IN, *query_key_value(knobs), *core_attention(knobs), ledger.PROJ_IN, *mask)
+
+
+def swiglu(knobs: Any) -> tuple[SavedTensor, ...]:
+    """Gate and up (the two halves of fc1's output); unfused, also SiLU's output and a copy of up."""
+    if knobs.bias_activation_fusion:
+        return (ledger.SWIGLU_GATE, ledger.SWIGLU_UP)  # BiasSwiGLUFunction keeps its input alone
+    return (ledger.SWIGLU_GATE, ledger.SWIGLU_UP, ledger.SWIGLU_SILU_OUT, SWIGLU_UP_COPY)
 
 
 def mlp_block(knobs: Any) -> tuple[SavedTensor, ...]:
     """fc1 input, the activation's terms, fc2 input, the output mask."""
     if knobs.mlp == "swiglu":
-        activation = (ledger.SWIGLU_GATE, ledger.SWIGLU_UP, ledger.SWIGLU_SILU_OUT)
+        activation = swiglu(knobs)
     else:
-        activation = (ledger.GELU_IN,)
+        activation = (ledger.GELU_IN,)  # F.gelu and the fused bias_gelu both keep their input
     mask = (ledger.MLP_DROPOUT_MASK,) if knobs.has_dropout else ()
     return (ledger.FC1_IN, *activation, ledger.FC2_IN, *mask)
 
@@ -63,9 +142,20 @@ def layer_tensors(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]
     return drop_small(blocks, accounting)
 
 
+def check(knobs: Any) -> None:
+    """ConfigError for knob values megatron-core's layer does not have."""
+    if knobs.mlp == "gelu_tanh":
+        raise ConfigError("impl megatron: mlp gelu_tanh (Megatron's openai_gelu) is not modelled; use gelu or swiglu")
+    if knobs.bias_activation_fusion and knobs.mlp == "gelu" and not getattr(knobs, "add_bias_linear", True):
+        raise ConfigError("impl megatron: bias_activation_fusion with gelu fuses fc1's bias; it needs add_bias_linear")
+    if knobs.recompute == "op":
+        raise ConfigError("impl megatron: recompute op is torchtitan's op-level checkpointing; use selective or full")
+
+
 IMPLEMENTATION = Implementation(
     name="megatron",
     title="Megatron-core",
-    measured_on="memcalc's own Megatron-style probe layer (megatron-core's TransformerLayer: see docs/impl-megatron.md)",
+    measured_on="megatron-core 0.16.1 TransformerLayer and TransformerBlock (full recompute), local spec, on CPU",
     layer_tensors=layer_tensors,
+    check=check,
 )

@@ -15,7 +15,9 @@ Made to run at all on the CPU:
 - The local spec's norm (`WrappedTorchNorm`) refuses sequence parallelism; with
   Apex, Megatron uses `FusedLayerNorm`, which accepts it and marks its weights
   `sequence_parallel`. `local_spec` swaps in `SequenceParallelNorm`, which does
-  the same with torch's LayerNorm.
+  the same with torch's LayerNorm kernel (`native_layer_norm`).
+- Labels: the patched dropout takes a no-op `mask.view_as(mask)`, so that a
+  `Labels` rule can name the mask, which `native_dropout` returns second.
 
 Made to keep what CUDA keeps (each one is also a line of `NOTES`):
 - Dropout: torch's CPU `F.dropout` keeps a mask in the activation dtype, scaled
@@ -23,7 +25,7 @@ Made to keep what CUDA keeps (each one is also a line of `NOTES`):
   mask. The patched `F.dropout` calls `native_dropout` for 0 < p < 1, as CUDA does.
 - Masked softmax: Megatron-LM trains with `masked_softmax_fusion` on, and the
   fused kernel (`scaled_upper_triang_masked_softmax_cuda`, from Apex) keeps its
-  bf16 output. `_FusedCausalSoftmax` stands in for that extension module with the
+  bf16 output. `_softmax_extension()` stands in for that extension module with the
   same forward/backward signatures, computing in fp32 as the kernel does; the
   kernel's own size checks (`FusedScaleMaskSoftmax.is_kernel_available`) still
   decide whether it runs, with the CUDA extension's batch-per-block rule.
@@ -33,7 +35,8 @@ Made to keep what CUDA keeps (each one is also a line of `NOTES`):
 - RMSNorm: torch 2.13's `F.rms_norm` is unfused on the CPU (fp32 copies of the
   input and of the normalised tensor plus fp32 rstd); the CUDA kernel
   (`_fused_rms_norm`) keeps the input and rstd. `SequenceParallelNorm` runs
-  memcalc's fused-style RMSNorm, which keeps the same two.
+  memcalc's probe norm (`memcalc.probe.norm.Norm`), whose RMSNorm keeps those two,
+  and which labels what it keeps with the ledger's names.
 """
 
 from __future__ import annotations
@@ -45,8 +48,10 @@ from contextlib import ExitStack, contextmanager
 from typing import Any, Iterator
 from unittest import mock
 
+from memcalc.model import ledger
+from memcalc.model.ledger import NormTensors
 from memcalc.probe import require_torch
-from memcalc.probe.norm import EPS, _RMSNorm
+from memcalc.probe.norm import EPS, Norm
 
 torch = require_torch()
 from torch import nn  # noqa: E402  (after the install check above)
@@ -93,7 +98,8 @@ _cpu_dropout = F.dropout
 def _cuda_like_dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False):
     """at::dropout as on CUDA: native_dropout (bool mask) for 0 < p < 1 while training."""
     if training and 0 < p < 1 and input.numel() > 0:
-        out = torch.native_dropout(input, p, True)[0]
+        out, mask = torch.native_dropout(input, p, True)
+        mask.view_as(mask)  # a no-op view of the mask, so that `Labels` can name it (rule: "view_as")
         return input.copy_(out) if inplace else out
     return _cpu_dropout(input, p, training, inplace)
 
@@ -195,34 +201,31 @@ def seed_rng_tracker(seed: int, tp_rank: int) -> None:
 
 
 class SequenceParallelNorm(nn.Module):
-    """The local spec's norm (torch LayerNorm, or a fused-style RMSNorm) that accepts SP.
+    """The local spec's norm, accepting SP: memcalc's probe norm (torch LayerNorm, or fused-style RMSNorm).
 
-    Built as megatron builds a norm: `Norm(config=..., hidden_size=..., eps=...)`.
-    Under SP its weights are marked `sequence_parallel`, as Apex's FusedLayerNorm does,
-    so megatron all-reduces their gradients across the TP group.
+    Built as megatron builds a norm, `Norm(config=..., hidden_size=..., eps=...)`, plus the
+    ledger names it labels its input and statistics with (a spec param). Under SP its weights
+    are marked `sequence_parallel`, as Apex's FusedLayerNorm does, so megatron all-reduces
+    their gradients across the TP group.
     """
 
-    def __init__(self, config: Any, hidden_size: int, eps: float = EPS, **_: Any) -> None:
+    def __init__(self, config: Any, hidden_size: int, names: NormTensors, eps: float = EPS, **_: Any) -> None:
         super().__init__()
-        dtype = config.params_dtype
-        self.rms = config.normalization == "RMSNorm"
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
-        self.bias = None if self.rms else nn.Parameter(torch.zeros(hidden_size, dtype=dtype))
+        kind = "rmsnorm" if config.normalization == "RMSNorm" else "layernorm"
+        self.norm = Norm(kind, hidden_size, names, config.params_dtype, torch.device("cpu"))
         for param in self.parameters():
             param.sequence_parallel = config.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.rms:
-            return _RMSNorm.apply(x, self.weight)[0]
-        return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+        return self.norm(x)
 
 
 def local_spec(normalization: str) -> Any:
     """megatron's GPT layer spec without Transformer Engine, its two norms swapped for SequenceParallelNorm."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import ModuleSpec
 
     spec = get_gpt_layer_local_spec(normalization=normalization)
-    spec.submodules.input_layernorm = SequenceParallelNorm
-    spec.submodules.pre_mlp_layernorm = SequenceParallelNorm
+    spec.submodules.input_layernorm = ModuleSpec(module=SequenceParallelNorm, params={"names": ledger.LN1})
+    spec.submodules.pre_mlp_layernorm = ModuleSpec(module=SequenceParallelNorm, params={"names": ledger.LN2})
     return spec

@@ -20,7 +20,7 @@ from memcalc.probe.recorder import SavedTensorRecorder  # noqa: E402
 
 SIZES = {"b": 2, "s": 8, "h": 32, "a": 4, "ffn_hidden_size": 48, "impl": "hf"}
 LLAMA = {"norm": "rmsnorm", "mlp": "swiglu"}
-GPT2 = {"norm": "layernorm"}
+GPT2 = {"norm": "layernorm", "mlp": "gelu"}  # transformers' own defaults are Llama's
 
 
 def _rows(knobs: dict, family: str | None = None):

@@ -1,0 +1,209 @@
+"""torchtitan: what its Llama3 TransformerBlock keeps for backward, under its own TP plan.
+
+The block (torchtitan/models/llama3/model.py, Llama3TransformerBlock) is
+
+    x -> RMSNorm -> fused wqkv -> split, RoPE -> SDPA/flex -> wo -> +x
+      -> RMSNorm -> w1, w3 -> SiLU(w1 x) * w3 x -> w2            -> +
+
+with no dropout and no biases. Its TP plan (models/llama3/sharding.py,
+set_llama3_sharding_config, applied by `Module.parallelize`) makes wqkv, w1, w3
+column-parallel and wo, w2 row-parallel; with sequence parallelism (torchtitan's
+default) the norms run on sequence shards. Where it keeps other tensors than the
+paper's Megatron layer:
+
+- The column-parallel linears keep their input **all-gathered**: the attention and
+  the feed-forward each declare their input Replicate, so the gather happens once
+  at the module's entry and wqkv (one fused GEMM), and w1 and w3 (one storage
+  shared by both) keep the gathered (b, s, h) tensor, not a sequence shard that
+  backward gathers again as Megatron does (`kept_whole`).
+- nn.RMSNorm runs torch's rms_norm, which keeps an fp32 rstd. On CUDA it is
+  aten::_fused_rms_norm, which keeps its input and rstd (read from torch 2.13's
+  tools/autograd/derivatives.yaml, `_fused_rms_norm`: input, result1, weight; and
+  aten/src/ATen/native/layer_norm.cpp, rms_norm_symint, which sends every non-MPS
+  device there). On a CPU _fused_rms_norm has no kernel and runs its composite
+  (layer_norm.cpp, rms_norm_composite): `input.to(float32)` kept by pow and by
+  `x * rstd`, whose fp32 result the weight multiply keeps; the bf16 input is not
+  kept (in fp32 the upcast is the input itself). So the norm is modelled per
+  device. CUDA's fused path needs the weight in the input's dtype, as FSDP's mixed
+  precision gives it; an fp32 weight with a bf16 input falls back to the composite.
+- RoPE multiplies by the precomputed freqs_cis, a buffer that does not require
+  grad: the product keeps only (a view of) that buffer, model state like a
+  weight, so nothing per token. Q and K are kept after RoPE, V as the contiguous
+  copy the fused QKV split makes; K and V at g heads (SDPA's enable_gqa and flex
+  attention take grouped K/V as they are).
+- Attention keeps Q, K, V, its output (the same storage that wo keeps as its
+  input) and an fp32 log-sum-exp. On GPUs Llama3 runs flex attention, which also
+  keeps each row's fp32 maximum (read from torch 2.13's
+  _higher_order_ops/flex_attention.py, FlexAttentionAutogradOp.forward: q, k, v,
+  out, logsumexp, max_scores and the block mask's tensors); flex has no CPU
+  backward, so the CPU run uses torchtitan's ScaledDotProductAttention, which
+  keeps the rest alike. The block mask is built once per step for all layers
+  (int32, (b, 1, s/128, s/128)-sized), so it is not counted per layer.
+
+Recomputation, torchtitan's own (distributed/activation_checkpoint.py):
+- "full" (FullAC, non-reentrant torch.utils.checkpoint): the block's input alone.
+- "op" (SelectiveAC, per-op): the block's input and the outputs of the ops it must
+  save: matmuls (every second one is recomputed instead), SDPA/flex attention and
+  reduce-scatters. In the block that is the fused wqkv output, the attention output
+  and log-sum-exp, w1's output and w2's output: wo and w3 are recomputed. w2's
+  output is its partial sum over the whole sequence, before the reduce-scatter or
+  all-reduce (spmd_types' collectives are torch.distributed calls, which the policy
+  does not save). On CUDA flex attention's cached outputs include its row maxima.
+- Both keep the RNG state for the recompute (torch.get_rng_state(): 5056 bytes on
+  a CPU); that is not a tensor autograd saves, and is not counted.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from memcalc.errors import ConfigError
+from memcalc.model import ledger
+from memcalc.model.impls.base import Implementation, drop_small
+from memcalc.model.knobs import Accounting
+from memcalc.model.ledger import Dim, Kind, Region, SavedTensor
+
+_BSH = (Dim.B, Dim.S, Dim.H)
+_SEQ = Region.SEQUENCE
+_FUSED = "aten::_fused_rms_norm (CUDA kernel; read from torch's derivatives.yaml)"
+_COMPOSITE = "rms_norm_composite (CPU; torch's layer_norm.cpp)"
+_WHY_GATHERED = (
+    "dW = X^T dY needs the input; torchtitan gathers it to the full sequence at the module's entry"
+    " and the linear keeps that gathered tensor"
+)
+
+
+class RMSNormTensors(NamedTuple):
+    """What one nn.RMSNorm keeps: CUDA's fused kernel keeps `input` and `rstd`, CPU's composite the other three."""
+
+    input: SavedTensor
+    rstd: SavedTensor
+    input_fp32: SavedTensor
+    normed_fp32: SavedTensor
+
+
+def _rmsnorm(prefix: str, before: str) -> RMSNormTensors:
+    """The tensors of the nn.RMSNorm in front of `before`."""
+    by = f"nn.RMSNorm before {before}: torch.rms_norm ->"
+    return RMSNormTensors(
+        SavedTensor(f"{prefix}/input", f"{by} {_FUSED}", _BSH, Kind.ACTIVATION, _SEQ, ledger.WHY_NORM_INPUT),
+        SavedTensor(
+            f"{prefix}/rstd_fp32", f"{by} _fused_rms_norm's rstd (CUDA) or the composite's rsqrt (CPU)",
+            (Dim.B, Dim.S), Kind.FP32, _SEQ, ledger.WHY_NORM_RSTD + ", in fp32 (opmath) for a bf16 input", paper=False,
+        ),
+        SavedTensor(
+            f"{prefix}/input_fp32",
+            f"{by} {_COMPOSITE}: input.to(float32) (in fp32 the input itself), kept by pow and x * rstd",
+            _BSH,
+            Kind.FP32, _SEQ, "d(x * rstd) and d(mean(x^2)) need x; the composite keeps its fp32 upcast, not x",
+        ),
+        SavedTensor(
+            f"{prefix}/normed_fp32", f"{by} {_COMPOSITE}: x * rstd, kept by the multiply with the weight", _BSH,
+            Kind.FP32, _SEQ, "the weight's gradient is sum(dY * x * rstd): the fp32 normalised input",
+        ),
+    )
+
+
+LN1 = _rmsnorm("ln1", "attention")
+LN2 = _rmsnorm("ln2", "the feed-forward")
+
+QKV_IN = SavedTensor(
+    "attention/qkv_in", "FusedQKVLinear.wqkv (column-parallel) input, gathered at GQAttention's entry", _BSH,
+    Kind.ACTIVATION, _SEQ, _WHY_GATHERED,
+)
+FC1_IN = SavedTensor(
+    "mlp/fc1_in", "FeedForward.w1 and .w3 (column-parallel): one input, gathered at FeedForward's entry", _BSH,
+    Kind.ACTIVATION, _SEQ, _WHY_GATHERED + "; w1 and w3 share it",
+)
+QKV_OUT = SavedTensor(
+    "attention/qkv_out", "SelectiveAC: MUST_SAVE of the wqkv matmul (the first matmul of the block)",
+    (Dim.B, Dim.S, Dim.QKV, Dim.D), Kind.ACTIVATION, Region.TENSOR,
+    "op-level checkpointing keeps this GEMM's output so the recompute in backward need not redo it",
+)
+FC2_OUT = SavedTensor(
+    "mlp/fc2_out", "SelectiveAC: MUST_SAVE of the w2 matmul, before its reduce-scatter (or all-reduce)", _BSH,
+    Kind.ACTIVATION, _SEQ,
+    "op-level checkpointing keeps this GEMM's output: partial sums over the whole sequence on every rank",
+)
+FLEX_MAX_SCORES = SavedTensor(
+    "attention/flex_max_scores",
+    "flex attention (CUDA; read from torch's _higher_order_ops/flex_attention.py: FlexAttentionAutogradOp)",
+    (Dim.B, Dim.A, Dim.S), Kind.FP32, Region.TENSOR,
+    "flex attention saves each query row's fp32 score maximum beside the log-sum-exp", paper=False,
+)
+KEPT_WHOLE = frozenset({QKV_IN.name, FC1_IN.name, FC2_OUT.name})
+
+
+def norm_block(norm: RMSNormTensors, accounting: Accounting) -> tuple[SavedTensor, ...]:
+    """CUDA's fused rms_norm keeps the input and rstd; the CPU composite an fp32 upcast, rstd, the normalised input."""
+    if accounting.device == "cuda":
+        return (norm.input, norm.rstd)
+    return (norm.input_fp32, norm.rstd, norm.normed_fp32)
+
+
+def attention_kernel(accounting: Accounting) -> tuple[SavedTensor, ...]:
+    """The kernel's statistics: the log-sum-exp; on CUDA, where it is flex attention, also the row maxima."""
+    if accounting.device == "cuda":
+        return (ledger.SOFTMAX_LSE, FLEX_MAX_SCORES)
+    return (ledger.SOFTMAX_LSE,)
+
+
+def attention_block(accounting: Accounting) -> tuple[SavedTensor, ...]:
+    """The gathered wqkv input, Q and K after RoPE, V, the kernel's statistics, its output (wo's input)."""
+    return (QKV_IN, ledger.Q, ledger.K, ledger.V, *attention_kernel(accounting), ledger.PROJ_IN)
+
+
+def mlp_block() -> tuple[SavedTensor, ...]:
+    """The gathered w1/w3 input, SiLU's input, both factors of the product, w2's input."""
+    return (FC1_IN, ledger.SWIGLU_GATE, ledger.SWIGLU_UP, ledger.SWIGLU_SILU_OUT, ledger.FC2_IN)
+
+
+def op_checkpoint(accounting: Accounting) -> tuple[SavedTensor, ...]:
+    """SelectiveAC's saved op outputs: wqkv, the attention kernel, w1 (SiLU's input), w2; and the block's input."""
+    kernel = (*attention_kernel(accounting), ledger.PROJ_IN)
+    return (ledger.LAYER_INPUT, QKV_OUT, *kernel, ledger.SWIGLU_GATE, FC2_OUT)
+
+
+def layer_tensors(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]:
+    """Every tensor one Llama3 block keeps for backward, in forward order."""
+    if knobs.recompute == "full":
+        return (ledger.LAYER_INPUT,)
+    if knobs.recompute == "op":
+        return drop_small(op_checkpoint(accounting), accounting)
+    blocks = norm_block(LN1, accounting) + attention_block(accounting) + norm_block(LN2, accounting) + mlp_block()
+    return drop_small(blocks, accounting)
+
+
+# Knob values torchtitan's Llama3 block does not have, each with the reason.
+_REFUSED = (
+    ("norm", "layernorm", "Llama3 normalises with nn.RMSNorm; use norm rmsnorm"),
+    ("mlp", "gelu", "Llama3's FeedForward is SwiGLU; use mlp swiglu"),
+    ("mlp", "gelu_tanh", "Llama3's FeedForward is SwiGLU; use mlp swiglu"),
+    ("attention", "eager", "torchtitan's attention is a fused kernel (flex, SDPA or varlen); use attention flash"),
+    ("recompute", "selective", "torchtitan's selective checkpointing is op-level: use recompute op (or none, full)"),
+    ("dtype", "fp16", "its mixed_precision_param is bfloat16 or float32; use dtype bf16 or fp32"),
+)
+
+
+def check(knobs: Any) -> None:
+    """ConfigError for knob values torchtitan's Llama3 block cannot run."""
+    for name, value, reason in _REFUSED:
+        if getattr(knobs, name) == value:
+            raise ConfigError(f"impl torchtitan: {name} {value} is not in torchtitan's Llama3: {reason}")
+    if knobs.dropout > 0:
+        raise ConfigError(f"impl torchtitan: dropout {knobs.dropout}, but Llama3 has no dropout; use dropout 0")
+    if knobs.bias_activation_fusion:
+        raise ConfigError("impl torchtitan: bias_activation_fusion is Megatron's fused kernel; Llama3 has no biases")
+
+
+IMPLEMENTATION = Implementation(
+    name="torchtitan",
+    title="torchtitan",
+    measured_on="torchtitan 0.3.0 (torch 2.13.0, CPU, bf16): Llama3TransformerBlock with fused wqkv and SDPA,"
+    " its own TP plan (set_llama3_sharding_config + Module.parallelize, spmd_types backend), FullAC and SelectiveAC",
+    layer_tensors=layer_tensors,
+    kept_whole=KEPT_WHOLE,
+    check=check,
+    # Llama3's block, and the trainer's default activation_checkpoint (SelectiveAC); attention: flex, a fused kernel.
+    defaults={"norm": "rmsnorm", "mlp": "swiglu", "dropout": 0.0, "attention": "flash", "recompute": "op"},
+)

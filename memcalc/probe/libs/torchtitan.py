@@ -1,0 +1,300 @@
+"""Run torchtitan's own Llama3 block under its own TP plan, and name what it keeps by the ledger.
+
+The block is torchtitan's (torchtitan.models.llama3: `_build_llama3_layers`, the
+builder every Llama3 flavour uses: fused wqkv, ComplexRoPE, nn.RMSNorm, SwiGLU)
+with memcalc's sizes: dim h, n_heads a, n_kv_heads g, hidden_dim f. torchtitan's
+flavours derive f from h (compute_ffn_hidden_dim: 8h/3 times ffn_dim_multiplier,
+rounded up to multiple_of); here f is memcalc's ffn_hidden_size, passed as is.
+Weights are in the activation dtype, as FSDP's mixed precision gives them to forward.
+
+For t > 1 its TP plan is applied as its trainer does (models/llama3/parallelize.py):
+`set_llama3_sharding_config` (sequence parallel on for tp-sp, off for tp), then
+`Module.parallelize` over a ParallelDims with tp = t, on the spmd_types backend
+(torchtitan's default; its collectives are torch.distributed calls on the
+DeviceMesh's TP group, which is the probe's group). t = 1 parallelizes nothing,
+as torchtitan does when TP is off. Recompute full and op wrap the block in
+torchtitan's FullAC and SelectiveAC.
+
+Names: `Labels` rules name what torchtitan's Python code passes to torch; what
+torch's C++ composites make inside one call (the CPU rms_norm's fp32 tensors,
+the attention kernel's log-sum-exp) is named one level down, at the aten op,
+by `AtenLabels`. The op outputs SelectiveAC caches are handed to the recorder
+(see `_hand_to_recorder`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from itertools import chain
+from typing import Any, Callable, Iterator
+
+from memcalc.config.schema import ModelConfig
+from memcalc.model import ledger
+from memcalc.model.impls import torchtitan as rules
+from memcalc.model.ledger import SavedTensor
+from memcalc.model.strategy import Strategy
+from memcalc.probe import require_torch
+from memcalc.probe.group import TensorParallelGroup
+from memcalc.probe.layer import DTYPES
+from memcalc.probe.libs import torchtitan_shim as shim
+from memcalc.probe.libs.labels import Labels, Rule
+from memcalc.probe.measure import INPUT_SEED
+from memcalc.probe.recorder import SavedStorage, SavedTensorRecorder, label
+
+torch = require_torch()
+shim.stub_triton_kernels()
+
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402  (after the install check above)
+from torchtitan.distributed import activation_checkpoint  # noqa: E402
+from torchtitan.distributed import utils as dist_utils  # noqa: E402
+from torchtitan.distributed.parallel_dims import ParallelDims  # noqa: E402
+from torchtitan.distributed.spmd_types import set_current_spmd_mesh, set_spmd_meshes  # noqa: E402
+from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm  # noqa: E402
+from torchtitan.models.common.attention import ScaledDotProductAttention  # noqa: E402
+from torchtitan.models.llama3 import Llama3Model, _build_llama3_layers  # noqa: E402
+from torchtitan.models.llama3.sharding import set_llama3_sharding_config  # noqa: E402
+from torchtitan.tools.utils import set_default_dtype  # noqa: E402
+
+NOTES = shim.NOTES
+WEIGHT_SEED = 4321
+SPMD_BACKEND = "spmd_types"  # torchtitan's default (ParallelismConfig.spmd_backend)
+ROPE_THETA = 500000  # every Llama3 flavour's; the values do not change what is kept
+
+
+# -- building the block -----------------------------------------------------------
+
+
+def block_config(config: ModelConfig, sequence_parallel: bool) -> Any:
+    """torchtitan's Llama3 block config at memcalc's sizes, with its TP plan filled in."""
+    d = config.h // config.a
+    layers = _build_llama3_layers(
+        n_layers=1, dim=config.h, n_heads=config.a, n_kv_heads=config.groups, hidden_dim=config.ffn,
+        rope=ComplexRoPE.Config(dim=d, max_seq_len=config.s, theta=ROPE_THETA, scaling="llama"),
+        fuse_qkv=True, attn_backend="flex",
+    )
+    layers[0].attention.inner_attention = ScaledDotProductAttention.Config()  # flex has no CPU backward
+    # The plan is set on a whole model's config; the model's two ends are built nowhere.
+    model = Llama3Model.Config(
+        dim=config.h, vocab_size=1, layers=layers, norm=RMSNorm.Config(normalized_shape=config.h),
+        tok_embeddings=Embedding.Config(num_embeddings=1, embedding_dim=config.h),
+        lm_head=Linear.Config(in_features=config.h, out_features=1),
+    )
+    set_llama3_sharding_config(model, enable_sp=sequence_parallel)
+    return model.layers[0]
+
+
+def build_block(config: ModelConfig, tp: TensorParallelGroup, strategy: Strategy, dims: ParallelDims | None) -> Any:
+    """The block laid out by its plan, then initialised as torchtitan's trainer does it.
+
+    Parameters are made in the activation dtype, as FSDP's mixed precision gives them
+    to forward; the RoPE table stays complex64 (`Module.to(bf16)` would discard its
+    imaginary part).
+    """
+    with torch.device(tp.device), set_default_dtype(DTYPES[config.dtype]):
+        block = block_config(config, strategy.sequence_parallel).build()
+        if dims is not None:
+            block.parallelize(dims)
+        torch.manual_seed(WEIGHT_SEED)  # every rank draws the same full weights and keeps its shard of them
+        block.init_states()
+    if config.recompute == "full":
+        return activation_checkpoint.FullAC.Config().build()._wrap_block(block)
+    if config.recompute == "op":
+        return activation_checkpoint.SelectiveAC.Config().build()._wrap_block(block)
+    return block
+
+
+@contextmanager
+def tensor_parallel(tp: TensorParallelGroup) -> Iterator[ParallelDims | None]:
+    """torchtitan's TP runtime over the probe's group (the whole world): None for t = 1, which has no plan."""
+    if tp.size == 1:
+        yield None
+        return
+    dist_utils.set_spmd_backend(SPMD_BACKEND)
+    dims = ParallelDims(
+        dp_replicate=1, dp_shard=1, cp=1, tp=tp.size, pp=1, ep=1, world_size=tp.size, spmd_backend=SPMD_BACKEND
+    )
+    with shim.mesh_device(tp.device.type):
+        dims.build_mesh()
+    set_spmd_meshes(dense_mesh=dims.spmd_dense_mesh(), sparse_mesh=None)
+    try:
+        with set_current_spmd_mesh(dims.spmd_dense_mesh()):
+            yield dims
+    finally:
+        set_spmd_meshes(dense_mesh=None, sparse_mesh=None)
+
+
+def block_input(config: ModelConfig, tp: TensorParallelGroup, strategy: Strategy) -> torch.Tensor:
+    """The probe's input, batch-first (b, s, h) as torchtitan takes it, or under SP this rank's s/t block."""
+    generator = torch.Generator().manual_seed(INPUT_SEED)
+    full = torch.randn(config.s, config.b, config.h, generator=generator).to(DTYPES[config.dtype]).transpose(0, 1)
+    x = tp.block(full, 1, "s") if strategy.sequence_parallel else full
+    return x.contiguous().to(tp.device).requires_grad_()  # a storage of its own
+
+
+# -- naming what it keeps -----------------------------------------------------------
+
+
+def _heads(d: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """(b, s, heads * d) as (b, s, heads, d): the fused QKV output in the ledger's axes."""
+    return lambda x: x.unflatten(-1, (-1, d))
+
+
+def library_rules(config: ModelConfig) -> tuple[Rule, ...]:
+    """What torchtitan's Python passes to torch, named: the module it runs in, the call, the argument.
+
+    Under a checkpoint the block's input is kept and nothing inside the block but
+    SelectiveAC's op outputs; without one, the input is not kept (the norm keeps
+    its fp32 upcast), except in fp32, where the upcast is the input itself.
+    """
+    d = config.h // config.a
+    if config.recompute != "none":
+        return (
+            Rule("", "forward", ledger.LAYER_INPUT, arg=0),
+            Rule("*attention.qkv_linear.wqkv", "linear", rules.QKV_OUT, view=_heads(d)),
+            Rule("*attention.wo", "linear", ledger.PROJ_IN, arg=0),  # the attention kernel's output
+            Rule("*feed_forward", "silu", ledger.SWIGLU_GATE, arg=0),  # w1's output
+            Rule("*feed_forward.w2", "linear", rules.FC2_OUT),
+        )
+    return (
+        Rule("*attention_norm", "rms_norm", rules.LN1.input_fp32, arg=0),  # fp32 only: bf16 is upcast (AtenLabels)
+        Rule("*ffn_norm", "rms_norm", rules.LN2.input_fp32, arg=0),
+        Rule("*attention.qkv_linear.wqkv", "linear", rules.QKV_IN, arg=0),
+        Rule("*attention.inner_attention", "scaled_dot_product_attention", ledger.Q, arg=0),
+        Rule("*attention.inner_attention", "scaled_dot_product_attention", ledger.K, arg=1),
+        Rule("*attention.inner_attention", "scaled_dot_product_attention", ledger.V, arg=2),
+        Rule("*attention.wo", "linear", ledger.PROJ_IN, arg=0),
+        Rule("*feed_forward.w1", "linear", rules.FC1_IN, arg=0),
+        Rule("*feed_forward", "silu", ledger.SWIGLU_GATE, arg=0),
+        Rule("*feed_forward", "mul", ledger.SWIGLU_SILU_OUT, arg=0),
+        Rule("*feed_forward", "mul", ledger.SWIGLU_UP, arg=1),
+        Rule("*feed_forward.w2", "linear", ledger.FC2_IN, arg=0),
+    )
+
+
+@dataclass(frozen=True)
+class AtenRule:
+    """A tensor made inside a C++ composite, named at the aten op that makes it: module pattern, op, output."""
+
+    module: str
+    op: str  # the aten op's name, without overload: "_to_copy", "rsqrt", "_fused_rms_norm"
+    tensor: SavedTensor
+    nth: int = 0  # which call of that op in one forward of the module
+    output: int | None = 0  # which output; None: the argument `arg`
+    arg: int = 0
+    view: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
+def _squeeze(x: torch.Tensor) -> torch.Tensor:
+    return x.squeeze(-1)
+
+
+_LSE_OPS = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+            "_scaled_dot_product_cudnn_attention")
+
+
+def aten_rules() -> tuple[AtenRule, ...]:
+    """The norms' tensors (CPU composite, or CUDA's _fused_rms_norm) and the attention kernel's log-sum-exp."""
+    norms = []
+    for module, norm in (("*attention_norm", rules.LN1), ("*ffn_norm", rules.LN2)):
+        norms += [
+            AtenRule(module, "_to_copy", norm.input_fp32),  # input.to(float32); the last _to_copy casts back
+            AtenRule(module, "rsqrt", norm.rstd, view=_squeeze),
+            AtenRule(module, "mul", norm.normed_fp32),  # x * rstd; the second mul is by the weight
+            AtenRule(module, "_fused_rms_norm", norm.input, output=None),
+            AtenRule(module, "_fused_rms_norm", norm.rstd, output=1, view=_squeeze),
+        ]
+    lse = [AtenRule("*attention.inner_attention", op, ledger.SOFTMAX_LSE, output=1) for op in _LSE_OPS]
+    return (*norms, *lse)
+
+
+class AtenLabels(TorchDispatchMode):
+    """Context manager: label tensors that aten ops make inside `root`'s modules, by `AtenRule`s."""
+
+    def __init__(self, root: torch.nn.Module, aten: tuple[AtenRule, ...]) -> None:
+        super().__init__()
+        self._root, self._rules = root, aten
+        self._stack: list[tuple[str, dict[str, int]]] = []  # running modules: name, calls of each op in it
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> AtenLabels:
+        for name, module in self._root.named_modules():
+            self._handles.append(module.register_forward_pre_hook(self._entered(name)))
+            self._handles.append(module.register_forward_hook(self._left))
+        return super().__enter__()
+
+    def __exit__(self, *exc_info: object) -> None:
+        super().__exit__(*exc_info)
+        for handle in self._handles:
+            handle.remove()
+
+    def _entered(self, name: str) -> Callable:
+        def hook(module: torch.nn.Module, args: tuple) -> None:
+            self._stack.append((name, {}))
+        return hook
+
+    def _left(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        self._stack.pop()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        result = func(*args, **(kwargs or {}))
+        if self._stack:
+            name, calls = self._stack[-1]
+            op = func.overloadpacket.__name__
+            nth = calls.get(op, 0)
+            calls[op] = nth + 1
+            for rule in self._rules:
+                if rule.op == op and rule.nth == nth and fnmatchcase(name, rule.module):
+                    target = args[rule.arg] if rule.output is None else _output(result, rule.output)
+                    label(rule.view(target) if rule.view else target, rule.tensor)
+        return result
+
+
+def _output(result: Any, index: int) -> torch.Tensor:
+    return result[index] if isinstance(result, (tuple, list)) else result
+
+
+class _KeptUntilBackward(torch.autograd.Function):
+    """Saves the given tensors for backward, so that the recorder counts them; passes `anchor` through."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, *kept: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(*kept)
+        return anchor.view_as(anchor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return (grad, *(None for _ in ctx.saved_tensors))
+
+
+def _hand_to_recorder(kept: list[torch.Tensor]) -> None:
+    """The op outputs SelectiveAC caches (kept until backward's recompute) reach the active recorder's pack hook."""
+    if kept:
+        _KeptUntilBackward.apply(torch.zeros(0, requires_grad=True), *kept)
+
+
+# -- the runner ---------------------------------------------------------------------
+
+# spmd_types (torchtitan's TP backend) still calls these; torch 2.13 warns on every call.
+_DEPRECATED_COLLECTIVES = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
+
+
+def run_layer(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy) -> tuple[SavedStorage, ...]:
+    """torchtitan's Llama3 block on this rank: one recorded forward (named by the ledger), then backward once."""
+    with ExitStack() as stack:
+        stack.enter_context(warnings.catch_warnings())
+        warnings.filterwarnings("ignore", _DEPRECATED_COLLECTIVES, FutureWarning)
+        dims = stack.enter_context(tensor_parallel(tp))
+        stack.enter_context(shim.cuda_like_op_checkpointing())
+        caches = stack.enter_context(shim.op_checkpoint_caches())
+        block = build_block(config, tp, strategy, dims)
+        x = block_input(config, tp, strategy)
+        state = chain(block.parameters(), block.buffers())  # buffers: the RoPE table is state, like a weight
+        with SavedTensorRecorder(state) as recorder:
+            with Labels(block, library_rules(config)), AtenLabels(block, aten_rules()):
+                y = block(x, None, None)
+            _hand_to_recorder(shim.cached_tensors(caches))
+        y.backward(torch.ones_like(y))
+    return recorder.saved

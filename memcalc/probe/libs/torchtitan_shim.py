@@ -1,0 +1,128 @@
+"""What torchtitan 0.3.0 needs to run its Llama3 block on a CPU, patched at run time; no library file is edited.
+
+- Import: `torchtitan.models.common` imports the MoE expert-parallel dispatcher,
+  whose kernels module imports triton at import time (a 286 MB wheel, GPU-only
+  here). Where triton is not installed, `stub_triton_kernels` puts a module in
+  its place whose kernels raise when called; the dense Llama3 block never calls
+  them, and torch itself never sees a fake triton.
+- Device: `ParallelDims.build_mesh` builds its DeviceMesh on
+  `torchtitan.tools.utils.device_type`, which falls back to "cuda" on a machine
+  without an accelerator; `mesh_device` sets it to the rank's device while the
+  mesh is built.
+- Attention: torchtitan's language models use flex attention, which has no CPU
+  backward; the runner builds the block with torchtitan's own
+  ScaledDotProductAttention (a config choice, no patch). It keeps what flex keeps
+  but flex's fp32 row maxima, which the rules add for CUDA.
+- Op-level checkpointing (SelectiveAC) saves the outputs of CUDA's attention ops
+  (flex attention, SDPA's flash/cuDNN kernels); its list does not have the CPU's
+  flash kernel, so on a CPU the attention would be recomputed. `cuda_like_op_checkpointing`
+  adds it, so the CPU run keeps what a GPU run keeps.
+- Measuring: torch.utils.checkpoint keeps the op outputs SelectiveAC saves in a
+  cache of its own, not as saved tensors, so the recorder cannot see them.
+  `op_checkpoint_caches` collects those caches for the runner to hand over.
+
+`NOTES` says the same in one line each, for `memcalc measure`'s output.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import types
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+from memcalc.probe import require_torch
+
+torch = require_torch()
+
+NOTES = (
+    "torchtitan: without triton, the MoE dispatcher's triton kernels are stubbed (the Llama3 block never calls them)",
+    "torchtitan: the DeviceMesh is built on the rank's device (torchtitan assumes cuda without an accelerator)",
+    "torchtitan: attention is its ScaledDotProductAttention (flex has no CPU backward); flex's row maxima: cuda only",
+    "torchtitan: op-level checkpointing also saves the CPU flash-attention kernel's outputs, as it saves CUDA's",
+)
+
+_KERNELS = "torchtitan.distributed.minimal_async_ep.kernels"
+
+
+def stub_triton_kernels() -> None:
+    """Before torchtitan is imported: without triton, its MoE dispatcher's kernels module becomes a stub."""
+    if importlib.util.find_spec("triton") is not None or _KERNELS in sys.modules:
+        return
+    stub = types.ModuleType(_KERNELS, "torchtitan's MinimalAsyncEP triton kernels, absent: triton is not installed")
+
+    def missing(name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+
+        def kernel(*args: Any, **kwargs: Any) -> None:
+            raise RuntimeError(f"torchtitan's {name} is a triton kernel, and triton is not installed")
+
+        return kernel
+
+    stub.__getattr__ = missing  # type: ignore[method-assign]
+    sys.modules[_KERNELS] = stub
+
+
+@contextmanager
+def mesh_device(device_type: str) -> Iterator[None]:
+    """While building a mesh: torchtitan's device type is the rank's, not its "cuda" fallback."""
+    from torchtitan.distributed import parallel_dims
+
+    original = parallel_dims.device_type
+    parallel_dims.device_type = device_type
+    try:
+        yield
+    finally:
+        parallel_dims.device_type = original
+
+
+@contextmanager
+def cuda_like_op_checkpointing() -> Iterator[None]:
+    """SelectiveAC saves the CPU flash-attention kernel's outputs too, as it saves its CUDA twins'."""
+    from torchtitan.distributed import activation_checkpoint
+
+    original = activation_checkpoint._get_default_save_ops
+
+    def save_ops() -> set:
+        return original() | {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+
+    activation_checkpoint._get_default_save_ops = save_ops
+    try:
+        yield
+    finally:
+        activation_checkpoint._get_default_save_ops = original
+
+
+@contextmanager
+def op_checkpoint_caches() -> Iterator[list[dict]]:
+    """The caches of op outputs that SelectiveAC's checkpoints fill during the block's forward."""
+    from torchtitan.distributed import activation_checkpoint
+
+    caches: list[dict] = []
+    original = activation_checkpoint.create_selective_checkpoint_contexts
+
+    def recording(*args: Any, **kwargs: Any) -> tuple:
+        contexts = original(*args, **kwargs)
+        caches.append(contexts[0].storage)  # the caching mode's storage: {op: {call index: outputs}}
+        return contexts
+
+    activation_checkpoint.create_selective_checkpoint_contexts = recording
+    try:
+        yield caches
+    finally:
+        activation_checkpoint.create_selective_checkpoint_contexts = original
+
+
+def cached_tensors(caches: list[dict]) -> list[torch.Tensor]:
+    """Every tensor the caches hold (outputs torch.utils.checkpoint keeps until the recompute in backward)."""
+    leaves = [
+        leaf
+        for cache in caches
+        for calls in cache.values()
+        for outputs in calls.values()
+        for leaf in torch.utils._pytree.tree_leaves(outputs)
+    ]
+    values = [getattr(leaf, "val", None) for leaf in leaves]  # each output is wrapped to catch mutation
+    return [v for v in values if isinstance(v, torch.Tensor)]

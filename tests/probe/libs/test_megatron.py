@@ -1,0 +1,75 @@
+"""megatron-core's own TransformerLayer keeps, tensor by tensor, what memcalc's megatron rules
+predict (bytes and per-rank shape): as rank 0 of t in torch's fake group and on two gloo ranks."""
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("megatron.core")
+
+from memcalc.config.schema import build_config  # noqa: E402
+from memcalc.errors import ProbeError  # noqa: E402
+from memcalc.model.evaluate import estimate  # noqa: E402
+from memcalc.model.knobs import Accounting  # noqa: E402
+from memcalc.model.strategy import STRATEGIES  # noqa: E402
+from memcalc.probe.launch import run  # noqa: E402
+from memcalc.probe.libs import megatron as runner  # noqa: E402
+from memcalc.probe.measure import compare  # noqa: E402
+
+# b*a/t is a multiple of 8 and 16 < s <= 4096 for t <= 4: the fused causal softmax runs.
+SIZES = {"b": 2, "s": 32, "h": 64, "a": 16}
+GQA = {"num_query_groups": 8}  # two K/V groups per rank at t = 4: the query heads are copied
+SWIGLU = {"mlp": "swiglu", "bias_activation_fusion": False}
+FUSED_SWIGLU = {"mlp": "swiglu", "bias_activation_fusion": True}
+
+CASES = {
+    "gelu mha, the seed's layer": ("none", 1, {"dropout": 0.1}),
+    "gelu mha tp, no dropout": ("tp", 2, {"dropout": 0.0}),
+    "gelu mha tp-sp": ("tp-sp", 4, {"dropout": 0.1}),
+    "fused swiglu gqa tp: fc1's output only": ("tp", 2, FUSED_SWIGLU | GQA | {"dropout": 0.0}),
+    "unfused swiglu gqa tp-sp: up's copy, expanded k and v": ("tp-sp", 2, SWIGLU | GQA | {"dropout": 0.1}),
+    "gqa rmsnorm tp-sp t=4": ("tp-sp", 4, GQA | {"norm": "rmsnorm", "dropout": 0.1}),
+    "full recompute swiglu tp-sp: the input alone": ("tp-sp", 2, SWIGLU | {"recompute": "full", "dropout": 0.1}),
+    "full recompute gelu tp t=4": ("tp", 4, {"recompute": "full", "dropout": 0.0}),
+    "fp32 gqa tp: no fused softmax, so masked_fill_ keeps the causal mask": (
+        "tp", 2, GQA | {"dtype": "fp32", "dropout": 0.1}),
+    "selective recompute gqa: the query copy beside the qkv output": (
+        "tp-sp", 2, GQA | {"recompute": "selective", "dropout": 0.1}),
+}
+
+
+def _measured(tp, config, strategy):
+    return runner.run_layer(tp, config, STRATEGIES[strategy])
+
+
+def _differences(config, strategy, saved):
+    prediction = estimate(config, STRATEGIES[strategy], Accounting(exact=True, device="cpu"))
+    return [row.describe() for row in compare(prediction, saved) if not row.matches]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_megatrons_layer_as_rank_0_keeps_what_the_megatron_rules_predict(case):
+    strategy, t, knobs = CASES[case]
+    config = build_config(SIZES | knobs | {"t": t})
+    mode = "single" if t == 1 else "fake"
+    (saved,) = run(_measured, (config, strategy), mode=mode, t=t)
+    assert _differences(config, strategy, saved) == []
+
+
+def test_two_gloo_ranks_of_megatrons_layer_each_keep_what_the_rules_predict():
+    config = build_config(SIZES | SWIGLU | GQA | {"t": 2, "dropout": 0.1})
+    per_rank = run(_measured, (config, "tp-sp"), mode="spawn", t=2, backend="gloo", timeout_s=240)
+    assert [_differences(config, "tp-sp", saved) for saved in per_rank] == [[], []]
+
+
+def test_outside_the_fused_softmax_sizes_megatron_keeps_an_fp32_softmax_and_the_causal_mask():
+    config = build_config(SIZES | {"s": 16, "dropout": 0.0})  # s <= 16: the fused kernel does not run
+    (saved,) = run(_measured, (config, "none"), mode="single", t=1)
+    fp32 = [s for s in saved if s.dtype == "float32"]
+    assert [(s.nbytes, s.name) for s in fp32] == [(2 * 16 * 16 * 16 * 4, None)]  # (b, a, s, s) in fp32
+    assert [s.shape for s in saved if s.dtype == "bool"] == [(16, 16)]  # masked_fill_'s causal mask
+
+
+def test_flash_attention_is_refused_for_the_local_spec():
+    config = build_config(SIZES | {"attention": "flash"})
+    with pytest.raises(ProbeError, match="Transformer Engine"):
+        run(_measured, (config, "none"), mode="single", t=1)

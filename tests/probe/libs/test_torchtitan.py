@@ -1,0 +1,115 @@
+"""torchtitan's own Llama3 block, under its own TP plan, keeps tensor by tensor what the torchtitan rules predict."""
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("torchtitan")
+
+import torch  # noqa: E402
+
+from memcalc.config.schema import build_config  # noqa: E402
+from memcalc.errors import ConfigError  # noqa: E402
+from memcalc.model.evaluate import estimate  # noqa: E402
+from memcalc.model.knobs import Accounting  # noqa: E402
+from memcalc.model.strategy import STRATEGIES  # noqa: E402
+from memcalc.probe.launch import run  # noqa: E402
+from memcalc.probe.libs import torchtitan as runner  # noqa: E402
+from memcalc.probe.libs import torchtitan_shim as shim  # noqa: E402
+from memcalc.probe.measure import compare  # noqa: E402
+
+LLAMA3 = {
+    "b": 2, "s": 16, "h": 64, "a": 4, "ffn_hidden_size": 96, "impl": "torchtitan",
+    "norm": "rmsnorm", "mlp": "swiglu", "attention": "flash", "dropout": 0.0, "recompute": "none",
+}
+GQA = {"num_query_groups": 2}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: one intra-op thread is faster, and kinder to a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _measured(knobs: dict, t: int, strategy: str, mode: str = "fake") -> list:
+    """Each rank's rows: what the block kept next to the rules' prediction for the CPU."""
+    config = build_config(LLAMA3 | knobs | {"t": t})
+    prediction = estimate(config, STRATEGIES[strategy], Accounting(exact=True, device="cpu"))
+    per_rank = run(runner.run_layer, (config, STRATEGIES[strategy]), mode="single" if t == 1 else mode, t=t)
+    return [compare(prediction, saved) for saved in per_rank]
+
+
+def _differences(rows) -> list[str]:
+    return [row.describe() for row in rows if not row.matches]
+
+
+CASES = {
+    "none, mha: CPU rms_norm's fp32 tensors, q/k/v, lse, the SDPA output as wo's input": ({}, 1, "none"),
+    "none, gqa: k and v at g heads": (GQA, 1, "none"),
+    "tp t=2, gqa: norms and the linears' inputs whole, the rest split": (GQA, 2, "tp"),
+    "tp-sp t=2, mha: norms split by s, wqkv's and w1/w3's inputs kept gathered": ({}, 2, "tp-sp"),
+    "tp-sp t=2, gqa": (GQA, 2, "tp-sp"),
+    "tp-sp t=4, mha": ({"num_query_groups": 4}, 4, "tp-sp"),
+    "tp-sp t=4, gqa (one k/v head per rank)": ({"num_query_groups": 4, "a": 8}, 4, "tp-sp"),
+    "full recompute: the block's input shard alone": ({"recompute": "full"}, 2, "tp-sp"),
+    "op recompute, none: wqkv, attention, w1 and w2 outputs and the input": (GQA | {"recompute": "op"}, 1, "none"),
+    "op recompute, tp-sp t=2: w2's output whole before the reduce-scatter": (GQA | {"recompute": "op"}, 2, "tp-sp"),
+    "op recompute, tp t=4": ({"recompute": "op", "num_query_groups": 4}, 4, "tp"),
+    "fp32, tp-sp t=2: the norm's upcast is its input itself": (GQA | {"dtype": "fp32"}, 2, "tp-sp"),
+}
+
+
+@pytest.mark.parametrize("knobs, t, strategy", CASES.values(), ids=CASES.keys())
+def test_the_block_keeps_exactly_what_the_rules_predict(knobs, t, strategy):
+    (rows,) = _measured(knobs, t, strategy)
+    assert _differences(rows) == []
+    assert all(row.measured > 0 for row in rows)  # every predicted tensor was found, none unlabelled
+
+
+def test_two_gloo_ranks_each_keep_what_rank_zero_of_the_fake_group_keeps():
+    ranks = _measured(GQA, 2, "tp-sp", mode="spawn")
+    assert [_differences(rows) for rows in ranks] == [[], []]
+    assert ranks[0] == ranks[1]
+
+
+def test_under_sequence_parallelism_the_column_parallel_inputs_are_kept_whole():
+    (rows,) = _measured(GQA, 2, "tp-sp")
+    shapes = {row.name: row.measured_shape for row in rows}
+    b, s, h = (LLAMA3[k] for k in "bsh")
+    assert shapes["attention/qkv_in"] == shapes["mlp/fc1_in"] == (b, s, h)
+    assert shapes["ln1/input_fp32"] == (b, s // 2, h)
+
+
+@pytest.mark.parametrize("knobs, reason", [
+    ({"norm": "layernorm"}, "norm layernorm"),
+    ({"mlp": "gelu"}, "mlp gelu"),
+    ({"attention": "eager"}, "attention eager"),
+    ({"dropout": 0.1}, "dropout 0.1"),
+    ({"recompute": "selective"}, "recompute op"),
+    ({"bias_activation_fusion": True}, "Megatron's fused kernel"),
+    ({"dtype": "fp16"}, "bfloat16 or float32"),
+])
+def test_knobs_torchtitans_llama3_does_not_have_are_refused_with_the_reason(knobs, reason):
+    with pytest.raises(ConfigError, match=reason):
+        estimate(build_config(LLAMA3 | knobs | {"t": 2}), STRATEGIES["tp-sp"])
+
+
+def test_on_cuda_the_norm_is_the_fused_kernel_and_attention_is_flex():
+    config = build_config(LLAMA3 | {"t": 2})
+    prediction = estimate(config, STRATEGIES["tp-sp"], Accounting(exact=True, device="cuda"))
+    names = [x.tensor.name for x in prediction.tensors]
+    assert [n for n in names if n.startswith("ln1/")] == ["ln1/input", "ln1/rstd_fp32"]
+    assert "attention/flex_max_scores" in names  # flex attention, torchtitan's on GPUs
+
+
+def test_the_op_checkpointing_patch_undoes_itself():
+    from torchtitan.distributed import activation_checkpoint
+
+    original = activation_checkpoint._get_default_save_ops
+    with shim.cuda_like_op_checkpointing():
+        assert torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default in (
+            activation_checkpoint._get_default_save_ops()
+        )
+    assert activation_checkpoint._get_default_save_ops is original
