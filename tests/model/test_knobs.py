@@ -57,3 +57,14 @@ def test_every_implementation_is_a_choice_of_the_impl_knob_and_back():
 def test_a_choice_compares_and_prints_as_its_text():
     knobs = build_knobs({"mlp": "swiglu"})
     assert knobs.mlp == "swiglu" and f"{knobs.mlp}" == "swiglu" and {"swiglu": 1}[knobs.mlp] == 1
+
+
+def test_every_tensor_an_implementation_keeps_has_a_name_it_knows():
+    from memcalc.model.knobs import Accounting
+
+    for impl in IMPLEMENTATIONS.values():
+        knobs = Knobs(impl=impl.name, **impl.defaults)
+        names = impl.by_name()
+        for x in impl.layer_tensors(knobs, Accounting(exact=True)):
+            known = names[x.name]
+            assert (known.shape, known.kind, known.region) == (x.shape, x.kind, x.region), (impl.name, x.name)

@@ -11,16 +11,19 @@ F = torch.nn.functional
 
 from memcalc.model import ledger  # noqa: E402
 from memcalc.config.schema import build_config  # noqa: E402
-from memcalc.model.ledger import BY_NAME, Region  # noqa: E402
+from memcalc.model.impls import IMPLEMENTATIONS  # noqa: E402
+from memcalc.model.ledger import Region  # noqa: E402
 from memcalc.probe.attention import FlashAttention, eager_core, flash_core  # noqa: E402
 from memcalc.probe.group import single  # noqa: E402
 from memcalc.probe.launch import run_fake, run_spawned  # noqa: E402
 from memcalc.probe.layer import DTYPES, TransformerLayer  # noqa: E402
 from memcalc.probe.linear import ColumnParallelLinear, RowParallelLinear  # noqa: E402
+from memcalc.probe.mlp import MLP, rank_interleaved  # noqa: E402
 from memcalc.probe.norm import Norm  # noqa: E402
 from memcalc.probe.recorder import SavedTensorRecorder  # noqa: E402
 
 TINY = {"b": 2, "s": 16, "h": 64, "a": 8}
+BY_NAME = IMPLEMENTATIONS["megatron"].by_name()  # the probe's layer keeps megatron's
 
 
 def _config(**knobs):
@@ -108,7 +111,8 @@ def _how_gradients_combine(layer):
             if module.bias is not None and module.bias_is_split:
                 cut[f"{prefix}.bias"] = 0
     return {
-        name: cut.get(name, "partial" if getattr(p, "sequence_parallel", False) else "whole")
+        name: "gated" if getattr(p, "gated_halves", False)
+        else cut.get(name, "partial" if getattr(p, "sequence_parallel", False) else "whole")
         for name, p in layer.named_parameters()
     }
 
@@ -157,6 +161,8 @@ def _assembled(ranks, reference, sequence_parallel):
         if combine == "partial":
             yield f"{name} (sum over ranks)", sum(rank["grads"][name] for rank in ranks), full
             continue
+        if combine == "gated":  # SwiGLU's fc1: rank r holds [gate_r; up_r] of the full [gate; up]
+            full, combine = rank_interleaved(full, t), 0
         for r, rank in enumerate(ranks):
             want = full if combine == "whole" else full.chunk(t, combine)[r]
             yield f"{name} on rank {r}", rank["grads"][name], want
@@ -210,6 +216,28 @@ def test_flash_attention_keeps_q_k_v_output_and_lse_but_nothing_of_size_s_square
     by_size = sorted(s.nbytes for s in recorder.saved)
     assert by_size == sorted([lse.numel() * 4, k.numel() * 4, v.numel() * 4, q.numel() * 4, out.numel() * 4])
     assert lse.dtype == torch.float32
+
+
+# -- the MLP ------------------------------------------------------------------------------
+
+
+def test_fused_and_unfused_swiglu_compute_silu_gate_times_up_and_its_gradients():
+    def results(fused):
+        config = _config(mlp="swiglu", dtype="fp32", dropout=0.0, bias_activation_fusion=fused)
+        mlp = MLP(config, single(), False, torch.float32)
+        x = _input(config).requires_grad_()
+        out = mlp(x)
+        return out, torch.autograd.grad((out * out).sum(), (x, *mlp.parameters()))
+
+    mlp = MLP(_config(mlp="swiglu", dtype="fp32"), single(), False, torch.float32)
+    x = _input(_config())
+    gate, up = mlp.fc1(x).chunk(2, dim=-1)
+    reference = mlp.fc2(F.silu(gate) * up)
+    (fused, fused_grads), (unfused, unfused_grads) = results(True), results(False)
+    torch.testing.assert_close(fused, reference)
+    torch.testing.assert_close(unfused, reference)
+    for a, b in zip(fused_grads, unfused_grads):
+        torch.testing.assert_close(a, b)
 
 
 # -- norms and recomputation -----------------------------------------------------------

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+from memcalc.model import ledger
 from memcalc.model.knobs import Accounting
 from memcalc.model.ledger import SavedTensor
 
@@ -35,6 +36,11 @@ class Implementation:
     kept_whole: frozenset[str] = frozenset()  # tensors a sequence-splitting layout keeps gathered (full s)
     check: Callable[[Any], None] = _accept_all  # ConfigError for knob values the library cannot run
     defaults: dict[str, Any] = field(default_factory=dict)  # the library's own knob values, where not the seed's
+    tensors: tuple[SavedTensor, ...] = ()  # the tensors only this library keeps (or describes its own way)
+
+    def by_name(self) -> dict[str, SavedTensor]:
+        """Every tensor this implementation can name: the ledger's, with its own in their place where they differ."""
+        return ledger.BY_NAME | {x.name: x for x in self.tensors}
 
 
 def drop_small(tensors: Iterable[SavedTensor], accounting: Accounting) -> tuple[SavedTensor, ...]:

@@ -249,6 +249,10 @@ IMPLEMENTATION = Implementation(
     layer_tensors=layer_tensors,
     strategies=("none",),
     check=check,
+    tensors=(
+        *LN1_RMS, *LN2_RMS, ROPE_COS, ROPE_SIN, K_EXPANDED, V_EXPANDED, SOFTMAX_FP32, WEIGHTS, *SDPA_MATH,
+        HALF_X, TANH_OUT, ONE_PLUS_TANH,  # FLASH_DROPOUT_LSE is the ledger's LSE, described as read from code
+    ),
     # LlamaConfig's own: RMSNorm, SwiGLU, attention_dropout 0, attn_implementation "sdpa" (memcalc's flash).
     defaults={"norm": "rmsnorm", "mlp": "swiglu", "dropout": 0.0, "attention": "flash"},
 )

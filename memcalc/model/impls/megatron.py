@@ -157,5 +157,6 @@ IMPLEMENTATION = Implementation(
     title="Megatron-core",
     measured_on="megatron-core 0.16.1 TransformerLayer and TransformerBlock (full recompute), local spec, on CPU",
     layer_tensors=layer_tensors,
+    tensors=TENSORS,
     check=check,
 )
