@@ -24,7 +24,7 @@ receives as much as it sends).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from fractions import Fraction
 from math import prod
@@ -46,9 +46,13 @@ class Op(Enum):
     ALL_REDUCE = "all-reduce"
     ALL_GATHER = "all-gather"
     REDUCE_SCATTER = "reduce-scatter"
+    SEND = "send"  # one point-to-point message of an overlapped ring
+    RECV = "recv"  # its partner: what arrives (received bytes are not counted as sent)
 
     def share(self, t: int) -> Fraction:
-        """Bytes one of t ranks sends, as a fraction of the (full) tensor's bytes."""
+        """Bytes one of t ranks moves, as a fraction of the tensor (or message) the call names."""
+        if self in (Op.SEND, Op.RECV):
+            return Fraction(1)
         steps = Fraction(t - 1, t)
         return 2 * steps if self is Op.ALL_REDUCE else steps
 
@@ -64,6 +68,7 @@ class Collective:
     moves: str
     shape: tuple[Dim, ...]  # the whole tensor, before any split
     why: str
+    piece: Fraction = Fraction(1)  # the part of that tensor this call moves (a ring message, a pipelined chunk)
 
 
 def _enter(block: str, what: str, sequence_parallel: bool) -> tuple[Collective, ...]:
@@ -104,8 +109,16 @@ def _regather(block: str, what: str) -> Collective:
 _BLOCKS = (("attention", "the QKV input", "the projection output"), ("mlp", "the fc1 input", "the fc2 output"))
 
 
-def layer_collectives(knobs: Any, strategy: Strategy) -> tuple[Collective, ...]:
-    """Every collective one layer issues per micro-batch, forward then backward, as the implementation runs it."""
+def layer_collectives(
+    knobs: Any, strategy: Strategy, overlap: frozenset[str] = frozenset(), t: int = 1, splits: int = 4
+) -> tuple[Collective, ...]:
+    """Every collective one layer issues per micro-batch, forward then backward, as the implementation runs it.
+
+    `overlap` (tp-sp) names the methods that cut a forward collective into pieces
+    (memcalc.model.overlap): ring-ag and ring-rs into t-1 ring hops of one
+    sequence chunk, pipelined-rs into `splits` reduce-scatters. Backward is
+    unchanged. `t` matters only to the rings (how many hops).
+    """
     if not strategy.tensor_parallel:
         return ()
     plan(knobs, strategy)  # refuses a layout the implementation does not run
@@ -113,7 +126,8 @@ def layer_collectives(knobs: Any, strategy: Strategy) -> tuple[Collective, ...]:
     regathers = sp and not implementation(knobs).kept_whole
     forward, backward = [], []
     for block, entering, leaving in _BLOCKS:
-        forward += [c for c in (*_enter(block, entering, sp), *_leave(block, leaving, sp)) if c.phase == "forward"]
+        for c in (*_enter(block, entering, sp), *_leave(block, leaving, sp)):
+            forward += _pieces(c, overlap, t, splits) if c.phase == "forward" else []
     if knobs.recompute == "full":  # backward first reruns the whole forward, collectives and all
         backward = [_rerun(c) for c in forward]
     for block, entering, leaving in reversed(_BLOCKS):  # then meets the MLP first, each block from its output
@@ -124,8 +138,20 @@ def layer_collectives(knobs: Any, strategy: Strategy) -> tuple[Collective, ...]:
 
 
 def _rerun(c: Collective) -> Collective:
-    return Collective(c.name, c.operator, c.op, "backward", f"{c.moves} (recomputed forward)", c.shape,
-                      "full recomputation reruns the layer's forward in backward")
+    return replace(c, phase="backward", moves=f"{c.moves} (recomputed forward)",
+                   why="full recomputation reruns the layer's forward in backward")
+
+
+def _pieces(c: Collective, overlap: frozenset[str], t: int, splits: int) -> list[Collective]:
+    """A forward collective as the overlap method that takes it issues it: ring hops, chunks, or whole."""
+    ring = (c.op is Op.ALL_GATHER and "ring-ag" in overlap) or (c.op is Op.REDUCE_SCATTER and "ring-rs" in overlap)
+    if ring:
+        hop = Fraction(1, t)
+        return [replace(c, op=op, moves=f"{c.moves}: one sequence chunk, a ring hop", piece=hop)
+                for _ in range(t - 1) for op in (Op.SEND, Op.RECV)]
+    if c.op is Op.REDUCE_SCATTER and "pipelined-rs" in overlap:
+        return [replace(c, moves=f"{c.moves}: one of {splits} GEMM blocks", piece=Fraction(1, splits))] * splits
+    return [c]
 
 
 def ring_units(c: Collective) -> int:
@@ -134,8 +160,8 @@ def ring_units(c: Collective) -> int:
 
 
 def sent_bytes(c: Collective, sizes: dict[Dim, int], t: int, width: int) -> int:
-    """Bytes one rank sends for `c`; exact, since t divides h (t | a | h)."""
-    return int(c.op.share(t) * width * prod(sizes[d] for d in c.shape))
+    """Bytes one rank moves for `c` (a receive: what arrives); exact, since t divides h (t | a | h)."""
+    return int(c.op.share(t) * c.piece * width * prod(sizes[d] for d in c.shape))
 
 
 @dataclass(frozen=True)
@@ -149,7 +175,8 @@ class LayerComm:
 
     @property
     def per_layer_bytes(self) -> int:
-        return sum(n for _, n in self.collectives)
+        """Bytes one rank sends (what it receives is not counted)."""
+        return sum(n for c, n in self.collectives if c.op is not Op.RECV)
 
 
 def layer_comm(config: ModelConfig, strategy: Strategy, microbatches: int) -> LayerComm:
@@ -157,7 +184,7 @@ def layer_comm(config: ModelConfig, strategy: Strategy, microbatches: int) -> La
     check_strategy(config, strategy)
     sizes, width = dim_sizes(config), DTYPE_BYTES[config.dtype]
     rows = tuple((c, sent_bytes(c, sizes, config.t, width)) for c in layer_collectives(config, strategy))
-    per_layer = sum(n for _, n in rows)
+    per_layer = sum(n for c, n in rows if c.op is not Op.RECV)
     shard = config.t if strategy.sequence_parallel else 1
     boundary = 2 * width * config.b * (config.s // config.cp) * config.h // shard  # activation out, gradient back
     pipeline = microbatches * boundary if config.pp > 1 else 0

@@ -11,10 +11,15 @@ value] per K/V group (as Megatron's is), so a rank's column block holds whole
 groups. Megatron keeps q, k and v as views of that one QKV output; the probe
 copies them apart so that each ledger row is one storage (same bytes in total).
 
-Grouped-query attention never materialises expanded K/V: with the a/g query
-heads of a group stacked along the rows, (b*g, a/g*s, d) @ (b*g, d, s) scores
-every head of the group against its one key. The scale and the causal mask go
-into one `baddbmm` (additive mask), so neither keeps a tensor for backward.
+Grouped-query attention keeps what megatron-core's local core attention keeps
+(memcalc.model.impls.megatron): eager attention `repeat_interleave`s K and V to
+every head, and QK^T and weights x V keep those (b, a/t, s, d) copies; under
+selective recomputation the checkpoint keeps q, k, v and, as Megatron's does
+through K and V's views of the fused QKV output, the query columns of that output
+(here a storage of their own). Flash attention scores each group's a/g query heads,
+stacked along the rows, against its one key: (b*g, a/g*s, d) @ (b*g, d, s). The
+scale and the causal mask go into one `baddbmm` (additive mask), so neither keeps
+a tensor for backward.
 
 Eager attention keeps what its ops' backwards read: q and k (QK^T), the softmax
 output, the dropout mask, the dropped-out weights and v (weights x V); with
@@ -31,11 +36,13 @@ from a seed in backward.
 from __future__ import annotations
 
 from memcalc.model import ledger
+from memcalc.model.impls import megatron
 from memcalc.config.schema import ModelConfig
 from memcalc.probe import require_torch
 from memcalc.probe.checkpoint import checkpoint
 from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.linear import ColumnParallelLinear, RowParallelLinear
+from memcalc.probe.overlap import NO_OVERLAP, Overlap
 from memcalc.probe.norm import wide
 from memcalc.probe.recorder import batch_first, label
 
@@ -47,7 +54,8 @@ class SelfAttention(nn.Module):
     """QKV, core attention (eager or flash, optionally recomputed) and the output projection."""
 
     def __init__(
-        self, config: ModelConfig, tp: TensorParallelGroup, sequence_parallel: bool, dtype: torch.dtype
+        self, config: ModelConfig, tp: TensorParallelGroup, sequence_parallel: bool, dtype: torch.dtype,
+        overlap: Overlap = NO_OVERLAP,
     ) -> None:
         super().__init__()
         self.head_dim = config.h // config.a
@@ -55,7 +63,9 @@ class SelfAttention(nn.Module):
         self.dropout = config.dropout
         self.flash = config.attention == "flash"
         self.recompute = config.recompute == "selective"
-        linear = {"tp": tp, "sequence_parallel": sequence_parallel, "dtype": dtype, "device": tp.device}
+        linear = {
+            "tp": tp, "sequence_parallel": sequence_parallel, "dtype": dtype, "device": tp.device, "overlap": overlap,
+        }
         qkv_width = (config.a + 2 * config.groups) * self.head_dim
         qkv_bias = config.add_bias_linear or config.add_qkv_bias
         self.qkv = ColumnParallelLinear(config.h, qkv_width, bias=qkv_bias, seed=1, **linear)
@@ -66,12 +76,20 @@ class SelfAttention(nn.Module):
         q, k, v = self._split_heads(self.qkv(x))
         for tensor, saved in ((q, ledger.Q), (k, ledger.K), (v, ledger.V)):
             label(tensor, saved)
-        context = checkpoint(self._core, q, k, v) if self.recompute else self._core(q, k, v)
+        context = checkpoint(self._core, q, k, v, *self._query_columns(q)) if self.recompute else self._core(q, k, v)
         label(batch_first(context), ledger.PROJ_IN)
         return self.proj(context)
 
-    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_kept: torch.Tensor) -> torch.Tensor:
         return (flash_core if self.flash else eager_core)(q, k, v, self.dropout)
+
+    def _query_columns(self, q: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """What Megatron's core-attention checkpoint keeps beside q, k, v under GQA: the QKV output's query columns."""
+        if self.flash or self.heads_per_group == 1:
+            return ()
+        columns = q.clone()
+        label(columns, megatron.QKV_QUERY_COLUMNS)
+        return (columns,)
 
     def _split_heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(s, b, g/t * (a/g + 2) * d) -> q (b, a/t, s, d), k and v (b, g/t, s, d), each its own storage."""
@@ -104,8 +122,17 @@ def _scores(q3: torch.Tensor, k3: torch.Tensor) -> torch.Tensor:
 def eager_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
     """Attention op by op, keeping the s x s softmax output (and dropout mask and output)."""
     b, heads, s, d = q.shape
+    if k.shape[1] != heads:  # K and V copied to every head, as megatron's DotProductAttention does
+        k, v = (x.repeat_interleave(heads // x.shape[1], dim=1) for x in (k, v))
+        label(k, megatron.K_EXPANDED)
+        label(v, megatron.V_EXPANDED)
     q3, k3, v3 = _grouped(q, k, v)
-    weights = torch.softmax(_scores(q3, k3), dim=-1)  # keeps its output
+    scores = _scores(q3, k3)  # (b*a/t, s, s)
+    if scores.dtype == torch.float32:  # megatron's fp32 softmax (no fused kernel) masks in place: keeps the mask
+        future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill_(future, float("-inf"))
+        label(future, megatron.CAUSAL_MASK)
+    weights = torch.softmax(scores, dim=-1)  # keeps its output
     label(weights.view(b, heads, s, s), ledger.SOFTMAX_OUT)
     if p > 0:
         weights, keep = torch.native_dropout(weights, p, True)  # keeps a 1-byte mask

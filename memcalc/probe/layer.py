@@ -28,6 +28,7 @@ from memcalc.probe.checkpoint import checkpoint
 from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.mlp import MLP
 from memcalc.probe.norm import Norm
+from memcalc.probe.overlap import NO_OVERLAP, Overlap
 from memcalc.probe.recorder import batch_first, label
 
 torch = require_torch()
@@ -37,19 +38,25 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 class TransformerLayer(nn.Module):
-    """The block for `config` on rank `tp.rank` of `tp.size`; SP if `sequence_parallel`."""
+    """The block for `config` on rank `tp.rank` of `tp.size`; SP if `sequence_parallel`.
 
-    def __init__(self, config: ModelConfig, tp: TensorParallelGroup, sequence_parallel: bool) -> None:
+    `overlap` (SP only) runs the linears' all-gathers and reduce-scatters as pieces
+    beside their GEMMs (memcalc.probe.overlap); the same function, other messages.
+    """
+
+    def __init__(
+        self, config: ModelConfig, tp: TensorParallelGroup, sequence_parallel: bool, overlap: Overlap = NO_OVERLAP
+    ) -> None:
         super().__init__()
         dtype = DTYPES[config.dtype]
         self.ln1 = Norm(config.norm, config.h, ledger.LN1, dtype, tp.device)
-        self.attention = SelfAttention(config, tp, sequence_parallel, dtype)
+        self.attention = SelfAttention(config, tp, sequence_parallel, dtype, overlap)
         self.ln2 = Norm(config.norm, config.h, ledger.LN2, dtype, tp.device)
         # Under SP each rank normalises its own sequence shard, so the norms' whole weights get
         # partial gradients: marked, as linear.py marks a row-parallel bias (and Megatron its norms).
         for param in (*self.ln1.parameters(), *self.ln2.parameters()):
             param.sequence_parallel = sequence_parallel
-        self.mlp = MLP(config, tp, sequence_parallel, dtype)
+        self.mlp = MLP(config, tp, sequence_parallel, dtype, overlap)
         self.dropout = config.dropout
         self.full_recompute = config.recompute == "full"
 

@@ -13,6 +13,11 @@ LinearWithGradAccumulationAndAsyncCommunication does, so that it saves only its
 input's sequence shard for backward and all-gathers it again there (the seed's
 "nothing of size (b, s, h) is kept whole").
 
+Given an `Overlap` (overlap.py), an SP linear runs its forward collective as
+pieces beside pieces of its GEMM: the column's g as ring hops (ring-ag), the
+row's g* as ring hops or per-block reduce-scatters (ring-rs, pipelined-rs).
+Only the forward's schedule changes; backward is g's and g*'s as without it.
+
 Weights start from a seeded generator on the *full* (unsharded) matrix, cut
 into this rank's block: any t then holds the same model, so results compare
 across t. That costs one full weight on the CPU while a layer is built.
@@ -32,23 +37,32 @@ from memcalc.probe.mappings import (
     g_star_scatter_seq,
     reduce_scatter_seq,
 )
+from memcalc.probe.overlap import NO_OVERLAP, GatheredGemm, Overlap, ScatteredGemm, check_overlap
 
 torch = require_torch()
 from torch import nn  # noqa: E402  (after the install check above)
 from torch.nn import functional as F  # noqa: E402
 
 
+def _gather_then_gemm(x_shard, weight, bias, tp):
+    """g's all-gather, then the whole GEMM: (s/t, b, in) -> (s, b, out/t)."""
+    x_full = all_gather_seq(x_shard, tp)  # (s, b, in), dropped when forward returns
+    return F.linear(x_full, weight, bias)
+
+
 class _GatheredInputLinear(torch.autograd.Function):
     """g fused into a column-parallel GEMM under SP: forward all-gather along s, backward
-    reduce-scatter along s, saving only the input's sequence shard (no (s, b, h) tensor)."""
+    reduce-scatter along s, saving only the input's sequence shard (no (s, b, h) tensor).
+
+    `gemm` schedules the forward: the all-gather then the GEMM, or an overlapped ring.
+    """
 
     @staticmethod
-    def forward(ctx, x_shard, weight, bias, tp):
+    def forward(ctx, x_shard, weight, bias, tp, gemm: GatheredGemm):
         ctx.save_for_backward(x_shard, weight)  # the caller's shard itself, not the gathered input
         ctx.tp = tp
         ctx.has_bias = bias is not None
-        x_full = all_gather_seq(x_shard, tp)  # (s, b, in), dropped when forward returns
-        return F.linear(x_full, weight, bias)  # (s, b, out/t)
+        return gemm(x_shard, weight, bias, tp)  # (s, b, out/t)
 
     @staticmethod
     def backward(ctx, grad_out):  # (s, b, out/t)
@@ -58,7 +72,30 @@ class _GatheredInputLinear(torch.autograd.Function):
         grad_rows = grad_out.reshape(-1, grad_out.shape[-1])  # (s*b, out/t)
         grad_weight = grad_rows.t() @ x_full.reshape(-1, x_full.shape[-1])  # (out/t, in)
         grad_bias = grad_rows.sum(dim=0) if ctx.has_bias else None
-        return grad_x, grad_weight, grad_bias, None
+        return grad_x, grad_weight, grad_bias, None, None
+
+
+class _ScatteredOutputLinear(torch.autograd.Function):
+    """g* fused into a row-parallel GEMM under SP, for an overlapped forward: forward the GEMM and a
+    reduce-scatter along s as `gemm` schedules them, backward all-gather along s and the GEMM's grads.
+
+    It keeps what F.linear followed by g* keeps: the input and the weight. The bias is added outside.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, tp, gemm: ScatteredGemm):
+        ctx.save_for_backward(x, weight)
+        ctx.tp = tp
+        return gemm(x, weight, tp)  # (s, b, in/t) -> (s/t, b, out)
+
+    @staticmethod
+    def backward(ctx, grad_out):  # (s/t, b, out)
+        x, weight = ctx.saved_tensors
+        grad_full = all_gather_seq(grad_out, ctx.tp)  # (s, b, out): g*'s backward
+        grad_x = grad_full @ weight  # (s, b, in/t)
+        grad_rows = grad_full.reshape(-1, grad_full.shape[-1])  # (s*b, out)
+        grad_weight = grad_rows.t() @ x.reshape(-1, x.shape[-1])  # (out, in/t)
+        return grad_x, grad_weight, None, None
 
 
 class _ParallelLinear(nn.Module):
@@ -77,10 +114,12 @@ class _ParallelLinear(nn.Module):
         dtype: torch.dtype | None = None,
         device: str | torch.device | None = None,
         seed: int = 0,
+        overlap: Overlap = NO_OVERLAP,
     ) -> None:
         super().__init__()
+        check_overlap(overlap, sequence_parallel)
         self.in_features, self.out_features = in_features, out_features
-        self.tp, self.sequence_parallel = tp, sequence_parallel
+        self.tp, self.sequence_parallel, self.overlap = tp, sequence_parallel, overlap
         factory = {"dtype": dtype, "device": tp.device if device is None else device}
         self.weight = nn.Parameter(torch.empty(self._shard_shape((out_features, in_features)), **factory))
         self.bias = None
@@ -90,7 +129,7 @@ class _ParallelLinear(nn.Module):
             # A whole bias added to a sequence shard gets a partial gradient; Megatron marks such
             # parameters so that their gradients are summed across ranks before an optimizer step.
             self.bias.sequence_parallel = sequence_parallel and not self.bias_is_split
-        self.load_shard_of(*self._seeded_full_weights(seed))
+        self.load_shard_of(*self.seeded_full_weights(seed))
 
     def _shard_shape(self, full: tuple[int, int]) -> list[int]:
         shape = list(full)
@@ -98,7 +137,7 @@ class _ParallelLinear(nn.Module):
         shape[self.shard_dim] = self.tp.divide(full[self.shard_dim], what)
         return shape
 
-    def _seeded_full_weights(self, seed: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def seeded_full_weights(self, seed: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """nn.Linear's uniform(+-1/sqrt(in)) init of the whole unsharded layer, drawn from `seed`."""
         generator = torch.Generator().manual_seed(seed)
         bound = 1 / math.sqrt(self.in_features)
@@ -122,6 +161,7 @@ class _ParallelLinear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, t={self.tp.size}, "
             f"sequence_parallel={self.sequence_parallel}, bias={self.bias is not None}"
+            + (f", overlap={self.overlap}" if self.overlap else "")
         )
 
 
@@ -133,7 +173,8 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel and self.tp.size > 1:
-            return _GatheredInputLinear.apply(x, self.weight, self.bias, self.tp)
+            gemm = self.overlap.gathered_gemm() or _gather_then_gemm
+            return _GatheredInputLinear.apply(x, self.weight, self.bias, self.tp, gemm)
         return F.linear(f_enter_tp(x, self.tp), self.weight, self.bias)  # autograd saves x itself and W
 
 
@@ -149,6 +190,10 @@ class RowParallelLinear(_ParallelLinear):
     bias_is_split = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        overlapped = self.overlap.scattered_gemm() if self.sequence_parallel and self.tp.size > 1 else None
+        if overlapped is not None:
+            y = _ScatteredOutputLinear.apply(x, self.weight, self.tp, overlapped)  # (s/t, b, out)
+            return y if self.bias is None else y + self.bias
         partial = F.linear(x, self.weight)  # (s, b, out): this rank's share of the sum
         leave = g_star_scatter_seq if self.sequence_parallel else f_star_leave_tp
         y = leave(partial, self.tp)  # (s, b, out), or (s/t, b, out) under SP

@@ -35,6 +35,7 @@ from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.launch import Mode, run, under_torchrun
 from memcalc.probe.layer import DTYPES, TransformerLayer
 from memcalc.probe.mappings import copy_seq_shard
+from memcalc.probe.overlap import NO_OVERLAP, Overlap
 from memcalc.probe.recorder import SavedStorage, SavedTensorRecorder
 from memcalc.model.strategy import STRATEGIES, Strategy
 
@@ -79,18 +80,23 @@ RUNNERS = {
 }
 
 
-def measure_on_rank(tp: TensorParallelGroup, cases: tuple[tuple[ModelConfig, str, str], ...]) -> list[RankResult]:
-    """The per-rank entry point for `launch.run`: each (config, strategy name, layer) in turn."""
-    return [measure_layer(tp, config, STRATEGIES[name], layer) for config, name, layer in cases]
+Case = tuple[ModelConfig, str, str, Overlap]  # config, strategy name, layer (LAYERS), overlap (own layer only)
 
 
-def measure_layer(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, layer: str) -> RankResult:
+def measure_on_rank(tp: TensorParallelGroup, cases: tuple[Case, ...]) -> list[RankResult]:
+    """The per-rank entry point for `launch.run`: each case in turn."""
+    return [measure_layer(tp, config, STRATEGIES[name], layer, overlap) for config, name, layer, overlap in cases]
+
+
+def measure_layer(
+    tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, layer: str, overlap: Overlap = NO_OVERLAP
+) -> RankResult:
     """Build the layer (the library's, or memcalc's own), record one forward pass, run backward once."""
     torch.manual_seed(INPUT_SEED + tp.rank)  # dropout masks; weights are seeded by the linears
     if layer == "library":
         saved, cuda, collectives = runner(config.impl).run_layer(tp, config, strategy), None, ()
     else:
-        saved, cuda, collectives = _run_own_layer(tp, config, strategy)
+        saved, cuda, collectives = _run_own_layer(tp, config, strategy, overlap)
     return RankResult(strategy.name, tp.rank, tp.size, tp.mode, tp.device.type, saved, cuda, collectives)
 
 
@@ -107,12 +113,12 @@ def runner(impl: str) -> ModuleType:
 
 
 def _run_own_layer(
-    tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy
+    tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, overlap: Overlap
 ) -> tuple[tuple[SavedStorage, ...], CudaMemory | None, tuple[LoggedCollective, ...]]:
     """memcalc's Megatron-style layer: what it saves, torch.cuda's readings around forward on a GPU,
     and every collective it issues in forward and backward."""
     sequence_parallel = strategy.sequence_parallel
-    layer = TransformerLayer(config, tp, sequence_parallel)
+    layer = TransformerLayer(config, tp, sequence_parallel, overlap if sequence_parallel else NO_OVERLAP)
     x = _layer_input(config, tp, sequence_parallel)
     start = _cuda_start(tp.device)
     with CollectiveLog() as log:
@@ -302,7 +308,7 @@ class StrategyMeasurement:
 
 def measure(
     config: ModelConfig, strategies: list[str], device: str, backend: str | None, launch: str, timeout_s: float,
-    layer: str = "library",
+    layer: str = "library", overlap: Overlap = NO_OVERLAP,
 ) -> list[StrategyMeasurement]:
     """Measure each strategy on `layer` (see LAYERS); everything is checked before any rank starts.
 
@@ -314,6 +320,8 @@ def measure(
         raise ConfigError(f"--layer memcalc is memcalc's own Megatron-style layer; with --impl {config.impl} use --layer library")
     if layer == "library":
         runner(config.impl)  # a missing library is named before any rank starts
+    if overlap and (layer != "memcalc" or "tp-sp" not in strategies):
+        raise ConfigError("--overlap runs in memcalc's own layer under tp-sp: add --layer memcalc --strategy tp-sp")
     plans = {name: _plan(config, STRATEGIES[name], device, backend, launch) for name in strategies}
     by_launch: dict[Launch, list[str]] = defaultdict(list)
     for name, plan in plans.items():
@@ -324,14 +332,15 @@ def measure(
         if plan.mode is Mode.SINGLE and under_torchrun() and int(os.environ["RANK"]) != 0:
             return []
         per_rank = run(
-            measure_on_rank, (tuple((config, name, layer) for name in by_launch[plan]),), mode=plan.mode, t=plan.t,
+            measure_on_rank, (tuple((config, name, layer, overlap) for name in by_launch[plan]),), mode=plan.mode,
+            t=plan.t,
             backend=plan.backend or "gloo", device=device, timeout_s=timeout_s,
         )
         if not per_rank:  # a torchrun rank other than 0
             return []
         for index, name in enumerate(by_launch[plan]):
             ranks[name] = [results[index] for results in per_rank]
-    return [_compared(STRATEGIES[name], plans[name], config, ranks[name], layer) for name in strategies]
+    return [_compared(STRATEGIES[name], plans[name], config, ranks[name], layer, overlap) for name in strategies]
 
 
 def _plan(config: ModelConfig, strategy: Strategy, device: str, backend: str | None, launch: str) -> Launch:
@@ -344,11 +353,11 @@ def _plan(config: ModelConfig, strategy: Strategy, device: str, backend: str | N
 
 
 def _compared(
-    strategy: Strategy, plan: Launch, config: ModelConfig, ranks: list[RankResult], layer: str
+    strategy: Strategy, plan: Launch, config: ModelConfig, ranks: list[RankResult], layer: str, overlap: Overlap
 ) -> StrategyMeasurement:
     prediction = estimate(config, strategy, Accounting(exact=True, device=ranks[0].device))
     rows = tuple(compare(prediction, result.saved) for result in ranks)
-    comm = () if layer == "library" else tuple(_compared_comm(config, strategy, r) for r in ranks)
+    comm = () if layer == "library" else tuple(_compared_comm(config, strategy, r, overlap) for r in ranks)
     if layer == "library":
         whose, notes = f"{RUNNERS[config.impl][1]}'s own layer", tuple(runner(config.impl).NOTES)
     else:
@@ -356,8 +365,11 @@ def _compared(
     return StrategyMeasurement(strategy, plan, whose, notes, prediction, tuple(ranks), rows, comm)
 
 
-def _compared_comm(config: ModelConfig, strategy: Strategy, result: RankResult) -> tuple[CommRow, ...]:
+def _compared_comm(
+    config: ModelConfig, strategy: Strategy, result: RankResult, overlap: Overlap = NO_OVERLAP
+) -> tuple[CommRow, ...]:
     """The collectives one rank issued against the communication ledger's, in order."""
     t = config.t if strategy.tensor_parallel else 1
-    predicted = layer_collectives(config, strategy)
+    methods = frozenset(m.value for m in overlap.methods) if strategy.sequence_parallel else frozenset()
+    predicted = layer_collectives(config, strategy, methods, t, overlap.num_splits)
     return compare_collectives(predicted, dim_sizes(config), t, DTYPE_BYTES[config.dtype], result.collectives)

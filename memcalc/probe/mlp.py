@@ -1,20 +1,31 @@
 """The MLP between the column-parallel fc1 and the row-parallel fc2: GELU or SwiGLU.
 
     GELU:    x -> fc1 (h -> f/t) -> GELU -> fc2 (f/t -> h)
-    SwiGLU:  x -> gate (h -> f/t), up (h -> f/t) -> SiLU(gate) * up -> fc2 (f/t -> h)
+    SwiGLU:  x -> fc1 (h -> 2f/t) -> gate, up -> SiLU(gate) * up -> fc2 (f/t -> h)
 
-SwiGLU's gate and up are two column-parallel linears reading the same input
-(which is kept once). Megatron fuses them into one GEMM and chunks its output;
-then gate and up are halves of one storage, the same bytes as two.
+SwiGLU's fc1 is one column-parallel GEMM of width 2f, as Megatron's: one input
+kept, one f or g operator around it. Each rank holds [gate_r; up_r], its blocks
+of the full gate and up weights (`rank_interleaved`), so every t computes the
+same model. Megatron keeps the 2f-wide output as one storage; the probe copies
+gate and up apart so that each ledger row is one storage, the same bytes. What SwiGLU
+keeps is megatron-core's (memcalc.model.impls.megatron), with one storage per
+ledger row:
+- fused (`bias_activation_fusion`): gate and up, as BiasSwiGLUFunction keeps its
+  input; backward recomputes SiLU.
+- unfused: SiLU keeps the gate, and with it up (in Megatron the gate is a view of
+  fc1's whole output); the product keeps SiLU's output and `up + offset`, a copy
+  of up that Megatron's glu() makes even for offset 0.
 """
 
 from __future__ import annotations
 
 from memcalc.model import ledger
+from memcalc.model.impls import megatron
 from memcalc.config.schema import ModelConfig
 from memcalc.probe import require_torch
 from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.linear import ColumnParallelLinear, RowParallelLinear
+from memcalc.probe.overlap import NO_OVERLAP, Overlap
 from memcalc.probe.recorder import batch_first, label
 
 torch = require_torch()
@@ -26,16 +37,22 @@ class MLP(nn.Module):
     """(s, b, h) -> (s, b, h), or (s/t, b, h) in and out under SP."""
 
     def __init__(
-        self, config: ModelConfig, tp: TensorParallelGroup, sequence_parallel: bool, dtype: torch.dtype
+        self, config: ModelConfig, tp: TensorParallelGroup, sequence_parallel: bool, dtype: torch.dtype,
+        overlap: Overlap = NO_OVERLAP,
     ) -> None:
         super().__init__()
         linear = {
             "tp": tp, "sequence_parallel": sequence_parallel, "bias": config.add_bias_linear, "dtype": dtype,
-            "device": tp.device,
+            "device": tp.device, "overlap": overlap,
         }
         self.swiglu = config.mlp == "swiglu"
-        self.fc1 = ColumnParallelLinear(config.h, config.ffn, seed=3, **linear)  # the gate, under SwiGLU
-        self.up = ColumnParallelLinear(config.h, config.ffn, seed=4, **linear) if self.swiglu else None
+        self.fused = config.bias_activation_fusion
+        # Under SwiGLU fc1 is Megatron's one GEMM of width 2f: one input kept, one f/g collective.
+        self.fc1 = ColumnParallelLinear(config.h, (2 if self.swiglu else 1) * config.ffn, seed=3, **linear)
+        if self.swiglu:
+            self.fc1.load_shard_of(*(rank_interleaved(x, tp.size) for x in self.fc1.seeded_full_weights(3)))
+            for param in self.fc1.parameters():
+                param.gated_halves = True  # rank r holds [gate_r; up_r] of the full [gate; up]
         self.fc2 = RowParallelLinear(config.ffn, config.h, seed=5, **linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -50,9 +67,60 @@ class MLP(nn.Module):
         return F.gelu(pre)  # keeps its input
 
     def _swiglu(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.fc1(x), self.up(x)
+        # (s, b, 2f/t) -> gate and up, (s, b, f/t) each, copied apart so that each ledger row is one
+        # storage: Megatron keeps the one fc1 output, the same bytes
+        gate, up = (half.contiguous() for half in self.fc1(x).chunk(2, dim=-1))
         label(batch_first(gate), ledger.SWIGLU_GATE)
         label(batch_first(up), ledger.SWIGLU_UP)
-        silu = F.silu(gate)  # keeps its input, the gate
+        if self.fused:
+            return _FusedSwiGLU.apply(gate, up)  # keeps gate and up only
+        silu = _SiLUKeepingUp.apply(gate, up)  # keeps the gate, and up beside it
         label(batch_first(silu), ledger.SWIGLU_SILU_OUT)
-        return silu * up  # keeps both factors
+        up_copy = up + GLU_LINEAR_OFFSET
+        label(batch_first(up_copy), megatron.SWIGLU_UP_COPY)
+        return silu * up_copy  # keeps both factors
+
+
+GLU_LINEAR_OFFSET = 0.0  # megatron's TransformerConfig default
+
+
+def rank_interleaved(full: torch.Tensor | None, t: int) -> torch.Tensor | None:
+    """A seeded [gate; up] fc1 weight (or bias) reordered so rank r's row block is [gate_r; up_r].
+
+    Megatron lays fc1 out this way, so that every t shards the same gate and up matrices.
+    """
+    if full is None:
+        return None
+    gate, up = full.chunk(2, dim=0)
+    return torch.cat([block for pair in zip(gate.chunk(t), up.chunk(t)) for block in pair])
+
+
+class _FusedSwiGLU(torch.autograd.Function):
+    """SiLU(gate) * up keeping only gate and up, as megatron's BiasSwiGLUFunction keeps fc1's output."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up = ctx.saved_tensors
+        sigmoid = torch.sigmoid(gate)
+        return grad * up * sigmoid * (1 + gate * (1 - sigmoid)), grad * gate * sigmoid
+
+
+class _SiLUKeepingUp(torch.autograd.Function):
+    """SiLU(gate), keeping up beside the gate: in Megatron the gate is a view that keeps fc1's
+    whole output, up included. Up gets no gradient from here (only from the product)."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate)
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, _ = ctx.saved_tensors
+        sigmoid = torch.sigmoid(gate)
+        return grad * sigmoid * (1 + gate * (1 - sigmoid)), None

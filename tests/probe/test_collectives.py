@@ -10,17 +10,18 @@ from memcalc.model.strategy import STRATEGIES  # noqa: E402
 from memcalc.probe.collectives import LoggedCollective, compare_collectives  # noqa: E402
 from memcalc.probe.launch import run  # noqa: E402
 from memcalc.probe.measure import _compared_comm, measure_on_rank  # noqa: E402
+from memcalc.probe.overlap import NO_OVERLAP, Overlap  # noqa: E402
 
 TINY = {"b": 2, "s": 16, "h": 64, "a": 8}
 KNOB_SETS = [{}, {"recompute": "full"}, {"recompute": "selective", "attention": "flash", "mlp": "swiglu"},
              {"a": 16, "num_query_groups": 8, "dropout": 0.0, "norm": "rmsnorm"}]
 
 
-def _comm_rows(t, mode, knobs, backend="gloo"):
-    cases = tuple((build_config(TINY | {"t": t} | knobs), name, "memcalc") for name in ("tp", "tp-sp"))
-    per_rank = run(measure_on_rank, (cases,), mode=mode, t=t, backend=backend, timeout_s=240)
-    return [_compared_comm(config, STRATEGIES[name], result)
-            for results in per_rank for (config, name, _), result in zip(cases, results)]
+def _comm_rows(t, mode, knobs, overlap=NO_OVERLAP, names=("tp", "tp-sp")):
+    cases = tuple((build_config(TINY | {"t": t} | knobs), name, "memcalc", overlap) for name in names)
+    per_rank = run(measure_on_rank, (cases,), mode=mode, t=t, backend="gloo", timeout_s=240)
+    return [_compared_comm(config, STRATEGIES[name], result, overlap)
+            for results in per_rank for (config, name, _, _), result in zip(cases, results)]
 
 
 @pytest.mark.parametrize("knobs", KNOB_SETS, ids=str)
@@ -33,6 +34,14 @@ def test_every_collective_matches_the_ledger_on_the_fake_group_of_eight(knobs):
 def test_every_collective_matches_the_ledger_on_real_gloo_ranks(t):
     for rows in _comm_rows(t, "spawn", {"recompute": "full"}):
         assert rows and all(row.matches for row in rows)
+
+
+@pytest.mark.parametrize("methods", [("ring-ag", "ring-rs"), ("ring-ag", "pipelined-rs")], ids=str)
+@pytest.mark.parametrize("t", [2, 4])
+def test_every_ring_hop_and_pipelined_chunk_matches_the_ledger_on_real_gloo_ranks(t, methods):
+    overlap = Overlap.of(*methods, num_splits=2)
+    for rows in _comm_rows(t, "spawn", {"recompute": "full"}, overlap, names=("tp-sp",)):
+        assert any(row.predicted[0] == "send" for row in rows) and all(row.matches for row in rows)
 
 
 def test_a_collective_the_ledger_does_not_list_is_a_difference():

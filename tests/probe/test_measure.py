@@ -15,6 +15,7 @@ from memcalc.model.knobs import Accounting  # noqa: E402
 from memcalc.probe import measure as measure_module  # noqa: E402
 from memcalc.probe.launch import Mode, run  # noqa: E402
 from memcalc.probe.measure import Launch, choose_launch, compare, measure, measure_on_rank  # noqa: E402
+from memcalc.probe.overlap import NO_OVERLAP  # noqa: E402
 from memcalc.probe.recorder import SavedStorage  # noqa: E402
 from memcalc.model.strategy import STRATEGIES  # noqa: E402
 
@@ -27,6 +28,7 @@ COVER = [
     {"gqa": True, "dropout": 0.0, "recompute": "selective", "dtype": "fp32"},
     {"attention": "flash", "recompute": "selective", "norm": "rmsnorm"},
     {"mlp": "swiglu", "recompute": "full", "ffn_hidden_size": 96},
+    {"mlp": "swiglu", "bias_activation_fusion": True, "gqa": True},
     {"attention": "flash", "dropout": 0.0, "gqa": True, "recompute": "full", "dtype": "fp32"},
 ]
 # The knobs that shape the attention core, in every combination; the MLP-side knobs in every
@@ -35,7 +37,10 @@ CORE_KNOBS = {
     "attention": ["eager", "flash"], "gqa": [False, True], "dropout": [0.0, 0.1],
     "recompute": ["none", "selective", "full"],
 }
-MLP_SIDE_KNOBS = {"mlp": ["gelu", "swiglu"], "norm": ["layernorm", "rmsnorm"], "dtype": ["bf16", "fp16", "fp32"]}
+MLP_SIDE_KNOBS = {
+    "mlp": ["gelu", "swiglu"], "norm": ["layernorm", "rmsnorm"], "dtype": ["bf16", "fp16", "fp32"],
+    "bias_activation_fusion": [False, True],
+}
 KNOBS = CORE_KNOBS | MLP_SIDE_KNOBS
 
 
@@ -68,7 +73,7 @@ def _mismatches(cases, per_rank):
     """Every (rank, strategy, config, row) where the measurement differs from the prediction."""
     bad = []
     for rank, results in enumerate(per_rank):
-        for (config, name, _), result in zip(cases, results):
+        for (config, name, _, _), result in zip(cases, results):
             assert (result.rank, result.strategy, result.device) == (rank, name, "cpu")
             prediction = estimate(config, STRATEGIES[name], Accounting(exact=True, device="cpu"))
             bad += [(rank, name, config.as_dict(exclude_none=True), row)
@@ -84,7 +89,7 @@ def test_the_cases_take_every_value_of_every_knob(cases):
 
 
 def test_two_gloo_ranks_save_what_the_ledger_predicts_on_every_rank():
-    cases = tuple((_config(2, 4, knobs), name, "memcalc") for knobs in COVER for name in ("tp", "tp-sp"))
+    cases = tuple((_config(2, 4, knobs), name, "memcalc", NO_OVERLAP) for knobs in COVER for name in ("tp", "tp-sp"))
     per_rank = run(measure_on_rank, (cases,), mode="spawn", t=2, backend="gloo", timeout_s=240)
     assert len(per_rank) == 2 and all(r.group == "gloo" for results in per_rank for r in results)
     assert _mismatches(cases, per_rank) == []
@@ -92,14 +97,14 @@ def test_two_gloo_ranks_save_what_the_ledger_predicts_on_every_rank():
 
 @pytest.mark.parametrize("strategy", ["tp", "tp-sp"])
 def test_rank_0_of_8_in_the_fake_group_saves_what_the_ledger_predicts_across_the_knob_matrix(strategy):
-    cases = tuple((_config(8, 8, knobs), strategy, "memcalc") for knobs in _matrix())
+    cases = tuple((_config(8, 8, knobs), strategy, "memcalc", NO_OVERLAP) for knobs in _matrix())
     per_rank = run(measure_on_rank, (cases,), mode="fake", t=8)
     assert [r.group for r in per_rank[0]] == ["fake"] * len(cases)
     assert _mismatches(cases, per_rank) == []
 
 
 def test_no_parallelism_in_one_process_saves_what_the_ledger_predicts():
-    cases = tuple((_config(1, 4, knobs), "none", "memcalc") for knobs in COVER)
+    cases = tuple((_config(1, 4, knobs), "none", "memcalc", NO_OVERLAP) for knobs in COVER)
     assert _mismatches(cases, run(measure_on_rank, (cases,), mode="single")) == []
 
 
