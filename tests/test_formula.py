@@ -83,12 +83,12 @@ def test_terms_sum_to_the_total_and_follow_the_ledger_order():
 @pytest.mark.parametrize("accounting", ACCOUNTINGS)
 @pytest.mark.parametrize("knobs", VARIANTS)
 def test_numbers_are_the_formula_evaluated_at_the_config(knobs, accounting):
-    fields = dict(b=2, s=24, h=48, a=6, t=3, mlp=knobs.mlp, attention=knobs.attention, norm=knobs.norm,
+    fields = dict(b=4, s=24, h=48, a=6, t=3, mlp=knobs.mlp, attention=knobs.attention, norm=knobs.norm,
                   dropout=knobs.dropout, recompute=knobs.recompute, dtype=knobs.dtype)
     fields |= {"ffn_hidden_size": 96} if knobs.ffn_set else {}
     fields |= {"num_query_groups": 3} if knobs.gqa else {}
     config = build_config(fields)
-    values = {b: 2, s: 24, h: 48, a: 6, t: 3, f: 96, g: 3}
+    values = {b: 4, s: 24, h: 48, a: 6, t: 3, f: 96, g: 3}
     for strategy in STRATEGIES.values():
         lf = F.layer_formula(strategy, knobs, accounting)
         result = estimate(config, strategy, accounting)

@@ -38,7 +38,7 @@ def library_knobs(impl: Implementation) -> Knobs:
 def render(impl: Implementation) -> str:
     """The whole page for one implementation."""
     knobs = library_knobs(impl)
-    sections = [_intro(impl, knobs), _differences(impl, knobs), _formulas(impl, knobs)]
+    sections = [_intro(impl, knobs), _differences(impl, knobs), _size_rule(impl, knobs), _formulas(impl, knobs)]
     return "\n\n".join(sections).rstrip() + "\n"
 
 
@@ -73,6 +73,21 @@ def _differences(impl: Implementation, knobs: Knobs) -> str:
     if dropped:
         parts += ["", "The paper's tensors it does not keep:", "", _tensor_table(dropped, knobs)]
     return "\n".join(parts)
+
+
+def _size_rule(impl: Implementation, knobs: Knobs) -> str:
+    """Where what the layer keeps depends on the sizes, and what it keeps then."""
+    rule = impl.size_rule
+    if rule is None:
+        return "## Where the sizes matter\n\nNowhere: the knobs alone decide what the layer keeps."
+    seed = replace(knobs, attention="eager", recompute="none", dtype="bf16")
+    inside, outside = impl.layer_tensors(seed, EXACT), rule.outside(seed, EXACT)
+    changed = [x for x in outside if x not in inside]
+    return "\n".join([
+        "## Where the sizes matter", "", f"{rule.what[:1].upper()}{rule.what[1:]}.",
+        "Numbers (`estimate`, `sweep`, `fit`) follow the rule point by point; the formulas below assume the kernel runs.",
+        "", "What the layer keeps outside (eager attention, bf16):", "", _tensor_table(changed, seed),
+    ])
 
 
 def _tensor_table(tensors: list[SavedTensor], knobs: Knobs) -> str:

@@ -14,7 +14,7 @@ from math import prod
 from typing import Any
 
 from memcalc.config.schema import ModelConfig, check_sequence_split
-from memcalc.model.impls import layer_tensors, plan
+from memcalc.model.impls import plan, tensors_at
 from memcalc.model.knobs import Accounting, Knobs, element_bytes
 from memcalc.model.ledger import Dim, SavedTensor
 from memcalc.model.strategy import Strategy
@@ -86,8 +86,9 @@ def estimate(config: ModelConfig, strategy: Strategy, accounting: Accounting = A
     strategy = check_strategy(config, strategy)
     knobs = Knobs.of(config)
     sizes = dim_sizes(config)
+    kept = tensors_at(knobs, accounting, sizes, strategy.weight_shards(config.t))
     tensors = tuple(
-        TensorBytes(t, rank_shape(t, strategy, sizes, config.t), element_bytes(t.kind, knobs, accounting))
-        for t in layer_tensors(knobs, accounting)
+        TensorBytes(x, rank_shape(x, strategy, sizes, config.t), element_bytes(x.kind, knobs, accounting))
+        for x in kept
     )
     return LayerEstimate(strategy, config.L, tensors)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from memcalc.model import ledger
 from memcalc.model.impls import megatron
+from memcalc.model.ledger import Dim
 from memcalc.config.schema import ModelConfig
 from memcalc.probe import require_torch
 from memcalc.probe.checkpoint import checkpoint
@@ -128,11 +129,18 @@ def eager_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> t
         label(v, megatron.V_EXPANDED)
     q3, k3, v3 = _grouped(q, k, v)
     scores = _scores(q3, k3)  # (b*a/t, s, s)
-    if scores.dtype == torch.float32:  # megatron's fp32 softmax (no fused kernel) masks in place: keeps the mask
+    sixteen_bit = scores.dtype in (torch.bfloat16, torch.float16)  # the only dtypes the fused kernel takes
+    fused = sixteen_bit and megatron.fused_softmax_runs({Dim.B: b, Dim.A: heads, Dim.S: s}, 1)
+    if fused:  # megatron's fused causal kernel: keeps its 16-bit output alone
+        weights = torch.softmax(scores, dim=-1)
+    else:  # forward_torch_softmax: the fp32 scores masked in place (keeps the mask), softmax kept in fp32
         future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill_(future, float("-inf"))
+        wide_scores = wide(scores).masked_fill_(future, float("-inf"))
         label(future, megatron.CAUSAL_MASK)
-    weights = torch.softmax(scores, dim=-1)  # keeps its output
+        weights = torch.softmax(wide_scores, dim=-1)
+        if weights.dtype != q.dtype:
+            label(weights.view(b, heads, s, s), megatron.SOFTMAX_FP32)
+            weights = weights.to(q.dtype)  # cast back; what follows keeps the cast
     label(weights.view(b, heads, s, s), ledger.SOFTMAX_OUT)
     if p > 0:
         weights, keep = torch.native_dropout(weights, p, True)  # keeps a 1-byte mask
@@ -206,6 +214,9 @@ def _dropped(weights: torch.Tensor, p: float, seed: int) -> torch.Tensor:
     """weights * mask / (1 - p), the mask drawn from `seed` alone, so backward can draw it again."""
     if p == 0:
         return weights
-    generator = torch.Generator(device=weights.device).manual_seed(seed)
-    keep = torch.rand(weights.shape, generator=generator, device=weights.device) >= p
+    if weights.is_meta:  # no data and no meta generator: the mask's shape is all there is
+        keep = torch.empty(weights.shape, dtype=torch.bool, device="meta")
+    else:
+        generator = torch.Generator(device=weights.device).manual_seed(seed)
+        keep = torch.rand(weights.shape, generator=generator, device=weights.device) >= p
     return weights * keep / (1 - p)

@@ -20,7 +20,8 @@ Only the forward's schedule changes; backward is g's and g*'s as without it.
 
 Weights start from a seeded generator on the *full* (unsharded) matrix, cut
 into this rank's block: any t then holds the same model, so results compare
-across t. That costs one full weight on the CPU while a layer is built.
+across t. That costs one full weight on the CPU while a layer is built; on
+device "meta" nothing is drawn and the weights are empty (shapes only).
 """
 
 from __future__ import annotations
@@ -138,11 +139,20 @@ class _ParallelLinear(nn.Module):
         return shape
 
     def seeded_full_weights(self, seed: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """nn.Linear's uniform(+-1/sqrt(in)) init of the whole unsharded layer, drawn from `seed`."""
-        generator = torch.Generator().manual_seed(seed)
-        bound = 1 / math.sqrt(self.in_features)
-        weight = torch.empty(self.out_features, self.in_features).uniform_(-bound, bound, generator=generator)
-        bias = torch.empty(self.out_features).uniform_(-bound, bound, generator=generator)
+        """nn.Linear's uniform(+-1/sqrt(in)) init of the whole unsharded layer, drawn from `seed`.
+
+        A layer on device "meta" holds no values, so nothing is drawn: the full weights
+        come back empty on meta, and a full-size layer is built without them ever
+        existing on the CPU (a GPT-3 175B fc1 alone is 4.8 GB in fp32).
+        """
+        device = "meta" if self.weight.is_meta else "cpu"
+        weight = torch.empty(self.out_features, self.in_features, device=device)
+        bias = torch.empty(self.out_features, device=device)
+        if device != "meta":
+            generator = torch.Generator().manual_seed(seed)
+            bound = 1 / math.sqrt(self.in_features)
+            weight.uniform_(-bound, bound, generator=generator)
+            bias.uniform_(-bound, bound, generator=generator)
         return weight, bias if self.bias is not None else None
 
     @torch.no_grad()

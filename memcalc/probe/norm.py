@@ -2,7 +2,8 @@
 
 LayerNorm is torch's own kernel (`native_layer_norm`, what `F.layer_norm` runs),
 called directly so that its saved mean and rstd can be labelled. Their width is
-the kernel's: fp32 on CUDA, the input's dtype on the CPU.
+the kernel's: fp32 on CUDA, the input's dtype on the CPU, and fp32 on the meta
+device, whose kernel returns what CUDA's does (so a meta run is CUDA-like).
 
 RMSNorm is a small autograd function in the style of the fused kernels Megatron
 uses (Apex, Transformer Engine): it keeps the input and each token's rstd,

@@ -6,7 +6,9 @@ custom autograd functions' `ctx.save_for_backward` included. The recorder
 counts each *storage* once, at its full size: ops often save a view (linear
 saves its input flattened to 2-D, a matmul saves K^T), and a view keeps its
 whole storage alive, so storage bytes are the real memory. Parameters are not
-activations and are skipped.
+activations and are skipped. Storages are told apart by identity, not by the
+address of their data, so the recorder works on device "meta" too, where no
+tensor has data: a full-size layer's shapes and dtypes, without its bytes.
 
 The layer names the tensors it makes with `label(tensor, ledger.X)`, as a view
 in the ledger's axis order (batch first), so that a saved storage can be shown
@@ -59,10 +61,11 @@ class SavedTensorRecorder:
     """Context manager: every storage saved for backward inside it, deduplicated and labelled."""
 
     def __init__(self, parameters: Iterable[torch.Tensor] = ()) -> None:
-        self._parameter_storages = {_storage_key(p) for p in parameters}
+        self._parameters = tuple(parameters)  # held, so that their storages' keys stay theirs
+        self._parameter_storages = {_storage_key(p) for p in self._parameters}
         self._saved: dict[int, torch.Tensor] = {}  # storage key -> first saved tensor using it
-        # Labels hold their tensor until the recorder closes, so no storage address is
-        # reused for another tensor while labels and saved storages are being matched.
+        # Labels hold their tensor until the recorder closes, so no storage's key is
+        # reused for another storage while labels and saved storages are being matched.
         self._labels: dict[int, tuple[str, torch.Tensor]] = {}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
         self.saved: tuple[SavedStorage, ...] = ()
@@ -78,6 +81,7 @@ class SavedTensorRecorder:
         self.saved = tuple(self._describe(key, tensor) for key, tensor in self._saved.items())
         self._saved.clear()
         self._labels.clear()
+        self._parameters = ()
 
     def add_label(self, tensor: torch.Tensor, saved: SavedTensor) -> None:
         """Name the storage under `tensor`; one storage under two ledger names is a bug in the layer."""
@@ -101,7 +105,14 @@ class SavedTensorRecorder:
 
 
 def _storage_key(tensor: torch.Tensor) -> int:
-    return _local(tensor).untyped_storage().data_ptr()
+    """The identity of the storage under `tensor`: the address of its StorageImpl.
+
+    Not the data's address: every tensor on device "meta" has data_ptr() 0, as
+    does every empty storage anywhere, so keying by data would merge them all
+    into one. The key is only unique while the storage lives, which the recorder
+    ensures by holding every tensor it keys: saved, labelled and parameters.
+    """
+    return _local(tensor).untyped_storage()._cdata
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

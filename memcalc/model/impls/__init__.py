@@ -11,7 +11,7 @@ from typing import Any
 
 from memcalc.errors import ConfigError
 from memcalc.model.impls import hf, megatron, torchtitan
-from memcalc.model.impls.base import Implementation
+from memcalc.model.impls.base import Implementation, SizeRule
 from memcalc.model.knobs import Accounting
 from memcalc.model.ledger import SavedTensor
 from memcalc.model.strategy import Strategy
@@ -52,5 +52,20 @@ def strategies_of(knobs: Any) -> tuple[str, ...]:
 
 
 def layer_tensors(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]:
-    """Every tensor one layer keeps for backward, in forward order, as the chosen implementation keeps it."""
+    """Every tensor one layer keeps for backward, in forward order, as the chosen implementation keeps it
+    (where its kernels run: see `tensors_at` for the sizes at which one does not)."""
     return implementation(knobs).layer_tensors(knobs, accounting)
+
+
+def size_rule(knobs: Any) -> SizeRule | None:
+    """The implementation's size rule, if the knobs make the sizes matter."""
+    rule = implementation(knobs).size_rule
+    return rule if rule is not None and rule.applies(knobs) else None
+
+
+def tensors_at(knobs: Any, accounting: Accounting, sizes: dict[Any, Any], t: int) -> tuple[SavedTensor, ...]:
+    """What one layer keeps at these sizes (t: the layout's split): `layer_tensors`, or the size rule's other set."""
+    rule = size_rule(knobs)
+    if rule is not None and not rule.runs(sizes, t):
+        return rule.outside(knobs, accounting)
+    return layer_tensors(knobs, accounting)

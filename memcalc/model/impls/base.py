@@ -25,6 +25,20 @@ def _accept_all(knobs: Any) -> None:
 
 
 @dataclass(frozen=True)
+class SizeRule:
+    """A kernel that runs only for some sizes; outside them the layer keeps `outside` instead.
+
+    `runs` works on numbers and on numpy arrays alike (sweeps evaluate it over a grid);
+    symbolic formulas assume the kernel runs and say so.
+    """
+
+    what: str
+    applies: Callable[[Any], bool]  # the knobs under which the sizes matter
+    runs: Callable[[dict[Any, Any], Any], Any]  # (per-rank sizes by Dim, t) -> bool or bool array
+    outside: Callable[[Any, Accounting], tuple[SavedTensor, ...]]
+
+
+@dataclass(frozen=True)
 class Implementation:
     """One library's rules: which tensors a layer keeps, and which layouts and knobs it runs."""
 
@@ -37,6 +51,7 @@ class Implementation:
     check: Callable[[Any], None] = _accept_all  # ConfigError for knob values the library cannot run
     defaults: dict[str, Any] = field(default_factory=dict)  # the library's own knob values, where not the seed's
     tensors: tuple[SavedTensor, ...] = ()  # the tensors only this library keeps (or describes its own way)
+    size_rule: SizeRule | None = None  # where what is kept depends on the sizes, not only the knobs
 
     def by_name(self) -> dict[str, SavedTensor]:
         """Every tensor this implementation can name: the ledger's, with its own in their place where they differ."""

@@ -32,8 +32,8 @@ places where Megatron keeps other storages than the paper's layer:
   it cannot run, and FusedScaleMaskSoftmax.forward_torch_softmax keeps the (s, s)
   causal mask of its masked_fill_ too. (In fp16/bf16 the kernel also needs
   16 < s <= 4096 and b*a/t a multiple of its batch per block, 8 for s <= 128;
-  outside that Megatron keeps an fp32 softmax and the mask, which the knobs,
-  without sizes, do not model.)
+  outside that Megatron keeps an fp32 softmax and the mask: FUSED_SOFTMAX, a rule on
+  the sizes, which evaluate and sweep apply; formulas assume the kernel runs.)
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from typing import Any
 
 from memcalc.errors import ConfigError
 from memcalc.model import ledger
-from memcalc.model.impls.base import Implementation, drop_small
+from memcalc.model.impls.base import Implementation, SizeRule, drop_small
 from memcalc.model.knobs import Accounting
 from memcalc.model.ledger import Dim, Kind, Region, SavedTensor
 
@@ -72,8 +72,14 @@ CAUSAL_MASK = SavedTensor(
     paper=False,
 )
 
+SOFTMAX_FP32 = SavedTensor(
+    "attention/softmax_fp32", "FusedScaleMaskSoftmax.forward_torch_softmax: softmax of the fp32 scores",
+    (Dim.B, Dim.A, Dim.S, Dim.S), Kind.FP32, Region.TENSOR,
+    "outside the fused kernel's sizes the softmax runs in fp32 (softmax_in_fp32) and its backward reads that output",
+)
+
 TENSORS: tuple[SavedTensor, ...] = (  # megatron's own
-    K_EXPANDED, V_EXPANDED, QKV_QUERY_COLUMNS, SWIGLU_UP_COPY, CAUSAL_MASK,
+    K_EXPANDED, V_EXPANDED, QKV_QUERY_COLUMNS, SWIGLU_UP_COPY, CAUSAL_MASK, SOFTMAX_FP32,
 )
 
 
@@ -84,17 +90,21 @@ def norm_block(norm: ledger.NormTensors, knobs: Any) -> tuple[SavedTensor, ...]:
     return (norm.input, norm.rstd)
 
 
-def core_attention(knobs: Any) -> tuple[SavedTensor, ...]:
-    """What softmax(QK^T)V keeps beyond Q, K, V: s^2 terms if eager, statistics if flash."""
+def core_attention(knobs: Any, fused_softmax: bool = True) -> tuple[SavedTensor, ...]:
+    """What softmax(QK^T)V keeps beyond Q, K, V: s^2 terms if eager, statistics if flash.
+
+    `fused_softmax`: whether the sizes let Megatron's fused causal kernel run (FUSED_SOFTMAX).
+    """
     if knobs.recompute == "selective":
         return ()  # rebuilt from Q, K, V in backward (Korthikanti et al. 2022)
     if knobs.attention == "flash":
         return (ledger.SOFTMAX_LSE,)  # the dropout mask is regenerated from the RNG seed
-    # The fused causal softmax takes fp16/bf16 only; in fp32 megatron's torch softmax also keeps its mask.
-    mask = (CAUSAL_MASK,) if knobs.dtype == "fp32" else ()
-    if knobs.has_dropout:
-        return (*mask, ledger.SOFTMAX_OUT, ledger.ATTN_DROPOUT_MASK, ledger.ATTN_DROPOUT_OUT)
-    return (*mask, ledger.SOFTMAX_OUT)  # weights x V saves the softmax output itself
+    dropout = (ledger.ATTN_DROPOUT_MASK, ledger.ATTN_DROPOUT_OUT) if knobs.has_dropout else ()
+    if knobs.dtype == "fp32":  # the fused kernel takes fp16/bf16 only; torch's softmax keeps its mask too
+        return (CAUSAL_MASK, ledger.SOFTMAX_OUT, *dropout)
+    if not fused_softmax:  # forward_torch_softmax: fp32 softmax, cast back; weights x V keeps the cast
+        return (CAUSAL_MASK, SOFTMAX_FP32, *(dropout or (ledger.SOFTMAX_OUT,)))
+    return (ledger.SOFTMAX_OUT, *dropout)  # without dropout, weights x V saves the softmax output itself
 
 
 def query_key_value(knobs: Any) -> tuple[SavedTensor, ...]:
@@ -108,10 +118,11 @@ def query_key_value(knobs: Any) -> tuple[SavedTensor, ...]:
     return (ledger.Q, K_EXPANDED, V_EXPANDED)
 
 
-def attention_block(knobs: Any) -> tuple[SavedTensor, ...]:
+def attention_block(knobs: Any, fused_softmax: bool = True) -> tuple[SavedTensor, ...]:
     """QKV input, Q/K/V, the core's terms, the projection input, the output mask."""
     mask = (ledger.ATTN_OUT_DROPOUT_MASK,) if knobs.has_dropout else ()
-    return (ledger.QKV_IN, *query_key_value(knobs), *core_attention(knobs), ledger.PROJ_IN, *mask)
+    core = core_attention(knobs, fused_softmax)
+    return (ledger.QKV_IN, *query_key_value(knobs), *core, ledger.PROJ_IN, *mask)
 
 
 def swiglu(knobs: Any) -> tuple[SavedTensor, ...]:
@@ -131,15 +142,38 @@ def mlp_block(knobs: Any) -> tuple[SavedTensor, ...]:
     return (ledger.FC1_IN, *activation, ledger.FC2_IN, *mask)
 
 
-def layer_tensors(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]:
+def layer_tensors(knobs: Any, accounting: Accounting, fused_softmax: bool = True) -> tuple[SavedTensor, ...]:
     """Every tensor one layer keeps for backward, in forward order."""
     if knobs.recompute == "full":
         return (ledger.LAYER_INPUT,)
     blocks = (
-        norm_block(ledger.LN1, knobs) + attention_block(knobs)
+        norm_block(ledger.LN1, knobs) + attention_block(knobs, fused_softmax)
         + norm_block(ledger.LN2, knobs) + mlp_block(knobs)
     )
     return drop_small(blocks, accounting)
+
+
+def fused_softmax_runs(sizes: dict[Dim, Any], t: Any) -> Any:
+    """FusedScaleMaskSoftmax.is_kernel_available for the causal kernel (fusions/fused_softmax.py), on numbers or arrays.
+
+    16 < s <= 4096, s a multiple of 4, and the b * a/t attention batches a multiple of the
+    kernel's batch per block: 8 for s <= 128, 4 above (Apex's scaled_masked_softmax.h,
+    128 threads per block).
+    """
+    s, batches = sizes[Dim.S], sizes[Dim.B] * (sizes[Dim.A] // t)
+    per_block = 4 + 4 * (s <= 128)
+    return (16 < s) & (s <= 4096) & (s % 4 == 0) & (batches % per_block == 0)
+
+
+FUSED_SOFTMAX = SizeRule(
+    "Megatron-LM's fused causal softmax (masked_softmax_fusion) runs only for 16 < s <= 4096, s a multiple of 4,"
+    " and b*a/t a multiple of 8 (s <= 128) or 4; outside, FusedScaleMaskSoftmax.forward_torch_softmax keeps an"
+    " fp32 softmax and the (s, s) causal mask, as on CUDA",
+    applies=lambda knobs: knobs.attention == "eager" and knobs.recompute not in ("selective", "full")
+    and knobs.dtype != "fp32",
+    runs=fused_softmax_runs,
+    outside=lambda knobs, accounting: layer_tensors(knobs, accounting, fused_softmax=False),
+)
 
 
 def check(knobs: Any) -> None:
@@ -159,4 +193,5 @@ IMPLEMENTATION = Implementation(
     layer_tensors=layer_tensors,
     tensors=TENSORS,
     check=check,
+    size_rule=FUSED_SOFTMAX,
 )

@@ -28,6 +28,7 @@ from typing import Any, Iterator
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ProbeError
 from memcalc.model import ledger
+from memcalc.model.evaluate import dim_sizes
 from memcalc.model.impls import megatron as rules
 from memcalc.model.ledger import Kind, Region, SavedTensor
 from memcalc.model.strategy import Strategy
@@ -203,6 +204,9 @@ def _attention_rules(config: ModelConfig, t: int) -> tuple[Rule, ...]:
             Rule("*core_attention", "repeat_interleave", rules.K_EXPANDED, nth=0, view=_heads_first),
             Rule("*core_attention", "repeat_interleave", rules.V_EXPANDED, nth=1, view=_heads_first),
         ]
+    fused = rules.FUSED_SOFTMAX
+    if fused.applies(config) and not fused.runs(dim_sizes(config), t):  # forward_torch_softmax's fp32 softmax
+        rules_.append(Rule("*scale_mask_softmax", "softmax", rules.SOFTMAX_FP32))
     if config.dropout > 0:  # with p = 0 the dropout returns the softmax output itself
         rules_ += [
             Rule("*attention_dropout", "view_as", ledger.ATTN_DROPOUT_MASK),  # the shim's mask

@@ -61,12 +61,15 @@ def test_two_gloo_ranks_of_megatrons_layer_each_keep_what_the_rules_predict():
     assert [_differences(config, "tp-sp", saved) for saved in per_rank] == [[], []]
 
 
-def test_outside_the_fused_softmax_sizes_megatron_keeps_an_fp32_softmax_and_the_causal_mask():
-    config = build_config(SIZES | {"s": 16, "dropout": 0.0})  # s <= 16: the fused kernel does not run
+@pytest.mark.parametrize("sizes", [{"s": 16}, {"b": 3, "a": 4}], ids=["s=16", "b*a=12, not a multiple of 8"])
+def test_outside_the_fused_softmax_sizes_megatron_keeps_an_fp32_softmax_and_the_causal_mask(sizes):
+    config = build_config(SIZES | sizes | {"dropout": 0.0})
     (saved,) = run(_measured, (config, "none"), mode="single", t=1)
     fp32 = [s for s in saved if s.dtype == "float32"]
-    assert [(s.nbytes, s.name) for s in fp32] == [(2 * 16 * 16 * 16 * 4, None)]  # (b, a, s, s) in fp32
-    assert [s.shape for s in saved if s.dtype == "bool"] == [(16, 16)]  # masked_fill_'s causal mask
+    b, a, s = config.b, config.a, config.s
+    assert [(s_.nbytes, s_.name) for s_ in fp32] == [(b * a * s * s * 4, "attention/softmax_fp32")]
+    assert [s_.shape for s_ in saved if s_.dtype == "bool"] == [(s, s)]  # masked_fill_'s causal mask
+    assert _differences(config, "none", saved) == []  # and the rules predict it (FUSED_SOFTMAX)
 
 
 def test_flash_attention_is_refused_for_the_local_spec():
