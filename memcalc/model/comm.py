@@ -186,7 +186,7 @@ def layer_comm(config: ModelConfig, strategy: Strategy, microbatches: int) -> La
     rows = tuple((c, sent_bytes(c, sizes, config.t, width)) for c in layer_collectives(config, strategy))
     per_layer = sum(n for c, n in rows if c.op is not Op.RECV)
     shard = config.t if strategy.sequence_parallel else 1
-    boundary = 2 * width * config.b * (config.s // config.cp) * config.h // shard  # activation out, gradient back
+    boundary = 2 * width * sizes[Dim.B] * sizes[Dim.S] * sizes[Dim.H] // shard  # activation out, gradient back
     pipeline = microbatches * boundary if config.pp > 1 else 0
     return LayerComm(strategy, rows, config.L // config.pp * microbatches * per_layer + pipeline, pipeline)
 

@@ -38,8 +38,10 @@ from typing import Any
 
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError
-from memcalc.model.comm import layer_collectives
+from memcalc.model.comm import layer_collectives, sent_bytes
+from memcalc.model.evaluate import dim_sizes
 from memcalc.model.knobs import DTYPE_BYTES
+from memcalc.model.ledger import Dim
 from memcalc.model.strategy import Strategy
 
 
@@ -104,7 +106,8 @@ class Pairing:
 
 def gemm_flops(config: ModelConfig) -> dict[str, int]:
     """FLOPs of each forward GEMM on one rank (dgrad and wgrad cost the same each)."""
-    c, tokens = config, config.b * (config.s // config.cp)
+    c, sizes = config, dim_sizes(config)
+    tokens = sizes[Dim.B] * sizes[Dim.S]  # per context-parallel rank
     width = {"qkv": (c.a + 2 * c.groups) * (c.h // c.a), "proj": c.h,
              "fc1": c.ffn * (2 if c.mlp == "swiglu" else 1), "fc2": c.h}
     inner = {"qkv": c.h, "proj": c.h, "fc1": c.h, "fc2": c.ffn}
@@ -132,9 +135,6 @@ def pairings(config: ModelConfig, strategy: Strategy, gpu: Gpu) -> tuple[Pairing
         raise ConfigError(f"overlap needs sequence parallelism (tp_comm_overlap runs with tp-sp), not {strategy.name}")
     if config.impl != "megatron":
         raise ConfigError(f"overlap is Megatron's and Transformer Engine's (tp_comm_overlap); impl {config.impl} has none")
-    from memcalc.model.comm import sent_bytes
-    from memcalc.model.evaluate import dim_sizes
-
     flops, sizes, width = gemm_flops(config), dim_sizes(config), DTYPE_BYTES[config.dtype]
     seen: dict[tuple[str, str], int] = {}
     found = {}
@@ -183,7 +183,8 @@ def check_methods(methods: frozenset[str]) -> None:
 
 def buffer_bytes(config: ModelConfig, methods: frozenset[str], t: int) -> dict[str, int]:
     """Userbuffers for the whole model, one per overlapped GEMM name (outside PyTorch's allocator)."""
-    whole = config.b * (config.s // config.cp) * config.h * DTYPE_BYTES[config.dtype]
+    sizes = dim_sizes(config)
+    whole = sizes[Dim.B] * sizes[Dim.S] * sizes[Dim.H] * DTYPE_BYTES[config.dtype]
     out = {}
     for _, _, _, gemm, options in PAIRS:
         method = chosen(options, methods)
