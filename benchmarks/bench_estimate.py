@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIG = "configs/gpt3-175b.yaml"
+CONFIG = "gpt3-175b"
 
 
 def memcalc_command() -> list[str]:
@@ -58,7 +58,7 @@ def estimates_per_second(seconds: float = 1.0) -> float:
     from memcalc.model.evaluate import estimate
     from memcalc.model.strategy import STRATEGIES
 
-    config = load_config(ROOT / CONFIG, {})
+    config = load_config(Path(CONFIG), {})  # a shipped config, by name
     strategies = list(STRATEGIES.values())
     calls, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:

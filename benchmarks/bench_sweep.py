@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIG = "configs/gpt3-175b.yaml"
+CONFIG = "gpt3-175b"
 RANGES = ["--b", "1:100", "--s", "64:640000:64"]
 
 
@@ -73,7 +73,7 @@ def in_process(strategies: list[str], runs: int) -> float:
     from memcalc.sizing.sweep_output import csv_chunks
 
     ranges = {RANGES[i][2:]: parse_values(RANGES[i + 1]) for i in range(0, len(RANGES), 2)}
-    sweep = make_sweep(load_yaml(ROOT / CONFIG), ranges, [STRATEGIES[n] for n in strategies], Accounting())
+    sweep = make_sweep(load_yaml(Path(CONFIG)), ranges, [STRATEGIES[n] for n in strategies], Accounting())
     result = evaluate_sweep(sweep)
     label = "+".join(strategies)
     evaluation = report(f"evaluate ({label})", sweep.rows, timed(lambda: evaluate_sweep(sweep), runs))

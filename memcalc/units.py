@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 from memcalc.errors import ConfigError
+from memcalc.text import short_repr
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 _FACTORS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -22,10 +24,26 @@ def human_bytes(n: int) -> str:
     raise AssertionError("unreachable")
 
 
+MAX_BYTES = 2**63 - 1  # bytes are int64 wherever memcalc counts them
+MAX_DIGITS = 40  # digits of a size, fraction included: 2^63 has 19
+
+
 def parse_bytes(text: str) -> int:
-    """'80GiB' -> 85899345920; decimal (GB) and binary (GiB) units, case-insensitive."""
+    """'80GiB' -> 85899345920; decimal (GB) and binary (GiB) units, case-insensitive.
+
+    The number is read exactly (as a fraction, never a float that a 400-digit
+    value would turn into infinity) and must come to at most MAX_BYTES.
+    """
     match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
     unit = match.group(2).lower() if match else None
     if not match or unit not in _FACTORS:
-        raise ConfigError(f"cannot read '{text}' as a size (examples: 80GiB, 40GB, 1024MiB, 123456789)")
-    return int(float(match.group(1)) * _FACTORS[unit])
+        raise ConfigError(
+            f"cannot read {short_repr(text)} as a size (examples: 80GiB, 40GB, 1024MiB, 123456789)"
+        )
+    number = match.group(1)
+    if len(number) > MAX_DIGITS:  # before Fraction(): Python refuses to read 4300 digits and more
+        raise ConfigError(f"size {short_repr(text)} has {len(number)} digits; at most {MAX_DIGITS}")
+    size = int(Fraction(number) * _FACTORS[unit])
+    if size > MAX_BYTES:
+        raise ConfigError(f"size {short_repr(text)} is too large (at most {MAX_BYTES} bytes, 8 EiB)")
+    return size

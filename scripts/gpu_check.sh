@@ -12,7 +12,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 status=0
 check() {
     echo "== memcalc measure $*"
-    python -m memcalc measure --config configs/tiny.yaml --device cuda "$@" || status=1
+    python -m memcalc measure --config tiny --device cuda "$@" || status=1
 }
 while read -r knobs; do
     # shellcheck disable=SC2086  # the knob string is meant to split into flags

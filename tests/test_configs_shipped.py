@@ -1,4 +1,5 @@
-"""Every shipped config loads and estimates; the GPT ones are the seed's model."""
+"""Every shipped config loads and estimates; the GPT ones are the seed's model; each is found by
+name from any directory."""
 
 from fractions import Fraction
 from pathlib import Path
@@ -6,10 +7,11 @@ from pathlib import Path
 import pytest
 
 from memcalc.config.schema import load_config, load_yaml
+from memcalc.config.shipped import shipped_dir, shipped_names
 from memcalc.model.evaluate import estimate
 from memcalc.model.strategy import STRATEGIES
 
-CONFIGS = sorted((Path(__file__).parents[1] / "configs").glob("*.yaml"))
+CONFIGS = sorted((Path(__file__).parents[1] / "memcalc" / "configs").glob("*.yaml"))
 GPT = [p for p in CONFIGS if p.stem.startswith("gpt3-")]
 
 
@@ -39,3 +41,19 @@ def test_gpt_configs_estimate_the_seeds_formulas(path):
     seed = {"none": 34 + core, "tp": 10 + Fraction(24, c.t) + core / c.t, "tp-sp": Fraction(34, c.t) + core / c.t}
     for name, per_sbh in seed.items():
         assert estimate(c, STRATEGIES[name]).per_layer_bytes == sbh * per_sbh, name
+
+
+def test_the_configs_ship_inside_the_package():
+    assert shipped_dir() == CONFIGS[0].parent and shipped_names() == [p.stem for p in CONFIGS]
+
+
+@pytest.mark.parametrize("given", ["gpt3-175b", "gpt3-175b.yaml"])
+def test_a_shipped_config_is_found_by_name_from_any_directory(tmp_path, monkeypatch, given):
+    monkeypatch.chdir(tmp_path)
+    assert load_config(Path(given), {}).name == "gpt3-175b"
+
+
+def test_a_file_beside_the_user_wins_over_a_shipped_config_of_the_same_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny.yaml").write_text("name: mine\ns: 16\nh: 64\na: 8\n")
+    assert load_config(Path("tiny.yaml"), {}).name == "mine"

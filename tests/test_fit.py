@@ -11,7 +11,7 @@ from memcalc.sizing.fit import fit
 from memcalc.model.strategy import STRATEGIES, TP, TP_SP
 from memcalc.sizing.totals import per_gpu
 
-GPT = dict(b=1, s=64, h=32, a=8, t=4, L=8, vocab_size=1000, position_embedding_type="rope")
+GPT = dict(b=1, s=256, h=32, a=16, t=4, L=8, vocab_size=1000, position_embedding_type="rope")  # every b fills a softmax block
 LAYOUTS = [{}, {"pp": 2}, {"pp": 2, "vpp": 2, "dp": 4, "distributed_optimizer": True}]
 RECOMPUTES = ["none", "selective", "full"]
 
@@ -60,7 +60,7 @@ def test_s_is_the_largest_valid_length_that_fits(budget, cp, name):
 
 
 def test_s_stops_at_a_learned_position_table():
-    fields = GPT | {"position_embedding_type": "learned_absolute", "max_position_embeddings": 128}
+    fields = GPT | {"s": 64, "position_embedding_type": "learned_absolute", "max_position_embeddings": 128}
     got = fit(build_config(fields), TP_SP, "s", 2**40)
     assert got.answer.value == 128
     assert got.beyond.bytes is None and "exceeds max_position_embeddings=128" in got.beyond.reason
@@ -88,7 +88,7 @@ def test_nothing_fits_reports_the_cheapest_candidate():
 
 
 def test_counting_activations_only_leaves_the_model_states_out():
-    budget = 2**26
+    budget = _needs(GPT | {"b": 6}, TP_SP, "activations")  # six micro-batches' activations exactly: no room for states
     total = fit(build_config(GPT), TP_SP, "b", budget)
     acts = fit(build_config(GPT), TP_SP, "b", budget, count="activations")
     assert acts.answer.value > total.answer.value

@@ -131,3 +131,26 @@ def test_bad_files(tmp_path):
         read_hf_config(bad)
     with pytest.raises(ConfigError, match="expected a JSON object"):
         read_hf_config(_write(tmp_path, [1, 2]))
+
+
+@pytest.mark.parametrize("model_type, change, named", [
+    ("mistral", {"num_local_experts": 8, "num_experts_per_tok": 2}, "num_local_experts=8 (mixture of experts)"),
+    ("mixtral", {"num_local_experts": 8}, "num_local_experts=8 (mixture of experts)"),
+    ("llama", {"n_routed_experts": 64}, "n_routed_experts=64 (mixture of experts)"),
+    ("qwen2", {"num_experts": 60}, "num_experts=60 (mixture of experts)"),
+    ("llama", {"kv_lora_rank": 512}, "kv_lora_rank=512 (multi-head latent attention)"),
+    ("llama", {"kv_lora_rank": 512, "n_routed_experts": 64},
+     "n_routed_experts=64 (mixture of experts), kv_lora_rank=512 (multi-head latent attention)"),
+])
+def test_experts_and_latent_attention_are_refused_naming_the_fields(tmp_path, model_type, change, named):
+    """A Mixtral config labelled mistral used to give Mistral 7B's 7.24B parameters, its experts dropped."""
+    raw = json.loads((DATA / "mistral-7b.json").read_text()) | {"model_type": model_type} | change
+    with pytest.raises(ConfigError, match=f"config.json sets {named.replace('(', r'[(]').replace(')', r'[)]')};"
+                                          " memcalc models dense transformer layers only"):
+        read_hf_config(_write(tmp_path, raw))
+
+
+@pytest.mark.parametrize("change", [{"num_experts": None}, {"num_local_experts": 1}, {"kv_lora_rank": None}])
+def test_a_dense_config_that_names_an_expert_field_unset_is_read(tmp_path, change):
+    raw = json.loads((DATA / "mistral-7b.json").read_text()) | change
+    assert read_hf_config(_write(tmp_path, raw)).family == "mistral"

@@ -31,16 +31,16 @@ def loaded(prefixes):
 report = {}
 run("--help")
 report["after_help"] = loaded(("memcalc.cli.",))
-run("estimate", "--config", "configs/gpt3-175b.yaml", "--json")
+run("estimate", "--config", "gpt3-175b", "--json")
 report["after_json"] = loaded(%(heavy)r)
-run("estimate", "--config", "configs/gpt3-175b.yaml", "--breakdown", "--exact")
+run("estimate", "--config", "gpt3-175b", "--breakdown", "--exact")
 report["after_table"] = loaded(%(heavy)r)
 print("REPORT" + json.dumps(report), file=sys.stderr)
 """ % {"heavy": HEAVY}
 
 
 @pytest.fixture(scope="module")
-def report() -> dict:
+def report(starts_processes) -> dict:
     proc = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stderr.rsplit("REPORT", 1)[1])

@@ -117,5 +117,5 @@ def test_an_unwritable_path_is_one_error(tmp_path):
 def test_without_matplotlib_the_error_says_how_to_install_it(monkeypatch):
     for module in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):
         monkeypatch.setitem(sys.modules, module, None)
-    with pytest.raises(MemcalcError, match=r"pip install 'memcalc\[plot\]'"):
+    with pytest.raises(MemcalcError, match=r"pip install matplotlib \(in a checkout: pip install -e '.\[plot\]'\)"):
         _lines()

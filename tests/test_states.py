@@ -16,7 +16,7 @@ def _held(config, t):
 
 
 def test_llama3_70b_config_has_its_published_parameter_count():
-    assert total_params(load_config("configs/llama3-70b.yaml", {})) == 70_553_706_496
+    assert total_params(load_config("llama3-70b", {})) == 70_553_706_496
 
 
 def test_gpt_layer_by_hand():

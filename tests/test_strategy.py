@@ -69,7 +69,7 @@ def test_strategies_are_rules_over_regions():
 def test_tp_sp_divides_every_term_by_t(exact):
     t = 4
     for knobs in _every_knob_combination():
-        config = build_config(dict(b=2, s=32, h=64, a=8, t=t) | knobs)
+        config = build_config(dict(b=4, s=32, h=64, a=8, t=t) | knobs)  # b*a/t fills a fused-softmax block
         accounting = Accounting(exact=exact)
         whole = estimate(config, NONE, accounting)
         split = estimate(config, TP_SP, accounting)

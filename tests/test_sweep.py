@@ -114,8 +114,8 @@ def _seed_per_layer(strategy: str, b: int, s: int, t: int, h: int = 12288, a: in
 
 
 def test_gpt3_175b_rows_are_the_seeds_formulas():
-    result = _sweep(b="1:3", s="1024:8192:x2", t="4,8")
-    assert result.rows == 3 * 4 * 2 * 3
+    result = _sweep(b="1:3", s="1024:4096:x2", t="4,8")  # up to 4096: where Megatron's fused softmax runs
+    assert result.rows == 3 * 3 * 2 * 3
     for i in range(result.rows):
         row = result.row(i)
         expected = _seed_per_layer(row["strategy"], row["b"], row["s"], row["t"])

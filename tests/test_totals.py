@@ -13,7 +13,7 @@ from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import NONE, STRATEGIES, TP, TP_SP
 from memcalc.sizing.totals import ACTIVATIONS, STATES, per_gpu
 
-b, s, h, a, t, L, v = 2, 64, 32, 4, 4, 8, 1000
+b, s, h, a, t, L, v = 2, 64, 32, 16, 4, 8, 1000  # b*a/t = 8: Megatron's fused softmax runs
 GPT = dict(b=b, s=s, h=h, a=a, t=t, L=L, vocab_size=v)
 SBH = s * b * h
 
@@ -127,7 +127,7 @@ def test_sequence_parallelism_under_cp_names_s_over_cp():
     per_gpu(bad, TP)  # plain TP does not split the sequence
 
 
-PAPER = ["configs/gpt3-22b.yaml", "configs/gpt3-175b.yaml", "configs/gpt3-530b.yaml", "configs/gpt3-1t.yaml"]
+PAPER = ["gpt3-22b", "gpt3-175b", "gpt3-530b", "gpt3-1t"]
 
 
 @pytest.mark.parametrize("path", PAPER)

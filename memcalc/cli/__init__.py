@@ -7,14 +7,21 @@ Errors are rendered in one place, `main`: one line on stderr, non-zero exit.
 
 from __future__ import annotations
 
+import errno
 import importlib
+import io
 import os
+import signal
 import sys
+import threading
+from contextlib import contextmanager
+from typing import Iterator
 
 import click
 
 from memcalc import __version__
 from memcalc.errors import MemcalcError
+from memcalc.text import printable
 
 # name -> (module under memcalc.cli, one-line help shown by `memcalc --help`)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -26,6 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sweep": ("sweep", "Evaluate many configurations at once (lists and ranges of sizes)."),
     "plot": ("plot", "Plot activation memory against s or t, or a per-tensor breakdown."),
     "fit": ("fit", "The largest micro-batch or sequence, or smallest t, that fits a budget."),
+    "configs": ("configs", "The model configs shipped with memcalc, usable as --config NAME."),
 }
 
 
@@ -62,8 +70,14 @@ def cli() -> None:
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI, turning every expected failure into one line on stderr."""
     debug = bool(os.environ.get("MEMCALC_DEBUG"))
+    _tolerant_streams()
     try:
-        code = cli.main(args=argv, prog_name="memcalc", standalone_mode=False)
+        with _terminate_as_exit():
+            code = cli.main(args=argv, prog_name="memcalc", standalone_mode=False)
+            _flush_stdout()
+    except click.exceptions.NoArgsIsHelpError as exc:  # a bare `memcalc`: the help as click prints it
+        exc.show()
+        sys.exit(exc.exit_code)
     except MemcalcError as exc:
         if debug:
             raise
@@ -75,6 +89,14 @@ def main(argv: list[str] | None = None) -> None:
         _fail(exc.format_message(), exc.exit_code)
     except click.Abort:
         _fail("aborted", 1)
+    except BrokenPipeError:  # the reader stopped reading (`| head`): not an error, and nothing more to say
+        _silence_stdout()
+        code = 0
+    except OSError as exc:  # domain code turns its own I/O errors into MemcalcError: this is output
+        if debug:
+            raise
+        _silence_stdout()
+        _fail(f"cannot write output: {exc.strerror or exc}", 1)
     except Exception as exc:  # a bug: still one line unless debugging
         if debug:
             raise
@@ -83,5 +105,59 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _fail(message: str, code: int) -> None:
-    click.echo(f"memcalc: error: {' '.join(message.split())}", err=True)
+    """One line on stderr: whitespace folded, control characters escaped, never a flood."""
+    line = printable(" ".join(message.split()))
+    click.echo(f"memcalc: error: {line if len(line) <= 2000 else line[:1997] + '...'}", err=True)
     sys.exit(code)
+
+
+class _ClosedStdout(io.TextIOBase):
+    """What sys.stdout is when the shell closed it (`>&-`): every write fails, as writing to fd 1 would."""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        raise OSError(errno.EBADF, "stdout is closed")
+
+
+def _tolerant_streams() -> None:
+    """A closed stdout fails on write instead of swallowing output; an encoding that cannot
+    show a character (PYTHONIOENCODING=ascii and a name with an accent) writes its escape."""
+    if sys.stdout is None:
+        sys.stdout = _ClosedStdout()
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(errors="backslashreplace")
+
+
+def _flush_stdout() -> None:
+    """Flush now, so a full disk or a closed pipe is reported here rather than lost at exit."""
+    if sys.stdout is not None:
+        sys.stdout.flush()
+
+
+def _silence_stdout() -> None:
+    """Point fd 1 at /dev/null, so Python's own flush at exit has nowhere to fail."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        pass  # stdout has no file descriptor (a test's StringIO, or closed): nothing will flush at exit
+
+
+@contextmanager
+def _terminate_as_exit() -> Iterator[None]:
+    """SIGTERM as SystemExit(143), so that `finally` blocks run: temporary files are removed and
+    spawned workers stopped. Only in the main thread (signal handlers can be set only there)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)

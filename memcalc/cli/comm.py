@@ -44,8 +44,8 @@ def command(strategy: str, microbatches: int, fmt: str, overlap: str | None, gpu
     algorithm), per layer and per training step.
 
     \b
-    Example: memcalc comm --config configs/gpt3-175b.yaml
-             memcalc comm --config configs/gpt3-175b.yaml --format latex
+    Example: memcalc comm --config gpt3-175b
+             memcalc comm --config gpt3-175b --format latex
     """
     config = model_from(params)
     if overlap is not None:

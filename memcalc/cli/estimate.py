@@ -46,8 +46,8 @@ def command(
 
     \b
     Example: memcalc estimate --b 1 --s 2048 --h 12288 --a 96 --t 8 --L 96
-             memcalc estimate --config configs/gpt3-175b.yaml --breakdown
-             memcalc estimate --config configs/gpt3-175b.yaml --pp 8 --vpp 3 --recompute selective
+             memcalc estimate --config gpt3-175b --breakdown
+             memcalc estimate --config gpt3-175b --pp 8 --vpp 3 --recompute selective
     """
     config = model_from(params)
     accounting = Accounting(exact=exact, device=device)

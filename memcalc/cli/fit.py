@@ -48,7 +48,7 @@ def command(
     unless --recompute picks one. Exits 2 if nothing fits.
 
     \b
-    Example: memcalc fit --config configs/gpt3-175b.yaml --budget 80GiB --solve b
+    Example: memcalc fit --config gpt3-175b --budget 80GiB --solve b
     """
     config = model_from(params)
     accounting = Accounting(exact=exact, device=device)

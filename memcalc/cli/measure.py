@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -21,12 +22,23 @@ LAUNCHES = ("auto", "single", "spawn", "fake", "torchrun")
 LAYERS = ("library", "memcalc")  # memcalc.probe.measure.LAYERS, spelled out so --help needs no torch
 
 
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: torch's timedelta and any real run stay far inside it
+
+
+def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
+    """FloatRange lets NaN through (every comparison with NaN is false)."""
+    if not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a number of seconds (0 < timeout <= {MAX_TIMEOUT_S:g})", ctx, param)
+    return value
+
+
 @click.command("measure")
 @model_options
 @strategy_option
 @click.option(
-    "--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
-    help="Where the layers run; the prediction's norm statistics follow it.",
+    "--device", type=click.Choice(["cpu", "cuda", "meta"]), default="cpu", show_default=True,
+    help="Where the layers run; the prediction's norm statistics follow it. meta: shapes and dtypes"
+    " without data, so full-size layers take seconds; compared with CUDA's accounting.",
 )
 @click.option(
     "--backend", type=click.Choice(["gloo", "nccl"]), default=None,
@@ -38,36 +50,67 @@ LAYERS = ("library", "memcalc")  # memcalc.probe.measure.LAYERS, spelled out so 
     help="How the t ranks run: this process (single), t processes (spawn), torch's fake group, or torchrun's ranks.",
 )
 @click.option(
-    "--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=300.0, show_default=True,
-    help="Seconds the ranks get before they are stopped.",
+    "--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True, max=MAX_TIMEOUT_S), default=300.0,
+    show_default=True, callback=_finite, help="Seconds the ranks get before they are stopped.",
 )
 @click.option(
-    "--layer", type=click.Choice(LAYERS), default="library", show_default=True,
-    help="library: the implementation's own code (--impl; needs memcalc[megatron|torchtitan|hf]);"
-    " memcalc: memcalc's own Megatron-style layer (--impl megatron only; needs memcalc[probe]).",
+    "--layer", type=click.Choice(LAYERS), default=None,
+    help="library: the implementation's own code (--impl; needs the extra megatron, torchtitan or hf);"
+    " memcalc: memcalc's own Megatron-style layer (--impl megatron only; needs the extra probe: torch)"
+    " [default: library; memcalc on --device meta and with --comm or --overlap, which only it runs].",
 )
 @click.option(
     "--comm", is_flag=True,
     help="Also show every collective the layer issued next to the communication ledger's (memcalc's own layer).",
 )
+@click.option(
+    "--overlap", default=None, metavar="METHODS",
+    help="Run memcalc's own tp-sp layer with its forward collectives overlapped: a comma list of ring-ag, ring-rs,"
+    " pipelined-rs (with --comm, every ring hop and chunk is compared with the ledger).",
+)
+@click.option("--num-splits", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Chunks of a pipelined reduce-scatter.")
+@click.option(
+    "--step", is_flag=True,
+    help="Run one whole training step per strategy instead (memcalc's own small GPT, AdamW on fp32 master"
+    " weights) under torch's MemTracker on the CPU, and compare its peak, each category and the moment with the"
+    " step timeline; exits 1 beyond 1%.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of tables.")
-def command(strategy: str, device: str, backend: str | None, launch: str, timeout_s: float, layer: str,
-            comm: bool, as_json: bool, **params: Any) -> None:
+def command(strategy: str, device: str, backend: str | None, launch: str, timeout_s: float, layer: str | None,
+            comm: bool, overlap: str | None, num_splits: int, step: bool, as_json: bool, **params: Any) -> None:
     """Run one real transformer layer per strategy, record every tensor each rank
     saves for backward, and compare it, tensor by tensor, with `memcalc estimate
     --exact` for the device it ran on. Exits 1 if any tensor differs.
 
     \b
-    Example: memcalc measure --config configs/tiny.yaml --t 2 --backend gloo
-             memcalc measure --config configs/tiny.yaml --t 8 --strategy tp-sp
-             torchrun --nproc-per-node 8 -m memcalc measure --config configs/tiny.yaml --t 8 --device cuda
+    Example: memcalc measure --config tiny --t 2 --backend gloo
+             memcalc measure --config tiny --t 8 --strategy tp-sp
+             torchrun --nproc-per-node 8 -m memcalc measure --config tiny --t 8 --device cuda
     """
     config = model_from(params)
+    if step:
+        from memcalc.cli.measure_step import run_step
+
+        return run_step(config, strategy_names(strategy, config), device=device, launch=launch, backend=backend,
+                        layer=layer, comm=comm, overlap=overlap, as_json=as_json)
+    if layer is None:
+        layer = "memcalc" if device == "meta" or comm or overlap else "library"
     if comm and layer != "memcalc":
         raise ConfigError("--comm counts the collectives of memcalc's own layer: add --layer memcalc")
-    from memcalc.probe.measure import measure  # needs torch: a one-line ProbeError without it
+    from memcalc.probe.footprint import check_fits
 
-    results = measure(config, strategy_names(strategy, config), device, backend, launch, timeout_s, layer)
+    if device != "meta":  # meta allocates nothing
+        check_fits(config, strategy_names(strategy, config), device, _ranks_here(launch, backend, config.t))
+    from memcalc.probe.measure import measure  # needs torch: a one-line ProbeError without it
+    from memcalc.probe.overlap import NO_OVERLAP, Overlap
+
+    methods = [m.strip() for m in overlap.split(",")] if overlap else []
+    try:
+        chosen = Overlap.of(*methods, num_splits=num_splits) if methods else NO_OVERLAP
+    except ProbeError as exc:  # a bad --overlap is bad input
+        raise ConfigError(f"--overlap: {exc}") from None
+    results = measure(config, strategy_names(strategy, config), device, backend, launch, timeout_s, layer, chosen)
     if not results:
         return  # a torchrun rank other than 0: rank 0 reports for the job
     if as_json:
@@ -77,6 +120,12 @@ def command(strategy: str, device: str, backend: str | None, launch: str, timeou
     differences = [f"{m.strategy.name}: {d}" for m in results for d in m.differences()]
     if differences:
         raise ProbeError(f"measured bytes differ from the ledger: {'; '.join(differences)}")
+
+
+def _ranks_here(launch: str, backend: str | None, t: int) -> int:
+    """How many tensor-parallel ranks share this machine at once: t when spawned here (--launch spawn,
+    or auto with --backend), else one (fake, and torchrun's one rank per process: a lower bound)."""
+    return t if launch == "spawn" or (launch == "auto" and backend is not None) else 1
 
 
 def to_json(config: ModelConfig, results: list[StrategyMeasurement]) -> dict:
@@ -145,7 +194,7 @@ def print_measurements(config: ModelConfig, results: list[StrategyMeasurement], 
             console.print(_comm_table(m))
         console.print(f"ran as: {m.layer}, {m.how()}", highlight=False)
         for note in m.notes:
-            console.print(f"[dim]made CUDA-like: {note}[/dim]", highlight=False)
+            console.print(f"[dim]shim: {note}[/dim]", highlight=False)
         cuda = m.ranks[0].cuda
         if cuda is not None:
             console.print(

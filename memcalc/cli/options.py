@@ -35,7 +35,7 @@ def _stack(*decorators: Callable) -> Callable:
 
 config_option = click.option(
     "--config", "config_path", type=click.Path(path_type=Path), default=None,
-    help="YAML model config (see configs/); flags override its fields.",
+    help="A YAML model config: a path, or the name of a shipped one (see `memcalc configs`); flags override it.",
 )
 
 hf_config_option = click.option(

@@ -18,6 +18,7 @@ from memcalc.model.knobs import Knobs
 from memcalc.errors import ConfigError
 from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import Strategy
+from memcalc.text import printable
 
 if TYPE_CHECKING:  # matplotlib: only when the command runs
     from matplotlib.figure import Figure
@@ -67,9 +68,9 @@ def command(
     """Plot activation memory per GPU (in GiB) for a model.
 
     \b
-    Example: memcalc plot --config configs/gpt3-175b.yaml --range 1024:65536:x2 --device-memory 80GiB --out s.png
-             memcalc plot --config configs/gpt3-175b.yaml --x t --range 1,2,4,8,16,32 --out t.svg
-             memcalc plot --config configs/gpt3-175b.yaml --kind breakdown --out breakdown.png
+    Example: memcalc plot --config gpt3-175b --range 1024:65536:x2 --device-memory 80GiB --out s.png
+             memcalc plot --config gpt3-175b --x t --range 1,2,4,8,16,32 --out t.svg
+             memcalc plot --config gpt3-175b --kind breakdown --out breakdown.png
 
     Sizes not plotted come from --config and the size flags. Points that break
     a divisibility rule (e.g. t must divide s under tp-sp) leave a gap, counted
@@ -86,7 +87,7 @@ def command(
     else:
         figure = _line(params, x_name, x_values, strategies, accounting, per_layer, device_memory)
     plot.save(figure, out)
-    click.echo(f"wrote {out}")
+    click.echo(f"wrote {printable(str(out))}")
 
 
 def _breakdown(

@@ -13,6 +13,7 @@ from memcalc.model.evaluate import LayerEstimate
 from memcalc.model.knobs import Accounting
 from memcalc.sizing.states import total_params
 from memcalc.sizing.totals import PerGpu, StageTotal
+from memcalc.text import for_rich
 from memcalc.units import human_bytes
 
 console = Console()
@@ -21,7 +22,7 @@ console = Console()
 def describe(config: ModelConfig) -> str:
     """One line naming the model's sizes and knobs."""
     c = config
-    name = f"{c.name}: " if c.name else ""
+    name = f"{for_rich(c.name)}: " if c.name else ""  # a name from a file may hold markup or terminal escapes
     return f"{name}b={c.b} s={c.s} h={c.h} a={c.a} t={c.t} L={c.L} | {describe_knobs(c)}"
 
 

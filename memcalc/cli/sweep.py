@@ -22,7 +22,7 @@ from memcalc.cli.options import (
     knob_options,
 )
 from memcalc.config.schema import field_help
-from memcalc.errors import ConfigError, MemcalcError, in_file
+from memcalc.errors import ConfigError, in_file
 from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import STRATEGIES, Strategy
 
@@ -137,8 +137,8 @@ def command(
     once and one list per column.
 
     \b
-    Example: memcalc sweep --config configs/gpt3-175b.yaml --b 1:8 --s 1024:32768:x2
-             memcalc sweep --config configs/gpt3-175b.yaml --b 1:100 --s 64:640000:64 --out runs.csv
+    Example: memcalc sweep --config gpt3-175b --b 1:8 --s 1024:32768:x2
+             memcalc sweep --config gpt3-175b --b 1:100 --s 64:640000:64 --out runs.csv
     """
     fmt = _output_format(out, fmt)
     from memcalc.sizing.sweep import describe_skips, evaluate_sweep
@@ -176,11 +176,10 @@ def _write(result: SweepResult, fmt: str, out: Path | None, advance: Callable[[f
 
     chunks = csv_chunks(result) if fmt == "csv" else json_chunks(result)
     if out is not None:
-        try:
-            with open(out, "wb") as stream:
-                _copy(chunks, stream.write, advance)
-        except OSError as exc:
-            raise MemcalcError(f"cannot write {out}: {exc.strerror or exc}") from None
+        from memcalc.output import atomic_write
+
+        with atomic_write(out) as stream:  # whole or not at all: a temporary file, renamed when complete
+            _copy(chunks, stream.write, advance)
         return
     binary = getattr(sys.stdout, "buffer", None)  # absent when stdout is swapped for a StringIO
     try:
@@ -217,12 +216,14 @@ def _print_table(result: SweepResult) -> None:
     from rich.table import Table
 
     from memcalc.cli.render import accounting_note, console, describe_knobs
+    from memcalc.text import for_rich
     from memcalc.units import human_bytes
 
     sweep = result.sweep
     swept = [n for n in SIZE_FLAGS if len(sweep.values[n]) > 1]
     fixed = " ".join(f"{n}={sweep.values[n][0]}" for n in SIZE_FLAGS if n not in swept)
-    console.print(f"{sweep.name + ': ' if sweep.name else ''}{fixed} | {describe_knobs(sweep.knobs)}", highlight=False)
+    name = f"{for_rich(sweep.name)}: " if sweep.name else ""  # a name from a file may hold markup or escapes
+    console.print(f"{name}{fixed} | {describe_knobs(sweep.knobs)}", highlight=False)
     console.print(f"[dim]{accounting_note(sweep.accounting)}[/dim]")
     layers = "all L layers" if "L" in swept else f"all {sweep.values['L'][0]} layers"
     table = Table(title="Activation memory per GPU")

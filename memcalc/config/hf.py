@@ -14,12 +14,13 @@ field is absent, the class's own default applies (noted per row).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from memcalc.config.files import parse_json, read_capped
 from memcalc.errors import ConfigError, in_file
+from memcalc.text import short_repr
 
 _GELUS = ("gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh", "gelu_python", "quick_gelu")
 
@@ -28,27 +29,31 @@ def _gated(act: str) -> str:
     """Llama-style MLPs are gated: SiLU(gate) * up is SwiGLU."""
     if act in ("silu", "swish"):
         return "swiglu"
-    raise ConfigError(f"hidden_act '{act}' in a gated MLP is not modelled (memcalc knows SwiGLU: silu)")
+    raise ConfigError(f"hidden_act {short_repr(act)} in a gated MLP is not modelled (memcalc knows SwiGLU: silu)")
 
 
 def _plain(act: str) -> str:
     """GPT-2 and GPT-NeoX MLPs are fc1 -> activation -> fc2."""
     if act in _GELUS:
         return "gelu"
-    raise ConfigError(f"activation '{act}' is not modelled (memcalc knows the GELU variants: {', '.join(_GELUS)})")
+    raise ConfigError(
+        f"activation {short_repr(act)} is not modelled (memcalc knows the GELU variants: {', '.join(_GELUS)})"
+    )
 
 
 def _both_or_neither(values: list[Any]) -> Any:
     """Llama's attention_bias and mlp_bias: memcalc's add_bias_linear puts biases on every linear or on none."""
     if any(v != values[0] for v in values[1:]):
-        raise ConfigError(f"attention_bias and mlp_bias differ ({values}); memcalc's add_bias_linear is all or none")
+        raise ConfigError(
+            f"attention_bias and mlp_bias differ ({short_repr(values)}); memcalc's add_bias_linear is all or none"
+        )
     return values[0]
 
 
 def _largest_dropout(values: list[Any]) -> float:
     """GPT-2's and GPT-NeoX's several dropouts: memcalc has one probability, so it keeps the largest."""
     if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-        raise ConfigError(f"dropout probabilities must be numbers, got {values}")
+        raise ConfigError(f"dropout probabilities must be numbers, got {short_repr(values)}")
     return max(values)
 
 
@@ -142,6 +147,7 @@ class HfConfig:
 def read_hf_config(path: Path) -> HfConfig:
     """Map a Hugging Face config.json to memcalc fields, or raise ConfigError naming what is wrong."""
     raw = _load_json(Path(path))
+    _refuse_unmodelled(raw, path)
     family = _family(raw, path)
     fields, used, missing = dict(family.fixed), [], []
     assumed = list(family.fixed.items())
@@ -179,19 +185,38 @@ def _name_from(path: Path) -> str:
 
 
 def _load_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"Hugging Face config not found: {path}") from None
-    except OSError as exc:
-        raise ConfigError(f"cannot read Hugging Face config {path}: {exc.strerror}") from None
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason}); config.json is JSON") from None
+    text = read_capped(path, "Hugging Face config")
+    with in_file(path):
+        data = parse_json(text)
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a JSON object of fields, got {type(data).__name__}")
     return data
+
+
+# config.json fields of layers memcalc does not model, and what they mean. Any of them set means the
+# model's layers are not the dense ones the ledger describes: refused, never silently dropped.
+UNMODELLED = {
+    "num_local_experts": "mixture of experts",  # Mixtral
+    "n_routed_experts": "mixture of experts",  # DeepSeek-V2/V3
+    "num_experts": "mixture of experts",  # Qwen2-MoE, OLMoE
+    "kv_lora_rank": "multi-head latent attention",  # DeepSeek-V2/V3
+}
+
+
+def _refuse_unmodelled(raw: dict[str, Any], path: Path) -> None:
+    """One line naming every field that asks for layers memcalc cannot model (see docs/limitations.md)."""
+    found = [f"{name}={short_repr(raw[name])} ({what})" for name, what in UNMODELLED.items() if _sets(raw, name)]
+    if found:
+        raise ConfigError(
+            f"{path}: config.json sets {', '.join(found)}; memcalc models dense transformer layers only,"
+            " and dropping these would give wrong numbers (see docs/limitations.md)"
+        )
+
+
+def _sets(raw: dict[str, Any], name: str) -> bool:
+    """Whether config.json asks for the feature: any latent rank; more than one expert (0 or 1 is dense)."""
+    value = raw.get(name)
+    return value is not None if name == "kv_lora_rank" else value not in (None, 0, 1)
 
 
 def _family(raw: dict[str, Any], path: Path) -> Family:
@@ -200,7 +225,7 @@ def _family(raw: dict[str, Any], path: Path) -> Family:
     if not isinstance(model_type, (str, type(None))) or not isinstance(architectures, list):
         raise ConfigError(
             f"{path}: model_type should be a string and architectures a list"
-            f" (got {model_type!r} and {architectures!r})"
+            f" (got {short_repr(model_type)} and {short_repr(architectures)})"
         )
     if model_type in FAMILIES:
         return FAMILIES[model_type]
@@ -211,7 +236,8 @@ def _family(raw: dict[str, Any], path: Path) -> Family:
     if model_type is None and not architectures:
         raise ConfigError(f"{path}: names no architecture (no model_type, no architectures); memcalc reads {known}")
     raise ConfigError(
-        f"{path}: unknown architecture (model_type={model_type!r}, architectures={architectures});"
+        f"{path}: unknown architecture (model_type={short_repr(model_type)},"
+        f" architectures={short_repr(architectures)});"
         f" memcalc reads {known}"
     )
 
@@ -223,5 +249,6 @@ def _check_head_dim(raw: dict[str, Any], fields: dict[str, Any], path: Path) -> 
         return  # no head_dim to check, or h and a are not whole numbers, which validation names
     if type(head_dim) is not int or head_dim * a != h:
         raise ConfigError(
-            f"{path}: head_dim={head_dim} is not hidden_size/num_attention_heads={h}/{a} (memcalc needs h/a)"
+            f"{path}: head_dim={short_repr(head_dim)} is not hidden_size/num_attention_heads={h}/{a}"
+            " (memcalc needs h/a)"
         )

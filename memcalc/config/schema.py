@@ -23,10 +23,13 @@ from typing import Any
 from pydantic_core import SchemaValidator, ValidationError
 from pydantic_core import core_schema as cs
 
+from memcalc.config.files import parse_yaml, read_capped
+from memcalc.config.shipped import locate, shipped_names
 from memcalc.errors import ConfigError, in_file
 from memcalc.model.impls import IMPLEMENTATIONS, implementation
 from memcalc.model.knobs import BY_NAME as KNOBS_BY_NAME
 from memcalc.model.knobs import Knob, Knobs
+from memcalc.text import printable, short_repr
 
 
 def _field(schema: cs.CoreSchema, default: Any, help: str) -> Any:
@@ -181,10 +184,19 @@ def with_library_defaults(fields: dict[str, Any]) -> dict[str, Any]:
 
 def build_config(fields: dict[str, Any]) -> ModelConfig:
     """Validate `fields` into a config, or raise ConfigError naming the field and rule."""
-    config = _validate(ModelConfig, with_library_defaults(fields))
-    implementation(config)  # the implementation refuses knobs its library cannot run
+    config = validate_fields(fields)
     check_divisibility(config)
     check_layout(config)
+    return config
+
+
+def validate_fields(fields: dict[str, Any]) -> ModelConfig:
+    """Each field by its own rule (type, range, choices) and the implementation's; not the rules between sizes.
+
+    Sweeps call this on one point and apply the rules between sizes point by point.
+    """
+    config = _validate(ModelConfig, with_library_defaults(fields))
+    implementation(config)  # the implementation refuses knobs its library cannot run
     return config
 
 
@@ -198,7 +210,7 @@ def build_knobs(fields: dict[str, Any]) -> Knobs:
 def _validate(cls: type[Knobs], values: dict[str, Any]) -> Any:
     bad = [k for k in values if not isinstance(k, str)]
     if bad:
-        raise ConfigError(f"invalid config: field names must be text, got {bad[0]!r}")
+        raise ConfigError(f"invalid config: field names must be text, got {short_repr(bad[0])}")
     try:
         return cls(**_validator(cls).validate_python(values))
     except ValidationError as exc:
@@ -287,24 +299,18 @@ def _not_divisible(divisor: int, dname: str, value: int, vname: str, why: str) -
 
 
 def load_yaml(path: Path) -> dict[str, Any]:
-    """Read a YAML mapping, turning every I/O or syntax problem into ConfigError."""
-    import yaml  # only the --config path pays for it
+    """Read a YAML mapping, turning every I/O, size or syntax problem into ConfigError naming the file.
 
-    try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason}); a config is a YAML file") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        where = getattr(exc, "problem_mark", None)
-        at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
-        problem = getattr(exc, "problem", None) or "invalid YAML"
-        raise ConfigError(f"{path}: YAML syntax error{at}: {problem}") from None
+    `path` may also be the name of a shipped config (`gpt3-175b`); messages name it as given.
+    """
+    found = locate(Path(path))
+    if not found.exists():
+        bare = Path(path).parent == Path(".")  # a bare name may have meant a shipped config
+        hint = f" (nor a shipped config: {', '.join(shipped_names())})" if bare else ""
+        raise ConfigError(f"config file not found: {path}{hint}")
+    text = read_capped(found, "config file")
+    with in_file(path):
+        data = parse_yaml(text)
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -323,11 +329,11 @@ def load_config(path: Path | None, overrides: dict[str, Any], base: dict[str, An
 def _describe(exc: ValidationError, cls: type[Knobs]) -> str:
     """pydantic's first error as `field 'x': rule (got v)` on one line."""
     err = exc.errors()[0]
-    field = ".".join(str(p) for p in err["loc"]) or "config"
+    field = printable(".".join(str(p) for p in err["loc"]))[:60] or "config"
     if err["type"] == "extra_forbidden":
         return f"unknown field '{field}' (allowed: {', '.join(field_names(cls))})"
     if err["type"] == "missing":
         return f"field '{field}' is required"
     more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
-    return f"field '{field}': {err['msg'].lower()} (got {err.get('input')!r}){more}"
+    return f"field '{field}': {err['msg'].lower()} (got {short_repr(err.get('input'))}){more}"
 

@@ -19,7 +19,7 @@ from types import ModuleType
 
 from memcalc.errors import ProbeError
 
-INSTALL_HINT = "pip install 'memcalc[probe]' (or: pip install torch==2.13.0)"
+INSTALL_HINT = "pip install torch==2.13.0 (in a checkout: pip install -e '.[probe]')"
 
 
 def require_torch() -> ModuleType:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
+import threading
 import time
 import traceback
 from contextlib import contextmanager
@@ -34,9 +35,10 @@ from enum import Enum
 from multiprocessing import connection
 from typing import Any, Callable, Iterator, Sequence
 
-from memcalc.errors import ProbeError
+from memcalc.errors import ConfigError, ProbeError
 from memcalc.probe import require_torch
 from memcalc.probe.group import TensorParallelGroup, single
+from memcalc.text import short_repr
 
 torch = require_torch()
 import torch.distributed as dist  # noqa: E402  (after the install check above)
@@ -90,11 +92,11 @@ def run(
         if t != 1:
             raise ProbeError(f"mode single runs one rank, but t={t}; use spawn, fake or torchrun")
         return [run_single(fn, args, device)]
-    world = os.environ.get("WORLD_SIZE", str(t))
-    if world != str(t):
+    world = torchrun_env()["WORLD_SIZE"] if under_torchrun() else t  # without torchrun: run_torchrun says so
+    if world != t:
         raise ProbeError(f"t={t}, but torchrun started WORLD_SIZE={world} ranks (under torchrun t = WORLD_SIZE)")
     result = run_torchrun(fn, args, timeout_s)
-    return [result] if os.environ["RANK"] == "0" else []
+    return [result] if torchrun_env()["RANK"] == 0 else []
 
 
 def run_single(fn: RankFn, args: Sequence[Any] = (), device: str = "cpu") -> Any:
@@ -122,7 +124,8 @@ def run_fake(fn: RankFn, args: Sequence[Any], t: int, device: str = "cpu", rank:
             f"mode fake needs a process without a process group, but this one already belongs to one "
             f"(backend {dist.get_backend()}, world size {dist.get_world_size()})"
         )
-    with _joined("fake", rank, t, torch.device(device), store=FakeStore()) as tp:
+    # one fake backend per device kind: point-to-point calls look the backend up by the tensor's device
+    with _joined("cpu:fake,cuda:fake,meta:fake", rank, t, torch.device(device), mode="fake", store=FakeStore()) as tp:
         return fn(tp, *args)
 
 
@@ -130,8 +133,34 @@ def run_fake(fn: RankFn, args: Sequence[Any], t: int, device: str = "cpu", rank:
 
 
 def under_torchrun() -> bool:
-    """Whether torchrun (or a launcher that sets the same variables) started this process."""
-    return all(name in os.environ for name in TORCHRUN_ENV)
+    """Whether torchrun (or a launcher that sets the same variables) started this process.
+
+    When it did, the variables are checked here, the first place every caller
+    passes, so that no later int(os.environ["RANK"]) meets RANK=zero.
+    """
+    if not all(name in os.environ for name in TORCHRUN_ENV):
+        return False
+    torchrun_env()
+    return True
+
+
+def torchrun_env() -> dict[str, int]:
+    """RANK, WORLD_SIZE, LOCAL_RANK and MASTER_PORT as numbers, or ConfigError naming the one that is wrong."""
+    lowest = {"RANK": 0, "WORLD_SIZE": 1, "LOCAL_RANK": 0, "MASTER_PORT": 1}
+    values = {}
+    for name, least in lowest.items():
+        text = os.environ.get(name, "")
+        if not (text.isascii() and text.isdigit()) or len(text) > 9 or int(text) < least:
+            raise ConfigError(
+                f"torchrun variable {name}={short_repr(text)} is not a whole number >= {least}"
+                " (set by torchrun; unset RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT to run alone)"
+            )
+        values[name] = int(text)
+    if values["RANK"] >= values["WORLD_SIZE"]:
+        raise ConfigError(f"torchrun variable RANK={values['RANK']} is not below WORLD_SIZE={values['WORLD_SIZE']}")
+    if values["MASTER_PORT"] > 65535:
+        raise ConfigError(f"torchrun variable MASTER_PORT={values['MASTER_PORT']} is not a port (1 to 65535)")
+    return values
 
 
 def run_torchrun(fn: RankFn, args: Sequence[Any] = (), timeout_s: float = DEFAULT_TIMEOUT_S) -> Any | None:
@@ -144,12 +173,26 @@ def run_torchrun(fn: RankFn, args: Sequence[Any] = (), timeout_s: float = DEFAUL
     if not under_torchrun():
         missing = ", ".join(name for name in TORCHRUN_ENV if name not in os.environ)
         raise ProbeError(f"mode torchrun needs the environment torchrun sets, but {missing} is not set")
-    rank, t, local_rank = (int(os.environ[name]) for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    env = torchrun_env()
+    rank, t = env["RANK"], env["WORLD_SIZE"]
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    device = _rank_device("cuda" if backend == "nccl" else "cpu", local_rank)
-    with _joined(backend, rank, t, device, init_method="env://", timeout=timedelta(seconds=timeout_s)) as tp:
+    device = _rank_device("cuda" if backend == "nccl" else "cpu", env["LOCAL_RANK"])
+    with _rendezvous_named(env), _joined(
+        backend, rank, t, device, init_method="env://", timeout=timedelta(seconds=timeout_s)
+    ) as tp:
         result = fn(tp, *args)
     return result if rank == 0 else None
+
+
+@contextmanager
+def _rendezvous_named(env: dict[str, int]) -> Iterator[None]:
+    """torch's DistNetworkError (a busy MASTER_PORT, an unreachable MASTER_ADDR) as one line naming both."""
+    try:
+        yield
+    except dist.DistNetworkError as err:
+        where = f"MASTER_ADDR={short_repr(os.environ.get('MASTER_ADDR'))} MASTER_PORT={env['MASTER_PORT']}"
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ProbeError(f"torchrun rank {env['RANK']} could not meet the others at {where}: {reason}") from err
 
 
 # -- spawn: t local worker processes -------------------------------------------
@@ -211,11 +254,12 @@ def _spawn_once(job: _Job, pickled: bytes) -> list[Any]:
     store = dist.TCPStore(LOCALHOST, 0, is_master=True, wait_for_workers=False, timeout=_store_timeout(job))
     workers: list[tuple[multiprocessing.Process, connection.Connection]] = []
     results = None
+    context = _worker_context(job.fn)
+    watched, alive = context.Pipe(duplex=False)  # nothing is ever sent: only this process's end closing counts
     try:
-        context = _worker_context(job.fn)
         for rank in range(job.t):
             receiver, sender = context.Pipe(duplex=False)
-            process = context.Process(target=_spawned_rank, args=(rank, pickled, store.port, sender))
+            process = context.Process(target=_spawned_rank, args=(rank, pickled, store.port, sender, watched))
             process.daemon = True  # dies with this process, whatever happens
             process.start()
             sender.close()  # keep only the worker's end open, so its death reads as end-of-file
@@ -224,6 +268,8 @@ def _spawn_once(job: _Job, pickled: bytes) -> list[Any]:
         return results
     finally:
         _stop(workers, grace_s=EXIT_GRACE_S if results is not None else 0.0)
+        watched.close()
+        alive.close()
 
 
 def _store_timeout(job: _Job) -> timedelta:
@@ -260,8 +306,17 @@ def _worker_context(fn: RankFn) -> multiprocessing.context.BaseContext:
     return context
 
 
-def _spawned_rank(rank: int, pickled_job: bytes, store_port: int, sender: connection.Connection) -> None:
-    """One worker: join the group, run fn, send home its result or its error, leave."""
+def _spawned_rank(
+    rank: int, pickled_job: bytes, store_port: int, sender: connection.Connection,
+    owner: connection.Connection | None = None,
+) -> None:
+    """One worker: join the group, run fn, send home its result or its error, leave.
+
+    `owner` is the reading end of a pipe only the spawning process writes to:
+    when it reads end-of-file, that process is gone, and so is this worker.
+    """
+    if owner is not None:
+        _die_with(owner)
     status = "failed"  # what an error at this point means to the parent; "unjoined" is tried again
     try:
         job: _Job = pickle.loads(pickled_job)  # here, so that a module fn cannot be imported from is reported
@@ -274,7 +329,28 @@ def _spawned_rank(rank: int, pickled_job: bytes, store_port: int, sender: connec
             # Sent before leaving the group: after a failure, leaving may wait on peers stuck in a collective.
             sender.send_bytes(_outcome(job.fn, tp, job.args))
     except BaseException as err:  # loading, joining or leaving failed; the parent reads only the first message
-        sender.send_bytes(_failure(err, status))
+        try:
+            sender.send_bytes(_failure(err, status))
+        except OSError:  # the parent is gone (its end of the pipe closed): nobody to tell, nothing to print
+            os._exit(1)
+
+
+def _die_with(owner: connection.Connection) -> None:
+    """Leave at once, silently, when the spawning process ends, however it ends (SIGKILL included).
+
+    A worker's parent is multiprocessing's forkserver, not memcalc, and the
+    forkserver stays up while any worker lives: so neither `daemon` nor a
+    parent-death signal reaches a worker when memcalc is killed. A pipe does:
+    the kernel closes memcalc's end when it dies, and the read here returns.
+    """
+    def watch() -> None:
+        try:
+            owner.recv_bytes()
+        except (EOFError, OSError):
+            pass
+        os._exit(1)
+
+    threading.Thread(target=watch, name="memcalc-owner-watch", daemon=True).start()
 
 
 def _outcome(fn: RankFn, tp: TensorParallelGroup, args: tuple) -> bytes:
@@ -351,12 +427,12 @@ def _stop(workers: list, grace_s: float) -> None:
 
 @contextmanager
 def _joined(
-    backend: str, rank: int, t: int, device: torch.device, **init: Any
+    backend: str, rank: int, t: int, device: torch.device, mode: str | None = None, **init: Any
 ) -> Iterator[TensorParallelGroup]:
-    """Membership of a t-rank default process group for the duration of the block."""
+    """Membership of a t-rank default process group for the duration of the block (mode: the backend's name)."""
     dist.init_process_group(backend, rank=rank, world_size=t, **init)
     try:
-        yield TensorParallelGroup(dist.group.WORLD, rank, t, backend, device)
+        yield TensorParallelGroup(dist.group.WORLD, rank, t, mode or backend, device)
     finally:
         dist.destroy_process_group()
 

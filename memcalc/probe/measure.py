@@ -14,6 +14,12 @@ Which way the ranks run (`choose_launch`, for --launch auto):
     --backend given                       -> spawn: t processes, real collectives
     --device cuda with >= t GPUs          -> spawn with nccl
     otherwise                             -> fake: rank 0 of t through torch's fake group
+
+--device meta runs the layer on torch's meta device: tensors with shapes and
+dtypes but no data, so a full-size layer costs seconds and no memory. Nothing
+moves between ranks there, so its ranks run single or fake, never spawned or
+under torchrun. Its meta kernels keep what CUDA's do (LayerNorm's statistics
+in fp32, dropout's 1-byte mask), so it is held up against CUDA's accounting.
 """
 
 from __future__ import annotations
@@ -43,6 +49,15 @@ torch = require_torch()
 
 INPUT_SEED = 1234
 
+# The device whose accounting (`estimate --exact --device`) a run on each device is held up against.
+# Meta's kernels keep what CUDA's keep: native_layer_norm's meta kernel returns fp32 mean and rstd
+# for a bf16 input, as CUDA's does (the CPU kernel keeps them in bf16), and native_dropout a bool mask.
+ACCOUNTED_AS = {"cpu": "cpu", "cuda": "cuda", "meta": "cuda"}
+META_NOTE = (
+    "; meta holds shapes and dtypes, no values (weights, input and dropout masks are empty),"
+    " and is compared with CUDA's accounting, whose widths meta's kernels keep (LayerNorm statistics in fp32)"
+)
+
 
 # -- on each rank ---------------------------------------------------------------
 
@@ -63,7 +78,7 @@ class RankResult:
     rank: int
     t: int
     group: str  # the group's mode: single, gloo, nccl or fake
-    device: str  # cpu or cuda: decides the width of norm statistics
+    device: str  # cpu, cuda or meta: decides the width of norm statistics (ACCOUNTED_AS)
     saved: tuple[SavedStorage, ...]
     cuda: CudaMemory | None
     collectives: tuple[LoggedCollective, ...] = ()  # memcalc's own layer only: every collective it issued
@@ -108,7 +123,7 @@ def runner(impl: str) -> ModuleType:
     except ImportError as err:
         raise ProbeError(
             f"--impl {impl} runs {package}'s own layer, which is not installed ({err});"
-            f" install it with: pip install 'memcalc[{impl}]'"
+            f" install the extra {impl!r} (in a checkout: pip install -e '.[{impl}]')"
         ) from err
 
 
@@ -135,8 +150,11 @@ def _layer_input(config: ModelConfig, tp: TensorParallelGroup, sequence_parallel
 
     It requires grad, as every layer's input past the embedding does.
     """
-    generator = torch.Generator().manual_seed(INPUT_SEED)
-    full = torch.randn(config.s, config.b, config.h, generator=generator).to(DTYPES[config.dtype])
+    if tp.device.type == "meta":  # nothing to draw; a shard of the same shape as on a real device
+        full = torch.empty(config.s, config.b, config.h, dtype=DTYPES[config.dtype], device="meta")
+    else:
+        generator = torch.Generator().manual_seed(INPUT_SEED)
+        full = torch.randn(config.s, config.b, config.h, generator=generator).to(DTYPES[config.dtype])
     x = copy_seq_shard(full, tp) if sequence_parallel else full
     return x.to(tp.device).requires_grad_()
 
@@ -217,6 +235,11 @@ def choose_launch(t: int, device: str, backend: str | None, launch: str = "auto"
     """The launch for t ranks (see the module docstring), or ConfigError if the flags cannot work here."""
     _check_device(device, backend)
     mode = _auto_mode(t, device, backend) if launch == "auto" else Mode(launch)
+    if device == "meta" and mode in (Mode.SPAWN, Mode.TORCHRUN):
+        raise ConfigError(
+            f"--device meta holds no data, so there is nothing for {mode.value} ranks to exchange;"
+            " it runs rank 0 of t through torch's fake group (--launch auto or fake)"
+        )
     if mode is Mode.SINGLE and t != 1:
         raise ConfigError(f"--launch single runs one rank, but t={t}; use spawn, fake or torchrun")
     if mode is Mode.TORCHRUN:
@@ -241,6 +264,8 @@ def _auto_mode(t: int, device: str, backend: str | None) -> Mode:
 
 
 def _check_device(device: str, backend: str | None) -> None:
+    if device == "meta" and backend is not None:
+        raise ConfigError(f"--backend {backend} moves real data, and --device meta has none; drop --backend")
     if backend == "nccl" and device != "cuda":
         raise ConfigError("--backend nccl runs on GPUs only; add --device cuda, or use --backend gloo")
     if device == "cuda" and not torch.cuda.is_available():
@@ -285,6 +310,9 @@ class StrategyMeasurement:
 
     def how(self) -> str:
         """Which way the ranks ran, in words, for output."""
+        return self._how() + (META_NOTE if self.ranks[0].device == "meta" else "")
+
+    def _how(self) -> str:
         t, group, device = self.launch.t, self.ranks[0].group, self.ranks[0].device
         if self.launch.mode is Mode.SINGLE:
             return f"one process (t=1) on {device}"
@@ -318,6 +346,11 @@ def measure(
         raise ConfigError(f"cp={config.cp}: the probe runs one layer without context parallelism; measure with cp=1")
     if layer == "memcalc" and config.impl != "megatron":
         raise ConfigError(f"--layer memcalc is memcalc's own Megatron-style layer; with --impl {config.impl} use --layer library")
+    if device == "meta" and layer == "library":
+        raise ConfigError(
+            "--device meta runs memcalc's own layer only: add --layer memcalc (the libraries' runners"
+            " build their layers on the CPU, or read values that meta tensors do not have)"
+        )
     if layer == "library":
         runner(config.impl)  # a missing library is named before any rank starts
     if overlap and (layer != "memcalc" or "tp-sp" not in strategies):
@@ -355,7 +388,7 @@ def _plan(config: ModelConfig, strategy: Strategy, device: str, backend: str | N
 def _compared(
     strategy: Strategy, plan: Launch, config: ModelConfig, ranks: list[RankResult], layer: str, overlap: Overlap
 ) -> StrategyMeasurement:
-    prediction = estimate(config, strategy, Accounting(exact=True, device=ranks[0].device))
+    prediction = estimate(config, strategy, Accounting(exact=True, device=ACCOUNTED_AS[ranks[0].device]))
     rows = tuple(compare(prediction, result.saved) for result in ranks)
     comm = () if layer == "library" else tuple(_compared_comm(config, strategy, r, overlap) for r in ranks)
     if layer == "library":

@@ -25,6 +25,7 @@ from memcalc.config.schema import ModelConfig, build_config
 from memcalc.errors import ConfigError
 from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import Strategy
+from memcalc.sizing.divisors import divisors
 from memcalc.sizing.totals import per_gpu
 
 SOLVES = ("b", "s", "t")
@@ -111,11 +112,19 @@ def _largest(try_value: Callable[[int], Candidate], budget: int) -> tuple[Candid
 def _smallest_t(
     config: ModelConfig, try_value: Callable[[int], Candidate], budget: int
 ) -> tuple[Candidate | None, Candidate | None]:
-    """The smallest valid t that fits, and the valid t just below it (or the cheapest, if none fits)."""
-    valid = [p for p in (try_value(t) for t in range(1, config.a + 1) if config.a % t == 0) if p.bytes is not None]
+    """The smallest valid t that fits, and the valid t just below it (or the cheapest, if none fits).
+
+    Candidates are the divisors of a, from its prime factors, smallest first;
+    the search stops at the first that fits.
+    """
+    valid: list[Candidate] = []
+    for t in divisors(config.a):
+        p = try_value(t)
+        if p.bytes is None:
+            continue
+        if p.fits(budget):
+            return p, (valid[-1] if valid else None)
+        valid.append(p)
     if not valid:
         raise ConfigError(f"no t that divides a={config.a} makes a valid config")
-    for below, p in zip([None, *valid], valid):
-        if p.fits(budget):
-            return p, below
     return None, min(valid, key=lambda p: p.bytes)

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from memcalc.errors import ConfigError, MemcalcError
 from memcalc.model.evaluate import LayerEstimate
+from memcalc.output import atomic_write
+from memcalc.text import printable
 from memcalc.units import human_bytes
 
 if TYPE_CHECKING:
@@ -118,10 +120,8 @@ def save(fig: Figure, path: Path) -> None:
     """Write the figure as PNG or SVG (by suffix) at DPI, uncropped: a PNG is
     exactly its figure size times DPI pixels."""
     fmt = check_suffix(path)
-    try:
-        fig.savefig(path, format=fmt, dpi=DPI)
-    except OSError as exc:
-        raise MemcalcError(f"cannot write {path}: {exc.strerror or exc}") from None
+    with atomic_write(path) as stream:  # whole or not at all: a temporary file, renamed when complete
+        fig.savefig(stream, format=fmt, dpi=DPI)
 
 
 def _bytes_label(layers: int) -> str:
@@ -159,13 +159,20 @@ def _figure(titles: Titles, size: tuple[float, float]) -> tuple[Figure, Axes]:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
-        raise MemcalcError("memcalc plot needs matplotlib: pip install 'memcalc[plot]'") from None
+        raise MemcalcError(
+            "memcalc plot needs matplotlib: pip install matplotlib (in a checkout: pip install -e '.[plot]')"
+        ) from None
     fig = Figure(figsize=size, dpi=DPI, layout="constrained")
     FigureCanvasAgg(fig)
-    fig.suptitle(titles.title, fontsize=13)
+    fig.suptitle(literal(titles.title), fontsize=13)
     ax = fig.add_subplot()
-    ax.set_title(titles.details, fontsize=8.5, color="0.35")
+    ax.set_title(literal(titles.details), fontsize=8.5, color="0.35")
     return fig, ax
+
+
+def literal(text: str) -> str:
+    """`text` drawn as written: a name like '$\\frac{$' is not mathtext; control characters show as escapes."""
+    return printable(text).replace("$", r"\$")
 
 
 def _device_line(ax: Axes, device_memory: int | None) -> None:

@@ -18,24 +18,27 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from math import prod
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
 from memcalc.config.schema import (
-    AS_USED, DIVISIBILITY, SEQUENCE_SPLIT, SIZES, ModelConfig, Rule, build_knobs, field_default,
-    field_names,
+    AS_USED, DIVISIBILITY, SEQUENCE_SPLIT, SIZES, ModelConfig, Rule, build_knobs, check_layout, field_default,
+    field_names, validate_fields,
 )
 from memcalc.errors import ConfigError
+from memcalc.text import short_repr
 from memcalc.model.evaluate import dim_sizes, rank_shape
-from memcalc.model.impls import layer_tensors, plan
+from memcalc.model.impls import layer_tensors, plan, size_rule
 from memcalc.model.knobs import Accounting, Knobs, element_bytes
+from memcalc.model.ledger import SavedTensor
 from memcalc.model.strategy import Strategy
 
 # The grid's axes are SIZES, in that order.
 MAX_SIZE = 2**40  # far above any model; keeps 4h and every per-rank dimension exact in int64
+MAX_DIGITS = 40  # a value longer than this is refused unread; shorter ones are checked against MAX_SIZE
 MAX_ROWS = 10_000_000  # points x strategies; about 1 GB of arrays at the peak
 INT64_MAX = 2**63 - 1
 
@@ -56,19 +59,19 @@ def parse_values(text: str) -> Sequence[int]:
         values = tuple(_whole(part, text) for part in text.split(","))
         repeated = sorted(v for v, n in Counter(values).items() if n > 1)
         if repeated:
-            raise ConfigError(f"'{text}' repeats {', '.join(map(str, repeated))}; give each value once")
+            raise ConfigError(f"{short_repr(text)} repeats {', '.join(map(str, repeated))}; give each value once")
         return values
     parts = text.split(":")
     if len(parts) > 3:
-        raise ConfigError(f"'{text}' has {len(parts) - 1} colons; expected {RANGE_SYNTAX}")
+        raise ConfigError(f"{short_repr(text)} has {len(parts) - 1} colons; expected {RANGE_SYNTAX}")
     start, stop = _whole(parts[0], text), _whole(parts[1], text)
     if start > stop:
-        raise ConfigError(f"'{text}' is empty: start {start} is above stop {stop}")
+        raise ConfigError(f"{short_repr(text)} is empty: start {start} is above stop {stop}")
     step = parts[2].strip() if len(parts) == 3 else "1"
     if step[:1] in ("x", "X"):
         factor = _whole(step[1:], text, what="factor")
         if factor < 2:
-            raise ConfigError(f"'{text}': a geometric factor must be at least 2 (got x{factor})")
+            raise ConfigError(f"{short_repr(text)}: a geometric factor must be at least 2 (got x{factor})")
         return _geometric(start, stop, factor)
     return range(start, stop + 1, _whole(step, text, what="step"))
 
@@ -78,9 +81,12 @@ def _whole(part: str, text: str, what: str = "value") -> int:
     part = part.strip()
     if not re.fullmatch(r"[0-9]+", part):
         hint = "" if part else f"; expected {RANGE_SYNTAX}"
-        raise ConfigError(f"'{text}': {what} '{part}' is not a positive whole number{hint}")
+        raise ConfigError(f"{short_repr(text)}: {what} {short_repr(part)} is not a positive whole number{hint}")
+    digits = len(part.lstrip("0"))
+    if digits > MAX_DIGITS:  # before int(): Python refuses to read 4300 digits and more
+        raise ConfigError(f"{short_repr(text)}: {what} of {digits} digits is too large (at most 2^40 = {MAX_SIZE})")
     if int(part) == 0:
-        raise ConfigError(f"'{text}': {what} must be positive (got 0)")
+        raise ConfigError(f"{short_repr(text)}: {what} must be positive (got 0)")
     return int(part)
 
 
@@ -140,7 +146,26 @@ def make_sweep(
             f"the sweep has {sweep.rows:,} configurations; at most {MAX_ROWS:,} fit in memory at once "
             "(narrow the ranges, or split the sweep)"
         )
+    _check_layout(fields, values)  # after the row cap, which bounds how many values of L it reads
     return sweep
+
+
+def _check_layout(fields: dict[str, Any], values: dict[str, Sequence[int]]) -> None:
+    """Every field by the rules `memcalc estimate` applies, except the divisibility rules that
+    `evaluate_sweep` applies point by point.
+
+    One point stands for the sweep: the first value of each size, but s at its
+    largest (a learned position table must hold every s) and L at a value that
+    breaks the pipeline rule if any does (pp*vpp must divide every L).
+    """
+    point = {name: v[0] for name, v in values.items()}
+    point["s"] = max(values["s"]) if not isinstance(values["s"], range) else values["s"][-1]
+    config = validate_fields(fields | point)
+    chunks = config.pp * (config.vpp or 1)
+    if chunks > 1:
+        point["L"] = next((L for L in values["L"] if L % chunks), point["L"])
+        config = replace(config, L=point["L"])
+    check_layout(config)
 
 
 def _fixed(name: str, fields: dict[str, Any]) -> int:
@@ -152,7 +177,7 @@ def _fixed(name: str, fields: dict[str, Any]) -> int:
         return default
     value = fields[name]
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"field '{name}': must be a positive whole number (got {value!r})")
+        raise ConfigError(f"field '{name}': must be a positive whole number (got {short_repr(value)})")
     return value
 
 
@@ -208,15 +233,49 @@ def per_layer_bytes(grid: GridSizes, strategy: Strategy, knobs: Knobs, accountin
 
     Each tensor's per-rank dimensions come from `rank_shape`, exactly as for a
     single estimate; multiplying the smallest arrays first keeps most products
-    small until the last factor spreads them over the grid.
+    small until the last factor spreads them over the grid. Where what a layer
+    keeps depends on the point (K/V groups equal to the heads are multi-head
+    attention, as `Knobs.of` reads a config; a kernel that runs only at some
+    sizes), each point takes the set its config would.
     """
+    if knobs.num_query_groups is not None:
+        multi_head = _kernel_aware_bytes(grid, strategy, replace(knobs, num_query_groups=None), accounting)
+        grouped = _kernel_aware_bytes(grid, strategy, knobs, accounting)
+        return np.where(grid.a == knobs.num_query_groups, multi_head, grouped)
+    return _kernel_aware_bytes(grid, strategy, knobs, accounting)
+
+
+def _kernel_aware_bytes(grid: GridSizes, strategy: Strategy, knobs: Knobs, accounting: Accounting) -> np.ndarray:
+    """The layer's bytes, taking the implementation's size rule's other set where its kernel does not run."""
     sizes = dim_sizes(grid)
+    inside = _tensor_bytes(layer_tensors(knobs, accounting), strategy, sizes, grid.t, knobs, accounting)
+    rule = size_rule(knobs)
+    if rule is None:
+        return inside
+    outside = _tensor_bytes(rule.outside(knobs, accounting), strategy, sizes, grid.t, knobs, accounting)
+    return np.where(rule.runs(sizes, grid.t if strategy.tensor_parallel else 1), inside, outside)
+
+
+def _tensor_bytes(
+    tensors: tuple[SavedTensor, ...], strategy: Strategy, sizes: dict, t: np.ndarray, knobs: Knobs,
+    accounting: Accounting,
+) -> np.ndarray:
+    """The bytes of `tensors` on one rank at every point of the grid."""
     terms = (
-        prod(sorted(rank_shape(x, strategy, sizes, grid.t), key=np.size),
-             start=element_bytes(x.kind, knobs, accounting))
-        for x in layer_tensors(knobs, accounting)
+        prod(sorted(rank_shape(x, strategy, sizes, t), key=np.size), start=element_bytes(x.kind, knobs, accounting))
+        for x in tensors
     )
     return np.asarray(sum(terms))
+
+
+def _kept_sets(knobs: Knobs, accounting: Accounting) -> list[tuple[SavedTensor, ...]]:
+    """Every set of tensors some point of a sweep may keep (see per_layer_bytes)."""
+    variants = [knobs] + ([replace(knobs, num_query_groups=None)] if knobs.num_query_groups is not None else [])
+    sets = []
+    for k in variants:
+        rule = size_rule(k)
+        sets += [layer_tensors(k, accounting)] + ([rule.outside(k, accounting)] if rule else [])
+    return sets
 
 
 def _check_int64(grid: GridSizes, sweep: Sweep, knobs: Knobs) -> None:
@@ -228,10 +287,10 @@ def _check_int64(grid: GridSizes, sweep: Sweep, knobs: Knobs) -> None:
     """
     largest = {d: int(np.max(v)) for d, v in dim_sizes(grid).items() if v is not None}
     t, layers = int(np.min(grid.t)), int(np.max(grid.L))
+    sets = _kept_sets(knobs, sweep.accounting)
     bound = layers * max(
-        sum(element_bytes(x.kind, knobs, sweep.accounting) * prod(rank_shape(x, st, largest, t))
-            for x in layer_tensors(knobs, sweep.accounting))
-        for st in sweep.strategies
+        sum(element_bytes(x.kind, knobs, sweep.accounting) * prod(rank_shape(x, st, largest, t)) for x in kept)
+        for st in sweep.strategies for kept in sets
     )
     if bound > INT64_MAX:
         raise ConfigError(

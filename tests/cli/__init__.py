@@ -16,7 +16,7 @@ import pytest
 
 from memcalc.cli import main
 
-CONFIGS = Path(__file__).parents[2] / "configs"
+CONFIGS = Path(__file__).parents[2] / "memcalc" / "configs"
 
 
 def shipped(name: str) -> str:

@@ -89,7 +89,7 @@ def test_a_config_file_that_is_not_text_is_one_line(tmp_path, command):
 
 @pytest.mark.parametrize("command", ["estimate", "formula", "explain"])
 def test_a_missing_config_file_is_named(command):
-    run = memcalc_cli(command, "--config", "configs/no-such-model.yaml")
+    run = memcalc_cli(command, "--config", "models/no-such-model.yaml")
     _assert_one_line_error(run.code, run.out, run.err, ["config file not found", "no-such-model.yaml"])
 
 
@@ -128,10 +128,11 @@ def test_memcalc_debug_lets_the_exception_through(monkeypatch):
 
 
 # A real process is the honest check of "one line on stderr, no traceback": a few only (~0.5 s each).
+@pytest.mark.procs
 @pytest.mark.parametrize(
     "args, needles",
     [
-        (["estimate", "--config", "configs/tiny.yaml", "--t", "3"], ["a=8", "t=3"]),
+        (["estimate", "--config", "tiny", "--t", "3"], ["a=8", "t=3"]),
         (["formula", "--mlp", "relu"], ["'--mlp'"]),
         (["explain", "--config", "no-such.yaml"], ["no-such.yaml"]),
     ],

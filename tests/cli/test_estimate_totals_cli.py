@@ -7,7 +7,7 @@ import pytest
 
 from . import memcalc_cli, one_line_error
 
-GPT3 = ["--config", "configs/gpt3-175b.yaml"]
+GPT3 = ["--config", "gpt3-175b"]
 GPT2 = ["--hf-config", "tests/data/hf/gpt2.json"]
 
 
@@ -81,7 +81,7 @@ def test_hf_config_says_which_fields_it_used():
 
 
 @pytest.mark.parametrize("args,needles", [
-    (["--config", "configs/gpt3-22b.yaml", "--pp", "5"], ["L=48 is not divisible by pp=5"]),
+    (["--config", "gpt3-22b", "--pp", "5"], ["L=48 is not divisible by pp=5"]),
     ([*GPT3, "--pp", "5"], ["L=96 is not divisible by pp*vpp=5*3=15"]),  # the config has vpp: 3
     ([*GPT3, "--cp", "2"], ["cp=2 needs attention 'flash'"]),
     ([*GPT3, "--attention", "flash", "--cp", "3"], ["s=2048 is not divisible by 2*cp=6"]),

@@ -11,7 +11,7 @@ import pytest
 
 from . import memcalc_cli, one_line_error
 
-GPT3 = ["--config", "configs/gpt3-175b.yaml"]  # Table 3's layout: t=8, pp=8, vpp=3
+GPT3 = ["--config", "gpt3-175b"]  # Table 3's layout: t=8, pp=8, vpp=3
 
 
 def _fit(*args: str) -> dict:
@@ -82,7 +82,7 @@ def test_hf_config_works_with_fit():
 
 
 def test_nothing_fits_is_one_line_saying_by_how_much():
-    run = memcalc_cli("fit", "--config", "configs/gpt3-22b.yaml", "--budget", "20GiB")
+    run = memcalc_cli("fit", "--config", "gpt3-22b", "--budget", "20GiB")
     one_line_error(run, "nothing fits in 20.00 GiB per GPU",
                     "the cheapest candidate, tp-sp with recompute full at b=1", "GiB over, counting total")
 

@@ -14,7 +14,7 @@ from click.testing import CliRunner, Result
 from memcalc.cli import main
 
 ROOT = Path(__file__).parents[2]
-GPT3 = str(ROOT / "configs/gpt3-175b.yaml")
+GPT3 = "gpt3-175b"  # a shipped config, found by name
 
 
 class _Script:
@@ -141,7 +141,7 @@ def test_a_long_sweep_draws_a_progress_bar_on_a_terminal(tmp_path, monkeypatch):
     (["--s", "1:2", "--b", "1:10000000"], ["at most 10,000,000"]),
     (["--s", f"1:{10**30}"], [f"s={10**30} is too large for a sweep"]),  # too long a range even to count
     (["--b", "64", "--s", str(2**21), "--t", "1"], ["beyond 64-bit integers"]),
-    (["--dropout", "1.5"], ["gpt3-175b.yaml: field 'dropout'"]),
+    (["--dropout", "1.5"], ["gpt3-175b: field 'dropout'"]),
     (["--out", "runs.txt"], ["cannot tell the format of 'runs.txt'", ".csv or .json"]),
     (["--out", "runs.csv", "--format", "table"], ["--format table prints to the terminal"]),
 ])
@@ -160,6 +160,7 @@ def test_an_unwritable_out_path_is_refused_before_the_sweep(target, needle, tmp_
     _one_line_error(invoke("sweep", "--config", GPT3, "--out", target), "'--out'", needle)
 
 
+@pytest.mark.procs
 def test_the_sweep_and_plot_modules_import_no_numpy_rich_or_matplotlib():
     code = ("import sys, memcalc.cli.sweep, memcalc.cli.plot;"
             "print(sorted(m for m in ('numpy', 'rich', 'matplotlib') if m in sys.modules))")

@@ -54,7 +54,7 @@ def test_a_step_is_every_layer_of_the_stage_times_the_microbatches_plus_the_pipe
 
 
 def test_comm_json_has_per_layer_bytes_and_the_collectives_of_each_strategy():
-    out = CliRunner().invoke(cli, ["comm", "--config", "configs/tiny.yaml", "--t", "2", "--json"]).output
+    out = CliRunner().invoke(cli, ["comm", "--config", "tiny", "--t", "2", "--json"]).output
     doc = json.loads(out)["strategies"]
     assert set(doc) == {"none", "tp", "tp-sp"} and doc["none"]["per_layer_bytes"] == 0
     assert doc["tp-sp"]["per_layer_bytes"] == sum(c["bytes_sent"] for c in doc["tp-sp"]["collectives"])
@@ -62,6 +62,6 @@ def test_comm_json_has_per_layer_bytes_and_the_collectives_of_each_strategy():
 
 @pytest.mark.parametrize("strategy, latex", [("tp", "16 \\frac{t-1}{t} s b h"), ("tp-sp", "20 \\frac{t-1}{t} s b h")])
 def test_comm_prints_each_strategys_formula_in_latex(strategy, latex):
-    out = CliRunner().invoke(cli, ["comm", "--config", "configs/gpt3-175b.yaml", "--strategy", strategy,
+    out = CliRunner().invoke(cli, ["comm", "--config", "gpt3-175b", "--strategy", strategy,
                                    "--format", "latex"]).output
     assert out.splitlines()[1] == latex

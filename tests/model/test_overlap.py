@@ -60,6 +60,6 @@ def test_overlap_needs_sequence_parallelism_and_megatron():
 
 
 def test_comm_overlap_prints_the_exposed_time_and_the_buffers_torch_cannot_see():
-    out = CliRunner().invoke(cli, ["comm", "--config", "configs/gpt3-175b.yaml", "--overlap", "default"],
+    out = CliRunner().invoke(cli, ["comm", "--config", "gpt3-175b", "--overlap", "default"],
                              terminal_width=120).output
     assert "qkv_fprop" in out and "outside PyTorch's" in out

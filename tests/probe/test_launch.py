@@ -52,10 +52,12 @@ def _rank_1_dies(tp) -> None:
     dist.barrier()
 
 
+@pytest.mark.procs
 def test_spawned_ranks_each_run_fn_with_their_own_rank():
     assert run_spawned(_whoami, (), t=2) == [(0, 2, "gloo", "cpu"), (1, 2, "gloo", "cpu")]
 
 
+@pytest.mark.procs
 def test_a_failing_rank_raises_one_line_naming_the_rank_and_its_error():
     with pytest.raises(ProbeError) as caught:
         run_spawned(_fail_on_rank_1, (), t=2, timeout_s=30)
@@ -66,6 +68,7 @@ def test_a_failing_rank_raises_one_line_naming_the_rank_and_its_error():
     assert multiprocessing.active_children() == []
 
 
+@pytest.mark.procs
 def test_a_hung_rank_times_out_instead_of_hanging_the_caller():
     started = time.monotonic()
     with pytest.raises(ProbeError, match=r"rank\(s\) 0, 1 of t=2 \(gloo\) did not finish within 2 s"):
@@ -74,6 +77,7 @@ def test_a_hung_rank_times_out_instead_of_hanging_the_caller():
     assert multiprocessing.active_children() == []
 
 
+@pytest.mark.procs
 def test_a_rank_that_dies_silently_is_reported_with_its_exit_code():
     with pytest.raises(ProbeError, match=r"rank 1 of t=2 \(gloo\) died without a result \(exit code 3\)"):
         run_spawned(_rank_1_dies, (), t=2, timeout_s=30)
@@ -147,6 +151,7 @@ def test_single_runs_fn_on_t_1_without_a_process_group():
     assert not dist.is_initialized()
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize(
     ("mode", "t", "expected"),
     [("single", 1, [(0, 1, "single", "cpu")]), ("fake", 4, [(0, 4, "fake", "cpu")]), (Mode.SPAWN, 2, None)],
@@ -210,6 +215,7 @@ with open(os.path.join(sys.argv[1], "rank" + os.environ["RANK"]), "w") as out:
 """
 
 
+@pytest.mark.procs
 def test_torchrun_with_two_processes_gives_rank_0_the_result(tmp_path):
     """A real `torchrun --nproc-per-node=2` (one node, gloo): the mode the docs tell users to run."""
     script = tmp_path / "job.py"

@@ -168,6 +168,7 @@ def _assembled(ranks, reference, sequence_parallel):
             yield f"{name} on rank {r}", rank["grads"][name], want
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("t", [2, 4], ids=lambda t: f"t={t}")
 def test_tp_and_tp_sp_on_gloo_ranks_compute_the_outputs_and_gradients_one_process_computes(t):
     per_rank = run_spawned(_results_on_rank, (), t, timeout_s=120)

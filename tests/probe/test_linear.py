@@ -90,7 +90,7 @@ def _rank_checks(tp, inp: dict) -> dict:
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda t: f"t={t}")
-def ranks(request):
+def ranks(request, starts_processes):
     """(t, reference, per-rank results): one spawn per t, shared by the tests below."""
     t, inp = request.param, _inputs()
     return t, _reference(inp), run_spawned(_rank_checks, (inp,), t, backend="gloo", timeout_s=60)

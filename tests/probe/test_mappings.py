@@ -71,7 +71,7 @@ def _operator_checks(tp) -> dict:
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda t: f"t={t}")
-def ranks(request):
+def ranks(request, starts_processes):
     """(t, per-rank results of _operator_checks): one spawn per t, shared by the tests below."""
     t = request.param
     return t, run_spawned(_operator_checks, (), t, backend="gloo", timeout_s=60)

@@ -88,6 +88,7 @@ def test_the_cases_take_every_value_of_every_knob(cases):
         assert {(defaults | case)[knob] for case in cases} == set(values), knob
 
 
+@pytest.mark.procs
 def test_two_gloo_ranks_save_what_the_ledger_predicts_on_every_rank():
     cases = tuple((_config(2, 4, knobs), name, "memcalc", NO_OVERLAP) for knobs in COVER for name in ("tp", "tp-sp"))
     per_rank = run(measure_on_rank, (cases,), mode="spawn", t=2, backend="gloo", timeout_s=240)

@@ -112,7 +112,7 @@ def _on_rank(tp):
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda t: f"t={t}")
-def ranks(request):
+def ranks(request, starts_processes):
     """(t, per-rank results): one spawn per t, shared by the tests below."""
     return request.param, run_spawned(_on_rank, (), request.param, backend="gloo", timeout_s=120)
 

@@ -10,6 +10,7 @@ from memcalc.errors import ProbeError
 from memcalc.probe import require_torch
 
 REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.procs  # every test here runs a fresh interpreter
 
 
 def _python(code: str) -> subprocess.CompletedProcess:
@@ -26,7 +27,7 @@ def test_without_torch_require_torch_says_how_to_install_it(monkeypatch):
     with pytest.raises(ProbeError) as caught:
         require_torch()
     assert "\n" not in str(caught.value)
-    assert "pip install 'memcalc[probe]' (or: pip install torch==2.13.0)" in str(caught.value)
+    assert "pip install torch==2.13.0 (in a checkout: pip install -e '.[probe]')" in str(caught.value)
 
 
 def test_without_torch_importing_a_probe_module_raises_probe_error():

@@ -1,0 +1,160 @@
+"""`memcalc measure --step`: one whole training step per strategy, the timeline's peak next to MemTracker's.
+
+Not a command of its own: `memcalc.cli.measure` hands over here when --step is given.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from memcalc.config.schema import ModelConfig, config_record
+from memcalc.errors import ConfigError, ProbeError
+
+if TYPE_CHECKING:  # torch: only when the command runs
+    from rich.table import Table
+
+    from memcalc.probe.step import StepComparison
+
+TOP_TERMS = 6  # the largest tensors live at the predicted peak, shown under each table
+
+
+def run_step(
+    config: ModelConfig, strategies: list[str], *, device: str, launch: str, backend: str | None,
+    layer: str | None, comm: bool, overlap: str | None, as_json: bool,
+) -> None:
+    """Measure one step per strategy and print it; ProbeError (exit 1) beyond the tolerance."""
+    _check_flags(device, launch, backend, layer, comm, overlap)
+    _check_fits(config, strategies)
+    from memcalc.probe.step import TOLERANCE, measure_step  # needs torch: a one-line ProbeError without it
+
+    results = measure_step(config, strategies)
+    if as_json:
+        click.echo(json.dumps(to_json(config, results), indent=2))
+    else:
+        print_steps(config, results, TOLERANCE)
+    differences = [f"{r.strategy.name}: {d}" for r in results for d in r.differences()]
+    if differences:
+        raise ProbeError(f"the step's measured memory differs from the timeline by more than {TOLERANCE:.0%}: "
+                         + "; ".join(differences))
+
+
+def _check_flags(device: str, launch: str, backend: str | None, layer: str | None, comm: bool,
+                 overlap: str | None) -> None:
+    """--step runs on the CPU in this process (rank 0 of t through the fake group); other flags do not apply."""
+    if device != "cpu":
+        raise ConfigError(f"--step measures with MemTracker on the CPU; --device {device} is not supported with it")
+    given = [flag for flag, value in (
+        ("--launch", launch != "auto"), ("--backend", backend), ("--comm", comm), ("--overlap", overlap),
+        ("--layer library", layer == "library"),
+    ) if value]
+    if given:
+        raise ConfigError(
+            f"--step runs memcalc's own model in this process (rank 0 of t through torch's fake group);"
+            f" {', '.join(given)} does not apply to it"
+        )
+
+
+def _check_fits(config: ModelConfig, strategies: list[str]) -> None:
+    """Refuse a step whose predicted peak (warm-up and measured step alike) exceeds this machine's memory."""
+    from memcalc.model.knobs import Accounting
+    from memcalc.model.strategy import STRATEGIES
+    from memcalc.probe.footprint import available
+    from memcalc.sizing.timeline import timeline
+    from memcalc.units import human_bytes
+
+    have, what = available("cpu")
+    for name in strategies:
+        need = timeline(config, STRATEGIES[name], Accounting(exact=True, device="cpu")).peak.bytes
+        if have is not None and need > have:
+            raise ConfigError(
+                f"measure --step {name} would peak at {need:,} bytes ({human_bytes(need)}, the timeline's"
+                f" prediction), but {what} is {have:,} bytes ({human_bytes(have)}); choose smaller sizes"
+            )
+
+
+def to_json(config: ModelConfig, results: list[StepComparison]) -> dict[str, Any]:
+    """The config, and per strategy: how it ran, the moment of the peak, and each category predicted and measured."""
+    return {
+        "config": config_record(config),
+        "match": all(r.matches for r in results),
+        "strategies": {r.strategy.name: _strategy_json(r) for r in results},
+    }
+
+
+def _strategy_json(r: StepComparison) -> dict[str, Any]:
+    peak, steady = r.rows("peak"), r.rows("steady")
+    return {
+        "launch": r.launch.value,
+        "t": r.measured.t,
+        "how": r.how(),
+        "match": r.matches,
+        "differences": r.differences(),
+        "moment": {"predicted": r.predicted_moment, "measured": r.measured.moment, "match": r.moment_matches,
+                   "what": r.predicted.peak.what},
+        "peak_bytes": {"predicted": peak[-1].predicted, "measured": peak[-1].measured},
+        "steady_bytes": {"predicted": steady[-1].predicted, "measured": steady[-1].measured},
+        "peak": {row.category: {"predicted": row.predicted, "measured": row.measured} for row in peak[:-1]},
+        "steady": {row.category: {"predicted": row.predicted, "measured": row.measured} for row in steady[:-1]},
+        "live_at_peak": [
+            {"name": x.name, "category": x.category, "bytes": x.bytes, "why": x.why} for x in r.predicted.peak.live
+        ],
+    }
+
+
+def print_steps(config: ModelConfig, results: list[StepComparison], tolerance: float) -> None:
+    """Per strategy: the peak by category, the moment, the steady state, the largest tensors live at the peak."""
+    from memcalc.cli.render import console, describe
+    from memcalc.text import for_rich
+    from memcalc.units import human_bytes
+
+    console.print(describe(config), highlight=False)
+    console.print(
+        "[dim]one training step on one rank (warm-up step first), bytes at the peak; predicted by the step"
+        " timeline, measured by torch's MemTracker[/dim]"
+    )
+    for r in results:
+        console.print(_table(r))
+        peak = r.predicted.peak
+        moment = "[green]same moment[/green]" if r.moment_matches else "[red]another moment[/red]"
+        console.print(f"peak: predicted at {for_rich(peak.label())}; MemTracker at {r.measured.moment} ({moment})",
+                      highlight=False)
+        steady = r.rows("steady")[-1]
+        console.print(
+            f"steady state before the step: predicted {steady.predicted:,}, measured {steady.measured:,}"
+            f" ({human_bytes(steady.measured)})", highlight=False,
+        )
+        largest = sorted(peak.live, key=lambda x: -x.bytes)[:TOP_TERMS]
+        console.print("largest live at the peak: " + ", ".join(
+            f"{for_rich(x.name)} {human_bytes(x.bytes)}" for x in largest), highlight=False)
+        console.print(f"ran as: memcalc's own GPT, {r.how()}", highlight=False)
+        verdict = (f"[green]match[/green]: the peak and every category within {tolerance:.0%}" if r.matches
+                   else "[red]differs[/red]")
+        console.print(verdict)
+
+
+def _table(r: StepComparison) -> Table:
+    from rich.table import Table
+
+    table = Table(title=f"{r.strategy.name} ({r.strategy.title}): rank 0 of t={r.measured.t}, one step")
+    table.add_column("at the peak", no_wrap=True)
+    for col in ("predicted", "measured", "difference"):
+        table.add_column(col, justify="right", no_wrap=True)
+    *rows, total = r.rows("peak")
+    for row in rows:
+        table.add_row(row.category, f"{row.predicted:,}", f"{row.measured:,}", _difference(row))
+    table.add_row(
+        "[bold]total[/bold]", f"[bold]{total.predicted:,}[/bold]", f"[bold]{total.measured:,}[/bold]",
+        f"[bold]{_difference(total)}[/bold]", end_section=True,
+    )
+    return table
+
+
+def _difference(row: Any) -> str:
+    """0, a difference within the tolerance, or one beyond it in red."""
+    if row.difference == 0:
+        return "0"
+    text = f"{row.difference:+,}"
+    return text if row.within else f"[red]{text}[/red]"

@@ -1,0 +1,180 @@
+"""Reading config files that may be hostile: bounded in size, depth and integer length.
+
+A config file is whatever path the user typed: a FIFO that never ends, /dev/zero,
+a YAML alias bomb, a 5000-digit integer, a list nested 100,000 deep. Each of
+these is refused here with one ConfigError naming the file and the rule,
+before it can hang, exhaust memory or raise something that is not ours.
+
+YAML is read by a safe loader that also refuses aliases (no config needs
+them, and they are how a 500-byte file expands to gigabytes) and duplicate
+keys (otherwise the last silently wins).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from memcalc.errors import ConfigError
+from memcalc.text import printable
+
+MAX_CONFIG_BYTES = 1 << 20  # a real config is under 10 KB; a Hugging Face config.json under 100 KB
+MAX_DEPTH = 20  # configs are flat mappings of scalars; a few levels leave room for lists in config.json
+MAX_INT_DIGITS = 40  # far above any size (2^63 has 19 digits), far below Python's 4300-digit limit
+
+
+def read_capped(path: Path, what: str) -> str:
+    """The text of the regular file `path`, refusing anything else before opening it.
+
+    stat() first: opening a FIFO blocks until a writer comes, and a device such
+    as /dev/zero never ends. Then at most MAX_CONFIG_BYTES are read.
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise ConfigError(f"{what} not found: {path}") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror}") from None
+    if stat.S_ISDIR(mode):
+        raise ConfigError(f"cannot read {what} {path}: it is a directory")
+    if not stat.S_ISREG(mode):
+        raise ConfigError(f"cannot read {what} {path}: not a regular file (a FIFO, socket or device)")
+    try:
+        with open(path, "rb") as stream:
+            data = stream.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror}") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: larger than {MAX_CONFIG_BYTES} bytes, the most a {what} may hold")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason}); a {what} is text") from None
+
+
+def parse_yaml(text: str) -> Any:
+    """The YAML document in `text`, by the bounded loader; ConfigError for any problem."""
+    import yaml  # only the --config path pays for it
+
+    loader = _bounded_loader(yaml)(text)
+    try:
+        return loader.get_single_data()
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+        raise ConfigError(f"YAML syntax error{at}: {getattr(exc, 'problem', None) or 'invalid YAML'}") from None
+    finally:
+        loader.dispose()
+
+
+def parse_json(text: str) -> Any:
+    """The JSON document in `text`, with long integers, duplicate keys and deep nesting refused."""
+    try:
+        return json.loads(text, parse_int=_json_int, object_pairs_hook=_json_object)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
+    except RecursionError:  # the decoder recurses once per level
+        raise ConfigError(f"JSON nested too deep (a config is at most {MAX_DEPTH} levels)") from None
+
+
+@dataclass(frozen=True)
+class _LongInteger:
+    """An integer too long to read, kept as its length until the object holding it can name its key."""
+
+    digits: int
+
+    def refuse(self, where: str) -> ConfigError:
+        return ConfigError(f"{where}: a {self.digits}-digit integer is too large (at most {MAX_INT_DIGITS} digits)")
+
+
+def _json_int(text: str) -> int | _LongInteger:
+    digits = len(text.lstrip("-"))
+    return _LongInteger(digits) if digits > MAX_INT_DIGITS else int(text)
+
+
+def _json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object, refusing a repeated key or a too-long integer by name."""
+    data: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in data:
+            raise ConfigError(f"duplicate key '{printable(key[:40])}' (each field may appear once)")
+        long = next((v for v in (value if isinstance(value, list) else [value]) if isinstance(v, _LongInteger)), None)
+        if long is not None:
+            raise long.refuse(f"field '{printable(key[:40])}'")
+        data[key] = value
+    return data
+
+
+class _LongYamlInteger(ConfigError):
+    """A YAML integer too long to read; the mapping holding it names its key."""
+
+    def __init__(self, node: Any, digits: int) -> None:
+        super().__init__(
+            f"a {digits}-digit integer at line {node.start_mark.line + 1} is too large"
+            f" (at most {MAX_INT_DIGITS} digits; sizes are below 2^63)"
+        )
+        self.node = node
+
+    def key_of(self, mapping: Any) -> str:
+        """The key whose value is this integer in `mapping` (a YAML mapping node), else '?'."""
+        return next((str(k.value) for k, v in mapping.value if v is self.node), "?")
+
+
+_LOADERS: dict[str, type] = {}
+
+
+def _bounded_loader(yaml: Any) -> type:
+    """yaml.SafeLoader, less aliases, duplicate keys, deep nesting and huge integers (built once)."""
+    if "bounded" in _LOADERS:
+        return _LOADERS["bounded"]
+
+    class BoundedLoader(yaml.SafeLoader):
+        depth = 0
+
+        def compose_node(self, parent: Any, index: Any) -> Any:
+            if self.check_event(yaml.AliasEvent):
+                event = self.peek_event()
+                raise ConfigError(
+                    f"YAML alias *{event.anchor} at line {event.start_mark.line + 1}: aliases are not accepted"
+                    " in a config (write the value out)"
+                )
+            self.depth += 1
+            try:
+                if self.depth > MAX_DEPTH:
+                    raise ConfigError(f"YAML nested deeper than {MAX_DEPTH} levels at line {self._line()}")
+                return super().compose_node(parent, index)
+            finally:
+                self.depth -= 1
+
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            seen: set[str] = set()
+            for key_node, _ in node.value:
+                if not isinstance(key_node, yaml.ScalarNode):
+                    continue  # a list or mapping as a key: validation names it
+                if key_node.value in seen:
+                    raise ConfigError(
+                        f"duplicate key '{printable(key_node.value[:40])}' at line {key_node.start_mark.line + 1}"
+                        " (each field may appear once)"
+                    )
+                seen.add(key_node.value)
+            try:
+                return super().construct_mapping(node, deep=deep)
+            except _LongYamlInteger as exc:  # a value of this mapping: name its key
+                raise ConfigError(f"field '{printable(exc.key_of(node)[:40])}': {exc}") from None
+
+        def construct_yaml_int(self, node: Any) -> int:
+            digits = len(str(node.value).replace("_", "").lstrip("+-"))
+            if digits > MAX_INT_DIGITS:
+                raise _LongYamlInteger(node, digits)
+            return super().construct_yaml_int(node)
+
+        def _line(self) -> int:
+            return self.peek_event().start_mark.line + 1
+
+    BoundedLoader.add_constructor("tag:yaml.org,2002:int", BoundedLoader.construct_yaml_int)
+    _LOADERS["bounded"] = BoundedLoader
+    return BoundedLoader

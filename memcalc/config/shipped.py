@@ -1,0 +1,52 @@
+"""The model configs that ship inside the package, found by name: `--config gpt3-175b`.
+
+They live in `memcalc/configs/` as package data, so they travel with the wheel
+and work from any directory. A path that exists is always read as given; only
+a bare name with no file behind it is looked up here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+SUFFIX = ".yaml"
+
+
+@dataclass(frozen=True)
+class Shipped:
+    """One shipped config: its name (the file's stem), where it is, and its one-line description."""
+
+    name: str
+    path: Path
+    description: str
+
+
+def shipped_dir() -> Path:
+    """The folder of shipped configs (a real folder: setuptools installs package data as files)."""
+    return Path(str(resources.files("memcalc") / "configs"))
+
+
+def shipped_names() -> list[str]:
+    """Every shipped config's name, sorted."""
+    return sorted(p.stem for p in shipped_dir().glob(f"*{SUFFIX}"))
+
+
+def locate(path: Path) -> Path:
+    """`path` if it exists; else the shipped config it names (`gpt3-175b` or `gpt3-175b.yaml`); else `path`."""
+    if path.exists() or path.parent != Path("."):
+        return path
+    candidate = shipped_dir() / (path.name if path.suffix == SUFFIX else f"{path.name}{SUFFIX}")
+    return candidate if candidate.is_file() else path
+
+
+def catalogue() -> list[Shipped]:
+    """Each shipped config with its description (the `description` field of the file)."""
+    from memcalc.config.schema import load_yaml
+
+    found = []
+    for name in shipped_names():
+        path = shipped_dir() / f"{name}{SUFFIX}"
+        found.append(Shipped(name, path, str(load_yaml(path).get("description") or "")))
+    return found

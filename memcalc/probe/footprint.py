@@ -1,0 +1,103 @@
+"""The least memory `memcalc measure` will allocate, checked against the machine before any rank starts.
+
+`measure --config gpt3-175b.yaml --strategy none` asks one process for one
+GPT-3 layer at full width; `--s 1099511627776` asks for exabytes. torch would
+try, and the machine would swap, be killed by the OOM killer, or raise deep
+inside a worker. So the bytes are counted first, from the ledger, and a run
+that cannot fit is refused in one line naming them.
+
+The count is a lower bound, so no run that could fit is refused: per rank, the
+activations the ledger says forward saves (exact accounting) plus the layer's
+weights and their gradients; times the ranks that run on this machine at once.
+The probe allocates more (inputs, temporaries, optimizer-free backward), never less.
+Nothing here imports torch, except to ask a GPU its size.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from memcalc.config.schema import ModelConfig
+from memcalc.errors import ConfigError
+from memcalc.model.evaluate import estimate
+from memcalc.model.knobs import DTYPE_BYTES, Accounting
+from memcalc.model.strategy import STRATEGIES
+from memcalc.sizing.states import PARAM_GROUPS
+from memcalc.units import human_bytes
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """What one strategy's run needs at least: per rank, and how many ranks share this machine."""
+
+    strategy: str
+    per_rank: int
+    ranks_here: int
+
+    @property
+    def bytes(self) -> int:
+        return self.per_rank * self.ranks_here
+
+
+def footprint(config: ModelConfig, strategy: str, device: str, ranks_here: int) -> Footprint:
+    """The least bytes a rank allocates for `strategy`: saved activations, weights and their gradients."""
+    st = STRATEGIES[strategy]
+    t = config.t if st.tensor_parallel else 1
+    activations = estimate(config, st, Accounting(exact=True, device=device)).per_layer_bytes
+    weights = sum(g.count(config, t) for g in PARAM_GROUPS if g.where == "layer") * DTYPE_BYTES[config.dtype]
+    return Footprint(strategy, activations + 2 * weights, ranks_here if st.tensor_parallel else 1)
+
+
+def check_fits(config: ModelConfig, strategies: list[str], device: str, ranks_here: int) -> None:
+    """Refuse, in one line naming the bytes, a run whose least footprint exceeds what this machine has.
+
+    Strategies run one after another, so the largest one is what must fit. On
+    GPUs each rank has its own, so one rank's bytes are held against one GPU.
+    torch's meta device holds shapes without data: nothing to check there.
+    """
+    if device == "meta":
+        return
+    worst = max((footprint(config, name, device, ranks_here) for name in strategies), key=lambda f: f.bytes)
+    have, what = available(device)
+    need = worst.per_rank if device == "cuda" else worst.bytes
+    if have is not None and need > have:
+        ranks = f" x {worst.ranks_here} ranks" if worst.ranks_here > 1 else ""
+        raise ConfigError(
+            f"measure {worst.strategy} would allocate at least {need:,} bytes"
+            f" ({human_bytes(worst.per_rank)} per rank{ranks}: saved activations, the layer's weights and gradients),"
+            f" but {what} is {have:,} bytes ({human_bytes(have)}); choose smaller sizes"
+        )
+
+
+def available(device: str) -> tuple[int | None, str]:
+    """Bytes the run may use on `device`, and what they are (None when it cannot be told)."""
+    if device == "cuda":
+        return _gpu_memory()
+    return _free_memory()
+
+
+def _free_memory() -> tuple[int | None, str]:
+    """MemAvailable from /proc/meminfo (Linux), else physical memory."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "this machine's available memory (MemAvailable)"
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "this machine's physical memory"
+    except (OSError, ValueError, AttributeError):
+        return None, "unknown"
+
+
+def _gpu_memory() -> tuple[int | None, str]:
+    """The first GPU's total memory (every rank gets a GPU of its own, of the same kind), if torch sees one."""
+    try:
+        import torch
+    except ImportError:
+        return None, "unknown"  # measure says how to install torch
+    if not torch.cuda.is_available():
+        return None, "unknown"  # measure says there is no GPU
+    return torch.cuda.get_device_properties(0).total_memory, "one GPU's memory"

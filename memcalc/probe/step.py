@@ -1,0 +1,456 @@
+"""One whole training step of a small GPT on one rank, measured with torch's own MemTracker.
+
+The model is built from the probe's pieces, as Megatron-LM's GPTModel lays them out:
+
+    tokens (b, s) -> vocabulary-parallel embedding + learned positions -> dropout   (s, b, h) [SP: (s/t, b, h)]
+      -> L x TransformerLayer (memcalc.probe.layer)
+      -> final norm -> output layer (column-parallel over the vocabulary, tied to the embedding)
+      -> vocabulary-parallel cross-entropy in fp32 -> mean over tokens
+
+and trained as Megatron-LM trains it in mixed precision without data parallelism:
+
+- the bf16 weights are the module's parameters;
+- a contiguous fp32 gradient buffer (Megatron's `main_grad`, allocated up front) holds
+  one view per parameter; a hook on each parameter's gradient accumulator adds the bf16
+  weight gradient into it and drops it, as megatron/core/distributed's backward post-hook
+  does without gradient-accumulation fusion (a CUDA-only kernel that writes fp32 wgrads
+  straight into the buffer);
+- `MixedPrecisionAdamW` keeps the fp32 master weights as one flat buffer (one view per
+  parameter) whose `.grad` is the gradient buffer, runs `torch.optim.AdamW` over it
+  (fused: one kernel, as Megatron's FusedAdam, no per-tensor temporaries), and copies the
+  master weights back into the bf16 parameters.
+
+`run_step` runs one warm-up step (Adam's moments exist from the first step on), then the
+measured step inside a `torch.distributed._tools.mem_tracker.MemTracker`. MemTracker
+files each storage by when it was made: parameters and optimizer states as registered,
+anything made in forward as "Activation", in backward as "Temp", a parameter's `.grad`
+as "Gradient", in an optimizer step as "Optstate". The gradient buffer is not any
+parameter's `.grad` (the parameters are bf16, the buffer fp32), so it is registered with
+`track_external`, which files it as "Other": `MEASURED_CATEGORIES` reads "Other" as
+gradients, since the buffer is the one tensor registered that way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memcalc.config.schema import ModelConfig
+from memcalc.errors import ConfigError
+from memcalc.model import ledger
+from memcalc.model.evaluate import check_strategy
+from memcalc.model.knobs import Accounting
+from memcalc.model.strategy import STRATEGIES, Strategy
+from memcalc.probe import require_torch
+from memcalc.probe.group import TensorParallelGroup
+from memcalc.probe.launch import Mode, run
+from memcalc.probe.layer import DTYPES, TransformerLayer
+from memcalc.probe.linear import ColumnParallelLinear
+from memcalc.probe.mappings import f_star_leave_tp, split_seq
+from memcalc.probe.norm import Norm
+from memcalc.probe.recorder import batch_first, label
+from memcalc.sizing.timeline import CATEGORIES, Timeline, timeline
+
+torch = require_torch()
+import torch.distributed as dist  # noqa: E402  (after the install check above)
+from torch import nn  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
+
+BATCH_SEED = 4321
+WEIGHT_SEED = 7  # the embedding table's; the layers' linears seed themselves
+
+# MemTracker's categories (its _MemRefType values) as the timeline's (memcalc.sizing.timeline.CATEGORIES).
+MEASURED_CATEGORIES = {
+    "Parameter": "parameters",
+    "Buffer": "parameters",
+    "Gradient": "gradients",
+    "Other": "gradients",  # the fp32 main_grad buffer, the one tensor registered with track_external
+    "Optstate": "optimizer states",
+    "Activation": "activations",
+    "Temp": "temporaries",
+}
+
+
+# -- the model's two ends ---------------------------------------------------------
+
+
+class Embedding(nn.Module):
+    """Megatron's LanguageModelEmbedding: vocabulary-parallel word embedding, learned positions, dropout.
+
+    (b, s) token ids -> (s, b, h), or this rank's sequence shard (s/t, b, h) under SP.
+    Each rank holds ceil(v/t) rows of the table; ids outside its rows look up row 0 and
+    are zeroed, and f* (or, under SP, the split after it) sums the ranks' rows.
+    """
+
+    def __init__(self, config: ModelConfig, tp: TensorParallelGroup, sequence_parallel: bool) -> None:
+        super().__init__()
+        dtype = DTYPES[config.dtype]
+        self.tp, self.sequence_parallel, self.dropout = tp, sequence_parallel, config.dropout
+        self.rows = -(-config.vocab_size // tp.size)  # the vocabulary padded up to a multiple of t
+        generator = torch.Generator().manual_seed(WEIGHT_SEED)
+        full = torch.randn(self.rows * tp.size, config.h, generator=generator) * 0.02
+        self.word = nn.Parameter(tp.block(full, 0, "padded vocabulary").to(dtype=dtype, device=tp.device))
+        self.position = None
+        if config.position_embedding_type == "learned_absolute":
+            table = torch.randn(config.positions, config.h, generator=generator) * 0.02
+            self.position = nn.Parameter(table.to(dtype=dtype, device=tp.device))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        words = self._words(tokens)  # (b, s, h), summed over the ranks
+        if self.position is not None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)  # (s,)
+            words = words + F.embedding(positions, self.position)  # keeps the position ids
+        x = words.transpose(0, 1).contiguous()  # (s, b, h)
+        if self.sequence_parallel:
+            x = split_seq(x, self.tp)  # (s/t, b, h)
+        if self.dropout > 0:
+            x, keep = torch.native_dropout(x, self.dropout, True)
+            label(batch_first(keep), ledger.EMBEDDING_DROPOUT_MASK)
+        return x
+
+    def _words(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Megatron's VocabParallelEmbedding: this rank's rows, then f* (all-reduce) when t > 1."""
+        if self.tp.size == 1:
+            label(tokens, ledger.EMBEDDING_INPUT_IDS)
+            return F.embedding(tokens, self.word)  # keeps the token ids
+        start = self.tp.rank * self.rows
+        outside = (tokens < start) | (tokens >= start + self.rows)  # (b, s) bool
+        ids = tokens - start
+        ids[outside] = 0
+        label(ids, ledger.EMBEDDING_INPUT_IDS)
+        words = F.embedding(ids, self.word).masked_fill(outside.unsqueeze(-1), 0.0)  # keeps ids and the mask
+        return f_star_leave_tp(words, self.tp)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Megatron's vocabulary-parallel cross-entropy (core/tensor_parallel/cross_entropy.py), op for op.
+
+    forward: logits (s, b, v/t) -> per-token loss (s, b), in fp32; keeps the fp32 softmax
+             (the logits' fp32 copy, turned into exp and normalised in place), which targets
+             fall outside this rank's rows (bool) and the targets as row indices (int64)
+    backward: the softmax less one at each target, in place, times the loss's gradient
+    """
+
+    @staticmethod
+    def forward(ctx, logits, target, tp):
+        logits = logits.float()  # (s, b, v/t) fp32: the one big tensor the loss keeps
+        logits_max = torch.max(logits, dim=-1)[0]
+        _all_reduce(logits_max, tp, dist.ReduceOp.MAX)
+        rows = logits.shape[-1]
+        start = tp.rank * rows
+        logits -= logits_max.unsqueeze(-1)
+        target_mask = (target < start) | (target >= start + rows)
+        masked_target = target.clone() - start
+        masked_target[target_mask] = 0
+        logits_2d = logits.view(-1, rows)
+        masked_target_1d = masked_target.view(-1)
+        arange_1d = torch.arange(logits_2d.shape[0], device=logits.device)
+        predicted = logits_2d[arange_1d, masked_target_1d].clone().view_as(target)
+        predicted[target_mask] = 0.0
+        _all_reduce(predicted, tp, dist.ReduceOp.SUM)
+        exp_logits = torch.exp(logits, out=logits)
+        sum_exp = exp_logits.sum(dim=-1)
+        _all_reduce(sum_exp, tp, dist.ReduceOp.SUM)
+        loss = torch.log(sum_exp) - predicted
+        exp_logits.div_(sum_exp.unsqueeze(-1))
+        label(batch_first(exp_logits), ledger.LOSS_LOGITS)
+        ctx.save_for_backward(exp_logits, target_mask, masked_target_1d)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, target_mask, masked_target_1d = ctx.saved_tensors
+        grad_2d = softmax.view(-1, softmax.shape[-1])
+        arange_1d = torch.arange(grad_2d.shape[0], device=grad_2d.device)
+        grad_2d[arange_1d, masked_target_1d] -= 1.0 - target_mask.view(-1).float()
+        softmax.mul_(grad_loss.unsqueeze(-1))
+        return softmax, None, None  # autograd casts it to the logits' dtype
+
+
+def _all_reduce(x: torch.Tensor, tp: TensorParallelGroup, op: dist.ReduceOp) -> None:
+    if tp.size > 1:
+        dist.all_reduce(x, op=op, group=tp.group)
+
+
+class CrossEntropy(nn.Module):
+    """The mean over tokens of the vocabulary-parallel cross-entropy (no loss mask)."""
+
+    def __init__(self, tp: TensorParallelGroup) -> None:
+        super().__init__()
+        self.tp = tp
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        target = labels.transpose(0, 1).contiguous()  # (b, s) -> (s, b), as the logits
+        losses = _VocabParallelCrossEntropy.apply(logits, target, self.tp)  # (s, b) fp32
+        return losses.transpose(0, 1).contiguous().mean()
+
+
+class GPT(nn.Module):
+    """Embedding, L layers, final norm, output layer and loss on one tensor-parallel rank."""
+
+    def __init__(self, config: ModelConfig, tp: TensorParallelGroup, strategy: Strategy) -> None:
+        super().__init__()
+        sp = strategy.sequence_parallel and tp.size > 1
+        dtype = DTYPES[config.dtype]
+        self.embedding = Embedding(config, tp, sp)
+        self.layers = nn.ModuleList(TransformerLayer(config, tp, sp) for _ in range(config.L))
+        self.final_norm = Norm(config.norm, config.h, ledger.FINAL_NORM, dtype, tp.device)
+        for param in self.final_norm.parameters():
+            param.sequence_parallel = sp
+        padded = self.embedding.rows * tp.size
+        self.output_layer = ColumnParallelLinear(
+            config.h, padded, tp, sp, bias=False, dtype=dtype, device=tp.device, seed=WEIGHT_SEED + 1,
+        )
+        if config.tie_embeddings:
+            self.output_layer.weight = self.embedding.word  # one parameter, two uses (pp = 1)
+        self.loss = CrossEntropy(tp)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.embedding(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        x = self.final_norm(x)
+        label(batch_first(x), ledger.OUTPUT_INPUT)
+        return self.loss(self.output_layer(x), labels)
+
+
+# -- mixed precision: the fp32 gradient buffer and the optimizer ------------------
+
+
+class MainGrads:
+    """Megatron's contiguous fp32 gradient buffer: one view (`param.main_grad`) per parameter.
+
+    Allocated once, before any step. A hook on each parameter's gradient accumulator
+    adds the bf16 gradient into the buffer and drops it, so a weight's bf16 gradient
+    lives only from the moment autograd finishes it until its addition.
+    """
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.params = params
+        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32, device=params[0].device)
+        self.views = []
+        offset = 0
+        for p in params:
+            p.main_grad = self.buffer[offset:offset + p.numel()].view_as(p)
+            self.views.append(p.main_grad)
+            offset += p.numel()
+        # The accumulators must outlive this call: autograd holds them only weakly (as Megatron keeps grad_accs).
+        self._accumulators = []
+        for p in params:
+            accumulator = p.expand_as(p).grad_fn.next_functions[0][0]
+            accumulator.register_hook(_add_into_main_grad(p))
+            self._accumulators.append(accumulator)
+
+    def zero(self) -> None:
+        self.buffer.zero_()
+
+
+def _add_into_main_grad(param: nn.Parameter):
+    def hook(*_unused):
+        if param.grad is not None:
+            param.main_grad.add_(param.grad)
+            param.grad = None
+
+    return hook
+
+
+class MixedPrecisionAdamW(torch.optim.Optimizer):
+    """AdamW on fp32 master weights for bf16 parameters, as Megatron's Float16Optimizer keeps them.
+
+    The master weights are one flat fp32 buffer; each parameter's state holds its view
+    (`main_param`), so MemTracker files them with the optimizer's states. The flat buffer's
+    `.grad` is the gradient buffer itself, as Megatron sets `main_param.grad = main_grad`.
+    """
+
+    def __init__(self, params: list[nn.Parameter], main_grads: MainGrads, lr: float = 1e-4) -> None:
+        super().__init__(params, {})
+        with torch.no_grad():
+            self.main_params = torch.cat([p.detach().float().reshape(-1) for p in params])
+        self.main_params.grad = main_grads.buffer
+        offset = 0
+        for p in params:
+            self.state[p]["main_param"] = self.main_params[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+        self.adamw = torch.optim.AdamW([self.main_params], lr=lr, fused=True)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.adamw.step()
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.copy_(self.state[p]["main_param"])
+
+
+# -- one measured step ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepMeasurement:
+    """MemTracker's readings of one step on one rank, in bytes per timeline category."""
+
+    strategy: str
+    t: int
+    group: str
+    steady: dict[str, int]  # at the step's start: model states only
+    peak: dict[str, int]  # at the peak
+    peak_bytes: int
+    moment: str  # "forward <module>", "backward <module>" or "optimizer step": where the peak was reached
+
+
+def batch(config: ModelConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and labels (b, s), drawn from the whole vocabulary, the same on every rank."""
+    generator = torch.Generator().manual_seed(BATCH_SEED)
+    tokens = torch.randint(config.vocab_size, (config.b, config.s), generator=generator)
+    labels = torch.randint(config.vocab_size, (config.b, config.s), generator=generator)
+    return tokens.to(device), labels.to(device)
+
+
+def train_step(model: GPT, optimizer: MixedPrecisionAdamW, main_grads: MainGrads, config: ModelConfig) -> None:
+    """Zero the gradient buffer, load a batch, forward, backward, step."""
+    main_grads.zero()
+    tokens, labels = batch(config, main_grads.buffer.device)
+    loss = model(tokens, labels)
+    loss.backward()
+    optimizer.step()
+
+
+def measure_step_on_rank(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy) -> StepMeasurement:
+    """Build the model on this rank, run a warm-up step, then measure one step under MemTracker."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    torch.manual_seed(BATCH_SEED + tp.rank)  # dropout masks
+    model = GPT(config, tp, strategy)
+    params = list(model.parameters())
+    main_grads = MainGrads(params)
+    optimizer = MixedPrecisionAdamW(params, main_grads)
+    train_step(model, optimizer, main_grads, config)  # Adam's moments exist from the first step on
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer, optimizer.adamw)
+    tracker.track_external(main_grads.buffer)  # filed as "Other": see MEASURED_CATEGORIES
+    steady = _categories(tracker.get_tracker_snapshot("current"))
+    with tracker:
+        train_step(model, optimizer, main_grads, config)
+    snapshot = tracker.get_tracker_snapshot("peak")
+    peak = _categories(snapshot)
+    total = sum(peak.values())
+    return StepMeasurement(strategy.name, tp.size, tp.mode, steady, peak, total, _peak_moment(tracker, total))
+
+
+def _categories(snapshot: dict) -> dict[str, int]:
+    """A MemTracker snapshot of this rank's one device as bytes per timeline category."""
+    out: dict[str, int] = {}
+    for device_snapshot in snapshot.values():
+        for key, nbytes in device_snapshot.items():
+            name = getattr(key, "value", key)
+            if name in MEASURED_CATEGORIES:
+                category = MEASURED_CATEGORIES[name]
+                out[category] = out.get(category, 0) + nbytes
+    return out
+
+
+def _peak_moment(tracker, total: int) -> str:
+    """Where MemTracker saw the peak: the innermost module whose own peak snapshot is the step's peak.
+
+    Each module keeps a snapshot of its highest total while it was active, in forward
+    ("Peak-Forward") and in backward ("Peak-Backward"); the module that reached the step's
+    peak and has no active child that did is where it happened. None did: the optimizer step.
+    """
+    found = []
+    for stats in tracker.memory_tracking.values():
+        for state, snapshots in stats.snapshots.items():
+            phase = {"Peak-Forward": "forward", "Peak-Backward": "backward"}.get(getattr(state, "value", state))
+            if phase and any(_total(s) == total for s in snapshots):
+                found.append((stats.mod_fqn.count("."), phase, stats.mod_fqn.partition(".")[2]))
+    if not found:
+        return "optimizer"
+    _, phase, where = max(found)
+    return f"{phase} {where}".strip()
+
+
+def _total(snapshot: dict) -> int:
+    return sum(s.get("Total", 0) for s in snapshot.values())
+
+
+# -- prediction next to measurement -------------------------------------------------
+
+TOLERANCE = 0.01  # issue 8's bound: the peak and each of its categories within 1% of what MemTracker measured
+
+
+@dataclass(frozen=True)
+class CategoryRow:
+    """One category (or the total, as "total") at the peak: the timeline's bytes next to MemTracker's."""
+
+    category: str
+    predicted: int
+    measured: int
+
+    @property
+    def difference(self) -> int:
+        return self.predicted - self.measured
+
+    @property
+    def within(self) -> bool:
+        """Within TOLERANCE of the measured bytes (a category measured at 0 must be predicted at 0)."""
+        return abs(self.difference) <= TOLERANCE * self.measured
+
+
+@dataclass(frozen=True)
+class StepComparison:
+    """One strategy's step: how it ran, the timeline, and MemTracker's readings."""
+
+    strategy: Strategy
+    launch: Mode
+    predicted: Timeline
+    measured: StepMeasurement
+
+    @property
+    def predicted_moment(self) -> str:
+        peak = self.predicted.peak
+        return f"{peak.phase} {peak.where}".strip()
+
+    @property
+    def moment_matches(self) -> bool:
+        return self.predicted_moment == self.measured.moment
+
+    def rows(self, at: str = "peak") -> tuple[CategoryRow, ...]:
+        """Each category and the total, at the peak ("peak") or before the step ("steady")."""
+        moment = self.predicted.peak if at == "peak" else self.predicted.steady
+        measured = self.measured.peak if at == "peak" else self.measured.steady
+        predicted = moment.by_category()
+        rows = [CategoryRow(c, predicted[c], measured.get(c, 0)) for c in CATEGORIES]
+        return (*rows, CategoryRow("total", sum(predicted.values()), sum(measured.values())))
+
+    @property
+    def matches(self) -> bool:
+        return all(row.within for row in (*self.rows("peak"), *self.rows("steady")))
+
+    def differences(self) -> list[str]:
+        """Each category beyond TOLERANCE, in words."""
+        return [
+            f"{at} {row.category} predicted {row.predicted:,} B, measured {row.measured:,} B"
+            f" ({row.difference:+,} B)"
+            for at in ("peak", "steady") for row in self.rows(at) if not row.within
+        ]
+
+    def how(self) -> str:
+        if self.launch is Mode.FAKE:
+            return f"one process as rank 0 of t={self.measured.t} through torch's fake process group on cpu"
+        return "one process (t=1) on cpu"
+
+
+def measure_step(config: ModelConfig, strategies: list[str]) -> list[StepComparison]:
+    """Predict and measure one training step per strategy, on the CPU: one process, or rank 0 of t (fake group).
+
+    Every strategy's timeline is made before any step runs, so an unmodelled knob is named at once.
+    """
+    if config.impl != "megatron":
+        raise ConfigError(f"--step runs memcalc's own Megatron-style model; with --impl {config.impl} it cannot")
+    accounting = Accounting(exact=True, device="cpu")
+    planned = [(STRATEGIES[name], timeline(config, check_strategy(config, STRATEGIES[name]), accounting))
+               for name in strategies]
+    out = []
+    for strategy, predicted in planned:
+        mode = Mode.FAKE if strategy.tensor_parallel and config.t > 1 else Mode.SINGLE
+        t = config.t if mode is Mode.FAKE else 1
+        (measured,) = run(measure_step_on_rank, (config, strategy), mode=mode, t=t)
+        out.append(StepComparison(strategy, mode, predicted, measured))
+    return out
