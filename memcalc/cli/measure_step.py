@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # torch: only when the command runs
 
     from memcalc.probe.step import StepComparison
 
-TOP_TERMS = 6  # the largest tensors live at the predicted peak, shown under each table
+TOP_TERMS = 6  # the largest activations and temporaries live at the predicted peak, shown under each table
 
 
 def run_step(
@@ -27,7 +27,6 @@ def run_step(
 ) -> None:
     """Measure one step per strategy and print it; ProbeError (exit 1) beyond the tolerance."""
     _check_flags(device, launch, backend, layer, comm, overlap)
-    _check_fits(config, strategies)
     from memcalc.probe.step import TOLERANCE, measure_step  # needs torch: a one-line ProbeError without it
 
     results = measure_step(config, strategies)
@@ -55,24 +54,6 @@ def _check_flags(device: str, launch: str, backend: str | None, layer: str | Non
             f"--step runs memcalc's own model in this process (rank 0 of t through torch's fake group);"
             f" {', '.join(given)} does not apply to it"
         )
-
-
-def _check_fits(config: ModelConfig, strategies: list[str]) -> None:
-    """Refuse a step whose predicted peak (warm-up and measured step alike) exceeds this machine's memory."""
-    from memcalc.model.knobs import Accounting
-    from memcalc.model.strategy import STRATEGIES
-    from memcalc.probe.footprint import available
-    from memcalc.sizing.timeline import timeline
-    from memcalc.units import human_bytes
-
-    have, what = available("cpu")
-    for name in strategies:
-        need = timeline(config, STRATEGIES[name], Accounting(exact=True, device="cpu")).peak.bytes
-        if have is not None and need > have:
-            raise ConfigError(
-                f"measure --step {name} would peak at {need:,} bytes ({human_bytes(need)}, the timeline's"
-                f" prediction), but {what} is {have:,} bytes ({human_bytes(have)}); choose smaller sizes"
-            )
 
 
 def to_json(config: ModelConfig, results: list[StepComparison]) -> dict[str, Any]:
@@ -107,6 +88,7 @@ def _strategy_json(r: StepComparison) -> dict[str, Any]:
 def print_steps(config: ModelConfig, results: list[StepComparison], tolerance: float) -> None:
     """Per strategy: the peak by category, the moment, the steady state, the largest tensors live at the peak."""
     from memcalc.cli.render import console, describe
+    from memcalc.sizing.timeline import ACTIVATIONS, TEMPORARIES
     from memcalc.text import for_rich
     from memcalc.units import human_bytes
 
@@ -126,8 +108,9 @@ def print_steps(config: ModelConfig, results: list[StepComparison], tolerance: f
             f"steady state before the step: predicted {steady.predicted:,}, measured {steady.measured:,}"
             f" ({human_bytes(steady.measured)})", highlight=False,
         )
-        largest = sorted(peak.live, key=lambda x: -x.bytes)[:TOP_TERMS]
-        console.print("largest live at the peak: " + ", ".join(
+        transient = [x for x in peak.live if x.category in (ACTIVATIONS, TEMPORARIES)]
+        largest = sorted(transient, key=lambda x: -x.bytes)[:TOP_TERMS]
+        console.print("largest activations and temporaries at the peak: " + ", ".join(
             f"{for_rich(x.name)} {human_bytes(x.bytes)}" for x in largest), highlight=False)
         console.print(f"ran as: memcalc's own GPT, {r.how()}", highlight=False)
         verdict = (f"[green]match[/green]: the peak and every category within {tolerance:.0%}" if r.matches

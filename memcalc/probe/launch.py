@@ -124,8 +124,7 @@ def run_fake(fn: RankFn, args: Sequence[Any], t: int, device: str = "cpu", rank:
             f"mode fake needs a process without a process group, but this one already belongs to one "
             f"(backend {dist.get_backend()}, world size {dist.get_world_size()})"
         )
-    # one fake backend per device kind: point-to-point calls look the backend up by the tensor's device
-    with _joined("cpu:fake,cuda:fake,meta:fake", rank, t, torch.device(device), mode="fake", store=FakeStore()) as tp:
+    with _joined("fake", rank, t, torch.device(device), store=FakeStore()) as tp:
         return fn(tp, *args)
 
 
@@ -427,12 +426,12 @@ def _stop(workers: list, grace_s: float) -> None:
 
 @contextmanager
 def _joined(
-    backend: str, rank: int, t: int, device: torch.device, mode: str | None = None, **init: Any
+    backend: str, rank: int, t: int, device: torch.device, **init: Any
 ) -> Iterator[TensorParallelGroup]:
-    """Membership of a t-rank default process group for the duration of the block (mode: the backend's name)."""
+    """Membership of a t-rank default process group for the duration of the block."""
     dist.init_process_group(backend, rank=rank, world_size=t, **init)
     try:
-        yield TensorParallelGroup(dist.group.WORLD, rank, t, mode or backend, device)
+        yield TensorParallelGroup(dist.group.WORLD, rank, t, backend, device)
     finally:
         dist.destroy_process_group()
 

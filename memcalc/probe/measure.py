@@ -355,6 +355,12 @@ def measure(
         runner(config.impl)  # a missing library is named before any rank starts
     if overlap and (layer != "memcalc" or "tp-sp" not in strategies):
         raise ConfigError("--overlap runs in memcalc's own layer under tp-sp: add --layer memcalc --strategy tp-sp")
+    rings = sorted(m.value for m in overlap.methods if m.value.startswith("ring"))
+    if device == "meta" and rings:
+        raise ConfigError(
+            f"--overlap {','.join(rings)} on meta: torch's fake group has no point-to-point backend for meta"
+            " tensors; run the rings with --device cpu (pipelined-rs runs on meta)"
+        )
     plans = {name: _plan(config, STRATEGIES[name], device, backend, launch) for name in strategies}
     by_launch: dict[Launch, list[str]] = defaultdict(list)
     for name, plan in plans.items():

@@ -2,12 +2,13 @@
 
 The model is built from the probe's pieces, as Megatron-LM's GPTModel lays them out:
 
-    tokens (b, s) -> vocabulary-parallel embedding + learned positions -> dropout   (s, b, h) [SP: (s/t, b, h)]
+    tokens (b, s) -> vocabulary-parallel embedding (+ learned positions) -> dropout   (s, b, h) [SP: (s/t, b, h)]
       -> L x TransformerLayer (memcalc.probe.layer)
-      -> final norm -> output layer (column-parallel over the vocabulary, tied to the embedding)
-      -> vocabulary-parallel cross-entropy in fp32 -> mean over tokens
+      -> final norm -> output layer (column-parallel over the vocabulary; tied to the embedding unless the
+         config unties it)
+      -> Megatron's vocabulary-parallel cross-entropy in fp32 -> mean over tokens (no loss mask)
 
-and trained as Megatron-LM trains it in mixed precision without data parallelism:
+and trained as Megatron-LM trains it in mixed precision, on one data-parallel rank:
 
 - the bf16 weights are the module's parameters;
 - a contiguous fp32 gradient buffer (Megatron's `main_grad`, allocated up front) holds
@@ -18,16 +19,19 @@ and trained as Megatron-LM trains it in mixed precision without data parallelism
 - `MixedPrecisionAdamW` keeps the fp32 master weights as one flat buffer (one view per
   parameter) whose `.grad` is the gradient buffer, runs `torch.optim.AdamW` over it
   (fused: one kernel, as Megatron's FusedAdam, no per-tensor temporaries), and copies the
-  master weights back into the bf16 parameters.
+  master weights back into the bf16 parameters. No gradient clipping.
 
-`run_step` runs one warm-up step (Adam's moments exist from the first step on), then the
-measured step inside a `torch.distributed._tools.mem_tracker.MemTracker`. MemTracker
-files each storage by when it was made: parameters and optimizer states as registered,
-anything made in forward as "Activation", in backward as "Temp", a parameter's `.grad`
-as "Gradient", in an optimizer step as "Optstate". The gradient buffer is not any
-parameter's `.grad` (the parameters are bf16, the buffer fp32), so it is registered with
-`track_external`, which files it as "Other": `MEASURED_CATEGORIES` reads "Other" as
-gradients, since the buffer is the one tensor registered that way.
+`measure_step_on_rank` runs one warm-up step (Adam's moments exist from the first step on),
+then the measured step inside a `torch.distributed._tools.mem_tracker.MemTracker`, on the
+CPU, in this process: t = 1, or rank 0 of t through torch's fake process group.
+MemTracker files each storage by when it was made: parameters and optimizer states as
+registered, anything made in forward as "Activation", in backward as "Temp", a
+parameter's `.grad` as "Gradient", in an optimizer step as "Optstate". The gradient
+buffer is not any parameter's `.grad` (the parameters are bf16, the buffer fp32), so it is
+registered with `track_external`, which files it as "Other": `MEASURED_CATEGORIES` reads
+"Other" as gradients, since the buffer is the one tensor registered that way. The moment
+of the peak is read from MemTracker's per-module peak snapshots (`_peak_moment`).
+`measure_step` puts each reading next to the step timeline (memcalc.sizing.timeline).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from memcalc.model.evaluate import check_strategy
 from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import STRATEGIES, Strategy
 from memcalc.probe import require_torch
+from memcalc.probe.footprint import available
 from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.launch import Mode, run
 from memcalc.probe.layer import DTYPES, TransformerLayer
@@ -48,7 +53,10 @@ from memcalc.probe.linear import ColumnParallelLinear
 from memcalc.probe.mappings import f_star_leave_tp, split_seq
 from memcalc.probe.norm import Norm
 from memcalc.probe.recorder import batch_first, label
-from memcalc.sizing.timeline import CATEGORIES, Timeline, timeline
+from memcalc.sizing.timeline import (
+    ACTIVATIONS, CATEGORIES, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, Timeline, timeline,
+)
+from memcalc.units import human_bytes
 
 torch = require_torch()
 import torch.distributed as dist  # noqa: E402  (after the install check above)
@@ -58,15 +66,15 @@ from torch.nn import functional as F  # noqa: E402
 BATCH_SEED = 4321
 WEIGHT_SEED = 7  # the embedding table's; the layers' linears seed themselves
 
-# MemTracker's categories (its _MemRefType values) as the timeline's (memcalc.sizing.timeline.CATEGORIES).
+# MemTracker's categories (its _MemRefType values) as the timeline's.
 MEASURED_CATEGORIES = {
-    "Parameter": "parameters",
-    "Buffer": "parameters",
-    "Gradient": "gradients",
-    "Other": "gradients",  # the fp32 main_grad buffer, the one tensor registered with track_external
-    "Optstate": "optimizer states",
-    "Activation": "activations",
-    "Temp": "temporaries",
+    "Parameter": PARAMETERS,
+    "Buffer": PARAMETERS,
+    "Gradient": GRADIENTS,
+    "Other": GRADIENTS,  # the fp32 main_grad buffer, the one tensor registered with track_external
+    "Optstate": OPTIMIZER,
+    "Activation": ACTIVATIONS,
+    "Temp": TEMPORARIES,
 }
 
 
@@ -88,7 +96,8 @@ class Embedding(nn.Module):
         self.rows = -(-config.vocab_size // tp.size)  # the vocabulary padded up to a multiple of t
         generator = torch.Generator().manual_seed(WEIGHT_SEED)
         full = torch.randn(self.rows * tp.size, config.h, generator=generator) * 0.02
-        self.word = nn.Parameter(tp.block(full, 0, "padded vocabulary").to(dtype=dtype, device=tp.device))
+        # copied: a view would keep the whole table's storage behind this rank's rows (fp32 `to` is a no-op)
+        self.word = nn.Parameter(tp.block(full, 0, "padded vocabulary").to(dtype=dtype, device=tp.device, copy=True))
         self.position = None
         if config.position_embedding_type == "learned_absolute":
             table = torch.randn(config.positions, config.h, generator=generator) * 0.02
@@ -225,13 +234,10 @@ class MainGrads:
     """
 
     def __init__(self, params: list[nn.Parameter]) -> None:
-        self.params = params
         self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32, device=params[0].device)
-        self.views = []
         offset = 0
         for p in params:
             p.main_grad = self.buffer[offset:offset + p.numel()].view_as(p)
-            self.views.append(p.main_grad)
             offset += p.numel()
         # The accumulators must outlive this call: autograd holds them only weakly (as Megatron keeps grad_accs).
         self._accumulators = []
@@ -245,6 +251,8 @@ class MainGrads:
 
 
 def _add_into_main_grad(param: nn.Parameter):
+    """Megatron's backward post-hook: main_grad += grad, then the bf16 gradient is dropped."""
+
     def hook(*_unused):
         if param.grad is not None:
             param.main_grad.add_(param.grad)
@@ -293,7 +301,7 @@ class StepMeasurement:
     steady: dict[str, int]  # at the step's start: model states only
     peak: dict[str, int]  # at the peak
     peak_bytes: int
-    moment: str  # "forward <module>", "backward <module>" or "optimizer step": where the peak was reached
+    moment: str  # "forward <module>", "backward <module>" or "optimizer": where the peak was reached
 
 
 def batch(config: ModelConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -313,29 +321,52 @@ def train_step(model: GPT, optimizer: MixedPrecisionAdamW, main_grads: MainGrads
     optimizer.step()
 
 
+@dataclass(frozen=True)
+class Trainer:
+    """The model on one rank with its gradient buffer and optimizer, after a warm-up step."""
+
+    config: ModelConfig
+    model: GPT
+    main_grads: MainGrads
+    optimizer: MixedPrecisionAdamW
+
+    @classmethod
+    def warmed_up(cls, tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy) -> Trainer:
+        """Built and stepped once: Adam's moments exist from the first step on, so the next step is a steady one."""
+        torch.manual_seed(BATCH_SEED + tp.rank)  # dropout masks
+        model = GPT(config, tp, strategy)
+        params = list(model.parameters())
+        main_grads = MainGrads(params)
+        trainer = cls(config, model, main_grads, MixedPrecisionAdamW(params, main_grads))
+        trainer.step()
+        return trainer
+
+    def register(self, tracker) -> None:
+        """Show the tracker what exists before the step: weights, optimizer states, the gradient buffer."""
+        tracker.track_external(self.model, self.optimizer, self.optimizer.adamw)
+        tracker.track_external(self.main_grads.buffer)  # filed as "Other": see MEASURED_CATEGORIES
+
+    def step(self) -> None:
+        train_step(self.model, self.optimizer, self.main_grads, self.config)
+
+
 def measure_step_on_rank(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy) -> StepMeasurement:
     """Build the model on this rank, run a warm-up step, then measure one step under MemTracker."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    torch.manual_seed(BATCH_SEED + tp.rank)  # dropout masks
-    model = GPT(config, tp, strategy)
-    params = list(model.parameters())
-    main_grads = MainGrads(params)
-    optimizer = MixedPrecisionAdamW(params, main_grads)
-    train_step(model, optimizer, main_grads, config)  # Adam's moments exist from the first step on
+    trainer = Trainer.warmed_up(tp, config, strategy)
     tracker = MemTracker()
-    tracker.track_external(model, optimizer, optimizer.adamw)
-    tracker.track_external(main_grads.buffer)  # filed as "Other": see MEASURED_CATEGORIES
-    steady = _categories(tracker.get_tracker_snapshot("current"))
+    trainer.register(tracker)
+    steady = categories(tracker.get_tracker_snapshot("current"))
     with tracker:
-        train_step(model, optimizer, main_grads, config)
+        trainer.step()
     snapshot = tracker.get_tracker_snapshot("peak")
-    peak = _categories(snapshot)
+    peak = categories(snapshot)
     total = sum(peak.values())
     return StepMeasurement(strategy.name, tp.size, tp.mode, steady, peak, total, _peak_moment(tracker, total))
 
 
-def _categories(snapshot: dict) -> dict[str, int]:
+def categories(snapshot: dict) -> dict[str, int]:
     """A MemTracker snapshot of this rank's one device as bytes per timeline category."""
     out: dict[str, int] = {}
     for device_snapshot in snapshot.values():
@@ -447,6 +478,7 @@ def measure_step(config: ModelConfig, strategies: list[str]) -> list[StepCompari
     accounting = Accounting(exact=True, device="cpu")
     planned = [(STRATEGIES[name], timeline(config, check_strategy(config, STRATEGIES[name]), accounting))
                for name in strategies]
+    _check_fits(planned)
     out = []
     for strategy, predicted in planned:
         mode = Mode.FAKE if strategy.tensor_parallel and config.t > 1 else Mode.SINGLE
@@ -454,3 +486,15 @@ def measure_step(config: ModelConfig, strategies: list[str]) -> list[StepCompari
         (measured,) = run(measure_step_on_rank, (config, strategy), mode=mode, t=t)
         out.append(StepComparison(strategy, mode, predicted, measured))
     return out
+
+
+def _check_fits(planned: list[tuple[Strategy, Timeline]]) -> None:
+    """Refuse, in one line, a step whose predicted peak exceeds this machine's memory (warm-up and step alike)."""
+    have, what = available("cpu")
+    for strategy, predicted in planned:
+        need = predicted.peak.bytes
+        if have is not None and need > have:
+            raise ConfigError(
+                f"measure --step {strategy.name} would peak at {need:,} bytes ({human_bytes(need)}, the timeline's"
+                f" prediction), but {what} is {have:,} bytes ({human_bytes(have)}); choose smaller sizes"
+            )

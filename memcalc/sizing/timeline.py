@@ -36,9 +36,10 @@ block up to 512 bytes (2 MiB segments for large ones) and fragments; cuBLAS keep
 workspace per stream; NCCL keeps its buffers. None of those is a tensor, and none is here.
 
 Modelled so far: pp = 1 and cp = 1 (none, tp, tp-sp at any t), the Megatron
-implementation's layer with GELU, eager attention with Megatron's fused softmax, LayerNorm,
-multi-head attention, no recomputation, dropout on or off, biases on or off. Everything
-else raises ConfigError naming what is missing. Within a layer's forward only the end of
+implementation's layer with GELU, eager multi-head attention (Megatron's fused softmax, or
+its fp32 torch softmax outside the kernel's sizes), LayerNorm, no recomputation, dropout
+and biases on or off, tied or untied embeddings, learned or no position table, bf16 or
+fp16. Everything else raises ConfigError naming what is missing. Within a layer's forward only the end of
 each block is a moment: a forward op's transients are smaller than the gradients the same
 op makes in backward, when the same saved tensors are live.
 """
@@ -46,6 +47,7 @@ op makes in backward, when the same saved tensors are live.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Callable
 
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError
@@ -236,7 +238,7 @@ def timeline(config: ModelConfig, strategy: Strategy, accounting: Accounting = A
     ends.forward_embedding(tape)
     saved = {x.tensor.name: x.bytes for x in layer.tensors}
     for i in range(config.L):
-        _layer_forward(tape, i, saved, z, config.L)
+        _layer_forward(tape, i, saved, z)
     ends.forward_output_and_loss(tape, config.L)
     ends.backward_loss_and_output(tape, config.L)
     for i in reversed(range(config.L)):
@@ -257,6 +259,7 @@ def _check_modelled(config: ModelConfig, strategy: Strategy, names: tuple[str, .
         (config.attention != "eager", f"attention {config.attention}"),
         (config.norm != "layernorm", f"norm {config.norm}"),
         (config.groups != config.a, "grouped-query attention"),
+        (config.dtype == "fp32", "dtype fp32 (Megatron trains fp32 without master weights)"),
     ]
     unknown = [n for n in names if n not in _LAYER_NAMES]
     if unknown:
@@ -342,7 +345,8 @@ class _Ends:
 
     def backward_loss_and_output(self, tape: _Tape, layers: int) -> None:
         z = self.z
-        tape.add("loss/grad seed", ACTIVATIONS, 4, "loss.backward() starts from a 0-d ones tensor, made before autograd runs")
+        tape.add("loss/grad seed", ACTIVATIONS, 4,
+                 "loss.backward() starts from a 0-d ones tensor, made before autograd runs")
         dlogits = z.act * z.s * z.b * z.v_t
         tape.add("grad/logits", TEMPORARIES, dlogits,
                  "the loss's fp32 gradient is the saved softmax, changed in place; autograd casts it to bf16")
@@ -388,7 +392,8 @@ class _Ends:
         if z.positions:
             tape.add("grad/positions (s, h)", TEMPORARIES, z.act * z.s * z.h,
                      "the positions were added to every sequence of the batch: their gradient is summed over b")
-            tape.add("grad/position table", TEMPORARIES, z.act * z.positions * z.h, "the position table's bf16 gradient")
+            tape.add("grad/position table", TEMPORARIES, z.act * z.positions * z.h,
+                     "the position table's bf16 gradient")
             tape.mark("backward", "embedding", "the position table's gradient")
             tape.drop(POSITION_IDS.name, "grad/positions (s, h)", "grad/position table")
         if not self.ids_are_tokens:
@@ -407,7 +412,8 @@ class _Ends:
             tape.add("grad/embedding (sum)", TEMPORARIES, z.act * z.v_t * z.h,
                      "autograd sums the tied weight's two gradients into a new tensor")
             tape.mark("backward", "embedding", "the tied weight's two gradients summed")
-        tape.drop("grad/embedding (output layer)", "grad/embedding (lookup)", "grad/embedding (sum)", "loss/grad seed")
+        tape.drop("grad/embedding (output layer)", "grad/embedding (lookup)", "grad/embedding (sum)")
+        tape.drop("loss/grad seed")  # backward is over
 
 
 # Megatron's cross-entropy at its widest (core/tensor_parallel/cross_entropy.py): per-token vectors beside the
@@ -426,7 +432,7 @@ LOSS_WORKING_SET: tuple[tuple[str, int, str], ...] = (
 # -- one transformer layer -----------------------------------------------------------------------------------
 
 
-def _layer_forward(tape: _Tape, i: int, saved: dict[str, int], z: _Sizes, layers: int) -> None:
+def _layer_forward(tape: _Tape, i: int, saved: dict[str, int], z: _Sizes) -> None:
     """The layer's saved tensors (all but its input, live already) as one term, and its output."""
     own = sum(n for name, n in saved.items() if name != ledger.LN1.input.name)
     tape.add(f"layers.{i}/saved", ACTIVATIONS, own, "what the layer keeps for backward (the ledger), but its input")
@@ -487,9 +493,13 @@ def _layer_backward(tape: _Tape, i: int, saved: dict[str, int], z: _Sizes, confi
 
 
 _WHY_SAVED = "kept for backward (the ledger); freed when the op that keeps it has run backward"
+_Release = Callable[..., None]  # frees this layer's saved tensors, given their ledger entries
 
 
-def _dropout_backward(tape, z, p, grad, mask, saved, release, what) -> str:
+def _dropout_backward(
+    tape: _Tape, z: _Sizes, p: str, grad: str, mask: SavedTensor, saved: dict[str, int], release: _Release,
+    what: str,
+) -> str:
     """dY times the mask, a new tensor beside dY (which the residual path still needs); none without dropout."""
     if mask.name not in saved:
         return grad
@@ -500,7 +510,9 @@ def _dropout_backward(tape, z, p, grad, mask, saved, release, what) -> str:
     return branch
 
 
-def _row_parallel_backward(tape, z, where, grad, keep, weight, dx_bytes, dx) -> None:
+def _row_parallel_backward(
+    tape: _Tape, z: _Sizes, where: str, grad: str, keep: str, weight: int, dx_bytes: int, dx: str,
+) -> None:
     """fc2 or the projection: under SP g* all-gathers dY first; then dW and dX beside dY.
 
     The bias's gradient (a sum over tokens) is made and added into the buffer before the GEMMs.
@@ -520,7 +532,9 @@ def _row_parallel_backward(tape, z, where, grad, keep, weight, dx_bytes, dx) -> 
         tape.drop(grad)
 
 
-def _column_parallel_backward(tape, z, where, grad, weight, bias, dx, saved_input) -> None:
+def _column_parallel_backward(
+    tape: _Tape, z: _Sizes, where: str, grad: str, weight: int, bias: int, dx: str, saved_input: str,
+) -> None:
     """QKV or fc1: dX, dW and the bias's gradient beside dY, then the saved input goes; under SP the input is
     all-gathered again and dX reduce-scattered; under TP without SP, f's backward all-reduces dX into a copy."""
     if z.sp:
@@ -536,7 +550,10 @@ def _column_parallel_backward(tape, z, where, grad, weight, bias, dx, saved_inpu
     _enter_tp_backward(tape, z, where, dx)
 
 
-def _gathered_linear_backward(tape, z, where, grad, weight_name, weight_bytes, weight_why, dx, bias=0) -> None:
+def _gathered_linear_backward(
+    tape: _Tape, z: _Sizes, where: str, grad: str, weight_name: str, weight_bytes: int, weight_why: str, dx: str,
+    bias: int = 0,
+) -> None:
     """A column-parallel GEMM under SP (memcalc.probe.linear._GatheredInputLinear): gather X again,
     dX as a partial (s, b, h) reduce-scattered to (s/t, b, h), then dW and the bias's gradient."""
     gathered = f"grad/{where} input gathered"
@@ -552,7 +569,7 @@ def _gathered_linear_backward(tape, z, where, grad, weight_name, weight_bytes, w
     tape.drop(gathered, grad, f"grad/{where} bias")
 
 
-def _enter_tp_backward(tape, z, where, dx) -> None:
+def _enter_tp_backward(tape: _Tape, z: _Sizes, where: str, dx: str) -> None:
     """f's backward under TP: all-reduce dX into a new tensor (the input of an autograd op is never changed)."""
     if z.t == 1:
         return
@@ -563,7 +580,9 @@ def _enter_tp_backward(tape, z, where, dx) -> None:
     tape.live[dx] = replace(tape.live.pop(reduced), name=dx)
 
 
-def _norm_backward(tape, z, where, grad, norm, p, dx) -> None:
+def _norm_backward(
+    tape: _Tape, z: _Sizes, where: str, grad: str, norm: ledger.NormTensors, p: str | None, dx: str,
+) -> None:
     """LayerNorm's backward: dX and the weight's and bias's gradients beside dY; then its saved tensors go."""
     tape.add(dx, TEMPORARIES, z.seq(z.h), "the norm's dX")
     tape.add(f"grad/{where} weight and bias", TEMPORARIES, 2 * z.act * z.h, "the norm's weight and bias gradients")
@@ -572,7 +591,7 @@ def _norm_backward(tape, z, where, grad, norm, p, dx) -> None:
     tape.drop(grad)
 
 
-def _residual_sum(tape, z, where, residual, branch, out) -> None:
+def _residual_sum(tape: _Tape, z: _Sizes, where: str, residual: str, branch: str, out: str) -> None:
     """The residual stream's two gradients summed into a new tensor, as soon as the branch's returns.
 
     Autograd does it inside the norm's backward window (MemTracker files it under the norm).
@@ -582,7 +601,9 @@ def _residual_sum(tape, z, where, residual, branch, out) -> None:
     tape.drop(residual, branch, f"grad/{where} weight and bias")
 
 
-def _core_attention_backward(tape, z, p, dcontext, saved, release) -> str:
+def _core_attention_backward(
+    tape: _Tape, z: _Sizes, p: str, dcontext: str, saved: dict[str, int], release: _Release,
+) -> str:
     """softmax(QK^T / sqrt(d)) V backward, op by op (memcalc.probe.attention.eager_core); returns dQKV's name."""
     where = f"{p}.attention"
     bass = z.act * z.b * z.a_t * z.s * z.s  # (b, a/t, s, s)
@@ -607,7 +628,7 @@ def _core_attention_backward(tape, z, p, dcontext, saved, release) -> str:
         weights = f"{g}/softmax output"
     fused = megatron.CAUSAL_MASK.name not in saved
     if not fused:
-        weights = _unfused_softmax_backward(tape, z, where, g, weights, saved, release)
+        _unfused_softmax_backward(tape, z, where, g, weights, saved, release)
     else:
         tape.add(f"{g}/scores", TEMPORARIES, bass, "softmax's backward: S' * (dY - sum(dY * S'))")
         tape.mark("backward", where, "softmax")
@@ -620,13 +641,16 @@ def _core_attention_backward(tape, z, p, dcontext, saved, release) -> str:
     release(ledger.Q, ledger.K)
     tape.drop(f"{g}/scores", f"{g}/k unscaled")
     dqkv = f"{g}/qkv output"
-    tape.add(dqkv, TEMPORARIES, z.full(z.qkv_t), "q, k and v were split from one QKV output: their gradients concatenated")
+    tape.add(dqkv, TEMPORARIES, z.full(z.qkv_t),
+             "q, k and v were split from one QKV output: their gradients concatenated")
     tape.mark("backward", where, "dQ, dK, dV concatenated into the QKV output's gradient")
     tape.drop(f"{g}/q", f"{g}/k", f"{g}/v")
     return dqkv
 
 
-def _unfused_softmax_backward(tape, z, where, g, grad, saved, release) -> None:
+def _unfused_softmax_backward(
+    tape: _Tape, z: _Sizes, where: str, g: str, grad: str, saved: dict[str, int], release: _Release,
+) -> None:
     """Megatron's forward_torch_softmax backward (outside the fused kernel's sizes, or in fp32): the gradient
     cast up to fp32, softmax's backward in fp32, masked_fill's (a new tensor), the cast back down."""
     bass = z.b * z.a_t * z.s * z.s

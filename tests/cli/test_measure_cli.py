@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from memcalc.model.ledger import BY_NAME
+from memcalc.model.impls import IMPLEMENTATIONS
 
 from . import memcalc_cli
 
 torch = pytest.importorskip("torch")
+MEGATRON_NAMES = IMPLEMENTATIONS["megatron"].by_name()  # what memcalc's own layer keeps
 
 from memcalc.model.evaluate import estimate  # noqa: E402
 from memcalc.model.knobs import Accounting  # noqa: E402
@@ -64,7 +65,7 @@ def test_json_on_two_gloo_ranks_has_both_totals_and_every_tensor():
     assert (tp_sp["group"], tp_sp["t"], tp_sp["ranks_compared"]) == ("gloo", 2, 2)
     assert tp_sp["predicted_bytes"] == tp_sp["measured_bytes"] == sum(x["measured"] for x in tp_sp["tensors"])
     for tensor in tp_sp["tensors"]:
-        assert {"name", "predicted", "measured"} <= set(tensor) and tensor["name"] in BY_NAME
+        assert {"name", "predicted", "measured"} <= set(tensor) and tensor["name"] in MEGATRON_NAMES
     # The top level sums the strategies that ran and lists every tensor with its strategy.
     assert doc["predicted_bytes"] == doc["measured_bytes"] == sum(x["measured"] for x in doc["tensors"])
     assert doc["predicted_bytes"] == sum(doc["strategies"][n]["predicted_bytes"] for n in doc["strategies"])

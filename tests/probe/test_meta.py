@@ -142,9 +142,15 @@ def test_a_meta_run_saves_what_the_ledger_predicts_for_cuda(knobs):
         assert m.differences() == []
 
 
-def test_an_overlapped_ring_runs_on_meta():
+def test_an_overlapped_ring_is_refused_on_meta_where_the_fake_group_has_no_point_to_point():
     config = build_config(TINY | {"t": 2})
-    (m,) = measure(config, ["tp-sp"], "meta", None, "auto", 60, "memcalc", Overlap.of("ring-ag"))
+    with pytest.raises(ConfigError, match="ring-ag on meta"):
+        measure(config, ["tp-sp"], "meta", None, "auto", 60, "memcalc", Overlap.of("ring-ag"))
+
+
+def test_a_pipelined_reduce_scatter_runs_on_meta():
+    config = build_config(TINY | {"t": 2})
+    (m,) = measure(config, ["tp-sp"], "meta", None, "auto", 60, "memcalc", Overlap.of("pipelined-rs", num_splits=2))
     assert m.differences() == []
 
 

@@ -63,8 +63,13 @@ _FREED = SavedTensor("layer/freed_mask", "bias-dropout-add", (), Kind.MASK, Regi
 def run_layer(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy) -> tuple[SavedStorage, ...]:
     """Build megatron's layer for this rank, record one forward, run backward once; what it saved."""
     _check(config)
-    with warnings.catch_warnings(), cpu_megatron(), _model_parallel(tp):
-        _quiet()
+    with warnings.catch_warnings():
+        _quiet()  # before the shim imports megatron, which warns as it is imported
+        return _recorded(tp, config, strategy)
+
+
+def _recorded(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy) -> tuple[SavedStorage, ...]:
+    with cpu_megatron(), _model_parallel(tp):
         torch.manual_seed(WEIGHT_SEED)
         root = _build(config, tp, strategy.sequence_parallel)
         seed_rng_tracker(INPUT_SEED, tp.rank)

@@ -1,0 +1,71 @@
+"""`memcalc measure --step`: exit 0 with a table per layout when the step's peak agrees with MemTracker,
+JSON with `peak_bytes` and `steady_bytes`, exit 1 beyond 1%, exit 2 for flags that do not apply and for
+what the timeline does not model yet."""
+
+import json
+
+import pytest
+
+from . import memcalc_cli
+
+torch = pytest.importorskip("torch")
+
+from memcalc.probe import step as step_module  # noqa: E402
+
+STEP_YAML = "name: step\nb: 2\ns: 24\nh: 64\na: 8\nt: 2\nL: 2\nvocab_size: 250\n"
+
+
+@pytest.fixture
+def config(tmp_path):
+    path = tmp_path / "step.yaml"
+    path.write_text(STEP_YAML)
+    return str(path)
+
+
+def _one_line_error(run, code, needle):
+    assert run.code == code, run.err
+    assert run.err.startswith("memcalc: error: ") and run.err.count("\n") == 1, run.err
+    assert needle in run.err, run.err
+
+
+def test_a_matching_step_prints_the_peak_by_category_and_its_moment_and_exits_0(config):
+    run = memcalc_cli("measure", "--config", config, "--step", "--strategy", "tp-sp")
+    assert (run.code, run.err) == (0, "")
+    for words in ("optimizer states", "temporaries", "MemTracker at backward layers.1.mlp.fc2 (same moment)",
+                  "rank 0 of t=2 through torch's fake process group", "steady state before the step",
+                  "match: the peak and every category within 1%"):
+        assert words in run.out, (words, run.out)
+
+
+def test_json_carries_peak_and_steady_bytes_predicted_and_measured(config):
+    run = memcalc_cli("measure", "--config", config, "--step", "--strategy", "tp", "--json")
+    assert run.code == 0, run.err
+    tp = json.loads(run.out)["strategies"]["tp"]
+    assert tp["peak_bytes"]["predicted"] == tp["peak_bytes"]["measured"] == sum(
+        c["measured"] for c in tp["peak"].values())
+    assert tp["steady_bytes"]["predicted"] == tp["steady_bytes"]["measured"]
+    assert tp["moment"]["match"] and tp["match"]
+
+
+def test_a_step_beyond_one_percent_exits_1_naming_the_category(config, monkeypatch):
+    measure = step_module.measure_step_on_rank
+
+    def more_activations(tp, config, strategy):
+        m = measure(tp, config, strategy)
+        peak = m.peak | {"activations": m.peak["activations"] * 2}
+        return type(m)(**{**vars(m), "peak": peak})
+
+    monkeypatch.setattr(step_module, "measure_step_on_rank", more_activations)
+    run = memcalc_cli("measure", "--config", config, "--step", "--strategy", "none")
+    _one_line_error(run, 1, "none: peak activations predicted")
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--device", "meta"], "--device meta is not supported"),
+    (["--backend", "gloo"], "--backend does not apply"),
+    (["--comm"], "--comm does not apply"),
+    (["--mlp", "swiglu"], "does not model mlp swiglu"),
+    (["--impl", "hf"], "--step runs memcalc's own Megatron-style model"),
+])
+def test_what_does_not_apply_or_is_not_modelled_exits_2_before_running(config, flags, needle):
+    _one_line_error(memcalc_cli("measure", "--config", config, "--step", *flags), 2, needle)

@@ -1,0 +1,129 @@
+"""One whole training step of memcalc's own GPT under torch's MemTracker, against the step timeline: the peak,
+each category at the peak and the state between steps within 1% (issue 8's bound; today to the byte), for
+three layouts and for variants of the model; and MemTracker reaches its peak at the moment the timeline names,
+for sizes that put the peak in five different places."""
+
+from dataclasses import replace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from memcalc.config.schema import build_config  # noqa: E402
+from memcalc.model.knobs import Accounting  # noqa: E402
+from memcalc.model.strategy import STRATEGIES  # noqa: E402
+from memcalc.probe.group import single  # noqa: E402
+from memcalc.probe.launch import run_fake  # noqa: E402
+from memcalc.probe.step import TOLERANCE, CategoryRow, Trainer, categories, measure_step  # noqa: E402
+from memcalc.sizing.timeline import ACTIVATIONS, timeline  # noqa: E402
+
+# b*a/t = 8 and 16 < s <= 128 with s a multiple of 4: Megatron's fused softmax runs.
+STEP = dict(b=2, s=24, h=64, a=8, t=2, L=2, vocab_size=250)
+LAYOUTS = ["none", "tp", "tp-sp"]
+
+
+@pytest.fixture(scope="module")
+def layouts():
+    return {r.strategy.name: r for r in measure_step(build_config(STEP), LAYOUTS)}
+
+
+@pytest.mark.parametrize("strategy", LAYOUTS)
+def test_the_peak_and_every_category_at_it_are_within_one_percent_of_memtracker(layouts, strategy):
+    r = layouts[strategy]
+    for row in r.rows("peak"):
+        assert row.within, (strategy, row)
+    assert r.measured.peak_bytes == r.rows("peak")[-1].measured
+
+
+@pytest.mark.parametrize("strategy", LAYOUTS)
+def test_between_steps_memtracker_sees_the_model_states_the_timeline_predicts(layouts, strategy):
+    r = layouts[strategy]
+    for row in r.rows("steady"):
+        assert row.within, (strategy, row)
+    assert r.measured.steady.get(ACTIVATIONS, 0) == 0  # the batch is loaded inside the step
+
+
+@pytest.mark.parametrize("strategy", LAYOUTS)
+def test_memtracker_peaks_at_the_moment_the_timeline_names(layouts, strategy):
+    r = layouts[strategy]
+    assert r.measured.moment == r.predicted_moment
+
+
+# Sizes that move the peak: each entry's peak is somewhere no other entry's is.
+MOMENTS = [
+    ({}, "tp-sp"),  # the last layer's fc2 GEMMs
+    ({"vocab_size": 2000}, "none"),  # the loss: bf16 and fp32 logits at once
+    ({"s": 128, "h": 32, "vocab_size": 64}, "none"),  # the last layer's attention: (s, s) gradients
+    ({"b": 1, "a": 16, "s": 20, "vocab_size": 5000}, "tp-sp"),  # the tied embedding's two gradients summed
+    ({"b": 1, "a": 16, "s": 20, "vocab_size": 5000, "tie_embeddings": False}, "tp"),  # the output layer's GEMMs
+]
+
+
+def test_the_chosen_sizes_put_the_peak_in_five_different_places():
+    """What gives the next test its meaning: no two cases share a predicted moment."""
+    cpu = Accounting(exact=True, device="cpu")
+    moments = {timeline(build_config(STEP | c), STRATEGIES[s], cpu).peak.where for c, s in MOMENTS}
+    assert len(moments) == len(MOMENTS), moments
+
+
+@pytest.mark.parametrize("changes, strategy", MOMENTS[1:], ids=lambda x: str(x))
+def test_wherever_the_peak_is_memtracker_reaches_it_there_and_agrees_on_the_bytes(changes, strategy):
+    (r,) = measure_step(build_config(STEP | changes), [strategy])
+    assert r.measured.moment == r.predicted_moment
+    assert r.matches, r.differences()
+
+
+@pytest.mark.parametrize("changes, strategy", [
+    ({"dropout": 0.0, "add_bias_linear": False}, "tp"),  # no masks; weights x V keeps the softmax output itself
+    ({"s": 16}, "tp-sp"),  # outside the fused softmax kernel's sizes: Megatron's fp32 torch softmax
+    ({"position_embedding_type": "rope", "dtype": "fp16", "L": 3}, "tp"),  # no position table
+], ids=lambda x: str(x))
+def test_variants_of_the_model_agree_within_one_percent(changes, strategy):
+    (r,) = measure_step(build_config(STEP | changes), [strategy])
+    assert r.matches, r.differences()
+
+
+def _bytes_after_every_op(tp, config, strategy):
+    """Bytes per category after each op of one step, as MemTracker counts them."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class AfterEveryOp(MemTracker):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            readings.append({c: n for c, n in categories(self.get_tracker_snapshot()).items() if n})
+            return out
+
+    readings = []
+    trainer = Trainer.warmed_up(tp, config, strategy)
+    tracker = AfterEveryOp()
+    trainer.register(tracker)
+    with tracker:
+        trainer.step()
+    return readings
+
+
+@pytest.mark.parametrize("strategy", LAYOUTS)
+def test_every_moment_the_timeline_names_happens_in_order_with_its_bytes(strategy):
+    """Not only the peak: each moment's bytes per category are MemTracker's after some op, in the timeline's order."""
+    config, st = build_config(STEP), STRATEGIES[strategy]
+    if st.tensor_parallel:
+        readings = run_fake(_bytes_after_every_op, (config, st), config.t)
+    else:
+        readings = _bytes_after_every_op(single(), config, st)
+    moments = timeline(config, st, Accounting(exact=True, device="cpu")).moments[1:]
+    position = 0
+    for moment in moments:
+        expected = {c: n for c, n in moment.by_category().items() if n}
+        found = next((i for i in range(position, len(readings)) if readings[i] == expected), None)
+        assert found is not None, f"{moment.label()}: {expected} is not among the readings after op {position}"
+        position = found
+
+
+def test_a_category_off_by_more_than_one_percent_is_reported(layouts):
+    r = layouts["tp"]
+    off = int(r.measured.peak[ACTIVATIONS] * (1 + 2 * TOLERANCE))
+    wrong = replace(r, measured=replace(r.measured, peak=r.measured.peak | {ACTIVATIONS: off}))
+    assert not wrong.matches
+    assert any(d.startswith("peak activations") for d in wrong.differences())
+    assert CategoryRow("x", 101, 100).within and not CategoryRow("x", 102, 100).within
+    assert not CategoryRow("x", 1, 0).within

@@ -1,0 +1,114 @@
+"""The step timeline as a model: model states stay put through the step, the saved activations at the loss are
+exactly the ones `totals` counts, backward leaves nothing behind, later layers' backward sits on more saved
+tensors, and the peak lies above `totals`' states + activations. Against MemTracker: tests/probe/test_step.py."""
+
+import pytest
+
+from memcalc.config.schema import build_config
+from memcalc.errors import ConfigError
+from memcalc.model.knobs import Accounting
+from memcalc.model.strategy import STRATEGIES
+from memcalc.sizing import totals
+from memcalc.sizing.timeline import (
+    ACTIVATIONS, GRADIENTS, LOSS_WORKING_SET, OPTIMIZER, PARAMETERS, STEP_TENSORS, TEMPORARIES, timeline,
+)
+
+# b*a/t = 8 and 16 < s <= 128 with s a multiple of 4: Megatron's fused softmax runs.
+STEP = dict(b=2, s=24, h=64, a=8, t=2, L=3, vocab_size=250)
+LAYOUTS = ["none", "tp", "tp-sp"]
+CPU = Accounting(exact=True, device="cpu")
+STATES = (PARAMETERS, GRADIENTS, OPTIMIZER)
+# Live at the loss beside the saved tensors: the batch, the logits, the cross-entropy's working set, and the
+# small tensors the model's ends keep that the ledger's END_TENSORS leaves out.
+NOT_IN_TOTALS = {
+    "batch/tokens", "batch/labels", "output/logits", *(name for name, _, _ in LOSS_WORKING_SET),
+    *(x.name for x in STEP_TENSORS),
+}
+
+
+def _timeline(strategy: str, **changes):
+    config = build_config(STEP | changes)
+    return config, timeline(config, STRATEGIES[strategy], CPU)
+
+
+def _moment(tl, phase: str, where: str):
+    return next(m for m in tl.moments if (m.phase, m.where) == (phase, where))
+
+
+@pytest.mark.parametrize("strategy", LAYOUTS)
+def test_model_states_are_the_same_at_every_moment(strategy):
+    _, tl = _timeline(strategy)
+    steady = {c: tl.steady.by_category()[c] for c in STATES}
+    assert all(steady.values())
+    for moment in tl.moments:
+        assert {c: moment.by_category()[c] for c in STATES} == steady, moment.label()
+
+
+@pytest.mark.parametrize("strategy", LAYOUTS)
+def test_between_steps_only_the_model_states_totals_counts_and_adams_step_counter_are_live(strategy):
+    config, tl = _timeline(strategy)
+    (only,) = totals.per_gpu(config, STRATEGIES[strategy], CPU).stages
+    counter = next(x.bytes for x in tl.steady.live if x.name == "optimizer/step")
+    assert tl.steady.bytes == only.bytes(totals.STATES) + counter
+
+
+@pytest.mark.parametrize("strategy", LAYOUTS)
+def test_at_the_loss_the_saved_activations_are_the_ones_totals_counts(strategy):
+    config, tl = _timeline(strategy)
+    (only,) = totals.per_gpu(config, STRATEGIES[strategy], CPU).stages
+    loss = _moment(tl, "forward", "loss")
+    saved = sum(x.bytes for x in loss.live if x.category == ACTIVATIONS and x.name not in NOT_IN_TOTALS)
+    assert saved == only.bytes(totals.ACTIVATIONS)
+
+
+@pytest.mark.parametrize("strategy", LAYOUTS)
+def test_backward_leaves_only_the_batch_and_the_loss_for_the_optimizer_step(strategy):
+    _, tl = _timeline(strategy)
+    last = tl.moments[-1]
+    assert last.phase == "optimizer"
+    assert last.by_category()[TEMPORARIES] == 0
+    left = {x.name for x in last.live if x.category == ACTIVATIONS}
+    assert left <= {"batch/tokens", "batch/labels", "embedding/input_ids", "loss/value"}, left
+
+
+def test_a_later_layers_backward_sits_on_more_saved_tensors_so_the_last_layer_peaks_highest():
+    _, tl = _timeline("tp")
+    highest = [
+        max(m.bytes for m in tl.moments if m.phase == "backward" and m.where.startswith(f"layers.{i}."))
+        for i in range(STEP["L"])
+    ]
+    assert highest == sorted(highest) and len(set(highest)) == len(highest)
+
+
+@pytest.mark.parametrize("strategy", LAYOUTS)
+def test_the_peak_lies_above_states_plus_saved_activations(strategy):
+    """Issue 8's finding: `totals` leaves out what is short-lived at the worst moment."""
+    config, tl = _timeline(strategy)
+    (only,) = totals.per_gpu(config, STRATEGIES[strategy], CPU).stages
+    peak = tl.peak.by_category()
+    assert tl.peak.bytes > only.bytes()
+    assert peak[TEMPORARIES] > 0
+
+
+def test_sequence_parallelism_lowers_the_peak():
+    assert _timeline("tp-sp")[1].peak.bytes < _timeline("tp")[1].peak.bytes
+
+
+def test_a_larger_vocabulary_moves_the_peak_to_the_loss():
+    small, large = (_timeline("tp", vocab_size=v)[1].peak for v in (250, 4000))
+    assert (small.phase, small.where) != ("forward", "loss")
+    assert (large.phase, large.where) == ("forward", "loss")
+
+
+@pytest.mark.parametrize("changes, named", [
+    ({"mlp": "swiglu"}, "mlp swiglu"),
+    ({"attention": "flash"}, "attention flash"),
+    ({"recompute": "selective"}, "recompute selective"),
+    ({"norm": "rmsnorm"}, "norm rmsnorm"),
+    ({"pp": 3}, "pp=3"),
+    ({"num_query_groups": 2}, "grouped-query attention"),
+    ({"dtype": "fp32"}, "dtype fp32"),
+])
+def test_what_is_not_modelled_yet_is_refused_by_name(changes, named):
+    with pytest.raises(ConfigError, match=f"does not model {named}"):
+        _timeline("tp", **changes)
