@@ -11,10 +11,12 @@ from memcalc.cli.options import (
     ByteSize, accounting_options, layout_options, model_from, model_options, strategy_names, strategy_option,
 )
 from memcalc.config.schema import ModelConfig, config_record
+from memcalc.errors import ConfigError
 from memcalc.model.evaluate import LayerEstimate, estimate
 from memcalc.model.knobs import Accounting
+from memcalc.model.strategy import STRATEGIES, Strategy
 from memcalc.sizing.states import total_params
-from memcalc.model.strategy import STRATEGIES
+from memcalc.sizing.timeline import Timeline, timeline
 from memcalc.sizing.totals import PerGpu, per_gpu
 
 DEFAULT_DEVICE_MEMORY = 80 * 2**30
@@ -55,23 +57,32 @@ def command(
     results = [
         baseline if n == "none" else estimate(config, STRATEGIES[n], accounting) for n in strategy_names(strategy, config)
     ]
-    per = None
+    per = peaks = None
     if totals or device_memory is not None or any(params.get(k) is not None for k in TOTALS_FLAGS):
         per = [per_gpu(config, r.strategy, accounting) for r in results]
+        peaks = {r.strategy.name: step_peak(config, r.strategy) for r in results}
     budget = device_memory if device_memory is not None else DEFAULT_DEVICE_MEMORY
     if as_json:
-        click.echo(json.dumps(to_json(config, accounting, results, baseline, per, budget), indent=2))
+        click.echo(json.dumps(to_json(config, accounting, results, baseline, per, budget, peaks), indent=2))
         return
     from memcalc.cli import render  # rich, only for people
 
     render.print_estimates(config, accounting, results, baseline, breakdown)
     if per is not None:
-        render.print_totals(config, per, budget)
+        render.print_totals(config, per, budget, peaks)
+
+
+def step_peak(config: ModelConfig, strategy: Strategy) -> Timeline | str:
+    """One step's timeline (memcalc.sizing.timeline), or why it is not modelled for this config."""
+    try:
+        return timeline(config, strategy)
+    except ConfigError as exc:
+        return str(exc)
 
 
 def to_json(
     config: ModelConfig, accounting: Accounting, results: list[LayerEstimate], baseline: LayerEstimate,
-    per: list[PerGpu] | None = None, budget: int = DEFAULT_DEVICE_MEMORY,
+    per: list[PerGpu] | None = None, budget: int = DEFAULT_DEVICE_MEMORY, peaks: dict | None = None,
 ) -> dict:
     """The JSON document: the config, how bytes were counted, each strategy's numbers, and totals if asked."""
     doc = {
@@ -91,12 +102,13 @@ def to_json(
         },
     }
     if per is not None:
-        doc["per_gpu"] = per_gpu_json(config, per, budget)
+        doc["per_gpu"] = per_gpu_json(config, per, budget, peaks or {})
     return doc
 
 
-def per_gpu_json(config: ModelConfig, per: list[PerGpu], budget: int) -> dict:
-    """Per-GPU totals: for each strategy the verdict, and each bounding stage term by term."""
+def per_gpu_json(config: ModelConfig, per: list[PerGpu], budget: int, peaks: dict) -> dict:
+    """Per-GPU totals: for each strategy the verdict, each bounding stage term by term, and (one
+    stage) the step's peak and steady state from the timeline, or why they are not modelled."""
     return {
         "device_memory_bytes": budget,
         "parameters": total_params(config),
@@ -117,10 +129,23 @@ def per_gpu_json(config: ModelConfig, per: list[PerGpu], budget: int) -> dict:
                         "terms": [
                             {"name": x.name, "group": x.group, "bytes": x.bytes, "note": x.note} for x in st.terms
                         ],
+                        **_peak_json(peaks.get(p.strategy.name)),
                     }
                     for st in p.stages
                 ],
             }
             for p in per
         },
+    }
+
+
+def _peak_json(peak: Timeline | str | None) -> dict:
+    """The step's peak and steady state for a stage's JSON, or why they are not modelled."""
+    if peak is None:
+        return {}
+    if isinstance(peak, str):
+        return {"peak_not_modelled": peak}
+    return {
+        "peak_bytes": peak.peak.bytes, "peak_moment": peak.peak.label(), "peak_by_category": peak.peak.by_category(),
+        "steady_bytes": peak.steady.bytes,
     }

@@ -98,8 +98,8 @@ def headroom(budget: int, used: int) -> str:
     return f"{human_bytes(budget - used)} left" if used <= budget else f"{human_bytes(used - budget)} over"
 
 
-def print_totals(config: ModelConfig, per: list[PerGpu], budget: int) -> None:
-    """A table per bounding pipeline stage, every term by name, then a verdict per strategy."""
+def print_totals(config: ModelConfig, per: list[PerGpu], budget: int, peaks: dict | None = None) -> None:
+    """A table per bounding pipeline stage, every term by name, a verdict per strategy, and the step's peak."""
     console.print(describe_layout(config), highlight=False)
     for i, stage in enumerate(per[0].stages):
         console.print(stage_table([p.stages[i] for p in per], [p.strategy.name for p in per]))
@@ -114,6 +114,14 @@ def print_totals(config: ModelConfig, per: list[PerGpu], budget: int) -> None:
             f" {headroom(budget, used)}",
             highlight=False,
         )
+    for name, peak in (peaks or {}).items():
+        if isinstance(peak, str):
+            console.print(f"[dim]  {name}: the step's peak is not modelled here ({for_rich(peak)})[/dim]")
+        else:
+            console.print(
+                f"  {name}: one step peaks at {human_bytes(peak.peak.bytes)}, {peak.peak.label()};"
+                f" {human_bytes(peak.steady.bytes)} between steps", highlight=False,
+            )
 
 
 _STAGE_TITLES = {"only": "Per-GPU memory", "first": "Per-GPU memory, first stage", "last": "Per-GPU memory, last stage"}

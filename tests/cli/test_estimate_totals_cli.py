@@ -2,6 +2,7 @@
 totals list every term and answer "does it fit", and bad input is one line with exit code 2."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -133,3 +134,22 @@ def test_an_hf_config_that_is_not_text_is_one_line(tmp_path):
     path = tmp_path / "config.json"
     path.write_bytes(b"\x89PNG\r\n\x1a\n\x00")
     one_line_error(memcalc_cli("estimate", "--hf-config", str(path)), str(path), "not UTF-8 text (byte 0")
+
+
+def test_totals_json_carries_the_steps_peak_and_steady_state_from_the_timeline():
+    from memcalc.config.schema import load_config
+    from memcalc.config.shipped import locate
+    from memcalc.model.strategy import TP_SP
+    from memcalc.sizing.timeline import timeline
+
+    run = memcalc_cli("estimate", "--config", "tiny", "--totals", "--json")
+    (stage,) = json.loads(run.out)["per_gpu"]["strategies"]["tp-sp"]["stages"]
+    expected = timeline(load_config(locate(Path("tiny")), {}), TP_SP)
+    assert (stage["peak_bytes"], stage["steady_bytes"]) == (expected.peak.bytes, expected.steady.bytes)
+    assert stage["peak_moment"] == expected.peak.label() and stage["peak_bytes"] > stage["total_bytes"]
+
+
+def test_totals_say_where_the_steps_peak_is_not_modelled():
+    run = memcalc_cli("estimate", "--config", "llama3-70b", "--totals", "--json")
+    (stage,) = json.loads(run.out)["per_gpu"]["strategies"]["tp-sp"]["stages"]
+    assert "peak_bytes" not in stage and "swiglu" in stage["peak_not_modelled"]
