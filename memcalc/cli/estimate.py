@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -16,8 +16,10 @@ from memcalc.model.evaluate import LayerEstimate, estimate
 from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import STRATEGIES, Strategy
 from memcalc.sizing.states import total_params
-from memcalc.sizing.timeline import Timeline, timeline
 from memcalc.sizing.totals import PerGpu, per_gpu
+
+if TYPE_CHECKING:
+    from memcalc.sizing.timeline import Timeline
 
 DEFAULT_DEVICE_MEMORY = 80 * 2**30
 # Flags that matter only for per-GPU totals, so giving one asks for them.
@@ -74,6 +76,8 @@ def command(
 
 def step_peak(config: ModelConfig, strategy: Strategy) -> Timeline | str:
     """One step's timeline (memcalc.sizing.timeline), or why it is not modelled for this config."""
+    from memcalc.sizing.timeline import timeline  # only --totals pays for it
+
     try:
         return timeline(config, strategy)
     except ConfigError as exc:

@@ -3,27 +3,41 @@
 `IMPLEMENTATIONS` is the registry (`--impl` and `impl:` choose from it);
 `layer_tensors` asks the chosen implementation, after checking that it runs
 the knobs asked for. See `base.Implementation` for what an implementation says.
+An implementation's module is imported the first time it is asked for:
+`memcalc estimate` runs in loops and pays only for the one it uses.
 """
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from memcalc.errors import ConfigError
-from memcalc.model.impls import hf, megatron, torchtitan
 from memcalc.model.impls.base import Implementation, SizeRule
 from memcalc.model.knobs import Accounting
 from memcalc.model.ledger import SavedTensor
 from memcalc.model.strategy import Strategy
 
-IMPLEMENTATIONS: dict[str, Implementation] = {
-    impl.name: impl
-    for impl in (
-        megatron.IMPLEMENTATION,
-        hf.IMPLEMENTATION,
-        torchtitan.IMPLEMENTATION,
-    )
-}
+_MODULES = ("megatron", "hf", "torchtitan")  # memcalc.model.impls.<name>, each with its IMPLEMENTATION
+
+
+class _Registry(Mapping[str, Implementation]):
+    """name -> Implementation, each module imported on first use."""
+
+    def __getitem__(self, name: str) -> Implementation:
+        if name not in _MODULES:
+            raise KeyError(name)
+        return importlib.import_module(f"{__name__}.{name}").IMPLEMENTATION
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_MODULES)
+
+    def __len__(self) -> int:
+        return len(_MODULES)
+
+
+IMPLEMENTATIONS: Mapping[str, Implementation] = _Registry()
 
 
 def implementation(knobs: Any) -> Implementation:
