@@ -398,7 +398,10 @@ def _compared(
     rows = tuple(compare(prediction, result.saved) for result in ranks)
     comm = () if layer == "library" else tuple(_compared_comm(config, strategy, r, overlap) for r in ranks)
     if layer == "library":
-        whose, notes = f"{RUNNERS[config.impl][1]}'s own layer", tuple(runner(config.impl).NOTES)
+        package = RUNNERS[config.impl][1]
+        possessive = f"{package}'" if package.endswith("s") else f"{package}'s"  # transformers', torchtitan's
+        whose = f"{possessive} own layer"
+        notes = tuple(runner(config.impl).NOTES)
     else:
         whose, notes = "memcalc's own Megatron-style layer", ()
     return StrategyMeasurement(strategy, plan, whose, notes, prediction, tuple(ranks), rows, comm)
