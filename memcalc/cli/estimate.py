@@ -15,11 +15,10 @@ from memcalc.errors import ConfigError
 from memcalc.model.evaluate import LayerEstimate, estimate
 from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import STRATEGIES, Strategy
-from memcalc.sizing.states import total_params
-from memcalc.sizing.totals import PerGpu, per_gpu
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # per-GPU totals and the timeline load only when --totals asks for them
     from memcalc.sizing.timeline import Timeline
+    from memcalc.sizing.totals import PerGpu
 
 DEFAULT_DEVICE_MEMORY = 80 * 2**30
 # Flags that matter only for per-GPU totals, so giving one asks for them.
@@ -61,6 +60,8 @@ def command(
     ]
     per = peaks = None
     if totals or device_memory is not None or any(params.get(k) is not None for k in TOTALS_FLAGS):
+        from memcalc.sizing.totals import per_gpu
+
         per = [per_gpu(config, r.strategy, accounting) for r in results]
         peaks = {r.strategy.name: step_peak(config, r.strategy) for r in results}
     budget = device_memory if device_memory is not None else DEFAULT_DEVICE_MEMORY
@@ -113,6 +114,8 @@ def to_json(
 def per_gpu_json(config: ModelConfig, per: list[PerGpu], budget: int, peaks: dict) -> dict:
     """Per-GPU totals: for each strategy the verdict, each bounding stage term by term, and (one
     stage) the step's peak and steady state from the timeline, or why they are not modelled."""
+    from memcalc.sizing.states import total_params
+
     return {
         "device_memory_bytes": budget,
         "parameters": total_params(config),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
@@ -11,10 +11,11 @@ from memcalc.config.schema import ModelConfig
 from memcalc.model.knobs import KNOBS
 from memcalc.model.evaluate import LayerEstimate
 from memcalc.model.knobs import Accounting
-from memcalc.sizing.states import total_params
-from memcalc.sizing.totals import PerGpu, StageTotal
 from memcalc.text import for_rich
 from memcalc.units import human_bytes
+
+if TYPE_CHECKING:  # per-GPU totals load only when --totals asks for them
+    from memcalc.sizing.totals import PerGpu, StageTotal
 
 console = Console()
 
@@ -83,6 +84,8 @@ def breakdown_table(results: list[LayerEstimate]) -> Table:
 
 def describe_layout(config: ModelConfig) -> str:
     """One line naming the parallel layout and what the model's ends and parameters are."""
+    from memcalc.sizing.states import total_params
+
     c = config
     schedule = f"interleaved 1F1B, vpp={c.vpp}" if c.vpp else "1F1B" if c.pp > 1 else "no pipelining"
     optimizer = f"distributed optimizer over dp*cp={c.dp * c.cp}" if c.distributed_optimizer else "optimizer unsharded"
