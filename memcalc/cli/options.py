@@ -54,8 +54,8 @@ size_options = _stack(
 
 def _knob_option(knob: Knob) -> Callable:
     """A knob's flag, generated from the knob table: its type, choices, help and default."""
-    default = "4h" if knob.name == "ffn_hidden_size" else "a" if knob.name == "num_query_groups" else knob.default
-    help = f"{knob.help[:1].upper()}{knob.help[1:]} [default: {default}]."
+    shown = "" if knob.default is None else f" [default: {knob.default}]"  # a size knob's help says what unset means
+    help = f"{knob.help[:1].upper()}{knob.help[1:]}{shown}."
     if knob.kind == "flag":
         return click.option(f"{knob.flag}/--no-{knob.flag[2:]}", knob.name, default=None, help=help)
     kinds = {"size": int, "probability": float}
