@@ -21,6 +21,12 @@ class ConfigError(MemcalcError):
     """A model configuration that breaks a rule (a size, a divisibility, a key)."""
 
 
+class DoesNotFit(MemcalcError):
+    """A valid question whose answer is "nothing fits": distinct from bad input, so scripts can tell."""
+
+    exit_code = 3
+
+
 class ProbeError(MemcalcError):
     """The probe could not run, or one of its workers failed."""
 

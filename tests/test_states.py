@@ -5,9 +5,10 @@ import pytest
 
 from memcalc.config.schema import build_config, load_config
 from memcalc.sizing.pipeline import stages
-from memcalc.sizing.states import group_params, state_bytes, total_params
+from memcalc.sizing.states import group_params, padded_vocab, state_bytes, total_params, vocab_shard
 
-GPT = dict(s=128, h=64, a=8, L=4, vocab_size=1000)
+# By-hand counts use v as given (no padding); the padding tests below set the divisor themselves.
+GPT = dict(s=128, h=64, a=8, L=4, vocab_size=1000, make_vocab_size_divisible_by=1)
 
 
 def _held(config, t):
@@ -38,6 +39,20 @@ def test_vocabulary_is_padded_to_a_multiple_of_t():
     h = 64
     layer = (4 * h * h + 8 * h * h) // 8 + 2 * h
     assert _held(config, 8)["only"] == 4 * layer + 126 * h + 128 * h + h  # ceil(1001/8) = 126 rows
+
+
+@pytest.mark.parametrize("v,t,padded", [(50257, 1, 50304), (50257, 8, 51200), (51200, 8, 51200), (128256, 8, 129024)])
+def test_vocabulary_is_padded_as_megatron_does_to_128_times_t(v, t, padded):
+    """Megatron-LM's _vocab_size_with_padding: GPT-2's 50257 becomes 50304 on one rank and 51200 at t=8."""
+    config = build_config(GPT | {"vocab_size": v, "t": t, "make_vocab_size_divisible_by": 128})
+    assert padded_vocab(config, t) == padded
+    assert vocab_shard(config, t) * t == padded
+
+
+def test_padded_vocabulary_rows_are_held_but_not_counted_as_the_models_parameters():
+    unpadded, padded = (build_config(GPT | {"make_vocab_size_divisible_by": d}) for d in (1, 128))
+    assert _held(padded, 1)["only"] - _held(unpadded, 1)["only"] == (1024 - 1000) * 64  # 24 padded rows of h
+    assert total_params(padded) == total_params(unpadded)
 
 
 def test_tied_output_layer_is_free_on_one_stage_and_a_copy_on_the_last_of_several():

@@ -14,7 +14,7 @@ from memcalc.model.strategy import NONE, STRATEGIES, TP, TP_SP
 from memcalc.sizing.totals import ACTIVATIONS, STATES, per_gpu
 
 b, s, h, a, t, L, v = 2, 64, 32, 16, 4, 8, 1000  # b*a/t = 8: Megatron's fused softmax runs
-GPT = dict(b=b, s=s, h=h, a=a, t=t, L=L, vocab_size=v)
+GPT = dict(b=b, s=s, h=h, a=a, t=t, L=L, vocab_size=v, make_vocab_size_divisible_by=1)  # the paper's v: unpadded
 SBH = s * b * h
 
 

@@ -62,7 +62,8 @@ def cli() -> None:
 
     Strategies: none (no parallelism), tp (tensor parallel) and tp-sp (tensor +
     sequence parallel), as in Megatron-LM (Korthikanti et al. 2022).
-    Exit codes: 0 ok, 1 a measurement disagreed or a worker failed, 2 bad input.
+    Exit codes: 0 ok, 1 a measurement disagreed or a worker failed, 2 bad input,
+    3 nothing fits (estimate --totals, fit).
     Set MEMCALC_DEBUG=1 to see tracebacks.
     """
 

@@ -12,8 +12,10 @@ from memcalc.cli.options import layout_options, model_from, model_options, strat
 from memcalc.config.schema import ModelConfig, config_record
 from memcalc.model.comm import LayerComm, formula, layer_comm
 from memcalc.model.knobs import DTYPE_BYTES
-from memcalc.model.overlap import DEFAULT_SPLITS, GPUS, Gpu, buffer_bytes, chosen, exposed, pairings, resolve
+from memcalc.config.gpus import GPUS, Gpu
+from memcalc.model.overlap import DEFAULT_SPLITS, buffer_bytes, chosen, exposed, pairings, resolve
 from memcalc.model.strategy import STRATEGIES, TP_SP
+from memcalc.schemas import SCHEMA_VERSION
 
 
 @click.command("comm")
@@ -29,7 +31,7 @@ from memcalc.model.strategy import STRATEGIES, TP_SP
     help="Model hiding TP communication behind GEMMs (tp-sp, megatron): 'default' (tp_comm_overlap's own set)"
     " or a comma list of ring-ag, ring-rs, pipelined-rs, bulk-dgrad, bulk-wgrad, rs-dgrad.",
 )
-@click.option("--gpu", type=click.Choice(list(GPUS)), default="h100", show_default=True,
+@click.option("--gpu", type=click.Choice(list(GPUS)), default="h100-80gb", show_default=True,
               help="Peak 16-bit TFLOPS and link bandwidth preset for the timing model.")
 @click.option("--peak-tflops", type=click.FloatRange(min=0, min_open=True), help="Override the preset's TFLOPS.")
 @click.option("--link-gbps", type=click.FloatRange(min=0, min_open=True),
@@ -68,6 +70,7 @@ def command(strategy: str, microbatches: int, fmt: str, overlap: str | None, gpu
 
 def to_json(config: ModelConfig, results: list[LayerComm], microbatches: int, width: int) -> dict:
     return {
+        "schema_version": SCHEMA_VERSION,
         "config": config_record(config),
         "microbatches": microbatches,
         "strategies": {
@@ -128,6 +131,7 @@ def overlap_report(config: ModelConfig, methods: frozenset[str], gpu: Gpu, split
         })
     buffers = buffer_bytes(config, methods, config.t)
     return {
+        "schema_version": SCHEMA_VERSION,
         "gpu": vars(gpu), "methods": sorted(methods), "num_splits": splits, "collectives": rows,
         "per_layer": {k: sum(r[k] for r in rows) for k in ("gemm_s", "comm_s", "exposed_without_s", "exposed_s")},
         "userbuffer_bytes": buffers,

@@ -8,21 +8,25 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from memcalc.cli.options import (
-    ByteSize, accounting_options, layout_options, model_from, model_options, strategy_names, strategy_option,
+    accounting_options, device_options, layout_options, model_from, model_options, strategy_names, strategy_option,
 )
+from memcalc.config.gpus import Budget, budget_for
 from memcalc.config.schema import ModelConfig, config_record
-from memcalc.errors import ConfigError
+from memcalc.errors import ConfigError, DoesNotFit
 from memcalc.model.evaluate import LayerEstimate, estimate
 from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import STRATEGIES, Strategy
+from memcalc.schemas import SCHEMA_VERSION
 
 if TYPE_CHECKING:  # per-GPU totals and the timeline load only when --totals asks for them
     from memcalc.sizing.timeline import Timeline
     from memcalc.sizing.totals import PerGpu
 
-DEFAULT_DEVICE_MEMORY = 80 * 2**30
 # Flags that matter only for per-GPU totals, so giving one asks for them.
-TOTALS_FLAGS = ("pp", "vpp", "dp", "distributed_optimizer", "vocab_size", "tie_embeddings")
+TOTALS_FLAGS = (
+    "pp", "vpp", "dp", "distributed_optimizer", "vocab_size", "tie_embeddings", "gpus", "num_microbatches",
+    "global_batch_size", "make_vocab_size_divisible_by", "gpu", "device_memory", "reserve",
+)
 
 
 @click.command("estimate")
@@ -33,19 +37,19 @@ TOTALS_FLAGS = ("pp", "vpp", "dp", "distributed_optimizer", "vocab_size", "tie_e
 @click.option("--breakdown", is_flag=True, help="Add the per-tensor table.")
 @click.option(
     "--totals", is_flag=True,
-    help="Add per-GPU totals (layers, embedding, output and loss, model states) and a fits/does-not-fit verdict;"
-    " on whenever --device-memory or a flag that only totals use (--pp, --vpp, --dp, --vocab-size, ...) is given.",
+    help="Add per-GPU totals (layers, embedding, output and loss, model states) and a fits/does-not-fit verdict"
+    " against the GPU's memory less --reserve; on whenever a flag that only totals use (--gpu, --gpus, --pp, --vpp,"
+    " --dp, --vocab-size, ...) is given.",
 )
-@click.option(
-    "--device-memory", type=ByteSize(), default=None, help="Memory of one GPU for the verdict [default: 80GiB]."
-)
+@device_options
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of tables.")
 def command(
-    strategy: str, exact: bool, device: str, breakdown: bool, totals: bool, device_memory: int | None, as_json: bool,
-    **params: Any,
+    strategy: str, exact: bool, device: str, breakdown: bool, totals: bool, gpu: str | None,
+    device_memory: int | None, reserve: int | None, as_json: bool, **params: Any,
 ) -> None:
     """Activation bytes one GPU keeps for backward: per layer, for all L layers,
     and as a ratio to no parallelism; with --totals, everything one GPU holds.
+    Exits 3 when --totals finds that no strategy fits (2 is bad input).
 
     \b
     Example: memcalc estimate --b 1 --s 2048 --h 12288 --a 96 --t 8 --L 96
@@ -59,20 +63,23 @@ def command(
         baseline if n == "none" else estimate(config, STRATEGIES[n], accounting) for n in strategy_names(strategy, config)
     ]
     per = peaks = None
-    if totals or device_memory is not None or any(params.get(k) is not None for k in TOTALS_FLAGS):
+    budget = budget_for(gpu, device_memory, reserve)
+    given = params | {"gpu": gpu, "device_memory": device_memory, "reserve": reserve}
+    if totals or any(given.get(k) is not None for k in TOTALS_FLAGS):
         from memcalc.sizing.totals import per_gpu
 
         per = [per_gpu(config, r.strategy, accounting) for r in results]
         peaks = {r.strategy.name: step_peak(config, r.strategy) for r in results}
-    budget = device_memory if device_memory is not None else DEFAULT_DEVICE_MEMORY
     if as_json:
         click.echo(json.dumps(to_json(config, accounting, results, baseline, per, budget, peaks), indent=2))
-        return
-    from memcalc.cli import render  # rich, only for people
+    else:
+        from memcalc.cli import render  # rich, only for people
 
-    render.print_estimates(config, accounting, results, baseline, breakdown)
-    if per is not None:
-        render.print_totals(config, per, budget, peaks)
+        render.print_estimates(config, accounting, results, baseline, breakdown)
+        if per is not None:
+            render.print_totals(config, per, budget, peaks)
+    if per is not None and all(p.bytes() > budget.bytes for p in per):
+        click.get_current_context().exit(DoesNotFit.exit_code)  # printed the verdict; only the code says no
 
 
 def step_peak(config: ModelConfig, strategy: Strategy) -> Timeline | str:
@@ -87,10 +94,11 @@ def step_peak(config: ModelConfig, strategy: Strategy) -> Timeline | str:
 
 def to_json(
     config: ModelConfig, accounting: Accounting, results: list[LayerEstimate], baseline: LayerEstimate,
-    per: list[PerGpu] | None = None, budget: int = DEFAULT_DEVICE_MEMORY, peaks: dict | None = None,
+    per: list[PerGpu] | None = None, budget: Budget | None = None, peaks: dict | None = None,
 ) -> dict:
     """The JSON document: the config, how bytes were counted, each strategy's numbers, and totals if asked."""
     doc = {
+        "schema_version": SCHEMA_VERSION,
         "config": config_record(config),
         "accounting": {"exact": accounting.exact, "device": accounting.device},
         "strategies": {
@@ -107,17 +115,24 @@ def to_json(
         },
     }
     if per is not None:
-        doc["per_gpu"] = per_gpu_json(config, per, budget, peaks or {})
+        doc["per_gpu"] = per_gpu_json(config, per, budget or budget_for(None, None, None), peaks or {})
     return doc
 
 
-def per_gpu_json(config: ModelConfig, per: list[PerGpu], budget: int, peaks: dict) -> dict:
+def per_gpu_json(config: ModelConfig, per: list[PerGpu], device: Budget, peaks: dict) -> dict:
     """Per-GPU totals: for each strategy the verdict, each bounding stage term by term, and (one
     stage) the step's peak and steady state from the timeline, or why they are not modelled."""
-    from memcalc.sizing.states import total_params
+    from memcalc.sizing.states import padded_vocab, total_params
 
+    budget = device.bytes
     return {
-        "device_memory_bytes": budget,
+        "gpu": device.source,
+        "device_memory_bytes": device.device_bytes,
+        "reserve_bytes": device.reserve_bytes,
+        "budget_bytes": budget,
+        "gpus": config.gpus,
+        "microbatches": config.microbatches,
+        "padded_vocab": padded_vocab(config, config.t),
         "parameters": total_params(config),
         "strategies": {
             p.strategy.name: {

@@ -8,17 +8,23 @@ from typing import Any
 import click
 
 from memcalc.cli.options import (
-    ByteSize, accounting_options, layout_options, model_from, model_options, strategy_names, strategy_option,
+    ByteSize, accounting_options, device_options, layout_options, model_from, model_options, strategy_names,
+    strategy_option,
 )
+from memcalc.config.gpus import budget_for
 from memcalc.config.schema import ModelConfig, build_config, choices, config_record
-from memcalc.errors import ConfigError
+from memcalc.errors import ConfigError, DoesNotFit
 from memcalc.sizing.fit import COUNTS, SOLVES, Candidate, Fit, fit
 from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import STRATEGIES
+from memcalc.schemas import SCHEMA_VERSION
 from memcalc.units import human_bytes
 
 RECOMPUTES = choices("recompute")  # none, selective, full
-_WHAT = {"b": "largest micro-batch b", "s": "largest sequence length s", "t": "smallest tensor-parallel size t"}
+_WHAT = {
+    "b": "largest micro-batch b", "s": "largest sequence length s", "t": "smallest tensor-parallel size t",
+    "pp": "smallest pipeline-parallel size pp", "cp": "smallest context-parallel size cp",
+}
 _COUNTED = {
     "total": "the per-GPU total (activations + model states) of the most loaded pipeline stage",
     "activations": "activations only (layers, embedding, output and loss) of the most loaded pipeline stage",
@@ -30,7 +36,11 @@ _COUNTED = {
 @layout_options
 @strategy_option
 @accounting_options
-@click.option("--budget", type=ByteSize(), required=True, help="Memory of one GPU, e.g. 80GiB or 40GB.")
+@click.option(
+    "--budget", type=ByteSize(), default=None,
+    help="Bytes PyTorch's allocator may use on one GPU, e.g. 76GiB; or give --gpu (its memory less --reserve).",
+)
+@device_options
 @click.option("--solve", type=click.Choice(SOLVES), default="b", show_default=True, help="What to solve for.")
 @click.option(
     "--count", type=click.Choice(COUNTS), default="total", show_default=True,
@@ -38,18 +48,22 @@ _COUNTED = {
 )
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of a table.")
 def command(
-    strategy: str, exact: bool, device: str, budget: int, solve: str, count: str, as_json: bool, **params: Any
+    strategy: str, exact: bool, device: str, budget: int | None, gpu: str | None, device_memory: int | None,
+    reserve: int | None, solve: str, count: str, as_json: bool, **params: Any,
 ) -> None:
     """For each strategy and recompute choice: the largest micro-batch b (or
-    sequence length s) that fits --budget, or the smallest t; with what is left over.
+    sequence length s) that fits --budget, or the smallest t, pp or cp; with what
+    is left over. With --gpus, each candidate derives its own dp = gpus/(t*pp*cp).
 
     Answers are exact: the answer fits by `memcalc estimate --totals` and the next
     valid value does not. Recompute none, selective and full are each tried
-    unless --recompute picks one. Exits 2 if nothing fits.
+    unless --recompute picks one. Exits 3 if nothing fits (2 is bad input).
 
     \b
     Example: memcalc fit --config gpt3-175b --budget 80GiB --solve b
+             memcalc fit --config llama3-70b --gpus 64 --gpu h100-80gb --pp 4 --solve t
     """
+    budget = _budget(budget, gpu, device_memory, reserve)
     config = model_from(params)
     accounting = Accounting(exact=exact, device=device)
     fits = _fit_all(config, strategy, params.get("recompute"), solve, budget, accounting, count)
@@ -59,6 +73,16 @@ def command(
         click.echo(json.dumps(to_json(config, solve, count, budget, fits), indent=2))
         return
     _print(config, solve, count, budget, fits, strategy)
+
+
+def _budget(budget: int | None, gpu: str | None, device_memory: int | None, reserve: int | None) -> int:
+    """--budget as given (already what the allocator may use), or the GPU's memory less the reserve."""
+    device = (gpu, device_memory, reserve)
+    if budget is not None and any(x is not None for x in device):
+        raise ConfigError("give --budget, or --gpu/--device-memory/--reserve, not both")
+    if budget is None and all(x is None for x in device):
+        raise ConfigError("give --budget SIZE or --gpu NAME (the memory one GPU offers)")
+    return budget if budget is not None else budget_for(gpu, device_memory, reserve).bytes
 
 
 def _fit_all(
@@ -91,7 +115,7 @@ def _nothing_fits(fits: list[Fit], solve: str, budget: int, count: str) -> None:
         raise ConfigError(f"no valid {solve}: {fits[0].beyond.reason if fits[0].beyond else 'no candidate'}")
     cheapest = min(valid, key=lambda f: f.beyond.bytes)
     needs = cheapest.beyond.bytes
-    raise ConfigError(
+    raise DoesNotFit(
         f"nothing fits in {human_bytes(budget)} per GPU: the cheapest candidate, {cheapest.strategy.name} with"
         f" recompute {cheapest.recompute} at {solve}={cheapest.beyond.value}, needs {human_bytes(needs)}"
         f" ({human_bytes(needs - budget)} over, counting {count})"
@@ -105,6 +129,7 @@ def _candidate_json(p: Candidate | None) -> dict | None:
 def to_json(config: ModelConfig, solve: str, count: str, budget: int, fits: list[Fit]) -> dict:
     """The JSON document: what was solved and counted, and each row's answer with the candidate past it."""
     return {
+        "schema_version": SCHEMA_VERSION,
         "config": config_record(config),
         "solve": solve,
         "count": count,

@@ -11,6 +11,7 @@ from memcalc.cli.knobs import knobs_from
 from memcalc.cli.options import accounting_options, config_option, knob_options, strategy_names, strategy_option
 from memcalc.model.knobs import Accounting, Knobs
 from memcalc.model.strategy import STRATEGIES
+from memcalc.schemas import SCHEMA_VERSION
 
 
 @click.command("formula")
@@ -48,6 +49,7 @@ def command(strategy: str, exact: bool, device: str, fmt: str, **params: Any) ->
 
 def _json(F: Any, formulas: list, knobs: Knobs, accounting: Accounting) -> dict:
     return {
+        "schema_version": SCHEMA_VERSION,
         "knobs": knobs.__dict__,
         "accounting": accounting.__dict__,
         "symbols": {n: F.MEANINGS[n] for n in F.symbols_in([lf.total for lf in formulas])},

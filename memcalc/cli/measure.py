@@ -11,6 +11,7 @@ import click
 from memcalc.cli.options import model_from, model_options, strategy_names, strategy_option
 from memcalc.config.schema import ModelConfig, config_record
 from memcalc.errors import ConfigError, ProbeError
+from memcalc.schemas import SCHEMA_VERSION
 
 if TYPE_CHECKING:  # torch: only when the command runs
     from rich.table import Table
@@ -136,6 +137,7 @@ def to_json(config: ModelConfig, results: list[StrategyMeasurement]) -> dict:
     """
     strategies = {m.strategy.name: _strategy_json(m) for m in results}
     return {
+        "schema_version": SCHEMA_VERSION,
         "config": config_record(config),
         "match": all(m.matches for m in results),
         "predicted_bytes": sum(m.predicted_bytes for m in results),

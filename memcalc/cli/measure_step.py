@@ -12,6 +12,7 @@ import click
 
 from memcalc.config.schema import ModelConfig, config_record
 from memcalc.errors import ConfigError, ProbeError
+from memcalc.schemas import SCHEMA_VERSION
 
 if TYPE_CHECKING:  # torch: only when the command runs
     from rich.table import Table
@@ -59,6 +60,7 @@ def _check_flags(device: str, launch: str, backend: str | None, layer: str | Non
 def to_json(config: ModelConfig, results: list[StepComparison]) -> dict[str, Any]:
     """The config, and per strategy: how it ran, the moment of the peak, and each category predicted and measured."""
     return {
+        "schema_version": SCHEMA_VERSION,
         "config": config_record(config),
         "match": all(r.matches for r in results),
         "strategies": {r.strategy.name: _strategy_json(r) for r in results},

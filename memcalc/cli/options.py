@@ -12,16 +12,20 @@ from typing import Any, Callable
 
 import click
 
+from memcalc.config.gpus import DEFAULT_GPU, DEFAULT_RESERVE, GPUS
 from memcalc.config.schema import SIZES, ModelConfig, load_config, load_yaml
 from memcalc.errors import ConfigError
 from memcalc.model.impls import strategies_of
 from memcalc.model.strategy import STRATEGIES
 from memcalc.model.knobs import KNOBS, Knob
-from memcalc.units import parse_bytes
+from memcalc.units import human_bytes, parse_bytes
 
 SIZE_FLAGS = SIZES
 KNOB_FLAGS = tuple(k.name for k in KNOBS)
-LAYOUT_FLAGS = ("pp", "vpp", "dp", "cp", "distributed_optimizer", "vocab_size", "tie_embeddings")
+LAYOUT_FLAGS = (
+    "pp", "vpp", "dp", "cp", "distributed_optimizer", "vocab_size", "tie_embeddings",
+    "gpus", "num_microbatches", "global_batch_size", "make_vocab_size_divisible_by",
+)
 STRATEGY_CHOICES = ("all", *STRATEGIES)
 
 
@@ -93,7 +97,18 @@ layout_options = _stack(
     click.option(
         "--tie-embeddings/--untie-embeddings", default=None, help="Output layer shares the embedding [default: tied]."
     ),
+    click.option("--gpus", type=int, help="GPUs in the job: dp is derived as gpus/(t*pp*cp), which must be whole."),
+    click.option(
+        "--num-microbatches", type=int,
+        help="Micro-batches per step; fewer than pp caps what a stage keeps in flight [default: enough to fill it].",
+    ),
+    click.option("--global-batch-size", type=int, help="Sequences per step: micro-batches = it/(dp*b)."),
+    click.option(
+        "--make-vocab-size-divisible-by", type=int,
+        help="Pad v up to a multiple of this times t, as Megatron-LM does [default: 128].",
+    ),
 )
+
 
 model_options = _stack(config_option, hf_config_option, size_options, knob_options)
 
@@ -110,6 +125,22 @@ class ByteSize(click.ParamType):
             return parse_bytes(value)
         except ConfigError as exc:
             self.fail(str(exc), param, ctx)
+
+
+device_options = _stack(
+    click.option(
+        "--gpu", type=click.Choice(list(GPUS)), default=None,
+        help=f"The GPU, for its usable memory as its driver reports it [default: {DEFAULT_GPU}].",
+    ),
+    click.option(
+        "--device-memory", type=ByteSize(), default=None, help="Memory of one GPU, instead of --gpu's (e.g. 80GiB).",
+    ),
+    click.option(
+        "--reserve", type=ByteSize(), default=None,
+        help="What PyTorch's allocator does not see (CUDA context, NCCL buffers, fragmentation), taken off the"
+        f" device memory [default: {human_bytes(DEFAULT_RESERVE)}].",
+    ),
+)
 
 
 def model_from(params: dict[str, Any]) -> ModelConfig:

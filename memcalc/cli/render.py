@@ -15,6 +15,7 @@ from memcalc.text import for_rich
 from memcalc.units import human_bytes
 
 if TYPE_CHECKING:  # per-GPU totals load only when --totals asks for them
+    from memcalc.config.gpus import Budget
     from memcalc.sizing.totals import PerGpu, StageTotal
 
 console = Console()
@@ -84,14 +85,18 @@ def breakdown_table(results: list[LayerEstimate]) -> Table:
 
 def describe_layout(config: ModelConfig) -> str:
     """One line naming the parallel layout and what the model's ends and parameters are."""
-    from memcalc.sizing.states import total_params
+    from memcalc.sizing.states import padded_vocab, total_params
 
     c = config
     schedule = f"interleaved 1F1B, vpp={c.vpp}" if c.vpp else "1F1B" if c.pp > 1 else "no pipelining"
     optimizer = f"distributed optimizer over dp*cp={c.dp * c.cp}" if c.distributed_optimizer else "optimizer unsharded"
     tied = "tied" if c.tie_embeddings else "untied"
+    gpus = f"{c.gpus} GPUs = t*pp*cp*dp = {c.t}*{c.pp}*{c.cp}*{c.dp}, " if c.gpus is not None else ""
+    steps = f", {c.microbatches} micro-batches per step" if c.microbatches is not None else ""
+    padded = padded_vocab(c, c.t)
+    vocab = f"vocab {c.vocab_size}" + (f" padded to {padded}" if padded != c.vocab_size else "")
     return (
-        f"layout: pp={c.pp} ({schedule}), dp={c.dp}, cp={c.cp}, {optimizer} | vocab {c.vocab_size} ({tied}),"
+        f"layout: {gpus}pp={c.pp} ({schedule}), dp={c.dp}, cp={c.cp}{steps}, {optimizer} | {vocab} ({tied}),"
         f" {c.position_embedding_type} positions | {total_params(c):,} parameters"
     )
 
@@ -101,14 +106,18 @@ def headroom(budget: int, used: int) -> str:
     return f"{human_bytes(budget - used)} left" if used <= budget else f"{human_bytes(used - budget)} over"
 
 
-def print_totals(config: ModelConfig, per: list[PerGpu], budget: int, peaks: dict | None = None) -> None:
+def print_totals(config: ModelConfig, per: list[PerGpu], device: Budget, peaks: dict | None = None) -> None:
     """A table per bounding pipeline stage, every term by name, a verdict per strategy, and the step's peak."""
     console.print(describe_layout(config), highlight=False)
     for i, stage in enumerate(per[0].stages):
         console.print(stage_table([p.stages[i] for p in per], [p.strategy.name for p in per]))
         where = "" if stage.stage.name == "only" else f"{stage.stage.name} stage: "
         console.print(f"[dim]{where}{stage.stage.schedule}[/dim]")
-    console.print(f"Fits in {human_bytes(budget)} per GPU?")
+    budget = device.bytes
+    console.print(
+        f"Fits in {human_bytes(budget)} per GPU? ({device.source}: {human_bytes(device.device_bytes)}, less a"
+        f" {human_bytes(device.reserve_bytes)} reserve for what the allocator does not see)", highlight=False,
+    )
     for p in per:
         worst, used = p.worst(), p.bytes()
         where = f" ({worst.stage.name} stage)" if worst.stage.name != "only" else ""
@@ -117,6 +126,10 @@ def print_totals(config: ModelConfig, per: list[PerGpu], budget: int, peaks: dic
             f" {headroom(budget, used)}",
             highlight=False,
         )
+    unmodelled = {peak for peak in (peaks or {}).values() if isinstance(peak, str)}
+    if len(unmodelled) == 1 and len(peaks or {}) > 1 and all(isinstance(x, str) for x in peaks.values()):
+        console.print(f"[dim]  the step's peak is not modelled here ({for_rich(unmodelled.pop())})[/dim]")
+        return
     for name, peak in (peaks or {}).items():
         if isinstance(peak, str):
             console.print(f"[dim]  {name}: the step's peak is not modelled here ({for_rich(peak)})[/dim]")

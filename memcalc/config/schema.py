@@ -15,7 +15,7 @@ costs a third of that and validates the same way.
 
 from __future__ import annotations
 
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -108,6 +108,10 @@ class ModelConfig(Knobs):
     dp: int = _size("data-parallel size", 1)
     cp: int = _size("context-parallel size", 1)
     distributed_optimizer: bool = _flag(False, "shard optimizer states over dp*cp")
+    gpus: int | None = _optional_size("GPUs in the job; dp is then derived as gpus/(t*pp*cp)")
+    num_microbatches: int | None = _optional_size("micro-batches per step on each data-parallel rank")
+    global_batch_size: int | None = _optional_size("sequences per step; micro-batches = global_batch_size/(dp*b)")
+    make_vocab_size_divisible_by: int = _size("Megatron-LM pads v up to a multiple of this times t", 128)
 
     @property
     def ffn(self) -> int:
@@ -123,6 +127,15 @@ class ModelConfig(Knobs):
     def positions(self) -> int:
         """Rows of a learned position table: max_position_embeddings, else s."""
         return self.max_position_embeddings if self.max_position_embeddings is not None else self.s
+
+    @property
+    def microbatches(self) -> int | None:
+        """Micro-batches per step: num_microbatches, or global_batch_size/(dp*b); None if neither is given."""
+        if self.num_microbatches is not None:
+            return self.num_microbatches
+        if self.global_batch_size is not None:
+            return self.global_batch_size // (self.dp * self.b)
+        return None
 
     def as_dict(self, exclude_none: bool = False) -> dict[str, Any]:
         """The fields as a plain mapping (for JSON, or to build a changed config)."""
@@ -184,10 +197,33 @@ def with_library_defaults(fields: dict[str, Any]) -> dict[str, Any]:
 
 def build_config(fields: dict[str, Any]) -> ModelConfig:
     """Validate `fields` into a config, or raise ConfigError naming the field and rule."""
-    config = validate_fields(fields)
+    config = derive_dp(validate_fields(fields), dp_given="dp" in fields)
     check_divisibility(config)
     check_layout(config)
     return config
+
+
+def derive_dp(config: ModelConfig, dp_given: bool) -> ModelConfig:
+    """With `gpus`, dp is what the other parallel sizes leave: gpus/(t*pp*cp), which must be whole.
+
+    A dp given as well must agree; one left out is derived. Without `gpus`, the config is unchanged.
+    """
+    c = config
+    if c.gpus is None:
+        return c
+    model = c.t * c.pp * c.cp
+    if c.gpus % model:
+        raise ConfigError(
+            f"gpus={c.gpus} is not divisible by t*pp*cp={c.t}*{c.pp}*{c.cp}={model}"
+            f" (dp = gpus/(t*pp*cp) must be whole; {c.gpus % model} GPUs left over)"
+        )
+    dp = c.gpus // model
+    if dp_given and c.dp != dp:
+        raise ConfigError(
+            f"t*pp*cp*dp={c.t}*{c.pp}*{c.cp}*{c.dp}={model * c.dp} is not gpus={c.gpus}"
+            f" (leave dp out to derive it: {dp})"
+        )
+    return replace(c, dp=dp)
 
 
 def validate_fields(fields: dict[str, Any]) -> ModelConfig:
@@ -273,6 +309,18 @@ def check_layout(config: ModelConfig) -> None:
                 " which never keeps the s x s scores)"
             )
         _divides(2 * c.cp, "2*cp", c.s, "s", "each context-parallel rank takes one early and one late chunk of 2*cp")
+    if c.global_batch_size is not None:
+        why = "each data-parallel rank runs whole micro-batches of b sequences"
+        _divides(c.dp * c.b, f"dp*b={c.dp}*{c.b}", c.global_batch_size, "global_batch_size", why)
+        derived = c.global_batch_size // (c.dp * c.b)
+        if c.num_microbatches is not None and c.num_microbatches != derived:
+            raise ConfigError(
+                f"num_microbatches={c.num_microbatches} is not global_batch_size/(dp*b)"
+                f"={c.global_batch_size}/({c.dp}*{c.b})={derived} (give one of them)"
+            )
+    if c.vpp is not None and c.microbatches is not None:
+        why = "Megatron-LM's interleaved schedule runs micro-batches in groups of pp"
+        _divides(c.pp, "pp", c.microbatches, "num_microbatches", why)
     if c.position_embedding_type == "learned_absolute" and c.s > c.positions:
         raise ConfigError(
             f"s={c.s} exceeds max_position_embeddings={c.positions} (a learned table has one row per position)"

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from memcalc.config.gpus import GPUS
+from memcalc.units import human_bytes
 from memcalc.model import overlap
 from memcalc.model.comm import formula, layer_collectives
 from memcalc.model.knobs import Knobs
@@ -60,7 +62,11 @@ def _overlap() -> str:
     methods = [f"| `{m.name}` | `{m.flag}` | {m.kind} | {m.what} |" for m in overlap.METHODS.values()]
     pairs = [f"| `{name}` {phase} | `{gemm}` | {', '.join(f'`{x}`' for x in options)} |"
              for name, phase, _, gemm, options in overlap.PAIRS]
-    gpus = [f"| `{g.name}` | {g.tflops:g} | {g.link_gb_s:g} |" for g in overlap.GPUS.values()]
+    gpus = [
+        f"| `{g.name}` | {g.tflops:g} | {g.link_gb_s:g} | {g.memory_bytes:,} ({human_bytes(g.memory_bytes)}) |"
+        f" {g.memory_source} |"
+        for g in GPUS.values()
+    ]
     return "\n".join([
         "## Overlapping communication with GEMMs (`memcalc comm --overlap`)",
         "",
@@ -77,9 +83,11 @@ def _overlap() -> str:
         "|---|---|---|",
         *pairs,
         "",
-        "GPU presets (`--gpu`; `--peak-tflops` and `--link-gbps` override), vendors' peak numbers:",
+        "GPU presets (`--gpu`; `--peak-tflops` and `--link-gbps` override), vendors' peak numbers, and the usable"
+        " memory `estimate --totals` and `fit` take (less `--reserve`), as the driver reports it"
+        " (`memcalc/config/gpus.py`):",
         "",
-        "| preset | dense 16-bit TFLOPS | link GB/s, one way |",
-        "|---|---|---|",
+        "| preset | dense 16-bit TFLOPS | link GB/s, one way | usable bytes | from |",
+        "|---|---|---|---|---|",
         *gpus,
     ])

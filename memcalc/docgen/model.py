@@ -101,7 +101,7 @@ and formula.py. Do not edit by hand: change the code and regenerate. -->
 
 memcalc counts the bytes of activations one GPU keeps for backward in one transformer layer. A
 tensor is an activation exactly when some operator's backward reads it: a dropout keeps its mask,
-GELU its input, softmax its output. Each such tensor is described once in `memcalc/ledger.py`;
+GELU its input, softmax its output. Each such tensor is described once in `memcalc/model/ledger.py`;
 the knobs decide which of them a layer keeps, and a strategy decides which dimension it splits
 across the t tensor-parallel ranks. All L layers keep L times one layer's bytes.
 

@@ -72,6 +72,13 @@ class LayerEstimate:
     def total_bytes(self) -> int:
         return self.per_layer_bytes * self.layers
 
+    def __repr__(self) -> str:
+        """One line for a notebook: the generated repr would print every tensor of the ledger."""
+        from memcalc.units import human_bytes
+
+        return (f"<LayerEstimate {self.strategy.name}: {human_bytes(self.per_layer_bytes)} per layer,"
+                f" {human_bytes(self.total_bytes)} for {self.layers} layers, {len(self.tensors)} tensors>")
+
 
 def check_strategy(config: ModelConfig, strategy: Strategy) -> Strategy:
     """The strategy as the config's implementation runs it; refuse what it cannot lay out (SP needs t | s)."""

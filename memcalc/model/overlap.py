@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
+from memcalc.config.gpus import Gpu
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError
 from memcalc.model.comm import layer_collectives, sent_bytes
@@ -72,24 +73,6 @@ METHODS: dict[str, Method] = {m.name: m for m in (
 )}
 DEFAULT = ("ring-ag", "pipelined-rs", "bulk-dgrad", "bulk-wgrad")  # tp_comm_overlap alone: TE's defaults
 DEFAULT_SPLITS = 4
-
-
-@dataclass(frozen=True)
-class Gpu:
-    """Peak dense 16-bit throughput and one direction of the tensor-parallel link, as vendors state them."""
-
-    name: str
-    tflops: float
-    link_gb_s: float
-
-
-GPUS: dict[str, Gpu] = {g.name: g for g in (
-    Gpu("a100", 312.0, 300.0),  # NVLink 3: 600 GB/s both ways
-    Gpu("h100", 989.0, 450.0),  # NVLink 4: 900 GB/s both ways
-    Gpu("h200", 989.0, 450.0),
-    Gpu("b200", 2250.0, 900.0),  # NVLink 5: 1.8 TB/s both ways
-    Gpu("mi300x", 1307.0, 448.0),  # 7 Infinity Fabric links of 64 GB/s
-)}
 
 
 @dataclass(frozen=True)

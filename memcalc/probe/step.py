@@ -53,6 +53,7 @@ from memcalc.probe.linear import ColumnParallelLinear
 from memcalc.probe.mappings import f_star_leave_tp, split_seq
 from memcalc.probe.norm import Norm
 from memcalc.probe.recorder import batch_first, label
+from memcalc.sizing.states import vocab_shard
 from memcalc.sizing.timeline import (
     ACTIVATIONS, CATEGORIES, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, Timeline, timeline,
 )
@@ -85,7 +86,7 @@ class Embedding(nn.Module):
     """Megatron's LanguageModelEmbedding: vocabulary-parallel word embedding, learned positions, dropout.
 
     (b, s) token ids -> (s, b, h), or this rank's sequence shard (s/t, b, h) under SP.
-    Each rank holds ceil(v/t) rows of the table; ids outside its rows look up row 0 and
+    Each rank holds v_padded/t rows of the table; ids outside its rows look up row 0 and
     are zeroed, and f* (or, under SP, the split after it) sums the ranks' rows.
     """
 
@@ -93,7 +94,7 @@ class Embedding(nn.Module):
         super().__init__()
         dtype = DTYPES[config.dtype]
         self.tp, self.sequence_parallel, self.dropout = tp, sequence_parallel, config.dropout
-        self.rows = -(-config.vocab_size // tp.size)  # the vocabulary padded up to a multiple of t
+        self.rows = vocab_shard(config, tp.size)  # as Megatron-LM pads the vocabulary (sizing.states)
         generator = torch.Generator().manual_seed(WEIGHT_SEED)
         full = torch.randn(self.rows * tp.size, config.h, generator=generator) * 0.02
         # copied: a view would keep the whole table's storage behind this rank's rows (fp32 `to` is a no-op)

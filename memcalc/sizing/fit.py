@@ -1,4 +1,4 @@
-"""What fits a memory budget: the largest micro-batch b or sequence s, or the smallest t.
+"""What fits a memory budget: the largest micro-batch b or sequence s, or the smallest t, pp or cp.
 
 Every answer is an exact integer found by evaluating the same per-GPU totals
 `memcalc estimate --totals` prints (`memcalc.sizing.totals.per_gpu`), never by
@@ -12,6 +12,10 @@ valid value does not.
 - t: the total need not be monotonic in t (replicated terms stay put), and the
   valid t are few (divisors of a that pass every divisibility rule), so each is
   tried, smallest first. "none" splits nothing by t, so it has no answer.
+- pp and cp: the same search over the divisors of L (pp) or s/2 (cp: 2cp | s),
+  smallest first, since each extra stage or context rank is a GPU taken from
+  data parallelism. With `gpus` fixed, each candidate derives its own dp =
+  gpus/(t*pp*cp), and a candidate that does not divide the GPUs is invalid.
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import Strategy
 from memcalc.sizing.divisors import divisors
 from memcalc.sizing.totals import per_gpu
+from memcalc.units import human_bytes
 
-SOLVES = ("b", "s", "t")
+SOLVES = ("b", "s", "t", "pp", "cp")
 COUNTS = ("total", "activations")
 _SEARCH_LIMIT = 2**48  # a guard: no real budget fits this many tokens or micro-batches
 
@@ -61,6 +66,15 @@ class Fit:
     answer: Candidate | None
     beyond: Candidate | None
 
+    def __repr__(self) -> str:
+        """One line for a notebook: the answer and the candidate past it, in bytes a person reads."""
+        def shown(c: Candidate | None) -> str:
+            if c is None:
+                return "none"
+            return f"{self.solve}={c.value} " + (f"needs {human_bytes(c.bytes)}" if c.bytes is not None else "invalid")
+
+        return f"<Fit {self.strategy.name}, recompute {self.recompute}: {shown(self.answer)}; next {shown(self.beyond)}>"
+
 
 def sequence_step(config: ModelConfig, strategy: Strategy) -> int:
     """s must be a multiple of this: 2*cp under context parallelism, and t*cp under sequence parallelism.
@@ -76,16 +90,20 @@ def fit(
     config: ModelConfig, strategy: Strategy, solve: str, budget: int,
     accounting: Accounting = Accounting(), count: str = "total",
 ) -> Fit:
-    """The largest b or s, or the smallest t, whose per-GPU bytes (`count`) are at most `budget`."""
+    """The largest b or s, or the smallest t, pp or cp, whose per-GPU bytes (`count`) are at most `budget`."""
     def try_value(value: int) -> Candidate:
         try:
-            candidate = build_config(config.as_dict() | {solve: value})
+            fields = config.as_dict() | {solve: value}
+            if config.gpus is not None:
+                del fields["dp"]  # derived again from gpus/(t*pp*cp) for this candidate
+            candidate = build_config(fields)
             return Candidate(value, per_gpu(candidate, strategy, accounting).bytes(count))
         except ConfigError as exc:
             return Candidate(value, None, str(exc))
 
-    if solve == "t":
-        answer, beyond = _smallest_t(config, try_value, budget)
+    if solve in _SPLITS:
+        name, size = _SPLITS[solve](config)
+        answer, beyond = _smallest(solve, name, size, try_value, budget)
     else:
         step = sequence_step(config, strategy) if solve == "s" else 1
         answer, beyond = _largest(lambda k: try_value(k * step), budget)
@@ -109,22 +127,30 @@ def _largest(try_value: Callable[[int], Candidate], budget: int) -> tuple[Candid
     return (try_value(lo) if lo else None), try_value(hi)
 
 
-def _smallest_t(
-    config: ModelConfig, try_value: Callable[[int], Candidate], budget: int
-) -> tuple[Candidate | None, Candidate | None]:
-    """The smallest valid t that fits, and the valid t just below it (or the cheapest, if none fits).
+# What each split must divide: t | a, pp | L, and cp | s/2 (each context rank takes two chunks of 2cp).
+_SPLITS: dict[str, Callable[[ModelConfig], tuple[str, int]]] = {
+    "t": lambda c: ("a", c.a),
+    "pp": lambda c: ("L", c.L),
+    "cp": lambda c: ("s/2", max(c.s // 2, 1)),
+}
 
-    Candidates are the divisors of a, from its prime factors, smallest first;
+
+def _smallest(
+    solve: str, name: str, size: int, try_value: Callable[[int], Candidate], budget: int
+) -> tuple[Candidate | None, Candidate | None]:
+    """The smallest valid value that fits, and the valid value just below it (or the cheapest, if none fits).
+
+    Candidates are the divisors of `size`, from its prime factors, smallest first;
     the search stops at the first that fits.
     """
     valid: list[Candidate] = []
-    for t in divisors(config.a):
-        p = try_value(t)
+    for value in divisors(size):
+        p = try_value(value)
         if p.bytes is None:
             continue
         if p.fits(budget):
             return p, (valid[-1] if valid else None)
         valid.append(p)
     if not valid:
-        raise ConfigError(f"no t that divides a={config.a} makes a valid config")
+        raise ConfigError(f"no {solve} that divides {name}={size} makes a valid config")
     return None, min(valid, key=lambda p: p.bytes)

@@ -18,8 +18,13 @@ so a rank's peak is its warm-up forwards plus one:
 
 The middle stages hold fewer micro-batches than the first and no model ends,
 so the first and the last stage bound every GPU. The counts are the steady
-state of a step with more than p micro-batches (gradient accumulation); with
-p or fewer a schedule keeps fewer, so they are upper bounds.
+state of a step with enough micro-batches m to fill the warm-up. A step with
+fewer keeps fewer: under 1F1B rank r warms up with min(p - r - 1, m) forwards,
+so the first stage keeps min(p, m) micro-batches. Interleaved, Megatron-LM
+needs p | m, and with m = p it sets `all_warmup_microbatches`: every rank runs
+all m*vpp chunk forwards before any backward, so the first and the last stage
+both keep m*vpp, m of them the embedding's (or the output layer's) chunk.
+With m unknown (None) the steady state is assumed.
 """
 
 from __future__ import annotations
@@ -47,29 +52,42 @@ class Stage:
         return self.output_in_flight > 0
 
 
-def stages(L: int, pp: int, vpp: int | None) -> tuple[Stage, ...]:
+def stages(L: int, pp: int, vpp: int | None, microbatches: int | None = None) -> tuple[Stage, ...]:
     """The stages that bound per-GPU memory: the only one, or the first and the last.
 
-    Expects a validated layout (pp divides L, or pp*vpp does when interleaved).
+    Expects a validated layout (pp divides L, or pp*vpp does when interleaved, and then pp divides
+    `microbatches`). `microbatches` caps what a stage keeps when the step is shorter than the warm-up.
     """
+    m = microbatches
     if pp == 1:
         return (Stage("only", L, L, 1, 1, "no pipelining: one micro-batch at a time"),)
     if vpp is None:
         per_stage = L // pp
+        kept = pp if m is None else min(pp, m)
+        why = "" if kept == pp else f" (a step of only {m}: all forwards before any backward)"
         return (
-            Stage("first", per_stage, per_stage * pp, pp, 0, f"1F1B keeps {pp} micro-batches of {per_stage} layers"),
+            Stage(
+                "first", per_stage, per_stage * kept, kept, 0,
+                f"1F1B keeps {kept} micro-batch{'es' if kept > 1 else ''} of {per_stage} layers{why}",
+            ),
             Stage("last", per_stage, per_stage, 0, 1, f"1F1B keeps 1 micro-batch of {per_stage} layers"),
         )
     chunk = L // (pp * vpp)
-    first, last = pp * vpp + pp - 1, (vpp - 1) * pp + 1
+    first, last, embedding, output = pp * vpp + pp - 1, (vpp - 1) * pp + 1, 2 * pp, 1
+    why = ""
+    if m is not None and m <= pp:  # pp | m, so m == pp: Megatron-LM runs every forward as warm-up, on every rank
+        first = last = m * vpp
+        embedding = output = m
+        why = f" (a step of only {m} micro-batches: every forward before any backward)"
     return (
         Stage(
-            "first", chunk * vpp, chunk * first, 2 * pp, 0,
+            "first", chunk * vpp, chunk * first, embedding, 0,
             f"interleaved 1F1B keeps {first} chunk-micro-batches of {chunk} layers,"
-            f" {2 * pp} of them the embedding's chunk",
+            f" {embedding} of them the embedding's chunk{why}",
         ),
         Stage(
-            "last", chunk * vpp, chunk * last, 0, 1,
-            f"interleaved 1F1B keeps {last} chunk-micro-batches of {chunk} layers, 1 of them the output layer's chunk",
+            "last", chunk * vpp, chunk * last, 0, output,
+            f"interleaved 1F1B keeps {last} chunk-micro-batches of {chunk} layers,"
+            f" {output} of them the output layer's chunk{why}",
         ),
     )

@@ -5,7 +5,7 @@ reason it is (or is not) split by tensor parallelism: Megatron-LM's
 column-parallel weights (QKV, fc1, the vocabulary-parallel embedding and
 output layer) and row-parallel weights (projection, fc2) are split by t; norm
 weights, row-parallel biases and a learned position table are whole on every
-rank. A vocabulary that t does not divide is padded up to the next multiple.
+rank. The vocabulary is padded as Megatron-LM pads it (`padded_vocab`).
 
 Bytes per parameter follow mixed-precision Adam as Megatron-LM lays it out
 (its `theoretical_memory_usage.py`): bf16 weights (2), fp32 gradients (4), an
@@ -24,9 +24,17 @@ from memcalc.model.knobs import DTYPE_BYTES
 from memcalc.sizing.pipeline import Stage
 
 
+def padded_vocab(config: ModelConfig, t: int) -> int:
+    """v as Megatron-LM pads it (`_vocab_size_with_padding`): up to a multiple of
+    make_vocab_size_divisible_by * t, so each of t shards is whole and a multiple of the divisor
+    (128 by default, for GEMM tiles). The padded rows are real weights, gradients and logits."""
+    step = config.make_vocab_size_divisible_by * t
+    return -(-config.vocab_size // step) * step
+
+
 def vocab_shard(config: ModelConfig, t: int) -> int:
-    """Rows of the vocabulary one of t ranks holds: v/t, with v padded up to a multiple of t."""
-    return -(-config.vocab_size // t)
+    """Rows of the padded vocabulary one of t ranks holds."""
+    return padded_vocab(config, t) // t
 
 
 def _norm_params(config: ModelConfig) -> int:
@@ -100,9 +108,10 @@ def group_params(config: ModelConfig, stage: Stage, t: int) -> dict[str, int]:
 
 
 def total_params(config: ModelConfig) -> int:
-    """Distinct parameters in the whole model: as one stage, where a tied output layer is the embedding."""
+    """Distinct parameters in the whole model, as published: as one stage, where a tied output layer is
+    the embedding, and without the vocabulary's padding (rows that cost memory but are never a token)."""
     whole = {"layer": config.L, "first": 1, "last": 1}
-    one_stage = replace(config, pp=1, vpp=None)
+    one_stage = replace(config, pp=1, vpp=None, make_vocab_size_divisible_by=1)
     return sum(whole[g.where] * g.count(one_stage, 1) for g in PARAM_GROUPS)
 
 

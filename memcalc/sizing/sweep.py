@@ -350,6 +350,14 @@ class SweepResult:
     def rows(self) -> int:
         return len(self.per_layer)
 
+    def __repr__(self) -> str:
+        """One line for a notebook: the generated repr would print the grid's arrays."""
+        skipped = sum(s.count for s in self.skipped)
+        strategies = ", ".join(st.name for st in self.sweep.strategies)
+        name = f" {self.sweep.name}:" if self.sweep.name else ""
+        return (f"<SweepResult{name} {self.rows:,} rows of {self.sweep.rows:,} configurations"
+                f" ({skipped:,} skipped); strategies {strategies}>")
+
     def row(self, i: int) -> dict[str, Any]:
         """Row `i` as the CSV columns (memcalc.sizing.sweep_output.CSV_COLUMNS) -> Python values."""
         sizes = {name: int(getattr(self.grid, name).ravel()[self.index[k][i]]) for k, name in enumerate(SIZES)}

@@ -18,6 +18,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from memcalc.model.knobs import KNOBS, Accounting
+from memcalc.schemas import SCHEMA_VERSION
 from memcalc.sizing.sweep import SIZES, SweepResult
 
 # A row's text is built as a (rows, width) byte matrix, one slice per field,
@@ -184,6 +185,7 @@ def json_chunks(result: SweepResult, chunk_rows: int = CHUNK_ROWS) -> Iterator[t
     """
     sweep = result.sweep
     head = {
+        "schema_version": SCHEMA_VERSION,
         "model": sweep.name,
         "knobs": asdict(sweep.knobs),
         "accounting": accounting_label(sweep.accounting),

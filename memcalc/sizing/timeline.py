@@ -52,14 +52,14 @@ from typing import Callable
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError
 from memcalc.model import ledger
-from memcalc.model.evaluate import dim_sizes, estimate, rank_shape
+from memcalc.model.evaluate import estimate, rank_shape
 from memcalc.model.impls import megatron
 from memcalc.model.knobs import DTYPE_BYTES, Accounting, element_bytes
 from memcalc.model.ledger import Dim, Kind, Region, SavedTensor
 from memcalc.model.strategy import Strategy
 from memcalc.sizing.pipeline import stages
 from memcalc.sizing.states import group_params, state_bytes, vocab_shard
-from memcalc.sizing.totals import end_tensors
+from memcalc.sizing.totals import end_sizes, end_tensors
 
 PARAMETERS, GRADIENTS, OPTIMIZER, ACTIVATIONS, TEMPORARIES = (
     "parameters", "gradients", "optimizer states", "activations", "temporaries",
@@ -294,7 +294,7 @@ class _Ends:
     def __init__(self, config: ModelConfig, strategy: Strategy, accounting: Accounting, z: _Sizes) -> None:
         self.z = z
         self.tied = config.tie_embeddings
-        sizes = dim_sizes(config)
+        sizes = end_sizes(config, strategy)
         tp = z.t > 1
         extra = (
             *((VOCAB_MASK,) if tp else ()),

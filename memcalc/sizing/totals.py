@@ -23,9 +23,9 @@ from memcalc.model import ledger
 from memcalc.model.evaluate import LayerEstimate, dim_sizes, estimate, rank_shape
 from memcalc.model.impls.base import drop_small
 from memcalc.model.knobs import Accounting, element_bytes
-from memcalc.model.ledger import SavedTensor
+from memcalc.model.ledger import Dim, SavedTensor
 from memcalc.sizing.pipeline import Stage, stages
-from memcalc.sizing.states import group_params, state_bytes
+from memcalc.sizing.states import group_params, padded_vocab, state_bytes
 from memcalc.model.strategy import Strategy
 
 ACTIVATIONS, STATES = "activations", "model states"
@@ -42,9 +42,14 @@ def end_tensors(config: ModelConfig, accounting: Accounting, stage: str) -> tupl
     return drop_small(kept, accounting)
 
 
+def end_sizes(config: ModelConfig, strategy: Strategy) -> dict[Dim, int]:
+    """The dimensions of the model's ends: the layer's, with the vocabulary as Megatron-LM pads it."""
+    return dim_sizes(config) | {Dim.V: padded_vocab(config, strategy.weight_shards(config.t))}
+
+
 def end_bytes(x: SavedTensor, config: ModelConfig, strategy: Strategy, accounting: Accounting) -> int:
-    """Bytes one rank keeps of `x` for one micro-batch (the vocabulary padded up to a multiple of t)."""
-    shape = rank_shape(x, strategy, dim_sizes(config), config.t)
+    """Bytes one rank keeps of `x` for one micro-batch (logits span the padded vocabulary)."""
+    shape = rank_shape(x, strategy, end_sizes(config, strategy), config.t)
     return element_bytes(x.kind, config, accounting) * prod(shape)
 
 
@@ -86,13 +91,22 @@ class PerGpu:
     def bytes(self, count: str = "total") -> int:
         return self.worst(count).bytes(count)
 
+    def __repr__(self) -> str:
+        """One line for a notebook: the generated repr would print every term of every stage."""
+        from memcalc.units import human_bytes
+
+        worst = self.worst()
+        return (f"<PerGpu {self.strategy.name}: {human_bytes(self.bytes())} on stage {worst.stage.name!r}"
+                f" (of {len(self.stages)}), activations {human_bytes(worst.bytes(ACTIVATIONS))},"
+                f" model states {human_bytes(worst.bytes(STATES))}>")
+
 
 def per_gpu(config: ModelConfig, strategy: Strategy, accounting: Accounting = Accounting()) -> PerGpu:
     """Per-GPU memory of `config` under `strategy`, for the first and last pipeline stages (or the only one)."""
     layer = estimate(config, strategy, accounting)
     rebuilt = _rebuilt_layer_bytes(config, strategy, accounting, layer)
     return PerGpu(strategy, layer, tuple(
-        _stage_total(config, strategy, accounting, x, layer, rebuilt) for x in stages(config.L, config.pp, config.vpp)
+        _stage_total(config, strategy, accounting, x, layer, rebuilt) for x in stages(config.L, config.pp, config.vpp, config.microbatches)
     ))
 
 

@@ -81,16 +81,19 @@ def test_hf_config_works_with_fit():
     assert answers[("tp-sp", "selective")] in (1, 2, 4, 8, 16, 32)
 
 
-def test_nothing_fits_is_one_line_saying_by_how_much():
+def test_nothing_fits_is_one_line_saying_by_how_much_and_exits_3_not_2():
     run = memcalc_cli("fit", "--config", "gpt3-22b", "--budget", "20GiB")
-    one_line_error(run, "nothing fits in 20.00 GiB per GPU",
-                    "the cheapest candidate, tp-sp with recompute full at b=1", "GiB over, counting total")
+    assert (run.code, run.out, run.err.count("\n")) == (3, "", 1), run.err
+    for needle in ("nothing fits in 20.00 GiB per GPU", "the cheapest candidate, tp-sp with recompute full at b=1",
+                   "GiB over, counting total"):
+        assert needle in run.err
 
 
 @pytest.mark.parametrize("args,needles", [
     (["--budget", "80GiB", "--solve", "t", "--strategy", "none"], ["no t to solve for"]),
     (["--budget", "eighty"], ["'--budget'", "cannot read 'eighty' as a size"]),
-    (["--solve", "b"], ["Missing option '--budget'"]),
+    (["--solve", "b"], ["give --budget SIZE or --gpu NAME"]),
+    (["--budget", "80GiB", "--gpu", "h200"], ["give --budget, or --gpu/--device-memory/--reserve, not both"]),
 ])
 def test_bad_requests_are_one_line(args, needles):
     one_line_error(memcalc_cli("fit", *GPT3, *args), *needles)

@@ -6,7 +6,8 @@ from click.testing import CliRunner
 from memcalc.cli import cli
 from memcalc.config.schema import build_config
 from memcalc.errors import ConfigError
-from memcalc.model.overlap import DEFAULT, GPUS, Pairing, buffer_bytes, chosen, exposed, pairings, resolve
+from memcalc.config.gpus import GPUS
+from memcalc.model.overlap import DEFAULT, Pairing, buffer_bytes, chosen, exposed, pairings, resolve
 from memcalc.model.strategy import TP, TP_SP
 
 GPT = build_config(dict(b=1, s=2048, h=12288, a=96, t=8, L=96))
@@ -36,7 +37,7 @@ def test_bulk_overlap_hides_up_to_the_whole_gemm():
 
 
 def test_the_default_set_overlaps_every_collective_of_a_layer():
-    rows = pairings(GPT, TP_SP, GPUS["h100"])
+    rows = pairings(GPT, TP_SP, GPUS["h100-80gb"])
     assert len(rows) == 10 and all(chosen(p.methods, frozenset(DEFAULT)) for p in rows)
 
 
@@ -54,7 +55,7 @@ def test_userbuffers_hold_the_global_input_per_gemm_and_a_ring_reduce_scatter_ke
 
 def test_overlap_needs_sequence_parallelism_and_megatron():
     with pytest.raises(ConfigError, match="sequence parallelism"):
-        pairings(GPT, TP, GPUS["h100"])
+        pairings(GPT, TP, GPUS["h100-80gb"])
     with pytest.raises(ConfigError, match="unknown overlap method 'ring'"):
         resolve(["ring"])
 

@@ -1,0 +1,328 @@
+"""JSON Schemas (draft 2020-12) of every document memcalc prints or writes as JSON.
+
+Scripts read `--json` output by key; a key renamed or dropped breaks them
+silently. So each document says which shape it has (`schema_version`, bumped
+when a key changes meaning or goes away), and the shape is written down here,
+as plain data that `json.dumps(SCHEMAS[name])` publishes unchanged. The tests
+validate each command's real output against its schema, and the top-level
+objects forbid keys the schema does not name, so a key added in code and not
+here fails a test instead of going undocumented.
+
+The CLI imports this module for SCHEMA_VERSION on every `--json` run, so it
+is data alone and imports nothing beyond `typing`.
+
+    estimate        memcalc estimate --json (and --totals: adds `per_gpu`)
+    formula         memcalc formula --format json
+    comm            memcalc comm --json
+    comm-overlap    memcalc comm --overlap METHODS --json
+    measure         memcalc measure --json
+    measure-step    memcalc measure --step --json
+    fit             memcalc fit --json
+    sweep           memcalc sweep --format json (or --out FILE.json)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+SCHEMA_VERSION = 1
+DIALECT = "https://json-schema.org/draft/2020-12/schema"
+
+Schema = dict[str, Any]
+
+# Building blocks. Bytes and sizes are integers: memcalc counts bytes exactly.
+INT: Schema = {"type": "integer"}
+COUNT: Schema = {"type": "integer", "minimum": 0}
+POSITIVE: Schema = {"type": "integer", "minimum": 1}
+NUMBER: Schema = {"type": "number"}
+TEXT: Schema = {"type": "string"}
+FLAG: Schema = {"type": "boolean"}
+STRATEGY: Schema = {"enum": ["none", "tp", "tp-sp"]}
+SHAPE: Schema = {"type": "array", "items": COUNT}
+
+
+def _nullable(schema: Schema) -> Schema:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def _object(properties: dict[str, Schema], optional: tuple[str, ...] = (), closed: bool = True) -> Schema:
+    """An object with these keys, all required but `optional`; closed: no other keys."""
+    schema: Schema = {
+        "type": "object",
+        "properties": properties,
+        "required": [k for k in properties if k not in optional],
+    }
+    if closed:
+        schema["additionalProperties"] = False
+    return schema
+
+
+def _by_strategy(schema: Schema) -> Schema:
+    """An object keyed by strategy name (none, tp, tp-sp), each value of `schema`."""
+    return {"type": "object", "propertyNames": STRATEGY, "additionalProperties": schema, "minProperties": 1}
+
+
+def _document(properties: dict[str, Schema], title: str, optional: tuple[str, ...] = ()) -> Schema:
+    """A top-level document: the dialect, a title, `schema_version` first, no unnamed keys."""
+    body = _object({"schema_version": {"const": SCHEMA_VERSION}, **properties}, optional)
+    return {"$schema": DIALECT, "title": title, **body}
+
+
+# The model's knobs, as `formula` prints them (size knobs null unless set) and as a config carries them.
+KNOBS: Schema = _object({
+    "impl": {"enum": ["megatron", "torchtitan", "hf"]},
+    "mlp": TEXT,
+    "ffn_hidden_size": _nullable(POSITIVE),
+    "attention": TEXT,
+    "num_query_groups": _nullable(POSITIVE),
+    "norm": TEXT,
+    "dropout": {"type": "number", "minimum": 0, "maximum": 1},
+    "recompute": {"enum": ["none", "selective", "full"]},
+    "dtype": TEXT,
+    "bias_activation_fusion": FLAG,
+})
+
+# The config a command ran: every ModelConfig field (unset optional ones left out), with the MLP
+# width and K/V groups as used. A test checks these keys against ModelConfig's fields.
+CONFIG: Schema = _object(
+    {
+        **KNOBS["properties"],
+        "ffn_hidden_size": POSITIVE,
+        "num_query_groups": POSITIVE,
+        "name": TEXT,
+        "description": TEXT,
+        "b": POSITIVE, "s": POSITIVE, "h": POSITIVE, "a": POSITIVE, "t": POSITIVE, "L": POSITIVE,
+        "vocab_size": POSITIVE,
+        "make_vocab_size_divisible_by": POSITIVE,
+        "tie_embeddings": FLAG,
+        "position_embedding_type": {"enum": ["learned_absolute", "rope"]},
+        "max_position_embeddings": POSITIVE,
+        "add_bias_linear": FLAG,
+        "add_qkv_bias": FLAG,
+        "pp": POSITIVE, "vpp": {"type": "integer", "minimum": 2}, "dp": POSITIVE, "cp": POSITIVE,
+        "distributed_optimizer": FLAG,
+        "gpus": POSITIVE,
+        "num_microbatches": POSITIVE,
+        "global_batch_size": POSITIVE,
+    },
+    # The fields whose default is None, left out unless set.
+    optional=("name", "description", "max_position_embeddings", "vpp", "gpus", "num_microbatches", "global_batch_size"),
+)
+
+ACCOUNTING: Schema = _object({"exact": FLAG, "device": {"enum": ["cuda", "cpu"]}})
+
+# --totals: one pipeline stage, term by term, and the step's peak (or why it is not modelled).
+STAGE: Schema = _object(
+    {
+        "stage": TEXT,
+        "layers": COUNT,
+        "layer_activations_kept": COUNT,
+        "total_bytes": COUNT,
+        "parameters": COUNT,
+        "parameter_groups": {"type": "object", "additionalProperties": COUNT},
+        "terms": {"type": "array", "items": _object({"name": TEXT, "group": TEXT, "bytes": COUNT, "note": TEXT})},
+        "peak_bytes": COUNT,
+        "peak_moment": TEXT,
+        "peak_by_category": {"type": "object", "additionalProperties": COUNT},
+        "steady_bytes": COUNT,
+        "peak_not_modelled": TEXT,
+    },
+    optional=("peak_bytes", "peak_moment", "peak_by_category", "steady_bytes", "peak_not_modelled"),
+)
+
+PER_GPU: Schema = _object({
+    "gpu": TEXT,  # the preset's name, or "--device-memory"
+    "device_memory_bytes": COUNT,
+    "reserve_bytes": COUNT,
+    "budget_bytes": INT,  # device memory less the reserve
+    "gpus": _nullable(POSITIVE),
+    "microbatches": _nullable(POSITIVE),
+    "padded_vocab": POSITIVE,
+    "parameters": COUNT,
+    "strategies": _by_strategy(_object({
+        "total_bytes": COUNT,
+        "worst_stage": TEXT,
+        "fits": FLAG,
+        "headroom_bytes": INT,  # negative when it does not fit
+        "stages": {"type": "array", "items": STAGE, "minItems": 1},
+    })),
+})
+
+ESTIMATE: Schema = _document(
+    {
+        "config": CONFIG,
+        "accounting": ACCOUNTING,
+        "strategies": _by_strategy(_object({
+            "per_layer_bytes": COUNT,
+            "total_bytes": COUNT,
+            "ratio_to_none": NUMBER,
+            "tensors": {"type": "array", "items": _object(
+                {"name": TEXT, "bytes": COUNT, "shape": SHAPE, "saved_by": TEXT}
+            )},
+        })),
+        "per_gpu": PER_GPU,
+    },
+    "memcalc estimate --json",
+    optional=("per_gpu",),
+)
+
+FORMULA: Schema = _document(
+    {
+        "knobs": KNOBS,
+        "accounting": ACCOUNTING,
+        "symbols": {"type": "object", "additionalProperties": TEXT},
+        "strategies": _by_strategy(_object({
+            "formula": TEXT, "latex": TEXT, "sympy": TEXT,
+            "terms": {"type": "array", "items": _object(
+                {"name": TEXT, "formula": TEXT, "latex": TEXT, "paper": FLAG}
+            )},
+        })),
+    },
+    "memcalc formula --format json",
+)
+
+COMM: Schema = _document(
+    {
+        "config": CONFIG,
+        "microbatches": POSITIVE,
+        "strategies": _by_strategy(_object({
+            "per_layer_bytes": COUNT,
+            "per_step_bytes": COUNT,
+            "pipeline_bytes": COUNT,
+            "formula": TEXT,
+            "collectives": {"type": "array", "items": _object({
+                "name": TEXT, "operator": TEXT, "op": TEXT, "phase": {"enum": ["forward", "backward"]},
+                "moves": TEXT, "shape": {"type": "array", "items": TEXT}, "bytes_sent": COUNT, "why": TEXT,
+            })},
+        })),
+    },
+    "memcalc comm --json",
+)
+
+_SECONDS = {"gemm_s": NUMBER, "comm_s": NUMBER, "exposed_without_s": NUMBER, "exposed_s": NUMBER}
+COMM_OVERLAP: Schema = _document(
+    {
+        "gpu": _object({
+            "name": TEXT, "memory_bytes": COUNT, "memory_source": TEXT, "tflops": NUMBER, "link_gb_s": NUMBER,
+        }),
+        "methods": {"type": "array", "items": TEXT},
+        "num_splits": POSITIVE,
+        "collectives": {"type": "array", "items": _object(
+            {"collective": TEXT, "gemm": TEXT, "method": _nullable(TEXT), "bytes_sent": COUNT, **_SECONDS}
+        )},
+        "per_layer": _object(_SECONDS),
+        "userbuffer_bytes": {"type": "object", "additionalProperties": COUNT},
+        "userbuffer_total_bytes": COUNT,
+        "note": TEXT,
+    },
+    "memcalc comm --overlap METHODS --json",
+)
+
+_MEASURED_TENSOR = {
+    "name": TEXT, "predicted": COUNT, "measured": COUNT,
+    "predicted_shape": _nullable(SHAPE), "measured_shape": _nullable(SHAPE), "match": FLAG,
+}
+_COLLECTIVE_SEEN: Schema = {"type": "array", "items": {"type": ["string", "integer"]}}  # (op, pass, bytes), or empty
+MEASURE: Schema = _document(
+    {
+        "config": CONFIG,
+        "match": FLAG,
+        "predicted_bytes": COUNT,
+        "measured_bytes": COUNT,
+        "tensors": {"type": "array", "items": _object({"strategy": STRATEGY, **_MEASURED_TENSOR})},
+        "strategies": _by_strategy(_object({
+            "layer": TEXT,
+            "cuda_like": {"type": "array", "items": TEXT},
+            "launch": TEXT,
+            "group": TEXT,
+            "device": TEXT,
+            "t": POSITIVE,
+            "ranks_compared": POSITIVE,
+            "how": TEXT,
+            "predicted_bytes": COUNT,
+            "measured_bytes": COUNT,
+            "match": FLAG,
+            "differences": {"type": "array", "items": TEXT},
+            "tensors": {"type": "array", "items": _object(_MEASURED_TENSOR)},
+            "cuda": _nullable(_object({"kept": INT, "peak": INT})),
+            "collectives": {"type": "array", "items": _object(
+                {"name": TEXT, "predicted": _COLLECTIVE_SEEN, "measured": _COLLECTIVE_SEEN, "match": FLAG}
+            )},
+        })),
+    },
+    "memcalc measure --json",
+)
+
+_PAIR: Schema = _object({"predicted": INT, "measured": INT})
+MEASURE_STEP: Schema = _document(
+    {
+        "config": CONFIG,
+        "match": FLAG,
+        "strategies": _by_strategy(_object({
+            "launch": TEXT,
+            "t": POSITIVE,
+            "how": TEXT,
+            "match": FLAG,
+            "differences": {"type": "array", "items": TEXT},
+            "moment": _object({"predicted": TEXT, "measured": TEXT, "match": FLAG, "what": TEXT}),
+            "peak_bytes": _PAIR,
+            "steady_bytes": _PAIR,
+            "peak": {"type": "object", "additionalProperties": _PAIR},
+            "steady": {"type": "object", "additionalProperties": _PAIR},
+            "live_at_peak": {"type": "array", "items": _object(
+                {"name": TEXT, "category": TEXT, "bytes": COUNT, "why": TEXT}
+            )},
+        })),
+    },
+    "memcalc measure --step --json",
+)
+
+# A candidate value: its bytes, or null with the rule that makes it invalid.
+_CANDIDATE: Schema = _nullable(_object({"value": POSITIVE, "bytes": _nullable(COUNT), "invalid": _nullable(TEXT)}))
+FIT: Schema = _document(
+    {
+        "config": CONFIG,
+        "solve": {"enum": ["b", "s", "t"]},
+        "count": {"enum": ["total", "activations"]},
+        "budget_bytes": COUNT,
+        "results": {"type": "array", "items": _object({
+            "strategy": STRATEGY,
+            "recompute": {"enum": ["none", "selective", "full"]},
+            "answer": _CANDIDATE,
+            "left_over_bytes": _nullable(COUNT),
+            "beyond": _CANDIDATE,
+        })},
+    },
+    "memcalc fit --json",
+)
+
+# One list per column, all of length `rows` (JSON Schema cannot say "equal lengths"; the tests do).
+_SWEEP_COLUMNS = {name: {"type": "array", "items": POSITIVE} for name in ("b", "s", "h", "a", "t", "L")}
+SWEEP: Schema = _document(
+    {
+        "model": _nullable(TEXT),
+        "knobs": KNOBS,
+        "accounting": {"enum": ["paper", "exact-cuda", "exact-cpu"]},
+        "configurations": COUNT,
+        "skipped": {"type": "array", "items": _object({"rule": TEXT, "count": POSITIVE, "example": TEXT})},
+        "rows": COUNT,
+        "columns": _object({
+            **_SWEEP_COLUMNS,
+            "strategy": {"type": "array", "items": STRATEGY},
+            "per_layer_bytes": {"type": "array", "items": COUNT},
+            "total_bytes": {"type": "array", "items": COUNT},
+        }),
+    },
+    "memcalc sweep --format json",
+)
+
+SCHEMAS: dict[str, Schema] = {
+    "estimate": ESTIMATE,
+    "formula": FORMULA,
+    "comm": COMM,
+    "comm-overlap": COMM_OVERLAP,
+    "measure": MEASURE,
+    "measure-step": MEASURE_STEP,
+    "fit": FIT,
+    "sweep": SWEEP,
+}
