@@ -152,8 +152,18 @@ def model_from(params: dict[str, Any]) -> ModelConfig:
     overrides = {k: params.get(k) for k in SIZE_FLAGS + KNOB_FLAGS + LAYOUT_FLAGS}
     config = load_config(path, overrides, base=fields)
     if note is not None:
-        click.echo(f"memcalc: {note}", err=True)
+        click.echo(f"memcalc: {note}{_defaulted_knobs(config, fields, overrides)}", err=True)
     return config
+
+
+def _defaulted_knobs(config: ModelConfig, fields: dict[str, Any], overrides: dict[str, Any]) -> str:
+    """The knobs config.json cannot say (the attention kernel, ...) and no flag set: the implementation's
+    defaults, or the seed's, named so that every assumed value is on the line."""
+    taken = [
+        f"{k.name}={getattr(config, k.name)}"
+        for k in KNOBS if k.name not in fields and overrides.get(k.name) is None and getattr(config, k.name) is not None
+    ]
+    return f"; defaults (impl {config.impl}'s, else the seed's): {', '.join(taken)}" if taken else ""
 
 
 def file_fields(params: dict[str, Any]) -> tuple[dict[str, Any], Path | None, str | None]:

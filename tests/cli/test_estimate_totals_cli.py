@@ -157,3 +157,9 @@ def test_totals_say_where_the_steps_peak_is_not_modelled():
     run = memcalc_cli("estimate", "--config", "llama3-70b", "--totals", "--json")
     (stage,) = json.loads(run.out)["per_gpu"]["strategies"]["tp-sp"]["stages"]
     assert "peak_bytes" not in stage and "swiglu" in stage["peak_not_modelled"]
+
+
+def test_hf_config_names_the_attention_kernel_it_takes_from_the_implementation():
+    run = memcalc_cli("estimate", "--hf-config", "tests/data/hf/llama2-7b.json", "--impl", "hf", "--json")
+    assert run.err.count("\n") == 1 and "defaults (impl hf's, else the seed's): attention=flash" in run.err
+    assert json.loads(run.out)["config"]["attention"] == "flash"  # transformers' default: SDPA
