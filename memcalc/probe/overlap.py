@@ -212,7 +212,7 @@ def ring_scattered_gemm(x: torch.Tensor, weight: torch.Tensor, tp: TensorParalle
     the sum on. What is left after the last step is this rank's chunk, summed over all.
     """
     rows = tp.divide(x.shape[0], "sequence length (dim 0)")  # s/t
-    hop = None
+    hop = arriving = None  # no hop before the first step
     for step in range(tp.size):
         chunk = reduced_chunk(tp.rank, step, tp.size)
         summed = F.linear(x.narrow(0, chunk * rows, rows), weight)  # (s/t, b, out): this rank's partial

@@ -15,7 +15,6 @@ from memcalc.errors import ConfigError  # noqa: E402
 from memcalc.model import ledger  # noqa: E402
 from memcalc.model.evaluate import estimate  # noqa: E402
 from memcalc.model.knobs import Accounting  # noqa: E402
-from memcalc.model.strategy import STRATEGIES  # noqa: E402
 from memcalc.probe import measure as measure_module  # noqa: E402
 from memcalc.probe.group import single  # noqa: E402
 from memcalc.probe.layer import TransformerLayer  # noqa: E402
