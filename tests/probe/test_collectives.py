@@ -14,7 +14,9 @@ from memcalc.probe.overlap import NO_OVERLAP, Overlap  # noqa: E402
 
 TINY = {"b": 2, "s": 16, "h": 64, "a": 8}
 KNOB_SETS = [{}, {"recompute": "full"}, {"recompute": "selective", "attention": "flash", "mlp": "swiglu"},
-             {"a": 16, "num_query_groups": 8, "dropout": 0.0, "norm": "rmsnorm"}]
+             {"a": 16, "num_query_groups": 8, "dropout": 0.0, "norm": "rmsnorm"},
+             {"dtype": "fp32", "mlp": "swiglu", "bias_activation_fusion": True},
+             {"dtype": "fp16", "attention": "flash", "recompute": "full", "mlp": "swiglu"}]
 
 
 def _comm_rows(t, mode, knobs, overlap=NO_OVERLAP, names=("tp", "tp-sp")):
