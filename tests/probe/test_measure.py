@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 torch = pytest.importorskip("torch")
 
 from memcalc.config.schema import build_config  # noqa: E402
@@ -51,15 +52,6 @@ def _combinations(knobs):
 def _matrix():
     core, mlp_side = _combinations(CORE_KNOBS), _combinations(MLP_SIDE_KNOBS)
     return [knobs | mlp_side[i % len(mlp_side)] for i, knobs in enumerate(core)]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: one intra-op thread is faster, and kinder to a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _config(t, gqa_groups, knobs):

@@ -4,6 +4,7 @@ import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("torchtitan")
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 import torch  # noqa: E402
 
@@ -22,15 +23,6 @@ LLAMA3 = {
     "norm": "rmsnorm", "mlp": "swiglu", "attention": "flash", "dropout": 0.0, "recompute": "none",
 }
 GQA = {"num_query_groups": 2}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: one intra-op thread is faster, and kinder to a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _measured(knobs: dict, t: int, strategy: str, mode: str = "fake") -> list:
