@@ -9,8 +9,9 @@ from memcalc.errors import ConfigError
 from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import STRATEGIES
 from memcalc.sizing import totals
+from memcalc.sizing.timeline.ends import LOSS_WORKING_SET
 from memcalc.sizing.timeline import (
-    ACTIVATIONS, GRADIENTS, LOSS_WORKING_SET, OPTIMIZER, PARAMETERS, STEP_TENSORS, TEMPORARIES, timeline,
+    ACTIVATIONS, GRADIENTS, OPTIMIZER, PARAMETERS, STEP_TENSORS, TEMPORARIES, timeline,
 )
 
 # b*a/t = 8 and 16 < s <= 128 with s a multiple of 4: Megatron's fused softmax runs.

@@ -1,0 +1,163 @@
+"""One Megatron-style transformer layer in the step: its saved tensors in forward, and its backward op by op."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from memcalc.config.schema import ModelConfig
+from memcalc.model import ledger
+from memcalc.model.impls import megatron
+from memcalc.model.ledger import SavedTensor
+from memcalc.sizing.timeline.ops import (
+    Release, column_parallel_backward, dropout_backward, norm_backward, residual_sum, row_parallel_backward,
+)
+from memcalc.sizing.timeline.tape import ACTIVATIONS, TEMPORARIES, Sizes, Tape
+
+# The layer tensors this module knows when each is freed; a layer that keeps another one is not modelled yet.
+LAYER_NAMES = frozenset(x.name for x in (
+    *ledger.LN1, *ledger.LN2, ledger.QKV_IN, ledger.Q, ledger.K, ledger.V, ledger.SOFTMAX_OUT,
+    ledger.ATTN_DROPOUT_MASK, ledger.ATTN_DROPOUT_OUT, ledger.PROJ_IN, ledger.ATTN_OUT_DROPOUT_MASK,
+    ledger.FC1_IN, ledger.GELU_IN, ledger.FC2_IN, ledger.MLP_DROPOUT_MASK, megatron.CAUSAL_MASK, megatron.SOFTMAX_FP32,
+))
+
+
+# -- what a timeline is ------------------------------------------------------------------------------
+
+
+_WHY_SAVED = "kept for backward (the ledger); freed when the op that keeps it has run backward"
+
+
+def layer_forward(tape: Tape, i: int, saved: dict[str, int], z: Sizes) -> None:
+    """The layer's saved tensors (all but its input, live already) as one term, and its output."""
+    own = sum(n for name, n in saved.items() if name != ledger.LN1.input.name)
+    tape.add(f"layers.{i}/saved", ACTIVATIONS, own, "what the layer keeps for backward (the ledger), but its input")
+    tape.add(f"layers.{i + 1}/ln1/input", ACTIVATIONS, z.seq(z.h), "the layer's output, the next block's input")
+    tape.mark("forward", f"layers.{i}", "the layer's saved tensors")
+
+
+def layer_backward(tape: Tape, i: int, saved: dict[str, int], z: Sizes, config: ModelConfig) -> None:
+    """The layer's backward, op by op, as autograd runs memcalc's own layer (memcalc.probe.layer)."""
+    p = f"layers.{i}"
+    tape.drop(f"{p}/saved")
+    for name, n in saved.items():
+        if name != ledger.LN1.input.name:
+            tape.add(f"{p}/{name}", ACTIVATIONS, n, _WHY_SAVED)
+    grad = f"grad/{p}/output"
+
+    def release(*tensors: SavedTensor) -> None:
+        tape.drop(*(f"{p}/{x.name}" for x in tensors))
+
+    bias = config.add_bias_linear
+    # MLP half: dropout, fc2 (row-parallel), GELU, fc1 (column-parallel), ln2, the residual sum.
+    branch = dropout_backward(tape, z, p, grad, ledger.MLP_DROPOUT_MASK, saved, release, "the MLP")
+    dx = f"grad/{p}/fc2 input"
+    row_parallel_backward(tape, z, f"{p}.mlp.fc2", branch, grad, z.h * z.f_t, z.full(z.f_t), dx)
+    release(ledger.FC2_IN)
+    tape.add(f"grad/{p}/gelu input", TEMPORARIES, z.full(z.f_t), "GELU's backward: dY times GELU'(x)")
+    tape.mark("backward", f"{p}.mlp", "GELU")
+    release(ledger.GELU_IN)
+    tape.drop(dx)
+    dx = f"grad/{p}/fc1 input"
+    column_parallel_backward(
+        tape, z, f"{p}.mlp.fc1", f"grad/{p}/gelu input", z.f_t * z.h, z.f_t if bias else 0, dx,
+        f"{p}/{ledger.FC1_IN.name}",
+    )
+    after_norm = f"grad/{p}/ln2 input (norm)"
+    norm_backward(tape, z, f"{p}.ln2", dx, ledger.LN2, p, after_norm)
+    mid = f"grad/{p}/ln2 input"
+    residual_sum(tape, z, f"{p}.ln2", grad, after_norm, mid)
+    # Attention half: dropout, the projection (row-parallel), the core, QKV (column-parallel), ln1, the sum.
+    branch = dropout_backward(tape, z, p, mid, ledger.ATTN_OUT_DROPOUT_MASK, saved, release, "attention")
+    dx = f"grad/{p}/proj input"
+    row_parallel_backward(tape, z, f"{p}.attention.proj", branch, mid, z.h * z.h_t, z.full(z.h_t), dx)
+    release(ledger.PROJ_IN)
+    dqkv = _core_attention_backward(tape, z, p, dx, saved, release)
+    dx = f"grad/{p}/qkv input"
+    qkv_bias = z.qkv_t if config.add_bias_linear or config.add_qkv_bias else 0
+    column_parallel_backward(
+        tape, z, f"{p}.attention.qkv", dqkv, z.qkv_t * z.h, qkv_bias, dx, f"{p}/{ledger.QKV_IN.name}",
+    )
+    after_norm = f"grad/{p}/ln1 input (norm)"
+    norm_backward(tape, z, f"{p}.ln1", dx, ledger.LN1, p, after_norm)
+    out = f"grad/{p}/ln1 input"
+    residual_sum(tape, z, f"{p}.ln1", mid, after_norm, out)
+    if i > 0:
+        tape.live[f"grad/layers.{i - 1}/output"] = replace(tape.live.pop(out), name=f"grad/layers.{i - 1}/output")
+    else:
+        tape.live["grad/layers.0/ln1/input"] = replace(tape.live.pop(out), name="grad/layers.0/ln1/input")
+
+
+def _core_attention_backward(
+    tape: Tape, z: Sizes, p: str, dcontext: str, saved: dict[str, int], release: Release,
+) -> str:
+    """softmax(QK^T / sqrt(d)) V backward, op by op (memcalc.probe.attention.eager_core); returns dQKV's name."""
+    where = f"{p}.attention"
+    bass = z.act * z.b * z.a_t * z.s * z.s  # (b, a/t, s, s)
+    basd = z.act * z.b * z.a_t * z.s * z.d  # (b, a/t, s, d)
+    g = f"grad/{p}"
+    tape.add(f"{g}/v", TEMPORARIES, basd, "weights x V's backward: dV = weights^T dY")
+    tape.add(f"{g}/attention weights", TEMPORARIES, bass, "weights x V's backward: dWeights = dY V^T")
+    tape.mark("backward", where, "weights x V: dV and dWeights")
+    if ledger.ATTN_DROPOUT_OUT.name in saved:
+        release(ledger.V, ledger.ATTN_DROPOUT_OUT)
+    elif megatron.SOFTMAX_FP32.name in saved:
+        release(ledger.V, ledger.SOFTMAX_OUT)  # the fp32 softmax's 16-bit cast: weights x V alone keeps it
+    else:
+        release(ledger.V)  # the softmax output: the softmax keeps it too
+    tape.drop(dcontext)
+    weights = f"{g}/attention weights"
+    if ledger.ATTN_DROPOUT_MASK.name in saved:
+        tape.add(f"{g}/softmax output", TEMPORARIES, bass, "attention dropout's backward: dY times the mask")
+        tape.mark("backward", where, "attention dropout")
+        release(ledger.ATTN_DROPOUT_MASK)
+        tape.drop(weights)
+        weights = f"{g}/softmax output"
+    fused = megatron.CAUSAL_MASK.name not in saved
+    if not fused:
+        _unfused_softmax_backward(tape, z, where, g, weights, saved, release)
+    else:
+        tape.add(f"{g}/scores", TEMPORARIES, bass, "softmax's backward: S' * (dY - sum(dY * S'))")
+        tape.mark("backward", where, "softmax")
+        release(ledger.SOFTMAX_OUT)
+        tape.drop(weights)
+    tape.add(f"{g}/q", TEMPORARIES, basd, "QK^T's backward: dQ = dScores K, then scaled (a new tensor)")
+    tape.add(f"{g}/k unscaled", TEMPORARIES, basd, "QK^T's backward: dK = dScores^T Q")
+    tape.add(f"{g}/k", TEMPORARIES, basd, "dK scaled by 1/sqrt(d), a new tensor")
+    tape.mark("backward", where, "QK^T: dQ and dK")
+    release(ledger.Q, ledger.K)
+    tape.drop(f"{g}/scores", f"{g}/k unscaled")
+    dqkv = f"{g}/qkv output"
+    tape.add(dqkv, TEMPORARIES, z.full(z.qkv_t),
+             "q, k and v were split from one QKV output: their gradients concatenated")
+    tape.mark("backward", where, "dQ, dK, dV concatenated into the QKV output's gradient")
+    tape.drop(f"{g}/q", f"{g}/k", f"{g}/v")
+    return dqkv
+
+
+def _unfused_softmax_backward(
+    tape: Tape, z: Sizes, where: str, g: str, grad: str, saved: dict[str, int], release: Release,
+) -> None:
+    """Megatron's forward_torch_softmax backward (outside the fused kernel's sizes, or in fp32): the gradient
+    cast up to fp32, softmax's backward in fp32, masked_fill's (a new tensor), the cast back down."""
+    bass = z.b * z.a_t * z.s * z.s
+    sixteen_bit = megatron.SOFTMAX_FP32.name in saved
+    if sixteen_bit:
+        tape.add(f"{g}/softmax fp32 output", TEMPORARIES, 4 * bass, "the cast's backward: dY up to fp32")
+        tape.mark("backward", where, "the softmax output's cast")
+        tape.drop(grad)
+        grad = f"{g}/softmax fp32 output"
+    width = 4 if sixteen_bit else z.act
+    tape.add(f"{g}/masked scores", TEMPORARIES, width * bass, "softmax's backward: S' * (dY - sum(dY * S'))")
+    tape.mark("backward", where, "softmax")
+    release(megatron.SOFTMAX_FP32 if sixteen_bit else ledger.SOFTMAX_OUT)
+    tape.drop(grad)
+    tape.add(f"{g}/wide scores", TEMPORARIES, width * bass, "masked_fill's backward: the masked gradient zeroed")
+    tape.mark("backward", where, "the causal mask")
+    release(megatron.CAUSAL_MASK)
+    tape.drop(f"{g}/masked scores")
+    if sixteen_bit:
+        tape.add(f"{g}/scores", TEMPORARIES, z.act * bass, "the scores' cast to fp32: its backward casts back")
+        tape.mark("backward", where, "the scores' cast")
+        tape.drop(f"{g}/wide scores")
+    else:
+        tape.live[f"{g}/scores"] = replace(tape.live.pop(f"{g}/wide scores"), name=f"{g}/scores")

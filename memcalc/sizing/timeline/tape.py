@@ -1,0 +1,154 @@
+"""The tape a step is walked on: what is live, the moments it makes, and the sizes one rank works with.
+
+Categories are MemTracker's (`memcalc.probe.step`): a tensor made in forward is an
+activation until freed, one made in backward a temporary, a weight's bf16 gradient a
+temporary until autograd hands it to the parameter, the fp32 gradient buffer a gradient,
+master weights and Adam's moments optimizer states.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memcalc.config.schema import ModelConfig
+from memcalc.model.knobs import DTYPE_BYTES
+from memcalc.model.strategy import Strategy
+from memcalc.sizing.states import vocab_shard
+
+PARAMETERS, GRADIENTS, OPTIMIZER, ACTIVATIONS, TEMPORARIES = (
+    "parameters", "gradients", "optimizer states", "activations", "temporaries",
+)
+CATEGORIES = (PARAMETERS, GRADIENTS, OPTIMIZER, ACTIVATIONS, TEMPORARIES)
+
+
+@dataclass(frozen=True)
+class Live:
+    """One tensor (or one block's saved tensors together) live at a moment."""
+
+    name: str
+    category: str  # one of CATEGORIES
+    bytes: int
+    why: str
+
+
+@dataclass(frozen=True)
+class Moment:
+    """What is live right after one op allocates its outputs, before anything it frees is freed."""
+
+    phase: str  # "steady", "forward", "backward" or "optimizer"
+    where: str  # the probe's module path ("layers.1.mlp.fc2"), or "" outside any module
+    what: str  # the op, in words
+    live: tuple[Live, ...]
+
+    @property
+    def bytes(self) -> int:
+        return sum(x.bytes for x in self.live)
+
+    def by_category(self) -> dict[str, int]:
+        """Bytes per category, every category present (0 where none)."""
+        out = dict.fromkeys(CATEGORIES, 0)
+        for x in self.live:
+            out[x.category] += x.bytes
+        return out
+
+    def label(self) -> str:
+        """`backward layers.1.mlp.fc2 (GEMM: dW and dX)`: the moment in words."""
+        where = f" {self.where}" if self.where else ""
+        return f"{self.phase}{where} ({self.what})"
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """One step on one rank: every moment in order."""
+
+    strategy: Strategy
+    moments: tuple[Moment, ...]
+
+    @property
+    def steady(self) -> Moment:
+        """Between steps: model states alone."""
+        return self.moments[0]
+
+    @property
+    def peak(self) -> Moment:
+        """The moment with the most bytes live (the first, on a tie)."""
+        return max(self.moments, key=lambda m: m.bytes)
+
+
+# -- per-rank sizes ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Element counts one rank works with, and the widths of its tensors."""
+
+    b: int
+    s: int  # the whole sequence: inside the column/row-parallel pair
+    s_seq: int  # the sequence outside the pair: s/t under SP
+    h: int
+    h_t: int  # hidden columns inside the pair (a/t heads of d)
+    f_t: int
+    a_t: int
+    d: int
+    qkv_t: int  # QKV output columns on this rank
+    v_t: int  # vocabulary rows on this rank (padded)
+    positions: int  # rows of the learned position table (0 with RoPE)
+    t: int  # ranks that split the weights (1 without TP)
+    sp: bool
+    act: int  # activation and bf16 weight width
+
+    @classmethod
+    def of(cls, config: ModelConfig, strategy: Strategy) -> Sizes:
+        t = strategy.weight_shards(config.t)
+        sp = strategy.sequence_parallel and t > 1
+        d = config.h // config.a
+        return cls(
+            b=config.b, s=config.s, s_seq=config.s // t if sp else config.s, h=config.h, h_t=config.h // t,
+            f_t=config.ffn // t, a_t=config.a // t, d=d, qkv_t=(config.a + 2 * config.groups) * d // t,
+            v_t=vocab_shard(config, t), t=t, sp=sp, act=DTYPE_BYTES[config.dtype],
+            positions=config.positions if config.position_embedding_type == "learned_absolute" else 0,
+        )
+
+    def seq(self, width: int) -> int:
+        """Bytes of an activation-dtype (s, b, width) tensor outside the pair: (s/t, b, width) under SP."""
+        return self.act * self.s_seq * self.b * width
+
+    def full(self, width: int) -> int:
+        """Bytes of an activation-dtype (s, b, width) tensor with the whole sequence."""
+        return self.act * self.s * self.b * width
+
+    def tokens(self, width: int) -> int:
+        """Bytes of one `width`-byte value per token of the micro-batch, (b, s)."""
+        return width * self.b * self.s
+
+
+# -- the tape: live tensors, and the moments they make --------------------------------------------------
+
+
+class Tape:
+    def __init__(self) -> None:
+        self.live: dict[str, Live] = {}
+        self.moments: list[Moment] = []
+
+    def add(self, name: str, category: str, nbytes: int, why: str) -> None:
+        if name in self.live:
+            raise AssertionError(f"{name} is live twice")
+        if nbytes:
+            self.live[name] = Live(name, category, nbytes, why)
+
+    def drop(self, *names: str) -> None:
+        for name in names:
+            self.live.pop(name, None)
+
+    def mark(self, phase: str, where: str, what: str) -> None:
+        self.moments.append(Moment(phase, where, what, tuple(self.live.values())))
+
+
+# -- the step ------------------------------------------------------------------------------------------
+
+
+def prod(shape: tuple[int, ...]) -> int:
+    out = 1
+    for n in shape:
+        out *= n
+    return out
