@@ -24,6 +24,7 @@ from memcalc.model.impls import megatron
 from memcalc.config.schema import ModelConfig
 from memcalc.probe import require_torch
 from memcalc.probe.group import TensorParallelGroup
+from memcalc.probe.kernels import swiglu_backward
 from memcalc.probe.linear import ColumnParallelLinear, RowParallelLinear
 from memcalc.probe.overlap import NO_OVERLAP, Overlap
 from memcalc.probe.recorder import batch_first, label
@@ -67,18 +68,24 @@ class MLP(nn.Module):
         return F.gelu(pre)  # keeps its input
 
     def _swiglu(self, x: torch.Tensor) -> torch.Tensor:
-        # (s, b, 2f/t) -> gate and up, (s, b, f/t) each, copied apart so that each ledger row is one
-        # storage: Megatron keeps the one fc1 output, the same bytes
-        gate, up = (half.contiguous() for half in self.fc1(x).chunk(2, dim=-1))
-        label(batch_first(gate), ledger.SWIGLU_GATE)
-        label(batch_first(up), ledger.SWIGLU_UP)
+        both = self.fc1(x)  # (s, b, 2f/t): [gate; up]
         if self.fused:
-            return _FusedSwiGLU.apply(gate, up)  # keeps gate and up only
+            return _FusedSwiGLU.apply(both)  # keeps gate and up only
+        gate, up = _apart(both)
         silu = _SiLUKeepingUp.apply(gate, up)  # keeps the gate, and up beside it
         label(batch_first(silu), ledger.SWIGLU_SILU_OUT)
         up_copy = up + GLU_LINEAR_OFFSET
         label(batch_first(up_copy), megatron.SWIGLU_UP_COPY)
         return silu * up_copy  # keeps both factors
+
+
+def _apart(both: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fc1's (s, b, 2f/t) output as gate and up, (s, b, f/t) each, copied apart so that each ledger row is one
+    storage: Megatron keeps the one fc1 output, the same bytes."""
+    gate, up = (half.contiguous() for half in both.chunk(2, dim=-1))
+    label(batch_first(gate), ledger.SWIGLU_GATE)
+    label(batch_first(up), ledger.SWIGLU_UP)
+    return gate, up
 
 
 GLU_LINEAR_OFFSET = 0.0  # megatron's TransformerConfig default
@@ -96,18 +103,19 @@ def rank_interleaved(full: torch.Tensor | None, t: int) -> torch.Tensor | None:
 
 
 class _FusedSwiGLU(torch.autograd.Function):
-    """SiLU(gate) * up keeping only gate and up, as megatron's BiasSwiGLUFunction keeps fc1's output."""
+    """SiLU(gate) * up from fc1's whole output, keeping only gate and up, as megatron's BiasSwiGLUFunction keeps
+    fc1's output; its backward is one op returning the 2f-wide gradient, as the fused kernel's."""
 
     @staticmethod
-    def forward(ctx, gate, up):
+    def forward(ctx, both):
+        gate, up = _apart(both)
         ctx.save_for_backward(gate, up)
         return F.silu(gate) * up
 
     @staticmethod
     def backward(ctx, grad):
         gate, up = ctx.saved_tensors
-        sigmoid = torch.sigmoid(gate)
-        return grad * up * sigmoid * (1 + gate * (1 - sigmoid)), grad * gate * sigmoid
+        return swiglu_backward(grad, gate, up)
 
 
 class _SiLUKeepingUp(torch.autograd.Function):
@@ -122,5 +130,4 @@ class _SiLUKeepingUp(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         gate, _ = ctx.saved_tensors
-        sigmoid = torch.sigmoid(gate)
-        return grad * sigmoid * (1 + gate * (1 - sigmoid)), None
+        return torch.ops.aten.silu_backward(grad, gate), None  # what SiLU's own backward runs: one op

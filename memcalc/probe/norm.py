@@ -7,8 +7,9 @@ device, whose kernel returns what CUDA's does (so a meta run is CUDA-like).
 
 RMSNorm is a small autograd function in the style of the fused kernels Megatron
 uses (Apex, Transformer Engine): it keeps the input and each token's rstd,
-nothing else. torch 2.13's `F.rms_norm` on the CPU is not fused: it keeps fp32
-copies of the input and of intermediate products instead. The rstd is kept at
+nothing else, and its backward is one op (`memcalc.probe.kernels`). torch 2.13's
+`F.rms_norm` on the CPU is not fused: it keeps fp32 copies of the input and of
+intermediate products instead. The rstd is kept at
 the width the device's LayerNorm kernel keeps its statistics, so the two norms
 differ only in the missing mean.
 """
@@ -19,6 +20,7 @@ from functools import lru_cache
 
 from memcalc.model.ledger import NormTensors
 from memcalc.probe import require_torch
+from memcalc.probe.kernels import rms_norm_backward
 from memcalc.probe.recorder import batch_first, label
 
 torch = require_torch()
@@ -58,16 +60,13 @@ class _RMSNorm(torch.autograd.Function):
         rstd = rstd.to(norm_stats_dtype(x))
         ctx.save_for_backward(x, weight, rstd)
         ctx.mark_non_differentiable(rstd)
+        ctx.set_materialize_grads(False)  # no zeros made for rstd's (absent) gradient
         return y, rstd
 
     @staticmethod
     def backward(ctx, grad_y, _grad_rstd):
         x, weight, rstd = ctx.saved_tensors
-        x_hat = wide(x) * wide(rstd)  # the normalised input, rebuilt from x
-        grad_x_hat = wide(grad_y) * wide(weight)
-        grad_x = wide(rstd) * (grad_x_hat - x_hat * (grad_x_hat * x_hat).mean(-1, keepdim=True))
-        grad_weight = (wide(grad_y) * x_hat).reshape(-1, x.shape[-1]).sum(0)
-        return grad_x.to(x.dtype), grad_weight.to(weight.dtype)
+        return rms_norm_backward(grad_y, x, weight, rstd)  # one op, as the fused kernel
 
 
 def wide(x: torch.Tensor) -> torch.Tensor:

@@ -19,33 +19,40 @@ from memcalc.sizing.timeline import ACTIVATIONS, timeline  # noqa: E402
 
 # b*a/t = 8 and 16 < s <= 128 with s a multiple of 4: Megatron's fused softmax runs.
 STEP = dict(b=2, s=24, h=64, a=8, t=2, L=2, vocab_size=250)
+# Llama-style: SwiGLU (f = 176), RMSNorm, two K/V groups, RoPE, no biases, no dropout, an untied output layer.
+LLAMA = STEP | dict(
+    mlp="swiglu", ffn_hidden_size=176, norm="rmsnorm", num_query_groups=2, position_embedding_type="rope",
+    add_bias_linear=False, dropout=0.0, tie_embeddings=False,
+)
+MODELS = {"gpt": STEP, "llama": LLAMA}
 LAYOUTS = ["none", "tp", "tp-sp"]
+CASES = [(m, s) for m in MODELS for s in LAYOUTS]
 
 
 @pytest.fixture(scope="module")
-def layouts():
-    return {r.strategy.name: r for r in measure_step(build_config(STEP), LAYOUTS)}
+def measured():
+    return {(m, r.strategy.name): r for m, c in MODELS.items() for r in measure_step(build_config(c), LAYOUTS)}
 
 
-@pytest.mark.parametrize("strategy", LAYOUTS)
-def test_the_peak_and_every_category_at_it_are_within_one_percent_of_memtracker(layouts, strategy):
-    r = layouts[strategy]
+@pytest.mark.parametrize("model, strategy", CASES)
+def test_the_peak_and_every_category_at_it_are_within_one_percent_of_memtracker(measured, model, strategy):
+    r = measured[model, strategy]
     for row in r.rows("peak"):
         assert row.within, (strategy, row)
     assert r.measured.peak_bytes == r.rows("peak")[-1].measured
 
 
-@pytest.mark.parametrize("strategy", LAYOUTS)
-def test_between_steps_memtracker_sees_the_model_states_the_timeline_predicts(layouts, strategy):
-    r = layouts[strategy]
+@pytest.mark.parametrize("model, strategy", CASES)
+def test_between_steps_memtracker_sees_the_model_states_the_timeline_predicts(measured, model, strategy):
+    r = measured[model, strategy]
     for row in r.rows("steady"):
         assert row.within, (strategy, row)
     assert r.measured.steady.get(ACTIVATIONS, 0) == 0  # the batch is loaded inside the step
 
 
-@pytest.mark.parametrize("strategy", LAYOUTS)
-def test_memtracker_peaks_at_the_moment_the_timeline_names(layouts, strategy):
-    r = layouts[strategy]
+@pytest.mark.parametrize("model, strategy", CASES)
+def test_memtracker_peaks_at_the_moment_the_timeline_names(measured, model, strategy):
+    r = measured[model, strategy]
     assert r.measured.moment == r.predicted_moment
 
 
@@ -77,6 +84,8 @@ def test_wherever_the_peak_is_memtracker_reaches_it_there_and_agrees_on_the_byte
     ({"dropout": 0.0, "add_bias_linear": False}, "tp"),  # no masks; weights x V keeps the softmax output itself
     ({"s": 16}, "tp-sp"),  # outside the fused softmax kernel's sizes: Megatron's fp32 torch softmax
     ({"position_embedding_type": "rope", "dtype": "fp16", "L": 3}, "tp"),  # no position table
+    ({"mlp": "swiglu", "bias_activation_fusion": True}, "tp-sp"),  # the fused SwiGLU: one 2f-wide gradient
+    ({"mlp": "swiglu", "num_query_groups": 4, "norm": "rmsnorm"}, "tp"),  # unfused SwiGLU, GQA, RMSNorm
 ], ids=lambda x: str(x))
 def test_variants_of_the_model_agree_within_one_percent(changes, strategy):
     (r,) = measure_step(build_config(STEP | changes), [strategy])
@@ -102,10 +111,10 @@ def _bytes_after_every_op(tp, config, strategy):
     return readings
 
 
-@pytest.mark.parametrize("strategy", LAYOUTS)
-def test_every_moment_the_timeline_names_happens_in_order_with_its_bytes(strategy):
+@pytest.mark.parametrize("model, strategy", CASES)
+def test_every_moment_the_timeline_names_happens_in_order_with_its_bytes(model, strategy):
     """Not only the peak: each moment's bytes per category are MemTracker's after some op, in the timeline's order."""
-    config, st = build_config(STEP), STRATEGIES[strategy]
+    config, st = build_config(MODELS[model]), STRATEGIES[strategy]
     if st.tensor_parallel:
         readings = run_fake(_bytes_after_every_op, (config, st), config.t)
     else:
@@ -119,8 +128,8 @@ def test_every_moment_the_timeline_names_happens_in_order_with_its_bytes(strateg
         position = found
 
 
-def test_a_category_off_by_more_than_one_percent_is_reported(layouts):
-    r = layouts["tp"]
+def test_a_category_off_by_more_than_one_percent_is_reported(measured):
+    r = measured["gpt", "tp"]
     off = int(r.measured.peak[ACTIVATIONS] * (1 + 2 * TOLERANCE))
     wrong = replace(r, measured=replace(r.measured, peak=r.measured.peak | {ACTIVATIONS: off}))
     assert not wrong.matches

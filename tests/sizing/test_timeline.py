@@ -102,12 +102,9 @@ def test_a_larger_vocabulary_moves_the_peak_to_the_loss():
 
 
 @pytest.mark.parametrize("changes, named", [
-    ({"mlp": "swiglu"}, "mlp swiglu"),
     ({"attention": "flash"}, "attention flash"),
     ({"recompute": "selective"}, "recompute selective"),
-    ({"norm": "rmsnorm"}, "norm rmsnorm"),
     ({"pp": 3}, "pp=3"),
-    ({"num_query_groups": 2}, "grouped-query attention"),
     ({"dtype": "fp32"}, "dtype fp32"),
 ])
 def test_what_is_not_modelled_yet_is_refused_by_name(changes, named):

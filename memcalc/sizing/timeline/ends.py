@@ -141,7 +141,7 @@ class Ends:
         if not self.tied:
             tape.drop(embedding_grad)
         norm_backward(tape, z, "final_norm", dx, ledger.FINAL_NORM, None, f"grad/layers.{layers - 1}/output")
-        tape.drop("grad/final_norm weight and bias")
+        tape.drop("grad/final_norm weights")
 
     def backward_embedding(self, tape: Tape) -> None:
         z = self.z

@@ -18,10 +18,49 @@ LAYER_NAMES = frozenset(x.name for x in (
     *ledger.LN1, *ledger.LN2, ledger.QKV_IN, ledger.Q, ledger.K, ledger.V, ledger.SOFTMAX_OUT,
     ledger.ATTN_DROPOUT_MASK, ledger.ATTN_DROPOUT_OUT, ledger.PROJ_IN, ledger.ATTN_OUT_DROPOUT_MASK,
     ledger.FC1_IN, ledger.GELU_IN, ledger.FC2_IN, ledger.MLP_DROPOUT_MASK, megatron.CAUSAL_MASK, megatron.SOFTMAX_FP32,
+    ledger.SWIGLU_GATE, ledger.SWIGLU_UP, ledger.SWIGLU_SILU_OUT, megatron.SWIGLU_UP_COPY, megatron.K_EXPANDED,
+    megatron.V_EXPANDED,
 ))
 
 
 # -- what a timeline is ------------------------------------------------------------------------------
+
+
+def _gelu_backward(tape: Tape, z: Sizes, p: str, grad: str, release: Release, _fused: bool) -> tuple[str, int]:
+    """GELU's backward: one (s, b, f/t) tensor; returns its name and fc1's output width."""
+    tape.add(f"grad/{p}/gelu input", TEMPORARIES, z.full(z.f_t), "GELU's backward: dY times GELU'(x)")
+    tape.mark("backward", f"{p}.mlp", "GELU")
+    release(ledger.GELU_IN)
+    tape.drop(grad)
+    return f"grad/{p}/gelu input", z.f_t
+
+
+def _swiglu_backward(tape: Tape, z: Sizes, p: str, grad: str, release: Release, fused: bool) -> tuple[str, int]:
+    """SwiGLU's backward to fc1's (s, b, 2f/t) output gradient; returns its name and fc1's output width.
+
+    Fused (BiasSwiGLUFunction): one kernel writes the 2f-wide gradient. Unfused: the product's backward makes
+    both factors' gradients, SiLU's backward the gate's, and the split of fc1's output concatenates the two.
+    """
+    where, full, out = f"{p}.mlp", z.full(z.f_t), f"grad/{p}/fc1 output"
+    if fused:
+        tape.add(out, TEMPORARIES, 2 * full, "the fused SwiGLU's backward: d[gate; up] in one tensor")
+        tape.mark("backward", where, "fused SwiGLU")
+        release(ledger.SWIGLU_GATE, ledger.SWIGLU_UP)
+        tape.drop(grad)
+        return out, 2 * z.f_t
+    tape.add(f"grad/{p}/up", TEMPORARIES, full, "the product's backward: d(up) = dY * SiLU(gate)")
+    tape.add(f"grad/{p}/silu output", TEMPORARIES, full, "the product's backward: d(SiLU) = dY * up")
+    tape.mark("backward", where, "SiLU(gate) * up: both factors' gradients")
+    release(ledger.SWIGLU_SILU_OUT, megatron.SWIGLU_UP_COPY)
+    tape.drop(grad)
+    tape.add(f"grad/{p}/gate", TEMPORARIES, full, "SiLU's backward: d(gate) = d(SiLU) * SiLU'(gate)")
+    tape.mark("backward", where, "SiLU")
+    release(ledger.SWIGLU_GATE, ledger.SWIGLU_UP)
+    tape.drop(f"grad/{p}/silu output")
+    tape.add(out, TEMPORARIES, 2 * full, "gate and up were split from fc1's output: their gradients concatenated")
+    tape.mark("backward", where, "d(gate) and d(up) concatenated into fc1's output gradient")
+    tape.drop(f"grad/{p}/gate", f"grad/{p}/up")
+    return out, 2 * z.f_t
 
 
 _WHY_SAVED = "kept for backward (the ledger); freed when the op that keeps it has run backward"
@@ -53,13 +92,11 @@ def layer_backward(tape: Tape, i: int, saved: dict[str, int], z: Sizes, config: 
     dx = f"grad/{p}/fc2 input"
     row_parallel_backward(tape, z, f"{p}.mlp.fc2", branch, grad, z.h * z.f_t, z.full(z.f_t), dx)
     release(ledger.FC2_IN)
-    tape.add(f"grad/{p}/gelu input", TEMPORARIES, z.full(z.f_t), "GELU's backward: dY times GELU'(x)")
-    tape.mark("backward", f"{p}.mlp", "GELU")
-    release(ledger.GELU_IN)
-    tape.drop(dx)
+    activation = _swiglu_backward if config.mlp == "swiglu" else _gelu_backward
+    d_fc1_out, fc1_width = activation(tape, z, p, dx, release, config.bias_activation_fusion)
     dx = f"grad/{p}/fc1 input"
     column_parallel_backward(
-        tape, z, f"{p}.mlp.fc1", f"grad/{p}/gelu input", z.f_t * z.h, z.f_t if bias else 0, dx,
+        tape, z, f"{p}.mlp.fc1", d_fc1_out, fc1_width * z.h, fc1_width if bias else 0, dx,
         f"{p}/{ledger.FC1_IN.name}",
     )
     after_norm = f"grad/{p}/ln2 input (norm)"
@@ -95,15 +132,17 @@ def _core_attention_backward(
     bass = z.act * z.b * z.a_t * z.s * z.s  # (b, a/t, s, s)
     basd = z.act * z.b * z.a_t * z.s * z.d  # (b, a/t, s, d)
     g = f"grad/{p}"
+    expanded = megatron.K_EXPANDED.name in saved  # K and V copied to every head (grouped-query attention)
+    k, v = (megatron.K_EXPANDED, megatron.V_EXPANDED) if expanded else (ledger.K, ledger.V)
     tape.add(f"{g}/v", TEMPORARIES, basd, "weights x V's backward: dV = weights^T dY")
     tape.add(f"{g}/attention weights", TEMPORARIES, bass, "weights x V's backward: dWeights = dY V^T")
     tape.mark("backward", where, "weights x V: dV and dWeights")
     if ledger.ATTN_DROPOUT_OUT.name in saved:
-        release(ledger.V, ledger.ATTN_DROPOUT_OUT)
+        release(v, ledger.ATTN_DROPOUT_OUT)
     elif megatron.SOFTMAX_FP32.name in saved:
-        release(ledger.V, ledger.SOFTMAX_OUT)  # the fp32 softmax's 16-bit cast: weights x V alone keeps it
+        release(v, ledger.SOFTMAX_OUT)  # the fp32 softmax's 16-bit cast: weights x V alone keeps it
     else:
-        release(ledger.V)  # the softmax output: the softmax keeps it too
+        release(v)  # the softmax output: the softmax keeps it too
     tape.drop(dcontext)
     weights = f"{g}/attention weights"
     if ledger.ATTN_DROPOUT_MASK.name in saved:
@@ -124,14 +163,28 @@ def _core_attention_backward(
     tape.add(f"{g}/k unscaled", TEMPORARIES, basd, "QK^T's backward: dK = dScores^T Q")
     tape.add(f"{g}/k", TEMPORARIES, basd, "dK scaled by 1/sqrt(d), a new tensor")
     tape.mark("backward", where, "QK^T: dQ and dK")
-    release(ledger.Q, ledger.K)
+    release(ledger.Q, k)
     tape.drop(f"{g}/scores", f"{g}/k unscaled")
+    if expanded:
+        _sum_over_groups(tape, z, where, g)
     dqkv = f"{g}/qkv output"
     tape.add(dqkv, TEMPORARIES, z.full(z.qkv_t),
              "q, k and v were split from one QKV output: their gradients concatenated")
     tape.mark("backward", where, "dQ, dK, dV concatenated into the QKV output's gradient")
     tape.drop(f"{g}/q", f"{g}/k", f"{g}/v")
     return dqkv
+
+
+def _sum_over_groups(tape: Tape, z: Sizes, where: str, g: str) -> None:
+    """K and V were copied to every head of their group (repeat_interleave): their gradients, (b, a/t, s, d),
+    are summed over each group's heads into new (b, g/t, s, d) tensors, K's first."""
+    for x in ("k", "v"):
+        grouped = f"{g}/{x} grouped"
+        tape.add(grouped, TEMPORARIES, z.act * z.b * z.g_t * z.s * z.d,
+                 f"repeat_interleave's backward: d{x.upper()} summed over each group's heads")
+        tape.mark("backward", where, f"d{x.upper()} summed over each group's heads")
+        tape.drop(f"{g}/{x}")
+        tape.live[f"{g}/{x}"] = replace(tape.live.pop(grouped), name=f"{g}/{x}")
 
 
 def _unfused_softmax_backward(

@@ -101,10 +101,12 @@ def enter_tp_backward(tape: Tape, z: Sizes, where: str, dx: str) -> None:
 def norm_backward(
     tape: Tape, z: Sizes, where: str, grad: str, norm: ledger.NormTensors, p: str | None, dx: str,
 ) -> None:
-    """LayerNorm's backward: dX and the weight's and bias's gradients beside dY; then its saved tensors go."""
+    """The norm's backward, one kernel: dX and its weight's (and LayerNorm's bias's) gradients beside dY; then its
+    saved tensors go."""
     tape.add(dx, TEMPORARIES, z.seq(z.h), "the norm's dX")
-    tape.add(f"grad/{where} weight and bias", TEMPORARIES, 2 * z.act * z.h, "the norm's weight and bias gradients")
-    tape.mark("backward", where, "LayerNorm: dX, dweight, dbias")
+    tape.add(f"grad/{where} weights", TEMPORARIES, z.norm_vectors * z.act * z.h,
+             "the norm's weight (and bias) gradients")
+    tape.mark("backward", where, "the norm: dX, dweight" + (", dbias" if z.norm_vectors == 2 else ""))
     tape.drop(*(f"{p}/{x.name}" if p else x.name for x in norm))
     tape.drop(grad)
 
@@ -116,4 +118,4 @@ def residual_sum(tape: Tape, z: Sizes, where: str, residual: str, branch: str, o
     """
     tape.add(out, TEMPORARIES, z.seq(z.h), "the residual stream's gradient: the two paths' gradients summed")
     tape.mark("backward", where, "the residual stream's gradients summed")
-    tape.drop(residual, branch, f"grad/{where} weight and bias")
+    tape.drop(residual, branch, f"grad/{where} weights")

@@ -89,6 +89,7 @@ class Sizes:
     h_t: int  # hidden columns inside the pair (a/t heads of d)
     f_t: int
     a_t: int
+    g_t: int  # K/V groups on this rank
     d: int
     qkv_t: int  # QKV output columns on this rank
     v_t: int  # vocabulary rows on this rank (padded)
@@ -96,6 +97,7 @@ class Sizes:
     t: int  # ranks that split the weights (1 without TP)
     sp: bool
     act: int  # activation and bf16 weight width
+    norm_vectors: int  # a norm's weight vectors of h: weight and bias (LayerNorm), weight alone (RMSNorm)
 
     @classmethod
     def of(cls, config: ModelConfig, strategy: Strategy) -> Sizes:
@@ -104,8 +106,10 @@ class Sizes:
         d = config.h // config.a
         return cls(
             b=config.b, s=config.s, s_seq=config.s // t if sp else config.s, h=config.h, h_t=config.h // t,
-            f_t=config.ffn // t, a_t=config.a // t, d=d, qkv_t=(config.a + 2 * config.groups) * d // t,
+            f_t=config.ffn // t, a_t=config.a // t, g_t=config.groups // t, d=d,
+            qkv_t=(config.a + 2 * config.groups) * d // t,
             v_t=vocab_shard(config, t), t=t, sp=sp, act=DTYPE_BYTES[config.dtype],
+            norm_vectors=2 if config.norm == "layernorm" else 1,
             positions=config.positions if config.position_embedding_type == "learned_absolute" else 0,
         )
 

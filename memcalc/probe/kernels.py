@@ -1,0 +1,50 @@
+"""Backward passes that are one fused kernel on the GPU, as one op here.
+
+Megatron runs RMSNorm's backward (Apex, Transformer Engine) and the fused SwiGLU's
+backward as single kernels: the allocator sees their outputs and nothing else. The
+same math in eager torch makes a handful of fp32 (s, b, h) or (s, b, f) temporaries,
+which a step's peak would count on the CPU and never on a GPU. Registered as custom
+ops, each runs below any TorchDispatchMode: MemTracker (`memcalc.probe.step`) sees
+the op's outputs only, as a CUDA run would. The math is eager torch, computed in fp32.
+"""
+
+from __future__ import annotations
+
+from memcalc.probe import require_torch
+
+torch = require_torch()
+
+
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+@torch.library.custom_op("memcalc::rms_norm_backward", mutates_args=())
+def rms_norm_backward(
+    grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """dX (x's dtype and shape) and dWeight (weight's) of y = x * rstd * weight."""
+    x_hat = _wide(x) * _wide(rstd)
+    grad_x_hat = _wide(grad_y) * _wide(weight)
+    grad_x = _wide(rstd) * (grad_x_hat - x_hat * (grad_x_hat * x_hat).mean(-1, keepdim=True))
+    grad_weight = (_wide(grad_y) * x_hat).reshape(-1, x.shape[-1]).sum(0)
+    return grad_x.to(x.dtype), grad_weight.to(weight.dtype)
+
+
+@rms_norm_backward.register_fake
+def _(grad_y, x, weight, rstd):
+    return torch.empty_like(x), torch.empty_like(weight)
+
+
+@torch.library.custom_op("memcalc::swiglu_backward", mutates_args=())
+def swiglu_backward(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """d[gate; up] of SiLU(gate) * up, as one tensor of twice the width: BiasSwiGLUFunction's backward."""
+    sigmoid = torch.sigmoid(_wide(gate))
+    grad_gate = _wide(grad) * _wide(up) * sigmoid * (1 + _wide(gate) * (1 - sigmoid))
+    grad_up = _wide(grad) * _wide(gate) * sigmoid
+    return torch.cat([grad_gate, grad_up], dim=-1).to(grad.dtype)
+
+
+@swiglu_backward.register_fake
+def _(grad, gate, up):
+    return grad.new_empty((*grad.shape[:-1], 2 * grad.shape[-1]))
