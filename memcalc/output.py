@@ -6,13 +6,22 @@ or a file of NUL bytes where the old one was. So every file is written to a
 temporary file beside its target (same directory, so same filesystem) and
 renamed over it only when complete: rename is atomic on POSIX, and two writers
 leave one whole file, the last to finish.
+
+A SIGKILL cannot be caught, so it leaves the temporary behind. Its name says
+whose it is: `.rows.csv.memcalc-HOST-PID.RANDOM.part` (the target, memcalc's
+mark, the host and process that wrote it). The next write to the same target
+removes the leftovers of that target whose writer no longer runs on this host;
+a live writer's temporary, another host's (a shared filesystem), and any file
+not named this way for this target are never touched.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import socket
 import tempfile
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
@@ -34,8 +43,10 @@ def atomic_write(path: Path) -> Iterator[BinaryIO]:
     temporary file is removed and `path` is left as it was.
     """
     path = Path(path)
+    _remove_leftovers(path)
     try:
-        fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+        prefix = f"{_writer_prefix(path)}{os.getpid()}."
+        fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=prefix, suffix=".part")
     except OSError as exc:
         raise OutputError(f"cannot write {printable(str(path))}: {exc.strerror or exc}") from None
     try:
@@ -51,6 +62,43 @@ def atomic_write(path: Path) -> Iterator[BinaryIO]:
     except BaseException:
         _remove(temporary)
         raise
+
+
+def _writer_prefix(path: Path) -> str:
+    """The start of this host's temporaries for `path`, up to the writer's process id.
+
+    The host is kept to letters, digits and '-', so that the '.' after the id ends it unambiguously.
+    """
+    host = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())
+    return f".{path.name}.memcalc-{host}-"
+
+
+def _remove_leftovers(path: Path) -> None:
+    """Remove the temporaries for `path` that a writer on this host left when it was killed.
+
+    Best effort: a leftover that cannot be listed or removed does not stop this write.
+    """
+    leftover = re.compile(re.escape(_writer_prefix(path)) + r"([1-9][0-9]*)\.[a-z0-9_]+\.part")
+    try:
+        names = os.listdir(path.parent)
+    except OSError:
+        return  # mkstemp, next, names what is wrong with the directory
+    for name in names:
+        found = leftover.fullmatch(name)
+        if found and not _runs(int(found.group(1))):
+            with suppress(OSError):  # removed by another writer meanwhile, or not ours to remove: left
+                os.unlink(path.parent / name)
+
+
+def _runs(pid: int) -> bool:
+    """Whether process `pid` runs on this host; another user's counts, and so does an id too large to ask about."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        pass
+    return True
 
 
 def _umask() -> int:

@@ -141,7 +141,9 @@ PER_GPU: Schema = _object({
     "parameters": COUNT,
     "strategies": _by_strategy(_object({
         "total_bytes": COUNT,
-        "worst_stage": TEXT,
+        "worst_stage": TEXT,  # the stage that needs the most
+        "needed_bytes": COUNT,  # the step's peak where modelled, else states + saved activations
+        "needed_basis": {"enum": ["the step's peak", "states + saved activations"]},
         "fits": FLAG,
         "headroom_bytes": INT,  # negative when it does not fit
         "stages": {"type": "array", "items": STAGE, "minItems": 1},

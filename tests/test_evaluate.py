@@ -89,3 +89,17 @@ def test_exact_accounting_never_counts_less_than_the_paper():
     for strategy in (NONE, TP, TP_SP):
         paper = estimate(config, strategy, Accounting()).per_layer_bytes
         assert estimate(config, strategy, Accounting(exact=True)).per_layer_bytes > paper
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["F.gelu tanh", "fused bias_gelu"])
+def test_megatron_keeps_for_tanh_gelu_what_it_keeps_for_exact_gelu(fused):
+    def names_and_bytes(mlp):
+        result = estimate(build_config(SIZES | {"mlp": mlp, "bias_activation_fusion": fused}), TP_SP)
+        return [(t.tensor.name, t.bytes) for t in result.tensors], result.per_layer_bytes
+
+    assert names_and_bytes("gelu_tanh") == names_and_bytes("gelu")
+
+
+def test_megatrons_fused_tanh_gelu_needs_fc1s_bias():
+    with pytest.raises(ConfigError, match="bias_activation_fusion with gelu_tanh fuses fc1's bias"):
+        build_config(SIZES | {"mlp": "gelu_tanh", "bias_activation_fusion": True, "add_bias_linear": False})

@@ -55,7 +55,7 @@ def test_mistral_keeps_its_kv_heads_and_qwen2_its_qkv_bias():
 def test_gpt2_defaults_its_mlp_to_4h_and_learns_positions():
     c = _config("gpt2")
     assert (c.h, c.a, c.L, c.ffn, c.vocab_size) == (768, 12, 12, 4 * 768, 50257)
-    assert (c.mlp, c.norm, c.dropout, c.tie_embeddings) == ("gelu", "layernorm", 0.1, True)
+    assert (c.mlp, c.norm, c.dropout, c.tie_embeddings) == ("gelu_tanh", "layernorm", 0.1, True)
     assert (c.position_embedding_type, c.max_position_embeddings, c.s, c.add_bias_linear) == (
         "learned_absolute", 1024, 1024, True,
     )
@@ -79,6 +79,25 @@ def test_used_fields_are_named():
     for part in ("gpt2", "n_embd->h=768", "n_head->a=12", "n_layer->L=12", "layer_norm_epsilon->norm=layernorm",
                  "resid_pdrop+embd_pdrop+attn_pdrop->dropout=0.1", "position_embedding_type=learned_absolute"):
         assert part in text
+
+
+@pytest.mark.parametrize("family, field", [("gpt2", "activation_function"), ("pythia-70m", "hidden_act")])
+@pytest.mark.parametrize("act, mlp", [
+    ("gelu_new", "gelu_tanh"), ("gelu_pytorch_tanh", "gelu_tanh"), ("gelu_fast", "gelu_tanh"), ("gelu", "gelu"),
+])
+def test_tanh_gelus_read_as_gelu_tanh_and_the_line_shows_the_mapping(tmp_path, family, field, act, mlp):
+    raw = json.loads((DATA / f"{family}.json").read_text()) | {field: act}
+    hf = read_hf_config(_write(tmp_path, raw))
+    assert hf.fields["mlp"] == mlp
+    shown = f"{field}={act}->mlp={mlp}" if act != mlp else f"{field}->mlp={mlp}"
+    assert shown in hf.describe()
+
+
+def test_gpt2_without_an_activation_takes_gpt2configs_gelu_new(tmp_path):
+    raw = json.loads((DATA / "gpt2.json").read_text())
+    del raw["activation_function"]
+    hf = read_hf_config(_write(tmp_path, raw))
+    assert hf.fields["mlp"] == "gelu_tanh" and "assumed: " in hf.describe() and "mlp=gelu_tanh" in hf.describe()
 
 
 def test_architectures_alone_name_the_family(tmp_path):

@@ -1,11 +1,19 @@
 """Files appear whole or not at all: written beside the target, renamed when complete."""
 
 import os
+import re
+import signal
+import socket
 import stat
+import subprocess
+import sys
 
 import pytest
 
 from memcalc.output import OutputError, atomic_write
+
+HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())
+NO_SUCH_PID = 2**22 + 1  # above Linux's largest pid_max (and macOS's): no process has it
 
 
 def test_a_completed_write_replaces_the_file_with_the_usual_permissions(tmp_path):
@@ -54,6 +62,56 @@ def test_a_full_disk_is_one_output_error_and_removes_the_temporary(tmp_path, mon
             stream.write(b"x")
     assert caught.value.exit_code == 1
     assert os.listdir(tmp_path) == []
+
+
+def test_the_temporary_is_named_for_its_target_memcalc_this_host_and_this_process(tmp_path):
+    with atomic_write(tmp_path / "rows.csv"):
+        (name,) = os.listdir(tmp_path)
+    assert re.fullmatch(rf"\.rows\.csv\.memcalc-{re.escape(HOST)}-{os.getpid()}\.[a-z0-9_]+\.part", name), name
+
+
+@pytest.mark.procs
+def test_a_sigkilled_writers_temporary_is_removed_by_the_next_write_to_that_target(tmp_path):
+    target = tmp_path / "rows.csv"
+    target.write_text("old\n")
+    code = (
+        "import os, signal, sys; from memcalc.output import atomic_write\n"
+        "with atomic_write(sys.argv[1]) as stream:\n"
+        "    stream.write(b'half'); stream.flush(); os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    writer = subprocess.Popen([sys.executable, "-c", code, str(target)])
+    assert writer.wait(timeout=60) == -signal.SIGKILL
+    (leftover,) = [n for n in os.listdir(tmp_path) if n != "rows.csv"]
+    assert leftover.startswith(f".rows.csv.memcalc-{HOST}-{writer.pid}.") and target.read_text() == "old\n"
+    with atomic_write(target) as stream:
+        stream.write(b"new\n")
+    assert sorted(os.listdir(tmp_path)) == ["rows.csv"] and target.read_text() == "new\n"
+
+
+def test_only_dead_writers_temporaries_of_this_target_on_this_host_are_removed(tmp_path):
+    def ours(pid, target="rows.csv", host=HOST):
+        return f".{target}.memcalc-{host}-{pid}.abc123_x.part"
+
+    dead = ours(NO_SUCH_PID)
+    kept = [
+        ours(os.getpid()), ours(os.getppid()),  # writers that still run
+        ours(NO_SUCH_PID, target="other.csv"), ours(NO_SUCH_PID, host=HOST + "-elsewhere"),  # not this target or host
+        ours("abc"), ours("0123"), ours(10**30),  # no process id, or one too large to ask the system about
+        f".rows.csv.{NO_SUCH_PID}.abc123_x.part", dead + ".bak", "x" + dead,
+        "rows.csv.part", ".rows.csv.abcdefgh",  # not memcalc's naming at all
+    ]
+    for name in (dead, *kept):
+        (tmp_path / name).write_text("someone's bytes\n")
+    with atomic_write(tmp_path / "rows.csv") as stream:
+        stream.write(b"new\n")
+    assert sorted(os.listdir(tmp_path)) == sorted([*kept, "rows.csv"])
+
+
+def test_a_leftover_that_cannot_be_removed_does_not_stop_the_write(tmp_path):
+    (tmp_path / f".rows.csv.memcalc-{HOST}-{NO_SUCH_PID}.abc.part").mkdir()  # unlink refuses a directory
+    with atomic_write(tmp_path / "rows.csv") as stream:
+        stream.write(b"new\n")
+    assert (tmp_path / "rows.csv").read_text() == "new\n"
 
 
 def _umask() -> int:

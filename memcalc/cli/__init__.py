@@ -3,6 +3,9 @@
 Each subcommand lives in its own module and is imported only when it runs, so
 `memcalc estimate` never pays for sympy (formula) or torch (measure).
 Errors are rendered in one place, `main`: one line on stderr, non-zero exit.
+Output that cannot be written follows one rule: writing nowhere (stdout closed,
+a full disk) is an error, exit 1 with one line; a reader that stopped reading
+(`| head`) is not: memcalc stops quietly and exits 0.
 """
 
 from __future__ import annotations
@@ -37,8 +40,31 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class _ReaderGone(Exception):
+    """stdout's reader closed the pipe. Not an OSError, so click, which exits 1 on EPIPE, lets it reach `main`."""
+
+
+@contextmanager
+def _reader_gone_past_click() -> Iterator[None]:
+    """Carry a closed pipe past click's own handling, to `main` and its rule for it."""
+    try:
+        yield
+    except BrokenPipeError:
+        raise _ReaderGone from None
+
+
 class LazyGroup(click.Group):
     """A group that imports a subcommand's module only when that command runs."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        """Parse as click does; `memcalc --help` and `--version` print from here."""
+        with _reader_gone_past_click():
+            return super().parse_args(ctx, args)
+
+    def invoke(self, ctx: click.Context) -> object:
+        """Run the subcommand as click does; everything it prints, its --help too, is printed from here."""
+        with _reader_gone_past_click():
+            return super().invoke(ctx)
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return list(COMMANDS)
@@ -62,8 +88,9 @@ def cli() -> None:
 
     Strategies: none (no parallelism), tp (tensor parallel) and tp-sp (tensor +
     sequence parallel), as in Megatron-LM (Korthikanti et al. 2022).
-    Exit codes: 0 ok, 1 a measurement disagreed or a worker failed, 2 bad input,
-    3 nothing fits (estimate --totals, fit).
+    Exit codes: 0 ok (also when a reader such as head stops early), 1 a
+    measurement disagreed, a worker failed or stdout could not be written,
+    2 bad input, 3 nothing fits (estimate --totals, fit).
     Set MEMCALC_DEBUG=1 to see tracebacks.
     """
 
@@ -90,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
         _fail(exc.format_message(), exc.exit_code)
     except click.Abort:
         _fail("aborted", 1)
-    except BrokenPipeError:  # the reader stopped reading (`| head`): not an error, and nothing more to say
+    except (BrokenPipeError, _ReaderGone):  # the reader stopped reading (`| head`): not an error, nothing to say
         _silence_stdout()
         code = 0
     except OSError as exc:  # domain code turns its own I/O errors into MemcalcError: this is output

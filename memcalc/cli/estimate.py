@@ -17,6 +17,7 @@ from memcalc.model.evaluate import LayerEstimate, estimate
 from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import STRATEGIES, Strategy
 from memcalc.schemas import SCHEMA_VERSION
+from memcalc.sizing.verdict import Need, need
 
 if TYPE_CHECKING:  # per-GPU totals and the timeline load only when --totals asks for them
     from memcalc.sizing.timeline import Timeline
@@ -69,7 +70,7 @@ def command(
         from memcalc.sizing.totals import per_gpu
 
         per = [per_gpu(config, r.strategy, accounting) for r in results]
-        peaks = {r.strategy.name: step_peak(config, r.strategy) for r in results}
+        peaks = {r.strategy.name: step_peaks(config, r.strategy) for r in results}
     if as_json:
         click.echo(json.dumps(to_json(config, accounting, results, baseline, per, budget, peaks), indent=2))
     else:
@@ -78,16 +79,16 @@ def command(
         render.print_estimates(config, accounting, results, baseline, breakdown)
         if per is not None:
             render.print_totals(config, per, budget, peaks)
-    if per is not None and all(p.bytes() > budget.bytes for p in per):
+    if per is not None and all(need(p, peaks.get(p.strategy.name)).bytes > budget.bytes for p in per):
         click.get_current_context().exit(DoesNotFit.exit_code)  # printed the verdict; only the code says no
 
 
-def step_peak(config: ModelConfig, strategy: Strategy) -> Timeline | str:
-    """One step's timeline (memcalc.sizing.timeline), or why it is not modelled for this config."""
-    from memcalc.sizing.timeline import timeline  # only --totals pays for it
+def step_peaks(config: ModelConfig, strategy: Strategy) -> tuple[Timeline, ...] | str:
+    """One step's timeline per bounding stage (memcalc.sizing.timeline), or why it is not modelled for this config."""
+    from memcalc.sizing.timeline import timelines  # only --totals pays for it
 
     try:
-        return timeline(config, strategy)
+        return timelines(config, strategy)
     except ConfigError as exc:
         return str(exc)
 
@@ -137,9 +138,7 @@ def per_gpu_json(config: ModelConfig, per: list[PerGpu], device: Budget, peaks: 
         "strategies": {
             p.strategy.name: {
                 "total_bytes": p.bytes(),
-                "worst_stage": p.worst().stage.name,
-                "fits": p.bytes() <= budget,
-                "headroom_bytes": budget - p.bytes(),
+                **_verdict_json(need(p, peaks.get(p.strategy.name)), budget),
                 "stages": [
                     {
                         "stage": st.stage.name,
@@ -151,7 +150,7 @@ def per_gpu_json(config: ModelConfig, per: list[PerGpu], device: Budget, peaks: 
                         "terms": [
                             {"name": x.name, "group": x.group, "bytes": x.bytes, "note": x.note} for x in st.terms
                         ],
-                        **_peak_json(peaks.get(p.strategy.name)),
+                        **_peak_json(peaks.get(p.strategy.name), st.stage.name),
                     }
                     for st in p.stages
                 ],
@@ -161,12 +160,21 @@ def per_gpu_json(config: ModelConfig, per: list[PerGpu], device: Budget, peaks: 
     }
 
 
-def _peak_json(peak: Timeline | str | None) -> dict:
+def _verdict_json(needed: Need, budget: int) -> dict:
+    """What the strategy needs, on what basis (the peak, or states + saved activations), and the verdict."""
+    return {
+        "worst_stage": needed.stage, "needed_bytes": needed.bytes, "needed_basis": needed.basis,
+        "fits": needed.bytes <= budget, "headroom_bytes": budget - needed.bytes,
+    }
+
+
+def _peak_json(peaks: tuple[Timeline, ...] | str | None, stage: str) -> dict:
     """The step's peak and steady state for a stage's JSON, or why they are not modelled."""
-    if peak is None:
+    if peaks is None:
         return {}
-    if isinstance(peak, str):
-        return {"peak_not_modelled": peak}
+    if isinstance(peaks, str):
+        return {"peak_not_modelled": peaks}
+    (peak,) = (x for x in peaks if x.stage == stage)
     return {
         "peak_bytes": peak.peak.bytes, "peak_moment": peak.peak.label(), "peak_by_category": peak.peak.by_category(),
         "steady_bytes": peak.steady.bytes,

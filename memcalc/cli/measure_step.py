@@ -114,7 +114,7 @@ def print_steps(config: ModelConfig, results: list[StepComparison], tolerance: f
         largest = sorted(transient, key=lambda x: -x.bytes)[:TOP_TERMS]
         console.print("largest activations and temporaries at the peak: " + ", ".join(
             f"{for_rich(x.name)} {human_bytes(x.bytes)}" for x in largest), highlight=False)
-        console.print(f"ran as: memcalc's own GPT, {r.how()}", highlight=False)
+        console.print(f"ran as: {r.model}, {r.how()}", highlight=False)
         verdict = (f"[green]match[/green]: the peak and every category within {tolerance:.0%}" if r.matches
                    else "[red]differs[/red]")
         console.print(verdict)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
@@ -11,6 +12,7 @@ from memcalc.config.schema import ModelConfig
 from memcalc.model.knobs import KNOBS
 from memcalc.model.evaluate import LayerEstimate
 from memcalc.model.knobs import Accounting
+from memcalc.sizing.verdict import need
 from memcalc.text import for_rich
 from memcalc.units import human_bytes
 
@@ -18,7 +20,15 @@ if TYPE_CHECKING:  # per-GPU totals load only when --totals asks for them
     from memcalc.config.gpus import Budget
     from memcalc.sizing.totals import PerGpu, StageTotal
 
-console = Console()
+
+class _Console(Console):
+    """rich's Console, less its own rule for a closed pipe (exit 1): `memcalc.cli.main` has memcalc's."""
+
+    def on_broken_pipe(self) -> None:
+        raise BrokenPipeError(errno.EPIPE, "stdout's reader closed the pipe")
+
+
+console = _Console()
 
 
 def describe(config: ModelConfig) -> str:
@@ -119,25 +129,37 @@ def print_totals(config: ModelConfig, per: list[PerGpu], device: Budget, peaks: 
         f" {human_bytes(device.reserve_bytes)} reserve for what the allocator does not see)", highlight=False,
     )
     for p in per:
-        worst, used = p.worst(), p.bytes()
-        where = f" ({worst.stage.name} stage)" if worst.stage.name != "only" else ""
+        needed = need(p, (peaks or {}).get(p.strategy.name))
+        where = f", {needed.stage} stage" if needed.stage != "only" else ""
         console.print(
-            f"  {p.strategy.name}: {'yes' if used <= budget else 'no'}, {used:,} B = {human_bytes(used)}{where},"
-            f" {headroom(budget, used)}",
+            f"  {p.strategy.name}: {'yes' if needed.bytes <= budget else 'no'}, {needed.bytes:,} B ="
+            f" {human_bytes(needed.bytes)} ({needed.basis}{where}), {headroom(budget, needed.bytes)}",
             highlight=False,
         )
-    unmodelled = {peak for peak in (peaks or {}).values() if isinstance(peak, str)}
-    if len(unmodelled) == 1 and len(peaks or {}) > 1 and all(isinstance(x, str) for x in peaks.values()):
+    _print_peaks(peaks or {})
+
+
+def _print_peaks(peaks: dict) -> None:
+    """Each strategy's step peak per bounding stage: when, what is live, and the steady state; or why not."""
+    unmodelled = {peak for peak in peaks.values() if isinstance(peak, str)}
+    if len(unmodelled) == 1 and len(peaks) > 1 and all(isinstance(x, str) for x in peaks.values()):
         console.print(f"[dim]  the step's peak is not modelled here ({for_rich(unmodelled.pop())})[/dim]")
         return
-    for name, peak in (peaks or {}).items():
-        if isinstance(peak, str):
-            console.print(f"[dim]  {name}: the step's peak is not modelled here ({for_rich(peak)})[/dim]")
-        else:
-            console.print(
-                f"  {name}: one step peaks at {human_bytes(peak.peak.bytes)}, {peak.peak.label()};"
-                f" {human_bytes(peak.steady.bytes)} between steps", highlight=False,
-            )
+    for name, timelines in peaks.items():
+        if isinstance(timelines, str):
+            console.print(f"[dim]  {name}: the step's peak is not modelled here ({for_rich(timelines)})[/dim]")
+            continue
+        worst = max(timelines, key=lambda x: x.peak.bytes)
+        where = "" if worst.stage == "only" else f" on the {worst.stage} stage"
+        live = ", ".join(f"{c} {human_bytes(n)}" for c, n in worst.peak.by_category().items() if n)
+        others = "".join(
+            f"; {x.stage} stage {human_bytes(x.peak.bytes)} ({x.peak.phase} {x.peak.where})".replace(" )", ")")
+            for x in timelines if x is not worst
+        )
+        console.print(
+            f"  {name}: the step peaks at {human_bytes(worst.peak.bytes)}{where}, {worst.peak.label()}: {live}"
+            f"{others}; {human_bytes(worst.steady.bytes)} between steps", highlight=False,
+        )
 
 
 _STAGE_TITLES = {"only": "Per-GPU memory", "first": "Per-GPU memory, first stage", "last": "Per-GPU memory, last stage"}

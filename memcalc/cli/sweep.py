@@ -182,11 +182,8 @@ def _write(result: SweepResult, fmt: str, out: Path | None, advance: Callable[[f
             _copy(chunks, stream.write, advance)
         return
     binary = getattr(sys.stdout, "buffer", None)  # absent when stdout is swapped for a StringIO
-    try:
-        _copy(chunks, binary.write if binary else lambda data: sys.stdout.write(data.decode()), advance)
-        sys.stdout.flush()
-    except BrokenPipeError:  # `| head` stopped reading: not an error; keep Python's exit quiet too
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    _copy(chunks, binary.write if binary else lambda data: sys.stdout.write(data.decode()), advance)
+    sys.stdout.flush()
 
 
 def _copy(

@@ -20,9 +20,15 @@ from typing import Any, Callable
 
 from memcalc.config.files import parse_json, read_capped
 from memcalc.errors import ConfigError, in_file
+from memcalc.model.knobs import Mlp
 from memcalc.text import short_repr
 
-_GELUS = ("gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh", "gelu_python", "quick_gelu")
+# transformers' GELU activations (ACT2CLS names) and memcalc's MLP choice for each: the tanh
+# approximation is its own choice, since a library may keep other tensors for it than for exact GELU.
+_GELUS = {
+    "gelu": Mlp.GELU, "gelu_python": Mlp.GELU, "quick_gelu": Mlp.GELU,
+    "gelu_new": Mlp.GELU_TANH, "gelu_pytorch_tanh": Mlp.GELU_TANH, "gelu_fast": Mlp.GELU_TANH,
+}
 
 
 def _gated(act: str) -> str:
@@ -32,10 +38,10 @@ def _gated(act: str) -> str:
     raise ConfigError(f"hidden_act {short_repr(act)} in a gated MLP is not modelled (memcalc knows SwiGLU: silu)")
 
 
-def _plain(act: str) -> str:
+def _plain(act: Any) -> Mlp:
     """GPT-2 and GPT-NeoX MLPs are fc1 -> activation -> fc2."""
-    if act in _GELUS:
-        return "gelu"
+    if isinstance(act, str) and act in _GELUS:
+        return _GELUS[act]
     raise ConfigError(
         f"activation {short_repr(act)} is not modelled (memcalc knows the GELU variants: {', '.join(_GELUS)})"
     )
@@ -86,7 +92,7 @@ _LLAMA = (
 _GPT2 = (
     *_sizes("n_embd", "n_head", "n_layer", "vocab_size"),
     Row("ffn_hidden_size", ("n_inner",), default=None),  # null or absent: 4h
-    Row("mlp", ("activation_function",), _plain, default="gelu"),  # GPT2Config default gelu_new
+    Row("mlp", ("activation_function",), _plain, default=_plain("gelu_new")),  # GPT2Config's default
     Row("norm", ("layer_norm_epsilon",), lambda eps: "layernorm", default="layernorm"),
     Row("s", ("n_positions",)),
     Row("max_position_embeddings", ("n_positions",)),
@@ -163,7 +169,7 @@ def read_hf_config(path: Path) -> HfConfig:
         present = present if row.combine else present[:1]
         with in_file(path):
             fields[row.target] = _read(row, raw, present)
-        used.append(("+".join(present), row.target, fields[row.target]))
+        used.append((_source(raw, present, fields[row.target]), row.target, fields[row.target]))
     if missing:
         raise ConfigError(f"{path}: {family.name} config.json is missing {', '.join(missing)}")
     _check_head_dim(raw, fields, path)
@@ -177,6 +183,15 @@ def _read(row: Row, raw: dict[str, Any], present: list[str]) -> Any:
     if row.combine:
         return row.convert(row.combine([raw[n] if n in present else row.default for n in row.sources]))
     return row.convert(raw[present[0]])
+
+
+def _source(raw: dict[str, Any], present: list[str], value: Any) -> str:
+    """The config.json field(s) a value came from, with the field's own word where memcalc renames it
+    (activation_function=gelu_new for mlp=gelu_tanh), so that the one line shows every mapping."""
+    given = raw[present[0]]
+    if len(present) == 1 and isinstance(given, str) and given != value:
+        return f"{present[0]}={given}"
+    return "+".join(present)
 
 
 def _name_from(path: Path) -> str:

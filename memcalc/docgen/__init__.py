@@ -8,10 +8,10 @@ Tests fail when a checked-in page differs from what the code renders.
 
 from __future__ import annotations
 
-import os
 import sys
-import tempfile
 from pathlib import Path
+
+from memcalc.output import atomic_write
 
 
 def pages() -> dict[Path, str]:
@@ -22,11 +22,10 @@ def pages() -> dict[Path, str]:
 
 
 def write(path: Path, text: str) -> None:
-    """Replace `path` whole: write a temporary file beside it, then rename it over."""
+    """Replace `path` whole, as memcalc writes every file (`memcalc.output.atomic_write`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as tmp:
-        tmp.write(text)
-    os.replace(tmp.name, path)
+    with atomic_write(path) as stream:
+        stream.write(text.encode("utf-8"))
 
 
 def main(argv: list[str] | None = None) -> None:

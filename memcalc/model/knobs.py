@@ -43,7 +43,7 @@ class Impl(Choice):
 class Mlp(Choice):
     GELU = "gelu"
     SWIGLU = "swiglu"
-    GELU_TANH = "gelu_tanh"  # tanh-approximate GELU written out in Python (HF GPT-2's gelu_new)
+    GELU_TANH = "gelu_tanh"  # tanh-approximated GELU: HF gelu_new, gelu_pytorch_tanh, gelu_fast; Megatron bias_gelu
 
 
 class Attention(Choice):
@@ -123,7 +123,8 @@ KNOBS: tuple[Knob, ...] = (
         lambda k: None if k.impl == Impl.MEGATRON else f"impl {k.impl}", Impl,
     ),
     Knob(
-        "mlp", "choice", Mlp.GELU, "MLP activation", lambda k: f"{k.mlp} (ffn {_ffn(k)})", Mlp,
+        "mlp", "choice", Mlp.GELU, "MLP activation (gelu_tanh: GELU's tanh approximation)",
+        lambda k: f"{k.mlp} (ffn {_ffn(k)})", Mlp,
         effects=(({"mlp": Mlp.SWIGLU, "ffn_hidden_size": 1}, "SwiGLU computes SiLU(gate) * up: backward needs the gate (for SiLU's derivative)"
                   " and both factors of the product, three (b, s, f) tensors where GELU kept one."),),
     ),

@@ -167,41 +167,70 @@ class FlashAttention(torch.autograd.Function):
     forward:  q (b, a/t, s, d), k, v (b, g/t, s, d) -> out (s, b, a/t, d), lse (b, a/t, s) fp32
     backward: rebuilds the softmax from q, k and lse, and the dropout mask from the seed
 
-    It computes naively (the s x s scores exist, briefly, as temporaries); only what it
-    keeps is a flash kernel's. The output is allocated sequence-first, so that the
-    output projection's input is a view of it, as with Transformer Engine's sbhd layout.
+    Each direction is one op (`memcalc::flash_attention`, `memcalc::flash_attention_backward`), as
+    the kernel is: it computes naively inside (the s x s scores exist there, briefly), and what
+    memory tools see is a flash kernel's: forward makes out and lse, backward dq, dk and dv. The
+    output is allocated sequence-first, so that the output projection's input is a view of it, as
+    with Transformer Engine's sbhd layout.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, p, seed):
-        b, heads, s, d = q.shape
-        q3, k3, v3 = _grouped(wide(q), wide(k), wide(v))
-        scores = _scores(q3, k3)
-        lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # (b*g, a/g*s, 1)
-        weights = _dropped(torch.exp(scores - lse), p, seed)
-        out = q.new_empty(s, b, heads, d)
-        out.copy_(torch.bmm(weights, v3).view(b, heads, s, d).permute(2, 0, 1, 3))
-        lse = lse.view(b, heads, s)
+        out, lse = _flash_forward(q, k, v, p, seed)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.p, ctx.seed = p, seed
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # no zeros made for lse's (absent) gradient
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
-        q, k, v, out, lse = ctx.saved_tensors
-        b, heads, s, d = q.shape
-        q3, k3, v3 = _grouped(wide(q), wide(k), wide(v))
-        grad_o, o = (_grouped_rows(x, k.shape[1]) for x in (grad_out, out))  # (b*g, a/g*s, d)
-        weights = torch.exp(_scores(q3, k3) - lse.view(*q3.shape[:2], 1))  # the softmax, rebuilt
-        dropped = _dropped(weights, ctx.p, ctx.seed)
-        grad_v = dropped.transpose(1, 2) @ grad_o  # sums over the group's heads: (b*g, s, d)
-        grad_weights = _dropped(grad_o @ v3.transpose(1, 2), ctx.p, ctx.seed)
-        delta = (grad_o * o).sum(-1, keepdim=True)  # rowsum(dP * P) = rowsum(dO * O)
-        grad_scores = weights * (grad_weights - delta) * d**-0.5
-        grad_q, grad_k = grad_scores @ k3, grad_scores.transpose(1, 2) @ q3
-        grads = (grad.view_as(x).to(x.dtype) for grad, x in ((grad_q, q), (grad_k, k), (grad_v, v)))
-        return (*grads, None, None)
+        if grad_out is None:  # only lse was used, and it has no gradient
+            return None, None, None, None, None
+        return (*_flash_backward(grad_out, *ctx.saved_tensors, ctx.p, ctx.seed), None, None)
+
+
+@torch.library.custom_op("memcalc::flash_attention", mutates_args=())
+def _flash_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, seed: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    b, heads, s, d = q.shape
+    q3, k3, v3 = _grouped(wide(q), wide(k), wide(v))
+    scores = _scores(q3, k3)
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # (b*g, a/g*s, 1)
+    weights = _dropped(torch.exp(scores - lse), p, seed)
+    out = q.new_empty(s, b, heads, d)
+    out.copy_(torch.bmm(weights, v3).view(b, heads, s, d).permute(2, 0, 1, 3))
+    return out, lse.view(b, heads, s)
+
+
+@_flash_forward.register_fake
+def _(q, k, v, p, seed):
+    b, heads, s, d = q.shape
+    return q.new_empty(s, b, heads, d), q.new_empty(b, heads, s, dtype=torch.float32)
+
+
+@torch.library.custom_op("memcalc::flash_attention_backward", mutates_args=())
+def _flash_backward(
+    grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    p: float, seed: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    d = q.shape[-1]
+    q3, k3, v3 = _grouped(wide(q), wide(k), wide(v))
+    grad_o, o = (_grouped_rows(x, k.shape[1]) for x in (grad_out, out))  # (b*g, a/g*s, d)
+    weights = torch.exp(_scores(q3, k3) - lse.view(*q3.shape[:2], 1))  # the softmax, rebuilt
+    dropped = _dropped(weights, p, seed)
+    grad_v = dropped.transpose(1, 2) @ grad_o  # sums over the group's heads: (b*g, s, d)
+    grad_weights = _dropped(grad_o @ v3.transpose(1, 2), p, seed)
+    delta = (grad_o * o).sum(-1, keepdim=True)  # rowsum(dP * P) = rowsum(dO * O)
+    grad_scores = weights * (grad_weights - delta) * d**-0.5
+    grad_q, grad_k = grad_scores @ k3, grad_scores.transpose(1, 2) @ q3
+    return tuple(grad.reshape(x.shape).to(x.dtype) for grad, x in ((grad_q, q), (grad_k, k), (grad_v, v)))
+
+
+@_flash_backward.register_fake
+def _(grad_out, q, k, v, out, lse, p, seed):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _grouped_rows(x: torch.Tensor, groups: int) -> torch.Tensor:

@@ -70,7 +70,7 @@ class MLP(nn.Module):
     def _swiglu(self, x: torch.Tensor) -> torch.Tensor:
         both = self.fc1(x)  # (s, b, 2f/t): [gate; up]
         if self.fused:
-            return _FusedSwiGLU.apply(both)  # keeps gate and up only
+            return _FusedSwiGLU.apply(both, torch.is_grad_enabled())  # keeps gate and up only
         gate, up = _apart(both)
         silu = _SiLUKeepingUp.apply(gate, up)  # keeps the gate, and up beside it
         label(batch_first(silu), ledger.SWIGLU_SILU_OUT)
@@ -79,12 +79,13 @@ class MLP(nn.Module):
         return silu * up_copy  # keeps both factors
 
 
-def _apart(both: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _apart(both: torch.Tensor, in_function: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """fc1's (s, b, 2f/t) output as gate and up, (s, b, f/t) each, copied apart so that each ledger row is one
-    storage: Megatron keeps the one fc1 output, the same bytes."""
+    storage: Megatron keeps the one fc1 output, the same bytes. `in_function`: labelled inside an autograd
+    Function's forward (see `recorder.label`)."""
     gate, up = (half.contiguous() for half in both.chunk(2, dim=-1))
-    label(batch_first(gate), ledger.SWIGLU_GATE)
-    label(batch_first(up), ledger.SWIGLU_UP)
+    label(batch_first(gate), ledger.SWIGLU_GATE, in_function)
+    label(batch_first(up), ledger.SWIGLU_UP, in_function)
     return gate, up
 
 
@@ -107,15 +108,15 @@ class _FusedSwiGLU(torch.autograd.Function):
     fc1's output; its backward is one op returning the 2f-wide gradient, as the fused kernel's."""
 
     @staticmethod
-    def forward(ctx, both):
-        gate, up = _apart(both)
+    def forward(ctx, both, recorded):
+        gate, up = _apart(both, recorded)
         ctx.save_for_backward(gate, up)
         return F.silu(gate) * up
 
     @staticmethod
     def backward(ctx, grad):
         gate, up = ctx.saved_tensors
-        return swiglu_backward(grad, gate, up)
+        return swiglu_backward(grad, gate, up), None
 
 
 class _SiLUKeepingUp(torch.autograd.Function):

@@ -43,12 +43,15 @@ class SavedStorage:
     dtype: str
 
 
-def label(tensor: torch.Tensor, saved: SavedTensor) -> None:
+def label(tensor: torch.Tensor, saved: SavedTensor, in_function: bool = False) -> None:
     """Name the storage under `tensor` after the ledger entry `saved`, for the active recorder.
 
     Pass the tensor as a view in the ledger's axis order: its shape is the one reported.
+    Tensors made without autograd (a checkpoint's first run) are never saved, so they are
+    not labelled; `in_function` is for an autograd Function's forward, where autograd is
+    always off: the caller says whether it was on outside.
     """
-    if _active and torch.is_grad_enabled():
+    if _active and (in_function or torch.is_grad_enabled()):
         _active[-1].add_label(tensor, saved)
 
 

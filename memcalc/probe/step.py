@@ -30,13 +30,14 @@ parameter's `.grad` as "Gradient", in an optimizer step as "Optstate". The gradi
 buffer is not any parameter's `.grad` (the parameters are bf16, the buffer fp32), so it is
 registered with `track_external`, which files it as "Other": `MEASURED_CATEGORIES` reads
 "Other" as gradients, since the buffer is the one tensor registered that way. The moment
-of the peak is read from MemTracker's per-module peak snapshots (`_peak_moment`).
+of the peak is the phase and the innermost module when MemTracker first reached it (`MomentTracker`).
 `measure_step` puts each reading next to the step timeline (memcalc.sizing.timeline).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError
@@ -48,6 +49,7 @@ from memcalc.probe import require_torch
 from memcalc.probe.footprint import available
 from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.launch import Mode, run
+from memcalc.probe.measure import runner
 from memcalc.probe.layer import DTYPES, TransformerLayer
 from memcalc.probe.linear import ColumnParallelLinear
 from memcalc.probe.mappings import f_star_leave_tp, split_seq
@@ -62,6 +64,7 @@ from memcalc.units import human_bytes
 torch = require_torch()
 import torch.distributed as dist  # noqa: E402  (after the install check above)
 from torch import nn  # noqa: E402
+from torch.distributed._tools.mem_tracker import MemTracker  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
 BATCH_SEED = 4321
@@ -313,32 +316,35 @@ def batch(config: ModelConfig, device: torch.device) -> tuple[torch.Tensor, torc
     return tokens.to(device), labels.to(device)
 
 
-def train_step(model: GPT, optimizer: MixedPrecisionAdamW, main_grads: MainGrads, config: ModelConfig) -> None:
-    """Zero the gradient buffer, load a batch, forward, backward, step."""
-    main_grads.zero()
-    tokens, labels = batch(config, main_grads.buffer.device)
-    loss = model(tokens, labels)
-    loss.backward()
-    optimizer.step()
-
-
 @dataclass(frozen=True)
 class Trainer:
-    """The model on one rank with its gradient buffer and optimizer, after a warm-up step."""
+    """A model on one rank with its gradient buffer and optimizer, after a warm-up step.
+
+    `loss` runs the forward pass, (tokens, labels) -> the mean loss: memcalc's GPT is called
+    with both; transformers' models take labels and return their loss in an output object.
+    """
 
     config: ModelConfig
-    model: GPT
+    model: nn.Module
     main_grads: MainGrads
     optimizer: MixedPrecisionAdamW
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
     @classmethod
     def warmed_up(cls, tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy) -> Trainer:
-        """Built and stepped once: Adam's moments exist from the first step on, so the next step is a steady one."""
+        """memcalc's own GPT on this rank, built and stepped once."""
         torch.manual_seed(BATCH_SEED + tp.rank)  # dropout masks
         model = GPT(config, tp, strategy)
+        return cls.around(config, model, model)
+
+    @classmethod
+    def around(cls, config: ModelConfig, model: nn.Module,
+               loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Trainer:
+        """`model` with Megatron's gradient buffer and optimizer, stepped once: Adam's moments exist from the
+        first step on, so the next step is a steady one."""
         params = list(model.parameters())
         main_grads = MainGrads(params)
-        trainer = cls(config, model, main_grads, MixedPrecisionAdamW(params, main_grads))
+        trainer = cls(config, model, main_grads, MixedPrecisionAdamW(params, main_grads), loss)
         trainer.step()
         return trainer
 
@@ -348,15 +354,22 @@ class Trainer:
         tracker.track_external(self.main_grads.buffer)  # filed as "Other": see MEASURED_CATEGORIES
 
     def step(self) -> None:
-        train_step(self.model, self.optimizer, self.main_grads, self.config)
+        """Zero the gradient buffer, load a batch, forward, backward, step; the loss lives to the step's end."""
+        self.main_grads.zero()
+        tokens, labels = batch(self.config, self.main_grads.buffer.device)
+        loss = self.loss(tokens, labels)
+        loss.backward()
+        self.optimizer.step()
 
 
 def measure_step_on_rank(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy) -> StepMeasurement:
-    """Build the model on this rank, run a warm-up step, then measure one step under MemTracker."""
-    from torch.distributed._tools.mem_tracker import MemTracker
+    """Build memcalc's GPT on this rank, run a warm-up step, then measure one step under MemTracker."""
+    return measure_trainer(Trainer.warmed_up(tp, config, strategy), tp, strategy)
 
-    trainer = Trainer.warmed_up(tp, config, strategy)
-    tracker = MemTracker()
+
+def measure_trainer(trainer: Trainer, tp: TensorParallelGroup, strategy: Strategy) -> StepMeasurement:
+    """One step of a warmed-up trainer under MemTracker: the state before it, the peak, and where the peak was."""
+    tracker = MomentTracker()
     trainer.register(tracker)
     steady = categories(tracker.get_tracker_snapshot("current"))
     with tracker:
@@ -364,7 +377,7 @@ def measure_step_on_rank(tp: TensorParallelGroup, config: ModelConfig, strategy:
     snapshot = tracker.get_tracker_snapshot("peak")
     peak = categories(snapshot)
     total = sum(peak.values())
-    return StepMeasurement(strategy.name, tp.size, tp.mode, steady, peak, total, _peak_moment(tracker, total))
+    return StepMeasurement(strategy.name, tp.size, tp.mode, steady, peak, total, tracker.moment)
 
 
 def categories(snapshot: dict) -> dict[str, int]:
@@ -379,31 +392,68 @@ def categories(snapshot: dict) -> dict[str, int]:
     return out
 
 
-def _peak_moment(tracker, total: int) -> str:
-    """Where MemTracker saw the peak: the innermost module whose own peak snapshot is the step's peak.
+class MomentTracker(MemTracker):
+    """A MemTracker that also notes where it first reached its peak: the phase and the innermost active module.
 
-    Each module keeps a snapshot of its highest total while it was active, in forward
-    ("Peak-Forward") and in backward ("Peak-Backward"); the module that reached the step's
-    peak and has no active child that did is where it happened. None did: the optimizer step.
+    MemTracker's module tracker keeps a set of active modules, not their nesting, and in
+    backward a module stays active until the gradient of its positional inputs is complete:
+    q, k and v projections that share one input are active together, and a module called
+    with keyword inputs only (transformers' attention) stays active to the end of backward.
+    So the hooks here keep the active modules in the order they were entered, and the
+    innermost is the last entered of those with no active submodule (a parent and its
+    child enter backward on the same gradient, in either order).
     """
-    found = []
-    for stats in tracker.memory_tracking.values():
-        for state, snapshots in stats.snapshots.items():
-            phase = {"Peak-Forward": "forward", "Peak-Backward": "backward"}.get(getattr(state, "value", state))
-            if phase and any(_total(s) == total for s in snapshots):
-                found.append((stats.mod_fqn.count("."), phase, stats.mod_fqn.partition(".")[2]))
-    if not found:
-        return "optimizer"
-    _, phase, where = max(found)
-    return f"{phase} {where}".strip()
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered: list[str] = []  # active modules, in the order they became active
+        self.moment = ""
 
-def _total(snapshot: dict) -> int:
-    return sum(s.get("Total", 0) for s in snapshot.values())
+    def _enter(self, module) -> None:
+        if module is not None:
+            self.entered.append(self._mod_tracker.get_known_fqn(module))
+
+    def _leave(self, module) -> None:
+        name = self._mod_tracker.get_known_fqn(module) if module is not None else None
+        if name in self.entered:
+            del self.entered[len(self.entered) - 1 - self.entered[::-1].index(name)]
+
+    def _pre_fw_hook(self, module, inputs) -> None:
+        super()._pre_fw_hook(module, inputs)
+        self._enter(module)
+
+    def _post_fw_hook(self, module, inputs, outputs) -> None:
+        super()._post_fw_hook(module, inputs, outputs)
+        self._leave(module)
+
+    def _pre_bw_hook(self, module, args) -> None:
+        super()._pre_bw_hook(module, args)
+        self._enter(module)
+
+    def _post_bw_hook(self, module, args) -> None:
+        super()._post_bw_hook(module, args)
+        self._leave(module)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        before = sum(self._peak_mem.values())
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if sum(self._peak_mem.values()) > before:
+            self.moment = self.where()
+        return out
+
+    def where(self) -> str:
+        """`backward layers.1.mlp.fc2`: the phase and the innermost active module, less the root's name."""
+        if self._in_opt:
+            return "optimizer"
+        phase = "backward" if self._mod_tracker.is_bw else "forward"
+        leaves = [m for m in self.entered if not any(o.startswith(m + ".") for o in self.entered)]
+        inner = leaves[-1].partition(".")[2] if leaves else ""
+        return f"{phase} {inner}".strip()
 
 
 # -- prediction next to measurement -------------------------------------------------
 
+STEP_MODELS = {"megatron": "memcalc's own GPT", "hf": "transformers' LlamaForCausalLM"}  # what --step runs, by --impl
 TOLERANCE = 0.01  # issue 8's bound: the peak and each of its categories within 1% of what MemTracker measured
 
 
@@ -433,6 +483,7 @@ class StepComparison:
     launch: Mode
     predicted: Timeline
     measured: StepMeasurement
+    model: str = "memcalc's own GPT"  # what ran: STEP_MODELS
 
     @property
     def predicted_moment(self) -> str:
@@ -474,8 +525,9 @@ def measure_step(config: ModelConfig, strategies: list[str]) -> list[StepCompari
 
     Every strategy's timeline is made before any step runs, so an unmodelled knob is named at once.
     """
-    if config.impl != "megatron":
-        raise ConfigError(f"--step runs memcalc's own Megatron-style model; with --impl {config.impl} it cannot")
+    if config.impl not in STEP_MODELS:
+        raise ConfigError(f"--step runs memcalc's own Megatron-style model, or transformers' LlamaForCausalLM with"
+                          f" --impl hf; with --impl {config.impl} it cannot")
     accounting = Accounting(exact=True, device="cpu")
     planned = [(STRATEGIES[name], timeline(config, check_strategy(config, STRATEGIES[name]), accounting))
                for name in strategies]
@@ -484,9 +536,19 @@ def measure_step(config: ModelConfig, strategies: list[str]) -> list[StepCompari
     for strategy, predicted in planned:
         mode = Mode.FAKE if strategy.tensor_parallel and config.t > 1 else Mode.SINGLE
         t = config.t if mode is Mode.FAKE else 1
-        (measured,) = run(measure_step_on_rank, (config, strategy), mode=mode, t=t)
-        out.append(StepComparison(strategy, mode, predicted, measured))
+        (measured,) = run(_step_runner(config.impl), (config, strategy), mode=mode, t=t)
+        out.append(StepComparison(strategy, mode, predicted, measured, STEP_MODELS[config.impl]))
     return out
+
+
+def _step_runner(impl: str) -> Callable[[TensorParallelGroup, ModelConfig, Strategy], StepMeasurement]:
+    """memcalc's own GPT, or (impl hf) transformers' LlamaForCausalLM, imported only then: an optional extra."""
+    if impl != "hf":
+        return measure_step_on_rank
+    runner("hf")  # ProbeError naming the extra to install when transformers is missing
+    from memcalc.probe.libs.hf_step import measure_hf_step_on_rank
+
+    return measure_hf_step_on_rank
 
 
 def _check_fits(planned: list[tuple[Strategy, Timeline]]) -> None:

@@ -18,7 +18,10 @@ def test_the_issues_command_gives_the_layout_and_the_verdict_with_the_reserve():
     assert "vocab 128256 padded to 129024" in run.out
     assert ("Fits in 76.65 GiB per GPU? (h100-80gb: 79.65 GiB, less a 3.00 GiB reserve for what the allocator"
             " does not see)") in run.out
-    assert "  tp-sp: yes, 72,764,489,728 B = 67.77 GiB (first stage), 8.88 GiB left" in run.out
+    assert "  tp-sp: yes, 73,033,940,996 B = 68.02 GiB (the step's peak, first stage), 8.63 GiB left" in run.out
+    # the peak: when, on which stage, and what is live then
+    assert "  tp-sp: the step peaks at 68.02 GiB on the first stage, backward layers.19.mlp.fc2" in run.out
+    assert "activations 29.69 GiB, temporaries 256.00 MiB; last stage 46.27 GiB (forward" in run.out
 
 
 def test_json_carries_the_gpu_the_reserve_and_the_budget():

@@ -85,6 +85,14 @@ def test_hf_config_says_which_fields_it_used():
     assert run.err.startswith("memcalc: read gpt2 config.json: n_embd->h=768") and run.err.count("\n") == 1
 
 
+def test_gpt2s_gelu_new_is_tanh_gelu_that_megatron_sizes_as_gelu():
+    run = memcalc_cli("estimate", *GPT2, "--json")
+    assert "activation_function=gelu_new->mlp=gelu_tanh" in run.err
+    exact = memcalc_cli("estimate", *GPT2, "--mlp", "gelu", "--json")
+    per_layer = [json.loads(r.out)["strategies"]["tp"]["per_layer_bytes"] for r in (run, exact)]
+    assert json.loads(run.out)["config"]["mlp"] == "gelu_tanh" and per_layer[0] == per_layer[1]
+
+
 @pytest.mark.parametrize("args,needles", [
     (["--config", "gpt3-22b", "--pp", "5"], ["L=48 is not divisible by pp=5"]),
     ([*GPT3, "--pp", "5"], ["L=96 is not divisible by pp*vpp=5*3=15"]),  # the config has vpp: 3
@@ -154,9 +162,11 @@ def test_totals_json_carries_the_steps_peak_and_steady_state_from_the_timeline()
 
 
 def test_totals_say_where_the_steps_peak_is_not_modelled():
-    run = memcalc_cli("estimate", "--config", "llama3-70b", "--totals", "--json")
-    (stage,) = json.loads(run.out)["per_gpu"]["strategies"]["tp-sp"]["stages"]
-    assert "peak_bytes" not in stage and "swiglu" in stage["peak_not_modelled"]
+    run = memcalc_cli("estimate", "--config", "llama3-70b", "--recompute", "full", "--totals", "--json")
+    verdict = json.loads(run.out)["per_gpu"]["strategies"]["tp-sp"]
+    (stage,) = verdict["stages"]
+    assert "peak_bytes" not in stage and "recompute full" in stage["peak_not_modelled"]
+    assert verdict["needed_basis"] == "states + saved activations" and verdict["needed_bytes"] == stage["total_bytes"]
 
 
 def test_hf_config_names_the_attention_kernel_it_takes_from_the_implementation():

@@ -2,7 +2,7 @@
 bounded run, or the right answer; never a hang, a traceback, unbounded memory or a lost file.
 
 Each test is one failure from issue 10's list. The few that need a real process
-(a closed stdout, /dev/full, an encoding, a FIFO) are marked `procs`.
+(a closed stdout, /dev/full, a pipe nobody reads, an encoding, a FIFO) are marked `procs`.
 """
 
 import json
@@ -166,19 +166,49 @@ def test_a_mathtext_model_name_is_drawn_as_written(tmp_path):
         assert out.stat().st_size > 0
 
 
+# Each way memcalc writes stdout: rich (tables), click.echo (JSON, formulas), sweep's bytes, click's help and version.
+OUTPUTS = {
+    "estimate": ["estimate", "--config", "tiny"],
+    "estimate --json": ["estimate", "--config", "tiny", "--json"],
+    "comm": ["comm", "--config", "tiny"],
+    "formula": ["formula"],
+    "explain": ["explain"],
+    "fit": ["fit", "--config", "tiny", "--budget", "80GiB"],
+    "configs": ["configs"],
+    "sweep csv": ["sweep", "--config", "tiny", "--s", "16,32"],
+    "sweep table": ["sweep", "--config", "tiny", "--s", "16,32", "--format", "table"],
+    "--version": ["--version"],
+    "estimate --help": ["estimate", "--help"],
+}
+WRITING_NOWHERE = ["estimate", "estimate --json", "comm", "formula", "sweep csv"]
+
+
 @pytest.mark.procs
-def test_stdout_on_a_full_disk_is_exit_1_with_one_line():
+@pytest.mark.parametrize("output", WRITING_NOWHERE)
+def test_stdout_on_a_full_disk_is_exit_1_with_one_line(output):
     with open("/dev/full", "w") as full:
-        proc = _memcalc("estimate", "--config", "tiny", stdout=full)
+        proc = _memcalc(*OUTPUTS[output], stdout=full)
     assert (proc.returncode, proc.stderr) == (1, "memcalc: error: cannot write output: No space left on device\n")
 
 
 @pytest.mark.procs
-@pytest.mark.parametrize("command", [["estimate", "--config", "tiny", "--json"],
-                                     ["sweep", "--config", "tiny", "--s", "16,32"]])
-def test_a_closed_stdout_is_exit_1_with_one_line(command):
-    proc = _memcalc(*command, stdout=None, preexec_fn=lambda: os.close(1))
+@pytest.mark.parametrize("output", WRITING_NOWHERE)
+def test_a_closed_stdout_is_exit_1_with_one_line(output):
+    proc = _memcalc(*OUTPUTS[output], stdout=None, preexec_fn=lambda: os.close(1))
     assert (proc.returncode, proc.stderr) == (1, "memcalc: error: cannot write output: stdout is closed\n")
+
+
+@pytest.mark.procs
+@pytest.mark.parametrize("output", OUTPUTS)
+def test_a_reader_that_closed_the_pipe_ends_the_run_quietly_with_exit_0(output):
+    """`memcalc ... | head`: head has stopped reading, which is no error of the user's (rich and click say 1)."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = _memcalc(*OUTPUTS[output], stdout=write)
+    finally:
+        os.close(write)
+    assert (proc.returncode, proc.stderr) == (0, "")
 
 
 @pytest.mark.procs

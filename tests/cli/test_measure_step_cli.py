@@ -64,8 +64,21 @@ def test_a_step_beyond_one_percent_exits_1_naming_the_category(config, monkeypat
     (["--device", "meta"], "--device meta is not supported"),
     (["--backend", "gloo"], "--backend does not apply"),
     (["--comm"], "--comm does not apply"),
-    (["--mlp", "swiglu"], "does not model mlp swiglu"),
-    (["--impl", "hf"], "--step runs memcalc's own Megatron-style model"),
+    (["--recompute", "full"], "does not model recompute full"),
+    (["--impl", "torchtitan"], "--step runs memcalc's own Megatron-style model, or transformers'"),
+    (["--impl", "hf"], "the step timeline for impl hf does not model biases"),
 ])
 def test_what_does_not_apply_or_is_not_modelled_exits_2_before_running(config, flags, needle):
     _one_line_error(memcalc_cli("measure", "--config", config, "--step", *flags), 2, needle)
+
+
+def test_impl_hf_runs_transformers_llama_for_causal_lm_and_exits_0(tmp_path):
+    pytest.importorskip("transformers")
+    path = tmp_path / "llama.yaml"
+    path.write_text(STEP_YAML.replace("t: 2\n", "") + "impl: hf\nnum_query_groups: 2\nffn_hidden_size: 176\n"
+                    "position_embedding_type: rope\nadd_bias_linear: false\ntie_embeddings: false\n")
+    run = memcalc_cli("measure", "--config", str(path), "--step", "--attention", "eager")
+    assert (run.code, run.err) == (0, "")
+    for words in ("ran as: transformers' LlamaForCausalLM, one process (t=1) on cpu", "(same moment)",
+                  "match: the peak and every category within 1%"):
+        assert words in run.out, (words, run.out)

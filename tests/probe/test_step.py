@@ -14,8 +14,10 @@ from memcalc.model.knobs import Accounting  # noqa: E402
 from memcalc.model.strategy import STRATEGIES  # noqa: E402
 from memcalc.probe.group import single  # noqa: E402
 from memcalc.probe.launch import run_fake  # noqa: E402
-from memcalc.probe.step import TOLERANCE, CategoryRow, Trainer, categories, measure_step  # noqa: E402
+from memcalc.probe.step import TOLERANCE, CategoryRow, Trainer, measure_step  # noqa: E402
 from memcalc.sizing.timeline import ACTIVATIONS, timeline  # noqa: E402
+
+from .step_readings import assert_moments_in_order, readings_after_every_op  # noqa: E402
 
 # b*a/t = 8 and 16 < s <= 128 with s a multiple of 4: Megatron's fused softmax runs.
 STEP = dict(b=2, s=24, h=64, a=8, t=2, L=2, vocab_size=250)
@@ -86,6 +88,8 @@ def test_wherever_the_peak_is_memtracker_reaches_it_there_and_agrees_on_the_byte
     ({"position_embedding_type": "rope", "dtype": "fp16", "L": 3}, "tp"),  # no position table
     ({"mlp": "swiglu", "bias_activation_fusion": True}, "tp-sp"),  # the fused SwiGLU: one 2f-wide gradient
     ({"mlp": "swiglu", "num_query_groups": 4, "norm": "rmsnorm"}, "tp"),  # unfused SwiGLU, GQA, RMSNorm
+    ({"attention": "flash", "num_query_groups": 2}, "tp-sp"),  # the flash kernel keeps the projection's input
+    ({"attention": "flash", "recompute": "selective", "s": 128, "vocab_size": 64}, "tp"),  # the kernel rerun
 ], ids=lambda x: str(x))
 def test_variants_of_the_model_agree_within_one_percent(changes, strategy):
     (r,) = measure_step(build_config(STEP | changes), [strategy])
@@ -93,22 +97,8 @@ def test_variants_of_the_model_agree_within_one_percent(changes, strategy):
 
 
 def _bytes_after_every_op(tp, config, strategy):
-    """Bytes per category after each op of one step, as MemTracker counts them."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    class AfterEveryOp(MemTracker):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = super().__torch_dispatch__(func, types, args, kwargs)
-            readings.append({c: n for c, n in categories(self.get_tracker_snapshot()).items() if n})
-            return out
-
-    readings = []
-    trainer = Trainer.warmed_up(tp, config, strategy)
-    tracker = AfterEveryOp()
-    trainer.register(tracker)
-    with tracker:
-        trainer.step()
-    return readings
+    """Where and bytes per category after each op of one step of memcalc's GPT on this rank."""
+    return readings_after_every_op(Trainer.warmed_up(tp, config, strategy))
 
 
 @pytest.mark.parametrize("model, strategy", CASES)
@@ -120,12 +110,7 @@ def test_every_moment_the_timeline_names_happens_in_order_with_its_bytes(model, 
     else:
         readings = _bytes_after_every_op(single(), config, st)
     moments = timeline(config, st, Accounting(exact=True, device="cpu")).moments[1:]
-    position = 0
-    for moment in moments:
-        expected = {c: n for c, n in moment.by_category().items() if n}
-        found = next((i for i in range(position, len(readings)) if readings[i] == expected), None)
-        assert found is not None, f"{moment.label()}: {expected} is not among the readings after op {position}"
-        position = found
+    assert_moments_in_order(moments, readings, places=False)  # a forward moment names a block, not its last op's module
 
 
 def test_a_category_off_by_more_than_one_percent_is_reported(measured):

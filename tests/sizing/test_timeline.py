@@ -11,7 +11,7 @@ from memcalc.model.strategy import STRATEGIES
 from memcalc.sizing import totals
 from memcalc.sizing.timeline.ends import LOSS_WORKING_SET
 from memcalc.sizing.timeline import (
-    ACTIVATIONS, GRADIENTS, OPTIMIZER, PARAMETERS, STEP_TENSORS, TEMPORARIES, timeline,
+    ACTIVATIONS, GRADIENTS, OPTIMIZER, PARAMETERS, STEP_TENSORS, TEMPORARIES, timeline, timelines,
 )
 
 # b*a/t = 8 and 16 < s <= 128 with s a multiple of 4: Megatron's fused softmax runs.
@@ -102,11 +102,42 @@ def test_a_larger_vocabulary_moves_the_peak_to_the_loss():
 
 
 @pytest.mark.parametrize("changes, named", [
-    ({"attention": "flash"}, "attention flash"),
-    ({"recompute": "selective"}, "recompute selective"),
-    ({"pp": 3}, "pp=3"),
+    ({"recompute": "selective"}, "recompute selective with eager attention"),
+    ({"recompute": "full"}, "recompute full"),
+    ({"pp": 3, "vpp": 2, "L": 6}, "the interleaved pipeline schedule"),
     ({"dtype": "fp32"}, "dtype fp32"),
 ])
 def test_what_is_not_modelled_yet_is_refused_by_name(changes, named):
     with pytest.raises(ConfigError, match=f"does not model {named}"):
         _timeline("tp", **changes)
+
+
+def _pipelined(strategy, **changes):
+    config = build_config(STEP | {"L": 8, "pp": 4} | changes)
+    return config, timelines(config, STRATEGIES[strategy], CPU)
+
+
+@pytest.mark.parametrize("strategy", LAYOUTS)
+def test_with_a_pipeline_each_bounding_stage_holds_its_own_model_states_between_steps(strategy):
+    config, (first, last) = _pipelined(strategy)
+    per = totals.per_gpu(config, STRATEGIES[strategy], CPU)
+    for stage, x in zip(per.stages, (first, last)):
+        states = stage.bytes(totals.STATES)
+        assert (x.stage, x.steady.bytes) == (stage.stage.name, states + 4)  # and Adam's step counter
+
+
+@pytest.mark.parametrize("microbatches, in_flight", [(None, 4), (2, 2)])
+def test_the_first_stage_walks_one_micro_batch_beside_the_others_1f1b_keeps_in_flight(microbatches, in_flight):
+    config, (first, _) = _pipelined("tp", num_microbatches=microbatches)
+    others = next(x for x in first.peak.live if x.name == "pipeline/other micro-batches")
+    kept = totals.per_gpu(config, STRATEGIES["tp"], CPU).stages[0].bytes(totals.ACTIVATIONS)
+    # and two small tensors of the embedding that totals does not list: the vocabulary mask and position ids
+    kept += in_flight * (config.b * config.s + 8 * config.s)
+    assert others.bytes * in_flight == kept * (in_flight - 1)
+
+
+def test_only_the_first_stage_runs_the_embedding_and_only_the_last_the_loss():
+    _, (first, last) = _pipelined("tp-sp")
+    assert {m.where for m in first.moments} & {"loss", "output_layer"} == set()
+    assert {m.where for m in last.moments} & {"embedding"} == set()
+    assert any(m.where == "loss" for m in last.moments)

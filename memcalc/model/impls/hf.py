@@ -27,6 +27,10 @@ Where transformers' Python differs from Megatron's fused kernels it keeps more:
   int64 bytes (flash_api.cpp: mha_fwd returns a (2,) and a () uint64 tensor).
 - GPT-2's `gelu_new` is written out in Python: it keeps its input, tanh's output,
   0.5 * x and 1 + tanh(.), four f-wide tensors; `gelu` (torch's kernel) keeps its input.
+  memcalc's `gelu_tanh` is `gelu_new`, GPT2Config's default. A config.json naming
+  another tanh GELU reads as `gelu_tanh` too, and is counted as `gelu_new` although
+  transformers keeps otherwise: `gelu_pytorch_tanh` (torch's kernel) its input alone,
+  `gelu_fast` (written out another way) seven f-wide tensors.
 - Dropout: Llama has attention dropout only; GPT-2 adds resid and MLP dropouts.
 - Recompute "full" is transformers' gradient checkpointing (torch.utils.checkpoint,
   non-reentrant by default): only the layer's input is kept.

@@ -5,7 +5,14 @@ picks its tensors, eager or flash attention picks the core's, dropout 0 removes
 masks, recomputation drops what it will rebuild. The paper's accounting leaves
 out the small `paper=False` terms; exact accounting keeps them. With GELU and
 multi-head attention this is exactly the seed's sbh(34 + 5as/h) and its TP and
-TP+SP forms.
+TP+SP forms. GELU's tanh approximation (`gelu_tanh`) keeps what exact GELU keeps,
+its input: `F.gelu(approximate="tanh")` saves its input alone (measured), as does
+the fused `bias_gelu` (`bias_activation_fusion`; Megatron runs it for
+activation_func F.gelu, and it is the tanh approximation). Megatron-LM's
+`openai_gelu` writes the formula out under megatron's `jit_fuser`, torch.compile,
+whose inductor partitioner saves the input alone too (checked on CPU with torch
+2.13; run eagerly, openai_gelu would keep six more f-wide tensors, and the probe
+runs torch.compile eagerly, so it measures the F.gelu form).
 
 Measured on megatron-core 0.16.1 (`memcalc measure --impl megatron`), three
 places where Megatron keeps other storages than the paper's layer:
@@ -137,7 +144,7 @@ def mlp_block(knobs: Any) -> tuple[SavedTensor, ...]:
     if knobs.mlp == "swiglu":
         activation = swiglu(knobs)
     else:
-        activation = (ledger.GELU_IN,)  # F.gelu and the fused bias_gelu both keep their input
+        activation = (ledger.GELU_IN,)  # F.gelu (exact or tanh), openai_gelu, the fused bias_gelu: the input
     mask = (ledger.MLP_DROPOUT_MASK,) if knobs.has_dropout else ()
     return (ledger.FC1_IN, *activation, ledger.FC2_IN, *mask)
 
@@ -178,10 +185,10 @@ FUSED_SOFTMAX = SizeRule(
 
 def check(knobs: Any) -> None:
     """ConfigError for knob values megatron-core's layer does not have."""
-    if knobs.mlp == "gelu_tanh":
-        raise ConfigError("impl megatron: mlp gelu_tanh (Megatron's openai_gelu) is not modelled; use gelu or swiglu")
-    if knobs.bias_activation_fusion and knobs.mlp == "gelu" and not getattr(knobs, "add_bias_linear", True):
-        raise ConfigError("impl megatron: bias_activation_fusion with gelu fuses fc1's bias; it needs add_bias_linear")
+    if knobs.bias_activation_fusion and knobs.mlp != "swiglu" and not getattr(knobs, "add_bias_linear", True):
+        raise ConfigError(
+            f"impl megatron: bias_activation_fusion with {knobs.mlp} fuses fc1's bias; it needs add_bias_linear"
+        )
     if knobs.recompute == "op":
         raise ConfigError("impl megatron: recompute op is torchtitan's op-level checkpointing; use selective or full")
 

@@ -105,23 +105,18 @@ def _layer_input(config: ModelConfig, device: torch.device) -> torch.Tensor:
 
 def _build(config: ModelConfig, family: str, device: torch.device) -> tuple[Any, Callable[..., dict]]:
     """The layer in training mode, and a function giving its keyword inputs for an input x."""
-    attn = "sdpa" if config.attention == "flash" else "eager"
     if family == "gpt2":
         hf_config = transformers.GPT2Config(
             n_embd=config.h, n_head=config.a, n_inner=config.ffn, n_layer=1, n_positions=config.s,
             vocab_size=config.vocab_size, attn_pdrop=config.dropout, resid_pdrop=config.dropout,
             embd_pdrop=config.dropout, activation_function="gelu_new" if config.mlp == "gelu_tanh" else "gelu",
-            attn_implementation=attn,
+            attn_implementation=attention_implementation(config),
         )
         module = transformers.models.gpt2.modeling_gpt2
         layer_class, rotary = module.GPT2Block, None
     else:
         config_class, module = _llama_family(family)
-        hf_config = config_class(
-            hidden_size=config.h, num_attention_heads=config.a, num_key_value_heads=config.groups,
-            intermediate_size=config.ffn, hidden_act="silu", attention_dropout=config.dropout, num_hidden_layers=1,
-            max_position_embeddings=config.s, vocab_size=config.vocab_size, attn_implementation=attn,
-        )
+        hf_config = llama_config(config, family)
         layer_class = getattr(module, f"{config_class.__name__.removesuffix('Config')}DecoderLayer")
         rotary = getattr(module, f"{config_class.__name__.removesuffix('Config')}RotaryEmbedding")(hf_config)
     torch.manual_seed(INPUT_SEED)  # the weights, as the layer initialises them
@@ -129,6 +124,25 @@ def _build(config: ModelConfig, family: str, device: torch.device) -> tuple[Any,
     if config.recompute == "full":
         _checkpointing(layer)
     return layer, partial(_inputs, hf_config, rotary)
+
+
+def llama_config(config: ModelConfig, family: str = "llama") -> Any:
+    """A Llama-family config object sized from memcalc's: L layers, GQA, SwiGLU, RMSNorm, RoPE, tied or not.
+
+    The attention implementation is memcalc's knob: "sdpa" for flash, "eager" for eager.
+    """
+    config_class, _ = _llama_family(family)
+    return config_class(
+        hidden_size=config.h, num_attention_heads=config.a, num_key_value_heads=config.groups,
+        intermediate_size=config.ffn, hidden_act="silu", attention_dropout=config.dropout, num_hidden_layers=config.L,
+        max_position_embeddings=config.s, vocab_size=config.vocab_size, tie_word_embeddings=config.tie_embeddings,
+        attn_implementation=attention_implementation(config),
+    )
+
+
+def attention_implementation(config: ModelConfig) -> str:
+    """transformers' `attn_implementation` for memcalc's attention knob."""
+    return "sdpa" if config.attention == "flash" else "eager"
 
 
 def _llama_family(family: str) -> tuple[type, Any]:

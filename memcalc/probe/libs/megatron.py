@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import warnings
 from contextlib import contextmanager
+from functools import partial
 from typing import Any, Iterator
 
 from memcalc.config.schema import ModelConfig
@@ -126,7 +127,7 @@ def transformer_config(config: ModelConfig, t: int, sequence_parallel: bool) -> 
     )
     return TransformerConfig(
         num_layers=1, hidden_size=config.h, num_attention_heads=config.a, num_query_groups=config.groups,
-        ffn_hidden_size=config.ffn, gated_linear_unit=swiglu, activation_func=F.silu if swiglu else F.gelu,
+        ffn_hidden_size=config.ffn, gated_linear_unit=swiglu, activation_func=_activation(config),
         normalization="RMSNorm" if config.norm == "rmsnorm" else "LayerNorm",
         add_bias_linear=config.add_bias_linear, add_qkv_bias=config.add_qkv_bias,
         hidden_dropout=config.dropout, attention_dropout=config.dropout,
@@ -135,6 +136,17 @@ def transformer_config(config: ModelConfig, t: int, sequence_parallel: bool) -> 
         params_dtype=DTYPES[config.dtype], bf16=config.dtype == "bf16", fp16=config.dtype == "fp16",
         use_cpu_initialization=True, **recompute,
     )
+
+
+def _activation(config: ModelConfig) -> Any:
+    """megatron's activation_func for memcalc's mlp. Fused, F.gelu selects the bias_gelu kernel, which is the
+    tanh approximation already; unfused, gelu_tanh is F.gelu's own tanh form (see the megatron rules on why
+    not openai_gelu, which the shim would run eagerly)."""
+    if config.mlp == "swiglu":
+        return F.silu
+    if config.mlp == "gelu_tanh" and not config.bias_activation_fusion:
+        return partial(F.gelu, approximate="tanh")
+    return F.gelu
 
 
 def _build(config: ModelConfig, tp: TensorParallelGroup, sequence_parallel: bool) -> Any:
@@ -228,7 +240,7 @@ def _mlp_rules(config: ModelConfig) -> tuple[Rule, ...]:
         Rule("*linear_fc1", "forward", ledger.FC1_IN, arg=0, view=batch_first),
         Rule("*linear_fc2", "forward", ledger.FC2_IN, arg=0, view=batch_first),
     ]
-    if config.mlp == "gelu":
+    if config.mlp != "swiglu":
         if fused:  # bias_gelu keeps fc1's output, before its bias
             return (*rules_, Rule("*linear_fc1", "forward", ledger.GELU_IN, view=batch_first))
         return (*rules_, Rule("*mlp", "gelu", ledger.GELU_IN, arg=0, view=batch_first))

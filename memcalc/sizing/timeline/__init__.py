@@ -2,10 +2,12 @@
 
 `memcalc.sizing.totals` adds model states and the activations a stage keeps; a run goes
 out of memory at its peak, a moment when short-lived tensors sit on top of those. This
-module walks one step of one micro-batch (pp = 1) the way autograd runs it, tensor by
-tensor, and records what is live at every moment where memory can peak:
+module walks one micro-batch of a step on one pipeline stage the way autograd runs it,
+tensor by tensor, and records what is live at every moment where memory can peak:
 
     steady state        bf16 weights, the fp32 gradient buffer, master weights, Adam's m and v
+    in flight           with pp > 1, the saved tensors of the other micro-batches 1F1B keeps
+                        on this stage while this one runs (none on the last stage)
     forward             the batch; each block's saved tensors (the ledger's) as it finishes
     loss                the bf16 logits, their fp32 copy and the per-token vectors of the
                         vocabulary-parallel cross-entropy, all at once
@@ -35,13 +37,16 @@ real run differs further in what an allocator adds: CUDA's caching allocator rou
 block up to 512 bytes (2 MiB segments for large ones) and fragments; cuBLAS keeps a
 workspace per stream; NCCL keeps its buffers. None of those is a tensor, and none is here.
 
-Modelled so far: pp = 1 and cp = 1 (none, tp, tp-sp at any t), the Megatron
+Modelled so far: plain 1F1B at any pp (first and last stage; a middle stage needs less)
+and cp = 1 (none, tp, tp-sp at any t), the Megatron
 implementation's layer with GELU or SwiGLU (fused or not), eager attention with a K/V
 group per head or grouped-query (Megatron's fused softmax, or its fp32 torch softmax
-outside the kernel's sizes), LayerNorm or RMSNorm, no recomputation, dropout and biases
-on or off, tied or untied embeddings, learned positions or RoPE, bf16 or fp16. A fused
-kernel's backward (the norms', the fused SwiGLU's) allocates its outputs alone, as on a
-GPU; the probe runs them as one op each for that reason (memcalc.probe.kernels).
+outside the kernel's sizes) or flash attention (with or without selective recomputation),
+LayerNorm or RMSNorm, dropout and biases on or off, tied or untied embeddings, learned
+positions or RoPE, bf16 or fp16. The probe measures pp = 1; with pp > 1 the walk is the
+same per stage, beside what the schedule keeps in flight. A fused kernel (flash attention,
+the norms' backward, the fused SwiGLU's) allocates its outputs alone, as on a GPU; the
+probe runs each as one op for that reason (memcalc.probe.kernels, attention.py).
 Everything else raises ConfigError naming what is missing. Within a layer's forward only the end of
 each block is a moment: a forward op's transients are smaller than the gradients the same
 op makes in backward, when the same saved tensors are live.
@@ -56,6 +61,8 @@ from memcalc.errors import ConfigError
 from memcalc.model.evaluate import estimate
 from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import Strategy
+from memcalc.sizing.pipeline import Stage, stages
+from memcalc.sizing.timeline.hf import hf_timeline
 from memcalc.sizing.timeline.ends import STEP_TENSORS, Ends, model_states
 from memcalc.sizing.timeline.layer import LAYER_NAMES, layer_backward, layer_forward
 from memcalc.sizing.timeline.tape import (
@@ -64,41 +71,78 @@ from memcalc.sizing.timeline.tape import (
 
 __all__ = [
     "ACTIVATIONS", "CATEGORIES", "GRADIENTS", "OPTIMIZER", "PARAMETERS", "STEP_TENSORS", "TEMPORARIES", "Live",
-    "Moment", "Timeline", "timeline",
+    "Moment", "Timeline", "timeline", "timelines",
 ]
 
 
-def timeline(config: ModelConfig, strategy: Strategy, accounting: Accounting = Accounting(exact=True)) -> Timeline:
-    """The moments of one training step of `config` under `strategy`, on one rank of the only stage."""
+def timeline(
+    config: ModelConfig, strategy: Strategy, accounting: Accounting = Accounting(exact=True), stage: str | None = None,
+) -> Timeline:
+    """The moments of one training step of `config` under `strategy`, on one rank of a pipeline stage.
+
+    `stage` is one of `memcalc.sizing.pipeline.stages`: "only" without pipelining, "first" or "last" (the
+    stages that bound memory) with pp > 1; the first by default. Under 1F1B the stage walks one micro-batch
+    while the others in flight keep their saved tensors: the moment the first stage's backward begins.
+    """
     accounting = replace(accounting, exact=True)  # a timeline counts every byte
+    if config.impl == "hf":  # transformers' LlamaForCausalLM, op by op: its own walk
+        return hf_timeline(config, strategy, accounting)
     layer = estimate(config, strategy, accounting)
     _check_modelled(config, strategy, tuple(x.tensor.name for x in layer.tensors))
+    st = _stage(config, stage)
     z = Sizes.of(config, strategy)
     tape = Tape()
-    model_states(tape, config, strategy, z)
+    model_states(tape, config, st, z)
     tape.mark("steady", "", "model states between steps")
-    ends = Ends(config, strategy, accounting, z)
-    ends.forward_embedding(tape)
+    ends = Ends(config, strategy, accounting, z, st)
     saved = {x.tensor.name: x.bytes for x in layer.tensors}
-    for i in range(config.L):
+    first = 0 if st.has_embedding else config.L - st.layers
+    layers = range(first, first + st.layers)
+    in_flight = st.layer_slots // st.layers
+    others = (in_flight - 1) * (st.layers * sum(saved.values()) + ends.embedding_bytes())
+    tape.add("pipeline/other micro-batches", ACTIVATIONS, others,
+             f"1F1B keeps {in_flight} micro-batches in flight here: the other {in_flight - 1} keep their saved tensors")
+    ends.forward_in(tape, first)
+    for i in layers:
         layer_forward(tape, i, saved, z)
-    ends.forward_output_and_loss(tape, config.L)
-    ends.backward_loss_and_output(tape, config.L)
-    for i in reversed(range(config.L)):
-        layer_backward(tape, i, saved, z, config)
-    ends.backward_embedding(tape)
+    ends.forward_out(tape, layers.stop)
+    ends.backward_out(tape, layers.stop)
+    for i in reversed(layers):
+        layer_backward(tape, i, saved, z, config, first)
+    ends.backward_in(tape, first)
+    tape.drop("pipeline/other micro-batches")  # the cool-down runs their backwards, as this one's
     tape.mark("optimizer", "", "fused AdamW on the fp32 master weights, in place")
-    return Timeline(layer.strategy, tuple(tape.moments))
+    return Timeline(layer.strategy, tuple(tape.moments), st.name)
+
+
+def timelines(config: ModelConfig, strategy: Strategy, accounting: Accounting = Accounting(exact=True)) -> tuple[
+        Timeline, ...]:
+    """One timeline per stage that bounds memory (`memcalc.sizing.pipeline.stages`)."""
+    return tuple(
+        timeline(config, strategy, accounting, x.name)
+        for x in stages(config.L, config.pp, config.vpp, config.microbatches)
+    )
+
+
+def _stage(config: ModelConfig, name: str | None) -> Stage:
+    found = stages(config.L, config.pp, config.vpp, config.microbatches)
+    if name is None:
+        return found[0]
+    for x in found:
+        if x.name == name:
+            return x
+    raise ConfigError(f"no {name} pipeline stage with pp={config.pp}: {', '.join(x.name for x in found)}")
 
 
 def _check_modelled(config: ModelConfig, strategy: Strategy, names: tuple[str, ...]) -> None:
     """ConfigError naming the first thing this timeline does not model yet."""
     missing = [
         (config.impl != "megatron", f"impl {config.impl} (the timeline follows Megatron's layer)"),
-        (config.pp != 1, f"pp={config.pp} (one micro-batch on the only stage)"),
+        (config.vpp is not None and config.pp > 1, "the interleaved pipeline schedule (vpp)"),
         (config.cp != 1, f"cp={config.cp}"),
-        (config.recompute != "none", f"recompute {config.recompute}"),
-        (config.attention != "eager", f"attention {config.attention}"),
+        (config.recompute == "full", "recompute full"),
+        (config.recompute == "selective" and config.attention == "eager",
+         "recompute selective with eager attention (the rerun's working set)"),
         (config.dtype == "fp32", "dtype fp32 (Megatron trains fp32 without master weights)"),
     ]
     unknown = [n for n in names if n not in LAYER_NAMES]

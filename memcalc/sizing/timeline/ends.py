@@ -8,7 +8,7 @@ from memcalc.model.evaluate import rank_shape
 from memcalc.model.knobs import Accounting, element_bytes
 from memcalc.model.ledger import Dim, Kind, Region, SavedTensor
 from memcalc.model.strategy import Strategy
-from memcalc.sizing.pipeline import stages
+from memcalc.sizing.pipeline import Stage
 from memcalc.sizing.states import group_params, state_bytes
 from memcalc.sizing.timeline.ops import enter_tp_backward, gathered_linear_backward, norm_backward
 from memcalc.sizing.timeline.tape import (
@@ -39,9 +39,8 @@ MASKED_TARGET = SavedTensor(
 STEP_TENSORS: tuple[SavedTensor, ...] = (VOCAB_MASK, POSITION_IDS, TARGET_MASK, MASKED_TARGET)
 
 
-def model_states(tape: Tape, config: ModelConfig, strategy: Strategy, z: Sizes) -> None:
-    """Weights, the gradient buffer and the optimizer's states, as `memcalc.sizing.states` counts them."""
-    (stage,) = stages(config.L, config.pp, config.vpp)
+def model_states(tape: Tape, config: ModelConfig, stage: Stage, z: Sizes) -> None:
+    """Weights, the gradient buffer and the optimizer's states of `stage`, as `memcalc.sizing.states` counts them."""
     held = sum(group_params(config, stage, z.t).values())
     states = state_bytes(config, held)
     for name, category, why in (
@@ -61,9 +60,10 @@ def model_states(tape: Tape, config: ModelConfig, strategy: Strategy, z: Sizes) 
 class Ends:
     """Embedding, final norm, output layer and loss: their saved tensors (ledger) and their gradients."""
 
-    def __init__(self, config: ModelConfig, strategy: Strategy, accounting: Accounting, z: Sizes) -> None:
-        self.z = z
-        self.tied = config.tie_embeddings
+    def __init__(self, config: ModelConfig, strategy: Strategy, accounting: Accounting, z: Sizes, stage: Stage) -> None:
+        self.z, self.stage = z, stage
+        # With pp > 1 the last stage's output layer holds its own copy of a tied embedding: untied in backward.
+        self.tied = config.tie_embeddings and stage.has_embedding and stage.has_output
         sizes = end_sizes(config, strategy)
         tp = z.t > 1
         extra = (
@@ -89,12 +89,59 @@ class Ends:
         z = self.z
         tokens = ledger.EMBEDDING_INPUT_IDS.name if self.ids_are_tokens else "batch/tokens"
         tape.add(tokens, ACTIVATIONS, z.tokens(8), "the micro-batch's token ids (int64), live for the whole step")
-        tape.add("batch/labels", ACTIVATIONS, z.tokens(8), "the micro-batch's labels (int64), live for the whole step")
+        self._labels(tape)
         if not self.ids_are_tokens:
             self._saved(tape, ledger.EMBEDDING_INPUT_IDS, VOCAB_MASK)
         self._saved(tape, POSITION_IDS, ledger.EMBEDDING_DROPOUT_MASK)
         tape.add("layers.0/ln1/input", ACTIVATIONS, z.seq(z.h), ledger.WHY_NORM_INPUT)
         tape.mark("forward", "embedding", "word and position embeddings, dropout")
+
+    def _labels(self, tape: Tape) -> None:
+        """Only the stage that computes the loss loads the labels."""
+        if self.stage.has_output:
+            tape.add("batch/labels", ACTIVATIONS, self.z.tokens(8),
+                     "the micro-batch's labels (int64), live for the whole step")
+
+    def embedding_bytes(self) -> int:
+        """What one micro-batch's embedding keeps until its backward (none on a stage without the embedding)."""
+        if not self.stage.has_embedding:
+            return 0
+        kept = (ledger.EMBEDDING_INPUT_IDS, VOCAB_MASK, POSITION_IDS, ledger.EMBEDDING_DROPOUT_MASK)
+        return sum(self.saved.get(x.name, 0) for x in kept)
+
+    def forward_in(self, tape: Tape, first: int) -> None:
+        """The embedding, or the previous stage's output received as this stage's input."""
+        if self.stage.has_embedding:
+            self.forward_embedding(tape)
+            return
+        self._labels(tape)
+        tape.add(f"layers.{first}/ln1/input", ACTIVATIONS, self.z.seq(self.z.h),
+                 "the previous stage's output, received (p2p) as this stage's input; the first layer keeps it")
+        tape.mark("forward", "", "the input received from the previous stage")
+
+    def forward_out(self, tape: Tape, end: int) -> None:
+        """The final norm, output layer and loss, or the output sent to the next stage."""
+        if self.stage.has_output:
+            self.forward_output_and_loss(tape, end)
+            return
+        # Megatron frees the sent output's data at once (deallocate_pipeline_outputs): the next stage keeps it.
+        tape.drop(f"layers.{end}/ln1/input")
+
+    def backward_out(self, tape: Tape, end: int) -> None:
+        """The loss and output layer's backward, or the output's gradient received from the next stage."""
+        if self.stage.has_output:
+            self.backward_loss_and_output(tape, end)
+            return
+        tape.add(f"grad/layers.{end - 1}/output", TEMPORARIES, self.z.seq(self.z.h),
+                 "the gradient of this stage's output, received (p2p) from the next stage")
+        tape.mark("backward", "", "the output's gradient received from the next stage")
+
+    def backward_in(self, tape: Tape, first: int) -> None:
+        """The embedding's backward, or the input's gradient sent to the previous stage."""
+        if self.stage.has_embedding:
+            self.backward_embedding(tape)
+            return
+        tape.drop(f"grad/layers.{first}/ln1/input")  # sent: the previous stage receives it
 
     def forward_output_and_loss(self, tape: Tape, layers: int) -> None:
         z = self.z

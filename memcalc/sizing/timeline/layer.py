@@ -19,7 +19,7 @@ LAYER_NAMES = frozenset(x.name for x in (
     ledger.ATTN_DROPOUT_MASK, ledger.ATTN_DROPOUT_OUT, ledger.PROJ_IN, ledger.ATTN_OUT_DROPOUT_MASK,
     ledger.FC1_IN, ledger.GELU_IN, ledger.FC2_IN, ledger.MLP_DROPOUT_MASK, megatron.CAUSAL_MASK, megatron.SOFTMAX_FP32,
     ledger.SWIGLU_GATE, ledger.SWIGLU_UP, ledger.SWIGLU_SILU_OUT, megatron.SWIGLU_UP_COPY, megatron.K_EXPANDED,
-    megatron.V_EXPANDED,
+    megatron.V_EXPANDED, ledger.SOFTMAX_LSE,
 ))
 
 
@@ -74,8 +74,9 @@ def layer_forward(tape: Tape, i: int, saved: dict[str, int], z: Sizes) -> None:
     tape.mark("forward", f"layers.{i}", "the layer's saved tensors")
 
 
-def layer_backward(tape: Tape, i: int, saved: dict[str, int], z: Sizes, config: ModelConfig) -> None:
-    """The layer's backward, op by op, as autograd runs memcalc's own layer (memcalc.probe.layer)."""
+def layer_backward(tape: Tape, i: int, saved: dict[str, int], z: Sizes, config: ModelConfig, first: int) -> None:
+    """The layer's backward, op by op, as autograd runs memcalc's own layer (memcalc.probe.layer); `first` is the
+    stage's first layer, whose input gradient leaves the stage."""
     p = f"layers.{i}"
     tape.drop(f"{p}/saved")
     for name, n in saved.items():
@@ -107,8 +108,13 @@ def layer_backward(tape: Tape, i: int, saved: dict[str, int], z: Sizes, config: 
     branch = dropout_backward(tape, z, p, mid, ledger.ATTN_OUT_DROPOUT_MASK, saved, release, "attention")
     dx = f"grad/{p}/proj input"
     row_parallel_backward(tape, z, f"{p}.attention.proj", branch, mid, z.h * z.h_t, z.full(z.h_t), dx)
-    release(ledger.PROJ_IN)
-    dqkv = _core_attention_backward(tape, z, p, dx, saved, release)
+    recomputed = config.recompute == "selective"
+    if config.attention == "eager" or recomputed:  # else the flash kernel keeps its output, the projection's input
+        release(ledger.PROJ_IN)
+    if config.attention == "flash":
+        dqkv = _flash_backward(tape, z, p, dx, release, recomputed)
+    else:
+        dqkv = _core_attention_backward(tape, z, p, dx, saved, release)
     dx = f"grad/{p}/qkv input"
     qkv_bias = z.qkv_t if config.add_bias_linear or config.add_qkv_bias else 0
     column_parallel_backward(
@@ -118,10 +124,8 @@ def layer_backward(tape: Tape, i: int, saved: dict[str, int], z: Sizes, config: 
     norm_backward(tape, z, f"{p}.ln1", dx, ledger.LN1, p, after_norm)
     out = f"grad/{p}/ln1 input"
     residual_sum(tape, z, f"{p}.ln1", mid, after_norm, out)
-    if i > 0:
-        tape.live[f"grad/layers.{i - 1}/output"] = replace(tape.live.pop(out), name=f"grad/layers.{i - 1}/output")
-    else:
-        tape.live["grad/layers.0/ln1/input"] = replace(tape.live.pop(out), name="grad/layers.0/ln1/input")
+    name = f"grad/layers.{i - 1}/output" if i > first else f"grad/layers.{i}/ln1/input"
+    tape.live[name] = replace(tape.live.pop(out), name=name)
 
 
 def _core_attention_backward(
@@ -167,12 +171,40 @@ def _core_attention_backward(
     tape.drop(f"{g}/scores", f"{g}/k unscaled")
     if expanded:
         _sum_over_groups(tape, z, where, g)
+    return _concatenated_qkv(tape, z, where, g)
+
+
+def _concatenated_qkv(tape: Tape, z: Sizes, where: str, g: str) -> str:
+    """q, k and v were split from one QKV output: their gradients concatenated into one; returns its name."""
     dqkv = f"{g}/qkv output"
     tape.add(dqkv, TEMPORARIES, z.full(z.qkv_t),
              "q, k and v were split from one QKV output: their gradients concatenated")
     tape.mark("backward", where, "dQ, dK, dV concatenated into the QKV output's gradient")
     tape.drop(f"{g}/q", f"{g}/k", f"{g}/v")
     return dqkv
+
+
+def _flash_backward(tape: Tape, z: Sizes, p: str, dcontext: str, release: Release, recomputed: bool) -> str:
+    """A flash kernel's backward: dQ, dK and dV alone (it rebuilds the softmax inside); returns dQKV's name.
+
+    The kernel keeps its output, which is the projection's input: freed only now. Under selective
+    recomputation the checkpoint first reruns the kernel's forward: its output and log-sum-exp again
+    (the first run's output was the projection's alone).
+    """
+    where, g = f"{p}.attention", f"grad/{p}"
+    basd = z.act * z.b * z.a_t * z.s * z.d
+    bgsd = z.act * z.b * z.g_t * z.s * z.d
+    if recomputed:
+        tape.add(f"{p}/recomputed output", TEMPORARIES, basd, "the checkpoint reruns the kernel: its output")
+        tape.add(f"{p}/recomputed lse", TEMPORARIES, 4 * z.b * z.a_t * z.s, "and its fp32 log-sum-exp")
+        tape.mark("backward", where, "selective recomputation: the flash kernel's forward again")
+    tape.add(f"{g}/q", TEMPORARIES, basd, "the flash kernel's backward: dQ")
+    tape.add(f"{g}/k", TEMPORARIES, bgsd, "the flash kernel's backward: dK, per K/V group")
+    tape.add(f"{g}/v", TEMPORARIES, bgsd, "the flash kernel's backward: dV, per K/V group")
+    tape.mark("backward", where, "flash attention: dQ, dK, dV")
+    release(ledger.Q, ledger.K, ledger.V, ledger.SOFTMAX_LSE, ledger.PROJ_IN)
+    tape.drop(dcontext, f"{p}/recomputed output", f"{p}/recomputed lse")
+    return _concatenated_qkv(tape, z, where, g)
 
 
 def _sum_over_groups(tape: Tape, z: Sizes, where: str, g: str) -> None:

@@ -63,6 +63,7 @@ class Timeline:
 
     strategy: Strategy
     moments: tuple[Moment, ...]
+    stage: str = "only"  # the pipeline stage (memcalc.sizing.pipeline.stages)
 
     @property
     def steady(self) -> Moment:

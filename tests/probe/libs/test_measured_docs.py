@@ -28,6 +28,7 @@ def _installed(module: str) -> bool:
         return False
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("module, command, printed", list(_examples()))
 def test_the_pasted_measurement_is_what_the_library_gives(module, command, printed):
     if not _installed(module):

@@ -25,6 +25,10 @@ CASES = {
     "gelu mha, the seed's layer": ("none", 1, {"dropout": 0.1}),
     "gelu mha tp, no dropout": ("tp", 2, {"dropout": 0.0}),
     "gelu mha tp-sp": ("tp-sp", 4, {"dropout": 0.1}),
+    "tanh gelu tp: F.gelu's tanh form keeps its input, as exact gelu": (
+        "tp", 2, {"mlp": "gelu_tanh", "dropout": 0.0}),
+    "fused tanh gelu tp-sp: bias_gelu keeps fc1's output": (
+        "tp-sp", 2, {"mlp": "gelu_tanh", "bias_activation_fusion": True, "dropout": 0.1}),
     "fused swiglu gqa tp: fc1's output only": ("tp", 2, FUSED_SWIGLU | GQA | {"dropout": 0.0}),
     "unfused swiglu gqa tp-sp: up's copy, expanded k and v": ("tp-sp", 2, SWIGLU | GQA | {"dropout": 0.1}),
     "gqa rmsnorm tp-sp t=4": ("tp-sp", 4, GQA | {"norm": "rmsnorm", "dropout": 0.1}),
@@ -55,6 +59,7 @@ def test_megatrons_layer_as_rank_0_keeps_what_the_megatron_rules_predict(case):
     assert _differences(config, strategy, saved) == []
 
 
+@pytest.mark.procs
 def test_two_gloo_ranks_of_megatrons_layer_each_keep_what_the_rules_predict():
     config = build_config(SIZES | SWIGLU | GQA | {"t": 2, "dropout": 0.1})
     per_rank = run(_measured, (config, "tp-sp"), mode="spawn", t=2, backend="gloo", timeout_s=240)

@@ -60,6 +60,7 @@ def test_the_block_keeps_exactly_what_the_rules_predict(knobs, t, strategy):
     assert all(row.measured > 0 for row in rows)  # every predicted tensor was found, none unlabelled
 
 
+@pytest.mark.procs
 def test_two_gloo_ranks_each_keep_what_rank_zero_of_the_fake_group_keeps():
     ranks = _measured(GQA, 2, "tp-sp", mode="spawn")
     assert [_differences(rows) for rows in ranks] == [[], []]

@@ -1,0 +1,53 @@
+"""One whole training step of transformers' own `LlamaForCausalLM` under MemTracker (`memcalc measure --step
+--impl hf`).
+
+The model is built from memcalc's config as the layer probe builds its layer (`memcalc.probe.libs.hf.llama_config`:
+L decoder layers, GQA, SwiGLU, RMSNorm, RoPE, the attention implementation the config asks for, tied or untied
+embeddings), through `_from_config(dtype=bf16)` as transformers builds a model in a dtype: the weights in bf16,
+the rotary embedding's `inv_freq` buffers in fp32 (made by an explicit float arange). Nothing is downloaded.
+
+It is trained as `memcalc.probe.step` trains memcalc's own GPT, with the same pieces: Megatron's fp32 gradient
+buffer (`MainGrads`), fp32 master weights and fused AdamW (`MixedPrecisionAdamW`), one warm-up step, then one
+step measured by `measure_trainer`. The loss is transformers' own: the labels go into the model, whose
+`ForCausalLMLoss` upcasts the logits to fp32, shifts the labels by one and takes the mean cross-entropy. As
+transformers' Trainer does (`compute_loss` returns the loss alone), only the loss outlives the forward call: the
+output object, and with it the bf16 logits, is dropped at once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from memcalc.config.schema import ModelConfig
+from memcalc.errors import ProbeError
+from memcalc.model.strategy import Strategy
+from memcalc.probe import require_torch
+from memcalc.probe.group import TensorParallelGroup
+from memcalc.probe.layer import DTYPES
+from memcalc.probe.libs.hf import llama_config
+from memcalc.probe.step import BATCH_SEED, StepMeasurement, Trainer, measure_trainer
+
+torch = require_torch()
+import transformers  # noqa: E402  (memcalc[hf])
+
+
+def measure_hf_step_on_rank(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy) -> StepMeasurement:
+    """Build LlamaForCausalLM, run a warm-up step, then measure one step under MemTracker."""
+    return measure_trainer(warmed_up(tp, config, strategy), tp, strategy)
+
+
+def warmed_up(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy) -> Trainer:
+    """transformers' LlamaForCausalLM in training mode with memcalc's trainer, stepped once."""
+    if strategy.tensor_parallel or tp.size != 1:
+        raise ProbeError(f"impl hf runs no tensor parallelism: measure strategy none with t=1 (got {strategy.name})")
+    hf_config = llama_config(config)
+    hf_config.use_cache = False  # as transformers' Trainer sets it (TrainingArguments.use_cache: False)
+    torch.manual_seed(BATCH_SEED)  # the weights, as the model initialises them
+    model = transformers.LlamaForCausalLM._from_config(hf_config, dtype=DTYPES[config.dtype])
+    model = model.to(tp.device).train()
+    return Trainer.around(config, model, lambda tokens, labels: _loss(model, tokens, labels))
+
+
+def _loss(model: Any, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """transformers' own loss; the output object (and the bf16 logits in it) goes as this returns."""
+    return model(input_ids=tokens, labels=labels).loss

@@ -1,0 +1,423 @@
+"""One training step of transformers' own `LlamaForCausalLM` on one rank (`--impl hf`), op by op.
+
+`memcalc.probe.libs.hf_step` trains the model as memcalc's probe trains its GPT (Megatron's
+fp32 gradient buffer, fp32 master weights, fused AdamW) with transformers' own loss; this
+module walks the same step the way autograd runs it, and names every tensor MemTracker sees
+(outputs of ops; what lives inside one kernel is no tensor). A moment is what is live right
+after an op made its outputs: what an op frees goes when the next op runs.
+
+    steady      bf16 weights and the rotary embedding's two fp32 inv_freq buffers, the fp32
+                gradient buffer, master weights, Adam's m and v
+    forward     the embedding lookup; position ids; the causal mask (eager attention: SDPA
+                runs is_causal and needs none); RoPE's cos and sin, made once per forward and
+                kept by every layer; each decoder layer's saved tensors (the hf ledger,
+                `memcalc.model.impls.hf`, less the RoPE tables, shared here) at its second
+                residual sum; the final RMSNorm at its widest; lm_head's bf16 logits and
+                ForCausalLMLoss at its widest (fp32 logits, padded and shifted labels, the
+                kept log-softmax)
+    backward    the loss's fp32 gradients; lm_head; the eager RMSNorm's fp32 temporaries;
+                SwiGLU; o_proj; the attention (eager: two bmm and an fp32 softmax; SDPA: one
+                kernel); repeat_kv's sums under GQA; RoPE; q, k and v projections one by one,
+                their input gradients summed as autograd accumulates them; the embedding's
+                gradient (tied: summed with lm_head's, which waits in autograd's buffer)
+    optimizer   fused AdamW in place: nothing new
+
+Every weight's bf16 gradient is added into the fp32 buffer and dropped as soon as autograd
+hands it over (memcalc.probe.step.MainGrads), so none outlives its GEMM but a tied one.
+
+Exact (to the byte, at every moment named here) for LlamaForCausalLM from transformers
+5.24 on torch 2.13's CPU kernels: no biases, no dropout, bf16 or fp16, eager or SDPA
+attention, grouped or not, tied or not, t = 1, pp = 1, no recomputation. What the CPU
+runs as its CUDA twin: SDPA without dropout is the flash kernel on both (the ledger's
+rule), the rest are the same aten ops. `check_modelled` names everything else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from memcalc.config.schema import ModelConfig
+from memcalc.errors import ConfigError
+from memcalc.model import ledger
+from memcalc.model.evaluate import estimate
+from memcalc.model.impls import hf as rules
+from memcalc.model.knobs import Accounting
+from memcalc.model.strategy import Strategy
+from memcalc.sizing.pipeline import stages
+from memcalc.sizing.timeline.ends import model_states
+from memcalc.sizing.timeline.tape import ACTIVATIONS, PARAMETERS, TEMPORARIES, Sizes, Tape, Timeline
+
+_WHY_SAVED = "kept for backward (the hf ledger); freed when the op that keeps it has run backward"
+_WHY_WGRAD = "the weight's bf16 gradient, added into the fp32 buffer and dropped when autograd hands it over"
+_ROPE = (rules.ROPE_COS.name, rules.ROPE_SIN.name)
+
+
+def hf_timeline(config: ModelConfig, strategy: Strategy, accounting: Accounting) -> Timeline:
+    """The moments of one training step of LlamaForCausalLM sized by `config`, on its one rank."""
+    check_modelled(config, strategy)
+    layer = estimate(config, strategy, accounting)
+    # transformers does not pad the vocabulary: the embedding and lm_head have vocab_size rows.
+    unpadded = replace(config, make_vocab_size_divisible_by=1)
+    step = _Step(Tape(), Sizes.of(unpadded, strategy), config, {x.tensor.name: x.bytes for x in layer.tensors})
+    (stage,) = stages(config.L, config.pp, config.vpp, config.microbatches)
+    model_states(step.tape, unpadded, stage, step.z)
+    step.rotary_buffers()
+    step.tape.mark("steady", "", "model states between steps")
+    step.forward()
+    step.backward()
+    step.tape.mark("optimizer", "", "fused AdamW on the fp32 master weights, in place")
+    return Timeline(layer.strategy, tuple(step.tape.moments), stage.name)
+
+
+def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
+    """ConfigError naming the first thing the hf step timeline does not model yet."""
+    missing = [
+        (not rules.is_llama(config), f"norm {config.norm} with mlp {config.mlp} (GPT-2's model; it walks Llama's)"),
+        (strategy.tensor_parallel, f"strategy {strategy.name} (impl hf runs strategy none)"),
+        (config.pp != 1, f"pp={config.pp}"),
+        (config.cp != 1, f"cp={config.cp}"),
+        (config.recompute != "none", f"recompute {config.recompute} (gradient checkpointing)"),
+        (config.has_dropout, f"dropout {config.dropout}"),
+        (config.add_bias_linear or config.add_qkv_bias, "biases (LlamaForCausalLM as built here has none)"),
+        (config.position_embedding_type != "rope", f"position_embedding_type {config.position_embedding_type}"),
+        (config.dtype == "fp32", "dtype fp32 (no master weights)"),
+    ]
+    for absent, what in missing:
+        if absent:
+            raise ConfigError(f"the step timeline for impl hf does not model {what} yet")
+
+
+@dataclass
+class _Step:
+    """The walk: the tape, the sizes, the config and one layer's saved bytes by ledger name."""
+
+    tape: Tape
+    z: Sizes
+    config: ModelConfig
+    saved: dict[str, int]
+
+    # -- sizes ------------------------------------------------------------------------------------
+
+    def fp32(self, width: int) -> int:
+        """Bytes of an fp32 (b, s, width) tensor."""
+        return self.z.tokens(4 * width)
+
+    def scores(self, width: int) -> int:
+        """Bytes of a (b, a, s, s) tensor of `width`-byte elements."""
+        z = self.z
+        return width * z.b * z.a_t * z.s * z.s
+
+    @property
+    def kv(self) -> int:
+        """K or V projection columns: g groups of d."""
+        return self.config.groups * self.z.d
+
+    @property
+    def eager(self) -> bool:
+        return self.config.attention == "eager"
+
+    @property
+    def tied(self) -> bool:
+        return self.config.tie_embeddings
+
+    def add(self, name: str, nbytes: int, why: str) -> None:
+        """A temporary (made in backward), or an activation while forward runs."""
+        self.tape.add(name, TEMPORARIES if self.in_backward else ACTIVATIONS, nbytes, why)
+
+    in_backward = False
+
+    # -- steady state -----------------------------------------------------------------------------
+
+    def rotary_buffers(self) -> None:
+        """LlamaRotaryEmbedding's inv_freq and original_inv_freq: d/2 fp32 each, made by a float arange."""
+        for name in ("inv_freq", "original_inv_freq"):
+            self.tape.add(f"states/rotary_emb.{name}", PARAMETERS, 4 * (self.z.d // 2),
+                          "LlamaRotaryEmbedding's buffer, fp32 in a bf16 model (an explicit float arange)")
+
+    # -- forward ----------------------------------------------------------------------------------
+
+    def forward(self) -> None:
+        z, tape = self.z, self.tape
+        tape.add(ledger.EMBEDDING_INPUT_IDS.name, ACTIVATIONS, z.tokens(8),
+                 "the micro-batch's token ids (int64), live for the whole step; the embedding keeps them")
+        tape.add("batch/labels", ACTIVATIONS, z.tokens(8), "the micro-batch's labels (int64), live for the whole step")
+        tape.add("layers.0/input", ACTIVATIONS, z.full(z.h),
+                 "the embedding lookup, the first layer's input: LlamaModel's inputs_embeds, live until it returns")
+        tape.mark("forward", "model.embed_tokens", "the embedding lookup")
+        tape.add("model/position_ids", ACTIVATIONS, z.s * 8, "arange(s) as (1, s) int64, live until LlamaModel returns")
+        if self.eager:
+            tape.add("model/causal_mask", ACTIVATIONS, z.act * z.b * z.s * z.s,
+                     "create_causal_mask's additive (b, 1, s, s) mask, live until LlamaModel returns")
+        for name in _ROPE:
+            tape.add(name, ACTIVATIONS, self.saved[name],
+                     "made once per forward by LlamaRotaryEmbedding; every layer's RoPE keeps it")
+        for i in range(self.config.L):
+            self.layer_forward(i)
+        self.final_norm_forward()
+        self.loss_forward()
+
+    def layer_forward(self, i: int) -> None:
+        """The layer's saved tensors (the ledger's, less RoPE's shared tables) at its second residual sum."""
+        z, p = self.z, f"layers.{i}"
+        for name, nbytes in self.saved.items():
+            if name not in _ROPE:
+                self.tape.add(f"{p}/{name}", ACTIVATIONS, nbytes, _WHY_SAVED)
+        self.add(f"{p}/mid", z.full(z.h), "the residual stream after attention: ln2's input and the MLP's residual")
+        self.add(f"{p}/mlp output", z.full(z.h), "down_proj's output, summed into the residual stream")
+        self.add(f"layers.{i + 1}/input", z.full(z.h), "the layer's output, the next layer's input")
+        self.tape.mark("forward", f"model.layers.{i}", "the layer's saved tensors, at its second residual sum")
+        self.tape.drop(f"{p}/mid", f"{p}/mlp output")
+        if i:  # the caller rebinds its hidden_states; the first layer's input is inputs_embeds too
+            self.tape.drop(f"{p}/input")
+
+    def final_norm_forward(self) -> None:
+        """model.norm at its widest: weight * x.to(bf16), with the fp32 locals not yet gone."""
+        z, out = self.z, "final_norm"
+        norm = _norm_names(out)
+        self.add(norm.input_fp32, self.fp32(z.h), _WHY_SAVED)
+        self.add(f"{out}/variance", z.tokens(4), "pow(2).mean(-1): a local, live until the norm returns")
+        self.add(norm.rstd, z.tokens(4), _WHY_SAVED)
+        self.add(f"{out}/normalised fp32", self.fp32(z.h), "x * rsqrt(.): a local, live until the norm returns")
+        self.add(norm.normed, z.full(z.h), _WHY_SAVED)
+        self.add(ledger.OUTPUT_INPUT.name, z.full(z.h), "weight * (.): lm_head's input, which it keeps")
+        self.tape.mark("forward", "model.norm", "RMSNorm at its widest: fp32 input and output, bf16 output")
+        layers = self.config.L
+        self.tape.drop(f"{out}/variance", f"{out}/normalised fp32", f"layers.{layers}/input", "layers.0/input",
+                       "model/position_ids", "model/causal_mask")  # LlamaModel returns
+
+    def loss_forward(self) -> None:
+        """lm_head's logits, then ForCausalLMLoss at its widest (right after nll_loss)."""
+        z = self.z
+        logits = z.act * z.b * z.s * z.v_t
+        self.add("lm_head/logits", logits, "lm_head's bf16 logits; the output object holds them until it goes")
+        self.add("loss/logits fp32", 2 * logits, "logits.float(): the loss upcasts them")
+        self.add("loss/padded labels", 8 * z.b * (z.s + 1), "labels padded by one ignore_index column, (b, s + 1)")
+        if z.b > 1:  # with b = 1 the slice is contiguous already: the target is a view of the padded labels
+            self.add("loss/shift_labels", z.tokens(8), "labels[..., 1:].contiguous(): nll_loss keeps them as its target")
+        self.add("loss/log_softmax", 2 * logits, "cross_entropy's log_softmax in fp32: its backward and nll_loss's keep it")
+        self.add("loss/value", 4, "the mean loss (a 0-d fp32 tensor) lives to the step's end")
+        self.add("loss/total_weight", 4, "nll_loss's count of targets (0-d fp32), kept for its backward")
+        self.tape.mark("forward", "", "the loss: bf16 and fp32 logits and the fp32 log-softmax")
+        self.tape.drop("lm_head/logits", "loss/logits fp32", *(("loss/padded labels",) if z.b > 1 else ()))
+
+    # -- backward ---------------------------------------------------------------------------------
+
+    def backward(self) -> None:
+        self.tape.add("loss/grad seed", ACTIVATIONS, 4, "loss.backward() starts from a 0-d ones tensor")
+        self.in_backward = True
+        self.loss_backward()
+        self.lm_head_backward()
+        self.rms_norm_backward("model.norm", "final_norm", "grad/lm_head input", f"grad/layers.{self.config.L - 1}/output")
+        for i in reversed(range(self.config.L)):
+            self.layer_backward(i)
+        self.embedding_backward()
+
+    def loss_backward(self) -> None:
+        z = self.z
+        logits = z.act * z.b * z.s * z.v_t
+        self.add("grad/log_softmax", 2 * logits, "nll_loss's backward: -1/N at each target, zero elsewhere (fp32)")
+        self.tape.drop("loss/shift_labels", "loss/padded labels", "loss/total_weight")  # nll_loss's target
+        self.add("grad/logits fp32", 2 * logits, "log_softmax's backward, in fp32")
+        self.tape.mark("backward", "", "log_softmax's backward: three fp32 (b·s, v) tensors")
+        self.tape.drop("grad/log_softmax", "loss/log_softmax")
+        self.add("grad/logits", logits, "the upcast's backward: the gradient cast back to bf16")
+        self.tape.drop("grad/logits fp32")
+
+    def lm_head_backward(self) -> None:
+        """lm_head's GEMMs; a tied weight's gradient waits in autograd's input buffer for the embedding's."""
+        z = self.z
+        self.linear_backward("lm_head", "grad/logits", z.act * z.v_t * z.h, "grad/lm_head input", z.full(z.h),
+                             ledger.OUTPUT_INPUT.name, waits="grad/embedding (lm_head)" if self.tied else None)
+
+    def linear_backward(
+        self, where: str, grad: str | None, weight: int, dx: str, dx_bytes: int, kept: str | None,
+        waits: str | None = None,
+    ) -> None:
+        """nn.Linear's backward: dW = dY^T X, then dX = dY W, beside dY; then its kept input and dY go (dY stays
+        where the residual stream still needs it: `grad` None), and dW is handed over unless it `waits`."""
+        self.add(waits or f"grad/{where} weight", weight,
+                 "the tied weight's gradient, waiting in autograd's input buffer" if waits else _WHY_WGRAD)
+        self.add(dx, dx_bytes, "dX = dY W, the input's gradient")
+        self.tape.mark("backward", where, "GEMMs: dW and dX")
+        self.tape.drop(*(x for x in (grad, kept) if x))
+        if not waits:
+            self.tape.drop(f"grad/{where} weight")
+
+    def rms_norm_backward(self, where: str, p: str, grad: str, out: str, residual: str | None = None) -> None:
+        """LlamaRMSNorm's backward as autograd runs its eager ops: weight * y, y.to(bf16), x * r, rsqrt, mean, pow.
+
+        Its widest moment is pow's backward: x's fp32 gradient through x * r, the mean's spread
+        gradient and pow's three products, five fp32 (b, s, h) tensors. With a residual, the
+        norm's dX and the residual stream's gradient are then summed.
+        """
+        z, tape, add = self.z, self.tape, self.add
+        norm = _norm_names(p)
+        add(f"{where}/dY w", z.full(z.h), "weight * y's backward: dY * weight")
+        add(f"{where}/dY y", z.full(z.h), "weight * y's backward: dY * y, then summed to the weight's shape")
+        add(f"{where}/dweight", z.act * z.h, _WHY_WGRAD)
+        tape.drop(f"{where}/dY y")
+        tape.drop(f"{where}/dweight", grad, norm.normed)
+        add(f"{where}/dy fp32", self.fp32(z.h), "y.to(bf16)'s backward: the gradient cast up to fp32")
+        tape.drop(f"{where}/dY w")
+        add(f"{where}/dx (x * r)", self.fp32(z.h), "x * r's backward: dy * r")
+        add(f"{where}/dr full", self.fp32(z.h), "x * r's backward: dy * x, then summed over h")
+        add(f"{where}/dr", z.tokens(4), "the rstd's gradient, (b, s, 1) fp32")
+        tape.drop(f"{where}/dy fp32", f"{where}/dr full")
+        for name in ("r^3", "-r^3 / 2"):
+            add(f"{where}/{name}", z.tokens(4), "rsqrt's backward, (b, s, 1) fp32")
+        add(f"{where}/dvariance", z.tokens(4), "rsqrt's backward: dr * -r^3 / 2")
+        tape.drop(f"{where}/r^3", f"{where}/-r^3 / 2", f"{where}/dr", norm.rstd)
+        add(f"{where}/dpow", self.fp32(z.h), "mean's backward: dvariance spread over h and divided by h")
+        tape.drop(f"{where}/dvariance")
+        add(f"{where}/x^1", self.fp32(z.h), "pow(2)'s backward: x^1")
+        add(f"{where}/2x", self.fp32(z.h), "pow(2)'s backward: 2 * x^1")
+        add(f"{where}/dx (pow)", self.fp32(z.h), "pow(2)'s backward: dpow * 2x")
+        tape.mark("backward", where, "RMSNorm's backward at its widest: five fp32 (b, s, h) temporaries")
+        tape.drop(f"{where}/x^1", f"{where}/2x", f"{where}/dpow", norm.input_fp32)
+        add(f"{where}/dx fp32", self.fp32(z.h), "autograd sums x's two fp32 gradients (x * r and pow)")
+        add(out if residual is None else f"{where}/dx", z.full(z.h), "x.to(float32)'s backward: cast back to bf16")
+        tape.drop(f"{where}/dx (x * r)", f"{where}/dx (pow)")
+        tape.drop(f"{where}/dx fp32")
+        if residual is not None:
+            add(out, z.full(z.h), "the residual stream's gradient: the norm's dX and the residual's summed")
+            tape.drop(f"{where}/dx", residual)
+
+    # -- one decoder layer ------------------------------------------------------------------------
+
+    def layer_backward(self, i: int) -> None:
+        """The layer's backward, op by op: the MLP, ln2 and its residual sum, attention, ln1 and its residual sum."""
+        p, m = f"layers.{i}", f"model.layers.{i}"
+        self.mlp_backward(p, m)
+        self.rms_norm_backward(f"{m}.post_attention_layernorm", f"{p}/ln2", f"grad/{p}/ln2 output",
+                               f"grad/{p}/mid", residual=f"grad/{p}/output")
+        self.attention_backward(p, m)
+        out = f"grad/layers.{i - 1}/output" if i else "grad/embedding output"
+        self.rms_norm_backward(f"{m}.input_layernorm", f"{p}/ln1", f"grad/{p}/ln1 output", out,
+                               residual=f"grad/{p}/mid")
+
+    def mlp_backward(self, p: str, m: str) -> None:
+        """down_proj, SiLU(gate) * up, up_proj, SiLU, gate_proj; gate's and up's input gradients summed."""
+        z, f = self.z, self.z.f_t  # down_proj's dY is the layer's output gradient: ln2's residual sum needs it
+        self.linear_backward(f"{m}.mlp.down_proj", None, z.act * f * z.h, f"grad/{p}/down_proj input", z.full(f),
+                             f"{p}/{ledger.FC2_IN.name}")
+        self.add(f"grad/{p}/up", z.full(f), "SiLU(gate) * up's backward: dY * SiLU(gate)")
+        self.add(f"grad/{p}/silu", z.full(f), "SiLU(gate) * up's backward: dY * up")
+        self.tape.mark("backward", f"{m}.mlp", "SiLU(gate) * up: its two gradients")
+        self.tape.drop(f"grad/{p}/down_proj input", f"{p}/{ledger.SWIGLU_UP.name}", f"{p}/{ledger.SWIGLU_SILU_OUT.name}")
+        self.linear_backward(f"{m}.mlp.up_proj", f"grad/{p}/up", z.act * f * z.h, f"grad/{p}/up_proj input",
+                             z.full(z.h), None)
+        self.add(f"grad/{p}/gate", z.full(f), "SiLU's backward, at its kept input")
+        self.tape.drop(f"grad/{p}/silu", f"{p}/{ledger.SWIGLU_GATE.name}")
+        self.linear_backward(f"{m}.mlp.gate_proj", f"grad/{p}/gate", z.act * f * z.h, f"grad/{p}/gate_proj input",
+                             z.full(z.h), f"{p}/{ledger.FC1_IN.name}")
+        self.add(f"grad/{p}/ln2 output", z.full(z.h), "autograd sums gate_proj's and up_proj's input gradients")
+        self.tape.drop(f"grad/{p}/up_proj input", f"grad/{p}/gate_proj input")
+
+    def attention_backward(self, p: str, m: str) -> None:
+        """o_proj, the core (eager or SDPA), RoPE, then v_proj, k_proj and q_proj, their dX summed as they come."""
+        z, a = self.z, f"{m}.self_attn"
+        # o_proj's dY is the stream's gradient (ln1's residual sum needs it); SDPA keeps o_proj's input as its output
+        self.linear_backward(f"{a}.o_proj", None, z.act * z.h * z.h, f"grad/{p}/o_proj input", z.full(z.h),
+                             f"{p}/{ledger.PROJ_IN.name}" if self.eager else None)
+        if self.eager:
+            self.eager_core_backward(p, a)
+        else:
+            self.sdpa_backward(p, a)
+        self.rope_backward(p, "k", self.kv)
+        self.rope_backward(p, "q", z.h)
+        if p == "layers.0":
+            self.tape.drop(*_ROPE)  # the last RoPE that keeps them has run
+        summed = ""
+        for name, width in (("v", self.kv), ("k", self.kv), ("q", z.h)):
+            self.add(f"grad/{p}/{name} tokens", z.full(width),
+                     f"{name}'s gradient made (b, s, heads * d) again: transpose's backward, contiguous for the GEMM")
+            self.tape.drop(f"grad/{p}/{name} heads")
+            kept = f"{p}/{ledger.QKV_IN.name}" if name == "q" else None  # q_proj runs last: the input goes
+            dx = f"grad/{p}/{name}_proj input"
+            self.linear_backward(f"{a}.{name}_proj", f"grad/{p}/{name} tokens", z.act * width * z.h, dx, z.full(z.h),
+                                 kept)
+            if summed:
+                self.add(f"{dx} + {summed}", z.full(z.h), "autograd sums q's, k's and v's input gradients as they come")
+                self.tape.drop(dx, summed)
+                dx = f"{dx} + {summed}"
+            summed = dx
+        self.tape.live[f"grad/{p}/ln1 output"] = replace(self.tape.live.pop(summed), name=f"grad/{p}/ln1 output")
+
+    def eager_core_backward(self, p: str, a: str) -> None:
+        """eager_attention_forward's backward: weights x V, the bf16 cast, the fp32 softmax, the cast, the scale,
+        QK^T; then repeat_kv's sums over each group's heads (GQA)."""
+        z, tape, add = self.z, self.tape, self.add
+        add(f"grad/{p}/attn heads", z.full(z.h), "the context's gradient as (b, a, s, d), contiguous for bmm")
+        tape.drop(f"grad/{p}/o_proj input")
+        v, k = (rules.V_EXPANDED, rules.K_EXPANDED) if self.config.groups < self.config.a else (ledger.V, ledger.K)
+        add(f"grad/{p}/v expanded", z.full(z.h), "weights x V's backward: dV = weights^T dY, at a heads")
+        add(f"grad/{p}/weights", self.scores(z.act), "weights x V's backward: dWeights = dY V^T")
+        tape.mark("backward", a, "weights x V: dV and dWeights")
+        tape.drop(f"grad/{p}/attn heads", f"{p}/{rules.WEIGHTS.name}", f"{p}/{v.name}")
+        add(f"grad/{p}/softmax fp32", self.scores(4), "the cast to bf16's backward: the gradient up to fp32")
+        tape.drop(f"grad/{p}/weights")
+        add(f"grad/{p}/scores fp32", self.scores(4), "softmax's backward, in fp32")
+        tape.mark("backward", a, "the fp32 softmax's backward")
+        tape.drop(f"grad/{p}/softmax fp32", f"{p}/{rules.SOFTMAX_FP32.name}")
+        add(f"grad/{p}/scores", self.scores(z.act), "the cast to fp32's backward: back to bf16")
+        tape.drop(f"grad/{p}/scores fp32")
+        add(f"grad/{p}/scaled scores", self.scores(z.act), "the scale's backward (the mask's passes dY on)")
+        tape.drop(f"grad/{p}/scores")
+        add(f"grad/{p}/q heads", z.full(z.h), "QK^T's backward: dQ = dScores K")
+        add(f"grad/{p}/k expanded", z.full(z.h), "QK^T's backward: dK = dScores^T Q, at a heads")
+        tape.mark("backward", a, "QK^T: dQ and dK")
+        tape.drop(f"grad/{p}/scaled scores", f"{p}/{ledger.Q.name}", f"{p}/{k.name}")
+        for name in ("v", "k"):
+            self.repeat_kv_backward(p, name)
+
+    def repeat_kv_backward(self, p: str, name: str) -> None:
+        """repeat_kv's backward: each group's a/g heads summed (no copy without GQA)."""
+        expanded, heads = f"grad/{p}/{name} expanded", f"grad/{p}/{name} heads"
+        if self.config.groups == self.config.a:
+            self.tape.live[heads] = replace(self.tape.live.pop(expanded), name=heads)
+            return
+        self.add(heads, self.z.full(self.kv), f"repeat_kv's backward: d{name} summed over each group's heads")
+        self.tape.drop(expanded)
+
+    def sdpa_backward(self, p: str, a: str) -> None:
+        """SDPA's flash kernel backward: dQ, dK and dV (at g heads) from one kernel; then what it keeps goes."""
+        z = self.z
+        self.add(f"grad/{p}/q heads", z.full(z.h), "the flash kernel's backward: dQ")
+        self.add(f"grad/{p}/k heads", z.full(self.kv), "the flash kernel's backward: dK, at g heads")
+        self.add(f"grad/{p}/v heads", z.full(self.kv), "the flash kernel's backward: dV, at g heads")
+        self.tape.mark("backward", a, "the SDPA kernel's backward: dQ, dK, dV")
+        kept = (ledger.Q, ledger.K, ledger.V, ledger.SOFTMAX_LSE, ledger.PROJ_IN)  # PROJ_IN: the kernel's output
+        self.tape.drop(f"grad/{p}/o_proj input", *(f"{p}/{x.name}" for x in kept))
+
+    def rope_backward(self, p: str, name: str, width: int) -> None:
+        """apply_rotary_pos_emb's backward for q or k: dY * cos plus rotate_half's backward of dY * sin."""
+        z, tape, add = self.z, self.tape, self.add
+        g, half = f"grad/{p}/{name}", z.full(width) // 2
+        add(f"{g} rotated", z.full(width), "rotate_half(x) * sin's backward: dY * sin")
+        add(f"{g} neg", half, "rotate_half's backward: the negated half's gradient, negated back")
+        add(f"{g} slice 1", z.full(width), "rotate_half's backward: a half's gradient placed in a zero tensor")
+        tape.drop(f"{g} neg")
+        add(f"{g} slice 2", z.full(width), "rotate_half's backward: the other half, placed likewise")
+        add(f"{g} rotate_half", z.full(width), "the two halves' gradients summed")
+        tape.drop(f"{g} slice 1", f"{g} slice 2", f"{g} rotated")
+        add(f"{g} cos", z.full(width), "x * cos's backward: dY * cos")
+        add(f"{g} pre-rope", z.full(width), "x's two gradients summed")
+        tape.drop(f"{g} cos", f"{g} rotate_half", f"{g} heads")
+        tape.live[f"{g} heads"] = replace(tape.live.pop(f"{g} pre-rope"), name=f"{g} heads")
+
+    def embedding_backward(self) -> None:
+        """The embedding's gradient, dY added into the rows the ids picked; tied, summed with lm_head's."""
+        z, tape = self.z, self.tape
+        table = z.act * z.v_t * z.h
+        self.add("grad/embedding (lookup)", table, "embedding's backward: a (v, h) bf16 gradient")
+        tape.mark("backward", "model.embed_tokens", "the embedding's gradient")
+        tape.drop("grad/embedding output")
+        if self.config.tie_embeddings:
+            self.add("grad/embedding (sum)", table, "autograd sums the tied weight's two gradients into a new tensor")
+            tape.mark("backward", "model.embed_tokens", "the tied weight's two gradients summed")
+        tape.drop("grad/embedding (lookup)", "grad/embedding (lm_head)", "grad/embedding (sum)", "loss/grad seed")
+
+
+def _norm_names(prefix: str) -> rules.RMSNormTensors:
+    """An RMSNorm's three kept tensors' names under `prefix` ("layers.0/ln2", "final_norm"), as the ledger's."""
+    return rules.RMSNormTensors(*(f"{prefix}/{x.name.partition('/')[2]}" for x in rules.LN1_RMS))

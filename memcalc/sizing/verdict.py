@@ -1,0 +1,34 @@
+"""What a strategy needs per GPU, for the fits/does-not-fit verdict: the step's peak where it is modelled.
+
+A run goes out of memory at its peak (`memcalc.sizing.timeline`), which lies above the
+model states plus the saved activations that `memcalc.sizing.totals` adds. Where the
+timeline does not model a config, the verdict falls back on those totals and says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from memcalc.sizing.timeline import Timeline
+    from memcalc.sizing.totals import PerGpu
+
+PEAK, SAVED = "the step's peak", "states + saved activations"
+
+
+@dataclass(frozen=True)
+class Need:
+    """The bytes one GPU needs, what they count (`PEAK` or `SAVED`), and the pipeline stage that needs them."""
+
+    bytes: int
+    basis: str
+    stage: str
+
+
+def need(per: PerGpu, peaks: tuple[Timeline, ...] | str | None) -> Need:
+    """The highest stage's step peak if the timeline models the config, else its per-GPU total."""
+    if isinstance(peaks, tuple) and peaks:
+        worst = max(peaks, key=lambda x: x.peak.bytes)
+        return Need(worst.peak.bytes, PEAK, worst.stage)
+    return Need(per.bytes(), SAVED, per.worst().stage.name)
