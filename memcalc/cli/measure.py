@@ -73,8 +73,8 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
               help="Chunks of a pipelined reduce-scatter.")
 @click.option(
     "--step", is_flag=True,
-    help="Run one whole training step per strategy instead (memcalc's own small GPT, AdamW on fp32 master"
-    " weights) under torch's MemTracker on the CPU, and compare its peak, each category and the moment with the"
+    help="Run one whole training step per strategy instead (memcalc's own small GPT, or with --impl hf"
+    " transformers' LlamaForCausalLM at t=1; AdamW on fp32 master weights) under torch's MemTracker on the CPU, and compare its peak, each category and the moment with the"
     " step timeline; exits 1 beyond 1%.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of tables.")

@@ -31,7 +31,9 @@ buffer is not any parameter's `.grad` (the parameters are bf16, the buffer fp32)
 registered with `track_external`, which files it as "Other": `MEASURED_CATEGORIES` reads
 "Other" as gradients, since the buffer is the one tensor registered that way. The moment
 of the peak is the phase and the innermost module when MemTracker first reached it (`MomentTracker`).
-`measure_step` puts each reading next to the step timeline (memcalc.sizing.timeline).
+`measure_step` puts each reading next to the step timeline (memcalc.sizing.timeline). With
+--impl hf the model is transformers' own LlamaForCausalLM, trained by the same `Trainer`
+(memcalc.probe.libs.hf_step).
 """
 
 from __future__ import annotations

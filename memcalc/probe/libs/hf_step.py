@@ -3,8 +3,11 @@
 
 The model is built from memcalc's config as the layer probe builds its layer (`memcalc.probe.libs.hf.llama_config`:
 L decoder layers, GQA, SwiGLU, RMSNorm, RoPE, the attention implementation the config asks for, tied or untied
-embeddings), through `_from_config(dtype=bf16)` as transformers builds a model in a dtype: the weights in bf16,
-the rotary embedding's `inv_freq` buffers in fp32 (made by an explicit float arange). Nothing is downloaded.
+embeddings), through `_from_config(dtype=...)` as transformers builds a model in a dtype: the weights in bf16
+(or fp16), the rotary embedding's `inv_freq` buffers in fp32 (made by an explicit float arange). Nothing is
+downloaded. `use_cache` is off, as transformers' Trainer sets it (`TrainingArguments.use_cache`, False): with
+LlamaConfig's default (True) LlamaModel builds a DynamicCache in training too, which keeps every layer's K and V
+until the output object goes.
 
 It is trained as `memcalc.probe.step` trains memcalc's own GPT, with the same pieces: Megatron's fp32 gradient
 buffer (`MainGrads`), fp32 master weights and fused AdamW (`MixedPrecisionAdamW`), one warm-up step, then one

@@ -25,16 +25,21 @@ after an op made its outputs: what an op frees goes when the next op runs.
 Every weight's bf16 gradient is added into the fp32 buffer and dropped as soon as autograd
 hands it over (memcalc.probe.step.MainGrads), so none outlives its GEMM but a tied one.
 
-Exact (to the byte, at every moment named here) for LlamaForCausalLM from transformers
-5.24 on torch 2.13's CPU kernels: no biases, no dropout, bf16 or fp16, eager or SDPA
-attention, grouped or not, tied or not, t = 1, pp = 1, no recomputation. What the CPU
-runs as its CUDA twin: SDPA without dropout is the flash kernel on both (the ledger's
-rule), the rest are the same aten ops. `check_modelled` names everything else.
+Exact (to the byte, at every moment named here, tests/probe/libs/test_hf_step.py) for
+LlamaForCausalLM from transformers 5.24 on torch 2.13's CPU kernels: no biases, no dropout,
+bf16 or fp16, eager or SDPA attention, grouped or not, tied or not, t = 1, pp = 1, no
+recomputation; `check_modelled` names everything else. On CUDA the same aten ops make the
+same outputs, with three differences that are no op's output and so are neither here nor in
+MemTracker: what a kernel allocates and frees inside itself (the embedding's backward sorts
+the ids; cuBLAS's workspace), the caching allocator's rounding (512-byte blocks), and SDPA's
+kernel choice (the flash kernel on both devices keeps what the ledger says; another CUDA
+kernel would keep other tensors).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError
@@ -95,6 +100,7 @@ class _Step:
     z: Sizes
     config: ModelConfig
     saved: dict[str, int]
+    in_backward: bool = False  # what is made from here on is a temporary, as MemTracker files it
 
     # -- sizes ------------------------------------------------------------------------------------
 
@@ -124,8 +130,6 @@ class _Step:
         """A temporary (made in backward), or an activation while forward runs."""
         self.tape.add(name, TEMPORARIES if self.in_backward else ACTIVATIONS, nbytes, why)
 
-    in_backward = False
-
     # -- steady state -----------------------------------------------------------------------------
 
     def rotary_buffers(self) -> None:
@@ -137,20 +141,20 @@ class _Step:
     # -- forward ----------------------------------------------------------------------------------
 
     def forward(self) -> None:
-        z, tape = self.z, self.tape
-        tape.add(ledger.EMBEDDING_INPUT_IDS.name, ACTIVATIONS, z.tokens(8),
-                 "the micro-batch's token ids (int64), live for the whole step; the embedding keeps them")
-        tape.add("batch/labels", ACTIVATIONS, z.tokens(8), "the micro-batch's labels (int64), live for the whole step")
-        tape.add("layers.0/input", ACTIVATIONS, z.full(z.h),
-                 "the embedding lookup, the first layer's input: LlamaModel's inputs_embeds, live until it returns")
-        tape.mark("forward", "model.embed_tokens", "the embedding lookup")
-        tape.add("model/position_ids", ACTIVATIONS, z.s * 8, "arange(s) as (1, s) int64, live until LlamaModel returns")
+        """The batch, the embedding, what LlamaModel makes once for all layers, the layers, the norm, the loss."""
+        z, add = self.z, self.add
+        add(ledger.EMBEDDING_INPUT_IDS.name, z.tokens(8),
+            "the micro-batch's token ids (int64), live for the whole step; the embedding keeps them")
+        add("batch/labels", z.tokens(8), "the micro-batch's labels (int64), live for the whole step")
+        add("layers.0/input", z.full(z.h),
+            "the embedding lookup, the first layer's input: LlamaModel's inputs_embeds, live until it returns")
+        self.tape.mark("forward", "model.embed_tokens", "the embedding lookup")
+        add("model/position_ids", z.s * 8, "arange(s) as (1, s) int64, live until LlamaModel returns")
         if self.eager:
-            tape.add("model/causal_mask", ACTIVATIONS, z.act * z.b * z.s * z.s,
-                     "create_causal_mask's additive (b, 1, s, s) mask, live until LlamaModel returns")
+            add("model/causal_mask", z.act * z.b * z.s * z.s,
+                "create_causal_mask's additive (b, 1, s, s) mask, live until LlamaModel returns")
         for name in _ROPE:
-            tape.add(name, ACTIVATIONS, self.saved[name],
-                     "made once per forward by LlamaRotaryEmbedding; every layer's RoPE keeps it")
+            add(name, self.saved[name], "made once per forward by LlamaRotaryEmbedding; every layer's RoPE keeps it")
         for i in range(self.config.L):
             self.layer_forward(i)
         self.final_norm_forward()
@@ -161,7 +165,7 @@ class _Step:
         z, p = self.z, f"layers.{i}"
         for name, nbytes in self.saved.items():
             if name not in _ROPE:
-                self.tape.add(f"{p}/{name}", ACTIVATIONS, nbytes, _WHY_SAVED)
+                self.add(f"{p}/{name}", nbytes, _WHY_SAVED)
         self.add(f"{p}/mid", z.full(z.h), "the residual stream after attention: ln2's input and the MLP's residual")
         self.add(f"{p}/mlp output", z.full(z.h), "down_proj's output, summed into the residual stream")
         self.add(f"layers.{i + 1}/input", z.full(z.h), "the layer's output, the next layer's input")
@@ -193,8 +197,8 @@ class _Step:
         self.add("loss/logits fp32", 2 * logits, "logits.float(): the loss upcasts them")
         self.add("loss/padded labels", 8 * z.b * (z.s + 1), "labels padded by one ignore_index column, (b, s + 1)")
         if z.b > 1:  # with b = 1 the slice is contiguous already: the target is a view of the padded labels
-            self.add("loss/shift_labels", z.tokens(8), "labels[..., 1:].contiguous(): nll_loss keeps them as its target")
-        self.add("loss/log_softmax", 2 * logits, "cross_entropy's log_softmax in fp32: its backward and nll_loss's keep it")
+            self.add("loss/shift_labels", z.tokens(8), "labels[..., 1:].contiguous(): nll_loss keeps it as its target")
+        self.add("loss/log_softmax", 2 * logits, "the fp32 log_softmax: its backward and nll_loss's keep it")
         self.add("loss/value", 4, "the mean loss (a 0-d fp32 tensor) lives to the step's end")
         self.add("loss/total_weight", 4, "nll_loss's count of targets (0-d fp32), kept for its backward")
         self.tape.mark("forward", "", "the loss: bf16 and fp32 logits and the fp32 log-softmax")
@@ -203,22 +207,25 @@ class _Step:
     # -- backward ---------------------------------------------------------------------------------
 
     def backward(self) -> None:
-        self.tape.add("loss/grad seed", ACTIVATIONS, 4, "loss.backward() starts from a 0-d ones tensor")
+        """loss.backward(): the loss, lm_head, the final norm, the layers in reverse, the embedding."""
+        self.add("loss/grad seed", 4, "loss.backward() starts from a 0-d ones tensor, made before autograd runs")
         self.in_backward = True
         self.loss_backward()
         self.lm_head_backward()
-        self.rms_norm_backward("model.norm", "final_norm", "grad/lm_head input", f"grad/layers.{self.config.L - 1}/output")
+        last = f"grad/layers.{self.config.L - 1}/output"
+        self.rms_norm_backward("model.norm", "final_norm", "grad/lm_head input", last)
         for i in reversed(range(self.config.L)):
             self.layer_backward(i)
         self.embedding_backward()
 
     def loss_backward(self) -> None:
+        """nll_loss's and log_softmax's fp32 gradients, then the upcast's: back to bf16."""
         z = self.z
         logits = z.act * z.b * z.s * z.v_t
         self.add("grad/log_softmax", 2 * logits, "nll_loss's backward: -1/N at each target, zero elsewhere (fp32)")
         self.tape.drop("loss/shift_labels", "loss/padded labels", "loss/total_weight")  # nll_loss's target
         self.add("grad/logits fp32", 2 * logits, "log_softmax's backward, in fp32")
-        self.tape.mark("backward", "", "log_softmax's backward: three fp32 (b·s, v) tensors")
+        self.tape.mark("backward", "", "log_softmax's backward: three fp32 (b*s, v) tensors")
         self.tape.drop("grad/log_softmax", "loss/log_softmax")
         self.add("grad/logits", logits, "the upcast's backward: the gradient cast back to bf16")
         self.tape.drop("grad/logits fp32")
@@ -303,7 +310,8 @@ class _Step:
         self.add(f"grad/{p}/up", z.full(f), "SiLU(gate) * up's backward: dY * SiLU(gate)")
         self.add(f"grad/{p}/silu", z.full(f), "SiLU(gate) * up's backward: dY * up")
         self.tape.mark("backward", f"{m}.mlp", "SiLU(gate) * up: its two gradients")
-        self.tape.drop(f"grad/{p}/down_proj input", f"{p}/{ledger.SWIGLU_UP.name}", f"{p}/{ledger.SWIGLU_SILU_OUT.name}")
+        self.tape.drop(f"grad/{p}/down_proj input", *(f"{p}/{x.name}" for x in (ledger.SWIGLU_UP,
+                                                                                 ledger.SWIGLU_SILU_OUT)))
         self.linear_backward(f"{m}.mlp.up_proj", f"grad/{p}/up", z.act * f * z.h, f"grad/{p}/up_proj input",
                              z.full(z.h), None)
         self.add(f"grad/{p}/gate", z.full(f), "SiLU's backward, at its kept input")
@@ -418,6 +426,14 @@ class _Step:
         tape.drop("grad/embedding (lookup)", "grad/embedding (lm_head)", "grad/embedding (sum)", "loss/grad seed")
 
 
-def _norm_names(prefix: str) -> rules.RMSNormTensors:
+class _NormNames(NamedTuple):
+    """Where one LlamaRMSNorm's kept tensors (memcalc.model.impls.hf.RMSNormTensors) live on the tape."""
+
+    input_fp32: str
+    rstd: str
+    normed: str
+
+
+def _norm_names(prefix: str) -> _NormNames:
     """An RMSNorm's three kept tensors' names under `prefix` ("layers.0/ln2", "final_norm"), as the ledger's."""
-    return rules.RMSNormTensors(*(f"{prefix}/{x.name.partition('/')[2]}" for x in rules.LN1_RMS))
+    return _NormNames(*(f"{prefix}/{x.name.partition('/')[2]}" for x in rules.LN1_RMS))
