@@ -64,7 +64,7 @@ def test_a_step_beyond_one_percent_exits_1_naming_the_category(config, monkeypat
     (["--device", "meta"], "--device meta is not supported"),
     (["--backend", "gloo"], "--backend does not apply"),
     (["--comm"], "--comm does not apply"),
-    (["--recompute", "full"], "does not model recompute full"),
+    (["--dtype", "fp32"], "does not model dtype fp32"),
     (["--impl", "torchtitan"], "--step runs memcalc's own Megatron-style model, or transformers'"),
     (["--impl", "hf"], "the step timeline for impl hf does not model biases"),
 ])

@@ -90,6 +90,11 @@ def test_wherever_the_peak_is_memtracker_reaches_it_there_and_agrees_on_the_byte
     ({"mlp": "swiglu", "num_query_groups": 4, "norm": "rmsnorm"}, "tp"),  # unfused SwiGLU, GQA, RMSNorm
     ({"attention": "flash", "num_query_groups": 2}, "tp-sp"),  # the flash kernel keeps the projection's input
     ({"attention": "flash", "recompute": "selective", "s": 128, "vocab_size": 64}, "tp"),  # the kernel rerun
+    ({"recompute": "selective"}, "tp-sp"),  # the eager core rerun inside backward, beside its checkpoint's inputs
+    ({"recompute": "selective", "num_query_groups": 2, "s": 16}, "tp"),  # K/V expanded again, fp32 softmax
+    ({"recompute": "full"}, "tp-sp"),  # each layer rerun: its tensors again, its input and dY held by the checkpoint
+    ({"recompute": "full", "dropout": 0.0, "mlp": "swiglu", "norm": "rmsnorm", "num_query_groups": 2}, "none"),
+    ({"recompute": "full", "attention": "flash", "mlp": "swiglu", "bias_activation_fusion": True}, "tp"),
 ], ids=lambda x: str(x))
 def test_variants_of_the_model_agree_within_one_percent(changes, strategy):
     (r,) = measure_step(build_config(STEP | changes), [strategy])

@@ -37,16 +37,20 @@ real run differs further in what an allocator adds: CUDA's caching allocator rou
 block up to 512 bytes (2 MiB segments for large ones) and fragments; cuBLAS keeps a
 workspace per stream; NCCL keeps its buffers. None of those is a tensor, and none is here.
 
-Modelled so far: plain 1F1B at any pp (first and last stage; a middle stage needs less)
-and cp = 1 (none, tp, tp-sp at any t), the Megatron
-implementation's layer with GELU or SwiGLU (fused or not), eager attention with a K/V
-group per head or grouped-query (Megatron's fused softmax, or its fp32 torch softmax
-outside the kernel's sizes) or flash attention (with or without selective recomputation),
-LayerNorm or RMSNorm, dropout and biases on or off, tied or untied embeddings, learned
-positions or RoPE, bf16 or fp16. The probe measures pp = 1; with pp > 1 the walk is the
-same per stage, beside what the schedule keeps in flight. A fused kernel (flash attention,
-the norms' backward, the fused SwiGLU's) allocates its outputs alone, as on a GPU; the
-probe runs each as one op for that reason (memcalc.probe.kernels, attention.py).
+Modelled so far: 1F1B, plain or interleaved, at any pp (first and last stage; a middle stage
+needs less)
+and cp = 1 (none, tp, tp-sp at any t), the Megatron implementation's layer with GELU or
+SwiGLU (fused or not), eager attention with a K/V group per head or grouped-query
+(Megatron's fused softmax, or its fp32 torch softmax outside the kernel's sizes) or flash
+attention, LayerNorm or RMSNorm, dropout and biases on or off, tied or untied embeddings,
+learned positions or RoPE, bf16 or fp16; no recomputation, selective (the attention core
+rerun inside backward, beside the checkpoint's inputs and its held gradient) or full (each
+layer rerun: its tensors made again, its input and output gradient held by the checkpoint
+until it returns). The probe measures pp = 1; with pp > 1 the walk is the same per stage,
+beside what the schedule keeps in flight. A fused kernel (flash attention, the norms'
+backward, the fused SwiGLU's) allocates its outputs alone, as on a GPU; the probe runs each
+as one op for that reason (memcalc.probe.kernels, attention.py). transformers' Llama
+(`--impl hf`, t = 1) has its own walk (memcalc.sizing.timeline.hf).
 Everything else raises ConfigError naming what is missing. Within a layer's forward only the end of
 each block is a moment: a forward op's transients are smaller than the gradients the same
 op makes in backward, when the same saved tensors are live.
@@ -83,6 +87,8 @@ def timeline(
     `stage` is one of `memcalc.sizing.pipeline.stages`: "only" without pipelining, "first" or "last" (the
     stages that bound memory) with pp > 1; the first by default. Under 1F1B the stage walks one micro-batch
     while the others in flight keep their saved tensors: the moment the first stage's backward begins.
+    Interleaved, it walks one model chunk (the first stage's with the embedding, the last's with the loss)
+    beside the chunk-micro-batches the schedule keeps.
     """
     accounting = replace(accounting, exact=True)  # a timeline counts every byte
     if config.impl == "hf":  # transformers' LlamaForCausalLM, op by op: its own walk
@@ -96,23 +102,39 @@ def timeline(
     tape.mark("steady", "", "model states between steps")
     ends = Ends(config, strategy, accounting, z, st)
     saved = {x.tensor.name: x.bytes for x in layer.tensors}
-    first = 0 if st.has_embedding else config.L - st.layers
-    layers = range(first, first + st.layers)
-    in_flight = st.layer_slots // st.layers
-    others = (in_flight - 1) * (st.layers * sum(saved.values()) + ends.embedding_bytes())
-    tape.add("pipeline/other micro-batches", ACTIVATIONS, others,
-             f"1F1B keeps {in_flight} micro-batches in flight here: the other {in_flight - 1} keep their saved tensors")
+    walked = config.L // (config.pp * config.vpp) if config.vpp and config.pp > 1 else st.layers  # one model chunk
+    first = 0 if st.has_embedding else config.L - walked
+    layers = range(first, first + walked)
+    _others_in_flight(tape, st, walked, sum(saved.values()), ends.embedding_bytes())
     ends.forward_in(tape, first)
     for i in layers:
         layer_forward(tape, i, saved, z)
     ends.forward_out(tape, layers.stop)
     ends.backward_out(tape, layers.stop)
+    rerun = _rerun(config, strategy, accounting) if config.recompute == "full" else saved
+    core = _rerun(config, strategy, accounting) if config.recompute == "selective" and config.attention == "eager" \
+        else None
     for i in reversed(layers):
-        layer_backward(tape, i, saved, z, config, first)
+        layer_backward(tape, i, rerun, z, config, first, core)
     ends.backward_in(tape, first)
     tape.drop("pipeline/other micro-batches")  # the cool-down runs their backwards, as this one's
     tape.mark("optimizer", "", "fused AdamW on the fp32 master weights, in place")
     return Timeline(layer.strategy, tuple(tape.moments), st.name)
+
+
+def _others_in_flight(tape: Tape, st: Stage, walked: int, per_layer: int, embedding: int) -> None:
+    """What the schedule keeps on the stage beside the walked micro-batch's chunk: the rest of its layer slots
+    (`memcalc.sizing.pipeline`), and the other micro-batches' embedding tensors."""
+    slots, embeddings = st.layer_slots - walked, max(st.embedding_in_flight - 1, 0)
+    tape.add("pipeline/other micro-batches", ACTIVATIONS, slots * per_layer + embeddings * embedding,
+             f"{st.schedule}: beside this one, {slots} layers' saved tensors"
+             + (f" and {embeddings} embeddings'" if embeddings else ""))
+
+
+def _rerun(config: ModelConfig, strategy: Strategy, accounting: Accounting) -> dict[str, int]:
+    """What a layer keeps when full recomputation reruns it in backward: the layer without recomputation."""
+    layer = estimate(replace(config, recompute="none"), strategy, accounting)
+    return {x.tensor.name: x.bytes for x in layer.tensors}
 
 
 def timelines(config: ModelConfig, strategy: Strategy, accounting: Accounting = Accounting(exact=True)) -> tuple[
@@ -138,11 +160,7 @@ def _check_modelled(config: ModelConfig, strategy: Strategy, names: tuple[str, .
     """ConfigError naming the first thing this timeline does not model yet."""
     missing = [
         (config.impl != "megatron", f"impl {config.impl} (the timeline follows Megatron's layer)"),
-        (config.vpp is not None and config.pp > 1, "the interleaved pipeline schedule (vpp)"),
         (config.cp != 1, f"cp={config.cp}"),
-        (config.recompute == "full", "recompute full"),
-        (config.recompute == "selective" and config.attention == "eager",
-         "recompute selective with eager attention (the rerun's working set)"),
         (config.dtype == "fp32", "dtype fp32 (Megatron trains fp32 without master weights)"),
     ]
     unknown = [n for n in names if n not in LAYER_NAMES]

@@ -15,11 +15,11 @@ from memcalc.sizing.timeline.tape import ACTIVATIONS, TEMPORARIES, Sizes, Tape
 
 # The layer tensors this module knows when each is freed; a layer that keeps another one is not modelled yet.
 LAYER_NAMES = frozenset(x.name for x in (
-    *ledger.LN1, *ledger.LN2, ledger.QKV_IN, ledger.Q, ledger.K, ledger.V, ledger.SOFTMAX_OUT,
+    *ledger.LN1, *ledger.LN2, ledger.LAYER_INPUT, ledger.QKV_IN, ledger.Q, ledger.K, ledger.V, ledger.SOFTMAX_OUT,
     ledger.ATTN_DROPOUT_MASK, ledger.ATTN_DROPOUT_OUT, ledger.PROJ_IN, ledger.ATTN_OUT_DROPOUT_MASK,
     ledger.FC1_IN, ledger.GELU_IN, ledger.FC2_IN, ledger.MLP_DROPOUT_MASK, megatron.CAUSAL_MASK, megatron.SOFTMAX_FP32,
     ledger.SWIGLU_GATE, ledger.SWIGLU_UP, ledger.SWIGLU_SILU_OUT, megatron.SWIGLU_UP_COPY, megatron.K_EXPANDED,
-    megatron.V_EXPANDED, ledger.SOFTMAX_LSE,
+    megatron.V_EXPANDED, ledger.SOFTMAX_LSE, megatron.QKV_QUERY_COLUMNS,
 ))
 
 
@@ -64,24 +64,49 @@ def _swiglu_backward(tape: Tape, z: Sizes, p: str, grad: str, release: Release, 
 
 
 _WHY_SAVED = "kept for backward (the ledger); freed when the op that keeps it has run backward"
+# What the layer's block makes outside its submodules (memcalc.probe.layer._block): the residual adds and their dropout.
+_MADE_BY_THE_BLOCK = frozenset(x.name for x in (ledger.LN2.input, ledger.ATTN_OUT_DROPOUT_MASK, ledger.MLP_DROPOUT_MASK))
+_WHY_RERUN = "kept by the layer's rerun under full recomputation; freed when the op that keeps it has run backward"
 
 
 def layer_forward(tape: Tape, i: int, saved: dict[str, int], z: Sizes) -> None:
     """The layer's saved tensors (all but its input, live already) as one term, and its output."""
-    own = sum(n for name, n in saved.items() if name != ledger.LN1.input.name)
+    own = sum(n for name, n in saved.items() if name not in (ledger.LN1.input.name, ledger.LAYER_INPUT.name))
     tape.add(f"layers.{i}/saved", ACTIVATIONS, own, "what the layer keeps for backward (the ledger), but its input")
     tape.add(f"layers.{i + 1}/ln1/input", ACTIVATIONS, z.seq(z.h), "the layer's output, the next block's input")
     tape.mark("forward", f"layers.{i}", "the layer's saved tensors")
 
 
-def layer_backward(tape: Tape, i: int, saved: dict[str, int], z: Sizes, config: ModelConfig, first: int) -> None:
+def layer_backward(
+    tape: Tape, i: int, saved: dict[str, int], z: Sizes, config: ModelConfig, first: int,
+    rerun_core: dict[str, int] | None = None,
+) -> None:
     """The layer's backward, op by op, as autograd runs memcalc's own layer (memcalc.probe.layer); `first` is the
-    stage's first layer, whose input gradient leaves the stage."""
+    stage's first layer, whose input gradient leaves the stage. `rerun_core`: under selective recomputation of
+    eager attention, what the layer without recomputation keeps (the core's part is made again).
+
+    Under full recomputation `saved` is what the layer's rerun keeps (the layer without recomputation):
+    the checkpoint first runs the layer's forward again, inside backward. MemTracker files what a submodule's
+    forward makes as activations, rerun or not, and what the block itself makes (the residual adds, their
+    dropout) as temporaries: the rerun calls the block, not the layer module. So does this walk.
+    """
     p = f"layers.{i}"
+    rerun = config.recompute == "full"
     tape.drop(f"{p}/saved")
     for name, n in saved.items():
         if name != ledger.LN1.input.name:
-            tape.add(f"{p}/{name}", ACTIVATIONS, n, _WHY_SAVED)
+            category = TEMPORARIES if rerun and name in _MADE_BY_THE_BLOCK else ACTIVATIONS
+            tape.add(f"{p}/{name}", category, n, _WHY_RERUN if rerun else _WHY_SAVED)
+    if rerun:  # the checkpoint keeps the layer's input (its one saved tensor) until its backward returns
+        kept = tape.live.pop(f"{p}/{ledger.LN1.input.name}")
+        tape.live[f"{p}/input (the checkpoint's)"] = replace(kept, name=f"{p}/input (the checkpoint's)")
+        tape.add(f"{p}/recomputed output", TEMPORARIES, z.seq(z.h),
+                 "the rerun's output: the checkpoint holds it while autograd runs the layer's backward")
+        # the MLP branch's output (after its dropout, made by the block itself), added into the residual last
+        branch = TEMPORARIES if ledger.MLP_DROPOUT_MASK.name in saved else ACTIVATIONS
+        tape.add(f"{p}/recomputed MLP branch", branch, z.seq(z.h), "the last residual add's other operand")
+        tape.mark("backward", p, "full recomputation: the layer's forward again, to its last residual add")
+        tape.drop(f"{p}/recomputed MLP branch")
     grad = f"grad/{p}/output"
 
     def release(*tensors: SavedTensor) -> None:
@@ -103,7 +128,10 @@ def layer_backward(tape: Tape, i: int, saved: dict[str, int], z: Sizes, config: 
     after_norm = f"grad/{p}/ln2 input (norm)"
     norm_backward(tape, z, f"{p}.ln2", dx, ledger.LN2, p, after_norm)
     mid = f"grad/{p}/ln2 input"
+    held = tape.live[grad]
     residual_sum(tape, z, f"{p}.ln2", grad, after_norm, mid)
+    if rerun:  # the checkpoint's backward holds the output's gradient until the rerun's backward is over
+        tape.add(f"{grad} (held by the checkpoint)", held.category, held.bytes, held.why)
     # Attention half: dropout, the projection (row-parallel), the core, QKV (column-parallel), ln1, the sum.
     branch = dropout_backward(tape, z, p, mid, ledger.ATTN_OUT_DROPOUT_MASK, saved, release, "attention")
     dx = f"grad/{p}/proj input"
@@ -114,7 +142,7 @@ def layer_backward(tape: Tape, i: int, saved: dict[str, int], z: Sizes, config: 
     if config.attention == "flash":
         dqkv = _flash_backward(tape, z, p, dx, release, recomputed)
     else:
-        dqkv = _core_attention_backward(tape, z, p, dx, saved, release)
+        dqkv = _core_attention_backward(tape, z, p, dx, saved | _rerun_core(tape, z, p, rerun_core), release)
     dx = f"grad/{p}/qkv input"
     qkv_bias = z.qkv_t if config.add_bias_linear or config.add_qkv_bias else 0
     column_parallel_backward(
@@ -124,12 +152,13 @@ def layer_backward(tape: Tape, i: int, saved: dict[str, int], z: Sizes, config: 
     norm_backward(tape, z, f"{p}.ln1", dx, ledger.LN1, p, after_norm)
     out = f"grad/{p}/ln1 input"
     residual_sum(tape, z, f"{p}.ln1", mid, after_norm, out)
+    tape.drop(f"{p}/recomputed output", f"{grad} (held by the checkpoint)", f"{p}/input (the checkpoint's)")
     name = f"grad/layers.{i - 1}/output" if i > first else f"grad/layers.{i}/ln1/input"
     tape.live[name] = replace(tape.live.pop(out), name=name)
 
 
 def _core_attention_backward(
-    tape: Tape, z: Sizes, p: str, dcontext: str, saved: dict[str, int], release: Release,
+    tape: Tape, z: Sizes, p: str, dcontext: str, saved: dict[str, int], free: Release,
 ) -> str:
     """softmax(QK^T / sqrt(d)) V backward, op by op (memcalc.probe.attention.eager_core); returns dQKV's name."""
     where = f"{p}.attention"
@@ -138,6 +167,12 @@ def _core_attention_backward(
     g = f"grad/{p}"
     expanded = megatron.K_EXPANDED.name in saved  # K and V copied to every head (grouped-query attention)
     k, v = (megatron.K_EXPANDED, megatron.V_EXPANDED) if expanded else (ledger.K, ledger.V)
+    checkpointed = f"{p}/attention/recomputed context" in tape.live
+    held = (ledger.Q, ledger.K, ledger.V) if checkpointed else ()  # the checkpoint's inputs, kept until it returns
+
+    def release(*tensors: SavedTensor) -> None:
+        free(*(x for x in tensors if x not in held))
+
     tape.add(f"{g}/v", TEMPORARIES, basd, "weights x V's backward: dV = weights^T dY")
     tape.add(f"{g}/attention weights", TEMPORARIES, bass, "weights x V's backward: dWeights = dY V^T")
     tape.mark("backward", where, "weights x V: dV and dWeights")
@@ -147,7 +182,8 @@ def _core_attention_backward(
         release(v, ledger.SOFTMAX_OUT)  # the fp32 softmax's 16-bit cast: weights x V alone keeps it
     else:
         release(v)  # the softmax output: the softmax keeps it too
-    tape.drop(dcontext)
+    if not checkpointed:  # else the checkpoint's backward holds dY until it returns
+        tape.drop(dcontext)
     weights = f"{g}/attention weights"
     if ledger.ATTN_DROPOUT_MASK.name in saved:
         tape.add(f"{g}/softmax output", TEMPORARIES, bass, "attention dropout's backward: dY times the mask")
@@ -171,7 +207,31 @@ def _core_attention_backward(
     tape.drop(f"{g}/scores", f"{g}/k unscaled")
     if expanded:
         _sum_over_groups(tape, z, where, g)
+    if checkpointed:  # the checkpoint returns: its rerun's output, dY and its extra input go
+        tape.drop(f"{p}/attention/recomputed context", dcontext)
+        free(*held, megatron.QKV_QUERY_COLUMNS)
     return _concatenated_qkv(tape, z, where, g)
+
+
+# What the attention core keeps when selective recomputation reruns it (eager attention).
+_CORE = (
+    ledger.SOFTMAX_OUT, ledger.ATTN_DROPOUT_MASK, ledger.ATTN_DROPOUT_OUT, megatron.CAUSAL_MASK, megatron.SOFTMAX_FP32,
+    megatron.K_EXPANDED, megatron.V_EXPANDED,
+)
+
+
+def _rerun_core(tape: Tape, z: Sizes, p: str, rerun: dict[str, int] | None) -> dict[str, int]:
+    """Selective recomputation of eager attention: the checkpoint reruns the core inside backward, so its
+    tensors (those of the layer without recomputation) are made again, as temporaries, with its output."""
+    if rerun is None:
+        return {}
+    core = {name: n for name, n in rerun.items() if name in {x.name for x in _CORE}}
+    for name, n in core.items():
+        tape.add(f"{p}/{name}", TEMPORARIES, n, "made again by selective recomputation's rerun of the core")
+    tape.add(f"{p}/attention/recomputed context", TEMPORARIES, z.full(z.h_t),
+             "the rerun's output: the checkpoint holds it while autograd runs the core's backward")
+    tape.mark("backward", f"{p}.attention", "selective recomputation: the attention core's forward again")
+    return core
 
 
 def _concatenated_qkv(tape: Tape, z: Sizes, where: str, g: str) -> str:
@@ -195,15 +255,15 @@ def _flash_backward(tape: Tape, z: Sizes, p: str, dcontext: str, release: Releas
     basd = z.act * z.b * z.a_t * z.s * z.d
     bgsd = z.act * z.b * z.g_t * z.s * z.d
     if recomputed:
-        tape.add(f"{p}/recomputed output", TEMPORARIES, basd, "the checkpoint reruns the kernel: its output")
-        tape.add(f"{p}/recomputed lse", TEMPORARIES, 4 * z.b * z.a_t * z.s, "and its fp32 log-sum-exp")
+        tape.add(f"{p}/attention/recomputed output", TEMPORARIES, basd, "the checkpoint reruns the kernel: its output")
+        tape.add(f"{p}/attention/recomputed lse", TEMPORARIES, 4 * z.b * z.a_t * z.s, "and its fp32 log-sum-exp")
         tape.mark("backward", where, "selective recomputation: the flash kernel's forward again")
     tape.add(f"{g}/q", TEMPORARIES, basd, "the flash kernel's backward: dQ")
     tape.add(f"{g}/k", TEMPORARIES, bgsd, "the flash kernel's backward: dK, per K/V group")
     tape.add(f"{g}/v", TEMPORARIES, bgsd, "the flash kernel's backward: dV, per K/V group")
     tape.mark("backward", where, "flash attention: dQ, dK, dV")
     release(ledger.Q, ledger.K, ledger.V, ledger.SOFTMAX_LSE, ledger.PROJ_IN)
-    tape.drop(dcontext, f"{p}/recomputed output", f"{p}/recomputed lse")
+    tape.drop(dcontext, f"{p}/attention/recomputed output", f"{p}/attention/recomputed lse")
     return _concatenated_qkv(tape, z, where, g)
 
 
