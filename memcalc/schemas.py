@@ -68,6 +68,8 @@ def _document(properties: dict[str, Schema], title: str, optional: tuple[str, ..
     return {"$schema": DIALECT, "title": title, **body}
 
 
+_MLA = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")  # knobs.MLA_KNOBS
+
 # The model's knobs, as `formula` prints them (size knobs null unless set) and as a config carries them.
 KNOBS: Schema = _object({
     "impl": {"enum": ["megatron", "torchtitan", "hf"]},
@@ -80,6 +82,16 @@ KNOBS: Schema = _object({
     "recompute": {"enum": ["none", "selective", "full"]},
     "dtype": TEXT,
     "bias_activation_fusion": FLAG,
+    "num_experts": _nullable(POSITIVE),
+    "moe_router_topk": POSITIVE,
+    "moe_ffn_hidden_size": _nullable(POSITIVE),
+    "moe_shared_expert_intermediate_size": _nullable(POSITIVE),
+    "moe_expert_capacity_factor": _nullable({"type": "number", "exclusiveMinimum": 0}),
+    "moe_layer_freq": POSITIVE,
+    "moe_tokens": {"enum": ["balanced", "capacity", "worst"]},
+    "moe_aux_loss": FLAG,
+    "moe_router_pre_softmax": FLAG,
+    **{name: _nullable(POSITIVE) for name in _MLA},  # latent attention's widths, null without it
 })
 
 # The config a command ran: every ModelConfig field (unset optional ones left out), with the MLP
@@ -100,13 +112,16 @@ CONFIG: Schema = _object(
         "add_bias_linear": FLAG,
         "add_qkv_bias": FLAG,
         "pp": POSITIVE, "vpp": {"type": "integer", "minimum": 2}, "dp": POSITIVE, "cp": POSITIVE,
+        "ep": POSITIVE, "etp": POSITIVE,
         "distributed_optimizer": FLAG,
         "gpus": POSITIVE,
         "num_microbatches": POSITIVE,
         "global_batch_size": POSITIVE,
     },
     # The fields whose default is None, left out unless set.
-    optional=("name", "description", "max_position_embeddings", "vpp", "gpus", "num_microbatches", "global_batch_size"),
+    optional=("name", "description", "max_position_embeddings", "vpp", "gpus", "num_microbatches", "global_batch_size",
+              "etp", "num_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+              "moe_expert_capacity_factor", *_MLA),
 )
 
 ACCOUNTING: Schema = _object({"exact": FLAG, "device": {"enum": ["cuda", "cpu"]}})
@@ -280,12 +295,15 @@ MEASURE_STEP: Schema = _document(
 )
 
 # A candidate value: its bytes, or null with the rule that makes it invalid.
-_CANDIDATE: Schema = _nullable(_object({"value": POSITIVE, "bytes": _nullable(COUNT), "invalid": _nullable(TEXT)}))
+_CANDIDATE: Schema = _nullable(_object({
+    "value": POSITIVE, "bytes": _nullable(COUNT), "invalid": _nullable(TEXT),
+    "basis": _nullable({"enum": ["the step's peak", "states + saved activations"]}),  # counting the peak only
+}))
 FIT: Schema = _document(
     {
         "config": CONFIG,
         "solve": {"enum": ["b", "s", "t"]},
-        "count": {"enum": ["total", "activations"]},
+        "count": {"enum": ["peak", "total", "activations"]},
         "budget_bytes": COUNT,
         "results": {"type": "array", "items": _object({
             "strategy": STRATEGY,

@@ -9,6 +9,7 @@ from memcalc.config.schema import build_config
 from memcalc.errors import ConfigError
 from memcalc.sizing.fit import fit
 from memcalc.model.strategy import STRATEGIES, TP, TP_SP
+from memcalc.sizing.timeline import timelines
 from memcalc.sizing.totals import per_gpu
 
 GPT = dict(b=1, s=256, h=32, a=16, t=4, L=8, vocab_size=1000, position_embedding_type="rope")  # every b fills a softmax block
@@ -34,7 +35,7 @@ def test_b_is_where_the_linear_total_crosses_the_budget(budget, layout, recomput
     one, two = (per_gpu(build_config(fields | {"b": b}), strategy).stages for b in (1, 2))
     lines = [(2 * x.bytes() - y.bytes(), y.bytes() - x.bytes()) for x, y in zip(one, two)]  # (fixed, per_b)
     expected = min((budget - fixed) // per_b for fixed, per_b in lines)
-    got = fit(build_config(fields), strategy, "b", budget)
+    got = fit(build_config(fields), strategy, "b", budget, count="total")
     assert (got.answer.value if got.answer else 0) == max(expected, 0)
     if got.answer:
         assert got.answer.bytes == _needs(fields | {"b": expected}, strategy) <= budget
@@ -46,7 +47,7 @@ def test_b_is_where_the_linear_total_crosses_the_budget(budget, layout, recomput
 def test_s_is_the_largest_valid_length_that_fits(budget, cp, name):
     fields = GPT | {"cp": cp, "attention": "flash"}
     strategy = STRATEGIES[name]
-    got = fit(build_config(fields), strategy, "s", budget)
+    got = fit(build_config(fields), strategy, "s", budget, count="total")
     if got.answer is None:
         lowest = min(s for s in range(1, 64) if _needs(fields | {"s": s}, strategy) is not None)
         assert got.beyond.value == lowest and got.beyond.bytes > budget
@@ -61,7 +62,7 @@ def test_s_is_the_largest_valid_length_that_fits(budget, cp, name):
 
 def test_s_stops_at_a_learned_position_table():
     fields = GPT | {"s": 64, "position_embedding_type": "learned_absolute", "max_position_embeddings": 128}
-    got = fit(build_config(fields), TP_SP, "s", 2**40)
+    got = fit(build_config(fields), TP_SP, "s", 2**40, count="total")
     assert got.answer.value == 128
     assert got.beyond.bytes is None and "exceeds max_position_embeddings=128" in got.beyond.reason
 
@@ -72,7 +73,7 @@ def test_t_is_the_smallest_valid_divisor_that_fits(budget, strategy):
     fields = GPT | {"s": 36, "L": 4}  # s = 36: tp-sp cannot use t = 8
     candidates = {t: _needs(fields | {"t": t}, strategy) for t in range(1, 9)}
     fitting = [t for t, n in candidates.items() if n is not None and n <= budget]
-    got = fit(build_config(fields), strategy, "t", budget)
+    got = fit(build_config(fields), strategy, "t", budget, count="total")
     if fitting:
         assert got.answer.value == fitting[0] and got.answer.bytes == candidates[fitting[0]]
         below = [t for t, n in candidates.items() if n is not None and t < fitting[0]]
@@ -83,13 +84,37 @@ def test_t_is_the_smallest_valid_divisor_that_fits(budget, strategy):
 
 
 def test_nothing_fits_reports_the_cheapest_candidate():
-    got = fit(build_config(GPT), TP_SP, "b", 1000)
+    got = fit(build_config(GPT), TP_SP, "b", 1000, count="total")
     assert got.answer is None and (got.beyond.value, got.beyond.bytes) == (1, _needs(GPT, TP_SP))
 
 
 def test_counting_activations_only_leaves_the_model_states_out():
     budget = _needs(GPT | {"b": 6}, TP_SP, "activations")  # six micro-batches' activations exactly: no room for states
-    total = fit(build_config(GPT), TP_SP, "b", budget)
+    total = fit(build_config(GPT), TP_SP, "b", budget, count="total")
     acts = fit(build_config(GPT), TP_SP, "b", budget, count="activations")
     assert acts.answer.value > total.answer.value
     assert acts.answer.bytes == _needs(GPT | {"b": acts.answer.value}, TP_SP, "activations") <= budget
+
+
+def _peak(fields: dict, strategy) -> int:
+    """The most loaded stage's step peak (memcalc.sizing.timeline), what estimate's verdict counts."""
+    return max(x.peak.bytes for x in timelines(build_config(fields), strategy))
+
+
+@pytest.mark.parametrize("solve, layout", [("b", {}), ("b", {"pp": 2}), ("s", {"pp": 2, "vpp": 2}), ("t", {})])
+def test_counting_the_peak_the_answer_fits_and_the_next_candidate_does_not(solve, layout):
+    fields = GPT | layout
+    budget = (_peak(fields | {"b": 3}, TP_SP) + _peak(fields | {"b": 4}, TP_SP)) // 2  # room for b = 3, not 4
+    got = fit(build_config(fields), TP_SP, solve, budget)  # the peak is the default count, as estimate's verdict
+    assert got.answer.basis == got.beyond.basis == "the step's peak"
+    assert got.answer.bytes == _peak(fields | {solve: got.answer.value}, TP_SP) <= budget
+    assert got.beyond.bytes == _peak(fields | {solve: got.beyond.value}, TP_SP) > budget
+    if solve == "b":
+        assert got.answer.value == 3
+
+
+def test_counting_the_peak_falls_back_on_the_total_where_the_step_is_not_modelled_and_says_so():
+    fields = GPT | {"cp": 2, "attention": "flash"}  # context parallelism: not in the step timeline yet
+    got = fit(build_config(fields), TP_SP, "b", 2**30)
+    assert got.answer.basis == "states + saved activations"
+    assert got.answer.bytes == _needs(fields | {"b": got.answer.value}, TP_SP)

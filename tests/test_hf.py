@@ -154,7 +154,7 @@ def test_bad_files(tmp_path):
 
 @pytest.mark.parametrize("model_type, change, named", [
     ("mistral", {"num_local_experts": 8, "num_experts_per_tok": 2}, "num_local_experts=8 (mixture of experts)"),
-    ("mixtral", {"num_local_experts": 8}, "num_local_experts=8 (mixture of experts)"),
+    ("qwen3_moe", {"num_experts": 128}, "num_experts=128 (mixture of experts)"),
     ("llama", {"n_routed_experts": 64}, "n_routed_experts=64 (mixture of experts)"),
     ("qwen2", {"num_experts": 60}, "num_experts=60 (mixture of experts)"),
     ("llama", {"kv_lora_rank": 512}, "kv_lora_rank=512 (multi-head latent attention)"),
@@ -165,7 +165,50 @@ def test_experts_and_latent_attention_are_refused_naming_the_fields(tmp_path, mo
     """A Mixtral config labelled mistral used to give Mistral 7B's 7.24B parameters, its experts dropped."""
     raw = json.loads((DATA / "mistral-7b.json").read_text()) | {"model_type": model_type} | change
     with pytest.raises(ConfigError, match=f"config.json sets {named.replace('(', r'[(]').replace(')', r'[)]')};"
-                                          " memcalc models dense transformer layers only"):
+                                          " memcalc reads these only where it models them"):
+        read_hf_config(_write(tmp_path, raw))
+
+
+MIXTRAL = {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "intermediate_size": 14336,
+           "num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.02,
+           "output_router_logits": False, "max_position_embeddings": 32768}
+QWEN2_MOE = {"model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"], "num_experts": 60,
+             "num_experts_per_tok": 4, "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
+             "norm_topk_prob": False, "decoder_sparse_step": 1, "output_router_logits": True,
+             "router_aux_loss_coef": 0.001}
+
+
+def test_a_mixtral_config_reads_its_experts_and_shows_each_field_used(tmp_path):
+    raw = json.loads((DATA / "mistral-7b.json").read_text()) | MIXTRAL
+    hf = read_hf_config(_write(tmp_path, raw))
+    assert {k: hf.fields[k] for k in ("num_experts", "moe_router_topk", "moe_aux_loss")} == {
+        "num_experts": 8, "moe_router_topk": 2, "moe_aux_loss": False}
+    line = hf.describe()
+    for shown in ("num_local_experts->num_experts=8", "num_experts_per_tok->moe_router_topk=2",
+                  "output_router_logits+router_aux_loss_coef->moe_aux_loss=False"):
+        assert shown in line
+
+
+def test_a_qwen2_moe_config_reads_experts_shared_expert_router_and_sparse_step(tmp_path):
+    raw = json.loads((DATA / "mistral-7b.json").read_text()) | QWEN2_MOE
+    hf = read_hf_config(_write(tmp_path, raw))
+    assert {k: hf.fields[k] for k in ("num_experts", "moe_router_topk", "moe_ffn_hidden_size",
+                                      "moe_shared_expert_intermediate_size", "moe_router_pre_softmax",
+                                      "moe_layer_freq", "moe_aux_loss")} == {
+        "num_experts": 60, "moe_router_topk": 4, "moe_ffn_hidden_size": 1408,
+        "moe_shared_expert_intermediate_size": 5632, "moe_router_pre_softmax": True, "moe_layer_freq": 1,
+        "moe_aux_loss": True}
+    assert "norm_topk_prob->moe_router_pre_softmax=True" in hf.describe()
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"mlp_only_layers": [0, 5]}, "mlp_only_layers=.* is not modelled"),
+    ({"decoder_sparse_step": 3, "num_hidden_layers": 32}, "decoder_sparse_step=3 does not divide num_hidden_layers=32"),
+    ({"norm_topk_prob": "yes"}, "norm_topk_prob must be true or false"),
+])
+def test_qwen2_moe_layouts_memcalc_cannot_count_are_refused_by_name(tmp_path, change, words):
+    raw = json.loads((DATA / "mistral-7b.json").read_text()) | QWEN2_MOE | change
+    with pytest.raises(ConfigError, match=words):
         read_hf_config(_write(tmp_path, raw))
 
 
@@ -173,3 +216,30 @@ def test_experts_and_latent_attention_are_refused_naming_the_fields(tmp_path, mo
 def test_a_dense_config_that_names_an_expert_field_unset_is_read(tmp_path, change):
     raw = json.loads((DATA / "mistral-7b.json").read_text()) | change
     assert read_hf_config(_write(tmp_path, raw)).family == "mistral"
+
+
+def test_deepseek_v3_is_refused_for_its_experts_alone_its_latent_attention_is_read(tmp_path):
+    with pytest.raises(ConfigError, match=r"sets n_routed_experts=256 \(mixture of experts\); memcalc reads these only where"):
+        read_hf_config(DATA / "deepseek-v3.json")
+
+
+def _dense_deepseek(tmp_path, **change):
+    """DeepSeek-V3's config.json without its MoE fields: a test of the MLA rows, not a model."""
+    raw = json.loads((DATA / "deepseek-v3.json").read_text()) | change
+    for name in ("n_routed_experts", "n_shared_experts", "moe_intermediate_size", "num_experts_per_tok"):
+        raw.pop(name)
+    return read_hf_config(_write(tmp_path, raw))
+
+
+def test_deepseek_latent_attention_fields_are_read_and_shown(tmp_path):
+    hf = _dense_deepseek(tmp_path)
+    assert {k: hf.fields[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
+                                      "v_head_dim")} == dict(q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64,
+                                                             qk_nope_head_dim=128, v_head_dim=128)
+    assert "kv_lora_rank->kv_lora_rank=512" in hf.describe() and "v_head_dim->v_head_dim=128" in hf.describe()
+
+
+def test_deepseek_v2_lite_style_null_q_lora_rank_means_no_query_latent(tmp_path):
+    hf = _dense_deepseek(tmp_path, model_type="deepseek_v2", architectures=["DeepseekV2ForCausalLM"],
+                         q_lora_rank=None, head_dim=64)  # head_dim: DeepseekV3Config's RoPE part, not h/a
+    assert hf.family == "deepseek_v2" and "q_lora_rank" not in hf.fields

@@ -40,17 +40,18 @@ def test_tensor_parallelism_can_split_every_tensor_inside_the_tp_pair():
     # Inside the column/row-parallel pair each rank holds a slice of heads, groups or width.
     for x in ALL_TENSORS:
         if x.region is Region.TENSOR:
-            assert {Dim.A, Dim.G, Dim.F, Dim.H} & set(x.shape), x.name
+            assert {Dim.A, Dim.G, Dim.F, Dim.U, Dim.H} & set(x.shape), x.name
 
 
-def test_terms_left_out_of_the_paper_are_per_token_statistics():
+def test_terms_left_out_of_the_paper_are_per_token_statistics_and_routing_indices():
     # The paper drops only small terms: nothing with a hidden, head-dim or MLP width.
     small = [x for x in ALL_TENSORS if not x.paper]
     assert {x.name for x in small} == {
-        "ln1/mean", "ln1/rstd", "ln2/mean", "ln2/rstd", "attention/softmax_lse",
+        "ln1/mean", "ln1/rstd", "ln2/mean", "ln2/rstd", "attention/softmax_lse", "moe/topk_indices",
+        "mla/q_norm_mean", "mla/q_norm_rstd", "mla/kv_norm_mean", "mla/kv_norm_rstd",
     }
     for x in small:
-        assert not {Dim.H, Dim.D, Dim.F} & set(x.shape), x.name
+        assert not {Dim.H, Dim.D, Dim.F, Dim.FE, Dim.U} & set(x.shape), x.name
 
 
 def test_dropouts_save_one_byte_masks_and_softmax_saves_its_output():

@@ -18,6 +18,7 @@ from memcalc.model.evaluate import estimate  # noqa: E402
 from memcalc.model.impls import layer_tensors  # noqa: E402
 from memcalc.model.knobs import Accounting, Knobs  # noqa: E402
 from memcalc.model.strategy import STRATEGIES  # noqa: E402
+from memcalc.units import human_bytes  # noqa: E402
 
 GPT3 = build_config(dict(name="gpt3-175b", b=1, s=2048, h=12288, a=96, t=8, L=96))
 TITLES = plot.Titles("a model: activation memory", "b=1 h=12288")
@@ -119,3 +120,16 @@ def test_without_matplotlib_the_error_says_how_to_install_it(monkeypatch):
         monkeypatch.setitem(sys.modules, module, None)
     with pytest.raises(MemcalcError, match=r"pip install matplotlib \(in a checkout: pip install -e '.\[plot\]'\)"):
         _lines()
+
+
+def test_a_timeline_panel_stacks_each_moments_categories_up_to_its_bytes_and_names_the_peak():
+    from memcalc.sizing.timeline import CATEGORIES, timeline
+
+    step = timeline(build_config(dict(b=2, s=24, h=64, a=8, t=2, L=2, vocab_size=250)), STRATEGIES["tp-sp"])
+    fig = plot.timeline_figure([step], TITLES, device_memory=2**21)
+    ax = fig.axes[0]
+    stacked = [c for c in ax.collections if c.get_label() in CATEGORIES]
+    assert [c.get_label() for c in stacked] == list(CATEGORIES)  # bottom to top: states, then what comes and goes
+    tops = stacked[-1].get_paths()[0].vertices[:, 1].max()
+    assert tops == pytest.approx(step.peak.bytes / plot.GIB)
+    assert any(t.get_text().startswith(f"peak {human_bytes(step.peak.bytes)}") for t in ax.texts)

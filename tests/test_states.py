@@ -4,6 +4,7 @@ by-hand tensor-parallel shards, and Megatron-LM's 18 and 6 + 12/dp bytes per par
 import pytest
 
 from memcalc.config.schema import build_config, load_config
+from memcalc.errors import ConfigError
 from memcalc.sizing.pipeline import stages
 from memcalc.sizing.states import group_params, padded_vocab, state_bytes, total_params, vocab_shard
 
@@ -91,3 +92,85 @@ def test_distributed_optimizer_shards_twelve_bytes_over_dp_times_cp(dp, cp):
 
 def test_data_parallelism_alone_shards_nothing():
     assert state_bytes(build_config(GPT | {"dp": 8}), 100) == state_bytes(build_config(GPT), 100)
+
+
+# -- experts ------------------------------------------------------------------------------------
+
+MOE = GPT | dict(norm="rmsnorm", mlp="swiglu", num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=96,
+                 position_embedding_type="rope", add_bias_linear=False)
+
+
+def test_mixtral_8x7b_config_has_its_published_46_7b_parameters():
+    """Jiang et al. 2024 ("Mixtral of Experts"): 46.7B parameters, 13B active; the count to the parameter is
+    32 layers of (QKV 4096*6144 + projection 4096^2 + router 4096*8 + 8 experts of 3*4096*14336 + two norms)
+    plus two 32000-row tables and the final norm."""
+    h, L, e, v = 4096, 32, 14336, 32000
+    layer = h * 6144 + h * h + h * 8 + 8 * 3 * h * e + 2 * h
+    assert total_params(load_config("mixtral-8x7b", {})) == L * layer + 2 * v * h + h == 46_702_792_704
+
+
+def test_each_rank_holds_its_e_over_ep_experts_split_by_t_and_the_router_whole():
+    config = build_config(MOE | dict(t=2, ep=4, dp=4))
+    params = group_params(config, stages(config.L, 1, None)[0], 2)
+    assert params["moe/experts"] == config.L * (8 // 4) * 3 * 64 * 96 // 2
+    assert params["moe/router"] == config.L * 64 * 8
+    assert "mlp/fc1" in params and params["mlp/fc1"] == 0  # every layer is a MoE layer
+
+
+def test_dense_layers_between_moe_layers_keep_the_dense_mlp():
+    config = build_config(MOE | dict(moe_layer_freq=2, ffn_hidden_size=128))
+    params = group_params(config, stages(config.L, 1, None)[0], 1)
+    assert params["mlp/fc1"] == 2 * 64 * 2 * 128 and params["moe/experts"] == 2 * 8 * 3 * 64 * 96
+
+
+def test_shared_experts_are_split_by_t_as_the_dense_mlp():
+    config = build_config(MOE | dict(moe_shared_expert_intermediate_size=32, t=2))
+    params = group_params(config, stages(config.L, 1, None)[0], 2)
+    assert params["moe/shared_experts"] == config.L * 3 * 64 * 32 // 2
+
+
+def test_the_distributed_optimizer_shards_expert_states_over_the_expert_data_parallel_group():
+    """dp=4, ep=2: dense parameters' 12 bytes over 4 ranks, the experts' over t*cp*dp/(ep*etp) = 2."""
+    config = build_config(MOE | dict(dp=4, ep=2, distributed_optimizer=True))
+    states = state_bytes(config, 1000, 400)
+    assert states["states/adam_m"] == 4 * (600 // 4 + 400 // 2)
+    assert states["states/weights"] == 2 * 1000
+
+
+def test_ep_times_etp_must_divide_the_ranks_that_hold_a_layer():
+    config = build_config(MOE | dict(dp=2, ep=4))
+    with pytest.raises(ConfigError, match=r"ep\*etp=4 does not divide t\*cp\*dp=2"):
+        group_params(config, stages(config.L, 1, None)[0], 1)
+
+
+def test_qwen1_5_moe_config_has_its_published_14_3b_parameters():
+    """The Qwen team's release of Qwen1.5-MoE-A2.7B: 14.3B parameters (shared expert and its gate included)."""
+    assert round(total_params(load_config("qwen1.5-moe-a2.7b", {})) / 1e9, 1) == 14.3
+
+
+# DeepSeek-V3's attention (its config.json): h=7168, a=128, q_lora_rank=1536, kv_lora_rank=512, heads of
+# qk_nope_head_dim=128 + qk_rope_head_dim=64, v_head_dim=128, RMSNorm.
+DEEPSEEK_V3_MLA = dict(s=4096, h=7168, a=128, L=1, q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64,
+                       qk_nope_head_dim=128, v_head_dim=128, norm="rmsnorm", add_bias_linear=False)
+
+
+def _attention_params(config, t):
+    params = group_params(config, stages(config.L, 1, None)[0], t)
+    return params["attention/qkv"], params["attention/proj"]
+
+
+def test_deepseek_v3_latent_attention_has_its_published_187m_parameters_per_layer():
+    """q_down 7168*1536, q_norm 1536, q_up 1536*128*192, kv_down 7168*576, kv_norm 512, kv_up 512*128*256,
+    o_proj 128*128*7168: 187,107,328 (DeepSeek-V3's modelling code and technical report)."""
+    qkv, proj = _attention_params(build_config(DEEPSEEK_V3_MLA), 1)
+    assert (qkv, proj) == (69_666_816, 117_440_512) and qkv + proj == 187_107_328
+
+
+def test_megatron_splits_latent_projections_by_t_and_keeps_the_latent_norms_whole():
+    qkv, proj = _attention_params(build_config(DEEPSEEK_V3_MLA | {"t": 8}), 8)
+    assert qkv == (69_666_816 - 1536 - 512) // 8 + 1536 + 512 and proj == 117_440_512 // 8
+
+
+def test_without_a_query_latent_the_query_is_one_projection_from_x():
+    qkv, _ = _attention_params(build_config(DEEPSEEK_V3_MLA | {"q_lora_rank": None}), 1)
+    assert qkv == 7168 * 128 * 192 + 7168 * 576 + 512 + 512 * 128 * 256

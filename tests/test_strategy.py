@@ -38,6 +38,13 @@ def test_tp_splits_heads_groups_ffn_or_hidden_inside_the_pair():
         ledger.ATTN_DROPOUT_MASK: Dim.A, ledger.ATTN_DROPOUT_OUT: Dim.A, ledger.SOFTMAX_LSE: Dim.A,
         ledger.PROJ_IN: Dim.H, ledger.GELU_IN: Dim.F, ledger.SWIGLU_GATE: Dim.F, ledger.SWIGLU_UP: Dim.F,
         ledger.SWIGLU_SILU_OUT: Dim.F, ledger.FC2_IN: Dim.F,
+        # experts: etp = t splits each expert's width; shared experts split theirs like the dense MLP
+        **{x: Dim.FE for x in (ledger.EXPERT_GELU_IN, ledger.EXPERT_GATE, ledger.EXPERT_UP, ledger.EXPERT_SILU_OUT,
+                               ledger.EXPERT_FC2_IN)},
+        **{x: Dim.U for x in (ledger.SHARED_GELU_IN, ledger.SHARED_GATE, ledger.SHARED_UP, ledger.SHARED_SILU_OUT,
+                              ledger.SHARED_FC2_IN)},
+        # latent attention: the up-projected heads; the latents stay whole per token
+        **{x: Dim.A for x in (ledger.MLA_Q, ledger.MLA_K, ledger.MLA_V, ledger.MLA_PROJ_IN)},
     }
     assert {x: TP.split_dim(x) for x in ledger.ALL_TENSORS if TP.split_dim(x)} == expected
 
@@ -53,7 +60,7 @@ def test_tp_leaves_the_seeds_10bsh_replicated():
 
 def test_sp_splits_along_s_exactly_what_tp_replicates():
     for x in ledger.ALL_TENSORS:
-        if TP.split_dim(x) is None:
+        if TP.split_dim(x) is None and x.region is not Region.EXPERT:  # r counts a rank's expert slots already
             assert TP_SP.split_dim(x) is Dim.S, x.name
         else:
             assert TP_SP.split_dim(x) is TP.split_dim(x), x.name

@@ -144,3 +144,19 @@ def test_the_papers_models_fit_an_80GiB_A100_only_with_sp_and_selective_recomput
     assert needs("tp-sp", "none") > budget and needs("tp", "none") > budget
     if "22b" not in path:
         assert needs("tp", "selective") > budget
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_a_stage_counts_its_moe_and_dense_layers_each_at_their_own_bytes(pp):
+    config = build_config(GPT | dict(num_experts=4, moe_layer_freq=2, pp=pp, add_bias_linear=False))
+    layer = estimate(config, TP_SP, Accounting())
+    for st in per_gpu(config, TP_SP).stages:
+        moe = st.stage.layer_slots // 2  # every second layer, in every stage
+        expected = moe * layer.per_layer_bytes + (st.stage.layer_slots - moe) * layer.dense_layer_bytes
+        assert [x.bytes for x in st.terms if x.name == "layers"] == [expected]
+    assert layer.per_layer_bytes != layer.dense_layer_bytes
+
+
+def test_mixtral_totals_count_every_expert_on_one_gpu():
+    totals = per_gpu(load_config("mixtral-8x7b", {}), NONE)
+    assert totals.stages[0].params["moe/experts"] == 32 * 8 * 3 * 4096 * 14336

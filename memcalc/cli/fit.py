@@ -18,6 +18,7 @@ from memcalc.sizing.fit import COUNTS, SOLVES, Candidate, Fit, fit
 from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import STRATEGIES
 from memcalc.schemas import SCHEMA_VERSION
+from memcalc.sizing.verdict import SAVED
 from memcalc.units import human_bytes
 
 RECOMPUTES = choices("recompute")  # none, selective, full
@@ -25,7 +26,10 @@ _WHAT = {
     "b": "largest micro-batch b", "s": "largest sequence length s", "t": "smallest tensor-parallel size t",
     "pp": "smallest pipeline-parallel size pp", "cp": "smallest context-parallel size cp",
 }
+_SHORT = {"peak": "the step's peak", "total": "total", "activations": "activations"}
 _COUNTED = {
+    "peak": "the step's peak on the most loaded pipeline stage (states + saved activations where the step timeline"
+    " does not model the config, marked *)",
     "total": "the per-GPU total (activations + model states) of the most loaded pipeline stage",
     "activations": "activations only (layers, embedding, output and loss) of the most loaded pipeline stage",
 }
@@ -43,8 +47,9 @@ _COUNTED = {
 @device_options
 @click.option("--solve", type=click.Choice(SOLVES), default="b", show_default=True, help="What to solve for.")
 @click.option(
-    "--count", type=click.Choice(COUNTS), default="total", show_default=True,
-    help="Count the per-GPU total (with weights, gradients, Adam) or activations only.",
+    "--count", type=click.Choice(COUNTS), default="peak", show_default=True,
+    help="Count the step's peak (estimate's verdict), the per-GPU total (weights, gradients, Adam, saved"
+    " activations) or activations only.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of a table.")
 def command(
@@ -118,12 +123,14 @@ def _nothing_fits(fits: list[Fit], solve: str, budget: int, count: str) -> None:
     raise DoesNotFit(
         f"nothing fits in {human_bytes(budget)} per GPU: the cheapest candidate, {cheapest.strategy.name} with"
         f" recompute {cheapest.recompute} at {solve}={cheapest.beyond.value}, needs {human_bytes(needs)}"
-        f" ({human_bytes(needs - budget)} over, counting {count})"
+        f" ({human_bytes(needs - budget)} over, counting {_SHORT[count]})"
     )
 
 
 def _candidate_json(p: Candidate | None) -> dict | None:
-    return None if p is None else {"value": p.value, "bytes": p.bytes, "invalid": p.reason or None}
+    if p is None:
+        return None
+    return {"value": p.value, "bytes": p.bytes, "invalid": p.reason or None, "basis": p.basis or None}
 
 
 def to_json(config: ModelConfig, solve: str, count: str, budget: int, fits: list[Fit]) -> dict:
@@ -147,6 +154,11 @@ def to_json(config: ModelConfig, solve: str, count: str, budget: int, fits: list
     }
 
 
+def _bytes(c: Candidate) -> str:
+    """A candidate's bytes, starred where the peak was asked for and not modelled (states + saved activations)."""
+    return human_bytes(c.bytes) + ("*" if c.basis == SAVED else "")
+
+
 def _print(config: ModelConfig, solve: str, count: str, budget: int, fits: list[Fit], strategy: str) -> None:
     """The model, what was solved, and a row per strategy and recompute choice (a section per strategy)."""
     from rich.table import Table
@@ -167,8 +179,8 @@ def _print(config: ModelConfig, solve: str, count: str, budget: int, fits: list[
         table.add_column(col, justify="right", no_wrap=True)
     for f, after in zip(fits, [*fits[1:], None]):
         a, n = f.answer, f.beyond
-        cells = (str(a.value), human_bytes(a.bytes), human_bytes(budget - a.bytes)) if a else ("-", "-", "-")
-        nxt = ("-", "-") if n is None else (str(n.value), "invalid" if n.bytes is None else human_bytes(n.bytes))
+        cells = (str(a.value), _bytes(a), human_bytes(budget - a.bytes)) if a else ("-", "-", "-")
+        nxt = ("-", "-") if n is None else (str(n.value), "invalid" if n.bytes is None else _bytes(n))
         last_of_strategy = after is None or after.strategy != f.strategy
         table.add_row(f.strategy.name, f.recompute, *cells, *nxt, end_section=last_of_strategy)
     console.print(table)

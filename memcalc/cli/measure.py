@@ -11,6 +11,7 @@ import click
 from memcalc.cli.options import model_from, model_options, strategy_names, strategy_option
 from memcalc.config.schema import ModelConfig, config_record
 from memcalc.errors import ConfigError, ProbeError
+from memcalc.probe import ROUTES
 from memcalc.schemas import SCHEMA_VERSION
 
 if TYPE_CHECKING:  # torch: only when the command runs
@@ -77,9 +78,15 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
     " transformers' LlamaForCausalLM at t=1; AdamW on fp32 master weights) under torch's MemTracker on the CPU, and compare its peak, each category and the moment with the"
     " step timeline; exits 1 beyond 1%.",
 )
+@click.option(
+    "--route", type=click.Choice(ROUTES), default=None,
+    help="Force transformers' MoE router (--impl hf with num_experts) so each expert's tokens are known: balanced"
+    " (kbs/E slots each) or all-to-one (every token to experts 0..k-1) [default: the real router].",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of tables.")
 def command(strategy: str, device: str, backend: str | None, launch: str, timeout_s: float, layer: str | None,
-            comm: bool, overlap: str | None, num_splits: int, step: bool, as_json: bool, **params: Any) -> None:
+            comm: bool, overlap: str | None, num_splits: int, step: bool, route: str | None, as_json: bool,
+            **params: Any) -> None:
     """Run one real transformer layer per strategy, record every tensor each rank
     saves for backward, and compare it, tensor by tensor, with `memcalc estimate
     --exact` for the device it ran on. Exits 1 if any tensor differs.
@@ -111,7 +118,8 @@ def command(strategy: str, device: str, backend: str | None, launch: str, timeou
         chosen = Overlap.of(*methods, num_splits=num_splits) if methods else NO_OVERLAP
     except ProbeError as exc:  # a bad --overlap is bad input
         raise ConfigError(f"--overlap: {exc}") from None
-    results = measure(config, strategy_names(strategy, config), device, backend, launch, timeout_s, layer, chosen)
+    results = measure(config, strategy_names(strategy, config), device, backend, launch, timeout_s, layer, chosen,
+                      route)
     if not results:
         return  # a torchrun rank other than 0: rank 0 reports for the job
     if as_json:

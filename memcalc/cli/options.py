@@ -17,10 +17,11 @@ from memcalc.config.schema import SIZES, ModelConfig, load_config, load_yaml
 from memcalc.errors import ConfigError
 from memcalc.model.impls import strategies_of
 from memcalc.model.strategy import STRATEGIES
-from memcalc.model.knobs import KNOBS, Knob
+from memcalc.model.knobs import KNOBS, Knob, is_moe
 from memcalc.units import human_bytes, parse_bytes
 
 SIZE_FLAGS = SIZES
+EXPERT_FLAGS = ("ep", "etp")  # beside --t: how the experts are split
 KNOB_FLAGS = tuple(k.name for k in KNOBS)
 LAYOUT_FLAGS = (
     "pp", "vpp", "dp", "cp", "distributed_optimizer", "vocab_size", "tie_embeddings",
@@ -44,7 +45,8 @@ config_option = click.option(
 
 hf_config_option = click.option(
     "--hf-config", "hf_config_path", type=click.Path(path_type=Path), default=None,
-    help="A Hugging Face config.json (Llama, Mistral, Qwen2, GPT-2, GPT-NeoX) instead of --config.",
+    help="A Hugging Face config.json (Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE, GPT-2, GPT-NeoX, and DeepSeek-V2/V3's"
+    " latent attention with a dense MLP) instead of --config.",
 )
 
 size_options = _stack(
@@ -53,6 +55,8 @@ size_options = _stack(
     click.option("--h", "h", type=int, help="Hidden size."),
     click.option("--a", "a", type=int, help="Attention heads."),
     click.option("--t", "t", type=int, help="Tensor-parallel size [default: 1]."),
+    click.option("--ep", "ep", type=int, help="Expert-parallel size: each rank holds num_experts/ep experts [default: 1]."),
+    click.option("--etp", "etp", type=int, help="Expert tensor-parallel size (memcalc models etp = t) [default: t]."),
     click.option("--L", "L", type=int, help="Number of layers [default: 1]."),
 )
 
@@ -62,7 +66,7 @@ def _knob_option(knob: Knob) -> Callable:
     help = f"{knob.help[:1].upper()}{knob.help[1:]}{shown}."
     if knob.kind == "flag":
         return click.option(f"{knob.flag}/--no-{knob.flag[2:]}", knob.name, default=None, help=help)
-    kinds = {"size": int, "probability": float}
+    kinds = {"size": int, "probability": float, "factor": float}
     kind = click.Choice(knob.values) if knob.kind == "choice" else kinds[knob.kind]
     return click.option(knob.flag, knob.name, type=kind, help=help)
 
@@ -149,7 +153,7 @@ def model_from(params: dict[str, Any]) -> ModelConfig:
     With --hf-config, the fields it used go to stderr, so stdout stays clean for --json.
     """
     fields, path, note = file_fields(params)
-    overrides = {k: params.get(k) for k in SIZE_FLAGS + KNOB_FLAGS + LAYOUT_FLAGS}
+    overrides = {k: params.get(k) for k in SIZE_FLAGS + EXPERT_FLAGS + KNOB_FLAGS + LAYOUT_FLAGS}
     config = load_config(path, overrides, base=fields)
     if note is not None:
         click.echo(f"memcalc: {note}{_defaulted_knobs(config, fields, overrides)}", err=True)
@@ -162,6 +166,7 @@ def _defaulted_knobs(config: ModelConfig, fields: dict[str, Any], overrides: dic
     taken = [
         f"{k.name}={getattr(config, k.name)}"
         for k in KNOBS if k.name not in fields and overrides.get(k.name) is None and getattr(config, k.name) is not None
+        and (config.moe or not is_moe(k))  # a dense model's MoE knobs change nothing: not assumed, not shown
     ]
     return f"; defaults (impl {config.impl}'s, else the seed's): {', '.join(taken)}" if taken else ""
 

@@ -43,8 +43,10 @@ def _image_out(ctx: click.Context, param: click.Parameter, out: Path) -> Path:
 @strategies_option
 @accounting_options
 @click.option(
-    "--kind", type=click.Choice(["line", "breakdown"]), default="line", show_default=True,
-    help="line: memory against --x, a line per strategy; breakdown: a stacked bar per strategy, a segment per tensor.",
+    "--kind", type=click.Choice(["line", "breakdown", "timeline"]), default="line", show_default=True,
+    help="line: memory against --x, a line per strategy; breakdown: a stacked bar per strategy, a segment per"
+    " tensor; timeline: one training step's memory over time, stacked by category, a panel per strategy (the"
+    " most loaded pipeline stage's).",
 )
 @click.option(
     "--x", "x_name", type=click.Choice(["s", "t"]), default="s", show_default=True, help="What the line view varies."
@@ -71,6 +73,7 @@ def command(
     Example: memcalc plot --config gpt3-175b --range 1024:65536:x2 --device-memory 80GiB --out s.png
              memcalc plot --config gpt3-175b --x t --range 1,2,4,8,16,32 --out t.svg
              memcalc plot --config gpt3-175b --kind breakdown --out breakdown.png
+             memcalc plot --config llama3-70b --kind timeline --strategy tp-sp --device-memory 80GiB --out step.png
 
     Sizes not plotted come from --config and the size flags. Points that break
     a divisibility rule (e.g. t must divide s under tp-sp) leave a gap, counted
@@ -80,10 +83,12 @@ def command(
 
     accounting = Accounting(exact=exact, device=device)
     strategies = chosen_strategies(strategy)
+    if kind != "line" and x_values is not None:
+        raise click.UsageError(f"--range applies to --kind line; the {kind} is drawn at the config's sizes")
     if kind == "breakdown":
-        if x_values is not None:
-            raise click.UsageError("--range applies to --kind line; the breakdown is drawn at the config's sizes")
         figure = _breakdown(params, strategies, accounting, group == "block", per_layer, device_memory)
+    elif kind == "timeline":
+        figure = _timeline(params, strategies, device_memory)
     else:
         figure = _line(params, x_name, x_values, strategies, accounting, per_layer, device_memory)
     plot.save(figure, out)
@@ -105,6 +110,19 @@ def _breakdown(
                          _details(sizes, config, accounting))
     estimates = [estimate(config, st, accounting) for st in strategies]
     return plot.breakdown_figure(estimates, by_block, layers, titles, device_memory)
+
+
+def _timeline(params: dict[str, Any], strategies: list[Strategy], device_memory: int | None) -> Figure:
+    """One step per strategy (`estimate --totals`'s peak), its most loaded stage, drawn moment by moment."""
+    from memcalc.sizing import plot
+    from memcalc.sizing.timeline import timelines
+
+    config = model_from(params)
+    worst = [max(timelines(config, st), key=lambda x: x.peak.bytes) for st in strategies]
+    sizes = " ".join(f"{n}={getattr(config, n)}" for n in SIZE_FLAGS)
+    titles = plot.Titles(f"{config.name or 'model'}: one training step's memory per GPU",
+                         _details(sizes, config, Accounting(exact=True)))
+    return plot.timeline_figure(worst, titles, device_memory)
 
 
 def _line(

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 import click
 
 from memcalc.cli.options import (
-    KNOB_FLAGS, SIZE_FLAGS, STRATEGY_CHOICES, accounting_options, config_option, file_fields, hf_config_option,
+    EXPERT_FLAGS, KNOB_FLAGS, SIZE_FLAGS, STRATEGY_CHOICES, accounting_options, config_option, file_fields, hf_config_option,
     knob_options,
 )
 from memcalc.config.schema import field_help
@@ -97,7 +97,8 @@ def build_sweep(
     from memcalc.sizing.sweep import make_sweep
 
     fields, path, note = file_fields(params)
-    fields.update({k: params[k] for k in SIZE_FLAGS + KNOB_FLAGS if params.get(k) is not None and k not in ranges})
+    fields.update({k: params[k] for k in SIZE_FLAGS + EXPERT_FLAGS + KNOB_FLAGS
+                   if params.get(k) is not None and k not in ranges})
     with in_file(path):
         sweep = make_sweep(fields, ranges, strategies, accounting)
     if note is not None:

@@ -8,7 +8,8 @@ flags given beside --hf-config override the result. `HfConfig.used` says
 which field gave which value, so the CLI can show it.
 
 Field names are those of the public `transformers` configuration classes
-(LlamaConfig, MistralConfig, Qwen2Config, GPT2Config, GPTNeoXConfig); where a
+(LlamaConfig, MistralConfig, Qwen2Config, GPT2Config, GPTNeoXConfig, DeepseekV2Config,
+DeepseekV3Config); where a
 field is absent, the class's own default applies (noted per row).
 """
 
@@ -89,6 +90,51 @@ _LLAMA = (
     Row("tie_embeddings", ("tie_word_embeddings",), default=False),
     Row("add_bias_linear", ("attention_bias", "mlp_bias"), default=False, combine=_both_or_neither),
 )
+# DeepseekV2Config / DeepseekV3Config: a Llama layer whose attention is multi-head latent attention.
+_DEEPSEEK = (
+    *_LLAMA,
+    Row("q_lora_rank", ("q_lora_rank",), default=None),  # null: the query is projected from x (DeepSeek-V2-Lite)
+    Row("kv_lora_rank", ("kv_lora_rank",)),
+    Row("qk_rope_head_dim", ("qk_rope_head_dim",)),
+    Row("qk_nope_head_dim", ("qk_nope_head_dim",)),
+    Row("v_head_dim", ("v_head_dim",)),
+)
+
+
+def _aux_loss(values: list[Any]) -> bool:
+    """transformers adds the load-balancing loss when output_router_logits is on (with a coefficient not 0)."""
+    output_router_logits, coefficient = values
+    return bool(output_router_logits) and coefficient != 0
+
+
+def _pre_softmax(norm_topk_prob: Any) -> bool:
+    """norm_topk_prob false: the top-k probabilities are used as the softmax over all experts gave them."""
+    if not isinstance(norm_topk_prob, bool):
+        raise ConfigError(f"norm_topk_prob must be true or false, got {short_repr(norm_topk_prob)}")
+    return not norm_topk_prob
+
+
+_AUX_LOSS = Row("moe_aux_loss", ("output_router_logits", "router_aux_loss_coef"), default=None, combine=_aux_loss)
+# MixtralConfig: every layer a sparse MoE block of num_local_experts experts as wide as intermediate_size.
+_MIXTRAL = (
+    *_LLAMA,
+    Row("num_experts", ("num_local_experts",)),
+    Row("moe_router_topk", ("num_experts_per_tok",), default=2),  # MixtralConfig's default
+    _AUX_LOSS,
+)
+# Qwen2MoeConfig: experts of moe_intermediate_size beside a gated shared expert, every decoder_sparse_step-th
+# layer sparse (the others a dense MLP of intermediate_size); its class defaults are Qwen1.5-MoE-A2.7B's.
+_QWEN2_MOE = (
+    *_LLAMA,
+    Row("num_experts", ("num_experts",)),
+    Row("moe_router_topk", ("num_experts_per_tok",), default=4),
+    Row("moe_ffn_hidden_size", ("moe_intermediate_size",), default=1408),
+    Row("moe_shared_expert_intermediate_size", ("shared_expert_intermediate_size",), default=5632),
+    Row("moe_router_pre_softmax", ("norm_topk_prob",), _pre_softmax, default=True),  # norm_topk_prob false
+    Row("moe_layer_freq", ("decoder_sparse_step",), default=None),
+    Row("add_qkv_bias", ("qkv_bias",), default=True),
+    _AUX_LOSS,
+)
 _GPT2 = (
     *_sizes("n_embd", "n_head", "n_layer", "vocab_size"),
     Row("ffn_hidden_size", ("n_inner",), default=None),  # null or absent: 4h
@@ -128,8 +174,12 @@ FAMILIES: dict[str, Family] = {
         Family("llama", ("LlamaForCausalLM",), _LLAMA, _ROPE),
         Family("mistral", ("MistralForCausalLM",), _LLAMA, _ROPE),
         Family("qwen2", ("Qwen2ForCausalLM",), _LLAMA, _ROPE | {"add_qkv_bias": True}),  # Q, K, V carry biases
+        Family("mixtral", ("MixtralForCausalLM",), _MIXTRAL, _ROPE),
+        Family("qwen2_moe", ("Qwen2MoeForCausalLM",), _QWEN2_MOE, _ROPE),
         Family("gpt2", ("GPT2LMHeadModel",), _GPT2, {"position_embedding_type": "learned_absolute"}),
         Family("gpt_neox", ("GPTNeoXForCausalLM",), _GPT_NEOX, _ROPE),
+        Family("deepseek_v2", ("DeepseekV2ForCausalLM",), _DEEPSEEK, _ROPE),
+        Family("deepseek_v3", ("DeepseekV3ForCausalLM",), _DEEPSEEK, _ROPE),
     )
 }
 
@@ -173,6 +223,7 @@ def read_hf_config(path: Path) -> HfConfig:
     if missing:
         raise ConfigError(f"{path}: {family.name} config.json is missing {', '.join(missing)}")
     _check_head_dim(raw, fields, path)
+    _check_sparse_layers(raw, fields, path)
     fields.setdefault("name", raw.get("_name_or_path") or _name_from(Path(path)))
     fields.setdefault("description", f"Hugging Face {family.name} config ({path})")
     return HfConfig(family.name, fields, tuple(used), tuple(assumed))
@@ -211,20 +262,25 @@ def _load_json(path: Path) -> dict[str, Any]:
 # config.json fields of layers memcalc does not model, and what they mean. Any of them set means the
 # model's layers are not the dense ones the ledger describes: refused, never silently dropped.
 UNMODELLED = {
-    "num_local_experts": "mixture of experts",  # Mixtral
+    "num_local_experts": "mixture of experts",  # refused unless the family reads it (Mixtral)
     "n_routed_experts": "mixture of experts",  # DeepSeek-V2/V3
-    "num_experts": "mixture of experts",  # Qwen2-MoE, OLMoE
-    "kv_lora_rank": "multi-head latent attention",  # DeepSeek-V2/V3
+    "num_experts": "mixture of experts",  # refused unless the family reads it (Qwen2-MoE; not OLMoE, Qwen3-MoE)
+    "kv_lora_rank": "multi-head latent attention",  # refused unless the family reads it (DeepSeek-V2/V3)
 }
 
 
 def _refuse_unmodelled(raw: dict[str, Any], path: Path) -> None:
-    """One line naming every field that asks for layers memcalc cannot model (see docs/limitations.md)."""
-    found = [f"{name}={short_repr(raw[name])} ({what})" for name, what in UNMODELLED.items() if _sets(raw, name)]
+    """One line naming every field that asks for layers memcalc cannot model (see docs/limitations.md);
+    a field the config's family reads (Mixtral's and Qwen2-MoE's experts, DeepSeek's kv_lora_rank) is modelled."""
+    family = _known_family(raw)
+    read = {name for row in family.rows for name in row.sources} if family else set()
+    found = [f"{name}={short_repr(raw[name])} ({what})" for name, what in UNMODELLED.items()
+             if name not in read and _sets(raw, name)]
     if found:
         raise ConfigError(
-            f"{path}: config.json sets {', '.join(found)}; memcalc models dense transformer layers only,"
-            " and dropping these would give wrong numbers (see docs/limitations.md)"
+            f"{path}: config.json sets {', '.join(found)}; memcalc reads these only where it models them"
+            " (Mixtral's and Qwen2-MoE's experts, DeepSeek's latent attention), and dropping them would give wrong"
+            " numbers (see docs/limitations.md)"
         )
 
 
@@ -242,11 +298,9 @@ def _family(raw: dict[str, Any], path: Path) -> Family:
             f"{path}: model_type should be a string and architectures a list"
             f" (got {short_repr(model_type)} and {short_repr(architectures)})"
         )
-    if model_type in FAMILIES:
-        return FAMILIES[model_type]
-    for family in FAMILIES.values():
-        if any(a in family.architectures for a in architectures):
-            return family
+    family = _known_family(raw)
+    if family is not None:
+        return family
     known = ", ".join(FAMILIES)
     if model_type is None and not architectures:
         raise ConfigError(f"{path}: names no architecture (no model_type, no architectures); memcalc reads {known}")
@@ -257,11 +311,34 @@ def _family(raw: dict[str, Any], path: Path) -> Family:
     )
 
 
+def _known_family(raw: dict[str, Any]) -> Family | None:
+    """The family model_type names, else the first whose architecture is listed; None if neither (or malformed)."""
+    model_type, architectures = raw.get("model_type"), raw.get("architectures")
+    if isinstance(model_type, str) and model_type in FAMILIES:
+        return FAMILIES[model_type]
+    listed = architectures if isinstance(architectures, list) else []
+    return next((f for f in FAMILIES.values() if any(a in f.architectures for a in listed if isinstance(a, str))),
+                None)
+
+
+def _check_sparse_layers(raw: dict[str, Any], fields: dict[str, Any], path: Path) -> None:
+    """Qwen2-MoE's sparse layers: every decoder_sparse_step-th, none listed in mlp_only_layers. memcalc counts
+    ceil(L/freq) MoE layers (Megatron-LM's i % freq == 0), Qwen L/step: equal only when step divides L."""
+    if raw.get("mlp_only_layers"):
+        raise ConfigError(f"{path}: mlp_only_layers={short_repr(raw['mlp_only_layers'])} (dense layers at chosen"
+                          " indices) is not modelled: memcalc places MoE layers every moe_layer_freq layers")
+    step, L = fields.get("moe_layer_freq"), fields["L"]
+    if type(step) is int and type(L) is int and step > 1 and L % step:
+        raise ConfigError(f"{path}: decoder_sparse_step={step} does not divide num_hidden_layers={L} (Qwen2-MoE"
+                          " then has fewer MoE layers than memcalc's every-freq-th count)")
+
+
 def _check_head_dim(raw: dict[str, Any], fields: dict[str, Any], path: Path) -> None:
-    """memcalc's ledger assumes heads of h/a channels; some configs set head_dim otherwise."""
+    """memcalc's ledger assumes heads of h/a channels; some configs set head_dim otherwise (latent attention sizes
+    its heads by qk_nope_head_dim, qk_rope_head_dim and v_head_dim, and DeepseekV3Config's head_dim is the RoPE part)."""
     head_dim, h, a = raw.get("head_dim"), fields["h"], fields["a"]
-    if head_dim is None or not all(type(x) is int for x in (h, a)):
-        return  # no head_dim to check, or h and a are not whole numbers, which validation names
+    if head_dim is None or "kv_lora_rank" in fields or not all(type(x) is int for x in (h, a)):
+        return  # no head_dim to check, latent attention, or h and a are not whole numbers, which validation names
     if type(head_dim) is not int or head_dim * a != h:
         raise ConfigError(
             f"{path}: head_dim={short_repr(head_dim)} is not hidden_size/num_attention_heads={h}/{a}"

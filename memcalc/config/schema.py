@@ -63,6 +63,8 @@ def knob_schema(knob: Knob) -> cs.CoreSchema:
         return cs.nullable_schema(cs.int_schema(strict=True, gt=0, lt=_SIZE_LIMIT))
     if knob.kind == "probability":
         return cs.float_schema(strict=True, ge=0.0, lt=1.0)
+    if knob.kind == "factor":
+        return cs.nullable_schema(cs.float_schema(gt=0.0, allow_inf_nan=False))
     return cs.bool_schema(strict=True)
 
 
@@ -107,6 +109,8 @@ class ModelConfig(Knobs):
     vpp: int | None = _optional_size("interleaved model chunks per stage", minimum=2)
     dp: int = _size("data-parallel size", 1)
     cp: int = _size("context-parallel size", 1)
+    ep: int = _size("expert-parallel size: each rank holds num_experts/ep experts", 1)
+    etp: int | None = _optional_size("expert tensor-parallel size (default t; memcalc models etp = t)")
     distributed_optimizer: bool = _flag(False, "shard optimizer states over dp*cp")
     gpus: int | None = _optional_size("GPUs in the job; dp is then derived as gpus/(t*pp*cp)")
     num_microbatches: int | None = _optional_size("micro-batches per step on each data-parallel rank")
@@ -122,6 +126,16 @@ class ModelConfig(Knobs):
     def groups(self) -> int:
         """K/V head groups: a (plain multi-head) unless the config sets fewer."""
         return self.num_query_groups if self.num_query_groups is not None else self.a
+
+    @property
+    def expert_ffn(self) -> int:
+        """One expert's MLP hidden size: moe_ffn_hidden_size, else the dense MLP's."""
+        return self.moe_ffn_hidden_size if self.moe_ffn_hidden_size is not None else self.ffn
+
+    @property
+    def moe_layers(self) -> int:
+        """Layers with a MoE MLP: layer i is one when i % moe_layer_freq == 0 (Megatron-LM's rule); 0 if dense."""
+        return 0 if self.num_experts is None else -(-self.L // self.moe_layer_freq)
 
     @property
     def positions(self) -> int:
@@ -321,10 +335,24 @@ def check_layout(config: ModelConfig) -> None:
     if c.vpp is not None and c.microbatches is not None:
         why = "Megatron-LM's interleaved schedule runs micro-batches in groups of pp"
         _divides(c.pp, "pp", c.microbatches, "num_microbatches", why)
+    check_experts(c)
     if c.position_embedding_type == "learned_absolute" and c.s > c.positions:
         raise ConfigError(
             f"s={c.s} exceeds max_position_embeddings={c.positions} (a learned table has one row per position)"
         )
+
+
+def check_experts(config: ModelConfig) -> None:
+    """Expert parallelism: ep divides the experts; expert tensor parallelism is t (the one memcalc models)."""
+    c = config
+    if c.num_experts is None:
+        if c.ep > 1 or c.etp is not None:
+            raise ConfigError(f"ep={c.ep}, etp={c.etp} need num_experts (a dense MLP has no experts to split)")
+        return
+    _divides(c.ep, "ep", c.num_experts, "num_experts", "each expert-parallel rank holds num_experts/ep experts")
+    if c.etp is not None and c.etp != c.t:
+        raise ConfigError(f"etp={c.etp} is not t={c.t}: memcalc models expert tensor parallelism equal to t"
+                          " (Megatron-LM's default); leave etp out")
 
 
 def check_sequence_split(config: ModelConfig) -> None:

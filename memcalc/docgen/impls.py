@@ -32,7 +32,7 @@ def page_path(impl: Implementation) -> Path:
 
 def library_knobs(impl: Implementation) -> Knobs:
     """The knobs a config gets with `impl: <name>` and nothing else: the library's own defaults."""
-    return Knobs(**{"impl": impl.name, **impl.defaults})
+    return Knobs(**{"impl": impl.name, **impl.knob_defaults()})
 
 
 def render(impl: Implementation) -> str:

@@ -30,12 +30,16 @@ BLOCK_TITLES = {
     "ln1": "The norm before attention",
     "attention": "Attention",
     "ln2": "The norm before the MLP",
+    "mla": "Multi-head latent attention (DeepSeek-V2/V3; with --kv-lora-rank, in place of Q, K, V and the projection input)",
     "mlp": "The MLP",
+    "moe": "The mixture-of-experts MLP (router, experts, shared experts; with --num-experts)",
 }
 REGION_PROSE = {
     Region.TENSOR: "inside the column/row-parallel pair (QKV to output projection, fc1 to fc2)",
     Region.SEQUENCE: "outside the pair: norms, the inputs of the column-parallel linears, residual-side dropouts",
     Region.REPLICATED: "the token ids the embedding reads, whole on every rank",
+    Region.EXPERT: "the r token-expert slots a rank's experts receive, counted per rank (r = kbs balanced, or the"
+    " bound --moe-tokens names); TP (expert TP = t) splits only the expert width",
 }
 
 
@@ -92,7 +96,7 @@ def render() -> str:
 
 
 def _intro() -> str:
-    symbols = "\n".join(f"| ${n}$ | {meaning} |" for n, meaning in F.MEANINGS.items())
+    symbols = "\n".join(f"| ${F.latex_name(n)}$ | {meaning} |" for n, meaning in F.MEANINGS.items())
     widths = ", ".join(f"{name} {n}" for name, n in DTYPE_BYTES.items())
     return f"""# The memcalc model
 
@@ -180,11 +184,16 @@ def _tensor_row(x: SavedTensor) -> str:
 
 
 def _when(x: SavedTensor) -> str:
-    """Whether the default layer keeps `x`, and which knobs drop or add it (counting every byte)."""
+    """Whether the default layer keeps `x`, and which knobs drop or add it (counting every byte; by name, since
+    the implementation may keep its own form of it)."""
     exact = Accounting(exact=True)
-    default = x in layer_tensors(Knobs(), exact)
+
+    def keeps(knobs: Knobs) -> bool:
+        return x.name in {y.name for y in layer_tensors(knobs, exact)}
+
+    default = keeps(Knobs())
     knob_sets = dict.fromkeys(v.knobs for v in VARIANTS if v.knobs != Knobs())
-    flips = [f"`{_flags(k)}`" for k in knob_sets if (x in layer_tensors(k, exact)) != default]
+    flips = [f"`{_flags(k)}`" for k in knob_sets if keeps(k) != default]
     status = "default" if default else f"added by {', '.join(flips)}"
     if not x.paper:
         status += " (with `--exact`)"

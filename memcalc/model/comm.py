@@ -31,6 +31,7 @@ from math import prod
 from typing import Any
 
 from memcalc.config.schema import ModelConfig
+from memcalc.errors import ConfigError
 from memcalc.model.evaluate import check_strategy, dim_sizes
 from memcalc.model.impls import implementation, plan
 from memcalc.model.knobs import DTYPE_BYTES
@@ -122,6 +123,9 @@ def layer_collectives(
     if not strategy.tensor_parallel:
         return ()
     plan(knobs, strategy)  # refuses a layout the implementation does not run
+    if knobs.mla:
+        raise ConfigError(f"kv_lora_rank={knobs.kv_lora_rank}: latent attention's collectives (the down projections'"
+                          " outputs gathered over t, SP's scatter of the latents) are not modelled yet")
     sp = strategy.sequence_parallel
     regathers = sp and not implementation(knobs).kept_whole
     forward, backward = [], []

@@ -26,11 +26,58 @@ def dim_sizes(config: ModelConfig) -> dict[Dim, Any]:
     Context parallelism gives each rank s/cp of the tokens (check_layout makes
     2cp divide s), so that is the sequence every saved tensor spans.
     """
-    return {
+    sizes = {
         Dim.B: config.b, Dim.S: config.s // config.cp, Dim.H: config.h, Dim.A: config.a,
         Dim.G: config.groups, Dim.D: config.h // config.a, Dim.F: config.ffn, Dim.V: config.vocab_size,
         Dim.QKV: config.a + 2 * config.groups,
+    } | mla_sizes(config)
+    if config.num_experts is None:
+        return sizes
+    return sizes | {
+        Dim.E: config.num_experts, Dim.K: config.moe_router_topk, Dim.FE: config.expert_ffn,
+        Dim.U: config.moe_shared_expert_intermediate_size or 0, Dim.R: routed_slots(config, config.moe_tokens),
     }
+
+
+def mla_sizes(config: Any) -> dict[Dim, Any]:
+    """Latent attention's widths (none without kv_lora_rank); an unset query latent is width 0, never used."""
+    if config.kv_lora_rank is None:
+        return {}
+    return {
+        Dim.QR: config.q_lora_rank or 0, Dim.KVR: config.kv_lora_rank, Dim.DR: config.qk_rope_head_dim,
+        Dim.KVD: config.kv_lora_rank + config.qk_rope_head_dim,
+        Dim.QK: config.qk_nope_head_dim + config.qk_rope_head_dim, Dim.DV: config.v_head_dim,
+    }
+
+
+def routed_slots(config: ModelConfig, bound: str) -> Any:
+    """r: the token-expert slots one rank's experts receive in one MoE layer, under `bound` (numbers or arrays).
+
+    Each rank routes its b*s/cp tokens to k experts each; with expert tensor parallelism equal to t, the
+    slots of the t ranks that share experts arrive on each of them, so the count does not depend on t.
+    balanced: k*b*s. capacity: each of the E experts keeps ceil(c*k*b*s/E) slots from each of the ep ranks
+    that share it (Megatron's get_capacity, on the tokens b*s/cp of a tensor-parallel group), E/ep experts
+    here. worst (no capacity): every token of the ep ranks sends all its k slots here, at most E/ep
+    experts' worth, ep*b*s*min(k, E/ep); with a capacity factor the capacity bound is the worst.
+    """
+    c, tokens = config, config.b * (config.s // config.cp)
+    experts, k = c.num_experts, c.moe_router_topk
+    if bound == "capacity" or (bound == "worst" and c.moe_expert_capacity_factor is not None):
+        per_expert = -(-(c.moe_expert_capacity_factor * k * tokens) // experts)
+        return _whole(per_expert) * experts
+    if bound == "worst":
+        return c.ep * tokens * _minimum(k, experts // c.ep)
+    return k * tokens
+
+
+def _whole(x: Any) -> Any:
+    """A whole number (a rounded-up float, or an array of them) as int."""
+    return x.astype("int64") if hasattr(x, "astype") else int(x)
+
+
+def _minimum(x: Any, y: Any) -> Any:
+    """min on numbers or numpy arrays alike."""
+    return (x < y) * x + (x >= y) * y
 
 
 def rank_shape(tensor: SavedTensor, strategy: Strategy, sizes: dict[Dim, Any], t: Any) -> tuple[Any, ...]:
@@ -62,15 +109,23 @@ class LayerEstimate:
 
     strategy: Strategy
     layers: int
-    tensors: tuple[TensorBytes, ...]
+    tensors: tuple[TensorBytes, ...]  # a MoE layer's when the model has experts
+    dense: tuple[TensorBytes, ...] = ()  # a dense layer's, when MoE layers alternate with dense ones
+    dense_layers: int = 0  # how many of the L layers are dense (moe_layer_freq > 1)
 
     @property
     def per_layer_bytes(self) -> int:
+        """One layer's bytes: the MoE layer's when the model has experts (the larger of the two)."""
         return sum(t.bytes for t in self.tensors)
 
     @property
+    def dense_layer_bytes(self) -> int:
+        return sum(t.bytes for t in self.dense)
+
+    @property
     def total_bytes(self) -> int:
-        return self.per_layer_bytes * self.layers
+        """All L layers: MoE layers and dense layers each at their own bytes."""
+        return self.per_layer_bytes * (self.layers - self.dense_layers) + self.dense_layer_bytes * self.dense_layers
 
     def __repr__(self) -> str:
         """One line for a notebook: the generated repr would print every tensor of the ledger."""
@@ -93,9 +148,14 @@ def estimate(config: ModelConfig, strategy: Strategy, accounting: Accounting = A
     strategy = check_strategy(config, strategy)
     knobs = Knobs.of(config)
     sizes = dim_sizes(config)
-    kept = tensors_at(knobs, accounting, sizes, strategy.weight_shards(config.t))
-    tensors = tuple(
-        TensorBytes(x, rank_shape(x, strategy, sizes, config.t), element_bytes(x.kind, knobs, accounting))
-        for x in kept
-    )
-    return LayerEstimate(strategy, config.L, tensors)
+
+    def kept_bytes(layer_knobs: Knobs) -> tuple[TensorBytes, ...]:
+        kept = strategy.kept(tensors_at(layer_knobs, accounting, sizes, strategy.weight_shards(config.t)))
+        return tuple(
+            TensorBytes(x, rank_shape(x, strategy, sizes, config.t), element_bytes(x.kind, knobs, accounting))
+            for x in kept
+        )
+
+    dense_layers = config.L - config.moe_layers if knobs.moe else 0
+    dense = kept_bytes(knobs.dense) if dense_layers else ()
+    return LayerEstimate(strategy, config.L, kept_bytes(knobs), dense, dense_layers)

@@ -25,12 +25,24 @@ from memcalc.model.strategy import Strategy
 
 # Symbols, made once; LaTeX names are the same letters.
 b, s, h, a, t, g, f, v = sympy.symbols("b s h a t g f v", positive=True, integer=True)
-SYMBOLS: dict[str, sympy.Symbol] = {str(x): x for x in (b, s, h, a, t, g, f, v)}
+E, k, e, u, ep = sympy.symbols("E k e u ep", positive=True, integer=True)  # mixture of experts
+c = sympy.Symbol("c", positive=True)  # the capacity factor, not a whole number
+r_q, r_kv, d_r, d_n, d_v = sympy.symbols("r_q r_kv d_r d_n d_v", positive=True, integer=True)  # latent attention
+SYMBOLS: dict[str, sympy.Symbol] = {
+    str(x): x for x in (b, s, h, a, t, g, f, v, E, k, e, u, c, ep, r_q, r_kv, d_r, d_n, d_v)
+}
 SBH = s * b * h
 MEANINGS = {
     "b": "micro-batch size", "s": "sequence length", "h": "hidden size", "a": "attention heads",
     "t": "tensor-parallel size", "g": "K/V groups (num_query_groups)", "f": "MLP hidden size (ffn_hidden_size)",
-    "v": "vocabulary size",
+    "v": "vocabulary size", "E": "routed experts (num_experts)", "k": "experts per token (moe_router_topk)",
+    "e": "one expert's MLP hidden size (moe_ffn_hidden_size)",
+    "u": "shared experts' MLP hidden size (moe_shared_expert_intermediate_size)",
+    "c": "expert capacity factor (moe_expert_capacity_factor; the formula leaves out rounding up)",
+    "ep": "expert-parallel size (the worst case holds while k*ep <= E)",
+    "r_q": "query latent width (q_lora_rank)", "r_kv": "key/value latent width (kv_lora_rank)",
+    "d_r": "RoPE channels of a query/key head (qk_rope_head_dim)",
+    "d_n": "channels of a query/key head without RoPE (qk_nope_head_dim)", "d_v": "value head channels (v_head_dim)",
 }
 
 
@@ -44,7 +56,23 @@ def dim_expr(dim: Dim, knobs: Knobs) -> sympy.Expr:
         return f if knobs.ffn_set else 4 * h
     if dim is Dim.QKV:
         return a + 2 * dim_expr(Dim.G, knobs)
+    if dim is Dim.QK:
+        return d_n + d_r
+    if dim is Dim.KVD:
+        return r_kv + d_r
+    if dim is Dim.FE:
+        return e if knobs.moe_ffn_hidden_size is not None else dim_expr(Dim.F, knobs)
+    if dim is Dim.R:
+        return routed_slots_expr(knobs)
     return SYMBOLS[dim.value]
+
+
+def routed_slots_expr(knobs: Knobs) -> sympy.Expr:
+    """r, the slots a rank's experts receive, under the knobs' bound (evaluate.routed_slots without rounding)."""
+    bound = knobs.moe_tokens
+    if bound == "capacity" or (bound == "worst" and knobs.moe_expert_capacity_factor is not None):
+        return c * k * b * s
+    return (ep if bound == "worst" else 1) * k * b * s
 
 
 def tensor_expr(tensor: SavedTensor, strategy: Strategy, knobs: Knobs, accounting: Accounting) -> sympy.Expr:
@@ -72,7 +100,7 @@ def layer_formula(strategy: Strategy, knobs: Knobs, accounting: Accounting) -> L
     planned = plan(knobs, strategy)
     return LayerFormula(
         strategy,
-        tuple((x, tensor_expr(x, planned, knobs, accounting)) for x in layer_tensors(knobs, accounting)),
+        tuple((x, tensor_expr(x, planned, knobs, accounting)) for x in planned.kept(layer_tensors(knobs, accounting))),
     )
 
 
@@ -89,7 +117,9 @@ def _monomials(expr: sympy.Expr) -> list[tuple[sympy.Rational, list[tuple[str, i
 
 
 def _text_factor(coeff: int, powers: list[tuple[str, int]]) -> str:
-    syms = "".join(n if e == 1 else f"{n}^{e}" for n, e in powers)
+    names = [n if e == 1 else f"{n}^{e}" for n, e in powers]
+    # a subscripted name is written apart from its neighbours: a*d_v, not ad_v
+    syms = "".join(("*" if i and "_" in names[i - 1] + n else "") + n for i, n in enumerate(names))
     return syms if coeff == 1 and syms else f"{coeff}{syms}"
 
 
@@ -107,8 +137,14 @@ def to_text(expr: sympy.Expr) -> str:
     return f"sbh({' + '.join(parts)})"
 
 
+def latex_name(name: str) -> str:
+    """A symbol's LaTeX: r_kv as r_{kv}."""
+    base, _, sub = name.partition("_")
+    return f"{base}_{{{sub}}}" if sub else name
+
+
 def _latex_factor(coeff: int, powers: list[tuple[str, int]]) -> str:
-    syms = [n if e == 1 else f"{n}^{{{e}}}" for n, e in powers]
+    syms = [latex_name(n) if e == 1 else f"{latex_name(n)}^{{{e}}}" for n, e in powers]
     return " ".join(syms if coeff == 1 and syms else [str(coeff), *syms])
 
 

@@ -14,7 +14,7 @@ JSON writes them as their text.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, make_dataclass
+from dataclasses import dataclass, field, make_dataclass, replace
 from enum import Enum
 from typing import Any, Callable
 
@@ -63,6 +63,14 @@ class Recompute(Choice):
     OP = "op"  # torchtitan's op-level selective checkpointing: keeps chosen ops' outputs, reruns the rest
 
 
+class MoeTokens(Choice):
+    """Which bound on the tokens an expert receives every MoE number uses (the count depends on the data)."""
+
+    BALANCED = "balanced"  # the router spreads the load evenly: k*b*s/E tokens per expert
+    CAPACITY = "capacity"  # each expert keeps at most ceil(c*k*b*s/E) tokens (moe_expert_capacity_factor c)
+    WORST = "worst"  # no capacity: every token's k experts on this rank
+
+
 class Dtype(Choice):
     BF16 = "bf16"
     FP16 = "fp16"
@@ -77,8 +85,8 @@ class Knob:
     """One knob: what it is called, what it may be, and how it reads everywhere.
 
     `kind` is "choice" (one of `choices`), "size" (a positive integer, or None for
-    the default that depends on other sizes), "probability" (0 <= p < 1) or
-    "flag" (a boolean). `describe` gives the words of the model's one-line
+    the default that depends on other sizes), "probability" (0 <= p < 1),
+    "factor" (a positive number, or None for none) or "flag" (a boolean). `describe` gives the words of the model's one-line
     description from a config or knob set (None: another knob's words carry it).
     """
 
@@ -116,6 +124,52 @@ def _groups(k: Any) -> str:
     return str(getattr(k, "groups", None) or k.num_query_groups or "a")
 
 
+def _moe(k: Any) -> str | None:
+    """'MoE 8 experts top-2 (expert ffn 14336, shared 5632), capacity 1.25, every 2nd layer, tokens balanced'."""
+    if k.num_experts is None:
+        return None
+    parts = [f"MoE {k.num_experts} experts top-{k.moe_router_topk} (expert ffn {k.moe_ffn_hidden_size or _ffn(k)}"
+             + (f", shared {k.moe_shared_expert_intermediate_size})" if k.moe_shared_expert_intermediate_size
+                else ")")]
+    if k.moe_expert_capacity_factor is not None:
+        parts.append(f"capacity {k.moe_expert_capacity_factor:g}")
+    if k.moe_layer_freq != 1:
+        parts.append(f"MoE every {k.moe_layer_freq} layers")
+    if k.moe_aux_loss:
+        parts.append("aux loss")
+    if k.moe_router_pre_softmax:
+        parts.append("pre-softmax router")
+    return ", ".join([*parts, f"tokens {k.moe_tokens}"])
+
+
+def _moe_knob(name: str) -> Callable[[Any], str | None]:
+    """A MoE knob set without experts: said, so that a description never hides it (the check refuses it)."""
+
+    def words(k: Any) -> str | None:
+        value = getattr(k, name)
+        return None if k.num_experts is not None or value == BY_NAME[name].default else f"{name} {value}"
+
+    return words
+
+
+def _heads(k: Any) -> str:
+    """What attention's heads are: '8 K/V groups', or with latent attention its widths in place of K/V groups,
+    'MLA: q latent 1536, kv latent 512, heads 128+64, v 128'."""
+    if k.kv_lora_rank is None:
+        return f"{_groups(k)} K/V groups"
+    query = f"q latent {k.q_lora_rank}" if k.q_lora_rank is not None else "no q latent"
+    return (f"MLA: {query}, kv latent {k.kv_lora_rank}, heads {k.qk_nope_head_dim}+{k.qk_rope_head_dim},"
+            f" v {k.v_head_dim}")
+
+
+def _mla_knob(name: str) -> Callable[[Any], str | None]:
+    """A latent-attention width set without kv_lora_rank: said, so that a description never hides it."""
+    return lambda k: None if k.kv_lora_rank is not None or getattr(k, name) is None else f"{name} {getattr(k, name)}"
+
+
+# The knob values that turn latent attention on, in symbols (docs/model.md's variants).
+_MLA_ON = {"kv_lora_rank": 1, "qk_rope_head_dim": 1, "qk_nope_head_dim": 1, "v_head_dim": 1}
+
 KNOBS: tuple[Knob, ...] = (
     Knob(
         "impl", "choice", Impl.MEGATRON,
@@ -134,7 +188,7 @@ KNOBS: tuple[Knob, ...] = (
     ),
     Knob(
         "attention", "choice", Attention.EAGER, "core attention: eager (op by op) or flash (a fused kernel)",
-        lambda k: f"{k.attention} attention ({_groups(k)} K/V groups)", Attention,
+        lambda k: f"{k.attention} attention ({_heads(k)})", Attention,
         effects=((Attention.FLASH, "A fused kernel never materialises the s x s scores: backward rebuilds them"
                   " from Q, K and V, and regenerates the dropout mask from the RNG seed."),),
     ),
@@ -174,8 +228,99 @@ KNOBS: tuple[Knob, ...] = (
                   "Megatron's fused bias-SwiGLU (BiasSwiGLUFunction) keeps only fc1's 2f-wide output; unfused, the"
                   " layer also keeps SiLU's output and a copy of up."),),
     ),
+    Knob(
+        "num_experts", "size", None, "routed experts in a mixture-of-experts MLP (default: none, a dense MLP)",
+        _moe, symbol="E",
+        effects=(({"num_experts": 8}, "A mixture-of-experts MLP: a router scores each token against E experts and"
+                  " sends it to its top k; each expert's MLP keeps its activations for the r token slots this rank's"
+                  " experts receive (r = kbs when the load is balanced, the default bound)."),),
+    ),
+    Knob(
+        "moe_router_topk", "size", 2, "experts each token is routed to (top-k)", _moe_knob("moe_router_topk"),
+        symbol="k",
+        effects=(({"num_experts": 8, "moe_router_topk": 1}, "k experts per token: r = kbs token slots when balanced."),),
+    ),
+    Knob(
+        "moe_ffn_hidden_size", "size", None, "one expert's MLP hidden size (default: the MLP's, f or 4h)",
+        _moe_knob("moe_ffn_hidden_size"), symbol="e",
+        effects=(({"num_experts": 8, "moe_ffn_hidden_size": 1}, "An expert width e other than the dense MLP's."),),
+    ),
+    Knob(
+        "moe_shared_expert_intermediate_size", "size", None,
+        "shared experts' total MLP hidden size, run on every token (default: no shared experts)",
+        _moe_knob("moe_shared_expert_intermediate_size"), symbol="u",
+        effects=(({"num_experts": 8, "moe_shared_expert_intermediate_size": 1},
+                  "Shared experts run a dense MLP of width u on every token beside the routed ones."),),
+    ),
+    Knob(
+        "moe_expert_capacity_factor", "factor", None,
+        "each expert keeps at most ceil(c*k*b*s/E) tokens (default: no capacity, no dropping)",
+        _moe_knob("moe_expert_capacity_factor"), symbol="c",
+        effects=(({"num_experts": 8, "moe_expert_capacity_factor": 1.0, "moe_tokens": MoeTokens.CAPACITY},
+                  "With a capacity factor c each expert drops the tokens beyond ceil(ckbs/E): the capacity bound,"
+                  " r = ckbs (the formula leaves out the rounding up)."),),
+    ),
+    Knob(
+        "moe_layer_freq", "size", 1, "one MoE layer every this many layers, dense MLPs between (layer i is MoE"
+        " when i % freq == 0)", _moe_knob("moe_layer_freq"),
+        effects=(({"num_experts": 8, "moe_layer_freq": 2},
+                  "Every second layer is a MoE layer and the rest keep the dense MLP: per layer is the MoE layer's"
+                  " formula; all L layers add ceil(L/2) of these and the rest dense."),),
+    ),
+    Knob(
+        "moe_tokens", "choice", MoeTokens.BALANCED,
+        "which bound on the tokens an expert receives: balanced (k*b*s/E each), capacity (the capacity factor's),"
+        " worst (no capacity: every token's k experts on one rank)",
+        _moe_knob("moe_tokens"), MoeTokens,
+        effects=(({"num_experts": 8, "moe_tokens": MoeTokens.WORST},
+                  "The worst case without capacity: every token of the ep ranks that share experts routes its k"
+                  " experts to this rank, r = ep*kbs (while k*ep <= E; else Ebs)."),),
+    ),
+    Knob(
+        "moe_aux_loss", "flag", False, "an auxiliary load-balancing loss (Switch Transformer) on each MoE layer's"
+        " router", _moe_knob("moe_aux_loss"),
+        effects=(({"num_experts": 8, "moe_aux_loss": True},
+                  "The load-balancing loss keeps the softmax over all E experts' scores for its gradient."),),
+    ),
+    Knob(
+        "moe_router_pre_softmax", "flag", False, "the routing weights are the softmax over all E experts, not"
+        " renormalised over the top k (Megatron-LM's moe_router_pre_softmax; transformers' norm_topk_prob false)",
+        _moe_knob("moe_router_pre_softmax"),
+        effects=(({"num_experts": 8, "moe_router_pre_softmax": True},
+                  "The top-k probabilities are used as they are: no sum over the k chosen experts is divided by,"
+                  " so none is kept."),),
+    ),
+    Knob(
+        "kv_lora_rank", "size", None, "multi-head latent attention (DeepSeek-V2/V3): the key/value latent's width"
+        " (default: none, plain attention; needs qk_rope_head_dim, qk_nope_head_dim, v_head_dim)", lambda k: None,
+        symbol="r_kv",
+        effects=((_MLA_ON | {"q_lora_rank": 1},
+                  "Multi-head latent attention: the layer keeps the query and key/value latents (r_q, r_kv per"
+                  " token) with their norms and the up projections' inputs, and the core keeps per-head Q and K"
+                  " of d_n + d_r channels (K's RoPE part is one head's, copied to all) and V of d_v."),
+                 (_MLA_ON, "Without a query latent (q_lora_rank unset, DeepSeek-V2-Lite) the query comes from x"
+                  " itself: no query norm, no q_up input."),),
+    ),
+    Knob(
+        "q_lora_rank", "size", None, "latent attention: the query latent's width (default: none, Q projected"
+        " from x)", _mla_knob("q_lora_rank"), symbol="r_q",
+    ),
+    Knob("qk_rope_head_dim", "size", None, "latent attention: each query/key head's RoPE channels",
+         _mla_knob("qk_rope_head_dim"), symbol="d_r"),
+    Knob("qk_nope_head_dim", "size", None, "latent attention: each query/key head's channels without RoPE",
+         _mla_knob("qk_nope_head_dim"), symbol="d_n"),
+    Knob("v_head_dim", "size", None, "latent attention: each value head's channels", _mla_knob("v_head_dim"),
+         symbol="d_v"),
 )
 BY_NAME: dict[str, Knob] = {k.name: k for k in KNOBS}
+
+
+MLA_KNOBS = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+
+
+def is_moe(knob: Knob) -> bool:
+    """A mixture-of-experts knob: num_experts and the moe_* knobs that mean something only with it."""
+    return knob.name == "num_experts" or knob.name.startswith("moe_")
 
 
 def _knobs_namespace() -> dict[str, Any]:
@@ -197,6 +342,10 @@ def _knobs_namespace() -> dict[str, Any]:
         "has_dropout": property(lambda self: self.dropout > 0, doc="any dropout at all: masks are kept only when p > 0"),
         "ffn_set": property(lambda self: self.ffn_hidden_size is not None, doc="formulas write f, not 4h"),
         "gqa": property(lambda self: self.num_query_groups is not None, doc="formulas write g, not a"),
+        "moe": property(lambda self: self.num_experts is not None, doc="the MLP is a mixture of experts"),
+        "mla": property(lambda self: self.kv_lora_rank is not None, doc="attention is multi-head latent attention"),
+        "dense": property(lambda self: replace(self, **{k.name: k.default for k in KNOBS if is_moe(k)}),
+                          doc="these knobs with a dense MLP (every MoE knob at its default)"),
     }
 
 
@@ -205,7 +354,7 @@ def knob_field(knob: Knob) -> Any:
     return field(default=knob.default, metadata={"knob": knob, "help": knob.help})
 
 
-_TYPES = {"choice": str, "size": "int | None", "probability": float, "flag": bool}
+_TYPES = {"choice": str, "size": "int | None", "probability": float, "factor": "float | None", "flag": bool}
 
 Knobs = make_dataclass(
     "Knobs",
@@ -234,6 +383,8 @@ def element_bytes(kind: Kind, knobs: Any, accounting: Accounting) -> int:
         return 1
     if kind is Kind.INT64:
         return 8
+    if kind is Kind.INDEX_PAIR:
+        return 16
     if kind is Kind.FP32 or (kind is Kind.NORM_STATS and accounting.device == "cuda"):
         return 4
     return DTYPE_BYTES[knobs.dtype]

@@ -35,6 +35,17 @@ class Dim(Enum):
     F = "f"  # MLP hidden size (= 4h unless set)
     V = "v"  # vocabulary (padded to a multiple of t where split)
     QKV = "a+2g"  # heads of a fused QKV projection's output: a query, g key and g value heads
+    E = "E"  # routed experts (num_experts)
+    K = "k"  # experts each token is routed to (top-k)
+    FE = "e"  # one expert's MLP hidden size (moe_ffn_hidden_size, = f unless set)
+    U = "u"  # the shared experts' MLP hidden size (moe_shared_expert_intermediate_size)
+    R = "r"  # token-expert slots this rank's experts receive: k*b*s balanced, else the bound asked for
+    QR = "r_q"  # multi-head latent attention: the query latent's width (q_lora_rank)
+    KVR = "r_kv"  # the key/value latent's width (kv_lora_rank)
+    KVD = "r_kv+d_r"  # the key/value down projection's output: the latent and the keys' RoPE part side by side
+    DR = "d_r"  # the RoPE part of each query/key head (qk_rope_head_dim), shared by every head for keys
+    QK = "d_n+d_r"  # one query/key head: its no-RoPE part (qk_nope_head_dim) and its RoPE part
+    DV = "d_v"  # one value head (v_head_dim)
 
 
 class Region(Enum):
@@ -43,6 +54,7 @@ class Region(Enum):
     SEQUENCE = "sequence"  # outside the column/row-parallel pair: SP splits s
     TENSOR = "tensor"  # inside the pair: TP splits heads, groups, ffn, hidden (or the vocabulary)
     REPLICATED = "replicated"  # whole on every rank under every layout (the token ids)
+    EXPERT = "expert"  # the tokens a rank's experts receive (r, counted per rank): TP splits only the expert width
 
 
 class Kind(Enum):
@@ -53,6 +65,7 @@ class Kind(Enum):
     NORM_STATS = "norm statistics (fp32 on CUDA, activation dtype on CPU)"
     FP32 = "fp32"
     INT64 = "int64 (8 bytes)"
+    INDEX_PAIR = "two int64 indices (16 bytes)"
 
 
 @dataclass(frozen=True)
@@ -90,13 +103,16 @@ WHY_DROPOUT_MASK = "dropout's backward multiplies the gradient by the same mask"
 WHY_GATHERED_INPUT = "dW = X^T dY needs the input; under SP only its sequence shard is kept and re-gathered"
 
 
-def _norm(prefix: str, before: str) -> NormTensors:
-    """The tensors of the norm in front of `before`; the two norms differ only in name."""
-    by = f"norm before {before}"
+def _norm(prefix: str, before: str, width: Dim = Dim.H) -> NormTensors:
+    """The tensors of the norm in front of `before` over `width` channels; the layer's norms differ only in name.
+
+    `prefix` is a block ("ln1": ln1/input) or a block and a stem ("mla/q_norm_": mla/q_norm_input).
+    """
+    by, stem = f"norm before {before}", prefix if "/" in prefix else f"{prefix}/"
     return NormTensors(
-        SavedTensor(f"{prefix}/input", by, (Dim.B, Dim.S, Dim.H), Kind.ACTIVATION, Region.SEQUENCE, WHY_NORM_INPUT),
-        SavedTensor(f"{prefix}/mean", by, (Dim.B, Dim.S), Kind.NORM_STATS, Region.SEQUENCE, WHY_NORM_MEAN, paper=False),
-        SavedTensor(f"{prefix}/rstd", by, (Dim.B, Dim.S), Kind.NORM_STATS, Region.SEQUENCE, WHY_NORM_RSTD, paper=False),
+        SavedTensor(f"{stem}input", by, (Dim.B, Dim.S, width), Kind.ACTIVATION, Region.SEQUENCE, WHY_NORM_INPUT),
+        SavedTensor(f"{stem}mean", by, (Dim.B, Dim.S), Kind.NORM_STATS, Region.SEQUENCE, WHY_NORM_MEAN, paper=False),
+        SavedTensor(f"{stem}rstd", by, (Dim.B, Dim.S), Kind.NORM_STATS, Region.SEQUENCE, WHY_NORM_RSTD, paper=False),
     )
 
 
@@ -184,10 +200,99 @@ MLP_DROPOUT_MASK = SavedTensor(
     WHY_DROPOUT_MASK,
 )
 
+# -- A mixture-of-experts layer: its MLP is a router, E expert MLPs and (optionally) shared experts ----------------
+# A router scores each token against the E experts and sends it to its top k; each expert runs its MLP on the
+# tokens it receives, and the outputs are combined weighted by the routing probabilities. The tokens an expert
+# receives depend on the data: r, the token-expert slots a rank's experts receive, is k*b*s when the router
+# balances the load and up to the bound `moe_tokens` names (memcalc.model.evaluate.routed_slots).
+_RH = (Dim.R, Dim.H)
+_RE = (Dim.R, Dim.FE)
+_BSU = (Dim.B, Dim.S, Dim.U)
+WHY_EXPERT_TOKENS = "the tokens an expert receives depend on the router: r is the bound named in the output"
+
+MOE_IN = SavedTensor(
+    "moe/input", "router (gating linear)", _BSH, Kind.ACTIVATION, Region.SEQUENCE,
+    "the router's weight gradient dW = X^T dLogits needs its input; experts gather their tokens from it by index",
+)
+ROUTER_TOPK_INDICES = SavedTensor(
+    "moe/topk_indices", "router top-k", (Dim.B, Dim.S, Dim.K), Kind.INT64, Region.SEQUENCE,
+    "the gradient of the top-k values is scattered back to the experts each token chose", paper=False,
+)
+EXPERT_IN = SavedTensor(
+    "moe/expert_in", "each expert's fc1", _RH, Kind.ACTIVATION, Region.EXPERT,
+    "each expert's dW = X^T dY needs the tokens it received; " + WHY_EXPERT_TOKENS,
+)
+
+
+def _for_each_expert(dense: SavedTensor, name: str) -> SavedTensor:
+    """The dense MLP's tensor `dense` as each expert keeps it: for the r token slots its experts receive, of the
+    expert width e, split as experts are (memcalc.model.strategy)."""
+    return replace(dense, name=name, saved_by=f"each expert's {dense.saved_by.split(' (')[0]}", shape=_RE,
+                   region=Region.EXPERT, why=f"{dense.why}, for each token an expert received")
+
+
+EXPERT_GELU_IN = _for_each_expert(GELU_IN, "moe/expert_gelu_in")
+EXPERT_GATE = _for_each_expert(SWIGLU_GATE, "moe/expert_gate")
+EXPERT_UP = _for_each_expert(SWIGLU_UP, "moe/expert_up")
+EXPERT_SILU_OUT = _for_each_expert(SWIGLU_SILU_OUT, "moe/expert_silu_out")
+EXPERT_FC2_IN = _for_each_expert(FC2_IN, "moe/expert_fc2_in")
+SHARED_GELU_IN = replace(GELU_IN, name="moe/shared_gelu_in", saved_by="shared experts' GELU", shape=_BSU)
+SHARED_GATE = replace(SWIGLU_GATE, name="moe/shared_gate", saved_by="shared experts' SiLU", shape=_BSU)
+SHARED_UP = replace(SWIGLU_UP, name="moe/shared_up", saved_by="shared experts' SiLU(gate) * up", shape=_BSU)
+SHARED_SILU_OUT = replace(
+    SWIGLU_SILU_OUT, name="moe/shared_silu_out", saved_by="shared experts' SiLU(gate) * up", shape=_BSU,
+)
+SHARED_FC2_IN = replace(FC2_IN, name="moe/shared_fc2_in", saved_by="shared experts' fc2 (row-parallel)", shape=_BSU)
+
+MOE_TENSORS: tuple[SavedTensor, ...] = (
+    MOE_IN, ROUTER_TOPK_INDICES, EXPERT_IN, EXPERT_GELU_IN, EXPERT_GATE, EXPERT_UP, EXPERT_SILU_OUT, EXPERT_FC2_IN,
+    SHARED_GELU_IN, SHARED_GATE, SHARED_UP, SHARED_SILU_OUT, SHARED_FC2_IN,
+)
+
+# -- Multi-head latent attention (DeepSeek-V2/V3): Q, K and V come up from low-rank latents ---------------------
+# x -> q_down -> q_norm -> q_up -> per-head [q_nope | q_rope]  (or x -> q_proj when q_lora_rank is unset)
+# x -> kv_down -> [latent | k_rope] ; latent -> kv_norm -> kv_up -> per-head [k_nope | v] ; RoPE(k_rope), one head
+# The core attends with heads of d_n+d_r (K is [k_nope | k_rope copied to every head]) and values of d_v. The
+# latents are whole per token (TP splits only the up projections' heads); under SP they are sequence shards,
+# each up projection gathering its input as the QKV linear does. The RoPE key part is not kept: RoPE keeps
+# only its cos/sin tables (they need no gradient), and the concatenation into K copies it.
+_BSQR = (Dim.B, Dim.S, Dim.QR)
+_BSKVR = (Dim.B, Dim.S, Dim.KVR)
+MLA_Q_NORM = _norm("mla/q_norm_", "the query up projection", Dim.QR)
+MLA_KV_NORM = _norm("mla/kv_norm_", "the key/value up projection", Dim.KVR)
+MLA_Q_UP_IN = SavedTensor(
+    "mla/q_up_in", "query up projection (column-parallel), on the normalised query latent", _BSQR, Kind.ACTIVATION,
+    Region.SEQUENCE, WHY_GATHERED_INPUT,
+)
+MLA_KV_UP_IN = SavedTensor(
+    "mla/kv_up_in", "key/value up projection (column-parallel), on the normalised KV latent", _BSKVR,
+    Kind.ACTIVATION, Region.SEQUENCE, WHY_GATHERED_INPUT,
+)
+MLA_Q = SavedTensor(
+    "mla/q", "core attention (QK^T or flash kernel): [q_nope | RoPE(q_rope)] per head", (Dim.B, Dim.A, Dim.S, Dim.QK),
+    Kind.ACTIVATION, Region.TENSOR, "the gradient of K in QK^T is dScores^T Q",
+)
+MLA_K = SavedTensor(
+    "mla/k", "core attention (QK^T or flash kernel): [k_nope | RoPE(k_rope) copied to every head]",
+    (Dim.B, Dim.A, Dim.S, Dim.QK), Kind.ACTIVATION, Region.TENSOR, "the gradient of Q in QK^T is dScores K",
+)
+MLA_V = SavedTensor(
+    "mla/v", "core attention (weights x V or flash kernel): values up-projected from the latent",
+    (Dim.B, Dim.A, Dim.S, Dim.DV), Kind.ACTIVATION, Region.TENSOR,
+    "the gradient of the attention weights is dOut V^T",
+)
+MLA_PROJ_IN = SavedTensor(
+    "mla/proj_in", "output projection (row-parallel), on a heads of d_v", (Dim.B, Dim.S, Dim.A, Dim.DV),
+    Kind.ACTIVATION, Region.TENSOR, PROJ_IN.why,
+)
+MLA_TENSORS: tuple[SavedTensor, ...] = (
+    *MLA_Q_NORM, MLA_Q_UP_IN, *MLA_KV_NORM, MLA_KV_UP_IN, MLA_Q, MLA_K, MLA_V, MLA_PROJ_IN,
+)
+
 ALL_TENSORS: tuple[SavedTensor, ...] = (
     LAYER_INPUT, *LN1, QKV_IN, Q, K, V, SOFTMAX_OUT, ATTN_DROPOUT_MASK, ATTN_DROPOUT_OUT,
-    SOFTMAX_LSE, PROJ_IN, ATTN_OUT_DROPOUT_MASK, *LN2, FC1_IN, GELU_IN, SWIGLU_GATE,
-    SWIGLU_UP, SWIGLU_SILU_OUT, FC2_IN, MLP_DROPOUT_MASK,
+    SOFTMAX_LSE, PROJ_IN, ATTN_OUT_DROPOUT_MASK, *MLA_TENSORS, *LN2, FC1_IN, GELU_IN, SWIGLU_GATE,
+    SWIGLU_UP, SWIGLU_SILU_OUT, FC2_IN, MLP_DROPOUT_MASK, *MOE_TENSORS,
 )
 
 

@@ -6,14 +6,18 @@ groups, MLP width, hidden or vocabulary; SP splits the tensors outside it along
 the sequence. On top of the defaults a plan may carry per-tensor overrides, as
 torchtitan's parallelize plans name modules one by one: `planned(impl)` adds
 those an implementation needs (a column-parallel input that DTensor keeps
-gathered under SP). Code outside this module asks a strategy what it does
-(`tensor_parallel`, `sequence_parallel`, `split_dim`), never which regions it splits.
+gathered under SP), and the forms an implementation keeps a tensor in under
+this layout only (megatron's KV latent, a view of a wider output unless SP's
+scatter copies it): `kept` puts them in their namesakes' place. Code outside
+this module asks a strategy what it does (`tensor_parallel`,
+`sequence_parallel`, `split_dim`, `kept`), never which regions it splits.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from memcalc.model.ledger import Dim, Region, SavedTensor
 
@@ -21,7 +25,7 @@ if TYPE_CHECKING:
     from memcalc.model.impls.base import Implementation
 
 # In the TP region the first of these that a tensor has is the one split by t.
-_TP_SPLIT_DIMS = (Dim.V, Dim.A, Dim.G, Dim.QKV, Dim.F, Dim.H)
+_TP_SPLIT_DIMS = (Dim.V, Dim.A, Dim.G, Dim.QKV, Dim.F, Dim.U, Dim.H)
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,7 @@ class Strategy:
     title: str
     splits: frozenset[Region]
     overrides: tuple[tuple[str, Dim | None], ...] = ()  # (tensor name, the dim it splits, or None: whole)
+    forms: tuple[SavedTensor, ...] = ()  # what this layout keeps in place of the same-named tensors
 
     @property
     def tensor_parallel(self) -> bool:
@@ -52,17 +57,28 @@ class Strategy:
         for name, dim in self.overrides:
             if name == tensor.name:
                 return dim
-        if tensor.region not in self.splits:
+        if tensor.region not in self.splits and not (tensor.region is Region.EXPERT and self.tensor_parallel):
             return None
         if tensor.region is Region.SEQUENCE:
             return Dim.S
+        if tensor.region is Region.EXPERT:  # r is per rank already; expert TP (etp = t) splits the expert width
+            return Dim.FE if Dim.FE in tensor.shape else None
         return next(d for d in tensor.shape if d in _TP_SPLIT_DIMS)
 
-    def planned(self, impl: Implementation) -> Strategy:
-        """This layout as `impl` runs it: under SP, the tensors it keeps gathered stay whole."""
+    def kept(self, tensors: Iterable[SavedTensor]) -> tuple[SavedTensor, ...]:
+        """`tensors` as this layout keeps them: a form the plan names takes its namesake's place."""
+        forms = {x.name: x for x in self.forms}
+        return tuple(forms.get(x.name, x) for x in tensors)
+
+    def planned(self, impl: Implementation, knobs: Any) -> Strategy:
+        """This layout as `impl` runs `knobs`: under SP, the tensors it keeps gathered stay whole, and the tensors
+        it keeps in another form (`sequence_parallel_forms`) are kept in that form."""
+        if not self.sequence_parallel:
+            return self
         overridden = {name for name, _ in self.overrides}
-        whole = sorted(impl.kept_whole - overridden) if self.sequence_parallel else []
-        return replace(self, overrides=self.overrides + tuple((name, None) for name in whole)) if whole else self
+        whole = tuple((name, None) for name in sorted(impl.kept_whole - overridden))
+        forms = tuple(x for x in impl.sequence_parallel_forms(knobs) if x not in self.forms)
+        return replace(self, overrides=self.overrides + whole, forms=self.forms + forms) if whole or forms else self
 
 
 NONE = Strategy("none", "no parallelism", frozenset())

@@ -19,6 +19,10 @@ from types import ModuleType
 
 from memcalc.errors import ProbeError
 
+# The assignments `memcalc measure --route` forces a MoE router to (memcalc.probe.libs.hf_shim), named here so
+# the CLI offers them without importing torch.
+ROUTES = ("balanced", "all-to-one")
+
 INSTALL_HINT = "pip install torch==2.13.0 (in a checkout: pip install -e '.[probe]')"
 
 

@@ -45,7 +45,8 @@ def footprint(config: ModelConfig, strategy: str, device: str, ranks_here: int) 
     st = STRATEGIES[strategy]
     t = config.t if st.tensor_parallel else 1
     activations = estimate(config, st, Accounting(exact=True, device=device)).per_layer_bytes
-    weights = sum(g.count(config, t) for g in PARAM_GROUPS if g.where == "layer") * DTYPE_BYTES[config.dtype]
+    mlp = "moe" if config.moe else "dense"  # the one layer measure builds: a MoE layer when the config has experts
+    weights = sum(g.count(config, t) for g in PARAM_GROUPS if g.where in ("layer", mlp)) * DTYPE_BYTES[config.dtype]
     return Footprint(strategy, activations + 2 * weights, ranks_here if st.tensor_parallel else 1)
 
 

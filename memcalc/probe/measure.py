@@ -95,21 +95,26 @@ RUNNERS = {
 }
 
 
-Case = tuple[ModelConfig, str, str, Overlap]  # config, strategy name, layer (LAYERS), overlap (own layer only)
+# config, strategy name, layer (LAYERS), overlap (own layer only)[, forced route (hf's MoE router only, ROUTES)]
+Case = tuple[ModelConfig, str, str, Overlap] | tuple[ModelConfig, str, str, Overlap, "str | None"]
 
 
 def measure_on_rank(tp: TensorParallelGroup, cases: tuple[Case, ...]) -> list[RankResult]:
-    """The per-rank entry point for `launch.run`: each case in turn."""
-    return [measure_layer(tp, config, STRATEGIES[name], layer, overlap) for config, name, layer, overlap in cases]
+    """The per-rank entry point for `launch.run`: each case in turn (a case without a route lets the router
+    route)."""
+    return [measure_layer(tp, config, STRATEGIES[name], layer, overlap, *route)
+            for config, name, layer, overlap, *route in cases]
 
 
 def measure_layer(
-    tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, layer: str, overlap: Overlap = NO_OVERLAP
+    tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, layer: str, overlap: Overlap = NO_OVERLAP,
+    route: str | None = None,
 ) -> RankResult:
     """Build the layer (the library's, or memcalc's own), record one forward pass, run backward once."""
     torch.manual_seed(INPUT_SEED + tp.rank)  # dropout masks; weights are seeded by the linears
     if layer == "library":
-        saved, cuda, collectives = runner(config.impl).run_layer(tp, config, strategy), None, ()
+        forced = {"route": route} if route else {}  # only hf's runner takes one (measure checks)
+        saved, cuda, collectives = runner(config.impl).run_layer(tp, config, strategy, **forced), None, ()
     else:
         saved, cuda, collectives = _run_own_layer(tp, config, strategy, overlap)
     return RankResult(strategy.name, tp.rank, tp.size, tp.mode, tp.device.type, saved, cuda, collectives)
@@ -132,6 +137,9 @@ def _run_own_layer(
 ) -> tuple[tuple[SavedStorage, ...], CudaMemory | None, tuple[LoggedCollective, ...]]:
     """memcalc's Megatron-style layer: what it saves, torch.cuda's readings around forward on a GPU,
     and every collective it issues in forward and backward."""
+    if config.mla:
+        raise ProbeError("--layer memcalc has no latent attention (kv_lora_rank); measure MLA with --impl megatron"
+                         " or --impl hf, which run the libraries' own MLA layers")
     sequence_parallel = strategy.sequence_parallel
     layer = TransformerLayer(config, tp, sequence_parallel, overlap if sequence_parallel else NO_OVERLAP)
     x = _layer_input(config, tp, sequence_parallel)
@@ -336,9 +344,11 @@ class StrategyMeasurement:
 
 def measure(
     config: ModelConfig, strategies: list[str], device: str, backend: str | None, launch: str, timeout_s: float,
-    layer: str = "library", overlap: Overlap = NO_OVERLAP,
+    layer: str = "library", overlap: Overlap = NO_OVERLAP, route: str | None = None,
 ) -> list[StrategyMeasurement]:
     """Measure each strategy on `layer` (see LAYERS); everything is checked before any rank starts.
+
+    `route` forces a MoE router's assignment (ROUTES), for transformers' layers (--impl hf) only.
 
     Returns nothing on a torchrun rank other than 0: rank 0 reports for the job.
     """
@@ -353,6 +363,8 @@ def measure(
         )
     if layer == "library":
         runner(config.impl)  # a missing library is named before any rank starts
+    if route is not None and (layer != "library" or config.impl != "hf" or config.num_experts is None):
+        raise ConfigError(f"--route {route} forces transformers' MoE router: it needs --impl hf and num_experts")
     if overlap and (layer != "memcalc" or "tp-sp" not in strategies):
         raise ConfigError("--overlap runs in memcalc's own layer under tp-sp: add --layer memcalc --strategy tp-sp")
     rings = sorted(m.value for m in overlap.methods if m.value.startswith("ring"))
@@ -371,7 +383,8 @@ def measure(
         if plan.mode is Mode.SINGLE and under_torchrun() and int(os.environ["RANK"]) != 0:
             return []
         per_rank = run(
-            measure_on_rank, (tuple((config, name, layer, overlap) for name in by_launch[plan]),), mode=plan.mode,
+            measure_on_rank, (tuple((config, name, layer, overlap, route) for name in by_launch[plan]),),
+            mode=plan.mode,
             t=plan.t,
             backend=plan.backend or "gloo", device=device, timeout_s=timeout_s,
         )
@@ -379,7 +392,8 @@ def measure(
             return []
         for index, name in enumerate(by_launch[plan]):
             ranks[name] = [results[index] for results in per_rank]
-    return [_compared(STRATEGIES[name], plans[name], config, ranks[name], layer, overlap) for name in strategies]
+    return [_compared(STRATEGIES[name], plans[name], config, ranks[name], layer, overlap, route)
+            for name in strategies]
 
 
 def _plan(config: ModelConfig, strategy: Strategy, device: str, backend: str | None, launch: str) -> Launch:
@@ -392,7 +406,8 @@ def _plan(config: ModelConfig, strategy: Strategy, device: str, backend: str | N
 
 
 def _compared(
-    strategy: Strategy, plan: Launch, config: ModelConfig, ranks: list[RankResult], layer: str, overlap: Overlap
+    strategy: Strategy, plan: Launch, config: ModelConfig, ranks: list[RankResult], layer: str, overlap: Overlap,
+    route: str | None = None,
 ) -> StrategyMeasurement:
     prediction = estimate(config, strategy, Accounting(exact=True, device=ACCOUNTED_AS[ranks[0].device]))
     rows = tuple(compare(prediction, result.saved) for result in ranks)
@@ -401,7 +416,7 @@ def _compared(
         package = RUNNERS[config.impl][1]
         possessive = f"{package}'" if package.endswith("s") else f"{package}'s"  # transformers', torchtitan's
         whose = f"{possessive} own layer"
-        notes = tuple(runner(config.impl).NOTES)
+        notes = tuple(runner(config.impl).NOTES) + ((runner(config.impl).route_note(route),) if route else ())
     else:
         whose, notes = "memcalc's own Megatron-style layer", ()
     return StrategyMeasurement(strategy, plan, whose, notes, prediction, tuple(ranks), rows, comm)

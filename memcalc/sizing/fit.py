@@ -1,9 +1,11 @@
 """What fits a memory budget: the largest micro-batch b or sequence s, or the smallest t, pp or cp.
 
-Every answer is an exact integer found by evaluating the same per-GPU totals
-`memcalc estimate --totals` prints (`memcalc.sizing.totals.per_gpu`), never by
-rounding a formula: so the answer fits by estimate's own numbers, and the next
-valid value does not.
+Every answer is an exact integer found by evaluating what `memcalc estimate
+--totals` bases its verdict on: the step's peak (`memcalc.sizing.timeline`) where
+it is modelled, else the per-GPU totals (`memcalc.sizing.totals.per_gpu`); or, on
+request, the totals or the activations alone. Never by rounding a formula: so the
+answer fits by estimate's own numbers, and the next valid value does not. The peak
+grows with b and s as every term it sums does.
 
 - b and s: every ledger term is a product of sizes with positive coefficients
   (linear in b, at most quadratic in s) and model states do not shrink as they
@@ -30,11 +32,13 @@ from memcalc.errors import ConfigError
 from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import Strategy
 from memcalc.sizing.divisors import divisors
+from memcalc.sizing.timeline import timelines
 from memcalc.sizing.totals import per_gpu
+from memcalc.sizing.verdict import need
 from memcalc.units import human_bytes
 
 SOLVES = ("b", "s", "t", "pp", "cp")
-COUNTS = ("total", "activations")
+COUNTS = ("peak", "total", "activations")  # peak: the step's, where the timeline models it (memcalc.sizing.verdict)
 _SEARCH_LIMIT = 2**48  # a guard: no real budget fits this many tokens or micro-batches
 
 
@@ -45,6 +49,7 @@ class Candidate:
     value: int
     bytes: int | None
     reason: str = ""
+    basis: str = ""  # counting the peak: what the bytes are (memcalc.sizing.verdict), the step's peak or not
 
     def fits(self, budget: int) -> bool:
         return self.bytes is not None and self.bytes <= budget
@@ -88,7 +93,7 @@ def sequence_step(config: ModelConfig, strategy: Strategy) -> int:
 
 def fit(
     config: ModelConfig, strategy: Strategy, solve: str, budget: int,
-    accounting: Accounting = Accounting(), count: str = "total",
+    accounting: Accounting = Accounting(), count: str = "peak",
 ) -> Fit:
     """The largest b or s, or the smallest t, pp or cp, whose per-GPU bytes (`count`) are at most `budget`."""
     def try_value(value: int) -> Candidate:
@@ -96,8 +101,7 @@ def fit(
             fields = config.as_dict() | {solve: value}
             if config.gpus is not None:
                 del fields["dp"]  # derived again from gpus/(t*pp*cp) for this candidate
-            candidate = build_config(fields)
-            return Candidate(value, per_gpu(candidate, strategy, accounting).bytes(count))
+            return _measure(value, build_config(fields), strategy, accounting, count)
         except ConfigError as exc:
             return Candidate(value, None, str(exc))
 
@@ -108,6 +112,19 @@ def fit(
         step = sequence_step(config, strategy) if solve == "s" else 1
         answer, beyond = _largest(lambda k: try_value(k * step), budget)
     return Fit(strategy, config.recompute, solve, answer, beyond)
+
+
+def _measure(value: int, config: ModelConfig, strategy: Strategy, accounting: Accounting, count: str) -> Candidate:
+    """A valid candidate's bytes: the step's peak (or, where not modelled, the total, said so) or a per-GPU count."""
+    per = per_gpu(config, strategy, accounting)  # raises ConfigError for an invalid candidate
+    if count != "peak":
+        return Candidate(value, per.bytes(count))
+    try:
+        peaks: tuple | str = timelines(config, strategy)
+    except ConfigError as exc:  # valid, but not modelled by the timeline
+        peaks = str(exc)
+    needed = need(per, peaks)
+    return Candidate(value, needed.bytes, basis=needed.basis)
 
 
 def _largest(try_value: Callable[[int], Candidate], budget: int) -> tuple[Candidate | None, Candidate]:

@@ -1,9 +1,11 @@
-"""Figures: activation memory against s or t, and what each tensor adds to it.
+"""Figures: activation memory against s or t, what each tensor adds to it, and one step over time.
 
-Two views of the same numbers: `line_figure` draws one line per strategy over
-a swept size (from `memcalc.sizing.sweep`), `breakdown_figure` stacks one bar per
-strategy from the ledger's tensors (from `memcalc.model.evaluate.estimate`). Bytes
-are shown in GiB (2^30 bytes), and every axis says so.
+Three views: `line_figure` draws one line per strategy over a swept size (from
+`memcalc.sizing.sweep`), `breakdown_figure` stacks one bar per strategy from the
+ledger's tensors (from `memcalc.model.evaluate.estimate`), and `timeline_figure`
+stacks one step's memory by category, moment by moment (from
+`memcalc.sizing.timeline`). Bytes are shown in GiB (2^30 bytes), and every axis
+says so.
 
 matplotlib is imported inside the functions (it costs about a second), and
 figures are `matplotlib.figure.Figure` objects drawn on an Agg canvas, never
@@ -19,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from memcalc.errors import ConfigError, MemcalcError
 from memcalc.model.evaluate import LayerEstimate
 from memcalc.output import atomic_write
+from memcalc.sizing.timeline.tape import CATEGORIES
 from memcalc.text import printable
 from memcalc.units import human_bytes
 
@@ -26,9 +29,14 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
+    from memcalc.sizing.timeline import Timeline
+
 GIB = 2**30
 LINE_SIZE = (8.0, 5.0)  # inches; at DPI, an 800 x 500 PNG
 BREAKDOWN_SIZE = (10.0, 5.0)  # wider: the legend of tensor names sits beside the bars
+TIMELINE_HEIGHT = 5.0  # inches; each strategy's panel is 5.5 wide
+# The timeline's categories, bottom to top (their order): what is there all step, then what comes and goes.
+CATEGORY_COLOURS = dict(zip(CATEGORIES, ("#4c72b0", "#55a868", "#8172b2", "#dd8452", "#c44e52")))
 DPI = 100
 SUFFIXES = (".png", ".svg")
 X_LABELS = {"s": "sequence length s (tokens)", "t": "tensor-parallel size t (GPUs)"}
@@ -116,6 +124,44 @@ def breakdown_figure(
     return fig
 
 
+def timeline_figure(timelines: Sequence[Timeline], titles: Titles, device_memory: int | None = None) -> Figure:
+    """A panel per strategy: one step's memory per GPU, moment by moment (x), stacked by category, with the
+    phases marked, the peak named and the device's memory as a line."""
+    fig, axes = _panels(titles, (5.5 * len(timelines), TIMELINE_HEIGHT + 0.5), len(timelines))
+    first = axes[0]
+    for ax, timeline in zip(axes, timelines):
+        _timeline_panel(ax, timeline, device_memory)
+    top = max([x.peak.bytes for x in timelines] + [device_memory or 0]) / GIB
+    first.set_ylim(0, top * 1.12)  # shared by every panel
+    first.set_ylabel("memory per GPU over one step (GiB, $2^{30}$ bytes)")
+    handles, labels = first.get_legend_handles_labels()
+    axes[-1].legend(handles[::-1], labels[::-1], loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8,
+                    frameon=False)
+    return fig
+
+
+def _timeline_panel(ax: Axes, timeline: Timeline, device_memory: int | None) -> None:
+    moments = timeline.moments
+    x = list(range(len(moments)))
+    layers = [[m.by_category()[c] / GIB for m in moments] for c in CATEGORY_COLOURS]
+    ax.stackplot(x, layers, labels=list(CATEGORY_COLOURS), colors=list(CATEGORY_COLOURS.values()), step="post")
+    for i, m in enumerate(moments):
+        if i and m.phase != moments[i - 1].phase:
+            ax.axvline(i, color="0.4", linewidth=0.8, linestyle=":")
+            ax.annotate(m.phase, (i, 0), xytext=(2, 2), textcoords="offset points", fontsize=7.5, color="0.3")
+    peak = timeline.peak
+    at = moments.index(peak)
+    ax.plot([at], [peak.bytes / GIB], marker="v", color="black", markersize=5)
+    ax.annotate(f"peak {human_bytes(peak.bytes)}: {peak.phase} {peak.where}", (at, peak.bytes / GIB), xytext=(0, 6),
+                textcoords="offset points", ha="left" if at < len(moments) / 2 else "right", fontsize=7.5)
+    _device_line(ax, device_memory)
+    stage = "" if timeline.stage == "only" else f", {timeline.stage} stage"
+    ax.set_title(f"{timeline.strategy.name} ({timeline.strategy.title}){stage}", fontsize=9)
+    ax.set_xlabel("moments of one step, in order")
+    ax.set_xlim(0, len(moments) - 1)
+    ax.grid(True, axis="y", alpha=0.3)
+
+
 def save(fig: Figure, path: Path) -> None:
     """Write the figure as PNG or SVG (by suffix) at DPI, uncropped: a PNG is
     exactly its figure size times DPI pixels."""
@@ -155,6 +201,12 @@ def _colours(labels: list[str]) -> list[Any]:
 
 def _figure(titles: Titles, size: tuple[float, float]) -> tuple[Figure, Axes]:
     """A figure on an Agg canvas, laid out so that nothing is clipped at a fixed size."""
+    fig, (ax,) = _panels(titles, size, 1)
+    return fig, ax
+
+
+def _panels(titles: Titles, size: tuple[float, float], n: int) -> tuple[Figure, list[Axes]]:
+    """A figure of `n` panels side by side sharing the y axis; the details line under the title."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -165,14 +217,18 @@ def _figure(titles: Titles, size: tuple[float, float]) -> tuple[Figure, Axes]:
     fig = Figure(figsize=size, dpi=DPI, layout="constrained")
     FigureCanvasAgg(fig)
     fig.suptitle(literal(titles.title), fontsize=13)
-    ax = fig.add_subplot()
-    ax.set_title(literal(titles.details), fontsize=8.5, color="0.35")
-    return fig, ax
+    axes = list(fig.subplots(1, n, sharey=True, squeeze=False)[0])
+    if n == 1:
+        axes[0].set_title(literal(titles.details), fontsize=8.5, color="0.35")
+    else:
+        fig.supxlabel(literal(titles.details), fontsize=8.5, color="0.35")
+    return fig, axes
 
 
 def literal(text: str) -> str:
-    """`text` drawn as written: a name like '$\\frac{$' is not mathtext; control characters show as escapes."""
-    return printable(text).replace("$", r"\$")
+    """`text` drawn as written, line by line: a name like '$\\frac{$' is not mathtext; other control characters
+    show as escapes."""
+    return "\n".join(printable(line).replace("$", r"\$") for line in text.split("\n"))
 
 
 def _device_line(ax: Axes, device_memory: int | None) -> None:

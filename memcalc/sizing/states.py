@@ -12,6 +12,13 @@ Bytes per parameter follow mixed-precision Adam as Megatron-LM lays it out
 fp32 master copy (4) and two fp32 Adam moments (4 + 4), 18 bytes in all; the
 distributed optimizer shards the last 12 over the data-parallel ranks, which in
 Megatron-LM's optimizer group include the context-parallel ones: 6 + 12/(dp*cp).
+
+A mixture of experts (num_experts) replaces the dense MLP of its MoE layers
+(`moe_layer_freq`; the rest stay dense) by a router, whole on every rank, the
+E/ep experts one rank holds, each split by expert tensor parallelism (etp = t),
+and shared experts split by t. Expert parameters are replicated only over the
+expert data-parallel group, t*cp*dp/(ep*etp) ranks, so that is what the
+distributed optimizer shards their states over (Megatron-LM's expert_dp group).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from memcalc.config.schema import ModelConfig
+from memcalc.errors import ConfigError
 from memcalc.model.knobs import DTYPE_BYTES
 from memcalc.sizing.pipeline import Stage
 
@@ -27,27 +35,49 @@ from memcalc.sizing.pipeline import Stage
 def padded_vocab(config: ModelConfig, t: int) -> int:
     """v as Megatron-LM pads it (`_vocab_size_with_padding`): up to a multiple of
     make_vocab_size_divisible_by * t, so each of t shards is whole and a multiple of the divisor
-    (128 by default, for GEMM tiles). The padded rows are real weights, gradients and logits."""
+    (128 by default, for GEMM tiles). The padded rows are real weights, gradients and logits.
+    transformers and torchtitan train the vocabulary as it is."""
+    if config.impl != "megatron":
+        return config.vocab_size
     step = config.make_vocab_size_divisible_by * t
     return -(-config.vocab_size // step) * step
 
 
 def vocab_shard(config: ModelConfig, t: int) -> int:
-    """Rows of the padded vocabulary one of t ranks holds."""
-    return padded_vocab(config, t) // t
+    """Rows of the (padded) vocabulary one of t ranks holds: the most any rank holds, where a DTensor
+    (torchtitan) shards a vocabulary that t does not divide unevenly."""
+    return -(-padded_vocab(config, t) // t)
 
 
-def _norm_params(config: ModelConfig) -> int:
-    return 2 * config.h if config.norm == "layernorm" else config.h  # RMSNorm has no bias
+def _norm_params(config: ModelConfig, width: int | None = None) -> int:
+    """One norm over `width` channels (the hidden size unless given)."""
+    width = config.h if width is None else width
+    return 2 * width if config.norm == "layernorm" else width  # RMSNorm has no bias
 
 
 def _qkv(c: ModelConfig, t: int) -> int:
+    if c.mla:
+        return _latent_qkv(c, t)
     width = (c.a + 2 * c.groups) * (c.h // c.a)  # Q heads plus K and V groups, h/a channels each
     return (c.h * width + (width if c.add_bias_linear or c.add_qkv_bias else 0)) // t
 
 
+def _latent_qkv(c: ModelConfig, t: int) -> int:
+    """Latent attention as megatron-core's local spec builds it (MLASelfAttention, all without biases): q_down
+    (h -> r_q) and kv_down (h -> r_kv + d_r) column-parallel, split by t and their outputs gathered; q_up
+    (r_q -> a(d_n + d_r)), or q_proj (h -> a(d_n + d_r)) without a query latent, and kv_up (r_kv -> a(d_n + d_v))
+    column-parallel; the latent norms whole. (Transformer Engine's spec duplicates the down projections instead.)"""
+    query_heads = c.a * (c.qk_nope_head_dim + c.qk_rope_head_dim)
+    kv = c.h * (c.kv_lora_rank + c.qk_rope_head_dim) + c.kv_lora_rank * c.a * (c.qk_nope_head_dim + c.v_head_dim)
+    if c.q_lora_rank is None:
+        return (c.h * query_heads + kv) // t + _norm_params(c, c.kv_lora_rank)
+    query = c.h * c.q_lora_rank + c.q_lora_rank * query_heads
+    return (query + kv) // t + _norm_params(c, c.q_lora_rank) + _norm_params(c, c.kv_lora_rank)
+
+
 def _proj(c: ModelConfig, t: int) -> int:
-    return c.h * c.h // t + (c.h if c.add_bias_linear else 0)  # row-parallel: its bias is whole
+    width = c.a * c.v_head_dim if c.mla else c.h  # latent attention: a value heads of d_v
+    return width * c.h // t + (c.h if c.add_bias_linear else 0)  # row-parallel: its bias is whole
 
 
 def _fc1(c: ModelConfig, t: int) -> int:
@@ -57,6 +87,21 @@ def _fc1(c: ModelConfig, t: int) -> int:
 
 def _fc2(c: ModelConfig, t: int) -> int:
     return c.ffn * c.h // t + (c.h if c.add_bias_linear else 0)
+
+
+def _experts(c: ModelConfig, t: int) -> int:
+    """The E/ep experts one rank holds, each an MLP of width e whose fc1 and fc2 are split by etp = t."""
+    expert = replace(c, ffn_hidden_size=c.expert_ffn)
+    return c.num_experts // c.ep * (_fc1(expert, t) + _fc2(expert, t))
+
+
+def _shared(c: ModelConfig, t: int) -> int:
+    """Shared experts: one MLP of width u, split by t as the dense MLP; transformers' Qwen2-MoE gates it with a
+    linear h -> 1 (whole)."""
+    if not c.moe_shared_expert_intermediate_size:
+        return 0
+    shared = replace(c, ffn_hidden_size=c.moe_shared_expert_intermediate_size)
+    return _fc1(shared, t) + _fc2(shared, t) + (c.h if c.impl == "hf" else 0)
 
 
 def _output(c: ModelConfig, t: int) -> int:
@@ -69,16 +114,25 @@ class ParamGroup:
     """Weights that sit together, where they live, and how one rank's share is counted."""
 
     name: str
-    where: str  # "layer" (every layer), "first" (with the embedding) or "last" (with the output layer)
+    # "layer" (every layer), "dense" (every layer with a dense MLP), "moe" (every MoE layer),
+    # "first" (with the embedding) or "last" (with the output layer)
+    where: str
     count: Callable[[ModelConfig, int], int]  # parameters one rank holds, given its tensor-parallel size
     why: str
+    expert: bool = False  # replicated over the expert data-parallel group only (the distributed optimizer's shards)
 
 
 PARAM_GROUPS: tuple[ParamGroup, ...] = (
-    ParamGroup("attention/qkv", "layer", _qkv, "column-parallel: each rank holds its heads' Q and its groups' K, V"),
+    ParamGroup("attention/qkv", "layer", _qkv, "column-parallel: each rank holds its heads' Q and its groups' K, V"
+               " (latent attention: the down and up projections split by t, the latent norms whole)"),
     ParamGroup("attention/proj", "layer", _proj, "row-parallel: the weight is split by t, its bias is whole"),
-    ParamGroup("mlp/fc1", "layer", _fc1, "column-parallel: each rank holds f/t columns (2f/t: SwiGLU's gate and up)"),
-    ParamGroup("mlp/fc2", "layer", _fc2, "row-parallel: the weight is split by t, its bias is whole"),
+    ParamGroup("mlp/fc1", "dense", _fc1, "column-parallel: each rank holds f/t columns (2f/t: SwiGLU's gate and up)"),
+    ParamGroup("mlp/fc2", "dense", _fc2, "row-parallel: the weight is split by t, its bias is whole"),
+    ParamGroup("moe/router", "moe", lambda c, t: c.h * c.num_experts,
+               "whole on every rank: each rank scores its own tokens against all E experts"),
+    ParamGroup("moe/experts", "moe", _experts, "E/ep experts a rank, each fc1 and fc2 split by etp = t", expert=True),
+    ParamGroup("moe/shared_experts", "moe", _shared, "one MLP of width u on every token, split by t as the dense"
+               " MLP (transformers' Qwen2-MoE adds its whole h -> 1 gate)"),
     ParamGroup(
         "layer/norms", "layer", lambda c, t: 2 * _norm_params(c),
         "two norms per layer, whole on every rank (LayerNorm: weight and bias; RMSNorm: weight)",
@@ -101,18 +155,51 @@ PARAM_GROUPS: tuple[ParamGroup, ...] = (
 )
 
 
+def check_expert_states(config: ModelConfig) -> None:
+    """ConfigError when experts cannot be laid out: ep*etp must divide t*cp*dp (the expert data-parallel group),
+    and with pipelining every chunk of layers must hold the same share of MoE layers (freq divides it)."""
+    c = config
+    if not c.moe:
+        return
+    etp = c.etp or c.t
+    if (c.t * c.cp * c.dp) % (c.ep * etp):
+        raise ConfigError(f"ep*etp={c.ep * etp} does not divide t*cp*dp={c.t * c.cp * c.dp}: the expert data-parallel"
+                          " group has t*cp*dp/(ep*etp) ranks")
+    chunk = c.L // (c.pp * (c.vpp or 1))
+    if c.pp > 1 and chunk % c.moe_layer_freq:
+        raise ConfigError(f"moe_layer_freq={c.moe_layer_freq} does not divide the {chunk} layers of a pipeline chunk"
+                          " (L/(pp*vpp)): memcalc counts each stage's MoE layers as layers/freq")
+
+
+def moe_layers_held(config: ModelConfig, stage: Stage) -> int:
+    """The MoE layers among a stage's: all of the model's with one stage, else layers/freq (check_expert_states)."""
+    if not config.moe:
+        return 0
+    return config.moe_layers if config.pp == 1 else stage.layers // config.moe_layer_freq
+
+
 def group_params(config: ModelConfig, stage: Stage, t: int) -> dict[str, int]:
-    """Parameters one rank of `stage` holds, per group (layer groups times the stage's layers)."""
-    held = {"layer": stage.layers, "first": int(stage.has_embedding), "last": int(stage.has_output)}
-    return {g.name: held[g.where] * g.count(config, t) for g in PARAM_GROUPS}
+    """Parameters one rank of `stage` holds, per group (layer groups times the stage's layers of their kind)."""
+    check_expert_states(config)
+    moe = moe_layers_held(config, stage)
+    held = {"layer": stage.layers, "dense": stage.layers - moe, "moe": moe, "first": int(stage.has_embedding),
+            "last": int(stage.has_output)}
+    return {g.name: held[g.where] * g.count(config, t) if held[g.where] else 0 for g in PARAM_GROUPS
+            if g.where != "moe" or config.moe}
+
+
+def expert_params(params: dict[str, int]) -> int:
+    """Of `group_params`' counts, the expert parameters (sharded over the expert data-parallel group)."""
+    return sum(params.get(g.name, 0) for g in PARAM_GROUPS if g.expert)
 
 
 def total_params(config: ModelConfig) -> int:
     """Distinct parameters in the whole model, as published: as one stage, where a tied output layer is
     the embedding, and without the vocabulary's padding (rows that cost memory but are never a token)."""
-    whole = {"layer": config.L, "first": 1, "last": 1}
-    one_stage = replace(config, pp=1, vpp=None, make_vocab_size_divisible_by=1)
-    return sum(whole[g.where] * g.count(one_stage, 1) for g in PARAM_GROUPS)
+    whole = {"layer": config.L, "dense": config.L - config.moe_layers, "moe": config.moe_layers, "first": 1,
+             "last": 1}
+    one_stage = replace(config, pp=1, vpp=None, make_vocab_size_divisible_by=1, ep=1)
+    return sum(whole[g.where] * g.count(one_stage, 1) if whole[g.where] else 0 for g in PARAM_GROUPS)
 
 
 @dataclass(frozen=True)
@@ -140,12 +227,17 @@ STATE_TERMS: tuple[StateTerm, ...] = (
 )
 
 
-def state_bytes(config: ModelConfig, params: int) -> dict[str, int]:
-    """Bytes of each model state for `params` parameters on one GPU (terms of width 0 left out)."""
-    shards = config.dp * config.cp if config.distributed_optimizer else 1
+def state_bytes(config: ModelConfig, params: int, experts: int = 0) -> dict[str, int]:
+    """Bytes of each model state for `params` parameters on one GPU, `experts` of them expert parameters
+    (terms of width 0 left out). The distributed optimizer shards the rest over dp*cp ranks, and the experts'
+    over their data-parallel group, t*cp*dp/(ep*etp) ranks (etp = t)."""
+    c = config
+    expert_dp = c.t * c.cp * c.dp // (c.ep * (c.etp or c.t))  # whole by check_expert_states
+    shards, expert_shards = (c.dp * c.cp, expert_dp) if c.distributed_optimizer else (1, 1)
     out = {}
     for term in STATE_TERMS:
         width = term.width(config.dtype)
         if width:
-            out[term.name] = width * (-(-params // shards) if term.sharded else params)
+            sharded = -(-(params - experts) // shards) + -(-experts // expert_shards)
+            out[term.name] = width * (sharded if term.sharded else params)
     return out

@@ -32,7 +32,7 @@ from memcalc.errors import ConfigError
 from memcalc.text import short_repr
 from memcalc.model.evaluate import dim_sizes, rank_shape
 from memcalc.model.impls import layer_tensors, plan, size_rule
-from memcalc.model.knobs import Accounting, Knobs, element_bytes
+from memcalc.model.knobs import MLA_KNOBS, Accounting, Knobs, element_bytes
 from memcalc.model.ledger import SavedTensor
 from memcalc.model.strategy import Strategy
 
@@ -133,6 +133,9 @@ def make_sweep(
     })
     if fields.get("cp", 1) != 1:
         raise ConfigError(f"sweeps do not model context parallelism (cp={fields['cp']}); use memcalc estimate for it")
+    if fields.get("ep", 1) != 1 or knobs.moe_layer_freq != 1:
+        raise ConfigError(f"sweeps model every layer as one MoE layer on one expert-parallel rank (ep={fields.get('ep', 1)},"
+                          f" moe_layer_freq={knobs.moe_layer_freq}); use memcalc estimate for these")
     values = {name: ranges[name] if name in ranges else (_fixed(name, fields),) for name in SIZES}
     # Sizes first: a range past MAX_SIZE may be too long for len() to count.
     largest = {n: v[-1] if isinstance(v, range) else max(v) for n, v in values.items()}  # a range is increasing
@@ -196,12 +199,21 @@ class GridSizes:
     L: np.ndarray
     ffn_hidden_size: int | None
     num_query_groups: int | None
+    knobs: Knobs  # the MoE knobs' sizes (experts, top-k, widths, the token bound) are read from these
     cp = 1  # make_sweep refuses context parallelism
+    ep = 1  # experts are not split in a sweep: every point is one rank holding every expert
     vocab_size = None  # a layer keeps nothing vocabulary-wide
 
     # The config's own rules (4h unless set; a unless set), here on arrays.
     ffn = property(ModelConfig.ffn.fget)
     groups = property(ModelConfig.groups.fget)
+    expert_ffn = property(ModelConfig.expert_ffn.fget)
+
+    def __getattr__(self, name: str) -> Any:
+        """A MoE knob (num_experts, moe_*) or a latent-attention width, as the sweep's knobs set it."""
+        if name == "num_experts" or name.startswith("moe_") or name in MLA_KNOBS:
+            return getattr(self.knobs, name)
+        raise AttributeError(name)
 
     @classmethod
     def of(cls, sweep: Sweep) -> GridSizes:
@@ -211,7 +223,8 @@ class GridSizes:
             shape = [1] * len(SIZES)
             shape[i] = -1
             axes[name] = _array(values).reshape(shape)  # (1, .., n_i, .., 1)
-        return cls(**axes, ffn_hidden_size=sweep.knobs.ffn_hidden_size, num_query_groups=sweep.knobs.num_query_groups)
+        return cls(**axes, ffn_hidden_size=sweep.knobs.ffn_hidden_size, num_query_groups=sweep.knobs.num_query_groups,
+                   knobs=sweep.knobs)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -263,7 +276,7 @@ def _tensor_bytes(
     """The bytes of `tensors` on one rank at every point of the grid."""
     terms = (
         prod(sorted(rank_shape(x, strategy, sizes, t), key=np.size), start=element_bytes(x.kind, knobs, accounting))
-        for x in tensors
+        for x in strategy.kept(tensors)
     )
     return np.asarray(sum(terms))
 

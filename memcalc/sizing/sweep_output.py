@@ -174,6 +174,8 @@ def csv_chunks(result: SweepResult, chunk_rows: int = CHUNK_ROWS) -> Iterator[tu
 
 def _cell(value: object) -> str:
     """A knob's value as CSV text; booleans as YAML and JSON write them."""
+    if value is None:  # a knob left unset (no experts, no capacity): an empty cell
+        return ""
     return json.dumps(value) if isinstance(value, bool) else str(value)
 
 

@@ -25,7 +25,7 @@ from memcalc.model.impls.base import drop_small
 from memcalc.model.knobs import Accounting, element_bytes
 from memcalc.model.ledger import Dim, SavedTensor
 from memcalc.sizing.pipeline import Stage, stages
-from memcalc.sizing.states import group_params, padded_vocab, state_bytes
+from memcalc.sizing.states import expert_params, group_params, moe_layers_held, padded_vocab, state_bytes
 from memcalc.model.strategy import Strategy
 
 ACTIVATIONS, STATES = "activations", "model states"
@@ -113,7 +113,7 @@ def per_gpu(config: ModelConfig, strategy: Strategy, accounting: Accounting = Ac
 def _stage_total(
     config: ModelConfig, strategy: Strategy, accounting: Accounting, stage: Stage, layer: LayerEstimate, rebuilt: int
 ) -> StageTotal:
-    terms = [Term("layers", ACTIVATIONS, layer.per_layer_bytes * stage.layer_slots, stage.schedule)]
+    terms = [_layers_term(config, stage, layer)]
     if rebuilt:
         terms.append(Term("recompute/rebuilt_layer", ACTIVATIONS, rebuilt, "one layer rebuilt in backward"))
     ends = [(x, stage.embedding_in_flight) for x in end_tensors(config, accounting, "first") if stage.has_embedding]
@@ -122,9 +122,20 @@ def _stage_total(
         note = f"{in_flight} micro-batch{'es' if in_flight > 1 else ''} in flight"
         terms.append(Term(x.name, ACTIVATIONS, in_flight * end_bytes(x, config, strategy, accounting), note))
     params = group_params(config, stage, strategy.weight_shards(config.t))
-    held = sum(params.values())
-    terms += [Term(name, STATES, n, f"{held:,} parameters") for name, n in state_bytes(config, held).items()]
+    held, experts = sum(params.values()), expert_params(params)
+    note = f"{held:,} parameters" + (f", {experts:,} of them experts'" if experts else "")
+    terms += [Term(name, STATES, n, note) for name, n in state_bytes(config, held, experts).items()]
     return StageTotal(stage, params, tuple(terms))
+
+
+def _layers_term(config: ModelConfig, stage: Stage, layer: LayerEstimate) -> Term:
+    """The stage's layer activations: with MoE and dense layers mixed, each kind at its own bytes."""
+    if not layer.dense_layers:
+        return Term("layers", ACTIVATIONS, layer.per_layer_bytes * stage.layer_slots, stage.schedule)
+    moe = stage.layer_slots * moe_layers_held(config, stage) // stage.layers  # every chunk holds the same share
+    dense = stage.layer_slots - moe
+    return Term("layers", ACTIVATIONS, layer.per_layer_bytes * moe + layer.dense_layer_bytes * dense,
+                f"{stage.schedule}; {moe} of them MoE layers, {dense} dense")
 
 
 def _rebuilt_layer_bytes(config: ModelConfig, strategy: Strategy, accounting: Accounting, layer: LayerEstimate) -> int:

@@ -176,3 +176,12 @@ def test_hf_config_names_the_attention_kernel_it_takes_from_the_implementation()
     run = memcalc_cli("estimate", "--hf-config", "tests/data/hf/llama2-7b.json", "--impl", "hf", "--json")
     assert run.err.count("\n") == 1 and "defaults (impl hf's, else the seed's): attention=flash" in run.err
     assert json.loads(run.out)["config"]["attention"] == "flash"  # transformers' default: SDPA
+
+
+def test_mixtral_totals_count_its_experts_and_fall_back_on_states_and_saved_activations():
+    """The step timeline models dense MLPs: a mixture of experts is refused by name there, not miscounted."""
+    run = memcalc_cli("estimate", "--config", "mixtral-8x7b", "--totals")
+    assert run.code == 3, run.err  # 834 GiB on one GPU fits no 80 GB card
+    assert "46,702,792,704 parameters" in run.out
+    assert "(states + saved activations)" in run.out
+    assert "does not model a mixture of experts (num_experts) yet" in " ".join(run.out.split())

@@ -24,13 +24,14 @@ OUTPUTS = [
     ("estimate", ["estimate", "--config", "gpt3-175b", "--json"]),
     ("estimate", ["estimate", "--config", "tiny", "--exact", "--device", "cpu", "--json"]),
     ("estimate", ["estimate", "--config", "tiny", "--totals", "--json"]),  # the step's peak, from the timeline
-    ("estimate", ["estimate", "--config", "gpt3-175b", "--vpp", "3", "--json"]),  # pp=8: the peak is not modelled
+    ("estimate", ["estimate", "--config", "gpt3-175b", "--attention", "flash", "--cp", "2", "--totals", "--json"]),  # cp: no peak
     ("estimate", ["estimate", "--config", "llama2-7b", "--device-memory", "4GiB", "--reserve", "0", "--json"]),  # no fit
     ("formula", ["formula", "--config", "llama3-70b", "--format", "json"]),
     ("comm", ["comm", "--config", "gpt3-175b", "--pp", "8", "--microbatches", "4", "--json"]),
     ("comm-overlap", ["comm", "--config", "gpt3-175b", "--overlap", "default", "--json"]),
     ("fit", ["fit", "--config", "gpt3-175b", "--budget", "80GiB", "--json"]),
     ("fit", ["fit", "--config", "gpt3-175b", "--budget", "80GiB", "--solve", "t", "--json"]),
+    ("fit", ["fit", "--config", "gpt3-175b", "--budget", "80GiB", "--count", "total", "--json"]),
     ("sweep", ["sweep", "--config", "tiny", "--t", "1,2,3", "--format", "json"]),
 ]
 

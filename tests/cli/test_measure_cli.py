@@ -54,6 +54,18 @@ def test_a_matching_run_prints_every_tensor_says_how_it_ran_and_exits_0():
         assert f"│ {name} " in run.out, name
 
 
+def test_transformers_deepseek_v3_layer_measures_latent_attention_to_the_byte():
+    pytest.importorskip("transformers")
+    latent = ["--kv-lora-rank", "24", "--q-lora-rank", "16", "--qk-rope-head-dim", "8", "--qk-nope-head-dim", "12",
+              "--v-head-dim", "10"]
+    run = memcalc_cli("measure", "--impl", "hf", "--b", "2", "--s", "32", "--h", "64", "--a", "4", "--attention",
+                      "eager", *latent)
+    assert (run.code, run.err) == (0, "")
+    assert "match: every tensor agrees to the byte" in run.out
+    for name in ("mla/q_norm_input_fp32", "mla/kv_up_in", "mla/rope_cos", "mla/q", "mla/v", "mla/proj_in"):
+        assert f"│ {name} " in run.out, name
+
+
 @pytest.mark.procs
 def test_json_on_two_gloo_ranks_has_both_totals_and_every_tensor():
     run = memcalc_cli("measure", *TINY, "--t", "2", "--backend", "gloo", "--json")

@@ -66,7 +66,7 @@ def test_a_step_beyond_one_percent_exits_1_naming_the_category(config, monkeypat
     (["--comm"], "--comm does not apply"),
     (["--dtype", "fp32"], "does not model dtype fp32"),
     (["--impl", "torchtitan"], "--step runs memcalc's own Megatron-style model, or transformers'"),
-    (["--impl", "hf"], "the step timeline for impl hf does not model biases"),
+    (["--impl", "hf", "--dropout", "0.1"], "the step timeline for impl hf does not model dropout 0.1"),
 ])
 def test_what_does_not_apply_or_is_not_modelled_exits_2_before_running(config, flags, needle):
     _one_line_error(memcalc_cli("measure", "--config", config, "--step", *flags), 2, needle)

@@ -37,6 +37,21 @@ def test_breakdown_as_png(tmp_path, group):
     assert imread(out).shape == (500, 1000, 4)
 
 
+def test_one_steps_timeline_as_png_a_panel_per_strategy(tmp_path):
+    out = tmp_path / "step.png"
+    result = invoke("plot", "--config", GPT3, "--kind", "timeline", "--strategy", "tp", "--strategy", "tp-sp",
+                    "--device-memory", "80GiB", "--out", str(out))
+    assert (result.exit_code, result.stderr) == (0, ""), result.output
+    assert imread(out).shape == (550, 1100, 4)
+
+
+def test_a_timeline_the_step_does_not_model_is_one_line_naming_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _one_line_error(invoke("plot", "--config", GPT3, "--kind", "timeline", "--dtype", "fp32", "--out", "step.png"),
+                    "does not model dtype fp32")
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("args, needles", [
     (["--out", "mem.jpg"], ["'--out'", "use .png or .svg"]),
     (["--out", "missing/mem.png"], ["'--out'", "directory 'missing' does not exist"]),
@@ -44,6 +59,7 @@ def test_breakdown_as_png(tmp_path, group):
     (["--out", "mem.png", "--range", "65536:1024"], ["'--range'", "is empty"]),
     (["--out", "mem.png", "--x", "b"], ["'--x'"]),
     (["--out", "mem.png", "--kind", "breakdown", "--range", "1:8"], ["--range applies to --kind line"]),
+    (["--out", "mem.png", "--kind", "timeline", "--range", "1:8"], ["--range applies to --kind line"]),
     (["--out", "mem.png", "--x", "t", "--range", "5,7"], ["no configuration in the sweep passes"]),
     (["--out", "mem.png", "--range", f"1:{10**30}"], [f"s={10**30} is too large for a sweep"]),
     ([], ["Missing option '--out'"]),

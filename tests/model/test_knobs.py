@@ -13,7 +13,7 @@ from memcalc.model.knobs import KNOBS, Knobs
 from memcalc.sizing.sweep_output import KNOB_COLUMNS
 
 # A value other than the default, for each kind of knob.
-OTHER = {"size": 96, "probability": 0.0, "flag": True}
+OTHER = {"size": 96, "probability": 0.0, "factor": 1.25, "flag": True}
 
 
 def _other(knob):
@@ -63,7 +63,7 @@ def test_every_tensor_an_implementation_keeps_has_a_name_it_knows():
     from memcalc.model.knobs import Accounting
 
     for impl in IMPLEMENTATIONS.values():
-        knobs = Knobs(impl=impl.name, **impl.defaults)
+        knobs = Knobs(impl=impl.name, **impl.knob_defaults())
         names = impl.by_name()
         for x in impl.layer_tensors(knobs, Accounting(exact=True)):
             known = names[x.name]

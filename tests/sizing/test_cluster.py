@@ -90,7 +90,7 @@ def test_the_budget_is_the_device_less_the_reserve_and_device_memory_overrides_t
 
 def test_fit_at_a_fixed_gpu_count_derives_dp_for_each_t_it_tries():
     config = build_config(LLAMA | {"gpus": 64, "pp": 4, "distributed_optimizer": True})
-    answer = fit(config, TP_SP, "t", budget_for("h100-80gb", None, None).bytes).answer
+    answer = fit(config, TP_SP, "t", budget_for("h100-80gb", None, None).bytes, count="total").answer
     fields = LLAMA | {"gpus": 64, "pp": 4, "distributed_optimizer": True, "t": answer.value}
     assert answer.bytes == per_gpu(build_config(fields), TP_SP).bytes()
     assert build_config(fields).dp == 64 // (answer.value * 4)

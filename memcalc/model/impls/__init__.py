@@ -14,7 +14,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from memcalc.errors import ConfigError
-from memcalc.model.impls.base import Implementation, SizeRule
+from memcalc.model.impls.base import Implementation, SizeRule, check_mla, check_moe
 from memcalc.model.knobs import Accounting
 from memcalc.model.ledger import SavedTensor
 from memcalc.model.strategy import Strategy
@@ -45,6 +45,8 @@ def implementation(knobs: Any) -> Implementation:
     impl = IMPLEMENTATIONS.get(knobs.impl)
     if impl is None:
         raise ConfigError(f"impl {knobs.impl} has no rules yet (memcalc models: {', '.join(IMPLEMENTATIONS)})")
+    check_moe(knobs)
+    check_mla(knobs)
     impl.check(knobs)
     return impl
 
@@ -57,7 +59,7 @@ def plan(knobs: Any, strategy: Strategy) -> Strategy:
             f"impl {impl.name} ({impl.title}) does not run {strategy.name} ({strategy.title});"
             f" it runs: {', '.join(impl.strategies)}"
         )
-    return strategy.planned(impl)
+    return strategy.planned(impl, knobs)
 
 
 def strategies_of(knobs: Any) -> tuple[str, ...]:

@@ -7,7 +7,8 @@ input where Megatron keeps a shard. An implementation is one module under
 function that lists, for a knob set, every tensor one layer keeps, in forward
 order. How a layout splits each tensor stays with the layout
 (`memcalc.model.strategy`); an implementation only names the tensors that a
-sequence-parallel layout keeps gathered, as torchtitan's DTensor plan does.
+sequence-parallel layout keeps gathered, as torchtitan's DTensor plan does, or
+keeps in another form, as megatron's latent attention does.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+from memcalc.errors import ConfigError
 from memcalc.model import ledger
-from memcalc.model.knobs import Accounting
+from memcalc.model.knobs import BY_NAME as KNOB_NAMES, KNOBS, MLA_KNOBS, Accounting, is_moe
 from memcalc.model.ledger import SavedTensor
 
 
@@ -48,14 +50,53 @@ class Implementation:
     layer_tensors: Callable[[Any, Accounting], tuple[SavedTensor, ...]]  # one layer, forward order
     strategies: tuple[str, ...] = ("none", "tp", "tp-sp")  # the layouts the library runs
     kept_whole: frozenset[str] = frozenset()  # tensors a sequence-splitting layout keeps gathered (full s)
+    # For a knob set, what a sequence-splitting layout keeps in place of the same-named tensors of `layer_tensors`
+    # (another width or split); unlike kept_whole, it changes no collective: backward gathers as before.
+    sequence_parallel_forms: Callable[[Any], tuple[SavedTensor, ...]] = lambda knobs: ()
     check: Callable[[Any], None] = _accept_all  # ConfigError for knob values the library cannot run
-    defaults: dict[str, Any] = field(default_factory=dict)  # the library's own knob values, where not the seed's
+    # the library's own values, where not the seed's: knobs, and config fields such as biases and positions
+    defaults: dict[str, Any] = field(default_factory=dict)
     tensors: tuple[SavedTensor, ...] = ()  # the tensors only this library keeps (or describes its own way)
     size_rule: SizeRule | None = None  # where what is kept depends on the sizes, not only the knobs
+
+    def knob_defaults(self) -> dict[str, Any]:
+        """The library's own knob values alone (what a knob set, without sizes or layout, takes)."""
+        return {k: v for k, v in self.defaults.items() if k in KNOB_NAMES}
 
     def by_name(self) -> dict[str, SavedTensor]:
         """Every tensor this implementation can name: the ledger's, with its own in their place where they differ."""
         return ledger.BY_NAME | {x.name: x for x in self.tensors}
+
+
+def check_moe(knobs: Any) -> None:
+    """ConfigError for MoE knobs that say nothing without experts, or ask for what cannot be."""
+    if knobs.num_experts is None:
+        stray = [k.name for k in KNOBS if is_moe(k) and getattr(knobs, k.name) != k.default]
+        if stray:
+            raise ConfigError(f"{stray[0]} is set but num_experts is not (a dense MLP has no experts)")
+        return
+    if knobs.moe_router_topk > knobs.num_experts:
+        raise ConfigError(f"moe_router_topk={knobs.moe_router_topk} exceeds num_experts={knobs.num_experts}"
+                          " (each token picks k distinct experts)")
+    if knobs.moe_tokens == "capacity" and knobs.moe_expert_capacity_factor is None:
+        raise ConfigError("moe_tokens capacity needs moe_expert_capacity_factor (without it no expert drops tokens:"
+                          " use balanced or worst)")
+
+
+def check_mla(knobs: Any) -> None:
+    """ConfigError for latent-attention widths without kv_lora_rank, a latent without its head widths, or GQA."""
+    if knobs.kv_lora_rank is None:
+        stray = [name for name in MLA_KNOBS if getattr(knobs, name) is not None]
+        if stray:
+            raise ConfigError(f"{stray[0]} is set but kv_lora_rank is not (only latent attention has it)")
+        return
+    missing = [name for name in MLA_KNOBS[2:] if getattr(knobs, name) is None]
+    if missing:
+        raise ConfigError(f"kv_lora_rank={knobs.kv_lora_rank} needs {', '.join(missing)} (latent attention's head"
+                          " widths)")
+    if knobs.num_query_groups not in (None, getattr(knobs, "a", None)):  # a config's groups may equal its heads
+        raise ConfigError(f"num_query_groups={knobs.num_query_groups} with kv_lora_rank: latent attention up-projects"
+                          " K and V for every head (no K/V groups); leave num_query_groups unset")
 
 
 def drop_small(tensors: Iterable[SavedTensor], accounting: Accounting) -> tuple[SavedTensor, ...]:

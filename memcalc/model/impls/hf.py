@@ -65,19 +65,20 @@ class RMSNormTensors(NamedTuple):
     normed: SavedTensor
 
 
-def _rms_norm(prefix: str, module: str) -> RMSNormTensors:
-    by = f"LlamaRMSNorm ({module})"
+def _rms_norm(prefix: str, module: str, width: Dim = Dim.H) -> RMSNormTensors:
+    """What one LlamaRMSNorm over `width` keeps; `prefix` as ledger._norm's ("ln1", or "mla/q_norm_")."""
+    by, shape, stem = f"LlamaRMSNorm ({module})", (Dim.B, Dim.S, width), prefix if "/" in prefix else f"{prefix}/"
     return RMSNormTensors(
         SavedTensor(
-            f"{prefix}/input_fp32", f"{by}: hidden_states.to(float32), kept by pow(2) and by x * rsqrt(.)", _BSH,
+            f"{stem}input_fp32", f"{by}: hidden_states.to(float32), kept by pow(2) and by x * rsqrt(.)", shape,
             Kind.FP32, _SEQ, "the gradients of pow(2) and of x * rsqrt(.) read the fp32 input",
         ),
         SavedTensor(
-            f"{prefix}/rstd_fp32", f"{by}: rsqrt(variance + eps), kept by rsqrt and by x * rsqrt(.)", (Dim.B, Dim.S),
+            f"{stem}rstd_fp32", f"{by}: rsqrt(variance + eps), kept by rsqrt and by x * rsqrt(.)", (Dim.B, Dim.S),
             Kind.FP32, _SEQ, ledger.WHY_NORM_RSTD, paper=False,
         ),
         SavedTensor(
-            f"{prefix}/normed", f"{by}: the normalised input cast back, kept by weight * (.)", _BSH,
+            f"{stem}normed", f"{by}: the normalised input cast back, kept by weight * (.)", shape,
             Kind.ACTIVATION, _SEQ, "the weight's gradient is dY times the normalised input",
         ),
     )
@@ -85,6 +86,21 @@ def _rms_norm(prefix: str, module: str) -> RMSNormTensors:
 
 LN1_RMS = _rms_norm("ln1", "input_layernorm")
 LN2_RMS = _rms_norm("ln2", "post_attention_layernorm")
+
+# DeepseekV3Attention (models/deepseek_v3, DeepSeek-V2/V3's MLA): its latent norms are LlamaRMSNorm's code
+# (DeepseekV3RMSNorm), each followed by an up projection that keeps the norm's output; RoPE runs on the query's
+# and the shared key's RoPE parts with the model's (s, d_r) tables, kept once (the key needs no copy of its own).
+MLA_Q_RMS = _rms_norm("mla/q_norm_", "DeepseekV3RMSNorm q_a_layernorm", Dim.QR)
+MLA_KV_RMS = _rms_norm("mla/kv_norm_", "DeepseekV3RMSNorm kv_a_layernorm", Dim.KVR)
+MLA_ROPE_COS = SavedTensor(
+    "mla/rope_cos", "apply_rotary_pos_emb(_interleave): q_rot * cos and k_rot * cos", (Dim.S, Dim.DR),
+    Kind.ACTIVATION, _SEQ, "the gradient of x in x * cos is dY * cos (one (1, s, d_r) table from the model's rotary"
+    " embedding; cos needs no gradient, so x is not kept)", paper=False,
+)
+MLA_ROPE_SIN = SavedTensor(
+    "mla/rope_sin", "apply_rotary_pos_emb(_interleave): rotate_half(x) * sin", (Dim.S, Dim.DR), Kind.ACTIVATION,
+    _SEQ, "the gradient of rotate_half(x) in rotate_half(x) * sin is dY * sin", paper=False,
+)
 
 ROPE_COS = SavedTensor(
     "attention/rope_cos", "apply_rotary_pos_emb: q * cos and k * cos", (Dim.S, Dim.D), Kind.ACTIVATION, _SEQ,
@@ -159,6 +175,59 @@ ONE_PLUS_TANH = SavedTensor(
 )
 
 
+# MixtralSparseMoeBlock (Qwen2MoeSparseMoeBlock adds a gated shared expert): the router in fp32, then
+# MixtralExperts' eager loop (experts_implementation "eager"), one expert at a time over the tokens it received.
+# memcalc runs Qwen2-MoE's block when the config has shared experts, Mixtral's otherwise. Mixtral's router always
+# renormalises the top-k probabilities and keeps them in fp32; Qwen2-MoE's renormalises only with norm_topk_prob
+# (memcalc: moe_router_pre_softmax false) and casts them to the activation dtype before the experts use them.
+_MIXTRAL = "MixtralTopKRouter"
+_EXPERTS = "MixtralExperts (eager loop)"
+ROUTER_PROBS = SavedTensor(
+    "moe/router_probs_fp32", f"{_MIXTRAL}: softmax(router_logits.float())", (Dim.B, Dim.S, Dim.E), Kind.FP32, _SEQ,
+    "softmax backward needs its output; top-k reads the probabilities of the chosen experts from it",
+)
+TOPK_SUM = SavedTensor(
+    "moe/topk_sum_fp32", f"{_MIXTRAL}: router_top_value /= sum(top-k)", (Dim.B, Dim.S), Kind.FP32, _SEQ,
+    "the in-place division's backward reads its divisor", paper=False,
+)
+TOPK_WEIGHTS = SavedTensor(
+    "moe/topk_weights_fp32", f"{_MIXTRAL}: router_top_value /= sum(top-k)", (Dim.B, Dim.S, Dim.K), Kind.FP32, _SEQ,
+    "the division's gradient for the divisor reads the normalised weights", paper=False,
+)
+TOKEN_SLOTS = SavedTensor(
+    "moe/token_slots", f"{_EXPERTS}: torch.where(expert_mask[e]), kept by indexing and index_add_", (Dim.R,),
+    Kind.INDEX_PAIR, Region.EXPERT,
+    "each expert's (token, top-k slot) pairs route the gradient back to the rows it gathered", paper=False,
+)
+EXPERT_WEIGHT = SavedTensor(
+    "moe/expert_weight_fp32", f"{_EXPERTS}: expert output * top_k_weights[token, slot]", (Dim.R,), Kind.FP32,
+    Region.EXPERT, "the gradient of the expert's output in the product is dY * weight", paper=False,
+)
+EXPERT_WEIGHT_CAST = replace(
+    EXPERT_WEIGHT, name="moe/expert_weight", kind=Kind.ACTIVATION,
+    saved_by="Qwen2MoeExperts (eager loop): expert output * top_k_weights[token, slot], cast to the activation dtype",
+)
+EXPERT_OUT = SavedTensor(
+    "moe/expert_out", f"{_EXPERTS}: expert output * top_k_weights[token, slot]", (Dim.R, Dim.H), Kind.ACTIVATION,
+    Region.EXPERT, "the routing weight's gradient is sum(dY * expert output)",
+)
+COMBINE_IN = SavedTensor(
+    "moe/combine_in", f"{_EXPERTS}: final_hidden_states.index_add_(token_idx, weighted output)", (Dim.R, Dim.H),
+    Kind.ACTIVATION, Region.EXPERT, "index_add_'s derivative keeps its source (expand_as(source))",
+)
+SHARED_GATE_SIGMOID = SavedTensor(
+    "moe/shared_gate_sigmoid", "Qwen2MoeSparseMoeBlock: sigmoid(shared_expert_gate(x))", (Dim.B, Dim.S),
+    Kind.ACTIVATION, _SEQ, "sigmoid's derivative and the product's gradient read the gate's value", paper=False,
+)
+SHARED_OUT = SavedTensor(
+    "moe/shared_out", "Qwen2MoeSparseMoeBlock: sigmoid(gate) * shared_expert(x)", _BSH, Kind.ACTIVATION, _SEQ,
+    "the gate's gradient is sum(dY * shared expert output)",
+)
+MOE_TENSORS = (ROUTER_PROBS, TOPK_SUM, TOPK_WEIGHTS, TOKEN_SLOTS, EXPERT_WEIGHT, EXPERT_WEIGHT_CAST, EXPERT_OUT,
+               COMBINE_IN,
+               SHARED_GATE_SIGMOID, SHARED_OUT)
+
+
 def is_llama(knobs: Any) -> bool:
     """RMSNorm + SwiGLU is the Llama family (Llama, Mistral, Qwen2); LayerNorm + GELU is GPT-2."""
     return knobs.norm == "rmsnorm"
@@ -186,7 +255,7 @@ def _sdpa(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]:
 
 def _eager(knobs: Any) -> tuple[SavedTensor, ...]:
     """eager_attention_forward: matmul's copies of Q and K^T, the softmax, dropout, matmul's copy of V."""
-    k, v = (K_EXPANDED, V_EXPANDED) if knobs.gqa else (ledger.K, ledger.V)
+    q, k, v = (ledger.MLA_Q, ledger.MLA_K, ledger.MLA_V) if knobs.mla else (ledger.Q, *_key_value(knobs))
     if not is_llama(knobs):  # GPT-2's softmax runs in the activation dtype: the paper's core
         softmax: tuple[SavedTensor, ...] = (ledger.SOFTMAX_OUT,)
     elif knobs.dtype == "fp32" or knobs.has_dropout:  # no separate cast: .to() is a no-op or dropout keeps a mask
@@ -194,11 +263,26 @@ def _eager(knobs: Any) -> tuple[SavedTensor, ...]:
     else:
         softmax = (SOFTMAX_FP32, WEIGHTS)
     dropout = (ledger.ATTN_DROPOUT_MASK, ledger.ATTN_DROPOUT_OUT) if knobs.has_dropout else ()
-    return (ledger.Q, k, *softmax, *dropout, v)
+    return (q, k, *softmax, *dropout, v)
+
+
+def _key_value(knobs: Any) -> tuple[SavedTensor, SavedTensor]:
+    """K and V as matmul keeps them: repeat_kv's copies to all a heads under GQA."""
+    return (K_EXPANDED, V_EXPANDED) if knobs.gqa else (ledger.K, ledger.V)
+
+
+def latent_attention(knobs: Any) -> tuple[SavedTensor, ...]:
+    """DeepseekV3Attention, eager: x (q_a_proj/q_proj and kv_a_proj_with_mqa read it), each latent's RMSNorm and
+    up-projection input, the RoPE tables, the eager core over Q, K (d_n+d_r) and V (d_v), o_proj's input."""
+    query = (*MLA_Q_RMS, ledger.MLA_Q_UP_IN) if knobs.q_lora_rank is not None else ()
+    latent = (*MLA_KV_RMS, ledger.MLA_KV_UP_IN)
+    return (ledger.QKV_IN, *query, *latent, MLA_ROPE_COS, MLA_ROPE_SIN, *_eager(knobs), ledger.MLA_PROJ_IN)
 
 
 def attention_block(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]:
     """Q/K/V projections' input, RoPE tables (Llama), the core, o_proj's input, GPT-2's resid dropout."""
+    if knobs.mla:
+        return latent_attention(knobs)
     rope = (ROPE_COS, ROPE_SIN) if is_llama(knobs) else ()
     core = _sdpa(knobs, accounting) if knobs.attention == "flash" else _eager(knobs)
     resid = (ledger.ATTN_OUT_DROPOUT_MASK,) if knobs.has_dropout and not is_llama(knobs) else ()
@@ -217,12 +301,29 @@ def mlp_block(knobs: Any) -> tuple[SavedTensor, ...]:
     return (ledger.FC1_IN, *activation, ledger.FC2_IN, *dropout)
 
 
+def moe_block(knobs: Any) -> tuple[SavedTensor, ...]:
+    """The sparse MoE block: the fp32 router, each expert's SwiGLU on its slots, the weighted combine, shared experts.
+
+    One (r, 2e) storage holds each expert's gate and up (`gate_up_proj`, chunked): the ledger's two rows, half
+    its bytes each, as Megatron's fc1 output. Shared experts mean Qwen2-MoE's block (see MOE_TENSORS' comment).
+    """
+    qwen = bool(knobs.moe_shared_expert_intermediate_size)
+    norm = () if knobs.moe_router_pre_softmax else (TOPK_SUM, TOPK_WEIGHTS)
+    router = (ledger.MOE_IN, ROUTER_PROBS, ledger.ROUTER_TOPK_INDICES, *norm)
+    experts = (TOKEN_SLOTS, ledger.EXPERT_IN, ledger.EXPERT_GATE, ledger.EXPERT_UP, ledger.EXPERT_SILU_OUT,
+               ledger.EXPERT_FC2_IN, EXPERT_WEIGHT_CAST if qwen else EXPERT_WEIGHT, EXPERT_OUT, COMBINE_IN)
+    shared = ((ledger.SHARED_GATE, ledger.SHARED_UP, ledger.SHARED_SILU_OUT, ledger.SHARED_FC2_IN,
+               SHARED_GATE_SIGMOID, SHARED_OUT) if qwen else ())
+    return (*router, *shared, *experts)
+
+
 def layer_tensors(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]:
     """Every tensor one transformers decoder layer keeps for backward, in forward order."""
     if knobs.recompute == "full":
         return (ledger.LAYER_INPUT,)  # torch.utils.checkpoint keeps the layer's positional input
     blocks = (
-        norm_block(0, knobs) + attention_block(knobs, accounting) + norm_block(1, knobs) + mlp_block(knobs)
+        norm_block(0, knobs) + attention_block(knobs, accounting) + norm_block(1, knobs)
+        + (moe_block(knobs) if knobs.moe else mlp_block(knobs))
     )
     return drop_small(blocks, accounting)
 
@@ -243,20 +344,61 @@ def check(knobs: Any) -> None:
         raise ConfigError("impl hf: GPT2Block has no grouped-query attention; leave num_query_groups unset")
     if knobs.bias_activation_fusion:
         raise ConfigError("impl hf: bias_activation_fusion is Megatron's fused kernel; transformers has none")
+    if knobs.moe and not is_llama(knobs):
+        raise ConfigError("impl hf: transformers' sparse MoE blocks (Mixtral, Qwen2-MoE) have RMSNorm and SwiGLU"
+                          f" experts; got norm {knobs.norm} with mlp {knobs.mlp}")
+    if knobs.moe_expert_capacity_factor is not None:
+        raise ConfigError("impl hf: transformers' Mixtral and Qwen MoE blocks drop no tokens; leave"
+                          " moe_expert_capacity_factor unset")
+    if knobs.moe_aux_loss:
+        raise ConfigError("impl hf: the load-balancing loss is computed outside the decoder layer, from every layer's"
+                          " router logits; moe_aux_loss is not modelled for hf")
+    if knobs.moe and not knobs.moe_shared_expert_intermediate_size:
+        _check_mixtral(knobs)
+    check_latent(knobs)
+
+
+def _check_mixtral(knobs: Any) -> None:
+    """Without shared experts the layer is MixtralDecoderLayer: every layer MoE, the top k renormalised."""
+    if knobs.moe_router_pre_softmax:
+        raise ConfigError("impl hf: MixtralSparseMoeBlock always renormalises the top-k probabilities;"
+                          " moe_router_pre_softmax is Qwen2-MoE's norm_topk_prob false (a block with shared experts)")
+    if knobs.moe_layer_freq != 1:
+        raise ConfigError(f"impl hf: moe_layer_freq={knobs.moe_layer_freq} is Qwen2-MoE's decoder_sparse_step (a"
+                          " block with shared experts); every MixtralDecoderLayer is a MoE layer")
+
+
+def check_latent(knobs: Any) -> None:
+    """DeepseekV3DecoderLayer is RMSNorm + SwiGLU; its MoE block and SDPA path are not modelled (see the errors)."""
+    if not knobs.mla:
+        return
+    if not is_llama(knobs):
+        raise ConfigError(f"impl hf: DeepseekV3DecoderLayer has RMSNorm and SwiGLU; got norm {knobs.norm} with mlp"
+                          f" {knobs.mlp} for kv_lora_rank")
+    if knobs.moe:
+        raise ConfigError("impl hf: with kv_lora_rank the layer is DeepseekV3DecoderLayer, whose DeepseekV3MoE (sigmoid"
+                          " router, grouped top-k) is not modelled yet; leave num_experts unset for its dense layers")
+    if knobs.attention == "flash":
+        raise ConfigError("impl hf: with kv_lora_rank, SDPA gets query/key heads of qk_nope+qk_rope channels and"
+                          " values of v_head_dim, so its flash kernel does not run (CPU: the fp32 math kernel,"
+                          " CUDA: memory-efficient attention), which memcalc does not model; use attention eager")
 
 
 IMPLEMENTATION = Implementation(
     name="hf",
     title="Hugging Face transformers",
     measured_on="transformers 5.24.0 (torch 2.13.0, CPU, bf16): LlamaDecoderLayer, Qwen2DecoderLayer,"
-    " MistralDecoderLayer and GPT2Block, attn_implementation eager and sdpa",
+    " MistralDecoderLayer and GPT2Block, attn_implementation eager and sdpa; DeepseekV3DecoderLayer (dense MLP), eager",
     layer_tensors=layer_tensors,
     strategies=("none",),
     check=check,
     tensors=(
-        *LN1_RMS, *LN2_RMS, ROPE_COS, ROPE_SIN, K_EXPANDED, V_EXPANDED, SOFTMAX_FP32, WEIGHTS, *SDPA_MATH,
-        HALF_X, TANH_OUT, ONE_PLUS_TANH,  # FLASH_DROPOUT_LSE is the ledger's LSE, described as read from code
+        *LN1_RMS, *LN2_RMS, ROPE_COS, ROPE_SIN, *MLA_Q_RMS, *MLA_KV_RMS, MLA_ROPE_COS, MLA_ROPE_SIN, K_EXPANDED, V_EXPANDED, SOFTMAX_FP32, WEIGHTS, *SDPA_MATH,
+        HALF_X, TANH_OUT, ONE_PLUS_TANH, *MOE_TENSORS,  # FLASH_DROPOUT_LSE is the ledger's LSE, described as read from code
     ),
     # LlamaConfig's own: RMSNorm, SwiGLU, attention_dropout 0, attn_implementation "sdpa" (memcalc's flash).
-    defaults={"norm": "rmsnorm", "mlp": "swiglu", "dropout": 0.0, "attention": "flash"},
+    defaults={
+        "norm": "rmsnorm", "mlp": "swiglu", "dropout": 0.0, "attention": "flash",
+        "add_bias_linear": False, "position_embedding_type": "rope",  # transformers' Llama: no biases, RoPE
+    },
 )

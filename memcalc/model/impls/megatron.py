@@ -45,6 +45,7 @@ places where Megatron keeps other storages than the paper's layer:
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from memcalc.errors import ConfigError
@@ -85,8 +86,93 @@ SOFTMAX_FP32 = SavedTensor(
     "outside the fused kernel's sizes the softmax runs in fp32 (softmax_in_fp32) and its backward reads that output",
 )
 
+# MoELayer (megatron/core/transformer/moe/, 0.16.1): TopKRouter, the all-to-all token dispatcher and
+# SequentialMLP, read from the code (not yet measured). Tensors over the tokens a rank routes live in the
+# sequence region; those over the slots its experts receive in the expert region.
+_BSK = (Dim.B, Dim.S, Dim.K)
+TOPK_PROBS = SavedTensor(
+    "moe/topk_probs_fp32", "router: torch.softmax(top-k logits, dtype=float32) (moe_utils.topk_routing_with_score_function)",
+    _BSK, Kind.FP32, Region.SEQUENCE, "softmax backward needs its output: the k chosen experts' probabilities",
+    paper=False,
+)
+ALL_PROBS = SavedTensor(
+    "moe/probs_fp32", "router: torch.softmax(logits, dtype=float32) before top-k (moe_router_pre_softmax)",
+    (Dim.B, Dim.S, Dim.E), Kind.FP32, Region.SEQUENCE,
+    "softmax backward needs its output: every expert's probability, of which top-k keeps k", paper=False,
+)
+AUX_SCORES = SavedTensor(
+    "moe/aux_scores_fp32", "router: softmax over all E logits in fp32 (compute_routing_scores_for_aux_loss)",
+    (Dim.B, Dim.S, Dim.E), Kind.FP32, Region.SEQUENCE,
+    "the load-balancing loss's gradient flows through the softmax over every expert's score",
+)
+ROUTING_MAP = SavedTensor(
+    "moe/routing_map", "permute: probs.T.masked_select(routing_map)", (Dim.B, Dim.S, Dim.E), Kind.MASK,
+    Region.SEQUENCE, "masked_select's backward scatters the gradient back through the same map", paper=False,
+)
+PERMUTE_INDICES = SavedTensor(
+    "moe/permute_indices", "permute: tokens.index_select(sorted_indices); unpermute's scatter_add_", _BSK,
+    Kind.INT64, Region.SEQUENCE, "both the permutation's and the combine's backward move gradients by these indices",
+    paper=False,
+)
+EXPERT_UP_COPY = replace(SWIGLU_UP_COPY, name="moe/expert_up_plus_offset", shape=(Dim.R, Dim.FE), region=Region.EXPERT)
+EXPERT_ACT_OUT = SavedTensor(
+    "moe/expert_act_out", "MLP.activation_func_with_probs: activation(fc1) * probs", (Dim.R, Dim.FE),
+    Kind.ACTIVATION, Region.EXPERT, "the gradient of the routing probability is sum(dY * activation)",
+)
+EXPERT_PROBS = SavedTensor(
+    "moe/expert_probs", "MLP.activation_func_with_probs: activation(fc1) * probs", (Dim.R,), Kind.ACTIVATION,
+    Region.EXPERT, "the gradient of the activation in the product is dY * probs", paper=False,
+)
+
+# MLASelfAttention (transformer/multi_latent_attention.py, 0.16.1, local spec with qk_layernorm), measured:
+# apply_rotary_pos_emb runs once for the query's RoPE part and once for the key's, each casting cos and sin
+# of the (s, d_r) frequencies to the activation dtype, and the products keep those casts (RoPE'd tensors
+# need no cos/sin gradient, so neither operand x is kept). The down projections' outputs are gathered over
+# t, so RoPE runs on the whole sequence on every rank, under SP too: the tables are never split.
+_ROPE = "MLASelfAttention: apply_rotary_pos_emb"
+_WHY_ROPE = ("RoPE's x * cos + rotate_half(x) * sin has gradient dY * cos + rotate_half^T(dY * sin): it keeps the"
+             " cast tables; {part}")
+
+
+def _rope_table(part: str, fn: str, why: str) -> SavedTensor:
+    return SavedTensor(
+        f"mla/rope_{part}_{fn}", f"{_ROPE} on the {'query' if part == 'q' else 'key'}'s RoPE part: {fn}(freqs)"
+        " in the activation dtype", (Dim.S, Dim.DR), Kind.ACTIVATION, Region.REPLICATED, _WHY_ROPE.format(part=why),
+        paper=False,
+    )
+
+
+MLA_ROPE = (
+    _rope_table("q", "cos", "the query's own copy"), _rope_table("q", "sin", "the query's own copy"),
+    _rope_table("k", "cos", "computed again for the key, a second copy"),
+    _rope_table("k", "sin", "computed again for the key, a second copy"),
+)
+
+# The latent norms' inputs are views (get_query_key_value_tensors, measured). The KV latent is
+# torch.split(kv_combined)[0], a view of the down projection's whole [latent | k_rope] output, gathered over t
+# under TP: the norm keeps all r_kv + d_r columns. Under SP, scatter_to_sequence_parallel_region copies the
+# non-contiguous latent's sequence shard (the ledger's mla/kv_norm_input), so the layout keeps that form. The
+# query latent is gathered over t and, under SP, scattered back: the dim-0 chunk is contiguous, `.contiguous()`
+# returns the view, and the norm keeps the whole sequence under every layout.
+MLA_KV_DOWN_VIEW = replace(
+    ledger.MLA_KV_NORM.input, saved_by="kv_layernorm, on torch.split(kv_down output)[0]: a view of the whole output",
+    shape=(Dim.B, Dim.S, Dim.KVD),
+    why="the norm's backward reads its input, a view that keeps the key/value down projection's whole output"
+    " (latent and the keys' RoPE part) alive; under SP the latent's sequence shard is a copy (r_kv wide)",
+)
+MLA_Q_LATENT_GATHERED = replace(
+    ledger.MLA_Q_NORM.input, saved_by="q_layernorm, on the query latent gathered over t (and under SP scattered"
+    " back as a view)", region=Region.REPLICATED,
+    why="the norm's backward reads its input; SP's scatter of the gathered latent is a view of it, so the whole"
+    " sequence stays alive on every rank",
+)
+MLA_Q_NORM = ledger.MLA_Q_NORM._replace(input=MLA_Q_LATENT_GATHERED)
+MLA_KV_NORM = ledger.MLA_KV_NORM._replace(input=MLA_KV_DOWN_VIEW)
+
 TENSORS: tuple[SavedTensor, ...] = (  # megatron's own
     K_EXPANDED, V_EXPANDED, QKV_QUERY_COLUMNS, SWIGLU_UP_COPY, CAUSAL_MASK, SOFTMAX_FP32,
+    TOPK_PROBS, ALL_PROBS, AUX_SCORES, ROUTING_MAP, PERMUTE_INDICES, EXPERT_UP_COPY, EXPERT_ACT_OUT, EXPERT_PROBS, *MLA_ROPE,
+    MLA_KV_DOWN_VIEW, MLA_Q_LATENT_GATHERED,
 )
 
 
@@ -129,7 +215,18 @@ def attention_block(knobs: Any, fused_softmax: bool = True) -> tuple[SavedTensor
     """QKV input, Q/K/V, the core's terms, the projection input, the output mask."""
     mask = (ledger.ATTN_OUT_DROPOUT_MASK,) if knobs.has_dropout else ()
     core = core_attention(knobs, fused_softmax)
+    if knobs.mla:
+        return (*latent_attention(knobs), *core, ledger.MLA_PROJ_IN, *mask)
     return (ledger.QKV_IN, *query_key_value(knobs), *core, ledger.PROJ_IN, *mask)
+
+
+def latent_attention(knobs: Any) -> tuple[SavedTensor, ...]:
+    """MLASelfAttention up to the core: x (both down projections read it), each latent's norm (on views: the
+    whole query sequence, the KV down projection's whole output) and up-projection input, RoPE's tables, and
+    the per-head Q, K, V the core keeps (contiguous copies, one storage each)."""
+    query = (*norm_block(MLA_Q_NORM, knobs), ledger.MLA_Q_UP_IN) if knobs.q_lora_rank is not None else ()
+    latent = (*norm_block(MLA_KV_NORM, knobs), ledger.MLA_KV_UP_IN)
+    return (ledger.QKV_IN, *query, *latent, *MLA_ROPE, ledger.MLA_Q, ledger.MLA_K, ledger.MLA_V)
 
 
 def swiglu(knobs: Any) -> tuple[SavedTensor, ...]:
@@ -149,15 +246,50 @@ def mlp_block(knobs: Any) -> tuple[SavedTensor, ...]:
     return (ledger.FC1_IN, *activation, ledger.FC2_IN, *mask)
 
 
+def moe_block(knobs: Any) -> tuple[SavedTensor, ...]:
+    """MoELayer: the router, the permutation, each local expert's MLP on its slots, shared experts, the dropout mask.
+
+    The experts apply the routing probabilities inside the MLP (activation(fc1) * probs), so the product keeps
+    the activation's output and the probabilities; unpermute's scatter_add_ keeps only the permutation indices.
+    """
+    aux = (AUX_SCORES,) if knobs.moe_aux_loss else ()
+    probs = ALL_PROBS if knobs.moe_router_pre_softmax else TOPK_PROBS
+    router = (ledger.MOE_IN, probs, ledger.ROUTER_TOPK_INDICES, *aux, ROUTING_MAP, PERMUTE_INDICES)
+    if knobs.mlp != "swiglu":
+        activation: tuple[SavedTensor, ...] = (ledger.EXPERT_GELU_IN,)
+    elif knobs.bias_activation_fusion:
+        activation = (ledger.EXPERT_GATE, ledger.EXPERT_UP)
+    else:
+        activation = (ledger.EXPERT_GATE, ledger.EXPERT_UP, ledger.EXPERT_SILU_OUT, EXPERT_UP_COPY)
+    experts = (ledger.EXPERT_IN, *activation, EXPERT_ACT_OUT, EXPERT_PROBS, ledger.EXPERT_FC2_IN)
+    mask = (ledger.MLP_DROPOUT_MASK,) if knobs.has_dropout else ()
+    return (*router, *experts, *shared_experts(knobs), *mask)
+
+
+def shared_experts(knobs: Any) -> tuple[SavedTensor, ...]:
+    """SharedExpertMLP: a dense MLP of width u on every token; its fc1 reads the router's input (one storage)."""
+    if not knobs.moe_shared_expert_intermediate_size:
+        return ()
+    if knobs.mlp != "swiglu":
+        return (ledger.SHARED_GELU_IN, ledger.SHARED_FC2_IN)
+    return (ledger.SHARED_GATE, ledger.SHARED_UP, ledger.SHARED_SILU_OUT, ledger.SHARED_FC2_IN)
+
+
 def layer_tensors(knobs: Any, accounting: Accounting, fused_softmax: bool = True) -> tuple[SavedTensor, ...]:
     """Every tensor one layer keeps for backward, in forward order."""
     if knobs.recompute == "full":
         return (ledger.LAYER_INPUT,)
     blocks = (
         norm_block(ledger.LN1, knobs) + attention_block(knobs, fused_softmax)
-        + norm_block(ledger.LN2, knobs) + mlp_block(knobs)
+        + norm_block(ledger.LN2, knobs) + (moe_block(knobs) if knobs.moe else mlp_block(knobs))
     )
     return drop_small(blocks, accounting)
+
+
+def sequence_parallel_forms(knobs: Any) -> tuple[SavedTensor, ...]:
+    """Under SP the KV latent's sequence shard is scattered out of the gathered down projection output, a copy:
+    the norm keeps the ledger's (b, s/t, r_kv), not the whole output's view (MLA_KV_DOWN_VIEW)."""
+    return (ledger.MLA_KV_NORM.input,) if knobs.mla else ()
 
 
 def fused_softmax_runs(sizes: dict[Dim, Any], t: Any) -> Any:
@@ -198,6 +330,7 @@ IMPLEMENTATION = Implementation(
     title="Megatron-core",
     measured_on="megatron-core 0.16.1 TransformerLayer and TransformerBlock (full recompute), local spec, on CPU",
     layer_tensors=layer_tensors,
+    sequence_parallel_forms=sequence_parallel_forms,
     tensors=TENSORS,
     check=check,
     size_rule=FUSED_SOFTMAX,

@@ -194,6 +194,12 @@ def check(knobs: Any) -> None:
         raise ConfigError(f"impl torchtitan: dropout {knobs.dropout}, but Llama3 has no dropout; use dropout 0")
     if knobs.bias_activation_fusion:
         raise ConfigError("impl torchtitan: bias_activation_fusion is Megatron's fused kernel; Llama3 has no biases")
+    if knobs.moe:
+        raise ConfigError("impl torchtitan: its MoE models (DeepSeek-V3, Llama4) are not modelled yet; use impl"
+                          " megatron or hf for num_experts")
+    if knobs.mla:
+        raise ConfigError("impl torchtitan: its DeepSeek-V3 latent attention is not modelled yet; use impl megatron"
+                          " or hf for kv_lora_rank")
 
 
 IMPLEMENTATION = Implementation(

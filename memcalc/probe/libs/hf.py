@@ -25,10 +25,23 @@ predicted one, and a storage the rules did not predict stays unlabelled.
 GPT-2 under SDPA keeps q, k and v as views of the one c_attn output: that storage
 is labelled with a private marker and reported as the ledger's Q, K and V, a
 third of its bytes each (`_attributed`), as the Megatron runner does.
+
+A config with latent attention (kv_lora_rank) runs `DeepseekV3DecoderLayer` with
+its dense MLP (first_k_dense_replace covering the layer), eager only: the latent
+norms are LlamaRMSNorm's code, and the model's RoPE tables are the RoPE part's.
+
+A config with experts runs `MixtralDecoderLayer`, or `Qwen2MoeDecoderLayer` when
+it has shared experts (its MoE layer, index moe_layer_freq - 1: transformers'
+decoder_sparse_step makes layer i sparse when (i + 1) is a multiple of it), with
+the experts' eager loop. Each expert keeps its tensors for the tokens it got, one
+storage per expert: a ledger row is their sum, of r rows. An expert's gate and
+up are halves of one (r_e, 2e) `gate_up_proj` output, reported as the ledger's
+two rows, half its bytes each. `--route` forces the router (hf_shim).
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from fnmatch import fnmatchcase
 from functools import partial
 from typing import Any, Callable
@@ -44,7 +57,8 @@ from memcalc.probe import require_torch
 from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.layer import DTYPES
 from memcalc.probe.libs.hf_shim import NOTES as SHIM_NOTES
-from memcalc.probe.libs.hf_shim import cuda_like_dropout
+from memcalc.probe.libs.hf_shim import cuda_like_dropout, forced_routing
+from memcalc.probe.libs.hf_shim import route_note as route_note  # measure prints it for --route
 from memcalc.probe.libs.labels import Labels, Rule
 from memcalc.probe.measure import INPUT_SEED
 from memcalc.probe.recorder import SavedStorage, SavedTensorRecorder, label
@@ -60,37 +74,74 @@ NOTES: tuple[str, ...] = SHIM_NOTES
 _QKV_OUT = SavedTensor("attention/c_attn_out", "GPT2Attention.c_attn", (), Kind.ACTIVATION, Region.TENSOR,
                        "split into q, k, v")
 _QKV_PARTS = (ledger.Q, ledger.K, ledger.V)  # each h columns wide (GPT-2 has no GQA)
+# An expert's gate_up_proj output, (r_e, 2e): its gate and up halves.
+_GATE_UP = SavedTensor("moe/expert_gate_up", "MixtralExperts gate_up_proj", (), Kind.ACTIVATION, Region.EXPERT,
+                       "chunked into gate and up")
+_GATE_UP_PARTS = (ledger.EXPERT_GATE, ledger.EXPERT_UP)
+_MARKERS = (_QKV_OUT, _GATE_UP)
+_MOE_FAMILIES = ("mixtral", "qwen2_moe")
+# The (1, s, d) RoPE tables the model passes its layers: a Llama head's, or latent attention's RoPE part's.
+_ROPE_TABLES = ((rules.ROPE_COS, rules.ROPE_SIN), (rules.MLA_ROPE_COS, rules.MLA_ROPE_SIN))
 
 
-def run_layer(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy) -> tuple[SavedStorage, ...]:
-    """Build the layer, record one forward pass under ledger names, run backward once."""
-    return record_layer(tp, config, strategy)
+def run_layer(
+    tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, route: str | None = None
+) -> tuple[SavedStorage, ...]:
+    """Build the layer, record one forward pass under ledger names, run backward once; `route` forces the router."""
+    return record_layer(tp, config, strategy, route=route)
 
 
 def record_layer(
-    tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, family: str | None = None
+    tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, family: str | None = None,
+    route: str | None = None, dense: bool = False,
 ) -> tuple[SavedStorage, ...]:
-    """`run_layer`, with the Llama-family class choosable ("llama", "mistral", "qwen2") for the tests."""
+    """`run_layer`, with the Llama-family class choosable ("llama", "mistral", "qwen2") for the tests, and with
+    `dense` a MoE model's dense layer (Qwen2-MoE's layer 0 when moe_layer_freq > 1)."""
     if strategy.tensor_parallel or strategy.sequence_parallel or tp.size != 1:
         raise ProbeError(f"impl hf runs no tensor parallelism: measure strategy none with t=1 (got {strategy.name})")
     rules.check(config)
     family = family or _family(config)
-    layer, extra = _build(config, family, tp.device)
+    layer, extra = _build(config, family, tp.device, dense)
     accounting = Accounting(exact=True, device=tp.device.type)
-    expected = {t.name for t in rules.layer_tensors(Knobs.of(config), accounting)}
-    label_rules = tuple(r for r in label_rules_for(config) if r.tensor.name in expected or r.tensor is _QKV_OUT)
+    knobs = Knobs.of(config).dense if dense else Knobs.of(config)
+    expected = {t.name for t in rules.layer_tensors(knobs, accounting)}
+    label_rules = tuple(r for r in label_rules_for(config) if r.tensor.name in expected or r.tensor in _MARKERS)
     x = _layer_input(config, tp.device)
-    with cuda_like_dropout():
+    rope = next((pair for pair in _ROPE_TABLES if pair[0].name in expected), None)
+    with cuda_like_dropout(), _routing(family, route, config.moe_router_topk):
         with SavedTensorRecorder(layer.parameters()) as recorder, Labels(layer, label_rules):
-            y = layer(x, **extra(x, "attention/rope_cos" in expected))
+            y = layer(x, **extra(x, rope))
         y.backward(torch.ones_like(y))  # inside the shim: a checkpoint's recompute must drop out alike
-    return _attributed(recorder.saved, config)
+    return _merged_experts(_attributed(recorder.saved, config))
 
 
 def _family(config: ModelConfig) -> str:
     if not rules.is_llama(config):
         return "gpt2"
+    if config.mla:
+        return _latent_family(config)
+    if config.moe:
+        return "qwen2_moe" if config.moe_shared_expert_intermediate_size else "mixtral"
     return "qwen2" if config.add_qkv_bias else "llama"
+
+
+def _latent_family(config: ModelConfig) -> str:
+    """DeepseekV3DecoderLayer, dense (first_k_dense_replace covers it): DeepSeek's MoE block is not measured yet."""
+    if config.moe:
+        raise ProbeError("impl hf: DeepseekV3MoE (sigmoid router, grouped top-k, shared experts) is not measured yet;"
+                         " measure latent attention with a dense MLP (leave num_experts unset)")
+    return "deepseek_v3"
+
+
+def _routing(family: str, route: str | None, k: int) -> Any:
+    """The shim's forced router for a MoE family's router class, or nothing."""
+    if route is None:
+        return nullcontext()
+    if family not in _MOE_FAMILIES:
+        raise ProbeError(f"--route {route} forces a MoE router: the config has no experts (set num_experts)")
+    _, module = _llama_family(family)
+    router = module.MixtralTopKRouter if family == "mixtral" else module.Qwen2MoeTopKRouter
+    return forced_routing((router,), route, k)
 
 
 def _layer_input(config: ModelConfig, device: torch.device) -> torch.Tensor:
@@ -103,7 +154,7 @@ def _layer_input(config: ModelConfig, device: torch.device) -> torch.Tensor:
 # -- building the layer -----------------------------------------------------------------
 
 
-def _build(config: ModelConfig, family: str, device: torch.device) -> tuple[Any, Callable[..., dict]]:
+def _build(config: ModelConfig, family: str, device: torch.device, dense: bool = False) -> tuple[Any, Callable[..., dict]]:
     """The layer in training mode, and a function giving its keyword inputs for an input x."""
     if family == "gpt2":
         hf_config = transformers.GPT2Config(
@@ -120,7 +171,9 @@ def _build(config: ModelConfig, family: str, device: torch.device) -> tuple[Any,
         layer_class = getattr(module, f"{config_class.__name__.removesuffix('Config')}DecoderLayer")
         rotary = getattr(module, f"{config_class.__name__.removesuffix('Config')}RotaryEmbedding")(hf_config)
     torch.manual_seed(INPUT_SEED)  # the weights, as the layer initialises them
-    layer = layer_class(hf_config, layer_idx=0).to(device=device, dtype=DTYPES[config.dtype]).train()
+    layer_idx = 0 if dense or family not in _MOE_FAMILIES else config.moe_layer_freq - 1
+    layer = layer_class(hf_config, layer_idx=layer_idx).to(device=device, dtype=DTYPES[config.dtype]).train()
+    _init_experts(layer, hf_config)
     if config.recompute == "full":
         _checkpointing(layer)
     return layer, partial(_inputs, hf_config, rotary)
@@ -132,12 +185,46 @@ def llama_config(config: ModelConfig, family: str = "llama") -> Any:
     The attention implementation is memcalc's knob: "sdpa" for flash, "eager" for eager.
     """
     config_class, _ = _llama_family(family)
-    return config_class(
+    return config_class(**dict(
         hidden_size=config.h, num_attention_heads=config.a, num_key_value_heads=config.groups,
         intermediate_size=config.ffn, hidden_act="silu", attention_dropout=config.dropout, num_hidden_layers=config.L,
         max_position_embeddings=config.s, vocab_size=config.vocab_size, tie_word_embeddings=config.tie_embeddings,
         attn_implementation=attention_implementation(config),
-    )
+    ) | _moe_fields(config, family) | _latent_fields(config, family))
+
+
+def _moe_fields(config: ModelConfig, family: str) -> dict[str, Any]:
+    """The MoE config fields of Mixtral's or Qwen2-MoE's config (Mixtral's experts' width is its
+    intermediate_size), the experts' eager loop, no router jitter."""
+    if family == "mixtral":
+        return {"num_local_experts": config.num_experts, "num_experts_per_tok": config.moe_router_topk,
+                "intermediate_size": config.expert_ffn, "router_jitter_noise": 0.0, "experts_implementation": "eager"}
+    if family == "qwen2_moe":
+        return {"num_experts": config.num_experts, "num_experts_per_tok": config.moe_router_topk,
+                "moe_intermediate_size": config.expert_ffn,
+                "shared_expert_intermediate_size": config.moe_shared_expert_intermediate_size,
+                "norm_topk_prob": not config.moe_router_pre_softmax, "decoder_sparse_step": config.moe_layer_freq,
+                "mlp_only_layers": [], "qkv_bias": config.add_qkv_bias, "experts_implementation": "eager",
+                "num_hidden_layers": max(config.L, config.moe_layer_freq)}  # the probe's MoE layer is freq - 1
+    return {}
+
+
+def _latent_fields(config: ModelConfig, family: str) -> dict[str, Any]:
+    """DeepseekV3Config's latent attention widths; every layer dense (first_k_dense_replace L), plain RoPE (no
+    YaRN scaling: it scales cos and sin, the same tensors), DeepSeek's interleaved RoPE layout (its default)."""
+    if family != "deepseek_v3":
+        return {}
+    return {"q_lora_rank": config.q_lora_rank, "kv_lora_rank": config.kv_lora_rank,
+            "qk_rope_head_dim": config.qk_rope_head_dim, "qk_nope_head_dim": config.qk_nope_head_dim,
+            "v_head_dim": config.v_head_dim, "first_k_dense_replace": config.L, "rope_interleave": True}
+
+
+def _init_experts(layer: Any, hf_config: Any) -> None:
+    """The experts' 3-D weights and the router's are torch.empty (Qwen's router zeros) until the model's
+    `_init_weights`; give them its normal(0, initializer_range), so the real router's choice depends on the data."""
+    for name, parameter in layer.named_parameters():
+        if name.startswith(("mlp.experts.", "mlp.gate.")):
+            torch.nn.init.normal_(parameter, std=hf_config.initializer_range)
 
 
 def attention_implementation(config: ModelConfig) -> str:
@@ -151,6 +238,9 @@ def _llama_family(family: str) -> tuple[type, Any]:
         "llama": (transformers.LlamaConfig, models.llama.modeling_llama),
         "mistral": (transformers.MistralConfig, models.mistral.modeling_mistral),
         "qwen2": (transformers.Qwen2Config, models.qwen2.modeling_qwen2),
+        "mixtral": (transformers.MixtralConfig, models.mixtral.modeling_mixtral),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, models.qwen2_moe.modeling_qwen2_moe),
+        "deepseek_v3": (transformers.DeepseekV3Config, models.deepseek_v3.modeling_deepseek_v3),
     }[family]
 
 
@@ -160,8 +250,9 @@ def _checkpointing(layer: Any) -> None:
     enable(layer, enable=True, gradient_checkpointing_func=partial(checkpoint, use_reentrant=False))
 
 
-def _inputs(hf_config: Any, rotary: Any, x: torch.Tensor, label_rope: bool) -> dict:
-    """What transformers' model passes its layers: the causal mask, and for Llama (cos, sin) and position ids."""
+def _inputs(hf_config: Any, rotary: Any, x: torch.Tensor, rope: tuple[SavedTensor, SavedTensor] | None) -> dict:
+    """What transformers' model passes its layers: the causal mask, and for Llama (cos, sin) and position ids;
+    `rope` names the cos and sin tables where the prediction has them."""
     position_ids = torch.arange(x.shape[1], device=x.device).unsqueeze(0)  # (1, s), as LlamaModel makes them
     mask = create_causal_mask(
         config=hf_config, inputs_embeds=x, attention_mask=None, cache=None, position_ids=position_ids
@@ -169,9 +260,9 @@ def _inputs(hf_config: Any, rotary: Any, x: torch.Tensor, label_rope: bool) -> d
     if rotary is None:
         return {"attention_mask": mask}
     cos, sin = rotary.to(x.device)(x, position_ids)  # (1, s, d) each, in x's dtype
-    if label_rope:
-        label(cos[0], rules.ROPE_COS)
-        label(sin[0], rules.ROPE_SIN)
+    if rope is not None:
+        label(cos[0], rope[0])
+        label(sin[0], rope[1])
     return {"attention_mask": mask, "position_embeddings": (cos, sin), "position_ids": position_ids}
 
 
@@ -233,8 +324,9 @@ def label_rules_for(config: ModelConfig) -> tuple[Rule, ...]:
     if config.recompute == "full":
         return (Rule("", "forward", ledger.LAYER_INPUT, arg=0),)
     if rules.is_llama(config):
-        return (*_rms_rules("input_layernorm", rules.LN1_RMS), *_llama_attention_rules(config),
-                *_rms_rules("post_attention_layernorm", rules.LN2_RMS), *_llama_mlp_rules())
+        attention = _latent_attention_rules(config) if config.mla else _llama_attention_rules(config)
+        return (*_rms_rules("input_layernorm", rules.LN1_RMS), *attention,
+                *_rms_rules("post_attention_layernorm", rules.LN2_RMS), *_llama_mlp_rules(), *_moe_rules(config))
     return (*_layer_norm_rules("ln_1", ledger.LN1), *_gpt2_attention_rules(config),
             *_layer_norm_rules("ln_2", ledger.LN2), *_gpt2_mlp_rules(config))
 
@@ -255,20 +347,22 @@ def _layer_norm_rules(module: str, norm: ledger.NormTensors) -> tuple[Rule, ...]
     )
 
 
-def _core_rules(attention: str, config: ModelConfig) -> tuple[Rule, ...]:
-    """Eager, SDPA (flash kernel) and SDPA's CPU math kernel: the tensors inside `attention`.
+def _core_rules(attention: str, config: ModelConfig, qkv: tuple[SavedTensor, ...] = _QKV_PARTS) -> tuple[Rule, ...]:
+    """Eager, SDPA (flash kernel) and SDPA's CPU math kernel: the tensors inside `attention`; `qkv` names the
+    eager core's Q, K and V (latent attention's own).
 
     SDPA's q, k and v are the arguments it is passed: `_sdpa_inputs`.
     """
     b = config.b
     sdpa = "scaled_dot_product_attention"
+    q, k, v = qkv
     return (
         # eager: matmul copies q, k^T (k after repeat_kv) and v into contiguous storages and keeps those
-        Rule(attention, "matmul", ledger.Q, nth=0, view=_kept("BmmBackward0", "_saved_self", then=_heads(b))),
-        Rule(attention, "matmul", ledger.K, nth=0, view=_kept("BmmBackward0", "_saved_mat2", then=_heads_t(b))),
+        Rule(attention, "matmul", q, nth=0, view=_kept("BmmBackward0", "_saved_self", then=_heads(b))),
+        Rule(attention, "matmul", k, nth=0, view=_kept("BmmBackward0", "_saved_mat2", then=_heads_t(b))),
         Rule(attention, "matmul", rules.K_EXPANDED, nth=0,
              view=_kept("BmmBackward0", "_saved_mat2", then=_heads_t(b))),
-        Rule(attention, "matmul", ledger.V, nth=1, view=_kept("BmmBackward0", "_saved_mat2", then=_heads(b))),
+        Rule(attention, "matmul", v, nth=1, view=_kept("BmmBackward0", "_saved_mat2", then=_heads(b))),
         Rule(attention, "matmul", rules.V_EXPANDED, nth=1,
              view=_kept("BmmBackward0", "_saved_mat2", then=_heads(b))),
         Rule(attention, "softmax", ledger.SOFTMAX_OUT),
@@ -305,6 +399,20 @@ def _llama_attention_rules(config: ModelConfig) -> tuple[Rule, ...]:
     )
 
 
+def _latent_attention_rules(config: ModelConfig) -> tuple[Rule, ...]:
+    """DeepseekV3Attention: x (kv_a_proj_with_mqa reads it, as q_a_proj or q_proj does), the latent RMSNorms, the
+    up projections' inputs, the eager core over Q, K of d_n + d_r and V of d_v, o_proj's input (b, s, a*d_v)."""
+    return (
+        Rule("self_attn.kv_a_proj_with_mqa", "linear", ledger.QKV_IN, arg=0),
+        *_rms_rules("self_attn.q_a_layernorm", rules.MLA_Q_RMS),
+        Rule("self_attn.q_b_proj", "linear", ledger.MLA_Q_UP_IN, arg=0),
+        *_rms_rules("self_attn.kv_a_layernorm", rules.MLA_KV_RMS),
+        Rule("self_attn.kv_b_proj", "linear", ledger.MLA_KV_UP_IN, arg=0, view=lambda x: x.flatten(1, 2)),  # (b, 1, s, r)
+        *_core_rules("self_attn", config, (ledger.MLA_Q, ledger.MLA_K, ledger.MLA_V)),
+        Rule("self_attn.o_proj", "linear", ledger.MLA_PROJ_IN, arg=0, view=lambda x: x.unflatten(-1, (config.a, -1))),
+    )
+
+
 def _llama_mlp_rules() -> tuple[Rule, ...]:
     return (
         Rule("mlp.gate_proj", "linear", ledger.FC1_IN, arg=0),
@@ -312,6 +420,39 @@ def _llama_mlp_rules() -> tuple[Rule, ...]:
         Rule("mlp.up_proj", "linear", ledger.SWIGLU_UP),
         Rule("mlp.act_fn", "silu", ledger.SWIGLU_SILU_OUT),
         Rule("mlp.down_proj", "linear", ledger.FC2_IN, arg=0),
+    )
+
+
+def _moe_rules(config: ModelConfig) -> tuple[Rule, ...]:
+    """The sparse MoE block: its router (mlp.gate), the experts' loop (two linears and two products an expert),
+    and Qwen2-MoE's gated shared expert. Views give (b*s, ...) tensors the ledger's (b, s, ...) axes."""
+    flat = _tokens(config.b)
+
+    def per_token(x: Any) -> Any:  # (b*s, 1) as (b, s)
+        return x.unflatten(0, (config.b, -1)).squeeze(-1)
+
+    experts, shared = "mlp.experts", "mlp.shared_expert"
+    return (
+        Rule("mlp.gate", "linear", ledger.MOE_IN, arg=0, view=flat),
+        Rule("mlp.gate", "softmax", rules.ROUTER_PROBS, view=flat),
+        Rule("mlp.gate", "topk", ledger.ROUTER_TOPK_INDICES, view=_kept("TopkBackward0", "_saved_indices", then=flat)),
+        Rule("mlp.gate", "sum", rules.TOPK_SUM, view=per_token),
+        Rule("mlp.gate", "div_", rules.TOPK_WEIGHTS, view=_kept("DivBackward0", "_saved_self", then=flat)),
+        Rule(experts, "where", rules.TOKEN_SLOTS, nth=None),  # (token_pos, token_idx): views of one (r_e, 2) storage
+        Rule(experts, "linear", ledger.EXPERT_IN, nth=0, every=2, arg=0),
+        Rule(experts, "linear", _GATE_UP, nth=0, every=2),
+        Rule(f"{experts}.act_fn", "silu", ledger.EXPERT_SILU_OUT),
+        Rule(experts, "linear", ledger.EXPERT_FC2_IN, nth=1, every=2, arg=0),
+        Rule(experts, "linear", rules.EXPERT_OUT, nth=1, every=2),
+        Rule(experts, "mul", rules.EXPERT_WEIGHT, nth=1, every=2, arg=1, view=_stats),
+        Rule(experts, "mul", rules.EXPERT_WEIGHT_CAST, nth=1, every=2, arg=1, view=_stats),
+        Rule(experts, "index_add_", rules.COMBINE_IN, nth=None, arg=3),
+        Rule(f"{shared}.gate_proj", "linear", ledger.SHARED_GATE, view=flat),
+        Rule(f"{shared}.up_proj", "linear", ledger.SHARED_UP, view=flat),
+        Rule(f"{shared}.act_fn", "silu", ledger.SHARED_SILU_OUT, view=flat),
+        Rule(f"{shared}.down_proj", "linear", ledger.SHARED_FC2_IN, arg=0, view=flat),
+        Rule(f"{shared}.down_proj", "linear", rules.SHARED_OUT, view=flat),
+        Rule("mlp", "sigmoid", rules.SHARED_GATE_SIGMOID, view=per_token),
     )
 
 
@@ -343,16 +484,40 @@ def _gpt2_mlp_rules(config: ModelConfig) -> tuple[Rule, ...]:
     )
 
 
-# -- one storage, three ledger rows ---------------------------------------------------------
+# -- one storage, several ledger rows; several storages, one ledger row ---------------------------
 
 
 def _attributed(saved: tuple[SavedStorage, ...], config: ModelConfig) -> tuple[SavedStorage, ...]:
-    """The storages as ledger rows: GPT-2's c_attn output split into Q, K and V, a third of its bytes each."""
+    """The storages as ledger rows: GPT-2's c_attn output split into Q, K and V, a third of its bytes each, and
+    each expert's gate_up output into its gate and up, half each."""
     per_head = (config.b, config.a, config.s, config.h // config.a)
     rows: list[SavedStorage] = []
     for storage in saved:
-        if storage.name != _QKV_OUT.name:
+        if storage.name == _QKV_OUT.name:
+            rows += [SavedStorage(x.name, storage.nbytes // 3, per_head, storage.dtype) for x in _QKV_PARTS]
+        elif storage.name == _GATE_UP.name:
+            half = (storage.shape[0], storage.shape[1] // 2)
+            rows += [SavedStorage(x.name, storage.nbytes // 2, half, storage.dtype) for x in _GATE_UP_PARTS]
+        else:
+            rows.append(storage)
+    return tuple(rows)
+
+
+def _merged_experts(saved: tuple[SavedStorage, ...]) -> tuple[SavedStorage, ...]:
+    """Each expert-region name's storages (one an expert) as one row of r = the sum of their rows, where the first
+    is."""
+    expert = {name for name, x in rules.IMPLEMENTATION.by_name().items() if x.region is Region.EXPERT}
+    merged: dict[str, SavedStorage] = {}
+    rows: list[SavedStorage | str] = []
+    for storage in saved:
+        if storage.name not in expert:
             rows.append(storage)
             continue
-        rows += [SavedStorage(x.name, storage.nbytes // 3, per_head, storage.dtype) for x in _QKV_PARTS]
-    return tuple(rows)
+        known = merged.get(storage.name)
+        if known is None:
+            rows.append(storage.name)
+            merged[storage.name] = storage
+        else:
+            shape = (known.shape[0] + storage.shape[0], *known.shape[1:])
+            merged[storage.name] = SavedStorage(storage.name, known.nbytes + storage.nbytes, shape, storage.dtype)
+    return tuple(merged[row] if isinstance(row, str) else row for row in rows)

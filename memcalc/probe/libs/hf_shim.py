@@ -1,4 +1,4 @@
-"""What transformers' layers need to keep on a CPU what they keep on CUDA: one patch, dropout.
+"""What transformers' layers need to keep on a CPU what they keep on CUDA (dropout), and a forced router.
 
 `torch.nn.functional.dropout` on CUDA runs `native_dropout`, whose backward keeps
 a 1-byte bool mask. On a CPU, torch's `at::dropout` takes its unfused path
@@ -14,12 +14,22 @@ Not patched, because nothing on a CPU is CUDA's twin: SDPA with dropout.
 torch's CPU flash kernel refuses dropout, so the call falls back to the math
 kernel, which upcasts to fp32 and drops out inside C++ (`at::dropout`); the
 rules model that per device (memcalc.model.impls.hf).
+
+`forced_routing(router_classes, route, k)` (`memcalc measure --route`) makes a
+sparse-MoE router pick known experts, so the tokens each expert receives, which
+the data decides, are known and the probe can be checked to the byte: while a
+router's forward runs, the logits its `F.linear` returns get a constant lead of
++100 on the experts `route` assigns each token. Its softmax, top-k and
+renormalisation then run as written and keep what they always keep (adding a
+constant keeps nothing). balanced: token i's k slots go to experts (ik + j) mod
+E, so each expert gets kbs/E slots when E divides kbs; all-to-one: every token's
+k slots go to experts 0..k-1.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Iterator
 
 from memcalc.probe import require_torch
 
@@ -46,3 +56,54 @@ def cuda_like_dropout() -> Iterator[None]:
         yield
     finally:
         functional.dropout = original
+
+
+_LEAD = 100.0  # far above any logit of the probe's small, normal(0, 0.02) router, yet exact in bf16
+
+
+def route_note(route: str) -> str:
+    """The `shim:` line a forced route prints."""
+    where = "experts (ik + j) mod E for token i, slot j" if route == "balanced" else "experts 0..k-1 for every token"
+    return f"hf: the router is forced ({route}): its logits get +{_LEAD:g} on {where}; softmax and top-k run as written"
+
+
+@contextmanager
+def forced_routing(router_classes: tuple[type, ...], route: str, k: int) -> Iterator[None]:
+    """While inside, each router class's forward picks the experts `route` assigns (see the module docstring)."""
+    originals = {cls: cls.forward for cls in router_classes}
+    for cls, original in originals.items():
+        cls.forward = _leading(original, route, k)
+    try:
+        yield
+    finally:
+        for cls, original in originals.items():
+            cls.forward = original
+
+
+def _leading(original: Any, route: str, k: int) -> Any:
+    """A router forward whose logits (its one F.linear) lead on the assigned experts."""
+
+    def forward(self: Any, hidden_states: Any) -> Any:
+        functional = torch.nn.functional
+        linear = functional.linear
+
+        def led(input, weight, bias=None):  # noqa: A002  (torch's own parameter name)
+            logits = linear(input, weight, bias)  # (tokens, E)
+            return logits + _lead(logits, route, k)
+
+        functional.linear = led
+        try:
+            return original(self, hidden_states)
+        finally:
+            functional.linear = linear
+
+    return forward
+
+
+def _lead(logits: Any, route: str, k: int) -> Any:
+    """(tokens, E): +_LEAD on each token's assigned experts, 0 elsewhere; a constant, so nothing is saved for it."""
+    tokens, experts = logits.shape
+    slots = torch.arange(tokens * k, device=logits.device).view(tokens, k)  # slot j of token i is ik + j
+    chosen = slots % experts if route == "balanced" else slots % k
+    lead = torch.zeros(tokens, experts, dtype=logits.dtype, device=logits.device)
+    return lead.scatter_(1, chosen, _LEAD)

@@ -39,6 +39,7 @@ class Rule:
     function: str  # __name__ of the torch function or tensor method called there, or "forward"
     tensor: SavedTensor
     nth: int | None = 0  # which matching call in one forward of that module (None: every one)
+    every: int | None = None  # a loop's body: the nth of each `every` matching calls (an expert's two linears)
     arg: int | str | None = None  # None: the result (a tuple's first tensor); int or keyword: that argument
     view: Callable[[Any], Any] | None = None  # the tensor as a view in the ledger's axis order, for its shape
 
@@ -103,13 +104,18 @@ class Labels(TorchFunctionMode):
         for rule in self._rules:
             if rule.function != function or not fnmatchcase(frame.name, rule.module):
                 continue
-            if rule.nth is not None and rule.nth != (nth if output is None else 0):
+            if rule.nth is not None and rule.nth != _position(nth if output is None else 0, rule.every):
                 continue
             if output is not None and output != (rule.arg is None):
                 continue  # a forward's input rules apply on entry, its output rules on exit
             target = _pick(result, args, kwargs, rule.arg)
             if isinstance(target, torch.Tensor):
                 label(rule.view(target) if rule.view else target, rule.tensor)
+
+
+def _position(nth: int, every: int | None) -> int:
+    """Which call this is: the nth in the forward, or, in a loop's body of `every` calls, the nth in the body."""
+    return nth % every if every else nth
 
 
 def _pick(result: Any, args: tuple, kwargs: dict, arg: int | str | None) -> Any:

@@ -118,15 +118,15 @@ def _model_parallel(tp: TensorParallelGroup) -> Iterator[None]:
 
 
 def transformer_config(config: ModelConfig, t: int, sequence_parallel: bool) -> Any:
-    """megatron's TransformerConfig for memcalc's config on t ranks."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    """megatron's TransformerConfig (MLATransformerConfig with kv_lora_rank) for memcalc's config on t ranks."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     swiglu = config.mlp == "swiglu"
     recompute = {"none": {}, "selective": {"recompute_granularity": "selective"}}.get(
         config.recompute, {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
     )
-    return TransformerConfig(
-        num_layers=1, hidden_size=config.h, num_attention_heads=config.a, num_query_groups=config.groups,
+    return (MLATransformerConfig if config.mla else TransformerConfig)(
+        **_latent(config), num_layers=1, hidden_size=config.h, num_attention_heads=config.a, num_query_groups=config.groups,
         ffn_hidden_size=config.ffn, gated_linear_unit=swiglu, activation_func=_activation(config),
         normalization="RMSNorm" if config.norm == "rmsnorm" else "LayerNorm",
         add_bias_linear=config.add_bias_linear, add_qkv_bias=config.add_qkv_bias,
@@ -136,6 +136,15 @@ def transformer_config(config: ModelConfig, t: int, sequence_parallel: bool) -> 
         params_dtype=DTYPES[config.dtype], bf16=config.dtype == "bf16", fp16=config.dtype == "fp16",
         use_cpu_initialization=True, **recompute,
     )
+
+
+def _latent(config: ModelConfig) -> dict[str, Any]:
+    """MLATransformerConfig's widths; plain RoPE (DeepSeek's YaRN scales cos and sin, which keeps the same tensors)."""
+    if not config.mla:
+        return {}
+    return dict(q_lora_rank=config.q_lora_rank, kv_lora_rank=config.kv_lora_rank, qk_head_dim=config.qk_nope_head_dim,
+                qk_pos_emb_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim, rope_type="rope",
+                qk_layernorm=True)
 
 
 def _activation(config: ModelConfig) -> Any:
@@ -155,7 +164,7 @@ def _build(config: ModelConfig, tp: TensorParallelGroup, sequence_parallel: bool
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     megatron_config = transformer_config(config, tp.size, sequence_parallel)
-    spec = local_spec(megatron_config.normalization)
+    spec = local_spec(megatron_config.normalization, latent=config.mla)
     if config.recompute == "full":
         root = TransformerBlock(megatron_config, spec, post_layer_norm=False)
     else:
@@ -201,16 +210,36 @@ def _query_copied(config: ModelConfig, t: int) -> bool:
     return config.groups != config.a and config.groups // t > 1
 
 
+def _latent_rules(config: ModelConfig, t: int) -> list[Rule]:
+    """MLASelfAttention: x, the up projections' inputs, RoPE's four cast tables, the contiguous Q, K, V, the
+    projection input (the latent norms label themselves: SequenceParallelNorm)."""
+    heads = config.a // t
+    rope = [Rule("*self_attention", "to", table, nth=i, view=lambda x: x.flatten(1)) for i, table in
+            enumerate(rules.MLA_ROPE)]  # cos_, sin_ of the query's RoPE part, then of the key's: (s, 1, 1, d_r)
+    return [
+        Rule("*linear_kv_down_proj", "forward", ledger.QKV_IN, arg=0, view=batch_first),  # q's down proj reads x too
+        Rule("*linear_q_up_proj", "forward", ledger.MLA_Q_UP_IN, arg=0, view=batch_first),
+        Rule("*linear_kv_up_proj", "forward", ledger.MLA_KV_UP_IN, arg=0, view=batch_first),
+        *rope,
+        *(Rule("*core_attention", "forward", x, arg=i, view=_heads_first)  # the contiguous query, key, value
+          for i, x in enumerate((ledger.MLA_Q, ledger.MLA_K, ledger.MLA_V))),
+        Rule("*linear_proj", "forward", ledger.MLA_PROJ_IN, arg=0,
+             view=lambda x: batch_first(x).unflatten(-1, (heads, -1))),
+    ]
+
+
 def _attention_rules(config: ModelConfig, t: int) -> tuple[Rule, ...]:
     gqa = config.groups != config.a
     rules_ = [
-        Rule("*linear_qkv", "forward", ledger.QKV_IN, arg=0, view=batch_first),
-        Rule("*linear_qkv", "forward", _QKV_OUT),  # q, k, v are views of it: split by _attributed
+        *(_latent_rules(config, t) if config.mla else (
+            Rule("*linear_qkv", "forward", ledger.QKV_IN, arg=0, view=batch_first),
+            Rule("*linear_qkv", "forward", _QKV_OUT),  # q, k, v are views of it: split by _attributed
+        )),
         Rule("*scale_mask_softmax", "forward", ledger.SOFTMAX_OUT),
         Rule("*scale_mask_softmax", "masked_fill_", rules.CAUSAL_MASK, arg=1),  # fp32: scores.masked_fill_(mask)
         Rule("*scale_mask_softmax", "forward", _HOST, view=_host_scale),
         Rule("*self_attention", "tensor", _HOST),  # selective: the checkpoint keeps attn_mask_type as a tensor
-        Rule("*linear_proj", "forward", ledger.PROJ_IN, arg=0, view=batch_first),
+        *(() if config.mla else (Rule("*linear_proj", "forward", ledger.PROJ_IN, arg=0, view=batch_first),)),
     ]
     if gqa and config.recompute == "selective":
         if _query_copied(config, t):  # the checkpoint keeps the query copy beside the whole QKV output

@@ -32,6 +32,11 @@ Made to keep what CUDA keeps (each one is also a line of `NOTES`):
   Outside them (s <= 16, s > 4096, b*a/t not a multiple of the kernel's batch per
   block) Megatron falls back to torch's softmax in fp32, which keeps a 4-byte
   output and the (s, s) causal bool mask of `masked_fill_`, on CUDA too.
+- Latent attention (MLASelfAttention): megatron-core 0.16's local core attention,
+  `DotProductAttention`, does not take MLA's `k_channels`/`v_channels` (only
+  Transformer Engine's does), and `multi_latent_attention.HAVE_TE` reads True
+  with TE's classes None. `MlaDotProductAttention` takes them and runs the local
+  core unchanged, its output a*v_head_dim/t wide; `HAVE_TE` is patched False.
 - RMSNorm: torch 2.13's `F.rms_norm` is unfused on the CPU (fp32 copies of the
   input and of the normalised tensor plus fp32 rstd); the CUDA kernel
   (`_fused_rms_norm`) keeps the input and rstd. `SequenceParallelNorm` runs
@@ -52,6 +57,7 @@ from memcalc.model import ledger
 from memcalc.model.ledger import NormTensors
 from memcalc.probe import require_torch
 from memcalc.probe.norm import EPS, Norm
+from memcalc.probe.recorder import batch_first, label
 
 torch = require_torch()
 from torch import nn  # noqa: E402  (after the install check above)
@@ -63,6 +69,8 @@ NOTES: tuple[str, ...] = (
     "size checks allow it; elsewhere Megatron's fp32 torch softmax runs, as it would on CUDA",
     "RMSNorm keeps its input and rstd, as the fused CUDA kernel does; torch's CPU rms_norm keeps fp32 copies",
     "torch.compile (megatron's jit_fuser) runs eagerly; CUDA RNG tracker and current_device() use the CPU",
+    "latent attention: the local DotProductAttention, taking MLA's k_channels/v_channels (Transformer Engine's"
+    " interface), runs MLA's eager core",
 )
 
 _SOFTMAX_EXTENSION = "scaled_upper_triang_masked_softmax_cuda"
@@ -74,6 +82,7 @@ def cpu_megatron() -> Iterator[None]:
     """Every patch below, for the duration of the block; undone on exit."""
     from megatron.core.fusions import fused_softmax
     from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer import multi_latent_attention
 
     with ExitStack() as patches:
         enter = patches.enter_context
@@ -87,6 +96,7 @@ def cpu_megatron() -> Iterator[None]:
         enter(mock.patch.object(mrandom, "_set_cuda_rng_state", lambda state, *a, **k: torch.set_rng_state(state)))
         enter(mock.patch.object(mrandom, "_CUDA_RNG_STATE_TRACKER", _CpuRNGStatesTracker()))
         enter(mock.patch.object(mrandom, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", True))
+        enter(mock.patch.object(multi_latent_attention, "HAVE_TE", False))
         yield
 
 
@@ -217,15 +227,44 @@ class SequenceParallelNorm(nn.Module):
             param.sequence_parallel = config.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(x)
+        y = self.norm(x)
+        if x._base is not None:  # a view (MLA's latents) keeps its whole base alive: report the base's shape
+            label(batch_first(x._base), self.norm.names.input)
+        return y
 
 
-def local_spec(normalization: str) -> Any:
-    """megatron's GPT layer spec without Transformer Engine, its two norms swapped for SequenceParallelNorm."""
+def local_spec(normalization: str, latent: bool = False) -> Any:
+    """megatron's GPT layer spec without Transformer Engine, its norms swapped for SequenceParallelNorm.
+
+    `latent`: MLASelfAttention with its two latent norms (qk_layernorm, as DeepSeek's q_a/kv_a norms) and
+    `MlaDotProductAttention` for the core.
+    """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    spec = get_gpt_layer_local_spec(normalization=normalization)
+    spec = get_gpt_layer_local_spec(normalization=normalization, multi_latent_attention=latent, qk_layernorm=latent)
     spec.submodules.input_layernorm = ModuleSpec(module=SequenceParallelNorm, params={"names": ledger.LN1})
     spec.submodules.pre_mlp_layernorm = ModuleSpec(module=SequenceParallelNorm, params={"names": ledger.LN2})
+    if latent:
+        attention = spec.submodules.self_attention.submodules
+        attention.q_layernorm = ModuleSpec(module=SequenceParallelNorm, params={"names": ledger.MLA_Q_NORM})
+        attention.kv_layernorm = ModuleSpec(module=SequenceParallelNorm, params={"names": ledger.MLA_KV_NORM})
+        attention.core_attention = _mla_core_attention()
     return spec
+
+
+def _mla_core_attention() -> type:
+    """The local DotProductAttention, taking TE's k_channels/v_channels: its context is a*v_channels/t wide.
+
+    The base Attention builds one without them first (MLA then builds its own): that one keeps kv_channels.
+    """
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class MlaDotProductAttention(DotProductAttention):
+        def __init__(self, config: Any, *args: Any, k_channels: int | None = None, v_channels: int | None = None,
+                     **kwargs: Any) -> None:
+            super().__init__(config, *args, **kwargs)
+            if v_channels is not None:
+                self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+
+    return MlaDotProductAttention

@@ -91,6 +91,7 @@ def timeline(
     beside the chunk-micro-batches the schedule keeps.
     """
     accounting = replace(accounting, exact=True)  # a timeline counts every byte
+    _refuse_other_layers(config)
     if config.impl == "hf":  # transformers' LlamaForCausalLM, op by op: its own walk
         return hf_timeline(config, strategy, accounting)
     layer = estimate(config, strategy, accounting)
@@ -154,6 +155,15 @@ def _stage(config: ModelConfig, name: str | None) -> Stage:
         if x.name == name:
             return x
     raise ConfigError(f"no {name} pipeline stage with pp={config.pp}: {', '.join(x.name for x in found)}")
+
+
+def _refuse_other_layers(config: ModelConfig) -> None:
+    """ConfigError for layers no walk models yet, whichever library runs them."""
+    if config.moe:
+        raise ConfigError("the step timeline does not model a mixture of experts (num_experts) yet: it walks dense"
+                          " MLPs")
+    if config.kv_lora_rank is not None:
+        raise ConfigError("the step timeline does not model latent attention (kv_lora_rank) yet")
 
 
 def _check_modelled(config: ModelConfig, strategy: Strategy, names: tuple[str, ...]) -> None:

@@ -21,6 +21,7 @@ from memcalc.probe.recorder import SavedTensorRecorder  # noqa: E402
 SIZES = {"b": 2, "s": 8, "h": 32, "a": 4, "ffn_hidden_size": 48, "impl": "hf"}
 LLAMA = {"norm": "rmsnorm", "mlp": "swiglu"}
 GPT2 = {"norm": "layernorm", "mlp": "gelu"}  # transformers' own defaults are Llama's
+MLA = {"kv_lora_rank": 24, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 12, "v_head_dim": 10}
 
 
 def _rows(knobs: dict, family: str | None = None):
@@ -52,6 +53,10 @@ CASES = {
     "gpt2 sdpa gelu: q, k, v as one c_attn storage, split into ledger rows":
         (GPT2 | {"mlp": "gelu", "attention": "flash", "dropout": 0.0}, None),
     "gradient checkpointing keeps the layer input only": (LLAMA | {"recompute": "full", "dropout": 0.1}, None),
+    "deepseek-v3 latent attention, eager: fp32 latent norms, up projections' inputs, one rope table pair":
+        (LLAMA | MLA | {"attention": "eager", "dropout": 0.0}, None),
+    "deepseek-v2-lite latent attention, no query latent, with dropout":
+        (LLAMA | MLA | {"q_lora_rank": None, "attention": "eager", "dropout": 0.1}, None),
 }
 
 

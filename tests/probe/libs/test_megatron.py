@@ -20,6 +20,8 @@ SIZES = {"b": 2, "s": 32, "h": 64, "a": 16}
 GQA = {"num_query_groups": 8}  # two K/V groups per rank at t = 4: the query heads are copied
 SWIGLU = {"mlp": "swiglu", "bias_activation_fusion": False}
 FUSED_SWIGLU = {"mlp": "swiglu", "bias_activation_fusion": True}
+MLA = {"kv_lora_rank": 24, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 12, "v_head_dim": 10,
+       "norm": "rmsnorm", "dropout": 0.1}  # DeepSeek-V3's shape, small: latents r_q, r_kv; heads d_n + d_r, d_v
 
 CASES = {
     "gelu mha, the seed's layer": ("none", 1, {"dropout": 0.1}),
@@ -38,6 +40,11 @@ CASES = {
         "tp", 2, GQA | {"dtype": "fp32", "dropout": 0.1}),
     "selective recompute gqa: the query copy beside the qkv output": (
         "tp-sp", 2, GQA | {"recompute": "selective", "dropout": 0.1}),
+    "latent attention: the kv norm keeps the down projection's whole output": ("none", 1, MLA),
+    "latent attention tp: the kv output is gathered, then viewed": ("tp", 2, MLA | SWIGLU),
+    "latent attention tp-sp: the query latent whole, the kv latent a shard's copy": ("tp-sp", 2, MLA),
+    "latent attention without a query latent, layernorm tp-sp t=4": (
+        "tp-sp", 4, MLA | {"q_lora_rank": None, "norm": "layernorm", "dropout": 0.0}),
 }
 
 

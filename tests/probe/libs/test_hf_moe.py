@@ -1,0 +1,106 @@
+"""transformers' sparse-MoE layers (Mixtral, Qwen2-MoE) keep, tensor by tensor, what memcalc's hf rules predict.
+
+The tokens each expert receives depend on the router, so the byte-exact checks force it (`--route`): balanced
+(kbs/E slots each) and all-to-one (every token to experts 0..k-1). With the real router the measured bytes fall
+within the predicted balanced and worst bounds.
+"""
+
+from dataclasses import replace
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+from memcalc.config.schema import build_config  # noqa: E402
+from memcalc.errors import ConfigError  # noqa: E402
+from memcalc.model.evaluate import estimate  # noqa: E402
+from memcalc.model.knobs import Accounting  # noqa: E402
+from memcalc.model.strategy import STRATEGIES  # noqa: E402
+from memcalc.probe.group import single  # noqa: E402
+from memcalc.probe.libs import hf as runner  # noqa: E402
+from memcalc.probe.libs.hf_shim import forced_routing  # noqa: E402
+from memcalc.probe.measure import compare, measure  # noqa: E402
+
+SIZES = {"b": 2, "s": 8, "h": 32, "a": 4, "num_query_groups": 2, "impl": "hf", "attention": "eager",
+         "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 24}
+MIXTRAL = {}
+QWEN2_MOE = {"moe_shared_expert_intermediate_size": 16, "add_qkv_bias": True, "moe_router_pre_softmax": True}
+NONE = STRATEGIES["none"]
+CPU = Accounting(exact=True, device="cpu")
+
+
+def _rows(knobs: dict, route: str | None, dense: bool = False, bound: str = "balanced"):
+    config = build_config(SIZES | knobs | {"moe_tokens": bound})
+    saved = runner.record_layer(single("cpu"), config, NONE, route=route, dense=dense)
+    prediction = estimate(config, NONE, CPU)
+    return compare(replace(prediction, tensors=prediction.dense) if dense else prediction, saved)
+
+
+CASES = {
+    "mixtral: fp32 router with the top-k renormalised, fp32 routing weights": MIXTRAL,
+    "qwen2-moe: gated shared expert, top-k used as is, routing weights cast to bf16": QWEN2_MOE,
+    "qwen2-moe with norm_topk_prob: the renormalisation's sum and weights too":
+        QWEN2_MOE | {"moe_router_pre_softmax": False},
+    "qwen2-moe sdpa with two experts a token of eight": QWEN2_MOE | {"attention": "flash", "num_experts": 8},
+    "qwen2-moe's sparse layer of a dense + moe mix (decoder_sparse_step 2)": QWEN2_MOE | {"moe_layer_freq": 2},
+}
+
+
+@pytest.mark.parametrize("route", ["balanced", "all-to-one"])
+@pytest.mark.parametrize("knobs", CASES.values(), ids=CASES.keys())
+def test_a_forced_router_makes_the_moe_layer_keep_exactly_what_the_rules_predict(knobs, route):
+    rows = _rows(knobs, route)
+    assert [row.describe() for row in rows if not row.matches] == []
+    assert all(row.measured > 0 for row in rows)  # every predicted tensor was found, none unlabelled
+    assert any(row.name == "moe/expert_gate" for row in rows)
+
+
+def test_the_dense_layer_of_a_mix_keeps_the_dense_mlp_of_the_rules():
+    rows = _rows(QWEN2_MOE | {"moe_layer_freq": 2, "L": 2}, None, dense=True)  # layer 0 dense, layer 1 MoE
+    assert [row.describe() for row in rows if not row.matches] == []
+    assert "mlp/gate" in {row.name for row in rows} and not any(row.name.startswith("moe/") for row in rows)
+
+
+@pytest.mark.parametrize("knobs", [MIXTRAL, QWEN2_MOE], ids=["mixtral", "qwen2-moe"])
+def test_with_the_real_router_each_tensor_lies_within_the_balanced_and_worst_bounds(knobs):
+    measured = {row.name: row.measured for row in _rows(knobs, None)}
+    lower = {row.name: row.predicted for row in _rows(knobs, "balanced", bound="balanced")}
+    upper = {row.name: row.predicted for row in _rows(knobs, "balanced", bound="worst")}
+    assert measured.keys() == lower.keys() == upper.keys()
+    assert all(lower[name] <= measured[name] <= upper[name] for name in measured)
+
+
+def _slots_per_expert(route: str) -> list[int]:
+    config = transformers.MixtralConfig(hidden_size=8, num_local_experts=4, num_experts_per_tok=2)
+    router = transformers.models.mixtral.modeling_mixtral.MixtralTopKRouter(config)
+    torch.nn.init.normal_(router.weight, std=0.02)
+    with forced_routing((type(router),), route, k=2):
+        _, _, indices = router(torch.randn(6, 8))
+    return torch.bincount(indices.flatten(), minlength=4).tolist()
+
+
+def test_the_forced_routes_send_each_expert_the_slots_they_say_and_undo_themselves():
+    original = transformers.models.mixtral.modeling_mixtral.MixtralTopKRouter.forward
+    assert _slots_per_expert("balanced") == [3, 3, 3, 3]  # k*b*s/E = 2*6/4
+    assert _slots_per_expert("all-to-one") == [6, 6, 0, 0]
+    assert transformers.models.mixtral.modeling_mixtral.MixtralTopKRouter.forward is original
+
+
+@pytest.mark.parametrize("knobs, words", [
+    (MIXTRAL | {"moe_router_pre_softmax": True}, "MixtralSparseMoeBlock always renormalises"),
+    (MIXTRAL | {"moe_layer_freq": 2}, "every MixtralDecoderLayer is a MoE layer"),
+    (MIXTRAL | {"moe_expert_capacity_factor": 1.0}, "drop no tokens"),
+])
+def test_moe_knobs_no_transformers_block_has_are_refused(knobs, words):
+    with pytest.raises(ConfigError, match=words):
+        estimate(build_config(SIZES | knobs), NONE)
+
+
+def test_a_forced_route_needs_experts_and_hf():
+    dense = build_config({k: v for k, v in SIZES.items() if not k.startswith(("num_experts", "moe_"))})
+    with pytest.raises(ConfigError, match="--route balanced forces transformers' MoE router"):
+        measure(dense, ["none"], "cpu", None, "auto", 60.0, route="balanced")
