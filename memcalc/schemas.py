@@ -88,6 +88,8 @@ KNOBS: Schema = _object({
     "moe_shared_expert_intermediate_size": _nullable(POSITIVE),
     "moe_expert_capacity_factor": _nullable({"type": "number", "exclusiveMinimum": 0}),
     "moe_layer_freq": POSITIVE,
+    "moe_first_dense_layers": _nullable(POSITIVE),
+    "moe_router_score_function": {"enum": ["softmax", "sigmoid"]},
     "moe_tokens": {"enum": ["balanced", "capacity", "worst"]},
     "moe_aux_loss": FLAG,
     "moe_router_pre_softmax": FLAG,
@@ -120,7 +122,7 @@ CONFIG: Schema = _object(
     },
     # The fields whose default is None, left out unless set.
     optional=("name", "description", "max_position_embeddings", "vpp", "gpus", "num_microbatches", "global_batch_size",
-              "etp", "num_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+              "etp", "num_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_first_dense_layers",
               "moe_expert_capacity_factor", *_MLA),
 )
 

@@ -25,7 +25,8 @@ def test_config_loads_and_every_strategy_estimates(path):
     assert config.name == path.stem
     for strategy in STRATEGIES.values():
         result = estimate(config, strategy)
-        assert result.total_bytes == config.L * result.per_layer_bytes > 0
+        moe_layers = config.L - result.dense_layers  # every layer, or DeepSeek-V3's 58 past its first 3 dense ones
+        assert result.total_bytes == moe_layers * result.per_layer_bytes + result.dense_layers * result.dense_layer_bytes > 0
 
 
 @pytest.mark.parametrize("path", GPT, ids=lambda p: p.stem)

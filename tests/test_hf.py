@@ -1,6 +1,7 @@
 """Hugging Face config.json files: the fields each family maps, published parameter counts, and one-line errors."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -218,14 +219,45 @@ def test_a_dense_config_that_names_an_expert_field_unset_is_read(tmp_path, chang
     assert read_hf_config(_write(tmp_path, raw)).family == "mistral"
 
 
-def test_deepseek_v3_is_refused_for_its_experts_alone_its_latent_attention_is_read(tmp_path):
-    with pytest.raises(ConfigError, match=r"sets n_routed_experts=256 \(mixture of experts\); memcalc reads these only where"):
-        read_hf_config(DATA / "deepseek-v3.json")
+def test_deepseek_v3_experts_are_read_and_every_router_field_is_shown():
+    hf = read_hf_config(DATA / "deepseek-v3.json")
+    assert {k: hf.fields[k] for k in ("num_experts", "moe_router_topk", "moe_ffn_hidden_size",
+                                      "moe_shared_expert_intermediate_size", "moe_first_dense_layers",
+                                      "moe_router_pre_softmax", "moe_router_score_function")} == dict(
+        num_experts=256, moe_router_topk=8, moe_ffn_hidden_size=2048, moe_shared_expert_intermediate_size=2048,
+        moe_first_dense_layers=3, moe_router_pre_softmax=False, moe_router_score_function="sigmoid")
+    line = hf.describe()
+    for shown in ("n_shared_experts+moe_intermediate_size->moe_shared_expert_intermediate_size=2048",
+                  "first_k_dense_replace->moe_first_dense_layers=3", "topk_method=noaux_tc (changes nothing kept)",
+                  "n_group=8 (changes nothing kept)", "topk_group=4 (changes nothing kept)",
+                  "routed_scaling_factor=2.5 (changes nothing kept)", "num_nextn_predict_layers=1 (not counted"):
+        assert shown in line, shown
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"scoring_func": "softmax"}, "scoring_func='softmax' is not modelled: transformers' DeepseekV3TopkRouter always"),
+    ({"topk_method": "group_limited_greedy"}, "topk_method='group_limited_greedy' is not modelled"),
+    ({"n_group": 0}, "n_group must be a positive number, got 0"),
+    ({"n_shared_experts": "one"}, "n_shared_experts and moe_intermediate_size must be whole numbers"),
+])
+def test_deepseek_v3_router_fields_transformers_does_not_run_are_refused_by_name(tmp_path, change, words):
+    raw = json.loads((DATA / "deepseek-v3.json").read_text()) | change
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        read_hf_config(_write(tmp_path, raw))
+
+
+def test_deepseek_v2_experts_are_still_refused_by_name(tmp_path):
+    raw = json.loads((DATA / "deepseek-v3.json").read_text()) | {"model_type": "deepseek_v2",
+                                                                   "architectures": ["DeepseekV2ForCausalLM"]}
+    with pytest.raises(ConfigError, match=r"sets n_routed_experts=256 \(mixture of experts\)"):
+        read_hf_config(_write(tmp_path, raw))
 
 
 def _dense_deepseek(tmp_path, **change):
-    """DeepSeek-V3's config.json without its MoE fields: a test of the MLA rows, not a model."""
-    raw = json.loads((DATA / "deepseek-v3.json").read_text()) | change
+    """DeepSeek's config.json without its MoE fields, read as DeepSeek-V2's (V3's class defaults are experts): a
+    test of the MLA rows, not a model."""
+    raw = json.loads((DATA / "deepseek-v3.json").read_text()) | {
+        "model_type": "deepseek_v2", "architectures": ["DeepseekV2ForCausalLM"]} | change
     for name in ("n_routed_experts", "n_shared_experts", "moe_intermediate_size", "num_experts_per_tok"):
         raw.pop(name)
     return read_hf_config(_write(tmp_path, raw))

@@ -174,3 +174,25 @@ def test_megatron_splits_latent_projections_by_t_and_keeps_the_latent_norms_whol
 def test_without_a_query_latent_the_query_is_one_projection_from_x():
     qkv, _ = _attention_params(build_config(DEEPSEEK_V3_MLA | {"q_lora_rank": None}), 1)
     assert qkv == 7168 * 128 * 192 + 7168 * 576 + 512 + 512 * 128 * 256
+
+
+def test_deepseek_v3_config_has_its_published_671b_parameters_without_the_mtp_module():
+    """The technical report's 671B are the main model; the multi-token prediction module's 14B more (the Hugging
+    Face release's 685B) are not modelled, and not counted."""
+    assert round(total_params(load_config("deepseek-v3", {})) / 1e9) == 671
+
+
+def test_the_first_k_dense_layers_hold_a_dense_mlp_and_the_rest_experts():
+    config = build_config(MOE | dict(L=6, moe_first_dense_layers=2))
+    params = group_params(config, stages(config.L, 1, None)[0], 1)
+    one_moe = group_params(build_config(MOE | dict(L=1)), stages(1, 1, None)[0], 1)
+    assert config.moe_layers == 4 and params["moe/experts"] == 4 * one_moe["moe/experts"]
+    assert build_config(MOE | dict(L=7, moe_layer_freq=2, moe_first_dense_layers=3)).moe_layers == 2  # layers 4, 6
+
+
+def test_first_dense_layers_that_cover_the_model_or_a_pipeline_are_refused():
+    with pytest.raises(ConfigError, match="moe_first_dense_layers=6 leaves none of the L=6 layers a MoE layer"):
+        build_config(MOE | dict(L=6, moe_first_dense_layers=6))
+    config = build_config(MOE | dict(L=4, pp=2, moe_first_dense_layers=1))
+    with pytest.raises(ConfigError, match="moe_first_dense_layers=1 with pp=2"):
+        group_params(config, stages(config.L, 2, None)[0], 1)

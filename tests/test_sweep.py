@@ -259,7 +259,7 @@ def test_csv_has_a_header_and_one_complete_row_per_configuration():
                            "ffn_hidden_size", "num_query_groups", "impl", "mlp", "attention", "norm", "dropout",
                            "recompute", "dtype", "bias_activation_fusion", "num_experts", "moe_router_topk",
                            "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_expert_capacity_factor",
-                           "moe_layer_freq", "moe_tokens", "moe_aux_loss", "moe_router_pre_softmax", "kv_lora_rank",
+                           "moe_layer_freq", "moe_first_dense_layers", "moe_router_score_function", "moe_tokens", "moe_aux_loss", "moe_router_pre_softmax", "kv_lora_rank",
                            "q_lora_rank",
                            "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "accounting"]
     assert first | {"per_layer_bytes": None, "total_bytes": None} == dict(
@@ -267,7 +267,8 @@ def test_csv_has_a_header_and_one_complete_row_per_configuration():
         ffn_hidden_size="49152", num_query_groups="96", impl="megatron", mlp="swiglu", attention="eager",
         norm="layernorm", dropout="0.0", recompute="none", dtype="bf16", bias_activation_fusion="false",
         num_experts="", moe_router_topk="2", moe_ffn_hidden_size="", moe_shared_expert_intermediate_size="",
-        moe_expert_capacity_factor="", moe_layer_freq="1", moe_tokens="balanced", moe_aux_loss="false",
+        moe_expert_capacity_factor="", moe_layer_freq="1", moe_first_dense_layers="",
+        moe_router_score_function="softmax", moe_tokens="balanced", moe_aux_loss="false",
         moe_router_pre_softmax="false",
         kv_lora_rank="", q_lora_rank="", qk_rope_head_dim="", qk_nope_head_dim="", v_head_dim="", accounting="paper",
     )

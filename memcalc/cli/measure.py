@@ -80,7 +80,8 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
 )
 @click.option(
     "--route", type=click.Choice(ROUTES), default=None,
-    help="Force transformers' MoE router (--impl hf with num_experts) so each expert's tokens are known: balanced"
+    help="Force the library's MoE router (--impl hf or megatron, with num_experts) so each expert's tokens are known:"
+    " balanced"
     " (kbs/E slots each) or all-to-one (every token to experts 0..k-1) [default: the real router].",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of tables.")

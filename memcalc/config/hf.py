@@ -68,11 +68,17 @@ def _largest_dropout(values: list[Any]) -> float:
 class Row:
     """One memcalc field and where config.json keeps it."""
 
-    target: str
+    target: str | None  # None: read and shown only (`note`)
     sources: tuple[str, ...]
     convert: Callable[[Any], Any] = lambda v: v
     default: Any = ...  # when absent: ... required; None: memcalc's default; else the transformers class default
     combine: Callable[[list[Any]], Any] | None = None  # combine every source (absent ones at default); else the first
+    note: str = ""  # target None: a field read, checked and shown, that changes nothing memcalc counts, and why
+
+
+def _kept_nothing(source: str, convert: Callable[[Any], Any], note: str) -> Row:
+    """A config.json field shown in the describe line, checked by `convert`, that changes no count (`note` says why)."""
+    return Row(None, (source,), convert, default=None, note=note)
 
 
 def _sizes(h: str, a: str, layers: str, vocab: str) -> tuple[Row, ...]:
@@ -99,6 +105,37 @@ _DEEPSEEK = (
     Row("qk_nope_head_dim", ("qk_nope_head_dim",)),
     Row("v_head_dim", ("v_head_dim",)),
 )
+
+
+def _shared_width(values: list[Any]) -> int | None:
+    """DeepSeek's n_shared_experts shared experts of moe_intermediate_size are one MLP of their summed width (the
+    DeepseekV3MLP transformers builds); absent ones at DeepseekV3Config's defaults, 1 and 2048."""
+    count, width = (d if v is ... else v for v, d in zip(values, (1, 2048)))
+    if type(count) is not int or type(width) is not int or count < 0 or width < 1:
+        raise ConfigError(f"n_shared_experts and moe_intermediate_size must be whole numbers, got {short_repr(values)}")
+    return count * width or None
+
+
+def _deepseek_v3_only(field_name: str, value: str) -> Callable[[Any], Any]:
+    """A DeepSeek router setting transformers' DeepseekV3TopkRouter hard-codes: refused when config.json asks for
+    another (DeepSeek-V2's softmax and greedy top-k are not what transformers' V3 layer runs)."""
+
+    def convert(given: Any) -> Any:
+        if given != value:
+            raise ConfigError(f"{field_name}={short_repr(given)} is not modelled: transformers' DeepseekV3TopkRouter"
+                              f" always runs {field_name}={value}")
+        return given
+
+    return convert
+
+
+def _positive_number(name: str) -> Callable[[Any], Any]:
+    def convert(given: Any) -> Any:
+        if isinstance(given, bool) or not isinstance(given, (int, float)) or given <= 0:
+            raise ConfigError(f"{name} must be a positive number, got {short_repr(given)}")
+        return given
+
+    return convert
 
 
 def _aux_loss(values: list[Any]) -> bool:
@@ -134,6 +171,32 @@ _QWEN2_MOE = (
     Row("moe_layer_freq", ("decoder_sparse_step",), default=None),
     Row("add_qkv_bias", ("qkv_bias",), default=True),
     _AUX_LOSS,
+)
+_NOTHING_KEPT = "changes nothing kept"
+# DeepseekV3Config's MoE: n_routed_experts experts of moe_intermediate_size beside n_shared_experts shared ones of the
+# same width, the first first_k_dense_replace layers dense (intermediate_size wide); a sigmoid router whose
+# e_score_correction_bias picks the experts (noaux_tc) among topk_group of n_group groups, the picked scores
+# renormalised (norm_topk_prob) and scaled by routed_scaling_factor. The groups, the bias and the scale keep nothing
+# (transient top-ks whose values are discarded, an add, a product by a number), so they are shown, not counted.
+_DEEPSEEK_V3 = (
+    *_DEEPSEEK,
+    Row("num_experts", ("n_routed_experts",)),
+    Row("moe_router_topk", ("num_experts_per_tok",), default=8),
+    Row("moe_ffn_hidden_size", ("moe_intermediate_size",), default=2048),
+    Row("moe_shared_expert_intermediate_size", ("n_shared_experts", "moe_intermediate_size"), default=...,
+        combine=_shared_width),
+    Row("moe_first_dense_layers", ("first_k_dense_replace",), lambda k: k or None, default=3),
+    Row("moe_layer_freq", ("moe_layer_freq",), default=None),
+    Row("moe_router_pre_softmax", ("norm_topk_prob",), _pre_softmax, default=False),
+    Row("moe_router_score_function", ("scoring_func",), _deepseek_v3_only("scoring_func", "sigmoid"),
+        default="sigmoid"),
+    _kept_nothing("topk_method", _deepseek_v3_only("topk_method", "noaux_tc"), _NOTHING_KEPT),
+    _kept_nothing("n_group", _positive_number("n_group"), _NOTHING_KEPT),
+    _kept_nothing("topk_group", _positive_number("topk_group"), _NOTHING_KEPT),
+    _kept_nothing("routed_scaling_factor", _positive_number("routed_scaling_factor"), _NOTHING_KEPT),
+    _kept_nothing("aux_loss_alpha", lambda v: v, "not counted: transformers computes no DeepSeek balance loss"),
+    _kept_nothing("num_nextn_predict_layers", lambda v: v,
+                  "not counted: the multi-token prediction module, which transformers does not build"),
 )
 _GPT2 = (
     *_sizes("n_embd", "n_head", "n_layer", "vocab_size"),
@@ -179,7 +242,7 @@ FAMILIES: dict[str, Family] = {
         Family("gpt2", ("GPT2LMHeadModel",), _GPT2, {"position_embedding_type": "learned_absolute"}),
         Family("gpt_neox", ("GPTNeoXForCausalLM",), _GPT_NEOX, _ROPE),
         Family("deepseek_v2", ("DeepseekV2ForCausalLM",), _DEEPSEEK, _ROPE),
-        Family("deepseek_v3", ("DeepseekV3ForCausalLM",), _DEEPSEEK, _ROPE),
+        Family("deepseek_v3", ("DeepseekV3ForCausalLM",), _DEEPSEEK_V3, _ROPE),
     )
 }
 
@@ -195,7 +258,8 @@ class HfConfig:
 
     def describe(self) -> str:
         """One line: the family, each field used, and what was assumed."""
-        used = ", ".join(f"{src}->{dst}={value}" for src, dst, value in self.used)
+        used = ", ".join(f"{src}={value} ({dst})" if " " in dst else f"{src}->{dst}={value}"
+                         for src, dst, value in self.used)
         assumed = ", ".join(f"{dst}={value}" for dst, value in self.assumed)
         return f"read {self.family} config.json: {used}; assumed: {assumed}"
 
@@ -218,8 +282,10 @@ def read_hf_config(path: Path) -> HfConfig:
             continue
         present = present if row.combine else present[:1]
         with in_file(path):
-            fields[row.target] = _read(row, raw, present)
-        used.append((_source(raw, present, fields[row.target]), row.target, fields[row.target]))
+            value = _read(row, raw, present)
+        if row.target is not None:
+            fields[row.target] = value
+        used.append((_source(raw, present, value), row.target or row.note, value))
     if missing:
         raise ConfigError(f"{path}: {family.name} config.json is missing {', '.join(missing)}")
     _check_head_dim(raw, fields, path)
@@ -271,7 +337,8 @@ UNMODELLED = {
 
 def _refuse_unmodelled(raw: dict[str, Any], path: Path) -> None:
     """One line naming every field that asks for layers memcalc cannot model (see docs/limitations.md);
-    a field the config's family reads (Mixtral's and Qwen2-MoE's experts, DeepSeek's kv_lora_rank) is modelled."""
+    a field the config's family reads (Mixtral's, Qwen2-MoE's and DeepSeek-V3's experts, DeepSeek's kv_lora_rank)
+    is modelled."""
     family = _known_family(raw)
     read = {name for row in family.rows for name in row.sources} if family else set()
     found = [f"{name}={short_repr(raw[name])} ({what})" for name, what in UNMODELLED.items()
@@ -279,8 +346,8 @@ def _refuse_unmodelled(raw: dict[str, Any], path: Path) -> None:
     if found:
         raise ConfigError(
             f"{path}: config.json sets {', '.join(found)}; memcalc reads these only where it models them"
-            " (Mixtral's and Qwen2-MoE's experts, DeepSeek's latent attention), and dropping them would give wrong"
-            " numbers (see docs/limitations.md)"
+            " (Mixtral's, Qwen2-MoE's and DeepSeek-V3's experts, DeepSeek's latent attention), and dropping them"
+            " would give wrong numbers (see docs/limitations.md)"
         )
 
 

@@ -134,8 +134,12 @@ class ModelConfig(Knobs):
 
     @property
     def moe_layers(self) -> int:
-        """Layers with a MoE MLP: layer i is one when i % moe_layer_freq == 0 (Megatron-LM's rule); 0 if dense."""
-        return 0 if self.num_experts is None else -(-self.L // self.moe_layer_freq)
+        """Layers with a MoE MLP: layer i is one when i % moe_layer_freq == 0 (Megatron-LM's rule) and i is past
+        the first moe_first_dense_layers (DeepSeek's first_k_dense_replace); 0 if dense."""
+        if self.num_experts is None:
+            return 0
+        every, first = self.moe_layer_freq, min(self.moe_first_dense_layers or 0, self.L)
+        return -(-self.L // every) - -(-first // every)  # the multiples of freq in [first, L)
 
     @property
     def positions(self) -> int:
@@ -350,6 +354,9 @@ def check_experts(config: ModelConfig) -> None:
             raise ConfigError(f"ep={c.ep}, etp={c.etp} need num_experts (a dense MLP has no experts to split)")
         return
     _divides(c.ep, "ep", c.num_experts, "num_experts", "each expert-parallel rank holds num_experts/ep experts")
+    if (c.moe_first_dense_layers or 0) >= c.L:
+        raise ConfigError(f"moe_first_dense_layers={c.moe_first_dense_layers} leaves none of the L={c.L} layers a MoE"
+                          " layer (drop num_experts for a dense model)")
     if c.etp is not None and c.etp != c.t:
         raise ConfigError(f"etp={c.etp} is not t={c.t}: memcalc models expert tensor parallelism equal to t"
                           " (Megatron-LM's default); leave etp out")

@@ -71,6 +71,13 @@ class MoeTokens(Choice):
     WORST = "worst"  # no capacity: every token's k experts on this rank
 
 
+class ScoreFunction(Choice):
+    """How the router turns each expert's logit into a score (Megatron-LM's moe_router_score_function)."""
+
+    SOFTMAX = "softmax"  # Mixtral, Qwen2-MoE: a softmax over the experts
+    SIGMOID = "sigmoid"  # DeepSeek-V3: each expert's own sigmoid, the top k renormalised
+
+
 class Dtype(Choice):
     BF16 = "bf16"
     FP16 = "fp16"
@@ -135,6 +142,10 @@ def _moe(k: Any) -> str | None:
         parts.append(f"capacity {k.moe_expert_capacity_factor:g}")
     if k.moe_layer_freq != 1:
         parts.append(f"MoE every {k.moe_layer_freq} layers")
+    if k.moe_first_dense_layers:
+        parts.append(f"first {k.moe_first_dense_layers} layers dense")
+    if k.moe_router_score_function != ScoreFunction.SOFTMAX:
+        parts.append(f"{k.moe_router_score_function} router")
     if k.moe_aux_loss:
         parts.append("aux loss")
     if k.moe_router_pre_softmax:
@@ -266,6 +277,22 @@ KNOBS: tuple[Knob, ...] = (
         effects=(({"num_experts": 8, "moe_layer_freq": 2},
                   "Every second layer is a MoE layer and the rest keep the dense MLP: per layer is the MoE layer's"
                   " formula; all L layers add ceil(L/2) of these and the rest dense."),),
+    ),
+    Knob(
+        "moe_first_dense_layers", "size", None, "the first this many layers keep a dense MLP, MoE layers from there"
+        " (DeepSeek's first_k_dense_replace; Megatron-LM's --moe-layer-freq ([0]*k+[1]*(L-k)))",
+        _moe_knob("moe_first_dense_layers"),
+        effects=(({"num_experts": 8, "moe_first_dense_layers": 3},
+                  "The first three layers keep the dense MLP: per layer is the MoE layer's formula; all L layers add"
+                  " the MoE layers from layer 3 on and three dense ones."),),
+    ),
+    Knob(
+        "moe_router_score_function", "choice", ScoreFunction.SOFTMAX,
+        "the router's score: softmax over the experts, or each expert's sigmoid (DeepSeek-V3)",
+        _moe_knob("moe_router_score_function"), ScoreFunction,
+        effects=(({"num_experts": 8, "moe_router_score_function": ScoreFunction.SIGMOID},
+                  "A sigmoid router keeps every expert's sigmoid score (its backward reads its output) and the"
+                  " renormalisation's divisor and chosen scores, in place of the softmax over the top k."),),
     ),
     Knob(
         "moe_tokens", "choice", MoeTokens.BALANCED,

@@ -95,7 +95,9 @@ RUNNERS = {
 }
 
 
-# config, strategy name, layer (LAYERS), overlap (own layer only)[, forced route (hf's MoE router only, ROUTES)]
+# The implementations whose runner can force its MoE router (`run_layer(..., route=)`, a `route_note`).
+ROUTED = ("hf", "megatron")
+# config, strategy name, layer (LAYERS), overlap (own layer only)[, forced route (ROUTED runners only, ROUTES)]
 Case = tuple[ModelConfig, str, str, Overlap] | tuple[ModelConfig, str, str, Overlap, "str | None"]
 
 
@@ -113,7 +115,7 @@ def measure_layer(
     """Build the layer (the library's, or memcalc's own), record one forward pass, run backward once."""
     torch.manual_seed(INPUT_SEED + tp.rank)  # dropout masks; weights are seeded by the linears
     if layer == "library":
-        forced = {"route": route} if route else {}  # only hf's runner takes one (measure checks)
+        forced = {"route": route} if route else {}  # only ROUTED runners take one (measure checks)
         saved, cuda, collectives = runner(config.impl).run_layer(tp, config, strategy, **forced), None, ()
     else:
         saved, cuda, collectives = _run_own_layer(tp, config, strategy, overlap)
@@ -348,7 +350,7 @@ def measure(
 ) -> list[StrategyMeasurement]:
     """Measure each strategy on `layer` (see LAYERS); everything is checked before any rank starts.
 
-    `route` forces a MoE router's assignment (ROUTES), for transformers' layers (--impl hf) only.
+    `route` forces a MoE router's assignment (ROUTES), for the libraries' layers in ROUTED only.
 
     Returns nothing on a torchrun rank other than 0: rank 0 reports for the job.
     """
@@ -363,8 +365,9 @@ def measure(
         )
     if layer == "library":
         runner(config.impl)  # a missing library is named before any rank starts
-    if route is not None and (layer != "library" or config.impl != "hf" or config.num_experts is None):
-        raise ConfigError(f"--route {route} forces transformers' MoE router: it needs --impl hf and num_experts")
+    if route is not None and (layer != "library" or config.impl not in ROUTED or config.num_experts is None):
+        raise ConfigError(f"--route {route} forces a library's MoE router: it needs --impl hf or megatron and"
+                          " num_experts")
     if overlap and (layer != "memcalc" or "tp-sp" not in strategies):
         raise ConfigError("--overlap runs in memcalc's own layer under tp-sp: add --layer memcalc --strategy tp-sp")
     rings = sorted(m.value for m in overlap.methods if m.value.startswith("ring"))

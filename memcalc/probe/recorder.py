@@ -17,12 +17,19 @@ is reported without a name: that is how a tensor the ledger does not know about
 shows up. Labels made while gradients are disabled are ignored: nothing
 computed then is saved, and a checkpoint's no-grad forward must not rename the
 inputs the checkpoint itself keeps.
+
+`kept_only=True` counts a storage only if some autograd node that saved it is
+still alive when recording ends: an op whose outputs the code throws away (a
+top-k whose values nobody reads, as DeepSeek's group-limited routing runs) frees
+what it saved with itself when the forward returns, so it was never kept for
+backward. The caller keeps the forward's output alive until then.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Any, Iterable
 
 from memcalc.errors import ProbeError
 from memcalc.model.ledger import SavedTensor
@@ -63,8 +70,10 @@ def batch_first(x: torch.Tensor) -> torch.Tensor:
 class SavedTensorRecorder:
     """Context manager: every storage saved for backward inside it, deduplicated and labelled."""
 
-    def __init__(self, parameters: Iterable[torch.Tensor] = ()) -> None:
+    def __init__(self, parameters: Iterable[torch.Tensor] = (), kept_only: bool = False) -> None:
         self._parameters = tuple(parameters)  # held, so that their storages' keys stay theirs
+        self._kept_only = kept_only
+        self._savers: dict[int, list[weakref.ref]] = {}  # storage key -> what each node that saved it holds
         self._parameter_storages = {_storage_key(p) for p in self._parameters}
         self._saved: dict[int, torch.Tensor] = {}  # storage key -> first saved tensor using it
         # Labels hold their tensor until the recorder closes, so no storage's key is
@@ -81,8 +90,9 @@ class SavedTensorRecorder:
     def __exit__(self, *exc_info: object) -> None:
         self._hooks.__exit__(*exc_info)
         _active.remove(self)
-        self.saved = tuple(self._describe(key, tensor) for key, tensor in self._saved.items())
+        self.saved = tuple(self._describe(key, tensor) for key, tensor in self._saved.items() if self._kept(key))
         self._saved.clear()
+        self._savers.clear()
         self._labels.clear()
         self._parameters = ()
 
@@ -94,11 +104,20 @@ class SavedTensorRecorder:
             raise ProbeError(f"one storage labelled both {known[0]} and {saved.name}: the probe's layer has a bug")
         self._labels[key] = (saved.name, tensor)
 
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _pack(self, tensor: torch.Tensor) -> Any:
         key = _storage_key(tensor)
-        if key not in self._parameter_storages:
-            self._saved.setdefault(key, tensor)
-        return tensor  # unchanged: backward must still work
+        if key in self._parameter_storages:
+            return tensor
+        self._saved.setdefault(key, tensor)
+        if not self._kept_only:
+            return tensor  # unchanged: backward must still work
+        packed = _Packed(tensor)  # held by the saving node alone: it dies with the node
+        self._savers.setdefault(key, []).append(weakref.ref(packed))
+        return packed
+
+    def _kept(self, key: int) -> bool:
+        """Whether a node that saved the storage still holds it (always, unless kept_only)."""
+        return not self._kept_only or any(ref() is not None for ref in self._savers[key])
 
     def _describe(self, key: int, tensor: torch.Tensor) -> SavedStorage:
         name, labelled = self._labels.get(key, (None, tensor))
@@ -123,5 +142,14 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return getattr(tensor, "_local_tensor", None) if type(tensor).__name__ == "DTensor" else tensor
 
 
-def _unpack(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
+class _Packed:
+    """A saved tensor as the saving node holds it under kept_only, so that the recorder can tell when it is freed."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+def _unpack(packed: Any) -> torch.Tensor:
+    return packed.tensor if isinstance(packed, _Packed) else packed

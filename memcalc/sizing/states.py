@@ -166,6 +166,10 @@ def check_expert_states(config: ModelConfig) -> None:
         raise ConfigError(f"ep*etp={c.ep * etp} does not divide t*cp*dp={c.t * c.cp * c.dp}: the expert data-parallel"
                           " group has t*cp*dp/(ep*etp) ranks")
     chunk = c.L // (c.pp * (c.vpp or 1))
+    if c.pp > 1 and c.moe_first_dense_layers:
+        raise ConfigError(f"moe_first_dense_layers={c.moe_first_dense_layers} with pp={c.pp}: memcalc counts each"
+                          " stage's MoE layers as layers/freq, so the first stage's dense layers are not placed yet;"
+                          " use pp 1")
     if c.pp > 1 and chunk % c.moe_layer_freq:
         raise ConfigError(f"moe_layer_freq={c.moe_layer_freq} does not divide the {chunk} layers of a pipeline chunk"
                           " (L/(pp*vpp)): memcalc counts each stage's MoE layers as layers/freq")

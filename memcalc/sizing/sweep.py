@@ -133,9 +133,10 @@ def make_sweep(
     })
     if fields.get("cp", 1) != 1:
         raise ConfigError(f"sweeps do not model context parallelism (cp={fields['cp']}); use memcalc estimate for it")
-    if fields.get("ep", 1) != 1 or knobs.moe_layer_freq != 1:
+    if fields.get("ep", 1) != 1 or knobs.moe_layer_freq != 1 or knobs.moe_first_dense_layers:
         raise ConfigError(f"sweeps model every layer as one MoE layer on one expert-parallel rank (ep={fields.get('ep', 1)},"
-                          f" moe_layer_freq={knobs.moe_layer_freq}); use memcalc estimate for these")
+                          f" moe_layer_freq={knobs.moe_layer_freq}, moe_first_dense_layers="
+                          f"{knobs.moe_first_dense_layers}); use memcalc estimate for these")
     values = {name: ranges[name] if name in ranges else (_fixed(name, fields),) for name in SIZES}
     # Sizes first: a range past MAX_SIZE may be too long for len() to count.
     largest = {n: v[-1] if isinstance(v, range) else max(v) for n, v in values.items()}  # a range is increasing

@@ -7,7 +7,7 @@ from . import memcalc_cli, one_line_error
 
 def test_an_unknown_name_lists_the_shipped_ones():
     run = memcalc_cli("estimate", "--config", "gpt3-175")
-    one_line_error(run, "config file not found: gpt3-175 (nor a shipped config: gpt3-175b, gpt3-1t,")
+    one_line_error(run, "config file not found: gpt3-175 (nor a shipped config: deepseek-v3, gpt3-175b, gpt3-1t,")
 
 
 def test_memcalc_configs_lists_each_name_with_its_description():

@@ -186,13 +186,26 @@ ROUTER_PROBS = SavedTensor(
     "moe/router_probs_fp32", f"{_MIXTRAL}: softmax(router_logits.float())", (Dim.B, Dim.S, Dim.E), Kind.FP32, _SEQ,
     "softmax backward needs its output; top-k reads the probabilities of the chosen experts from it",
 )
+_DEEPSEEK = "DeepseekV3TopkRouter"
 TOPK_SUM = SavedTensor(
-    "moe/topk_sum_fp32", f"{_MIXTRAL}: router_top_value /= sum(top-k)", (Dim.B, Dim.S), Kind.FP32, _SEQ,
+    "moe/topk_sum_fp32", f"{_MIXTRAL} (and {_DEEPSEEK}, norm_topk_prob): top-k values /= their sum", (Dim.B, Dim.S), Kind.FP32, _SEQ,
     "the in-place division's backward reads its divisor", paper=False,
 )
 TOPK_WEIGHTS = SavedTensor(
-    "moe/topk_weights_fp32", f"{_MIXTRAL}: router_top_value /= sum(top-k)", (Dim.B, Dim.S, Dim.K), Kind.FP32, _SEQ,
+    "moe/topk_weights_fp32", f"{_MIXTRAL} (and {_DEEPSEEK}, norm_topk_prob): top-k values /= their sum", (Dim.B, Dim.S, Dim.K), Kind.FP32, _SEQ,
     "the division's gradient for the divisor reads the normalised weights", paper=False,
+)
+# DeepseekV3TopkRouter (DeepSeek-V3's noaux_tc): fp32 logits from an fp32 copy of the input (its weight is kept fp32,
+# _keep_in_fp32_modules_strict), each expert's sigmoid; the e_score_correction_bias picks the experts among the
+# topk_group best of n_group groups, and the chosen scores are gathered, renormalised and scaled. The group choice's
+# top-ks and mask are saved by ops whose values nobody reads: freed when the router returns, never kept.
+ROUTER_IN_FP32 = SavedTensor(
+    "moe/router_in_fp32", f"{_DEEPSEEK}: hidden_states.type(float32), kept by F.linear", (Dim.B, Dim.S, Dim.H),
+    Kind.FP32, _SEQ, "the router's weight gradient dW = dLogits^T X reads its fp32 input",
+)
+ROUTER_SCORES = SavedTensor(
+    "moe/router_scores_fp32", f"{_DEEPSEEK}: router_logits.sigmoid()", (Dim.B, Dim.S, Dim.E), Kind.FP32, _SEQ,
+    "sigmoid's derivative is read from its output, every expert's score (gather reads the chosen ones' from it)",
 )
 TOKEN_SLOTS = SavedTensor(
     "moe/token_slots", f"{_EXPERTS}: torch.where(expert_mask[e]), kept by indexing and index_add_", (Dim.R,),
@@ -223,7 +236,7 @@ SHARED_OUT = SavedTensor(
     "moe/shared_out", "Qwen2MoeSparseMoeBlock: sigmoid(gate) * shared_expert(x)", _BSH, Kind.ACTIVATION, _SEQ,
     "the gate's gradient is sum(dY * shared expert output)",
 )
-MOE_TENSORS = (ROUTER_PROBS, TOPK_SUM, TOPK_WEIGHTS, TOKEN_SLOTS, EXPERT_WEIGHT, EXPERT_WEIGHT_CAST, EXPERT_OUT,
+MOE_TENSORS = (ROUTER_PROBS, TOPK_SUM, TOPK_WEIGHTS, ROUTER_IN_FP32, ROUTER_SCORES, TOKEN_SLOTS, EXPERT_WEIGHT, EXPERT_WEIGHT_CAST, EXPERT_OUT,
                COMBINE_IN,
                SHARED_GATE_SIGMOID, SHARED_OUT)
 
@@ -305,15 +318,22 @@ def moe_block(knobs: Any) -> tuple[SavedTensor, ...]:
     """The sparse MoE block: the fp32 router, each expert's SwiGLU on its slots, the weighted combine, shared experts.
 
     One (r, 2e) storage holds each expert's gate and up (`gate_up_proj`, chunked): the ledger's two rows, half
-    its bytes each, as Megatron's fc1 output. Shared experts mean Qwen2-MoE's block (see MOE_TENSORS' comment).
+    its bytes each, as Megatron's fc1 output. With latent attention the block is DeepseekV3MoE (a sigmoid router,
+    Mixtral's experts, an ungated shared MLP that keeps the block's input); else shared experts mean Qwen2-MoE's
+    block (see MOE_TENSORS' comment).
     """
-    qwen = bool(knobs.moe_shared_expert_intermediate_size)
+    qwen = bool(knobs.moe_shared_expert_intermediate_size) and not knobs.mla
     norm = () if knobs.moe_router_pre_softmax else (TOPK_SUM, TOPK_WEIGHTS)
-    router = (ledger.MOE_IN, ROUTER_PROBS, ledger.ROUTER_TOPK_INDICES, *norm)
+    if knobs.mla:
+        router: tuple[SavedTensor, ...] = (ROUTER_IN_FP32, ROUTER_SCORES, ledger.ROUTER_TOPK_INDICES, *norm)
+    else:
+        router = (ledger.MOE_IN, ROUTER_PROBS, ledger.ROUTER_TOPK_INDICES, *norm)
     experts = (TOKEN_SLOTS, ledger.EXPERT_IN, ledger.EXPERT_GATE, ledger.EXPERT_UP, ledger.EXPERT_SILU_OUT,
                ledger.EXPERT_FC2_IN, EXPERT_WEIGHT_CAST if qwen else EXPERT_WEIGHT, EXPERT_OUT, COMBINE_IN)
-    shared = ((ledger.SHARED_GATE, ledger.SHARED_UP, ledger.SHARED_SILU_OUT, ledger.SHARED_FC2_IN,
-               SHARED_GATE_SIGMOID, SHARED_OUT) if qwen else ())
+    shared_mlp = (ledger.SHARED_GATE, ledger.SHARED_UP, ledger.SHARED_SILU_OUT, ledger.SHARED_FC2_IN)
+    if knobs.mla:
+        return (*router, *experts, ledger.MOE_IN, *shared_mlp)  # shared_experts(residuals) runs last
+    shared = (*shared_mlp, SHARED_GATE_SIGMOID, SHARED_OUT) if qwen else ()
     return (*router, *shared, *experts)
 
 
@@ -353,7 +373,13 @@ def check(knobs: Any) -> None:
     if knobs.moe_aux_loss:
         raise ConfigError("impl hf: the load-balancing loss is computed outside the decoder layer, from every layer's"
                           " router logits; moe_aux_loss is not modelled for hf")
-    if knobs.moe and not knobs.moe_shared_expert_intermediate_size:
+    if knobs.moe_router_score_function == "sigmoid" and not knobs.mla:
+        raise ConfigError("impl hf: the sigmoid router is DeepseekV3MoE's, which transformers builds with latent"
+                          " attention (kv_lora_rank); Mixtral's and Qwen2-MoE's routers use softmax")
+    if knobs.moe_first_dense_layers and not knobs.mla:
+        raise ConfigError("impl hf: moe_first_dense_layers is DeepSeek-V3's first_k_dense_replace (with"
+                          " kv_lora_rank); Mixtral's and Qwen2-MoE's layers have no such field")
+    if knobs.moe and not knobs.moe_shared_expert_intermediate_size and not knobs.mla:
         _check_mixtral(knobs)
     check_latent(knobs)
 
@@ -376,19 +402,34 @@ def check_latent(knobs: Any) -> None:
         raise ConfigError(f"impl hf: DeepseekV3DecoderLayer has RMSNorm and SwiGLU; got norm {knobs.norm} with mlp"
                           f" {knobs.mlp} for kv_lora_rank")
     if knobs.moe:
-        raise ConfigError("impl hf: with kv_lora_rank the layer is DeepseekV3DecoderLayer, whose DeepseekV3MoE (sigmoid"
-                          " router, grouped top-k) is not modelled yet; leave num_experts unset for its dense layers")
+        _check_deepseek_moe(knobs)
     if knobs.attention == "flash":
         raise ConfigError("impl hf: with kv_lora_rank, SDPA gets query/key heads of qk_nope+qk_rope channels and"
                           " values of v_head_dim, so its flash kernel does not run (CPU: the fp32 math kernel,"
                           " CUDA: memory-efficient attention), which memcalc does not model; use attention eager")
 
 
+def _check_deepseek_moe(knobs: Any) -> None:
+    """DeepseekV3MoE: a sigmoid router, n_shared_experts shared experts of the experts' width, every layer past
+    first_k_dense_replace sparse."""
+    if knobs.moe_router_score_function != "sigmoid":
+        raise ConfigError("impl hf: DeepseekV3TopkRouter scores with sigmoid; set moe_router_score_function sigmoid")
+    width, shared = knobs.moe_ffn_hidden_size, knobs.moe_shared_expert_intermediate_size
+    if not shared or width is None or shared % width:
+        raise ConfigError(f"impl hf: DeepseekV3MoE's shared experts are n_shared_experts of moe_intermediate_size:"
+                          f" moe_shared_expert_intermediate_size={shared} must be a multiple of moe_ffn_hidden_size"
+                          f"={width}")
+    if knobs.moe_layer_freq != 1:
+        raise ConfigError(f"impl hf: moe_layer_freq={knobs.moe_layer_freq}: transformers' DeepseekV3DecoderLayer is"
+                          " sparse at every layer past first_k_dense_replace (moe_first_dense_layers)")
+
+
 IMPLEMENTATION = Implementation(
     name="hf",
     title="Hugging Face transformers",
     measured_on="transformers 5.24.0 (torch 2.13.0, CPU, bf16): LlamaDecoderLayer, Qwen2DecoderLayer,"
-    " MistralDecoderLayer and GPT2Block, attn_implementation eager and sdpa; DeepseekV3DecoderLayer (dense MLP), eager",
+    " MistralDecoderLayer and GPT2Block, attn_implementation eager and sdpa; MixtralDecoderLayer and"
+    " Qwen2MoeDecoderLayer; DeepseekV3DecoderLayer (dense MLP and DeepseekV3MoE), eager",
     layer_tensors=layer_tensors,
     strategies=("none",),
     check=check,

@@ -87,7 +87,7 @@ SOFTMAX_FP32 = SavedTensor(
 )
 
 # MoELayer (megatron/core/transformer/moe/, 0.16.1): TopKRouter, the all-to-all token dispatcher and
-# SequentialMLP, read from the code (not yet measured). Tensors over the tokens a rank routes live in the
+# SequentialMLP, measured under a forced router (none, tp-sp; ep 1, 2, 4 on the fake group). Tensors over the tokens a rank routes live in the
 # sequence region; those over the slots its experts receive in the expert region.
 _BSK = (Dim.B, Dim.S, Dim.K)
 TOPK_PROBS = SavedTensor(
@@ -100,14 +100,45 @@ ALL_PROBS = SavedTensor(
     (Dim.B, Dim.S, Dim.E), Kind.FP32, Region.SEQUENCE,
     "softmax backward needs its output: every expert's probability, of which top-k keeps k", paper=False,
 )
+# score_function "sigmoid" (DeepSeek-V3): torch.sigmoid(logits.float()) keeps its fp32 output; the chosen scores
+# (topk, or with the expert bias gather by the biased top-k's indices) are cast back to the logits' dtype and, for
+# k > 1, divided by their sum + 1e-20, a division that keeps both. Group-limited routing's top-ks and mask are saved
+# by ops whose values nobody reads, freed when routing returns; the scaling factor is a product by a number.
+SIGMOID_SCORES = SavedTensor(
+    "moe/sigmoid_scores_fp32", "router: torch.sigmoid(logits.float()) (score_function sigmoid)", (Dim.B, Dim.S, Dim.E),
+    Kind.FP32, Region.SEQUENCE, "sigmoid's derivative is read from its output: every expert's score", paper=False,
+)
+TOPK_SCORES = SavedTensor(
+    "moe/topk_scores", "router: the k chosen sigmoid scores / (their sum + 1e-20), k > 1", _BSK, Kind.ACTIVATION,
+    Region.SEQUENCE, "the division's gradient for its divisor reads the dividend", paper=False,
+)
+TOPK_DENOMINATOR = SavedTensor(
+    "moe/topk_denominator", "router: the k chosen sigmoid scores / (their sum + 1e-20), k > 1", (Dim.B, Dim.S),
+    Kind.ACTIVATION, Region.SEQUENCE, "the division's backward reads its divisor", paper=False,
+)
 AUX_SCORES = SavedTensor(
     "moe/aux_scores_fp32", "router: softmax over all E logits in fp32 (compute_routing_scores_for_aux_loss)",
     (Dim.B, Dim.S, Dim.E), Kind.FP32, Region.SEQUENCE,
     "the load-balancing loss's gradient flows through the softmax over every expert's score",
 )
+AUX_TOKENS_PER_EXPERT = SavedTensor(
+    "moe/aux_tokens_per_expert", "switch_load_balancing_loss_func: sum(scores, dim=0) * tokens_per_expert", (Dim.E,),
+    Kind.INT64, Region.REPLICATED, "the product's gradient for the summed scores is each expert's token count"
+    " (routing_map.sum(0), all-reduced over the tensor-parallel group)", paper=False,
+)
+AUX_LOSS = SavedTensor(
+    "moe/aux_loss", "MoEAuxLossAutoScaler.forward: ctx.save_for_backward(aux_loss)", (), Kind.FP32,
+    Region.REPLICATED, "attached to the routing probabilities, the loss (one fp32 number) is kept so that backward"
+    " can start its gradient", paper=False,
+)
 ROUTING_MAP = SavedTensor(
     "moe/routing_map", "permute: probs.T.masked_select(routing_map)", (Dim.B, Dim.S, Dim.E), Kind.MASK,
     Region.SEQUENCE, "masked_select's backward scatters the gradient back through the same map", paper=False,
+)
+PROBS_T = SavedTensor(
+    "moe/probs_t", "permute: probs.T.contiguous().masked_select(routing_map)", (Dim.B, Dim.S, Dim.E),
+    Kind.ACTIVATION, Region.SEQUENCE, "masked_select's backward reads its input (every expert's routing weight,"
+    " zero where not chosen, in the activation dtype) to build the gradient in its shape", paper=False,
 )
 PERMUTE_INDICES = SavedTensor(
     "moe/permute_indices", "permute: tokens.index_select(sorted_indices); unpermute's scatter_add_", _BSK,
@@ -115,6 +146,7 @@ PERMUTE_INDICES = SavedTensor(
     paper=False,
 )
 EXPERT_UP_COPY = replace(SWIGLU_UP_COPY, name="moe/expert_up_plus_offset", shape=(Dim.R, Dim.FE), region=Region.EXPERT)
+SHARED_UP_COPY = replace(SWIGLU_UP_COPY, name="moe/shared_up_plus_offset", shape=(Dim.B, Dim.S, Dim.U))
 EXPERT_ACT_OUT = SavedTensor(
     "moe/expert_act_out", "MLP.activation_func_with_probs: activation(fc1) * probs", (Dim.R, Dim.FE),
     Kind.ACTIVATION, Region.EXPERT, "the gradient of the routing probability is sum(dY * activation)",
@@ -171,7 +203,8 @@ MLA_KV_NORM = ledger.MLA_KV_NORM._replace(input=MLA_KV_DOWN_VIEW)
 
 TENSORS: tuple[SavedTensor, ...] = (  # megatron's own
     K_EXPANDED, V_EXPANDED, QKV_QUERY_COLUMNS, SWIGLU_UP_COPY, CAUSAL_MASK, SOFTMAX_FP32,
-    TOPK_PROBS, ALL_PROBS, AUX_SCORES, ROUTING_MAP, PERMUTE_INDICES, EXPERT_UP_COPY, EXPERT_ACT_OUT, EXPERT_PROBS, *MLA_ROPE,
+    TOPK_PROBS, ALL_PROBS, SIGMOID_SCORES, TOPK_SCORES, TOPK_DENOMINATOR, AUX_SCORES, AUX_TOKENS_PER_EXPERT, AUX_LOSS,
+    ROUTING_MAP, PROBS_T, PERMUTE_INDICES, EXPERT_UP_COPY, SHARED_UP_COPY, EXPERT_ACT_OUT, EXPERT_PROBS, *MLA_ROPE,
     MLA_KV_DOWN_VIEW, MLA_Q_LATENT_GATHERED,
 )
 
@@ -252,9 +285,8 @@ def moe_block(knobs: Any) -> tuple[SavedTensor, ...]:
     The experts apply the routing probabilities inside the MLP (activation(fc1) * probs), so the product keeps
     the activation's output and the probabilities; unpermute's scatter_add_ keeps only the permutation indices.
     """
-    aux = (AUX_SCORES,) if knobs.moe_aux_loss else ()
-    probs = ALL_PROBS if knobs.moe_router_pre_softmax else TOPK_PROBS
-    router = (ledger.MOE_IN, probs, ledger.ROUTER_TOPK_INDICES, *aux, ROUTING_MAP, PERMUTE_INDICES)
+    aux = (AUX_SCORES, AUX_TOKENS_PER_EXPERT, AUX_LOSS) if knobs.moe_aux_loss else ()
+    router = (ledger.MOE_IN, *router_scores(knobs), ledger.ROUTER_TOPK_INDICES, *aux, ROUTING_MAP, PROBS_T, PERMUTE_INDICES)
     if knobs.mlp != "swiglu":
         activation: tuple[SavedTensor, ...] = (ledger.EXPERT_GELU_IN,)
     elif knobs.bias_activation_fusion:
@@ -266,13 +298,23 @@ def moe_block(knobs: Any) -> tuple[SavedTensor, ...]:
     return (*router, *experts, *shared_experts(knobs), *mask)
 
 
+def router_scores(knobs: Any) -> tuple[SavedTensor, ...]:
+    """topk_routing_with_score_function: the softmax over the top k (or, pre-softmax, over all E), or every
+    expert's sigmoid with the chosen scores' renormalisation (k > 1)."""
+    if knobs.moe_router_score_function == "sigmoid":
+        return (SIGMOID_SCORES, *((TOPK_SCORES, TOPK_DENOMINATOR) if knobs.moe_router_topk > 1 else ()))
+    return (ALL_PROBS,) if knobs.moe_router_pre_softmax else (TOPK_PROBS,)
+
+
 def shared_experts(knobs: Any) -> tuple[SavedTensor, ...]:
     """SharedExpertMLP: a dense MLP of width u on every token; its fc1 reads the router's input (one storage)."""
     if not knobs.moe_shared_expert_intermediate_size:
         return ()
     if knobs.mlp != "swiglu":
         return (ledger.SHARED_GELU_IN, ledger.SHARED_FC2_IN)
-    return (ledger.SHARED_GATE, ledger.SHARED_UP, ledger.SHARED_SILU_OUT, ledger.SHARED_FC2_IN)
+    if knobs.bias_activation_fusion:  # BiasSwiGLUFunction keeps fc1's output alone, as the dense MLP's
+        return (ledger.SHARED_GATE, ledger.SHARED_UP, ledger.SHARED_FC2_IN)
+    return (ledger.SHARED_GATE, ledger.SHARED_UP, ledger.SHARED_SILU_OUT, SHARED_UP_COPY, ledger.SHARED_FC2_IN)
 
 
 def layer_tensors(knobs: Any, accounting: Accounting, fused_softmax: bool = True) -> tuple[SavedTensor, ...]:
@@ -323,6 +365,9 @@ def check(knobs: Any) -> None:
         )
     if knobs.recompute == "op":
         raise ConfigError("impl megatron: recompute op is torchtitan's op-level checkpointing; use selective or full")
+    if knobs.moe_router_score_function == "sigmoid" and (knobs.moe_router_pre_softmax or knobs.moe_aux_loss):
+        raise ConfigError("impl megatron: with the sigmoid router, moe_router_pre_softmax changes nothing (it always"
+                          " renormalises the top k) and its aux-loss scores are not modelled; leave both unset")
 
 
 IMPLEMENTATION = Implementation(

@@ -26,9 +26,15 @@ GPT-2 under SDPA keeps q, k and v as views of the one c_attn output: that storag
 is labelled with a private marker and reported as the ledger's Q, K and V, a
 third of its bytes each (`_attributed`), as the Megatron runner does.
 
-A config with latent attention (kv_lora_rank) runs `DeepseekV3DecoderLayer` with
-its dense MLP (first_k_dense_replace covering the layer), eager only: the latent
-norms are LlamaRMSNorm's code, and the model's RoPE tables are the RoPE part's.
+A config with latent attention (kv_lora_rank) runs `DeepseekV3DecoderLayer`, eager
+only: the latent norms are LlamaRMSNorm's code, and the model's RoPE tables are the
+RoPE part's. Without experts first_k_dense_replace covers the layer (a dense MLP);
+with them the layer is the first past moe_first_dense_layers, a DeepseekV3MoE whose
+router weight and correction bias stay fp32 as transformers loads them
+(`_keep_in_fp32_modules_strict`), routed within groups: n_group 2 (topk_group 1)
+when k <= E/2, else one group, so the group choice runs for real. What its
+discarded top-ks save is freed when the router returns: the recorder counts what is
+still kept when the forward ends (`kept_only`).
 
 A config with experts runs `MixtralDecoderLayer`, or `Qwen2MoeDecoderLayer` when
 it has shared experts (its MoE layer, index moe_layer_freq - 1: transformers'
@@ -59,7 +65,7 @@ from memcalc.probe.layer import DTYPES
 from memcalc.probe.libs.hf_shim import NOTES as SHIM_NOTES
 from memcalc.probe.libs.hf_shim import cuda_like_dropout, forced_routing
 from memcalc.probe.libs.hf_shim import route_note as route_note  # measure prints it for --route
-from memcalc.probe.libs.labels import Labels, Rule
+from memcalc.probe.libs.labels import Labels, Rule, merged_rows
 from memcalc.probe.measure import INPUT_SEED
 from memcalc.probe.recorder import SavedStorage, SavedTensorRecorder, label
 
@@ -79,7 +85,7 @@ _GATE_UP = SavedTensor("moe/expert_gate_up", "MixtralExperts gate_up_proj", (), 
                        "chunked into gate and up")
 _GATE_UP_PARTS = (ledger.EXPERT_GATE, ledger.EXPERT_UP)
 _MARKERS = (_QKV_OUT, _GATE_UP)
-_MOE_FAMILIES = ("mixtral", "qwen2_moe")
+_MOE_FAMILIES = ("mixtral", "qwen2_moe", "deepseek_v3")
 # The (1, s, d) RoPE tables the model passes its layers: a Llama head's, or latent attention's RoPE part's.
 _ROPE_TABLES = ((rules.ROPE_COS, rules.ROPE_SIN), (rules.MLA_ROPE_COS, rules.MLA_ROPE_SIN))
 
@@ -109,7 +115,7 @@ def record_layer(
     x = _layer_input(config, tp.device)
     rope = next((pair for pair in _ROPE_TABLES if pair[0].name in expected), None)
     with cuda_like_dropout(), _routing(family, route, config.moe_router_topk):
-        with SavedTensorRecorder(layer.parameters()) as recorder, Labels(layer, label_rules):
+        with SavedTensorRecorder(layer.parameters(), kept_only=True) as recorder, Labels(layer, label_rules):
             y = layer(x, **extra(x, rope))
         y.backward(torch.ones_like(y))  # inside the shim: a checkpoint's recompute must drop out alike
     return _merged_experts(_attributed(recorder.saved, config))
@@ -119,18 +125,10 @@ def _family(config: ModelConfig) -> str:
     if not rules.is_llama(config):
         return "gpt2"
     if config.mla:
-        return _latent_family(config)
+        return "deepseek_v3"
     if config.moe:
         return "qwen2_moe" if config.moe_shared_expert_intermediate_size else "mixtral"
     return "qwen2" if config.add_qkv_bias else "llama"
-
-
-def _latent_family(config: ModelConfig) -> str:
-    """DeepseekV3DecoderLayer, dense (first_k_dense_replace covers it): DeepSeek's MoE block is not measured yet."""
-    if config.moe:
-        raise ProbeError("impl hf: DeepseekV3MoE (sigmoid router, grouped top-k, shared experts) is not measured yet;"
-                         " measure latent attention with a dense MLP (leave num_experts unset)")
-    return "deepseek_v3"
 
 
 def _routing(family: str, route: str | None, k: int) -> Any:
@@ -140,8 +138,8 @@ def _routing(family: str, route: str | None, k: int) -> Any:
     if family not in _MOE_FAMILIES:
         raise ProbeError(f"--route {route} forces a MoE router: the config has no experts (set num_experts)")
     _, module = _llama_family(family)
-    router = module.MixtralTopKRouter if family == "mixtral" else module.Qwen2MoeTopKRouter
-    return forced_routing((router,), route, k)
+    routers = {"mixtral": "MixtralTopKRouter", "qwen2_moe": "Qwen2MoeTopKRouter", "deepseek_v3": "DeepseekV3TopkRouter"}
+    return forced_routing((getattr(module, routers[family]),), route, k)
 
 
 def _layer_input(config: ModelConfig, device: torch.device) -> torch.Tensor:
@@ -171,12 +169,36 @@ def _build(config: ModelConfig, family: str, device: torch.device, dense: bool =
         layer_class = getattr(module, f"{config_class.__name__.removesuffix('Config')}DecoderLayer")
         rotary = getattr(module, f"{config_class.__name__.removesuffix('Config')}RotaryEmbedding")(hf_config)
     torch.manual_seed(INPUT_SEED)  # the weights, as the layer initialises them
-    layer_idx = 0 if dense or family not in _MOE_FAMILIES else config.moe_layer_freq - 1
-    layer = layer_class(hf_config, layer_idx=layer_idx).to(device=device, dtype=DTYPES[config.dtype]).train()
+    layer = layer_class(hf_config, layer_idx=_layer_index(config, family, dense))
+    layer = layer.to(device=device, dtype=DTYPES[config.dtype]).train()
+    _keep_fp32(layer, module)
     _init_experts(layer, hf_config)
     if config.recompute == "full":
         _checkpointing(layer)
     return layer, partial(_inputs, hf_config, rotary)
+
+
+def _layer_index(config: ModelConfig, family: str, dense: bool) -> int:
+    """The layer to build: 0 when dense is asked for (a mix's dense layer), else a MoE family's first MoE layer
+    (Qwen2-MoE's freq - 1; DeepSeek-V3's first past first_k_dense_replace)."""
+    first_dense = config.moe_first_dense_layers or 0
+    if family == "deepseek_v3" and config.moe and dense and not first_dense:
+        raise ProbeError("impl hf: DeepSeek-V3's layers are all MoE without moe_first_dense_layers; set it to measure"
+                         " a dense one")
+    if dense or family not in _MOE_FAMILIES:
+        return 0
+    return first_dense if family == "deepseek_v3" else config.moe_layer_freq - 1
+
+
+def _keep_fp32(layer: Any, module: Any) -> None:
+    """What the model class keeps in fp32 whatever the dtype (`_keep_in_fp32_modules_strict`: DeepSeek-V3's router
+    weight and correction bias), put back to fp32 after the layer's cast, as from_pretrained loads it."""
+    model = next((v for name, v in vars(module).items() if name.endswith("PreTrainedModel") and name != "PreTrainedModel"),
+                 None)  # the family's own (DeepseekV3PreTrainedModel), not transformers' base class it imports
+    names = getattr(model, "_keep_in_fp32_modules_strict", None) or ()
+    for name, tensor in [*layer.named_parameters(), *layer.named_buffers()]:
+        if any(name.endswith(kept) for kept in names):
+            tensor.data = tensor.data.float()
 
 
 def llama_config(config: ModelConfig, family: str = "llama") -> Any:
@@ -206,21 +228,31 @@ def _moe_fields(config: ModelConfig, family: str) -> dict[str, Any]:
                 "norm_topk_prob": not config.moe_router_pre_softmax, "decoder_sparse_step": config.moe_layer_freq,
                 "mlp_only_layers": [], "qkv_bias": config.add_qkv_bias, "experts_implementation": "eager",
                 "num_hidden_layers": max(config.L, config.moe_layer_freq)}  # the probe's MoE layer is freq - 1
+    if family == "deepseek_v3" and config.moe:
+        groups = 2 if config.moe_router_topk <= config.num_experts // 2 else 1  # the group choice, for real
+        return {"n_routed_experts": config.num_experts, "num_experts_per_tok": config.moe_router_topk,
+                "moe_intermediate_size": config.expert_ffn,
+                "n_shared_experts": config.moe_shared_expert_intermediate_size // config.expert_ffn,
+                "norm_topk_prob": not config.moe_router_pre_softmax, "n_group": groups, "topk_group": 1,
+                "first_k_dense_replace": config.moe_first_dense_layers or 0, "experts_implementation": "eager",
+                "num_hidden_layers": max(config.L, (config.moe_first_dense_layers or 0) + 1)}
     return {}
 
 
 def _latent_fields(config: ModelConfig, family: str) -> dict[str, Any]:
-    """DeepseekV3Config's latent attention widths; every layer dense (first_k_dense_replace L), plain RoPE (no
-    YaRN scaling: it scales cos and sin, the same tensors), DeepSeek's interleaved RoPE layout (its default)."""
+    """DeepseekV3Config's latent attention widths, plain RoPE (no YaRN scaling: it scales cos and sin, the same
+    tensors), DeepSeek's interleaved RoPE layout (its default); without experts every layer dense
+    (first_k_dense_replace L; with them `_moe_fields` places the MoE layers)."""
     if family != "deepseek_v3":
         return {}
+    dense = {} if config.moe else {"first_k_dense_replace": config.L}
     return {"q_lora_rank": config.q_lora_rank, "kv_lora_rank": config.kv_lora_rank,
             "qk_rope_head_dim": config.qk_rope_head_dim, "qk_nope_head_dim": config.qk_nope_head_dim,
-            "v_head_dim": config.v_head_dim, "first_k_dense_replace": config.L, "rope_interleave": True}
+            "v_head_dim": config.v_head_dim, "rope_interleave": True} | dense
 
 
 def _init_experts(layer: Any, hf_config: Any) -> None:
-    """The experts' 3-D weights and the router's are torch.empty (Qwen's router zeros) until the model's
+    """The experts' 3-D weights and the router's are torch.empty (Qwen's and DeepSeek's routers zeros) until the model's
     `_init_weights`; give them its normal(0, initializer_range), so the real router's choice depends on the data."""
     for name, parameter in layer.named_parameters():
         if name.startswith(("mlp.experts.", "mlp.gate.")):
@@ -431,13 +463,38 @@ def _moe_rules(config: ModelConfig) -> tuple[Rule, ...]:
     def per_token(x: Any) -> Any:  # (b*s, 1) as (b, s)
         return x.unflatten(0, (config.b, -1)).squeeze(-1)
 
-    experts, shared = "mlp.experts", "mlp.shared_expert"
+    experts = "mlp.experts"
+    if config.mla:
+        return (*_deepseek_router_rules(flat, per_token), *_expert_rules(experts),
+                *_shared_rules("mlp.shared_experts", lambda x: x))
     return (
         Rule("mlp.gate", "linear", ledger.MOE_IN, arg=0, view=flat),
         Rule("mlp.gate", "softmax", rules.ROUTER_PROBS, view=flat),
         Rule("mlp.gate", "topk", ledger.ROUTER_TOPK_INDICES, view=_kept("TopkBackward0", "_saved_indices", then=flat)),
         Rule("mlp.gate", "sum", rules.TOPK_SUM, view=per_token),
         Rule("mlp.gate", "div_", rules.TOPK_WEIGHTS, view=_kept("DivBackward0", "_saved_self", then=flat)),
+        *_expert_rules(experts), *_shared_rules("mlp.shared_expert", flat),
+        Rule("mlp.shared_expert.down_proj", "linear", rules.SHARED_OUT, view=flat),
+        Rule("mlp", "sigmoid", rules.SHARED_GATE_SIGMOID, view=per_token),
+    )
+
+
+def _deepseek_router_rules(flat: Callable[[Any], Any], per_token: Callable[[Any], Any]) -> tuple[Rule, ...]:
+    """DeepseekV3TopkRouter: F.linear on the fp32 copy of x, the sigmoid, gather by the chosen indices, and the
+    in-place renormalisation (its divisor is sum + 1e-20)."""
+    return (
+        Rule("mlp.gate", "linear", rules.ROUTER_IN_FP32, arg=0, view=flat),
+        Rule("mlp.gate", "sigmoid", rules.ROUTER_SCORES, view=flat),
+        Rule("mlp.gate", "gather", ledger.ROUTER_TOPK_INDICES, arg=2, view=flat),
+        Rule("mlp.gate", "div_", rules.TOPK_SUM, view=_kept("DivBackward0", "_saved_other", then=per_token)),
+        Rule("mlp.gate", "div_", rules.TOPK_WEIGHTS, view=_kept("DivBackward0", "_saved_self", then=flat)),
+    )
+
+
+def _expert_rules(experts: str) -> tuple[Rule, ...]:
+    """The experts' eager loop (MixtralExperts' code, DeepseekV3Experts' too): two linears and two products an
+    expert."""
+    return (
         Rule(experts, "where", rules.TOKEN_SLOTS, nth=None),  # (token_pos, token_idx): views of one (r_e, 2) storage
         Rule(experts, "linear", ledger.EXPERT_IN, nth=0, every=2, arg=0),
         Rule(experts, "linear", _GATE_UP, nth=0, every=2),
@@ -447,12 +504,18 @@ def _moe_rules(config: ModelConfig) -> tuple[Rule, ...]:
         Rule(experts, "mul", rules.EXPERT_WEIGHT, nth=1, every=2, arg=1, view=_stats),
         Rule(experts, "mul", rules.EXPERT_WEIGHT_CAST, nth=1, every=2, arg=1, view=_stats),
         Rule(experts, "index_add_", rules.COMBINE_IN, nth=None, arg=3),
-        Rule(f"{shared}.gate_proj", "linear", ledger.SHARED_GATE, view=flat),
-        Rule(f"{shared}.up_proj", "linear", ledger.SHARED_UP, view=flat),
-        Rule(f"{shared}.act_fn", "silu", ledger.SHARED_SILU_OUT, view=flat),
-        Rule(f"{shared}.down_proj", "linear", ledger.SHARED_FC2_IN, arg=0, view=flat),
-        Rule(f"{shared}.down_proj", "linear", rules.SHARED_OUT, view=flat),
-        Rule("mlp", "sigmoid", rules.SHARED_GATE_SIGMOID, view=per_token),
+    )
+
+
+def _shared_rules(shared: str, view: Callable[[Any], Any]) -> tuple[Rule, ...]:
+    """The shared MLP (Qwen2-MoE's on flattened tokens, DeepSeek-V3's on (b, s, h)); DeepSeek's reads the block's
+    input itself, the router an fp32 copy, so there the block's input is the shared MLP's."""
+    return (
+        Rule(f"{shared}.gate_proj", "linear", ledger.MOE_IN, arg=0, view=view),
+        Rule(f"{shared}.gate_proj", "linear", ledger.SHARED_GATE, view=view),
+        Rule(f"{shared}.up_proj", "linear", ledger.SHARED_UP, view=view),
+        Rule(f"{shared}.act_fn", "silu", ledger.SHARED_SILU_OUT, view=view),
+        Rule(f"{shared}.down_proj", "linear", ledger.SHARED_FC2_IN, arg=0, view=view),
     )
 
 
@@ -506,18 +569,5 @@ def _attributed(saved: tuple[SavedStorage, ...], config: ModelConfig) -> tuple[S
 def _merged_experts(saved: tuple[SavedStorage, ...]) -> tuple[SavedStorage, ...]:
     """Each expert-region name's storages (one an expert) as one row of r = the sum of their rows, where the first
     is."""
-    expert = {name for name, x in rules.IMPLEMENTATION.by_name().items() if x.region is Region.EXPERT}
-    merged: dict[str, SavedStorage] = {}
-    rows: list[SavedStorage | str] = []
-    for storage in saved:
-        if storage.name not in expert:
-            rows.append(storage)
-            continue
-        known = merged.get(storage.name)
-        if known is None:
-            rows.append(storage.name)
-            merged[storage.name] = storage
-        else:
-            shape = (known.shape[0] + storage.shape[0], *known.shape[1:])
-            merged[storage.name] = SavedStorage(storage.name, known.nbytes + storage.nbytes, shape, storage.dtype)
-    return tuple(merged[row] if isinstance(row, str) else row for row in rows)
+    expert = frozenset(name for name, x in rules.IMPLEMENTATION.by_name().items() if x.region is Region.EXPERT)
+    return merged_rows(saved, expert)

@@ -23,7 +23,9 @@ router's forward runs, the logits its `F.linear` returns get a constant lead of
 renormalisation then run as written and keep what they always keep (adding a
 constant keeps nothing). balanced: token i's k slots go to experts (ik + j) mod
 E, so each expert gets kbs/E slots when E divides kbs; all-to-one: every token's
-k slots go to experts 0..k-1.
+k slots go to experts 0..k-1. DeepSeek-V3's sigmoid router scores the led experts
+1.0 (sigmoid(100) in fp32) and the rest about 0.5, so its group choice keeps them
+when the k led experts lie within topk_group groups, as the probe's layer has them.
 """
 
 from __future__ import annotations
@@ -63,8 +65,13 @@ _LEAD = 100.0  # far above any logit of the probe's small, normal(0, 0.02) route
 
 def route_note(route: str) -> str:
     """The `shim:` line a forced route prints."""
+    return f"hf: the router is forced ({route}): its logits get {route_lead(route)}; its scores and top-k run as written"
+
+
+def route_lead(route: str) -> str:
+    """What a forced route adds to the logits, in words (megatron's shim forces its router the same way)."""
     where = "experts (ik + j) mod E for token i, slot j" if route == "balanced" else "experts 0..k-1 for every token"
-    return f"hf: the router is forced ({route}): its logits get +{_LEAD:g} on {where}; softmax and top-k run as written"
+    return f"+{_LEAD:g} on {where}"
 
 
 @contextmanager
@@ -89,7 +96,7 @@ def _leading(original: Any, route: str, k: int) -> Any:
 
         def led(input, weight, bias=None):  # noqa: A002  (torch's own parameter name)
             logits = linear(input, weight, bias)  # (tokens, E)
-            return logits + _lead(logits, route, k)
+            return logits + lead(logits, route, k)
 
         functional.linear = led
         try:
@@ -100,10 +107,10 @@ def _leading(original: Any, route: str, k: int) -> Any:
     return forward
 
 
-def _lead(logits: Any, route: str, k: int) -> Any:
+def lead(logits: Any, route: str, k: int) -> Any:
     """(tokens, E): +_LEAD on each token's assigned experts, 0 elsewhere; a constant, so nothing is saved for it."""
     tokens, experts = logits.shape
     slots = torch.arange(tokens * k, device=logits.device).view(tokens, k)  # slot j of token i is ik + j
     chosen = slots % experts if route == "balanced" else slots % k
-    lead = torch.zeros(tokens, experts, dtype=logits.dtype, device=logits.device)
-    return lead.scatter_(1, chosen, _LEAD)
+    offsets = torch.zeros(tokens, experts, dtype=logits.dtype, device=logits.device)
+    return offsets.scatter_(1, chosen, _LEAD)

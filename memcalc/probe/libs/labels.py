@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 
 from memcalc.model.ledger import SavedTensor
 from memcalc.probe import require_torch
-from memcalc.probe.recorder import label
+from memcalc.probe.recorder import SavedStorage, label
 
 torch = require_torch()
 from torch.overrides import TorchFunctionMode  # noqa: E402  (after the install check above)
@@ -125,3 +125,22 @@ def _pick(result: Any, args: tuple, kwargs: dict, arg: int | str | None) -> Any:
     if isinstance(arg, int):
         return args[arg] if arg < len(args) else None
     return kwargs.get(arg)
+
+
+def merged_rows(saved: tuple[SavedStorage, ...], names: frozenset[str]) -> tuple[SavedStorage, ...]:
+    """Each of `names`' storages (an expert's, one per expert) as one row, where the first is: the sum of their
+    bytes and rows, so that a ledger row of r token slots reads as the experts' storages together."""
+    merged: dict[str, SavedStorage] = {}
+    rows: list[SavedStorage | str] = []
+    for storage in saved:
+        if storage.name not in names:
+            rows.append(storage)
+            continue
+        known = merged.get(storage.name)
+        if known is None:
+            rows.append(storage.name)
+            merged[storage.name] = storage
+        else:
+            shape = (known.shape[0] + storage.shape[0], *known.shape[1:])
+            merged[storage.name] = SavedStorage(storage.name, known.nbytes + storage.nbytes, shape, storage.dtype)
+    return tuple(merged[row] if isinstance(row, str) else row for row in rows)

@@ -17,12 +17,20 @@ Two storages hold several ledger tensors side by side: the fused QKV output
 is labelled with a private marker and reported as one row per ledger tensor,
 its bytes divided by the columns each tensor spans (`_SPLITS`), so the table
 reads row by row as the ledger does and the bytes add up to the storage's.
+
+With num_experts the MLP is megatron's MoELayer (TopKRouter, the all-to-all
+token dispatcher, SequentialMLP experts, SharedExpertMLP), its experts split
+over ep ranks and expert tensor parallelism etp = t: a fake group of t*ep
+ranks when ep > 1 (expert parallelism runs on the fake group only). Each
+expert keeps its tensors for the tokens it got, one storage per expert: a
+ledger row is their sum, of r rows (labels.merged_rows). `--route` forces
+the router (megatron_shim.forced_routing).
 """
 
 from __future__ import annotations
 
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import partial
 from typing import Any, Iterator
 
@@ -36,9 +44,10 @@ from memcalc.model.strategy import Strategy
 from memcalc.probe import require_torch
 from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.layer import DTYPES
-from memcalc.probe.libs.labels import Labels, Rule
+from memcalc.probe.libs.labels import Labels, Rule, merged_rows
 from memcalc.probe.libs.megatron_shim import NOTES as SHIM_NOTES
-from memcalc.probe.libs.megatron_shim import cpu_megatron, local_spec, seed_rng_tracker
+from memcalc.probe.libs.megatron_shim import cpu_megatron, forced_routing, local_spec, seed_rng_tracker
+from memcalc.probe.libs.megatron_shim import route_note as route_note  # measure prints it for --route
 from memcalc.probe.measure import INPUT_SEED, _layer_input
 from memcalc.probe.recorder import SavedStorage, SavedTensorRecorder, batch_first
 
@@ -59,26 +68,45 @@ _QKV_OUT = SavedTensor("attention/qkv_out", "linear_qkv", (), Kind.ACTIVATION, R
 _FC1_OUT = SavedTensor("mlp/fc1_out", "linear_fc1", (), Kind.ACTIVATION, Region.TENSOR, "split into gate, up")
 _HOST = SavedTensor("host/scalar", "torch.tensor([...])", (), Kind.FP32, Region.TENSOR, "host memory, not on the GPU")
 _FREED = SavedTensor("layer/freed_mask", "bias-dropout-add", (), Kind.MASK, Region.SEQUENCE, "freed after forward")
+# An expert's (or the shared experts') fc1 output under SwiGLU: gate and up side by side, halves of its columns.
+_EXPERT_FC1_OUT = SavedTensor("moe/expert_fc1_out", "linear_fc1", (), Kind.ACTIVATION, Region.EXPERT, "gate, up")
+_SHARED_FC1_OUT = SavedTensor("moe/shared_fc1_out", "linear_fc1", (), Kind.ACTIVATION, Region.TENSOR, "gate, up")
+_HALVES = {
+    _EXPERT_FC1_OUT.name: (ledger.EXPERT_GATE, ledger.EXPERT_UP),
+    _SHARED_FC1_OUT.name: (ledger.SHARED_GATE, ledger.SHARED_UP),
+}
+# Each expert keeps these for its own tokens, a storage per expert: one ledger row of r rows in all.
+_EXPERT_ROWS = frozenset(x.name for x in rules.IMPLEMENTATION.by_name().values() if x.region is Region.EXPERT)
 
 
-def run_layer(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy) -> tuple[SavedStorage, ...]:
-    """Build megatron's layer for this rank, record one forward, run backward once; what it saved."""
-    _check(config)
+def run_layer(
+    tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, route: str | None = None
+) -> tuple[SavedStorage, ...]:
+    """Build megatron's layer for this rank, record one forward, run backward once; what it saved.
+
+    `route` forces a MoE router's assignment (megatron_shim.forced_routing)."""
+    _check(config, tp, strategy, route)
     with warnings.catch_warnings():
         _quiet()  # before the shim imports megatron, which warns as it is imported
-        return _recorded(tp, config, strategy)
+        return _recorded(tp, config, strategy, route)
 
 
-def _recorded(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy) -> tuple[SavedStorage, ...]:
-    with cpu_megatron(), _model_parallel(tp):
+def _recorded(
+    tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, route: str | None
+) -> tuple[SavedStorage, ...]:
+    """One forward under labels, then backward. A MoE layer counts only what a live node still holds
+    (kept_only): the aux loss's top-k saves indices for values nobody reads, freed as the router returns."""
+    routing = forced_routing(route, config.moe_router_topk) if route else nullcontext()
+    with cpu_megatron(), _model_parallel(tp, config.ep), routing:
         torch.manual_seed(WEIGHT_SEED)
         root = _build(config, tp, strategy.sequence_parallel)
         seed_rng_tracker(INPUT_SEED, tp.rank)
         x = _layer_input(config, tp, strategy.sequence_parallel)
-        with SavedTensorRecorder(root.parameters()) as recorder, Labels(root, label_rules(config, tp.size)):
+        recorder = SavedTensorRecorder(root.parameters(), kept_only=config.moe)
+        with recorder, Labels(root, label_rules(config, tp.size)):
             y, _ = _forward(root, x)
         y.backward(torch.ones_like(y))
-    return _attributed(recorder.saved, config, tp.size)
+    return merged_rows(_attributed(recorder.saved, config, tp.size), _EXPERT_ROWS)
 
 
 def _quiet() -> None:
@@ -87,7 +115,12 @@ def _quiet() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
 
 
-def _check(config: ModelConfig) -> None:
+def _check(config: ModelConfig, tp: TensorParallelGroup, strategy: Strategy, route: str | None) -> None:
+    """ProbeError for what megatron's local layer cannot run here (each its own line)."""
+    if route is not None and not config.moe:
+        raise ProbeError(f"--route {route} forces a MoE router: the config has no experts (set num_experts)")
+    if config.moe:
+        _check_experts(config, tp, strategy)
     if config.attention == "flash":
         raise ProbeError(
             "impl megatron: the local spec's core attention is DotProductAttention (eager); flash attention"
@@ -95,23 +128,50 @@ def _check(config: ModelConfig) -> None:
         )
 
 
+def _check_experts(config: ModelConfig, tp: TensorParallelGroup, strategy: Strategy) -> None:
+    """MoELayer refuses TP without SP in training, and biases with expert TP or shared experts; ep > 1 needs a
+    fake group of t*ep ranks, which only the fake and single launches can make."""
+    if tp.size > 1 and not strategy.sequence_parallel:
+        raise ProbeError("impl megatron: MoELayer refuses tensor parallelism without sequence parallelism in"
+                         " training (megatron-core's own check); measure MoE with --strategy tp-sp or none")
+    if config.add_bias_linear and (tp.size > 1 or config.moe_shared_expert_intermediate_size):
+        raise ProbeError("impl megatron: megatron-core's MoE has no biases with expert tensor parallelism or"
+                         " shared experts; add --no-add-bias-linear")
+    if config.ep > 1 and tp.mode not in ("single", "fake"):
+        raise ProbeError(f"ep={config.ep} runs as rank 0 of t*ep={tp.size * config.ep} ranks in torch's fake"
+                         f" group only; measure with --launch fake (not {tp.mode})")
+
+
 @contextmanager
-def _model_parallel(tp: TensorParallelGroup) -> Iterator[None]:
-    """megatron's parallel_state over the probe's group; a one-rank fake group when there is none."""
+def _model_parallel(tp: TensorParallelGroup, ep: int = 1) -> Iterator[None]:
+    """megatron's parallel_state over the probe's group (tensor parallel t, expert parallel ep, expert tensor
+    parallel t); a fake group of t*ep ranks where the probe has none, or a fake one of t while ep > 1."""
     from megatron.core import parallel_state
 
-    own_group = not dist.is_initialized()
+    world = tp.size * ep
+    own_group = not dist.is_initialized() or dist.get_world_size() != world
     if own_group:
-        from torch.testing._internal.distributed.fake_pg import FakeStore  # registers backend "fake"
-
-        dist.init_process_group("fake", rank=0, world_size=1, store=FakeStore())
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp.size, create_gloo_process_groups=False)
+        _fake_world(world)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp.size, expert_model_parallel_size=ep, expert_tensor_parallel_size=tp.size,
+        create_gloo_process_groups=False,
+    )
     try:
         yield
     finally:
         parallel_state.destroy_model_parallel()
         if own_group:
-            dist.destroy_process_group()
+            _fake_world(tp.size if tp.mode == "fake" else None)  # the launch's own fake group of t, back
+
+
+def _fake_world(size: int | None) -> None:
+    """The default process group becomes torch's fake one of `size` ranks, this one rank 0 (None: no group)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers backend "fake"
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if size is not None:
+        dist.init_process_group("fake", rank=0, world_size=size, store=FakeStore())
 
 
 # -- the layer --------------------------------------------------------------------
@@ -134,7 +194,24 @@ def transformer_config(config: ModelConfig, t: int, sequence_parallel: bool) -> 
         bias_activation_fusion=config.bias_activation_fusion, masked_softmax_fusion=True,
         tensor_model_parallel_size=t, sequence_parallel=sequence_parallel,
         params_dtype=DTYPES[config.dtype], bf16=config.dtype == "bf16", fp16=config.dtype == "fp16",
-        use_cpu_initialization=True, **recompute,
+        use_cpu_initialization=True, **recompute, **_experts(config, t),
+    )
+
+
+def _experts(config: ModelConfig, t: int) -> dict[str, Any]:
+    """TransformerConfig's MoE fields: the all-to-all dispatcher, experts over ep ranks and etp = t; an aux loss
+    coefficient of 1e-2 (Megatron-LM's suggested start) when moe_aux_loss is on, else 0 (its default)."""
+    if not config.moe:
+        return {}
+    return dict(
+        num_moe_experts=config.num_experts, moe_router_topk=config.moe_router_topk,
+        moe_ffn_hidden_size=config.expert_ffn,
+        moe_shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size,
+        moe_expert_capacity_factor=config.moe_expert_capacity_factor,
+        moe_router_pre_softmax=config.moe_router_pre_softmax,
+        moe_router_score_function=str(config.moe_router_score_function),
+        moe_aux_loss_coeff=1e-2 if config.moe_aux_loss else 0.0, moe_token_dispatcher_type="alltoall",
+        expert_model_parallel_size=config.ep, expert_tensor_parallel_size=t,
     )
 
 
@@ -164,7 +241,7 @@ def _build(config: ModelConfig, tp: TensorParallelGroup, sequence_parallel: bool
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     megatron_config = transformer_config(config, tp.size, sequence_parallel)
-    spec = local_spec(megatron_config.normalization, latent=config.mla)
+    spec = local_spec(megatron_config.normalization, latent=config.mla, num_experts=config.num_experts)
     if config.recompute == "full":
         root = TransformerBlock(megatron_config, spec, post_layer_norm=False)
     else:
@@ -201,7 +278,7 @@ def label_rules(config: ModelConfig, t: int) -> tuple[Rule, ...]:
             Rule("", "forward", ledger.LAYER_INPUT, arg="hidden_states", view=batch_first),
             Rule("layers.0", "view_as", _FREED, nth=None),  # the shim's dropout masks (see _attributed)
         )
-    return (*_attention_rules(config, t), *_mlp_rules(config))
+    return (*_attention_rules(config, t), *(_moe_rules(config, t) if config.moe else _mlp_rules(config)))
 
 
 def _query_copied(config: ModelConfig, t: int) -> bool:
@@ -284,6 +361,60 @@ def _mlp_rules(config: ModelConfig) -> tuple[Rule, ...]:
     )
 
 
+def _moe_rules(config: ModelConfig, t: int) -> tuple[Rule, ...]:
+    """MoELayer: the router (module mlp.router), the permutation (the dispatcher runs in mlp's frame), the
+    experts' input and probabilities as SequentialMLP receives them, each expert's MLP, the shared experts."""
+    b, k = config.b, config.moe_router_topk
+    swiglu = config.mlp == "swiglu"
+
+    def tokens(x: torch.Tensor) -> torch.Tensor:
+        """(s*b, ...) tokens, sequence first -> (b, s, ...)."""
+        return x.unflatten(0, (-1, b)).transpose(0, 1)
+
+    probs = rules.ALL_PROBS if config.moe_router_pre_softmax else rules.TOPK_PROBS
+    aux = (  # switch_load_balancing_loss_func: sum(scores, 0) * tokens_per_expert, then that sum * a number
+        Rule("*mlp.router", "softmax", rules.AUX_SCORES, nth=1, view=tokens),
+        Rule("*mlp.router", "mul", rules.AUX_TOKENS_PER_EXPERT, nth=0, arg=1),
+        Rule("*mlp.router", "mul", rules.AUX_LOSS, nth=1),
+    ) if config.moe_aux_loss else ()
+    expert = "*local_experts.*"
+    return (
+        Rule("*mlp.router", "forward", ledger.MOE_IN, arg=0, view=batch_first),
+        Rule("*mlp.router", "softmax", probs, nth=0, view=tokens),
+        Rule("*mlp.router", "scatter", ledger.ROUTER_TOPK_INDICES, nth=0, arg=2, view=tokens),  # zeros.scatter(1, i, p)
+        *aux,
+        Rule("*mlp", "masked_select", rules.ROUTING_MAP, nth=1, arg=1, view=lambda m: tokens(m.T)),  # (E, tokens)
+        Rule("*mlp", "masked_select", rules.PROBS_T, nth=1, arg=0, view=lambda p: tokens(p.T)),
+        Rule("*mlp", "index_select", rules.PERMUTE_INDICES, nth=0, arg=2, view=lambda i: i.view(b, -1, k)),
+        Rule("*mlp.experts", "forward", ledger.EXPERT_IN, arg=0),
+        Rule("*mlp.experts", "forward", rules.EXPERT_PROBS, arg=2),
+        *_expert_activation_rules(expert, swiglu, lambda x: x),
+        Rule(expert, "mul", rules.EXPERT_ACT_OUT, nth=1 if swiglu else 0, arg=0),  # activation * probs
+        Rule(f"{expert}.linear_fc2", "forward", ledger.EXPERT_FC2_IN, arg=0),
+        *(_shared_rules(swiglu) if config.moe_shared_expert_intermediate_size else ()),
+    )
+
+
+def _expert_activation_rules(module: str, swiglu: bool, view: Any, shared: bool = False) -> tuple[Rule, ...]:
+    """An expert's (or the shared experts') activation: GELU's input; or SwiGLU's fc1 output (gate and up,
+    chunked), SiLU's output and glu's `up + offset` copy (no biases: the first add)."""
+    if not swiglu:
+        return (Rule(module, "gelu", ledger.SHARED_GELU_IN if shared else ledger.EXPERT_GELU_IN, arg=0, view=view),)
+    return (
+        Rule(module, "chunk", _SHARED_FC1_OUT if shared else _EXPERT_FC1_OUT, arg=0, view=view),
+        Rule(module, "silu", ledger.SHARED_SILU_OUT if shared else ledger.EXPERT_SILU_OUT, view=view),
+        Rule(module, "add", rules.SHARED_UP_COPY if shared else rules.EXPERT_UP_COPY, nth=0, view=view),
+    )
+
+
+def _shared_rules(swiglu: bool) -> tuple[Rule, ...]:
+    """SharedExpertMLP, a dense MLP of width u (its fc1 reads the router's input: no rule of its own)."""
+    return (
+        *_expert_activation_rules("*shared_experts", swiglu, batch_first, shared=True),
+        Rule("*shared_experts.linear_fc2", "forward", ledger.SHARED_FC2_IN, arg=0, view=batch_first),
+    )
+
+
 # -- one storage, several ledger rows ---------------------------------------------------------
 
 
@@ -315,6 +446,10 @@ def _attributed(saved: tuple[SavedStorage, ...], config: ModelConfig, t: int) ->
     rows: list[SavedStorage] = []
     for storage in saved:
         if storage.name in (_HOST.name, _FREED.name):
+            continue
+        if storage.name in _HALVES:  # gate and up: the first and second half of each row
+            half = (*storage.shape[:-1], storage.shape[-1] // 2)
+            rows += [SavedStorage(x.name, storage.nbytes // 2, half, storage.dtype) for x in _HALVES[storage.name]]
             continue
         parts = splits.get(storage.name or "")
         if parts is None:

@@ -42,6 +42,20 @@ Made to keep what CUDA keeps (each one is also a line of `NOTES`):
   (`_fused_rms_norm`) keeps the input and rstd. `SequenceParallelNorm` runs
   memcalc's probe norm (`memcalc.probe.norm.Norm`), whose RMSNorm keeps those two,
   and which labels what it keeps with the ledger's names.
+
+Mixture of experts (MoELayer with TopKRouter, the all-to-all dispatcher and SequentialMLP; GroupedMLP
+needs the grouped_gemm CUDA package):
+- Router gating: `moe_utils.RouterGatingLinearFunction` reads Transformer Engine's `te_general_gemm`,
+  a name megatron-core 0.16.1 leaves undefined without TE (a NameError on CUDA too). The shim defines
+  it as None, so the function's torch.mm path runs; it saves the same input and weight either way.
+- The all-to-all dispatcher makes a CUDA stream for its device-to-host copies of the split sizes;
+  `_cpu_dtoh` does what its `_maybe_dtoh_and_synchronize` does, on the CPU (the sizes become numpy).
+- On torch's fake group nothing moves, so the token counts the dispatchers all-gather would be
+  uninitialised memory. `_every_rank_like_this_one` gathers this rank's tensor once per rank instead:
+  every rank routes as this one does (exactly so under a forced route, whose assignment each rank
+  repeats on its own tokens). Gather and concatenation save nothing for backward alike.
+- `forced_routing(route, k)` (`memcalc measure --route`) adds hf_shim's constant lead to the logits
+  TopKRouter.gating returns, so that softmax and top-k pick known experts and run as written.
 """
 
 from __future__ import annotations
@@ -56,11 +70,13 @@ from unittest import mock
 from memcalc.model import ledger
 from memcalc.model.ledger import NormTensors
 from memcalc.probe import require_torch
+from memcalc.probe.libs.hf_shim import lead, route_lead
 from memcalc.probe.norm import EPS, Norm
 from memcalc.probe.recorder import batch_first, label
 
 torch = require_torch()
-from torch import nn  # noqa: E402  (after the install check above)
+import torch.distributed as dist  # noqa: E402  (after the install check above)
+from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
 NOTES: tuple[str, ...] = (
@@ -71,6 +87,9 @@ NOTES: tuple[str, ...] = (
     "torch.compile (megatron's jit_fuser) runs eagerly; CUDA RNG tracker and current_device() use the CPU",
     "latent attention: the local DotProductAttention, taking MLA's k_channels/v_channels (Transformer Engine's"
     " interface), runs MLA's eager core",
+    "MoE: the router's gating runs torch.mm where megatron-core 0.16.1 reads Transformer Engine's te_general_gemm"
+    " (undefined without TE; the same input and weight are saved); the all-to-all dispatcher's device-to-host"
+    " copies of its split sizes run without a CUDA stream; on the fake group each rank routes as rank 0",
 )
 
 _SOFTMAX_EXTENSION = "scaled_upper_triang_masked_softmax_cuda"
@@ -83,6 +102,7 @@ def cpu_megatron() -> Iterator[None]:
     from megatron.core.fusions import fused_softmax
     from megatron.core.tensor_parallel import random as mrandom
     from megatron.core.transformer import multi_latent_attention
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
     with ExitStack() as patches:
         enter = patches.enter_context
@@ -97,6 +117,13 @@ def cpu_megatron() -> Iterator[None]:
         enter(mock.patch.object(mrandom, "_CUDA_RNG_STATE_TRACKER", _CpuRNGStatesTracker()))
         enter(mock.patch.object(mrandom, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", True))
         enter(mock.patch.object(multi_latent_attention, "HAVE_TE", False))
+        enter(mock.patch.object(moe_utils, "te_general_gemm", None, create=True))
+        alltoall = token_dispatcher.MoEAlltoAllTokenDispatcher
+        enter(mock.patch.object(alltoall, "cuda_dtoh_stream", "cpu"))  # not None: __init__ makes no CUDA stream
+        enter(mock.patch.object(alltoall, "_maybe_dtoh_and_synchronize", _cpu_dtoh))
+        gather = token_dispatcher.gather_from_sequence_parallel_region
+        enter(mock.patch.object(token_dispatcher, "gather_from_sequence_parallel_region",
+                                _every_rank_like_this_one(gather)))
         yield
 
 
@@ -156,6 +183,52 @@ def _batch_per_block(sq: int, sk: int, b: int, np: int) -> int:
     warp_size = min(next_power_of_two, 32)
     batches_per_warp = 2 if next_power_of_two <= 128 else 1
     return (128 // warp_size) * batches_per_warp
+
+
+# -- mixture of experts ---------------------------------------------------------------
+
+
+def _cpu_dtoh(self: Any, point: str, tokens_per_expert: Any = None) -> Any:
+    """MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize on the CPU: at its copy point the split sizes
+    become numpy arrays, as the CUDA path's copies make them; no stream to wait for."""
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        for name in ("input_splits", "output_splits", "output_splits_tp"):
+            sizes = getattr(self, name)
+            if torch.is_tensor(sizes):
+                setattr(self, name, sizes.numpy())
+    return tokens_per_expert
+
+
+def _every_rank_like_this_one(gather: Any) -> Any:
+    """The dispatchers' all-gather, which on the fake group gathers this rank's tensor from every rank."""
+
+    def gathered(input_: torch.Tensor, *args: Any, group: Any = None, **kwargs: Any) -> torch.Tensor:
+        if group is None or group.size() == 1 or dist.get_backend(group) != "fake":
+            return gather(input_, *args, group=group, **kwargs)
+        return torch.cat([input_] * group.size())  # (ranks * n, ...): every rank's n rows alike
+
+    return gathered
+
+
+@contextmanager
+def forced_routing(route: str, k: int) -> Iterator[None]:
+    """While inside, TopKRouter's logits lead on the experts `route` assigns (hf_shim.lead), so its k are known."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    gating = TopKRouter.gating
+
+    def led(self: Any, input: torch.Tensor) -> torch.Tensor:  # noqa: A002  (megatron's own parameter name)
+        logits = gating(self, input)  # (s, b, E)
+        return logits + lead(logits.view(-1, logits.shape[-1]), route, k).view_as(logits)
+
+    with mock.patch.object(TopKRouter, "gating", led):
+        yield
+
+
+def route_note(route: str) -> str:
+    """The `shim:` line a forced route prints."""
+    return f"the router is forced ({route}): TopKRouter.gating's logits get {route_lead(route)}; softmax and top-k" \
+        " run as written"
 
 
 # -- the RNG tracker ----------------------------------------------------------------
@@ -233,16 +306,17 @@ class SequenceParallelNorm(nn.Module):
         return y
 
 
-def local_spec(normalization: str, latent: bool = False) -> Any:
+def local_spec(normalization: str, latent: bool = False, num_experts: int | None = None) -> Any:
     """megatron's GPT layer spec without Transformer Engine, its norms swapped for SequenceParallelNorm.
 
     `latent`: MLASelfAttention with its two latent norms (qk_layernorm, as DeepSeek's q_a/kv_a norms) and
-    `MlaDotProductAttention` for the core.
+    `MlaDotProductAttention` for the core. `num_experts`: a MoELayer MLP (SequentialMLP experts).
     """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    spec = get_gpt_layer_local_spec(normalization=normalization, multi_latent_attention=latent, qk_layernorm=latent)
+    spec = get_gpt_layer_local_spec(normalization=normalization, multi_latent_attention=latent, qk_layernorm=latent,
+                                    num_experts=num_experts)
     spec.submodules.input_layernorm = ModuleSpec(module=SequenceParallelNorm, params={"names": ledger.LN1})
     spec.submodules.pre_mlp_layernorm = ModuleSpec(module=SequenceParallelNorm, params={"names": ledger.LN2})
     if latent:
