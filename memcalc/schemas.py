@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from memcalc.sizing.verdict import PEAK, SAVED
+
 SCHEMA_VERSION = 1
 DIALECT = "https://json-schema.org/draft/2020-12/schema"
 
@@ -160,7 +162,7 @@ PER_GPU: Schema = _object({
         "total_bytes": COUNT,
         "worst_stage": TEXT,  # the stage that needs the most
         "needed_bytes": COUNT,  # the step's peak where modelled, else states + saved activations
-        "needed_basis": {"enum": ["the step's peak", "states + saved activations"]},
+        "needed_basis": {"enum": [PEAK, SAVED]},
         "fits": FLAG,
         "headroom_bytes": INT,  # negative when it does not fit
         "stages": {"type": "array", "items": STAGE, "minItems": 1},
@@ -299,7 +301,7 @@ MEASURE_STEP: Schema = _document(
 # A candidate value: its bytes, or null with the rule that makes it invalid.
 _CANDIDATE: Schema = _nullable(_object({
     "value": POSITIVE, "bytes": _nullable(COUNT), "invalid": _nullable(TEXT),
-    "basis": _nullable({"enum": ["the step's peak", "states + saved activations"]}),  # counting the peak only
+    "basis": _nullable({"enum": [PEAK, SAVED]}),  # counting the peak only
 }))
 FIT: Schema = _document(
     {

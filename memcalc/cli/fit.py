@@ -18,7 +18,7 @@ from memcalc.sizing.fit import COUNTS, SOLVES, Candidate, Fit, fit
 from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import STRATEGIES
 from memcalc.schemas import SCHEMA_VERSION
-from memcalc.sizing.verdict import SAVED
+from memcalc.sizing.verdict import PEAK, SAVED
 from memcalc.units import human_bytes
 
 RECOMPUTES = choices("recompute")  # none, selective, full
@@ -26,7 +26,7 @@ _WHAT = {
     "b": "largest micro-batch b", "s": "largest sequence length s", "t": "smallest tensor-parallel size t",
     "pp": "smallest pipeline-parallel size pp", "cp": "smallest context-parallel size cp",
 }
-_SHORT = {"peak": "the step's peak", "total": "total", "activations": "activations"}
+_SHORT = {"peak": PEAK, "total": "total", "activations": "activations"}
 _COUNTED = {
     "peak": "the step's peak on the most loaded pipeline stage (states + saved activations where the step timeline"
     " does not model the config, marked *)",

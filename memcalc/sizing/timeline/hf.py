@@ -411,7 +411,7 @@ class _Step:
         add(f"{g} cos", z.full(width), "x * cos's backward: dY * cos")
         add(f"{g} pre-rope", z.full(width), "x's two gradients summed")
         tape.drop(f"{g} cos", f"{g} rotate_half", f"{g} heads")
-        tape.live[f"{g} heads"] = replace(tape.live.pop(f"{g} pre-rope"), name=f"{g} heads")
+        tape.rename(f"{g} pre-rope", f"{g} heads")
 
     def embedding_backward(self) -> None:
         """The embedding's gradient, dY added into the rows the ids picked; tied, summed with lm_head's."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 
 from memcalc.config.schema import ModelConfig
 from memcalc.model import ledger
@@ -98,8 +97,7 @@ def layer_backward(
             category = TEMPORARIES if rerun and name in _MADE_BY_THE_BLOCK else ACTIVATIONS
             tape.add(f"{p}/{name}", category, n, _WHY_RERUN if rerun else _WHY_SAVED)
     if rerun:  # the checkpoint keeps the layer's input (its one saved tensor) until its backward returns
-        kept = tape.live.pop(f"{p}/{ledger.LN1.input.name}")
-        tape.live[f"{p}/input (the checkpoint's)"] = replace(kept, name=f"{p}/input (the checkpoint's)")
+        tape.rename(f"{p}/{ledger.LN1.input.name}", f"{p}/input (the checkpoint's)")
         tape.add(f"{p}/recomputed output", TEMPORARIES, z.seq(z.h),
                  "the rerun's output: the checkpoint holds it while autograd runs the layer's backward")
         # the MLP branch's output (after its dropout, made by the block itself), added into the residual last
@@ -154,7 +152,7 @@ def layer_backward(
     residual_sum(tape, z, f"{p}.ln1", mid, after_norm, out)
     tape.drop(f"{p}/recomputed output", f"{grad} (held by the checkpoint)", f"{p}/input (the checkpoint's)")
     name = f"grad/layers.{i - 1}/output" if i > first else f"grad/layers.{i}/ln1/input"
-    tape.live[name] = replace(tape.live.pop(out), name=name)
+    tape.rename(out, name)
 
 
 def _core_attention_backward(
@@ -276,7 +274,7 @@ def _sum_over_groups(tape: Tape, z: Sizes, where: str, g: str) -> None:
                  f"repeat_interleave's backward: d{x.upper()} summed over each group's heads")
         tape.mark("backward", where, f"d{x.upper()} summed over each group's heads")
         tape.drop(f"{g}/{x}")
-        tape.live[f"{g}/{x}"] = replace(tape.live.pop(grouped), name=f"{g}/{x}")
+        tape.rename(grouped, f"{g}/{x}")
 
 
 def _unfused_softmax_backward(
@@ -305,4 +303,4 @@ def _unfused_softmax_backward(
         tape.mark("backward", where, "the scores' cast")
         tape.drop(f"{g}/wide scores")
     else:
-        tape.live[f"{g}/scores"] = replace(tape.live.pop(f"{g}/wide scores"), name=f"{g}/scores")
+        tape.rename(f"{g}/wide scores", f"{g}/scores")

@@ -4,7 +4,6 @@ memcalc's own layer (memcalc.probe), allocation by allocation."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Callable
 
 from memcalc.model import ledger
@@ -95,7 +94,7 @@ def enter_tp_backward(tape: Tape, z: Sizes, where: str, dx: str) -> None:
     tape.add(reduced, TEMPORARIES, z.full(z.h), "f's backward all-reduces dX into a copy")
     tape.mark("backward", where, "all-reduce of dX (f's backward)")
     tape.drop(dx)
-    tape.live[dx] = replace(tape.live.pop(reduced), name=dx)
+    tape.rename(reduced, dx)
 
 
 def norm_backward(

@@ -8,7 +8,7 @@ master weights and Adam's moments optimizer states.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from memcalc.config.schema import ModelConfig
 from memcalc.model.knobs import DTYPE_BYTES
@@ -144,6 +144,10 @@ class Tape:
     def drop(self, *names: str) -> None:
         for name in names:
             self.live.pop(name, None)
+
+    def rename(self, old: str, new: str) -> None:
+        """The same bytes, under the name the next op knows them by (a gradient handed on, a buffer reused)."""
+        self.live[new] = replace(self.live.pop(old), name=new)
 
     def mark(self, phase: str, where: str, what: str) -> None:
         self.moments.append(Moment(phase, where, what, tuple(self.live.values())))
