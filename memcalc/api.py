@@ -102,7 +102,8 @@ def sweep(
 
     A size (b, s, h, a, t, L) may be one int, a list or range of ints, or the CLI's text
     ("1:8", "1024:32768:x2"). Combinations that break a divisibility rule are skipped and
-    counted in the result's `skipped`; `result.row(i)` is one row as a dict.
+    counted in the result's `skipped`; `result.row(i)` is one row as a dict. "all" is every layout the
+    implementation runs for the knobs (megatron's MoE layer: none and tp-sp); naming one it does not run is refused.
     """
     from memcalc.sizing.sweep import SIZES, evaluate_sweep, make_sweep, parse_values
 
@@ -120,10 +121,11 @@ def sweep(
         elif value is not None:
             base[name] = value  # one value: checked like any field
     names = [strategies] if isinstance(strategies, str) else list(strategies)
-    chosen = [st for n, st in STRATEGIES.items() if n in names or "all" in names]
     for n in names:
         if n != "all":
             _strategy(n)
+    # "all": every layout the implementation runs for the knobs (result.sweep.strategies says which)
+    chosen = None if "all" in names else [st for n, st in STRATEGIES.items() if n in names]
     with in_file(path):
         planned = make_sweep(base | fields, ranges, chosen, _accounting(exact, device))
     return evaluate_sweep(planned)

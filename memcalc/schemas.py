@@ -79,6 +79,8 @@ KNOBS: Schema = _object({
     "ffn_hidden_size": _nullable(POSITIVE),
     "attention": TEXT,
     "num_query_groups": _nullable(POSITIVE),
+    "kv_channels": _nullable(POSITIVE),  # null: heads of h/a
+    "qk_layernorm": FLAG,
     "norm": TEXT,
     "dropout": {"type": "number", "minimum": 0, "maximum": 1},
     "recompute": {"enum": ["none", "selective", "full"]},
@@ -89,9 +91,12 @@ KNOBS: Schema = _object({
     "moe_ffn_hidden_size": _nullable(POSITIVE),
     "moe_shared_expert_intermediate_size": _nullable(POSITIVE),
     "moe_expert_capacity_factor": _nullable({"type": "number", "exclusiveMinimum": 0}),
+    "moe_pad_expert_input_to_capacity": FLAG,
+    "moe_token_dispatcher_type": {"enum": ["alltoall", "allgather"]},
     "moe_layer_freq": POSITIVE,
     "moe_first_dense_layers": _nullable(POSITIVE),
     "moe_router_score_function": {"enum": ["softmax", "sigmoid"]},
+    "moe_router_enable_expert_bias": FLAG,
     "moe_tokens": {"enum": ["balanced", "capacity", "worst"]},
     "moe_aux_loss": FLAG,
     "moe_router_pre_softmax": FLAG,
@@ -125,7 +130,7 @@ CONFIG: Schema = _object(
     # The fields whose default is None, left out unless set.
     optional=("name", "description", "max_position_embeddings", "vpp", "gpus", "num_microbatches", "global_batch_size",
               "etp", "num_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_first_dense_layers",
-              "moe_expert_capacity_factor", *_MLA),
+              "moe_expert_capacity_factor", "kv_channels", *_MLA),
 )
 
 ACCOUNTING: Schema = _object({"exact": FLAG, "device": {"enum": ["cuda", "cpu"]}})
@@ -210,10 +215,13 @@ COMM: Schema = _document(
             "per_layer_bytes": COUNT,
             "per_step_bytes": COUNT,
             "pipeline_bytes": COUNT,
+            "dense_layer_bytes": COUNT,  # a dense layer's, in a dense and MoE mix (0 otherwise)
+            "layers": {"type": "object", "additionalProperties": COUNT},  # on the stage counted: moe and dense, or dense
             "formula": TEXT,
             "collectives": {"type": "array", "items": _object({
                 "name": TEXT, "operator": TEXT, "op": TEXT, "phase": {"enum": ["forward", "backward"]},
-                "moves": TEXT, "shape": {"type": "array", "items": TEXT}, "bytes_sent": COUNT, "why": TEXT,
+                "over": TEXT, "moves": TEXT, "shape": {"type": "array", "items": TEXT}, "bytes_sent": COUNT,
+                "why": TEXT,
             })},
         })),
     },
@@ -322,10 +330,14 @@ FIT: Schema = _document(
 
 # One list per column, all of length `rows` (JSON Schema cannot say "equal lengths"; the tests do).
 _SWEEP_COLUMNS = {name: {"type": "array", "items": POSITIVE} for name in ("b", "s", "h", "a", "t", "L")}
+_EXPERT_AXES = ("num_experts", "moe_router_topk", "ep")  # columns of a sweep whose model has experts
 SWEEP: Schema = _document(
     {
         "model": _nullable(TEXT),
-        "knobs": KNOBS,
+        # With experts, the knobs' num_experts and moe_router_topk and the top-level ep are null: each row's
+        # values are in the columns.
+        "knobs": {**KNOBS, "properties": {**KNOBS["properties"], "moe_router_topk": _nullable(POSITIVE)}},
+        "ep": _nullable(POSITIVE),
         "accounting": {"enum": ["paper", "exact-cuda", "exact-cpu"]},
         "configurations": COUNT,
         "skipped": {"type": "array", "items": _object({"rule": TEXT, "count": POSITIVE, "example": TEXT})},
@@ -335,7 +347,8 @@ SWEEP: Schema = _document(
             "strategy": {"type": "array", "items": STRATEGY},
             "per_layer_bytes": {"type": "array", "items": COUNT},
             "total_bytes": {"type": "array", "items": COUNT},
-        }),
+            **{name: {"type": "array", "items": POSITIVE} for name in _EXPERT_AXES},
+        }, optional=_EXPERT_AXES),
     },
     "memcalc sweep --format json",
 )

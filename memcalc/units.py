@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from fractions import Fraction
+from typing import Any
 
 from memcalc.errors import ConfigError
 from memcalc.text import short_repr
@@ -12,6 +13,11 @@ _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 _FACTORS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
             "t": 10**12, "tb": 10**12, "p": 10**15, "pb": 10**15,
             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50}
+
+
+def minimum(x: Any, y: Any) -> Any:
+    """min on numbers or numpy arrays alike (sweeps evaluate the same rules over a grid)."""
+    return (x < y) * x + (x >= y) * y
 
 
 def human_bytes(n: int) -> str:

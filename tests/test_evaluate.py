@@ -55,11 +55,11 @@ def test_all_layers_are_L_times_one_layer():
 
 
 def test_rank_shape_divides_only_the_split_dimension():
-    sizes = {Dim.B: 2, Dim.S: 12, Dim.H: 6, Dim.F: 24}
+    sizes = {Dim.B: 2, Dim.S: 12, Dim.H: 6, Dim.A: 3, Dim.D: 2, Dim.F: 24}
     assert rank_shape(QKV_IN, NONE, sizes, 3) == (2, 12, 6)
     assert rank_shape(QKV_IN, TP, sizes, 3) == (2, 12, 6)
     assert rank_shape(QKV_IN, TP_SP, sizes, 3) == (2, 4, 6)
-    assert rank_shape(PROJ_IN, TP, sizes, 3) == (2, 12, 2)
+    assert rank_shape(PROJ_IN, TP, sizes, 3) == (2, 12, 1, 2)  # a/t heads of d
     assert rank_shape(GELU_IN, TP_SP, sizes, 3) == (2, 12, 8)
 
 

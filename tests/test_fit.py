@@ -83,6 +83,28 @@ def test_t_is_the_smallest_valid_divisor_that_fits(budget, strategy):
         assert got.beyond.bytes == min(n for n in candidates.values() if n is not None)
 
 
+MOE = GPT | {"num_experts": 8, "moe_router_topk": 2, "dp": 8}
+
+
+@pytest.mark.parametrize("tokens", ["balanced", "worst"])  # worst: the slots received grow with ep
+def test_ep_is_the_smallest_divisor_of_the_experts_that_fits(tokens):
+    fields = MOE | {"moe_tokens": tokens}
+    candidates = {ep: _needs(fields | {"ep": ep}, TP_SP) for ep in range(1, 9)}
+    assert candidates[3] is None  # ep must divide E
+    for budget in sorted({n for n in candidates.values() if n is not None} | {0}):
+        fitting = [ep for ep, n in candidates.items() if n is not None and n <= budget]
+        got = fit(build_config(fields), TP_SP, "ep", budget, count="total")
+        if fitting:
+            assert got.answer.value == fitting[0] and got.answer.bytes == candidates[fitting[0]]
+        else:
+            assert got.answer is None and got.beyond.bytes == min(n for n in candidates.values() if n is not None)
+
+
+def test_solving_for_ep_without_experts_is_refused():
+    with pytest.raises(ConfigError, match="no experts"):
+        fit(build_config(GPT), TP_SP, "ep", 2**30)
+
+
 def test_nothing_fits_reports_the_cheapest_candidate():
     got = fit(build_config(GPT), TP_SP, "b", 1000, count="total")
     assert got.answer is None and (got.beyond.value, got.beyond.bytes) == (1, _needs(GPT, TP_SP))

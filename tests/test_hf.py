@@ -134,7 +134,7 @@ def test_missing_fields_are_all_named(tmp_path):
 @pytest.mark.parametrize("change,message", [
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' in a gated MLP"),
     ({"attention_bias": True, "mlp_bias": False}, "attention_bias and mlp_bias differ"),
-    ({"head_dim": 256}, "head_dim=256 is not hidden_size/num_attention_heads=4096/32"),
+    ({"head_dim": 0}, "head_dim must be a positive whole number, got 0"),
 ])
 def test_what_memcalc_cannot_model_is_refused(tmp_path, change, message):
     raw = json.loads((DATA / "llama2-7b.json").read_text()) | change
@@ -155,7 +155,7 @@ def test_bad_files(tmp_path):
 
 @pytest.mark.parametrize("model_type, change, named", [
     ("mistral", {"num_local_experts": 8, "num_experts_per_tok": 2}, "num_local_experts=8 (mixture of experts)"),
-    ("qwen3_moe", {"num_experts": 128}, "num_experts=128 (mixture of experts)"),
+    ("olmoe", {"num_experts": 64}, "num_experts=64 (mixture of experts)"),
     ("llama", {"n_routed_experts": 64}, "n_routed_experts=64 (mixture of experts)"),
     ("qwen2", {"num_experts": 60}, "num_experts=60 (mixture of experts)"),
     ("llama", {"kv_lora_rank": 512}, "kv_lora_rank=512 (multi-head latent attention)"),
@@ -275,3 +275,64 @@ def test_deepseek_v2_lite_style_null_q_lora_rank_means_no_query_latent(tmp_path)
     hf = _dense_deepseek(tmp_path, model_type="deepseek_v2", architectures=["DeepseekV2ForCausalLM"],
                          q_lora_rank=None, head_dim=64)  # head_dim: DeepseekV3Config's RoPE part, not h/a
     assert hf.family == "deepseek_v2" and "q_lora_rank" not in hf.fields
+
+
+def test_a_llama_family_head_dim_is_kv_channels_and_counts_where_it_is_not_h_over_a(tmp_path):
+    raw = json.loads((DATA / "llama2-7b.json").read_text()) | {"head_dim": 256}  # 32 heads of 256: a*d = 8192
+    hf = read_hf_config(_write(tmp_path, raw))
+    assert hf.fields["kv_channels"] == 256 and "head_dim->kv_channels=256" in hf.describe()
+    wider = load_config(_write(tmp_path, raw), {}, base=hf.fields)
+    assert total_params(wider) - PUBLISHED["llama2-7b"] == 32 * 4 * 4096 * 4096  # q, k, v and o twice as wide
+
+
+def test_a_head_dim_of_h_over_a_is_shown_and_changes_nothing(tmp_path):
+    raw = json.loads((DATA / "llama2-7b.json").read_text()) | {"head_dim": 128}
+    hf = read_hf_config(_write(tmp_path, raw))
+    config = load_config(_write(tmp_path, raw), {}, base=hf.fields)
+    assert total_params(config) == PUBLISHED["llama2-7b"] and not config.head_dim_set
+
+
+def test_qwen3_has_heads_of_head_dim_and_a_qk_norm():
+    hf = read_hf_config(DATA / "qwen3-0.6b.json")
+    c = load_config(DATA / "qwen3-0.6b.json", {}, base=hf.fields)
+    assert (c.h, c.a, c.groups, c.head_dim, c.ffn, c.L, c.tie_embeddings) == (1024, 16, 8, 128, 3072, 28, True)
+    assert c.qk_layernorm and c.head_dim_set and ("qk_layernorm", True) in hf.assumed
+    assert "use_sliding_window=False (full causal attention in every layer)" in hf.describe()
+    # the model card: 0.6B parameters, 0.44B without the (tied) embedding
+    assert round(total_params(c) / 1e9, 1) == 0.6 and round((total_params(c) - c.vocab_size * c.h) / 1e9, 2) == 0.44
+
+
+def test_qwen3s_class_default_head_dim_is_128_whatever_h_over_a_is(tmp_path):
+    raw = json.loads((DATA / "qwen3-0.6b.json").read_text())
+    del raw["head_dim"]
+    hf = read_hf_config(_write(tmp_path, raw))
+    assert hf.fields["kv_channels"] == 128 and ("kv_channels", 128) in hf.assumed
+
+
+def test_a_qwen3_moe_config_reads_every_field_and_has_the_published_30_5b_parameters():
+    hf = read_hf_config(DATA / "qwen3-30b-a3b.json")
+    c = load_config(DATA / "qwen3-30b-a3b.json", {}, base=hf.fields)
+    assert (c.num_experts, c.moe_router_topk, c.expert_ffn, c.moe_router_pre_softmax, c.moe_layer_freq) == (
+        128, 8, 768, False, 1)
+    assert (c.head_dim, c.groups, c.qk_layernorm, c.moe_shared_expert_intermediate_size) == (128, 4, True, None)
+    line = hf.describe()
+    for shown in ("head_dim->kv_channels=128", "num_experts->num_experts=128", "num_experts_per_tok->moe_router_topk=8",
+                  "moe_intermediate_size->moe_ffn_hidden_size=768", "norm_topk_prob->moe_router_pre_softmax=False",
+                  "decoder_sparse_step->moe_layer_freq=1", "mlp_only_layers=[] (no layer made dense by index)",
+                  "output_router_logits+router_aux_loss_coef->moe_aux_loss=False"):
+        assert shown in line, shown
+    assert round(total_params(c) / 1e9, 1) == 30.5  # the Qwen3 technical report
+    assert load_config("qwen3-30b-a3b", {}).as_dict(exclude_none=True) | {"name": None, "description": None} == (
+        c.as_dict(exclude_none=True) | {"name": None, "description": None, "s": 4096, "attention": "flash"})
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"mlp_only_layers": [0, 47]}, "mlp_only_layers=[0, 47] (dense layers at chosen indices) is not modelled"),
+    ({"decoder_sparse_step": 5}, "decoder_sparse_step=5 does not divide num_hidden_layers=48 (qwen3_moe"),
+    ({"use_sliding_window": True}, "use_sliding_window=True is not modelled"),
+    ({"head_dim": 12.5}, "head_dim must be a positive whole number, got 12.5"),
+])
+def test_qwen3_moe_layouts_memcalc_cannot_count_are_refused_by_name(tmp_path, change, words):
+    raw = json.loads((DATA / "qwen3-30b-a3b.json").read_text()) | change
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        read_hf_config(_write(tmp_path, raw))

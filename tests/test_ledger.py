@@ -49,6 +49,7 @@ def test_terms_left_out_of_the_paper_are_per_token_statistics_and_routing_indice
     assert {x.name for x in small} == {
         "ln1/mean", "ln1/rstd", "ln2/mean", "ln2/rstd", "attention/softmax_lse", "moe/topk_indices",
         "mla/q_norm_mean", "mla/q_norm_rstd", "mla/kv_norm_mean", "mla/kv_norm_rstd",
+        "attention/q_norm_mean", "attention/q_norm_rstd", "attention/k_norm_mean", "attention/k_norm_rstd",
     }
     for x in small:
         assert not {Dim.H, Dim.D, Dim.F, Dim.FE, Dim.U} & set(x.shape), x.name

@@ -36,7 +36,7 @@ def test_tp_splits_heads_groups_ffn_or_hidden_inside_the_pair():
     expected = {
         ledger.Q: Dim.A, ledger.K: Dim.G, ledger.V: Dim.G, ledger.SOFTMAX_OUT: Dim.A,
         ledger.ATTN_DROPOUT_MASK: Dim.A, ledger.ATTN_DROPOUT_OUT: Dim.A, ledger.SOFTMAX_LSE: Dim.A,
-        ledger.PROJ_IN: Dim.H, ledger.GELU_IN: Dim.F, ledger.SWIGLU_GATE: Dim.F, ledger.SWIGLU_UP: Dim.F,
+        ledger.PROJ_IN: Dim.A, ledger.GELU_IN: Dim.F, ledger.SWIGLU_GATE: Dim.F, ledger.SWIGLU_UP: Dim.F,
         ledger.SWIGLU_SILU_OUT: Dim.F, ledger.FC2_IN: Dim.F,
         # experts: etp = t splits each expert's width; shared experts split theirs like the dense MLP
         **{x: Dim.FE for x in (ledger.EXPERT_GELU_IN, ledger.EXPERT_GATE, ledger.EXPERT_UP, ledger.EXPERT_SILU_OUT,
@@ -45,6 +45,8 @@ def test_tp_splits_heads_groups_ffn_or_hidden_inside_the_pair():
                               ledger.SHARED_FC2_IN)},
         # latent attention: the up-projected heads; the latents stay whole per token
         **{x: Dim.A for x in (ledger.MLA_Q, ledger.MLA_K, ledger.MLA_V, ledger.MLA_PROJ_IN)},
+        # QK norms: each head's, split with the heads
+        **{x: Dim.A for x in ledger.Q_NORM}, **{x: Dim.G for x in ledger.K_NORM},
     }
     assert {x: TP.split_dim(x) for x in ledger.ALL_TENSORS if TP.split_dim(x)} == expected
 

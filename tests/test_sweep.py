@@ -99,6 +99,76 @@ def test_layout_fields_do_not_change_the_numbers():
     assert laid_out.per_layer.tolist() == plain.per_layer.tolist()
 
 
+MOE = dict(b=1, s=64, h=32, a=4, t=2, L=6, num_experts=8, moe_router_topk=2, dp=4)
+
+
+@pytest.mark.parametrize("moe", [
+    {"moe_layer_freq": 2},
+    {"moe_first_dense_layers": 3, "moe_ffn_hidden_size": 48},
+    {"moe_layer_freq": 3, "moe_first_dense_layers": 1, "moe_shared_expert_intermediate_size": 16},
+    {"ep": 4, "moe_tokens": "worst"},  # the worst case grows with ep: every ep rank may route here
+    {"ep": 2, "moe_expert_capacity_factor": 1.5, "moe_tokens": "capacity", "moe_layer_freq": 2},
+    {"moe_expert_capacity_factor": 0.33, "moe_tokens": "capacity"},  # under SP each of t ranks rounds its own up
+])
+def test_a_mixture_of_experts_sweep_totals_each_layer_kind_and_ep_as_estimate_does(moe):
+    fields = MOE | moe
+    result = _sweep(fields, [NONE, TP_SP], L="4:9", s="32,64")
+    for i in range(result.rows):
+        row = result.row(i)
+        expected = estimate(build_config(fields | {k: row[k] for k in ("s", "L")}), STRATEGIES[row["strategy"]])
+        assert (row["per_layer_bytes"], row["total_bytes"]) == (expected.per_layer_bytes, expected.total_bytes)
+    assert result.sweep.ep == moe.get("ep", 1)
+
+
+@pytest.mark.parametrize("moe, strategies", [
+    ({"moe_tokens": "worst"}, [NONE, TP_SP]),
+    ({"moe_router_score_function": "sigmoid", "moe_layer_freq": 2, "exact": True}, [TP_SP]),  # k = 1 keeps less
+    ({"moe_expert_capacity_factor": 1.25, "moe_tokens": "capacity"}, [NONE, TP_SP]),
+    ({"impl": "hf", "mlp": "swiglu", "moe_tokens": "worst"}, [NONE]),
+])
+def test_experts_top_k_and_ep_sweep_as_axes_and_each_row_is_what_estimate_says(moe, strategies):
+    accounting = Accounting(exact=moe.get("exact", False))
+    moe = {k: v for k, v in moe.items() if k != "exact"}
+    result = _sweep(MOE | moe, strategies, accounting, num_experts="2,4,8", moe_router_topk="1:3", ep="1,2,4", L="6")
+    seen = set()
+    for i in range(result.rows):
+        row = result.row(i)
+        point = {k: row[k] for k in ("num_experts", "moe_router_topk", "ep")}
+        expected = estimate(build_config(MOE | moe | point), STRATEGIES[row["strategy"]], accounting)
+        assert (row["per_layer_bytes"], row["total_bytes"]) == (expected.per_layer_bytes, expected.total_bytes)
+        seen.add(tuple(point.values()))
+    valid = {(e, k, ep) for e in (2, 4, 8) for k in (1, 2, 3) for ep in (1, 2, 4) if k <= e and e % ep == 0}
+    assert seen == valid and {s.rule.text for s in result.skipped} == {
+        "ep must divide num_experts", "moe_router_topk may not exceed num_experts"}
+
+
+def test_a_csv_row_of_an_expert_sweep_names_its_own_experts_top_k_and_ep():
+    rows = _csv(_sweep(MOE, [TP_SP], num_experts="4,8", moe_router_topk="1,2", ep="2"))
+    assert [(r["num_experts"], r["moe_router_topk"], r["ep"]) for r in rows] == [
+        ("4", "1", "2"), ("4", "2", "2"), ("8", "1", "2"), ("8", "2", "2")]
+
+
+def test_experts_swept_without_a_mixture_of_experts_are_refused():
+    with pytest.raises(ConfigError, match="ep is given but num_experts is not"):
+        _sweep(GPT3, ALL, ep="1,2")
+    with pytest.raises(ConfigError, match="moe_router_topk is set but num_experts is not"):
+        _sweep(GPT3, ALL, moe_router_topk="1,2")
+
+
+def test_the_expert_parallel_size_is_a_column_of_the_csv():
+    rows = _csv(_sweep(MOE | {"ep": 4}, [TP_SP], L="4,8"))
+    assert {row["ep"] for row in rows} == {"4"}
+
+
+@pytest.mark.parametrize("fields, ranges, needle", [
+    (MOE | {"moe_first_dense_layers": 4}, {"L": "4:8"}, "moe_first_dense_layers=4 leaves none of L=4 layers"),
+    (MOE | {"etp": 2}, {"t": "1,2"}, "etp=2 is fixed while t is swept"),
+])
+def test_expert_fields_no_point_could_use_are_refused_once(fields, ranges, needle):
+    with pytest.raises(ConfigError, match=needle):
+        _sweep(fields, ALL, **ranges)
+
+
 def test_a_sweep_too_big_for_memory_is_refused_before_any_work():
     with pytest.raises(ConfigError, match=f"at most {MAX_ROWS:,}"):
         make_sweep(GPT3, {"b": parse_values("1:10000"), "s": parse_values("1:10000")}, ALL, Accounting())
@@ -256,21 +326,25 @@ def test_csv_has_a_header_and_one_complete_row_per_configuration():
     assert len(rows) == 2 * 3 * 3
     first = rows[0]
     assert list(first) == ["b", "s", "h", "a", "t", "L", "strategy", "per_layer_bytes", "total_bytes",
-                           "ffn_hidden_size", "num_query_groups", "impl", "mlp", "attention", "norm", "dropout",
+                           "ffn_hidden_size", "num_query_groups", "impl", "mlp", "attention", "kv_channels",
+                           "qk_layernorm", "norm", "dropout",
                            "recompute", "dtype", "bias_activation_fusion", "num_experts", "moe_router_topk",
                            "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_expert_capacity_factor",
-                           "moe_layer_freq", "moe_first_dense_layers", "moe_router_score_function", "moe_tokens", "moe_aux_loss", "moe_router_pre_softmax", "kv_lora_rank",
+                           "moe_pad_expert_input_to_capacity", "moe_token_dispatcher_type", "moe_layer_freq",
+                           "moe_first_dense_layers", "moe_router_score_function", "moe_router_enable_expert_bias",
+                           "moe_tokens", "moe_aux_loss", "moe_router_pre_softmax", "kv_lora_rank",
                            "q_lora_rank",
-                           "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "accounting"]
+                           "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "ep", "accounting"]
     assert first | {"per_layer_bytes": None, "total_bytes": None} == dict(
         b="1", s="1024", h="12288", a="96", t="8", L="96", strategy="none", per_layer_bytes=None, total_bytes=None,
         ffn_hidden_size="49152", num_query_groups="96", impl="megatron", mlp="swiglu", attention="eager",
-        norm="layernorm", dropout="0.0", recompute="none", dtype="bf16", bias_activation_fusion="false",
+        kv_channels="", qk_layernorm="false", norm="layernorm", dropout="0.0", recompute="none", dtype="bf16", bias_activation_fusion="false",
         num_experts="", moe_router_topk="2", moe_ffn_hidden_size="", moe_shared_expert_intermediate_size="",
-        moe_expert_capacity_factor="", moe_layer_freq="1", moe_first_dense_layers="",
-        moe_router_score_function="softmax", moe_tokens="balanced", moe_aux_loss="false",
+        moe_expert_capacity_factor="", moe_pad_expert_input_to_capacity="false", moe_token_dispatcher_type="alltoall",
+        moe_layer_freq="1", moe_first_dense_layers="", moe_router_score_function="softmax",
+        moe_router_enable_expert_bias="false", moe_tokens="balanced", moe_aux_loss="false",
         moe_router_pre_softmax="false",
-        kv_lora_rank="", q_lora_rank="", qk_rope_head_dim="", qk_nope_head_dim="", v_head_dim="", accounting="paper",
+        kv_lora_rank="", q_lora_rank="", qk_rope_head_dim="", qk_nope_head_dim="", v_head_dim="", ep="1", accounting="paper",
     )
     for row in rows:  # each row is a configuration that estimate reproduces
         fields = {k: int(row[k]) for k in ("b", "s", "h", "a", "t", "L", "ffn_hidden_size", "num_query_groups")}

@@ -63,7 +63,7 @@ def command(strategy: str, microbatches: int, fmt: str, overlap: str | None, gpu
     elif fmt == "latex":
         for r in results:
             click.echo(f"% {r.strategy.name}: {r.strategy.title}, bytes one rank sends per layer")
-            click.echo(formula(config, r.strategy, width)[1])
+            click.echo(formula(config, r.strategy, width, config.ep)[1])
     else:
         _print(config, results, microbatches, width)
 
@@ -78,10 +78,12 @@ def to_json(config: ModelConfig, results: list[LayerComm], microbatches: int, wi
                 "per_layer_bytes": r.per_layer_bytes,
                 "per_step_bytes": r.per_step_bytes,
                 "pipeline_bytes": r.pipeline_bytes,
-                "formula": formula(config, r.strategy, width)[0],
+                "dense_layer_bytes": r.dense_layer_bytes,  # a dense layer's, where MoE layers alternate with dense
+                "layers": dict(zip(("moe", "dense") if config.moe else ("dense",), r.layers)),  # on the stage counted
+                "formula": formula(config, r.strategy, width, config.ep)[0],
                 "collectives": [
-                    {"name": c.name, "operator": c.operator, "op": c.op.value, "phase": c.phase, "moves": c.moves,
-                     "shape": [d.value for d in c.shape], "bytes_sent": n, "why": c.why}
+                    {"name": c.name, "operator": c.operator, "op": c.op.value, "phase": c.phase, "over": c.group.value,
+                     "moves": c.moves, "shape": [d.value for d in c.shape], "bytes_sent": n, "why": c.why}
                     for c, n in r.collectives
                 ],
             }
@@ -107,13 +109,14 @@ def _print(config: ModelConfig, results: list[LayerComm], microbatches: int, wid
         table.add_column("bytes sent", justify="right", no_wrap=True)
         for c, n in r.collectives:
             table.add_row(c.name, c.op.value, c.phase, c.moves, f"{n:,}")
-        table.add_row("[bold]per layer[/bold]", "", "", formula(config, r.strategy, width)[0],
+        table.add_row("[bold]per layer[/bold]", "", "", formula(config, r.strategy, width, config.ep)[0],
                       f"[bold]{r.per_layer_bytes:,}[/bold]", end_section=True)
         console.print(table)
-        layers = config.L // config.pp
+        moe, dense = r.layers
+        layers = f"{moe} MoE layers + {dense} dense layers ({r.dense_layer_bytes:,} B each)" if dense else f"{moe} layers"
         pipe = f" + {human_bytes(r.pipeline_bytes)} between pipeline stages" if r.pipeline_bytes else ""
         console.print(
-            f"per step: {layers} layers x {microbatches} micro-batch{'es' if microbatches > 1 else ''}{pipe}"
+            f"per step: {layers} x {microbatches} micro-batch{'es' if microbatches > 1 else ''}{pipe}"
             f" = {r.per_step_bytes:,} B ({human_bytes(r.per_step_bytes)}) sent by each rank",
             highlight=False,
         )

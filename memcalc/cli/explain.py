@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from memcalc.cli.knobs import knobs_from
-from memcalc.cli.options import accounting_options, config_option, knob_options
+from memcalc.cli.options import accounting_options, config_option, knob_options, note_left_out
 from memcalc.model.impls import layer_tensors, plan, strategies_of
 from memcalc.model.knobs import Accounting, element_bytes
 from memcalc.model.ledger import SavedTensor
@@ -36,7 +36,11 @@ def command(exact: bool, device: str, **params: Any) -> None:
 
     knobs = knobs_from(params)
     accounting = Accounting(exact=exact, device=device)
-    plans = [plan(knobs, st) if st.name in strategies_of(knobs) else None for st in (TP, TP_SP)]
+    runs = strategies_of(knobs)
+    note_left_out(knobs)
+    # "split by tp" is what tensor parallelism splits, which tp-sp does too where tp alone is not run
+    tp = plan(knobs, TP) if TP.name in runs else TP if TP_SP.name in runs else None
+    plans = [tp, plan(knobs, TP_SP) if TP_SP.name in runs else None]
     rows = [_row(x, element_bytes(x.kind, knobs, accounting), *plans) for x in layer_tensors(knobs, accounting)]
     title = f"Saved for backward, one layer: {accounting_note(accounting)}"
     if console.width >= WIDE:

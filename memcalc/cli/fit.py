@@ -25,6 +25,7 @@ RECOMPUTES = choices("recompute")  # none, selective, full
 _WHAT = {
     "b": "largest micro-batch b", "s": "largest sequence length s", "t": "smallest tensor-parallel size t",
     "pp": "smallest pipeline-parallel size pp", "cp": "smallest context-parallel size cp",
+    "ep": "smallest expert-parallel size ep",
 }
 _SHORT = {"peak": PEAK, "total": "total", "activations": "activations"}
 _COUNTED = {
@@ -57,7 +58,7 @@ def command(
     reserve: int | None, solve: str, count: str, as_json: bool, **params: Any,
 ) -> None:
     """For each strategy and recompute choice: the largest micro-batch b (or
-    sequence length s) that fits --budget, or the smallest t, pp or cp; with what
+    sequence length s) that fits --budget, or the smallest t, pp, cp or ep; with what
     is left over. With --gpus, each candidate derives its own dp = gpus/(t*pp*cp).
 
     Answers are exact: the answer fits by `memcalc estimate --totals` and the next

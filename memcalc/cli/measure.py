@@ -11,7 +11,7 @@ import click
 from memcalc.cli.options import model_from, model_options, strategy_names, strategy_option
 from memcalc.config.schema import ModelConfig, config_record
 from memcalc.errors import ConfigError, ProbeError
-from memcalc.probe import ROUTES
+from memcalc.probe import LOGGED, ROUTES, routing_fixed
 from memcalc.schemas import SCHEMA_VERSION
 
 if TYPE_CHECKING:  # torch: only when the command runs
@@ -63,7 +63,8 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
 )
 @click.option(
     "--comm", is_flag=True,
-    help="Also show every collective the layer issued next to the communication ledger's (memcalc's own layer).",
+    help="Also show every collective the layer issued next to the communication ledger's (memcalc's own layer,"
+    " or megatron-core's with --layer library).",
 )
 @click.option(
     "--overlap", default=None, metavar="METHODS",
@@ -75,7 +76,7 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
 @click.option(
     "--step", is_flag=True,
     help="Run one whole training step per strategy instead (memcalc's own small GPT, or with --impl hf"
-    " transformers' LlamaForCausalLM at t=1; AdamW on fp32 master weights) under torch's MemTracker on the CPU, and compare its peak, each category and the moment with the"
+    " transformers' LlamaForCausalLM, tp under its own tp_plan; AdamW on fp32 master weights) under torch's MemTracker on the CPU, and compare its peak, each category and the moment with the"
     " step timeline; exits 1 beyond 1%.",
 )
 @click.option(
@@ -98,19 +99,20 @@ def command(strategy: str, device: str, backend: str | None, launch: str, timeou
              torchrun --nproc-per-node 8 -m memcalc measure --config tiny --t 8 --device cuda
     """
     config = model_from(params)
+    names = strategy_names(strategy, config)  # once: "all" names on stderr a layout left out for these knobs
     if step:
         from memcalc.cli.measure_step import run_step
 
-        return run_step(config, strategy_names(strategy, config), device=device, launch=launch, backend=backend,
+        return run_step(config, names, device=device, launch=launch, backend=backend,
                         layer=layer, comm=comm, overlap=overlap, as_json=as_json)
     if layer is None:
         layer = "memcalc" if device == "meta" or comm or overlap else "library"
     if comm and layer != "memcalc":
-        raise ConfigError("--comm counts the collectives of memcalc's own layer: add --layer memcalc")
+        _check_library_comm(config, names, route)
     from memcalc.probe.footprint import check_fits
 
     if device != "meta":  # meta allocates nothing
-        check_fits(config, strategy_names(strategy, config), device, _ranks_here(launch, backend, config.t))
+        check_fits(config, names, device, _ranks_here(launch, backend, config.t))
     from memcalc.probe.measure import measure  # needs torch: a one-line ProbeError without it
     from memcalc.probe.overlap import NO_OVERLAP, Overlap
 
@@ -119,8 +121,7 @@ def command(strategy: str, device: str, backend: str | None, launch: str, timeou
         chosen = Overlap.of(*methods, num_splits=num_splits) if methods else NO_OVERLAP
     except ProbeError as exc:  # a bad --overlap is bad input
         raise ConfigError(f"--overlap: {exc}") from None
-    results = measure(config, strategy_names(strategy, config), device, backend, launch, timeout_s, layer, chosen,
-                      route)
+    results = measure(config, names, device, backend, launch, timeout_s, layer, chosen, route)
     if not results:
         return  # a torchrun rank other than 0: rank 0 reports for the job
     if as_json:
@@ -190,6 +191,22 @@ def _strategy_json(m: StrategyMeasurement) -> dict:
 
 def _list(shape: tuple[int, ...] | None) -> list[int] | None:
     return None if shape is None else list(shape)
+
+
+def _check_library_comm(config: ModelConfig, names: list[str], route: str | None) -> None:
+    """--comm on a library's layer: one that logs its collectives, that the ledger models, routed so that their
+    bytes are the ledger's (ConfigError otherwise)."""
+    from memcalc.model.comm import layer_comm
+    from memcalc.model.strategy import STRATEGIES
+
+    if config.impl not in LOGGED:
+        raise ConfigError(f"--comm counts the collectives of memcalc's own layer or megatron-core's (impl"
+                          f" {config.impl} logs none): add --layer memcalc")
+    for name in names:
+        layer_comm(config, STRATEGIES[name], 1)  # a ConfigError where the ledger does not model them
+    if not routing_fixed(config, route):
+        raise ConfigError(f"--comm compares a MoE layer's collectives where their bytes are the ledger's: add --route"
+                          f" balanced with moe_tokens balanced (not {route or 'the real router'}, {config.moe_tokens})")
 
 
 def print_measurements(config: ModelConfig, results: list[StrategyMeasurement], comm: bool = False) -> None:

@@ -15,7 +15,7 @@ import click
 from memcalc.config.gpus import DEFAULT_GPU, DEFAULT_RESERVE, GPUS
 from memcalc.config.schema import SIZES, ModelConfig, load_config, load_yaml
 from memcalc.errors import ConfigError
-from memcalc.model.impls import strategies_of
+from memcalc.model.impls import left_out, strategies_of
 from memcalc.model.strategy import STRATEGIES
 from memcalc.model.knobs import KNOBS, Knob, is_moe
 from memcalc.units import human_bytes, parse_bytes
@@ -45,8 +45,13 @@ config_option = click.option(
 
 hf_config_option = click.option(
     "--hf-config", "hf_config_path", type=click.Path(path_type=Path), default=None,
-    help="A Hugging Face config.json (Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE, GPT-2, GPT-NeoX, and DeepSeek-V2/V3's"
-    " latent attention with a dense MLP) instead of --config.",
+    help="A Hugging Face config.json (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-2, GPT-NeoX,"
+    " DeepSeek-V3, and DeepSeek-V2's latent attention with a dense MLP) instead of --config.",
+)
+
+expert_options = _stack(  # EXPERT_FLAGS
+    click.option("--ep", "ep", type=int, help="Expert-parallel size: each rank holds num_experts/ep experts [default: 1]."),
+    click.option("--etp", "etp", type=int, help="Expert tensor-parallel size (memcalc models etp = t) [default: t]."),
 )
 
 size_options = _stack(
@@ -55,8 +60,7 @@ size_options = _stack(
     click.option("--h", "h", type=int, help="Hidden size."),
     click.option("--a", "a", type=int, help="Attention heads."),
     click.option("--t", "t", type=int, help="Tensor-parallel size [default: 1]."),
-    click.option("--ep", "ep", type=int, help="Expert-parallel size: each rank holds num_experts/ep experts [default: 1]."),
-    click.option("--etp", "etp", type=int, help="Expert tensor-parallel size (memcalc models etp = t) [default: t]."),
+    expert_options,
     click.option("--L", "L", type=int, help="Number of layers [default: 1]."),
 )
 
@@ -72,6 +76,9 @@ def _knob_option(knob: Knob) -> Callable:
 
 
 knob_options = _stack(*(_knob_option(k) for k in KNOBS))
+# A sweep takes E and k as ranges (memcalc.cli.sweep), the other knobs as one value each.
+SWEPT_KNOBS = ("num_experts", "moe_router_topk")
+single_knob_options = _stack(*(_knob_option(k) for k in KNOBS if k.name not in SWEPT_KNOBS))
 
 accounting_options = _stack(
     click.option(
@@ -85,7 +92,8 @@ accounting_options = _stack(
 
 strategy_option = click.option(
     "--strategy", type=click.Choice(STRATEGY_CHOICES), default="all", show_default=True,
-    help="Which strategy to show.",
+    help="Which strategy to show; all: every layout the implementation runs for the knobs (one it does not is named"
+    " on stderr).",
 )
 
 layout_options = _stack(
@@ -185,5 +193,17 @@ def file_fields(params: dict[str, Any]) -> tuple[dict[str, Any], Path | None, st
 
 
 def strategy_names(choice: str, knobs: Any) -> list[str]:
-    """The strategies a --strategy choice stands for: "all" is every layout the implementation runs."""
-    return list(strategies_of(knobs)) if choice == "all" else [choice]
+    """The strategies a --strategy choice stands for: "all" is every layout the implementation runs for these
+    knobs, and a layout it leaves out for them is named, with why, in one line on stderr. A layout named alone
+    is left for `plan` to refuse (one line, exit 2)."""
+    if choice != "all":
+        return [choice]
+    note_left_out(knobs)
+    return list(strategies_of(knobs))
+
+
+def note_left_out(knobs: Any) -> None:
+    """Name on stderr, one line each, the layouts the implementation does not run for these knobs, and why:
+    stdout stays the table or the JSON of the layouts it does run."""
+    for line in left_out(knobs):
+        click.echo(f"memcalc: note: {line}", err=True)

@@ -12,19 +12,21 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import click
 
-from memcalc.cli.options import SIZE_FLAGS, ByteSize, accounting_options, model_from, model_options
-from memcalc.cli.sweep import VALUES, build_sweep, chosen_strategies, check_out, strategies_option
+from memcalc.cli.options import SIZE_FLAGS, ByteSize, accounting_options, model_from, model_options, strategy_names
+from memcalc.cli.sweep import VALUES, SweptKnobs, build_sweep, chosen_strategies, check_out, strategies_option
 from memcalc.model.knobs import Knobs
 from memcalc.errors import ConfigError
 from memcalc.model.knobs import Accounting
-from memcalc.model.strategy import Strategy
+from memcalc.model.strategy import STRATEGIES, Strategy
 from memcalc.text import printable
 
 if TYPE_CHECKING:  # matplotlib: only when the command runs
     from matplotlib.figure import Figure
 
-DEFAULT_RANGES = {"s": "1024:131072:x2", "t": "1:64:x2"}
-X_WORDS = {"s": "sequence length", "t": "tensor-parallel size"}
+DEFAULT_RANGES = {"s": "1024:131072:x2", "t": "1:64:x2", "num_experts": "8:256:x2", "moe_router_topk": "1:8",
+                  "ep": "1:64:x2"}
+X_WORDS = {"s": "sequence length", "t": "tensor-parallel size", "num_experts": "experts",
+           "moe_router_topk": "experts per token", "ep": "expert-parallel size"}
 
 
 def _image_out(ctx: click.Context, param: click.Parameter, out: Path) -> Path:
@@ -49,12 +51,13 @@ def _image_out(ctx: click.Context, param: click.Parameter, out: Path) -> Path:
     " most loaded pipeline stage's).",
 )
 @click.option(
-    "--x", "x_name", type=click.Choice(["s", "t"]), default="s", show_default=True, help="What the line view varies."
+    "--x", "x_name", type=click.Choice(list(X_WORDS)), default="s", show_default=True,
+    help="What the line view varies (the last three: a mixture of experts' E, k and ep).",
 )
 @click.option(
     "--range", "x_values", type=VALUES,
     help="Values of --x: a list or range as in `memcalc sweep`"
-    f" [default: s {DEFAULT_RANGES['s']}, t {DEFAULT_RANGES['t']}].",
+    f" [default: {', '.join(f'{x} {r}' for x, r in DEFAULT_RANGES.items())}].",
 )
 @click.option("--group", type=click.Choice(["tensor", "block"]), default="tensor", show_default=True,
               help="Breakdown segments: each saved tensor, or each block (norms, attention, MLP).")
@@ -96,8 +99,8 @@ def command(
 
 
 def _breakdown(
-    params: dict[str, Any], strategies: list[Strategy], accounting: Accounting, by_block: bool, per_layer: bool,
-    device_memory: int | None,
+    params: dict[str, Any], strategies: list[Strategy] | None, accounting: Accounting, by_block: bool,
+    per_layer: bool, device_memory: int | None,
 ) -> Figure:
     """Estimate the config under each strategy, as `estimate --breakdown` does, and draw the stacked bars."""
     from memcalc.sizing import plot
@@ -108,17 +111,23 @@ def _breakdown(
     sizes = " ".join(f"{n}={getattr(config, n)}" for n in SIZE_FLAGS)
     titles = plot.Titles(f"{config.name or 'model'}: what each GPU keeps for backward",
                          _details(sizes, config, accounting))
-    estimates = [estimate(config, st, accounting) for st in strategies]
+    estimates = [estimate(config, st, accounting) for st in _runs(config, strategies)]
     return plot.breakdown_figure(estimates, by_block, layers, titles, device_memory)
 
 
-def _timeline(params: dict[str, Any], strategies: list[Strategy], device_memory: int | None) -> Figure:
+def _runs(config: Any, strategies: list[Strategy] | None) -> list[Strategy]:
+    """The strategies --strategy chose; for "all" (None), every layout the config's implementation runs (one it
+    leaves out named on stderr)."""
+    return strategies if strategies is not None else [STRATEGIES[n] for n in strategy_names("all", config)]
+
+
+def _timeline(params: dict[str, Any], strategies: list[Strategy] | None, device_memory: int | None) -> Figure:
     """One step per strategy (`estimate --totals`'s peak), its most loaded stage, drawn moment by moment."""
     from memcalc.sizing import plot
     from memcalc.sizing.timeline import timelines
 
     config = model_from(params)
-    worst = [max(timelines(config, st), key=lambda x: x.peak.bytes) for st in strategies]
+    worst = [max(timelines(config, st), key=lambda x: x.peak.bytes) for st in _runs(config, strategies)]
     sizes = " ".join(f"{n}={getattr(config, n)}" for n in SIZE_FLAGS)
     titles = plot.Titles(f"{config.name or 'model'}: one training step's memory per GPU",
                          _details(sizes, config, Accounting(exact=True)))
@@ -126,8 +135,8 @@ def _timeline(params: dict[str, Any], strategies: list[Strategy], device_memory:
 
 
 def _line(
-    params: dict[str, Any], x_name: str, x_values: Sequence[int] | None, strategies: list[Strategy], accounting: Accounting,
-    per_layer: bool, device_memory: int | None,
+    params: dict[str, Any], x_name: str, x_values: Sequence[int] | None, strategies: list[Strategy] | None,
+    accounting: Accounting, per_layer: bool, device_memory: int | None,
 ) -> Figure:
     """Evaluate the one-size sweep and draw it."""
     from memcalc.sizing import plot
@@ -143,7 +152,7 @@ def _line(
     lines = {f"{st.name} ({st.title})": y for st, y in result.along(x_name, per_layer).items()}
     sizes = " ".join(f"{n}={sweep.values[n][0]}" for n in SIZE_FLAGS if n != x_name)
     titles = plot.Titles(f"{sweep.name or 'model'}: activation memory per GPU against {X_WORDS[x_name]}",
-                         _details(sizes, sweep.knobs, accounting))
+                         _details(sizes, SweptKnobs(sweep.knobs, [x_name]), accounting))
     return plot.line_figure(x_name, list(values), lines, layers, titles, device_memory)
 
 

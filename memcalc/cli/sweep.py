@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 import click
 
 from memcalc.cli.options import (
-    EXPERT_FLAGS, KNOB_FLAGS, SIZE_FLAGS, STRATEGY_CHOICES, accounting_options, config_option, file_fields, hf_config_option,
-    knob_options,
+    EXPERT_FLAGS, KNOB_FLAGS, SIZE_FLAGS, STRATEGY_CHOICES, SWEPT_KNOBS, accounting_options, config_option,
+    file_fields, hf_config_option, note_left_out, single_knob_options,
 )
 from memcalc.config.schema import field_help
 from memcalc.errors import ConfigError, in_file
@@ -53,12 +53,17 @@ class Values(click.ParamType):
 VALUES = Values()
 
 
+RANGE_FLAGS = (*SIZE_FLAGS, *SWEPT_KNOBS, "ep")  # each takes one value, a list or a range
+
+
 def size_range_options(f: Callable) -> Callable:
-    """--b .. --L, each a list or range (the config's descriptions as help)."""
-    for name in reversed(SIZE_FLAGS):
+    """--b .. --L, and a mixture of experts' --num-experts, --moe-router-topk and --ep, each a list or range
+    (the config's descriptions as help); --etp takes one value."""
+    f = click.option("--etp", "etp", type=int, help="Expert tensor-parallel size (memcalc models etp = t).")(f)
+    for name in reversed(RANGE_FLAGS):
         meaning = field_help(name)
-        help_text = f"{meaning.capitalize()}: one value, a list or a range."
-        f = click.option(f"--{name}", name, type=VALUES, help=help_text)(f)
+        help_text = f"{meaning[:1].upper()}{meaning[1:]}: one value, a list or a range."
+        f = click.option(f"--{name.replace('_', '-')}", name, type=VALUES, help=help_text)(f)
     return f
 
 
@@ -78,22 +83,26 @@ def check_out(ctx: click.Context, param: click.Parameter, out: Path | None) -> P
 
 strategies_option = click.option(
     "--strategy", "strategy", type=click.Choice(STRATEGY_CHOICES), multiple=True, default=("all",), show_default=True,
-    help="Strategy to evaluate; repeat for several.",
+    help="Strategy to evaluate; repeat for several. all: every layout the implementation runs for the knobs.",
 )
 
 
-def chosen_strategies(choices: Sequence[str]) -> list[Strategy]:
-    """The strategies --strategy names, each once, in the order of memcalc.model.strategy."""
-    names = {n for c in choices for n in (STRATEGIES if c == "all" else [c])}
-    return [st for name, st in STRATEGIES.items() if name in names]
+def chosen_strategies(choices: Sequence[str]) -> list[Strategy] | None:
+    """The strategies --strategy names, each once, in the order of memcalc.model.strategy; None for "all": every
+    layout the implementation runs for the config's knobs, known once they are read (`make_sweep`)."""
+    if "all" in choices:
+        return None
+    return [st for name, st in STRATEGIES.items() if name in choices]
 
 
 def build_sweep(
-    params: dict[str, Any], ranges: dict[str, Sequence[int]], strategies: Sequence[Strategy], accounting: Accounting
+    params: dict[str, Any], ranges: dict[str, Sequence[int]], strategies: Sequence[Strategy] | None,
+    accounting: Accounting,
 ) -> Sweep:
     """A checked `memcalc.sizing.sweep.Sweep`: the fields of --config or --hf-config, the size
     and knob flags laid over them, `ranges` over those. Errors name the file, as
-    `options.model_from`'s do."""
+    `options.model_from`'s do. `strategies` None is every layout the implementation runs for the knobs;
+    one it leaves out is named, with why, in a note on stderr."""
     from memcalc.sizing.sweep import make_sweep
 
     fields, path, note = file_fields(params)
@@ -103,6 +112,8 @@ def build_sweep(
         sweep = make_sweep(fields, ranges, strategies, accounting)
     if note is not None:
         click.echo(f"memcalc: {note}", err=True)
+    if strategies is None:
+        note_left_out(sweep.knobs)
     return sweep
 
 
@@ -110,7 +121,7 @@ def build_sweep(
 @config_option
 @hf_config_option
 @size_range_options
-@knob_options
+@single_knob_options
 @strategies_option
 @accounting_options
 @click.option(
@@ -126,16 +137,19 @@ def command(
 ) -> None:
     """Activation bytes for every combination of the given sizes and strategies.
 
-    Each of --b --s --h --a --t --L takes one value, a list (1024,2048), an
-    arithmetic range start:stop[:step] with stop included (1:64, 64:65536:64)
-    or a geometric one start:stop:xK (1024:32768:x2); sizes not given come from
-    --config or --hf-config. Configurations that break a divisibility rule (e.g. t must divide
-    a, and s under tp-sp) are skipped and counted in one line on stderr.
+    Each of --b --s --h --a --t --L (and, for a mixture of experts, --num-experts
+    --moe-router-topk --ep) takes one value, a list (1024,2048), an arithmetic
+    range start:stop[:step] with stop included (1:64, 64:65536:64) or a
+    geometric one start:stop:xK (1024:32768:x2); sizes not given come from
+    --config or --hf-config. Configurations that break a rule (e.g. t must divide
+    a, s under tp-sp, ep must divide the experts) are skipped and counted in one
+    line on stderr.
 
     \b
     CSV columns: b,s,h,a,t,L,strategy,per_layer_bytes,total_bytes, then the
-    knobs and the accounting (the same on every row). JSON holds the knobs
-    once and one list per column.
+    knobs, ep and the accounting, so that each row is a whole configuration.
+    JSON holds the knobs once and one list per column (E, k and ep among them
+    when the model has experts).
 
     \b
     Example: memcalc sweep --config gpt3-175b --b 1:8 --s 1024:32768:x2
@@ -144,7 +158,7 @@ def command(
     fmt = _output_format(out, fmt)
     from memcalc.sizing.sweep import describe_skips, evaluate_sweep
 
-    ranges = {name: params[name] for name in SIZE_FLAGS if params.get(name) is not None}
+    ranges = {name: params[name] for name in RANGE_FLAGS if params.get(name) is not None}
     sweep = build_sweep(params, ranges, chosen_strategies(strategy), Accounting(exact=exact, device=device))
     rows_to_terminal = out is None and fmt != "table" and sys.stdout.isatty()
     with _progress(sweep.rows, shown=not rows_to_terminal) as advance:
@@ -209,6 +223,21 @@ def _progress(rows: int, shown: bool) -> Iterator[Callable[[float], None]]:
         yield lambda n: bar.advance(task, n)
 
 
+LABELS = {"num_experts": "E", "moe_router_topk": "k"}  # a swept expert count or top-k, as a column names it
+
+
+class SweptKnobs:
+    """A sweep's knobs as a table's or figure's first line words them: a swept E or k by its column's name, the
+    other knobs as set (a knob set holds one E and one k, which would misname the other rows)."""
+
+    def __init__(self, knobs: Any, swept: Sequence[str]) -> None:
+        self._knobs = knobs
+        self._swept = {name: LABELS[name] for name in swept if name in LABELS}
+
+    def __getattr__(self, name: str) -> Any:
+        return self._swept[name] if name in self._swept else getattr(self._knobs, name)
+
+
 def _print_table(result: SweepResult) -> None:
     """The rows as a rich table: swept sizes, strategy, bytes; long tables keep head and tail."""
     from rich.table import Table
@@ -218,14 +247,15 @@ def _print_table(result: SweepResult) -> None:
     from memcalc.units import human_bytes
 
     sweep = result.sweep
-    swept = [n for n in SIZE_FLAGS if len(sweep.values[n]) > 1]
-    fixed = " ".join(f"{n}={sweep.values[n][0]}" for n in SIZE_FLAGS if n not in swept)
+    swept = [n for n in sweep.axes if len(sweep.values[n]) > 1]
+    fixed = " ".join(f"{n}={sweep.values[n][0]}" for n in SIZE_FLAGS if n not in swept) + (
+        f" ep={sweep.ep}" if sweep.ep not in (None, 1) else "")
     name = f"{for_rich(sweep.name)}: " if sweep.name else ""  # a name from a file may hold markup or escapes
-    console.print(f"{name}{fixed} | {describe_knobs(sweep.knobs)}", highlight=False)
+    console.print(f"{name}{fixed} | {describe_knobs(SweptKnobs(sweep.knobs, swept))}", highlight=False)
     console.print(f"[dim]{accounting_note(sweep.accounting)}[/dim]")
     layers = "all L layers" if "L" in swept else f"all {sweep.values['L'][0]} layers"
     table = Table(title="Activation memory per GPU")
-    for col in (*swept, "strategy", "per layer", layers):
+    for col in (*(LABELS.get(n, n) for n in swept), "strategy", "per layer", layers):
         table.add_column(col, justify="left" if col == "strategy" else "right", no_wrap=True)
     half = TABLE_ROWS // 2
     shown = range(result.rows) if result.rows <= TABLE_ROWS else [*range(half), *range(result.rows - half, result.rows)]

@@ -8,8 +8,8 @@ flags given beside --hf-config override the result. `HfConfig.used` says
 which field gave which value, so the CLI can show it.
 
 Field names are those of the public `transformers` configuration classes
-(LlamaConfig, MistralConfig, Qwen2Config, GPT2Config, GPTNeoXConfig, DeepseekV2Config,
-DeepseekV3Config); where a
+(LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, MixtralConfig, Qwen2MoeConfig,
+Qwen3MoeConfig, GPT2Config, GPTNeoXConfig, DeepseekV2Config, DeepseekV3Config); where a
 field is absent, the class's own default applies (noted per row).
 """
 
@@ -85,6 +85,35 @@ def _sizes(h: str, a: str, layers: str, vocab: str) -> tuple[Row, ...]:
     return (Row("h", (h,)), Row("a", (a,)), Row("L", (layers,)), Row("vocab_size", (vocab,)))
 
 
+def _head_dim(value: Any) -> int:
+    """head_dim, memcalc's kv_channels: the channels of each attention head (h/a when config.json has none)."""
+    if type(value) is not int or value < 1:
+        raise ConfigError(f"head_dim must be a positive whole number, got {short_repr(value)}")
+    return value
+
+
+def _head_dim_row(default: Any = None) -> Row:
+    """The Llama family's head_dim (absent: h/a; Qwen3Config's own default is 128). DeepSeek's head_dim is its
+    RoPE part, read as qk_rope_head_dim instead."""
+    return Row("kv_channels", ("head_dim",), _head_dim, default=default)
+
+
+def _no_dense_layers(value: Any) -> Any:
+    """Qwen's mlp_only_layers: dense layers at chosen indices, which memcalc's every-freq-th placement cannot say."""
+    if value:
+        raise ConfigError(f"mlp_only_layers={short_repr(value)} (dense layers at chosen indices) is not modelled:"
+                          " memcalc places MoE layers every moe_layer_freq layers")
+    return value
+
+
+def _no_sliding_window(value: Any) -> Any:
+    """Qwen's use_sliding_window: sliding-window layers mask differently (and leave SDPA's causal kernel)."""
+    if value is not False:
+        raise ConfigError(f"use_sliding_window={short_repr(value)} is not modelled (memcalc models full causal"
+                          " attention in every layer)")
+    return value
+
+
 _LLAMA = (
     *_sizes("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size"),
     Row("num_query_groups", ("num_key_value_heads",), default=None),  # absent: multi-head (Llama 1)
@@ -95,6 +124,13 @@ _LLAMA = (
     Row("dropout", ("attention_dropout",), default=0.0),
     Row("tie_embeddings", ("tie_word_embeddings",), default=False),
     Row("add_bias_linear", ("attention_bias", "mlp_bias"), default=False, combine=_both_or_neither),
+)
+_LLAMA_HEADS = (*_LLAMA, _head_dim_row())
+# Qwen3Config: a Llama layer whose heads are head_dim wide (128 by default, whatever h/a is) and whose queries and
+# keys are RMS-normalised per head (q_norm, k_norm) before RoPE; no sliding window.
+_QWEN3 = (
+    *_LLAMA, _head_dim_row(128),
+    _kept_nothing("use_sliding_window", _no_sliding_window, "full causal attention in every layer"),
 )
 # DeepseekV2Config / DeepseekV3Config: a Llama layer whose attention is multi-head latent attention.
 _DEEPSEEK = (
@@ -154,7 +190,7 @@ def _pre_softmax(norm_topk_prob: Any) -> bool:
 _AUX_LOSS = Row("moe_aux_loss", ("output_router_logits", "router_aux_loss_coef"), default=None, combine=_aux_loss)
 # MixtralConfig: every layer a sparse MoE block of num_local_experts experts as wide as intermediate_size.
 _MIXTRAL = (
-    *_LLAMA,
+    *_LLAMA_HEADS,
     Row("num_experts", ("num_local_experts",)),
     Row("moe_router_topk", ("num_experts_per_tok",), default=2),  # MixtralConfig's default
     _AUX_LOSS,
@@ -162,7 +198,7 @@ _MIXTRAL = (
 # Qwen2MoeConfig: experts of moe_intermediate_size beside a gated shared expert, every decoder_sparse_step-th
 # layer sparse (the others a dense MLP of intermediate_size); its class defaults are Qwen1.5-MoE-A2.7B's.
 _QWEN2_MOE = (
-    *_LLAMA,
+    *_LLAMA_HEADS,
     Row("num_experts", ("num_experts",)),
     Row("moe_router_topk", ("num_experts_per_tok",), default=4),
     Row("moe_ffn_hidden_size", ("moe_intermediate_size",), default=1408),
@@ -170,6 +206,20 @@ _QWEN2_MOE = (
     Row("moe_router_pre_softmax", ("norm_topk_prob",), _pre_softmax, default=True),  # norm_topk_prob false
     Row("moe_layer_freq", ("decoder_sparse_step",), default=None),
     Row("add_qkv_bias", ("qkv_bias",), default=True),
+    _AUX_LOSS,
+)
+# Qwen3MoeConfig: Qwen3's attention; every decoder_sparse_step-th layer Qwen2-MoE's router and experts of
+# moe_intermediate_size without a shared expert (the others a dense MLP of intermediate_size); its class defaults are
+# Qwen3-30B-A3B's but for norm_topk_prob (false in the class, true in that model's config.json).
+_QWEN3_MOE = (
+    *_LLAMA, _head_dim_row(),
+    _kept_nothing("use_sliding_window", _no_sliding_window, "full causal attention in every layer"),
+    Row("num_experts", ("num_experts",)),
+    Row("moe_router_topk", ("num_experts_per_tok",), default=8),
+    Row("moe_ffn_hidden_size", ("moe_intermediate_size",), default=768),
+    Row("moe_router_pre_softmax", ("norm_topk_prob",), _pre_softmax, default=True),  # norm_topk_prob false
+    Row("moe_layer_freq", ("decoder_sparse_step",), default=None),
+    _kept_nothing("mlp_only_layers", _no_dense_layers, "no layer made dense by index"),
     _AUX_LOSS,
 )
 _NOTHING_KEPT = "changes nothing kept"
@@ -234,11 +284,13 @@ _ROPE = {"position_embedding_type": "rope"}
 FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
-        Family("llama", ("LlamaForCausalLM",), _LLAMA, _ROPE),
-        Family("mistral", ("MistralForCausalLM",), _LLAMA, _ROPE),
-        Family("qwen2", ("Qwen2ForCausalLM",), _LLAMA, _ROPE | {"add_qkv_bias": True}),  # Q, K, V carry biases
+        Family("llama", ("LlamaForCausalLM",), _LLAMA_HEADS, _ROPE),
+        Family("mistral", ("MistralForCausalLM",), _LLAMA_HEADS, _ROPE),
+        Family("qwen2", ("Qwen2ForCausalLM",), _LLAMA_HEADS, _ROPE | {"add_qkv_bias": True}),  # Q, K, V carry biases
+        Family("qwen3", ("Qwen3ForCausalLM",), _QWEN3, _ROPE | {"qk_layernorm": True}),
         Family("mixtral", ("MixtralForCausalLM",), _MIXTRAL, _ROPE),
         Family("qwen2_moe", ("Qwen2MoeForCausalLM",), _QWEN2_MOE, _ROPE),
+        Family("qwen3_moe", ("Qwen3MoeForCausalLM",), _QWEN3_MOE, _ROPE | {"qk_layernorm": True}),
         Family("gpt2", ("GPT2LMHeadModel",), _GPT2, {"position_embedding_type": "learned_absolute"}),
         Family("gpt_neox", ("GPTNeoXForCausalLM",), _GPT_NEOX, _ROPE),
         Family("deepseek_v2", ("DeepseekV2ForCausalLM",), _DEEPSEEK, _ROPE),
@@ -288,8 +340,7 @@ def read_hf_config(path: Path) -> HfConfig:
         used.append((_source(raw, present, value), row.target or row.note, value))
     if missing:
         raise ConfigError(f"{path}: {family.name} config.json is missing {', '.join(missing)}")
-    _check_head_dim(raw, fields, path)
-    _check_sparse_layers(raw, fields, path)
+    _check_sparse_layers(raw, fields, path, family.name)
     fields.setdefault("name", raw.get("_name_or_path") or _name_from(Path(path)))
     fields.setdefault("description", f"Hugging Face {family.name} config ({path})")
     return HfConfig(family.name, fields, tuple(used), tuple(assumed))
@@ -330,15 +381,15 @@ def _load_json(path: Path) -> dict[str, Any]:
 UNMODELLED = {
     "num_local_experts": "mixture of experts",  # refused unless the family reads it (Mixtral)
     "n_routed_experts": "mixture of experts",  # DeepSeek-V2/V3
-    "num_experts": "mixture of experts",  # refused unless the family reads it (Qwen2-MoE; not OLMoE, Qwen3-MoE)
+    "num_experts": "mixture of experts",  # refused unless the family reads it (Qwen2-MoE, Qwen3-MoE; not OLMoE)
     "kv_lora_rank": "multi-head latent attention",  # refused unless the family reads it (DeepSeek-V2/V3)
 }
 
 
 def _refuse_unmodelled(raw: dict[str, Any], path: Path) -> None:
     """One line naming every field that asks for layers memcalc cannot model (see docs/limitations.md);
-    a field the config's family reads (Mixtral's, Qwen2-MoE's and DeepSeek-V3's experts, DeepSeek's kv_lora_rank)
-    is modelled."""
+    a field the config's family reads (Mixtral's, Qwen2-MoE's, Qwen3-MoE's and DeepSeek-V3's experts, DeepSeek's
+    kv_lora_rank) is modelled."""
     family = _known_family(raw)
     read = {name for row in family.rows for name in row.sources} if family else set()
     found = [f"{name}={short_repr(raw[name])} ({what})" for name, what in UNMODELLED.items()
@@ -346,7 +397,8 @@ def _refuse_unmodelled(raw: dict[str, Any], path: Path) -> None:
     if found:
         raise ConfigError(
             f"{path}: config.json sets {', '.join(found)}; memcalc reads these only where it models them"
-            " (Mixtral's, Qwen2-MoE's and DeepSeek-V3's experts, DeepSeek's latent attention), and dropping them"
+            " (Mixtral's, Qwen2-MoE's, Qwen3-MoE's and DeepSeek-V3's experts, DeepSeek's latent attention), and"
+            " dropping them"
             " would give wrong numbers (see docs/limitations.md)"
         )
 
@@ -388,26 +440,14 @@ def _known_family(raw: dict[str, Any]) -> Family | None:
                 None)
 
 
-def _check_sparse_layers(raw: dict[str, Any], fields: dict[str, Any], path: Path) -> None:
-    """Qwen2-MoE's sparse layers: every decoder_sparse_step-th, none listed in mlp_only_layers. memcalc counts
-    ceil(L/freq) MoE layers (Megatron-LM's i % freq == 0), Qwen L/step: equal only when step divides L."""
+def _check_sparse_layers(raw: dict[str, Any], fields: dict[str, Any], path: Path, family: str) -> None:
+    """Qwen2-MoE's and Qwen3-MoE's sparse layers: every decoder_sparse_step-th, none listed in mlp_only_layers.
+    memcalc counts ceil(L/freq) MoE layers (Megatron-LM's i % freq == 0), Qwen L/step: equal only when step
+    divides L."""
     if raw.get("mlp_only_layers"):
         raise ConfigError(f"{path}: mlp_only_layers={short_repr(raw['mlp_only_layers'])} (dense layers at chosen"
                           " indices) is not modelled: memcalc places MoE layers every moe_layer_freq layers")
     step, L = fields.get("moe_layer_freq"), fields["L"]
     if type(step) is int and type(L) is int and step > 1 and L % step:
-        raise ConfigError(f"{path}: decoder_sparse_step={step} does not divide num_hidden_layers={L} (Qwen2-MoE"
+        raise ConfigError(f"{path}: decoder_sparse_step={step} does not divide num_hidden_layers={L} ({family}"
                           " then has fewer MoE layers than memcalc's every-freq-th count)")
-
-
-def _check_head_dim(raw: dict[str, Any], fields: dict[str, Any], path: Path) -> None:
-    """memcalc's ledger assumes heads of h/a channels; some configs set head_dim otherwise (latent attention sizes
-    its heads by qk_nope_head_dim, qk_rope_head_dim and v_head_dim, and DeepseekV3Config's head_dim is the RoPE part)."""
-    head_dim, h, a = raw.get("head_dim"), fields["h"], fields["a"]
-    if head_dim is None or "kv_lora_rank" in fields or not all(type(x) is int for x in (h, a)):
-        return  # no head_dim to check, latent attention, or h and a are not whole numbers, which validation names
-    if type(head_dim) is not int or head_dim * a != h:
-        raise ConfigError(
-            f"{path}: head_dim={short_repr(head_dim)} is not hidden_size/num_attention_heads={h}/{a}"
-            " (memcalc needs h/a)"
-        )

@@ -30,6 +30,7 @@ from memcalc.model.impls import IMPLEMENTATIONS, implementation
 from memcalc.model.knobs import BY_NAME as KNOBS_BY_NAME
 from memcalc.model.knobs import Knob, Knobs
 from memcalc.text import printable, short_repr
+from memcalc.units import minimum
 
 
 def _field(schema: cs.CoreSchema, default: Any, help: str) -> Any:
@@ -128,6 +129,11 @@ class ModelConfig(Knobs):
         return self.num_query_groups if self.num_query_groups is not None else self.a
 
     @property
+    def head_dim(self) -> int:
+        """Channels of each attention head: kv_channels, else h/a."""
+        return self.kv_channels if self.kv_channels is not None else self.h // self.a
+
+    @property
     def expert_ffn(self) -> int:
         """One expert's MLP hidden size: moe_ffn_hidden_size, else the dense MLP's."""
         return self.moe_ffn_hidden_size if self.moe_ffn_hidden_size is not None else self.ffn
@@ -138,7 +144,7 @@ class ModelConfig(Knobs):
         the first moe_first_dense_layers (DeepSeek's first_k_dense_replace); 0 if dense."""
         if self.num_experts is None:
             return 0
-        every, first = self.moe_layer_freq, min(self.moe_first_dense_layers or 0, self.L)
+        every, first = self.moe_layer_freq, minimum(self.moe_first_dense_layers or 0, self.L)  # L: or a sweep's array
         return -(-self.L // every) - -(-first // every)  # the multiples of freq in [first, L)
 
     @property
@@ -207,10 +213,13 @@ def _validator(cls: type[Knobs]) -> SchemaValidator:
     return SchemaValidator(schema)
 
 
-def with_library_defaults(fields: dict[str, Any]) -> dict[str, Any]:
-    """`fields` over the chosen implementation's own knob defaults (HF Llama has no dropout, say)."""
+def with_library_defaults(fields: dict[str, Any], knobs_only: bool = False) -> dict[str, Any]:
+    """`fields` over the chosen implementation's own defaults (HF Llama has no dropout, say): every one, or
+    for a knob set only the knobs' (a library's bias or position default is a config field, not a knob)."""
     impl = IMPLEMENTATIONS.get(fields.get("impl")) if isinstance(fields.get("impl"), str) else None
-    return fields if impl is None else impl.defaults | fields
+    if impl is None:
+        return fields
+    return (impl.knob_defaults() if knobs_only else impl.defaults) | fields
 
 
 def build_config(fields: dict[str, Any]) -> ModelConfig:
@@ -256,7 +265,7 @@ def validate_fields(fields: dict[str, Any]) -> ModelConfig:
 
 def build_knobs(fields: dict[str, Any]) -> Knobs:
     """Validate knob fields alone, for commands that need no sizes."""
-    knobs = _validate(Knobs, with_library_defaults(fields))
+    knobs = _validate(Knobs, with_library_defaults(fields, knobs_only=True))
     implementation(knobs)
     return knobs
 
@@ -278,6 +287,10 @@ class Rule:
     divisor: str
     value: str
     why: str
+    unless: str | None = None  # a knob whose setting lifts the rule (heads of kv_channels need not split h)
+
+    def applies(self, knobs: Any) -> bool:
+        return self.unless is None or getattr(knobs, self.unless) is None
 
     def message(self, divisor: int, value: int) -> str:
         return _not_divisible(divisor, self.divisor, value, self.value, self.why)
@@ -286,11 +299,37 @@ class Rule:
     def text(self) -> str:
         return f"{self.divisor} must divide {self.value}"
 
+    @property
+    def operands(self) -> tuple[str, str]:
+        """The two fields the rule compares, in the order `fails` and `message` take their values."""
+        return self.divisor, self.value
+
+    def fails(self, divisor: Any, value: Any) -> Any:
+        """Whether the rule breaks, on numbers or numpy arrays alike."""
+        return value % divisor != 0
+
     def check(self, config: ModelConfig) -> None:
         """Raise ConfigError if the rule fails, reading each size as used (4h and a when unset)."""
-        divisor, value = (getattr(config, AS_USED.get(n, n)) for n in (self.divisor, self.value))
-        if value % divisor:
-            raise ConfigError(self.message(divisor, value))
+        if not self.applies(config):
+            return
+        operands = [getattr(config, AS_USED.get(n, n)) for n in self.operands]
+        if self.fails(*operands):
+            raise ConfigError(self.message(*operands))
+
+
+@dataclass(frozen=True)
+class Limit(Rule):
+    """`value` may not exceed `divisor` (here a bound, not a divisor), and why: a rule sweeps apply per point."""
+
+    def fails(self, bound: Any, value: Any) -> Any:
+        return value > bound
+
+    def message(self, bound: int, value: int) -> str:
+        return f"{self.value}={value} exceeds {self.divisor}={bound} ({self.why})"
+
+    @property
+    def text(self) -> str:
+        return f"{self.value} may not exceed {self.divisor}"
 
 
 # Fields whose value as used can come from a default that depends on others (4h, a).
@@ -298,13 +337,18 @@ AS_USED = {"ffn_hidden_size": "ffn", "num_query_groups": "groups"}
 
 # The rules between sizes that every strategy needs (sweeps apply the same table, vectorised).
 DIVISIBILITY = (
-    Rule("a", "h", "each head gets h/a channels"),
+    Rule("a", "h", "each head gets h/a channels unless kv_channels is set", unless="kv_channels"),
     Rule("t", "a", "tensor parallelism gives each rank a/t heads"),
     Rule("t", "ffn_hidden_size", "the MLP is split into t column shards"),
     Rule("num_query_groups", "a", "each K/V group serves a/num_query_groups heads"),
     Rule("t", "num_query_groups", "each rank holds num_query_groups/t K/V groups"),
 )
 SEQUENCE_SPLIT = Rule("t", "s", "sequence parallelism splits the sequence across t ranks")
+# The rules between a mixture of experts' sizes (sweeps apply them per point when they sweep E, k or ep).
+EXPERT_RULES = (
+    Rule("ep", "num_experts", "each expert-parallel rank holds num_experts/ep experts"),
+    Limit("num_experts", "moe_router_topk", "each token picks k distinct experts"),
+)
 
 
 def check_divisibility(config: ModelConfig) -> None:
@@ -353,7 +397,7 @@ def check_experts(config: ModelConfig) -> None:
         if c.ep > 1 or c.etp is not None:
             raise ConfigError(f"ep={c.ep}, etp={c.etp} need num_experts (a dense MLP has no experts to split)")
         return
-    _divides(c.ep, "ep", c.num_experts, "num_experts", "each expert-parallel rank holds num_experts/ep experts")
+    EXPERT_RULES[0].check(c)  # the top-k limit is the knobs' own (impls.base.check_moe)
     if (c.moe_first_dense_layers or 0) >= c.L:
         raise ConfigError(f"moe_first_dense_layers={c.moe_first_dense_layers} leaves none of the L={c.L} layers a MoE"
                           " layer (drop num_experts for a dense model)")

@@ -12,7 +12,7 @@ from pathlib import Path
 from memcalc.config.gpus import GPUS
 from memcalc.units import human_bytes
 from memcalc.model import overlap
-from memcalc.model.comm import formula, layer_collectives
+from memcalc.model.comm import experts_doc, formula, layer_collectives
 from memcalc.model.knobs import Knobs
 from memcalc.model.strategy import STRATEGIES
 
@@ -27,11 +27,14 @@ def render() -> str:
         " Do not edit by hand. -->",
         "",
         "`memcalc comm` lists every collective the seed's operators f, f*, g, g* issue in one layer, forward and"
-        " backward, with the bytes one rank sends under the ring algorithm; `memcalc measure --layer memcalc --comm`"
-        " logs the collectives memcalc's own layer really issues (at the torch.distributed API) and compares them,"
-        " one by one, in order.",
+        " backward, with the bytes one rank sends under the ring algorithm, and a MoE layer's (below);"
+        " `memcalc measure --comm` logs the collectives a layer really issues (memcalc's own with `--layer memcalc`,"
+        " megatron-core's with `--layer library`; at the torch.distributed API) and compares them, one by one, in"
+        " order.",
         "",
         _collectives(),
+        "",
+        _experts(),
         "",
         _overlap(),
     ]
@@ -54,6 +57,35 @@ def _collectives() -> str:
         "Full recomputation adds the forward's collectives again at the start of backward. An implementation that"
         " keeps the gathered input (torchtitan's DTensor plan) has no re-gather.",
     ]
+    return "\n".join(lines)
+
+
+# The MoE layer the docs show: shared experts and the aux loss on, so that every collective appears once.
+_MOE = Knobs(num_experts=8, moe_router_topk=2, moe_shared_expert_intermediate_size=64, moe_aux_loss=True)
+
+
+def _experts() -> str:
+    """A MoE layer's collectives (megatron-core's MoELayer, the all-to-all dispatcher), ep > 1, under tp-sp and
+    under expert parallelism alone."""
+    lines = [
+        "## A mixture of experts' layer (megatron-core's MoELayer, the all-to-all token dispatcher)",
+        "",
+        experts_doc(),
+        "",
+        "Shown with shared experts and the load-balancing loss (moe_aux_loss) on and ep > 1: without them, their rows"
+        " drop out (at ep = 1 the all-to-alls do). The dense layers of a dense and MoE mix (moe_layer_freq,"
+        " moe_first_dense_layers) keep the dense MLP's collectives; a step counts each kind of layer as often as"
+        " the pipeline stage with the most MoE layers has it.",
+        "",
+    ]
+    for name in ("tp-sp", "none"):
+        strategy = STRATEGIES[name]
+        text, latex = formula(_MOE, strategy, 2, ep=2)
+        lines += [f"### `{name}`, ep > 1: {text} bytes sent per rank per MoE layer (bf16)", "", f"$$\n{latex}\n$$", "",
+                  "| operator | collective | over | pass | moves | why |", "|---|---|---|---|---|---|"]
+        lines += [f"| `{c.name}` | {c.op.value} | {c.group.value} | {c.phase} | {c.moves} | {c.why} |"
+                  for c in layer_collectives(_MOE, strategy, ep=2)]
+        lines.append("")
     return "\n".join(lines)
 
 

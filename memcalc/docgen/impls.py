@@ -1,7 +1,8 @@
 """docs/impl-<name>.md: one page per implementation, rendered from its module.
 
 Each page says which library and version the rules were measured on, which
-layouts the library runs, what its layer keeps that the paper's (Megatron's)
+layouts the library runs (and, from its declared refusals, which it does not
+under which knobs, and why), what its layer keeps that the paper's (Megatron's)
 layer with the same knobs does not (and the reverse), which tensors it keeps
 gathered under sequence parallelism, and its per-layer formulas, text and
 LaTeX, for the library's own default knobs. The measured tables live beside it,
@@ -54,7 +55,8 @@ def _intro(impl: Implementation, knobs: Knobs) -> str:
         "",
         f"Measured on: {impl.measured_on}.",
         "",
-        f"Layouts it runs: {', '.join(f'`{n}`' for n in impl.strategies)}.",
+        f"Layouts it runs (its defaults): {', '.join(f'`{n}`' for n in impl.runs(knobs))}.",
+        *(f"It does not run `{r.strategy}` {r.condition}: {r.reason} ({r.source})." for r in impl.refuses),
         f"Tensors a sequence-parallel layout keeps gathered (whole sequence): {whole}.",
         "",
         f"Its defaults (what `impl: {impl.name}` sets unless the config says otherwise): {describe_knobs(knobs)}.",
@@ -80,13 +82,14 @@ def _size_rule(impl: Implementation, knobs: Knobs) -> str:
     rule = impl.size_rule
     if rule is None:
         return "## Where the sizes matter\n\nNowhere: the knobs alone decide what the layer keeps."
-    seed = replace(knobs, attention="eager", recompute="none", dtype="bf16")
+    seed = replace(knobs, attention="eager", recompute="none", dtype="bf16", **rule.shown_with)
     inside, outside = impl.layer_tensors(seed, EXACT), rule.outside(seed, EXACT)
     changed = [x for x in outside if x not in inside]
+    shown = "".join(f", {name} {value}" for name, value in rule.shown_with.items())
     return "\n".join([
         "## Where the sizes matter", "", f"{rule.what[:1].upper()}{rule.what[1:]}.",
         "Numbers (`estimate`, `sweep`, `fit`) follow the rule point by point; the formulas below assume the kernel runs.",
-        "", "What the layer keeps outside (eager attention, bf16):", "", _tensor_table(changed, seed),
+        "", f"What the layer keeps outside (eager attention, bf16{shown}):", "", _tensor_table(changed, seed),
     ])
 
 
@@ -100,7 +103,7 @@ def _tensor_table(tensors: list[SavedTensor], knobs: Knobs) -> str:
 
 
 def _formulas(impl: Implementation, knobs: Knobs) -> str:
-    names = impl.strategies
+    names = impl.runs(knobs)
     formulas = [F.layer_formula(STRATEGIES[n], knobs, EXACT) for n in names]
     rows = list(terms_by_tensor(knobs, EXACT, names).items())
     return "\n".join([

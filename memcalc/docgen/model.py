@@ -17,7 +17,7 @@ from pathlib import Path
 
 from memcalc.model import formula as F
 from memcalc.model import ledger
-from memcalc.model.impls import layer_tensors
+from memcalc.model.impls import implementation, layer_tensors
 from memcalc.model.knobs import BY_NAME as KNOB_BY_NAME
 from memcalc.model.knobs import DTYPE_BYTES, KNOBS, Accounting, Knobs
 from memcalc.model.ledger import Region, SavedTensor
@@ -222,17 +222,24 @@ def _default_formulas() -> str:
 
 
 def _variant(v: Variant) -> str:
-    """A knob's formulas and the terms it adds, removes or changes against the default layer."""
-    formulas = [F.layer_formula(s, v.knobs, v.accounting) for s in STRATEGIES.values()]
-    old, new = terms_by_tensor(Knobs(), Accounting()), terms_by_tensor(v.knobs, v.accounting)
+    """A knob's formulas and the terms it adds, removes or changes against the default layer, under the layouts
+    the implementation runs for the variant's knobs (a layout it leaves out is named, with why)."""
+    impl = implementation(v.knobs)
+    names = impl.runs(v.knobs)
+    refused = [r for n in impl.strategies if (r := impl.refusal(v.knobs, n)) is not None]
+    left_out = [f"`{r.strategy}` is left out: `--impl {impl.name}` does not run it {r.condition}: {r.reason}"
+                f" ([impl-{impl.name}.md](impl-{impl.name}.md))." for r in refused]
+    formulas = [F.layer_formula(STRATEGIES[n], v.knobs, v.accounting) for n in names]
+    old, new = terms_by_tensor(Knobs(), Accounting(), names), terms_by_tensor(v.knobs, v.accounting, names)
     added_or_changed = [(x, exprs) for x, exprs in new.items() if old.get(x) != exprs]
     removed = [(x, exprs) for x, exprs in old.items() if x not in new]
-    parts = [f"## Variant `{v.flags}`", "", v.meaning, "", totals(formulas)]
+    parts = [f"## Variant `{v.flags}`", "", v.meaning, "", *(x for line in left_out for x in (line, "")),
+             totals(formulas)]
     if added_or_changed:
-        table, latex = terms_table(added_or_changed), terms_latex(added_or_changed)
+        table, latex = terms_table(added_or_changed, names), terms_latex(added_or_changed, names)
         parts += ["", "Terms it adds or changes:", "", table, "", latex]
     if removed:
-        parts += ["", "Terms it removes:", "", terms_table(removed)]
+        parts += ["", "Terms it removes:", "", terms_table(removed, names)]
     return "\n".join(parts)
 
 

@@ -14,12 +14,18 @@ Under SP, Megatron's column-parallel linear keeps only its input's sequence
 shard, so its backward all-gathers the input once more to form dW = X^T dY (the
 seed's overlapped re-gather); an implementation that keeps the gathered input
 (torchtitan's DTensor plan) skips it. Full recomputation reruns the forward in
-backward, collectives included. Every collective moves a (b, s, h) tensor of
-the activation dtype.
+backward, collectives included. Every collective of a dense layer moves a
+(b, s, h) tensor of the activation dtype.
 
-Bytes one rank sends under the ring algorithm, for a tensor of n bytes:
-all-reduce 2(t-1)/t * n, all-gather and reduce-scatter (t-1)/t * n each (a rank
-receives as much as it sends).
+A MoE layer (megatron-core's MoELayer, the all-to-all token dispatcher) keeps
+attention's collectives and trades the MLP's for the dispatcher's (`_experts`):
+int64 token counts, and the routed slots (r, the ledger's bound) exchanged over
+the ep ranks of the expert-parallel group, gathered and reduce-scattered over t.
+
+Bytes one rank sends under the ring algorithm, for a tensor of n bytes over a
+group of t ranks: all-reduce 2(t-1)/t * n, all-gather and reduce-scatter
+(t-1)/t * n each (a rank receives as much as it sends); an all-to-all sends
+(t-1)/t of what it hands in, one part to each other rank, when the parts are even.
 """
 
 from __future__ import annotations
@@ -34,11 +40,12 @@ from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError
 from memcalc.model.evaluate import check_strategy, dim_sizes
 from memcalc.model.impls import implementation, plan
-from memcalc.model.knobs import DTYPE_BYTES
-from memcalc.model.ledger import Dim
+from memcalc.model.knobs import DTYPE_BYTES, Knobs
+from memcalc.model.ledger import Dim, Kind
 from memcalc.model.strategy import Strategy
 
 _BSH = (Dim.B, Dim.S, Dim.H)
+_FIXED_WIDTHS = {Kind.INT64: 8}  # elements whose width is not the activation dtype's
 
 
 class Op(Enum):
@@ -47,15 +54,39 @@ class Op(Enum):
     ALL_REDUCE = "all-reduce"
     ALL_GATHER = "all-gather"
     REDUCE_SCATTER = "reduce-scatter"
+    ALL_TO_ALL = "all-to-all"  # each rank keeps 1/n of what it holds and sends the rest, one part to each other rank
     SEND = "send"  # one point-to-point message of an overlapped ring
     RECV = "recv"  # its partner: what arrives (received bytes are not counted as sent)
 
     def share(self, t: int) -> Fraction:
-        """Bytes one of t ranks moves, as a fraction of the tensor (or message) the call names."""
+        """Bytes one of t ranks moves, as a fraction of the tensor (or message) the call names (an all-to-all's:
+        the tensor it hands in, evenly split)."""
         if self in (Op.SEND, Op.RECV):
             return Fraction(1)
         steps = Fraction(t - 1, t)
         return 2 * steps if self is Op.ALL_REDUCE else steps
+
+
+class Group(Enum):
+    """The ranks a collective runs over; the value is its size in symbols."""
+
+    TP = "t"  # the tensor-parallel group (= the expert tensor-parallel group: memcalc models etp = t)
+    EP = "ep"  # the expert-parallel group
+    TP_EP = "t*ep"  # both: megatron's tp_ep group, which shares the token counts
+
+    def size(self, t: int, ep: int) -> int:
+        return {Group.TP: t, Group.EP: ep, Group.TP_EP: t * ep}[self]
+
+
+class Count(Enum):
+    """How much of its shape's tensor a call names, before the op's share."""
+
+    WHOLE = "the whole tensor"
+    SHARD = "one tensor-parallel rank's 1/t of it"  # the routed slots one rank's own tokens make, before the gather
+    EACH = "one from each rank of the group"  # a gathered tensor: every rank's piece of this shape
+
+    def factor(self, t: int, ranks: int) -> Fraction:
+        return {Count.WHOLE: Fraction(1), Count.SHARD: Fraction(1, t), Count.EACH: Fraction(ranks)}[self]
 
 
 @dataclass(frozen=True)
@@ -63,13 +94,16 @@ class Collective:
     """One collective of one layer: which operator issues it, when, what it moves, and why."""
 
     name: str  # block/operator, e.g. "attention/g*"
-    operator: str  # the seed's f, f*, g, g*
+    operator: str  # the seed's f, f*, g, g* (or "all-to-all", the dispatcher's self-conjugate exchange)
     op: Op
     phase: str  # "forward" or "backward"
     moves: str
     shape: tuple[Dim, ...]  # the whole tensor, before any split
     why: str
     piece: Fraction = Fraction(1)  # the part of that tensor this call moves (a ring message, a pipelined chunk)
+    group: Group = Group.TP
+    count: Count = Count.WHOLE
+    kind: Kind = Kind.ACTIVATION  # what decides its element width: the activation dtype, or int64 token counts
 
 
 def _enter(block: str, what: str, sequence_parallel: bool) -> tuple[Collective, ...]:
@@ -108,19 +142,22 @@ def _regather(block: str, what: str) -> Collective:
 
 
 _BLOCKS = (("attention", "the QKV input", "the projection output"), ("mlp", "the fc1 input", "the fc2 output"))
+_SHARED = ("shared", "the shared experts' fc1 input", "the shared experts' fc2 output")
 
 
 def layer_collectives(
-    knobs: Any, strategy: Strategy, overlap: frozenset[str] = frozenset(), t: int = 1, splits: int = 4
+    knobs: Any, strategy: Strategy, overlap: frozenset[str] = frozenset(), t: int = 1, splits: int = 4, ep: int = 1
 ) -> tuple[Collective, ...]:
     """Every collective one layer issues per micro-batch, forward then backward, as the implementation runs it.
 
     `overlap` (tp-sp) names the methods that cut a forward collective into pieces
     (memcalc.model.overlap): ring-ag and ring-rs into t-1 ring hops of one
     sequence chunk, pipelined-rs into `splits` reduce-scatters. Backward is
-    unchanged. `t` matters only to the rings (how many hops).
+    unchanged. `t` matters only to the rings (how many hops). `ep`: a MoE
+    layer's expert-parallel size; its all-to-alls run only when ep > 1, and then
+    under `none` too.
     """
-    if not strategy.tensor_parallel:
+    if not strategy.tensor_parallel and not (knobs.moe and ep > 1):
         return ()
     plan(knobs, strategy)  # refuses a layout the implementation does not run
     if knobs.mla:
@@ -128,17 +165,127 @@ def layer_collectives(
                           " outputs gathered over t, SP's scatter of the latents) are not modelled yet")
     sp = strategy.sequence_parallel
     regathers = sp and not implementation(knobs).kept_whole
-    forward, backward = [], []
-    for block, entering, leaving in _BLOCKS:
-        for c in (*_enter(block, entering, sp), *_leave(block, leaving, sp)):
-            forward += _pieces(c, overlap, t, splits) if c.phase == "forward" else []
-    if knobs.recompute == "full":  # backward first reruns the whole forward, collectives and all
-        backward = [_rerun(c) for c in forward]
-    for block, entering, leaving in reversed(_BLOCKS):  # then meets the MLP first, each block from its output
-        leave = [c for c in _leave(block, leaving, sp) if c.phase == "backward"]
-        enter = [c for c in _enter(block, entering, sp) if c.phase == "backward"]
-        backward += [*leave, *([_regather(block, entering)] if regathers else []), *enter]
+    blocks = [_dense(*_BLOCKS[0], sp, regathers, overlap, t, splits)] if strategy.tensor_parallel else []
+    if knobs.moe:
+        blocks.append(_experts(knobs, strategy, ep, regathers))
+    elif strategy.tensor_parallel:
+        blocks.append(_dense(*_BLOCKS[1], sp, regathers, overlap, t, splits))
+    forward = [c for block, _ in blocks for c in block]
+    backward = [_rerun(c) for c in forward] if knobs.recompute == "full" else []  # the whole forward, rerun first
+    backward += [c for _, block in reversed(blocks) for c in block]  # then each block from its output
     return (*forward, *backward)
+
+
+def _dense(
+    block: str, entering: str, leaving: str, sp: bool, regathers: bool, overlap: frozenset[str], t: int, splits: int,
+) -> tuple[list[Collective], list[Collective]]:
+    """A column/row-parallel pair's collectives: (forward, as the overlap method cuts them; backward)."""
+    forward = [c for c in (*_enter(block, entering, sp), *_leave(block, leaving, sp)) if c.phase == "forward"]
+    leave = [c for c in _leave(block, leaving, sp) if c.phase == "backward"]
+    enter = [c for c in _enter(block, entering, sp) if c.phase == "backward"]
+    backward = [*leave, *([_regather(block, entering)] if regathers else []), *enter]
+    return [p for c in forward for p in _pieces(c, overlap, t, splits)], backward
+
+
+# -- a mixture of experts: megatron-core 0.16.1's MoELayer with the all-to-all token dispatcher ---------------------
+
+_R_H, _R = (Dim.R, Dim.H), (Dim.R,)
+_BOUND = {"balanced": "balanced routing, r = kbs", "capacity": "the capacity bound on r",
+          "worst": "the worst-case bound on r"}
+
+
+def _experts(knobs: Any, strategy: Strategy, ep: int, regathers: bool) -> tuple[list[Collective], list[Collective]]:
+    """megatron-core's MoELayer with the all-to-all dispatcher, experts over ep ranks and etp = t: its collectives.
+
+    Forward, in megatron's order: the shared experts (a dense MLP's g and g*), the router's aux-loss
+    all-reduce of token counts over t, the dispatcher's gather of every rank's token counts over t*ep,
+    the all-to-all over ep of this rank's permuted tokens and then of their probabilities, their gather
+    over t (a g: etp = t), the reduce-scatter over t of the experts' output (a g*) and the combining
+    all-to-all. Backward meets the routed path first (autograd runs the later-made nodes first), each
+    collective's conjugate in reverse, the probabilities' before the tokens'; the shared experts last.
+    Routed bytes take the ledger's bound on r (moe_tokens); an all-to-all sends (ep-1)/ep of the r/t
+    slots a rank hands in, exactly so when routing is balanced.
+    """
+    if implementation(knobs).name != "megatron":
+        raise ConfigError(f"impl {knobs.impl}: a mixture of experts' collectives are modelled for megatron-core's"
+                          " MoELayer (the all-to-all dispatcher) only")
+    if knobs.moe_token_dispatcher_type != "alltoall":
+        raise ConfigError(f"moe_token_dispatcher_type={knobs.moe_token_dispatcher_type}: only the alltoall"
+                          " dispatcher's collectives are modelled (the allgather one gathers every token of t*ep"
+                          " ranks instead)")
+    tp, bound = strategy.tensor_parallel, _BOUND[str(knobs.moe_tokens)]
+    sp, has_shared = strategy.sequence_parallel, tp and knobs.moe_shared_expert_intermediate_size
+    shared_forward, shared_backward = _dense(*_SHARED, sp, regathers, frozenset(), 1, 1) if has_shared else ([], [])
+    a2a = [c for c in _all_to_alls(bound) if ep > 1]  # an expert-parallel group of one exchanges nothing
+    routed = [
+        *([_aux_counts()] if tp and knobs.moe_aux_loss else []),
+        _counts(),
+        *[c for c in a2a if c.name == "moe/dispatch"],
+        *(_tp_pair(bound) if tp else []),
+        *[c for c in a2a if c.name == "moe/combine"],
+    ]
+    backward = [b for b in map(_conjugate, reversed(routed)) if b is not None]
+    return [*shared_forward, *routed], [*backward, *shared_backward]
+
+
+def experts_doc() -> str:
+    """What the MoE block models, for the docs: `_experts`'s own docstring, one paragraph."""
+    return " ".join((_experts.__doc__ or "").split())
+
+
+def _counts() -> Collective:
+    return Collective("moe/counts", "g", Op.ALL_GATHER, "forward", "each rank's token count per expert (int64)",
+                      (Dim.E,), "the dispatcher's split sizes: how many slots each rank sends to each expert",
+                      group=Group.TP_EP, count=Count.EACH, kind=Kind.INT64)
+
+
+def _aux_counts() -> Collective:
+    return Collective("router/aux", "f*", Op.ALL_REDUCE, "forward", "the token count per expert (int64)", (Dim.E,),
+                      "the load-balancing loss counts the tokens of the whole sequence, not one rank's shard",
+                      kind=Kind.INT64)
+
+
+def _all_to_alls(bound: str) -> tuple[Collective, ...]:
+    """The dispatcher's exchanges over ep: this rank's r/t permuted slots and their probabilities, then back."""
+    def exchange(name: str, moves: str, shape: tuple[Dim, ...], why: str) -> Collective:
+        return Collective(name, "all-to-all", Op.ALL_TO_ALL, "forward", f"{moves} ({bound})", shape, why,
+                          group=Group.EP, count=Count.SHARD)
+    return (
+        exchange("moe/dispatch", "the permuted tokens", _R_H, "each slot goes to the rank that holds its expert"),
+        exchange("moe/dispatch", "their routing probabilities", _R, "the experts scale their output by them"),
+        exchange("moe/combine", "the experts' output", _R_H, "each slot's result returns to its token's rank"),
+    )
+
+
+def _tp_pair(bound: str) -> tuple[Collective, ...]:
+    """dispatch_postprocess's gather over t and combine_preprocess's reduce-scatter (etp = t)."""
+    why = "the t ranks share each expert's weights (etp = t): each needs the slots of all t"
+    return (
+        Collective("moe/g", "g", Op.ALL_GATHER, "forward", f"the dispatched tokens ({bound})", _R_H, why),
+        Collective("moe/g", "g", Op.ALL_GATHER, "forward", f"their routing probabilities ({bound})", _R, why),
+        Collective("moe/g*", "g*", Op.REDUCE_SCATTER, "forward", f"the experts' output ({bound})", _R_H,
+                   "each of the t ranks holds a partial sum of its experts' fc2 output; it is cast to the"
+                   " probabilities' dtype first, the activation dtype (the router computes in its input's)"),
+    )
+
+
+def _conjugate(c: Collective) -> Collective | None:
+    """A forward collective's backward: an all-to-all's reverse exchange, a g's reduce-scatter, a g*'s gather;
+    none for the token counts (integers: no gradient)."""
+    if c.kind is not Kind.ACTIVATION:
+        return None
+    op, why = _BACKWARD[c.op]
+    return replace(c, op=op, phase="backward", moves=f"the gradient of {c.moves}", why=why)
+
+
+# Each forward collective of the dispatcher: its backward's op, and why backward issues it.
+_BACKWARD = {
+    Op.ALL_TO_ALL: (Op.ALL_TO_ALL, "the forward exchange reversed: each gradient returns to the rank its slot came from"),
+    Op.ALL_GATHER: (Op.REDUCE_SCATTER, "each of the t ranks computed a partial gradient of every gathered slot: summed,"
+                    " and each rank keeps its own slots'"),
+    Op.REDUCE_SCATTER: (Op.ALL_GATHER, "the experts' fc2 backward on each of the t ranks needs the gradient of every"
+                        " slot"),
+}
 
 
 def _rerun(c: Collective) -> Collective:
@@ -163,9 +310,12 @@ def ring_units(c: Collective) -> int:
     return 2 if c.op is Op.ALL_REDUCE else 1
 
 
-def sent_bytes(c: Collective, sizes: dict[Dim, int], t: int, width: int) -> int:
-    """Bytes one rank moves for `c` (a receive: what arrives); exact, since t divides h (t | a | h)."""
-    return int(c.op.share(t) * c.piece * width * prod(sizes[d] for d in c.shape))
+def sent_bytes(c: Collective, sizes: dict[Dim, int], t: int, width: int, ep: int = 1) -> int:
+    """Bytes one rank moves for `c` (a receive: what arrives) over its group of t, ep or t*ep ranks; exact,
+    since t divides h (t | a | h) and s (a shard of routed slots, under SP)."""
+    ranks = c.group.size(t, ep)
+    element = _FIXED_WIDTHS.get(c.kind, width)
+    return int(c.op.share(ranks) * c.piece * c.count.factor(t, ranks) * element * prod(sizes[d] for d in c.shape))
 
 
 @dataclass(frozen=True)
@@ -173,31 +323,82 @@ class LayerComm:
     """One strategy's collectives for one layer and one micro-batch, and what a step adds up to."""
 
     strategy: Strategy
-    collectives: tuple[tuple[Collective, int], ...]  # each with the bytes one rank sends
+    collectives: tuple[tuple[Collective, int], ...]  # each with the bytes one rank sends (a MoE layer's, in a mix)
     per_step_bytes: int
     pipeline_bytes: int  # activations and their gradients sent between stages, per step
+    dense: tuple[tuple[Collective, int], ...] = ()  # a dense layer's, when MoE layers alternate with dense ones
+    layers: tuple[int, int] = (0, 0)  # (MoE or only kind, dense) layers on the stage the step counts
 
     @property
     def per_layer_bytes(self) -> int:
         """Bytes one rank sends (what it receives is not counted)."""
-        return sum(n for c, n in self.collectives if c.op is not Op.RECV)
+        return _sent(self.collectives)
+
+    @property
+    def dense_layer_bytes(self) -> int:
+        return _sent(self.dense)
+
+
+def _sent(rows: tuple[tuple[Collective, int], ...]) -> int:
+    return sum(n for c, n in rows if c.op is not Op.RECV)
 
 
 def layer_comm(config: ModelConfig, strategy: Strategy, microbatches: int) -> LayerComm:
-    """Per-layer collectives and bytes, and the step's total on a middle pipeline stage."""
+    """Per-layer collectives and bytes, and the step's total on the pipeline stage with the most MoE layers."""
     check_strategy(config, strategy)
     sizes, width = dim_sizes(config), DTYPE_BYTES[config.dtype]
-    rows = tuple((c, sent_bytes(c, sizes, config.t, width)) for c in layer_collectives(config, strategy))
-    per_layer = sum(n for c, n in rows if c.op is not Op.RECV)
+    t = config.t if strategy.tensor_parallel else 1
+
+    def rows(knobs: Any) -> tuple[tuple[Collective, int], ...]:
+        return tuple((c, sent_bytes(c, sizes, t, width, config.ep))
+                     for c in layer_collectives(knobs, strategy, ep=config.ep))
+
+    moe_layers, dense_layers = stage_layers(config)
+    layer = rows(config)
+    dense = rows(Knobs.of(config).dense) if config.moe and dense_layers else ()
     shard = config.t if strategy.sequence_parallel else 1
     boundary = 2 * width * sizes[Dim.B] * sizes[Dim.S] * sizes[Dim.H] // shard  # activation out, gradient back
     pipeline = microbatches * boundary if config.pp > 1 else 0
-    return LayerComm(strategy, rows, config.L // config.pp * microbatches * per_layer + pipeline, pipeline)
+    per_step = microbatches * (moe_layers * _sent(layer) + dense_layers * _sent(dense)) + pipeline
+    return LayerComm(strategy, layer, per_step, pipeline, dense, (moe_layers, dense_layers))
 
 
-def formula(knobs: Any, strategy: Strategy, width: int) -> tuple[str, str]:
-    """Bytes one rank sends per layer, in symbols (text, LaTeX): every collective moves sbh x (t-1)/t."""
-    units = sum(ring_units(c) for c in layer_collectives(knobs, strategy)) * width
-    if not units:
+def stage_layers(config: ModelConfig) -> tuple[int, int]:
+    """(MoE layers, dense layers) on the pipeline stage holding the most MoE layers, of L/pp contiguous layers
+    (Megatron's split); a dense model's layers count as the first kind."""
+    per_stage = config.L // config.pp
+    if not config.moe:
+        return per_stage, 0
+    first = config.moe_first_dense_layers or 0
+    moe = max(sum(1 for i in range(stage * per_stage, (stage + 1) * per_stage)
+                  if i >= first and i % config.moe_layer_freq == 0) for stage in range(config.pp))
+    return moe, per_stage - moe
+
+
+# Each group and count as a factor in symbols (text, LaTeX), under tensor parallelism and without it (t = 1).
+_FACTORS = {
+    (Group.TP, Count.WHOLE): ("(t-1)/t", "\\frac{t-1}{t}"),
+    (Group.EP, Count.SHARD): ("(ep-1)/(ep*t)", "\\frac{ep-1}{ep \\, t}"),
+    (Group.TP_EP, Count.EACH): ("(t*ep-1)", "(t \\, ep-1)"),
+}
+_FACTORS_T1 = {(Group.EP, Count.SHARD): ("(ep-1)/ep", "\\frac{ep-1}{ep}"), (Group.TP_EP, Count.EACH): ("(ep-1)", "(ep-1)")}
+
+
+def formula(knobs: Any, strategy: Strategy, width: int, ep: int = 1) -> tuple[str, str]:
+    """Bytes one rank sends per layer, in symbols (text, LaTeX): the sum over its collectives of the element
+    width, times 2 for an all-reduce, the group's share and the shape (a dense layer: sbh(t-1)/t each)."""
+    terms: dict[tuple[tuple[str, str], tuple[Dim, ...]], int] = {}
+    for c in layer_collectives(knobs, strategy, ep=ep):
+        factors = _FACTORS if strategy.tensor_parallel else _FACTORS_T1
+        key = (factors[(c.group, c.count)], c.shape)
+        terms[key] = terms.get(key, 0) + ring_units(c) * _FIXED_WIDTHS.get(c.kind, width)
+    if not terms:
         return "0", "0"
-    return f"{units}sbh(t-1)/t", f"{units} \\frac{{t-1}}{{t}} s b h"
+    text = " + ".join(f"{n}{_symbols(shape)}{share}" for ((share, _), shape), n in terms.items())
+    latex = " + ".join(f"{n} {frac} {' '.join(_symbols(shape))}" for ((_, frac), shape), n in terms.items())
+    return text, latex
+
+
+def _symbols(shape: tuple[Dim, ...]) -> str:
+    """A shape's symbols, the paper's sbh for (b, s, h)."""
+    return "sbh" if shape == _BSH else "".join(d.value for d in shape)

@@ -18,24 +18,28 @@ from memcalc.model.impls import plan, tensors_at
 from memcalc.model.knobs import Accounting, Knobs, element_bytes
 from memcalc.model.ledger import Dim, SavedTensor
 from memcalc.model.strategy import Strategy
+from memcalc.units import minimum
 
 
-def dim_sizes(config: ModelConfig) -> dict[Dim, Any]:
+def dim_sizes(config: ModelConfig, routers: Any = 1) -> dict[Dim, Any]:
     """The value of every ledger dimension for this config, on one context-parallel rank.
 
     Context parallelism gives each rank s/cp of the tokens (check_layout makes
-    2cp divide s), so that is the sequence every saved tensor spans.
+    2cp divide s), so that is the sequence every saved tensor spans. `routers`: the
+    ranks that split a tensor-parallel group's tokens before a MoE router (t under
+    sequence parallelism), each dropping its own tokens to its own capacity.
     """
     sizes = {
         Dim.B: config.b, Dim.S: config.s // config.cp, Dim.H: config.h, Dim.A: config.a,
-        Dim.G: config.groups, Dim.D: config.h // config.a, Dim.F: config.ffn, Dim.V: config.vocab_size,
+        Dim.G: config.groups, Dim.D: config.head_dim, Dim.F: config.ffn, Dim.V: config.vocab_size,
         Dim.QKV: config.a + 2 * config.groups,
     } | mla_sizes(config)
     if config.num_experts is None:
         return sizes
     return sizes | {
         Dim.E: config.num_experts, Dim.K: config.moe_router_topk, Dim.FE: config.expert_ffn,
-        Dim.U: config.moe_shared_expert_intermediate_size or 0, Dim.R: routed_slots(config, config.moe_tokens),
+        Dim.U: config.moe_shared_expert_intermediate_size or 0,
+        Dim.R: routed_slots(config, config.moe_tokens, routers), Dim.RS: kept_slots(config, routers),
     }
 
 
@@ -50,34 +54,49 @@ def mla_sizes(config: Any) -> dict[Dim, Any]:
     }
 
 
-def routed_slots(config: ModelConfig, bound: str) -> Any:
+def routed_slots(config: ModelConfig, bound: str, routers: Any = 1) -> Any:
     """r: the token-expert slots one rank's experts receive in one MoE layer, under `bound` (numbers or arrays).
 
     Each rank routes its b*s/cp tokens to k experts each; with expert tensor parallelism equal to t, the
     slots of the t ranks that share experts arrive on each of them, so the count does not depend on t.
-    balanced: k*b*s. capacity: each of the E experts keeps ceil(c*k*b*s/E) slots from each of the ep ranks
-    that share it (Megatron's get_capacity, on the tokens b*s/cp of a tensor-parallel group), E/ep experts
-    here. worst (no capacity): every token of the ep ranks sends all its k slots here, at most E/ep
-    experts' worth, ep*b*s*min(k, E/ep); with a capacity factor the capacity bound is the worst.
+    balanced: k*b*s. worst (no capacity): every token of the ep ranks sends all its k slots here, at most
+    E/ep experts' worth, ep*b*s*min(k, E/ep). With a capacity factor every bound is at most the capacity's,
+    every expert full (`capacity_slots`); padded to capacity (moe_pad_expert_input_to_capacity) it is that,
+    whatever the route.
     """
     c, tokens = config, config.b * (config.s // config.cp)
-    experts, k = c.num_experts, c.moe_router_topk
-    if bound == "capacity" or (bound == "worst" and c.moe_expert_capacity_factor is not None):
-        per_expert = -(-(c.moe_expert_capacity_factor * k * tokens) // experts)
-        return _whole(per_expert) * experts
-    if bound == "worst":
-        return c.ep * tokens * _minimum(k, experts // c.ep)
-    return k * tokens
+    k = c.moe_router_topk
+    worst = c.ep * tokens * minimum(k, c.num_experts // c.ep)
+    if c.moe_expert_capacity_factor is None:
+        return worst if bound == "worst" else k * tokens
+    full = capacity_slots(config, routers)
+    if c.moe_pad_expert_input_to_capacity:
+        return full
+    return minimum(full, k * tokens if bound == "balanced" else worst)
+
+
+def capacity_slots(config: ModelConfig, routers: Any = 1) -> Any:
+    """The slots one rank's experts receive when every expert is full: each of the `routers` ranks that split a
+    tensor-parallel group's b*s/cp tokens keeps ceil(k*(b*s/cp/routers)/E * c) slots an expert (Megatron's
+    get_capacity on the tokens one router sees), and this rank's E/ep experts take them from the ep groups."""
+    c, local = config, config.b * (config.s // config.cp) // routers
+    per_expert = -(-((c.moe_router_topk * local / c.num_experts) * c.moe_expert_capacity_factor) // 1)
+    return _whole(per_expert) * c.num_experts * routers
+
+
+def kept_slots(config: ModelConfig, routers: Any = 1) -> Any:
+    """r_s: the token-expert slots a tensor-parallel group's own b*s/cp tokens keep, over its `routers`: k*b*s;
+    with a capacity factor at most every expert's capacity (exactly that when padded to it)."""
+    c, tokens = config, config.b * (config.s // config.cp)
+    if c.moe_expert_capacity_factor is None:
+        return c.moe_router_topk * tokens
+    full = capacity_slots(config, routers)  # each router keeps E*capacity: routers*E*capacity in all
+    return full if c.moe_pad_expert_input_to_capacity else minimum(full, c.moe_router_topk * tokens)
 
 
 def _whole(x: Any) -> Any:
     """A whole number (a rounded-up float, or an array of them) as int."""
     return x.astype("int64") if hasattr(x, "astype") else int(x)
-
-
-def _minimum(x: Any, y: Any) -> Any:
-    """min on numbers or numpy arrays alike."""
-    return (x < y) * x + (x >= y) * y
 
 
 def rank_shape(tensor: SavedTensor, strategy: Strategy, sizes: dict[Dim, Any], t: Any) -> tuple[Any, ...]:
@@ -147,7 +166,7 @@ def estimate(config: ModelConfig, strategy: Strategy, accounting: Accounting = A
     """Per-rank activation bytes of `config` under `strategy`, tensor by tensor."""
     strategy = check_strategy(config, strategy)
     knobs = Knobs.of(config)
-    sizes = dim_sizes(config)
+    sizes = dim_sizes(config, config.t if strategy.sequence_parallel else 1)
 
     def kept_bytes(layer_knobs: Knobs) -> tuple[TensorBytes, ...]:
         kept = strategy.kept(tensors_at(layer_knobs, accounting, sizes, strategy.weight_shards(config.t)))

@@ -24,17 +24,18 @@ from memcalc.model.ledger import Dim, SavedTensor
 from memcalc.model.strategy import Strategy
 
 # Symbols, made once; LaTeX names are the same letters.
-b, s, h, a, t, g, f, v = sympy.symbols("b s h a t g f v", positive=True, integer=True)
+b, s, h, a, t, g, d, f, v = sympy.symbols("b s h a t g d f v", positive=True, integer=True)
 E, k, e, u, ep = sympy.symbols("E k e u ep", positive=True, integer=True)  # mixture of experts
 c = sympy.Symbol("c", positive=True)  # the capacity factor, not a whole number
 r_q, r_kv, d_r, d_n, d_v = sympy.symbols("r_q r_kv d_r d_n d_v", positive=True, integer=True)  # latent attention
 SYMBOLS: dict[str, sympy.Symbol] = {
-    str(x): x for x in (b, s, h, a, t, g, f, v, E, k, e, u, c, ep, r_q, r_kv, d_r, d_n, d_v)
+    str(x): x for x in (b, s, h, a, t, g, d, f, v, E, k, e, u, c, ep, r_q, r_kv, d_r, d_n, d_v)
 }
 SBH = s * b * h
 MEANINGS = {
     "b": "micro-batch size", "s": "sequence length", "h": "hidden size", "a": "attention heads",
-    "t": "tensor-parallel size", "g": "K/V groups (num_query_groups)", "f": "MLP hidden size (ffn_hidden_size)",
+    "t": "tensor-parallel size", "g": "K/V groups (num_query_groups)",
+    "d": "channels of each attention head (kv_channels; h/a unless set)", "f": "MLP hidden size (ffn_hidden_size)",
     "v": "vocabulary size", "E": "routed experts (num_experts)", "k": "experts per token (moe_router_topk)",
     "e": "one expert's MLP hidden size (moe_ffn_hidden_size)",
     "u": "shared experts' MLP hidden size (moe_shared_expert_intermediate_size)",
@@ -47,9 +48,9 @@ MEANINGS = {
 
 
 def dim_expr(dim: Dim, knobs: Knobs) -> sympy.Expr:
-    """A dimension in symbols: g and f appear only when the config sets them."""
+    """A dimension in symbols: g, d and f appear only when the config sets them."""
     if dim is Dim.D:
-        return h / a
+        return d if knobs.head_dim_set else h / a
     if dim is Dim.G:
         return g if knobs.gqa else a
     if dim is Dim.F:
@@ -64,13 +65,15 @@ def dim_expr(dim: Dim, knobs: Knobs) -> sympy.Expr:
         return e if knobs.moe_ffn_hidden_size is not None else dim_expr(Dim.F, knobs)
     if dim is Dim.R:
         return routed_slots_expr(knobs)
+    if dim is Dim.RS:  # the slots a group's own tokens keep (evaluate.kept_slots, without its rounding and cap)
+        return (c if knobs.moe_expert_capacity_factor is not None else 1) * k * b * s
     return SYMBOLS[dim.value]
 
 
 def routed_slots_expr(knobs: Knobs) -> sympy.Expr:
     """r, the slots a rank's experts receive, under the knobs' bound (evaluate.routed_slots without rounding)."""
-    bound = knobs.moe_tokens
-    if bound == "capacity" or (bound == "worst" and knobs.moe_expert_capacity_factor is not None):
+    bound, capped = knobs.moe_tokens, knobs.moe_expert_capacity_factor is not None
+    if bound == "capacity" or (capped and (bound == "worst" or knobs.moe_pad_expert_input_to_capacity)):
         return c * k * b * s
     return (ep if bound == "worst" else 1) * k * b * s
 

@@ -78,6 +78,13 @@ class ScoreFunction(Choice):
     SIGMOID = "sigmoid"  # DeepSeek-V3: each expert's own sigmoid, the top k renormalised
 
 
+class Dispatcher(Choice):
+    """How a MoE layer moves tokens to the ranks of their experts (Megatron-LM's moe_token_dispatcher_type)."""
+
+    ALLTOALL = "alltoall"  # the ranks' chosen tokens all-to-all over ep (Megatron-LM's MoE recipes)
+    ALLGATHER = "allgather"  # every rank gathers the tp*ep group's tokens and picks its experts' (megatron-core's default)
+
+
 class Dtype(Choice):
     BF16 = "bf16"
     FP16 = "fp16"
@@ -139,13 +146,18 @@ def _moe(k: Any) -> str | None:
              + (f", shared {k.moe_shared_expert_intermediate_size})" if k.moe_shared_expert_intermediate_size
                 else ")")]
     if k.moe_expert_capacity_factor is not None:
-        parts.append(f"capacity {k.moe_expert_capacity_factor:g}")
+        parts.append(f"capacity {k.moe_expert_capacity_factor:g}"
+                     + (" (padded)" if k.moe_pad_expert_input_to_capacity else ""))
     if k.moe_layer_freq != 1:
         parts.append(f"MoE every {k.moe_layer_freq} layers")
     if k.moe_first_dense_layers:
-        parts.append(f"first {k.moe_first_dense_layers} layers dense")
+        first = k.moe_first_dense_layers
+        parts.append(f"first {first} layer{'s' if first != 1 else ''} dense")
     if k.moe_router_score_function != ScoreFunction.SOFTMAX:
-        parts.append(f"{k.moe_router_score_function} router")
+        parts.append(f"{k.moe_router_score_function} router"
+                     + (" with expert bias" if k.moe_router_enable_expert_bias else ""))
+    if k.moe_token_dispatcher_type != Dispatcher.ALLTOALL:
+        parts.append(f"{k.moe_token_dispatcher_type} dispatcher")
     if k.moe_aux_loss:
         parts.append("aux loss")
     if k.moe_router_pre_softmax:
@@ -167,10 +179,16 @@ def _heads(k: Any) -> str:
     """What attention's heads are: '8 K/V groups', or with latent attention its widths in place of K/V groups,
     'MLA: q latent 1536, kv latent 512, heads 128+64, v 128'."""
     if k.kv_lora_rank is None:
-        return f"{_groups(k)} K/V groups"
+        return f"{_groups(k)} K/V groups" + (f", heads of {k.kv_channels}" if head_dim_set(k) else "")
     query = f"q latent {k.q_lora_rank}" if k.q_lora_rank is not None else "no q latent"
     return (f"MLA: {query}, kv latent {k.kv_lora_rank}, heads {k.qk_nope_head_dim}+{k.qk_rope_head_dim},"
             f" v {k.v_head_dim}")
+
+
+def head_dim_set(k: Any) -> bool:
+    """Whether heads are kv_channels wide where that is not h/a (a config's) or is set at all (a knob set's)."""
+    h, a = getattr(k, "h", None), getattr(k, "a", None)
+    return k.kv_channels is not None and not (h is not None and a is not None and k.kv_channels * a == h)
 
 
 def _mla_knob(name: str) -> Callable[[Any], str | None]:
@@ -206,6 +224,19 @@ KNOBS: tuple[Knob, ...] = (
     Knob(
         "num_query_groups", "size", None, "K/V groups (default a, multi-head)", lambda k: None, symbol="g",
         effects=((1, "Grouped-query attention keeps K and V for g groups of heads instead of a."),),
+    ),
+    Knob(
+        "kv_channels", "size", None, "channels of each attention head (Megatron-LM's kv_channels, transformers'"
+        " head_dim; default h/a)", lambda k: None, symbol="d",
+        effects=((1, "Heads of d channels where a*d need not be h (Qwen3: h 2048, 32 heads of 128): Q, K, V and the"
+                  " output projection's input are a*d (K and V g*d) wide; the layer's input and output stay h."),),
+    ),
+    Knob(
+        "qk_layernorm", "flag", False, "normalise each query and key head over its d channels before QK^T"
+        " (Megatron-LM's qk_layernorm; Qwen3's q_norm and k_norm), with the layer's norm",
+        lambda k: "QK norm" if k.qk_layernorm else None,
+        effects=((True, "A norm on each query head and each key head (Qwen3's q_norm, k_norm) keeps its input, a"
+                  " second copy of Q and K, and each head's statistics."),),
     ),
     Knob(
         "norm", "choice", Norm.LAYERNORM, "normalisation", lambda k: f"{k.norm}", Norm,
@@ -272,6 +303,27 @@ KNOBS: tuple[Knob, ...] = (
                   " r = ckbs (the formula leaves out the rounding up)."),),
     ),
     Knob(
+        "moe_pad_expert_input_to_capacity", "flag", False,
+        "megatron: pad each expert's tokens to its capacity, so every expert gets exactly ceil(c*k*b*s/E)"
+        " (Megatron-LM's moe_pad_expert_input_to_capacity; needs moe_expert_capacity_factor)",
+        _moe_knob("moe_pad_expert_input_to_capacity"),
+        effects=(({"num_experts": 8, "moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True,
+                   "moe_tokens": MoeTokens.CAPACITY},
+                  "Padded to capacity, every expert receives exactly ceil(ckbs/E) slots whatever the route, so the"
+                  " capacity bound is what is kept; the permutation gathers the probabilities by index, keeping the"
+                  " indices in place of the routing map and the transposed probabilities."),),
+    ),
+    Knob(
+        "moe_token_dispatcher_type", "choice", Dispatcher.ALLTOALL,
+        "megatron: how tokens reach their experts: alltoall (over ep, as Megatron-LM's MoE recipes set it) or"
+        " allgather (every rank gathers the tp*ep group's tokens; megatron-core's own default)",
+        _moe_knob("moe_token_dispatcher_type"), Dispatcher,
+        effects=(({"num_experts": 8, "moe_token_dispatcher_type": Dispatcher.ALLGATHER},
+                  "The all-gather dispatcher gathers every token of the tp*ep group on each rank: the routing map and"
+                  " transposed probabilities it keeps are its local experts' columns of the ep*b*s gathered tokens"
+                  " (b*s*E, whole under SP), and its permutation indices the r slots its experts receive."),),
+    ),
+    Knob(
         "moe_layer_freq", "size", 1, "one MoE layer every this many layers, dense MLPs between (layer i is MoE"
         " when i % freq == 0)", _moe_knob("moe_layer_freq"),
         effects=(({"num_experts": 8, "moe_layer_freq": 2},
@@ -293,6 +345,15 @@ KNOBS: tuple[Knob, ...] = (
         effects=(({"num_experts": 8, "moe_router_score_function": ScoreFunction.SIGMOID},
                   "A sigmoid router keeps every expert's sigmoid score (its backward reads its output) and the"
                   " renormalisation's divisor and chosen scores, in place of the softmax over the top k."),),
+    ),
+    Knob(
+        "moe_router_enable_expert_bias", "flag", False,
+        "megatron: the sigmoid router picks the top k on scores plus a per-expert bias (DeepSeek-V3's aux-loss-free"
+        " balancing; Megatron-LM's moe_router_enable_expert_bias)", _moe_knob("moe_router_enable_expert_bias"),
+        effects=(({"num_experts": 8, "moe_router_score_function": ScoreFunction.SIGMOID,
+                   "moe_router_enable_expert_bias": True},
+                  "With the expert bias the top k are picked on biased scores and the unbiased ones gathered: the"
+                  " gather keeps every expert's score, cast to the activation dtype."),),
     ),
     Knob(
         "moe_tokens", "choice", MoeTokens.BALANCED,
@@ -356,11 +417,13 @@ def _knobs_namespace() -> dict[str, Any]:
     def of(cls: type, config: Any) -> Any:
         """The knobs of a config (or another knob set), alone: a small, hashable key.
 
-        K/V groups equal to the heads are multi-head attention, as if unset.
+        K/V groups equal to the heads are multi-head attention, and heads of h/a channels plain heads, as if unset.
         """
         values = {k.name: getattr(config, k.name) for k in KNOBS}
         if values["num_query_groups"] == getattr(config, "a", None):
             values["num_query_groups"] = None
+        if not head_dim_set(config):  # heads of h/a, as if unset
+            values["kv_channels"] = None
         return Knobs(**values)
 
     return {
@@ -369,6 +432,7 @@ def _knobs_namespace() -> dict[str, Any]:
         "has_dropout": property(lambda self: self.dropout > 0, doc="any dropout at all: masks are kept only when p > 0"),
         "ffn_set": property(lambda self: self.ffn_hidden_size is not None, doc="formulas write f, not 4h"),
         "gqa": property(lambda self: self.num_query_groups is not None, doc="formulas write g, not a"),
+        "head_dim_set": property(head_dim_set, doc="formulas write d, not h/a (a config's heads are not h/a wide)"),
         "moe": property(lambda self: self.num_experts is not None, doc="the MLP is a mixture of experts"),
         "mla": property(lambda self: self.kv_lora_rank is not None, doc="attention is multi-head latent attention"),
         "dense": property(lambda self: replace(self, **{k.name: k.default for k in KNOBS if is_moe(k)}),

@@ -31,7 +31,7 @@ class Dim(Enum):
     H = "h"  # hidden
     A = "a"  # attention heads
     G = "g"  # K/V groups (= a for multi-head attention)
-    D = "d"  # head dimension, h/a
+    D = "d"  # head dimension: kv_channels, h/a unless set
     F = "f"  # MLP hidden size (= 4h unless set)
     V = "v"  # vocabulary (padded to a multiple of t where split)
     QKV = "a+2g"  # heads of a fused QKV projection's output: a query, g key and g value heads
@@ -40,6 +40,7 @@ class Dim(Enum):
     FE = "e"  # one expert's MLP hidden size (moe_ffn_hidden_size, = f unless set)
     U = "u"  # the shared experts' MLP hidden size (moe_shared_expert_intermediate_size)
     R = "r"  # token-expert slots this rank's experts receive: k*b*s balanced, else the bound asked for
+    RS = "r_s"  # token-expert slots a tensor-parallel group's own tokens keep: k*b*s, fewer where a capacity drops
     QR = "r_q"  # multi-head latent attention: the query latent's width (q_lora_rank)
     KVR = "r_kv"  # the key/value latent's width (kv_lora_rank)
     KVD = "r_kv+d_r"  # the key/value down projection's output: the latent and the keys' RoPE part side by side
@@ -128,6 +129,19 @@ LAYER_INPUT = SavedTensor(
 LN1 = _norm("ln1", "attention")
 LN2 = _norm("ln2", "the MLP")
 
+
+def _head_norm(which: str, heads: Dim) -> NormTensors:
+    """A QK norm's tensors (qk_layernorm): one norm over each of `heads` heads' d channels, before QK^T, inside the
+    column/row-parallel pair (TP splits its heads); `which` is "q" or "k". Its output is the core's Q (or K)."""
+    by = f"{which.upper()} norm (qk_layernorm), over each {'query' if which == 'q' else 'key'} head's d channels"
+    per_head, stem = (Dim.B, heads, Dim.S), f"attention/{which}_norm_"
+    return NormTensors(
+        SavedTensor(f"{stem}input", by, (*per_head, Dim.D), Kind.ACTIVATION, Region.TENSOR, WHY_NORM_INPUT),
+        SavedTensor(f"{stem}mean", by, per_head, Kind.NORM_STATS, Region.TENSOR, WHY_NORM_MEAN, paper=False),
+        SavedTensor(f"{stem}rstd", by, per_head, Kind.NORM_STATS, Region.TENSOR, WHY_NORM_RSTD, paper=False),
+    )
+
+
 QKV_IN = SavedTensor(
     "attention/qkv_in", "QKV linear (column-parallel)", _BSH, Kind.ACTIVATION, Region.SEQUENCE,
     WHY_GATHERED_INPUT,
@@ -144,6 +158,8 @@ V = SavedTensor(
     "attention/v", "core attention (weights x V or flash kernel)", (Dim.B, Dim.G, Dim.S, Dim.D),
     Kind.ACTIVATION, Region.TENSOR, "the gradient of the attention weights is dOut V^T",
 )
+Q_NORM = _head_norm("q", Dim.A)
+K_NORM = _head_norm("k", Dim.G)
 SOFTMAX_OUT = SavedTensor(
     "attention/softmax_out", "softmax", _BASS, Kind.ACTIVATION, Region.TENSOR,
     "softmax backward, diag(S') - S'S'^T, needs its output, not its input",
@@ -163,7 +179,8 @@ SOFTMAX_LSE = SavedTensor(
     paper=False,
 )
 PROJ_IN = SavedTensor(
-    "attention/proj_in", "output projection (row-parallel)", _BSH, Kind.ACTIVATION, Region.TENSOR,
+    "attention/proj_in", "output projection (row-parallel), on a heads of d", (Dim.B, Dim.S, Dim.A, Dim.D),
+    Kind.ACTIVATION, Region.TENSOR,
     "dW = X^T dY needs the input (flash attention saves this same tensor as its output)",
 )
 ATTN_OUT_DROPOUT_MASK = SavedTensor(
@@ -290,7 +307,7 @@ MLA_TENSORS: tuple[SavedTensor, ...] = (
 )
 
 ALL_TENSORS: tuple[SavedTensor, ...] = (
-    LAYER_INPUT, *LN1, QKV_IN, Q, K, V, SOFTMAX_OUT, ATTN_DROPOUT_MASK, ATTN_DROPOUT_OUT,
+    LAYER_INPUT, *LN1, QKV_IN, *Q_NORM, *K_NORM, Q, K, V, SOFTMAX_OUT, ATTN_DROPOUT_MASK, ATTN_DROPOUT_OUT,
     SOFTMAX_LSE, PROJ_IN, ATTN_OUT_DROPOUT_MASK, *MLA_TENSORS, *LN2, FC1_IN, GELU_IN, SWIGLU_GATE,
     SWIGLU_UP, SWIGLU_SILU_OUT, FC2_IN, MLP_DROPOUT_MASK, *MOE_TENSORS,
 )

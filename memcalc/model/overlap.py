@@ -91,9 +91,9 @@ def gemm_flops(config: ModelConfig) -> dict[str, int]:
     """FLOPs of each forward GEMM on one rank (dgrad and wgrad cost the same each)."""
     c, sizes = config, dim_sizes(config)
     tokens = sizes[Dim.B] * sizes[Dim.S]  # per context-parallel rank
-    width = {"qkv": (c.a + 2 * c.groups) * (c.h // c.a), "proj": c.h,
+    width = {"qkv": (c.a + 2 * c.groups) * c.head_dim, "proj": c.h,
              "fc1": c.ffn * (2 if c.mlp == "swiglu" else 1), "fc2": c.h}
-    inner = {"qkv": c.h, "proj": c.h, "fc1": c.h, "fc2": c.ffn}
+    inner = {"qkv": c.h, "proj": c.a * c.head_dim, "fc1": c.h, "fc2": c.ffn}
     return {name: 2 * tokens * inner[name] * width[name] // c.t for name in width}
 
 

@@ -59,8 +59,8 @@ class Strategy:
                 return dim
         if tensor.region not in self.splits and not (tensor.region is Region.EXPERT and self.tensor_parallel):
             return None
-        if tensor.region is Region.SEQUENCE:
-            return Dim.S
+        if tensor.region is Region.SEQUENCE:  # its tokens: s, or the token-expert slots they keep
+            return Dim.S if Dim.S in tensor.shape else Dim.RS
         if tensor.region is Region.EXPERT:  # r is per rank already; expert TP (etp = t) splits the expert width
             return Dim.FE if Dim.FE in tensor.shape else None
         return next(d for d in tensor.shape if d in _TP_SPLIT_DIMS)

@@ -16,12 +16,23 @@ names) and `measure` (each strategy run and compared with the ledger).
 from __future__ import annotations
 
 from types import ModuleType
+from typing import Any
 
 from memcalc.errors import ProbeError
 
 # The assignments `memcalc measure --route` forces a MoE router to (memcalc.probe.libs.hf_shim), named here so
 # the CLI offers them without importing torch.
 ROUTES = ("balanced", "all-to-one")
+# The implementations whose runner logs the collectives its own layer issues (`run_layer(..., collectives=[])`),
+# so that `memcalc measure --comm` can compare them with the communication ledger.
+LOGGED = ("megatron",)
+
+
+def routing_fixed(config: Any, route: str | None) -> bool:
+    """Whether the collectives a layer issues are the ledger's to the byte: a dense layer's always; a MoE layer's
+    only when its router is forced balanced (`route`) and the ledger takes the balanced bound (moe_tokens), since
+    the bytes its dispatcher moves follow the routing."""
+    return not config.moe or (route == "balanced" and config.moe_tokens == "balanced")
 
 INSTALL_HINT = "pip install torch==2.13.0 (in a checkout: pip install -e '.[probe]')"
 

@@ -59,7 +59,7 @@ class SelfAttention(nn.Module):
         overlap: Overlap = NO_OVERLAP,
     ) -> None:
         super().__init__()
-        self.head_dim = config.h // config.a
+        self.head_dim = config.head_dim
         self.heads_per_group = config.a // config.groups
         self.dropout = config.dropout
         self.flash = config.attention == "flash"
@@ -70,7 +70,7 @@ class SelfAttention(nn.Module):
         qkv_width = (config.a + 2 * config.groups) * self.head_dim
         qkv_bias = config.add_bias_linear or config.add_qkv_bias
         self.qkv = ColumnParallelLinear(config.h, qkv_width, bias=qkv_bias, seed=1, **linear)
-        self.proj = RowParallelLinear(config.h, config.h, bias=config.add_bias_linear, seed=2, **linear)
+        self.proj = RowParallelLinear(config.a * self.head_dim, config.h, bias=config.add_bias_linear, seed=2, **linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         label(batch_first(x), ledger.QKV_IN)
@@ -78,7 +78,7 @@ class SelfAttention(nn.Module):
         for tensor, saved in ((q, ledger.Q), (k, ledger.K), (v, ledger.V)):
             label(tensor, saved)
         context = checkpoint(self._core, q, k, v, *self._query_columns(q)) if self.recompute else self._core(q, k, v)
-        label(batch_first(context), ledger.PROJ_IN)
+        label(batch_first(context).unflatten(-1, (-1, self.head_dim)), ledger.PROJ_IN)  # (b, s, a/t, d)
         return self.proj(context)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_kept: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,7 @@ from memcalc.errors import ConfigError, ProbeError
 from memcalc.model.comm import layer_collectives
 from memcalc.model.evaluate import LayerEstimate, check_strategy, dim_sizes, estimate
 from memcalc.model.knobs import DTYPE_BYTES, Accounting
-from memcalc.probe import require_torch
+from memcalc.probe import LOGGED, require_torch, routing_fixed
 from memcalc.probe.collectives import CollectiveLog, CommRow, LoggedCollective, compare_collectives
 from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.launch import Mode, run, under_torchrun
@@ -81,7 +81,7 @@ class RankResult:
     device: str  # cpu, cuda or meta: decides the width of norm statistics (ACCOUNTED_AS)
     saved: tuple[SavedStorage, ...]
     cuda: CudaMemory | None
-    collectives: tuple[LoggedCollective, ...] = ()  # memcalc's own layer only: every collective it issued
+    collectives: tuple[LoggedCollective, ...] = ()  # memcalc's own layer and LOGGED libraries': every collective issued
 
 
 # Which code builds the layer: the implementation's own library, or memcalc's own Megatron-style layer.
@@ -116,7 +116,9 @@ def measure_layer(
     torch.manual_seed(INPUT_SEED + tp.rank)  # dropout masks; weights are seeded by the linears
     if layer == "library":
         forced = {"route": route} if route else {}  # only ROUTED runners take one (measure checks)
-        saved, cuda, collectives = runner(config.impl).run_layer(tp, config, strategy, **forced), None, ()
+        logged: dict[str, list[LoggedCollective]] = {"collectives": []} if config.impl in LOGGED else {}
+        saved, cuda = runner(config.impl).run_layer(tp, config, strategy, **forced, **logged), None
+        collectives = tuple(logged.get("collectives", ()))
     else:
         saved, cuda, collectives = _run_own_layer(tp, config, strategy, overlap)
     return RankResult(strategy.name, tp.rank, tp.size, tp.mode, tp.device.type, saved, cuda, collectives)
@@ -142,6 +144,9 @@ def _run_own_layer(
     if config.mla:
         raise ProbeError("--layer memcalc has no latent attention (kv_lora_rank); measure MLA with --impl megatron"
                          " or --impl hf, which run the libraries' own MLA layers")
+    if config.qk_layernorm:
+        raise ProbeError("--layer memcalc has no QK norm (qk_layernorm); measure it with --impl megatron or --impl hf,"
+                         " which run the libraries' own layers")
     sequence_parallel = strategy.sequence_parallel
     layer = TransformerLayer(config, tp, sequence_parallel, overlap if sequence_parallel else NO_OVERLAP)
     x = _layer_input(config, tp, sequence_parallel)
@@ -305,6 +310,7 @@ class StrategyMeasurement:
     ranks: tuple[RankResult, ...]
     rows: tuple[tuple[Row, ...], ...]  # per rank, in rank order
     comm: tuple[tuple[CommRow, ...], ...] = ()  # per rank: the collectives issued against the ledger's (own layer)
+    world: str | None = None  # the fake world a library's runner made itself (megatron's t*ep ranks), in words
 
     @property
     def matches(self) -> bool:
@@ -324,6 +330,8 @@ class StrategyMeasurement:
 
     def _how(self) -> str:
         t, group, device = self.launch.t, self.ranks[0].group, self.ranks[0].device
+        if self.world is not None and self.launch.mode in (Mode.SINGLE, Mode.FAKE):
+            return f"one process as rank 0 of {self.world} through torch's fake process group on {device} (no data moves)"
         if self.launch.mode is Mode.SINGLE:
             return f"one process (t=1) on {device}"
         if self.launch.mode is Mode.FAKE:
@@ -414,22 +422,38 @@ def _compared(
 ) -> StrategyMeasurement:
     prediction = estimate(config, strategy, Accounting(exact=True, device=ACCOUNTED_AS[ranks[0].device]))
     rows = tuple(compare(prediction, result.saved) for result in ranks)
-    comm = () if layer == "library" else tuple(_compared_comm(config, strategy, r, overlap) for r in ranks)
+    logged = layer == "memcalc" or (config.impl in LOGGED and comm_modelled(config, strategy, route))
+    comm = tuple(_compared_comm(config, strategy, r, overlap) for r in ranks) if logged else ()
     if layer == "library":
         package = RUNNERS[config.impl][1]
         possessive = f"{package}'" if package.endswith("s") else f"{package}'s"  # transformers', torchtitan's
-        whose = f"{possessive} own layer"
+        built = getattr(runner(config.impl), "built_layer", lambda config: None)(config)
+        whose = f"{possessive} own layer" + (f", {built}" if built else "")
         notes = tuple(runner(config.impl).NOTES) + ((runner(config.impl).route_note(route),) if route else ())
+        world = getattr(runner(config.impl), "fake_world", lambda config, t: None)(config, plan.t)
     else:
-        whose, notes = "memcalc's own Megatron-style layer", ()
-    return StrategyMeasurement(strategy, plan, whose, notes, prediction, tuple(ranks), rows, comm)
+        whose, notes, world = "memcalc's own Megatron-style layer", (), None
+    return StrategyMeasurement(strategy, plan, whose, notes, prediction, tuple(ranks), rows, comm, world)
+
+
+def comm_modelled(config: ModelConfig, strategy: Strategy, route: str | None) -> bool:
+    """Whether a library layer's collectives can be compared with the ledger: it models them (not latent
+    attention's, not the allgather dispatcher's) and their bytes do not hang on the routing (`routing_fixed`)."""
+    try:
+        layer_collectives(config, strategy, ep=config.ep)
+    except ConfigError:
+        return False
+    return routing_fixed(config, route)
 
 
 def _compared_comm(
     config: ModelConfig, strategy: Strategy, result: RankResult, overlap: Overlap = NO_OVERLAP
 ) -> tuple[CommRow, ...]:
-    """The collectives one rank issued against the communication ledger's, in order."""
+    """The collectives one rank issued against the communication ledger's, in order. A collective over a group
+    of one rank (t = 1, or ep = 1) sends nothing, and neither memcalc's mappings nor megatron's issue it."""
     t = config.t if strategy.tensor_parallel else 1
     methods = frozenset(m.value for m in overlap.methods) if strategy.sequence_parallel else frozenset()
-    predicted = layer_collectives(config, strategy, methods, t, overlap.num_splits)
-    return compare_collectives(predicted, dim_sizes(config), t, DTYPE_BYTES[config.dtype], result.collectives)
+    predicted = tuple(c for c in layer_collectives(config, strategy, methods, t, overlap.num_splits, config.ep)
+                      if c.group.size(t, config.ep) > 1)
+    return compare_collectives(predicted, dim_sizes(config), t, DTYPE_BYTES[config.dtype], result.collectives,
+                               config.ep)

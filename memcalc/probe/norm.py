@@ -30,27 +30,38 @@ EPS = 1e-5
 
 
 class Norm(nn.Module):
-    """LayerNorm or RMSNorm over the hidden dim of (s, b, h), labelled as `names`."""
+    """LayerNorm or RMSNorm over the hidden dim of (s, b, h), labelled as `names`.
 
-    def __init__(self, kind: str, h: int, names: NormTensors, dtype: torch.dtype, device: torch.device) -> None:
+    `heads`: over each head's d channels of (s, b, heads, d) (a QK norm): the statistics are labelled per head,
+    (b, heads, s), and the input is left to whoever made it (a view of a fused QKV output, or a copy).
+    """
+
+    def __init__(
+        self, kind: str, h: int, names: NormTensors, dtype: torch.dtype, device: torch.device, heads: bool = False,
+    ) -> None:
         super().__init__()
-        self.kind, self.names = kind, names
+        self.kind, self.names, self.heads = kind, names, heads
         self.weight = nn.Parameter(torch.ones(h, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.zeros(h, dtype=dtype, device=device)) if kind == "layernorm" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        label(batch_first(x), self.names.input)
+        if not self.heads:
+            label(batch_first(x), self.names.input)
         if self.kind == "layernorm":
             y, mean, rstd = torch.native_layer_norm(x, x.shape[-1:], self.weight, self.bias, EPS)
-            label(batch_first(mean.squeeze(-1)), self.names.mean)  # (s, b, 1) -> (b, s)
+            label(self._stats(mean), self.names.mean)
         else:
             y, rstd = _RMSNorm.apply(x, self.weight)
-        label(batch_first(rstd.squeeze(-1)), self.names.rstd)
+        label(self._stats(rstd), self.names.rstd)
         return y
+
+    def _stats(self, x: torch.Tensor) -> torch.Tensor:
+        """(s, b, 1) statistics as (b, s); per head, (s, b, heads, 1) as (b, heads, s)."""
+        return x.squeeze(-1).permute(1, 2, 0) if self.heads else batch_first(x.squeeze(-1))
 
 
 class _RMSNorm(torch.autograd.Function):
-    """y = x / rms(x) * weight, keeping x and rstd = 1/rms(x) (s, b, 1) for backward."""
+    """y = x / rms(x) * weight, keeping x and rstd = 1/rms(x) (s, b, 1), or (s, b, heads, 1), for backward."""
 
     @staticmethod
     def forward(ctx, x, weight):

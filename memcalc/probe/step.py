@@ -67,6 +67,7 @@ torch = require_torch()
 import torch.distributed as dist  # noqa: E402  (after the install check above)
 from torch import nn  # noqa: E402
 from torch.distributed._tools.mem_tracker import MemTracker  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
 BATCH_SEED = 4321
@@ -236,15 +237,18 @@ class MainGrads:
 
     Allocated once, before any step. A hook on each parameter's gradient accumulator
     adds the bf16 gradient into the buffer and drops it, so a weight's bf16 gradient
-    lives only from the moment autograd finishes it until its addition.
+    lives only from the moment autograd finishes it until its addition. A DTensor
+    weight (transformers' TP) has its local shard's view; a gradient laid out otherwise
+    (the vocabulary-parallel embedding's Replicate one) is first laid out as its weight.
     """
 
     def __init__(self, params: list[nn.Parameter]) -> None:
-        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32, device=params[0].device)
+        shards = [local(p) for p in params]
+        self.buffer = torch.zeros(sum(x.numel() for x in shards), dtype=torch.float32, device=shards[0].device)
         offset = 0
-        for p in params:
-            p.main_grad = self.buffer[offset:offset + p.numel()].view_as(p)
-            offset += p.numel()
+        for p, x in zip(params, shards):
+            p.main_grad = self.buffer[offset:offset + x.numel()].view_as(x)
+            offset += x.numel()
         # The accumulators must outlive this call: autograd holds them only weakly (as Megatron keeps grad_accs).
         self._accumulators = []
         for p in params:
@@ -256,12 +260,26 @@ class MainGrads:
         self.buffer.zero_()
 
 
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of a tensor: a DTensor's local shard (transformers' TP plans make DTensor weights), or
+    the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _laid_out_as(grad: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
+    """A DTensor gradient in its parameter's placements: this rank's rows of a Replicate gradient of a Shard(0)
+    weight (DTensor's embedding backward gives a vocabulary-parallel table a whole-table gradient)."""
+    if isinstance(grad, DTensor) and grad.placements != param.placements:
+        return grad.redistribute(param.device_mesh, param.placements)
+    return grad
+
+
 def _add_into_main_grad(param: nn.Parameter):
     """Megatron's backward post-hook: main_grad += grad, then the bf16 gradient is dropped."""
 
     def hook(*_unused):
         if param.grad is not None:
-            param.main_grad.add_(param.grad)
+            param.main_grad.add_(local(_laid_out_as(param.grad, param)))
             param.grad = None
 
     return hook
@@ -277,13 +295,14 @@ class MixedPrecisionAdamW(torch.optim.Optimizer):
 
     def __init__(self, params: list[nn.Parameter], main_grads: MainGrads, lr: float = 1e-4) -> None:
         super().__init__(params, {})
+        shards = [local(p) for p in params]
         with torch.no_grad():
-            self.main_params = torch.cat([p.detach().float().reshape(-1) for p in params])
+            self.main_params = torch.cat([x.detach().float().reshape(-1) for x in shards])
         self.main_params.grad = main_grads.buffer
         offset = 0
-        for p in params:
-            self.state[p]["main_param"] = self.main_params[offset:offset + p.numel()].view_as(p)
-            offset += p.numel()
+        for p, x in zip(params, shards):
+            self.state[p]["main_param"] = self.main_params[offset:offset + x.numel()].view_as(x)
+            offset += x.numel()
         self.adamw = torch.optim.AdamW([self.main_params], lr=lr, fused=True)
 
     @torch.no_grad()
@@ -291,7 +310,7 @@ class MixedPrecisionAdamW(torch.optim.Optimizer):
         self.adamw.step()
         for group in self.param_groups:
             for p in group["params"]:
-                p.copy_(self.state[p]["main_param"])
+                local(p).copy_(self.state[p]["main_param"])
 
 
 # -- one measured step ------------------------------------------------------------
@@ -383,9 +402,16 @@ def measure_trainer(trainer: Trainer, tp: TensorParallelGroup, strategy: Strateg
 
 
 def categories(snapshot: dict) -> dict[str, int]:
-    """A MemTracker snapshot of this rank's one device as bytes per timeline category."""
+    """A MemTracker snapshot of this rank's one device as bytes per timeline category.
+
+    Meta tensors hold no memory, but MemTracker files their nominal bytes under a device of their own, with a peak
+    of its own: transformers' rowwise style makes a (b, s, in_features) meta tensor only to read its strides
+    (`TensorParallelLayer._from_local_last_dim_shard`). That device is left out.
+    """
     out: dict[str, int] = {}
-    for device_snapshot in snapshot.values():
+    for device, device_snapshot in snapshot.items():
+        if torch.device(device).type == "meta":
+            continue
         for key, nbytes in device_snapshot.items():
             name = getattr(key, "value", key)
             if name in MEASURED_CATEGORIES:

@@ -1,4 +1,4 @@
-"""What fits a memory budget: the largest micro-batch b or sequence s, or the smallest t, pp or cp.
+"""What fits a memory budget: the largest micro-batch b or sequence s, or the smallest t, pp, cp or ep.
 
 Every answer is an exact integer found by evaluating what `memcalc estimate
 --totals` bases its verdict on: the step's peak (`memcalc.sizing.timeline`) where
@@ -18,6 +18,10 @@ grows with b and s as every term it sums does.
   smallest first, since each extra stage or context rank is a GPU taken from
   data parallelism. With `gpus` fixed, each candidate derives its own dp =
   gpus/(t*pp*cp), and a candidate that does not divide the GPUs is invalid.
+- ep: the same search over the divisors of the experts E, smallest first. Each
+  expert-parallel rank holds E/ep experts' weights, gradients and optimizer
+  states; the GPUs stay those of t*cp*dp (experts are laid over them), so a
+  candidate whose ep*etp does not divide t*cp*dp is invalid.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from memcalc.sizing.totals import per_gpu
 from memcalc.sizing.verdict import need
 from memcalc.units import human_bytes
 
-SOLVES = ("b", "s", "t", "pp", "cp")
+SOLVES = ("b", "s", "t", "pp", "cp", "ep")
 COUNTS = ("peak", "total", "activations")  # peak: the step's, where the timeline models it (memcalc.sizing.verdict)
 _SEARCH_LIMIT = 2**48  # a guard: no real budget fits this many tokens or micro-batches
 
@@ -95,7 +99,7 @@ def fit(
     config: ModelConfig, strategy: Strategy, solve: str, budget: int,
     accounting: Accounting = Accounting(), count: str = "peak",
 ) -> Fit:
-    """The largest b or s, or the smallest t, pp or cp, whose per-GPU bytes (`count`) are at most `budget`."""
+    """The largest b or s, or the smallest t, pp, cp or ep, whose per-GPU bytes (`count`) are at most `budget`."""
     def try_value(value: int) -> Candidate:
         try:
             fields = config.as_dict() | {solve: value}
@@ -149,7 +153,15 @@ _SPLITS: dict[str, Callable[[ModelConfig], tuple[str, int]]] = {
     "t": lambda c: ("a", c.a),
     "pp": lambda c: ("L", c.L),
     "cp": lambda c: ("s/2", max(c.s // 2, 1)),
+    "ep": lambda c: ("num_experts", _experts(c)),
 }
+
+
+def _experts(config: ModelConfig) -> int:
+    """E, the experts ep splits; ConfigError for a dense model, which has no ep to solve for."""
+    if config.num_experts is None:
+        raise ConfigError("the model has no experts (num_experts is not set), so there is no ep to solve for")
+    return config.num_experts
 
 
 def _smallest(

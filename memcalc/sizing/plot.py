@@ -14,6 +14,7 @@ pyplot: no global state, no window, the same pixels on every machine.
 
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
@@ -38,6 +39,7 @@ TIMELINE_HEIGHT = 5.0  # inches; each strategy's panel is 5.5 wide
 # The timeline's categories, bottom to top (their order): what is there all step, then what comes and goes.
 CATEGORY_COLOURS = dict(zip(CATEGORIES, ("#4c72b0", "#55a868", "#8172b2", "#dd8452", "#c44e52")))
 DPI = 100
+CHARACTERS_PER_INCH = 16  # of the 8.5-point details line, about: where it wraps
 SUFFIXES = (".png", ".svg")
 X_LABELS = {"s": "sequence length s (tokens)", "t": "tensor-parallel size t (GPUs)"}
 # One colour family per block, a shade per tensor: neighbours in the stack stay apart.
@@ -218,10 +220,13 @@ def _panels(titles: Titles, size: tuple[float, float], n: int) -> tuple[Figure, 
     FigureCanvasAgg(fig)
     fig.suptitle(literal(titles.title), fontsize=13)
     axes = list(fig.subplots(1, n, sharey=True, squeeze=False)[0])
+    # A long knob line (a mixture of experts says a lot) is wrapped to the figure's width, not cut at its edges.
+    width = int(size[0] * CHARACTERS_PER_INCH)
+    details = "\n".join(textwrap.fill(line, width) for line in literal(titles.details).split("\n"))
     if n == 1:
-        axes[0].set_title(literal(titles.details), fontsize=8.5, color="0.35")
+        axes[0].set_title(details, fontsize=8.5, color="0.35")
     else:
-        fig.supxlabel(literal(titles.details), fontsize=8.5, color="0.35")
+        fig.supxlabel(details, fontsize=8.5, color="0.35")
     return fig, axes
 
 

@@ -58,7 +58,7 @@ def _norm_params(config: ModelConfig, width: int | None = None) -> int:
 def _qkv(c: ModelConfig, t: int) -> int:
     if c.mla:
         return _latent_qkv(c, t)
-    width = (c.a + 2 * c.groups) * (c.h // c.a)  # Q heads plus K and V groups, h/a channels each
+    width = (c.a + 2 * c.groups) * c.head_dim  # Q heads plus K and V groups, d (h/a unless set) channels each
     return (c.h * width + (width if c.add_bias_linear or c.add_qkv_bias else 0)) // t
 
 
@@ -76,7 +76,7 @@ def _latent_qkv(c: ModelConfig, t: int) -> int:
 
 
 def _proj(c: ModelConfig, t: int) -> int:
-    width = c.a * c.v_head_dim if c.mla else c.h  # latent attention: a value heads of d_v
+    width = c.a * (c.v_head_dim if c.mla else c.head_dim)  # a heads of d (latent attention: of d_v)
     return width * c.h // t + (c.h if c.add_bias_linear else 0)  # row-parallel: its bias is whole
 
 
@@ -134,8 +134,10 @@ PARAM_GROUPS: tuple[ParamGroup, ...] = (
     ParamGroup("moe/shared_experts", "moe", _shared, "one MLP of width u on every token, split by t as the dense"
                " MLP (transformers' Qwen2-MoE adds its whole h -> 1 gate)"),
     ParamGroup(
-        "layer/norms", "layer", lambda c, t: 2 * _norm_params(c),
-        "two norms per layer, whole on every rank (LayerNorm: weight and bias; RMSNorm: weight)",
+        "layer/norms", "layer", lambda c, t: 2 * _norm_params(c) + (2 * _norm_params(c, c.head_dim) if c.qk_layernorm
+                                                                    else 0),
+        "two norms per layer, and with qk_layernorm the query's and the key's over one head's d channels (shared by"
+        " every head), whole on every rank (LayerNorm: weight and bias; RMSNorm: weight)",
     ),
     ParamGroup(
         "embedding/word", "first", lambda c, t: vocab_shard(c, t) * c.h,

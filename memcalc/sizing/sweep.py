@@ -25,18 +25,20 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from memcalc.config.schema import (
-    AS_USED, DIVISIBILITY, SEQUENCE_SPLIT, SIZES, ModelConfig, Rule, build_knobs, check_layout, field_default,
+    AS_USED, DIVISIBILITY, EXPERT_RULES, SEQUENCE_SPLIT, SIZES, ModelConfig, Rule, build_knobs, check_layout, field_default,
     field_names, validate_fields,
 )
 from memcalc.errors import ConfigError
 from memcalc.text import short_repr
 from memcalc.model.evaluate import dim_sizes, rank_shape
-from memcalc.model.impls import layer_tensors, plan, size_rule
+from memcalc.model.impls import layer_tensors, plan, size_rule, strategies_of
 from memcalc.model.knobs import MLA_KNOBS, Accounting, Knobs, element_bytes
 from memcalc.model.ledger import SavedTensor
-from memcalc.model.strategy import Strategy
+from memcalc.model.strategy import STRATEGIES, Strategy
 
-# The grid's axes are SIZES, in that order.
+# The grid's axes are SIZES, in that order; with experts, E, k and ep as well, before L (AXES).
+EXPERT_AXES = ("num_experts", "moe_router_topk", "ep")
+AXES = (*SIZES[:-1], *EXPERT_AXES, SIZES[-1])
 MAX_SIZE = 2**40  # far above any model; keeps 4h and every per-rank dimension exact in int64
 MAX_DIGITS = 40  # a value longer than this is refused unread; shorter ones are checked against MAX_SIZE
 MAX_ROWS = 10_000_000  # points x strategies; about 1 GB of arrays at the peak
@@ -103,8 +105,8 @@ def _geometric(start: int, stop: int, factor: int) -> tuple[int, ...]:
 class Sweep:
     """What to evaluate: the values of each size, the knobs, strategies, accounting."""
 
-    values: dict[str, Sequence[int]]  # every name in SIZES, in that order
-    knobs: Knobs
+    values: dict[str, Sequence[int]]  # every name in SIZES, in that order; with experts, every name in AXES
+    knobs: Knobs  # with experts, E and k are the grid's (the knobs hold values every point's tensor set shares)
     strategies: tuple[Strategy, ...]
     accounting: Accounting
     name: str | None = None
@@ -114,11 +116,24 @@ class Sweep:
         """Configurations before skipping: points times strategies."""
         return prod(len(v) for v in self.values.values()) * len(self.strategies)
 
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """The grid's axes: SIZES, or AXES when the model has experts."""
+        return tuple(self.values)
+
+    @property
+    def ep(self) -> int | None:
+        """The expert-parallel size when one value of it is swept (1 without experts), else None."""
+        values = self.values.get("ep", (1,))
+        return values[0] if len(values) == 1 else None
+
 
 def make_sweep(
-    fields: dict[str, Any], ranges: dict[str, Sequence[int]], strategies: Sequence[Strategy], accounting: Accounting
+    fields: dict[str, Any], ranges: dict[str, Sequence[int]], strategies: Sequence[Strategy] | None,
+    accounting: Accounting,
 ) -> Sweep:
-    """A checked sweep: `ranges` give swept sizes, `fields` (a config's keys) the rest.
+    """A checked sweep: `ranges` give swept sizes, `fields` (a config's keys) the rest; `strategies` None is every
+    layout the implementation runs for the knobs (a layout named that it does not run is refused, as by `plan`).
 
     Knobs are validated once, by the same schema as any config; the
     sizes are positive whole numbers by construction or checked here. Rules
@@ -130,21 +145,21 @@ def make_sweep(
     # Knobs, and unknown keys so that validation names them; sizes and layout fields are not knobs.
     knobs = build_knobs({
         k: v for k, v in fields.items() if k in field_names(Knobs) or k not in field_names()
-    })
+    } | _expert_knobs(ranges))
     if fields.get("cp", 1) != 1:
         raise ConfigError(f"sweeps do not model context parallelism (cp={fields['cp']}); use memcalc estimate for it")
-    if fields.get("ep", 1) != 1 or knobs.moe_layer_freq != 1 or knobs.moe_first_dense_layers:
-        raise ConfigError(f"sweeps model every layer as one MoE layer on one expert-parallel rank (ep={fields.get('ep', 1)},"
-                          f" moe_layer_freq={knobs.moe_layer_freq}, moe_first_dense_layers="
-                          f"{knobs.moe_first_dense_layers}); use memcalc estimate for these")
-    values = {name: ranges[name] if name in ranges else (_fixed(name, fields),) for name in SIZES}
+    axes = AXES if knobs.moe else SIZES
+    values = {name: ranges[name] if name in ranges else (_fixed(name, fields),) for name in axes}
+    _check_experts(fields, ranges, knobs, values)
     # Sizes first: a range past MAX_SIZE may be too long for len() to count.
     largest = {n: v[-1] if isinstance(v, range) else max(v) for n, v in values.items()}  # a range is increasing
-    largest |= {"ffn_hidden_size": knobs.ffn_hidden_size, "num_query_groups": knobs.num_query_groups}
+    largest |= {"ffn_hidden_size": knobs.ffn_hidden_size, "num_query_groups": knobs.num_query_groups,
+                "kv_channels": knobs.kv_channels}
     for name, value in largest.items():
         if value is not None and value > MAX_SIZE:
             raise ConfigError(f"{name}={value} is too large for a sweep (at most 2^40)")
-    sweep = Sweep(values, knobs, tuple(plan(knobs, st) for st in strategies), accounting, fields.get("name"))
+    chosen = [STRATEGIES[n] for n in strategies_of(knobs)] if strategies is None else strategies
+    sweep = Sweep(values, knobs, tuple(plan(knobs, st) for st in chosen), accounting, fields.get("name"))
     if sweep.rows > MAX_ROWS:
         raise ConfigError(
             f"the sweep has {sweep.rows:,} configurations; at most {MAX_ROWS:,} fit in memory at once "
@@ -152,6 +167,38 @@ def make_sweep(
         )
     _check_layout(fields, values)  # after the row cap, which bounds how many values of L it reads
     return sweep
+
+
+def _expert_knobs(ranges: dict[str, Sequence[int]]) -> dict[str, int]:
+    """Swept E and k as knob values that pass the knobs' own checks (k <= E): the most experts, the fewest picks.
+
+    The grid holds every value; the knobs only decide which tensors a layer keeps, and
+    `per_layer_bytes` takes that set for each k of the sweep.
+    """
+    knobs = {}
+    if "num_experts" in ranges:
+        knobs["num_experts"] = max(ranges["num_experts"])
+    if "moe_router_topk" in ranges:
+        knobs["moe_router_topk"] = min(ranges["moe_router_topk"])
+    return knobs
+
+
+def _check_experts(
+    fields: dict[str, Any], ranges: dict[str, Sequence[int]], knobs: Knobs, values: dict[str, Sequence[int]]
+) -> None:
+    """The expert rules that hold at every point or none: E, k and ep are swept only with experts, the first
+    dense layers leave every swept L a MoE layer, and etp (which memcalc models as t) is not fixed while t is
+    swept. Between E, k and ep the rules are the schema's EXPERT_RULES, applied per point."""
+    if not knobs.moe:
+        if "ep" in ranges or fields.get("ep", 1) != 1:
+            raise ConfigError("ep is given but num_experts is not (a dense MLP has no experts to split)")
+        return
+    first = knobs.moe_first_dense_layers or 0
+    if first and min(values["L"]) <= first:
+        raise ConfigError(f"moe_first_dense_layers={first} leaves none of L={min(values['L'])} layers a MoE layer;"
+                          f" sweep L above {first}")
+    if fields.get("etp") is not None and len(values["t"]) > 1:
+        raise ConfigError(f"etp={fields['etp']} is fixed while t is swept; memcalc models etp = t, so leave etp out")
 
 
 def _check_layout(fields: dict[str, Any], values: dict[str, Sequence[int]]) -> None:
@@ -164,6 +211,8 @@ def _check_layout(fields: dict[str, Any], values: dict[str, Sequence[int]]) -> N
     """
     point = {name: v[0] for name, v in values.items()}
     point["s"] = max(values["s"]) if not isinstance(values["s"], range) else values["s"][-1]
+    if "num_experts" in point:  # a point the expert rules (applied per point) let through
+        point |= {"num_experts": max(values["num_experts"]), "moe_router_topk": min(values["moe_router_topk"]), "ep": 1}
     config = validate_fields(fields | point)
     chunks = config.pp * (config.vpp or 1)
     if chunks > 1:
@@ -189,8 +238,8 @@ def _fixed(name: str, fields: dict[str, Any]) -> int:
 
 @dataclass(frozen=True)
 class GridSizes:
-    """The six sizes as arrays along separate axes, so arithmetic broadcasts to every
-    combination. It reads like the ModelConfig that `evaluate.dim_sizes` takes."""
+    """The sweep's sizes as arrays along separate axes (six, or nine with experts), so arithmetic
+    broadcasts to every combination. It reads like the ModelConfig that `evaluate.dim_sizes` takes."""
 
     b: np.ndarray
     s: np.ndarray
@@ -200,36 +249,52 @@ class GridSizes:
     L: np.ndarray
     ffn_hidden_size: int | None
     num_query_groups: int | None
-    knobs: Knobs  # the MoE knobs' sizes (experts, top-k, widths, the token bound) are read from these
+    knobs: Knobs  # the other MoE knobs (widths, the token bound, ...) are read from these
+    num_experts: np.ndarray | None = None  # axes of their own with experts (EXPERT_AXES); None without
+    moe_router_topk: np.ndarray | int = 2
+    ep: np.ndarray | int = 1
+    names: tuple[str, ...] = SIZES  # the axes, in order
     cp = 1  # make_sweep refuses context parallelism
-    ep = 1  # experts are not split in a sweep: every point is one rank holding every expert
     vocab_size = None  # a layer keeps nothing vocabulary-wide
 
-    # The config's own rules (4h unless set; a unless set), here on arrays.
+    # The config's own rules (4h unless set; a unless set; which layers are MoE layers), here on arrays.
     ffn = property(ModelConfig.ffn.fget)
     groups = property(ModelConfig.groups.fget)
     expert_ffn = property(ModelConfig.expert_ffn.fget)
+    head_dim = property(ModelConfig.head_dim.fget)
+    moe_layers = property(ModelConfig.moe_layers.fget)
 
     def __getattr__(self, name: str) -> Any:
-        """A MoE knob (num_experts, moe_*) or a latent-attention width, as the sweep's knobs set it."""
-        if name == "num_experts" or name.startswith("moe_") or name in MLA_KNOBS:
+        """A MoE knob (moe_*), a latent-attention width or kv_channels, as the sweep's knobs set it."""
+        if name == "kv_channels" or name.startswith("moe_") or name in MLA_KNOBS:
             return getattr(self.knobs, name)
         raise AttributeError(name)
 
     @classmethod
     def of(cls, sweep: Sweep) -> GridSizes:
-        """Each size's values along an axis of its own, in the order of SIZES."""
+        """Each size's values along an axis of its own, in the order of the sweep's axes."""
         axes = {}
         for i, (name, values) in enumerate(sweep.values.items()):
-            shape = [1] * len(SIZES)
+            shape = [1] * len(sweep.values)
             shape[i] = -1
             axes[name] = _array(values).reshape(shape)  # (1, .., n_i, .., 1)
+        if "num_experts" not in axes:
+            axes |= {"num_experts": sweep.knobs.num_experts, "moe_router_topk": sweep.knobs.moe_router_topk}
         return cls(**axes, ffn_hidden_size=sweep.knobs.ffn_hidden_size, num_query_groups=sweep.knobs.num_query_groups,
-                   knobs=sweep.knobs)
+                   knobs=sweep.knobs, names=sweep.axes)
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(getattr(self, name).size for name in SIZES)
+        return tuple(getattr(self, name).size for name in self.names)
+
+    def axis(self, name: str) -> int:
+        """Where `name`'s values lie among the grid's axes."""
+        return self.names.index(name)
+
+    def at(self, name: str, value: int) -> GridSizes:
+        """This grid with one value of the axis `name` (an axis of length 1)."""
+        shape = [1] * len(self.names)
+        return replace(self, **{name: np.array(value, dtype=np.int64).reshape(shape)})
 
     def operand(self, name: str) -> Any:
         """A size as the divisibility rules name it, as used (ffn for ffn_hidden_size, groups for num_query_groups)."""
@@ -244,6 +309,33 @@ def _array(values: Sequence[int]) -> np.ndarray:
 
 def per_layer_bytes(grid: GridSizes, strategy: Strategy, knobs: Knobs, accounting: Accounting) -> np.ndarray:
     """One rank's bytes for one layer at every point of the grid (broadcastable, L-free).
+
+    Where a swept top-k changes which tensors a layer keeps (megatron's sigmoid
+    router renormalises k > 1 scores), each k is evaluated with its own set, on its
+    slice of the grid, and the slices are laid back along k's axis.
+    """
+    variants = _topk_variants(grid, knobs)
+    if len({tuple(x.name for s in _kept_sets(k, accounting) for x in s) for k in variants}) == 1:
+        return _same_set_bytes(grid, strategy, knobs, accounting)
+    shape = grid.shape[:-1] + (1,)
+    axis = grid.axis("moe_router_topk")
+    slices = [
+        np.broadcast_to(_same_set_bytes(grid.at("moe_router_topk", k.moe_router_topk), strategy, k, accounting),
+                        shape[:axis] + (1,) + shape[axis + 1:])
+        for k in variants
+    ]
+    return np.concatenate(slices, axis=axis)
+
+
+def _topk_variants(grid: GridSizes, knobs: Knobs) -> list[Knobs]:
+    """The knobs at each value of a swept top-k, in the axis's order; else (or for a dense layer) the knobs alone."""
+    if "moe_router_topk" not in grid.names or not knobs.moe:
+        return [knobs]
+    return [replace(knobs, moe_router_topk=int(k)) for k in grid.moe_router_topk.ravel()]
+
+
+def _same_set_bytes(grid: GridSizes, strategy: Strategy, knobs: Knobs, accounting: Accounting) -> np.ndarray:
+    """One layer's bytes where one top-k's tensor set holds at every point (see per_layer_bytes).
 
     Each tensor's per-rank dimensions come from `rank_shape`, exactly as for a
     single estimate; multiplying the smallest arrays first keeps most products
@@ -261,7 +353,7 @@ def per_layer_bytes(grid: GridSizes, strategy: Strategy, knobs: Knobs, accountin
 
 def _kernel_aware_bytes(grid: GridSizes, strategy: Strategy, knobs: Knobs, accounting: Accounting) -> np.ndarray:
     """The layer's bytes, taking the implementation's size rule's other set where its kernel does not run."""
-    sizes = dim_sizes(grid)
+    sizes = dim_sizes(grid, grid.t if strategy.sequence_parallel else 1)  # under SP each of t ranks routes its own
     inside = _tensor_bytes(layer_tensors(knobs, accounting), strategy, sizes, grid.t, knobs, accounting)
     rule = size_rule(knobs)
     if rule is None:
@@ -284,7 +376,8 @@ def _tensor_bytes(
 
 def _kept_sets(knobs: Knobs, accounting: Accounting) -> list[tuple[SavedTensor, ...]]:
     """Every set of tensors some point of a sweep may keep (see per_layer_bytes)."""
-    variants = [knobs] + ([replace(knobs, num_query_groups=None)] if knobs.num_query_groups is not None else [])
+    layers = [knobs] + ([knobs.dense] if _mixed(knobs) else [])
+    variants = [v for k in layers for v in [k] + ([replace(k, num_query_groups=None)] if k.num_query_groups else [])]
     sets = []
     for k in variants:
         rule = size_rule(k)
@@ -301,7 +394,7 @@ def _check_int64(grid: GridSizes, sweep: Sweep, knobs: Knobs) -> None:
     """
     largest = {d: int(np.max(v)) for d, v in dim_sizes(grid).items() if v is not None}
     t, layers = int(np.min(grid.t)), int(np.max(grid.L))
-    sets = _kept_sets(knobs, sweep.accounting)
+    sets = [kept for k in _topk_variants(grid, knobs) for kept in _kept_sets(k, sweep.accounting)]
     bound = layers * max(
         sum(element_bytes(x.kind, knobs, sweep.accounting) * prod(rank_shape(x, st, largest, t)) for x in kept)
         for st in sweep.strategies for kept in sets
@@ -325,8 +418,9 @@ class Skip:
 
 def _failures(grid: GridSizes, strategies: tuple[Strategy, ...]) -> Iterator[tuple[Rule, np.ndarray]]:
     """Each rule with where it fails, shaped (*grid, strategy) for broadcasting."""
-    for rule in DIVISIBILITY:
-        yield rule, np.asarray(grid.operand(rule.value) % grid.operand(rule.divisor) != 0)[..., None]
+    experts = EXPERT_RULES if "num_experts" in grid.names else ()
+    for rule in (r for r in (*DIVISIBILITY, *experts) if r.applies(grid.knobs)):
+        yield rule, np.asarray(rule.fails(*(grid.operand(n) for n in rule.operands)))[..., None]
     splits_s = np.array([st.sequence_parallel for st in strategies])
     yield SEQUENCE_SPLIT, (grid.s % grid.t != 0)[..., None] & splits_s
 
@@ -341,8 +435,8 @@ def _apply_rules(grid: GridSizes, strategies: tuple[Strategy, ...]) -> tuple[np.
         count = int(np.count_nonzero(hit))
         if count:
             at = np.unravel_index(int(np.argmax(hit)), full)[:-1]  # the first dropped point
-            value, divisor = (int(np.broadcast_to(grid.operand(n), grid.shape)[at]) for n in (rule.value, rule.divisor))
-            skips.append(Skip(rule, count, rule.message(divisor, value)))
+            operands = (int(np.broadcast_to(grid.operand(n), grid.shape)[at]) for n in rule.operands)
+            skips.append(Skip(rule, count, rule.message(*operands)))
         keep &= ~fails
     return keep, tuple(skips)
 
@@ -355,7 +449,7 @@ class SweepResult:
 
     sweep: Sweep
     grid: GridSizes
-    index: tuple[np.ndarray, ...]  # per row: the index into each of SIZES, then the strategy
+    index: tuple[np.ndarray, ...]  # per row: the index into each of the grid's axes, then the strategy
     per_layer: np.ndarray
     total: np.ndarray
     skipped: tuple[Skip, ...]
@@ -373,8 +467,9 @@ class SweepResult:
                 f" ({skipped:,} skipped); strategies {strategies}>")
 
     def row(self, i: int) -> dict[str, Any]:
-        """Row `i` as the CSV columns (memcalc.sizing.sweep_output.CSV_COLUMNS) -> Python values."""
-        sizes = {name: int(getattr(self.grid, name).ravel()[self.index[k][i]]) for k, name in enumerate(SIZES)}
+        """Row `i` as the CSV columns (memcalc.sizing.sweep_output.CSV_COLUMNS) and, with experts, E, k and ep
+        -> Python values."""
+        sizes = {name: int(getattr(self.grid, name).ravel()[self.index[k][i]]) for k, name in enumerate(self.grid.names)}
         strategy = self.sweep.strategies[self.index[-1][i]].name
         bytes_ = {"per_layer_bytes": int(self.per_layer[i]), "total_bytes": int(self.total[i])}
         return {**sizes, "strategy": strategy, **bytes_}
@@ -382,11 +477,11 @@ class SweepResult:
     def along(self, name: str, per_layer: bool = False) -> dict[Strategy, np.ndarray]:
         """Bytes against the one swept size `name`: per strategy, one value per value
         of `name` (float, NaN where a rule dropped the point)."""
-        others = [n for n in SIZES if n != name and len(self.sweep.values[n]) > 1]
+        others = [n for n in self.grid.names if n != name and len(self.sweep.values[n]) > 1]
         if others:
             raise ValueError(f"a series along {name} needs every other size fixed (several values for {others})")
         values = self.per_layer if per_layer else self.total
-        at = self.index[SIZES.index(name)]
+        at = self.index[self.grid.axis(name)]
         series = {}
         for k, strategy in enumerate(self.sweep.strategies):
             mine = self.index[-1] == k
@@ -408,16 +503,31 @@ def evaluate_sweep(sweep: Sweep, advance: Callable[[int], None] = lambda rows: N
     keep, skipped = _apply_rules(grid, sweep.strategies)
     if not keep.any():
         raise ConfigError(f"no configuration in the sweep passes the divisibility rules, e.g. {skipped[0].example}")
+    index = np.nonzero(keep)
+    at, layers = index[:-2] + (0, index[-1]), grid.L.ravel()[index[-2]]
+    per_layer = _layer_columns(grid, sweep, knobs, advance)[at]
+    if not _mixed(knobs):
+        return SweepResult(sweep, grid, index, per_layer, per_layer * layers, skipped)
+    moe = grid.moe_layers.ravel()[index[-2]]
+    dense = _layer_columns(grid, sweep, knobs.dense)[at]
+    return SweepResult(sweep, grid, index, per_layer, per_layer * moe + dense * (layers - moe), skipped)
+
+
+def _mixed(knobs: Knobs) -> bool:
+    """Some layers of the model are dense and some MoE (moe_layer_freq > 1, or first dense layers)."""
+    return knobs.moe and (knobs.moe_layer_freq > 1 or bool(knobs.moe_first_dense_layers))
+
+
+def _layer_columns(
+    grid: GridSizes, sweep: Sweep, knobs: Knobs, advance: Callable[[int], None] = lambda rows: None
+) -> np.ndarray:
+    """One layer's bytes under each strategy, shaped (b, s, h, a, t, 1, strategy); per_layer_bytes is L-free."""
     layer_free = grid.shape[:-1] + (1,)
     columns = []
     for st in sweep.strategies:
         columns.append(np.broadcast_to(per_layer_bytes(grid, st, knobs, sweep.accounting), layer_free))
         advance(sweep.rows // len(sweep.strategies))
-    per_layer = np.stack(columns, axis=-1)  # (b, s, h, a, t, 1, strategy)
-    index = np.nonzero(keep)
-    per_layer = per_layer[index[:-2] + (0, index[-1])]
-    total = per_layer * grid.L.ravel()[index[-2]]
-    return SweepResult(sweep, grid, index, per_layer, total, skipped)
+    return np.stack(columns, axis=-1)
 
 
 def describe_skips(result: SweepResult) -> str | None:

@@ -19,7 +19,7 @@ import numpy as np
 
 from memcalc.model.knobs import KNOBS, Accounting
 from memcalc.schemas import SCHEMA_VERSION
-from memcalc.sizing.sweep import SIZES, SweepResult
+from memcalc.sizing.sweep import EXPERT_AXES, SIZES, SweepResult
 
 # A row's text is built as a (rows, width) byte matrix, one slice per field,
 # each field NUL-padded to its widest value; dropping the NULs leaves the lines.
@@ -113,13 +113,17 @@ def _lines(layout: list[_Field | bytes], result: SweepResult, rows: slice) -> by
     return matrix[matrix != 0].tobytes()
 
 
-def _fields(result: SweepResult, quote: bool) -> list[_Field]:
-    """CSV_COLUMNS as text; `quote` writes strategy names as JSON strings."""
+def _columns(result: SweepResult, quote: bool) -> dict[str, _Field]:
+    """CSV_COLUMNS as text, then the swept expert axes (E, k, ep) if the model has experts; `quote` writes
+    strategy names as JSON strings."""
+    grid = result.grid
     names = [json.dumps(st.name) if quote else st.name for st in result.sweep.strategies]
-    return [
-        *(_Field(_digits(getattr(result.grid, name)), i) for i, name in enumerate(SIZES)),
-        _Field(_text(names), -1), _Field(result.per_layer), _Field(result.total),
-    ]
+    return {
+        **{name: _Field(_digits(getattr(grid, name)), grid.axis(name)) for name in SIZES},
+        "strategy": _Field(_text(names), -1), "per_layer_bytes": _Field(result.per_layer),
+        "total_bytes": _Field(result.total),
+        **{name: _Field(_digits(getattr(grid, name)), grid.axis(name)) for name in EXPERT_AXES if name in grid.names},
+    }
 
 
 def _chunks(rows: int, chunk_rows: int) -> Iterator[slice]:
@@ -155,19 +159,22 @@ def accounting_label(accounting: Accounting) -> str:
 def csv_chunks(result: SweepResult, chunk_rows: int = CHUNK_ROWS) -> Iterator[tuple[float, bytes]]:
     """The CSV, piece by piece, each with how many rows it holds.
 
-    Columns: CSV_COLUMNS, then KNOB_COLUMNS and the accounting, so that each
-    row is a configuration `memcalc estimate` reproduces.
+    Columns: CSV_COLUMNS, then KNOB_COLUMNS, the expert-parallel size and the
+    accounting, so that each row is a configuration `memcalc estimate` reproduces
+    (E, k and ep from the grid where the model has experts, else the same on every row).
     """
-    yield 0, (",".join(CSV_COLUMNS + KNOB_COLUMNS + ("accounting",)) + "\n").encode()
+    yield 0, (",".join(CSV_COLUMNS + KNOB_COLUMNS + ("ep", "accounting")) + "\n").encode()
     grid = result.grid
-    fields = _fields(result, quote=False) + [
-        _Field(_digits(np.broadcast_to(getattr(grid, used), getattr(grid, axis).shape)), SIZES.index(axis))
+    columns = _columns(result, quote=False)
+    knobs = asdict(result.sweep.knobs) | {"ep": 1}
+    fields = [columns[name] for name in CSV_COLUMNS] + [
+        _Field(_digits(np.broadcast_to(getattr(grid, used), getattr(grid, axis).shape)), grid.axis(axis))
         for used, axis in SIZE_KNOBS_AS_USED.values()
+    ] + [  # each a swept expert axis, or the same on every row
+        columns.get(name) or _Field(_text([_cell(knobs[name])]), 0)
+        for name in (*KNOB_COLUMNS[len(SIZE_KNOBS_AS_USED):], "ep")
     ]
-    knobs = asdict(result.sweep.knobs)
-    constants = [_cell(knobs[name]) for name in KNOB_COLUMNS[len(SIZE_KNOBS_AS_USED):]]
-    constants.append(accounting_label(result.sweep.accounting))
-    layout = _layout(fields, (",".join(constants) + "\n").encode())
+    layout = _layout(fields, f"{accounting_label(result.sweep.accounting)}\n".encode())
     for rows, text in _text_of_chunks(layout, result, chunk_rows):
         yield rows.stop - rows.start, text
 
@@ -189,15 +196,16 @@ def json_chunks(result: SweepResult, chunk_rows: int = CHUNK_ROWS) -> Iterator[t
     head = {
         "schema_version": SCHEMA_VERSION,
         "model": sweep.name,
-        "knobs": asdict(sweep.knobs),
+        "knobs": asdict(sweep.knobs) | {name: None for name in EXPERT_AXES[:2] if name in sweep.axes},
+        "ep": sweep.ep if "ep" not in sweep.axes else None,
         "accounting": accounting_label(sweep.accounting),
         "configurations": sweep.rows,
         "skipped": [{"rule": s.rule.text, "count": s.count, "example": s.example} for s in result.skipped],
         "rows": result.rows,
     }
     yield 0, (json.dumps(head, indent=1)[:-2] + ',\n "columns": {').encode()
-    fields = _fields(result, quote=True)
-    for i, (name, field) in enumerate(zip(CSV_COLUMNS, fields)):
+    fields = _columns(result, quote=True)
+    for i, (name, field) in enumerate(fields.items()):
         yield 0, f'{"," if i else ""}\n  "{name}": ['.encode()
         layout = _layout([field], b"")
         for rows, text in _text_of_chunks(layout, result, chunk_rows):  # every value ends in ','

@@ -59,7 +59,7 @@ def test_transformers_deepseek_v3_layer_measures_latent_attention_to_the_byte():
     latent = ["--kv-lora-rank", "24", "--q-lora-rank", "16", "--qk-rope-head-dim", "8", "--qk-nope-head-dim", "12",
               "--v-head-dim", "10"]
     run = memcalc_cli("measure", "--impl", "hf", "--b", "2", "--s", "32", "--h", "64", "--a", "4", "--attention",
-                      "eager", *latent)
+                      "eager", "--strategy", "none", *latent)  # tp: not measured for latent attention (a note)
     assert (run.code, run.err) == (0, "")
     assert "match: every tensor agrees to the byte" in run.out
     for name in ("mla/q_norm_input_fp32", "mla/kv_up_in", "mla/rope_cos", "mla/q", "mla/v", "mla/proj_in"):
@@ -67,7 +67,17 @@ def test_transformers_deepseek_v3_layer_measures_latent_attention_to_the_byte():
 
 
 @pytest.mark.procs
-def test_json_on_two_gloo_ranks_has_both_totals_and_every_tensor():
+@pytest.mark.parametrize("impl", ["memcalc", "megatron"])
+def test_at_t_1_every_layout_measures_as_none_does_with_no_collective_to_issue(impl):
+    """A group of one rank sends nothing: neither layer issues a call, and megatron runs SP's layout without SP
+    (which it refuses at t = 1), so tp and tp-sp keep what none keeps."""
+    layer = ("--layer", "memcalc") if impl == "memcalc" else ("--impl", "megatron")
+    run = memcalc_cli("measure", *layer, "--b", "1", "--s", "16", "--h", "64", "--a", "4", "--t", "1")
+    assert run.code == 0, run.err
+    assert run.out.count("match: every tensor agrees to the byte") == 3 and "differs" not in run.out
+
+
+
     run = memcalc_cli("measure", *TINY, "--t", "2", "--backend", "gloo", "--json")
     assert (run.code, run.err) == (0, "")
     doc = json.loads(run.out)

@@ -82,3 +82,20 @@ def test_impl_hf_runs_transformers_llama_for_causal_lm_and_exits_0(tmp_path):
     for words in ("ran as: transformers' LlamaForCausalLM, one process (t=1) on cpu", "(same moment)",
                   "match: the peak and every category within 1%"):
         assert words in run.out, (words, run.out)
+
+
+def test_impl_hf_under_its_own_tp_plan_runs_rank_zero_of_t_and_exits_0(tmp_path):
+    pytest.importorskip("transformers")
+    path = tmp_path / "llama.yaml"
+    path.write_text(STEP_YAML + "impl: hf\nnum_query_groups: 2\nffn_hidden_size: 176\n"
+                    "position_embedding_type: rope\nadd_bias_linear: false\ntie_embeddings: false\n")
+    run = memcalc_cli("measure", "--config", str(path), "--step", "--strategy", "tp", "--attention", "eager")
+    assert (run.code, run.err) == (0, "")
+    for words in ("ran as: transformers' LlamaForCausalLM, one process as rank 0 of t=2 through torch's fake process",
+                  "(same moment)", "match: the peak and every category within 1%"):
+        assert words in run.out, (words, run.out)
+
+
+def test_impl_hf_refuses_tp_sp_citing_transformers(config):
+    run = memcalc_cli("measure", "--config", config, "--step", "--impl", "hf", "--strategy", "tp-sp")
+    _one_line_error(run, 2, "transformers has no sequence parallelism")

@@ -29,6 +29,22 @@ def test_memory_against_t_as_svg_with_a_gap_where_t_does_not_divide_a(tmp_path):
     assert ET.parse(out).getroot().tag == "{http://www.w3.org/2000/svg}svg"
 
 
+@pytest.mark.parametrize("x", ["num_experts", "moe_router_topk", "ep"])
+def test_memory_against_a_mixture_of_experts_e_k_or_ep(tmp_path, x):
+    out = tmp_path / f"{x}.png"
+    result = invoke("plot", "--config", "mixtral-8x7b", "--x", x, "--moe-tokens", "worst", "--strategy", "tp-sp",
+                    "--t", "2", "--out", str(out))  # default ranges: E 8..256, k 1..8, ep 1..64
+    assert result.exit_code == 0, result.output
+    assert result.stdout == f"wrote {out}\n" and imread(out).shape == (500, 800, 4)
+    if x == "ep":  # 16, 32 and 64 do not divide the 8 experts: skipped and said
+        assert "memcalc: note: skipped 3 of 7 configurations" in result.stderr
+
+
+def test_experts_axes_without_experts_are_one_line(tmp_path):
+    _one_line_error(invoke("plot", "--config", GPT3, "--x", "ep", "--out", str(tmp_path / "x.png")),
+                    "ep is given but num_experts is not")
+
+
 @pytest.mark.parametrize("group", ["tensor", "block"])
 def test_breakdown_as_png(tmp_path, group):
     out = tmp_path / "breakdown.png"

@@ -190,3 +190,14 @@ def test_the_guide_shows_what_the_command_prints(command, output, monkeypatch):
     monkeypatch.setattr(render.console, "width", 80)  # the guide's terminal
     result = invoke(*command.split())
     assert [line.rstrip() for line in result.output.splitlines()] == output
+
+
+def test_ep_sets_the_experts_split_and_each_row_is_what_estimate_says_at_that_ep():
+    model = ("--config", "mixtral-8x7b", "--moe-tokens", "worst", "--strategy", "tp-sp")
+    rows = list(csv.DictReader(io.StringIO(invoke("sweep", *model, "--ep", "4", "--t", "1,2").stdout)))
+    assert [row["ep"] for row in rows] == ["4", "4"]
+    for row in rows:
+        estimate = json.loads(invoke("estimate", *model, "--ep", "4", "--t", row["t"], "--json").stdout)
+        assert int(row["total_bytes"]) == estimate["strategies"]["tp-sp"]["total_bytes"]
+    one = next(csv.DictReader(io.StringIO(invoke("sweep", *model, "--t", "1").stdout)))
+    assert int(one["total_bytes"]) < int(rows[0]["total_bytes"])  # worst case: every ep rank may route here

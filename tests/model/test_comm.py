@@ -8,7 +8,8 @@ from click.testing import CliRunner
 
 from memcalc.cli import cli
 from memcalc.config.schema import build_config
-from memcalc.model.comm import Op, layer_collectives, layer_comm
+from memcalc.errors import ConfigError
+from memcalc.model.comm import Op, formula, layer_collectives, layer_comm
 from memcalc.model.strategy import NONE, TP, TP_SP
 
 GPT = dict(b=2, s=64, h=128, a=8, t=4, L=6)
@@ -65,3 +66,79 @@ def test_comm_prints_each_strategys_formula_in_latex(strategy, latex):
     out = CliRunner().invoke(cli, ["comm", "--config", "gpt3-175b", "--strategy", strategy,
                                    "--format", "latex"]).output
     assert out.splitlines()[1] == latex
+
+
+MOE = GPT | {"num_experts": 8, "moe_router_topk": 2, "add_bias_linear": False}
+
+
+def _names(config, strategy):
+    return [(c.name, c.op.value, c.phase) for c in layer_collectives(config, strategy, ep=config.ep)]
+
+
+def test_a_moe_layer_trades_the_dense_mlps_g_and_g_star_for_the_dispatchers_collectives():
+    names = _names(build_config(MOE | {"ep": 2}), TP_SP)
+    assert not [n for n in names if n[0].startswith("mlp/")]
+    assert names[2:9] == [("moe/counts", "all-gather", "forward"), ("moe/dispatch", "all-to-all", "forward"),
+                          ("moe/dispatch", "all-to-all", "forward"), ("moe/g", "all-gather", "forward"),
+                          ("moe/g", "all-gather", "forward"), ("moe/g*", "reduce-scatter", "forward"),
+                          ("moe/combine", "all-to-all", "forward")]
+
+
+def test_the_all_to_all_sends_what_leaves_a_ranks_shard_of_routed_slots_under_the_bound_asked_for():
+    """tp-sp: a rank routes its bs/t tokens to k experts each and sends (ep-1)/ep of those slots away (balanced);
+    the worst bound takes ep*bs*min(k, E/ep) slots for r."""
+    b, s, h, t, k, ep = MOE["b"], MOE["s"], MOE["h"], MOE["t"], MOE["moe_router_topk"], 4
+    for bound, r in (("balanced", k * b * s), ("worst", ep * b * s * min(k, 8 // ep))):
+        comm = layer_comm(build_config(MOE | {"ep": ep, "moe_tokens": bound}), TP_SP, 1)
+        tokens = next(n for c, n in comm.collectives if c.name == "moe/dispatch")
+        assert tokens == r // t * h * 2 * (ep - 1) // ep
+        assert bound in next(c.moves for c, _ in comm.collectives if c.name == "moe/dispatch")
+
+
+def test_the_token_counts_are_int64_gathered_from_every_rank_of_t_times_ep():
+    comm = layer_comm(build_config(MOE | {"ep": 2}), TP_SP, 1)
+    counts = [n for c, n in comm.collectives if c.name == "moe/counts"]
+    assert counts == [8 * 8 * (4 * 2 - 1)]  # E int64 from each of t*ep ranks, all but this rank's own
+
+
+def test_expert_parallelism_alone_sends_the_all_to_alls_and_one_expert_parallel_rank_sends_nothing():
+    assert layer_comm(build_config(MOE | {"ep": 1}), NONE, 1).per_layer_bytes == 0
+    names = _names(build_config(MOE | {"ep": 2, "moe_aux_loss": True}), NONE)
+    assert {n for n, _, _ in names} == {"moe/counts", "moe/dispatch", "moe/combine"}
+
+
+def test_a_step_counts_each_kind_of_layer_of_a_dense_and_moe_mix_as_often_as_the_model_has_it():
+    config = build_config(MOE | {"ep": 2, "moe_layer_freq": 2})  # L=6: layers 0, 2, 4 MoE, the rest dense
+    comm, dense = layer_comm(config, TP_SP, 3), layer_comm(build_config(GPT), TP_SP, 3)
+    assert comm.layers == (3, 3) and comm.dense_layer_bytes == dense.per_layer_bytes
+    assert comm.per_step_bytes == 3 * (3 * comm.per_layer_bytes + 3 * dense.per_layer_bytes)
+
+
+def test_the_moe_formula_adds_the_dispatchers_terms_to_attentions():
+    text, _ = formula(build_config(MOE | {"ep": 2}), TP_SP, 2, ep=2)
+    assert text == "10sbh(t-1)/t + 8E(t*ep-1) + 8rh(ep-1)/(ep*t) + 4r(ep-1)/(ep*t) + 8rh(t-1)/t + 4r(t-1)/t"
+
+
+@pytest.mark.parametrize("knobs, message", [
+    ({"impl": "megatron"}, "^impl megatron .* does not run tp .*MoELayer refuses tensor parallelism without sequence"),
+    ({"impl": "hf", "ep": 2}, "^impl hf: a mixture of experts' collectives are modelled for megatron"),
+], ids=["tp without sp", "another library's experts"])
+def test_moe_collectives_megatron_does_not_run_or_memcalc_has_not_measured_are_refused_in_one_line(knobs, message):
+    strategy = TP if knobs["impl"] == "megatron" else NONE
+    with pytest.raises(ConfigError, match=message):
+        layer_comm(build_config(MOE | knobs), strategy, 1)
+
+
+def test_comm_json_of_a_dense_and_moe_mix_counts_both_kinds_and_names_each_collectives_group():
+    from jsonschema import Draft202012Validator
+
+    from memcalc.schemas import SCHEMAS
+
+    args = ["comm", "--config", "tiny", "--t", "2", "--L", "4", "--num-experts", "4", "--moe-router-topk", "2",
+            "--ep", "2", "--moe-layer-freq", "2", "--strategy", "tp-sp", "--json"]
+    doc = json.loads(CliRunner().invoke(cli, args).output)
+    assert list(Draft202012Validator(SCHEMAS["comm"]).iter_errors(doc)) == []
+    tp_sp = doc["strategies"]["tp-sp"]
+    assert tp_sp["layers"] == {"moe": 2, "dense": 2}
+    assert tp_sp["per_step_bytes"] == 2 * tp_sp["per_layer_bytes"] + 2 * tp_sp["dense_layer_bytes"]
+    assert {c["over"] for c in tp_sp["collectives"]} == {"t", "ep", "t*ep"}

@@ -2,6 +2,8 @@
 the bytes they move: the same outputs and gradients on 2 and 4 gloo ranks, and, at the process-group
 API, each forward all-gather or reduce-scatter replaced by its pieces and nothing else changed."""
 
+from dataclasses import replace
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -146,7 +148,7 @@ def _pieces(call, overlap, t):
         return [LoggedCollective(SEND, call.phase, hop), LoggedCollective(RECV, call.phase, hop)] * (t - 1)
     if call.op == "reduce-scatter" and Method.PIPELINED_RS in overlap.methods:
         block = call.tensor_bytes // overlap.num_splits  # (s, b, out/num_splits)
-        return [LoggedCollective("reduce-scatter", call.phase, block)] * overlap.num_splits
+        return [replace(call, tensor_bytes=block)] * overlap.num_splits
     return [call]
 
 
@@ -158,7 +160,7 @@ def _expected_calls(plain, overlap, t, reruns_forward):
     cut = [piece for c in forward for piece in _pieces(c, overlap, t)]
     if reruns_forward:
         assert [(c.op, c.tensor_bytes) for c in backward[: len(forward)]] == [(c.op, c.tensor_bytes) for c in forward]
-        rerun = [LoggedCollective(c.op, "backward", c.tensor_bytes) for c in cut]
+        rerun = [replace(c, phase="backward") for c in cut]
         backward = rerun + backward[len(forward):]
     return (*cut, *backward)
 

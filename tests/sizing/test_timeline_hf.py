@@ -19,19 +19,20 @@ LLAMA = dict(
     num_query_groups=2, position_embedding_type="rope", add_bias_linear=False, dropout=0.0, tie_embeddings=False,
 )
 CPU = Accounting(exact=True, device="cpu")
-NONE = STRATEGIES["none"]
+NONE, TP = STRATEGIES["none"], STRATEGIES["tp"]
 
 
-def _timeline(**changes):
+def _timeline(strategy=NONE, **changes):
     config = build_config(LLAMA | changes)
-    return config, timeline(config, NONE, CPU)
+    return config, timeline(config, strategy, CPU)
 
 
+@pytest.mark.parametrize("strategy", [NONE, TP], ids=["none", "tp"])
 @pytest.mark.parametrize("attention", ["eager", "flash"])
-def test_each_layer_adds_the_hf_ledgers_saved_tensors_less_the_shared_rope_tables(attention):
-    config, steps = _timeline(attention=attention)
+def test_each_layer_adds_the_hf_ledgers_saved_tensors_less_the_shared_rope_tables(attention, strategy):
+    config, steps = _timeline(strategy, attention=attention, t=2)
     ends = [m.by_category()[ACTIVATIONS] for m in steps.moments if m.phase == "forward" and ".layers." in f".{m.where}"]
-    ledger = {x.tensor.name: x.bytes for x in estimate(config, NONE, CPU).tensors}
+    ledger = {x.tensor.name: x.bytes for x in estimate(config, strategy, CPU).tensors}
     shared = ledger[rules.ROPE_COS.name] + ledger[rules.ROPE_SIN.name]
     # After the first layer (whose input is LlamaModel's inputs_embeds too, live to the end of forward), each
     # layer's end holds its input, the residual stream after attention, the MLP's output and its own output.
@@ -66,3 +67,30 @@ def test_backward_leaves_only_the_batch_and_the_loss_behind():
 def test_what_the_hf_walk_does_not_model_is_refused_by_name(changes, named):
     with pytest.raises(ConfigError, match=f"for impl hf does not model {named}"):
         _timeline(**changes)
+
+
+def test_under_tp_the_loss_sees_every_logit_and_the_embedding_gradient_is_the_whole_table():
+    """lm_head's colwise_gather_output gathers the logits, so the loss's fp32 tensors are t = 1's; DTensor gives the
+    vocabulary-parallel embedding a Replicate gradient, the whole (v, h) table, before this rank's rows are taken."""
+    _, none = _timeline(t=2)
+    config, tp = _timeline(TP, t=2)
+    loss = "log_softmax's backward: three fp32 (b*s, v) tensors"
+    at = [m.by_category()[TEMPORARIES] for steps in (none, tp) for m in steps.moments if m.what == loss]
+    assert at == [2 * 4 * config.b * config.s * config.vocab_size] * 2  # the third is kept from forward
+    rows = next(m for m in tp.moments if m.what == "this rank's rows of the embedding's gradient")
+    live = {x.name: x.bytes for x in rows.live}
+    assert live["grad/embedding (.grad)"] == 2 * live["grad/embedding (rows)"] == 2 * config.vocab_size * config.h
+
+
+@pytest.mark.parametrize("changes, named", [
+    ({"t": 2, "tie_embeddings": True}, "tied embeddings under tp"),
+    ({"t": 4, "num_query_groups": 4}, "vocab_size=250 that t=4 does not divide"),
+])
+def test_what_the_hf_walk_does_not_model_under_tp_is_refused_by_name(changes, named):
+    with pytest.raises(ConfigError, match=f"for impl hf does not model {named}"):
+        _timeline(TP, **changes)
+
+
+def test_hf_refuses_tp_sp_citing_transformers():
+    with pytest.raises(ConfigError, match="does not run tp-sp .*transformers has no sequence parallelism"):
+        _timeline(STRATEGIES["tp-sp"], t=2)

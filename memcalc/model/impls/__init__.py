@@ -14,7 +14,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from memcalc.errors import ConfigError
-from memcalc.model.impls.base import Implementation, SizeRule, check_mla, check_moe
+from memcalc.model.impls.base import Implementation, SizeRule, always, check_mla, check_moe
 from memcalc.model.knobs import Accounting
 from memcalc.model.ledger import SavedTensor
 from memcalc.model.strategy import Strategy
@@ -52,19 +52,31 @@ def implementation(knobs: Any) -> Implementation:
 
 
 def plan(knobs: Any, strategy: Strategy) -> Strategy:
-    """`strategy` as the chosen implementation lays it out, or ConfigError if the library does not run it."""
+    """`strategy` as the chosen implementation lays it out, or ConfigError if the library does not run it
+    (at all, or for these knobs: its declared `refuses`, whose reason the one line carries)."""
     impl = implementation(knobs)
-    if strategy.name not in impl.strategies:
+    refusal = impl.refusal(knobs, strategy.name)
+    if strategy.name not in impl.strategies or refusal is not None:
+        why = f" {refusal.cited()}" if refusal is not None else ""
         raise ConfigError(
-            f"impl {impl.name} ({impl.title}) does not run {strategy.name} ({strategy.title});"
-            f" it runs: {', '.join(impl.strategies)}"
+            f"impl {impl.name} ({impl.title}) does not run {strategy.name} ({strategy.title}){why};"
+            f" it runs: {', '.join(impl.runs(knobs))}"
         )
     return strategy.planned(impl, knobs)
 
 
 def strategies_of(knobs: Any) -> tuple[str, ...]:
-    """The layouts the chosen implementation runs, in the order of STRATEGIES."""
-    return implementation(knobs).strategies
+    """The layouts the chosen implementation runs for these knobs, in the order of STRATEGIES."""
+    return implementation(knobs).runs(knobs)
+
+
+def left_out(knobs: Any) -> tuple[str, ...]:
+    """One line for each layout the implementation runs for other knobs but not these, saying why: what a
+    command that shows every layout prints beside the ones it shows (a layout it never runs goes unsaid)."""
+    impl = implementation(knobs)
+    refused = (impl.refusal(knobs, n) for n in impl.strategies)
+    return tuple(f"{r.strategy} left out: impl {impl.name} does not run it {r.condition}: {r.reason}"
+                 for r in refused if r is not None and r.when is not always)
 
 
 def layer_tensors(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]:

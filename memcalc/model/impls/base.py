@@ -38,6 +38,33 @@ class SizeRule:
     applies: Callable[[Any], bool]  # the knobs under which the sizes matter
     runs: Callable[[dict[Any, Any], Any], Any]  # (per-rank sizes by Dim, t) -> bool or bool array
     outside: Callable[[Any, Accounting], tuple[SavedTensor, ...]]
+    shown_with: dict[str, Any] = field(default_factory=dict)  # knobs the docs add to eager bf16 to show `outside`
+
+
+def always(knobs: Any) -> bool:
+    """A refusal's `when` for a layout the library runs under no knobs: `plan` cites it when the layout is asked
+    for by name, the implementation's page says it, and the commands that show every layout leave it out without
+    a note (the library never runs it, so nothing about these knobs needs saying)."""
+    return True
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A layout the library does not run under some knobs, and why, in the library's own code.
+
+    Declared as data on the implementation (`Implementation.refuses`): `plan` refuses the layout when asked for
+    it by name, and the commands that show every layout leave it out and name it in one line.
+    """
+
+    strategy: str  # the layout's name (memcalc.model.strategy.STRATEGIES)
+    when: Callable[[Any], bool]  # the knob sets under which the library does not run it (`always`: none runs it)
+    condition: str  # `when` in words: "with experts (num_experts set)"
+    reason: str  # why, short: what the library's code refuses
+    source: str  # where: the library's version, file and function, and anything memcalc decides on top
+
+    def cited(self) -> str:
+        """The condition, the reason and its source, as the refusal of an explicit --strategy says them."""
+        return f"{self.condition}: {self.reason} ({self.source})"
 
 
 @dataclass(frozen=True)
@@ -48,7 +75,8 @@ class Implementation:
     title: str
     measured_on: str  # the library, its version and the modules the rules were measured on
     layer_tensors: Callable[[Any, Accounting], tuple[SavedTensor, ...]]  # one layer, forward order
-    strategies: tuple[str, ...] = ("none", "tp", "tp-sp")  # the layouts the library runs
+    strategies: tuple[str, ...] = ("none", "tp", "tp-sp")  # the layouts the library runs (for some knobs)
+    refuses: tuple[Refusal, ...] = ()  # layouts of `strategies` it does not run under some knobs, and why
     kept_whole: frozenset[str] = frozenset()  # tensors a sequence-splitting layout keeps gathered (full s)
     # For a knob set, what a sequence-splitting layout keeps in place of the same-named tensors of `layer_tensors`
     # (another width or split); unlike kept_whole, it changes no collective: backward gathers as before.
@@ -63,6 +91,14 @@ class Implementation:
         """The library's own knob values alone (what a knob set, without sizes or layout, takes)."""
         return {k: v for k, v in self.defaults.items() if k in KNOB_NAMES}
 
+    def refusal(self, knobs: Any, strategy: str) -> Refusal | None:
+        """Why the library does not run `strategy` for these knobs, if a declared refusal says so."""
+        return next((r for r in self.refuses if r.strategy == strategy and r.when(knobs)), None)
+
+    def runs(self, knobs: Any) -> tuple[str, ...]:
+        """The layouts the library runs for these knobs, in the order of `strategies`."""
+        return tuple(n for n in self.strategies if self.refusal(knobs, n) is None)
+
     def by_name(self) -> dict[str, SavedTensor]:
         """Every tensor this implementation can name: the ledger's, with its own in their place where they differ."""
         return ledger.BY_NAME | {x.name: x for x in self.tensors}
@@ -75,16 +111,23 @@ def check_moe(knobs: Any) -> None:
         if stray:
             raise ConfigError(f"{stray[0]} is set but num_experts is not (a dense MLP has no experts)")
         return
-    if knobs.moe_router_topk > knobs.num_experts:
-        raise ConfigError(f"moe_router_topk={knobs.moe_router_topk} exceeds num_experts={knobs.num_experts}"
-                          " (each token picks k distinct experts)")
+    from memcalc.config.schema import EXPERT_RULES  # the schema imports the implementations: here at run time
+
+    EXPERT_RULES[1].check(knobs)  # k distinct experts of E
     if knobs.moe_tokens == "capacity" and knobs.moe_expert_capacity_factor is None:
         raise ConfigError("moe_tokens capacity needs moe_expert_capacity_factor (without it no expert drops tokens:"
                           " use balanced or worst)")
+    if knobs.moe_pad_expert_input_to_capacity and knobs.moe_expert_capacity_factor is None:
+        raise ConfigError("moe_pad_expert_input_to_capacity pads each expert's tokens to its capacity: it needs"
+                          " moe_expert_capacity_factor")
+    if knobs.moe_router_enable_expert_bias and knobs.moe_router_score_function != "sigmoid":
+        raise ConfigError("moe_router_enable_expert_bias biases the sigmoid router's choice (aux-loss-free balancing):"
+                          " it needs moe_router_score_function sigmoid")
 
 
 def check_mla(knobs: Any) -> None:
-    """ConfigError for latent-attention widths without kv_lora_rank, a latent without its head widths, or GQA."""
+    """ConfigError for latent-attention widths without kv_lora_rank, a latent without its head widths, GQA, or plain
+    attention's head width and QK norm."""
     if knobs.kv_lora_rank is None:
         stray = [name for name in MLA_KNOBS if getattr(knobs, name) is not None]
         if stray:
@@ -97,6 +140,10 @@ def check_mla(knobs: Any) -> None:
     if knobs.num_query_groups not in (None, getattr(knobs, "a", None)):  # a config's groups may equal its heads
         raise ConfigError(f"num_query_groups={knobs.num_query_groups} with kv_lora_rank: latent attention up-projects"
                           " K and V for every head (no K/V groups); leave num_query_groups unset")
+    if knobs.head_dim_set or knobs.qk_layernorm:
+        raise ConfigError(f"{'kv_channels' if knobs.head_dim_set else 'qk_layernorm'} with kv_lora_rank: latent"
+                          " attention sizes its heads by qk_nope_head_dim, qk_rope_head_dim and v_head_dim, and its"
+                          " norms are on the latents, always; leave it unset")
 
 
 def drop_small(tensors: Iterable[SavedTensor], accounting: Accounting) -> tuple[SavedTensor, ...]:

@@ -3,7 +3,9 @@
 Two layer families, told apart by the knobs (memcalc's config has no model family):
 
     rmsnorm + swiglu            LlamaDecoderLayer (Qwen2's and Mistral's are the same layer;
-                                Qwen2 adds a QKV bias, which keeps nothing more), RoPE
+                                Qwen2 adds a QKV bias, which keeps nothing more), RoPE; with
+                                qk_layernorm Qwen3DecoderLayer (heads of head_dim, memcalc's
+                                kv_channels, each query and key head RMS-normalised before RoPE)
     layernorm + gelu/gelu_tanh  GPT2Block (learned positions live in the embedding, outside the layer)
 
 Where transformers' Python differs from Megatron's fused kernels it keeps more:
@@ -12,6 +14,8 @@ Where transformers' Python differs from Megatron's fused kernels it keeps more:
   the fp32 rstd by the same product, the normalised input cast back by `weight * (.)`.
   The bf16 input itself is not kept.
 - RoPE: `q * cos + rotate_half(q) * sin` keeps cos and sin (s, d), once per layer.
+- Qwen3's q_norm and k_norm are LlamaRMSNorm's code on each head, (b, s, heads, d): the
+  same three tensors per head, with heads split where TP splits them.
 - Eager attention runs `torch.matmul` on head-strided views, so matmul keeps its
   own contiguous copies of Q, K^T and V (one storage each, the ledger's shapes).
   Llama's softmax runs in fp32 (`dtype=torch.float32`) and keeps its fp32 output;
@@ -46,7 +50,7 @@ from typing import Any, NamedTuple
 
 from memcalc.errors import ConfigError
 from memcalc.model import ledger
-from memcalc.model.impls.base import Implementation, drop_small
+from memcalc.model.impls.base import Implementation, Refusal, SizeRule, always, drop_small
 from memcalc.model.knobs import Accounting
 from memcalc.model.ledger import Dim, Kind, Region, SavedTensor
 
@@ -65,27 +69,34 @@ class RMSNormTensors(NamedTuple):
     normed: SavedTensor
 
 
-def _rms_norm(prefix: str, module: str, width: Dim = Dim.H) -> RMSNormTensors:
-    """What one LlamaRMSNorm over `width` keeps; `prefix` as ledger._norm's ("ln1", or "mla/q_norm_")."""
-    by, shape, stem = f"LlamaRMSNorm ({module})", (Dim.B, Dim.S, width), prefix if "/" in prefix else f"{prefix}/"
+def _rms_norm(prefix: str, module: str, width: Dim = Dim.H, heads: Dim | None = None) -> RMSNormTensors:
+    """What one LlamaRMSNorm over `width` keeps; `prefix` as ledger._norm's ("ln1", or "mla/q_norm_"). With `heads`
+    it runs on each head's d channels (Qwen3's q_norm and k_norm): per head, inside the pair TP splits."""
+    by, stem = f"LlamaRMSNorm ({module})", prefix if "/" in prefix else f"{prefix}/"
+    rows, region = ((Dim.B, heads, Dim.S), _TEN) if heads is not None else ((Dim.B, Dim.S), _SEQ)
+    shape = (*rows, width)
     return RMSNormTensors(
         SavedTensor(
             f"{stem}input_fp32", f"{by}: hidden_states.to(float32), kept by pow(2) and by x * rsqrt(.)", shape,
-            Kind.FP32, _SEQ, "the gradients of pow(2) and of x * rsqrt(.) read the fp32 input",
+            Kind.FP32, region, "the gradients of pow(2) and of x * rsqrt(.) read the fp32 input",
         ),
         SavedTensor(
-            f"{stem}rstd_fp32", f"{by}: rsqrt(variance + eps), kept by rsqrt and by x * rsqrt(.)", (Dim.B, Dim.S),
-            Kind.FP32, _SEQ, ledger.WHY_NORM_RSTD, paper=False,
+            f"{stem}rstd_fp32", f"{by}: rsqrt(variance + eps), kept by rsqrt and by x * rsqrt(.)", rows,
+            Kind.FP32, region, ledger.WHY_NORM_RSTD, paper=False,
         ),
         SavedTensor(
             f"{stem}normed", f"{by}: the normalised input cast back, kept by weight * (.)", shape,
-            Kind.ACTIVATION, _SEQ, "the weight's gradient is dY times the normalised input",
+            Kind.ACTIVATION, region, "the weight's gradient is dY times the normalised input",
         ),
     )
 
 
 LN1_RMS = _rms_norm("ln1", "input_layernorm")
 LN2_RMS = _rms_norm("ln2", "post_attention_layernorm")
+# Qwen3Attention (qk_layernorm): Qwen3RMSNorm, LlamaRMSNorm's code, on q_proj(x) and k_proj(x) viewed as (b, s, heads,
+# d), before RoPE; its output, transposed, goes on to RoPE and the core.
+Q_NORM_RMS = _rms_norm("attention/q_norm_", "Qwen3RMSNorm q_norm, each query head", Dim.D, heads=Dim.A)
+K_NORM_RMS = _rms_norm("attention/k_norm_", "Qwen3RMSNorm k_norm, each key head", Dim.D, heads=Dim.G)
 
 # DeepseekV3Attention (models/deepseek_v3, DeepSeek-V2/V3's MLA): its latent norms are LlamaRMSNorm's code
 # (DeepseekV3RMSNorm), each followed by an up projection that keeps the norm's output; RoPE runs on the query's
@@ -280,8 +291,26 @@ def _eager(knobs: Any) -> tuple[SavedTensor, ...]:
 
 
 def _key_value(knobs: Any) -> tuple[SavedTensor, SavedTensor]:
-    """K and V as matmul keeps them: repeat_kv's copies to all a heads under GQA."""
+    """K and V as matmul keeps them: repeat_kv's copies to all a heads under GQA (but see REPEAT_KV)."""
     return (K_EXPANDED, V_EXPANDED) if knobs.gqa else (ledger.K, ledger.V)
+
+
+def repeat_kv_copies(sizes: dict[Any, Any], t: Any) -> Any:
+    """Whether eager attention's matmuls keep copies of K and V at a/t heads: unless b = 1 and the rank holds one K/V
+    group. Then repeat_kv's expand and reshape are views whose head dimension has stride 0, and matmul folds them into
+    a bmm batch of stride 0 without a copy, so it keeps K and V themselves (b, 1, s, d). Numbers or arrays alike."""
+    return (sizes[Dim.B] != 1) | (sizes[Dim.G] // t != 1)
+
+
+_UNEXPANDED = {K_EXPANDED.name: ledger.K, V_EXPANDED.name: ledger.V}
+REPEAT_KV = SizeRule(
+    "eager attention under GQA keeps repeat_kv's copies of K and V at a/t heads, except when b = 1 and one K/V group"
+    " is on the rank: expand and reshape are then views with a zero stride, and matmul keeps K and V themselves",
+    applies=lambda knobs: knobs.gqa and knobs.attention == "eager" and knobs.recompute != "full",
+    runs=repeat_kv_copies,
+    outside=lambda knobs, accounting: tuple(_UNEXPANDED.get(x.name, x) for x in layer_tensors(knobs, accounting)),
+    shown_with={"num_query_groups": 1},
+)
 
 
 def latent_attention(knobs: Any) -> tuple[SavedTensor, ...]:
@@ -297,9 +326,10 @@ def attention_block(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ..
     if knobs.mla:
         return latent_attention(knobs)
     rope = (ROPE_COS, ROPE_SIN) if is_llama(knobs) else ()
+    qk_norm = (*Q_NORM_RMS, *K_NORM_RMS) if knobs.qk_layernorm else ()
     core = _sdpa(knobs, accounting) if knobs.attention == "flash" else _eager(knobs)
     resid = (ledger.ATTN_OUT_DROPOUT_MASK,) if knobs.has_dropout and not is_llama(knobs) else ()
-    return (ledger.QKV_IN, *rope, *core, ledger.PROJ_IN, *resid)
+    return (ledger.QKV_IN, *qk_norm, *rope, *core, ledger.PROJ_IN, *resid)
 
 
 def mlp_block(knobs: Any) -> tuple[SavedTensor, ...]:
@@ -320,9 +350,9 @@ def moe_block(knobs: Any) -> tuple[SavedTensor, ...]:
     One (r, 2e) storage holds each expert's gate and up (`gate_up_proj`, chunked): the ledger's two rows, half
     its bytes each, as Megatron's fc1 output. With latent attention the block is DeepseekV3MoE (a sigmoid router,
     Mixtral's experts, an ungated shared MLP that keeps the block's input); else shared experts mean Qwen2-MoE's
-    block (see MOE_TENSORS' comment).
+    block (see MOE_TENSORS' comment), and a QK norm Qwen3-MoE's, Qwen2-MoE's router and experts without them.
     """
-    qwen = bool(knobs.moe_shared_expert_intermediate_size) and not knobs.mla
+    qwen = bool(knobs.moe_shared_expert_intermediate_size or knobs.qk_layernorm) and not knobs.mla  # bf16 weights
     norm = () if knobs.moe_router_pre_softmax else (TOPK_SUM, TOPK_WEIGHTS)
     if knobs.mla:
         router: tuple[SavedTensor, ...] = (ROUTER_IN_FP32, ROUTER_SCORES, ledger.ROUTER_TOPK_INDICES, *norm)
@@ -333,7 +363,7 @@ def moe_block(knobs: Any) -> tuple[SavedTensor, ...]:
     shared_mlp = (ledger.SHARED_GATE, ledger.SHARED_UP, ledger.SHARED_SILU_OUT, ledger.SHARED_FC2_IN)
     if knobs.mla:
         return (*router, *experts, ledger.MOE_IN, *shared_mlp)  # shared_experts(residuals) runs last
-    shared = (*shared_mlp, SHARED_GATE_SIGMOID, SHARED_OUT) if qwen else ()
+    shared = (*shared_mlp, SHARED_GATE_SIGMOID, SHARED_OUT) if knobs.moe_shared_expert_intermediate_size else ()
     return (*router, *shared, *experts)
 
 
@@ -370,6 +400,9 @@ def check(knobs: Any) -> None:
     if knobs.moe_expert_capacity_factor is not None:
         raise ConfigError("impl hf: transformers' Mixtral and Qwen MoE blocks drop no tokens; leave"
                           " moe_expert_capacity_factor unset")
+    if knobs.moe_token_dispatcher_type != "alltoall":
+        raise ConfigError(f"impl hf: moe_token_dispatcher_type {knobs.moe_token_dispatcher_type} is Megatron's;"
+                          " transformers' MoE blocks loop over their experts on one rank (leave it alltoall)")
     if knobs.moe_aux_loss:
         raise ConfigError("impl hf: the load-balancing loss is computed outside the decoder layer, from every layer's"
                           " router logits; moe_aux_loss is not modelled for hf")
@@ -379,8 +412,9 @@ def check(knobs: Any) -> None:
     if knobs.moe_first_dense_layers and not knobs.mla:
         raise ConfigError("impl hf: moe_first_dense_layers is DeepSeek-V3's first_k_dense_replace (with"
                           " kv_lora_rank); Mixtral's and Qwen2-MoE's layers have no such field")
-    if knobs.moe and not knobs.moe_shared_expert_intermediate_size and not knobs.mla:
+    if knobs.moe and not knobs.moe_shared_expert_intermediate_size and not knobs.mla and not knobs.qk_layernorm:
         _check_mixtral(knobs)
+    _check_qwen3(knobs)
     check_latent(knobs)
 
 
@@ -392,6 +426,18 @@ def _check_mixtral(knobs: Any) -> None:
     if knobs.moe_layer_freq != 1:
         raise ConfigError(f"impl hf: moe_layer_freq={knobs.moe_layer_freq} is Qwen2-MoE's decoder_sparse_step (a"
                           " block with shared experts); every MixtralDecoderLayer is a MoE layer")
+
+
+def _check_qwen3(knobs: Any) -> None:
+    """Heads of kv_channels run in the Llama family (head_dim); a QK norm is Qwen3's (Qwen3DecoderLayer, and
+    Qwen3MoeDecoderLayer, whose sparse block has no shared experts)."""
+    if not is_llama(knobs) and (knobs.head_dim_set or knobs.qk_layernorm):
+        what = "kv_channels (head_dim)" if knobs.head_dim_set else "qk_layernorm"
+        raise ConfigError(f"impl hf: GPT2Block has no {what}; Llama-family layers (norm rmsnorm, mlp swiglu) do")
+    if knobs.qk_layernorm and knobs.moe_shared_expert_intermediate_size and not knobs.mla:
+        raise ConfigError("impl hf: qk_layernorm with experts is Qwen3MoeDecoderLayer, whose sparse block has no"
+                          " shared experts (Qwen2-MoE's has them, without a QK norm); leave"
+                          " moe_shared_expert_intermediate_size unset")
 
 
 def check_latent(knobs: Any) -> None:
@@ -424,17 +470,48 @@ def _check_deepseek_moe(knobs: Any) -> None:
                           " sparse at every layer past first_k_dense_replace (moe_first_dense_layers)")
 
 
+# Tensor parallelism is transformers' own (transformers/distributed/tensor_parallel.py, DTensor): the config class's
+# base_model_tp_plan applied by apply_tensor_parallelism, as from_pretrained(tp_plan="auto") does. Under the Llama
+# family's plan (q, k, v, gate, up "colwise"; o, down "rowwise") a layer keeps what the paper's TP keeps: the
+# colwise linears' one input whole (DTensor.from_local wraps it as Replicate, no copy), the rest split by t.
+_TP_SOURCE = "transformers 5.24"
+NO_SEQUENCE_PARALLEL = Refusal(
+    "tp-sp", always, "in any model",
+    "transformers has no sequence parallelism: DistributedConfig.enable_sequence_parallel is 'reserved ... not"
+    " wired up yet', no model's tp_plan names its \"sequence_parallel\" style, and that style hands the next"
+    " \"colwise\" linear a local sequence shard, which colwise wraps as Replicate without gathering it",
+    f"{_TP_SOURCE}, transformers/distributed/configuration_utils.py (DistributedConfig) and tensor_parallel.py"
+    " (SequenceParallel, registered with use_local_output=True; ColwiseParallel.transform_inputs_pre_forward)",
+)
+GPT2_NO_TP_PLAN = Refusal(
+    "tp", lambda knobs: not is_llama(knobs), "for GPT-2 (norm layernorm)",
+    "GPT2Config has no base_model_tp_plan, so from_pretrained(tp_plan=\"auto\") has nothing to apply",
+    f"{_TP_SOURCE}, transformers/models/gpt2/configuration_gpt2.py; distributed/mixin.py _resolve_parallel_plans"
+    " raises ValueError for tp_size > 1 without a plan",
+)
+MOE_TP_NOT_MODELLED = Refusal(
+    "tp", lambda knobs: knobs.moe or knobs.mla, "with experts or latent attention (num_experts, kv_lora_rank)",
+    "memcalc has not measured those plans yet (Mixtral's and Qwen2-MoE's shard the experts with packed_colwise,"
+    " rowwise and moe_tp_experts; DeepSeek-V3's shards no attention)",
+    f"{_TP_SOURCE}, the base_model_tp_plan of MixtralConfig, Qwen2MoeConfig and DeepseekV3Config; memcalc's own"
+    " limit, not the library's",
+)
+
 IMPLEMENTATION = Implementation(
     name="hf",
     title="Hugging Face transformers",
     measured_on="transformers 5.24.0 (torch 2.13.0, CPU, bf16): LlamaDecoderLayer, Qwen2DecoderLayer,"
     " MistralDecoderLayer and GPT2Block, attn_implementation eager and sdpa; MixtralDecoderLayer and"
-    " Qwen2MoeDecoderLayer; DeepseekV3DecoderLayer (dense MLP and DeepseekV3MoE), eager",
+    " Qwen2MoeDecoderLayer; DeepseekV3DecoderLayer (dense MLP and DeepseekV3MoE), eager; Qwen3DecoderLayer and"
+    " Qwen3MoeDecoderLayer (head_dim, q_norm and k_norm), eager and sdpa; the Llama family and Qwen3 under"
+    " transformers' own tp_plan (apply_tensor_parallelism, DTensor) at t = 2 and 4",
     layer_tensors=layer_tensors,
-    strategies=("none",),
+    refuses=(NO_SEQUENCE_PARALLEL, GPT2_NO_TP_PLAN, MOE_TP_NOT_MODELLED),
     check=check,
+    size_rule=REPEAT_KV,
     tensors=(
-        *LN1_RMS, *LN2_RMS, ROPE_COS, ROPE_SIN, *MLA_Q_RMS, *MLA_KV_RMS, MLA_ROPE_COS, MLA_ROPE_SIN, K_EXPANDED, V_EXPANDED, SOFTMAX_FP32, WEIGHTS, *SDPA_MATH,
+        *LN1_RMS, *LN2_RMS, *Q_NORM_RMS, *K_NORM_RMS,
+        ROPE_COS, ROPE_SIN, *MLA_Q_RMS, *MLA_KV_RMS, MLA_ROPE_COS, MLA_ROPE_SIN, K_EXPANDED, V_EXPANDED, SOFTMAX_FP32, WEIGHTS, *SDPA_MATH,
         HALF_X, TANH_OUT, ONE_PLUS_TANH, *MOE_TENSORS,  # FLASH_DROPOUT_LSE is the ledger's LSE, described as read from code
     ),
     # LlamaConfig's own: RMSNorm, SwiGLU, attention_dropout 0, attn_implementation "sdpa" (memcalc's flash).

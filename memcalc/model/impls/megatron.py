@@ -34,6 +34,10 @@ places where Megatron keeps other storages than the paper's layer:
   knobs, not t, so they model g/t > 1).
 - Q, K and V (multi-head) are views of the one fused QKV output: one storage,
   the same bytes as the three ledger rows.
+- qk_layernorm (get_query_key_value_tensors: q_layernorm(query), k_layernorm(key),
+  norms over each head's kv_channels): the norms keep their inputs, views of the
+  fused QKV output (under GQA the query's copy, and the key's view keeps the whole
+  output), and the core keeps their outputs as Q and K.
 - The softmax is Megatron-LM's default, the fused causal kernel (Apex's
   scaled_upper_triang_masked_softmax), which keeps its fp16/bf16 output. In fp32
   it cannot run, and FusedScaleMaskSoftmax.forward_torch_softmax keeps the (s, s)
@@ -50,7 +54,7 @@ from typing import Any
 
 from memcalc.errors import ConfigError
 from memcalc.model import ledger
-from memcalc.model.impls.base import Implementation, SizeRule, drop_small
+from memcalc.model.impls.base import Implementation, Refusal, SizeRule, drop_small
 from memcalc.model.knobs import Accounting
 from memcalc.model.ledger import Dim, Kind, Region, SavedTensor
 
@@ -86,9 +90,10 @@ SOFTMAX_FP32 = SavedTensor(
     "outside the fused kernel's sizes the softmax runs in fp32 (softmax_in_fp32) and its backward reads that output",
 )
 
-# MoELayer (megatron/core/transformer/moe/, 0.16.1): TopKRouter, the all-to-all token dispatcher and
-# SequentialMLP, measured under a forced router (none, tp-sp; ep 1, 2, 4 on the fake group). Tensors over the tokens a rank routes live in the
-# sequence region; those over the slots its experts receive in the expert region.
+# MoELayer (megatron/core/transformer/moe/, 0.16.1): TopKRouter, the all-to-all and all-gather token dispatchers
+# and SequentialMLP, measured under a forced router (none, tp-sp; ep 1, 2, 4 on the fake group). Tensors over the
+# tokens a rank routes live in the sequence region (the token-expert slots they keep, r_s, split as s is); those
+# over the slots its experts receive in the expert region.
 _BSK = (Dim.B, Dim.S, Dim.K)
 TOPK_PROBS = SavedTensor(
     "moe/topk_probs_fp32", "router: torch.softmax(top-k logits, dtype=float32) (moe_utils.topk_routing_with_score_function)",
@@ -100,10 +105,11 @@ ALL_PROBS = SavedTensor(
     (Dim.B, Dim.S, Dim.E), Kind.FP32, Region.SEQUENCE,
     "softmax backward needs its output: every expert's probability, of which top-k keeps k", paper=False,
 )
-# score_function "sigmoid" (DeepSeek-V3): torch.sigmoid(logits.float()) keeps its fp32 output; the chosen scores
-# (topk, or with the expert bias gather by the biased top-k's indices) are cast back to the logits' dtype and, for
-# k > 1, divided by their sum + 1e-20, a division that keeps both. Group-limited routing's top-ks and mask are saved
-# by ops whose values nobody reads, freed when routing returns; the scaling factor is a product by a number.
+# score_function "sigmoid" (DeepSeek-V3), measured: torch.sigmoid(logits.float()) keeps its fp32 output; it is cast
+# back to the logits' dtype; the chosen scores (topk's values, or with the expert bias gather's, by the biased
+# top-k's indices: gather keeps its whole input) are, for k > 1, divided by their sum + 1e-20, a division that keeps
+# both. Group-limited routing's top-ks and mask are saved by ops whose values nobody reads, freed when routing
+# returns (not measured here); the scaling factor is a product by a number.
 SIGMOID_SCORES = SavedTensor(
     "moe/sigmoid_scores_fp32", "router: torch.sigmoid(logits.float()) (score_function sigmoid)", (Dim.B, Dim.S, Dim.E),
     Kind.FP32, Region.SEQUENCE, "sigmoid's derivative is read from its output: every expert's score", paper=False,
@@ -116,10 +122,28 @@ TOPK_DENOMINATOR = SavedTensor(
     "moe/topk_denominator", "router: the k chosen sigmoid scores / (their sum + 1e-20), k > 1", (Dim.B, Dim.S),
     Kind.ACTIVATION, Region.SEQUENCE, "the division's backward reads its divisor", paper=False,
 )
+BIASED_CHOICE_SCORES = SavedTensor(
+    "moe/expert_bias_scores", "router: torch.gather(scores, 1, top-k of scores + expert_bias)"
+    " (moe_router_enable_expert_bias)", (Dim.B, Dim.S, Dim.E), Kind.ACTIVATION, Region.SEQUENCE,
+    "gather's backward keeps its whole input (every expert's score, cast to the activation dtype), not only the"
+    " k it picks", paper=False,
+)
 AUX_SCORES = SavedTensor(
     "moe/aux_scores_fp32", "router: softmax over all E logits in fp32 (compute_routing_scores_for_aux_loss)",
     (Dim.B, Dim.S, Dim.E), Kind.FP32, Region.SEQUENCE,
     "the load-balancing loss's gradient flows through the softmax over every expert's score",
+)
+# With the sigmoid router the aux loss's scores are every expert's sigmoid in the activation dtype (not fp32),
+# normalised over the E experts; the loss, a sum over them, has that dtype too.
+AUX_SIGMOID_SCORES = SavedTensor(
+    "moe/aux_sigmoid_scores", "router: sigmoid(logits) / (its sum over E + 1e-20) (compute_routing_scores_for_aux_loss)",
+    (Dim.B, Dim.S, Dim.E), Kind.ACTIVATION, Region.SEQUENCE,
+    "the load-balancing loss's gradient flows through the sigmoid, whose derivative is read from its output, and"
+    " the normalisation's division, which reads it as dividend",
+)
+AUX_SIGMOID_DENOMINATOR = SavedTensor(
+    "moe/aux_denominator", "router: sigmoid(logits) / (its sum over E + 1e-20) (compute_routing_scores_for_aux_loss)",
+    (Dim.B, Dim.S), Kind.ACTIVATION, Region.SEQUENCE, "the division's backward reads its divisor", paper=False,
 )
 AUX_TOKENS_PER_EXPERT = SavedTensor(
     "moe/aux_tokens_per_expert", "switch_load_balancing_loss_func: sum(scores, dim=0) * tokens_per_expert", (Dim.E,),
@@ -131,6 +155,19 @@ AUX_LOSS = SavedTensor(
     Region.REPLICATED, "attached to the routing probabilities, the loss (one fp32 number) is kept so that backward"
     " can start its gradient", paper=False,
 )
+AUX_LOSS_SIGMOID = SavedTensor(
+    "moe/aux_loss_sigmoid", "MoEAuxLossAutoScaler.forward: ctx.save_for_backward(aux_loss), over sigmoid scores", (),
+    Kind.ACTIVATION, Region.REPLICATED, "the loss over the activation-dtype sigmoid scores (one number in that dtype)"
+    " is kept so that backward can start its gradient", paper=False,
+)
+# moe_expert_capacity_factor (apply_router_token_dropping, measured): each expert keeps its top ceil(k*n/E * c)
+# tokens by probability of the n its router sees; the probabilities are multiplied by the kept map, which the product
+# keeps. The top-k over the tokens saves indices for values nobody reads, freed when routing returns.
+CAPACITY_MASK = SavedTensor(
+    "moe/capacity_mask", "router: probs * kept map (apply_router_token_dropping)", (Dim.B, Dim.S, Dim.E), Kind.MASK,
+    Region.SEQUENCE, "the product's gradient for the probabilities is dY times the map of the slots within capacity",
+    paper=False,
+)
 ROUTING_MAP = SavedTensor(
     "moe/routing_map", "permute: probs.T.masked_select(routing_map)", (Dim.B, Dim.S, Dim.E), Kind.MASK,
     Region.SEQUENCE, "masked_select's backward scatters the gradient back through the same map", paper=False,
@@ -141,9 +178,34 @@ PROBS_T = SavedTensor(
     " zero where not chosen, in the activation dtype) to build the gradient in its shape", paper=False,
 )
 PERMUTE_INDICES = SavedTensor(
-    "moe/permute_indices", "permute: tokens.index_select(sorted_indices); unpermute's scatter_add_", _BSK,
-    Kind.INT64, Region.SEQUENCE, "both the permutation's and the combine's backward move gradients by these indices",
+    "moe/permute_indices", "permute: tokens.index_select(sorted_indices); unpermute's scatter_add_", (Dim.RS,),
+    Kind.INT64, Region.SEQUENCE, "both the permutation's and the combine's backward move gradients by these indices"
+    " (one a token-expert slot the rank's tokens keep: kbs/t, fewer where a capacity drops)", paper=False,
+)
+# Padded to capacity (moe_pad_expert_input_to_capacity, measured): permute sorts each expert's row of the map
+# (argsort) and takes its first `capacity` tokens, and gathers the probabilities by index, not by mask.
+PAD_PROBS_INDICES = SavedTensor(
+    "moe/pad_probs_indices", "permute (drop and pad): probs.T.view(-1).index_select(0, expert * n + kept token)",
+    (Dim.RS,), Kind.INT64, Region.SEQUENCE, "index_select's backward scatters the gradient back by its indices",
     paper=False,
+)
+# The all-gather dispatcher (moe_token_dispatcher_type allgather, measured): every rank gathers the routing map and
+# probabilities of the tp*ep group's tokens (ep*b*s) and keeps its E/ep local experts' columns: b*s*E elements,
+# whole under SP; permute then runs on the gathered tokens, its indices one per slot this rank's experts receive.
+GATHERED_ROUTING_MAP = SavedTensor(
+    "moe/allgather_map", "all-gather dispatcher: local probs.T.masked_select(local map)", (Dim.B, Dim.S, Dim.E),
+    Kind.MASK, Region.REPLICATED, "masked_select's backward scatters the gradient back through the same map: the"
+    " local experts' E/ep columns of the ep*b*s tokens gathered over tp*ep", paper=False,
+)
+GATHERED_PROBS_T = SavedTensor(
+    "moe/allgather_probs_t", "all-gather dispatcher: local probs.T.contiguous().masked_select(local map)",
+    (Dim.B, Dim.S, Dim.E), Kind.ACTIVATION, Region.REPLICATED, "masked_select's backward reads its input: the local"
+    " experts' routing weights for the ep*b*s gathered tokens, in the activation dtype", paper=False,
+)
+GATHERED_PERMUTE_INDICES = SavedTensor(
+    "moe/allgather_indices", "all-gather dispatcher: gathered tokens.index_select(sorted_indices); unpermute's"
+    " scatter_add_", (Dim.R,), Kind.INT64, Region.EXPERT, "both the permutation's and the combine's backward move"
+    " gradients by these indices, one a slot this rank's experts receive", paper=False,
 )
 EXPERT_UP_COPY = replace(SWIGLU_UP_COPY, name="moe/expert_up_plus_offset", shape=(Dim.R, Dim.FE), region=Region.EXPERT)
 SHARED_UP_COPY = replace(SWIGLU_UP_COPY, name="moe/shared_up_plus_offset", shape=(Dim.B, Dim.S, Dim.U))
@@ -203,8 +265,10 @@ MLA_KV_NORM = ledger.MLA_KV_NORM._replace(input=MLA_KV_DOWN_VIEW)
 
 TENSORS: tuple[SavedTensor, ...] = (  # megatron's own
     K_EXPANDED, V_EXPANDED, QKV_QUERY_COLUMNS, SWIGLU_UP_COPY, CAUSAL_MASK, SOFTMAX_FP32,
-    TOPK_PROBS, ALL_PROBS, SIGMOID_SCORES, TOPK_SCORES, TOPK_DENOMINATOR, AUX_SCORES, AUX_TOKENS_PER_EXPERT, AUX_LOSS,
-    ROUTING_MAP, PROBS_T, PERMUTE_INDICES, EXPERT_UP_COPY, SHARED_UP_COPY, EXPERT_ACT_OUT, EXPERT_PROBS, *MLA_ROPE,
+    TOPK_PROBS, ALL_PROBS, SIGMOID_SCORES, TOPK_SCORES, TOPK_DENOMINATOR, BIASED_CHOICE_SCORES, AUX_SCORES,
+    AUX_SIGMOID_SCORES, AUX_SIGMOID_DENOMINATOR, AUX_TOKENS_PER_EXPERT, AUX_LOSS, AUX_LOSS_SIGMOID, CAPACITY_MASK,
+    ROUTING_MAP, PROBS_T, PERMUTE_INDICES, PAD_PROBS_INDICES, GATHERED_ROUTING_MAP, GATHERED_PROBS_T,
+    GATHERED_PERMUTE_INDICES, EXPERT_UP_COPY, SHARED_UP_COPY, EXPERT_ACT_OUT, EXPERT_PROBS, *MLA_ROPE,
     MLA_KV_DOWN_VIEW, MLA_Q_LATENT_GATHERED,
 )
 
@@ -235,6 +299,8 @@ def core_attention(knobs: Any, fused_softmax: bool = True) -> tuple[SavedTensor,
 
 def query_key_value(knobs: Any) -> tuple[SavedTensor, ...]:
     """Q, K, V as the core keeps them: views of the fused QKV output, or (GQA) copies for every head."""
+    if knobs.qk_layernorm:
+        return normed_query_key_value(knobs)
     if not knobs.gqa or knobs.attention == "flash":
         return (ledger.Q, ledger.K, ledger.V)
     if knobs.recompute == "selective":
@@ -242,6 +308,20 @@ def query_key_value(knobs: Any) -> tuple[SavedTensor, ...]:
         # heads are contiguous, no copy is made, and Megatron keeps Q, K, V alone; knobs do not see t.
         return (ledger.Q, ledger.K, ledger.V, QKV_QUERY_COLUMNS)
     return (ledger.Q, K_EXPANDED, V_EXPANDED)
+
+
+def normed_query_key_value(knobs: Any) -> tuple[SavedTensor, ...]:
+    """With qk_layernorm (get_query_key_value_tensors: q_layernorm(query), k_layernorm(key)): each norm keeps its
+    input, and the core keeps the norms' outputs as Q and K (K and V copied to every head under eager GQA).
+
+    Multi-head, the norms' inputs are views of the fused QKV output, which V keeps too: that storage is the norms'
+    input rows and V. Under GQA the query is a copy (the norm's input), and the key's view keeps the fused output
+    whole, its query columns too (with one K/V group per rank, g = t, no copy is made; knobs do not see t)."""
+    norms = (*norm_block(ledger.Q_NORM, knobs), *norm_block(ledger.K_NORM, knobs))
+    if not knobs.gqa or knobs.attention == "flash":
+        return (*norms, ledger.Q, ledger.K, ledger.V)
+    core = (ledger.Q, ledger.K) if knobs.recompute == "selective" else (ledger.Q, K_EXPANDED, V_EXPANDED)
+    return (*norms, QKV_QUERY_COLUMNS, ledger.V, *core)
 
 
 def attention_block(knobs: Any, fused_softmax: bool = True) -> tuple[SavedTensor, ...]:
@@ -285,8 +365,9 @@ def moe_block(knobs: Any) -> tuple[SavedTensor, ...]:
     The experts apply the routing probabilities inside the MLP (activation(fc1) * probs), so the product keeps
     the activation's output and the probabilities; unpermute's scatter_add_ keeps only the permutation indices.
     """
-    aux = (AUX_SCORES, AUX_TOKENS_PER_EXPERT, AUX_LOSS) if knobs.moe_aux_loss else ()
-    router = (ledger.MOE_IN, *router_scores(knobs), ledger.ROUTER_TOPK_INDICES, *aux, ROUTING_MAP, PROBS_T, PERMUTE_INDICES)
+    capacity = (CAPACITY_MASK,) if knobs.moe_expert_capacity_factor is not None else ()
+    router = (ledger.MOE_IN, *router_scores(knobs), ledger.ROUTER_TOPK_INDICES, *capacity, *aux_loss(knobs),
+              *dispatch(knobs))
     if knobs.mlp != "swiglu":
         activation: tuple[SavedTensor, ...] = (ledger.EXPERT_GELU_IN,)
     elif knobs.bias_activation_fusion:
@@ -300,10 +381,32 @@ def moe_block(knobs: Any) -> tuple[SavedTensor, ...]:
 
 def router_scores(knobs: Any) -> tuple[SavedTensor, ...]:
     """topk_routing_with_score_function: the softmax over the top k (or, pre-softmax, over all E), or every
-    expert's sigmoid with the chosen scores' renormalisation (k > 1)."""
+    expert's sigmoid (with the expert bias, gathered) and the chosen scores' renormalisation (k > 1)."""
     if knobs.moe_router_score_function == "sigmoid":
-        return (SIGMOID_SCORES, *((TOPK_SCORES, TOPK_DENOMINATOR) if knobs.moe_router_topk > 1 else ()))
+        biased = (BIASED_CHOICE_SCORES,) if knobs.moe_router_enable_expert_bias else ()
+        return (SIGMOID_SCORES, *biased, *((TOPK_SCORES, TOPK_DENOMINATOR) if knobs.moe_router_topk > 1 else ()))
     return (ALL_PROBS,) if knobs.moe_router_pre_softmax else (TOPK_PROBS,)
+
+
+def aux_loss(knobs: Any) -> tuple[SavedTensor, ...]:
+    """The load-balancing loss: every expert's scores (fp32 softmax, or the normalised sigmoid in the activation
+    dtype), the token counts per expert it multiplies them by, and the loss."""
+    if not knobs.moe_aux_loss:
+        return ()
+    if knobs.moe_router_score_function == "sigmoid":
+        return (AUX_SIGMOID_SCORES, AUX_SIGMOID_DENOMINATOR, AUX_TOKENS_PER_EXPERT, AUX_LOSS_SIGMOID)
+    return (AUX_SCORES, AUX_TOKENS_PER_EXPERT, AUX_LOSS)
+
+
+def dispatch(knobs: Any) -> tuple[SavedTensor, ...]:
+    """The token dispatcher's permutation: the all-to-all's map, probabilities and indices over the rank's own
+    tokens (padded to capacity: the probabilities' gather indices in place of the map); the all-gather's over the
+    tp*ep group's gathered tokens."""
+    if knobs.moe_token_dispatcher_type == "allgather":
+        return (GATHERED_ROUTING_MAP, GATHERED_PROBS_T, GATHERED_PERMUTE_INDICES)
+    if knobs.moe_pad_expert_input_to_capacity:
+        return (PERMUTE_INDICES, PAD_PROBS_INDICES)
+    return (ROUTING_MAP, PROBS_T, PERMUTE_INDICES)
 
 
 def shared_experts(knobs: Any) -> tuple[SavedTensor, ...]:
@@ -365,10 +468,19 @@ def check(knobs: Any) -> None:
         )
     if knobs.recompute == "op":
         raise ConfigError("impl megatron: recompute op is torchtitan's op-level checkpointing; use selective or full")
-    if knobs.moe_router_score_function == "sigmoid" and (knobs.moe_router_pre_softmax or knobs.moe_aux_loss):
+    if knobs.moe_router_score_function == "sigmoid" and knobs.moe_router_pre_softmax:
         raise ConfigError("impl megatron: with the sigmoid router, moe_router_pre_softmax changes nothing (it always"
-                          " renormalises the top k) and its aux-loss scores are not modelled; leave both unset")
+                          " renormalises the top k); leave it unset")
 
+
+# MoELayer.forward: `if self.training and self.attn_tp_group.size() > 1 and not self.config.sequence_parallel:
+# raise ValueError(...)`. Refused for the knobs alone (any t): at t=1 tp lays out nothing that none does not.
+MOE_WITHOUT_SP = Refusal(
+    "tp", lambda knobs: knobs.moe, "with experts (num_experts set)",
+    "megatron-core's MoELayer refuses tensor parallelism without sequence parallelism in training",
+    "megatron-core 0.16.1, megatron/core/transformer/moe/moe_layer.py: MoELayer.forward raises ValueError;"
+    " refused at any t, as tp at t=1 is none",
+)
 
 IMPLEMENTATION = Implementation(
     name="megatron",
@@ -379,4 +491,5 @@ IMPLEMENTATION = Implementation(
     tensors=TENSORS,
     check=check,
     size_rule=FUSED_SOFTMAX,
+    refuses=(MOE_WITHOUT_SP,),
 )

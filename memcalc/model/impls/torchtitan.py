@@ -200,6 +200,9 @@ def check(knobs: Any) -> None:
     if knobs.mla:
         raise ConfigError("impl torchtitan: its DeepSeek-V3 latent attention is not modelled yet; use impl megatron"
                           " or hf for kv_lora_rank")
+    if knobs.head_dim_set or knobs.qk_layernorm:
+        raise ConfigError(f"impl torchtitan: {'kv_channels' if knobs.head_dim_set else 'qk_layernorm'} is its Qwen3"
+                          " model's (head_dim, q_norm and k_norm), not modelled yet; use impl megatron or hf")
 
 
 IMPLEMENTATION = Implementation(

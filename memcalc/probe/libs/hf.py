@@ -1,14 +1,18 @@
 """transformers' own decoder layers, recorded under ledger names (`memcalc measure --impl hf`).
 
 `run_layer` builds the layer memcalc's knobs describe (memcalc.model.impls.hf):
-`LlamaDecoderLayer` (`Qwen2DecoderLayer` when the config asks for a QKV bias;
-`MistralDecoderLayer` is the same layer and the tests run it too) or `GPT2Block`,
+`LlamaDecoderLayer` (`Qwen2DecoderLayer` when the config asks for a QKV bias,
+`Qwen3DecoderLayer` for qk_layernorm; `MistralDecoderLayer` is the same layer and
+the tests run it too) or `GPT2Block`, heads of kv_channels (transformers' head_dim),
 from a config object sized from memcalc's config: nothing is downloaded. The
 layer runs in training mode with `attn_implementation` "eager" or "sdpa" (memcalc's
 eager or flash), fed as transformers' own model feeds it: a batch-first input,
 the causal mask from `create_causal_mask` (None under SDPA, which then runs
 `is_causal`), and for Llama the `(cos, sin)` its rotary embedding module makes
-from position ids (1, s). Recompute "full" is transformers' gradient
+from position ids (1, s). For t > 1 (strategy tp) the layer is laid out by
+transformers' own tensor parallelism before it runs: its config class's
+base_model_tp_plan, by apply_tensor_parallelism over the probe's group
+(memcalc.probe.libs.hf_tp). Recompute "full" is transformers' gradient
 checkpointing, enabled as `activation_checkpointing_enable()` does it:
 torch.utils.checkpoint, non-reentrant. Its own saved-tensor hooks shadow the
 recorder's inside the layer, which is right: what they hold is freed, and the
@@ -37,8 +41,9 @@ discarded top-ks save is freed when the router returns: the recorder counts what
 still kept when the forward ends (`kept_only`).
 
 A config with experts runs `MixtralDecoderLayer`, or `Qwen2MoeDecoderLayer` when
-it has shared experts (its MoE layer, index moe_layer_freq - 1: transformers'
-decoder_sparse_step makes layer i sparse when (i + 1) is a multiple of it), with
+it has shared experts, or `Qwen3MoeDecoderLayer` with qk_layernorm (their MoE layer,
+index moe_layer_freq - 1: transformers' decoder_sparse_step makes layer i sparse
+when (i + 1) is a multiple of it), with
 the experts' eager loop. Each expert keeps its tensors for the tokens it got, one
 storage per expert: a ledger row is their sum, of r rows. An expert's gate and
 up are halves of one (r_e, 2e) `gate_up_proj` output, reported as the ledger's
@@ -55,13 +60,16 @@ from typing import Any, Callable
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ProbeError
 from memcalc.model import ledger
+from memcalc.model.evaluate import dim_sizes
 from memcalc.model.impls import hf as rules
+from memcalc.model.impls import tensors_at
 from memcalc.model.knobs import Accounting, Knobs
 from memcalc.model.ledger import Kind, Region, SavedTensor
 from memcalc.model.strategy import Strategy
 from memcalc.probe import require_torch
 from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.layer import DTYPES
+from memcalc.probe.libs import hf_tp
 from memcalc.probe.libs.hf_shim import NOTES as SHIM_NOTES
 from memcalc.probe.libs.hf_shim import cuda_like_dropout, forced_routing
 from memcalc.probe.libs.hf_shim import route_note as route_note  # measure prints it for --route
@@ -85,7 +93,7 @@ _GATE_UP = SavedTensor("moe/expert_gate_up", "MixtralExperts gate_up_proj", (), 
                        "chunked into gate and up")
 _GATE_UP_PARTS = (ledger.EXPERT_GATE, ledger.EXPERT_UP)
 _MARKERS = (_QKV_OUT, _GATE_UP)
-_MOE_FAMILIES = ("mixtral", "qwen2_moe", "deepseek_v3")
+_MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 # The (1, s, d) RoPE tables the model passes its layers: a Llama head's, or latent attention's RoPE part's.
 _ROPE_TABLES = ((rules.ROPE_COS, rules.ROPE_SIN), (rules.MLA_ROPE_COS, rules.MLA_ROPE_SIN))
 
@@ -103,14 +111,15 @@ def record_layer(
 ) -> tuple[SavedStorage, ...]:
     """`run_layer`, with the Llama-family class choosable ("llama", "mistral", "qwen2") for the tests, and with
     `dense` a MoE model's dense layer (Qwen2-MoE's layer 0 when moe_layer_freq > 1)."""
-    if strategy.tensor_parallel or strategy.sequence_parallel or tp.size != 1:
-        raise ProbeError(f"impl hf runs no tensor parallelism: measure strategy none with t=1 (got {strategy.name})")
     rules.check(config)
     family = family or _family(config)
     layer, extra = _build(config, family, tp.device, dense)
+    if tp.size > 1:  # transformers' own plan by its own function (hf_tp); "none" runs at t = 1
+        config_class = transformers.GPT2Config if family == "gpt2" else _llama_family(family)[0]
+        hf_tp.apply(layer, hf_tp.layer_plan(layer, config_class), tp)
     accounting = Accounting(exact=True, device=tp.device.type)
     knobs = Knobs.of(config).dense if dense else Knobs.of(config)
-    expected = {t.name for t in rules.layer_tensors(knobs, accounting)}
+    expected = {t.name for t in tensors_at(knobs, accounting, dim_sizes(config), tp.size)}  # at these sizes
     label_rules = tuple(r for r in label_rules_for(config) if r.tensor.name in expected or r.tensor in _MARKERS)
     x = _layer_input(config, tp.device)
     rope = next((pair for pair in _ROPE_TABLES if pair[0].name in expected), None)
@@ -126,8 +135,12 @@ def _family(config: ModelConfig) -> str:
         return "gpt2"
     if config.mla:
         return "deepseek_v3"
+    if config.moe and config.qk_layernorm:
+        return "qwen3_moe"
     if config.moe:
         return "qwen2_moe" if config.moe_shared_expert_intermediate_size else "mixtral"
+    if config.qk_layernorm:
+        return "qwen3"
     return "qwen2" if config.add_qkv_bias else "llama"
 
 
@@ -138,7 +151,8 @@ def _routing(family: str, route: str | None, k: int) -> Any:
     if family not in _MOE_FAMILIES:
         raise ProbeError(f"--route {route} forces a MoE router: the config has no experts (set num_experts)")
     _, module = _llama_family(family)
-    routers = {"mixtral": "MixtralTopKRouter", "qwen2_moe": "Qwen2MoeTopKRouter", "deepseek_v3": "DeepseekV3TopkRouter"}
+    routers = {"mixtral": "MixtralTopKRouter", "qwen2_moe": "Qwen2MoeTopKRouter", "qwen3_moe": "Qwen3MoeTopKRouter",
+               "deepseek_v3": "DeepseekV3TopkRouter"}
     return forced_routing((getattr(module, routers[family]),), route, k)
 
 
@@ -180,7 +194,7 @@ def _build(config: ModelConfig, family: str, device: torch.device, dense: bool =
 
 def _layer_index(config: ModelConfig, family: str, dense: bool) -> int:
     """The layer to build: 0 when dense is asked for (a mix's dense layer), else a MoE family's first MoE layer
-    (Qwen2-MoE's freq - 1; DeepSeek-V3's first past first_k_dense_replace)."""
+    (Qwen2-MoE's and Qwen3-MoE's freq - 1; DeepSeek-V3's first past first_k_dense_replace)."""
     first_dense = config.moe_first_dense_layers or 0
     if family == "deepseek_v3" and config.moe and dense and not first_dense:
         raise ProbeError("impl hf: DeepSeek-V3's layers are all MoE without moe_first_dense_layers; set it to measure"
@@ -212,7 +226,13 @@ def llama_config(config: ModelConfig, family: str = "llama") -> Any:
         intermediate_size=config.ffn, hidden_act="silu", attention_dropout=config.dropout, num_hidden_layers=config.L,
         max_position_embeddings=config.s, vocab_size=config.vocab_size, tie_word_embeddings=config.tie_embeddings,
         attn_implementation=attention_implementation(config),
-    ) | _moe_fields(config, family) | _latent_fields(config, family))
+    ) | _moe_fields(config, family) | _latent_fields(config, family) | _head_fields(config, family))
+
+
+def _head_fields(config: ModelConfig, family: str) -> dict[str, Any]:
+    """head_dim, memcalc's kv_channels (h/a unless set): Qwen3Config's own default is 128, whatever h/a is.
+    DeepseekV3Config's head_dim is the RoPE part's (`_latent_fields`)."""
+    return {} if family == "deepseek_v3" else {"head_dim": config.head_dim}
 
 
 def _moe_fields(config: ModelConfig, family: str) -> dict[str, Any]:
@@ -228,6 +248,11 @@ def _moe_fields(config: ModelConfig, family: str) -> dict[str, Any]:
                 "norm_topk_prob": not config.moe_router_pre_softmax, "decoder_sparse_step": config.moe_layer_freq,
                 "mlp_only_layers": [], "qkv_bias": config.add_qkv_bias, "experts_implementation": "eager",
                 "num_hidden_layers": max(config.L, config.moe_layer_freq)}  # the probe's MoE layer is freq - 1
+    if family == "qwen3_moe":  # Qwen2-MoE's router and experts, no shared expert
+        return {"num_experts": config.num_experts, "num_experts_per_tok": config.moe_router_topk,
+                "moe_intermediate_size": config.expert_ffn, "norm_topk_prob": not config.moe_router_pre_softmax,
+                "decoder_sparse_step": config.moe_layer_freq, "mlp_only_layers": [],
+                "experts_implementation": "eager", "num_hidden_layers": max(config.L, config.moe_layer_freq)}
     if family == "deepseek_v3" and config.moe:
         groups = 2 if config.moe_router_topk <= config.num_experts // 2 else 1  # the group choice, for real
         return {"n_routed_experts": config.num_experts, "num_experts_per_tok": config.moe_router_topk,
@@ -272,6 +297,8 @@ def _llama_family(family: str) -> tuple[type, Any]:
         "qwen2": (transformers.Qwen2Config, models.qwen2.modeling_qwen2),
         "mixtral": (transformers.MixtralConfig, models.mixtral.modeling_mixtral),
         "qwen2_moe": (transformers.Qwen2MoeConfig, models.qwen2_moe.modeling_qwen2_moe),
+        "qwen3": (transformers.Qwen3Config, models.qwen3.modeling_qwen3),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, models.qwen3_moe.modeling_qwen3_moe),
         "deepseek_v3": (transformers.DeepseekV3Config, models.deepseek_v3.modeling_deepseek_v3),
     }[family]
 
@@ -341,6 +368,25 @@ def _heads_t(b: int) -> Callable[[Any], Any]:
     return lambda x: x.unflatten(0, (b, -1)).transpose(-1, -2)
 
 
+def _head_columns(d: int) -> Callable[[Any], Any]:
+    """(b, s, heads * d) as (b, s, heads, d): a heads, or under tp this rank's a/t."""
+    return lambda x: x.unflatten(-1, (-1, d))
+
+
+def _stored(axes: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """`axes`, then each dimension broadcast with stride 0 as the one entry it stores (repeat_kv's expand, which
+    matmul keeps as it is when b = 1 and one K/V group is on the rank: memcalc.model.impls.hf.REPEAT_KV)."""
+
+    def view(x: Any) -> Any:
+        x = axes(x)
+        for dim, (size, stride) in enumerate(zip(x.shape, x.stride())):
+            if stride == 0 and size > 1:
+                x = x.narrow(dim, 0, 1)
+        return x
+
+    return view
+
+
 def _tokens(b: int) -> Callable[[Any], Any]:
     """(b * s, h), a Conv1D's flattened input, as (b, s, h)."""
     return lambda x: x.unflatten(0, (b, -1))
@@ -363,12 +409,18 @@ def label_rules_for(config: ModelConfig) -> tuple[Rule, ...]:
             *_layer_norm_rules("ln_2", ledger.LN2), *_gpt2_mlp_rules(config))
 
 
-def _rms_rules(module: str, norm: rules.RMSNormTensors) -> tuple[Rule, ...]:
+def _rms_rules(module: str, norm: rules.RMSNormTensors, view: Callable[[Any], Any] | None = None) -> tuple[Rule, ...]:
+    """LlamaRMSNorm's three; `view` the per-head one's axes (b, s, heads, ...) as the ledger's (b, heads, s, ...)."""
     return (
-        Rule(module, "to", norm.input_fp32, nth=0),  # hidden_states.to(torch.float32)
-        Rule(module, "rsqrt", norm.rstd, view=_stats),
-        Rule(module, "to", norm.normed, nth=1),  # hidden_states.to(input_dtype)
+        Rule(module, "to", norm.input_fp32, nth=0, view=view),  # hidden_states.to(torch.float32)
+        Rule(module, "rsqrt", norm.rstd, view=lambda x: view(_stats(x)) if view else _stats(x)),
+        Rule(module, "to", norm.normed, nth=1, view=view),  # hidden_states.to(input_dtype)
     )
+
+
+def _per_head(x: Any) -> Any:
+    """(b, s, heads, ...) as (b, heads, s, ...)."""
+    return x.transpose(1, 2)
 
 
 def _layer_norm_rules(module: str, norm: ledger.NormTensors) -> tuple[Rule, ...]:
@@ -391,10 +443,10 @@ def _core_rules(attention: str, config: ModelConfig, qkv: tuple[SavedTensor, ...
     return (
         # eager: matmul copies q, k^T (k after repeat_kv) and v into contiguous storages and keeps those
         Rule(attention, "matmul", q, nth=0, view=_kept("BmmBackward0", "_saved_self", then=_heads(b))),
-        Rule(attention, "matmul", k, nth=0, view=_kept("BmmBackward0", "_saved_mat2", then=_heads_t(b))),
+        Rule(attention, "matmul", k, nth=0, view=_kept("BmmBackward0", "_saved_mat2", then=_stored(_heads_t(b)))),
         Rule(attention, "matmul", rules.K_EXPANDED, nth=0,
              view=_kept("BmmBackward0", "_saved_mat2", then=_heads_t(b))),
-        Rule(attention, "matmul", v, nth=1, view=_kept("BmmBackward0", "_saved_mat2", then=_heads(b))),
+        Rule(attention, "matmul", v, nth=1, view=_kept("BmmBackward0", "_saved_mat2", then=_stored(_heads(b)))),
         Rule(attention, "matmul", rules.V_EXPANDED, nth=1,
              view=_kept("BmmBackward0", "_saved_mat2", then=_heads(b))),
         Rule(attention, "softmax", ledger.SOFTMAX_OUT),
@@ -425,9 +477,11 @@ def _sdpa_inputs(attention: str) -> tuple[Rule, ...]:
 def _llama_attention_rules(config: ModelConfig) -> tuple[Rule, ...]:
     return (
         Rule("self_attn.q_proj", "linear", ledger.QKV_IN, arg=0),
+        *_rms_rules("self_attn.q_norm", rules.Q_NORM_RMS, _per_head),  # Qwen3's, on (b, s, a, d)
+        *_rms_rules("self_attn.k_norm", rules.K_NORM_RMS, _per_head),
         *_core_rules("self_attn", config),
         *_sdpa_inputs("self_attn"),
-        Rule("self_attn.o_proj", "linear", ledger.PROJ_IN, arg=0),
+        Rule("self_attn.o_proj", "linear", ledger.PROJ_IN, arg=0, view=_head_columns(config.head_dim)),
     )
 
 
@@ -526,7 +580,7 @@ def _gpt2_attention_rules(config: ModelConfig) -> tuple[Rule, ...]:
         *_core_rules("attn", config),
         # q, k, v are views of c_attn's output (b * s, 3h): its whole storage, split by _attributed
         Rule("attn", "scaled_dot_product_attention", _QKV_OUT, arg=0, view=lambda q: q._base),
-        Rule("attn.c_proj", "addmm", ledger.PROJ_IN, arg=1, view=flat),
+        Rule("attn.c_proj", "addmm", ledger.PROJ_IN, arg=1, view=lambda x: _head_columns(config.head_dim)(flat(x))),
         Rule("attn.resid_dropout", "native_dropout", ledger.ATTN_OUT_DROPOUT_MASK,
              view=_kept("NativeDropoutBackward0", "_saved_result1")),
     )

@@ -15,6 +15,13 @@ step measured by `measure_trainer`. The loss is transformers' own: the labels go
 `ForCausalLMLoss` upcasts the logits to fp32, shifts the labels by one and takes the mean cross-entropy. As
 transformers' Trainer does (`compute_loss` returns the loss alone), only the loss outlives the forward call: the
 output object, and with it the bf16 logits, is dropped at once.
+
+Under tp (rank 0 of t through the fake group) the built model is laid out by the plan from_pretrained(tp_plan="auto")
+resolves (`memcalc.probe.libs.hf_tp.model_plan`), applied by transformers' apply_tensor_parallelism: every weight
+but the norms a DTensor shard. (from_pretrained's own path needs accelerate and a checkpoint; this applies the same
+plan with the same function to the model `_from_config` built.) The trainer works on the weights' local shards, and
+takes this rank's rows of the embedding's Replicate gradient (`memcalc.probe.step.MainGrads`). A tied model is not
+laid out: apply_tensor_parallelism looks lm_head.weight up among named_parameters(), which name a tied weight once.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from memcalc.model.strategy import Strategy
 from memcalc.probe import require_torch
 from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.layer import DTYPES
+from memcalc.probe.libs import hf_tp
 from memcalc.probe.libs.hf import llama_config
 from memcalc.probe.step import BATCH_SEED, StepMeasurement, Trainer, measure_trainer
 
@@ -41,13 +49,18 @@ def measure_hf_step_on_rank(tp: TensorParallelGroup, config: ModelConfig, strate
 
 def warmed_up(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy) -> Trainer:
     """transformers' LlamaForCausalLM in training mode with memcalc's trainer, stepped once."""
-    if strategy.tensor_parallel or tp.size != 1:
-        raise ProbeError(f"impl hf runs no tensor parallelism: measure strategy none with t=1 (got {strategy.name})")
+    if strategy.sequence_parallel:
+        raise ProbeError(f"impl hf runs no sequence parallelism (got {strategy.name})")
+    if tp.size > 1 and config.tie_embeddings:
+        raise ProbeError("impl hf: transformers' apply_tensor_parallelism cannot lay out tied embeddings (it looks"
+                         " lm_head.weight up among named_parameters(), which name a tied weight once); untie them")
     hf_config = llama_config(config)
     hf_config.use_cache = False  # as transformers' Trainer sets it (TrainingArguments.use_cache: False)
     torch.manual_seed(BATCH_SEED)  # the weights, as the model initialises them
     model = transformers.LlamaForCausalLM._from_config(hf_config, dtype=DTYPES[config.dtype])
     model = model.to(tp.device).train()
+    if tp.size > 1:  # the plan from_pretrained(tp_plan="auto") applies, by the function it applies it with
+        hf_tp.apply(model, hf_tp.model_plan(model, tp.size), tp)
     return Trainer.around(config, model, lambda tokens, labels: _loss(model, tokens, labels))
 
 

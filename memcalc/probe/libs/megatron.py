@@ -1,8 +1,10 @@
 """megatron-core's own layer on one tensor-parallel rank, recorded under ledger names.
 
-`run_layer` builds `TransformerLayer` from megatron's local GPT spec (no
-Transformer Engine), or a one-layer `TransformerBlock` for full recomputation
-(Megatron checkpoints whole layers from the block), with a `TransformerConfig`
+`run_layer` builds `TransformerLayer` from the spec megatron's GPT decoder block
+gives it (`get_gpt_decoder_layer_specs`, no Transformer Engine; of a MoE model,
+its first MoE layer or its first dense one), or a `TransformerBlock` of that one
+layer for full recomputation (Megatron checkpoints whole layers from the block),
+with a `TransformerConfig`
 sized from memcalc's config, under megatron's `parallel_state` on the probe's
 process group (fake, gloo, nccl or torchrun; a one-rank fake group when t = 1).
 It runs inside `megatron_shim.cpu_megatron()`, whose `NOTES` say what was
@@ -18,9 +20,9 @@ is labelled with a private marker and reported as one row per ledger tensor,
 its bytes divided by the columns each tensor spans (`_SPLITS`), so the table
 reads row by row as the ledger does and the bytes add up to the storage's.
 
-With num_experts the MLP is megatron's MoELayer (TopKRouter, the all-to-all
-token dispatcher, SequentialMLP experts, SharedExpertMLP), its experts split
-over ep ranks and expert tensor parallelism etp = t: a fake group of t*ep
+With num_experts the MLP is megatron's MoELayer (TopKRouter, the all-to-all or
+all-gather token dispatcher, SequentialMLP experts, SharedExpertMLP), its
+experts split over ep ranks and expert tensor parallelism etp = t: a fake group of t*ep
 ranks when ep > 1 (expert parallelism runs on the fake group only). Each
 expert keeps its tensors for the tokens it got, one storage per expert: a
 ledger row is their sum, of r rows (labels.merged_rows). `--route` forces
@@ -42,11 +44,12 @@ from memcalc.model.impls import megatron as rules
 from memcalc.model.ledger import Kind, Region, SavedTensor
 from memcalc.model.strategy import Strategy
 from memcalc.probe import require_torch
+from memcalc.probe.collectives import CollectiveLog, LoggedCollective
 from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.layer import DTYPES
 from memcalc.probe.libs.labels import Labels, Rule, merged_rows
 from memcalc.probe.libs.megatron_shim import NOTES as SHIM_NOTES
-from memcalc.probe.libs.megatron_shim import cpu_megatron, forced_routing, local_spec, seed_rng_tracker
+from memcalc.probe.libs.megatron_shim import cpu_megatron, forced_routing, layer_spec, seed_rng_tracker
 from memcalc.probe.libs.megatron_shim import route_note as route_note  # measure prints it for --route
 from memcalc.probe.measure import INPUT_SEED, _layer_input
 from memcalc.probe.recorder import SavedStorage, SavedTensorRecorder, batch_first
@@ -80,33 +83,52 @@ _EXPERT_ROWS = frozenset(x.name for x in rules.IMPLEMENTATION.by_name().values()
 
 
 def run_layer(
-    tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, route: str | None = None
+    tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, route: str | None = None, dense: bool = False,
+    collectives: list[LoggedCollective] | None = None,
 ) -> tuple[SavedStorage, ...]:
     """Build megatron's layer for this rank, record one forward, run backward once; what it saved.
 
-    `route` forces a MoE router's assignment (megatron_shim.forced_routing)."""
+    `route` forces a MoE router's assignment (megatron_shim.forced_routing). A MoE model's layer is its first
+    MoE layer as megatron's decoder block spec places them; `dense`: its first dense layer (`layer_index`).
+    `collectives`: a list that gets every collective forward and backward issue (memcalc.probe.collectives)."""
     _check(config, tp, strategy, route)
     with warnings.catch_warnings():
         _quiet()  # before the shim imports megatron, which warns as it is imported
-        return _recorded(tp, config, strategy, route)
+        return _recorded(tp, config, strategy, route, dense, collectives)
 
 
 def _recorded(
-    tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, route: str | None
+    tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, route: str | None, dense: bool,
+    collectives: list[LoggedCollective] | None = None,
 ) -> tuple[SavedStorage, ...]:
     """One forward under labels, then backward. A MoE layer counts only what a live node still holds
     (kept_only): the aux loss's top-k saves indices for values nobody reads, freed as the router returns."""
     routing = forced_routing(route, config.moe_router_topk) if route else nullcontext()
+    layer = config.dense if dense else config  # the knobs the built layer has: a mix's dense layer, no experts
+    # megatron-core refuses sequence parallelism without tensor parallelism; at t = 1 it splits nothing anyway
+    sequence_parallel = strategy.sequence_parallel and tp.size > 1
     with cpu_megatron(), _model_parallel(tp, config.ep), routing:
         torch.manual_seed(WEIGHT_SEED)
-        root = _build(config, tp, strategy.sequence_parallel)
+        root = _build(config, tp, sequence_parallel, dense)
         seed_rng_tracker(INPUT_SEED, tp.rank)
-        x = _layer_input(config, tp, strategy.sequence_parallel)
+        x = _layer_input(config, tp, sequence_parallel)
         recorder = SavedTensorRecorder(root.parameters(), kept_only=config.moe)
-        with recorder, Labels(root, label_rules(config, tp.size)):
-            y, _ = _forward(root, x)
-        y.backward(torch.ones_like(y))
-    return merged_rows(_attributed(recorder.saved, config, tp.size), _EXPERT_ROWS)
+        with _logged() as log:
+            with recorder, Labels(root, label_rules(layer, tp.size)):
+                y, _ = _forward(root, x)
+            log.phase = "backward"
+            y.backward(torch.ones_like(y))
+    if collectives is not None:
+        collectives.extend(log.calls)
+    return merged_rows(_attributed(recorder.saved, layer, tp.size), _EXPERT_ROWS)
+
+
+def _logged() -> CollectiveLog:
+    """A CollectiveLog that also sees megatron's own names for torch.distributed's calls: its tensor-parallel
+    mappings and linears bind all_gather_into_tensor and reduce_scatter_tensor as they are imported."""
+    from megatron.core.tensor_parallel import layers, mappings
+
+    return CollectiveLog(aliases=(mappings, layers))
 
 
 def _quiet() -> None:
@@ -129,17 +151,27 @@ def _check(config: ModelConfig, tp: TensorParallelGroup, strategy: Strategy, rou
 
 
 def _check_experts(config: ModelConfig, tp: TensorParallelGroup, strategy: Strategy) -> None:
-    """MoELayer refuses TP without SP in training, and biases with expert TP or shared experts; ep > 1 needs a
+    """MoELayer refuses TP without SP in training, and its experts cannot train with biases; ep > 1 needs a
     fake group of t*ep ranks, which only the fake and single launches can make."""
     if tp.size > 1 and not strategy.sequence_parallel:
         raise ProbeError("impl megatron: MoELayer refuses tensor parallelism without sequence parallelism in"
                          " training (megatron-core's own check); measure MoE with --strategy tp-sp or none")
-    if config.add_bias_linear and (tp.size > 1 or config.moe_shared_expert_intermediate_size):
+    if config.add_bias_linear:
         raise ProbeError("impl megatron: megatron-core's MoE has no biases with expert tensor parallelism or"
-                         " shared experts; add --no-add-bias-linear")
+                         " shared experts, and without them its expert adds fc2's bias in place to the output of a"
+                         " one-rank reduce (a view autograd refuses); set add_bias_linear: false in the config")
     if config.ep > 1 and tp.mode not in ("single", "fake"):
         raise ProbeError(f"ep={config.ep} runs as rank 0 of t*ep={tp.size * config.ep} ranks in torch's fake"
                          f" group only; measure with --launch fake (not {tp.mode})")
+
+
+def fake_world(config: ModelConfig, t: int) -> str | None:
+    """The ranks `_model_parallel` makes in torch's fake group beyond the launch's, in words for measure's "ran as"
+    line: t*ep of them with expert parallelism (None without)."""
+    if config.num_experts is None or config.ep == 1:
+        return None
+    return (f"t*ep={t}*{config.ep}={t * config.ep} ranks (tensor parallel t={t}, expert parallel ep={config.ep},"
+            f" expert tensor parallel t)")
 
 
 @contextmanager
@@ -186,7 +218,7 @@ def transformer_config(config: ModelConfig, t: int, sequence_parallel: bool) -> 
         config.recompute, {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
     )
     return (MLATransformerConfig if config.mla else TransformerConfig)(
-        **_latent(config), num_layers=1, hidden_size=config.h, num_attention_heads=config.a, num_query_groups=config.groups,
+        **_latent(config), num_layers=config.L if config.moe else 1, hidden_size=config.h, num_attention_heads=config.a, num_query_groups=config.groups,
         ffn_hidden_size=config.ffn, gated_linear_unit=swiglu, activation_func=_activation(config),
         normalization="RMSNorm" if config.norm == "rmsnorm" else "LayerNorm",
         add_bias_linear=config.add_bias_linear, add_qkv_bias=config.add_qkv_bias,
@@ -194,25 +226,69 @@ def transformer_config(config: ModelConfig, t: int, sequence_parallel: bool) -> 
         bias_activation_fusion=config.bias_activation_fusion, masked_softmax_fusion=True,
         tensor_model_parallel_size=t, sequence_parallel=sequence_parallel,
         params_dtype=DTYPES[config.dtype], bf16=config.dtype == "bf16", fp16=config.dtype == "fp16",
-        use_cpu_initialization=True, **recompute, **_experts(config, t),
+        use_cpu_initialization=True, **recompute, **_experts(config, t), **_heads(config),
     )
 
 
 def _experts(config: ModelConfig, t: int) -> dict[str, Any]:
-    """TransformerConfig's MoE fields: the all-to-all dispatcher, experts over ep ranks and etp = t; an aux loss
-    coefficient of 1e-2 (Megatron-LM's suggested start) when moe_aux_loss is on, else 0 (its default)."""
+    """TransformerConfig's MoE fields: the knobs' dispatcher, experts over ep ranks and etp = t; an aux loss
+    coefficient of 1e-2 (Megatron-LM's suggested start) when moe_aux_loss is on, else 0 (its default); the MoE
+    layers of the L (num_layers) placed as memcalc places them (`moe_layer_pattern`)."""
     if not config.moe:
         return {}
     return dict(
-        num_moe_experts=config.num_experts, moe_router_topk=config.moe_router_topk,
+        num_moe_experts=config.num_experts, moe_layer_freq=moe_layer_pattern(config), moe_router_topk=config.moe_router_topk,
         moe_ffn_hidden_size=config.expert_ffn,
         moe_shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size,
         moe_expert_capacity_factor=config.moe_expert_capacity_factor,
+        moe_pad_expert_input_to_capacity=config.moe_pad_expert_input_to_capacity,
         moe_router_pre_softmax=config.moe_router_pre_softmax,
         moe_router_score_function=str(config.moe_router_score_function),
-        moe_aux_loss_coeff=1e-2 if config.moe_aux_loss else 0.0, moe_token_dispatcher_type="alltoall",
+        moe_router_enable_expert_bias=config.moe_router_enable_expert_bias,
+        moe_aux_loss_coeff=1e-2 if config.moe_aux_loss else 0.0,
+        moe_token_dispatcher_type=str(config.moe_token_dispatcher_type),
         expert_model_parallel_size=config.ep, expert_tensor_parallel_size=t,
     )
+
+
+def moe_layer_pattern(config: ModelConfig) -> int | list[int]:
+    """memcalc's MoE layers as Megatron-LM's --moe-layer-freq says them: the int freq (layer i is MoE when
+    i % freq == 0), or with first dense layers the list of 0 (dense) and 1 (MoE) per layer, as Megatron-LM's
+    DeepSeek recipes write `([0]*k+[1]*(L-k))`."""
+    first = config.moe_first_dense_layers or 0
+    if not first:
+        return config.moe_layer_freq
+    return [int(i >= first and i % config.moe_layer_freq == 0) for i in range(config.L)]
+
+
+def layer_index(config: ModelConfig, dense: bool = False) -> int:
+    """The layer the probe builds (0-based): a MoE model's first MoE layer, or with `dense` its first dense one
+    (ProbeError if every layer is MoE), as `moe_layer_pattern` tells megatron to place them."""
+    if not config.moe:
+        return 0
+    freq = moe_layer_pattern(config)
+    pattern = freq if isinstance(freq, list) else [int(i % freq == 0) for i in range(config.L)]
+    if (0 if dense else 1) not in pattern:
+        raise ProbeError(f"impl megatron: every one of the L={config.L} layers is a MoE layer (moe_layer_freq 1, no"
+                         " first dense layers): there is no dense layer to measure")
+    return pattern.index(0 if dense else 1)
+
+
+def built_layer(config: ModelConfig) -> str | None:
+    """Which of a dense + MoE mix's L layers `run_layer` builds (its first MoE layer), in words for measure's
+    "ran as" line; None where every layer is alike."""
+    if not config.moe or config.moe_layers == config.L:
+        return None
+    pattern = moe_layer_pattern(config)
+    placed = pattern if isinstance(pattern, int) else f"[{','.join(map(str, pattern))}]"
+    return f"layer {layer_index(config)} of L={config.L}, its first MoE layer by megatron's block spec (moe_layer_freq" \
+        f" {placed})"
+
+
+def _heads(config: ModelConfig) -> dict[str, Any]:
+    """Plain attention's head width (kv_channels, h/a unless set) and QK norm; latent attention sizes its own heads
+    and always norms its latents (`_latent`)."""
+    return {} if config.mla else {"kv_channels": config.head_dim, "qk_layernorm": config.qk_layernorm}
 
 
 def _latent(config: ModelConfig) -> dict[str, Any]:
@@ -235,17 +311,19 @@ def _activation(config: ModelConfig) -> Any:
     return F.gelu
 
 
-def _build(config: ModelConfig, tp: TensorParallelGroup, sequence_parallel: bool) -> Any:
-    """TransformerLayer, or a one-layer TransformerBlock (no final norm) for full recomputation."""
-    from megatron.core.transformer.transformer_block import TransformerBlock
+def _build(config: ModelConfig, tp: TensorParallelGroup, sequence_parallel: bool, dense: bool = False) -> Any:
+    """TransformerLayer from the spec megatron's decoder block gives it (dense or MoE), or a TransformerBlock of
+    that one layer (no final norm) for full recomputation."""
+    from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     megatron_config = transformer_config(config, tp.size, sequence_parallel)
-    spec = local_spec(megatron_config.normalization, latent=config.mla, num_experts=config.num_experts)
+    index = layer_index(config, dense)
+    spec = layer_spec(megatron_config, index)
     if config.recompute == "full":
-        root = TransformerBlock(megatron_config, spec, post_layer_norm=False)
+        root = TransformerBlock(megatron_config, TransformerBlockSubmodules(layer_specs=[spec]), post_layer_norm=False)
     else:
-        root = TransformerLayer(megatron_config, spec.submodules, layer_number=1)
+        root = TransformerLayer(megatron_config, spec.submodules, layer_number=index + 1)
     return root.to(tp.device)
 
 
@@ -316,9 +394,15 @@ def _attention_rules(config: ModelConfig, t: int) -> tuple[Rule, ...]:
         Rule("*scale_mask_softmax", "masked_fill_", rules.CAUSAL_MASK, arg=1),  # fp32: scores.masked_fill_(mask)
         Rule("*scale_mask_softmax", "forward", _HOST, view=_host_scale),
         Rule("*self_attention", "tensor", _HOST),  # selective: the checkpoint keeps attn_mask_type as a tensor
-        *(() if config.mla else (Rule("*linear_proj", "forward", ledger.PROJ_IN, arg=0, view=batch_first),)),
+        *(() if config.mla else (Rule("*linear_proj", "forward", ledger.PROJ_IN, arg=0,
+                                      view=lambda x: batch_first(x).unflatten(-1, (-1, config.head_dim))),)),
     ]
-    if gqa and config.recompute == "selective":
+    if config.qk_layernorm and not config.mla:  # the norms' outputs are the core's Q and K (the checkpoint's too)
+        rules_ += [Rule("*q_layernorm", "forward", ledger.Q, view=_heads_first),
+                   Rule("*k_layernorm", "forward", ledger.K, view=_heads_first)]
+        if _query_copied(config, t):  # the query heads' copy is q_layernorm's input
+            rules_.append(Rule("*self_attention", "reshape", ledger.Q_NORM.input, view=_heads_first))
+    if gqa and config.recompute == "selective" and not config.qk_layernorm:
         if _query_copied(config, t):  # the checkpoint keeps the query copy beside the whole QKV output
             rules_.append(Rule("*self_attention", "reshape", ledger.Q, view=_heads_first))
     elif gqa:  # QK^T keeps a query copy, the core expands K and V to every head
@@ -361,37 +445,88 @@ def _mlp_rules(config: ModelConfig) -> tuple[Rule, ...]:
     )
 
 
+def _tokens(b: int) -> Any:
+    """(s*b, ...) tokens, sequence first -> (b, s, ...): the ledger's order."""
+    return lambda x: x.unflatten(0, (-1, b)).transpose(0, 1)
+
+
 def _moe_rules(config: ModelConfig, t: int) -> tuple[Rule, ...]:
     """MoELayer: the router (module mlp.router), the permutation (the dispatcher runs in mlp's frame), the
     experts' input and probabilities as SequentialMLP receives them, each expert's MLP, the shared experts."""
-    b, k = config.b, config.moe_router_topk
     swiglu = config.mlp == "swiglu"
-
-    def tokens(x: torch.Tensor) -> torch.Tensor:
-        """(s*b, ...) tokens, sequence first -> (b, s, ...)."""
-        return x.unflatten(0, (-1, b)).transpose(0, 1)
-
-    probs = rules.ALL_PROBS if config.moe_router_pre_softmax else rules.TOPK_PROBS
-    aux = (  # switch_load_balancing_loss_func: sum(scores, 0) * tokens_per_expert, then that sum * a number
-        Rule("*mlp.router", "softmax", rules.AUX_SCORES, nth=1, view=tokens),
-        Rule("*mlp.router", "mul", rules.AUX_TOKENS_PER_EXPERT, nth=0, arg=1),
-        Rule("*mlp.router", "mul", rules.AUX_LOSS, nth=1),
-    ) if config.moe_aux_loss else ()
+    tokens = _tokens(config.b)
     expert = "*local_experts.*"
     return (
         Rule("*mlp.router", "forward", ledger.MOE_IN, arg=0, view=batch_first),
-        Rule("*mlp.router", "softmax", probs, nth=0, view=tokens),
+        *_router_rules(config),
         Rule("*mlp.router", "scatter", ledger.ROUTER_TOPK_INDICES, nth=0, arg=2, view=tokens),  # zeros.scatter(1, i, p)
-        *aux,
-        Rule("*mlp", "masked_select", rules.ROUTING_MAP, nth=1, arg=1, view=lambda m: tokens(m.T)),  # (E, tokens)
-        Rule("*mlp", "masked_select", rules.PROBS_T, nth=1, arg=0, view=lambda p: tokens(p.T)),
-        Rule("*mlp", "index_select", rules.PERMUTE_INDICES, nth=0, arg=2, view=lambda i: i.view(b, -1, k)),
+        *_dispatch_rules(config),
         Rule("*mlp.experts", "forward", ledger.EXPERT_IN, arg=0),
         Rule("*mlp.experts", "forward", rules.EXPERT_PROBS, arg=2),
         *_expert_activation_rules(expert, swiglu, lambda x: x),
         Rule(expert, "mul", rules.EXPERT_ACT_OUT, nth=1 if swiglu else 0, arg=0),  # activation * probs
         Rule(f"{expert}.linear_fc2", "forward", ledger.EXPERT_FC2_IN, arg=0),
         *(_shared_rules(swiglu) if config.moe_shared_expert_intermediate_size else ()),
+    )
+
+
+def _router_rules(config: ModelConfig) -> tuple[Rule, ...]:
+    """TopKRouter.routing: the scores (softmax, or sigmoid with the expert bias's gather and the top k's
+    renormalisation), the capacity's kept map (`probs * map`), the aux loss (its scores; then
+    switch_load_balancing_loss_func's sum(scores, 0) * tokens_per_expert and that sum * a number)."""
+    tokens = _tokens(config.b)
+    rules_: list[Rule] = []
+    sigmoid = config.moe_router_score_function == "sigmoid"
+    if sigmoid:  # torch.sigmoid(logits.float()); gather(scores, 1, biased top-k); top-k scores / (sum + 1e-20)
+        rules_.append(Rule("*mlp.router", "sigmoid", rules.SIGMOID_SCORES, nth=0, view=tokens))
+        if config.moe_router_enable_expert_bias:
+            rules_.append(Rule("*mlp.router", "gather", rules.BIASED_CHOICE_SCORES, nth=0, arg=0, view=tokens))
+        if config.moe_router_topk > 1:
+            rules_ += [Rule("*mlp.router", "div", rules.TOPK_SCORES, nth=0, arg=0, view=tokens),
+                       Rule("*mlp.router", "div", rules.TOPK_DENOMINATOR, nth=0, arg=1,
+                            view=lambda x: tokens(x).squeeze(-1))]
+    else:
+        probs = rules.ALL_PROBS if config.moe_router_pre_softmax else rules.TOPK_PROBS
+        rules_.append(Rule("*mlp.router", "softmax", probs, nth=0, view=tokens))
+    capacity = config.moe_expert_capacity_factor is not None
+    if capacity:  # apply_router_token_dropping: probs * kept map, the router's first product
+        rules_.append(Rule("*mlp.router", "mul", rules.CAPACITY_MASK, nth=0, arg=1, view=tokens))
+    if not config.moe_aux_loss:
+        return tuple(rules_)
+    if sigmoid:  # sigmoid(logits) / (sum + 1e-20): the second sigmoid, and the division after the top k's
+        divisions = 1 if config.moe_router_topk > 1 else 0
+        rules_ += [Rule("*mlp.router", "sigmoid", rules.AUX_SIGMOID_SCORES, nth=1, view=tokens),
+                   Rule("*mlp.router", "div", rules.AUX_SIGMOID_DENOMINATOR, nth=divisions, arg=1,
+                        view=lambda x: tokens(x).squeeze(-1))]
+    else:
+        rules_.append(Rule("*mlp.router", "softmax", rules.AUX_SCORES, nth=1, view=tokens))
+    loss = rules.AUX_LOSS_SIGMOID if sigmoid else rules.AUX_LOSS
+    return (*rules_, Rule("*mlp.router", "mul", rules.AUX_TOKENS_PER_EXPERT, nth=capacity, arg=1),
+            Rule("*mlp.router", "mul", loss, nth=capacity + 1))
+
+
+def _dispatch_rules(config: ModelConfig) -> tuple[Rule, ...]:
+    """The dispatcher's permute (in MoELayer's frame): masked_select's map and transposed probabilities (the
+    second masked_select; the first picks token indices), then the tokens' index_select indices. Padded to
+    capacity the probabilities are gathered by index_select first. The all-gather dispatcher's map and
+    probabilities are its E/ep local experts' columns of the gathered tokens, (E/ep, ep*s*b): b*s*E elements,
+    shown in the ledger's (b, s, E)."""
+    tokens, b, experts = _tokens(config.b), config.b, config.num_experts
+    if config.moe_token_dispatcher_type == "allgather":
+        return (
+            Rule("*mlp", "masked_select", rules.GATHERED_ROUTING_MAP, nth=1, arg=1,
+                 view=lambda m: m.view(b, -1, experts)),
+            Rule("*mlp", "masked_select", rules.GATHERED_PROBS_T, nth=1, arg=0,
+                 view=lambda p: p.view(b, -1, experts)),
+            Rule("*mlp", "index_select", rules.GATHERED_PERMUTE_INDICES, nth=0, arg=2),
+        )
+    if config.moe_pad_expert_input_to_capacity:
+        return (Rule("*mlp", "index_select", rules.PAD_PROBS_INDICES, nth=0, arg=2),
+                Rule("*mlp", "index_select", rules.PERMUTE_INDICES, nth=1, arg=2))
+    return (
+        Rule("*mlp", "masked_select", rules.ROUTING_MAP, nth=1, arg=1, view=lambda m: tokens(m.T)),  # (E, tokens)
+        Rule("*mlp", "masked_select", rules.PROBS_T, nth=1, arg=0, view=lambda p: tokens(p.T)),
+        Rule("*mlp", "index_select", rules.PERMUTE_INDICES, nth=0, arg=2),
     )
 
 
@@ -420,14 +555,17 @@ def _shared_rules(swiglu: bool) -> tuple[Rule, ...]:
 
 def _splits(config: ModelConfig, t: int) -> dict[str, tuple[tuple[SavedTensor, int, tuple[int, ...]], ...]]:
     """For each marker: (ledger tensor, its share of the storage's columns, its per-rank shape)."""
-    b, s, d = config.b, config.s, config.h // config.a
+    b, s, d = config.b, config.s, config.head_dim
     heads, groups, ffn = config.a // t, config.groups // t, config.ffn // t
-    copied = config.recompute == "selective" and _query_copied(config, t)
-    query = rules.QKV_QUERY_COLUMNS if copied else ledger.Q  # then Q is the copy beside it
+    copied = (config.recompute == "selective" or config.qk_layernorm) and _query_copied(config, t)
+    normed = config.qk_layernorm and not config.mla  # the norms' inputs are views of the QKV output
+    # the query columns: the copy's (Q, or q_layernorm's input) dead source, or Q itself (q_layernorm's input)
+    query = rules.QKV_QUERY_COLUMNS if copied else ledger.Q_NORM.input if normed else ledger.Q
+    key = ledger.K_NORM.input if normed else ledger.K
     per_head = (b, heads, s, d)
     return {
         _QKV_OUT.name: (
-            (query, heads, per_head), (ledger.K, groups, (b, groups, s, d)), (ledger.V, groups, (b, groups, s, d)),
+            (query, heads, per_head), (key, groups, (b, groups, s, d)), (ledger.V, groups, (b, groups, s, d)),
         ),
         _FC1_OUT.name: ((ledger.SWIGLU_GATE, 1, (b, s, ffn)), (ledger.SWIGLU_UP, 1, (b, s, ffn))),
     }

@@ -14,7 +14,7 @@ Made to run at all on the CPU:
   inside autograd Functions under no_grad, so compiling changes no saved tensor.
 - The local spec's norm (`WrappedTorchNorm`) refuses sequence parallelism; with
   Apex, Megatron uses `FusedLayerNorm`, which accepts it and marks its weights
-  `sequence_parallel`. `local_spec` swaps in `SequenceParallelNorm`, which does
+  `sequence_parallel`. `layer_spec` swaps in `SequenceParallelNorm`, which does
   the same with torch's LayerNorm kernel (`native_layer_norm`).
 - Labels: the patched dropout takes a no-op `mask.view_as(mask)`, so that a
   `Labels` rule can name the mask, which `native_dropout` returns second.
@@ -51,9 +51,9 @@ needs the grouped_gemm CUDA package):
 - The all-to-all dispatcher makes a CUDA stream for its device-to-host copies of the split sizes;
   `_cpu_dtoh` does what its `_maybe_dtoh_and_synchronize` does, on the CPU (the sizes become numpy).
 - On torch's fake group nothing moves, so the token counts the dispatchers all-gather would be
-  uninitialised memory. `_every_rank_like_this_one` gathers this rank's tensor once per rank instead:
-  every rank routes as this one does (exactly so under a forced route, whose assignment each rank
-  repeats on its own tokens). Gather and concatenation save nothing for backward alike.
+  uninitialised memory. `_every_rank_like_this_one` fills the gathered tensor with this rank's, once
+  per rank: every rank routes as this one does (exactly so under a forced route, whose assignment each
+  rank repeats on its own tokens). The gather still runs, so its collectives are issued as on CUDA.
 - `forced_routing(route, k)` (`memcalc measure --route`) adds hf_shim's constant lead to the logits
   TopKRouter.gating returns, so that softmax and top-k pick known experts and run as written.
 """
@@ -200,12 +200,20 @@ def _cpu_dtoh(self: Any, point: str, tokens_per_expert: Any = None) -> Any:
 
 
 def _every_rank_like_this_one(gather: Any) -> Any:
-    """The dispatchers' all-gather, which on the fake group gathers this rank's tensor from every rank."""
+    """The dispatchers' all-gather, which on the fake group gathers this rank's tensor from every rank.
+
+    The gather itself still runs (its collective is issued, and backward's reduce-scatter with it, as a
+    CollectiveLog counts them); only the values it leaves, uninitialised on the fake group, are overwritten."""
 
     def gathered(input_: torch.Tensor, *args: Any, group: Any = None, **kwargs: Any) -> torch.Tensor:
+        out = gather(input_, *args, group=group, **kwargs)
         if group is None or group.size() == 1 or dist.get_backend(group) != "fake":
-            return gather(input_, *args, group=group, **kwargs)
-        return torch.cat([input_] * group.size())  # (ranks * n, ...): every rank's n rows alike
+            return out
+        if out._base is not None:  # the all-gather dispatcher's tokens land in megatron's global buffer, a view:
+            out = out.clone()  # autograd forbids writing into a custom Function's view (clone keeps nothing)
+        with torch.no_grad():  # (ranks * n, ...): every rank's n rows alike
+            out.copy_(torch.cat([input_] * group.size()))
+        return out
 
     return gathered
 
@@ -289,36 +297,50 @@ class SequenceParallelNorm(nn.Module):
     Built as megatron builds a norm, `Norm(config=..., hidden_size=..., eps=...)`, plus the
     ledger names it labels its input and statistics with (a spec param). Under SP its weights
     are marked `sequence_parallel`, as Apex's FusedLayerNorm does, so megatron all-reduces
-    their gradients across the TP group.
+    their gradients across the TP group. `heads` (a spec param): qk_layernorm's norm over each
+    head of (s, b, heads, d), its input labelled where it is made (memcalc.probe.norm.Norm).
     """
 
-    def __init__(self, config: Any, hidden_size: int, names: NormTensors, eps: float = EPS, **_: Any) -> None:
+    def __init__(
+        self, config: Any, hidden_size: int, names: NormTensors, eps: float = EPS, heads: bool = False, **_: Any,
+    ) -> None:
         super().__init__()
         kind = "rmsnorm" if config.normalization == "RMSNorm" else "layernorm"
-        self.norm = Norm(kind, hidden_size, names, config.params_dtype, torch.device("cpu"))
+        self.norm = Norm(kind, hidden_size, names, config.params_dtype, torch.device("cpu"), heads=heads)
         for param in self.parameters():
             param.sequence_parallel = config.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.norm(x)
-        if x._base is not None:  # a view (MLA's latents) keeps its whole base alive: report the base's shape
+        # a view (MLA's latents) keeps its whole base alive: report the base's shape (a QK norm's input: its maker's)
+        if x._base is not None and not self.norm.heads:
             label(batch_first(x._base), self.norm.names.input)
         return y
 
 
-def local_spec(normalization: str, latent: bool = False, num_experts: int | None = None) -> Any:
-    """megatron's GPT layer spec without Transformer Engine, its norms swapped for SequenceParallelNorm.
+def layer_spec(config: Any, index: int) -> Any:
+    """The spec megatron's GPT decoder block gives its layer `index` (0-based) of config.num_layers, without
+    Transformer Engine (`get_gpt_decoder_layer_specs`: a dense or a MoE layer as config.moe_layer_freq places
+    them, SequentialMLP experts), its norms swapped for SequenceParallelNorm. With multi_latent_attention:
+    MLASelfAttention with its two latent norms (qk_layernorm, as DeepSeek's q_a/kv_a norms) and
+    `MlaDotProductAttention` for the core."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_layer_specs
 
-    `latent`: MLASelfAttention with its two latent norms (qk_layernorm, as DeepSeek's q_a/kv_a norms) and
-    `MlaDotProductAttention` for the core. `num_experts`: a MoELayer MLP (SequentialMLP experts).
-    """
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    specs = get_gpt_decoder_layer_specs(config, use_transformer_engine=False, normalization=config.normalization)
+    return _cpu_norms(specs[index], latent=config.multi_latent_attention, qk=config.qk_layernorm)
+
+
+def _cpu_norms(spec: Any, latent: bool, qk: bool = False) -> Any:
+    """A layer spec with SequenceParallelNorm for its norms (and the latent norms, with MLA's core attention; or
+    with qk_layernorm, the query's and key's norms over each head)."""
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    spec = get_gpt_layer_local_spec(normalization=normalization, multi_latent_attention=latent, qk_layernorm=latent,
-                                    num_experts=num_experts)
     spec.submodules.input_layernorm = ModuleSpec(module=SequenceParallelNorm, params={"names": ledger.LN1})
     spec.submodules.pre_mlp_layernorm = ModuleSpec(module=SequenceParallelNorm, params={"names": ledger.LN2})
+    if qk and not latent:
+        attention = spec.submodules.self_attention.submodules
+        for name, names in (("q_layernorm", ledger.Q_NORM), ("k_layernorm", ledger.K_NORM)):
+            setattr(attention, name, ModuleSpec(module=SequenceParallelNorm, params={"names": names, "heads": True}))
     if latent:
         attention = spec.submodules.self_attention.submodules
         attention.q_layernorm = ModuleSpec(module=SequenceParallelNorm, params={"names": ledger.MLA_Q_NORM})

@@ -138,7 +138,7 @@ def block_input(config: ModelConfig, tp: TensorParallelGroup, strategy: Strategy
 
 
 def _heads(d: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    """(b, s, heads * d) as (b, s, heads, d): the fused QKV output in the ledger's axes."""
+    """(b, s, heads * d) as (b, s, heads, d): the fused QKV output, or wo's input, in the ledger's axes."""
     return lambda x: x.unflatten(-1, (-1, d))
 
 
@@ -154,7 +154,7 @@ def library_rules(config: ModelConfig) -> tuple[Rule, ...]:
         return (
             Rule("", "forward", ledger.LAYER_INPUT, arg=0),
             Rule("*attention.qkv_linear.wqkv", "linear", rules.QKV_OUT, view=_heads(d)),
-            Rule("*attention.wo", "linear", ledger.PROJ_IN, arg=0),  # the attention kernel's output
+            Rule("*attention.wo", "linear", ledger.PROJ_IN, arg=0, view=_heads(d)),  # the attention kernel's output
             Rule("*feed_forward", "silu", ledger.SWIGLU_GATE, arg=0),  # w1's output
             Rule("*feed_forward.w2", "linear", rules.FC2_OUT),
         )
@@ -165,7 +165,7 @@ def library_rules(config: ModelConfig) -> tuple[Rule, ...]:
         Rule("*attention.inner_attention", "scaled_dot_product_attention", ledger.Q, arg=0),
         Rule("*attention.inner_attention", "scaled_dot_product_attention", ledger.K, arg=1),
         Rule("*attention.inner_attention", "scaled_dot_product_attention", ledger.V, arg=2),
-        Rule("*attention.wo", "linear", ledger.PROJ_IN, arg=0),
+        Rule("*attention.wo", "linear", ledger.PROJ_IN, arg=0, view=_heads(d)),
         Rule("*feed_forward.w1", "linear", rules.FC1_IN, arg=0),
         Rule("*feed_forward", "silu", ledger.SWIGLU_GATE, arg=0),
         Rule("*feed_forward", "mul", ledger.SWIGLU_SILU_OUT, arg=0),

@@ -164,6 +164,11 @@ def _refuse_other_layers(config: ModelConfig) -> None:
                           " MLPs")
     if config.kv_lora_rank is not None:
         raise ConfigError("the step timeline does not model latent attention (kv_lora_rank) yet")
+    if config.head_dim_set:
+        raise ConfigError(f"the step timeline does not model kv_channels={config.kv_channels} (heads other than"
+                          f" h/a={config.h}/{config.a}={config.h // config.a} wide) yet: it walks attention h wide")
+    if config.qk_layernorm:
+        raise ConfigError("the step timeline does not model qk_layernorm (norms on each query and key head) yet")
 
 
 def _check_modelled(config: ModelConfig, strategy: Strategy, names: tuple[str, ...]) -> None:

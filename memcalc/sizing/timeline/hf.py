@@ -25,9 +25,25 @@ after an op made its outputs: what an op frees goes when the next op runs.
 Every weight's bf16 gradient is added into the fp32 buffer and dropped as soon as autograd
 hands it over (memcalc.probe.step.MainGrads), so none outlives its GEMM but a tied one.
 
+Under tp (t > 1) the model is laid out by transformers' own plan (memcalc.probe.libs.hf_tp:
+what from_pretrained(tp_plan="auto") resolves), and the walk is the same one on this rank's
+shards (a/t heads, g/t K/V groups, f/t MLP columns) with what DTensor adds:
+
+    forward     the embedding ("embedding_rowwise"): this rank's rows looked up, then the
+                Partial sum all-reduced into a new tensor; each rowwise linear's output
+                all-reduced likewise; lm_head ("colwise_gather_output"): this rank's v/t
+                columns, all-gathered into a (t*b, s, v/t) buffer and concatenated into the
+                whole (b, s, v) logits, so the loss is t = 1's on every rank
+    backward    the logits' gradient's v/t columns made contiguous; each colwise linear's dX
+                a partial sum, all-reduced into a new tensor by DTensor.from_local's backward
+                (q's, k's and v's one by one, then summed); the embedding's gradient the whole
+                (v, h) table (DTensor gives the Shard(0) weight a Replicate gradient), of which
+                the trainer copies this rank's rows into the fp32 buffer
+
 Exact (to the byte, at every moment named here, tests/probe/libs/test_hf_step.py) for
 LlamaForCausalLM from transformers 5.24 on torch 2.13's CPU kernels: no biases, no dropout,
-bf16 or fp16, eager or SDPA attention, grouped or not, tied or not, t = 1, pp = 1, no
+bf16 or fp16, eager or SDPA attention, grouped or not, tied or not (untied under tp), t = 1
+or transformers' tp_plan at t = 2 and 4 (rank 0 of the fake group), pp = 1, no
 recomputation; `check_modelled` names everything else. On CUDA the same aten ops make the
 same outputs, with three differences that are no op's output and so are neither here nor in
 MemTracker: what a kernel allocates and frees inside itself (the embedding's backward sorts
@@ -50,7 +66,7 @@ from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import Strategy
 from memcalc.sizing.pipeline import stages
 from memcalc.sizing.timeline.ends import model_states
-from memcalc.sizing.timeline.tape import ACTIVATIONS, PARAMETERS, TEMPORARIES, Sizes, Tape, Timeline
+from memcalc.sizing.timeline.tape import ACTIVATIONS, GRADIENTS, PARAMETERS, TEMPORARIES, Sizes, Tape, Timeline
 
 _WHY_SAVED = "kept for backward (the hf ledger); freed when the op that keeps it has run backward"
 _WHY_WGRAD = "the weight's bf16 gradient, added into the fp32 buffer and dropped when autograd hands it over"
@@ -78,7 +94,12 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
     """ConfigError naming the first thing the hf step timeline does not model yet."""
     missing = [
         (not rules.is_llama(config), f"norm {config.norm} with mlp {config.mlp} (GPT-2's model; it walks Llama's)"),
-        (strategy.tensor_parallel, f"strategy {strategy.name} (impl hf runs strategy none)"),
+        (strategy.tensor_parallel and config.vocab_size % config.t != 0,
+         f"vocab_size={config.vocab_size} that t={config.t} does not divide (DTensor pads uneven shards to gather"
+         " the logits)"),
+        (strategy.tensor_parallel and config.t > 1 and config.tie_embeddings,
+         "tied embeddings under tp (transformers' apply_tensor_parallelism looks lm_head.weight up among"
+         " named_parameters(), which names a tied weight once: KeyError)"),
         (config.pp != 1, f"pp={config.pp}"),
         (config.cp != 1, f"cp={config.cp}"),
         (config.recompute != "none", f"recompute {config.recompute} (gradient checkpointing)"),
@@ -115,8 +136,24 @@ class _Step:
 
     @property
     def kv(self) -> int:
-        """K or V projection columns: g groups of d."""
-        return self.config.groups * self.z.d
+        """K or V projection columns on this rank: g (under tp g/t) groups of d."""
+        return self.z.g_t * self.z.d
+
+    @property
+    def q(self) -> int:
+        """Query (and o_proj input) columns on this rank: a (under tp a/t) heads of d."""
+        return self.z.a_t * self.z.d
+
+    @property
+    def tp(self) -> bool:
+        """transformers' tp_plan lays the model over t > 1 ranks (DTensor: memcalc.probe.libs.hf_tp)."""
+        return self.z.t > 1
+
+    @property
+    def logits(self) -> int:
+        """Bytes of the bf16 logits, (b, s, v): lm_head's "colwise_gather_output" gathers every rank's columns."""
+        z = self.z
+        return z.act * z.b * z.s * self.config.vocab_size
 
     @property
     def eager(self) -> bool:
@@ -146,9 +183,13 @@ class _Step:
         add(ledger.EMBEDDING_INPUT_IDS.name, z.tokens(8),
             "the micro-batch's token ids (int64), live for the whole step; the embedding keeps them")
         add("batch/labels", z.tokens(8), "the micro-batch's labels (int64), live for the whole step")
+        if self.tp:  # "embedding_rowwise": DTensor's vocabulary-parallel lookup, then its Partial sum all-reduced
+            add("embedding/partial", z.full(z.h), "this rank's rows looked up, the others' zeroed (DTensor's"
+                " MaskPartial; its mask and shifted ids are freed before the all-reduce), summed by all_reduce")
         add("layers.0/input", z.full(z.h),
             "the embedding lookup, the first layer's input: LlamaModel's inputs_embeds, live until it returns")
-        self.tape.mark("forward", "model.embed_tokens", "the embedding lookup")
+        self.tape.mark("forward", "model.embed_tokens", "the embedding lookup" + (", all-reduced" if self.tp else ""))
+        self.tape.drop("embedding/partial")
         add("model/position_ids", z.s * 8, "arange(s) as (1, s) int64, live until LlamaModel returns")
         if self.eager:
             add("model/causal_mask", z.act * z.b * z.s * z.s,
@@ -191,9 +232,13 @@ class _Step:
 
     def loss_forward(self) -> None:
         """lm_head's logits, then ForCausalLMLoss at its widest (right after nll_loss)."""
-        z = self.z
-        logits = z.act * z.b * z.s * z.v_t
+        z, logits = self.z, self.logits
+        if self.tp:
+            self.lm_head_gather()
         self.add("lm_head/logits", logits, "lm_head's bf16 logits; the output object holds them until it goes")
+        if self.tp:
+            self.tape.mark("forward", "lm_head", "the gathered logits: this rank's columns, the gather's buffer, all")
+            self.tape.drop("lm_head/local logits", "lm_head/gathered")
         self.add("loss/logits fp32", 2 * logits, "logits.float(): the loss upcasts them")
         self.add("loss/padded labels", 8 * z.b * (z.s + 1), "labels padded by one ignore_index column, (b, s + 1)")
         if z.b > 1:  # with b = 1 the slice is contiguous already: the target is a view of the padded labels
@@ -204,6 +249,14 @@ class _Step:
         self.tape.mark("forward", "", "the loss: bf16 and fp32 logits and the fp32 log-softmax")
         self.tape.drop("lm_head/logits", "loss/logits fp32", *(("loss/padded labels",) if z.b > 1 else ()))
 
+    def lm_head_gather(self) -> None:
+        """"colwise_gather_output": this rank's v/t columns, all-gathered into a (t*b, s, v/t) buffer (funcol
+        gathers along dim 0), then concatenated along the vocabulary into (b, s, v)."""
+        z = self.z
+        local = z.act * z.b * z.s * z.v_t
+        self.add("lm_head/local logits", local, "this rank's columns of the logits (ColwiseParallel, Shard(-1))")
+        self.add("lm_head/gathered", z.t * local, "all_gather_into_tensor's (t*b, s, v/t) buffer")
+
     # -- backward ---------------------------------------------------------------------------------
 
     def backward(self) -> None:
@@ -212,6 +265,7 @@ class _Step:
         self.in_backward = True
         self.loss_backward()
         self.lm_head_backward()
+        self.drop_partial("grad/lm_head input")
         last = f"grad/layers.{self.config.L - 1}/output"
         self.rms_norm_backward("model.norm", "final_norm", "grad/lm_head input", last)
         for i in reversed(range(self.config.L)):
@@ -220,8 +274,7 @@ class _Step:
 
     def loss_backward(self) -> None:
         """nll_loss's and log_softmax's fp32 gradients, then the upcast's: back to bf16."""
-        z = self.z
-        logits = z.act * z.b * z.s * z.v_t
+        logits = self.logits
         self.add("grad/log_softmax", 2 * logits, "nll_loss's backward: -1/N at each target, zero elsewhere (fp32)")
         self.tape.drop("loss/shift_labels", "loss/padded labels", "loss/total_weight")  # nll_loss's target
         self.add("grad/logits fp32", 2 * logits, "log_softmax's backward, in fp32")
@@ -232,23 +285,42 @@ class _Step:
 
     def lm_head_backward(self) -> None:
         """lm_head's GEMMs; a tied weight's gradient waits in autograd's input buffer for the embedding's."""
-        z = self.z
-        self.linear_backward("lm_head", "grad/logits", z.act * z.v_t * z.h, "grad/lm_head input", z.full(z.h),
-                             ledger.OUTPUT_INPUT.name, waits="grad/embedding (lm_head)" if self.tied else None)
+        z, grad = self.z, "grad/logits"
+        if self.tp:  # the gather's backward: this rank's columns of the whole gradient (Replicate -> Shard(-1))
+            grad = "grad/lm_head local logits"
+            self.add(grad, z.act * z.b * z.s * z.v_t, "this rank's columns of the logits' gradient, made contiguous")
+            self.tape.mark("backward", "lm_head", "this rank's columns of the logits' gradient")
+            self.tape.drop("grad/logits")
+        self.linear_backward("lm_head", grad, z.act * z.v_t * z.h, "grad/lm_head input", z.full(z.h),
+                             ledger.OUTPUT_INPUT.name, waits="grad/embedding (lm_head)" if self.tied else None,
+                             reduced=self.tp)
 
     def linear_backward(
         self, where: str, grad: str | None, weight: int, dx: str, dx_bytes: int, kept: str | None,
-        waits: str | None = None,
+        waits: str | None = None, reduced: bool = False,
     ) -> None:
         """nn.Linear's backward: dW = dY^T X, then dX = dY W, beside dY; then its kept input and dY go (dY stays
-        where the residual stream still needs it: `grad` None), and dW is handed over unless it `waits`."""
+        where the residual stream still needs it: `grad` None), and dW is handed over unless it `waits`.
+
+        `reduced`: a "colwise" linear under tp, whose dX is a Partial sum that the backward of DTensor.from_local
+        all-reduces into a new tensor (the paper's f); the partial one goes when the next op runs (`drop_partial`).
+        """
+        partial = f"{dx} (partial)" if reduced else dx
         self.add(waits or f"grad/{where} weight", weight,
                  "the tied weight's gradient, waiting in autograd's input buffer" if waits else _WHY_WGRAD)
-        self.add(dx, dx_bytes, "dX = dY W, the input's gradient")
+        why = "dX = dY W, the input's gradient" + (", this rank's partial sum" if reduced else "")
+        self.add(partial, dx_bytes, why)
         self.tape.mark("backward", where, "GEMMs: dW and dX")
         self.tape.drop(*(x for x in (grad, kept) if x))
         if not waits:
             self.tape.drop(f"grad/{where} weight")
+        if reduced:
+            self.add(dx, dx_bytes, "the input's gradient all-reduced over the ranks (DTensor: Partial -> Replicate)")
+            self.tape.mark("backward", where, "dX all-reduced")
+
+    def drop_partial(self, dx: str) -> None:
+        """The partial sum a reduced dX was made from, freed when the next op runs (none without tp)."""
+        self.tape.drop(f"{dx} (partial)")
 
     def rms_norm_backward(self, where: str, p: str, grad: str, out: str, residual: str | None = None) -> None:
         """LlamaRMSNorm's backward as autograd runs its eager ops: weight * y, y.to(bf16), x * r, rsqrt, mean, pow.
@@ -313,11 +385,13 @@ class _Step:
         self.tape.drop(f"grad/{p}/down_proj input", *(f"{p}/{x.name}" for x in (ledger.SWIGLU_UP,
                                                                                  ledger.SWIGLU_SILU_OUT)))
         self.linear_backward(f"{m}.mlp.up_proj", f"grad/{p}/up", z.act * f * z.h, f"grad/{p}/up_proj input",
-                             z.full(z.h), None)
+                             z.full(z.h), None, reduced=self.tp)
+        self.drop_partial(f"grad/{p}/up_proj input")
         self.add(f"grad/{p}/gate", z.full(f), "SiLU's backward, at its kept input")
         self.tape.drop(f"grad/{p}/silu", f"{p}/{ledger.SWIGLU_GATE.name}")
         self.linear_backward(f"{m}.mlp.gate_proj", f"grad/{p}/gate", z.act * f * z.h, f"grad/{p}/gate_proj input",
-                             z.full(z.h), f"{p}/{ledger.FC1_IN.name}")
+                             z.full(z.h), f"{p}/{ledger.FC1_IN.name}", reduced=self.tp)
+        self.drop_partial(f"grad/{p}/gate_proj input")
         self.add(f"grad/{p}/ln2 output", z.full(z.h), "autograd sums gate_proj's and up_proj's input gradients")
         self.tape.drop(f"grad/{p}/up_proj input", f"grad/{p}/gate_proj input")
 
@@ -325,25 +399,30 @@ class _Step:
         """o_proj, the core (eager or SDPA), RoPE, then v_proj, k_proj and q_proj, their dX summed as they come."""
         z, a = self.z, f"{m}.self_attn"
         # o_proj's dY is the stream's gradient (ln1's residual sum needs it); SDPA keeps o_proj's input as its output
-        self.linear_backward(f"{a}.o_proj", None, z.act * z.h * z.h, f"grad/{p}/o_proj input", z.full(z.h),
+        self.linear_backward(f"{a}.o_proj", None, z.act * self.q * z.h, f"grad/{p}/o_proj input", z.full(self.q),
                              f"{p}/{ledger.PROJ_IN.name}" if self.eager else None)
         if self.eager:
             self.eager_core_backward(p, a)
         else:
             self.sdpa_backward(p, a)
         self.rope_backward(p, "k", self.kv)
-        self.rope_backward(p, "q", z.h)
+        self.rope_backward(p, "q", self.q)
         if p == "layers.0":
             self.tape.drop(*_ROPE)  # the last RoPE that keeps them has run
         summed = ""
-        for name, width in (("v", self.kv), ("k", self.kv), ("q", z.h)):
-            self.add(f"grad/{p}/{name} tokens", z.full(width),
-                     f"{name}'s gradient made (b, s, heads * d) again: transpose's backward, contiguous for the GEMM")
-            self.tape.drop(f"grad/{p}/{name} heads")
+        for name, width in (("v", self.kv), ("k", self.kv), ("q", self.q)):
+            heads, tokens = f"grad/{p}/{name} heads", f"grad/{p}/{name} tokens"
+            if width == z.d or z.s == 1:  # one head: (b, 1, s, d) transposed is (b, s, 1, d) already, no copy
+                self.tape.rename(heads, tokens)
+            else:
+                self.add(tokens, z.full(width), f"{name}'s gradient made (b, s, heads * d) again: transpose's"
+                         " backward, contiguous for the GEMM")
+                self.tape.drop(heads)
             kept = f"{p}/{ledger.QKV_IN.name}" if name == "q" else None  # q_proj runs last: the input goes
             dx = f"grad/{p}/{name}_proj input"
-            self.linear_backward(f"{a}.{name}_proj", f"grad/{p}/{name} tokens", z.act * width * z.h, dx, z.full(z.h),
-                                 kept)
+            self.linear_backward(f"{a}.{name}_proj", tokens, z.act * width * z.h, dx, z.full(z.h), kept,
+                                 reduced=self.tp)
+            self.drop_partial(dx)
             if summed:
                 self.add(f"{dx} + {summed}", z.full(z.h), "autograd sums q's, k's and v's input gradients as they come")
                 self.tape.drop(dx, summed)
@@ -355,10 +434,11 @@ class _Step:
         """eager_attention_forward's backward: weights x V, the bf16 cast, the fp32 softmax, the cast, the scale,
         QK^T; then repeat_kv's sums over each group's heads (GQA)."""
         z, tape, add = self.z, self.tape, self.add
-        add(f"grad/{p}/attn heads", z.full(z.h), "the context's gradient as (b, a, s, d), contiguous for bmm")
+        add(f"grad/{p}/attn heads", z.full(self.q), "the context's gradient as (b, a, s, d), contiguous for bmm")
         tape.drop(f"grad/{p}/o_proj input")
-        v, k = (rules.V_EXPANDED, rules.K_EXPANDED) if self.config.groups < self.config.a else (ledger.V, ledger.K)
-        add(f"grad/{p}/v expanded", z.full(z.h), "weights x V's backward: dV = weights^T dY, at a heads")
+        expanded = rules.K_EXPANDED.name in self.saved  # repeat_kv's copies (memcalc.model.impls.hf.REPEAT_KV)
+        v, k = (rules.V_EXPANDED, rules.K_EXPANDED) if expanded else (ledger.V, ledger.K)
+        add(f"grad/{p}/v expanded", z.full(self.q), "weights x V's backward: dV = weights^T dY, at a heads")
         add(f"grad/{p}/weights", self.scores(z.act), "weights x V's backward: dWeights = dY V^T")
         tape.mark("backward", a, "weights x V: dV and dWeights")
         tape.drop(f"grad/{p}/attn heads", f"{p}/{rules.WEIGHTS.name}", f"{p}/{v.name}")
@@ -371,8 +451,8 @@ class _Step:
         tape.drop(f"grad/{p}/scores fp32")
         add(f"grad/{p}/scaled scores", self.scores(z.act), "the scale's backward (the mask's passes dY on)")
         tape.drop(f"grad/{p}/scores")
-        add(f"grad/{p}/q heads", z.full(z.h), "QK^T's backward: dQ = dScores K")
-        add(f"grad/{p}/k expanded", z.full(z.h), "QK^T's backward: dK = dScores^T Q, at a heads")
+        add(f"grad/{p}/q heads", z.full(self.q), "QK^T's backward: dQ = dScores K")
+        add(f"grad/{p}/k expanded", z.full(self.q), "QK^T's backward: dK = dScores^T Q, at a heads")
         tape.mark("backward", a, "QK^T: dQ and dK")
         tape.drop(f"grad/{p}/scaled scores", f"{p}/{ledger.Q.name}", f"{p}/{k.name}")
         for name in ("v", "k"):
@@ -390,7 +470,7 @@ class _Step:
     def sdpa_backward(self, p: str, a: str) -> None:
         """SDPA's flash kernel backward: dQ, dK and dV (at g heads) from one kernel; then what it keeps goes."""
         z = self.z
-        self.add(f"grad/{p}/q heads", z.full(z.h), "the flash kernel's backward: dQ")
+        self.add(f"grad/{p}/q heads", z.full(self.q), "the flash kernel's backward: dQ")
         self.add(f"grad/{p}/k heads", z.full(self.kv), "the flash kernel's backward: dK, at g heads")
         self.add(f"grad/{p}/v heads", z.full(self.kv), "the flash kernel's backward: dV, at g heads")
         self.tape.mark("backward", a, "the SDPA kernel's backward: dQ, dK, dV")
@@ -416,14 +496,23 @@ class _Step:
     def embedding_backward(self) -> None:
         """The embedding's gradient, dY added into the rows the ids picked; tied, summed with lm_head's."""
         z, tape = self.z, self.tape
-        table = z.act * z.v_t * z.h
-        self.add("grad/embedding (lookup)", table, "embedding's backward: a (v, h) bf16 gradient")
+        table = z.act * self.config.vocab_size * z.h  # under tp too: DTensor's backward of the lookup is Replicate
+        self.add("grad/embedding (lookup)", table, "embedding's backward: a (v, h) bf16 gradient"
+                 + (", the whole table on every rank (DTensor gives the Shard(0) weight a Replicate gradient)"
+                    if self.tp else ""))
         tape.mark("backward", "model.embed_tokens", "the embedding's gradient")
         tape.drop("grad/embedding output")
+        if self.tp:  # autograd hands the whole table over as the weight's .grad, which MemTracker files as such
+            tape.drop("grad/embedding (lookup)")
+            tape.add("grad/embedding (.grad)", GRADIENTS, table, "the embedding's gradient as the weight's .grad")
+            self.add("grad/embedding (rows)", z.act * z.v_t * z.h, "this rank's rows of it, copied out as the"
+                     " weight's Shard(0) (DTensor's redistribute) to be added into the fp32 buffer")
+            tape.mark("backward", "model.embed_tokens", "this rank's rows of the embedding's gradient")
         if self.config.tie_embeddings:
             self.add("grad/embedding (sum)", table, "autograd sums the tied weight's two gradients into a new tensor")
             tape.mark("backward", "model.embed_tokens", "the tied weight's two gradients summed")
-        tape.drop("grad/embedding (lookup)", "grad/embedding (lm_head)", "grad/embedding (sum)", "loss/grad seed")
+        tape.drop("grad/embedding (lookup)", "grad/embedding (.grad)", "grad/embedding (rows)",
+                  "grad/embedding (lm_head)", "grad/embedding (sum)", "loss/grad seed")
 
 
 class _NormNames(NamedTuple):

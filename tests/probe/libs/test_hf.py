@@ -13,6 +13,7 @@ from memcalc.model.evaluate import estimate  # noqa: E402
 from memcalc.model.knobs import Accounting  # noqa: E402
 from memcalc.model.strategy import STRATEGIES  # noqa: E402
 from memcalc.probe.group import single  # noqa: E402
+from memcalc.probe.launch import run  # noqa: E402
 from memcalc.probe.libs import hf as runner  # noqa: E402
 from memcalc.probe.libs.hf_shim import cuda_like_dropout  # noqa: E402
 from memcalc.probe.measure import compare  # noqa: E402
@@ -22,6 +23,7 @@ SIZES = {"b": 2, "s": 8, "h": 32, "a": 4, "ffn_hidden_size": 48, "impl": "hf"}
 LLAMA = {"norm": "rmsnorm", "mlp": "swiglu"}
 GPT2 = {"norm": "layernorm", "mlp": "gelu"}  # transformers' own defaults are Llama's
 MLA = {"kv_lora_rank": 24, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 12, "v_head_dim": 10}
+QWEN3 = LLAMA | {"kv_channels": 16, "qk_layernorm": True, "num_query_groups": 2}  # heads of 16, not h/a = 8
 
 
 def _rows(knobs: dict, family: str | None = None):
@@ -48,11 +50,22 @@ CASES = {
         (LLAMA | {"attention": "eager", "dropout": 0.1, "num_query_groups": 2}, "mistral"),
     "qwen2's qkv bias keeps nothing more": (LLAMA | {"attention": "flash", "dropout": 0.0, "add_qkv_bias": True}, None),
     "llama fp32: the softmax cast is a no-op, one storage": (LLAMA | {"attention": "eager", "dtype": "fp32"}, None),
+    "llama b=1 with one k/v group: repeat_kv's expand is a view, matmul keeps k and v at one head":
+        (LLAMA | {"attention": "eager", "dropout": 0.0, "num_query_groups": 1, "b": 1}, None),
     "gpt2 eager gelu_new: four f-wide tensors, resid and mlp dropout masks":
         (GPT2 | {"mlp": "gelu_tanh", "attention": "eager", "dropout": 0.1}, None),
     "gpt2 sdpa gelu: q, k, v as one c_attn storage, split into ledger rows":
         (GPT2 | {"mlp": "gelu", "attention": "flash", "dropout": 0.0}, None),
     "gradient checkpointing keeps the layer input only": (LLAMA | {"recompute": "full", "dropout": 0.1}, None),
+    "qwen3 eager: q_norm and k_norm keep an fp32 input, rstd and bf16 output per head; heads of head_dim":
+        (QWEN3 | {"attention": "eager", "dropout": 0.0}, None),
+    "qwen3 sdpa: the flash kernel keeps the normed, rotated q and k at a and g heads of head_dim":
+        (QWEN3 | {"attention": "flash", "dropout": 0.0}, None),
+    "qwen3 sdpa with dropout on a cpu, multi-head": (QWEN3 | {"attention": "flash", "dropout": 0.1,
+                                                              "num_query_groups": None}, None),
+    "qwen3 fp32: the norms' casts are no-ops": (QWEN3 | {"attention": "eager", "dtype": "fp32"}, None),
+    "llama with head_dim not h/a (Mistral-Nemo's): q, k, v and o_proj's input a*d wide":
+        (LLAMA | {"attention": "eager", "dropout": 0.0, "num_query_groups": 2, "kv_channels": 12}, "mistral"),
     "deepseek-v3 latent attention, eager: fp32 latent norms, up projections' inputs, one rope table pair":
         (LLAMA | MLA | {"attention": "eager", "dropout": 0.0}, None),
     "deepseek-v2-lite latent attention, no query latent, with dropout":
@@ -74,6 +87,14 @@ def test_gpt2_sdpa_predicts_q_k_v_as_a_third_of_the_c_attn_storage_each():
     assert rows["attention/q"].measured_shape == (b, a, s, h // a)
 
 
+def test_qwen3s_heads_are_head_dim_wide_and_its_qk_norms_add_a_copy_of_q_and_k_each():
+    rows = {row.name: row for row in _rows(QWEN3 | {"attention": "eager", "dropout": 0.0})}
+    b, s, a, g, d = SIZES["b"], SIZES["s"], SIZES["a"], 2, 16
+    assert rows["attention/q"].measured_shape == rows["attention/q_norm_normed"].measured_shape == (b, a, s, d)
+    assert rows["attention/k_norm_input_fp32"].measured == 4 * b * g * s * d
+    assert rows["attention/proj_in"].measured == 2 * b * s * a * d  # a*d = 64 columns, h = 32
+
+
 def test_the_shim_makes_cpu_dropout_keep_a_bool_mask_and_undoes_itself():
     original = torch.nn.functional.dropout
     x = torch.randn(4, 4, dtype=torch.bfloat16, requires_grad=True)
@@ -88,12 +109,81 @@ def test_the_shim_makes_cpu_dropout_keep_a_bool_mask_and_undoes_itself():
     (LLAMA | {"recompute": "selective"}, "no selective recomputation"),
     (LLAMA | {"recompute": "op"}, "no op recomputation"),
     (GPT2 | {"num_query_groups": 2}, "GPT2Block has no grouped-query attention"),
+    (GPT2 | {"qk_layernorm": True}, "GPT2Block has no qk_layernorm"),
+    (GPT2 | {"kv_channels": 16}, "GPT2Block has no kv_channels"),
 ])
 def test_knobs_no_transformers_layer_runs_are_refused(knobs, words):
     with pytest.raises(ConfigError, match=words):
         estimate(build_config(SIZES | knobs), STRATEGIES["none"])
 
 
-def test_hf_runs_no_tensor_parallelism():
-    with pytest.raises(ConfigError, match="does not run tp"):
-        estimate(build_config(SIZES | LLAMA | {"t": 2}), STRATEGIES["tp"])
+
+
+# -- tensor parallelism: transformers' own plan, applied by its own function ---------------------------------------
+
+
+def _tp_rows(knobs: dict, t: int, family: str | None = None, mode: str = "fake"):
+    """Each rank's rows under transformers' tp_plan at t (rank 0 of the fake group, or every spawned rank)."""
+    config = build_config(SIZES | knobs | {"t": t})
+    prediction = estimate(config, STRATEGIES["tp"], Accounting(exact=True, device="cpu"))
+    per_rank = run(runner.record_layer, (config, STRATEGIES["tp"], family), mode=mode, t=t)
+    return [compare(prediction, saved) for saved in per_rank]
+
+
+TP_CASES = {
+    "eager gqa t=2: colwise inputs whole, heads, k/v groups and the mlp width split":
+        (LLAMA | {"attention": "eager", "dropout": 0.0, "num_query_groups": 2}, 2, None),
+    "sdpa gqa t=2: the flash kernel keeps k and v at g/t groups":
+        (LLAMA | {"attention": "flash", "dropout": 0.0, "num_query_groups": 2}, 2, None),
+    "sdpa with dropout t=2: torch's math kernel on this rank's heads":
+        (LLAMA | {"attention": "flash", "dropout": 0.1, "num_query_groups": 2}, 2, None),
+    "eager with dropout t=4, one k/v group per rank":
+        (LLAMA | {"attention": "eager", "dropout": 0.1, "num_query_groups": 4, "a": 8, "h": 64}, 4, None),
+    "eager mha t=4": (LLAMA | {"attention": "eager", "dropout": 0.0}, 4, None),
+    "mistral t=2": (LLAMA | {"attention": "eager", "dropout": 0.1, "num_query_groups": 2}, 2, "mistral"),
+    "qwen2 t=2: the colwise q/k/v biases are split, nothing more kept":
+        (LLAMA | {"attention": "flash", "dropout": 0.0, "add_qkv_bias": True}, 2, None),
+    "gradient checkpointing t=2: the layer's whole input": (LLAMA | {"recompute": "full", "dropout": 0.1}, 2, None),
+    "fp32 t=2": (LLAMA | {"attention": "eager", "dtype": "fp32", "num_query_groups": 2}, 2, None),
+    "b=1, one k/v group per rank t=2: matmul keeps k and v unexpanded (repeat_kv's views)":
+        (LLAMA | {"attention": "eager", "dropout": 0.1, "num_query_groups": 2, "b": 1}, 2, None),
+    "qwen3 t=2: q_norm and k_norm on this rank's heads of head_dim (replicated_with_grad_allreduce)":
+        (LLAMA | {"attention": "eager", "dropout": 0.0, "num_query_groups": 2, "kv_channels": 16,
+                  "qk_layernorm": True}, 2, None),
+}
+
+
+@pytest.mark.parametrize("knobs, t, family", TP_CASES.values(), ids=TP_CASES.keys())
+def test_under_its_own_tp_plan_the_layer_keeps_exactly_what_the_rules_predict(one_thread, knobs, t, family):
+    (rows,) = _tp_rows(knobs, t, family)
+    assert _differences(rows) == []
+    assert all(row.measured > 0 for row in rows)
+
+
+def test_under_tp_the_colwise_inputs_are_whole_and_the_rest_is_split(one_thread):
+    (rows,) = _tp_rows(LLAMA | {"attention": "flash", "dropout": 0.0, "num_query_groups": 2}, 2)
+    shapes = {row.name: row.measured_shape for row in rows}
+    b, s, h, a = (SIZES[k] for k in "bsha")
+    assert shapes["attention/qkv_in"] == shapes["mlp/fc1_in"] == shapes["ln1/normed"] == (b, s, h)
+    assert shapes["attention/q"] == (b, a // 2, s, h // a)
+    assert shapes["attention/k"] == (b, 1, s, h // a)
+    assert shapes["mlp/fc2_in"] == (b, s, SIZES["ffn_hidden_size"] // 2)
+
+
+@pytest.mark.procs
+def test_two_gloo_ranks_each_keep_what_rank_zero_of_the_fake_group_keeps():
+    knobs = LLAMA | {"attention": "eager", "dropout": 0.0, "num_query_groups": 2}
+    ranks = _tp_rows(knobs, 2, mode="spawn")
+    assert [_differences(rows) for rows in ranks] == [[], []]
+    assert ranks[0] == ranks[1] == _tp_rows(knobs, 2)[0]
+
+
+@pytest.mark.parametrize("knobs, words", [
+    (LLAMA, "does not run tp-sp .*in any model: transformers has no sequence parallelism"),
+    (GPT2, "does not run tp .*GPT2Config has no base_model_tp_plan"),
+    (LLAMA | {"num_experts": 4}, "does not run tp .*with experts"),
+])
+def test_what_transformers_does_not_lay_out_is_refused_with_the_library_s_reason(knobs, words):
+    strategy = "tp-sp" if "tp-sp" in words else "tp"
+    with pytest.raises(ConfigError, match=words):
+        estimate(build_config(SIZES | knobs | {"t": 2}), STRATEGIES[strategy])

@@ -1,4 +1,4 @@
-"""transformers' sparse-MoE layers (Mixtral, Qwen2-MoE, DeepSeek-V3) keep, tensor by tensor, what memcalc's hf rules predict.
+"""transformers' sparse-MoE layers (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3) keep, tensor by tensor, what memcalc's hf rules predict.
 
 The tokens each expert receives depend on the router, so the byte-exact checks force it (`--route`): balanced
 (kbs/E slots each) and all-to-one (every token to experts 0..k-1). With the real router the measured bytes fall
@@ -29,6 +29,7 @@ SIZES = {"b": 2, "s": 8, "h": 32, "a": 4, "num_query_groups": 2, "impl": "hf", "
          "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 24}
 MIXTRAL = {}
 QWEN2_MOE = {"moe_shared_expert_intermediate_size": 16, "add_qkv_bias": True, "moe_router_pre_softmax": True}
+QWEN3_MOE = {"qk_layernorm": True, "kv_channels": 16}  # Qwen2-MoE's router and experts, no shared expert
 # DeepseekV3DecoderLayer: latent attention, a sigmoid router over 8 experts in 2 groups, one shared expert
 DEEPSEEK_V3 = {"num_query_groups": None, "num_experts": 8, "moe_shared_expert_intermediate_size": 24,
                "moe_router_score_function": "sigmoid", "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 4,
@@ -51,6 +52,10 @@ CASES = {
         QWEN2_MOE | {"moe_router_pre_softmax": False},
     "qwen2-moe sdpa with two experts a token of eight": QWEN2_MOE | {"attention": "flash", "num_experts": 8},
     "qwen2-moe's sparse layer of a dense + moe mix (decoder_sparse_step 2)": QWEN2_MOE | {"moe_layer_freq": 2},
+    "qwen3-moe: q/k norms, heads of head_dim, norm_topk_prob, routing weights cast to bf16": QWEN3_MOE,
+    "qwen3-moe without norm_topk_prob, sdpa, two experts a token of eight":
+        QWEN3_MOE | {"moe_router_pre_softmax": True, "attention": "flash", "num_experts": 8},
+    "qwen3-moe's sparse layer of a dense + moe mix (decoder_sparse_step 2)": QWEN3_MOE | {"moe_layer_freq": 2},
     "deepseek-v3: fp32 router input, sigmoid scores, renormalised top-k, shared expert on the block's input":
         DEEPSEEK_V3,
     "deepseek-v3 without norm_topk_prob, two shared experts, past a first dense layer":
@@ -74,6 +79,13 @@ def test_the_dense_layer_of_a_mix_keeps_the_dense_mlp_of_the_rules():
     assert "mlp/gate" in {row.name for row in rows} and not any(row.name.startswith("moe/") for row in rows)
 
 
+def test_qwen3_moes_dense_layer_of_a_mix_keeps_the_dense_mlp_and_the_qk_norms():
+    rows = _rows(QWEN3_MOE | {"moe_layer_freq": 2, "L": 2}, None, dense=True)
+    assert [row.describe() for row in rows if not row.matches] == []
+    names = {row.name for row in rows}
+    assert {"mlp/gate", "attention/q_norm_normed"} <= names and not any(n.startswith("moe/") for n in names)
+
+
 def test_deepseek_v3s_first_dense_layer_keeps_the_dense_mlp_of_the_rules():
     rows = _rows(DEEPSEEK_V3 | {"moe_first_dense_layers": 1, "L": 2}, None, dense=True)
     assert [row.describe() for row in rows if not row.matches] == []
@@ -85,7 +97,8 @@ def test_what_deepseeks_group_choice_saves_is_freed_with_the_router_so_not_count
     assert not [row.describe() for row in rows if row.name is None or "unlabelled" in row.name]
 
 
-@pytest.mark.parametrize("knobs", [MIXTRAL, QWEN2_MOE, DEEPSEEK_V3], ids=["mixtral", "qwen2-moe", "deepseek-v3"])
+@pytest.mark.parametrize("knobs", [MIXTRAL, QWEN2_MOE, QWEN3_MOE, DEEPSEEK_V3],
+                         ids=["mixtral", "qwen2-moe", "qwen3-moe", "deepseek-v3"])
 def test_with_the_real_router_each_tensor_lies_within_the_balanced_and_worst_bounds(knobs):
     measured = {row.name: row.measured for row in _rows(knobs, None)}
     lower = {row.name: row.predicted for row in _rows(knobs, "balanced", bound="balanced")}
@@ -114,9 +127,12 @@ def test_the_forced_routes_send_each_expert_the_slots_they_say_and_undo_themselv
     (MIXTRAL | {"moe_router_pre_softmax": True}, "MixtralSparseMoeBlock always renormalises"),
     (MIXTRAL | {"moe_layer_freq": 2}, "every MixtralDecoderLayer is a MoE layer"),
     (MIXTRAL | {"moe_expert_capacity_factor": 1.0}, "drop no tokens"),
+    (MIXTRAL | {"moe_token_dispatcher_type": "allgather"}, "is Megatron's"),
     (MIXTRAL | {"moe_router_score_function": "sigmoid"}, "the sigmoid router is DeepseekV3MoE's"),
     (DEEPSEEK_V3 | {"moe_router_score_function": "softmax"}, "DeepseekV3TopkRouter scores with sigmoid"),
     (DEEPSEEK_V3 | {"moe_shared_expert_intermediate_size": 20}, "must be a multiple of moe_ffn_hidden_size=24"),
+    (QWEN3_MOE | {"moe_shared_expert_intermediate_size": 16}, "Qwen3MoeDecoderLayer, whose sparse block has no"),
+    (DEEPSEEK_V3 | {"qk_layernorm": True}, "qk_layernorm with kv_lora_rank"),
 ])
 def test_moe_knobs_no_transformers_block_has_are_refused(knobs, words):
     with pytest.raises(ConfigError, match=words):

@@ -20,6 +20,7 @@ SIZES = {"b": 2, "s": 32, "h": 64, "a": 16}
 GQA = {"num_query_groups": 8}  # two K/V groups per rank at t = 4: the query heads are copied
 SWIGLU = {"mlp": "swiglu", "bias_activation_fusion": False}
 FUSED_SWIGLU = {"mlp": "swiglu", "bias_activation_fusion": True}
+QK = {"qk_layernorm": True, "kv_channels": 8}  # Qwen3's attention: heads of 8 channels (a*d = 128, not h = 64)
 MLA = {"kv_lora_rank": 24, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 12, "v_head_dim": 10,
        "norm": "rmsnorm", "dropout": 0.1}  # DeepSeek-V3's shape, small: latents r_q, r_kv; heads d_n + d_r, d_v
 
@@ -40,6 +41,16 @@ CASES = {
         "tp", 2, GQA | {"dtype": "fp32", "dropout": 0.1}),
     "selective recompute gqa: the query copy beside the qkv output": (
         "tp-sp", 2, GQA | {"recompute": "selective", "dropout": 0.1}),
+    "kv_channels gqa tp: q, k, v and the projection's input a*d wide": (
+        "tp", 2, GQA | {"kv_channels": 8, "dropout": 0.0}),
+    "qk_layernorm mha: the norms' inputs are views of the qkv output, v's too": ("none", 1, QK | {"dropout": 0.1}),
+    "qk_layernorm mha rmsnorm tp-sp": ("tp-sp", 2, QK | {"norm": "rmsnorm", "dropout": 0.1}),
+    "qk_layernorm gqa tp-sp: the query's copy is normed, the key's view keeps the qkv output": (
+        "tp-sp", 2, QK | GQA | SWIGLU | {"dropout": 0.1}),
+    "qk_layernorm gqa selective: the checkpoint keeps the normed q and k": (
+        "tp-sp", 2, QK | GQA | {"recompute": "selective", "dropout": 0.1}),
+    "qk_layernorm mha selective tp": ("tp", 2, QK | {"recompute": "selective", "dropout": 0.0}),
+    "qk_layernorm fp32 gqa tp": ("tp", 2, QK | GQA | {"dtype": "fp32", "dropout": 0.1}),
     "latent attention: the kv norm keeps the down projection's whole output": ("none", 1, MLA),
     "latent attention tp: the kv output is gathered, then viewed": ("tp", 2, MLA | SWIGLU),
     "latent attention tp-sp: the query latent whole, the kv latent a shard's copy": ("tp-sp", 2, MLA),

@@ -1,11 +1,15 @@
-"""megatron-core's MoELayer (TopKRouter, the all-to-all dispatcher, SequentialMLP, SharedExpertMLP) keeps, tensor
-by tensor, what memcalc's megatron rules predict.
+"""megatron-core's MoELayer (TopKRouter, the all-to-all and all-gather token dispatchers, SequentialMLP,
+SharedExpertMLP) keeps, tensor by tensor, what memcalc's megatron rules predict; and a dense + MoE mix's dense layer,
+as megatron's decoder block spec builds it, keeps the dense MLP's.
 
 The tokens each expert receives depend on the router, so the byte-exact checks force it (`--route`): balanced
-(kbs/E slots each) and all-to-one (every token to experts 0..k-1: with ep > 1 the worst bound on rank 0). Expert
-parallelism runs as rank 0 of t*ep ranks in torch's fake group. With the real router the measured bytes fall within
-the predicted balanced and worst bounds.
+(kbs/E slots each) and all-to-one (every token to experts 0..k-1: with ep > 1 the worst bound on rank 0). With a
+capacity factor below 1 the balanced route fills every expert to its capacity, the capacity bound; padded to
+capacity every route does. Expert parallelism runs as rank 0 of t*ep ranks in torch's fake group. With the real
+router the measured bytes fall within the predicted balanced and worst bounds.
 """
+
+from dataclasses import replace
 
 import pytest
 
@@ -39,18 +43,38 @@ CASES = {
     "ep=2": ("none", 1, {"ep": 2}),
     "ep=4, one expert a rank": ("none", 1, SWIGLU | {"ep": 4}),
     "ep=2 under tp-sp t=2": ("tp-sp", 2, SHARED | {"ep": 2}),
+    "the sigmoid router: fp32 scores, the top k renormalised": ("none", 1, {"moe_router_score_function": "sigmoid"}),
+    "sigmoid with the expert bias and its aux loss, ep=2 under tp-sp t=2: the gather's scores, bf16 aux scores":
+        ("tp-sp", 2, SWIGLU | {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+                               "moe_aux_loss": True, "ep": 2}),
+    "sigmoid top-1 with the aux loss: no renormalisation": ("none", 1, {"moe_router_score_function": "sigmoid",
+                                                                         "moe_router_topk": 1, "moe_aux_loss": True}),
+    "padded to capacity 0.5: every expert exactly at capacity, probabilities gathered by index":
+        ("none", 1, {"moe_expert_capacity_factor": 0.5, "moe_pad_expert_input_to_capacity": True}),
+    "padded to capacity 0.33, ep=2 under tp-sp t=2: each router's own capacity, rounded up":
+        ("tp-sp", 2, SWIGLU | {"moe_expert_capacity_factor": 0.33, "moe_pad_expert_input_to_capacity": True, "ep": 2}),
+    "padded to capacity 1.25 with the aux loss, ep=4": ("none", 1, {"moe_expert_capacity_factor": 1.25, "ep": 4,
+                                                                    "moe_pad_expert_input_to_capacity": True,
+                                                                    "moe_aux_loss": True}),
+    "the all-gather dispatcher": ("none", 1, {"moe_token_dispatcher_type": "allgather"}),
+    "all-gather, ep=2 under tp-sp t=2: the gathered tokens' map whole on every rank, r permutation indices":
+        ("tp-sp", 2, SWIGLU | SHARED | {"moe_token_dispatcher_type": "allgather", "ep": 2}),
+    "all-gather padded to capacity 0.5, ep=4": ("none", 1, {"moe_token_dispatcher_type": "allgather", "ep": 4,
+                                                          "moe_expert_capacity_factor": 0.5,
+                                                          "moe_pad_expert_input_to_capacity": True}),
 }
 
 
-def _measured(tp, config, strategy, route):
-    return runner.run_layer(tp, config, STRATEGIES[strategy], route=route)
+def _measured(tp, config, strategy, route, dense=False):
+    return runner.run_layer(tp, config, STRATEGIES[strategy], route=route, dense=dense)
 
 
-def _rows(strategy, t, knobs, route):
+def _rows(strategy, t, knobs, route, dense=False):
     config = build_config(SIZES | knobs | {"t": t})
     mode = "single" if t == 1 and config.ep == 1 else "fake"
-    (saved,) = run(_measured, (config, strategy, route), mode=mode, t=t)
-    return compare(estimate(config, STRATEGIES[strategy], Accounting(exact=True, device="cpu")), saved)
+    (saved,) = run(_measured, (config, strategy, route, dense), mode=mode, t=t)
+    prediction = estimate(config, STRATEGIES[strategy], Accounting(exact=True, device="cpu"))
+    return compare(replace(prediction, tensors=prediction.dense) if dense else prediction, saved)
 
 
 @pytest.mark.parametrize("route, bound", [("balanced", "balanced"), ("all-to-one", "worst")])
@@ -75,11 +99,84 @@ def test_with_the_real_router_each_tensor_lies_within_the_balanced_and_worst_bou
     assert all((lower[name] if ep == 1 else 0) <= measured[name] <= upper[name] for name in measured)
 
 
-@pytest.mark.parametrize("strategy, knobs, words", [
-    ("tp", {}, "without sequence parallelism"),
-    ("tp-sp", {"add_bias_linear": True}, "no biases with expert tensor parallelism"),
+@pytest.mark.parametrize("strategy, t, knobs, words", [
+    ("tp", 2, {}, "without sequence parallelism"),
+    ("tp-sp", 2, {"add_bias_linear": True}, "no biases with expert tensor parallelism"),
+    ("none", 1, {"add_bias_linear": True}, "adds fc2's bias in place"),  # megatron's own error: a view autograd refuses
 ])
-def test_what_megatrons_moe_layer_refuses_is_refused_in_one_line(strategy, knobs, words):
-    config = build_config(SIZES | knobs | {"t": 2})
+def test_what_megatrons_moe_layer_refuses_is_refused_in_one_line(strategy, t, knobs, words):
+    config = build_config(SIZES | knobs | {"t": t})
     with pytest.raises(ProbeError, match=words):
-        run(_measured, (config, strategy, None), mode="fake", t=2)
+        run(_measured, (config, strategy, None), mode="fake" if t > 1 else "single", t=t)
+
+
+# -- a dense + MoE mix: each layer as megatron's decoder block spec builds it ------------------------------------
+
+MIXES = {
+    "gelu experts every 2nd layer": ("none", 1, {"moe_layer_freq": 2, "L": 4}),
+    "swiglu and shared experts every 2nd layer": ("none", 1, SWIGLU | SHARED | {"moe_layer_freq": 2, "L": 4}),
+    "gelu and shared experts past a first dense layer, ep=2": ("none", 1, SHARED | {"moe_first_dense_layers": 1,
+                                                                                     "L": 3, "ep": 2}),
+    "swiglu past a first dense layer (DeepSeek), ep=2 under tp-sp t=2":
+        ("tp-sp", 2, SWIGLU | {"moe_first_dense_layers": 1, "L": 3, "ep": 2}),
+    "three dense layers, then every 2nd": ("none", 1, SWIGLU | {"moe_first_dense_layers": 3, "moe_layer_freq": 2,
+                                                                 "L": 8}),
+}
+
+
+@pytest.mark.parametrize("dense", [True, False], ids=["the dense layer", "the moe layer"])
+@pytest.mark.parametrize("case", list(MIXES))
+def test_each_layer_of_a_dense_and_moe_mix_keeps_what_the_rules_predict_for_its_kind(case, dense):
+    strategy, t, knobs = MIXES[case]
+    rows = _rows(strategy, t, knobs, "balanced", dense=dense)
+    assert [row.describe() for row in rows if not row.matches] == []
+    assert all(row.measured > 0 for row in rows)
+    names = {row.name for row in rows}
+    assert ("moe/expert_in" in names) != dense and ("mlp/fc2_in" in names) == dense
+
+
+@pytest.mark.parametrize("knobs", [
+    {"moe_layer_freq": 2, "L": 5}, {"moe_layer_freq": 3, "L": 7}, {"moe_first_dense_layers": 3, "L": 6},
+    {"moe_first_dense_layers": 3, "moe_layer_freq": 2, "L": 9}, {"L": 3},
+])
+@pytest.mark.filterwarnings("ignore::UserWarning")  # megatron warns that Apex is missing
+def test_megatrons_block_spec_places_as_many_moe_layers_as_memcalc_counts_and_the_probe_builds_the_first(knobs):
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from memcalc.probe.libs.megatron_shim import layer_spec
+
+    config = build_config(SIZES | knobs)
+    megatron_config = runner.transformer_config(config, 1, False)
+    kinds = [layer_spec(megatron_config, i).submodules.mlp.module is MoELayer for i in range(config.L)]
+    assert sum(kinds) == config.moe_layers
+    assert kinds.index(True) == runner.layer_index(config)
+    assert False not in kinds or kinds.index(False) == runner.layer_index(config, dense=True)
+
+
+def test_a_dense_layer_is_refused_where_every_layer_is_moe():
+    config = build_config(SIZES | {"L": 2})
+    with pytest.raises(ProbeError, match="no dense layer to measure"):
+        run(_measured, (config, "none", None, True), mode="single", t=1)
+
+
+# -- the capacity factor: tokens dropped to each expert's capacity ------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy, t, knobs", [
+    ("none", 1, {"moe_expert_capacity_factor": 0.5}),
+    ("none", 1, SWIGLU | {"moe_expert_capacity_factor": 0.75, "moe_aux_loss": True, "ep": 2}),
+    ("tp-sp", 2, SHARED | {"moe_expert_capacity_factor": 0.33, "ep": 2}),
+], ids=["c=0.5", "c=0.75, aux loss, ep=2", "c=0.33, ep=2 under tp-sp t=2: each router's own capacity"])
+def test_a_balanced_route_over_capacity_fills_every_expert_to_the_capacity_bound(strategy, t, knobs):
+    rows = _rows(strategy, t, knobs | {"moe_tokens": "capacity"}, "balanced")
+    assert [row.describe() for row in rows if not row.matches] == []
+    assert "moe/capacity_mask" in {row.name for row in rows}
+
+
+def test_all_to_one_drops_the_tokens_past_capacity_and_stays_within_the_capacity_bound():
+    knobs = {"moe_expert_capacity_factor": 0.5, "moe_tokens": "capacity"}
+    rows = {row.name: row for row in _rows("none", 1, knobs, "all-to-one")}
+    assert all(row.measured <= row.predicted for row in rows.values())
+    capacity = 16  # ceil(k*b*s/E * c) = ceil(2*64/4 * 0.5): experts 0 and 1 keep 16 of their 64 tokens each
+    assert rows["moe/expert_in"].measured_shape == (2 * capacity, SIZES["h"])
+    assert rows["moe/expert_in"].predicted_shape == (4 * capacity, SIZES["h"])  # every expert at capacity

@@ -1,0 +1,97 @@
+"""A layout an implementation does not run for a knob set (megatron's MoE layer under tp without SP): every command
+that shows all layouts leaves it out with one note on stderr saying why, and asking for it by name is refused in
+one line."""
+
+import json
+
+import pytest
+
+from memcalc.config.schema import load_config
+from memcalc.model.impls import strategies_of
+
+from . import memcalc_cli, one_line_error, shipped
+
+MIXTRAL = shipped("mixtral-8x7b")
+WHY = "megatron-core's MoELayer refuses tensor parallelism without sequence parallelism in training"
+NOTE = f"memcalc: note: tp left out: impl megatron does not run it with experts (num_experts set): {WHY}\n"
+
+
+def _rows(out: str) -> list[str]:
+    """The strategy column of a rich table."""
+    cells = [line.split("│")[1].strip() for line in out.splitlines() if line.startswith("│")]
+    return [cell for cell in cells if cell]
+
+
+def test_megatron_mixtral_at_t2_shows_no_tp_row_and_says_why_in_one_note():
+    run = memcalc_cli("estimate", "--config", MIXTRAL, "--t", "2")
+    assert run.code == 0
+    assert _rows(run.out) == ["none", "tp-sp"]
+    assert run.err == NOTE
+
+
+def test_the_json_holds_only_the_layouts_megatron_runs():
+    run = memcalc_cli("estimate", "--config", MIXTRAL, "--t", "2", "--json")
+    assert (run.code, run.err) == (0, NOTE)
+    assert list(json.loads(run.out)["strategies"]) == ["none", "tp-sp"]
+
+
+@pytest.mark.parametrize("t", ["1", "2"])  # at t=1 tp is none: refused for the knobs, whatever t
+def test_asking_megatron_for_tp_with_experts_is_refused_in_one_line(t):
+    run = memcalc_cli("estimate", "--config", MIXTRAL, "--t", t, "--strategy", "tp")
+    one_line_error(run, "impl megatron", "does not run tp", "with experts (num_experts set)", WHY,
+                   "megatron/core/transformer/moe/moe_layer.py", "it runs: none, tp-sp")
+
+
+def test_totals_and_tp_sp_alone_are_unchanged():
+    run = memcalc_cli("estimate", "--config", MIXTRAL, "--t", "2", "--strategy", "tp-sp", "--json")
+    assert (run.code, run.err) == (0, "")
+    assert list(json.loads(run.out)["strategies"]) == ["tp-sp"]
+
+
+@pytest.mark.parametrize("impl, config", [("megatron", "llama2-7b"), ("torchtitan", "llama3-70b")])
+def test_a_dense_model_keeps_its_tp_row(impl, config):
+    run = memcalc_cli("estimate", "--config", shipped(config), "--impl", impl, "--t", "2", "--json")
+    assert (run.code, run.err) == (0, "")
+    assert list(json.loads(run.out)["strategies"]) == ["none", "tp", "tp-sp"]
+
+
+def test_other_libraries_moe_rows_are_what_they_run_without_megatrons_reason():
+    run = memcalc_cli("estimate", "--config", MIXTRAL, "--impl", "hf", "--t", "2", "--json")
+    assert run.code == 0 and "MoELayer" not in run.err
+    runs = strategies_of(load_config(MIXTRAL, {"impl": "hf", "t": 2}))
+    assert list(json.loads(run.out)["strategies"]) == list(runs)
+
+
+def test_the_rule_is_megatrons_alone():
+    for impl in ("hf", "torchtitan"):  # torchtitan refuses experts altogether; hf declares its own
+        run = memcalc_cli("formula", "--impl", impl, "--num-experts", "8")
+        assert "MoELayer" not in run.err
+
+
+def test_formula_fit_and_explain_leave_tp_out_with_the_note():
+    formula = memcalc_cli("formula", "--num-experts", "8", "--moe-router-topk", "2")
+    assert (formula.code, formula.err) == (0, NOTE)
+    assert [line.split()[0] for line in formula.out.splitlines()[1:3]] == ["none", "tp-sp"]
+    fit = memcalc_cli("fit", "--config", MIXTRAL, "--t", "2", "--pp", "8", "--budget", "80GiB", "--json")
+    assert fit.err == NOTE
+    assert {row["strategy"] for row in json.loads(fit.out)["results"]} == {"none", "tp-sp"}
+    explain = memcalc_cli("explain", "--num-experts", "8")
+    assert (explain.code, explain.err) == (0, NOTE)
+    assert "yes (a/t)" in explain.out  # tensor parallelism's splits, as tp-sp runs them
+
+
+def test_a_sweep_over_t_skips_tp_with_the_note_and_refuses_it_by_name(tmp_path):
+    out = tmp_path / "rows.csv"
+    run = memcalc_cli("sweep", "--config", MIXTRAL, "--s", "1024", "--t", "1,2", "--out", str(out))
+    assert (run.code, run.err) == (0, NOTE)
+    strategies = {line.split(",")[6] for line in out.read_text().splitlines()[1:]}
+    assert strategies == {"none", "tp-sp"}
+    refused = memcalc_cli("sweep", "--config", MIXTRAL, "--s", "1024", "--t", "1,2", "--strategy", "tp")
+    one_line_error(refused, "does not run tp", WHY)
+
+
+def test_a_plot_draws_the_layouts_megatron_runs(tmp_path):
+    run = memcalc_cli("plot", "--config", MIXTRAL, "--x", "t", "--range", "1,2", "--out", str(tmp_path / "t.svg"))
+    assert (run.code, run.err) == (0, NOTE)
+    bars = memcalc_cli("plot", "--config", MIXTRAL, "--t", "2", "--kind", "breakdown", "--out", str(tmp_path / "b.svg"))
+    assert (bars.code, bars.err) == (0, NOTE)

@@ -1,0 +1,100 @@
+"""megatron-core's own layer issues, call by call and in order, the collectives the communication ledger lists:
+its MoELayer's (the all-to-all dispatcher's token counts, exchanges over ep, gathers and reduce-scatters over t,
+the router's aux-loss counts, the shared experts) and a dense layer's.
+
+Routing is forced balanced, so every rank sends and receives kbs/ep slots' worth (the ledger's balanced bound).
+Expert parallelism runs as rank 0 of t*ep ranks in torch's fake group, where each call is logged with the sizes it
+is given: the log is exact though nothing moves.
+"""
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("megatron.core")
+
+from memcalc.config.schema import build_config  # noqa: E402
+from memcalc.model.comm import layer_collectives  # noqa: E402
+from memcalc.model.evaluate import dim_sizes  # noqa: E402
+from memcalc.model.knobs import DTYPE_BYTES  # noqa: E402
+from memcalc.model.strategy import STRATEGIES  # noqa: E402
+from memcalc.probe.collectives import compare_collectives  # noqa: E402
+from memcalc.probe.launch import run  # noqa: E402
+from memcalc.probe.libs import megatron as runner  # noqa: E402
+from tests.cli import memcalc_cli, one_line_error  # noqa: E402
+
+SIZES = {"b": 2, "s": 32, "h": 64, "a": 16, "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32,
+         "add_bias_linear": False, "dropout": 0.0}
+SHARED = {"moe_shared_expert_intermediate_size": 48}
+
+
+def _logged(tp, config, strategy):
+    calls = []
+    runner.run_layer(tp, config, STRATEGIES[strategy], route="balanced" if config.moe else None, collectives=calls)
+    return tuple(calls)
+
+
+def _rows(strategy, t, knobs, base=SIZES, mode=None):
+    """Each rank's collectives against the ledger's (rank 0 alone on the fake group)."""
+    config = build_config(base | knobs | {"t": t})
+    mode = mode or ("single" if t == 1 and config.ep == 1 else "fake")
+    per_rank = run(_logged, (config, strategy), mode=mode, t=t, backend="gloo", timeout_s=240)
+    width, ep = DTYPE_BYTES[config.dtype], config.ep
+    predicted = layer_collectives(config, STRATEGIES[strategy], ep=ep)
+    rows = [compare_collectives(predicted, dim_sizes(config), t, width, calls, ep) for calls in per_rank]
+    return rows[0] if len(rows) == 1 else [row for ranks in rows for row in ranks]
+
+
+@pytest.mark.parametrize("shared", [{}, SHARED], ids=["routed experts", "shared experts too"])
+@pytest.mark.parametrize("ep", [1, 2, 4])
+def test_megatrons_moe_layer_under_tp_sp_issues_the_ledgers_collectives_in_order(ep, shared):
+    rows = _rows("tp-sp", 2, shared | {"ep": ep})
+    assert rows and all(row.matches for row in rows), [r for r in rows if not r.matches]
+    assert any(r.name == "moe/dispatch" for r in rows) == (ep > 1)
+
+
+@pytest.mark.parametrize("knobs", [{"moe_aux_loss": True}, {"dtype": "fp32", "recompute": "full", "mlp": "swiglu"}],
+                         ids=["the aux loss's all-reduce of token counts", "fp32, full recomputation reruns them"])
+def test_megatrons_moe_layer_issues_the_router_and_recomputation_collectives_the_ledger_lists(knobs):
+    rows = _rows("tp-sp", 2, knobs | {"ep": 2})
+    assert rows and all(row.matches for row in rows), [r for r in rows if not r.matches]
+
+
+@pytest.mark.procs
+def test_on_real_gloo_ranks_each_rank_issues_the_ledgers_moe_collectives_with_the_data_moving():
+    rows = _rows("tp-sp", 2, SHARED | {"moe_aux_loss": True}, mode="spawn")
+    assert len(rows) == 2 * 18 and all(row.matches for row in rows), [r for r in rows if not r.matches]
+
+
+def test_expert_parallelism_without_tensor_parallelism_issues_only_the_dispatchers_all_to_alls_and_counts():
+    rows = _rows("none", 1, {"ep": 2, "moe_aux_loss": True})
+    assert [r.name for r in rows] == ["moe/counts", *["moe/dispatch"] * 2, *["moe/combine"] * 2, *["moe/dispatch"] * 2]
+    assert all(row.matches for row in rows), [r for r in rows if not r.matches]
+
+
+def test_megatrons_dense_layer_issues_the_seeds_g_and_g_star_and_the_regathers():
+    rows = _rows("tp-sp", 2, {}, base={"b": 2, "s": 32, "h": 64, "a": 16, "dropout": 0.0})
+    assert len(rows) == 10 and all(row.matches for row in rows), [r for r in rows if not r.matches]
+
+
+def test_measure_comm_shows_megatrons_moe_collectives_next_to_the_ledgers(tmp_path):
+    config = tmp_path / "moe.yaml"
+    config.write_text("".join(f"{k}: {str(v).lower()}\n" for k, v in (SIZES | SHARED | {"t": 2, "ep": 2}).items()))
+    run = memcalc_cli("measure", "--config", str(config), "--strategy", "tp-sp", "--launch", "fake", "--route",
+                      "balanced", "--layer", "library", "--comm")
+    assert run.code == 0, run.err
+    dispatch = [line for line in run.out.splitlines() if "moe/dispatch" in line]
+    assert len(dispatch) == 4 and "match: every tensor agrees to the byte" in run.out
+
+
+def test_measure_comm_refuses_a_library_that_logs_no_collectives_in_one_line():
+    run = memcalc_cli("measure", "--config", "tiny", "--impl", "hf", "--strategy", "none", "--layer", "library",
+                      "--comm")
+    one_line_error(run, "--comm", "impl hf logs none")
+
+
+def test_measure_comm_refuses_a_moe_layer_whose_routing_the_ledger_does_not_fix_in_one_line(tmp_path):
+    config = tmp_path / "moe.yaml"
+    config.write_text("".join(f"{k}: {str(v).lower()}\n" for k, v in (SIZES | {"ep": 2}).items()))
+    run = memcalc_cli("measure", "--config", str(config), "--strategy", "none", "--launch", "fake", "--layer",
+                      "library", "--comm")
+    one_line_error(run, "--comm", "--route balanced", "the real router")
