@@ -76,12 +76,12 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
 @click.option(
     "--step", is_flag=True,
     help="Run one whole training step per strategy instead (memcalc's own small GPT, or with --impl hf"
-    " transformers' LlamaForCausalLM, tp under its own tp_plan; AdamW on fp32 master weights) under torch's MemTracker on the CPU, and compare its peak, each category and the moment with the"
+    " transformers' LlamaForCausalLM, tp under its own tp_plan, or MixtralForCausalLM with --route balanced; AdamW on fp32 master weights) under torch's MemTracker on the CPU, and compare its peak, each category and the moment with the"
     " step timeline; exits 1 beyond 1%.",
 )
 @click.option(
     "--route", type=click.Choice(ROUTES), default=None,
-    help="Force the library's MoE router (--impl hf or megatron, with num_experts) so each expert's tokens are known:"
+    help="Force the library's MoE router (--impl hf, megatron or torchtitan, with num_experts) so each expert's tokens are known:"
     " balanced"
     " (kbs/E slots each) or all-to-one (every token to experts 0..k-1) [default: the real router].",
 )
@@ -104,7 +104,7 @@ def command(strategy: str, device: str, backend: str | None, launch: str, timeou
         from memcalc.cli.measure_step import run_step
 
         return run_step(config, names, device=device, launch=launch, backend=backend,
-                        layer=layer, comm=comm, overlap=overlap, as_json=as_json)
+                        layer=layer, comm=comm, overlap=overlap, as_json=as_json, route=route)
     if layer is None:
         layer = "memcalc" if device == "meta" or comm or overlap else "library"
     if comm and layer != "memcalc":

@@ -24,13 +24,14 @@ TOP_TERMS = 6  # the largest activations and temporaries live at the predicted p
 
 def run_step(
     config: ModelConfig, strategies: list[str], *, device: str, launch: str, backend: str | None,
-    layer: str | None, comm: bool, overlap: str | None, as_json: bool,
+    layer: str | None, comm: bool, overlap: str | None, as_json: bool, route: str | None = None,
 ) -> None:
-    """Measure one step per strategy and print it; ProbeError (exit 1) beyond the tolerance."""
+    """Measure one step per strategy and print it; ProbeError (exit 1) beyond the tolerance. `route` forces a
+    mixture of experts' router (memcalc.probe.step.measure_step)."""
     _check_flags(device, launch, backend, layer, comm, overlap)
     from memcalc.probe.step import TOLERANCE, measure_step  # needs torch: a one-line ProbeError without it
 
-    results = measure_step(config, strategies)
+    results = measure_step(config, strategies, route)
     if as_json:
         click.echo(json.dumps(to_json(config, results), indent=2))
     else:

@@ -476,6 +476,6 @@ def element_bytes(kind: Kind, knobs: Any, accounting: Accounting) -> int:
         return 8
     if kind is Kind.INDEX_PAIR:
         return 16
-    if kind is Kind.FP32 or (kind is Kind.NORM_STATS and accounting.device == "cuda"):
+    if kind in (Kind.FP32, Kind.INT32) or (kind is Kind.NORM_STATS and accounting.device == "cuda"):
         return 4
     return DTYPE_BYTES[knobs.dtype]

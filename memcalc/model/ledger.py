@@ -66,6 +66,7 @@ class Kind(Enum):
     NORM_STATS = "norm statistics (fp32 on CUDA, activation dtype on CPU)"
     FP32 = "fp32"
     INT64 = "int64 (8 bytes)"
+    INT32 = "int32 (4 bytes)"
     INDEX_PAIR = "two int64 indices (16 bytes)"
 
 

@@ -96,7 +96,7 @@ RUNNERS = {
 
 
 # The implementations whose runner can force its MoE router (`run_layer(..., route=)`, a `route_note`).
-ROUTED = ("hf", "megatron")
+ROUTED = ("hf", "megatron", "torchtitan")
 # config, strategy name, layer (LAYERS), overlap (own layer only)[, forced route (ROUTED runners only, ROUTES)]
 Case = tuple[ModelConfig, str, str, Overlap] | tuple[ModelConfig, str, str, Overlap, "str | None"]
 
@@ -374,7 +374,7 @@ def measure(
     if layer == "library":
         runner(config.impl)  # a missing library is named before any rank starts
     if route is not None and (layer != "library" or config.impl not in ROUTED or config.num_experts is None):
-        raise ConfigError(f"--route {route} forces a library's MoE router: it needs --impl hf or megatron and"
+        raise ConfigError(f"--route {route} forces a library's MoE router: it needs --impl {', '.join(ROUTED)} and"
                           " num_experts")
     if overlap and (layer != "memcalc" or "tp-sp" not in strategies):
         raise ConfigError("--overlap runs in memcalc's own layer under tp-sp: add --layer memcalc --strategy tp-sp")

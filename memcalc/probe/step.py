@@ -47,7 +47,7 @@ from memcalc.model import ledger
 from memcalc.model.evaluate import check_strategy
 from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import STRATEGIES, Strategy
-from memcalc.probe import require_torch
+from memcalc.probe import require_torch, routing_fixed
 from memcalc.probe.footprint import available
 from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.launch import Mode, run
@@ -548,24 +548,35 @@ class StepComparison:
         return "one process (t=1) on cpu"
 
 
-def measure_step(config: ModelConfig, strategies: list[str]) -> list[StepComparison]:
+def measure_step(config: ModelConfig, strategies: list[str], route: str | None = None) -> list[StepComparison]:
     """Predict and measure one training step per strategy, on the CPU: one process, or rank 0 of t (fake group).
 
-    Every strategy's timeline is made before any step runs, so an unmodelled knob is named at once.
+    Every strategy's timeline is made before any step runs, so an unmodelled knob is named at once. `route`
+    forces a mixture of experts' router (transformers' Mixtral and Qwen2-MoE): the timeline walks the balanced bound, which
+    only the balanced route pins.
     """
     if config.impl not in STEP_MODELS:
         raise ConfigError(f"--step runs memcalc's own Megatron-style model, or transformers' LlamaForCausalLM with"
                           f" --impl hf; with --impl {config.impl} it cannot")
+    if route is not None and not config.moe:
+        raise ConfigError(f"--route {route} forces a MoE router: the config has no experts (set num_experts)")
     accounting = Accounting(exact=True, device="cpu")
     planned = [(STRATEGIES[name], timeline(config, check_strategy(config, STRATEGIES[name]), accounting))
                for name in strategies]
+    if config.moe and not routing_fixed(config, route):
+        raise ConfigError(f"--step on a mixture of experts needs --route balanced with moe_tokens balanced (not"
+                          f" {route or 'the real router'}, {config.moe_tokens}): the step timeline walks the balanced"
+                          " bound, which only the forced balanced router pins")
+    moe_model = "Qwen2MoeForCausalLM" if config.moe_shared_expert_intermediate_size else "MixtralForCausalLM"
+    model = f"transformers' {moe_model}, router forced {route}" if config.moe else STEP_MODELS[config.impl]
     _check_fits(planned)
     out = []
     for strategy, predicted in planned:
         mode = Mode.FAKE if strategy.tensor_parallel and config.t > 1 else Mode.SINGLE
         t = config.t if mode is Mode.FAKE else 1
-        (measured,) = run(_step_runner(config.impl), (config, strategy), mode=mode, t=t)
-        out.append(StepComparison(strategy, mode, predicted, measured, STEP_MODELS[config.impl]))
+        routed = (route,) if config.moe else ()  # only the hf runner takes one
+        (measured,) = run(_step_runner(config.impl), (config, strategy, *routed), mode=mode, t=t)
+        out.append(StepComparison(strategy, mode, predicted, measured, model))
     return out
 
 

@@ -99,3 +99,17 @@ def test_impl_hf_under_its_own_tp_plan_runs_rank_zero_of_t_and_exits_0(tmp_path)
 def test_impl_hf_refuses_tp_sp_citing_transformers(config):
     run = memcalc_cli("measure", "--config", config, "--step", "--impl", "hf", "--strategy", "tp-sp")
     _one_line_error(run, 2, "transformers has no sequence parallelism")
+
+
+@pytest.mark.parametrize("route", [[], ["--route", "all-to-one"]], ids=["real router", "all-to-one"])
+def test_impl_hf_mixtral_step_needs_the_balanced_route_the_timeline_walks(route):
+    run = memcalc_cli("measure", "--hf-config", "tests/data/hf/mixtral-tiny.json", "--impl", "hf", "--step",
+                      "--strategy", "none", *route)
+    read, error = run.err.splitlines()  # what the config.json gave, then the error
+    assert run.code == 2 and read.startswith("memcalc: read mixtral config.json")
+    assert error.startswith("memcalc: error: --step on a mixture of experts needs --route balanced"), error
+
+
+def test_route_on_a_step_without_experts_exits_2(config):
+    run = memcalc_cli("measure", "--config", config, "--step", "--route", "balanced")
+    _one_line_error(run, 2, "--route balanced forces a MoE router: the config has no experts")

@@ -94,3 +94,72 @@ def test_what_the_hf_walk_does_not_model_under_tp_is_refused_by_name(changes, na
 def test_hf_refuses_tp_sp_citing_transformers():
     with pytest.raises(ConfigError, match="does not run tp-sp .*transformers has no sequence parallelism"):
         _timeline(STRATEGIES["tp-sp"], t=2)
+
+
+# -- transformers' MixtralForCausalLM: the balanced bound, kbs/E slots an expert ----------------------------------------
+
+MIXTRAL = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 48, "vocab_size": 40}
+
+
+def test_mixtral_model_states_count_the_router_and_every_experts_weights():
+    config, steps = _timeline(**MIXTRAL)
+    rope = 2 * 4 * (config.h // config.a // 2)
+    experts = config.L * (config.h * config.num_experts + config.num_experts * 3 * config.h * config.expert_ffn)
+    dense = config.L * 3 * config.h * config.ffn
+    assert steps.steady.by_category()[PARAMETERS] == 2 * total_params(config) + rope
+    assert total_params(build_config(LLAMA | {"vocab_size": 40})) - dense + experts == total_params(config)
+
+
+def test_each_expert_frees_its_own_share_of_the_kept_rows_when_its_backward_runs():
+    """The ledger's expert rows are E storages; autograd runs the last expert first, so at expert e's first
+    moment only experts 0..e of the last layer still hold theirs."""
+    config, steps = _timeline(**MIXTRAL)
+    last = f"layers.{config.L - 1}/"
+    for e in range(config.num_experts):
+        moment = next(m for m in steps.moments if m.what.startswith(f"expert {e}:"))
+        held = {x.name.rpartition("[")[2] for x in moment.live if x.name.startswith(last) and x.name.endswith("]")}
+        assert held == {f"{i}]" for i in range(e + 1)}
+
+
+def test_the_experts_widest_moment_holds_gate_ups_gradient_three_times_beside_down_projs():
+    config, steps = _timeline(**MIXTRAL)
+    moment = next(m for m in steps.moments if m.what.startswith("gate_up's gradients summed"))
+    whole = 2 * config.num_experts * 2 * config.expert_ffn * config.h  # bf16 (E, 2e, h)
+    live = {x.name: x.bytes for x in moment.live}
+    assert sorted(n for n, b in live.items() if b == whole) == sorted(
+        ["grad/layers.2/gate_up weights", "grad/layers.2/gate_up weights (sum)", "grad/layers.2/expert 2/gate_up select"])
+    assert live["grad/layers.2/down weights"] == whole // 2
+
+
+@pytest.mark.parametrize("changes, named", [
+    ({"moe_shared_expert_intermediate_size": 64, "moe_layer_freq": 2}, "moe_layer_freq=2"),
+    ({"moe_tokens": "worst"}, "moe_tokens worst"),
+    ({"num_experts": 5}, "k\\*b\\*s=96 slots that E=5 experts do not share evenly"),
+    ({"ep": 2}, "ep=2"),
+])
+def test_what_the_mixtral_walk_does_not_model_is_refused_by_name(changes, named):
+    with pytest.raises(ConfigError, match=f"for impl hf does not model {named}"):
+        _timeline(**(MIXTRAL | changes))
+
+
+def test_mixtral_experts_under_tp_are_refused_by_name():
+    with pytest.raises(ConfigError, match="for impl hf does not model experts under tp"):
+        _timeline(TP, t=2, **MIXTRAL)
+
+
+def test_qwen2_moe_keeps_its_shared_experts_gate_sigmoid_only_from_after_the_experts_loop():
+    """The gate's sigmoid is made after the routed experts: at the last expert it is not yet live, at the block's
+    sum it is, beside the experts' and the gated shared expert's outputs."""
+    config, steps = _timeline(**(MIXTRAL | {"moe_shared_expert_intermediate_size": 64}))
+    last, summed = (next(m for m in steps.moments if m.where == "model.layers.0.mlp" + where and m.phase == "forward")
+                    for where in (".experts", ""))
+    sigmoid = "layers.0/" + rules.SHARED_GATE_SIGMOID.name
+    assert sigmoid not in {x.name for x in last.live} and sigmoid in {x.name for x in summed.live}
+    assert summed.bytes - last.bytes == (
+        rules_bytes(config, rules.SHARED_GATE_SIGMOID) + 2 * 2 * config.b * config.s * config.h  # gated, the sum
+        - 8 * config.b * config.s * config.moe_router_topk * (config.num_experts + 1) - 8 * config.num_experts)
+
+
+def rules_bytes(config, tensor):
+    """One layer's bytes of a ledger tensor at these sizes."""
+    return next(x.bytes for x in estimate(config, NONE, CPU).tensors if x.tensor is tensor)

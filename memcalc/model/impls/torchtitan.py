@@ -40,6 +40,10 @@ paper's Megatron layer:
   keeps the rest alike. The block mask is built once per step for all layers
   (int32, (b, 1, s/128, s/128)-sized), so it is not counted per layer.
 
+With experts (num_experts), the feed-forward is torchtitan's MoE (models/common/moe.py) as its Qwen3 and
+DeepSeek-V3 layers build it; what it keeps is listed with its tensors below (`moe_block`). Measured at ep = 1,
+bf16, without recomputation, under `none`: the rest is refused (`check_moe`, `MOE_NOT_SHARDED`).
+
 Recomputation, torchtitan's own (distributed/activation_checkpoint.py):
 - "full" (FullAC, non-reentrant torch.utils.checkpoint): the block's input alone.
 - "op" (SelectiveAC, per-op): the block's input and the outputs of the ops it must
@@ -55,11 +59,12 @@ Recomputation, torchtitan's own (distributed/activation_checkpoint.py):
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 from memcalc.errors import ConfigError
 from memcalc.model import ledger
-from memcalc.model.impls.base import Implementation, drop_small
+from memcalc.model.impls.base import Implementation, Refusal, drop_small
 from memcalc.model.knobs import Accounting
 from memcalc.model.ledger import Dim, Kind, Region, SavedTensor
 
@@ -133,6 +138,68 @@ FLEX_MAX_SCORES = SavedTensor(
 )
 KEPT_WHOLE = frozenset({QKV_IN.name, FC1_IN.name, FC2_OUT.name})
 
+# -- The MoE block (torchtitan/models/common/moe.py: MoE), as its Qwen3 and DeepSeek-V3 decoder layers run it ------
+# TokenChoiceTopKRouter computes its gate under autocast(float32), so on CUDA the gate casts its weight and input
+# to fp32 and everything the router makes is fp32; softmax or sigmoid scores every expert, top-k picks, gather
+# reads the chosen scores, route_norm divides them by their sum. The dispatcher (EP=1: the local reorder) argsorts
+# the k*b*s slots by expert and gathers each slot's token; GroupedExperts runs SwiGLU for all experts at once with
+# torch._grouped_mm, cutting the sorted rows at cumulative offsets; combine scales each row in fp32 by its score
+# and scatter-adds it back to its token. Shared experts are a FeedForward on the block's normalised input.
+_ROUTER = "TokenChoiceTopKRouter"
+_DISPATCH = "LocalTokenDispatcher (EP=1)"
+_GROUPED = "GroupedExperts (torch._grouped_mm)"
+_MOE = (Dim.B, Dim.S)
+MOE_ROUTER_WEIGHT = SavedTensor(
+    "moe/router_weight_fp32", f"{_ROUTER}: gate under autocast(float32), its weight cast to fp32", (Dim.E, Dim.H),
+    Kind.FP32, Region.REPLICATED,
+    "the gate's input gradient dX = dLogits W reads the weight it multiplied: autocast's fp32 copy, once per layer"
+    " and micro-batch", paper=False,
+)
+MOE_ROUTER_IN = SavedTensor(
+    "moe/router_in_fp32", f"{_ROUTER}: gate under autocast(float32), its input cast to fp32", _BSH, Kind.FP32,
+    _SEQ, "the gate's weight gradient dW = dLogits^T X reads its fp32 input",
+)
+MOE_ROUTER_SCORES = SavedTensor(
+    "moe/router_scores_fp32", f"{_ROUTER}: softmax or sigmoid of the fp32 logits", (*_MOE, Dim.E), Kind.FP32,
+    _SEQ, "softmax's and sigmoid's derivatives are read from their output, every expert's score",
+)
+MOE_TOPK_SCORES = SavedTensor(
+    "moe/topk_weights_fp32", f"{_ROUTER} (route_norm): the gathered top-k scores / their sum", (*_MOE, Dim.K),
+    Kind.FP32, _SEQ, "the division's gradient for the divisor reads the numerator", paper=False,
+)
+MOE_TOPK_SUM = SavedTensor(
+    "moe/topk_sum_fp32", f"{_ROUTER} (route_norm): the top-k scores' sum + 1e-20, the divisor", _MOE, Kind.FP32,
+    _SEQ, "the division's gradients read its divisor", paper=False,
+)
+MOE_SORTED_SLOTS = SavedTensor(
+    "moe/sorted_slots", f"{_DISPATCH}: argsort of the expert ids, kept by indexing the scores with it", (Dim.R,),
+    Kind.INT64, Region.EXPERT, "indexing's backward scatters the sorted scores' gradient back to their slots",
+    paper=False,
+)
+MOE_TOKEN_INDICES = SavedTensor(
+    "moe/token_indices", f"{_DISPATCH}: sorted slots // k, kept by x[indices] and combine's scatter_add", (Dim.R,),
+    Kind.INT64, Region.EXPERT, "gathering rows and scatter-adding them route their gradients by the same indices",
+    paper=False,
+)
+MOE_SORTED_SCORES = SavedTensor(
+    "moe/sorted_scores_fp32", f"{_DISPATCH}: the top-k scores in expert order, kept by combine's multiply",
+    (Dim.R,), Kind.FP32, Region.EXPERT, "the expert output's gradient in the product is dY * score", paper=False,
+)
+MOE_OFFSETS = SavedTensor(
+    "moe/expert_offsets", f"{_GROUPED}: cumsum of the tokens per expert, kept by each grouped matmul", (Dim.E,),
+    Kind.INT32, Region.REPLICATED, "a grouped matmul's backward cuts dY at the same expert boundaries", paper=False,
+)
+MOE_EXPERT_OUT = SavedTensor(
+    "moe/expert_out_fp32", f"{_DISPATCH}: combine's routed_output.to(float32) * score", (Dim.R, Dim.H), Kind.FP32,
+    Region.EXPERT, "the score's gradient is sum(dY * expert output): the fp32 copy the multiply read",
+)
+MOE_SHARED_IN = replace(
+    ledger.MOE_IN, saved_by="shared experts' w1 and w3 (FeedForward), on the normalised input",
+    why="the shared experts' dW = X^T dY needs their input (the gate keeps an fp32 copy of its own)",
+)
+MOE_TENSORS = (MOE_ROUTER_WEIGHT, MOE_ROUTER_IN, MOE_ROUTER_SCORES, MOE_TOPK_SCORES, MOE_TOPK_SUM, MOE_SORTED_SLOTS,
+               MOE_TOKEN_INDICES, MOE_SORTED_SCORES, MOE_OFFSETS, MOE_EXPERT_OUT, MOE_SHARED_IN)
+
 
 def norm_block(norm: RMSNormTensors, accounting: Accounting) -> tuple[SavedTensor, ...]:
     """CUDA's fused rms_norm keeps the input and rstd; the CPU composite an fp32 upcast, rstd, the normalised input."""
@@ -164,13 +231,25 @@ def op_checkpoint(accounting: Accounting) -> tuple[SavedTensor, ...]:
     return (ledger.LAYER_INPUT, QKV_OUT, *kernel, ledger.SWIGLU_GATE, FC2_OUT)
 
 
+def moe_block(knobs: Any) -> tuple[SavedTensor, ...]:
+    """The router (fp32 under autocast), the dispatcher's sorted slots, the grouped SwiGLU, the fp32 combine, then
+    the shared experts: each expert's tensors are the dense MLP's rows for r slots, as one grouped storage each."""
+    norm = () if knobs.moe_router_pre_softmax else (MOE_TOPK_SCORES, MOE_TOPK_SUM)  # route_norm
+    router = (MOE_ROUTER_WEIGHT, MOE_ROUTER_IN, MOE_ROUTER_SCORES, ledger.ROUTER_TOPK_INDICES, *norm)
+    experts = (MOE_SORTED_SLOTS, MOE_SORTED_SCORES, MOE_TOKEN_INDICES, ledger.EXPERT_IN, MOE_OFFSETS,
+               ledger.EXPERT_GATE, ledger.EXPERT_SILU_OUT, ledger.EXPERT_UP, ledger.EXPERT_FC2_IN, MOE_EXPERT_OUT)
+    shared = (MOE_SHARED_IN, ledger.SHARED_GATE, ledger.SHARED_SILU_OUT, ledger.SHARED_UP, ledger.SHARED_FC2_IN)
+    return (*router, *experts, *(shared if knobs.moe_shared_expert_intermediate_size else ()))
+
+
 def layer_tensors(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]:
-    """Every tensor one Llama3 block keeps for backward, in forward order."""
+    """Every tensor one block (Llama3's, or with experts Qwen3's MoE block) keeps for backward, in forward order."""
     if knobs.recompute == "full":
         return (ledger.LAYER_INPUT,)
     if knobs.recompute == "op":
         return drop_small(op_checkpoint(accounting), accounting)
-    blocks = norm_block(LN1, accounting) + attention_block(accounting) + norm_block(LN2, accounting) + mlp_block()
+    mlp = moe_block(knobs) if knobs.moe else mlp_block()
+    blocks = norm_block(LN1, accounting) + attention_block(accounting) + norm_block(LN2, accounting) + mlp
     return drop_small(blocks, accounting)
 
 
@@ -195,8 +274,7 @@ def check(knobs: Any) -> None:
     if knobs.bias_activation_fusion:
         raise ConfigError("impl torchtitan: bias_activation_fusion is Megatron's fused kernel; Llama3 has no biases")
     if knobs.moe:
-        raise ConfigError("impl torchtitan: its MoE models (DeepSeek-V3, Llama4) are not modelled yet; use impl"
-                          " megatron or hf for num_experts")
+        check_moe(knobs)
     if knobs.mla:
         raise ConfigError("impl torchtitan: its DeepSeek-V3 latent attention is not modelled yet; use impl megatron"
                           " or hf for kv_lora_rank")
@@ -205,15 +283,47 @@ def check(knobs: Any) -> None:
                           " model's (head_dim, q_norm and k_norm), not modelled yet; use impl megatron or hf")
 
 
+# MoE knob values torchtitan's MoE block does not have (or memcalc has not measured), each with the reason.
+_MOE_REFUSED = (
+    (lambda k: k.moe_expert_capacity_factor is not None, "moe_expert_capacity_factor: its local dispatcher drops no"
+     " tokens; leave it unset"),
+    (lambda k: k.moe_token_dispatcher_type != "alltoall", "moe_token_dispatcher_type allgather is Megatron's; leave"
+     " it alltoall"),
+    (lambda k: k.moe_aux_loss, "moe_aux_loss: its MoE balances load without an auxiliary loss (expert_bias_E)"),
+    (lambda k: getattr(k, "ep", 1) > 1, "ep > 1 (its all-to-all dispatcher) is not measured yet; use ep 1"),
+    (lambda k: k.recompute != "none", "recompute op or full with experts is not measured yet; use recompute none"),
+    (lambda k: k.dtype != "bf16", "GroupedExperts computes in bf16 whatever the dtype; use dtype bf16"),
+)
+
+
+def check_moe(knobs: Any) -> None:
+    """ConfigError for MoE knobs the measured MoE block (EP=1, no recompute, bf16) does not run."""
+    for refused, reason in _MOE_REFUSED:
+        if refused(knobs):
+            raise ConfigError(f"impl torchtitan with experts: {reason}")
+
+
+MOE_NOT_SHARDED = tuple(
+    Refusal(
+        name, lambda knobs: knobs.moe, "with experts (num_experts set)",
+        "memcalc has not measured torchtitan's MoE sharding plan (set_moe_sharding_config) yet",
+        "torchtitan 0.3.0, torchtitan/models/common/moe_sharding.py; memcalc's own limit, not the library's",
+    )
+    for name in ("tp", "tp-sp")
+)
+
 IMPLEMENTATION = Implementation(
     name="torchtitan",
     title="torchtitan",
     measured_on="torchtitan 0.3.0 (torch 2.13.0, CPU, bf16): Llama3TransformerBlock with fused wqkv and SDPA,"
-    " its own TP plan (set_llama3_sharding_config + Module.parallelize, spmd_types backend), FullAC and SelectiveAC",
+    " its own TP plan (set_llama3_sharding_config + Module.parallelize, spmd_types backend), FullAC and SelectiveAC;"
+    " with experts, Qwen3TransformerBlock's MoE (router, local dispatcher, GroupedExperts on torch._grouped_mm,"
+    " shared experts) at ep 1 without recomputation, its router forced balanced and all-to-one",
     layer_tensors=layer_tensors,
     kept_whole=KEPT_WHOLE,
-    tensors=(*LN1, *LN2, QKV_IN, FC1_IN, QKV_OUT, FC2_OUT, FLEX_MAX_SCORES),
+    tensors=(*LN1, *LN2, QKV_IN, FC1_IN, QKV_OUT, FC2_OUT, FLEX_MAX_SCORES, *MOE_TENSORS),
     check=check,
+    refuses=MOE_NOT_SHARDED,
     # Llama3's block, and the trainer's default activation_checkpoint (SelectiveAC); attention: flex, a fused kernel.
     defaults={"norm": "rmsnorm", "mlp": "swiglu", "dropout": 0.0, "attention": "flash", "recompute": "op"},
 )

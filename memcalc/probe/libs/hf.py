@@ -112,7 +112,7 @@ def record_layer(
     """`run_layer`, with the Llama-family class choosable ("llama", "mistral", "qwen2") for the tests, and with
     `dense` a MoE model's dense layer (Qwen2-MoE's layer 0 when moe_layer_freq > 1)."""
     rules.check(config)
-    family = family or _family(config)
+    family = family or model_family(config)
     layer, extra = _build(config, family, tp.device, dense)
     if tp.size > 1:  # transformers' own plan by its own function (hf_tp); "none" runs at t = 1
         config_class = transformers.GPT2Config if family == "gpt2" else _llama_family(family)[0]
@@ -123,14 +123,14 @@ def record_layer(
     label_rules = tuple(r for r in label_rules_for(config) if r.tensor.name in expected or r.tensor in _MARKERS)
     x = _layer_input(config, tp.device)
     rope = next((pair for pair in _ROPE_TABLES if pair[0].name in expected), None)
-    with cuda_like_dropout(), _routing(family, route, config.moe_router_topk):
+    with cuda_like_dropout(), routing(family, route, config.moe_router_topk):
         with SavedTensorRecorder(layer.parameters(), kept_only=True) as recorder, Labels(layer, label_rules):
             y = layer(x, **extra(x, rope))
         y.backward(torch.ones_like(y))  # inside the shim: a checkpoint's recompute must drop out alike
     return _merged_experts(_attributed(recorder.saved, config))
 
 
-def _family(config: ModelConfig) -> str:
+def model_family(config: ModelConfig) -> str:
     if not rules.is_llama(config):
         return "gpt2"
     if config.mla:
@@ -144,7 +144,7 @@ def _family(config: ModelConfig) -> str:
     return "qwen2" if config.add_qkv_bias else "llama"
 
 
-def _routing(family: str, route: str | None, k: int) -> Any:
+def routing(family: str, route: str | None, k: int) -> Any:
     """The shim's forced router for a MoE family's router class, or nothing."""
     if route is None:
         return nullcontext()

@@ -22,6 +22,11 @@ but the norms a DTensor shard. (from_pretrained's own path needs accelerate and 
 plan with the same function to the model `_from_config` built.) The trainer works on the weights' local shards, and
 takes this rank's rows of the embedding's Replicate gradient (`memcalc.probe.step.MainGrads`). A tied model is not
 laid out: apply_tensor_parallelism looks lm_head.weight up among named_parameters(), which name a tied weight once.
+
+A config with experts builds MixtralForCausalLM instead (Qwen2MoeForCausalLM with shared experts): every layer a
+sparse MoE block whose experts run transformers' eager loop, its router forced to the `route` given
+(memcalc.probe.libs.hf_shim.forced_routing), so the tokens each expert gets are known. No auxiliary loss
+(output_router_logits False, both models' default).
 """
 
 from __future__ import annotations
@@ -35,35 +40,52 @@ from memcalc.probe import require_torch
 from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.layer import DTYPES
 from memcalc.probe.libs import hf_tp
-from memcalc.probe.libs.hf import llama_config
+from memcalc.probe.libs.hf import llama_config, model_family, routing
 from memcalc.probe.step import BATCH_SEED, StepMeasurement, Trainer, measure_trainer
 
 torch = require_torch()
 import transformers  # noqa: E402  (memcalc[hf])
 
 
-def measure_hf_step_on_rank(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy) -> StepMeasurement:
-    """Build LlamaForCausalLM, run a warm-up step, then measure one step under MemTracker."""
-    return measure_trainer(warmed_up(tp, config, strategy), tp, strategy)
+# The model class --step builds, by the family memcalc.probe.libs.hf reads the config as.
+_MODELS = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
 
 
-def warmed_up(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy) -> Trainer:
-    """transformers' LlamaForCausalLM in training mode with memcalc's trainer, stepped once."""
+def measure_hf_step_on_rank(
+    tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, route: str | None = None,
+) -> StepMeasurement:
+    """Build LlamaForCausalLM (MixtralForCausalLM with experts), run a warm-up step, then measure one step under
+    MemTracker."""
+    return measure_trainer(warmed_up(tp, config, strategy, route), tp, strategy)
+
+
+def warmed_up(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, route: str | None = None) -> Trainer:
+    """transformers' LlamaForCausalLM (with experts MixtralForCausalLM or Qwen2MoeForCausalLM, the router forced to
+    `route`) in training mode with memcalc's trainer, stepped once."""
     if strategy.sequence_parallel:
         raise ProbeError(f"impl hf runs no sequence parallelism (got {strategy.name})")
     if tp.size > 1 and config.tie_embeddings:
         raise ProbeError("impl hf: transformers' apply_tensor_parallelism cannot lay out tied embeddings (it looks"
                          " lm_head.weight up among named_parameters(), which name a tied weight once); untie them")
-    hf_config = llama_config(config)
+    family = model_family(config) if config.moe else "llama"
+    if family not in _MODELS:
+        raise ProbeError(f"impl hf: --step builds Mixtral's or Qwen2-MoE's model for experts; these are {family}'s")
+    if config.moe and route is None:
+        raise ProbeError("impl hf: --step on experts forces the router (--route balanced or all-to-one)")
+    hf_config = llama_config(config, family)
     hf_config.use_cache = False  # as transformers' Trainer sets it (TrainingArguments.use_cache: False)
     torch.manual_seed(BATCH_SEED)  # the weights, as the model initialises them
-    model = transformers.LlamaForCausalLM._from_config(hf_config, dtype=DTYPES[config.dtype])
+    model = getattr(transformers, _MODELS[family])._from_config(hf_config, dtype=DTYPES[config.dtype])
     model = model.to(tp.device).train()
     if tp.size > 1:  # the plan from_pretrained(tp_plan="auto") applies, by the function it applies it with
         hf_tp.apply(model, hf_tp.model_plan(model, tp.size), tp)
-    return Trainer.around(config, model, lambda tokens, labels: _loss(model, tokens, labels))
+    k = config.moe_router_topk if config.moe else 0
+    return Trainer.around(config, model, lambda tokens, labels: _loss(model, tokens, labels, family, route, k))
 
 
-def _loss(model: Any, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """transformers' own loss; the output object (and the bf16 logits in it) goes as this returns."""
-    return model(input_ids=tokens, labels=labels).loss
+def _loss(model: Any, tokens: torch.Tensor, labels: torch.Tensor, family: str, route: str | None,
+          k: int) -> torch.Tensor:
+    """transformers' own loss, the router forced while forward runs; the output object (and the bf16 logits in it)
+    goes as this returns."""
+    with routing(family, route, k):
+        return model(input_ids=tokens, labels=labels).loss

@@ -32,6 +32,7 @@ from itertools import chain
 from typing import Any, Callable, Iterator
 
 from memcalc.config.schema import ModelConfig
+from memcalc.errors import ProbeError
 from memcalc.model import ledger
 from memcalc.model.impls import torchtitan as rules
 from memcalc.model.ledger import SavedTensor
@@ -56,9 +57,12 @@ from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm  # 
 from torchtitan.models.common.attention import ScaledDotProductAttention  # noqa: E402
 from torchtitan.models.llama3 import Llama3Model, _build_llama3_layers  # noqa: E402
 from torchtitan.models.llama3.sharding import set_llama3_sharding_config  # noqa: E402
+from torchtitan.models.common.config_utils import make_ffn_config  # noqa: E402
+from torchtitan.models.qwen3 import _build_qwen3_moe_layers  # noqa: E402
 from torchtitan.tools.utils import set_default_dtype  # noqa: E402
 
 NOTES = shim.NOTES
+route_note = shim.route_note  # measure prints it for --route
 WEIGHT_SEED = 4321
 SPMD_BACKEND = "spmd_types"  # torchtitan's default (ParallelismConfig.spmd_backend)
 ROPE_THETA = 500000  # every Llama3 flavour's; the values do not change what is kept
@@ -68,12 +72,10 @@ ROPE_THETA = 500000  # every Llama3 flavour's; the values do not change what is 
 
 
 def block_config(config: ModelConfig, sequence_parallel: bool) -> Any:
-    """torchtitan's Llama3 block config at memcalc's sizes, with its TP plan filled in."""
-    d = config.h // config.a
+    """torchtitan's Llama3 block config at memcalc's sizes, with its TP plan filled in (with experts: its MoE layer)."""
     layers = _build_llama3_layers(
         n_layers=1, dim=config.h, n_heads=config.a, n_kv_heads=config.groups, hidden_dim=config.ffn,
-        rope=ComplexRoPE.Config(dim=d, max_seq_len=config.s, theta=ROPE_THETA, scaling="llama"),
-        fuse_qkv=True, attn_backend="flex",
+        rope=_rope(config), fuse_qkv=True, attn_backend="flex",
     )
     layers[0].attention.inner_attention = ScaledDotProductAttention.Config()  # flex has no CPU backward
     # The plan is set on a whole model's config; the model's two ends are built nowhere.
@@ -83,7 +85,37 @@ def block_config(config: ModelConfig, sequence_parallel: bool) -> Any:
         lm_head=Linear.Config(in_features=config.h, out_features=1),
     )
     set_llama3_sharding_config(model, enable_sp=sequence_parallel)
-    return model.layers[0]
+    return moe_block_config(config, model.layers[0]) if config.moe else model.layers[0]
+
+
+def moe_block_config(config: ModelConfig, llama3: Any) -> Any:
+    """torchtitan's Qwen3 MoE decoder layer from its own builder, with the Llama3 block's attention and norms.
+
+    The builder makes Qwen3TransformerBlock with its MoE (the "standard" dispatcher, local at EP=1, and
+    GroupedExperts); its Qwen3 attention's QK norm and head_dim are not modelled, so the block takes the
+    Llama3 attention measured above. The knobs pick the rest: the router's score function, route_norm
+    (moe_router_pre_softmax false) and shared experts, a FeedForward of width u initialised as Llama3's.
+    """
+    layer = _build_qwen3_moe_layers(
+        n_layers=1, dim=config.h, n_heads=config.a, n_kv_heads=config.groups, head_dim=config.h // config.a,
+        moe_hidden_dim=config.expert_ffn, num_experts=config.num_experts, top_k=config.moe_router_topk,
+        attn_backend="flex", moe_comm_backend="standard", rope=_rope(config),
+    )[0]
+    layer.attention, layer.attention_norm, layer.ffn_norm = llama3.attention, llama3.attention_norm, llama3.ffn_norm
+    layer.moe.router.score_func = str(config.moe_router_score_function)
+    layer.moe.router.route_norm = not config.moe_router_pre_softmax
+    if config.moe_shared_expert_intermediate_size:
+        dense = llama3.feed_forward
+        layer.moe.shared_experts = make_ffn_config(
+            dim=config.h, hidden_dim=config.moe_shared_expert_intermediate_size,
+            w1_param_init=dense.w1.param_init, w2w3_param_init=dense.w2.param_init,
+        )
+    return layer
+
+
+def _rope(config: ModelConfig) -> Any:
+    """Llama3's RoPE config at memcalc's sizes."""
+    return ComplexRoPE.Config(dim=config.h // config.a, max_seq_len=config.s, theta=ROPE_THETA, scaling="llama")
 
 
 def build_block(config: ModelConfig, tp: TensorParallelGroup, strategy: Strategy, dims: ParallelDims | None) -> Any:
@@ -171,6 +203,38 @@ def library_rules(config: ModelConfig) -> tuple[Rule, ...]:
         Rule("*feed_forward", "mul", ledger.SWIGLU_SILU_OUT, arg=0),
         Rule("*feed_forward", "mul", ledger.SWIGLU_UP, arg=1),
         Rule("*feed_forward.w2", "linear", ledger.FC2_IN, arg=0),
+        *moe_rules(),
+    )
+
+
+def moe_rules() -> tuple[Rule, ...]:
+    """The MoE block's tensors, named in torchtitan's code (the gate's fp32 casts are aten's: `aten_rules`).
+
+    The dispatcher is no module: its calls run in `routed_experts`' frame, where the first indexing sorts the
+    scores and the first `to` is combine's upcast.
+    """
+    router, routed, experts, shared = "*moe.router", "*moe.routed_experts", "*inner_experts", "*moe.shared_experts"
+    return (
+        Rule(router, "softmax", rules.MOE_ROUTER_SCORES),
+        Rule(router, "sigmoid", rules.MOE_ROUTER_SCORES),
+        Rule(router, "gather", ledger.ROUTER_TOPK_INDICES, arg="index"),
+        Rule(router, "div", rules.MOE_TOPK_SCORES, arg=0),
+        Rule(router, "div", rules.MOE_TOPK_SUM, arg=1, view=_squeeze),
+        Rule(routed, "argsort", rules.MOE_SORTED_SLOTS),
+        Rule(routed, "__getitem__", rules.MOE_SORTED_SCORES),
+        Rule(routed, "__floordiv__", rules.MOE_TOKEN_INDICES),
+        Rule(routed, "to", rules.MOE_EXPERT_OUT),
+        Rule(experts, "forward", ledger.EXPERT_IN, arg=0),
+        Rule(experts, "cumsum", rules.MOE_OFFSETS),
+        Rule(experts, "silu", ledger.EXPERT_GATE, arg=0),
+        Rule(experts, "silu", ledger.EXPERT_SILU_OUT),
+        Rule(experts, "mul", ledger.EXPERT_UP, arg=1),
+        Rule(experts, "mul", ledger.EXPERT_FC2_IN),
+        Rule(f"{shared}.w1", "linear", rules.MOE_SHARED_IN, arg=0),
+        Rule(shared, "silu", ledger.SHARED_GATE, arg=0),
+        Rule(shared, "mul", ledger.SHARED_SILU_OUT, arg=0),
+        Rule(shared, "mul", ledger.SHARED_UP, arg=1),
+        Rule(f"{shared}.w2", "linear", ledger.SHARED_FC2_IN, arg=0),
     )
 
 
@@ -196,7 +260,8 @@ _LSE_OPS = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_
 
 
 def aten_rules() -> tuple[AtenRule, ...]:
-    """The norms' tensors (CPU composite, or CUDA's _fused_rms_norm) and the attention kernel's log-sum-exp."""
+    """The norms' tensors (CPU composite, or CUDA's _fused_rms_norm), the attention kernel's log-sum-exp, and the
+    MoE gate's fp32 copies of its weight and input (autocast's)."""
     norms = []
     for module, norm in (("*attention_norm", rules.LN1), ("*ffn_norm", rules.LN2)):
         norms += [
@@ -207,7 +272,9 @@ def aten_rules() -> tuple[AtenRule, ...]:
             AtenRule(module, "_fused_rms_norm", norm.rstd, output=1, view=_squeeze),
         ]
     lse = [AtenRule("*attention.inner_attention", op, ledger.SOFTMAX_LSE, output=1) for op in _LSE_OPS]
-    return (*norms, *lse)
+    gate = [AtenRule("*moe.router.gate", "_to_copy", rules.MOE_ROUTER_WEIGHT),  # autocast casts the weight first
+            AtenRule("*moe.router.gate", "_to_copy", rules.MOE_ROUTER_IN, nth=1)]
+    return (*norms, *lse, *gate)
 
 
 class AtenLabels(TorchDispatchMode):
@@ -278,19 +345,28 @@ def _hand_to_recorder(kept: list[torch.Tensor]) -> None:
 # -- the runner ---------------------------------------------------------------------
 
 # spmd_types (torchtitan's TP backend) still calls these; torch 2.13 warns on every call.
+# The MoE router's torch.autocast(float32), which the shim runs at fp32 on the CPU anyway (cuda_like_router).
+_CPU_AUTOCAST_FP32 = "In CPU autocast, but the target dtype is not supported"
 _DEPRECATED_COLLECTIVES = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
 
 
-def run_layer(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy) -> tuple[SavedStorage, ...]:
-    """torchtitan's Llama3 block on this rank: one recorded forward (named by the ledger), then backward once."""
+def run_layer(
+    tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, route: str | None = None
+) -> tuple[SavedStorage, ...]:
+    """torchtitan's block on this rank: one recorded forward (named by the ledger), then backward once; `route`
+    forces a MoE router (memcalc.probe.ROUTES)."""
+    if route is not None and not config.moe:
+        raise ProbeError(f"--route {route} forces a MoE router: the config has no experts (set num_experts)")
     with ExitStack() as stack:
         stack.enter_context(warnings.catch_warnings())
         warnings.filterwarnings("ignore", _DEPRECATED_COLLECTIVES, FutureWarning)
+        warnings.filterwarnings("ignore", _CPU_AUTOCAST_FP32, UserWarning)
         dims = stack.enter_context(tensor_parallel(tp))
         stack.enter_context(shim.cuda_like_op_checkpointing())
         caches = stack.enter_context(shim.op_checkpoint_caches())
         block = build_block(config, tp, strategy, dims)
         x = block_input(config, tp, strategy)
+        stack.enter_context(shim.cuda_like_router(block, route, config.moe_router_topk))
         state = chain(block.parameters(), block.buffers())  # buffers: the RoPE table is state, like a weight
         with SavedTensorRecorder(state) as recorder:
             with Labels(block, library_rules(config)), AtenLabels(block, aten_rules()):

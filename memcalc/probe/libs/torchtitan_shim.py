@@ -1,10 +1,12 @@
-"""What torchtitan 0.3.0 needs to run its Llama3 block on a CPU, patched at run time; no library file is edited.
+"""What torchtitan 0.3.0 needs to run its Llama3 and MoE blocks on a CPU, patched at run time; no library file
+is edited.
 
 - Import: `torchtitan.models.common` imports the MoE expert-parallel dispatcher,
   whose kernels module imports triton at import time (a 286 MB wheel, GPU-only
   here). Where triton is not installed, `stub_triton_kernels` puts a module in
-  its place whose kernels raise when called; the dense Llama3 block never calls
-  them, and torch itself never sees a fake triton.
+  its place whose kernels raise when called; neither the dense Llama3 block nor
+  the MoE block at EP=1 (its local dispatcher) calls them, and torch itself
+  never sees a fake triton.
 - Device: `ParallelDims.build_mesh` builds its DeviceMesh on
   `torchtitan.tools.utils.device_type`, which falls back to "cuda" on a machine
   without an accelerator; `mesh_device` sets it to the rank's device while the
@@ -17,6 +19,16 @@
   (flex attention, SDPA's flash/cuDNN kernels); its list does not have the CPU's
   flash kernel, so on a CPU the attention would be recomputed. `cuda_like_op_checkpointing`
   adds it, so the CPU run keeps what a GPU run keeps.
+- MoE router: TokenChoiceTopKRouter runs its gate under
+  `torch.autocast(device, float32)`, which CUDA honours (the gate casts its weight
+  and input to fp32, and the router works in fp32) and a CPU refuses with a
+  warning (its autocast takes bf16 and fp16 only), leaving the router in bf16.
+  `cuda_like_router` turns the CPU's autocast on at fp32 (torch's own
+  set_autocast_dtype) for the gate's call alone, the region torchtitan's
+  autocast covers, so the CPU keeps what CUDA keeps.
+- Forced routing (`--route`): the same hook on the gate adds hf_shim's constant
+  lead to its logits, so the router's scores, top-k and route_norm run as
+  written on known experts.
 - Measuring: torch.utils.checkpoint keeps the op outputs SelectiveAC saves in a
   cache of its own, not as saved tensors, so the recorder cannot see them.
   `op_checkpoint_caches` collects those caches for the runner to hand over.
@@ -33,14 +45,16 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 from memcalc.probe import require_torch
+from memcalc.probe.libs.hf_shim import lead, route_lead
 
 torch = require_torch()
 
 NOTES = (
-    "torchtitan: without triton, the MoE dispatcher's triton kernels are stubbed (the Llama3 block never calls them)",
+    "torchtitan: without triton, the EP dispatchers' triton kernels are stubbed (no block measured here calls them)",
     "torchtitan: the DeviceMesh is built on the rank's device (torchtitan assumes cuda without an accelerator)",
     "torchtitan: attention is its ScaledDotProductAttention (flex has no CPU backward); flex's row maxima: cuda only",
     "torchtitan: op-level checkpointing also saves the CPU flash-attention kernel's outputs, as it saves CUDA's",
+    "torchtitan: the MoE gate runs under CPU autocast at fp32, as torch.autocast(float32) runs it on CUDA",
 )
 
 _KERNELS = "torchtitan.distributed.minimal_async_ep.kernels"
@@ -126,3 +140,43 @@ def cached_tensors(caches: list[dict]) -> list[torch.Tensor]:
     ]
     values = [getattr(leaf, "val", None) for leaf in leaves]  # each output is wrapped to catch mutation
     return [v for v in values if isinstance(v, torch.Tensor)]
+
+
+def route_note(route: str) -> str:
+    """The `shim:` line a forced route prints."""
+    return f"torchtitan: the router is forced ({route}): its gate's logits get {route_lead(route)}; the rest as written"
+
+
+@contextmanager
+def cuda_like_router(block: torch.nn.Module, route: str | None, k: int) -> Iterator[None]:
+    """While inside, each MoE gate of `block` runs as under CUDA's autocast(float32), its logits led by `route`."""
+    from torchtitan.models.common.moe import TokenChoiceTopKRouter
+
+    found = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
+
+    def fp32_on_cpu(module: torch.nn.Module, args: tuple) -> None:
+        if args[0].device.type == "cpu":  # what torch.autocast refuses on a CPU and runs on CUDA
+            torch.set_autocast_dtype("cpu", torch.float32)
+            torch.set_autocast_enabled("cpu", True)
+
+    def restored(module: torch.nn.Module, args: tuple, logits: torch.Tensor) -> torch.Tensor:
+        _restore_cpu_autocast(*found)
+        return logits if route is None else logits + lead(logits.flatten(0, -2), route, k).view_as(logits)
+
+    gates = [m.gate for m in block.modules() if isinstance(m, TokenChoiceTopKRouter)]
+    handles = [h for gate in gates
+               for h in (gate.register_forward_pre_hook(fp32_on_cpu), gate.register_forward_hook(restored))]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        _restore_cpu_autocast(*found)  # also where a gate raised
+
+
+def _restore_cpu_autocast(enabled: bool, dtype: Any) -> None:
+    """The CPU autocast state as it was; off, its cache of casts (the gate's fp32 weight) is dropped too."""
+    torch.set_autocast_enabled("cpu", enabled)
+    torch.set_autocast_dtype("cpu", dtype)
+    if not enabled:
+        torch.clear_autocast_cache()

@@ -50,7 +50,8 @@ until it returns). The probe measures pp = 1; with pp > 1 the walk is the same p
 beside what the schedule keeps in flight. A fused kernel (flash attention, the norms'
 backward, the fused SwiGLU's) allocates its outputs alone, as on a GPU; the probe runs each
 as one op for that reason (memcalc.probe.kernels, attention.py). transformers' Llama
-(`--impl hf`, t = 1) has its own walk (memcalc.sizing.timeline.hf).
+(`--impl hf`) has its own walk (memcalc.sizing.timeline.hf), and so have its Mixtral and Qwen2-MoE at
+t = 1 under the balanced bound (memcalc.sizing.timeline.hf_moe); megatron's mixture of experts is refused.
 Everything else raises ConfigError naming what is missing. Within a layer's forward only the end of
 each block is a moment: a forward op's transients are smaller than the gradients the same
 op makes in backward, when the same saved tensors are live.
@@ -159,9 +160,9 @@ def _stage(config: ModelConfig, name: str | None) -> Stage:
 
 def _refuse_other_layers(config: ModelConfig) -> None:
     """ConfigError for layers no walk models yet, whichever library runs them."""
-    if config.moe:
+    if config.moe and config.impl != "hf":  # transformers' MoE blocks: the hf walk's check_modelled says which
         raise ConfigError("the step timeline does not model a mixture of experts (num_experts) yet: it walks dense"
-                          " MLPs")
+                          " MLPs (with --impl hf, transformers' Mixtral and Qwen2-MoE)")
     if config.kv_lora_rank is not None:
         raise ConfigError("the step timeline does not model latent attention (kv_lora_rank) yet")
     if config.head_dim_set:

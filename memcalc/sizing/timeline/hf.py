@@ -22,6 +22,11 @@ after an op made its outputs: what an op frees goes when the next op runs.
                 gradient (tied: summed with lm_head's, which waits in autograd's buffer)
     optimizer   fused AdamW in place: nothing new
 
+With experts (num_experts) the model is MixtralForCausalLM, or Qwen2MoeForCausalLM with shared
+experts: the same walk with each MLP a sparse MoE block (memcalc.sizing.timeline.hf_moe), at
+t = 1, under the balanced bound that `--route balanced` forces; Qwen2MoeModel also makes a
+sliding-window mask no layer uses, live through forward.
+
 Every weight's bf16 gradient is added into the fp32 buffer and dropped as soon as autograd
 hands it over (memcalc.probe.step.MainGrads), so none outlives its GEMM but a tied one.
 
@@ -65,6 +70,7 @@ from memcalc.model.impls import hf as rules
 from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import Strategy
 from memcalc.sizing.pipeline import stages
+from memcalc.sizing.timeline import hf_moe as moe
 from memcalc.sizing.timeline.ends import model_states
 from memcalc.sizing.timeline.tape import ACTIVATIONS, GRADIENTS, PARAMETERS, TEMPORARIES, Sizes, Tape, Timeline
 
@@ -107,10 +113,29 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
         (config.add_bias_linear or config.add_qkv_bias, "biases (LlamaForCausalLM as built here has none)"),
         (config.position_embedding_type != "rope", f"position_embedding_type {config.position_embedding_type}"),
         (config.dtype == "fp32", "dtype fp32 (no master weights)"),
+        *_experts_missing(config, strategy),
     ]
     for absent, what in missing:
         if absent:
             raise ConfigError(f"the step timeline for impl hf does not model {what} yet")
+
+
+def _experts_missing(config: ModelConfig, strategy: Strategy) -> list[tuple[bool, str]]:
+    """What the walk of Mixtral's and Qwen2-MoE's blocks (memcalc.sizing.timeline.hf_moe) leaves out: dense layers
+    among them, experts under tp or ep, and any count of tokens per expert but the balanced one, kbs/E each. (Other
+    blocks are refused before: latent attention, a QK norm.)"""
+    if not config.moe:
+        return []
+    slots = config.moe_router_topk * config.b * config.s
+    return [
+        (config.moe_layer_freq != 1, f"moe_layer_freq={config.moe_layer_freq} (dense layers among MoE ones)"),
+        (strategy.tensor_parallel and config.t > 1, f"experts under tp (t={config.t})"),
+        (config.ep != 1, f"ep={config.ep}"),
+        (config.moe_tokens != "balanced", f"moe_tokens {config.moe_tokens} (it walks the balanced bound, kbs/E slots"
+                                          " an expert, which the forced balanced router gives)"),
+        (slots % config.num_experts != 0, f"k*b*s={slots} slots that E={config.num_experts} experts do not share"
+                                          " evenly (balanced routing would give them unequal counts)"),
+    ]
 
 
 @dataclass
@@ -194,6 +219,10 @@ class _Step:
         if self.eager:
             add("model/causal_mask", z.act * z.b * z.s * z.s,
                 "create_causal_mask's additive (b, 1, s, s) mask, live until LlamaModel returns")
+        if self.config.moe_shared_expert_intermediate_size:  # Qwen2MoeModel: a mask per layer type, used or not
+            add("model/sliding_mask", z.act * z.b * z.s * z.s if self.eager else z.s * z.s,
+                "Qwen2MoeModel makes create_sliding_window_causal_mask's mask beside the causal one, though no layer"
+                " slides (measured: eager a second additive (b, 1, s, s) mask, SDPA a (1, 1, s, s) bool one)")
         for name in _ROPE:
             add(name, self.saved[name], "made once per forward by LlamaRotaryEmbedding; every layer's RoPE keeps it")
         for i in range(self.config.L):
@@ -204,11 +233,20 @@ class _Step:
     def layer_forward(self, i: int) -> None:
         """The layer's saved tensors (the ledger's, less RoPE's shared tables) at its second residual sum."""
         z, p = self.z, f"layers.{i}"
+        experts = self.config.num_experts or 1
         for name, nbytes in self.saved.items():
-            if name not in _ROPE:
+            if name in _ROPE or moe.made_after_experts(name):
+                continue
+            if moe.is_per_expert(name):  # one storage per expert, freed as its expert's backward runs
+                for e in range(experts):
+                    self.add(moe.kept(p, name, e), nbytes // experts, _WHY_SAVED)
+            else:
                 self.add(f"{p}/{name}", nbytes, _WHY_SAVED)
         self.add(f"{p}/mid", z.full(z.h), "the residual stream after attention: ln2's input and the MLP's residual")
-        self.add(f"{p}/mlp output", z.full(z.h), "down_proj's output, summed into the residual stream")
+        if self.config.moe:  # its widest moments, then what it returns
+            moe.block_forward(self, p, f"model.layers.{i}")
+        else:
+            self.add(f"{p}/mlp output", z.full(z.h), "down_proj's output, summed into the residual stream")
         self.add(f"layers.{i + 1}/input", z.full(z.h), "the layer's output, the next layer's input")
         self.tape.mark("forward", f"model.layers.{i}", "the layer's saved tensors, at its second residual sum")
         self.tape.drop(f"{p}/mid", f"{p}/mlp output")
@@ -228,7 +266,7 @@ class _Step:
         self.tape.mark("forward", "model.norm", "RMSNorm at its widest: fp32 input and output, bf16 output")
         layers = self.config.L
         self.tape.drop(f"{out}/variance", f"{out}/normalised fp32", f"layers.{layers}/input", "layers.0/input",
-                       "model/position_ids", "model/causal_mask")  # LlamaModel returns
+                       "model/position_ids", "model/causal_mask", "model/sliding_mask")  # LlamaModel returns
 
     def loss_forward(self) -> None:
         """lm_head's logits, then ForCausalLMLoss at its widest (right after nll_loss)."""
@@ -366,7 +404,10 @@ class _Step:
     def layer_backward(self, i: int) -> None:
         """The layer's backward, op by op: the MLP, ln2 and its residual sum, attention, ln1 and its residual sum."""
         p, m = f"layers.{i}", f"model.layers.{i}"
-        self.mlp_backward(p, m)
+        if self.config.moe:
+            moe.moe_backward(self, p, m)
+        else:
+            self.mlp_backward(p, m)
         self.rms_norm_backward(f"{m}.post_attention_layernorm", f"{p}/ln2", f"grad/{p}/ln2 output",
                                f"grad/{p}/mid", residual=f"grad/{p}/output")
         self.attention_backward(p, m)

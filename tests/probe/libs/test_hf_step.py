@@ -157,3 +157,93 @@ def test_under_tp_every_moment_the_timeline_names_happens_in_order(one_thread, a
 def test_under_tp_what_the_walk_does_not_model_is_refused_by_name(changes, named):
     with pytest.raises(ConfigError, match=named):
         timeline(_config("eager", **({"t": 2} | changes)), STRATEGIES["tp"], CPU)
+
+
+# -- transformers' MixtralForCausalLM, its router forced balanced (kbs/E slots an expert) -----------------------------
+
+MIXTRAL = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 48, "vocab_size": 40}
+MIXTRAL_MOMENTS = [
+    ("flash", {}),  # the last layer's gate_up gradients summed: the sum and its two inputs, (E, 2e, h) each
+    ("eager", {"vocab_size": 250}),  # the loss's backward
+    ("eager", {"num_experts": 2, "moe_router_topk": 1}),  # the final RMSNorm's fp32 backward
+    # forward, the last expert of the last layer: the loop's (b*s, k, E + 1) int64 routing mask outweighs the rest
+    ("flash", {"num_experts": 16, "moe_router_topk": 4, "moe_ffn_hidden_size": 8, "s": 96, "h": 16, "a": 2,
+               "num_query_groups": 1, "vocab_size": 20}),
+]
+
+
+def test_mixtral_sizes_put_the_peak_in_four_different_places_two_inside_the_experts():
+    moments = [timeline(_config(a, **(MIXTRAL | c)), STRATEGIES["none"], CPU).peak for a, c in MIXTRAL_MOMENTS]
+    assert len({m.label() for m in moments}) == len(MIXTRAL_MOMENTS)
+    assert [m.phase for m in moments if m.where == "model.layers.1.mlp.experts"] == ["backward", "forward"]
+
+
+@pytest.mark.parametrize("attention, changes", MIXTRAL_MOMENTS, ids=str)
+def test_mixtral_under_balanced_routing_peaks_where_the_timeline_says_to_the_byte(one_thread, attention, changes):
+    (r,) = measure_step(_config(attention, **(MIXTRAL | changes)), ["none"], route="balanced")
+    assert r.measured.moment == r.predicted_moment
+    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+    assert r.model == "transformers' MixtralForCausalLM, router forced balanced"
+
+
+@pytest.mark.parametrize("attention, changes", [
+    ("flash", {}),
+    ("eager", {"num_experts": 2, "moe_router_topk": 1}),  # one expert per token: r = bs/2
+    ("flash", {"num_experts": 8, "b": 1, "L": 3}),  # eight experts of six slots
+    ("eager", {"h": 128, "moe_ffn_hidden_size": 16, "dtype": "fp16"}),
+], ids=str)
+def test_mixtral_every_moment_of_the_experts_and_router_backward_happens_in_order(one_thread, attention, changes):
+    """Each block's last expert in forward; in backward each expert's routing-weight product, its two weight
+    gradients' sums, the router's GEMMs and the input gradients' sum: MemTracker's reading after some op, in the
+    named module, in order."""
+    config = _config(attention, **(MIXTRAL | changes))
+    readings = readings_after_every_op(warmed_up(single(), config, STRATEGIES["none"], "balanced"))
+    assert_moments_in_order(timeline(config, STRATEGIES["none"], CPU).moments[1:], readings)
+
+
+@pytest.mark.parametrize("route", [None, "all-to-one"])
+def test_a_mixtral_step_is_measured_only_under_the_balanced_route_the_timeline_walks(route):
+    with pytest.raises(ConfigError, match="needs --route balanced with moe_tokens balanced"):
+        measure_step(_config("flash", **MIXTRAL), ["none"], route=route)
+
+
+# -- transformers' Qwen2MoeForCausalLM: Mixtral's experts (bf16 routing weights) beside a gated shared expert ----------
+
+QWEN2_MOE = MIXTRAL | {"moe_shared_expert_intermediate_size": 64}
+QWEN2_MOE_MOMENTS = [
+    ("flash", {}),  # the last layer's gate_up gradients summed
+    # a wide shared expert: its down_proj's dW and dX, autograd's last ops in the block
+    ("flash", {"moe_shared_expert_intermediate_size": 1024, "num_experts": 2, "moe_router_topk": 1,
+               "moe_ffn_hidden_size": 8}),
+    # forward, the last expert of the last layer: the routing mask outweighs the rest
+    ("flash", {"num_experts": 16, "moe_router_topk": 4, "moe_ffn_hidden_size": 8, "s": 96, "h": 16, "a": 2,
+               "num_query_groups": 1, "vocab_size": 20, "moe_shared_expert_intermediate_size": 8}),
+]
+
+
+def test_qwen2_moe_sizes_put_the_peak_in_three_different_places_of_the_block():
+    moments = {timeline(_config(a, **(QWEN2_MOE | c)), STRATEGIES["none"], CPU).peak.label()
+               for a, c in QWEN2_MOE_MOMENTS}
+    assert len(moments) == len(QWEN2_MOE_MOMENTS) and all(".mlp." in x for x in moments), moments
+
+
+@pytest.mark.parametrize("attention, changes", QWEN2_MOE_MOMENTS, ids=str)
+def test_qwen2_moe_under_balanced_routing_peaks_where_the_timeline_says_to_the_byte(one_thread, attention, changes):
+    (r,) = measure_step(_config(attention, **(QWEN2_MOE | changes)), ["none"], route="balanced")
+    assert r.measured.moment == r.predicted_moment
+    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+    assert r.model == "transformers' Qwen2MoeForCausalLM, router forced balanced"
+
+
+@pytest.mark.parametrize("attention, changes", [
+    ("flash", {}),
+    ("eager", {}),  # a second additive (b, 1, s, s) mask
+    ("flash", {"moe_router_pre_softmax": True}),  # norm_topk_prob false: no division in the router
+    ("eager", {"num_experts": 8, "b": 1, "L": 3, "num_query_groups": 8, "dtype": "fp16"}),
+], ids=str)
+def test_qwen2_moe_every_moment_of_the_block_happens_in_order(one_thread, attention, changes):
+    """The shared expert gate's GEMMs, each expert's moments, the router's, the shared expert's down_proj, up_proj and
+    gate_proj with the block input's gradients summed one path at a time."""
+    config = _config(attention, **(QWEN2_MOE | changes))
+    readings = readings_after_every_op(warmed_up(single(), config, STRATEGIES["none"], "balanced"))
+    assert_moments_in_order(timeline(config, STRATEGIES["none"], CPU).moments[1:], readings)

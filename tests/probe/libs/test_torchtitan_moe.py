@@ -1,0 +1,89 @@
+"""torchtitan's MoE layer (Qwen3TransformerBlock's MoE: router, local dispatcher, GroupedExperts on
+torch._grouped_mm, shared experts) keeps, tensor by tensor, what memcalc's torchtitan rules predict.
+
+The byte-exact checks force the router (`--route`): balanced and all-to-one. At ep = 1 one rank runs every
+expert, so both routes keep the same bytes; with the real router the measured bytes fall within the predicted
+balanced and worst bounds.
+"""
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("torchtitan")
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+from memcalc.config.schema import build_config  # noqa: E402
+from memcalc.errors import ConfigError  # noqa: E402
+from memcalc.model.evaluate import estimate  # noqa: E402
+from memcalc.model.impls import plan  # noqa: E402
+from memcalc.model.knobs import Accounting  # noqa: E402
+from memcalc.model.strategy import STRATEGIES  # noqa: E402
+from memcalc.probe.group import single  # noqa: E402
+from memcalc.probe.libs import torchtitan as runner  # noqa: E402
+from memcalc.probe.measure import compare  # noqa: E402
+
+SIZES = {"b": 2, "s": 8, "h": 32, "a": 4, "num_query_groups": 2, "impl": "torchtitan", "recompute": "none",
+         "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 24}
+QWEN3_MOE = {}  # softmax router, route_norm (its builder's), no shared experts
+DEEPSEEK_V3 = {"moe_router_score_function": "sigmoid", "moe_shared_expert_intermediate_size": 48}
+NONE = STRATEGIES["none"]
+CPU = Accounting(exact=True, device="cpu")
+
+
+def _rows(knobs: dict, route: str | None, bound: str = "balanced"):
+    config = build_config(SIZES | knobs | {"moe_tokens": bound})
+    return compare(estimate(config, NONE, CPU), runner.run_layer(single("cpu"), config, NONE, route=route))
+
+
+CASES = {
+    "qwen3-moe's router: softmax, top-k renormalised (route_norm)": QWEN3_MOE,
+    "without route_norm: no top-k sum or quotient": QWEN3_MOE | {"moe_router_pre_softmax": True},
+    "deepseek-v3's router: sigmoid, route_norm, a shared expert on the normalised input": DEEPSEEK_V3,
+    "one expert a token of eight, shared experts wider than the routed": {
+        "num_experts": 8, "moe_router_topk": 1, "moe_shared_expert_intermediate_size": 64},
+    "the moe layer of a dense + moe mix": QWEN3_MOE | {"moe_layer_freq": 2, "L": 2},
+}
+
+
+@pytest.mark.parametrize("route", ["balanced", "all-to-one"])
+@pytest.mark.parametrize("knobs", CASES.values(), ids=CASES.keys())
+def test_a_forced_router_makes_the_moe_layer_keep_exactly_what_the_rules_predict(knobs, route):
+    rows = _rows(knobs, route)
+    assert [row.describe() for row in rows if not row.matches] == []
+    assert all(row.measured > 0 for row in rows)  # every predicted tensor was found, none unlabelled
+    assert {"moe/router_in_fp32", "moe/expert_gate", "moe/expert_out_fp32"} <= {row.name for row in rows}
+
+
+def test_the_router_runs_in_fp32_on_the_cpu_as_under_cudas_autocast():
+    rows = {row.name: row for row in _rows(DEEPSEEK_V3, "balanced")}
+    assert rows["moe/router_scores_fp32"].measured == 2 * 8 * 4 * 4  # b*s*E fp32, not bf16
+    assert rows["moe/input"].measured == 2 * 8 * 32 * 2  # the shared experts keep the bf16 input
+
+
+@pytest.mark.parametrize("knobs", [QWEN3_MOE, DEEPSEEK_V3], ids=["qwen3-moe", "deepseek-v3"])
+def test_with_the_real_router_each_tensor_lies_within_the_balanced_and_worst_bounds(knobs):
+    measured = {row.name: row.measured for row in _rows(knobs, None)}
+    lower = {row.name: row.predicted for row in _rows(knobs, "balanced", bound="balanced")}
+    upper = {row.name: row.predicted for row in _rows(knobs, "balanced", bound="worst")}
+    assert measured.keys() == lower.keys() == upper.keys()
+    assert all(lower[name] <= measured[name] <= upper[name] for name in measured)
+
+
+@pytest.mark.parametrize("knobs, words", [
+    ({"moe_expert_capacity_factor": 1.0}, "drops no tokens"),
+    ({"moe_token_dispatcher_type": "allgather"}, "is Megatron's"),
+    ({"moe_aux_loss": True}, "without an auxiliary loss"),
+    ({"ep": 2}, "ep > 1"),
+    ({"recompute": "op"}, "recompute op or full with experts is not measured"),
+    ({"dtype": "fp32"}, "GroupedExperts computes in bf16"),
+])
+def test_moe_knobs_the_measured_block_does_not_run_are_refused_in_one_line(knobs, words):
+    with pytest.raises(ConfigError, match=words) as caught:
+        estimate(build_config(SIZES | knobs), NONE)
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("strategy", ["tp", "tp-sp"])
+def test_tensor_parallel_layouts_with_experts_are_refused_naming_the_unmeasured_plan(strategy):
+    with pytest.raises(ConfigError, match="set_moe_sharding_config"):
+        plan(build_config(SIZES | {"t": 2}), STRATEGIES[strategy])
