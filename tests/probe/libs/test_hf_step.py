@@ -178,14 +178,6 @@ def test_mixtral_sizes_put_the_peak_in_four_different_places_two_inside_the_expe
     assert [m.phase for m in moments if m.where == "model.layers.1.mlp.experts"] == ["backward", "forward"]
 
 
-@pytest.mark.parametrize("attention, changes", MIXTRAL_MOMENTS, ids=str)
-def test_mixtral_under_balanced_routing_peaks_where_the_timeline_says_to_the_byte(one_thread, attention, changes):
-    (r,) = measure_step(_config(attention, **(MIXTRAL | changes)), ["none"], route="balanced")
-    assert r.measured.moment == r.predicted_moment
-    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
-    assert r.model == "transformers' MixtralForCausalLM, router forced balanced"
-
-
 @pytest.mark.parametrize("attention, changes", [
     ("flash", {}),
     ("eager", {"num_experts": 2, "moe_router_topk": 1}),  # one expert per token: r = bs/2
@@ -227,12 +219,18 @@ def test_qwen2_moe_sizes_put_the_peak_in_three_different_places_of_the_block():
     assert len(moments) == len(QWEN2_MOE_MOMENTS) and all(".mlp." in x for x in moments), moments
 
 
-@pytest.mark.parametrize("attention, changes", QWEN2_MOE_MOMENTS, ids=str)
-def test_qwen2_moe_under_balanced_routing_peaks_where_the_timeline_says_to_the_byte(one_thread, attention, changes):
-    (r,) = measure_step(_config(attention, **(QWEN2_MOE | changes)), ["none"], route="balanced")
+MOE_STEPS = [("MixtralForCausalLM", MIXTRAL, a, c) for a, c in MIXTRAL_MOMENTS] + [
+    ("Qwen2MoeForCausalLM", QWEN2_MOE, a, c) for a, c in QWEN2_MOE_MOMENTS]
+
+
+@pytest.mark.parametrize("model, base, attention, changes", MOE_STEPS, ids=str)
+def test_a_moe_model_under_balanced_routing_peaks_where_the_timeline_says_to_the_byte(
+    one_thread, model, base, attention, changes
+):
+    (r,) = measure_step(_config(attention, **(base | changes)), ["none"], route="balanced")
     assert r.measured.moment == r.predicted_moment
     assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
-    assert r.model == "transformers' Qwen2MoeForCausalLM, router forced balanced"
+    assert r.model == f"transformers' {model}, router forced balanced"
 
 
 @pytest.mark.parametrize("attention, changes", [
