@@ -6,11 +6,12 @@ groups, MLP width, hidden or vocabulary; SP splits the tensors outside it along
 the sequence. On top of the defaults a plan may carry per-tensor overrides, as
 torchtitan's parallelize plans name modules one by one: `planned(impl)` adds
 those an implementation needs (a column-parallel input that DTensor keeps
-gathered under SP), and the forms an implementation keeps a tensor in under
-this layout only (megatron's KV latent, a view of a wider output unless SP's
-scatter copies it): `kept` puts them in their namesakes' place. Code outside
-this module asks a strategy what it does (`tensor_parallel`,
-`sequence_parallel`, `split_dim`, `kept`), never which regions it splits.
+gathered under SP, a module the library's TP plan does not shard), and the
+forms an implementation keeps a tensor in under this layout only (megatron's
+KV latent, a view of a wider output unless SP's scatter copies it): `kept`
+puts them in their namesakes' place. Code outside this module asks a strategy
+what it does (`tensor_parallel`, `sequence_parallel`, `split_dim`, `kept`),
+never which regions it splits.
 """
 
 from __future__ import annotations
@@ -71,14 +72,17 @@ class Strategy:
         return tuple(forms.get(x.name, x) for x in tensors)
 
     def planned(self, impl: Implementation, knobs: Any) -> Strategy:
-        """This layout as `impl` runs `knobs`: under SP, the tensors it keeps gathered stay whole, and the tensors
-        it keeps in another form (`sequence_parallel_forms`) are kept in that form."""
-        if not self.sequence_parallel:
-            return self
+        """This layout as `impl` runs `knobs`: under TP, the tensors its plan leaves unsharded (`unsharded`) stay
+        whole; under SP, the tensors it keeps gathered stay whole too, and the tensors it keeps in another form
+        (`sequence_parallel_forms`) are kept in that form."""
+        whole = impl.unsharded(knobs) if self.tensor_parallel else frozenset()
+        forms: tuple[SavedTensor, ...] = ()
+        if self.sequence_parallel:
+            whole |= impl.kept_whole
+            forms = tuple(x for x in impl.sequence_parallel_forms(knobs) if x not in self.forms)
         overridden = {name for name, _ in self.overrides}
-        whole = tuple((name, None) for name in sorted(impl.kept_whole - overridden))
-        forms = tuple(x for x in impl.sequence_parallel_forms(knobs) if x not in self.forms)
-        return replace(self, overrides=self.overrides + whole, forms=self.forms + forms) if whole or forms else self
+        pinned = tuple((name, None) for name in sorted(whole - overridden))
+        return replace(self, overrides=self.overrides + pinned, forms=self.forms + forms) if pinned or forms else self
 
 
 NONE = Strategy("none", "no parallelism", frozenset())

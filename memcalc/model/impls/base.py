@@ -8,7 +8,9 @@ function that lists, for a knob set, every tensor one layer keeps, in forward
 order. How a layout splits each tensor stays with the layout
 (`memcalc.model.strategy`); an implementation only names the tensors that a
 sequence-parallel layout keeps gathered, as torchtitan's DTensor plan does, or
-keeps in another form, as megatron's latent attention does.
+keeps in another form, as megatron's latent attention does, and those a
+tensor-parallel layout keeps whole, as transformers' plans do for a module they
+do not name.
 """
 
 from __future__ import annotations
@@ -78,6 +80,9 @@ class Implementation:
     strategies: tuple[str, ...] = ("none", "tp", "tp-sp")  # the layouts the library runs (for some knobs)
     refuses: tuple[Refusal, ...] = ()  # layouts of `strategies` it does not run under some knobs, and why
     kept_whole: frozenset[str] = frozenset()  # tensors a sequence-splitting layout keeps gathered (full s)
+    # For a knob set, the tensors a tensor-parallel layout keeps whole on every rank: made by a module the library's
+    # own TP plan does not shard (transformers' Qwen2-MoE plan names no module of the shared expert)
+    unsharded: Callable[[Any], frozenset[str]] = lambda knobs: frozenset()
     # For a knob set, what a sequence-splitting layout keeps in place of the same-named tensors of `layer_tensors`
     # (another width or split); unlike kept_whole, it changes no collective: backward gathers as before.
     sequence_parallel_forms: Callable[[Any], tuple[SavedTensor, ...]] = lambda knobs: ()

@@ -344,6 +344,9 @@ def mlp_block(knobs: Any) -> tuple[SavedTensor, ...]:
     return (ledger.FC1_IN, *activation, ledger.FC2_IN, *dropout)
 
 
+SHARED_MLP = (ledger.SHARED_GATE, ledger.SHARED_UP, ledger.SHARED_SILU_OUT, ledger.SHARED_FC2_IN)  # its SwiGLU
+
+
 def moe_block(knobs: Any) -> tuple[SavedTensor, ...]:
     """The sparse MoE block: the fp32 router, each expert's SwiGLU on its slots, the weighted combine, shared experts.
 
@@ -360,10 +363,9 @@ def moe_block(knobs: Any) -> tuple[SavedTensor, ...]:
         router = (ledger.MOE_IN, ROUTER_PROBS, ledger.ROUTER_TOPK_INDICES, *norm)
     experts = (TOKEN_SLOTS, ledger.EXPERT_IN, ledger.EXPERT_GATE, ledger.EXPERT_UP, ledger.EXPERT_SILU_OUT,
                ledger.EXPERT_FC2_IN, EXPERT_WEIGHT_CAST if qwen else EXPERT_WEIGHT, EXPERT_OUT, COMBINE_IN)
-    shared_mlp = (ledger.SHARED_GATE, ledger.SHARED_UP, ledger.SHARED_SILU_OUT, ledger.SHARED_FC2_IN)
     if knobs.mla:
-        return (*router, *experts, ledger.MOE_IN, *shared_mlp)  # shared_experts(residuals) runs last
-    shared = (*shared_mlp, SHARED_GATE_SIGMOID, SHARED_OUT) if knobs.moe_shared_expert_intermediate_size else ()
+        return (*router, *experts, ledger.MOE_IN, *SHARED_MLP)  # shared_experts(residuals) runs last
+    shared = (*SHARED_MLP, SHARED_GATE_SIGMOID, SHARED_OUT) if knobs.moe_shared_expert_intermediate_size else ()
     return (*router, *shared, *experts)
 
 
@@ -474,6 +476,13 @@ def _check_deepseek_moe(knobs: Any) -> None:
 # base_model_tp_plan applied by apply_tensor_parallelism, as from_pretrained(tp_plan="auto") does. Under the Llama
 # family's plan (q, k, v, gate, up "colwise"; o, down "rowwise") a layer keeps what the paper's TP keeps: the
 # colwise linears' one input whole (DTensor.from_local wraps it as Replicate, no copy), the rest split by t.
+# The MoE plans (Mixtral's, Qwen2-MoE's, Qwen3-MoE's) shard each expert's width and nothing else of the sparse block:
+# gate_up_proj "packed_colwise" (each rank its F_E/t of gate and of up), down_proj "rowwise" (its F_E/t input
+# columns), and "moe_tp_experts" runs the experts' loop on local weights over the whole tokens and routing weights,
+# summing the ranks' outputs after it. No rule names the router: every rank routes every token alike, so each keeps
+# the router's tensors whole and gathers the same r rows, whole in h (Region.EXPERT's rule: only F_E is split).
+# Qwen2-MoE's gate_proj, up_proj and down_proj rules under mlp are a dense layer's Qwen2MoeMLP; the sparse block's
+# shared expert is mlp.shared_expert, which no rule names, so every rank runs it whole (`unsharded`).
 _TP_SOURCE = "transformers 5.24"
 NO_SEQUENCE_PARALLEL = Refusal(
     "tp-sp", always, "in any model",
@@ -489,13 +498,20 @@ GPT2_NO_TP_PLAN = Refusal(
     f"{_TP_SOURCE}, transformers/models/gpt2/configuration_gpt2.py; distributed/mixin.py _resolve_parallel_plans"
     " raises ValueError for tp_size > 1 without a plan",
 )
-MOE_TP_NOT_MODELLED = Refusal(
-    "tp", lambda knobs: knobs.moe or knobs.mla, "with experts or latent attention (num_experts, kv_lora_rank)",
-    "memcalc has not measured those plans yet (Mixtral's and Qwen2-MoE's shard the experts with packed_colwise,"
-    " rowwise and moe_tp_experts; DeepSeek-V3's shards no attention)",
-    f"{_TP_SOURCE}, the base_model_tp_plan of MixtralConfig, Qwen2MoeConfig and DeepseekV3Config; memcalc's own"
-    " limit, not the library's",
+LATENT_TP_NOT_MODELLED = Refusal(
+    "tp", lambda knobs: knobs.mla, "with latent attention (kv_lora_rank)",
+    "memcalc has not measured DeepSeek-V3's plan yet: it shards no attention, only the experts, the shared experts"
+    " and the dense MLP",
+    f"{_TP_SOURCE}, DeepseekV3Config.base_model_tp_plan; memcalc's own limit, not the library's",
 )
+
+
+def unsharded(knobs: Any) -> frozenset[str]:
+    """What tp keeps whole because transformers' plan names no module that makes it: Qwen2-MoE's shared expert
+    (its gate and combine lie outside any column/row pair, whole anyway)."""
+    qwen2_moe = knobs.moe and knobs.moe_shared_expert_intermediate_size and not knobs.mla
+    return frozenset(x.name for x in SHARED_MLP) if qwen2_moe else frozenset()
+
 
 IMPLEMENTATION = Implementation(
     name="hf",
@@ -504,9 +520,11 @@ IMPLEMENTATION = Implementation(
     " MistralDecoderLayer and GPT2Block, attn_implementation eager and sdpa; MixtralDecoderLayer and"
     " Qwen2MoeDecoderLayer; DeepseekV3DecoderLayer (dense MLP and DeepseekV3MoE), eager; Qwen3DecoderLayer and"
     " Qwen3MoeDecoderLayer (head_dim, q_norm and k_norm), eager and sdpa; the Llama family and Qwen3 under"
-    " transformers' own tp_plan (apply_tensor_parallelism, DTensor) at t = 2 and 4",
+    " transformers' own tp_plan (apply_tensor_parallelism, DTensor) at t = 2 and 4, the MoE layers of Mixtral,"
+    " Qwen2-MoE and Qwen3-MoE too (forced routers)",
     layer_tensors=layer_tensors,
-    refuses=(NO_SEQUENCE_PARALLEL, GPT2_NO_TP_PLAN, MOE_TP_NOT_MODELLED),
+    refuses=(NO_SEQUENCE_PARALLEL, GPT2_NO_TP_PLAN, LATENT_TP_NOT_MODELLED),
+    unsharded=unsharded,
     check=check,
     size_rule=REPEAT_KV,
     tensors=(

@@ -181,7 +181,7 @@ def test_two_gloo_ranks_each_keep_what_rank_zero_of_the_fake_group_keeps():
 @pytest.mark.parametrize("knobs, words", [
     (LLAMA, "does not run tp-sp .*in any model: transformers has no sequence parallelism"),
     (GPT2, "does not run tp .*GPT2Config has no base_model_tp_plan"),
-    (LLAMA | {"num_experts": 4}, "does not run tp .*with experts"),
+    (LLAMA | MLA | {"attention": "eager"}, "does not run tp .*with latent attention .*shards no attention"),
 ])
 def test_what_transformers_does_not_lay_out_is_refused_with_the_library_s_reason(knobs, words):
     strategy = "tp-sp" if "tp-sp" in words else "tp"

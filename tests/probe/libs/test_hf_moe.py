@@ -2,7 +2,9 @@
 
 The tokens each expert receives depend on the router, so the byte-exact checks force it (`--route`): balanced
 (kbs/E slots each) and all-to-one (every token to experts 0..k-1). With the real router the measured bytes fall
-within the predicted balanced and worst bounds.
+within the predicted balanced and worst bounds. Under transformers' own tensor-parallel plan each rank keeps its
+F_E/t of every expert's width and the rest of the sparse block whole (the router, the routed tokens, the routing
+weights, and Qwen2-MoE's shared expert, which the plan does not name).
 """
 
 from dataclasses import replace
@@ -21,6 +23,7 @@ from memcalc.model.evaluate import estimate  # noqa: E402
 from memcalc.model.knobs import Accounting  # noqa: E402
 from memcalc.model.strategy import STRATEGIES  # noqa: E402
 from memcalc.probe.group import single  # noqa: E402
+from memcalc.probe.launch import run  # noqa: E402
 from memcalc.probe.libs import hf as runner  # noqa: E402
 from memcalc.probe.libs.hf_shim import forced_routing  # noqa: E402
 from memcalc.probe.measure import compare, measure  # noqa: E402
@@ -121,6 +124,68 @@ def test_the_forced_routes_send_each_expert_the_slots_they_say_and_undo_themselv
     assert _slots_per_expert("balanced") == [3, 3, 3, 3]  # k*b*s/E = 2*6/4
     assert _slots_per_expert("all-to-one") == [6, 6, 0, 0]
     assert transformers.models.mixtral.modeling_mixtral.MixtralTopKRouter.forward is original
+
+
+# -- tensor parallelism: transformers' own plan for the experts ------------------------------------------------------
+
+TP = STRATEGIES["tp"]
+
+
+def _tp_rows(knobs: dict, route: str | None, t: int = 2, mode: str = "fake", dense: bool = False):
+    """Each rank's rows under transformers' tp_plan at t with the router forced (rank 0 of the fake group, or every
+    spawned rank); `dense` a mix's dense layer."""
+    config = build_config(SIZES | knobs | {"t": t})
+    prediction = estimate(config, TP, CPU)
+    per_rank = run(runner.record_layer, (config, TP, None, route, dense), mode=mode, t=t)
+    expected = replace(prediction, tensors=prediction.dense) if dense else prediction
+    return [compare(expected, saved) for saved in per_rank]
+
+
+TP_CASES = {
+    "mixtral t=2: packed_colwise gate_up and rowwise down split each expert's width": (MIXTRAL, 2),
+    "mixtral sdpa t=4, two experts a token of eight":
+        (MIXTRAL | {"attention": "flash", "num_experts": 8, "h": 64, "a": 8, "num_query_groups": 4}, 4),
+    "qwen3-moe t=2: q/k norms on this rank's heads, routing weights cast to bf16": (QWEN3_MOE, 2),
+    "qwen2-moe t=2: the shared expert, named by no rule, whole": (QWEN2_MOE, 2),
+    "qwen2-moe with norm_topk_prob, sdpa, eight experts, t=2":
+        (QWEN2_MOE | {"moe_router_pre_softmax": False, "attention": "flash", "num_experts": 8}, 2),
+}
+
+
+@pytest.mark.parametrize("route", ["balanced", "all-to-one"])
+@pytest.mark.parametrize("knobs, t", TP_CASES.values(), ids=TP_CASES.keys())
+def test_under_its_own_tp_plan_a_forced_moe_layer_keeps_exactly_what_the_rules_predict(one_thread, knobs, t, route):
+    (rows,) = _tp_rows(knobs, route, t)
+    assert [row.describe() for row in rows if not row.matches] == []
+    assert all(row.measured > 0 for row in rows)  # every predicted tensor was found, none unlabelled
+
+
+def test_under_tp_each_rank_keeps_its_share_of_the_expert_width_and_every_routed_token(one_thread):
+    (rows,) = _tp_rows(MIXTRAL, "all-to-one")
+    shapes = {row.name: row.measured_shape for row in rows}
+    b, s, h, e, k, f = (SIZES[x] for x in ("b", "s", "h", "num_experts", "moe_router_topk", "moe_ffn_hidden_size"))
+    r = k * b * s  # every slot, on every rank: each runs all E experts on its F_E/t columns
+    assert shapes["moe/expert_gate"] == shapes["moe/expert_silu_out"] == shapes["moe/expert_fc2_in"] == (r, f // 2)
+    assert shapes["moe/expert_in"] == shapes["moe/expert_out"] == shapes["moe/combine_in"] == (r, h)
+    assert shapes["moe/router_probs_fp32"] == (b, s, e) and shapes["moe/topk_weights_fp32"] == (b, s, k)
+
+
+def test_under_tp_qwen2_moes_shared_expert_is_whole_and_a_mixs_dense_mlp_split(one_thread):
+    (sparse,) = _tp_rows(QWEN2_MOE, "balanced")
+    (dense,) = _tp_rows(QWEN2_MOE | {"moe_layer_freq": 2, "L": 2}, None, dense=True)
+    assert [row.describe() for row in dense if not row.matches] == []
+    b, s, u = SIZES["b"], SIZES["s"], QWEN2_MOE["moe_shared_expert_intermediate_size"]
+    f = 4 * SIZES["h"]  # the dense layer's ffn_hidden_size, unset: 4h
+    shapes = {row.name: row.measured_shape for row in (*sparse, *dense)}
+    assert shapes["moe/shared_gate"] == shapes["moe/shared_fc2_in"] == (b, s, u)  # mlp.shared_expert: no rule
+    assert shapes["mlp/gate"] == shapes["mlp/fc2_in"] == (b, s, f // 2)  # the plan's mlp.gate_proj etc.
+
+
+@pytest.mark.procs
+def test_two_gloo_ranks_route_alike_and_each_keep_what_rank_zero_of_the_fake_group_keeps():
+    ranks = _tp_rows(MIXTRAL, "balanced", mode="spawn")
+    assert [[row.describe() for row in rows if not row.matches] for rows in ranks] == [[], []]
+    assert ranks[0] == ranks[1] == _tp_rows(MIXTRAL, "balanced")[0]
 
 
 @pytest.mark.parametrize("knobs, words", [
