@@ -34,7 +34,9 @@ Where transformers' Python differs from Megatron's fused kernels it keeps more:
   memcalc's `gelu_tanh` is `gelu_new`, GPT2Config's default. A config.json naming
   another tanh GELU reads as `gelu_tanh` too, and is counted as `gelu_new` although
   transformers keeps otherwise: `gelu_pytorch_tanh` (torch's kernel) its input alone,
-  `gelu_fast` (written out another way) seven f-wide tensors.
+  `gelu_fast` (written out another way) seven f-wide tensors. Likewise `gelu_python` (erf
+  written out) and `quick_gelu` (x * sigmoid(1.702x)) read as `gelu` and are counted as
+  torch's kernel, which keeps the input alone; transformers' Python versions keep more.
 - Dropout: Llama has attention dropout only; GPT-2 adds resid and MLP dropouts.
 - Recompute "full" is transformers' gradient checkpointing (torch.utils.checkpoint,
   non-reentrant by default): only the layer's input is kept.
