@@ -27,6 +27,7 @@ from memcalc.probe.launch import run  # noqa: E402
 from memcalc.probe.libs import hf as runner  # noqa: E402
 from memcalc.probe.libs.hf_shim import forced_routing  # noqa: E402
 from memcalc.probe.measure import compare, measure  # noqa: E402
+from . import assert_exact  # noqa: E402
 
 SIZES = {"b": 2, "s": 8, "h": 32, "a": 4, "num_query_groups": 2, "impl": "hf", "attention": "eager",
          "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 24}
@@ -71,8 +72,7 @@ CASES = {
 @pytest.mark.parametrize("knobs", CASES.values(), ids=CASES.keys())
 def test_a_forced_router_makes_the_moe_layer_keep_exactly_what_the_rules_predict(knobs, route):
     rows = _rows(knobs, route)
-    assert [row.describe() for row in rows if not row.matches] == []
-    assert all(row.measured > 0 for row in rows)  # every predicted tensor was found, none unlabelled
+    assert_exact(rows)
     assert any(row.name == "moe/expert_gate" for row in rows)
 
 
@@ -156,8 +156,7 @@ TP_CASES = {
 @pytest.mark.parametrize("knobs, t", TP_CASES.values(), ids=TP_CASES.keys())
 def test_under_its_own_tp_plan_a_forced_moe_layer_keeps_exactly_what_the_rules_predict(one_thread, knobs, t, route):
     (rows,) = _tp_rows(knobs, route, t)
-    assert [row.describe() for row in rows if not row.matches] == []
-    assert all(row.measured > 0 for row in rows)  # every predicted tensor was found, none unlabelled
+    assert_exact(rows)
 
 
 def test_under_tp_each_rank_keeps_its_share_of_the_expert_width_and_every_routed_token(one_thread):

@@ -24,6 +24,7 @@ from memcalc.model.strategy import STRATEGIES  # noqa: E402
 from memcalc.probe.launch import run  # noqa: E402
 from memcalc.probe.libs import megatron as runner  # noqa: E402
 from memcalc.probe.measure import compare  # noqa: E402
+from . import assert_exact  # noqa: E402
 
 # b*a/t is a multiple of 8 and 16 < s: the fused causal softmax runs. No biases: megatron's MoE has none with
 # expert tensor parallelism or shared experts.
@@ -82,8 +83,7 @@ def _rows(strategy, t, knobs, route, dense=False):
 def test_a_forced_router_makes_megatrons_moe_layer_keep_exactly_what_the_rules_predict(case, route, bound):
     strategy, t, knobs = CASES[case]
     rows = _rows(strategy, t, knobs | {"moe_tokens": bound}, route)
-    assert [row.describe() for row in rows if not row.matches] == []
-    assert all(row.measured > 0 for row in rows)  # every predicted tensor was found, none unlabelled
+    assert_exact(rows)
     assert any(row.name == "moe/expert_in" for row in rows)
 
 
@@ -129,8 +129,7 @@ MIXES = {
 def test_each_layer_of_a_dense_and_moe_mix_keeps_what_the_rules_predict_for_its_kind(case, dense):
     strategy, t, knobs = MIXES[case]
     rows = _rows(strategy, t, knobs, "balanced", dense=dense)
-    assert [row.describe() for row in rows if not row.matches] == []
-    assert all(row.measured > 0 for row in rows)
+    assert_exact(rows)
     names = {row.name for row in rows}
     assert ("moe/expert_in" in names) != dense and ("mlp/fc2_in" in names) == dense
 

@@ -21,6 +21,7 @@ from memcalc.model.strategy import STRATEGIES  # noqa: E402
 from memcalc.probe.group import single  # noqa: E402
 from memcalc.probe.libs import torchtitan as runner  # noqa: E402
 from memcalc.probe.measure import compare  # noqa: E402
+from . import assert_exact  # noqa: E402
 
 SIZES = {"b": 2, "s": 8, "h": 32, "a": 4, "num_query_groups": 2, "impl": "torchtitan", "recompute": "none",
          "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 24}
@@ -49,8 +50,7 @@ CASES = {
 @pytest.mark.parametrize("knobs", CASES.values(), ids=CASES.keys())
 def test_a_forced_router_makes_the_moe_layer_keep_exactly_what_the_rules_predict(knobs, route):
     rows = _rows(knobs, route)
-    assert [row.describe() for row in rows if not row.matches] == []
-    assert all(row.measured > 0 for row in rows)  # every predicted tensor was found, none unlabelled
+    assert_exact(rows)
     assert {"moe/router_in_fp32", "moe/expert_gate", "moe/expert_out_fp32"} <= {row.name for row in rows}
 
 
