@@ -98,14 +98,6 @@ def _head_dim_row(default: Any = None) -> Row:
     return Row("kv_channels", ("head_dim",), _head_dim, default=default)
 
 
-def _no_dense_layers(value: Any) -> Any:
-    """Qwen's mlp_only_layers: dense layers at chosen indices, which memcalc's every-freq-th placement cannot say."""
-    if value:
-        raise ConfigError(f"mlp_only_layers={short_repr(value)} (dense layers at chosen indices) is not modelled:"
-                          " memcalc places MoE layers every moe_layer_freq layers")
-    return value
-
-
 def _no_sliding_window(value: Any) -> Any:
     """Qwen's use_sliding_window: sliding-window layers mask differently (and leave SDPA's causal kernel)."""
     if value is not False:
@@ -219,7 +211,7 @@ _QWEN3_MOE = (
     Row("moe_ffn_hidden_size", ("moe_intermediate_size",), default=768),
     Row("moe_router_pre_softmax", ("norm_topk_prob",), _pre_softmax, default=True),  # norm_topk_prob false
     Row("moe_layer_freq", ("decoder_sparse_step",), default=None),
-    _kept_nothing("mlp_only_layers", _no_dense_layers, "no layer made dense by index"),
+    _kept_nothing("mlp_only_layers", lambda v: v, "no layer made dense by index"),  # _check_sparse_layers refuses any
     _AUX_LOSS,
 )
 _NOTHING_KEPT = "changes nothing kept"

@@ -138,6 +138,11 @@ class ModelConfig(Knobs):
         """One expert's MLP hidden size: moe_ffn_hidden_size, else the dense MLP's."""
         return self.moe_ffn_hidden_size if self.moe_ffn_hidden_size is not None else self.ffn
 
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer i (0-based) has a MoE MLP: i % moe_layer_freq == 0 (Megatron-LM's rule), past the first
+        moe_first_dense_layers (DeepSeek's first_k_dense_replace). `moe_layers` counts them."""
+        return self.num_experts is not None and i >= (self.moe_first_dense_layers or 0) and i % self.moe_layer_freq == 0
+
     @property
     def moe_layers(self) -> int:
         """Layers with a MoE MLP: layer i is one when i % moe_layer_freq == 0 (Megatron-LM's rule) and i is past

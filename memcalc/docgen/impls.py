@@ -56,7 +56,7 @@ def _intro(impl: Implementation, knobs: Knobs) -> str:
         f"Measured on: {impl.measured_on}.",
         "",
         f"Layouts it runs (its defaults): {', '.join(f'`{n}`' for n in impl.runs(knobs))}.",
-        *(f"It does not run `{r.strategy}` {r.condition}: {r.reason} ({r.source})." for r in impl.refuses),
+        *(f"It does not run `{r.strategy}` {r.cited()}." for r in impl.refuses),
         f"Tensors a sequence-parallel layout keeps gathered (whole sequence): {whole}.",
         "",
         f"Its defaults (what `impl: {impl.name}` sets unless the config says otherwise): {describe_knobs(knobs)}.",

@@ -369,9 +369,8 @@ def stage_layers(config: ModelConfig) -> tuple[int, int]:
     per_stage = config.L // config.pp
     if not config.moe:
         return per_stage, 0
-    first = config.moe_first_dense_layers or 0
-    moe = max(sum(1 for i in range(stage * per_stage, (stage + 1) * per_stage)
-                  if i >= first and i % config.moe_layer_freq == 0) for stage in range(config.pp))
+    moe = max(sum(map(config.is_moe_layer, range(stage * per_stage, (stage + 1) * per_stage)))
+              for stage in range(config.pp))
     return moe, per_stage - moe
 
 
@@ -388,8 +387,8 @@ def formula(knobs: Any, strategy: Strategy, width: int, ep: int = 1) -> tuple[st
     """Bytes one rank sends per layer, in symbols (text, LaTeX): the sum over its collectives of the element
     width, times 2 for an all-reduce, the group's share and the shape (a dense layer: sbh(t-1)/t each)."""
     terms: dict[tuple[tuple[str, str], tuple[Dim, ...]], int] = {}
+    factors = _FACTORS if strategy.tensor_parallel else _FACTORS_T1
     for c in layer_collectives(knobs, strategy, ep=ep):
-        factors = _FACTORS if strategy.tensor_parallel else _FACTORS_T1
         key = (factors[(c.group, c.count)], c.shape)
         terms[key] = terms.get(key, 0) + ring_units(c) * _FIXED_WIDTHS.get(c.kind, width)
     if not terms:

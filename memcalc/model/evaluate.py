@@ -39,7 +39,8 @@ def dim_sizes(config: ModelConfig, routers: Any = 1) -> dict[Dim, Any]:
     return sizes | {
         Dim.E: config.num_experts, Dim.K: config.moe_router_topk, Dim.FE: config.expert_ffn,
         Dim.U: config.moe_shared_expert_intermediate_size or 0,
-        Dim.R: routed_slots(config, config.moe_tokens, routers), Dim.RS: kept_slots(config, routers),
+        Dim.R: routed_slots(config, config.moe_tokens, routers),
+        Dim.RS: routed_slots(config, "balanced", routers),  # r_s: the slots its own tokens keep, whatever the route
     }
 
 
@@ -82,16 +83,6 @@ def capacity_slots(config: ModelConfig, routers: Any = 1) -> Any:
     c, local = config, config.b * (config.s // config.cp) // routers
     per_expert = -(-((c.moe_router_topk * local / c.num_experts) * c.moe_expert_capacity_factor) // 1)
     return _whole(per_expert) * c.num_experts * routers
-
-
-def kept_slots(config: ModelConfig, routers: Any = 1) -> Any:
-    """r_s: the token-expert slots a tensor-parallel group's own b*s/cp tokens keep, over its `routers`: k*b*s;
-    with a capacity factor at most every expert's capacity (exactly that when padded to it)."""
-    c, tokens = config, config.b * (config.s // config.cp)
-    if c.moe_expert_capacity_factor is None:
-        return c.moe_router_topk * tokens
-    full = capacity_slots(config, routers)  # each router keeps E*capacity: routers*E*capacity in all
-    return full if c.moe_pad_expert_input_to_capacity else minimum(full, c.moe_router_topk * tokens)
 
 
 def _whole(x: Any) -> Any:

@@ -255,10 +255,9 @@ def moe_layer_pattern(config: ModelConfig) -> int | list[int]:
     """memcalc's MoE layers as Megatron-LM's --moe-layer-freq says them: the int freq (layer i is MoE when
     i % freq == 0), or with first dense layers the list of 0 (dense) and 1 (MoE) per layer, as Megatron-LM's
     DeepSeek recipes write `([0]*k+[1]*(L-k))`."""
-    first = config.moe_first_dense_layers or 0
-    if not first:
+    if not config.moe_first_dense_layers:
         return config.moe_layer_freq
-    return [int(i >= first and i % config.moe_layer_freq == 0) for i in range(config.L)]
+    return [int(config.is_moe_layer(i)) for i in range(config.L)]
 
 
 def layer_index(config: ModelConfig, dense: bool = False) -> int:
@@ -266,8 +265,7 @@ def layer_index(config: ModelConfig, dense: bool = False) -> int:
     (ProbeError if every layer is MoE), as `moe_layer_pattern` tells megatron to place them."""
     if not config.moe:
         return 0
-    freq = moe_layer_pattern(config)
-    pattern = freq if isinstance(freq, list) else [int(i % freq == 0) for i in range(config.L)]
+    pattern = [int(config.is_moe_layer(i)) for i in range(config.L)]  # as moe_layer_pattern places them
     if (0 if dense else 1) not in pattern:
         raise ProbeError(f"impl megatron: every one of the L={config.L} layers is a MoE layer (moe_layer_freq 1, no"
                          " first dense layers): there is no dense layer to measure")
