@@ -27,7 +27,7 @@ from memcalc.probe.launch import run  # noqa: E402
 from memcalc.probe.libs import hf as runner  # noqa: E402
 from memcalc.probe.libs.hf_shim import forced_routing  # noqa: E402
 from memcalc.probe.measure import compare, measure  # noqa: E402
-from . import assert_exact  # noqa: E402
+from . import assert_exact, assert_within_bounds  # noqa: E402
 
 SIZES = {"b": 2, "s": 8, "h": 32, "a": 4, "num_query_groups": 2, "impl": "hf", "attention": "eager",
          "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 24}
@@ -103,11 +103,8 @@ def test_what_deepseeks_group_choice_saves_is_freed_with_the_router_so_not_count
 @pytest.mark.parametrize("knobs", [MIXTRAL, QWEN2_MOE, QWEN3_MOE, DEEPSEEK_V3],
                          ids=["mixtral", "qwen2-moe", "qwen3-moe", "deepseek-v3"])
 def test_with_the_real_router_each_tensor_lies_within_the_balanced_and_worst_bounds(knobs):
-    measured = {row.name: row.measured for row in _rows(knobs, None)}
-    lower = {row.name: row.predicted for row in _rows(knobs, "balanced", bound="balanced")}
-    upper = {row.name: row.predicted for row in _rows(knobs, "balanced", bound="worst")}
-    assert measured.keys() == lower.keys() == upper.keys()
-    assert all(lower[name] <= measured[name] <= upper[name] for name in measured)
+    assert_within_bounds(_rows(knobs, None), _rows(knobs, "balanced", bound="balanced"),
+                         _rows(knobs, "balanced", bound="worst"))
 
 
 def _slots_per_expert(route: str) -> list[int]:

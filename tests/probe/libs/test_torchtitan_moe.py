@@ -21,7 +21,7 @@ from memcalc.model.strategy import STRATEGIES  # noqa: E402
 from memcalc.probe.group import single  # noqa: E402
 from memcalc.probe.libs import torchtitan as runner  # noqa: E402
 from memcalc.probe.measure import compare  # noqa: E402
-from . import assert_exact  # noqa: E402
+from . import assert_exact, assert_within_bounds  # noqa: E402
 
 SIZES = {"b": 2, "s": 8, "h": 32, "a": 4, "num_query_groups": 2, "impl": "torchtitan", "recompute": "none",
          "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 24}
@@ -62,11 +62,8 @@ def test_the_router_runs_in_fp32_on_the_cpu_as_under_cudas_autocast():
 
 @pytest.mark.parametrize("knobs", [QWEN3_MOE, DEEPSEEK_V3], ids=["qwen3-moe", "deepseek-v3"])
 def test_with_the_real_router_each_tensor_lies_within_the_balanced_and_worst_bounds(knobs):
-    measured = {row.name: row.measured for row in _rows(knobs, None)}
-    lower = {row.name: row.predicted for row in _rows(knobs, "balanced", bound="balanced")}
-    upper = {row.name: row.predicted for row in _rows(knobs, "balanced", bound="worst")}
-    assert measured.keys() == lower.keys() == upper.keys()
-    assert all(lower[name] <= measured[name] <= upper[name] for name in measured)
+    assert_within_bounds(_rows(knobs, None), _rows(knobs, "balanced", bound="balanced"),
+                         _rows(knobs, "balanced", bound="worst"))
 
 
 @pytest.mark.parametrize("knobs, words", [
