@@ -13,6 +13,14 @@ mark, the host and process that wrote it). The next write to the same target
 removes the leftovers of that target whose writer no longer runs on this host;
 a live writer's temporary, another host's (a shared filesystem), and any file
 not named this way for this target are never touched.
+
+What stands at the path is kept what it is. A symlink is followed, and its
+target written (whole, as above); a file keeps its permission bits (a `chmod 600`
+file stays 600). A character device or a FIFO (`/dev/stdout`, `/dev/full`, a
+named pipe a reader waits on) is written in place, as a shell's `>` would: a
+rename would put a plain file where the device was. Anything else that is not a
+regular file (a socket, a directory) is refused. `check_writable` says all of
+this before any work is done.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import stat
 import tempfile
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -40,28 +49,93 @@ def atomic_write(path: Path) -> Iterator[BinaryIO]:
     """A binary stream whose bytes become `path` when the block ends without an error.
 
     On any error (or SystemExit, as SIGTERM becomes in `memcalc.cli.main`) the
-    temporary file is removed and `path` is left as it was.
+    temporary file is removed and `path` is left as it was. A symlink's target is
+    written; a device or FIFO is written in place (see the module's docstring).
     """
-    path = Path(path)
-    _remove_leftovers(path)
+    target = _target(Path(path))
+    mode = _existing_mode(target)
+    if mode is not None and _in_place(mode):
+        with _in_place_write(target, path) as stream:
+            yield stream
+        return
+    _remove_leftovers(target)
     try:
-        prefix = f"{_writer_prefix(path)}{os.getpid()}."
-        fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=prefix, suffix=".part")
+        prefix = f"{_writer_prefix(target)}{os.getpid()}."
+        fd, temporary = tempfile.mkstemp(dir=target.parent, prefix=prefix, suffix=".part")
     except OSError as exc:
-        raise OutputError(f"cannot write {printable(str(path))}: {exc.strerror or exc}") from None
+        raise _cannot(path, exc) from None
     try:
         with os.fdopen(fd, "wb") as stream:
             yield stream
             stream.flush()
             os.fsync(stream.fileno())
-        os.chmod(temporary, 0o666 & ~_umask())  # mkstemp makes 0600; a plain open() would not
-        os.replace(temporary, path)
+        # mkstemp makes 0600: an existing file keeps its own bits, a new one gets what a plain open() would give
+        os.chmod(temporary, stat.S_IMODE(mode) if mode is not None else 0o666 & ~_umask())
+        os.replace(temporary, target)
     except OSError as exc:
         _remove(temporary)
-        raise OutputError(f"cannot write {printable(str(path))}: {exc.strerror or exc}") from None
+        raise _cannot(path, exc) from None
     except BaseException:
         _remove(temporary)
         raise
+
+
+def check_writable(path: Path) -> None:
+    """Raise OutputError (one line) unless `atomic_write(path)` can write there, before any work is done.
+
+    For a regular file (or a new one) that means making, and removing, a file in its directory: the
+    only test that holds for root, for read-only mounts and for /proc alike.
+    """
+    target = _target(Path(path))
+    mode = _existing_mode(target)
+    if mode is not None and _in_place(mode):
+        if not os.access(target, os.W_OK):
+            raise OutputError(f"cannot write {printable(str(path))}: Permission denied")
+        return
+    try:
+        fd, probe = tempfile.mkstemp(dir=target.parent, prefix=f"{_writer_prefix(target)}{os.getpid()}.")
+    except OSError as exc:
+        raise _cannot(path, exc) from None
+    os.close(fd)
+    _remove(probe)
+
+
+def _target(path: Path) -> Path:
+    """Where the bytes go: a symlink's final target (which may not exist yet), else `path` itself."""
+    return Path(os.path.realpath(path)) if os.path.islink(path) else path
+
+
+def _existing_mode(target: Path) -> int | None:
+    """The st_mode of what stands at `target`, None if nothing does; OutputError for what cannot be written."""
+    try:
+        mode = os.stat(target).st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise _cannot(target, exc) from None
+    if not (stat.S_ISREG(mode) or _in_place(mode)):
+        kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file, a device or a FIFO"
+        raise OutputError(f"cannot write {printable(str(target))}: it is {kind}")
+    return mode
+
+
+def _in_place(mode: int) -> bool:
+    """A character device or a FIFO: written where it stands, never replaced by a file."""
+    return stat.S_ISCHR(mode) or stat.S_ISFIFO(mode)
+
+
+@contextmanager
+def _in_place_write(target: Path, path: Path) -> Iterator[BinaryIO]:
+    """The device or FIFO itself, opened for writing (a FIFO waits for its reader, as `>` does)."""
+    try:
+        with open(target, "wb") as stream:
+            yield stream
+    except OSError as exc:
+        raise _cannot(path, exc) from None
+
+
+def _cannot(path: Path | str, exc: OSError) -> OutputError:
+    return OutputError(f"cannot write {printable(str(path))}: {exc.strerror or exc}")
 
 
 def _writer_prefix(path: Path) -> str:

@@ -7,10 +7,11 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 
 import pytest
 
-from memcalc.output import OutputError, atomic_write
+from memcalc.output import OutputError, atomic_write, check_writable
 
 HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())
 NO_SUCH_PID = 2**22 + 1  # above Linux's largest pid_max (and macOS's): no process has it
@@ -112,6 +113,80 @@ def test_a_leftover_that_cannot_be_removed_does_not_stop_the_write(tmp_path):
     with atomic_write(tmp_path / "rows.csv") as stream:
         stream.write(b"new\n")
     assert (tmp_path / "rows.csv").read_text() == "new\n"
+
+
+# -- what stands at the path stays what it is (issue 22) ----------------------------------------------
+
+
+def test_a_symlink_is_written_through_to_its_target_and_stays_a_symlink(tmp_path):
+    real = tmp_path / "data" / "rows.csv"
+    real.parent.mkdir()
+    real.write_text("old\n")
+    link = tmp_path / "rows.csv"
+    link.symlink_to(real)
+    with atomic_write(link) as stream:
+        stream.write(b"new\n")
+    assert link.is_symlink() and os.readlink(link) == str(real)
+    assert real.read_text() == "new\n"
+    assert sorted(os.listdir(real.parent)) == ["rows.csv"]
+
+
+def test_a_dangling_symlink_creates_its_target(tmp_path):
+    link = tmp_path / "rows.csv"
+    link.symlink_to(tmp_path / "new.csv")
+    with atomic_write(link) as stream:
+        stream.write(b"new\n")
+    assert link.is_symlink() and (tmp_path / "new.csv").read_text() == "new\n"
+
+
+def test_a_file_keeps_its_permission_bits(tmp_path):
+    target = tmp_path / "rows.csv"
+    target.write_text("old\n")
+    target.chmod(0o600)
+    with atomic_write(target) as stream:
+        stream.write(b"new\n")
+    assert stat.S_IMODE(target.stat().st_mode) == 0o600 and target.read_text() == "new\n"
+
+
+def test_a_fifo_is_written_in_place_for_its_reader(tmp_path):
+    fifo = tmp_path / "rows.fifo"
+    os.mkfifo(fifo)
+    received = []
+    reader = threading.Thread(target=lambda: received.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    with atomic_write(fifo) as stream:
+        stream.write(b"rows\n")
+    reader.join(timeout=30)
+    assert received == [b"rows\n"]
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and os.listdir(tmp_path) == ["rows.fifo"]
+
+
+def test_a_full_device_is_one_output_error_and_stays_a_device():
+    """/dev/full takes no byte (ENOSPC): exit 1 for the write; it must still be a character device after."""
+    with pytest.raises(OutputError, match="cannot write /dev/full: No space left on device") as caught:
+        with atomic_write("/dev/full") as stream:
+            stream.write(b"x" * 100_000)
+    assert caught.value.exit_code == 1
+    assert stat.S_ISCHR(os.lstat("/dev/full").st_mode)
+
+
+def test_a_socket_is_refused_before_writing(tmp_path):
+    path = tmp_path / "s.sock"
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(path))
+        with pytest.raises(OutputError, match="not a regular file, a device or a FIFO"):
+            check_writable(path)
+        assert stat.S_ISSOCK(os.lstat(path).st_mode)
+
+
+def test_a_directory_where_no_file_can_be_made_is_found_before_any_work():
+    with pytest.raises(OutputError, match="cannot write /proc/x.csv"):
+        check_writable("/proc/x.csv")
+
+
+def test_checking_a_path_leaves_nothing_behind(tmp_path):
+    check_writable(tmp_path / "rows.csv")
+    assert os.listdir(tmp_path) == []
 
 
 def _umask() -> int:

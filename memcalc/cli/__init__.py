@@ -132,6 +132,14 @@ def main(argv: list[str] | None = None) -> None:
     sys.exit(code if isinstance(code, int) else 0)
 
 
+def echo_json(doc: object) -> None:
+    """Print a JSON document: the one place memcalc writes JSON to stdout. NaN and infinity are not JSON, so a
+    non-finite number is a bug (inputs are finite at the parameter) and fails here rather than reach a parser."""
+    import json
+
+    click.echo(json.dumps(doc, indent=2, allow_nan=False))
+
+
 def _fail(message: str, code: int) -> None:
     """One line on stderr: whitespace folded, control characters escaped, never a flood."""
     line = printable(" ".join(message.split()))

@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from typing import Any
 
 import click
 
+from memcalc.cli import echo_json
 from memcalc.cli.options import layout_options, model_from, model_options, strategy_names, strategy_option
+from memcalc.cli.types import POSITIVE, Real
 from memcalc.config.schema import ModelConfig, config_record
 from memcalc.model.comm import LayerComm, formula, layer_comm
 from memcalc.model.knobs import DTYPE_BYTES
 from memcalc.config.gpus import GPUS, Gpu
 from memcalc.model.overlap import DEFAULT_SPLITS, buffer_bytes, chosen, exposed, pairings, resolve
-from memcalc.model.strategy import STRATEGIES, TP_SP
+from memcalc.model.strategy import STRATEGIES, TP_SP, Strategy
 from memcalc.schemas import SCHEMA_VERSION
 
 
@@ -22,7 +23,7 @@ from memcalc.schemas import SCHEMA_VERSION
 @model_options
 @layout_options
 @strategy_option
-@click.option("--microbatches", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("--microbatches", type=POSITIVE, default=1, show_default=True,
               help="Micro-batches per step (each runs every layer's collectives once).")
 @click.option("--format", "fmt", type=click.Choice(["table", "latex"]), default="table", show_default=True,
               help="table: every collective; latex: the per-layer formula of each strategy.")
@@ -33,10 +34,10 @@ from memcalc.schemas import SCHEMA_VERSION
 )
 @click.option("--gpu", type=click.Choice(list(GPUS)), default="h100-80gb", show_default=True,
               help="Peak 16-bit TFLOPS and link bandwidth preset for the timing model.")
-@click.option("--peak-tflops", type=click.FloatRange(min=0, min_open=True), help="Override the preset's TFLOPS.")
-@click.option("--link-gbps", type=click.FloatRange(min=0, min_open=True),
+@click.option("--peak-tflops", type=Real(above=0), help="Override the preset's TFLOPS.")
+@click.option("--link-gbps", type=Real(above=0),
               help="Override the preset's link bandwidth, GB/s one way.")
-@click.option("--num-splits", type=click.IntRange(min=1), default=DEFAULT_SPLITS, show_default=True,
+@click.option("--num-splits", type=POSITIVE, default=DEFAULT_SPLITS, show_default=True,
               help="Chunks of a pipelined reduce-scatter.")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of tables.")
 def command(strategy: str, microbatches: int, fmt: str, overlap: str | None, gpu: str, peak_tflops: float | None,
@@ -53,13 +54,14 @@ def command(strategy: str, microbatches: int, fmt: str, overlap: str | None, gpu
     if overlap is not None:
         device = replace(GPUS[gpu], tflops=peak_tflops or GPUS[gpu].tflops, link_gb_s=link_gbps or GPUS[gpu].link_gb_s)
         methods = resolve(x.strip() for x in overlap.split(","))
-        report = overlap_report(config, methods, device, num_splits)
-        click.echo(json.dumps(report, indent=2)) if as_json else _print_overlap(config, report)
+        layout = TP_SP if strategy == "all" else STRATEGIES[strategy]  # a layout named alone: pairings refuses all but tp-sp
+        report = overlap_report(config, layout, methods, device, num_splits)
+        echo_json(report) if as_json else _print_overlap(config, report)
         return
     results = [layer_comm(config, STRATEGIES[n], microbatches) for n in strategy_names(strategy, config)]
     width = DTYPE_BYTES[config.dtype]
     if as_json:
-        click.echo(json.dumps(to_json(config, results, microbatches, width), indent=2))
+        echo_json(to_json(config, results, microbatches, width))
     elif fmt == "latex":
         for r in results:
             click.echo(f"% {r.strategy.name}: {r.strategy.title}, bytes one rank sends per layer")
@@ -122,10 +124,10 @@ def _print(config: ModelConfig, results: list[LayerComm], microbatches: int, wid
         )
 
 
-def overlap_report(config: ModelConfig, methods: frozenset[str], gpu: Gpu, splits: int) -> dict:
+def overlap_report(config: ModelConfig, strategy: Strategy, methods: frozenset[str], gpu: Gpu, splits: int) -> dict:
     """Per collective of one tp-sp layer: its GEMM, the method hiding it, the times, and the buffers."""
     rows = []
-    for p in pairings(config, TP_SP, gpu):
+    for p in pairings(config, strategy, gpu):
         method = chosen(p.methods, methods)
         rows.append({
             "collective": p.collective, "gemm": p.gemm, "method": method, "bytes_sent": p.comm_bytes,

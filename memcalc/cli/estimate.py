@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING, Any
 
 import click
 
+from memcalc.cli import echo_json
 from memcalc.cli.options import (
     accounting_options, device_options, layout_options, model_from, model_options, strategy_names, strategy_option,
 )
@@ -72,7 +72,7 @@ def command(
         per = [per_gpu(config, r.strategy, accounting) for r in results]
         peaks = {r.strategy.name: step_peaks(config, r.strategy) for r in results}
     if as_json:
-        click.echo(json.dumps(to_json(config, accounting, results, baseline, per, budget, peaks), indent=2))
+        echo_json(to_json(config, accounting, results, baseline, per, budget, peaks))
     else:
         from memcalc.cli import render  # rich, only for people
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import click
 
+from memcalc.cli import echo_json
 from memcalc.cli.options import (
     ByteSize, accounting_options, device_options, layout_options, model_from, model_options, strategy_names,
     strategy_option,
@@ -76,7 +76,7 @@ def command(
     if not any(f.answer for f in fits):
         _nothing_fits(fits, solve, budget, count)
     if as_json:
-        click.echo(json.dumps(to_json(config, solve, count, budget, fits), indent=2))
+        echo_json(to_json(config, solve, count, budget, fits))
         return
     _print(config, solve, count, budget, fits, strategy)
 

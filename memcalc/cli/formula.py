@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import click
 
+from memcalc.cli import echo_json
 from memcalc.cli.knobs import knobs_from
 from memcalc.cli.options import accounting_options, config_option, knob_options, strategy_names, strategy_option
 from memcalc.model.knobs import Accounting, Knobs
@@ -35,7 +35,7 @@ def command(strategy: str, exact: bool, device: str, fmt: str, **params: Any) ->
     accounting = Accounting(exact=exact, device=device)
     formulas = [F.layer_formula(STRATEGIES[n], knobs, accounting) for n in strategy_names(strategy, knobs)]
     if fmt == "json":
-        click.echo(json.dumps(_json(F, formulas, knobs, accounting), indent=2))
+        echo_json(_json(F, formulas, knobs, accounting))
     elif fmt == "latex":
         for lf in formulas:
             click.echo(f"% {lf.strategy.name}: {lf.strategy.title}, bytes per GPU per layer")

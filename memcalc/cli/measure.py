@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import math
 from typing import TYPE_CHECKING, Any
 
 import click
 
+from memcalc.cli import echo_json
 from memcalc.cli.options import model_from, model_options, strategy_names, strategy_option
+from memcalc.cli.types import POSITIVE, Real
 from memcalc.config.schema import ModelConfig, config_record
 from memcalc.errors import ConfigError, ProbeError
 from memcalc.probe import LOGGED, ROUTES, routing_fixed
@@ -25,13 +25,6 @@ LAYERS = ("library", "memcalc")  # memcalc.probe.measure.LAYERS, spelled out so 
 
 
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: torch's timedelta and any real run stay far inside it
-
-
-def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
-    """FloatRange lets NaN through (every comparison with NaN is false)."""
-    if not math.isfinite(value):
-        raise click.BadParameter(f"{value} is not a number of seconds (0 < timeout <= {MAX_TIMEOUT_S:g})", ctx, param)
-    return value
 
 
 @click.command("measure")
@@ -52,8 +45,8 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
     help="How the t ranks run: this process (single), t processes (spawn), torch's fake group, or torchrun's ranks.",
 )
 @click.option(
-    "--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True, max=MAX_TIMEOUT_S), default=300.0,
-    show_default=True, callback=_finite, help="Seconds the ranks get before they are stopped.",
+    "--timeout", "timeout_s", type=Real(above=0, most=MAX_TIMEOUT_S), default=300.0,
+    show_default=True, help="Seconds the ranks get before they are stopped.",
 )
 @click.option(
     "--layer", type=click.Choice(LAYERS), default=None,
@@ -71,7 +64,7 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
     help="Run memcalc's own tp-sp layer with its forward collectives overlapped: a comma list of ring-ag, ring-rs,"
     " pipelined-rs (with --comm, every ring hop and chunk is compared with the ledger).",
 )
-@click.option("--num-splits", type=click.IntRange(min=1), default=4, show_default=True,
+@click.option("--num-splits", type=POSITIVE, default=4, show_default=True,
               help="Chunks of a pipelined reduce-scatter.")
 @click.option(
     "--step", is_flag=True,
@@ -125,7 +118,7 @@ def command(strategy: str, device: str, backend: str | None, launch: str, timeou
     if not results:
         return  # a torchrun rank other than 0: rank 0 reports for the job
     if as_json:
-        click.echo(json.dumps(to_json(config, results), indent=2))
+        echo_json(to_json(config, results))
     else:
         print_measurements(config, results, comm)
     differences = [f"{m.strategy.name}: {d}" for m in results for d in m.differences()]

@@ -5,11 +5,11 @@ Not a command of its own: `memcalc.cli.measure` hands over here when --step is g
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING, Any
 
 import click
 
+from memcalc.cli import echo_json
 from memcalc.config.schema import ModelConfig, config_record
 from memcalc.errors import ConfigError, ProbeError
 from memcalc.schemas import SCHEMA_VERSION
@@ -33,7 +33,7 @@ def run_step(
 
     results = measure_step(config, strategies, route)
     if as_json:
-        click.echo(json.dumps(to_json(config, results), indent=2))
+        echo_json(to_json(config, results))
     else:
         print_steps(config, results, TOLERANCE)
     differences = [f"{r.strategy.name}: {d}" for r in results for d in r.differences()]

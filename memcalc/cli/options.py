@@ -14,6 +14,7 @@ import click
 
 from memcalc.config.gpus import DEFAULT_GPU, DEFAULT_RESERVE, GPUS
 from memcalc.config.schema import SIZES, ModelConfig, load_config, load_yaml
+from memcalc.cli.types import INTEGER, Real
 from memcalc.errors import ConfigError
 from memcalc.model.impls import left_out, strategies_of
 from memcalc.model.strategy import STRATEGIES
@@ -50,18 +51,18 @@ hf_config_option = click.option(
 )
 
 expert_options = _stack(  # EXPERT_FLAGS
-    click.option("--ep", "ep", type=int, help="Expert-parallel size: each rank holds num_experts/ep experts [default: 1]."),
-    click.option("--etp", "etp", type=int, help="Expert tensor-parallel size (memcalc models etp = t) [default: t]."),
+    click.option("--ep", "ep", type=INTEGER, help="Expert-parallel size: each rank holds num_experts/ep experts [default: 1]."),
+    click.option("--etp", "etp", type=INTEGER, help="Expert tensor-parallel size (memcalc models etp = t) [default: t]."),
 )
 
 size_options = _stack(
-    click.option("--b", "b", type=int, help="Micro-batch size [default: 1]."),
-    click.option("--s", "s", type=int, help="Sequence length."),
-    click.option("--h", "h", type=int, help="Hidden size."),
-    click.option("--a", "a", type=int, help="Attention heads."),
-    click.option("--t", "t", type=int, help="Tensor-parallel size [default: 1]."),
+    click.option("--b", "b", type=INTEGER, help="Micro-batch size [default: 1]."),
+    click.option("--s", "s", type=INTEGER, help="Sequence length."),
+    click.option("--h", "h", type=INTEGER, help="Hidden size."),
+    click.option("--a", "a", type=INTEGER, help="Attention heads."),
+    click.option("--t", "t", type=INTEGER, help="Tensor-parallel size [default: 1]."),
     expert_options,
-    click.option("--L", "L", type=int, help="Number of layers [default: 1]."),
+    click.option("--L", "L", type=INTEGER, help="Number of layers [default: 1]."),
 )
 
 def _knob_option(knob: Knob) -> Callable:
@@ -70,7 +71,7 @@ def _knob_option(knob: Knob) -> Callable:
     help = f"{knob.help[:1].upper()}{knob.help[1:]}{shown}."
     if knob.kind == "flag":
         return click.option(f"{knob.flag}/--no-{knob.flag[2:]}", knob.name, default=None, help=help)
-    kinds = {"size": int, "probability": float, "factor": float}
+    kinds = {"size": INTEGER, "probability": Real(), "factor": Real()}
     kind = click.Choice(knob.values) if knob.kind == "choice" else kinds[knob.kind]
     return click.option(knob.flag, knob.name, type=kind, help=help)
 
@@ -97,26 +98,26 @@ strategy_option = click.option(
 )
 
 layout_options = _stack(
-    click.option("--pp", type=int, help="Pipeline stages [default: 1]."),
-    click.option("--vpp", type=int, help="Model chunks per stage, interleaved 1F1B [default: plain 1F1B]."),
-    click.option("--dp", type=int, help="Data-parallel size; shards optimizer states with --distributed-optimizer."),
-    click.option("--cp", type=int, help="Context-parallel size: each rank keeps s/cp tokens [default: 1]."),
+    click.option("--pp", type=INTEGER, help="Pipeline stages [default: 1]."),
+    click.option("--vpp", type=INTEGER, help="Model chunks per stage, interleaved 1F1B [default: plain 1F1B]."),
+    click.option("--dp", type=INTEGER, help="Data-parallel size; shards optimizer states with --distributed-optimizer."),
+    click.option("--cp", type=INTEGER, help="Context-parallel size: each rank keeps s/cp tokens [default: 1]."),
     click.option(
         "--distributed-optimizer/--no-distributed-optimizer", default=None,
         help="Shard fp32 master weights and Adam moments over dp*cp [default: off].",
     ),
-    click.option("--vocab-size", type=int, help="Vocabulary size v [default: 51200]."),
+    click.option("--vocab-size", type=INTEGER, help="Vocabulary size v [default: 51200]."),
     click.option(
         "--tie-embeddings/--untie-embeddings", default=None, help="Output layer shares the embedding [default: tied]."
     ),
-    click.option("--gpus", type=int, help="GPUs in the job: dp is derived as gpus/(t*pp*cp), which must be whole."),
+    click.option("--gpus", type=INTEGER, help="GPUs in the job: dp is derived as gpus/(t*pp*cp), which must be whole."),
     click.option(
-        "--num-microbatches", type=int,
+        "--num-microbatches", type=INTEGER,
         help="Micro-batches per step; fewer than pp caps what a stage keeps in flight [default: enough to fill it].",
     ),
-    click.option("--global-batch-size", type=int, help="Sequences per step: micro-batches = it/(dp*b)."),
+    click.option("--global-batch-size", type=INTEGER, help="Sequences per step: micro-batches = it/(dp*b)."),
     click.option(
-        "--make-vocab-size-divisible-by", type=int,
+        "--make-vocab-size-divisible-by", type=INTEGER,
         help="Pad v up to a multiple of this times t, as Megatron-LM does [default: 128].",
     ),
 )

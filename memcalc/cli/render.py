@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import errno
+import os
 from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
+from rich.measure import Measurement
 from rich.table import Table
 
 from memcalc.config.schema import ModelConfig
 from memcalc.model.knobs import KNOBS
 from memcalc.model.evaluate import LayerEstimate
+from memcalc.model.ledger import SavedTensor
 from memcalc.model.knobs import Accounting
 from memcalc.sizing.verdict import need
 from memcalc.text import for_rich
@@ -21,14 +24,58 @@ if TYPE_CHECKING:  # per-GPU totals load only when --totals asks for them
     from memcalc.sizing.totals import PerGpu, StageTotal
 
 
+PIPED_WIDTH = 1000  # output that is not a terminal is laid out at this width, whatever COLUMNS says: lines whole
+
+
 class _Console(Console):
-    """rich's Console, less its own rule for a closed pipe (exit 1): `memcalc.cli.main` has memcalc's."""
+    """rich's Console with memcalc's rules for where its output goes.
+
+    A closed pipe is `memcalc.cli.main`'s to handle (rich's own rule exits 1). Output that is not a
+    terminal never depends on COLUMNS or on the terminal stderr happens to be (COLUMNS=0 used to print
+    nothing). A table wider than the terminal is listed as 'key: value' lines rather than cut to fit:
+    every number stays whole.
+    """
 
     def on_broken_pipe(self) -> None:
         raise BrokenPipeError(errno.EPIPE, "stdout's reader closed the pipe")
 
+    def _size(self) -> ConsoleDimensions:
+        if self._width is None and not self.is_terminal:
+            return ConsoleDimensions(PIPED_WIDTH, Console.size.fget(self).height)
+        return Console.size.fget(self)
 
-console = _Console()
+    size = property(_size, Console.size.fset)
+
+    def print(self, *objects: Any, **options: Any) -> None:
+        if any(isinstance(x, Table) and not self._fits(x) for x in objects):
+            for x in objects:
+                for line in table_lines(x) if isinstance(x, Table) else [x]:
+                    super().print(line, soft_wrap=True, highlight=False)
+            return
+        super().print(*objects, **options)
+
+    def _fits(self, table: Table) -> bool:
+        """Whether rich can lay `table` out in this width by wrapping words, cutting no cell."""
+        return Measurement.get(self, self.options.update_width(1 << 20), table).minimum <= self.width
+
+
+def table_lines(table: Table) -> list[str]:
+    """A table as lines a narrow terminal shows whole: its title, then per row
+    'first cell: header value; header value; ...' (rich markup kept, line breaks in cells as spaces)."""
+    first, *others = table.columns
+    cells = [list(c.cells) for c in others]
+    lines = [str(table.title)] if table.title else []
+    for i, key in enumerate(first.cells):
+        values = "; ".join(f"{c.header} {_one_line(column[i])}" for c, column in zip(others, cells))
+        lines.append(f"  {_one_line(key)}: {values}")
+    return lines + ([str(table.caption)] if table.caption else [])
+
+
+def _one_line(cell: Any) -> str:
+    return " ".join(str(cell).split("\n"))
+
+
+console = _Console(_environ={k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")})
 
 
 def describe(config: ModelConfig) -> str:
@@ -85,12 +132,38 @@ def breakdown_table(results: list[LayerEstimate]) -> Table:
     table.add_column("tensor")
     for r in results:
         table.add_column(r.strategy.name, justify="right", no_wrap=True)
-    for rows in zip(*(r.tensors for r in results)):
-        x = rows[0].tensor
+    for x, cells in tensor_rows(results):
         name = x.name if x.paper else f"{x.name} [dim](exact)[/dim]"
-        table.add_row(name, *(f"{row.bytes:,}" for row in rows))
+        table.add_row(name, *("-" if n is None else f"{n:,}" for n in cells))
     table.add_row("[bold]total[/bold]", *(f"[bold]{r.per_layer_bytes:,}[/bold]" for r in results), end_section=True)
     return table
+
+
+def tensor_rows(results: list[LayerEstimate]) -> list[tuple[SavedTensor, list[int | None]]]:
+    """Each saved tensor of any strategy, with its bytes under each (None where that strategy keeps no such tensor).
+
+    Rows are keyed by tensor name (and, for a name kept twice, by which of them), never by position: strategies
+    may keep different tensors (tp and tp-sp under an implementation that saves one only with sequence
+    parallelism), and a row must hold one tensor's bytes in every column. A tensor only some strategies keep
+    is placed after the one before it in the first strategy that keeps it.
+    """
+    keys: list[tuple[str, int]] = []
+    tensors: dict[tuple[str, int], SavedTensor] = {}
+    columns: list[dict[tuple[str, int], int]] = []
+    for r in results:
+        column: dict[tuple[str, int], int] = {}
+        at = 0
+        for x in r.tensors:
+            key = (x.tensor.name, sum(k[0] == x.tensor.name for k in column))
+            column[key] = x.bytes
+            if key in tensors:
+                at = keys.index(key) + 1
+            else:
+                tensors[key] = x.tensor
+                keys.insert(at, key)
+                at += 1
+        columns.append(column)
+    return [(tensors[k], [column.get(k) for column in columns]) for k in keys]
 
 
 def describe_layout(config: ModelConfig) -> str:

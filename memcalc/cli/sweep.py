@@ -9,7 +9,6 @@ other commands never load them.
 
 from __future__ import annotations
 
-import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,6 +20,7 @@ from memcalc.cli.options import (
     EXPERT_FLAGS, KNOB_FLAGS, SIZE_FLAGS, STRATEGY_CHOICES, SWEPT_KNOBS, accounting_options, config_option,
     file_fields, hf_config_option, note_left_out, single_knob_options,
 )
+from memcalc.cli.types import INTEGER
 from memcalc.config.schema import field_help
 from memcalc.errors import ConfigError, in_file
 from memcalc.model.knobs import Accounting
@@ -59,7 +59,7 @@ RANGE_FLAGS = (*SIZE_FLAGS, *SWEPT_KNOBS, "ep")  # each takes one value, a list 
 def size_range_options(f: Callable) -> Callable:
     """--b .. --L, and a mixture of experts' --num-experts, --moe-router-topk and --ep, each a list or range
     (the config's descriptions as help); --etp takes one value."""
-    f = click.option("--etp", "etp", type=int, help="Expert tensor-parallel size (memcalc models etp = t).")(f)
+    f = click.option("--etp", "etp", type=INTEGER, help="Expert tensor-parallel size (memcalc models etp = t).")(f)
     for name in reversed(RANGE_FLAGS):
         meaning = field_help(name)
         help_text = f"{meaning[:1].upper()}{meaning[1:]}: one value, a list or a range."
@@ -68,16 +68,20 @@ def size_range_options(f: Callable) -> Callable:
 
 
 def check_out(ctx: click.Context, param: click.Parameter, out: Path | None) -> Path | None:
-    """Refuse an --out path that cannot be written, before any work is done."""
+    """Refuse an --out path that cannot be written, before any work is done (`memcalc.output.check_writable`)."""
     if out is None:
         return None
+    from memcalc.output import OutputError, check_writable
+
     parent = out.parent if str(out.parent) else Path(".")
     if out.is_dir():
         raise click.BadParameter(f"'{out}' is a directory", ctx, param)
     if not parent.is_dir():
         raise click.BadParameter(f"directory '{parent}' does not exist", ctx, param)
-    if not os.access(parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
-        raise click.BadParameter(f"'{out}' is not writable", ctx, param)
+    try:
+        check_writable(out)
+    except OutputError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from None
     return out
 
 

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from memcalc.errors import ConfigError
-from memcalc.text import printable
+from memcalc.text import printable, short_repr
 
 MAX_CONFIG_BYTES = 1 << 20  # a real config is under 10 KB; a Hugging Face config.json under 100 KB
 MAX_DEPTH = 20  # configs are flat mappings of scalars; a few levels leave room for lists in config.json
@@ -60,7 +61,12 @@ def parse_yaml(text: str) -> Any:
     """The YAML document in `text`, by the bounded loader; ConfigError for any problem."""
     import yaml  # only the --config path pays for it
 
-    loader = _bounded_loader(yaml)(text)
+    try:
+        loader = _bounded_loader(yaml)(text)  # its reader refuses a NUL or control character here, at once
+    except yaml.reader.ReaderError as exc:
+        raise ConfigError(
+            f"character U+{exc.character:04X} at position {exc.position} is not allowed in YAML (a control character)"
+        ) from None
     try:
         return loader.get_single_data()
     except yaml.YAMLError as exc:
@@ -74,7 +80,7 @@ def parse_yaml(text: str) -> Any:
 def parse_json(text: str) -> Any:
     """The JSON document in `text`, with long integers, duplicate keys and deep nesting refused."""
     try:
-        return json.loads(text, parse_int=_json_int, object_pairs_hook=_json_object)
+        return json.loads(text, parse_int=_json_int, parse_constant=_json_constant, object_pairs_hook=_json_object)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
     except RecursionError:  # the decoder recurses once per level
@@ -96,6 +102,10 @@ def _json_int(text: str) -> int | _LongInteger:
     return _LongInteger(digits) if digits > MAX_INT_DIGITS else int(text)
 
 
+def _json_constant(name: str) -> Any:
+    raise ConfigError(f"{name} is not a JSON number (JSON has no NaN or infinity)")
+
+
 def _json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """A JSON object, refusing a repeated key or a too-long integer by name."""
     data: dict[str, Any] = {}
@@ -109,19 +119,22 @@ def _json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return data
 
 
-class _LongYamlInteger(ConfigError):
-    """A YAML integer too long to read; the mapping holding it names its key."""
+class _RefusedYamlNumber(ConfigError):
+    """A YAML number refused where it is read; the mapping holding it names its key."""
 
-    def __init__(self, node: Any, digits: int) -> None:
-        super().__init__(
-            f"a {digits}-digit integer at line {node.start_mark.line + 1} is too large"
-            f" (at most {MAX_INT_DIGITS} digits; sizes are below 2^63)"
-        )
+    def __init__(self, node: Any, what: str, rule: str) -> None:
+        super().__init__(f"{what} at line {node.start_mark.line + 1} {rule}")
         self.node = node
 
     def key_of(self, mapping: Any) -> str:
-        """The key whose value is this integer in `mapping` (a YAML mapping node), else '?'."""
+        """The key whose value is this number in `mapping` (a YAML mapping node), else '?'."""
         return next((str(k.value) for k, v in mapping.value if v is self.node), "?")
+
+
+# YAML 1.1 also reads 34:08 as 2048 (base 60), 017 as 15 (octal), 0x10, 0b10 and 1_000: a config's
+# numbers are plain decimals, so anything else is refused rather than read as a number nobody wrote.
+_DECIMAL_INT = re.compile(r"[-+]?(?:0|[1-9][0-9]*)")
+_DECIMAL_FLOAT = re.compile(r"[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
 
 
 _LOADERS: dict[str, type] = {}
@@ -163,18 +176,31 @@ def _bounded_loader(yaml: Any) -> type:
                 seen.add(key_node.value)
             try:
                 return super().construct_mapping(node, deep=deep)
-            except _LongYamlInteger as exc:  # a value of this mapping: name its key
+            except _RefusedYamlNumber as exc:  # a value of this mapping: name its key
                 raise ConfigError(f"field '{printable(exc.key_of(node)[:40])}': {exc}") from None
 
         def construct_yaml_int(self, node: Any) -> int:
-            digits = len(str(node.value).replace("_", "").lstrip("+-"))
+            text = str(node.value)
+            if not _DECIMAL_INT.fullmatch(text):
+                raise _RefusedYamlNumber(node, short_repr(text), "is not a decimal whole number (YAML 1.1 would read"
+                                         " it in base 60, 8, 16 or 2); write it in the digits 0-9")
+            digits = len(text.lstrip("+-"))
             if digits > MAX_INT_DIGITS:
-                raise _LongYamlInteger(node, digits)
+                raise _RefusedYamlNumber(node, f"a {digits}-digit integer", f"is too large (at most {MAX_INT_DIGITS}"
+                                         " digits; sizes are below 2^63)")
             return super().construct_yaml_int(node)
+
+        def construct_yaml_float(self, node: Any) -> float:
+            text = str(node.value)
+            if not _DECIMAL_FLOAT.fullmatch(text):
+                raise _RefusedYamlNumber(node, short_repr(text), "is not a finite decimal number; write it in the"
+                                         " digits 0-9")
+            return super().construct_yaml_float(node)
 
         def _line(self) -> int:
             return self.peek_event().start_mark.line + 1
 
     BoundedLoader.add_constructor("tag:yaml.org,2002:int", BoundedLoader.construct_yaml_int)
+    BoundedLoader.add_constructor("tag:yaml.org,2002:float", BoundedLoader.construct_yaml_float)
     _LOADERS["bounded"] = BoundedLoader
     return BoundedLoader

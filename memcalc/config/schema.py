@@ -39,6 +39,9 @@ def _field(schema: cs.CoreSchema, default: Any, help: str) -> Any:
 
 # Sizes are int64 in every framework; the bound also keeps every byte count a float can show.
 _SIZE_LIMIT = 2**63
+# A factor (a capacity factor: 1 to 4 in practice) times a size stays a finite float far below this;
+# 1e308 would make c*k*b*s infinite, and a size NaN.
+_FACTOR_LIMIT = 1e6
 
 
 def _size(help: str, default: Any = MISSING) -> Any:
@@ -65,7 +68,7 @@ def knob_schema(knob: Knob) -> cs.CoreSchema:
     if knob.kind == "probability":
         return cs.float_schema(strict=True, ge=0.0, lt=1.0)
     if knob.kind == "factor":
-        return cs.nullable_schema(cs.float_schema(gt=0.0, allow_inf_nan=False))
+        return cs.nullable_schema(cs.float_schema(gt=0.0, le=_FACTOR_LIMIT, allow_inf_nan=False))
     return cs.bool_schema(strict=True)
 
 

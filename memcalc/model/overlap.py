@@ -116,6 +116,8 @@ def pairings(config: ModelConfig, strategy: Strategy, gpu: Gpu) -> tuple[Pairing
     """Every collective of one layer (tp-sp) beside its GEMM, with their times on `gpu`."""
     if not strategy.sequence_parallel:
         raise ConfigError(f"overlap needs sequence parallelism (tp_comm_overlap runs with tp-sp), not {strategy.name}")
+    if config.t < 2:
+        raise ConfigError(f"overlap hides tensor-parallel collectives, and t={config.t} issues none (it needs t >= 2)")
     if config.impl != "megatron":
         raise ConfigError(f"overlap is Megatron's and Transformer Engine's (tp_comm_overlap); impl {config.impl} has none")
     flops, sizes, width = gemm_flops(config), dim_sizes(config), DTYPE_BYTES[config.dtype]

@@ -1,0 +1,76 @@
+"""The two number types every flag uses: whole numbers in ASCII digits, and finite reals.
+
+click's `int` is Python's int(), which also reads '1_000', full-width '１０２４' and
+Arabic-Indic '١٠٢٤'; its `float` reads 'nan', 'inf' and '1e400' (infinity), and
+FloatRange lets NaN through (every comparison with NaN is false). A number that
+reaches the model is written in 0-9 and is finite, so each flag says so at the
+parameter (a usage error, exit 2) rather than the model computing NaN from it.
+`memcalc sweep`'s lists and ranges apply the same digits rule.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import click
+
+from memcalc.config.files import MAX_INT_DIGITS
+from memcalc.text import short_repr
+
+_WHOLE = re.compile(r"[+-]?[0-9]+")  # re's [0-9] is ASCII, unlike str.isdigit or int()
+_REAL = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+
+
+class Integer(click.ParamType):
+    """A whole number in the digits 0-9 (a sign allowed: the model's own rule names a negative size), at least
+    `min` if given."""
+
+    name = "integer"
+
+    def __init__(self, min: int | None = None) -> None:
+        self.min = min
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            number = value
+        else:
+            text = str(value).strip()
+            if not _WHOLE.fullmatch(text):
+                self.fail(f"{short_repr(value)} is not a valid integer (a whole number in the digits 0-9)", param, ctx)
+            if len(text.lstrip("+-")) > MAX_INT_DIGITS:
+                self.fail(f"a {len(text.lstrip('+-'))}-digit number is too large (at most {MAX_INT_DIGITS})", param, ctx)
+            number = int(text)
+        if self.min is not None and number < self.min:
+            self.fail(f"{number} is below {self.min}", param, ctx)
+        return number
+
+
+class Real(click.ParamType):
+    """A finite number in decimal notation, above `above` and at most `most` if given (never NaN or infinity)."""
+
+    name = "number"
+
+    def __init__(self, above: float | None = None, most: float | None = None) -> None:
+        self.above, self.most = above, most
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        text = str(value).strip()
+        if isinstance(value, float):
+            number = value
+        elif not _REAL.fullmatch(text) or len(text) > 100:
+            self.fail(f"{short_repr(value)} is not a valid float (a finite number in the digits 0-9)", param, ctx)
+        else:
+            number = float(text)
+        if not math.isfinite(number):
+            self.fail(f"{text[:60]} is not a valid float (a finite number in the digits 0-9)", param, ctx)
+        if self.above is not None and number <= self.above:
+            self.fail(f"{number:g} is not above {self.above:g}", param, ctx)
+        if self.most is not None and number > self.most:
+            self.fail(f"{number:g} is above {self.most:g}", param, ctx)
+        return number
+
+
+INTEGER = Integer()
+POSITIVE = Integer(min=1)
