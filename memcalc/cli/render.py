@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # per-GPU totals load only when --totals asks for them
 
 
 PIPED_WIDTH = 1000  # output that is not a terminal is laid out at this width, whatever COLUMNS says: lines whole
+NARROW_WIDTH = 40  # below this every line is printed whole and the terminal wraps it
 
 
 class _Console(Console):
@@ -40,17 +41,19 @@ class _Console(Console):
         raise BrokenPipeError(errno.EPIPE, "stdout's reader closed the pipe")
 
     def _size(self) -> ConsoleDimensions:
+        width, height = Console.size.fget(self)
         if self._width is None and not self.is_terminal:
-            return ConsoleDimensions(PIPED_WIDTH, Console.size.fget(self).height)
-        return Console.size.fget(self)
+            return ConsoleDimensions(PIPED_WIDTH, height)
+        return ConsoleDimensions(max(width, 1), height)  # at width 0 rich prints nothing at all
 
     size = property(_size, Console.size.fset)
 
     def print(self, *objects: Any, **options: Any) -> None:
-        if any(isinstance(x, Table) and not self._fits(x) for x in objects):
+        narrow = self.width < NARROW_WIDTH  # lines are left to the terminal to wrap: rich would cut a long word
+        if narrow or any(isinstance(x, Table) and not self._fits(x) for x in objects):
             for x in objects:
                 for line in table_lines(x) if isinstance(x, Table) else [x]:
-                    super().print(line, soft_wrap=True, highlight=False)
+                    super().print(line, **(options | {"soft_wrap": True, "highlight": False}))
             return
         super().print(*objects, **options)
 

@@ -1,0 +1,227 @@
+"""Hostile input, second round (issue 22): output files, numbers, terminals, and strict JSON.
+
+Each test is one case of the issue's list: what stands at --out stays what it is, an unwritable --out is found
+before any work, every number flag takes ASCII digits and finite values only, YAML 1.1's odd numbers are refused,
+every --json parses with a strict parser, and a narrow terminal or a pipe never loses or cuts a number.
+"""
+
+import json
+import math
+import os
+import re
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from . import memcalc_cli, one_line_error
+
+ROOT = Path(__file__).parents[2]
+QWEN2_7B = str(ROOT / "tests/data/hf/qwen2-7b.json")  # Qwen2-7B's config.json: 28 heads, 4 K/V groups
+SIZES = "s: 2048\nh: 64\na: 8\n"
+
+
+def _config(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "model.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+# -- --out: nothing damaged ----------------------------------------------------------------------------
+
+
+def test_sweep_out_through_a_symlink_writes_its_target_and_keeps_its_mode(tmp_path):
+    real = tmp_path / "real.csv"
+    real.write_text("old\n")
+    real.chmod(0o600)
+    link = tmp_path / "runs.csv"
+    link.symlink_to(real)
+    assert memcalc_cli("sweep", "--config", "tiny", "--b", "1,2", "--out", str(link)).code == 0
+    assert link.is_symlink() and real.read_text().startswith("b,") and stat.S_IMODE(real.stat().st_mode) == 0o600
+
+
+def test_sweep_out_to_a_full_device_is_exit_1_and_the_device_stays_a_device():
+    run = memcalc_cli("sweep", "--config", "gpt3-175b", "--format", "csv", "--out", "/dev/full")
+    assert (run.code, run.err) == (1, "memcalc: error: cannot write /dev/full: No space left on device\n")
+    assert stat.S_ISCHR(os.lstat("/dev/full").st_mode)
+
+
+@pytest.mark.parametrize("command", [["sweep", "--b", "1,2"], ["plot", "--kind", "breakdown"]])
+def test_an_out_where_no_file_can_be_made_is_refused_before_any_work(command):
+    out = "/proc/x.svg" if command[0] == "plot" else "/proc/x.csv"
+    one_line_error(memcalc_cli(*command, "--config", "tiny", "--out", out), "'--out'", f"cannot write {out}")
+
+
+# -- bad input that ended in exit 70 ---------------------------------------------------------------------
+
+
+def test_a_huge_capacity_factor_is_refused_at_the_parameter(tmp_path):
+    flag = ["--num-experts", "8", "--moe-expert-capacity-factor", "1e308"]
+    one_line_error(memcalc_cli("estimate", "--config", "tiny", *flag), "moe_expert_capacity_factor", "1000000")
+    config = _config(tmp_path, f"{SIZES}num_experts: 8\nmoe_expert_capacity_factor: 1.0e+308\n")
+    one_line_error(memcalc_cli("estimate", "--config", config), "moe_expert_capacity_factor", "1000000")
+
+
+@pytest.mark.parametrize("character", ["\x00", "\x07", "\x1b", "\ufffe"])
+def test_a_control_character_in_yaml_is_one_line(tmp_path, character):
+    config = _config(tmp_path, f'{SIZES}name: "a{character}b"\n')
+    one_line_error(memcalc_cli("estimate", "--config", config), "is not allowed in YAML")
+
+
+def test_a_control_character_in_yaml_is_a_config_error_from_the_api(tmp_path):
+    from memcalc import api
+    from memcalc.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="U\\+0000 at position .* is not allowed in YAML"):
+        api.load(_config(tmp_path, f'{SIZES}name: "a\x00b"\n'))
+
+
+def test_overlap_at_t_1_is_refused_instead_of_dividing_by_zero():
+    one_line_error(memcalc_cli("comm", "--config", "tiny", "--t", "1", "--overlap", "default"), "t=1", "t >= 2")
+
+
+# -- nonsense accepted -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e400", "Infinity", "1_0"])
+@pytest.mark.parametrize("flag", ["--peak-tflops", "--link-gbps"])
+def test_comm_refuses_a_rate_that_is_not_a_finite_number(flag, value):
+    run = memcalc_cli("comm", "--config", "tiny", "--t", "2", "--overlap", "default", flag, value)
+    one_line_error(run, f"'{flag}'", "not a valid float")
+
+
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_knob_floats_refuse_non_finite_values(value):
+    one_line_error(memcalc_cli("estimate", "--config", "tiny", "--dropout", value), "'--dropout'", "not a valid float")
+
+
+def test_overlap_with_another_strategy_is_refused_not_shown_as_tp_sp():
+    run = memcalc_cli("comm", "--config", "tiny", "--t", "2", "--overlap", "default", "--strategy", "tp")
+    one_line_error(run, "overlap needs sequence parallelism", "not tp")
+
+
+@pytest.mark.parametrize("value", ["1_024", "１０２４", "١٠٢٤", "१०२४", "0x400", "1e3"])
+@pytest.mark.parametrize("command, flag", [
+    (["estimate", "--config", "tiny"], "--b"),
+    (["estimate", "--config", "tiny"], "--vocab-size"),
+    (["comm", "--config", "tiny"], "--microbatches"),
+    (["fit", "--config", "tiny", "--budget", "80GiB"], "--t"),
+    (["measure", "--config", "tiny"], "--num-splits"),
+    (["sweep", "--config", "tiny"], "--etp"),
+])
+def test_integer_flags_take_ascii_digits_only_as_sweep_ranges_do(command, flag, value):
+    one_line_error(memcalc_cli(*command, flag, value), f"'{flag}'", "not a valid integer")
+
+
+def test_sweep_ranges_refuse_the_same_digits():
+    one_line_error(memcalc_cli("sweep", "--config", "tiny", "--s", "1_000"), "'--s'", "not a positive whole number")
+
+
+@pytest.mark.parametrize("text, shown", [
+    ("s: 34:08", "'34:08'"), ("s: 04000", "'04000'"), ("s: 0x800", "'0x800'"), ("s: 0b100000000000", "'0b1"),
+    ("s: 2_048", "'2_048'"), ("dropout: 1:30.5", "'1:30.5'"), ("dropout: .nan", "'.nan'"),
+])
+def test_yaml_1_1s_other_number_forms_are_refused(tmp_path, text, shown):
+    config = _config(tmp_path, f"h: 64\na: 8\n{text}\n" if text.startswith("s:") else f"{SIZES}{text}\n")
+    field = text.split(":")[0]
+    one_line_error(memcalc_cli("estimate", "--config", config), f"field '{field}'", shown, "at line")
+
+
+# -- every --json is JSON --------------------------------------------------------------------------------
+
+
+def _refuse(constant: str) -> None:
+    raise ValueError(f"{constant} is not JSON")
+
+
+JSON_COMMANDS = {
+    "estimate": ["estimate", "--config", "tiny", "--json"],
+    "estimate --totals": ["estimate", "--config", "gpt3-175b", "--device-memory", "1024GiB", "--json"],
+    "comm": ["comm", "--config", "gpt3-175b", "--json"],
+    "comm --overlap": ["comm", "--config", "gpt3-175b", "--overlap", "default", "--json"],
+    "fit": ["fit", "--config", "gpt3-175b", "--budget", "80GiB", "--json"],
+    "formula": ["formula", "--format", "json"],
+    "sweep": ["sweep", "--config", "tiny", "--b", "1,2", "--format", "json"],
+}
+
+
+@pytest.mark.parametrize("name", JSON_COMMANDS)
+def test_every_json_output_parses_with_a_strict_parser(name):
+    run = memcalc_cli(*JSON_COMMANDS[name])
+    assert run.code == 0, run.err
+    json.loads(run.out, parse_constant=_refuse)
+
+
+def test_a_non_finite_number_never_reaches_json_output():
+    from memcalc.cli import echo_json
+
+    with pytest.raises(ValueError):
+        echo_json({"ratio": math.nan})
+
+
+# -- terminals: nothing lost, nothing cut ------------------------------------------------------------------
+
+
+def _numbers(text: str) -> set[str]:
+    return set(re.findall(r"[0-9][0-9,.]*[0-9]", text))
+
+
+@pytest.mark.procs
+def test_piped_output_does_not_depend_on_columns():
+    def run(columns: str | None) -> str:
+        env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "MEMCALC_DEBUG")}
+        env |= {"COLUMNS": columns} if columns is not None else {}
+        proc = subprocess.run([sys.executable, "-m", "memcalc", "estimate", "--config", "gpt3-175b", "--breakdown"],
+                              cwd=ROOT, capture_output=True, text=True, env=env, timeout=60)
+        assert (proc.returncode, proc.stderr) == (0, "")
+        return proc.stdout
+
+    wide = run(None)
+    assert "2,868,903,936" in wide and "…" not in wide
+    assert run("0") == wide and run("20") == wide
+
+
+@pytest.mark.parametrize("width", [0, 20, 40])
+def test_a_narrow_terminal_lists_every_number_whole(width):
+    command = ["estimate", "--config", "gpt3-175b", "--breakdown", "--device-memory", "1024GiB"]
+    wide, narrow = memcalc_cli(*command, width=250), memcalc_cli(*command, width=width)
+    assert (wide.code, narrow.code) == (0, 0) and narrow.err == ""
+    assert "…" not in narrow.out
+    assert _numbers(wide.out) <= _numbers(narrow.out)
+    assert "  tp-sp: per layer 358,612,992 B" in narrow.out
+
+
+def test_a_wide_enough_terminal_still_gets_tables():
+    assert "┃ strategy ┃" in memcalc_cli("estimate", "--config", "gpt3-175b", width=120).out
+
+
+# -- --breakdown: rows keyed by tensor ---------------------------------------------------------------------
+
+
+def test_breakdown_rows_are_keyed_by_tensor_when_strategies_keep_different_tensors():
+    """Qwen2-7B at t=4 under megatron: tp and tp-sp keep attention/softmax_fp32, none does not. Each cell must be
+    that tensor's bytes as --json lists them for that strategy, and each column must sum to its total."""
+    args = ["estimate", "--hf-config", QWEN2_7B, "--s", "2048", "--t", "4"]
+    doc = json.loads(memcalc_cli(*args, "--json").out)
+    by_strategy = {name: {x["name"]: x["bytes"] for x in st["tensors"]} for name, st in doc["strategies"].items()}
+    assert len({frozenset(names) for names in by_strategy.values()}) > 1  # the case: the tensor lists differ
+    run = memcalc_cli(*args, "--breakdown")
+    assert run.code == 0, run.err
+    table = run.out.split("Per-tensor bytes per GPU, one layer")[1]
+    rows = [[c.strip() for c in line.split("│")[1:-1]] for line in table.splitlines() if line.startswith("│")]
+    names = list(by_strategy)
+    sums = dict.fromkeys(names, 0)
+    for tensor, *cells in rows:
+        if tensor == "total":
+            assert [int(c.replace(",", "")) for c in cells] == [doc["strategies"][n]["per_layer_bytes"] for n in names]
+            assert [sums[n] for n in names] == [doc["strategies"][n]["per_layer_bytes"] for n in names]
+            break
+        for name, cell in zip(names, cells):
+            expected = by_strategy[name].get(tensor.removesuffix(" (exact)"))
+            assert cell == ("-" if expected is None else f"{expected:,}"), (tensor, name)
+            sums[name] += expected or 0
+    else:
+        pytest.fail("no total row")
+    assert sorted(r[0] for r in rows if r[0] != "total") == sorted(set().union(*by_strategy.values()))
