@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from fractions import Fraction
 from typing import Any
 
 from memcalc.errors import ConfigError
@@ -49,6 +48,8 @@ def parse_bytes(text: str) -> int:
     number = match.group(1)
     if len(number) > MAX_DIGITS:  # before Fraction(): Python refuses to read 4300 digits and more
         raise ConfigError(f"size {short_repr(text)} has {len(number)} digits; at most {MAX_DIGITS}")
+    from fractions import Fraction  # exact decimals; only a size flag pays for the import
+
     size = int(Fraction(number) * _FACTORS[unit])
     if size > MAX_BYTES:
         raise ConfigError(f"size {short_repr(text)} is too large (at most {MAX_BYTES} bytes, 8 EiB)")

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).parents[1]
-HEAVY = ("sympy", "numpy", "torch", "matplotlib")
+# pydantic-core validates only a value the plain check is unsure of (memcalc.config.core); rich's emoji table and
+# highlighting (its regexes compiled on first use) are off (memcalc.cli.render.console).
+HEAVY = ("sympy", "numpy", "torch", "matplotlib", "pydantic_core", "rich._emoji_codes")
 
 PROBE = """
 import json, sys

@@ -78,7 +78,7 @@ def _one_line(cell: Any) -> str:
     return " ".join(str(cell).split("\n"))
 
 
-console = _Console(_environ={k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")})
+console = _Console(highlight=False, emoji=False, _environ={k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")})
 
 
 def describe(config: ModelConfig) -> str:

@@ -19,8 +19,9 @@ import click
 from memcalc.config.files import MAX_INT_DIGITS
 from memcalc.text import short_repr
 
-_WHOLE = re.compile(r"[+-]?[0-9]+")  # re's [0-9] is ASCII, unlike str.isdigit or int()
-_REAL = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+# re's [0-9] is ASCII, unlike str.isdigit or int(); compiled on first use (re caches them), not at start-up
+_WHOLE = r"[+-]?[0-9]+"
+_REAL = r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?"
 
 
 class Integer(click.ParamType):
@@ -37,7 +38,7 @@ class Integer(click.ParamType):
             number = value
         else:
             text = str(value).strip()
-            if not _WHOLE.fullmatch(text):
+            if not re.fullmatch(_WHOLE, text):
                 self.fail(f"{short_repr(value)} is not a valid integer (a whole number in the digits 0-9)", param, ctx)
             if len(text.lstrip("+-")) > MAX_INT_DIGITS:
                 self.fail(f"a {len(text.lstrip('+-'))}-digit number is too large (at most {MAX_INT_DIGITS})", param, ctx)
@@ -59,7 +60,7 @@ class Real(click.ParamType):
         text = str(value).strip()
         if isinstance(value, float):
             number = value
-        elif not _REAL.fullmatch(text) or len(text) > 100:
+        elif len(text) > 100 or not re.fullmatch(_REAL, text):
             self.fail(f"{short_repr(value)} is not a valid float (a finite number in the digits 0-9)", param, ctx)
         else:
             number = float(text)

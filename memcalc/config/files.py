@@ -12,7 +12,6 @@ keys (otherwise the last silently wins).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import stat
@@ -20,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from memcalc.config.flat_yaml import read_flat
 from memcalc.errors import ConfigError
 from memcalc.text import printable, short_repr
 
@@ -58,8 +58,14 @@ def read_capped(path: Path, what: str) -> str:
 
 
 def parse_yaml(text: str) -> Any:
-    """The YAML document in `text`, by the bounded loader; ConfigError for any problem."""
-    import yaml  # only the --config path pays for it
+    """The YAML document in `text`, by the bounded loader; ConfigError for any problem.
+
+    A flat `key: value` file that `read_flat` is sure of is read without importing PyYAML (start-up).
+    """
+    flat = read_flat(text)
+    if flat is not None:
+        return flat
+    import yaml  # only a config file that is not plainly flat pays for it
 
     try:
         loader = _bounded_loader(yaml)(text)  # its reader refuses a NUL or control character here, at once
@@ -79,6 +85,8 @@ def parse_yaml(text: str) -> Any:
 
 def parse_json(text: str) -> Any:
     """The JSON document in `text`, with long integers, duplicate keys and deep nesting refused."""
+    import json  # only --hf-config pays for it
+
     try:
         return json.loads(text, parse_int=_json_int, parse_constant=_json_constant, object_pairs_hook=_json_object)
     except json.JSONDecodeError as exc:

@@ -10,7 +10,9 @@ values. Everything raises `ConfigError` with a one-line message.
 Why pydantic-core and not a `pydantic.BaseModel`: `memcalc estimate` runs in
 loops, and importing pydantic's model layer and building the models costs about
 0.3 s of CPU per process here, half the start-up budget; pydantic-core alone
-costs a third of that and validates the same way.
+costs a third of that and validates the same way. Even that is imported only
+when a value is not plainly valid (`memcalc.config.core`): the schemas are
+written as the dicts pydantic-core reads, and the common case checked directly.
 """
 
 from __future__ import annotations
@@ -18,11 +20,9 @@ from __future__ import annotations
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pydantic_core import SchemaValidator, ValidationError
-from pydantic_core import core_schema as cs
-
+from memcalc.config import core as cs
 from memcalc.config.files import parse_yaml, read_capped
 from memcalc.config.shipped import locate, shipped_names
 from memcalc.errors import ConfigError, in_file
@@ -32,8 +32,11 @@ from memcalc.model.knobs import Knob, Knobs
 from memcalc.text import printable, short_repr
 from memcalc.units import minimum
 
+if TYPE_CHECKING:
+    from pydantic_core import SchemaValidator, ValidationError
 
-def _field(schema: cs.CoreSchema, default: Any, help: str) -> Any:
+
+def _field(schema: cs.Schema, default: Any, help: str) -> Any:
     return field(default=default, metadata={"schema": schema, "help": help})
 
 
@@ -46,44 +49,44 @@ _FACTOR_LIMIT = 1e6
 
 def _size(help: str, default: Any = MISSING) -> Any:
     """A positive integer; required unless a default is given."""
-    return _field(cs.int_schema(strict=True, gt=0, lt=_SIZE_LIMIT), default, help)
+    return _field(cs.int_schema(gt=0, lt=_SIZE_LIMIT), default, help)
 
 
 def _optional_size(help: str, minimum: int = 1) -> Any:
     """A positive integer (at least `minimum`) or None, which means "derive it"."""
     bound = {"gt": 0} if minimum == 1 else {"ge": minimum}
-    return _field(cs.nullable_schema(cs.int_schema(strict=True, lt=_SIZE_LIMIT, **bound)), None, help)
+    return _field(cs.nullable_schema(cs.int_schema(lt=_SIZE_LIMIT, **bound)), None, help)
 
 
 def _choice(default: str, *values: str, help: str) -> Any:
     return _field(cs.literal_schema([default, *values]), default, help)
 
 
-def knob_schema(knob: Knob) -> cs.CoreSchema:
+def knob_schema(knob: Knob) -> cs.Schema:
     """A knob's validation rule, from its kind in the knob table."""
     if knob.kind == "choice":
-        return cs.no_info_after_validator_function(knob.choices, cs.literal_schema(list(knob.values)))
+        return cs.after_schema(knob.choices, cs.literal_schema(list(knob.values)))
     if knob.kind == "size":
-        return cs.nullable_schema(cs.int_schema(strict=True, gt=0, lt=_SIZE_LIMIT))
+        return cs.nullable_schema(cs.int_schema(gt=0, lt=_SIZE_LIMIT))
     if knob.kind == "probability":
         return cs.float_schema(strict=True, ge=0.0, lt=1.0)
     if knob.kind == "factor":
         return cs.nullable_schema(cs.float_schema(gt=0.0, le=_FACTOR_LIMIT, allow_inf_nan=False))
-    return cs.bool_schema(strict=True)
+    return cs.bool_schema()
 
 
-def _schema(f: Any) -> cs.CoreSchema:
+def _schema(f: Any) -> cs.Schema:
     """A field's schema: a knob's from the knob table, any other field's from its metadata."""
     knob = f.metadata.get("knob")
     return knob_schema(knob) if knob is not None else f.metadata["schema"]
 
 
 def _flag(default: bool, help: str) -> Any:
-    return _field(cs.bool_schema(strict=True), default, help)
+    return _field(cs.bool_schema(), default, help)
 
 
 def _text(help: str) -> Any:
-    return _field(cs.nullable_schema(cs.str_schema(strict=True)), None, help)
+    return _field(cs.nullable_schema(cs.str_schema()), None, help)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -209,16 +212,17 @@ def choices(name: str) -> tuple[str, ...]:
 
 
 @lru_cache(maxsize=None)
+def class_schema(cls: type[Knobs]) -> cs.Schema:
+    """The pydantic-core schema of a config (or knob set): its fields' schemas, no other keys."""
+    return cs.typed_dict_schema({f.name: (_schema(f), f.default is MISSING) for f in fields(cls)})
+
+
+@lru_cache(maxsize=None)
 def _validator(cls: type[Knobs]) -> SchemaValidator:
-    """One pydantic-core validator per class, made from its fields' schemas."""
-    schema = cs.typed_dict_schema(
-        {
-            f.name: cs.typed_dict_field(_schema(f), required=f.default is MISSING)
-            for f in fields(cls)
-        },
-        extra_behavior="forbid",
-    )
-    return SchemaValidator(schema)
+    """One pydantic-core validator per class (imported only for a value the plain check is unsure of)."""
+    from pydantic_core import SchemaValidator
+
+    return SchemaValidator(class_schema(cls))
 
 
 def with_library_defaults(fields: dict[str, Any], knobs_only: bool = False) -> dict[str, Any]:
@@ -282,6 +286,11 @@ def _validate(cls: type[Knobs], values: dict[str, Any]) -> Any:
     bad = [k for k in values if not isinstance(k, str)]
     if bad:
         raise ConfigError(f"invalid config: field names must be text, got {short_repr(bad[0])}")
+    plain = cs.plain_values(class_schema(cls), values)
+    if plain is not None:
+        return cls(**plain)
+    from pydantic_core import ValidationError
+
     try:
         return cls(**_validator(cls).validate_python(values))
     except ValidationError as exc:
