@@ -44,13 +44,19 @@ class _ReaderGone(Exception):
     """stdout's reader closed the pipe. Not an OSError, so click, which exits 1 on EPIPE, lets it reach `main`."""
 
 
+class _Interrupted(Exception):
+    """Ctrl-C. Not a KeyboardInterrupt, so click (which prints a blank line and aborts) lets it reach `main`."""
+
+
 @contextmanager
 def _reader_gone_past_click() -> Iterator[None]:
-    """Carry a closed pipe past click's own handling, to `main` and its rule for it."""
+    """Carry a closed pipe and a Ctrl-C past click's own handling, to `main` and its rules for them."""
     try:
         yield
     except BrokenPipeError:
         raise _ReaderGone from None
+    except KeyboardInterrupt:
+        raise _Interrupted from None
 
 
 class LazyGroup(click.Group):
@@ -90,7 +96,7 @@ def cli() -> None:
     sequence parallel), as in Megatron-LM (Korthikanti et al. 2022).
     Exit codes: 0 ok (also when a reader such as head stops early), 1 a
     measurement disagreed, a worker failed or stdout could not be written,
-    2 bad input, 3 nothing fits (estimate --totals, fit).
+    2 bad input, 3 nothing fits (estimate --totals, fit), 130 Ctrl-C.
     Set MEMCALC_DEBUG=1 to see tracebacks.
     """
 
@@ -115,8 +121,8 @@ def main(argv: list[str] | None = None) -> None:
         _fail(f"{exc.format_message()}{hint}", exc.exit_code)
     except click.ClickException as exc:
         _fail(exc.format_message(), exc.exit_code)
-    except click.Abort:
-        _fail("aborted", 1)
+    except (click.Abort, KeyboardInterrupt, _Interrupted):  # Ctrl-C: what was started has been stopped
+        _fail("interrupted", 128 + signal.SIGINT)
     except (BrokenPipeError, _ReaderGone):  # the reader stopped reading (`| head`): not an error, nothing to say
         _silence_stdout()
         code = 0

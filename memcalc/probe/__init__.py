@@ -15,6 +15,7 @@ names) and `measure` (each strategy run and compared with the ledger).
 
 from __future__ import annotations
 
+import os
 from types import ModuleType
 from typing import Any
 
@@ -38,7 +39,15 @@ INSTALL_HINT = "pip install torch==2.13.0 (in a checkout: pip install -e '.[prob
 
 
 def require_torch() -> ModuleType:
-    """Return the torch module, or raise ProbeError saying how to install it."""
+    """Return the torch module, or raise ProbeError saying how to install it.
+
+    torch's C++ log (a rank that cannot reach MASTER_ADDR logs each retry, a hundred lines before memcalc's
+    one) is kept to fatal messages, in this process and the workers it starts: memcalc reports every failure in
+    its own line. TORCH_CPP_LOG_LEVEL set by the user, or MEMCALC_DEBUG, keeps torch's own level. It is read
+    once, when torch is first imported.
+    """
+    if not os.environ.get("MEMCALC_DEBUG"):
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
     try:
         import torch
     except ImportError as err:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
+import signal
 import threading
 import time
 import traceback
@@ -32,7 +33,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import Enum
-from multiprocessing import connection
+from multiprocessing import connection, forkserver
 from typing import Any, Callable, Iterator, Sequence
 
 from memcalc.errors import ConfigError, ProbeError
@@ -255,6 +256,7 @@ def _spawn_once(job: _Job, pickled: bytes) -> list[Any]:
     results = None
     context = _worker_context(job.fn)
     watched, alive = context.Pipe(duplex=False)  # nothing is ever sent: only this process's end closing counts
+    _start_forkserver_deaf_to_sigint()
     try:
         for rank in range(job.t):
             receiver, sender = context.Pipe(duplex=False)
@@ -269,6 +271,26 @@ def _spawn_once(job: _Job, pickled: bytes) -> list[Any]:
         _stop(workers, grace_s=EXIT_GRACE_S if results is not None else 0.0)
         watched.close()
         alive.close()
+
+
+def _start_forkserver_deaf_to_sigint() -> None:
+    """Start the forkserver (if not running) with SIGINT ignored, which it and every worker it forks inherit.
+
+    A Ctrl-C reaches the whole terminal group, and a forkserver still importing torch printed its traceback
+    (or "Fatal Python error") for it. This process alone handles it: its KeyboardInterrupt stops the workers
+    (`_spawn_once`), and the forkserver and any worker it was still forking leave when this process does (they
+    watch its pipe). Python keeps an ignored SIGINT ignored at start-up; this process ignores it only for the
+    moment the forkserver takes to be started (not to import torch), and only in the main thread, where handlers
+    can be set.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        forkserver.ensure_running()
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _store_timeout(job: _Job) -> timedelta:

@@ -1,0 +1,63 @@
+"""A rank that cannot meet the others, or a Ctrl-C while workers start, ends in memcalc's one line (issue 22):
+no torch C++ log before it, no forkserver traceback after it, and no process left running."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+pytestmark = pytest.mark.procs
+
+REPO = Path(__file__).resolve().parents[2]
+MEASURE = [sys.executable, "-m", "memcalc", "measure", "--config", "tiny", "--strategy", "tp", "--t", "2"]
+
+
+def _environment(**extra: str) -> dict[str, str]:
+    drop = ("MEMCALC_DEBUG", "TORCH_CPP_LOG_LEVEL", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    return {k: v for k, v in os.environ.items() if k not in drop} | extra
+
+
+def _closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_a_rank_that_cannot_reach_master_addr_prints_only_memcalcs_line():
+    port = _closed_port()
+    env = _environment(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    proc = subprocess.run([*MEASURE, "--launch", "torchrun", "--timeout", "1"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(f"memcalc: error: torchrun rank 1 could not meet the others at MASTER_ADDR='127.0.0.1'"
+                                  f" MASTER_PORT={port}:")
+
+
+def _group(pgid: int) -> list[str]:
+    """The processes of group `pgid` still running (a dead one waiting to be reaped does not count)."""
+    listing = subprocess.run(["ps", "-o", "pid=,stat=,args=", "-g", str(pgid)], capture_output=True, text=True).stdout
+    return [line for line in listing.splitlines() if line.split()[1][0] != "Z"]
+
+
+def test_ctrl_c_while_workers_start_is_one_line_exit_130_and_leaves_nothing_running():
+    proc = subprocess.Popen([*MEASURE, "--launch", "spawn", "--backend", "gloo"], cwd=REPO, env=_environment(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 90
+    while len(_group(proc.pid)) < 2 and time.monotonic() < deadline:  # the forkserver is up, importing torch
+        time.sleep(0.05)
+    assert len(_group(proc.pid)) >= 2, "the forkserver never started"
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
+    _, err = proc.communicate(timeout=120)
+    assert (proc.returncode, err) == (130, "memcalc: error: interrupted\n")
+    deadline = time.monotonic() + 30
+    while _group(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _group(proc.pid) == []
