@@ -62,7 +62,9 @@ def process_time(argv: list[str], env: dict[str, str]) -> tuple[float, float]:
     return wall, after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
 
 
-def paired_times(commands: dict[str, list[str]], rounds: int, env: dict[str, str]) -> dict[str, list[tuple[float, float]]]:
+def paired_times(
+    commands: dict[str, list[str]], rounds: int, env: dict[str, str]
+) -> dict[str, list[tuple[float, float]]]:
     """(wall, cpu) of each command in each round; every round runs each command once, in turn."""
     for argv in commands.values():  # untimed: fills the bytecode cache
         subprocess.run(argv, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, env=env)
@@ -116,7 +118,8 @@ def main() -> None:
     ratios = [tuple(e / s for e, s in zip(est, sym)) for est, sym in zip(times[ESTIMATE], times[SYMPY])]
     wall = statistics.median(r[0] for r in ratios)
     cpu = statistics.median(r[1] for r in ratios)
-    print(f"estimate / import sympy, median of paired ratios: wall {wall:.2f}, cpu {cpu:.2f}  (requirement: <= {LIMIT})")
+    print(f"estimate / import sympy, median of paired ratios: wall {wall:.2f}, cpu {cpu:.2f}"
+          f"  (requirement: <= {LIMIT})")
     print(f"in-process estimate(): {estimates_per_second():,.0f} calls/s")
     if args.check and wall > LIMIT:
         sys.exit(1)

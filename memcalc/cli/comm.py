@@ -54,7 +54,7 @@ def command(strategy: str, microbatches: int, fmt: str, overlap: str | None, gpu
     if overlap is not None:
         device = replace(GPUS[gpu], tflops=peak_tflops or GPUS[gpu].tflops, link_gb_s=link_gbps or GPUS[gpu].link_gb_s)
         methods = resolve(x.strip() for x in overlap.split(","))
-        layout = TP_SP if strategy == "all" else STRATEGIES[strategy]  # a layout named alone: pairings refuses all but tp-sp
+        layout = TP_SP if strategy == "all" else STRATEGIES[strategy]  # pairings refuses any but tp-sp
         report = overlap_report(config, layout, methods, device, num_splits)
         echo_json(report) if as_json else _print_overlap(config, report)
         return

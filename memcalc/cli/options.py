@@ -51,8 +51,12 @@ hf_config_option = click.option(
 )
 
 expert_options = _stack(  # EXPERT_FLAGS
-    click.option("--ep", "ep", type=INTEGER, help="Expert-parallel size: each rank holds num_experts/ep experts [default: 1]."),
-    click.option("--etp", "etp", type=INTEGER, help="Expert tensor-parallel size (memcalc models etp = t) [default: t]."),
+    click.option(
+        "--ep", "ep", type=INTEGER, help="Expert-parallel size: each rank holds num_experts/ep experts [default: 1]."
+    ),
+    click.option(
+        "--etp", "etp", type=INTEGER, help="Expert tensor-parallel size (memcalc models etp = t) [default: t]."
+    ),
 )
 
 size_options = _stack(
@@ -100,7 +104,9 @@ strategy_option = click.option(
 layout_options = _stack(
     click.option("--pp", type=INTEGER, help="Pipeline stages [default: 1]."),
     click.option("--vpp", type=INTEGER, help="Model chunks per stage, interleaved 1F1B [default: plain 1F1B]."),
-    click.option("--dp", type=INTEGER, help="Data-parallel size; shards optimizer states with --distributed-optimizer."),
+    click.option(
+        "--dp", type=INTEGER, help="Data-parallel size; shards optimizer states with --distributed-optimizer."
+    ),
     click.option("--cp", type=INTEGER, help="Context-parallel size: each rank keeps s/cp tokens [default: 1]."),
     click.option(
         "--distributed-optimizer/--no-distributed-optimizer", default=None,

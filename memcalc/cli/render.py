@@ -78,7 +78,12 @@ def _one_line(cell: Any) -> str:
     return " ".join(str(cell).split("\n"))
 
 
-console = _Console(highlight=False, emoji=False, _environ={k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")})
+# No highlighting or emoji codes: memcalc's markup says what is styled (and a model name's ':x:' stays text), and
+# neither the highlighter's regexes nor the emoji table is loaded. COLUMNS and LINES are left out: a terminal's width
+# is read from the terminal, and COLUMNS=0 once printed nothing.
+console = _Console(
+    highlight=False, emoji=False, _environ={k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")},
+)
 
 
 def describe(config: ModelConfig) -> str:
@@ -146,9 +151,9 @@ def tensor_rows(results: list[LayerEstimate]) -> list[tuple[SavedTensor, list[in
     """Each saved tensor of any strategy, with its bytes under each (None where that strategy keeps no such tensor).
 
     Rows are keyed by tensor name (and, for a name kept twice, by which of them), never by position: strategies
-    may keep different tensors (tp and tp-sp under an implementation that saves one only with sequence
-    parallelism), and a row must hold one tensor's bytes in every column. A tensor only some strategies keep
-    is placed after the one before it in the first strategy that keeps it.
+    may keep different tensors (Qwen2-7B at t=4 under megatron keeps attention/softmax_fp32 under tp and tp-sp
+    only), and a row must hold one tensor's bytes in every column. A tensor only some strategies keep is placed
+    after the one before it in the first strategy that keeps it.
     """
     keys: list[tuple[str, int]] = []
     tensors: dict[tuple[str, int], SavedTensor] = {}

@@ -40,8 +40,9 @@ class Integer(click.ParamType):
             text = str(value).strip()
             if not re.fullmatch(_WHOLE, text):
                 self.fail(f"{short_repr(value)} is not a valid integer (a whole number in the digits 0-9)", param, ctx)
-            if len(text.lstrip("+-")) > MAX_INT_DIGITS:
-                self.fail(f"a {len(text.lstrip('+-'))}-digit number is too large (at most {MAX_INT_DIGITS})", param, ctx)
+            digits = len(text.lstrip("+-"))
+            if digits > MAX_INT_DIGITS:
+                self.fail(f"a {digits}-digit number is too large (at most {MAX_INT_DIGITS})", param, ctx)
             number = int(text)
         if self.min is not None and number < self.min:
             self.fail(f"{number} is below {self.min}", param, ctx)

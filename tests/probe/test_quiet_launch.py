@@ -37,8 +37,8 @@ def test_a_rank_that_cannot_reach_master_addr_prints_only_memcalcs_line():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and proc.stdout == ""
     assert proc.stderr.count("\n") == 1, proc.stderr
-    assert proc.stderr.startswith(f"memcalc: error: torchrun rank 1 could not meet the others at MASTER_ADDR='127.0.0.1'"
-                                  f" MASTER_PORT={port}:")
+    where = f"MASTER_ADDR='127.0.0.1' MASTER_PORT={port}"
+    assert proc.stderr.startswith(f"memcalc: error: torchrun rank 1 could not meet the others at {where}:")
 
 
 def _group(pgid: int) -> list[str]:
