@@ -88,12 +88,13 @@ def check_writable(path: Path) -> None:
     """
     target = _target(Path(path))
     mode = _existing_mode(target)
+    if mode is not None and not os.access(target, os.W_OK):  # a read-only file is not replaced behind its back
+        raise OutputError(f"cannot write {printable(str(path))}: Permission denied")
     if mode is not None and _in_place(mode):
-        if not os.access(target, os.W_OK):
-            raise OutputError(f"cannot write {printable(str(path))}: Permission denied")
         return
     try:
-        fd, probe = tempfile.mkstemp(dir=target.parent, prefix=f"{_writer_prefix(target)}{os.getpid()}.")
+        prefix = f"{_writer_prefix(target)}{os.getpid()}."  # named as a temporary is, so a leftover is cleaned up
+        fd, probe = tempfile.mkstemp(dir=target.parent, prefix=prefix, suffix=".part")
     except OSError as exc:
         raise _cannot(path, exc) from None
     os.close(fd)
@@ -114,7 +115,7 @@ def _existing_mode(target: Path) -> int | None:
     except OSError as exc:
         raise _cannot(target, exc) from None
     if not (stat.S_ISREG(mode) or _in_place(mode)):
-        kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file, a device or a FIFO"
+        kind = "a directory" if stat.S_ISDIR(mode) else "neither a regular file nor a character device or FIFO"
         raise OutputError(f"cannot write {printable(str(target))}: it is {kind}")
     return mode
 

@@ -174,7 +174,7 @@ def test_a_socket_is_refused_before_writing(tmp_path):
     path = tmp_path / "s.sock"
     with socket.socket(socket.AF_UNIX) as sock:
         sock.bind(str(path))
-        with pytest.raises(OutputError, match="not a regular file, a device or a FIFO"):
+        with pytest.raises(OutputError, match="neither a regular file nor a character device or FIFO"):
             check_writable(path)
         assert stat.S_ISSOCK(os.lstat(path).st_mode)
 
