@@ -19,6 +19,10 @@ from memcalc.model.strategy import STRATEGIES, TP_SP, Strategy
 from memcalc.schemas import SCHEMA_VERSION
 
 
+# TFLOPS and GB/s: far beyond any card both ways, and near enough that every time the model computes stays finite.
+RATE = Real(least=1e-3, most=1e9)
+
+
 @click.command("comm")
 @model_options
 @layout_options
@@ -34,8 +38,8 @@ from memcalc.schemas import SCHEMA_VERSION
 )
 @click.option("--gpu", type=click.Choice(list(GPUS)), default="h100-80gb", show_default=True,
               help="Peak 16-bit TFLOPS and link bandwidth preset for the timing model.")
-@click.option("--peak-tflops", type=Real(above=0), help="Override the preset's TFLOPS.")
-@click.option("--link-gbps", type=Real(above=0),
+@click.option("--peak-tflops", type=RATE, help="Override the preset's TFLOPS.")
+@click.option("--link-gbps", type=RATE,
               help="Override the preset's link bandwidth, GB/s one way.")
 @click.option("--num-splits", type=POSITIVE, default=DEFAULT_SPLITS, show_default=True,
               help="Chunks of a pipelined reduce-scatter.")

@@ -16,7 +16,6 @@ from memcalc.errors import ConfigError, DoesNotFit
 from memcalc.model.evaluate import LayerEstimate, estimate
 from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import STRATEGIES, Strategy
-from memcalc.schemas import SCHEMA_VERSION
 from memcalc.sizing.verdict import Need, need
 
 if TYPE_CHECKING:  # per-GPU totals and the timeline load only when --totals asks for them
@@ -98,6 +97,8 @@ def to_json(
     per: list[PerGpu] | None = None, budget: Budget | None = None, peaks: dict | None = None,
 ) -> dict:
     """The JSON document: the config, how bytes were counted, each strategy's numbers, and totals if asked."""
+    from memcalc.schemas import SCHEMA_VERSION  # the schema tables load only for JSON
+
     doc = {
         "schema_version": SCHEMA_VERSION,
         "config": config_record(config),

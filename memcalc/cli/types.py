@@ -50,12 +50,13 @@ class Integer(click.ParamType):
 
 
 class Real(click.ParamType):
-    """A finite number in decimal notation, above `above` and at most `most` if given (never NaN or infinity)."""
+    """A finite number in decimal notation (never NaN or infinity), above `above`, at least `least` and at most
+    `most` where given."""
 
     name = "number"
 
-    def __init__(self, above: float | None = None, most: float | None = None) -> None:
-        self.above, self.most = above, most
+    def __init__(self, above: float | None = None, least: float | None = None, most: float | None = None) -> None:
+        self.above, self.least, self.most = above, least, most
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
         text = str(value).strip()
@@ -69,6 +70,8 @@ class Real(click.ParamType):
             self.fail(f"{text[:60]} is not a valid float (a finite number in the digits 0-9)", param, ctx)
         if self.above is not None and number <= self.above:
             self.fail(f"{number:g} is not above {self.above:g}", param, ctx)
+        if self.least is not None and number < self.least:
+            self.fail(f"{number:g} is below {self.least:g}", param, ctx)
         if self.most is not None and number > self.most:
             self.fail(f"{number:g} is above {self.most:g}", param, ctx)
         return number

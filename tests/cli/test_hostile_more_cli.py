@@ -92,6 +92,14 @@ def test_comm_refuses_a_rate_that_is_not_a_finite_number(flag, value):
     one_line_error(run, f"'{flag}'", "not a valid float")
 
 
+@pytest.mark.parametrize("flag", ["--peak-tflops", "--link-gbps"])
+@pytest.mark.parametrize("value", ["1e-300", "1e300"])
+def test_comm_refuses_a_rate_that_would_make_a_time_infinite(flag, value):
+    """A time is bytes or FLOPs over the rate: 1e-300 TFLOPS made it infinite, and its JSON not JSON."""
+    run = memcalc_cli("comm", "--config", "gpt3-175b", "--overlap", "default", flag, value, "--json")
+    one_line_error(run, f"'{flag}'")
+
+
 @pytest.mark.parametrize("value", ["nan", "inf"])
 def test_knob_floats_refuse_non_finite_values(value):
     one_line_error(memcalc_cli("estimate", "--config", "tiny", "--dropout", value), "'--dropout'", "not a valid float")
