@@ -141,8 +141,9 @@ class _RefusedYamlNumber(ConfigError):
 
 # YAML 1.1 also reads 34:08 as 2048 (base 60), 017 as 15 (octal), 0x10, 0b10 and 1_000: a config's
 # numbers are plain decimals, so anything else is refused rather than read as a number nobody wrote.
-_DECIMAL_INT = re.compile(r"[-+]?(?:0|[1-9][0-9]*)")
-_DECIMAL_FLOAT = re.compile(r"[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
+# Compiled on first use (re caches them): a flat config never needs them.
+_DECIMAL_INT = r"[-+]?(?:0|[1-9][0-9]*)"
+_DECIMAL_FLOAT = r"[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?"
 
 
 _LOADERS: dict[str, type] = {}
@@ -189,7 +190,7 @@ def _bounded_loader(yaml: Any) -> type:
 
         def construct_yaml_int(self, node: Any) -> int:
             text = str(node.value)
-            if not _DECIMAL_INT.fullmatch(text):
+            if not re.fullmatch(_DECIMAL_INT, text):
                 raise _RefusedYamlNumber(node, short_repr(text), "is not a decimal whole number (YAML 1.1 would read"
                                          " it in base 60, 8, 16 or 2); write it in the digits 0-9")
             digits = len(text.lstrip("+-"))
@@ -200,7 +201,7 @@ def _bounded_loader(yaml: Any) -> type:
 
         def construct_yaml_float(self, node: Any) -> float:
             text = str(node.value)
-            if not _DECIMAL_FLOAT.fullmatch(text):
+            if not re.fullmatch(_DECIMAL_FLOAT, text):
                 raise _RefusedYamlNumber(node, short_repr(text), "is not a finite decimal number; write it in the"
                                          " digits 0-9")
             return super().construct_yaml_float(node)
