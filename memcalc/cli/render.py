@@ -58,7 +58,13 @@ class _Console(Console):
         super().print(*objects, **options)
 
     def _fits(self, table: Table) -> bool:
-        """Whether rich can lay `table` out in this width by wrapping words, cutting no cell."""
+        """Whether rich can lay `table` out in this width by wrapping words, cutting no cell.
+
+        Output that is not a terminal is laid out PIPED_WIDTH wide, more than any memcalc table needs, so only a
+        terminal's width is measured against (measuring costs a quarter of drawing the table).
+        """
+        if self.width >= PIPED_WIDTH:
+            return True
         return Measurement.get(self, self.options.update_width(1 << 20), table).minimum <= self.width
 
 
