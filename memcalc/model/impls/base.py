@@ -125,6 +125,10 @@ def check_moe(knobs: Any) -> None:
     if knobs.moe_pad_expert_input_to_capacity and knobs.moe_expert_capacity_factor is None:
         raise ConfigError("moe_pad_expert_input_to_capacity pads each expert's tokens to its capacity: it needs"
                           " moe_expert_capacity_factor")
+    default = KNOB_NAMES["experts_implementation"].default
+    if knobs.impl != "hf" and knobs.experts_implementation != default:
+        raise ConfigError(f"experts_implementation {knobs.experts_implementation} is transformers' choice (--impl hf);"
+                          f" impl {knobs.impl} runs its own experts (leave it {default})")
     if knobs.moe_router_enable_expert_bias and knobs.moe_router_score_function != "sigmoid":
         raise ConfigError("moe_router_enable_expert_bias biases the sigmoid router's choice (aux-loss-free balancing):"
                           " it needs moe_router_score_function sigmoid")

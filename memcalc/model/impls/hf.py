@@ -188,13 +188,20 @@ ONE_PLUS_TANH = SavedTensor(
 )
 
 
-# MixtralSparseMoeBlock (Qwen2MoeSparseMoeBlock adds a gated shared expert): the router in fp32, then
-# MixtralExperts' eager loop (experts_implementation "eager"), one expert at a time over the tokens it received.
-# memcalc runs Qwen2-MoE's block when the config has shared experts, Mixtral's otherwise. Mixtral's router always
-# renormalises the top-k probabilities and keeps them in fp32; Qwen2-MoE's renormalises only with norm_topk_prob
-# (memcalc: moe_router_pre_softmax false) and casts them to the activation dtype before the experts use them.
+# MixtralSparseMoeBlock (Qwen2MoeSparseMoeBlock adds a gated shared expert): the router in fp32, then MixtralExperts
+# by its config's experts_implementation (transformers/integrations/moe.py, use_experts_implementation). A model
+# built by transformers runs "grouped_mm" unless told otherwise (PreTrainedModel.get_correct_experts_implementation,
+# whatever the device): the k*b*s slots sorted by expert (torch.sort), each slot's token gathered, two
+# torch._grouped_mm cut at int32 offsets, the weighted rows put back in slot order and summed over k per token.
+# "eager" loops over the experts hit, each on the tokens it received, index_add_-ing its weighted rows into the
+# output. memcalc runs Qwen2-MoE's block when the config has shared experts, Mixtral's otherwise. Mixtral's router
+# always renormalises the top-k probabilities and keeps them in fp32; Qwen2-MoE's renormalises only with
+# norm_topk_prob (memcalc: moe_router_pre_softmax false) and casts them to the activation dtype before the experts
+# use them.
 _MIXTRAL = "MixtralTopKRouter"
 _EXPERTS = "MixtralExperts (eager loop)"
+_GROUPED = "MixtralExperts (grouped_mm)"
+_BOTH = "MixtralExperts (eager loop and grouped_mm)"
 ROUTER_PROBS = SavedTensor(
     "moe/router_probs_fp32", f"{_MIXTRAL}: softmax(router_logits.float())", (Dim.B, Dim.S, Dim.E), Kind.FP32, _SEQ,
     "softmax backward needs its output; top-k reads the probabilities of the chosen experts from it",
@@ -226,16 +233,40 @@ TOKEN_SLOTS = SavedTensor(
     "each expert's (token, top-k slot) pairs route the gradient back to the rows it gathered", paper=False,
 )
 EXPERT_WEIGHT = SavedTensor(
-    "moe/expert_weight_fp32", f"{_EXPERTS}: expert output * top_k_weights[token, slot]", (Dim.R,), Kind.FP32,
+    "moe/expert_weight_fp32", f"{_BOTH}: expert output * its slot's routing weight", (Dim.R,), Kind.FP32,
     Region.EXPERT, "the gradient of the expert's output in the product is dY * weight", paper=False,
 )
 EXPERT_WEIGHT_CAST = replace(
     EXPERT_WEIGHT, name="moe/expert_weight", kind=Kind.ACTIVATION,
-    saved_by="Qwen2MoeExperts (eager loop): expert output * top_k_weights[token, slot], cast to the activation dtype",
+    saved_by="Qwen2MoeExperts (eager loop and grouped_mm): expert output * its slot's routing weight, cast to the"
+    " activation dtype",
 )
 EXPERT_OUT = SavedTensor(
-    "moe/expert_out", f"{_EXPERTS}: expert output * top_k_weights[token, slot]", (Dim.R, Dim.H), Kind.ACTIVATION,
+    "moe/expert_out", f"{_BOTH}: expert output * its slot's routing weight", (Dim.R, Dim.H), Kind.ACTIVATION,
     Region.EXPERT, "the routing weight's gradient is sum(dY * expert output)",
+)
+# grouped_mm: three int64 (r,) permutations of the slots and the experts' int32 offsets, in place of the eager loop's
+# (token, slot) pairs and index_add_'s source (its weighted rows, fp32 in Mixtral's block, are gathered back in slot
+# order and summed over k: indexing and sum keep no values).
+TOKEN_INDICES = SavedTensor(
+    "moe/token_indices", f"{_GROUPED}: perm // k, each sorted slot's token, kept by hidden_states[perm // k]",
+    (Dim.R,), Kind.INT64, Region.EXPERT, "indexing's backward puts the sorted rows' gradient back at their tokens",
+    paper=False,
+)
+SORTED_SLOTS = SavedTensor(
+    "moe/sorted_slots", f"{_GROUPED}: torch.sort(expert_ids)'s permutation, kept by sample_weights[perm]", (Dim.R,),
+    Kind.INT64, Region.EXPERT, "indexing's backward scatters the sorted weights' gradient back to their slots",
+    paper=False,
+)
+UNSORTED_SLOTS = SavedTensor(
+    "moe/unsorted_slots", f"{_GROUPED}: inv_perm, the permutation's inverse, kept by weighted_out[inv_perm]",
+    (Dim.R,), Kind.INT64, Region.EXPERT, "indexing's backward puts each slot's gradient back in expert order",
+    paper=False,
+)
+EXPERT_OFFSETS = SavedTensor(
+    "moe/expert_offsets", f"{_GROUPED}: cumsum of histc's slots per expert, int32, kept by both torch._grouped_mm",
+    (Dim.E,), Kind.INT32, Region.REPLICATED, "a grouped matmul's backward cuts dY at the same expert boundaries",
+    paper=False,
 )
 COMBINE_IN = SavedTensor(
     "moe/combine_in", f"{_EXPERTS}: final_hidden_states.index_add_(token_idx, weighted output)", (Dim.R, Dim.H),
@@ -250,7 +281,7 @@ SHARED_OUT = SavedTensor(
     "the gate's gradient is sum(dY * shared expert output)",
 )
 MOE_TENSORS = (ROUTER_PROBS, TOPK_SUM, TOPK_WEIGHTS, ROUTER_IN_FP32, ROUTER_SCORES, TOKEN_SLOTS, EXPERT_WEIGHT, EXPERT_WEIGHT_CAST, EXPERT_OUT,
-               COMBINE_IN,
+               COMBINE_IN, TOKEN_INDICES, SORTED_SLOTS, UNSORTED_SLOTS, EXPERT_OFFSETS,
                SHARED_GATE_SIGMOID, SHARED_OUT)
 
 
@@ -363,12 +394,21 @@ def moe_block(knobs: Any) -> tuple[SavedTensor, ...]:
         router: tuple[SavedTensor, ...] = (ROUTER_IN_FP32, ROUTER_SCORES, ledger.ROUTER_TOPK_INDICES, *norm)
     else:
         router = (ledger.MOE_IN, ROUTER_PROBS, ledger.ROUTER_TOPK_INDICES, *norm)
-    experts = (TOKEN_SLOTS, ledger.EXPERT_IN, ledger.EXPERT_GATE, ledger.EXPERT_UP, ledger.EXPERT_SILU_OUT,
-               ledger.EXPERT_FC2_IN, EXPERT_WEIGHT_CAST if qwen else EXPERT_WEIGHT, EXPERT_OUT, COMBINE_IN)
+    experts = expert_block(knobs, EXPERT_WEIGHT_CAST if qwen else EXPERT_WEIGHT)
     if knobs.mla:
         return (*router, *experts, ledger.MOE_IN, *SHARED_MLP)  # shared_experts(residuals) runs last
     shared = (*SHARED_MLP, SHARED_GATE_SIGMOID, SHARED_OUT) if knobs.moe_shared_expert_intermediate_size else ()
     return (*router, *shared, *experts)
+
+
+def expert_block(knobs: Any, weight: SavedTensor) -> tuple[SavedTensor, ...]:
+    """The experts by experts_implementation: grouped_mm's permutations, offsets and grouped SwiGLU, or the eager
+    loop's (token, slot) pairs, SwiGLU and index_add_ source; the same SwiGLU rows and weighted output either way
+    (one storage each under grouped_mm, one an expert in the loop)."""
+    swiglu = (ledger.EXPERT_IN, ledger.EXPERT_GATE, ledger.EXPERT_UP, ledger.EXPERT_SILU_OUT, ledger.EXPERT_FC2_IN)
+    if knobs.experts_implementation == "eager":
+        return (TOKEN_SLOTS, *swiglu, weight, EXPERT_OUT, COMBINE_IN)
+    return (TOKEN_INDICES, SORTED_SLOTS, EXPERT_OFFSETS, *swiglu, weight, EXPERT_OUT, UNSORTED_SLOTS)
 
 
 def layer_tensors(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]:
