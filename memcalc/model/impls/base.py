@@ -87,6 +87,7 @@ class Implementation:
     # (another width or split); unlike kept_whole, it changes no collective: backward gathers as before.
     sequence_parallel_forms: Callable[[Any], tuple[SavedTensor, ...]] = lambda knobs: ()
     check: Callable[[Any], None] = _accept_all  # ConfigError for knob values the library cannot run
+    check_sizes: Callable[[Any], None] = _accept_all  # ConfigError for a config's sizes its kernels refuse
     # the library's own values, where not the seed's: knobs, and config fields such as biases and positions
     defaults: dict[str, Any] = field(default_factory=dict)
     tensors: tuple[SavedTensor, ...] = ()  # the tensors only this library keeps (or describes its own way)

@@ -53,7 +53,7 @@ from typing import Any, NamedTuple
 from memcalc.errors import ConfigError
 from memcalc.model import ledger
 from memcalc.model.impls.base import Implementation, Refusal, SizeRule, always, drop_small
-from memcalc.model.knobs import Accounting
+from memcalc.model.knobs import DTYPE_BYTES, Accounting
 from memcalc.model.ledger import Dim, Kind, Region, SavedTensor
 
 _BSH = (Dim.B, Dim.S, Dim.H)
@@ -462,6 +462,21 @@ def check(knobs: Any) -> None:
     check_latent(knobs)
 
 
+def check_sizes(config: Any) -> None:
+    """torch._grouped_mm, transformers' default experts path, takes only strides of whole 16-byte runs (aten's
+    GroupedMMUtils.h, check_valid_strides_and_return_transposed, on the CPU and CUDA alike): h and each rank's
+    expert width e/t must be multiples of 16 bytes' worth of elements."""
+    if not config.moe or config.experts_implementation != "grouped_mm":
+        return
+    run = 16 // DTYPE_BYTES[config.dtype]
+    for name, value in (("h", config.h), (f"moe_ffn_hidden_size/t={config.expert_ffn}/{config.t}",
+                                          config.expert_ffn // config.t)):
+        if value % run:
+            raise ConfigError(f"impl hf: {name}={value} is not a multiple of {run}: torch._grouped_mm (transformers'"
+                              f" default experts_implementation) needs strides of whole 16-byte runs in"
+                              f" {config.dtype}; use --experts-implementation eager")
+
+
 def _check_mixtral(knobs: Any) -> None:
     """Without shared experts the layer is MixtralDecoderLayer: every layer MoE, the top k renormalised."""
     if knobs.moe_router_pre_softmax:
@@ -560,7 +575,8 @@ IMPLEMENTATION = Implementation(
     title="Hugging Face transformers",
     measured_on="transformers 5.24.0 (torch 2.13.0, CPU, bf16): LlamaDecoderLayer, Qwen2DecoderLayer,"
     " MistralDecoderLayer and GPT2Block, attn_implementation eager and sdpa; MixtralDecoderLayer and"
-    " Qwen2MoeDecoderLayer; DeepseekV3DecoderLayer (dense MLP and DeepseekV3MoE), eager; Qwen3DecoderLayer and"
+    " Qwen2MoeDecoderLayer, their experts by grouped_mm (torch._grouped_mm's CPU kernel) and the eager loop;"
+    " DeepseekV3DecoderLayer (dense MLP and DeepseekV3MoE), eager; Qwen3DecoderLayer and"
     " Qwen3MoeDecoderLayer (head_dim, q_norm and k_norm), eager and sdpa; the Llama family and Qwen3 under"
     " transformers' own tp_plan (apply_tensor_parallelism, DTensor) at t = 2 and 4, the MoE layers of Mixtral,"
     " Qwen2-MoE and Qwen3-MoE too (forced routers)",
@@ -568,6 +584,7 @@ IMPLEMENTATION = Implementation(
     refuses=(NO_SEQUENCE_PARALLEL, GPT2_NO_TP_PLAN, LATENT_TP_NOT_MODELLED),
     unsharded=unsharded,
     check=check,
+    check_sizes=check_sizes,
     size_rule=REPEAT_KV,
     tensors=(
         *LN1_RMS, *LN2_RMS, *Q_NORM_RMS, *K_NORM_RMS,

@@ -219,6 +219,10 @@ def test_two_gloo_ranks_route_alike_and_each_keep_what_rank_zero_of_the_fake_gro
     (DEEPSEEK_V3 | {"moe_shared_expert_intermediate_size": 20}, "must be a multiple of moe_ffn_hidden_size=32"),
     (QWEN3_MOE | {"moe_shared_expert_intermediate_size": 16}, "Qwen3MoeDecoderLayer, whose sparse block has no"),
     (DEEPSEEK_V3 | {"qk_layernorm": True}, "qk_layernorm with kv_lora_rank"),
+    (MIXTRAL | {"t": 2, "moe_ffn_hidden_size": 24}, "moe_ffn_hidden_size/t=24/2=12 is not a multiple of 8:"
+                                                   " torch._grouped_mm"),
+    (MIXTRAL | {"h": 36, "a": 4}, "h=36 is not a multiple of 8"),
+    (MIXTRAL | {"dtype": "fp32", "moe_ffn_hidden_size": 18}, "moe_ffn_hidden_size/t=18/1=18 is not a multiple of 4"),
 ])
 def test_moe_knobs_no_transformers_block_has_are_refused(knobs, words):
     with pytest.raises(ConfigError, match=words):
@@ -229,6 +233,11 @@ def test_moe_knobs_no_transformers_block_has_are_refused(knobs, words):
 def test_experts_implementation_is_refused_outside_transformers(impl):
     with pytest.raises(ConfigError, match=f"transformers' choice .--impl hf.; impl {impl} runs its own experts"):
         estimate(build_config(SIZES | {"impl": impl, "experts_implementation": "eager"}), NONE)
+
+
+def test_the_eager_loop_runs_at_widths_grouped_mm_refuses():
+    rows = _rows(MIXTRAL | {"moe_ffn_hidden_size": 20, "experts_implementation": "eager"}, "balanced")
+    assert_exact(rows)
 
 
 def test_a_forced_route_needs_experts_and_a_library_whose_router_it_forces():
