@@ -169,7 +169,7 @@ def _moe(k: Any) -> str | None:
         parts.append("aux loss")
     if k.moe_router_pre_softmax:
         parts.append("pre-softmax router")
-    if k.experts_implementation != ExpertsImplementation.GROUPED_MM:
+    if k.impl == Impl.HF or k.experts_implementation != ExpertsImplementation.GROUPED_MM:  # transformers' choice
         parts.append(f"{k.experts_implementation} experts")
     return ", ".join([*parts, f"tokens {k.moe_tokens}"])
 
