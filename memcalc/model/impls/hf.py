@@ -535,8 +535,8 @@ def _check_deepseek_moe(knobs: Any) -> None:
 # colwise linears' one input whole (DTensor.from_local wraps it as Replicate, no copy), the rest split by t.
 # The MoE plans (Mixtral's, Qwen2-MoE's, Qwen3-MoE's) shard each expert's width and nothing else of the sparse block:
 # gate_up_proj "packed_colwise" (each rank its F_E/t of gate and of up), down_proj "rowwise" (its F_E/t input
-# columns), and "moe_tp_experts" runs the experts' loop on local weights over the whole tokens and routing weights,
-# summing the ranks' outputs after it. No rule names the router: every rank routes every token alike, so each keeps
+# columns), and "moe_tp_experts" runs the experts (grouped_mm or the loop) on local weights over the whole tokens
+# and routing weights, summing the ranks' outputs after it. No rule names the router: every rank routes every token alike, so each keeps
 # the router's tensors whole and gathers the same r rows, whole in h (Region.EXPERT's rule: only F_E is split).
 # Qwen2-MoE's gate_proj, up_proj and down_proj rules under mlp are a dense layer's Qwen2MoeMLP; the sparse block's
 # shared expert is mlp.shared_expert, which no rule names, so every rank runs it whole (`unsharded`).

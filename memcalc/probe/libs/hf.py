@@ -517,7 +517,7 @@ def _llama_mlp_rules() -> tuple[Rule, ...]:
 
 
 def _moe_rules(config: ModelConfig) -> tuple[Rule, ...]:
-    """The sparse MoE block: its router (mlp.gate), the experts' loop (two linears and two products an expert),
+    """The sparse MoE block: its router (mlp.gate), the experts (grouped_mm or the eager loop),
     and Qwen2-MoE's gated shared expert. Views give (b*s, ...) tensors the ledger's (b, s, ...) axes."""
     flat = _tokens(config.b)
 
