@@ -100,6 +100,7 @@ KNOBS: Schema = _object({
     "moe_tokens": {"enum": ["balanced", "capacity", "worst"]},
     "moe_aux_loss": FLAG,
     "moe_router_pre_softmax": FLAG,
+    "experts_implementation": {"enum": ["grouped_mm", "eager"]},  # transformers' (--impl hf)
     **{name: _nullable(POSITIVE) for name in _MLA},  # latent attention's widths, null without it
 })
 

@@ -336,3 +336,21 @@ def test_qwen3_moe_layouts_memcalc_cannot_count_are_refused_by_name(tmp_path, ch
     raw = json.loads((DATA / "qwen3-30b-a3b.json").read_text()) | change
     with pytest.raises(ConfigError, match=re.escape(words)):
         read_hf_config(_write(tmp_path, raw))
+
+
+@pytest.mark.parametrize("family", [MIXTRAL, QWEN2_MOE], ids=["mixtral", "qwen2-moe"])
+def test_an_moe_configs_experts_implementation_is_read_and_unset_is_transformers_default_grouped_mm(tmp_path, family):
+    raw = json.loads((DATA / "mistral-7b.json").read_text()) | family
+    path = _write(tmp_path, raw | {"experts_implementation": "eager"})
+    hf = read_hf_config(path)
+    assert hf.fields["experts_implementation"] == "eager"
+    assert "experts_implementation->experts_implementation=eager" in hf.describe()
+    unset = _write(tmp_path, raw)
+    assert load_config(unset, {}, base=read_hf_config(unset).fields).experts_implementation == "grouped_mm"
+
+
+@pytest.mark.parametrize("value", ["batched_mm", "sonicmoe", {"": "eager"}])
+def test_an_experts_implementation_memcalc_has_not_measured_is_refused_by_name(tmp_path, value):
+    raw = json.loads((DATA / "mistral-7b.json").read_text()) | MIXTRAL | {"experts_implementation": value}
+    with pytest.raises(ConfigError, match="experts_implementation=.* is not modelled .*grouped_mm, its default, and eager"):
+        read_hf_config(_write(tmp_path, raw))

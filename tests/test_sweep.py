@@ -332,7 +332,7 @@ def test_csv_has_a_header_and_one_complete_row_per_configuration():
                            "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_expert_capacity_factor",
                            "moe_pad_expert_input_to_capacity", "moe_token_dispatcher_type", "moe_layer_freq",
                            "moe_first_dense_layers", "moe_router_score_function", "moe_router_enable_expert_bias",
-                           "moe_tokens", "moe_aux_loss", "moe_router_pre_softmax", "kv_lora_rank",
+                           "moe_tokens", "moe_aux_loss", "moe_router_pre_softmax", "experts_implementation", "kv_lora_rank",
                            "q_lora_rank",
                            "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "ep", "accounting"]
     assert first | {"per_layer_bytes": None, "total_bytes": None} == dict(
@@ -343,7 +343,7 @@ def test_csv_has_a_header_and_one_complete_row_per_configuration():
         moe_expert_capacity_factor="", moe_pad_expert_input_to_capacity="false", moe_token_dispatcher_type="alltoall",
         moe_layer_freq="1", moe_first_dense_layers="", moe_router_score_function="softmax",
         moe_router_enable_expert_bias="false", moe_tokens="balanced", moe_aux_loss="false",
-        moe_router_pre_softmax="false",
+        moe_router_pre_softmax="false", experts_implementation="grouped_mm",
         kv_lora_rank="", q_lora_rank="", qk_rope_head_dim="", qk_nope_head_dim="", v_head_dim="", ep="1", accounting="paper",
     )
     for row in rows:  # each row is a configuration that estimate reproduces

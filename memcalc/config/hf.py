@@ -179,13 +179,25 @@ def _pre_softmax(norm_topk_prob: Any) -> bool:
     return not norm_topk_prob
 
 
+def _experts_implementation(value: Any) -> str:
+    """transformers' experts_implementation: grouped_mm (its default when unset) or eager; its kernels' others
+    (batched_mm, deepgemm, sonicmoe) keep what memcalc has not measured."""
+    if value not in ("grouped_mm", "eager"):
+        raise ConfigError(f"experts_implementation={short_repr(value)} is not modelled (memcalc models transformers'"
+                          " grouped_mm, its default, and eager)")
+    return value
+
+
+# Every MoE family's experts run by transformers' use_experts_implementation; absent: memcalc's default, grouped_mm.
+_EXPERTS_IMPLEMENTATION = Row("experts_implementation", ("experts_implementation",), _experts_implementation,
+                              default=None)
 _AUX_LOSS = Row("moe_aux_loss", ("output_router_logits", "router_aux_loss_coef"), default=None, combine=_aux_loss)
 # MixtralConfig: every layer a sparse MoE block of num_local_experts experts as wide as intermediate_size.
 _MIXTRAL = (
     *_LLAMA_HEADS,
     Row("num_experts", ("num_local_experts",)),
     Row("moe_router_topk", ("num_experts_per_tok",), default=2),  # MixtralConfig's default
-    _AUX_LOSS,
+    _EXPERTS_IMPLEMENTATION, _AUX_LOSS,
 )
 # Qwen2MoeConfig: experts of moe_intermediate_size beside a gated shared expert, every decoder_sparse_step-th
 # layer sparse (the others a dense MLP of intermediate_size); its class defaults are Qwen1.5-MoE-A2.7B's.
@@ -198,7 +210,7 @@ _QWEN2_MOE = (
     Row("moe_router_pre_softmax", ("norm_topk_prob",), _pre_softmax, default=True),  # norm_topk_prob false
     Row("moe_layer_freq", ("decoder_sparse_step",), default=None),
     Row("add_qkv_bias", ("qkv_bias",), default=True),
-    _AUX_LOSS,
+    _EXPERTS_IMPLEMENTATION, _AUX_LOSS,
 )
 # Qwen3MoeConfig: Qwen3's attention; every decoder_sparse_step-th layer Qwen2-MoE's router and experts of
 # moe_intermediate_size without a shared expert (the others a dense MLP of intermediate_size); its class defaults are
@@ -212,7 +224,7 @@ _QWEN3_MOE = (
     Row("moe_router_pre_softmax", ("norm_topk_prob",), _pre_softmax, default=True),  # norm_topk_prob false
     Row("moe_layer_freq", ("decoder_sparse_step",), default=None),
     _kept_nothing("mlp_only_layers", lambda v: v, "no layer made dense by index"),  # _check_sparse_layers refuses any
-    _AUX_LOSS,
+    _EXPERTS_IMPLEMENTATION, _AUX_LOSS,
 )
 _NOTHING_KEPT = "changes nothing kept"
 # DeepseekV3Config's MoE: n_routed_experts experts of moe_intermediate_size beside n_shared_experts shared ones of the
@@ -232,6 +244,7 @@ _DEEPSEEK_V3 = (
     Row("moe_router_pre_softmax", ("norm_topk_prob",), _pre_softmax, default=False),
     Row("moe_router_score_function", ("scoring_func",), _deepseek_v3_only("scoring_func", "sigmoid"),
         default="sigmoid"),
+    _EXPERTS_IMPLEMENTATION,
     _kept_nothing("topk_method", _deepseek_v3_only("topk_method", "noaux_tc"), _NOTHING_KEPT),
     _kept_nothing("n_group", _positive_number("n_group"), _NOTHING_KEPT),
     _kept_nothing("topk_group", _positive_number("topk_group"), _NOTHING_KEPT),

@@ -401,6 +401,7 @@ def check_layout(config: ModelConfig) -> None:
         why = "Megatron-LM's interleaved schedule runs micro-batches in groups of pp"
         _divides(c.pp, "pp", c.microbatches, "num_microbatches", why)
     check_experts(c)
+    implementation(c).check_sizes(c)
     if c.position_embedding_type == "learned_absolute" and c.s > c.positions:
         raise ConfigError(
             f"s={c.s} exceeds max_position_embeddings={c.positions} (a learned table has one row per position)"

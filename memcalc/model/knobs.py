@@ -86,6 +86,13 @@ class Dispatcher(Choice):
     ALLGATHER = "allgather"  # every rank gathers the tp*ep group's tokens and picks its experts' (megatron-core's default)
 
 
+class ExpertsImplementation(Choice):
+    """How transformers runs a MoE block's experts (its config's experts_implementation; --impl hf only)."""
+
+    GROUPED_MM = "grouped_mm"  # transformers 5.24's default: the slots sorted by expert, one torch._grouped_mm each
+    EAGER = "eager"  # a Python loop over the experts hit, each on the slots it received
+
+
 class Dtype(Choice):
     BF16 = "bf16"
     FP16 = "fp16"
@@ -163,6 +170,8 @@ def _moe(k: Any) -> str | None:
         parts.append("aux loss")
     if k.moe_router_pre_softmax:
         parts.append("pre-softmax router")
+    if k.impl == Impl.HF or k.experts_implementation != ExpertsImplementation.GROUPED_MM:  # transformers' choice
+        parts.append(f"{k.experts_implementation} experts")
     return ", ".join([*parts, f"tokens {k.moe_tokens}"])
 
 
@@ -380,6 +389,18 @@ KNOBS: tuple[Knob, ...] = (
                   " so none is kept."),),
     ),
     Knob(
+        "experts_implementation", "choice", ExpertsImplementation.GROUPED_MM,
+        "hf: how transformers runs the experts (config.json's experts_implementation): grouped_mm (its default, on"
+        " CPU and CUDA alike: the slots sorted by expert, one grouped matmul per projection) or eager (a loop over"
+        " the experts)", _moe_knob("experts_implementation"), ExpertsImplementation,
+        effects=(({"impl": Impl.HF, "norm": Norm.RMSNORM, "mlp": Mlp.SWIGLU, "num_experts": 8,
+                   "experts_implementation": ExpertsImplementation.EAGER},
+                  "transformers' eager experts loop over the experts one at a time: each keeps its slots' (token,"
+                  " top-k slot) pairs and index_add_'s source, a second (r, h) copy of the weighted output, where"
+                  " the default grouped_mm keeps three int64 permutations of the r slots and E int32 offsets"
+                  " (shown against Megatron's default layer: every term of transformers' MoE layer)."),),
+    ),
+    Knob(
         "kv_lora_rank", "size", None, "multi-head latent attention (DeepSeek-V2/V3): the key/value latent's width"
         " (default: none, plain attention; needs qk_rope_head_dim, qk_nope_head_dim, v_head_dim)", lambda k: None,
         symbol="r_kv",
@@ -409,7 +430,7 @@ MLA_KNOBS = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_di
 
 def is_moe(knob: Knob) -> bool:
     """A mixture-of-experts knob: num_experts and the moe_* knobs that mean something only with it."""
-    return knob.name == "num_experts" or knob.name.startswith("moe_")
+    return knob.name in ("num_experts", "experts_implementation") or knob.name.startswith("moe_")
 
 
 def _knobs_namespace() -> dict[str, Any]:

@@ -104,7 +104,7 @@ def test_impl_hf_refuses_tp_sp_citing_transformers(config):
 @pytest.mark.parametrize("route", [[], ["--route", "all-to-one"]], ids=["real router", "all-to-one"])
 def test_impl_hf_mixtral_step_needs_the_balanced_route_the_timeline_walks(route):
     run = memcalc_cli("measure", "--hf-config", "tests/data/hf/mixtral-tiny.json", "--impl", "hf", "--step",
-                      "--strategy", "none", *route)
+                      "--strategy", "none", "--experts-implementation", "eager", *route)
     read, error = run.err.splitlines()  # what the config.json gave, then the error
     assert run.code == 2 and read.startswith("memcalc: read mixtral config.json")
     assert error.startswith("memcalc: error: --step on a mixture of experts needs --route balanced"), error

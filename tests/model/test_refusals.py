@@ -59,11 +59,14 @@ def test_the_megatron_page_says_which_layout_it_does_not_run_and_why():
 
 
 def test_the_model_pages_moe_variants_leave_tp_out_and_say_why():
-    variants = [v for v in model_page.VARIANTS if v.knobs.moe]
+    variants = [v for v in model_page.VARIANTS if v.knobs.moe and v.knobs.impl == "megatron"]
     assert variants
     for v in variants:
         section = model_page._variant(v)
         assert "`tp` is left out: `--impl megatron` does not run it with experts" in section
         assert "| `tp` |" not in section and "| tensor | none | tp-sp |" in section
+    (hf,) = [v for v in model_page.VARIANTS if v.knobs.moe and v.knobs.impl == "hf"]  # transformers' experts
+    section = model_page._variant(hf)
+    assert "`tp-sp` is left out: `--impl hf` does not run it" in section and "| tensor | none | tp |" in section
     dense = model_page._variant(model_page.VARIANTS[0])
     assert "| `tp` |" in dense and "left out" not in dense

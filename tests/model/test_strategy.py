@@ -6,7 +6,7 @@ from memcalc.model.ledger import Dim
 from memcalc.model.strategy import TP
 
 HF = {"impl": "hf", "b": 2, "s": 8, "h": 32, "a": 4, "t": 2}
-QWEN2_MOE = HF | {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 24,
+QWEN2_MOE = HF | {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32,
                   "moe_shared_expert_intermediate_size": 16}
 TENSORS = IMPLEMENTATIONS["hf"].by_name()
 

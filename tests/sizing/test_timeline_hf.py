@@ -98,7 +98,8 @@ def test_hf_refuses_tp_sp_citing_transformers():
 
 # -- transformers' MixtralForCausalLM: the balanced bound, kbs/E slots an expert ----------------------------------------
 
-MIXTRAL = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 48, "vocab_size": 40}
+MIXTRAL = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 48, "vocab_size": 40,
+           "experts_implementation": "eager"}  # the loop the walk models
 
 
 def test_mixtral_model_states_count_the_router_and_every_experts_weights():
@@ -136,6 +137,8 @@ def test_the_experts_widest_moment_holds_gate_ups_gradient_three_times_beside_do
     ({"moe_tokens": "worst"}, "moe_tokens worst"),
     ({"num_experts": 5}, "k\\*b\\*s=96 slots that E=5 experts do not share evenly"),
     ({"ep": 2}, "ep=2"),
+    ({"experts_implementation": "grouped_mm"}, "experts_implementation grouped_mm .transformers' default; it walks the"
+                                               " eager loop"),
 ])
 def test_what_the_mixtral_walk_does_not_model_is_refused_by_name(changes, named):
     with pytest.raises(ConfigError, match=f"for impl hf does not model {named}"):

@@ -87,6 +87,7 @@ class Implementation:
     # (another width or split); unlike kept_whole, it changes no collective: backward gathers as before.
     sequence_parallel_forms: Callable[[Any], tuple[SavedTensor, ...]] = lambda knobs: ()
     check: Callable[[Any], None] = _accept_all  # ConfigError for knob values the library cannot run
+    check_sizes: Callable[[Any], None] = _accept_all  # ConfigError for a config's sizes its kernels refuse
     # the library's own values, where not the seed's: knobs, and config fields such as biases and positions
     defaults: dict[str, Any] = field(default_factory=dict)
     tensors: tuple[SavedTensor, ...] = ()  # the tensors only this library keeps (or describes its own way)
@@ -125,6 +126,10 @@ def check_moe(knobs: Any) -> None:
     if knobs.moe_pad_expert_input_to_capacity and knobs.moe_expert_capacity_factor is None:
         raise ConfigError("moe_pad_expert_input_to_capacity pads each expert's tokens to its capacity: it needs"
                           " moe_expert_capacity_factor")
+    default = KNOB_NAMES["experts_implementation"].default
+    if knobs.impl != "hf" and knobs.experts_implementation != default:
+        raise ConfigError(f"experts_implementation {knobs.experts_implementation} is transformers' choice (--impl hf);"
+                          f" impl {knobs.impl} runs its own experts (leave it {default})")
     if knobs.moe_router_enable_expert_bias and knobs.moe_router_score_function != "sigmoid":
         raise ConfigError("moe_router_enable_expert_bias biases the sigmoid router's choice (aux-loss-free balancing):"
                           " it needs moe_router_score_function sigmoid")

@@ -53,7 +53,7 @@ from typing import Any, NamedTuple
 from memcalc.errors import ConfigError
 from memcalc.model import ledger
 from memcalc.model.impls.base import Implementation, Refusal, SizeRule, always, drop_small
-from memcalc.model.knobs import Accounting
+from memcalc.model.knobs import DTYPE_BYTES, Accounting
 from memcalc.model.ledger import Dim, Kind, Region, SavedTensor
 
 _BSH = (Dim.B, Dim.S, Dim.H)
@@ -188,13 +188,20 @@ ONE_PLUS_TANH = SavedTensor(
 )
 
 
-# MixtralSparseMoeBlock (Qwen2MoeSparseMoeBlock adds a gated shared expert): the router in fp32, then
-# MixtralExperts' eager loop (experts_implementation "eager"), one expert at a time over the tokens it received.
-# memcalc runs Qwen2-MoE's block when the config has shared experts, Mixtral's otherwise. Mixtral's router always
-# renormalises the top-k probabilities and keeps them in fp32; Qwen2-MoE's renormalises only with norm_topk_prob
-# (memcalc: moe_router_pre_softmax false) and casts them to the activation dtype before the experts use them.
+# MixtralSparseMoeBlock (Qwen2MoeSparseMoeBlock adds a gated shared expert): the router in fp32, then MixtralExperts
+# by its config's experts_implementation (transformers/integrations/moe.py, use_experts_implementation). A model
+# built by transformers runs "grouped_mm" unless told otherwise (PreTrainedModel.get_correct_experts_implementation,
+# whatever the device): the k*b*s slots sorted by expert (torch.sort), each slot's token gathered, two
+# torch._grouped_mm cut at int32 offsets, the weighted rows put back in slot order and summed over k per token.
+# "eager" loops over the experts hit, each on the tokens it received, index_add_-ing its weighted rows into the
+# output. memcalc runs Qwen2-MoE's block when the config has shared experts, Mixtral's otherwise. Mixtral's router
+# always renormalises the top-k probabilities and keeps them in fp32; Qwen2-MoE's renormalises only with
+# norm_topk_prob (memcalc: moe_router_pre_softmax false) and casts them to the activation dtype before the experts
+# use them.
 _MIXTRAL = "MixtralTopKRouter"
 _EXPERTS = "MixtralExperts (eager loop)"
+_GROUPED = "MixtralExperts (grouped_mm)"
+_BOTH = "MixtralExperts (eager loop and grouped_mm)"
 ROUTER_PROBS = SavedTensor(
     "moe/router_probs_fp32", f"{_MIXTRAL}: softmax(router_logits.float())", (Dim.B, Dim.S, Dim.E), Kind.FP32, _SEQ,
     "softmax backward needs its output; top-k reads the probabilities of the chosen experts from it",
@@ -226,16 +233,40 @@ TOKEN_SLOTS = SavedTensor(
     "each expert's (token, top-k slot) pairs route the gradient back to the rows it gathered", paper=False,
 )
 EXPERT_WEIGHT = SavedTensor(
-    "moe/expert_weight_fp32", f"{_EXPERTS}: expert output * top_k_weights[token, slot]", (Dim.R,), Kind.FP32,
+    "moe/expert_weight_fp32", f"{_BOTH}: expert output * its slot's routing weight", (Dim.R,), Kind.FP32,
     Region.EXPERT, "the gradient of the expert's output in the product is dY * weight", paper=False,
 )
 EXPERT_WEIGHT_CAST = replace(
     EXPERT_WEIGHT, name="moe/expert_weight", kind=Kind.ACTIVATION,
-    saved_by="Qwen2MoeExperts (eager loop): expert output * top_k_weights[token, slot], cast to the activation dtype",
+    saved_by="Qwen2MoeExperts (eager loop and grouped_mm): expert output * its slot's routing weight, cast to the"
+    " activation dtype",
 )
 EXPERT_OUT = SavedTensor(
-    "moe/expert_out", f"{_EXPERTS}: expert output * top_k_weights[token, slot]", (Dim.R, Dim.H), Kind.ACTIVATION,
+    "moe/expert_out", f"{_BOTH}: expert output * its slot's routing weight", (Dim.R, Dim.H), Kind.ACTIVATION,
     Region.EXPERT, "the routing weight's gradient is sum(dY * expert output)",
+)
+# grouped_mm: three int64 (r,) permutations of the slots and the experts' int32 offsets, in place of the eager loop's
+# (token, slot) pairs and index_add_'s source (its weighted rows, fp32 in Mixtral's block, are gathered back in slot
+# order and summed over k: indexing and sum keep no values).
+TOKEN_INDICES = SavedTensor(
+    "moe/token_indices", f"{_GROUPED}: perm // k, each sorted slot's token, kept by hidden_states[perm // k]",
+    (Dim.R,), Kind.INT64, Region.EXPERT, "indexing's backward puts the sorted rows' gradient back at their tokens",
+    paper=False,
+)
+SORTED_SLOTS = SavedTensor(
+    "moe/sorted_slots", f"{_GROUPED}: torch.sort(expert_ids)'s permutation, kept by sample_weights[perm]", (Dim.R,),
+    Kind.INT64, Region.EXPERT, "indexing's backward scatters the sorted weights' gradient back to their slots",
+    paper=False,
+)
+UNSORTED_SLOTS = SavedTensor(
+    "moe/unsorted_slots", f"{_GROUPED}: inv_perm, the permutation's inverse, kept by weighted_out[inv_perm]",
+    (Dim.R,), Kind.INT64, Region.EXPERT, "indexing's backward puts each slot's gradient back in expert order",
+    paper=False,
+)
+EXPERT_OFFSETS = SavedTensor(
+    "moe/expert_offsets", f"{_GROUPED}: cumsum of histc's slots per expert, int32, kept by both torch._grouped_mm",
+    (Dim.E,), Kind.INT32, Region.REPLICATED, "a grouped matmul's backward cuts dY at the same expert boundaries",
+    paper=False,
 )
 COMBINE_IN = SavedTensor(
     "moe/combine_in", f"{_EXPERTS}: final_hidden_states.index_add_(token_idx, weighted output)", (Dim.R, Dim.H),
@@ -250,7 +281,7 @@ SHARED_OUT = SavedTensor(
     "the gate's gradient is sum(dY * shared expert output)",
 )
 MOE_TENSORS = (ROUTER_PROBS, TOPK_SUM, TOPK_WEIGHTS, ROUTER_IN_FP32, ROUTER_SCORES, TOKEN_SLOTS, EXPERT_WEIGHT, EXPERT_WEIGHT_CAST, EXPERT_OUT,
-               COMBINE_IN,
+               COMBINE_IN, TOKEN_INDICES, SORTED_SLOTS, UNSORTED_SLOTS, EXPERT_OFFSETS,
                SHARED_GATE_SIGMOID, SHARED_OUT)
 
 
@@ -363,12 +394,21 @@ def moe_block(knobs: Any) -> tuple[SavedTensor, ...]:
         router: tuple[SavedTensor, ...] = (ROUTER_IN_FP32, ROUTER_SCORES, ledger.ROUTER_TOPK_INDICES, *norm)
     else:
         router = (ledger.MOE_IN, ROUTER_PROBS, ledger.ROUTER_TOPK_INDICES, *norm)
-    experts = (TOKEN_SLOTS, ledger.EXPERT_IN, ledger.EXPERT_GATE, ledger.EXPERT_UP, ledger.EXPERT_SILU_OUT,
-               ledger.EXPERT_FC2_IN, EXPERT_WEIGHT_CAST if qwen else EXPERT_WEIGHT, EXPERT_OUT, COMBINE_IN)
+    experts = expert_block(knobs, EXPERT_WEIGHT_CAST if qwen else EXPERT_WEIGHT)
     if knobs.mla:
         return (*router, *experts, ledger.MOE_IN, *SHARED_MLP)  # shared_experts(residuals) runs last
     shared = (*SHARED_MLP, SHARED_GATE_SIGMOID, SHARED_OUT) if knobs.moe_shared_expert_intermediate_size else ()
     return (*router, *shared, *experts)
+
+
+def expert_block(knobs: Any, weight: SavedTensor) -> tuple[SavedTensor, ...]:
+    """The experts by experts_implementation: grouped_mm's permutations, offsets and grouped SwiGLU, or the eager
+    loop's (token, slot) pairs, SwiGLU and index_add_ source; the same SwiGLU rows and weighted output either way
+    (one storage each under grouped_mm, one an expert in the loop)."""
+    swiglu = (ledger.EXPERT_IN, ledger.EXPERT_GATE, ledger.EXPERT_UP, ledger.EXPERT_SILU_OUT, ledger.EXPERT_FC2_IN)
+    if knobs.experts_implementation == "eager":
+        return (TOKEN_SLOTS, *swiglu, weight, EXPERT_OUT, COMBINE_IN)
+    return (TOKEN_INDICES, SORTED_SLOTS, EXPERT_OFFSETS, *swiglu, weight, EXPERT_OUT, UNSORTED_SLOTS)
 
 
 def layer_tensors(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]:
@@ -420,6 +460,21 @@ def check(knobs: Any) -> None:
         _check_mixtral(knobs)
     _check_qwen3(knobs)
     check_latent(knobs)
+
+
+def check_sizes(config: Any) -> None:
+    """torch._grouped_mm, transformers' default experts path, takes only strides of whole 16-byte runs (aten's
+    GroupedMMUtils.h, check_valid_strides_and_return_transposed, on the CPU and CUDA alike): h and each rank's
+    expert width e/t must be multiples of 16 bytes' worth of elements."""
+    if not config.moe or config.experts_implementation != "grouped_mm":
+        return
+    run = 16 // DTYPE_BYTES[config.dtype]
+    for name, value in (("h", config.h), (f"moe_ffn_hidden_size/t={config.expert_ffn}/{config.t}",
+                                          config.expert_ffn // config.t)):
+        if value % run:
+            raise ConfigError(f"impl hf: {name}={value} is not a multiple of {run}: torch._grouped_mm (transformers'"
+                              f" default experts_implementation) needs strides of whole 16-byte runs in"
+                              f" {config.dtype}; use --experts-implementation eager")
 
 
 def _check_mixtral(knobs: Any) -> None:
@@ -480,8 +535,8 @@ def _check_deepseek_moe(knobs: Any) -> None:
 # colwise linears' one input whole (DTensor.from_local wraps it as Replicate, no copy), the rest split by t.
 # The MoE plans (Mixtral's, Qwen2-MoE's, Qwen3-MoE's) shard each expert's width and nothing else of the sparse block:
 # gate_up_proj "packed_colwise" (each rank its F_E/t of gate and of up), down_proj "rowwise" (its F_E/t input
-# columns), and "moe_tp_experts" runs the experts' loop on local weights over the whole tokens and routing weights,
-# summing the ranks' outputs after it. No rule names the router: every rank routes every token alike, so each keeps
+# columns), and "moe_tp_experts" runs the experts (grouped_mm or the loop) on local weights over the whole tokens
+# and routing weights, summing the ranks' outputs after it. No rule names the router: every rank routes every token alike, so each keeps
 # the router's tensors whole and gathers the same r rows, whole in h (Region.EXPERT's rule: only F_E is split).
 # Qwen2-MoE's gate_proj, up_proj and down_proj rules under mlp are a dense layer's Qwen2MoeMLP; the sparse block's
 # shared expert is mlp.shared_expert, which no rule names, so every rank runs it whole (`unsharded`).
@@ -520,7 +575,8 @@ IMPLEMENTATION = Implementation(
     title="Hugging Face transformers",
     measured_on="transformers 5.24.0 (torch 2.13.0, CPU, bf16): LlamaDecoderLayer, Qwen2DecoderLayer,"
     " MistralDecoderLayer and GPT2Block, attn_implementation eager and sdpa; MixtralDecoderLayer and"
-    " Qwen2MoeDecoderLayer; DeepseekV3DecoderLayer (dense MLP and DeepseekV3MoE), eager; Qwen3DecoderLayer and"
+    " Qwen2MoeDecoderLayer, their experts by grouped_mm (torch._grouped_mm's CPU kernel) and the eager loop;"
+    " DeepseekV3DecoderLayer (dense MLP and DeepseekV3MoE), eager; Qwen3DecoderLayer and"
     " Qwen3MoeDecoderLayer (head_dim, q_norm and k_norm), eager and sdpa; the Llama family and Qwen3 under"
     " transformers' own tp_plan (apply_tensor_parallelism, DTensor) at t = 2 and 4, the MoE layers of Mixtral,"
     " Qwen2-MoE and Qwen3-MoE too (forced routers)",
@@ -528,6 +584,7 @@ IMPLEMENTATION = Implementation(
     refuses=(NO_SEQUENCE_PARALLEL, GPT2_NO_TP_PLAN, LATENT_TP_NOT_MODELLED),
     unsharded=unsharded,
     check=check,
+    check_sizes=check_sizes,
     size_rule=REPEAT_KV,
     tensors=(
         *LN1_RMS, *LN2_RMS, *Q_NORM_RMS, *K_NORM_RMS,

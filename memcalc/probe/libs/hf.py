@@ -43,11 +43,18 @@ still kept when the forward ends (`kept_only`).
 A config with experts runs `MixtralDecoderLayer`, or `Qwen2MoeDecoderLayer` when
 it has shared experts, or `Qwen3MoeDecoderLayer` with qk_layernorm (their MoE layer,
 index moe_layer_freq - 1: transformers' decoder_sparse_step makes layer i sparse
-when (i + 1) is a multiple of it), with
-the experts' eager loop. Each expert keeps its tensors for the tokens it got, one
-storage per expert: a ledger row is their sum, of r rows. An expert's gate and
-up are halves of one (r_e, 2e) `gate_up_proj` output, reported as the ledger's
-two rows, half its bytes each. `--route` forces the router (hf_shim).
+when (i + 1) is a multiple of it), its experts run as the config's
+experts_implementation says. A layer built alone does not get the default a model
+gets (PreTrainedModel's init sets "grouped_mm"; the experts' forward falls back to
+the eager loop when the config says nothing), so the probe always passes memcalc's
+knob, whose default is transformers' own. Under grouped_mm torch's own
+`_grouped_mm` runs, on the CPU too (torch >= 2.9 has a CPU kernel; transformers
+takes its fallback only under torch.compile or on older torch). Under the eager
+loop each expert keeps its tensors for the tokens it got, one storage per expert:
+a ledger row is their sum, of r rows. An expert's gate and up are halves of one
+(r_e, 2e) `gate_up_proj` output (under grouped_mm one (r, 2e) output for all),
+reported as the ledger's two rows, half its bytes each. `--route` forces the
+router (hf_shim).
 """
 
 from __future__ import annotations
@@ -237,29 +244,29 @@ def _head_fields(config: ModelConfig, family: str) -> dict[str, Any]:
 
 def _moe_fields(config: ModelConfig, family: str) -> dict[str, Any]:
     """The MoE config fields of Mixtral's or Qwen2-MoE's config (Mixtral's experts' width is its
-    intermediate_size), the experts' eager loop, no router jitter."""
+    intermediate_size), the experts' implementation (memcalc's knob), no router jitter."""
     if family == "mixtral":
         return {"num_local_experts": config.num_experts, "num_experts_per_tok": config.moe_router_topk,
-                "intermediate_size": config.expert_ffn, "router_jitter_noise": 0.0, "experts_implementation": "eager"}
+                "intermediate_size": config.expert_ffn, "router_jitter_noise": 0.0, "experts_implementation": str(config.experts_implementation)}
     if family == "qwen2_moe":
         return {"num_experts": config.num_experts, "num_experts_per_tok": config.moe_router_topk,
                 "moe_intermediate_size": config.expert_ffn,
                 "shared_expert_intermediate_size": config.moe_shared_expert_intermediate_size,
                 "norm_topk_prob": not config.moe_router_pre_softmax, "decoder_sparse_step": config.moe_layer_freq,
-                "mlp_only_layers": [], "qkv_bias": config.add_qkv_bias, "experts_implementation": "eager",
+                "mlp_only_layers": [], "qkv_bias": config.add_qkv_bias, "experts_implementation": str(config.experts_implementation),
                 "num_hidden_layers": max(config.L, config.moe_layer_freq)}  # the probe's MoE layer is freq - 1
     if family == "qwen3_moe":  # Qwen2-MoE's router and experts, no shared expert
         return {"num_experts": config.num_experts, "num_experts_per_tok": config.moe_router_topk,
                 "moe_intermediate_size": config.expert_ffn, "norm_topk_prob": not config.moe_router_pre_softmax,
                 "decoder_sparse_step": config.moe_layer_freq, "mlp_only_layers": [],
-                "experts_implementation": "eager", "num_hidden_layers": max(config.L, config.moe_layer_freq)}
+                "experts_implementation": str(config.experts_implementation), "num_hidden_layers": max(config.L, config.moe_layer_freq)}
     if family == "deepseek_v3" and config.moe:
         groups = 2 if config.moe_router_topk <= config.num_experts // 2 else 1  # the group choice, for real
         return {"n_routed_experts": config.num_experts, "num_experts_per_tok": config.moe_router_topk,
                 "moe_intermediate_size": config.expert_ffn,
                 "n_shared_experts": config.moe_shared_expert_intermediate_size // config.expert_ffn,
                 "norm_topk_prob": not config.moe_router_pre_softmax, "n_group": groups, "topk_group": 1,
-                "first_k_dense_replace": config.moe_first_dense_layers or 0, "experts_implementation": "eager",
+                "first_k_dense_replace": config.moe_first_dense_layers or 0, "experts_implementation": str(config.experts_implementation),
                 "num_hidden_layers": max(config.L, (config.moe_first_dense_layers or 0) + 1)}
     return {}
 
@@ -510,7 +517,7 @@ def _llama_mlp_rules() -> tuple[Rule, ...]:
 
 
 def _moe_rules(config: ModelConfig) -> tuple[Rule, ...]:
-    """The sparse MoE block: its router (mlp.gate), the experts' loop (two linears and two products an expert),
+    """The sparse MoE block: its router (mlp.gate), the experts (grouped_mm or the eager loop),
     and Qwen2-MoE's gated shared expert. Views give (b*s, ...) tensors the ledger's (b, s, ...) axes."""
     flat = _tokens(config.b)
 
@@ -546,8 +553,10 @@ def _deepseek_router_rules(flat: Callable[[Any], Any], per_token: Callable[[Any]
 
 
 def _expert_rules(experts: str) -> tuple[Rule, ...]:
-    """The experts' eager loop (MixtralExperts' code, DeepseekV3Experts' too): two linears and two products an
-    expert."""
+    """The experts (MixtralExperts' code, DeepseekV3Experts' too): the eager loop's two linears and two products an
+    expert, or grouped_mm's three indexings, offsets, two grouped matmuls and two products. SiLU(gate) * up is the
+    first product, the routing weight's the second, on either path."""
+    grouped = "_grouped_mm"  # torch.nn.functional.grouped_mm's call, as the torch function mode sees it
     return (
         Rule(experts, "where", rules.TOKEN_SLOTS, nth=None),  # (token_pos, token_idx): views of one (r_e, 2) storage
         Rule(experts, "linear", ledger.EXPERT_IN, nth=0, every=2, arg=0),
@@ -558,6 +567,15 @@ def _expert_rules(experts: str) -> tuple[Rule, ...]:
         Rule(experts, "mul", rules.EXPERT_WEIGHT, nth=1, every=2, arg=1, view=_stats),
         Rule(experts, "mul", rules.EXPERT_WEIGHT_CAST, nth=1, every=2, arg=1, view=_stats),
         Rule(experts, "index_add_", rules.COMBINE_IN, nth=None, arg=3),
+        # grouped_mm: hidden_states[perm // k], sample_weights[perm], then weighted_out[inv_perm]
+        Rule(experts, "__getitem__", rules.TOKEN_INDICES, nth=0, arg=1),
+        Rule(experts, "__getitem__", rules.SORTED_SLOTS, nth=1, arg=1),
+        Rule(experts, "__getitem__", rules.UNSORTED_SLOTS, nth=2, arg=1),
+        Rule(experts, "cumsum", rules.EXPERT_OFFSETS),
+        Rule(experts, grouped, ledger.EXPERT_IN, nth=0, arg=0),
+        Rule(experts, grouped, _GATE_UP, nth=0),
+        Rule(experts, grouped, ledger.EXPERT_FC2_IN, nth=1, arg=0),
+        Rule(experts, grouped, rules.EXPERT_OUT, nth=1),
     )
 
 

@@ -24,8 +24,9 @@ Attention, RoPE and SwiGLU between them run on plain local tensors of a/t heads,
 The MoE plans (Mixtral's, Qwen2-MoE's, Qwen3-MoE's) name the experts' 3-D weights as parameters (their styles
 only shard them) and the experts module itself: "packed_colwise" keeps each rank's F_E/t rows of gate and of up
 (`_StridedShard`, so the local (E, 2F_E/t, h) block still chunks into gate and up), "rowwise" the matching F_E/t
-columns of down_proj, and "moe_tp_experts" runs the experts' eager loop on those local blocks: its input and routing
-weights pass through as they are (their gradients all-reduced in backward), its output is all-reduced in forward.
+columns of down_proj, and "moe_tp_experts" runs the experts (grouped_mm or the eager loop) on those local blocks:
+its input and routing weights pass through as they are (their gradients all-reduced in backward), its output is
+all-reduced in forward.
 No rule names the router, so every rank routes every token alike and each expert gathers the same tokens on every
 rank; nor Qwen2-MoE's shared expert (mlp.shared_expert: the plan's mlp.gate_proj rules are a dense layer's), so
 every rank runs it whole.

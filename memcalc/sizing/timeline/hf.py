@@ -121,13 +121,16 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
 
 
 def _experts_missing(config: ModelConfig, strategy: Strategy) -> list[tuple[bool, str]]:
-    """What the walk of Mixtral's and Qwen2-MoE's blocks (memcalc.sizing.timeline.hf_moe) leaves out: dense layers
-    among them, experts under tp or ep, and any count of tokens per expert but the balanced one, kbs/E each. (Other
+    """What the walk of Mixtral's and Qwen2-MoE's blocks (memcalc.sizing.timeline.hf_moe) leaves out: grouped_mm
+    experts (it walks the eager loop), dense layers among them, experts under tp or ep, and any count of tokens per expert but the balanced one, kbs/E each. (Other
     blocks are refused before: latent attention, a QK norm.)"""
     if not config.moe:
         return []
     slots = config.moe_router_topk * config.b * config.s
     return [
+        (config.experts_implementation != "eager", f"experts_implementation {config.experts_implementation}"
+                                                   " (transformers' default; it walks the eager loop: pass"
+                                                   " --experts-implementation eager)"),
         (config.moe_layer_freq != 1, f"moe_layer_freq={config.moe_layer_freq} (dense layers among MoE ones)"),
         (strategy.tensor_parallel and config.t > 1, f"experts under tp (t={config.t})"),
         (config.ep != 1, f"ep={config.ep}"),

@@ -1,8 +1,9 @@
 """transformers' sparse MoE blocks in the hf step walk (`--impl hf`, t = 1): Mixtral's (MixtralSparseMoeBlock) and
 Qwen2-MoE's (Qwen2MoeSparseMoeBlock: the same experts beside a gated shared expert), op by op.
 
-The block's forward keeps the hf ledger's tensors (memcalc.model.impls.hf.moe_block); the
-experts' rows are kept one storage per expert, r = kbs/E slots each under the balanced
+The experts run transformers' eager loop (experts_implementation eager); its default, grouped_mm,
+is not walked yet and `check_modelled` refuses it. The block's forward keeps the hf ledger's
+tensors (memcalc.model.impls.hf.moe_block); the experts' rows are kept one storage per expert, r = kbs/E slots each under the balanced
 bound, which `memcalc measure --step --route balanced` forces (memcalc.probe.libs.hf_shim).
 Its widest forward moments are the last expert's weighted output and, with a shared expert,
 the block's sum (`block_forward`). Backward, as autograd orders it:

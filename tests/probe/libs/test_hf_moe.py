@@ -1,8 +1,9 @@
 """transformers' sparse-MoE layers (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3) keep, tensor by tensor, what memcalc's hf rules predict.
 
-The tokens each expert receives depend on the router, so the byte-exact checks force it (`--route`): balanced
-(kbs/E slots each) and all-to-one (every token to experts 0..k-1). With the real router the measured bytes fall
-within the predicted balanced and worst bounds. Under transformers' own tensor-parallel plan each rank keeps its
+Each runs its experts both ways transformers does: grouped_mm (its default) and the eager loop. The tokens each
+expert receives depend on the router, so the byte-exact checks force it (`--route`): balanced (kbs/E slots each)
+and all-to-one (every token to experts 0..k-1). With the real router the measured bytes fall within the predicted
+balanced and worst bounds. Under transformers' own tensor-parallel plan each rank keeps its
 F_E/t of every expert's width and the rest of the sparse block whole (the router, the routed tokens, the routing
 weights, and Qwen2-MoE's shared expert, which the plan does not name).
 """
@@ -29,13 +30,15 @@ from memcalc.probe.libs.hf_shim import forced_routing  # noqa: E402
 from memcalc.probe.measure import compare, measure  # noqa: E402
 from . import assert_exact, assert_within_bounds  # noqa: E402
 
+# torch._grouped_mm wants 16-byte strides: h and each rank's expert width F_E/t multiples of 8 in bf16.
 SIZES = {"b": 2, "s": 8, "h": 32, "a": 4, "num_query_groups": 2, "impl": "hf", "attention": "eager",
-         "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 24}
+         "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32}
+PATHS = ("grouped_mm", "eager")  # experts_implementation: transformers' default first
 MIXTRAL = {}
 QWEN2_MOE = {"moe_shared_expert_intermediate_size": 16, "add_qkv_bias": True, "moe_router_pre_softmax": True}
 QWEN3_MOE = {"qk_layernorm": True, "kv_channels": 16}  # Qwen2-MoE's router and experts, no shared expert
 # DeepseekV3DecoderLayer: latent attention, a sigmoid router over 8 experts in 2 groups, one shared expert
-DEEPSEEK_V3 = {"num_query_groups": None, "num_experts": 8, "moe_shared_expert_intermediate_size": 24,
+DEEPSEEK_V3 = {"num_query_groups": None, "num_experts": 8, "moe_shared_expert_intermediate_size": 32,
                "moe_router_score_function": "sigmoid", "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 4,
                "qk_nope_head_dim": 8, "v_head_dim": 8}
 NONE = STRATEGIES["none"]
@@ -63,17 +66,34 @@ CASES = {
     "deepseek-v3: fp32 router input, sigmoid scores, renormalised top-k, shared expert on the block's input":
         DEEPSEEK_V3,
     "deepseek-v3 without norm_topk_prob, two shared experts, past a first dense layer":
-        DEEPSEEK_V3 | {"moe_router_pre_softmax": True, "moe_shared_expert_intermediate_size": 48,
+        DEEPSEEK_V3 | {"moe_router_pre_softmax": True, "moe_shared_expert_intermediate_size": 64,
                        "moe_first_dense_layers": 1, "L": 2},
+    "mixtral at b=1, s=7: fourteen slots that four experts do not share evenly": MIXTRAL | {"b": 1, "s": 7},
+    "qwen2-moe at b=1, s=5": QWEN2_MOE | {"b": 1, "s": 5},
+    "qwen3-moe at b=1, s=3, sdpa": QWEN3_MOE | {"b": 1, "s": 3, "attention": "flash"},
+    "deepseek-v3 at b=2, s=7": DEEPSEEK_V3 | {"s": 7},  # b=1: latent attention's V differs (not the experts')
 }
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("route", ["balanced", "all-to-one"])
 @pytest.mark.parametrize("knobs", CASES.values(), ids=CASES.keys())
-def test_a_forced_router_makes_the_moe_layer_keep_exactly_what_the_rules_predict(knobs, route):
-    rows = _rows(knobs, route)
+def test_a_forced_router_makes_the_moe_layer_keep_exactly_what_the_rules_predict(knobs, route, path):
+    rows = _rows(knobs | {"experts_implementation": path}, route)
     assert_exact(rows)
     assert any(row.name == "moe/expert_gate" for row in rows)
+
+
+def test_grouped_mm_keeps_no_combine_source_but_three_slot_permutations_and_int32_offsets():
+    grouped, eager = (_rows(MIXTRAL | {"experts_implementation": path}, "balanced") for path in PATHS)
+    kept = {row.name: row.measured for row in grouped}
+    b, s, h, e, k = (SIZES[x] for x in ("b", "s", "h", "num_experts", "moe_router_topk"))
+    slots = k * b * s
+    assert "moe/combine_in" not in kept and "moe/token_slots" not in kept
+    assert [kept[x] for x in ("moe/token_indices", "moe/sorted_slots", "moe/unsorted_slots")] == [8 * slots] * 3
+    assert kept["moe/expert_offsets"] == 4 * e
+    dropped = sum(row.measured for row in eager) - sum(kept.values())
+    assert dropped == 2 * slots * h + 16 * slots - (3 * 8 * slots + 4 * e)  # index_add_'s bf16 source, the pairs
 
 
 def test_the_dense_layer_of_a_mix_keeps_the_dense_mlp_of_the_rules():
@@ -100,9 +120,11 @@ def test_what_deepseeks_group_choice_saves_is_freed_with_the_router_so_not_count
     assert not [row.describe() for row in rows if row.name is None or "unlabelled" in row.name]
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("knobs", [MIXTRAL, QWEN2_MOE, QWEN3_MOE, DEEPSEEK_V3],
                          ids=["mixtral", "qwen2-moe", "qwen3-moe", "deepseek-v3"])
-def test_with_the_real_router_each_tensor_lies_within_the_balanced_and_worst_bounds(knobs):
+def test_with_the_real_router_each_tensor_lies_within_the_balanced_and_worst_bounds(knobs, path):
+    knobs = knobs | {"experts_implementation": path}
     assert_within_bounds(_rows(knobs, None), _rows(knobs, "balanced", bound="balanced"),
                          _rows(knobs, "balanced", bound="worst"))
 
@@ -149,10 +171,12 @@ TP_CASES = {
 }
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("route", ["balanced", "all-to-one"])
 @pytest.mark.parametrize("knobs, t", TP_CASES.values(), ids=TP_CASES.keys())
-def test_under_its_own_tp_plan_a_forced_moe_layer_keeps_exactly_what_the_rules_predict(one_thread, knobs, t, route):
-    (rows,) = _tp_rows(knobs, route, t)
+def test_under_its_own_tp_plan_a_forced_moe_layer_keeps_exactly_what_the_rules_predict(one_thread, knobs, t, route,
+                                                                                     path):
+    (rows,) = _tp_rows(knobs | {"experts_implementation": path}, route, t)
     assert_exact(rows)
 
 
@@ -162,7 +186,8 @@ def test_under_tp_each_rank_keeps_its_share_of_the_expert_width_and_every_routed
     b, s, h, e, k, f = (SIZES[x] for x in ("b", "s", "h", "num_experts", "moe_router_topk", "moe_ffn_hidden_size"))
     r = k * b * s  # every slot, on every rank: each runs all E experts on its F_E/t columns
     assert shapes["moe/expert_gate"] == shapes["moe/expert_silu_out"] == shapes["moe/expert_fc2_in"] == (r, f // 2)
-    assert shapes["moe/expert_in"] == shapes["moe/expert_out"] == shapes["moe/combine_in"] == (r, h)
+    assert shapes["moe/expert_in"] == shapes["moe/expert_out"] == (r, h)
+    assert shapes["moe/sorted_slots"] == (r,) and shapes["moe/expert_offsets"] == (e,)  # grouped_mm's, whole
     assert shapes["moe/router_probs_fp32"] == (b, s, e) and shapes["moe/topk_weights_fp32"] == (b, s, k)
 
 
@@ -191,13 +216,28 @@ def test_two_gloo_ranks_route_alike_and_each_keep_what_rank_zero_of_the_fake_gro
     (MIXTRAL | {"moe_token_dispatcher_type": "allgather"}, "is Megatron's"),
     (MIXTRAL | {"moe_router_score_function": "sigmoid"}, "the sigmoid router is DeepseekV3MoE's"),
     (DEEPSEEK_V3 | {"moe_router_score_function": "softmax"}, "DeepseekV3TopkRouter scores with sigmoid"),
-    (DEEPSEEK_V3 | {"moe_shared_expert_intermediate_size": 20}, "must be a multiple of moe_ffn_hidden_size=24"),
+    (DEEPSEEK_V3 | {"moe_shared_expert_intermediate_size": 20}, "must be a multiple of moe_ffn_hidden_size=32"),
     (QWEN3_MOE | {"moe_shared_expert_intermediate_size": 16}, "Qwen3MoeDecoderLayer, whose sparse block has no"),
     (DEEPSEEK_V3 | {"qk_layernorm": True}, "qk_layernorm with kv_lora_rank"),
+    (MIXTRAL | {"t": 2, "moe_ffn_hidden_size": 24}, "moe_ffn_hidden_size/t=24/2=12 is not a multiple of 8:"
+                                                   " torch._grouped_mm"),
+    (MIXTRAL | {"h": 36, "a": 4}, "h=36 is not a multiple of 8"),
+    (MIXTRAL | {"dtype": "fp32", "moe_ffn_hidden_size": 18}, "moe_ffn_hidden_size/t=18/1=18 is not a multiple of 4"),
 ])
 def test_moe_knobs_no_transformers_block_has_are_refused(knobs, words):
     with pytest.raises(ConfigError, match=words):
         estimate(build_config(SIZES | knobs), NONE)
+
+
+@pytest.mark.parametrize("impl", ["megatron", "torchtitan"])
+def test_experts_implementation_is_refused_outside_transformers(impl):
+    with pytest.raises(ConfigError, match=f"transformers' choice .--impl hf.; impl {impl} runs its own experts"):
+        estimate(build_config(SIZES | {"impl": impl, "experts_implementation": "eager"}), NONE)
+
+
+def test_the_eager_loop_runs_at_widths_grouped_mm_refuses():
+    rows = _rows(MIXTRAL | {"moe_ffn_hidden_size": 20, "experts_implementation": "eager"}, "balanced")
+    assert_exact(rows)
 
 
 def test_a_forced_route_needs_experts_and_a_library_whose_router_it_forces():

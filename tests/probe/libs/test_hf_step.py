@@ -161,7 +161,8 @@ def test_under_tp_what_the_walk_does_not_model_is_refused_by_name(changes, named
 
 # -- transformers' MixtralForCausalLM, its router forced balanced (kbs/E slots an expert) -----------------------------
 
-MIXTRAL = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 48, "vocab_size": 40}
+MIXTRAL = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 48, "vocab_size": 40,
+           "experts_implementation": "eager"}  # the loop the timeline walks
 MIXTRAL_MOMENTS = [
     ("flash", {}),  # the last layer's gate_up gradients summed: the sum and its two inputs, (E, 2e, h) each
     ("eager", {"vocab_size": 250}),  # the loss's backward
@@ -197,6 +198,12 @@ def test_mixtral_every_moment_of_the_experts_and_router_backward_happens_in_orde
 def test_a_mixtral_step_is_measured_only_under_the_balanced_route_the_timeline_walks(route):
     with pytest.raises(ConfigError, match="needs --route balanced with moe_tokens balanced"):
         measure_step(_config("flash", **MIXTRAL), ["none"], route=route)
+
+
+def test_the_step_timeline_refuses_transformers_default_grouped_mm_experts_in_one_line():
+    with pytest.raises(ConfigError, match="does not model experts_implementation grouped_mm .transformers' default"):
+        measure_step(_config("flash", **(MIXTRAL | {"experts_implementation": "grouped_mm"})), ["none"],
+                     route="balanced")
 
 
 # -- transformers' Qwen2MoeForCausalLM: Mixtral's experts (bf16 routing weights) beside a gated shared expert ----------
