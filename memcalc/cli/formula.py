@@ -44,7 +44,7 @@ def command(strategy: str, exact: bool, device: str, fmt: str, **params: Any) ->
         for lf in formulas:
             click.echo(f"{lf.strategy.name}: {F.to_plain(lf.total)}")
     else:
-        _print_text(F, formulas, accounting)
+        _print_text(F, formulas, knobs, accounting)
 
 
 def _json(F: Any, formulas: list, knobs: Knobs, accounting: Accounting) -> dict:
@@ -66,12 +66,12 @@ def _json(F: Any, formulas: list, knobs: Knobs, accounting: Accounting) -> dict:
     }
 
 
-def _print_text(F: Any, formulas: list, accounting: Accounting) -> None:
+def _print_text(F: Any, formulas: list, knobs: Knobs, accounting: Accounting) -> None:
     from rich.table import Table
 
     from memcalc.cli.render import accounting_note, console
 
-    click.echo(f"Activation bytes per GPU, one layer; {accounting_note(accounting)}:")
+    click.echo(f"Activation bytes per GPU, one layer; {accounting_note(accounting, knobs.impl)}:")
     width = max(len(lf.strategy.name) for lf in formulas)
     for lf in formulas:
         click.echo(f"  {lf.strategy.name:<{width}}  {F.to_text(lf.total)}")
