@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from memcalc.config.schema import ModelConfig
-from memcalc.errors import ConfigError
 from memcalc.model.evaluate import LayerEstimate, dim_sizes, estimate
 from memcalc.model.impls import IMPLEMENTATIONS, layer_tensors, size_rule
+from memcalc.model.impls.paper import outside
 from memcalc.model.knobs import KNOBS, Accounting, Knobs
 from memcalc.model.strategy import STRATEGIES
 
@@ -56,11 +56,10 @@ def compare_with_paper(config: ModelConfig, result: LayerEstimate, accounting: A
     if config.impl == PAPER:
         return PaperComparison(result)
     same = paper_config(config)
-    try:
-        IMPLEMENTATIONS[PAPER].check(same)
-        paper = estimate(same, STRATEGIES[result.strategy.name], accounting)
-    except ConfigError as exc:
-        return PaperComparison(None, not_modelled=str(exc))
+    knob = outside(same)
+    if knob is not None:
+        return PaperComparison(None, not_modelled=f"{knob} is outside the paper's layer")
+    paper = estimate(same, STRATEGIES[result.strategy.name], accounting)
     return PaperComparison(paper, departures(config, result, paper, accounting))
 
 
