@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from memcalc.config.schema import ModelConfig
 from memcalc.model.evaluate import LayerEstimate, dim_sizes, estimate
-from memcalc.model.impls import IMPLEMENTATIONS, layer_tensors, size_rule
+from memcalc.model.impls import IMPLEMENTATIONS, layer_tensors, size_rule, tensors_at
 from memcalc.model.impls.paper import outside
 from memcalc.model.knobs import KNOBS, Accounting, Knobs
 from memcalc.model.strategy import STRATEGIES
@@ -71,15 +71,35 @@ def departures(
     theirs = {x.tensor.name: x.bytes for x in paper.tensors}
     names = [*mine, *(n for n in theirs if n not in mine)]
     differing = [(n, mine.get(n, 0) - theirs.get(n, 0)) for n in names if mine.get(n, 0) != theirs.get(n, 0)]
-    rule, moved = _window(config, result, accounting)
-    by_rule = tuple((n, d) for n, d in differing if n in moved)
-    out = [Departure(rule, by_rule)] if by_rule else []
+    out, claimed = [], set()
+    for rule, moved in (_window(config, result, accounting), *_settings(config, result, accounting)):
+        by_rule = tuple((n, d) for n, d in differing if n in moved and n not in claimed)
+        claimed |= {n for n, _ in by_rule}
+        out += [Departure(rule, by_rule)] if by_rule else []
     known = IMPLEMENTATIONS[config.impl].by_name()
     for name, delta in differing:
-        if name not in moved:
+        if name not in claimed:
             x = known[name]
             out.append(Departure(f"{x.saved_by}: {x.why}", ((name, delta),)))
     return tuple(out)
+
+
+def _settings(config: ModelConfig, result: LayerEstimate, accounting: Accounting) -> list[tuple[str, frozenset[str]]]:
+    """Each knob the paper does not have (`Knob.impls`) set away from its default, in its own words (the effect
+    docs/model.md shows for it), and the tensors this layout keeps otherwise than at the default."""
+    knobs, t = Knobs.of(config), result.strategy.weight_shards(config.t)
+    sizes = dim_sizes(config, config.t if result.strategy.sequence_parallel else 1)
+    kept = set(tensors_at(knobs, accounting, sizes, t))
+    out = []
+    for knob in KNOBS:
+        value = getattr(knobs, knob.name)
+        if not knob.impls or PAPER in knob.impls or value == knob.default:
+            continue
+        default = set(tensors_at(replace(knobs, **{knob.name: knob.default}), accounting, sizes, t))
+        words = next((meaning for values, meaning in knob.variants() if values.get(knob.name) == value), knob.help)
+        out.append((f"{knob.flag if value is not False else '--no-' + knob.flag[2:]}: {words}",
+                    frozenset(x.name for x in kept ^ default)))
+    return out
 
 
 def _window(config: ModelConfig, result: LayerEstimate, accounting: Accounting) -> tuple[str, frozenset[str]]:

@@ -59,8 +59,8 @@ def outside(knobs: Any) -> str | None:
         value = getattr(seed, knob.name)
         if knob.name in MODELLED or value == knob.default:
             continue
-        if knob.name == "ffn_hidden_size" and h is not None and value == 4 * h:
-            continue
+        if knob.name == "ffn_hidden_size" and (h is None or value == 4 * h):  # a knob set alone has no h: its
+            continue  # config was checked, and a formula writes the width f (the seed's 4h when f = 4h)
         return f"{knob.name}={value}"
     if knobs.dropout == 0:
         return "dropout=0.0 (the paper's layer keeps its dropout masks; any p > 0 keeps the same bytes)"
