@@ -115,6 +115,7 @@ class Knob:
     # (a non-default value, or a mapping of knob values to set together, and what it changes), for docs/model.md
     effects: tuple[tuple[Any, str], ...] = ()
     impls: tuple[str, ...] = ()  # the implementations that have this setting (empty: every one)
+    source: str = ""  # where its default comes from, in the library's code (for a setting only `impls` have)
 
     def variants(self) -> tuple[tuple[dict[str, Any], str], ...]:
         """Each effect as the knob values it sets and what it changes."""
@@ -284,6 +285,13 @@ KNOBS: tuple[Knob, ...] = (
                   "The unfused softmax runs in fp32 (Megatron-LM's --attention-softmax-in-fp32): it keeps its fp32"
                   " output, four bytes an element, where the 16-bit softmax kept two, and the (s, s) causal mask."),),
         impls=(Impl.MEGATRON,),
+        source="Megatron-LM megatron/training/arguments.py, _add_mixed_precision_args:"
+        " `group.add_argument('--attention-softmax-in-fp32', action='store_true', help='Run attention masking and"
+        " softmax in fp32.')`, so off unless given (only --apply-query-key-layer-scaling turns it on); not"
+        " TransformerConfig's dataclass default, `attention_softmax_in_fp32: bool = True` (megatron-core 0.16.1,"
+        " megatron/core/transformer/transformer_config.py:343), which pretrain_gpt.py overrides from the arguments."
+        " What it changes: megatron/core/fusions/fused_softmax.py:313-340, FusedScaleMaskSoftmax.forward_torch_softmax"
+        " casts the scores to fp32 only `if self.input_in_float16 and self.softmax_in_fp32`",
     ),
     Knob(
         "masked_softmax_fusion", "flag", True,
@@ -294,6 +302,12 @@ KNOBS: tuple[Knob, ...] = (
                   "Without the fused softmax (--no-masked-softmax-fusion) FusedScaleMaskSoftmax runs torch's: its"
                   " masked_fill_ keeps the (s, s) causal mask at every size, beside the softmax output."),),
         impls=(Impl.MEGATRON,),
+        source="Megatron-LM megatron/training/arguments.py, _add_training_args:"
+        " `group.add_argument('--no-masked-softmax-fusion', action='store_false', help='Disable fusion of"
+        " query_key_value scaling, masking, and softmax.', dest='masked_softmax_fusion')`, so on unless"
+        " --no-masked-softmax-fusion is given; not TransformerConfig's dataclass default, `masked_softmax_fusion:"
+        " bool = False` (megatron-core 0.16.1, megatron/core/transformer/transformer_config.py:357). What it changes:"
+        " megatron/core/fusions/fused_softmax.py:238-270, FusedScaleMaskSoftmax.is_kernel_available (the window)",
     ),
     Knob(
         "num_experts", "size", None, "routed experts in a mixture-of-experts MLP (default: none, a dense MLP)",

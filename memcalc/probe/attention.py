@@ -154,11 +154,11 @@ def eager_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, soft
         label(k, megatron.K_EXPANDED)
         label(v, megatron.V_EXPANDED)
     q3, k3, v3 = _grouped(q, k, v)
+    scores = _scores(q3, k3)  # (b*a/t, s, s), scaled as megatron's baddbmm(alpha=1/sqrt(d)) scales them
     if softmax.fused(b, heads, s, q.dtype):  # one kernel: keeps its 16-bit output alone
-        weights = FusedCausalSoftmax.apply(torch.bmm(q3, k3.transpose(1, 2)), d**-0.5)  # bmm keeps q and k
+        weights = FusedCausalSoftmax.apply(scores, 1.0)  # megatron's FusedScaleMaskSoftmax: scale None, so 1
     else:  # forward_torch_softmax: the scores masked in place (keeps the mask), softmax kept in its dtype
         future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
-        scores = torch.bmm(q3, k3.transpose(1, 2)) * d**-0.5  # (b*a/t, s, s); the product by a number keeps nothing
         scores = (wide(scores) if softmax.in_fp32 else scores).masked_fill_(future, float("-inf"))
         label(future, megatron.CAUSAL_MASK)
         weights = torch.softmax(scores, dim=-1)
@@ -182,14 +182,14 @@ class FusedCausalSoftmax(torch.autograd.Function):
     forward:  scores (b*a/t, s, s) in fp16/bf16 -> probabilities, the same dtype; computed in fp32 inside
     backward: dScores = scale * P * (dP - rowsum(dP * P)), from the output alone
 
-    It keeps its 16-bit output and nothing else, which is what the paper counts for the softmax (2as^2 b).
+    It keeps its 16-bit output and nothing else, which is what the paper counts for the softmax (2as^2 b). Each
+    direction is one op (`memcalc::fused_causal_softmax`, `memcalc::fused_causal_softmax_backward`), as the kernel
+    is: what memory tools see is its output alone, not the fp32 temporaries inside.
     """
 
     @staticmethod
     def forward(ctx, scores, scale):
-        s = scores.shape[-1]
-        future = torch.ones(s, s, dtype=torch.bool, device=scores.device).triu(1)  # made and freed inside
-        probs = torch.softmax((wide(scores) * scale).masked_fill(future, float("-inf")), dim=-1).to(scores.dtype)
+        probs = _fused_softmax_forward(scores, scale)
         ctx.save_for_backward(probs)
         ctx.scale = scale
         return probs
@@ -197,9 +197,30 @@ class FusedCausalSoftmax(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (probs,) = ctx.saved_tensors
-        wide_probs, wide_grad = wide(probs), wide(grad)
-        grad_scores = wide_probs * (wide_grad - (wide_grad * wide_probs).sum(-1, keepdim=True)) * ctx.scale
-        return grad_scores.to(grad.dtype), None
+        return _fused_softmax_backward(grad, probs, ctx.scale), None
+
+
+@torch.library.custom_op("memcalc::fused_causal_softmax", mutates_args=())
+def _fused_softmax_forward(scores: torch.Tensor, scale: float) -> torch.Tensor:
+    s = scores.shape[-1]
+    future = torch.ones(s, s, dtype=torch.bool, device=scores.device).triu(1)
+    return torch.softmax((wide(scores) * scale).masked_fill(future, float("-inf")), dim=-1).to(scores.dtype)
+
+
+@_fused_softmax_forward.register_fake
+def _(scores, scale):
+    return torch.empty_like(scores)
+
+
+@torch.library.custom_op("memcalc::fused_causal_softmax_backward", mutates_args=())
+def _fused_softmax_backward(grad: torch.Tensor, probs: torch.Tensor, scale: float) -> torch.Tensor:
+    wide_probs, wide_grad = wide(probs), wide(grad)
+    return (wide_probs * (wide_grad - (wide_grad * wide_probs).sum(-1, keepdim=True)) * scale).to(grad.dtype)
+
+
+@_fused_softmax_backward.register_fake
+def _(grad, probs, scale):
+    return torch.empty_like(grad)
 
 
 def flash_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:

@@ -33,7 +33,7 @@ class SizeRule:
     """A kernel that runs only for some sizes; outside them the layer keeps `outside` instead.
 
     `runs` works on numbers and on numpy arrays alike (sweeps evaluate it over a grid);
-    symbolic formulas assume the kernel runs and say so.
+    symbolic formulas hold where the kernel runs, and `outside` gives those that hold elsewhere.
     """
 
     what: str
