@@ -6,13 +6,16 @@ differ between the two is a departure. Nothing here is a list of messages: a
 tensor that differs because a size rule moved the layer outside its kernel's
 window (`SizeRule`: the set kept inside the window and the set kept outside
 differ in it) is said once, in the rule's own words with the sizes that miss
-it; any other tensor that differs is said in the ledger's words, who keeps it
-and why.
+it; one that differs because a knob only the library has is set (megatron's
+softmax knobs) is said in the knob's own words (its effect in the knob table);
+any other tensor that differs is said in the ledger's words, who keeps it and
+why.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+
 from memcalc.config.schema import ModelConfig
 from memcalc.model.evaluate import LayerEstimate, dim_sizes, estimate
 from memcalc.model.impls import IMPLEMENTATIONS, layer_tensors, size_rule, tensors_at

@@ -466,7 +466,7 @@ def fused_softmax_misses(sizes: dict[Dim, Any], t: int) -> str:
 
 FUSED_SOFTMAX = SizeRule(
     "outside megatron-core's fused softmax window (16 < s <= 4096, s % 4 == 0, b*a/t a multiple of 8 for s <= 128,"
-    " else of 4) the unfused softmax keeps the (s, s) causal mask and its output (fp32 with"
+    " else of 4), the unfused softmax keeps the (s, s) causal mask and its output (fp32 with"
     " attention_softmax_in_fp32)",
     applies=lambda knobs: knobs.attention == "eager" and knobs.recompute not in ("selective", "full")
     and knobs.dtype != "fp32" and knobs.masked_softmax_fusion,
