@@ -74,7 +74,7 @@ _MLA = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "
 
 # The model's knobs, as `formula` prints them (size knobs null unless set) and as a config carries them.
 KNOBS: Schema = _object({
-    "impl": {"enum": ["megatron", "torchtitan", "hf"]},
+    "impl": {"enum": ["megatron", "torchtitan", "hf", "paper"]},
     "mlp": TEXT,
     "ffn_hidden_size": _nullable(POSITIVE),
     "attention": TEXT,
@@ -86,6 +86,8 @@ KNOBS: Schema = _object({
     "recompute": {"enum": ["none", "selective", "full"]},
     "dtype": TEXT,
     "bias_activation_fusion": FLAG,
+    "attention_softmax_in_fp32": FLAG,
+    "masked_softmax_fusion": FLAG,
     "num_experts": _nullable(POSITIVE),
     "moe_router_topk": POSITIVE,
     "moe_ffn_hidden_size": _nullable(POSITIVE),
@@ -175,17 +177,33 @@ PER_GPU: Schema = _object({
     })),
 })
 
+_TENSORS: Schema = {"type": "array", "items": _object({"name": TEXT, "bytes": COUNT, "shape": SHAPE, "saved_by": TEXT})}
+
+# The paper's numbers at the same inputs (--impl paper), and each rule by which the implementation departs from
+# them: its words, the bytes per layer it adds (negative: takes away), and each tensor it moves; or, where the paper
+# does not model the inputs, its one-line refusal.
+PAPER: Schema = {"anyOf": [
+    _object({
+        "per_layer_bytes": COUNT,
+        "tensors": _TENSORS,
+        "departures": {"type": "array", "items": _object({
+            "rule": TEXT, "bytes": INT,
+            "tensors": {"type": "array", "items": _object({"name": TEXT, "bytes": INT}), "minItems": 1},
+        })},
+    }),
+    _object({"not_modelled": TEXT}),
+]}
+
 ESTIMATE: Schema = _document(
     {
         "config": CONFIG,
-        "accounting": ACCOUNTING,
+        "accounting": _object({**ACCOUNTING["properties"], "impl": KNOBS["properties"]["impl"]}),
         "strategies": _by_strategy(_object({
             "per_layer_bytes": COUNT,
             "total_bytes": COUNT,
             "ratio_to_none": NUMBER,
-            "tensors": {"type": "array", "items": _object(
-                {"name": TEXT, "bytes": COUNT, "shape": SHAPE, "saved_by": TEXT}
-            )},
+            "tensors": _TENSORS,
+            "paper": PAPER,
         })),
         "per_gpu": PER_GPU,
     },

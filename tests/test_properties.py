@@ -57,8 +57,8 @@ def test_tp_sp_never_keeps_more_than_tp_and_tp_never_more_than_none(fields, acco
 
 def test_where_the_fused_softmax_stops_at_a_over_t_heads_tp_keeps_more_than_none():
     """b*a = 8 fills the fused kernel's blocks of 8 (s <= 128); b*a/t = 4 does not: tp's ranks run megatron's fp32
-    torch softmax, which keeps the (s, s) fp32 output besides the bf16 one."""
-    fields = dict(b=2, s=20, h=4, a=4, t=2, L=1, dropout=0.0)
+    torch softmax (with --attention-softmax-in-fp32), which keeps the (s, s) fp32 output besides the bf16 one."""
+    fields = dict(b=2, s=20, h=4, a=4, t=2, L=1, dropout=0.0, attention_softmax_in_fp32=True)
     assert _fused_softmax_runs(fields) == (True, False)
     none, tp, tp_sp = _per_layer(build_config(fields), Accounting())
     assert tp > none and tp > tp_sp > none

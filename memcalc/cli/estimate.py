@@ -13,7 +13,8 @@ from memcalc.cli.options import (
 from memcalc.config.gpus import Budget, budget_for
 from memcalc.config.schema import ModelConfig, config_record
 from memcalc.errors import ConfigError, DoesNotFit
-from memcalc.model.evaluate import LayerEstimate, estimate
+from memcalc.model.departures import PaperComparison, compare_with_paper
+from memcalc.model.evaluate import LayerEstimate, TensorBytes, estimate
 from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import STRATEGIES, Strategy
 from memcalc.sizing.verdict import Need, need
@@ -62,6 +63,7 @@ def command(
     results = [
         baseline if n == "none" else estimate(config, STRATEGIES[n], accounting) for n in strategy_names(strategy, config)
     ]
+    comparisons = [compare_with_paper(config, r, accounting) for r in results]
     per = peaks = None
     budget = budget_for(gpu, device_memory, reserve)
     given = params | {"gpu": gpu, "device_memory": device_memory, "reserve": reserve}
@@ -71,11 +73,11 @@ def command(
         per = [per_gpu(config, r.strategy, accounting) for r in results]
         peaks = {r.strategy.name: step_peaks(config, r.strategy) for r in results}
     if as_json:
-        echo_json(to_json(config, accounting, results, baseline, per, budget, peaks))
+        echo_json(to_json(config, accounting, results, baseline, per, budget, peaks, comparisons))
     else:
         from memcalc.cli import render  # rich, only for people
 
-        render.print_estimates(config, accounting, results, baseline, breakdown)
+        render.print_estimates(config, accounting, results, baseline, breakdown, comparisons)
         if per is not None:
             render.print_totals(config, per, budget, peaks)
     if per is not None and all(need(p, peaks.get(p.strategy.name)).bytes > budget.bytes for p in per):
@@ -95,30 +97,52 @@ def step_peaks(config: ModelConfig, strategy: Strategy) -> tuple[Timeline, ...] 
 def to_json(
     config: ModelConfig, accounting: Accounting, results: list[LayerEstimate], baseline: LayerEstimate,
     per: list[PerGpu] | None = None, budget: Budget | None = None, peaks: dict | None = None,
+    comparisons: list[PaperComparison] | None = None,
 ) -> dict:
-    """The JSON document: the config, how bytes were counted, each strategy's numbers, and totals if asked."""
+    """The JSON document: the config, how bytes were counted, each strategy's numbers beside the paper's (and each
+    departure from them), and totals if asked."""
     from memcalc.schemas import SCHEMA_VERSION  # the schema tables load only for JSON
 
+    compared = comparisons or [compare_with_paper(config, r, accounting) for r in results]
     doc = {
         "schema_version": SCHEMA_VERSION,
         "config": config_record(config),
-        "accounting": {"exact": accounting.exact, "device": accounting.device},
+        "accounting": {"exact": accounting.exact, "device": accounting.device, "impl": str(config.impl)},
         "strategies": {
             r.strategy.name: {
                 "per_layer_bytes": r.per_layer_bytes,
                 "total_bytes": r.total_bytes,
                 "ratio_to_none": r.per_layer_bytes / baseline.per_layer_bytes,
-                "tensors": [
-                    {"name": x.tensor.name, "bytes": x.bytes, "shape": list(x.shape), "saved_by": x.tensor.saved_by}
-                    for x in r.tensors
-                ],
+                "tensors": _tensors_json(r.tensors),
+                "paper": _paper_json(c),
             }
-            for r in results
+            for r, c in zip(results, compared)
         },
     }
     if per is not None:
         doc["per_gpu"] = per_gpu_json(config, per, budget or budget_for(None, None, None), peaks or {})
     return doc
+
+
+def _tensors_json(tensors: tuple[TensorBytes, ...]) -> list[dict]:
+    return [
+        {"name": x.tensor.name, "bytes": x.bytes, "shape": list(x.shape), "saved_by": x.tensor.saved_by}
+        for x in tensors
+    ]
+
+
+def _paper_json(c: PaperComparison) -> dict:
+    """The paper's numbers at the same inputs and each departure from them, or why the paper has none."""
+    if c.paper is None:
+        return {"not_modelled": c.not_modelled}
+    return {
+        "per_layer_bytes": c.paper.per_layer_bytes,
+        "tensors": _tensors_json(c.paper.tensors),
+        "departures": [
+            {"rule": d.rule, "bytes": d.bytes, "tensors": [{"name": n, "bytes": b} for n, b in d.tensors]}
+            for d in c.departures
+        ],
+    }
 
 
 def per_gpu_json(config: ModelConfig, per: list[PerGpu], device: Budget, peaks: dict) -> dict:

@@ -42,7 +42,7 @@ def command(exact: bool, device: str, **params: Any) -> None:
     tp = plan(knobs, TP) if TP.name in runs else TP if TP_SP.name in runs else None
     plans = [tp, plan(knobs, TP_SP) if TP_SP.name in runs else None]
     rows = [_row(x, element_bytes(x.kind, knobs, accounting), *plans) for x in layer_tensors(knobs, accounting)]
-    title = f"Saved for backward, one layer: {accounting_note(accounting)}"
+    title = f"Saved for backward, one layer: {accounting_note(accounting, knobs.impl)}"
     if console.width >= WIDE:
         console.print(_table(title, rows))
     else:

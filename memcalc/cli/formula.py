@@ -10,6 +10,8 @@ from memcalc.cli import echo_json
 from memcalc.cli.knobs import knobs_from
 from memcalc.cli.options import accounting_options, config_option, knob_options, strategy_names, strategy_option
 from memcalc.model.knobs import Accounting, Knobs
+from memcalc.errors import ConfigError
+from memcalc.model.ledger import Dim
 from memcalc.model.strategy import STRATEGIES
 from memcalc.schemas import SCHEMA_VERSION
 
@@ -19,21 +21,34 @@ from memcalc.schemas import SCHEMA_VERSION
 @knob_options
 @strategy_option
 @accounting_options
+@click.option("--b", "b", type=click.IntRange(min=1), help="Micro-batch size, to pick the formula that holds there [default: 1].")
+@click.option("--s", "s", type=click.IntRange(min=1), help="Sequence length, to pick the formula that holds there.")
+@click.option("--a", "a", type=click.IntRange(min=1), help="Attention heads, to pick the formula that holds there.")
+@click.option("--t", "t", type=click.IntRange(min=1), help="Tensor-parallel size, to pick the formula that holds there [default: 1].")
 @click.option(
     "--format", "fmt", type=click.Choice(["text", "latex", "json", "sympy"]), default="text", show_default=True,
     help="text: the seed's notation; latex: math to paste into a paper; json: everything; sympy: Python syntax.",
 )
-def command(strategy: str, exact: bool, device: str, fmt: str, **params: Any) -> None:
+def command(
+    strategy: str, exact: bool, device: str, fmt: str, b: int | None, s: int | None, a: int | None, t: int | None,
+    **params: Any,
+) -> None:
     """Per-layer activation bytes per GPU as formulas in b, s, h, a, t.
 
-    Built from the same ledger as `estimate`; with the default knobs they are
-    the seed's sbh(34 + 5as/h), sbh(10 + 24/t + 5as/(ht)) and sbh(34/t + 5as/(ht)).
+    Built from the same ledger as `estimate`; under --impl paper they are the
+    seed's sbh(34 + 5as/h), sbh(10 + 24/t + 5as/(ht)) and sbh(34/t + 5as/(ht)).
+    Where what a layer keeps depends on the sizes (megatron-core's fused softmax
+    runs in a window of them), the text says under which sizes each formula
+    holds; given --s and --a (and --b, --t), it prints the one that holds there.
     """
     knobs = knobs_from(params)  # bad input fails before the second that sympy takes to import
+    sizes = _sizes(knobs, b, s, a, t)
     from memcalc.model import formula as F  # sympy: paid only here
 
     accounting = Accounting(exact=exact, device=device)
-    formulas = [F.layer_formula(STRATEGIES[n], knobs, accounting) for n in strategy_names(strategy, knobs)]
+    names = strategy_names(strategy, knobs)
+    outside = [sizes is not None and F.outside_at(knobs, STRATEGIES[n], *sizes) for n in names]
+    formulas = [F.layer_formula(STRATEGIES[n], knobs, accounting, out) for n, out in zip(names, outside)]
     if fmt == "json":
         echo_json(_json(F, formulas, knobs, accounting))
     elif fmt == "latex":
@@ -44,7 +59,44 @@ def command(strategy: str, exact: bool, device: str, fmt: str, **params: Any) ->
         for lf in formulas:
             click.echo(f"{lf.strategy.name}: {F.to_plain(lf.total)}")
     else:
-        _print_text(F, formulas, accounting)
+        _print_text(F, formulas, knobs, accounting)
+        _print_window(F, names, knobs, accounting, sizes, outside)
+
+
+def _sizes(knobs: Knobs, b: int | None, s: int | None, a: int | None, t: int | None) -> tuple[dict, int] | None:
+    """The per-rank sizes a size rule reads (b, s, a, g) and t, when --s and --a are given; None when no size is."""
+    if (b, s, a, t) == (None,) * 4:
+        return None
+    if s is None or a is None:
+        raise ConfigError("formula at given sizes needs --s and --a (and --b, --t: 1 unless given)")
+    groups = knobs.num_query_groups or a
+    return {Dim.B: b or 1, Dim.S: s, Dim.A: a, Dim.G: groups}, t or 1
+
+
+def _print_window(F: Any, names: list[str], knobs: Knobs, accounting: Accounting, sizes: Any, outside: list) -> None:
+    """Under which sizes the formulas hold: without sizes, the size rule's words and the formulas outside it; with
+    them, which side of the rule each layout's formula is on."""
+    from memcalc.model.impls import size_rule
+
+    rule = size_rule(knobs)
+    if rule is None:
+        click.echo("They hold at every size: for these knobs what the layer keeps does not depend on the sizes.")
+        return
+    if sizes is not None:
+        sized, t = sizes
+        where = " ".join(f"{d.value}={sized[d]}" for d in (Dim.B, Dim.S, Dim.A)) + f" t={t}"
+        for name, out in zip(names, outside):
+            shards = STRATEGIES[name].weight_shards(t)
+            why = rule.misses(sized, shards) if out and rule.misses is not None else ""
+            side = f"outside the rule's window ({why})" if out else "inside the rule's window"
+            click.echo(f"At {where}, {name} is {side}: the formula above is the one that holds there.")
+        click.echo(f"The rule: {rule.what}.")
+        return
+    click.echo(f"They hold where the sizes let the kernel run; elsewhere ({rule.what}):")
+    width = max(len(n) for n in names)
+    for name in names:
+        click.echo(f"  {name:<{width}}  {F.to_text(F.layer_formula(STRATEGIES[name], knobs, accounting, True).total)}")
+    click.echo("Give --s and --a (and --b, --t) to print the formula that holds at those sizes.")
 
 
 def _json(F: Any, formulas: list, knobs: Knobs, accounting: Accounting) -> dict:
@@ -66,12 +118,12 @@ def _json(F: Any, formulas: list, knobs: Knobs, accounting: Accounting) -> dict:
     }
 
 
-def _print_text(F: Any, formulas: list, accounting: Accounting) -> None:
+def _print_text(F: Any, formulas: list, knobs: Knobs, accounting: Accounting) -> None:
     from rich.table import Table
 
     from memcalc.cli.render import accounting_note, console
 
-    click.echo(f"Activation bytes per GPU, one layer; {accounting_note(accounting)}:")
+    click.echo(f"Activation bytes per GPU, one layer; {accounting_note(accounting, knobs.impl)}:")
     width = max(len(lf.strategy.name) for lf in formulas)
     for lf in formulas:
         click.echo(f"  {lf.strategy.name:<{width}}  {F.to_text(lf.total)}")
@@ -81,6 +133,7 @@ def _print_text(F: Any, formulas: list, accounting: Accounting) -> None:
     table.add_column("tensor")
     for lf in formulas:
         table.add_column(lf.strategy.name, no_wrap=True)
-    for rows in zip(*(lf.terms for lf in formulas)):
-        table.add_row(rows[0][0].name, *(F.to_text(e) for _, e in rows))
+    by_name = [{x.name: e for x, e in lf.terms} for lf in formulas]  # rows by name: layouts may keep other tensors
+    for name in dict.fromkeys(x.name for lf in formulas for x, _ in lf.terms):
+        table.add_row(name, *(F.to_text(terms[name]) if name in terms else "-" for terms in by_name))
     console.print(table)

@@ -51,8 +51,9 @@ MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: torch's timedelta and any real run st
 @click.option(
     "--layer", type=click.Choice(LAYERS), default=None,
     help="library: the implementation's own code (--impl; needs the extra megatron, torchtitan or hf);"
-    " memcalc: memcalc's own Megatron-style layer (--impl megatron only; needs the extra probe: torch)"
-    " [default: library; memcalc on --device meta and with --comm or --overlap, which only it runs].",
+    " memcalc: memcalc's own Megatron-style layer (--impl megatron or paper; needs the extra probe: torch)"
+    " [default: library; memcalc with --impl paper, on --device meta and with --comm or --overlap, which only it"
+    " runs].",
 )
 @click.option(
     "--comm", is_flag=True,
@@ -99,7 +100,7 @@ def command(strategy: str, device: str, backend: str | None, launch: str, timeou
         return run_step(config, names, device=device, launch=launch, backend=backend,
                         layer=layer, comm=comm, overlap=overlap, as_json=as_json, route=route)
     if layer is None:
-        layer = "memcalc" if device == "meta" or comm or overlap else "library"
+        layer = "memcalc" if device == "meta" or comm or overlap or config.impl == "paper" else "library"
     if comm and layer != "memcalc":
         _check_library_comm(config, names, route)
     from memcalc.probe.footprint import check_fits

@@ -182,6 +182,7 @@ def _defaulted_knobs(config: ModelConfig, fields: dict[str, Any], overrides: dic
         f"{k.name}={getattr(config, k.name)}"
         for k in KNOBS if k.name not in fields and overrides.get(k.name) is None and getattr(config, k.name) is not None
         and (config.moe or not is_moe(k))  # a dense model's MoE knobs change nothing: not assumed, not shown
+        and (not k.impls or config.impl in k.impls)  # another library's setting: this one has none
     ]
     return f"; defaults (impl {config.impl}'s, else the seed's): {', '.join(taken)}" if taken else ""
 

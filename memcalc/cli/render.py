@@ -12,6 +12,8 @@ from rich.table import Table
 
 from memcalc.config.schema import ModelConfig
 from memcalc.model.knobs import KNOBS
+from memcalc.model.departures import PaperComparison
+from memcalc.model.departures import describe as describe_departure
 from memcalc.model.evaluate import LayerEstimate
 from memcalc.model.ledger import SavedTensor
 from memcalc.model.knobs import Accounting
@@ -108,21 +110,31 @@ def describe_knobs(knobs: Any) -> str:
     return ", ".join(words for k in KNOBS if (words := k.describe(knobs)))
 
 
-def accounting_note(accounting: Accounting) -> str:
-    """How the bytes were counted, for the line above a table."""
+def accounting_note(accounting: Accounting, impl: str = "paper") -> str:
+    """How the bytes were counted and whose layer keeps them, for the line above a table: "the paper's
+    accounting" only for --impl paper."""
+    if impl == "paper":
+        whose = "the paper's accounting"
+    else:
+        from memcalc.model.impls import IMPLEMENTATIONS
+
+        whose = f"impl {impl}'s accounting (what {IMPLEMENTATIONS[impl].title}'s layer keeps)"
     if accounting.exact:
-        return f"exact accounting, every saved byte, norm statistics as on {accounting.device}"
-    return "the paper's accounting; --exact adds norm statistics and LSE"
+        return f"exact {whose}, every saved byte, norm statistics as on {accounting.device}"
+    return f"{whose}; --exact adds norm statistics and LSE"
 
 
 def print_estimates(
-    config: ModelConfig, accounting: Accounting, results: list[LayerEstimate], baseline: LayerEstimate, breakdown: bool
+    config: ModelConfig, accounting: Accounting, results: list[LayerEstimate], baseline: LayerEstimate, breakdown: bool,
+    comparisons: list[PaperComparison] | None = None,
 ) -> None:
-    """The per-strategy table and, if asked, the per-tensor table."""
+    """The per-strategy table, each departure from the paper's numbers and, if asked, the per-tensor table
+    (with the paper's bytes beside the implementation's where they differ)."""
+    comparisons = comparisons or []
     console.print(describe(config), highlight=False)
     if config.cp > 1:
         console.print(f"context parallel: cp={config.cp}, so each rank keeps s/cp = {config.s // config.cp} tokens")
-    console.print(f"[dim]{accounting_note(accounting)}[/dim]")
+    console.print(f"[dim]{accounting_note(accounting, config.impl)}[/dim]")
     table = Table(title="Activation memory per GPU")
     table.add_column("strategy")
     for col in ("per layer", f"all {config.L} layers", "vs none"):
@@ -131,8 +143,27 @@ def print_estimates(
         ratio = r.per_layer_bytes / baseline.per_layer_bytes
         table.add_row(r.strategy.name, _bytes_cell(r.per_layer_bytes), _bytes_cell(r.total_bytes), f"{ratio:.4f}")
     console.print(table)
+    for line in departure_lines(config, comparisons):
+        console.print(line, highlight=False)
     if breakdown:
-        console.print(breakdown_table(results))
+        console.print(breakdown_table(results, comparisons))
+
+
+def departure_lines(config: ModelConfig, comparisons: list[PaperComparison]) -> list[str]:
+    """One line per rule by which the implementation departs from the paper's numbers (its bytes per layer under
+    each layout it departs in), or the one line that says it departs in none, or why the paper has no number."""
+    if config.impl == "paper" or not comparisons:
+        return []
+    refused = next((c.not_modelled for c in comparisons if c.not_modelled), None)
+    if refused is not None:
+        return [f"[dim]no comparison with the paper's accounting: {for_rich(refused)}[/dim]"]
+    rules: dict[str, list[str]] = {}
+    for c in comparisons:
+        for d in c.departures:
+            rules.setdefault(describe_departure(d), []).append(f"{c.paper.strategy.name} {d.bytes:+,} B per layer")
+    if not rules:
+        return [f"[dim]impl {config.impl} keeps the paper's bytes here, tensor by tensor[/dim]"]
+    return [f"departs from the paper ({', '.join(where)}): {for_rich(rule)}" for rule, where in rules.items()]
 
 
 def _bytes_cell(n: int) -> str:
@@ -140,16 +171,22 @@ def _bytes_cell(n: int) -> str:
     return f"{n:,} B\n[dim]{human_bytes(n)}[/dim]"
 
 
-def breakdown_table(results: list[LayerEstimate]) -> Table:
-    """One row per saved tensor, one column of per-layer bytes per strategy."""
+def breakdown_table(results: list[LayerEstimate], comparisons: list[PaperComparison] | None = None) -> Table:
+    """One row per saved tensor, keyed by name (a layout, or the paper, may keep one the others do not), one column
+    of per-layer bytes per strategy; where the implementation departs from the paper, the paper's bytes below."""
     table = Table(title="Per-tensor bytes per GPU, one layer")
     table.add_column("tensor")
     for r in results:
         table.add_column(r.strategy.name, justify="right", no_wrap=True)
-    for x, cells in tensor_rows(results):
-        name = x.name if x.paper else f"{x.name} [dim](exact)[/dim]"
-        table.add_row(name, *("-" if n is None else f"{n:,}" for n in cells))
-    table.add_row("[bold]total[/bold]", *(f"[bold]{r.per_layer_bytes:,}[/bold]" for r in results), end_section=True)
+    papers = [c.paper if c is not None and c.departures else None for c in (comparisons or [None] * len(results))]
+    compared = [p for p in papers if p is not None]
+    for x, cells in tensor_rows([*results, *compared]):
+        theirs = iter(cells[len(results):])
+        paper_cells = [next(theirs) if p is not None else ... for p in papers]
+        label = x.name if x.paper else f"{x.name} [dim](exact)[/dim]"
+        table.add_row(label, *(_cell(mine, paper) for mine, paper in zip(cells[:len(results)], paper_cells)))
+    totals = (_cell(r.per_layer_bytes, p.per_layer_bytes if p is not None else ...) for r, p in zip(results, papers))
+    table.add_row("[bold]total[/bold]", *(f"[bold]{cell}[/bold]" for cell in totals), end_section=True)
     return table
 
 
@@ -178,6 +215,14 @@ def tensor_rows(results: list[LayerEstimate]) -> list[tuple[SavedTensor, list[in
                 at += 1
         columns.append(column)
     return [(tensors[k], [column.get(k) for column in columns]) for k in keys]
+
+
+def _cell(mine: int | None, paper: Any) -> str:
+    """A tensor's bytes ('-' where not kept), with the paper's below where they differ (`...`: no comparison)."""
+    text = "-" if mine is None else f"{mine:,}"
+    if paper is ... or paper == mine:
+        return text
+    return f"{text}\n[dim]paper {'-' if paper is None else f'{paper:,}'}[/dim]"
 
 
 def describe_layout(config: ModelConfig) -> str:

@@ -256,7 +256,7 @@ def _print_table(result: SweepResult) -> None:
         f" ep={sweep.ep}" if sweep.ep not in (None, 1) else "")
     name = f"{for_rich(sweep.name)}: " if sweep.name else ""  # a name from a file may hold markup or escapes
     console.print(f"{name}{fixed} | {describe_knobs(SweptKnobs(sweep.knobs, swept))}", highlight=False)
-    console.print(f"[dim]{accounting_note(sweep.accounting)}[/dim]")
+    console.print(f"[dim]{accounting_note(sweep.accounting, sweep.knobs.impl)}[/dim]")
     layers = "all L layers" if "L" in swept else f"all {sweep.values['L'][0]} layers"
     table = Table(title="Activation memory per GPU")
     for col in (*(LABELS.get(n, n) for n in swept), "strategy", "per layer", layers):

@@ -19,7 +19,7 @@ from memcalc.docgen.model import terms_by_tensor, terms_latex, terms_table, tota
 from memcalc.model import formula as F
 from memcalc.model.impls import IMPLEMENTATIONS
 from memcalc.model.impls.base import Implementation
-from memcalc.model.knobs import Accounting, Knobs, element_bytes
+from memcalc.model.knobs import KNOBS, Accounting, Knobs, element_bytes
 from memcalc.model.ledger import SavedTensor
 from memcalc.model.strategy import STRATEGIES
 
@@ -39,7 +39,9 @@ def library_knobs(impl: Implementation) -> Knobs:
 def render(impl: Implementation) -> str:
     """The whole page for one implementation."""
     knobs = library_knobs(impl)
-    sections = [_intro(impl, knobs), _differences(impl, knobs), _size_rule(impl, knobs), _formulas(impl, knobs)]
+    sections = [_intro(impl, knobs), _own_knobs(impl), _differences(impl, knobs), _size_rule(impl, knobs),
+                _formulas(impl, knobs)]
+    sections = [x for x in sections if x]
     return "\n\n".join(sections).rstrip() + "\n"
 
 
@@ -60,7 +62,22 @@ def _intro(impl: Implementation, knobs: Knobs) -> str:
         f"Tensors a sequence-parallel layout keeps gathered (whole sequence): {whole}.",
         "",
         f"Its defaults (what `impl: {impl.name}` sets unless the config says otherwise): {describe_knobs(knobs)}.",
-        "Measured per-tensor tables: [measured-" + impl.name + ".md](measured-" + impl.name + ".md).",
+        *([f"Measured per-tensor tables: [measured-{impl.name}.md](measured-{impl.name}.md)."]
+          if (DOCS / f"measured-{impl.name}.md").exists() else []),
+    ])
+
+
+def _own_knobs(impl: Implementation) -> str:
+    """The knobs only this library has (`Knob.impls`): each flag, its default and where that default comes from."""
+    own = [k for k in KNOBS if impl.name in k.impls]
+    if not own:
+        return ""
+    rows = [f"| `{k.flag}` | {k.default} | {k.source} |" for k in own]
+    return "\n".join([
+        "## Its own knobs", "",
+        "Settings other libraries do not have (refused there). Each default is what the library's users get unless"
+        " they pass a flag; the probe builds the library's config from the same values.", "",
+        "| flag | default | where the default comes from |", "|---|---|---|", *rows,
     ])
 
 
@@ -88,7 +105,9 @@ def _size_rule(impl: Implementation, knobs: Knobs) -> str:
     shown = "".join(f", {name} {value}" for name, value in rule.shown_with.items())
     return "\n".join([
         "## Where the sizes matter", "", f"{rule.what[:1].upper()}{rule.what[1:]}.",
-        "Numbers (`estimate`, `sweep`, `fit`) follow the rule point by point; the formulas below assume the kernel runs.",
+        "Numbers (`estimate`, `sweep`, `fit`) follow the rule point by point, and `estimate` names the departure from"
+        " the paper it makes; the formulas below hold where the kernel runs (`memcalc formula` prints those outside"
+        " too, and with --s and --a the one that holds there).",
         "", f"What the layer keeps outside (eager attention, bf16{shown}):", "", _tensor_table(changed, seed),
     ])
 

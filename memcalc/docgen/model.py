@@ -72,6 +72,8 @@ def _flag(name: str, value: object) -> str:
     flag = knob.flag if knob else f"--{name}"
     if knob and knob.symbol:
         return f"{flag} {knob.symbol}"
+    if value is False and knob is not None and knob.kind == "flag":  # a flag on by default: its --no- form
+        return f"--no-{flag[2:]}"
     return flag if value is True else f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}"
 
 

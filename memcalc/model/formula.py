@@ -18,7 +18,7 @@ from math import prod
 
 import sympy
 
-from memcalc.model.impls import layer_tensors, plan
+from memcalc.model.impls import layer_tensors, plan, size_rule
 from memcalc.model.knobs import Accounting, Knobs, element_bytes
 from memcalc.model.ledger import Dim, SavedTensor
 from memcalc.model.strategy import Strategy
@@ -98,13 +98,19 @@ class LayerFormula:
 
 
 @lru_cache(maxsize=None)
-def layer_formula(strategy: Strategy, knobs: Knobs, accounting: Accounting) -> LayerFormula:
-    """The layer's formula under `strategy` (as the knobs' implementation lays it out), built from the ledger."""
+def layer_formula(strategy: Strategy, knobs: Knobs, accounting: Accounting, outside: bool = False) -> LayerFormula:
+    """The layer's formula under `strategy` (as the knobs' implementation lays it out), built from the ledger:
+    where its size rule's kernel runs, or with `outside` where it does not (`window`)."""
     planned = plan(knobs, strategy)
-    return LayerFormula(
-        strategy,
-        tuple((x, tensor_expr(x, planned, knobs, accounting)) for x in planned.kept(layer_tensors(knobs, accounting))),
-    )
+    rule = size_rule(knobs)
+    kept = rule.outside(knobs, accounting) if outside and rule is not None else layer_tensors(knobs, accounting)
+    return LayerFormula(strategy, tuple((x, tensor_expr(x, planned, knobs, accounting)) for x in planned.kept(kept)))
+
+
+def outside_at(knobs: Knobs, strategy: Strategy, sizes: dict[Dim, int], t: int) -> bool:
+    """Whether per-rank `sizes` (b, s, a, g) under `strategy` on t ranks fall outside the window: which formula holds."""
+    rule = size_rule(knobs)
+    return rule is not None and not rule.runs(sizes, strategy.weight_shards(t))
 
 
 def _monomials(expr: sympy.Expr) -> list[tuple[sympy.Rational, list[tuple[str, int]], list[tuple[str, int]]]]:

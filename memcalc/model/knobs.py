@@ -39,6 +39,7 @@ class Impl(Choice):
     MEGATRON = "megatron"
     TORCHTITAN = "torchtitan"
     HF = "hf"
+    PAPER = "paper"  # Korthikanti et al. 2022's accounting itself (the seed's layer, no library)
 
 
 class Mlp(Choice):
@@ -121,6 +122,8 @@ class Knob:
     symbol: str | None = None  # the formula symbol for a set value (f, g)
     # (a non-default value, or a mapping of knob values to set together, and what it changes), for docs/model.md
     effects: tuple[tuple[Any, str], ...] = ()
+    impls: tuple[str, ...] = ()  # the implementations that have this setting (empty: every one)
+    source: str = ""  # where its default comes from, in the library's code (for a setting only `impls` have)
 
     def variants(self) -> tuple[tuple[dict[str, Any], str], ...]:
         """Each effect as the knob values it sets and what it changes."""
@@ -212,7 +215,8 @@ _MLA_ON = {"kv_lora_rank": 1, "qk_rope_head_dim": 1, "qk_nope_head_dim": 1, "v_h
 KNOBS: tuple[Knob, ...] = (
     Knob(
         "impl", "choice", Impl.MEGATRON,
-        "whose code runs the layer: megatron (Megatron-core), torchtitan, hf (Hugging Face transformers)",
+        "whose code runs the layer: megatron (Megatron-core), torchtitan, hf (Hugging Face transformers), paper"
+        " (Korthikanti et al.'s accounting itself)",
         lambda k: None if k.impl == Impl.MEGATRON else f"impl {k.impl}", Impl,
     ),
     Knob(
@@ -279,6 +283,41 @@ KNOBS: tuple[Knob, ...] = (
         effects=(({"mlp": Mlp.SWIGLU, "ffn_hidden_size": 1, "bias_activation_fusion": True},
                   "Megatron's fused bias-SwiGLU (BiasSwiGLUFunction) keeps only fc1's 2f-wide output; unfused, the"
                   " layer also keeps SiLU's output and a copy of up."),),
+    ),
+    # -- Megatron's softmax: its defaults are what Megatron-LM's pretrain_gpt.py runs unless a flag says otherwise
+    # (megatron/training/arguments.py; see docs/impl-megatron.md), not TransformerConfig's dataclass defaults.
+    Knob(
+        "attention_softmax_in_fp32", "flag", False,
+        "megatron: run the unfused attention softmax in fp32 (Megatron-LM's --attention-softmax-in-fp32, off unless"
+        " given); changes what is kept only where the fused kernel does not run",
+        lambda k: "softmax in fp32" if k.attention_softmax_in_fp32 else None,
+        effects=(({"attention_softmax_in_fp32": True, "masked_softmax_fusion": False},
+                  "The unfused softmax runs in fp32 (Megatron-LM's --attention-softmax-in-fp32): it keeps its fp32"
+                  " output, four bytes an element, where the 16-bit softmax kept two, and the (s, s) causal mask."),),
+        impls=(Impl.MEGATRON,),
+        source="Megatron-LM megatron/training/arguments.py, _add_mixed_precision_args:"
+        " `group.add_argument('--attention-softmax-in-fp32', action='store_true', help='Run attention masking and"
+        " softmax in fp32.')`, so off unless given (only --apply-query-key-layer-scaling turns it on); not"
+        " TransformerConfig's dataclass default, `attention_softmax_in_fp32: bool = True` (megatron-core 0.16.1,"
+        " megatron/core/transformer/transformer_config.py:343), which pretrain_gpt.py overrides from the arguments."
+        " What it changes: megatron/core/fusions/fused_softmax.py:313-340, FusedScaleMaskSoftmax.forward_torch_softmax"
+        " casts the scores to fp32 only `if self.input_in_float16 and self.softmax_in_fp32`",
+    ),
+    Knob(
+        "masked_softmax_fusion", "flag", True,
+        "megatron: the fused scale-mask-softmax kernel (Megatron-LM's default; --no-masked-softmax-fusion turns it"
+        " off), which runs for 16 < s <= 4096, s % 4 == 0 and b*a/t a multiple of its batch per block",
+        lambda k: None if k.masked_softmax_fusion else "unfused softmax",
+        effects=(({"masked_softmax_fusion": False},
+                  "Without the fused softmax (--no-masked-softmax-fusion) FusedScaleMaskSoftmax runs torch's: its"
+                  " masked_fill_ keeps the (s, s) causal mask at every size, beside the softmax output."),),
+        impls=(Impl.MEGATRON,),
+        source="Megatron-LM megatron/training/arguments.py, _add_training_args:"
+        " `group.add_argument('--no-masked-softmax-fusion', action='store_false', help='Disable fusion of"
+        " query_key_value scaling, masking, and softmax.', dest='masked_softmax_fusion')`, so on unless"
+        " --no-masked-softmax-fusion is given; not TransformerConfig's dataclass default, `masked_softmax_fusion:"
+        " bool = False` (megatron-core 0.16.1, megatron/core/transformer/transformer_config.py:357). What it changes:"
+        " megatron/core/fusions/fused_softmax.py:238-270, FusedScaleMaskSoftmax.is_kernel_available (the window)",
     ),
     Knob(
         "num_experts", "size", None, "routed experts in a mixture-of-experts MLP (default: none, a dense MLP)",

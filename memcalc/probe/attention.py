@@ -35,6 +35,8 @@ from a seed in backward.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from memcalc.model import ledger
 from memcalc.model.impls import megatron
 from memcalc.model.ledger import Dim
@@ -64,6 +66,7 @@ class SelfAttention(nn.Module):
         self.dropout = config.dropout
         self.flash = config.attention == "flash"
         self.recompute = config.recompute == "selective"
+        self.softmax = Softmax.of(config)
         linear = {
             "tp": tp, "sequence_parallel": sequence_parallel, "dtype": dtype, "device": tp.device, "overlap": overlap,
         }
@@ -82,7 +85,9 @@ class SelfAttention(nn.Module):
         return self.proj(context)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_kept: torch.Tensor) -> torch.Tensor:
-        return (flash_core if self.flash else eager_core)(q, k, v, self.dropout)
+        if self.flash:
+            return flash_core(q, k, v, self.dropout)
+        return eager_core(q, k, v, self.dropout, self.softmax)
 
     def _query_columns(self, q: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """What Megatron's core-attention checkpoint keeps beside q, k, v under GQA: the QKV output's query columns."""
@@ -120,7 +125,28 @@ def _scores(q3: torch.Tensor, k3: torch.Tensor) -> torch.Tensor:
     return torch.baddbmm(mask, q3, k3.transpose(1, 2), alpha=d**-0.5)
 
 
-def eager_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
+@dataclass(frozen=True)
+class Softmax:
+    """Which softmax the eager core runs: the fused causal kernel (at every size, as the paper counts it, or
+    inside megatron's window of sizes), else torch's on scores masked in place, in fp32 or in the scores' dtype."""
+
+    fused_everywhere: bool  # the paper: the fused kernel at every shape
+    fusion: bool  # megatron's masked_softmax_fusion: the kernel where its sizes allow
+    in_fp32: bool  # megatron's attention_softmax_in_fp32: torch's softmax on the scores cast to fp32
+
+    @classmethod
+    def of(cls, config: ModelConfig) -> Softmax:
+        return cls(config.impl == "paper", config.masked_softmax_fusion, config.attention_softmax_in_fp32)
+
+    def fused(self, b: int, heads: int, s: int, dtype: torch.dtype) -> bool:
+        """Whether the fused kernel runs for this rank's (b, a/t, s, s) scores: it takes fp16 and bf16 only."""
+        if dtype not in (torch.bfloat16, torch.float16):
+            return False
+        return self.fused_everywhere or (self.fusion and bool(megatron.fused_softmax_runs({Dim.B: b, Dim.A: heads,
+                                                                                           Dim.S: s}, 1)))
+
+
+def eager_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, softmax: Softmax) -> torch.Tensor:
     """Attention op by op, keeping the s x s softmax output (and dropout mask and output)."""
     b, heads, s, d = q.shape
     if k.shape[1] != heads:  # K and V copied to every head, as megatron's DotProductAttention does
@@ -128,16 +154,14 @@ def eager_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> t
         label(k, megatron.K_EXPANDED)
         label(v, megatron.V_EXPANDED)
     q3, k3, v3 = _grouped(q, k, v)
-    scores = _scores(q3, k3)  # (b*a/t, s, s)
-    sixteen_bit = scores.dtype in (torch.bfloat16, torch.float16)  # the only dtypes the fused kernel takes
-    fused = sixteen_bit and megatron.fused_softmax_runs({Dim.B: b, Dim.A: heads, Dim.S: s}, 1)
-    if fused:  # megatron's fused causal kernel: keeps its 16-bit output alone
-        weights = torch.softmax(scores, dim=-1)
-    else:  # forward_torch_softmax: the fp32 scores masked in place (keeps the mask), softmax kept in fp32
+    scores = _scores(q3, k3)  # (b*a/t, s, s), scaled as megatron's baddbmm(alpha=1/sqrt(d)) scales them
+    if softmax.fused(b, heads, s, q.dtype):  # one kernel: keeps its 16-bit output alone
+        weights = FusedCausalSoftmax.apply(scores, 1.0)  # megatron's FusedScaleMaskSoftmax: scale None, so 1
+    else:  # forward_torch_softmax: the scores masked in place (keeps the mask), softmax kept in its dtype
         future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
-        wide_scores = wide(scores).masked_fill_(future, float("-inf"))
+        scores = (wide(scores) if softmax.in_fp32 else scores).masked_fill_(future, float("-inf"))
         label(future, megatron.CAUSAL_MASK)
-        weights = torch.softmax(wide_scores, dim=-1)
+        weights = torch.softmax(scores, dim=-1)
         if weights.dtype != q.dtype:
             label(weights.view(b, heads, s, s), megatron.SOFTMAX_FP32)
             weights = weights.to(q.dtype)  # cast back; what follows keeps the cast
@@ -150,6 +174,53 @@ def eager_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> t
     # (b, a/t, s, d) -> (s, b, a/t, d), copied: the projection's GEMM needs a contiguous input,
     # and F.linear would otherwise make (and keep) a contiguous copy of its own
     return context.view(b, heads, s, d).permute(2, 0, 1, 3).contiguous().view(s, b, heads * d)
+
+
+class FusedCausalSoftmax(torch.autograd.Function):
+    """softmax(scale * scores + causal mask) as one fused kernel (Apex's scaled_upper_triang_masked_softmax).
+
+    forward:  scores (b*a/t, s, s) in fp16/bf16 -> probabilities, the same dtype; computed in fp32 inside
+    backward: dScores = scale * P * (dP - rowsum(dP * P)), from the output alone
+
+    It keeps its 16-bit output and nothing else, which is what the paper counts for the softmax (2as^2 b). Each
+    direction is one op (`memcalc::fused_causal_softmax`, `memcalc::fused_causal_softmax_backward`), as the kernel
+    is: what memory tools see is its output alone, not the fp32 temporaries inside.
+    """
+
+    @staticmethod
+    def forward(ctx, scores, scale):
+        probs = _fused_softmax_forward(scores, scale)
+        ctx.save_for_backward(probs)
+        ctx.scale = scale
+        return probs
+
+    @staticmethod
+    def backward(ctx, grad):
+        (probs,) = ctx.saved_tensors
+        return _fused_softmax_backward(grad, probs, ctx.scale), None
+
+
+@torch.library.custom_op("memcalc::fused_causal_softmax", mutates_args=())
+def _fused_softmax_forward(scores: torch.Tensor, scale: float) -> torch.Tensor:
+    s = scores.shape[-1]
+    future = torch.ones(s, s, dtype=torch.bool, device=scores.device).triu(1)
+    return torch.softmax((wide(scores) * scale).masked_fill(future, float("-inf")), dim=-1).to(scores.dtype)
+
+
+@_fused_softmax_forward.register_fake
+def _(scores, scale):
+    return torch.empty_like(scores)
+
+
+@torch.library.custom_op("memcalc::fused_causal_softmax_backward", mutates_args=())
+def _fused_softmax_backward(grad: torch.Tensor, probs: torch.Tensor, scale: float) -> torch.Tensor:
+    wide_probs, wide_grad = wide(probs), wide(grad)
+    return (wide_probs * (wide_grad - (wide_grad * wide_probs).sum(-1, keepdim=True)) * scale).to(grad.dtype)
+
+
+@_fused_softmax_backward.register_fake
+def _(grad, probs, scale):
+    return torch.empty_like(grad)
 
 
 def flash_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:

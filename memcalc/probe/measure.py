@@ -95,6 +95,8 @@ RUNNERS = {
 }
 
 
+# The implementations memcalc's own layer runs: Megatron's, and the paper's (its fused softmax at every shape).
+OWN_LAYER_IMPLS = ("megatron", "paper")
 # The implementations whose runner can force its MoE router (`run_layer(..., route=)`, a `route_note`).
 ROUTED = ("hf", "megatron", "torchtitan")
 # config, strategy name, layer (LAYERS), overlap (own layer only)[, forced route (ROUTED runners only, ROUTES)]
@@ -364,8 +366,10 @@ def measure(
     """
     if config.cp != 1:
         raise ConfigError(f"cp={config.cp}: the probe runs one layer without context parallelism; measure with cp=1")
-    if layer == "memcalc" and config.impl != "megatron":
+    if layer == "memcalc" and config.impl not in OWN_LAYER_IMPLS:
         raise ConfigError(f"--layer memcalc is memcalc's own Megatron-style layer; with --impl {config.impl} use --layer library")
+    if layer == "library" and config.impl not in RUNNERS:
+        raise ConfigError(f"impl {config.impl} has no library: its layer is memcalc's own (--layer memcalc)")
     if device == "meta" and layer == "library":
         raise ConfigError(
             "--device meta runs memcalc's own layer only: add --layer memcalc (the libraries' runners"
@@ -433,6 +437,8 @@ def _compared(
         world = getattr(runner(config.impl), "fake_world", lambda config, t: None)(config, plan.t)
     else:
         whose, notes, world = "memcalc's own Megatron-style layer", (), None
+        if config.impl == "paper":
+            whose += ", in the paper's accounting (its fused causal softmax at every shape keeps its 16-bit output)"
     return StrategyMeasurement(strategy, plan, whose, notes, prediction, tuple(ranks), rows, comm, world)
 
 

@@ -40,7 +40,7 @@ def test_gpt3_175b_json_is_the_seeds_three_formulas():
 def test_json_shape():
     doc = _json("--config", GPT3_175B)
     assert {"config", "accounting", "strategies"} <= set(doc)
-    assert doc["accounting"] == {"exact": False, "device": "cuda"}
+    assert doc["accounting"] == {"exact": False, "device": "cuda", "impl": "megatron"}
     assert list(doc["strategies"]) == ["none", "tp", "tp-sp"]
     for result in doc["strategies"].values():
         assert {"per_layer_bytes", "total_bytes", "ratio_to_none", "tensors"} <= set(result)
@@ -83,7 +83,7 @@ def test_exact_adds_the_norm_statistics_to_the_json():
     doc = _json("--config", GPT3_175B, "--exact", "--device", "cpu")
     names = [x["name"] for x in doc["strategies"]["none"]["tensors"]]
     assert {"ln1/mean", "ln1/rstd"} <= set(names)
-    assert doc["accounting"] == {"exact": True, "device": "cpu"}
+    assert doc["accounting"] == {"exact": True, "device": "cpu", "impl": "megatron"}
 
 
 def test_knob_flags_reach_the_estimate():

@@ -49,8 +49,9 @@ def test_a_matching_run_prints_every_tensor_says_how_it_ran_and_exits_0():
     assert (run.code, run.err) == (0, "")
     assert "rank 0 of t=8 through torch's fake process group" in run.out
     assert "match: every tensor agrees to the byte" in run.out
-    # s=16: outside Megatron's fused softmax window, so the layer keeps an fp32 softmax
-    for name in ("ln1/input", "attention/softmax_fp32", "mlp/fc2_in", "total"):
+    # s=16: outside Megatron's fused softmax window, so the layer keeps torch's softmax (16-bit, Megatron-LM's
+    # default) and masked_fill_'s causal mask
+    for name in ("ln1/input", "attention/causal_mask", "attention/softmax_out", "mlp/fc2_in", "total"):
         assert f"│ {name} " in run.out, name
 
 

@@ -17,6 +17,8 @@ OTHER = {"size": 96, "probability": 0.0, "factor": 1.25, "flag": True}
 
 
 def _other(knob):
+    if knob.kind == "flag":
+        return not knob.default
     return next(v for v in knob.values if v != knob.default) if knob.kind == "choice" else OTHER[knob.kind]
 
 

@@ -9,8 +9,8 @@ from memcalc.sizing.sweep import evaluate_sweep, make_sweep
 GPT3 = dict(b=1, h=12288, a=96, t=8, dropout=0.0)
 
 
-def _softmax_terms(s, accounting=Accounting()):
-    kept = estimate(build_config(GPT3 | {"s": s}), TP, accounting).tensors
+def _softmax_terms(s, accounting=Accounting(), **knobs):
+    kept = estimate(build_config(GPT3 | {"s": s} | knobs), TP, accounting).tensors
     return {x.tensor.name: x.bytes for x in kept if x.tensor.name.startswith(("attention/softmax", "attention/causal"))}
 
 
@@ -18,15 +18,27 @@ def test_inside_the_window_the_fused_kernel_keeps_the_16_bit_softmax():
     assert _softmax_terms(4096) == {"attention/softmax_out": 2 * 12 * 4096 * 4096}
 
 
-def test_past_4096_tokens_megatron_keeps_an_fp32_softmax_and_the_causal_mask():
+def test_past_4096_tokens_megatron_lms_default_keeps_a_16_bit_softmax_and_the_causal_mask():
     s, heads = 8192, 12
-    exact = _softmax_terms(s, Accounting(exact=True))
+    assert _softmax_terms(s) == {"attention/softmax_out": 2 * heads * s * s, "attention/causal_mask": s * s}
+
+
+def test_past_4096_tokens_softmax_in_fp32_keeps_an_fp32_softmax_and_the_causal_mask():
+    s, heads = 8192, 12
+    exact = _softmax_terms(s, Accounting(exact=True), attention_softmax_in_fp32=True)
     assert exact == {"attention/softmax_fp32": 4 * heads * s * s, "attention/softmax_out": 2 * heads * s * s,
                      "attention/causal_mask": s * s}
 
 
+def test_without_the_fusion_the_mask_is_kept_at_every_size():
+    assert _softmax_terms(4096, masked_softmax_fusion=False) == {
+        "attention/softmax_out": 2 * 12 * 4096 * 4096, "attention/causal_mask": 4096 * 4096,
+    }
+
+
 def test_attention_batches_that_do_not_fill_a_kernel_block_fall_back_too():
-    inside, outside = (estimate(build_config(dict(b=b, s=64, h=64, a=8, t=2)), TP) for b in (2, 3))
+    inside, outside = (estimate(build_config(dict(b=b, s=64, h=64, a=8, t=2, attention_softmax_in_fp32=True)), TP)
+                       for b in (2, 3))
     assert "attention/softmax_fp32" not in {x.tensor.name for x in inside.tensors}  # 2 * 8/2 = 8 per block
     assert "attention/softmax_fp32" in {x.tensor.name for x in outside.tensors}  # 3 * 4 = 12: not a multiple of 8
 

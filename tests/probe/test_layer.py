@@ -3,6 +3,8 @@ Megatron layer keeps: no full-sequence tensor in the SP region, no s x s tensor 
 flash attention, and recomputation that changes memory but not gradients."""
 
 import math
+from functools import partial
+
 
 import pytest
 
@@ -13,7 +15,7 @@ from memcalc.model import ledger  # noqa: E402
 from memcalc.config.schema import build_config  # noqa: E402
 from memcalc.model.impls import IMPLEMENTATIONS  # noqa: E402
 from memcalc.model.ledger import Region  # noqa: E402
-from memcalc.probe.attention import FlashAttention, eager_core, flash_core  # noqa: E402
+from memcalc.probe.attention import FlashAttention, FusedCausalSoftmax, Softmax, eager_core, flash_core  # noqa: E402
 from memcalc.probe.group import single  # noqa: E402
 from memcalc.probe.launch import run_fake, run_spawned  # noqa: E402
 from memcalc.probe.layer import DTYPES, TransformerLayer  # noqa: E402
@@ -195,12 +197,29 @@ def test_eager_and_flash_attention_match_torchs_causal_sdpa_with_gqa():
     reference = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (b, a, s, d)
     reference = reference.permute(2, 0, 1, 3).reshape(6, 2, -1)  # (s, b, a*d), the cores' layout
     expected = torch.autograd.grad((reference * reference).sum(), (q, k, v))
-    for core in (eager_core, flash_core):
+    torch_softmax = Softmax(fused_everywhere=False, fusion=False, in_fp32=False)  # float64: no kernel runs anyway
+    for core in (partial(eager_core, softmax=torch_softmax), flash_core):
         out = core(q, k, v, 0.0)
         torch.testing.assert_close(out, reference)
         grads = torch.autograd.grad((out * out).sum(), (q, k, v))
         for got, want in zip(grads, expected):
             torch.testing.assert_close(got, want)
+
+
+def test_the_fused_causal_softmax_is_the_masked_softmax_and_passes_gradcheck():
+    scores = torch.randn(3, 5, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(4), requires_grad=True)
+    future = torch.ones(5, 5, dtype=torch.bool).triu(1)
+    reference = torch.softmax((scores * 0.5).masked_fill(future, float("-inf")), dim=-1)
+    torch.testing.assert_close(FusedCausalSoftmax.apply(scores, 0.5), reference)
+    assert torch.autograd.gradcheck(lambda x: FusedCausalSoftmax.apply(x, 0.5), (scores,), fast_mode=True)
+
+
+def test_the_fused_causal_softmax_keeps_its_16_bit_output_alone():
+    scores = torch.randn(2, 7, 7).to(torch.bfloat16).requires_grad_()
+    with SavedTensorRecorder() as recorder:
+        probs = FusedCausalSoftmax.apply(scores, 0.25)
+    assert [(x.dtype, x.shape) for x in recorder.saved] == [("bfloat16", (2, 7, 7))]
+    assert probs.dtype == torch.bfloat16
 
 
 def test_flash_attention_backward_with_dropout_passes_gradcheck():

@@ -14,12 +14,12 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from memcalc.errors import ConfigError
-from memcalc.model.impls.base import Implementation, SizeRule, always, check_mla, check_moe
+from memcalc.model.impls.base import Implementation, SizeRule, always, check_mla, check_moe, check_settings
 from memcalc.model.knobs import Accounting
 from memcalc.model.ledger import SavedTensor
 from memcalc.model.strategy import Strategy
 
-_MODULES = ("megatron", "hf", "torchtitan")  # memcalc.model.impls.<name>, each with its IMPLEMENTATION
+_MODULES = ("megatron", "hf", "torchtitan", "paper")  # memcalc.model.impls.<name>, each with its IMPLEMENTATION
 
 
 class _Registry(Mapping[str, Implementation]):
@@ -45,6 +45,7 @@ def implementation(knobs: Any) -> Implementation:
     impl = IMPLEMENTATIONS.get(knobs.impl)
     if impl is None:
         raise ConfigError(f"impl {knobs.impl} has no rules yet (memcalc models: {', '.join(IMPLEMENTATIONS)})")
+    check_settings(knobs)
     check_moe(knobs)
     check_mla(knobs)
     impl.check(knobs)

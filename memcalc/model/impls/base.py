@@ -33,7 +33,7 @@ class SizeRule:
     """A kernel that runs only for some sizes; outside them the layer keeps `outside` instead.
 
     `runs` works on numbers and on numpy arrays alike (sweeps evaluate it over a grid);
-    symbolic formulas assume the kernel runs and say so.
+    symbolic formulas hold where the kernel runs, and `outside` gives those that hold elsewhere.
     """
 
     what: str
@@ -41,6 +41,8 @@ class SizeRule:
     runs: Callable[[dict[Any, Any], Any], Any]  # (per-rank sizes by Dim, t) -> bool or bool array
     outside: Callable[[Any, Accounting], tuple[SavedTensor, ...]]
     shown_with: dict[str, Any] = field(default_factory=dict)  # knobs the docs add to eager bf16 to show `outside`
+    # (per-rank sizes by Dim, t) -> which of the kernel's conditions the sizes miss, with their values, in words
+    misses: Callable[[dict[Any, Any], int], str] | None = None
 
 
 def always(knobs: Any) -> bool:
@@ -133,6 +135,16 @@ def check_moe(knobs: Any) -> None:
     if knobs.moe_router_enable_expert_bias and knobs.moe_router_score_function != "sigmoid":
         raise ConfigError("moe_router_enable_expert_bias biases the sigmoid router's choice (aux-loss-free balancing):"
                           " it needs moe_router_score_function sigmoid")
+
+
+def check_settings(knobs: Any) -> None:
+    """ConfigError for a knob that only some implementations have (`Knob.impls`), set away from its default under
+    another: the library asked for has no such setting, so the value would change nothing."""
+    for knob in KNOBS:
+        value = getattr(knobs, knob.name)
+        if knob.impls and knobs.impl not in knob.impls and value != knob.default:
+            raise ConfigError(f"{knob.name}={value} is a setting of impl {', '.join(knob.impls)} only; impl {knobs.impl}"
+                              f" has none (leave it at {knob.default})")
 
 
 def check_mla(knobs: Any) -> None:

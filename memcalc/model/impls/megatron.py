@@ -38,13 +38,15 @@ places where Megatron keeps other storages than the paper's layer:
   norms over each head's kv_channels): the norms keep their inputs, views of the
   fused QKV output (under GQA the query's copy, and the key's view keeps the whole
   output), and the core keeps their outputs as Q and K.
-- The softmax is Megatron-LM's default, the fused causal kernel (Apex's
-  scaled_upper_triang_masked_softmax), which keeps its fp16/bf16 output. In fp32
-  it cannot run, and FusedScaleMaskSoftmax.forward_torch_softmax keeps the (s, s)
-  causal mask of its masked_fill_ too. (In fp16/bf16 the kernel also needs
+- The softmax is Megatron-LM's default (`masked_softmax_fusion`), the fused causal
+  kernel (Apex's scaled_upper_triang_masked_softmax), which keeps its fp16/bf16
+  output. In fp32, or without the fusion, it does not run, and
+  FusedScaleMaskSoftmax.forward_torch_softmax keeps the (s, s) causal mask of its
+  masked_fill_ beside the softmax output: fp32 with `attention_softmax_in_fp32`
+  (off by Megatron-LM's default), else 16-bit. (In fp16/bf16 the kernel also needs
   16 < s <= 4096 and b*a/t a multiple of its batch per block, 8 for s <= 128;
-  outside that Megatron keeps an fp32 softmax and the mask: FUSED_SOFTMAX, a rule on
-  the sizes, which evaluate and sweep apply; formulas assume the kernel runs.)
+  outside that the torch softmax runs: FUSED_SOFTMAX, a rule on the sizes, which
+  evaluate and sweep apply; formulas say under which sizes they hold.)
 """
 
 from __future__ import annotations
@@ -80,14 +82,15 @@ SWIGLU_UP_COPY = SavedTensor(
 CAUSAL_MASK = SavedTensor(
     "attention/causal_mask", "FusedScaleMaskSoftmax.forward_torch_softmax: masked_fill_(causal mask)",
     (Dim.S, Dim.S), Kind.MASK, Region.REPLICATED,
-    "without the fused softmax kernel (fp32 runs), masked_fill_'s backward zeroes the masked gradient",
-    paper=False,
+    "without the fused softmax kernel (fp32, unfused, or outside its sizes), masked_fill_'s backward zeroes the"
+    " masked gradient",
 )
 
 SOFTMAX_FP32 = SavedTensor(
     "attention/softmax_fp32", "FusedScaleMaskSoftmax.forward_torch_softmax: softmax of the fp32 scores",
     (Dim.B, Dim.A, Dim.S, Dim.S), Kind.FP32, Region.TENSOR,
-    "outside the fused kernel's sizes the softmax runs in fp32 (softmax_in_fp32) and its backward reads that output",
+    "without the fused kernel the softmax runs in fp32 (attention_softmax_in_fp32) and its backward reads that"
+    " output",
 )
 
 # MoELayer (megatron/core/transformer/moe/, 0.16.1): TopKRouter, the all-to-all and all-gather token dispatchers
@@ -290,11 +293,13 @@ def core_attention(knobs: Any, fused_softmax: bool = True) -> tuple[SavedTensor,
     if knobs.attention == "flash":
         return (ledger.SOFTMAX_LSE,)  # the dropout mask is regenerated from the RNG seed
     dropout = (ledger.ATTN_DROPOUT_MASK, ledger.ATTN_DROPOUT_OUT) if knobs.has_dropout else ()
-    if knobs.dtype == "fp32":  # the fused kernel takes fp16/bf16 only; torch's softmax keeps its mask too
-        return (CAUSAL_MASK, ledger.SOFTMAX_OUT, *dropout)
-    if not fused_softmax:  # forward_torch_softmax: fp32 softmax, cast back; weights x V keeps the cast
+    if fused_softmax and knobs.masked_softmax_fusion and knobs.dtype != "fp32":  # the kernel takes fp16/bf16 only
+        return (ledger.SOFTMAX_OUT, *dropout)  # without dropout, weights x V saves the softmax output itself
+    # forward_torch_softmax: masked_fill_ keeps the mask; an fp32 softmax of 16-bit scores is cast back, and what
+    # follows keeps the cast (weights x V without dropout)
+    if knobs.attention_softmax_in_fp32 and knobs.dtype != "fp32":
         return (CAUSAL_MASK, SOFTMAX_FP32, *(dropout or (ledger.SOFTMAX_OUT,)))
-    return (ledger.SOFTMAX_OUT, *dropout)  # without dropout, weights x V saves the softmax output itself
+    return (CAUSAL_MASK, ledger.SOFTMAX_OUT, *dropout)
 
 
 def query_key_value(knobs: Any) -> tuple[SavedTensor, ...]:
@@ -449,14 +454,25 @@ def fused_softmax_runs(sizes: dict[Dim, Any], t: Any) -> Any:
     return (16 < s) & (s <= 4096) & (s % 4 == 0) & (batches % per_block == 0)
 
 
+def fused_softmax_misses(sizes: dict[Dim, Any], t: int) -> str:
+    """Which of the fused kernel's conditions these sizes miss, with their values (numbers, not arrays)."""
+    s, b, heads = sizes[Dim.S], sizes[Dim.B], sizes[Dim.A] // t
+    per_block = 8 if s <= 128 else 4
+    missed = [f"s={s} is not in 16 < s <= 4096"] if not 16 < s <= 4096 else []
+    missed += [f"s={s} is not a multiple of 4"] if s % 4 else []
+    missed += [f"b*a/t={b}*{heads * t}/{t}={b * heads} is not a multiple of {per_block}"] if b * heads % per_block else []
+    return ", ".join(missed)
+
+
 FUSED_SOFTMAX = SizeRule(
-    "Megatron-LM's fused causal softmax (masked_softmax_fusion) runs only for 16 < s <= 4096, s a multiple of 4,"
-    " and b*a/t a multiple of 8 (s <= 128) or 4; outside, FusedScaleMaskSoftmax.forward_torch_softmax keeps an"
-    " fp32 softmax and the (s, s) causal mask, as on CUDA",
+    "outside megatron-core's fused softmax window (16 < s <= 4096, s % 4 == 0, b*a/t a multiple of 8 for s <= 128,"
+    " else of 4), the unfused softmax keeps the (s, s) causal mask and its output (fp32 with"
+    " attention_softmax_in_fp32)",
     applies=lambda knobs: knobs.attention == "eager" and knobs.recompute not in ("selective", "full")
-    and knobs.dtype != "fp32",
+    and knobs.dtype != "fp32" and knobs.masked_softmax_fusion,
     runs=fused_softmax_runs,
     outside=lambda knobs, accounting: layer_tensors(knobs, accounting, fused_softmax=False),
+    misses=fused_softmax_misses,
 )
 
 
@@ -468,6 +484,10 @@ def check(knobs: Any) -> None:
         )
     if knobs.recompute == "op":
         raise ConfigError("impl megatron: recompute op is torchtitan's op-level checkpointing; use selective or full")
+    if knobs.attention == "flash" and (knobs.attention_softmax_in_fp32 or not knobs.masked_softmax_fusion):
+        flag = "--attention-softmax-in-fp32" if knobs.attention_softmax_in_fp32 else "--no-masked-softmax-fusion"
+        raise ConfigError(f"impl megatron: {flag} sets FusedScaleMaskSoftmax, which flash attention does not run;"
+                          " drop it, or use --attention eager")
     if knobs.moe_router_score_function == "sigmoid" and knobs.moe_router_pre_softmax:
         raise ConfigError("impl megatron: with the sigmoid router, moe_router_pre_softmax changes nothing (it always"
                           " renormalises the top k); leave it unset")

@@ -10,9 +10,11 @@ process group (fake, gloo, nccl or torchrun; a one-rank fake group when t = 1).
 It runs inside `megatron_shim.cpu_megatron()`, whose `NOTES` say what was
 patched to run on a CPU as on CUDA.
 
-Megatron-LM's training arguments, not TransformerConfig's defaults, decide two
-choices: `masked_softmax_fusion` on (the fused causal softmax keeps bf16), and
-`bias_activation_fusion`, which memcalc's knob of that name sets.
+Megatron-LM's training arguments, not TransformerConfig's defaults, decide three
+choices, each a memcalc knob of the same name whose default is Megatron-LM's:
+`masked_softmax_fusion` (on: the fused causal softmax keeps bf16),
+`attention_softmax_in_fp32` (off: the unfused softmax keeps 16 bits) and
+`bias_activation_fusion`.
 
 Two storages hold several ledger tensors side by side: the fused QKV output
 (q, k and v are views of it) and, under SwiGLU, fc1's output (gate and up). Each
@@ -223,7 +225,8 @@ def transformer_config(config: ModelConfig, t: int, sequence_parallel: bool) -> 
         normalization="RMSNorm" if config.norm == "rmsnorm" else "LayerNorm",
         add_bias_linear=config.add_bias_linear, add_qkv_bias=config.add_qkv_bias,
         hidden_dropout=config.dropout, attention_dropout=config.dropout,
-        bias_activation_fusion=config.bias_activation_fusion, masked_softmax_fusion=True,
+        bias_activation_fusion=config.bias_activation_fusion, masked_softmax_fusion=config.masked_softmax_fusion,
+        attention_softmax_in_fp32=config.attention_softmax_in_fp32,
         tensor_model_parallel_size=t, sequence_parallel=sequence_parallel,
         params_dtype=DTYPES[config.dtype], bf16=config.dtype == "bf16", fp16=config.dtype == "fp16",
         use_cpu_initialization=True, **recompute, **_experts(config, t), **_heads(config),
@@ -409,8 +412,7 @@ def _attention_rules(config: ModelConfig, t: int) -> tuple[Rule, ...]:
             Rule("*core_attention", "repeat_interleave", rules.K_EXPANDED, nth=0, view=_heads_first),
             Rule("*core_attention", "repeat_interleave", rules.V_EXPANDED, nth=1, view=_heads_first),
         ]
-    fused = rules.FUSED_SOFTMAX
-    if fused.applies(config) and not fused.runs(dim_sizes(config), t):  # forward_torch_softmax's fp32 softmax
+    if _fp32_softmax(config, t):  # forward_torch_softmax's fp32 softmax, cast back to 16 bits after
         rules_.append(Rule("*scale_mask_softmax", "softmax", rules.SOFTMAX_FP32))
     if config.dropout > 0:  # with p = 0 the dropout returns the softmax output itself
         rules_ += [
@@ -420,6 +422,15 @@ def _attention_rules(config: ModelConfig, t: int) -> tuple[Rule, ...]:
             Rule("", "view_as", ledger.MLP_DROPOUT_MASK, nth=1, view=batch_first),
         ]
     return tuple(rules_)
+
+
+def _fp32_softmax(config: ModelConfig, t: int) -> bool:
+    """Whether FusedScaleMaskSoftmax runs torch's softmax on 16-bit scores cast up to fp32 (and keeps that): eager
+    attention, not rerun, attention_softmax_in_fp32, and the fused kernel off or outside its sizes."""
+    sixteen_bit = config.dtype != "fp32"
+    fused = config.masked_softmax_fusion and sixteen_bit and rules.fused_softmax_runs(dim_sizes(config), t)
+    return (config.attention == "eager" and config.recompute == "none" and config.attention_softmax_in_fp32
+            and sixteen_bit and not fused)
 
 
 def _mlp_rules(config: ModelConfig) -> tuple[Rule, ...]:

@@ -30,8 +30,9 @@ Made to keep what CUDA keeps (each one is also a line of `NOTES`):
   kernel's own size checks (`FusedScaleMaskSoftmax.is_kernel_available`) still
   decide whether it runs, with the CUDA extension's batch-per-block rule.
   Outside them (s <= 16, s > 4096, b*a/t not a multiple of the kernel's batch per
-  block) Megatron falls back to torch's softmax in fp32, which keeps a 4-byte
-  output and the (s, s) causal bool mask of `masked_fill_`, on CUDA too.
+  block), or without the fusion, Megatron falls back to torch's softmax, which
+  keeps its output (4 bytes with `attention_softmax_in_fp32`, else 16 bits) and
+  the (s, s) causal bool mask of `masked_fill_`, on CUDA too.
 - Latent attention (MLASelfAttention): megatron-core 0.16's local core attention,
   `DotProductAttention`, does not take MLA's `k_channels`/`v_channels` (only
   Transformer Engine's does), and `multi_latent_attention.HAVE_TE` reads True
@@ -82,7 +83,8 @@ from torch.nn import functional as F  # noqa: E402
 NOTES: tuple[str, ...] = (
     "dropout runs torch.native_dropout (a bool mask), as CUDA's at::dropout does; CPU F.dropout keeps a bf16 mask",
     "the causal masked softmax runs a CPU twin of Apex's fused kernel (keeps its bf16 output) where Megatron's "
-    "size checks allow it; elsewhere Megatron's fp32 torch softmax runs, as it would on CUDA",
+    "size checks allow it (with masked_softmax_fusion); elsewhere Megatron's torch softmax runs (in fp32 with"
+    " attention_softmax_in_fp32), as it would on CUDA",
     "RMSNorm keeps its input and rstd, as the fused CUDA kernel does; torch's CPU rms_norm keeps fp32 copies",
     "torch.compile (megatron's jit_fuser) runs eagerly; CUDA RNG tracker and current_device() use the CPU",
     "latent attention: the local DotProductAttention, taking MLA's k_channels/v_channels (Transformer Engine's"

@@ -176,7 +176,8 @@ def _refuse_other_layers(config: ModelConfig) -> None:
 def _check_modelled(config: ModelConfig, strategy: Strategy, names: tuple[str, ...]) -> None:
     """ConfigError naming the first thing this timeline does not model yet."""
     missing = [
-        (config.impl != "megatron", f"impl {config.impl} (the timeline follows Megatron's layer)"),
+        # the paper's layer is Megatron's with the fused softmax at every size: the same walk, its own tensors
+        (config.impl not in ("megatron", "paper"), f"impl {config.impl} (the timeline follows Megatron's layer)"),
         (config.cp != 1, f"cp={config.cp}"),
         (config.dtype == "fp32", "dtype fp32 (Megatron trains fp32 without master weights)"),
     ]

@@ -84,15 +84,29 @@ def test_two_gloo_ranks_of_megatrons_layer_each_keep_what_the_rules_predict():
     assert [_differences(config, "tp-sp", saved) for saved in per_rank] == [[], []]
 
 
-@pytest.mark.parametrize("sizes", [{"s": 16}, {"b": 3, "a": 4}], ids=["s=16", "b*a=12, not a multiple of 8"])
-def test_outside_the_fused_softmax_sizes_megatron_keeps_an_fp32_softmax_and_the_causal_mask(sizes):
-    config = build_config(SIZES | sizes | {"dropout": 0.0})
+WINDOW = {"inside": {}, "s=16": {"s": 16}, "b*a=12, not a multiple of 8": {"b": 3, "a": 4}}
+SOFTMAX = {  # Megatron-LM's default first: fused, and the unfused softmax in 16 bits
+    "default": {}, "softmax in fp32": {"attention_softmax_in_fp32": True},
+    "unfused": {"masked_softmax_fusion": False},
+    "unfused, in fp32": {"masked_softmax_fusion": False, "attention_softmax_in_fp32": True},
+}
+
+
+@pytest.mark.parametrize("softmax", list(SOFTMAX))
+@pytest.mark.parametrize("window", list(WINDOW))
+def test_megatrons_softmax_keeps_what_its_two_knobs_say_inside_and_outside_the_fused_window(window, softmax):
+    """The fused kernel runs where masked_softmax_fusion is on and the sizes fit it, keeping its bf16 output alone;
+    elsewhere forward_torch_softmax keeps masked_fill_'s (s, s) mask and its softmax: fp32 with
+    attention_softmax_in_fp32, else bf16. Both knobs reach megatron's TransformerConfig, and the rules agree."""
+    config = build_config(SIZES | WINDOW[window] | SOFTMAX[softmax] | {"dropout": 0.0})
     (saved,) = run(_measured, (config, "none"), mode="single", t=1)
-    fp32 = [s for s in saved if s.dtype == "float32"]
+    fused = config.masked_softmax_fusion and window == "inside"
     b, a, s = config.b, config.a, config.s
-    assert [(s_.nbytes, s_.name) for s_ in fp32] == [(b * a * s * s * 4, "attention/softmax_fp32")]
-    assert [s_.shape for s_ in saved if s_.dtype == "bool"] == [(s, s)]  # masked_fill_'s causal mask
-    assert _differences(config, "none", saved) == []  # and the rules predict it (FUSED_SOFTMAX)
+    fp32 = [(x.nbytes, x.name) for x in saved if x.dtype == "float32"]
+    wide = not fused and config.attention_softmax_in_fp32
+    assert fp32 == ([(b * a * s * s * 4, "attention/softmax_fp32")] if wide else [])
+    assert [x.shape for x in saved if x.dtype == "bool"] == ([] if fused else [(s, s)])  # masked_fill_'s mask
+    assert _differences(config, "none", saved) == []
 
 
 def test_flash_attention_is_refused_for_the_local_spec():

@@ -1,0 +1,91 @@
+"""The paper: Korthikanti et al. 2022's accounting as an implementation of its own (shared/SEED.md).
+
+The seed's layer exactly, at every size: what backward needs and nothing a
+library adds. LayerNorm before attention and before a GELU MLP of 4h, multi-head
+attention op by op, a softmax that keeps its 16-bit output (the fused CUDA kernel
+the paper measured, with no window of sizes: at every shape), dropout after the
+attention weights and after both blocks, 16-bit activations and 1-byte masks:
+
+    none   sbh(34 + 5as/h)
+    tp     sbh(10 + 24/t + 5as/(ht))
+    tp-sp  sbh(34/t + 5as/(ht))
+
+Selective recomputation drops the 5as/h terms (the core is rerun), full
+recomputation keeps the layer's input alone, 2sbh (2sbh/t under SP). Exact
+accounting adds LayerNorm's statistics, the small terms the paper leaves out.
+
+Every other implementation departs from these numbers only where its library
+keeps something else; `memcalc.model.departures` names each difference. Knobs
+outside the seed's layer are refused (`check`), one line naming the knob: the
+paper says nothing about SwiGLU, flash attention, K/V groups, experts, latents,
+context parallelism or fp32 activations. `memcalc measure --impl paper` runs
+memcalc's own layer, whose fused softmax keeps what this accounting counts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from memcalc.errors import ConfigError
+from memcalc.model import ledger
+from memcalc.model.impls.base import Implementation, drop_small
+from memcalc.model.knobs import KNOBS, Accounting, Knobs
+from memcalc.model.ledger import SavedTensor
+
+# The knobs whose values the paper models; every other knob must keep its default, the seed's layer.
+MODELLED = ("impl", "dropout", "recompute", "dtype")
+SEED_LAYER = ("the seed's layer (LayerNorm, GELU MLP of 4h, multi-head eager attention, 16-bit activations,"
+              " dropout, no experts or latents)")
+
+
+def layer_tensors(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]:
+    """The seed's per-layer ledger (SEED.md section 2), in forward order; LayerNorm statistics with exact accounting."""
+    if knobs.recompute == "full":
+        return (ledger.LAYER_INPUT,)
+    core = () if knobs.recompute == "selective" else (
+        ledger.SOFTMAX_OUT, ledger.ATTN_DROPOUT_MASK, ledger.ATTN_DROPOUT_OUT,
+    )
+    return drop_small((
+        *ledger.LN1, ledger.QKV_IN, ledger.Q, ledger.K, ledger.V, *core, ledger.PROJ_IN, ledger.ATTN_OUT_DROPOUT_MASK,
+        *ledger.LN2, ledger.FC1_IN, ledger.GELU_IN, ledger.FC2_IN, ledger.MLP_DROPOUT_MASK,
+    ), accounting)
+
+
+def outside(knobs: Any) -> str | None:
+    """The first knob (or config field) that takes the layer outside the seed's, in words; None inside it."""
+    seed = Knobs.of(knobs)  # K/V groups equal to the heads, heads of h/a channels: as unset
+    h = getattr(knobs, "h", None)
+    for knob in KNOBS:
+        value = getattr(seed, knob.name)
+        if knob.name in MODELLED or value == knob.default:
+            continue
+        if knob.name == "ffn_hidden_size" and (h is None or value == 4 * h):  # a knob set alone has no h: its
+            continue  # config was checked, and a formula writes the width f (the seed's 4h when f = 4h)
+        return f"{knob.name}={value}"
+    if knobs.dropout == 0:
+        return "dropout=0.0 (the paper's layer keeps its dropout masks; any p > 0 keeps the same bytes)"
+    if knobs.dtype == "fp32":
+        return "dtype=fp32 (the paper counts 16-bit activations)"
+    if knobs.recompute not in ("none", "selective", "full"):
+        return f"recompute={knobs.recompute} (the paper has none, selective and full)"
+    if getattr(knobs, "cp", 1) != 1:
+        return f"cp={knobs.cp} (context parallelism is not the paper's sequence parallelism, SEED.md section 6)"
+    return None
+
+
+def check(knobs: Any) -> None:
+    """ConfigError naming the first knob outside the seed's layer."""
+    knob = outside(knobs)
+    if knob is not None:
+        raise ConfigError(f"impl paper models {SEED_LAYER}; {knob} is outside it: use --impl megatron, hf or"
+                          " torchtitan")
+
+
+IMPLEMENTATION = Implementation(
+    name="paper",
+    title="the paper (Korthikanti et al. 2022)",
+    measured_on="memcalc's own layer with a fused scale-mask-softmax that keeps its 16-bit output"
+    " (memcalc measure --impl paper)",
+    layer_tensors=layer_tensors,
+    check=check,
+)
