@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from memcalc.cli.options import model_from, model_options, strategy_names, strategy_option
+from memcalc.cli.options import model_from, model_options, sharding_options, strategy_names, strategy_option
 from memcalc.config.schema import ModelConfig, config_record
 from memcalc.errors import ConfigError, ProbeError
 from memcalc.probe import LOGGED, ROUTES, routing_fixed
@@ -36,6 +36,7 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
 
 @click.command("measure")
 @model_options
+@sharding_options
 @strategy_option
 @click.option(
     "--device", type=click.Choice(["cpu", "cuda", "meta"]), default="cpu", show_default=True,

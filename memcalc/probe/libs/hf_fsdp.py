@@ -1,0 +1,101 @@
+"""One training step of transformers' `LlamaForCausalLM` sharded by torch's own FSDP2, under FSDPMemTracker
+(`memcalc measure --step --impl hf --dp-shard N`).
+
+The model is built as `memcalc.probe.libs.hf_step` builds it (`llama_config`, `use_cache` off, nothing
+downloaded), but in fp32, as accelerate and torchtitan hold a model they shard, and laid out as both lay it
+out: `fully_shard` on every decoder layer, then on the whole model, over a 1-D mesh of dp_shard ranks of the
+fake process group (this process is rank 0), with `MixedPrecisionPolicy(param_dtype=dtype,
+reduce_dtype=reduce_dtype)` and the config's reshard_after_forward. It is trained as both train it: AdamW
+(fused) over the sharded parameters, `zero_grad(set_to_none=True)` after each step, one warm-up step, then one
+step measured by torch's `FSDPMemTracker`, which files each storage as FSDP2 knows it (sharded and unsharded
+parameters and gradients, all-gather and reduce-scatter buffers, optimizer states, activations, temporaries,
+the tracked inputs); `FSDP_CATEGORIES` reads those as the timeline's categories.
+"""
+
+from __future__ import annotations
+
+from memcalc.config.schema import ModelConfig
+from memcalc.errors import ProbeError
+from memcalc.model.strategy import Strategy
+from memcalc.probe import require_torch
+from memcalc.probe.group import TensorParallelGroup
+from memcalc.probe.layer import DTYPES
+from memcalc.probe.libs.hf import llama_config
+from memcalc.probe.step import BATCH_SEED, MomentTracker, StepMeasurement, batch
+from memcalc.sizing.timeline import ACTIVATIONS, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES
+
+torch = require_torch()
+import transformers  # noqa: E402  (memcalc[hf])
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPModState  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
+
+# FSDPMemTracker's categories (its _FSDPRefType values) as the timeline's.
+FSDP_CATEGORIES = {
+    "Sharded Param": PARAMETERS,
+    "Unsharded Param": PARAMETERS,
+    "Buffer": PARAMETERS,
+    "All Gather": PARAMETERS,
+    "Sharded Grad": GRADIENTS,
+    "Unsharded Grad": GRADIENTS,
+    "Reduce Scatter": GRADIENTS,
+    "OptState": OPTIMIZER,
+    "Activation": ACTIVATIONS,
+    "Inputs": ACTIVATIONS,
+    "Temp": TEMPORARIES,
+}
+
+
+class _Tracker(MomentTracker, FSDPMemTracker):
+    """FSDPMemTracker that also notes where it first reached its peak (MomentTracker's hooks)."""
+
+    def __init__(self, model, optimizer) -> None:
+        FSDPMemTracker.__init__(self, model, optimizer)
+        self.entered, self.moment = [], ""
+
+    def steady(self, model) -> dict:
+        """The snapshot before the root's pre-forward: the step's start, with the tracked inputs."""
+        return self.memory_tracking[model].snapshots[_FSDPModState.BEF_PRE_FW][0]
+
+
+def measure_hf_fsdp_step_on_rank(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy) -> StepMeasurement:
+    """Rank 0 of dp_shard (the fake group's world): build, shard, warm up, then measure one step."""
+    if tp.size != config.dp_shard:
+        raise ProbeError(f"the fake group has {tp.size} ranks, not dp_shard={config.dp_shard}")
+    torch.manual_seed(BATCH_SEED)
+    hf_config = llama_config(config, "llama")
+    hf_config.use_cache = False
+    model = transformers.LlamaForCausalLM._from_config(hf_config, dtype=torch.float32).to(tp.device).train()
+    mesh = init_device_mesh(tp.device.type, (tp.size,))
+    policy = MixedPrecisionPolicy(param_dtype=DTYPES[config.dtype], reduce_dtype=DTYPES[config.reduce_dtype])
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=config.reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=config.reshard_after_forward)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+    def step() -> None:  # the batch made inside it, as the trainer's (activations, made before the forward)
+        tokens, labels = batch(config, tp.device)
+        model(input_ids=tokens, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()  # AdamW's moments exist from the first step on
+    tracker = _Tracker(model, optimizer)
+    with tracker:
+        step()
+    steady = _categories(tracker.steady(model))
+    peak = _categories(tracker.get_tracker_snapshot("peak"))
+    return StepMeasurement(strategy.name, tp.size, tp.mode, steady, peak, sum(peak.values()), tracker.moment)
+
+
+def _categories(snapshot: dict) -> dict[str, int]:
+    """An FSDPMemTracker snapshot of this rank's device as bytes per timeline category."""
+    out: dict[str, int] = {}
+    for device, by_kind in snapshot.items():
+        if torch.device(device).type == "meta":
+            continue
+        for kind, nbytes in by_kind.items():
+            category = FSDP_CATEGORIES.get(getattr(kind, "value", kind))
+            if category is not None:
+                out[category] = out.get(category, 0) + nbytes
+    return out

@@ -1,0 +1,150 @@
+"""FSDP2 (`fully_shard`) in the step of transformers' Llama: the sharded states and each block's gather and
+reduce-scatter, as ops on the walk's tape (memcalc.sizing.timeline.hf calls them where FSDP2's hooks run).
+
+The layout is accelerate's and torchtitan's: `fully_shard` on every decoder layer, then on the whole model (the
+root: embedding, final norm, lm_head), with MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=...), over
+dp_shard ranks. What torch 2.13's FSDP2 does, and so what the tape holds:
+
+    steady          each parameter an fp32 DTensor sharded on dim 0 (dim 0 padded up to a multiple of
+                    dp_shard); AdamW's m and v, the same shards, and a 0-d fp32 step per parameter; no
+                    gradients (zero_grad sets them to None)
+    pre-forward     a block's all-gather: a flat bf16 buffer of the whole block (foreach_all_gather), then
+                    copied out into each parameter's unsharded bf16 storage (foreach_all_gather_copy_out)
+                    and freed; the root's, before the embedding, stays unsharded to the end of backward
+    post-forward    reshard_after_forward: the block's unsharded parameters freed
+    pre-backward    the block's own gather copied out (again, if resharded), and the next block's all-gather
+                    issued at once (implicit backward prefetch): its flat buffer waits for that block's turn
+    backward        each weight's bf16 gradient is the unsharded parameter's .grad, kept to the block's end
+    post-backward   the block resharded; its gradients cast into a flat reduce_dtype reduce-scatter buffer
+                    of the whole block, freed, and this rank's shard (fp32, the parameter's dtype) made; the
+                    buffer is kept until the next block's reduce-scatter (FSDP2 waits for it there)
+
+On the fake process group the collectives move nothing, but every buffer is allocated as on a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memcalc.config.schema import ModelConfig
+from memcalc.model.knobs import DTYPE_BYTES
+from memcalc.sizing.timeline.tape import GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, Tape
+
+ROOT = "root"
+
+
+def _padded(shape: tuple[int, ...], shards: int) -> int:
+    """Elements of one parameter as FSDP2 stores it: dim 0 padded up to a multiple of `shards`."""
+    rest = 1
+    for n in shape[1:]:
+        rest *= n
+    return -(-shape[0] // shards) * shards * rest
+
+
+def layer_shapes(c: ModelConfig) -> tuple[tuple[int, ...], ...]:
+    """LlamaDecoderLayer's parameters: q, k, v, o; gate, up, down; the two RMSNorm weights."""
+    q, kv = c.a * c.head_dim, c.groups * c.head_dim
+    return ((q, c.h), (kv, c.h), (kv, c.h), (c.h, q), (c.ffn, c.h), (c.ffn, c.h), (c.h, c.ffn), (c.h,), (c.h,))
+
+
+def root_shapes(c: ModelConfig) -> tuple[tuple[int, ...], ...]:
+    """The root's own parameters: embed_tokens, the final norm, and lm_head unless tied."""
+    return ((c.vocab_size, c.h), (c.h,), *(((c.vocab_size, c.h),) if not c.tie_embeddings else ()))
+
+
+@dataclass(frozen=True)
+class Fsdp:
+    """One rank of dp_shard: the padded sizes of each block, and the ops FSDP2 runs around it."""
+
+    shards: int
+    layers: int
+    act: int  # param_dtype's bytes
+    reduce: int  # reduce_dtype's bytes
+    reshard_after_forward: bool
+    layer: tuple[tuple[int, ...], ...]
+    root: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def of(cls, config: ModelConfig) -> Fsdp:
+        return cls(config.dp_shard or 1, config.L, DTYPE_BYTES[config.dtype], DTYPE_BYTES[config.reduce_dtype],
+                   config.reshard_after_forward, layer_shapes(config), root_shapes(config))
+
+    def shapes(self, block: str) -> tuple[tuple[int, ...], ...]:
+        return self.root if block == ROOT else self.layer
+
+    def unsharded(self, block: str) -> int:
+        """Elements of a block gathered whole (each parameter padded)."""
+        return sum(_padded(x, self.shards) for x in self.shapes(block))
+
+    def blocks(self) -> tuple[str, ...]:
+        return (*(f"layers.{i}" for i in range(self.layers)), ROOT)
+
+    # -- steady state -------------------------------------------------------------------------------
+
+    def states(self, tape: Tape) -> None:
+        """fp32 shards of every parameter, AdamW's m and v of them, and one 0-d step per parameter."""
+        shard = sum(self.unsharded(b) for b in self.blocks()) // self.shards
+        count = sum(len(self.shapes(b)) for b in self.blocks())
+        tape.add("states/weights", PARAMETERS, 4 * shard, f"fp32 DTensor shards (1/{self.shards} of each"
+                 " parameter, dim 0 padded): the optimizer's copy itself")
+        tape.add("states/adam_m", OPTIMIZER, 4 * shard, "AdamW's first moment of this rank's shards, fp32")
+        tape.add("states/adam_v", OPTIMIZER, 4 * shard, "AdamW's second moment of this rank's shards, fp32")
+        tape.add("optimizer/step", OPTIMIZER, 4 * count, "AdamW counts steps in a 0-d fp32 tensor per parameter")
+
+    # -- the ops around a block -----------------------------------------------------------------------
+
+    def all_gather(self, tape: Tape, block: str) -> None:
+        """The block's flat param_dtype buffer, every rank's shards (foreach_all_gather's output)."""
+        tape.add(f"fsdp/{block} all-gather", PARAMETERS, self.act * self.unsharded(block),
+                 "FSDP2's all-gather output: the whole block in param_dtype, one flat buffer")
+
+    def copy_out(self, tape: Tape, block: str, phase: str, where: str) -> None:
+        """The gathered buffer copied into each parameter's unsharded storage, then freed (wait_for_unshard)."""
+        if f"fsdp/{block} unsharded" in tape.live:
+            return
+        if f"fsdp/{block} all-gather" not in tape.live:
+            self.all_gather(tape, block)
+        tape.add(f"fsdp/{block} unsharded", PARAMETERS, self.act * self.unsharded(block),
+                 "the block's parameters gathered whole, in param_dtype, while it runs")
+        tape.mark(phase, where, f"FSDP2 copies the gathered {block} out of its all-gather buffer")
+        tape.drop(f"fsdp/{block} all-gather")
+
+    @staticmethod
+    def block_of(where: str) -> str:
+        """The block a module belongs to: `model.layers.3.mlp.up_proj` is layers.3's; the rest are the root's."""
+        parts = where.split(".")
+        return f"layers.{parts[2]}" if where.startswith("model.layers.") else ROOT
+
+    def reshard(self, tape: Tape, block: str) -> None:
+        tape.drop(f"fsdp/{block} unsharded")
+
+    def post_forward(self, tape: Tape, block: str) -> None:
+        """reshard_after_forward frees a layer's unsharded parameters (the root's stay for backward)."""
+        if self.reshard_after_forward and block != ROOT:
+            self.reshard(tape, block)
+
+    def pre_backward(self, tape: Tape, block: str, where: str, prefetch: str | None) -> None:
+        """The block unsharded (copied out if resharded), then the next block's all-gather issued."""
+        self.copy_out(tape, block, "backward", where)
+        if prefetch is not None and f"fsdp/{prefetch} unsharded" not in tape.live:
+            self.all_gather(tape, prefetch)
+
+    def keep_grad(self, tape: Tape, block: str, name: str, nbytes: int) -> None:
+        """A weight's bf16 gradient, the unsharded parameter's .grad until the block's reduce-scatter."""
+        tape.add(f"fsdp/{block} grad {name}", TEMPORARIES, nbytes, "the unsharded parameter's .grad, kept until"
+                 " the block's reduce-scatter (made in backward: a temporary, as MemTracker files it)")
+
+    def post_backward(self, tape: Tape, block: str, where: str) -> None:
+        """Reshard; the block's gradients into a flat reduce_dtype buffer, then this rank's fp32 shard of them."""
+        self.reshard(tape, block)
+        for name in [n for n in tape.live if n.startswith("fsdp/") and n.endswith(" reduce-scatter")]:
+            tape.drop(name)  # the previous block's, waited on now
+        whole = self.unsharded(block)
+        tape.add(f"fsdp/{block} reduce-scatter", GRADIENTS, self.reduce * whole,
+                 "FSDP2's reduce-scatter input: the block's gradients in reduce_dtype, one flat buffer")
+        tape.mark("backward", where, f"FSDP2 copies {block}'s gradients into its reduce-scatter buffer")
+        tape.drop(*[n for n in tape.live if n.startswith(f"fsdp/{block} grad ")])
+        tape.add(f"fsdp/{block} sharded grads", GRADIENTS, 4 * whole // self.shards,
+                 "this rank's shard of the block's gradients, fp32 as the parameters")
+        tape.mark("backward", where, f"the reduce-scatter's output: {block}'s sharded gradients")
+
