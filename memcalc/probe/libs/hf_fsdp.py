@@ -26,7 +26,7 @@ from memcalc.sizing.timeline import ACTIVATIONS, GRADIENTS, OPTIMIZER, PARAMETER
 
 torch = require_torch()
 import transformers  # noqa: E402  (memcalc[hf])
-from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPModState  # noqa: E402
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 
@@ -53,9 +53,18 @@ class _Tracker(MomentTracker, FSDPMemTracker):
         FSDPMemTracker.__init__(self, model, optimizer)
         self.entered, self.moment = [], ""
 
-    def steady(self, model) -> dict:
-        """The snapshot before the root's pre-forward: the step's start, with the tracked inputs."""
-        return self.memory_tracking[model].snapshots[_FSDPModState.BEF_PRE_FW][0]
+    def __enter__(self) -> _Tracker:
+        """FSDPMemTracker registers no module hooks of its own: the moment's are registered here."""
+        super().__enter__()
+        if self._depth == 1:
+            enter, leave = (lambda module, *_: self._enter(module)), (lambda module, *_: self._leave(module))
+            self._mod_tracker.register_user_hooks(enter, leave, enter, leave)
+        return self
+
+    def __exit__(self, *args) -> None:
+        if self._depth == 1:
+            self._mod_tracker.clear_user_hooks()
+        super().__exit__(*args)
 
 
 def measure_hf_fsdp_step_on_rank(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy) -> StepMeasurement:
@@ -81,9 +90,9 @@ def measure_hf_fsdp_step_on_rank(tp: TensorParallelGroup, config: ModelConfig, s
 
     step()  # AdamW's moments exist from the first step on
     tracker = _Tracker(model, optimizer)
-    with tracker:
+    with tracker:  # entering registers the sharded parameters and the optimizer's states
+        steady = _categories(tracker.get_tracker_snapshot("current"))
         step()
-    steady = _categories(tracker.steady(model))
     peak = _categories(tracker.get_tracker_snapshot("peak"))
     return StepMeasurement(strategy.name, tp.size, tp.mode, steady, peak, sum(peak.values()), tracker.moment)
 

@@ -8,9 +8,11 @@ dp_shard ranks. What torch 2.13's FSDP2 does, and so what the tape holds:
     steady          each parameter an fp32 DTensor sharded on dim 0 (dim 0 padded up to a multiple of
                     dp_shard); AdamW's m and v, the same shards, and a 0-d fp32 step per parameter; no
                     gradients (zero_grad sets them to None)
-    pre-forward     a block's all-gather: a flat bf16 buffer of the whole block (foreach_all_gather), then
-                    copied out into each parameter's unsharded bf16 storage (foreach_all_gather_copy_out)
-                    and freed; the root's, before the embedding, stays unsharded to the end of backward
+    pre-forward     a block's all-gather: this rank's shards cast to bf16, a flat bf16 buffer of the whole
+                    block (foreach_all_gather), copied out into each parameter's unsharded bf16 storage
+                    (foreach_all_gather_copy_out); the buffer is kept until the next block's copy-out
+                    (implicit forward prefetch), the last until the root's forward (with the loss) returns;
+                    the root, gathered before the embedding, stays unsharded to the end of backward
     post-forward    reshard_after_forward: the block's unsharded parameters freed
     pre-backward    the block's own gather copied out (again, if resharded), and the next block's all-gather
                     issued at once (implicit backward prefetch): its flat buffer waits for that block's turn
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 
 from memcalc.config.schema import ModelConfig
 from memcalc.model.knobs import DTYPE_BYTES
-from memcalc.sizing.timeline.tape import GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, Tape
+from memcalc.sizing.timeline.tape import ACTIVATIONS, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, Tape
 
 ROOT = "root"
 
@@ -93,21 +95,37 @@ class Fsdp:
 
     # -- the ops around a block -----------------------------------------------------------------------
 
-    def all_gather(self, tape: Tape, block: str) -> None:
-        """The block's flat param_dtype buffer, every rank's shards (foreach_all_gather's output)."""
-        tape.add(f"fsdp/{block} all-gather", PARAMETERS, self.act * self.unsharded(block),
+    def all_gather(self, tape: Tape, block: str, phase: str, where: str) -> None:
+        """foreach_all_gather: this rank's shards cast to param_dtype, then the block's flat buffer of every
+        rank's shards; the casts are freed once copied in."""
+        whole = self.unsharded(block)
+        tape.add(f"fsdp/{block} cast", ACTIVATIONS if phase == "forward" else TEMPORARIES,
+                 self.act * whole // self.shards, "this rank's shards cast to param_dtype, the all-gather's input")
+        tape.add(f"fsdp/{block} all-gather", PARAMETERS, self.act * whole,
                  "FSDP2's all-gather output: the whole block in param_dtype, one flat buffer")
+        tape.mark(phase, where, f"FSDP2's all-gather of {block}: its buffer beside this rank's cast shards")
+        tape.drop(f"fsdp/{block} cast")
 
     def copy_out(self, tape: Tape, block: str, phase: str, where: str) -> None:
-        """The gathered buffer copied into each parameter's unsharded storage, then freed (wait_for_unshard)."""
+        """The gathered buffer copied into each parameter's unsharded storage (wait_for_unshard). In backward the
+        buffer is freed at once; in forward FSDP2 keeps it until the next block's copy-out (implicit prefetch),
+        the last one until the root's forward returns (`forward_done`)."""
         if f"fsdp/{block} unsharded" in tape.live:
             return
         if f"fsdp/{block} all-gather" not in tape.live:
-            self.all_gather(tape, block)
+            self.all_gather(tape, block, phase, where)
+        if phase == "forward":
+            self.forward_done(tape, keep=block)
         tape.add(f"fsdp/{block} unsharded", PARAMETERS, self.act * self.unsharded(block),
                  "the block's parameters gathered whole, in param_dtype, while it runs")
         tape.mark(phase, where, f"FSDP2 copies the gathered {block} out of its all-gather buffer")
-        tape.drop(f"fsdp/{block} all-gather")
+        if phase != "forward":
+            tape.drop(f"fsdp/{block} all-gather")
+
+    @staticmethod
+    def forward_done(tape: Tape, keep: str | None = None) -> None:
+        """Free the all-gather buffers forward kept (all but `keep`'s)."""
+        tape.drop(*[n for n in tape.live if n.endswith(" all-gather") and n != f"fsdp/{keep} all-gather"])
 
     @staticmethod
     def block_of(where: str) -> str:
@@ -127,7 +145,7 @@ class Fsdp:
         """The block unsharded (copied out if resharded), then the next block's all-gather issued."""
         self.copy_out(tape, block, "backward", where)
         if prefetch is not None and f"fsdp/{prefetch} unsharded" not in tape.live:
-            self.all_gather(tape, prefetch)
+            self.all_gather(tape, prefetch, "backward", where)
 
     def keep_grad(self, tape: Tape, block: str, name: str, nbytes: int) -> None:
         """A weight's bf16 gradient, the unsharded parameter's .grad until the block's reduce-scatter."""

@@ -327,7 +327,8 @@ class _Step:
         """loss.backward(): the loss, lm_head, the final norm, the layers in reverse, the embedding."""
         self.add("loss/grad seed", 4, "loss.backward() starts from a 0-d ones tensor, made before autograd runs")
         self.in_backward = True
-        if self.fsdp is not None:  # the root's pre-backward: the last layer's all-gather issued
+        if self.fsdp is not None:  # the root's post-forward, then its pre-backward: the last layer's all-gather
+            self.fsdp.forward_done(self.tape)
             self.fsdp.pre_backward(self.tape, ROOT, "", f"layers.{self.config.L - 1}")
         self.loss_backward()
         self.lm_head_backward()
