@@ -14,6 +14,8 @@ the tracked inputs); `FSDP_CATEGORIES` reads those as the timeline's categories.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ProbeError
 from memcalc.model.strategy import Strategy
@@ -28,6 +30,7 @@ torch = require_torch()
 import transformers  # noqa: E402  (memcalc[hf])
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch import nn  # noqa: E402
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 
 # FSDPMemTracker's categories (its _FSDPRefType values) as the timeline's.
@@ -46,14 +49,14 @@ FSDP_CATEGORIES = {
 }
 
 
-class _Tracker(MomentTracker, FSDPMemTracker):
-    """FSDPMemTracker that also notes where it first reached its peak (MomentTracker's hooks)."""
+class FsdpMomentTracker(MomentTracker, FSDPMemTracker):
+    """FSDPMemTracker that also notes where it first reached its peak (MomentTracker's bookkeeping)."""
 
-    def __init__(self, model, optimizer) -> None:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         FSDPMemTracker.__init__(self, model, optimizer)
         self.entered, self.moment = [], ""
 
-    def __enter__(self) -> _Tracker:
+    def __enter__(self) -> FsdpMomentTracker:
         """FSDPMemTracker registers no module hooks of its own: the moment's are registered here."""
         super().__enter__()
         if self._depth == 1:
@@ -67,8 +70,25 @@ class _Tracker(MomentTracker, FSDPMemTracker):
         super().__exit__(*args)
 
 
-def measure_hf_fsdp_step_on_rank(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy) -> StepMeasurement:
-    """Rank 0 of dp_shard (the fake group's world): build, shard, warm up, then measure one step."""
+@dataclass(frozen=True)
+class ShardedTrainer:
+    """transformers' Llama under fully_shard on this rank, with AdamW over its shards."""
+
+    config: ModelConfig
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+
+    def step(self) -> None:
+        """Load a batch (inside the step, as the trainer's), forward, backward, step, zero_grad(set_to_none)."""
+        tokens, labels = batch(self.config, next(self.model.parameters()).device)
+        self.model(input_ids=tokens, labels=labels).loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def warmed_up_sharded(tp: TensorParallelGroup, config: ModelConfig) -> ShardedTrainer:
+    """Rank 0 of dp_shard (the fake group's world): LlamaForCausalLM built in fp32, every decoder layer and then the
+    whole model under fully_shard, AdamW over the shards, stepped once (AdamW's moments exist from then on)."""
     if tp.size != config.dp_shard:
         raise ProbeError(f"the fake group has {tp.size} ranks, not dp_shard={config.dp_shard}")
     torch.manual_seed(BATCH_SEED)
@@ -80,24 +100,23 @@ def measure_hf_fsdp_step_on_rank(tp: TensorParallelGroup, config: ModelConfig, s
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=config.reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=config.reshard_after_forward)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    trainer = ShardedTrainer(config, model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True))
+    trainer.step()
+    return trainer
 
-    def step() -> None:  # the batch made inside it, as the trainer's (activations, made before the forward)
-        tokens, labels = batch(config, tp.device)
-        model(input_ids=tokens, labels=labels).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
 
-    step()  # AdamW's moments exist from the first step on
-    tracker = _Tracker(model, optimizer)
+def measure_hf_fsdp_step_on_rank(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy) -> StepMeasurement:
+    """One step of the sharded Llama under FSDPMemTracker: the state before it, the peak, and where the peak was."""
+    trainer = warmed_up_sharded(tp, config)
+    tracker = FsdpMomentTracker(trainer.model, trainer.optimizer)
     with tracker:  # entering registers the sharded parameters and the optimizer's states
-        steady = _categories(tracker.get_tracker_snapshot("current"))
-        step()
-    peak = _categories(tracker.get_tracker_snapshot("peak"))
+        steady = fsdp_categories(tracker.get_tracker_snapshot("current"))
+        trainer.step()
+    peak = fsdp_categories(tracker.get_tracker_snapshot("peak"))
     return StepMeasurement(strategy.name, tp.size, tp.mode, steady, peak, sum(peak.values()), tracker.moment)
 
 
-def _categories(snapshot: dict) -> dict[str, int]:
+def fsdp_categories(snapshot: dict) -> dict[str, int]:
     """An FSDPMemTracker snapshot of this rank's device as bytes per timeline category."""
     out: dict[str, int] = {}
     for device, by_kind in snapshot.items():

@@ -26,7 +26,7 @@ On the fake process group the collectives move nothing, but every buffer is allo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from memcalc.config.schema import ModelConfig
 from memcalc.model.knobs import DTYPE_BYTES
@@ -116,11 +116,16 @@ class Fsdp:
             self.all_gather(tape, block, phase, where)
         if phase == "forward":
             self.forward_done(tape, keep=block)
-        tape.add(f"fsdp/{block} unsharded", PARAMETERS, self.act * self.unsharded(block),
+        name = f"fsdp/{block} unsharded"
+        # FSDP2 frees and regrows the same storages (resize_): gathered first in the step's forward, FSDPMemTracker
+        # files them as an op's output (an activation) until FSDP2's pre-forward hook has run, then as the
+        # unsharded parameters; gathered again in backward, they are known as such at once
+        tape.add(name, ACTIVATIONS if phase == "forward" else PARAMETERS, self.act * self.unsharded(block),
                  "the block's parameters gathered whole, in param_dtype, while it runs")
         tape.mark(phase, where, f"FSDP2 copies the gathered {block} out of its all-gather buffer")
         if phase != "forward":
             tape.drop(f"fsdp/{block} all-gather")
+        tape.live[name] = replace(tape.live[name], category=PARAMETERS)
 
     @staticmethod
     def forward_done(tape: Tape, keep: str | None = None) -> None:
