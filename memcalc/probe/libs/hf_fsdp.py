@@ -79,9 +79,11 @@ class ShardedTrainer:
     optimizer: torch.optim.Optimizer
 
     def step(self) -> None:
-        """Load a batch (inside the step, as the trainer's), forward, backward, step, zero_grad(set_to_none)."""
+        """Load a batch (inside the step, as the trainer's), forward, backward, step, zero_grad(set_to_none); the
+        loss lives to the step's end (memcalc.probe.step.Trainer.step)."""
         tokens, labels = batch(self.config, next(self.model.parameters()).device)
-        self.model(input_ids=tokens, labels=labels).loss.backward()
+        loss = self.model(input_ids=tokens, labels=labels).loss
+        loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 

@@ -157,17 +157,36 @@ class Fsdp:
         tape.add(f"fsdp/{block} grad {name}", TEMPORARIES, nbytes, "the unsharded parameter's .grad, kept until"
                  " the block's reduce-scatter (made in backward: a temporary, as MemTracker files it)")
 
+    @staticmethod
+    def last_parameter(block: str) -> str:
+        """The module of a block's last parameter in registration order: a decoder layer's post_attention_layernorm,
+        the root's lm_head."""
+        return "lm_head" if block == ROOT else f"model.{block}.post_attention_layernorm"
+
     def post_backward(self, tape: Tape, block: str, where: str) -> None:
-        """Reshard; the block's gradients into a flat reduce_dtype buffer, then this rank's fp32 shard of them."""
+        """FSDP2's post-backward, as FSDPMemTracker files each step: the block's gradients (the unsharded parameters'
+        .grad) become its gradients; the block resharded; foreach_reduce's flat reduce_dtype input made (a
+        temporary until the reduce-scatter runs on it) and the gradients copied in and freed, but for the last
+        parameter's, which foreach_reduce's loop variable keeps until it returns; this rank's output shard made
+        (fp32, the sharded gradients); the previous block's input, waited on, freed."""
+        grads = [n for n in tape.live if n.startswith(f"fsdp/{block} grad ")]
+        for name in grads:
+            tape.live[name] = replace(tape.live[name], category=GRADIENTS)
         self.reshard(tape, block)
         for name in [n for n in tape.live if n.startswith("fsdp/") and n.endswith(" reduce-scatter")]:
             tape.drop(name)  # the previous block's, waited on now
         whole = self.unsharded(block)
-        tape.add(f"fsdp/{block} reduce-scatter", GRADIENTS, self.reduce * whole,
+        rs = f"fsdp/{block} reduce-scatter"
+        tape.add(rs, TEMPORARIES, self.reduce * whole,
                  "FSDP2's reduce-scatter input: the block's gradients in reduce_dtype, one flat buffer")
-        tape.mark("backward", where, f"FSDP2 copies {block}'s gradients into its reduce-scatter buffer")
-        tape.drop(*[n for n in tape.live if n.startswith(f"fsdp/{block} grad ")])
-        tape.add(f"fsdp/{block} sharded grads", GRADIENTS, 4 * whole // self.shards,
+        tape.mark("backward", where, f"FSDP2's reduce-scatter buffer for {block}'s gradients")
+        last = f"fsdp/{block} grad {self.last_parameter(block)}"
+        tape.drop(*(n for n in grads if n != last))
+        tape.add(f"fsdp/{block} sharded grads", TEMPORARIES, 4 * whole // self.shards,
                  "this rank's shard of the block's gradients, fp32 as the parameters")
-        tape.mark("backward", where, f"the reduce-scatter's output: {block}'s sharded gradients")
-
+        tape.mark("backward", where, f"{block}'s gradients copied in and freed, the reduce-scatter's output made")
+        tape.live[rs] = replace(tape.live[rs], category=GRADIENTS)  # filed as the reduce-scatter's input
+        tape.mark("backward", where, f"the reduce-scatter of {block}'s gradients")
+        tape.drop(last)
+        tape.live[f"fsdp/{block} sharded grads"] = replace(tape.live[f"fsdp/{block} sharded grads"],
+                                                            category=GRADIENTS)

@@ -338,9 +338,9 @@ class _Step:
         for i in reversed(range(self.config.L)):
             self.layer_backward(i)
         self.embedding_backward()
-        if self.fsdp is not None:  # the final callback: the root's post-backward, then the last reduce-scatter waited
-            self.fsdp.post_backward(self.tape, ROOT, "model")
-            self.tape.drop(f"fsdp/{ROOT} reduce-scatter")
+        if self.fsdp is not None:  # the final callback, inside backward(): the root's post-backward (no module
+            self.fsdp.post_backward(self.tape, ROOT, "")  # active), then the last reduce-scatter waited on
+            self.tape.drop(f"fsdp/{ROOT} reduce-scatter", "loss/grad seed")
 
     def loss_backward(self) -> None:
         """nll_loss's and log_softmax's fp32 gradients, then the upcast's: back to bf16."""
@@ -456,8 +456,8 @@ class _Step:
         out = f"grad/layers.{i - 1}/output" if i else "grad/embedding output"
         self.rms_norm_backward(f"{m}.input_layernorm", f"{p}/ln1", f"grad/{p}/ln1 output", out,
                                residual=f"grad/{p}/mid")
-        if self.fsdp is not None:
-            self.fsdp.post_backward(self.tape, p, m)
+        if self.fsdp is not None:  # transformers calls self_attn with keyword inputs: active to the end of backward
+            self.fsdp.post_backward(self.tape, p, f"{m}.self_attn")
 
     def mlp_backward(self, p: str, m: str) -> None:
         """down_proj, SiLU(gate) * up, up_proj, SiLU, gate_proj; gate's and up's input gradients summed."""
@@ -599,7 +599,9 @@ class _Step:
             self.add("grad/embedding (sum)", table, "autograd sums the tied weight's two gradients into a new tensor")
             tape.mark("backward", "model.embed_tokens", "the tied weight's two gradients summed")
         tape.drop("grad/embedding (lookup)", "grad/embedding (.grad)", "grad/embedding (rows)",
-                  "grad/embedding (lm_head)", "grad/embedding (sum)", "loss/grad seed")
+                  "grad/embedding (lm_head)", "grad/embedding (sum)")
+        if self.fsdp is None:  # under FSDP2 the final callback runs before backward() returns and frees it
+            tape.drop("loss/grad seed")
 
 
 class _NormNames(NamedTuple):
