@@ -17,8 +17,9 @@ accelerate's under transformers' Trainer, `dp_shard`): fp32 parameters,
 gradients and AdamW moments, all sharded over dp_shard*cp, 16/(dp_shard*cp); the
 bf16 copies forward and backward use are gathered block by block, transients of
 the step (memcalc.sizing.timeline.fsdp). DeepSpeed ZeRO (`zero_stage`, under
-transformers' Trainer) as its own estimators lay it out: 4 + 16/dp at stages 1
-and 2, 18/dp at stage 3 (plus the largest layer gathered, `zero3_largest_layer`).
+transformers' Trainer) as its own estimators lay it out: 4 + 16/dp at stage 1,
+2 + 18/dp at stage 2, 18/dp at stage 3 (plus the largest module gathered,
+`zero3_largest_layer`); 20 bytes at stage 0.
 
 A mixture of experts (num_experts) replaces the dense MLP of its MoE layers
 (`moe_layer_freq`; the rest stay dense) by a router, whole on every rank, the
@@ -271,13 +272,15 @@ FSDP2_STATES: tuple[StateTerm, ...] = (
     StateTerm("states/adam_m", lambda c: 4, _fsdp_shards, _ADAM_M),
     StateTerm("states/adam_v", lambda c: 4, _fsdp_shards, _ADAM_V),
 )
-# DeepSpeed's documented layout with bf16 (its estimate_zero2/3_model_states_mem_needs: 4 + 16/dp bytes a parameter
-# at stages 1 and 2, 18/dp at stage 3 beside the largest layer's gathered weights and gradients, 4 bytes each).
+# DeepSpeed's layout with bf16, as its estimators (estimate_zero2/3_model_states_mem_needs) count it: bf16 weights and
+# gradients, and per parameter 16 bytes of fp32 state (a gradient partition, master weights, m and v). Stage 1
+# partitions those 16 over dp, stage 2 the bf16 gradients too (2 + 18/dp), stage 3 the weights as well (18/dp, beside
+# the largest module's weights gathered and their gradients, `zero3_largest_layer`).
 ZERO_STATES: tuple[StateTerm, ...] = (
     StateTerm("states/weights", _width, _zero_shards(3), "bf16 weights, partitioned over dp at stage 3"),
-    StateTerm("states/grads", lambda c: 0 if (c.zero_stage or 0) >= 3 else DTYPE_BYTES[c.dtype], _one,
-              "bf16 gradients of the whole model before they are reduced into partitions (stages 0-2; at stage 3"
-              " only the gathered layer's, in zero3/largest_layer)"),
+    StateTerm("states/grads", lambda c: 0 if (c.zero_stage or 0) >= 3 else DTYPE_BYTES[c.dtype], _zero_shards(2),
+              "bf16 gradients, partitioned over dp at stage 2 (at stage 3 only the gathered module's, in"
+              " zero3/largest_layer)"),
     StateTerm("states/fp32_grads", lambda c: 4, _zero_shards(1), "the fp32 gradient partition the optimizer reads"),
     StateTerm("states/master_weights", lambda c: 4, _zero_shards(1), _MASTER),
     StateTerm("states/adam_m", lambda c: 4, _zero_shards(1), _ADAM_M),
@@ -317,8 +320,8 @@ def state_bytes(config: ModelConfig, params: int, experts: int = 0) -> dict[str,
 
 def zero3_largest_layer(config: ModelConfig) -> int:
     """DeepSpeed's ZeRO-3 estimator's transient: the largest module's own weights gathered, with their gradients,
-    4 bytes a parameter (bf16 each); the largest module of a Llama is the embedding or lm_head, else an MLP
-    projection."""
+    4 bytes a parameter (bf16 each); the largest module of transformers' Llama is the embedding (or lm_head), an MLP
+    projection, or q_proj."""
     c = config
     widest = max(c.vocab_size * c.h, c.ffn * c.h, c.a * c.head_dim * c.h)
     return 2 * DTYPE_BYTES[c.dtype] * widest
