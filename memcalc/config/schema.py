@@ -427,7 +427,7 @@ def check_layout(config: ModelConfig) -> None:
 
 
 # What each stack shards data-parallel states with: (refused when, why), in the order checked.
-_SHARDING_REFUSALS: tuple[tuple[Any, str], ...] = (
+SHARDING_REFUSALS: tuple[tuple[Any, str], ...] = (
     (lambda c: c.zero_stage is not None and c.impl != "hf",
      "zero_stage={c.zero_stage} is DeepSpeed's ZeRO, which memcalc models under transformers' Trainer (impl hf);"
      " impl {c.impl} shards with {own}"),
@@ -448,7 +448,7 @@ _OWN_SHARDING = {"megatron": "its distributed optimizer (distributed_optimizer)"
 
 def check_sharding(config: ModelConfig) -> None:
     """What a stack cannot shard with, refused in one line (ZeRO is DeepSpeed's, under transformers' Trainer)."""
-    for refused, why in _SHARDING_REFUSALS:
+    for refused, why in SHARDING_REFUSALS:
         if refused(config):
             raise ConfigError(why.format(c=config, own=_OWN_SHARDING.get(config.impl, "")))
 

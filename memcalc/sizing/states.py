@@ -217,36 +217,38 @@ def total_params(config: ModelConfig) -> int:
 
 
 @dataclass(frozen=True)
+class Split:
+    """Over how many ranks a state is split, and that in words (docs/sharding.md)."""
+
+    over: str
+    ranks: Callable[[ModelConfig], int]
+
+
+@dataclass(frozen=True)
 class StateTerm:
-    """One kind of per-parameter state, its width, and over how many ranks its stack's sharding splits it."""
+    """One kind of per-parameter state, its width, and how its stack's sharding splits it."""
 
     name: str
     width: Callable[[ModelConfig], int]  # bytes per parameter
-    shards: Callable[[ModelConfig], int]  # ranks that split it (1: every rank holds all of it)
+    split: Split
     why: str
 
 
-def _optimizer_shards(c: ModelConfig) -> int:
-    """Megatron-LM's distributed optimizer shards over dp*cp (its optimizer group includes the context ranks)."""
-    return c.dp * c.cp if c.distributed_optimizer else 1
+WHOLE = Split("none: every rank holds it whole", lambda c: 1)
+# Megatron-LM's distributed optimizer shards over dp*cp (its optimizer group includes the context ranks).
+DISTRIBUTED_OPTIMIZER = Split("dp*cp with distributed_optimizer",
+                              lambda c: c.dp * c.cp if c.distributed_optimizer else 1)
+# FSDP2's shard group: dp_shard ranks, times cp (torchtitan shards over its dp_shard_cp mesh).
+FSDP_SHARDS = Split("dp_shard*cp", lambda c: (c.dp_shard or 1) * c.cp)
 
 
-def _fsdp_shards(c: ModelConfig) -> int:
-    """FSDP2's shard group: dp_shard ranks, times cp (torchtitan shards over its dp_shard_cp mesh)."""
-    return (c.dp_shard or 1) * c.cp
-
-
-def _zero_shards(stage: int) -> Callable[[ModelConfig], int]:
+def _zero(stage: int) -> Split:
     """ZeRO splits a state over the dp ranks from `stage` on."""
-    return lambda c: c.dp if (c.zero_stage or 0) >= stage else 1
+    return Split(f"dp from zero_stage {stage}", lambda c: c.dp if (c.zero_stage or 0) >= stage else 1)
 
 
 def _width(c: ModelConfig) -> int:
     return DTYPE_BYTES[c.dtype]
-
-
-def _one(c: ModelConfig) -> int:
-    return 1
 
 
 _MASTER = "the optimizer updates an fp32 copy: bf16/fp16 weights would round small updates away"
@@ -255,36 +257,36 @@ _ADAM_M, _ADAM_V = ("Adam's first moment (running mean of gradients), fp32",
 
 # Each stack's per-parameter states (`sharding` picks one): bytes per parameter and what shards them.
 MEGATRON_STATES: tuple[StateTerm, ...] = (
-    StateTerm("states/weights", _width, _one, "forward and backward compute with them"),
-    StateTerm("states/grads", lambda c: 4, _one,
+    StateTerm("states/weights", _width, WHOLE, "forward and backward compute with them"),
+    StateTerm("states/grads", lambda c: 4, WHOLE,
               "gradients accumulate in fp32 over the micro-batches of a step (Megatron-LM's main_grad buffer)"),
-    StateTerm("states/master_weights", lambda c: 0 if c.dtype == "fp32" else 4, _optimizer_shards, _MASTER),
-    StateTerm("states/adam_m", lambda c: 4, _optimizer_shards, _ADAM_M),
-    StateTerm("states/adam_v", lambda c: 4, _optimizer_shards, _ADAM_V),
+    StateTerm("states/master_weights", lambda c: 0 if c.dtype == "fp32" else 4, DISTRIBUTED_OPTIMIZER, _MASTER),
+    StateTerm("states/adam_m", lambda c: 4, DISTRIBUTED_OPTIMIZER, _ADAM_M),
+    StateTerm("states/adam_v", lambda c: 4, DISTRIBUTED_OPTIMIZER, _ADAM_V),
 )
 FSDP2_STATES: tuple[StateTerm, ...] = (
-    StateTerm("states/weights", lambda c: 4, _fsdp_shards,
+    StateTerm("states/weights", lambda c: 4, FSDP_SHARDS,
               "fully_shard keeps each parameter as an fp32 DTensor sharded on dim 0: the optimizer's copy itself;"
               " forward and backward compute with param_dtype copies all-gathered block by block (transients)"),
-    StateTerm("states/grads", lambda c: 4, _fsdp_shards,
+    StateTerm("states/grads", lambda c: 4, FSDP_SHARDS,
               "each block's reduce-scatter leaves this rank its shard of the gradient, cast to the parameter's"
               " fp32"),
-    StateTerm("states/adam_m", lambda c: 4, _fsdp_shards, _ADAM_M),
-    StateTerm("states/adam_v", lambda c: 4, _fsdp_shards, _ADAM_V),
+    StateTerm("states/adam_m", lambda c: 4, FSDP_SHARDS, _ADAM_M),
+    StateTerm("states/adam_v", lambda c: 4, FSDP_SHARDS, _ADAM_V),
 )
 # DeepSpeed's layout with bf16, as its estimators (estimate_zero2/3_model_states_mem_needs) count it: bf16 weights and
 # gradients, and per parameter 16 bytes of fp32 state (a gradient partition, master weights, m and v). Stage 1
 # partitions those 16 over dp, stage 2 the bf16 gradients too (2 + 18/dp), stage 3 the weights as well (18/dp, beside
 # the largest module's weights gathered and their gradients, `zero3_largest_layer`).
 ZERO_STATES: tuple[StateTerm, ...] = (
-    StateTerm("states/weights", _width, _zero_shards(3), "bf16 weights, partitioned over dp at stage 3"),
-    StateTerm("states/grads", lambda c: 0 if (c.zero_stage or 0) >= 3 else DTYPE_BYTES[c.dtype], _zero_shards(2),
+    StateTerm("states/weights", _width, _zero(3), "bf16 weights, partitioned over dp at stage 3"),
+    StateTerm("states/grads", lambda c: 0 if (c.zero_stage or 0) >= 3 else DTYPE_BYTES[c.dtype], _zero(2),
               "bf16 gradients, partitioned over dp at stage 2 (at stage 3 only the gathered module's, in"
               " zero3/largest_layer)"),
-    StateTerm("states/fp32_grads", lambda c: 4, _zero_shards(1), "the fp32 gradient partition the optimizer reads"),
-    StateTerm("states/master_weights", lambda c: 4, _zero_shards(1), _MASTER),
-    StateTerm("states/adam_m", lambda c: 4, _zero_shards(1), _ADAM_M),
-    StateTerm("states/adam_v", lambda c: 4, _zero_shards(1), _ADAM_V),
+    StateTerm("states/fp32_grads", lambda c: 4, _zero(1), "the fp32 gradient partition the optimizer reads"),
+    StateTerm("states/master_weights", lambda c: 4, _zero(1), _MASTER),
+    StateTerm("states/adam_m", lambda c: 4, _zero(1), _ADAM_M),
+    StateTerm("states/adam_v", lambda c: 4, _zero(1), _ADAM_V),
 )
 
 
@@ -311,7 +313,7 @@ def state_bytes(config: ModelConfig, params: int, experts: int = 0) -> dict[str,
     expert_dp = c.t * c.cp * c.dp // (c.ep * (c.etp or c.t))  # whole by check_expert_states
     out = {}
     for term in STATE_LAYOUTS[sharding(c)]:
-        width, shards = term.width(c), term.shards(c)
+        width, shards = term.width(c), term.split.ranks(c)
         if width:
             expert_shards = expert_dp if shards > 1 and sharding(c) == "megatron" else shards
             out[term.name] = width * (-(-(params - experts) // shards) + -(-experts // expert_shards))
