@@ -299,6 +299,18 @@ def sharding(config: ModelConfig) -> str:
     return "zero" if config.zero_stage is not None else "megatron"
 
 
+def describe_sharding(config: ModelConfig) -> str:
+    """How the data-parallel states are sharded, in words: "FSDP2 over dp_shard=8 (HSDP, 2 replicas)"."""
+    c = config
+    if c.dp_shard is not None:
+        replicas = f", HSDP over {c.dp_replicate} replicas" if (c.dp_replicate or 1) > 1 else ""
+        reshard = "" if c.reshard_after_forward else ", no reshard after forward"
+        return f"FSDP2 over dp_shard*cp={c.dp_shard * c.cp}{replicas}{reshard}"
+    if c.zero_stage is not None:
+        return f"DeepSpeed ZeRO-{c.zero_stage} over dp={c.dp}"
+    return f"distributed optimizer over dp*cp={c.dp * c.cp}" if c.distributed_optimizer else "optimizer unsharded"
+
+
 STATE_LAYOUTS: dict[str, tuple[StateTerm, ...]] = {
     "megatron": MEGATRON_STATES, "fsdp2": FSDP2_STATES, "zero": ZERO_STATES,
 }

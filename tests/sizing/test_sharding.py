@@ -88,3 +88,28 @@ def test_zero2_and_zero3_are_deepspeeds_own_estimates(n):
     assert totals[2].bytes("model states") == zero2
     assert totals[3].bytes("model states") == zero3
     assert zero3_largest_layer(config) == largest_bytes
+
+
+def test_fit_finds_the_largest_micro_batch_by_the_fsdp2_step_peak():
+    from dataclasses import replace
+
+    from memcalc.sizing.fit import fit
+    from memcalc.sizing.timeline import timeline
+    from memcalc.sizing.verdict import PEAK
+
+    config = build_config(LLAMA | {"dp_shard": 4, "attention": "flash"})
+    peak = timeline(replace(config, b=3), STRATEGIES["none"]).peak.bytes
+    found = fit(config, STRATEGIES["none"], "b", peak)
+    assert (found.answer.value, found.answer.bytes, found.answer.basis) == (3, peak, PEAK)
+    assert found.beyond.value == 4 and found.beyond.bytes > peak
+
+
+def test_fit_finds_the_smallest_fsdp2_shard_group_that_fits_hsdp_replicating_the_rest():
+    from memcalc.sizing.fit import fit
+
+    totals = {n: per_gpu(build_config(LLAMA | {"dp": 8, "dp_shard": n}), STRATEGIES["none"]).bytes()
+              for n in (1, 2, 4, 8)}
+    assert totals[1] > totals[2] > totals[4] > totals[8]
+    found = fit(build_config(LLAMA | {"dp": 8}), STRATEGIES["none"], "dp_shard", totals[4], count="total")
+    assert (found.answer.value, found.answer.bytes) == (4, totals[4])
+    assert (found.beyond.value, found.beyond.bytes) == (2, totals[2])
