@@ -182,11 +182,16 @@ class Fsdp:
         tape.mark("backward", where, f"FSDP2's reduce-scatter buffer for {block}'s gradients")
         last = f"fsdp/{block} grad {self.last_parameter(block)}"
         tape.drop(*(n for n in grads if n != last))
-        tape.add(f"fsdp/{block} sharded grads", TEMPORARIES, 4 * whole // self.shards,
-                 "this rank's shard of the block's gradients, fp32 as the parameters")
+        out = f"fsdp/{block} sharded grads"
+        tape.add(out, TEMPORARIES, self.reduce * whole // self.shards,
+                 "this rank's shard of the block's gradients, in reduce_dtype")
         tape.mark("backward", where, f"{block}'s gradients copied in and freed, the reduce-scatter's output made")
         tape.live[rs] = replace(tape.live[rs], category=GRADIENTS)  # filed as the reduce-scatter's input
         tape.mark("backward", where, f"the reduce-scatter of {block}'s gradients")
+        if self.reduce != 4:  # cast to the fp32 parameters' dtype; the reduce_dtype output goes
+            tape.add(f"{out} (fp32)", TEMPORARIES, 4 * whole // self.shards, "the shard cast to the parameters' fp32")
+            tape.mark("backward", where, f"{block}'s gradient shard cast to fp32")
+            tape.drop(out)
+            tape.rename(f"{out} (fp32)", out)
         tape.drop(last)
-        tape.live[f"fsdp/{block} sharded grads"] = replace(tape.live[f"fsdp/{block} sharded grads"],
-                                                            category=GRADIENTS)
+        tape.live[out] = replace(tape.live[out], category=GRADIENTS)

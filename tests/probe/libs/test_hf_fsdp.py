@@ -69,11 +69,11 @@ def test_the_chosen_sizes_put_the_peak_in_forward_and_in_backward(measured):
     assert moments == {"forward", "backward"}
 
 
-@pytest.mark.parametrize("reshard", RESHARD)
+@pytest.mark.parametrize("reshard,reduce", [(True, "fp32"), (False, "fp32"), (True, "bf16")])
 @pytest.mark.parametrize("attention", ["eager", "flash"])
 def test_every_moment_the_fsdp_walk_names_happens_in_order_in_its_module_with_its_bytes(one_thread, attention,
-                                                                                         reshard):
-    config = _config(4, reshard, attention=attention)
+                                                                                         reshard, reduce):
+    config = _config(4, reshard, attention=attention, reduce_dtype=reduce)
     predicted = timeline(config, STRATEGIES["none"], Accounting(exact=True, device="cpu"))
 
     def readings(tp):
