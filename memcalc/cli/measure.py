@@ -77,7 +77,8 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
 @click.option(
     "--step", is_flag=True,
     help="Run one whole training step per strategy instead (memcalc's own small GPT, or with --impl hf"
-    " transformers' LlamaForCausalLM, tp under its own tp_plan, or MixtralForCausalLM with --route balanced; AdamW on fp32 master weights) under torch's MemTracker on the CPU, and compare its peak, each category and the moment with the"
+    " transformers' LlamaForCausalLM, tp under its own tp_plan, sharded by torch's fully_shard with --dp-shard (under"
+    " FSDPMemTracker), or MixtralForCausalLM with --route balanced; AdamW on fp32 master weights) under torch's MemTracker on the CPU, and compare its peak, each category and the moment with the"
     " step timeline; exits 1 beyond 1%.",
 )
 @click.option(

@@ -45,6 +45,11 @@ shards (a/t heads, g/t K/V groups, f/t MLP columns) with what DTensor adds:
                 (v, h) table (DTensor gives the Shard(0) weight a Replicate gradient), of which
                 the trainer copies this rank's rows into the fp32 buffer
 
+Sharded by FSDP2 (`dp_shard`, memcalc.probe.libs.hf_fsdp), the same walk runs with FSDP2's ops around each
+block (memcalc.sizing.timeline.fsdp): the states are fp32 shards, each block is gathered before it runs and
+its weights' bf16 gradients are kept to its reduce-scatter, instead of added into a gradient buffer at once;
+exact at every moment at dp_shard 2, 4 and 8 (tests/probe/libs/test_hf_fsdp.py).
+
 Exact (to the byte, at every moment named here, tests/probe/libs/test_hf_step.py) for
 LlamaForCausalLM from transformers 5.24 on torch 2.13's CPU kernels: no biases, no dropout,
 bf16 or fp16, eager or SDPA attention, grouped or not, tied or not (untied under tp), t = 1
