@@ -3,8 +3,9 @@
 
 The model is built as `memcalc.probe.libs.hf_step` builds it (`llama_config`, `use_cache` off, nothing
 downloaded), but in fp32, as accelerate and torchtitan hold a model they shard, and laid out as both lay it
-out: `fully_shard` on every decoder layer, then on the whole model, over a 1-D mesh of dp_shard ranks of the
-fake process group (this process is rank 0), with `MixedPrecisionPolicy(param_dtype=dtype,
+out: `fully_shard` on every decoder layer, then on the whole model, over dp_shard ranks of the fake process
+group (this process is rank 0; under tp, the outer dimension of a (dp_shard, t) mesh whose inner one takes
+transformers' own tp_plan first, as torchtitan lays out its 2-D mesh), with `MixedPrecisionPolicy(param_dtype=dtype,
 reduce_dtype=reduce_dtype)` and the config's reshard_after_forward. It is trained as both train it: AdamW
 (fused) over the sharded parameters, `zero_grad(set_to_none=True)` after each step, one warm-up step, then one
 step measured by torch's `FSDPMemTracker`, which files each storage as FSDP2 knows it (sharded and unsharded
@@ -22,6 +23,7 @@ from memcalc.model.strategy import Strategy
 from memcalc.probe import require_torch
 from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.layer import DTYPES
+from memcalc.probe.libs import hf_tp
 from memcalc.probe.libs.hf import llama_config
 from memcalc.probe.step import BATCH_SEED, MomentTracker, StepMeasurement, batch
 from memcalc.sizing.timeline import ACTIVATIONS, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES
@@ -32,6 +34,7 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker  # noqa: E
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
+from transformers.distributed.tensor_parallel import apply_tensor_parallelism  # noqa: E402
 
 # FSDPMemTracker's categories (its _FSDPRefType values) as the timeline's.
 FSDP_CATEGORIES = {
@@ -91,17 +94,20 @@ class ShardedTrainer:
 def warmed_up_sharded(tp: TensorParallelGroup, config: ModelConfig) -> ShardedTrainer:
     """Rank 0 of dp_shard (the fake group's world): LlamaForCausalLM built in fp32, every decoder layer and then the
     whole model under fully_shard, AdamW over the shards, stepped once (AdamW's moments exist from then on)."""
-    if tp.size != config.dp_shard:
-        raise ProbeError(f"the fake group has {tp.size} ranks, not dp_shard={config.dp_shard}")
+    t = tp.size // config.dp_shard
+    if tp.size % config.dp_shard or t not in (1, config.t):
+        raise ProbeError(f"the fake group has {tp.size} ranks, not dp_shard*t={config.dp_shard}*{config.t}")
     torch.manual_seed(BATCH_SEED)
     hf_config = llama_config(config, "llama")
     hf_config.use_cache = False
     model = transformers.LlamaForCausalLM._from_config(hf_config, dtype=torch.float32).to(tp.device).train()
-    mesh = init_device_mesh(tp.device.type, (tp.size,))
+    mesh = init_device_mesh(tp.device.type, (config.dp_shard, t), mesh_dim_names=("dp", "tp"))
+    if t > 1:  # transformers' own plan over the mesh's inner dimension, then FSDP2 over its outer one
+        apply_tensor_parallelism(model, mesh["tp"], hf_tp.model_plan(model, t))
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[config.dtype], reduce_dtype=DTYPES[config.reduce_dtype])
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=config.reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=config.reshard_after_forward)
+        fully_shard(layer, mesh=mesh["dp"], mp_policy=policy, reshard_after_forward=config.reshard_after_forward)
+    fully_shard(model, mesh=mesh["dp"], mp_policy=policy, reshard_after_forward=config.reshard_after_forward)
     trainer = ShardedTrainer(config, model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True))
     trainer.step()
     return trainer

@@ -43,15 +43,17 @@ def _padded(shape: tuple[int, ...], shards: int) -> int:
     return -(-shape[0] // shards) * shards * rest
 
 
-def layer_shapes(c: ModelConfig) -> tuple[tuple[int, ...], ...]:
-    """LlamaDecoderLayer's parameters: q, k, v, o; gate, up, down; the two RMSNorm weights."""
-    q, kv = c.a * c.head_dim, c.groups * c.head_dim
-    return ((q, c.h), (kv, c.h), (kv, c.h), (c.h, q), (c.ffn, c.h), (c.ffn, c.h), (c.h, c.ffn), (c.h,), (c.h,))
+def layer_shapes(c: ModelConfig, t: int) -> tuple[tuple[int, ...], ...]:
+    """LlamaDecoderLayer's parameters as this rank of t holds them before FSDP2 shards them (transformers' tp_plan:
+    q, k, v, gate, up colwise, o and down rowwise, the norms whole): q, k, v, o; gate, up, down; the two norms."""
+    q, kv, f = c.a * c.head_dim // t, c.groups * c.head_dim // t, c.ffn // t
+    return ((q, c.h), (kv, c.h), (kv, c.h), (c.h, q), (f, c.h), (f, c.h), (c.h, f), (c.h,), (c.h,))
 
 
-def root_shapes(c: ModelConfig) -> tuple[tuple[int, ...], ...]:
-    """The root's own parameters: embed_tokens, the final norm, and lm_head unless tied."""
-    return ((c.vocab_size, c.h), (c.h,), *(((c.vocab_size, c.h),) if not c.tie_embeddings else ()))
+def root_shapes(c: ModelConfig, t: int) -> tuple[tuple[int, ...], ...]:
+    """The root's own parameters: embed_tokens and lm_head (unless tied) v/t rows each under tp, the final norm."""
+    rows = c.vocab_size // t
+    return ((rows, c.h), (c.h,), *(((rows, c.h),) if not c.tie_embeddings else ()))
 
 
 @dataclass(frozen=True)
@@ -65,11 +67,13 @@ class Fsdp:
     reshard_after_forward: bool
     layer: tuple[tuple[int, ...], ...]
     root: tuple[tuple[int, ...], ...]
+    tp: bool = False  # transformers' tp_plan on the mesh's other dimension
 
     @classmethod
-    def of(cls, config: ModelConfig) -> Fsdp:
+    def of(cls, config: ModelConfig, t: int = 1) -> Fsdp:
+        """FSDP2 over dp_shard ranks of the weights' shards on one rank of t (tp on the mesh's other dimension)."""
         return cls(config.dp_shard or 1, config.L, DTYPE_BYTES[config.dtype], DTYPE_BYTES[config.reduce_dtype],
-                   config.reshard_after_forward, layer_shapes(config), root_shapes(config))
+                   config.reshard_after_forward, layer_shapes(config, t), root_shapes(config, t), t > 1)
 
     def shapes(self, block: str) -> tuple[tuple[int, ...], ...]:
         return self.root if block == ROOT else self.layer
@@ -157,6 +161,18 @@ class Fsdp:
         tape.add(f"fsdp/{block} grad {name}", TEMPORARIES, nbytes, "the unsharded parameter's .grad, kept until"
                  " the block's reduce-scatter (made in backward: a temporary, as MemTracker files it)")
 
+    def embedding_rows(self, tape: Tape, where: str) -> str:
+        """Under tp the embedding's gradient is the whole (v, h) table (DTensor gives the Shard(0) weight a
+        Replicate gradient): FSDP2 lays it out as the weight (redistribute), this rank's v/t rows, and the table
+        goes."""
+        whole, rows = f"fsdp/{ROOT} grad model.embed_tokens", f"fsdp/{ROOT} grad model.embed_tokens (rows)"
+        embedding = self.root[0]
+        tape.add(rows, TEMPORARIES, self.act * embedding[0] * embedding[1], "this rank's rows of the embedding's"
+                 " gradient, laid out as its weight (DTensor's redistribute) for the reduce-scatter")
+        tape.mark("backward", where, "this rank's rows of the embedding's Replicate gradient")
+        tape.drop(whole)
+        return rows
+
     @staticmethod
     def last_parameter(block: str) -> str:
         """The module of a block's last parameter in registration order: a decoder layer's post_attention_layernorm,
@@ -172,6 +188,8 @@ class Fsdp:
         grads = [n for n in tape.live if n.startswith(f"fsdp/{block} grad ")]
         for name in grads:
             tape.live[name] = replace(tape.live[name], category=GRADIENTS)
+        if block == ROOT and self.tp:
+            grads.append(self.embedding_rows(tape, where))
         self.reshard(tape, block)
         for name in [n for n in tape.live if n.startswith("fsdp/") and n.endswith(" reduce-scatter")]:
             tape.drop(name)  # the previous block's, waited on now

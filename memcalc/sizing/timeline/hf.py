@@ -48,7 +48,8 @@ shards (a/t heads, g/t K/V groups, f/t MLP columns) with what DTensor adds:
 Sharded by FSDP2 (`dp_shard`, memcalc.probe.libs.hf_fsdp), the same walk runs with FSDP2's ops around each
 block (memcalc.sizing.timeline.fsdp): the states are fp32 shards, each block is gathered before it runs and
 its weights' bf16 gradients are kept to its reduce-scatter, instead of added into a gradient buffer at once;
-exact at every moment at dp_shard 2, 4 and 8 (tests/probe/libs/test_hf_fsdp.py).
+exact at every moment at dp_shard 2, 4 and 8, and on a 2-D mesh with transformers' tp_plan (the embedding's
+Replicate gradient laid out as its weight by FSDP2's post-backward, tests/probe/libs/test_hf_fsdp.py).
 
 Exact (to the byte, at every moment named here, tests/probe/libs/test_hf_step.py) for
 LlamaForCausalLM from transformers 5.24 on torch 2.13's CPU kernels: no biases, no dropout,
@@ -91,9 +92,9 @@ def hf_timeline(config: ModelConfig, strategy: Strategy, accounting: Accounting)
     layer = estimate(config, strategy, accounting)
     # transformers does not pad the vocabulary: the embedding and lm_head have vocab_size rows.
     unpadded = replace(config, make_vocab_size_divisible_by=1)
-    fsdp = Fsdp.of(config) if config.dp_shard is not None else None
-    step = _Step(Tape(), Sizes.of(unpadded, strategy), config, {x.tensor.name: x.bytes for x in layer.tensors},
-                 fsdp=fsdp)
+    z = Sizes.of(unpadded, strategy)
+    fsdp = Fsdp.of(config, z.t) if config.dp_shard is not None else None
+    step = _Step(Tape(), z, config, {x.tensor.name: x.bytes for x in layer.tensors}, fsdp=fsdp)
     (stage,) = stages(config.L, config.pp, config.vpp, config.microbatches)
     if fsdp is not None:
         fsdp.states(step.tape)
@@ -138,7 +139,6 @@ def _sharding_missing(config: ModelConfig, strategy: Strategy) -> list[tuple[boo
     return [
         (config.zero_stage is not None, f"zero_stage={config.zero_stage} (DeepSpeed's step; --totals counts its"
                                         " model states from its documented layout)"),
-        (fsdp and strategy.tensor_parallel and config.t > 1, f"dp_shard with tp (t={config.t}, a 2-D mesh)"),
         (fsdp and config.tie_embeddings, "dp_shard with tied embeddings"),
         (fsdp and config.moe, "dp_shard with experts"),
     ]
@@ -594,7 +594,8 @@ class _Step:
         tape.drop("grad/embedding output")
         if self.fsdp is not None:  # untied (check_modelled): the lookup's gradient is the weight's .grad
             self.hand_over("model.embed_tokens", "grad/embedding (lookup)", table)
-        if self.tp:  # autograd hands the whole table over as the weight's .grad, which MemTracker files as such
+        if self.tp and self.fsdp is None:  # the whole table is the weight's .grad, which MemTracker files as such
+            # (under FSDP2, its post-backward lays it out as the weight: memcalc.sizing.timeline.fsdp)
             tape.drop("grad/embedding (lookup)")
             tape.add("grad/embedding (.grad)", GRADIENTS, table, "the embedding's gradient as the weight's .grad")
             self.add("grad/embedding (rows)", z.act * z.v_t * z.h, "this rank's rows of it, copied out as the"

@@ -87,6 +87,37 @@ def test_every_moment_the_fsdp_walk_names_happens_in_order_in_its_module_with_it
     assert_moments_in_order(predicted.moments[1:], run_fake(readings, (), 4))  # [0]: before the step
 
 
+def _readings(config):
+    """FSDPMemTracker's reading after every op of one step, on rank 0 of dp_shard*t."""
+    def on_rank(tp):
+        trainer = warmed_up_sharded(tp, config)
+        tracker = reading_every_op(FsdpMomentTracker, fsdp_categories)(trainer.model, trainer.optimizer)
+        tracker.readings = []
+        with tracker:
+            trainer.step()
+        return tracker.readings
+
+    return run_fake(on_rank, (), config.dp_shard * config.t)
+
+
+@pytest.mark.parametrize("reshard", RESHARD)
+@pytest.mark.parametrize("attention", ["eager", "flash"])
+def test_on_a_2d_mesh_every_moment_happens_in_order_with_its_bytes(one_thread, attention, reshard):
+    """transformers' tp_plan over the mesh's inner dimension (t = 2), FSDP2 over its outer one (dp_shard = 2)."""
+    config = _config(2, reshard, attention=attention, t=2)
+    predicted = timeline(config, STRATEGIES["tp"], Accounting(exact=True, device="cpu"))
+    assert_moments_in_order(predicted.moments[1:], _readings(config))
+
+
+@pytest.mark.parametrize("reshard", RESHARD)
+@pytest.mark.parametrize("n", [2, 4])
+def test_on_a_2d_mesh_the_peak_and_the_steady_state_are_fsdpmemtrackers_to_the_byte(one_thread, n, reshard):
+    (r,) = measure_step(_config(n, reshard, t=2), ["tp"])
+    assert [row.difference for row in r.rows("peak")] == [0] * 6, r.rows("peak")
+    assert [row.difference for row in r.rows("steady")] == [0] * 6, r.rows("steady")
+    assert r.moment_matches, (r.predicted_moment, r.measured.moment)
+
+
 @pytest.mark.parametrize("n", SHARDS)
 def test_estimate_totals_json_reports_the_measured_peak(measured, tmp_path, n):
     path = tmp_path / "llama.yaml"
