@@ -574,7 +574,8 @@ def measure_step(config: ModelConfig, strategies: list[str], route: str | None =
     for strategy, predicted in planned:
         mode = Mode.FAKE if strategy.tensor_parallel and config.t > 1 or config.dp_shard else Mode.SINGLE
         tp = config.t if strategy.tensor_parallel else 1
-        t = (config.dp_shard or 1) * tp if mode is Mode.FAKE else 1  # FSDP2: the fake group is dp_shard*t ranks
+        # FSDP2: the fake group is every rank of the mesh, dp_replicate*dp_shard*t
+        t = (config.dp_replicate or 1) * (config.dp_shard or 1) * tp if mode is Mode.FAKE else 1
         routed = (route,) if config.moe else ()  # only the hf runner takes one
         (measured,) = run(_step_runner(config.impl, config.dp_shard is not None), (config, strategy, *routed), mode=mode,
                           t=t)

@@ -92,22 +92,26 @@ class ShardedTrainer:
 
 
 def warmed_up_sharded(tp: TensorParallelGroup, config: ModelConfig) -> ShardedTrainer:
-    """Rank 0 of dp_shard (the fake group's world): LlamaForCausalLM built in fp32, every decoder layer and then the
-    whole model under fully_shard, AdamW over the shards, stepped once (AdamW's moments exist from then on)."""
-    t = tp.size // config.dp_shard
-    if tp.size % config.dp_shard or t not in (1, config.t):
-        raise ProbeError(f"the fake group has {tp.size} ranks, not dp_shard*t={config.dp_shard}*{config.t}")
+    """Rank 0 of dp_replicate*dp_shard*t (the fake group's world): LlamaForCausalLM built in fp32, every decoder layer
+    and then the whole model under fully_shard (HSDP over a (dp_replicate, dp_shard) mesh), AdamW over the shards,
+    stepped once (AdamW's moments exist from then on)."""
+    replicas, shards = config.dp_replicate or 1, config.dp_shard
+    t = tp.size // (replicas * shards)
+    if tp.size % (replicas * shards) or t not in (1, config.t):
+        raise ProbeError(f"the fake group has {tp.size} ranks, not dp_replicate*dp_shard*t={replicas}*{shards}*"
+                         f"{config.t}")
     torch.manual_seed(BATCH_SEED)
     hf_config = llama_config(config, "llama")
     hf_config.use_cache = False
     model = transformers.LlamaForCausalLM._from_config(hf_config, dtype=torch.float32).to(tp.device).train()
-    mesh = init_device_mesh(tp.device.type, (config.dp_shard, t), mesh_dim_names=("dp", "tp"))
-    if t > 1:  # transformers' own plan over the mesh's inner dimension, then FSDP2 over its outer one
+    mesh = init_device_mesh(tp.device.type, (replicas, shards, t), mesh_dim_names=("replicate", "shard", "tp"))
+    if t > 1:  # transformers' own plan over the mesh's inner dimension, then FSDP2 over the outer ones
         apply_tensor_parallelism(model, mesh["tp"], hf_tp.model_plan(model, t))
+    dp = mesh["replicate", "shard"] if replicas > 1 else mesh["shard"]  # HSDP: a 2-D data-parallel mesh
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[config.dtype], reduce_dtype=DTYPES[config.reduce_dtype])
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh["dp"], mp_policy=policy, reshard_after_forward=config.reshard_after_forward)
-    fully_shard(model, mesh=mesh["dp"], mp_policy=policy, reshard_after_forward=config.reshard_after_forward)
+        fully_shard(layer, mesh=dp, mp_policy=policy, reshard_after_forward=config.reshard_after_forward)
+    fully_shard(model, mesh=dp, mp_policy=policy, reshard_after_forward=config.reshard_after_forward)
     trainer = ShardedTrainer(config, model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True))
     trainer.step()
     return trainer

@@ -88,7 +88,7 @@ def test_every_moment_the_fsdp_walk_names_happens_in_order_in_its_module_with_it
 
 
 def _readings(config):
-    """FSDPMemTracker's reading after every op of one step, on rank 0 of dp_shard*t."""
+    """FSDPMemTracker's reading after every op of one step, on rank 0 of dp_replicate*dp_shard*t."""
     def on_rank(tp):
         trainer = warmed_up_sharded(tp, config)
         tracker = reading_every_op(FsdpMomentTracker, fsdp_categories)(trainer.model, trainer.optimizer)
@@ -97,7 +97,7 @@ def _readings(config):
             trainer.step()
         return tracker.readings
 
-    return run_fake(on_rank, (), config.dp_shard * config.t)
+    return run_fake(on_rank, (), config.dp_replicate * config.dp_shard * config.t)
 
 
 @pytest.mark.parametrize("reshard", RESHARD)
@@ -127,3 +127,14 @@ def test_estimate_totals_json_reports_the_measured_peak(measured, tmp_path, n):
     (stage,) = json.loads(result.out)["per_gpu"]["strategies"]["none"]["stages"]
     assert stage["peak_bytes"] == measured[n, True].measured.peak_bytes
     assert stage["peak_moment"] == measured[n, True].predicted.peak.label()
+
+
+@pytest.mark.parametrize("t", [1, 2])
+def test_hsdp_replicates_the_shard_group_and_every_moment_is_fsdp2s_alone(one_thread, t):
+    """HSDP over a (dp_replicate, dp_shard) mesh: the same states and transients as FSDP2 over dp_shard (its
+    all-reduce across replicas runs in place on the reduce-scatter's output)."""
+    config = _config(2, True, dp_replicate=2, t=t)
+    strategy = STRATEGIES["tp" if t > 1 else "none"]
+    predicted = timeline(config, strategy, Accounting(exact=True, device="cpu"))
+    assert predicted.moments == timeline(_config(2, True, t=t), strategy, Accounting(exact=True, device="cpu")).moments
+    assert_moments_in_order(predicted.moments[1:], _readings(config))
