@@ -102,7 +102,7 @@ def _step() -> str:
         " FSDPMemTracker, and tests/probe/libs/test_hf_fsdp.py checks the peak, each category and every moment to"
         " the byte at dp_shard 2, 4 and 8, with and without reshard_after_forward, with reduce_dtype bf16, and"
         " with transformers' tp_plan on a 2-D mesh (t = 2, dp_shard 2 and 4). Not walked yet (refused by name):"
-        " tied embeddings, experts, torchtitan's model, DeepSpeed's step.",
+        " experts, torchtitan's model, DeepSpeed's step.",
         "",
         "```text",
         (fsdp.__doc__ or "").strip(),

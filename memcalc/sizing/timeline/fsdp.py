@@ -173,11 +173,12 @@ class Fsdp:
         tape.drop(whole)
         return rows
 
-    @staticmethod
-    def last_parameter(block: str) -> str:
+    def last_parameter(self, block: str) -> str:
         """The module of a block's last parameter in registration order: a decoder layer's post_attention_layernorm,
-        the root's lm_head."""
-        return "lm_head" if block == ROOT else f"model.{block}.post_attention_layernorm"
+        the root's lm_head (tied, the final norm: lm_head's weight is the embedding's, registered once)."""
+        if block != ROOT:
+            return f"model.{block}.post_attention_layernorm"
+        return "lm_head" if len(self.root) == 3 else "model.norm"
 
     def post_backward(self, tape: Tape, block: str, where: str) -> None:
         """FSDP2's post-backward, as FSDPMemTracker files each step: the block's gradients (the unsharded parameters'

@@ -139,7 +139,6 @@ def _sharding_missing(config: ModelConfig, strategy: Strategy) -> list[tuple[boo
     return [
         (config.zero_stage is not None, f"zero_stage={config.zero_stage} (DeepSpeed's step; --totals counts its"
                                         " model states from its documented layout)"),
-        (fsdp and config.tie_embeddings, "dp_shard with tied embeddings"),
         (fsdp and config.moe, "dp_shard with experts"),
     ]
 
@@ -592,8 +591,6 @@ class _Step:
                     if self.tp else ""))
         tape.mark("backward", "model.embed_tokens", "the embedding's gradient")
         tape.drop("grad/embedding output")
-        if self.fsdp is not None:  # untied (check_modelled): the lookup's gradient is the weight's .grad
-            self.hand_over("model.embed_tokens", "grad/embedding (lookup)", table)
         if self.tp and self.fsdp is None:  # the whole table is the weight's .grad, which MemTracker files as such
             # (under FSDP2, its post-backward lays it out as the weight: memcalc.sizing.timeline.fsdp)
             tape.drop("grad/embedding (lookup)")
@@ -604,6 +601,9 @@ class _Step:
         if self.config.tie_embeddings:
             self.add("grad/embedding (sum)", table, "autograd sums the tied weight's two gradients into a new tensor")
             tape.mark("backward", "model.embed_tokens", "the tied weight's two gradients summed")
+        if self.fsdp is not None:  # the weight's .grad: the lookup's gradient, or tied the two summed
+            self.hand_over("model.embed_tokens", "grad/embedding (sum)" if self.tied else "grad/embedding (lookup)",
+                           table)
         tape.drop("grad/embedding (lookup)", "grad/embedding (.grad)", "grad/embedding (rows)",
                   "grad/embedding (lm_head)", "grad/embedding (sum)")
         if self.fsdp is None:  # under FSDP2 the final callback runs before backward() returns and frees it

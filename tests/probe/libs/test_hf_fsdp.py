@@ -138,3 +138,10 @@ def test_hsdp_replicates_the_shard_group_and_every_moment_is_fsdp2s_alone(one_th
     predicted = timeline(config, strategy, Accounting(exact=True, device="cpu"))
     assert predicted.moments == timeline(_config(2, True, t=t), strategy, Accounting(exact=True, device="cpu")).moments
     assert_moments_in_order(predicted.moments[1:], _readings(config))
+
+
+@pytest.mark.parametrize("reshard", RESHARD)
+def test_tied_embeddings_hand_fsdp2_the_two_gradients_summed_and_every_moment_happens_in_order(one_thread, reshard):
+    config = _config(2, reshard, tie_embeddings=True)
+    predicted = timeline(config, STRATEGIES["none"], Accounting(exact=True, device="cpu"))
+    assert_moments_in_order(predicted.moments[1:], _readings(config))
