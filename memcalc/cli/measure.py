@@ -107,6 +107,9 @@ def command(strategy: str, device: str, backend: str | None, launch: str, timeou
 
         return run_step(config, names, device=device, launch=launch, backend=backend,
                         layer=layer, comm=comm, overlap=overlap, as_json=as_json, route=route)
+    if config.dp_shard is not None or config.zero_stage is not None:
+        raise ConfigError("--dp-shard and --zero-stage shard a whole step's states: give --step (a layer's saved"
+                          " tensors do not depend on them)")
     if layer is None:
         layer = "memcalc" if device == "meta" or comm or overlap else "library"
     if comm and layer != "memcalc":

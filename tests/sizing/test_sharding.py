@@ -113,3 +113,25 @@ def test_fit_finds_the_smallest_fsdp2_shard_group_that_fits_hsdp_replicating_the
     found = fit(build_config(LLAMA | {"dp": 8}), STRATEGIES["none"], "dp_shard", totals[4], count="total")
     assert (found.answer.value, found.answer.bytes) == (4, totals[4])
     assert (found.beyond.value, found.beyond.bytes) == (2, totals[2])
+
+
+@pytest.mark.parametrize("args,needle", [
+    (("estimate", "--config", "tiny", "--impl", "torchtitan", "--zero-stage", "3"), "zero_stage=3 is DeepSpeed's ZeRO"),
+    (("estimate", "--config", "tiny", "--dp-shard", "2", "--distributed-optimizer"), "dp_shard=2 under impl megatron"),
+    (("estimate", "--config", "tiny", "--zero-stage", "5"), "--zero-stage"),
+    (("measure", "--config", "tiny", "--impl", "hf", "--zero-stage", "2"), "give --step"),
+])
+def test_the_cli_refuses_a_layout_the_stack_cannot_run_in_one_line(args, needle):
+    from tests.cli import memcalc_cli, one_line_error
+
+    one_line_error(memcalc_cli(*args), needle)
+
+
+def test_estimate_totals_names_the_sharding_and_counts_fsdp2s_states():
+    from tests.cli import memcalc_cli
+
+    run = memcalc_cli("estimate", "--config", "tiny", "--impl", "hf", "--gpus", "16", "--dp-shard", "4", "--totals",
+                      "--strategy", "none")
+    assert run.code == 0, run.err
+    assert "FSDP2 over dp_shard*cp=4, HSDP over 2 replicas" in run.out  # tiny: t = 2, so dp = 8
+    assert "none: the step peaks at" in run.out
