@@ -100,9 +100,10 @@ def _step() -> str:
         " other. `memcalc measure --step --impl hf --dp-shard N` runs torch's own `fully_shard` on"
         " LlamaForCausalLM over the fake process group (memcalc/probe/libs/hf_fsdp.py) under torch's"
         " FSDPMemTracker, and tests/probe/libs/test_hf_fsdp.py checks the peak, each category and every moment to"
-        " the byte at dp_shard 2, 4 and 8, with and without reshard_after_forward, with reduce_dtype bf16, and"
-        " with transformers' tp_plan on a 2-D mesh (t = 2, dp_shard 2 and 4). Not walked yet (refused by name):"
-        " experts, torchtitan's model, DeepSpeed's step.",
+        " the byte at dp_shard 2, 4 and 8, with and without reshard_after_forward, with reduce_dtype bf16, with"
+        " tied embeddings, with transformers' tp_plan on a 2-D mesh (t = 2, dp_shard 2 and 4), and as HSDP"
+        " (dp_replicate 2). Not walked yet (refused by name): experts, torchtitan's model (its states are"
+        " counted; its step is not walked), DeepSpeed's step.",
         "",
         "```text",
         (fsdp.__doc__ or "").strip(),
