@@ -102,7 +102,7 @@ def _step() -> str:
         " FSDPMemTracker, and tests/probe/libs/test_hf_fsdp.py checks the peak, each category and every moment to"
         " the byte at dp_shard 2, 4 and 8, with and without reshard_after_forward, with reduce_dtype bf16, with"
         " tied embeddings, with transformers' tp_plan on a 2-D mesh (t = 2, dp_shard 2 and 4), and as HSDP"
-        " (dp_replicate 2). Not walked yet (refused by name): experts, torchtitan's model (its states are"
+        " (dp_replicate 2, at t = 1; HSDP under tp is walked as FSDP2's over dp_shard, not run by the probe). Not walked yet (refused by name): experts, torchtitan's model (its states are"
         " counted; its step is not walked), DeepSpeed's step.",
         "",
         "```text",

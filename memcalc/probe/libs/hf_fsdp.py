@@ -104,10 +104,16 @@ def warmed_up_sharded(tp: TensorParallelGroup, config: ModelConfig) -> ShardedTr
     hf_config = llama_config(config, "llama")
     hf_config.use_cache = False
     model = transformers.LlamaForCausalLM._from_config(hf_config, dtype=torch.float32).to(tp.device).train()
-    mesh = init_device_mesh(tp.device.type, (replicas, shards, t), mesh_dim_names=("replicate", "shard", "tp"))
-    if t > 1:  # transformers' own plan over the mesh's inner dimension, then FSDP2 over the outer ones
+    if t > 1:  # transformers' own plan over the mesh's inner dimension, then FSDP2 over its outer one
+        if replicas > 1:
+            raise ProbeError("impl hf: --step runs HSDP (dp_replicate > 1) at t = 1 only; the step timeline's HSDP"
+                             " under tp is FSDP2's over dp_shard (measured) with its all-reduce in place")
+        mesh = init_device_mesh(tp.device.type, (shards, t), mesh_dim_names=("shard", "tp"))
         apply_tensor_parallelism(model, mesh["tp"], hf_tp.model_plan(model, t))
-    dp = mesh["replicate", "shard"] if replicas > 1 else mesh["shard"]  # HSDP: a 2-D data-parallel mesh
+        dp = mesh["shard"]
+    else:  # HSDP: FSDP2 over a (dp_replicate, dp_shard) mesh
+        mesh = init_device_mesh(tp.device.type, (replicas, shards), mesh_dim_names=("replicate", "shard"))
+        dp = mesh if replicas > 1 else mesh["shard"]
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[config.dtype], reduce_dtype=DTYPES[config.reduce_dtype])
     for layer in model.model.layers:
         fully_shard(layer, mesh=dp, mp_policy=policy, reshard_after_forward=config.reshard_after_forward)
