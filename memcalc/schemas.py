@@ -126,13 +126,15 @@ CONFIG: Schema = _object(
         "pp": POSITIVE, "vpp": {"type": "integer", "minimum": 2}, "dp": POSITIVE, "cp": POSITIVE,
         "ep": POSITIVE, "etp": POSITIVE,
         "distributed_optimizer": FLAG,
+        "dp_shard": POSITIVE, "dp_replicate": POSITIVE, "reshard_after_forward": FLAG,
+        "reduce_dtype": {"enum": ["fp32", "bf16"]}, "zero_stage": {"type": "integer", "minimum": 0, "maximum": 3},
         "gpus": POSITIVE,
         "num_microbatches": POSITIVE,
         "global_batch_size": POSITIVE,
     },
     # The fields whose default is None, left out unless set.
     optional=("name", "description", "max_position_embeddings", "vpp", "gpus", "num_microbatches", "global_batch_size",
-              "etp", "num_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_first_dense_layers",
+              "etp", "dp_shard", "dp_replicate", "zero_stage", "num_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_first_dense_layers",
               "moe_expert_capacity_factor", "kv_channels", *_MLA),
 )
 

@@ -8,7 +8,7 @@ import click
 
 from memcalc.cli import echo_json
 from memcalc.cli.options import (
-    accounting_options, device_options, layout_options, model_from, model_options, strategy_names, strategy_option,
+    SHARDING_FLAGS, accounting_options, device_options, layout_options, model_from, model_options, strategy_names, strategy_option,
 )
 from memcalc.config.gpus import Budget, budget_for
 from memcalc.config.schema import ModelConfig, config_record
@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # per-GPU totals and the timeline load only when --totals ask
 
 # Flags that matter only for per-GPU totals, so giving one asks for them.
 TOTALS_FLAGS = (
-    "pp", "vpp", "dp", "distributed_optimizer", "vocab_size", "tie_embeddings", "gpus", "num_microbatches",
+    "pp", "vpp", "dp", "distributed_optimizer", *SHARDING_FLAGS, "vocab_size", "tie_embeddings", "gpus", "num_microbatches",
     "global_batch_size", "make_vocab_size_divisible_by", "gpu", "device_memory", "reserve",
 )
 

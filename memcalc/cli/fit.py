@@ -25,7 +25,7 @@ RECOMPUTES = choices("recompute")  # none, selective, full
 _WHAT = {
     "b": "largest micro-batch b", "s": "largest sequence length s", "t": "smallest tensor-parallel size t",
     "pp": "smallest pipeline-parallel size pp", "cp": "smallest context-parallel size cp",
-    "ep": "smallest expert-parallel size ep",
+    "ep": "smallest expert-parallel size ep", "dp_shard": "smallest FSDP2 shard group dp_shard",
 }
 _SHORT = {"peak": PEAK, "total": "total", "activations": "activations"}
 _COUNTED = {

@@ -9,6 +9,7 @@ import click
 from memcalc.cli import echo_json
 from memcalc.cli.knobs import knobs_from
 from memcalc.cli.options import accounting_options, config_option, knob_options, strategy_names, strategy_option
+from memcalc.cli.types import Integer
 from memcalc.model.knobs import Accounting, Knobs
 from memcalc.errors import ConfigError
 from memcalc.model.ledger import Dim
@@ -21,10 +22,10 @@ from memcalc.schemas import SCHEMA_VERSION
 @knob_options
 @strategy_option
 @accounting_options
-@click.option("--b", "b", type=click.IntRange(min=1), help="Micro-batch size, to pick the formula that holds there [default: 1].")
-@click.option("--s", "s", type=click.IntRange(min=1), help="Sequence length, to pick the formula that holds there.")
-@click.option("--a", "a", type=click.IntRange(min=1), help="Attention heads, to pick the formula that holds there.")
-@click.option("--t", "t", type=click.IntRange(min=1), help="Tensor-parallel size, to pick the formula that holds there [default: 1].")
+@click.option("--b", "b", type=Integer(min=1), help="Micro-batch size, to pick the formula that holds there [default: 1].")
+@click.option("--s", "s", type=Integer(min=1), help="Sequence length, to pick the formula that holds there.")
+@click.option("--a", "a", type=Integer(min=1), help="Attention heads, to pick the formula that holds there.")
+@click.option("--t", "t", type=Integer(min=1), help="Tensor-parallel size, to pick the formula that holds there [default: 1].")
 @click.option(
     "--format", "fmt", type=click.Choice(["text", "latex", "json", "sympy"]), default="text", show_default=True,
     help="text: the seed's notation; latex: math to paste into a paper; json: everything; sympy: Python syntax.",

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from memcalc.cli import echo_json
-from memcalc.cli.options import model_from, model_options, strategy_names, strategy_option
+from memcalc.cli.options import model_from, model_options, sharding_options, strategy_names, strategy_option
 from memcalc.cli.types import POSITIVE, Real
 from memcalc.config.schema import ModelConfig, config_record
 from memcalc.errors import ConfigError, ProbeError
@@ -29,6 +29,7 @@ MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: torch's timedelta and any real run st
 
 @click.command("measure")
 @model_options
+@sharding_options
 @strategy_option
 @click.option(
     "--device", type=click.Choice(["cpu", "cuda", "meta"]), default="cpu", show_default=True,
@@ -70,7 +71,8 @@ MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: torch's timedelta and any real run st
 @click.option(
     "--step", is_flag=True,
     help="Run one whole training step per strategy instead (memcalc's own small GPT, or with --impl hf"
-    " transformers' LlamaForCausalLM, tp under its own tp_plan, or MixtralForCausalLM with --route balanced; AdamW on fp32 master weights) under torch's MemTracker on the CPU, and compare its peak, each category and the moment with the"
+    " transformers' LlamaForCausalLM, tp under its own tp_plan, sharded by torch's fully_shard with --dp-shard (under"
+    " FSDPMemTracker), or MixtralForCausalLM with --route balanced; AdamW on fp32 master weights) under torch's MemTracker on the CPU, and compare its peak, each category and the moment with the"
     " step timeline; exits 1 beyond 1%.",
 )
 @click.option(
@@ -99,6 +101,9 @@ def command(strategy: str, device: str, backend: str | None, launch: str, timeou
 
         return run_step(config, names, device=device, launch=launch, backend=backend,
                         layer=layer, comm=comm, overlap=overlap, as_json=as_json, route=route)
+    if config.dp_shard is not None or config.zero_stage is not None:
+        raise ConfigError("--dp-shard and --zero-stage shard a whole step's states: give --step (a layer's saved"
+                          " tensors do not depend on them)")
     if layer is None:
         layer = "memcalc" if device == "meta" or comm or overlap or config.impl == "paper" else "library"
     if comm and layer != "memcalc":

@@ -24,8 +24,9 @@ from memcalc.units import human_bytes, parse_bytes
 SIZE_FLAGS = SIZES
 EXPERT_FLAGS = ("ep", "etp")  # beside --t: how the experts are split
 KNOB_FLAGS = tuple(k.name for k in KNOBS)
+SHARDING_FLAGS = ("dp_shard", "dp_replicate", "reshard_after_forward", "reduce_dtype", "zero_stage")
 LAYOUT_FLAGS = (
-    "pp", "vpp", "dp", "cp", "distributed_optimizer", "vocab_size", "tie_embeddings",
+    "pp", "vpp", "dp", "cp", "distributed_optimizer", *SHARDING_FLAGS, "vocab_size", "tie_embeddings",
     "gpus", "num_microbatches", "global_batch_size", "make_vocab_size_divisible_by",
 )
 STRATEGY_CHOICES = ("all", *STRATEGIES)
@@ -101,6 +102,19 @@ strategy_option = click.option(
     " on stderr).",
 )
 
+sharding_options = _stack(  # SHARDING_FLAGS: data-parallel sharding as torchtitan and transformers' Trainer run it
+    click.option("--dp-shard", type=INTEGER, help="FSDP2 (fully_shard) over this many data-parallel ranks; dp ="
+                 " dp_replicate*dp_shard [default: no FSDP]."),
+    click.option("--dp-replicate", type=INTEGER, help="HSDP: FSDP2 groups that replicate each other [default:"
+                 " dp/dp_shard]."),
+    click.option("--reshard-after-forward/--no-reshard-after-forward", default=None,
+                 help="FSDP2 frees each block's gathered parameters after forward [default: on]."),
+    click.option("--reduce-dtype", type=click.Choice(["fp32", "bf16"]), default=None,
+                 help="FSDP2's reduce_dtype, the gradients' dtype in the reduce-scatter [default: fp32]."),
+    click.option("--zero-stage", type=INTEGER, default=None,
+                 help="DeepSpeed ZeRO stage under transformers' Trainer (--impl hf) [default: none]."),
+)
+
 layout_options = _stack(
     click.option("--pp", type=INTEGER, help="Pipeline stages [default: 1]."),
     click.option("--vpp", type=INTEGER, help="Model chunks per stage, interleaved 1F1B [default: plain 1F1B]."),
@@ -112,6 +126,7 @@ layout_options = _stack(
         "--distributed-optimizer/--no-distributed-optimizer", default=None,
         help="Shard fp32 master weights and Adam moments over dp*cp [default: off].",
     ),
+    sharding_options,
     click.option("--vocab-size", type=INTEGER, help="Vocabulary size v [default: 51200]."),
     click.option(
         "--tie-embeddings/--untie-embeddings", default=None, help="Output layer shares the embedding [default: tied]."

@@ -227,11 +227,11 @@ def _cell(mine: int | None, paper: Any) -> str:
 
 def describe_layout(config: ModelConfig) -> str:
     """One line naming the parallel layout and what the model's ends and parameters are."""
-    from memcalc.sizing.states import padded_vocab, total_params
+    from memcalc.sizing.states import describe_sharding, padded_vocab, total_params
 
     c = config
     schedule = f"interleaved 1F1B, vpp={c.vpp}" if c.vpp else "1F1B" if c.pp > 1 else "no pipelining"
-    optimizer = f"distributed optimizer over dp*cp={c.dp * c.cp}" if c.distributed_optimizer else "optimizer unsharded"
+    optimizer = describe_sharding(c)
     tied = "tied" if c.tie_embeddings else "untied"
     gpus = f"{c.gpus} GPUs = t*pp*cp*dp = {c.t}*{c.pp}*{c.cp}*{c.dp}, " if c.gpus is not None else ""
     steps = f", {c.microbatches} micro-batches per step" if c.microbatches is not None else ""

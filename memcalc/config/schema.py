@@ -119,6 +119,16 @@ class ModelConfig(Knobs):
     ep: int = _size("expert-parallel size: each rank holds num_experts/ep experts", 1)
     etp: int | None = _optional_size("expert tensor-parallel size (default t; memcalc models etp = t)")
     distributed_optimizer: bool = _flag(False, "shard optimizer states over dp*cp")
+    # Data-parallel sharding as torchtitan and transformers' Trainer run it (memcalc.sizing.states.sharding).
+    dp_shard: int | None = _optional_size("FSDP2 (fully_shard) over this many data-parallel ranks (torchtitan's"
+                                          " data_parallel_shard_degree); default: no FSDP")
+    dp_replicate: int | None = _optional_size("HSDP: FSDP2 groups that replicate each other (default dp/dp_shard)")
+    reshard_after_forward: bool = _flag(True, "FSDP2 frees each block's gathered parameters after its forward and"
+                                              " gathers them again for backward")
+    reduce_dtype: str = _choice("fp32", "bf16", help="FSDP2's MixedPrecisionPolicy reduce_dtype: the gradients'"
+                                " dtype in the reduce-scatter (param_dtype is dtype)")
+    zero_stage: int | None = _field(cs.nullable_schema(cs.int_schema(strict=True, ge=0, le=3)), None,
+                                    "DeepSpeed ZeRO stage 0..3 under transformers' Trainer (impl hf); default: none")
     gpus: int | None = _optional_size("GPUs in the job; dp is then derived as gpus/(t*pp*cp)")
     num_microbatches: int | None = _optional_size("micro-batches per step on each data-parallel rank")
     global_batch_size: int | None = _optional_size("sequences per step; micro-batches = global_batch_size/(dp*b)")
@@ -236,7 +246,7 @@ def with_library_defaults(fields: dict[str, Any], knobs_only: bool = False) -> d
 
 def build_config(fields: dict[str, Any]) -> ModelConfig:
     """Validate `fields` into a config, or raise ConfigError naming the field and rule."""
-    config = derive_dp(validate_fields(fields), dp_given="dp" in fields)
+    config = derive_shards(derive_dp(validate_fields(fields), dp_given="dp" in fields), dp_given="dp" in fields)
     check_divisibility(config)
     check_layout(config)
     return config
@@ -263,6 +273,26 @@ def derive_dp(config: ModelConfig, dp_given: bool) -> ModelConfig:
             f" (leave dp out to derive it: {dp})"
         )
     return replace(c, dp=dp)
+
+
+def derive_shards(config: ModelConfig, dp_given: bool) -> ModelConfig:
+    """FSDP2's mesh: dp = dp_replicate * dp_shard. dp left out (and no gpus) is that product; dp_replicate left out
+    is dp/dp_shard, which must be whole. Without dp_shard, dp_replicate means nothing and is refused."""
+    c = config
+    if c.dp_shard is None:
+        if c.dp_replicate is not None:
+            raise ConfigError(f"dp_replicate={c.dp_replicate} needs dp_shard (HSDP replicates FSDP2 groups of dp_shard"
+                              " ranks)")
+        return c
+    if not dp_given and c.gpus is None:
+        c = replace(c, dp=c.dp_shard * (c.dp_replicate or 1))
+    if c.dp_replicate is None:
+        _divides(c.dp_shard, "dp_shard", c.dp, "dp", "HSDP's replicas are dp/dp_shard FSDP2 groups")
+        return replace(c, dp_replicate=c.dp // c.dp_shard)
+    if c.dp_replicate * c.dp_shard != c.dp:
+        raise ConfigError(f"dp_replicate*dp_shard={c.dp_replicate}*{c.dp_shard}={c.dp_replicate * c.dp_shard} is not"
+                          f" dp={c.dp} (FSDP2's mesh is the data-parallel ranks; leave dp_replicate out to derive it)")
+    return c
 
 
 def validate_fields(fields: dict[str, Any]) -> ModelConfig:
@@ -402,10 +432,38 @@ def check_layout(config: ModelConfig) -> None:
         _divides(c.pp, "pp", c.microbatches, "num_microbatches", why)
     check_experts(c)
     implementation(c).check_sizes(c)
+    check_sharding(c)
     if c.position_embedding_type == "learned_absolute" and c.s > c.positions:
         raise ConfigError(
             f"s={c.s} exceeds max_position_embeddings={c.positions} (a learned table has one row per position)"
         )
+
+
+# What each stack shards data-parallel states with: (refused when, why), in the order checked.
+SHARDING_REFUSALS: tuple[tuple[Any, str], ...] = (
+    (lambda c: c.zero_stage is not None and c.impl != "hf",
+     "zero_stage={c.zero_stage} is DeepSpeed's ZeRO, which memcalc models under transformers' Trainer (impl hf);"
+     " impl {c.impl} shards with {own}"),
+    (lambda c: c.dp_shard is not None and c.impl == "megatron",
+     "dp_shard={c.dp_shard} under impl megatron: memcalc models Megatron-LM's distributed optimizer"
+     " (distributed_optimizer), not its own FSDP"),
+    (lambda c: c.dp_shard is not None and c.distributed_optimizer,
+     "dp_shard={c.dp_shard} with distributed_optimizer: FSDP2 shards the optimizer's states itself; give one"),
+    (lambda c: c.zero_stage is not None and c.distributed_optimizer,
+     "zero_stage={c.zero_stage} with distributed_optimizer: ZeRO shards the optimizer's states itself; give one"),
+    (lambda c: c.zero_stage is not None and c.dp_shard is not None,
+     "zero_stage={c.zero_stage} with dp_shard={c.dp_shard}: transformers' Trainer runs DeepSpeed or FSDP2, not both"),
+    (lambda c: c.dp_shard is None and (not c.reshard_after_forward or c.reduce_dtype != "fp32"),
+     "reshard_after_forward and reduce_dtype are FSDP2's: they need dp_shard"),
+)
+_OWN_SHARDING = {"megatron": "its distributed optimizer (distributed_optimizer)", "torchtitan": "FSDP2 (dp_shard)"}
+
+
+def check_sharding(config: ModelConfig) -> None:
+    """What a stack cannot shard with, refused in one line (ZeRO is DeepSpeed's, under transformers' Trainer)."""
+    for refused, why in SHARDING_REFUSALS:
+        if refused(config):
+            raise ConfigError(why.format(c=config, own=_OWN_SHARDING.get(config.impl, "")))
 
 
 def check_experts(config: ModelConfig) -> None:

@@ -1,4 +1,4 @@
-"""Reference pages rendered from the code: docs/model.md, docs/comm.md and docs/impl-<name>.md.
+"""Reference pages rendered from the code: docs/model.md, docs/comm.md, docs/sharding.md and docs/impl-<name>.md.
 
     python -m memcalc.docgen          # print them
     python -m memcalc.docgen --write  # update the files
@@ -16,9 +16,9 @@ from memcalc.output import atomic_write
 
 def pages() -> dict[Path, str]:
     """Every generated page, by path."""
-    from memcalc.docgen import comm, impls, model
+    from memcalc.docgen import comm, impls, model, sharding
 
-    return {model.DOCS: model.render(), comm.DOCS: comm.render(), **impls.pages()}
+    return {model.DOCS: model.render(), comm.DOCS: comm.render(), sharding.DOCS: sharding.render(), **impls.pages()}
 
 
 def write(path: Path, text: str) -> None:

@@ -572,19 +572,28 @@ def measure_step(config: ModelConfig, strategies: list[str], route: str | None =
     _check_fits(planned)
     out = []
     for strategy, predicted in planned:
-        mode = Mode.FAKE if strategy.tensor_parallel and config.t > 1 else Mode.SINGLE
-        t = config.t if mode is Mode.FAKE else 1
+        mode = Mode.FAKE if strategy.tensor_parallel and config.t > 1 or config.dp_shard else Mode.SINGLE
+        tp = config.t if strategy.tensor_parallel else 1
+        # FSDP2: the fake group is every rank of the mesh, dp_replicate*dp_shard*t
+        t = (config.dp_replicate or 1) * (config.dp_shard or 1) * tp if mode is Mode.FAKE else 1
         routed = (route,) if config.moe else ()  # only the hf runner takes one
-        (measured,) = run(_step_runner(config.impl), (config, strategy, *routed), mode=mode, t=t)
+        (measured,) = run(_step_runner(config.impl, config.dp_shard is not None), (config, strategy, *routed), mode=mode,
+                          t=t)
         out.append(StepComparison(strategy, mode, predicted, measured, model))
     return out
 
 
-def _step_runner(impl: str) -> Callable[[TensorParallelGroup, ModelConfig, Strategy], StepMeasurement]:
-    """memcalc's own GPT, or (impl hf) transformers' LlamaForCausalLM, imported only then: an optional extra."""
+def _step_runner(impl: str, sharded: bool = False) -> Callable[[TensorParallelGroup, ModelConfig, Strategy],
+                                                                StepMeasurement]:
+    """memcalc's own GPT, or (impl hf) transformers' LlamaForCausalLM, imported only then: an optional extra;
+    `sharded`: the latter under FSDP2 (memcalc.probe.libs.hf_fsdp)."""
     if impl != "hf":
         return measure_step_on_rank
     runner("hf")  # ProbeError naming the extra to install when transformers is missing
+    if sharded:
+        from memcalc.probe.libs.hf_fsdp import measure_hf_fsdp_step_on_rank
+
+        return measure_hf_fsdp_step_on_rank
     from memcalc.probe.libs.hf_step import measure_hf_step_on_rank
 
     return measure_hf_step_on_rank

@@ -1,4 +1,4 @@
-"""What fits a memory budget: the largest micro-batch b or sequence s, or the smallest t, pp, cp or ep.
+"""What fits a memory budget: the largest micro-batch b or sequence s, or the smallest t, pp, cp, ep or dp_shard.
 
 Every answer is an exact integer found by evaluating what `memcalc estimate
 --totals` bases its verdict on: the step's peak (`memcalc.sizing.timeline`) where
@@ -18,6 +18,10 @@ grows with b and s as every term it sums does.
   smallest first, since each extra stage or context rank is a GPU taken from
   data parallelism. With `gpus` fixed, each candidate derives its own dp =
   gpus/(t*pp*cp), and a candidate that does not divide the GPUs is invalid.
+- dp_shard: the same search over the divisors of dp, smallest first: FSDP2 over
+  the fewest ranks that fits, HSDP replicating the rest (dp/dp_shard replicas),
+  so that each step's all-gathers and reduce-scatters span as few ranks as they
+  can. dp is the config's (or gpus/(t*pp*cp)).
 - ep: the same search over the divisors of the experts E, smallest first. Each
   expert-parallel rank holds E/ep experts' weights, gradients and optimizer
   states; the GPUs stay those of t*cp*dp (experts are laid over them), so a
@@ -41,7 +45,7 @@ from memcalc.sizing.totals import per_gpu
 from memcalc.sizing.verdict import need
 from memcalc.units import human_bytes
 
-SOLVES = ("b", "s", "t", "pp", "cp", "ep")
+SOLVES = ("b", "s", "t", "pp", "cp", "ep", "dp_shard")
 COUNTS = ("peak", "total", "activations")  # peak: the step's, where the timeline models it (memcalc.sizing.verdict)
 _SEARCH_LIMIT = 2**48  # a guard: no real budget fits this many tokens or micro-batches
 
@@ -105,6 +109,8 @@ def fit(
             fields = config.as_dict() | {solve: value}
             if config.gpus is not None:
                 del fields["dp"]  # derived again from gpus/(t*pp*cp) for this candidate
+            if config.dp_shard is not None or solve == "dp_shard":
+                fields["dp_replicate"] = None  # HSDP's replicas derived again: dp/dp_shard
             return _measure(value, build_config(fields), strategy, accounting, count)
         except ConfigError as exc:
             return Candidate(value, None, str(exc))
@@ -154,6 +160,7 @@ _SPLITS: dict[str, Callable[[ModelConfig], tuple[str, int]]] = {
     "pp": lambda c: ("L", c.L),
     "cp": lambda c: ("s/2", max(c.s // 2, 1)),
     "ep": lambda c: ("num_experts", _experts(c)),
+    "dp_shard": lambda c: ("dp", c.dp),
 }
 
 

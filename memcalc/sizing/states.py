@@ -7,11 +7,19 @@ output layer) and row-parallel weights (projection, fc2) are split by t; norm
 weights, row-parallel biases and a learned position table are whole on every
 rank. The vocabulary is padded as Megatron-LM pads it (`padded_vocab`).
 
-Bytes per parameter follow mixed-precision Adam as Megatron-LM lays it out
-(its `theoretical_memory_usage.py`): bf16 weights (2), fp32 gradients (4), an
-fp32 master copy (4) and two fp32 Adam moments (4 + 4), 18 bytes in all; the
-distributed optimizer shards the last 12 over the data-parallel ranks, which in
-Megatron-LM's optimizer group include the context-parallel ones: 6 + 12/(dp*cp).
+Bytes per parameter follow each stack's own layout (`STATE_LAYOUTS`, chosen by
+`sharding`). Megatron-LM's mixed-precision Adam (its `theoretical_memory_usage.py`):
+bf16 weights (2), fp32 gradients (4), an fp32 master copy (4) and two fp32 Adam
+moments (4 + 4), 18 bytes in all; the distributed optimizer shards the last 12
+over the data-parallel ranks, which in Megatron-LM's optimizer group include the
+context-parallel ones: 6 + 12/(dp*cp). FSDP2 (torchtitan's default, and
+accelerate's under transformers' Trainer, `dp_shard`): fp32 parameters,
+gradients and AdamW moments, all sharded over dp_shard*cp, 16/(dp_shard*cp); the
+bf16 copies forward and backward use are gathered block by block, transients of
+the step (memcalc.sizing.timeline.fsdp). DeepSpeed ZeRO (`zero_stage`, under
+transformers' Trainer) as its own estimators lay it out: 4 + 16/dp at stage 1,
+2 + 18/dp at stage 2, 18/dp at stage 3 (plus the largest module gathered,
+`zero3_largest_layer`); 20 bytes at stage 0.
 
 A mixture of experts (num_experts) replaces the dense MLP of its MoE layers
 (`moe_layer_freq`; the rest stay dense) by a router, whole on every rank, the
@@ -209,41 +217,125 @@ def total_params(config: ModelConfig) -> int:
 
 
 @dataclass(frozen=True)
+class Split:
+    """Over how many ranks a state is split, and that in words (docs/sharding.md)."""
+
+    over: str
+    ranks: Callable[[ModelConfig], int]
+
+
+@dataclass(frozen=True)
 class StateTerm:
-    """One kind of per-parameter state, its width, and whether the distributed optimizer shards it."""
+    """One kind of per-parameter state, its width, and how its stack's sharding splits it."""
 
     name: str
-    width: Callable[[str], int]  # bytes per parameter, given the training dtype
-    sharded: bool
+    width: Callable[[ModelConfig], int]  # bytes per parameter
+    split: Split
     why: str
 
 
-STATE_TERMS: tuple[StateTerm, ...] = (
-    StateTerm("states/weights", lambda dtype: DTYPE_BYTES[dtype], False, "forward and backward compute with them"),
-    StateTerm(
-        "states/grads", lambda dtype: 4, False,
-        "gradients accumulate in fp32 over the micro-batches of a step (Megatron-LM's main_grad buffer)",
-    ),
-    StateTerm(
-        "states/master_weights", lambda dtype: 0 if dtype == "fp32" else 4, True,
-        "the optimizer updates an fp32 copy: bf16/fp16 weights would round small updates away",
-    ),
-    StateTerm("states/adam_m", lambda dtype: 4, True, "Adam's first moment (running mean of gradients), fp32"),
-    StateTerm("states/adam_v", lambda dtype: 4, True, "Adam's second moment (running mean of squared gradients), fp32"),
+WHOLE = Split("none: every rank holds it whole", lambda c: 1)
+# Megatron-LM's distributed optimizer shards over dp*cp (its optimizer group includes the context ranks).
+DISTRIBUTED_OPTIMIZER = Split("dp*cp with distributed_optimizer",
+                              lambda c: c.dp * c.cp if c.distributed_optimizer else 1)
+# FSDP2's shard group: dp_shard ranks, times cp (torchtitan shards over its dp_shard_cp mesh).
+FSDP_SHARDS = Split("dp_shard*cp", lambda c: (c.dp_shard or 1) * c.cp)
+
+
+def _zero(stage: int) -> Split:
+    """ZeRO splits a state over the dp ranks from `stage` on."""
+    return Split(f"dp from zero_stage {stage}", lambda c: c.dp if (c.zero_stage or 0) >= stage else 1)
+
+
+def _width(c: ModelConfig) -> int:
+    return DTYPE_BYTES[c.dtype]
+
+
+_MASTER = "the optimizer updates an fp32 copy: bf16/fp16 weights would round small updates away"
+_ADAM_M, _ADAM_V = ("Adam's first moment (running mean of gradients), fp32",
+                    "Adam's second moment (running mean of squared gradients), fp32")
+
+# Each stack's per-parameter states (`sharding` picks one): bytes per parameter and what shards them.
+MEGATRON_STATES: tuple[StateTerm, ...] = (
+    StateTerm("states/weights", _width, WHOLE, "forward and backward compute with them"),
+    StateTerm("states/grads", lambda c: 4, WHOLE,
+              "gradients accumulate in fp32 over the micro-batches of a step (Megatron-LM's main_grad buffer)"),
+    StateTerm("states/master_weights", lambda c: 0 if c.dtype == "fp32" else 4, DISTRIBUTED_OPTIMIZER, _MASTER),
+    StateTerm("states/adam_m", lambda c: 4, DISTRIBUTED_OPTIMIZER, _ADAM_M),
+    StateTerm("states/adam_v", lambda c: 4, DISTRIBUTED_OPTIMIZER, _ADAM_V),
 )
+FSDP2_STATES: tuple[StateTerm, ...] = (
+    StateTerm("states/weights", lambda c: 4, FSDP_SHARDS,
+              "fully_shard keeps each parameter as an fp32 DTensor sharded on dim 0: the optimizer's copy itself;"
+              " forward and backward compute with param_dtype copies all-gathered block by block (transients)"),
+    StateTerm("states/grads", lambda c: 4, FSDP_SHARDS,
+              "each block's reduce-scatter leaves this rank its shard of the gradient, cast to the parameter's"
+              " fp32"),
+    StateTerm("states/adam_m", lambda c: 4, FSDP_SHARDS, _ADAM_M),
+    StateTerm("states/adam_v", lambda c: 4, FSDP_SHARDS, _ADAM_V),
+)
+# DeepSpeed's layout with bf16, as its estimators (estimate_zero2/3_model_states_mem_needs) count it: bf16 weights and
+# gradients, and per parameter 16 bytes of fp32 state (a gradient partition, master weights, m and v). Stage 1
+# partitions those 16 over dp, stage 2 the bf16 gradients too (2 + 18/dp), stage 3 the weights as well (18/dp, beside
+# the largest module's weights gathered and their gradients, `zero3_largest_layer`).
+ZERO_STATES: tuple[StateTerm, ...] = (
+    StateTerm("states/weights", _width, _zero(3), "bf16 weights, partitioned over dp at stage 3"),
+    StateTerm("states/grads", lambda c: 0 if (c.zero_stage or 0) >= 3 else DTYPE_BYTES[c.dtype], _zero(2),
+              "bf16 gradients, partitioned over dp at stage 2 (at stage 3 only the gathered module's, in"
+              " zero3/largest_layer)"),
+    StateTerm("states/fp32_grads", lambda c: 4, _zero(1), "the fp32 gradient partition the optimizer reads"),
+    StateTerm("states/master_weights", lambda c: 4, _zero(1), _MASTER),
+    StateTerm("states/adam_m", lambda c: 4, _zero(1), _ADAM_M),
+    StateTerm("states/adam_v", lambda c: 4, _zero(1), _ADAM_V),
+)
+
+
+def sharding(config: ModelConfig) -> str:
+    """How the stack keeps its data-parallel states: "fsdp2" (dp_shard), "zero" (zero_stage) or "megatron"
+    (Megatron-LM's layout, with or without its distributed optimizer; memcalc's probe trains hf and torchtitan
+    models with it where neither is set)."""
+    if config.dp_shard is not None:
+        return "fsdp2"
+    return "zero" if config.zero_stage is not None else "megatron"
+
+
+def describe_sharding(config: ModelConfig) -> str:
+    """How the data-parallel states are sharded, in words: "FSDP2 over dp_shard=8 (HSDP, 2 replicas)"."""
+    c = config
+    if c.dp_shard is not None:
+        replicas = f", HSDP over {c.dp_replicate} replicas" if (c.dp_replicate or 1) > 1 else ""
+        reshard = "" if c.reshard_after_forward else ", no reshard after forward"
+        return f"FSDP2 over dp_shard*cp={c.dp_shard * c.cp}{replicas}{reshard}"
+    if c.zero_stage is not None:
+        return f"DeepSpeed ZeRO-{c.zero_stage} over dp={c.dp}"
+    return f"distributed optimizer over dp*cp={c.dp * c.cp}" if c.distributed_optimizer else "optimizer unsharded"
+
+
+STATE_LAYOUTS: dict[str, tuple[StateTerm, ...]] = {
+    "megatron": MEGATRON_STATES, "fsdp2": FSDP2_STATES, "zero": ZERO_STATES,
+}
 
 
 def state_bytes(config: ModelConfig, params: int, experts: int = 0) -> dict[str, int]:
     """Bytes of each model state for `params` parameters on one GPU, `experts` of them expert parameters
-    (terms of width 0 left out). The distributed optimizer shards the rest over dp*cp ranks, and the experts'
-    over their data-parallel group, t*cp*dp/(ep*etp) ranks (etp = t)."""
+    (terms of width 0 left out). Each term is split as its stack splits it (`sharding`); Megatron-LM's
+    distributed optimizer shards the experts' states over their own data-parallel group,
+    t*cp*dp/(ep*etp) ranks (etp = t)."""
     c = config
     expert_dp = c.t * c.cp * c.dp // (c.ep * (c.etp or c.t))  # whole by check_expert_states
-    shards, expert_shards = (c.dp * c.cp, expert_dp) if c.distributed_optimizer else (1, 1)
     out = {}
-    for term in STATE_TERMS:
-        width = term.width(config.dtype)
+    for term in STATE_LAYOUTS[sharding(c)]:
+        width, shards = term.width(c), term.split.ranks(c)
         if width:
-            sharded = -(-(params - experts) // shards) + -(-experts // expert_shards)
-            out[term.name] = width * (sharded if term.sharded else params)
+            expert_shards = expert_dp if shards > 1 and sharding(c) == "megatron" else shards
+            out[term.name] = width * (-(-(params - experts) // shards) + -(-experts // expert_shards))
     return out
+
+
+def zero3_largest_layer(config: ModelConfig) -> int:
+    """DeepSpeed's ZeRO-3 estimator's transient: the largest module's own weights gathered, with their gradients,
+    4 bytes a parameter (bf16 each); the largest module of transformers' Llama is the embedding (or lm_head), an MLP
+    projection, or q_proj."""
+    c = config
+    widest = max(c.vocab_size * c.h, c.ffn * c.h, c.a * c.head_dim * c.h)
+    return 2 * DTYPE_BYTES[c.dtype] * widest

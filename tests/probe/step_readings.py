@@ -5,21 +5,29 @@ from memcalc.probe.step import MomentTracker, Trainer, categories
 from memcalc.sizing.timeline import Moment
 
 
-def readings_after_every_op(trainer: Trainer) -> list[tuple[str, dict[str, int]]]:
-    """Where (`MomentTracker.where`) and the bytes per category after each op of one step of a warmed-up trainer."""
+def reading_every_op(tracker: type[MomentTracker], read=categories) -> type[MomentTracker]:
+    """`tracker` that appends where it is and its bytes per category (`read` of its snapshot) to `readings` after
+    each op."""
 
-    class AfterEveryOp(MomentTracker):
+    class AfterEveryOp(tracker):
+        readings: list[tuple[str, dict[str, int]]]
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = super().__torch_dispatch__(func, types, args, kwargs)
-            readings.append((self.where(), {c: n for c, n in categories(self.get_tracker_snapshot()).items() if n}))
+            self.readings.append((self.where(), {c: n for c, n in read(self.get_tracker_snapshot()).items() if n}))
             return out
 
-    readings: list[tuple[str, dict[str, int]]] = []
-    tracker = AfterEveryOp()
+    return AfterEveryOp
+
+
+def readings_after_every_op(trainer: Trainer) -> list[tuple[str, dict[str, int]]]:
+    """Where (`MomentTracker.where`) and the bytes per category after each op of one step of a warmed-up trainer."""
+    tracker = reading_every_op(MomentTracker)()
+    tracker.readings = []
     trainer.register(tracker)
     with tracker:
         trainer.step()
-    return readings
+    return tracker.readings
 
 
 def assert_moments_in_order(moments: tuple[Moment, ...], readings: list[tuple[str, dict[str, int]]],

@@ -45,6 +45,12 @@ shards (a/t heads, g/t K/V groups, f/t MLP columns) with what DTensor adds:
                 (v, h) table (DTensor gives the Shard(0) weight a Replicate gradient), of which
                 the trainer copies this rank's rows into the fp32 buffer
 
+Sharded by FSDP2 (`dp_shard`, memcalc.probe.libs.hf_fsdp), the same walk runs with FSDP2's ops around each
+block (memcalc.sizing.timeline.fsdp): the states are fp32 shards, each block is gathered before it runs and
+its weights' bf16 gradients are kept to its reduce-scatter, instead of added into a gradient buffer at once;
+exact at every moment at dp_shard 2, 4 and 8, and on a 2-D mesh with transformers' tp_plan (the embedding's
+Replicate gradient laid out as its weight by FSDP2's post-backward, tests/probe/libs/test_hf_fsdp.py).
+
 Exact (to the byte, at every moment named here, tests/probe/libs/test_hf_step.py) for
 LlamaForCausalLM from transformers 5.24 on torch 2.13's CPU kernels: no biases, no dropout,
 bf16 or fp16, eager or SDPA attention, grouped or not, tied or not (untied under tp), t = 1
@@ -72,6 +78,7 @@ from memcalc.model.strategy import Strategy
 from memcalc.sizing.pipeline import stages
 from memcalc.sizing.timeline import hf_moe as moe
 from memcalc.sizing.timeline.ends import model_states
+from memcalc.sizing.timeline.fsdp import ROOT, Fsdp
 from memcalc.sizing.timeline.tape import ACTIVATIONS, GRADIENTS, PARAMETERS, TEMPORARIES, Sizes, Tape, Timeline
 
 _WHY_SAVED = "kept for backward (the hf ledger); freed when the op that keeps it has run backward"
@@ -85,9 +92,14 @@ def hf_timeline(config: ModelConfig, strategy: Strategy, accounting: Accounting)
     layer = estimate(config, strategy, accounting)
     # transformers does not pad the vocabulary: the embedding and lm_head have vocab_size rows.
     unpadded = replace(config, make_vocab_size_divisible_by=1)
-    step = _Step(Tape(), Sizes.of(unpadded, strategy), config, {x.tensor.name: x.bytes for x in layer.tensors})
+    z = Sizes.of(unpadded, strategy)
+    fsdp = Fsdp.of(config, z.t) if config.dp_shard is not None else None
+    step = _Step(Tape(), z, config, {x.tensor.name: x.bytes for x in layer.tensors}, fsdp=fsdp)
     (stage,) = stages(config.L, config.pp, config.vpp, config.microbatches)
-    model_states(step.tape, unpadded, stage, step.z)
+    if fsdp is not None:
+        fsdp.states(step.tape)
+    else:
+        model_states(step.tape, unpadded, stage, step.z)
     step.rotary_buffers()
     step.tape.mark("steady", "", "model states between steps")
     step.forward()
@@ -114,10 +126,21 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
         (config.position_embedding_type != "rope", f"position_embedding_type {config.position_embedding_type}"),
         (config.dtype == "fp32", "dtype fp32 (no master weights)"),
         *_experts_missing(config, strategy),
+        *_sharding_missing(config, strategy),
     ]
     for absent, what in missing:
         if absent:
             raise ConfigError(f"the step timeline for impl hf does not model {what} yet")
+
+
+def _sharding_missing(config: ModelConfig, strategy: Strategy) -> list[tuple[bool, str]]:
+    """What the FSDP2 walk (memcalc.sizing.timeline.fsdp) leaves out, and ZeRO, which no walk models yet."""
+    fsdp = config.dp_shard is not None
+    return [
+        (config.zero_stage is not None, f"zero_stage={config.zero_stage} (DeepSpeed's step; --totals counts its"
+                                        " model states from its documented layout)"),
+        (fsdp and config.moe, "dp_shard with experts"),
+    ]
 
 
 def _experts_missing(config: ModelConfig, strategy: Strategy) -> list[tuple[bool, str]]:
@@ -150,6 +173,7 @@ class _Step:
     config: ModelConfig
     saved: dict[str, int]
     in_backward: bool = False  # what is made from here on is a temporary, as MemTracker files it
+    fsdp: Fsdp | None = None  # FSDP2's gathers and reduce-scatters around each block (dp_shard)
 
     # -- sizes ------------------------------------------------------------------------------------
 
@@ -211,6 +235,8 @@ class _Step:
         add(ledger.EMBEDDING_INPUT_IDS.name, z.tokens(8),
             "the micro-batch's token ids (int64), live for the whole step; the embedding keeps them")
         add("batch/labels", z.tokens(8), "the micro-batch's labels (int64), live for the whole step")
+        if self.fsdp is not None:  # the root's pre-forward: embedding, final norm and lm_head gathered
+            self.fsdp.copy_out(self.tape, ROOT, "forward", "")
         if self.tp:  # "embedding_rowwise": DTensor's vocabulary-parallel lookup, then its Partial sum all-reduced
             add("embedding/partial", z.full(z.h), "this rank's rows looked up, the others' zeroed (DTensor's"
                 " MaskPartial; its mask and shifted ids are freed before the all-reduce), summed by all_reduce")
@@ -236,6 +262,8 @@ class _Step:
     def layer_forward(self, i: int) -> None:
         """The layer's saved tensors (the ledger's, less RoPE's shared tables) at its second residual sum."""
         z, p = self.z, f"layers.{i}"
+        if self.fsdp is not None:
+            self.fsdp.copy_out(self.tape, p, "forward", f"model.layers.{i}")
         experts = self.config.num_experts or 1
         for name, nbytes in self.saved.items():
             if name in _ROPE or moe.made_after_experts(name):
@@ -253,6 +281,8 @@ class _Step:
         self.add(f"layers.{i + 1}/input", z.full(z.h), "the layer's output, the next layer's input")
         self.tape.mark("forward", f"model.layers.{i}", "the layer's saved tensors, at its second residual sum")
         self.tape.drop(f"{p}/mid", f"{p}/mlp output")
+        if self.fsdp is not None:
+            self.fsdp.post_forward(self.tape, p)
         if i:  # the caller rebinds its hidden_states; the first layer's input is inputs_embeds too
             self.tape.drop(f"{p}/input")
 
@@ -304,6 +334,9 @@ class _Step:
         """loss.backward(): the loss, lm_head, the final norm, the layers in reverse, the embedding."""
         self.add("loss/grad seed", 4, "loss.backward() starts from a 0-d ones tensor, made before autograd runs")
         self.in_backward = True
+        if self.fsdp is not None:  # the root's post-forward, then its pre-backward: the last layer's all-gather
+            self.fsdp.forward_done(self.tape)
+            self.fsdp.pre_backward(self.tape, ROOT, "", f"layers.{self.config.L - 1}")
         self.loss_backward()
         self.lm_head_backward()
         self.drop_partial("grad/lm_head input")
@@ -312,6 +345,9 @@ class _Step:
         for i in reversed(range(self.config.L)):
             self.layer_backward(i)
         self.embedding_backward()
+        if self.fsdp is not None:  # the final callback, inside backward(): the root's post-backward (no module
+            self.fsdp.post_backward(self.tape, ROOT, "")  # active), then the last reduce-scatter waited on
+            self.tape.drop(f"fsdp/{ROOT} reduce-scatter", "loss/grad seed")
 
     def loss_backward(self) -> None:
         """nll_loss's and log_softmax's fp32 gradients, then the upcast's: back to bf16."""
@@ -354,10 +390,17 @@ class _Step:
         self.tape.mark("backward", where, "GEMMs: dW and dX")
         self.tape.drop(*(x for x in (grad, kept) if x))
         if not waits:
-            self.tape.drop(f"grad/{where} weight")
+            self.hand_over(where, f"grad/{where} weight", weight)
         if reduced:
             self.add(dx, dx_bytes, "the input's gradient all-reduced over the ranks (DTensor: Partial -> Replicate)")
             self.tape.mark("backward", where, "dX all-reduced")
+
+    def hand_over(self, where: str, name: str, nbytes: int) -> None:
+        """A weight's gradient handed to autograd: added into the fp32 buffer and dropped, or under FSDP2 kept as
+        the unsharded parameter's .grad until its block's reduce-scatter."""
+        self.tape.drop(name)
+        if self.fsdp is not None:
+            self.fsdp.keep_grad(self.tape, self.fsdp.block_of(where), where, nbytes)
 
     def drop_partial(self, dx: str) -> None:
         """The partial sum a reduced dX was made from, freed when the next op runs (none without tp)."""
@@ -376,7 +419,8 @@ class _Step:
         add(f"{where}/dY y", z.full(z.h), "weight * y's backward: dY * y, then summed to the weight's shape")
         add(f"{where}/dweight", z.act * z.h, _WHY_WGRAD)
         tape.drop(f"{where}/dY y")
-        tape.drop(f"{where}/dweight", grad, norm.normed)
+        self.hand_over(where, f"{where}/dweight", z.act * z.h)
+        tape.drop(grad, norm.normed)
         add(f"{where}/dy fp32", self.fp32(z.h), "y.to(bf16)'s backward: the gradient cast up to fp32")
         tape.drop(f"{where}/dY w")
         add(f"{where}/dx (x * r)", self.fp32(z.h), "x * r's backward: dy * r")
@@ -407,6 +451,8 @@ class _Step:
     def layer_backward(self, i: int) -> None:
         """The layer's backward, op by op: the MLP, ln2 and its residual sum, attention, ln1 and its residual sum."""
         p, m = f"layers.{i}", f"model.layers.{i}"
+        if self.fsdp is not None:
+            self.fsdp.pre_backward(self.tape, p, m, f"layers.{i - 1}" if i else None)
         if self.config.moe:
             moe.moe_backward(self, p, m)
         else:
@@ -417,6 +463,8 @@ class _Step:
         out = f"grad/layers.{i - 1}/output" if i else "grad/embedding output"
         self.rms_norm_backward(f"{m}.input_layernorm", f"{p}/ln1", f"grad/{p}/ln1 output", out,
                                residual=f"grad/{p}/mid")
+        if self.fsdp is not None:  # transformers calls self_attn with keyword inputs: active to the end of backward
+            self.fsdp.post_backward(self.tape, p, f"{m}.self_attn")
 
     def mlp_backward(self, p: str, m: str) -> None:
         """down_proj, SiLU(gate) * up, up_proj, SiLU, gate_proj; gate's and up's input gradients summed."""
@@ -546,7 +594,8 @@ class _Step:
                     if self.tp else ""))
         tape.mark("backward", "model.embed_tokens", "the embedding's gradient")
         tape.drop("grad/embedding output")
-        if self.tp:  # autograd hands the whole table over as the weight's .grad, which MemTracker files as such
+        if self.tp and self.fsdp is None:  # the whole table is the weight's .grad, which MemTracker files as such
+            # (under FSDP2, its post-backward lays it out as the weight: memcalc.sizing.timeline.fsdp)
             tape.drop("grad/embedding (lookup)")
             tape.add("grad/embedding (.grad)", GRADIENTS, table, "the embedding's gradient as the weight's .grad")
             self.add("grad/embedding (rows)", z.act * z.v_t * z.h, "this rank's rows of it, copied out as the"
@@ -555,8 +604,13 @@ class _Step:
         if self.config.tie_embeddings:
             self.add("grad/embedding (sum)", table, "autograd sums the tied weight's two gradients into a new tensor")
             tape.mark("backward", "model.embed_tokens", "the tied weight's two gradients summed")
+        if self.fsdp is not None:  # the weight's .grad: the lookup's gradient, or tied the two summed
+            self.hand_over("model.embed_tokens", "grad/embedding (sum)" if self.tied else "grad/embedding (lookup)",
+                           table)
         tape.drop("grad/embedding (lookup)", "grad/embedding (.grad)", "grad/embedding (rows)",
-                  "grad/embedding (lm_head)", "grad/embedding (sum)", "loss/grad seed")
+                  "grad/embedding (lm_head)", "grad/embedding (sum)")
+        if self.fsdp is None:  # under FSDP2 the final callback runs before backward() returns and frees it
+            tape.drop("loss/grad seed")
 
 
 class _NormNames(NamedTuple):

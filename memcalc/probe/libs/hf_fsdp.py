@@ -1,0 +1,147 @@
+"""One training step of transformers' `LlamaForCausalLM` sharded by torch's own FSDP2, under FSDPMemTracker
+(`memcalc measure --step --impl hf --dp-shard N`).
+
+The model is built as `memcalc.probe.libs.hf_step` builds it (`llama_config`, `use_cache` off, nothing
+downloaded), but in fp32, as accelerate and torchtitan hold a model they shard, and laid out as both lay it
+out: `fully_shard` on every decoder layer, then on the whole model, over dp_shard ranks of the fake process
+group (this process is rank 0; under tp, the outer dimension of a (dp_shard, t) mesh whose inner one takes
+transformers' own tp_plan first, as torchtitan lays out its 2-D mesh), with `MixedPrecisionPolicy(param_dtype=dtype,
+reduce_dtype=reduce_dtype)` and the config's reshard_after_forward. It is trained as both train it: AdamW
+(fused) over the sharded parameters, `zero_grad(set_to_none=True)` after each step, one warm-up step, then one
+step measured by torch's `FSDPMemTracker`, which files each storage as FSDP2 knows it (sharded and unsharded
+parameters and gradients, all-gather and reduce-scatter buffers, optimizer states, activations, temporaries,
+the tracked inputs); `FSDP_CATEGORIES` reads those as the timeline's categories.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memcalc.config.schema import ModelConfig
+from memcalc.errors import ProbeError
+from memcalc.model.strategy import Strategy
+from memcalc.probe import require_torch
+from memcalc.probe.group import TensorParallelGroup
+from memcalc.probe.layer import DTYPES
+from memcalc.probe.libs import hf_tp
+from memcalc.probe.libs.hf import llama_config
+from memcalc.probe.step import BATCH_SEED, MomentTracker, StepMeasurement, batch
+from memcalc.sizing.timeline import ACTIVATIONS, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES
+
+torch = require_torch()
+import transformers  # noqa: E402  (memcalc[hf])
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
+from transformers.distributed.tensor_parallel import apply_tensor_parallelism  # noqa: E402
+
+# FSDPMemTracker's categories (its _FSDPRefType values) as the timeline's.
+FSDP_CATEGORIES = {
+    "Sharded Param": PARAMETERS,
+    "Unsharded Param": PARAMETERS,
+    "Buffer": PARAMETERS,
+    "All Gather": PARAMETERS,
+    "Sharded Grad": GRADIENTS,
+    "Unsharded Grad": GRADIENTS,
+    "Reduce Scatter": GRADIENTS,
+    "OptState": OPTIMIZER,
+    "Activation": ACTIVATIONS,
+    "Inputs": ACTIVATIONS,
+    "Temp": TEMPORARIES,
+}
+
+
+class FsdpMomentTracker(MomentTracker, FSDPMemTracker):
+    """FSDPMemTracker that also notes where it first reached its peak (MomentTracker's bookkeeping)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        FSDPMemTracker.__init__(self, model, optimizer)
+        self.entered, self.moment = [], ""
+
+    def __enter__(self) -> FsdpMomentTracker:
+        """FSDPMemTracker registers no module hooks of its own: the moment's are registered here."""
+        super().__enter__()
+        if self._depth == 1:
+            enter, leave = (lambda module, *_: self._enter(module)), (lambda module, *_: self._leave(module))
+            self._mod_tracker.register_user_hooks(enter, leave, enter, leave)
+        return self
+
+    def __exit__(self, *args) -> None:
+        if self._depth == 1:
+            self._mod_tracker.clear_user_hooks()
+        super().__exit__(*args)
+
+
+@dataclass(frozen=True)
+class ShardedTrainer:
+    """transformers' Llama under fully_shard on this rank, with AdamW over its shards."""
+
+    config: ModelConfig
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+
+    def step(self) -> None:
+        """Load a batch (inside the step, as the trainer's), forward, backward, step, zero_grad(set_to_none); the
+        loss lives to the step's end (memcalc.probe.step.Trainer.step)."""
+        tokens, labels = batch(self.config, next(self.model.parameters()).device)
+        loss = self.model(input_ids=tokens, labels=labels).loss
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def warmed_up_sharded(tp: TensorParallelGroup, config: ModelConfig) -> ShardedTrainer:
+    """Rank 0 of dp_replicate*dp_shard*t (the fake group's world): LlamaForCausalLM built in fp32, every decoder layer
+    and then the whole model under fully_shard (HSDP over a (dp_replicate, dp_shard) mesh), AdamW over the shards,
+    stepped once (AdamW's moments exist from then on)."""
+    replicas, shards = config.dp_replicate or 1, config.dp_shard
+    t = tp.size // (replicas * shards)
+    if tp.size % (replicas * shards) or t not in (1, config.t):
+        raise ProbeError(f"the fake group has {tp.size} ranks, not dp_replicate*dp_shard*t={replicas}*{shards}*"
+                         f"{config.t}")
+    torch.manual_seed(BATCH_SEED)
+    hf_config = llama_config(config, "llama")
+    hf_config.use_cache = False
+    model = transformers.LlamaForCausalLM._from_config(hf_config, dtype=torch.float32).to(tp.device).train()
+    if t > 1:  # transformers' own plan over the mesh's inner dimension, then FSDP2 over its outer one
+        if replicas > 1:
+            raise ProbeError("impl hf: --step runs HSDP (dp_replicate > 1) at t = 1 only; the step timeline's HSDP"
+                             " under tp is FSDP2's over dp_shard (measured) with its all-reduce in place")
+        mesh = init_device_mesh(tp.device.type, (shards, t), mesh_dim_names=("shard", "tp"))
+        apply_tensor_parallelism(model, mesh["tp"], hf_tp.model_plan(model, t))
+        dp = mesh["shard"]
+    else:  # HSDP: FSDP2 over a (dp_replicate, dp_shard) mesh
+        mesh = init_device_mesh(tp.device.type, (replicas, shards), mesh_dim_names=("replicate", "shard"))
+        dp = mesh if replicas > 1 else mesh["shard"]
+    policy = MixedPrecisionPolicy(param_dtype=DTYPES[config.dtype], reduce_dtype=DTYPES[config.reduce_dtype])
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=dp, mp_policy=policy, reshard_after_forward=config.reshard_after_forward)
+    fully_shard(model, mesh=dp, mp_policy=policy, reshard_after_forward=config.reshard_after_forward)
+    trainer = ShardedTrainer(config, model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True))
+    trainer.step()
+    return trainer
+
+
+def measure_hf_fsdp_step_on_rank(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy) -> StepMeasurement:
+    """One step of the sharded Llama under FSDPMemTracker: the state before it, the peak, and where the peak was."""
+    trainer = warmed_up_sharded(tp, config)
+    tracker = FsdpMomentTracker(trainer.model, trainer.optimizer)
+    with tracker:  # entering registers the sharded parameters and the optimizer's states
+        steady = fsdp_categories(tracker.get_tracker_snapshot("current"))
+        trainer.step()
+    peak = fsdp_categories(tracker.get_tracker_snapshot("peak"))
+    return StepMeasurement(strategy.name, tp.size, tp.mode, steady, peak, sum(peak.values()), tracker.moment)
+
+
+def fsdp_categories(snapshot: dict) -> dict[str, int]:
+    """An FSDPMemTracker snapshot of this rank's device as bytes per timeline category."""
+    out: dict[str, int] = {}
+    for device, by_kind in snapshot.items():
+        if torch.device(device).type == "meta":
+            continue
+        for kind, nbytes in by_kind.items():
+            category = FSDP_CATEGORIES.get(getattr(kind, "value", kind))
+            if category is not None:
+                out[category] = out.get(category, 0) + nbytes
+    return out

@@ -1,0 +1,137 @@
+"""Data-parallel sharding as each stack runs it: the layout fields (dp_shard, dp_replicate, reshard_after_forward,
+reduce_dtype, zero_stage), what each stack refuses, and the model states each keeps: FSDP2's 16/dp_shard bytes a
+parameter, and DeepSpeed ZeRO's against DeepSpeed's own estimators where it is installed (a documented layout
+otherwise: stage 1 shards the 16 bytes of fp32 state, stage 2 the bf16 gradients too, stage 3 the weights)."""
+
+import pytest
+
+from memcalc.config.schema import build_config
+from memcalc.errors import ConfigError
+from memcalc.sizing.states import sharding, state_bytes, total_params, zero3_largest_layer
+from memcalc.sizing.totals import per_gpu
+from memcalc.model.strategy import STRATEGIES
+
+LLAMA = dict(impl="hf", b=1, s=128, h=256, a=8, L=2, vocab_size=512, mlp="swiglu", ffn_hidden_size=704,
+             norm="rmsnorm", num_query_groups=4, position_embedding_type="rope", add_bias_linear=False, dropout=0.0,
+             tie_embeddings=False)
+
+
+def test_dp_is_dp_replicate_times_dp_shard_and_the_replicas_are_derived():
+    assert build_config(LLAMA | {"dp_shard": 8}).dp == 8
+    hsdp = build_config(LLAMA | {"dp_shard": 4, "dp_replicate": 2})
+    assert (hsdp.dp, hsdp.dp_replicate) == (8, 2)
+    with_gpus = build_config(LLAMA | {"impl": "torchtitan", "gpus": 64, "t": 4, "dp_shard": 4})
+    assert (with_gpus.dp, with_gpus.dp_replicate) == (16, 4)
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"impl": "torchtitan", "zero_stage": 2}, "zero_stage=2 is DeepSpeed's ZeRO, which memcalc models under"
+     " transformers' Trainer (impl hf); impl torchtitan shards with FSDP2 (dp_shard)"),
+    ({"impl": "megatron", "dp_shard": 2}, "dp_shard=2 under impl megatron: memcalc models Megatron-LM's distributed"
+     " optimizer (distributed_optimizer), not its own FSDP"),
+    ({"dp_shard": 2, "distributed_optimizer": True}, "dp_shard=2 with distributed_optimizer: FSDP2 shards the"
+     " optimizer's states itself; give one"),
+    ({"zero_stage": 3, "dp_shard": 2}, "zero_stage=3 with dp_shard=2: transformers' Trainer runs DeepSpeed or FSDP2,"
+     " not both"),
+    ({"reshard_after_forward": False}, "reshard_after_forward and reduce_dtype are FSDP2's: they need dp_shard"),
+    ({"dp_replicate": 2}, "dp_replicate=2 needs dp_shard (HSDP replicates FSDP2 groups of dp_shard ranks)"),
+    ({"dp": 8, "dp_shard": 3}, "dp=8 is not divisible by dp_shard=3 (HSDP's replicas are dp/dp_shard FSDP2 groups)"),
+    ({"dp": 8, "dp_shard": 2, "dp_replicate": 2}, "dp_replicate*dp_shard=2*2=4 is not dp=8"),
+    ({"zero_stage": 4}, "field 'zero_stage'"),
+])
+def test_what_a_stack_cannot_shard_with_is_refused_in_one_line(fields, message):
+    with pytest.raises(ConfigError) as err:
+        build_config(LLAMA | fields)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("n", [1, 2, 8])
+def test_fsdp2_keeps_fp32_weights_gradients_and_moments_all_sharded_16_bytes_over_dp_shard(n):
+    config = build_config(LLAMA | {"dp_shard": n})
+    assert sharding(config) == "fsdp2"
+    states = state_bytes(config, 8000)
+    assert states == {name: 4 * 8000 // n for name in ("states/weights", "states/grads", "states/adam_m",
+                                                        "states/adam_v")}
+
+
+def test_hsdp_shards_over_dp_shard_and_replicates_over_the_rest():
+    assert state_bytes(build_config(LLAMA | {"dp_shard": 4, "dp_replicate": 2}), 8000) == \
+        state_bytes(build_config(LLAMA | {"dp_shard": 4}), 8000)
+
+
+@pytest.mark.parametrize("stage,per_param", [(0, 20), (1, 4 + 16 / 8), (2, 2 + 18 / 8), (3, 18 / 8)])
+def test_zero_stages_shard_fp32_state_then_bf16_gradients_then_weights(stage, per_param):
+    config = build_config(LLAMA | {"zero_stage": stage, "dp": 8})
+    assert sum(state_bytes(config, 8000).values()) == per_param * 8000
+
+
+@pytest.mark.parametrize("n", [2, 8])
+def test_zero2_and_zero3_are_deepspeeds_own_estimates(n):
+    """estimate_zero2/3_model_states_mem_needs (no offload) on transformers' own Llama, its parameters and largest
+    module counted by DeepSpeed's model_to_params."""
+    pytest.importorskip("deepspeed")
+    transformers = pytest.importorskip("transformers")
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs, model_to_params
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    from memcalc.probe.libs.hf import llama_config
+
+    config = build_config(LLAMA | {"dp": n})
+    model = transformers.LlamaForCausalLM(llama_config(config, "llama"))
+    params, largest = model_to_params(model)
+    assert params == total_params(config)
+    _, zero2 = estimate_zero2_model_states_mem_needs(params, n, 1, cpu_offload=False)
+    _, zero3, largest_bytes = estimate_zero3_model_states_mem_needs(params, largest, n, 1, cpu_offload=False,
+                                                                    cpu_offload_params=False)
+    totals = {stage: per_gpu(build_config(LLAMA | {"dp": n, "zero_stage": stage}), STRATEGIES["none"]).worst()
+              for stage in (2, 3)}
+    assert totals[2].bytes("model states") == zero2
+    assert totals[3].bytes("model states") == zero3
+    assert zero3_largest_layer(config) == largest_bytes
+
+
+def test_fit_finds_the_largest_micro_batch_by_the_fsdp2_step_peak():
+    from dataclasses import replace
+
+    from memcalc.sizing.fit import fit
+    from memcalc.sizing.timeline import timeline
+    from memcalc.sizing.verdict import PEAK
+
+    config = build_config(LLAMA | {"dp_shard": 4, "attention": "flash"})
+    peak = timeline(replace(config, b=3), STRATEGIES["none"]).peak.bytes
+    found = fit(config, STRATEGIES["none"], "b", peak)
+    assert (found.answer.value, found.answer.bytes, found.answer.basis) == (3, peak, PEAK)
+    assert found.beyond.value == 4 and found.beyond.bytes > peak
+
+
+def test_fit_finds_the_smallest_fsdp2_shard_group_that_fits_hsdp_replicating_the_rest():
+    from memcalc.sizing.fit import fit
+
+    totals = {n: per_gpu(build_config(LLAMA | {"dp": 8, "dp_shard": n}), STRATEGIES["none"]).bytes()
+              for n in (1, 2, 4, 8)}
+    assert totals[1] > totals[2] > totals[4] > totals[8]
+    found = fit(build_config(LLAMA | {"dp": 8}), STRATEGIES["none"], "dp_shard", totals[4], count="total")
+    assert (found.answer.value, found.answer.bytes) == (4, totals[4])
+    assert (found.beyond.value, found.beyond.bytes) == (2, totals[2])
+
+
+@pytest.mark.parametrize("args,needle", [
+    (("estimate", "--config", "tiny", "--impl", "torchtitan", "--zero-stage", "3"), "zero_stage=3 is DeepSpeed's ZeRO"),
+    (("estimate", "--config", "tiny", "--dp-shard", "2", "--distributed-optimizer"), "dp_shard=2 under impl megatron"),
+    (("estimate", "--config", "tiny", "--zero-stage", "5"), "--zero-stage"),
+    (("measure", "--config", "tiny", "--impl", "hf", "--zero-stage", "2"), "give --step"),
+])
+def test_the_cli_refuses_a_layout_the_stack_cannot_run_in_one_line(args, needle):
+    from tests.cli import memcalc_cli, one_line_error
+
+    one_line_error(memcalc_cli(*args), needle)
+
+
+def test_estimate_totals_names_the_sharding_and_counts_fsdp2s_states():
+    from tests.cli import memcalc_cli
+
+    run = memcalc_cli("estimate", "--config", "tiny", "--impl", "hf", "--gpus", "16", "--dp-shard", "4", "--totals",
+                      "--strategy", "none")
+    assert run.code == 0, run.err
+    assert "FSDP2 over dp_shard*cp=4, HSDP over 2 replicas" in run.out  # tiny: t = 2, so dp = 8
+    assert "none: the step peaks at" in run.out
