@@ -14,7 +14,7 @@ import click
 
 from memcalc.config.gpus import DEFAULT_GPU, DEFAULT_RESERVE, GPUS
 from memcalc.config.schema import SIZES, ModelConfig, load_config, load_yaml
-from memcalc.cli.types import INTEGER, Real
+from memcalc.cli.types import INTEGER, Integer, Real
 from memcalc.errors import ConfigError
 from memcalc.model.impls import left_out, strategies_of
 from memcalc.model.strategy import STRATEGIES
@@ -111,7 +111,7 @@ sharding_options = _stack(  # SHARDING_FLAGS: data-parallel sharding as torchtit
                  help="FSDP2 frees each block's gathered parameters after forward [default: on]."),
     click.option("--reduce-dtype", type=click.Choice(["fp32", "bf16"]), default=None,
                  help="FSDP2's reduce_dtype, the gradients' dtype in the reduce-scatter [default: fp32]."),
-    click.option("--zero-stage", type=INTEGER, default=None,
+    click.option("--zero-stage", type=Integer(0, 3), default=None,
                  help="DeepSpeed ZeRO stage under transformers' Trainer (--impl hf) [default: none]."),
 )
 

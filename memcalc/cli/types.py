@@ -26,12 +26,12 @@ _REAL = r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?"
 
 class Integer(click.ParamType):
     """A whole number in the digits 0-9 (a sign allowed: the model's own rule names a negative size), at least
-    `min` if given."""
+    `min` and at most `max` where given."""
 
     name = "integer"
 
-    def __init__(self, min: int | None = None) -> None:
-        self.min = min
+    def __init__(self, min: int | None = None, max: int | None = None) -> None:
+        self.min, self.max = min, max
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
         if isinstance(value, int) and not isinstance(value, bool):
@@ -46,6 +46,8 @@ class Integer(click.ParamType):
             number = int(text)
         if self.min is not None and number < self.min:
             self.fail(f"{number} is below {self.min}", param, ctx)
+        if self.max is not None and number > self.max:
+            self.fail(f"{number} is above {self.max}", param, ctx)
         return number
 
 
