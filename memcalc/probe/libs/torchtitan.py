@@ -159,11 +159,16 @@ def tensor_parallel(tp: TensorParallelGroup) -> Iterator[ParallelDims | None]:
 
 
 def block_input(config: ModelConfig, tp: TensorParallelGroup, strategy: Strategy) -> torch.Tensor:
-    """The probe's input, batch-first (b, s, h) as torchtitan takes it, or under SP this rank's s/t block."""
+    """The probe's input, batch-first (b, s, h) as torchtitan takes it, or under SP this rank's s/t block.
+
+    Copied into a storage of its own, as a real SP rank's input owns only its shard: `.contiguous()`
+    would return the slice itself at b = 1 (a block of rows of (s, 1, h) is already contiguous) and
+    the shard would keep the whole sequence's storage alive.
+    """
     generator = torch.Generator().manual_seed(INPUT_SEED)
     full = torch.randn(config.s, config.b, config.h, generator=generator).to(DTYPES[config.dtype]).transpose(0, 1)
     x = tp.block(full, 1, "s") if strategy.sequence_parallel else full
-    return x.contiguous().to(tp.device).requires_grad_()  # a storage of its own
+    return x.clone(memory_format=torch.contiguous_format).to(tp.device).requires_grad_()
 
 
 # -- naming what it keeps -----------------------------------------------------------
