@@ -80,8 +80,10 @@ def _differences(impl: Implementation, knobs: Knobs) -> str:
 def _size_rule(impl: Implementation, knobs: Knobs) -> str:
     """Where what the layer keeps depends on the sizes, and what it keeps then."""
     rule = impl.size_rule
-    if rule is None:
+    if rule is None and not impl.size_conditions:
         return "## Where the sizes matter\n\nNowhere: the knobs alone decide what the layer keeps."
+    if rule is None:
+        return "\n".join(["## Where the sizes matter", "", _size_conditions(impl)])
     seed = replace(knobs, attention="eager", recompute="none", dtype="bf16", **rule.shown_with)
     inside, outside = impl.layer_tensors(seed, EXACT), rule.outside(seed, EXACT)
     changed = [x for x in outside if x not in inside]
@@ -90,7 +92,17 @@ def _size_rule(impl: Implementation, knobs: Knobs) -> str:
         "## Where the sizes matter", "", f"{rule.what[:1].upper()}{rule.what[1:]}.",
         "Numbers (`estimate`, `sweep`, `fit`) follow the rule point by point; the formulas below assume the kernel runs.",
         "", f"What the layer keeps outside (eager attention, bf16{shown}):", "", _tensor_table(changed, seed),
+        *(["", _size_conditions(impl)] if impl.size_conditions else []),
     ])
+
+
+def _size_conditions(impl: Implementation) -> str:
+    """The single tensors kept as written only at some sizes (`SizeCondition`), one line each."""
+    lines = ["Single tensors kept as written only at some sizes (numbers follow them point by point):", ""]
+    for c in impl.size_conditions:
+        where = f"`{c.instead.name}` in its place" if c.instead is not None else "none in its place"
+        lines.append(f"- `{c.tensor.name}`: {c.what[:1].upper()}{c.what[1:]}; elsewhere {where}.")
+    return "\n".join(lines)
 
 
 def _tensor_table(tensors: list[SavedTensor], knobs: Knobs) -> str:
