@@ -100,8 +100,8 @@ def _size_conditions(impl: Implementation) -> str:
     """The single tensors kept as written only at some sizes (`SizeCondition`), one line each."""
     lines = ["Single tensors kept as written only at some sizes (numbers follow them point by point):", ""]
     for c in impl.size_conditions:
-        where = f"`{c.instead.name}` in its place" if c.instead is not None else "none in its place"
-        lines.append(f"- `{c.tensor.name}`: {c.what[:1].upper()}{c.what[1:]}; elsewhere {where}.")
+        instead = f" (`{c.instead.name}` in its place)" if c.instead is not None else ""
+        lines.append(f"- `{c.tensor.name}`{instead}: {c.what[:1].upper()}{c.what[1:]}.")
     return "\n".join(lines)
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import warnings
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fnmatch import fnmatchcase
 from itertools import chain
 from typing import Any, Callable, Iterator
@@ -34,7 +34,10 @@ from typing import Any, Callable, Iterator
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ProbeError
 from memcalc.model import ledger
+from memcalc.model.evaluate import dim_sizes
+from memcalc.model.impls import tensors_at
 from memcalc.model.impls import torchtitan as rules
+from memcalc.model.knobs import Accounting, Knobs
 from memcalc.model.ledger import SavedTensor
 from memcalc.model.strategy import Strategy
 from memcalc.probe import require_torch
@@ -179,14 +182,19 @@ def _heads(d: int) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda x: x.unflatten(-1, (-1, d))
 
 
-def library_rules(config: ModelConfig) -> tuple[Rule, ...]:
+def library_rules(config: ModelConfig, t: int) -> tuple[Rule, ...]:
     """What torchtitan's Python passes to torch, named: the module it runs in, the call, the argument.
 
     Under a checkpoint the block's input is kept and nothing inside the block but
     SelectiveAC's op outputs; without one, the input is not kept (the norm keeps
-    its fp32 upcast), except in fp32, where the upcast is the input itself.
+    its fp32 upcast), except in fp32, where the upcast is the input itself. V is
+    named as the rules predict it at these sizes on t ranks (a view at b = s = 1).
     """
     d = config.h // config.a
+    predicted = tensors_at(Knobs.of(config), Accounting(exact=True), dim_sizes(config), t)
+    v = Rule("*attention.inner_attention", "scaled_dot_product_attention", ledger.V, arg=2)
+    if rules.V_IN_QKV_OUT in predicted:  # the view's base: wqkv's output, (b, s, (a+2g) d)
+        v = replace(v, tensor=rules.V_IN_QKV_OUT, view=lambda x: _heads(d)(x._base))
     if config.recompute != "none":
         return (
             Rule("", "forward", ledger.LAYER_INPUT, arg=0),
@@ -201,7 +209,7 @@ def library_rules(config: ModelConfig) -> tuple[Rule, ...]:
         Rule("*attention.qkv_linear.wqkv", "linear", rules.QKV_IN, arg=0),
         Rule("*attention.inner_attention", "scaled_dot_product_attention", ledger.Q, arg=0),
         Rule("*attention.inner_attention", "scaled_dot_product_attention", ledger.K, arg=1),
-        Rule("*attention.inner_attention", "scaled_dot_product_attention", ledger.V, arg=2),
+        v,
         Rule("*attention.wo", "linear", ledger.PROJ_IN, arg=0, view=_heads(d)),
         Rule("*feed_forward.w1", "linear", rules.FC1_IN, arg=0),
         Rule("*feed_forward", "silu", ledger.SWIGLU_GATE, arg=0),
@@ -374,7 +382,7 @@ def run_layer(
         stack.enter_context(shim.cuda_like_router(block, route, config.moe_router_topk))
         state = chain(block.parameters(), block.buffers())  # buffers: the RoPE table is state, like a weight
         with SavedTensorRecorder(state) as recorder:
-            with Labels(block, library_rules(config)), AtenLabels(block, aten_rules()):
+            with Labels(block, library_rules(config, tp.size)), AtenLabels(block, aten_rules()):
                 y = block(x, None, None)
             _hand_to_recorder(shim.cached_tensors(caches))
         y.backward(torch.ones_like(y))

@@ -55,6 +55,11 @@ CASES = {
         {"b": 1, "s": 64, "h": 256, "a": 8, "num_query_groups": 4, "ffn_hidden_size": 1024, "recompute": "op"},
         4, "tp-sp"),
     "b=1, full recompute, tp-sp t=2": ({"b": 1, "recompute": "full"}, 2, "tp-sp"),
+    # issue 18, found by tests/probe/test_differential.py: CONDITIONS in memcalc/model/impls/torchtitan.py
+    "b=s=1, one K/V group: V is a view, SDPA keeps the whole wqkv output": (
+        {"b": 1, "s": 1, "num_query_groups": 1}, 1, "none"),
+    "b=s=1, tp t=2, one K/V group per rank": ({"b": 1, "s": 1, "num_query_groups": 2}, 2, "tp"),
+    "b=s=1, two K/V groups: V is copied": ({"b": 1, "s": 1, "num_query_groups": 2}, 1, "none"),
 }
 
 
