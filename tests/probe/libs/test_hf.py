@@ -70,6 +70,11 @@ CASES = {
         (LLAMA | MLA | {"attention": "eager", "dropout": 0.0}, None),
     "deepseek-v2-lite latent attention, no query latent, with dropout":
         (LLAMA | MLA | {"q_lora_rank": None, "attention": "eager", "dropout": 0.1}, None),
+    # issue 18, found by tests/probe/test_differential.py: bmm takes q, k^T, v as views of c_attn's output
+    "gpt2 eager with one head: q, k, v are c_attn's output, split into ledger rows":
+        (GPT2 | {"attention": "eager", "dropout": 0.0, "a": 1}, None),
+    "gpt2 eager at b=1: the (b, a) batch flattens as a view": (GPT2 | {"attention": "eager", "dropout": 0.1, "b": 1},
+                                                               None),
 }
 
 
