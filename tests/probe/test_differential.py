@@ -52,6 +52,7 @@ class Subject:
     gqa: bool = True  # whether num_query_groups may be fewer than a
     moe: bool = False  # routed experts: forced to the balanced route, so each expert's tokens are known
     extra: dict[str, Any] = field(default_factory=dict)  # other fixed fields (latent widths)
+    known: str = ""  # a finding not fixed yet (docs/limitations.md): the subject's runs are expected to fail
 
 
 def _knobs(**choices: st.SearchStrategy[Any]) -> st.SearchStrategy[dict[str, Any]]:
@@ -81,7 +82,8 @@ SUBJECTS = (
     Subject("hf qwen3", "transformers", {"impl": "hf", "qk_layernorm": True} | LLAMA, _HF_LLAMA, family="qwen3"),
     Subject("hf gpt2", "transformers", {"impl": "hf", "norm": "layernorm"}, _HF_GPT2, family="gpt2", gqa=False),
     Subject("hf deepseek_v3 (latent attention, dense)", "transformers", {"impl": "hf", "attention": "eager"} | LLAMA,
-            _HF_MLA, family="deepseek_v3", extra=MLA),
+            _HF_MLA, family="deepseek_v3", extra=MLA,
+            known="at b = 1 matmul keeps V as a view of kv_b_proj's output: not modelled yet"),
     Subject("hf mixtral", "transformers", {"impl": "hf", "dropout": 0.0, "num_experts": 4} | LLAMA, _HF_MOE,
             family="mixtral", moe=True),
     Subject("hf qwen2_moe", "transformers", {"impl": "hf", "dropout": 0.0, "num_experts": 4,
@@ -183,6 +185,8 @@ def library(request: pytest.FixtureRequest) -> Subject:
     pytest.importorskip("torch")
     if not _installed(subject.module):
         pytest.skip(f"{subject.module} is not installed")
+    if subject.known:
+        request.node.add_marker(pytest.mark.xfail(reason=subject.known, strict=False))
     return subject
 
 

@@ -53,6 +53,7 @@ two rows, half its bytes each. `--route` forces the router (hf_shim).
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import replace
 from fnmatch import fnmatchcase
 from functools import partial
 from typing import Any, Callable
@@ -387,6 +388,11 @@ def _stored(axes: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return view
 
 
+def _whole(x: Any) -> Any:
+    """The tensor a view was made from, or x itself."""
+    return x if x._base is None else x._base
+
+
 def _copy(axes: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """`axes`, for a tensor that fills a storage of its own; None for a view into a larger one."""
     return lambda x: axes(x) if _fills_storage(x) else None
@@ -512,7 +518,8 @@ def _latent_attention_rules(config: ModelConfig) -> tuple[Rule, ...]:
         Rule("self_attn.kv_a_proj_with_mqa", "linear", ledger.QKV_IN, arg=0),
         *_rms_rules("self_attn.q_a_layernorm", rules.MLA_Q_RMS),
         Rule("self_attn.q_b_proj", "linear", ledger.MLA_Q_UP_IN, arg=0),
-        *_rms_rules("self_attn.kv_a_layernorm", rules.MLA_KV_RMS),
+        *(replace(r, view=_whole) if r.tensor is rules.MLA_KV_RMS.input_fp32 else r
+          for r in _rms_rules("self_attn.kv_a_layernorm", rules.MLA_KV_RMS)),  # in fp32, a view of kv_a's output
         Rule("self_attn.kv_b_proj", "linear", ledger.MLA_KV_UP_IN, arg=0, view=lambda x: x.flatten(1, 2)),  # (b, 1, s, r)
         *_core_rules("self_attn", config, (ledger.MLA_Q, ledger.MLA_K, ledger.MLA_V)),
         Rule("self_attn.o_proj", "linear", ledger.MLA_PROJ_IN, arg=0, view=lambda x: x.unflatten(-1, (config.a, -1))),
