@@ -52,6 +52,7 @@ class Subject:
     gqa: bool = True  # whether num_query_groups may be fewer than a
     moe: bool = False  # routed experts: forced to the balanced route, so each expert's tokens are known
     extra: dict[str, Any] = field(default_factory=dict)  # other fixed fields (latent widths)
+    align: int = 1  # widths (head, expert) a multiple of this: torch._grouped_mm wants 16-byte strides
     known: str = ""  # a finding not fixed yet (docs/limitations.md): the subject's runs are expected to fail
 
 
@@ -64,7 +65,15 @@ _MEGATRON = _knobs(
     dropout=DROPOUT, dtype=DTYPES, recompute=st.sampled_from(("none", "selective", "full")),
     bias_activation_fusion=st.booleans(), qk_layernorm=st.booleans(), add_bias_linear=st.booleans(),
 )
+_MEGATRON_MLA = _knobs(norm=st.sampled_from(("layernorm", "rmsnorm")), mlp=st.sampled_from(("gelu", "swiglu")),
+                      dropout=DROPOUT, dtype=DTYPES, q_lora_rank=st.sampled_from((None, 8)))
+# megatron-core refuses top-1 softmax routing without moe_router_pre_softmax (TransformerConfig; memcalc does not
+# refuse it yet: docs/limitations.md)
+_MEGATRON_MOE = st.sampled_from(({"moe_router_topk": 1, "moe_router_pre_softmax": True}, {"moe_router_topk": 2})).flatmap(
+    lambda router: _knobs(dtype=DTYPES, moe_token_dispatcher_type=st.sampled_from(("alltoall", "allgather")))
+    .map(lambda knobs: knobs | router))
 _TORCHTITAN = _knobs(dtype=DTYPES, recompute=st.sampled_from(("none", "op", "full")))
+_TORCHTITAN_MOE = _knobs(dtype=DTYPES, moe_router_topk=st.sampled_from((1, 2)))
 _HF_LLAMA = _knobs(attention=st.sampled_from(("eager", "flash")), dropout=DROPOUT, dtype=DTYPES,
                    recompute=st.sampled_from(("none", "full")))
 _HF_GPT2 = _knobs(attention=st.sampled_from(("eager", "flash")), dropout=DROPOUT, dtype=DTYPES,
@@ -75,7 +84,12 @@ _HF_MOE = _knobs(attention=st.sampled_from(("eager", "flash")), dtype=DTYPES, re
 
 SUBJECTS = (
     Subject("megatron", "megatron.core", {"impl": "megatron"}, _MEGATRON),
+    Subject("megatron latent attention", "megatron.core", {"impl": "megatron"}, _MEGATRON_MLA, gqa=False, extra=MLA),
+    Subject("megatron moe", "megatron.core", {"impl": "megatron", "norm": "rmsnorm", "mlp": "swiglu", "dropout": 0.0,
+                                              "num_experts": 4, "add_bias_linear": False}, _MEGATRON_MOE, moe=True),
     Subject("torchtitan", "torchtitan", {"impl": "torchtitan"}, _TORCHTITAN),
+    Subject("torchtitan moe", "torchtitan", {"impl": "torchtitan", "recompute": "none", "num_experts": 4},
+            _TORCHTITAN_MOE, moe=True, align=8),
     Subject("hf llama", "transformers", {"impl": "hf"} | LLAMA, _HF_LLAMA, family="llama"),
     Subject("hf mistral", "transformers", {"impl": "hf"} | LLAMA, _HF_LLAMA, family="mistral"),
     Subject("hf qwen2", "transformers", {"impl": "hf", "add_qkv_bias": True} | LLAMA, _HF_LLAMA, family="qwen2"),
@@ -102,7 +116,7 @@ def cases(draw: st.DrawFn, subject: Subject) -> tuple[Any, str]:
     per_rank = draw(st.sampled_from((1, 2, 3, 5)))  # heads per rank, odd ones included
     a = t * per_rank
     groups = t * draw(st.sampled_from([g for g in range(1, per_rank + 1) if per_rank % g == 0])) if subject.gqa else None
-    d = draw(st.sampled_from((2, 4, 6)))  # RoPE wants an even head width
+    d = subject.align * draw(st.sampled_from((2, 4, 6)))  # RoPE wants an even head width
     b = draw(st.sampled_from((1, 1, 2, 3)))
     layouts = _layouts(knobs, t)
     assume(layouts)
@@ -111,7 +125,7 @@ def cases(draw: st.DrawFn, subject: Subject) -> tuple[Any, str]:
     s = t * draw(st.integers(1, 6)) if sp else draw(st.integers(1, 24))
     if subject.moe:  # the balanced route gives every expert k*b*s/E tokens: E must divide them
         assume(knobs["moe_router_topk"] * b * s % knobs["num_experts"] == 0)
-        knobs |= {"moe_ffn_hidden_size": t * draw(st.integers(1, 3))}
+        knobs |= {"moe_ffn_hidden_size": t * subject.align * draw(st.integers(1, 3))}
     fields = knobs | {"b": b, "s": s, "a": a, "h": a * d, "num_query_groups": groups, "t": t,
                       "ffn_hidden_size": t * draw(st.integers(1, 6))}
     try:
