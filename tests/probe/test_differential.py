@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, Phase, assume, given, settings
 from hypothesis import strategies as st
 
 from memcalc.config.schema import build_config
@@ -84,9 +84,12 @@ _HF_MOE = _knobs(attention=st.sampled_from(("eager", "flash")), dtype=DTYPES, re
 
 SUBJECTS = (
     Subject("megatron", "megatron.core", {"impl": "megatron"}, _MEGATRON),
-    Subject("megatron latent attention", "megatron.core", {"impl": "megatron"}, _MEGATRON_MLA, gqa=False, extra=MLA),
+    Subject("megatron latent attention", "megatron.core", {"impl": "megatron"}, _MEGATRON_MLA, gqa=False, extra=MLA,
+            known="at b = s = 1 V is kept as a view of a larger storage: not modelled yet"),
     Subject("megatron moe", "megatron.core", {"impl": "megatron", "norm": "rmsnorm", "mlp": "swiglu", "dropout": 0.0,
-                                              "num_experts": 4, "add_bias_linear": False}, _MEGATRON_MOE, moe=True),
+                                              "num_experts": 4, "add_bias_linear": False}, _MEGATRON_MOE, moe=True,
+            known="eager GQA at b = 1 with one K/V group per rank keeps the QKV output for the query: not modelled"
+                  " yet"),
     Subject("torchtitan", "torchtitan", {"impl": "torchtitan"}, _TORCHTITAN),
     Subject("torchtitan moe", "torchtitan", {"impl": "torchtitan", "recompute": "none", "num_experts": 4},
             _TORCHTITAN_MOE, moe=True, align=8),
@@ -179,9 +182,11 @@ def _installed(module: str) -> bool:
 
 
 def _drawn(subject: Subject, examples: int, derandomize: bool) -> Any:
-    """A hypothesis test of `subject` over `examples` drawn cases."""
+    """A hypothesis test of `subject` over `examples` drawn cases; the default (derandomized) run reports the first
+    failing case as drawn, without shrinking it, to stay within its time."""
+    phases = [Phase.generate] if derandomize else [Phase.generate, Phase.shrink]
     @settings(max_examples=examples, deadline=None, database=None, derandomize=derandomize, print_blob=True,
-              suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow])
+              phases=phases, suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow])
     @given(cases(subject))
     def drawn(case: tuple[Any, str]) -> None:
         check_against_the_ledger(subject, *case)
