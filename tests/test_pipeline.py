@@ -36,20 +36,32 @@ def _simulate(p: int, m: int | None, rank: int, microbatches: int) -> list[dict[
 
 
 LAYOUTS = [(p, m) for p in (2, 3, 4, 8) for m in (None, 2, 3, 4)]
+# Micro-batches per step, as multiples of p (interleaving needs p | n): the steady state, and a step of only p,
+# where rank 0 runs every forward as warm-up and the last rank still reaches 1F1B.
+STEPS = (4, 2, 1)
 
 
+@pytest.mark.parametrize("n_per_p", STEPS)
 @pytest.mark.parametrize("p,m", LAYOUTS)
-def test_first_and_last_stage_counts_match_a_replay_of_the_schedule(p, m):
-    L = 2 * p * (m or 1)  # two layers per model chunk
-    first, last = stages(L, p, m)
+def test_first_and_last_stage_counts_match_a_replay_of_the_schedule(p, m, n_per_p):
+    L, n = 2 * p * (m or 1), n_per_p * p  # two layers per model chunk
+    first, last = stages(L, p, m, n)
     per_chunk = L // (p * (m or 1))
-    peak_first = max(_simulate(p, m, 0, 4 * p), key=lambda live: (sum(live.values()), live[0]))
+    peak_first = max(_simulate(p, m, 0, n), key=lambda live: (sum(live.values()), live[0]))
     assert first.layer_slots == per_chunk * sum(peak_first.values())
     assert first.embedding_in_flight == peak_first[0]  # chunk 0 holds the embedding, counted at the same peak
-    peak_last = max(_simulate(p, m, p - 1, 4 * p), key=lambda live: sum(live.values()))
+    peak_last = max(_simulate(p, m, p - 1, n), key=lambda live: sum(live.values()))
     assert last.layer_slots == per_chunk * sum(peak_last.values())
-    assert last.output_in_flight == max(live[(m or 1) - 1] for live in _simulate(p, m, p - 1, 4 * p))
+    assert last.output_in_flight == max(live[(m or 1) - 1] for live in _simulate(p, m, p - 1, n))
     assert first.layers == last.layers == L // p
+
+
+def test_interleaved_step_of_p_micro_batches_keeps_the_last_stage_in_1f1b():
+    """Regression (issue 18): with n = p the last rank warms up with (vpp-1)p forwards, not all n*vpp, and keeps
+    one micro-batch's output-layer chunk (Megatron's 7B tp1 pp4 vpp8 functional test runs n = p = 4)."""
+    first, last = stages(32, 4, 8, 4)
+    assert (first.layer_slots, first.embedding_in_flight) == (32, 4)
+    assert (last.layer_slots, last.output_in_flight) == (7 * 4 + 1, 1)
 
 
 @pytest.mark.parametrize("p,m", LAYOUTS)

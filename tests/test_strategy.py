@@ -76,7 +76,7 @@ def test_strategies_are_rules_over_regions():
 
 @pytest.mark.parametrize("exact", [False, True])
 def test_tp_sp_divides_every_term_by_t(exact):
-    t = 4
+    t = 2  # a*g/t: two K/V groups per rank, where every term divides (megatron's CONDITIONS)
     for knobs in _every_knob_combination():
         config = build_config(dict(b=4, s=32, h=64, a=8, t=t) | knobs)  # b*a/t fills a fused-softmax block
         accounting = Accounting(exact=exact)

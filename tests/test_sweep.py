@@ -195,7 +195,7 @@ def test_gpt3_175b_rows_are_the_seeds_formulas():
 def _grids(draw):
     """Random short lists per size, many of whose combinations break some rule."""
     pick = lambda options: draw(st.lists(st.sampled_from(options), min_size=1, max_size=2, unique=True))  # noqa: E731
-    return dict(b=pick([1, 2, 3]), s=pick([6, 8, 15, 16, 64]), h=pick([48, 64, 96, 120]), a=pick([2, 3, 4, 8]),
+    return dict(b=pick([1, 2, 3]), s=pick([1, 6, 8, 15, 16, 64]), h=pick([48, 64, 96, 120]), a=pick([2, 3, 4, 8]),
                 t=pick([1, 2, 3, 4]), L=pick([1, 3]))
 
 
@@ -370,3 +370,19 @@ def test_json_holds_the_knobs_once_and_a_list_per_column():
     assert doc["columns"]["t"] == [1, 2, 4, 8]
     assert doc["columns"]["strategy"] == ["tp-sp"] * 4
     assert doc["columns"]["per_layer_bytes"] == [_seed_per_layer("tp-sp", 1, 2048, t) for t in (1, 2, 4, 8)]
+
+
+@pytest.mark.parametrize("knobs", [
+    {"recompute": "none", "dtype": "fp32"},  # the fp32 softmax and its causal mask, none at s = 1
+    {"recompute": "selective", "num_query_groups": 2},  # the query columns, none with one K/V group per rank
+    {"qk_layernorm": True, "num_query_groups": 2},
+], ids=["causal mask", "selective gqa", "qk_layernorm gqa"])
+def test_sweep_rows_follow_megatrons_size_conditions_as_estimate_does(knobs):
+    """Regression (issue 18): a tensor kept only at some sizes (s > 1, g/t > 1) is dropped point by point."""
+    grid = dict(b=[1, 2], s=[1, 8], h=[32], a=[4], t=[1, 2], L=[1])
+    accounting = Accounting(exact=True, device="cpu")
+    result = evaluate_sweep(make_sweep(knobs, grid, ALL, accounting))
+    for r in map(result.row, range(result.rows)):
+        point = {k: r[k] for k in grid}
+        assert r["per_layer_bytes"] == estimate(build_config(knobs | point), STRATEGIES[r["strategy"]],
+                                                accounting).per_layer_bytes

@@ -33,8 +33,9 @@ MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: torch's timedelta and any real run st
 @strategy_option
 @click.option(
     "--device", type=click.Choice(["cpu", "cuda", "meta"]), default="cpu", show_default=True,
-    help="Where the layers run; the prediction's norm statistics follow it. meta: shapes and dtypes"
-    " without data, so full-size layers take seconds; compared with CUDA's accounting.",
+    help="Where the layers run; the prediction counts that device's kernels, with CUDA's dropout on every device"
+    " (the CPU shims emulate it). meta: shapes and dtypes without data, so full-size layers take seconds;"
+    " compared with CUDA's accounting.",
 )
 @click.option(
     "--backend", type=click.Choice(["gloo", "nccl"]), default=None,

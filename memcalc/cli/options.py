@@ -92,7 +92,8 @@ accounting_options = _stack(
     ),
     click.option(
         "--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,
-        help="Where the layer runs; decides the width of norm statistics under --exact.",
+        help="Whose kernels keep the tensors under --exact: norm statistics' width, CPU composites, attention"
+        " kernels (docs/limitations.md); dropout masks are CUDA's 1-byte masks on every device.",
     ),
 )
 

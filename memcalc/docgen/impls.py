@@ -97,8 +97,10 @@ def _differences(impl: Implementation, knobs: Knobs) -> str:
 def _size_rule(impl: Implementation, knobs: Knobs) -> str:
     """Where what the layer keeps depends on the sizes, and what it keeps then."""
     rule = impl.size_rule
-    if rule is None:
+    if rule is None and not impl.size_conditions:
         return "## Where the sizes matter\n\nNowhere: the knobs alone decide what the layer keeps."
+    if rule is None:
+        return "\n".join(["## Where the sizes matter", "", _size_conditions(impl)])
     seed = replace(knobs, attention="eager", recompute="none", dtype="bf16", **rule.shown_with)
     inside, outside = impl.layer_tensors(seed, EXACT), rule.outside(seed, EXACT)
     changed = [x for x in outside if x not in inside]
@@ -109,7 +111,17 @@ def _size_rule(impl: Implementation, knobs: Knobs) -> str:
         " the paper it makes; the formulas below hold where the kernel runs (`memcalc formula` prints those outside"
         " too, and with --s and --a the one that holds there).",
         "", f"What the layer keeps outside (eager attention, bf16{shown}):", "", _tensor_table(changed, seed),
+        *(["", _size_conditions(impl)] if impl.size_conditions else []),
     ])
+
+
+def _size_conditions(impl: Implementation) -> str:
+    """The single tensors kept as written only at some sizes (`SizeCondition`), one line each."""
+    lines = ["Single tensors kept as written only at some sizes (numbers follow them point by point):", ""]
+    for c in impl.size_conditions:
+        instead = f" (`{c.instead.name}` in its place)" if c.instead is not None else ""
+        lines.append(f"- `{c.tensor.name}`{instead}: {c.what[:1].upper()}{c.what[1:]}.")
+    return "\n".join(lines)
 
 
 def _tensor_table(tensors: list[SavedTensor], knobs: Knobs) -> str:

@@ -63,6 +63,7 @@ class SelfAttention(nn.Module):
         super().__init__()
         self.head_dim = config.head_dim
         self.heads_per_group = config.a // config.groups
+        self.groups_per_rank = config.groups // tp.size
         self.dropout = config.dropout
         self.flash = config.attention == "flash"
         self.recompute = config.recompute == "selective"
@@ -90,8 +91,9 @@ class SelfAttention(nn.Module):
         return eager_core(q, k, v, self.dropout, self.softmax)
 
     def _query_columns(self, q: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """What Megatron's core-attention checkpoint keeps beside q, k, v under GQA: the QKV output's query columns."""
-        if self.flash or self.heads_per_group == 1:
+        """What Megatron's core-attention checkpoint keeps beside q, k, v under GQA: the QKV output's query columns
+        (none with one K/V group per rank, where megatron's query is a view of them: impls.megatron.CONDITIONS)."""
+        if self.flash or self.heads_per_group == 1 or self.groups_per_rank == 1:
             return ()
         columns = q.clone()
         label(columns, megatron.QKV_QUERY_COLUMNS)

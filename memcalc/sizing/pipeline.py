@@ -17,14 +17,16 @@ so a rank's peak is its warm-up forwards plus one:
   that same peak, while the output layer's chunk on the last stage keeps one.
 
 The middle stages hold fewer micro-batches than the first and no model ends,
-so the first and the last stage bound every GPU. The counts are the steady
-state of a step with enough micro-batches m to fill the warm-up. A step with
-fewer keeps fewer: under 1F1B rank r warms up with min(p - r - 1, m) forwards,
-so the first stage keeps min(p, m) micro-batches. Interleaved, Megatron-LM
-needs p | m, and with m = p it sets `all_warmup_microbatches`: every rank runs
-all m*vpp chunk forwards before any backward, so the first and the last stage
-both keep m*vpp, m of them the embedding's (or the output layer's) chunk.
-With m unknown (None) the steady state is assumed.
+so the first and the last stage bound every GPU. Both counts follow from one
+rule, megatron-core 0.16's `get_pp_rank_microbatches`: rank r runs its warm-up
+forwards (above), capped at the step's n micro-batches times its chunks, then,
+while forwards are left, one forward before each backward. With n unknown
+(None) the steady state is assumed. A short step caps only the first stage:
+under 1F1B it keeps min(p, n); interleaved (Megatron-LM needs n >= p, memcalc
+p | n), n = p leaves rank 0 all n*m forwards as warm-up, n of them the
+embedding's chunk. The last rank's (m - 1)p warm-up forwards stay fewer than
+n*m whatever n is, so it keeps (m - 1)p + 1, one of them the output layer's
+chunk, whose backward follows its forward: one micro-batch's logits at a time.
 """
 
 from __future__ import annotations
@@ -61,24 +63,21 @@ def stages(L: int, pp: int, vpp: int | None, microbatches: int | None = None) ->
     m = microbatches
     if pp == 1:
         return (Stage("only", L, L, 1, 1, "no pipelining: one micro-batch at a time"),)
+    chunks = vpp or 1
+    chunk = L // (pp * chunks)
+    first, last = in_flight(pp, vpp, 0, m), in_flight(pp, vpp, pp - 1, m)
+    short = m is not None and all_warmup(pp, vpp, 0, m)
+    embedding = first if vpp is None else (m if short else 2 * pp)
+    output = 1  # the last rank's output chunk is never all warm-up: p | m, so m*vpp > (vpp - 1)p
+    why = f" (a step of only {m}: all forwards before any backward)" if short else ""
     if vpp is None:
-        per_stage = L // pp
-        kept = pp if m is None else min(pp, m)
-        why = "" if kept == pp else f" (a step of only {m}: all forwards before any backward)"
         return (
             Stage(
-                "first", per_stage, per_stage * kept, kept, 0,
-                f"1F1B keeps {kept} micro-batch{'es' if kept > 1 else ''} of {per_stage} layers{why}",
+                "first", chunk, chunk * first, embedding, 0,
+                f"1F1B keeps {first} micro-batch{'es' if first > 1 else ''} of {chunk} layers{why}",
             ),
-            Stage("last", per_stage, per_stage, 0, 1, f"1F1B keeps 1 micro-batch of {per_stage} layers"),
+            Stage("last", chunk, chunk * last, 0, output, f"1F1B keeps 1 micro-batch of {chunk} layers"),
         )
-    chunk = L // (pp * vpp)
-    first, last, embedding, output = pp * vpp + pp - 1, (vpp - 1) * pp + 1, 2 * pp, 1
-    why = ""
-    if m is not None and m <= pp:  # pp | m, so m == pp: Megatron-LM runs every forward as warm-up, on every rank
-        first = last = m * vpp
-        embedding = output = m
-        why = f" (a step of only {m} micro-batches: every forward before any backward)"
     return (
         Stage(
             "first", chunk * vpp, chunk * first, embedding, 0,
@@ -88,6 +87,24 @@ def stages(L: int, pp: int, vpp: int | None, microbatches: int | None = None) ->
         Stage(
             "last", chunk * vpp, chunk * last, 0, output,
             f"interleaved 1F1B keeps {last} chunk-micro-batches of {chunk} layers,"
-            f" {output} of them the output layer's chunk{why}",
+            f" {output} of them the output layer's chunk",
         ),
     )
+
+
+def warmup(pp: int, vpp: int | None, rank: int, microbatches: int | None) -> int:
+    """Forwards rank `rank` runs before its first backward (megatron-core's get_pp_rank_microbatches, with
+    microbatch_group_size_per_vp_stage at its default, pp): capped at the step's chunk-micro-batches."""
+    steady = pp - rank - 1 if vpp is None else 2 * (pp - rank - 1) + (vpp - 1) * pp
+    return steady if microbatches is None else min(steady, microbatches * (vpp or 1))
+
+
+def all_warmup(pp: int, vpp: int | None, rank: int, microbatches: int) -> bool:
+    """Whether the step is too short for rank `rank` to reach 1F1B: every forward runs before any backward."""
+    return warmup(pp, vpp, rank, microbatches) == microbatches * (vpp or 1)
+
+
+def in_flight(pp: int, vpp: int | None, rank: int, microbatches: int | None) -> int:
+    """Chunk-micro-batches rank `rank` keeps at its peak: its warm-up, plus the first steady forward if any."""
+    kept = warmup(pp, vpp, rank, microbatches)
+    return kept if microbatches is not None and all_warmup(pp, vpp, rank, microbatches) else kept + 1

@@ -31,7 +31,7 @@ from memcalc.config.schema import (
 from memcalc.errors import ConfigError
 from memcalc.text import short_repr
 from memcalc.model.evaluate import dim_sizes, rank_shape
-from memcalc.model.impls import layer_tensors, plan, size_rule, strategies_of
+from memcalc.model.impls import implementation, layer_tensors, plan, size_rule, strategies_of
 from memcalc.model.knobs import MLA_KNOBS, Accounting, Knobs, element_bytes
 from memcalc.model.ledger import SavedTensor
 from memcalc.model.strategy import STRATEGIES, Strategy
@@ -366,12 +366,23 @@ def _tensor_bytes(
     tensors: tuple[SavedTensor, ...], strategy: Strategy, sizes: dict, t: np.ndarray, knobs: Knobs,
     accounting: Accounting,
 ) -> np.ndarray:
-    """The bytes of `tensors` on one rank at every point of the grid."""
-    terms = (
-        prod(sorted(rank_shape(x, strategy, sizes, t), key=np.size), start=element_bytes(x.kind, knobs, accounting))
-        for x in strategy.kept(tensors)
-    )
-    return np.asarray(sum(terms))
+    """The bytes of `tensors` on one rank at every point of the grid, each size condition's tensor replaced (or
+    dropped) at the points where the sizes take the other branch (`memcalc.model.impls.tensors_at`)."""
+    def one(x: SavedTensor) -> np.ndarray:
+        return prod(sorted(rank_shape(x, strategy, sizes, t), key=np.size), start=element_bytes(x.kind, knobs,
+                                                                                                accounting))
+
+    conditions = {c.tensor.name: c for c in implementation(knobs).size_conditions}
+    split = t if strategy.tensor_parallel else 1
+
+    def term(x: SavedTensor) -> np.ndarray:
+        condition = conditions.get(x.name)
+        if condition is None:
+            return one(x)
+        other = one(strategy.kept((condition.instead,))[0]) if condition.instead is not None else 0
+        return np.where(condition.kept(sizes, split), one(x), other)
+
+    return np.asarray(sum(term(x) for x in strategy.kept(tensors)))
 
 
 def _kept_sets(knobs: Knobs, accounting: Accounting) -> list[tuple[SavedTensor, ...]]:

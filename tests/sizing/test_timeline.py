@@ -155,3 +155,23 @@ def test_interleaved_the_first_stage_walks_one_chunk_beside_the_chunk_micro_batc
     assert others.bytes == (slots - 1) * per_layer + (embeddings - 1) * per_embedding
     assert [m.where for m in first.moments if m.phase == "forward" and m.where.startswith("layers.")] == ["layers.0"]
     assert [m.where for m in last.moments if m.phase == "forward" and m.where.startswith("layers.")] == ["layers.7"]
+
+
+# Megatron-LM's functional test gpt3_7b_tp1_pp4_memory_speed (tests/functional_tests/test_cases/gpt/, its
+# model_config.yaml): 32 layers of h 4096, 32 heads in 8 query groups, s 8192, micro-batch 1, global batch 8 over
+# dp 2 (4 micro-batches), pp 4 with one layer per virtual stage (vpp 8), untied vocabulary 131073, distributed
+# optimizer, bf16, Transformer Engine's fused attention. Its mem-max-allocated-bytes, published as the golden value
+# for DGX H100 (golden_values_dev_dgx_h100.json, every step from the second), is logged by the last rank: the last
+# pipeline stage's peak.
+MEGATRON_7B_PP4_VPP8 = dict(b=1, s=8192, h=4096, a=32, num_query_groups=8, L=32, pp=4, vpp=8, dp=2,
+                            distributed_optimizer=True, vocab_size=131073, tie_embeddings=False, num_microbatches=4,
+                            attention="flash")
+MEGATRON_7B_PP4_VPP8_LAST_STAGE_PEAK = 60_518_293_504
+
+
+def test_megatrons_published_7b_pp4_vpp8_last_stage_peak_is_within_two_percent():
+    """Regression (issue 18): with 4 = pp micro-batches the last stage keeps (vpp-1)*pp + 1 chunks and one
+    micro-batch's logits, not all 32 chunks and 4 logits (1.046x the golden before)."""
+    config = build_config(MEGATRON_7B_PP4_VPP8)
+    _, last = timelines(config, STRATEGIES["none"], Accounting(exact=True, device="cuda"))
+    assert last.peak.bytes == pytest.approx(MEGATRON_7B_PP4_VPP8_LAST_STAGE_PEAK, rel=0.02)

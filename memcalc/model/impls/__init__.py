@@ -93,8 +93,11 @@ def size_rule(knobs: Any) -> SizeRule | None:
 
 
 def tensors_at(knobs: Any, accounting: Accounting, sizes: dict[Any, Any], t: int) -> tuple[SavedTensor, ...]:
-    """What one layer keeps at these sizes (t: the layout's split): `layer_tensors`, or the size rule's other set."""
+    """What one layer keeps at these sizes (t: the layout's split): `layer_tensors`, or the size rule's other set,
+    each size condition's tensor replaced (or dropped) where the sizes take the other branch."""
     rule = size_rule(knobs)
-    if rule is not None and not rule.runs(sizes, t):
-        return rule.outside(knobs, accounting)
-    return layer_tensors(knobs, accounting)
+    kept = rule.outside(knobs, accounting) if rule is not None and not rule.runs(sizes, t) else \
+        layer_tensors(knobs, accounting)
+    changed = {c.tensor.name: c.instead for c in implementation(knobs).size_conditions if not c.kept(sizes, t)}
+    in_place = (changed[x.name] if x.name in changed else x for x in kept)
+    return tuple(x for x in in_place if x is not None)

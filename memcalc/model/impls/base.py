@@ -45,6 +45,21 @@ class SizeRule:
     misses: Callable[[dict[Any, Any], int], str] | None = None
 
 
+@dataclass(frozen=True)
+class SizeCondition:
+    """One tensor a layer keeps as written only at some sizes; elsewhere `instead` in its place, or nothing.
+
+    Where a `SizeRule` swaps the set a kernel keeps, a condition touches one tensor: an edge of the
+    sizes at which the library's own code takes another branch (no causal mask for one query) or
+    a view stays a view (one K/V group per rank). `kept` works on numbers and numpy arrays alike.
+    """
+
+    tensor: SavedTensor
+    what: str
+    kept: Callable[[dict[Any, Any], Any], Any]  # (sizes by Dim, t: the layout's split) -> bool or bool array
+    instead: SavedTensor | None = None
+
+
 def always(knobs: Any) -> bool:
     """A refusal's `when` for a layout the library runs under no knobs: `plan` cites it when the layout is asked
     for by name, the implementation's page says it, and the commands that show every layout leave it out without
@@ -94,6 +109,7 @@ class Implementation:
     defaults: dict[str, Any] = field(default_factory=dict)
     tensors: tuple[SavedTensor, ...] = ()  # the tensors only this library keeps (or describes its own way)
     size_rule: SizeRule | None = None  # where what is kept depends on the sizes, not only the knobs
+    size_conditions: tuple[SizeCondition, ...] = ()  # single tensors kept as written only at some sizes
 
     def knob_defaults(self) -> dict[str, Any]:
         """The library's own knob values alone (what a knob set, without sizes or layout, takes)."""

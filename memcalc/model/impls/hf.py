@@ -105,6 +105,14 @@ K_NORM_RMS = _rms_norm("attention/k_norm_", "Qwen3RMSNorm k_norm, each key head"
 # and the shared key's RoPE parts with the model's (s, d_r) tables, kept once (the key needs no copy of its own).
 MLA_Q_RMS = _rms_norm("mla/q_norm_", "DeepseekV3RMSNorm q_a_layernorm", Dim.QR)
 MLA_KV_RMS = _rms_norm("mla/kv_norm_", "DeepseekV3RMSNorm kv_a_layernorm", Dim.KVR)
+# In fp32 the kv norm's .to(float32) is a no-op on kv_nope, torch.split(kv_a_proj_with_mqa(x))[0]: the norm keeps
+# that view, and with it the projection's whole output (found by tests/probe/test_differential.py).
+MLA_KV_NORM_VIEW = replace(
+    MLA_KV_RMS.input_fp32, saved_by="DeepseekV3RMSNorm kv_a_layernorm in fp32: its input, a view of"
+    " kv_a_proj_with_mqa's output (.to(float32) is a no-op)", shape=(Dim.B, Dim.S, Dim.KVD),
+    why="pow(2) and x * rsqrt(.) read the input, a view that keeps the whole output (the latent and the keys' RoPE"
+    " part) alive",
+)
 MLA_ROPE_COS = SavedTensor(
     "mla/rope_cos", "apply_rotary_pos_emb(_interleave): q_rot * cos and k_rot * cos", (Dim.S, Dim.DR),
     Kind.ACTIVATION, _SEQ, "the gradient of x in x * cos is dY * cos (one (1, s, d_r) table from the model's rotary"
@@ -350,7 +358,8 @@ def latent_attention(knobs: Any) -> tuple[SavedTensor, ...]:
     """DeepseekV3Attention, eager: x (q_a_proj/q_proj and kv_a_proj_with_mqa read it), each latent's RMSNorm and
     up-projection input, the RoPE tables, the eager core over Q, K (d_n+d_r) and V (d_v), o_proj's input."""
     query = (*MLA_Q_RMS, ledger.MLA_Q_UP_IN) if knobs.q_lora_rank is not None else ()
-    latent = (*MLA_KV_RMS, ledger.MLA_KV_UP_IN)
+    kv_norm = (MLA_KV_NORM_VIEW, *MLA_KV_RMS[1:]) if knobs.dtype == "fp32" else MLA_KV_RMS
+    latent = (*kv_norm, ledger.MLA_KV_UP_IN)
     return (ledger.QKV_IN, *query, *latent, MLA_ROPE_COS, MLA_ROPE_SIN, *_eager(knobs), ledger.MLA_PROJ_IN)
 
 

@@ -56,7 +56,7 @@ from typing import Any
 
 from memcalc.errors import ConfigError
 from memcalc.model import ledger
-from memcalc.model.impls.base import Implementation, Refusal, SizeRule, drop_small
+from memcalc.model.impls.base import Implementation, Refusal, SizeCondition, SizeRule, drop_small
 from memcalc.model.knobs import Accounting
 from memcalc.model.ledger import Dim, Kind, Region, SavedTensor
 
@@ -309,8 +309,7 @@ def query_key_value(knobs: Any) -> tuple[SavedTensor, ...]:
     if not knobs.gqa or knobs.attention == "flash":
         return (ledger.Q, ledger.K, ledger.V)
     if knobs.recompute == "selective":
-        # The checkpoint's inputs, expanded in backward. With one K/V group per rank (g = t) the query
-        # heads are contiguous, no copy is made, and Megatron keeps Q, K, V alone; knobs do not see t.
+        # The checkpoint's inputs, expanded in backward (with one K/V group per rank, Q, K, V alone: CONDITIONS).
         return (ledger.Q, ledger.K, ledger.V, QKV_QUERY_COLUMNS)
     return (ledger.Q, K_EXPANDED, V_EXPANDED)
 
@@ -321,7 +320,7 @@ def normed_query_key_value(knobs: Any) -> tuple[SavedTensor, ...]:
 
     Multi-head, the norms' inputs are views of the fused QKV output, which V keeps too: that storage is the norms'
     input rows and V. Under GQA the query is a copy (the norm's input), and the key's view keeps the fused output
-    whole, its query columns too (with one K/V group per rank, g = t, no copy is made; knobs do not see t)."""
+    whole, its query columns too (with one K/V group per rank, g = t, no copy is made: CONDITIONS)."""
     norms = (*norm_block(ledger.Q_NORM, knobs), *norm_block(ledger.K_NORM, knobs))
     if not knobs.gqa or knobs.attention == "flash":
         return (*norms, ledger.Q, ledger.K, ledger.V)
@@ -493,6 +492,22 @@ def check(knobs: Any) -> None:
                           " renormalises the top k); leave it unset")
 
 
+# Found by the differential test (tests/probe/test_differential.py) at the edges of the sizes.
+CONDITIONS = (
+    SizeCondition(
+        CAUSAL_MASK, "FusedScaleMaskSoftmax.forward_torch_softmax builds the causal mask only for sq > 1 (one query is"
+        " its KV-cache case): at s = 1 masked_fill_ keeps none",
+        kept=lambda sizes, t: sizes[Dim.S] > 1,
+    ),
+    SizeCondition(
+        QKV_QUERY_COLUMNS, "with one K/V group per rank (g = t) the query heads lie side by side in the fused QKV"
+        " output: get_query_key_value_tensors' reshape is a view, no query copy is made, and the query's columns are"
+        " the query itself",
+        kept=lambda sizes, t: sizes[Dim.G] // t > 1,
+    ),
+)
+
+
 # MoELayer.forward: `if self.training and self.attn_tp_group.size() > 1 and not self.config.sequence_parallel:
 # raise ValueError(...)`. Refused for the knobs alone (any t): at t=1 tp lays out nothing that none does not.
 MOE_WITHOUT_SP = Refusal(
@@ -511,5 +526,6 @@ IMPLEMENTATION = Implementation(
     tensors=TENSORS,
     check=check,
     size_rule=FUSED_SOFTMAX,
+    size_conditions=CONDITIONS,
     refuses=(MOE_WITHOUT_SP,),
 )

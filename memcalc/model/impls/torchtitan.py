@@ -64,7 +64,7 @@ from typing import Any, NamedTuple
 
 from memcalc.errors import ConfigError
 from memcalc.model import ledger
-from memcalc.model.impls.base import Implementation, Refusal, drop_small
+from memcalc.model.impls.base import Implementation, Refusal, SizeCondition, drop_small
 from memcalc.model.knobs import Accounting
 from memcalc.model.ledger import Dim, Kind, Region, SavedTensor
 
@@ -312,6 +312,21 @@ MOE_NOT_SHARDED = tuple(
     for name in ("tp", "tp-sp")
 )
 
+# Found by the differential test (tests/probe/test_differential.py) at b = s = 1.
+V_IN_QKV_OUT = SavedTensor(
+    "attention/v_qkv_view", "SDPA: V, passed as a view of the fused wqkv output", (Dim.B, Dim.S, Dim.QKV, Dim.D),
+    Kind.ACTIVATION, Region.TENSOR,
+    "the kernel keeps V as passed; a view keeps its base, the whole fused output, alive",
+)
+CONDITIONS = (
+    SizeCondition(
+        ledger.V, "FusedQKVLinear splits the (b, s, g, a/g + 2, d) wqkv output and calls .contiguous() on V's"
+        " (b, s, g, d) view, which copies unless the view is already contiguous: at b = s = 1 with one K/V group per"
+        " rank (g = t) it is, so SDPA keeps the view, and with it the whole fused output",
+        kept=lambda sizes, t: (sizes[Dim.B] * sizes[Dim.S] > 1) | (sizes[Dim.G] // t > 1), instead=V_IN_QKV_OUT,
+    ),
+)
+
 IMPLEMENTATION = Implementation(
     name="torchtitan",
     title="torchtitan",
@@ -321,7 +336,8 @@ IMPLEMENTATION = Implementation(
     " shared experts) at ep 1 without recomputation, its router forced balanced and all-to-one",
     layer_tensors=layer_tensors,
     kept_whole=KEPT_WHOLE,
-    tensors=(*LN1, *LN2, QKV_IN, FC1_IN, QKV_OUT, FC2_OUT, FLEX_MAX_SCORES, *MOE_TENSORS),
+    tensors=(*LN1, *LN2, QKV_IN, FC1_IN, QKV_OUT, FC2_OUT, FLEX_MAX_SCORES, V_IN_QKV_OUT, *MOE_TENSORS),
+    size_conditions=CONDITIONS,
     check=check,
     refuses=MOE_NOT_SHARDED,
     # Llama3's block, and the trainer's default activation_checkpoint (SelectiveAC); attention: flex, a fused kernel.

@@ -60,6 +60,7 @@ router (hf_shim).
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import replace
 from fnmatch import fnmatchcase
 from functools import partial
 from typing import Any, Callable
@@ -394,6 +395,26 @@ def _stored(axes: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return view
 
 
+def _whole(x: Any) -> Any:
+    """The tensor a view was made from, or x itself."""
+    return x if x._base is None else x._base
+
+
+def _copy(axes: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """`axes`, for a tensor that fills a storage of its own; None for a view into a larger one."""
+    return lambda x: axes(x) if _fills_storage(x) else None
+
+
+def _in_larger(x: Any) -> Any:
+    """x, if it views a larger storage (one it shares), else None. (A saved tensor's `_base` is not kept under
+    saved-tensor hooks: the storage's size tells.)"""
+    return None if _fills_storage(x) else x
+
+
+def _fills_storage(x: Any) -> bool:
+    return x.untyped_storage().nbytes() == x.numel() * x.element_size()
+
+
 def _tokens(b: int) -> Callable[[Any], Any]:
     """(b * s, h), a Conv1D's flattened input, as (b, s, h)."""
     return lambda x: x.unflatten(0, (b, -1))
@@ -438,22 +459,27 @@ def _layer_norm_rules(module: str, norm: ledger.NormTensors) -> tuple[Rule, ...]
     )
 
 
-def _core_rules(attention: str, config: ModelConfig, qkv: tuple[SavedTensor, ...] = _QKV_PARTS) -> tuple[Rule, ...]:
+def _core_rules(
+    attention: str, config: ModelConfig, qkv: tuple[SavedTensor, ...] = _QKV_PARTS, copies_only: bool = False,
+) -> tuple[Rule, ...]:
     """Eager, SDPA (flash kernel) and SDPA's CPU math kernel: the tensors inside `attention`; `qkv` names the
-    eager core's Q, K and V (latent attention's own).
+    eager core's Q, K and V (latent attention's own); with `copies_only`, only where matmul made them copies of
+    their own (GPT-2's views of c_attn's output are named by `_gpt2_attention_rules`).
 
     SDPA's q, k and v are the arguments it is passed: `_sdpa_inputs`.
     """
     b = config.b
     sdpa = "scaled_dot_product_attention"
     q, k, v = qkv
+    own = _copy if copies_only else (lambda axes: axes)
     return (
         # eager: matmul copies q, k^T (k after repeat_kv) and v into contiguous storages and keeps those
-        Rule(attention, "matmul", q, nth=0, view=_kept("BmmBackward0", "_saved_self", then=_heads(b))),
-        Rule(attention, "matmul", k, nth=0, view=_kept("BmmBackward0", "_saved_mat2", then=_stored(_heads_t(b)))),
+        Rule(attention, "matmul", q, nth=0, view=_kept("BmmBackward0", "_saved_self", then=own(_heads(b)))),
+        Rule(attention, "matmul", k, nth=0,
+             view=_kept("BmmBackward0", "_saved_mat2", then=own(_stored(_heads_t(b))))),
         Rule(attention, "matmul", rules.K_EXPANDED, nth=0,
              view=_kept("BmmBackward0", "_saved_mat2", then=_heads_t(b))),
-        Rule(attention, "matmul", v, nth=1, view=_kept("BmmBackward0", "_saved_mat2", then=_stored(_heads(b)))),
+        Rule(attention, "matmul", v, nth=1, view=_kept("BmmBackward0", "_saved_mat2", then=own(_stored(_heads(b))))),
         Rule(attention, "matmul", rules.V_EXPANDED, nth=1,
              view=_kept("BmmBackward0", "_saved_mat2", then=_heads(b))),
         Rule(attention, "softmax", ledger.SOFTMAX_OUT),
@@ -499,7 +525,8 @@ def _latent_attention_rules(config: ModelConfig) -> tuple[Rule, ...]:
         Rule("self_attn.kv_a_proj_with_mqa", "linear", ledger.QKV_IN, arg=0),
         *_rms_rules("self_attn.q_a_layernorm", rules.MLA_Q_RMS),
         Rule("self_attn.q_b_proj", "linear", ledger.MLA_Q_UP_IN, arg=0),
-        *_rms_rules("self_attn.kv_a_layernorm", rules.MLA_KV_RMS),
+        *(replace(r, view=_whole) if r.tensor is rules.MLA_KV_RMS.input_fp32 else r
+          for r in _rms_rules("self_attn.kv_a_layernorm", rules.MLA_KV_RMS)),  # in fp32, a view of kv_a's output
         Rule("self_attn.kv_b_proj", "linear", ledger.MLA_KV_UP_IN, arg=0, view=lambda x: x.flatten(1, 2)),  # (b, 1, s, r)
         *_core_rules("self_attn", config, (ledger.MLA_Q, ledger.MLA_K, ledger.MLA_V)),
         Rule("self_attn.o_proj", "linear", ledger.MLA_PROJ_IN, arg=0, view=lambda x: x.unflatten(-1, (config.a, -1))),
@@ -595,9 +622,11 @@ def _gpt2_attention_rules(config: ModelConfig) -> tuple[Rule, ...]:
     flat = _tokens(config.b)
     return (
         Rule("attn.c_attn", "addmm", ledger.QKV_IN, arg=1, view=flat),
-        *_core_rules("attn", config),
-        # q, k, v are views of c_attn's output (b * s, 3h): its whole storage, split by _attributed
+        *_core_rules("attn", config, copies_only=True),
+        # q, k, v are views of c_attn's output (b * s, 3h): its whole storage, split by _attributed. Under SDPA
+        # always; under eager where bmm takes them as they are (b = 1 or a = 1: the (b, a) batch flattens as a view)
         Rule("attn", "scaled_dot_product_attention", _QKV_OUT, arg=0, view=lambda q: q._base),
+        Rule("attn", "matmul", _QKV_OUT, nth=0, view=_kept("BmmBackward0", "_saved_self", then=_in_larger)),
         Rule("attn.c_proj", "addmm", ledger.PROJ_IN, arg=1, view=lambda x: _head_columns(config.head_dim)(flat(x))),
         Rule("attn.resid_dropout", "native_dropout", ledger.ATTN_OUT_DROPOUT_MASK,
              view=_kept("NativeDropoutBackward0", "_saved_result1")),

@@ -33,13 +33,11 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-from memcalc.probe import require_torch
+from memcalc.probe import require_torch, shims
 
 torch = require_torch()
 
-NOTES: tuple[str, ...] = (
-    "hf: torch.nn.functional.dropout runs torch.native_dropout on the CPU as on CUDA (a bool mask, not a bf16 one)",
-)
+NOTES: tuple[str, ...] = shims.notes("hf")  # every shim below, one line each (memcalc.probe.shims)
 
 
 @contextmanager

@@ -109,8 +109,9 @@ class Labels(TorchFunctionMode):
             if output is not None and output != (rule.arg is None):
                 continue  # a forward's input rules apply on entry, its output rules on exit
             target = _pick(result, args, kwargs, rule.arg)
-            if isinstance(target, torch.Tensor):
-                label(rule.view(target) if rule.view else target, rule.tensor)
+            named = rule.view(target) if rule.view and isinstance(target, torch.Tensor) else target
+            if isinstance(named, torch.Tensor):  # a view may find nothing to name (None)
+                label(named, rule.tensor)
 
 
 def _position(nth: int, every: int | None) -> int:

@@ -70,7 +70,7 @@ from unittest import mock
 
 from memcalc.model import ledger
 from memcalc.model.ledger import NormTensors
-from memcalc.probe import require_torch
+from memcalc.probe import require_torch, shims
 from memcalc.probe.libs.hf_shim import lead, route_lead
 from memcalc.probe.norm import EPS, Norm
 from memcalc.probe.recorder import batch_first, label
@@ -80,19 +80,7 @@ import torch.distributed as dist  # noqa: E402  (after the install check above)
 from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
-NOTES: tuple[str, ...] = (
-    "dropout runs torch.native_dropout (a bool mask), as CUDA's at::dropout does; CPU F.dropout keeps a bf16 mask",
-    "the causal masked softmax runs a CPU twin of Apex's fused kernel (keeps its bf16 output) where Megatron's "
-    "size checks allow it (with masked_softmax_fusion); elsewhere Megatron's torch softmax runs (in fp32 with"
-    " attention_softmax_in_fp32), as it would on CUDA",
-    "RMSNorm keeps its input and rstd, as the fused CUDA kernel does; torch's CPU rms_norm keeps fp32 copies",
-    "torch.compile (megatron's jit_fuser) runs eagerly; CUDA RNG tracker and current_device() use the CPU",
-    "latent attention: the local DotProductAttention, taking MLA's k_channels/v_channels (Transformer Engine's"
-    " interface), runs MLA's eager core",
-    "MoE: the router's gating runs torch.mm where megatron-core 0.16.1 reads Transformer Engine's te_general_gemm"
-    " (undefined without TE; the same input and weight are saved); the all-to-all dispatcher's device-to-host"
-    " copies of its split sizes run without a CUDA stream; on the fake group each rank routes as rank 0",
-)
+NOTES: tuple[str, ...] = shims.notes("megatron")  # every shim below, one line each (memcalc.probe.shims)
 
 _SOFTMAX_EXTENSION = "scaled_upper_triang_masked_softmax_cuda"
 _SOFTMAX_SIZES = "scaled_masked_softmax_cuda"  # only its get_batch_per_block is used for causal masks

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import warnings
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fnmatch import fnmatchcase
 from itertools import chain
 from typing import Any, Callable, Iterator
@@ -34,7 +34,10 @@ from typing import Any, Callable, Iterator
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ProbeError
 from memcalc.model import ledger
+from memcalc.model.evaluate import dim_sizes
+from memcalc.model.impls import tensors_at
 from memcalc.model.impls import torchtitan as rules
+from memcalc.model.knobs import Accounting, Knobs
 from memcalc.model.ledger import SavedTensor
 from memcalc.model.strategy import Strategy
 from memcalc.probe import require_torch
@@ -159,11 +162,16 @@ def tensor_parallel(tp: TensorParallelGroup) -> Iterator[ParallelDims | None]:
 
 
 def block_input(config: ModelConfig, tp: TensorParallelGroup, strategy: Strategy) -> torch.Tensor:
-    """The probe's input, batch-first (b, s, h) as torchtitan takes it, or under SP this rank's s/t block."""
+    """The probe's input, batch-first (b, s, h) as torchtitan takes it, or under SP this rank's s/t block.
+
+    Copied into a storage of its own, as a real SP rank's input owns only its shard: `.contiguous()`
+    would return the slice itself at b = 1 (a block of rows of (s, 1, h) is already contiguous) and
+    the shard would keep the whole sequence's storage alive.
+    """
     generator = torch.Generator().manual_seed(INPUT_SEED)
     full = torch.randn(config.s, config.b, config.h, generator=generator).to(DTYPES[config.dtype]).transpose(0, 1)
     x = tp.block(full, 1, "s") if strategy.sequence_parallel else full
-    return x.contiguous().to(tp.device).requires_grad_()  # a storage of its own
+    return x.clone(memory_format=torch.contiguous_format).to(tp.device).requires_grad_()
 
 
 # -- naming what it keeps -----------------------------------------------------------
@@ -174,14 +182,19 @@ def _heads(d: int) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda x: x.unflatten(-1, (-1, d))
 
 
-def library_rules(config: ModelConfig) -> tuple[Rule, ...]:
+def library_rules(config: ModelConfig, t: int) -> tuple[Rule, ...]:
     """What torchtitan's Python passes to torch, named: the module it runs in, the call, the argument.
 
     Under a checkpoint the block's input is kept and nothing inside the block but
     SelectiveAC's op outputs; without one, the input is not kept (the norm keeps
-    its fp32 upcast), except in fp32, where the upcast is the input itself.
+    its fp32 upcast), except in fp32, where the upcast is the input itself. V is
+    named as the rules predict it at these sizes on t ranks (a view at b = s = 1).
     """
     d = config.h // config.a
+    predicted = tensors_at(Knobs.of(config), Accounting(exact=True), dim_sizes(config), t)
+    v = Rule("*attention.inner_attention", "scaled_dot_product_attention", ledger.V, arg=2)
+    if rules.V_IN_QKV_OUT in predicted:  # the view's base: wqkv's output, (b, s, (a+2g) d)
+        v = replace(v, tensor=rules.V_IN_QKV_OUT, view=lambda x: _heads(d)(x._base))
     if config.recompute != "none":
         return (
             Rule("", "forward", ledger.LAYER_INPUT, arg=0),
@@ -196,7 +209,7 @@ def library_rules(config: ModelConfig) -> tuple[Rule, ...]:
         Rule("*attention.qkv_linear.wqkv", "linear", rules.QKV_IN, arg=0),
         Rule("*attention.inner_attention", "scaled_dot_product_attention", ledger.Q, arg=0),
         Rule("*attention.inner_attention", "scaled_dot_product_attention", ledger.K, arg=1),
-        Rule("*attention.inner_attention", "scaled_dot_product_attention", ledger.V, arg=2),
+        v,
         Rule("*attention.wo", "linear", ledger.PROJ_IN, arg=0, view=_heads(d)),
         Rule("*feed_forward.w1", "linear", rules.FC1_IN, arg=0),
         Rule("*feed_forward", "silu", ledger.SWIGLU_GATE, arg=0),
@@ -369,7 +382,7 @@ def run_layer(
         stack.enter_context(shim.cuda_like_router(block, route, config.moe_router_topk))
         state = chain(block.parameters(), block.buffers())  # buffers: the RoPE table is state, like a weight
         with SavedTensorRecorder(state) as recorder:
-            with Labels(block, library_rules(config)), AtenLabels(block, aten_rules()):
+            with Labels(block, library_rules(config, tp.size)), AtenLabels(block, aten_rules()):
                 y = block(x, None, None)
             _hand_to_recorder(shim.cached_tensors(caches))
         y.backward(torch.ones_like(y))

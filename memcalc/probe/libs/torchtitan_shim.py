@@ -44,18 +44,12 @@ import types
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-from memcalc.probe import require_torch
+from memcalc.probe import require_torch, shims
 from memcalc.probe.libs.hf_shim import lead, route_lead
 
 torch = require_torch()
 
-NOTES = (
-    "torchtitan: without triton, the EP dispatchers' triton kernels are stubbed (no block measured here calls them)",
-    "torchtitan: the DeviceMesh is built on the rank's device (torchtitan assumes cuda without an accelerator)",
-    "torchtitan: attention is its ScaledDotProductAttention (flex has no CPU backward); flex's row maxima: cuda only",
-    "torchtitan: op-level checkpointing also saves the CPU flash-attention kernel's outputs, as it saves CUDA's",
-    "torchtitan: the MoE gate runs under CPU autocast at fp32, as torch.autocast(float32) runs it on CUDA",
-)
+NOTES: tuple[str, ...] = shims.notes("torchtitan")  # every shim below, one line each (memcalc.probe.shims)
 
 _KERNELS = "torchtitan.distributed.minimal_async_ep.kernels"
 

@@ -70,6 +70,13 @@ CASES = {
         (LLAMA | MLA | {"attention": "eager", "dropout": 0.0}, None),
     "deepseek-v2-lite latent attention, no query latent, with dropout":
         (LLAMA | MLA | {"q_lora_rank": None, "attention": "eager", "dropout": 0.1}, None),
+    # issue 18, found by tests/probe/test_differential.py: bmm takes q, k^T, v as views of c_attn's output
+    "gpt2 eager with one head: q, k, v are c_attn's output, split into ledger rows":
+        (GPT2 | {"attention": "eager", "dropout": 0.0, "a": 1}, None),
+    "deepseek-v3 latent attention in fp32: the kv norm's input is a view of kv_a's whole output":
+        (LLAMA | MLA | {"attention": "eager", "dtype": "fp32", "dropout": 0.0}, None),
+    "gpt2 eager at b=1: the (b, a) batch flattens as a view": (GPT2 | {"attention": "eager", "dropout": 0.1, "b": 1},
+                                                               None),
 }
 
 

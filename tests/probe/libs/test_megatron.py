@@ -56,6 +56,12 @@ CASES = {
     "latent attention tp-sp: the query latent whole, the kv latent a shard's copy": ("tp-sp", 2, MLA),
     "latent attention without a query latent, layernorm tp-sp t=4": (
         "tp-sp", 4, MLA | {"q_lora_rank": None, "norm": "layernorm", "dropout": 0.0}),
+    # issue 18, found by tests/probe/test_differential.py: CONDITIONS in memcalc/model/impls/megatron.py
+    "s=1: one query, no causal mask for masked_fill_": ("none", 1, {"s": 1, "b": 1, "dropout": 0.0}),
+    "selective gqa with one K/V group per rank (g = t): no query copy": (
+        "tp", 2, {"num_query_groups": 2, "recompute": "selective", "dropout": 0.1}),
+    "qk_layernorm gqa with one K/V group per rank: the query is a view": (
+        "tp-sp", 2, QK | {"num_query_groups": 2, "dropout": 0.1}),
 }
 
 

@@ -50,6 +50,16 @@ CASES = {
     "op recompute, tp-sp t=2: w2's output whole before the reduce-scatter": (GQA | {"recompute": "op"}, 2, "tp-sp"),
     "op recompute, tp t=4": ({"recompute": "op", "num_query_groups": 4}, 4, "tp"),
     "fp32, tp-sp t=2: the norm's upcast is its input itself": (GQA | {"dtype": "fp32"}, 2, "tp-sp"),
+    # issue 18: at b = 1 a block of the sequence is already contiguous; the rank's input must still own only it
+    "b=1, op recompute, tp-sp t=4: the input shard alone": (
+        {"b": 1, "s": 64, "h": 256, "a": 8, "num_query_groups": 4, "ffn_hidden_size": 1024, "recompute": "op"},
+        4, "tp-sp"),
+    "b=1, full recompute, tp-sp t=2": ({"b": 1, "recompute": "full"}, 2, "tp-sp"),
+    # issue 18, found by tests/probe/test_differential.py: CONDITIONS in memcalc/model/impls/torchtitan.py
+    "b=s=1, one K/V group: V is a view, SDPA keeps the whole wqkv output": (
+        {"b": 1, "s": 1, "num_query_groups": 1}, 1, "none"),
+    "b=s=1, tp t=2, one K/V group per rank": ({"b": 1, "s": 1, "num_query_groups": 2}, 2, "tp"),
+    "b=s=1, two K/V groups: V is copied": ({"b": 1, "s": 1, "num_query_groups": 2}, 1, "none"),
 }
 
 

@@ -1,0 +1,158 @@
+"""Every place the probe changes what a library does, and why: one record each (docs/probe.md's table).
+
+The probe runs each library's own layer, on a CPU unless asked otherwise, through a small shim
+module per library (`memcalc.probe.libs.*_shim`, and the runners' own config choices). A shim
+is allowed for one of the reasons in `Kind`; a patch that would pick a path the library does
+not take by default, without a knob to ask for it, is a forced path, and has no place here.
+`memcalc measure` prints each record of the library it runs (`notes`), kind first, so that a
+device emulation is named as one where the measurement is shown.
+
+Torch-free: the docs and the CLI read this table without importing any library.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Kind(Enum):
+    """Why a shim may change what a library does."""
+
+    EMULATION = "device emulation"  # the CPU made to keep what CUDA keeps; memcalc counts CUDA's on every device
+    STAND_IN = "CPU stand-in"  # a CUDA-only kernel replaced by the library's CPU alternative; counted per device
+    RUNS = "runs on a CPU"  # CUDA-only plumbing made to run; keeps the same tensors
+    MEASURES = "measurement"  # lets the recorder see or name a tensor, or fills the fake group's values
+    BUILT = "built as the model builds it"  # the layer alone, as the library's whole model would make it
+    KNOB = "knob"  # the path a knob selects; unset, the library's own default
+    MODELLED = "the modelled path"  # the library's other path is not modelled (named, not hidden)
+
+
+@dataclass(frozen=True)
+class Shim:
+    """One change to what a library does while the probe runs it."""
+
+    library: str  # the --impl it applies to
+    patched: str  # what is patched or set: a module attribute, a config field, a spec entry
+    changes: str  # what it changes, in one line (printed by `memcalc measure`)
+    why: str
+    kind: Kind
+    route: bool = False  # only under --route, which prints its own line (each runner's route_note)
+
+    def note(self) -> str:
+        """The line `memcalc measure` prints under the table (after "shim: ")."""
+        return f"{self.kind.value}: {self.changes}"
+
+
+SHIMS: tuple[Shim, ...] = (
+    # -- megatron-core 0.16.1 (memcalc.probe.libs.megatron_shim, megatron.py) --
+    Shim("megatron", "torch.nn.functional.dropout",
+         "dropout runs torch.native_dropout, keeping CUDA's 1-byte mask (CPU F.dropout keeps a mask in the"
+         " activation dtype)",
+         "CPU at::dropout takes its unfused path (noise in the activation dtype, scaled by 1/(1-p)); CUDA's"
+         " native_dropout keeps a bool mask, which memcalc counts on every device", Kind.EMULATION),
+    Shim("megatron", "sys.modules scaled_upper_triang_masked_softmax_cuda, scaled_masked_softmax_cuda",
+         "the causal masked softmax runs a CPU twin of Apex's fused kernel (its bf16 output kept) where Megatron's"
+         " size checks allow it (with masked_softmax_fusion); elsewhere Megatron's torch softmax runs (in fp32 with"
+         " attention_softmax_in_fp32), as on CUDA",
+         "Apex's kernel is CUDA-only; the knobs masked_softmax_fusion and attention_softmax_in_fp32 set megatron's"
+         " TransformerConfig, at Megatron-LM's defaults",
+         Kind.EMULATION),
+    Shim("megatron", "spec: input_layernorm, pre_mlp_layernorm, q_layernorm, k_layernorm, kv_layernorm -> SequenceParallelNorm",
+         "norms accept sequence parallelism as Apex's FusedLayerNorm does; RMSNorm keeps its input and rstd, as the"
+         " fused CUDA kernel does (torch's CPU rms_norm keeps fp32 copies)",
+         "the local spec's WrappedTorchNorm refuses SP; LayerNorm is torch's native_layer_norm, statistics counted"
+         " per device", Kind.EMULATION),
+    Shim("megatron", "get_gpt_decoder_layer_specs(use_transformer_engine=False)",
+         "megatron-core's local spec runs (Transformer Engine's layers need CUDA)",
+         "memcalc's megatron rules describe the local spec on every device; TE's fused layers are not modelled",
+         Kind.MODELLED),
+    Shim("megatron", "torch._dynamo.config.disable",
+         "torch.compile (megatron's jit_fuser) runs eagerly",
+         "the fused functions run inside autograd Functions under no_grad: compiling changes no saved tensor",
+         Kind.RUNS),
+    Shim("megatron", "torch.cuda.current_device, fused_softmax.get_default_causal_mask",
+         "current_device() and the default causal mask use the CPU",
+         "megatron's global memory buffer and causal mask are made on 'cuda'", Kind.RUNS),
+    Shim("megatron", "tensor_parallel.random: _get_cuda_rng_state, _set_cuda_rng_state, _CUDA_RNG_STATE_TRACKER,"
+         " _CUDA_RNG_STATE_TRACKER_INITIALIZED",
+         "the CUDA RNG tracker's states are the CPU generator's",
+         "dropout inside get_cuda_rng_tracker().fork() and a checkpoint's RNG restore need a tracker", Kind.RUNS),
+    Shim("megatron", "multi_latent_attention.HAVE_TE, core_attention -> MlaDotProductAttention",
+         "latent attention runs the local DotProductAttention, taking MLA's k_channels/v_channels",
+         "0.16.1 reads HAVE_TE True with TE's classes None, and only TE's core takes MLA's widths", Kind.RUNS),
+    Shim("megatron", "moe_utils.te_general_gemm",
+         "the MoE router's gating runs torch.mm",
+         "0.16.1 reads Transformer Engine's te_general_gemm, undefined without TE; the same input and weight are"
+         " saved either way", Kind.RUNS),
+    Shim("megatron", "MoEAlltoAllTokenDispatcher.cuda_dtoh_stream, _maybe_dtoh_and_synchronize",
+         "the all-to-all dispatcher's device-to-host copies of its split sizes run without a CUDA stream",
+         "the dispatcher makes a CUDA stream for them", Kind.RUNS),
+    Shim("megatron", "token_dispatcher.gather_from_sequence_parallel_region",
+         "on the fake group every rank routes as rank 0",
+         "nothing moves on torch's fake group: the gathered token counts would be uninitialised memory",
+         Kind.MEASURES),
+    Shim("megatron", "TopKRouter.gating (--route)",
+         "--route: the router's logits lead on known experts; softmax and top-k run as written",
+         "the tokens each expert receives, which the data decides, become known, so bytes can be exact",
+         Kind.KNOB, route=True),
+    # -- torchtitan 0.3.0 (memcalc.probe.libs.torchtitan_shim, torchtitan.py) --
+    Shim("torchtitan", "sys.modules torchtitan.distributed.minimal_async_ep.kernels",
+         "without triton, the EP dispatchers' triton kernels are stubbed (no block measured here calls them)",
+         "torchtitan imports triton at import time; triton is GPU-only here", Kind.RUNS),
+    Shim("torchtitan", "parallel_dims.device_type",
+         "the DeviceMesh is built on the rank's device",
+         "torchtitan falls back to 'cuda' on a machine without an accelerator", Kind.RUNS),
+    Shim("torchtitan", "layers[0].attention.inner_attention = ScaledDotProductAttention.Config()",
+         "attention is torchtitan's ScaledDotProductAttention; flex's extra row maxima are counted on cuda only",
+         "flex attention (torchtitan's default) has no CPU backward; --device cpu counts SDPA's CPU kernel,"
+         " --device cuda flex", Kind.STAND_IN),
+    Shim("torchtitan", "activation_checkpoint._get_default_save_ops",
+         "op-level checkpointing also saves the CPU flash-attention kernel's outputs, as it saves CUDA's",
+         "SelectiveAC's list has CUDA's attention ops only; on a CPU the attention would be recomputed",
+         Kind.EMULATION),
+    Shim("torchtitan", "TokenChoiceTopKRouter.gate (forward hooks: CPU autocast at fp32)",
+         "the MoE gate runs under CPU autocast at fp32, as torch.autocast(float32) runs it on CUDA",
+         "a CPU's autocast refuses fp32 (with a warning), leaving the router in bf16", Kind.EMULATION),
+    Shim("torchtitan", "activation_checkpoint.create_selective_checkpoint_contexts",
+         "the op outputs SelectiveAC caches are handed to the recorder",
+         "torch.utils.checkpoint keeps them in a cache of its own, not as saved tensors", Kind.MEASURES),
+    Shim("torchtitan", "TokenChoiceTopKRouter.gate's logits (--route)",
+         "--route: the gate's logits lead on known experts; scores, top-k and route_norm run as written",
+         "the tokens each expert receives become known, so bytes can be exact", Kind.KNOB, route=True),
+    # -- transformers 5.24.0 (memcalc.probe.libs.hf_shim, hf.py) --
+    Shim("hf", "torch.nn.functional.dropout",
+         "dropout runs torch.native_dropout, keeping CUDA's 1-byte mask (CPU F.dropout keeps a mask in the"
+         " activation dtype)",
+         "as megatron's; SDPA's own dropout is not patched (the CPU's math kernel is counted under --device cpu)",
+         Kind.EMULATION),
+    Shim("hf", "config attn_implementation",
+         "the attention implementation is --attention's: flash is sdpa (transformers' default), eager is eager",
+         "a knob: unset, transformers' own default", Kind.KNOB),
+    Shim("hf", "config experts_implementation",
+         "MoE experts run the eager loop (transformers' default is grouped_mm)",
+         "a forced path until --experts-implementation selects it (the hf MoE work of issue 18)", Kind.KNOB),
+    Shim("hf", "router forward, F.linear inside it (--route)",
+         "--route: the router's logits lead on known experts; its softmax and top-k run as written",
+         "the tokens each expert receives become known, so bytes can be exact", Kind.KNOB, route=True),
+    Shim("hf", "_keep_in_fp32_modules_strict parameters, experts' and router's weights",
+         "DeepSeek-V3's router weight and bias stay fp32, and the experts' and router's weights get the model's"
+         " normal(0, initializer_range)",
+         "the layer is built alone: as from_pretrained loads it and _init_weights fills it", Kind.BUILT),
+)
+
+
+def notes(library: str) -> tuple[str, ...]:
+    """The `shim:` lines `memcalc measure --impl <library>` prints, every change but the --route ones, which it
+    prints with their route."""
+    return tuple(s.note() for s in SHIMS if s.library == library and not s.route)
+
+
+def markdown() -> str:
+    """docs/probe.md's table of every shim (tests/probe/test_shims.py keeps the page in step)."""
+    rows = [
+        "| library | shim | what it changes | why | kind |",
+        "|---|---|---|---|---|",
+        *(f"| {s.library} | `{s.patched}` | {s.changes} | {s.why} | {s.kind.value} |" for s in SHIMS),
+    ]
+    return "\n".join(rows)
