@@ -399,6 +399,15 @@ KNOBS: tuple[Knob, ...] = (
          _mla_knob("qk_nope_head_dim"), symbol="d_n"),
     Knob("v_head_dim", "size", None, "latent attention: each value head's channels", _mla_knob("v_head_dim"),
          symbol="d_v"),
+    # -- what transformers' decoder families add (memcalc.config.hf.FAMILIES) --
+    Knob(
+        "sliding_window", "size", None, "each query attends to the last W keys only (Mistral's sliding_window;"
+        " default: full causal attention); kept bytes are full causal's: counted at s > W under --impl hf"
+        " --attention eager only, which keeps the (s, s) probabilities whatever the mask",
+        lambda k: None if k.sliding_window is None else f"sliding window {k.sliding_window}",
+        effects=((4096, "A sliding window keeps what full causal attention keeps where memcalc counts it: for s <= W"
+                  " it masks nothing, and transformers' eager attention adds its mask to the whole (s, s) scores."),),
+    ),
 )
 BY_NAME: dict[str, Knob] = {k.name: k for k in KNOBS}
 

@@ -50,6 +50,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, NamedTuple
 
+from memcalc.config.hf import FAMILIES
 from memcalc.errors import ConfigError
 from memcalc.model import ledger
 from memcalc.model.impls.base import Implementation, Refusal, SizeRule, always, drop_small
@@ -382,14 +383,11 @@ def layer_tensors(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]
     return drop_small(blocks, accounting)
 
 
-_LAYERS = {("rmsnorm", "swiglu"): "LlamaDecoderLayer", ("layernorm", "gelu"): "GPT2Block",
-           ("layernorm", "gelu_tanh"): "GPT2Block"}
-
-
 def check(knobs: Any) -> None:
-    """The knob values transformers' four layers run; ConfigError for the rest."""
-    if (knobs.norm, knobs.mlp) not in _LAYERS:
-        runs = ", ".join(f"{n} + {m} ({layer})" for (n, m), layer in _LAYERS.items())
+    """The knob values transformers' layers (memcalc.config.hf.FAMILIES) run; ConfigError for the rest."""
+    layers = [f for f in FAMILIES.values() if f.when is not None]
+    if not any(f.norm == knobs.norm and knobs.mlp in f.mlps for f in layers):
+        runs = ", ".join(f"{f.norm} + {'/'.join(f.mlps)} ({f.layer})" for f in layers)
         raise ConfigError(f"impl hf: no transformers layer has norm {knobs.norm} with mlp {knobs.mlp}; it runs {runs}")
     if knobs.recompute not in ("none", "full"):
         raise ConfigError(f"impl hf: transformers has no {knobs.recompute} recomputation; use recompute none or full"

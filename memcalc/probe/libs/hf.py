@@ -52,11 +52,13 @@ two rows, half its bytes each. `--route` forces the router (hf_shim).
 
 from __future__ import annotations
 
+import importlib
 from contextlib import nullcontext
 from fnmatch import fnmatchcase
 from functools import partial
 from typing import Any, Callable
 
+from memcalc.config.hf import FAMILIES, family_of
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ProbeError
 from memcalc.model import ledger
@@ -93,7 +95,6 @@ _GATE_UP = SavedTensor("moe/expert_gate_up", "MixtralExperts gate_up_proj", (), 
                        "chunked into gate and up")
 _GATE_UP_PARTS = (ledger.EXPERT_GATE, ledger.EXPERT_UP)
 _MARKERS = (_QKV_OUT, _GATE_UP)
-_MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 # The (1, s, d) RoPE tables the model passes its layers: a Llama head's, or latent attention's RoPE part's.
 _ROPE_TABLES = ((rules.ROPE_COS, rules.ROPE_SIN), (rules.MLA_ROPE_COS, rules.MLA_ROPE_SIN))
 
@@ -115,8 +116,7 @@ def record_layer(
     family = family or model_family(config)
     layer, extra = _build(config, family, tp.device, dense)
     if tp.size > 1:  # transformers' own plan by its own function (hf_tp); "none" runs at t = 1
-        config_class = transformers.GPT2Config if family == "gpt2" else _llama_family(family)[0]
-        hf_tp.apply(layer, hf_tp.layer_plan(layer, config_class), tp)
+        hf_tp.apply(layer, hf_tp.layer_plan(layer, _classes(family)[0]), tp)
     accounting = Accounting(exact=True, device=tp.device.type)
     knobs = Knobs.of(config).dense if dense else Knobs.of(config)
     expected = {t.name for t in tensors_at(knobs, accounting, dim_sizes(config), tp.size)}  # at these sizes
@@ -131,29 +131,21 @@ def record_layer(
 
 
 def model_family(config: ModelConfig) -> str:
-    if not rules.is_llama(config):
-        return "gpt2"
-    if config.mla:
-        return "deepseek_v3"
-    if config.moe and config.qk_layernorm:
-        return "qwen3_moe"
-    if config.moe:
-        return "qwen2_moe" if config.moe_shared_expert_intermediate_size else "mixtral"
-    if config.qk_layernorm:
-        return "qwen3"
-    return "qwen2" if config.add_qkv_bias else "llama"
+    """The family whose layer runs these knobs (memcalc.config.hf.FAMILIES; rules.check has refused the rest)."""
+    family = family_of(config)
+    assert family is not None, "rules.check refuses knobs no family runs"
+    return family.name
 
 
 def routing(family: str, route: str | None, k: int) -> Any:
     """The shim's forced router for a MoE family's router class, or nothing."""
     if route is None:
         return nullcontext()
-    if family not in _MOE_FAMILIES:
+    router = FAMILIES[family].router
+    if router is None:
         raise ProbeError(f"--route {route} forces a MoE router: the config has no experts (set num_experts)")
-    _, module = _llama_family(family)
-    routers = {"mixtral": "MixtralTopKRouter", "qwen2_moe": "Qwen2MoeTopKRouter", "qwen3_moe": "Qwen3MoeTopKRouter",
-               "deepseek_v3": "DeepseekV3TopkRouter"}
-    return forced_routing((getattr(module, routers[family]),), route, k)
+    _, module = _classes(family)
+    return forced_routing((getattr(module, router),), route, k)
 
 
 def _layer_input(config: ModelConfig, device: torch.device) -> torch.Tensor:
@@ -178,9 +170,9 @@ def _build(config: ModelConfig, family: str, device: torch.device, dense: bool =
         module = transformers.models.gpt2.modeling_gpt2
         layer_class, rotary = module.GPT2Block, None
     else:
-        config_class, module = _llama_family(family)
+        config_class, module = _classes(family)
         hf_config = llama_config(config, family)
-        layer_class = getattr(module, f"{config_class.__name__.removesuffix('Config')}DecoderLayer")
+        layer_class = getattr(module, FAMILIES[family].layer)
         rotary = getattr(module, f"{config_class.__name__.removesuffix('Config')}RotaryEmbedding")(hf_config)
     torch.manual_seed(INPUT_SEED)  # the weights, as the layer initialises them
     layer = layer_class(hf_config, layer_idx=_layer_index(config, family, dense))
@@ -199,7 +191,7 @@ def _layer_index(config: ModelConfig, family: str, dense: bool) -> int:
     if family == "deepseek_v3" and config.moe and dense and not first_dense:
         raise ProbeError("impl hf: DeepSeek-V3's layers are all MoE without moe_first_dense_layers; set it to measure"
                          " a dense one")
-    if dense or family not in _MOE_FAMILIES:
+    if dense or FAMILIES[family].router is None:
         return 0
     return first_dense if family == "deepseek_v3" else config.moe_layer_freq - 1
 
@@ -220,13 +212,19 @@ def llama_config(config: ModelConfig, family: str = "llama") -> Any:
 
     The attention implementation is memcalc's knob: "sdpa" for flash, "eager" for eager.
     """
-    config_class, _ = _llama_family(family)
+    config_class, _ = _classes(family)
     return config_class(**dict(
         hidden_size=config.h, num_attention_heads=config.a, num_key_value_heads=config.groups,
         intermediate_size=config.ffn, hidden_act="silu", attention_dropout=config.dropout, num_hidden_layers=config.L,
         max_position_embeddings=config.s, vocab_size=config.vocab_size, tie_word_embeddings=config.tie_embeddings,
         attn_implementation=attention_implementation(config),
-    ) | _moe_fields(config, family) | _latent_fields(config, family) | _head_fields(config, family))
+    ) | _moe_fields(config, family) | _latent_fields(config, family) | _head_fields(config, family)
+      | _window_fields(config, family))
+
+
+def _window_fields(config: ModelConfig, family: str) -> dict[str, Any]:
+    """Mistral's sliding window (MistralConfig's default is 4096: None, memcalc's full causal, is said)."""
+    return {"sliding_window": config.sliding_window} if family == "mistral" else {}
 
 
 def _head_fields(config: ModelConfig, family: str) -> dict[str, Any]:
@@ -289,18 +287,11 @@ def attention_implementation(config: ModelConfig) -> str:
     return "sdpa" if config.attention == "flash" else "eager"
 
 
-def _llama_family(family: str) -> tuple[type, Any]:
-    models = transformers.models
-    return {
-        "llama": (transformers.LlamaConfig, models.llama.modeling_llama),
-        "mistral": (transformers.MistralConfig, models.mistral.modeling_mistral),
-        "qwen2": (transformers.Qwen2Config, models.qwen2.modeling_qwen2),
-        "mixtral": (transformers.MixtralConfig, models.mixtral.modeling_mixtral),
-        "qwen2_moe": (transformers.Qwen2MoeConfig, models.qwen2_moe.modeling_qwen2_moe),
-        "qwen3": (transformers.Qwen3Config, models.qwen3.modeling_qwen3),
-        "qwen3_moe": (transformers.Qwen3MoeConfig, models.qwen3_moe.modeling_qwen3_moe),
-        "deepseek_v3": (transformers.DeepseekV3Config, models.deepseek_v3.modeling_deepseek_v3),
-    }[family]
+def _classes(family: str) -> tuple[type, Any]:
+    """A family's transformers config class and modeling module (transformers/models/<name>/modeling_<name>.py)."""
+    entry = FAMILIES[family]
+    module = importlib.import_module(f"transformers.models.{entry.name}.modeling_{entry.name}")
+    return getattr(transformers, entry.config_class), module
 
 
 def _checkpointing(layer: Any) -> None:
@@ -577,13 +568,25 @@ def _gpt2_attention_rules(config: ModelConfig) -> tuple[Rule, ...]:
     flat = _tokens(config.b)
     return (
         Rule("attn.c_attn", "addmm", ledger.QKV_IN, arg=1, view=flat),
-        *_core_rules("attn", config),
+        *_gpt2_core_rules(config),
         # q, k, v are views of c_attn's output (b * s, 3h): its whole storage, split by _attributed
         Rule("attn", "scaled_dot_product_attention", _QKV_OUT, arg=0, view=lambda q: q._base),
         Rule("attn.c_proj", "addmm", ledger.PROJ_IN, arg=1, view=lambda x: _head_columns(config.head_dim)(flat(x))),
         Rule("attn.resid_dropout", "native_dropout", ledger.ATTN_OUT_DROPOUT_MASK,
              view=_kept("NativeDropoutBackward0", "_saved_result1")),
     )
+
+
+def _gpt2_core_rules(config: ModelConfig) -> tuple[Rule, ...]:
+    """The core's rules; at b = 1 eager attention's matmuls fold q, k^T and v, views of the one c_attn output, into
+    bmm batches without a copy (as under SDPA), so they keep that (s, 3h) storage: labelled by the marker, split
+    into Q, K and V by `_attributed` (the same bytes as three copies)."""
+    rules_ = _core_rules("attn", config)
+    if config.b != 1 or config.attention != "eager":
+        return rules_
+    qkv = {x.name for x in _QKV_PARTS}
+    return (*(r for r in rules_ if not (r.function == "matmul" and r.tensor.name in qkv)),
+            Rule("attn", "matmul", _QKV_OUT, nth=0, arg=0, view=lambda q: q._base))
 
 
 def _gpt2_mlp_rules(config: ModelConfig) -> tuple[Rule, ...]:
