@@ -101,6 +101,9 @@ KNOBS: Schema = _object({
     "moe_aux_loss": FLAG,
     "moe_router_pre_softmax": FLAG,
     **{name: _nullable(POSITIVE) for name in _MLA},  # latent attention's widths, null without it
+    "sliding_window": _nullable(POSITIVE),
+    "parallel_residual": FLAG,
+    "rotary_percent": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
 })
 
 # The config a command ran: every ModelConfig field (unset optional ones left out), with the MLP
@@ -130,7 +133,7 @@ CONFIG: Schema = _object(
     # The fields whose default is None, left out unless set.
     optional=("name", "description", "max_position_embeddings", "vpp", "gpus", "num_microbatches", "global_batch_size",
               "etp", "num_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_first_dense_layers",
-              "moe_expert_capacity_factor", "kv_channels", *_MLA),
+              "moe_expert_capacity_factor", "kv_channels", *_MLA, "sliding_window", "rotary_percent"),
 )
 
 ACCOUNTING: Schema = _object({"exact": FLAG, "device": {"enum": ["cuda", "cpu"]}})

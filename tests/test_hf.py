@@ -38,7 +38,8 @@ PUBLISHED = {
 @pytest.mark.parametrize("name", PUBLISHED)
 def test_mapped_config_has_the_published_parameter_count(name):
     within_window = {"s": 4096} if name == "mistral-7b" else {}  # Mistral 7B v0.1's window is shorter than its 32k
-    assert total_params(_config(name, **within_window)) == PUBLISHED[name]
+    neox = {"impl": "hf", "attention": "eager"} if name == "pythia-70m" else {}  # GPTNeoXLayer is modelled there
+    assert total_params(_config(name, **within_window, **neox)) == PUBLISHED[name]
 
 
 def test_llama_fields():
@@ -64,8 +65,9 @@ def test_gpt2_defaults_its_mlp_to_4h_and_learns_positions():
 
 
 def test_gpt_neox_fields():
-    c = _config("pythia-70m")
+    c = _config("pythia-70m", impl="hf", attention="eager")
     assert (c.h, c.a, c.L, c.ffn, c.vocab_size, c.s) == (512, 8, 6, 2048, 50304, 2048)
+    assert (c.parallel_residual, c.rotary_percent) == (True, 0.25)
     assert (c.mlp, c.norm, c.dropout, c.tie_embeddings, c.position_embedding_type) == (
         "gelu", "layernorm", 0.0, False, "rope",
     )

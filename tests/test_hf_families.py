@@ -73,3 +73,13 @@ def test_a_sequence_past_mistrals_window_is_refused_unless_hf_eager_keeps_the_fu
                    "s=32768 exceeds sliding_window=4096", "give --s 4096 or less")
     assert memcalc_cli("estimate", "--hf-config", mistral, "--s", "4096").code == 0
     assert memcalc_cli("estimate", "--hf-config", mistral, "--impl", "hf", "--attention", "eager").code == 0
+
+
+def test_pythia_is_read_with_its_parallel_residual_and_rotary_share_and_counted_under_hf_only():
+    pythia = "tests/data/hf/pythia-70m.json"
+    one_line_error(memcalc_cli("estimate", "--hf-config", pythia),
+                   "parallel_residual and rotary_percent (GPT-NeoX's GPTNeoXLayer) are modelled under --impl hf")
+    run = memcalc_cli("estimate", "--hf-config", pythia, "--impl", "hf", "--attention", "eager", "--s", "64")
+    assert run.code == 0, run.err
+    assert "use_parallel_residual->parallel_residual=True, rotary_pct->rotary_percent=0.25" in run.err
+    assert "tp left out: impl hf does not run it for GPT-NeoX" in run.err and "GPT-2" not in run.err

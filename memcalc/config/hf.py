@@ -64,6 +64,24 @@ def _largest_dropout(values: list[Any]) -> float:
     return max(values)
 
 
+def _flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be true or false, got {short_repr(value)}")
+    return value
+
+
+def _rotary_fraction(values: list[Any]) -> float:
+    """GPT-NeoX's share of each head that RoPE rotates: rope_parameters' partial_rotary_factor (what
+    GPTNeoXConfig saves), else an older file's rotary_pct, else the class's 0.25."""
+    rope, pct = values
+    given = rope.get("partial_rotary_factor", ...) if isinstance(rope, dict) else ...
+    fraction = given if given is not ... else pct if pct is not ... else 0.25
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+        raise ConfigError(f"the rotary fraction (partial_rotary_factor, rotary_pct) must be in (0, 1], got"
+                          f" {short_repr(fraction)}")
+    return fraction
+
+
 @dataclass(frozen=True)
 class Row:
     """One memcalc field and where config.json keeps it."""
@@ -257,6 +275,8 @@ _GPT_NEOX = (
     Row("dropout", ("attention_dropout", "hidden_dropout"), default=0.0, combine=_largest_dropout),
     Row("tie_embeddings", ("tie_word_embeddings",), default=False),
     Row("add_bias_linear", ("attention_bias",), default=True),
+    Row("parallel_residual", ("use_parallel_residual",), lambda v: _flag("use_parallel_residual", v), default=True),
+    Row("rotary_percent", ("rope_parameters", "rotary_pct"), default=0.25, combine=_rotary_fraction),
 )
 
 
@@ -334,11 +354,11 @@ FAMILIES: dict[str, Family] = {
                router="Qwen3MoeTopKRouter", attribute_map=_EXPERTS),
         Family("gpt2", "GPT2Config", "GPT2Block", ("GPT2LMHeadModel",), _GPT2,
                {"position_embedding_type": "learned_absolute"}, norm="layernorm", mlps=("gelu", "gelu_tanh"),
-               when=lambda k: True,
+               when=lambda k: k.rotary_percent is None and not k.parallel_residual,
                attribute_map={"hidden_size": "n_embd", "max_position_embeddings": "n_positions",
                               "num_attention_heads": "n_head", "num_hidden_layers": "n_layer"}),
         Family("gpt_neox", "GPTNeoXConfig", "GPTNeoXLayer", ("GPTNeoXForCausalLM",), _GPT_NEOX, _ROPE,
-               norm="layernorm", mlps=("gelu", "gelu_tanh"), runs_as="gpt2"),
+               norm="layernorm", mlps=("gelu", "gelu_tanh"), when=lambda k: k.rotary_percent is not None),
         Family("deepseek_v2", "DeepseekV2Config", "DeepseekV2DecoderLayer", ("DeepseekV2ForCausalLM",), _DEEPSEEK,
                _ROPE, runs_as="deepseek_v3", attribute_map={"num_experts": "n_routed_experts"}),
         Family("deepseek_v3", "DeepseekV3Config", "DeepseekV3DecoderLayer", ("DeepseekV3ForCausalLM",),

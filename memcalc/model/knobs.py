@@ -408,6 +408,22 @@ KNOBS: tuple[Knob, ...] = (
         effects=((4096, "A sliding window keeps what full causal attention keeps where memcalc counts it: for s <= W"
                   " it masks nothing, and transformers' eager attention adds its mask to the whole (s, s) scores."),),
     ),
+    Knob(
+        "parallel_residual", "flag", False, "hf: attention and MLP both read the layer's input, each through its own"
+        " norm (GPT-NeoX's use_parallel_residual)", lambda k: "parallel residual" if k.parallel_residual else None,
+        effects=(({"impl": Impl.HF, "norm": Norm.LAYERNORM, "attention": Attention.EAGER, "rotary_percent": 0.25,
+                   "parallel_residual": True},
+                  "Both norms read the layer's input: the second norm keeps no input of its own (the first's is the"
+                  " same storage), only its statistics."),),
+    ),
+    Knob(
+        "rotary_percent", "factor", None, "hf: RoPE on this fraction of each head's channels (GPT-NeoX's rotary_pct;"
+        " default: RoPE on all of them, or none in a LayerNorm layer, GPT-2's)",
+        lambda k: None if k.rotary_percent is None else f"rotary {k.rotary_percent:g}", symbol="d_r",
+        effects=(({"impl": Impl.HF, "norm": Norm.LAYERNORM, "attention": Attention.EAGER, "rotary_percent": 0.25},
+                  "GPTNeoXLayer: RoPE's cos and sin tables are d_r = d * rotary_pct channels wide, Llama's fp32"
+                  " softmax is kept, and Q, K (rotated and concatenated) and V are the core's."),),
+    ),
 )
 BY_NAME: dict[str, Knob] = {k.name: k for k in KNOBS}
 

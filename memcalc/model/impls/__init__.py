@@ -47,8 +47,22 @@ def implementation(knobs: Any) -> Implementation:
         raise ConfigError(f"impl {knobs.impl} has no rules yet (memcalc models: {', '.join(IMPLEMENTATIONS)})")
     check_moe(knobs)
     check_mla(knobs)
+    _check_hf_only(knobs)
     impl.check(knobs)
     return impl
+
+
+# Knobs of a layer only transformers' code is measured for (GPT-NeoX's GPTNeoXLayer).
+_HF_ONLY = ("parallel_residual", "rotary_percent")
+
+
+def _check_hf_only(knobs: Any) -> None:
+    """GPT-NeoX's layer is counted under --impl hf only: Megatron's and torchtitan's layers have no parallel residual
+    and rotate whole heads."""
+    given = [name for name in _HF_ONLY if getattr(knobs, name) not in (None, False)]
+    if given and knobs.impl != "hf":
+        raise ConfigError(f"{' and '.join(given)} (GPT-NeoX's GPTNeoXLayer) are modelled under --impl hf --attention"
+                          f" eager only; impl {knobs.impl}'s layer has no such choice")
 
 
 def plan(knobs: Any, strategy: Strategy) -> Strategy:
@@ -94,6 +108,6 @@ def size_rule(knobs: Any) -> SizeRule | None:
 def tensors_at(knobs: Any, accounting: Accounting, sizes: dict[Any, Any], t: int) -> tuple[SavedTensor, ...]:
     """What one layer keeps at these sizes (t: the layout's split): `layer_tensors`, or the size rule's other set."""
     rule = size_rule(knobs)
-    if rule is not None and not rule.runs(sizes, t):
+    if rule is not None and not rule.runs_at(knobs, sizes, t):
         return rule.outside(knobs, accounting)
     return layer_tensors(knobs, accounting)

@@ -41,6 +41,12 @@ class SizeRule:
     runs: Callable[[dict[Any, Any], Any], Any]  # (per-rank sizes by Dim, t) -> bool or bool array
     outside: Callable[[Any, Accounting], tuple[SavedTensor, ...]]
     shown_with: dict[str, Any] = field(default_factory=dict)  # knobs the docs add to eager bf16 to show `outside`
+    runs_for: Callable[[Any], Callable[[dict[Any, Any], Any], Any]] | None = None  # the knobs pick `runs` (one rule,
+    # several layers: transformers' GQA copies and GPT-NeoX's fused V differ in when they are views)
+
+    def runs_at(self, knobs: Any, sizes: dict[Any, Any], t: Any) -> Any:
+        """Whether the kernel runs at these sizes, under the condition these knobs' layer has."""
+        return (self.runs_for(knobs) if self.runs_for is not None else self.runs)(sizes, t)
 
 
 def always(knobs: Any) -> bool:

@@ -50,7 +50,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, NamedTuple
 
-from memcalc.config.hf import FAMILIES
+from memcalc.config.hf import FAMILIES, family_of
 from memcalc.errors import ConfigError
 from memcalc.model import ledger
 from memcalc.model.impls.base import Implementation, Refusal, SizeRule, always, drop_small
@@ -116,6 +116,23 @@ MLA_ROPE_SIN = SavedTensor(
     _SEQ, "the gradient of rotate_half(x) in rotate_half(x) * sin is dY * sin", paper=False,
 )
 
+# GPTNeoXAttention: RoPE on the first d_r = d * rotary_pct channels of each query and key head (q[..., :d_r] * cos,
+# rotate_half(.) * sin, then concatenated with the rest): the model's (1, s, d_r) tables, kept once per layer.
+NEOX_ROPE_COS = SavedTensor(
+    "attention/rope_cos_partial", "GPT-NeoX apply_rotary_pos_emb: q_rot * cos and k_rot * cos", (Dim.S, Dim.DR),
+    Kind.ACTIVATION, _SEQ, "the gradient of q_rot in q_rot * cos is dY * cos (the (1, s, d_r) table)", paper=False,
+)
+NEOX_ROPE_SIN = SavedTensor(
+    "attention/rope_sin_partial", "GPT-NeoX apply_rotary_pos_emb: rotate_half(q_rot) * sin", (Dim.S, Dim.DR),
+    Kind.ACTIVATION, _SEQ, "the gradient of rotate_half(q_rot) in rotate_half(q_rot) * sin is dY * sin", paper=False,
+)
+# GPT-NeoX's V is a view of query_key_value's (b, s, a, 3d) output; at b = 1 eager matmul folds it into a bmm batch
+# without a copy and keeps that whole storage (see BATCH_OF_ONE): Q, K and V's heads side by side.
+NEOX_QKV_OUT = SavedTensor(
+    "attention/qkv_out", "GPT-NeoX eager at b = 1: matmul(weights, v) keeps query_key_value's output, of which v is"
+    " a view", (Dim.B, Dim.S, Dim.QKV, Dim.D), Kind.ACTIVATION, _TEN,
+    "the gradient of the attention weights is dOut V^T: V is read from the fused output it views",
+)
 ROPE_COS = SavedTensor(
     "attention/rope_cos", "apply_rotary_pos_emb: q * cos and k * cos", (Dim.S, Dim.D), Kind.ACTIVATION, _SEQ,
     "the gradient of q in q * cos is dY * cos (one (1, s, d) table from the model's rotary embedding)", paper=False,
@@ -256,14 +273,22 @@ MOE_TENSORS = (ROUTER_PROBS, TOPK_SUM, TOPK_WEIGHTS, ROUTER_IN_FP32, ROUTER_SCOR
 
 
 def is_llama(knobs: Any) -> bool:
-    """RMSNorm + SwiGLU is the Llama family (Llama, Mistral, Qwen2); LayerNorm + GELU is GPT-2."""
+    """RMSNorm + SwiGLU is the Llama family (Llama, Mistral, Qwen2); LayerNorm + GELU is GPT-2 or GPT-NeoX."""
     return knobs.norm == "rmsnorm"
 
 
+def is_neox(knobs: Any) -> bool:
+    """GPTNeoXLayer: a LayerNorm layer with (partial) RoPE, rotary_percent set (GPT-2 has no RoPE)."""
+    return not is_llama(knobs) and knobs.rotary_percent is not None
+
+
 def norm_block(which: int, knobs: Any) -> tuple[SavedTensor, ...]:
-    """LlamaRMSNorm's fp32 upcast, fp32 rstd and cast-back; GPT-2's nn.LayerNorm keeps input, mean, rstd."""
+    """LlamaRMSNorm's fp32 upcast, fp32 rstd and cast-back; GPT-2's nn.LayerNorm keeps input, mean, rstd. GPT-NeoX's
+    parallel residual feeds both LayerNorms the layer's input: one storage, kept once (the first norm's)."""
     if is_llama(knobs):
         return tuple((LN1_RMS, LN2_RMS)[which])
+    if which == 1 and knobs.parallel_residual:
+        return (ledger.LN2.mean, ledger.LN2.rstd)
     return tuple((ledger.LN1, ledger.LN2)[which])
 
 
@@ -283,7 +308,7 @@ def _sdpa(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]:
 def _eager(knobs: Any) -> tuple[SavedTensor, ...]:
     """eager_attention_forward: matmul's copies of Q and K^T, the softmax, dropout, matmul's copy of V."""
     q, k, v = (ledger.MLA_Q, ledger.MLA_K, ledger.MLA_V) if knobs.mla else (ledger.Q, *_key_value(knobs))
-    if not is_llama(knobs):  # GPT-2's softmax runs in the activation dtype: the paper's core
+    if not is_llama(knobs) and not is_neox(knobs):  # GPT-2's softmax runs in the activation dtype: the paper's core
         softmax: tuple[SavedTensor, ...] = (ledger.SOFTMAX_OUT,)
     elif knobs.dtype == "fp32" or knobs.has_dropout:  # no separate cast: .to() is a no-op or dropout keeps a mask
         softmax = (SOFTMAX_FP32,)
@@ -305,14 +330,28 @@ def repeat_kv_copies(sizes: dict[Any, Any], t: Any) -> Any:
     return (sizes[Dim.B] != 1) | (sizes[Dim.G] // t != 1)
 
 
-_UNEXPANDED = {K_EXPANDED.name: ledger.K, V_EXPANDED.name: ledger.V}
+def batched(sizes: dict[Any, Any], t: Any) -> Any:
+    """Whether GPT-NeoX's eager matmul copies V: unless b = 1, where its reshape to a bmm batch is a view."""
+    return sizes[Dim.B] != 1
+
+
+def _at_batch_of_one(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]:
+    """What eager attention keeps where matmul folds a view without copying: K and V at g heads (GQA), GPT-NeoX's
+    fused query_key_value output in V's place."""
+    swap = {V_EXPANDED.name: ledger.V, K_EXPANDED.name: ledger.K} if knobs.gqa else {ledger.V.name: NEOX_QKV_OUT}
+    return tuple(swap.get(x.name, x) for x in layer_tensors(knobs, accounting))
+
+
 REPEAT_KV = SizeRule(
     "eager attention under GQA keeps repeat_kv's copies of K and V at a/t heads, except when b = 1 and one K/V group"
-    " is on the rank: expand and reshape are then views with a zero stride, and matmul keeps K and V themselves",
-    applies=lambda knobs: knobs.gqa and knobs.attention == "eager" and knobs.recompute != "full",
+    " is on the rank: expand and reshape are then views with a zero stride, and matmul keeps K and V themselves;"
+    " GPT-NeoX's keeps a copy of V, a view of the fused query_key_value output, except when b = 1: then it keeps"
+    " that whole output",
+    applies=lambda knobs: (knobs.gqa or is_neox(knobs)) and knobs.attention == "eager" and knobs.recompute != "full",
     runs=repeat_kv_copies,
-    outside=lambda knobs, accounting: tuple(_UNEXPANDED.get(x.name, x) for x in layer_tensors(knobs, accounting)),
+    outside=_at_batch_of_one,
     shown_with={"num_query_groups": 1},
+    runs_for=lambda knobs: repeat_kv_copies if knobs.gqa else batched,
 )
 
 
@@ -328,7 +367,7 @@ def attention_block(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ..
     """Q/K/V projections' input, RoPE tables (Llama), the core, o_proj's input, GPT-2's resid dropout."""
     if knobs.mla:
         return latent_attention(knobs)
-    rope = (ROPE_COS, ROPE_SIN) if is_llama(knobs) else ()
+    rope = (ROPE_COS, ROPE_SIN) if is_llama(knobs) else (NEOX_ROPE_COS, NEOX_ROPE_SIN) if is_neox(knobs) else ()
     qk_norm = (*Q_NORM_RMS, *K_NORM_RMS) if knobs.qk_layernorm else ()
     core = _sdpa(knobs, accounting) if knobs.attention == "flash" else _eager(knobs)
     resid = (ledger.ATTN_OUT_DROPOUT_MASK,) if knobs.has_dropout and not is_llama(knobs) else ()
@@ -389,11 +428,12 @@ def check(knobs: Any) -> None:
     if not any(f.norm == knobs.norm and knobs.mlp in f.mlps for f in layers):
         runs = ", ".join(f"{f.norm} + {'/'.join(f.mlps)} ({f.layer})" for f in layers)
         raise ConfigError(f"impl hf: no transformers layer has norm {knobs.norm} with mlp {knobs.mlp}; it runs {runs}")
+    _check_neox(knobs)
     if knobs.recompute not in ("none", "full"):
         raise ConfigError(f"impl hf: transformers has no {knobs.recompute} recomputation; use recompute none or full"
                           " (its gradient checkpointing)")
     if knobs.gqa and not is_llama(knobs):
-        raise ConfigError("impl hf: GPT2Block has no grouped-query attention; leave num_query_groups unset")
+        raise ConfigError(f"impl hf: {_layer(knobs)} has no grouped-query attention; leave num_query_groups unset")
     if knobs.bias_activation_fusion:
         raise ConfigError("impl hf: bias_activation_fusion is Megatron's fused kernel; transformers has none")
     if knobs.moe and not is_llama(knobs):
@@ -418,6 +458,28 @@ def check(knobs: Any) -> None:
         _check_mixtral(knobs)
     _check_qwen3(knobs)
     check_latent(knobs)
+
+
+def _layer(knobs: Any) -> str:
+    """The transformers layer these knobs run (after the norm/mlp check)."""
+    family = family_of(knobs)
+    return family.layer if family is not None else "no transformers layer"
+
+
+def _check_neox(knobs: Any) -> None:
+    """GPT-NeoX's knobs: a LayerNorm layer's partial RoPE (rotary_percent) and parallel residual, eager attention."""
+    if knobs.rotary_percent is not None and not 0 < knobs.rotary_percent <= 1:
+        raise ConfigError(f"impl hf: rotary_percent={knobs.rotary_percent} must be in (0, 1] (a share of each head)")
+    if is_llama(knobs) and (knobs.rotary_percent is not None or knobs.parallel_residual):
+        raise ConfigError("impl hf: rotary_percent and parallel_residual are GPTNeoXLayer's (norm layernorm); the"
+                          " Llama family's layers rotate whole heads in sequence")
+    if not is_llama(knobs) and knobs.parallel_residual and knobs.rotary_percent is None:
+        raise ConfigError("impl hf: parallel_residual is GPTNeoXLayer's, which has RoPE: set rotary_percent (GPT2Block"
+                          " has neither)")
+    if is_neox(knobs) and knobs.attention == "flash":
+        raise ConfigError("impl hf: GPTNeoXLayer under sdpa is not modelled: SDPA keeps V as the fused query_key_value"
+                          " output it views, and where its output lies depends on the device's kernel (measured on"
+                          " a CPU only); use attention eager")
 
 
 def _check_mixtral(knobs: Any) -> None:
@@ -493,10 +555,16 @@ NO_SEQUENCE_PARALLEL = Refusal(
     " (SequenceParallel, registered with use_local_output=True; ColwiseParallel.transform_inputs_pre_forward)",
 )
 GPT2_NO_TP_PLAN = Refusal(
-    "tp", lambda knobs: not is_llama(knobs), "for GPT-2 (norm layernorm)",
+    "tp", lambda knobs: not is_llama(knobs) and not is_neox(knobs), "for GPT-2 (norm layernorm, no RoPE)",
     "GPT2Config has no base_model_tp_plan, so from_pretrained(tp_plan=\"auto\") has nothing to apply",
     f"{_TP_SOURCE}, transformers/models/gpt2/configuration_gpt2.py; distributed/mixin.py _resolve_parallel_plans"
     " raises ValueError for tp_size > 1 without a plan",
+)
+NEOX_TP_NOT_MODELLED = Refusal(
+    "tp", is_neox, "for GPT-NeoX (norm layernorm with rotary_percent)",
+    "memcalc has not measured GPTNeoXConfig's base_model_tp_plan yet (query_key_value and dense_h_to_4h colwise,"
+    " dense and dense_4h_to_h rowwise)",
+    f"{_TP_SOURCE}, GPTNeoXConfig.base_model_tp_plan; memcalc's own limit, not the library's",
 )
 LATENT_TP_NOT_MODELLED = Refusal(
     "tp", lambda knobs: knobs.mla, "with latent attention (kv_lora_rank)",
@@ -523,14 +591,14 @@ IMPLEMENTATION = Implementation(
     " transformers' own tp_plan (apply_tensor_parallelism, DTensor) at t = 2 and 4, the MoE layers of Mixtral,"
     " Qwen2-MoE and Qwen3-MoE too (forced routers)",
     layer_tensors=layer_tensors,
-    refuses=(NO_SEQUENCE_PARALLEL, GPT2_NO_TP_PLAN, LATENT_TP_NOT_MODELLED),
+    refuses=(NO_SEQUENCE_PARALLEL, GPT2_NO_TP_PLAN, NEOX_TP_NOT_MODELLED, LATENT_TP_NOT_MODELLED),
     unsharded=unsharded,
     check=check,
     size_rule=REPEAT_KV,
     tensors=(
         *LN1_RMS, *LN2_RMS, *Q_NORM_RMS, *K_NORM_RMS,
         ROPE_COS, ROPE_SIN, *MLA_Q_RMS, *MLA_KV_RMS, MLA_ROPE_COS, MLA_ROPE_SIN, K_EXPANDED, V_EXPANDED, SOFTMAX_FP32, WEIGHTS, *SDPA_MATH,
-        HALF_X, TANH_OUT, ONE_PLUS_TANH, *MOE_TENSORS,  # FLASH_DROPOUT_LSE is the ledger's LSE, described as read from code
+        HALF_X, TANH_OUT, ONE_PLUS_TANH, *MOE_TENSORS, NEOX_ROPE_COS, NEOX_ROPE_SIN, NEOX_QKV_OUT,  # FLASH_DROPOUT_LSE is the ledger's LSE, described as read from code
     ),
     # LlamaConfig's own: RMSNorm, SwiGLU, attention_dropout 0, attn_implementation "sdpa" (memcalc's flash).
     defaults={

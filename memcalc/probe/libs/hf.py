@@ -96,7 +96,8 @@ _GATE_UP = SavedTensor("moe/expert_gate_up", "MixtralExperts gate_up_proj", (), 
 _GATE_UP_PARTS = (ledger.EXPERT_GATE, ledger.EXPERT_UP)
 _MARKERS = (_QKV_OUT, _GATE_UP)
 # The (1, s, d) RoPE tables the model passes its layers: a Llama head's, or latent attention's RoPE part's.
-_ROPE_TABLES = ((rules.ROPE_COS, rules.ROPE_SIN), (rules.MLA_ROPE_COS, rules.MLA_ROPE_SIN))
+_ROPE_TABLES = ((rules.ROPE_COS, rules.ROPE_SIN), (rules.MLA_ROPE_COS, rules.MLA_ROPE_SIN),
+                (rules.NEOX_ROPE_COS, rules.NEOX_ROPE_SIN))
 
 
 def run_layer(
@@ -171,7 +172,7 @@ def _build(config: ModelConfig, family: str, device: torch.device, dense: bool =
         layer_class, rotary = module.GPT2Block, None
     else:
         config_class, module = _classes(family)
-        hf_config = llama_config(config, family)
+        hf_config = neox_config(config) if family == "gpt_neox" else llama_config(config, family)
         layer_class = getattr(module, FAMILIES[family].layer)
         rotary = getattr(module, f"{config_class.__name__.removesuffix('Config')}RotaryEmbedding")(hf_config)
     torch.manual_seed(INPUT_SEED)  # the weights, as the layer initialises them
@@ -220,6 +221,19 @@ def llama_config(config: ModelConfig, family: str = "llama") -> Any:
         attn_implementation=attention_implementation(config),
     ) | _moe_fields(config, family) | _latent_fields(config, family) | _head_fields(config, family)
       | _window_fields(config, family))
+
+
+def neox_config(config: ModelConfig) -> Any:
+    """A GPTNeoXConfig sized from memcalc's: fused QKV with biases (add_bias_linear), partial RoPE, parallel residual
+    or not, one dropout probability for attention and the two hidden dropouts."""
+    return transformers.GPTNeoXConfig(
+        hidden_size=config.h, num_attention_heads=config.a, intermediate_size=config.ffn, num_hidden_layers=config.L,
+        hidden_act="gelu_new" if config.mlp == "gelu_tanh" else "gelu", max_position_embeddings=config.s,
+        vocab_size=config.vocab_size, attention_dropout=config.dropout, hidden_dropout=config.dropout,
+        use_parallel_residual=config.parallel_residual, attention_bias=config.add_bias_linear,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": config.rotary_percent},
+        attn_implementation=attention_implementation(config),
+    )
 
 
 def _window_fields(config: ModelConfig, family: str) -> dict[str, Any]:
@@ -396,6 +410,9 @@ def label_rules_for(config: ModelConfig) -> tuple[Rule, ...]:
         attention = _latent_attention_rules(config) if config.mla else _llama_attention_rules(config)
         return (*_rms_rules("input_layernorm", rules.LN1_RMS), *attention,
                 *_rms_rules("post_attention_layernorm", rules.LN2_RMS), *_llama_mlp_rules(), *_moe_rules(config))
+    if rules.is_neox(config):
+        return (*_layer_norm_rules("input_layernorm", ledger.LN1), *_neox_attention_rules(config),
+                *_layer_norm_rules("post_attention_layernorm", ledger.LN2), *_neox_mlp_rules(config))
     return (*_layer_norm_rules("ln_1", ledger.LN1), *_gpt2_attention_rules(config),
             *_layer_norm_rules("ln_2", ledger.LN2), *_gpt2_mlp_rules(config))
 
@@ -573,6 +590,31 @@ def _gpt2_attention_rules(config: ModelConfig) -> tuple[Rule, ...]:
         Rule("attn", "scaled_dot_product_attention", _QKV_OUT, arg=0, view=lambda q: q._base),
         Rule("attn.c_proj", "addmm", ledger.PROJ_IN, arg=1, view=lambda x: _head_columns(config.head_dim)(flat(x))),
         Rule("attn.resid_dropout", "native_dropout", ledger.ATTN_OUT_DROPOUT_MASK,
+             view=_kept("NativeDropoutBackward0", "_saved_result1")),
+    )
+
+
+def _neox_attention_rules(config: ModelConfig) -> tuple[Rule, ...]:
+    """GPTNeoXAttention: query_key_value's input, the eager core (at b = 1 V is kept as the fused output it views),
+    dense's input, and the post-attention dropout's mask."""
+    d = config.head_dim
+    return (
+        Rule("attention.query_key_value", "linear", ledger.QKV_IN, arg=0),
+        *_core_rules("attention", config),
+        Rule("attention", "matmul", rules.NEOX_QKV_OUT, nth=1, arg=1, view=lambda v: v._base.view(config.b, config.s, -1, d)),
+        Rule("attention.dense", "linear", ledger.PROJ_IN, arg=0, view=_head_columns(d)),
+        Rule("post_attention_dropout", "native_dropout", ledger.ATTN_OUT_DROPOUT_MASK,
+             view=_kept("NativeDropoutBackward0", "_saved_result1")),
+    )
+
+
+def _neox_mlp_rules(config: ModelConfig) -> tuple[Rule, ...]:
+    """GPTNeoXMLP: dense_h_to_4h's input, the activation (GPT-2's rules), dense_4h_to_h's input, post_mlp_dropout."""
+    return (
+        Rule("mlp.dense_h_to_4h", "linear", ledger.FC1_IN, arg=0),
+        *(r for r in _gpt2_mlp_rules(config) if r.module == "mlp.act"),
+        Rule("mlp.dense_4h_to_h", "linear", ledger.FC2_IN, arg=0),
+        Rule("post_mlp_dropout", "native_dropout", ledger.MLP_DROPOUT_MASK,
              view=_kept("NativeDropoutBackward0", "_saved_result1")),
     )
 

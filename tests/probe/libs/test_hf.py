@@ -24,6 +24,7 @@ LLAMA = {"norm": "rmsnorm", "mlp": "swiglu"}
 GPT2 = {"norm": "layernorm", "mlp": "gelu"}  # transformers' own defaults are Llama's
 MLA = {"kv_lora_rank": 24, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 12, "v_head_dim": 10}
 QWEN3 = LLAMA | {"kv_channels": 16, "qk_layernorm": True, "num_query_groups": 2}  # heads of 16, not h/a = 8
+NEOX = {"norm": "layernorm", "mlp": "gelu", "rotary_percent": 0.25, "parallel_residual": True, "attention": "eager"}
 
 
 def _rows(knobs: dict, family: str | None = None):
@@ -68,6 +69,12 @@ CASES = {
         (LLAMA | {"attention": "eager", "dropout": 0.0, "num_query_groups": 2, "kv_channels": 12}, "mistral"),
     "deepseek-v3 latent attention, eager: fp32 latent norms, up projections' inputs, one rope table pair":
         (LLAMA | MLA | {"attention": "eager", "dropout": 0.0}, None),
+    "gpt-neox, parallel residual: both norms read the layer's input, kept once; (s, d/4) rope tables, fp32 softmax":
+        (NEOX | {"dropout": 0.0}, None),
+    "gpt-neox sequential residual with dropout and gelu_new, whole heads rotated":
+        (NEOX | {"dropout": 0.1, "parallel_residual": False, "mlp": "gelu_tanh", "rotary_percent": 1.0}, None),
+    "gpt-neox at b=1: matmul keeps V as the fused query_key_value output it views":
+        (NEOX | {"dropout": 0.1, "b": 1}, None),
     "deepseek-v2-lite latent attention, no query latent, with dropout":
         (LLAMA | MLA | {"q_lora_rank": None, "attention": "eager", "dropout": 0.1}, None),
 }
@@ -111,6 +118,10 @@ def test_the_shim_makes_cpu_dropout_keep_a_bool_mask_and_undoes_itself():
     (GPT2 | {"num_query_groups": 2}, "GPT2Block has no grouped-query attention"),
     (GPT2 | {"qk_layernorm": True}, "GPT2Block has no qk_layernorm"),
     (GPT2 | {"kv_channels": 16}, "GPT2Block has no kv_channels"),
+    (NEOX | {"attention": "flash"}, "GPTNeoXLayer under sdpa is not modelled"),
+    (GPT2 | {"parallel_residual": True}, "parallel_residual is GPTNeoXLayer's, which has RoPE"),
+    (LLAMA | {"rotary_percent": 0.5}, "rotary_percent and parallel_residual are GPTNeoXLayer's"),
+    (NEOX | {"rotary_percent": 1.5}, r"rotary_percent=1.5 must be in \(0, 1\]"),
 ])
 def test_knobs_no_transformers_layer_runs_are_refused(knobs, words):
     with pytest.raises(ConfigError, match=words):
