@@ -39,6 +39,14 @@ def _gated(act: str) -> str:
     raise ConfigError(f"hidden_act {short_repr(act)} in a gated MLP is not modelled (memcalc knows SwiGLU: silu)")
 
 
+def _gemma_gated(act: Any) -> str:
+    """Gemma's gated MLP: GemmaConfig turns the legacy "gelu" into gelu_pytorch_tanh, torch's tanh GELU kernel."""
+    if act in ("gelu", "gelu_pytorch_tanh"):
+        return "geglu_tanh"
+    raise ConfigError(f"hidden_act {short_repr(act)} in Gemma's gated MLP is not modelled (memcalc knows"
+                      " gelu_pytorch_tanh, and gelu, which GemmaConfig reads as it)")
+
+
 def _plain(act: Any) -> Mlp:
     """GPT-2 and GPT-NeoX MLPs are fc1 -> activation -> fc2."""
     if isinstance(act, str) and act in _GELUS:
@@ -136,6 +144,14 @@ _LLAMA = (
     Row("add_bias_linear", ("attention_bias", "mlp_bias"), default=False, combine=_both_or_neither),
 )
 _LLAMA_HEADS = (*_LLAMA, _head_dim_row())
+# GemmaConfig: a Llama layer whose norms scale by (1 + w) in fp32 (GemmaRMSNorm) and whose gated MLP is tanh GeGLU;
+# heads of head_dim (256 by default), embeddings tied; the embedding's scaling by sqrt(h) lies outside the layers.
+_GEMMA = tuple(
+    {"mlp": Row("mlp", ("hidden_act",), _gemma_gated, default="geglu_tanh"),
+     "norm": Row("norm", ("rms_norm_eps",), lambda eps: "rmsnorm_1p", default="rmsnorm_1p"),
+     "tie_embeddings": Row("tie_embeddings", ("tie_word_embeddings",), default=True)}.get(row.target, row)
+    for row in _LLAMA
+) + (_head_dim_row(256),)
 # Qwen3Config: a Llama layer whose heads are head_dim wide (128 by default, whatever h/a is) and whose queries and
 # keys are RMS-normalised per head (q_norm, k_norm) before RoPE; no sliding window.
 _FULL_CAUSAL = _kept_nothing("use_sliding_window", _no_sliding_window, "full causal attention in every layer")
@@ -352,6 +368,8 @@ FAMILIES: dict[str, Family] = {
         Family("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeDecoderLayer", ("Qwen3MoeForCausalLM",), _QWEN3_MOE,
                _ROPE | {"qk_layernorm": True}, when=lambda k: k.moe and k.qk_layernorm and not k.mla,
                router="Qwen3MoeTopKRouter", attribute_map=_EXPERTS),
+        Family("gemma", "GemmaConfig", "GemmaDecoderLayer", ("GemmaForCausalLM",), _GEMMA, _ROPE,
+               norm="rmsnorm_1p", mlps=("geglu_tanh",), when=_dense),
         Family("gpt2", "GPT2Config", "GPT2Block", ("GPT2LMHeadModel",), _GPT2,
                {"position_embedding_type": "learned_absolute"}, norm="layernorm", mlps=("gelu", "gelu_tanh"),
                when=lambda k: k.rotary_percent is None and not k.parallel_residual,

@@ -44,6 +44,10 @@ class Mlp(Choice):
     GELU = "gelu"
     SWIGLU = "swiglu"
     GELU_TANH = "gelu_tanh"  # tanh-approximated GELU: HF gelu_new, gelu_pytorch_tanh, gelu_fast; Megatron bias_gelu
+    GEGLU_TANH = "geglu_tanh"  # gated: torch's tanh GELU(gate) * up (Gemma's gelu_pytorch_tanh); transformers only
+
+
+GATED = (Mlp.SWIGLU, Mlp.GEGLU_TANH)  # activation(gate) * up: fc1 makes both gate and up
 
 
 class Attention(Choice):
@@ -54,6 +58,7 @@ class Attention(Choice):
 class Norm(Choice):
     LAYERNORM = "layernorm"
     RMSNORM = "rmsnorm"
+    RMSNORM_1P = "rmsnorm_1p"  # Gemma's: (1 + w) * RMSNorm(x), all in fp32 and cast after; transformers only
 
 
 class Recompute(Choice):

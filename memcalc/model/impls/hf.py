@@ -94,6 +94,42 @@ def _rms_norm(prefix: str, module: str, width: Dim = Dim.H, heads: Dim | None = 
     )
 
 
+class GemmaRMSNormTensors(NamedTuple):
+    """What one `GemmaRMSNorm` keeps: (1 + w) * (x * rsqrt(mean(x^2) + eps)), all in fp32, cast back after."""
+
+    input_fp32: SavedTensor
+    rstd: SavedTensor
+    weight_plus_one: SavedTensor
+    normed_fp32: SavedTensor
+
+
+def _gemma_norm(prefix: str, module: str) -> GemmaRMSNormTensors:
+    """GemmaRMSNorm: Llama's upcast and rstd; the product by (1 + w.float()) keeps both factors in fp32, and the
+    cast back (type_as) keeps nothing."""
+    llama, by = _rms_norm(prefix, module), f"GemmaRMSNorm ({module})"
+    return GemmaRMSNormTensors(
+        replace(llama.input_fp32, saved_by=f"{by}: x.float(), kept by pow(2) and by x * rsqrt(.)"),
+        replace(llama.rstd, saved_by=f"{by}: rsqrt(variance + eps), kept by rsqrt and by x * rsqrt(.)"),
+        SavedTensor(
+            f"{prefix}/weight_plus_one_fp32", f"{by}: 1.0 + weight.float(), kept by output * (.)", (Dim.H,),
+            Kind.FP32, Region.REPLICATED, "the gradient of the normalised input is dY * (1 + w)", paper=False,
+        ),
+        SavedTensor(
+            f"{prefix}/normed_fp32", f"{by}: x * rsqrt(.) in fp32, kept by output * (1 + w)", _BSH, Kind.FP32, _SEQ,
+            "the weight's gradient is dY times the normalised input, here the fp32 one",
+        ),
+    )
+
+
+GEMMA_LN1 = _gemma_norm("ln1", "input_layernorm")
+GEMMA_LN2 = _gemma_norm("ln2", "post_attention_layernorm")
+# GemmaMLP: gelu_pytorch_tanh(gate_proj(x)) * up_proj(x), torch's tanh GELU kernel keeping its input.
+GEGLU_GATE = replace(ledger.SWIGLU_GATE, name="mlp/geglu_gate", saved_by="gelu_pytorch_tanh (torch's tanh GELU kernel)",
+                     why="GELU's derivative is evaluated at its input, the gate projection")
+GEGLU_UP = replace(ledger.SWIGLU_UP, name="mlp/geglu_up", saved_by="GELU(gate) * up",
+                   why="the gradient of GELU(gate) in the product is dY * up")
+GEGLU_GELU_OUT = replace(ledger.SWIGLU_SILU_OUT, name="mlp/gelu_out", saved_by="GELU(gate) * up",
+                         why="the gradient of up in the product is dY * GELU(gate)")
 LN1_RMS = _rms_norm("ln1", "input_layernorm")
 LN2_RMS = _rms_norm("ln2", "post_attention_layernorm")
 # Qwen3Attention (qk_layernorm): Qwen3RMSNorm, LlamaRMSNorm's code, on q_proj(x) and k_proj(x) viewed as (b, s, heads,
@@ -273,8 +309,9 @@ MOE_TENSORS = (ROUTER_PROBS, TOPK_SUM, TOPK_WEIGHTS, ROUTER_IN_FP32, ROUTER_SCOR
 
 
 def is_llama(knobs: Any) -> bool:
-    """RMSNorm + SwiGLU is the Llama family (Llama, Mistral, Qwen2); LayerNorm + GELU is GPT-2 or GPT-NeoX."""
-    return knobs.norm == "rmsnorm"
+    """RMSNorm + a gated MLP is the Llama family (Llama, Mistral, Qwen2, Gemma's (1 + w) RMSNorm and GeGLU);
+    LayerNorm + GELU is GPT-2 or GPT-NeoX."""
+    return knobs.norm in ("rmsnorm", "rmsnorm_1p")
 
 
 def is_neox(knobs: Any) -> bool:
@@ -285,6 +322,8 @@ def is_neox(knobs: Any) -> bool:
 def norm_block(which: int, knobs: Any) -> tuple[SavedTensor, ...]:
     """LlamaRMSNorm's fp32 upcast, fp32 rstd and cast-back; GPT-2's nn.LayerNorm keeps input, mean, rstd. GPT-NeoX's
     parallel residual feeds both LayerNorms the layer's input: one storage, kept once (the first norm's)."""
+    if knobs.norm == "rmsnorm_1p":
+        return tuple((GEMMA_LN1, GEMMA_LN2)[which])
     if is_llama(knobs):
         return tuple((LN1_RMS, LN2_RMS)[which])
     if which == 1 and knobs.parallel_residual:
@@ -378,6 +417,8 @@ def mlp_block(knobs: Any) -> tuple[SavedTensor, ...]:
     """LlamaMLP (gate, up, SiLU(gate) * up) or GPT2MLP (c_fc, activation, c_proj, dropout)."""
     if knobs.mlp == "swiglu":
         activation = (ledger.SWIGLU_GATE, ledger.SWIGLU_UP, ledger.SWIGLU_SILU_OUT)
+    elif knobs.mlp == "geglu_tanh":
+        activation = (GEGLU_GATE, GEGLU_UP, GEGLU_GELU_OUT)
     elif knobs.mlp == "gelu_tanh":
         activation = (ledger.GELU_IN, HALF_X, TANH_OUT, ONE_PLUS_TANH)
     else:
@@ -458,6 +499,9 @@ def check(knobs: Any) -> None:
         _check_mixtral(knobs)
     _check_qwen3(knobs)
     check_latent(knobs)
+    if family_of(knobs) is None:
+        raise ConfigError(f"impl hf: no transformers layer runs norm {knobs.norm} and mlp {knobs.mlp} with these knobs"
+                          " (GemmaDecoderLayer has no experts, QK norm or latent attention)")
 
 
 def _layer(knobs: Any) -> str:
@@ -598,7 +642,8 @@ IMPLEMENTATION = Implementation(
     tensors=(
         *LN1_RMS, *LN2_RMS, *Q_NORM_RMS, *K_NORM_RMS,
         ROPE_COS, ROPE_SIN, *MLA_Q_RMS, *MLA_KV_RMS, MLA_ROPE_COS, MLA_ROPE_SIN, K_EXPANDED, V_EXPANDED, SOFTMAX_FP32, WEIGHTS, *SDPA_MATH,
-        HALF_X, TANH_OUT, ONE_PLUS_TANH, *MOE_TENSORS, NEOX_ROPE_COS, NEOX_ROPE_SIN, NEOX_QKV_OUT,  # FLASH_DROPOUT_LSE is the ledger's LSE, described as read from code
+        HALF_X, TANH_OUT, ONE_PLUS_TANH, *MOE_TENSORS, NEOX_ROPE_COS, NEOX_ROPE_SIN, NEOX_QKV_OUT,
+    *GEMMA_LN1, *GEMMA_LN2, GEGLU_GATE, GEGLU_UP, GEGLU_GELU_OUT,  # FLASH_DROPOUT_LSE is the ledger's LSE, described as read from code
     ),
     # LlamaConfig's own: RMSNorm, SwiGLU, attention_dropout 0, attn_implementation "sdpa" (memcalc's flash).
     defaults={

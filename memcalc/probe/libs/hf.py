@@ -216,7 +216,8 @@ def llama_config(config: ModelConfig, family: str = "llama") -> Any:
     config_class, _ = _classes(family)
     return config_class(**dict(
         hidden_size=config.h, num_attention_heads=config.a, num_key_value_heads=config.groups,
-        intermediate_size=config.ffn, hidden_act="silu", attention_dropout=config.dropout, num_hidden_layers=config.L,
+        intermediate_size=config.ffn, hidden_act="gelu_pytorch_tanh" if config.mlp == "geglu_tanh" else "silu",
+        attention_dropout=config.dropout, num_hidden_layers=config.L,
         max_position_embeddings=config.s, vocab_size=config.vocab_size, tie_word_embeddings=config.tie_embeddings,
         attn_implementation=attention_implementation(config),
     ) | _moe_fields(config, family) | _latent_fields(config, family) | _head_fields(config, family)
@@ -408,8 +409,9 @@ def label_rules_for(config: ModelConfig) -> tuple[Rule, ...]:
         return (Rule("", "forward", ledger.LAYER_INPUT, arg=0),)
     if rules.is_llama(config):
         attention = _latent_attention_rules(config) if config.mla else _llama_attention_rules(config)
-        return (*_rms_rules("input_layernorm", rules.LN1_RMS), *attention,
-                *_rms_rules("post_attention_layernorm", rules.LN2_RMS), *_llama_mlp_rules(), *_moe_rules(config))
+        return (*_rms_rules("input_layernorm", rules.LN1_RMS), *_gemma_norm_rules("input_layernorm", rules.GEMMA_LN1),
+                *attention, *_rms_rules("post_attention_layernorm", rules.LN2_RMS),
+                *_gemma_norm_rules("post_attention_layernorm", rules.GEMMA_LN2), *_llama_mlp_rules(), *_moe_rules(config))
     if rules.is_neox(config):
         return (*_layer_norm_rules("input_layernorm", ledger.LN1), *_neox_attention_rules(config),
                 *_layer_norm_rules("post_attention_layernorm", ledger.LN2), *_neox_mlp_rules(config))
@@ -423,6 +425,17 @@ def _rms_rules(module: str, norm: rules.RMSNormTensors, view: Callable[[Any], An
         Rule(module, "to", norm.input_fp32, nth=0, view=view),  # hidden_states.to(torch.float32)
         Rule(module, "rsqrt", norm.rstd, view=lambda x: view(_stats(x)) if view else _stats(x)),
         Rule(module, "to", norm.normed, nth=1, view=view),  # hidden_states.to(input_dtype)
+    )
+
+
+def _gemma_norm_rules(module: str, norm: rules.GemmaRMSNormTensors) -> tuple[Rule, ...]:
+    """GemmaRMSNorm's four: x.float(), rsqrt's output, 1.0 + weight.float() (the second add, after + eps), and the
+    fp32 product x * rsqrt(.)."""
+    return (
+        Rule(module, "float", norm.input_fp32, nth=0),
+        Rule(module, "rsqrt", norm.rstd, view=_stats),
+        Rule(module, "add", norm.weight_plus_one, nth=1),
+        Rule(module, "mul", norm.normed_fp32, nth=0),
     )
 
 
@@ -513,6 +526,9 @@ def _llama_mlp_rules() -> tuple[Rule, ...]:
         Rule("mlp.gate_proj", "linear", ledger.SWIGLU_GATE),
         Rule("mlp.up_proj", "linear", ledger.SWIGLU_UP),
         Rule("mlp.act_fn", "silu", ledger.SWIGLU_SILU_OUT),
+        Rule("mlp.gate_proj", "linear", rules.GEGLU_GATE),  # Gemma's tanh GeGLU
+        Rule("mlp.up_proj", "linear", rules.GEGLU_UP),
+        Rule("mlp.act_fn", "gelu", rules.GEGLU_GELU_OUT),
         Rule("mlp.down_proj", "linear", ledger.FC2_IN, arg=0),
     )
 

@@ -24,6 +24,7 @@ LLAMA = {"norm": "rmsnorm", "mlp": "swiglu"}
 GPT2 = {"norm": "layernorm", "mlp": "gelu"}  # transformers' own defaults are Llama's
 MLA = {"kv_lora_rank": 24, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 12, "v_head_dim": 10}
 QWEN3 = LLAMA | {"kv_channels": 16, "qk_layernorm": True, "num_query_groups": 2}  # heads of 16, not h/a = 8
+GEMMA = {"norm": "rmsnorm_1p", "mlp": "geglu_tanh", "kv_channels": 16, "num_query_groups": 2}
 NEOX = {"norm": "layernorm", "mlp": "gelu", "rotary_percent": 0.25, "parallel_residual": True, "attention": "eager"}
 
 
@@ -69,6 +70,10 @@ CASES = {
         (LLAMA | {"attention": "eager", "dropout": 0.0, "num_query_groups": 2, "kv_channels": 12}, "mistral"),
     "deepseek-v3 latent attention, eager: fp32 latent norms, up projections' inputs, one rope table pair":
         (LLAMA | MLA | {"attention": "eager", "dropout": 0.0}, None),
+    "gemma eager: (1 + w) rmsnorm keeps fp32 input, rstd, normed and 1 + w; tanh geglu keeps gate, up, gelu out":
+        (GEMMA | {"attention": "eager", "dropout": 0.0}, None),
+    "gemma sdpa with dropout on a cpu": (GEMMA | {"attention": "flash", "dropout": 0.1}, None),
+    "gemma fp32": (GEMMA | {"attention": "eager", "dtype": "fp32"}, None),
     "gpt-neox, parallel residual: both norms read the layer's input, kept once; (s, d/4) rope tables, fp32 softmax":
         (NEOX | {"dropout": 0.0}, None),
     "gpt-neox sequential residual with dropout and gelu_new, whole heads rotated":
@@ -158,6 +163,8 @@ TP_CASES = {
     "fp32 t=2": (LLAMA | {"attention": "eager", "dtype": "fp32", "num_query_groups": 2}, 2, None),
     "b=1, one k/v group per rank t=2: matmul keeps k and v unexpanded (repeat_kv's views)":
         (LLAMA | {"attention": "eager", "dropout": 0.1, "num_query_groups": 2, "b": 1}, 2, None),
+    "gemma t=2: its norms whole (1 + w replicated), geglu's f split":
+        (GEMMA | {"attention": "eager", "dropout": 0.0}, 2, "gemma"),
     "qwen3 t=2: q_norm and k_norm on this rank's heads of head_dim (replicated_with_grad_allreduce)":
         (LLAMA | {"attention": "eager", "dropout": 0.0, "num_query_groups": 2, "kv_channels": 16,
                   "qk_layernorm": True}, 2, None),
@@ -192,6 +199,7 @@ def test_two_gloo_ranks_each_keep_what_rank_zero_of_the_fake_group_keeps():
 @pytest.mark.parametrize("knobs, words", [
     (LLAMA, "does not run tp-sp .*in any model: transformers has no sequence parallelism"),
     (GPT2, "does not run tp .*GPT2Config has no base_model_tp_plan"),
+    (NEOX, "does not run tp .*GPT-NeoX .*has not measured GPTNeoXConfig's base_model_tp_plan"),
     (LLAMA | MLA | {"attention": "eager"}, "does not run tp .*with latent attention .*shards no attention"),
 ])
 def test_what_transformers_does_not_lay_out_is_refused_with_the_library_s_reason(knobs, words):
