@@ -47,6 +47,13 @@ def _gemma_gated(act: Any) -> str:
                       " gelu_pytorch_tanh, and gelu, which GemmaConfig reads as it)")
 
 
+def _no_clip(value: Any) -> Any:
+    """OLMo's clip_qkv clamps Q, K and V in place, which keeps what memcalc has not measured."""
+    if value is not None:
+        raise ConfigError(f"clip_qkv={short_repr(value)} is not modelled (OLMo's in-place clamp of Q, K and V)")
+    return value
+
+
 def _plain(act: Any) -> Mlp:
     """GPT-2 and GPT-NeoX MLPs are fc1 -> activation -> fc2."""
     if isinstance(act, str) and act in _GELUS:
@@ -146,6 +153,10 @@ _LLAMA = (
 _LLAMA_HEADS = (*_LLAMA, _head_dim_row())
 # GemmaConfig: a Llama layer whose norms scale by (1 + w) in fp32 (GemmaRMSNorm) and whose gated MLP is tanh GeGLU;
 # heads of head_dim (256 by default), embeddings tied; the embedding's scaling by sqrt(h) lies outside the layers.
+# OlmoConfig: a Llama layer whose two norms are OlmoLayerNorm, LayerNorm without weight or bias run in fp32.
+_OLMO = tuple(
+    Row("norm", (), default="layernorm_np") if row.target == "norm" else row for row in _LLAMA
+) + (_head_dim_row(), _kept_nothing("clip_qkv", _no_clip, "no clamp of Q, K and V"))
 _GEMMA = tuple(
     {"mlp": Row("mlp", ("hidden_act",), _gemma_gated, default="geglu_tanh"),
      "norm": Row("norm", ("rms_norm_eps",), lambda eps: "rmsnorm_1p", default="rmsnorm_1p"),
@@ -370,6 +381,8 @@ FAMILIES: dict[str, Family] = {
                router="Qwen3MoeTopKRouter", attribute_map=_EXPERTS),
         Family("gemma", "GemmaConfig", "GemmaDecoderLayer", ("GemmaForCausalLM",), _GEMMA, _ROPE,
                norm="rmsnorm_1p", mlps=("geglu_tanh",), when=_dense),
+        Family("olmo", "OlmoConfig", "OlmoDecoderLayer", ("OlmoForCausalLM",), _OLMO, _ROPE,
+               norm="layernorm_np", when=_dense),
         Family("gpt2", "GPT2Config", "GPT2Block", ("GPT2LMHeadModel",), _GPT2,
                {"position_embedding_type": "learned_absolute"}, norm="layernorm", mlps=("gelu", "gelu_tanh"),
                when=lambda k: k.rotary_percent is None and not k.parallel_residual,

@@ -59,6 +59,7 @@ class Norm(Choice):
     LAYERNORM = "layernorm"
     RMSNORM = "rmsnorm"
     RMSNORM_1P = "rmsnorm_1p"  # Gemma's: (1 + w) * RMSNorm(x), all in fp32 and cast after; transformers only
+    LAYERNORM_NP = "layernorm_np"  # OLMo's: LayerNorm without weight or bias, in fp32 and cast after; transformers only
 
 
 class Recompute(Choice):

@@ -55,12 +55,13 @@ def implementation(knobs: Any) -> Implementation:
 # Knobs of a layer only transformers' code is measured for (GPT-NeoX's GPTNeoXLayer).
 _HF_ONLY = ("parallel_residual", "rotary_percent")
 # Choices only transformers' layers are measured with (Gemma's GemmaRMSNorm and GeGLU).
-_HF_ONLY_CHOICES = {"norm": ("rmsnorm_1p",), "mlp": ("geglu_tanh",)}
+_HF_ONLY_CHOICES = {"norm": ("rmsnorm_1p", "layernorm_np"), "mlp": ("geglu_tanh",)}
 
 
 def _check_hf_only(knobs: Any) -> None:
-    """GPT-NeoX's and Gemma's layers are counted under --impl hf only: Megatron's and torchtitan's layers have no
-    parallel residual, rotate whole heads, and have neither Gemma's (1 + w) RMSNorm nor its tanh GeGLU."""
+    """GPT-NeoX's, Gemma's and OLMo's layers are counted under --impl hf only: Megatron's and torchtitan's layers have
+    no parallel residual, rotate whole heads, and have neither Gemma's (1 + w) RMSNorm and tanh GeGLU nor OLMo's
+    weightless fp32 LayerNorm."""
     if knobs.impl == "hf":
         return
     given = [name for name in _HF_ONLY if getattr(knobs, name) not in (None, False)]
@@ -69,7 +70,7 @@ def _check_hf_only(knobs: Any) -> None:
                           f" eager only; impl {knobs.impl}'s layer has no such choice")
     for name, values in _HF_ONLY_CHOICES.items():
         if getattr(knobs, name) in values:
-            raise ConfigError(f"{name} {getattr(knobs, name)} (Gemma's) is modelled under --impl hf only; impl"
+            raise ConfigError(f"{name} {getattr(knobs, name)} (a transformers family's) is modelled under --impl hf only; impl"
                               f" {knobs.impl}'s layer has no such choice")
 
 

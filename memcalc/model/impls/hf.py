@@ -121,6 +121,22 @@ def _gemma_norm(prefix: str, module: str) -> GemmaRMSNormTensors:
     )
 
 
+def _olmo_norm(prefix: str, module: str) -> ledger.NormTensors:
+    """OlmoLayerNorm: F.layer_norm without weight or bias on an fp32 copy of x, which it keeps with its fp32 mean and
+    rstd (fp32 on every device: the input is fp32); the cast back keeps nothing."""
+    by = f"OlmoLayerNorm ({module})"
+    return ledger.NormTensors(
+        SavedTensor(f"{prefix}/input_fp32", f"{by}: hidden_states.to(float32), kept by F.layer_norm", _BSH, Kind.FP32,
+                    _SEQ, "LayerNorm's backward reads its (fp32) input"),
+        SavedTensor(f"{prefix}/mean_fp32", f"{by}: F.layer_norm's mean", (Dim.B, Dim.S), Kind.FP32, _SEQ,
+                    ledger.WHY_NORM_RSTD, paper=False),
+        SavedTensor(f"{prefix}/rstd_fp32", f"{by}: F.layer_norm's rstd", (Dim.B, Dim.S), Kind.FP32, _SEQ,
+                    ledger.WHY_NORM_RSTD, paper=False),
+    )
+
+
+OLMO_LN1 = _olmo_norm("ln1", "input_layernorm")
+OLMO_LN2 = _olmo_norm("ln2", "post_attention_layernorm")
 GEMMA_LN1 = _gemma_norm("ln1", "input_layernorm")
 GEMMA_LN2 = _gemma_norm("ln2", "post_attention_layernorm")
 # GemmaMLP: gelu_pytorch_tanh(gate_proj(x)) * up_proj(x), torch's tanh GELU kernel keeping its input.
@@ -177,6 +193,12 @@ ROPE_SIN = SavedTensor(
     "attention/rope_sin", "apply_rotary_pos_emb: rotate_half(q) * sin", (Dim.S, Dim.D), Kind.ACTIVATION, _SEQ,
     "the gradient of rotate_half(q) in rotate_half(q) * sin is dY * sin", paper=False,
 )
+# OlmoRotaryEmbedding returns fp32 tables (no cast to x's dtype), so q * cos runs in fp32 and keeps them fp32;
+# apply_rotary_pos_emb casts q and k back after.
+OLMO_ROPE_COS = replace(ROPE_COS, name="attention/rope_cos_fp32", kind=Kind.FP32,
+                        saved_by="OLMo apply_rotary_pos_emb: q * cos, cos fp32 (OlmoRotaryEmbedding casts nothing)")
+OLMO_ROPE_SIN = replace(ROPE_SIN, name="attention/rope_sin_fp32", kind=Kind.FP32,
+                        saved_by="OLMo apply_rotary_pos_emb: rotate_half(q) * sin, sin fp32")
 K_EXPANDED = SavedTensor(
     "attention/k_expanded", "repeat_kv, kept by matmul(q, k^T)", _BASD, Kind.ACTIVATION, _TEN,
     "eager attention copies each K group to its a/g heads; QK^T's backward reads the copy",
@@ -311,7 +333,7 @@ MOE_TENSORS = (ROUTER_PROBS, TOPK_SUM, TOPK_WEIGHTS, ROUTER_IN_FP32, ROUTER_SCOR
 def is_llama(knobs: Any) -> bool:
     """RMSNorm + a gated MLP is the Llama family (Llama, Mistral, Qwen2, Gemma's (1 + w) RMSNorm and GeGLU);
     LayerNorm + GELU is GPT-2 or GPT-NeoX."""
-    return knobs.norm in ("rmsnorm", "rmsnorm_1p")
+    return knobs.norm in ("rmsnorm", "rmsnorm_1p", "layernorm_np")
 
 
 def is_neox(knobs: Any) -> bool:
@@ -324,6 +346,8 @@ def norm_block(which: int, knobs: Any) -> tuple[SavedTensor, ...]:
     parallel residual feeds both LayerNorms the layer's input: one storage, kept once (the first norm's)."""
     if knobs.norm == "rmsnorm_1p":
         return tuple((GEMMA_LN1, GEMMA_LN2)[which])
+    if knobs.norm == "layernorm_np":
+        return tuple((OLMO_LN1, OLMO_LN2)[which])
     if is_llama(knobs):
         return tuple((LN1_RMS, LN2_RMS)[which])
     if which == 1 and knobs.parallel_residual:
@@ -406,7 +430,8 @@ def attention_block(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ..
     """Q/K/V projections' input, RoPE tables (Llama), the core, o_proj's input, GPT-2's resid dropout."""
     if knobs.mla:
         return latent_attention(knobs)
-    rope = (ROPE_COS, ROPE_SIN) if is_llama(knobs) else (NEOX_ROPE_COS, NEOX_ROPE_SIN) if is_neox(knobs) else ()
+    rope = ((OLMO_ROPE_COS, OLMO_ROPE_SIN) if knobs.norm == "layernorm_np" else (ROPE_COS, ROPE_SIN) if is_llama(knobs)
+            else (NEOX_ROPE_COS, NEOX_ROPE_SIN) if is_neox(knobs) else ())
     qk_norm = (*Q_NORM_RMS, *K_NORM_RMS) if knobs.qk_layernorm else ()
     core = _sdpa(knobs, accounting) if knobs.attention == "flash" else _eager(knobs)
     resid = (ledger.ATTN_OUT_DROPOUT_MASK,) if knobs.has_dropout and not is_llama(knobs) else ()
@@ -643,7 +668,7 @@ IMPLEMENTATION = Implementation(
         *LN1_RMS, *LN2_RMS, *Q_NORM_RMS, *K_NORM_RMS,
         ROPE_COS, ROPE_SIN, *MLA_Q_RMS, *MLA_KV_RMS, MLA_ROPE_COS, MLA_ROPE_SIN, K_EXPANDED, V_EXPANDED, SOFTMAX_FP32, WEIGHTS, *SDPA_MATH,
         HALF_X, TANH_OUT, ONE_PLUS_TANH, *MOE_TENSORS, NEOX_ROPE_COS, NEOX_ROPE_SIN, NEOX_QKV_OUT,
-    *GEMMA_LN1, *GEMMA_LN2, GEGLU_GATE, GEGLU_UP, GEGLU_GELU_OUT,  # FLASH_DROPOUT_LSE is the ledger's LSE, described as read from code
+    *GEMMA_LN1, *GEMMA_LN2, GEGLU_GATE, GEGLU_UP, GEGLU_GELU_OUT, *OLMO_LN1, *OLMO_LN2, OLMO_ROPE_COS, OLMO_ROPE_SIN,  # FLASH_DROPOUT_LSE is the ledger's LSE, described as read from code
     ),
     # LlamaConfig's own: RMSNorm, SwiGLU, attention_dropout 0, attn_implementation "sdpa" (memcalc's flash).
     defaults={

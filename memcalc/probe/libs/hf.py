@@ -97,7 +97,7 @@ _GATE_UP_PARTS = (ledger.EXPERT_GATE, ledger.EXPERT_UP)
 _MARKERS = (_QKV_OUT, _GATE_UP)
 # The (1, s, d) RoPE tables the model passes its layers: a Llama head's, or latent attention's RoPE part's.
 _ROPE_TABLES = ((rules.ROPE_COS, rules.ROPE_SIN), (rules.MLA_ROPE_COS, rules.MLA_ROPE_SIN),
-                (rules.NEOX_ROPE_COS, rules.NEOX_ROPE_SIN))
+                (rules.NEOX_ROPE_COS, rules.NEOX_ROPE_SIN), (rules.OLMO_ROPE_COS, rules.OLMO_ROPE_SIN))
 
 
 def run_layer(
@@ -410,8 +410,10 @@ def label_rules_for(config: ModelConfig) -> tuple[Rule, ...]:
     if rules.is_llama(config):
         attention = _latent_attention_rules(config) if config.mla else _llama_attention_rules(config)
         return (*_rms_rules("input_layernorm", rules.LN1_RMS), *_gemma_norm_rules("input_layernorm", rules.GEMMA_LN1),
+                *_layer_norm_rules("input_layernorm", rules.OLMO_LN1),
                 *attention, *_rms_rules("post_attention_layernorm", rules.LN2_RMS),
-                *_gemma_norm_rules("post_attention_layernorm", rules.GEMMA_LN2), *_llama_mlp_rules(), *_moe_rules(config))
+                *_gemma_norm_rules("post_attention_layernorm", rules.GEMMA_LN2),
+                *_layer_norm_rules("post_attention_layernorm", rules.OLMO_LN2), *_llama_mlp_rules(), *_moe_rules(config))
     if rules.is_neox(config):
         return (*_layer_norm_rules("input_layernorm", ledger.LN1), *_neox_attention_rules(config),
                 *_layer_norm_rules("post_attention_layernorm", ledger.LN2), *_neox_mlp_rules(config))
@@ -472,7 +474,8 @@ def _core_rules(attention: str, config: ModelConfig, qkv: tuple[SavedTensor, ...
              view=_kept("BmmBackward0", "_saved_mat2", then=_heads(b))),
         Rule(attention, "softmax", ledger.SOFTMAX_OUT),
         Rule(attention, "softmax", rules.SOFTMAX_FP32),
-        Rule(attention, "to", rules.WEIGHTS),  # Llama's cast of the fp32 softmax back to bf16
+        # Llama's cast of the fp32 softmax back to bf16; OLMo's apply_rotary_pos_emb casts q and k back before it
+        Rule(attention, "to", rules.WEIGHTS, nth=2 if config.norm == "layernorm_np" else 0),
         Rule(attention, "native_dropout", ledger.ATTN_DROPOUT_OUT),  # the shim's dropout
         Rule(attention, "native_dropout", ledger.ATTN_DROPOUT_MASK,
              view=_kept("NativeDropoutBackward0", "_saved_result1")),

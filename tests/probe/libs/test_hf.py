@@ -74,6 +74,10 @@ CASES = {
         (GEMMA | {"attention": "eager", "dropout": 0.0}, None),
     "gemma sdpa with dropout on a cpu": (GEMMA | {"attention": "flash", "dropout": 0.1}, None),
     "gemma fp32": (GEMMA | {"attention": "eager", "dtype": "fp32"}, None),
+    "olmo eager with dropout: each weightless layernorm keeps an fp32 copy of its input, fp32 mean and rstd":
+        ({"norm": "layernorm_np", "mlp": "swiglu", "attention": "eager", "dropout": 0.1}, None),
+    "olmo sdpa gqa": ({"norm": "layernorm_np", "mlp": "swiglu", "attention": "flash", "dropout": 0.0,
+                      "num_query_groups": 2}, None),
     "gpt-neox, parallel residual: both norms read the layer's input, kept once; (s, d/4) rope tables, fp32 softmax":
         (NEOX | {"dropout": 0.0}, None),
     "gpt-neox sequential residual with dropout and gelu_new, whole heads rotated":
@@ -165,6 +169,7 @@ TP_CASES = {
         (LLAMA | {"attention": "eager", "dropout": 0.1, "num_query_groups": 2, "b": 1}, 2, None),
     "gemma t=2: its norms whole (1 + w replicated), geglu's f split":
         (GEMMA | {"attention": "eager", "dropout": 0.0}, 2, "gemma"),
+    "olmo t=2": ({"norm": "layernorm_np", "mlp": "swiglu", "attention": "eager", "dropout": 0.0}, 2, "olmo"),
     "qwen3 t=2: q_norm and k_norm on this rank's heads of head_dim (replicated_with_grad_allreduce)":
         (LLAMA | {"attention": "eager", "dropout": 0.0, "num_query_groups": 2, "kv_channels": 16,
                   "qk_layernorm": True}, 2, None),
