@@ -154,6 +154,40 @@ _LLAMA_HEADS = (*_LLAMA, _head_dim_row())
 # GemmaConfig: a Llama layer whose norms scale by (1 + w) in fp32 (GemmaRMSNorm) and whose gated MLP is tanh GeGLU;
 # heads of head_dim (256 by default), embeddings tied; the embedding's scaling by sqrt(h) lies outside the layers.
 # OlmoConfig: a Llama layer whose two norms are OlmoLayerNorm, LayerNorm without weight or bias run in fp32.
+def _sliding_window(value: Any) -> int:
+    """Mistral's sliding_window: each query sees the last W keys (W a positive whole number)."""
+    if type(value) is not int or value < 1:
+        raise ConfigError(f"sliding_window must be a positive whole number or null, got {short_repr(value)}")
+    return value
+
+
+def _positive_number(name: str) -> Callable[[Any], Any]:
+    def convert(given: Any) -> Any:
+        if isinstance(given, bool) or not isinstance(given, (int, float)) or given <= 0:
+            raise ConfigError(f"{name} must be a positive number, got {short_repr(given)}")
+        return given
+
+    return convert
+
+
+def _positive_or_null(name: str) -> Callable[[Any], Any]:
+    check = _positive_number(name)
+    return lambda value: None if value is None else check(value)
+
+
+# Gemma2Config: Gemma's layer with sandwich norms (a GemmaRMSNorm on the attention's and on the MLP's output too),
+# attention scores soft-capped (attn_logit_softcapping; absent: none, as null: save_pretrained always writes it),
+# every other layer's attention a sliding window (eager keeps full attention's bytes); its activation field is
+# hidden_activation. The logits' own soft-capping and the query scale keep nothing a layer keeps.
+_GEMMA2_ONLY = (
+    Row("mlp", ("hidden_activation",), _gemma_gated, default="geglu_tanh"),
+    Row("attn_logit_softcapping", ("attn_logit_softcapping",), _positive_or_null("attn_logit_softcapping"),
+        default=None),
+    Row("sliding_window", ("sliding_window",), _sliding_window, default=4096),
+    _kept_nothing("final_logit_softcapping", lambda v: v, "outside the decoder layers (the logits')"),
+    _kept_nothing("query_pre_attn_scalar", lambda v: v, "a scale: keeps nothing"),
+    _kept_nothing("layer_types", lambda v: v, "sliding and full layers keep alike under eager attention"),
+)
 _OLMO = tuple(
     Row("norm", (), default="layernorm_np") if row.target == "norm" else row for row in _LLAMA
 ) + (_head_dim_row(), _kept_nothing("clip_qkv", _no_clip, "no clamp of Q, K and V"))
@@ -196,15 +230,6 @@ def _deepseek_v3_only(field_name: str, value: str) -> Callable[[Any], Any]:
         if given != value:
             raise ConfigError(f"{field_name}={short_repr(given)} is not modelled: transformers' DeepseekV3TopkRouter"
                               f" always runs {field_name}={value}")
-        return given
-
-    return convert
-
-
-def _positive_number(name: str) -> Callable[[Any], Any]:
-    def convert(given: Any) -> Any:
-        if isinstance(given, bool) or not isinstance(given, (int, float)) or given <= 0:
-            raise ConfigError(f"{name} must be a positive number, got {short_repr(given)}")
         return given
 
     return convert
@@ -307,13 +332,6 @@ _GPT_NEOX = (
 )
 
 
-def _sliding_window(value: Any) -> int:
-    """Mistral's sliding_window: each query sees the last W keys (W a positive whole number)."""
-    if type(value) is not int or value < 1:
-        raise ConfigError(f"sliding_window must be a positive whole number or null, got {short_repr(value)}")
-    return value
-
-
 # MistralConfig: Llama's layer, each query attending to the last sliding_window keys (the class's default, 4096, when
 # config.json has none; null: full causal attention, Mistral v0.2 on).
 _MISTRAL = (*_LLAMA_HEADS, Row("sliding_window", ("sliding_window",), _sliding_window, default=4096))
@@ -380,7 +398,10 @@ FAMILIES: dict[str, Family] = {
                _ROPE | {"qk_layernorm": True}, when=lambda k: k.moe and k.qk_layernorm and not k.mla,
                router="Qwen3MoeTopKRouter", attribute_map=_EXPERTS),
         Family("gemma", "GemmaConfig", "GemmaDecoderLayer", ("GemmaForCausalLM",), _GEMMA, _ROPE,
-               norm="rmsnorm_1p", mlps=("geglu_tanh",), when=_dense),
+               norm="rmsnorm_1p", mlps=("geglu_tanh",), when=lambda k: _dense(k) and not k.sandwich_norm),
+        Family("gemma2", "Gemma2Config", "Gemma2DecoderLayer", ("Gemma2ForCausalLM",),
+               (*(r for r in _GEMMA if r.target != "mlp"), *_GEMMA2_ONLY), _ROPE | {"sandwich_norm": True},
+               norm="rmsnorm_1p", mlps=("geglu_tanh",), when=lambda k: _dense(k) and k.sandwich_norm),
         Family("olmo", "OlmoConfig", "OlmoDecoderLayer", ("OlmoForCausalLM",), _OLMO, _ROPE,
                norm="layernorm_np", when=_dense),
         Family("gpt2", "GPT2Config", "GPT2Block", ("GPT2LMHeadModel",), _GPT2,

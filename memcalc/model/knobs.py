@@ -415,6 +415,23 @@ KNOBS: tuple[Knob, ...] = (
                   " it masks nothing, and transformers' eager attention adds its mask to the whole (s, s) scores."),),
     ),
     Knob(
+        "sandwich_norm", "flag", False, "hf: a norm also on the attention's and the MLP's output, before each residual"
+        " add (Gemma 2/3's post_attention_layernorm and post_feedforward_layernorm)",
+        lambda k: "sandwich norms" if k.sandwich_norm else None,
+        effects=(({"impl": Impl.HF, "norm": Norm.RMSNORM_1P, "mlp": Mlp.GEGLU_TANH, "attention": Attention.EAGER,
+                   "sandwich_norm": True},
+                  "Four norms a layer: the two output norms keep what the input norms keep, on the attention's and"
+                  " the MLP's (b, s, h) outputs."),),
+    ),
+    Knob(
+        "attn_logit_softcapping", "factor", None, "hf: attention scores become c * tanh(scores / c) before the softmax"
+        " (Gemma 2's attn_logit_softcapping; eager only)",
+        lambda k: None if k.attn_logit_softcapping is None else f"softcap {k.attn_logit_softcapping:g}",
+        effects=(({"impl": Impl.HF, "norm": Norm.RMSNORM_1P, "mlp": Mlp.GEGLU_TANH, "attention": Attention.EAGER,
+                   "sandwich_norm": True, "attn_logit_softcapping": 50.0},
+                  "Soft-capping keeps tanh's (b, a, s, s) output, whose derivative 1 - tanh^2 backward reads."),),
+    ),
+    Knob(
         "parallel_residual", "flag", False, "hf: attention and MLP both read the layer's input, each through its own"
         " norm (GPT-NeoX's use_parallel_residual)", lambda k: "parallel residual" if k.parallel_residual else None,
         effects=(({"impl": Impl.HF, "norm": Norm.LAYERNORM, "attention": Attention.EAGER, "rotary_percent": 0.25,

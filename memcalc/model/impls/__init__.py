@@ -53,7 +53,7 @@ def implementation(knobs: Any) -> Implementation:
 
 
 # Knobs of a layer only transformers' code is measured for (GPT-NeoX's GPTNeoXLayer).
-_HF_ONLY = ("parallel_residual", "rotary_percent")
+_HF_ONLY = ("parallel_residual", "rotary_percent", "sandwich_norm", "attn_logit_softcapping")
 # Choices only transformers' layers are measured with (Gemma's GemmaRMSNorm and GeGLU).
 _HF_ONLY_CHOICES = {"norm": ("rmsnorm_1p", "layernorm_np"), "mlp": ("geglu_tanh",)}
 
@@ -66,8 +66,8 @@ def _check_hf_only(knobs: Any) -> None:
         return
     given = [name for name in _HF_ONLY if getattr(knobs, name) not in (None, False)]
     if given:
-        raise ConfigError(f"{' and '.join(given)} (GPT-NeoX's GPTNeoXLayer) are modelled under --impl hf --attention"
-                          f" eager only; impl {knobs.impl}'s layer has no such choice")
+        raise ConfigError(f"{' and '.join(given)} (of transformers' GPTNeoXLayer or Gemma2DecoderLayer) are modelled"
+                          f" under --impl hf --attention eager only; impl {knobs.impl}'s layer has no such choice")
     for name, values in _HF_ONLY_CHOICES.items():
         if getattr(knobs, name) in values:
             raise ConfigError(f"{name} {getattr(knobs, name)} (a transformers family's) is modelled under --impl hf only; impl"

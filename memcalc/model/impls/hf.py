@@ -138,7 +138,14 @@ def _olmo_norm(prefix: str, module: str) -> ledger.NormTensors:
 OLMO_LN1 = _olmo_norm("ln1", "input_layernorm")
 OLMO_LN2 = _olmo_norm("ln2", "post_attention_layernorm")
 GEMMA_LN1 = _gemma_norm("ln1", "input_layernorm")
-GEMMA_LN2 = _gemma_norm("ln2", "post_attention_layernorm")
+GEMMA_LN2 = _gemma_norm("ln2", "the norm before the MLP: post_attention_layernorm, Gemma 2's pre_feedforward_layernorm")
+# Gemma 2's sandwich norms: GemmaRMSNorm's code on the attention's output and on the MLP's output.
+GEMMA_POST_ATTN = _gemma_norm("ln_post_attn", "Gemma 2's post_attention_layernorm, on the attention's output")
+GEMMA_POST_MLP = _gemma_norm("ln_post_mlp", "Gemma 2's post_feedforward_layernorm, on the MLP's output")
+SOFTCAP_TANH = SavedTensor(
+    "attention/softcap_tanh", "eager_attention_forward (softcap): torch.tanh(scores / softcap)", _BASS,
+    Kind.ACTIVATION, _TEN, "tanh's derivative, 1 - tanh^2, is read from its output",
+)
 # GemmaMLP: gelu_pytorch_tanh(gate_proj(x)) * up_proj(x), torch's tanh GELU kernel keeping its input.
 GEGLU_GATE = replace(ledger.SWIGLU_GATE, name="mlp/geglu_gate", saved_by="gelu_pytorch_tanh (torch's tanh GELU kernel)",
                      why="GELU's derivative is evaluated at its input, the gate projection")
@@ -378,7 +385,8 @@ def _eager(knobs: Any) -> tuple[SavedTensor, ...]:
     else:
         softmax = (SOFTMAX_FP32, WEIGHTS)
     dropout = (ledger.ATTN_DROPOUT_MASK, ledger.ATTN_DROPOUT_OUT) if knobs.has_dropout else ()
-    return (q, k, *softmax, *dropout, v)
+    softcap = (SOFTCAP_TANH,) if knobs.attn_logit_softcapping is not None else ()
+    return (q, k, *softcap, *softmax, *dropout, v)
 
 
 def _key_value(knobs: Any) -> tuple[SavedTensor, SavedTensor]:
@@ -481,9 +489,10 @@ def layer_tensors(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]
     """Every tensor one transformers decoder layer keeps for backward, in forward order."""
     if knobs.recompute == "full":
         return (ledger.LAYER_INPUT,)  # torch.utils.checkpoint keeps the layer's positional input
+    post_attn, post_mlp = (tuple(GEMMA_POST_ATTN), tuple(GEMMA_POST_MLP)) if knobs.sandwich_norm else ((), ())
     blocks = (
-        norm_block(0, knobs) + attention_block(knobs, accounting) + norm_block(1, knobs)
-        + (moe_block(knobs) if knobs.moe else mlp_block(knobs))
+        norm_block(0, knobs) + attention_block(knobs, accounting) + post_attn + norm_block(1, knobs)
+        + (moe_block(knobs) if knobs.moe else mlp_block(knobs)) + post_mlp
     )
     return drop_small(blocks, accounting)
 
@@ -495,6 +504,7 @@ def check(knobs: Any) -> None:
         runs = ", ".join(f"{f.norm} + {'/'.join(f.mlps)} ({f.layer})" for f in layers)
         raise ConfigError(f"impl hf: no transformers layer has norm {knobs.norm} with mlp {knobs.mlp}; it runs {runs}")
     _check_neox(knobs)
+    _check_gemma2(knobs)
     if knobs.recompute not in ("none", "full"):
         raise ConfigError(f"impl hf: transformers has no {knobs.recompute} recomputation; use recompute none or full"
                           " (its gradient checkpointing)")
@@ -549,6 +559,19 @@ def _check_neox(knobs: Any) -> None:
         raise ConfigError("impl hf: GPTNeoXLayer under sdpa is not modelled: SDPA keeps V as the fused query_key_value"
                           " output it views, and where its output lies depends on the device's kernel (measured on"
                           " a CPU only); use attention eager")
+
+
+def _check_gemma2(knobs: Any) -> None:
+    """Gemma 2's sandwich norms are GemmaRMSNorm's (norm rmsnorm_1p); its soft-capping runs in eager attention only
+    (SDPA's kernels take no softcap)."""
+    if knobs.sandwich_norm and knobs.norm != "rmsnorm_1p":
+        raise ConfigError("impl hf: sandwich_norm is Gemma 2's, whose norms are GemmaRMSNorm: set norm rmsnorm_1p")
+    if knobs.attn_logit_softcapping is not None and not knobs.sandwich_norm:
+        raise ConfigError("impl hf: attn_logit_softcapping is Gemma 2's (Gemma2DecoderLayer: set sandwich_norm and norm"
+                          " rmsnorm_1p)")
+    if knobs.attn_logit_softcapping is not None and knobs.attention != "eager":
+        raise ConfigError("impl hf: attn_logit_softcapping runs in eager attention only (SDPA takes no softcap); use"
+                          " attention eager")
 
 
 def _check_mixtral(knobs: Any) -> None:
@@ -668,7 +691,7 @@ IMPLEMENTATION = Implementation(
         *LN1_RMS, *LN2_RMS, *Q_NORM_RMS, *K_NORM_RMS,
         ROPE_COS, ROPE_SIN, *MLA_Q_RMS, *MLA_KV_RMS, MLA_ROPE_COS, MLA_ROPE_SIN, K_EXPANDED, V_EXPANDED, SOFTMAX_FP32, WEIGHTS, *SDPA_MATH,
         HALF_X, TANH_OUT, ONE_PLUS_TANH, *MOE_TENSORS, NEOX_ROPE_COS, NEOX_ROPE_SIN, NEOX_QKV_OUT,
-    *GEMMA_LN1, *GEMMA_LN2, GEGLU_GATE, GEGLU_UP, GEGLU_GELU_OUT, *OLMO_LN1, *OLMO_LN2, OLMO_ROPE_COS, OLMO_ROPE_SIN,  # FLASH_DROPOUT_LSE is the ledger's LSE, described as read from code
+    *GEMMA_LN1, *GEMMA_LN2, *GEMMA_POST_ATTN, *GEMMA_POST_MLP, SOFTCAP_TANH, GEGLU_GATE, GEGLU_UP, GEGLU_GELU_OUT, *OLMO_LN1, *OLMO_LN2, OLMO_ROPE_COS, OLMO_ROPE_SIN,  # FLASH_DROPOUT_LSE is the ledger's LSE, described as read from code
     ),
     # LlamaConfig's own: RMSNorm, SwiGLU, attention_dropout 0, attn_implementation "sdpa" (memcalc's flash).
     defaults={

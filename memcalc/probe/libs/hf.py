@@ -238,8 +238,15 @@ def neox_config(config: ModelConfig) -> Any:
 
 
 def _window_fields(config: ModelConfig, family: str) -> dict[str, Any]:
-    """Mistral's sliding window (MistralConfig's default is 4096: None, memcalc's full causal, is said)."""
-    return {"sliding_window": config.sliding_window} if family == "mistral" else {}
+    """Mistral's sliding window (MistralConfig's default is 4096: None, memcalc's full causal, is said); Gemma 2's,
+    with its soft-capping and the tanh GeGLU (its field is hidden_activation)."""
+    if family == "mistral":
+        return {"sliding_window": config.sliding_window}
+    if family == "gemma2":
+        window = {"sliding_window": config.sliding_window} if config.sliding_window is not None else {}
+        return {"attn_logit_softcapping": config.attn_logit_softcapping, "hidden_activation": "gelu_pytorch_tanh",
+                "final_logit_softcapping": None} | window
+    return {}
 
 
 def _head_fields(config: ModelConfig, family: str) -> dict[str, Any]:
@@ -409,11 +416,8 @@ def label_rules_for(config: ModelConfig) -> tuple[Rule, ...]:
         return (Rule("", "forward", ledger.LAYER_INPUT, arg=0),)
     if rules.is_llama(config):
         attention = _latent_attention_rules(config) if config.mla else _llama_attention_rules(config)
-        return (*_rms_rules("input_layernorm", rules.LN1_RMS), *_gemma_norm_rules("input_layernorm", rules.GEMMA_LN1),
-                *_layer_norm_rules("input_layernorm", rules.OLMO_LN1),
-                *attention, *_rms_rules("post_attention_layernorm", rules.LN2_RMS),
-                *_gemma_norm_rules("post_attention_layernorm", rules.GEMMA_LN2),
-                *_layer_norm_rules("post_attention_layernorm", rules.OLMO_LN2), *_llama_mlp_rules(), *_moe_rules(config))
+        first, second = _llama_norm_rules(config)
+        return (*first, *attention, *second, *_llama_mlp_rules(), *_moe_rules(config))
     if rules.is_neox(config):
         return (*_layer_norm_rules("input_layernorm", ledger.LN1), *_neox_attention_rules(config),
                 *_layer_norm_rules("post_attention_layernorm", ledger.LN2), *_neox_mlp_rules(config))
@@ -428,6 +432,26 @@ def _rms_rules(module: str, norm: rules.RMSNormTensors, view: Callable[[Any], An
         Rule(module, "rsqrt", norm.rstd, view=lambda x: view(_stats(x)) if view else _stats(x)),
         Rule(module, "to", norm.normed, nth=1, view=view),  # hidden_states.to(input_dtype)
     )
+
+
+def _llama_norm_rules(config: ModelConfig) -> tuple[tuple[Rule, ...], tuple[Rule, ...]]:
+    """A Llama-family layer's norms before and after its attention: LlamaRMSNorm's, Gemma's or OLMo's."""
+    if config.norm == "rmsnorm_1p":
+        return _gemma_norm_rules("input_layernorm", rules.GEMMA_LN1), _gemma_rules(config)
+    if config.norm == "layernorm_np":
+        return (_layer_norm_rules("input_layernorm", rules.OLMO_LN1),
+                _layer_norm_rules("post_attention_layernorm", rules.OLMO_LN2))
+    return _rms_rules("input_layernorm", rules.LN1_RMS), _rms_rules("post_attention_layernorm", rules.LN2_RMS)
+
+
+def _gemma_rules(config: ModelConfig) -> tuple[Rule, ...]:
+    """Gemma's norm before the MLP (post_attention_layernorm), or Gemma 2's sandwich: post_attention_layernorm on
+    the attention's output, pre_feedforward_layernorm before the MLP, post_feedforward_layernorm after it."""
+    if not config.sandwich_norm:
+        return _gemma_norm_rules("post_attention_layernorm", rules.GEMMA_LN2)
+    return (*_gemma_norm_rules("post_attention_layernorm", rules.GEMMA_POST_ATTN),
+            *_gemma_norm_rules("pre_feedforward_layernorm", rules.GEMMA_LN2),
+            *_gemma_norm_rules("post_feedforward_layernorm", rules.GEMMA_POST_MLP))
 
 
 def _gemma_norm_rules(module: str, norm: rules.GemmaRMSNormTensors) -> tuple[Rule, ...]:
@@ -472,6 +496,7 @@ def _core_rules(attention: str, config: ModelConfig, qkv: tuple[SavedTensor, ...
         Rule(attention, "matmul", v, nth=1, view=_kept("BmmBackward0", "_saved_mat2", then=_stored(_heads(b)))),
         Rule(attention, "matmul", rules.V_EXPANDED, nth=1,
              view=_kept("BmmBackward0", "_saved_mat2", then=_heads(b))),
+        Rule(attention, "tanh", rules.SOFTCAP_TANH),  # Gemma 2's soft-capping
         Rule(attention, "softmax", ledger.SOFTMAX_OUT),
         Rule(attention, "softmax", rules.SOFTMAX_FP32),
         # Llama's cast of the fp32 softmax back to bf16; OLMo's apply_rotary_pos_emb casts q and k back before it

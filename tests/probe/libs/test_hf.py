@@ -25,6 +25,7 @@ GPT2 = {"norm": "layernorm", "mlp": "gelu"}  # transformers' own defaults are Ll
 MLA = {"kv_lora_rank": 24, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 12, "v_head_dim": 10}
 QWEN3 = LLAMA | {"kv_channels": 16, "qk_layernorm": True, "num_query_groups": 2}  # heads of 16, not h/a = 8
 GEMMA = {"norm": "rmsnorm_1p", "mlp": "geglu_tanh", "kv_channels": 16, "num_query_groups": 2}
+GEMMA2 = GEMMA | {"sandwich_norm": True, "attn_logit_softcapping": 50.0, "attention": "eager"}
 NEOX = {"norm": "layernorm", "mlp": "gelu", "rotary_percent": 0.25, "parallel_residual": True, "attention": "eager"}
 
 
@@ -73,6 +74,8 @@ CASES = {
     "gemma eager: (1 + w) rmsnorm keeps fp32 input, rstd, normed and 1 + w; tanh geglu keeps gate, up, gelu out":
         (GEMMA | {"attention": "eager", "dropout": 0.0}, None),
     "gemma sdpa with dropout on a cpu": (GEMMA | {"attention": "flash", "dropout": 0.1}, None),
+    "gemma2 with dropout: four norms, soft-capping keeps tanh's (b, a, s, s) output": (GEMMA2 | {"dropout": 0.1}, None),
+    "gemma2 without soft-capping, b=1": (GEMMA2 | {"attn_logit_softcapping": None, "dropout": 0.0, "b": 1}, None),
     "gemma fp32": (GEMMA | {"attention": "eager", "dtype": "fp32"}, None),
     "olmo eager with dropout: each weightless layernorm keeps an fp32 copy of its input, fp32 mean and rstd":
         ({"norm": "layernorm_np", "mlp": "swiglu", "attention": "eager", "dropout": 0.1}, None),
@@ -128,6 +131,9 @@ def test_the_shim_makes_cpu_dropout_keep_a_bool_mask_and_undoes_itself():
     (GPT2 | {"qk_layernorm": True}, "GPT2Block has no qk_layernorm"),
     (GPT2 | {"kv_channels": 16}, "GPT2Block has no kv_channels"),
     (NEOX | {"attention": "flash"}, "GPTNeoXLayer under sdpa is not modelled"),
+    (GEMMA2 | {"attention": "flash"}, "attn_logit_softcapping runs in eager attention only"),
+    (GEMMA | {"attn_logit_softcapping": 30.0, "attention": "eager"}, "attn_logit_softcapping is Gemma 2's"),
+    (LLAMA | {"sandwich_norm": True}, "sandwich_norm is Gemma 2's"),
     (GPT2 | {"parallel_residual": True}, "parallel_residual is GPTNeoXLayer's, which has RoPE"),
     (LLAMA | {"rotary_percent": 0.5}, "rotary_percent and parallel_residual are GPTNeoXLayer's"),
     (NEOX | {"rotary_percent": 1.5}, r"rotary_percent=1.5 must be in \(0, 1\]"),
@@ -169,6 +175,8 @@ TP_CASES = {
         (LLAMA | {"attention": "eager", "dropout": 0.1, "num_query_groups": 2, "b": 1}, 2, None),
     "gemma t=2: its norms whole (1 + w replicated), geglu's f split":
         (GEMMA | {"attention": "eager", "dropout": 0.0}, 2, "gemma"),
+    "gemma2 t=2: its four norms whole, the (b, a/t, s, s) tanh split":
+        (GEMMA2 | {"dropout": 0.0}, 2, "gemma2"),
     "olmo t=2": ({"norm": "layernorm_np", "mlp": "swiglu", "attention": "eager", "dropout": 0.0}, 2, "olmo"),
     "qwen3 t=2: q_norm and k_norm on this rank's heads of head_dim (replicated_with_grad_allreduce)":
         (LLAMA | {"attention": "eager", "dropout": 0.0, "num_query_groups": 2, "kv_channels": 16,
