@@ -18,7 +18,7 @@ def test_each_familys_config_class_layer_and_attribute_map_are_transformers_own(
         config_class = getattr(transformers, f.config_class)
         assert config_class.model_type == f.name
         assert dict(config_class.attribute_map) == f.attribute_map, f.name
-        module = importlib.import_module(f"transformers.models.{f.name}.modeling_{f.name}")
+        module = importlib.import_module(f.modeling)
         assert hasattr(module, f.layer), f.layer
         assert all(hasattr(transformers, a) for a in f.architectures)
 

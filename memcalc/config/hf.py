@@ -282,6 +282,21 @@ _QWEN3_MOE = (
     _kept_nothing("mlp_only_layers", lambda v: v, "no layer made dense by index"),  # _check_sparse_layers refuses any
     _AUX_LOSS,
 )
+def _causal(value: Any) -> Any:
+    """Gemma 3's use_bidirectional_attention: its bidirectional mask and halved window are not modelled."""
+    if value not in (False, None):
+        raise ConfigError(f"use_bidirectional_attention={short_repr(value)} is not modelled (memcalc counts causal"
+                          " decoder layers)")
+    return value
+
+
+# Gemma3TextConfig: Gemma 2's layer with a GemmaRMSNorm on each query and key head (q_norm, k_norm) and no
+# soft-capping by default; five sliding-window layers to a global one (layer_types), each kind its own RoPE base.
+_GEMMA3 = (
+    *(r for r in _GEMMA if r.target != "mlp"), *_GEMMA2_ONLY,
+    _kept_nothing("use_bidirectional_attention", _causal, "causal attention"),
+    _kept_nothing("rope_local_base_freq", lambda v: v, "a RoPE base: the same tables"),
+)
 _NOTHING_KEPT = "changes nothing kept"
 # DeepseekV3Config's MoE: n_routed_experts experts of moe_intermediate_size beside n_shared_experts shared ones of the
 # same width, the first first_k_dense_replace layers dense (intermediate_size wide); a sigmoid router whose
@@ -370,6 +385,13 @@ class Family:
     runs_as: str | None = None
     router: str | None = None  # a MoE family's router class (the probe's --route forces it)
     attribute_map: dict[str, str] = field(default_factory=dict)
+    package: str | None = None  # transformers/models/<package>, where it is not the model_type (Gemma 3's text model)
+
+    @property
+    def modeling(self) -> str:
+        """The module that defines the family's decoder layer."""
+        package = self.package or self.name
+        return f"transformers.models.{package}.modeling_{package}"
 
     def reads(self) -> tuple[str, ...]:
         """The config.json fields memcalc reads for this family, in the table's order."""
@@ -402,6 +424,9 @@ FAMILIES: dict[str, Family] = {
         Family("gemma2", "Gemma2Config", "Gemma2DecoderLayer", ("Gemma2ForCausalLM",),
                (*(r for r in _GEMMA if r.target != "mlp"), *_GEMMA2_ONLY), _ROPE | {"sandwich_norm": True},
                norm="rmsnorm_1p", mlps=("geglu_tanh",), when=lambda k: _dense(k) and k.sandwich_norm),
+        Family("gemma3_text", "Gemma3TextConfig", "Gemma3DecoderLayer", ("Gemma3ForCausalLM",), _GEMMA3,
+               _ROPE | {"sandwich_norm": True, "qk_layernorm": True}, norm="rmsnorm_1p", mlps=("geglu_tanh",),
+               when=lambda k: k.sandwich_norm and k.qk_layernorm and not k.moe and not k.mla, package="gemma3"),
         Family("olmo", "OlmoConfig", "OlmoDecoderLayer", ("OlmoForCausalLM",), _OLMO, _ROPE,
                norm="layernorm_np", when=_dense),
         Family("gpt2", "GPT2Config", "GPT2Block", ("GPT2LMHeadModel",), _GPT2,

@@ -103,19 +103,21 @@ class GemmaRMSNormTensors(NamedTuple):
     normed_fp32: SavedTensor
 
 
-def _gemma_norm(prefix: str, module: str) -> GemmaRMSNormTensors:
+def _gemma_norm(prefix: str, module: str, width: Dim = Dim.H, heads: Dim | None = None) -> GemmaRMSNormTensors:
     """GemmaRMSNorm: Llama's upcast and rstd; the product by (1 + w.float()) keeps both factors in fp32, and the
-    cast back (type_as) keeps nothing."""
-    llama, by = _rms_norm(prefix, module), f"GemmaRMSNorm ({module})"
+    cast back (type_as) keeps nothing. With `heads`, Gemma 3's q_norm or k_norm on each head's d channels."""
+    llama, by = _rms_norm(prefix, module, width, heads), f"GemmaRMSNorm ({module})"
+    stem = prefix if "/" in prefix else f"{prefix}/"
     return GemmaRMSNormTensors(
         replace(llama.input_fp32, saved_by=f"{by}: x.float(), kept by pow(2) and by x * rsqrt(.)"),
         replace(llama.rstd, saved_by=f"{by}: rsqrt(variance + eps), kept by rsqrt and by x * rsqrt(.)"),
         SavedTensor(
-            f"{prefix}/weight_plus_one_fp32", f"{by}: 1.0 + weight.float(), kept by output * (.)", (Dim.H,),
+            f"{stem}weight_plus_one_fp32", f"{by}: 1.0 + weight.float(), kept by output * (.)", (width,),
             Kind.FP32, Region.REPLICATED, "the gradient of the normalised input is dY * (1 + w)", paper=False,
         ),
         SavedTensor(
-            f"{prefix}/normed_fp32", f"{by}: x * rsqrt(.) in fp32, kept by output * (1 + w)", _BSH, Kind.FP32, _SEQ,
+            f"{stem}normed_fp32", f"{by}: x * rsqrt(.) in fp32, kept by output * (1 + w)", llama.input_fp32.shape,
+            Kind.FP32, llama.input_fp32.region,
             "the weight's gradient is dY times the normalised input, here the fp32 one",
         ),
     )
@@ -138,6 +140,8 @@ def _olmo_norm(prefix: str, module: str) -> ledger.NormTensors:
 OLMO_LN1 = _olmo_norm("ln1", "input_layernorm")
 OLMO_LN2 = _olmo_norm("ln2", "post_attention_layernorm")
 GEMMA_LN1 = _gemma_norm("ln1", "input_layernorm")
+GEMMA_Q_NORM = _gemma_norm("attention/q_norm_", "Gemma 3's q_norm, each query head", Dim.D, heads=Dim.A)
+GEMMA_K_NORM = _gemma_norm("attention/k_norm_", "Gemma 3's k_norm, each key head", Dim.D, heads=Dim.G)
 GEMMA_LN2 = _gemma_norm("ln2", "the norm before the MLP: post_attention_layernorm, Gemma 2's pre_feedforward_layernorm")
 # Gemma 2's sandwich norms: GemmaRMSNorm's code on the attention's output and on the MLP's output.
 GEMMA_POST_ATTN = _gemma_norm("ln_post_attn", "Gemma 2's post_attention_layernorm, on the attention's output")
@@ -440,7 +444,8 @@ def attention_block(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ..
         return latent_attention(knobs)
     rope = ((OLMO_ROPE_COS, OLMO_ROPE_SIN) if knobs.norm == "layernorm_np" else (ROPE_COS, ROPE_SIN) if is_llama(knobs)
             else (NEOX_ROPE_COS, NEOX_ROPE_SIN) if is_neox(knobs) else ())
-    qk_norm = (*Q_NORM_RMS, *K_NORM_RMS) if knobs.qk_layernorm else ()
+    qk_norm = (() if not knobs.qk_layernorm else (*GEMMA_Q_NORM, *GEMMA_K_NORM) if knobs.norm == "rmsnorm_1p"
+               else (*Q_NORM_RMS, *K_NORM_RMS))
     core = _sdpa(knobs, accounting) if knobs.attention == "flash" else _eager(knobs)
     resid = (ledger.ATTN_OUT_DROPOUT_MASK,) if knobs.has_dropout and not is_llama(knobs) else ()
     return (ledger.QKV_IN, *qk_norm, *rope, *core, ledger.PROJ_IN, *resid)
@@ -691,7 +696,7 @@ IMPLEMENTATION = Implementation(
         *LN1_RMS, *LN2_RMS, *Q_NORM_RMS, *K_NORM_RMS,
         ROPE_COS, ROPE_SIN, *MLA_Q_RMS, *MLA_KV_RMS, MLA_ROPE_COS, MLA_ROPE_SIN, K_EXPANDED, V_EXPANDED, SOFTMAX_FP32, WEIGHTS, *SDPA_MATH,
         HALF_X, TANH_OUT, ONE_PLUS_TANH, *MOE_TENSORS, NEOX_ROPE_COS, NEOX_ROPE_SIN, NEOX_QKV_OUT,
-    *GEMMA_LN1, *GEMMA_LN2, *GEMMA_POST_ATTN, *GEMMA_POST_MLP, SOFTCAP_TANH, GEGLU_GATE, GEGLU_UP, GEGLU_GELU_OUT, *OLMO_LN1, *OLMO_LN2, OLMO_ROPE_COS, OLMO_ROPE_SIN,  # FLASH_DROPOUT_LSE is the ledger's LSE, described as read from code
+    *GEMMA_LN1, *GEMMA_LN2, *GEMMA_Q_NORM, *GEMMA_K_NORM, *GEMMA_POST_ATTN, *GEMMA_POST_MLP, SOFTCAP_TANH, GEGLU_GATE, GEGLU_UP, GEGLU_GELU_OUT, *OLMO_LN1, *OLMO_LN2, OLMO_ROPE_COS, OLMO_ROPE_SIN,  # FLASH_DROPOUT_LSE is the ledger's LSE, described as read from code
     ),
     # LlamaConfig's own: RMSNorm, SwiGLU, attention_dropout 0, attn_implementation "sdpa" (memcalc's flash).
     defaults={

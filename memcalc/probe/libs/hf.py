@@ -53,6 +53,7 @@ two rows, half its bytes each. `--route` forces the router (hf_shim).
 from __future__ import annotations
 
 import importlib
+import inspect
 from contextlib import nullcontext
 from fnmatch import fnmatchcase
 from functools import partial
@@ -171,10 +172,11 @@ def _build(config: ModelConfig, family: str, device: torch.device, dense: bool =
         module = transformers.models.gpt2.modeling_gpt2
         layer_class, rotary = module.GPT2Block, None
     else:
-        config_class, module = _classes(family)
+        _, module = _classes(family)
         hf_config = neox_config(config) if family == "gpt_neox" else llama_config(config, family)
         layer_class = getattr(module, FAMILIES[family].layer)
-        rotary = getattr(module, f"{config_class.__name__.removesuffix('Config')}RotaryEmbedding")(hf_config)
+        stem = FAMILIES[family].layer.removesuffix("DecoderLayer").removesuffix("Layer")  # Gemma3, GPTNeoX
+        rotary = getattr(module, f"{stem}RotaryEmbedding")(hf_config)
     torch.manual_seed(INPUT_SEED)  # the weights, as the layer initialises them
     layer = layer_class(hf_config, layer_idx=_layer_index(config, family, dense))
     layer = layer.to(device=device, dtype=DTYPES[config.dtype]).train()
@@ -242,7 +244,7 @@ def _window_fields(config: ModelConfig, family: str) -> dict[str, Any]:
     with its soft-capping and the tanh GeGLU (its field is hidden_activation)."""
     if family == "mistral":
         return {"sliding_window": config.sliding_window}
-    if family == "gemma2":
+    if family in ("gemma2", "gemma3_text"):
         window = {"sliding_window": config.sliding_window} if config.sliding_window is not None else {}
         return {"attn_logit_softcapping": config.attn_logit_softcapping, "hidden_activation": "gelu_pytorch_tanh",
                 "final_logit_softcapping": None} | window
@@ -312,7 +314,7 @@ def attention_implementation(config: ModelConfig) -> str:
 def _classes(family: str) -> tuple[type, Any]:
     """A family's transformers config class and modeling module (transformers/models/<name>/modeling_<name>.py)."""
     entry = FAMILIES[family]
-    module = importlib.import_module(f"transformers.models.{entry.name}.modeling_{entry.name}")
+    module = importlib.import_module(entry.modeling)
     return getattr(transformers, entry.config_class), module
 
 
@@ -331,7 +333,9 @@ def _inputs(hf_config: Any, rotary: Any, x: torch.Tensor, rope: tuple[SavedTenso
     )
     if rotary is None:
         return {"attention_mask": mask}
-    cos, sin = rotary.to(x.device)(x, position_ids)  # (1, s, d) each, in x's dtype
+    layer_type = getattr(hf_config, "layer_types", None)  # Gemma 3's tables differ by layer type: layer 0's
+    kind = (layer_type[0],) if layer_type and "layer_type" in inspect.signature(rotary.forward).parameters else ()
+    cos, sin = rotary.to(x.device)(x, position_ids, *kind)  # (1, s, d) each, in x's dtype
     if rope is not None:
         label(cos[0], rope[0])
         label(sin[0], rope[1])
@@ -444,6 +448,12 @@ def _llama_norm_rules(config: ModelConfig) -> tuple[tuple[Rule, ...], tuple[Rule
     return _rms_rules("input_layernorm", rules.LN1_RMS), _rms_rules("post_attention_layernorm", rules.LN2_RMS)
 
 
+def _gemma3_qk_norm_rules() -> tuple[Rule, ...]:
+    """Gemma 3's q_norm and k_norm: GemmaRMSNorm's code on each head of the transposed (b, heads, s, d) q and k."""
+    return (*_gemma_norm_rules("self_attn.q_norm", rules.GEMMA_Q_NORM),
+            *_gemma_norm_rules("self_attn.k_norm", rules.GEMMA_K_NORM))
+
+
 def _gemma_rules(config: ModelConfig) -> tuple[Rule, ...]:
     """Gemma's norm before the MLP (post_attention_layernorm), or Gemma 2's sandwich: post_attention_layernorm on
     the attention's output, pre_feedforward_layernorm before the MLP, post_feedforward_layernorm after it."""
@@ -528,6 +538,7 @@ def _llama_attention_rules(config: ModelConfig) -> tuple[Rule, ...]:
         Rule("self_attn.q_proj", "linear", ledger.QKV_IN, arg=0),
         *_rms_rules("self_attn.q_norm", rules.Q_NORM_RMS, _per_head),  # Qwen3's, on (b, s, a, d)
         *_rms_rules("self_attn.k_norm", rules.K_NORM_RMS, _per_head),
+        *_gemma3_qk_norm_rules(),
         *_core_rules("self_attn", config),
         *_sdpa_inputs("self_attn"),
         Rule("self_attn.o_proj", "linear", ledger.PROJ_IN, arg=0, view=_head_columns(config.head_dim)),

@@ -26,6 +26,7 @@ MLA = {"kv_lora_rank": 24, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_he
 QWEN3 = LLAMA | {"kv_channels": 16, "qk_layernorm": True, "num_query_groups": 2}  # heads of 16, not h/a = 8
 GEMMA = {"norm": "rmsnorm_1p", "mlp": "geglu_tanh", "kv_channels": 16, "num_query_groups": 2}
 GEMMA2 = GEMMA | {"sandwich_norm": True, "attn_logit_softcapping": 50.0, "attention": "eager"}
+GEMMA3 = GEMMA | {"sandwich_norm": True, "qk_layernorm": True}
 NEOX = {"norm": "layernorm", "mlp": "gelu", "rotary_percent": 0.25, "parallel_residual": True, "attention": "eager"}
 
 
@@ -76,6 +77,9 @@ CASES = {
     "gemma sdpa with dropout on a cpu": (GEMMA | {"attention": "flash", "dropout": 0.1}, None),
     "gemma2 with dropout: four norms, soft-capping keeps tanh's (b, a, s, s) output": (GEMMA2 | {"dropout": 0.1}, None),
     "gemma2 without soft-capping, b=1": (GEMMA2 | {"attn_logit_softcapping": None, "dropout": 0.0, "b": 1}, None),
+    "gemma3 eager: q_norm and k_norm keep gemma's four tensors per head": (GEMMA3 | {"attention": "eager",
+                                                                                     "dropout": 0.0}, None),
+    "gemma3 sdpa with dropout on a cpu": (GEMMA3 | {"attention": "flash", "dropout": 0.1}, None),
     "gemma fp32": (GEMMA | {"attention": "eager", "dtype": "fp32"}, None),
     "olmo eager with dropout: each weightless layernorm keeps an fp32 copy of its input, fp32 mean and rstd":
         ({"norm": "layernorm_np", "mlp": "swiglu", "attention": "eager", "dropout": 0.1}, None),
@@ -177,6 +181,7 @@ TP_CASES = {
         (GEMMA | {"attention": "eager", "dropout": 0.0}, 2, "gemma"),
     "gemma2 t=2: its four norms whole, the (b, a/t, s, s) tanh split":
         (GEMMA2 | {"dropout": 0.0}, 2, "gemma2"),
+    "gemma3 t=2": (GEMMA3 | {"attention": "eager", "dropout": 0.0}, 2, "gemma3_text"),
     "olmo t=2": ({"norm": "layernorm_np", "mlp": "swiglu", "attention": "eager", "dropout": 0.0}, 2, "olmo"),
     "qwen3 t=2: q_norm and k_norm on this rank's heads of head_dim (replicated_with_grad_allreduce)":
         (LLAMA | {"attention": "eager", "dropout": 0.0, "num_query_groups": 2, "kv_channels": 16,

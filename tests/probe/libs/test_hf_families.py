@@ -35,6 +35,7 @@ WRITTEN = {
     "qwen3_moe": _SMALL | _EXPERTS | {"num_key_value_heads": 2, "num_experts": 4, "head_dim": 16},
     "gemma": _SMALL | {"num_key_value_heads": 2, "head_dim": 16},  # (1 + w) fp32 RMSNorm, tanh GeGLU
     "gemma2": _SMALL | {"num_key_value_heads": 2, "head_dim": 16, "sliding_window": 5},  # sandwich norms, softcap
+    "gemma3_text": _SMALL | {"num_key_value_heads": 2, "head_dim": 16, "sliding_window": 5},  # + q_norm, k_norm
     "olmo": _SMALL | {"num_key_value_heads": 2},  # weightless fp32 LayerNorm
     "gpt_neox": _SMALL | {"rotary_pct": 0.25},  # Pythia's: parallel residual, a quarter of each head rotated
     "gpt2": {"n_embd": 32, "n_head": 4, "n_layer": 2, "n_inner": 48, "vocab_size": 64, "n_positions": 64},
