@@ -448,10 +448,14 @@ def _llama_norm_rules(config: ModelConfig) -> tuple[tuple[Rule, ...], tuple[Rule
     return _rms_rules("input_layernorm", rules.LN1_RMS), _rms_rules("post_attention_layernorm", rules.LN2_RMS)
 
 
-def _gemma3_qk_norm_rules() -> tuple[Rule, ...]:
-    """Gemma 3's q_norm and k_norm: GemmaRMSNorm's code on each head of the transposed (b, heads, s, d) q and k."""
-    return (*_gemma_norm_rules("self_attn.q_norm", rules.GEMMA_Q_NORM),
-            *_gemma_norm_rules("self_attn.k_norm", rules.GEMMA_K_NORM))
+def _qk_norm_rules(config: ModelConfig) -> tuple[Rule, ...]:
+    """Qwen3's q_norm and k_norm (LlamaRMSNorm's code on (b, s, heads, d)), or Gemma 3's (GemmaRMSNorm's code on
+    each head of the transposed (b, heads, s, d) q and k)."""
+    if config.norm == "rmsnorm_1p":
+        return (*_gemma_norm_rules("self_attn.q_norm", rules.GEMMA_Q_NORM),
+                *_gemma_norm_rules("self_attn.k_norm", rules.GEMMA_K_NORM))
+    return (*_rms_rules("self_attn.q_norm", rules.Q_NORM_RMS, _per_head),
+            *_rms_rules("self_attn.k_norm", rules.K_NORM_RMS, _per_head))
 
 
 def _gemma_rules(config: ModelConfig) -> tuple[Rule, ...]:
@@ -536,9 +540,7 @@ def _sdpa_inputs(attention: str) -> tuple[Rule, ...]:
 def _llama_attention_rules(config: ModelConfig) -> tuple[Rule, ...]:
     return (
         Rule("self_attn.q_proj", "linear", ledger.QKV_IN, arg=0),
-        *_rms_rules("self_attn.q_norm", rules.Q_NORM_RMS, _per_head),  # Qwen3's, on (b, s, a, d)
-        *_rms_rules("self_attn.k_norm", rules.K_NORM_RMS, _per_head),
-        *_gemma3_qk_norm_rules(),
+        *_qk_norm_rules(config),
         *_core_rules("self_attn", config),
         *_sdpa_inputs("self_attn"),
         Rule("self_attn.o_proj", "linear", ledger.PROJ_IN, arg=0, view=_head_columns(config.head_dim)),
