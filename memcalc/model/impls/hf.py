@@ -686,7 +686,10 @@ IMPLEMENTATION = Implementation(
     " Qwen2MoeDecoderLayer; DeepseekV3DecoderLayer (dense MLP and DeepseekV3MoE), eager; Qwen3DecoderLayer and"
     " Qwen3MoeDecoderLayer (head_dim, q_norm and k_norm), eager and sdpa; the Llama family and Qwen3 under"
     " transformers' own tp_plan (apply_tensor_parallelism, DTensor) at t = 2 and 4, the MoE layers of Mixtral,"
-    " Qwen2-MoE and Qwen3-MoE too (forced routers)",
+    " Qwen2-MoE and Qwen3-MoE too (forced routers); GemmaDecoderLayer, Gemma2DecoderLayer (sandwich norms,"
+    " soft-capping), Gemma3DecoderLayer (and its q/k norms) and OlmoDecoderLayer, eager and sdpa (Gemma 2: eager),"
+    " at t = 1 and 2; GPTNeoXLayer (parallel or sequential residual, partial RoPE), eager, t = 1 (the families"
+    " `memcalc hf-families` lists, each from a config.json its transformers class wrote)",
     layer_tensors=layer_tensors,
     refuses=(NO_SEQUENCE_PARALLEL, GPT2_NO_TP_PLAN, NEOX_TP_NOT_MODELLED, LATENT_TP_NOT_MODELLED),
     unsharded=unsharded,
