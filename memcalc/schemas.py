@@ -104,6 +104,11 @@ KNOBS: Schema = _object({
     "moe_router_pre_softmax": FLAG,
     "experts_implementation": {"enum": ["grouped_mm", "eager"]},  # transformers' (--impl hf)
     **{name: _nullable(POSITIVE) for name in _MLA},  # latent attention's widths, null without it
+    "sliding_window": _nullable(POSITIVE),
+    "sandwich_norm": FLAG,
+    "attn_logit_softcapping": _nullable({"type": "number", "exclusiveMinimum": 0}),
+    "parallel_residual": FLAG,
+    "rotary_percent": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
 })
 
 # The config a command ran: every ModelConfig field (unset optional ones left out), with the MLP
@@ -135,7 +140,8 @@ CONFIG: Schema = _object(
     # The fields whose default is None, left out unless set.
     optional=("name", "description", "max_position_embeddings", "vpp", "gpus", "num_microbatches", "global_batch_size",
               "etp", "dp_shard", "dp_replicate", "zero_stage", "num_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_first_dense_layers",
-              "moe_expert_capacity_factor", "kv_channels", *_MLA),
+              "moe_expert_capacity_factor", "kv_channels", *_MLA, "sliding_window", "rotary_percent",
+              "attn_logit_softcapping"),
 )
 
 ACCOUNTING: Schema = _object({"exact": FLAG, "device": {"enum": ["cuda", "cpu"]}})

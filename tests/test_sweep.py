@@ -335,7 +335,9 @@ def test_csv_has_a_header_and_one_complete_row_per_configuration():
                            "moe_first_dense_layers", "moe_router_score_function", "moe_router_enable_expert_bias",
                            "moe_tokens", "moe_aux_loss", "moe_router_pre_softmax", "experts_implementation", "kv_lora_rank",
                            "q_lora_rank",
-                           "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "ep", "accounting"]
+                           "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "sliding_window",
+                           "sandwich_norm", "attn_logit_softcapping", "parallel_residual", "rotary_percent", "ep",
+                           "accounting"]
     assert first | {"per_layer_bytes": None, "total_bytes": None} == dict(
         b="1", s="1024", h="12288", a="96", t="8", L="96", strategy="none", per_layer_bytes=None, total_bytes=None,
         ffn_hidden_size="49152", num_query_groups="96", impl="megatron", mlp="swiglu", attention="eager",
@@ -346,7 +348,8 @@ def test_csv_has_a_header_and_one_complete_row_per_configuration():
         moe_layer_freq="1", moe_first_dense_layers="", moe_router_score_function="softmax",
         moe_router_enable_expert_bias="false", moe_tokens="balanced", moe_aux_loss="false",
         moe_router_pre_softmax="false", experts_implementation="grouped_mm",
-        kv_lora_rank="", q_lora_rank="", qk_rope_head_dim="", qk_nope_head_dim="", v_head_dim="", ep="1", accounting="paper",
+        kv_lora_rank="", q_lora_rank="", qk_rope_head_dim="", qk_nope_head_dim="", v_head_dim="", sliding_window="",
+        sandwich_norm="false", attn_logit_softcapping="", parallel_residual="false", rotary_percent="", ep="1", accounting="paper",
     )
     for row in rows:  # each row is a configuration that estimate reproduces
         fields = {k: int(row[k]) for k in ("b", "s", "h", "a", "t", "L", "ffn_hidden_size", "num_query_groups")}

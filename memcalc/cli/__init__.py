@@ -37,6 +37,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plot": ("plot", "Plot activation memory against s or t, or a per-tensor breakdown."),
     "fit": ("fit", "The largest micro-batch or sequence, or smallest t, that fits a budget."),
     "configs": ("configs", "The model configs shipped with memcalc, usable as --config NAME."),
+    "hf-families": ("hf_families", "The Hugging Face families --hf-config reads, with the layer each was measured on."),
 }
 
 

@@ -7,10 +7,10 @@ into memcalc's. Whatever config.json does not say keeps memcalc's default
 flags given beside --hf-config override the result. `HfConfig.used` says
 which field gave which value, so the CLI can show it.
 
-Field names are those of the public `transformers` configuration classes
-(LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, MixtralConfig, Qwen2MoeConfig,
-Qwen3MoeConfig, GPT2Config, GPTNeoXConfig, DeepseekV2Config, DeepseekV3Config); where a
-field is absent, the class's own default applies (noted per row).
+Field names are those of the public `transformers` configuration classes, each family's
+named once in `FAMILIES` (with the decoder layer memcalc measured it on); an alias in the
+class's `attribute_map` is read as the field it stands for, and where a field is absent,
+the class's own default applies (noted per row).
 """
 
 from __future__ import annotations
@@ -39,6 +39,21 @@ def _gated(act: str) -> str:
     raise ConfigError(f"hidden_act {short_repr(act)} in a gated MLP is not modelled (memcalc knows SwiGLU: silu)")
 
 
+def _gemma_gated(act: Any) -> str:
+    """Gemma's gated MLP: GemmaConfig turns the legacy "gelu" into gelu_pytorch_tanh, torch's tanh GELU kernel."""
+    if act in ("gelu", "gelu_pytorch_tanh"):
+        return "geglu_tanh"
+    raise ConfigError(f"hidden_act {short_repr(act)} in Gemma's gated MLP is not modelled (memcalc knows"
+                      " gelu_pytorch_tanh, and gelu, which GemmaConfig reads as it)")
+
+
+def _no_clip(value: Any) -> Any:
+    """OLMo's clip_qkv clamps Q, K and V in place, which keeps what memcalc has not measured."""
+    if value is not None:
+        raise ConfigError(f"clip_qkv={short_repr(value)} is not modelled (OLMo's in-place clamp of Q, K and V)")
+    return value
+
+
 def _plain(act: Any) -> Mlp:
     """GPT-2 and GPT-NeoX MLPs are fc1 -> activation -> fc2."""
     if isinstance(act, str) and act in _GELUS:
@@ -62,6 +77,24 @@ def _largest_dropout(values: list[Any]) -> float:
     if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
         raise ConfigError(f"dropout probabilities must be numbers, got {short_repr(values)}")
     return max(values)
+
+
+def _flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be true or false, got {short_repr(value)}")
+    return value
+
+
+def _rotary_fraction(values: list[Any]) -> float:
+    """GPT-NeoX's share of each head that RoPE rotates: rope_parameters' partial_rotary_factor (what
+    GPTNeoXConfig saves), else an older file's rotary_pct, else the class's 0.25."""
+    rope, pct = values
+    given = rope.get("partial_rotary_factor", ...) if isinstance(rope, dict) else ...
+    fraction = given if given is not ... else pct if pct is not ... else 0.25
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+        raise ConfigError(f"the rotary fraction (partial_rotary_factor, rotary_pct) must be in (0, 1], got"
+                          f" {short_repr(fraction)}")
+    return fraction
 
 
 @dataclass(frozen=True)
@@ -118,12 +151,57 @@ _LLAMA = (
     Row("add_bias_linear", ("attention_bias", "mlp_bias"), default=False, combine=_both_or_neither),
 )
 _LLAMA_HEADS = (*_LLAMA, _head_dim_row())
+# GemmaConfig: a Llama layer whose norms scale by (1 + w) in fp32 (GemmaRMSNorm) and whose gated MLP is tanh GeGLU;
+# heads of head_dim (256 by default), embeddings tied; the embedding's scaling by sqrt(h) lies outside the layers.
+# OlmoConfig: a Llama layer whose two norms are OlmoLayerNorm, LayerNorm without weight or bias run in fp32.
+def _sliding_window(value: Any) -> int:
+    """Mistral's sliding_window: each query sees the last W keys (W a positive whole number)."""
+    if type(value) is not int or value < 1:
+        raise ConfigError(f"sliding_window must be a positive whole number or null, got {short_repr(value)}")
+    return value
+
+
+def _positive_number(name: str) -> Callable[[Any], Any]:
+    def convert(given: Any) -> Any:
+        if isinstance(given, bool) or not isinstance(given, (int, float)) or given <= 0:
+            raise ConfigError(f"{name} must be a positive number, got {short_repr(given)}")
+        return given
+
+    return convert
+
+
+def _positive_or_null(name: str) -> Callable[[Any], Any]:
+    check = _positive_number(name)
+    return lambda value: None if value is None else check(value)
+
+
+# Gemma2Config: Gemma's layer with sandwich norms (a GemmaRMSNorm on the attention's and on the MLP's output too),
+# attention scores soft-capped (attn_logit_softcapping; absent: none, as null: save_pretrained always writes it),
+# every other layer's attention a sliding window (eager keeps full attention's bytes); its activation field is
+# hidden_activation. The logits' own soft-capping and the query scale keep nothing a layer keeps.
+_GEMMA2_ONLY = (
+    Row("mlp", ("hidden_activation",), _gemma_gated, default="geglu_tanh"),
+    Row("attn_logit_softcapping", ("attn_logit_softcapping",), _positive_or_null("attn_logit_softcapping"),
+        default=None),
+    Row("sliding_window", ("sliding_window",), _sliding_window, default=4096),
+    _kept_nothing("final_logit_softcapping", lambda v: v, "outside the decoder layers (the logits')"),
+    _kept_nothing("query_pre_attn_scalar", lambda v: v, "a scale: keeps nothing"),
+    _kept_nothing("layer_types", lambda v: v, "sliding and full layers keep alike under eager attention"),
+)
+_OLMO = tuple(
+    Row("norm", (), default="layernorm_np") if row.target == "norm" else row for row in _LLAMA
+) + (_head_dim_row(), _kept_nothing("clip_qkv", _no_clip, "no clamp of Q, K and V"))
+_GEMMA = tuple(
+    {"mlp": Row("mlp", ("hidden_act",), _gemma_gated, default="geglu_tanh"),
+     "norm": Row("norm", ("rms_norm_eps",), lambda eps: "rmsnorm_1p", default="rmsnorm_1p"),
+     "tie_embeddings": Row("tie_embeddings", ("tie_word_embeddings",), default=True)}.get(row.target, row)
+    for row in _LLAMA
+) + (_head_dim_row(256),)
 # Qwen3Config: a Llama layer whose heads are head_dim wide (128 by default, whatever h/a is) and whose queries and
 # keys are RMS-normalised per head (q_norm, k_norm) before RoPE; no sliding window.
-_QWEN3 = (
-    *_LLAMA, _head_dim_row(128),
-    _kept_nothing("use_sliding_window", _no_sliding_window, "full causal attention in every layer"),
-)
+_FULL_CAUSAL = _kept_nothing("use_sliding_window", _no_sliding_window, "full causal attention in every layer")
+_QWEN2 = (*_LLAMA_HEADS, _FULL_CAUSAL)
+_QWEN3 = (*_LLAMA, _head_dim_row(128), _FULL_CAUSAL)
 # DeepseekV2Config / DeepseekV3Config: a Llama layer whose attention is multi-head latent attention.
 _DEEPSEEK = (
     *_LLAMA,
@@ -152,15 +230,6 @@ def _deepseek_v3_only(field_name: str, value: str) -> Callable[[Any], Any]:
         if given != value:
             raise ConfigError(f"{field_name}={short_repr(given)} is not modelled: transformers' DeepseekV3TopkRouter"
                               f" always runs {field_name}={value}")
-        return given
-
-    return convert
-
-
-def _positive_number(name: str) -> Callable[[Any], Any]:
-    def convert(given: Any) -> Any:
-        if isinstance(given, bool) or not isinstance(given, (int, float)) or given <= 0:
-            raise ConfigError(f"{name} must be a positive number, got {short_repr(given)}")
         return given
 
     return convert
@@ -216,15 +285,29 @@ _QWEN2_MOE = (
 # moe_intermediate_size without a shared expert (the others a dense MLP of intermediate_size); its class defaults are
 # Qwen3-30B-A3B's but for norm_topk_prob (false in the class, true in that model's config.json).
 _QWEN3_MOE = (
-    *_LLAMA, _head_dim_row(),
-    _kept_nothing("use_sliding_window", _no_sliding_window, "full causal attention in every layer"),
-    Row("num_experts", ("num_experts",)),
+    *_LLAMA, _head_dim_row(), _FULL_CAUSAL,
+    Row("num_experts", ("num_local_experts",)),  # Qwen3MoeConfig's attribute; older config.json files say num_experts
     Row("moe_router_topk", ("num_experts_per_tok",), default=8),
     Row("moe_ffn_hidden_size", ("moe_intermediate_size",), default=768),
     Row("moe_router_pre_softmax", ("norm_topk_prob",), _pre_softmax, default=True),  # norm_topk_prob false
     Row("moe_layer_freq", ("decoder_sparse_step",), default=None),
     _kept_nothing("mlp_only_layers", lambda v: v, "no layer made dense by index"),  # _check_sparse_layers refuses any
     _EXPERTS_IMPLEMENTATION, _AUX_LOSS,
+)
+def _causal(value: Any) -> Any:
+    """Gemma 3's use_bidirectional_attention: its bidirectional mask and halved window are not modelled."""
+    if value not in (False, None):
+        raise ConfigError(f"use_bidirectional_attention={short_repr(value)} is not modelled (memcalc counts causal"
+                          " decoder layers)")
+    return value
+
+
+# Gemma3TextConfig: Gemma 2's layer with a GemmaRMSNorm on each query and key head (q_norm, k_norm) and no
+# soft-capping by default; five sliding-window layers to a global one (layer_types), each kind its own RoPE base.
+_GEMMA3 = (
+    *(r for r in _GEMMA if r.target != "mlp"), *_GEMMA2_ONLY,
+    _kept_nothing("use_bidirectional_attention", _causal, "causal attention"),
+    _kept_nothing("rope_local_base_freq", lambda v: v, "a RoPE base: the same tables"),
 )
 _NOTHING_KEPT = "changes nothing kept"
 # DeepseekV3Config's MoE: n_routed_experts experts of moe_intermediate_size beside n_shared_experts shared ones of the
@@ -272,36 +355,128 @@ _GPT_NEOX = (
     Row("dropout", ("attention_dropout", "hidden_dropout"), default=0.0, combine=_largest_dropout),
     Row("tie_embeddings", ("tie_word_embeddings",), default=False),
     Row("add_bias_linear", ("attention_bias",), default=True),
+    Row("parallel_residual", ("use_parallel_residual",), lambda v: _flag("use_parallel_residual", v), default=True),
+    Row("rotary_percent", ("rope_parameters", "rotary_pct"), default=0.25, combine=_rotary_fraction),
 )
+
+
+# MistralConfig: Llama's layer, each query attending to the last sliding_window keys (the class's default, 4096, when
+# config.json has none; null: full causal attention, Mistral v0.2 on).
+_MISTRAL = (*_LLAMA_HEADS, Row("sliding_window", ("sliding_window",), _sliding_window, default=4096))
+
+
+def _dense(k: Any) -> bool:
+    """A Llama-family layer with a dense MLP and plain multi-head or grouped-query attention."""
+    return not k.moe and not k.mla and not k.qk_layernorm
+
+
+def _qkv_bias(k: Any) -> bool:
+    """Qwen2's QKV bias (a config field, not a knob: it keeps nothing, so a knob set alone reads as Llama's)."""
+    return bool(getattr(k, "add_qkv_bias", False))
 
 
 @dataclass(frozen=True)
 class Family:
-    """An architecture: its names in config.json, its rows, and what it fixes regardless of fields."""
+    """One transformers decoder family, declared once: how memcalc reads its config.json and which of
+    transformers' decoder layers its rules were measured on.
+
+    `name` is config.json's model_type (and transformers' models/<name> package); `config_class` the class whose
+    `save_pretrained` writes that config.json, and whose `attribute_map` (copied here, checked against the class by
+    tests/test_hf_families.py) renames a field before it is read, as the class's own __init__ does. `when` tells the
+    family's layer from memcalc's knobs (their sets are disjoint); None: the family is read but its knobs run
+    another family's layer (`runs_as`), or the same layer under another name (Mistral's is Llama's)."""
 
     name: str
+    config_class: str
+    layer: str
     architectures: tuple[str, ...]
     rows: tuple[Row, ...]
     fixed: dict[str, Any] = field(default_factory=dict)
+    norm: str = "rmsnorm"
+    mlps: tuple[str, ...] = ("swiglu",)
+    when: Callable[[Any], bool] | None = None
+    runs_as: str | None = None
+    router: str | None = None  # a MoE family's router class (the probe's --route forces it)
+    attribute_map: dict[str, str] = field(default_factory=dict)
+    package: str | None = None  # transformers/models/<package>, where it is not the model_type (Gemma 3's text model)
+
+    @property
+    def modeling(self) -> str:
+        """The module that defines the family's decoder layer."""
+        package = self.package or self.name
+        return f"transformers.models.{package}.modeling_{package}"
+
+    def reads(self) -> tuple[str, ...]:
+        """The config.json fields memcalc reads for this family, in the table's order."""
+        return tuple(dict.fromkeys(name for row in self.rows for name in row.sources))
 
 
 _ROPE = {"position_embedding_type": "rope"}
+_EXPERTS = {"num_experts": "num_local_experts"}  # Mixtral's, Qwen3-MoE's and gpt-oss's attribute_map
 FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
-        Family("llama", ("LlamaForCausalLM",), _LLAMA_HEADS, _ROPE),
-        Family("mistral", ("MistralForCausalLM",), _LLAMA_HEADS, _ROPE),
-        Family("qwen2", ("Qwen2ForCausalLM",), _LLAMA_HEADS, _ROPE | {"add_qkv_bias": True}),  # Q, K, V carry biases
-        Family("qwen3", ("Qwen3ForCausalLM",), _QWEN3, _ROPE | {"qk_layernorm": True}),
-        Family("mixtral", ("MixtralForCausalLM",), _MIXTRAL, _ROPE),
-        Family("qwen2_moe", ("Qwen2MoeForCausalLM",), _QWEN2_MOE, _ROPE),
-        Family("qwen3_moe", ("Qwen3MoeForCausalLM",), _QWEN3_MOE, _ROPE | {"qk_layernorm": True}),
-        Family("gpt2", ("GPT2LMHeadModel",), _GPT2, {"position_embedding_type": "learned_absolute"}),
-        Family("gpt_neox", ("GPTNeoXForCausalLM",), _GPT_NEOX, _ROPE),
-        Family("deepseek_v2", ("DeepseekV2ForCausalLM",), _DEEPSEEK, _ROPE),
-        Family("deepseek_v3", ("DeepseekV3ForCausalLM",), _DEEPSEEK_V3, _ROPE),
+        Family("llama", "LlamaConfig", "LlamaDecoderLayer", ("LlamaForCausalLM",), _LLAMA_HEADS, _ROPE,
+               when=lambda k: _dense(k) and not _qkv_bias(k)),
+        Family("mistral", "MistralConfig", "MistralDecoderLayer", ("MistralForCausalLM",), _MISTRAL, _ROPE),
+        Family("qwen2", "Qwen2Config", "Qwen2DecoderLayer", ("Qwen2ForCausalLM",), _QWEN2,
+               _ROPE | {"add_qkv_bias": True}, when=lambda k: _dense(k) and _qkv_bias(k)),  # Q, K, V carry biases
+        Family("qwen3", "Qwen3Config", "Qwen3DecoderLayer", ("Qwen3ForCausalLM",), _QWEN3,
+               _ROPE | {"qk_layernorm": True}, when=lambda k: k.qk_layernorm and not k.moe and not k.mla),
+        Family("mixtral", "MixtralConfig", "MixtralDecoderLayer", ("MixtralForCausalLM",), _MIXTRAL, _ROPE,
+               when=lambda k: k.moe and not k.moe_shared_expert_intermediate_size and not k.qk_layernorm
+               and not k.mla, router="MixtralTopKRouter", attribute_map=_EXPERTS),
+        Family("qwen2_moe", "Qwen2MoeConfig", "Qwen2MoeDecoderLayer", ("Qwen2MoeForCausalLM",), _QWEN2_MOE, _ROPE,
+               when=lambda k: k.moe and bool(k.moe_shared_expert_intermediate_size) and not k.mla,
+               router="Qwen2MoeTopKRouter"),
+        Family("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeDecoderLayer", ("Qwen3MoeForCausalLM",), _QWEN3_MOE,
+               _ROPE | {"qk_layernorm": True}, when=lambda k: k.moe and k.qk_layernorm and not k.mla,
+               router="Qwen3MoeTopKRouter", attribute_map=_EXPERTS),
+        Family("gemma", "GemmaConfig", "GemmaDecoderLayer", ("GemmaForCausalLM",), _GEMMA, _ROPE,
+               norm="rmsnorm_1p", mlps=("geglu_tanh",), when=lambda k: _dense(k) and not k.sandwich_norm),
+        Family("gemma2", "Gemma2Config", "Gemma2DecoderLayer", ("Gemma2ForCausalLM",),
+               (*(r for r in _GEMMA if r.target != "mlp"), *_GEMMA2_ONLY), _ROPE | {"sandwich_norm": True},
+               norm="rmsnorm_1p", mlps=("geglu_tanh",), when=lambda k: _dense(k) and k.sandwich_norm),
+        Family("gemma3_text", "Gemma3TextConfig", "Gemma3DecoderLayer", ("Gemma3ForCausalLM",), _GEMMA3,
+               _ROPE | {"sandwich_norm": True, "qk_layernorm": True}, norm="rmsnorm_1p", mlps=("geglu_tanh",),
+               when=lambda k: k.sandwich_norm and k.qk_layernorm and not k.moe and not k.mla, package="gemma3"),
+        Family("olmo", "OlmoConfig", "OlmoDecoderLayer", ("OlmoForCausalLM",), _OLMO, _ROPE,
+               norm="layernorm_np", when=_dense),
+        Family("gpt2", "GPT2Config", "GPT2Block", ("GPT2LMHeadModel",), _GPT2,
+               {"position_embedding_type": "learned_absolute"}, norm="layernorm", mlps=("gelu", "gelu_tanh"),
+               when=lambda k: k.rotary_percent is None and not k.parallel_residual,
+               attribute_map={"hidden_size": "n_embd", "max_position_embeddings": "n_positions",
+                              "num_attention_heads": "n_head", "num_hidden_layers": "n_layer"}),
+        Family("gpt_neox", "GPTNeoXConfig", "GPTNeoXLayer", ("GPTNeoXForCausalLM",), _GPT_NEOX, _ROPE,
+               norm="layernorm", mlps=("gelu", "gelu_tanh"), when=lambda k: k.rotary_percent is not None),
+        Family("deepseek_v2", "DeepseekV2Config", "DeepseekV2DecoderLayer", ("DeepseekV2ForCausalLM",), _DEEPSEEK,
+               _ROPE, runs_as="deepseek_v3", attribute_map={"num_experts": "n_routed_experts"}),
+        Family("deepseek_v3", "DeepseekV3Config", "DeepseekV3DecoderLayer", ("DeepseekV3ForCausalLM",),
+               _DEEPSEEK_V3, _ROPE, when=lambda k: k.mla, router="DeepseekV3TopkRouter",
+               attribute_map={"num_local_experts": "n_routed_experts", "num_mtp_layers": "num_nextn_predict_layers"}),
     )
 }
+# model_types transformers builds whose layers memcalc has no rules for, and what they lack: refused by name.
+UNREAD: dict[str, str] = {
+    "mamba": "state-space layers (Mamba's selective scan), no attention",
+    "mamba2": "state-space layers (Mamba-2's SSD scan), no attention",
+    "falcon_mamba": "state-space layers (Mamba's selective scan), no attention",
+    "jamba": "a hybrid of attention and Mamba state-space layers, with MoE",
+    "bamba": "a hybrid of attention and Mamba-2 state-space layers",
+    "zamba": "a hybrid of Mamba state-space layers and shared attention blocks",
+    "zamba2": "a hybrid of Mamba-2 state-space layers and shared attention blocks",
+    "falcon_h1": "a hybrid of attention and Mamba-2 state-space heads in parallel",
+    "nemotron_h": "a hybrid of attention, Mamba-2 and MLP layers",
+    "granitemoehybrid": "a hybrid of attention and Mamba-2 state-space layers, with MoE",
+    "recurrent_gemma": "recurrent (RG-LRU) layers between local attention",
+    "rwkv": "RWKV's recurrent time-mixing, no attention",
+}
+
+
+def family_of(knobs: Any) -> Family | None:
+    """The family whose transformers layer runs these knobs (norm, MLP, and the family's own test), or None."""
+    return next((f for f in FAMILIES.values()
+                 if f.when is not None and f.norm == knobs.norm and knobs.mlp in f.mlps and f.when(knobs)), None)
 
 
 @dataclass(frozen=True)
@@ -324,8 +499,9 @@ class HfConfig:
 def read_hf_config(path: Path) -> HfConfig:
     """Map a Hugging Face config.json to memcalc fields, or raise ConfigError naming what is wrong."""
     raw = _load_json(Path(path))
-    _refuse_unmodelled(raw, path)
     family = _family(raw, path)
+    raw, written = _renamed(raw, family)
+    _refuse_unmodelled(raw, path, family)
     fields, used, missing = dict(family.fixed), [], []
     assumed = list(family.fixed.items())
     for row in family.rows:
@@ -342,13 +518,26 @@ def read_hf_config(path: Path) -> HfConfig:
             value = _read(row, raw, present)
         if row.target is not None:
             fields[row.target] = value
-        used.append((_source(raw, present, value), row.target or row.note, value))
+        used.append((_source(raw, present, value, written), row.target or row.note, value))
     if missing:
         raise ConfigError(f"{path}: {family.name} config.json is missing {', '.join(missing)}")
     _check_sparse_layers(raw, fields, path, family.name)
     fields.setdefault("name", raw.get("_name_or_path") or _name_from(Path(path)))
     fields.setdefault("description", f"Hugging Face {family.name} config ({path})")
     return HfConfig(family.name, fields, tuple(used), tuple(assumed))
+
+
+def _renamed(raw: dict[str, Any], family: Family) -> tuple[dict[str, Any], dict[str, str]]:
+    """config.json's fields under the names the config class keeps them by: an `attribute_map` alias
+    (Qwen3-MoE's num_experts, older files' word for num_local_experts) read as the field it stands for, as the
+    class's __init__ sets it (a file holding both keeps the field); and each renamed field's word in the file."""
+    renamed, written = dict(raw), {}
+    for alias, kept in family.attribute_map.items():
+        if alias in renamed:
+            value = renamed.pop(alias)
+            if kept not in renamed:
+                renamed[kept], written[kept] = value, alias
+    return renamed, written
 
 
 def _read(row: Row, raw: dict[str, Any], present: list[str]) -> Any:
@@ -358,13 +547,14 @@ def _read(row: Row, raw: dict[str, Any], present: list[str]) -> Any:
     return row.convert(raw[present[0]])
 
 
-def _source(raw: dict[str, Any], present: list[str], value: Any) -> str:
-    """The config.json field(s) a value came from, with the field's own word where memcalc renames it
-    (activation_function=gelu_new for mlp=gelu_tanh), so that the one line shows every mapping."""
-    given = raw[present[0]]
+def _source(raw: dict[str, Any], present: list[str], value: Any, written: dict[str, str]) -> str:
+    """The config.json field(s) a value came from, as the file spells them (`written`: an attribute_map alias), with
+    the field's own word where memcalc renames it (activation_function=gelu_new for mlp=gelu_tanh), so that the one
+    line shows every mapping."""
+    given, names = raw[present[0]], [written.get(name, name) for name in present]
     if len(present) == 1 and isinstance(given, str) and given != value:
-        return f"{present[0]}={given}"
-    return "+".join(present)
+        return f"{names[0]}={given}"
+    return "+".join(names)
 
 
 def _name_from(path: Path) -> str:
@@ -383,28 +573,26 @@ def _load_json(path: Path) -> dict[str, Any]:
 
 # config.json fields of layers memcalc does not model, and what they mean. Any of them set means the
 # model's layers are not the dense ones the ledger describes: refused, never silently dropped.
-UNMODELLED = {
-    "num_local_experts": "mixture of experts",  # refused unless the family reads it (Mixtral)
-    "n_routed_experts": "mixture of experts",  # DeepSeek-V2/V3
-    "num_experts": "mixture of experts",  # refused unless the family reads it (Qwen2-MoE, Qwen3-MoE; not OLMoE)
-    "kv_lora_rank": "multi-head latent attention",  # refused unless the family reads it (DeepSeek-V2/V3)
+UNMODELLED = {  # each refused unless the family reads it (FAMILIES' rows)
+    "num_local_experts": "mixture of experts",
+    "n_routed_experts": "mixture of experts",
+    "num_experts": "mixture of experts",
+    "kv_lora_rank": "multi-head latent attention",
 }
 
 
-def _refuse_unmodelled(raw: dict[str, Any], path: Path) -> None:
-    """One line naming every field that asks for layers memcalc cannot model (see docs/limitations.md);
-    a field the config's family reads (Mixtral's, Qwen2-MoE's, Qwen3-MoE's and DeepSeek-V3's experts, DeepSeek's
-    kv_lora_rank) is modelled."""
-    family = _known_family(raw)
-    read = {name for row in family.rows for name in row.sources} if family else set()
+def _refuse_unmodelled(raw: dict[str, Any], path: Path, family: Family) -> None:
+    """One line naming every field that asks for layers memcalc cannot model (see docs/limitations.md); a field
+    is modelled where the config's family reads it, and the line names the families that do."""
+    read = set(family.reads())
     found = [f"{name}={short_repr(raw[name])} ({what})" for name, what in UNMODELLED.items()
              if name not in read and _sets(raw, name)]
     if found:
+        readers = sorted({f.name for f in FAMILIES.values() for name in UNMODELLED if name in f.reads()})
         raise ConfigError(
-            f"{path}: config.json sets {', '.join(found)}; memcalc reads these only where it models them"
-            " (Mixtral's, Qwen2-MoE's, Qwen3-MoE's and DeepSeek-V3's experts, DeepSeek's latent attention), and"
-            " dropping them"
-            " would give wrong numbers (see docs/limitations.md)"
+            f"{path}: {family.name} config.json sets {', '.join(found)}, which memcalc does not read for"
+            f" {family.name} (it reads these for {', '.join(readers)}); dropping them would give wrong numbers"
+            " (see docs/limitations.md)"
         )
 
 
@@ -425,6 +613,8 @@ def _family(raw: dict[str, Any], path: Path) -> Family:
     family = _known_family(raw)
     if family is not None:
         return family
+    if model_type in UNREAD:
+        raise ConfigError(f"{path}: model_type {model_type} has {UNREAD[model_type]}, which memcalc does not model")
     known = ", ".join(FAMILIES)
     if model_type is None and not architectures:
         raise ConfigError(f"{path}: names no architecture (no model_type, no architectures); memcalc reads {known}")

@@ -433,6 +433,7 @@ def check_layout(config: ModelConfig) -> None:
     check_experts(c)
     implementation(c).check_sizes(c)
     check_sharding(c)
+    check_sliding_window(c)
     if c.position_embedding_type == "learned_absolute" and c.s > c.positions:
         raise ConfigError(
             f"s={c.s} exceeds max_position_embeddings={c.positions} (a learned table has one row per position)"
@@ -464,6 +465,19 @@ def check_sharding(config: ModelConfig) -> None:
     for refused, why in SHARDING_REFUSALS:
         if refused(config):
             raise ConfigError(why.format(c=config, own=_OWN_SHARDING.get(config.impl, "")))
+
+
+def check_sliding_window(config: ModelConfig) -> None:
+    """A window shorter than the sequence is counted where it was measured to keep what full causal attention keeps:
+    transformers' eager attention, whose mask only adds -inf to the (s, s) scores. Elsewhere the kernel a window
+    picks (SDPA with an explicit mask, a windowed flash kernel, Megatron's window_size) is not modelled."""
+    c = config
+    if c.sliding_window is not None and c.s > c.sliding_window and (c.impl, c.attention) != ("hf", "eager"):
+        raise ConfigError(
+            f"s={c.s} exceeds sliding_window={c.sliding_window}: memcalc counts a sliding window only under --impl hf"
+            " --attention eager (which keeps full causal attention's (s, s) probabilities); give --s"
+            f" {c.sliding_window} or less, or --impl hf --attention eager"
+        )
 
 
 def check_experts(config: ModelConfig) -> None:

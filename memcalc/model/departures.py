@@ -111,7 +111,7 @@ def _window(config: ModelConfig, result: LayerEstimate, accounting: Accounting) 
     rule = size_rule(knobs)
     t = result.strategy.weight_shards(config.t)
     sizes = dim_sizes(config, config.t if result.strategy.sequence_parallel else 1)
-    if rule is None or rule.runs(sizes, t):
+    if rule is None or rule.runs_at(knobs, sizes, t):
         return "", frozenset()
     inside, outside = set(layer_tensors(knobs, accounting)), set(rule.outside(knobs, accounting))
     misses = f"{rule.misses(sizes, t)}: " if rule.misses is not None else ""

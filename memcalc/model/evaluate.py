@@ -33,7 +33,7 @@ def dim_sizes(config: ModelConfig, routers: Any = 1) -> dict[Dim, Any]:
         Dim.B: config.b, Dim.S: config.s // config.cp, Dim.H: config.h, Dim.A: config.a,
         Dim.G: config.groups, Dim.D: config.head_dim, Dim.F: config.ffn, Dim.V: config.vocab_size,
         Dim.QKV: config.a + 2 * config.groups,
-    } | mla_sizes(config)
+    } | mla_sizes(config) | rotary_sizes(config)
     if config.num_experts is None:
         return sizes
     return sizes | {
@@ -42,6 +42,14 @@ def dim_sizes(config: ModelConfig, routers: Any = 1) -> dict[Dim, Any]:
         Dim.R: routed_slots(config, config.moe_tokens, routers),
         Dim.RS: routed_slots(config, "balanced", routers),  # r_s: the slots its own tokens keep, whatever the route
     }
+
+
+def rotary_sizes(config: Any) -> dict[Dim, Any]:
+    """GPT-NeoX's partial RoPE: d_r = int(d * rotary_percent) channels of each head (transformers' rotary_ndims)."""
+    if config.rotary_percent is None or config.kv_lora_rank is not None:
+        return {}
+    d_r = config.head_dim * config.rotary_percent
+    return {Dim.DR: d_r.astype(int) if hasattr(d_r, "astype") else int(d_r)}
 
 
 def mla_sizes(config: Any) -> dict[Dim, Any]:

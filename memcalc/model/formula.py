@@ -110,7 +110,7 @@ def layer_formula(strategy: Strategy, knobs: Knobs, accounting: Accounting, outs
 def outside_at(knobs: Knobs, strategy: Strategy, sizes: dict[Dim, int], t: int) -> bool:
     """Whether per-rank `sizes` (b, s, a, g) under `strategy` on t ranks fall outside the window: which formula holds."""
     rule = size_rule(knobs)
-    return rule is not None and not rule.runs(sizes, strategy.weight_shards(t))
+    return rule is not None and not rule.runs_at(knobs, sizes, strategy.weight_shards(t))
 
 
 def _monomials(expr: sympy.Expr) -> list[tuple[sympy.Rational, list[tuple[str, int]], list[tuple[str, int]]]]:

@@ -46,6 +46,10 @@ class Mlp(Choice):
     GELU = "gelu"
     SWIGLU = "swiglu"
     GELU_TANH = "gelu_tanh"  # tanh-approximated GELU: HF gelu_new, gelu_pytorch_tanh, gelu_fast; Megatron bias_gelu
+    GEGLU_TANH = "geglu_tanh"  # gated: torch's tanh GELU(gate) * up (Gemma's gelu_pytorch_tanh); transformers only
+
+
+GATED = (Mlp.SWIGLU, Mlp.GEGLU_TANH)  # activation(gate) * up: fc1 makes both gate and up
 
 
 class Attention(Choice):
@@ -56,6 +60,8 @@ class Attention(Choice):
 class Norm(Choice):
     LAYERNORM = "layernorm"
     RMSNORM = "rmsnorm"
+    RMSNORM_1P = "rmsnorm_1p"  # Gemma's: (1 + w) * RMSNorm(x), all in fp32 and cast after; transformers only
+    LAYERNORM_NP = "layernorm_np"  # OLMo's: LayerNorm without weight or bias, in fp32 and cast after; transformers only
 
 
 class Recompute(Choice):
@@ -460,6 +466,48 @@ KNOBS: tuple[Knob, ...] = (
          _mla_knob("qk_nope_head_dim"), symbol="d_n"),
     Knob("v_head_dim", "size", None, "latent attention: each value head's channels", _mla_knob("v_head_dim"),
          symbol="d_v"),
+    # -- what transformers' decoder families add (memcalc.config.hf.FAMILIES) --
+    Knob(
+        "sliding_window", "size", None, "each query attends to the last W keys only (Mistral's sliding_window;"
+        " default: full causal attention); kept bytes are full causal's: counted at s > W under --impl hf"
+        " --attention eager only, which keeps the (s, s) probabilities whatever the mask",
+        lambda k: None if k.sliding_window is None else f"sliding window {k.sliding_window}",
+        effects=((4096, "A sliding window keeps what full causal attention keeps where memcalc counts it: for s <= W"
+                  " it masks nothing, and transformers' eager attention adds its mask to the whole (s, s) scores."),),
+    ),
+    Knob(
+        "sandwich_norm", "flag", False, "hf: a norm also on the attention's and the MLP's output, before each residual"
+        " add (Gemma 2/3's post_attention_layernorm and post_feedforward_layernorm)",
+        lambda k: "sandwich norms" if k.sandwich_norm else None,
+        effects=(({"impl": Impl.HF, "norm": Norm.RMSNORM_1P, "mlp": Mlp.GEGLU_TANH, "attention": Attention.EAGER,
+                   "sandwich_norm": True},
+                  "Four norms a layer: the two output norms keep what the input norms keep, on the attention's and"
+                  " the MLP's (b, s, h) outputs."),),
+    ),
+    Knob(
+        "attn_logit_softcapping", "factor", None, "hf: attention scores become c * tanh(scores / c) before the softmax"
+        " (Gemma 2's attn_logit_softcapping; eager only)",
+        lambda k: None if k.attn_logit_softcapping is None else f"softcap {k.attn_logit_softcapping:g}",
+        effects=(({"impl": Impl.HF, "norm": Norm.RMSNORM_1P, "mlp": Mlp.GEGLU_TANH, "attention": Attention.EAGER,
+                   "sandwich_norm": True, "attn_logit_softcapping": 50.0},
+                  "Soft-capping keeps tanh's (b, a, s, s) output, whose derivative 1 - tanh^2 backward reads."),),
+    ),
+    Knob(
+        "parallel_residual", "flag", False, "hf: attention and MLP both read the layer's input, each through its own"
+        " norm (GPT-NeoX's use_parallel_residual)", lambda k: "parallel residual" if k.parallel_residual else None,
+        effects=(({"impl": Impl.HF, "norm": Norm.LAYERNORM, "attention": Attention.EAGER, "rotary_percent": 0.25,
+                   "parallel_residual": True},
+                  "Both norms read the layer's input: the second norm keeps no input of its own (the first's is the"
+                  " same storage), only its statistics."),),
+    ),
+    Knob(
+        "rotary_percent", "factor", None, "hf: RoPE on this fraction of each head's channels (GPT-NeoX's rotary_pct;"
+        " default: RoPE on all of them, or none in a LayerNorm layer, GPT-2's)",
+        lambda k: None if k.rotary_percent is None else f"rotary {k.rotary_percent:g}", symbol="d_r",
+        effects=(({"impl": Impl.HF, "norm": Norm.LAYERNORM, "attention": Attention.EAGER, "rotary_percent": 0.25},
+                  "GPTNeoXLayer: RoPE's cos and sin tables are d_r = d * rotary_pct channels wide, Llama's fp32"
+                  " softmax is kept, and Q, K (rotated and concatenated) and V are the core's."),),
+    ),
 )
 BY_NAME: dict[str, Knob] = {k.name: k for k in KNOBS}
 

@@ -41,7 +41,7 @@ from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError
 from memcalc.model.comm import layer_collectives, sent_bytes
 from memcalc.model.evaluate import dim_sizes
-from memcalc.model.knobs import DTYPE_BYTES
+from memcalc.model.knobs import DTYPE_BYTES, GATED
 from memcalc.model.ledger import Dim
 from memcalc.model.strategy import Strategy
 
@@ -92,7 +92,7 @@ def gemm_flops(config: ModelConfig) -> dict[str, int]:
     c, sizes = config, dim_sizes(config)
     tokens = sizes[Dim.B] * sizes[Dim.S]  # per context-parallel rank
     width = {"qkv": (c.a + 2 * c.groups) * c.head_dim, "proj": c.h,
-             "fc1": c.ffn * (2 if c.mlp == "swiglu" else 1), "fc2": c.h}
+             "fc1": c.ffn * (2 if c.mlp in GATED else 1), "fc2": c.h}
     inner = {"qkv": c.h, "proj": c.a * c.head_dim, "fc1": c.h, "fc2": c.ffn}
     return {name: 2 * tokens * inner[name] * width[name] // c.t for name in width}
 

@@ -36,7 +36,7 @@ from typing import Callable
 
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError
-from memcalc.model.knobs import DTYPE_BYTES
+from memcalc.model.knobs import DTYPE_BYTES, GATED
 from memcalc.sizing.pipeline import Stage
 
 
@@ -89,7 +89,7 @@ def _proj(c: ModelConfig, t: int) -> int:
 
 
 def _fc1(c: ModelConfig, t: int) -> int:
-    width = c.ffn * (2 if c.mlp == "swiglu" else 1)  # SwiGLU's fc1 makes both gate and up
+    width = c.ffn * (2 if c.mlp in GATED else 1)  # a gated MLP's fc1 makes both gate and up
     return (c.h * width + (width if c.add_bias_linear else 0)) // t
 
 

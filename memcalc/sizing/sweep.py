@@ -265,8 +265,8 @@ class GridSizes:
     moe_layers = property(ModelConfig.moe_layers.fget)
 
     def __getattr__(self, name: str) -> Any:
-        """A MoE knob (moe_*), a latent-attention width or kv_channels, as the sweep's knobs set it."""
-        if name == "kv_channels" or name.startswith("moe_") or name in MLA_KNOBS:
+        """A MoE knob (moe_*), a latent-attention width, kv_channels or rotary_percent, as the sweep's knobs set it."""
+        if name in ("kv_channels", "rotary_percent") or name.startswith("moe_") or name in MLA_KNOBS:
             return getattr(self.knobs, name)
         raise AttributeError(name)
 
@@ -359,7 +359,7 @@ def _kernel_aware_bytes(grid: GridSizes, strategy: Strategy, knobs: Knobs, accou
     if rule is None:
         return inside
     outside = _tensor_bytes(rule.outside(knobs, accounting), strategy, sizes, grid.t, knobs, accounting)
-    return np.where(rule.runs(sizes, grid.t if strategy.tensor_parallel else 1), inside, outside)
+    return np.where(rule.runs_at(knobs, sizes, grid.t if strategy.tensor_parallel else 1), inside, outside)
 
 
 def _tensor_bytes(

@@ -48,8 +48,31 @@ def implementation(knobs: Any) -> Implementation:
     check_settings(knobs)
     check_moe(knobs)
     check_mla(knobs)
+    _check_hf_only(knobs)
     impl.check(knobs)
     return impl
+
+
+# Knobs of a layer only transformers' code is measured for (GPT-NeoX's GPTNeoXLayer).
+_HF_ONLY = ("parallel_residual", "rotary_percent", "sandwich_norm", "attn_logit_softcapping")
+# Choices only transformers' layers are measured with (Gemma's GemmaRMSNorm and GeGLU).
+_HF_ONLY_CHOICES = {"norm": ("rmsnorm_1p", "layernorm_np"), "mlp": ("geglu_tanh",)}
+
+
+def _check_hf_only(knobs: Any) -> None:
+    """GPT-NeoX's, Gemma's and OLMo's layers are counted under --impl hf only: Megatron's and torchtitan's layers have
+    no parallel residual, rotate whole heads, and have neither Gemma's (1 + w) RMSNorm and tanh GeGLU nor OLMo's
+    weightless fp32 LayerNorm."""
+    if knobs.impl == "hf":
+        return
+    given = [name for name in _HF_ONLY if getattr(knobs, name) not in (None, False)]
+    if given:
+        raise ConfigError(f"{' and '.join(given)} (of transformers' GPTNeoXLayer or Gemma2DecoderLayer) are modelled"
+                          f" under --impl hf --attention eager only; impl {knobs.impl}'s layer has no such choice")
+    for name, values in _HF_ONLY_CHOICES.items():
+        if getattr(knobs, name) in values:
+            raise ConfigError(f"{name} {getattr(knobs, name)} (a transformers family's) is modelled under --impl hf only; impl"
+                              f" {knobs.impl}'s layer has no such choice")
 
 
 def plan(knobs: Any, strategy: Strategy) -> Strategy:
@@ -96,7 +119,7 @@ def tensors_at(knobs: Any, accounting: Accounting, sizes: dict[Any, Any], t: int
     """What one layer keeps at these sizes (t: the layout's split): `layer_tensors`, or the size rule's other set,
     each size condition's tensor replaced (or dropped) where the sizes take the other branch."""
     rule = size_rule(knobs)
-    kept = rule.outside(knobs, accounting) if rule is not None and not rule.runs(sizes, t) else \
+    kept = rule.outside(knobs, accounting) if rule is not None and not rule.runs_at(knobs, sizes, t) else \
         layer_tensors(knobs, accounting)
     changed = {c.tensor.name: c.instead for c in implementation(knobs).size_conditions if not c.kept(sizes, t)}
     in_place = (changed[x.name] if x.name in changed else x for x in kept)

@@ -43,6 +43,12 @@ class SizeRule:
     shown_with: dict[str, Any] = field(default_factory=dict)  # knobs the docs add to eager bf16 to show `outside`
     # (per-rank sizes by Dim, t) -> which of the kernel's conditions the sizes miss, with their values, in words
     misses: Callable[[dict[Any, Any], int], str] | None = None
+    runs_for: Callable[[Any], Callable[[dict[Any, Any], Any], Any]] | None = None  # the knobs pick `runs` (one rule,
+    # several layers: transformers' GQA copies and GPT-NeoX's fused V differ in when they are views)
+
+    def runs_at(self, knobs: Any, sizes: dict[Any, Any], t: Any) -> Any:
+        """Whether the kernel runs at these sizes, under the condition these knobs' layer has."""
+        return (self.runs_for(knobs) if self.runs_for is not None else self.runs)(sizes, t)
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, NamedTuple
 
+from memcalc.config.hf import FAMILIES, family_of
 from memcalc.errors import ConfigError
 from memcalc.model import ledger
 from memcalc.model.impls.base import Implementation, Refusal, SizeRule, always, drop_small
@@ -93,6 +94,69 @@ def _rms_norm(prefix: str, module: str, width: Dim = Dim.H, heads: Dim | None = 
     )
 
 
+class GemmaRMSNormTensors(NamedTuple):
+    """What one `GemmaRMSNorm` keeps: (1 + w) * (x * rsqrt(mean(x^2) + eps)), all in fp32, cast back after."""
+
+    input_fp32: SavedTensor
+    rstd: SavedTensor
+    weight_plus_one: SavedTensor
+    normed_fp32: SavedTensor
+
+
+def _gemma_norm(prefix: str, module: str, width: Dim = Dim.H, heads: Dim | None = None) -> GemmaRMSNormTensors:
+    """GemmaRMSNorm: Llama's upcast and rstd; the product by (1 + w.float()) keeps both factors in fp32, and the
+    cast back (type_as) keeps nothing. With `heads`, Gemma 3's q_norm or k_norm on each head's d channels."""
+    llama, by = _rms_norm(prefix, module, width, heads), f"GemmaRMSNorm ({module})"
+    stem = prefix if "/" in prefix else f"{prefix}/"
+    return GemmaRMSNormTensors(
+        replace(llama.input_fp32, saved_by=f"{by}: x.float(), kept by pow(2) and by x * rsqrt(.)"),
+        replace(llama.rstd, saved_by=f"{by}: rsqrt(variance + eps), kept by rsqrt and by x * rsqrt(.)"),
+        SavedTensor(
+            f"{stem}weight_plus_one_fp32", f"{by}: 1.0 + weight.float(), kept by output * (.)", (width,),
+            Kind.FP32, Region.REPLICATED, "the gradient of the normalised input is dY * (1 + w)", paper=False,
+        ),
+        SavedTensor(
+            f"{stem}normed_fp32", f"{by}: x * rsqrt(.) in fp32, kept by output * (1 + w)", llama.input_fp32.shape,
+            Kind.FP32, llama.input_fp32.region,
+            "the weight's gradient is dY times the normalised input, here the fp32 one",
+        ),
+    )
+
+
+def _olmo_norm(prefix: str, module: str) -> ledger.NormTensors:
+    """OlmoLayerNorm: F.layer_norm without weight or bias on an fp32 copy of x, which it keeps with its fp32 mean and
+    rstd (fp32 on every device: the input is fp32); the cast back keeps nothing."""
+    by = f"OlmoLayerNorm ({module})"
+    return ledger.NormTensors(
+        SavedTensor(f"{prefix}/input_fp32", f"{by}: hidden_states.to(float32), kept by F.layer_norm", _BSH, Kind.FP32,
+                    _SEQ, "LayerNorm's backward reads its (fp32) input"),
+        SavedTensor(f"{prefix}/mean_fp32", f"{by}: F.layer_norm's mean", (Dim.B, Dim.S), Kind.FP32, _SEQ,
+                    ledger.WHY_NORM_RSTD, paper=False),
+        SavedTensor(f"{prefix}/rstd_fp32", f"{by}: F.layer_norm's rstd", (Dim.B, Dim.S), Kind.FP32, _SEQ,
+                    ledger.WHY_NORM_RSTD, paper=False),
+    )
+
+
+OLMO_LN1 = _olmo_norm("ln1", "input_layernorm")
+OLMO_LN2 = _olmo_norm("ln2", "post_attention_layernorm")
+GEMMA_LN1 = _gemma_norm("ln1", "input_layernorm")
+GEMMA_Q_NORM = _gemma_norm("attention/q_norm_", "Gemma 3's q_norm, each query head", Dim.D, heads=Dim.A)
+GEMMA_K_NORM = _gemma_norm("attention/k_norm_", "Gemma 3's k_norm, each key head", Dim.D, heads=Dim.G)
+GEMMA_LN2 = _gemma_norm("ln2", "the norm before the MLP: post_attention_layernorm, Gemma 2's pre_feedforward_layernorm")
+# Gemma 2's sandwich norms: GemmaRMSNorm's code on the attention's output and on the MLP's output.
+GEMMA_POST_ATTN = _gemma_norm("ln_post_attn", "Gemma 2's post_attention_layernorm, on the attention's output")
+GEMMA_POST_MLP = _gemma_norm("ln_post_mlp", "Gemma 2's post_feedforward_layernorm, on the MLP's output")
+SOFTCAP_TANH = SavedTensor(
+    "attention/softcap_tanh", "eager_attention_forward (softcap): torch.tanh(scores / softcap)", _BASS,
+    Kind.ACTIVATION, _TEN, "tanh's derivative, 1 - tanh^2, is read from its output",
+)
+# GemmaMLP: gelu_pytorch_tanh(gate_proj(x)) * up_proj(x), torch's tanh GELU kernel keeping its input.
+GEGLU_GATE = replace(ledger.SWIGLU_GATE, name="mlp/geglu_gate", saved_by="gelu_pytorch_tanh (torch's tanh GELU kernel)",
+                     why="GELU's derivative is evaluated at its input, the gate projection")
+GEGLU_UP = replace(ledger.SWIGLU_UP, name="mlp/geglu_up", saved_by="GELU(gate) * up",
+                   why="the gradient of GELU(gate) in the product is dY * up")
+GEGLU_GELU_OUT = replace(ledger.SWIGLU_SILU_OUT, name="mlp/gelu_out", saved_by="GELU(gate) * up",
+                         why="the gradient of up in the product is dY * GELU(gate)")
 LN1_RMS = _rms_norm("ln1", "input_layernorm")
 LN2_RMS = _rms_norm("ln2", "post_attention_layernorm")
 # Qwen3Attention (qk_layernorm): Qwen3RMSNorm, LlamaRMSNorm's code, on q_proj(x) and k_proj(x) viewed as (b, s, heads,
@@ -123,6 +187,23 @@ MLA_ROPE_SIN = SavedTensor(
     _SEQ, "the gradient of rotate_half(x) in rotate_half(x) * sin is dY * sin", paper=False,
 )
 
+# GPTNeoXAttention: RoPE on the first d_r = d * rotary_pct channels of each query and key head (q[..., :d_r] * cos,
+# rotate_half(.) * sin, then concatenated with the rest): the model's (1, s, d_r) tables, kept once per layer.
+NEOX_ROPE_COS = SavedTensor(
+    "attention/rope_cos_partial", "GPT-NeoX apply_rotary_pos_emb: q_rot * cos and k_rot * cos", (Dim.S, Dim.DR),
+    Kind.ACTIVATION, _SEQ, "the gradient of q_rot in q_rot * cos is dY * cos (the (1, s, d_r) table)", paper=False,
+)
+NEOX_ROPE_SIN = SavedTensor(
+    "attention/rope_sin_partial", "GPT-NeoX apply_rotary_pos_emb: rotate_half(q_rot) * sin", (Dim.S, Dim.DR),
+    Kind.ACTIVATION, _SEQ, "the gradient of rotate_half(q_rot) in rotate_half(q_rot) * sin is dY * sin", paper=False,
+)
+# GPT-NeoX's V is a view of query_key_value's (b, s, a, 3d) output; at b = 1 eager matmul folds it into a bmm batch
+# without a copy and keeps that whole storage (see BATCH_OF_ONE): Q, K and V's heads side by side.
+NEOX_QKV_OUT = SavedTensor(
+    "attention/qkv_out", "GPT-NeoX eager at b = 1: matmul(weights, v) keeps query_key_value's output, of which v is"
+    " a view", (Dim.B, Dim.S, Dim.QKV, Dim.D), Kind.ACTIVATION, _TEN,
+    "the gradient of the attention weights is dOut V^T: V is read from the fused output it views",
+)
 ROPE_COS = SavedTensor(
     "attention/rope_cos", "apply_rotary_pos_emb: q * cos and k * cos", (Dim.S, Dim.D), Kind.ACTIVATION, _SEQ,
     "the gradient of q in q * cos is dY * cos (one (1, s, d) table from the model's rotary embedding)", paper=False,
@@ -131,6 +212,12 @@ ROPE_SIN = SavedTensor(
     "attention/rope_sin", "apply_rotary_pos_emb: rotate_half(q) * sin", (Dim.S, Dim.D), Kind.ACTIVATION, _SEQ,
     "the gradient of rotate_half(q) in rotate_half(q) * sin is dY * sin", paper=False,
 )
+# OlmoRotaryEmbedding returns fp32 tables (no cast to x's dtype), so q * cos runs in fp32 and keeps them fp32;
+# apply_rotary_pos_emb casts q and k back after.
+OLMO_ROPE_COS = replace(ROPE_COS, name="attention/rope_cos_fp32", kind=Kind.FP32,
+                        saved_by="OLMo apply_rotary_pos_emb: q * cos, cos fp32 (OlmoRotaryEmbedding casts nothing)")
+OLMO_ROPE_SIN = replace(ROPE_SIN, name="attention/rope_sin_fp32", kind=Kind.FP32,
+                        saved_by="OLMo apply_rotary_pos_emb: rotate_half(q) * sin, sin fp32")
 K_EXPANDED = SavedTensor(
     "attention/k_expanded", "repeat_kv, kept by matmul(q, k^T)", _BASD, Kind.ACTIVATION, _TEN,
     "eager attention copies each K group to its a/g heads; QK^T's backward reads the copy",
@@ -294,14 +381,27 @@ MOE_TENSORS = (ROUTER_PROBS, TOPK_SUM, TOPK_WEIGHTS, ROUTER_IN_FP32, ROUTER_SCOR
 
 
 def is_llama(knobs: Any) -> bool:
-    """RMSNorm + SwiGLU is the Llama family (Llama, Mistral, Qwen2); LayerNorm + GELU is GPT-2."""
-    return knobs.norm == "rmsnorm"
+    """RMSNorm + a gated MLP is the Llama family (Llama, Mistral, Qwen2, Gemma's (1 + w) RMSNorm and GeGLU);
+    LayerNorm + GELU is GPT-2 or GPT-NeoX."""
+    return knobs.norm in ("rmsnorm", "rmsnorm_1p", "layernorm_np")
+
+
+def is_neox(knobs: Any) -> bool:
+    """GPTNeoXLayer: a LayerNorm layer with (partial) RoPE, rotary_percent set (GPT-2 has no RoPE)."""
+    return not is_llama(knobs) and knobs.rotary_percent is not None
 
 
 def norm_block(which: int, knobs: Any) -> tuple[SavedTensor, ...]:
-    """LlamaRMSNorm's fp32 upcast, fp32 rstd and cast-back; GPT-2's nn.LayerNorm keeps input, mean, rstd."""
+    """LlamaRMSNorm's fp32 upcast, fp32 rstd and cast-back; GPT-2's nn.LayerNorm keeps input, mean, rstd. GPT-NeoX's
+    parallel residual feeds both LayerNorms the layer's input: one storage, kept once (the first norm's)."""
+    if knobs.norm == "rmsnorm_1p":
+        return tuple((GEMMA_LN1, GEMMA_LN2)[which])
+    if knobs.norm == "layernorm_np":
+        return tuple((OLMO_LN1, OLMO_LN2)[which])
     if is_llama(knobs):
         return tuple((LN1_RMS, LN2_RMS)[which])
+    if which == 1 and knobs.parallel_residual:
+        return (ledger.LN2.mean, ledger.LN2.rstd)
     return tuple((ledger.LN1, ledger.LN2)[which])
 
 
@@ -321,14 +421,15 @@ def _sdpa(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]:
 def _eager(knobs: Any) -> tuple[SavedTensor, ...]:
     """eager_attention_forward: matmul's copies of Q and K^T, the softmax, dropout, matmul's copy of V."""
     q, k, v = (ledger.MLA_Q, ledger.MLA_K, ledger.MLA_V) if knobs.mla else (ledger.Q, *_key_value(knobs))
-    if not is_llama(knobs):  # GPT-2's softmax runs in the activation dtype: the paper's core
+    if not is_llama(knobs) and not is_neox(knobs):  # GPT-2's softmax runs in the activation dtype: the paper's core
         softmax: tuple[SavedTensor, ...] = (ledger.SOFTMAX_OUT,)
     elif knobs.dtype == "fp32" or knobs.has_dropout:  # no separate cast: .to() is a no-op or dropout keeps a mask
         softmax = (SOFTMAX_FP32,)
     else:
         softmax = (SOFTMAX_FP32, WEIGHTS)
     dropout = (ledger.ATTN_DROPOUT_MASK, ledger.ATTN_DROPOUT_OUT) if knobs.has_dropout else ()
-    return (q, k, *softmax, *dropout, v)
+    softcap = (SOFTCAP_TANH,) if knobs.attn_logit_softcapping is not None else ()
+    return (q, k, *softcap, *softmax, *dropout, v)
 
 
 def _key_value(knobs: Any) -> tuple[SavedTensor, SavedTensor]:
@@ -343,14 +444,28 @@ def repeat_kv_copies(sizes: dict[Any, Any], t: Any) -> Any:
     return (sizes[Dim.B] != 1) | (sizes[Dim.G] // t != 1)
 
 
-_UNEXPANDED = {K_EXPANDED.name: ledger.K, V_EXPANDED.name: ledger.V}
+def batched(sizes: dict[Any, Any], t: Any) -> Any:
+    """Whether GPT-NeoX's eager matmul copies V: unless b = 1, where its reshape to a bmm batch is a view."""
+    return sizes[Dim.B] != 1
+
+
+def _at_batch_of_one(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]:
+    """What eager attention keeps where matmul folds a view without copying: K and V at g heads (GQA), GPT-NeoX's
+    fused query_key_value output in V's place."""
+    swap = {V_EXPANDED.name: ledger.V, K_EXPANDED.name: ledger.K} if knobs.gqa else {ledger.V.name: NEOX_QKV_OUT}
+    return tuple(swap.get(x.name, x) for x in layer_tensors(knobs, accounting))
+
+
 REPEAT_KV = SizeRule(
     "eager attention under GQA keeps repeat_kv's copies of K and V at a/t heads, except when b = 1 and one K/V group"
-    " is on the rank: expand and reshape are then views with a zero stride, and matmul keeps K and V themselves",
-    applies=lambda knobs: knobs.gqa and knobs.attention == "eager" and knobs.recompute != "full",
+    " is on the rank: expand and reshape are then views with a zero stride, and matmul keeps K and V themselves;"
+    " GPT-NeoX's keeps a copy of V, a view of the fused query_key_value output, except when b = 1: then it keeps"
+    " that whole output",
+    applies=lambda knobs: (knobs.gqa or is_neox(knobs)) and knobs.attention == "eager" and knobs.recompute != "full",
     runs=repeat_kv_copies,
-    outside=lambda knobs, accounting: tuple(_UNEXPANDED.get(x.name, x) for x in layer_tensors(knobs, accounting)),
+    outside=_at_batch_of_one,
     shown_with={"num_query_groups": 1},
+    runs_for=lambda knobs: repeat_kv_copies if knobs.gqa else batched,
 )
 
 
@@ -367,8 +482,10 @@ def attention_block(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ..
     """Q/K/V projections' input, RoPE tables (Llama), the core, o_proj's input, GPT-2's resid dropout."""
     if knobs.mla:
         return latent_attention(knobs)
-    rope = (ROPE_COS, ROPE_SIN) if is_llama(knobs) else ()
-    qk_norm = (*Q_NORM_RMS, *K_NORM_RMS) if knobs.qk_layernorm else ()
+    rope = ((OLMO_ROPE_COS, OLMO_ROPE_SIN) if knobs.norm == "layernorm_np" else (ROPE_COS, ROPE_SIN) if is_llama(knobs)
+            else (NEOX_ROPE_COS, NEOX_ROPE_SIN) if is_neox(knobs) else ())
+    qk_norm = (() if not knobs.qk_layernorm else (*GEMMA_Q_NORM, *GEMMA_K_NORM) if knobs.norm == "rmsnorm_1p"
+               else (*Q_NORM_RMS, *K_NORM_RMS))
     core = _sdpa(knobs, accounting) if knobs.attention == "flash" else _eager(knobs)
     resid = (ledger.ATTN_OUT_DROPOUT_MASK,) if knobs.has_dropout and not is_llama(knobs) else ()
     return (ledger.QKV_IN, *qk_norm, *rope, *core, ledger.PROJ_IN, *resid)
@@ -378,6 +495,8 @@ def mlp_block(knobs: Any) -> tuple[SavedTensor, ...]:
     """LlamaMLP (gate, up, SiLU(gate) * up) or GPT2MLP (c_fc, activation, c_proj, dropout)."""
     if knobs.mlp == "swiglu":
         activation = (ledger.SWIGLU_GATE, ledger.SWIGLU_UP, ledger.SWIGLU_SILU_OUT)
+    elif knobs.mlp == "geglu_tanh":
+        activation = (GEGLU_GATE, GEGLU_UP, GEGLU_GELU_OUT)
     elif knobs.mlp == "gelu_tanh":
         activation = (ledger.GELU_IN, HALF_X, TANH_OUT, ONE_PLUS_TANH)
     else:
@@ -424,27 +543,27 @@ def layer_tensors(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]
     """Every tensor one transformers decoder layer keeps for backward, in forward order."""
     if knobs.recompute == "full":
         return (ledger.LAYER_INPUT,)  # torch.utils.checkpoint keeps the layer's positional input
+    post_attn, post_mlp = (tuple(GEMMA_POST_ATTN), tuple(GEMMA_POST_MLP)) if knobs.sandwich_norm else ((), ())
     blocks = (
-        norm_block(0, knobs) + attention_block(knobs, accounting) + norm_block(1, knobs)
-        + (moe_block(knobs) if knobs.moe else mlp_block(knobs))
+        norm_block(0, knobs) + attention_block(knobs, accounting) + post_attn + norm_block(1, knobs)
+        + (moe_block(knobs) if knobs.moe else mlp_block(knobs)) + post_mlp
     )
     return drop_small(blocks, accounting)
 
 
-_LAYERS = {("rmsnorm", "swiglu"): "LlamaDecoderLayer", ("layernorm", "gelu"): "GPT2Block",
-           ("layernorm", "gelu_tanh"): "GPT2Block"}
-
-
 def check(knobs: Any) -> None:
-    """The knob values transformers' four layers run; ConfigError for the rest."""
-    if (knobs.norm, knobs.mlp) not in _LAYERS:
-        runs = ", ".join(f"{n} + {m} ({layer})" for (n, m), layer in _LAYERS.items())
+    """The knob values transformers' layers (memcalc.config.hf.FAMILIES) run; ConfigError for the rest."""
+    layers = [f for f in FAMILIES.values() if f.when is not None]
+    if not any(f.norm == knobs.norm and knobs.mlp in f.mlps for f in layers):
+        runs = ", ".join(f"{f.norm} + {'/'.join(f.mlps)} ({f.layer})" for f in layers)
         raise ConfigError(f"impl hf: no transformers layer has norm {knobs.norm} with mlp {knobs.mlp}; it runs {runs}")
+    _check_neox(knobs)
+    _check_gemma2(knobs)
     if knobs.recompute not in ("none", "full"):
         raise ConfigError(f"impl hf: transformers has no {knobs.recompute} recomputation; use recompute none or full"
                           " (its gradient checkpointing)")
     if knobs.gqa and not is_llama(knobs):
-        raise ConfigError("impl hf: GPT2Block has no grouped-query attention; leave num_query_groups unset")
+        raise ConfigError(f"impl hf: {_layer(knobs)} has no grouped-query attention; leave num_query_groups unset")
     if knobs.bias_activation_fusion:
         raise ConfigError("impl hf: bias_activation_fusion is Megatron's fused kernel; transformers has none")
     if knobs.moe and not is_llama(knobs):
@@ -469,6 +588,44 @@ def check(knobs: Any) -> None:
         _check_mixtral(knobs)
     _check_qwen3(knobs)
     check_latent(knobs)
+    if family_of(knobs) is None:
+        raise ConfigError(f"impl hf: no transformers layer runs norm {knobs.norm} and mlp {knobs.mlp} with these knobs"
+                          " (GemmaDecoderLayer has no experts, QK norm or latent attention)")
+
+
+def _layer(knobs: Any) -> str:
+    """The transformers layer these knobs run (after the norm/mlp check)."""
+    family = family_of(knobs)
+    return family.layer if family is not None else "no transformers layer"
+
+
+def _check_neox(knobs: Any) -> None:
+    """GPT-NeoX's knobs: a LayerNorm layer's partial RoPE (rotary_percent) and parallel residual, eager attention."""
+    if knobs.rotary_percent is not None and not 0 < knobs.rotary_percent <= 1:
+        raise ConfigError(f"impl hf: rotary_percent={knobs.rotary_percent} must be in (0, 1] (a share of each head)")
+    if is_llama(knobs) and (knobs.rotary_percent is not None or knobs.parallel_residual):
+        raise ConfigError("impl hf: rotary_percent and parallel_residual are GPTNeoXLayer's (norm layernorm); the"
+                          " Llama family's layers rotate whole heads in sequence")
+    if not is_llama(knobs) and knobs.parallel_residual and knobs.rotary_percent is None:
+        raise ConfigError("impl hf: parallel_residual is GPTNeoXLayer's, which has RoPE: set rotary_percent (GPT2Block"
+                          " has neither)")
+    if is_neox(knobs) and knobs.attention == "flash":
+        raise ConfigError("impl hf: GPTNeoXLayer under sdpa is not modelled: SDPA keeps V as the fused query_key_value"
+                          " output it views, and where its output lies depends on the device's kernel (measured on"
+                          " a CPU only); use attention eager")
+
+
+def _check_gemma2(knobs: Any) -> None:
+    """Gemma 2's sandwich norms are GemmaRMSNorm's (norm rmsnorm_1p); its soft-capping runs in eager attention only
+    (SDPA's kernels take no softcap)."""
+    if knobs.sandwich_norm and knobs.norm != "rmsnorm_1p":
+        raise ConfigError("impl hf: sandwich_norm is Gemma 2's, whose norms are GemmaRMSNorm: set norm rmsnorm_1p")
+    if knobs.attn_logit_softcapping is not None and not knobs.sandwich_norm:
+        raise ConfigError("impl hf: attn_logit_softcapping is Gemma 2's (Gemma2DecoderLayer: set sandwich_norm and norm"
+                          " rmsnorm_1p)")
+    if knobs.attn_logit_softcapping is not None and knobs.attention != "eager":
+        raise ConfigError("impl hf: attn_logit_softcapping runs in eager attention only (SDPA takes no softcap); use"
+                          " attention eager")
 
 
 def check_sizes(config: Any) -> None:
@@ -559,10 +716,16 @@ NO_SEQUENCE_PARALLEL = Refusal(
     " (SequenceParallel, registered with use_local_output=True; ColwiseParallel.transform_inputs_pre_forward)",
 )
 GPT2_NO_TP_PLAN = Refusal(
-    "tp", lambda knobs: not is_llama(knobs), "for GPT-2 (norm layernorm)",
+    "tp", lambda knobs: not is_llama(knobs) and not is_neox(knobs), "for GPT-2 (norm layernorm, no RoPE)",
     "GPT2Config has no base_model_tp_plan, so from_pretrained(tp_plan=\"auto\") has nothing to apply",
     f"{_TP_SOURCE}, transformers/models/gpt2/configuration_gpt2.py; distributed/mixin.py _resolve_parallel_plans"
     " raises ValueError for tp_size > 1 without a plan",
+)
+NEOX_TP_NOT_MODELLED = Refusal(
+    "tp", is_neox, "for GPT-NeoX (norm layernorm with rotary_percent)",
+    "memcalc has not measured GPTNeoXConfig's base_model_tp_plan yet (query_key_value and dense_h_to_4h colwise,"
+    " dense and dense_4h_to_h rowwise)",
+    f"{_TP_SOURCE}, GPTNeoXConfig.base_model_tp_plan; memcalc's own limit, not the library's",
 )
 LATENT_TP_NOT_MODELLED = Refusal(
     "tp", lambda knobs: knobs.mla, "with latent attention (kv_lora_rank)",
@@ -588,9 +751,12 @@ IMPLEMENTATION = Implementation(
     " DeepseekV3DecoderLayer (dense MLP and DeepseekV3MoE), eager; Qwen3DecoderLayer and"
     " Qwen3MoeDecoderLayer (head_dim, q_norm and k_norm), eager and sdpa; the Llama family and Qwen3 under"
     " transformers' own tp_plan (apply_tensor_parallelism, DTensor) at t = 2 and 4, the MoE layers of Mixtral,"
-    " Qwen2-MoE and Qwen3-MoE too (forced routers)",
+    " Qwen2-MoE and Qwen3-MoE too (forced routers); GemmaDecoderLayer, Gemma2DecoderLayer (sandwich norms,"
+    " soft-capping), Gemma3DecoderLayer (and its q/k norms) and OlmoDecoderLayer, eager and sdpa (Gemma 2: eager),"
+    " at t = 1 and 2; GPTNeoXLayer (parallel or sequential residual, partial RoPE), eager, t = 1 (the families"
+    " `memcalc hf-families` lists, each from a config.json its transformers class wrote)",
     layer_tensors=layer_tensors,
-    refuses=(NO_SEQUENCE_PARALLEL, GPT2_NO_TP_PLAN, LATENT_TP_NOT_MODELLED),
+    refuses=(NO_SEQUENCE_PARALLEL, GPT2_NO_TP_PLAN, NEOX_TP_NOT_MODELLED, LATENT_TP_NOT_MODELLED),
     unsharded=unsharded,
     check=check,
     check_sizes=check_sizes,
@@ -598,7 +764,8 @@ IMPLEMENTATION = Implementation(
     tensors=(
         *LN1_RMS, *LN2_RMS, *Q_NORM_RMS, *K_NORM_RMS,
         ROPE_COS, ROPE_SIN, *MLA_Q_RMS, *MLA_KV_RMS, MLA_ROPE_COS, MLA_ROPE_SIN, K_EXPANDED, V_EXPANDED, SOFTMAX_FP32, WEIGHTS, *SDPA_MATH,
-        HALF_X, TANH_OUT, ONE_PLUS_TANH, *MOE_TENSORS,  # FLASH_DROPOUT_LSE is the ledger's LSE, described as read from code
+        HALF_X, TANH_OUT, ONE_PLUS_TANH, *MOE_TENSORS, NEOX_ROPE_COS, NEOX_ROPE_SIN, NEOX_QKV_OUT,
+    *GEMMA_LN1, *GEMMA_LN2, *GEMMA_Q_NORM, *GEMMA_K_NORM, *GEMMA_POST_ATTN, *GEMMA_POST_MLP, SOFTCAP_TANH, GEGLU_GATE, GEGLU_UP, GEGLU_GELU_OUT, *OLMO_LN1, *OLMO_LN2, OLMO_ROPE_COS, OLMO_ROPE_SIN,  # FLASH_DROPOUT_LSE is the ledger's LSE, described as read from code
     ),
     # LlamaConfig's own: RMSNorm, SwiGLU, attention_dropout 0, attn_implementation "sdpa" (memcalc's flash).
     defaults={

@@ -59,12 +59,15 @@ router (hf_shim).
 
 from __future__ import annotations
 
+import importlib
+import inspect
 from contextlib import nullcontext
 from dataclasses import replace
 from fnmatch import fnmatchcase
 from functools import partial
 from typing import Any, Callable
 
+from memcalc.config.hf import FAMILIES, family_of
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ProbeError
 from memcalc.model import ledger
@@ -101,9 +104,9 @@ _GATE_UP = SavedTensor("moe/expert_gate_up", "MixtralExperts gate_up_proj", (), 
                        "chunked into gate and up")
 _GATE_UP_PARTS = (ledger.EXPERT_GATE, ledger.EXPERT_UP)
 _MARKERS = (_QKV_OUT, _GATE_UP)
-_MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 # The (1, s, d) RoPE tables the model passes its layers: a Llama head's, or latent attention's RoPE part's.
-_ROPE_TABLES = ((rules.ROPE_COS, rules.ROPE_SIN), (rules.MLA_ROPE_COS, rules.MLA_ROPE_SIN))
+_ROPE_TABLES = ((rules.ROPE_COS, rules.ROPE_SIN), (rules.MLA_ROPE_COS, rules.MLA_ROPE_SIN),
+                (rules.NEOX_ROPE_COS, rules.NEOX_ROPE_SIN), (rules.OLMO_ROPE_COS, rules.OLMO_ROPE_SIN))
 
 
 def run_layer(
@@ -123,8 +126,7 @@ def record_layer(
     family = family or model_family(config)
     layer, extra = _build(config, family, tp.device, dense)
     if tp.size > 1:  # transformers' own plan by its own function (hf_tp); "none" runs at t = 1
-        config_class = transformers.GPT2Config if family == "gpt2" else _llama_family(family)[0]
-        hf_tp.apply(layer, hf_tp.layer_plan(layer, config_class), tp)
+        hf_tp.apply(layer, hf_tp.layer_plan(layer, _classes(family)[0]), tp)
     accounting = Accounting(exact=True, device=tp.device.type)
     knobs = Knobs.of(config).dense if dense else Knobs.of(config)
     expected = {t.name for t in tensors_at(knobs, accounting, dim_sizes(config), tp.size)}  # at these sizes
@@ -139,29 +141,21 @@ def record_layer(
 
 
 def model_family(config: ModelConfig) -> str:
-    if not rules.is_llama(config):
-        return "gpt2"
-    if config.mla:
-        return "deepseek_v3"
-    if config.moe and config.qk_layernorm:
-        return "qwen3_moe"
-    if config.moe:
-        return "qwen2_moe" if config.moe_shared_expert_intermediate_size else "mixtral"
-    if config.qk_layernorm:
-        return "qwen3"
-    return "qwen2" if config.add_qkv_bias else "llama"
+    """The family whose layer runs these knobs (memcalc.config.hf.FAMILIES; rules.check has refused the rest)."""
+    family = family_of(config)
+    assert family is not None, "rules.check refuses knobs no family runs"
+    return family.name
 
 
 def routing(family: str, route: str | None, k: int) -> Any:
     """The shim's forced router for a MoE family's router class, or nothing."""
     if route is None:
         return nullcontext()
-    if family not in _MOE_FAMILIES:
+    router = FAMILIES[family].router
+    if router is None:
         raise ProbeError(f"--route {route} forces a MoE router: the config has no experts (set num_experts)")
-    _, module = _llama_family(family)
-    routers = {"mixtral": "MixtralTopKRouter", "qwen2_moe": "Qwen2MoeTopKRouter", "qwen3_moe": "Qwen3MoeTopKRouter",
-               "deepseek_v3": "DeepseekV3TopkRouter"}
-    return forced_routing((getattr(module, routers[family]),), route, k)
+    _, module = _classes(family)
+    return forced_routing((getattr(module, router),), route, k)
 
 
 def _layer_input(config: ModelConfig, device: torch.device) -> torch.Tensor:
@@ -186,10 +180,11 @@ def _build(config: ModelConfig, family: str, device: torch.device, dense: bool =
         module = transformers.models.gpt2.modeling_gpt2
         layer_class, rotary = module.GPT2Block, None
     else:
-        config_class, module = _llama_family(family)
-        hf_config = llama_config(config, family)
-        layer_class = getattr(module, f"{config_class.__name__.removesuffix('Config')}DecoderLayer")
-        rotary = getattr(module, f"{config_class.__name__.removesuffix('Config')}RotaryEmbedding")(hf_config)
+        _, module = _classes(family)
+        hf_config = neox_config(config) if family == "gpt_neox" else llama_config(config, family)
+        layer_class = getattr(module, FAMILIES[family].layer)
+        stem = FAMILIES[family].layer.removesuffix("DecoderLayer").removesuffix("Layer")  # Gemma3, GPTNeoX
+        rotary = getattr(module, f"{stem}RotaryEmbedding")(hf_config)
     torch.manual_seed(INPUT_SEED)  # the weights, as the layer initialises them
     layer = layer_class(hf_config, layer_idx=_layer_index(config, family, dense))
     layer = layer.to(device=device, dtype=DTYPES[config.dtype]).train()
@@ -207,7 +202,7 @@ def _layer_index(config: ModelConfig, family: str, dense: bool) -> int:
     if family == "deepseek_v3" and config.moe and dense and not first_dense:
         raise ProbeError("impl hf: DeepSeek-V3's layers are all MoE without moe_first_dense_layers; set it to measure"
                          " a dense one")
-    if dense or family not in _MOE_FAMILIES:
+    if dense or FAMILIES[family].router is None:
         return 0
     return first_dense if family == "deepseek_v3" else config.moe_layer_freq - 1
 
@@ -228,13 +223,40 @@ def llama_config(config: ModelConfig, family: str = "llama") -> Any:
 
     The attention implementation is memcalc's knob: "sdpa" for flash, "eager" for eager.
     """
-    config_class, _ = _llama_family(family)
+    config_class, _ = _classes(family)
     return config_class(**dict(
         hidden_size=config.h, num_attention_heads=config.a, num_key_value_heads=config.groups,
-        intermediate_size=config.ffn, hidden_act="silu", attention_dropout=config.dropout, num_hidden_layers=config.L,
+        intermediate_size=config.ffn, hidden_act="gelu_pytorch_tanh" if config.mlp == "geglu_tanh" else "silu",
+        attention_dropout=config.dropout, num_hidden_layers=config.L,
         max_position_embeddings=config.s, vocab_size=config.vocab_size, tie_word_embeddings=config.tie_embeddings,
         attn_implementation=attention_implementation(config),
-    ) | _moe_fields(config, family) | _latent_fields(config, family) | _head_fields(config, family))
+    ) | _moe_fields(config, family) | _latent_fields(config, family) | _head_fields(config, family)
+      | _window_fields(config, family))
+
+
+def neox_config(config: ModelConfig) -> Any:
+    """A GPTNeoXConfig sized from memcalc's: fused QKV with biases (add_bias_linear), partial RoPE, parallel residual
+    or not, one dropout probability for attention and the two hidden dropouts."""
+    return transformers.GPTNeoXConfig(
+        hidden_size=config.h, num_attention_heads=config.a, intermediate_size=config.ffn, num_hidden_layers=config.L,
+        hidden_act="gelu_new" if config.mlp == "gelu_tanh" else "gelu", max_position_embeddings=config.s,
+        vocab_size=config.vocab_size, attention_dropout=config.dropout, hidden_dropout=config.dropout,
+        use_parallel_residual=config.parallel_residual, attention_bias=config.add_bias_linear,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": config.rotary_percent},
+        attn_implementation=attention_implementation(config),
+    )
+
+
+def _window_fields(config: ModelConfig, family: str) -> dict[str, Any]:
+    """Mistral's sliding window (MistralConfig's default is 4096: None, memcalc's full causal, is said); Gemma 2's,
+    with its soft-capping and the tanh GeGLU (its field is hidden_activation)."""
+    if family == "mistral":
+        return {"sliding_window": config.sliding_window}
+    if family in ("gemma2", "gemma3_text"):
+        window = {"sliding_window": config.sliding_window} if config.sliding_window is not None else {}
+        return {"attn_logit_softcapping": config.attn_logit_softcapping, "hidden_activation": "gelu_pytorch_tanh",
+                "final_logit_softcapping": None} | window
+    return {}
 
 
 def _head_fields(config: ModelConfig, family: str) -> dict[str, Any]:
@@ -297,18 +319,11 @@ def attention_implementation(config: ModelConfig) -> str:
     return "sdpa" if config.attention == "flash" else "eager"
 
 
-def _llama_family(family: str) -> tuple[type, Any]:
-    models = transformers.models
-    return {
-        "llama": (transformers.LlamaConfig, models.llama.modeling_llama),
-        "mistral": (transformers.MistralConfig, models.mistral.modeling_mistral),
-        "qwen2": (transformers.Qwen2Config, models.qwen2.modeling_qwen2),
-        "mixtral": (transformers.MixtralConfig, models.mixtral.modeling_mixtral),
-        "qwen2_moe": (transformers.Qwen2MoeConfig, models.qwen2_moe.modeling_qwen2_moe),
-        "qwen3": (transformers.Qwen3Config, models.qwen3.modeling_qwen3),
-        "qwen3_moe": (transformers.Qwen3MoeConfig, models.qwen3_moe.modeling_qwen3_moe),
-        "deepseek_v3": (transformers.DeepseekV3Config, models.deepseek_v3.modeling_deepseek_v3),
-    }[family]
+def _classes(family: str) -> tuple[type, Any]:
+    """A family's transformers config class and modeling module (transformers/models/<name>/modeling_<name>.py)."""
+    entry = FAMILIES[family]
+    module = importlib.import_module(entry.modeling)
+    return getattr(transformers, entry.config_class), module
 
 
 def _checkpointing(layer: Any) -> None:
@@ -326,7 +341,9 @@ def _inputs(hf_config: Any, rotary: Any, x: torch.Tensor, rope: tuple[SavedTenso
     )
     if rotary is None:
         return {"attention_mask": mask}
-    cos, sin = rotary.to(x.device)(x, position_ids)  # (1, s, d) each, in x's dtype
+    layer_type = getattr(hf_config, "layer_types", None)  # Gemma 3's tables differ by layer type: layer 0's
+    kind = (layer_type[0],) if layer_type and "layer_type" in inspect.signature(rotary.forward).parameters else ()
+    cos, sin = rotary.to(x.device)(x, position_ids, *kind)  # (1, s, d) each, in x's dtype
     if rope is not None:
         label(cos[0], rope[0])
         label(sin[0], rope[1])
@@ -431,8 +448,11 @@ def label_rules_for(config: ModelConfig) -> tuple[Rule, ...]:
         return (Rule("", "forward", ledger.LAYER_INPUT, arg=0),)
     if rules.is_llama(config):
         attention = _latent_attention_rules(config) if config.mla else _llama_attention_rules(config)
-        return (*_rms_rules("input_layernorm", rules.LN1_RMS), *attention,
-                *_rms_rules("post_attention_layernorm", rules.LN2_RMS), *_llama_mlp_rules(), *_moe_rules(config))
+        first, second = _llama_norm_rules(config)
+        return (*first, *attention, *second, *_llama_mlp_rules(), *_moe_rules(config))
+    if rules.is_neox(config):
+        return (*_layer_norm_rules("input_layernorm", ledger.LN1), *_neox_attention_rules(config),
+                *_layer_norm_rules("post_attention_layernorm", ledger.LN2), *_neox_mlp_rules(config))
     return (*_layer_norm_rules("ln_1", ledger.LN1), *_gpt2_attention_rules(config),
             *_layer_norm_rules("ln_2", ledger.LN2), *_gpt2_mlp_rules(config))
 
@@ -443,6 +463,47 @@ def _rms_rules(module: str, norm: rules.RMSNormTensors, view: Callable[[Any], An
         Rule(module, "to", norm.input_fp32, nth=0, view=view),  # hidden_states.to(torch.float32)
         Rule(module, "rsqrt", norm.rstd, view=lambda x: view(_stats(x)) if view else _stats(x)),
         Rule(module, "to", norm.normed, nth=1, view=view),  # hidden_states.to(input_dtype)
+    )
+
+
+def _llama_norm_rules(config: ModelConfig) -> tuple[tuple[Rule, ...], tuple[Rule, ...]]:
+    """A Llama-family layer's norms before and after its attention: LlamaRMSNorm's, Gemma's or OLMo's."""
+    if config.norm == "rmsnorm_1p":
+        return _gemma_norm_rules("input_layernorm", rules.GEMMA_LN1), _gemma_rules(config)
+    if config.norm == "layernorm_np":
+        return (_layer_norm_rules("input_layernorm", rules.OLMO_LN1),
+                _layer_norm_rules("post_attention_layernorm", rules.OLMO_LN2))
+    return _rms_rules("input_layernorm", rules.LN1_RMS), _rms_rules("post_attention_layernorm", rules.LN2_RMS)
+
+
+def _qk_norm_rules(config: ModelConfig) -> tuple[Rule, ...]:
+    """Qwen3's q_norm and k_norm (LlamaRMSNorm's code on (b, s, heads, d)), or Gemma 3's (GemmaRMSNorm's code on
+    each head of the transposed (b, heads, s, d) q and k)."""
+    if config.norm == "rmsnorm_1p":
+        return (*_gemma_norm_rules("self_attn.q_norm", rules.GEMMA_Q_NORM),
+                *_gemma_norm_rules("self_attn.k_norm", rules.GEMMA_K_NORM))
+    return (*_rms_rules("self_attn.q_norm", rules.Q_NORM_RMS, _per_head),
+            *_rms_rules("self_attn.k_norm", rules.K_NORM_RMS, _per_head))
+
+
+def _gemma_rules(config: ModelConfig) -> tuple[Rule, ...]:
+    """Gemma's norm before the MLP (post_attention_layernorm), or Gemma 2's sandwich: post_attention_layernorm on
+    the attention's output, pre_feedforward_layernorm before the MLP, post_feedforward_layernorm after it."""
+    if not config.sandwich_norm:
+        return _gemma_norm_rules("post_attention_layernorm", rules.GEMMA_LN2)
+    return (*_gemma_norm_rules("post_attention_layernorm", rules.GEMMA_POST_ATTN),
+            *_gemma_norm_rules("pre_feedforward_layernorm", rules.GEMMA_LN2),
+            *_gemma_norm_rules("post_feedforward_layernorm", rules.GEMMA_POST_MLP))
+
+
+def _gemma_norm_rules(module: str, norm: rules.GemmaRMSNormTensors) -> tuple[Rule, ...]:
+    """GemmaRMSNorm's four: x.float(), rsqrt's output, 1.0 + weight.float() (the second add, after + eps), and the
+    fp32 product x * rsqrt(.)."""
+    return (
+        Rule(module, "float", norm.input_fp32, nth=0),
+        Rule(module, "rsqrt", norm.rstd, view=_stats),
+        Rule(module, "add", norm.weight_plus_one, nth=1),
+        Rule(module, "mul", norm.normed_fp32, nth=0),
     )
 
 
@@ -482,9 +543,11 @@ def _core_rules(
         Rule(attention, "matmul", v, nth=1, view=_kept("BmmBackward0", "_saved_mat2", then=own(_stored(_heads(b))))),
         Rule(attention, "matmul", rules.V_EXPANDED, nth=1,
              view=_kept("BmmBackward0", "_saved_mat2", then=_heads(b))),
+        Rule(attention, "tanh", rules.SOFTCAP_TANH),  # Gemma 2's soft-capping
         Rule(attention, "softmax", ledger.SOFTMAX_OUT),
         Rule(attention, "softmax", rules.SOFTMAX_FP32),
-        Rule(attention, "to", rules.WEIGHTS),  # Llama's cast of the fp32 softmax back to bf16
+        # Llama's cast of the fp32 softmax back to bf16; OLMo's apply_rotary_pos_emb casts q and k back before it
+        Rule(attention, "to", rules.WEIGHTS, nth=2 if config.norm == "layernorm_np" else 0),
         Rule(attention, "native_dropout", ledger.ATTN_DROPOUT_OUT),  # the shim's dropout
         Rule(attention, "native_dropout", ledger.ATTN_DROPOUT_MASK,
              view=_kept("NativeDropoutBackward0", "_saved_result1")),
@@ -510,8 +573,7 @@ def _sdpa_inputs(attention: str) -> tuple[Rule, ...]:
 def _llama_attention_rules(config: ModelConfig) -> tuple[Rule, ...]:
     return (
         Rule("self_attn.q_proj", "linear", ledger.QKV_IN, arg=0),
-        *_rms_rules("self_attn.q_norm", rules.Q_NORM_RMS, _per_head),  # Qwen3's, on (b, s, a, d)
-        *_rms_rules("self_attn.k_norm", rules.K_NORM_RMS, _per_head),
+        *_qk_norm_rules(config),
         *_core_rules("self_attn", config),
         *_sdpa_inputs("self_attn"),
         Rule("self_attn.o_proj", "linear", ledger.PROJ_IN, arg=0, view=_head_columns(config.head_dim)),
@@ -539,6 +601,9 @@ def _llama_mlp_rules() -> tuple[Rule, ...]:
         Rule("mlp.gate_proj", "linear", ledger.SWIGLU_GATE),
         Rule("mlp.up_proj", "linear", ledger.SWIGLU_UP),
         Rule("mlp.act_fn", "silu", ledger.SWIGLU_SILU_OUT),
+        Rule("mlp.gate_proj", "linear", rules.GEGLU_GATE),  # Gemma's tanh GeGLU
+        Rule("mlp.up_proj", "linear", rules.GEGLU_UP),
+        Rule("mlp.act_fn", "gelu", rules.GEGLU_GELU_OUT),
         Rule("mlp.down_proj", "linear", ledger.FC2_IN, arg=0),
     )
 
@@ -629,6 +694,31 @@ def _gpt2_attention_rules(config: ModelConfig) -> tuple[Rule, ...]:
         Rule("attn", "matmul", _QKV_OUT, nth=0, view=_kept("BmmBackward0", "_saved_self", then=_in_larger)),
         Rule("attn.c_proj", "addmm", ledger.PROJ_IN, arg=1, view=lambda x: _head_columns(config.head_dim)(flat(x))),
         Rule("attn.resid_dropout", "native_dropout", ledger.ATTN_OUT_DROPOUT_MASK,
+             view=_kept("NativeDropoutBackward0", "_saved_result1")),
+    )
+
+
+def _neox_attention_rules(config: ModelConfig) -> tuple[Rule, ...]:
+    """GPTNeoXAttention: query_key_value's input, the eager core (at b = 1 V is kept as the fused output it views),
+    dense's input, and the post-attention dropout's mask."""
+    d = config.head_dim
+    return (
+        Rule("attention.query_key_value", "linear", ledger.QKV_IN, arg=0),
+        *_core_rules("attention", config),
+        Rule("attention", "matmul", rules.NEOX_QKV_OUT, nth=1, arg=1, view=lambda v: v._base.view(config.b, config.s, -1, d)),
+        Rule("attention.dense", "linear", ledger.PROJ_IN, arg=0, view=_head_columns(d)),
+        Rule("post_attention_dropout", "native_dropout", ledger.ATTN_OUT_DROPOUT_MASK,
+             view=_kept("NativeDropoutBackward0", "_saved_result1")),
+    )
+
+
+def _neox_mlp_rules(config: ModelConfig) -> tuple[Rule, ...]:
+    """GPTNeoXMLP: dense_h_to_4h's input, the activation (GPT-2's rules), dense_4h_to_h's input, post_mlp_dropout."""
+    return (
+        Rule("mlp.dense_h_to_4h", "linear", ledger.FC1_IN, arg=0),
+        *(r for r in _gpt2_mlp_rules(config) if r.module == "mlp.act"),
+        Rule("mlp.dense_4h_to_h", "linear", ledger.FC2_IN, arg=0),
+        Rule("post_mlp_dropout", "native_dropout", ledger.MLP_DROPOUT_MASK,
              view=_kept("NativeDropoutBackward0", "_saved_result1")),
     )
 

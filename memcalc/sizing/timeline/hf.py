@@ -111,7 +111,10 @@ def hf_timeline(config: ModelConfig, strategy: Strategy, accounting: Accounting)
 def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
     """ConfigError naming the first thing the hf step timeline does not model yet."""
     missing = [
-        (not rules.is_llama(config), f"norm {config.norm} with mlp {config.mlp} (GPT-2's model; it walks Llama's)"),
+        ((config.norm, config.mlp) != ("rmsnorm", "swiglu"),
+         f"norm {config.norm} with mlp {config.mlp} (another family's model; it walks Llama's)"),
+        (config.sandwich_norm or config.attn_logit_softcapping is not None or config.sliding_window is not None,
+         "a sliding window, or Gemma 2/3's sandwich norms or soft-capping (it walks Llama's)"),
         (strategy.tensor_parallel and config.vocab_size % config.t != 0,
          f"vocab_size={config.vocab_size} that t={config.t} does not divide (DTensor pads uneven shards to gather"
          " the logits)"),

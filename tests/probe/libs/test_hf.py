@@ -24,6 +24,10 @@ LLAMA = {"norm": "rmsnorm", "mlp": "swiglu"}
 GPT2 = {"norm": "layernorm", "mlp": "gelu"}  # transformers' own defaults are Llama's
 MLA = {"kv_lora_rank": 24, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 12, "v_head_dim": 10}
 QWEN3 = LLAMA | {"kv_channels": 16, "qk_layernorm": True, "num_query_groups": 2}  # heads of 16, not h/a = 8
+GEMMA = {"norm": "rmsnorm_1p", "mlp": "geglu_tanh", "kv_channels": 16, "num_query_groups": 2}
+GEMMA2 = GEMMA | {"sandwich_norm": True, "attn_logit_softcapping": 50.0, "attention": "eager"}
+GEMMA3 = GEMMA | {"sandwich_norm": True, "qk_layernorm": True}
+NEOX = {"norm": "layernorm", "mlp": "gelu", "rotary_percent": 0.25, "parallel_residual": True, "attention": "eager"}
 
 
 def _rows(knobs: dict, family: str | None = None):
@@ -68,6 +72,25 @@ CASES = {
         (LLAMA | {"attention": "eager", "dropout": 0.0, "num_query_groups": 2, "kv_channels": 12}, "mistral"),
     "deepseek-v3 latent attention, eager: fp32 latent norms, up projections' inputs, one rope table pair":
         (LLAMA | MLA | {"attention": "eager", "dropout": 0.0}, None),
+    "gemma eager: (1 + w) rmsnorm keeps fp32 input, rstd, normed and 1 + w; tanh geglu keeps gate, up, gelu out":
+        (GEMMA | {"attention": "eager", "dropout": 0.0}, None),
+    "gemma sdpa with dropout on a cpu": (GEMMA | {"attention": "flash", "dropout": 0.1}, None),
+    "gemma2 with dropout: four norms, soft-capping keeps tanh's (b, a, s, s) output": (GEMMA2 | {"dropout": 0.1}, None),
+    "gemma2 without soft-capping, b=1": (GEMMA2 | {"attn_logit_softcapping": None, "dropout": 0.0, "b": 1}, None),
+    "gemma3 eager: q_norm and k_norm keep gemma's four tensors per head": (GEMMA3 | {"attention": "eager",
+                                                                                     "dropout": 0.0}, None),
+    "gemma3 sdpa with dropout on a cpu": (GEMMA3 | {"attention": "flash", "dropout": 0.1}, None),
+    "gemma fp32": (GEMMA | {"attention": "eager", "dtype": "fp32"}, None),
+    "olmo eager with dropout: each weightless layernorm keeps an fp32 copy of its input, fp32 mean and rstd":
+        ({"norm": "layernorm_np", "mlp": "swiglu", "attention": "eager", "dropout": 0.1}, None),
+    "olmo sdpa gqa": ({"norm": "layernorm_np", "mlp": "swiglu", "attention": "flash", "dropout": 0.0,
+                      "num_query_groups": 2}, None),
+    "gpt-neox, parallel residual: both norms read the layer's input, kept once; (s, d/4) rope tables, fp32 softmax":
+        (NEOX | {"dropout": 0.0}, None),
+    "gpt-neox sequential residual with dropout and gelu_new, whole heads rotated":
+        (NEOX | {"dropout": 0.1, "parallel_residual": False, "mlp": "gelu_tanh", "rotary_percent": 1.0}, None),
+    "gpt-neox at b=1: matmul keeps V as the fused query_key_value output it views":
+        (NEOX | {"dropout": 0.1, "b": 1}, None),
     "deepseek-v2-lite latent attention, no query latent, with dropout":
         (LLAMA | MLA | {"q_lora_rank": None, "attention": "eager", "dropout": 0.1}, None),
     # issue 18, found by tests/probe/test_differential.py: bmm takes q, k^T, v as views of c_attn's output
@@ -118,6 +141,13 @@ def test_the_shim_makes_cpu_dropout_keep_a_bool_mask_and_undoes_itself():
     (GPT2 | {"num_query_groups": 2}, "GPT2Block has no grouped-query attention"),
     (GPT2 | {"qk_layernorm": True}, "GPT2Block has no qk_layernorm"),
     (GPT2 | {"kv_channels": 16}, "GPT2Block has no kv_channels"),
+    (NEOX | {"attention": "flash"}, "GPTNeoXLayer under sdpa is not modelled"),
+    (GEMMA2 | {"attention": "flash"}, "attn_logit_softcapping runs in eager attention only"),
+    (GEMMA | {"attn_logit_softcapping": 30.0, "attention": "eager"}, "attn_logit_softcapping is Gemma 2's"),
+    (LLAMA | {"sandwich_norm": True}, "sandwich_norm is Gemma 2's"),
+    (GPT2 | {"parallel_residual": True}, "parallel_residual is GPTNeoXLayer's, which has RoPE"),
+    (LLAMA | {"rotary_percent": 0.5}, "rotary_percent and parallel_residual are GPTNeoXLayer's"),
+    (NEOX | {"rotary_percent": 1.5}, r"rotary_percent=1.5 must be in \(0, 1\]"),
 ])
 def test_knobs_no_transformers_layer_runs_are_refused(knobs, words):
     with pytest.raises(ConfigError, match=words):
@@ -154,6 +184,12 @@ TP_CASES = {
     "fp32 t=2": (LLAMA | {"attention": "eager", "dtype": "fp32", "num_query_groups": 2}, 2, None),
     "b=1, one k/v group per rank t=2: matmul keeps k and v unexpanded (repeat_kv's views)":
         (LLAMA | {"attention": "eager", "dropout": 0.1, "num_query_groups": 2, "b": 1}, 2, None),
+    "gemma t=2: its norms whole (1 + w replicated), geglu's f split":
+        (GEMMA | {"attention": "eager", "dropout": 0.0}, 2, "gemma"),
+    "gemma2 t=2: its four norms whole, the (b, a/t, s, s) tanh split":
+        (GEMMA2 | {"dropout": 0.0}, 2, "gemma2"),
+    "gemma3 t=2": (GEMMA3 | {"attention": "eager", "dropout": 0.0}, 2, "gemma3_text"),
+    "olmo t=2": ({"norm": "layernorm_np", "mlp": "swiglu", "attention": "eager", "dropout": 0.0}, 2, "olmo"),
     "qwen3 t=2: q_norm and k_norm on this rank's heads of head_dim (replicated_with_grad_allreduce)":
         (LLAMA | {"attention": "eager", "dropout": 0.0, "num_query_groups": 2, "kv_channels": 16,
                   "qk_layernorm": True}, 2, None),
@@ -188,6 +224,7 @@ def test_two_gloo_ranks_each_keep_what_rank_zero_of_the_fake_group_keeps():
 @pytest.mark.parametrize("knobs, words", [
     (LLAMA, "does not run tp-sp .*in any model: transformers has no sequence parallelism"),
     (GPT2, "does not run tp .*GPT2Config has no base_model_tp_plan"),
+    (NEOX, "does not run tp .*GPT-NeoX .*has not measured GPTNeoXConfig's base_model_tp_plan"),
     (LLAMA | MLA | {"attention": "eager"}, "does not run tp .*with latent attention .*shards no attention"),
 ])
 def test_what_transformers_does_not_lay_out_is_refused_with_the_library_s_reason(knobs, words):

@@ -1,0 +1,29 @@
+"""`memcalc hf-families`: the transformers families `--hf-config` reads, each with the decoder layer it was
+measured on (memcalc.config.hf.FAMILIES), and the model types it refuses with what they lack."""
+
+from __future__ import annotations
+
+import click
+
+from memcalc.config.hf import FAMILIES, UNREAD
+
+
+@click.command("hf-families")
+@click.option("--fields", "show_fields", is_flag=True, help="Also list the config.json fields read for each family.")
+def command(show_fields: bool) -> None:
+    """List the Hugging Face families --hf-config reads: model_type, transformers' config class, and the decoder
+    layer memcalc's --impl hf rules were measured on (a family read but run by another's layer says which).
+
+    \b
+    Example: memcalc hf-families
+             memcalc estimate --impl hf --hf-config path/to/config.json
+    """
+    width = max(len(name) for name in (*FAMILIES, *UNREAD))
+    class_width = max(len(f.config_class) for f in FAMILIES.values())
+    for f in FAMILIES.values():
+        layer = f.layer if f.runs_as is None else f"{FAMILIES[f.runs_as].layer} (as {f.runs_as})"
+        click.echo(f"{f.name:<{width}}  {f.config_class:<{class_width}}  measured on {layer}")
+        if show_fields:
+            click.echo(f"{'':<{width}}  reads {', '.join(f.reads())}")
+    for name, what in UNREAD.items():
+        click.echo(f"{name:<{width}}  refused: {what}")

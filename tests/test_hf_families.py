@@ -1,0 +1,85 @@
+"""memcalc.config.hf.FAMILIES is the one table of transformers families: each entry's names are transformers' own,
+config.json is read through the class's attribute_map, and a family memcalc cannot model is refused by what it lacks."""
+
+import json
+
+import pytest
+
+from memcalc.config.hf import FAMILIES, UNREAD, read_hf_config
+from memcalc.errors import ConfigError
+from tests.cli import memcalc_cli, one_line_error
+
+
+def test_each_familys_config_class_layer_and_attribute_map_are_transformers_own():
+    transformers = pytest.importorskip("transformers")
+    import importlib
+
+    for f in FAMILIES.values():
+        config_class = getattr(transformers, f.config_class)
+        assert config_class.model_type == f.name
+        assert dict(config_class.attribute_map) == f.attribute_map, f.name
+        module = importlib.import_module(f.modeling)
+        assert hasattr(module, f.layer), f.layer
+        assert all(hasattr(transformers, a) for a in f.architectures)
+
+
+def test_a_qwen3_moe_config_written_by_its_class_is_read(tmp_path):
+    """transformers 5.24's Qwen3MoeConfig saves num_local_experts; older files say num_experts: both are read."""
+    transformers = pytest.importorskip("transformers")
+    transformers.Qwen3MoeConfig(num_experts=8, hidden_size=32, num_attention_heads=4).save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert "num_local_experts" in saved and "num_experts" not in saved
+    assert read_hf_config(tmp_path / "config.json").fields["num_experts"] == 8
+
+
+def test_an_alias_is_read_as_the_field_it_stands_for_and_shown_as_written(tmp_path):
+    raw = {"model_type": "qwen3_moe", "hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 2,
+           "vocab_size": 64, "intermediate_size": 48, "num_experts": 8}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    hf = read_hf_config(tmp_path / "config.json")
+    assert hf.fields["num_experts"] == 8 and "num_experts->num_experts=8" in hf.describe()
+
+
+@pytest.mark.parametrize("model_type", ["mamba", "jamba"])
+def test_a_family_memcalc_cannot_model_is_refused_naming_what_it_lacks(tmp_path, model_type):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": model_type, "hidden_size": 64}))
+    one_line_error(memcalc_cli("estimate", "--hf-config", str(path)),
+                   f"{path}: model_type {model_type} has {UNREAD[model_type]}, which memcalc does not model")
+
+
+def test_experts_a_family_does_not_read_are_refused_without_naming_it_as_a_reader(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_local_experts": 8}))
+    with pytest.raises(ConfigError, match=r"which memcalc does not read for llama \(it reads these for deepseek_v2"
+                                          r", deepseek_v3, mixtral, qwen2_moe, qwen3_moe\)"):
+        read_hf_config(path)
+
+
+def test_hf_families_lists_each_family_with_the_layer_it_was_measured_on():
+    run = memcalc_cli("hf-families")
+    assert run.code == 0 and run.err == ""
+    lines = {line.split()[0]: line for line in run.out.splitlines()}
+    for f in FAMILIES.values():
+        assert f.config_class in lines[f.name] and FAMILIES[f.runs_as or f.name].layer in lines[f.name]
+    assert all("refused: " in lines[name] for name in UNREAD)
+
+
+def test_a_sequence_past_mistrals_window_is_refused_unless_hf_eager_keeps_the_full_scores():
+    """Mistral 7B v0.1: sliding_window 4096 under 32768 positions; only hf eager was measured to keep causal's bytes
+    (tests/probe/libs/test_hf_families.py runs MistralDecoderLayer at s > W)."""
+    mistral = "tests/data/hf/mistral-7b.json"
+    one_line_error(memcalc_cli("estimate", "--hf-config", mistral),
+                   "s=32768 exceeds sliding_window=4096", "give --s 4096 or less")
+    assert memcalc_cli("estimate", "--hf-config", mistral, "--s", "4096").code == 0
+    assert memcalc_cli("estimate", "--hf-config", mistral, "--impl", "hf", "--attention", "eager").code == 0
+
+
+def test_pythia_is_read_with_its_parallel_residual_and_rotary_share_and_counted_under_hf_only():
+    pythia = "tests/data/hf/pythia-70m.json"
+    one_line_error(memcalc_cli("estimate", "--hf-config", pythia),
+                   "parallel_residual and rotary_percent (of transformers' GPTNeoXLayer or Gemma2DecoderLayer) are modelled under --impl hf")
+    run = memcalc_cli("estimate", "--hf-config", pythia, "--impl", "hf", "--attention", "eager", "--s", "64")
+    assert run.code == 0, run.err
+    assert "use_parallel_residual->parallel_residual=True, rotary_pct->rotary_percent=0.25" in run.err
+    assert "tp left out: impl hf does not run it for GPT-NeoX" in run.err and "GPT-2" not in run.err
