@@ -49,7 +49,8 @@ def command(
     accounting = Accounting(exact=exact, device=device)
     names = strategy_names(strategy, knobs)
     outside = [sizes is not None and F.outside_at(knobs, STRATEGIES[n], *sizes) for n in names]
-    formulas = [F.layer_formula(STRATEGIES[n], knobs, accounting, out) for n, out in zip(names, outside)]
+    formulas = [F.layer_formula(STRATEGIES[n], knobs, accounting) if sizes is None else
+                F.formula_at(STRATEGIES[n], knobs, accounting, *sizes) for n in names]
     if fmt == "json":
         echo_json(_json(F, formulas, knobs, accounting))
     elif fmt == "latex":

@@ -18,7 +18,7 @@ from math import prod
 
 import sympy
 
-from memcalc.model.impls import layer_tensors, plan, size_rule
+from memcalc.model.impls import layer_tensors, plan, size_rule, tensors_at
 from memcalc.model.knobs import Accounting, Knobs, element_bytes
 from memcalc.model.ledger import Dim, SavedTensor
 from memcalc.model.strategy import Strategy
@@ -101,9 +101,21 @@ class LayerFormula:
 def layer_formula(strategy: Strategy, knobs: Knobs, accounting: Accounting, outside: bool = False) -> LayerFormula:
     """The layer's formula under `strategy` (as the knobs' implementation lays it out), built from the ledger:
     where its size rule's kernel runs, or with `outside` where it does not (`window`)."""
-    planned = plan(knobs, strategy)
     rule = size_rule(knobs)
     kept = rule.outside(knobs, accounting) if outside and rule is not None else layer_tensors(knobs, accounting)
+    return _formula(strategy, knobs, accounting, kept)
+
+
+def formula_at(strategy: Strategy, knobs: Knobs, accounting: Accounting, sizes: dict[Dim, int], t: int) -> LayerFormula:
+    """The formula that holds at per-rank `sizes` (b, s, a, g) on t ranks: built from what the layer keeps there
+    (`tensors_at`, as `estimate` asks: the size rule's set, each size condition's branch), so that evaluated at
+    those sizes it is estimate's number."""
+    return _formula(strategy, knobs, accounting, tensors_at(knobs, accounting, sizes, strategy.weight_shards(t)))
+
+
+def _formula(strategy: Strategy, knobs: Knobs, accounting: Accounting, kept: tuple[SavedTensor, ...]) -> LayerFormula:
+    """The terms of the tensors `kept`, as the knobs' implementation lays `strategy` out."""
+    planned = plan(knobs, strategy)
     return LayerFormula(strategy, tuple((x, tensor_expr(x, planned, knobs, accounting)) for x in planned.kept(kept)))
 
 

@@ -42,7 +42,7 @@ def test_the_formula_that_holds_at_the_sizes_evaluates_to_estimate(layer, exact)
     config, name = layer
     knobs, strategy, accounting = Knobs.of(config), STRATEGIES[name], Accounting(exact=exact)
     sizes = {Dim.B: config.b, Dim.S: config.s, Dim.A: config.a, Dim.G: config.groups}
-    formula = F.layer_formula(strategy, knobs, accounting, F.outside_at(knobs, strategy, sizes, config.t))
+    formula = F.formula_at(strategy, knobs, accounting, sizes, config.t)
     values = {F.b: config.b, F.s: config.s, F.h: config.h, F.a: config.a, F.t: config.t, F.g: config.groups,
               F.d: config.head_dim, F.f: config.ffn}
     assert formula.total.subs(values) == sympy.Integer(estimate(config, strategy, accounting).per_layer_bytes)

@@ -97,17 +97,21 @@ SUBJECTS = (
     Subject("hf mistral", "transformers", {"impl": "hf"} | LLAMA, _HF_LLAMA, family="mistral"),
     Subject("hf qwen2", "transformers", {"impl": "hf", "add_qkv_bias": True} | LLAMA, _HF_LLAMA, family="qwen2"),
     Subject("hf qwen3", "transformers", {"impl": "hf", "qk_layernorm": True} | LLAMA, _HF_LLAMA, family="qwen3"),
+    Subject("hf gemma", "transformers", {"impl": "hf", "norm": "rmsnorm_1p", "mlp": "geglu_tanh"}, _HF_LLAMA,
+            family="gemma"),
+    Subject("hf olmo", "transformers", {"impl": "hf", "norm": "layernorm_np", "mlp": "swiglu"}, _HF_LLAMA,
+            family="olmo"),
     Subject("hf gpt2", "transformers", {"impl": "hf", "norm": "layernorm"}, _HF_GPT2, family="gpt2", gqa=False),
     Subject("hf deepseek_v3 (latent attention, dense)", "transformers", {"impl": "hf", "attention": "eager"} | LLAMA,
             _HF_MLA, family="deepseek_v3", extra=MLA,
             known="at b = 1 matmul keeps V as a view of kv_b_proj's output: not modelled yet"),
     Subject("hf mixtral", "transformers", {"impl": "hf", "dropout": 0.0, "num_experts": 4} | LLAMA, _HF_MOE,
-            family="mixtral", moe=True),
+            family="mixtral", moe=True, align=8),
     Subject("hf qwen2_moe", "transformers", {"impl": "hf", "dropout": 0.0, "num_experts": 4,
                                              "moe_shared_expert_intermediate_size": 8} | LLAMA, _HF_MOE,
-            family="qwen2_moe", moe=True),
+            family="qwen2_moe", moe=True, align=8),
     Subject("hf qwen3_moe", "transformers", {"impl": "hf", "dropout": 0.0, "num_experts": 4, "qk_layernorm": True}
-            | LLAMA, _HF_MOE, family="qwen3_moe", moe=True),
+            | LLAMA, _HF_MOE, family="qwen3_moe", moe=True, align=8),
 )
 
 
