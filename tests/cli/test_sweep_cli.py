@@ -168,30 +168,6 @@ def test_the_sweep_and_plot_modules_import_no_numpy_rich_or_matplotlib():
     assert proc.stdout.strip() == "[]"
 
 
-GUIDE = ROOT / "docs" / "guide-sweep-plot.md"
-
-
-def _guide_examples() -> list[tuple[str, list[str]]]:
-    """(command, expected output lines) for each `$ memcalc sweep` in the guide that prints its rows."""
-    examples = []
-    for block in GUIDE.read_text().split("```text\n")[1:]:
-        for run in block.split("```", 1)[0].split("$ memcalc ")[1:]:
-            command, *output = run.rstrip("\n").split("\n")
-            if command.startswith("sweep ") and "--out" not in command:
-                examples.append((command, output))
-    return examples
-
-
-@pytest.mark.parametrize("command, output", _guide_examples(), ids=lambda x: x if isinstance(x, str) else "")
-def test_the_guide_shows_what_the_command_prints(command, output, monkeypatch):
-    from memcalc.cli import render
-
-    monkeypatch.chdir(ROOT)
-    monkeypatch.setattr(render.console, "width", 80)  # the guide's terminal
-    result = invoke(*command.split())
-    assert [line.rstrip() for line in result.output.splitlines()] == output
-
-
 def test_ep_sets_the_experts_split_and_each_row_is_what_estimate_says_at_that_ep():
     model = ("--config", "mixtral-8x7b", "--moe-tokens", "worst", "--strategy", "tp-sp")
     rows = list(csv.DictReader(io.StringIO(invoke("sweep", *model, "--ep", "4", "--t", "1,2").stdout)))
