@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import stat
 import tempfile
@@ -59,12 +60,10 @@ def atomic_write(path: Path) -> Iterator[BinaryIO]:
             yield stream
         return
     _remove_leftovers(target)
+    temporary = None
     try:
-        prefix = f"{_writer_prefix(target)}{os.getpid()}."
-        fd, temporary = tempfile.mkstemp(dir=target.parent, prefix=prefix, suffix=".part")
-    except OSError as exc:
-        raise _cannot(path, exc) from None
-    try:
+        with _signals_held():
+            fd, temporary = _temporary_beside(target, path)
         with os.fdopen(fd, "wb") as stream:
             yield stream
             stream.flush()
@@ -76,7 +75,8 @@ def atomic_write(path: Path) -> Iterator[BinaryIO]:
         _remove(temporary)
         raise _cannot(path, exc) from None
     except BaseException:
-        _remove(temporary)
+        if temporary is not None:
+            _remove(temporary)
         raise
 
 
@@ -92,13 +92,33 @@ def check_writable(path: Path) -> None:
         raise OutputError(f"cannot write {printable(str(path))}: Permission denied")
     if mode is not None and _in_place(mode):
         return
+    with _signals_held():  # named as a temporary is, so even a SIGKILL's leftover is cleaned up
+        fd, probe = _temporary_beside(target, path)
+        os.close(fd)
+        _remove(probe)
+
+
+def _temporary_beside(target: Path, path: Path) -> tuple[int, str]:
+    """A new temporary file in `target`'s directory, named as this writer's (see the module's docstring)."""
     try:
-        prefix = f"{_writer_prefix(target)}{os.getpid()}."  # named as a temporary is, so a leftover is cleaned up
-        fd, probe = tempfile.mkstemp(dir=target.parent, prefix=prefix, suffix=".part")
+        return tempfile.mkstemp(dir=target.parent, prefix=f"{_writer_prefix(target)}{os.getpid()}.", suffix=".part")
     except OSError as exc:
         raise _cannot(path, exc) from None
-    os.close(fd)
-    _remove(probe)
+
+
+@contextmanager
+def _signals_held() -> Iterator[None]:
+    """SIGTERM and SIGINT wait while a temporary file is made and its name kept.
+
+    A signal between the two would leave a file that nothing removes; held, it arrives a moment later, when
+    the name is known and the `except` that removes the file is in force.
+    """
+    held = {signal.SIGTERM, signal.SIGINT}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _target(path: Path) -> Path:

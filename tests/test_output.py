@@ -7,6 +7,7 @@ import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
 
 import pytest
@@ -193,3 +194,27 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+@pytest.mark.parametrize("make", [lambda p: check_writable(p), lambda p: atomic_write(p).__enter__()],
+                         ids=["check_writable", "atomic_write"])
+def test_a_sigterm_the_moment_the_temporary_is_made_leaves_no_file(tmp_path, monkeypatch, make):
+    """The signal lands between mkstemp's return and the name being kept: it must wait until removal is in force."""
+    made = tempfile.mkstemp
+
+    def mkstemp_then_sigterm(*args, **kwargs):
+        made_now = made(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return made_now
+
+    def exit_143(*_):
+        raise SystemExit(143)
+
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp_then_sigterm)
+    previous = signal.signal(signal.SIGTERM, exit_143)
+    try:
+        with pytest.raises(SystemExit):
+            make(tmp_path / "rows.csv")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert os.listdir(tmp_path) == []
