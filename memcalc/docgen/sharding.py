@@ -7,6 +7,7 @@ in the step from `memcalc.sizing.timeline.fsdp`'s own description; only the conn
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from memcalc.config.schema import SHARDING_REFUSALS, build_config, field_help
@@ -48,6 +49,8 @@ def render() -> str:
         "",
         _zero_step(),
         "",
+        _examples(),
+        "",
     ])
 
 
@@ -79,6 +82,27 @@ def _states() -> str:
         " checks them side by side where deepspeed is installed (`pip install 'transformer-memcalc[deepspeed]'`)."
         " Stages 0 and 1 follow the same layout (DeepSpeed has no estimator for them). Their step is walked below.",
     ])
+
+
+# What fits, in one command each (their outputs are pasted by scripts/refresh_guide.py; tests/test_doc_examples.py
+# runs them).
+EXAMPLES = (
+    ("The largest micro-batch of Llama 3 70B (transformers' model, s = 2048) that fits on 64 H100s with FSDP2 over"
+     " 8 ranks and TP 8 (transformers' tp_plan), by the step's peak (`--solve dp_shard` finds the smallest FSDP2"
+     " shard group instead, HSDP replicating the rest):",
+     "memcalc fit --config llama3-70b --impl hf --s 2048 --gpus 64 --gpu h100-80gb --t 8 --dp-shard 8 \\\n"
+     "    --strategy tp --recompute none --solve b"),
+)
+
+
+def _examples() -> str:
+    """Each example with the output pasted on the page now (the generator keeps it; refresh_guide.py renews it)."""
+    page = DOCS.read_text() if DOCS.exists() else ""
+    blocks = []
+    for words, command in EXAMPLES:
+        pasted = re.search(r"```text\n\$ " + re.escape(command) + r"\n(.*?)```", page, flags=re.S)
+        blocks += [words, "", "```text", f"$ {command}", *([pasted.group(1).rstrip("\n")] if pasted else []), "```", ""]
+    return "\n".join(["## What fits", "", *blocks]).rstrip("\n")
 
 
 def _zero_step() -> str:
@@ -126,7 +150,9 @@ def _step() -> str:
         " FSDPMemTracker, and tests/probe/libs/test_hf_fsdp.py checks the peak, each category and every moment to"
         " the byte at dp_shard 2, 4 and 8, with and without reshard_after_forward, with reduce_dtype bf16, with"
         " tied embeddings, with transformers' tp_plan on a 2-D mesh (t = 2, dp_shard 2 and 4), and as HSDP"
-        " (dp_replicate 2, at t = 1; HSDP under tp is walked as FSDP2's over dp_shard, not run by the probe). Not walked yet (refused by name): experts, torchtitan's model (its states are"
+        " (dp_replicate 2, 4 at t = 1 and under tp on a 3-D (dp_replicate, dp_shard, t) mesh: FSDP2's moments over"
+        " dp_shard, its all-reduce across replicas in place). Not walked yet (refused by name): experts, torchtitan's"
+        " model (its states are"
         " counted; its step is not walked).",
         "",
         "```text",
