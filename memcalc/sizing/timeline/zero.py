@@ -3,10 +3,12 @@ tape (memcalc.sizing.timeline.hf calls them where FSDP2's hooks would run: `Zero
 memcalc.sizing.timeline.fsdp.Fsdp).
 
 Modelled from DeepSpeed 0.19.8's own sources (deepspeed/runtime/zero/stage_1_and_2.py, stage3.py,
-partitioned_param_coordinator.py), not yet measured to the byte: DeepSpeed 0.19.8's engine does run a step on CPU over
-torch's fake process group (with LOCAL_RANK set; it JIT-builds its shm comm op), and MemTracker's peak there was
-above this walk's (ZeRO-1 and 2: 1,696,176 B against 1,454,636; ZeRO-3: 1,583,616 against 1,459,708; the tests'
-small Llama at dp 2), so some of DeepSpeed's buffers are not on this tape yet. bf16 with DeepSpeed's default gradient accumulation dtype (the model's),
+partitioned_param_coordinator.py), not yet measured to the byte. DeepSpeed 0.19.8's engine does run a step on CPU
+over torch's fake process group (with LOCAL_RANK set; it JIT-builds its shm comm op), with the Trainer's fused torch
+AdamW, but MemTracker does not see its fp32 master partition (neither a module's parameter nor an optimizer state
+when tracking starts): its peak plus that partition was within 0.6% of this walk's (ZeRO-1 and 2: 1,220,464 +
+242,304 B against 1,454,636 predicted; ZeRO-3: 1,220,544 + 242,304 against 1,459,708; the tests' small Llama at
+dp 2), not yet compared moment by moment. bf16 with DeepSpeed's default gradient accumulation dtype (the model's),
 contiguous_gradients on, overlap_comm off at stages 1 and 2 and on at stage 3 (DeepSpeed's defaults), and the sizes
 the Trainer fills for a config's "auto" (`DEEPSPEED_AUTO`). What the tape holds:
 
