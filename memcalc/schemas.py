@@ -158,11 +158,12 @@ STAGE: Schema = _object(
         "terms": {"type": "array", "items": _object({"name": TEXT, "group": TEXT, "bytes": COUNT, "note": TEXT})},
         "peak_bytes": COUNT,
         "peak_moment": TEXT,
+        "peak_in_words": TEXT,  # the moment, and which of FSDP2's or ZeRO's buffers are live then
         "peak_by_category": {"type": "object", "additionalProperties": COUNT},
         "steady_bytes": COUNT,
         "peak_not_modelled": TEXT,
     },
-    optional=("peak_bytes", "peak_moment", "peak_by_category", "steady_bytes", "peak_not_modelled"),
+    optional=("peak_bytes", "peak_moment", "peak_in_words", "peak_by_category", "steady_bytes", "peak_not_modelled"),
 )
 
 PER_GPU: Schema = _object({

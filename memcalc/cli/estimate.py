@@ -199,8 +199,11 @@ def _peak_json(peaks: tuple[Timeline, ...] | str | None, stage: str) -> dict:
         return {}
     if isinstance(peaks, str):
         return {"peak_not_modelled": peaks}
+    from memcalc.sizing.timeline.words import in_words
+
     (peak,) = (x for x in peaks if x.stage == stage)
     return {
-        "peak_bytes": peak.peak.bytes, "peak_moment": peak.peak.label(), "peak_by_category": peak.peak.by_category(),
+        "peak_bytes": peak.peak.bytes, "peak_moment": peak.peak.label(), "peak_in_words": in_words(peak.peak),
+        "peak_by_category": peak.peak.by_category(),
         "steady_bytes": peak.steady.bytes,
     }

@@ -58,8 +58,10 @@ def command(
     reserve: int | None, solve: str, count: str, as_json: bool, **params: Any,
 ) -> None:
     """For each strategy and recompute choice: the largest micro-batch b (or
-    sequence length s) that fits --budget, or the smallest t, pp, cp or ep; with what
-    is left over. With --gpus, each candidate derives its own dp = gpus/(t*pp*cp).
+    sequence length s) that fits --budget, or the smallest t, pp, cp, ep or FSDP2
+    shard group dp_shard (HSDP replicating the rest); with what is left over. With
+    --gpus, each candidate derives its own dp = gpus/(t*pp*cp). The layout's
+    sharding (--dp-shard, --zero-stage) is counted as each stack keeps it.
 
     Answers are exact: the answer fits by `memcalc estimate --totals` and the next
     valid value does not. Recompute none, selective and full are each tried
@@ -68,6 +70,8 @@ def command(
     \b
     Example: memcalc fit --config gpt3-175b --budget 80GiB --solve b
              memcalc fit --config llama3-70b --gpus 64 --gpu h100-80gb --pp 4 --solve t
+             memcalc fit --config llama3-70b --impl hf --s 2048 --gpus 64 --gpu h100-80gb
+                 --t 8 --dp-shard 8 --strategy tp --recompute none --solve b
     """
     budget = _budget(budget, gpu, device_memory, reserve)
     config = model_from(params)

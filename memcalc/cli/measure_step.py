@@ -29,6 +29,9 @@ def run_step(
     """Measure one step per strategy and print it; ProbeError (exit 1) beyond the tolerance. `route` forces a
     mixture of experts' router (memcalc.probe.step.measure_step)."""
     _check_flags(device, launch, backend, layer, comm, overlap)
+    if config.zero_stage is not None:
+        raise ConfigError(f"--step does not run DeepSpeed's engine: the ZeRO-{config.zero_stage} step is modelled from"
+                          " DeepSpeed's sources, not measured (docs/sharding.md); see it with estimate --totals")
     from memcalc.probe.step import TOLERANCE, measure_step  # needs torch: a one-line ProbeError without it
 
     results = measure_step(config, strategies, route)

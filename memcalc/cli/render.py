@@ -268,11 +268,14 @@ def print_totals(config: ModelConfig, per: list[PerGpu], device: Budget, peaks: 
             f" {human_bytes(needed.bytes)} ({needed.basis}{where}), {headroom(budget, needed.bytes)}",
             highlight=False,
         )
-    _print_peaks(peaks or {})
+    from memcalc.sizing.states import sharding
+
+    _print_peaks(peaks or {}, sharded=sharding(config) != "megatron")
 
 
-def _print_peaks(peaks: dict) -> None:
-    """Each strategy's step peak per bounding stage: when, what is live, and the steady state; or why not."""
+def _print_peaks(peaks: dict, sharded: bool = False) -> None:
+    """Each strategy's step peak per bounding stage: when, what is live, and the steady state; or why not. Sharded by
+    FSDP2 or ZeRO, the peak's moment in words too: which of their buffers sit on the states then."""
     unmodelled = {peak for peak in peaks.values() if isinstance(peak, str)}
     if len(unmodelled) == 1 and len(peaks) > 1 and all(isinstance(x, str) for x in peaks.values()):
         console.print(f"[dim]  the step's peak is not modelled here ({for_rich(unmodelled.pop())})[/dim]")
@@ -292,6 +295,10 @@ def _print_peaks(peaks: dict) -> None:
             f"  {name}: the step peaks at {human_bytes(worst.peak.bytes)}{where}, {worst.peak.label()}: {live}"
             f"{others}; {human_bytes(worst.steady.bytes)} between steps", highlight=False,
         )
+        if sharded:
+            from memcalc.sizing.timeline.words import in_words
+
+            console.print(f"  {name}: at the peak, {in_words(worst.peak)}", highlight=False)
 
 
 _STAGE_TITLES = {"only": "Per-GPU memory", "first": "Per-GPU memory, first stage", "last": "Per-GPU memory, last stage"}

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
 import pickle
 import signal
 import threading
@@ -456,6 +457,19 @@ def _joined(
         yield TensorParallelGroup(dist.group.WORLD, rank, t, backend, device)
     finally:
         dist.destroy_process_group()
+        _forget_sharding_cache()
+
+
+def _forget_sharding_cache() -> None:
+    """Empty DTensor's cache of each op's output sharding, whose keys hold device meshes that hash by their layout and
+    names: a later run's mesh of the same layout (transformers' tp submesh of a 3-D mesh, say, after a 2-D one) would
+    get back specs naming the destroyed group's process groups ("Could not resolve the process group"), which is
+what torch's own DTensor tests clear between cases."""
+    if "torch.distributed.tensor" not in sys.modules:  # no DTensor ran
+        return
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache  # the Python cache and C++'s fast path's
+
+    _clear_sharding_prop_cache()
 
 
 def _rank_device(kind: str, index: int) -> torch.device:

@@ -4,8 +4,8 @@
 The model is built as `memcalc.probe.libs.hf_step` builds it (`llama_config`, `use_cache` off, nothing
 downloaded), but in fp32, as accelerate and torchtitan hold a model they shard, and laid out as both lay it
 out: `fully_shard` on every decoder layer, then on the whole model, over dp_shard ranks of the fake process
-group (this process is rank 0; under tp, the outer dimension of a (dp_shard, t) mesh whose inner one takes
-transformers' own tp_plan first, as torchtitan lays out its 2-D mesh), with `MixedPrecisionPolicy(param_dtype=dtype,
+group (this process is rank 0; under tp, the outer dimensions of a (dp_replicate, dp_shard, t) mesh whose inner one
+takes transformers' own tp_plan first, as torchtitan lays out its mesh; HSDP over (dp_replicate, dp_shard)), with `MixedPrecisionPolicy(param_dtype=dtype,
 reduce_dtype=reduce_dtype)` and the config's reshard_after_forward. It is trained as both train it: AdamW
 (fused) over the sharded parameters, `zero_grad(set_to_none=True)` after each step, one warm-up step, then one
 step measured by torch's `FSDPMemTracker`, which files each storage as FSDP2 knows it (sharded and unsharded
@@ -92,9 +92,10 @@ class ShardedTrainer:
 
 
 def warmed_up_sharded(tp: TensorParallelGroup, config: ModelConfig) -> ShardedTrainer:
-    """Rank 0 of dp_replicate*dp_shard*t (the fake group's world): LlamaForCausalLM built in fp32, every decoder layer
-    and then the whole model under fully_shard (HSDP over a (dp_replicate, dp_shard) mesh), AdamW over the shards,
-    stepped once (AdamW's moments exist from then on)."""
+    """Rank 0 of dp_replicate*dp_shard*t (the fake group's world): LlamaForCausalLM built in fp32, under tp laid out by
+    transformers' tp_plan over the mesh's last dimension, every decoder layer and then the whole model under
+    fully_shard (HSDP over the (dp_replicate, dp_shard) dimensions), AdamW over the shards, stepped once (AdamW's
+    moments exist from then on)."""
     replicas, shards = config.dp_replicate or 1, config.dp_shard
     t = tp.size // (replicas * shards)
     if tp.size % (replicas * shards) or t not in (1, config.t):
@@ -104,16 +105,10 @@ def warmed_up_sharded(tp: TensorParallelGroup, config: ModelConfig) -> ShardedTr
     hf_config = llama_config(config, "llama")
     hf_config.use_cache = False
     model = transformers.LlamaForCausalLM._from_config(hf_config, dtype=torch.float32).to(tp.device).train()
-    if t > 1:  # transformers' own plan over the mesh's inner dimension, then FSDP2 over its outer one
-        if replicas > 1:
-            raise ProbeError("impl hf: --step runs HSDP (dp_replicate > 1) at t = 1 only; the step timeline's HSDP"
-                             " under tp is FSDP2's over dp_shard (measured) with its all-reduce in place")
-        mesh = init_device_mesh(tp.device.type, (shards, t), mesh_dim_names=("shard", "tp"))
+    mesh = init_device_mesh(tp.device.type, (replicas, shards, t), mesh_dim_names=("replicate", "shard", "tp"))
+    if t > 1:  # transformers' own plan over the mesh's inner dimension, then FSDP2 (HSDP) over the outer ones
         apply_tensor_parallelism(model, mesh["tp"], hf_tp.model_plan(model, t))
-        dp = mesh["shard"]
-    else:  # HSDP: FSDP2 over a (dp_replicate, dp_shard) mesh
-        mesh = init_device_mesh(tp.device.type, (replicas, shards), mesh_dim_names=("replicate", "shard"))
-        dp = mesh if replicas > 1 else mesh["shard"]
+    dp = mesh["replicate", "shard"] if replicas > 1 else mesh["shard"]
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[config.dtype], reduce_dtype=DTYPES[config.reduce_dtype])
     for layer in model.model.layers:
         fully_shard(layer, mesh=dp, mp_policy=policy, reshard_after_forward=config.reshard_after_forward)

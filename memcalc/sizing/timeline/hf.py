@@ -50,6 +50,9 @@ block (memcalc.sizing.timeline.fsdp): the states are fp32 shards, each block is 
 its weights' bf16 gradients are kept to its reduce-scatter, instead of added into a gradient buffer at once;
 exact at every moment at dp_shard 2, 4 and 8, and on a 2-D mesh with transformers' tp_plan (the embedding's
 Replicate gradient laid out as its weight by FSDP2's post-backward, tests/probe/libs/test_hf_fsdp.py).
+Under DeepSpeed ZeRO (`zero_stage` 1-3, t = 1) the same calls lay out DeepSpeed's buffers instead
+(memcalc.sizing.timeline.zero: stage 3's gathers, the reduce bucket, the gradient partition, the fp32 gradient
+partition of its optimizer step), modelled from DeepSpeed's sources, not measured.
 
 Exact (to the byte, at every moment named here, tests/probe/libs/test_hf_step.py) for
 LlamaForCausalLM from transformers 5.24 on torch 2.13's CPU kernels: no biases, no dropout,
@@ -80,6 +83,7 @@ from memcalc.sizing.timeline import hf_moe as moe
 from memcalc.sizing.timeline.ends import model_states
 from memcalc.sizing.timeline.fsdp import ROOT, Fsdp
 from memcalc.sizing.timeline.tape import ACTIVATIONS, GRADIENTS, PARAMETERS, TEMPORARIES, Sizes, Tape, Timeline
+from memcalc.sizing.timeline.zero import Zero
 
 _WHY_SAVED = "kept for backward (the hf ledger); freed when the op that keeps it has run backward"
 _WHY_WGRAD = "the weight's bf16 gradient, added into the fp32 buffer and dropped when autograd hands it over"
@@ -93,7 +97,7 @@ def hf_timeline(config: ModelConfig, strategy: Strategy, accounting: Accounting)
     # transformers does not pad the vocabulary: the embedding and lm_head have vocab_size rows.
     unpadded = replace(config, make_vocab_size_divisible_by=1)
     z = Sizes.of(unpadded, strategy)
-    fsdp = Fsdp.of(config, z.t) if config.dp_shard is not None else None
+    fsdp = Fsdp.of(config, z.t) if config.dp_shard is not None else Zero(config) if config.zero_stage else None
     step = _Step(Tape(), z, config, {x.tensor.name: x.bytes for x in layer.tensors}, fsdp=fsdp)
     (stage,) = stages(config.L, config.pp, config.vpp, config.microbatches)
     if fsdp is not None:
@@ -104,7 +108,10 @@ def hf_timeline(config: ModelConfig, strategy: Strategy, accounting: Accounting)
     step.tape.mark("steady", "", "model states between steps")
     step.forward()
     step.backward()
-    step.tape.mark("optimizer", "", "fused AdamW on the fp32 master weights, in place")
+    if isinstance(fsdp, Zero):  # DeepSpeed's step makes the fp32 gradient partition first
+        fsdp.optimizer_step(step.tape)
+    else:
+        step.tape.mark("optimizer", "", "fused AdamW on the fp32 master weights, in place")
     return Timeline(layer.strategy, tuple(step.tape.moments), stage.name)
 
 
@@ -137,12 +144,15 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
 
 
 def _sharding_missing(config: ModelConfig, strategy: Strategy) -> list[tuple[bool, str]]:
-    """What the FSDP2 walk (memcalc.sizing.timeline.fsdp) leaves out, and ZeRO, which no walk models yet."""
-    fsdp = config.dp_shard is not None
+    """What the FSDP2 walk (memcalc.sizing.timeline.fsdp) and the ZeRO one (memcalc.sizing.timeline.zero) leave
+    out."""
+    sharded = config.dp_shard is not None or config.zero_stage is not None
     return [
-        (config.zero_stage is not None, f"zero_stage={config.zero_stage} (DeepSpeed's step; --totals counts its"
-                                        " model states from its documented layout)"),
-        (fsdp and config.moe, "dp_shard with experts"),
+        (config.zero_stage == 0, "zero_stage=0 (DeepSpeed's bf16 optimizer without ZeRO; --totals counts its model"
+                                 " states)"),
+        (config.zero_stage is not None and strategy.tensor_parallel and config.t > 1,
+         f"zero_stage={config.zero_stage} under tp (t={config.t}): the Trainer runs DeepSpeed over data parallelism"),
+        (sharded and config.moe, "dp_shard or zero_stage with experts"),
     ]
 
 
@@ -176,7 +186,7 @@ class _Step:
     config: ModelConfig
     saved: dict[str, int]
     in_backward: bool = False  # what is made from here on is a temporary, as MemTracker files it
-    fsdp: Fsdp | None = None  # FSDP2's gathers and reduce-scatters around each block (dp_shard)
+    fsdp: Fsdp | Zero | None = None  # FSDP2's gathers and reduce-scatters around each block (dp_shard), or ZeRO's
 
     # -- sizes ------------------------------------------------------------------------------------
 

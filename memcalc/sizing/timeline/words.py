@@ -1,0 +1,64 @@
+"""A moment of the step in words: where it is, and which of FSDP2's or ZeRO's buffers sit on top of the states then
+("backward of layer 0: its gathered parameters and the reduce-scatter of layer 1's gradients").
+
+The buffers are the tape's own names (memcalc.sizing.timeline.fsdp and zero); each kind reads as one phrase
+(`PHRASES`), said of the block it belongs to, "its" where that is the block the moment is in.
+"""
+
+from __future__ import annotations
+
+import re
+
+from memcalc.sizing.timeline.fsdp import ROOT
+from memcalc.sizing.timeline.tape import Moment
+from memcalc.sizing.timeline.zero import BUCKET, GATHERED, PARTITION
+
+# (a pattern over a live tensor's name, with the block it belongs to as `block`; its phrase, `{of}` the block's owner
+# in words). In the order they are said.
+PHRASES: tuple[tuple[str, str], ...] = (
+    (r"fsdp/(?P<block>\S+) unsharded", "{of} gathered parameters"),
+    (r"fsdp/(?P<block>\S+) grad .*", "{of} unsharded gradients"),
+    (r"fsdp/(?P<block>\S+) all-gather", "{of} all-gather buffer"),
+    (r"fsdp/(?P<block>\S+) reduce-scatter", "the reduce-scatter of {of} gradients"),
+    (re.escape(GATHERED) + r" (?P<block>\S+)", "{of} modules gathered by ZeRO-3"),
+    (r"zero/grad .*", "the bf16 gradients stage 1 keeps whole"),
+    (re.escape(BUCKET), "ZeRO's reduce bucket"),
+    (re.escape(PARTITION), "the bf16 gradient partition"),
+    (r"zero/fp32 grad partition", "the fp32 gradient partition"),
+)
+
+
+def block_words(block: str) -> str:
+    """"layer 3" for layers.3; the root's modules (embedding, final norm, lm_head) as "the root"."""
+    return "the root" if block == ROOT else block.replace("layers.", "layer ")
+
+
+def _block(where: str) -> str | None:
+    """The decoder layer a module path is in (model.layers.3.mlp -> layers.3), the root for the model's other
+    modules, none outside any module."""
+    found = re.match(r"model\.layers\.(\d+)", where)
+    if found:
+        return f"layers.{found.group(1)}"
+    return ROOT if where else None
+
+
+def in_words(moment: Moment) -> str:
+    """The moment as a sentence: its phase and block, what the op does, and the sharding's buffers live then."""
+    block = _block(moment.where)
+    head = moment.phase + (f" of {block_words(block)}" if block else "")
+    said: dict[str, int] = {}  # each phrase once, with its place in PHRASES
+    for x in moment.live:
+        for i, (pattern, phrase) in enumerate(PHRASES):
+            found = re.fullmatch(pattern, x.name)
+            if found:
+                owner = found.groupdict().get("block")
+                of = "" if owner is None else "its" if owner == block else f"{block_words(owner)}'s"
+                said.setdefault(phrase.format(of=of), i)
+                break
+    buffers = f": {_listed(sorted(said, key=said.__getitem__))}" if said else ""
+    return f"{head} ({moment.what}){buffers}"
+
+
+def _listed(items: list[str]) -> str:
+    """"a", "a and b", "a, b and c"."""
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"

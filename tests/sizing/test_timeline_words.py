@@ -1,0 +1,56 @@
+"""The step's peak in words (memcalc.sizing.timeline.words): where it is, and which of FSDP2's or ZeRO's buffers sit on
+the states then, said of the blocks they belong to; in `estimate --totals`' text and JSON."""
+
+import json
+
+import pytest
+
+from memcalc.config.schema import build_config
+from memcalc.model.strategy import STRATEGIES
+from memcalc.sizing.timeline import timeline
+from memcalc.sizing.timeline.words import in_words
+from tests.cli import memcalc_cli
+
+LLAMA = dict(impl="hf", b=2, s=24, h=64, a=8, L=2, vocab_size=256, mlp="swiglu", ffn_hidden_size=176, norm="rmsnorm",
+             num_query_groups=2, position_embedding_type="rope", add_bias_linear=False, dropout=0.0,
+             tie_embeddings=False, attention="flash", dp=8)
+
+
+def _peak(**changes):
+    walk = timeline(build_config(LLAMA | changes), STRATEGIES["none"])
+    return walk.peak, {x.name for x in walk.peak.live}
+
+
+def test_fsdp2s_peak_names_its_block_gathered_and_the_previous_blocks_reduce_scatter():
+    """At dp_shard 8 this Llama peaks as layer 0's backward begins: layer 0 copied out of its all-gather buffer
+    while layer 1's gradients still wait in their reduce-scatter buffer."""
+    peak, live = _peak(dp_shard=8)
+    assert {"fsdp/layers.0 unsharded", "fsdp/layers.1 reduce-scatter"} <= live
+    words = in_words(peak)
+    assert words.startswith("backward of layer 0 (")
+    assert "its gathered parameters" in words and "the reduce-scatter of layer 1's gradients" in words
+
+
+def test_a_moment_under_zero3_names_the_gathered_modules_and_the_bucket():
+    walk = timeline(build_config(LLAMA | {"zero_stage": 3}), STRATEGIES["none"])
+    (moment,) = [m for m in walk.moments if m.where == "model.layers.1.self_attn.q_proj" and "reduce bucket" in m.what]
+    assert in_words(moment).endswith(": its modules gathered by ZeRO-3, ZeRO's reduce bucket and the bf16 gradient"
+                                     " partition")
+
+
+def test_without_sharding_a_moment_is_its_phase_block_and_op_alone():
+    peak, _ = _peak()
+    assert in_words(peak) == f"{peak.phase} ({peak.what})"
+
+
+@pytest.mark.parametrize("flag", ["--dp-shard=8", "--zero-stage=2"])
+def test_estimate_totals_says_the_peaks_moment_in_words_in_text_and_json(tmp_path, flag):
+    import yaml
+
+    path = tmp_path / "llama.yaml"
+    path.write_text(yaml.safe_dump({k: v for k, v in LLAMA.items() if k != "dp"}))
+    args = ("estimate", "--config", str(path), "--dp=8", flag, "--strategy=none", "--totals")
+    text, doc = memcalc_cli(*args), memcalc_cli(*args, "--json")
+    assert text.code == 0 and doc.code == 0, text.err + doc.err
+    (stage,) = json.loads(doc.out)["per_gpu"]["strategies"]["none"]["stages"]
+    assert f"none: at the peak, {stage['peak_in_words']}" in " ".join(text.out.split())

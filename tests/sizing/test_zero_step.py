@@ -1,0 +1,85 @@
+"""DeepSpeed ZeRO's step on transformers' Llama (memcalc.sizing.timeline.zero), modelled from DeepSpeed 0.19.8's
+sources and not measured (the CPU probe does not run DeepSpeed's engine): its steady state is the state layout's,
+its optimizer step holds DeepSpeed's own estimate (estimate_zero2_model_states_mem_needs) beside the flattened copy
+its step() makes, stage 3 gathers modules and stage 2 reduces in buckets of reduce_bucket_size."""
+
+from dataclasses import replace
+
+import pytest
+
+from memcalc.config.schema import build_config
+from memcalc.errors import ConfigError
+from memcalc.model.strategy import STRATEGIES
+from memcalc.sizing.states import state_bytes, total_params
+from memcalc.sizing.timeline import OPTIMIZER, PARAMETERS, timeline
+from memcalc.sizing.timeline.zero import BUCKET, DEEPSPEED_AUTO, GATHERED, PARTITION
+
+LLAMA = dict(impl="hf", b=1, s=128, h=256, a=8, L=2, vocab_size=512, mlp="swiglu", ffn_hidden_size=704,
+             norm="rmsnorm", num_query_groups=4, position_embedding_type="rope", add_bias_linear=False, dropout=0.0,
+             tie_embeddings=False, attention="flash", dp=8)
+
+
+def _walk(stage, **changes):
+    config = build_config(LLAMA | {"zero_stage": stage} | changes)
+    return config, timeline(config, STRATEGIES["none"])
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_between_steps_the_walk_holds_the_layouts_weights_master_and_moments(stage):
+    config, walk = _walk(stage)
+    live = {x.name: x.bytes for x in walk.steady.live}
+    layout = state_bytes(config, total_params(config))
+    for name in ("states/weights", "states/master_weights", "states/adam_m", "states/adam_v"):
+        assert live[name] == layout[name]
+
+
+def test_zero2s_optimizer_step_holds_deepspeeds_estimate_beside_its_flattened_copy():
+    """estimate_zero2_model_states_mem_needs: 2P + 18P/dp; step() also flattens the bf16 partition before casting it
+    (2P/dp), and AdamW keeps a 0-d step per parameter group."""
+    deepspeed = pytest.importorskip("deepspeed.runtime.zero.stage_1_and_2")
+    config, walk = _walk(2)
+    params = total_params(config)
+    assert params % 8 == 0
+    (step,) = [m for m in walk.moments if m.phase == "optimizer" and "fp32 gradient partition" in m.what]
+    live = {x.name: x.bytes for x in step.live}
+    _, estimate = deepspeed.estimate_zero2_model_states_mem_needs(params, 8, 1, cpu_offload=False)
+    states = sum(n for name, n in live.items() if name.startswith(("states/", "zero/", "optimizer/"))
+                 and not name.startswith("states/rotary_emb."))  # LlamaRotaryEmbedding's buffers: no parameters
+    assert states == estimate + live["zero/flat grad partition"] + live["optimizer/step"]
+
+
+def test_zero2_reduces_a_bucket_of_reduce_bucket_size_before_it_overflows():
+    config, walk = _walk(2)
+    reductions = [m for m in walk.moments if "reduce bucket reduced before" in m.what]
+    assert reductions, "h^2 elements hold two of a layer's weights: some bucket fills up"
+    for m in reductions:
+        live = {x.name: x.bytes for x in m.live}
+        assert live[BUCKET] == 2 * DEEPSPEED_AUTO["reduce_bucket_size"](config.h)
+        assert live[PARTITION] == 2 * total_params(config) // 8
+
+
+def test_zero3_partitions_the_weights_and_gathers_each_block_in_turn():
+    config, walk = _walk(3)
+    params = total_params(config)
+    norms = (2 * config.L + 1) * config.h  # under stage3_param_persistence_threshold (10h): whole
+    assert walk.steady.by_category()[PARAMETERS] == 2 * ((params - norms) // 8 + norms) + 4 * config.h // config.a
+    gathered = {x.name for m in walk.moments for x in m.live if x.name.startswith(GATHERED)}
+    assert gathered == {f"{GATHERED} {b}" for b in ("root", "layers.0", "layers.1")}
+    assert walk.peak.by_category()[OPTIMIZER] == 12 * params // 8 + 8
+
+
+def test_zero1_keeps_every_bf16_gradient_to_the_end_of_backward():
+    config, walk = _walk(1)
+    (end,) = [m for m in walk.moments if "stage 1 reduces every gradient" in m.what]
+    kept = sum(x.bytes for x in end.live if x.name.startswith("zero/grad "))
+    assert kept == 2 * total_params(config)
+
+
+@pytest.mark.parametrize("changes,needle", [
+    ({"zero_stage": 0}, "zero_stage=0"),
+    ({"zero_stage": 2, "t": 2, "dp": 4}, "under tp"),
+])
+def test_what_the_zero_walk_leaves_out_is_refused_by_name(changes, needle):
+    config = build_config(LLAMA | changes)
+    with pytest.raises(ConfigError, match=needle):
+        timeline(config, STRATEGIES["tp" if config.t > 1 else "none"])
