@@ -478,7 +478,7 @@ class SweepResult:
                 f" ({skipped:,} skipped); strategies {strategies}>")
 
     def row(self, i: int) -> dict[str, Any]:
-        """Row `i` as the CSV columns (memcalc.sizing.sweep_output.CSV_COLUMNS) and, with experts, E, k and ep
+        """Row `i` as the CSV columns (memcalc.cli.sweep_output.CSV_COLUMNS) and, with experts, E, k and ep
         -> Python values."""
         sizes = {name: int(getattr(self.grid, name).ravel()[self.index[k][i]]) for k, name in enumerate(self.grid.names)}
         strategy = self.sweep.strategies[self.index[-1][i]].name

@@ -278,7 +278,7 @@ def test_fit_for_t_tries_the_divisors_of_a_not_every_value_below_it():
 
 
 def test_a_sweep_that_fails_mid_write_leaves_the_old_file_and_no_temporary(tmp_path, monkeypatch):
-    from memcalc.sizing import sweep_output
+    from memcalc.cli import sweep_output
 
     out = tmp_path / "runs.csv"
     out.write_text("the old rows\n")
