@@ -11,8 +11,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 import memcalc
 
 PACKAGE = Path(memcalc.__file__).parent
@@ -118,7 +116,6 @@ def test_the_graph_sees_function_level_imports_and_skips_type_checking_ones():
     assert names == {"memcalc.pkg.b", "memcalc.d"}
 
 
-@pytest.mark.xfail(strict=True, reason="issue 19: circles through config.schema and probe.step remain")
 def test_memcalc_modules_import_one_another_without_circles():
     circles = strongly_connected(import_graph())
     for circle in circles:
