@@ -150,7 +150,7 @@ class HfWalk:
 
 
 class NormNames(NamedTuple):
-    """Where one LlamaRMSNorm's kept tensors (memcalc.model.impls.hf.RMSNormTensors) live on the tape."""
+    """Where one LlamaRMSNorm's kept tensors (memcalc.model.ledger.RMSNormTensors) live on the tape."""
 
     input_fp32: str
     rstd: str
