@@ -11,7 +11,7 @@ from memcalc.errors import ConfigError
 from memcalc.config.hf import read_hf_config
 from memcalc.sizing.states import total_params
 
-DATA = Path(__file__).parent / "data" / "hf"
+DATA = Path(__file__).parents[1] / "data" / "hf"
 
 
 def _config(name: str, **overrides):
