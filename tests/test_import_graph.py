@@ -121,3 +121,26 @@ def test_memcalc_modules_import_one_another_without_circles():
     for circle in circles:
         print("circle:", " <-> ".join(circle))
     assert circles == []
+
+
+def _parts(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The graph between memcalc's parts: its subpackages and top-level modules (memcalc.config, memcalc.schemas)."""
+    def part(module: str) -> str:
+        return ".".join(module.split(".")[:2])
+
+    parts: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        parts.setdefault(part(module), set()).update(part(t) for t in targets if part(t) != part(module))
+    return parts
+
+
+# The one circle between parts left (issue 19): the config's schema validates through model.knobs and model.impls,
+# and the model's modules take a ModelConfig (model.impls.hf reads config.hf's FAMILIES).
+KNOWN_PART_CIRCLES = [["memcalc.config", "memcalc.model"]]
+
+
+def test_memcalc_parts_import_one_another_without_circles_but_the_known_one():
+    circles = strongly_connected(_parts(import_graph()))
+    for circle in circles:
+        print("circle between parts:", " <-> ".join(circle))
+    assert circles == KNOWN_PART_CIRCLES
