@@ -70,7 +70,7 @@ def in_process(strategies: list[str], runs: int) -> float:
     from memcalc.model.knobs import Accounting
     from memcalc.model.strategy import STRATEGIES
     from memcalc.sizing.sweep import evaluate_sweep, make_sweep, parse_values
-    from memcalc.sizing.sweep_output import csv_chunks
+    from memcalc.cli.sweep_output import csv_chunks
 
     ranges = {RANGES[i][2:]: parse_values(RANGES[i + 1]) for i in range(0, len(RANGES), 2)}
     sweep = make_sweep(load_yaml(Path(CONFIG)), ranges, [STRATEGIES[n] for n in strategies], Accounting())

@@ -9,7 +9,8 @@ objects forbid keys the schema does not name, so a key added in code and not
 here fails a test instead of going undocumented.
 
 The CLI imports this module for SCHEMA_VERSION on every `--json` run, so it
-is data alone and imports nothing beyond `typing`.
+is data alone: it imports `typing` and the two words a verdict's basis is
+spelled with (`memcalc.sizing.verdict`, itself data at import), nothing else.
 
     estimate        memcalc estimate --json (and --totals: adds `per_gpu`)
     formula         memcalc formula --format json

@@ -6,13 +6,12 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from memcalc.cli import echo_json
+from memcalc.cli.compare import add_total, comparison_table, document, print_header, report, verdict
 from memcalc.cli.options import model_from, model_options, sharding_options, strategy_names, strategy_option
 from memcalc.cli.types import POSITIVE, Real
-from memcalc.config.schema import ModelConfig, config_record
+from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError, ProbeError
 from memcalc.probe import LOGGED, ROUTES, routing_fixed
-from memcalc.schemas import SCHEMA_VERSION
 
 if TYPE_CHECKING:  # torch: only when the command runs
     from rich.table import Table
@@ -124,13 +123,8 @@ def command(strategy: str, device: str, backend: str | None, launch: str, timeou
     results = measure(config, names, device, backend, launch, timeout_s, layer, chosen, route)
     if not results:
         return  # a torchrun rank other than 0: rank 0 reports for the job
-    if as_json:
-        echo_json(to_json(config, results))
-    else:
-        print_measurements(config, results, comm)
-    differences = [f"{m.strategy.name}: {d}" for m in results for d in m.differences()]
-    if differences:
-        raise ProbeError(f"measured bytes differ from the ledger: {'; '.join(differences)}")
+    report(results, as_json, lambda: to_json(config, results), lambda: print_measurements(config, results, comm),
+           "measured bytes differ from the ledger")
 
 
 def _ranks_here(launch: str, backend: str | None, t: int) -> int:
@@ -146,15 +140,13 @@ def to_json(config: ModelConfig, results: list[StrategyMeasurement]) -> dict:
     that ran (one layer each), and `tensors` lists every row with its strategy.
     """
     strategies = {m.strategy.name: _strategy_json(m) for m in results}
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "config": config_record(config),
-        "match": all(m.matches for m in results),
-        "predicted_bytes": sum(m.predicted_bytes for m in results),
-        "measured_bytes": sum(m.measured_bytes for m in results),
-        "tensors": [{"strategy": name, **row} for name, st in strategies.items() for row in st["tensors"]],
-        "strategies": strategies,
-    }
+    return document(
+        config, results,
+        predicted_bytes=sum(m.predicted_bytes for m in results),
+        measured_bytes=sum(m.measured_bytes for m in results),
+        tensors=[{"strategy": name, **row} for name, st in strategies.items() for row in st["tensors"]],
+        strategies=strategies,
+    )
 
 
 def _strategy_json(m: StrategyMeasurement) -> dict:
@@ -211,11 +203,10 @@ def _check_library_comm(config: ModelConfig, names: list[str], route: str | None
 
 def print_measurements(config: ModelConfig, results: list[StrategyMeasurement], comm: bool = False) -> None:
     """A table per strategy, how it ran, and whether it matched."""
-    from memcalc.cli.render import console, describe
+    from memcalc.cli.render import console
     from memcalc.units import human_bytes
 
-    console.print(describe(config), highlight=False)
-    console.print("[dim]one layer, bytes one rank saves for backward; predicted by `estimate --exact`[/dim]")
+    print_header(config, "one layer, bytes one rank saves for backward; predicted by `estimate --exact`")
     for m in results:
         console.print(_table(m))
         if comm and m.comm and m.comm[0]:
@@ -230,25 +221,15 @@ def print_measurements(config: ModelConfig, results: list[StrategyMeasurement], 
                 f" output, allocator rounding) and peaked {human_bytes(cuda.peak)} above its start",
                 highlight=False,
             )
-        verdict = "[green]match[/green]: every tensor agrees to the byte" if m.matches else "[red]differs[/red]"
-        console.print(verdict)
+        console.print(verdict(m.matches, "every tensor agrees to the byte"))
 
 
 def _table(m: StrategyMeasurement) -> Table:
-    from rich.table import Table
-
-    table = Table(title=f"{m.strategy.name} ({m.strategy.title}): rank 0 of t={m.launch.t}")
-    table.add_column("tensor", no_wrap=True)
-    table.add_column("shape", no_wrap=True)
-    for col in ("predicted", "measured", "difference"):
-        table.add_column(col, justify="right", no_wrap=True)
+    table = comparison_table(f"{m.strategy.name} ({m.strategy.title}): rank 0 of t={m.launch.t}", "tensor", "shape")
     for row in m.rows[0]:
         table.add_row(row.name, _shape_cell(row), f"{row.predicted:,}", f"{row.measured:,}", _difference(row))
     total = m.measured_bytes - m.predicted_bytes
-    table.add_row(
-        "[bold]total[/bold]", "", f"[bold]{m.predicted_bytes:,}[/bold]", f"[bold]{m.measured_bytes:,}[/bold]",
-        f"[bold]{total:+,}[/bold]" if total else "[bold]0[/bold]", end_section=True,
-    )
+    add_total(table, m.predicted_bytes, m.measured_bytes, f"{total:+,}" if total else "0", "")
     return table
 
 

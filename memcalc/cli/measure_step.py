@@ -9,10 +9,9 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from memcalc.cli import echo_json
-from memcalc.config.schema import ModelConfig, config_record
-from memcalc.errors import ConfigError, ProbeError
-from memcalc.schemas import SCHEMA_VERSION
+from memcalc.cli.compare import add_total, comparison_table, document, print_header, report, verdict
+from memcalc.config.schema import ModelConfig
+from memcalc.errors import ConfigError
 
 if TYPE_CHECKING:  # torch: only when the command runs
     from rich.table import Table
@@ -35,14 +34,8 @@ def run_step(
     from memcalc.probe.step import TOLERANCE, measure_step  # needs torch: a one-line ProbeError without it
 
     results = measure_step(config, strategies, route)
-    if as_json:
-        echo_json(to_json(config, results))
-    else:
-        print_steps(config, results, TOLERANCE)
-    differences = [f"{r.strategy.name}: {d}" for r in results for d in r.differences()]
-    if differences:
-        raise ProbeError(f"the step's measured memory differs from the timeline by more than {TOLERANCE:.0%}: "
-                         + "; ".join(differences))
+    report(results, as_json, lambda: to_json(config, results), lambda: print_steps(config, results, TOLERANCE),
+           f"the step's measured memory differs from the timeline by more than {TOLERANCE:.0%}")
 
 
 def _check_flags(device: str, launch: str, backend: str | None, layer: str | None, comm: bool,
@@ -63,12 +56,7 @@ def _check_flags(device: str, launch: str, backend: str | None, layer: str | Non
 
 def to_json(config: ModelConfig, results: list[StepComparison]) -> dict[str, Any]:
     """The config, and per strategy: how it ran, the moment of the peak, and each category predicted and measured."""
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "config": config_record(config),
-        "match": all(r.matches for r in results),
-        "strategies": {r.strategy.name: _strategy_json(r) for r in results},
-    }
+    return document(config, results, strategies={r.strategy.name: _strategy_json(r) for r in results})
 
 
 def _strategy_json(r: StepComparison) -> dict[str, Any]:
@@ -93,16 +81,13 @@ def _strategy_json(r: StepComparison) -> dict[str, Any]:
 
 def print_steps(config: ModelConfig, results: list[StepComparison], tolerance: float) -> None:
     """Per strategy: the peak by category, the moment, the steady state, the largest tensors live at the peak."""
-    from memcalc.cli.render import console, describe
+    from memcalc.cli.render import console
     from memcalc.sizing.timeline import ACTIVATIONS, TEMPORARIES
     from memcalc.text import for_rich
     from memcalc.units import human_bytes
 
-    console.print(describe(config), highlight=False)
-    console.print(
-        "[dim]one training step on one rank (warm-up step first), bytes at the peak; predicted by the step"
-        " timeline, measured by torch's MemTracker[/dim]"
-    )
+    print_header(config, "one training step on one rank (warm-up step first), bytes at the peak; predicted by the"
+                 " step timeline, measured by torch's MemTracker")
     for r in results:
         console.print(_table(r))
         peak = r.predicted.peak
@@ -119,25 +104,16 @@ def print_steps(config: ModelConfig, results: list[StepComparison], tolerance: f
         console.print("largest activations and temporaries at the peak: " + ", ".join(
             f"{for_rich(x.name)} {human_bytes(x.bytes)}" for x in largest), highlight=False)
         console.print(f"ran as: {r.model}, {r.how()}", highlight=False)
-        verdict = (f"[green]match[/green]: the peak and every category within {tolerance:.0%}" if r.matches
-                   else "[red]differs[/red]")
-        console.print(verdict)
+        console.print(verdict(r.matches, f"the peak and every category within {tolerance:.0%}"))
 
 
 def _table(r: StepComparison) -> Table:
-    from rich.table import Table
-
-    table = Table(title=f"{r.strategy.name} ({r.strategy.title}): rank 0 of t={r.measured.t}, one step")
-    table.add_column("at the peak", no_wrap=True)
-    for col in ("predicted", "measured", "difference"):
-        table.add_column(col, justify="right", no_wrap=True)
+    table = comparison_table(f"{r.strategy.name} ({r.strategy.title}): rank 0 of t={r.measured.t}, one step",
+                             "at the peak")
     *rows, total = r.rows("peak")
     for row in rows:
         table.add_row(row.category, f"{row.predicted:,}", f"{row.measured:,}", _difference(row))
-    table.add_row(
-        "[bold]total[/bold]", f"[bold]{total.predicted:,}[/bold]", f"[bold]{total.measured:,}[/bold]",
-        f"[bold]{_difference(total)}[/bold]", end_section=True,
-    )
+    add_total(table, total.predicted, total.measured, _difference(total))
     return table
 
 

@@ -191,7 +191,7 @@ def _output_format(out: Path | None, fmt: str | None) -> str:
 
 def _write(result: SweepResult, fmt: str, out: Path | None, advance: Callable[[float], None]) -> None:
     """Stream the rows to --out or to stdout, chunk by chunk."""
-    from memcalc.sizing.sweep_output import csv_chunks, json_chunks
+    from memcalc.cli.sweep_output import csv_chunks, json_chunks
 
     chunks = csv_chunks(result) if fmt == "csv" else json_chunks(result)
     if out is not None:

@@ -382,8 +382,8 @@ class Family:
 
     `name` is config.json's model_type (and transformers' models/<name> package); `config_class` the class whose
     `save_pretrained` writes that config.json, and whose `attribute_map` (copied here, checked against the class by
-    tests/test_hf_families.py) renames a field before it is read, as the class's own __init__ does. `when` tells the
-    family's layer from memcalc's knobs (their sets are disjoint); None: the family is read but its knobs run
+    tests/config/test_hf_families.py) renames a field before it is read, as the class's own __init__ does. `when`
+    tells the family's layer from memcalc's knobs (their sets are disjoint); None: the family is read but its knobs run
     another family's layer (`runs_as`), or the same layer under another name (Mistral's is Llama's)."""
 
     name: str

@@ -29,6 +29,7 @@ from memcalc.errors import ConfigError, in_file
 from memcalc.model.impls import IMPLEMENTATIONS, implementation
 from memcalc.model.knobs import BY_NAME as KNOBS_BY_NAME
 from memcalc.model.knobs import Knob, Knobs
+from memcalc.model.rules import DIVISIBILITY, EXPERT_RULES, SEQUENCE_SPLIT, not_divisible
 from memcalc.text import printable, short_repr
 from memcalc.units import minimum
 
@@ -327,77 +328,6 @@ def _validate(cls: type[Knobs], values: dict[str, Any]) -> Any:
         raise ConfigError(_describe(exc, cls)) from None
 
 
-@dataclass(frozen=True)
-class Rule:
-    """`divisor` must divide `value` (both field names), and why."""
-
-    divisor: str
-    value: str
-    why: str
-    unless: str | None = None  # a knob whose setting lifts the rule (heads of kv_channels need not split h)
-
-    def applies(self, knobs: Any) -> bool:
-        return self.unless is None or getattr(knobs, self.unless) is None
-
-    def message(self, divisor: int, value: int) -> str:
-        return _not_divisible(divisor, self.divisor, value, self.value, self.why)
-
-    @property
-    def text(self) -> str:
-        return f"{self.divisor} must divide {self.value}"
-
-    @property
-    def operands(self) -> tuple[str, str]:
-        """The two fields the rule compares, in the order `fails` and `message` take their values."""
-        return self.divisor, self.value
-
-    def fails(self, divisor: Any, value: Any) -> Any:
-        """Whether the rule breaks, on numbers or numpy arrays alike."""
-        return value % divisor != 0
-
-    def check(self, config: ModelConfig) -> None:
-        """Raise ConfigError if the rule fails, reading each size as used (4h and a when unset)."""
-        if not self.applies(config):
-            return
-        operands = [getattr(config, AS_USED.get(n, n)) for n in self.operands]
-        if self.fails(*operands):
-            raise ConfigError(self.message(*operands))
-
-
-@dataclass(frozen=True)
-class Limit(Rule):
-    """`value` may not exceed `divisor` (here a bound, not a divisor), and why: a rule sweeps apply per point."""
-
-    def fails(self, bound: Any, value: Any) -> Any:
-        return value > bound
-
-    def message(self, bound: int, value: int) -> str:
-        return f"{self.value}={value} exceeds {self.divisor}={bound} ({self.why})"
-
-    @property
-    def text(self) -> str:
-        return f"{self.value} may not exceed {self.divisor}"
-
-
-# Fields whose value as used can come from a default that depends on others (4h, a).
-AS_USED = {"ffn_hidden_size": "ffn", "num_query_groups": "groups"}
-
-# The rules between sizes that every strategy needs (sweeps apply the same table, vectorised).
-DIVISIBILITY = (
-    Rule("a", "h", "each head gets h/a channels unless kv_channels is set", unless="kv_channels"),
-    Rule("t", "a", "tensor parallelism gives each rank a/t heads"),
-    Rule("t", "ffn_hidden_size", "the MLP is split into t column shards"),
-    Rule("num_query_groups", "a", "each K/V group serves a/num_query_groups heads"),
-    Rule("t", "num_query_groups", "each rank holds num_query_groups/t K/V groups"),
-)
-SEQUENCE_SPLIT = Rule("t", "s", "sequence parallelism splits the sequence across t ranks")
-# The rules between a mixture of experts' sizes (sweeps apply them per point when they sweep E, k or ep).
-EXPERT_RULES = (
-    Rule("ep", "num_experts", "each expert-parallel rank holds num_experts/ep experts"),
-    Limit("num_experts", "moe_router_topk", "each token picks k distinct experts"),
-)
-
-
 def check_divisibility(config: ModelConfig) -> None:
     """The rules between fields that any strategy needs; each names its values."""
     for rule in DIVISIBILITY:
@@ -487,7 +417,7 @@ def check_experts(config: ModelConfig) -> None:
         if c.ep > 1 or c.etp is not None:
             raise ConfigError(f"ep={c.ep}, etp={c.etp} need num_experts (a dense MLP has no experts to split)")
         return
-    EXPERT_RULES[0].check(c)  # the top-k limit is the knobs' own (impls.base.check_moe)
+    EXPERT_RULES[0].check(c)  # the top-k limit is the knobs' own (rules.check_moe)
     if (c.moe_first_dense_layers or 0) >= c.L:
         raise ConfigError(f"moe_first_dense_layers={c.moe_first_dense_layers} leaves none of the L={c.L} layers a MoE"
                           " layer (drop num_experts for a dense model)")
@@ -507,12 +437,7 @@ def check_sequence_split(config: ModelConfig) -> None:
 
 def _divides(divisor: int, dname: str, value: int, vname: str, why: str) -> None:
     if value % divisor:
-        raise ConfigError(_not_divisible(divisor, dname, value, vname, why))
-
-
-def _not_divisible(divisor: int, dname: str, value: int, vname: str, why: str) -> str:
-    """The one wording of a broken divisibility rule: the equation with its values, then why."""
-    return f"{vname}={value} is not divisible by {dname}={divisor} ({why})"
+        raise ConfigError(not_divisible(divisor, dname, value, vname, why))
 
 
 def load_yaml(path: Path) -> dict[str, Any]:

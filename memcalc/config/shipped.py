@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from memcalc.config.files import parse_yaml, read_capped
+
 SUFFIX = ".yaml"
 
 
@@ -42,11 +44,9 @@ def locate(path: Path) -> Path:
 
 
 def catalogue() -> list[Shipped]:
-    """Each shipped config with its description (the `description` field of the file)."""
-    from memcalc.config.schema import load_yaml
-
+    """Each shipped config with its description (the `description` field of the file: one of ours, a mapping)."""
     found = []
     for name in shipped_names():
         path = shipped_dir() / f"{name}{SUFFIX}"
-        found.append(Shipped(name, path, str(load_yaml(path).get("description") or "")))
+        found.append(Shipped(name, path, str(parse_yaml(read_capped(path, "config file")).get("description") or "")))
     return found

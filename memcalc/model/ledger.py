@@ -18,7 +18,8 @@ where [...] is the column-/row-parallel pair that tensor parallelism splits.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Iterator
+from dataclasses import dataclass, fields, replace
 from enum import Enum
 from typing import NamedTuple
 
@@ -95,6 +96,23 @@ class NormTensors(NamedTuple):
     input: SavedTensor
     mean: SavedTensor
     rstd: SavedTensor
+
+
+@dataclass(frozen=True, kw_only=True)
+class RMSNormTensors:
+    """What one RMSNorm keeps, by role: each library's norm keeps some of them (the rest None). Iterating gives the
+    kept ones in the order of the fields, the order the norm's ops make them."""
+
+    input: SavedTensor | None = None  # x itself (CUDA's fused kernel)
+    input_fp32: SavedTensor | None = None  # x upcast to fp32 (an eager norm, or CPU's composite)
+    rstd: SavedTensor  # 1/sqrt(mean(x^2) + eps), fp32
+    weight_plus_one: SavedTensor | None = None  # Gemma's (1 + w) in fp32
+    normed: SavedTensor | None = None  # x * rstd cast back to x's dtype
+    normed_fp32: SavedTensor | None = None  # x * rstd in fp32
+
+    def __iter__(self) -> Iterator[SavedTensor]:
+        kept = (getattr(self, f.name) for f in fields(self))
+        return (x for x in kept if x is not None)
 
 
 # Reasons that several tensors share, here and at the model's ends (memcalc.sizing.totals).

@@ -38,6 +38,7 @@ of the peak is the phase and the innermost module when MemTracker first reached 
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -583,20 +584,23 @@ def measure_step(config: ModelConfig, strategies: list[str], route: str | None =
     return out
 
 
+# The step trainers of the libraries' own models, by (--impl, under FSDP2): module and function, imported only when a
+# step runs (each imports its library: an optional extra). Every other --impl trains memcalc's own GPT.
+STEP_TRAINERS = {
+    ("hf", False): ("memcalc.probe.libs.hf_step", "measure_hf_step_on_rank"),
+    ("hf", True): ("memcalc.probe.libs.hf_fsdp", "measure_hf_fsdp_step_on_rank"),
+}
+
+
 def _step_runner(impl: str, sharded: bool = False) -> Callable[[TensorParallelGroup, ModelConfig, Strategy],
                                                                 StepMeasurement]:
-    """memcalc's own GPT, or (impl hf) transformers' LlamaForCausalLM, imported only then: an optional extra;
-    `sharded`: the latter under FSDP2 (memcalc.probe.libs.hf_fsdp)."""
-    if impl != "hf":
+    """memcalc's own GPT, or the library's own model from `STEP_TRAINERS` (impl hf: transformers' LlamaForCausalLM;
+    `sharded`: under FSDP2), imported only then."""
+    if (impl, sharded) not in STEP_TRAINERS:
         return measure_step_on_rank
-    runner("hf")  # ProbeError naming the extra to install when transformers is missing
-    if sharded:
-        from memcalc.probe.libs.hf_fsdp import measure_hf_fsdp_step_on_rank
-
-        return measure_hf_fsdp_step_on_rank
-    from memcalc.probe.libs.hf_step import measure_hf_step_on_rank
-
-    return measure_hf_step_on_rank
+    runner(impl)  # ProbeError naming the extra to install when the library is missing
+    module, function = STEP_TRAINERS[impl, sharded]
+    return getattr(importlib.import_module(module), function)
 
 
 def _check_fits(planned: list[tuple[Strategy, Timeline]]) -> None:

@@ -25,14 +25,14 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from memcalc.config.schema import (
-    AS_USED, DIVISIBILITY, EXPERT_RULES, SEQUENCE_SPLIT, SIZES, ModelConfig, Rule, build_knobs, check_layout, field_default,
-    field_names, validate_fields,
+    SIZES, ModelConfig, build_knobs, check_layout, field_default, field_names, validate_fields,
 )
 from memcalc.errors import ConfigError
 from memcalc.text import short_repr
 from memcalc.model.evaluate import dim_sizes, rank_shape
 from memcalc.model.impls import implementation, layer_tensors, plan, size_rule, strategies_of
 from memcalc.model.knobs import MLA_KNOBS, Accounting, Knobs, element_bytes
+from memcalc.model.rules import AS_USED, DIVISIBILITY, EXPERT_RULES, SEQUENCE_SPLIT, Rule
 from memcalc.model.ledger import SavedTensor
 from memcalc.model.strategy import STRATEGIES, Strategy
 
@@ -188,7 +188,7 @@ def _check_experts(
 ) -> None:
     """The expert rules that hold at every point or none: E, k and ep are swept only with experts, the first
     dense layers leave every swept L a MoE layer, and etp (which memcalc models as t) is not fixed while t is
-    swept. Between E, k and ep the rules are the schema's EXPERT_RULES, applied per point."""
+    swept. Between E, k and ep the rules are memcalc.model.rules' EXPERT_RULES, applied per point."""
     if not knobs.moe:
         if "ep" in ranges or fields.get("ep", 1) != 1:
             raise ConfigError("ep is given but num_experts is not (a dense MLP has no experts to split)")
@@ -478,7 +478,7 @@ class SweepResult:
                 f" ({skipped:,} skipped); strategies {strategies}>")
 
     def row(self, i: int) -> dict[str, Any]:
-        """Row `i` as the CSV columns (memcalc.sizing.sweep_output.CSV_COLUMNS) and, with experts, E, k and ep
+        """Row `i` as the CSV columns (memcalc.cli.sweep_output.CSV_COLUMNS) and, with experts, E, k and ep
         -> Python values."""
         sizes = {name: int(getattr(self.grid, name).ravel()[self.index[k][i]]) for k, name in enumerate(self.grid.names)}
         strategy = self.sweep.strategies[self.index[-1][i]].name

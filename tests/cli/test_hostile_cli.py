@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import yaml_file
+
 from . import memcalc_cli, one_line_error
 
 ROOT = Path(__file__).parents[2]
@@ -30,12 +32,6 @@ def _bomb() -> str:
     return f"{SIZES}name: [{', '.join(parts)}]\n"
 
 
-def _config(tmp_path: Path, text: str, name: str = "model.yaml") -> str:
-    path = tmp_path / name
-    path.write_text(text)
-    return str(path)
-
-
 def _short_one_line_error(run, *needles: str) -> None:
     one_line_error(run, *needles)
     assert len(run.err) < 400, run.err
@@ -46,12 +42,12 @@ def _short_one_line_error(run, *needles: str) -> None:
 
 @pytest.mark.parametrize("command", [["estimate"], ["sweep", "--b", "1,2"]])
 def test_a_yaml_alias_bomb_is_refused_at_its_first_alias(tmp_path, command):
-    run = memcalc_cli(*command, "--config", _config(tmp_path, _bomb()))
+    run = memcalc_cli(*command, "--config", yaml_file(tmp_path, _bomb()))
     _short_one_line_error(run, "YAML alias *a", "aliases are not accepted")
 
 
 def test_an_echoed_value_is_cut_short(tmp_path):
-    run = memcalc_cli("estimate", "--config", _config(tmp_path, f"{SIZES}name: [{', '.join(['x' * 50] * 2000)}]\n"))
+    run = memcalc_cli("estimate", "--config", yaml_file(tmp_path, f"{SIZES}name: [{', '.join(['x' * 50] * 2000)}]\n"))
     _short_one_line_error(run, "field 'name': input should be a valid string (got ['xxx")
 
 
@@ -61,7 +57,7 @@ def test_a_device_is_refused_before_it_is_read(flag):
 
 
 def test_a_config_larger_than_a_mebibyte_is_refused(tmp_path):
-    run = memcalc_cli("estimate", "--config", _config(tmp_path, SIZES + "#" * (1 << 20)))
+    run = memcalc_cli("estimate", "--config", yaml_file(tmp_path, SIZES + "#" * (1 << 20)))
     _short_one_line_error(run, "larger than 1048576 bytes")
 
 
@@ -84,14 +80,14 @@ def _what(flag: str) -> str:
 
 
 def test_a_5000_digit_integer_in_yaml_names_its_field(tmp_path):
-    run = memcalc_cli("estimate", "--config", _config(tmp_path, f"{SIZES}b: {'9' * 5000}\n"))
+    run = memcalc_cli("estimate", "--config", yaml_file(tmp_path, f"{SIZES}b: {'9' * 5000}\n"))
     _short_one_line_error(run, "field 'b': a 5000-digit integer at line 4 is too large")
 
 
 def test_a_5000_digit_integer_in_json_names_its_field(tmp_path):
     doc = json.loads((ROOT / "tests/data/hf/llama2-7b.json").read_text())
     text = json.dumps(doc).replace('"hidden_size": 4096', f'"hidden_size": {"9" * 5000}')
-    run = memcalc_cli("estimate", "--hf-config", _config(tmp_path, text, "config.json"))
+    run = memcalc_cli("estimate", "--hf-config", yaml_file(tmp_path, text, "config.json"))
     _short_one_line_error(run, "field 'hidden_size': a 5000-digit integer is too large")
 
 
@@ -101,7 +97,7 @@ def test_a_5000_digit_sweep_value_is_refused():
 
 @pytest.mark.parametrize("flag, name", [("--config", "deep.yaml"), ("--hf-config", "config.json")])
 def test_nesting_100k_deep_is_refused(tmp_path, flag, name):
-    run = memcalc_cli("estimate", flag, _config(tmp_path, "[" * 100_000, name))
+    run = memcalc_cli("estimate", flag, yaml_file(tmp_path, "[" * 100_000, name))
     _short_one_line_error(run, "nested")
 
 
@@ -139,17 +135,17 @@ def test_measure_refuses_sizes_the_machine_cannot_hold_naming_the_bytes(sizes):
 @pytest.mark.parametrize("where", ["yaml", "hf"])
 def test_rich_markup_in_a_model_name_is_printed_as_text(tmp_path, where):
     if where == "yaml":
-        args = ["--config", _config(tmp_path, f'{SIZES}name: "[/x] [bold]"\n')]
+        args = ["--config", yaml_file(tmp_path, f'{SIZES}name: "[/x] [bold]"\n')]
     else:
         doc = json.loads((ROOT / "tests/data/hf/llama2-7b.json").read_text()) | {"_name_or_path": "[/x] [bold]"}
-        args = ["--hf-config", _config(tmp_path, json.dumps(doc), "config.json")]
+        args = ["--hf-config", yaml_file(tmp_path, json.dumps(doc), "config.json")]
     run = memcalc_cli("estimate", *args)
     assert run.code == 0, run.err
     assert run.out.startswith("[/x] [bold]: b=1")
 
 
 def test_terminal_escapes_in_a_model_name_never_reach_the_output(tmp_path):
-    config = _config(tmp_path, f'{SIZES}name: "a\\e]0;pwned\\ab\\e[2J"\n')
+    config = yaml_file(tmp_path, f'{SIZES}name: "a\\e]0;pwned\\ab\\e[2J"\n')
     for command in (["estimate"], ["sweep", "--format", "table"], ["fit", "--budget", "80GiB"]):
         run = memcalc_cli(*command, "--config", config)
         assert run.code == 0, run.err
@@ -159,7 +155,7 @@ def test_terminal_escapes_in_a_model_name_never_reach_the_output(tmp_path):
 
 def test_a_mathtext_model_name_is_drawn_as_written(tmp_path):
     pytest.importorskip("matplotlib")
-    config = _config(tmp_path, f'{SIZES}name: "$\\\\frac{{$"\n')
+    config = yaml_file(tmp_path, f'{SIZES}name: "$\\\\frac{{$"\n')
     for kind, out in (("line", tmp_path / "s.png"), ("breakdown", tmp_path / "b.svg")):
         run = memcalc_cli("plot", "--config", config, "--kind", kind, "--out", str(out))
         assert (run.code, run.err) == (0, ""), run.err
@@ -213,7 +209,7 @@ def test_a_reader_that_closed_the_pipe_ends_the_run_quietly_with_exit_0(output):
 
 @pytest.mark.procs
 def test_an_ascii_terminal_shows_a_non_ascii_name_escaped(tmp_path):
-    config = _config(tmp_path, f'{SIZES}name: "café"\n')
+    config = yaml_file(tmp_path, f'{SIZES}name: "café"\n')
     proc = _memcalc("estimate", "--config", config, env={"PYTHONIOENCODING": "ascii"})
     assert (proc.returncode, proc.stderr) == (0, "")
     assert proc.stdout.startswith("caf\\xe9: b=1")
@@ -229,7 +225,7 @@ def test_a_bare_memcalc_prints_its_usage_as_click_does():
 
 
 def test_duplicate_yaml_keys_are_refused(tmp_path):
-    run = memcalc_cli("estimate", "--config", _config(tmp_path, f"{SIZES}s: 4096\n"))
+    run = memcalc_cli("estimate", "--config", yaml_file(tmp_path, f"{SIZES}s: 4096\n"))
     _short_one_line_error(run, "duplicate key 's' at line 4")
 
 
@@ -244,19 +240,19 @@ def test_duplicate_yaml_keys_are_refused(tmp_path):
     ("max_position_embeddings: 1024", ["s=2048 exceeds max_position_embeddings=1024"]),
 ])
 def test_sweep_applies_the_layout_rules_estimate_applies(tmp_path, extra, needles):
-    config = _config(tmp_path, f"{SIZES}{extra}\n")
+    config = yaml_file(tmp_path, f"{SIZES}{extra}\n")
     _short_one_line_error(memcalc_cli("estimate", "--config", config), *needles)
     _short_one_line_error(memcalc_cli("sweep", "--config", config, "--b", "1,2"), *needles)
 
 
 def test_sweep_checks_the_pipeline_rule_against_every_swept_l(tmp_path):
-    config = _config(tmp_path, f"{SIZES}pp: 2\n")
+    config = yaml_file(tmp_path, f"{SIZES}pp: 2\n")
     assert memcalc_cli("sweep", "--config", config, "--L", "2:8:2").code == 0
     _short_one_line_error(memcalc_cli("sweep", "--config", config, "--L", "2:8"), "L=3 is not divisible by pp=2")
 
 
 def test_sweep_checks_the_position_table_against_the_largest_s(tmp_path):
-    config = _config(tmp_path, "h: 64\na: 8\nmax_position_embeddings: 4096\n")
+    config = yaml_file(tmp_path, "h: 64\na: 8\nmax_position_embeddings: 4096\n")
     assert memcalc_cli("sweep", "--config", config, "--s", "1024:4096:x2").code == 0
     _short_one_line_error(memcalc_cli("sweep", "--config", config, "--s", "1024:8192:x2"),
                           "s=8192 exceeds max_position_embeddings=4096")
@@ -278,7 +274,7 @@ def test_fit_for_t_tries_the_divisors_of_a_not_every_value_below_it():
 
 
 def test_a_sweep_that_fails_mid_write_leaves_the_old_file_and_no_temporary(tmp_path, monkeypatch):
-    from memcalc.sizing import sweep_output
+    from memcalc.cli import sweep_output
 
     out = tmp_path / "runs.csv"
     out.write_text("the old rows\n")

@@ -16,17 +16,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import yaml_file
+
 from . import memcalc_cli, one_line_error
 
 ROOT = Path(__file__).parents[2]
 QWEN2_7B = str(ROOT / "tests/data/hf/qwen2-7b.json")  # Qwen2-7B's config.json: 28 heads, 4 K/V groups
 SIZES = "s: 2048\nh: 64\na: 8\n"
-
-
-def _config(tmp_path: Path, text: str) -> str:
-    path = tmp_path / "model.yaml"
-    path.write_text(text)
-    return str(path)
 
 
 # -- --out: nothing damaged ----------------------------------------------------------------------------
@@ -60,13 +56,13 @@ def test_an_out_where_no_file_can_be_made_is_refused_before_any_work(command):
 def test_a_huge_capacity_factor_is_refused_at_the_parameter(tmp_path):
     flag = ["--num-experts", "8", "--moe-expert-capacity-factor", "1e308"]
     one_line_error(memcalc_cli("estimate", "--config", "tiny", *flag), "moe_expert_capacity_factor", "1000000")
-    config = _config(tmp_path, f"{SIZES}num_experts: 8\nmoe_expert_capacity_factor: 1.0e+308\n")
+    config = yaml_file(tmp_path, f"{SIZES}num_experts: 8\nmoe_expert_capacity_factor: 1.0e+308\n")
     one_line_error(memcalc_cli("estimate", "--config", config), "moe_expert_capacity_factor", "1000000")
 
 
 @pytest.mark.parametrize("character", ["\x00", "\x07", "\x1b", "\ufffe"])
 def test_a_control_character_in_yaml_is_one_line(tmp_path, character):
-    config = _config(tmp_path, f'{SIZES}name: "a{character}b"\n')
+    config = yaml_file(tmp_path, f'{SIZES}name: "a{character}b"\n')
     one_line_error(memcalc_cli("estimate", "--config", config), "is not allowed in YAML")
 
 
@@ -75,7 +71,7 @@ def test_a_control_character_in_yaml_is_a_config_error_from_the_api(tmp_path):
     from memcalc.errors import ConfigError
 
     with pytest.raises(ConfigError, match="U\\+0000 at position .* is not allowed in YAML"):
-        api.load(_config(tmp_path, f'{SIZES}name: "a\x00b"\n'))
+        api.load(yaml_file(tmp_path, f'{SIZES}name: "a\x00b"\n'))
 
 
 def test_overlap_at_t_1_is_refused_instead_of_dividing_by_zero():
@@ -132,7 +128,7 @@ def test_sweep_ranges_refuse_the_same_digits():
     ("s: 2_048", "'2_048'"), ("dropout: 1:30.5", "'1:30.5'"), ("dropout: .nan", "'.nan'"),
 ])
 def test_yaml_1_1s_other_number_forms_are_refused(tmp_path, text, shown):
-    config = _config(tmp_path, f"h: 64\na: 8\n{text}\n" if text.startswith("s:") else f"{SIZES}{text}\n")
+    config = yaml_file(tmp_path, f"h: 64\na: 8\n{text}\n" if text.startswith("s:") else f"{SIZES}{text}\n")
     field = text.split(":")[0]
     one_line_error(memcalc_cli("estimate", "--config", config), f"field '{field}'", shown, "at line")
 

@@ -10,7 +10,7 @@ from memcalc.docgen.model import VARIANTS
 from memcalc.errors import ConfigError
 from memcalc.model.impls import IMPLEMENTATIONS
 from memcalc.model.knobs import KNOBS, Knobs
-from memcalc.sizing.sweep_output import KNOB_COLUMNS
+from memcalc.cli.sweep_output import KNOB_COLUMNS
 
 # A value other than the default, for each kind of knob.
 OTHER = {"size": 96, "probability": 0.0, "factor": 1.25, "flag": True}

@@ -11,8 +11,8 @@ from memcalc.probe.collectives import LoggedCollective, compare_collectives  # n
 from memcalc.probe.launch import run  # noqa: E402
 from memcalc.probe.measure import _compared_comm, measure_on_rank  # noqa: E402
 from memcalc.probe.overlap import NO_OVERLAP, Overlap  # noqa: E402
+from tests.helpers import TINY  # noqa: E402
 
-TINY = {"b": 2, "s": 16, "h": 64, "a": 8}
 KNOB_SETS = [{}, {"recompute": "full"}, {"recompute": "selective", "attention": "flash", "mlp": "swiglu"},
              {"a": 16, "num_query_groups": 8, "dropout": 0.0, "norm": "rmsnorm"},
              {"dtype": "fp32", "mlp": "swiglu", "bias_activation_fusion": True},

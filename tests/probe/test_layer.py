@@ -12,7 +12,6 @@ torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
 from memcalc.model import ledger  # noqa: E402
-from memcalc.config.schema import build_config  # noqa: E402
 from memcalc.model.impls import IMPLEMENTATIONS  # noqa: E402
 from memcalc.model.ledger import Region  # noqa: E402
 from memcalc.probe.attention import FlashAttention, FusedCausalSoftmax, Softmax, eager_core, flash_core  # noqa: E402
@@ -23,13 +22,9 @@ from memcalc.probe.linear import ColumnParallelLinear, RowParallelLinear  # noqa
 from memcalc.probe.mlp import MLP, rank_interleaved  # noqa: E402
 from memcalc.probe.norm import Norm  # noqa: E402
 from memcalc.probe.recorder import SavedTensorRecorder  # noqa: E402
+from tests.helpers import TINY, make_config  # noqa: E402
 
-TINY = {"b": 2, "s": 16, "h": 64, "a": 8}
 BY_NAME = IMPLEMENTATIONS["megatron"].by_name()  # the probe's layer keeps megatron's
-
-
-def _config(**knobs):
-    return build_config(TINY | knobs)
 
 
 def _input(config, dtype=torch.float32, seed=7):
@@ -53,7 +48,7 @@ def _saved_by_layer(tp, config, sequence_parallel):
 
 @pytest.mark.parametrize("knobs", [{}, {"mlp": "swiglu", "norm": "rmsnorm"}, {"recompute": "full"}])
 def test_sp_layer_keeps_no_full_sequence_tensor_in_the_sequence_region(knobs):
-    config, t = _config(t=4, **knobs), 4
+    config, t = make_config(TINY, t=4, **knobs), 4
     saved = run_fake(_saved_by_layer, (config, True), t)
     assert all(s.name is not None for s in saved), "every saved storage is a ledger tensor"
     in_sp_region = [s for s in saved if BY_NAME[s.name].region is Region.SEQUENCE]
@@ -66,7 +61,7 @@ def test_sp_layer_keeps_no_full_sequence_tensor_in_the_sequence_region(knobs):
 
 def test_tp_layer_without_sp_does_keep_full_sequence_tensors_there():
     """The check above can fail: the same layer without SP keeps the whole sequence."""
-    config = _config(t=4)
+    config = make_config(TINY, t=4)
     saved = run_fake(_saved_by_layer, (config, False), 4)
     sequence = [s for s in saved if BY_NAME[s.name].region is Region.SEQUENCE]
     assert sequence and all(s.shape[1] == config.s for s in sequence)
@@ -94,7 +89,7 @@ EQUIVALENCE_TOL = {"atol": 1e-5, "rtol": 0}
 
 
 def _equivalence_config(knobs, t=1):
-    return _config(t=t, num_query_groups=4, dtype="fp32", dropout=0.0, **knobs)
+    return make_config(TINY, t=t, num_query_groups=4, dtype="fp32", dropout=0.0, **knobs)
 
 
 def _how_gradients_combine(layer):
@@ -243,14 +238,14 @@ def test_flash_attention_keeps_q_k_v_output_and_lse_but_nothing_of_size_s_square
 
 def test_fused_and_unfused_swiglu_compute_silu_gate_times_up_and_its_gradients():
     def results(fused):
-        config = _config(mlp="swiglu", dtype="fp32", dropout=0.0, bias_activation_fusion=fused)
+        config = make_config(TINY, mlp="swiglu", dtype="fp32", dropout=0.0, bias_activation_fusion=fused)
         mlp = MLP(config, single(), False, torch.float32)
         x = _input(config).requires_grad_()
         out = mlp(x)
         return out, torch.autograd.grad((out * out).sum(), (x, *mlp.parameters()))
 
-    mlp = MLP(_config(mlp="swiglu", dtype="fp32"), single(), False, torch.float32)
-    x = _input(_config())
+    mlp = MLP(make_config(TINY, mlp="swiglu", dtype="fp32"), single(), False, torch.float32)
+    x = _input(make_config(TINY))
     gate, up = mlp.fc1(x).chunk(2, dim=-1)
     reference = mlp.fc2(F.silu(gate) * up)
     (fused, fused_grads), (unfused, unfused_grads) = results(True), results(False)
@@ -289,7 +284,7 @@ def test_recomputation_reproduces_the_gradients_dropout_included(recompute):
         (layer(x) ** 2).sum().backward()
         return [x.grad, *(p.grad for p in layer.parameters())]
 
-    kept = grads(_config(dtype="fp32", dropout=0.2))
-    recomputed = grads(_config(dtype="fp32", dropout=0.2, recompute=recompute))
+    kept = grads(make_config(TINY, dtype="fp32", dropout=0.2))
+    recomputed = grads(make_config(TINY, dtype="fp32", dropout=0.2, recompute=recompute))
     for a, b in zip(kept, recomputed):
         torch.testing.assert_close(a, b)

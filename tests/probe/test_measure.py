@@ -19,8 +19,7 @@ from memcalc.probe.measure import Launch, choose_launch, compare, measure, measu
 from memcalc.probe.overlap import NO_OVERLAP  # noqa: E402
 from memcalc.probe.recorder import SavedStorage  # noqa: E402
 from memcalc.model.strategy import STRATEGIES  # noqa: E402
-
-TINY = {"b": 2, "s": 16, "h": 64, "a": 8}
+from tests.helpers import TINY, make_config  # noqa: E402
 
 # Together these take every value of every knob at least once (GQA: half the heads' groups).
 COVER = [
@@ -54,11 +53,10 @@ def _matrix():
     return [knobs | mlp_side[i % len(mlp_side)] for i, knobs in enumerate(core)]
 
 
-def _config(t, gqa_groups, knobs):
-    fields = TINY | {"t": t} | {k: v for k, v in knobs.items() if k != "gqa"}
-    if knobs.get("gqa"):
-        fields["num_query_groups"] = gqa_groups
-    return build_config(fields)
+def _case(t, gqa_groups, knobs):
+    """A COVER or matrix entry at `t`: its `gqa` asks for gqa_groups K/V groups."""
+    groups = {"num_query_groups": gqa_groups} if knobs.get("gqa") else {}
+    return make_config(TINY, t=t, **{k: v for k, v in knobs.items() if k != "gqa"}, **groups)
 
 
 def _mismatches(cases, per_rank):
@@ -82,7 +80,7 @@ def test_the_cases_take_every_value_of_every_knob(cases):
 
 @pytest.mark.procs
 def test_two_gloo_ranks_save_what_the_ledger_predicts_on_every_rank():
-    cases = tuple((_config(2, 4, knobs), name, "memcalc", NO_OVERLAP) for knobs in COVER for name in ("tp", "tp-sp"))
+    cases = tuple((_case(2, 4, knobs), name, "memcalc", NO_OVERLAP) for knobs in COVER for name in ("tp", "tp-sp"))
     per_rank = run(measure_on_rank, (cases,), mode="spawn", t=2, backend="gloo", timeout_s=240)
     assert len(per_rank) == 2 and all(r.group == "gloo" for results in per_rank for r in results)
     assert _mismatches(cases, per_rank) == []
@@ -90,14 +88,14 @@ def test_two_gloo_ranks_save_what_the_ledger_predicts_on_every_rank():
 
 @pytest.mark.parametrize("strategy", ["tp", "tp-sp"])
 def test_rank_0_of_8_in_the_fake_group_saves_what_the_ledger_predicts_across_the_knob_matrix(strategy):
-    cases = tuple((_config(8, 8, knobs), strategy, "memcalc", NO_OVERLAP) for knobs in _matrix())
+    cases = tuple((_case(8, 8, knobs), strategy, "memcalc", NO_OVERLAP) for knobs in _matrix())
     per_rank = run(measure_on_rank, (cases,), mode="fake", t=8)
     assert [r.group for r in per_rank[0]] == ["fake"] * len(cases)
     assert _mismatches(cases, per_rank) == []
 
 
 def test_no_parallelism_in_one_process_saves_what_the_ledger_predicts():
-    cases = tuple((_config(1, 4, knobs), "none", "memcalc", NO_OVERLAP) for knobs in COVER)
+    cases = tuple((_case(1, 4, knobs), "none", "memcalc", NO_OVERLAP) for knobs in COVER)
     assert _mismatches(cases, run(measure_on_rank, (cases,), mode="single")) == []
 
 

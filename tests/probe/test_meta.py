@@ -23,8 +23,8 @@ from memcalc.probe.measure import choose_launch, measure  # noqa: E402
 from memcalc.probe.norm import Norm  # noqa: E402
 from memcalc.probe.overlap import Overlap  # noqa: E402
 from memcalc.probe.recorder import SavedTensorRecorder, label  # noqa: E402
+from tests.helpers import TINY  # noqa: E402
 
-TINY = {"b": 2, "s": 16, "h": 64, "a": 8}
 STRATEGY_NAMES = ["none", "tp", "tp-sp"]
 
 

@@ -17,7 +17,9 @@ from memcalc.probe.layer import TransformerLayer  # noqa: E402
 from memcalc.probe.linear import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from memcalc.probe.overlap import NO_OVERLAP, Method, Overlap  # noqa: E402
 
-from .test_layer import EQUIVALENCE_KNOBS, EQUIVALENCE_TOL, TINY, _equivalence_config, _input  # noqa: E402
+from tests.helpers import TINY  # noqa: E402
+
+from .test_layer import EQUIVALENCE_KNOBS, EQUIVALENCE_TOL, _equivalence_config, _input  # noqa: E402
 
 S, B, H = TINY["s"], TINY["b"], TINY["h"]
 FP32 = 4  # bytes

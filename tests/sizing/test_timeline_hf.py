@@ -13,11 +13,9 @@ from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import STRATEGIES
 from memcalc.sizing.states import total_params
 from memcalc.sizing.timeline import ACTIVATIONS, PARAMETERS, TEMPORARIES, timeline
+from tests.helpers import LLAMA_HF
 
-LLAMA = dict(
-    impl="hf", b=2, s=24, h=64, a=8, L=3, vocab_size=250, mlp="swiglu", ffn_hidden_size=176, norm="rmsnorm",
-    num_query_groups=2, position_embedding_type="rope", add_bias_linear=False, dropout=0.0, tie_embeddings=False,
-)
+LLAMA = LLAMA_HF | {"L": 3}
 CPU = Accounting(exact=True, device="cpu")
 NONE, TP = STRATEGIES["none"], STRATEGIES["tp"]
 

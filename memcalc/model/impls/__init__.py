@@ -14,9 +14,10 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from memcalc.errors import ConfigError
-from memcalc.model.impls.base import Implementation, SizeRule, always, check_mla, check_moe, check_settings
+from memcalc.model.impls.base import Implementation, SizeRule, always
 from memcalc.model.knobs import Accounting
 from memcalc.model.ledger import SavedTensor
+from memcalc.model.rules import check_mla, check_moe, check_settings
 from memcalc.model.strategy import Strategy
 
 _MODULES = ("megatron", "hf", "torchtitan", "paper")  # memcalc.model.impls.<name>, each with its IMPLEMENTATION

@@ -18,9 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from memcalc.errors import ConfigError
 from memcalc.model import ledger
-from memcalc.model.knobs import BY_NAME as KNOB_NAMES, KNOBS, MLA_KNOBS, Accounting, is_moe
+from memcalc.model.knobs import BY_NAME as KNOB_NAMES, Accounting
 from memcalc.model.ledger import SavedTensor
 
 
@@ -132,62 +131,6 @@ class Implementation:
     def by_name(self) -> dict[str, SavedTensor]:
         """Every tensor this implementation can name: the ledger's, with its own in their place where they differ."""
         return ledger.BY_NAME | {x.name: x for x in self.tensors}
-
-
-def check_moe(knobs: Any) -> None:
-    """ConfigError for MoE knobs that say nothing without experts, or ask for what cannot be."""
-    if knobs.num_experts is None:
-        stray = [k.name for k in KNOBS if is_moe(k) and getattr(knobs, k.name) != k.default]
-        if stray:
-            raise ConfigError(f"{stray[0]} is set but num_experts is not (a dense MLP has no experts)")
-        return
-    from memcalc.config.schema import EXPERT_RULES  # the schema imports the implementations: here at run time
-
-    EXPERT_RULES[1].check(knobs)  # k distinct experts of E
-    if knobs.moe_tokens == "capacity" and knobs.moe_expert_capacity_factor is None:
-        raise ConfigError("moe_tokens capacity needs moe_expert_capacity_factor (without it no expert drops tokens:"
-                          " use balanced or worst)")
-    if knobs.moe_pad_expert_input_to_capacity and knobs.moe_expert_capacity_factor is None:
-        raise ConfigError("moe_pad_expert_input_to_capacity pads each expert's tokens to its capacity: it needs"
-                          " moe_expert_capacity_factor")
-    default = KNOB_NAMES["experts_implementation"].default
-    if knobs.impl != "hf" and knobs.experts_implementation != default:
-        raise ConfigError(f"experts_implementation {knobs.experts_implementation} is transformers' choice (--impl hf);"
-                          f" impl {knobs.impl} runs its own experts (leave it {default})")
-    if knobs.moe_router_enable_expert_bias and knobs.moe_router_score_function != "sigmoid":
-        raise ConfigError("moe_router_enable_expert_bias biases the sigmoid router's choice (aux-loss-free balancing):"
-                          " it needs moe_router_score_function sigmoid")
-
-
-def check_settings(knobs: Any) -> None:
-    """ConfigError for a knob that only some implementations have (`Knob.impls`), set away from its default under
-    another: the library asked for has no such setting, so the value would change nothing."""
-    for knob in KNOBS:
-        value = getattr(knobs, knob.name)
-        if knob.impls and knobs.impl not in knob.impls and value != knob.default:
-            raise ConfigError(f"{knob.name}={value} is a setting of impl {', '.join(knob.impls)} only; impl {knobs.impl}"
-                              f" has none (leave it at {knob.default})")
-
-
-def check_mla(knobs: Any) -> None:
-    """ConfigError for latent-attention widths without kv_lora_rank, a latent without its head widths, GQA, or plain
-    attention's head width and QK norm."""
-    if knobs.kv_lora_rank is None:
-        stray = [name for name in MLA_KNOBS if getattr(knobs, name) is not None]
-        if stray:
-            raise ConfigError(f"{stray[0]} is set but kv_lora_rank is not (only latent attention has it)")
-        return
-    missing = [name for name in MLA_KNOBS[2:] if getattr(knobs, name) is None]
-    if missing:
-        raise ConfigError(f"kv_lora_rank={knobs.kv_lora_rank} needs {', '.join(missing)} (latent attention's head"
-                          " widths)")
-    if knobs.num_query_groups not in (None, getattr(knobs, "a", None)):  # a config's groups may equal its heads
-        raise ConfigError(f"num_query_groups={knobs.num_query_groups} with kv_lora_rank: latent attention up-projects"
-                          " K and V for every head (no K/V groups); leave num_query_groups unset")
-    if knobs.head_dim_set or knobs.qk_layernorm:
-        raise ConfigError(f"{'kv_channels' if knobs.head_dim_set else 'qk_layernorm'} with kv_lora_rank: latent"
-                          " attention sizes its heads by qk_nope_head_dim, qk_rope_head_dim and v_head_dim, and its"
-                          " norms are on the latents, always; leave it unset")
 
 
 def drop_small(tensors: Iterable[SavedTensor], accounting: Accounting) -> tuple[SavedTensor, ...]:

@@ -48,28 +48,20 @@ is made CUDA-like (a bool mask; memcalc/probe/libs/hf_shim.py).
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, NamedTuple
+from typing import Any
 
 from memcalc.config.hf import FAMILIES, family_of
 from memcalc.errors import ConfigError
 from memcalc.model import ledger
 from memcalc.model.impls.base import Implementation, Refusal, SizeRule, always, drop_small
 from memcalc.model.knobs import DTYPE_BYTES, Accounting
-from memcalc.model.ledger import Dim, Kind, Region, SavedTensor
+from memcalc.model.ledger import Dim, Kind, Region, RMSNormTensors, SavedTensor
 
 _BSH = (Dim.B, Dim.S, Dim.H)
 _BSF = (Dim.B, Dim.S, Dim.F)
 _BASS = (Dim.B, Dim.A, Dim.S, Dim.S)
 _BASD = (Dim.B, Dim.A, Dim.S, Dim.D)
 _SEQ, _TEN = Region.SEQUENCE, Region.TENSOR
-
-
-class RMSNormTensors(NamedTuple):
-    """What one `LlamaRMSNorm` keeps."""
-
-    input_fp32: SavedTensor
-    rstd: SavedTensor
-    normed: SavedTensor
 
 
 def _rms_norm(prefix: str, module: str, width: Dim = Dim.H, heads: Dim | None = None) -> RMSNormTensors:
@@ -79,43 +71,36 @@ def _rms_norm(prefix: str, module: str, width: Dim = Dim.H, heads: Dim | None = 
     rows, region = ((Dim.B, heads, Dim.S), _TEN) if heads is not None else ((Dim.B, Dim.S), _SEQ)
     shape = (*rows, width)
     return RMSNormTensors(
-        SavedTensor(
+        input_fp32=SavedTensor(
             f"{stem}input_fp32", f"{by}: hidden_states.to(float32), kept by pow(2) and by x * rsqrt(.)", shape,
             Kind.FP32, region, "the gradients of pow(2) and of x * rsqrt(.) read the fp32 input",
         ),
-        SavedTensor(
+        rstd=SavedTensor(
             f"{stem}rstd_fp32", f"{by}: rsqrt(variance + eps), kept by rsqrt and by x * rsqrt(.)", rows,
             Kind.FP32, region, ledger.WHY_NORM_RSTD, paper=False,
         ),
-        SavedTensor(
+        normed=SavedTensor(
             f"{stem}normed", f"{by}: the normalised input cast back, kept by weight * (.)", shape,
             Kind.ACTIVATION, region, "the weight's gradient is dY times the normalised input",
         ),
     )
 
 
-class GemmaRMSNormTensors(NamedTuple):
-    """What one `GemmaRMSNorm` keeps: (1 + w) * (x * rsqrt(mean(x^2) + eps)), all in fp32, cast back after."""
+def _gemma_norm(prefix: str, module: str, width: Dim = Dim.H, heads: Dim | None = None) -> RMSNormTensors:
+    """What one `GemmaRMSNorm` keeps: (1 + w) * (x * rsqrt(mean(x^2) + eps)), all in fp32, cast back after.
 
-    input_fp32: SavedTensor
-    rstd: SavedTensor
-    weight_plus_one: SavedTensor
-    normed_fp32: SavedTensor
-
-
-def _gemma_norm(prefix: str, module: str, width: Dim = Dim.H, heads: Dim | None = None) -> GemmaRMSNormTensors:
-    """GemmaRMSNorm: Llama's upcast and rstd; the product by (1 + w.float()) keeps both factors in fp32, and the
+    Llama's upcast and rstd; the product by (1 + w.float()) keeps both factors in fp32, and the
     cast back (type_as) keeps nothing. With `heads`, Gemma 3's q_norm or k_norm on each head's d channels."""
     llama, by = _rms_norm(prefix, module, width, heads), f"GemmaRMSNorm ({module})"
     stem = prefix if "/" in prefix else f"{prefix}/"
-    return GemmaRMSNormTensors(
-        replace(llama.input_fp32, saved_by=f"{by}: x.float(), kept by pow(2) and by x * rsqrt(.)"),
-        replace(llama.rstd, saved_by=f"{by}: rsqrt(variance + eps), kept by rsqrt and by x * rsqrt(.)"),
-        SavedTensor(
+    return RMSNormTensors(
+        input_fp32=replace(llama.input_fp32, saved_by=f"{by}: x.float(), kept by pow(2) and by x * rsqrt(.)"),
+        rstd=replace(llama.rstd, saved_by=f"{by}: rsqrt(variance + eps), kept by rsqrt and by x * rsqrt(.)"),
+        weight_plus_one=SavedTensor(
             f"{stem}weight_plus_one_fp32", f"{by}: 1.0 + weight.float(), kept by output * (.)", (width,),
             Kind.FP32, Region.REPLICATED, "the gradient of the normalised input is dY * (1 + w)", paper=False,
         ),
-        SavedTensor(
+        normed_fp32=SavedTensor(
             f"{stem}normed_fp32", f"{by}: x * rsqrt(.) in fp32, kept by output * (1 + w)", llama.input_fp32.shape,
             Kind.FP32, llama.input_fp32.region,
             "the weight's gradient is dY times the normalised input, here the fp32 one",
@@ -473,7 +458,7 @@ def latent_attention(knobs: Any) -> tuple[SavedTensor, ...]:
     """DeepseekV3Attention, eager: x (q_a_proj/q_proj and kv_a_proj_with_mqa read it), each latent's RMSNorm and
     up-projection input, the RoPE tables, the eager core over Q, K (d_n+d_r) and V (d_v), o_proj's input."""
     query = (*MLA_Q_RMS, ledger.MLA_Q_UP_IN) if knobs.q_lora_rank is not None else ()
-    kv_norm = (MLA_KV_NORM_VIEW, *MLA_KV_RMS[1:]) if knobs.dtype == "fp32" else MLA_KV_RMS
+    kv_norm = (MLA_KV_NORM_VIEW, MLA_KV_RMS.rstd, MLA_KV_RMS.normed) if knobs.dtype == "fp32" else MLA_KV_RMS
     latent = (*kv_norm, ledger.MLA_KV_UP_IN)
     return (ledger.QKV_IN, *query, *latent, MLA_ROPE_COS, MLA_ROPE_SIN, *_eager(knobs), ledger.MLA_PROJ_IN)
 

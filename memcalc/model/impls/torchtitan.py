@@ -60,13 +60,13 @@ Recomputation, torchtitan's own (distributed/activation_checkpoint.py):
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, NamedTuple
+from typing import Any
 
 from memcalc.errors import ConfigError
 from memcalc.model import ledger
 from memcalc.model.impls.base import Implementation, Refusal, SizeCondition, drop_small
 from memcalc.model.knobs import Accounting
-from memcalc.model.ledger import Dim, Kind, Region, SavedTensor
+from memcalc.model.ledger import Dim, Kind, Region, RMSNormTensors, SavedTensor
 
 _BSH = (Dim.B, Dim.S, Dim.H)
 _SEQ = Region.SEQUENCE
@@ -78,31 +78,23 @@ _WHY_GATHERED = (
 )
 
 
-class RMSNormTensors(NamedTuple):
-    """What one nn.RMSNorm keeps: CUDA's fused kernel keeps `input` and `rstd`, CPU's composite the other three."""
-
-    input: SavedTensor
-    rstd: SavedTensor
-    input_fp32: SavedTensor
-    normed_fp32: SavedTensor
-
-
 def _rmsnorm(prefix: str, before: str) -> RMSNormTensors:
-    """The tensors of the nn.RMSNorm in front of `before`."""
+    """The tensors of the nn.RMSNorm in front of `before`: CUDA's fused kernel keeps `input` and `rstd`, CPU's
+    composite `input_fp32`, `rstd` and `normed_fp32`."""
     by = f"nn.RMSNorm before {before}: torch.rms_norm ->"
     return RMSNormTensors(
-        SavedTensor(f"{prefix}/input", f"{by} {_FUSED}", _BSH, Kind.ACTIVATION, _SEQ, ledger.WHY_NORM_INPUT),
-        SavedTensor(
+        input=SavedTensor(f"{prefix}/input", f"{by} {_FUSED}", _BSH, Kind.ACTIVATION, _SEQ, ledger.WHY_NORM_INPUT),
+        rstd=SavedTensor(
             f"{prefix}/rstd_fp32", f"{by} _fused_rms_norm's rstd (CUDA) or the composite's rsqrt (CPU)",
             (Dim.B, Dim.S), Kind.FP32, _SEQ, ledger.WHY_NORM_RSTD + ", in fp32 (opmath) for a bf16 input", paper=False,
         ),
-        SavedTensor(
+        input_fp32=SavedTensor(
             f"{prefix}/input_fp32",
             f"{by} {_COMPOSITE}: input.to(float32) (in fp32 the input itself), kept by pow and x * rstd",
             _BSH,
             Kind.FP32, _SEQ, "d(x * rstd) and d(mean(x^2)) need x; the composite keeps its fp32 upcast, not x",
         ),
-        SavedTensor(
+        normed_fp32=SavedTensor(
             f"{prefix}/normed_fp32", f"{by} {_COMPOSITE}: x * rstd, kept by the multiply with the weight", _BSH,
             Kind.FP32, _SEQ, "the weight's gradient is sum(dY * x * rstd): the fp32 normalised input",
         ),

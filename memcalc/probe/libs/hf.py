@@ -457,7 +457,7 @@ def label_rules_for(config: ModelConfig) -> tuple[Rule, ...]:
             *_layer_norm_rules("ln_2", ledger.LN2), *_gpt2_mlp_rules(config))
 
 
-def _rms_rules(module: str, norm: rules.RMSNormTensors, view: Callable[[Any], Any] | None = None) -> tuple[Rule, ...]:
+def _rms_rules(module: str, norm: ledger.RMSNormTensors, view: Callable[[Any], Any] | None = None) -> tuple[Rule, ...]:
     """LlamaRMSNorm's three; `view` the per-head one's axes (b, s, heads, ...) as the ledger's (b, heads, s, ...)."""
     return (
         Rule(module, "to", norm.input_fp32, nth=0, view=view),  # hidden_states.to(torch.float32)
@@ -496,7 +496,7 @@ def _gemma_rules(config: ModelConfig) -> tuple[Rule, ...]:
             *_gemma_norm_rules("post_feedforward_layernorm", rules.GEMMA_POST_MLP))
 
 
-def _gemma_norm_rules(module: str, norm: rules.GemmaRMSNormTensors) -> tuple[Rule, ...]:
+def _gemma_norm_rules(module: str, norm: ledger.RMSNormTensors) -> tuple[Rule, ...]:
     """GemmaRMSNorm's four: x.float(), rsqrt's output, 1.0 + weight.float() (the second add, after + eps), and the
     fp32 product x * rsqrt(.)."""
     return (

@@ -68,8 +68,7 @@ kernel would keep other tensors).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import NamedTuple
+from dataclasses import replace
 
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError
@@ -82,11 +81,10 @@ from memcalc.sizing.pipeline import stages
 from memcalc.sizing.timeline import hf_moe as moe
 from memcalc.sizing.timeline.ends import model_states
 from memcalc.sizing.timeline.fsdp import ROOT, Fsdp
-from memcalc.sizing.timeline.tape import ACTIVATIONS, GRADIENTS, PARAMETERS, TEMPORARIES, Sizes, Tape, Timeline
+from memcalc.sizing.timeline.hf_walk import WHY_SAVED, HfWalk, norm_names
+from memcalc.sizing.timeline.tape import GRADIENTS, PARAMETERS, Sizes, Tape, Timeline
 from memcalc.sizing.timeline.zero import Zero
 
-_WHY_SAVED = "kept for backward (the hf ledger); freed when the op that keeps it has run backward"
-_WHY_WGRAD = "the weight's bf16 gradient, added into the fp32 buffer and dropped when autograd hands it over"
 _ROPE = (rules.ROPE_COS.name, rules.ROPE_SIN.name)
 
 
@@ -177,60 +175,9 @@ def _experts_missing(config: ModelConfig, strategy: Strategy) -> list[tuple[bool
     ]
 
 
-@dataclass
-class _Step:
-    """The walk: the tape, the sizes, the config and one layer's saved bytes by ledger name."""
-
-    tape: Tape
-    z: Sizes
-    config: ModelConfig
-    saved: dict[str, int]
-    in_backward: bool = False  # what is made from here on is a temporary, as MemTracker files it
-    fsdp: Fsdp | Zero | None = None  # FSDP2's gathers and reduce-scatters around each block (dp_shard), or ZeRO's
-
-    # -- sizes ------------------------------------------------------------------------------------
-
-    def fp32(self, width: int) -> int:
-        """Bytes of an fp32 (b, s, width) tensor."""
-        return self.z.tokens(4 * width)
-
-    def scores(self, width: int) -> int:
-        """Bytes of a (b, a, s, s) tensor of `width`-byte elements."""
-        z = self.z
-        return width * z.b * z.a_t * z.s * z.s
-
-    @property
-    def kv(self) -> int:
-        """K or V projection columns on this rank: g (under tp g/t) groups of d."""
-        return self.z.g_t * self.z.d
-
-    @property
-    def q(self) -> int:
-        """Query (and o_proj input) columns on this rank: a (under tp a/t) heads of d."""
-        return self.z.a_t * self.z.d
-
-    @property
-    def tp(self) -> bool:
-        """transformers' tp_plan lays the model over t > 1 ranks (DTensor: memcalc.probe.libs.hf_tp)."""
-        return self.z.t > 1
-
-    @property
-    def logits(self) -> int:
-        """Bytes of the bf16 logits, (b, s, v): lm_head's "colwise_gather_output" gathers every rank's columns."""
-        z = self.z
-        return z.act * z.b * z.s * self.config.vocab_size
-
-    @property
-    def eager(self) -> bool:
-        return self.config.attention == "eager"
-
-    @property
-    def tied(self) -> bool:
-        return self.config.tie_embeddings
-
-    def add(self, name: str, nbytes: int, why: str) -> None:
-        """A temporary (made in backward), or an activation while forward runs."""
-        self.tape.add(name, TEMPORARIES if self.in_backward else ACTIVATIONS, nbytes, why)
+class _Forward(HfWalk):
+    """The rotary buffers among the steady states; forward: the batch, the embedding, the layers, the final norm,
+    the loss."""
 
     # -- steady state -----------------------------------------------------------------------------
 
@@ -283,9 +230,9 @@ class _Step:
                 continue
             if moe.is_per_expert(name):  # one storage per expert, freed as its expert's backward runs
                 for e in range(experts):
-                    self.add(moe.kept(p, name, e), nbytes // experts, _WHY_SAVED)
+                    self.add(moe.kept(p, name, e), nbytes // experts, WHY_SAVED)
             else:
-                self.add(f"{p}/{name}", nbytes, _WHY_SAVED)
+                self.add(f"{p}/{name}", nbytes, WHY_SAVED)
         self.add(f"{p}/mid", z.full(z.h), "the residual stream after attention: ln2's input and the MLP's residual")
         if self.config.moe:  # its widest moments, then what it returns
             moe.block_forward(self, p, f"model.layers.{i}")
@@ -302,12 +249,12 @@ class _Step:
     def final_norm_forward(self) -> None:
         """model.norm at its widest: weight * x.to(bf16), with the fp32 locals not yet gone."""
         z, out = self.z, "final_norm"
-        norm = _norm_names(out)
-        self.add(norm.input_fp32, self.fp32(z.h), _WHY_SAVED)
+        norm = norm_names(out)
+        self.add(norm.input_fp32, self.fp32(z.h), WHY_SAVED)
         self.add(f"{out}/variance", z.tokens(4), "pow(2).mean(-1): a local, live until the norm returns")
-        self.add(norm.rstd, z.tokens(4), _WHY_SAVED)
+        self.add(norm.rstd, z.tokens(4), WHY_SAVED)
         self.add(f"{out}/normalised fp32", self.fp32(z.h), "x * rsqrt(.): a local, live until the norm returns")
-        self.add(norm.normed, z.full(z.h), _WHY_SAVED)
+        self.add(norm.normed, z.full(z.h), WHY_SAVED)
         self.add(ledger.OUTPUT_INPUT.name, z.full(z.h), "weight * (.): lm_head's input, which it keeps")
         self.tape.mark("forward", "model.norm", "RMSNorm at its widest: fp32 input and output, bf16 output")
         layers = self.config.L
@@ -341,125 +288,9 @@ class _Step:
         self.add("lm_head/local logits", local, "this rank's columns of the logits (ColwiseParallel, Shard(-1))")
         self.add("lm_head/gathered", z.t * local, "all_gather_into_tensor's (t*b, s, v/t) buffer")
 
-    # -- backward ---------------------------------------------------------------------------------
 
-    def backward(self) -> None:
-        """loss.backward(): the loss, lm_head, the final norm, the layers in reverse, the embedding."""
-        self.add("loss/grad seed", 4, "loss.backward() starts from a 0-d ones tensor, made before autograd runs")
-        self.in_backward = True
-        if self.fsdp is not None:  # the root's post-forward, then its pre-backward: the last layer's all-gather
-            self.fsdp.forward_done(self.tape)
-            self.fsdp.pre_backward(self.tape, ROOT, "", f"layers.{self.config.L - 1}")
-        self.loss_backward()
-        self.lm_head_backward()
-        self.drop_partial("grad/lm_head input")
-        last = f"grad/layers.{self.config.L - 1}/output"
-        self.rms_norm_backward("model.norm", "final_norm", "grad/lm_head input", last)
-        for i in reversed(range(self.config.L)):
-            self.layer_backward(i)
-        self.embedding_backward()
-        if self.fsdp is not None:  # the final callback, inside backward(): the root's post-backward (no module
-            self.fsdp.post_backward(self.tape, ROOT, "")  # active), then the last reduce-scatter waited on
-            self.tape.drop(f"fsdp/{ROOT} reduce-scatter", "loss/grad seed")
-
-    def loss_backward(self) -> None:
-        """nll_loss's and log_softmax's fp32 gradients, then the upcast's: back to bf16."""
-        logits = self.logits
-        self.add("grad/log_softmax", 2 * logits, "nll_loss's backward: -1/N at each target, zero elsewhere (fp32)")
-        self.tape.drop("loss/shift_labels", "loss/padded labels", "loss/total_weight")  # nll_loss's target
-        self.add("grad/logits fp32", 2 * logits, "log_softmax's backward, in fp32")
-        self.tape.mark("backward", "", "log_softmax's backward: three fp32 (b*s, v) tensors")
-        self.tape.drop("grad/log_softmax", "loss/log_softmax")
-        self.add("grad/logits", logits, "the upcast's backward: the gradient cast back to bf16")
-        self.tape.drop("grad/logits fp32")
-
-    def lm_head_backward(self) -> None:
-        """lm_head's GEMMs; a tied weight's gradient waits in autograd's input buffer for the embedding's."""
-        z, grad = self.z, "grad/logits"
-        if self.tp:  # the gather's backward: this rank's columns of the whole gradient (Replicate -> Shard(-1))
-            grad = "grad/lm_head local logits"
-            self.add(grad, z.act * z.b * z.s * z.v_t, "this rank's columns of the logits' gradient, made contiguous")
-            self.tape.mark("backward", "lm_head", "this rank's columns of the logits' gradient")
-            self.tape.drop("grad/logits")
-        self.linear_backward("lm_head", grad, z.act * z.v_t * z.h, "grad/lm_head input", z.full(z.h),
-                             ledger.OUTPUT_INPUT.name, waits="grad/embedding (lm_head)" if self.tied else None,
-                             reduced=self.tp)
-
-    def linear_backward(
-        self, where: str, grad: str | None, weight: int, dx: str, dx_bytes: int, kept: str | None,
-        waits: str | None = None, reduced: bool = False,
-    ) -> None:
-        """nn.Linear's backward: dW = dY^T X, then dX = dY W, beside dY; then its kept input and dY go (dY stays
-        where the residual stream still needs it: `grad` None), and dW is handed over unless it `waits`.
-
-        `reduced`: a "colwise" linear under tp, whose dX is a Partial sum that the backward of DTensor.from_local
-        all-reduces into a new tensor (the paper's f); the partial one goes when the next op runs (`drop_partial`).
-        """
-        partial = f"{dx} (partial)" if reduced else dx
-        self.add(waits or f"grad/{where} weight", weight,
-                 "the tied weight's gradient, waiting in autograd's input buffer" if waits else _WHY_WGRAD)
-        why = "dX = dY W, the input's gradient" + (", this rank's partial sum" if reduced else "")
-        self.add(partial, dx_bytes, why)
-        self.tape.mark("backward", where, "GEMMs: dW and dX")
-        self.tape.drop(*(x for x in (grad, kept) if x))
-        if not waits:
-            self.hand_over(where, f"grad/{where} weight", weight)
-        if reduced:
-            self.add(dx, dx_bytes, "the input's gradient all-reduced over the ranks (DTensor: Partial -> Replicate)")
-            self.tape.mark("backward", where, "dX all-reduced")
-
-    def hand_over(self, where: str, name: str, nbytes: int) -> None:
-        """A weight's gradient handed to autograd: added into the fp32 buffer and dropped, or under FSDP2 kept as
-        the unsharded parameter's .grad until its block's reduce-scatter."""
-        self.tape.drop(name)
-        if self.fsdp is not None:
-            self.fsdp.keep_grad(self.tape, self.fsdp.block_of(where), where, nbytes)
-
-    def drop_partial(self, dx: str) -> None:
-        """The partial sum a reduced dX was made from, freed when the next op runs (none without tp)."""
-        self.tape.drop(f"{dx} (partial)")
-
-    def rms_norm_backward(self, where: str, p: str, grad: str, out: str, residual: str | None = None) -> None:
-        """LlamaRMSNorm's backward as autograd runs its eager ops: weight * y, y.to(bf16), x * r, rsqrt, mean, pow.
-
-        Its widest moment is pow's backward: x's fp32 gradient through x * r, the mean's spread
-        gradient and pow's three products, five fp32 (b, s, h) tensors. With a residual, the
-        norm's dX and the residual stream's gradient are then summed.
-        """
-        z, tape, add = self.z, self.tape, self.add
-        norm = _norm_names(p)
-        add(f"{where}/dY w", z.full(z.h), "weight * y's backward: dY * weight")
-        add(f"{where}/dY y", z.full(z.h), "weight * y's backward: dY * y, then summed to the weight's shape")
-        add(f"{where}/dweight", z.act * z.h, _WHY_WGRAD)
-        tape.drop(f"{where}/dY y")
-        self.hand_over(where, f"{where}/dweight", z.act * z.h)
-        tape.drop(grad, norm.normed)
-        add(f"{where}/dy fp32", self.fp32(z.h), "y.to(bf16)'s backward: the gradient cast up to fp32")
-        tape.drop(f"{where}/dY w")
-        add(f"{where}/dx (x * r)", self.fp32(z.h), "x * r's backward: dy * r")
-        add(f"{where}/dr full", self.fp32(z.h), "x * r's backward: dy * x, then summed over h")
-        add(f"{where}/dr", z.tokens(4), "the rstd's gradient, (b, s, 1) fp32")
-        tape.drop(f"{where}/dy fp32", f"{where}/dr full")
-        for name in ("r^3", "-r^3 / 2"):
-            add(f"{where}/{name}", z.tokens(4), "rsqrt's backward, (b, s, 1) fp32")
-        add(f"{where}/dvariance", z.tokens(4), "rsqrt's backward: dr * -r^3 / 2")
-        tape.drop(f"{where}/r^3", f"{where}/-r^3 / 2", f"{where}/dr", norm.rstd)
-        add(f"{where}/dpow", self.fp32(z.h), "mean's backward: dvariance spread over h and divided by h")
-        tape.drop(f"{where}/dvariance")
-        add(f"{where}/x^1", self.fp32(z.h), "pow(2)'s backward: x^1")
-        add(f"{where}/2x", self.fp32(z.h), "pow(2)'s backward: 2 * x^1")
-        add(f"{where}/dx (pow)", self.fp32(z.h), "pow(2)'s backward: dpow * 2x")
-        tape.mark("backward", where, "RMSNorm's backward at its widest: five fp32 (b, s, h) temporaries")
-        tape.drop(f"{where}/x^1", f"{where}/2x", f"{where}/dpow", norm.input_fp32)
-        add(f"{where}/dx fp32", self.fp32(z.h), "autograd sums x's two fp32 gradients (x * r and pow)")
-        add(out if residual is None else f"{where}/dx", z.full(z.h), "x.to(float32)'s backward: cast back to bf16")
-        tape.drop(f"{where}/dx (x * r)", f"{where}/dx (pow)")
-        tape.drop(f"{where}/dx fp32")
-        if residual is not None:
-            add(out, z.full(z.h), "the residual stream's gradient: the norm's dX and the residual's summed")
-            tape.drop(f"{where}/dx", residual)
-
-    # -- one decoder layer ------------------------------------------------------------------------
+class _LayerBackward(HfWalk):
+    """One decoder layer's backward, op by op."""
 
     def layer_backward(self, i: int) -> None:
         """The layer's backward, op by op: the MLP, ln2 and its residual sum, attention, ln1 and its residual sum."""
@@ -598,6 +429,52 @@ class _Step:
         tape.drop(f"{g} cos", f"{g} rotate_half", f"{g} heads")
         tape.rename(f"{g} pre-rope", f"{g} heads")
 
+
+class _Step(_Forward, _LayerBackward):
+    """The whole step: forward, then loss.backward() from the loss through the layers to the embedding."""
+
+    def backward(self) -> None:
+        """loss.backward(): the loss, lm_head, the final norm, the layers in reverse, the embedding."""
+        self.add("loss/grad seed", 4, "loss.backward() starts from a 0-d ones tensor, made before autograd runs")
+        self.in_backward = True
+        if self.fsdp is not None:  # the root's post-forward, then its pre-backward: the last layer's all-gather
+            self.fsdp.forward_done(self.tape)
+            self.fsdp.pre_backward(self.tape, ROOT, "", f"layers.{self.config.L - 1}")
+        self.loss_backward()
+        self.lm_head_backward()
+        self.drop_partial("grad/lm_head input")
+        last = f"grad/layers.{self.config.L - 1}/output"
+        self.rms_norm_backward("model.norm", "final_norm", "grad/lm_head input", last)
+        for i in reversed(range(self.config.L)):
+            self.layer_backward(i)
+        self.embedding_backward()
+        if self.fsdp is not None:  # the final callback, inside backward(): the root's post-backward (no module
+            self.fsdp.post_backward(self.tape, ROOT, "")  # active), then the last reduce-scatter waited on
+            self.tape.drop(f"fsdp/{ROOT} reduce-scatter", "loss/grad seed")
+
+    def loss_backward(self) -> None:
+        """nll_loss's and log_softmax's fp32 gradients, then the upcast's: back to bf16."""
+        logits = self.logits
+        self.add("grad/log_softmax", 2 * logits, "nll_loss's backward: -1/N at each target, zero elsewhere (fp32)")
+        self.tape.drop("loss/shift_labels", "loss/padded labels", "loss/total_weight")  # nll_loss's target
+        self.add("grad/logits fp32", 2 * logits, "log_softmax's backward, in fp32")
+        self.tape.mark("backward", "", "log_softmax's backward: three fp32 (b*s, v) tensors")
+        self.tape.drop("grad/log_softmax", "loss/log_softmax")
+        self.add("grad/logits", logits, "the upcast's backward: the gradient cast back to bf16")
+        self.tape.drop("grad/logits fp32")
+
+    def lm_head_backward(self) -> None:
+        """lm_head's GEMMs; a tied weight's gradient waits in autograd's input buffer for the embedding's."""
+        z, grad = self.z, "grad/logits"
+        if self.tp:  # the gather's backward: this rank's columns of the whole gradient (Replicate -> Shard(-1))
+            grad = "grad/lm_head local logits"
+            self.add(grad, z.act * z.b * z.s * z.v_t, "this rank's columns of the logits' gradient, made contiguous")
+            self.tape.mark("backward", "lm_head", "this rank's columns of the logits' gradient")
+            self.tape.drop("grad/logits")
+        self.linear_backward("lm_head", grad, z.act * z.v_t * z.h, "grad/lm_head input", z.full(z.h),
+                             ledger.OUTPUT_INPUT.name, waits="grad/embedding (lm_head)" if self.tied else None,
+                             reduced=self.tp)
+
     def embedding_backward(self) -> None:
         """The embedding's gradient, dY added into the rows the ids picked; tied, summed with lm_head's."""
         z, tape = self.z, self.tape
@@ -624,16 +501,3 @@ class _Step:
                   "grad/embedding (lm_head)", "grad/embedding (sum)")
         if self.fsdp is None:  # under FSDP2 the final callback runs before backward() returns and frees it
             tape.drop("loss/grad seed")
-
-
-class _NormNames(NamedTuple):
-    """Where one LlamaRMSNorm's kept tensors (memcalc.model.impls.hf.RMSNormTensors) live on the tape."""
-
-    input_fp32: str
-    rstd: str
-    normed: str
-
-
-def _norm_names(prefix: str) -> _NormNames:
-    """An RMSNorm's three kept tensors' names under `prefix` ("layers.0/ln2", "final_norm"), as the ledger's."""
-    return _NormNames(*(f"{prefix}/{x.name.partition('/')[2]}" for x in rules.LN1_RMS))

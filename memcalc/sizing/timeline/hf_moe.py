@@ -40,10 +40,10 @@ from typing import TYPE_CHECKING
 
 from memcalc.model import ledger
 from memcalc.model.impls import hf as rules
+from memcalc.sizing.timeline.hf_walk import WHY_WGRAD, HfWalk
 
 if TYPE_CHECKING:
     from memcalc.config.schema import ModelConfig
-    from memcalc.sizing.timeline.hf import _Step
 
 # The block's tensors kept one storage per expert: the ledger's row is E of them (memcalc.probe.libs.hf
 # merges them the same way).
@@ -69,7 +69,7 @@ def kept(p: str, name: str, e: int) -> str:
     return f"{p}/{name}[{e}]"
 
 
-def block_forward(step: _Step, p: str, m: str) -> None:
+def block_forward(step: HfWalk, p: str, m: str) -> None:
     """The block's widest forward moments, with `{p}/mlp output` (what the block returns) live after them.
 
     The last expert's weighted output (cast to bf16 in Mixtral's, already bf16 in Qwen2-MoE's): every expert's
@@ -113,7 +113,7 @@ def _shared(config: ModelConfig) -> bool:
     return bool(config.moe_shared_expert_intermediate_size)
 
 
-def moe_backward(step: _Step, p: str, m: str) -> None:
+def moe_backward(step: HfWalk, p: str, m: str) -> None:
     """The block's backward: the shared expert's gate (Qwen2-MoE), each expert, the last first, the router, the
     shared expert; ends with ln2's output gradient, every path's input gradient summed as autograd adds them."""
     shared, experts = _shared(step.config), step.config.num_experts
@@ -129,7 +129,7 @@ def moe_backward(step: _Step, p: str, m: str) -> None:
     step.tape.drop(f"grad/{p}/routing weights")
 
 
-def _expert_backward(step: _Step, p: str, m: str, e: int, i: int, last: bool) -> None:
+def _expert_backward(step: HfWalk, p: str, m: str, e: int, i: int, last: bool) -> None:
     """Expert e's ops, after i gradients reached the block's input: the combine, down_proj, SwiGLU, gate_up, the
     gather."""
     _combine_backward(step, p, m, e, i)
@@ -156,13 +156,13 @@ def _expert_backward(step: _Step, p: str, m: str, e: int, i: int, last: bool) ->
     _gather_backward(step, p, g, e, i)
 
 
-def _slots(step: _Step) -> int:
+def _slots(step: HfWalk) -> int:
     """r_e: the slots each expert gets under the balanced bound, kbs/E."""
     c = step.config
     return c.moe_router_topk * c.b * c.s // c.num_experts
 
 
-def _combine_backward(step: _Step, p: str, m: str, e: int, i: int) -> None:
+def _combine_backward(step: HfWalk, p: str, m: str, e: int, i: int) -> None:
     """index_add_'s (and in Mixtral's block the cast's) backward, the routing weight's product's; the weight's
     gradient put into a (b*s, k) zero tensor (fp32 in Mixtral's block, bf16 in Qwen2-MoE's)."""
     z, g, r, add, drop = step.z, f"grad/{p}/expert {e}", _slots(step), step.add, step.tape.drop
@@ -192,7 +192,7 @@ def _combine_backward(step: _Step, p: str, m: str, e: int, i: int) -> None:
                 width * tokens * k, "the routing weights' gradient, (b*s, k), summed over the experts")
 
 
-def _select_backward(step: _Step, p: str, where: str, g: str, proj: str, nbytes: int, first: bool, last: bool,
+def _select_backward(step: HfWalk, p: str, where: str, g: str, proj: str, nbytes: int, first: bool, last: bool,
                      dw: str) -> None:
     """proj[e]'s select backward: dW in a zero (E, ...) tensor; from the second expert on summed with the sum
     before, a new tensor; the last expert's sum is handed to the parameter (and into the fp32 buffer)."""
@@ -210,7 +210,7 @@ def _select_backward(step: _Step, p: str, where: str, g: str, proj: str, nbytes:
         step.tape.drop(total)
 
 
-def _gather_backward(step: _Step, p: str, g: str, e: int, i: int) -> None:
+def _gather_backward(step: HfWalk, p: str, g: str, e: int, i: int) -> None:
     """hidden_states[token_idx]'s backward: dX put into a zero (b*s, h) tensor, summed with the block input's
     gradients before it (i of them)."""
     z, add = step.z, step.add
@@ -221,7 +221,7 @@ def _gather_backward(step: _Step, p: str, g: str, e: int, i: int) -> None:
                 "the block input's gradient, summed over its paths as autograd reaches them")
 
 
-def _accumulate(step: _Step, total: str, new: str, i: int, nbytes: int, why: str) -> None:
+def _accumulate(step: HfWalk, total: str, new: str, i: int, nbytes: int, why: str) -> None:
     """Autograd's sum of one more gradient into `total`, which i gradients made before: a new tensor unless first."""
     if not i:
         step.tape.rename(new, total)
@@ -231,7 +231,7 @@ def _accumulate(step: _Step, total: str, new: str, i: int, nbytes: int, why: str
     step.tape.rename(f"{total} (sum)", total)
 
 
-def _summed(step: _Step, p: str, dx: str, where: str, what: str, final: bool) -> None:
+def _summed(step: HfWalk, p: str, dx: str, where: str, what: str, final: bool) -> None:
     """One more path's dX added into the block input's gradient, a new tensor: the last is ln2's output
     gradient."""
     out = f"grad/{p}/ln2 output" if final else f"grad/{p}/block input (sum)"
@@ -242,7 +242,7 @@ def _summed(step: _Step, p: str, dx: str, where: str, what: str, final: bool) ->
         step.tape.rename(out, f"grad/{p}/block input")
 
 
-def _router_backward(step: _Step, p: str, m: str, final: bool) -> None:
+def _router_backward(step: HfWalk, p: str, m: str, final: bool) -> None:
     """The router's backward: the division, top-k, the fp32 softmax, the cast, F.linear; then dX summed with the
     block input's other gradients (ln2's output gradient in Mixtral's block, whose router runs last).
 
@@ -266,7 +266,7 @@ def _router_backward(step: _Step, p: str, m: str, final: bool) -> None:
 # -- Qwen2-MoE's shared expert: an MLP of width u on every token, gated by sigmoid(shared_expert_gate(x)) ---------
 
 
-def _shared_gate_backward(step: _Step, p: str, m: str) -> None:
+def _shared_gate_backward(step: HfWalk, p: str, m: str) -> None:
     """The gate's product, its sigmoid and its (1, h) linear, autograd's first ops in the block: the gate's dX
     starts the block input's gradient."""
     z, add, drop = step.z, step.add, step.tape.drop
@@ -283,30 +283,27 @@ def _shared_gate_backward(step: _Step, p: str, m: str) -> None:
     drop(f"{g}/gate logits", f"{g}/gate weight")
 
 
-def _shared_expert_backward(step: _Step, p: str, m: str) -> None:
+def _shared_expert_backward(step: HfWalk, p: str, m: str) -> None:
     """Qwen2MoeMLP's backward, autograd's last in the block: down_proj, SiLU(gate) * up, up_proj, SiLU, gate_proj;
     up_proj's and gate_proj's dX summed into the block input's gradient, the last into ln2's."""
     z, add, drop, u = step.z, step.add, step.tape.drop, step.config.moe_shared_expert_intermediate_size
     g, s = f"grad/{p}/shared", f"{m}.mlp.shared_expert"
-    add(f"{g}/down weight", z.act * z.h * u, _WHY_WGRAD)
+    add(f"{g}/down weight", z.act * z.h * u, WHY_WGRAD)
     add(f"{g}/down dX", z.full(u), "down_proj's dX = dY W, (b*s, u)")
     step.tape.mark("backward", f"{s}.down_proj", "the shared expert's down_proj: dW and dX")
     drop(f"{g}/down weight", f"{p}/{ledger.SHARED_FC2_IN.name}", f"{g}/out")
     add(f"{g}/up", z.full(u), "SiLU(gate) * up's backward: dY * SiLU(gate)")
     add(f"{g}/silu", z.full(u), "SiLU(gate) * up's backward: dY * up")
     drop(f"{p}/{ledger.SHARED_UP.name}", f"{p}/{ledger.SHARED_SILU_OUT.name}", f"{g}/down dX")
-    add(f"{g}/up weight", z.act * u * z.h, _WHY_WGRAD)
+    add(f"{g}/up weight", z.act * u * z.h, WHY_WGRAD)
     add(f"{g}/up dX", z.full(z.h), "up_proj's dX = dY W")
     drop(f"{g}/up")
     _summed(step, p, f"{g}/up dX", f"{s}.up_proj", "the shared expert's up_proj dX summed into the block's", False)
     drop(f"{g}/up weight")
     add(f"{g}/gate", z.full(u), "SiLU's backward, at its kept input")
     drop(f"{p}/{ledger.SHARED_GATE.name}", f"{g}/silu")
-    add(f"{g}/gate weight", z.act * u * z.h, _WHY_WGRAD)
+    add(f"{g}/gate weight", z.act * u * z.h, WHY_WGRAD)
     add(f"{g}/gate dX", z.full(z.h), "gate_proj's dX = dY W")
     drop(f"{p}/{ledger.MOE_IN.name}", f"{g}/gate")  # gate_proj is the block input's last reader
     _summed(step, p, f"{g}/gate dX", f"{s}.gate_proj", "the shared expert's gate_proj dX: ln2's output gradient", True)
     drop(f"{g}/gate weight")
-
-
-_WHY_WGRAD = "the weight's bf16 gradient, added into the fp32 buffer and dropped when autograd hands it over"

@@ -12,7 +12,6 @@ import yaml
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from memcalc.config.schema import build_config  # noqa: E402
 from memcalc.model.knobs import Accounting  # noqa: E402
 from memcalc.model.strategy import STRATEGIES  # noqa: E402
 from memcalc.probe.launch import run_fake  # noqa: E402
@@ -23,24 +22,18 @@ from memcalc.sizing.timeline import OPTIMIZER, PARAMETERS, timeline  # noqa: E40
 
 from ..step_readings import assert_moments_in_order, reading_every_op  # noqa: E402
 from tests.cli import memcalc_cli  # noqa: E402
+from tests.helpers import LLAMA_HF, make_config  # noqa: E402
 
 # Llama-style, as tests/probe/libs/test_hf_step.py's, with every weight's first dimension a multiple of 8.
-LLAMA = dict(
-    impl="hf", b=2, s=24, h=64, a=8, L=2, vocab_size=256, mlp="swiglu", ffn_hidden_size=176, norm="rmsnorm",
-    num_query_groups=2, position_embedding_type="rope", add_bias_linear=False, dropout=0.0, tie_embeddings=False,
-    attention="flash",
-)
+LLAMA = LLAMA_HF | {"vocab_size": 256, "attention": "flash"}
 SHARDS = [2, 4, 8]
 RESHARD = [True, False]
 
 
-def _config(n, reshard, **changes):
-    return build_config(LLAMA | {"dp_shard": n, "reshard_after_forward": reshard} | changes)
-
-
 @pytest.fixture(scope="module")
 def measured(one_thread):
-    return {(n, reshard): measure_step(_config(n, reshard), ["none"])[0] for n in SHARDS for reshard in RESHARD}
+    return {(n, reshard): measure_step(make_config(LLAMA, dp_shard=n, reshard_after_forward=reshard), ["none"])[0]
+            for n in SHARDS for reshard in RESHARD}
 
 
 @pytest.mark.parametrize("reshard", RESHARD)
@@ -56,12 +49,13 @@ def test_the_peak_every_category_and_the_steady_state_are_fsdpmemtrackers_to_the
 def test_between_steps_each_rank_holds_16_bytes_a_parameter_over_dp_shard(measured, n):
     """fp32 shards, AdamW's m and v (and a 4-byte step per parameter tensor); gradients set to None."""
     steady = measured[n, True].measured.steady
-    params = total_params(_config(n, True))
+    config = make_config(LLAMA, dp_shard=n, reshard_after_forward=True)
+    params = total_params(config)
     rotary = 2 * 4 * (LLAMA["h"] // LLAMA["a"] // 2)  # LlamaRotaryEmbedding's two fp32 (d/2,) buffers
     assert steady[PARAMETERS] == 4 * params // n + rotary
     tensors = 9 * LLAMA["L"] + 3  # nine a decoder layer; embedding, final norm, lm_head
     assert steady[OPTIMIZER] == 8 * params // n + 4 * tensors
-    assert sum(state_bytes(_config(n, True), params).values()) == 16 * params // n
+    assert sum(state_bytes(config, params).values()) == 16 * params // n
 
 
 def test_the_chosen_sizes_put_the_peak_in_forward_and_in_backward(measured):
@@ -73,7 +67,7 @@ def test_the_chosen_sizes_put_the_peak_in_forward_and_in_backward(measured):
 @pytest.mark.parametrize("attention", ["eager", "flash"])
 def test_every_moment_the_fsdp_walk_names_happens_in_order_in_its_module_with_its_bytes(one_thread, attention,
                                                                                          reshard, reduce):
-    config = _config(4, reshard, attention=attention, reduce_dtype=reduce)
+    config = make_config(LLAMA, dp_shard=4, reshard_after_forward=reshard, attention=attention, reduce_dtype=reduce)
     predicted = timeline(config, STRATEGIES["none"], Accounting(exact=True, device="cpu"))
     assert_moments_in_order(predicted.moments[1:], _readings(config))  # [0]: before the step
 
@@ -95,7 +89,7 @@ def _readings(config):
 @pytest.mark.parametrize("attention", ["eager", "flash"])
 def test_on_a_2d_mesh_every_moment_happens_in_order_with_its_bytes(one_thread, attention, reshard):
     """transformers' tp_plan over the mesh's inner dimension (t = 2), FSDP2 over its outer one (dp_shard = 2)."""
-    config = _config(2, reshard, attention=attention, t=2)
+    config = make_config(LLAMA, dp_shard=2, reshard_after_forward=reshard, attention=attention, t=2)
     predicted = timeline(config, STRATEGIES["tp"], Accounting(exact=True, device="cpu"))
     assert_moments_in_order(predicted.moments[1:], _readings(config))
 
@@ -103,7 +97,7 @@ def test_on_a_2d_mesh_every_moment_happens_in_order_with_its_bytes(one_thread, a
 @pytest.mark.parametrize("reshard", RESHARD)
 @pytest.mark.parametrize("n", [2, 4])
 def test_on_a_2d_mesh_the_peak_and_the_steady_state_are_fsdpmemtrackers_to_the_byte(one_thread, n, reshard):
-    (r,) = measure_step(_config(n, reshard, t=2), ["tp"])
+    (r,) = measure_step(make_config(LLAMA, dp_shard=n, reshard_after_forward=reshard, t=2), ["tp"])
     assert [row.difference for row in r.rows("peak")] == [0] * 6, r.rows("peak")
     assert [row.difference for row in r.rows("steady")] == [0] * 6, r.rows("steady")
     assert r.moment_matches, (r.predicted_moment, r.measured.moment)
@@ -123,10 +117,11 @@ def test_estimate_totals_json_reports_the_measured_peak(measured, tmp_path, n):
 def test_hsdp_replicates_the_shard_group_and_every_moment_is_fsdp2s_alone(one_thread):
     """HSDP over a (dp_replicate, dp_shard) mesh: the same states and transients as FSDP2 over dp_shard (its
     all-reduce across replicas runs in place on the reduce-scatter's output)."""
-    config = _config(2, True, dp_replicate=2)
+    config = make_config(LLAMA, dp_shard=2, reshard_after_forward=True, dp_replicate=2)
     cpu = Accounting(exact=True, device="cpu")
     predicted = timeline(config, STRATEGIES["none"], cpu)
-    assert predicted.moments == timeline(_config(2, True), STRATEGIES["none"], cpu).moments
+    unreplicated = make_config(LLAMA, dp_shard=2, reshard_after_forward=True)
+    assert predicted.moments == timeline(unreplicated, STRATEGIES["none"], cpu).moments
     assert_moments_in_order(predicted.moments[1:], _readings(config))
 
 
@@ -153,6 +148,6 @@ def test_hsdp_under_tp_the_peak_and_the_steady_state_are_fsdpmemtrackers_to_the_
 
 @pytest.mark.parametrize("reshard", RESHARD)
 def test_tied_embeddings_hand_fsdp2_the_two_gradients_summed_and_every_moment_happens_in_order(one_thread, reshard):
-    config = _config(2, reshard, tie_embeddings=True)
+    config = make_config(LLAMA, dp_shard=2, reshard_after_forward=reshard, tie_embeddings=True)
     predicted = timeline(config, STRATEGIES["none"], Accounting(exact=True, device="cpu"))
     assert_moments_in_order(predicted.moments[1:], _readings(config))

@@ -9,7 +9,6 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from memcalc.config.schema import build_config  # noqa: E402
 from memcalc.model.knobs import Accounting  # noqa: E402
 from memcalc.model.strategy import STRATEGIES  # noqa: E402
 from memcalc.errors import ConfigError  # noqa: E402
@@ -19,19 +18,12 @@ from memcalc.probe.libs.hf_step import warmed_up  # noqa: E402
 from memcalc.probe.step import measure_step  # noqa: E402
 from memcalc.sizing.timeline import ACTIVATIONS, PARAMETERS, TEMPORARIES, timeline  # noqa: E402
 
+from tests.helpers import LLAMA_HF as LLAMA, make_config  # noqa: E402
+
 from ..step_readings import assert_moments_in_order, readings_after_every_op  # noqa: E402
 
-# Llama-style: SwiGLU (f = 176), RMSNorm, two K/V groups for eight heads, RoPE, no biases, no dropout, untied.
-LLAMA = dict(
-    impl="hf", b=2, s=24, h=64, a=8, L=2, vocab_size=250, mlp="swiglu", ffn_hidden_size=176, norm="rmsnorm",
-    num_query_groups=2, position_embedding_type="rope", add_bias_linear=False, dropout=0.0, tie_embeddings=False,
-)
 ATTENTIONS = ["eager", "flash"]  # transformers' attn_implementation "eager" and "sdpa"
 CPU = Accounting(exact=True, device="cpu")
-
-
-def _config(attention, **changes):
-    return build_config(LLAMA | {"attention": attention} | changes)
 
 
 LAYOUTS = ["none", "tp"]  # transformers runs no sequence parallelism (memcalc.model.impls.hf.NO_SEQUENCE_PARALLEL)
@@ -40,7 +32,7 @@ LAYOUTS = ["none", "tp"]  # transformers runs no sequence parallelism (memcalc.m
 @pytest.fixture(scope="module")
 def measured(one_thread):
     return {(attention, r.strategy.name): r for attention in ATTENTIONS
-            for r in measure_step(_config(attention, t=2), LAYOUTS)}
+            for r in measure_step(make_config(LLAMA, attention=attention, t=2), LAYOUTS)}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -90,13 +82,13 @@ MOMENTS = [
 
 def test_the_chosen_sizes_put_the_peak_in_six_different_places():
     """What gives the next test its meaning: no two cases share a predicted moment."""
-    moments = {timeline(_config(a, **c), STRATEGIES["none"], CPU).peak.label() for a, c in MOMENTS}
+    moments = {timeline(make_config(LLAMA, attention=a, **c), STRATEGIES["none"], CPU).peak.label() for a, c in MOMENTS}
     assert len(moments) == len(MOMENTS), moments
 
 
 @pytest.mark.parametrize("attention, changes", MOMENTS[1:], ids=str)
 def test_wherever_the_peak_is_memtracker_reaches_it_there_to_the_byte(one_thread, attention, changes):
-    (r,) = measure_step(_config(attention, **changes), ["none"])
+    (r,) = measure_step(make_config(LLAMA, attention=attention, **changes), ["none"])
     assert r.measured.moment == r.predicted_moment
     assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
 
@@ -109,7 +101,7 @@ def test_wherever_the_peak_is_memtracker_reaches_it_there_to_the_byte(one_thread
 ], ids=str)
 def test_every_moment_the_timeline_names_happens_in_order_in_its_module_with_its_bytes(one_thread, attention, changes):
     """Not only the peak: each moment is MemTracker's reading after some op, in the named module, in order."""
-    config = _config(attention, **changes)
+    config = make_config(LLAMA, attention=attention, **changes)
     readings = readings_after_every_op(warmed_up(single(), config, STRATEGIES["none"]))
     assert_moments_in_order(timeline(config, STRATEGIES["none"], CPU).moments[1:], readings)
 
@@ -126,13 +118,14 @@ TP_MOMENTS = [
 
 
 def test_under_tp_the_chosen_sizes_put_the_peak_in_five_different_places():
-    moments = {timeline(_config(a, t=2, **c), STRATEGIES["tp"], CPU).peak.label() for a, c in TP_MOMENTS}
+    moments = {timeline(make_config(LLAMA, attention=a, t=2, **c), STRATEGIES["tp"], CPU).peak.label()
+               for a, c in TP_MOMENTS}
     assert len(moments) == len(TP_MOMENTS), moments
 
 
 @pytest.mark.parametrize("attention, changes", TP_MOMENTS[1:], ids=str)
 def test_under_tp_wherever_the_peak_is_memtracker_reaches_it_there_to_the_byte(one_thread, attention, changes):
-    (r,) = measure_step(_config(attention, t=2, **changes), ["tp"])
+    (r,) = measure_step(make_config(LLAMA, attention=attention, t=2, **changes), ["tp"])
     assert r.measured.moment == r.predicted_moment
     assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
 
@@ -145,7 +138,7 @@ def test_under_tp_wherever_the_peak_is_memtracker_reaches_it_there_to_the_byte(o
 ], ids=str)
 def test_under_tp_every_moment_the_timeline_names_happens_in_order(one_thread, attention, changes):
     """The all-gathered logits and their gradient's columns, each colwise dX's all-reduce, the embedding's rows."""
-    config = _config(attention, **changes)
+    config = make_config(LLAMA, attention=attention, **changes)
     readings = run_fake(lambda tp: readings_after_every_op(warmed_up(tp, config, STRATEGIES["tp"])), (), config.t)
     assert_moments_in_order(timeline(config, STRATEGIES["tp"], CPU).moments[1:], readings)
 
@@ -156,7 +149,7 @@ def test_under_tp_every_moment_the_timeline_names_happens_in_order(one_thread, a
 ])
 def test_under_tp_what_the_walk_does_not_model_is_refused_by_name(changes, named):
     with pytest.raises(ConfigError, match=named):
-        timeline(_config("eager", **({"t": 2} | changes)), STRATEGIES["tp"], CPU)
+        timeline(make_config(LLAMA, attention="eager", **({"t": 2} | changes)), STRATEGIES["tp"], CPU)
 
 
 # -- transformers' MixtralForCausalLM, its router forced balanced (kbs/E slots an expert) -----------------------------
@@ -174,7 +167,8 @@ MIXTRAL_MOMENTS = [
 
 
 def test_mixtral_sizes_put_the_peak_in_four_different_places_two_inside_the_experts():
-    moments = [timeline(_config(a, **(MIXTRAL | c)), STRATEGIES["none"], CPU).peak for a, c in MIXTRAL_MOMENTS]
+    moments = [timeline(make_config(LLAMA, attention=a, **(MIXTRAL | c)), STRATEGIES["none"], CPU).peak
+               for a, c in MIXTRAL_MOMENTS]
     assert len({m.label() for m in moments}) == len(MIXTRAL_MOMENTS)
     assert [m.phase for m in moments if m.where == "model.layers.1.mlp.experts"] == ["backward", "forward"]
 
@@ -189,7 +183,7 @@ def test_mixtral_every_moment_of_the_experts_and_router_backward_happens_in_orde
     """Each block's last expert in forward; in backward each expert's routing-weight product, its two weight
     gradients' sums, the router's GEMMs and the input gradients' sum: MemTracker's reading after some op, in the
     named module, in order."""
-    config = _config(attention, **(MIXTRAL | changes))
+    config = make_config(LLAMA, attention=attention, **(MIXTRAL | changes))
     readings = readings_after_every_op(warmed_up(single(), config, STRATEGIES["none"], "balanced"))
     assert_moments_in_order(timeline(config, STRATEGIES["none"], CPU).moments[1:], readings)
 
@@ -197,13 +191,13 @@ def test_mixtral_every_moment_of_the_experts_and_router_backward_happens_in_orde
 @pytest.mark.parametrize("route", [None, "all-to-one"])
 def test_a_mixtral_step_is_measured_only_under_the_balanced_route_the_timeline_walks(route):
     with pytest.raises(ConfigError, match="needs --route balanced with moe_tokens balanced"):
-        measure_step(_config("flash", **MIXTRAL), ["none"], route=route)
+        measure_step(make_config(LLAMA, attention="flash", **MIXTRAL), ["none"], route=route)
 
 
 def test_the_step_timeline_refuses_transformers_default_grouped_mm_experts_in_one_line():
+    grouped = MIXTRAL | {"experts_implementation": "grouped_mm"}
     with pytest.raises(ConfigError, match="does not model experts_implementation grouped_mm .transformers' default"):
-        measure_step(_config("flash", **(MIXTRAL | {"experts_implementation": "grouped_mm"})), ["none"],
-                     route="balanced")
+        measure_step(make_config(LLAMA, attention="flash", **grouped), ["none"], route="balanced")
 
 
 # -- transformers' Qwen2MoeForCausalLM: Mixtral's experts (bf16 routing weights) beside a gated shared expert ----------
@@ -221,7 +215,7 @@ QWEN2_MOE_MOMENTS = [
 
 
 def test_qwen2_moe_sizes_put_the_peak_in_three_different_places_of_the_block():
-    moments = {timeline(_config(a, **(QWEN2_MOE | c)), STRATEGIES["none"], CPU).peak.label()
+    moments = {timeline(make_config(LLAMA, attention=a, **(QWEN2_MOE | c)), STRATEGIES["none"], CPU).peak.label()
                for a, c in QWEN2_MOE_MOMENTS}
     assert len(moments) == len(QWEN2_MOE_MOMENTS) and all(".mlp." in x for x in moments), moments
 
@@ -234,7 +228,7 @@ MOE_STEPS = [("MixtralForCausalLM", MIXTRAL, a, c) for a, c in MIXTRAL_MOMENTS] 
 def test_a_moe_model_under_balanced_routing_peaks_where_the_timeline_says_to_the_byte(
     one_thread, model, base, attention, changes
 ):
-    (r,) = measure_step(_config(attention, **(base | changes)), ["none"], route="balanced")
+    (r,) = measure_step(make_config(LLAMA, attention=attention, **(base | changes)), ["none"], route="balanced")
     assert r.measured.moment == r.predicted_moment
     assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
     assert r.model == f"transformers' {model}, router forced balanced"
@@ -249,6 +243,6 @@ def test_a_moe_model_under_balanced_routing_peaks_where_the_timeline_says_to_the
 def test_qwen2_moe_every_moment_of_the_block_happens_in_order(one_thread, attention, changes):
     """The shared expert gate's GEMMs, each expert's moments, the router's, the shared expert's down_proj, up_proj and
     gate_proj with the block input's gradients summed one path at a time."""
-    config = _config(attention, **(QWEN2_MOE | changes))
+    config = make_config(LLAMA, attention=attention, **(QWEN2_MOE | changes))
     readings = readings_after_every_op(warmed_up(single(), config, STRATEGIES["none"], "balanced"))
     assert_moments_in_order(timeline(config, STRATEGIES["none"], CPU).moments[1:], readings)

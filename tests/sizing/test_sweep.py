@@ -19,7 +19,7 @@ from memcalc.model.evaluate import estimate
 from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import NONE, STRATEGIES, TP, TP_SP
 from memcalc.sizing.sweep import MAX_ROWS, describe_skips, evaluate_sweep, make_sweep, parse_values
-from memcalc.sizing.sweep_output import _digits, csv_chunks, json_chunks
+from memcalc.cli.sweep_output import _digits, csv_chunks, json_chunks
 
 GPT3 = dict(name="gpt3-175b", b=1, s=2048, h=12288, a=96, t=8, L=96)  # Korthikanti et al. 2022, Table 3
 ALL = list(STRATEGIES.values())

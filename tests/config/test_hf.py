@@ -11,10 +11,10 @@ from memcalc.errors import ConfigError
 from memcalc.config.hf import read_hf_config
 from memcalc.sizing.states import total_params
 
-DATA = Path(__file__).parent / "data" / "hf"
+DATA = Path(__file__).parents[1] / "data" / "hf"
 
 
-def _config(name: str, **overrides):
+def _from_hf(name: str, **overrides):
     hf = read_hf_config(DATA / f"{name}.json")
     return load_config(DATA / f"{name}.json", overrides, base=hf.fields)
 
@@ -39,24 +39,24 @@ PUBLISHED = {
 def test_mapped_config_has_the_published_parameter_count(name):
     within_window = {"s": 4096} if name == "mistral-7b" else {}  # Mistral 7B v0.1's window is shorter than its 32k
     neox = {"impl": "hf", "attention": "eager"} if name == "pythia-70m" else {}  # GPTNeoXLayer is modelled there
-    assert total_params(_config(name, **within_window, **neox)) == PUBLISHED[name]
+    assert total_params(_from_hf(name, **within_window, **neox)) == PUBLISHED[name]
 
 
 def test_llama_fields():
-    c = _config("llama2-7b")
+    c = _from_hf("llama2-7b")
     assert (c.h, c.a, c.num_query_groups, c.ffn, c.L, c.vocab_size, c.s) == (4096, 32, 32, 11008, 32, 32000, 4096)
     assert (c.mlp, c.norm, c.dropout, c.tie_embeddings) == ("swiglu", "rmsnorm", 0.0, False)
     assert (c.position_embedding_type, c.add_bias_linear, c.add_qkv_bias) == ("rope", False, False)
 
 
 def test_mistral_keeps_its_kv_heads_and_qwen2_its_qkv_bias():
-    mistral, qwen = _config("mistral-7b", s=4096), _config("qwen2-0.5b")
+    mistral, qwen = _from_hf("mistral-7b", s=4096), _from_hf("qwen2-0.5b")
     assert (mistral.groups, mistral.ffn, mistral.sliding_window) == (8, 14336, 4096)
     assert (qwen.groups, qwen.add_qkv_bias, qwen.add_bias_linear, qwen.tie_embeddings) == (2, True, False, True)
 
 
 def test_gpt2_defaults_its_mlp_to_4h_and_learns_positions():
-    c = _config("gpt2")
+    c = _from_hf("gpt2")
     assert (c.h, c.a, c.L, c.ffn, c.vocab_size) == (768, 12, 12, 4 * 768, 50257)
     assert (c.mlp, c.norm, c.dropout, c.tie_embeddings) == ("gelu_tanh", "layernorm", 0.1, True)
     assert (c.position_embedding_type, c.max_position_embeddings, c.s, c.add_bias_linear) == (
@@ -65,7 +65,7 @@ def test_gpt2_defaults_its_mlp_to_4h_and_learns_positions():
 
 
 def test_gpt_neox_fields():
-    c = _config("pythia-70m", impl="hf", attention="eager")
+    c = _from_hf("pythia-70m", impl="hf", attention="eager")
     assert (c.h, c.a, c.L, c.ffn, c.vocab_size, c.s) == (512, 8, 6, 2048, 50304, 2048)
     assert (c.parallel_residual, c.rotary_percent) == (True, 0.25)
     assert (c.mlp, c.norm, c.dropout, c.tie_embeddings, c.position_embedding_type) == (
@@ -74,7 +74,7 @@ def test_gpt_neox_fields():
 
 
 def test_flags_override_the_file():
-    c = _config("llama2-7b", s=1024, t=8, attention="flash")
+    c = _from_hf("llama2-7b", s=1024, t=8, attention="flash")
     assert (c.s, c.t, c.attention, c.h) == (1024, 8, "flash", 4096)
 
 

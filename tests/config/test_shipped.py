@@ -13,7 +13,7 @@ from memcalc.model.evaluate import estimate
 from memcalc.model.impls import strategies_of
 from memcalc.model.strategy import STRATEGIES
 
-CONFIGS = sorted((Path(__file__).parents[1] / "memcalc" / "configs").glob("*.yaml"))
+CONFIGS = sorted((Path(__file__).parents[2] / "memcalc" / "configs").glob("*.yaml"))
 GPT = [p for p in CONFIGS if p.stem.startswith("gpt3-")]
 
 

@@ -1,0 +1,74 @@
+"""What `memcalc measure` and `memcalc measure --step` print alike: each strategy's prediction next to its
+measurement, as a JSON document or as tables, and exit 1 where they differ.
+
+A result is one strategy's comparison (memcalc.probe.measure.StrategyMeasurement, memcalc.probe.step.StepComparison):
+it has a `strategy`, `matches` and `differences()`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from memcalc.cli import echo_json
+from memcalc.config.schema import ModelConfig, config_record
+from memcalc.errors import ProbeError
+from memcalc.schemas import SCHEMA_VERSION
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+
+def report(results: Sequence[Any], as_json: bool, document: Callable[[], dict[str, Any]], tables: Callable[[], None],
+           differ: str) -> None:
+    """The results as a JSON document or as tables; then ProbeError (exit 1) naming each strategy's differences
+    after `differ`, what differs from what."""
+    if as_json:
+        echo_json(document())
+    else:
+        tables()
+    differences = [f"{r.strategy.name}: {d}" for r in results for d in r.differences()]
+    if differences:
+        raise ProbeError(f"{differ}: {'; '.join(differences)}")
+
+
+def document(config: ModelConfig, results: Sequence[Any], **fields: Any) -> dict[str, Any]:
+    """A measurement's JSON document: its schema version, the config, whether every strategy matched, then `fields`."""
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "config": config_record(config),
+        "match": all(r.matches for r in results),
+        **fields,
+    }
+
+
+def print_header(config: ModelConfig, what: str) -> None:
+    """The config in one line, then (dimmed) what the tables below count."""
+    from memcalc.cli.render import console, describe
+
+    console.print(describe(config), highlight=False)
+    console.print(f"[dim]{what}[/dim]")
+
+
+def verdict(matches: bool, agreed: str) -> str:
+    """The last line under a strategy's table: a match and what agreed, or that it differs."""
+    return f"[green]match[/green]: {agreed}" if matches else "[red]differs[/red]"
+
+
+def comparison_table(title: str, *labels: str) -> Table:
+    """A table of rows named by `labels`' columns, then predicted, measured and their difference."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for label in labels:
+        table.add_column(label, no_wrap=True)
+    for col in ("predicted", "measured", "difference"):
+        table.add_column(col, justify="right", no_wrap=True)
+    return table
+
+
+def add_total(table: Table, predicted: int, measured: int, difference: str, *blanks: str) -> None:
+    """The bold total row that closes a comparison table (`blanks`: the label columns after the first)."""
+    table.add_row(
+        "[bold]total[/bold]", *blanks, f"[bold]{predicted:,}[/bold]", f"[bold]{measured:,}[/bold]",
+        f"[bold]{difference}[/bold]", end_section=True,
+    )

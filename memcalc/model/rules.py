@@ -1,0 +1,144 @@
+"""The rules between a config's fields and between its knobs, declared once, below both the config and the model.
+
+`memcalc.config.schema` checks them on a config, the implementations (`memcalc.model.impls`) on a knob set,
+and sweeps (`memcalc.sizing.sweep`) apply the same tables per point, vectorised.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from memcalc.errors import ConfigError
+from memcalc.model.knobs import BY_NAME as KNOB_NAMES, KNOBS, MLA_KNOBS, is_moe
+
+
+@dataclass(frozen=True)
+class Rule:
+    """`divisor` must divide `value` (both field names), and why."""
+
+    divisor: str
+    value: str
+    why: str
+    unless: str | None = None  # a knob whose setting lifts the rule (heads of kv_channels need not split h)
+
+    def applies(self, knobs: Any) -> bool:
+        return self.unless is None or getattr(knobs, self.unless) is None
+
+    def message(self, divisor: int, value: int) -> str:
+        return not_divisible(divisor, self.divisor, value, self.value, self.why)
+
+    @property
+    def text(self) -> str:
+        return f"{self.divisor} must divide {self.value}"
+
+    @property
+    def operands(self) -> tuple[str, str]:
+        """The two fields the rule compares, in the order `fails` and `message` take their values."""
+        return self.divisor, self.value
+
+    def fails(self, divisor: Any, value: Any) -> Any:
+        """Whether the rule breaks, on numbers or numpy arrays alike."""
+        return value % divisor != 0
+
+    def check(self, config: Any) -> None:
+        """Raise ConfigError if the rule fails, reading each size as used (4h and a when unset)."""
+        if not self.applies(config):
+            return
+        operands = [getattr(config, AS_USED.get(n, n)) for n in self.operands]
+        if self.fails(*operands):
+            raise ConfigError(self.message(*operands))
+
+
+@dataclass(frozen=True)
+class Limit(Rule):
+    """`value` may not exceed `divisor` (here a bound, not a divisor), and why: a rule sweeps apply per point."""
+
+    def fails(self, bound: Any, value: Any) -> Any:
+        return value > bound
+
+    def message(self, bound: int, value: int) -> str:
+        return f"{self.value}={value} exceeds {self.divisor}={bound} ({self.why})"
+
+    @property
+    def text(self) -> str:
+        return f"{self.value} may not exceed {self.divisor}"
+
+
+# Fields whose value as used can come from a default that depends on others (4h, a).
+AS_USED = {"ffn_hidden_size": "ffn", "num_query_groups": "groups"}
+
+# The rules between sizes that every strategy needs (sweeps apply the same table, vectorised).
+DIVISIBILITY = (
+    Rule("a", "h", "each head gets h/a channels unless kv_channels is set", unless="kv_channels"),
+    Rule("t", "a", "tensor parallelism gives each rank a/t heads"),
+    Rule("t", "ffn_hidden_size", "the MLP is split into t column shards"),
+    Rule("num_query_groups", "a", "each K/V group serves a/num_query_groups heads"),
+    Rule("t", "num_query_groups", "each rank holds num_query_groups/t K/V groups"),
+)
+SEQUENCE_SPLIT = Rule("t", "s", "sequence parallelism splits the sequence across t ranks")
+# The rules between a mixture of experts' sizes (sweeps apply them per point when they sweep E, k or ep).
+EXPERT_RULES = (
+    Rule("ep", "num_experts", "each expert-parallel rank holds num_experts/ep experts"),
+    Limit("num_experts", "moe_router_topk", "each token picks k distinct experts"),
+)
+
+
+
+def check_moe(knobs: Any) -> None:
+    """ConfigError for MoE knobs that say nothing without experts, or ask for what cannot be."""
+    if knobs.num_experts is None:
+        stray = [k.name for k in KNOBS if is_moe(k) and getattr(knobs, k.name) != k.default]
+        if stray:
+            raise ConfigError(f"{stray[0]} is set but num_experts is not (a dense MLP has no experts)")
+        return
+    EXPERT_RULES[1].check(knobs)  # k distinct experts of E
+    if knobs.moe_tokens == "capacity" and knobs.moe_expert_capacity_factor is None:
+        raise ConfigError("moe_tokens capacity needs moe_expert_capacity_factor (without it no expert drops tokens:"
+                          " use balanced or worst)")
+    if knobs.moe_pad_expert_input_to_capacity and knobs.moe_expert_capacity_factor is None:
+        raise ConfigError("moe_pad_expert_input_to_capacity pads each expert's tokens to its capacity: it needs"
+                          " moe_expert_capacity_factor")
+    default = KNOB_NAMES["experts_implementation"].default
+    if knobs.impl != "hf" and knobs.experts_implementation != default:
+        raise ConfigError(f"experts_implementation {knobs.experts_implementation} is transformers' choice (--impl hf);"
+                          f" impl {knobs.impl} runs its own experts (leave it {default})")
+    if knobs.moe_router_enable_expert_bias and knobs.moe_router_score_function != "sigmoid":
+        raise ConfigError("moe_router_enable_expert_bias biases the sigmoid router's choice (aux-loss-free balancing):"
+                          " it needs moe_router_score_function sigmoid")
+
+
+def check_settings(knobs: Any) -> None:
+    """ConfigError for a knob that only some implementations have (`Knob.impls`), set away from its default under
+    another: the library asked for has no such setting, so the value would change nothing."""
+    for knob in KNOBS:
+        value = getattr(knobs, knob.name)
+        if knob.impls and knobs.impl not in knob.impls and value != knob.default:
+            raise ConfigError(f"{knob.name}={value} is a setting of impl {', '.join(knob.impls)} only; impl {knobs.impl}"
+                              f" has none (leave it at {knob.default})")
+
+
+def check_mla(knobs: Any) -> None:
+    """ConfigError for latent-attention widths without kv_lora_rank, a latent without its head widths, GQA, or plain
+    attention's head width and QK norm."""
+    if knobs.kv_lora_rank is None:
+        stray = [name for name in MLA_KNOBS if getattr(knobs, name) is not None]
+        if stray:
+            raise ConfigError(f"{stray[0]} is set but kv_lora_rank is not (only latent attention has it)")
+        return
+    missing = [name for name in MLA_KNOBS[2:] if getattr(knobs, name) is None]
+    if missing:
+        raise ConfigError(f"kv_lora_rank={knobs.kv_lora_rank} needs {', '.join(missing)} (latent attention's head"
+                          " widths)")
+    if knobs.num_query_groups not in (None, getattr(knobs, "a", None)):  # a config's groups may equal its heads
+        raise ConfigError(f"num_query_groups={knobs.num_query_groups} with kv_lora_rank: latent attention up-projects"
+                          " K and V for every head (no K/V groups); leave num_query_groups unset")
+    if knobs.head_dim_set or knobs.qk_layernorm:
+        raise ConfigError(f"{'kv_channels' if knobs.head_dim_set else 'qk_layernorm'} with kv_lora_rank: latent"
+                          " attention sizes its heads by qk_nope_head_dim, qk_rope_head_dim and v_head_dim, and its"
+                          " norms are on the latents, always; leave it unset")
+
+
+def not_divisible(divisor: int, dname: str, value: int, vname: str, why: str) -> str:
+    """The one wording of a broken divisibility rule: the equation with its values, then why."""
+    return f"{vname}={value} is not divisible by {dname}={divisor} ({why})"
