@@ -78,7 +78,7 @@ def test_a_sequence_past_mistrals_window_is_refused_unless_hf_eager_keeps_the_fu
 def test_pythia_is_read_with_its_parallel_residual_and_rotary_share_and_counted_under_hf_only():
     pythia = "tests/data/hf/pythia-70m.json"
     one_line_error(memcalc_cli("estimate", "--hf-config", pythia),
-                   "parallel_residual and rotary_percent (of transformers' GPTNeoXLayer or Gemma2DecoderLayer) are modelled under --impl hf")
+                   "parallel_residual and rotary_percent (of transformers' GPTNeoXLayer) are modelled under --impl hf")
     run = memcalc_cli("estimate", "--hf-config", pythia, "--impl", "hf", "--attention", "eager", "--s", "64")
     assert run.code == 0, run.err
     assert "use_parallel_residual->parallel_residual=True, rotary_pct->rotary_percent=0.25" in run.err

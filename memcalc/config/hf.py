@@ -90,7 +90,10 @@ def _rotary_fraction(values: list[Any]) -> float:
     GPTNeoXConfig saves), else an older file's rotary_pct, else the class's 0.25."""
     rope, pct = values
     given = rope.get("partial_rotary_factor", ...) if isinstance(rope, dict) else ...
-    fraction = given if given is not ... else pct if pct is not ... else 0.25
+    return _fraction(given if given is not ... else pct if pct is not ... else 0.25)
+
+
+def _fraction(fraction: Any) -> float:
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
         raise ConfigError(f"the rotary fraction (partial_rotary_factor, rotary_pct) must be in (0, 1], got"
                           f" {short_repr(fraction)}")
@@ -365,9 +368,28 @@ _GPT_NEOX = (
 _MISTRAL = (*_LLAMA_HEADS, Row("sliding_window", ("sliding_window",), _sliding_window, default=4096))
 
 
+def _whole_heads_or_share(rope: Any) -> float | None:
+    """Phi-3's share of each head that RoPE rotates: rope_parameters' partial_rotary_factor (Phi-4-mini's 0.75);
+    1, the class's default, is whole heads (memcalc's unset rotary_percent)."""
+    fraction = _fraction(rope.get("partial_rotary_factor", 1.0) if isinstance(rope, dict) else 1.0)
+    return None if fraction == 1 else fraction
+
+
+# Phi3Config (Phi-3, Phi-3.5, Phi-4): a Llama layer whose q, k and v are one qkv_proj and gate and up one gate_up_proj,
+# whose attention's and MLP's outputs are dropped out (resid_pdrop), and whose RoPE may rotate part of each head.
+_PHI3 = (
+    *(r for r in _LLAMA if r.target not in ("dropout", "add_bias_linear")),
+    _head_dim_row(),
+    Row("dropout", ("attention_dropout", "resid_pdrop", "embd_pdrop"), default=0.0, combine=_largest_dropout),
+    Row("rotary_percent", ("rope_parameters",), _whole_heads_or_share, default=None),
+    Row("sliding_window", ("sliding_window",), _sliding_window, default=None),  # Phi3Config's default: none
+    _kept_nothing("original_max_position_embeddings", lambda v: v, "LongRoPE's scaling: the same cos and sin tables"),
+)
+
+
 def _dense(k: Any) -> bool:
-    """A Llama-family layer with a dense MLP and plain multi-head or grouped-query attention."""
-    return not k.moe and not k.mla and not k.qk_layernorm
+    """A Llama-family layer with a dense MLP and plain multi-head or grouped-query attention (separate q, k, v)."""
+    return not k.moe and not k.mla and not k.qk_layernorm and not k.fused_qkv
 
 
 def _qkv_bias(k: Any) -> bool:
@@ -399,6 +421,9 @@ class Family:
     router: str | None = None  # a MoE family's router class (the probe's --route forces it)
     attribute_map: dict[str, str] = field(default_factory=dict)
     package: str | None = None  # transformers/models/<package>, where it is not the model_type (Gemma 3's text model)
+    # the blocks whose fused outputs the config class's base_model_tp_plan gathers ("colwise_gather_output"): under tp
+    # every rank runs them whole, and only the next linear's input ("rowwise_split_input") is split
+    gathered: tuple[str, ...] = ()
 
     @property
     def modeling(self) -> str:
@@ -454,6 +479,9 @@ FAMILIES: dict[str, Family] = {
         Family("deepseek_v3", "DeepseekV3Config", "DeepseekV3DecoderLayer", ("DeepseekV3ForCausalLM",),
                _DEEPSEEK_V3, _ROPE, when=lambda k: k.mla, router="DeepseekV3TopkRouter",
                attribute_map={"num_local_experts": "n_routed_experts", "num_mtp_layers": "num_nextn_predict_layers"}),
+        Family("phi3", "Phi3Config", "Phi3DecoderLayer", ("Phi3ForCausalLM",), _PHI3, _ROPE | {"fused_qkv": True},
+               when=lambda k: k.fused_qkv and not k.moe and not k.mla and not k.qk_layernorm,
+               gathered=("attention", "mlp")),
     )
 }
 # model_types transformers builds whose layers memcalc has no rules for, and what they lack: refused by name.

@@ -508,6 +508,18 @@ KNOBS: tuple[Knob, ...] = (
                   "GPTNeoXLayer: RoPE's cos and sin tables are d_r = d * rotary_pct channels wide, Llama's fp32"
                   " softmax is kept, and Q, K (rotated and concatenated) and V are the core's."),),
     ),
+    Knob(
+        "fused_qkv", "flag", False, "hf: Q, K and V sliced from one qkv_proj output, gate and up chunked from one"
+        " gate_up_proj output (Phi-3's Phi3DecoderLayer)", lambda k: "fused qkv_proj and gate_up_proj" if k.fused_qkv
+        else None,
+        effects=(({"impl": Impl.HF, "norm": Norm.RMSNORM, "mlp": Mlp.SWIGLU, "attention": Attention.EAGER,
+                   "fused_qkv": True},
+                  "Q, K and V are views of one (b, s, (a+2g)d) output: where eager attention's matmul takes V as it"
+                  " is (b = 1, one K/V group) it keeps that whole output; gate and up are two halves of one storage."
+                  " Under tp transformers' Phi-3 plan gathers both fused outputs (colwise_gather_output), so every"
+                  " rank keeps all heads' attention and the whole gate, up and SiLU; only o_proj's and down_proj's"
+                  " inputs are split (rowwise_split_input)."),),
+    ),
 )
 BY_NAME: dict[str, Knob] = {k.name: k for k in KNOBS}
 

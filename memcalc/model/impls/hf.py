@@ -187,8 +187,9 @@ MLA_ROPE_SIN = SavedTensor(
     _SEQ, "the gradient of rotate_half(x) in rotate_half(x) * sin is dY * sin", paper=False,
 )
 
-# GPTNeoXAttention: RoPE on the first d_r = d * rotary_pct channels of each query and key head (q[..., :d_r] * cos,
-# rotate_half(.) * sin, then concatenated with the rest): the model's (1, s, d_r) tables, kept once per layer.
+# GPTNeoXAttention (and Phi3Attention, partial_rotary_factor < 1): RoPE on the first d_r = d * rotary_pct channels of
+# each query and key head (q[..., :d_r] * cos, rotate_half(.) * sin, then concatenated with the rest): the model's
+# (1, s, d_r) tables, kept once per layer.
 NEOX_ROPE_COS = SavedTensor(
     "attention/rope_cos_partial", "GPT-NeoX apply_rotary_pos_emb: q_rot * cos and k_rot * cos", (Dim.S, Dim.DR),
     Kind.ACTIVATION, _SEQ, "the gradient of q_rot in q_rot * cos is dY * cos (the (1, s, d_r) table)", paper=False,
@@ -197,11 +198,12 @@ NEOX_ROPE_SIN = SavedTensor(
     "attention/rope_sin_partial", "GPT-NeoX apply_rotary_pos_emb: rotate_half(q_rot) * sin", (Dim.S, Dim.DR),
     Kind.ACTIVATION, _SEQ, "the gradient of rotate_half(q_rot) in rotate_half(q_rot) * sin is dY * sin", paper=False,
 )
-# GPT-NeoX's V is a view of query_key_value's (b, s, a, 3d) output; at b = 1 eager matmul folds it into a bmm batch
-# without a copy and keeps that whole storage (see BATCH_OF_ONE): Q, K and V's heads side by side.
+# GPT-NeoX's V is a view of query_key_value's (b, s, a, 3d) output, Phi-3's of qkv_proj's (b, s, (a+2g)d); at b = 1
+# eager matmul folds it into a bmm batch without a copy and keeps that whole storage (see REPEAT_KV): Q, K and V's
+# heads side by side.
 NEOX_QKV_OUT = SavedTensor(
-    "attention/qkv_out", "GPT-NeoX eager at b = 1: matmul(weights, v) keeps query_key_value's output, of which v is"
-    " a view", (Dim.B, Dim.S, Dim.QKV, Dim.D), Kind.ACTIVATION, _TEN,
+    "attention/qkv_out", "GPT-NeoX's and Phi-3's eager at b = 1: matmul(weights, v) keeps the fused query_key_value"
+    " (qkv_proj) output, of which v is a view", (Dim.B, Dim.S, Dim.QKV, Dim.D), Kind.ACTIVATION, _TEN,
     "the gradient of the attention weights is dOut V^T: V is read from the fused output it views",
 )
 ROPE_COS = SavedTensor(
@@ -391,6 +393,22 @@ def is_neox(knobs: Any) -> bool:
     return not is_llama(knobs) and knobs.rotary_percent is not None
 
 
+def resid_dropout(knobs: Any) -> bool:
+    """Whether the attention's and the MLP's outputs are dropped out: GPT-2's and GPT-NeoX's, and Phi-3's
+    resid_attn_dropout and resid_mlp_dropout (Llama's layer drops out attention weights only)."""
+    return knobs.has_dropout and (not is_llama(knobs) or knobs.fused_qkv)
+
+
+def _rope(knobs: Any) -> tuple[SavedTensor, ...]:
+    """The (s, d) cos and sin tables RoPE's products keep: OLMo's fp32, the first d_r channels' (rotary_percent),
+    a whole head's, or none (GPT-2's learned positions live in the embedding)."""
+    if knobs.norm == "layernorm_np":
+        return (OLMO_ROPE_COS, OLMO_ROPE_SIN)
+    if knobs.rotary_percent is not None:
+        return (NEOX_ROPE_COS, NEOX_ROPE_SIN)
+    return (ROPE_COS, ROPE_SIN) if is_llama(knobs) else ()
+
+
 def norm_block(which: int, knobs: Any) -> tuple[SavedTensor, ...]:
     """LlamaRMSNorm's fp32 upcast, fp32 rstd and cast-back; GPT-2's nn.LayerNorm keeps input, mean, rstd. GPT-NeoX's
     parallel residual feeds both LayerNorms the layer's input: one storage, kept once (the first norm's)."""
@@ -449,23 +467,39 @@ def batched(sizes: dict[Any, Any], t: Any) -> Any:
     return sizes[Dim.B] != 1
 
 
+def gathered_copies(sizes: dict[Any, Any], t: Any) -> Any:
+    """Phi-3 under GQA: repeat_kv's copies unless b = 1 with one K/V group, on every rank (its tp plan gathers
+    qkv_proj's output, so a rank holds all g groups whatever t is)."""
+    return (sizes[Dim.B] != 1) | (sizes[Dim.G] != 1)
+
+
+def _copies(knobs: Any) -> Any:
+    """The size condition under which eager attention's matmuls keep copies of K and V, for this layer."""
+    if knobs.fused_qkv:
+        return gathered_copies if knobs.gqa else batched
+    return repeat_kv_copies if knobs.gqa else batched
+
+
 def _at_batch_of_one(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]:
-    """What eager attention keeps where matmul folds a view without copying: K and V at g heads (GQA), GPT-NeoX's
-    fused query_key_value output in V's place."""
-    swap = {V_EXPANDED.name: ledger.V, K_EXPANDED.name: ledger.K} if knobs.gqa else {ledger.V.name: NEOX_QKV_OUT}
+    """What eager attention keeps where matmul folds a view without copying: K and V at g heads (GQA), the fused
+    query_key_value (qkv_proj) output in V's place (GPT-NeoX, Phi-3: its V is a view of it)."""
+    fused_v = NEOX_QKV_OUT if knobs.fused_qkv or is_neox(knobs) else ledger.V
+    swap = {V_EXPANDED.name: fused_v, K_EXPANDED.name: ledger.K} if knobs.gqa else {ledger.V.name: NEOX_QKV_OUT}
     return tuple(swap.get(x.name, x) for x in layer_tensors(knobs, accounting))
 
 
 REPEAT_KV = SizeRule(
     "eager attention under GQA keeps repeat_kv's copies of K and V at a/t heads, except when b = 1 and one K/V group"
     " is on the rank: expand and reshape are then views with a zero stride, and matmul keeps K and V themselves;"
-    " GPT-NeoX's keeps a copy of V, a view of the fused query_key_value output, except when b = 1: then it keeps"
+    " GPT-NeoX's and Phi-3's keep a copy of V, a view of the fused query_key_value (qkv_proj) output, except when"
+    " b = 1 (and, under Phi-3's GQA, one K/V group: its tp plan gathers every group on each rank): then they keep"
     " that whole output",
-    applies=lambda knobs: (knobs.gqa or is_neox(knobs)) and knobs.attention == "eager" and knobs.recompute != "full",
+    applies=lambda knobs: (knobs.gqa or is_neox(knobs) or knobs.fused_qkv) and knobs.attention == "eager"
+    and knobs.recompute != "full",
     runs=repeat_kv_copies,
     outside=_at_batch_of_one,
     shown_with={"num_query_groups": 1},
-    runs_for=lambda knobs: repeat_kv_copies if knobs.gqa else batched,
+    runs_for=_copies,
 )
 
 
@@ -482,13 +516,11 @@ def attention_block(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ..
     """Q/K/V projections' input, RoPE tables (Llama), the core, o_proj's input, GPT-2's resid dropout."""
     if knobs.mla:
         return latent_attention(knobs)
-    rope = ((OLMO_ROPE_COS, OLMO_ROPE_SIN) if knobs.norm == "layernorm_np" else (ROPE_COS, ROPE_SIN) if is_llama(knobs)
-            else (NEOX_ROPE_COS, NEOX_ROPE_SIN) if is_neox(knobs) else ())
     qk_norm = (() if not knobs.qk_layernorm else (*GEMMA_Q_NORM, *GEMMA_K_NORM) if knobs.norm == "rmsnorm_1p"
                else (*Q_NORM_RMS, *K_NORM_RMS))
     core = _sdpa(knobs, accounting) if knobs.attention == "flash" else _eager(knobs)
-    resid = (ledger.ATTN_OUT_DROPOUT_MASK,) if knobs.has_dropout and not is_llama(knobs) else ()
-    return (ledger.QKV_IN, *qk_norm, *rope, *core, ledger.PROJ_IN, *resid)
+    resid = (ledger.ATTN_OUT_DROPOUT_MASK,) if resid_dropout(knobs) else ()
+    return (ledger.QKV_IN, *qk_norm, *_rope(knobs), *core, ledger.PROJ_IN, *resid)
 
 
 def mlp_block(knobs: Any) -> tuple[SavedTensor, ...]:
@@ -501,7 +533,7 @@ def mlp_block(knobs: Any) -> tuple[SavedTensor, ...]:
         activation = (ledger.GELU_IN, HALF_X, TANH_OUT, ONE_PLUS_TANH)
     else:
         activation = (ledger.GELU_IN,)
-    dropout = (ledger.MLP_DROPOUT_MASK,) if knobs.has_dropout and not is_llama(knobs) else ()
+    dropout = (ledger.MLP_DROPOUT_MASK,) if resid_dropout(knobs) else ()
     return (ledger.FC1_IN, *activation, ledger.FC2_IN, *dropout)
 
 
@@ -558,6 +590,7 @@ def check(knobs: Any) -> None:
         runs = ", ".join(f"{f.norm} + {'/'.join(f.mlps)} ({f.layer})" for f in layers)
         raise ConfigError(f"impl hf: no transformers layer has norm {knobs.norm} with mlp {knobs.mlp}; it runs {runs}")
     _check_neox(knobs)
+    _check_phi3(knobs)
     _check_gemma2(knobs)
     if knobs.recompute not in ("none", "full"):
         raise ConfigError(f"impl hf: transformers has no {knobs.recompute} recomputation; use recompute none or full"
@@ -603,9 +636,9 @@ def _check_neox(knobs: Any) -> None:
     """GPT-NeoX's knobs: a LayerNorm layer's partial RoPE (rotary_percent) and parallel residual, eager attention."""
     if knobs.rotary_percent is not None and not 0 < knobs.rotary_percent <= 1:
         raise ConfigError(f"impl hf: rotary_percent={knobs.rotary_percent} must be in (0, 1] (a share of each head)")
-    if is_llama(knobs) and (knobs.rotary_percent is not None or knobs.parallel_residual):
+    if is_llama(knobs) and (knobs.rotary_percent is not None and not knobs.fused_qkv or knobs.parallel_residual):
         raise ConfigError("impl hf: rotary_percent and parallel_residual are GPTNeoXLayer's (norm layernorm); the"
-                          " Llama family's layers rotate whole heads in sequence")
+                          " Llama family's layers rotate whole heads in sequence (but Phi-3's: set fused_qkv)")
     if not is_llama(knobs) and knobs.parallel_residual and knobs.rotary_percent is None:
         raise ConfigError("impl hf: parallel_residual is GPTNeoXLayer's, which has RoPE: set rotary_percent (GPT2Block"
                           " has neither)")
@@ -613,6 +646,20 @@ def _check_neox(knobs: Any) -> None:
         raise ConfigError("impl hf: GPTNeoXLayer under sdpa is not modelled: SDPA keeps V as the fused query_key_value"
                           " output it views, and where its output lies depends on the device's kernel (measured on"
                           " a CPU only); use attention eager")
+
+
+def _check_phi3(knobs: Any) -> None:
+    """fused_qkv is Phi3DecoderLayer's: RMSNorm and SwiGLU, dense, no QK norm or latent attention, eager."""
+    if not knobs.fused_qkv:
+        return
+    if (knobs.norm, knobs.mlp) != ("rmsnorm", "swiglu") or knobs.moe or knobs.mla or knobs.qk_layernorm \
+            or knobs.sandwich_norm:
+        raise ConfigError("impl hf: fused_qkv is Phi3DecoderLayer's: norm rmsnorm, mlp swiglu, dense, without"
+                          " qk_layernorm, sandwich_norm or latent attention")
+    if knobs.attention == "flash":
+        raise ConfigError("impl hf: Phi3DecoderLayer under sdpa is not modelled: SDPA keeps V as the fused qkv_proj"
+                          " output it views, and where its output lies depends on the device's kernel (measured on a"
+                          " CPU only); use attention eager")
 
 
 def _check_gemma2(knobs: Any) -> None:
@@ -737,9 +784,24 @@ LATENT_TP_NOT_MODELLED = Refusal(
 
 def unsharded(knobs: Any) -> frozenset[str]:
     """What tp keeps whole because transformers' plan names no module that makes it: Qwen2-MoE's shared expert
-    (its gate and combine lie outside any column/row pair, whole anyway)."""
+    (its gate and combine lie outside any column/row pair, whole anyway); and what a family's plan gathers
+    (`Family.gathered`): every tensor of that block but the rowwise linear's input, which it splits."""
     qwen2_moe = knobs.moe and knobs.moe_shared_expert_intermediate_size and not knobs.mla
-    return frozenset(x.name for x in SHARED_MLP) if qwen2_moe else frozenset()
+    whole = frozenset(x.name for x in SHARED_MLP) if qwen2_moe else frozenset()
+    return whole | _gathered(knobs)
+
+
+def _gathered(knobs: Any) -> frozenset[str]:
+    """The tensors of the blocks the family's plan runs whole on every rank ("colwise_gather_output"): the attention
+    (both cores, on either device, and the b = 1 fused output) or the MLP, less o_proj's and down_proj's inputs."""
+    family = family_of(knobs)
+    if family is None:
+        return frozenset()
+    blocks = {"attention": lambda: (*(x for d in ("cpu", "cuda") for x in attention_block(knobs, Accounting(device=d))),
+                                    ledger.K, ledger.V, NEOX_QKV_OUT),  # and what REPEAT_KV keeps at b = 1
+              "mlp": lambda: mlp_block(knobs)}
+    split = {ledger.PROJ_IN.name, ledger.FC2_IN.name}
+    return frozenset(x.name for block in family.gathered for x in blocks[block]() if x.name not in split)
 
 
 IMPLEMENTATION = Implementation(

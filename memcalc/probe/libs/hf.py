@@ -103,7 +103,10 @@ _QKV_PARTS = (ledger.Q, ledger.K, ledger.V)  # each h columns wide (GPT-2 has no
 _GATE_UP = SavedTensor("moe/expert_gate_up", "MixtralExperts gate_up_proj", (), Kind.ACTIVATION, Region.EXPERT,
                        "chunked into gate and up")
 _GATE_UP_PARTS = (ledger.EXPERT_GATE, ledger.EXPERT_UP)
-_MARKERS = (_QKV_OUT, _GATE_UP)
+# Phi-3's gate_up_proj output, (b, s, 2f): its gate and up halves, chunked.
+_DENSE_GATE_UP = SavedTensor("mlp/gate_up", "Phi3MLP gate_up_proj", (), Kind.ACTIVATION, Region.TENSOR,
+                             "chunked into gate and up")
+_MARKERS = (_QKV_OUT, _GATE_UP, _DENSE_GATE_UP)
 # The (1, s, d) RoPE tables the model passes its layers: a Llama head's, or latent attention's RoPE part's.
 _ROPE_TABLES = ((rules.ROPE_COS, rules.ROPE_SIN), (rules.MLA_ROPE_COS, rules.MLA_ROPE_SIN),
                 (rules.NEOX_ROPE_COS, rules.NEOX_ROPE_SIN), (rules.OLMO_ROPE_COS, rules.OLMO_ROPE_SIN))
@@ -231,7 +234,17 @@ def llama_config(config: ModelConfig, family: str = "llama") -> Any:
         max_position_embeddings=config.s, vocab_size=config.vocab_size, tie_word_embeddings=config.tie_embeddings,
         attn_implementation=attention_implementation(config),
     ) | _moe_fields(config, family) | _latent_fields(config, family) | _head_fields(config, family)
-      | _window_fields(config, family))
+      | _window_fields(config, family) | _phi3_fields(config, family))
+
+
+def _phi3_fields(config: ModelConfig, family: str) -> dict[str, Any]:
+    """Phi3Config's: the residual dropouts (resid_pdrop) at memcalc's one probability, RoPE on rotary_percent of each
+    head (partial_rotary_factor, 1 when unset), its sliding window; no token ids past a small vocabulary."""
+    if family != "phi3":
+        return {}
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": config.rotary_percent or 1.0}
+    return {"resid_pdrop": config.dropout, "embd_pdrop": config.dropout, "rope_parameters": rope,
+            "sliding_window": config.sliding_window, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
 
 
 def neox_config(config: ModelConfig) -> Any:
@@ -446,6 +459,9 @@ def label_rules_for(config: ModelConfig) -> tuple[Rule, ...]:
     """Where each tensor the layer may keep is made in transformers' code."""
     if config.recompute == "full":
         return (Rule("", "forward", ledger.LAYER_INPUT, arg=0),)
+    if config.fused_qkv:
+        first, second = _llama_norm_rules(config)
+        return (*first, *_phi3_attention_rules(config), *second, *_phi3_mlp_rules())
     if rules.is_llama(config):
         attention = _latent_attention_rules(config) if config.mla else _llama_attention_rules(config)
         first, second = _llama_norm_rules(config)
@@ -578,6 +594,42 @@ def _llama_attention_rules(config: ModelConfig) -> tuple[Rule, ...]:
         *_sdpa_inputs("self_attn"),
         Rule("self_attn.o_proj", "linear", ledger.PROJ_IN, arg=0, view=_head_columns(config.head_dim)),
     )
+
+
+def _phi3_attention_rules(config: ModelConfig) -> tuple[Rule, ...]:
+    """Phi3Attention: qkv_proj's input, the eager core (V, a view of qkv_proj's output, kept whole where matmul takes
+    it as it is), o_proj's input, and the layer's dropout of the attention's output (resid_attn_dropout)."""
+    return (
+        Rule("self_attn.qkv_proj", "linear", ledger.QKV_IN, arg=0),
+        *_core_rules("self_attn", config),
+        _fused_v("self_attn", config),
+        Rule("self_attn.o_proj", "linear", ledger.PROJ_IN, arg=0, view=_head_columns(config.head_dim)),
+        _dropout_mask("resid_attn_dropout", ledger.ATTN_OUT_DROPOUT_MASK),
+    )
+
+
+def _phi3_mlp_rules() -> tuple[Rule, ...]:
+    """Phi3MLP: gate_up_proj's input, its (b, s, 2f) output that gate and up are halves of (SiLU keeps gate, the
+    product up), SiLU's output, down_proj's input, and the MLP output's dropout (resid_mlp_dropout)."""
+    return (
+        Rule("mlp.gate_up_proj", "linear", ledger.FC1_IN, arg=0),
+        Rule("mlp.activation_fn", "silu", _DENSE_GATE_UP, arg=0, view=_whole),
+        Rule("mlp.activation_fn", "silu", ledger.SWIGLU_SILU_OUT),
+        Rule("mlp.down_proj", "linear", ledger.FC2_IN, arg=0),
+        _dropout_mask("resid_mlp_dropout", ledger.MLP_DROPOUT_MASK),
+    )
+
+
+def _fused_v(attention: str, config: ModelConfig) -> Rule:
+    """V as the fused qkv output it views (b, s, heads, d), where matmul keeps it without a copy (REPEAT_KV)."""
+    d = config.head_dim
+    return Rule(attention, "matmul", rules.NEOX_QKV_OUT, nth=1, arg=1,
+                view=lambda v: v._base.view(config.b, config.s, -1, d))
+
+
+def _dropout_mask(module: str, mask: SavedTensor) -> Rule:
+    """The bool mask an nn.Dropout module's (CUDA-like) dropout keeps."""
+    return Rule(module, "native_dropout", mask, view=_kept("NativeDropoutBackward0", "_saved_result1"))
 
 
 def _latent_attention_rules(config: ModelConfig) -> tuple[Rule, ...]:
@@ -749,9 +801,10 @@ def _attributed(saved: tuple[SavedStorage, ...], config: ModelConfig) -> tuple[S
     for storage in saved:
         if storage.name == _QKV_OUT.name:
             rows += [SavedStorage(x.name, storage.nbytes // 3, per_head, storage.dtype) for x in _QKV_PARTS]
-        elif storage.name == _GATE_UP.name:
-            half = (storage.shape[0], storage.shape[1] // 2)
-            rows += [SavedStorage(x.name, storage.nbytes // 2, half, storage.dtype) for x in _GATE_UP_PARTS]
+        elif storage.name in (_GATE_UP.name, _DENSE_GATE_UP.name):
+            parts = _GATE_UP_PARTS if storage.name == _GATE_UP.name else (ledger.SWIGLU_GATE, ledger.SWIGLU_UP)
+            half = (*storage.shape[:-1], storage.shape[-1] // 2)
+            rows += [SavedStorage(x.name, storage.nbytes // 2, half, storage.dtype) for x in parts]
         else:
             rows.append(storage)
     return tuple(rows)
