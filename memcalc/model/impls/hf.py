@@ -815,7 +815,8 @@ IMPLEMENTATION = Implementation(
     " transformers' own tp_plan (apply_tensor_parallelism, DTensor) at t = 2 and 4, the MoE layers of Mixtral,"
     " Qwen2-MoE and Qwen3-MoE too (forced routers); GemmaDecoderLayer, Gemma2DecoderLayer (sandwich norms,"
     " soft-capping), Gemma3DecoderLayer (and its q/k norms) and OlmoDecoderLayer, eager and sdpa (Gemma 2: eager),"
-    " at t = 1 and 2; GPTNeoXLayer (parallel or sequential residual, partial RoPE), eager, t = 1 (the families"
+    " at t = 1 and 2; GPTNeoXLayer (parallel or sequential residual, partial RoPE), eager, t = 1;"
+    " Phi3DecoderLayer (fused qkv_proj and gate_up_proj, partial RoPE), eager, at t = 1 and 2 (the families"
     " `memcalc hf-families` lists, each from a config.json its transformers class wrote)",
     layer_tensors=layer_tensors,
     refuses=(NO_SEQUENCE_PARALLEL, GPT2_NO_TP_PLAN, NEOX_TP_NOT_MODELLED, LATENT_TP_NOT_MODELLED),
