@@ -387,6 +387,17 @@ _PHI3 = (
 )
 
 
+# Olmo2Config: a Llama layer without input norms, an Olmo2RMSNorm (its weight times the fp32 normalised input) on the
+# attention's and on the MLP's outputs, and on q_proj's and k_proj's whole outputs (q_norm, k_norm); the MLP has no
+# biases whatever attention_bias says.
+_OLMO2 = (
+    *({"norm": Row("norm", ("rms_norm_eps",), lambda eps: "rmsnorm_fp32w", default="rmsnorm_fp32w")}.get(r.target, r)
+      for r in _LLAMA if r.target != "add_bias_linear"),
+    _head_dim_row(),
+    _kept_nothing("attention_bias", lambda v: _flag("attention_bias", v), "q, k, v and o biases keep nothing"),
+)
+
+
 def _dense(k: Any) -> bool:
     """A Llama-family layer with a dense MLP and plain multi-head or grouped-query attention (separate q, k, v)."""
     return not k.moe and not k.mla and not k.qk_layernorm and not k.fused_qkv
@@ -482,6 +493,9 @@ FAMILIES: dict[str, Family] = {
         Family("phi3", "Phi3Config", "Phi3DecoderLayer", ("Phi3ForCausalLM",), _PHI3, _ROPE | {"fused_qkv": True},
                when=lambda k: k.fused_qkv and not k.moe and not k.mla and not k.qk_layernorm,
                gathered=("attention", "mlp")),
+        Family("olmo2", "Olmo2Config", "Olmo2DecoderLayer", ("Olmo2ForCausalLM",), _OLMO2,
+               _ROPE | {"post_norm": True, "qk_layernorm": True}, norm="rmsnorm_fp32w",
+               when=lambda k: k.post_norm and not k.moe and not k.mla, gathered=("attention",)),
     )
 }
 # model_types transformers builds whose layers memcalc has no rules for, and what they lack: refused by name.

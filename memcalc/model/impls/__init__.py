@@ -55,9 +55,10 @@ def implementation(knobs: Any) -> Implementation:
 
 # Knobs of a layer only transformers' code is measured for, and the layer that has each.
 _HF_ONLY = {"parallel_residual": "GPTNeoXLayer", "rotary_percent": "GPTNeoXLayer", "sandwich_norm": "Gemma2DecoderLayer",
-            "attn_logit_softcapping": "Gemma2DecoderLayer", "fused_qkv": "Phi3DecoderLayer"}
+            "attn_logit_softcapping": "Gemma2DecoderLayer", "fused_qkv": "Phi3DecoderLayer",
+            "post_norm": "Olmo2DecoderLayer"}
 # Choices only transformers' layers are measured with (Gemma's GemmaRMSNorm and GeGLU).
-_HF_ONLY_CHOICES = {"norm": ("rmsnorm_1p", "layernorm_np"), "mlp": ("geglu_tanh",)}
+_HF_ONLY_CHOICES = {"norm": ("rmsnorm_1p", "layernorm_np", "rmsnorm_fp32w"), "mlp": ("geglu_tanh",)}
 
 
 def _check_hf_only(knobs: Any) -> None:

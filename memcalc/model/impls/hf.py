@@ -53,7 +53,7 @@ from typing import Any, NamedTuple
 from memcalc.config.hf import FAMILIES, family_of
 from memcalc.errors import ConfigError
 from memcalc.model import ledger
-from memcalc.model.impls.base import Implementation, Refusal, SizeRule, always, drop_small
+from memcalc.model.impls.base import Implementation, Refusal, SizeCondition, SizeRule, always, drop_small
 from memcalc.model.knobs import DTYPE_BYTES, Accounting
 from memcalc.model.ledger import Dim, Kind, Region, SavedTensor
 
@@ -137,6 +137,30 @@ def _olmo_norm(prefix: str, module: str) -> ledger.NormTensors:
     )
 
 
+def _olmo2_norm(prefix: str, module: str, width: tuple[Dim, ...] = (Dim.H,)) -> RMSNormTensors:
+    """Olmo2RMSNorm: Llama's upcast and rstd, then weight * (.) in fp32 (the weight promoted), which keeps the fp32
+    normalised input; the cast back keeps nothing. `width` the normalised channels: h, or a whole projection's
+    heads (q_norm over a*d, k_norm over g*d, one rstd a token)."""
+    llama, by = _rms_norm(prefix, module), f"Olmo2RMSNorm ({module})"
+    stem, shape = prefix if "/" in prefix else f"{prefix}/", (Dim.B, Dim.S, *width)
+    region = _TEN if Dim.H not in width else _SEQ
+    return RMSNormTensors(
+        replace(llama.input_fp32, shape=shape, region=region,
+                saved_by=f"{by}: hidden_states.to(float32), kept by pow(2) and by x * rsqrt(.)"),
+        replace(llama.rstd, saved_by=f"{by}: rsqrt(variance + eps), kept by rsqrt and by x * rsqrt(.)"),
+        SavedTensor(
+            f"{stem}normed_fp32", f"{by}: x * rsqrt(.) in fp32, kept by weight * (.) (promoted to fp32)", shape,
+            Kind.FP32, region, "the weight's gradient is dY times the normalised input, here the fp32 one",
+        ),
+    )
+
+
+# OLMo 2's only norms: on the attention's output and on the MLP's, before each residual add (post_norm).
+OLMO2_ATTN_OUT = _olmo2_norm("ln_attn_out", "OLMo 2's post_attention_layernorm, on the attention's output")
+OLMO2_MLP_OUT = _olmo2_norm("ln_mlp_out", "OLMo 2's post_feedforward_layernorm, on the MLP's output")
+# Olmo2Attention's q_norm and k_norm: Olmo2RMSNorm over q_proj's and k_proj's whole outputs, before the heads' view.
+OLMO2_Q_NORM = _olmo2_norm("attention/q_norm_whole_", "q_norm, over q_proj's a*d channels", (Dim.A, Dim.D))
+OLMO2_K_NORM = _olmo2_norm("attention/k_norm_whole_", "k_norm, over k_proj's g*d channels", (Dim.G, Dim.D))
 OLMO_LN1 = _olmo_norm("ln1", "input_layernorm")
 OLMO_LN2 = _olmo_norm("ln2", "post_attention_layernorm")
 GEMMA_LN1 = _gemma_norm("ln1", "input_layernorm")
@@ -271,6 +295,18 @@ FLASH_DROPOUT_LSE = replace(
     " (read from torch's code, aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp: mha_fwd; not measured)",
 )
 
+# Where the tp plan gathers the attention (OLMo 2's), o_proj's input is a split copy of the attention's output
+# (rowwise_split_input), so the flash kernel's own saved output is a storage of its own, every head's.
+SDPA_OUT = SavedTensor(
+    "attention/sdpa_out", "SDPA flash kernel: its output, which o_proj's input (rowwise_split_input under tp) no longer"
+    " shares", _BASD, Kind.ACTIVATION, _TEN, "flash attention's backward reads its output (the rows' dO . O sums)",
+)
+# At t = 1 the plan lays out nothing: o_proj's input is the flash kernel's output, one storage.
+SPLIT_PROJ_INPUT = SizeCondition(
+    SDPA_OUT, "only under tp (t > 1) does transformers' rowwise_split_input copy o_proj's input out of the flash"
+    " kernel's output; at t = 1 they are one storage", kept=lambda sizes, t: t != 1,
+)
+
 TANH_OUT = SavedTensor(
     "mlp/tanh_out", "NewGELUActivation (gelu_new): torch.tanh", _BSF, Kind.ACTIVATION, _TEN,
     "tanh's derivative, 1 - tanh^2, is read from its output",
@@ -385,7 +421,7 @@ MOE_TENSORS = (ROUTER_PROBS, TOPK_SUM, TOPK_WEIGHTS, ROUTER_IN_FP32, ROUTER_SCOR
 def is_llama(knobs: Any) -> bool:
     """RMSNorm + a gated MLP is the Llama family (Llama, Mistral, Qwen2, Gemma's (1 + w) RMSNorm and GeGLU);
     LayerNorm + GELU is GPT-2 or GPT-NeoX."""
-    return knobs.norm in ("rmsnorm", "rmsnorm_1p", "layernorm_np")
+    return knobs.norm in ("rmsnorm", "rmsnorm_1p", "layernorm_np", "rmsnorm_fp32w")
 
 
 def is_neox(knobs: Any) -> bool:
@@ -402,7 +438,7 @@ def resid_dropout(knobs: Any) -> bool:
 def _rope(knobs: Any) -> tuple[SavedTensor, ...]:
     """The (s, d) cos and sin tables RoPE's products keep: OLMo's fp32, the first d_r channels' (rotary_percent),
     a whole head's, or none (GPT-2's learned positions live in the embedding)."""
-    if knobs.norm == "layernorm_np":
+    if knobs.norm in ("layernorm_np", "rmsnorm_fp32w"):  # OLMo's and OLMo 2's rotary embeddings cast nothing
         return (OLMO_ROPE_COS, OLMO_ROPE_SIN)
     if knobs.rotary_percent is not None:
         return (NEOX_ROPE_COS, NEOX_ROPE_SIN)
@@ -429,11 +465,18 @@ def _sdpa(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]:
     Without dropout: torch's flash kernel, CPU and CUDA alike. With dropout the CPU
     runs the math kernel (measured); CUDA's flash kernel drops out inside (read from code).
     """
+    out = (SDPA_OUT,) if attention_gathered(knobs) else ()
     if not knobs.has_dropout:
-        return (ledger.Q, ledger.K, ledger.V, ledger.SOFTMAX_LSE)
+        return (ledger.Q, ledger.K, ledger.V, ledger.SOFTMAX_LSE, *out)
     if accounting.device == "cpu":
         return SDPA_MATH
-    return (ledger.Q, ledger.K, ledger.V, FLASH_DROPOUT_LSE)
+    return (ledger.Q, ledger.K, ledger.V, FLASH_DROPOUT_LSE, *out)
+
+
+def attention_gathered(knobs: Any) -> bool:
+    """Whether the family's tp plan gathers the attention's projections (`Family.gathered`: Phi-3's, OLMo 2's)."""
+    family = family_of(knobs)
+    return family is not None and "attention" in family.gathered
 
 
 def _eager(knobs: Any) -> tuple[SavedTensor, ...]:
@@ -468,16 +511,16 @@ def batched(sizes: dict[Any, Any], t: Any) -> Any:
 
 
 def gathered_copies(sizes: dict[Any, Any], t: Any) -> Any:
-    """Phi-3 under GQA: repeat_kv's copies unless b = 1 with one K/V group, on every rank (its tp plan gathers
-    qkv_proj's output, so a rank holds all g groups whatever t is)."""
+    """repeat_kv's copies where the tp plan gathers the attention's projections (Phi-3's, OLMo 2's): unless b = 1 with
+    one K/V group in the model, since every rank holds all g groups whatever t is."""
     return (sizes[Dim.B] != 1) | (sizes[Dim.G] != 1)
 
 
 def _copies(knobs: Any) -> Any:
     """The size condition under which eager attention's matmuls keep copies of K and V, for this layer."""
-    if knobs.fused_qkv:
-        return gathered_copies if knobs.gqa else batched
-    return repeat_kv_copies if knobs.gqa else batched
+    if not knobs.gqa:
+        return batched
+    return gathered_copies if attention_gathered(knobs) else repeat_kv_copies
 
 
 def _at_batch_of_one(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]:
@@ -492,8 +535,8 @@ REPEAT_KV = SizeRule(
     "eager attention under GQA keeps repeat_kv's copies of K and V at a/t heads, except when b = 1 and one K/V group"
     " is on the rank: expand and reshape are then views with a zero stride, and matmul keeps K and V themselves;"
     " GPT-NeoX's and Phi-3's keep a copy of V, a view of the fused query_key_value (qkv_proj) output, except when"
-    " b = 1 (and, under Phi-3's GQA, one K/V group: its tp plan gathers every group on each rank): then they keep"
-    " that whole output",
+    " b = 1 (and, under Phi-3's GQA, one K/V group): then they keep that whole output. Where the tp plan gathers the"
+    " attention's projections (Phi-3's, OLMo 2's) every rank holds all g groups, so one K/V group means g = 1",
     applies=lambda knobs: (knobs.gqa or is_neox(knobs) or knobs.fused_qkv) and knobs.attention == "eager"
     and knobs.recompute != "full",
     runs=repeat_kv_copies,
@@ -517,7 +560,7 @@ def attention_block(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ..
     if knobs.mla:
         return latent_attention(knobs)
     qk_norm = (() if not knobs.qk_layernorm else (*GEMMA_Q_NORM, *GEMMA_K_NORM) if knobs.norm == "rmsnorm_1p"
-               else (*Q_NORM_RMS, *K_NORM_RMS))
+               else (*OLMO2_Q_NORM, *OLMO2_K_NORM) if knobs.norm == "rmsnorm_fp32w" else (*Q_NORM_RMS, *K_NORM_RMS))
     core = _sdpa(knobs, accounting) if knobs.attention == "flash" else _eager(knobs)
     resid = (ledger.ATTN_OUT_DROPOUT_MASK,) if resid_dropout(knobs) else ()
     return (ledger.QKV_IN, *qk_norm, *_rope(knobs), *core, ledger.PROJ_IN, *resid)
@@ -575,9 +618,11 @@ def layer_tensors(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]
     """Every tensor one transformers decoder layer keeps for backward, in forward order."""
     if knobs.recompute == "full":
         return (ledger.LAYER_INPUT,)  # torch.utils.checkpoint keeps the layer's positional input
-    post_attn, post_mlp = (tuple(GEMMA_POST_ATTN), tuple(GEMMA_POST_MLP)) if knobs.sandwich_norm else ((), ())
+    post_attn, post_mlp = (tuple(GEMMA_POST_ATTN), tuple(GEMMA_POST_MLP)) if knobs.sandwich_norm else \
+        (tuple(OLMO2_ATTN_OUT), tuple(OLMO2_MLP_OUT)) if knobs.post_norm else ((), ())
+    first, second = ((), ()) if knobs.post_norm else (norm_block(0, knobs), norm_block(1, knobs))  # OLMo 2: none
     blocks = (
-        norm_block(0, knobs) + attention_block(knobs, accounting) + post_attn + norm_block(1, knobs)
+        first + attention_block(knobs, accounting) + post_attn + second
         + (moe_block(knobs) if knobs.moe else mlp_block(knobs)) + post_mlp
     )
     return drop_small(blocks, accounting)
@@ -591,6 +636,7 @@ def check(knobs: Any) -> None:
         raise ConfigError(f"impl hf: no transformers layer has norm {knobs.norm} with mlp {knobs.mlp}; it runs {runs}")
     _check_neox(knobs)
     _check_phi3(knobs)
+    _check_olmo2(knobs)
     _check_gemma2(knobs)
     if knobs.recompute not in ("none", "full"):
         raise ConfigError(f"impl hf: transformers has no {knobs.recompute} recomputation; use recompute none or full"
@@ -660,6 +706,14 @@ def _check_phi3(knobs: Any) -> None:
         raise ConfigError("impl hf: Phi3DecoderLayer under sdpa is not modelled: SDPA keeps V as the fused qkv_proj"
                           " output it views, and where its output lies depends on the device's kernel (measured on a"
                           " CPU only); use attention eager")
+
+
+def _check_olmo2(knobs: Any) -> None:
+    """post_norm and norm rmsnorm_fp32w are Olmo2DecoderLayer's, which always has its whole-width q_norm and k_norm."""
+    olmo2 = (knobs.post_norm, knobs.norm == "rmsnorm_fp32w")
+    if any(olmo2) and (not all(olmo2) or not knobs.qk_layernorm or knobs.mlp != "swiglu" or knobs.moe or knobs.mla):
+        raise ConfigError("impl hf: post_norm and norm rmsnorm_fp32w are Olmo2DecoderLayer's: set both, with"
+                          " qk_layernorm and mlp swiglu (a dense layer, no latent attention)")
 
 
 def _check_gemma2(knobs: Any) -> None:
@@ -816,7 +870,8 @@ IMPLEMENTATION = Implementation(
     " Qwen2-MoE and Qwen3-MoE too (forced routers); GemmaDecoderLayer, Gemma2DecoderLayer (sandwich norms,"
     " soft-capping), Gemma3DecoderLayer (and its q/k norms) and OlmoDecoderLayer, eager and sdpa (Gemma 2: eager),"
     " at t = 1 and 2; GPTNeoXLayer (parallel or sequential residual, partial RoPE), eager, t = 1;"
-    " Phi3DecoderLayer (fused qkv_proj and gate_up_proj, partial RoPE), eager, at t = 1 and 2 (the families"
+    " Phi3DecoderLayer (fused qkv_proj and gate_up_proj, partial RoPE), eager, at t = 1 and 2; Olmo2DecoderLayer"
+    " (post-norms, whole-width q/k norms), eager and sdpa, at t = 1 and 2 (the families"
     " `memcalc hf-families` lists, each from a config.json its transformers class wrote)",
     layer_tensors=layer_tensors,
     refuses=(NO_SEQUENCE_PARALLEL, GPT2_NO_TP_PLAN, NEOX_TP_NOT_MODELLED, LATENT_TP_NOT_MODELLED),
@@ -824,10 +879,12 @@ IMPLEMENTATION = Implementation(
     check=check,
     check_sizes=check_sizes,
     size_rule=REPEAT_KV,
+    size_conditions=(SPLIT_PROJ_INPUT,),
     tensors=(
         *LN1_RMS, *LN2_RMS, *Q_NORM_RMS, *K_NORM_RMS,
         ROPE_COS, ROPE_SIN, *MLA_Q_RMS, *MLA_KV_RMS, MLA_ROPE_COS, MLA_ROPE_SIN, K_EXPANDED, V_EXPANDED, SOFTMAX_FP32, WEIGHTS, *SDPA_MATH,
         HALF_X, TANH_OUT, ONE_PLUS_TANH, *MOE_TENSORS, NEOX_ROPE_COS, NEOX_ROPE_SIN, NEOX_QKV_OUT,
+    *OLMO2_ATTN_OUT, *OLMO2_MLP_OUT, *OLMO2_Q_NORM, *OLMO2_K_NORM, SDPA_OUT,
     *GEMMA_LN1, *GEMMA_LN2, *GEMMA_Q_NORM, *GEMMA_K_NORM, *GEMMA_POST_ATTN, *GEMMA_POST_MLP, SOFTCAP_TANH, GEGLU_GATE, GEGLU_UP, GEGLU_GELU_OUT, *OLMO_LN1, *OLMO_LN2, OLMO_ROPE_COS, OLMO_ROPE_SIN,  # FLASH_DROPOUT_LSE is the ledger's LSE, described as read from code
     ),
     # LlamaConfig's own: RMSNorm, SwiGLU, attention_dropout 0, attn_implementation "sdpa" (memcalc's flash).

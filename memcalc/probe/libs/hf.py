@@ -486,6 +486,9 @@ def _llama_norm_rules(config: ModelConfig) -> tuple[tuple[Rule, ...], tuple[Rule
     """A Llama-family layer's norms before and after its attention: LlamaRMSNorm's, Gemma's or OLMo's."""
     if config.norm == "rmsnorm_1p":
         return _gemma_norm_rules("input_layernorm", rules.GEMMA_LN1), _gemma_rules(config)
+    if config.norm == "rmsnorm_fp32w":  # OLMo 2: no norm before the attention or the MLP, one after each
+        return (), (*_olmo2_norm_rules("post_attention_layernorm", rules.OLMO2_ATTN_OUT),
+                    *_olmo2_norm_rules("post_feedforward_layernorm", rules.OLMO2_MLP_OUT))
     if config.norm == "layernorm_np":
         return (_layer_norm_rules("input_layernorm", rules.OLMO_LN1),
                 _layer_norm_rules("post_attention_layernorm", rules.OLMO_LN2))
@@ -495,6 +498,10 @@ def _llama_norm_rules(config: ModelConfig) -> tuple[tuple[Rule, ...], tuple[Rule
 def _qk_norm_rules(config: ModelConfig) -> tuple[Rule, ...]:
     """Qwen3's q_norm and k_norm (LlamaRMSNorm's code on (b, s, heads, d)), or Gemma 3's (GemmaRMSNorm's code on
     each head of the transposed (b, heads, s, d) q and k)."""
+    if config.norm == "rmsnorm_fp32w":  # OLMo 2's, over q_proj's and k_proj's whole (b, s, heads * d) outputs
+        heads = _head_columns(config.head_dim)
+        return (*_olmo2_norm_rules("self_attn.q_norm", rules.OLMO2_Q_NORM, heads),
+                *_olmo2_norm_rules("self_attn.k_norm", rules.OLMO2_K_NORM, heads))
     if config.norm == "rmsnorm_1p":
         return (*_gemma_norm_rules("self_attn.q_norm", rules.GEMMA_Q_NORM),
                 *_gemma_norm_rules("self_attn.k_norm", rules.GEMMA_K_NORM))
@@ -510,6 +517,18 @@ def _gemma_rules(config: ModelConfig) -> tuple[Rule, ...]:
     return (*_gemma_norm_rules("post_attention_layernorm", rules.GEMMA_POST_ATTN),
             *_gemma_norm_rules("pre_feedforward_layernorm", rules.GEMMA_LN2),
             *_gemma_norm_rules("post_feedforward_layernorm", rules.GEMMA_POST_MLP))
+
+
+def _olmo2_norm_rules(module: str, norm: rules.RMSNormTensors, view: Callable[[Any], Any] | None = None
+                      ) -> tuple[Rule, ...]:
+    """Olmo2RMSNorm's three: x.to(float32), rsqrt's output, and x * rsqrt(.) (the first product), which the fp32
+    weight * (.) keeps; `view` the whole-width q/k norm's (b, s, heads * d) as (b, s, heads, d)."""
+    then = view or (lambda x: x)
+    return (
+        Rule(module, "to", norm.input_fp32, nth=0, view=then),
+        Rule(module, "rsqrt", norm.rstd, view=_stats),
+        Rule(module, "mul", norm.normed, nth=0, view=then),
+    )
 
 
 def _gemma_norm_rules(module: str, norm: rules.GemmaRMSNormTensors) -> tuple[Rule, ...]:
@@ -563,12 +582,13 @@ def _core_rules(
         Rule(attention, "softmax", ledger.SOFTMAX_OUT),
         Rule(attention, "softmax", rules.SOFTMAX_FP32),
         # Llama's cast of the fp32 softmax back to bf16; OLMo's apply_rotary_pos_emb casts q and k back before it
-        Rule(attention, "to", rules.WEIGHTS, nth=2 if config.norm == "layernorm_np" else 0),
+        Rule(attention, "to", rules.WEIGHTS, nth=2 if config.norm in ("layernorm_np", "rmsnorm_fp32w") else 0),
         Rule(attention, "native_dropout", ledger.ATTN_DROPOUT_OUT),  # the shim's dropout
         Rule(attention, "native_dropout", ledger.ATTN_DROPOUT_MASK,
              view=_kept("NativeDropoutBackward0", "_saved_result1")),
         # SDPA, flash kernel: the log-sum-exp (and q, k, v as passed)
         Rule(attention, sdpa, ledger.SOFTMAX_LSE, view=_kept("ScaledDotProduct*Backward0", "_saved_logsumexp")),
+        Rule(attention, sdpa, rules.SDPA_OUT),  # OLMo 2 under tp: o_proj's input is a split copy of it
         # SDPA, CPU math kernel (dropout): fp32 copies, two bmm, the softmax, dropout's mask
         Rule(attention, sdpa, rules.MATH_Q, view=_kept("BmmBackward0", "_saved_self", newest=1, then=_heads(b))),
         Rule(attention, sdpa, rules.MATH_K, view=_kept("BmmBackward0", "_saved_mat2", newest=1, then=_heads_t(b))),
