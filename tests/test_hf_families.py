@@ -108,6 +108,9 @@ def test_a_phi3_config_reads_fused_projections_and_rotates_whole_heads_unless_a_
     transformers.Phi3Config(**small, rope_parameters=rope, resid_pdrop=0.1).save_pretrained(tmp_path)
     share = read_hf_config(tmp_path / "config.json")
     assert (share.fields["rotary_percent"], share.fields["dropout"]) == (0.75, 0.1)
+    older = {"model_type": "phi3", **small, "num_hidden_layers": 2, "vocab_size": 64, "partial_rotary_factor": 0.5}
+    (tmp_path / "config.json").write_text(json.dumps(older))  # Phi-4-mini's file, written before rope_parameters
+    assert read_hf_config(tmp_path / "config.json").fields["rotary_percent"] == 0.5
 
 
 def test_phi3s_fused_projections_are_refused_outside_hf(tmp_path):

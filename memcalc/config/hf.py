@@ -368,10 +368,13 @@ _GPT_NEOX = (
 _MISTRAL = (*_LLAMA_HEADS, Row("sliding_window", ("sliding_window",), _sliding_window, default=4096))
 
 
-def _whole_heads_or_share(rope: Any) -> float | None:
-    """Phi-3's share of each head that RoPE rotates: rope_parameters' partial_rotary_factor (Phi-4-mini's 0.75);
-    1, the class's default, is whole heads (memcalc's unset rotary_percent)."""
-    fraction = _fraction(rope.get("partial_rotary_factor", 1.0) if isinstance(rope, dict) else 1.0)
+def _whole_heads_or_share(values: list[Any]) -> float | None:
+    """Phi-3's share of each head that RoPE rotates: rope_parameters' partial_rotary_factor (what Phi3Config saves),
+    else an older file's top-level partial_rotary_factor (Phi-4-mini's 0.75, which the class moves into
+    rope_parameters); 1, the class's default, is whole heads (memcalc's unset rotary_percent)."""
+    rope, top = values
+    given = rope.get("partial_rotary_factor") if isinstance(rope, dict) else None
+    fraction = _fraction(next((v for v in (given, top) if v is not None), 1.0))
     return None if fraction == 1 else fraction
 
 
@@ -381,7 +384,7 @@ _PHI3 = (
     *(r for r in _LLAMA if r.target not in ("dropout", "add_bias_linear")),
     _head_dim_row(),
     Row("dropout", ("attention_dropout", "resid_pdrop", "embd_pdrop"), default=0.0, combine=_largest_dropout),
-    Row("rotary_percent", ("rope_parameters",), _whole_heads_or_share, default=None),
+    Row("rotary_percent", ("rope_parameters", "partial_rotary_factor"), default=None, combine=_whole_heads_or_share),
     Row("sliding_window", ("sliding_window",), _sliding_window, default=None),  # Phi3Config's default: none
     _kept_nothing("original_max_position_embeddings", lambda v: v, "LongRoPE's scaling: the same cos and sin tables"),
 )
