@@ -215,11 +215,13 @@ MLA_ROPE_SIN = SavedTensor(
 # each query and key head (q[..., :d_r] * cos, rotate_half(.) * sin, then concatenated with the rest): the model's
 # (1, s, d_r) tables, kept once per layer.
 NEOX_ROPE_COS = SavedTensor(
-    "attention/rope_cos_partial", "GPT-NeoX apply_rotary_pos_emb: q_rot * cos and k_rot * cos", (Dim.S, Dim.DR),
+    "attention/rope_cos_partial", "apply_rotary_pos_emb (GPT-NeoX, Phi-3): q_rot * cos and k_rot * cos",
+    (Dim.S, Dim.DR),
     Kind.ACTIVATION, _SEQ, "the gradient of q_rot in q_rot * cos is dY * cos (the (1, s, d_r) table)", paper=False,
 )
 NEOX_ROPE_SIN = SavedTensor(
-    "attention/rope_sin_partial", "GPT-NeoX apply_rotary_pos_emb: rotate_half(q_rot) * sin", (Dim.S, Dim.DR),
+    "attention/rope_sin_partial", "apply_rotary_pos_emb (GPT-NeoX, Phi-3): rotate_half(q_rot) * sin",
+    (Dim.S, Dim.DR),
     Kind.ACTIVATION, _SEQ, "the gradient of rotate_half(q_rot) in rotate_half(q_rot) * sin is dY * sin", paper=False,
 )
 # GPT-NeoX's V is a view of query_key_value's (b, s, a, 3d) output, Phi-3's of qkv_proj's (b, s, (a+2g)d); at b = 1
