@@ -117,4 +117,4 @@ def test_phi3s_fused_projections_are_refused_outside_hf(tmp_path):
     transformers = pytest.importorskip("transformers")
     transformers.Phi3Config(hidden_size=32, num_attention_heads=4, intermediate_size=48).save_pretrained(tmp_path)
     one_line_error(memcalc_cli("estimate", "--hf-config", str(tmp_path / "config.json"), "--impl", "megatron"),
-                   "fused_qkv (of transformers' Phi3DecoderLayer) are modelled under --impl hf")
+                   "fused_qkv (of transformers' Phi3DecoderLayer) is modelled under --impl hf only")

@@ -70,8 +70,9 @@ def _check_hf_only(knobs: Any) -> None:
     given = [name for name in _HF_ONLY if getattr(knobs, name) not in (None, False)]
     if given:
         layers = " or ".join(dict.fromkeys(_HF_ONLY[name] for name in given))
-        raise ConfigError(f"{' and '.join(given)} (of transformers' {layers}) are modelled"
-                          f" under --impl hf --attention eager only; impl {knobs.impl}'s layer has no such choice")
+        verb = "is" if len(given) == 1 else "are"
+        raise ConfigError(f"{' and '.join(given)} (of transformers' {layers}) {verb} modelled under --impl hf only;"
+                          f" impl {knobs.impl}'s layer has no such choice")
     for name, values in _HF_ONLY_CHOICES.items():
         if getattr(knobs, name) in values:
             raise ConfigError(f"{name} {getattr(knobs, name)} (a transformers family's) is modelled under --impl hf only; impl"
