@@ -110,6 +110,8 @@ KNOBS: Schema = _object({
     "attn_logit_softcapping": _nullable({"type": "number", "exclusiveMinimum": 0}),
     "parallel_residual": FLAG,
     "rotary_percent": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
+    "post_norm": FLAG,
+    "fused_qkv": FLAG,
 })
 
 # The config a command ran: every ModelConfig field (unset optional ones left out), with the MLP

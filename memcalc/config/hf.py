@@ -90,7 +90,10 @@ def _rotary_fraction(values: list[Any]) -> float:
     GPTNeoXConfig saves), else an older file's rotary_pct, else the class's 0.25."""
     rope, pct = values
     given = rope.get("partial_rotary_factor", ...) if isinstance(rope, dict) else ...
-    fraction = given if given is not ... else pct if pct is not ... else 0.25
+    return _fraction(given if given is not ... else pct if pct is not ... else 0.25)
+
+
+def _fraction(fraction: Any) -> float:
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
         raise ConfigError(f"the rotary fraction (partial_rotary_factor, rotary_pct) must be in (0, 1], got"
                           f" {short_repr(fraction)}")
@@ -365,9 +368,42 @@ _GPT_NEOX = (
 _MISTRAL = (*_LLAMA_HEADS, Row("sliding_window", ("sliding_window",), _sliding_window, default=4096))
 
 
+def _whole_heads_or_share(values: list[Any]) -> float | None:
+    """Phi-3's share of each head that RoPE rotates: rope_parameters' partial_rotary_factor (what Phi3Config saves),
+    else an older file's top-level partial_rotary_factor (Phi-4-mini's 0.75, which the class moves into
+    rope_parameters); 1, the class's default, is whole heads (memcalc's unset rotary_percent)."""
+    rope, top = values
+    given = rope.get("partial_rotary_factor") if isinstance(rope, dict) else None
+    fraction = _fraction(next((v for v in (given, top) if v is not None), 1.0))
+    return None if fraction == 1 else fraction
+
+
+# Phi3Config (Phi-3, Phi-3.5, Phi-4): a Llama layer whose q, k and v are one qkv_proj and gate and up one gate_up_proj,
+# whose attention's and MLP's outputs are dropped out (resid_pdrop), and whose RoPE may rotate part of each head.
+_PHI3 = (
+    *(r for r in _LLAMA if r.target not in ("dropout", "add_bias_linear")),
+    _head_dim_row(),
+    Row("dropout", ("attention_dropout", "resid_pdrop", "embd_pdrop"), default=0.0, combine=_largest_dropout),
+    Row("rotary_percent", ("rope_parameters", "partial_rotary_factor"), default=None, combine=_whole_heads_or_share),
+    Row("sliding_window", ("sliding_window",), _sliding_window, default=None),  # Phi3Config's default: none
+    _kept_nothing("original_max_position_embeddings", lambda v: v, "LongRoPE's scaling: the same cos and sin tables"),
+)
+
+
+# Olmo2Config: a Llama layer without input norms, an Olmo2RMSNorm (its weight times the fp32 normalised input) on the
+# attention's and on the MLP's outputs, and on q_proj's and k_proj's whole outputs (q_norm, k_norm); the MLP has no
+# biases whatever attention_bias says.
+_OLMO2 = (
+    *({"norm": Row("norm", ("rms_norm_eps",), lambda eps: "rmsnorm_fp32w", default="rmsnorm_fp32w")}.get(r.target, r)
+      for r in _LLAMA if r.target != "add_bias_linear"),
+    _head_dim_row(),
+    _kept_nothing("attention_bias", lambda v: _flag("attention_bias", v), "q, k, v and o biases keep nothing"),
+)
+
+
 def _dense(k: Any) -> bool:
-    """A Llama-family layer with a dense MLP and plain multi-head or grouped-query attention."""
-    return not k.moe and not k.mla and not k.qk_layernorm
+    """A Llama-family layer with a dense MLP and plain multi-head or grouped-query attention (separate q, k, v)."""
+    return not k.moe and not k.mla and not k.qk_layernorm and not k.fused_qkv
 
 
 def _qkv_bias(k: Any) -> bool:
@@ -399,6 +435,9 @@ class Family:
     router: str | None = None  # a MoE family's router class (the probe's --route forces it)
     attribute_map: dict[str, str] = field(default_factory=dict)
     package: str | None = None  # transformers/models/<package>, where it is not the model_type (Gemma 3's text model)
+    # the blocks whose fused outputs the config class's base_model_tp_plan gathers ("colwise_gather_output"): under tp
+    # every rank runs them whole, and only the next linear's input ("rowwise_split_input") is split
+    gathered: tuple[str, ...] = ()
 
     @property
     def modeling(self) -> str:
@@ -454,6 +493,12 @@ FAMILIES: dict[str, Family] = {
         Family("deepseek_v3", "DeepseekV3Config", "DeepseekV3DecoderLayer", ("DeepseekV3ForCausalLM",),
                _DEEPSEEK_V3, _ROPE, when=lambda k: k.mla, router="DeepseekV3TopkRouter",
                attribute_map={"num_local_experts": "n_routed_experts", "num_mtp_layers": "num_nextn_predict_layers"}),
+        Family("phi3", "Phi3Config", "Phi3DecoderLayer", ("Phi3ForCausalLM",), _PHI3, _ROPE | {"fused_qkv": True},
+               when=lambda k: k.fused_qkv and not k.moe and not k.mla and not k.qk_layernorm,
+               gathered=("attention", "mlp")),
+        Family("olmo2", "Olmo2Config", "Olmo2DecoderLayer", ("Olmo2ForCausalLM",), _OLMO2,
+               _ROPE | {"post_norm": True, "qk_layernorm": True}, norm="rmsnorm_fp32w",
+               when=lambda k: k.post_norm and not k.moe and not k.mla, gathered=("attention",)),
     )
 }
 # model_types transformers builds whose layers memcalc has no rules for, and what they lack: refused by name.

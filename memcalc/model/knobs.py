@@ -62,6 +62,7 @@ class Norm(Choice):
     RMSNORM = "rmsnorm"
     RMSNORM_1P = "rmsnorm_1p"  # Gemma's: (1 + w) * RMSNorm(x), all in fp32 and cast after; transformers only
     LAYERNORM_NP = "layernorm_np"  # OLMo's: LayerNorm without weight or bias, in fp32 and cast after; transformers only
+    RMSNORM_FP32W = "rmsnorm_fp32w"  # OLMo 2's: w * RMSNorm(x) with the product in fp32, cast after; transformers only
 
 
 class Recompute(Choice):
@@ -507,6 +508,30 @@ KNOBS: tuple[Knob, ...] = (
         effects=(({"impl": Impl.HF, "norm": Norm.LAYERNORM, "attention": Attention.EAGER, "rotary_percent": 0.25},
                   "GPTNeoXLayer: RoPE's cos and sin tables are d_r = d * rotary_pct channels wide, Llama's fp32"
                   " softmax is kept, and Q, K (rotated and concatenated) and V are the core's."),),
+    ),
+    Knob(
+        "post_norm", "flag", False, "hf: the norms on the attention's and the MLP's outputs only, before each residual"
+        " add, none on their inputs (OLMo 2's post_attention_layernorm and post_feedforward_layernorm)",
+        lambda k: "post-norms" if k.post_norm else None,
+        effects=(({"impl": Impl.HF, "norm": Norm.RMSNORM_FP32W, "mlp": Mlp.SWIGLU, "attention": Attention.EAGER,
+                   "qk_layernorm": True, "post_norm": True},
+                  "Olmo2DecoderLayer: no norm before the attention or the MLP (q, k, v and gate, up read the residual"
+                  " stream itself); its two norms keep an fp32 copy of the attention's and the MLP's outputs, the"
+                  " fp32 rstd and the fp32 normalised output; q_norm and k_norm run over the whole projection width"
+                  " (a*d and g*d), one rstd a token. Under tp its plan gathers q, k and v (colwise_gather_output):"
+                  " every rank keeps all heads' attention."),),
+    ),
+    Knob(
+        "fused_qkv", "flag", False, "hf: Q, K and V sliced from one qkv_proj output, gate and up chunked from one"
+        " gate_up_proj output (Phi-3's Phi3DecoderLayer)", lambda k: "fused qkv_proj and gate_up_proj" if k.fused_qkv
+        else None,
+        effects=(({"impl": Impl.HF, "norm": Norm.RMSNORM, "mlp": Mlp.SWIGLU, "attention": Attention.EAGER,
+                   "fused_qkv": True},
+                  "Q, K and V are views of one (b, s, (a+2g)d) output: where eager attention's matmul takes V as it"
+                  " is (b = 1, one K/V group) it keeps that whole output; gate and up are two halves of one storage."
+                  " Under tp transformers' Phi-3 plan gathers both fused outputs (colwise_gather_output), so every"
+                  " rank keeps all heads' attention and the whole gate, up and SiLU; only o_proj's and down_proj's"
+                  " inputs are split (rowwise_split_input)."),),
     ),
 )
 BY_NAME: dict[str, Knob] = {k.name: k for k in KNOBS}

@@ -78,8 +78,43 @@ def test_a_sequence_past_mistrals_window_is_refused_unless_hf_eager_keeps_the_fu
 def test_pythia_is_read_with_its_parallel_residual_and_rotary_share_and_counted_under_hf_only():
     pythia = "tests/data/hf/pythia-70m.json"
     one_line_error(memcalc_cli("estimate", "--hf-config", pythia),
-                   "parallel_residual and rotary_percent (of transformers' GPTNeoXLayer or Gemma2DecoderLayer) are modelled under --impl hf")
+                   "parallel_residual and rotary_percent (of transformers' GPTNeoXLayer) are modelled under --impl hf")
     run = memcalc_cli("estimate", "--hf-config", pythia, "--impl", "hf", "--attention", "eager", "--s", "64")
     assert run.code == 0, run.err
     assert "use_parallel_residual->parallel_residual=True, rotary_pct->rotary_percent=0.25" in run.err
     assert "tp left out: impl hf does not run it for GPT-NeoX" in run.err and "GPT-2" not in run.err
+
+
+def _tp_blocks(plan: dict[str, str], style: str) -> set[str]:
+    """The decoder-layer blocks (attention, mlp) a base_model_tp_plan gives a linear of `style` in."""
+    blocks = {"self_attn": "attention", "attn": "attention", "attention": "attention", "mlp": "mlp"}
+    return {blocks[name.split(".")[2]] for name, given in plan.items() if given == style and name.count(".") >= 3}
+
+
+def test_each_familys_gathered_blocks_are_those_its_tp_plan_gathers():
+    transformers = pytest.importorskip("transformers")
+    for f in FAMILIES.values():
+        plan = getattr(transformers, f.config_class).base_model_tp_plan or {}
+        assert _tp_blocks(plan, "colwise_gather_output") == set(f.gathered), f.name
+
+
+def test_a_phi3_config_reads_fused_projections_and_rotates_whole_heads_unless_a_share_is_given(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    small = {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 48}
+    transformers.Phi3Config(**small).save_pretrained(tmp_path)
+    whole = read_hf_config(tmp_path / "config.json")
+    assert whole.fields["fused_qkv"] is True and whole.fields["rotary_percent"] is None
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
+    transformers.Phi3Config(**small, rope_parameters=rope, resid_pdrop=0.1).save_pretrained(tmp_path)
+    share = read_hf_config(tmp_path / "config.json")
+    assert (share.fields["rotary_percent"], share.fields["dropout"]) == (0.75, 0.1)
+    older = {"model_type": "phi3", **small, "num_hidden_layers": 2, "vocab_size": 64, "partial_rotary_factor": 0.5}
+    (tmp_path / "config.json").write_text(json.dumps(older))  # Phi-4-mini's file, written before rope_parameters
+    assert read_hf_config(tmp_path / "config.json").fields["rotary_percent"] == 0.5
+
+
+def test_phi3s_fused_projections_are_refused_outside_hf(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    transformers.Phi3Config(hidden_size=32, num_attention_heads=4, intermediate_size=48).save_pretrained(tmp_path)
+    one_line_error(memcalc_cli("estimate", "--hf-config", str(tmp_path / "config.json"), "--impl", "megatron"),
+                   "fused_qkv (of transformers' Phi3DecoderLayer) is modelled under --impl hf only")

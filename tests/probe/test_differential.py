@@ -78,7 +78,7 @@ _HF_LLAMA = _knobs(attention=st.sampled_from(("eager", "flash")), dropout=DROPOU
                    recompute=st.sampled_from(("none", "full")))
 _HF_GPT2 = _knobs(attention=st.sampled_from(("eager", "flash")), dropout=DROPOUT, dtype=DTYPES,
                   recompute=st.sampled_from(("none", "full")), mlp=st.sampled_from(("gelu", "gelu_tanh")))
-_HF_MLA = _knobs(dropout=DROPOUT, dtype=DTYPES, recompute=st.sampled_from(("none", "full")))
+_HF_EAGER = _knobs(dropout=DROPOUT, dtype=DTYPES, recompute=st.sampled_from(("none", "full")))
 _HF_MOE = _knobs(attention=st.sampled_from(("eager", "flash")), dtype=DTYPES, recompute=st.sampled_from(("none", "full")),
                  moe_router_topk=st.sampled_from((1, 2)))
 
@@ -102,8 +102,12 @@ SUBJECTS = (
     Subject("hf olmo", "transformers", {"impl": "hf", "norm": "layernorm_np", "mlp": "swiglu"}, _HF_LLAMA,
             family="olmo"),
     Subject("hf gpt2", "transformers", {"impl": "hf", "norm": "layernorm"}, _HF_GPT2, family="gpt2", gqa=False),
+    Subject("hf phi3", "transformers", {"impl": "hf", "fused_qkv": True, "attention": "eager"} | LLAMA, _HF_EAGER,
+            family="phi3"),
+    Subject("hf olmo2", "transformers", {"impl": "hf", "norm": "rmsnorm_fp32w", "mlp": "swiglu", "post_norm": True,
+                                         "qk_layernorm": True}, _HF_LLAMA, family="olmo2"),
     Subject("hf deepseek_v3 (latent attention, dense)", "transformers", {"impl": "hf", "attention": "eager"} | LLAMA,
-            _HF_MLA, family="deepseek_v3", extra=MLA,
+            _HF_EAGER, family="deepseek_v3", extra=MLA,
             known="at b = 1 matmul keeps V as a view of kv_b_proj's output: not modelled yet"),
     Subject("hf mixtral", "transformers", {"impl": "hf", "dropout": 0.0, "num_experts": 4} | LLAMA, _HF_MOE,
             family="mixtral", moe=True, align=8),

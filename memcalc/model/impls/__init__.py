@@ -54,22 +54,26 @@ def implementation(knobs: Any) -> Implementation:
     return impl
 
 
-# Knobs of a layer only transformers' code is measured for (GPT-NeoX's GPTNeoXLayer).
-_HF_ONLY = ("parallel_residual", "rotary_percent", "sandwich_norm", "attn_logit_softcapping")
+# Knobs of a layer only transformers' code is measured for, and the layer that has each.
+_HF_ONLY = {"parallel_residual": "GPTNeoXLayer", "rotary_percent": "GPTNeoXLayer", "sandwich_norm": "Gemma2DecoderLayer",
+            "attn_logit_softcapping": "Gemma2DecoderLayer", "fused_qkv": "Phi3DecoderLayer",
+            "post_norm": "Olmo2DecoderLayer"}
 # Choices only transformers' layers are measured with (Gemma's GemmaRMSNorm and GeGLU).
-_HF_ONLY_CHOICES = {"norm": ("rmsnorm_1p", "layernorm_np"), "mlp": ("geglu_tanh",)}
+_HF_ONLY_CHOICES = {"norm": ("rmsnorm_1p", "layernorm_np", "rmsnorm_fp32w"), "mlp": ("geglu_tanh",)}
 
 
 def _check_hf_only(knobs: Any) -> None:
-    """GPT-NeoX's, Gemma's and OLMo's layers are counted under --impl hf only: Megatron's and torchtitan's layers have
-    no parallel residual, rotate whole heads, and have neither Gemma's (1 + w) RMSNorm and tanh GeGLU nor OLMo's
-    weightless fp32 LayerNorm."""
+    """GPT-NeoX's, Gemma's, OLMo's and Phi-3's layers are counted under --impl hf only: Megatron's and torchtitan's
+    layers have no parallel residual, rotate whole heads, have neither Gemma's (1 + w) RMSNorm and tanh GeGLU nor
+    OLMo's weightless fp32 LayerNorm, and keep no views of a fused qkv_proj output."""
     if knobs.impl == "hf":
         return
     given = [name for name in _HF_ONLY if getattr(knobs, name) not in (None, False)]
     if given:
-        raise ConfigError(f"{' and '.join(given)} (of transformers' GPTNeoXLayer or Gemma2DecoderLayer) are modelled"
-                          f" under --impl hf --attention eager only; impl {knobs.impl}'s layer has no such choice")
+        layers = " or ".join(dict.fromkeys(_HF_ONLY[name] for name in given))
+        verb = "is" if len(given) == 1 else "are"
+        raise ConfigError(f"{' and '.join(given)} (of transformers' {layers}) {verb} modelled under --impl hf only;"
+                          f" impl {knobs.impl}'s layer has no such choice")
     for name, values in _HF_ONLY_CHOICES.items():
         if getattr(knobs, name) in values:
             raise ConfigError(f"{name} {getattr(knobs, name)} (a transformers family's) is modelled under --impl hf only; impl"

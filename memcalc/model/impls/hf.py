@@ -53,7 +53,7 @@ from typing import Any
 from memcalc.config.hf import FAMILIES, family_of
 from memcalc.errors import ConfigError
 from memcalc.model import ledger
-from memcalc.model.impls.base import Implementation, Refusal, SizeRule, always, drop_small
+from memcalc.model.impls.base import Implementation, Refusal, SizeCondition, SizeRule, always, drop_small
 from memcalc.model.knobs import DTYPE_BYTES, Accounting
 from memcalc.model.ledger import Dim, Kind, Region, RMSNormTensors, SavedTensor
 
@@ -122,6 +122,30 @@ def _olmo_norm(prefix: str, module: str) -> ledger.NormTensors:
     )
 
 
+def _olmo2_norm(prefix: str, module: str, width: tuple[Dim, ...] = (Dim.H,)) -> RMSNormTensors:
+    """Olmo2RMSNorm: Llama's upcast and rstd, then weight * (.) in fp32 (the weight promoted), which keeps the fp32
+    normalised input; the cast back keeps nothing. `width` the normalised channels: h, or a whole projection's
+    heads (q_norm over a*d, k_norm over g*d, one rstd a token)."""
+    llama, by = _rms_norm(prefix, module), f"Olmo2RMSNorm ({module})"
+    stem, shape = prefix if "/" in prefix else f"{prefix}/", (Dim.B, Dim.S, *width)
+    region = _TEN if Dim.H not in width else _SEQ
+    return RMSNormTensors(
+        input_fp32=replace(llama.input_fp32, shape=shape, region=region,
+                           saved_by=f"{by}: hidden_states.to(float32), kept by pow(2) and by x * rsqrt(.)"),
+        rstd=replace(llama.rstd, saved_by=f"{by}: rsqrt(variance + eps), kept by rsqrt and by x * rsqrt(.)"),
+        normed_fp32=SavedTensor(
+            f"{stem}normed_fp32", f"{by}: x * rsqrt(.) in fp32, kept by weight * (.) (promoted to fp32)", shape,
+            Kind.FP32, region, "the weight's gradient is dY times the normalised input, here the fp32 one",
+        ),
+    )
+
+
+# OLMo 2's only norms: on the attention's output and on the MLP's, before each residual add (post_norm).
+OLMO2_ATTN_OUT = _olmo2_norm("ln_attn_out", "OLMo 2's post_attention_layernorm, on the attention's output")
+OLMO2_MLP_OUT = _olmo2_norm("ln_mlp_out", "OLMo 2's post_feedforward_layernorm, on the MLP's output")
+# Olmo2Attention's q_norm and k_norm: Olmo2RMSNorm over q_proj's and k_proj's whole outputs, before the heads' view.
+OLMO2_Q_NORM = _olmo2_norm("attention/q_norm_whole_", "q_norm, over q_proj's a*d channels", (Dim.A, Dim.D))
+OLMO2_K_NORM = _olmo2_norm("attention/k_norm_whole_", "k_norm, over k_proj's g*d channels", (Dim.G, Dim.D))
 OLMO_LN1 = _olmo_norm("ln1", "input_layernorm")
 OLMO_LN2 = _olmo_norm("ln2", "post_attention_layernorm")
 GEMMA_LN1 = _gemma_norm("ln1", "input_layernorm")
@@ -172,21 +196,25 @@ MLA_ROPE_SIN = SavedTensor(
     _SEQ, "the gradient of rotate_half(x) in rotate_half(x) * sin is dY * sin", paper=False,
 )
 
-# GPTNeoXAttention: RoPE on the first d_r = d * rotary_pct channels of each query and key head (q[..., :d_r] * cos,
-# rotate_half(.) * sin, then concatenated with the rest): the model's (1, s, d_r) tables, kept once per layer.
+# GPTNeoXAttention (and Phi3Attention, partial_rotary_factor < 1): RoPE on the first d_r = d * rotary_pct channels of
+# each query and key head (q[..., :d_r] * cos, rotate_half(.) * sin, then concatenated with the rest): the model's
+# (1, s, d_r) tables, kept once per layer.
 NEOX_ROPE_COS = SavedTensor(
-    "attention/rope_cos_partial", "GPT-NeoX apply_rotary_pos_emb: q_rot * cos and k_rot * cos", (Dim.S, Dim.DR),
+    "attention/rope_cos_partial", "apply_rotary_pos_emb (GPT-NeoX, Phi-3): q_rot * cos and k_rot * cos",
+    (Dim.S, Dim.DR),
     Kind.ACTIVATION, _SEQ, "the gradient of q_rot in q_rot * cos is dY * cos (the (1, s, d_r) table)", paper=False,
 )
 NEOX_ROPE_SIN = SavedTensor(
-    "attention/rope_sin_partial", "GPT-NeoX apply_rotary_pos_emb: rotate_half(q_rot) * sin", (Dim.S, Dim.DR),
+    "attention/rope_sin_partial", "apply_rotary_pos_emb (GPT-NeoX, Phi-3): rotate_half(q_rot) * sin",
+    (Dim.S, Dim.DR),
     Kind.ACTIVATION, _SEQ, "the gradient of rotate_half(q_rot) in rotate_half(q_rot) * sin is dY * sin", paper=False,
 )
-# GPT-NeoX's V is a view of query_key_value's (b, s, a, 3d) output; at b = 1 eager matmul folds it into a bmm batch
-# without a copy and keeps that whole storage (see BATCH_OF_ONE): Q, K and V's heads side by side.
+# GPT-NeoX's V is a view of query_key_value's (b, s, a, 3d) output, Phi-3's of qkv_proj's (b, s, (a+2g)d); at b = 1
+# eager matmul folds it into a bmm batch without a copy and keeps that whole storage (see REPEAT_KV): Q, K and V's
+# heads side by side.
 NEOX_QKV_OUT = SavedTensor(
-    "attention/qkv_out", "GPT-NeoX eager at b = 1: matmul(weights, v) keeps query_key_value's output, of which v is"
-    " a view", (Dim.B, Dim.S, Dim.QKV, Dim.D), Kind.ACTIVATION, _TEN,
+    "attention/qkv_out", "GPT-NeoX's and Phi-3's eager at b = 1: matmul(weights, v) keeps the fused query_key_value"
+    " (qkv_proj) output, of which v is a view", (Dim.B, Dim.S, Dim.QKV, Dim.D), Kind.ACTIVATION, _TEN,
     "the gradient of the attention weights is dOut V^T: V is read from the fused output it views",
 )
 ROPE_COS = SavedTensor(
@@ -252,6 +280,18 @@ FLASH_DROPOUT_LSE = replace(
     ledger.SOFTMAX_LSE,
     saved_by="SDPA flash kernel with dropout on CUDA: same as without, the mask is regenerated from its RNG state"
     " (read from torch's code, aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp: mha_fwd; not measured)",
+)
+
+# Where the tp plan gathers the attention (OLMo 2's), o_proj's input is a split copy of the attention's output
+# (rowwise_split_input), so the flash kernel's own saved output is a storage of its own, every head's.
+SDPA_OUT = SavedTensor(
+    "attention/sdpa_out", "SDPA flash kernel: its output, which o_proj's input (rowwise_split_input under tp) no longer"
+    " shares", _BASD, Kind.ACTIVATION, _TEN, "flash attention's backward reads its output (the rows' dO . O sums)",
+)
+# At t = 1 the plan lays out nothing: o_proj's input is the flash kernel's output, one storage.
+SPLIT_PROJ_INPUT = SizeCondition(
+    SDPA_OUT, "only under tp (t > 1) does transformers' rowwise_split_input copy o_proj's input out of the flash"
+    " kernel's output; at t = 1 they are one storage", kept=lambda sizes, t: t != 1,
 )
 
 TANH_OUT = SavedTensor(
@@ -368,12 +408,28 @@ MOE_TENSORS = (ROUTER_PROBS, TOPK_SUM, TOPK_WEIGHTS, ROUTER_IN_FP32, ROUTER_SCOR
 def is_llama(knobs: Any) -> bool:
     """RMSNorm + a gated MLP is the Llama family (Llama, Mistral, Qwen2, Gemma's (1 + w) RMSNorm and GeGLU);
     LayerNorm + GELU is GPT-2 or GPT-NeoX."""
-    return knobs.norm in ("rmsnorm", "rmsnorm_1p", "layernorm_np")
+    return knobs.norm in ("rmsnorm", "rmsnorm_1p", "layernorm_np", "rmsnorm_fp32w")
 
 
 def is_neox(knobs: Any) -> bool:
     """GPTNeoXLayer: a LayerNorm layer with (partial) RoPE, rotary_percent set (GPT-2 has no RoPE)."""
     return not is_llama(knobs) and knobs.rotary_percent is not None
+
+
+def resid_dropout(knobs: Any) -> bool:
+    """Whether the attention's and the MLP's outputs are dropped out: GPT-2's and GPT-NeoX's, and Phi-3's
+    resid_attn_dropout and resid_mlp_dropout (Llama's layer drops out attention weights only)."""
+    return knobs.has_dropout and (not is_llama(knobs) or knobs.fused_qkv)
+
+
+def _rope(knobs: Any) -> tuple[SavedTensor, ...]:
+    """The (s, d) cos and sin tables RoPE's products keep: OLMo's fp32, the first d_r channels' (rotary_percent),
+    a whole head's, or none (GPT-2's learned positions live in the embedding)."""
+    if knobs.norm in ("layernorm_np", "rmsnorm_fp32w"):  # OLMo's and OLMo 2's rotary embeddings cast nothing
+        return (OLMO_ROPE_COS, OLMO_ROPE_SIN)
+    if knobs.rotary_percent is not None:
+        return (NEOX_ROPE_COS, NEOX_ROPE_SIN)
+    return (ROPE_COS, ROPE_SIN) if is_llama(knobs) else ()
 
 
 def norm_block(which: int, knobs: Any) -> tuple[SavedTensor, ...]:
@@ -396,11 +452,18 @@ def _sdpa(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]:
     Without dropout: torch's flash kernel, CPU and CUDA alike. With dropout the CPU
     runs the math kernel (measured); CUDA's flash kernel drops out inside (read from code).
     """
+    out = (SDPA_OUT,) if attention_gathered(knobs) else ()
     if not knobs.has_dropout:
-        return (ledger.Q, ledger.K, ledger.V, ledger.SOFTMAX_LSE)
+        return (ledger.Q, ledger.K, ledger.V, ledger.SOFTMAX_LSE, *out)
     if accounting.device == "cpu":
         return SDPA_MATH
-    return (ledger.Q, ledger.K, ledger.V, FLASH_DROPOUT_LSE)
+    return (ledger.Q, ledger.K, ledger.V, FLASH_DROPOUT_LSE, *out)
+
+
+def attention_gathered(knobs: Any) -> bool:
+    """Whether the family's tp plan gathers the attention's projections (`Family.gathered`: Phi-3's, OLMo 2's)."""
+    family = family_of(knobs)
+    return family is not None and "attention" in family.gathered
 
 
 def _eager(knobs: Any) -> tuple[SavedTensor, ...]:
@@ -434,23 +497,39 @@ def batched(sizes: dict[Any, Any], t: Any) -> Any:
     return sizes[Dim.B] != 1
 
 
+def gathered_copies(sizes: dict[Any, Any], t: Any) -> Any:
+    """repeat_kv's copies where the tp plan gathers the attention's projections (Phi-3's, OLMo 2's): unless b = 1 with
+    one K/V group in the model, since every rank holds all g groups whatever t is."""
+    return (sizes[Dim.B] != 1) | (sizes[Dim.G] != 1)
+
+
+def _copies(knobs: Any) -> Any:
+    """The size condition under which eager attention's matmuls keep copies of K and V, for this layer."""
+    if not knobs.gqa:
+        return batched
+    return gathered_copies if attention_gathered(knobs) else repeat_kv_copies
+
+
 def _at_batch_of_one(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]:
-    """What eager attention keeps where matmul folds a view without copying: K and V at g heads (GQA), GPT-NeoX's
-    fused query_key_value output in V's place."""
-    swap = {V_EXPANDED.name: ledger.V, K_EXPANDED.name: ledger.K} if knobs.gqa else {ledger.V.name: NEOX_QKV_OUT}
+    """What eager attention keeps where matmul folds a view without copying: K and V at g heads (GQA), the fused
+    query_key_value (qkv_proj) output in V's place (GPT-NeoX, Phi-3: its V is a view of it)."""
+    fused_v = NEOX_QKV_OUT if knobs.fused_qkv or is_neox(knobs) else ledger.V
+    swap = {V_EXPANDED.name: fused_v, K_EXPANDED.name: ledger.K} if knobs.gqa else {ledger.V.name: NEOX_QKV_OUT}
     return tuple(swap.get(x.name, x) for x in layer_tensors(knobs, accounting))
 
 
 REPEAT_KV = SizeRule(
     "eager attention under GQA keeps repeat_kv's copies of K and V at a/t heads, except when b = 1 and one K/V group"
     " is on the rank: expand and reshape are then views with a zero stride, and matmul keeps K and V themselves;"
-    " GPT-NeoX's keeps a copy of V, a view of the fused query_key_value output, except when b = 1: then it keeps"
-    " that whole output",
-    applies=lambda knobs: (knobs.gqa or is_neox(knobs)) and knobs.attention == "eager" and knobs.recompute != "full",
+    " GPT-NeoX's and Phi-3's keep a copy of V, a view of the fused query_key_value (qkv_proj) output, except when"
+    " b = 1 (and, under Phi-3's GQA, one K/V group): then they keep that whole output. Where the tp plan gathers the"
+    " attention's projections (Phi-3's, OLMo 2's) every rank holds all g groups, so one K/V group means g = 1",
+    applies=lambda knobs: (knobs.gqa or is_neox(knobs) or knobs.fused_qkv) and knobs.attention == "eager"
+    and knobs.recompute != "full",
     runs=repeat_kv_copies,
     outside=_at_batch_of_one,
     shown_with={"num_query_groups": 1},
-    runs_for=lambda knobs: repeat_kv_copies if knobs.gqa else batched,
+    runs_for=_copies,
 )
 
 
@@ -467,13 +546,11 @@ def attention_block(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ..
     """Q/K/V projections' input, RoPE tables (Llama), the core, o_proj's input, GPT-2's resid dropout."""
     if knobs.mla:
         return latent_attention(knobs)
-    rope = ((OLMO_ROPE_COS, OLMO_ROPE_SIN) if knobs.norm == "layernorm_np" else (ROPE_COS, ROPE_SIN) if is_llama(knobs)
-            else (NEOX_ROPE_COS, NEOX_ROPE_SIN) if is_neox(knobs) else ())
     qk_norm = (() if not knobs.qk_layernorm else (*GEMMA_Q_NORM, *GEMMA_K_NORM) if knobs.norm == "rmsnorm_1p"
-               else (*Q_NORM_RMS, *K_NORM_RMS))
+               else (*OLMO2_Q_NORM, *OLMO2_K_NORM) if knobs.norm == "rmsnorm_fp32w" else (*Q_NORM_RMS, *K_NORM_RMS))
     core = _sdpa(knobs, accounting) if knobs.attention == "flash" else _eager(knobs)
-    resid = (ledger.ATTN_OUT_DROPOUT_MASK,) if knobs.has_dropout and not is_llama(knobs) else ()
-    return (ledger.QKV_IN, *qk_norm, *rope, *core, ledger.PROJ_IN, *resid)
+    resid = (ledger.ATTN_OUT_DROPOUT_MASK,) if resid_dropout(knobs) else ()
+    return (ledger.QKV_IN, *qk_norm, *_rope(knobs), *core, ledger.PROJ_IN, *resid)
 
 
 def mlp_block(knobs: Any) -> tuple[SavedTensor, ...]:
@@ -486,7 +563,7 @@ def mlp_block(knobs: Any) -> tuple[SavedTensor, ...]:
         activation = (ledger.GELU_IN, HALF_X, TANH_OUT, ONE_PLUS_TANH)
     else:
         activation = (ledger.GELU_IN,)
-    dropout = (ledger.MLP_DROPOUT_MASK,) if knobs.has_dropout and not is_llama(knobs) else ()
+    dropout = (ledger.MLP_DROPOUT_MASK,) if resid_dropout(knobs) else ()
     return (ledger.FC1_IN, *activation, ledger.FC2_IN, *dropout)
 
 
@@ -528,9 +605,11 @@ def layer_tensors(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]
     """Every tensor one transformers decoder layer keeps for backward, in forward order."""
     if knobs.recompute == "full":
         return (ledger.LAYER_INPUT,)  # torch.utils.checkpoint keeps the layer's positional input
-    post_attn, post_mlp = (tuple(GEMMA_POST_ATTN), tuple(GEMMA_POST_MLP)) if knobs.sandwich_norm else ((), ())
+    post_attn, post_mlp = (tuple(GEMMA_POST_ATTN), tuple(GEMMA_POST_MLP)) if knobs.sandwich_norm else \
+        (tuple(OLMO2_ATTN_OUT), tuple(OLMO2_MLP_OUT)) if knobs.post_norm else ((), ())
+    first, second = ((), ()) if knobs.post_norm else (norm_block(0, knobs), norm_block(1, knobs))  # OLMo 2: none
     blocks = (
-        norm_block(0, knobs) + attention_block(knobs, accounting) + post_attn + norm_block(1, knobs)
+        first + attention_block(knobs, accounting) + post_attn + second
         + (moe_block(knobs) if knobs.moe else mlp_block(knobs)) + post_mlp
     )
     return drop_small(blocks, accounting)
@@ -543,6 +622,8 @@ def check(knobs: Any) -> None:
         runs = ", ".join(f"{f.norm} + {'/'.join(f.mlps)} ({f.layer})" for f in layers)
         raise ConfigError(f"impl hf: no transformers layer has norm {knobs.norm} with mlp {knobs.mlp}; it runs {runs}")
     _check_neox(knobs)
+    _check_phi3(knobs)
+    _check_olmo2(knobs)
     _check_gemma2(knobs)
     if knobs.recompute not in ("none", "full"):
         raise ConfigError(f"impl hf: transformers has no {knobs.recompute} recomputation; use recompute none or full"
@@ -588,9 +669,9 @@ def _check_neox(knobs: Any) -> None:
     """GPT-NeoX's knobs: a LayerNorm layer's partial RoPE (rotary_percent) and parallel residual, eager attention."""
     if knobs.rotary_percent is not None and not 0 < knobs.rotary_percent <= 1:
         raise ConfigError(f"impl hf: rotary_percent={knobs.rotary_percent} must be in (0, 1] (a share of each head)")
-    if is_llama(knobs) and (knobs.rotary_percent is not None or knobs.parallel_residual):
+    if is_llama(knobs) and (knobs.rotary_percent is not None and not knobs.fused_qkv or knobs.parallel_residual):
         raise ConfigError("impl hf: rotary_percent and parallel_residual are GPTNeoXLayer's (norm layernorm); the"
-                          " Llama family's layers rotate whole heads in sequence")
+                          " Llama family's layers rotate whole heads in sequence (but Phi-3's: set fused_qkv)")
     if not is_llama(knobs) and knobs.parallel_residual and knobs.rotary_percent is None:
         raise ConfigError("impl hf: parallel_residual is GPTNeoXLayer's, which has RoPE: set rotary_percent (GPT2Block"
                           " has neither)")
@@ -598,6 +679,28 @@ def _check_neox(knobs: Any) -> None:
         raise ConfigError("impl hf: GPTNeoXLayer under sdpa is not modelled: SDPA keeps V as the fused query_key_value"
                           " output it views, and where its output lies depends on the device's kernel (measured on"
                           " a CPU only); use attention eager")
+
+
+def _check_phi3(knobs: Any) -> None:
+    """fused_qkv is Phi3DecoderLayer's: RMSNorm and SwiGLU, dense, no QK norm or latent attention, eager."""
+    if not knobs.fused_qkv:
+        return
+    if (knobs.norm, knobs.mlp) != ("rmsnorm", "swiglu") or knobs.moe or knobs.mla or knobs.qk_layernorm \
+            or knobs.sandwich_norm:
+        raise ConfigError("impl hf: fused_qkv is Phi3DecoderLayer's: norm rmsnorm, mlp swiglu, dense, without"
+                          " qk_layernorm, sandwich_norm or latent attention")
+    if knobs.attention == "flash":
+        raise ConfigError("impl hf: Phi3DecoderLayer under sdpa is not modelled: SDPA keeps V as the fused qkv_proj"
+                          " output it views, and where its output lies depends on the device's kernel (measured on a"
+                          " CPU only); use attention eager")
+
+
+def _check_olmo2(knobs: Any) -> None:
+    """post_norm and norm rmsnorm_fp32w are Olmo2DecoderLayer's, which always has its whole-width q_norm and k_norm."""
+    olmo2 = (knobs.post_norm, knobs.norm == "rmsnorm_fp32w")
+    if any(olmo2) and (not all(olmo2) or not knobs.qk_layernorm or knobs.mlp != "swiglu" or knobs.moe or knobs.mla):
+        raise ConfigError("impl hf: post_norm and norm rmsnorm_fp32w are Olmo2DecoderLayer's: set both, with"
+                          " qk_layernorm and mlp swiglu (a dense layer, no latent attention)")
 
 
 def _check_gemma2(knobs: Any) -> None:
@@ -722,9 +825,24 @@ LATENT_TP_NOT_MODELLED = Refusal(
 
 def unsharded(knobs: Any) -> frozenset[str]:
     """What tp keeps whole because transformers' plan names no module that makes it: Qwen2-MoE's shared expert
-    (its gate and combine lie outside any column/row pair, whole anyway)."""
+    (its gate and combine lie outside any column/row pair, whole anyway); and what a family's plan gathers
+    (`Family.gathered`): every tensor of that block but the rowwise linear's input, which it splits."""
     qwen2_moe = knobs.moe and knobs.moe_shared_expert_intermediate_size and not knobs.mla
-    return frozenset(x.name for x in SHARED_MLP) if qwen2_moe else frozenset()
+    whole = frozenset(x.name for x in SHARED_MLP) if qwen2_moe else frozenset()
+    return whole | _gathered(knobs)
+
+
+def _gathered(knobs: Any) -> frozenset[str]:
+    """The tensors of the blocks the family's plan runs whole on every rank ("colwise_gather_output"): the attention
+    (both cores, on either device, and the b = 1 fused output) or the MLP, less o_proj's and down_proj's inputs."""
+    family = family_of(knobs)
+    if family is None:
+        return frozenset()
+    blocks = {"attention": lambda: (*(x for d in ("cpu", "cuda") for x in attention_block(knobs, Accounting(device=d))),
+                                    ledger.K, ledger.V, NEOX_QKV_OUT),  # and what REPEAT_KV keeps at b = 1
+              "mlp": lambda: mlp_block(knobs)}
+    split = {ledger.PROJ_IN.name, ledger.FC2_IN.name}
+    return frozenset(x.name for block in family.gathered for x in blocks[block]() if x.name not in split)
 
 
 IMPLEMENTATION = Implementation(
@@ -738,7 +856,9 @@ IMPLEMENTATION = Implementation(
     " transformers' own tp_plan (apply_tensor_parallelism, DTensor) at t = 2 and 4, the MoE layers of Mixtral,"
     " Qwen2-MoE and Qwen3-MoE too (forced routers); GemmaDecoderLayer, Gemma2DecoderLayer (sandwich norms,"
     " soft-capping), Gemma3DecoderLayer (and its q/k norms) and OlmoDecoderLayer, eager and sdpa (Gemma 2: eager),"
-    " at t = 1 and 2; GPTNeoXLayer (parallel or sequential residual, partial RoPE), eager, t = 1 (the families"
+    " at t = 1 and 2; GPTNeoXLayer (parallel or sequential residual, partial RoPE), eager, t = 1;"
+    " Phi3DecoderLayer (fused qkv_proj and gate_up_proj, partial RoPE), eager, at t = 1 and 2; Olmo2DecoderLayer"
+    " (post-norms, whole-width q/k norms), eager and sdpa, at t = 1 and 2 (the families"
     " `memcalc hf-families` lists, each from a config.json its transformers class wrote)",
     layer_tensors=layer_tensors,
     refuses=(NO_SEQUENCE_PARALLEL, GPT2_NO_TP_PLAN, NEOX_TP_NOT_MODELLED, LATENT_TP_NOT_MODELLED),
@@ -746,10 +866,12 @@ IMPLEMENTATION = Implementation(
     check=check,
     check_sizes=check_sizes,
     size_rule=REPEAT_KV,
+    size_conditions=(SPLIT_PROJ_INPUT,),
     tensors=(
         *LN1_RMS, *LN2_RMS, *Q_NORM_RMS, *K_NORM_RMS,
         ROPE_COS, ROPE_SIN, *MLA_Q_RMS, *MLA_KV_RMS, MLA_ROPE_COS, MLA_ROPE_SIN, K_EXPANDED, V_EXPANDED, SOFTMAX_FP32, WEIGHTS, *SDPA_MATH,
         HALF_X, TANH_OUT, ONE_PLUS_TANH, *MOE_TENSORS, NEOX_ROPE_COS, NEOX_ROPE_SIN, NEOX_QKV_OUT,
+    *OLMO2_ATTN_OUT, *OLMO2_MLP_OUT, *OLMO2_Q_NORM, *OLMO2_K_NORM, SDPA_OUT,
     *GEMMA_LN1, *GEMMA_LN2, *GEMMA_Q_NORM, *GEMMA_K_NORM, *GEMMA_POST_ATTN, *GEMMA_POST_MLP, SOFTCAP_TANH, GEGLU_GATE, GEGLU_UP, GEGLU_GELU_OUT, *OLMO_LN1, *OLMO_LN2, OLMO_ROPE_COS, OLMO_ROPE_SIN,  # FLASH_DROPOUT_LSE is the ledger's LSE, described as read from code
     ),
     # LlamaConfig's own: RMSNorm, SwiGLU, attention_dropout 0, attn_implementation "sdpa" (memcalc's flash).

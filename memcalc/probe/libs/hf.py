@@ -103,7 +103,10 @@ _QKV_PARTS = (ledger.Q, ledger.K, ledger.V)  # each h columns wide (GPT-2 has no
 _GATE_UP = SavedTensor("moe/expert_gate_up", "MixtralExperts gate_up_proj", (), Kind.ACTIVATION, Region.EXPERT,
                        "chunked into gate and up")
 _GATE_UP_PARTS = (ledger.EXPERT_GATE, ledger.EXPERT_UP)
-_MARKERS = (_QKV_OUT, _GATE_UP)
+# Phi-3's gate_up_proj output, (b, s, 2f): its gate and up halves, chunked.
+_DENSE_GATE_UP = SavedTensor("mlp/gate_up", "Phi3MLP gate_up_proj", (), Kind.ACTIVATION, Region.TENSOR,
+                             "chunked into gate and up")
+_MARKERS = (_QKV_OUT, _GATE_UP, _DENSE_GATE_UP)
 # The (1, s, d) RoPE tables the model passes its layers: a Llama head's, or latent attention's RoPE part's.
 _ROPE_TABLES = ((rules.ROPE_COS, rules.ROPE_SIN), (rules.MLA_ROPE_COS, rules.MLA_ROPE_SIN),
                 (rules.NEOX_ROPE_COS, rules.NEOX_ROPE_SIN), (rules.OLMO_ROPE_COS, rules.OLMO_ROPE_SIN))
@@ -231,7 +234,17 @@ def llama_config(config: ModelConfig, family: str = "llama") -> Any:
         max_position_embeddings=config.s, vocab_size=config.vocab_size, tie_word_embeddings=config.tie_embeddings,
         attn_implementation=attention_implementation(config),
     ) | _moe_fields(config, family) | _latent_fields(config, family) | _head_fields(config, family)
-      | _window_fields(config, family))
+      | _window_fields(config, family) | _phi3_fields(config, family))
+
+
+def _phi3_fields(config: ModelConfig, family: str) -> dict[str, Any]:
+    """Phi3Config's: the residual dropouts (resid_pdrop) at memcalc's one probability, RoPE on rotary_percent of each
+    head (partial_rotary_factor, 1 when unset), its sliding window; no token ids past a small vocabulary."""
+    if family != "phi3":
+        return {}
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": config.rotary_percent or 1.0}
+    return {"resid_pdrop": config.dropout, "embd_pdrop": config.dropout, "rope_parameters": rope,
+            "sliding_window": config.sliding_window, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
 
 
 def neox_config(config: ModelConfig) -> Any:
@@ -446,6 +459,9 @@ def label_rules_for(config: ModelConfig) -> tuple[Rule, ...]:
     """Where each tensor the layer may keep is made in transformers' code."""
     if config.recompute == "full":
         return (Rule("", "forward", ledger.LAYER_INPUT, arg=0),)
+    if config.fused_qkv:
+        first, second = _llama_norm_rules(config)
+        return (*first, *_phi3_attention_rules(config), *second, *_phi3_mlp_rules())
     if rules.is_llama(config):
         attention = _latent_attention_rules(config) if config.mla else _llama_attention_rules(config)
         first, second = _llama_norm_rules(config)
@@ -470,6 +486,9 @@ def _llama_norm_rules(config: ModelConfig) -> tuple[tuple[Rule, ...], tuple[Rule
     """A Llama-family layer's norms before and after its attention: LlamaRMSNorm's, Gemma's or OLMo's."""
     if config.norm == "rmsnorm_1p":
         return _gemma_norm_rules("input_layernorm", rules.GEMMA_LN1), _gemma_rules(config)
+    if config.norm == "rmsnorm_fp32w":  # OLMo 2: no norm before the attention or the MLP, one after each
+        return (), (*_olmo2_norm_rules("post_attention_layernorm", rules.OLMO2_ATTN_OUT),
+                    *_olmo2_norm_rules("post_feedforward_layernorm", rules.OLMO2_MLP_OUT))
     if config.norm == "layernorm_np":
         return (_layer_norm_rules("input_layernorm", rules.OLMO_LN1),
                 _layer_norm_rules("post_attention_layernorm", rules.OLMO_LN2))
@@ -479,6 +498,10 @@ def _llama_norm_rules(config: ModelConfig) -> tuple[tuple[Rule, ...], tuple[Rule
 def _qk_norm_rules(config: ModelConfig) -> tuple[Rule, ...]:
     """Qwen3's q_norm and k_norm (LlamaRMSNorm's code on (b, s, heads, d)), or Gemma 3's (GemmaRMSNorm's code on
     each head of the transposed (b, heads, s, d) q and k)."""
+    if config.norm == "rmsnorm_fp32w":  # OLMo 2's, over q_proj's and k_proj's whole (b, s, heads * d) outputs
+        heads = _head_columns(config.head_dim)
+        return (*_olmo2_norm_rules("self_attn.q_norm", rules.OLMO2_Q_NORM, heads),
+                *_olmo2_norm_rules("self_attn.k_norm", rules.OLMO2_K_NORM, heads))
     if config.norm == "rmsnorm_1p":
         return (*_gemma_norm_rules("self_attn.q_norm", rules.GEMMA_Q_NORM),
                 *_gemma_norm_rules("self_attn.k_norm", rules.GEMMA_K_NORM))
@@ -494,6 +517,18 @@ def _gemma_rules(config: ModelConfig) -> tuple[Rule, ...]:
     return (*_gemma_norm_rules("post_attention_layernorm", rules.GEMMA_POST_ATTN),
             *_gemma_norm_rules("pre_feedforward_layernorm", rules.GEMMA_LN2),
             *_gemma_norm_rules("post_feedforward_layernorm", rules.GEMMA_POST_MLP))
+
+
+def _olmo2_norm_rules(module: str, norm: ledger.RMSNormTensors, view: Callable[[Any], Any] | None = None
+                      ) -> tuple[Rule, ...]:
+    """Olmo2RMSNorm's three: x.to(float32), rsqrt's output, and x * rsqrt(.) (the first product), which the fp32
+    weight * (.) keeps; `view` the whole-width q/k norm's (b, s, heads * d) as (b, s, heads, d)."""
+    then = view or (lambda x: x)
+    return (
+        Rule(module, "to", norm.input_fp32, nth=0, view=then),
+        Rule(module, "rsqrt", norm.rstd, view=_stats),
+        Rule(module, "mul", norm.normed_fp32, nth=0, view=then),
+    )
 
 
 def _gemma_norm_rules(module: str, norm: ledger.RMSNormTensors) -> tuple[Rule, ...]:
@@ -547,12 +582,13 @@ def _core_rules(
         Rule(attention, "softmax", ledger.SOFTMAX_OUT),
         Rule(attention, "softmax", rules.SOFTMAX_FP32),
         # Llama's cast of the fp32 softmax back to bf16; OLMo's apply_rotary_pos_emb casts q and k back before it
-        Rule(attention, "to", rules.WEIGHTS, nth=2 if config.norm == "layernorm_np" else 0),
+        Rule(attention, "to", rules.WEIGHTS, nth=2 if config.norm in ("layernorm_np", "rmsnorm_fp32w") else 0),
         Rule(attention, "native_dropout", ledger.ATTN_DROPOUT_OUT),  # the shim's dropout
         Rule(attention, "native_dropout", ledger.ATTN_DROPOUT_MASK,
              view=_kept("NativeDropoutBackward0", "_saved_result1")),
         # SDPA, flash kernel: the log-sum-exp (and q, k, v as passed)
         Rule(attention, sdpa, ledger.SOFTMAX_LSE, view=_kept("ScaledDotProduct*Backward0", "_saved_logsumexp")),
+        Rule(attention, sdpa, rules.SDPA_OUT),  # OLMo 2 under tp: o_proj's input is a split copy of it
         # SDPA, CPU math kernel (dropout): fp32 copies, two bmm, the softmax, dropout's mask
         Rule(attention, sdpa, rules.MATH_Q, view=_kept("BmmBackward0", "_saved_self", newest=1, then=_heads(b))),
         Rule(attention, sdpa, rules.MATH_K, view=_kept("BmmBackward0", "_saved_mat2", newest=1, then=_heads_t(b))),
@@ -578,6 +614,42 @@ def _llama_attention_rules(config: ModelConfig) -> tuple[Rule, ...]:
         *_sdpa_inputs("self_attn"),
         Rule("self_attn.o_proj", "linear", ledger.PROJ_IN, arg=0, view=_head_columns(config.head_dim)),
     )
+
+
+def _phi3_attention_rules(config: ModelConfig) -> tuple[Rule, ...]:
+    """Phi3Attention: qkv_proj's input, the eager core (V, a view of qkv_proj's output, kept whole where matmul takes
+    it as it is), o_proj's input, and the layer's dropout of the attention's output (resid_attn_dropout)."""
+    return (
+        Rule("self_attn.qkv_proj", "linear", ledger.QKV_IN, arg=0),
+        *_core_rules("self_attn", config),
+        _fused_v("self_attn", config),
+        Rule("self_attn.o_proj", "linear", ledger.PROJ_IN, arg=0, view=_head_columns(config.head_dim)),
+        _dropout_mask("resid_attn_dropout", ledger.ATTN_OUT_DROPOUT_MASK),
+    )
+
+
+def _phi3_mlp_rules() -> tuple[Rule, ...]:
+    """Phi3MLP: gate_up_proj's input, its (b, s, 2f) output that gate and up are halves of (SiLU keeps gate, the
+    product up), SiLU's output, down_proj's input, and the MLP output's dropout (resid_mlp_dropout)."""
+    return (
+        Rule("mlp.gate_up_proj", "linear", ledger.FC1_IN, arg=0),
+        Rule("mlp.activation_fn", "silu", _DENSE_GATE_UP, arg=0, view=_whole),
+        Rule("mlp.activation_fn", "silu", ledger.SWIGLU_SILU_OUT),
+        Rule("mlp.down_proj", "linear", ledger.FC2_IN, arg=0),
+        _dropout_mask("resid_mlp_dropout", ledger.MLP_DROPOUT_MASK),
+    )
+
+
+def _fused_v(attention: str, config: ModelConfig) -> Rule:
+    """V as the fused qkv output it views (b, s, heads, d), where matmul keeps it without a copy (REPEAT_KV)."""
+    d = config.head_dim
+    return Rule(attention, "matmul", rules.NEOX_QKV_OUT, nth=1, arg=1,
+                view=lambda v: v._base.view(config.b, config.s, -1, d))
+
+
+def _dropout_mask(module: str, mask: SavedTensor) -> Rule:
+    """The bool mask an nn.Dropout module's (CUDA-like) dropout keeps."""
+    return Rule(module, "native_dropout", mask, view=_kept("NativeDropoutBackward0", "_saved_result1"))
 
 
 def _latent_attention_rules(config: ModelConfig) -> tuple[Rule, ...]:
@@ -749,9 +821,10 @@ def _attributed(saved: tuple[SavedStorage, ...], config: ModelConfig) -> tuple[S
     for storage in saved:
         if storage.name == _QKV_OUT.name:
             rows += [SavedStorage(x.name, storage.nbytes // 3, per_head, storage.dtype) for x in _QKV_PARTS]
-        elif storage.name == _GATE_UP.name:
-            half = (storage.shape[0], storage.shape[1] // 2)
-            rows += [SavedStorage(x.name, storage.nbytes // 2, half, storage.dtype) for x in _GATE_UP_PARTS]
+        elif storage.name in (_GATE_UP.name, _DENSE_GATE_UP.name):
+            parts = _GATE_UP_PARTS if storage.name == _GATE_UP.name else (ledger.SWIGLU_GATE, ledger.SWIGLU_UP)
+            half = (*storage.shape[:-1], storage.shape[-1] // 2)
+            rows += [SavedStorage(x.name, storage.nbytes // 2, half, storage.dtype) for x in parts]
         else:
             rows.append(storage)
     return tuple(rows)

@@ -28,6 +28,8 @@ GEMMA = {"norm": "rmsnorm_1p", "mlp": "geglu_tanh", "kv_channels": 16, "num_quer
 GEMMA2 = GEMMA | {"sandwich_norm": True, "attn_logit_softcapping": 50.0, "attention": "eager"}
 GEMMA3 = GEMMA | {"sandwich_norm": True, "qk_layernorm": True}
 NEOX = {"norm": "layernorm", "mlp": "gelu", "rotary_percent": 0.25, "parallel_residual": True, "attention": "eager"}
+PHI3 = LLAMA | {"fused_qkv": True, "attention": "eager"}
+OLMO2 = {"norm": "rmsnorm_fp32w", "mlp": "swiglu", "post_norm": True, "qk_layernorm": True, "num_query_groups": 2}
 
 
 def _rows(knobs: dict, family: str | None = None):
@@ -100,6 +102,20 @@ CASES = {
         (LLAMA | MLA | {"attention": "eager", "dtype": "fp32", "dropout": 0.0}, None),
     "gpt2 eager at b=1: the (b, a) batch flattens as a view": (GPT2 | {"attention": "eager", "dropout": 0.1, "b": 1},
                                                                None),
+    "phi3 gqa: q, k, v sliced from qkv_proj, gate and up two halves of gate_up_proj's one storage":
+        (PHI3 | {"dropout": 0.0, "num_query_groups": 2}, None),
+    "phi3 with dropout: the attention's and the mlp's outputs dropped out too; (s, 3d/4) rope tables":
+        (PHI3 | {"dropout": 0.1, "rotary_percent": 0.75}, None),
+    "phi3 at b=1: matmul keeps V as the whole qkv_proj output it views": (PHI3 | {"dropout": 0.0, "b": 1}, None),
+    "phi3 at b=1 with one k/v group: K itself, V as the qkv_proj output":
+        (PHI3 | {"dropout": 0.1, "b": 1, "num_query_groups": 1}, None),
+    "phi3 fp32": (PHI3 | {"dtype": "fp32", "num_query_groups": 2}, None),
+    "olmo2 eager: no input norms; post-norms, q_norm and k_norm keep fp32 input, rstd and fp32 normed; fp32 rope":
+        (OLMO2 | {"attention": "eager", "dropout": 0.0}, None),
+    "olmo2 sdpa with dropout on a cpu, multi-head": (OLMO2 | {"attention": "flash", "dropout": 0.1,
+                                                              "num_query_groups": None}, None),
+    "olmo2 sdpa gqa": (OLMO2 | {"attention": "flash", "dropout": 0.0}, None),
+    "olmo2 fp32 at b=1": (OLMO2 | {"attention": "eager", "dtype": "fp32", "b": 1}, None),
 }
 
 
@@ -148,6 +164,11 @@ def test_the_shim_makes_cpu_dropout_keep_a_bool_mask_and_undoes_itself():
     (GPT2 | {"parallel_residual": True}, "parallel_residual is GPTNeoXLayer's, which has RoPE"),
     (LLAMA | {"rotary_percent": 0.5}, "rotary_percent and parallel_residual are GPTNeoXLayer's"),
     (NEOX | {"rotary_percent": 1.5}, r"rotary_percent=1.5 must be in \(0, 1\]"),
+    (PHI3 | {"attention": "flash"}, "Phi3DecoderLayer under sdpa is not modelled"),
+    (LLAMA | {"post_norm": True, "qk_layernorm": True}, "post_norm and norm rmsnorm_fp32w are Olmo2DecoderLayer's"),
+    (OLMO2 | {"qk_layernorm": False}, "post_norm and norm rmsnorm_fp32w are Olmo2DecoderLayer's"),
+    (PHI3 | {"qk_layernorm": True}, "fused_qkv is Phi3DecoderLayer's"),
+    (GPT2 | {"fused_qkv": True}, "fused_qkv is Phi3DecoderLayer's"),
 ])
 def test_knobs_no_transformers_layer_runs_are_refused(knobs, words):
     with pytest.raises(ConfigError, match=words):
@@ -190,6 +211,17 @@ TP_CASES = {
         (GEMMA2 | {"dropout": 0.0}, 2, "gemma2"),
     "gemma3 t=2": (GEMMA3 | {"attention": "eager", "dropout": 0.0}, 2, "gemma3_text"),
     "olmo t=2": ({"norm": "layernorm_np", "mlp": "swiglu", "attention": "eager", "dropout": 0.0}, 2, "olmo"),
+    "phi3 t=2: its plan gathers qkv_proj's and gate_up_proj's outputs, so each rank runs every head and the whole"
+    " gate and up; only o_proj's and down_proj's inputs are split":
+        (PHI3 | {"dropout": 0.0, "num_query_groups": 2}, 2, "phi3"),
+    "phi3 t=2 at b=1 with dropout and partial rope: V as the gathered qkv_proj output":
+        (PHI3 | {"dropout": 0.1, "b": 1, "rotary_percent": 0.5}, 2, "phi3"),
+    "olmo2 t=2: its plan gathers q, k and v, so each rank norms and attends over every head; the mlp is split":
+        (OLMO2 | {"attention": "eager", "dropout": 0.0}, 2, "olmo2"),
+    "olmo2 t=2 at b=1 with two k/v groups: every rank holds both, so matmul copies them":
+        (OLMO2 | {"attention": "eager", "dropout": 0.1, "b": 1}, 2, "olmo2"),
+    "olmo2 sdpa t=2: the flash kernel's output is a storage of its own beside o_proj's split copy":
+        (OLMO2 | {"attention": "flash", "dropout": 0.0}, 2, "olmo2"),
     "qwen3 t=2: q_norm and k_norm on this rank's heads of head_dim (replicated_with_grad_allreduce)":
         (LLAMA | {"attention": "eager", "dropout": 0.0, "num_query_groups": 2, "kv_channels": 16,
                   "qk_layernorm": True}, 2, None),
