@@ -89,7 +89,7 @@ def _text(help: str) -> Any:
     return _field(cs.nullable_schema(cs.str_schema()), None, help)
 
 
-@dataclass(frozen=True, kw_only=True, eq=False, repr=False)  # Knobs' equality, hash and repr, over every field
+@dataclass(frozen=True, kw_only=True, init=False, eq=False, repr=False)  # Knobs' __init__, equality, hash and repr
 class ModelConfig(Knobs):
     """One transformer and one parallel layout."""
 
