@@ -17,7 +17,7 @@ written as the dicts pydantic-core reads, and the common case checked directly.
 
 from __future__ import annotations
 
-from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from dataclasses import MISSING, asdict, field, fields, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,6 +29,7 @@ from memcalc.errors import ConfigError, in_file
 from memcalc.model.impls import IMPLEMENTATIONS, implementation
 from memcalc.model.knobs import BY_NAME as KNOBS_BY_NAME
 from memcalc.model.knobs import Knob, Knobs
+from memcalc.records import record
 from memcalc.text import printable, short_repr
 from memcalc.units import minimum
 
@@ -89,7 +90,7 @@ def _text(help: str) -> Any:
     return _field(cs.nullable_schema(cs.str_schema()), None, help)
 
 
-@dataclass(frozen=True, kw_only=True, init=False, eq=False, repr=False)  # Knobs' __init__, equality, hash and repr
+@record(kw_only=True)
 class ModelConfig(Knobs):
     """One transformer and one parallel layout."""
 
@@ -327,7 +328,7 @@ def _validate(cls: type[Knobs], values: dict[str, Any]) -> Any:
         raise ConfigError(_describe(exc, cls)) from None
 
 
-@dataclass(frozen=True)
+@record
 class Rule:
     """`divisor` must divide `value` (both field names), and why."""
 
@@ -364,7 +365,7 @@ class Rule:
             raise ConfigError(self.message(*operands))
 
 
-@dataclass(frozen=True)
+@record
 class Limit(Rule):
     """`value` may not exceed `divisor` (here a bound, not a divisor), and why: a rule sweeps apply per point."""
 

@@ -14,12 +14,12 @@ JSON writes them as their text.
 
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, field, fields, make_dataclass, replace
+from dataclasses import field, replace
 from enum import Enum
-from operator import attrgetter
 from typing import Any, Callable
 
 from memcalc.model.ledger import Kind
+from memcalc.records import record
 
 
 class Choice(str, Enum):
@@ -109,7 +109,7 @@ class Dtype(Choice):
 DTYPE_BYTES = {Dtype.BF16: 2, Dtype.FP16: 2, Dtype.FP32: 4}
 
 
-@dataclass(frozen=True)
+@record
 class Knob:
     """One knob: what it is called, what it may be, and how it reads everywhere.
 
@@ -537,7 +537,6 @@ def _knobs_namespace() -> dict[str, Any]:
 
     return {
         "__doc__": "The choices that decide which tensors a layer saves; defaults are the seed's model (KNOBS).",
-        "__init__": _init, "__eq__": _equal, "__hash__": _hash, "__repr__": _repr,
         "of": classmethod(of),
         "has_dropout": property(lambda self: self.dropout > 0, doc="any dropout at all: masks are kept only when p > 0"),
         "ffn_set": property(lambda self: self.ffn_hidden_size is not None, doc="formulas write f, not 4h"),
@@ -550,54 +549,6 @@ def _knobs_namespace() -> dict[str, Any]:
     }
 
 
-# Construction and value semantics of a knob set and of a config (a subclass), as dataclass(kw_only=True, eq=True,
-# frozen=True) would generate them, written once instead: generating them for each wide class (31 and 69 fields)
-# cost ~12 ms of start-up, the two __init__s a third of it.
-def _init(self: Any, **values: Any) -> None:
-    """Every field from `values`, else its default."""
-    cls = type(self)
-    defaults, required = cls.__dict__.get("_defaults_of") or _collect_defaults(cls)
-    if not values.keys() <= defaults.keys():
-        unknown = next(name for name in values if name not in defaults)
-        raise TypeError(f"{cls.__qualname__}.__init__() got an unexpected keyword argument {unknown!r}")
-    missing = [name for name in required if name not in values]
-    if missing:
-        raise TypeError(f"{cls.__qualname__}.__init__() missing required keyword-only arguments: {', '.join(missing)}")
-    vars(self).update(defaults)  # as a frozen dataclass's __init__ does, past __setattr__
-    vars(self).update(values)
-
-
-def _collect_defaults(cls: type) -> tuple[dict[str, Any], tuple[str, ...]]:
-    """A class's fields with their defaults, in order, and the fields without one (once per class)."""
-    assert all(f.default_factory is MISSING for f in fields(cls)), "a factory default needs the generated __init__"
-    defaults = {f.name: f.default for f in fields(cls)}
-    spec = defaults, tuple(name for name, default in defaults.items() if default is MISSING)
-    setattr(cls, "_defaults_of", spec)
-    return spec
-
-
-def _values(self: Any) -> tuple:
-    """The fields' values in order: what equality and the hash compare (the getter is made once per class)."""
-    cls = type(self)
-    getter = cls.__dict__.get("_values_of")
-    if getter is None:
-        getter = attrgetter(*(f.name for f in fields(cls)))
-        setattr(cls, "_values_of", getter)
-    return getter(self)
-
-
-def _equal(self: Any, other: Any) -> Any:
-    return _values(self) == _values(other) if other.__class__ is self.__class__ else NotImplemented
-
-
-def _hash(self: Any) -> int:
-    return hash(_values(self))
-
-
-def _repr(self: Any) -> str:
-    return f"{type(self).__qualname__}({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in fields(self))})"
-
-
 def knob_field(knob: Knob) -> Any:
     """A dataclass field for a knob; its metadata carries the knob, for the config schema."""
     return field(default=knob.default, metadata={"knob": knob, "help": knob.help})
@@ -605,15 +556,13 @@ def knob_field(knob: Knob) -> Any:
 
 _TYPES = {"choice": str, "size": "int | None", "probability": float, "factor": "float | None", "flag": bool}
 
-Knobs = make_dataclass(
-    "Knobs",
-    [(k.name, k.choices or _TYPES[k.kind], knob_field(k)) for k in KNOBS],
-    frozen=True, kw_only=True, init=False, eq=False, repr=False, namespace=_knobs_namespace(),
-)
-Knobs.__module__ = __name__  # for pickling across the probe's processes
+Knobs = record(type("Knobs", (), _knobs_namespace() | {  # __module__: for pickling across the probe's processes
+    "__module__": __name__, "__annotations__": {k.name: k.choices or _TYPES[k.kind] for k in KNOBS},
+    **{k.name: knob_field(k) for k in KNOBS},
+}), kw_only=True)
 
 
-@dataclass(frozen=True)
+@record
 class Accounting:
     """How strictly to count: the paper's terms only, or every saved byte.
 

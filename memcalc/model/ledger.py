@@ -18,9 +18,11 @@ where [...] is the column-/row-parallel pair that tensor parallelism splits.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from enum import Enum
 from typing import NamedTuple
+
+from memcalc.records import record
 
 
 class Dim(Enum):
@@ -70,7 +72,7 @@ class Kind(Enum):
     INDEX_PAIR = "two int64 indices (16 bytes)"
 
 
-@dataclass(frozen=True)
+@record
 class SavedTensor:
     """One activation kept for backward, with the reason it is kept."""
 
