@@ -30,19 +30,21 @@ def record(cls: T | None = None, /, *, kw_only: bool = False) -> Any:
         for name, method in _METHODS.items():
             if name not in own:
                 setattr(made, name, method)
+        made._record_spec = _Spec(made)  # each record class its own (a subclass may add fields)
         return made
 
     return wrap if cls is None else wrap(cls)
 
 
 class _Spec:
-    """What the shared methods need of one record class, collected on first use."""
+    """What the shared methods need of one record class."""
 
     def __init__(self, cls: type) -> None:
         every = fields(cls)
         assert every, f"{cls.__qualname__} has no fields"
         self.names = frozenset(f.name for f in every)
         self.positional = tuple(f.name for f in every if not f.kw_only)
+        self.all_positional = len(self.positional) == len(every)  # every field can be given in order
         self.start = {f.name: _FACTORY if f.default_factory is not MISSING else f.default for f in every}
         self.required = tuple(f.name for f in every if f.default is MISSING and f.default_factory is MISSING)
         self.factories = tuple((f.name, f.default_factory) for f in every if f.default_factory is not MISSING)
@@ -50,18 +52,13 @@ class _Spec:
         self.values: Callable[[Any], tuple] = getter if len(every) > 1 else lambda obj: (getter(obj),)
 
 
-def _spec(cls: type) -> _Spec:
-    spec = cls.__dict__.get("_record_spec")
-    if spec is None:
-        spec = _Spec(cls)
-        type.__setattr__(cls, "_record_spec", spec)
-    return spec
-
-
 def _init(self: Any, *args: Any, **kwargs: Any) -> None:
     """Fields from `args` in order, then from `kwargs`, then from their defaults, as dataclass's __init__ sets them."""
+    spec = self._record_spec
+    if not kwargs and spec.all_positional and len(args) == len(spec.positional):  # each field, in order
+        vars(self).update(zip(spec.positional, args))
+        return
     cls = type(self)
-    spec = _spec(cls)
     if len(args) > len(spec.positional):
         raise TypeError(f"{cls.__qualname__}.__init__() takes {len(spec.positional)} positional arguments"
                         f" but {len(args)} were given")
@@ -95,12 +92,12 @@ def _delattr(self: Any, name: str) -> None:
 def _eq(self: Any, other: Any) -> Any:
     if other.__class__ is not self.__class__:
         return NotImplemented
-    values = _spec(self.__class__).values
+    values = self._record_spec.values
     return values(self) == values(other)
 
 
 def _hash(self: Any) -> int:
-    return hash(_spec(self.__class__).values(self))
+    return hash(self._record_spec.values(self))
 
 
 def _repr(self: Any) -> str:
