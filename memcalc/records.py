@@ -23,6 +23,7 @@ def record(cls: T | None = None, /, *, kw_only: bool = False) -> Any:
     """`@dataclass(frozen=True)` (or `kw_only=True` as well), with the shared methods: use it as either decorator."""
 
     def wrap(cls: T) -> T:
+        assert "__post_init__" not in cls.__dict__, f"{cls.__qualname__}: the shared __init__ calls no __post_init__"
         own = {name for name in _METHODS if name in cls.__dict__}  # a method the class writes itself stays
         if cls.__dict__.get("__hash__", 0) is None and "__eq__" in own:  # None only for its own __eq__: no hash
             own.discard("__hash__")  # given, so dataclass would hash the fields
