@@ -5,7 +5,9 @@ source text and compile each one (__init__, __setattr__, __delattr__, __eq__, __
 a class, and estimate loads some twenty of them. `record` declares the same dataclass (its fields, defaults,
 `fields()`, `replace()`, `asdict()`, pattern matching, pickling) and gives it these six methods written once,
 here, for every record: an instance is built, compared, hashed, printed and refuses assignment as a frozen
-dataclass's does.
+dataclass's does. Two differences: a record has no __post_init__ (refused at declaration), and `dataclasses`
+sees it as not frozen (its methods are the record's own), so a subclass is declared with `record` too.
+tests/test_records.py checks a record against the frozen dataclass it stands for.
 """
 
 from __future__ import annotations
