@@ -17,11 +17,11 @@ from memcalc.model.departures import PaperComparison, compare_with_paper
 from memcalc.model.evaluate import LayerEstimate, TensorBytes, estimate
 from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import STRATEGIES, Strategy
-from memcalc.sizing.verdict import Need, need
 
-if TYPE_CHECKING:  # per-GPU totals and the timeline load only when --totals asks for them
+if TYPE_CHECKING:  # per-GPU totals, the timeline and the verdict load only when --totals asks for them
     from memcalc.sizing.timeline import Timeline
     from memcalc.sizing.totals import PerGpu
+    from memcalc.sizing.verdict import Need
 
 # Flags that matter only for per-GPU totals, so giving one asks for them.
 TOTALS_FLAGS = (
@@ -80,8 +80,15 @@ def command(
         render.print_estimates(config, accounting, results, baseline, breakdown, comparisons)
         if per is not None:
             render.print_totals(config, per, budget, peaks)
-    if per is not None and all(need(p, peaks.get(p.strategy.name)).bytes > budget.bytes for p in per):
+    if per is not None and not fits_somewhere(per, peaks, budget):
         click.get_current_context().exit(DoesNotFit.exit_code)  # printed the verdict; only the code says no
+
+
+def fits_somewhere(per: list[PerGpu], peaks: dict, budget: Budget) -> bool:
+    """Whether some strategy's need (its step's peak, or its totals) fits the budget."""
+    from memcalc.sizing.verdict import need  # the verdict loads only with totals
+
+    return any(need(p, peaks.get(p.strategy.name)).bytes <= budget.bytes for p in per)
 
 
 def step_peaks(config: ModelConfig, strategy: Strategy) -> tuple[Timeline, ...] | str:
@@ -149,6 +156,7 @@ def per_gpu_json(config: ModelConfig, per: list[PerGpu], device: Budget, peaks: 
     """Per-GPU totals: for each strategy the verdict, each bounding stage term by term, and (one
     stage) the step's peak and steady state from the timeline, or why they are not modelled."""
     from memcalc.sizing.states import padded_vocab, total_params
+    from memcalc.sizing.verdict import need
 
     budget = device.bytes
     return {

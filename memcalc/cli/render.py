@@ -17,7 +17,6 @@ from memcalc.model.departures import describe as describe_departure
 from memcalc.model.evaluate import LayerEstimate
 from memcalc.model.ledger import SavedTensor
 from memcalc.model.knobs import Accounting
-from memcalc.sizing.verdict import need
 from memcalc.text import for_rich
 from memcalc.units import human_bytes
 
@@ -250,6 +249,8 @@ def headroom(budget: int, used: int) -> str:
 
 def print_totals(config: ModelConfig, per: list[PerGpu], device: Budget, peaks: dict | None = None) -> None:
     """A table per bounding pipeline stage, every term by name, a verdict per strategy, and the step's peak."""
+    from memcalc.sizing.verdict import need
+
     console.print(describe_layout(config), highlight=False)
     for i, stage in enumerate(per[0].stages):
         console.print(stage_table([p.stages[i] for p in per], [p.strategy.name for p in per]))

@@ -15,12 +15,12 @@ from __future__ import annotations
 import os
 import re
 import stat
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from memcalc.config.flat_yaml import read_flat
 from memcalc.errors import ConfigError
+from memcalc.records import record
 from memcalc.text import printable, short_repr
 
 MAX_CONFIG_BYTES = 1 << 20  # a real config is under 10 KB; a Hugging Face config.json under 100 KB
@@ -95,7 +95,7 @@ def parse_json(text: str) -> Any:
         raise ConfigError(f"JSON nested too deep (a config is at most {MAX_DEPTH} levels)") from None
 
 
-@dataclass(frozen=True)
+@record
 class _LongInteger:
     """An integer too long to read, kept as its length until the object holding it can name its key."""
 

@@ -18,14 +18,13 @@ tensor-parallel link (`memcalc.model.overlap`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from memcalc.errors import ConfigError
+from memcalc.records import record
 
 MIB = 2**20
 
 
-@dataclass(frozen=True)
+@record
 class Gpu:
     """One card: usable memory (bytes, as its driver reports it), peak dense 16-bit throughput, TP link."""
 
@@ -62,7 +61,7 @@ def gpu(name: str) -> Gpu:
     return GPUS[name]
 
 
-@dataclass(frozen=True)
+@record
 class Budget:
     """What a verdict compares against: the card's usable bytes less the reserve."""
 

@@ -17,7 +17,7 @@ written as the dicts pydantic-core reads, and the common case checked directly.
 
 from __future__ import annotations
 
-from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from dataclasses import MISSING, asdict, field, fields, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,6 +30,7 @@ from memcalc.model.impls import IMPLEMENTATIONS, implementation
 from memcalc.model.knobs import BY_NAME as KNOBS_BY_NAME
 from memcalc.model.knobs import Knob, Knobs
 from memcalc.model.rules import DIVISIBILITY, EXPERT_RULES, SEQUENCE_SPLIT, not_divisible
+from memcalc.records import record
 from memcalc.text import printable, short_repr
 from memcalc.units import minimum
 
@@ -90,7 +91,7 @@ def _text(help: str) -> Any:
     return _field(cs.nullable_schema(cs.str_schema()), None, help)
 
 
-@dataclass(frozen=True, kw_only=True, eq=False, repr=False)  # Knobs' equality, hash and repr, over every field
+@record(kw_only=True)
 class ModelConfig(Knobs):
     """One transformer and one parallel layout."""
 

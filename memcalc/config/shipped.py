@@ -7,15 +7,15 @@ a bare name with no file behind it is looked up here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 from memcalc.config.files import parse_yaml, read_capped
+from memcalc.records import record
 
 SUFFIX = ".yaml"
 
 
-@dataclass(frozen=True)
+@record
 class Shipped:
     """One shipped config: its name (the file's stem), where it is, and its one-line description."""
 

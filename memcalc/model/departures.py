@@ -14,7 +14,7 @@ why.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from memcalc.config.schema import ModelConfig
 from memcalc.model.evaluate import LayerEstimate, dim_sizes, estimate
@@ -22,11 +22,12 @@ from memcalc.model.impls import IMPLEMENTATIONS, layer_tensors, size_rule, tenso
 from memcalc.model.impls.paper import outside
 from memcalc.model.knobs import KNOBS, Accounting, Knobs
 from memcalc.model.strategy import STRATEGIES
+from memcalc.records import record
 
 PAPER = "paper"
 
 
-@dataclass(frozen=True)
+@record
 class Departure:
     """One reason the implementation keeps other bytes than the paper, and the tensors it moves."""
 
@@ -38,7 +39,7 @@ class Departure:
         return sum(n for _, n in self.tensors)
 
 
-@dataclass(frozen=True)
+@record
 class PaperComparison:
     """The paper's estimate at the same inputs and layout, and each departure from it; or why the paper has none."""
 

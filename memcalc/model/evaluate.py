@@ -9,7 +9,6 @@ same ledger, and a test checks the two agree.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from math import prod
 from typing import Any
 
@@ -18,6 +17,7 @@ from memcalc.model.impls import plan, tensors_at
 from memcalc.model.knobs import Accounting, Knobs, element_bytes
 from memcalc.model.ledger import Dim, SavedTensor
 from memcalc.model.strategy import Strategy
+from memcalc.records import record
 from memcalc.units import minimum
 
 
@@ -108,7 +108,7 @@ def rank_shape(tensor: SavedTensor, strategy: Strategy, sizes: dict[Dim, Any], t
     return tuple(-(-sizes[d] // t) if d is split else sizes[d] for d in tensor.shape)
 
 
-@dataclass(frozen=True)
+@record
 class TensorBytes:
     """One saved tensor as one rank holds it."""
 
@@ -121,7 +121,7 @@ class TensorBytes:
         return self.element_bytes * prod(self.shape)
 
 
-@dataclass(frozen=True)
+@record
 class LayerEstimate:
     """What one rank keeps for one layer under one strategy, and for all L layers."""
 

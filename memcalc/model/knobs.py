@@ -14,12 +14,12 @@ JSON writes them as their text.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, make_dataclass, replace
+from dataclasses import field, replace
 from enum import Enum
-from operator import attrgetter
 from typing import Any, Callable
 
 from memcalc.model.ledger import Kind
+from memcalc.records import record
 
 
 class Choice(str, Enum):
@@ -110,7 +110,7 @@ class Dtype(Choice):
 DTYPE_BYTES = {Dtype.BF16: 2, Dtype.FP16: 2, Dtype.FP32: 4}
 
 
-@dataclass(frozen=True)
+@record
 class Knob:
     """One knob: what it is called, what it may be, and how it reads everywhere.
 
@@ -562,7 +562,6 @@ def _knobs_namespace() -> dict[str, Any]:
 
     return {
         "__doc__": "The choices that decide which tensors a layer saves; defaults are the seed's model (KNOBS).",
-        "__eq__": _equal, "__hash__": _hash, "__repr__": _repr,
         "of": classmethod(of),
         "has_dropout": property(lambda self: self.dropout > 0, doc="any dropout at all: masks are kept only when p > 0"),
         "ffn_set": property(lambda self: self.ffn_hidden_size is not None, doc="formulas write f, not 4h"),
@@ -575,30 +574,6 @@ def _knobs_namespace() -> dict[str, Any]:
     }
 
 
-# Value semantics of a knob set and of a config (a subclass), as dataclass(eq=True, frozen=True) would generate
-# them, written once instead: generating them for each wide class (31 and 56 fields) cost ~8 ms of start-up.
-def _values(self: Any) -> tuple:
-    """The fields' values in order: what equality and the hash compare (the getter is made once per class)."""
-    cls = type(self)
-    getter = cls.__dict__.get("_values_of")
-    if getter is None:
-        getter = attrgetter(*(f.name for f in fields(cls)))
-        setattr(cls, "_values_of", getter)
-    return getter(self)
-
-
-def _equal(self: Any, other: Any) -> Any:
-    return _values(self) == _values(other) if other.__class__ is self.__class__ else NotImplemented
-
-
-def _hash(self: Any) -> int:
-    return hash(_values(self))
-
-
-def _repr(self: Any) -> str:
-    return f"{type(self).__qualname__}({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in fields(self))})"
-
-
 def knob_field(knob: Knob) -> Any:
     """A dataclass field for a knob; its metadata carries the knob, for the config schema."""
     return field(default=knob.default, metadata={"knob": knob, "help": knob.help})
@@ -606,15 +581,13 @@ def knob_field(knob: Knob) -> Any:
 
 _TYPES = {"choice": str, "size": "int | None", "probability": float, "factor": "float | None", "flag": bool}
 
-Knobs = make_dataclass(
-    "Knobs",
-    [(k.name, k.choices or _TYPES[k.kind], knob_field(k)) for k in KNOBS],
-    frozen=True, kw_only=True, eq=False, repr=False, namespace=_knobs_namespace(),
-)
-Knobs.__module__ = __name__  # for pickling across the probe's processes
+Knobs = record(type("Knobs", (), _knobs_namespace() | {  # __module__: for pickling across the probe's processes
+    "__module__": __name__, "__annotations__": {k.name: k.choices or _TYPES[k.kind] for k in KNOBS},
+    **{k.name: knob_field(k) for k in KNOBS},
+}), kw_only=True)
 
 
-@dataclass(frozen=True)
+@record
 class Accounting:
     """How strictly to count: the paper's terms only, or every saved byte.
 

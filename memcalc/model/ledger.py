@@ -19,9 +19,11 @@ where [...] is the column-/row-parallel pair that tensor parallelism splits.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, fields, replace
+from dataclasses import fields, replace
 from enum import Enum
 from typing import NamedTuple
+
+from memcalc.records import record
 
 
 class Dim(Enum):
@@ -71,7 +73,7 @@ class Kind(Enum):
     INDEX_PAIR = "two int64 indices (16 bytes)"
 
 
-@dataclass(frozen=True)
+@record
 class SavedTensor:
     """One activation kept for backward, with the reason it is kept."""
 
@@ -98,7 +100,7 @@ class NormTensors(NamedTuple):
     rstd: SavedTensor
 
 
-@dataclass(frozen=True, kw_only=True)
+@record(kw_only=True)
 class RMSNormTensors:
     """What one RMSNorm keeps, by role: each library's norm keeps some of them (the rest None). Iterating gives the
     kept ones in the order of the fields, the order the norm's ops make them."""

@@ -6,14 +6,14 @@ and sweeps (`memcalc.sizing.sweep`) apply the same tables per point, vectorised.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from memcalc.errors import ConfigError
 from memcalc.model.knobs import BY_NAME as KNOB_NAMES, KNOBS, MLA_KNOBS, is_moe
+from memcalc.records import record
 
 
-@dataclass(frozen=True)
+@record
 class Rule:
     """`divisor` must divide `value` (both field names), and why."""
 
@@ -50,7 +50,7 @@ class Rule:
             raise ConfigError(self.message(*operands))
 
 
-@dataclass(frozen=True)
+@record
 class Limit(Rule):
     """`value` may not exceed `divisor` (here a bound, not a divisor), and why: a rule sweeps apply per point."""
 

@@ -17,10 +17,11 @@ never which regions it splits.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from memcalc.model.ledger import Dim, Region, SavedTensor
+from memcalc.records import record
 
 if TYPE_CHECKING:
     from memcalc.model.impls.base import Implementation
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 _TP_SPLIT_DIMS = (Dim.V, Dim.A, Dim.G, Dim.QKV, Dim.F, Dim.U, Dim.H)
 
 
-@dataclass(frozen=True)
+@record
 class Strategy:
     """A parallel layout: its CLI name, a title, the regions it splits by t, and per-tensor overrides."""
 

@@ -7,8 +7,9 @@ timeline does not model a config, the verdict falls back on those totals and say
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from memcalc.records import record
 
 if TYPE_CHECKING:
     from memcalc.sizing.timeline import Timeline
@@ -17,7 +18,7 @@ if TYPE_CHECKING:
 PEAK, SAVED = "the step's peak", "states + saved activations"
 
 
-@dataclass(frozen=True)
+@record
 class Need:
     """The bytes one GPU needs, what they count (`PEAK` or `SAVED`), and the pipeline stage that needs them."""
 

@@ -15,19 +15,20 @@ do not name.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any, Callable, Iterable
 
 from memcalc.model import ledger
 from memcalc.model.knobs import BY_NAME as KNOB_NAMES, Accounting
 from memcalc.model.ledger import SavedTensor
+from memcalc.records import record
 
 
 def _accept_all(knobs: Any) -> None:
     """Every knob value runs."""
 
 
-@dataclass(frozen=True)
+@record
 class SizeRule:
     """A kernel that runs only for some sizes; outside them the layer keeps `outside` instead.
 
@@ -50,7 +51,7 @@ class SizeRule:
         return (self.runs_for(knobs) if self.runs_for is not None else self.runs)(sizes, t)
 
 
-@dataclass(frozen=True)
+@record
 class SizeCondition:
     """One tensor a layer keeps as written only at some sizes; elsewhere `instead` in its place, or nothing.
 
@@ -72,7 +73,7 @@ def always(knobs: Any) -> bool:
     return True
 
 
-@dataclass(frozen=True)
+@record
 class Refusal:
     """A layout the library does not run under some knobs, and why, in the library's own code.
 
@@ -91,7 +92,7 @@ class Refusal:
         return f"{self.condition}: {self.reason} ({self.source})"
 
 
-@dataclass(frozen=True)
+@record
 class Implementation:
     """One library's rules: which tensors a layer keeps, and which layouts and knobs it runs."""
 
