@@ -481,7 +481,9 @@ class MomentTracker(MemTracker):
 
 # -- prediction next to measurement -------------------------------------------------
 
-STEP_MODELS = {"megatron": "memcalc's own GPT", "hf": "transformers' LlamaForCausalLM"}  # what --step runs, by --impl
+STEP_MODELS = {  # what --step runs, by --impl
+    "megatron": "memcalc's own GPT", "hf": "transformers' LlamaForCausalLM", "torchtitan": "torchtitan's Llama3Model",
+}
 TOLERANCE = 0.01  # issue 8's bound: the peak and each of its categories within 1% of what MemTracker measured
 
 
@@ -556,8 +558,9 @@ def measure_step(config: ModelConfig, strategies: list[str], route: str | None =
     only the balanced route pins.
     """
     if config.impl not in STEP_MODELS:
-        raise ConfigError(f"--step runs memcalc's own Megatron-style model, or transformers' LlamaForCausalLM with"
-                          f" --impl hf; with --impl {config.impl} it cannot")
+        raise ConfigError(f"--step runs memcalc's own Megatron-style model, transformers' LlamaForCausalLM with"
+                          f" --impl hf or torchtitan's Llama3Model with --impl torchtitan; with --impl {config.impl}"
+                          " it cannot")
     if route is not None and not config.moe:
         raise ConfigError(f"--route {route} forces a MoE router: the config has no experts (set num_experts)")
     accounting = Accounting(exact=True, device="cpu")
@@ -586,7 +589,12 @@ def measure_step(config: ModelConfig, strategies: list[str], route: str | None =
 def _step_runner(impl: str, sharded: bool = False) -> Callable[[TensorParallelGroup, ModelConfig, Strategy],
                                                                 StepMeasurement]:
     """memcalc's own GPT, or (impl hf) transformers' LlamaForCausalLM, imported only then: an optional extra;
-    `sharded`: the latter under FSDP2 (memcalc.probe.libs.hf_fsdp)."""
+    `sharded`: the latter under FSDP2 (memcalc.probe.libs.hf_fsdp); (impl torchtitan) its Llama3Model."""
+    if impl == "torchtitan":
+        runner("torchtitan")  # ProbeError naming the extra to install when torchtitan is missing
+        from memcalc.probe.libs.torchtitan_step import measure_torchtitan_step_on_rank
+
+        return measure_torchtitan_step_on_rank
     if impl != "hf":
         return measure_step_on_rank
     runner("hf")  # ProbeError naming the extra to install when transformers is missing

@@ -70,6 +70,7 @@ from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import Strategy
 from memcalc.sizing.pipeline import Stage, stages
 from memcalc.sizing.timeline.hf import hf_timeline
+from memcalc.sizing.timeline.torchtitan import torchtitan_timeline
 from memcalc.sizing.timeline.ends import STEP_TENSORS, Ends, model_states
 from memcalc.sizing.timeline.layer import LAYER_NAMES, layer_backward, layer_forward
 from memcalc.sizing.timeline.tape import (
@@ -97,6 +98,8 @@ def timeline(
     _refuse_other_layers(config)
     if config.impl == "hf":  # transformers' LlamaForCausalLM, op by op: its own walk
         return hf_timeline(config, strategy, accounting)
+    if config.impl == "torchtitan":  # torchtitan's Llama3Model, described as ops for the generic walk
+        return torchtitan_timeline(config, strategy, accounting)
     layer = estimate(config, strategy, accounting)
     _check_modelled(config, strategy, tuple(x.tensor.name for x in layer.tensors))
     st = _stage(config, stage)

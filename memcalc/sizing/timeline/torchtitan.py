@@ -1,0 +1,328 @@
+"""One training step of torchtitan's own Llama3 model on one rank (`--impl torchtitan`), described once as ops.
+
+`memcalc.probe.libs.torchtitan_step` trains torchtitan 0.3.0's Llama3Model (tok_embeddings, L
+Llama3TransformerBlocks, norm, lm_head) with its trainer's loss; this module describes the same step as ordered ops
+(memcalc.sizing.timeline.walk): each op's steps are the aten ops that allocate, what they free, and which of the
+ledger's saved tensors (memcalc.model.impls.torchtitan) the op keeps, so the per-layer terms are the ledger's and
+the walk is the generic one. A block is
+
+    attention_norm   nn.RMSNorm: on a CPU torch's rms_norm_composite (x.to(float32), pow, mean, rsqrt, x * rstd,
+                     times the weight in fp32, cast back), its backward op by op through autograd
+    wqkv, split      the fused projection; the split's three .contiguous() copies (V is kept by SDPA)
+    rope             q.float() and k.float() times the complex64 table, cast back (Q and K kept)
+    inner_attention  SDPA's flash kernel (its output, wo's input, and an fp32 log-sum-exp kept)
+    wo, + x          the projection and the residual sum
+    ffn_norm         as attention_norm
+    w1, SiLU, w3, *  SwiGLU, each product kept; w2 and the residual sum, the block's output
+
+The model's ends: the token ids and labels (int64, live all step), the trainer's count of valid tokens, the
+embedding, the final norm, lm_head's bf16 logits and torchtitan's cross_entropy_loss (fp32 logits, the kept fp32
+log-softmax), divided by the count; the trainer drops the logits before backward.
+
+Exact (to the byte, at every moment named here, tests/probe/libs/test_torchtitan_step.py) for torchtitan 0.3.0 on
+torch 2.13's CPU kernels at t = 1, bf16, untied, without recomputation; `check_modelled` names everything else.
+On CUDA torchtitan's Llama3 runs flex attention and torch's fused _fused_rms_norm kernel, which keep other tensors
+(the ledger's device rules) and allocate otherwise in backward: not described here yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from memcalc.config.schema import ModelConfig
+from memcalc.errors import ConfigError
+from memcalc.model import ledger
+from memcalc.model.evaluate import estimate, rank_shape
+from memcalc.model.impls import torchtitan as rules
+from memcalc.model.knobs import Accounting, element_bytes
+from memcalc.model.ledger import SavedTensor
+from memcalc.model.strategy import Strategy
+from memcalc.sizing.pipeline import stages
+from memcalc.sizing.timeline.ends import model_states
+from memcalc.sizing.timeline.tape import ACTIVATIONS, PARAMETERS, Sizes, Tape, Timeline, prod
+from memcalc.sizing.totals import end_sizes
+from memcalc.sizing.timeline.walk import Made, Op, Step, Walk, kept, kept_name
+
+# The model's ends keep these (memcalc.model.impls.torchtitan names the final norm's as the block's norms').
+FINAL_NORM = rules.FINAL_NORM
+_END_TENSORS = (*rules.norm_block(FINAL_NORM, Accounting(exact=True, device="cpu")), ledger.OUTPUT_INPUT)
+
+
+def torchtitan_timeline(config: ModelConfig, strategy: Strategy, accounting: Accounting) -> Timeline:
+    """The moments of one training step of torchtitan's Llama3Model sized by `config`, on its one rank."""
+    check_modelled(config, strategy, accounting)
+    layer = estimate(config, strategy, accounting)
+    unpadded = replace(config, make_vocab_size_divisible_by=1)  # torchtitan trains the vocabulary as it is
+    z = Sizes.of(unpadded, strategy)
+    (stage,) = stages(config.L, config.pp, config.vpp, config.microbatches)
+    tape = Tape()
+    model_states(tape, unpadded, stage, z)
+    tape.add("states/rope caches", PARAMETERS, config.L * 8 * config.s * (z.d // 2),
+             "each block's ComplexRoPE keeps its own complex64 (s, d/2) table, a buffer")
+    tape.mark("steady", "", "model states between steps")
+    saved = {x.tensor.name: x.bytes for x in layer.tensors}
+    end = _end_bytes(unpadded, strategy, accounting)
+    walks = [(Walk(tape, "", "", end, _hand_over(tape)), embedding_ops(z)),
+             *((Walk(tape, f"layers.{i}", f"layers.{i}", saved, _hand_over(tape)), block_ops(i, z))
+               for i in range(config.L)),
+             (Walk(tape, "", "", end, _hand_over(tape)), output_ops(z, config))]
+    for walk, ops in walks:
+        walk.forward(ops)
+    for walk, ops in reversed(walks):
+        walk.backward(ops)
+    tape.drop("loss/grad seed")  # backward() returns
+    tape.mark("optimizer", "", "fused AdamW on the fp32 master weights, in place")
+    return Timeline(layer.strategy, tuple(tape.moments), stage.name)
+
+
+def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounting) -> None:
+    """ConfigError naming the first thing the torchtitan step timeline does not model yet."""
+    missing = [
+        (accounting.device != "cpu", "device cuda (its flex attention and fused rms_norm kernels; --device cpu walks"
+                                     " the CPU kernels the probe measures)"),
+        (strategy.tensor_parallel and config.t > 1, f"tp (t={config.t}; its TP plan over the whole model)"),
+        (config.dp_shard is not None or config.zero_stage is not None, "dp_shard or zero_stage (FSDP2's gathers)"),
+        (config.recompute != "none", f"recompute {config.recompute} (its FullAC or SelectiveAC)"),
+        (config.moe, "a mixture of experts (num_experts)"),
+        (config.tie_embeddings, "tie_embeddings (Llama3 unties them; set tie_embeddings false)"),
+        (config.position_embedding_type != "rope", f"position_embedding_type {config.position_embedding_type}"
+                                                   " (Llama3 rotates q and k: set rope)"),
+        (config.add_bias_linear or config.add_qkv_bias, "biases (Llama3 has none: set add_bias_linear false)"),
+        (config.pp != 1, f"pp={config.pp}"),
+        (config.cp != 1, f"cp={config.cp}"),
+        (config.dtype != "bf16", f"dtype {config.dtype}"),
+        (config.b * config.s == 1, "b = s = 1 (V is then a view of the fused wqkv output)"),
+    ]
+    for absent, what in missing:
+        if absent:
+            raise ConfigError(f"the step timeline for impl torchtitan does not model {what} yet")
+
+
+def _hand_over(tape: Tape):
+    """A weight's bf16 gradient, added into the fp32 buffer and dropped as soon as autograd hands it over."""
+    return lambda where, name, nbytes: tape.drop(name)
+
+
+def _end_bytes(config: ModelConfig, strategy: Strategy, accounting: Accounting) -> dict[str, int]:
+    """The bytes of what the model's ends keep, on this rank."""
+    sizes = end_sizes(config, strategy)
+    return {x.name: element_bytes(x.kind, config, accounting) * prod(rank_shape(x, strategy, sizes, config.t))
+            for x in _END_TENSORS}
+
+
+# -- the ops ----------------------------------------------------------------------------------------------------
+
+_WGRAD = "the weight's bf16 gradient, added into the fp32 buffer when autograd hands it over"
+
+
+def linear(where: str, x: SavedTensor | None, out: Made, weight: int, dx: str, dx_bytes: int, p: str,
+           frees: tuple[str, ...] = (), sums: tuple[str, str, int] | None = None) -> Op:
+    """nn.Linear without a bias (F.linear: one mm): its output; in backward dW and dX beside dY, then `frees`.
+
+    `sums` (the other gradient, the sum's name, its bytes): the input has a gradient already, and autograd sums dX
+    into it at once, before it reaches the weight's accumulator.
+    """
+    dw = f"grad/{p}/{where} weight" if p else f"grad/{where} weight"
+    gemms = Step("GEMMs: dW and dX", (Made(dw, weight, _WGRAD), Made(dx, dx_bytes, "dX = dY W")), frees,
+                 () if sums else (dw,), returns=True)
+    summed = () if sums is None else (Step("autograd sums the input's two gradients", (
+        Made(sums[1], sums[2], "the input's gradient: both uses' summed"),), frees=(dx, sums[0]), hands_over=(dw,)),)
+    return Op(where, forward=(Step("the GEMM", (out,)),), backward=(gemms, *summed), saves=(x,) if x else ())
+
+
+def rms_norm(where: str, z: Sizes, norm: rules.RMSNormTensors, p: str, out: Made, grad: str, dx: str,
+             frees: tuple[str, ...] = ()) -> Op:
+    """nn.RMSNorm on a CPU: torch's rms_norm_composite, op by op, and its backward through autograd.
+
+    Forward keeps the fp32 input, the rstd and x * rstd (the ledger's); `frees` go once the output is made. Backward
+    ends with dX in bf16 (`dx`); the two fp32 gradients' sum goes when the next op runs.
+    """
+    n, full, row = f"{p}/{where}" if p else where, z.tokens(4 * z.h), z.tokens(4)
+    fp32, rstd, normed = (kept_name(p, x) for x in (norm.input_fp32, norm.rstd, norm.normed_fp32))
+    forward = (
+        Step("input.to(float32)", (kept(p, norm.input_fp32),)),
+        Step("pow(2)", (Made(f"{n}/pow", full, "x^2, a local"),)),
+        Step("mean over h", (Made(f"{n}/mean", row, "mean(x^2), a local"),)),
+        Step("rsqrt(mean + eps)", (kept(p, norm.rstd),), frees=(f"{n}/pow", f"{n}/mean")),
+        Step("x * rstd", (kept(p, norm.normed_fp32),)),
+        Step("times the weight, in fp32", (Made(f"{n}/weighted", full, "x * rstd * weight, a local"),)),
+        Step("cast back to bf16: the norm's output", (out,), frees=(f"{n}/weighted", *frees)),
+    )
+    g = f"grad/{n}"
+    backward = (
+        Step("the cast's backward: dY up to fp32", (Made(f"{g}/dy", full, "dY in fp32"),), frees=(grad,)),
+        Step("times the weight's backward: dY * weight", (Made(f"{g}/dnormed", full, "the gradient of x * rstd"),)),
+        Step("its weight's: dY * (x * rstd)", (Made(f"{g}/dw full", full, "per token, before the sum"),)),
+        Step("summed over tokens", (Made(f"{g}/dw fp32", 4 * z.h, "the weight's fp32 gradient"),),
+             frees=(f"{g}/dw full",)),
+        Step("cast to bf16: the weight's gradient", (Made(f"{g}/dweight", z.act * z.h, _WGRAD),),
+             frees=(f"{g}/dy", f"{g}/dw fp32", normed), hands_over=(f"{g}/dweight",)),
+        Step("x * rstd's backward: dnormed * rstd", (Made(f"{g}/dx (x * r)", full, "x's first fp32 gradient"),)),
+        Step("x * rstd's backward: dnormed * x", (Made(f"{g}/dr full", full, "per element, before the sum"),)),
+        Step("summed over h: rstd's gradient", (Made(f"{g}/dr", row, "(b, s, 1) fp32"),),
+             frees=(f"{g}/dnormed", f"{g}/dr full")),
+        Step("rsqrt's backward: rstd^3", (Made(f"{g}/r^3", row, "(b, s, 1) fp32"),)),
+        Step("rsqrt's backward: -rstd^3 / 2", (Made(f"{g}/-r^3 / 2", row, "(b, s, 1) fp32"),)),
+        Step("rsqrt's backward: times dr", (Made(f"{g}/dvariance", row, "(b, s, 1) fp32"),),
+             frees=(f"{g}/dr", f"{g}/r^3", f"{g}/-r^3 / 2", rstd)),
+        Step("mean's backward: spread over h, divided by h", (Made(f"{g}/dpow", full, "the gradient of x^2"),),
+             frees=(f"{g}/dvariance",)),
+        Step("pow's backward: x^1", (Made(f"{g}/x^1", full, "pow(x, 1), a copy"),)),
+        Step("pow's backward: 2 x", (Made(f"{g}/2x", full, "fp32"),)),
+        Step("pow's backward: dpow * 2x", (Made(f"{g}/dx (pow)", full, "x's second fp32 gradient"),),
+             frees=(f"{g}/x^1", f"{g}/2x", f"{g}/dpow", fp32)),
+        Step("autograd sums x's two fp32 gradients", (Made(f"{g}/dx fp32", full, "fp32"),),
+             frees=(f"{g}/dx (x * r)", f"{g}/dx (pow)")),
+        Step("input.to(float32)'s backward: dX cast back to bf16", (Made(dx, z.tokens(z.act * z.h), "the norm's dX"),),
+             frees=(f"{g}/dx fp32",)),
+    )
+    return Op(where, forward, backward, saves=(norm.input_fp32, norm.rstd, norm.normed_fp32))
+
+
+def block_ops(i: int, z: Sizes) -> tuple[Op, ...]:
+    """Llama3TransformerBlock i, op by op (its input "layers.i/input", its output "layers.{i+1}/input")."""
+    p = f"layers.{i}"
+    x, out, mid = f"{p}/input", f"layers.{i + 1}/input", f"{p}/mid"
+    gx, gout, gmid = f"grad/{p}/input", f"grad/layers.{i + 1}/input", f"grad/{p}/mid"
+    h, q, kv = z.tokens(z.act * z.h), z.tokens(z.act * z.a_t * z.d), z.tokens(z.act * z.g_t * z.d)
+    f = z.tokens(z.act * z.f_t)
+    return (
+        *attention_ops(p, z, x, mid, gmid, gx, h, q, kv),
+        residual(p, "ffn_norm", f"grad/{p}/ffn_norm dx", gout, gmid, h),
+        rms_norm("ffn_norm", z, rules.LN2, p, kept(p, rules.FC1_IN), f"grad/{p}/ffn_norm out", f"grad/{p}/ffn_norm dx"),
+        *feed_forward_ops(p, z, x, mid, out, gout, h, f),
+    )
+
+
+def residual(p: str, norm: str, dx: str, grad: str, out: str, h: int) -> Op:
+    """In backward: the norm's dX and the residual stream's gradient summed, as soon as the norm's returns (autograd
+    does it inside the norm's window); listed before the norm, so it runs after it. The forward sum is the branch's
+    last op."""
+    return Op(norm, forward=(), backward=(Step("the residual stream's gradients summed", (
+        Made(out, h, "the residual stream's gradient: both paths' summed"),), frees=(dx, grad)),))
+
+
+def attention_ops(p: str, z: Sizes, x: str, mid: str, gmid: str, gx: str, h: int, q: int, kv: int) -> tuple[Op, ...]:
+    """attention_norm, wqkv, the split, RoPE, SDPA, wo and the first residual sum."""
+    a, g = "attention", f"grad/{p}/attention"
+    qkv = z.tokens(z.act * z.qkv_t)
+    fp32q, fp32k = 2 * q, 2 * kv  # the fp32 copies and their complex64 products: twice the bf16 bytes
+    table = 8 * z.s * (z.d // 2)  # the (1, s, 1, d/2) complex64 table's conjugate, materialised
+    return (
+        residual(p, "attention_norm", f"grad/{p}/attention_norm dx", gmid, gx, h),
+        rms_norm("attention_norm", z, rules.LN1, p, kept(p, rules.QKV_IN), f"grad/{p}/qkv dx",
+                 f"grad/{p}/attention_norm dx"),
+        linear(f"{a}.qkv_linear.wqkv", rules.QKV_IN, Made(f"{p}/qkv", qkv, "the fused projection's output"),
+               z.act * z.qkv_t * z.h, f"grad/{p}/qkv dx", h, p, frees=(f"{g}/dqkv",)),
+        Op(f"{a}.qkv_linear",
+           forward=(Step("the split: q reshaped (a copy)", (Made(f"{p}/q pre-rope", q, "q, before RoPE"),)),
+                    Step("k made contiguous", (Made(f"{p}/k pre-rope", kv, "k, before RoPE"),)),
+                    Step("v made contiguous", (kept(p, ledger.V),), frees=(f"{p}/qkv",))),
+           backward=(Step("the split's backward: dQ, dK, dV concatenated", (
+               Made(f"{g}/dqkv", qkv, "the fused output's gradient"),),
+               frees=(f"{g}/dq pre-rope", f"{g}/dk pre-rope", f"{g}/dv")),)),
+        Op(f"{a}.rope",
+           forward=(Step("q.float()", (Made(f"{p}/q fp32", fp32q, "q in fp32"),)),
+                    Step("k.float()", (Made(f"{p}/k fp32", fp32k, "k in fp32"),)),
+                    Step("q times the table", (Made(f"{p}/q rotated", fp32q, "complex64"),)),
+                    Step("k times the table", (Made(f"{p}/k rotated", fp32k, "complex64"),)),
+                    Step("q cast back", (kept(p, ledger.Q),)),
+                    Step("k cast back", (kept(p, ledger.K),), frees=(
+                        f"{p}/q fp32", f"{p}/k fp32", f"{p}/q rotated", f"{p}/k rotated", f"{p}/q pre-rope",
+                        f"{p}/k pre-rope"))),
+           backward=(
+               Step("k's cast's backward: dK up to fp32", (Made(f"{g}/dk fp32", fp32k, "fp32"),)),
+               Step("q's cast's backward: dQ up to fp32", (Made(f"{g}/dq fp32", fp32q, "fp32"),)),
+               Step("the table's conjugate, for k", (Made(f"{g}/conj k", table, "complex64"),)),
+               Step("dK times it", (Made(f"{g}/dk rotated", fp32k, "complex64"),), frees=(f"{g}/conj k", f"{g}/dk fp32")),
+               Step("the table's conjugate, for q", (Made(f"{g}/conj q", table, "complex64"),)),
+               Step("dQ times it", (Made(f"{g}/dq rotated", fp32q, "complex64"),), frees=(f"{g}/conj q", f"{g}/dq fp32")),
+               Step("k.float()'s backward: to bf16", (Made(f"{g}/dk pre-rope", kv, "bf16"),), frees=(f"{g}/dk rotated",)),
+               Step("q.float()'s backward: to bf16", (Made(f"{g}/dq pre-rope", q, "bf16"),),
+                    frees=(f"{g}/dq rotated", f"{g}/dq", f"{g}/dk")),
+           )),
+        Op(f"{a}.inner_attention",
+           forward=(Step("SDPA's flash kernel: output and log-sum-exp", (kept(p, ledger.PROJ_IN),
+                                                                          kept(p, ledger.SOFTMAX_LSE))),),
+           backward=(Step("SDPA's backward: dQ, dK, dV", (Made(f"{g}/dq", q, "bf16"), Made(f"{g}/dk", kv, "bf16"),
+                                                          Made(f"{g}/dv", kv, "bf16")), frees=(f"{g}/dout",)),),
+           saves=(ledger.Q, ledger.K, ledger.V, ledger.SOFTMAX_LSE, ledger.PROJ_IN)),
+        linear(f"{a}.wo", ledger.PROJ_IN, Made(f"{p}/attention out", h, "wo's output"), z.act * z.h * z.a_t * z.d,
+               f"{g}/dout", q, p),
+        Op("", forward=(Step("x + attention", (Made(mid, h, "the residual stream after attention"),),
+                             frees=(f"{p}/attention out",)),), backward=()),
+    )
+
+
+def feed_forward_ops(p: str, z: Sizes, x: str, mid: str, out: str, gout: str, h: int, f: int) -> tuple[Op, ...]:
+    """w1, SiLU, w3, the product, w2 and the second residual sum (the block's output)."""
+    m, g, w = "feed_forward", f"grad/{p}/feed_forward", z.act * z.f_t * z.h
+    return (
+        linear(f"{m}.w1", rules.FC1_IN, kept(p, ledger.SWIGLU_GATE), w, f"{g}/dx1", h, p, frees=(f"{g}/dgate",),
+               sums=(f"{g}/dx3", f"grad/{p}/ffn_norm out", h)),
+        # SiLU runs inside feed_forward; its backward while MemTracker still has w3 active (w1 x and w3 x share an
+        # input, whose gradient is not complete until w1's backward)
+        Op(f"{m}.w3", forward=(Step("SiLU", (kept(p, ledger.SWIGLU_SILU_OUT),)),),
+           backward=(Step("SiLU's backward", (Made(f"{g}/dgate", f, "bf16"),), frees=(f"{g}/dsilu",)),),
+           saves=(ledger.SWIGLU_GATE,)),
+        linear(f"{m}.w3", rules.FC1_IN, kept(p, ledger.SWIGLU_UP), w, f"{g}/dx3", h, p, frees=(f"{g}/dup",)),
+        Op(m, forward=(Step("SiLU(w1 x) * w3 x", (kept(p, ledger.FC2_IN),)),),
+           backward=(Step("the product's backward: dY * up", (Made(f"{g}/dsilu", f, "bf16"),)),
+                     Step("the product's backward: dY * SiLU", (Made(f"{g}/dup", f, "bf16"),), frees=(f"{g}/dfc2",))),
+           saves=(ledger.SWIGLU_UP, ledger.SWIGLU_SILU_OUT)),
+        linear(f"{m}.w2", ledger.FC2_IN, Made(f"{p}/ffn out", h, "w2's output"), w, f"{g}/dfc2", f, p),
+        Op("", forward=(Step("h + feed-forward: the block's output", (Made(out, h, "the next block's input"),),
+                             frees=(f"{p}/ffn out", mid, x)),), backward=()),
+    )
+
+
+# -- the model's two ends -----------------------------------------------------------------------------------------
+
+
+def embedding_ops(z: Sizes) -> tuple[Op, ...]:
+    """The batch, the trainer's count of valid tokens, and tok_embeddings (the first block's input)."""
+    count = Op("", forward=(
+        Step("the token ids", (Made(ledger.EMBEDDING_INPUT_IDS.name, z.tokens(8),
+                                    "the micro-batch's token ids (int64), live all step; the embedding keeps them"),)),
+        Step("the labels", (Made("batch/labels", z.tokens(8), "the micro-batch's labels (int64), live all step"),)),
+        Step("labels != IGNORE_INDEX", (Made("loss/valid mask", z.tokens(1), "bool, a local"),)),
+        Step("their sum: the valid tokens", (Made("loss/valid tokens", 8, "int64, the loss's divisor: the division's"
+                                                  " backward keeps it"),), frees=("loss/valid mask",)),
+    ), backward=())
+    lookup = Op("tok_embeddings", forward=(
+        Step("the embedding lookup", (Made("layers.0/input", z.tokens(z.act * z.h), "the first block's input"),)),
+    ), backward=(
+        Step("the embedding's gradient", (Made("grad/embedding", z.act * z.v_t * z.h, _WGRAD),),
+             frees=("grad/layers.0/input",), hands_over=("grad/embedding",)),
+    ))
+    return (count, lookup)
+
+
+def output_ops(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
+    """The final norm, lm_head, and torchtitan's cross_entropy_loss divided by the valid tokens."""
+    last = f"layers.{config.L}/input"
+    logits, fp32 = z.tokens(z.act * z.v_t), z.tokens(4 * z.v_t)
+    loss = Op("", forward=(
+        Step("logits.float()", (Made("loss/logits fp32", fp32, "cross_entropy upcasts the flattened logits"),)),
+        Step("log_softmax", (Made("loss/log_softmax", fp32, "fp32; nll_loss's and its own backward keep it"),)),
+        Step("nll_loss: the summed loss and its count", (Made("loss/sum", 4, "0-d fp32"),
+                                                          Made("loss/total_weight", 4, "0-d fp32, kept")),
+             frees=("loss/logits fp32",)),
+        Step("divided by the valid tokens", (Made("loss/value", 4, "the loss (0-d fp32), live all step"),)),
+        Step("", frees=("loss/sum", "lm_head/logits")),  # the trainer's `del pred`
+        Step("loss.backward() seeds autograd", (Made("loss/grad seed", 4, "a 0-d ones tensor"),)),
+    ), backward=(
+        Step("the division's backward", (Made("grad/loss sum", 4, "0-d fp32"),), frees=("loss/valid tokens",)),
+        Step("nll_loss's backward", (Made("grad/log_softmax", fp32, "-1 at each target, fp32"),),
+             frees=("grad/loss sum", "loss/total_weight")),
+        Step("log_softmax's backward", (Made("grad/logits fp32", fp32, "fp32"),),
+             frees=("grad/log_softmax", "loss/log_softmax")),
+        Step("the upcast's backward: to bf16", (Made("grad/logits", logits, "bf16"),), frees=("grad/logits fp32",)),
+    ))
+    return (
+        rms_norm("norm", z, FINAL_NORM, "", kept("", ledger.OUTPUT_INPUT), "grad/lm_head dx", f"grad/{last}",
+                 frees=(last,)),
+        linear("lm_head", ledger.OUTPUT_INPUT, Made("lm_head/logits", logits, "bf16 logits: the trainer's pred"),
+               z.act * z.v_t * z.h, "grad/lm_head dx", z.tokens(z.act * z.h), "", frees=("grad/logits",)),
+        loss,
+    )
