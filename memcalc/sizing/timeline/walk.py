@@ -1,16 +1,15 @@
 """A layer described once, as an ordered list of ops, and the one walk that puts any such list on the tape.
 
 Issue 19: each op says what it makes in forward, which of the ledger's saved tensors it keeps for backward (the
-`SavedTensor` records themselves, sized by the ledger: nothing is written twice), what its backward makes and frees,
-its collectives and its recomputation region. `walk_forward` and `walk_backward` turn the ops into moments, the way
-autograd runs them:
+`SavedTensor` records themselves, sized by the ledger: nothing is written twice), and what its backward makes and
+frees. `Walk.forward` and `Walk.backward` turn any list of ops into moments, the way autograd runs them:
 
     forward     op by op, in order: each step's tensors made (activations), a moment, then what the step frees;
                 what an op keeps stays on the tape until its backward has run
     backward    op by op, in reverse: each step's gradients made (temporaries), a moment, then what it frees; a
-                weight's gradient is handed to autograd as soon as it is made (`hand_over`: added into the fp32
-                buffer, or under FSDP2 kept to the block's reduce-scatter); when the op's backward returns, the
-                saved tensors no op before it keeps go
+                weight's gradient is handed to autograd after the step that names it (`hands_over`; the walk's
+                `hand_over` adds it into the fp32 buffer, or under FSDP2 would keep it to the block's
+                reduce-scatter); when the op's autograd node returns, the saved tensors no op before it keeps go
 
 A step is one op's output (or several outputs made together, as a GEMM's dW and dX), i.e. a moment at which
 MemTracker can read a new high; `frees` go when the next op runs. Names are whole tape names (the layer's prefix
@@ -55,19 +54,19 @@ class Step:
 
 @dataclass(frozen=True)
 class Op:
-    """One op of a layer: where it runs, its forward and backward steps, what it saves, its collectives.
+    """One op of a layer: where it runs (the probe's module path below the layer's), its forward and backward steps,
+    and the ledger's records it keeps for backward (`saves`: freed when its autograd node returns, unless an op before
+    it, whose backward runs later, keeps them too).
 
-    `saves`: the ledger's records this op keeps for backward (freed after the backward of the first op, in forward
-    order, that saves them). `recompute`: the checkpoint region it belongs to (a recomputation wrapper reruns the
-    region's forward steps at the start of its backward).
+    A collective is a step like any other (its output buffer is what it makes). Not fields yet, for want of a walk
+    that needs them: a TP style and a recomputation region (a wrapper that reruns its ops' forward steps at the start
+    of their backward); the first description that needs them adds them here.
     """
 
     where: str
     forward: tuple[Step, ...]
     backward: tuple[Step, ...]
     saves: tuple[SavedTensor, ...] = ()
-    collectives: tuple[str, ...] = ()
-    recompute: str | None = None
 
 
 @dataclass
