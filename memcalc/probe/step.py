@@ -33,7 +33,8 @@ registered with `track_external`, which files it as "Other": `MEASURED_CATEGORIE
 of the peak is the phase and the innermost module when MemTracker first reached it (`MomentTracker`).
 `measure_step` puts each reading next to the step timeline (memcalc.sizing.timeline). With
 --impl hf the model is transformers' own LlamaForCausalLM, trained by the same `Trainer`
-(memcalc.probe.libs.hf_step).
+(memcalc.probe.libs.hf_step); with --impl torchtitan torchtitan's own Llama3Model with its trainer's loss
+(memcalc.probe.libs.torchtitan_step).
 """
 
 from __future__ import annotations

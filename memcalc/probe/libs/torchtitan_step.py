@@ -34,7 +34,8 @@ from torchtitan.components.loss import IGNORE_INDEX, CrossEntropyLoss  # noqa: E
 from torchtitan.tools.utils import set_default_dtype  # noqa: E402
 
 
-def measure_torchtitan_step_on_rank(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy) -> StepMeasurement:
+def measure_torchtitan_step_on_rank(tp: TensorParallelGroup, config: ModelConfig,
+                                    strategy: Strategy) -> StepMeasurement:
     """Build torchtitan's Llama3Model, run a warm-up step, then measure one step under MemTracker."""
     return measure_trainer(warmed_up(tp, config, strategy), tp, strategy)
 

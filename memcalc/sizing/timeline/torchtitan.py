@@ -39,13 +39,9 @@ from memcalc.model.ledger import SavedTensor
 from memcalc.model.strategy import Strategy
 from memcalc.sizing.pipeline import stages
 from memcalc.sizing.timeline.ends import model_states
-from memcalc.sizing.timeline.tape import ACTIVATIONS, PARAMETERS, Sizes, Tape, Timeline, prod
-from memcalc.sizing.totals import end_sizes
+from memcalc.sizing.timeline.tape import PARAMETERS, Sizes, Tape, Timeline, prod
 from memcalc.sizing.timeline.walk import Made, Op, Step, Walk, kept, kept_name
-
-# The model's ends keep these (memcalc.model.impls.torchtitan names the final norm's as the block's norms').
-FINAL_NORM = rules.FINAL_NORM
-_END_TENSORS = (*rules.norm_block(FINAL_NORM, Accounting(exact=True, device="cpu")), ledger.OUTPUT_INPUT)
+from memcalc.sizing.totals import end_sizes
 
 
 def torchtitan_timeline(config: ModelConfig, strategy: Strategy, accounting: Accounting) -> Timeline:
@@ -104,10 +100,12 @@ def _hand_over(tape: Tape):
 
 
 def _end_bytes(config: ModelConfig, strategy: Strategy, accounting: Accounting) -> dict[str, int]:
-    """The bytes of what the model's ends keep, on this rank."""
+    """The bytes of what the model's ends keep on this rank: the final norm's (named in
+    memcalc.model.impls.torchtitan as the block's norms are) and lm_head's input."""
     sizes = end_sizes(config, strategy)
+    kept = (*rules.norm_block(rules.FINAL_NORM, accounting), ledger.OUTPUT_INPUT)
     return {x.name: element_bytes(x.kind, config, accounting) * prod(rank_shape(x, strategy, sizes, config.t))
-            for x in _END_TENSORS}
+            for x in kept}
 
 
 # -- the ops ----------------------------------------------------------------------------------------------------
@@ -135,7 +133,7 @@ def rms_norm(where: str, z: Sizes, norm: rules.RMSNormTensors, p: str, out: Made
     """nn.RMSNorm on a CPU: torch's rms_norm_composite, op by op, and its backward through autograd.
 
     Forward keeps the fp32 input, the rstd and x * rstd (the ledger's); `frees` go once the output is made. Backward
-    ends with dX in bf16 (`dx`); the two fp32 gradients' sum goes when the next op runs.
+    ends with dX cast back to bf16 (`dx`).
     """
     n, full, row = f"{p}/{where}" if p else where, z.tokens(4 * z.h), z.tokens(4)
     fp32, rstd, normed = (kept_name(p, x) for x in (norm.input_fp32, norm.rstd, norm.normed_fp32))
@@ -234,10 +232,13 @@ def attention_ops(p: str, z: Sizes, x: str, mid: str, gmid: str, gx: str, h: int
                Step("k's cast's backward: dK up to fp32", (Made(f"{g}/dk fp32", fp32k, "fp32"),)),
                Step("q's cast's backward: dQ up to fp32", (Made(f"{g}/dq fp32", fp32q, "fp32"),)),
                Step("the table's conjugate, for k", (Made(f"{g}/conj k", table, "complex64"),)),
-               Step("dK times it", (Made(f"{g}/dk rotated", fp32k, "complex64"),), frees=(f"{g}/conj k", f"{g}/dk fp32")),
+               Step("dK times it", (Made(f"{g}/dk rotated", fp32k, "complex64"),),
+                    frees=(f"{g}/conj k", f"{g}/dk fp32")),
                Step("the table's conjugate, for q", (Made(f"{g}/conj q", table, "complex64"),)),
-               Step("dQ times it", (Made(f"{g}/dq rotated", fp32q, "complex64"),), frees=(f"{g}/conj q", f"{g}/dq fp32")),
-               Step("k.float()'s backward: to bf16", (Made(f"{g}/dk pre-rope", kv, "bf16"),), frees=(f"{g}/dk rotated",)),
+               Step("dQ times it", (Made(f"{g}/dq rotated", fp32q, "complex64"),),
+                    frees=(f"{g}/conj q", f"{g}/dq fp32")),
+               Step("k.float()'s backward: to bf16", (Made(f"{g}/dk pre-rope", kv, "bf16"),),
+                    frees=(f"{g}/dk rotated",)),
                Step("q.float()'s backward: to bf16", (Made(f"{g}/dq pre-rope", q, "bf16"),),
                     frees=(f"{g}/dq rotated", f"{g}/dq", f"{g}/dk")),
            )),
@@ -320,7 +321,7 @@ def output_ops(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
         Step("the upcast's backward: to bf16", (Made("grad/logits", logits, "bf16"),), frees=("grad/logits fp32",)),
     ))
     return (
-        rms_norm("norm", z, FINAL_NORM, "", kept("", ledger.OUTPUT_INPUT), "grad/lm_head dx", f"grad/{last}",
+        rms_norm("norm", z, rules.FINAL_NORM, "", kept("", ledger.OUTPUT_INPUT), "grad/lm_head dx", f"grad/{last}",
                  frees=(last,)),
         linear("lm_head", ledger.OUTPUT_INPUT, Made("lm_head/logits", logits, "bf16 logits: the trainer's pred"),
                z.act * z.v_t * z.h, "grad/lm_head dx", z.tokens(z.act * z.h), "", frees=("grad/logits",)),
