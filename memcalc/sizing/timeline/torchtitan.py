@@ -185,7 +185,7 @@ def block_ops(i: int, z: Sizes) -> tuple[Op, ...]:
     h, q, kv = z.tokens(z.act * z.h), z.tokens(z.act * z.a_t * z.d), z.tokens(z.act * z.g_t * z.d)
     f = z.tokens(z.act * z.f_t)
     return (
-        *attention_ops(p, z, x, mid, gmid, gx, h, q, kv),
+        *attention_ops(p, z, mid, gmid, gx, h, q, kv),
         residual(p, "ffn_norm", f"grad/{p}/ffn_norm dx", gout, gmid, h),
         rms_norm("ffn_norm", z, rules.LN2, p, kept(p, rules.FC1_IN), f"grad/{p}/ffn_norm out", f"grad/{p}/ffn_norm dx"),
         *feed_forward_ops(p, z, x, mid, out, gout, h, f),
@@ -200,7 +200,7 @@ def residual(p: str, norm: str, dx: str, grad: str, out: str, h: int) -> Op:
         Made(out, h, "the residual stream's gradient: both paths' summed"),), frees=(dx, grad)),))
 
 
-def attention_ops(p: str, z: Sizes, x: str, mid: str, gmid: str, gx: str, h: int, q: int, kv: int) -> tuple[Op, ...]:
+def attention_ops(p: str, z: Sizes, mid: str, gmid: str, gx: str, h: int, q: int, kv: int) -> tuple[Op, ...]:
     """attention_norm, wqkv, the split, RoPE, SDPA, wo and the first residual sum."""
     a, g = "attention", f"grad/{p}/attention"
     qkv = z.tokens(z.act * z.qkv_t)
