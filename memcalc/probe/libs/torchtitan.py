@@ -373,7 +373,7 @@ def _hand_to_recorder(kept: list[torch.Tensor]) -> None:
 # spmd_types (torchtitan's TP backend) still calls these; torch 2.13 warns on every call.
 # The MoE router's torch.autocast(float32), which the shim runs at fp32 on the CPU anyway (cuda_like_router).
 _CPU_AUTOCAST_FP32 = "In CPU autocast, but the target dtype is not supported"
-_DEPRECATED_COLLECTIVES = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
+DEPRECATED_COLLECTIVES = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
 
 
 def run_layer(
@@ -385,7 +385,7 @@ def run_layer(
         raise ProbeError(f"--route {route} forces a MoE router: the config has no experts (set num_experts)")
     with ExitStack() as stack:
         stack.enter_context(warnings.catch_warnings())
-        warnings.filterwarnings("ignore", _DEPRECATED_COLLECTIVES, FutureWarning)
+        warnings.filterwarnings("ignore", DEPRECATED_COLLECTIVES, FutureWarning)
         warnings.filterwarnings("ignore", _CPU_AUTOCAST_FP32, UserWarning)
         dims = stack.enter_context(tensor_parallel(tp))
         stack.enter_context(shim.cuda_like_op_checkpointing())

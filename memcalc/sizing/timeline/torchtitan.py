@@ -34,7 +34,7 @@ from memcalc.errors import ConfigError
 from memcalc.model import ledger
 from memcalc.model.evaluate import estimate, rank_shape
 from memcalc.model.impls import torchtitan as rules
-from memcalc.model.knobs import Accounting, element_bytes
+from memcalc.model.knobs import DTYPE_BYTES, Accounting, element_bytes
 from memcalc.model.ledger import SavedTensor
 from memcalc.model.strategy import Strategy
 from memcalc.sizing.pipeline import stages
@@ -76,7 +76,8 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
     missing = [
         (accounting.device != "cpu", "device cuda (its flex attention and fused rms_norm kernels; --device cpu walks"
                                      " the CPU kernels the probe measures)"),
-        (strategy.tensor_parallel and config.t > 1, f"tp (t={config.t}; its TP plan over the whole model)"),
+        (strategy.tensor_parallel and config.t > 1 and not strategy.sequence_parallel,
+         f"tp without sequence parallelism (t={config.t}; measured: tp-sp, torchtitan's default)"),
         (config.dp_shard is not None or config.zero_stage is not None, "dp_shard or zero_stage (FSDP2's gathers)"),
         (config.recompute != "none", f"recompute {config.recompute} (its FullAC or SelectiveAC)"),
         (config.moe, "a mixture of experts (num_experts)"),
@@ -103,9 +104,11 @@ def _end_bytes(config: ModelConfig, strategy: Strategy, accounting: Accounting) 
     """The bytes of what the model's ends keep on this rank: the final norm's (named in
     memcalc.model.impls.torchtitan as the block's norms are) and lm_head's input."""
     sizes = end_sizes(config, strategy)
-    kept = (*rules.norm_block(rules.FINAL_NORM, accounting), ledger.OUTPUT_INPUT)
-    return {x.name: element_bytes(x.kind, config, accounting) * prod(rank_shape(x, strategy, sizes, config.t))
-            for x in kept}
+    norm = rules.norm_block(rules.FINAL_NORM, accounting)
+    out = {x.name: element_bytes(x.kind, config, accounting) * prod(rank_shape(x, strategy, sizes, config.t))
+           for x in norm}
+    # lm_head keeps its input all-gathered along s (its plan declares it Replicate), as the blocks' linears do
+    return out | {ledger.OUTPUT_INPUT.name: DTYPE_BYTES[config.dtype] * config.b * config.s * config.h}
 
 
 # -- the ops ----------------------------------------------------------------------------------------------------
@@ -135,16 +138,20 @@ def rms_norm(where: str, z: Sizes, norm: rules.RMSNormTensors, p: str, out: Made
     Forward keeps the fp32 input, the rstd and x * rstd (the ledger's); `frees` go once the output is made. Backward
     ends with dX cast back to bf16 (`dx`).
     """
-    n, full, row = f"{p}/{where}" if p else where, z.tokens(4 * z.h), z.tokens(4)
+    tokens = z.b * z.s_seq  # under SP the norm runs on this rank's sequence shard
+    n, full, row = f"{p}/{where}" if p else where, 4 * tokens * z.h, 4 * tokens
     fp32, rstd, normed = (kept_name(p, x) for x in (norm.input_fp32, norm.rstd, norm.normed_fp32))
+    weighted = (Step("times the weight, in fp32", (Made(f"{n}/weighted", full, "x * rstd * weight, a local"),)),)
+    if z.sp and z.b > 1:  # its input is the reduce-scatter's (s/t, b, h) output seen as (b, s/t, h): not contiguous
+        weighted += (Step("made contiguous", (Made(f"{n}/copy", full, "fp32, a local"),), frees=(f"{n}/weighted",)),)
     forward = (
         Step("input.to(float32)", (kept(p, norm.input_fp32),)),
         Step("pow(2)", (Made(f"{n}/pow", full, "x^2, a local"),)),
         Step("mean over h", (Made(f"{n}/mean", row, "mean(x^2), a local"),)),
         Step("rsqrt(mean + eps)", (kept(p, norm.rstd),), frees=(f"{n}/pow", f"{n}/mean")),
         Step("x * rstd", (kept(p, norm.normed_fp32),)),
-        Step("times the weight, in fp32", (Made(f"{n}/weighted", full, "x * rstd * weight, a local"),)),
-        Step("cast back to bf16: the norm's output", (out,), frees=(f"{n}/weighted", *frees)),
+        *weighted,
+        Step("cast back to bf16: the norm's output", (out,), frees=(f"{n}/weighted", f"{n}/copy", *frees)),
     )
     g = f"grad/{n}"
     backward = (
@@ -171,10 +178,62 @@ def rms_norm(where: str, z: Sizes, norm: rules.RMSNormTensors, p: str, out: Made
              frees=(f"{g}/x^1", f"{g}/2x", f"{g}/dpow", fp32)),
         Step("autograd sums x's two fp32 gradients", (Made(f"{g}/dx fp32", full, "fp32"),),
              frees=(f"{g}/dx (x * r)", f"{g}/dx (pow)")),
-        Step("input.to(float32)'s backward: dX cast back to bf16", (Made(dx, z.tokens(z.act * z.h), "the norm's dX"),),
+        Step("input.to(float32)'s backward: dX cast back to bf16", (Made(dx, z.act * tokens * z.h, "the norm's dX"),),
              frees=(f"{g}/dx fp32",)),
     )
     return Op(where, forward, backward, saves=(norm.input_fp32, norm.rstd, norm.normed_fp32))
+
+
+def gather(where: str, z: Sizes, p: str, out: Made, dx: str, rs: str, frees: tuple[str, ...] = ()) -> tuple[Op, ...]:
+    """SP's all-gather along s at a module's entry (its plan declares the input Replicate): the shards into a (t, b,
+    s/t, h) buffer, concatenated into (b, s, h) (`out`, which the column-parallel linears keep), then `frees`. In
+    backward dX (`dx`, whole) made s-first and reduce-scattered into this rank's shard (`rs`). None without SP."""
+    if not z.sp:
+        return ()
+    n, g = f"{p}/{where}" if p else where, f"grad/{p}/{where}" if p else f"grad/{where}"
+    return (Op(where, forward=(
+        Step("the all-gather's buffer", (Made(f"{n} gathered", z.full(z.h), "(t, b, s/t, h)"),)),
+        Step("concatenated along s", (out,), frees=(f"{n} gathered", *frees)),
+    ), backward=(
+        *_s_first(f"{g} s-first", z, "dX"),
+        Step("the reduce-scatter's output", (Made(rs, z.seq(z.h), "this rank's shard of dX"),),
+             frees=(dx, f"{g} s-first")),
+    )),)
+
+
+def _s_first(name: str, z: Sizes, what: str) -> tuple[Step, ...]:
+    """The reduce-scatter's input made (s, b, h)-contiguous: a copy, but at b = 1, where the permuted view is."""
+    if z.b == 1:
+        return ()
+    return (Step(f"{what} made s-first for the reduce-scatter", (Made(name, z.full(z.h), "(s, b, h)"),)),)
+
+
+def _contiguous(name: str, z: Sizes) -> tuple[Step, ...]:
+    """dY's shard made contiguous for the all-gather: a copy, but at b = 1, where the (b, s/t, h) view of the
+    (s/t, b, h) shard is contiguous already."""
+    if z.b == 1:
+        return ()
+    return (Step("dY made contiguous", (Made(name, z.seq(z.h), "this rank's shard"),)),)
+
+
+def reduce_scatter(where: str, z: Sizes, p: str, partial: str, out: str, gathered: str,
+                   frees: tuple[str, ...]) -> tuple[Op, ...]:
+    """SP's reduce-scatter of a row-parallel linear's partial sum (`partial`) into this rank's shard (`out`); with it
+    `frees` go (the module returns). In backward dY's shard all-gathered whole (`gathered`), the shard itself kept
+    for the residual stream. None without SP."""
+    if not z.sp:
+        return ()
+    n, g = f"{p}/{where}", f"grad/{p}/{where}"
+    return (Op(where, forward=(
+        *_s_first(f"{n} s-first", z, "the partial sum"),
+        Step("the reduce-scatter's output", (Made(out, z.seq(z.h), "this rank's shard, summed"),),
+             frees=(partial, f"{n} s-first", *frees)),
+    ), backward=(
+        *_contiguous(f"{g} dY", z),
+        Step("the all-gather's buffer", (Made(f"{g} buffer", z.full(z.h), "(t, b, s/t, h)"),)),
+        Step("concatenated along s: dY whole", (Made(gathered, z.full(z.h), "(b, s, h)"),),
+             frees=(f"{g} buffer", f"{g} dY")),
+    )),)
 
 
 def block_ops(i: int, z: Sizes) -> tuple[Op, ...]:
@@ -182,14 +241,23 @@ def block_ops(i: int, z: Sizes) -> tuple[Op, ...]:
     p = f"layers.{i}"
     x, out, mid = f"{p}/input", f"layers.{i + 1}/input", f"{p}/mid"
     gx, gout, gmid = f"grad/{p}/input", f"grad/layers.{i + 1}/input", f"grad/{p}/mid"
-    h, q, kv = z.tokens(z.act * z.h), z.tokens(z.act * z.a_t * z.d), z.tokens(z.act * z.g_t * z.d)
+    h, q, kv = z.seq(z.h), z.tokens(z.act * z.a_t * z.d), z.tokens(z.act * z.g_t * z.d)
     f = z.tokens(z.act * z.f_t)
     return (
         *attention_ops(p, z, mid, gmid, gx, h, q, kv),
         residual(p, "ffn_norm", f"grad/{p}/ffn_norm dx", gout, gmid, h),
-        rms_norm("ffn_norm", z, rules.LN2, p, kept(p, rules.FC1_IN), f"grad/{p}/ffn_norm out", f"grad/{p}/ffn_norm dx"),
-        *feed_forward_ops(p, z, x, mid, out, gout, h, f),
+        rms_norm("ffn_norm", z, rules.LN2, p, _norm_out(z, p, "ffn_norm", rules.FC1_IN),
+                 f"grad/{p}/ffn_norm dy" if z.sp else f"grad/{p}/ffn_norm out", f"grad/{p}/ffn_norm dx"),
+        *gather("feed_forward", z, p, kept(p, rules.FC1_IN), f"grad/{p}/ffn_norm out", f"grad/{p}/ffn_norm dy"),
+        *feed_forward_ops(p, z, x, mid, out, h, f),
     )
+
+
+def _norm_out(z: Sizes, p: str, norm: str, kept_input: SavedTensor) -> Made:
+    """A norm's output: the next module's kept input itself, or under SP the shard its all-gather reads."""
+    if z.sp:
+        return Made(f"{p}/{norm} out" if p else f"{norm} out", z.seq(z.h), "bf16, this rank's shard")
+    return kept(p, kept_input)
 
 
 def residual(p: str, norm: str, dx: str, grad: str, out: str, h: int) -> Op:
@@ -206,12 +274,15 @@ def attention_ops(p: str, z: Sizes, mid: str, gmid: str, gx: str, h: int, q: int
     qkv = z.tokens(z.act * z.qkv_t)
     fp32q, fp32k = 2 * q, 2 * kv  # the fp32 copies and their complex64 products: twice the bf16 bytes
     table = 8 * z.s * (z.d // 2)  # the (1, s, 1, d/2) complex64 table's conjugate, materialised
+    full, dy = z.full(z.h), f"{g}/dY whole"  # wo's dY, all-gathered under SP
+    wo_out = f"{p}/wo partial" if z.sp else f"{p}/attention out"
     return (
         residual(p, "attention_norm", f"grad/{p}/attention_norm dx", gmid, gx, h),
-        rms_norm("attention_norm", z, rules.LN1, p, kept(p, rules.QKV_IN), f"grad/{p}/qkv dx",
-                 f"grad/{p}/attention_norm dx"),
+        rms_norm("attention_norm", z, rules.LN1, p, _norm_out(z, p, "attention_norm", rules.QKV_IN),
+                 f"grad/{p}/attention_norm dy" if z.sp else f"grad/{p}/qkv dx", f"grad/{p}/attention_norm dx"),
+        *gather(a, z, p, kept(p, rules.QKV_IN), f"grad/{p}/qkv dx", f"grad/{p}/attention_norm dy"),
         linear(f"{a}.qkv_linear.wqkv", rules.QKV_IN, Made(f"{p}/qkv", qkv, "the fused projection's output"),
-               z.act * z.qkv_t * z.h, f"grad/{p}/qkv dx", h, p, frees=(f"{g}/dqkv",)),
+               z.act * z.qkv_t * z.h, f"grad/{p}/qkv dx", full, p, frees=(f"{g}/dqkv",)),
         Op(f"{a}.qkv_linear",
            forward=(Step("the split: q reshaped (a copy)", (Made(f"{p}/q pre-rope", q, "q, before RoPE"),)),
                     Step("k made contiguous", (Made(f"{p}/k pre-rope", kv, "k, before RoPE"),)),
@@ -248,30 +319,35 @@ def attention_ops(p: str, z: Sizes, mid: str, gmid: str, gx: str, h: int, q: int
            backward=(Step("SDPA's backward: dQ, dK, dV", (Made(f"{g}/dq", q, "bf16"), Made(f"{g}/dk", kv, "bf16"),
                                                           Made(f"{g}/dv", kv, "bf16")), frees=(f"{g}/dout",)),),
            saves=(ledger.Q, ledger.K, ledger.V, ledger.SOFTMAX_LSE, ledger.PROJ_IN)),
-        linear(f"{a}.wo", ledger.PROJ_IN, Made(f"{p}/attention out", h, "wo's output"), z.act * z.h * z.a_t * z.d,
-               f"{g}/dout", q, p),
+        linear(f"{a}.wo", ledger.PROJ_IN, Made(wo_out, full, "wo's output"), z.act * z.h * z.a_t * z.d,
+               f"{g}/dout", q, p, frees=(dy,) if z.sp else ()),
+        *reduce_scatter(f"{a}.wo", z, p, wo_out, f"{p}/attention out", dy, (f"{p}/attention_norm out",)),
         Op("", forward=(Step("x + attention", (Made(mid, h, "the residual stream after attention"),),
                              frees=(f"{p}/attention out",)),), backward=()),
     )
 
 
-def feed_forward_ops(p: str, z: Sizes, x: str, mid: str, out: str, gout: str, h: int, f: int) -> tuple[Op, ...]:
+def feed_forward_ops(p: str, z: Sizes, x: str, mid: str, out: str, h: int, f: int) -> tuple[Op, ...]:
     """w1, SiLU, w3, the product, w2 and the second residual sum (the block's output)."""
     m, g, w = "feed_forward", f"grad/{p}/feed_forward", z.act * z.f_t * z.h
+    full, dy = z.full(z.h), f"{g}/dY whole"  # w2's dY, all-gathered under SP
+    w2_out = f"{p}/w2 partial" if z.sp else f"{p}/ffn out"
     return (
-        linear(f"{m}.w1", rules.FC1_IN, kept(p, ledger.SWIGLU_GATE), w, f"{g}/dx1", h, p, frees=(f"{g}/dgate",),
-               sums=(f"{g}/dx3", f"grad/{p}/ffn_norm out", h)),
+        linear(f"{m}.w1", rules.FC1_IN, kept(p, ledger.SWIGLU_GATE), w, f"{g}/dx1", full, p, frees=(f"{g}/dgate",),
+               sums=(f"{g}/dx3", f"grad/{p}/ffn_norm out", full)),
         # SiLU runs inside feed_forward; its backward while MemTracker still has w3 active (w1 x and w3 x share an
         # input, whose gradient is not complete until w1's backward)
         Op(f"{m}.w3", forward=(Step("SiLU", (kept(p, ledger.SWIGLU_SILU_OUT),)),),
            backward=(Step("SiLU's backward", (Made(f"{g}/dgate", f, "bf16"),), frees=(f"{g}/dsilu",)),),
            saves=(ledger.SWIGLU_GATE,)),
-        linear(f"{m}.w3", rules.FC1_IN, kept(p, ledger.SWIGLU_UP), w, f"{g}/dx3", h, p, frees=(f"{g}/dup",)),
+        linear(f"{m}.w3", rules.FC1_IN, kept(p, ledger.SWIGLU_UP), w, f"{g}/dx3", full, p, frees=(f"{g}/dup",)),
         Op(m, forward=(Step("SiLU(w1 x) * w3 x", (kept(p, ledger.FC2_IN),)),),
            backward=(Step("the product's backward: dY * up", (Made(f"{g}/dsilu", f, "bf16"),)),
                      Step("the product's backward: dY * SiLU", (Made(f"{g}/dup", f, "bf16"),), frees=(f"{g}/dfc2",))),
            saves=(ledger.SWIGLU_UP, ledger.SWIGLU_SILU_OUT)),
-        linear(f"{m}.w2", ledger.FC2_IN, Made(f"{p}/ffn out", h, "w2's output"), w, f"{g}/dfc2", f, p),
+        linear(f"{m}.w2", ledger.FC2_IN, Made(w2_out, full, "w2's output"), w, f"{g}/dfc2", f, p,
+               frees=(dy,) if z.sp else ()),
+        *reduce_scatter(f"{m}.w2", z, p, w2_out, f"{p}/ffn out", dy, (f"{p}/ffn_norm out",)),
         Op("", forward=(Step("h + feed-forward: the block's output", (Made(out, h, "the next block's input"),),
                              frees=(f"{p}/ffn out", mid, x)),), backward=()),
     )
@@ -290,6 +366,8 @@ def embedding_ops(z: Sizes) -> tuple[Op, ...]:
         Step("their sum: the valid tokens", (Made("loss/valid tokens", 8, "int64, the loss's divisor: the division's"
                                                   " backward keeps it"),), frees=("loss/valid mask",)),
     ), backward=())
+    if z.sp:
+        return (count, _vocab_parallel_lookup(z))
     lookup = Op("tok_embeddings", forward=(
         Step("the embedding lookup", (Made("layers.0/input", z.tokens(z.act * z.h), "the first block's input"),)),
     ), backward=(
@@ -297,6 +375,36 @@ def embedding_ops(z: Sizes) -> tuple[Op, ...]:
              frees=("grad/layers.0/input",), hands_over=("grad/embedding",)),
     ))
     return (count, lookup)
+
+
+def _vocab_parallel_lookup(z: Sizes) -> Op:
+    """torchtitan's Embedding under tp: this rank's rows looked up, the others masked out, the partial sums
+    reduce-scattered along s (SP); in backward dY all-gathered, masked, and added into this rank's rows."""
+    n, e, full = z.tokens(1), "embedding", z.full(z.h)
+    return Op("tok_embeddings", forward=(
+        Step("ids >= the rank's first row", (Made(f"{e}/ge", n, "bool"),)),
+        Step("ids < its last row", (Made(f"{e}/lt", n, "bool"),)),
+        Step("the mask: both", (Made(f"{e}/mask", n, "bool"),), frees=(f"{e}/ge", f"{e}/lt")),
+        Step("ids - offset", (Made(f"{e}/shifted ids", z.tokens(8), "int64"),)),
+        Step("clamped to this rank's rows", (Made(f"{e}/ids", z.tokens(8), "int64; the lookup keeps them"),),
+             frees=(f"{e}/shifted ids",)),
+        Step("the lookup", (Made(f"{e}/lookup", full, "bf16"),)),
+        Step("the mask in bf16", (Made(f"{e}/mask bf16", z.tokens(z.act), "kept by the multiply"),)),
+        Step("the lookup times the mask: this rank's partial sum", (Made(f"{e}/partial", full, "bf16"),),
+             frees=(f"{e}/lookup", f"{e}/mask")),
+        *_s_first(f"{e}/s-first", z, "the partial sum"),
+        Step("the reduce-scatter's output: the first block's input", (Made("layers.0/input", z.seq(z.h), "(b, s/t, h)"),),
+             frees=(f"{e}/partial", f"{e}/s-first")),
+    ), backward=(
+        *_contiguous(f"grad/{e} dY", z),
+        Step("the all-gather's buffer", (Made(f"grad/{e} buffer", full, "(t, b, s/t, h)"),)),
+        Step("concatenated along s: dY whole", (Made(f"grad/{e} gathered", full, "(b, s, h)"),),
+             frees=(f"grad/{e} buffer", f"grad/{e} dY", "grad/layers.0/input")),
+        Step("dY times the mask", (Made(f"grad/{e} masked", full, "bf16"),),
+             frees=(f"grad/{e} gathered", f"{e}/mask bf16")),
+        Step("the embedding's gradient: this rank's rows", (Made("grad/embedding", z.act * z.v_t * z.h, _WGRAD),),
+             frees=(f"grad/{e} masked", f"{e}/ids"), hands_over=("grad/embedding",)),
+    ))
 
 
 def output_ops(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
@@ -320,10 +428,82 @@ def output_ops(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
              frees=("grad/log_softmax", "loss/log_softmax")),
         Step("the upcast's backward: to bf16", (Made("grad/logits", logits, "bf16"),), frees=("grad/logits fp32",)),
     ))
+    if z.sp:
+        loss = _loss_parallel(z)
     return (
-        rms_norm("norm", z, rules.FINAL_NORM, "", kept("", ledger.OUTPUT_INPUT), "grad/lm_head dx", f"grad/{last}",
-                 frees=(last,)),
+        rms_norm("norm", z, rules.FINAL_NORM, "", _norm_out(z, "", "norm", ledger.OUTPUT_INPUT),
+                 "grad/norm dy" if z.sp else "grad/lm_head dx", f"grad/{last}", frees=() if z.sp else (last,)),
+        *gather("norm", z, "", kept("", ledger.OUTPUT_INPUT), "grad/lm_head dx", "grad/norm dy",
+                frees=("norm out", last)),
         linear("lm_head", ledger.OUTPUT_INPUT, Made("lm_head/logits", logits, "bf16 logits: the trainer's pred"),
                z.act * z.v_t * z.h, "grad/lm_head dx", z.tokens(z.act * z.h), "", frees=("grad/logits",)),
         loss,
     )
+
+
+def _loss_parallel(z: Sizes) -> Op:
+    """torchtitan's _LossParallelCrossEntropy (components/loss.py) on this rank's v/t columns: the row maxima, the
+    sums of exp and each target's log-probability all-reduced (funcol: new tensors); it keeps the fp32
+    log-probabilities; then divided by the valid tokens. Its backward builds the one-hot update and exp(log_probs)."""
+    n, fp32, l, g = z.tokens(1), z.tokens(4 * z.v_t), "loss", "grad/loss"
+    row, ids = z.tokens(4), z.tokens(8)
+
+    def labels(p: str, frees: tuple[str, ...] = ()) -> tuple[Step, ...]:
+        """labels != IGNORE_INDEX, the safe labels, this rank's range and the local labels (forward and backward)."""
+        return (
+            Step("labels != IGNORE_INDEX", (Made(f"{p}/valid", n, "bool"),), frees=frees),
+            Step("0 as a tensor", (Made(f"{p}/zero", 8, "0-d int64"),)),
+            Step("where: the safe labels", (Made(f"{p}/safe labels", ids, "int64"),), frees=(f"{p}/valid", f"{p}/zero")),
+            Step("labels < the rank's first column", (Made(f"{p}/lt", n, "bool"),)),
+            Step("labels >= its last", (Made(f"{p}/ge", n, "bool"),)),
+            Step("out of range: either", (Made(f"{p}/out of range", n, "bool"),), frees=(f"{p}/lt", f"{p}/ge")),
+            Step("the local labels", (Made(f"{p}/local labels", ids, "int64"),)),
+            Step("0 for index_put_", (Made(f"{p}/zero 2", 8, "0-d int64"),), frees=(f"{p}/zero 2",)),
+        )
+    forward = (
+        Step("logits.float()", (Made(f"{l}/logits fp32", fp32, "(b*s, v/t)"),)),
+        Step("each row's local max", (Made(f"{l}/local max", row, "fp32"),)),
+        Step("all-reduced: the max", (Made(f"{l}/max", row, "fp32"),), frees=(f"{l}/local max",)),
+        Step("logits - max", (Made(f"{l}/shifted", fp32, "fp32"),)),
+        Step("exp", (Made(f"{l}/exp", fp32, "fp32, a temporary"),)),
+        Step("summed over the columns", (Made(f"{l}/local sum", row, "fp32"),), frees=(f"{l}/exp",)),
+        Step("all-reduced: the sum of exp", (Made(f"{l}/sum exp", row, "fp32"),), frees=(f"{l}/local sum",)),
+        Step("its log", (Made(f"{l}/log sum", row, "fp32, a temporary"),)),
+        Step("shifted - log: the log-probabilities", (Made(f"{l}/log_probs", fp32, "fp32, kept for backward"),),
+             frees=(f"{l}/log sum",)),
+        *labels(l),
+        Step("gathered: each target's log-probability", (Made(f"{l}/local target", row, "fp32"),)),
+        Step("0.0 for index_put_", (Made(f"{l}/zero 3", 4, "0-d fp32"),), frees=(f"{l}/zero 3",)),
+        Step("all-reduced: the targets' log-probabilities", (Made(f"{l}/target", row, "fp32"),),
+             frees=(f"{l}/local target",)),
+        Step("negated", (Made(f"{l}/neg", row, "fp32"),)),
+        Step("labels != IGNORE_INDEX", (Made(f"{l}/valid 2", n, "bool"),)),
+        Step("0 as a tensor", (Made(f"{l}/zero 4", 4, "0-d fp32"),)),
+        Step("where: each token's loss", (Made(f"{l}/per token", row, "fp32"),),
+             frees=(f"{l}/valid 2", f"{l}/zero 4", f"{l}/neg")),
+        Step("summed: the loss", (Made(f"{l}/sum", 4, "0-d fp32"),), frees=(
+            f"{l}/logits fp32", f"{l}/shifted", f"{l}/max", f"{l}/sum exp", f"{l}/safe labels", f"{l}/out of range",
+            f"{l}/local labels", f"{l}/target", f"{l}/per token")),
+        Step("divided by the valid tokens", (Made(f"{l}/value", 4, "the loss (0-d fp32), live all step"),)),
+        Step("", frees=(f"{l}/sum", "lm_head/logits")),  # the trainer's `del pred`
+        Step("loss.backward() seeds autograd", (Made(f"{l}/grad seed", 4, "a 0-d ones tensor"),)),
+    )
+    backward = (
+        Step("the division's backward", (Made(f"{g} sum", 4, "0-d fp32"),), frees=(f"{l}/valid tokens",)),
+        *labels(g),
+        Step("zeros like the log-probabilities", (Made(f"{g}/one-hot", fp32, "fp32"),)),
+        Step("row indices", (Made(f"{g}/arange", ids, "int64"),)),
+        Step("out of range, as fp32", (Made(f"{g}/out of range fp32", row, "fp32"),)),
+        Step("- 1: the update at each target", (Made(f"{g}/update", row, "fp32"),),
+             frees=(f"{g}/out of range fp32",)),
+        Step("labels != IGNORE_INDEX", (Made(f"{g}/valid 2", n, "bool"),)),
+        Step("0 as a tensor", (Made(f"{g}/zero 4", 4, "0-d fp32"),)),
+        Step("where: dY per row", (Made(f"{g}/dY", row, "fp32"),), frees=(f"{g}/valid 2", f"{g}/zero 4")),
+        Step("exp(log_probs)", (Made(f"{g}/exp", fp32, "fp32"),)),
+        Step("the one-hot update + exp", (Made(f"{g}/sum", fp32, "fp32"),), frees=(f"{g}/exp",)),
+        Step("times dY", (Made(f"{g}/logits fp32", fp32, "fp32"),), frees=(
+            f"{g}/sum", f"{g}/one-hot", f"{g}/safe labels", f"{g}/out of range", f"{g}/local labels",
+            f"{g}/arange", f"{g}/update", f"{g}/dY", f"{g} sum", f"{l}/log_probs")),
+        Step("cast to bf16", (Made("grad/logits", z.tokens(z.act * z.v_t), "bf16"),), frees=(f"{g}/logits fp32",)),
+    )
+    return Op("", forward, backward)
