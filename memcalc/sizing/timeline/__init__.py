@@ -54,7 +54,8 @@ as one op for that reason (memcalc.probe.kernels, attention.py). transformers' L
 all-gather and reduce-scatter are ops on the same tape, memcalc.sizing.timeline.fsdp), and so have its Mixtral and
 Qwen2-MoE at t = 1 under the balanced bound, their experts in the eager loop (memcalc.sizing.timeline.hf_moe);
 megatron's mixture of experts is refused. torchtitan's Llama3Model (`--impl torchtitan`) is described once as ops
-(memcalc.sizing.timeline.torchtitan) for the generic walk (memcalc.sizing.timeline.walk), at t = 1 on the CPU kernels.
+(memcalc.sizing.timeline.torchtitan) for the generic walk (memcalc.sizing.timeline.walk), at t = 1 and under its own
+TP plan (tp, tp-sp) on the CPU kernels.
 Everything else raises ConfigError naming what is missing. Within a layer's forward only the end of
 each block is a moment: a forward op's transients are smaller than the gradients the same
 op makes in backward, when the same saved tensors are live.

@@ -19,8 +19,17 @@ The model's ends: the token ids and labels (int64, live all step), the trainer's
 embedding, the final norm, lm_head's bf16 logits and torchtitan's cross_entropy_loss (fp32 logits, the kept fp32
 log-softmax), divided by the count; the trainer drops the logits before backward.
 
+Under tp (t > 1) the model is laid out by torchtitan's own plan (set_llama3_sharding_config, Module.parallelize on
+its spmd_types backend) and the walk is the same on this rank's shards, with the plan's collectives as ops: the
+embedding vocabulary-parallel (this rank's rows, masked), lm_head's v/t columns into its _LossParallelCrossEntropy
+(all-reduced row maxima, sums and target log-probabilities; it keeps the fp32 log-probabilities); with its
+sequence-parallel norms (tp-sp, its default) each module's input all-gathered along s at its entry (the gathered
+tensor is what wqkv, w1 and w3, and lm_head keep) and wo's, w2's and the embedding's partial sums reduce-scattered,
+their gradients the conjugate collectives; without (tp) the paper's f and f*, each an all-reduce into a copy.
+
 Exact (to the byte, at every moment named here, tests/probe/libs/test_torchtitan_step.py) for torchtitan 0.3.0 on
-torch 2.13's CPU kernels at t = 1, bf16, untied, without recomputation; `check_modelled` names everything else.
+torch 2.13's CPU kernels at t = 1 and under tp and tp-sp at t = 2 and 4 (rank 0 of the fake group), b = 1 and
+b > 1, bf16, untied, without recomputation; `check_modelled` names everything else.
 On CUDA torchtitan's Llama3 runs flex attention and torch's fused _fused_rms_norm kernel, which keep other tensors
 (the ledger's device rules) and allocate otherwise in backward: not described here yet.
 """
@@ -76,8 +85,6 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
     missing = [
         (accounting.device != "cpu", "device cuda (its flex attention and fused rms_norm kernels; --device cpu walks"
                                      " the CPU kernels the probe measures)"),
-        (strategy.tensor_parallel and config.t > 1 and not strategy.sequence_parallel,
-         f"tp without sequence parallelism (t={config.t}; measured: tp-sp, torchtitan's default)"),
         (config.dp_shard is not None or config.zero_stage is not None, "dp_shard or zero_stage (FSDP2's gathers)"),
         (config.recompute != "none", f"recompute {config.recompute} (its FullAC or SelectiveAC)"),
         (config.moe, "a mixture of experts (num_experts)"),
@@ -187,7 +194,12 @@ def rms_norm(where: str, z: Sizes, norm: rules.RMSNormTensors, p: str, out: Made
 def gather(where: str, z: Sizes, p: str, out: Made, dx: str, rs: str, frees: tuple[str, ...] = ()) -> tuple[Op, ...]:
     """SP's all-gather along s at a module's entry (its plan declares the input Replicate): the shards into a (t, b,
     s/t, h) buffer, concatenated into (b, s, h) (`out`, which the column-parallel linears keep), then `frees`. In
-    backward dX (`dx`, whole) made s-first and reduce-scattered into this rank's shard (`rs`). None without SP."""
+    backward dX (`dx`, whole) made s-first and reduce-scattered into this rank's shard (`rs`). Under tp without SP
+    the paper's f: nothing in forward, dX all-reduced into a copy (`rs`) in backward. None at t = 1."""
+    if z.t > 1 and not z.sp:
+        return (Op(where, forward=(), backward=(
+            Step("f's backward: dX all-reduced into a copy", (Made(rs, z.full(z.h), "(b, s, h), summed"),),
+                 frees=(dx,)),)),)
     if not z.sp:
         return ()
     n, g = f"{p}/{where}" if p else where, f"grad/{p}/{where}" if p else f"grad/{where}"
@@ -220,7 +232,11 @@ def reduce_scatter(where: str, z: Sizes, p: str, partial: str, out: str, gathere
                    frees: tuple[str, ...]) -> tuple[Op, ...]:
     """SP's reduce-scatter of a row-parallel linear's partial sum (`partial`) into this rank's shard (`out`); with it
     `frees` go (the module returns). In backward dY's shard all-gathered whole (`gathered`), the shard itself kept
-    for the residual stream. None without SP."""
+    for the residual stream. Under tp without SP the paper's f*: the partial sum all-reduced into a copy (`out`), and
+    nothing in backward. None at t = 1."""
+    if z.t > 1 and not z.sp:
+        return (Op(where, forward=(Step("f*: the partial sum all-reduced into a copy", (
+            Made(out, z.full(z.h), "(b, s, h), summed"),), frees=(partial,)),), backward=()),)
     if not z.sp:
         return ()
     n, g = f"{p}/{where}", f"grad/{p}/{where}"
@@ -247,7 +263,7 @@ def block_ops(i: int, z: Sizes) -> tuple[Op, ...]:
         *attention_ops(p, z, mid, gmid, gx, h, q, kv),
         residual(p, "ffn_norm", f"grad/{p}/ffn_norm dx", gout, gmid, h),
         rms_norm("ffn_norm", z, rules.LN2, p, _norm_out(z, p, "ffn_norm", rules.FC1_IN),
-                 f"grad/{p}/ffn_norm dy" if z.sp else f"grad/{p}/ffn_norm out", f"grad/{p}/ffn_norm dx"),
+                 f"grad/{p}/ffn_norm dy" if z.t > 1 else f"grad/{p}/ffn_norm out", f"grad/{p}/ffn_norm dx"),
         *gather("feed_forward", z, p, kept(p, rules.FC1_IN), f"grad/{p}/ffn_norm out", f"grad/{p}/ffn_norm dy"),
         *feed_forward_ops(p, z, x, mid, out, h, f),
     )
@@ -275,11 +291,11 @@ def attention_ops(p: str, z: Sizes, mid: str, gmid: str, gx: str, h: int, q: int
     fp32q, fp32k = 2 * q, 2 * kv  # the fp32 copies and their complex64 products: twice the bf16 bytes
     table = 8 * z.s * (z.d // 2)  # the (1, s, 1, d/2) complex64 table's conjugate, materialised
     full, dy = z.full(z.h), f"{g}/dY whole"  # wo's dY, all-gathered under SP
-    wo_out = f"{p}/wo partial" if z.sp else f"{p}/attention out"
+    wo_out = f"{p}/wo partial" if z.t > 1 else f"{p}/attention out"
     return (
         residual(p, "attention_norm", f"grad/{p}/attention_norm dx", gmid, gx, h),
         rms_norm("attention_norm", z, rules.LN1, p, _norm_out(z, p, "attention_norm", rules.QKV_IN),
-                 f"grad/{p}/attention_norm dy" if z.sp else f"grad/{p}/qkv dx", f"grad/{p}/attention_norm dx"),
+                 f"grad/{p}/attention_norm dy" if z.t > 1 else f"grad/{p}/qkv dx", f"grad/{p}/attention_norm dx"),
         *gather(a, z, p, kept(p, rules.QKV_IN), f"grad/{p}/qkv dx", f"grad/{p}/attention_norm dy"),
         linear(f"{a}.qkv_linear.wqkv", rules.QKV_IN, Made(f"{p}/qkv", qkv, "the fused projection's output"),
                z.act * z.qkv_t * z.h, f"grad/{p}/qkv dx", full, p, frees=(f"{g}/dqkv",)),
@@ -331,7 +347,7 @@ def feed_forward_ops(p: str, z: Sizes, x: str, mid: str, out: str, h: int, f: in
     """w1, SiLU, w3, the product, w2 and the second residual sum (the block's output)."""
     m, g, w = "feed_forward", f"grad/{p}/feed_forward", z.act * z.f_t * z.h
     full, dy = z.full(z.h), f"{g}/dY whole"  # w2's dY, all-gathered under SP
-    w2_out = f"{p}/w2 partial" if z.sp else f"{p}/ffn out"
+    w2_out = f"{p}/w2 partial" if z.t > 1 else f"{p}/ffn out"
     return (
         linear(f"{m}.w1", rules.FC1_IN, kept(p, ledger.SWIGLU_GATE), w, f"{g}/dx1", full, p, frees=(f"{g}/dgate",),
                sums=(f"{g}/dx3", f"grad/{p}/ffn_norm out", full)),
@@ -366,7 +382,7 @@ def embedding_ops(z: Sizes) -> tuple[Op, ...]:
         Step("their sum: the valid tokens", (Made("loss/valid tokens", 8, "int64, the loss's divisor: the division's"
                                                   " backward keeps it"),), frees=("loss/valid mask",)),
     ), backward=())
-    if z.sp:
+    if z.t > 1:
         return (count, _vocab_parallel_lookup(z))
     lookup = Op("tok_embeddings", forward=(
         Step("the embedding lookup", (Made("layers.0/input", z.tokens(z.act * z.h), "the first block's input"),)),
@@ -379,9 +395,10 @@ def embedding_ops(z: Sizes) -> tuple[Op, ...]:
 
 def _vocab_parallel_lookup(z: Sizes) -> Op:
     """torchtitan's Embedding under tp: this rank's rows looked up, the others masked out, the partial sums
-    reduce-scattered along s (SP); in backward dY all-gathered, masked, and added into this rank's rows."""
+    reduce-scattered along s (SP) or all-reduced into a copy; in backward dY (under SP all-gathered) masked and added
+    into this rank's rows."""
     n, e, full = z.tokens(1), "embedding", z.full(z.h)
-    return Op("tok_embeddings", forward=(
+    lookup = (
         Step("ids >= the rank's first row", (Made(f"{e}/ge", n, "bool"),)),
         Step("ids < its last row", (Made(f"{e}/lt", n, "bool"),)),
         Step("the mask: both", (Made(f"{e}/mask", n, "bool"),), frees=(f"{e}/ge", f"{e}/lt")),
@@ -392,6 +409,18 @@ def _vocab_parallel_lookup(z: Sizes) -> Op:
         Step("the mask in bf16", (Made(f"{e}/mask bf16", z.tokens(z.act), "kept by the multiply"),)),
         Step("the lookup times the mask: this rank's partial sum", (Made(f"{e}/partial", full, "bf16"),),
              frees=(f"{e}/lookup", f"{e}/mask")),
+    )
+    masked = (
+        Step("dY times the mask", (Made(f"grad/{e} masked", full, "bf16"),),
+             frees=(f"grad/{e} gathered" if z.sp else "grad/layers.0/input", f"{e}/mask bf16")),
+        Step("the embedding's gradient: this rank's rows", (Made("grad/embedding", z.act * z.v_t * z.h, _WGRAD),),
+             frees=(f"grad/{e} masked", f"{e}/ids"), hands_over=("grad/embedding",)),
+    )
+    if not z.sp:
+        return Op("tok_embeddings", forward=(*lookup, Step("f*: all-reduced into a copy, the first block's input", (
+            Made("layers.0/input", full, "(b, s, h), summed"),), frees=(f"{e}/partial",))), backward=masked)
+    return Op("tok_embeddings", forward=(
+        *lookup,
         *_s_first(f"{e}/s-first", z, "the partial sum"),
         Step("the reduce-scatter's output: the first block's input", (Made("layers.0/input", z.seq(z.h), "(b, s/t, h)"),),
              frees=(f"{e}/partial", f"{e}/s-first")),
@@ -400,10 +429,7 @@ def _vocab_parallel_lookup(z: Sizes) -> Op:
         Step("the all-gather's buffer", (Made(f"grad/{e} buffer", full, "(t, b, s/t, h)"),)),
         Step("concatenated along s: dY whole", (Made(f"grad/{e} gathered", full, "(b, s, h)"),),
              frees=(f"grad/{e} buffer", f"grad/{e} dY", "grad/layers.0/input")),
-        Step("dY times the mask", (Made(f"grad/{e} masked", full, "bf16"),),
-             frees=(f"grad/{e} gathered", f"{e}/mask bf16")),
-        Step("the embedding's gradient: this rank's rows", (Made("grad/embedding", z.act * z.v_t * z.h, _WGRAD),),
-             frees=(f"grad/{e} masked", f"{e}/ids"), hands_over=("grad/embedding",)),
+        *masked,
     ))
 
 
@@ -428,11 +454,11 @@ def output_ops(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
              frees=("grad/log_softmax", "loss/log_softmax")),
         Step("the upcast's backward: to bf16", (Made("grad/logits", logits, "bf16"),), frees=("grad/logits fp32",)),
     ))
-    if z.sp:
+    if z.t > 1:
         loss = _loss_parallel(z)
     return (
         rms_norm("norm", z, rules.FINAL_NORM, "", _norm_out(z, "", "norm", ledger.OUTPUT_INPUT),
-                 "grad/norm dy" if z.sp else "grad/lm_head dx", f"grad/{last}", frees=() if z.sp else (last,)),
+                 "grad/norm dy" if z.t > 1 else "grad/lm_head dx", f"grad/{last}", frees=() if z.sp else (last,)),
         *gather("norm", z, "", kept("", ledger.OUTPUT_INPUT), "grad/lm_head dx", "grad/norm dy",
                 frees=("norm out", last)),
         linear("lm_head", ledger.OUTPUT_INPUT, Made("lm_head/logits", logits, "bf16 logits: the trainer's pred"),

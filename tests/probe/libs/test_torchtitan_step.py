@@ -1,9 +1,9 @@
 """One whole training step of torchtitan's own Llama3Model (`--impl torchtitan`) under torch's MemTracker, against
 the step timeline built from its ops (memcalc.sizing.timeline.torchtitan on the generic walk): the peak, each
 category at it and the state between steps to the byte; MemTracker reaches its peak at the moment the timeline names,
-for sizes that put the peak in four different places at t = 1 and three under its own TP plan with sequence
-parallelism (rank 0 of t through the fake group); and every moment the timeline names is MemTracker's reading after
-some op, in order, in its module."""
+for sizes that put the peak in four different places at t = 1 and three under its own TP plan, with and without its
+sequence-parallel norms (rank 0 of t through the fake group); and every moment the timeline names is MemTracker's
+reading after some op, in order, in its module."""
 
 import pytest
 
@@ -70,52 +70,55 @@ def test_every_moment_the_timeline_names_happens_in_order_in_its_module_with_its
     assert_moments_in_order(timeline(config, STRATEGIES["none"], CPU).moments[1:-1], readings)
 
 
-# -- under torchtitan's own TP plan with its sequence-parallel norms (tp-sp), rank 0 of t through the fake group ----
+# -- under torchtitan's own TP plan (tp-sp: its default; tp: enable_sp off), rank 0 of t through the fake group ------
 
 TP_MOMENTS = [
-    {"t": 2},  # the vocabulary-parallel loss's backward: the one-hot update beside exp(log_probs)
-    {"t": 2, "b": 1, "s": 8, "num_query_groups": 8, "vocab_size": 64, "ffn_hidden_size": 512},  # w2's GEMMs
-    {"t": 4, "num_query_groups": 4, "vocab_size": 32, "s": 64},  # forward: the final norm's output all-gathered
+    ({"t": 2}, "tp-sp"),  # the vocabulary-parallel loss's backward: the one-hot update beside exp(log_probs)
+    ({"t": 2, "b": 1, "s": 8, "num_query_groups": 8, "vocab_size": 64, "ffn_hidden_size": 512}, "tp"),  # w2's GEMMs
+    ({"t": 4, "num_query_groups": 4, "vocab_size": 32, "s": 64}, "tp-sp"),  # forward: the final norm's all-gather
+    ({"t": 4, "num_query_groups": 4, "vocab_size": 32, "s": 64}, "tp"),  # the final norm's fp32 backward
 ]
 
 
-def test_under_tp_sp_the_chosen_sizes_put_the_peak_in_three_different_places():
-    moments = {timeline(_config(**c), STRATEGIES["tp-sp"], CPU).peak.label() for c in TP_MOMENTS}
+def test_under_tp_the_chosen_sizes_put_the_peak_in_four_different_places():
+    moments = {timeline(_config(**c), STRATEGIES[st], CPU).peak.label() for c, st in TP_MOMENTS}
     assert len(moments) == len(TP_MOMENTS), moments
 
 
-@pytest.mark.parametrize("changes", TP_MOMENTS, ids=str)
-def test_under_tp_sp_wherever_the_peak_is_memtracker_reaches_it_there_to_the_byte(one_thread, changes):
-    (r,) = measure_step(_config(**changes), ["tp-sp"])
+@pytest.mark.parametrize("changes, strategy", TP_MOMENTS, ids=str)
+def test_under_tp_wherever_the_peak_is_memtracker_reaches_it_there_to_the_byte(one_thread, changes, strategy):
+    (r,) = measure_step(_config(**changes), [strategy])
     assert r.measured.t == changes["t"] and r.how().startswith(f"one process as rank 0 of t={changes['t']}")
     assert r.measured.moment == r.predicted_moment
     assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
 
 
-@pytest.mark.parametrize("changes", [TP_MOMENTS[0], TP_MOMENTS[1], {"t": 4, "num_query_groups": 4, "L": 1}], ids=str)
-def test_under_tp_sp_every_moment_the_timeline_names_happens_in_order(one_thread, changes):
-    """Each collective's buffer, the gathered inputs, the vocabulary-parallel embedding and loss, at b > 1 and b = 1
-    (where the s-first copies are views)."""
+@pytest.mark.parametrize("strategy", ["tp-sp", "tp"])
+@pytest.mark.parametrize("changes", [TP_MOMENTS[0][0], TP_MOMENTS[1][0], {"t": 4, "num_query_groups": 4, "L": 1}],
+                         ids=str)
+def test_under_tp_every_moment_the_timeline_names_happens_in_order(one_thread, changes, strategy):
+    """Each collective's buffer (under SP the all-gathers at the modules' entries and the reduce-scatters after wo and
+    w2, at b > 1 and at b = 1 where the s-first copies are views; without SP f's and f*'s all-reduced copies), the
+    vocabulary-parallel embedding and loss."""
     config = _config(**changes)
 
     def readings(tp):
         with runtime(tp) as dims:
-            return readings_after_every_op(warmed_up(tp, config, STRATEGIES["tp-sp"], dims))
+            return readings_after_every_op(warmed_up(tp, config, STRATEGIES[strategy], dims))
 
-    assert_moments_in_order(timeline(config, STRATEGIES["tp-sp"], CPU).moments[1:-1], run_fake(readings, (), config.t))
+    assert_moments_in_order(timeline(config, STRATEGIES[strategy], CPU).moments[1:-1], run_fake(readings, (), config.t))
 
 
 @pytest.mark.parametrize("changes, named", [
-    ({"t": 2}, "tp without sequence parallelism"),
+    ({"pp": 2}, "pp=2"),
     ({"recompute": "full"}, "recompute full"),
     ({"dp_shard": 2}, "dp_shard"),
     ({"tie_embeddings": True}, "tie_embeddings"),
     ({"position_embedding_type": "learned_absolute"}, "position_embedding_type learned_absolute"),
 ])
 def test_what_the_walk_does_not_model_is_refused_by_name(changes, named):
-    strategy = STRATEGIES["tp" if changes.get("t") else "none"]
     with pytest.raises(ConfigError, match=named):
-        timeline(_config(**changes), strategy, CPU)
+        timeline(_config(**changes), STRATEGIES["none"], CPU)
 
 
 def test_on_cuda_the_walk_refuses_what_it_has_not_described():
