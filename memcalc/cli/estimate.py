@@ -71,7 +71,7 @@ def command(
         from memcalc.sizing.totals import per_gpu
 
         per = [per_gpu(config, r.strategy, accounting) for r in results]
-        peaks = {r.strategy.name: step_peaks(config, r.strategy) for r in results}
+        peaks = {r.strategy.name: step_peaks(config, r.strategy, device) for r in results}
     if as_json:
         echo_json(to_json(config, accounting, results, baseline, per, budget, peaks, comparisons))
     else:
@@ -91,12 +91,13 @@ def fits_somewhere(per: list[PerGpu], peaks: dict, budget: Budget) -> bool:
     return any(need(p, peaks.get(p.strategy.name)).bytes <= budget.bytes for p in per)
 
 
-def step_peaks(config: ModelConfig, strategy: Strategy) -> tuple[Timeline, ...] | str:
-    """One step's timeline per bounding stage (memcalc.sizing.timeline), or why it is not modelled for this config."""
+def step_peaks(config: ModelConfig, strategy: Strategy, device: str = "cuda") -> tuple[Timeline, ...] | str:
+    """One step's timeline per bounding stage (memcalc.sizing.timeline) on `device`'s kernels, or why it is not
+    modelled for this config."""
     from memcalc.sizing.timeline import timelines  # only --totals pays for it
 
     try:
-        return timelines(config, strategy)
+        return timelines(config, strategy, Accounting(exact=True, device=device))
     except ConfigError as exc:
         return str(exc)
 

@@ -72,7 +72,10 @@ MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: torch's timedelta and any real run st
     "--step", is_flag=True,
     help="Run one whole training step per strategy instead (memcalc's own small GPT, or with --impl hf"
     " transformers' LlamaForCausalLM, tp under its own tp_plan, sharded by torch's fully_shard with --dp-shard (under"
-    " FSDPMemTracker), or MixtralForCausalLM with --route balanced; AdamW on fp32 master weights) under torch's MemTracker on the CPU, and compare its peak, each category and the moment with the"
+    " FSDPMemTracker), or MixtralForCausalLM with --route balanced; with --impl torchtitan its Llama3Model, tp under"
+    " its own plan;"
+    " AdamW on fp32 master weights) under torch's MemTracker on the CPU, and compare its peak, each category and the"
+    " moment with the"
     " step timeline; exits 1 beyond 1%.",
 )
 @click.option(

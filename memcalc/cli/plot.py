@@ -91,7 +91,7 @@ def command(
     if kind == "breakdown":
         figure = _breakdown(params, strategies, accounting, group == "block", per_layer, device_memory)
     elif kind == "timeline":
-        figure = _timeline(params, strategies, device_memory)
+        figure = _timeline(params, strategies, device_memory, device)
     else:
         figure = _line(params, x_name, x_values, strategies, accounting, per_layer, device_memory)
     plot.save(figure, out)
@@ -121,16 +121,19 @@ def _runs(config: Any, strategies: list[Strategy] | None) -> list[Strategy]:
     return strategies if strategies is not None else [STRATEGIES[n] for n in strategy_names("all", config)]
 
 
-def _timeline(params: dict[str, Any], strategies: list[Strategy] | None, device_memory: int | None) -> Figure:
-    """One step per strategy (`estimate --totals`'s peak), its most loaded stage, drawn moment by moment."""
+def _timeline(params: dict[str, Any], strategies: list[Strategy] | None, device_memory: int | None,
+              device: str = "cuda") -> Figure:
+    """One step per strategy (`estimate --totals`'s peak on `device`'s kernels), its most loaded stage, drawn moment
+    by moment."""
     from memcalc.sizing import plot
     from memcalc.sizing.timeline import timelines
 
     config = model_from(params)
-    worst = [max(timelines(config, st), key=lambda x: x.peak.bytes) for st in _runs(config, strategies)]
+    accounting = Accounting(exact=True, device=device)
+    worst = [max(timelines(config, st, accounting), key=lambda x: x.peak.bytes) for st in _runs(config, strategies)]
     sizes = " ".join(f"{n}={getattr(config, n)}" for n in SIZE_FLAGS)
     titles = plot.Titles(f"{config.name or 'model'}: one training step's memory per GPU",
-                         _details(sizes, config, Accounting(exact=True)))
+                         _details(sizes, config, accounting))
     return plot.timeline_figure(worst, titles, device_memory)
 
 

@@ -33,7 +33,8 @@ registered with `track_external`, which files it as "Other": `MEASURED_CATEGORIE
 of the peak is the phase and the innermost module when MemTracker first reached it (`MomentTracker`).
 `measure_step` puts each reading next to the step timeline (memcalc.sizing.timeline). With
 --impl hf the model is transformers' own LlamaForCausalLM, trained by the same `Trainer`
-(memcalc.probe.libs.hf_step).
+(memcalc.probe.libs.hf_step); with --impl torchtitan torchtitan's own Llama3Model with its trainer's loss
+(memcalc.probe.libs.torchtitan_step).
 """
 
 from __future__ import annotations
@@ -482,7 +483,9 @@ class MomentTracker(MemTracker):
 
 # -- prediction next to measurement -------------------------------------------------
 
-STEP_MODELS = {"megatron": "memcalc's own GPT", "hf": "transformers' LlamaForCausalLM"}  # what --step runs, by --impl
+STEP_MODELS = {  # what --step runs, by --impl
+    "megatron": "memcalc's own GPT", "hf": "transformers' LlamaForCausalLM", "torchtitan": "torchtitan's Llama3Model",
+}
 TOLERANCE = 0.01  # issue 8's bound: the peak and each of its categories within 1% of what MemTracker measured
 
 
@@ -557,8 +560,9 @@ def measure_step(config: ModelConfig, strategies: list[str], route: str | None =
     only the balanced route pins.
     """
     if config.impl not in STEP_MODELS:
-        raise ConfigError(f"--step runs memcalc's own Megatron-style model, or transformers' LlamaForCausalLM with"
-                          f" --impl hf; with --impl {config.impl} it cannot")
+        raise ConfigError(f"--step runs memcalc's own Megatron-style model, transformers' LlamaForCausalLM with"
+                          f" --impl hf or torchtitan's Llama3Model with --impl torchtitan; with --impl {config.impl}"
+                          " it cannot")
     if route is not None and not config.moe:
         raise ConfigError(f"--route {route} forces a MoE router: the config has no experts (set num_experts)")
     accounting = Accounting(exact=True, device="cpu")
@@ -589,13 +593,14 @@ def measure_step(config: ModelConfig, strategies: list[str], route: str | None =
 STEP_TRAINERS = {
     ("hf", False): ("memcalc.probe.libs.hf_step", "measure_hf_step_on_rank"),
     ("hf", True): ("memcalc.probe.libs.hf_fsdp", "measure_hf_fsdp_step_on_rank"),
+    ("torchtitan", False): ("memcalc.probe.libs.torchtitan_step", "measure_torchtitan_step_on_rank"),
 }
 
 
 def _step_runner(impl: str, sharded: bool = False) -> Callable[[TensorParallelGroup, ModelConfig, Strategy],
                                                                 StepMeasurement]:
     """memcalc's own GPT, or the library's own model from `STEP_TRAINERS` (impl hf: transformers' LlamaForCausalLM;
-    `sharded`: under FSDP2), imported only then."""
+    `sharded`: under FSDP2; impl torchtitan: its Llama3Model), imported only then."""
     if (impl, sharded) not in STEP_TRAINERS:
         return measure_step_on_rank
     runner(impl)  # ProbeError naming the extra to install when the library is missing

@@ -103,6 +103,7 @@ def _rmsnorm(prefix: str, before: str) -> RMSNormTensors:
 
 LN1 = _rmsnorm("ln1", "attention")
 LN2 = _rmsnorm("ln2", "the feed-forward")
+FINAL_NORM = _rmsnorm("final_norm", "lm_head")  # the model's end (memcalc.sizing.timeline.torchtitan)
 
 QKV_IN = SavedTensor(
     "attention/qkv_in", "FusedQKVLinear.wqkv (column-parallel) input, gathered at GQAttention's entry", _BSH,

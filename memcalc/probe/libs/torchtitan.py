@@ -58,6 +58,7 @@ from torchtitan.distributed.parallel_dims import ParallelDims  # noqa: E402
 from torchtitan.distributed.spmd_types import set_current_spmd_mesh, set_spmd_meshes  # noqa: E402
 from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm  # noqa: E402
 from torchtitan.models.common.attention import ScaledDotProductAttention  # noqa: E402
+from torchtitan.models import llama3  # noqa: E402
 from torchtitan.models.llama3 import Llama3Model, _build_llama3_layers  # noqa: E402
 from torchtitan.models.llama3.sharding import set_llama3_sharding_config  # noqa: E402
 from torchtitan.models.common.config_utils import make_ffn_config  # noqa: E402
@@ -76,19 +77,31 @@ ROPE_THETA = 500000  # every Llama3 flavour's; the values do not change what is 
 
 def block_config(config: ModelConfig, sequence_parallel: bool) -> Any:
     """torchtitan's Llama3 block config at memcalc's sizes, with its TP plan filled in (with experts: its MoE layer)."""
-    layers = _build_llama3_layers(
-        n_layers=1, dim=config.h, n_heads=config.a, n_kv_heads=config.groups, hidden_dim=config.ffn,
+    model = model_config(config, sequence_parallel, layers=1, vocab_size=1)  # the two ends are built nowhere
+    return moe_block_config(config, model.layers[0]) if config.moe else model.layers[0]
+
+
+def model_config(config: ModelConfig, sequence_parallel: bool, layers: int, vocab_size: int) -> Any:
+    """torchtitan's Llama3Model config at memcalc's sizes (as its flavours build it, untied), TP plan filled in.
+
+    Each block's attention is torchtitan's ScaledDotProductAttention: flex has no CPU backward.
+    """
+    blocks = _build_llama3_layers(
+        n_layers=layers, dim=config.h, n_heads=config.a, n_kv_heads=config.groups, hidden_dim=config.ffn,
         rope=_rope(config), fuse_qkv=True, attn_backend="flex",
     )
-    layers[0].attention.inner_attention = ScaledDotProductAttention.Config()  # flex has no CPU backward
-    # The plan is set on a whole model's config; the model's two ends are built nowhere.
+    for block in blocks:
+        block.attention.inner_attention = ScaledDotProductAttention.Config()
     model = Llama3Model.Config(
-        dim=config.h, vocab_size=1, layers=layers, norm=RMSNorm.Config(normalized_shape=config.h),
-        tok_embeddings=Embedding.Config(num_embeddings=1, embedding_dim=config.h),
-        lm_head=Linear.Config(in_features=config.h, out_features=1),
+        dim=config.h, vocab_size=vocab_size, layers=blocks,
+        norm=RMSNorm.Config(normalized_shape=config.h, param_init=llama3._NORM_INIT),
+        tok_embeddings=Embedding.Config(num_embeddings=vocab_size, embedding_dim=config.h,
+                                        param_init=llama3._EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=config.h, out_features=vocab_size,
+                              param_init=llama3._output_linear_init(config.h)),
     )
     set_llama3_sharding_config(model, enable_sp=sequence_parallel)
-    return moe_block_config(config, model.layers[0]) if config.moe else model.layers[0]
+    return model
 
 
 def moe_block_config(config: ModelConfig, llama3: Any) -> Any:
@@ -360,7 +373,7 @@ def _hand_to_recorder(kept: list[torch.Tensor]) -> None:
 # spmd_types (torchtitan's TP backend) still calls these; torch 2.13 warns on every call.
 # The MoE router's torch.autocast(float32), which the shim runs at fp32 on the CPU anyway (cuda_like_router).
 _CPU_AUTOCAST_FP32 = "In CPU autocast, but the target dtype is not supported"
-_DEPRECATED_COLLECTIVES = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
+DEPRECATED_COLLECTIVES = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
 
 
 def run_layer(
@@ -372,7 +385,7 @@ def run_layer(
         raise ProbeError(f"--route {route} forces a MoE router: the config has no experts (set num_experts)")
     with ExitStack() as stack:
         stack.enter_context(warnings.catch_warnings())
-        warnings.filterwarnings("ignore", _DEPRECATED_COLLECTIVES, FutureWarning)
+        warnings.filterwarnings("ignore", DEPRECATED_COLLECTIVES, FutureWarning)
         warnings.filterwarnings("ignore", _CPU_AUTOCAST_FP32, UserWarning)
         dims = stack.enter_context(tensor_parallel(tp))
         stack.enter_context(shim.cuda_like_op_checkpointing())

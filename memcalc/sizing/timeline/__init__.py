@@ -53,7 +53,9 @@ as one op for that reason (memcalc.probe.kernels, attention.py). transformers' L
 (`--impl hf`) has its own walk (memcalc.sizing.timeline.hf), sharded by FSDP2 too (`dp_shard`: each block's
 all-gather and reduce-scatter are ops on the same tape, memcalc.sizing.timeline.fsdp), and so have its Mixtral and
 Qwen2-MoE at t = 1 under the balanced bound, their experts in the eager loop (memcalc.sizing.timeline.hf_moe);
-megatron's mixture of experts is refused.
+megatron's mixture of experts is refused. torchtitan's Llama3Model (`--impl torchtitan`) is described once as ops
+(memcalc.sizing.timeline.torchtitan) for the generic walk (memcalc.sizing.timeline.walk), at t = 1 and under its own
+TP plan (tp, tp-sp) on the CPU kernels.
 Everything else raises ConfigError naming what is missing. Within a layer's forward only the end of
 each block is a moment: a forward op's transients are smaller than the gradients the same
 op makes in backward, when the same saved tensors are live.
@@ -70,6 +72,7 @@ from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import Strategy
 from memcalc.sizing.pipeline import Stage, stages
 from memcalc.sizing.timeline.hf import hf_timeline
+from memcalc.sizing.timeline.torchtitan import torchtitan_timeline
 from memcalc.sizing.timeline.ends import STEP_TENSORS, Ends, model_states
 from memcalc.sizing.timeline.layer import LAYER_NAMES, layer_backward, layer_forward
 from memcalc.sizing.timeline.tape import (
@@ -97,6 +100,8 @@ def timeline(
     _refuse_other_layers(config)
     if config.impl == "hf":  # transformers' LlamaForCausalLM, op by op: its own walk
         return hf_timeline(config, strategy, accounting)
+    if config.impl == "torchtitan":  # torchtitan's Llama3Model, described as ops for the generic walk
+        return torchtitan_timeline(config, strategy, accounting)
     layer = estimate(config, strategy, accounting)
     _check_modelled(config, strategy, tuple(x.tensor.name for x in layer.tensors))
     st = _stage(config, stage)

@@ -1,0 +1,82 @@
+"""One whole training step of torchtitan's own Llama3 model under MemTracker (`memcalc measure --step --impl
+torchtitan`).
+
+The model is torchtitan 0.3.0's `Llama3Model` (its Decoder: `tok_embeddings`, L `Llama3TransformerBlock`s built by
+its own `_build_llama3_layers`, the final `norm`, `lm_head`) at memcalc's sizes, untied as Llama3 trains it, each
+block's attention torchtitan's ScaledDotProductAttention (flex has no CPU backward: memcalc.probe.libs.torchtitan).
+It is built as torchtitan's trainer builds it: on the meta device, laid out by its TP plan under tp, then `to_empty`
+on the rank's device and `init_states` (each parameter its own shard's storage: parallelizing a model built on the
+device keeps the whole storage behind each dim-0 shard). Parameters are in the activation dtype, as FSDP's mixed
+precision gives them to forward; each block's RoPE keeps its own complex64 (s, d/2) `cache` buffer.
+
+The loss is torchtitan's own `CrossEntropyLoss` as its trainer calls it (trainer.py, `_forward_backward_body`): the
+summed fp32 cross-entropy divided by the count of valid tokens (`(labels != IGNORE_INDEX).sum()`), the bf16 logits
+dropped before backward (`del pred`). It is trained as `memcalc.probe.step` trains memcalc's GPT, with the same
+pieces (Megatron's fp32 gradient buffer, fp32 master weights and fused AdamW), which at t = 1 without FSDP is what
+any mixed-precision trainer keeps; a warm-up step, then one step measured by `measure_trainer`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+from memcalc.config.schema import ModelConfig
+from memcalc.errors import ProbeError
+from memcalc.model.strategy import Strategy
+from memcalc.probe import require_torch
+from memcalc.probe.group import TensorParallelGroup
+from memcalc.probe.layer import DTYPES
+from memcalc.probe.libs import torchtitan as titan
+from memcalc.probe.step import BATCH_SEED, StepMeasurement, Trainer, measure_trainer
+
+torch = require_torch()
+
+from torchtitan.components.loss import IGNORE_INDEX, CrossEntropyLoss  # noqa: E402  (memcalc[torchtitan])
+from torchtitan.tools.utils import set_default_dtype  # noqa: E402
+
+
+def measure_torchtitan_step_on_rank(tp: TensorParallelGroup, config: ModelConfig,
+                                    strategy: Strategy) -> StepMeasurement:
+    """Build torchtitan's Llama3Model (under tp laid out by its own plan), run a warm-up step, then measure one step
+    under MemTracker."""
+    with runtime(tp) as dims:
+        return measure_trainer(warmed_up(tp, config, strategy, dims), tp, strategy)
+
+
+@contextmanager
+def runtime(tp: TensorParallelGroup) -> Iterator[Any]:
+    """torchtitan's TP runtime over the probe's group (memcalc.probe.libs.torchtitan), its collectives' deprecation
+    warnings silenced: the ParallelDims, or None at t = 1."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", titan.DEPRECATED_COLLECTIVES, FutureWarning)
+        with titan.tensor_parallel(tp) as dims:
+            yield dims
+
+
+def warmed_up(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, dims: Any = None) -> Trainer:
+    """torchtitan's Llama3Model in training mode with memcalc's trainer, stepped once; under tp (inside `runtime`)
+    laid out by its own plan (set_llama3_sharding_config, Module.parallelize), its loss vocabulary-parallel."""
+    if config.tie_embeddings:
+        raise ProbeError("impl torchtitan: Llama3 unties its embedding and output layer; set tie_embeddings false")
+    with torch.device("meta"), set_default_dtype(DTYPES[config.dtype]):  # as its trainer builds a model
+        model = titan.model_config(config, strategy.sequence_parallel, config.L, config.vocab_size).build()
+    if dims is not None:
+        model.parallelize(dims)
+    model.to_empty(device=tp.device)  # each parameter its own shard's storage (a view would keep the whole one)
+    torch.manual_seed(BATCH_SEED)  # the weights, as torchtitan initialises them
+    with torch.no_grad(), set_default_dtype(DTYPES[config.dtype]):
+        model.init_states(buffer_device=tp.device)
+    model.train()
+    loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config(global_vocab_size=config.vocab_size))
+    return Trainer.around(config, model, lambda tokens, labels: _loss(model, loss_fn, tokens, labels))
+
+
+def _loss(model: Any, loss_fn: Any, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """torchtitan's trainer's forward: the valid tokens counted, the logits made, the summed loss divided by the
+    count; the logits go as this returns (its `del pred`)."""
+    valid = (labels != IGNORE_INDEX).sum()
+    pred = model(tokens)
+    loss, _ = loss_fn(pred, labels, valid)
+    return loss

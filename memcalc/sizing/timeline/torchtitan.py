@@ -1,0 +1,535 @@
+"""One training step of torchtitan's own Llama3 model on one rank (`--impl torchtitan`), described once as ops.
+
+`memcalc.probe.libs.torchtitan_step` trains torchtitan 0.3.0's Llama3Model (tok_embeddings, L
+Llama3TransformerBlocks, norm, lm_head) with its trainer's loss; this module describes the same step as ordered ops
+(memcalc.sizing.timeline.walk): each op's steps are the aten ops that allocate, what they free, and which of the
+ledger's saved tensors (memcalc.model.impls.torchtitan) the op keeps, so the per-layer terms are the ledger's and
+the walk is the generic one. A block is
+
+    attention_norm   nn.RMSNorm: on a CPU torch's rms_norm_composite (x.to(float32), pow, mean, rsqrt, x * rstd,
+                     times the weight in fp32, cast back), its backward op by op through autograd
+    wqkv, split      the fused projection; the split's three .contiguous() copies (V is kept by SDPA)
+    rope             q.float() and k.float() times the complex64 table, cast back (Q and K kept)
+    inner_attention  SDPA's flash kernel (its output, wo's input, and an fp32 log-sum-exp kept)
+    wo, + x          the projection and the residual sum
+    ffn_norm         as attention_norm
+    w1, SiLU, w3, *  SwiGLU, each product kept; w2 and the residual sum, the block's output
+
+The model's ends: the token ids and labels (int64, live all step), the trainer's count of valid tokens, the
+embedding, the final norm, lm_head's bf16 logits and torchtitan's cross_entropy_loss (fp32 logits, the kept fp32
+log-softmax), divided by the count; the trainer drops the logits before backward.
+
+Under tp (t > 1) the model is laid out by torchtitan's own plan (set_llama3_sharding_config, Module.parallelize on
+its spmd_types backend) and the walk is the same on this rank's shards, with the plan's collectives as ops: the
+embedding vocabulary-parallel (this rank's rows, masked), lm_head's v/t columns into its _LossParallelCrossEntropy
+(all-reduced row maxima, sums and target log-probabilities; it keeps the fp32 log-probabilities); with its
+sequence-parallel norms (tp-sp, its default) each module's input all-gathered along s at its entry (the gathered
+tensor is what wqkv, w1 and w3, and lm_head keep) and wo's, w2's and the embedding's partial sums reduce-scattered,
+their gradients the conjugate collectives; without (tp) the paper's f and f*, each an all-reduce into a copy.
+
+Exact (to the byte, at every moment named here, tests/probe/libs/test_torchtitan_step.py) for torchtitan 0.3.0 on
+torch 2.13's CPU kernels at t = 1 and under tp and tp-sp at t = 2 and 4 (rank 0 of the fake group), b = 1 and
+b > 1, bf16, untied, without recomputation; `check_modelled` names everything else.
+On CUDA torchtitan's Llama3 runs flex attention and torch's fused _fused_rms_norm kernel, which keep other tensors
+(the ledger's device rules) and allocate otherwise in backward: not described here yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from memcalc.config.schema import ModelConfig
+from memcalc.errors import ConfigError
+from memcalc.model import ledger
+from memcalc.model.evaluate import estimate, rank_shape
+from memcalc.model.impls import torchtitan as rules
+from memcalc.model.knobs import DTYPE_BYTES, Accounting, element_bytes
+from memcalc.model.ledger import SavedTensor
+from memcalc.model.strategy import Strategy
+from memcalc.sizing.pipeline import stages
+from memcalc.sizing.timeline.ends import model_states
+from memcalc.sizing.timeline.tape import PARAMETERS, Sizes, Tape, Timeline, prod
+from memcalc.sizing.timeline.walk import Made, Op, Step, Walk, kept, kept_name
+from memcalc.sizing.totals import end_sizes
+
+
+def torchtitan_timeline(config: ModelConfig, strategy: Strategy, accounting: Accounting) -> Timeline:
+    """The moments of one training step of torchtitan's Llama3Model sized by `config`, on its one rank."""
+    check_modelled(config, strategy, accounting)
+    layer = estimate(config, strategy, accounting)
+    unpadded = replace(config, make_vocab_size_divisible_by=1)  # torchtitan trains the vocabulary as it is
+    z = Sizes.of(unpadded, strategy)
+    (stage,) = stages(config.L, config.pp, config.vpp, config.microbatches)
+    tape = Tape()
+    model_states(tape, unpadded, stage, z)
+    tape.add("states/rope caches", PARAMETERS, config.L * 8 * config.s * (z.d // 2),
+             "each block's ComplexRoPE keeps its own complex64 (s, d/2) table, a buffer")
+    tape.mark("steady", "", "model states between steps")
+    saved = {x.tensor.name: x.bytes for x in layer.tensors}
+    end = _end_bytes(unpadded, strategy, accounting)
+    walks = [(Walk(tape, "", "", end, _hand_over(tape)), embedding_ops(z)),
+             *((Walk(tape, f"layers.{i}", f"layers.{i}", saved, _hand_over(tape)), block_ops(i, z))
+               for i in range(config.L)),
+             (Walk(tape, "", "", end, _hand_over(tape)), output_ops(z, config))]
+    for walk, ops in walks:
+        walk.forward(ops)
+    for walk, ops in reversed(walks):
+        walk.backward(ops)
+    tape.drop("loss/grad seed")  # backward() returns
+    tape.mark("optimizer", "", "fused AdamW on the fp32 master weights, in place")
+    return Timeline(layer.strategy, tuple(tape.moments), stage.name)
+
+
+def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounting) -> None:
+    """ConfigError naming the first thing the torchtitan step timeline does not model yet."""
+    missing = [
+        (accounting.device != "cpu", "device cuda (its flex attention and fused rms_norm kernels; --device cpu walks"
+                                     " the CPU kernels the probe measures)"),
+        (config.dp_shard is not None or config.zero_stage is not None, "dp_shard or zero_stage (FSDP2's gathers)"),
+        (config.recompute != "none", f"recompute {config.recompute} (its FullAC or SelectiveAC)"),
+        (config.moe, "a mixture of experts (num_experts)"),
+        (config.tie_embeddings, "tie_embeddings (Llama3 unties them; set tie_embeddings false)"),
+        (config.position_embedding_type != "rope", f"position_embedding_type {config.position_embedding_type}"
+                                                   " (Llama3 rotates q and k: set rope)"),
+        (config.add_bias_linear or config.add_qkv_bias, "biases (Llama3 has none: set add_bias_linear false)"),
+        (config.pp != 1, f"pp={config.pp}"),
+        (config.cp != 1, f"cp={config.cp}"),
+        (config.dtype != "bf16", f"dtype {config.dtype}"),
+        (config.b * config.s == 1, "b = s = 1 (V is then a view of the fused wqkv output)"),
+    ]
+    for absent, what in missing:
+        if absent:
+            raise ConfigError(f"the step timeline for impl torchtitan does not model {what} yet")
+
+
+def _hand_over(tape: Tape):
+    """A weight's bf16 gradient, added into the fp32 buffer and dropped as soon as autograd hands it over."""
+    return lambda where, name, nbytes: tape.drop(name)
+
+
+def _end_bytes(config: ModelConfig, strategy: Strategy, accounting: Accounting) -> dict[str, int]:
+    """The bytes of what the model's ends keep on this rank: the final norm's (named in
+    memcalc.model.impls.torchtitan as the block's norms are) and lm_head's input."""
+    sizes = end_sizes(config, strategy)
+    norm = rules.norm_block(rules.FINAL_NORM, accounting)
+    out = {x.name: element_bytes(x.kind, config, accounting) * prod(rank_shape(x, strategy, sizes, config.t))
+           for x in norm}
+    # lm_head keeps its input all-gathered along s (its plan declares it Replicate), as the blocks' linears do
+    return out | {ledger.OUTPUT_INPUT.name: DTYPE_BYTES[config.dtype] * config.b * config.s * config.h}
+
+
+# -- the ops ----------------------------------------------------------------------------------------------------
+
+_WGRAD = "the weight's bf16 gradient, added into the fp32 buffer when autograd hands it over"
+
+
+def linear(where: str, x: SavedTensor | None, out: Made, weight: int, dx: str, dx_bytes: int, p: str,
+           frees: tuple[str, ...] = (), sums: tuple[str, str, int] | None = None) -> Op:
+    """nn.Linear without a bias (F.linear: one mm): its output; in backward dW and dX beside dY, then `frees`.
+
+    `sums` (the other gradient, the sum's name, its bytes): the input has a gradient already, and autograd sums dX
+    into it at once, before it reaches the weight's accumulator.
+    """
+    dw = f"grad/{p}/{where} weight" if p else f"grad/{where} weight"
+    gemms = Step("GEMMs: dW and dX", (Made(dw, weight, _WGRAD), Made(dx, dx_bytes, "dX = dY W")), frees,
+                 () if sums else (dw,), returns=True)
+    summed = () if sums is None else (Step("autograd sums the input's two gradients", (
+        Made(sums[1], sums[2], "the input's gradient: both uses' summed"),), frees=(dx, sums[0]), hands_over=(dw,)),)
+    return Op(where, forward=(Step("the GEMM", (out,)),), backward=(gemms, *summed), saves=(x,) if x else ())
+
+
+def rms_norm(where: str, z: Sizes, norm: rules.RMSNormTensors, p: str, out: Made, grad: str, dx: str,
+             frees: tuple[str, ...] = ()) -> Op:
+    """nn.RMSNorm on a CPU: torch's rms_norm_composite, op by op, and its backward through autograd.
+
+    Forward keeps the fp32 input, the rstd and x * rstd (the ledger's); `frees` go once the output is made. Backward
+    ends with dX cast back to bf16 (`dx`).
+    """
+    tokens = z.b * z.s_seq  # under SP the norm runs on this rank's sequence shard
+    n, full, row = f"{p}/{where}" if p else where, 4 * tokens * z.h, 4 * tokens
+    fp32, rstd, normed = (kept_name(p, x) for x in (norm.input_fp32, norm.rstd, norm.normed_fp32))
+    weighted = (Step("times the weight, in fp32", (Made(f"{n}/weighted", full, "x * rstd * weight, a local"),)),)
+    if z.sp and z.b > 1:  # its input is the reduce-scatter's (s/t, b, h) output seen as (b, s/t, h): not contiguous
+        weighted += (Step("made contiguous", (Made(f"{n}/copy", full, "fp32, a local"),), frees=(f"{n}/weighted",)),)
+    forward = (
+        Step("input.to(float32)", (kept(p, norm.input_fp32),)),
+        Step("pow(2)", (Made(f"{n}/pow", full, "x^2, a local"),)),
+        Step("mean over h", (Made(f"{n}/mean", row, "mean(x^2), a local"),)),
+        Step("rsqrt(mean + eps)", (kept(p, norm.rstd),), frees=(f"{n}/pow", f"{n}/mean")),
+        Step("x * rstd", (kept(p, norm.normed_fp32),)),
+        *weighted,
+        Step("cast back to bf16: the norm's output", (out,), frees=(f"{n}/weighted", f"{n}/copy", *frees)),
+    )
+    g = f"grad/{n}"
+    backward = (
+        Step("the cast's backward: dY up to fp32", (Made(f"{g}/dy", full, "dY in fp32"),), frees=(grad,)),
+        Step("times the weight's backward: dY * weight", (Made(f"{g}/dnormed", full, "the gradient of x * rstd"),)),
+        Step("its weight's: dY * (x * rstd)", (Made(f"{g}/dw full", full, "per token, before the sum"),)),
+        Step("summed over tokens", (Made(f"{g}/dw fp32", 4 * z.h, "the weight's fp32 gradient"),),
+             frees=(f"{g}/dw full",)),
+        Step("cast to bf16: the weight's gradient", (Made(f"{g}/dweight", z.act * z.h, _WGRAD),),
+             frees=(f"{g}/dy", f"{g}/dw fp32", normed), hands_over=(f"{g}/dweight",)),
+        Step("x * rstd's backward: dnormed * rstd", (Made(f"{g}/dx (x * r)", full, "x's first fp32 gradient"),)),
+        Step("x * rstd's backward: dnormed * x", (Made(f"{g}/dr full", full, "per element, before the sum"),)),
+        Step("summed over h: rstd's gradient", (Made(f"{g}/dr", row, "(b, s, 1) fp32"),),
+             frees=(f"{g}/dnormed", f"{g}/dr full")),
+        Step("rsqrt's backward: rstd^3", (Made(f"{g}/r^3", row, "(b, s, 1) fp32"),)),
+        Step("rsqrt's backward: -rstd^3 / 2", (Made(f"{g}/-r^3 / 2", row, "(b, s, 1) fp32"),)),
+        Step("rsqrt's backward: times dr", (Made(f"{g}/dvariance", row, "(b, s, 1) fp32"),),
+             frees=(f"{g}/dr", f"{g}/r^3", f"{g}/-r^3 / 2", rstd)),
+        Step("mean's backward: spread over h, divided by h", (Made(f"{g}/dpow", full, "the gradient of x^2"),),
+             frees=(f"{g}/dvariance",)),
+        Step("pow's backward: x^1", (Made(f"{g}/x^1", full, "pow(x, 1), a copy"),)),
+        Step("pow's backward: 2 x", (Made(f"{g}/2x", full, "fp32"),)),
+        Step("pow's backward: dpow * 2x", (Made(f"{g}/dx (pow)", full, "x's second fp32 gradient"),),
+             frees=(f"{g}/x^1", f"{g}/2x", f"{g}/dpow", fp32)),
+        Step("autograd sums x's two fp32 gradients", (Made(f"{g}/dx fp32", full, "fp32"),),
+             frees=(f"{g}/dx (x * r)", f"{g}/dx (pow)")),
+        Step("input.to(float32)'s backward: dX cast back to bf16", (Made(dx, z.act * tokens * z.h, "the norm's dX"),),
+             frees=(f"{g}/dx fp32",)),
+    )
+    return Op(where, forward, backward, saves=(norm.input_fp32, norm.rstd, norm.normed_fp32))
+
+
+def gather(where: str, z: Sizes, p: str, out: Made, dx: str, rs: str, frees: tuple[str, ...] = ()) -> tuple[Op, ...]:
+    """SP's all-gather along s at a module's entry (its plan declares the input Replicate): the shards into a (t, b,
+    s/t, h) buffer, concatenated into (b, s, h) (`out`, which the column-parallel linears keep), then `frees`. In
+    backward dX (`dx`, whole) made s-first and reduce-scattered into this rank's shard (`rs`). Under tp without SP
+    the paper's f: nothing in forward, dX all-reduced into a copy (`rs`) in backward. None at t = 1."""
+    if z.t > 1 and not z.sp:
+        return (Op(where, forward=(), backward=(
+            Step("f's backward: dX all-reduced into a copy", (Made(rs, z.full(z.h), "(b, s, h), summed"),),
+                 frees=(dx,)),)),)
+    if not z.sp:
+        return ()
+    n, g = f"{p}/{where}" if p else where, f"grad/{p}/{where}" if p else f"grad/{where}"
+    return (Op(where, forward=(
+        Step("the all-gather's buffer", (Made(f"{n} gathered", z.full(z.h), "(t, b, s/t, h)"),)),
+        Step("concatenated along s", (out,), frees=(f"{n} gathered", *frees)),
+    ), backward=(
+        *_s_first(f"{g} s-first", z, "dX"),
+        Step("the reduce-scatter's output", (Made(rs, z.seq(z.h), "this rank's shard of dX"),),
+             frees=(dx, f"{g} s-first")),
+    )),)
+
+
+def _s_first(name: str, z: Sizes, what: str) -> tuple[Step, ...]:
+    """The reduce-scatter's input made (s, b, h)-contiguous: a copy, but at b = 1, where the permuted view is."""
+    if z.b == 1:
+        return ()
+    return (Step(f"{what} made s-first for the reduce-scatter", (Made(name, z.full(z.h), "(s, b, h)"),)),)
+
+
+def _contiguous(name: str, z: Sizes) -> tuple[Step, ...]:
+    """dY's shard made contiguous for the all-gather: a copy, but at b = 1, where the (b, s/t, h) view of the
+    (s/t, b, h) shard is contiguous already."""
+    if z.b == 1:
+        return ()
+    return (Step("dY made contiguous", (Made(name, z.seq(z.h), "this rank's shard"),)),)
+
+
+def reduce_scatter(where: str, z: Sizes, p: str, partial: str, out: str, gathered: str,
+                   frees: tuple[str, ...]) -> tuple[Op, ...]:
+    """SP's reduce-scatter of a row-parallel linear's partial sum (`partial`) into this rank's shard (`out`); with it
+    `frees` go (the module returns). In backward dY's shard all-gathered whole (`gathered`), the shard itself kept
+    for the residual stream. Under tp without SP the paper's f*: the partial sum all-reduced into a copy (`out`), and
+    nothing in backward. None at t = 1."""
+    if z.t > 1 and not z.sp:
+        return (Op(where, forward=(Step("f*: the partial sum all-reduced into a copy", (
+            Made(out, z.full(z.h), "(b, s, h), summed"),), frees=(partial,)),), backward=()),)
+    if not z.sp:
+        return ()
+    n, g = f"{p}/{where}", f"grad/{p}/{where}"
+    return (Op(where, forward=(
+        *_s_first(f"{n} s-first", z, "the partial sum"),
+        Step("the reduce-scatter's output", (Made(out, z.seq(z.h), "this rank's shard, summed"),),
+             frees=(partial, f"{n} s-first", *frees)),
+    ), backward=(
+        *_contiguous(f"{g} dY", z),
+        Step("the all-gather's buffer", (Made(f"{g} buffer", z.full(z.h), "(t, b, s/t, h)"),)),
+        Step("concatenated along s: dY whole", (Made(gathered, z.full(z.h), "(b, s, h)"),),
+             frees=(f"{g} buffer", f"{g} dY")),
+    )),)
+
+
+def block_ops(i: int, z: Sizes) -> tuple[Op, ...]:
+    """Llama3TransformerBlock i, op by op (its input "layers.i/input", its output "layers.{i+1}/input")."""
+    p = f"layers.{i}"
+    x, out, mid = f"{p}/input", f"layers.{i + 1}/input", f"{p}/mid"
+    gx, gout, gmid = f"grad/{p}/input", f"grad/layers.{i + 1}/input", f"grad/{p}/mid"
+    h, q, kv = z.seq(z.h), z.tokens(z.act * z.a_t * z.d), z.tokens(z.act * z.g_t * z.d)
+    f = z.tokens(z.act * z.f_t)
+    return (
+        *attention_ops(p, z, mid, gmid, gx, h, q, kv),
+        residual(p, "ffn_norm", f"grad/{p}/ffn_norm dx", gout, gmid, h),
+        rms_norm("ffn_norm", z, rules.LN2, p, _norm_out(z, p, "ffn_norm", rules.FC1_IN),
+                 f"grad/{p}/ffn_norm dy" if z.t > 1 else f"grad/{p}/ffn_norm out", f"grad/{p}/ffn_norm dx"),
+        *gather("feed_forward", z, p, kept(p, rules.FC1_IN), f"grad/{p}/ffn_norm out", f"grad/{p}/ffn_norm dy"),
+        *feed_forward_ops(p, z, x, mid, out, h, f),
+    )
+
+
+def _norm_out(z: Sizes, p: str, norm: str, kept_input: SavedTensor) -> Made:
+    """A norm's output: the next module's kept input itself, or under SP the shard its all-gather reads."""
+    if z.sp:
+        return Made(f"{p}/{norm} out" if p else f"{norm} out", z.seq(z.h), "bf16, this rank's shard")
+    return kept(p, kept_input)
+
+
+def residual(p: str, norm: str, dx: str, grad: str, out: str, h: int) -> Op:
+    """In backward: the norm's dX and the residual stream's gradient summed, as soon as the norm's returns (autograd
+    does it inside the norm's window); listed before the norm, so it runs after it. The forward sum is the branch's
+    last op."""
+    return Op(norm, forward=(), backward=(Step("the residual stream's gradients summed", (
+        Made(out, h, "the residual stream's gradient: both paths' summed"),), frees=(dx, grad)),))
+
+
+def attention_ops(p: str, z: Sizes, mid: str, gmid: str, gx: str, h: int, q: int, kv: int) -> tuple[Op, ...]:
+    """attention_norm, wqkv, the split, RoPE, SDPA, wo and the first residual sum."""
+    a, g = "attention", f"grad/{p}/attention"
+    qkv = z.tokens(z.act * z.qkv_t)
+    fp32q, fp32k = 2 * q, 2 * kv  # the fp32 copies and their complex64 products: twice the bf16 bytes
+    table = 8 * z.s * (z.d // 2)  # the (1, s, 1, d/2) complex64 table's conjugate, materialised
+    full, dy = z.full(z.h), f"{g}/dY whole"  # wo's dY, all-gathered under SP
+    wo_out = f"{p}/wo partial" if z.t > 1 else f"{p}/attention out"
+    return (
+        residual(p, "attention_norm", f"grad/{p}/attention_norm dx", gmid, gx, h),
+        rms_norm("attention_norm", z, rules.LN1, p, _norm_out(z, p, "attention_norm", rules.QKV_IN),
+                 f"grad/{p}/attention_norm dy" if z.t > 1 else f"grad/{p}/qkv dx", f"grad/{p}/attention_norm dx"),
+        *gather(a, z, p, kept(p, rules.QKV_IN), f"grad/{p}/qkv dx", f"grad/{p}/attention_norm dy"),
+        linear(f"{a}.qkv_linear.wqkv", rules.QKV_IN, Made(f"{p}/qkv", qkv, "the fused projection's output"),
+               z.act * z.qkv_t * z.h, f"grad/{p}/qkv dx", full, p, frees=(f"{g}/dqkv",)),
+        Op(f"{a}.qkv_linear",
+           forward=(Step("the split: q reshaped (a copy)", (Made(f"{p}/q pre-rope", q, "q, before RoPE"),)),
+                    Step("k made contiguous", (Made(f"{p}/k pre-rope", kv, "k, before RoPE"),)),
+                    Step("v made contiguous", (kept(p, ledger.V),), frees=(f"{p}/qkv",))),
+           backward=(Step("the split's backward: dQ, dK, dV concatenated", (
+               Made(f"{g}/dqkv", qkv, "the fused output's gradient"),),
+               frees=(f"{g}/dq pre-rope", f"{g}/dk pre-rope", f"{g}/dv")),)),
+        Op(f"{a}.rope",
+           forward=(Step("q.float()", (Made(f"{p}/q fp32", fp32q, "q in fp32"),)),
+                    Step("k.float()", (Made(f"{p}/k fp32", fp32k, "k in fp32"),)),
+                    Step("q times the table", (Made(f"{p}/q rotated", fp32q, "complex64"),)),
+                    Step("k times the table", (Made(f"{p}/k rotated", fp32k, "complex64"),)),
+                    Step("q cast back", (kept(p, ledger.Q),)),
+                    Step("k cast back", (kept(p, ledger.K),), frees=(
+                        f"{p}/q fp32", f"{p}/k fp32", f"{p}/q rotated", f"{p}/k rotated", f"{p}/q pre-rope",
+                        f"{p}/k pre-rope"))),
+           backward=(
+               Step("k's cast's backward: dK up to fp32", (Made(f"{g}/dk fp32", fp32k, "fp32"),)),
+               Step("q's cast's backward: dQ up to fp32", (Made(f"{g}/dq fp32", fp32q, "fp32"),)),
+               Step("the table's conjugate, for k", (Made(f"{g}/conj k", table, "complex64"),)),
+               Step("dK times it", (Made(f"{g}/dk rotated", fp32k, "complex64"),),
+                    frees=(f"{g}/conj k", f"{g}/dk fp32")),
+               Step("the table's conjugate, for q", (Made(f"{g}/conj q", table, "complex64"),)),
+               Step("dQ times it", (Made(f"{g}/dq rotated", fp32q, "complex64"),),
+                    frees=(f"{g}/conj q", f"{g}/dq fp32")),
+               Step("k.float()'s backward: to bf16", (Made(f"{g}/dk pre-rope", kv, "bf16"),),
+                    frees=(f"{g}/dk rotated",)),
+               Step("q.float()'s backward: to bf16", (Made(f"{g}/dq pre-rope", q, "bf16"),),
+                    frees=(f"{g}/dq rotated", f"{g}/dq", f"{g}/dk")),
+           )),
+        Op(f"{a}.inner_attention",
+           forward=(Step("SDPA's flash kernel: output and log-sum-exp", (kept(p, ledger.PROJ_IN),
+                                                                          kept(p, ledger.SOFTMAX_LSE))),),
+           backward=(Step("SDPA's backward: dQ, dK, dV", (Made(f"{g}/dq", q, "bf16"), Made(f"{g}/dk", kv, "bf16"),
+                                                          Made(f"{g}/dv", kv, "bf16")), frees=(f"{g}/dout",)),),
+           saves=(ledger.Q, ledger.K, ledger.V, ledger.SOFTMAX_LSE, ledger.PROJ_IN)),
+        linear(f"{a}.wo", ledger.PROJ_IN, Made(wo_out, full, "wo's output"), z.act * z.h * z.a_t * z.d,
+               f"{g}/dout", q, p, frees=(dy,) if z.sp else ()),
+        *reduce_scatter(f"{a}.wo", z, p, wo_out, f"{p}/attention out", dy, (f"{p}/attention_norm out",)),
+        Op("", forward=(Step("x + attention", (Made(mid, h, "the residual stream after attention"),),
+                             frees=(f"{p}/attention out",)),), backward=()),
+    )
+
+
+def feed_forward_ops(p: str, z: Sizes, x: str, mid: str, out: str, h: int, f: int) -> tuple[Op, ...]:
+    """w1, SiLU, w3, the product, w2 and the second residual sum (the block's output)."""
+    m, g, w = "feed_forward", f"grad/{p}/feed_forward", z.act * z.f_t * z.h
+    full, dy = z.full(z.h), f"{g}/dY whole"  # w2's dY, all-gathered under SP
+    w2_out = f"{p}/w2 partial" if z.t > 1 else f"{p}/ffn out"
+    return (
+        linear(f"{m}.w1", rules.FC1_IN, kept(p, ledger.SWIGLU_GATE), w, f"{g}/dx1", full, p, frees=(f"{g}/dgate",),
+               sums=(f"{g}/dx3", f"grad/{p}/ffn_norm out", full)),
+        # SiLU runs inside feed_forward; its backward while MemTracker still has w3 active (w1 x and w3 x share an
+        # input, whose gradient is not complete until w1's backward)
+        Op(f"{m}.w3", forward=(Step("SiLU", (kept(p, ledger.SWIGLU_SILU_OUT),)),),
+           backward=(Step("SiLU's backward", (Made(f"{g}/dgate", f, "bf16"),), frees=(f"{g}/dsilu",)),),
+           saves=(ledger.SWIGLU_GATE,)),
+        linear(f"{m}.w3", rules.FC1_IN, kept(p, ledger.SWIGLU_UP), w, f"{g}/dx3", full, p, frees=(f"{g}/dup",)),
+        Op(m, forward=(Step("SiLU(w1 x) * w3 x", (kept(p, ledger.FC2_IN),)),),
+           backward=(Step("the product's backward: dY * up", (Made(f"{g}/dsilu", f, "bf16"),)),
+                     Step("the product's backward: dY * SiLU", (Made(f"{g}/dup", f, "bf16"),), frees=(f"{g}/dfc2",))),
+           saves=(ledger.SWIGLU_UP, ledger.SWIGLU_SILU_OUT)),
+        linear(f"{m}.w2", ledger.FC2_IN, Made(w2_out, full, "w2's output"), w, f"{g}/dfc2", f, p,
+               frees=(dy,) if z.sp else ()),
+        *reduce_scatter(f"{m}.w2", z, p, w2_out, f"{p}/ffn out", dy, (f"{p}/ffn_norm out",)),
+        Op("", forward=(Step("h + feed-forward: the block's output", (Made(out, h, "the next block's input"),),
+                             frees=(f"{p}/ffn out", mid, x)),), backward=()),
+    )
+
+
+# -- the model's two ends -----------------------------------------------------------------------------------------
+
+
+def embedding_ops(z: Sizes) -> tuple[Op, ...]:
+    """The batch, the trainer's count of valid tokens, and tok_embeddings (the first block's input)."""
+    count = Op("", forward=(
+        Step("the token ids", (Made(ledger.EMBEDDING_INPUT_IDS.name, z.tokens(8),
+                                    "the micro-batch's token ids (int64), live all step; the embedding keeps them"),)),
+        Step("the labels", (Made("batch/labels", z.tokens(8), "the micro-batch's labels (int64), live all step"),)),
+        Step("labels != IGNORE_INDEX", (Made("loss/valid mask", z.tokens(1), "bool, a local"),)),
+        Step("their sum: the valid tokens", (Made("loss/valid tokens", 8, "int64, the loss's divisor: the division's"
+                                                  " backward keeps it"),), frees=("loss/valid mask",)),
+    ), backward=())
+    if z.t > 1:
+        return (count, _vocab_parallel_lookup(z))
+    lookup = Op("tok_embeddings", forward=(
+        Step("the embedding lookup", (Made("layers.0/input", z.tokens(z.act * z.h), "the first block's input"),)),
+    ), backward=(
+        Step("the embedding's gradient", (Made("grad/embedding", z.act * z.v_t * z.h, _WGRAD),),
+             frees=("grad/layers.0/input",), hands_over=("grad/embedding",)),
+    ))
+    return (count, lookup)
+
+
+def _vocab_parallel_lookup(z: Sizes) -> Op:
+    """torchtitan's Embedding under tp: this rank's rows looked up, the others masked out, the partial sums
+    reduce-scattered along s (SP) or all-reduced into a copy; in backward dY (under SP all-gathered) masked and added
+    into this rank's rows."""
+    n, e, full = z.tokens(1), "embedding", z.full(z.h)
+    lookup = (
+        Step("ids >= the rank's first row", (Made(f"{e}/ge", n, "bool"),)),
+        Step("ids < its last row", (Made(f"{e}/lt", n, "bool"),)),
+        Step("the mask: both", (Made(f"{e}/mask", n, "bool"),), frees=(f"{e}/ge", f"{e}/lt")),
+        Step("ids - offset", (Made(f"{e}/shifted ids", z.tokens(8), "int64"),)),
+        Step("clamped to this rank's rows", (Made(f"{e}/ids", z.tokens(8), "int64; the lookup keeps them"),),
+             frees=(f"{e}/shifted ids",)),
+        Step("the lookup", (Made(f"{e}/lookup", full, "bf16"),)),
+        Step("the mask in bf16", (Made(f"{e}/mask bf16", z.tokens(z.act), "kept by the multiply"),)),
+        Step("the lookup times the mask: this rank's partial sum", (Made(f"{e}/partial", full, "bf16"),),
+             frees=(f"{e}/lookup", f"{e}/mask")),
+    )
+    masked = (
+        Step("dY times the mask", (Made(f"grad/{e} masked", full, "bf16"),),
+             frees=(f"grad/{e} gathered" if z.sp else "grad/layers.0/input", f"{e}/mask bf16")),
+        Step("the embedding's gradient: this rank's rows", (Made("grad/embedding", z.act * z.v_t * z.h, _WGRAD),),
+             frees=(f"grad/{e} masked", f"{e}/ids"), hands_over=("grad/embedding",)),
+    )
+    if not z.sp:
+        return Op("tok_embeddings", forward=(*lookup, Step("f*: all-reduced into a copy, the first block's input", (
+            Made("layers.0/input", full, "(b, s, h), summed"),), frees=(f"{e}/partial",))), backward=masked)
+    return Op("tok_embeddings", forward=(
+        *lookup,
+        *_s_first(f"{e}/s-first", z, "the partial sum"),
+        Step("the reduce-scatter's output: the first block's input", (Made("layers.0/input", z.seq(z.h), "(b, s/t, h)"),),
+             frees=(f"{e}/partial", f"{e}/s-first")),
+    ), backward=(
+        *_contiguous(f"grad/{e} dY", z),
+        Step("the all-gather's buffer", (Made(f"grad/{e} buffer", full, "(t, b, s/t, h)"),)),
+        Step("concatenated along s: dY whole", (Made(f"grad/{e} gathered", full, "(b, s, h)"),),
+             frees=(f"grad/{e} buffer", f"grad/{e} dY", "grad/layers.0/input")),
+        *masked,
+    ))
+
+
+def output_ops(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
+    """The final norm, lm_head, and torchtitan's cross_entropy_loss divided by the valid tokens."""
+    last = f"layers.{config.L}/input"
+    logits, fp32 = z.tokens(z.act * z.v_t), z.tokens(4 * z.v_t)
+    loss = Op("", forward=(
+        Step("logits.float()", (Made("loss/logits fp32", fp32, "cross_entropy upcasts the flattened logits"),)),
+        Step("log_softmax", (Made("loss/log_softmax", fp32, "fp32; nll_loss's and its own backward keep it"),)),
+        Step("nll_loss: the summed loss and its count", (Made("loss/sum", 4, "0-d fp32"),
+                                                          Made("loss/total_weight", 4, "0-d fp32, kept")),
+             frees=("loss/logits fp32",)),
+        Step("divided by the valid tokens", (Made("loss/value", 4, "the loss (0-d fp32), live all step"),)),
+        Step("", frees=("loss/sum", "lm_head/logits")),  # the trainer's `del pred`
+        Step("loss.backward() seeds autograd", (Made("loss/grad seed", 4, "a 0-d ones tensor"),)),
+    ), backward=(
+        Step("the division's backward", (Made("grad/loss sum", 4, "0-d fp32"),), frees=("loss/valid tokens",)),
+        Step("nll_loss's backward", (Made("grad/log_softmax", fp32, "-1 at each target, fp32"),),
+             frees=("grad/loss sum", "loss/total_weight")),
+        Step("log_softmax's backward", (Made("grad/logits fp32", fp32, "fp32"),),
+             frees=("grad/log_softmax", "loss/log_softmax")),
+        Step("the upcast's backward: to bf16", (Made("grad/logits", logits, "bf16"),), frees=("grad/logits fp32",)),
+    ))
+    if z.t > 1:
+        loss = _loss_parallel(z)
+    return (
+        rms_norm("norm", z, rules.FINAL_NORM, "", _norm_out(z, "", "norm", ledger.OUTPUT_INPUT),
+                 "grad/norm dy" if z.t > 1 else "grad/lm_head dx", f"grad/{last}", frees=() if z.sp else (last,)),
+        *gather("norm", z, "", kept("", ledger.OUTPUT_INPUT), "grad/lm_head dx", "grad/norm dy",
+                frees=("norm out", last)),
+        linear("lm_head", ledger.OUTPUT_INPUT, Made("lm_head/logits", logits, "bf16 logits: the trainer's pred"),
+               z.act * z.v_t * z.h, "grad/lm_head dx", z.tokens(z.act * z.h), "", frees=("grad/logits",)),
+        loss,
+    )
+
+
+def _loss_parallel(z: Sizes) -> Op:
+    """torchtitan's _LossParallelCrossEntropy (components/loss.py) on this rank's v/t columns: the row maxima, the
+    sums of exp and each target's log-probability all-reduced (funcol: new tensors); it keeps the fp32
+    log-probabilities; then divided by the valid tokens. Its backward builds the one-hot update and exp(log_probs)."""
+    n, fp32, l, g = z.tokens(1), z.tokens(4 * z.v_t), "loss", "grad/loss"
+    row, ids = z.tokens(4), z.tokens(8)
+
+    def labels(p: str, frees: tuple[str, ...] = ()) -> tuple[Step, ...]:
+        """labels != IGNORE_INDEX, the safe labels, this rank's range and the local labels (forward and backward)."""
+        return (
+            Step("labels != IGNORE_INDEX", (Made(f"{p}/valid", n, "bool"),), frees=frees),
+            Step("0 as a tensor", (Made(f"{p}/zero", 8, "0-d int64"),)),
+            Step("where: the safe labels", (Made(f"{p}/safe labels", ids, "int64"),), frees=(f"{p}/valid", f"{p}/zero")),
+            Step("labels < the rank's first column", (Made(f"{p}/lt", n, "bool"),)),
+            Step("labels >= its last", (Made(f"{p}/ge", n, "bool"),)),
+            Step("out of range: either", (Made(f"{p}/out of range", n, "bool"),), frees=(f"{p}/lt", f"{p}/ge")),
+            Step("the local labels", (Made(f"{p}/local labels", ids, "int64"),)),
+            Step("0 for index_put_", (Made(f"{p}/zero 2", 8, "0-d int64"),), frees=(f"{p}/zero 2",)),
+        )
+    forward = (
+        Step("logits.float()", (Made(f"{l}/logits fp32", fp32, "(b*s, v/t)"),)),
+        Step("each row's local max", (Made(f"{l}/local max", row, "fp32"),)),
+        Step("all-reduced: the max", (Made(f"{l}/max", row, "fp32"),), frees=(f"{l}/local max",)),
+        Step("logits - max", (Made(f"{l}/shifted", fp32, "fp32"),)),
+        Step("exp", (Made(f"{l}/exp", fp32, "fp32, a temporary"),)),
+        Step("summed over the columns", (Made(f"{l}/local sum", row, "fp32"),), frees=(f"{l}/exp",)),
+        Step("all-reduced: the sum of exp", (Made(f"{l}/sum exp", row, "fp32"),), frees=(f"{l}/local sum",)),
+        Step("its log", (Made(f"{l}/log sum", row, "fp32, a temporary"),)),
+        Step("shifted - log: the log-probabilities", (Made(f"{l}/log_probs", fp32, "fp32, kept for backward"),),
+             frees=(f"{l}/log sum",)),
+        *labels(l),
+        Step("gathered: each target's log-probability", (Made(f"{l}/local target", row, "fp32"),)),
+        Step("0.0 for index_put_", (Made(f"{l}/zero 3", 4, "0-d fp32"),), frees=(f"{l}/zero 3",)),
+        Step("all-reduced: the targets' log-probabilities", (Made(f"{l}/target", row, "fp32"),),
+             frees=(f"{l}/local target",)),
+        Step("negated", (Made(f"{l}/neg", row, "fp32"),)),
+        Step("labels != IGNORE_INDEX", (Made(f"{l}/valid 2", n, "bool"),)),
+        Step("0 as a tensor", (Made(f"{l}/zero 4", 4, "0-d fp32"),)),
+        Step("where: each token's loss", (Made(f"{l}/per token", row, "fp32"),),
+             frees=(f"{l}/valid 2", f"{l}/zero 4", f"{l}/neg")),
+        Step("summed: the loss", (Made(f"{l}/sum", 4, "0-d fp32"),), frees=(
+            f"{l}/logits fp32", f"{l}/shifted", f"{l}/max", f"{l}/sum exp", f"{l}/safe labels", f"{l}/out of range",
+            f"{l}/local labels", f"{l}/target", f"{l}/per token")),
+        Step("divided by the valid tokens", (Made(f"{l}/value", 4, "the loss (0-d fp32), live all step"),)),
+        Step("", frees=(f"{l}/sum", "lm_head/logits")),  # the trainer's `del pred`
+        Step("loss.backward() seeds autograd", (Made(f"{l}/grad seed", 4, "a 0-d ones tensor"),)),
+    )
+    backward = (
+        Step("the division's backward", (Made(f"{g} sum", 4, "0-d fp32"),), frees=(f"{l}/valid tokens",)),
+        *labels(g),
+        Step("zeros like the log-probabilities", (Made(f"{g}/one-hot", fp32, "fp32"),)),
+        Step("row indices", (Made(f"{g}/arange", ids, "int64"),)),
+        Step("out of range, as fp32", (Made(f"{g}/out of range fp32", row, "fp32"),)),
+        Step("- 1: the update at each target", (Made(f"{g}/update", row, "fp32"),),
+             frees=(f"{g}/out of range fp32",)),
+        Step("labels != IGNORE_INDEX", (Made(f"{g}/valid 2", n, "bool"),)),
+        Step("0 as a tensor", (Made(f"{g}/zero 4", 4, "0-d fp32"),)),
+        Step("where: dY per row", (Made(f"{g}/dY", row, "fp32"),), frees=(f"{g}/valid 2", f"{g}/zero 4")),
+        Step("exp(log_probs)", (Made(f"{g}/exp", fp32, "fp32"),)),
+        Step("the one-hot update + exp", (Made(f"{g}/sum", fp32, "fp32"),), frees=(f"{g}/exp",)),
+        Step("times dY", (Made(f"{g}/logits fp32", fp32, "fp32"),), frees=(
+            f"{g}/sum", f"{g}/one-hot", f"{g}/safe labels", f"{g}/out of range", f"{g}/local labels",
+            f"{g}/arange", f"{g}/update", f"{g}/dY", f"{g} sum", f"{l}/log_probs")),
+        Step("cast to bf16", (Made("grad/logits", z.tokens(z.act * z.v_t), "bf16"),), frees=(f"{g}/logits fp32",)),
+    )
+    return Op("", forward, backward)

@@ -1,0 +1,127 @@
+"""One whole training step of torchtitan's own Llama3Model (`--impl torchtitan`) under torch's MemTracker, against
+the step timeline built from its ops (memcalc.sizing.timeline.torchtitan on the generic walk): the peak, each
+category at it and the state between steps to the byte; MemTracker reaches its peak at the moment the timeline names,
+for sizes that put the peak in four different places at t = 1 and three under its own TP plan, with and without its
+sequence-parallel norms (rank 0 of t through the fake group); and every moment the timeline names is MemTracker's
+reading after some op, in order, in its module."""
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("torchtitan")
+
+from memcalc.config.schema import build_config  # noqa: E402
+from memcalc.errors import ConfigError  # noqa: E402
+from memcalc.model.knobs import Accounting  # noqa: E402
+from memcalc.model.strategy import STRATEGIES  # noqa: E402
+from memcalc.probe.group import single  # noqa: E402
+from memcalc.probe.launch import run_fake  # noqa: E402
+from memcalc.probe.libs.torchtitan_step import runtime, warmed_up  # noqa: E402
+from memcalc.probe.step import measure_step  # noqa: E402
+from memcalc.sizing.timeline import ACTIVATIONS, timeline  # noqa: E402
+
+from ..step_readings import assert_moments_in_order, readings_after_every_op  # noqa: E402
+
+# Llama3-style: SwiGLU (f = 176), RMSNorm, two K/V groups for eight heads, RoPE, no biases, untied, no recomputation.
+LLAMA3 = dict(
+    impl="torchtitan", b=2, s=24, h=64, a=8, L=2, vocab_size=250, ffn_hidden_size=176, num_query_groups=2,
+    position_embedding_type="rope", add_bias_linear=False, tie_embeddings=False, recompute="none",
+)
+CPU = Accounting(exact=True, device="cpu")
+
+
+def _config(**changes):
+    return build_config(LLAMA3 | changes)
+
+
+# Sizes that move the peak: each entry's peak is somewhere no other entry's is.
+MOMENTS = [
+    {},  # the loss's backward: three fp32 (b*s, v) tensors
+    {"vocab_size": 16, "s": 64, "a": 16, "num_query_groups": 16},  # the final RMSNorm's five fp32 temporaries
+    {"vocab_size": 16, "ffn_hidden_size": 512},  # the last block's w2 GEMMs
+    {"b": 1, "s": 7, "num_query_groups": 8, "ffn_hidden_size": 100},  # lm_head's GEMMs
+]
+
+
+def test_the_chosen_sizes_put_the_peak_in_four_different_places():
+    """What gives the next test its meaning: no two cases share a predicted moment."""
+    moments = {timeline(_config(**c), STRATEGIES["none"], CPU).peak.label() for c in MOMENTS}
+    assert len(moments) == len(MOMENTS), moments
+
+
+@pytest.mark.parametrize("changes", MOMENTS, ids=str)
+def test_wherever_the_peak_is_memtracker_reaches_it_there_to_the_byte(one_thread, changes):
+    (r,) = measure_step(_config(**changes), ["none"])
+    assert r.model == "torchtitan's Llama3Model"
+    assert r.measured.moment == r.predicted_moment
+    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+    assert r.measured.steady.get(ACTIVATIONS, 0) == 0  # the batch is loaded inside the step
+
+
+@pytest.mark.parametrize("changes", [
+    {},
+    {"L": 1, "b": 3, "s": 16, "num_query_groups": 1, "vocab_size": 1000},  # one K/V group
+    {"b": 1, "s": 7, "num_query_groups": 8, "ffn_hidden_size": 100},  # no GQA, an odd sequence
+], ids=str)
+def test_every_moment_the_timeline_names_happens_in_order_in_its_module_with_its_bytes(one_thread, changes):
+    """Not only the peak: each moment is MemTracker's reading after some op, in the named module, in order."""
+    config = _config(**changes)
+    readings = readings_after_every_op(warmed_up(single(), config, STRATEGIES["none"]))
+    assert_moments_in_order(timeline(config, STRATEGIES["none"], CPU).moments[1:-1], readings)
+
+
+# -- under torchtitan's own TP plan (tp-sp: its default; tp: enable_sp off), rank 0 of t through the fake group ------
+
+TP_MOMENTS = [
+    ({"t": 2}, "tp-sp"),  # the vocabulary-parallel loss's backward: the one-hot update beside exp(log_probs)
+    ({"t": 2, "b": 1, "s": 8, "num_query_groups": 8, "vocab_size": 64, "ffn_hidden_size": 512}, "tp"),  # w2's GEMMs
+    ({"t": 4, "num_query_groups": 4, "vocab_size": 32, "s": 64}, "tp-sp"),  # forward: the final norm's all-gather
+    ({"t": 4, "num_query_groups": 4, "vocab_size": 32, "s": 64}, "tp"),  # the final norm's fp32 backward
+]
+
+
+def test_under_tp_the_chosen_sizes_put_the_peak_in_four_different_places():
+    moments = {timeline(_config(**c), STRATEGIES[st], CPU).peak.label() for c, st in TP_MOMENTS}
+    assert len(moments) == len(TP_MOMENTS), moments
+
+
+@pytest.mark.parametrize("changes, strategy", TP_MOMENTS, ids=str)
+def test_under_tp_wherever_the_peak_is_memtracker_reaches_it_there_to_the_byte(one_thread, changes, strategy):
+    (r,) = measure_step(_config(**changes), [strategy])
+    assert r.measured.t == changes["t"] and r.how().startswith(f"one process as rank 0 of t={changes['t']}")
+    assert r.measured.moment == r.predicted_moment
+    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+
+
+@pytest.mark.parametrize("strategy", ["tp-sp", "tp"])
+@pytest.mark.parametrize("changes", [TP_MOMENTS[0][0], TP_MOMENTS[1][0], {"t": 4, "num_query_groups": 4, "L": 1}],
+                         ids=str)
+def test_under_tp_every_moment_the_timeline_names_happens_in_order(one_thread, changes, strategy):
+    """Each collective's buffer (under SP the all-gathers at the modules' entries and the reduce-scatters after wo and
+    w2, at b > 1 and at b = 1 where the s-first copies are views; without SP f's and f*'s all-reduced copies), the
+    vocabulary-parallel embedding and loss."""
+    config = _config(**changes)
+
+    def readings(tp):
+        with runtime(tp) as dims:
+            return readings_after_every_op(warmed_up(tp, config, STRATEGIES[strategy], dims))
+
+    assert_moments_in_order(timeline(config, STRATEGIES[strategy], CPU).moments[1:-1], run_fake(readings, (), config.t))
+
+
+@pytest.mark.parametrize("changes, named", [
+    ({"pp": 2}, "pp=2"),
+    ({"recompute": "full"}, "recompute full"),
+    ({"dp_shard": 2}, "dp_shard"),
+    ({"tie_embeddings": True}, "tie_embeddings"),
+    ({"position_embedding_type": "learned_absolute"}, "position_embedding_type learned_absolute"),
+])
+def test_what_the_walk_does_not_model_is_refused_by_name(changes, named):
+    with pytest.raises(ConfigError, match=named):
+        timeline(_config(**changes), STRATEGIES["none"], CPU)
+
+
+def test_on_cuda_the_walk_refuses_what_it_has_not_described():
+    """CUDA runs flex attention and the fused rms_norm kernel: other tensors, another backward."""
+    with pytest.raises(ConfigError, match="device cuda"):
+        timeline(_config(), STRATEGIES["none"], Accounting(exact=True, device="cuda"))
