@@ -365,9 +365,39 @@ _GPT_NEOX = (
 _MISTRAL = (*_LLAMA_HEADS, Row("sliding_window", ("sliding_window",), _sliding_window, default=4096))
 
 
+def _partial_rotary(default: float) -> Callable[[Any], float]:
+    """GLM's share of each head that RoPE rotates: rope_parameters' partial_rotary_factor (the config class sets
+    `default` when the file has none)."""
+
+    def convert(rope: Any) -> float:
+        fraction = rope.get("partial_rotary_factor", default) if isinstance(rope, dict) else rope
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+            raise ConfigError(f"rope_parameters' partial_rotary_factor must be in (0, 1], got {short_repr(fraction)}")
+        return fraction
+
+    return convert
+
+
+# GlmConfig: a Llama layer (LlamaRMSNorm's code) whose gate and up are one gate_up_proj (its tp_plan gathers that
+# output), whose Q, K and V carry biases (attention_bias, o_proj none) and whose RoPE turns the first half of each
+# head (partial_rotary_factor, 0.5 unless said), its tables interleaved; heads of head_dim (128 by default).
+# Glm4Config: the same layer with sandwich norms (post_self_attn_layernorm and post_mlp_layernorm).
+_GLM = (
+    *(r for r in _LLAMA if r.target != "add_bias_linear"), _head_dim_row(128),
+    Row("add_qkv_bias", ("attention_bias",), lambda v: _flag("attention_bias", v), default=True),
+    Row("rotary_percent", ("rope_parameters",), _partial_rotary(0.5), default=0.5),
+)
+
+
 def _dense(k: Any) -> bool:
-    """A Llama-family layer with a dense MLP and plain multi-head or grouped-query attention."""
-    return not k.moe and not k.mla and not k.qk_layernorm
+    """A Llama-family layer with a dense MLP and plain multi-head or grouped-query attention, rotating whole heads
+    (a rotary fraction in an RMSNorm layer is GLM's)."""
+    return not k.moe and not k.mla and not k.qk_layernorm and k.rotary_percent is None
+
+
+def _glm(k: Any) -> bool:
+    """GLM's layer: an RMSNorm layer rotating a share of each head (rotary_percent), dense, without QK norms."""
+    return k.rotary_percent is not None and not k.moe and not k.mla and not k.qk_layernorm
 
 
 def _qkv_bias(k: Any) -> bool:
@@ -454,6 +484,10 @@ FAMILIES: dict[str, Family] = {
         Family("deepseek_v3", "DeepseekV3Config", "DeepseekV3DecoderLayer", ("DeepseekV3ForCausalLM",),
                _DEEPSEEK_V3, _ROPE, when=lambda k: k.mla, router="DeepseekV3TopkRouter",
                attribute_map={"num_local_experts": "n_routed_experts", "num_mtp_layers": "num_nextn_predict_layers"}),
+        Family("glm", "GlmConfig", "GlmDecoderLayer", ("GlmForCausalLM",), _GLM, _ROPE,
+               when=lambda k: _glm(k) and not k.sandwich_norm),
+        Family("glm4", "Glm4Config", "Glm4DecoderLayer", ("Glm4ForCausalLM",), _GLM, _ROPE | {"sandwich_norm": True},
+               when=lambda k: _glm(k) and k.sandwich_norm),
     )
 }
 # model_types transformers builds whose layers memcalc has no rules for, and what they lack: refused by name.
@@ -615,6 +649,10 @@ def _family(raw: dict[str, Any], path: Path) -> Family:
         return family
     if model_type in UNREAD:
         raise ConfigError(f"{path}: model_type {model_type} has {UNREAD[model_type]}, which memcalc does not model")
+    if raw.get("auto_map") is not None:
+        raise ConfigError(f"{path}: model_type {short_repr(model_type)} is built by the model's own code (auto_map,"
+                          " trust_remote_code), not by a transformers class; memcalc measures only transformers' own"
+                          " classes")
     known = ", ".join(FAMILIES)
     if model_type is None and not architectures:
         raise ConfigError(f"{path}: names no architecture (no model_type, no architectures); memcalc reads {known}")

@@ -204,6 +204,29 @@ NEOX_QKV_OUT = SavedTensor(
     " a view", (Dim.B, Dim.S, Dim.QKV, Dim.D), Kind.ACTIVATION, _TEN,
     "the gradient of the attention weights is dOut V^T: V is read from the fused output it views",
 )
+# GLM's apply_rotary_pos_emb interleaves the model's (1, s, d_r) tables (cos[..., :d_r/2].repeat_interleave(2)): the
+# new (s, d_r) tables are what q_rot * cos and rotate_half(q_rot) * sin keep, once per layer.
+GLM_ROPE_COS = SavedTensor(
+    "attention/rope_cos_interleaved", "GLM apply_rotary_pos_emb: cos[..., :d_r/2].repeat_interleave(2), kept by"
+    " q_rot * cos", (Dim.S, Dim.DR), Kind.ACTIVATION, _SEQ,
+    "the gradient of q_rot in q_rot * cos is dY * cos (the interleaved table, a tensor of its own)", paper=False,
+)
+GLM_ROPE_SIN = SavedTensor(
+    "attention/rope_sin_interleaved", "GLM apply_rotary_pos_emb: sin[..., :d_r/2].repeat_interleave(2), kept by"
+    " rotate_half(q_rot) * sin", (Dim.S, Dim.DR), Kind.ACTIVATION, _SEQ,
+    "the gradient of rotate_half(q_rot) in rotate_half(q_rot) * sin is dY * sin", paper=False,
+)
+# torch's flash kernel lays its output out as the query is laid out (CPU: measured; CUDA's mha_fwd: empty_like(q), read
+# from code). Llama's query is a view of q_proj's (b, s, a, d) output, so o_proj reads the output itself; GLM's is the
+# contiguous (b, a, s, d) torch.cat of its rotated and passed channels, so transformers' transpose(1, 2).contiguous()
+# copies the output for o_proj, and the kernel keeps the output of its own.
+GLM_SDPA_OUT = SavedTensor(
+    "attention/sdpa_out", "SDPA flash kernel: its output, laid out as GLM's contiguous (b, a, s, d) query", _BASD,
+    Kind.ACTIVATION, _TEN, "flash attention's backward reads its output (for the softmax's gradient)",
+)
+# GLM-4's sandwich norms: LlamaRMSNorm's code (Glm4RMSNorm) on the attention's output and on the MLP's output.
+GLM_POST_ATTN = _rms_norm("ln_post_attn_rms", "GLM-4's post_self_attn_layernorm, on the attention's output")
+GLM_POST_MLP = _rms_norm("ln_post_mlp_rms", "GLM-4's post_mlp_layernorm, on the MLP's output")
 ROPE_COS = SavedTensor(
     "attention/rope_cos", "apply_rotary_pos_emb: q * cos and k * cos", (Dim.S, Dim.D), Kind.ACTIVATION, _SEQ,
     "the gradient of q in q * cos is dY * cos (one (1, s, d) table from the model's rotary embedding)", paper=False,
@@ -386,6 +409,11 @@ def is_llama(knobs: Any) -> bool:
     return knobs.norm in ("rmsnorm", "rmsnorm_1p", "layernorm_np")
 
 
+def is_glm(knobs: Any) -> bool:
+    """GlmDecoderLayer (Glm4DecoderLayer with sandwich norms): an RMSNorm layer rotating a share of each head."""
+    return knobs.norm == "rmsnorm" and knobs.rotary_percent is not None
+
+
 def is_neox(knobs: Any) -> bool:
     """GPTNeoXLayer: a LayerNorm layer with (partial) RoPE, rotary_percent set (GPT-2 has no RoPE)."""
     return not is_llama(knobs) and knobs.rotary_percent is not None
@@ -482,11 +510,14 @@ def attention_block(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ..
     """Q/K/V projections' input, RoPE tables (Llama), the core, o_proj's input, GPT-2's resid dropout."""
     if knobs.mla:
         return latent_attention(knobs)
-    rope = ((OLMO_ROPE_COS, OLMO_ROPE_SIN) if knobs.norm == "layernorm_np" else (ROPE_COS, ROPE_SIN) if is_llama(knobs)
+    rope = ((OLMO_ROPE_COS, OLMO_ROPE_SIN) if knobs.norm == "layernorm_np" else (GLM_ROPE_COS, GLM_ROPE_SIN)
+            if is_glm(knobs) else (ROPE_COS, ROPE_SIN) if is_llama(knobs)
             else (NEOX_ROPE_COS, NEOX_ROPE_SIN) if is_neox(knobs) else ())
     qk_norm = (() if not knobs.qk_layernorm else (*GEMMA_Q_NORM, *GEMMA_K_NORM) if knobs.norm == "rmsnorm_1p"
                else (*Q_NORM_RMS, *K_NORM_RMS))
     core = _sdpa(knobs, accounting) if knobs.attention == "flash" else _eager(knobs)
+    if is_glm(knobs) and knobs.attention == "flash" and core != SDPA_MATH:
+        core += (GLM_SDPA_OUT,)
     resid = (ledger.ATTN_OUT_DROPOUT_MASK,) if knobs.has_dropout and not is_llama(knobs) else ()
     return (ledger.QKV_IN, *qk_norm, *rope, *core, ledger.PROJ_IN, *resid)
 
@@ -543,12 +574,21 @@ def layer_tensors(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]
     """Every tensor one transformers decoder layer keeps for backward, in forward order."""
     if knobs.recompute == "full":
         return (ledger.LAYER_INPUT,)  # torch.utils.checkpoint keeps the layer's positional input
-    post_attn, post_mlp = (tuple(GEMMA_POST_ATTN), tuple(GEMMA_POST_MLP)) if knobs.sandwich_norm else ((), ())
+    post_attn, post_mlp = sandwich_norms(knobs)
     blocks = (
         norm_block(0, knobs) + attention_block(knobs, accounting) + post_attn + norm_block(1, knobs)
         + (moe_block(knobs) if knobs.moe else mlp_block(knobs)) + post_mlp
     )
     return drop_small(blocks, accounting)
+
+
+def sandwich_norms(knobs: Any) -> tuple[tuple[SavedTensor, ...], tuple[SavedTensor, ...]]:
+    """The norms on the attention's and the MLP's outputs: Gemma 2/3's GemmaRMSNorm, GLM-4's LlamaRMSNorm code."""
+    if not knobs.sandwich_norm:
+        return (), ()
+    if knobs.norm == "rmsnorm_1p":
+        return tuple(GEMMA_POST_ATTN), tuple(GEMMA_POST_MLP)
+    return tuple(GLM_POST_ATTN), tuple(GLM_POST_MLP)
 
 
 def check(knobs: Any) -> None:
@@ -603,9 +643,12 @@ def _check_neox(knobs: Any) -> None:
     """GPT-NeoX's knobs: a LayerNorm layer's partial RoPE (rotary_percent) and parallel residual, eager attention."""
     if knobs.rotary_percent is not None and not 0 < knobs.rotary_percent <= 1:
         raise ConfigError(f"impl hf: rotary_percent={knobs.rotary_percent} must be in (0, 1] (a share of each head)")
-    if is_llama(knobs) and (knobs.rotary_percent is not None or knobs.parallel_residual):
-        raise ConfigError("impl hf: rotary_percent and parallel_residual are GPTNeoXLayer's (norm layernorm); the"
-                          " Llama family's layers rotate whole heads in sequence")
+    if is_llama(knobs) and knobs.parallel_residual:
+        raise ConfigError("impl hf: parallel_residual is GPTNeoXLayer's (norm layernorm); the Llama family's layers"
+                          " run attention and MLP in sequence")
+    if is_llama(knobs) and knobs.rotary_percent is not None and knobs.norm != "rmsnorm":
+        raise ConfigError(f"impl hf: rotary_percent in an RMSNorm layer is GLM's (norm rmsnorm); norm {knobs.norm}'s"
+                          " layers rotate whole heads")
     if not is_llama(knobs) and knobs.parallel_residual and knobs.rotary_percent is None:
         raise ConfigError("impl hf: parallel_residual is GPTNeoXLayer's, which has RoPE: set rotary_percent (GPT2Block"
                           " has neither)")
@@ -618,9 +661,10 @@ def _check_neox(knobs: Any) -> None:
 def _check_gemma2(knobs: Any) -> None:
     """Gemma 2's sandwich norms are GemmaRMSNorm's (norm rmsnorm_1p); its soft-capping runs in eager attention only
     (SDPA's kernels take no softcap)."""
-    if knobs.sandwich_norm and knobs.norm != "rmsnorm_1p":
-        raise ConfigError("impl hf: sandwich_norm is Gemma 2's, whose norms are GemmaRMSNorm: set norm rmsnorm_1p")
-    if knobs.attn_logit_softcapping is not None and not knobs.sandwich_norm:
+    if knobs.sandwich_norm and knobs.norm != "rmsnorm_1p" and not is_glm(knobs):
+        raise ConfigError("impl hf: sandwich_norm is Gemma 2's, whose norms are GemmaRMSNorm (set norm rmsnorm_1p),"
+                          " or GLM-4's (norm rmsnorm with rotary_percent)")
+    if knobs.attn_logit_softcapping is not None and (not knobs.sandwich_norm or knobs.norm != "rmsnorm_1p"):
         raise ConfigError("impl hf: attn_logit_softcapping is Gemma 2's (Gemma2DecoderLayer: set sandwich_norm and norm"
                           " rmsnorm_1p)")
     if knobs.attn_logit_softcapping is not None and knobs.attention != "eager":
@@ -735,11 +779,19 @@ LATENT_TP_NOT_MODELLED = Refusal(
 )
 
 
+# GLM's plan shards gate_up_proj "colwise_gather_output" (its output all-gathered, since GlmMLP chunks it into gate and
+# up) and down_proj "rowwise_split_input" (each rank takes its f/t columns of the whole product): gate, up and SiLU's
+# output are whole on every rank, down_proj's input this rank's contiguous f/t.
+GLM_GATHERED_MLP = (ledger.SWIGLU_GATE, ledger.SWIGLU_UP, ledger.SWIGLU_SILU_OUT)
+
+
 def unsharded(knobs: Any) -> frozenset[str]:
     """What tp keeps whole because transformers' plan names no module that makes it: Qwen2-MoE's shared expert
-    (its gate and combine lie outside any column/row pair, whole anyway)."""
+    (its gate and combine lie outside any column/row pair, whole anyway); or gathers: GLM's gate, up and SiLU out."""
     qwen2_moe = knobs.moe and knobs.moe_shared_expert_intermediate_size and not knobs.mla
-    return frozenset(x.name for x in SHARED_MLP) if qwen2_moe else frozenset()
+    if qwen2_moe:
+        return frozenset(x.name for x in SHARED_MLP)
+    return frozenset(x.name for x in GLM_GATHERED_MLP) if is_glm(knobs) else frozenset()
 
 
 IMPLEMENTATION = Implementation(
@@ -753,8 +805,10 @@ IMPLEMENTATION = Implementation(
     " transformers' own tp_plan (apply_tensor_parallelism, DTensor) at t = 2 and 4, the MoE layers of Mixtral,"
     " Qwen2-MoE and Qwen3-MoE too (forced routers); GemmaDecoderLayer, Gemma2DecoderLayer (sandwich norms,"
     " soft-capping), Gemma3DecoderLayer (and its q/k norms) and OlmoDecoderLayer, eager and sdpa (Gemma 2: eager),"
-    " at t = 1 and 2; GPTNeoXLayer (parallel or sequential residual, partial RoPE), eager, t = 1 (the families"
-    " `memcalc hf-families` lists, each from a config.json its transformers class wrote)",
+    " at t = 1 and 2; GPTNeoXLayer (parallel or sequential residual, partial RoPE), eager, t = 1; GlmDecoderLayer and"
+    " Glm4DecoderLayer (interleaved partial RoPE, one gate_up_proj gathered under tp, GLM-4's sandwich norms), eager"
+    " and sdpa, at t = 1 and 2 (the families `memcalc hf-families` lists, each from a config.json its transformers"
+    " class wrote)",
     layer_tensors=layer_tensors,
     refuses=(NO_SEQUENCE_PARALLEL, GPT2_NO_TP_PLAN, NEOX_TP_NOT_MODELLED, LATENT_TP_NOT_MODELLED),
     unsharded=unsharded,
@@ -766,6 +820,7 @@ IMPLEMENTATION = Implementation(
         ROPE_COS, ROPE_SIN, *MLA_Q_RMS, *MLA_KV_RMS, MLA_ROPE_COS, MLA_ROPE_SIN, K_EXPANDED, V_EXPANDED, SOFTMAX_FP32, WEIGHTS, *SDPA_MATH,
         HALF_X, TANH_OUT, ONE_PLUS_TANH, *MOE_TENSORS, NEOX_ROPE_COS, NEOX_ROPE_SIN, NEOX_QKV_OUT,
     *GEMMA_LN1, *GEMMA_LN2, *GEMMA_Q_NORM, *GEMMA_K_NORM, *GEMMA_POST_ATTN, *GEMMA_POST_MLP, SOFTCAP_TANH, GEGLU_GATE, GEGLU_UP, GEGLU_GELU_OUT, *OLMO_LN1, *OLMO_LN2, OLMO_ROPE_COS, OLMO_ROPE_SIN,  # FLASH_DROPOUT_LSE is the ledger's LSE, described as read from code
+        GLM_ROPE_COS, GLM_ROPE_SIN, GLM_SDPA_OUT, *GLM_POST_ATTN, *GLM_POST_MLP,
     ),
     # LlamaConfig's own: RMSNorm, SwiGLU, attention_dropout 0, attn_implementation "sdpa" (memcalc's flash).
     defaults={

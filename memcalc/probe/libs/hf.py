@@ -103,7 +103,11 @@ _QKV_PARTS = (ledger.Q, ledger.K, ledger.V)  # each h columns wide (GPT-2 has no
 _GATE_UP = SavedTensor("moe/expert_gate_up", "MixtralExperts gate_up_proj", (), Kind.ACTIVATION, Region.EXPERT,
                        "chunked into gate and up")
 _GATE_UP_PARTS = (ledger.EXPERT_GATE, ledger.EXPERT_UP)
-_MARKERS = (_QKV_OUT, _GATE_UP)
+# GLM's gate_up_proj output, (b, s, 2f): chunked into the gate (SiLU keeps it) and up (the product keeps it).
+_GLM_GATE_UP = SavedTensor("mlp/gate_up", "GlmMLP gate_up_proj", (), Kind.ACTIVATION, Region.TENSOR,
+                           "chunked into gate and up")
+_HALVES = {_GATE_UP.name: _GATE_UP_PARTS, _GLM_GATE_UP.name: (ledger.SWIGLU_GATE, ledger.SWIGLU_UP)}
+_MARKERS = (_QKV_OUT, _GATE_UP, _GLM_GATE_UP)
 # The (1, s, d) RoPE tables the model passes its layers: a Llama head's, or latent attention's RoPE part's.
 _ROPE_TABLES = ((rules.ROPE_COS, rules.ROPE_SIN), (rules.MLA_ROPE_COS, rules.MLA_ROPE_SIN),
                 (rules.NEOX_ROPE_COS, rules.NEOX_ROPE_SIN), (rules.OLMO_ROPE_COS, rules.OLMO_ROPE_SIN))
@@ -231,7 +235,16 @@ def llama_config(config: ModelConfig, family: str = "llama") -> Any:
         max_position_embeddings=config.s, vocab_size=config.vocab_size, tie_word_embeddings=config.tie_embeddings,
         attn_implementation=attention_implementation(config),
     ) | _moe_fields(config, family) | _latent_fields(config, family) | _head_fields(config, family)
-      | _window_fields(config, family))
+      | _window_fields(config, family) | _glm_fields(config, family))
+
+
+def _glm_fields(config: ModelConfig, family: str) -> dict[str, Any]:
+    """GLM's rotary share (rope_parameters' partial_rotary_factor) and its Q, K, V biases (attention_bias)."""
+    if family not in ("glm", "glm4"):
+        return {}
+    return {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                "partial_rotary_factor": config.rotary_percent},
+            "attention_bias": config.add_qkv_bias}
 
 
 def neox_config(config: ModelConfig) -> Any:
@@ -449,12 +462,31 @@ def label_rules_for(config: ModelConfig) -> tuple[Rule, ...]:
     if rules.is_llama(config):
         attention = _latent_attention_rules(config) if config.mla else _llama_attention_rules(config)
         first, second = _llama_norm_rules(config)
+        if rules.is_glm(config):
+            return (*first, *attention, *_glm_rules(config), *second)
         return (*first, *attention, *second, *_llama_mlp_rules(), *_moe_rules(config))
     if rules.is_neox(config):
         return (*_layer_norm_rules("input_layernorm", ledger.LN1), *_neox_attention_rules(config),
                 *_layer_norm_rules("post_attention_layernorm", ledger.LN2), *_neox_mlp_rules(config))
     return (*_layer_norm_rules("ln_1", ledger.LN1), *_gpt2_attention_rules(config),
             *_layer_norm_rules("ln_2", ledger.LN2), *_gpt2_mlp_rules(config))
+
+
+def _glm_rules(config: ModelConfig) -> tuple[Rule, ...]:
+    """GLM's interleaved RoPE tables ((1, 1, s, d_r) each), GlmMLP's one gate_up_proj output chunked into gate and
+    up, and GLM-4's sandwich norms (post_self_attn_layernorm, post_mlp_layernorm)."""
+    table = lambda x: x[0, 0]  # noqa: E731
+    return (
+        Rule("self_attn", "repeat_interleave", rules.GLM_ROPE_COS, nth=0, view=table),
+        Rule("self_attn", "repeat_interleave", rules.GLM_ROPE_SIN, nth=1, view=table),
+        Rule("self_attn", "scaled_dot_product_attention", rules.GLM_SDPA_OUT),
+        Rule("mlp.gate_up_proj", "linear", ledger.FC1_IN, arg=0),
+        Rule("mlp.gate_up_proj", "forward", _GLM_GATE_UP),  # under tp the gathered output (colwise_gather_output)
+        Rule("mlp.activation_fn", "silu", ledger.SWIGLU_SILU_OUT),
+        Rule("mlp.down_proj", "linear", ledger.FC2_IN, arg=0),
+        *_rms_rules("post_self_attn_layernorm", rules.GLM_POST_ATTN),
+        *_rms_rules("post_mlp_layernorm", rules.GLM_POST_MLP),
+    )
 
 
 def _rms_rules(module: str, norm: rules.RMSNormTensors, view: Callable[[Any], Any] | None = None) -> tuple[Rule, ...]:
@@ -743,15 +775,15 @@ def _gpt2_mlp_rules(config: ModelConfig) -> tuple[Rule, ...]:
 
 def _attributed(saved: tuple[SavedStorage, ...], config: ModelConfig) -> tuple[SavedStorage, ...]:
     """The storages as ledger rows: GPT-2's c_attn output split into Q, K and V, a third of its bytes each, and
-    each expert's gate_up output into its gate and up, half each."""
+    each expert's (and GLM's MLP's) gate_up output into its gate and up, half each."""
     per_head = (config.b, config.a, config.s, config.h // config.a)
     rows: list[SavedStorage] = []
     for storage in saved:
         if storage.name == _QKV_OUT.name:
             rows += [SavedStorage(x.name, storage.nbytes // 3, per_head, storage.dtype) for x in _QKV_PARTS]
-        elif storage.name == _GATE_UP.name:
-            half = (storage.shape[0], storage.shape[1] // 2)
-            rows += [SavedStorage(x.name, storage.nbytes // 2, half, storage.dtype) for x in _GATE_UP_PARTS]
+        elif storage.name in _HALVES:
+            half = (*storage.shape[:-1], storage.shape[-1] // 2)
+            rows += [SavedStorage(x.name, storage.nbytes // 2, half, storage.dtype) for x in _HALVES[storage.name]]
         else:
             rows.append(storage)
     return tuple(rows)

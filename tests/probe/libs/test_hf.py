@@ -27,6 +27,7 @@ QWEN3 = LLAMA | {"kv_channels": 16, "qk_layernorm": True, "num_query_groups": 2}
 GEMMA = {"norm": "rmsnorm_1p", "mlp": "geglu_tanh", "kv_channels": 16, "num_query_groups": 2}
 GEMMA2 = GEMMA | {"sandwich_norm": True, "attn_logit_softcapping": 50.0, "attention": "eager"}
 GEMMA3 = GEMMA | {"sandwich_norm": True, "qk_layernorm": True}
+GLM = LLAMA | {"rotary_percent": 0.5, "kv_channels": 16, "num_query_groups": 2}  # GlmDecoderLayer; + sandwich: GLM-4
 NEOX = {"norm": "layernorm", "mlp": "gelu", "rotary_percent": 0.25, "parallel_residual": True, "attention": "eager"}
 
 
@@ -100,6 +101,14 @@ CASES = {
         (LLAMA | MLA | {"attention": "eager", "dtype": "fp32", "dropout": 0.0}, None),
     "gpt2 eager at b=1: the (b, a) batch flattens as a view": (GPT2 | {"attention": "eager", "dropout": 0.1, "b": 1},
                                                                None),
+    "glm eager: interleaved (s, d_r) rope tables, gate_up's one output kept as gate and up":
+        (GLM | {"attention": "eager", "dropout": 0.0}, None),
+    "glm4 sdpa: sandwich norms; the flash kernel keeps its output, laid out as the cat query, apart from o_proj's copy":
+        (GLM | {"attention": "flash", "dropout": 0.0, "sandwich_norm": True}, None),
+    "glm sdpa with dropout on a cpu: the math kernel keeps no output of its own":
+        (GLM | {"attention": "flash", "dropout": 0.1}, None),
+    "glm fp32 at b=1 with one k/v group, whole heads rotated":
+        (GLM | {"attention": "eager", "dtype": "fp32", "b": 1, "num_query_groups": 1, "rotary_percent": 1.0}, None),
 }
 
 
@@ -146,7 +155,10 @@ def test_the_shim_makes_cpu_dropout_keep_a_bool_mask_and_undoes_itself():
     (GEMMA | {"attn_logit_softcapping": 30.0, "attention": "eager"}, "attn_logit_softcapping is Gemma 2's"),
     (LLAMA | {"sandwich_norm": True}, "sandwich_norm is Gemma 2's"),
     (GPT2 | {"parallel_residual": True}, "parallel_residual is GPTNeoXLayer's, which has RoPE"),
-    (LLAMA | {"rotary_percent": 0.5}, "rotary_percent and parallel_residual are GPTNeoXLayer's"),
+    (LLAMA | {"parallel_residual": True}, "parallel_residual is GPTNeoXLayer's"),
+    (GEMMA | {"rotary_percent": 0.5}, "rotary_percent in an RMSNorm layer is GLM's"),
+    (GLM | {"sandwich_norm": True, "attn_logit_softcapping": 30.0, "attention": "eager"},
+     "attn_logit_softcapping is Gemma 2's"),
     (NEOX | {"rotary_percent": 1.5}, r"rotary_percent=1.5 must be in \(0, 1\]"),
 ])
 def test_knobs_no_transformers_layer_runs_are_refused(knobs, words):
@@ -190,6 +202,9 @@ TP_CASES = {
         (GEMMA2 | {"dropout": 0.0}, 2, "gemma2"),
     "gemma3 t=2": (GEMMA3 | {"attention": "eager", "dropout": 0.0}, 2, "gemma3_text"),
     "olmo t=2": ({"norm": "layernorm_np", "mlp": "swiglu", "attention": "eager", "dropout": 0.0}, 2, "olmo"),
+    "glm4 t=2: gate_up's output gathered (gate, up and SiLU's output whole), down_proj's input this rank's f/t":
+        (GLM | {"attention": "eager", "dropout": 0.0, "sandwich_norm": True}, 2, "glm4"),
+    "glm sdpa t=2": (GLM | {"attention": "flash", "dropout": 0.0}, 2, "glm"),
     "qwen3 t=2: q_norm and k_norm on this rank's heads of head_dim (replicated_with_grad_allreduce)":
         (LLAMA | {"attention": "eager", "dropout": 0.0, "num_query_groups": 2, "kv_channels": 16,
                   "qk_layernorm": True}, 2, None),
