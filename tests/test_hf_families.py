@@ -118,3 +118,33 @@ def test_pythia_is_read_with_its_parallel_residual_and_rotary_share_and_counted_
     assert run.code == 0, run.err
     assert "use_parallel_residual->parallel_residual=True, rotary_pct->rotary_percent=0.25" in run.err
     assert "tp left out: impl hf does not run it for GPT-NeoX" in run.err and "GPT-2" not in run.err
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"alibi": True}, "alibi=true is not modelled (ALiBi"),
+    ({"parallel_attn": False}, "parallel_attn=false is not modelled (Falcon's sequential block"),
+    ({"new_decoder_architecture": True, "num_kv_heads": 2}, "new_decoder_architecture=true is not modelled"),
+])
+def test_a_falcon_layout_memcalc_has_not_measured_is_refused_in_one_line(tmp_path, fields, words):
+    transformers = pytest.importorskip("transformers")
+    transformers.FalconConfig(hidden_size=32, num_attention_heads=4, **fields).save_pretrained(tmp_path)
+    one_line_error(memcalc_cli("estimate", "--impl", "hf", "--hf-config", str(tmp_path / "config.json")), words)
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"attention_dropout": 0.0, "hidden_dropout": 0.1}, "attention_dropout=0.0 with hidden_dropout=0.1"),
+    ({"pretraining_tp": 4, "slow_but_exact": True}, "slow_but_exact=true is not modelled"),
+])
+def test_a_bloom_setting_memcalc_cannot_count_is_refused_in_one_line(tmp_path, fields, words):
+    transformers = pytest.importorskip("transformers")
+    transformers.BloomConfig(hidden_size=32, n_head=4, **fields).save_pretrained(tmp_path)
+    one_line_error(memcalc_cli("estimate", "--impl", "hf", "--hf-config", str(tmp_path / "config.json")), words)
+
+
+def test_falcon_7b_is_read_as_multi_query_with_one_norm_and_counted_under_hf_eager_only():
+    falcon = "tests/data/hf/falcon-7b.json"  # no max_position_embeddings: s is given
+    one_line_error(memcalc_cli("estimate", "--hf-config", falcon, "--s", "2048"), "parallel_residual", "--impl hf")
+    run = memcalc_cli("estimate", "--hf-config", falcon, "--impl", "hf", "--attention", "eager", "--s", "2048")
+    assert run.code == 0, run.err
+    assert "multi_query->num_query_groups=1, parallel_attn->parallel_residual=True" in run.err
+    assert "tp left out: impl hf does not run it for Falcon" in run.err

@@ -389,6 +389,71 @@ _GLM = (
 )
 
 
+
+def _refused_if(name: str, refused: Any, what: str) -> Callable[[Any], Any]:
+    """A Falcon switch whose `refused` value asks for a layer memcalc has not measured (`what`)."""
+
+    def convert(value: Any) -> Any:
+        if _flag(name, value) == refused:
+            raise ConfigError(f"{name}={str(value).lower()} is not modelled ({what})")
+        return value
+
+    return convert
+
+
+# FalconConfig: a LayerNorm (with bias) layer whose attention and MLP both read one input_layernorm's output
+# (parallel_attn), RoPE on whole heads; one key and one value head for all queries (multi_query, the class's default;
+# false: multi-head, num_kv_heads = a); GELU MLP of ffn_hidden_size (absent: 4h); biases on every linear or none (bias).
+# Without ALiBi the attention drops nothing out, so hidden_dropout (on the summed output) is memcalc's dropout.
+_FALCON = (
+    *_sizes("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size"),
+    Row("ffn_hidden_size", ("ffn_hidden_size",), default=None),
+    Row("mlp", ("activation",), _plain, default="gelu"),
+    Row("norm", ("layer_norm_epsilon",), lambda eps: "layernorm", default="layernorm"),
+    Row("s", ("max_position_embeddings",), default=None),
+    Row("dropout", ("hidden_dropout",), default=0.0, combine=_largest_dropout),
+    Row("tie_embeddings", ("tie_word_embeddings",), default=True),
+    Row("add_bias_linear", ("bias",), lambda v: _flag("bias", v), default=False),
+    Row("num_query_groups", ("multi_query",), lambda v: 1 if _flag("multi_query", v) else None, default=1),
+    Row("parallel_residual", ("parallel_attn",),
+        _refused_if("parallel_attn", False, "Falcon's sequential block: attention, dropout_add, then its MLP"),
+        default=True),
+    _kept_nothing("alibi", _refused_if("alibi", True, "ALiBi: FalconAttention adds its bias to fp32 scores and"
+                                       " drops the probabilities out, which memcalc has not measured"),
+                  "RoPE, no ALiBi"),
+    _kept_nothing("new_decoder_architecture",
+                  _refused_if("new_decoder_architecture", True, "Falcon-40B/180B's layer: ln_attn and ln_mlp, K and V"
+                              " broadcast to every head of num_kv_heads groups before RoPE"),
+                  "the first layout (Falcon-7B's)"),
+    _kept_nothing("attention_dropout", lambda v: v, "without ALiBi no dropout on the attention"),
+)
+
+
+
+def _bloom_dropout(values: list[Any]) -> float:
+    """BLOOM's attention_dropout (on the probabilities) and hidden_dropout (after the attention and the MLP): memcalc's
+    one dropout keeps all their masks or none, so both must be zero or both set (the larger is kept)."""
+    largest = _largest_dropout(values)
+    if (values[0] > 0) != (values[1] > 0):
+        raise ConfigError(f"attention_dropout={values[0]} with hidden_dropout={values[1]}: memcalc's one dropout keeps"
+                          " every mask or none; set both to zero, or both above it")
+    return largest
+
+
+# BloomConfig: GPT-2's sequential LayerNorm block (biases everywhere, an MLP of 4h) with ALiBi in place of positions,
+# Llama's fp32 softmax, and a tanh GELU that keeps its input alone; no position limit (s is yours to give).
+_BLOOM = (
+    Row("h", ("hidden_size", "n_embed")), Row("a", ("n_head",)), Row("L", ("n_layer",)), Row("vocab_size", ("vocab_size",)),
+    Row("norm", ("layer_norm_epsilon",), lambda eps: "layernorm", default="layernorm"),
+    Row("dropout", ("attention_dropout", "hidden_dropout"), default=0.0, combine=_bloom_dropout),
+    Row("tie_embeddings", ("tie_word_embeddings",), default=True),
+    _kept_nothing("apply_residual_connection_post_layernorm", lambda v: _flag("apply_residual_connection_post_layernorm",
+                                                                              v), "which tensor the residual adds"),
+    _kept_nothing("slow_but_exact", _refused_if("slow_but_exact", True, "BLOOM's sliced dense layers under"
+                                                " pretraining_tp, which memcalc has not measured"), "no slicing"),
+)
+
+
 def _dense(k: Any) -> bool:
     """A Llama-family layer with a dense MLP and plain multi-head or grouped-query attention, rotating whole heads
     (a rotary fraction in an RMSNorm layer is GLM's)."""
@@ -474,7 +539,7 @@ FAMILIES: dict[str, Family] = {
                norm="layernorm_np", when=_dense),
         Family("gpt2", "GPT2Config", "GPT2Block", ("GPT2LMHeadModel",), _GPT2,
                {"position_embedding_type": "learned_absolute"}, norm="layernorm", mlps=("gelu", "gelu_tanh"),
-               when=lambda k: k.rotary_percent is None and not k.parallel_residual,
+               when=lambda k: k.rotary_percent is None and not k.parallel_residual and not k.alibi,
                attribute_map={"hidden_size": "n_embd", "max_position_embeddings": "n_positions",
                               "num_attention_heads": "n_head", "num_hidden_layers": "n_layer"}),
         Family("gpt_neox", "GPTNeoXConfig", "GPTNeoXLayer", ("GPTNeoXForCausalLM",), _GPT_NEOX, _ROPE,
@@ -484,6 +549,13 @@ FAMILIES: dict[str, Family] = {
         Family("deepseek_v3", "DeepseekV3Config", "DeepseekV3DecoderLayer", ("DeepseekV3ForCausalLM",),
                _DEEPSEEK_V3, _ROPE, when=lambda k: k.mla, router="DeepseekV3TopkRouter",
                attribute_map={"num_local_experts": "n_routed_experts", "num_mtp_layers": "num_nextn_predict_layers"}),
+        Family("falcon", "FalconConfig", "FalconDecoderLayer", ("FalconForCausalLM",), _FALCON, _ROPE,
+               norm="layernorm", mlps=("gelu", "gelu_tanh"),
+               when=lambda k: k.parallel_residual and k.rotary_percent is None and not k.alibi),
+        Family("bloom", "BloomConfig", "BloomBlock", ("BloomForCausalLM",), _BLOOM,
+               {"position_embedding_type": "alibi", "alibi": True, "mlp": "gelu_tanh", "add_bias_linear": True},
+               norm="layernorm", mlps=("gelu_tanh",), when=lambda k: k.alibi,
+               attribute_map={"num_hidden_layers": "n_layer", "num_attention_heads": "n_head"}),
         Family("glm", "GlmConfig", "GlmDecoderLayer", ("GlmForCausalLM",), _GLM, _ROPE,
                when=lambda k: _glm(k) and not k.sandwich_norm),
         Family("glm4", "Glm4Config", "Glm4DecoderLayer", ("Glm4ForCausalLM",), _GLM, _ROPE | {"sandwich_norm": True},

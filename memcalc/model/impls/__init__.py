@@ -54,7 +54,7 @@ def implementation(knobs: Any) -> Implementation:
 
 
 # Knobs of a layer only transformers' code is measured for (GPT-NeoX's GPTNeoXLayer).
-_HF_ONLY = ("parallel_residual", "rotary_percent", "sandwich_norm", "attn_logit_softcapping")
+_HF_ONLY = ("parallel_residual", "rotary_percent", "sandwich_norm", "attn_logit_softcapping", "alibi")
 # Choices only transformers' layers are measured with (Gemma's GemmaRMSNorm and GeGLU).
 _HF_ONLY_CHOICES = {"norm": ("rmsnorm_1p", "layernorm_np"), "mlp": ("geglu_tanh",)}
 

@@ -224,6 +224,15 @@ GLM_SDPA_OUT = SavedTensor(
     "attention/sdpa_out", "SDPA flash kernel: its output, laid out as GLM's contiguous (b, a, s, d) query", _BASD,
     Kind.ACTIVATION, _TEN, "flash attention's backward reads its output (for the softmax's gradient)",
 )
+# FalconAttention under multi_query picks its one key and one value head by a list index (fused_qkv[..., [-2], :]):
+# indexing keeps the index, a one-element int64 tensor, for its backward.
+FALCON_K_INDEX = SavedTensor(
+    "attention/mqa_key_index", "FalconAttention._split_heads (multi_query): fused_qkv[..., [-2], :]'s index", (),
+    Kind.INT64, Region.REPLICATED, "indexing's backward scatters the key's gradient back at the index", paper=False,
+)
+FALCON_V_INDEX = replace(FALCON_K_INDEX, name="attention/mqa_value_index",
+                         saved_by="FalconAttention._split_heads (multi_query): fused_qkv[..., [-1], :]'s index",
+                         why="indexing's backward scatters the value's gradient back at the index")
 # GLM-4's sandwich norms: LlamaRMSNorm's code (Glm4RMSNorm) on the attention's output and on the MLP's output.
 GLM_POST_ATTN = _rms_norm("ln_post_attn_rms", "GLM-4's post_self_attn_layernorm, on the attention's output")
 GLM_POST_MLP = _rms_norm("ln_post_mlp_rms", "GLM-4's post_mlp_layernorm, on the MLP's output")
@@ -419,6 +428,17 @@ def is_neox(knobs: Any) -> bool:
     return not is_llama(knobs) and knobs.rotary_percent is not None
 
 
+def is_falcon(knobs: Any) -> bool:
+    """FalconDecoderLayer (parallel_attn, RoPE on whole heads): a LayerNorm layer with a parallel residual and no
+    rotary fraction; attention and the MLP read its one input_layernorm's output."""
+    return not is_llama(knobs) and knobs.parallel_residual and knobs.rotary_percent is None and not knobs.alibi
+
+
+def has_fused_v_view(knobs: Any) -> bool:
+    """GPT-NeoX's V, and multi-head Falcon's, is a strided view of the fused query_key_value output."""
+    return is_neox(knobs) or (is_falcon(knobs) and not knobs.gqa)
+
+
 def norm_block(which: int, knobs: Any) -> tuple[SavedTensor, ...]:
     """LlamaRMSNorm's fp32 upcast, fp32 rstd and cast-back; GPT-2's nn.LayerNorm keeps input, mean, rstd. GPT-NeoX's
     parallel residual feeds both LayerNorms the layer's input: one storage, kept once (the first norm's)."""
@@ -428,6 +448,8 @@ def norm_block(which: int, knobs: Any) -> tuple[SavedTensor, ...]:
         return tuple((OLMO_LN1, OLMO_LN2)[which])
     if is_llama(knobs):
         return tuple((LN1_RMS, LN2_RMS)[which])
+    if which == 1 and is_falcon(knobs):
+        return ()  # Falcon's MLP reads the attention's norm output: there is no second norm
     if which == 1 and knobs.parallel_residual:
         return (ledger.LN2.mean, ledger.LN2.rstd)
     return tuple((ledger.LN1, ledger.LN2)[which])
@@ -449,7 +471,7 @@ def _sdpa(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]:
 def _eager(knobs: Any) -> tuple[SavedTensor, ...]:
     """eager_attention_forward: matmul's copies of Q and K^T, the softmax, dropout, matmul's copy of V."""
     q, k, v = (ledger.MLA_Q, ledger.MLA_K, ledger.MLA_V) if knobs.mla else (ledger.Q, *_key_value(knobs))
-    if not is_llama(knobs) and not is_neox(knobs):  # GPT-2's softmax runs in the activation dtype: the paper's core
+    if not is_llama(knobs) and not is_neox(knobs) and not knobs.alibi:  # GPT-2's softmax runs in the activation dtype
         softmax: tuple[SavedTensor, ...] = (ledger.SOFTMAX_OUT,)
     elif knobs.dtype == "fp32" or knobs.has_dropout:  # no separate cast: .to() is a no-op or dropout keeps a mask
         softmax = (SOFTMAX_FP32,)
@@ -487,9 +509,10 @@ def _at_batch_of_one(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, .
 REPEAT_KV = SizeRule(
     "eager attention under GQA keeps repeat_kv's copies of K and V at a/t heads, except when b = 1 and one K/V group"
     " is on the rank: expand and reshape are then views with a zero stride, and matmul keeps K and V themselves;"
-    " GPT-NeoX's keeps a copy of V, a view of the fused query_key_value output, except when b = 1: then it keeps"
-    " that whole output",
-    applies=lambda knobs: (knobs.gqa or is_neox(knobs)) and knobs.attention == "eager" and knobs.recompute != "full",
+    " GPT-NeoX's (and multi-head Falcon's) keeps a copy of V, a view of the fused query_key_value output, except when"
+    " b = 1: then it keeps that whole output; multi-query Falcon's matmul broadcasts its one K/V head as repeat_kv"
+    " expands it",
+    applies=lambda knobs: (knobs.gqa or has_fused_v_view(knobs)) and knobs.attention == "eager" and knobs.recompute != "full",
     runs=repeat_kv_copies,
     outside=_at_batch_of_one,
     shown_with={"num_query_groups": 1},
@@ -511,7 +534,7 @@ def attention_block(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ..
     if knobs.mla:
         return latent_attention(knobs)
     rope = ((OLMO_ROPE_COS, OLMO_ROPE_SIN) if knobs.norm == "layernorm_np" else (GLM_ROPE_COS, GLM_ROPE_SIN)
-            if is_glm(knobs) else (ROPE_COS, ROPE_SIN) if is_llama(knobs)
+            if is_glm(knobs) else (ROPE_COS, ROPE_SIN) if is_llama(knobs) or is_falcon(knobs)
             else (NEOX_ROPE_COS, NEOX_ROPE_SIN) if is_neox(knobs) else ())
     qk_norm = (() if not knobs.qk_layernorm else (*GEMMA_Q_NORM, *GEMMA_K_NORM) if knobs.norm == "rmsnorm_1p"
                else (*Q_NORM_RMS, *K_NORM_RMS))
@@ -519,7 +542,8 @@ def attention_block(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ..
     if is_glm(knobs) and knobs.attention == "flash" and core != SDPA_MATH:
         core += (GLM_SDPA_OUT,)
     resid = (ledger.ATTN_OUT_DROPOUT_MASK,) if knobs.has_dropout and not is_llama(knobs) else ()
-    return (ledger.QKV_IN, *qk_norm, *rope, *core, ledger.PROJ_IN, *resid)
+    index = (FALCON_K_INDEX, FALCON_V_INDEX) if is_falcon(knobs) and knobs.gqa else ()
+    return (ledger.QKV_IN, *index, *qk_norm, *rope, *core, ledger.PROJ_IN, *resid)
 
 
 def mlp_block(knobs: Any) -> tuple[SavedTensor, ...]:
@@ -528,12 +552,13 @@ def mlp_block(knobs: Any) -> tuple[SavedTensor, ...]:
         activation = (ledger.SWIGLU_GATE, ledger.SWIGLU_UP, ledger.SWIGLU_SILU_OUT)
     elif knobs.mlp == "geglu_tanh":
         activation = (GEGLU_GATE, GEGLU_UP, GEGLU_GELU_OUT)
-    elif knobs.mlp == "gelu_tanh":
+    elif knobs.mlp == "gelu_tanh" and not knobs.alibi:  # gelu_new; BLOOM's GeLUFunction keeps its input alone
         activation = (ledger.GELU_IN, HALF_X, TANH_OUT, ONE_PLUS_TANH)
     else:
         activation = (ledger.GELU_IN,)
     dropout = (ledger.MLP_DROPOUT_MASK,) if knobs.has_dropout and not is_llama(knobs) else ()
-    return (ledger.FC1_IN, *activation, ledger.FC2_IN, *dropout)
+    fc1_in = () if is_falcon(knobs) else (ledger.FC1_IN,)  # Falcon's is the attention's input, one storage
+    return (*fc1_in, *activation, ledger.FC2_IN, *dropout)
 
 
 SHARED_MLP = (ledger.SHARED_GATE, ledger.SHARED_UP, ledger.SHARED_SILU_OUT, ledger.SHARED_FC2_IN)  # its SwiGLU
@@ -602,8 +627,12 @@ def check(knobs: Any) -> None:
     if knobs.recompute not in ("none", "full"):
         raise ConfigError(f"impl hf: transformers has no {knobs.recompute} recomputation; use recompute none or full"
                           " (its gradient checkpointing)")
-    if knobs.gqa and not is_llama(knobs):
-        raise ConfigError(f"impl hf: {_layer(knobs)} has no grouped-query attention; leave num_query_groups unset")
+    if knobs.gqa and not is_llama(knobs) and not (is_falcon(knobs) and knobs.num_query_groups == 1):
+        raise ConfigError(f"impl hf: {_layer(knobs)} has no grouped-query attention (FalconDecoderLayer: multi_query,"
+                          " num_query_groups 1, is modelled; its new_decoder_architecture's groups are not); leave"
+                          " num_query_groups unset")
+    _check_falcon(knobs)
+    _check_bloom(knobs)
     if knobs.bias_activation_fusion:
         raise ConfigError("impl hf: bias_activation_fusion is Megatron's fused kernel; transformers has none")
     if knobs.moe and not is_llama(knobs):
@@ -644,18 +673,43 @@ def _check_neox(knobs: Any) -> None:
     if knobs.rotary_percent is not None and not 0 < knobs.rotary_percent <= 1:
         raise ConfigError(f"impl hf: rotary_percent={knobs.rotary_percent} must be in (0, 1] (a share of each head)")
     if is_llama(knobs) and knobs.parallel_residual:
-        raise ConfigError("impl hf: parallel_residual is GPTNeoXLayer's (norm layernorm); the Llama family's layers"
-                          " run attention and MLP in sequence")
+        raise ConfigError("impl hf: parallel_residual is GPTNeoXLayer's and FalconDecoderLayer's (norm layernorm); the"
+                          " Llama family's layers run attention and MLP in sequence")
     if is_llama(knobs) and knobs.rotary_percent is not None and knobs.norm != "rmsnorm":
         raise ConfigError(f"impl hf: rotary_percent in an RMSNorm layer is GLM's (norm rmsnorm); norm {knobs.norm}'s"
                           " layers rotate whole heads")
-    if not is_llama(knobs) and knobs.parallel_residual and knobs.rotary_percent is None:
-        raise ConfigError("impl hf: parallel_residual is GPTNeoXLayer's, which has RoPE: set rotary_percent (GPT2Block"
-                          " has neither)")
     if is_neox(knobs) and knobs.attention == "flash":
         raise ConfigError("impl hf: GPTNeoXLayer under sdpa is not modelled: SDPA keeps V as the fused query_key_value"
                           " output it views, and where its output lies depends on the device's kernel (measured on"
                           " a CPU only); use attention eager")
+
+
+def _check_falcon(knobs: Any) -> None:
+    """FalconDecoderLayer (parallel_attn, no ALiBi) as measured: eager attention, no dropout."""
+    if not is_falcon(knobs):
+        return
+    if knobs.attention == "flash":
+        raise ConfigError("impl hf: FalconDecoderLayer under sdpa is not modelled (memcalc has measured its eager"
+                          " path only); use attention eager")
+    if knobs.has_dropout:
+        raise ConfigError(f"impl hf: dropout {knobs.dropout} in FalconDecoderLayer is not modelled (hidden_dropout on"
+                          " the summed output; the rotary attention drops nothing out); use dropout 0")
+
+
+def _check_bloom(knobs: Any) -> None:
+    """ALiBi is BloomBlock's: GPT-2's LayerNorm block with tanh GELU, no RoPE, eager (BloomAttention has one path)."""
+    if not knobs.alibi:
+        return
+    if is_llama(knobs) or knobs.mlp != "gelu_tanh" or knobs.rotary_percent is not None or knobs.parallel_residual:
+        raise ConfigError("impl hf: alibi is BloomBlock's: norm layernorm, mlp gelu_tanh, no rotary_percent or"
+                          " parallel_residual (Falcon's ALiBi layout is not modelled)")
+    h = getattr(knobs, "h", None)  # a config's (a knob set alone has no sizes)
+    if knobs.ffn_hidden_size is not None and h is not None and knobs.ffn_hidden_size != 4 * h:
+        raise ConfigError(f"impl hf: BloomMLP is 4h wide (4 * {h}); ffn_hidden_size={knobs.ffn_hidden_size} is not"
+                          " BLOOM's")
+    if knobs.attention == "flash":
+        raise ConfigError("impl hf: BloomAttention has no sdpa path (baddbmm with the ALiBi bias, an fp32 softmax);"
+                          " use attention eager")
 
 
 def _check_gemma2(knobs: Any) -> None:
@@ -760,9 +814,22 @@ NO_SEQUENCE_PARALLEL = Refusal(
     " (SequenceParallel, registered with use_local_output=True; ColwiseParallel.transform_inputs_pre_forward)",
 )
 GPT2_NO_TP_PLAN = Refusal(
-    "tp", lambda knobs: not is_llama(knobs) and not is_neox(knobs), "for GPT-2 (norm layernorm, no RoPE)",
+    "tp", lambda knobs: not is_llama(knobs) and not is_neox(knobs) and not is_falcon(knobs) and not knobs.alibi,
+    "for GPT-2 (norm layernorm, no RoPE)",
     "GPT2Config has no base_model_tp_plan, so from_pretrained(tp_plan=\"auto\") has nothing to apply",
     f"{_TP_SOURCE}, transformers/models/gpt2/configuration_gpt2.py; distributed/mixin.py _resolve_parallel_plans"
+    " raises ValueError for tp_size > 1 without a plan",
+)
+BLOOM_NO_TP_PLAN = Refusal(
+    "tp", lambda knobs: knobs.alibi, "for BLOOM (alibi)",
+    "BloomConfig has no base_model_tp_plan, so from_pretrained(tp_plan=\"auto\") has nothing to apply",
+    f"{_TP_SOURCE}, transformers/models/bloom/configuration_bloom.py; distributed/mixin.py _resolve_parallel_plans"
+    " raises ValueError for tp_size > 1 without a plan",
+)
+FALCON_NO_TP_PLAN = Refusal(
+    "tp", is_falcon, "for Falcon (norm layernorm with parallel_residual)",
+    "FalconConfig has no base_model_tp_plan, so from_pretrained(tp_plan=\"auto\") has nothing to apply",
+    f"{_TP_SOURCE}, transformers/models/falcon/configuration_falcon.py; distributed/mixin.py _resolve_parallel_plans"
     " raises ValueError for tp_size > 1 without a plan",
 )
 NEOX_TP_NOT_MODELLED = Refusal(
@@ -807,10 +874,12 @@ IMPLEMENTATION = Implementation(
     " soft-capping), Gemma3DecoderLayer (and its q/k norms) and OlmoDecoderLayer, eager and sdpa (Gemma 2: eager),"
     " at t = 1 and 2; GPTNeoXLayer (parallel or sequential residual, partial RoPE), eager, t = 1; GlmDecoderLayer and"
     " Glm4DecoderLayer (interleaved partial RoPE, one gate_up_proj gathered under tp, GLM-4's sandwich norms), eager"
-    " and sdpa, at t = 1 and 2 (the families `memcalc hf-families` lists, each from a config.json its transformers"
+    " and sdpa, at t = 1 and 2; FalconDecoderLayer (parallel_attn, multi_query or multi-head, RoPE), eager, t = 1"
+    "; BloomBlock (ALiBi, fp32 softmax, BLOOM's GELU), eager, t = 1 (the families `memcalc hf-families` lists, each from a config.json its transformers"
     " class wrote)",
     layer_tensors=layer_tensors,
-    refuses=(NO_SEQUENCE_PARALLEL, GPT2_NO_TP_PLAN, NEOX_TP_NOT_MODELLED, LATENT_TP_NOT_MODELLED),
+    refuses=(NO_SEQUENCE_PARALLEL, GPT2_NO_TP_PLAN, NEOX_TP_NOT_MODELLED, LATENT_TP_NOT_MODELLED, FALCON_NO_TP_PLAN,
+             BLOOM_NO_TP_PLAN),
     unsharded=unsharded,
     check=check,
     check_sizes=check_sizes,
@@ -820,7 +889,7 @@ IMPLEMENTATION = Implementation(
         ROPE_COS, ROPE_SIN, *MLA_Q_RMS, *MLA_KV_RMS, MLA_ROPE_COS, MLA_ROPE_SIN, K_EXPANDED, V_EXPANDED, SOFTMAX_FP32, WEIGHTS, *SDPA_MATH,
         HALF_X, TANH_OUT, ONE_PLUS_TANH, *MOE_TENSORS, NEOX_ROPE_COS, NEOX_ROPE_SIN, NEOX_QKV_OUT,
     *GEMMA_LN1, *GEMMA_LN2, *GEMMA_Q_NORM, *GEMMA_K_NORM, *GEMMA_POST_ATTN, *GEMMA_POST_MLP, SOFTCAP_TANH, GEGLU_GATE, GEGLU_UP, GEGLU_GELU_OUT, *OLMO_LN1, *OLMO_LN2, OLMO_ROPE_COS, OLMO_ROPE_SIN,  # FLASH_DROPOUT_LSE is the ledger's LSE, described as read from code
-        GLM_ROPE_COS, GLM_ROPE_SIN, GLM_SDPA_OUT, *GLM_POST_ATTN, *GLM_POST_MLP,
+        GLM_ROPE_COS, GLM_ROPE_SIN, GLM_SDPA_OUT, *GLM_POST_ATTN, *GLM_POST_MLP, FALCON_K_INDEX, FALCON_V_INDEX,
     ),
     # LlamaConfig's own: RMSNorm, SwiGLU, attention_dropout 0, attn_implementation "sdpa" (memcalc's flash).
     defaults={

@@ -140,6 +140,7 @@ def record_layer(
     with cuda_like_dropout(), routing(family, route, config.moe_router_topk):
         with SavedTensorRecorder(layer.parameters(), kept_only=True) as recorder, Labels(layer, label_rules):
             y = layer(x, **extra(x, rope))
+            y = y[0] if isinstance(y, tuple) else y  # FalconDecoderLayer returns (output, attention weights)
         y.backward(torch.ones_like(y))  # inside the shim: a checkpoint's recompute must drop out alike
     return _merged_experts(_attributed(recorder.saved, config))
 
@@ -174,7 +175,15 @@ def _layer_input(config: ModelConfig, device: torch.device) -> torch.Tensor:
 
 def _build(config: ModelConfig, family: str, device: torch.device, dense: bool = False) -> tuple[Any, Callable[..., dict]]:
     """The layer in training mode, and a function giving its keyword inputs for an input x."""
-    if family == "gpt2":
+    if family == "bloom":
+        hf_config = transformers.BloomConfig(
+            hidden_size=config.h, n_head=config.a, n_layer=config.L, vocab_size=config.vocab_size,
+            attention_dropout=config.dropout, hidden_dropout=config.dropout,
+            attn_implementation=attention_implementation(config),
+        )
+        module = transformers.models.bloom.modeling_bloom
+        layer_class, rotary = module.BloomBlock, None
+    elif family == "gpt2":
         hf_config = transformers.GPT2Config(
             n_embd=config.h, n_head=config.a, n_inner=config.ffn, n_layer=1, n_positions=config.s,
             vocab_size=config.vocab_size, attn_pdrop=config.dropout, resid_pdrop=config.dropout,
@@ -185,7 +194,8 @@ def _build(config: ModelConfig, family: str, device: torch.device, dense: bool =
         layer_class, rotary = module.GPT2Block, None
     else:
         _, module = _classes(family)
-        hf_config = neox_config(config) if family == "gpt_neox" else llama_config(config, family)
+        hf_config = {"gpt_neox": neox_config, "falcon": falcon_config}.get(family, partial(llama_config, family=family))(
+            config)
         layer_class = getattr(module, FAMILIES[family].layer)
         stem = FAMILIES[family].layer.removesuffix("DecoderLayer").removesuffix("Layer")  # Gemma3, GPTNeoX
         rotary = getattr(module, f"{stem}RotaryEmbedding")(hf_config)
@@ -196,7 +206,12 @@ def _build(config: ModelConfig, family: str, device: torch.device, dense: bool =
     _init_experts(layer, hf_config)
     if config.recompute == "full":
         _checkpointing(layer)
-    return layer, partial(_inputs, hf_config, rotary)
+    inputs = partial(_inputs, hf_config, rotary)
+    if family == "falcon":  # FalconDecoderLayer takes alibi (None: RoPE) before the mask
+        return layer, lambda x, rope: inputs(x, rope) | {"alibi": None}
+    if family == "bloom":
+        return layer, lambda x, rope: inputs(x, rope) | {"alibi": _alibi(hf_config, module, x)}
+    return layer, inputs
 
 
 def _layer_index(config: ModelConfig, family: str, dense: bool) -> int:
@@ -257,6 +272,26 @@ def neox_config(config: ModelConfig) -> Any:
         use_parallel_residual=config.parallel_residual, attention_bias=config.add_bias_linear,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": config.rotary_percent},
         attn_implementation=attention_implementation(config),
+    )
+
+
+def _alibi(hf_config: Any, module: Any, x: torch.Tensor) -> torch.Tensor:
+    """BLOOM's (b * a, 1, s) ALiBi bias as BloomModel builds it without padding: each head's slope times the key
+    position, in x's dtype (no gradient: it keeps nothing)."""
+    slopes = module._get_alibi_slopes(hf_config.n_head, x.device)
+    alibi = slopes[:, None, None] * torch.arange(x.shape[1], device=x.device)
+    return alibi.repeat(x.shape[0], 1, 1).to(x.dtype)
+
+
+def falcon_config(config: ModelConfig) -> Any:
+    """A FalconConfig sized from memcalc's: parallel_attn with one input_layernorm, RoPE, multi_query for one K/V
+    group (else multi-head), biases on every linear or none, no ALiBi, the first decoder layout."""
+    return transformers.FalconConfig(
+        hidden_size=config.h, num_attention_heads=config.a, num_hidden_layers=config.L, ffn_hidden_size=config.ffn,
+        vocab_size=config.vocab_size, max_position_embeddings=config.s, multi_query=config.groups == 1 < config.a,
+        parallel_attn=True, new_decoder_architecture=False, alibi=False, bias=config.add_bias_linear,
+        activation="gelu_new" if config.mlp == "gelu_tanh" else "gelu", hidden_dropout=config.dropout,
+        attention_dropout=config.dropout, attn_implementation=attention_implementation(config),
     )
 
 
@@ -465,6 +500,11 @@ def label_rules_for(config: ModelConfig) -> tuple[Rule, ...]:
         if rules.is_glm(config):
             return (*first, *attention, *_glm_rules(config), *second)
         return (*first, *attention, *second, *_llama_mlp_rules(), *_moe_rules(config))
+    if config.alibi:
+        return (*_layer_norm_rules("input_layernorm", ledger.LN1), *_bloom_attention_rules(config),
+                *_layer_norm_rules("post_attention_layernorm", ledger.LN2), *_bloom_mlp_rules())
+    if rules.is_falcon(config):
+        return (*_layer_norm_rules("input_layernorm", ledger.LN1), *_falcon_rules(config))
     if rules.is_neox(config):
         return (*_layer_norm_rules("input_layernorm", ledger.LN1), *_neox_attention_rules(config),
                 *_layer_norm_rules("post_attention_layernorm", ledger.LN2), *_neox_mlp_rules(config))
@@ -741,6 +781,62 @@ def _neox_attention_rules(config: ModelConfig) -> tuple[Rule, ...]:
         Rule("attention.dense", "linear", ledger.PROJ_IN, arg=0, view=_head_columns(d)),
         Rule("post_attention_dropout", "native_dropout", ledger.ATTN_OUT_DROPOUT_MASK,
              view=_kept("NativeDropoutBackward0", "_saved_result1")),
+    )
+
+
+def _bloom_attention_rules(config: ModelConfig) -> tuple[Rule, ...]:
+    """BloomAttention: query_key_value's input; baddbmm's Q and K^T and bmm's V (copies, or at b = 1 views of the
+    fused output, whose storage is split into Q, K and V by `_attributed`); the fp32 softmax and its cast, the
+    probabilities' dropout, dense's input, and dropout_add's mask."""
+    b, d, attention = config.b, config.head_dim, "self_attention"
+    scores, context = _kept("BaddbmmBackward0", "_saved_batch1"), _kept("BmmBackward0", "_saved_mat2")
+    key = _kept("BaddbmmBackward0", "_saved_batch2")
+    dropout = f"{attention}.attention_dropout"
+    return (
+        Rule(f"{attention}.query_key_value", "linear", ledger.QKV_IN, arg=0),
+        Rule(attention, "baddbmm", ledger.Q, view=lambda r: _copy(_heads(b))(scores(r))),
+        Rule(attention, "baddbmm", ledger.K, view=lambda r: _copy(_heads_t(b))(key(r))),
+        Rule(attention, "baddbmm", _QKV_OUT, view=lambda r: _in_larger(scores(r))),
+        Rule(attention, "softmax", rules.SOFTMAX_FP32),
+        Rule(attention, "to", rules.WEIGHTS),
+        Rule(dropout, "native_dropout", ledger.ATTN_DROPOUT_OUT),
+        Rule(dropout, "native_dropout", ledger.ATTN_DROPOUT_MASK, view=_kept("NativeDropoutBackward0", "_saved_result1")),
+        Rule(attention, "bmm", ledger.V, view=lambda r: _copy(_heads(b))(context(r))),
+        Rule(attention, "bmm", _QKV_OUT, view=lambda r: _in_larger(context(r))),
+        Rule(f"{attention}.dense", "linear", ledger.PROJ_IN, arg=0, view=_head_columns(d)),
+        Rule(attention, "native_dropout", ledger.ATTN_OUT_DROPOUT_MASK,
+             view=_kept("NativeDropoutBackward0", "_saved_result1")),
+    )
+
+
+def _bloom_mlp_rules() -> tuple[Rule, ...]:
+    """BloomMLP: dense_h_to_4h's input and output (GeLUFunction keeps its input), dense_4h_to_h's input, and
+    dropout_add's mask."""
+    return (
+        Rule("mlp.dense_h_to_4h", "linear", ledger.FC1_IN, arg=0),
+        Rule("mlp.dense_h_to_4h", "linear", ledger.GELU_IN),
+        Rule("mlp.dense_4h_to_h", "linear", ledger.FC2_IN, arg=0),
+        Rule("mlp", "native_dropout", ledger.MLP_DROPOUT_MASK, view=_kept("NativeDropoutBackward0", "_saved_result1")),
+    )
+
+
+def _falcon_rules(config: ModelConfig) -> tuple[Rule, ...]:
+    """FalconDecoderLayer: query_key_value's input (the one norm's output, which the MLP reads too), multi_query's
+    two list indices, the eager core (as NeoX's: at b = 1 multi-head V is the fused output it views), dense's input,
+    and FalconMLP's (GELU's input, dense_4h_to_h's). FalconLinear is `input @ weight.T`: a module's input is its
+    linear's."""
+    d, attention = config.head_dim, "self_attention"
+    index = lambda x: x.grad_fn._saved_indices[-1][0]  # noqa: E731  (the (1,) index of [..., [-2], :], as ())
+    return (
+        Rule(f"{attention}.query_key_value", "forward", ledger.QKV_IN, arg=0),
+        Rule(attention, "__getitem__", rules.FALCON_K_INDEX, nth=1, view=index),
+        Rule(attention, "__getitem__", rules.FALCON_V_INDEX, nth=2, view=index),
+        *_core_rules(attention, config),
+        Rule(attention, "matmul", rules.NEOX_QKV_OUT, nth=1, arg=1,
+             view=lambda v: v._base.view(config.b, config.s, -1, d)),
+        Rule(f"{attention}.dense", "forward", ledger.PROJ_IN, arg=0, view=_head_columns(d)),
+        *(r for r in _gpt2_mlp_rules(config) if r.module == "mlp.act"),
+        Rule("mlp.dense_4h_to_h", "forward", ledger.FC2_IN, arg=0),
     )
 
 

@@ -27,6 +27,8 @@ QWEN3 = LLAMA | {"kv_channels": 16, "qk_layernorm": True, "num_query_groups": 2}
 GEMMA = {"norm": "rmsnorm_1p", "mlp": "geglu_tanh", "kv_channels": 16, "num_query_groups": 2}
 GEMMA2 = GEMMA | {"sandwich_norm": True, "attn_logit_softcapping": 50.0, "attention": "eager"}
 GEMMA3 = GEMMA | {"sandwich_norm": True, "qk_layernorm": True}
+FALCON = GPT2 | {"parallel_residual": True, "num_query_groups": 1, "attention": "eager", "dropout": 0.0}  # Falcon-7B's
+BLOOM = GPT2 | {"mlp": "gelu_tanh", "alibi": True, "attention": "eager", "ffn_hidden_size": None}  # BloomMLP: 4h
 GLM = LLAMA | {"rotary_percent": 0.5, "kv_channels": 16, "num_query_groups": 2}  # GlmDecoderLayer; + sandwich: GLM-4
 NEOX = {"norm": "layernorm", "mlp": "gelu", "rotary_percent": 0.25, "parallel_residual": True, "attention": "eager"}
 
@@ -101,6 +103,17 @@ CASES = {
         (LLAMA | MLA | {"attention": "eager", "dtype": "fp32", "dropout": 0.0}, None),
     "gpt2 eager at b=1: the (b, a) batch flattens as a view": (GPT2 | {"attention": "eager", "dropout": 0.1, "b": 1},
                                                                None),
+    "falcon multi_query: one norm's output read by attention and mlp, the one k/v head broadcast by matmul, bf16 softmax":
+        (FALCON, None),
+    "falcon multi_query at b=1, odd s: matmul keeps the one k and v head as they are; gelu_new, biases, fp32":
+        (FALCON | {"b": 1, "s": 7, "mlp": "gelu_tanh", "add_bias_linear": True, "dtype": "fp32"}, None),
+    "falcon multi-head at b=1: matmul keeps V as the fused query_key_value output it views":
+        (FALCON | {"num_query_groups": None, "b": 1}, None),
+    "bloom: alibi keeps nothing; fp32 softmax and its cast; its tanh gelu keeps its input alone":
+        (BLOOM | {"dropout": 0.0}, None),
+    "bloom at b=1 with dropout: q, k, v are views of the fused output; both dropouts' masks":
+        (BLOOM | {"dropout": 0.1, "b": 1, "s": 7}, None),
+    "bloom fp32": (BLOOM | {"dropout": 0.0, "dtype": "fp32"}, None),
     "glm eager: interleaved (s, d_r) rope tables, gate_up's one output kept as gate and up":
         (GLM | {"attention": "eager", "dropout": 0.0}, None),
     "glm4 sdpa: sandwich norms; the flash kernel keeps its output, laid out as the cat query, apart from o_proj's copy":
@@ -154,8 +167,13 @@ def test_the_shim_makes_cpu_dropout_keep_a_bool_mask_and_undoes_itself():
     (GEMMA2 | {"attention": "flash"}, "attn_logit_softcapping runs in eager attention only"),
     (GEMMA | {"attn_logit_softcapping": 30.0, "attention": "eager"}, "attn_logit_softcapping is Gemma 2's"),
     (LLAMA | {"sandwich_norm": True}, "sandwich_norm is Gemma 2's"),
-    (GPT2 | {"parallel_residual": True}, "parallel_residual is GPTNeoXLayer's, which has RoPE"),
-    (LLAMA | {"parallel_residual": True}, "parallel_residual is GPTNeoXLayer's"),
+    (LLAMA | {"parallel_residual": True}, "parallel_residual is GPTNeoXLayer's and FalconDecoderLayer's"),
+    (FALCON | {"attention": "flash"}, "FalconDecoderLayer under sdpa is not modelled"),
+    (BLOOM | {"attention": "flash"}, "BloomAttention has no sdpa path"),
+    (BLOOM | {"ffn_hidden_size": 48}, "BloomMLP is 4h wide"),
+    (LLAMA | {"alibi": True}, "alibi is BloomBlock's"),
+    (FALCON | {"dropout": 0.1}, "dropout 0.1 in FalconDecoderLayer is not modelled"),
+    (FALCON | {"num_query_groups": 2}, "its new_decoder_architecture's groups are not"),
     (GEMMA | {"rotary_percent": 0.5}, "rotary_percent in an RMSNorm layer is GLM's"),
     (GLM | {"sandwich_norm": True, "attn_logit_softcapping": 30.0, "attention": "eager"},
      "attn_logit_softcapping is Gemma 2's"),
@@ -240,6 +258,8 @@ def test_two_gloo_ranks_each_keep_what_rank_zero_of_the_fake_group_keeps():
     (LLAMA, "does not run tp-sp .*in any model: transformers has no sequence parallelism"),
     (GPT2, "does not run tp .*GPT2Config has no base_model_tp_plan"),
     (NEOX, "does not run tp .*GPT-NeoX .*has not measured GPTNeoXConfig's base_model_tp_plan"),
+    (BLOOM, "does not run tp .*for BLOOM .*BloomConfig has no base_model_tp_plan"),
+    (FALCON | {"num_query_groups": None}, "does not run tp .*for Falcon .*FalconConfig has no base_model_tp_plan"),
     (LLAMA | MLA | {"attention": "eager"}, "does not run tp .*with latent attention .*shards no attention"),
 ])
 def test_what_transformers_does_not_lay_out_is_refused_with_the_library_s_reason(knobs, words):
