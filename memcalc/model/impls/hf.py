@@ -53,7 +53,7 @@ from typing import Any, NamedTuple
 from memcalc.config.hf import FAMILIES, family_of
 from memcalc.errors import ConfigError
 from memcalc.model import ledger
-from memcalc.model.impls.base import Implementation, Refusal, SizeRule, always, drop_small
+from memcalc.model.impls.base import Implementation, Refusal, SizeCondition, SizeRule, always, drop_small
 from memcalc.model.knobs import DTYPE_BYTES, Accounting
 from memcalc.model.ledger import Dim, Kind, Region, SavedTensor
 
@@ -495,8 +495,10 @@ def repeat_kv_copies(sizes: dict[Any, Any], t: Any) -> Any:
 
 
 def batched(sizes: dict[Any, Any], t: Any) -> Any:
-    """Whether GPT-NeoX's eager matmul copies V: unless b = 1, where its reshape to a bmm batch is a view."""
-    return sizes[Dim.B] != 1
+    """Whether GPT-NeoX's (and multi-head Falcon's) eager matmul copies V, a (b, a, s, d) view of the fused output:
+    unless its b and a/t axes merge into a bmm batch as a view, which they do when either is 1 or s = 1 (then b's
+    stride is a times a's; found for Falcon by the differential test)."""
+    return (sizes[Dim.B] != 1) & (sizes[Dim.A] // t != 1) & (sizes[Dim.S] != 1)
 
 
 def _at_batch_of_one(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]:
@@ -510,7 +512,7 @@ REPEAT_KV = SizeRule(
     "eager attention under GQA keeps repeat_kv's copies of K and V at a/t heads, except when b = 1 and one K/V group"
     " is on the rank: expand and reshape are then views with a zero stride, and matmul keeps K and V themselves;"
     " GPT-NeoX's (and multi-head Falcon's) keeps a copy of V, a view of the fused query_key_value output, except when"
-    " b = 1: then it keeps that whole output; multi-query Falcon's matmul broadcasts its one K/V head as repeat_kv"
+    " b = 1, one head or one token: then it keeps that whole output; multi-query Falcon's matmul broadcasts its one K/V head as repeat_kv"
     " expands it",
     applies=lambda knobs: (knobs.gqa or has_fused_v_view(knobs)) and knobs.attention == "eager" and knobs.recompute != "full",
     runs=repeat_kv_copies,
@@ -884,6 +886,13 @@ IMPLEMENTATION = Implementation(
     check=check,
     check_sizes=check_sizes,
     size_rule=REPEAT_KV,
+    size_conditions=(
+        SizeCondition(
+            GLM_SDPA_OUT, "GLM's SDPA output, laid out (b, a, s, d), is o_proj's input itself where transpose(1, 2)"
+            " leaves it contiguous: one head on the rank, or one token",
+            kept=lambda sizes, t: (sizes[Dim.A] // t > 1) & (sizes[Dim.S] > 1),  # found by the differential test
+        ),
+    ),
     tensors=(
         *LN1_RMS, *LN2_RMS, *Q_NORM_RMS, *K_NORM_RMS,
         ROPE_COS, ROPE_SIN, *MLA_Q_RMS, *MLA_KV_RMS, MLA_ROPE_COS, MLA_ROPE_SIN, K_EXPANDED, V_EXPANDED, SOFTMAX_FP32, WEIGHTS, *SDPA_MATH,
