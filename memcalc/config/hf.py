@@ -443,12 +443,13 @@ def _bloom_dropout(values: list[Any]) -> float:
 # BloomConfig: GPT-2's sequential LayerNorm block (biases everywhere, an MLP of 4h) with ALiBi in place of positions,
 # Llama's fp32 softmax, and a tanh GELU that keeps its input alone; no position limit (s is yours to give).
 _BLOOM = (
-    Row("h", ("hidden_size", "n_embed")), Row("a", ("n_head",)), Row("L", ("n_layer",)), Row("vocab_size", ("vocab_size",)),
+    Row("h", ("hidden_size", "n_embed")), Row("a", ("n_head",)), Row("L", ("n_layer",)),
+    Row("vocab_size", ("vocab_size",)),
     Row("norm", ("layer_norm_epsilon",), lambda eps: "layernorm", default="layernorm"),
     Row("dropout", ("attention_dropout", "hidden_dropout"), default=0.0, combine=_bloom_dropout),
     Row("tie_embeddings", ("tie_word_embeddings",), default=True),
-    _kept_nothing("apply_residual_connection_post_layernorm", lambda v: _flag("apply_residual_connection_post_layernorm",
-                                                                              v), "which tensor the residual adds"),
+    _kept_nothing("apply_residual_connection_post_layernorm",
+                  lambda v: _flag("apply_residual_connection_post_layernorm", v), "which tensor the residual adds"),
     _kept_nothing("slow_but_exact", _refused_if("slow_but_exact", True, "BLOOM's sliced dense layers under"
                                                 " pretraining_tp, which memcalc has not measured"), "no slicing"),
 )

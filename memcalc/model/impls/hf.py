@@ -512,9 +512,10 @@ REPEAT_KV = SizeRule(
     "eager attention under GQA keeps repeat_kv's copies of K and V at a/t heads, except when b = 1 and one K/V group"
     " is on the rank: expand and reshape are then views with a zero stride, and matmul keeps K and V themselves;"
     " GPT-NeoX's (and multi-head Falcon's) keeps a copy of V, a view of the fused query_key_value output, except when"
-    " b = 1, one head or one token: then it keeps that whole output; multi-query Falcon's matmul broadcasts its one K/V head as repeat_kv"
-    " expands it",
-    applies=lambda knobs: (knobs.gqa or has_fused_v_view(knobs)) and knobs.attention == "eager" and knobs.recompute != "full",
+    " b = 1, one head or one token: then it keeps that whole output; multi-query Falcon's matmul broadcasts its one"
+    " K/V head as repeat_kv expands it",
+    applies=lambda knobs: ((knobs.gqa or has_fused_v_view(knobs)) and knobs.attention == "eager"
+                           and knobs.recompute != "full"),
     runs=repeat_kv_copies,
     outside=_at_batch_of_one,
     shown_with={"num_query_groups": 1},
@@ -877,7 +878,8 @@ IMPLEMENTATION = Implementation(
     " at t = 1 and 2; GPTNeoXLayer (parallel or sequential residual, partial RoPE), eager, t = 1; GlmDecoderLayer and"
     " Glm4DecoderLayer (interleaved partial RoPE, one gate_up_proj gathered under tp, GLM-4's sandwich norms), eager"
     " and sdpa, at t = 1 and 2; FalconDecoderLayer (parallel_attn, multi_query or multi-head, RoPE), eager, t = 1"
-    "; BloomBlock (ALiBi, fp32 softmax, BLOOM's GELU), eager, t = 1 (the families `memcalc hf-families` lists, each from a config.json its transformers"
+    "; BloomBlock (ALiBi, fp32 softmax, BLOOM's GELU), eager, t = 1"
+    " (the families `memcalc hf-families` lists, each from a config.json its transformers"
     " class wrote)",
     layer_tensors=layer_tensors,
     refuses=(NO_SEQUENCE_PARALLEL, GPT2_NO_TP_PLAN, NEOX_TP_NOT_MODELLED, LATENT_TP_NOT_MODELLED, FALCON_NO_TP_PLAN,

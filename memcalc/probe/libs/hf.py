@@ -194,8 +194,8 @@ def _build(config: ModelConfig, family: str, device: torch.device, dense: bool =
         layer_class, rotary = module.GPT2Block, None
     else:
         _, module = _classes(family)
-        hf_config = {"gpt_neox": neox_config, "falcon": falcon_config}.get(family, partial(llama_config, family=family))(
-            config)
+        build = {"gpt_neox": neox_config, "falcon": falcon_config}.get(family, partial(llama_config, family=family))
+        hf_config = build(config)
         layer_class = getattr(module, FAMILIES[family].layer)
         stem = FAMILIES[family].layer.removesuffix("DecoderLayer").removesuffix("Layer")  # Gemma3, GPTNeoX
         rotary = getattr(module, f"{stem}RotaryEmbedding")(hf_config)
@@ -800,7 +800,8 @@ def _bloom_attention_rules(config: ModelConfig) -> tuple[Rule, ...]:
         Rule(attention, "softmax", rules.SOFTMAX_FP32),
         Rule(attention, "to", rules.WEIGHTS),
         Rule(dropout, "native_dropout", ledger.ATTN_DROPOUT_OUT),
-        Rule(dropout, "native_dropout", ledger.ATTN_DROPOUT_MASK, view=_kept("NativeDropoutBackward0", "_saved_result1")),
+        Rule(dropout, "native_dropout", ledger.ATTN_DROPOUT_MASK,
+             view=_kept("NativeDropoutBackward0", "_saved_result1")),
         Rule(attention, "bmm", ledger.V, view=lambda r: _copy(_heads(b))(context(r))),
         Rule(attention, "bmm", _QKV_OUT, view=lambda r: _in_larger(context(r))),
         Rule(f"{attention}.dense", "linear", ledger.PROJ_IN, arg=0, view=_head_columns(d)),
