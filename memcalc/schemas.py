@@ -112,6 +112,7 @@ KNOBS: Schema = _object({
     "rotary_percent": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
     "post_norm": FLAG,
     "fused_qkv": FLAG,
+    "alibi": FLAG,
 })
 
 # The config a command ran: every ModelConfig field (unset optional ones left out), with the MLP
@@ -127,7 +128,7 @@ CONFIG: Schema = _object(
         "vocab_size": POSITIVE,
         "make_vocab_size_divisible_by": POSITIVE,
         "tie_embeddings": FLAG,
-        "position_embedding_type": {"enum": ["learned_absolute", "rope"]},
+        "position_embedding_type": {"enum": ["learned_absolute", "rope", "alibi"]},
         "max_position_embeddings": POSITIVE,
         "add_bias_linear": FLAG,
         "add_qkv_bias": FLAG,

@@ -401,9 +401,103 @@ _OLMO2 = (
 )
 
 
+def _partial_rotary(default: float) -> Callable[[Any], float]:
+    """GLM's share of each head that RoPE rotates: rope_parameters' partial_rotary_factor (the config class sets
+    `default` when the file has none)."""
+
+    def convert(rope: Any) -> float:
+        return _fraction(rope.get("partial_rotary_factor", default) if isinstance(rope, dict) else rope)
+
+    return convert
+
+
+# GlmConfig: a Llama layer (LlamaRMSNorm's code) whose gate and up are one gate_up_proj (its tp_plan gathers that
+# output), whose Q, K and V carry biases (attention_bias, o_proj none) and whose RoPE turns the first half of each
+# head (partial_rotary_factor, 0.5 unless said), its tables interleaved; heads of head_dim (128 by default).
+# Glm4Config: the same layer with sandwich norms (post_self_attn_layernorm and post_mlp_layernorm).
+_GLM = (
+    *(r for r in _LLAMA if r.target != "add_bias_linear"), _head_dim_row(128),
+    Row("add_qkv_bias", ("attention_bias",), lambda v: _flag("attention_bias", v), default=True),
+    Row("rotary_percent", ("rope_parameters",), _partial_rotary(0.5), default=0.5),
+)
+
+
+
+def _refused_if(name: str, refused: Any, what: str) -> Callable[[Any], Any]:
+    """A Falcon switch whose `refused` value asks for a layer memcalc has not measured (`what`)."""
+
+    def convert(value: Any) -> Any:
+        if _flag(name, value) == refused:
+            raise ConfigError(f"{name}={str(value).lower()} is not modelled ({what})")
+        return value
+
+    return convert
+
+
+# FalconConfig: a LayerNorm (with bias) layer whose attention and MLP both read one input_layernorm's output
+# (parallel_attn), RoPE on whole heads; one key and one value head for all queries (multi_query, the class's default;
+# false: multi-head, num_kv_heads = a); GELU MLP of ffn_hidden_size (absent: 4h); biases on every linear or none (bias).
+# Without ALiBi the attention drops nothing out, so hidden_dropout (on the summed output) is memcalc's dropout.
+_FALCON = (
+    *_sizes("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size"),
+    Row("ffn_hidden_size", ("ffn_hidden_size",), default=None),
+    Row("mlp", ("activation",), _plain, default="gelu"),
+    Row("norm", ("layer_norm_epsilon",), lambda eps: "layernorm", default="layernorm"),
+    Row("s", ("max_position_embeddings",), default=None),
+    Row("dropout", ("hidden_dropout",), default=0.0, combine=_largest_dropout),
+    Row("tie_embeddings", ("tie_word_embeddings",), default=True),
+    Row("add_bias_linear", ("bias",), lambda v: _flag("bias", v), default=False),
+    Row("num_query_groups", ("multi_query",), lambda v: 1 if _flag("multi_query", v) else None, default=1),
+    Row("parallel_residual", ("parallel_attn",),
+        _refused_if("parallel_attn", False, "Falcon's sequential block: attention, dropout_add, then its MLP"),
+        default=True),
+    _kept_nothing("alibi", _refused_if("alibi", True, "ALiBi: FalconAttention adds its bias to fp32 scores and"
+                                       " drops the probabilities out, which memcalc has not measured"),
+                  "RoPE, no ALiBi"),
+    _kept_nothing("new_decoder_architecture",
+                  _refused_if("new_decoder_architecture", True, "Falcon-40B/180B's layer: ln_attn and ln_mlp, K and V"
+                              " broadcast to every head of num_kv_heads groups before RoPE"),
+                  "the first layout (Falcon-7B's)"),
+    _kept_nothing("attention_dropout", lambda v: v, "without ALiBi no dropout on the attention"),
+)
+
+
+
+def _bloom_dropout(values: list[Any]) -> float:
+    """BLOOM's attention_dropout (on the probabilities) and hidden_dropout (after the attention and the MLP): memcalc's
+    one dropout keeps all their masks or none, so both must be zero or both set (the larger is kept)."""
+    largest = _largest_dropout(values)
+    if (values[0] > 0) != (values[1] > 0):
+        raise ConfigError(f"attention_dropout={values[0]} with hidden_dropout={values[1]}: memcalc's one dropout keeps"
+                          " every mask or none; set both to zero, or both above it")
+    return largest
+
+
+# BloomConfig: GPT-2's sequential LayerNorm block (biases everywhere, an MLP of 4h) with ALiBi in place of positions,
+# Llama's fp32 softmax, and a tanh GELU that keeps its input alone; no position limit (s is yours to give).
+_BLOOM = (
+    Row("h", ("hidden_size", "n_embed")), Row("a", ("n_head",)), Row("L", ("n_layer",)),
+    Row("vocab_size", ("vocab_size",)),
+    Row("norm", ("layer_norm_epsilon",), lambda eps: "layernorm", default="layernorm"),
+    Row("dropout", ("attention_dropout", "hidden_dropout"), default=0.0, combine=_bloom_dropout),
+    Row("tie_embeddings", ("tie_word_embeddings",), default=True),
+    _kept_nothing("apply_residual_connection_post_layernorm",
+                  lambda v: _flag("apply_residual_connection_post_layernorm", v), "which tensor the residual adds"),
+    _kept_nothing("slow_but_exact", _refused_if("slow_but_exact", True, "BLOOM's sliced dense layers under"
+                                                " pretraining_tp, which memcalc has not measured"), "no slicing"),
+)
+
+
 def _dense(k: Any) -> bool:
-    """A Llama-family layer with a dense MLP and plain multi-head or grouped-query attention (separate q, k, v)."""
-    return not k.moe and not k.mla and not k.qk_layernorm and not k.fused_qkv
+    """A Llama-family layer with a dense MLP and plain multi-head or grouped-query attention (separate q, k, v),
+    rotating whole heads (a rotary fraction in such a layer is GLM's)."""
+    return not k.moe and not k.mla and not k.qk_layernorm and not k.fused_qkv and k.rotary_percent is None
+
+
+def _glm(k: Any) -> bool:
+    """GLM's layer: an RMSNorm layer rotating a share of each head (rotary_percent), dense, q, k and v separate,
+    without QK norms."""
+    return k.rotary_percent is not None and not k.moe and not k.mla and not k.qk_layernorm and not k.fused_qkv
 
 
 def _qkv_bias(k: Any) -> bool:
@@ -483,7 +577,7 @@ FAMILIES: dict[str, Family] = {
                norm="layernorm_np", when=_dense),
         Family("gpt2", "GPT2Config", "GPT2Block", ("GPT2LMHeadModel",), _GPT2,
                {"position_embedding_type": "learned_absolute"}, norm="layernorm", mlps=("gelu", "gelu_tanh"),
-               when=lambda k: k.rotary_percent is None and not k.parallel_residual,
+               when=lambda k: k.rotary_percent is None and not k.parallel_residual and not k.alibi,
                attribute_map={"hidden_size": "n_embd", "max_position_embeddings": "n_positions",
                               "num_attention_heads": "n_head", "num_hidden_layers": "n_layer"}),
         Family("gpt_neox", "GPTNeoXConfig", "GPTNeoXLayer", ("GPTNeoXForCausalLM",), _GPT_NEOX, _ROPE,
@@ -499,6 +593,17 @@ FAMILIES: dict[str, Family] = {
         Family("olmo2", "Olmo2Config", "Olmo2DecoderLayer", ("Olmo2ForCausalLM",), _OLMO2,
                _ROPE | {"post_norm": True, "qk_layernorm": True}, norm="rmsnorm_fp32w",
                when=lambda k: k.post_norm and not k.moe and not k.mla, gathered=("attention",)),
+        Family("falcon", "FalconConfig", "FalconDecoderLayer", ("FalconForCausalLM",), _FALCON, _ROPE,
+               norm="layernorm", mlps=("gelu", "gelu_tanh"),
+               when=lambda k: k.parallel_residual and k.rotary_percent is None and not k.alibi),
+        Family("bloom", "BloomConfig", "BloomBlock", ("BloomForCausalLM",), _BLOOM,
+               {"position_embedding_type": "alibi", "alibi": True, "mlp": "gelu_tanh", "add_bias_linear": True},
+               norm="layernorm", mlps=("gelu_tanh",), when=lambda k: k.alibi,
+               attribute_map={"num_hidden_layers": "n_layer", "num_attention_heads": "n_head"}),
+        Family("glm", "GlmConfig", "GlmDecoderLayer", ("GlmForCausalLM",), _GLM, _ROPE,
+               when=lambda k: _glm(k) and not k.sandwich_norm, gathered=("mlp",)),
+        Family("glm4", "Glm4Config", "Glm4DecoderLayer", ("Glm4ForCausalLM",), _GLM, _ROPE | {"sandwich_norm": True},
+               when=lambda k: _glm(k) and k.sandwich_norm, gathered=("mlp",)),
     )
 }
 # model_types transformers builds whose layers memcalc has no rules for, and what they lack: refused by name.
@@ -660,6 +765,10 @@ def _family(raw: dict[str, Any], path: Path) -> Family:
         return family
     if model_type in UNREAD:
         raise ConfigError(f"{path}: model_type {model_type} has {UNREAD[model_type]}, which memcalc does not model")
+    if raw.get("auto_map") is not None:
+        raise ConfigError(f"{path}: model_type {short_repr(model_type)} is built by the model's own code (auto_map,"
+                          " trust_remote_code), not by a transformers class; memcalc measures only transformers' own"
+                          " classes")
     known = ", ".join(FAMILIES)
     if model_type is None and not architectures:
         raise ConfigError(f"{path}: names no architecture (no model_type, no architectures); memcalc reads {known}")

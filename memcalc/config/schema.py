@@ -108,7 +108,7 @@ class ModelConfig(Knobs):
     # The model's ends and its parameters (memcalc.sizing.states, memcalc.sizing.totals); Megatron-LM's names.
     vocab_size: int = _size("vocabulary v (the paper's 51200)", 51200)
     tie_embeddings: bool = _flag(True, "the output layer reuses the input embedding")
-    position_embedding_type: str = _choice("learned_absolute", "rope", help="position embedding")
+    position_embedding_type: str = _choice("learned_absolute", "rope", "alibi", help="position embedding")
     max_position_embeddings: int | None = _optional_size("learned table rows; default s")
     add_bias_linear: bool = _flag(True, "biases on QKV, projection, fc1 and fc2")
     add_qkv_bias: bool = _flag(False, "a QKV bias even without add_bias_linear (Qwen2)")

@@ -45,11 +45,14 @@ def dim_sizes(config: ModelConfig, routers: Any = 1) -> dict[Dim, Any]:
 
 
 def rotary_sizes(config: Any) -> dict[Dim, Any]:
-    """GPT-NeoX's partial RoPE: d_r = int(d * rotary_percent) channels of each head (transformers' rotary_ndims)."""
+    """Partial RoPE: d_r = int(d * rotary_percent) channels of each head (transformers' rotary_ndims), rounded up to
+    even: the rotary embedding's tables are cat(freqs, freqs), one frequency per pair (GLM rotates as many channels
+    as they are wide; GPT-NeoX fails on an odd share)."""
     if config.rotary_percent is None or config.kv_lora_rank is not None:
         return {}
     d_r = config.head_dim * config.rotary_percent
-    return {Dim.DR: d_r.astype(int) if hasattr(d_r, "astype") else int(d_r)}
+    d_r = d_r.astype(int) if hasattr(d_r, "astype") else int(d_r)
+    return {Dim.DR: d_r + d_r % 2}
 
 
 def mla_sizes(config: Any) -> dict[Dim, Any]:

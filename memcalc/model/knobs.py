@@ -494,12 +494,19 @@ KNOBS: tuple[Knob, ...] = (
                   "Soft-capping keeps tanh's (b, a, s, s) output, whose derivative 1 - tanh^2 backward reads."),),
     ),
     Knob(
-        "parallel_residual", "flag", False, "hf: attention and MLP both read the layer's input, each through its own"
-        " norm (GPT-NeoX's use_parallel_residual)", lambda k: "parallel residual" if k.parallel_residual else None,
+        "parallel_residual", "flag", False, "hf: attention and MLP both read the layer's input: each through its own"
+        " norm with rotary_percent (GPT-NeoX's use_parallel_residual), through one norm without it (Falcon's"
+        " parallel_attn, RoPE on whole heads)", lambda k: "parallel residual" if k.parallel_residual else None,
         effects=(({"impl": Impl.HF, "norm": Norm.LAYERNORM, "attention": Attention.EAGER, "rotary_percent": 0.25,
                    "parallel_residual": True},
                   "Both norms read the layer's input: the second norm keeps no input of its own (the first's is the"
-                  " same storage), only its statistics."),),
+                  " same storage), only its statistics."),
+                 ({"impl": Impl.HF, "norm": Norm.LAYERNORM, "attention": Attention.EAGER, "dropout": 0.0,
+                   "parallel_residual": True, "num_query_groups": 1},
+                  "FalconDecoderLayer (multi_query): one norm, whose output both the attention and the MLP read (no"
+                  " second norm, no MLP input of its own); matmul broadcasts the one K/V head to every query head, a"
+                  " copy each, and indexing keeps the two one-element indices that picked them; the softmax stays in"
+                  " the activation dtype."),),
     ),
     Knob(
         "rotary_percent", "factor", None, "hf: RoPE on this fraction of each head's channels (GPT-NeoX's rotary_pct;"
@@ -532,6 +539,16 @@ KNOBS: tuple[Knob, ...] = (
                   " Under tp transformers' Phi-3 plan gathers both fused outputs (colwise_gather_output), so every"
                   " rank keeps all heads' attention and the whole gate, up and SiLU; only o_proj's and down_proj's"
                   " inputs are split (rowwise_split_input)."),),
+    ),
+    Knob(
+        "alibi", "flag", False, "hf: ALiBi: a per-head linear bias on the attention scores in place of position"
+        " embeddings (BLOOM's; the bias is built once per model and keeps nothing in a layer)",
+        lambda k: "ALiBi" if k.alibi else None,
+        effects=(({"impl": Impl.HF, "norm": Norm.LAYERNORM, "mlp": Mlp.GELU_TANH, "attention": Attention.EAGER,
+                   "alibi": True},
+                  "BloomBlock: baddbmm adds the bias to QK^T and keeps only Q and K^T (the bias needs no gradient);"
+                  " the softmax runs in fp32 and is cast back, as Llama's eager core; BLOOM's tanh GELU, a custom"
+                  " autograd function, keeps its input alone."),),
     ),
 )
 BY_NAME: dict[str, Knob] = {k.name: k for k in KNOBS}

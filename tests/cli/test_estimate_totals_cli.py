@@ -111,8 +111,10 @@ def test_bad_layouts_and_files_are_one_line(args, needles):
 
 
 def test_unknown_architecture_and_missing_fields_are_one_line(tmp_path):
-    falcon = memcalc_cli("estimate", "--hf-config", "tests/data/hf/falcon-7b.json")
-    one_line_error(falcon, "unknown architecture (model_type='falcon'", "FalconForCausalLM", "memcalc reads llama")
+    mpt = tmp_path / "mpt.json"
+    mpt.write_text(json.dumps({"model_type": "mpt", "architectures": ["MptForCausalLM"], "d_model": 4096}))
+    one_line_error(memcalc_cli("estimate", "--hf-config", str(mpt)), "unknown architecture (model_type='mpt'",
+                   "MptForCausalLM", "memcalc reads llama")
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"model_type": "gpt_neox", "hidden_size": 512}))
     one_line_error(

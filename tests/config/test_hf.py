@@ -116,8 +116,8 @@ def test_gpt2_takes_the_largest_dropout(tmp_path):
 
 
 def test_unknown_architecture_is_named(tmp_path):
-    path = _write(tmp_path, {"model_type": "falcon", "architectures": ["FalconForCausalLM"], "hidden_size": 4544})
-    with pytest.raises(ConfigError, match=r"unknown architecture \(model_type='falcon', .*FalconForCausalLM.*llama"):
+    path = _write(tmp_path, {"model_type": "mpt", "architectures": ["MptForCausalLM"], "hidden_size": 4096})
+    with pytest.raises(ConfigError, match=r"unknown architecture \(model_type='mpt', .*MptForCausalLM.*llama"):
         read_hf_config(path)
 
 

@@ -48,6 +48,41 @@ def test_a_family_memcalc_cannot_model_is_refused_naming_what_it_lacks(tmp_path,
                    f"{path}: model_type {model_type} has {UNREAD[model_type]}, which memcalc does not model")
 
 
+# State-space and hybrid families, each config.json written by its own transformers class
+_STATE_SPACE = {"mamba": "MambaConfig", "mamba2": "Mamba2Config", "falcon_mamba": "FalconMambaConfig",
+                "jamba": "JambaConfig", "falcon_h1": "FalconH1Config"}
+
+
+@pytest.mark.parametrize("model_type", _STATE_SPACE)
+def test_a_state_space_config_its_class_wrote_is_refused_in_one_line_by_what_memcalc_lacks(tmp_path, model_type):
+    transformers = pytest.importorskip("transformers")
+    getattr(transformers, _STATE_SPACE[model_type])().save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    run = memcalc_cli("estimate", "--impl", "hf", "--hf-config", str(path))
+    one_line_error(run, f"model_type {model_type} has {UNREAD[model_type]}, which memcalc does not model")
+    assert "state-space" in run.err and "memcalc reads" not in run.err
+
+
+# config.json files of families whose code lives in the model's repository (as InternLM2's and ChatGLM3's do)
+_REMOTE_CODE = {
+    "internlm2": {"model_type": "internlm2", "architectures": ["InternLM2ForCausalLM"], "hidden_size": 4096,
+                  "auto_map": {"AutoConfig": "configuration_internlm2.InternLM2Config",
+                               "AutoModelForCausalLM": "modeling_internlm2.InternLM2ForCausalLM"}},
+    "chatglm": {"model_type": "chatglm", "architectures": ["ChatGLMModel"], "hidden_size": 4096,
+                "auto_map": {"AutoConfig": "configuration_chatglm.ChatGLMConfig",
+                             "AutoModelForCausalLM": "modeling_chatglm.ChatGLMForConditionalGeneration"}},
+}
+
+
+@pytest.mark.parametrize("model_type", _REMOTE_CODE)
+def test_a_family_whose_code_is_not_in_transformers_is_refused_as_remote_code(tmp_path, model_type):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(_REMOTE_CODE[model_type]))
+    run = memcalc_cli("estimate", "--impl", "hf", "--hf-config", str(path))
+    one_line_error(run, f"model_type '{model_type}' is built by the model's own code (auto_map, trust_remote_code),"
+                        " not by a transformers class; memcalc measures only transformers' own classes")
+
+
 def test_experts_a_family_does_not_read_are_refused_without_naming_it_as_a_reader(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_local_experts": 8}))
@@ -118,3 +153,33 @@ def test_phi3s_fused_projections_are_refused_outside_hf(tmp_path):
     transformers.Phi3Config(hidden_size=32, num_attention_heads=4, intermediate_size=48).save_pretrained(tmp_path)
     one_line_error(memcalc_cli("estimate", "--hf-config", str(tmp_path / "config.json"), "--impl", "megatron"),
                    "fused_qkv (of transformers' Phi3DecoderLayer) is modelled under --impl hf only")
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"alibi": True}, "alibi=true is not modelled (ALiBi"),
+    ({"parallel_attn": False}, "parallel_attn=false is not modelled (Falcon's sequential block"),
+    ({"new_decoder_architecture": True, "num_kv_heads": 2}, "new_decoder_architecture=true is not modelled"),
+])
+def test_a_falcon_layout_memcalc_has_not_measured_is_refused_in_one_line(tmp_path, fields, words):
+    transformers = pytest.importorskip("transformers")
+    transformers.FalconConfig(hidden_size=32, num_attention_heads=4, **fields).save_pretrained(tmp_path)
+    one_line_error(memcalc_cli("estimate", "--impl", "hf", "--hf-config", str(tmp_path / "config.json")), words)
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"attention_dropout": 0.0, "hidden_dropout": 0.1}, "attention_dropout=0.0 with hidden_dropout=0.1"),
+    ({"pretraining_tp": 4, "slow_but_exact": True}, "slow_but_exact=true is not modelled"),
+])
+def test_a_bloom_setting_memcalc_cannot_count_is_refused_in_one_line(tmp_path, fields, words):
+    transformers = pytest.importorskip("transformers")
+    transformers.BloomConfig(hidden_size=32, n_head=4, **fields).save_pretrained(tmp_path)
+    one_line_error(memcalc_cli("estimate", "--impl", "hf", "--hf-config", str(tmp_path / "config.json")), words)
+
+
+def test_falcon_7b_is_read_as_multi_query_with_one_norm_and_counted_under_hf_eager_only():
+    falcon = "tests/data/hf/falcon-7b.json"  # no max_position_embeddings: s is given
+    one_line_error(memcalc_cli("estimate", "--hf-config", falcon, "--s", "2048"), "parallel_residual", "--impl hf")
+    run = memcalc_cli("estimate", "--hf-config", falcon, "--impl", "hf", "--attention", "eager", "--s", "2048")
+    assert run.code == 0, run.err
+    assert "multi_query->num_query_groups=1, parallel_attn->parallel_residual=True" in run.err
+    assert "tp left out: impl hf does not run it for Falcon" in run.err

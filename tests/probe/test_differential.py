@@ -79,6 +79,7 @@ _HF_LLAMA = _knobs(attention=st.sampled_from(("eager", "flash")), dropout=DROPOU
 _HF_GPT2 = _knobs(attention=st.sampled_from(("eager", "flash")), dropout=DROPOUT, dtype=DTYPES,
                   recompute=st.sampled_from(("none", "full")), mlp=st.sampled_from(("gelu", "gelu_tanh")))
 _HF_EAGER = _knobs(dropout=DROPOUT, dtype=DTYPES, recompute=st.sampled_from(("none", "full")))
+_HF_FALCON = _knobs(dtype=DTYPES, recompute=st.sampled_from(("none", "full")), mlp=st.sampled_from(("gelu", "gelu_tanh")))
 _HF_MOE = _knobs(attention=st.sampled_from(("eager", "flash")), dtype=DTYPES, recompute=st.sampled_from(("none", "full")),
                  moe_router_topk=st.sampled_from((1, 2)))
 
@@ -106,6 +107,12 @@ SUBJECTS = (
             family="phi3"),
     Subject("hf olmo2", "transformers", {"impl": "hf", "norm": "rmsnorm_fp32w", "mlp": "swiglu", "post_norm": True,
                                          "qk_layernorm": True}, _HF_LLAMA, family="olmo2"),
+    Subject("hf glm", "transformers", {"impl": "hf", "rotary_percent": 0.5} | LLAMA, _HF_LLAMA, family="glm"),
+    Subject("hf glm4", "transformers", {"impl": "hf", "rotary_percent": 0.5, "sandwich_norm": True} | LLAMA, _HF_LLAMA,
+            family="glm4"),
+    Subject("hf falcon (multi-head)", "transformers", {"impl": "hf", "norm": "layernorm", "parallel_residual": True,
+                                                       "attention": "eager", "dropout": 0.0}, _HF_FALCON,
+            family="falcon", gqa=False),
     Subject("hf deepseek_v3 (latent attention, dense)", "transformers", {"impl": "hf", "attention": "eager"} | LLAMA,
             _HF_EAGER, family="deepseek_v3", extra=MLA,
             known="at b = 1 matmul keeps V as a view of kv_b_proj's output: not modelled yet"),

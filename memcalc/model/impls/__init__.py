@@ -57,7 +57,7 @@ def implementation(knobs: Any) -> Implementation:
 # Knobs of a layer only transformers' code is measured for, and the layer that has each.
 _HF_ONLY = {"parallel_residual": "GPTNeoXLayer", "rotary_percent": "GPTNeoXLayer", "sandwich_norm": "Gemma2DecoderLayer",
             "attn_logit_softcapping": "Gemma2DecoderLayer", "fused_qkv": "Phi3DecoderLayer",
-            "post_norm": "Olmo2DecoderLayer"}
+            "post_norm": "Olmo2DecoderLayer", "alibi": "BloomBlock"}
 # Choices only transformers' layers are measured with (Gemma's GemmaRMSNorm and GeGLU).
 _HF_ONLY_CHOICES = {"norm": ("rmsnorm_1p", "layernorm_np", "rmsnorm_fp32w"), "mlp": ("geglu_tanh",)}
 

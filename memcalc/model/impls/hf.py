@@ -217,6 +217,38 @@ NEOX_QKV_OUT = SavedTensor(
     " (qkv_proj) output, of which v is a view", (Dim.B, Dim.S, Dim.QKV, Dim.D), Kind.ACTIVATION, _TEN,
     "the gradient of the attention weights is dOut V^T: V is read from the fused output it views",
 )
+# GLM's apply_rotary_pos_emb interleaves the model's (1, s, d_r) tables (cos[..., :d_r/2].repeat_interleave(2)): the
+# new (s, d_r) tables are what q_rot * cos and rotate_half(q_rot) * sin keep, once per layer.
+GLM_ROPE_COS = SavedTensor(
+    "attention/rope_cos_interleaved", "GLM apply_rotary_pos_emb: cos[..., :d_r/2].repeat_interleave(2), kept by"
+    " q_rot * cos", (Dim.S, Dim.DR), Kind.ACTIVATION, _SEQ,
+    "the gradient of q_rot in q_rot * cos is dY * cos (the interleaved table, a tensor of its own)", paper=False,
+)
+GLM_ROPE_SIN = SavedTensor(
+    "attention/rope_sin_interleaved", "GLM apply_rotary_pos_emb: sin[..., :d_r/2].repeat_interleave(2), kept by"
+    " rotate_half(q_rot) * sin", (Dim.S, Dim.DR), Kind.ACTIVATION, _SEQ,
+    "the gradient of rotate_half(q_rot) in rotate_half(q_rot) * sin is dY * sin", paper=False,
+)
+# torch's flash kernel lays its output out as the query is laid out (CPU: measured; CUDA's mha_fwd: empty_like(q), read
+# from code). Llama's query is a view of q_proj's (b, s, a, d) output, so o_proj reads the output itself; GLM's is the
+# contiguous (b, a, s, d) torch.cat of its rotated and passed channels, so transformers' transpose(1, 2).contiguous()
+# copies the output for o_proj, and the kernel keeps the output of its own.
+GLM_SDPA_OUT = SavedTensor(
+    "attention/sdpa_out_bhsd", "SDPA flash kernel: its output, laid out as GLM's contiguous (b, a, s, d) query", _BASD,
+    Kind.ACTIVATION, _TEN, "flash attention's backward reads its output (for the softmax's gradient)",
+)
+# FalconAttention under multi_query picks its one key and one value head by a list index (fused_qkv[..., [-2], :]):
+# indexing keeps the index, a one-element int64 tensor, for its backward.
+FALCON_K_INDEX = SavedTensor(
+    "attention/mqa_key_index", "FalconAttention._split_heads (multi_query): fused_qkv[..., [-2], :]'s index", (),
+    Kind.INT64, Region.REPLICATED, "indexing's backward scatters the key's gradient back at the index", paper=False,
+)
+FALCON_V_INDEX = replace(FALCON_K_INDEX, name="attention/mqa_value_index",
+                         saved_by="FalconAttention._split_heads (multi_query): fused_qkv[..., [-1], :]'s index",
+                         why="indexing's backward scatters the value's gradient back at the index")
+# GLM-4's sandwich norms: LlamaRMSNorm's code (Glm4RMSNorm) on the attention's output and on the MLP's output.
+GLM_POST_ATTN = _rms_norm("ln_post_attn_rms", "GLM-4's post_self_attn_layernorm, on the attention's output")
+GLM_POST_MLP = _rms_norm("ln_post_mlp_rms", "GLM-4's post_mlp_layernorm, on the MLP's output")
 ROPE_COS = SavedTensor(
     "attention/rope_cos", "apply_rotary_pos_emb: q * cos and k * cos", (Dim.S, Dim.D), Kind.ACTIVATION, _SEQ,
     "the gradient of q in q * cos is dY * cos (one (1, s, d) table from the model's rotary embedding)", paper=False,
@@ -411,9 +443,26 @@ def is_llama(knobs: Any) -> bool:
     return knobs.norm in ("rmsnorm", "rmsnorm_1p", "layernorm_np", "rmsnorm_fp32w")
 
 
+def is_glm(knobs: Any) -> bool:
+    """GlmDecoderLayer (Glm4DecoderLayer with sandwich norms): an RMSNorm layer rotating a share of each head, its
+    q, k and v separate (Phi-3's are one qkv_proj)."""
+    return knobs.norm == "rmsnorm" and knobs.rotary_percent is not None and not knobs.fused_qkv
+
+
 def is_neox(knobs: Any) -> bool:
     """GPTNeoXLayer: a LayerNorm layer with (partial) RoPE, rotary_percent set (GPT-2 has no RoPE)."""
     return not is_llama(knobs) and knobs.rotary_percent is not None
+
+
+def is_falcon(knobs: Any) -> bool:
+    """FalconDecoderLayer (parallel_attn, RoPE on whole heads): a LayerNorm layer with a parallel residual and no
+    rotary fraction; attention and the MLP read its one input_layernorm's output."""
+    return not is_llama(knobs) and knobs.parallel_residual and knobs.rotary_percent is None and not knobs.alibi
+
+
+def has_fused_v_view(knobs: Any) -> bool:
+    """GPT-NeoX's V, and multi-head Falcon's, is a strided view of the fused query_key_value output."""
+    return is_neox(knobs) or (is_falcon(knobs) and not knobs.gqa)
 
 
 def resid_dropout(knobs: Any) -> bool:
@@ -423,13 +472,16 @@ def resid_dropout(knobs: Any) -> bool:
 
 
 def _rope(knobs: Any) -> tuple[SavedTensor, ...]:
-    """The (s, d) cos and sin tables RoPE's products keep: OLMo's fp32, the first d_r channels' (rotary_percent),
+    """The (s, d) cos and sin tables RoPE's products keep: OLMo's fp32, GLM's interleaved, the first d_r channels'
+    (rotary_percent),
     a whole head's, or none (GPT-2's learned positions live in the embedding)."""
     if knobs.norm in ("layernorm_np", "rmsnorm_fp32w"):  # OLMo's and OLMo 2's rotary embeddings cast nothing
         return (OLMO_ROPE_COS, OLMO_ROPE_SIN)
+    if is_glm(knobs):
+        return (GLM_ROPE_COS, GLM_ROPE_SIN)
     if knobs.rotary_percent is not None:
         return (NEOX_ROPE_COS, NEOX_ROPE_SIN)
-    return (ROPE_COS, ROPE_SIN) if is_llama(knobs) else ()
+    return (ROPE_COS, ROPE_SIN) if is_llama(knobs) or is_falcon(knobs) else ()
 
 
 def norm_block(which: int, knobs: Any) -> tuple[SavedTensor, ...]:
@@ -441,6 +493,8 @@ def norm_block(which: int, knobs: Any) -> tuple[SavedTensor, ...]:
         return tuple((OLMO_LN1, OLMO_LN2)[which])
     if is_llama(knobs):
         return tuple((LN1_RMS, LN2_RMS)[which])
+    if which == 1 and is_falcon(knobs):
+        return ()  # Falcon's MLP reads the attention's norm output: there is no second norm
     if which == 1 and knobs.parallel_residual:
         return (ledger.LN2.mean, ledger.LN2.rstd)
     return tuple((ledger.LN1, ledger.LN2)[which])
@@ -469,7 +523,7 @@ def attention_gathered(knobs: Any) -> bool:
 def _eager(knobs: Any) -> tuple[SavedTensor, ...]:
     """eager_attention_forward: matmul's copies of Q and K^T, the softmax, dropout, matmul's copy of V."""
     q, k, v = (ledger.MLA_Q, ledger.MLA_K, ledger.MLA_V) if knobs.mla else (ledger.Q, *_key_value(knobs))
-    if not is_llama(knobs) and not is_neox(knobs):  # GPT-2's softmax runs in the activation dtype: the paper's core
+    if not is_llama(knobs) and not is_neox(knobs) and not knobs.alibi:  # GPT-2's softmax runs in the activation dtype
         softmax: tuple[SavedTensor, ...] = (ledger.SOFTMAX_OUT,)
     elif knobs.dtype == "fp32" or knobs.has_dropout:  # no separate cast: .to() is a no-op or dropout keeps a mask
         softmax = (SOFTMAX_FP32,)
@@ -493,8 +547,17 @@ def repeat_kv_copies(sizes: dict[Any, Any], t: Any) -> Any:
 
 
 def batched(sizes: dict[Any, Any], t: Any) -> Any:
-    """Whether GPT-NeoX's eager matmul copies V: unless b = 1, where its reshape to a bmm batch is a view."""
-    return sizes[Dim.B] != 1
+    """Whether GPT-NeoX's (and multi-head Falcon's) eager matmul copies V, a (b, a, s, d) view of the fused output:
+    unless its b and a/t axes merge into a bmm batch as a view, which they do when either is 1 or s = 1 (then b's
+    stride is a times a's; found for Falcon by the differential test)."""
+    return (sizes[Dim.B] != 1) & (sizes[Dim.A] // t != 1) & (sizes[Dim.S] != 1)
+
+
+def fused_batched(sizes: dict[Any, Any], t: Any) -> Any:
+    """Whether Phi-3's eager matmul copies V (multi-head), a (b, a, s, d) view of qkv_proj's (b, s, (a+2g)d) output:
+    unless b = 1 or one head, since Q's and K's columns lie between a token's heads and the next token's, so b and
+    the heads never merge into a bmm batch as a view otherwise. Its plan gathers the attention: every rank has a."""
+    return (sizes[Dim.B] != 1) & (sizes[Dim.A] != 1)
 
 
 def gathered_copies(sizes: dict[Any, Any], t: Any) -> Any:
@@ -506,7 +569,7 @@ def gathered_copies(sizes: dict[Any, Any], t: Any) -> Any:
 def _copies(knobs: Any) -> Any:
     """The size condition under which eager attention's matmuls keep copies of K and V, for this layer."""
     if not knobs.gqa:
-        return batched
+        return fused_batched if knobs.fused_qkv else batched
     return gathered_copies if attention_gathered(knobs) else repeat_kv_copies
 
 
@@ -521,11 +584,13 @@ def _at_batch_of_one(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, .
 REPEAT_KV = SizeRule(
     "eager attention under GQA keeps repeat_kv's copies of K and V at a/t heads, except when b = 1 and one K/V group"
     " is on the rank: expand and reshape are then views with a zero stride, and matmul keeps K and V themselves;"
-    " GPT-NeoX's and Phi-3's keep a copy of V, a view of the fused query_key_value (qkv_proj) output, except when"
-    " b = 1 (and, under Phi-3's GQA, one K/V group): then they keep that whole output. Where the tp plan gathers the"
-    " attention's projections (Phi-3's, OLMo 2's) every rank holds all g groups, so one K/V group means g = 1",
-    applies=lambda knobs: (knobs.gqa or is_neox(knobs) or knobs.fused_qkv) and knobs.attention == "eager"
-    and knobs.recompute != "full",
+    " GPT-NeoX's, multi-head Falcon's and Phi-3's keep a copy of V, a view of the fused query_key_value (qkv_proj)"
+    " output, except when b = 1 (NeoX and Falcon: or one head, or one token; Phi-3 under GQA: and one K/V group):"
+    " then they keep that whole output; multi-query Falcon's matmul broadcasts its one K/V head as repeat_kv expands"
+    " it. Where the tp plan gathers the attention's projections (Phi-3's, OLMo 2's) every rank holds all g groups,"
+    " so one K/V group means g = 1",
+    applies=lambda knobs: ((knobs.gqa or has_fused_v_view(knobs) or knobs.fused_qkv) and knobs.attention == "eager"
+                           and knobs.recompute != "full"),
     runs=repeat_kv_copies,
     outside=_at_batch_of_one,
     shown_with={"num_query_groups": 1},
@@ -549,8 +614,11 @@ def attention_block(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ..
     qk_norm = (() if not knobs.qk_layernorm else (*GEMMA_Q_NORM, *GEMMA_K_NORM) if knobs.norm == "rmsnorm_1p"
                else (*OLMO2_Q_NORM, *OLMO2_K_NORM) if knobs.norm == "rmsnorm_fp32w" else (*Q_NORM_RMS, *K_NORM_RMS))
     core = _sdpa(knobs, accounting) if knobs.attention == "flash" else _eager(knobs)
+    if is_glm(knobs) and knobs.attention == "flash" and core != SDPA_MATH:
+        core += (GLM_SDPA_OUT,)
     resid = (ledger.ATTN_OUT_DROPOUT_MASK,) if resid_dropout(knobs) else ()
-    return (ledger.QKV_IN, *qk_norm, *_rope(knobs), *core, ledger.PROJ_IN, *resid)
+    index = (FALCON_K_INDEX, FALCON_V_INDEX) if is_falcon(knobs) and knobs.gqa else ()
+    return (ledger.QKV_IN, *index, *qk_norm, *_rope(knobs), *core, ledger.PROJ_IN, *resid)
 
 
 def mlp_block(knobs: Any) -> tuple[SavedTensor, ...]:
@@ -559,12 +627,13 @@ def mlp_block(knobs: Any) -> tuple[SavedTensor, ...]:
         activation = (ledger.SWIGLU_GATE, ledger.SWIGLU_UP, ledger.SWIGLU_SILU_OUT)
     elif knobs.mlp == "geglu_tanh":
         activation = (GEGLU_GATE, GEGLU_UP, GEGLU_GELU_OUT)
-    elif knobs.mlp == "gelu_tanh":
+    elif knobs.mlp == "gelu_tanh" and not knobs.alibi:  # gelu_new; BLOOM's GeLUFunction keeps its input alone
         activation = (ledger.GELU_IN, HALF_X, TANH_OUT, ONE_PLUS_TANH)
     else:
         activation = (ledger.GELU_IN,)
     dropout = (ledger.MLP_DROPOUT_MASK,) if resid_dropout(knobs) else ()
-    return (ledger.FC1_IN, *activation, ledger.FC2_IN, *dropout)
+    fc1_in = () if is_falcon(knobs) else (ledger.FC1_IN,)  # Falcon's is the attention's input, one storage
+    return (*fc1_in, *activation, ledger.FC2_IN, *dropout)
 
 
 SHARED_MLP = (ledger.SHARED_GATE, ledger.SHARED_UP, ledger.SHARED_SILU_OUT, ledger.SHARED_FC2_IN)  # its SwiGLU
@@ -605,14 +674,25 @@ def layer_tensors(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]
     """Every tensor one transformers decoder layer keeps for backward, in forward order."""
     if knobs.recompute == "full":
         return (ledger.LAYER_INPUT,)  # torch.utils.checkpoint keeps the layer's positional input
-    post_attn, post_mlp = (tuple(GEMMA_POST_ATTN), tuple(GEMMA_POST_MLP)) if knobs.sandwich_norm else \
-        (tuple(OLMO2_ATTN_OUT), tuple(OLMO2_MLP_OUT)) if knobs.post_norm else ((), ())
+    post_attn, post_mlp = sandwich_norms(knobs)
     first, second = ((), ()) if knobs.post_norm else (norm_block(0, knobs), norm_block(1, knobs))  # OLMo 2: none
     blocks = (
         first + attention_block(knobs, accounting) + post_attn + second
         + (moe_block(knobs) if knobs.moe else mlp_block(knobs)) + post_mlp
     )
     return drop_small(blocks, accounting)
+
+
+def sandwich_norms(knobs: Any) -> tuple[tuple[SavedTensor, ...], tuple[SavedTensor, ...]]:
+    """The norms on the attention's and the MLP's outputs: Gemma 2/3's GemmaRMSNorm, GLM-4's LlamaRMSNorm code,
+    OLMo 2's post-norms (its only ones)."""
+    if knobs.post_norm:
+        return tuple(OLMO2_ATTN_OUT), tuple(OLMO2_MLP_OUT)
+    if not knobs.sandwich_norm:
+        return (), ()
+    if knobs.norm == "rmsnorm_1p":
+        return tuple(GEMMA_POST_ATTN), tuple(GEMMA_POST_MLP)
+    return tuple(GLM_POST_ATTN), tuple(GLM_POST_MLP)
 
 
 def check(knobs: Any) -> None:
@@ -628,8 +708,12 @@ def check(knobs: Any) -> None:
     if knobs.recompute not in ("none", "full"):
         raise ConfigError(f"impl hf: transformers has no {knobs.recompute} recomputation; use recompute none or full"
                           " (its gradient checkpointing)")
-    if knobs.gqa and not is_llama(knobs):
-        raise ConfigError(f"impl hf: {_layer(knobs)} has no grouped-query attention; leave num_query_groups unset")
+    if knobs.gqa and not is_llama(knobs) and not (is_falcon(knobs) and knobs.num_query_groups == 1):
+        raise ConfigError(f"impl hf: {_layer(knobs)} has no grouped-query attention (FalconDecoderLayer: multi_query,"
+                          " num_query_groups 1, is modelled; its new_decoder_architecture's groups are not); leave"
+                          " num_query_groups unset")
+    _check_falcon(knobs)
+    _check_bloom(knobs)
     if knobs.bias_activation_fusion:
         raise ConfigError("impl hf: bias_activation_fusion is Megatron's fused kernel; transformers has none")
     if knobs.moe and not is_llama(knobs):
@@ -669,12 +753,12 @@ def _check_neox(knobs: Any) -> None:
     """GPT-NeoX's knobs: a LayerNorm layer's partial RoPE (rotary_percent) and parallel residual, eager attention."""
     if knobs.rotary_percent is not None and not 0 < knobs.rotary_percent <= 1:
         raise ConfigError(f"impl hf: rotary_percent={knobs.rotary_percent} must be in (0, 1] (a share of each head)")
-    if is_llama(knobs) and (knobs.rotary_percent is not None and not knobs.fused_qkv or knobs.parallel_residual):
-        raise ConfigError("impl hf: rotary_percent and parallel_residual are GPTNeoXLayer's (norm layernorm); the"
-                          " Llama family's layers rotate whole heads in sequence (but Phi-3's: set fused_qkv)")
-    if not is_llama(knobs) and knobs.parallel_residual and knobs.rotary_percent is None:
-        raise ConfigError("impl hf: parallel_residual is GPTNeoXLayer's, which has RoPE: set rotary_percent (GPT2Block"
-                          " has neither)")
+    if is_llama(knobs) and knobs.parallel_residual:
+        raise ConfigError("impl hf: parallel_residual is GPTNeoXLayer's and FalconDecoderLayer's (norm layernorm); the"
+                          " Llama family's layers run attention and MLP in sequence")
+    if is_llama(knobs) and knobs.rotary_percent is not None and knobs.norm != "rmsnorm":
+        raise ConfigError(f"impl hf: rotary_percent in an RMSNorm layer is GLM's (norm rmsnorm); norm {knobs.norm}'s"
+                          " layers rotate whole heads")
     if is_neox(knobs) and knobs.attention == "flash":
         raise ConfigError("impl hf: GPTNeoXLayer under sdpa is not modelled: SDPA keeps V as the fused query_key_value"
                           " output it views, and where its output lies depends on the device's kernel (measured on"
@@ -703,12 +787,41 @@ def _check_olmo2(knobs: Any) -> None:
                           " qk_layernorm and mlp swiglu (a dense layer, no latent attention)")
 
 
+def _check_falcon(knobs: Any) -> None:
+    """FalconDecoderLayer (parallel_attn, no ALiBi) as measured: eager attention, no dropout."""
+    if not is_falcon(knobs):
+        return
+    if knobs.attention == "flash":
+        raise ConfigError("impl hf: FalconDecoderLayer under sdpa is not modelled (memcalc has measured its eager"
+                          " path only); use attention eager")
+    if knobs.has_dropout:
+        raise ConfigError(f"impl hf: dropout {knobs.dropout} in FalconDecoderLayer is not modelled (hidden_dropout on"
+                          " the summed output; the rotary attention drops nothing out); use dropout 0")
+
+
+def _check_bloom(knobs: Any) -> None:
+    """ALiBi is BloomBlock's: GPT-2's LayerNorm block with tanh GELU, no RoPE, eager (BloomAttention has one path)."""
+    if not knobs.alibi:
+        return
+    if is_llama(knobs) or knobs.mlp != "gelu_tanh" or knobs.rotary_percent is not None or knobs.parallel_residual:
+        raise ConfigError("impl hf: alibi is BloomBlock's: norm layernorm, mlp gelu_tanh, no rotary_percent or"
+                          " parallel_residual (Falcon's ALiBi layout is not modelled)")
+    h = getattr(knobs, "h", None)  # a config's (a knob set alone has no sizes)
+    if knobs.ffn_hidden_size is not None and h is not None and knobs.ffn_hidden_size != 4 * h:
+        raise ConfigError(f"impl hf: BloomMLP is 4h wide (4 * {h}); ffn_hidden_size={knobs.ffn_hidden_size} is not"
+                          " BLOOM's")
+    if knobs.attention == "flash":
+        raise ConfigError("impl hf: BloomAttention has no sdpa path (baddbmm with the ALiBi bias, an fp32 softmax);"
+                          " use attention eager")
+
+
 def _check_gemma2(knobs: Any) -> None:
     """Gemma 2's sandwich norms are GemmaRMSNorm's (norm rmsnorm_1p); its soft-capping runs in eager attention only
     (SDPA's kernels take no softcap)."""
-    if knobs.sandwich_norm and knobs.norm != "rmsnorm_1p":
-        raise ConfigError("impl hf: sandwich_norm is Gemma 2's, whose norms are GemmaRMSNorm: set norm rmsnorm_1p")
-    if knobs.attn_logit_softcapping is not None and not knobs.sandwich_norm:
+    if knobs.sandwich_norm and knobs.norm != "rmsnorm_1p" and not is_glm(knobs):
+        raise ConfigError("impl hf: sandwich_norm is Gemma 2's, whose norms are GemmaRMSNorm (set norm rmsnorm_1p),"
+                          " or GLM-4's (norm rmsnorm with rotary_percent)")
+    if knobs.attn_logit_softcapping is not None and (not knobs.sandwich_norm or knobs.norm != "rmsnorm_1p"):
         raise ConfigError("impl hf: attn_logit_softcapping is Gemma 2's (Gemma2DecoderLayer: set sandwich_norm and norm"
                           " rmsnorm_1p)")
     if knobs.attn_logit_softcapping is not None and knobs.attention != "eager":
@@ -804,9 +917,22 @@ NO_SEQUENCE_PARALLEL = Refusal(
     " (SequenceParallel, registered with use_local_output=True; ColwiseParallel.transform_inputs_pre_forward)",
 )
 GPT2_NO_TP_PLAN = Refusal(
-    "tp", lambda knobs: not is_llama(knobs) and not is_neox(knobs), "for GPT-2 (norm layernorm, no RoPE)",
+    "tp", lambda knobs: not is_llama(knobs) and not is_neox(knobs) and not is_falcon(knobs) and not knobs.alibi,
+    "for GPT-2 (norm layernorm, no RoPE)",
     "GPT2Config has no base_model_tp_plan, so from_pretrained(tp_plan=\"auto\") has nothing to apply",
     f"{_TP_SOURCE}, transformers/models/gpt2/configuration_gpt2.py; distributed/mixin.py _resolve_parallel_plans"
+    " raises ValueError for tp_size > 1 without a plan",
+)
+BLOOM_NO_TP_PLAN = Refusal(
+    "tp", lambda knobs: knobs.alibi, "for BLOOM (alibi)",
+    "BloomConfig has no base_model_tp_plan, so from_pretrained(tp_plan=\"auto\") has nothing to apply",
+    f"{_TP_SOURCE}, transformers/models/bloom/configuration_bloom.py; distributed/mixin.py _resolve_parallel_plans"
+    " raises ValueError for tp_size > 1 without a plan",
+)
+FALCON_NO_TP_PLAN = Refusal(
+    "tp", is_falcon, "for Falcon (norm layernorm with parallel_residual)",
+    "FalconConfig has no base_model_tp_plan, so from_pretrained(tp_plan=\"auto\") has nothing to apply",
+    f"{_TP_SOURCE}, transformers/models/falcon/configuration_falcon.py; distributed/mixin.py _resolve_parallel_plans"
     " raises ValueError for tp_size > 1 without a plan",
 )
 NEOX_TP_NOT_MODELLED = Refusal(
@@ -858,21 +984,33 @@ IMPLEMENTATION = Implementation(
     " soft-capping), Gemma3DecoderLayer (and its q/k norms) and OlmoDecoderLayer, eager and sdpa (Gemma 2: eager),"
     " at t = 1 and 2; GPTNeoXLayer (parallel or sequential residual, partial RoPE), eager, t = 1;"
     " Phi3DecoderLayer (fused qkv_proj and gate_up_proj, partial RoPE), eager, at t = 1 and 2; Olmo2DecoderLayer"
-    " (post-norms, whole-width q/k norms), eager and sdpa, at t = 1 and 2 (the families"
-    " `memcalc hf-families` lists, each from a config.json its transformers class wrote)",
+    " (post-norms, whole-width q/k norms), eager and sdpa, at t = 1 and 2; GlmDecoderLayer and"
+    " Glm4DecoderLayer (interleaved partial RoPE, one gate_up_proj gathered under tp, GLM-4's sandwich norms), eager"
+    " and sdpa, at t = 1 and 2; FalconDecoderLayer (parallel_attn, multi_query or multi-head, RoPE), eager, t = 1"
+    "; BloomBlock (ALiBi, fp32 softmax, BLOOM's GELU), eager, t = 1"
+    " (the families `memcalc hf-families` lists, each from a config.json its transformers class wrote)",
     layer_tensors=layer_tensors,
-    refuses=(NO_SEQUENCE_PARALLEL, GPT2_NO_TP_PLAN, NEOX_TP_NOT_MODELLED, LATENT_TP_NOT_MODELLED),
+    refuses=(NO_SEQUENCE_PARALLEL, GPT2_NO_TP_PLAN, NEOX_TP_NOT_MODELLED, LATENT_TP_NOT_MODELLED, FALCON_NO_TP_PLAN,
+             BLOOM_NO_TP_PLAN),
     unsharded=unsharded,
     check=check,
     check_sizes=check_sizes,
     size_rule=REPEAT_KV,
-    size_conditions=(SPLIT_PROJ_INPUT,),
+    size_conditions=(
+        SPLIT_PROJ_INPUT,
+        SizeCondition(
+            GLM_SDPA_OUT, "GLM's SDPA output, laid out (b, a, s, d), is o_proj's input itself where transpose(1, 2)"
+            " leaves it contiguous: one head on the rank, or one token",
+            kept=lambda sizes, t: (sizes[Dim.A] // t > 1) & (sizes[Dim.S] > 1),  # found by the differential test
+        ),
+    ),
     tensors=(
         *LN1_RMS, *LN2_RMS, *Q_NORM_RMS, *K_NORM_RMS,
         ROPE_COS, ROPE_SIN, *MLA_Q_RMS, *MLA_KV_RMS, MLA_ROPE_COS, MLA_ROPE_SIN, K_EXPANDED, V_EXPANDED, SOFTMAX_FP32, WEIGHTS, *SDPA_MATH,
         HALF_X, TANH_OUT, ONE_PLUS_TANH, *MOE_TENSORS, NEOX_ROPE_COS, NEOX_ROPE_SIN, NEOX_QKV_OUT,
     *OLMO2_ATTN_OUT, *OLMO2_MLP_OUT, *OLMO2_Q_NORM, *OLMO2_K_NORM, SDPA_OUT,
     *GEMMA_LN1, *GEMMA_LN2, *GEMMA_Q_NORM, *GEMMA_K_NORM, *GEMMA_POST_ATTN, *GEMMA_POST_MLP, SOFTCAP_TANH, GEGLU_GATE, GEGLU_UP, GEGLU_GELU_OUT, *OLMO_LN1, *OLMO_LN2, OLMO_ROPE_COS, OLMO_ROPE_SIN,  # FLASH_DROPOUT_LSE is the ledger's LSE, described as read from code
+        GLM_ROPE_COS, GLM_ROPE_SIN, GLM_SDPA_OUT, *GLM_POST_ATTN, *GLM_POST_MLP, FALCON_K_INDEX, FALCON_V_INDEX,
     ),
     # LlamaConfig's own: RMSNorm, SwiGLU, attention_dropout 0, attn_implementation "sdpa" (memcalc's flash).
     defaults={

@@ -103,9 +103,11 @@ _QKV_PARTS = (ledger.Q, ledger.K, ledger.V)  # each h columns wide (GPT-2 has no
 _GATE_UP = SavedTensor("moe/expert_gate_up", "MixtralExperts gate_up_proj", (), Kind.ACTIVATION, Region.EXPERT,
                        "chunked into gate and up")
 _GATE_UP_PARTS = (ledger.EXPERT_GATE, ledger.EXPERT_UP)
-# Phi-3's gate_up_proj output, (b, s, 2f): its gate and up halves, chunked.
-_DENSE_GATE_UP = SavedTensor("mlp/gate_up", "Phi3MLP gate_up_proj", (), Kind.ACTIVATION, Region.TENSOR,
+# Phi-3's and GLM's gate_up_proj output, (b, s, 2f): chunked into the gate (SiLU keeps it) and up (the product keeps
+# it).
+_DENSE_GATE_UP = SavedTensor("mlp/gate_up", "Phi3MLP's or GlmMLP's gate_up_proj", (), Kind.ACTIVATION, Region.TENSOR,
                              "chunked into gate and up")
+_HALVES = {_GATE_UP.name: _GATE_UP_PARTS, _DENSE_GATE_UP.name: (ledger.SWIGLU_GATE, ledger.SWIGLU_UP)}
 _MARKERS = (_QKV_OUT, _GATE_UP, _DENSE_GATE_UP)
 # The (1, s, d) RoPE tables the model passes its layers: a Llama head's, or latent attention's RoPE part's.
 _ROPE_TABLES = ((rules.ROPE_COS, rules.ROPE_SIN), (rules.MLA_ROPE_COS, rules.MLA_ROPE_SIN),
@@ -139,6 +141,7 @@ def record_layer(
     with cuda_like_dropout(), routing(family, route, config.moe_router_topk):
         with SavedTensorRecorder(layer.parameters(), kept_only=True) as recorder, Labels(layer, label_rules):
             y = layer(x, **extra(x, rope))
+            y = y[0] if isinstance(y, tuple) else y  # FalconDecoderLayer returns (output, attention weights)
         y.backward(torch.ones_like(y))  # inside the shim: a checkpoint's recompute must drop out alike
     return _merged_experts(_attributed(recorder.saved, config))
 
@@ -173,7 +176,15 @@ def _layer_input(config: ModelConfig, device: torch.device) -> torch.Tensor:
 
 def _build(config: ModelConfig, family: str, device: torch.device, dense: bool = False) -> tuple[Any, Callable[..., dict]]:
     """The layer in training mode, and a function giving its keyword inputs for an input x."""
-    if family == "gpt2":
+    if family == "bloom":
+        hf_config = transformers.BloomConfig(
+            hidden_size=config.h, n_head=config.a, n_layer=config.L, vocab_size=config.vocab_size,
+            attention_dropout=config.dropout, hidden_dropout=config.dropout,
+            attn_implementation=attention_implementation(config),
+        )
+        module = transformers.models.bloom.modeling_bloom
+        layer_class, rotary = module.BloomBlock, None
+    elif family == "gpt2":
         hf_config = transformers.GPT2Config(
             n_embd=config.h, n_head=config.a, n_inner=config.ffn, n_layer=1, n_positions=config.s,
             vocab_size=config.vocab_size, attn_pdrop=config.dropout, resid_pdrop=config.dropout,
@@ -184,7 +195,8 @@ def _build(config: ModelConfig, family: str, device: torch.device, dense: bool =
         layer_class, rotary = module.GPT2Block, None
     else:
         _, module = _classes(family)
-        hf_config = neox_config(config) if family == "gpt_neox" else llama_config(config, family)
+        build = {"gpt_neox": neox_config, "falcon": falcon_config}.get(family, partial(llama_config, family=family))
+        hf_config = build(config)
         layer_class = getattr(module, FAMILIES[family].layer)
         stem = FAMILIES[family].layer.removesuffix("DecoderLayer").removesuffix("Layer")  # Gemma3, GPTNeoX
         rotary = getattr(module, f"{stem}RotaryEmbedding")(hf_config)
@@ -195,7 +207,12 @@ def _build(config: ModelConfig, family: str, device: torch.device, dense: bool =
     _init_experts(layer, hf_config)
     if config.recompute == "full":
         _checkpointing(layer)
-    return layer, partial(_inputs, hf_config, rotary)
+    inputs = partial(_inputs, hf_config, rotary)
+    if family == "falcon":  # FalconDecoderLayer takes alibi (None: RoPE) before the mask
+        return layer, lambda x, rope: inputs(x, rope) | {"alibi": None}
+    if family == "bloom":
+        return layer, lambda x, rope: inputs(x, rope) | {"alibi": _alibi(hf_config, module, x)}
+    return layer, inputs
 
 
 def _layer_index(config: ModelConfig, family: str, dense: bool) -> int:
@@ -234,7 +251,7 @@ def llama_config(config: ModelConfig, family: str = "llama") -> Any:
         max_position_embeddings=config.s, vocab_size=config.vocab_size, tie_word_embeddings=config.tie_embeddings,
         attn_implementation=attention_implementation(config),
     ) | _moe_fields(config, family) | _latent_fields(config, family) | _head_fields(config, family)
-      | _window_fields(config, family) | _phi3_fields(config, family))
+      | _window_fields(config, family) | _phi3_fields(config, family) | _glm_fields(config, family))
 
 
 def _phi3_fields(config: ModelConfig, family: str) -> dict[str, Any]:
@@ -247,6 +264,15 @@ def _phi3_fields(config: ModelConfig, family: str) -> dict[str, Any]:
             "sliding_window": config.sliding_window, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
 
 
+def _glm_fields(config: ModelConfig, family: str) -> dict[str, Any]:
+    """GLM's rotary share (rope_parameters' partial_rotary_factor) and its Q, K, V biases (attention_bias)."""
+    if family not in ("glm", "glm4"):
+        return {}
+    return {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                "partial_rotary_factor": config.rotary_percent},
+            "attention_bias": config.add_qkv_bias}
+
+
 def neox_config(config: ModelConfig) -> Any:
     """A GPTNeoXConfig sized from memcalc's: fused QKV with biases (add_bias_linear), partial RoPE, parallel residual
     or not, one dropout probability for attention and the two hidden dropouts."""
@@ -257,6 +283,26 @@ def neox_config(config: ModelConfig) -> Any:
         use_parallel_residual=config.parallel_residual, attention_bias=config.add_bias_linear,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": config.rotary_percent},
         attn_implementation=attention_implementation(config),
+    )
+
+
+def _alibi(hf_config: Any, module: Any, x: torch.Tensor) -> torch.Tensor:
+    """BLOOM's (b * a, 1, s) ALiBi bias as BloomModel builds it without padding: each head's slope times the key
+    position, in x's dtype (no gradient: it keeps nothing)."""
+    slopes = module._get_alibi_slopes(hf_config.n_head, x.device)
+    alibi = slopes[:, None, None] * torch.arange(x.shape[1], device=x.device)
+    return alibi.repeat(x.shape[0], 1, 1).to(x.dtype)
+
+
+def falcon_config(config: ModelConfig) -> Any:
+    """A FalconConfig sized from memcalc's: parallel_attn with one input_layernorm, RoPE, multi_query for one K/V
+    group (else multi-head), biases on every linear or none, no ALiBi, the first decoder layout."""
+    return transformers.FalconConfig(
+        hidden_size=config.h, num_attention_heads=config.a, num_hidden_layers=config.L, ffn_hidden_size=config.ffn,
+        vocab_size=config.vocab_size, max_position_embeddings=config.s, multi_query=config.groups == 1 < config.a,
+        parallel_attn=True, new_decoder_architecture=False, alibi=False, bias=config.add_bias_linear,
+        activation="gelu_new" if config.mlp == "gelu_tanh" else "gelu", hidden_dropout=config.dropout,
+        attention_dropout=config.dropout, attn_implementation=attention_implementation(config),
     )
 
 
@@ -465,12 +511,36 @@ def label_rules_for(config: ModelConfig) -> tuple[Rule, ...]:
     if rules.is_llama(config):
         attention = _latent_attention_rules(config) if config.mla else _llama_attention_rules(config)
         first, second = _llama_norm_rules(config)
+        if rules.is_glm(config):
+            return (*first, *attention, *_glm_rules(config), *second)
         return (*first, *attention, *second, *_llama_mlp_rules(), *_moe_rules(config))
+    if config.alibi:
+        return (*_layer_norm_rules("input_layernorm", ledger.LN1), *_bloom_attention_rules(config),
+                *_layer_norm_rules("post_attention_layernorm", ledger.LN2), *_bloom_mlp_rules())
+    if rules.is_falcon(config):
+        return (*_layer_norm_rules("input_layernorm", ledger.LN1), *_falcon_rules(config))
     if rules.is_neox(config):
         return (*_layer_norm_rules("input_layernorm", ledger.LN1), *_neox_attention_rules(config),
                 *_layer_norm_rules("post_attention_layernorm", ledger.LN2), *_neox_mlp_rules(config))
     return (*_layer_norm_rules("ln_1", ledger.LN1), *_gpt2_attention_rules(config),
             *_layer_norm_rules("ln_2", ledger.LN2), *_gpt2_mlp_rules(config))
+
+
+def _glm_rules(config: ModelConfig) -> tuple[Rule, ...]:
+    """GLM's interleaved RoPE tables ((1, 1, s, d_r) each), GlmMLP's one gate_up_proj output chunked into gate and
+    up, and GLM-4's sandwich norms (post_self_attn_layernorm, post_mlp_layernorm)."""
+    table = lambda x: x[0, 0]  # noqa: E731
+    return (
+        Rule("self_attn", "repeat_interleave", rules.GLM_ROPE_COS, nth=0, view=table),
+        Rule("self_attn", "repeat_interleave", rules.GLM_ROPE_SIN, nth=1, view=table),
+        Rule("self_attn", "scaled_dot_product_attention", rules.GLM_SDPA_OUT),
+        Rule("mlp.gate_up_proj", "linear", ledger.FC1_IN, arg=0),
+        Rule("mlp.gate_up_proj", "forward", _DENSE_GATE_UP),  # under tp the gathered output (colwise_gather_output)
+        Rule("mlp.activation_fn", "silu", ledger.SWIGLU_SILU_OUT),
+        Rule("mlp.down_proj", "linear", ledger.FC2_IN, arg=0),
+        *_rms_rules("post_self_attn_layernorm", rules.GLM_POST_ATTN),
+        *_rms_rules("post_mlp_layernorm", rules.GLM_POST_MLP),
+    )
 
 
 def _rms_rules(module: str, norm: ledger.RMSNormTensors, view: Callable[[Any], Any] | None = None) -> tuple[Rule, ...]:
@@ -784,6 +854,63 @@ def _neox_attention_rules(config: ModelConfig) -> tuple[Rule, ...]:
     )
 
 
+def _bloom_attention_rules(config: ModelConfig) -> tuple[Rule, ...]:
+    """BloomAttention: query_key_value's input; baddbmm's Q and K^T and bmm's V (copies, or at b = 1 views of the
+    fused output, whose storage is split into Q, K and V by `_attributed`); the fp32 softmax and its cast, the
+    probabilities' dropout, dense's input, and dropout_add's mask."""
+    b, d, attention = config.b, config.head_dim, "self_attention"
+    scores, context = _kept("BaddbmmBackward0", "_saved_batch1"), _kept("BmmBackward0", "_saved_mat2")
+    key = _kept("BaddbmmBackward0", "_saved_batch2")
+    dropout = f"{attention}.attention_dropout"
+    return (
+        Rule(f"{attention}.query_key_value", "linear", ledger.QKV_IN, arg=0),
+        Rule(attention, "baddbmm", ledger.Q, view=lambda r: _copy(_heads(b))(scores(r))),
+        Rule(attention, "baddbmm", ledger.K, view=lambda r: _copy(_heads_t(b))(key(r))),
+        Rule(attention, "baddbmm", _QKV_OUT, view=lambda r: _in_larger(scores(r))),
+        Rule(attention, "softmax", rules.SOFTMAX_FP32),
+        Rule(attention, "to", rules.WEIGHTS),
+        Rule(dropout, "native_dropout", ledger.ATTN_DROPOUT_OUT),
+        Rule(dropout, "native_dropout", ledger.ATTN_DROPOUT_MASK,
+             view=_kept("NativeDropoutBackward0", "_saved_result1")),
+        Rule(attention, "bmm", ledger.V, view=lambda r: _copy(_heads(b))(context(r))),
+        Rule(attention, "bmm", _QKV_OUT, view=lambda r: _in_larger(context(r))),
+        Rule(f"{attention}.dense", "linear", ledger.PROJ_IN, arg=0, view=_head_columns(d)),
+        Rule(attention, "native_dropout", ledger.ATTN_OUT_DROPOUT_MASK,
+             view=_kept("NativeDropoutBackward0", "_saved_result1")),
+    )
+
+
+def _bloom_mlp_rules() -> tuple[Rule, ...]:
+    """BloomMLP: dense_h_to_4h's input and output (GeLUFunction keeps its input), dense_4h_to_h's input, and
+    dropout_add's mask."""
+    return (
+        Rule("mlp.dense_h_to_4h", "linear", ledger.FC1_IN, arg=0),
+        Rule("mlp.dense_h_to_4h", "linear", ledger.GELU_IN),
+        Rule("mlp.dense_4h_to_h", "linear", ledger.FC2_IN, arg=0),
+        Rule("mlp", "native_dropout", ledger.MLP_DROPOUT_MASK, view=_kept("NativeDropoutBackward0", "_saved_result1")),
+    )
+
+
+def _falcon_rules(config: ModelConfig) -> tuple[Rule, ...]:
+    """FalconDecoderLayer: query_key_value's input (the one norm's output, which the MLP reads too), multi_query's
+    two list indices, the eager core (as NeoX's: at b = 1 multi-head V is the fused output it views), dense's input,
+    and FalconMLP's (GELU's input, dense_4h_to_h's). FalconLinear is `input @ weight.T`: a module's input is its
+    linear's."""
+    d, attention = config.head_dim, "self_attention"
+    index = lambda x: x.grad_fn._saved_indices[-1][0]  # noqa: E731  (the (1,) index of [..., [-2], :], as ())
+    return (
+        Rule(f"{attention}.query_key_value", "forward", ledger.QKV_IN, arg=0),
+        Rule(attention, "__getitem__", rules.FALCON_K_INDEX, nth=1, view=index),
+        Rule(attention, "__getitem__", rules.FALCON_V_INDEX, nth=2, view=index),
+        *_core_rules(attention, config),
+        Rule(attention, "matmul", rules.NEOX_QKV_OUT, nth=1, arg=1,
+             view=lambda v: v._base.view(config.b, config.s, -1, d)),
+        Rule(f"{attention}.dense", "forward", ledger.PROJ_IN, arg=0, view=_head_columns(d)),
+        *(r for r in _gpt2_mlp_rules(config) if r.module == "mlp.act"),
+        Rule("mlp.dense_4h_to_h", "forward", ledger.FC2_IN, arg=0),
+    )
+
+
 def _neox_mlp_rules(config: ModelConfig) -> tuple[Rule, ...]:
     """GPTNeoXMLP: dense_h_to_4h's input, the activation (GPT-2's rules), dense_4h_to_h's input, post_mlp_dropout."""
     return (
@@ -815,16 +942,15 @@ def _gpt2_mlp_rules(config: ModelConfig) -> tuple[Rule, ...]:
 
 def _attributed(saved: tuple[SavedStorage, ...], config: ModelConfig) -> tuple[SavedStorage, ...]:
     """The storages as ledger rows: GPT-2's c_attn output split into Q, K and V, a third of its bytes each, and
-    each expert's gate_up output into its gate and up, half each."""
+    each expert's (and GLM's MLP's) gate_up output into its gate and up, half each."""
     per_head = (config.b, config.a, config.s, config.h // config.a)
     rows: list[SavedStorage] = []
     for storage in saved:
         if storage.name == _QKV_OUT.name:
             rows += [SavedStorage(x.name, storage.nbytes // 3, per_head, storage.dtype) for x in _QKV_PARTS]
-        elif storage.name in (_GATE_UP.name, _DENSE_GATE_UP.name):
-            parts = _GATE_UP_PARTS if storage.name == _GATE_UP.name else (ledger.SWIGLU_GATE, ledger.SWIGLU_UP)
+        elif storage.name in _HALVES:
             half = (*storage.shape[:-1], storage.shape[-1] // 2)
-            rows += [SavedStorage(x.name, storage.nbytes // 2, half, storage.dtype) for x in parts]
+            rows += [SavedStorage(x.name, storage.nbytes // 2, half, storage.dtype) for x in _HALVES[storage.name]]
         else:
             rows.append(storage)
     return tuple(rows)

@@ -121,6 +121,7 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
         (config.sandwich_norm or config.attn_logit_softcapping is not None or config.sliding_window is not None,
          "a sliding window, or Gemma 2/3's sandwich norms or soft-capping (it walks Llama's)"),
         (config.fused_qkv, "Phi-3's fused qkv_proj and gate_up_proj (it walks Llama's)"),
+        (config.rotary_percent is not None, "GLM's partial RoPE and fused gate_up (it walks Llama's)"),
         (strategy.tensor_parallel and config.vocab_size % config.t != 0,
          f"vocab_size={config.vocab_size} that t={config.t} does not divide (DTensor pads uneven shards to gather"
          " the logits)"),

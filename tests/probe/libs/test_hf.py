@@ -27,6 +27,9 @@ QWEN3 = LLAMA | {"kv_channels": 16, "qk_layernorm": True, "num_query_groups": 2}
 GEMMA = {"norm": "rmsnorm_1p", "mlp": "geglu_tanh", "kv_channels": 16, "num_query_groups": 2}
 GEMMA2 = GEMMA | {"sandwich_norm": True, "attn_logit_softcapping": 50.0, "attention": "eager"}
 GEMMA3 = GEMMA | {"sandwich_norm": True, "qk_layernorm": True}
+FALCON = GPT2 | {"parallel_residual": True, "num_query_groups": 1, "attention": "eager", "dropout": 0.0}  # Falcon-7B's
+BLOOM = GPT2 | {"mlp": "gelu_tanh", "alibi": True, "attention": "eager", "ffn_hidden_size": None}  # BloomMLP: 4h
+GLM = LLAMA | {"rotary_percent": 0.5, "kv_channels": 16, "num_query_groups": 2}  # GlmDecoderLayer; + sandwich: GLM-4
 NEOX = {"norm": "layernorm", "mlp": "gelu", "rotary_percent": 0.25, "parallel_residual": True, "attention": "eager"}
 PHI3 = LLAMA | {"fused_qkv": True, "attention": "eager"}
 OLMO2 = {"norm": "rmsnorm_fp32w", "mlp": "swiglu", "post_norm": True, "qk_layernorm": True, "num_query_groups": 2}
@@ -116,6 +119,25 @@ CASES = {
                                                               "num_query_groups": None}, None),
     "olmo2 sdpa gqa": (OLMO2 | {"attention": "flash", "dropout": 0.0}, None),
     "olmo2 fp32 at b=1": (OLMO2 | {"attention": "eager", "dtype": "fp32", "b": 1}, None),
+    "falcon multi_query: one norm's output read by attention and mlp, the one k/v head broadcast by matmul, bf16 softmax":
+        (FALCON, None),
+    "falcon multi_query at b=1, odd s: matmul keeps the one k and v head as they are; gelu_new, biases, fp32":
+        (FALCON | {"b": 1, "s": 7, "mlp": "gelu_tanh", "add_bias_linear": True, "dtype": "fp32"}, None),
+    "falcon multi-head at b=1: matmul keeps V as the fused query_key_value output it views":
+        (FALCON | {"num_query_groups": None, "b": 1}, None),
+    "bloom: alibi keeps nothing; fp32 softmax and its cast; its tanh gelu keeps its input alone":
+        (BLOOM | {"dropout": 0.0}, None),
+    "bloom at b=1 with dropout: q, k, v are views of the fused output; both dropouts' masks":
+        (BLOOM | {"dropout": 0.1, "b": 1, "s": 7}, None),
+    "bloom fp32": (BLOOM | {"dropout": 0.0, "dtype": "fp32"}, None),
+    "glm eager: interleaved (s, d_r) rope tables, gate_up's one output kept as gate and up":
+        (GLM | {"attention": "eager", "dropout": 0.0}, None),
+    "glm4 sdpa: sandwich norms; the flash kernel keeps its output, laid out as the cat query, apart from o_proj's copy":
+        (GLM | {"attention": "flash", "dropout": 0.0, "sandwich_norm": True}, None),
+    "glm sdpa with dropout on a cpu: the math kernel keeps no output of its own":
+        (GLM | {"attention": "flash", "dropout": 0.1}, None),
+    "glm fp32 at b=1 with one k/v group, whole heads rotated":
+        (GLM | {"attention": "eager", "dtype": "fp32", "b": 1, "num_query_groups": 1, "rotary_percent": 1.0}, None),
 }
 
 
@@ -161,8 +183,16 @@ def test_the_shim_makes_cpu_dropout_keep_a_bool_mask_and_undoes_itself():
     (GEMMA2 | {"attention": "flash"}, "attn_logit_softcapping runs in eager attention only"),
     (GEMMA | {"attn_logit_softcapping": 30.0, "attention": "eager"}, "attn_logit_softcapping is Gemma 2's"),
     (LLAMA | {"sandwich_norm": True}, "sandwich_norm is Gemma 2's"),
-    (GPT2 | {"parallel_residual": True}, "parallel_residual is GPTNeoXLayer's, which has RoPE"),
-    (LLAMA | {"rotary_percent": 0.5}, "rotary_percent and parallel_residual are GPTNeoXLayer's"),
+    (LLAMA | {"parallel_residual": True}, "parallel_residual is GPTNeoXLayer's and FalconDecoderLayer's"),
+    (FALCON | {"attention": "flash"}, "FalconDecoderLayer under sdpa is not modelled"),
+    (BLOOM | {"attention": "flash"}, "BloomAttention has no sdpa path"),
+    (BLOOM | {"ffn_hidden_size": 48}, "BloomMLP is 4h wide"),
+    (LLAMA | {"alibi": True}, "alibi is BloomBlock's"),
+    (FALCON | {"dropout": 0.1}, "dropout 0.1 in FalconDecoderLayer is not modelled"),
+    (FALCON | {"num_query_groups": 2}, "its new_decoder_architecture's groups are not"),
+    (GEMMA | {"rotary_percent": 0.5}, "rotary_percent in an RMSNorm layer is GLM's"),
+    (GLM | {"sandwich_norm": True, "attn_logit_softcapping": 30.0, "attention": "eager"},
+     "attn_logit_softcapping is Gemma 2's"),
     (NEOX | {"rotary_percent": 1.5}, r"rotary_percent=1.5 must be in \(0, 1\]"),
     (PHI3 | {"attention": "flash"}, "Phi3DecoderLayer under sdpa is not modelled"),
     (LLAMA | {"post_norm": True, "qk_layernorm": True}, "post_norm and norm rmsnorm_fp32w are Olmo2DecoderLayer's"),
@@ -222,6 +252,9 @@ TP_CASES = {
         (OLMO2 | {"attention": "eager", "dropout": 0.1, "b": 1}, 2, "olmo2"),
     "olmo2 sdpa t=2: the flash kernel's output is a storage of its own beside o_proj's split copy":
         (OLMO2 | {"attention": "flash", "dropout": 0.0}, 2, "olmo2"),
+    "glm4 t=2: gate_up's output gathered (gate, up and SiLU's output whole), down_proj's input this rank's f/t":
+        (GLM | {"attention": "eager", "dropout": 0.0, "sandwich_norm": True}, 2, "glm4"),
+    "glm sdpa t=2": (GLM | {"attention": "flash", "dropout": 0.0}, 2, "glm"),
     "qwen3 t=2: q_norm and k_norm on this rank's heads of head_dim (replicated_with_grad_allreduce)":
         (LLAMA | {"attention": "eager", "dropout": 0.0, "num_query_groups": 2, "kv_channels": 16,
                   "qk_layernorm": True}, 2, None),
@@ -257,6 +290,8 @@ def test_two_gloo_ranks_each_keep_what_rank_zero_of_the_fake_group_keeps():
     (LLAMA, "does not run tp-sp .*in any model: transformers has no sequence parallelism"),
     (GPT2, "does not run tp .*GPT2Config has no base_model_tp_plan"),
     (NEOX, "does not run tp .*GPT-NeoX .*has not measured GPTNeoXConfig's base_model_tp_plan"),
+    (BLOOM, "does not run tp .*for BLOOM .*BloomConfig has no base_model_tp_plan"),
+    (FALCON | {"num_query_groups": None}, "does not run tp .*for Falcon .*FalconConfig has no base_model_tp_plan"),
     (LLAMA | MLA | {"attention": "eager"}, "does not run tp .*with latent attention .*shards no attention"),
 ])
 def test_what_transformers_does_not_lay_out_is_refused_with_the_library_s_reason(knobs, words):
