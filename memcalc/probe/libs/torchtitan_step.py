@@ -80,3 +80,47 @@ def _loss(model: Any, loss_fn: Any, tokens: torch.Tensor, labels: torch.Tensor) 
     pred = model(tokens)
     loss, _ = loss_fn(pred, labels, valid)
     return loss
+
+
+def measure_torchtitan_fsdp_step_on_rank(tp: TensorParallelGroup, config: ModelConfig,
+                                         strategy: Strategy) -> StepMeasurement:
+    """torchtitan's Llama3Model sharded by its own apply_fsdp_to_decoder over dp_shard ranks, stepped once, then one
+    step measured by FSDPMemTracker (memcalc.probe.libs.hf_fsdp)."""
+    from memcalc.probe.libs.hf_fsdp import measure_sharded
+
+    return measure_sharded(warmed_up_sharded(tp, config, strategy), tp, strategy)
+
+
+def warmed_up_sharded(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy) -> Any:
+    """Rank 0 of dp_shard (the fake group's world): Llama3Model built on the meta device in fp32 (its trainer's
+    training.dtype), sharded as torchtitan's parallelize_llama shards it (apply_fsdp_to_decoder: tok_embeddings,
+    [norm, lm_head], each block, the model; bf16 parameters, fp32 reduce; its reshard policy "default", or "never"
+    without reshard_after_forward), materialised and initialised, AdamW (fused) over the shards, zeroed in place
+    (its trainer's zero_grad(set_to_none=False)), stepped once."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
+
+    from memcalc.probe.libs.hf_fsdp import ShardedTrainer
+
+    if config.tie_embeddings:
+        raise ProbeError("impl torchtitan: Llama3 unties its embedding and output layer; set tie_embeddings false")
+    if (config.dp_replicate or 1) > 1 or tp.size != config.dp_shard:
+        raise ProbeError(f"impl torchtitan under FSDP2 runs on dp_shard ranks alone: the fake group has {tp.size}")
+    with torch.device("meta"):
+        model = titan.model_config(config, strategy.sequence_parallel, config.L, config.vocab_size).build()
+    mesh = init_device_mesh(tp.device.type, (config.dp_shard,), mesh_dim_names=("fsdp",))
+    apply_fsdp_to_decoder(model, mesh, param_dtype=DTYPES[config.dtype], reduce_dtype=DTYPES[config.reduce_dtype],
+                          pp_enabled=False, reshard_after_forward_policy="default" if config.reshard_after_forward
+                          else "never")
+    model.to_empty(device=tp.device)
+    torch.manual_seed(BATCH_SEED)
+    with torch.no_grad(), warnings.catch_warnings():  # the values do not matter: no warning that CPU meshes' are
+        warnings.filterwarnings("ignore", "DTensor random operators", UserWarning)  # not those of a GPU mesh
+        model.init_states(buffer_device=tp.device)
+    model.train()
+    loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config(global_vocab_size=config.vocab_size))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    trainer = ShardedTrainer(config, model, optimizer, lambda tokens, labels: _loss(model, loss_fn, tokens, labels),
+                             set_to_none=False)
+    trainer.step()
+    return trainer

@@ -129,9 +129,10 @@ def test_hsdp_replicates_the_shard_group_and_every_moment_is_fsdp2s_alone(one_th
 def test_hsdp_under_tp_on_a_3d_mesh_every_moment_happens_in_order_with_its_bytes(one_thread, attention):
     """transformers' tp_plan over the inner dimension of a (dp_replicate, dp_shard, t) mesh, HSDP over the outer two:
     FSDP2's moments over dp_shard on this rank's TP shards."""
-    config = _config(2, True, attention=attention, t=2, dp_replicate=2)
+    config = make_config(LLAMA, dp_shard=2, reshard_after_forward=True, attention=attention, t=2, dp_replicate=2)
     predicted = timeline(config, STRATEGIES["tp"], Accounting(exact=True, device="cpu"))
-    assert predicted.moments == timeline(_config(2, True, attention=attention, t=2), STRATEGIES["tp"],
+    assert predicted.moments == timeline(make_config(LLAMA, dp_shard=2, reshard_after_forward=True, attention=attention,
+                                                     t=2), STRATEGIES["tp"],
                                          Accounting(exact=True, device="cpu")).moments
     assert_moments_in_order(predicted.moments[1:], _readings(config))
 
@@ -140,7 +141,8 @@ def test_hsdp_under_tp_on_a_3d_mesh_every_moment_happens_in_order_with_its_bytes
 @pytest.mark.parametrize("replicas,n", [(2, 2), (2, 4), (4, 2)])
 def test_hsdp_under_tp_the_peak_and_the_steady_state_are_fsdpmemtrackers_to_the_byte(one_thread, replicas, n,
                                                                                     reshard):
-    (r,) = measure_step(_config(n, reshard, t=2, dp_replicate=replicas), ["tp"])
+    (r,) = measure_step(make_config(LLAMA, dp_shard=n, reshard_after_forward=reshard, t=2, dp_replicate=replicas),
+                        ["tp"])
     assert [row.difference for row in r.rows("peak")] == [0] * 6, r.rows("peak")
     assert [row.difference for row in r.rows("steady")] == [0] * 6, r.rows("steady")
     assert r.moment_matches, (r.predicted_moment, r.measured.moment)
