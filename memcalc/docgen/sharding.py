@@ -158,7 +158,7 @@ def _step() -> str:
         " (its apply_fsdp_to_decoder's units: tok_embeddings, each block, norm and lm_head together; its reshard"
         " policy \"default\", or \"never\" with `--no-reshard-after-forward`; its trainer's"
         " zero_grad(set_to_none=False)). `memcalc measure --step --impl torchtitan --dp-shard N` runs torchtitan's"
-        " own apply_fsdp_to_decoder on its Llama3Model (memcalc/probe/libs/torchtitan_step.py) under"
+        " own parallelize_llama on its Llama3Model (memcalc/probe/libs/torchtitan_step.py) under"
         " FSDPMemTracker, and tests/probe/libs/test_torchtitan_fsdp.py checks the peak, each category, the steady"
         " state and every moment to the byte at dp_shard 2 and 4, with and without resharding, dim 0 padded.",
         "",

@@ -112,6 +112,7 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
         (config.zero_stage is not None, "zero_stage (DeepSpeed's ZeRO: torchtitan shards with FSDP2, dp_shard)"),
         (config.dp_shard is not None and config.t > 1, "dp_shard with t > 1 (FSDP2 on a 2-D mesh with its TP plan)"),
         ((config.dp_replicate or 1) > 1, "dp_replicate (HSDP)"),
+        (config.reduce_dtype != "fp32", f"reduce_dtype {config.reduce_dtype} (torchtitan reduces in float32 only)"),
         (config.recompute != "none", f"recompute {config.recompute} (its FullAC or SelectiveAC)"),
         (config.moe, "a mixture of experts (num_experts)"),
         (config.tie_embeddings, "tie_embeddings (Llama3 unties them; set tie_embeddings false)"),

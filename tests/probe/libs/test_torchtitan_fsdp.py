@@ -1,8 +1,9 @@
-"""torchtitan's own Llama3Model sharded by its own apply_fsdp_to_decoder (`fully_shard` on tok_embeddings, each
-block, [norm, lm_head] and the model; bf16 parameters, fp32 reduce; its "default" reshard policy or "never") over
-dp_shard = 2 and 4 ranks of the fake group, trained with its trainer's zero_grad(set_to_none=False), under torch's
-FSDPMemTracker, against the torchtitan step timeline with FSDP2's units as data (memcalc.sizing.timeline.fsdp): the
-peak, each category at it and the state between steps to the byte, the peak's moment, and every moment in order."""
+"""torchtitan's own Llama3Model sharded by its own parallelize_llama (apply_fsdp_to_decoder: `fully_shard` on
+tok_embeddings, each block, [norm, lm_head] and the model; bf16 parameters, fp32 reduce; its "default" reshard policy
+or "never") over dp_shard = 2 and 4 ranks of the fake group, trained with its trainer's zero_grad(set_to_none=False),
+under torch's FSDPMemTracker, against the torchtitan step timeline with FSDP2's units as data
+(memcalc.sizing.timeline.fsdp): the peak, each category at it and the state between steps to the byte, the peak's
+moment, and every moment in order."""
 
 import pytest
 
@@ -91,6 +92,7 @@ def test_every_moment_the_fsdp_walk_names_happens_in_order_in_its_module_with_it
 @pytest.mark.parametrize("changes, named", [
     ({"dp_shard": 2, "t": 2}, "dp_shard with t > 1"),
     ({"dp_shard": 2, "dp_replicate": 2}, "dp_replicate"),
+    ({"dp_shard": 2, "reduce_dtype": "bf16"}, "reduce_dtype bf16"),
 ])
 def test_what_the_fsdp_walk_does_not_model_is_refused_by_name(changes, named):
     with pytest.raises(ConfigError, match=named):
