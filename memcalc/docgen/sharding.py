@@ -152,9 +152,18 @@ def _step() -> str:
         " the byte at dp_shard 2, 4 and 8, with and without reshard_after_forward, with reduce_dtype bf16, with"
         " tied embeddings, with transformers' tp_plan on a 2-D mesh (t = 2, dp_shard 2 and 4), and as HSDP"
         " (dp_replicate 2, 4 at t = 1 and under tp on a 3-D (dp_replicate, dp_shard, t) mesh: FSDP2's moments over"
-        " dp_shard, its all-reduce across replicas in place). Not walked yet (refused by name): experts, torchtitan's"
-        " model (its states are"
-        " counted; its step is not walked).",
+        " dp_shard, its all-reduce across replicas in place).",
+        "",
+        "With `--impl torchtitan --dp-shard N` the same ops walk torchtitan's Llama3Model in torchtitan's layout"
+        " (its apply_fsdp_to_decoder's units: tok_embeddings, each block, norm and lm_head together; its reshard"
+        " policy \"default\", or \"never\" with `--no-reshard-after-forward`; its trainer's"
+        " zero_grad(set_to_none=False)). `memcalc measure --step --impl torchtitan --dp-shard N` runs torchtitan's"
+        " own parallelize_llama on its Llama3Model (memcalc/probe/libs/torchtitan_step.py) under"
+        " FSDPMemTracker, and tests/probe/libs/test_torchtitan_fsdp.py checks the peak, each category, the steady"
+        " state and every moment to the byte at dp_shard 2 and 4, with and without resharding, dim 0 padded.",
+        "",
+        "Not walked yet (refused by name): experts; torchtitan under FSDP2 with its TP plan (a 2-D mesh), as HSDP"
+        " or with recomputation.",
         "",
         "```text",
         (fsdp.__doc__ or "").strip(),

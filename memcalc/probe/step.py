@@ -594,6 +594,7 @@ STEP_TRAINERS = {
     ("hf", False): ("memcalc.probe.libs.hf_step", "measure_hf_step_on_rank"),
     ("hf", True): ("memcalc.probe.libs.hf_fsdp", "measure_hf_fsdp_step_on_rank"),
     ("torchtitan", False): ("memcalc.probe.libs.torchtitan_step", "measure_torchtitan_step_on_rank"),
+    ("torchtitan", True): ("memcalc.probe.libs.torchtitan_step", "measure_torchtitan_fsdp_step_on_rank"),
 }
 
 

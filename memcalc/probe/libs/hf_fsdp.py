@@ -16,6 +16,7 @@ the tracked inputs); `FSDP_CATEGORIES` reads those as the timeline's categories.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ProbeError
@@ -75,20 +76,23 @@ class FsdpMomentTracker(MomentTracker, FSDPMemTracker):
 
 @dataclass(frozen=True)
 class ShardedTrainer:
-    """transformers' Llama under fully_shard on this rank, with AdamW over its shards."""
+    """A library's model under fully_shard on this rank, with AdamW over its shards; `loss` its forward,
+    (tokens, labels) -> the loss."""
 
     config: ModelConfig
     model: nn.Module
     optimizer: torch.optim.Optimizer
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    set_to_none: bool = True  # zero_grad's: torchtitan's trainer zeroes the sharded gradients in place
 
     def step(self) -> None:
-        """Load a batch (inside the step, as the trainer's), forward, backward, step, zero_grad(set_to_none); the
-        loss lives to the step's end (memcalc.probe.step.Trainer.step)."""
+        """Load a batch (inside the step, as the trainer's), forward, backward, step, zero_grad; the loss lives to the
+        step's end (memcalc.probe.step.Trainer.step). torchtitan zeroes at the step's start: the same memory."""
         tokens, labels = batch(self.config, next(self.model.parameters()).device)
-        loss = self.model(input_ids=tokens, labels=labels).loss
+        loss = self.loss(tokens, labels)
         loss.backward()
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=self.set_to_none)
 
 
 def warmed_up_sharded(tp: TensorParallelGroup, config: ModelConfig) -> ShardedTrainer:
@@ -113,14 +117,19 @@ def warmed_up_sharded(tp: TensorParallelGroup, config: ModelConfig) -> ShardedTr
     for layer in model.model.layers:
         fully_shard(layer, mesh=dp, mp_policy=policy, reshard_after_forward=config.reshard_after_forward)
     fully_shard(model, mesh=dp, mp_policy=policy, reshard_after_forward=config.reshard_after_forward)
-    trainer = ShardedTrainer(config, model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True))
+    trainer = ShardedTrainer(config, model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True),
+                             lambda tokens, labels: model(input_ids=tokens, labels=labels).loss)
     trainer.step()
     return trainer
 
 
 def measure_hf_fsdp_step_on_rank(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy) -> StepMeasurement:
     """One step of the sharded Llama under FSDPMemTracker: the state before it, the peak, and where the peak was."""
-    trainer = warmed_up_sharded(tp, config)
+    return measure_sharded(warmed_up_sharded(tp, config), tp, strategy)
+
+
+def measure_sharded(trainer: ShardedTrainer, tp: TensorParallelGroup, strategy: Strategy) -> StepMeasurement:
+    """One step of a warmed-up sharded trainer under FSDPMemTracker."""
     tracker = FsdpMomentTracker(trainer.model, trainer.optimizer)
     with tracker:  # entering registers the sharded parameters and the optimizer's states
         steady = fsdp_categories(tracker.get_tracker_snapshot("current"))

@@ -80,3 +80,60 @@ def _loss(model: Any, loss_fn: Any, tokens: torch.Tensor, labels: torch.Tensor) 
     pred = model(tokens)
     loss, _ = loss_fn(pred, labels, valid)
     return loss
+
+
+def measure_torchtitan_fsdp_step_on_rank(tp: TensorParallelGroup, config: ModelConfig,
+                                         strategy: Strategy) -> StepMeasurement:
+    """torchtitan's Llama3Model sharded by its own parallelize_llama over dp_shard ranks, stepped once, then one step
+    measured by FSDPMemTracker (memcalc.probe.libs.hf_fsdp)."""
+    from memcalc.probe.libs.hf_fsdp import measure_sharded
+
+    return measure_sharded(warmed_up_sharded(tp, config, strategy), tp, strategy)
+
+
+def warmed_up_sharded(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy) -> Any:
+    """Rank 0 of dp_shard (the fake group's world): Llama3Model built on the meta device in fp32 (its trainer's
+    training.dtype), sharded by torchtitan's own parallelize_llama (apply_fsdp_to_decoder: tok_embeddings, each block,
+    [norm, lm_head], the model; bf16 parameters, fp32 reduce, its TrainingConfig's; its reshard policy "default", or
+    "never" without reshard_after_forward), materialised and initialised, AdamW (fused) over the shards, zeroed in
+    place (its trainer's zero_grad(set_to_none=False)), stepped once.
+
+    The SPMD backend is "partial_dtensor" (FSDP2 over the 1-D fsdp mesh): under its default "spmd_types" at t = 1,
+    parallelize_llama hands fully_shard a DataParallelMeshDims whose parameters nothing has annotated, and fully_shard
+    refuses them (on this fake group; not measured on GPUs)."""
+    from torchtitan.config.configs import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed.parallel_dims import ParallelDims
+    from torchtitan.models.llama3.parallelize import parallelize_llama
+
+    from memcalc.probe.libs import torchtitan_shim as shim
+    from memcalc.probe.libs.hf_fsdp import ShardedTrainer
+
+    if config.tie_embeddings:
+        raise ProbeError("impl torchtitan: Llama3 unties its embedding and output layer; set tie_embeddings false")
+    if (config.dp_replicate or 1) > 1 or tp.size != config.dp_shard:
+        raise ProbeError(f"impl torchtitan under FSDP2 runs on dp_shard ranks alone: the fake group has {tp.size}")
+    backend = "partial_dtensor"
+    dims = ParallelDims(dp_replicate=1, dp_shard=config.dp_shard, cp=1, tp=1, pp=1, ep=1, world_size=tp.size,
+                        spmd_backend=backend)
+    with shim.mesh_device(tp.device.type):
+        dims.build_mesh()
+    with torch.device("meta"):
+        model = titan.model_config(config, strategy.sequence_parallel, config.L, config.vocab_size).build()
+    precision = {"bf16": "bfloat16", "fp32": "float32"}
+    parallelize_llama(model, parallel_dims=dims, compile_config=CompileConfig(), ac_config=None, dump_folder="",
+                      training=TrainingConfig(mixed_precision_param=precision[config.dtype],
+                                              mixed_precision_reduce=precision[config.reduce_dtype]),
+                      parallelism=ParallelismConfig(spmd_backend=backend, fsdp_reshard_after_forward="default"
+                                                    if config.reshard_after_forward else "never"))
+    model.to_empty(device=tp.device)
+    torch.manual_seed(BATCH_SEED)
+    with torch.no_grad(), warnings.catch_warnings():  # the values do not matter: no warning that CPU meshes' are
+        warnings.filterwarnings("ignore", "DTensor random operators", UserWarning)  # not those of a GPU mesh
+        model.init_states(buffer_device=tp.device)
+    model.train()
+    loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config(global_vocab_size=config.vocab_size))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    trainer = ShardedTrainer(config, model, optimizer, lambda tokens, labels: _loss(model, loss_fn, tokens, labels),
+                             set_to_none=False)
+    trainer.step()
+    return trainer

@@ -1,25 +1,32 @@
-"""FSDP2 (`fully_shard`) in the step of transformers' Llama: the sharded states and each block's gather and
-reduce-scatter, as ops on the walk's tape (memcalc.sizing.timeline.hf calls them where FSDP2's hooks run).
+"""FSDP2 (`fully_shard`) in the step of transformers' Llama and torchtitan's Llama3: the sharded states and each
+unit's gather and reduce-scatter, as ops on the walk's tape (memcalc.sizing.timeline.hf and .torchtitan call them
+where FSDP2's hooks run).
 
-The layout is accelerate's and torchtitan's: `fully_shard` on every decoder layer, then on the whole model (the
-root: embedding, final norm, lm_head), with MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=...), over
-dp_shard ranks. What torch 2.13's FSDP2 does, and so what the tape holds:
+A layout is data: a list of units, each one `fully_shard` call with its parameters (module, shape, in registration
+order) and its reshard_after_forward. accelerate's (`Fsdp.of`): every decoder layer, then the whole model (the root:
+embedding, final norm, lm_head, unsharded from its forward to the end of backward). torchtitan's (`Fsdp.torchtitan`,
+its apply_fsdp_to_decoder): tok_embeddings, every block, then norm and lm_head as one unit never resharded after
+forward, the model's own call holding nothing; its trainer zeroes the sharded gradients in place
+(zero_grad(set_to_none=False)), so they live between steps and each reduce-scatter's shard is added into them. Both
+with MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=...), over dp_shard ranks. What torch 2.13's FSDP2 does,
+and so what the tape holds:
 
     steady          each parameter an fp32 DTensor sharded on dim 0 (dim 0 padded up to a multiple of
                     dp_shard); AdamW's m and v, the same shards, and a 0-d fp32 step per parameter; no
-                    gradients (zero_grad sets them to None)
-    pre-forward     a block's all-gather: this rank's shards cast to bf16, a flat bf16 buffer of the whole
-                    block (foreach_all_gather), copied out into each parameter's unsharded bf16 storage
-                    (foreach_all_gather_copy_out); the buffer is kept until the next block's copy-out
-                    (implicit forward prefetch), the last until the root's forward (with the loss) returns;
-                    the root, gathered before the embedding, stays unsharded to the end of backward
-    post-forward    reshard_after_forward: the block's unsharded parameters freed
-    pre-backward    the block's own gather copied out (again, if resharded), and the next block's all-gather
-                    issued at once (implicit backward prefetch): its flat buffer waits for that block's turn
-    backward        each weight's bf16 gradient is the unsharded parameter's .grad, kept to the block's end
-    post-backward   the block resharded; its gradients cast into a flat reduce_dtype reduce-scatter buffer
-                    of the whole block, freed, and this rank's shard (fp32, the parameter's dtype) made; the
-                    buffer is kept until the next block's reduce-scatter (FSDP2 waits for it there)
+                    gradients (zero_grad sets them to None), or under torchtitan their fp32 shards
+    pre-forward     a unit's all-gather: this rank's shards cast to bf16, a flat bf16 buffer of the whole
+                    unit (foreach_all_gather), copied out into each parameter's unsharded bf16 storage
+                    (foreach_all_gather_copy_out); the buffer is kept until the next unit's copy-out
+                    (implicit forward prefetch), the last until the root's forward returns
+    post-forward    reshard_after_forward: the unit's unsharded parameters freed
+    pre-backward    the unit's own gather copied out (again, if resharded), and the next unit's all-gather
+                    issued at once (implicit backward prefetch): its flat buffer waits for that unit's turn
+    backward        each weight's bf16 gradient is the unsharded parameter's .grad, kept to the unit's end
+    post-backward   the unit resharded; the gradients it has cast into a flat reduce_dtype reduce-scatter
+                    buffer, freed, and this rank's shard (fp32, the parameter's dtype) made; the buffer is
+                    kept until the next reduce-scatter (FSDP2 waits for it there). A unit of several modules
+                    (torchtitan's norm and lm_head) runs it once per module whose input gradient is ready,
+                    each time for the gradients there are, and is gathered again in between
 
 On the fake process group the collectives move nothing, but every buffer is allocated as on a GPU.
 """
@@ -33,6 +40,7 @@ from memcalc.model.knobs import DTYPE_BYTES
 from memcalc.sizing.timeline.tape import ACTIVATIONS, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, Tape
 
 ROOT = "root"
+OUTPUT = "norm+lm_head"  # torchtitan's last unit
 
 
 def _padded(shape: tuple[int, ...], shards: int) -> int:
@@ -43,47 +51,103 @@ def _padded(shape: tuple[int, ...], shards: int) -> int:
     return -(-shape[0] // shards) * shards * rest
 
 
-def layer_shapes(c: ModelConfig, t: int) -> tuple[tuple[int, ...], ...]:
+Param = tuple[str, tuple[int, ...]]  # a parameter's module path and its shape on this rank before FSDP2 shards it
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One `fully_shard` call: its parameters in registration order (their modules and shapes) and whether forward
+    frees them again (reshard_after_forward; the hf root's stay unsharded to the end of backward)."""
+
+    name: str
+    params: tuple[Param, ...]
+    reshard_after_forward: bool
+
+    @property
+    def shapes(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(shape for _, shape in self.params)
+
+
+def hf_layer(c: ModelConfig, t: int, i: int, reshard: bool) -> Unit:
     """LlamaDecoderLayer's parameters as this rank of t holds them before FSDP2 shards them (transformers' tp_plan:
     q, k, v, gate, up colwise, o and down rowwise, the norms whole): q, k, v, o; gate, up, down; the two norms."""
     q, kv, f = c.a * c.head_dim // t, c.groups * c.head_dim // t, c.ffn // t
-    return ((q, c.h), (kv, c.h), (kv, c.h), (c.h, q), (f, c.h), (f, c.h), (c.h, f), (c.h,), (c.h,))
+    m = f"model.layers.{i}"
+    return Unit(f"layers.{i}", (
+        (f"{m}.self_attn.q_proj", (q, c.h)), (f"{m}.self_attn.k_proj", (kv, c.h)),
+        (f"{m}.self_attn.v_proj", (kv, c.h)), (f"{m}.self_attn.o_proj", (c.h, q)), (f"{m}.mlp.gate_proj", (f, c.h)),
+        (f"{m}.mlp.up_proj", (f, c.h)), (f"{m}.mlp.down_proj", (c.h, f)), (f"{m}.input_layernorm", (c.h,)),
+        (f"{m}.post_attention_layernorm", (c.h,))), reshard)
 
 
-def root_shapes(c: ModelConfig, t: int) -> tuple[tuple[int, ...], ...]:
-    """The root's own parameters: embed_tokens and lm_head (unless tied) v/t rows each under tp, the final norm."""
+def hf_root(c: ModelConfig, t: int) -> Unit:
+    """The root's own parameters: embed_tokens and lm_head (unless tied) v/t rows each under tp, the final norm; it
+    stays unsharded from its forward to the end of backward."""
     rows = c.vocab_size // t
-    return ((rows, c.h), (c.h,), *(((rows, c.h),) if not c.tie_embeddings else ()))
+    return Unit(ROOT, (("model.embed_tokens", (rows, c.h)), ("model.norm", (c.h,)),
+                       *((("lm_head", (rows, c.h)),) if not c.tie_embeddings else ())), False)
+
+
+def torchtitan_units(c: ModelConfig, reshard: bool) -> tuple[Unit, ...]:
+    """torchtitan's apply_fsdp_to_decoder on its untied Llama3Model: tok_embeddings, then each block (both resharded
+    after forward under its "default" policy, `reshard`), then norm and lm_head as one unit, never resharded after
+    forward ("as an optimization": FSDP2 would prefetch them at once); the model's own call holds no parameter."""
+    qkv, f = (c.a + 2 * c.groups) * c.head_dim, c.ffn
+    def block(i: int) -> Unit:
+        m = f"layers.{i}"
+        return Unit(m, ((f"{m}.attention.qkv_linear.wqkv", (qkv, c.h)), (f"{m}.attention.wo", (c.h, c.a * c.head_dim)),
+                        (f"{m}.feed_forward.w1", (f, c.h)), (f"{m}.feed_forward.w2", (c.h, f)),
+                        (f"{m}.feed_forward.w3", (f, c.h)), (f"{m}.attention_norm", (c.h,)),
+                        (f"{m}.ffn_norm", (c.h,))), reshard)
+    return (Unit("tok_embeddings", (("tok_embeddings", (c.vocab_size, c.h)),), reshard),
+            *(block(i) for i in range(c.L)),
+            Unit(OUTPUT, (("norm", (c.h,)), ("lm_head", (c.vocab_size, c.h))), False))
 
 
 @dataclass(frozen=True)
 class Fsdp:
-    """One rank of dp_shard: the padded sizes of each block, and the ops FSDP2 runs around it."""
+    """One rank of dp_shard: its units (each `fully_shard` call, in forward order), and the ops FSDP2 runs around
+    them. `accumulate`: the sharded gradients live between steps (zero_grad(set_to_none=False) zeroes them in place),
+    and each reduce-scatter's output shard is added into them and freed."""
 
     shards: int
-    layers: int
     act: int  # param_dtype's bytes
     reduce: int  # reduce_dtype's bytes
-    reshard_after_forward: bool
-    layer: tuple[tuple[int, ...], ...]
-    root: tuple[tuple[int, ...], ...]
+    units: tuple[Unit, ...]
     tp: bool = False  # transformers' tp_plan on the mesh's other dimension
+    accumulate: bool = False
+
+    @classmethod
+    def torchtitan(cls, config: ModelConfig) -> Fsdp:
+        """torchtitan's layout (torchtitan_units) over dp_shard ranks, its trainer's zero_grad(set_to_none=False)."""
+        return cls(config.dp_shard or 1, DTYPE_BYTES[config.dtype], DTYPE_BYTES[config.reduce_dtype],
+                   torchtitan_units(config, config.reshard_after_forward), accumulate=True)
+
+    def unit_of(self, module: str) -> str:
+        """The unit that holds the parameter of `module`."""
+        return next(u.name for u in self.units if any(m == module for m, _ in u.params))
 
     @classmethod
     def of(cls, config: ModelConfig, t: int = 1) -> Fsdp:
-        """FSDP2 over dp_shard ranks of the weights' shards on one rank of t (tp on the mesh's other dimension)."""
-        return cls(config.dp_shard or 1, config.L, DTYPE_BYTES[config.dtype], DTYPE_BYTES[config.reduce_dtype],
-                   config.reshard_after_forward, layer_shapes(config, t), root_shapes(config, t), t > 1)
+        """accelerate's layout of transformers' Llama: FSDP2 over dp_shard ranks on each decoder layer, then the root
+        (the weights' shards on one rank of t, tp on the mesh's other dimension)."""
+        layers = tuple(hf_layer(config, t, i, config.reshard_after_forward) for i in range(config.L))
+        return cls(config.dp_shard or 1, DTYPE_BYTES[config.dtype], DTYPE_BYTES[config.reduce_dtype],
+                   (*layers, hf_root(config, t)), t > 1)
+
+    def unit(self, block: str) -> Unit:
+        return next(u for u in self.units if u.name == block)
 
     def shapes(self, block: str) -> tuple[tuple[int, ...], ...]:
-        return self.root if block == ROOT else self.layer
+        return self.unit(block).shapes
 
-    def unsharded(self, block: str) -> int:
-        """Elements of a block gathered whole (each parameter padded)."""
-        return sum(_padded(x, self.shards) for x in self.shapes(block))
+    def unsharded(self, block: str, modules: tuple[str, ...] | None = None) -> int:
+        """Elements of a block gathered whole (each parameter padded), or of those of its parameters in `modules`."""
+        return sum(_padded(shape, self.shards) for m, shape in self.unit(block).params
+                   if modules is None or m in modules)
 
     def blocks(self) -> tuple[str, ...]:
-        return (*(f"layers.{i}" for i in range(self.layers)), ROOT)
+        return tuple(u.name for u in self.units)
 
     # -- steady state -------------------------------------------------------------------------------
 
@@ -96,17 +160,23 @@ class Fsdp:
         tape.add("states/adam_m", OPTIMIZER, 4 * shard, "AdamW's first moment of this rank's shards, fp32")
         tape.add("states/adam_v", OPTIMIZER, 4 * shard, "AdamW's second moment of this rank's shards, fp32")
         tape.add("optimizer/step", OPTIMIZER, 4 * count, "AdamW counts steps in a 0-d fp32 tensor per parameter")
+        if self.accumulate:
+            tape.add("states/grads", GRADIENTS, 4 * shard, "the sharded fp32 gradients, zeroed in place between steps")
 
     # -- the ops around a block -----------------------------------------------------------------------
 
     def all_gather(self, tape: Tape, block: str, phase: str, where: str) -> None:
         """foreach_all_gather: this rank's shards cast to param_dtype, then the block's flat buffer of every
         rank's shards; the casts are freed once copied in."""
-        whole = self.unsharded(block)
-        tape.add(f"fsdp/{block} cast", ACTIVATIONS if phase == "forward" else TEMPORARIES,
-                 self.act * whole // self.shards, "this rank's shards cast to param_dtype, the all-gather's input")
-        tape.add(f"fsdp/{block} all-gather", PARAMETERS, self.act * whole,
-                 "FSDP2's all-gather output: the whole block in param_dtype, one flat buffer")
+        whole, made = self.unsharded(block), ACTIVATIONS if phase == "forward" else TEMPORARIES
+        tape.add(f"fsdp/{block} cast", made, self.act * whole // self.shards,
+                 "this rank's shards cast to param_dtype, the all-gather's input")
+        name = f"fsdp/{block} all-gather"
+        # FSDPMemTracker files the buffer as the op's output first, as FSDP2's own once it is told of it
+        tape.add(name, made, self.act * whole, "FSDP2's all-gather output: the whole block in param_dtype, one flat"
+                 " buffer")
+        tape.mark(phase, where, f"FSDP2's all-gather of {block}: its output, beside this rank's cast shards")
+        tape.live[name] = replace(tape.live[name], category=PARAMETERS)
         tape.mark(phase, where, f"FSDP2's all-gather of {block}: its buffer beside this rank's cast shards")
         tape.drop(f"fsdp/{block} cast")
 
@@ -146,8 +216,8 @@ class Fsdp:
         tape.drop(f"fsdp/{block} unsharded")
 
     def post_forward(self, tape: Tape, block: str) -> None:
-        """reshard_after_forward frees a layer's unsharded parameters (the root's stay for backward)."""
-        if self.reshard_after_forward and block != ROOT:
+        """reshard_after_forward frees a unit's unsharded parameters (the hf root's stay for backward)."""
+        if self.unit(block).reshard_after_forward:
             self.reshard(tape, block)
 
     def pre_backward(self, tape: Tape, block: str, where: str, prefetch: str | None) -> None:
@@ -166,26 +236,27 @@ class Fsdp:
         Replicate gradient): FSDP2 lays it out as the weight (redistribute), this rank's v/t rows, and the table
         goes."""
         whole, rows = f"fsdp/{ROOT} grad model.embed_tokens", f"fsdp/{ROOT} grad model.embed_tokens (rows)"
-        embedding = self.root[0]
+        embedding = self.shapes(ROOT)[0]
         tape.add(rows, TEMPORARIES, self.act * embedding[0] * embedding[1], "this rank's rows of the embedding's"
                  " gradient, laid out as its weight (DTensor's redistribute) for the reduce-scatter")
         tape.mark("backward", where, "this rank's rows of the embedding's Replicate gradient")
         tape.drop(whole)
         return rows
 
-    def last_parameter(self, block: str) -> str:
-        """The module of a block's last parameter in registration order: a decoder layer's post_attention_layernorm,
-        the root's lm_head (tied, the final norm: lm_head's weight is the embedding's, registered once)."""
-        if block != ROOT:
-            return f"model.{block}.post_attention_layernorm"
-        return "lm_head" if len(self.root) == 3 else "model.norm"
+    def last_parameter(self, block: str, modules: tuple[str, ...] | None = None) -> str:
+        """The module of a block's last parameter in registration order (of those in `modules`, the ones with a
+        gradient): a decoder layer's post_attention_layernorm, the hf root's lm_head (tied, the final norm: lm_head's
+        weight is the embedding's, registered once)."""
+        return [m for m, _ in self.unit(block).params if modules is None or m in modules][-1]
 
-    def post_backward(self, tape: Tape, block: str, where: str) -> None:
+    def post_backward(self, tape: Tape, block: str, where: str, modules: tuple[str, ...] | None = None) -> None:
         """FSDP2's post-backward, as FSDPMemTracker files each step: the block's gradients (the unsharded parameters'
         .grad) become its gradients; the block resharded; foreach_reduce's flat reduce_dtype input made (a
         temporary until the reduce-scatter runs on it) and the gradients copied in and freed, but for the last
         parameter's, which foreach_reduce's loop variable keeps until it returns; this rank's output shard made
-        (fp32, the sharded gradients); the previous block's input, waited on, freed."""
+        (fp32, the sharded gradients, or under `accumulate` added into them and freed); the previous block's input,
+        waited on, freed. `modules`: the parameters with a gradient (foreach_reduce takes only those), all by
+        default."""
         grads = [n for n in tape.live if n.startswith(f"fsdp/{block} grad ")]
         for name in grads:
             tape.live[name] = replace(tape.live[name], category=GRADIENTS)
@@ -194,12 +265,12 @@ class Fsdp:
         self.reshard(tape, block)
         for name in [n for n in tape.live if n.startswith("fsdp/") and n.endswith(" reduce-scatter")]:
             tape.drop(name)  # the previous block's, waited on now
-        whole = self.unsharded(block)
+        whole = self.unsharded(block, modules)
         rs = f"fsdp/{block} reduce-scatter"
         tape.add(rs, TEMPORARIES, self.reduce * whole,
                  "FSDP2's reduce-scatter input: the block's gradients in reduce_dtype, one flat buffer")
         tape.mark("backward", where, f"FSDP2's reduce-scatter buffer for {block}'s gradients")
-        last = f"fsdp/{block} grad {self.last_parameter(block)}"
+        last = f"fsdp/{block} grad {self.last_parameter(block, modules)}"
         tape.drop(*(n for n in grads if n != last))
         out = f"fsdp/{block} sharded grads"
         tape.add(out, TEMPORARIES, self.reduce * whole // self.shards,
@@ -213,4 +284,7 @@ class Fsdp:
             tape.drop(out)
             tape.rename(f"{out} (fp32)", out)
         tape.drop(last)
-        tape.live[out] = replace(tape.live[out], category=GRADIENTS)
+        if self.accumulate:  # added into the sharded gradients
+            tape.drop(out)
+        else:
+            tape.live[out] = replace(tape.live[out], category=GRADIENTS)

@@ -27,16 +27,22 @@ sequence-parallel norms (tp-sp, its default) each module's input all-gathered al
 tensor is what wqkv, w1 and w3, and lm_head keep) and wo's, w2's and the embedding's partial sums reduce-scattered,
 their gradients the conjugate collectives; without (tp) the paper's f and f*, each an all-reduce into a copy.
 
-Exact (to the byte, at every moment named here, tests/probe/libs/test_torchtitan_step.py) for torchtitan 0.3.0 on
-torch 2.13's CPU kernels at t = 1 and under tp and tp-sp at t = 2 and 4 (rank 0 of the fake group), b = 1 and
-b > 1, bf16, untied, without recomputation; `check_modelled` names everything else.
+Sharded by FSDP2 (`dp_shard`) the walk runs in segments, one per FSDP2 unit of torchtitan's apply_fsdp_to_decoder
+(memcalc.sizing.timeline.fsdp.torchtitan_units), with FSDP2's hooks at their edges: each unit gathered before its
+forward, resharded after it, gathered again (and the next prefetched) before its backward, its gradients kept as the
+unsharded parameters' .grad and reduce-scattered into the sharded gradients after it.
+
+Exact (to the byte, at every moment named here, tests/probe/libs/test_torchtitan_step.py and test_torchtitan_fsdp.py)
+for torchtitan 0.3.0 on torch 2.13's CPU kernels at t = 1 and under tp and tp-sp at t = 2 and 4 (rank 0 of the fake
+group), b = 1 and b > 1, bf16, untied, without recomputation, and under FSDP2 at t = 1 (dp_shard 2 and 4, with and
+without resharding); `check_modelled` names everything else.
 On CUDA torchtitan's Llama3 runs flex attention and torch's fused _fused_rms_norm kernel, which keep other tensors
 (the ledger's device rules) and allocate otherwise in backward: not described here yet.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError
@@ -48,6 +54,7 @@ from memcalc.model.ledger import SavedTensor
 from memcalc.model.strategy import Strategy
 from memcalc.sizing.pipeline import stages
 from memcalc.sizing.timeline.ends import model_states
+from memcalc.sizing.timeline.fsdp import OUTPUT, Fsdp
 from memcalc.sizing.timeline.tape import PARAMETERS, Sizes, Tape, Timeline, prod
 from memcalc.sizing.timeline.walk import Made, Op, Step, Walk, kept, kept_name
 from memcalc.sizing.totals import end_sizes
@@ -61,20 +68,37 @@ def torchtitan_timeline(config: ModelConfig, strategy: Strategy, accounting: Acc
     z = Sizes.of(unpadded, strategy)
     (stage,) = stages(config.L, config.pp, config.vpp, config.microbatches)
     tape = Tape()
-    model_states(tape, unpadded, stage, z)
+    fsdp = Fsdp.torchtitan(unpadded) if config.dp_shard is not None else None
+    if fsdp is None:
+        model_states(tape, unpadded, stage, z)
+    else:
+        fsdp.states(tape)
     tape.add("states/rope caches", PARAMETERS, config.L * 8 * config.s * (z.d // 2),
              "each block's ComplexRoPE keeps its own complex64 (s, d/2) table, a buffer")
     tape.mark("steady", "", "model states between steps")
     saved = {x.tensor.name: x.bytes for x in layer.tensors}
     end = _end_bytes(unpadded, strategy, accounting)
-    walks = [(Walk(tape, "", "", end, _hand_over(tape)), embedding_ops(z)),
-             *((Walk(tape, f"layers.{i}", f"layers.{i}", saved, _hand_over(tape)), block_ops(i, z))
-               for i in range(config.L)),
-             (Walk(tape, "", "", end, _hand_over(tape)), output_ops(z, config))]
-    for walk, ops in walks:
-        walk.forward(ops)
-    for walk, ops in reversed(walks):
-        walk.backward(ops)
+    hand_over = _hand_over(tape) if fsdp is None else _keep_grad(tape, fsdp)
+    count, lookup = embedding_ops(z)
+    *norm, lm_head, loss = output_ops(z, config)
+    segments = [
+        Segment(None, "", Walk(tape, "", "", end, hand_over), (count,)),
+        Segment("tok_embeddings", "tok_embeddings", Walk(tape, "", "", end, hand_over), (lookup,)),
+        *(Segment(f"layers.{i}", f"layers.{i}", Walk(tape, f"layers.{i}", f"layers.{i}", saved, hand_over),
+                  block_ops(i, z)) for i in range(config.L)),
+        Segment(OUTPUT, "norm", Walk(tape, "", "", end, hand_over), tuple(norm)),
+        Segment(OUTPUT, "lm_head", Walk(tape, "", "", end, hand_over), (lm_head,)),
+        Segment(None, "", Walk(tape, "", "", end, hand_over), (loss,)),
+    ]
+    for i, segment in enumerate(segments):
+        segment.forward(fsdp, segments[i + 1].unit if i + 1 < len(segments) else None)
+    order = list(dict.fromkeys(x.unit for x in segments if x.unit is not None))  # the units in forward order
+    for segment in reversed(segments):
+        i = order.index(segment.unit) if segment.unit is not None else 0
+        segment.backward(fsdp, order[i - 1] if i else None)
+    if fsdp is not None:  # the final callback: the embedding's post-backward (its input, the ids, needs no gradient)
+        _post_backward(fsdp, tape, "tok_embeddings", "")
+        tape.drop("fsdp/tok_embeddings reduce-scatter")
     tape.drop("loss/grad seed")  # backward() returns
     tape.mark("optimizer", "", "fused AdamW on the fp32 master weights, in place")
     return Timeline(layer.strategy, tuple(tape.moments), stage.name)
@@ -85,7 +109,10 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
     missing = [
         (accounting.device != "cpu", "device cuda (its flex attention and fused rms_norm kernels; --device cpu walks"
                                      " the CPU kernels the probe measures)"),
-        (config.dp_shard is not None or config.zero_stage is not None, "dp_shard or zero_stage (FSDP2's gathers)"),
+        (config.zero_stage is not None, "zero_stage (DeepSpeed's ZeRO: torchtitan shards with FSDP2, dp_shard)"),
+        (config.dp_shard is not None and config.t > 1, "dp_shard with t > 1 (FSDP2 on a 2-D mesh with its TP plan)"),
+        ((config.dp_replicate or 1) > 1, "dp_replicate (HSDP)"),
+        (config.reduce_dtype != "fp32", f"reduce_dtype {config.reduce_dtype} (torchtitan reduces in float32 only)"),
         (config.recompute != "none", f"recompute {config.recompute} (its FullAC or SelectiveAC)"),
         (config.moe, "a mixture of experts (num_experts)"),
         (config.tie_embeddings, "tie_embeddings (Llama3 unties them; set tie_embeddings false)"),
@@ -100,6 +127,57 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
     for absent, what in missing:
         if absent:
             raise ConfigError(f"the step timeline for impl torchtitan does not model {what} yet")
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Ops of one FSDP2 unit (or of none) walked together: FSDP2's hooks run at a segment's edges. `where`: the
+    module whose hooks they are."""
+
+    unit: str | None
+    where: str
+    walk: Walk
+    ops: tuple[Op, ...]
+
+    def forward(self, fsdp: Fsdp | None, following: str | None) -> None:
+        """The unit's pre-forward (gathered, unless still unsharded), the ops, then, at its last segment, its
+        post-forward; the model's forward returns after the last unit's (its last all-gather buffer freed)."""
+        tape = self.walk.tape
+        if fsdp is not None and self.unit is not None:
+            fsdp.copy_out(tape, self.unit, "forward", self.where)
+        self.walk.forward(self.ops)
+        if fsdp is not None and self.unit is not None and following != self.unit:
+            fsdp.post_forward(tape, self.unit)
+            if self.unit == OUTPUT:
+                fsdp.forward_done(tape)
+
+    def backward(self, fsdp: Fsdp | None, prefetch: str | None) -> None:
+        """The unit's pre-backward (unsharded again if resharded, the unit before it prefetched), the ops' backward,
+        then its post-backward for the parameters that have a gradient (the embedding's runs in the final
+        callback)."""
+        tape = self.walk.tape
+        if fsdp is None or self.unit is None:
+            self.walk.backward(self.ops)
+            return
+        # at lm_head the unit is still unsharded from forward, and FSDP2 issues the last block's all-gather only at
+        # the norm's pre-backward (FSDPMemTracker's readings): nothing happens here
+        if self.unit != OUTPUT or self.where != "lm_head":
+            fsdp.pre_backward(tape, self.unit, self.where, prefetch)
+        self.walk.backward(self.ops)
+        if self.unit != "tok_embeddings":
+            _post_backward(fsdp, tape, self.unit, self.where)
+
+
+def _post_backward(fsdp: Fsdp, tape: Tape, unit: str, where: str) -> None:
+    """FSDP2's post-backward of `unit` for the parameters that have a gradient now (norm and lm_head's runs twice:
+    after lm_head's backward, with lm_head's alone, and after the norm's, which gathers the unit again)."""
+    held = tuple(n.split(" grad ", 1)[1] for n in tape.live if n.startswith(f"fsdp/{unit} grad "))
+    fsdp.post_backward(tape, unit, where, held)
+
+
+def _keep_grad(tape: Tape, fsdp: Fsdp):
+    """Under FSDP2 a weight's bf16 gradient is the unsharded parameter's .grad, kept to its unit's reduce-scatter."""
+    return lambda where, name, nbytes: tape.rename(name, f"fsdp/{fsdp.unit_of(where)} grad {where}")
 
 
 def _hand_over(tape: Tape):

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from memcalc.config.schema import ModelConfig
 from memcalc.model.knobs import DTYPE_BYTES
-from memcalc.sizing.timeline.fsdp import ROOT, Fsdp, layer_shapes, root_shapes
+from memcalc.sizing.timeline.fsdp import ROOT, Fsdp, hf_layer, hf_root
 from memcalc.sizing.timeline.tape import GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, Tape, prod
 
 # transformers' HfTrainerDeepSpeedConfig.trainer_config_finalize: what a DeepSpeed config's "auto" becomes, in
@@ -71,7 +71,7 @@ class Zero:
     def __init__(self, config: ModelConfig) -> None:
         h = self.h = config.h
         self.layers = config.L
-        self.layer, self.root = layer_shapes(config, 1), root_shapes(config, 1)
+        self.layer, self.root = hf_layer(config, 1, 0, False).shapes, hf_root(config, 1).shapes
         threshold = DEEPSPEED_AUTO["stage3_param_persistence_threshold"](h)
         shapes = [*self.layer] * config.L + [*self.root]
         self.z = _Sizes(

@@ -131,8 +131,8 @@ def test_hsdp_under_tp_on_a_3d_mesh_every_moment_happens_in_order_with_its_bytes
     FSDP2's moments over dp_shard on this rank's TP shards."""
     config = make_config(LLAMA, dp_shard=2, reshard_after_forward=True, attention=attention, t=2, dp_replicate=2)
     predicted = timeline(config, STRATEGIES["tp"], Accounting(exact=True, device="cpu"))
-    unreplicated = make_config(LLAMA, dp_shard=2, reshard_after_forward=True, attention=attention, t=2)
-    assert predicted.moments == timeline(unreplicated, STRATEGIES["tp"],
+    assert predicted.moments == timeline(make_config(LLAMA, dp_shard=2, reshard_after_forward=True, attention=attention,
+                                                     t=2), STRATEGIES["tp"],
                                          Accounting(exact=True, device="cpu")).moments
     assert_moments_in_order(predicted.moments[1:], _readings(config))
 
@@ -141,8 +141,8 @@ def test_hsdp_under_tp_on_a_3d_mesh_every_moment_happens_in_order_with_its_bytes
 @pytest.mark.parametrize("replicas,n", [(2, 2), (2, 4), (4, 2)])
 def test_hsdp_under_tp_the_peak_and_the_steady_state_are_fsdpmemtrackers_to_the_byte(one_thread, replicas, n,
                                                                                     reshard):
-    config = make_config(LLAMA, dp_shard=n, reshard_after_forward=reshard, t=2, dp_replicate=replicas)
-    (r,) = measure_step(config, ["tp"])
+    (r,) = measure_step(make_config(LLAMA, dp_shard=n, reshard_after_forward=reshard, t=2, dp_replicate=replicas),
+                        ["tp"])
     assert [row.difference for row in r.rows("peak")] == [0] * 6, r.rows("peak")
     assert [row.difference for row in r.rows("steady")] == [0] * 6, r.rows("steady")
     assert r.moment_matches, (r.predicted_moment, r.measured.moment)

@@ -112,7 +112,7 @@ def test_under_tp_every_moment_the_timeline_names_happens_in_order(one_thread, c
 @pytest.mark.parametrize("changes, named", [
     ({"pp": 2}, "pp=2"),
     ({"recompute": "full"}, "recompute full"),
-    ({"dp_shard": 2}, "dp_shard"),
+    ({"zero_stage": 2}, "zero_stage"),
     ({"tie_embeddings": True}, "tie_embeddings"),
     ({"position_embedding_type": "learned_absolute"}, "position_embedding_type learned_absolute"),
 ])

@@ -1,0 +1,99 @@
+"""torchtitan's own Llama3Model sharded by its own parallelize_llama (apply_fsdp_to_decoder: `fully_shard` on
+tok_embeddings, each block, [norm, lm_head] and the model; bf16 parameters, fp32 reduce; its "default" reshard policy
+or "never") over dp_shard = 2 and 4 ranks of the fake group, trained with its trainer's zero_grad(set_to_none=False),
+under torch's FSDPMemTracker, against the torchtitan step timeline with FSDP2's units as data
+(memcalc.sizing.timeline.fsdp): the peak, each category at it and the state between steps to the byte, the peak's
+moment, and every moment in order."""
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("torchtitan")
+
+from memcalc.config.schema import build_config  # noqa: E402
+from memcalc.errors import ConfigError  # noqa: E402
+from memcalc.model.knobs import Accounting  # noqa: E402
+from memcalc.model.strategy import STRATEGIES  # noqa: E402
+from memcalc.probe.launch import run_fake  # noqa: E402
+from memcalc.probe.libs.hf_fsdp import FsdpMomentTracker, fsdp_categories  # noqa: E402
+from memcalc.probe.libs.torchtitan_step import warmed_up_sharded  # noqa: E402
+from memcalc.probe.step import measure_step  # noqa: E402
+from memcalc.sizing.timeline import GRADIENTS, OPTIMIZER, PARAMETERS, timeline  # noqa: E402
+
+from ..step_readings import assert_moments_in_order, reading_every_op  # noqa: E402
+
+# As tests/probe/libs/test_torchtitan_step.py's Llama3, with a vocabulary and an ffn width dp_shard = 4 pads.
+LLAMA3 = dict(
+    impl="torchtitan", b=2, s=24, h=64, a=8, L=2, vocab_size=250, ffn_hidden_size=102, num_query_groups=2,
+    position_embedding_type="rope", add_bias_linear=False, tie_embeddings=False, recompute="none",
+)
+CPU = Accounting(exact=True, device="cpu")
+SHARDS = [2, 4]
+RESHARD = [True, False]
+
+
+def _config(**changes):
+    return build_config(LLAMA3 | changes)
+
+
+@pytest.fixture(scope="module")
+def measured(one_thread):
+    return {(n, reshard): measure_step(_config(dp_shard=n, reshard_after_forward=reshard), ["none"])[0]
+            for n in SHARDS for reshard in RESHARD}
+
+
+@pytest.mark.parametrize("reshard", RESHARD)
+@pytest.mark.parametrize("n", SHARDS)
+def test_the_peak_every_category_and_the_steady_state_are_fsdpmemtrackers_to_the_byte(measured, n, reshard):
+    r = measured[n, reshard]
+    assert r.model == "torchtitan's Llama3Model"
+    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+    assert r.matches and r.moment_matches, (r.predicted_moment, r.measured.moment)
+
+
+def test_the_chosen_sizes_put_the_peak_at_a_gather_in_backward_and_in_the_loss(measured):
+    """Resharded, the peak is the last block's all-gather prefetched beside the final norm's backward; unsharded
+    blocks stay from forward on, and the loss's fp32 backward is higher."""
+    assert {r.measured.moment.split(" (")[0] for r in measured.values()} == {"backward norm", "backward"}
+
+
+@pytest.mark.parametrize("n", SHARDS)
+def test_between_steps_each_rank_holds_each_padded_parameter_over_dp_shard_four_times_in_fp32(measured, n):
+    """fp32 shards, their gradients (zeroed in place, not freed), AdamW's m and v, a 4-byte step per parameter
+    tensor; each block's RoPE table (complex64, s by d/2) a buffer. Counted from the config, dim 0 padded to n."""
+    c = _config(dp_shard=n)
+    pad = lambda rows: -(-rows // n) * n  # noqa: E731
+    qkv = (c.a + 2 * c.groups) * c.head_dim
+    block = (pad(qkv) + pad(c.h) + 2 * pad(c.ffn)) * c.h + pad(c.h) * c.ffn + 2 * pad(c.h)  # wqkv wo w1 w3, w2, norms
+    shard = (c.L * block + 2 * pad(c.vocab_size) * c.h + pad(c.h)) // n
+    steady = measured[n, True].measured.steady
+    assert steady[PARAMETERS] == 4 * shard + c.L * 8 * c.s * (c.head_dim // 2)
+    assert steady[GRADIENTS] == 4 * shard
+    assert steady[OPTIMIZER] == 8 * shard + 4 * (7 * c.L + 3)
+
+
+@pytest.mark.parametrize("n, reshard", [(2, True), (2, False), (4, True)])
+def test_every_moment_the_fsdp_walk_names_happens_in_order_in_its_module_with_its_bytes(one_thread, n, reshard):
+    """Each unit's all-gather and copy-out, [norm, lm_head]'s two post-backwards (lm_head's gradient reduced after
+    its backward, the unit gathered again for the norm's), the reduce-scatters added into the sharded gradients."""
+    config = _config(dp_shard=n, reshard_after_forward=reshard)
+
+    def on_rank(tp):
+        trainer = warmed_up_sharded(tp, config, STRATEGIES["none"])
+        tracker = reading_every_op(FsdpMomentTracker, fsdp_categories)(trainer.model, trainer.optimizer)
+        tracker.readings = []
+        with tracker:
+            trainer.step()
+        return tracker.readings
+
+    assert_moments_in_order(timeline(config, STRATEGIES["none"], CPU).moments[1:], run_fake(on_rank, (), n))
+
+
+@pytest.mark.parametrize("changes, named", [
+    ({"dp_shard": 2, "t": 2}, "dp_shard with t > 1"),
+    ({"dp_shard": 2, "dp_replicate": 2}, "dp_replicate"),
+    ({"dp_shard": 2, "reduce_dtype": "bf16"}, "reduce_dtype bf16"),
+])
+def test_what_the_fsdp_walk_does_not_model_is_refused_by_name(changes, named):
+    with pytest.raises(ConfigError, match=named):
+        timeline(_config(**changes), STRATEGIES["none"], CPU)
