@@ -31,6 +31,7 @@ import signal
 import socket
 import stat
 import tempfile
+import threading
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import BinaryIO, Iterator
@@ -111,14 +112,24 @@ def _signals_held() -> Iterator[None]:
     """SIGTERM and SIGINT wait while a temporary file is made and its name kept.
 
     A signal between the two would leave a file that nothing removes; held, it arrives a moment later, when
-    the name is known and the `except` that removes the file is in force.
+    the name is known and the `except` that removes the file is in force. Held by handlers that note it and
+    raise it again, not by the thread's signal mask: the probe's processes run torch's native threads, any of
+    which the kernel may hand the signal to, and Python runs its handler in the main thread whatever the mask.
+    Handlers can be set in the main thread only; elsewhere no handler interrupts this thread anyway.
     """
-    held = {signal.SIGTERM, signal.SIGINT}
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    held = (signal.SIGTERM, signal.SIGINT)
+    previous = {number: signal.signal(number, lambda n, _: caught.append(n)) for number in held}
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+        for number in caught:
+            signal.raise_signal(number)
 
 
 def _target(path: Path) -> Path:
