@@ -63,6 +63,12 @@ def _plain(act: Any) -> Mlp:
     )
 
 
+def _kernel_gelu(act: Any) -> Mlp:
+    """StarCoder 2's MLP: its gelu_pytorch_tanh is torch's GELU kernel (approximate="tanh"), which keeps its input
+    alone, as exact GELU's kernel does: memcalc's gelu (and the probe runs gelu_pytorch_tanh for it)."""
+    return Mlp.GELU if act == "gelu_pytorch_tanh" else _plain(act)
+
+
 def _both_or_neither(values: list[Any]) -> Any:
     """Llama's attention_bias and mlp_bias: memcalc's add_bias_linear puts biases on every linear or on none."""
     if any(v != values[0] for v in values[1:]):
@@ -363,6 +369,24 @@ _GPT_NEOX = (
 )
 
 
+# Starcoder2Config: a LayerNorm layer with RoPE on whole heads (its rotary embedding takes no partial factor), separate
+# q, k and v (with GQA), biases on every linear (use_bias), the attention's and the MLP's outputs dropped out
+# (residual_dropout), an MLP c_fc -> hidden_act -> c_proj, and each query attending to the last sliding_window keys.
+_STARCODER2 = (
+    *_sizes("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size"),
+    Row("num_query_groups", ("num_key_value_heads",), default=2),  # Starcoder2Config's default
+    Row("ffn_hidden_size", ("intermediate_size",)),
+    Row("mlp", ("hidden_act",), _kernel_gelu, default=Mlp.GELU),  # gelu_pytorch_tanh, Starcoder2Config's default
+    Row("norm", ("norm_epsilon",), lambda eps: "layernorm", default="layernorm"),
+    Row("s", ("max_position_embeddings",), default=None),
+    Row("dropout", ("attention_dropout", "residual_dropout", "embedding_dropout"), default=0.0,
+        combine=_largest_dropout),
+    Row("tie_embeddings", ("tie_word_embeddings",), default=True),
+    Row("add_bias_linear", ("use_bias",), lambda v: _flag("use_bias", v), default=True),
+    Row("sliding_window", ("sliding_window",), _sliding_window, default=None),
+)
+
+
 # MistralConfig: Llama's layer, each query attending to the last sliding_window keys (the class's default, 4096, when
 # config.json has none; null: full causal attention, Mistral v0.2 on).
 _MISTRAL = (*_LLAMA_HEADS, Row("sliding_window", ("sliding_window",), _sliding_window, default=4096))
@@ -483,11 +507,12 @@ FAMILIES: dict[str, Family] = {
                norm="layernorm_np", when=_dense),
         Family("gpt2", "GPT2Config", "GPT2Block", ("GPT2LMHeadModel",), _GPT2,
                {"position_embedding_type": "learned_absolute"}, norm="layernorm", mlps=("gelu", "gelu_tanh"),
-               when=lambda k: k.rotary_percent is None and not k.parallel_residual,
+               when=lambda k: k.rotary_percent is None and not k.parallel_residual and not k.fused_qkv,
                attribute_map={"hidden_size": "n_embd", "max_position_embeddings": "n_positions",
                               "num_attention_heads": "n_head", "num_hidden_layers": "n_layer"}),
-        Family("gpt_neox", "GPTNeoXConfig", "GPTNeoXLayer", ("GPTNeoXForCausalLM",), _GPT_NEOX, _ROPE,
-               norm="layernorm", mlps=("gelu", "gelu_tanh"), when=lambda k: k.rotary_percent is not None),
+        Family("gpt_neox", "GPTNeoXConfig", "GPTNeoXLayer", ("GPTNeoXForCausalLM",), _GPT_NEOX,
+               _ROPE | {"fused_qkv": True}, norm="layernorm", mlps=("gelu", "gelu_tanh"),
+               when=lambda k: k.rotary_percent is not None and k.fused_qkv),
         Family("deepseek_v2", "DeepseekV2Config", "DeepseekV2DecoderLayer", ("DeepseekV2ForCausalLM",), _DEEPSEEK,
                _ROPE, runs_as="deepseek_v3", attribute_map={"num_experts": "n_routed_experts"}),
         Family("deepseek_v3", "DeepseekV3Config", "DeepseekV3DecoderLayer", ("DeepseekV3ForCausalLM",),
@@ -499,6 +524,9 @@ FAMILIES: dict[str, Family] = {
         Family("olmo2", "Olmo2Config", "Olmo2DecoderLayer", ("Olmo2ForCausalLM",), _OLMO2,
                _ROPE | {"post_norm": True, "qk_layernorm": True}, norm="rmsnorm_fp32w",
                when=lambda k: k.post_norm and not k.moe and not k.mla, gathered=("attention",)),
+        Family("starcoder2", "Starcoder2Config", "Starcoder2DecoderLayer", ("Starcoder2ForCausalLM",), _STARCODER2,
+               _ROPE | {"rotary_percent": 1.0}, norm="layernorm", mlps=("gelu", "gelu_tanh"),
+               when=lambda k: k.rotary_percent is not None and not k.fused_qkv and not k.parallel_residual),
     )
 }
 # model_types transformers builds whose layers memcalc has no rules for, and what they lack: refused by name.

@@ -78,7 +78,8 @@ def test_a_sequence_past_mistrals_window_is_refused_unless_hf_eager_keeps_the_fu
 def test_pythia_is_read_with_its_parallel_residual_and_rotary_share_and_counted_under_hf_only():
     pythia = "tests/data/hf/pythia-70m.json"
     one_line_error(memcalc_cli("estimate", "--hf-config", pythia),
-                   "parallel_residual and rotary_percent (of transformers' GPTNeoXLayer) are modelled under --impl hf")
+                   "parallel_residual, rotary_percent and fused_qkv (of transformers' GPTNeoXLayer) are modelled under"
+                   " --impl hf")
     run = memcalc_cli("estimate", "--hf-config", pythia, "--impl", "hf", "--attention", "eager", "--s", "64")
     assert run.code == 0, run.err
     assert "use_parallel_residual->parallel_residual=True, rotary_pct->rotary_percent=0.25" in run.err
@@ -118,3 +119,21 @@ def test_phi3s_fused_projections_are_refused_outside_hf(tmp_path):
     transformers.Phi3Config(hidden_size=32, num_attention_heads=4, intermediate_size=48).save_pretrained(tmp_path)
     one_line_error(memcalc_cli("estimate", "--hf-config", str(tmp_path / "config.json"), "--impl", "megatron"),
                    "fused_qkv (of transformers' Phi3DecoderLayer) is modelled under --impl hf only")
+
+
+def test_a_starcoder2_config_reads_its_kernel_gelu_whole_head_rope_and_gqa_and_is_counted_under_hf_only(tmp_path):
+    """Starcoder2Config's gelu_pytorch_tanh is torch's GELU kernel, which keeps its input alone (memcalc's gelu, not
+    gelu_new's four tensors); its RoPE rotates whole heads of a LayerNorm layer, so rotary_percent 1 is assumed."""
+    transformers = pytest.importorskip("transformers")
+    transformers.Starcoder2Config(hidden_size=32, num_attention_heads=4, intermediate_size=48, residual_dropout=0.1,
+                                  sliding_window=16).save_pretrained(tmp_path)
+    read = read_hf_config(tmp_path / "config.json")
+    fields = read.fields
+    assert (fields["mlp"], fields["norm"], fields["num_query_groups"], fields["rotary_percent"]) == (
+        "gelu", "layernorm", 2, 1.0)
+    assert (fields["dropout"], fields["sliding_window"], fields["add_bias_linear"]) == (0.1, 16, True)
+    assert "fused_qkv" not in fields  # separate q_proj, k_proj, v_proj: not GPT-NeoX's layer
+    assert "hidden_act=gelu_pytorch_tanh->mlp=gelu" in read.describe()
+    one_line_error(memcalc_cli("estimate", "--hf-config", str(tmp_path / "config.json"), "--impl", "megatron",
+                               "--s", "16"),
+                   "rotary_percent (of transformers' Starcoder2DecoderLayer) is modelled under --impl hf only")

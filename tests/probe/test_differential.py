@@ -106,6 +106,8 @@ SUBJECTS = (
             family="phi3"),
     Subject("hf olmo2", "transformers", {"impl": "hf", "norm": "rmsnorm_fp32w", "mlp": "swiglu", "post_norm": True,
                                          "qk_layernorm": True}, _HF_LLAMA, family="olmo2"),
+    Subject("hf starcoder2", "transformers", {"impl": "hf", "norm": "layernorm", "rotary_percent": 1.0}, _HF_GPT2,
+            family="starcoder2"),
     Subject("hf deepseek_v3 (latent attention, dense)", "transformers", {"impl": "hf", "attention": "eager"} | LLAMA,
             _HF_EAGER, family="deepseek_v3", extra=MLA,
             known="at b = 1 matmul keeps V as a view of kv_b_proj's output: not modelled yet"),

@@ -6,7 +6,9 @@ Two layer families, told apart by the knobs (memcalc's config has no model famil
                                 Qwen2 adds a QKV bias, which keeps nothing more), RoPE; with
                                 qk_layernorm Qwen3DecoderLayer (heads of head_dim, memcalc's
                                 kv_channels, each query and key head RMS-normalised before RoPE)
-    layernorm + gelu/gelu_tanh  GPT2Block (learned positions live in the embedding, outside the layer)
+    layernorm + gelu/gelu_tanh  GPT2Block (learned positions live in the embedding, outside the layer);
+                                with rotary_percent GPTNeoXLayer (fused_qkv: one query_key_value) or
+                                Starcoder2DecoderLayer (separate q, k, v, GQA, whole heads rotated)
 
 Where transformers' Python differs from Megatron's fused kernels it keeps more:
 
@@ -198,14 +200,14 @@ MLA_ROPE_SIN = SavedTensor(
 
 # GPTNeoXAttention (and Phi3Attention, partial_rotary_factor < 1): RoPE on the first d_r = d * rotary_pct channels of
 # each query and key head (q[..., :d_r] * cos, rotate_half(.) * sin, then concatenated with the rest): the model's
-# (1, s, d_r) tables, kept once per layer.
+# (1, s, d_r) tables, kept once per layer. Starcoder2Attention's are whole heads' (rotary_percent 1: d_r = d).
 NEOX_ROPE_COS = SavedTensor(
-    "attention/rope_cos_partial", "apply_rotary_pos_emb (GPT-NeoX, Phi-3): q_rot * cos and k_rot * cos",
+    "attention/rope_cos_partial", "apply_rotary_pos_emb (GPT-NeoX, Phi-3, StarCoder 2): q_rot * cos and k_rot * cos",
     (Dim.S, Dim.DR),
     Kind.ACTIVATION, _SEQ, "the gradient of q_rot in q_rot * cos is dY * cos (the (1, s, d_r) table)", paper=False,
 )
 NEOX_ROPE_SIN = SavedTensor(
-    "attention/rope_sin_partial", "apply_rotary_pos_emb (GPT-NeoX, Phi-3): rotate_half(q_rot) * sin",
+    "attention/rope_sin_partial", "apply_rotary_pos_emb (GPT-NeoX, Phi-3, StarCoder 2): rotate_half(q_rot) * sin",
     (Dim.S, Dim.DR),
     Kind.ACTIVATION, _SEQ, "the gradient of rotate_half(q_rot) in rotate_half(q_rot) * sin is dY * sin", paper=False,
 )
@@ -412,12 +414,23 @@ def is_llama(knobs: Any) -> bool:
 
 
 def is_neox(knobs: Any) -> bool:
-    """GPTNeoXLayer: a LayerNorm layer with (partial) RoPE, rotary_percent set (GPT-2 has no RoPE)."""
-    return not is_llama(knobs) and knobs.rotary_percent is not None
+    """GPTNeoXLayer: a LayerNorm layer with (partial) RoPE, rotary_percent set (GPT-2 has no RoPE), whose Q, K and V
+    are views of one query_key_value output (fused_qkv)."""
+    return not is_llama(knobs) and knobs.rotary_percent is not None and knobs.fused_qkv
+
+
+def is_gpt2(knobs: Any) -> bool:
+    """GPT2Block: a LayerNorm layer without RoPE (its learned positions live in the embedding)."""
+    return not is_llama(knobs) and knobs.rotary_percent is None
+
+
+def is_starcoder2(knobs: Any) -> bool:
+    """Starcoder2DecoderLayer: a LayerNorm layer with RoPE (on whole heads) and separate q, k and v projections."""
+    return not is_llama(knobs) and knobs.rotary_percent is not None and not knobs.fused_qkv
 
 
 def resid_dropout(knobs: Any) -> bool:
-    """Whether the attention's and the MLP's outputs are dropped out: GPT-2's and GPT-NeoX's, and Phi-3's
+    """Whether the attention's and the MLP's outputs are dropped out: GPT-2's, GPT-NeoX's and StarCoder 2's, and Phi-3's
     resid_attn_dropout and resid_mlp_dropout (Llama's layer drops out attention weights only)."""
     return knobs.has_dropout and (not is_llama(knobs) or knobs.fused_qkv)
 
@@ -469,7 +482,7 @@ def attention_gathered(knobs: Any) -> bool:
 def _eager(knobs: Any) -> tuple[SavedTensor, ...]:
     """eager_attention_forward: matmul's copies of Q and K^T, the softmax, dropout, matmul's copy of V."""
     q, k, v = (ledger.MLA_Q, ledger.MLA_K, ledger.MLA_V) if knobs.mla else (ledger.Q, *_key_value(knobs))
-    if not is_llama(knobs) and not is_neox(knobs):  # GPT-2's softmax runs in the activation dtype: the paper's core
+    if is_gpt2(knobs):  # GPT-2's softmax runs in the activation dtype: the paper's core
         softmax: tuple[SavedTensor, ...] = (ledger.SOFTMAX_OUT,)
     elif knobs.dtype == "fp32" or knobs.has_dropout:  # no separate cast: .to() is a no-op or dropout keeps a mask
         softmax = (SOFTMAX_FP32,)
@@ -513,8 +526,8 @@ def _copies(knobs: Any) -> Any:
 def _at_batch_of_one(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]:
     """What eager attention keeps where matmul folds a view without copying: K and V at g heads (GQA), the fused
     query_key_value (qkv_proj) output in V's place (GPT-NeoX, Phi-3: its V is a view of it)."""
-    fused_v = NEOX_QKV_OUT if knobs.fused_qkv or is_neox(knobs) else ledger.V
-    swap = {V_EXPANDED.name: fused_v, K_EXPANDED.name: ledger.K} if knobs.gqa else {ledger.V.name: NEOX_QKV_OUT}
+    fused_v = NEOX_QKV_OUT if knobs.fused_qkv else ledger.V
+    swap = {V_EXPANDED.name: fused_v, K_EXPANDED.name: ledger.K} if knobs.gqa else {ledger.V.name: fused_v}
     return tuple(swap.get(x.name, x) for x in layer_tensors(knobs, accounting))
 
 
@@ -524,7 +537,7 @@ REPEAT_KV = SizeRule(
     " GPT-NeoX's and Phi-3's keep a copy of V, a view of the fused query_key_value (qkv_proj) output, except when"
     " b = 1 (and, under Phi-3's GQA, one K/V group): then they keep that whole output. Where the tp plan gathers the"
     " attention's projections (Phi-3's, OLMo 2's) every rank holds all g groups, so one K/V group means g = 1",
-    applies=lambda knobs: (knobs.gqa or is_neox(knobs) or knobs.fused_qkv) and knobs.attention == "eager"
+    applies=lambda knobs: (knobs.gqa or knobs.fused_qkv) and knobs.attention == "eager"
     and knobs.recompute != "full",
     runs=repeat_kv_copies,
     outside=_at_batch_of_one,
@@ -628,7 +641,7 @@ def check(knobs: Any) -> None:
     if knobs.recompute not in ("none", "full"):
         raise ConfigError(f"impl hf: transformers has no {knobs.recompute} recomputation; use recompute none or full"
                           " (its gradient checkpointing)")
-    if knobs.gqa and not is_llama(knobs):
+    if knobs.gqa and not is_llama(knobs) and not is_starcoder2(knobs):
         raise ConfigError(f"impl hf: {_layer(knobs)} has no grouped-query attention; leave num_query_groups unset")
     if knobs.bias_activation_fusion:
         raise ConfigError("impl hf: bias_activation_fusion is Megatron's fused kernel; transformers has none")
@@ -666,7 +679,8 @@ def _layer(knobs: Any) -> str:
 
 
 def _check_neox(knobs: Any) -> None:
-    """GPT-NeoX's knobs: a LayerNorm layer's partial RoPE (rotary_percent) and parallel residual, eager attention."""
+    """GPT-NeoX's knobs: a LayerNorm layer's partial RoPE (rotary_percent) and parallel residual, eager attention;
+    without fused_qkv a LayerNorm layer with RoPE is StarCoder 2's: whole heads, in sequence."""
     if knobs.rotary_percent is not None and not 0 < knobs.rotary_percent <= 1:
         raise ConfigError(f"impl hf: rotary_percent={knobs.rotary_percent} must be in (0, 1] (a share of each head)")
     if is_llama(knobs) and (knobs.rotary_percent is not None and not knobs.fused_qkv or knobs.parallel_residual):
@@ -675,6 +689,10 @@ def _check_neox(knobs: Any) -> None:
     if not is_llama(knobs) and knobs.parallel_residual and knobs.rotary_percent is None:
         raise ConfigError("impl hf: parallel_residual is GPTNeoXLayer's, which has RoPE: set rotary_percent (GPT2Block"
                           " has neither)")
+    if is_starcoder2(knobs) and (knobs.rotary_percent != 1 or knobs.parallel_residual):
+        raise ConfigError("impl hf: a LayerNorm layer with RoPE and separate q, k, v is Starcoder2DecoderLayer, which"
+                          " rotates whole heads (rotary_percent 1) in sequence (no parallel_residual); GPTNeoXLayer's"
+                          " share and parallel residual need its fused query_key_value: set fused_qkv")
     if is_neox(knobs) and knobs.attention == "flash":
         raise ConfigError("impl hf: GPTNeoXLayer under sdpa is not modelled: SDPA keeps V as the fused query_key_value"
                           " output it views, and where its output lies depends on the device's kernel (measured on"
@@ -682,13 +700,15 @@ def _check_neox(knobs: Any) -> None:
 
 
 def _check_phi3(knobs: Any) -> None:
-    """fused_qkv is Phi3DecoderLayer's: RMSNorm and SwiGLU, dense, no QK norm or latent attention, eager."""
-    if not knobs.fused_qkv:
+    """fused_qkv is Phi3DecoderLayer's (RMSNorm and SwiGLU, dense, no QK norm or latent attention, eager) or
+    GPTNeoXLayer's (LayerNorm with RoPE)."""
+    if not knobs.fused_qkv or is_neox(knobs):
         return
     if (knobs.norm, knobs.mlp) != ("rmsnorm", "swiglu") or knobs.moe or knobs.mla or knobs.qk_layernorm \
             or knobs.sandwich_norm:
-        raise ConfigError("impl hf: fused_qkv is Phi3DecoderLayer's: norm rmsnorm, mlp swiglu, dense, without"
-                          " qk_layernorm, sandwich_norm or latent attention")
+        raise ConfigError("impl hf: fused_qkv is Phi3DecoderLayer's (norm rmsnorm, mlp swiglu, dense, without"
+                          " qk_layernorm, sandwich_norm or latent attention) or GPTNeoXLayer's (norm layernorm with"
+                          " rotary_percent)")
     if knobs.attention == "flash":
         raise ConfigError("impl hf: Phi3DecoderLayer under sdpa is not modelled: SDPA keeps V as the fused qkv_proj"
                           " output it views, and where its output lies depends on the device's kernel (measured on a"
@@ -804,13 +824,13 @@ NO_SEQUENCE_PARALLEL = Refusal(
     " (SequenceParallel, registered with use_local_output=True; ColwiseParallel.transform_inputs_pre_forward)",
 )
 GPT2_NO_TP_PLAN = Refusal(
-    "tp", lambda knobs: not is_llama(knobs) and not is_neox(knobs), "for GPT-2 (norm layernorm, no RoPE)",
+    "tp", is_gpt2, "for GPT-2 (norm layernorm, no RoPE)",
     "GPT2Config has no base_model_tp_plan, so from_pretrained(tp_plan=\"auto\") has nothing to apply",
     f"{_TP_SOURCE}, transformers/models/gpt2/configuration_gpt2.py; distributed/mixin.py _resolve_parallel_plans"
     " raises ValueError for tp_size > 1 without a plan",
 )
 NEOX_TP_NOT_MODELLED = Refusal(
-    "tp", is_neox, "for GPT-NeoX (norm layernorm with rotary_percent)",
+    "tp", is_neox, "for GPT-NeoX (norm layernorm with rotary_percent and fused_qkv)",
     "memcalc has not measured GPTNeoXConfig's base_model_tp_plan yet (query_key_value and dense_h_to_4h colwise,"
     " dense and dense_4h_to_h rowwise)",
     f"{_TP_SOURCE}, GPTNeoXConfig.base_model_tp_plan; memcalc's own limit, not the library's",
@@ -858,7 +878,8 @@ IMPLEMENTATION = Implementation(
     " soft-capping), Gemma3DecoderLayer (and its q/k norms) and OlmoDecoderLayer, eager and sdpa (Gemma 2: eager),"
     " at t = 1 and 2; GPTNeoXLayer (parallel or sequential residual, partial RoPE), eager, t = 1;"
     " Phi3DecoderLayer (fused qkv_proj and gate_up_proj, partial RoPE), eager, at t = 1 and 2; Olmo2DecoderLayer"
-    " (post-norms, whole-width q/k norms), eager and sdpa, at t = 1 and 2 (the families"
+    " (post-norms, whole-width q/k norms), eager and sdpa, at t = 1 and 2; Starcoder2DecoderLayer (LayerNorm, RoPE,"
+    " GQA, residual dropouts), eager and sdpa, at t = 1 and 2 (the families"
     " `memcalc hf-families` lists, each from a config.json its transformers class wrote)",
     layer_tensors=layer_tensors,
     refuses=(NO_SEQUENCE_PARALLEL, GPT2_NO_TP_PLAN, NEOX_TP_NOT_MODELLED, LATENT_TP_NOT_MODELLED),

@@ -184,7 +184,8 @@ def _build(config: ModelConfig, family: str, device: torch.device, dense: bool =
         layer_class, rotary = module.GPT2Block, None
     else:
         _, module = _classes(family)
-        hf_config = neox_config(config) if family == "gpt_neox" else llama_config(config, family)
+        hf_config = (neox_config(config) if family == "gpt_neox" else starcoder2_config(config)
+                     if family == "starcoder2" else llama_config(config, family))
         layer_class = getattr(module, FAMILIES[family].layer)
         stem = FAMILIES[family].layer.removesuffix("DecoderLayer").removesuffix("Layer")  # Gemma3, GPTNeoX
         rotary = getattr(module, f"{stem}RotaryEmbedding")(hf_config)
@@ -257,6 +258,20 @@ def neox_config(config: ModelConfig) -> Any:
         use_parallel_residual=config.parallel_residual, attention_bias=config.add_bias_linear,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": config.rotary_percent},
         attn_implementation=attention_implementation(config),
+    )
+
+
+def starcoder2_config(config: ModelConfig) -> Any:
+    """A Starcoder2Config sized from memcalc's: GQA, biases (use_bias, add_bias_linear), one dropout probability for
+    the attention weights and the residual dropouts, its class's gelu_pytorch_tanh for memcalc's gelu (torch's
+    kernel keeps its input alone either way) or gelu_new, its sliding window."""
+    return transformers.Starcoder2Config(
+        hidden_size=config.h, num_attention_heads=config.a, num_key_value_heads=config.groups,
+        intermediate_size=config.ffn, num_hidden_layers=config.L, max_position_embeddings=config.s,
+        hidden_act="gelu_new" if config.mlp == "gelu_tanh" else "gelu_pytorch_tanh", vocab_size=config.vocab_size,
+        attention_dropout=config.dropout, residual_dropout=config.dropout, embedding_dropout=config.dropout,
+        use_bias=config.add_bias_linear, sliding_window=config.sliding_window, head_dim=config.head_dim,
+        tie_word_embeddings=config.tie_embeddings, attn_implementation=attention_implementation(config),
     )
 
 
@@ -459,7 +474,7 @@ def label_rules_for(config: ModelConfig) -> tuple[Rule, ...]:
     """Where each tensor the layer may keep is made in transformers' code."""
     if config.recompute == "full":
         return (Rule("", "forward", ledger.LAYER_INPUT, arg=0),)
-    if config.fused_qkv:
+    if config.fused_qkv and rules.is_llama(config):
         first, second = _llama_norm_rules(config)
         return (*first, *_phi3_attention_rules(config), *second, *_phi3_mlp_rules())
     if rules.is_llama(config):
@@ -469,6 +484,9 @@ def label_rules_for(config: ModelConfig) -> tuple[Rule, ...]:
     if rules.is_neox(config):
         return (*_layer_norm_rules("input_layernorm", ledger.LN1), *_neox_attention_rules(config),
                 *_layer_norm_rules("post_attention_layernorm", ledger.LN2), *_neox_mlp_rules(config))
+    if rules.is_starcoder2(config):
+        return (*_layer_norm_rules("input_layernorm", ledger.LN1), *_starcoder2_attention_rules(config),
+                *_layer_norm_rules("post_attention_layernorm", ledger.LN2), *_starcoder2_mlp_rules(config))
     return (*_layer_norm_rules("ln_1", ledger.LN1), *_gpt2_attention_rules(config),
             *_layer_norm_rules("ln_2", ledger.LN2), *_gpt2_mlp_rules(config))
 
@@ -792,6 +810,26 @@ def _neox_mlp_rules(config: ModelConfig) -> tuple[Rule, ...]:
         Rule("mlp.dense_4h_to_h", "linear", ledger.FC2_IN, arg=0),
         Rule("post_mlp_dropout", "native_dropout", ledger.MLP_DROPOUT_MASK,
              view=_kept("NativeDropoutBackward0", "_saved_result1")),
+    )
+
+
+def _starcoder2_attention_rules(config: ModelConfig) -> tuple[Rule, ...]:
+    """Starcoder2Attention: Llama's projections and core, then F.dropout of o_proj's output in the same module
+    (residual_dropout): under eager the second dropout there (the first drops the attention weights out), under SDPA
+    the first (the kernel drops out inside)."""
+    residual = replace(_dropout_mask("self_attn", ledger.ATTN_OUT_DROPOUT_MASK),
+                       nth=1 if config.attention == "eager" else 0)
+    return (*_llama_attention_rules(config), residual)
+
+
+def _starcoder2_mlp_rules(config: ModelConfig) -> tuple[Rule, ...]:
+    """Starcoder2MLP: c_fc's input, the activation (GPT-2's rules: torch's kernel, or gelu_new written out), c_proj's
+    input, and F.dropout of its output (residual_dropout) in the MLP's own forward."""
+    return (
+        Rule("mlp.c_fc", "linear", ledger.FC1_IN, arg=0),
+        *(r for r in _gpt2_mlp_rules(config) if r.module == "mlp.act"),
+        Rule("mlp.c_proj", "linear", ledger.FC2_IN, arg=0),
+        _dropout_mask("mlp", ledger.MLP_DROPOUT_MASK),
     )
 
 

@@ -27,7 +27,9 @@ QWEN3 = LLAMA | {"kv_channels": 16, "qk_layernorm": True, "num_query_groups": 2}
 GEMMA = {"norm": "rmsnorm_1p", "mlp": "geglu_tanh", "kv_channels": 16, "num_query_groups": 2}
 GEMMA2 = GEMMA | {"sandwich_norm": True, "attn_logit_softcapping": 50.0, "attention": "eager"}
 GEMMA3 = GEMMA | {"sandwich_norm": True, "qk_layernorm": True}
-NEOX = {"norm": "layernorm", "mlp": "gelu", "rotary_percent": 0.25, "parallel_residual": True, "attention": "eager"}
+NEOX = {"norm": "layernorm", "mlp": "gelu", "rotary_percent": 0.25, "parallel_residual": True, "attention": "eager",
+        "fused_qkv": True}
+STARCODER2 = {"norm": "layernorm", "mlp": "gelu", "rotary_percent": 1.0, "num_query_groups": 2}
 PHI3 = LLAMA | {"fused_qkv": True, "attention": "eager"}
 OLMO2 = {"norm": "rmsnorm_fp32w", "mlp": "swiglu", "post_norm": True, "qk_layernorm": True, "num_query_groups": 2}
 
@@ -116,6 +118,16 @@ CASES = {
                                                               "num_query_groups": None}, None),
     "olmo2 sdpa gqa": (OLMO2 | {"attention": "flash", "dropout": 0.0}, None),
     "olmo2 fp32 at b=1": (OLMO2 | {"attention": "eager", "dtype": "fp32", "b": 1}, None),
+    "starcoder2 eager gqa with dropout: layernorms, whole-head rope tables, repeat_kv copies, the weights' and both"
+    " residual dropouts' masks": (STARCODER2 | {"attention": "eager", "dropout": 0.1}, None),
+    "starcoder2 sdpa gqa: its gelu_pytorch_tanh keeps its input alone":
+        (STARCODER2 | {"attention": "flash", "dropout": 0.0}, None),
+    "starcoder2 sdpa with dropout on a cpu, multi-head, gelu_new":
+        (STARCODER2 | {"attention": "flash", "dropout": 0.1, "num_query_groups": None, "mlp": "gelu_tanh"}, None),
+    "starcoder2 at b=1, odd s, one k/v group: K and V themselves":
+        (STARCODER2 | {"attention": "eager", "dropout": 0.0, "b": 1, "s": 7, "num_query_groups": 1}, None),
+    "starcoder2 mha at b=1: V is v_proj's own output, no fused storage":
+        (STARCODER2 | {"attention": "eager", "dropout": 0.1, "b": 1, "num_query_groups": None}, None),
 }
 
 
@@ -169,6 +181,8 @@ def test_the_shim_makes_cpu_dropout_keep_a_bool_mask_and_undoes_itself():
     (OLMO2 | {"qk_layernorm": False}, "post_norm and norm rmsnorm_fp32w are Olmo2DecoderLayer's"),
     (PHI3 | {"qk_layernorm": True}, "fused_qkv is Phi3DecoderLayer's"),
     (GPT2 | {"fused_qkv": True}, "fused_qkv is Phi3DecoderLayer's"),
+    (STARCODER2 | {"rotary_percent": 0.5}, r"Starcoder2DecoderLayer, which rotates whole heads"),
+    (STARCODER2 | {"parallel_residual": True}, r"Starcoder2DecoderLayer, .*in sequence"),
 ])
 def test_knobs_no_transformers_layer_runs_are_refused(knobs, words):
     with pytest.raises(ConfigError, match=words):
@@ -222,6 +236,12 @@ TP_CASES = {
         (OLMO2 | {"attention": "eager", "dropout": 0.1, "b": 1}, 2, "olmo2"),
     "olmo2 sdpa t=2: the flash kernel's output is a storage of its own beside o_proj's split copy":
         (OLMO2 | {"attention": "flash", "dropout": 0.0}, 2, "olmo2"),
+    "starcoder2 t=2: its plan is the paper's (q, k, v, c_fc colwise; o_proj, c_proj rowwise), layernorms whole":
+        (STARCODER2 | {"attention": "eager", "dropout": 0.1}, 2, "starcoder2"),
+    "starcoder2 sdpa t=2 at b=1, odd s, one k/v group per rank":
+        (STARCODER2 | {"attention": "flash", "dropout": 0.0, "b": 1, "s": 7}, 2, "starcoder2"),
+    "starcoder2 eager t=2 at b=1, odd s, one k/v group per rank: K and V unexpanded":
+        (STARCODER2 | {"attention": "eager", "dropout": 0.1, "b": 1, "s": 7}, 2, "starcoder2"),
     "qwen3 t=2: q_norm and k_norm on this rank's heads of head_dim (replicated_with_grad_allreduce)":
         (LLAMA | {"attention": "eager", "dropout": 0.0, "num_query_groups": 2, "kv_channels": 16,
                   "qk_layernorm": True}, 2, None),
