@@ -272,6 +272,7 @@ def starcoder2_config(config: ModelConfig) -> Any:
         attention_dropout=config.dropout, residual_dropout=config.dropout, embedding_dropout=config.dropout,
         use_bias=config.add_bias_linear, sliding_window=config.sliding_window, head_dim=config.head_dim,
         tie_word_embeddings=config.tie_embeddings, attn_implementation=attention_implementation(config),
+        bos_token_id=None, eos_token_id=None,  # no token ids past the probe's small vocabulary
     )
 
 
