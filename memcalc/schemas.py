@@ -112,6 +112,7 @@ KNOBS: Schema = _object({
     "rotary_percent": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
     "post_norm": FLAG,
     "fused_qkv": FLAG,
+    "single_norm": FLAG,
 })
 
 # The config a command ran: every ModelConfig field (unset optional ones left out), with the MLP

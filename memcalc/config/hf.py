@@ -387,6 +387,32 @@ _STARCODER2 = (
 )
 
 
+def _rotary_dim_share(values: list[Any]) -> float:
+    """GPT-J's rotary_dim (absent: GPTJConfig's 64) as a share of each head's n_embd / n_head channels."""
+    rotary_dim, h, a = (64 if values[0] is None else values[0], *values[1:])
+    if type(h) is not int or type(a) is not int or h < a or a < 1:
+        raise ConfigError(f"n_embd and n_head must be whole numbers, n_embd >= n_head, got {short_repr(values[1:])}")
+    if type(rotary_dim) is not int or rotary_dim < 2 or rotary_dim % 2:
+        raise ConfigError(f"rotary_dim must be a positive even whole number, got {short_repr(rotary_dim)}")
+    return _fraction(rotary_dim / (h // a))
+
+
+# GPTJConfig: one LayerNorm (ln_1) whose output both the attention and the MLP read, added to the residual together;
+# q, k, v and out_proj without biases, fc_in and fc_out with them (biases keep nothing: memcalc's add_bias_linear is
+# left unset); RoPE interleaved on the first rotary_dim channels of each head.
+_GPTJ = (
+    *_sizes("n_embd", "n_head", "n_layer", "vocab_size"),
+    Row("ffn_hidden_size", ("n_inner",), default=None),  # null or absent: 4h
+    Row("mlp", ("activation_function",), _plain, default=_plain("gelu_new")),  # GPTJConfig's default
+    Row("norm", ("layer_norm_epsilon",), lambda eps: "layernorm", default="layernorm"),
+    Row("s", ("n_positions",)),
+    Row("max_position_embeddings", ("n_positions",)),
+    Row("dropout", ("resid_pdrop", "embd_pdrop", "attn_pdrop"), default=0.0, combine=_largest_dropout),
+    Row("tie_embeddings", ("tie_word_embeddings",), default=False),
+    Row("rotary_percent", ("rotary_dim", "n_embd", "n_head"), default=None, combine=_rotary_dim_share),
+)
+
+
 # MistralConfig: Llama's layer, each query attending to the last sliding_window keys (the class's default, 4096, when
 # config.json has none; null: full causal attention, Mistral v0.2 on).
 _MISTRAL = (*_LLAMA_HEADS, Row("sliding_window", ("sliding_window",), _sliding_window, default=4096))
@@ -512,7 +538,7 @@ FAMILIES: dict[str, Family] = {
                               "num_attention_heads": "n_head", "num_hidden_layers": "n_layer"}),
         Family("gpt_neox", "GPTNeoXConfig", "GPTNeoXLayer", ("GPTNeoXForCausalLM",), _GPT_NEOX,
                _ROPE | {"fused_qkv": True}, norm="layernorm", mlps=("gelu", "gelu_tanh"),
-               when=lambda k: k.rotary_percent is not None and k.fused_qkv),
+               when=lambda k: k.rotary_percent is not None and k.fused_qkv and not k.single_norm),
         Family("deepseek_v2", "DeepseekV2Config", "DeepseekV2DecoderLayer", ("DeepseekV2ForCausalLM",), _DEEPSEEK,
                _ROPE, runs_as="deepseek_v3", attribute_map={"num_experts": "n_routed_experts"}),
         Family("deepseek_v3", "DeepseekV3Config", "DeepseekV3DecoderLayer", ("DeepseekV3ForCausalLM",),
@@ -527,6 +553,11 @@ FAMILIES: dict[str, Family] = {
         Family("starcoder2", "Starcoder2Config", "Starcoder2DecoderLayer", ("Starcoder2ForCausalLM",), _STARCODER2,
                _ROPE | {"rotary_percent": 1.0}, norm="layernorm", mlps=("gelu", "gelu_tanh"),
                when=lambda k: k.rotary_percent is not None and not k.fused_qkv and not k.parallel_residual),
+        Family("gptj", "GPTJConfig", "GPTJBlock", ("GPTJForCausalLM",), _GPTJ,
+               _ROPE | {"parallel_residual": True, "single_norm": True}, norm="layernorm", mlps=("gelu", "gelu_tanh"),
+               when=lambda k: k.single_norm and k.rotary_percent is not None and not k.fused_qkv,
+               attribute_map={"max_position_embeddings": "n_positions", "hidden_size": "n_embd",
+                              "num_attention_heads": "n_head", "num_hidden_layers": "n_layer"}),
     )
 }
 # model_types transformers builds whose layers memcalc has no rules for, and what they lack: refused by name.

@@ -541,6 +541,15 @@ KNOBS: tuple[Knob, ...] = (
                   " rank keeps all heads' attention and the whole gate, up and SiLU; only o_proj's and down_proj's"
                   " inputs are split (rowwise_split_input)."),),
     ),
+    Knob(
+        "single_norm", "flag", False, "hf: with parallel_residual, one norm before both the attention and the MLP,"
+        " whose output both read (GPT-J's ln_1)", lambda k: "one norm" if k.single_norm else None,
+        effects=(({"impl": Impl.HF, "norm": Norm.LAYERNORM, "mlp": Mlp.GELU_TANH, "attention": Attention.EAGER,
+                   "rotary_percent": 0.25, "parallel_residual": True, "single_norm": True},
+                  "GPTJBlock: one LayerNorm, whose output q, k, v and fc_in all read (kept once); the eager core"
+                  " upcasts Q and K to fp32 before QK^T (matmul keeps both fp32), and RoPE's interleaved tables are"
+                  " repeated for Q and for K, four (s, d_r) tables kept a layer."),),
+    ),
 )
 BY_NAME: dict[str, Knob] = {k.name: k for k in KNOBS}
 

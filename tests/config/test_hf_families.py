@@ -137,3 +137,17 @@ def test_a_starcoder2_config_reads_its_kernel_gelu_whole_head_rope_and_gqa_and_i
     one_line_error(memcalc_cli("estimate", "--hf-config", str(tmp_path / "config.json"), "--impl", "megatron",
                                "--s", "16"),
                    "rotary_percent (of transformers' Starcoder2DecoderLayer) is modelled under --impl hf only")
+
+
+def test_a_gptj_config_reads_its_one_norm_parallel_block_and_rotary_dim_as_a_share_of_each_head(tmp_path):
+    """GPTJConfig's rotary_dim is channels of each n_embd / n_head head: 4 of 8 is rotary_percent 0.5; its block is
+    GPTJBlock's parallel residual on one ln_1 (single_norm), counted under --impl hf only."""
+    transformers = pytest.importorskip("transformers")
+    transformers.GPTJConfig(n_embd=32, n_head=4, n_layer=2, n_inner=48, vocab_size=64, n_positions=64,
+                            rotary_dim=4, resid_pdrop=0.1).save_pretrained(tmp_path)
+    fields = read_hf_config(tmp_path / "config.json").fields
+    assert (fields["h"], fields["a"], fields["s"], fields["rotary_percent"], fields["dropout"]) == (32, 4, 64, 0.5, 0.1)
+    assert (fields["mlp"], fields["parallel_residual"], fields["single_norm"]) == ("gelu_tanh", True, True)
+    one_line_error(memcalc_cli("estimate", "--hf-config", str(tmp_path / "config.json"), "--impl", "megatron"),
+                   "parallel_residual, rotary_percent and single_norm (of transformers' GPTJBlock) are modelled under"
+                   " --impl hf only")

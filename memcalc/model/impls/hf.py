@@ -8,7 +8,8 @@ Two layer families, told apart by the knobs (memcalc's config has no model famil
                                 kv_channels, each query and key head RMS-normalised before RoPE)
     layernorm + gelu/gelu_tanh  GPT2Block (learned positions live in the embedding, outside the layer);
                                 with rotary_percent GPTNeoXLayer (fused_qkv: one query_key_value) or
-                                Starcoder2DecoderLayer (separate q, k, v, GQA, whole heads rotated)
+                                Starcoder2DecoderLayer (separate q, k, v, GQA, whole heads rotated),
+                                or with single_norm GPTJBlock (one ln_1 read by attention and MLP)
 
 Where transformers' Python differs from Megatron's fused kernels it keeps more:
 
@@ -219,6 +220,24 @@ NEOX_QKV_OUT = SavedTensor(
     " (qkv_proj) output, of which v is a view", (Dim.B, Dim.S, Dim.QKV, Dim.D), Kind.ACTIVATION, _TEN,
     "the gradient of the attention weights is dOut V^T: V is read from the fused output it views",
 )
+# GPTJAttention: apply_rotary_pos_emb repeats the model's (1, s, d_r/2) sin and cos tables to d_r interleaved channels
+# (repeat_interleave) on each call, once for the keys and once for the queries: four (s, d_r) copies, each kept by
+# its product. Its eager core upcasts Q and K to fp32 before QK^T, so matmul keeps fp32 ones.
+def _gptj_table(name: str, which: str, product: str) -> SavedTensor:
+    return SavedTensor(
+        f"attention/rope_{name}", f"GPT-J apply_rotary_pos_emb ({which}): repeat_interleave(.), kept by {product}",
+        (Dim.S, Dim.DR), Kind.ACTIVATION, _SEQ, f"the gradient of the rotated channels in {product} is dY times the"
+        " table, this call's own interleaved copy", paper=False,
+    )
+
+
+GPTJ_ROPE = (_gptj_table("k_sin", "keys", "rotate_every_two(k_rot) * sin"), _gptj_table("k_cos", "keys", "k_rot * cos"),
+             _gptj_table("q_sin", "queries", "rotate_every_two(q_rot) * sin"),
+             _gptj_table("q_cos", "queries", "q_rot * cos"))
+GPTJ_Q = replace(ledger.Q, name="attention/q_fp32", kind=Kind.FP32,
+                 saved_by="GPT-J eager_attention_forward: query.to(float32), kept by matmul")
+GPTJ_K = replace(ledger.K, name="attention/k_fp32", kind=Kind.FP32,
+                 saved_by="GPT-J eager_attention_forward: key.to(float32).transpose(2, 3), kept by matmul")
 ROPE_COS = SavedTensor(
     "attention/rope_cos", "apply_rotary_pos_emb: q * cos and k * cos", (Dim.S, Dim.D), Kind.ACTIVATION, _SEQ,
     "the gradient of q in q * cos is dY * cos (one (1, s, d) table from the model's rotary embedding)", paper=False,
@@ -426,7 +445,12 @@ def is_gpt2(knobs: Any) -> bool:
 
 def is_starcoder2(knobs: Any) -> bool:
     """Starcoder2DecoderLayer: a LayerNorm layer with RoPE (on whole heads) and separate q, k and v projections."""
-    return not is_llama(knobs) and knobs.rotary_percent is not None and not knobs.fused_qkv
+    return not is_llama(knobs) and knobs.rotary_percent is not None and not knobs.fused_qkv and not knobs.single_norm
+
+
+def is_gptj(knobs: Any) -> bool:
+    """GPTJBlock: a LayerNorm layer whose one norm feeds the attention and the MLP side by side (single_norm)."""
+    return not is_llama(knobs) and knobs.single_norm
 
 
 def resid_dropout(knobs: Any) -> bool:
@@ -438,6 +462,8 @@ def resid_dropout(knobs: Any) -> bool:
 def _rope(knobs: Any) -> tuple[SavedTensor, ...]:
     """The (s, d) cos and sin tables RoPE's products keep: OLMo's fp32, the first d_r channels' (rotary_percent),
     a whole head's, or none (GPT-2's learned positions live in the embedding)."""
+    if is_gptj(knobs):
+        return GPTJ_ROPE
     if knobs.norm in ("layernorm_np", "rmsnorm_fp32w"):  # OLMo's and OLMo 2's rotary embeddings cast nothing
         return (OLMO_ROPE_COS, OLMO_ROPE_SIN)
     if knobs.rotary_percent is not None:
@@ -454,6 +480,8 @@ def norm_block(which: int, knobs: Any) -> tuple[SavedTensor, ...]:
         return tuple((OLMO_LN1, OLMO_LN2)[which])
     if is_llama(knobs):
         return tuple((LN1_RMS, LN2_RMS)[which])
+    if which == 1 and knobs.single_norm:  # GPT-J: no second norm
+        return ()
     if which == 1 and knobs.parallel_residual:
         return (ledger.LN2.mean, ledger.LN2.rstd)
     return tuple((ledger.LN1, ledger.LN2)[which])
@@ -482,6 +510,8 @@ def attention_gathered(knobs: Any) -> bool:
 def _eager(knobs: Any) -> tuple[SavedTensor, ...]:
     """eager_attention_forward: matmul's copies of Q and K^T, the softmax, dropout, matmul's copy of V."""
     q, k, v = (ledger.MLA_Q, ledger.MLA_K, ledger.MLA_V) if knobs.mla else (ledger.Q, *_key_value(knobs))
+    if is_gptj(knobs):
+        q, k = GPTJ_Q, GPTJ_K
     if is_gpt2(knobs):  # GPT-2's softmax runs in the activation dtype: the paper's core
         softmax: tuple[SavedTensor, ...] = (ledger.SOFTMAX_OUT,)
     elif knobs.dtype == "fp32" or knobs.has_dropout:  # no separate cast: .to() is a no-op or dropout keeps a mask
@@ -577,7 +607,8 @@ def mlp_block(knobs: Any) -> tuple[SavedTensor, ...]:
     else:
         activation = (ledger.GELU_IN,)
     dropout = (ledger.MLP_DROPOUT_MASK,) if resid_dropout(knobs) else ()
-    return (ledger.FC1_IN, *activation, ledger.FC2_IN, *dropout)
+    fc1_in = () if knobs.single_norm else (ledger.FC1_IN,)  # GPT-J: the attention's input, kept once (qkv_in)
+    return (*fc1_in, *activation, ledger.FC2_IN, *dropout)
 
 
 SHARED_MLP = (ledger.SHARED_GATE, ledger.SHARED_UP, ledger.SHARED_SILU_OUT, ledger.SHARED_FC2_IN)  # its SwiGLU
@@ -637,6 +668,7 @@ def check(knobs: Any) -> None:
     _check_neox(knobs)
     _check_phi3(knobs)
     _check_olmo2(knobs)
+    _check_gptj(knobs)
     _check_gemma2(knobs)
     if knobs.recompute not in ("none", "full"):
         raise ConfigError(f"impl hf: transformers has no {knobs.recompute} recomputation; use recompute none or full"
@@ -715,6 +747,15 @@ def _check_phi3(knobs: Any) -> None:
                           " CPU only); use attention eager")
 
 
+def _check_gptj(knobs: Any) -> None:
+    """single_norm is GPTJBlock's: a LayerNorm layer with RoPE (rotary_percent) and a parallel residual, separate q,
+    k and v (no fused_qkv), multi-head."""
+    if knobs.single_norm and (is_llama(knobs) or not knobs.parallel_residual or knobs.rotary_percent is None
+                              or knobs.fused_qkv):
+        raise ConfigError("impl hf: single_norm is GPTJBlock's: norm layernorm with rotary_percent and"
+                          " parallel_residual, without fused_qkv")
+
+
 def _check_olmo2(knobs: Any) -> None:
     """post_norm and norm rmsnorm_fp32w are Olmo2DecoderLayer's, which always has its whole-width q_norm and k_norm."""
     olmo2 = (knobs.post_norm, knobs.norm == "rmsnorm_fp32w")
@@ -739,7 +780,10 @@ def _check_gemma2(knobs: Any) -> None:
 def check_sizes(config: Any) -> None:
     """torch._grouped_mm, transformers' default experts path, takes only strides of whole 16-byte runs (aten's
     GroupedMMUtils.h, check_valid_strides_and_return_transposed, on the CPU and CUDA alike): h and each rank's
-    expert width e/t must be multiples of 16 bytes' worth of elements."""
+    expert width e/t must be multiples of 16 bytes' worth of elements. GPT-J's interleaved RoPE pairs channels:
+    its rotary_dim, d_r = int(d * rotary_percent), must be even and not 0."""
+    if is_gptj(config):
+        _check_rotary_pairs(config)
     if not config.moe or config.experts_implementation != "grouped_mm":
         return
     run = 16 // DTYPE_BYTES[config.dtype]
@@ -749,6 +793,15 @@ def check_sizes(config: Any) -> None:
             raise ConfigError(f"impl hf: {name}={value} is not a multiple of {run}: torch._grouped_mm (transformers'"
                               f" default experts_implementation) needs strides of whole 16-byte runs in"
                               f" {config.dtype}; use --experts-implementation eager")
+
+
+def _check_rotary_pairs(config: Any) -> None:
+    """GPTJAttention's rotate_every_two stacks the even and the odd channels of its rotary_dim: an even count."""
+    d_r = int(config.head_dim * config.rotary_percent)
+    if d_r < 2 or d_r % 2:
+        raise ConfigError(f"impl hf: GPT-J's rotary_dim d_r = int(d * rotary_percent) = int({config.head_dim} *"
+                          f" {config.rotary_percent:g}) = {d_r} must be even and at least 2 (its RoPE rotates"
+                          " channel pairs)")
 
 
 def _check_mixtral(knobs: Any) -> None:
@@ -879,7 +932,8 @@ IMPLEMENTATION = Implementation(
     " at t = 1 and 2; GPTNeoXLayer (parallel or sequential residual, partial RoPE), eager, t = 1;"
     " Phi3DecoderLayer (fused qkv_proj and gate_up_proj, partial RoPE), eager, at t = 1 and 2; Olmo2DecoderLayer"
     " (post-norms, whole-width q/k norms), eager and sdpa, at t = 1 and 2; Starcoder2DecoderLayer (LayerNorm, RoPE,"
-    " GQA, residual dropouts), eager and sdpa, at t = 1 and 2 (the families"
+    " GQA, residual dropouts), eager and sdpa, at t = 1 and 2; GPTJBlock (one LayerNorm read side by side, fp32 Q"
+    " and K, interleaved partial RoPE), eager and sdpa, at t = 1 and 2 (the families"
     " `memcalc hf-families` lists, each from a config.json its transformers class wrote)",
     layer_tensors=layer_tensors,
     refuses=(NO_SEQUENCE_PARALLEL, GPT2_NO_TP_PLAN, NEOX_TP_NOT_MODELLED, LATENT_TP_NOT_MODELLED),
@@ -891,7 +945,8 @@ IMPLEMENTATION = Implementation(
     tensors=(
         *LN1_RMS, *LN2_RMS, *Q_NORM_RMS, *K_NORM_RMS,
         ROPE_COS, ROPE_SIN, *MLA_Q_RMS, *MLA_KV_RMS, MLA_ROPE_COS, MLA_ROPE_SIN, K_EXPANDED, V_EXPANDED, SOFTMAX_FP32, WEIGHTS, *SDPA_MATH,
-        HALF_X, TANH_OUT, ONE_PLUS_TANH, *MOE_TENSORS, NEOX_ROPE_COS, NEOX_ROPE_SIN, NEOX_QKV_OUT,
+        HALF_X, TANH_OUT, ONE_PLUS_TANH, *MOE_TENSORS, NEOX_ROPE_COS, NEOX_ROPE_SIN, NEOX_QKV_OUT, *GPTJ_ROPE, GPTJ_Q,
+        GPTJ_K,
     *OLMO2_ATTN_OUT, *OLMO2_MLP_OUT, *OLMO2_Q_NORM, *OLMO2_K_NORM, SDPA_OUT,
     *GEMMA_LN1, *GEMMA_LN2, *GEMMA_Q_NORM, *GEMMA_K_NORM, *GEMMA_POST_ATTN, *GEMMA_POST_MLP, SOFTCAP_TANH, GEGLU_GATE, GEGLU_UP, GEGLU_GELU_OUT, *OLMO_LN1, *OLMO_LN2, OLMO_ROPE_COS, OLMO_ROPE_SIN,  # FLASH_DROPOUT_LSE is the ledger's LSE, described as read from code
     ),

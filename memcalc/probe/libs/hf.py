@@ -185,9 +185,10 @@ def _build(config: ModelConfig, family: str, device: torch.device, dense: bool =
     else:
         _, module = _classes(family)
         hf_config = (neox_config(config) if family == "gpt_neox" else starcoder2_config(config)
-                     if family == "starcoder2" else llama_config(config, family))
+                     if family == "starcoder2" else gptj_config(config) if family == "gptj"
+                     else llama_config(config, family))
         layer_class = getattr(module, FAMILIES[family].layer)
-        stem = FAMILIES[family].layer.removesuffix("DecoderLayer").removesuffix("Layer")  # Gemma3, GPTNeoX
+        stem = FAMILIES[family].layer.removesuffix("DecoderLayer").removesuffix("Layer").removesuffix("Block")
         rotary = getattr(module, f"{stem}RotaryEmbedding")(hf_config)
     torch.manual_seed(INPUT_SEED)  # the weights, as the layer initialises them
     layer = layer_class(hf_config, layer_idx=_layer_index(config, family, dense))
@@ -273,6 +274,19 @@ def starcoder2_config(config: ModelConfig) -> Any:
         use_bias=config.add_bias_linear, sliding_window=config.sliding_window, head_dim=config.head_dim,
         tie_word_embeddings=config.tie_embeddings, attn_implementation=attention_implementation(config),
         bos_token_id=None, eos_token_id=None,  # no token ids past the probe's small vocabulary
+    )
+
+
+def gptj_config(config: ModelConfig) -> Any:
+    """A GPTJConfig sized from memcalc's: rotary_dim the rotated channels of each head (all of them: d), one dropout
+    probability for attn_pdrop, resid_pdrop and embd_pdrop, gelu_new or torch's gelu."""
+    rotary_dim = int(config.head_dim * config.rotary_percent)
+    return transformers.GPTJConfig(
+        n_embd=config.h, n_head=config.a, n_layer=config.L, n_inner=config.ffn, n_positions=config.s,
+        rotary_dim=rotary_dim, activation_function="gelu_new" if config.mlp == "gelu_tanh" else "gelu",
+        attn_pdrop=config.dropout, resid_pdrop=config.dropout, embd_pdrop=config.dropout,
+        vocab_size=config.vocab_size, tie_word_embeddings=config.tie_embeddings,
+        attn_implementation=attention_implementation(config), bos_token_id=None, eos_token_id=None,
     )
 
 
@@ -485,6 +499,8 @@ def label_rules_for(config: ModelConfig) -> tuple[Rule, ...]:
     if rules.is_neox(config):
         return (*_layer_norm_rules("input_layernorm", ledger.LN1), *_neox_attention_rules(config),
                 *_layer_norm_rules("post_attention_layernorm", ledger.LN2), *_neox_mlp_rules(config))
+    if rules.is_gptj(config):
+        return (*_layer_norm_rules("ln_1", ledger.LN1), *_gptj_attention_rules(config), *_gptj_mlp_rules(config))
     if rules.is_starcoder2(config):
         return (*_layer_norm_rules("input_layernorm", ledger.LN1), *_starcoder2_attention_rules(config),
                 *_layer_norm_rules("post_attention_layernorm", ledger.LN2), *_starcoder2_mlp_rules(config))
@@ -601,7 +617,9 @@ def _core_rules(
         Rule(attention, "softmax", ledger.SOFTMAX_OUT),
         Rule(attention, "softmax", rules.SOFTMAX_FP32),
         # Llama's cast of the fp32 softmax back to bf16; OLMo's apply_rotary_pos_emb casts q and k back before it
-        Rule(attention, "to", rules.WEIGHTS, nth=2 if config.norm in ("layernorm_np", "rmsnorm_fp32w") else 0),
+        # (GPT-J's core casts q and k to fp32 before it)
+        Rule(attention, "to", rules.WEIGHTS,
+             nth=2 if config.norm in ("layernorm_np", "rmsnorm_fp32w") or rules.is_gptj(config) else 0),
         Rule(attention, "native_dropout", ledger.ATTN_DROPOUT_OUT),  # the shim's dropout
         Rule(attention, "native_dropout", ledger.ATTN_DROPOUT_MASK,
              view=_kept("NativeDropoutBackward0", "_saved_result1")),
@@ -811,6 +829,27 @@ def _neox_mlp_rules(config: ModelConfig) -> tuple[Rule, ...]:
         Rule("mlp.dense_4h_to_h", "linear", ledger.FC2_IN, arg=0),
         Rule("post_mlp_dropout", "native_dropout", ledger.MLP_DROPOUT_MASK,
              view=_kept("NativeDropoutBackward0", "_saved_result1")),
+    )
+
+
+def _gptj_attention_rules(config: ModelConfig) -> tuple[Rule, ...]:
+    """GPTJAttention: q_proj's input (ln_1's output, which fc_in reads too), the four interleaved RoPE tables (keys'
+    sin and cos, then the queries'), the eager core over fp32 Q and K, out_proj's input, resid_dropout's mask."""
+    tables = tuple(Rule("attn", "repeat_interleave", table, nth=n, view=lambda x: x[0, :, 0])
+                   for n, table in enumerate(rules.GPTJ_ROPE))
+    return (
+        Rule("attn.q_proj", "linear", ledger.QKV_IN, arg=0), *tables,
+        *_core_rules("attn", config, (rules.GPTJ_Q, rules.GPTJ_K, ledger.V)), *_sdpa_inputs("attn"),
+        Rule("attn.out_proj", "linear", ledger.PROJ_IN, arg=0, view=_head_columns(config.head_dim)),
+        _dropout_mask("attn.resid_dropout", ledger.ATTN_OUT_DROPOUT_MASK),
+    )
+
+
+def _gptj_mlp_rules(config: ModelConfig) -> tuple[Rule, ...]:
+    """GPTJMLP: the activation (GPT-2's rules), fc_out's input and the dropout's mask; fc_in's input is q_proj's."""
+    return (
+        *(r for r in _gpt2_mlp_rules(config) if r.module in ("mlp.act", "mlp.dropout")),
+        Rule("mlp.fc_out", "linear", ledger.FC2_IN, arg=0),
     )
 
 

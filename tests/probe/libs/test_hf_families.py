@@ -41,6 +41,8 @@ WRITTEN = {
     "phi3": _SMALL | {"num_key_value_heads": 2, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                                                    "partial_rotary_factor": 0.75}},  # Phi-4-mini's
     "olmo2": _SMALL | {"num_key_value_heads": 2},  # post-norms, whole-width q/k norms
+    "gptj": {"n_embd": 32, "n_head": 4, "n_layer": 2, "n_inner": 48, "vocab_size": 64, "n_positions": 64,
+             "rotary_dim": 4},  # one LayerNorm read side by side, fp32 q and k, half of each head rotated
     "starcoder2": _SMALL | {"num_key_value_heads": 2, "sliding_window": 5},  # LayerNorm, whole-head RoPE, GQA
     "gpt2": {"n_embd": 32, "n_head": 4, "n_layer": 2, "n_inner": 48, "vocab_size": 64, "n_positions": 64},
     "deepseek_v3": _SMALL | _EXPERTS | {"n_routed_experts": 4, "n_shared_experts": 1, "kv_lora_rank": 16,
