@@ -113,6 +113,7 @@ KNOBS: Schema = _object({
     "post_norm": FLAG,
     "fused_qkv": FLAG,
     "alibi": FLAG,
+    "single_norm": FLAG,
 })
 
 # The config a command ran: every ModelConfig field (unset optional ones left out), with the MLP

@@ -63,6 +63,12 @@ def _plain(act: Any) -> Mlp:
     )
 
 
+def _kernel_gelu(act: Any) -> Mlp:
+    """StarCoder 2's MLP: its gelu_pytorch_tanh is torch's GELU kernel (approximate="tanh"), which keeps its input
+    alone, as exact GELU's kernel does: memcalc's gelu (and the probe runs gelu_pytorch_tanh for it)."""
+    return Mlp.GELU if act == "gelu_pytorch_tanh" else _plain(act)
+
+
 def _both_or_neither(values: list[Any]) -> Any:
     """Llama's attention_bias and mlp_bias: memcalc's add_bias_linear puts biases on every linear or on none."""
     if any(v != values[0] for v in values[1:]):
@@ -363,6 +369,50 @@ _GPT_NEOX = (
 )
 
 
+# Starcoder2Config: a LayerNorm layer with RoPE on whole heads (its rotary embedding takes no partial factor), separate
+# q, k and v (with GQA), biases on every linear (use_bias), the attention's and the MLP's outputs dropped out
+# (residual_dropout), an MLP c_fc -> hidden_act -> c_proj, and each query attending to the last sliding_window keys.
+_STARCODER2 = (
+    *_sizes("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size"),
+    Row("num_query_groups", ("num_key_value_heads",), default=2),  # Starcoder2Config's default
+    Row("ffn_hidden_size", ("intermediate_size",)),
+    Row("mlp", ("hidden_act",), _kernel_gelu, default=Mlp.GELU),  # gelu_pytorch_tanh, Starcoder2Config's default
+    Row("norm", ("norm_epsilon",), lambda eps: "layernorm", default="layernorm"),
+    Row("s", ("max_position_embeddings",), default=None),
+    Row("dropout", ("attention_dropout", "residual_dropout", "embedding_dropout"), default=0.0,
+        combine=_largest_dropout),
+    Row("tie_embeddings", ("tie_word_embeddings",), default=True),
+    Row("add_bias_linear", ("use_bias",), lambda v: _flag("use_bias", v), default=True),
+    Row("sliding_window", ("sliding_window",), _sliding_window, default=None),
+)
+
+
+def _rotary_dim_share(values: list[Any]) -> float:
+    """GPT-J's rotary_dim (absent: GPTJConfig's 64) as a share of each head's n_embd / n_head channels."""
+    rotary_dim, h, a = (64 if values[0] is None else values[0], *values[1:])
+    if type(h) is not int or type(a) is not int or h < a or a < 1:
+        raise ConfigError(f"n_embd and n_head must be whole numbers, n_embd >= n_head, got {short_repr(values[1:])}")
+    if type(rotary_dim) is not int or rotary_dim < 2 or rotary_dim % 2:
+        raise ConfigError(f"rotary_dim must be a positive even whole number, got {short_repr(rotary_dim)}")
+    return _fraction(rotary_dim / (h // a))
+
+
+# GPTJConfig: one LayerNorm (ln_1) whose output both the attention and the MLP read, added to the residual together;
+# q, k, v and out_proj without biases, fc_in and fc_out with them (biases keep nothing: memcalc's add_bias_linear is
+# left unset); RoPE interleaved on the first rotary_dim channels of each head.
+_GPTJ = (
+    *_sizes("n_embd", "n_head", "n_layer", "vocab_size"),
+    Row("ffn_hidden_size", ("n_inner",), default=None),  # null or absent: 4h
+    Row("mlp", ("activation_function",), _plain, default=_plain("gelu_new")),  # GPTJConfig's default
+    Row("norm", ("layer_norm_epsilon",), lambda eps: "layernorm", default="layernorm"),
+    Row("s", ("n_positions",)),
+    Row("max_position_embeddings", ("n_positions",)),
+    Row("dropout", ("resid_pdrop", "embd_pdrop", "attn_pdrop"), default=0.0, combine=_largest_dropout),
+    Row("tie_embeddings", ("tie_word_embeddings",), default=False),
+    Row("rotary_percent", ("rotary_dim", "n_embd", "n_head"), default=None, combine=_rotary_dim_share),
+)
+
+
 # MistralConfig: Llama's layer, each query attending to the last sliding_window keys (the class's default, 4096, when
 # config.json has none; null: full causal attention, Mistral v0.2 on).
 _MISTRAL = (*_LLAMA_HEADS, Row("sliding_window", ("sliding_window",), _sliding_window, default=4096))
@@ -577,11 +627,13 @@ FAMILIES: dict[str, Family] = {
                norm="layernorm_np", when=_dense),
         Family("gpt2", "GPT2Config", "GPT2Block", ("GPT2LMHeadModel",), _GPT2,
                {"position_embedding_type": "learned_absolute"}, norm="layernorm", mlps=("gelu", "gelu_tanh"),
-               when=lambda k: k.rotary_percent is None and not k.parallel_residual and not k.alibi,
+               when=lambda k: k.rotary_percent is None and not k.parallel_residual and not k.alibi
+                              and not k.fused_qkv,
                attribute_map={"hidden_size": "n_embd", "max_position_embeddings": "n_positions",
                               "num_attention_heads": "n_head", "num_hidden_layers": "n_layer"}),
-        Family("gpt_neox", "GPTNeoXConfig", "GPTNeoXLayer", ("GPTNeoXForCausalLM",), _GPT_NEOX, _ROPE,
-               norm="layernorm", mlps=("gelu", "gelu_tanh"), when=lambda k: k.rotary_percent is not None),
+        Family("gpt_neox", "GPTNeoXConfig", "GPTNeoXLayer", ("GPTNeoXForCausalLM",), _GPT_NEOX,
+               _ROPE | {"fused_qkv": True}, norm="layernorm", mlps=("gelu", "gelu_tanh"),
+               when=lambda k: k.rotary_percent is not None and k.fused_qkv and not k.single_norm),
         Family("deepseek_v2", "DeepseekV2Config", "DeepseekV2DecoderLayer", ("DeepseekV2ForCausalLM",), _DEEPSEEK,
                _ROPE, runs_as="deepseek_v3", attribute_map={"num_experts": "n_routed_experts"}),
         Family("deepseek_v3", "DeepseekV3Config", "DeepseekV3DecoderLayer", ("DeepseekV3ForCausalLM",),
@@ -604,6 +656,14 @@ FAMILIES: dict[str, Family] = {
                when=lambda k: _glm(k) and not k.sandwich_norm, gathered=("mlp",)),
         Family("glm4", "Glm4Config", "Glm4DecoderLayer", ("Glm4ForCausalLM",), _GLM, _ROPE | {"sandwich_norm": True},
                when=lambda k: _glm(k) and k.sandwich_norm, gathered=("mlp",)),
+        Family("starcoder2", "Starcoder2Config", "Starcoder2DecoderLayer", ("Starcoder2ForCausalLM",), _STARCODER2,
+               _ROPE | {"rotary_percent": 1.0}, norm="layernorm", mlps=("gelu", "gelu_tanh"),
+               when=lambda k: k.rotary_percent is not None and not k.fused_qkv and not k.parallel_residual),
+        Family("gptj", "GPTJConfig", "GPTJBlock", ("GPTJForCausalLM",), _GPTJ,
+               _ROPE | {"parallel_residual": True, "single_norm": True}, norm="layernorm", mlps=("gelu", "gelu_tanh"),
+               when=lambda k: k.single_norm and k.rotary_percent is not None and not k.fused_qkv,
+               attribute_map={"max_position_embeddings": "n_positions", "hidden_size": "n_embd",
+                              "num_attention_heads": "n_head", "num_hidden_layers": "n_layer"}),
     )
 }
 # model_types transformers builds whose layers memcalc has no rules for, and what they lack: refused by name.

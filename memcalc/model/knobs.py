@@ -498,7 +498,7 @@ KNOBS: tuple[Knob, ...] = (
         " norm with rotary_percent (GPT-NeoX's use_parallel_residual), through one norm without it (Falcon's"
         " parallel_attn, RoPE on whole heads)", lambda k: "parallel residual" if k.parallel_residual else None,
         effects=(({"impl": Impl.HF, "norm": Norm.LAYERNORM, "attention": Attention.EAGER, "rotary_percent": 0.25,
-                   "parallel_residual": True},
+                   "fused_qkv": True, "parallel_residual": True},
                   "Both norms read the layer's input: the second norm keeps no input of its own (the first's is the"
                   " same storage), only its statistics."),
                  ({"impl": Impl.HF, "norm": Norm.LAYERNORM, "attention": Attention.EAGER, "dropout": 0.0,
@@ -509,12 +509,19 @@ KNOBS: tuple[Knob, ...] = (
                   " the activation dtype."),),
     ),
     Knob(
-        "rotary_percent", "factor", None, "hf: RoPE on this fraction of each head's channels (GPT-NeoX's rotary_pct;"
-        " default: RoPE on all of them, or none in a LayerNorm layer, GPT-2's)",
+        "rotary_percent", "factor", None, "hf: RoPE on this fraction of each head's channels (GPT-NeoX's rotary_pct,"
+        " StarCoder 2's 1; default: RoPE on all of them, or none in a LayerNorm layer, GPT-2's)",
         lambda k: None if k.rotary_percent is None else f"rotary {k.rotary_percent:g}", symbol="d_r",
-        effects=(({"impl": Impl.HF, "norm": Norm.LAYERNORM, "attention": Attention.EAGER, "rotary_percent": 0.25},
+        effects=(({"impl": Impl.HF, "norm": Norm.LAYERNORM, "attention": Attention.EAGER, "rotary_percent": 0.25,
+                   "fused_qkv": True},
                   "GPTNeoXLayer: RoPE's cos and sin tables are d_r = d * rotary_pct channels wide, Llama's fp32"
-                  " softmax is kept, and Q, K (rotated and concatenated) and V are the core's."),),
+                  " softmax is kept, and Q, K (rotated and concatenated) and V are the core's."),
+                 ({"impl": Impl.HF, "norm": Norm.LAYERNORM, "attention": Attention.EAGER, "rotary_percent": 1.0,
+                   "num_query_groups": 2},
+                  "Starcoder2DecoderLayer: a LayerNorm layer whose separate q, k and v (under GQA too) are rotated"
+                  " whole (s, d) tables; Llama's fp32 softmax and its cast, and the attention's and the MLP's"
+                  " outputs dropped out with dropout > 0. Its tp plan is the paper's: LayerNorms whole, the rest"
+                  " split by t."),),
     ),
     Knob(
         "post_norm", "flag", False, "hf: the norms on the attention's and the MLP's outputs only, before each residual"
@@ -529,9 +536,10 @@ KNOBS: tuple[Knob, ...] = (
                   " every rank keeps all heads' attention."),),
     ),
     Knob(
-        "fused_qkv", "flag", False, "hf: Q, K and V sliced from one qkv_proj output, gate and up chunked from one"
-        " gate_up_proj output (Phi-3's Phi3DecoderLayer)", lambda k: "fused qkv_proj and gate_up_proj" if k.fused_qkv
-        else None,
+        "fused_qkv", "flag", False, "hf: Q, K and V sliced from one fused projection's output: Phi-3's qkv_proj (and"
+        " gate and up chunked from one gate_up_proj output), GPT-NeoX's query_key_value (set with rotary_percent)",
+        lambda k: None if not k.fused_qkv else "fused qkv_proj and gate_up_proj" if k.mlp == "swiglu"
+        else "fused query_key_value",
         effects=(({"impl": Impl.HF, "norm": Norm.RMSNORM, "mlp": Mlp.SWIGLU, "attention": Attention.EAGER,
                    "fused_qkv": True},
                   "Q, K and V are views of one (b, s, (a+2g)d) output: where eager attention's matmul takes V as it"
@@ -549,6 +557,15 @@ KNOBS: tuple[Knob, ...] = (
                   "BloomBlock: baddbmm adds the bias to QK^T and keeps only Q and K^T (the bias needs no gradient);"
                   " the softmax runs in fp32 and is cast back, as Llama's eager core; BLOOM's tanh GELU, a custom"
                   " autograd function, keeps its input alone."),),
+    ),
+    Knob(
+        "single_norm", "flag", False, "hf: with parallel_residual, one norm before both the attention and the MLP,"
+        " whose output both read (GPT-J's ln_1)", lambda k: "one norm" if k.single_norm else None,
+        effects=(({"impl": Impl.HF, "norm": Norm.LAYERNORM, "mlp": Mlp.GELU_TANH, "attention": Attention.EAGER,
+                   "rotary_percent": 0.25, "parallel_residual": True, "single_norm": True},
+                  "GPTJBlock: one LayerNorm, whose output q, k, v and fc_in all read (kept once); the eager core"
+                  " upcasts Q and K to fp32 before QK^T (matmul keeps both fp32), and RoPE's interleaved tables are"
+                  " repeated for Q and for K, four (s, d_r) tables kept a layer."),),
     ),
 )
 BY_NAME: dict[str, Knob] = {k.name: k for k in KNOBS}

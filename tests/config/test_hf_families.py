@@ -113,7 +113,8 @@ def test_a_sequence_past_mistrals_window_is_refused_unless_hf_eager_keeps_the_fu
 def test_pythia_is_read_with_its_parallel_residual_and_rotary_share_and_counted_under_hf_only():
     pythia = "tests/data/hf/pythia-70m.json"
     one_line_error(memcalc_cli("estimate", "--hf-config", pythia),
-                   "parallel_residual and rotary_percent (of transformers' GPTNeoXLayer) are modelled under --impl hf")
+                   "parallel_residual, rotary_percent and fused_qkv (of transformers' GPTNeoXLayer) are modelled under"
+                   " --impl hf")
     run = memcalc_cli("estimate", "--hf-config", pythia, "--impl", "hf", "--attention", "eager", "--s", "64")
     assert run.code == 0, run.err
     assert "use_parallel_residual->parallel_residual=True, rotary_pct->rotary_percent=0.25" in run.err
@@ -183,3 +184,35 @@ def test_falcon_7b_is_read_as_multi_query_with_one_norm_and_counted_under_hf_eag
     assert run.code == 0, run.err
     assert "multi_query->num_query_groups=1, parallel_attn->parallel_residual=True" in run.err
     assert "tp left out: impl hf does not run it for Falcon" in run.err
+
+
+def test_a_starcoder2_config_reads_its_kernel_gelu_whole_head_rope_and_gqa_and_is_counted_under_hf_only(tmp_path):
+    """Starcoder2Config's gelu_pytorch_tanh is torch's GELU kernel, which keeps its input alone (memcalc's gelu, not
+    gelu_new's four tensors); its RoPE rotates whole heads of a LayerNorm layer, so rotary_percent 1 is assumed."""
+    transformers = pytest.importorskip("transformers")
+    transformers.Starcoder2Config(hidden_size=32, num_attention_heads=4, intermediate_size=48, residual_dropout=0.1,
+                                  sliding_window=16).save_pretrained(tmp_path)
+    read = read_hf_config(tmp_path / "config.json")
+    fields = read.fields
+    assert (fields["mlp"], fields["norm"], fields["num_query_groups"], fields["rotary_percent"]) == (
+        "gelu", "layernorm", 2, 1.0)
+    assert (fields["dropout"], fields["sliding_window"], fields["add_bias_linear"]) == (0.1, 16, True)
+    assert "fused_qkv" not in fields  # separate q_proj, k_proj, v_proj: not GPT-NeoX's layer
+    assert "hidden_act=gelu_pytorch_tanh->mlp=gelu" in read.describe()
+    one_line_error(memcalc_cli("estimate", "--hf-config", str(tmp_path / "config.json"), "--impl", "megatron",
+                               "--s", "16"),
+                   "rotary_percent (of transformers' Starcoder2DecoderLayer) is modelled under --impl hf only")
+
+
+def test_a_gptj_config_reads_its_one_norm_parallel_block_and_rotary_dim_as_a_share_of_each_head(tmp_path):
+    """GPTJConfig's rotary_dim is channels of each n_embd / n_head head: 4 of 8 is rotary_percent 0.5; its block is
+    GPTJBlock's parallel residual on one ln_1 (single_norm), counted under --impl hf only."""
+    transformers = pytest.importorskip("transformers")
+    transformers.GPTJConfig(n_embd=32, n_head=4, n_layer=2, n_inner=48, vocab_size=64, n_positions=64,
+                            rotary_dim=4, resid_pdrop=0.1).save_pretrained(tmp_path)
+    fields = read_hf_config(tmp_path / "config.json").fields
+    assert (fields["h"], fields["a"], fields["s"], fields["rotary_percent"], fields["dropout"]) == (32, 4, 64, 0.5, 0.1)
+    assert (fields["mlp"], fields["parallel_residual"], fields["single_norm"]) == ("gelu_tanh", True, True)
+    one_line_error(memcalc_cli("estimate", "--hf-config", str(tmp_path / "config.json"), "--impl", "megatron"),
+                   "parallel_residual, rotary_percent and single_norm (of transformers' GPTJBlock) are modelled under"
+                   " --impl hf only")

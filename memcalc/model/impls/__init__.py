@@ -55,9 +55,10 @@ def implementation(knobs: Any) -> Implementation:
 
 
 # Knobs of a layer only transformers' code is measured for, and the layer that has each.
-_HF_ONLY = {"parallel_residual": "GPTNeoXLayer", "rotary_percent": "GPTNeoXLayer", "sandwich_norm": "Gemma2DecoderLayer",
+_HF_ONLY = {"parallel_residual": "GPTNeoXLayer", "rotary_percent": "GPTNeoXLayer or Starcoder2DecoderLayer",
+            "sandwich_norm": "Gemma2DecoderLayer",
             "attn_logit_softcapping": "Gemma2DecoderLayer", "fused_qkv": "Phi3DecoderLayer",
-            "post_norm": "Olmo2DecoderLayer", "alibi": "BloomBlock"}
+            "post_norm": "Olmo2DecoderLayer", "alibi": "BloomBlock", "single_norm": "GPTJBlock"}
 # Choices only transformers' layers are measured with (Gemma's GemmaRMSNorm and GeGLU).
 _HF_ONLY_CHOICES = {"norm": ("rmsnorm_1p", "layernorm_np", "rmsnorm_fp32w"), "mlp": ("geglu_tanh",)}
 
@@ -70,9 +71,12 @@ def _check_hf_only(knobs: Any) -> None:
         return
     given = [name for name in _HF_ONLY if getattr(knobs, name) not in (None, False)]
     if given:
-        layers = " or ".join(dict.fromkeys(_HF_ONLY[name] for name in given))
+        from memcalc.config.hf import family_of  # only to word the refusal: the family these knobs name, if one
+
+        family = family_of(knobs)
+        layers = family.layer if family else " or ".join(dict.fromkeys(_HF_ONLY[name] for name in given))
         verb = "is" if len(given) == 1 else "are"
-        raise ConfigError(f"{' and '.join(given)} (of transformers' {layers}) {verb} modelled under --impl hf only;"
+        raise ConfigError(f"{', '.join(given[:-1]) + ' and ' * (len(given) > 1) + given[-1]} (of transformers' {layers}) {verb} modelled under --impl hf only;"
                           f" impl {knobs.impl}'s layer has no such choice")
     for name, values in _HF_ONLY_CHOICES.items():
         if getattr(knobs, name) in values:

@@ -6,7 +6,10 @@ Two layer families, told apart by the knobs (memcalc's config has no model famil
                                 Qwen2 adds a QKV bias, which keeps nothing more), RoPE; with
                                 qk_layernorm Qwen3DecoderLayer (heads of head_dim, memcalc's
                                 kv_channels, each query and key head RMS-normalised before RoPE)
-    layernorm + gelu/gelu_tanh  GPT2Block (learned positions live in the embedding, outside the layer)
+    layernorm + gelu/gelu_tanh  GPT2Block (learned positions live in the embedding, outside the layer);
+                                with rotary_percent GPTNeoXLayer (fused_qkv: one query_key_value) or
+                                Starcoder2DecoderLayer (separate q, k, v, GQA, whole heads rotated),
+                                or with single_norm GPTJBlock (one ln_1 read by attention and MLP)
 
 Where transformers' Python differs from Megatron's fused kernels it keeps more:
 
@@ -198,14 +201,14 @@ MLA_ROPE_SIN = SavedTensor(
 
 # GPTNeoXAttention (and Phi3Attention, partial_rotary_factor < 1): RoPE on the first d_r = d * rotary_pct channels of
 # each query and key head (q[..., :d_r] * cos, rotate_half(.) * sin, then concatenated with the rest): the model's
-# (1, s, d_r) tables, kept once per layer.
+# (1, s, d_r) tables, kept once per layer. Starcoder2Attention's are whole heads' (rotary_percent 1: d_r = d).
 NEOX_ROPE_COS = SavedTensor(
-    "attention/rope_cos_partial", "apply_rotary_pos_emb (GPT-NeoX, Phi-3): q_rot * cos and k_rot * cos",
+    "attention/rope_cos_partial", "apply_rotary_pos_emb (GPT-NeoX, Phi-3, StarCoder 2): q_rot * cos and k_rot * cos",
     (Dim.S, Dim.DR),
     Kind.ACTIVATION, _SEQ, "the gradient of q_rot in q_rot * cos is dY * cos (the (1, s, d_r) table)", paper=False,
 )
 NEOX_ROPE_SIN = SavedTensor(
-    "attention/rope_sin_partial", "apply_rotary_pos_emb (GPT-NeoX, Phi-3): rotate_half(q_rot) * sin",
+    "attention/rope_sin_partial", "apply_rotary_pos_emb (GPT-NeoX, Phi-3, StarCoder 2): rotate_half(q_rot) * sin",
     (Dim.S, Dim.DR),
     Kind.ACTIVATION, _SEQ, "the gradient of rotate_half(q_rot) in rotate_half(q_rot) * sin is dY * sin", paper=False,
 )
@@ -249,6 +252,24 @@ FALCON_V_INDEX = replace(FALCON_K_INDEX, name="attention/mqa_value_index",
 # GLM-4's sandwich norms: LlamaRMSNorm's code (Glm4RMSNorm) on the attention's output and on the MLP's output.
 GLM_POST_ATTN = _rms_norm("ln_post_attn_rms", "GLM-4's post_self_attn_layernorm, on the attention's output")
 GLM_POST_MLP = _rms_norm("ln_post_mlp_rms", "GLM-4's post_mlp_layernorm, on the MLP's output")
+# GPTJAttention: apply_rotary_pos_emb repeats the model's (1, s, d_r/2) sin and cos tables to d_r interleaved channels
+# (repeat_interleave) on each call, once for the keys and once for the queries: four (s, d_r) copies, each kept by
+# its product. Its eager core upcasts Q and K to fp32 before QK^T, so matmul keeps fp32 ones.
+def _gptj_table(name: str, which: str, product: str) -> SavedTensor:
+    return SavedTensor(
+        f"attention/rope_{name}", f"GPT-J apply_rotary_pos_emb ({which}): repeat_interleave(.), kept by {product}",
+        (Dim.S, Dim.DR), Kind.ACTIVATION, _SEQ, f"the gradient of the rotated channels in {product} is dY times the"
+        " table, this call's own interleaved copy", paper=False,
+    )
+
+
+GPTJ_ROPE = (_gptj_table("k_sin", "keys", "rotate_every_two(k_rot) * sin"), _gptj_table("k_cos", "keys", "k_rot * cos"),
+             _gptj_table("q_sin", "queries", "rotate_every_two(q_rot) * sin"),
+             _gptj_table("q_cos", "queries", "q_rot * cos"))
+GPTJ_Q = replace(ledger.Q, name="attention/q_fp32", kind=Kind.FP32,
+                 saved_by="GPT-J eager_attention_forward: query.to(float32), kept by matmul")
+GPTJ_K = replace(ledger.K, name="attention/k_fp32", kind=Kind.FP32,
+                 saved_by="GPT-J eager_attention_forward: key.to(float32).transpose(2, 3), kept by matmul")
 ROPE_COS = SavedTensor(
     "attention/rope_cos", "apply_rotary_pos_emb: q * cos and k * cos", (Dim.S, Dim.D), Kind.ACTIVATION, _SEQ,
     "the gradient of q in q * cos is dY * cos (one (1, s, d) table from the model's rotary embedding)", paper=False,
@@ -450,8 +471,31 @@ def is_glm(knobs: Any) -> bool:
 
 
 def is_neox(knobs: Any) -> bool:
-    """GPTNeoXLayer: a LayerNorm layer with (partial) RoPE, rotary_percent set (GPT-2 has no RoPE)."""
-    return not is_llama(knobs) and knobs.rotary_percent is not None
+    """GPTNeoXLayer: a LayerNorm layer with (partial) RoPE, rotary_percent set (GPT-2 has no RoPE), whose Q, K and V
+    are views of one query_key_value output (fused_qkv)."""
+    return not is_llama(knobs) and knobs.rotary_percent is not None and knobs.fused_qkv
+
+
+def is_gpt2(knobs: Any) -> bool:
+    """GPT2Block: a LayerNorm layer without RoPE (its learned positions live in the embedding), in sequence (Falcon's
+    runs attention and MLP side by side), without ALiBi (BLOOM's)."""
+    return not is_llama(knobs) and knobs.rotary_percent is None and not knobs.parallel_residual and not knobs.alibi
+
+
+def is_phi3(knobs: Any) -> bool:
+    """Phi3DecoderLayer: an RMSNorm layer whose q, k and v are one qkv_proj (fused_qkv; GPT-NeoX's LayerNorm layer
+    has one too)."""
+    return is_llama(knobs) and knobs.fused_qkv
+
+
+def is_starcoder2(knobs: Any) -> bool:
+    """Starcoder2DecoderLayer: a LayerNorm layer with RoPE (on whole heads) and separate q, k and v projections."""
+    return not is_llama(knobs) and knobs.rotary_percent is not None and not knobs.fused_qkv and not knobs.single_norm
+
+
+def is_gptj(knobs: Any) -> bool:
+    """GPTJBlock: a LayerNorm layer whose one norm feeds the attention and the MLP side by side (single_norm)."""
+    return not is_llama(knobs) and knobs.single_norm
 
 
 def is_falcon(knobs: Any) -> bool:
@@ -466,7 +510,7 @@ def has_fused_v_view(knobs: Any) -> bool:
 
 
 def resid_dropout(knobs: Any) -> bool:
-    """Whether the attention's and the MLP's outputs are dropped out: GPT-2's and GPT-NeoX's, and Phi-3's
+    """Whether the attention's and the MLP's outputs are dropped out: GPT-2's, GPT-NeoX's and StarCoder 2's, and Phi-3's
     resid_attn_dropout and resid_mlp_dropout (Llama's layer drops out attention weights only)."""
     return knobs.has_dropout and (not is_llama(knobs) or knobs.fused_qkv)
 
@@ -475,6 +519,8 @@ def _rope(knobs: Any) -> tuple[SavedTensor, ...]:
     """The (s, d) cos and sin tables RoPE's products keep: OLMo's fp32, GLM's interleaved, the first d_r channels'
     (rotary_percent),
     a whole head's, or none (GPT-2's learned positions live in the embedding)."""
+    if is_gptj(knobs):
+        return GPTJ_ROPE
     if knobs.norm in ("layernorm_np", "rmsnorm_fp32w"):  # OLMo's and OLMo 2's rotary embeddings cast nothing
         return (OLMO_ROPE_COS, OLMO_ROPE_SIN)
     if is_glm(knobs):
@@ -495,6 +541,8 @@ def norm_block(which: int, knobs: Any) -> tuple[SavedTensor, ...]:
         return tuple((LN1_RMS, LN2_RMS)[which])
     if which == 1 and is_falcon(knobs):
         return ()  # Falcon's MLP reads the attention's norm output: there is no second norm
+    if which == 1 and knobs.single_norm:  # GPT-J: no second norm
+        return ()
     if which == 1 and knobs.parallel_residual:
         return (ledger.LN2.mean, ledger.LN2.rstd)
     return tuple((ledger.LN1, ledger.LN2)[which])
@@ -523,7 +571,9 @@ def attention_gathered(knobs: Any) -> bool:
 def _eager(knobs: Any) -> tuple[SavedTensor, ...]:
     """eager_attention_forward: matmul's copies of Q and K^T, the softmax, dropout, matmul's copy of V."""
     q, k, v = (ledger.MLA_Q, ledger.MLA_K, ledger.MLA_V) if knobs.mla else (ledger.Q, *_key_value(knobs))
-    if not is_llama(knobs) and not is_neox(knobs) and not knobs.alibi:  # GPT-2's softmax runs in the activation dtype
+    if is_gptj(knobs):
+        q, k = GPTJ_Q, GPTJ_K
+    if is_gpt2(knobs) or is_falcon(knobs):  # GPT-2's and Falcon's softmax run in the activation dtype: the paper's core
         softmax: tuple[SavedTensor, ...] = (ledger.SOFTMAX_OUT,)
     elif knobs.dtype == "fp32" or knobs.has_dropout:  # no separate cast: .to() is a no-op or dropout keeps a mask
         softmax = (SOFTMAX_FP32,)
@@ -569,15 +619,15 @@ def gathered_copies(sizes: dict[Any, Any], t: Any) -> Any:
 def _copies(knobs: Any) -> Any:
     """The size condition under which eager attention's matmuls keep copies of K and V, for this layer."""
     if not knobs.gqa:
-        return fused_batched if knobs.fused_qkv else batched
+        return fused_batched if is_phi3(knobs) else batched
     return gathered_copies if attention_gathered(knobs) else repeat_kv_copies
 
 
 def _at_batch_of_one(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]:
     """What eager attention keeps where matmul folds a view without copying: K and V at g heads (GQA), the fused
     query_key_value (qkv_proj) output in V's place (GPT-NeoX, Phi-3: its V is a view of it)."""
-    fused_v = NEOX_QKV_OUT if knobs.fused_qkv or is_neox(knobs) else ledger.V
-    swap = {V_EXPANDED.name: fused_v, K_EXPANDED.name: ledger.K} if knobs.gqa else {ledger.V.name: NEOX_QKV_OUT}
+    fused_v = NEOX_QKV_OUT if knobs.fused_qkv or has_fused_v_view(knobs) else ledger.V
+    swap = {V_EXPANDED.name: fused_v, K_EXPANDED.name: ledger.K} if knobs.gqa else {ledger.V.name: fused_v}
     return tuple(swap.get(x.name, x) for x in layer_tensors(knobs, accounting))
 
 
@@ -632,7 +682,7 @@ def mlp_block(knobs: Any) -> tuple[SavedTensor, ...]:
     else:
         activation = (ledger.GELU_IN,)
     dropout = (ledger.MLP_DROPOUT_MASK,) if resid_dropout(knobs) else ()
-    fc1_in = () if is_falcon(knobs) else (ledger.FC1_IN,)  # Falcon's is the attention's input, one storage
+    fc1_in = () if is_falcon(knobs) or knobs.single_norm else (ledger.FC1_IN,)  # the attention's input, one storage
     return (*fc1_in, *activation, ledger.FC2_IN, *dropout)
 
 
@@ -704,11 +754,13 @@ def check(knobs: Any) -> None:
     _check_neox(knobs)
     _check_phi3(knobs)
     _check_olmo2(knobs)
+    _check_gptj(knobs)
     _check_gemma2(knobs)
     if knobs.recompute not in ("none", "full"):
         raise ConfigError(f"impl hf: transformers has no {knobs.recompute} recomputation; use recompute none or full"
                           " (its gradient checkpointing)")
-    if knobs.gqa and not is_llama(knobs) and not (is_falcon(knobs) and knobs.num_query_groups == 1):
+    if knobs.gqa and not is_llama(knobs) and not is_starcoder2(knobs) \
+            and not (is_falcon(knobs) and knobs.num_query_groups == 1):
         raise ConfigError(f"impl hf: {_layer(knobs)} has no grouped-query attention (FalconDecoderLayer: multi_query,"
                           " num_query_groups 1, is modelled; its new_decoder_architecture's groups are not); leave"
                           " num_query_groups unset")
@@ -750,7 +802,8 @@ def _layer(knobs: Any) -> str:
 
 
 def _check_neox(knobs: Any) -> None:
-    """GPT-NeoX's knobs: a LayerNorm layer's partial RoPE (rotary_percent) and parallel residual, eager attention."""
+    """GPT-NeoX's knobs: a LayerNorm layer's partial RoPE (rotary_percent) and parallel residual, eager attention;
+    without fused_qkv a LayerNorm layer with RoPE is StarCoder 2's: whole heads, in sequence."""
     if knobs.rotary_percent is not None and not 0 < knobs.rotary_percent <= 1:
         raise ConfigError(f"impl hf: rotary_percent={knobs.rotary_percent} must be in (0, 1] (a share of each head)")
     if is_llama(knobs) and knobs.parallel_residual:
@@ -759,6 +812,10 @@ def _check_neox(knobs: Any) -> None:
     if is_llama(knobs) and knobs.rotary_percent is not None and knobs.norm != "rmsnorm":
         raise ConfigError(f"impl hf: rotary_percent in an RMSNorm layer is GLM's (norm rmsnorm); norm {knobs.norm}'s"
                           " layers rotate whole heads")
+    if is_starcoder2(knobs) and (knobs.rotary_percent != 1 or knobs.parallel_residual):
+        raise ConfigError("impl hf: a LayerNorm layer with RoPE and separate q, k, v is Starcoder2DecoderLayer, which"
+                          " rotates whole heads (rotary_percent 1) in sequence (no parallel_residual); GPTNeoXLayer's"
+                          " share and parallel residual need its fused query_key_value: set fused_qkv")
     if is_neox(knobs) and knobs.attention == "flash":
         raise ConfigError("impl hf: GPTNeoXLayer under sdpa is not modelled: SDPA keeps V as the fused query_key_value"
                           " output it views, and where its output lies depends on the device's kernel (measured on"
@@ -766,17 +823,28 @@ def _check_neox(knobs: Any) -> None:
 
 
 def _check_phi3(knobs: Any) -> None:
-    """fused_qkv is Phi3DecoderLayer's: RMSNorm and SwiGLU, dense, no QK norm or latent attention, eager."""
-    if not knobs.fused_qkv:
+    """fused_qkv is Phi3DecoderLayer's (RMSNorm and SwiGLU, dense, no QK norm or latent attention, eager) or
+    GPTNeoXLayer's (LayerNorm with RoPE)."""
+    if not knobs.fused_qkv or is_neox(knobs):
         return
     if (knobs.norm, knobs.mlp) != ("rmsnorm", "swiglu") or knobs.moe or knobs.mla or knobs.qk_layernorm \
             or knobs.sandwich_norm:
-        raise ConfigError("impl hf: fused_qkv is Phi3DecoderLayer's: norm rmsnorm, mlp swiglu, dense, without"
-                          " qk_layernorm, sandwich_norm or latent attention")
+        raise ConfigError("impl hf: fused_qkv is Phi3DecoderLayer's (norm rmsnorm, mlp swiglu, dense, without"
+                          " qk_layernorm, sandwich_norm or latent attention) or GPTNeoXLayer's (norm layernorm with"
+                          " rotary_percent)")
     if knobs.attention == "flash":
         raise ConfigError("impl hf: Phi3DecoderLayer under sdpa is not modelled: SDPA keeps V as the fused qkv_proj"
                           " output it views, and where its output lies depends on the device's kernel (measured on a"
                           " CPU only); use attention eager")
+
+
+def _check_gptj(knobs: Any) -> None:
+    """single_norm is GPTJBlock's: a LayerNorm layer with RoPE (rotary_percent) and a parallel residual, separate q,
+    k and v (no fused_qkv), multi-head."""
+    if knobs.single_norm and (is_llama(knobs) or not knobs.parallel_residual or knobs.rotary_percent is None
+                              or knobs.fused_qkv):
+        raise ConfigError("impl hf: single_norm is GPTJBlock's: norm layernorm with rotary_percent and"
+                          " parallel_residual, without fused_qkv")
 
 
 def _check_olmo2(knobs: Any) -> None:
@@ -832,7 +900,10 @@ def _check_gemma2(knobs: Any) -> None:
 def check_sizes(config: Any) -> None:
     """torch._grouped_mm, transformers' default experts path, takes only strides of whole 16-byte runs (aten's
     GroupedMMUtils.h, check_valid_strides_and_return_transposed, on the CPU and CUDA alike): h and each rank's
-    expert width e/t must be multiples of 16 bytes' worth of elements."""
+    expert width e/t must be multiples of 16 bytes' worth of elements. GPT-J's interleaved RoPE pairs channels:
+    its rotary_dim, d_r = int(d * rotary_percent), must be even and not 0."""
+    if is_gptj(config):
+        _check_rotary_pairs(config)
     if not config.moe or config.experts_implementation != "grouped_mm":
         return
     run = 16 // DTYPE_BYTES[config.dtype]
@@ -842,6 +913,15 @@ def check_sizes(config: Any) -> None:
             raise ConfigError(f"impl hf: {name}={value} is not a multiple of {run}: torch._grouped_mm (transformers'"
                               f" default experts_implementation) needs strides of whole 16-byte runs in"
                               f" {config.dtype}; use --experts-implementation eager")
+
+
+def _check_rotary_pairs(config: Any) -> None:
+    """GPTJAttention's rotate_every_two stacks the even and the odd channels of its rotary_dim: an even count."""
+    d_r = int(config.head_dim * config.rotary_percent)
+    if d_r < 2 or d_r % 2:
+        raise ConfigError(f"impl hf: GPT-J's rotary_dim d_r = int(d * rotary_percent) = int({config.head_dim} *"
+                          f" {config.rotary_percent:g}) = {d_r} must be even and at least 2 (its RoPE rotates"
+                          " channel pairs)")
 
 
 def _check_mixtral(knobs: Any) -> None:
@@ -917,8 +997,7 @@ NO_SEQUENCE_PARALLEL = Refusal(
     " (SequenceParallel, registered with use_local_output=True; ColwiseParallel.transform_inputs_pre_forward)",
 )
 GPT2_NO_TP_PLAN = Refusal(
-    "tp", lambda knobs: not is_llama(knobs) and not is_neox(knobs) and not is_falcon(knobs) and not knobs.alibi,
-    "for GPT-2 (norm layernorm, no RoPE)",
+    "tp", is_gpt2, "for GPT-2 (norm layernorm, no RoPE)",
     "GPT2Config has no base_model_tp_plan, so from_pretrained(tp_plan=\"auto\") has nothing to apply",
     f"{_TP_SOURCE}, transformers/models/gpt2/configuration_gpt2.py; distributed/mixin.py _resolve_parallel_plans"
     " raises ValueError for tp_size > 1 without a plan",
@@ -936,7 +1015,7 @@ FALCON_NO_TP_PLAN = Refusal(
     " raises ValueError for tp_size > 1 without a plan",
 )
 NEOX_TP_NOT_MODELLED = Refusal(
-    "tp", is_neox, "for GPT-NeoX (norm layernorm with rotary_percent)",
+    "tp", is_neox, "for GPT-NeoX (norm layernorm with rotary_percent and fused_qkv)",
     "memcalc has not measured GPTNeoXConfig's base_model_tp_plan yet (query_key_value and dense_h_to_4h colwise,"
     " dense and dense_4h_to_h rowwise)",
     f"{_TP_SOURCE}, GPTNeoXConfig.base_model_tp_plan; memcalc's own limit, not the library's",
@@ -984,7 +1063,9 @@ IMPLEMENTATION = Implementation(
     " soft-capping), Gemma3DecoderLayer (and its q/k norms) and OlmoDecoderLayer, eager and sdpa (Gemma 2: eager),"
     " at t = 1 and 2; GPTNeoXLayer (parallel or sequential residual, partial RoPE), eager, t = 1;"
     " Phi3DecoderLayer (fused qkv_proj and gate_up_proj, partial RoPE), eager, at t = 1 and 2; Olmo2DecoderLayer"
-    " (post-norms, whole-width q/k norms), eager and sdpa, at t = 1 and 2; GlmDecoderLayer and"
+    " (post-norms, whole-width q/k norms), eager and sdpa, at t = 1 and 2; Starcoder2DecoderLayer (LayerNorm, RoPE,"
+    " GQA, residual dropouts), eager and sdpa, at t = 1 and 2; GPTJBlock (one LayerNorm read side by side, fp32 Q"
+    " and K, interleaved partial RoPE), eager and sdpa, at t = 1 and 2; GlmDecoderLayer and"
     " Glm4DecoderLayer (interleaved partial RoPE, one gate_up_proj gathered under tp, GLM-4's sandwich norms), eager"
     " and sdpa, at t = 1 and 2; FalconDecoderLayer (parallel_attn, multi_query or multi-head, RoPE), eager, t = 1"
     "; BloomBlock (ALiBi, fp32 softmax, BLOOM's GELU), eager, t = 1"
@@ -1007,7 +1088,8 @@ IMPLEMENTATION = Implementation(
     tensors=(
         *LN1_RMS, *LN2_RMS, *Q_NORM_RMS, *K_NORM_RMS,
         ROPE_COS, ROPE_SIN, *MLA_Q_RMS, *MLA_KV_RMS, MLA_ROPE_COS, MLA_ROPE_SIN, K_EXPANDED, V_EXPANDED, SOFTMAX_FP32, WEIGHTS, *SDPA_MATH,
-        HALF_X, TANH_OUT, ONE_PLUS_TANH, *MOE_TENSORS, NEOX_ROPE_COS, NEOX_ROPE_SIN, NEOX_QKV_OUT,
+        HALF_X, TANH_OUT, ONE_PLUS_TANH, *MOE_TENSORS, NEOX_ROPE_COS, NEOX_ROPE_SIN, NEOX_QKV_OUT, *GPTJ_ROPE, GPTJ_Q,
+        GPTJ_K,
     *OLMO2_ATTN_OUT, *OLMO2_MLP_OUT, *OLMO2_Q_NORM, *OLMO2_K_NORM, SDPA_OUT,
     *GEMMA_LN1, *GEMMA_LN2, *GEMMA_Q_NORM, *GEMMA_K_NORM, *GEMMA_POST_ATTN, *GEMMA_POST_MLP, SOFTCAP_TANH, GEGLU_GATE, GEGLU_UP, GEGLU_GELU_OUT, *OLMO_LN1, *OLMO_LN2, OLMO_ROPE_COS, OLMO_ROPE_SIN,  # FLASH_DROPOUT_LSE is the ledger's LSE, described as read from code
         GLM_ROPE_COS, GLM_ROPE_SIN, GLM_SDPA_OUT, *GLM_POST_ATTN, *GLM_POST_MLP, FALCON_K_INDEX, FALCON_V_INDEX,

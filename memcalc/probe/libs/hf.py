@@ -195,10 +195,11 @@ def _build(config: ModelConfig, family: str, device: torch.device, dense: bool =
         layer_class, rotary = module.GPT2Block, None
     else:
         _, module = _classes(family)
-        build = {"gpt_neox": neox_config, "falcon": falcon_config}.get(family, partial(llama_config, family=family))
+        build = {"gpt_neox": neox_config, "falcon": falcon_config, "starcoder2": starcoder2_config,
+                 "gptj": gptj_config}.get(family, partial(llama_config, family=family))
         hf_config = build(config)
         layer_class = getattr(module, FAMILIES[family].layer)
-        stem = FAMILIES[family].layer.removesuffix("DecoderLayer").removesuffix("Layer")  # Gemma3, GPTNeoX
+        stem = FAMILIES[family].layer.removesuffix("DecoderLayer").removesuffix("Layer").removesuffix("Block")
         rotary = getattr(module, f"{stem}RotaryEmbedding")(hf_config)
     torch.manual_seed(INPUT_SEED)  # the weights, as the layer initialises them
     layer = layer_class(hf_config, layer_idx=_layer_index(config, family, dense))
@@ -303,6 +304,34 @@ def falcon_config(config: ModelConfig) -> Any:
         parallel_attn=True, new_decoder_architecture=False, alibi=False, bias=config.add_bias_linear,
         activation="gelu_new" if config.mlp == "gelu_tanh" else "gelu", hidden_dropout=config.dropout,
         attention_dropout=config.dropout, attn_implementation=attention_implementation(config),
+    )
+
+
+def starcoder2_config(config: ModelConfig) -> Any:
+    """A Starcoder2Config sized from memcalc's: GQA, biases (use_bias, add_bias_linear), one dropout probability for
+    the attention weights and the residual dropouts, its class's gelu_pytorch_tanh for memcalc's gelu (torch's
+    kernel keeps its input alone either way) or gelu_new, its sliding window."""
+    return transformers.Starcoder2Config(
+        hidden_size=config.h, num_attention_heads=config.a, num_key_value_heads=config.groups,
+        intermediate_size=config.ffn, num_hidden_layers=config.L, max_position_embeddings=config.s,
+        hidden_act="gelu_new" if config.mlp == "gelu_tanh" else "gelu_pytorch_tanh", vocab_size=config.vocab_size,
+        attention_dropout=config.dropout, residual_dropout=config.dropout, embedding_dropout=config.dropout,
+        use_bias=config.add_bias_linear, sliding_window=config.sliding_window, head_dim=config.head_dim,
+        tie_word_embeddings=config.tie_embeddings, attn_implementation=attention_implementation(config),
+        bos_token_id=None, eos_token_id=None,  # no token ids past the probe's small vocabulary
+    )
+
+
+def gptj_config(config: ModelConfig) -> Any:
+    """A GPTJConfig sized from memcalc's: rotary_dim the rotated channels of each head (all of them: d), one dropout
+    probability for attn_pdrop, resid_pdrop and embd_pdrop, gelu_new or torch's gelu."""
+    rotary_dim = int(config.head_dim * config.rotary_percent)
+    return transformers.GPTJConfig(
+        n_embd=config.h, n_head=config.a, n_layer=config.L, n_inner=config.ffn, n_positions=config.s,
+        rotary_dim=rotary_dim, activation_function="gelu_new" if config.mlp == "gelu_tanh" else "gelu",
+        attn_pdrop=config.dropout, resid_pdrop=config.dropout, embd_pdrop=config.dropout,
+        vocab_size=config.vocab_size, tie_word_embeddings=config.tie_embeddings,
+        attn_implementation=attention_implementation(config), bos_token_id=None, eos_token_id=None,
     )
 
 
@@ -505,7 +534,7 @@ def label_rules_for(config: ModelConfig) -> tuple[Rule, ...]:
     """Where each tensor the layer may keep is made in transformers' code."""
     if config.recompute == "full":
         return (Rule("", "forward", ledger.LAYER_INPUT, arg=0),)
-    if config.fused_qkv:
+    if config.fused_qkv and rules.is_llama(config):
         first, second = _llama_norm_rules(config)
         return (*first, *_phi3_attention_rules(config), *second, *_phi3_mlp_rules())
     if rules.is_llama(config):
@@ -522,6 +551,11 @@ def label_rules_for(config: ModelConfig) -> tuple[Rule, ...]:
     if rules.is_neox(config):
         return (*_layer_norm_rules("input_layernorm", ledger.LN1), *_neox_attention_rules(config),
                 *_layer_norm_rules("post_attention_layernorm", ledger.LN2), *_neox_mlp_rules(config))
+    if rules.is_gptj(config):
+        return (*_layer_norm_rules("ln_1", ledger.LN1), *_gptj_attention_rules(config), *_gptj_mlp_rules(config))
+    if rules.is_starcoder2(config):
+        return (*_layer_norm_rules("input_layernorm", ledger.LN1), *_starcoder2_attention_rules(config),
+                *_layer_norm_rules("post_attention_layernorm", ledger.LN2), *_starcoder2_mlp_rules(config))
     return (*_layer_norm_rules("ln_1", ledger.LN1), *_gpt2_attention_rules(config),
             *_layer_norm_rules("ln_2", ledger.LN2), *_gpt2_mlp_rules(config))
 
@@ -652,7 +686,9 @@ def _core_rules(
         Rule(attention, "softmax", ledger.SOFTMAX_OUT),
         Rule(attention, "softmax", rules.SOFTMAX_FP32),
         # Llama's cast of the fp32 softmax back to bf16; OLMo's apply_rotary_pos_emb casts q and k back before it
-        Rule(attention, "to", rules.WEIGHTS, nth=2 if config.norm in ("layernorm_np", "rmsnorm_fp32w") else 0),
+        # (GPT-J's core casts q and k to fp32 before it)
+        Rule(attention, "to", rules.WEIGHTS,
+             nth=2 if config.norm in ("layernorm_np", "rmsnorm_fp32w") or rules.is_gptj(config) else 0),
         Rule(attention, "native_dropout", ledger.ATTN_DROPOUT_OUT),  # the shim's dropout
         Rule(attention, "native_dropout", ledger.ATTN_DROPOUT_MASK,
              view=_kept("NativeDropoutBackward0", "_saved_result1")),
@@ -919,6 +955,47 @@ def _neox_mlp_rules(config: ModelConfig) -> tuple[Rule, ...]:
         Rule("mlp.dense_4h_to_h", "linear", ledger.FC2_IN, arg=0),
         Rule("post_mlp_dropout", "native_dropout", ledger.MLP_DROPOUT_MASK,
              view=_kept("NativeDropoutBackward0", "_saved_result1")),
+    )
+
+
+def _gptj_attention_rules(config: ModelConfig) -> tuple[Rule, ...]:
+    """GPTJAttention: q_proj's input (ln_1's output, which fc_in reads too), the four interleaved RoPE tables (keys'
+    sin and cos, then the queries'), the eager core over fp32 Q and K, out_proj's input, resid_dropout's mask."""
+    tables = tuple(Rule("attn", "repeat_interleave", table, nth=n, view=lambda x: x[0, :, 0])
+                   for n, table in enumerate(rules.GPTJ_ROPE))
+    return (
+        Rule("attn.q_proj", "linear", ledger.QKV_IN, arg=0), *tables,
+        *_core_rules("attn", config, (rules.GPTJ_Q, rules.GPTJ_K, ledger.V)), *_sdpa_inputs("attn"),
+        Rule("attn.out_proj", "linear", ledger.PROJ_IN, arg=0, view=_head_columns(config.head_dim)),
+        _dropout_mask("attn.resid_dropout", ledger.ATTN_OUT_DROPOUT_MASK),
+    )
+
+
+def _gptj_mlp_rules(config: ModelConfig) -> tuple[Rule, ...]:
+    """GPTJMLP: the activation (GPT-2's rules), fc_out's input and the dropout's mask; fc_in's input is q_proj's."""
+    return (
+        *(r for r in _gpt2_mlp_rules(config) if r.module in ("mlp.act", "mlp.dropout")),
+        Rule("mlp.fc_out", "linear", ledger.FC2_IN, arg=0),
+    )
+
+
+def _starcoder2_attention_rules(config: ModelConfig) -> tuple[Rule, ...]:
+    """Starcoder2Attention: Llama's projections and core, then F.dropout of o_proj's output in the same module
+    (residual_dropout): under eager the second dropout there (the first drops the attention weights out), under SDPA
+    the first (the kernel drops out inside)."""
+    residual = replace(_dropout_mask("self_attn", ledger.ATTN_OUT_DROPOUT_MASK),
+                       nth=1 if config.attention == "eager" else 0)
+    return (*_llama_attention_rules(config), residual)
+
+
+def _starcoder2_mlp_rules(config: ModelConfig) -> tuple[Rule, ...]:
+    """Starcoder2MLP: c_fc's input, the activation (GPT-2's rules: torch's kernel, or gelu_new written out), c_proj's
+    input, and F.dropout of its output (residual_dropout) in the MLP's own forward."""
+    return (
+        Rule("mlp.c_fc", "linear", ledger.FC1_IN, arg=0),
+        *(r for r in _gpt2_mlp_rules(config) if r.module == "mlp.act"),
+        Rule("mlp.c_proj", "linear", ledger.FC2_IN, arg=0),
+        _dropout_mask("mlp", ledger.MLP_DROPOUT_MASK),
     )
 
 

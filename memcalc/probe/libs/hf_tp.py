@@ -46,7 +46,7 @@ from transformers.distributed.configuration_utils import DistributedConfig  # no
 from transformers.distributed.mixin import DistributedMixin  # noqa: E402
 from transformers.distributed.tensor_parallel import apply_tensor_parallelism  # noqa: E402
 
-_LAYER_RULES = "layers.*."  # a base model's plan names each decoder layer's modules under this prefix
+_LAYER_RULES = ("layers.*.", "h.*.")  # a base model's plan names each decoder layer's modules under one (GPT-J: h)
 
 
 def mesh(tp: TensorParallelGroup) -> DeviceMesh:
@@ -58,7 +58,7 @@ def layer_plan(layer: Any, config_class: type) -> dict[str, str]:
     """The config class's `base_model_tp_plan`, its `layers.*.` rules rooted at one decoder layer, expanded over
     the layer's modules and parameters as `_resolve_parallel_plans` expands a model's (parameters, then module)."""
     base = config_class.base_model_tp_plan or {}
-    rules = {name.removeprefix(_LAYER_RULES): style for name, style in base.items() if name.startswith(_LAYER_RULES)}
+    rules = {name.split(".*.", 1)[1]: style for name, style in base.items() if name.startswith(_LAYER_RULES)}
     if not rules:
         raise ProbeError(f"transformers' {config_class.__name__} has no tensor-parallel plan for its layers")
     return DistributedMixin._expand_parallel_plan(layer, rules)

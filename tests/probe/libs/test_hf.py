@@ -30,7 +30,11 @@ GEMMA3 = GEMMA | {"sandwich_norm": True, "qk_layernorm": True}
 FALCON = GPT2 | {"parallel_residual": True, "num_query_groups": 1, "attention": "eager", "dropout": 0.0}  # Falcon-7B's
 BLOOM = GPT2 | {"mlp": "gelu_tanh", "alibi": True, "attention": "eager", "ffn_hidden_size": None}  # BloomMLP: 4h
 GLM = LLAMA | {"rotary_percent": 0.5, "kv_channels": 16, "num_query_groups": 2}  # GlmDecoderLayer; + sandwich: GLM-4
-NEOX = {"norm": "layernorm", "mlp": "gelu", "rotary_percent": 0.25, "parallel_residual": True, "attention": "eager"}
+NEOX = {"norm": "layernorm", "mlp": "gelu", "rotary_percent": 0.25, "parallel_residual": True, "attention": "eager",
+        "fused_qkv": True}
+GPTJ = {"norm": "layernorm", "mlp": "gelu_tanh", "rotary_percent": 0.25, "parallel_residual": True,
+        "single_norm": True}
+STARCODER2 = {"norm": "layernorm", "mlp": "gelu", "rotary_percent": 1.0, "num_query_groups": 2}
 PHI3 = LLAMA | {"fused_qkv": True, "attention": "eager"}
 OLMO2 = {"norm": "rmsnorm_fp32w", "mlp": "swiglu", "post_norm": True, "qk_layernorm": True, "num_query_groups": 2}
 
@@ -138,6 +142,23 @@ CASES = {
         (GLM | {"attention": "flash", "dropout": 0.1}, None),
     "glm fp32 at b=1 with one k/v group, whole heads rotated":
         (GLM | {"attention": "eager", "dtype": "fp32", "b": 1, "num_query_groups": 1, "rotary_percent": 1.0}, None),
+    "starcoder2 eager gqa with dropout: layernorms, whole-head rope tables, repeat_kv copies, the weights' and both"
+    " residual dropouts' masks": (STARCODER2 | {"attention": "eager", "dropout": 0.1}, None),
+    "starcoder2 sdpa gqa: its gelu_pytorch_tanh keeps its input alone":
+        (STARCODER2 | {"attention": "flash", "dropout": 0.0}, None),
+    "starcoder2 sdpa with dropout on a cpu, multi-head, gelu_new":
+        (STARCODER2 | {"attention": "flash", "dropout": 0.1, "num_query_groups": None, "mlp": "gelu_tanh"}, None),
+    "starcoder2 at b=1, odd s, one k/v group: K and V themselves":
+        (STARCODER2 | {"attention": "eager", "dropout": 0.0, "b": 1, "s": 7, "num_query_groups": 1}, None),
+    "gptj eager with dropout: one layernorm read by attention and mlp, fp32 q and k, four interleaved rope tables":
+        (GPTJ | {"attention": "eager", "dropout": 0.1}, None),
+    "gptj eager at b=1, odd s, whole heads rotated, gelu": (GPTJ | {"attention": "eager", "dropout": 0.0, "b": 1,
+                                                                    "s": 7, "rotary_percent": 1.0, "mlp": "gelu"}, None),
+    "gptj sdpa": (GPTJ | {"attention": "flash", "dropout": 0.0}, None),
+    "gptj sdpa with dropout on a cpu": (GPTJ | {"attention": "flash", "dropout": 0.1}, None),
+    "gptj fp32": (GPTJ | {"attention": "eager", "dropout": 0.0, "dtype": "fp32"}, None),
+    "starcoder2 mha at b=1: V is v_proj's own output, no fused storage":
+        (STARCODER2 | {"attention": "eager", "dropout": 0.1, "b": 1, "num_query_groups": None}, None),
 }
 
 
@@ -199,6 +220,11 @@ def test_the_shim_makes_cpu_dropout_keep_a_bool_mask_and_undoes_itself():
     (OLMO2 | {"qk_layernorm": False}, "post_norm and norm rmsnorm_fp32w are Olmo2DecoderLayer's"),
     (PHI3 | {"qk_layernorm": True}, "fused_qkv is Phi3DecoderLayer's"),
     (GPT2 | {"fused_qkv": True}, "fused_qkv is Phi3DecoderLayer's"),
+    (STARCODER2 | {"rotary_percent": 0.5}, r"Starcoder2DecoderLayer, which rotates whole heads"),
+    (STARCODER2 | {"parallel_residual": True}, r"Starcoder2DecoderLayer, .*in sequence"),
+    (GPTJ | {"parallel_residual": False}, "single_norm is GPTJBlock's"),
+    (NEOX | {"single_norm": True}, "single_norm is GPTJBlock's"),
+    (GPTJ | {"num_query_groups": 2}, "GPTJBlock has no grouped-query attention"),
 ])
 def test_knobs_no_transformers_layer_runs_are_refused(knobs, words):
     with pytest.raises(ConfigError, match=words):
@@ -255,6 +281,16 @@ TP_CASES = {
     "glm4 t=2: gate_up's output gathered (gate, up and SiLU's output whole), down_proj's input this rank's f/t":
         (GLM | {"attention": "eager", "dropout": 0.0, "sandwich_norm": True}, 2, "glm4"),
     "glm sdpa t=2": (GLM | {"attention": "flash", "dropout": 0.0}, 2, "glm"),
+    "starcoder2 t=2: its plan is the paper's (q, k, v, c_fc colwise; o_proj, c_proj rowwise), layernorms whole":
+        (STARCODER2 | {"attention": "eager", "dropout": 0.1}, 2, "starcoder2"),
+    "starcoder2 sdpa t=2 at b=1, odd s, one k/v group per rank":
+        (STARCODER2 | {"attention": "flash", "dropout": 0.0, "b": 1, "s": 7}, 2, "starcoder2"),
+    "starcoder2 eager t=2 at b=1, odd s, one k/v group per rank: K and V unexpanded":
+        (STARCODER2 | {"attention": "eager", "dropout": 0.1, "b": 1, "s": 7}, 2, "starcoder2"),
+    "gptj t=2: its plan is the paper's; ln_1's output whole, fp32 q and k on this rank's heads, rope tables whole":
+        (GPTJ | {"attention": "eager", "dropout": 0.1}, 2, "gptj"),
+    "gptj sdpa t=2 at b=1, odd s": (GPTJ | {"attention": "flash", "dropout": 0.0, "b": 1, "s": 7}, 2, "gptj"),
+    "gptj eager t=2 at b=1, odd s": (GPTJ | {"attention": "eager", "dropout": 0.0, "b": 1, "s": 7}, 2, "gptj"),
     "qwen3 t=2: q_norm and k_norm on this rank's heads of head_dim (replicated_with_grad_allreduce)":
         (LLAMA | {"attention": "eager", "dropout": 0.0, "num_query_groups": 2, "kv_channels": 16,
                   "qk_layernorm": True}, 2, None),
