@@ -17,6 +17,14 @@ LLAMA_HF = dict(
 )
 
 
+# torchtitan's Llama3-style model as the step tests run it: SwiGLU (f = 176), RMSNorm, two K/V groups for eight heads,
+# RoPE, no biases, untied, no recomputation.
+TORCHTITAN_LLAMA3 = dict(
+    impl="torchtitan", b=2, s=24, h=64, a=8, L=2, vocab_size=250, ffn_hidden_size=176, num_query_groups=2,
+    position_embedding_type="rope", add_bias_linear=False, tie_embeddings=False, recompute="none",
+)
+
+
 def make_config(base: dict[str, Any], **changes: Any) -> ModelConfig:
     """`base` with `changes` laid over it, validated as any config is."""
     return build_config(base | changes)

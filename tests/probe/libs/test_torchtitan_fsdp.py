@@ -20,13 +20,12 @@ from memcalc.probe.libs.torchtitan_step import warmed_up_sharded  # noqa: E402
 from memcalc.probe.step import measure_step  # noqa: E402
 from memcalc.sizing.timeline import GRADIENTS, OPTIMIZER, PARAMETERS, timeline  # noqa: E402
 
+from tests.helpers import TORCHTITAN_LLAMA3  # noqa: E402
+
 from ..step_readings import assert_moments_in_order, reading_every_op  # noqa: E402
 
-# As tests/probe/libs/test_torchtitan_step.py's Llama3, with a vocabulary and an ffn width dp_shard = 4 pads.
-LLAMA3 = dict(
-    impl="torchtitan", b=2, s=24, h=64, a=8, L=2, vocab_size=250, ffn_hidden_size=102, num_query_groups=2,
-    position_embedding_type="rope", add_bias_linear=False, tie_embeddings=False, recompute="none",
-)
+# As the step tests' Llama3, with a vocabulary and an ffn width dp_shard = 4 pads.
+LLAMA3 = TORCHTITAN_LLAMA3 | {"ffn_hidden_size": 102}
 CPU = Accounting(exact=True, device="cpu")
 SHARDS = [2, 4]
 RESHARD = [True, False]

@@ -20,13 +20,11 @@ from memcalc.probe.libs.torchtitan_step import runtime, warmed_up  # noqa: E402
 from memcalc.probe.step import measure_step  # noqa: E402
 from memcalc.sizing.timeline import ACTIVATIONS, timeline  # noqa: E402
 
+from tests.helpers import TORCHTITAN_LLAMA3  # noqa: E402
+
 from ..step_readings import assert_moments_in_order, readings_after_every_op  # noqa: E402
 
-# Llama3-style: SwiGLU (f = 176), RMSNorm, two K/V groups for eight heads, RoPE, no biases, untied, no recomputation.
-LLAMA3 = dict(
-    impl="torchtitan", b=2, s=24, h=64, a=8, L=2, vocab_size=250, ffn_hidden_size=176, num_query_groups=2,
-    position_embedding_type="rope", add_bias_linear=False, tie_embeddings=False, recompute="none",
-)
+LLAMA3 = TORCHTITAN_LLAMA3
 CPU = Accounting(exact=True, device="cpu")
 
 
