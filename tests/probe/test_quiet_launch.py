@@ -47,6 +47,13 @@ def _group(pgid: int) -> list[str]:
     return [line for line in listing.splitlines() if line.split()[1][0] != "Z"]
 
 
+def _as_from_a_terminal() -> None:
+    """SIGINT's default disposition, as a command typed at a terminal has it: a test run in a background job (a
+    shell without job control starts those with SIGINT ignored) would pass its ignoring on, and Python keeps an
+    ignored SIGINT ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _forkserver_started(pid: int) -> bool:
     """The forkserver runs and memcalc (`pid`) no longer ignores SIGINT, as it does while it starts the forkserver
     (so that the forkserver inherits the ignoring): a Ctrl-C from now on is memcalc's to handle."""
@@ -57,7 +64,8 @@ def _forkserver_started(pid: int) -> bool:
 
 def test_ctrl_c_while_workers_start_is_one_line_exit_130_and_leaves_nothing_running():
     proc = subprocess.Popen([*MEASURE, "--launch", "spawn", "--backend", "gloo"], cwd=REPO, env=_environment(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=_as_from_a_terminal)
     deadline = time.monotonic() + 90
     while not _forkserver_started(proc.pid) and time.monotonic() < deadline:  # it is up, importing torch
         time.sleep(0.05)
