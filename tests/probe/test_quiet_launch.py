@@ -42,9 +42,19 @@ def test_a_rank_that_cannot_reach_master_addr_prints_only_memcalcs_line():
 
 
 def _group(pgid: int) -> list[str]:
-    """The processes of group `pgid` still running (a dead one waiting to be reaped does not count)."""
-    listing = subprocess.run(["ps", "-o", "pid=,stat=,args=", "-g", str(pgid)], capture_output=True, text=True).stdout
-    return [line for line in listing.splitlines() if line.split()[1][0] != "Z"]
+    """The command lines of group `pgid`'s processes still running (a dead one waiting to be reaped does not count).
+
+    Read from /proc rather than from `ps`, whose columns follow $COLUMNS and can cut a command line short."""
+    running = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, pgrp, ...
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:  # it left while we looked
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            running.append(cmdline.replace(b"\0", b" ").decode(errors="replace"))
+    return running
 
 
 def _as_from_a_terminal() -> None:
