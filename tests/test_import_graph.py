@@ -135,7 +135,7 @@ def _parts(graph: dict[str, set[str]]) -> dict[str, set[str]]:
 
 
 # The one circle between parts left (issue 19): the config's schema validates through model.knobs and model.impls,
-# and the model's modules take a ModelConfig (model.impls.hf reads config.hf's FAMILIES).
+# and model.impls reads config.hf's FAMILIES (the model's modules take a ModelConfig for their types only).
 KNOWN_PART_CIRCLES = [["memcalc.config", "memcalc.model"]]
 
 

@@ -29,7 +29,7 @@ from memcalc.errors import ConfigError, in_file
 from memcalc.model.impls import IMPLEMENTATIONS, implementation
 from memcalc.model.knobs import BY_NAME as KNOBS_BY_NAME
 from memcalc.model.knobs import Knob, Knobs
-from memcalc.model.rules import DIVISIBILITY, EXPERT_RULES, SEQUENCE_SPLIT, not_divisible
+from memcalc.model.rules import DIVISIBILITY, EXPERT_RULES, divides
 from memcalc.records import record
 from memcalc.text import printable, short_repr
 from memcalc.units import minimum
@@ -289,7 +289,7 @@ def derive_shards(config: ModelConfig, dp_given: bool) -> ModelConfig:
     if not dp_given and c.gpus is None:
         c = replace(c, dp=c.dp_shard * (c.dp_replicate or 1))
     if c.dp_replicate is None:
-        _divides(c.dp_shard, "dp_shard", c.dp, "dp", "HSDP's replicas are dp/dp_shard FSDP2 groups")
+        divides(c.dp_shard, "dp_shard", c.dp, "dp", "HSDP's replicas are dp/dp_shard FSDP2 groups")
         return replace(c, dp_replicate=c.dp // c.dp_shard)
     if c.dp_replicate * c.dp_shard != c.dp:
         raise ConfigError(f"dp_replicate*dp_shard={c.dp_replicate}*{c.dp_shard}={c.dp_replicate * c.dp_shard} is not"
@@ -341,17 +341,17 @@ def check_layout(config: ModelConfig) -> None:
     if c.vpp is not None and c.pp < 2:
         raise ConfigError(f"vpp={c.vpp} needs pp >= 2 (the interleaved schedule splits each stage into vpp chunks)")
     chunks, name = (c.pp * c.vpp, f"pp*vpp={c.pp}*{c.vpp}") if c.vpp is not None else (c.pp, "pp")
-    _divides(chunks, name, c.L, "L", "every pipeline model chunk holds the same number of layers")
+    divides(chunks, name, c.L, "L", "every pipeline model chunk holds the same number of layers")
     if c.cp > 1:
         if c.attention != "flash":
             raise ConfigError(
                 f"cp={c.cp} needs attention 'flash' (Megatron-LM runs context parallelism only in fused attention,"
                 " which never keeps the s x s scores)"
             )
-        _divides(2 * c.cp, "2*cp", c.s, "s", "each context-parallel rank takes one early and one late chunk of 2*cp")
+        divides(2 * c.cp, "2*cp", c.s, "s", "each context-parallel rank takes one early and one late chunk of 2*cp")
     if c.global_batch_size is not None:
         why = "each data-parallel rank runs whole micro-batches of b sequences"
-        _divides(c.dp * c.b, f"dp*b={c.dp}*{c.b}", c.global_batch_size, "global_batch_size", why)
+        divides(c.dp * c.b, f"dp*b={c.dp}*{c.b}", c.global_batch_size, "global_batch_size", why)
         derived = c.global_batch_size // (c.dp * c.b)
         if c.num_microbatches is not None and c.num_microbatches != derived:
             raise ConfigError(
@@ -360,7 +360,7 @@ def check_layout(config: ModelConfig) -> None:
             )
     if c.vpp is not None and c.microbatches is not None:
         why = "Megatron-LM's interleaved schedule runs micro-batches in groups of pp"
-        _divides(c.pp, "pp", c.microbatches, "num_microbatches", why)
+        divides(c.pp, "pp", c.microbatches, "num_microbatches", why)
     check_experts(c)
     implementation(c).check_sizes(c)
     check_sharding(c)
@@ -425,20 +425,6 @@ def check_experts(config: ModelConfig) -> None:
     if c.etp is not None and c.etp != c.t:
         raise ConfigError(f"etp={c.etp} is not t={c.t}: memcalc models expert tensor parallelism equal to t"
                           " (Megatron-LM's default); leave etp out")
-
-
-def check_sequence_split(config: ModelConfig) -> None:
-    """Sequence parallelism (and full recompute's sharded input) needs t | s, or t | s/cp with context parallelism."""
-    if config.cp > 1:
-        why = "sequence parallelism splits each context rank's tokens across t"
-        _divides(config.t, "t", config.s // config.cp, "s/cp", why)
-    else:
-        SEQUENCE_SPLIT.check(config)
-
-
-def _divides(divisor: int, dname: str, value: int, vname: str, why: str) -> None:
-    if value % divisor:
-        raise ConfigError(not_divisible(divisor, dname, value, vname, why))
 
 
 def load_yaml(path: Path) -> dict[str, Any]:

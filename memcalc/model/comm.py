@@ -34,15 +34,17 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from fractions import Fraction
 from math import prod
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError
 from memcalc.model.evaluate import check_strategy, dim_sizes
 from memcalc.model.impls import implementation, plan
 from memcalc.model.knobs import DTYPE_BYTES, Knobs
 from memcalc.model.ledger import Dim, Kind
 from memcalc.model.strategy import Strategy
+
+if TYPE_CHECKING:
+    from memcalc.config.schema import ModelConfig
 
 _BSH = (Dim.B, Dim.S, Dim.H)
 _FIXED_WIDTHS = {Kind.INT64: 8}  # elements whose width is not the activation dtype's

@@ -15,14 +15,17 @@ why.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
-from memcalc.config.schema import ModelConfig
 from memcalc.model.evaluate import LayerEstimate, dim_sizes, estimate
 from memcalc.model.impls import IMPLEMENTATIONS, layer_tensors, size_rule, tensors_at
 from memcalc.model.impls.paper import outside
 from memcalc.model.knobs import KNOBS, Accounting, Knobs
 from memcalc.model.strategy import STRATEGIES
 from memcalc.records import record
+
+if TYPE_CHECKING:
+    from memcalc.config.schema import ModelConfig
 
 PAPER = "paper"
 

@@ -10,15 +10,18 @@ same ledger, and a test checks the two agree.
 from __future__ import annotations
 
 from math import prod
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from memcalc.config.schema import ModelConfig, check_sequence_split
 from memcalc.model.impls import plan, tensors_at
 from memcalc.model.knobs import Accounting, Knobs, element_bytes
+from memcalc.model.rules import check_sequence_split
 from memcalc.model.ledger import Dim, SavedTensor
 from memcalc.model.strategy import Strategy
 from memcalc.records import record
 from memcalc.units import minimum
+
+if TYPE_CHECKING:
+    from memcalc.config.schema import ModelConfig
 
 
 def dim_sizes(config: ModelConfig, routers: Any = 1) -> dict[Dim, Any]:

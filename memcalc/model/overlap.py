@@ -34,15 +34,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from memcalc.config.gpus import Gpu
-from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError
 from memcalc.model.comm import layer_collectives, sent_bytes
 from memcalc.model.evaluate import dim_sizes
 from memcalc.model.knobs import DTYPE_BYTES, GATED
 from memcalc.model.ledger import Dim
+
+if TYPE_CHECKING:
+    from memcalc.config.gpus import Gpu
+    from memcalc.config.schema import ModelConfig
 from memcalc.model.strategy import Strategy
 
 

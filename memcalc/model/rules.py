@@ -142,3 +142,18 @@ def check_mla(knobs: Any) -> None:
 def not_divisible(divisor: int, dname: str, value: int, vname: str, why: str) -> str:
     """The one wording of a broken divisibility rule: the equation with its values, then why."""
     return f"{vname}={value} is not divisible by {dname}={divisor} ({why})"
+
+
+def divides(divisor: int, dname: str, value: int, vname: str, why: str) -> None:
+    """ConfigError, in `not_divisible`'s words, unless `divisor` divides `value`."""
+    if value % divisor:
+        raise ConfigError(not_divisible(divisor, dname, value, vname, why))
+
+
+def check_sequence_split(config: Any) -> None:
+    """Sequence parallelism (and full recompute's sharded input) needs t | s, or t | s/cp with context parallelism."""
+    if config.cp > 1:
+        why = "sequence parallelism splits each context rank's tokens across t"
+        divides(config.t, "t", config.s // config.cp, "s/cp", why)
+    else:
+        SEQUENCE_SPLIT.check(config)

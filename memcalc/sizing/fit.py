@@ -92,8 +92,8 @@ class Fit:
 def sequence_step(config: ModelConfig, strategy: Strategy) -> int:
     """s must be a multiple of this: 2*cp under context parallelism, and t*cp under sequence parallelism.
 
-    The rules themselves live in `memcalc.config.schema` (check_layout, check_sequence_split); the search
-    only uses this to skip values they would refuse.
+    The rules themselves live in `memcalc.config.schema` (check_layout) and `memcalc.model.rules`
+    (check_sequence_split); the search only uses this to skip values they would refuse.
     """
     step = 2 * config.cp if config.cp > 1 else 1
     return lcm(step, config.t * config.cp) if strategy.sequence_parallel else step

@@ -2,7 +2,8 @@
 
 import pytest
 
-from memcalc.config.schema import build_config, build_knobs, check_sequence_split, load_config, load_yaml
+from memcalc.config.schema import build_config, build_knobs, load_config, load_yaml
+from memcalc.model.rules import check_sequence_split
 from memcalc.errors import ConfigError, MemcalcError
 
 SIZES = dict(s=16, h=64, a=8)
