@@ -258,7 +258,12 @@ KNOBS: tuple[Knob, ...] = (
         " (Megatron-LM's qk_layernorm; Qwen3's q_norm and k_norm), with the layer's norm",
         lambda k: "QK norm" if k.qk_layernorm else None,
         effects=((True, "A norm on each query head and each key head (Qwen3's q_norm, k_norm) keeps its input, a"
-                  " second copy of Q and K, and each head's statistics."),),
+                  " second copy of Q and K, and each head's statistics."),
+                 ({"impl": Impl.HF, "norm": Norm.LAYERNORM_NB, "mlp": Mlp.SWIGLU, "attention": Attention.EAGER,
+                   "parallel_residual": True, "single_norm": True, "qk_layernorm": True},
+                  "Cohere's use_qk_norm (Command R+): a CohereLayerNorm on each query and key head, keeping per head"
+                  " what the layer's norm keeps (x - mean twice, rstd, the normalised input, all fp32), and its"
+                  " (heads, d) weight's fp32 copy. Under tp transformers' plan leaves that weight whole and fails."),),
     ),
     Knob(
         "norm", "choice", Norm.LAYERNORM, "normalisation", lambda k: f"{k.norm}", Norm,
@@ -569,12 +574,11 @@ KNOBS: tuple[Knob, ...] = (
                   " upcasts Q and K to fp32 before QK^T (matmul keeps both fp32), and RoPE's interleaved tables are"
                   " repeated for Q and for K, four (s, d_r) tables kept a layer."),
                  ({"impl": Impl.HF, "norm": Norm.LAYERNORM_NB, "mlp": Mlp.SWIGLU, "attention": Attention.EAGER,
-                   "parallel_residual": True, "single_norm": True, "qk_layernorm": True},
+                   "parallel_residual": True, "single_norm": True},
                   "CohereDecoderLayer: one CohereLayerNorm (LayerNorm without bias, written out in fp32), whose output"
                   " q, k, v, gate and up all read (kept once); it keeps x - mean twice in fp32 (pow(2) and the"
-                  " product by rstd each compute it), the fp32 rstd, the fp32 weight and the fp32 normalised input;"
-                  " with qk_layernorm (use_qk_norm, Command R+) the same on each query and key head. RoPE, the core"
-                  " and SwiGLU are Llama's."),),
+                  " product by rstd each compute it), the fp32 rstd, the fp32 weight and the fp32 normalised input."
+                  " RoPE, the core and SwiGLU are Llama's; its tp plan is the paper's, the norm whole."),),
     ),
 )
 BY_NAME: dict[str, Knob] = {k.name: k for k in KNOBS}
