@@ -604,7 +604,8 @@ def _rope(knobs: Any) -> tuple[SavedTensor, ...]:
 
 def norm_block(which: int, knobs: Any) -> tuple[SavedTensor, ...]:
     """LlamaRMSNorm's fp32 upcast, fp32 rstd and cast-back; GPT-2's nn.LayerNorm keeps input, mean, rstd. GPT-NeoX's
-    parallel residual feeds both LayerNorms the layer's input: one storage, kept once (the first norm's)."""
+    parallel residual feeds both LayerNorms the layer's input: one storage, kept once (the first norm's). GPT-J's and
+    Cohere's one norm (single_norm) is the first; Cohere's is CohereLayerNorm."""
     if which == 1 and knobs.single_norm:  # GPT-J, Cohere: no second norm
         return ()
     if is_cohere(knobs):
