@@ -538,6 +538,27 @@ _BLOOM = (
 )
 
 
+def _logit_scale(value: Any) -> Any:
+    """Cohere's logit_scale: a number the logits are multiplied by (null: none)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise ConfigError(f"logit_scale must be a number or null, got {short_repr(value)}")
+    return value
+
+
+# CohereConfig (Command R, Command R+): Llama's attention (GQA, RoPE on whole heads, its tables interleaved) and
+# SwiGLU, side by side on one CohereLayerNorm (LayerNorm without bias, in fp32) whose output both read, summed into the
+# residual together; use_qk_norm (Command R+) adds a CohereLayerNorm on each query and key head; embeddings tied.
+_COHERE = (
+    *({"norm": Row("norm", ("layer_norm_eps",), lambda eps: "layernorm_nb", default="layernorm_nb"),
+       "tie_embeddings": Row("tie_embeddings", ("tie_word_embeddings",), default=True)}.get(r.target, r)
+      for r in _LLAMA if r.target != "add_bias_linear"),
+    _head_dim_row(),
+    Row("qk_layernorm", ("use_qk_norm",), lambda v: _flag("use_qk_norm", v), default=False),
+    _kept_nothing("attention_bias", lambda v: _flag("attention_bias", v), "q, k, v and o biases keep nothing"),
+    _kept_nothing("logit_scale", _logit_scale, "outside the decoder layers: the logits times a number keep nothing"),
+)
+
+
 def _dense(k: Any) -> bool:
     """A Llama-family layer with a dense MLP and plain multi-head or grouped-query attention (separate q, k, v),
     rotating whole heads (a rotary fraction in such a layer is GLM's)."""
@@ -664,6 +685,10 @@ FAMILIES: dict[str, Family] = {
                when=lambda k: k.single_norm and k.rotary_percent is not None and not k.fused_qkv,
                attribute_map={"max_position_embeddings": "n_positions", "hidden_size": "n_embd",
                               "num_attention_heads": "n_head", "num_hidden_layers": "n_layer"}),
+        Family("cohere", "CohereConfig", "CohereDecoderLayer", ("CohereForCausalLM",), _COHERE,
+               _ROPE | {"parallel_residual": True, "single_norm": True}, norm="layernorm_nb",
+               when=lambda k: k.single_norm and not k.moe and not k.mla and not k.fused_qkv
+               and k.rotary_percent is None),
     )
 }
 # model_types transformers builds whose layers memcalc has no rules for, and what they lack: refused by name.
@@ -680,6 +705,8 @@ UNREAD: dict[str, str] = {
     "granitemoehybrid": "a hybrid of attention and Mamba-2 state-space layers, with MoE",
     "recurrent_gemma": "recurrent (RG-LRU) layers between local attention",
     "rwkv": "RWKV's recurrent time-mixing, no attention",
+    "cohere2": "two kinds of layer, sliding-window attention with RoPE and global attention without it (memcalc counts"
+               " one layer kind L times)",
 }
 
 

@@ -63,6 +63,7 @@ class Norm(Choice):
     RMSNORM_1P = "rmsnorm_1p"  # Gemma's: (1 + w) * RMSNorm(x), all in fp32 and cast after; transformers only
     LAYERNORM_NP = "layernorm_np"  # OLMo's: LayerNorm without weight or bias, in fp32 and cast after; transformers only
     RMSNORM_FP32W = "rmsnorm_fp32w"  # OLMo 2's: w * RMSNorm(x) with the product in fp32, cast after; transformers only
+    LAYERNORM_NB = "layernorm_nb"  # Cohere's: w * LayerNorm(x) without bias, written out in fp32, cast after; hf only
 
 
 class Recompute(Choice):
@@ -257,7 +258,12 @@ KNOBS: tuple[Knob, ...] = (
         " (Megatron-LM's qk_layernorm; Qwen3's q_norm and k_norm), with the layer's norm",
         lambda k: "QK norm" if k.qk_layernorm else None,
         effects=((True, "A norm on each query head and each key head (Qwen3's q_norm, k_norm) keeps its input, a"
-                  " second copy of Q and K, and each head's statistics."),),
+                  " second copy of Q and K, and each head's statistics."),
+                 ({"impl": Impl.HF, "norm": Norm.LAYERNORM_NB, "mlp": Mlp.SWIGLU, "attention": Attention.EAGER,
+                   "parallel_residual": True, "single_norm": True, "qk_layernorm": True},
+                  "Cohere's use_qk_norm (Command R+): a CohereLayerNorm on each query and key head, keeping per head"
+                  " what the layer's norm keeps (x - mean twice, rstd, the normalised input, all fp32), and its"
+                  " (heads, d) weight's fp32 copy. Under tp transformers' plan leaves that weight whole and fails."),),
     ),
     Knob(
         "norm", "choice", Norm.LAYERNORM, "normalisation", lambda k: f"{k.norm}", Norm,
@@ -560,12 +566,19 @@ KNOBS: tuple[Knob, ...] = (
     ),
     Knob(
         "single_norm", "flag", False, "hf: with parallel_residual, one norm before both the attention and the MLP,"
-        " whose output both read (GPT-J's ln_1)", lambda k: "one norm" if k.single_norm else None,
+        " whose output both read (GPT-J's ln_1, Cohere's input_layernorm)",
+        lambda k: "one norm" if k.single_norm else None,
         effects=(({"impl": Impl.HF, "norm": Norm.LAYERNORM, "mlp": Mlp.GELU_TANH, "attention": Attention.EAGER,
                    "rotary_percent": 0.25, "parallel_residual": True, "single_norm": True},
                   "GPTJBlock: one LayerNorm, whose output q, k, v and fc_in all read (kept once); the eager core"
                   " upcasts Q and K to fp32 before QK^T (matmul keeps both fp32), and RoPE's interleaved tables are"
-                  " repeated for Q and for K, four (s, d_r) tables kept a layer."),),
+                  " repeated for Q and for K, four (s, d_r) tables kept a layer."),
+                 ({"impl": Impl.HF, "norm": Norm.LAYERNORM_NB, "mlp": Mlp.SWIGLU, "attention": Attention.EAGER,
+                   "parallel_residual": True, "single_norm": True},
+                  "CohereDecoderLayer: one CohereLayerNorm (LayerNorm without bias, written out in fp32), whose output"
+                  " q, k, v, gate and up all read (kept once); it keeps x - mean twice in fp32 (pow(2) and the"
+                  " product by rstd each compute it), the fp32 rstd, the fp32 weight and the fp32 normalised input."
+                  " RoPE, the core and SwiGLU are Llama's; its tp plan is the paper's, the norm whole."),),
     ),
 )
 BY_NAME: dict[str, Knob] = {k.name: k for k in KNOBS}

@@ -338,7 +338,8 @@ ALL_TENSORS: tuple[SavedTensor, ...] = (
 # After Korthikanti et al. 2022, section 4.3: the dropout after the embedding keeps a mask of sbh bytes, the
 # norm before the output layer and the output layer keep 2sbh each, and the cross-entropy keeps the logits in
 # fp32, 4sbv; with sequence parallelism the first three are split by t along s, and the logits are split by t
-# along the vocabulary under either tensor-parallel layout.
+# along the vocabulary under either tensor-parallel layout. A product of the logits by a number (Cohere's
+# logit_scale) keeps nothing: its backward scales dY by the same number.
 
 EMBEDDING_INPUT_IDS = SavedTensor(
     "embedding/input_ids", "word embedding lookup", (Dim.B, Dim.S), Kind.INT64, Region.REPLICATED,

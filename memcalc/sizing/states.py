@@ -63,6 +63,16 @@ def _norm_params(config: ModelConfig, width: int | None = None) -> int:
     return 2 * width if config.norm == "layernorm" else width  # RMSNorm has no bias
 
 
+def _layer_norm_params(c: ModelConfig) -> int:
+    """A layer's norms: before the attention and the MLP (one read by both with single_norm: GPT-J's, Cohere's), and
+    the QK norms, one head's d channels shared by every head, or Cohere's (heads, d) weights, one row a head."""
+    norms = (1 if c.single_norm else 2) * _norm_params(c)
+    if not c.qk_layernorm:
+        return norms
+    heads = c.a + c.groups if c.norm == "layernorm_nb" else 2
+    return norms + heads * _norm_params(c, c.head_dim)
+
+
 def _qkv(c: ModelConfig, t: int) -> int:
     if c.mla:
         return _latent_qkv(c, t)
@@ -142,10 +152,10 @@ PARAM_GROUPS: tuple[ParamGroup, ...] = (
     ParamGroup("moe/shared_experts", "moe", _shared, "one MLP of width u on every token, split by t as the dense"
                " MLP (transformers' Qwen2-MoE adds its whole h -> 1 gate)"),
     ParamGroup(
-        "layer/norms", "layer", lambda c, t: 2 * _norm_params(c) + (2 * _norm_params(c, c.head_dim) if c.qk_layernorm
-                                                                    else 0),
-        "two norms per layer, and with qk_layernorm the query's and the key's over one head's d channels (shared by"
-        " every head), whole on every rank (LayerNorm: weight and bias; RMSNorm: weight)",
+        "layer/norms", "layer", lambda c, t: _layer_norm_params(c),
+        "two norms per layer (one with single_norm), and with qk_layernorm the query's and the key's over one head's d"
+        " channels (shared by every head; Cohere's use_qk_norm weighs each head apart), whole on every rank"
+        " (LayerNorm: weight and bias; RMSNorm: weight)",
     ),
     ParamGroup(
         "embedding/word", "first", lambda c, t: vocab_shard(c, t) * c.h,

@@ -216,3 +216,35 @@ def test_a_gptj_config_reads_its_one_norm_parallel_block_and_rotary_dim_as_a_sha
     one_line_error(memcalc_cli("estimate", "--hf-config", str(tmp_path / "config.json"), "--impl", "megatron"),
                    "parallel_residual, rotary_percent and single_norm (of transformers' GPTJBlock) are modelled under"
                    " --impl hf only")
+
+
+def test_a_cohere_config_reads_its_one_fp32_layernorm_side_by_side_and_use_qk_norm_and_is_counted_under_hf_only(
+        tmp_path):
+    """CohereConfig: one CohereLayerNorm (memcalc's layernorm_nb) whose output the attention and the MLP read side by
+    side (parallel_residual and single_norm, assumed), use_qk_norm as qk_layernorm, embeddings tied by default;
+    logit_scale is read and shown but counted nowhere (the logits times a number keep nothing)."""
+    transformers = pytest.importorskip("transformers")
+    transformers.CohereConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
+                              num_hidden_layers=2, vocab_size=64, max_position_embeddings=64,
+                              use_qk_norm=True).save_pretrained(tmp_path)
+    read = read_hf_config(tmp_path / "config.json")
+    fields = read.fields
+    assert (fields["norm"], fields["mlp"], fields["num_query_groups"], fields["qk_layernorm"]) == (
+        "layernorm_nb", "swiglu", 2, True)
+    assert (fields["parallel_residual"], fields["single_norm"], fields["tie_embeddings"]) == (True, True, True)
+    assert "rotary_percent" not in fields and "logit_scale" not in fields
+    assert "logit_scale=0.0625 (outside the decoder layers: the logits times a number keep nothing)" in read.describe()
+    one_line_error(memcalc_cli("estimate", "--hf-config", str(tmp_path / "config.json"), "--impl", "megatron"),
+                   "parallel_residual and single_norm (of transformers' CohereDecoderLayer) are modelled under --impl"
+                   " hf only")
+    run = memcalc_cli("estimate", "--hf-config", str(tmp_path / "config.json"), "--impl", "hf", "--s", "8")
+    assert run.code == 0, run.err
+    assert "tp left out: impl hf does not run it for Cohere with use_qk_norm" in run.err
+
+
+def test_cohere2_is_refused_in_one_line_by_its_two_layer_kinds(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    transformers.Cohere2Config(hidden_size=32, num_attention_heads=4, intermediate_size=48).save_pretrained(tmp_path)
+    one_line_error(memcalc_cli("estimate", "--impl", "hf", "--hf-config", str(tmp_path / "config.json")),
+                   "model_type cohere2 has two kinds of layer, sliding-window attention with RoPE and global attention"
+                   " without it")

@@ -10,6 +10,9 @@ Two layer families, told apart by the knobs (memcalc's config has no model famil
                                 with rotary_percent GPTNeoXLayer (fused_qkv: one query_key_value) or
                                 Starcoder2DecoderLayer (separate q, k, v, GQA, whole heads rotated),
                                 or with single_norm GPTJBlock (one ln_1 read by attention and MLP)
+    layernorm_nb + swiglu       CohereDecoderLayer: Llama's attention and MLP side by side on one
+                                CohereLayerNorm (single_norm), with use_qk_norm a CohereLayerNorm on
+                                each query and key head (qk_layernorm)
 
 Where transformers' Python differs from Megatron's fused kernels it keeps more:
 
@@ -40,6 +43,12 @@ Where transformers' Python differs from Megatron's fused kernels it keeps more:
   `gelu_fast` (written out another way) seven f-wide tensors. Likewise `gelu_python` (erf
   written out) and `quick_gelu` (x * sigmoid(1.702x)) read as `gelu` and are counted as
   torch's kernel, which keeps the input alone; transformers' Python versions keep more.
+- Cohere's `CohereLayerNorm` is LayerNorm written out on an fp32 copy: `x - mean` is computed
+  twice (for pow(2) and for the product by rsqrt), each copy kept, with the fp32 rstd, the fp32
+  weight (a copy under bf16) and the fp32 normalised input; the fp32 x itself is not kept.
+  Its RoPE upcasts q and k and pairs channels interleaved, but the products keep only the
+  model's (s, d) tables, as Llama's do. Its logit_scale multiplies the logits by a number
+  outside the layers: it keeps nothing (the loss's fp32 logits are counted as any model's).
 - Dropout: Llama has attention dropout only; GPT-2 adds resid and MLP dropouts.
 - Recompute "full" is transformers' gradient checkpointing (torch.utils.checkpoint,
   non-reentrant by default): only the layer's input is kept.
@@ -51,7 +60,7 @@ is made CUDA-like (a bool mask; memcalc/probe/libs/hf_shim.py).
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from memcalc.config.hf import FAMILIES, family_of
 from memcalc.errors import ConfigError
@@ -141,6 +150,63 @@ def _olmo2_norm(prefix: str, module: str, width: tuple[Dim, ...] = (Dim.H,)) -> 
             Kind.FP32, region, "the weight's gradient is dY times the normalised input, here the fp32 one",
         ),
     )
+
+
+class CohereNormTensors(NamedTuple):
+    """What one CohereLayerNorm keeps, in the order its ops make them."""
+
+    centred_pow: SavedTensor
+    centred_mul: SavedTensor
+    rstd: SavedTensor
+    weight_fp32: SavedTensor
+    normed_fp32: SavedTensor
+
+
+def _cohere_norm(prefix: str, module: str, width: Dim = Dim.H, heads: Dim | None = None) -> CohereNormTensors:
+    """CohereLayerNorm: w * ((x - mean) * rsqrt(var + eps)), written out on an fp32 copy of x and cast back.
+
+    It computes x - mean twice, once for pow(2) (the variance) and once for the product by rsqrt: each fp32 copy is
+    kept by its op. The fp32 copy of x itself is read by mean and sub, which keep nothing; the product by
+    weight.to(float32) keeps that fp32 weight (a copy under bf16; under fp32 the parameter itself) and the fp32
+    normalised input. With `heads` it runs on each head's d channels (use_qk_norm's q_norm and k_norm, whose weight
+    is (heads, d))."""
+    by, stem = f"CohereLayerNorm ({module})", prefix if "/" in prefix else f"{prefix}/"
+    rows, region = ((Dim.B, heads, Dim.S), _TEN) if heads is not None else ((Dim.B, Dim.S), _SEQ)
+    shape = (*rows, width)
+    weight = ((heads, width), _TEN) if heads is not None else ((width,), Region.REPLICATED)
+    return CohereNormTensors(
+        centred_pow=SavedTensor(
+            f"{stem}centred_pow_fp32", f"{by}: x.to(float32) - mean, kept by pow(2)", shape, Kind.FP32, region,
+            "the variance's gradient, through (x - mean)^2, is read at x - mean",
+        ),
+        centred_mul=SavedTensor(
+            f"{stem}centred_mul_fp32", f"{by}: x.to(float32) - mean again, kept by (.) * rsqrt(var + eps)", shape,
+            Kind.FP32, region, "the gradient of rsqrt(.) in the product is dY * (x - mean), this second copy",
+        ),
+        rstd=SavedTensor(
+            f"{stem}rstd_fp32", f"{by}: rsqrt(variance + eps), kept by rsqrt and by (x - mean) * (.)", rows,
+            Kind.FP32, region, ledger.WHY_NORM_RSTD, paper=False,
+        ),
+        weight_fp32=SavedTensor(
+            f"{stem}weight_fp32", f"{by}: weight.to(float32) (bf16 and fp16 only), kept by weight * (.)", weight[0],
+            Kind.FP32, weight[1], "the gradient of the normalised input is dY * w, here the fp32 copy", paper=False,
+        ),
+        normed_fp32=SavedTensor(
+            f"{stem}normed_fp32", f"{by}: (x - mean) * rsqrt(.) in fp32, kept by weight * (.)", shape, Kind.FP32,
+            region, "the weight's gradient is dY times the normalised input, here the fp32 one",
+        ),
+    )
+
+
+# Cohere's one norm (its output q, k, v, gate and up all read), and use_qk_norm's per-head q_norm and k_norm.
+COHERE_LN1 = _cohere_norm("ln1", "input_layernorm")
+COHERE_Q_NORM = _cohere_norm("attention/q_norm_", "q_norm, each query head", Dim.D, heads=Dim.A)
+COHERE_K_NORM = _cohere_norm("attention/k_norm_", "k_norm, each key head", Dim.D, heads=Dim.G)
+
+
+def _cohere_kept(norm: CohereNormTensors, knobs: Any) -> tuple[SavedTensor, ...]:
+    """A CohereLayerNorm's tensors at this dtype: under fp32 weight.to(float32) is the parameter, no copy."""
+    return tuple(x for x in norm if x is not norm.weight_fp32 or knobs.dtype != "fp32")
 
 
 # OLMo 2's only norms: on the attention's output and on the MLP's, before each residual add (post_norm).
@@ -461,7 +527,13 @@ MOE_TENSORS = (ROUTER_PROBS, TOPK_SUM, TOPK_WEIGHTS, ROUTER_IN_FP32, ROUTER_SCOR
 def is_llama(knobs: Any) -> bool:
     """RMSNorm + a gated MLP is the Llama family (Llama, Mistral, Qwen2, Gemma's (1 + w) RMSNorm and GeGLU);
     LayerNorm + GELU is GPT-2 or GPT-NeoX."""
-    return knobs.norm in ("rmsnorm", "rmsnorm_1p", "layernorm_np", "rmsnorm_fp32w")
+    return knobs.norm in ("rmsnorm", "rmsnorm_1p", "layernorm_np", "rmsnorm_fp32w", "layernorm_nb")
+
+
+def is_cohere(knobs: Any) -> bool:
+    """CohereDecoderLayer: a Llama-family layer (GQA, whole-head RoPE, SwiGLU) whose one CohereLayerNorm feeds the
+    attention and the MLP side by side (single_norm)."""
+    return knobs.norm == "layernorm_nb"
 
 
 def is_glm(knobs: Any) -> bool:
@@ -532,7 +604,12 @@ def _rope(knobs: Any) -> tuple[SavedTensor, ...]:
 
 def norm_block(which: int, knobs: Any) -> tuple[SavedTensor, ...]:
     """LlamaRMSNorm's fp32 upcast, fp32 rstd and cast-back; GPT-2's nn.LayerNorm keeps input, mean, rstd. GPT-NeoX's
-    parallel residual feeds both LayerNorms the layer's input: one storage, kept once (the first norm's)."""
+    parallel residual feeds both LayerNorms the layer's input: one storage, kept once (the first norm's). GPT-J's and
+    Cohere's one norm (single_norm) is the first; Cohere's is CohereLayerNorm."""
+    if which == 1 and knobs.single_norm:  # GPT-J, Cohere: no second norm
+        return ()
+    if is_cohere(knobs):
+        return _cohere_kept(COHERE_LN1, knobs)
     if knobs.norm == "rmsnorm_1p":
         return tuple((GEMMA_LN1, GEMMA_LN2)[which])
     if knobs.norm == "layernorm_np":
@@ -541,8 +618,6 @@ def norm_block(which: int, knobs: Any) -> tuple[SavedTensor, ...]:
         return tuple((LN1_RMS, LN2_RMS)[which])
     if which == 1 and is_falcon(knobs):
         return ()  # Falcon's MLP reads the attention's norm output: there is no second norm
-    if which == 1 and knobs.single_norm:  # GPT-J: no second norm
-        return ()
     if which == 1 and knobs.parallel_residual:
         return (ledger.LN2.mean, ledger.LN2.rstd)
     return tuple((ledger.LN1, ledger.LN2)[which])
@@ -662,7 +737,9 @@ def attention_block(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ..
     if knobs.mla:
         return latent_attention(knobs)
     qk_norm = (() if not knobs.qk_layernorm else (*GEMMA_Q_NORM, *GEMMA_K_NORM) if knobs.norm == "rmsnorm_1p"
-               else (*OLMO2_Q_NORM, *OLMO2_K_NORM) if knobs.norm == "rmsnorm_fp32w" else (*Q_NORM_RMS, *K_NORM_RMS))
+               else (*OLMO2_Q_NORM, *OLMO2_K_NORM) if knobs.norm == "rmsnorm_fp32w"
+               else (*_cohere_kept(COHERE_Q_NORM, knobs), *_cohere_kept(COHERE_K_NORM, knobs)) if is_cohere(knobs)
+               else (*Q_NORM_RMS, *K_NORM_RMS))
     core = _sdpa(knobs, accounting) if knobs.attention == "flash" else _eager(knobs)
     if is_glm(knobs) and knobs.attention == "flash" and core != SDPA_MATH:
         core += (GLM_SDPA_OUT,)
@@ -755,6 +832,7 @@ def check(knobs: Any) -> None:
     _check_phi3(knobs)
     _check_olmo2(knobs)
     _check_gptj(knobs)
+    _check_cohere(knobs)
     _check_gemma2(knobs)
     if knobs.recompute not in ("none", "full"):
         raise ConfigError(f"impl hf: transformers has no {knobs.recompute} recomputation; use recompute none or full"
@@ -806,9 +884,10 @@ def _check_neox(knobs: Any) -> None:
     without fused_qkv a LayerNorm layer with RoPE is StarCoder 2's: whole heads, in sequence."""
     if knobs.rotary_percent is not None and not 0 < knobs.rotary_percent <= 1:
         raise ConfigError(f"impl hf: rotary_percent={knobs.rotary_percent} must be in (0, 1] (a share of each head)")
-    if is_llama(knobs) and knobs.parallel_residual:
-        raise ConfigError("impl hf: parallel_residual is GPTNeoXLayer's and FalconDecoderLayer's (norm layernorm); the"
-                          " Llama family's layers run attention and MLP in sequence")
+    if is_llama(knobs) and knobs.parallel_residual and not is_cohere(knobs):
+        raise ConfigError("impl hf: parallel_residual is GPTNeoXLayer's and FalconDecoderLayer's (norm layernorm) or"
+                          " CohereDecoderLayer's (norm layernorm_nb); the other Llama-family layers run attention and"
+                          " MLP in sequence")
     if is_llama(knobs) and knobs.rotary_percent is not None and knobs.norm != "rmsnorm":
         raise ConfigError(f"impl hf: rotary_percent in an RMSNorm layer is GLM's (norm rmsnorm); norm {knobs.norm}'s"
                           " layers rotate whole heads")
@@ -840,11 +919,23 @@ def _check_phi3(knobs: Any) -> None:
 
 def _check_gptj(knobs: Any) -> None:
     """single_norm is GPTJBlock's: a LayerNorm layer with RoPE (rotary_percent) and a parallel residual, separate q,
-    k and v (no fused_qkv), multi-head."""
-    if knobs.single_norm and (is_llama(knobs) or not knobs.parallel_residual or knobs.rotary_percent is None
-                              or knobs.fused_qkv):
-        raise ConfigError("impl hf: single_norm is GPTJBlock's: norm layernorm with rotary_percent and"
-                          " parallel_residual, without fused_qkv")
+    k and v (no fused_qkv), multi-head; or CohereDecoderLayer's (`_check_cohere`)."""
+    if knobs.single_norm and not is_cohere(knobs) and (is_llama(knobs) or not knobs.parallel_residual
+                                                       or knobs.rotary_percent is None or knobs.fused_qkv):
+        raise ConfigError("impl hf: single_norm is GPTJBlock's (norm layernorm with rotary_percent and"
+                          " parallel_residual, without fused_qkv) or CohereDecoderLayer's (norm layernorm_nb)")
+
+
+def _check_cohere(knobs: Any) -> None:
+    """norm layernorm_nb is CohereDecoderLayer's: one norm read side by side (parallel_residual and single_norm), a
+    dense SwiGLU, separate q, k and v rotated whole, no other family's norms."""
+    if not is_cohere(knobs):
+        return
+    if (not knobs.parallel_residual or not knobs.single_norm or knobs.mlp != "swiglu" or knobs.moe or knobs.mla
+            or knobs.fused_qkv or knobs.rotary_percent is not None or knobs.sandwich_norm or knobs.post_norm):
+        raise ConfigError("impl hf: norm layernorm_nb is CohereDecoderLayer's: set parallel_residual and single_norm"
+                          " with mlp swiglu (dense, separate q, k, v rotated whole; no rotary_percent, fused_qkv,"
+                          " sandwich_norm, post_norm or latent attention)")
 
 
 def _check_olmo2(knobs: Any) -> None:
@@ -1020,6 +1111,14 @@ NEOX_TP_NOT_MODELLED = Refusal(
     " dense and dense_4h_to_h rowwise)",
     f"{_TP_SOURCE}, GPTNeoXConfig.base_model_tp_plan; memcalc's own limit, not the library's",
 )
+COHERE_QK_NORM_NO_TP = Refusal(
+    "tp", lambda knobs: is_cohere(knobs) and knobs.qk_layernorm, "for Cohere with use_qk_norm (qk_layernorm)",
+    "CohereConfig's base_model_tp_plan splits q_proj's and k_proj's heads (colwise) but names no rule for q_norm and"
+    " k_norm, whose (heads, head_dim) weights stay whole: their product with a rank's a/t heads does not broadcast,"
+    " and the layer's forward raises (RuntimeError in CohereLayerNorm, measured at t = 2)",
+    f"{_TP_SOURCE}, CohereConfig.base_model_tp_plan; models/cohere/modeling_cohere.py CohereAttention (its own comment:"
+    " 'need to be careful to use n_local_heads')",
+)
 LATENT_TP_NOT_MODELLED = Refusal(
     "tp", lambda knobs: knobs.mla, "with latent attention (kv_lora_rank)",
     "memcalc has not measured DeepSeek-V3's plan yet: it shards no attention, only the experts, the shared experts"
@@ -1068,11 +1167,12 @@ IMPLEMENTATION = Implementation(
     " and K, interleaved partial RoPE), eager and sdpa, at t = 1 and 2; GlmDecoderLayer and"
     " Glm4DecoderLayer (interleaved partial RoPE, one gate_up_proj gathered under tp, GLM-4's sandwich norms), eager"
     " and sdpa, at t = 1 and 2; FalconDecoderLayer (parallel_attn, multi_query or multi-head, RoPE), eager, t = 1"
-    "; BloomBlock (ALiBi, fp32 softmax, BLOOM's GELU), eager, t = 1"
+    "; BloomBlock (ALiBi, fp32 softmax, BLOOM's GELU), eager, t = 1; CohereDecoderLayer (one fp32 LayerNorm read"
+    " side by side, per-head q/k norms), eager and sdpa, at t = 1 and 2 (use_qk_norm: t = 1)"
     " (the families `memcalc hf-families` lists, each from a config.json its transformers class wrote)",
     layer_tensors=layer_tensors,
     refuses=(NO_SEQUENCE_PARALLEL, GPT2_NO_TP_PLAN, NEOX_TP_NOT_MODELLED, LATENT_TP_NOT_MODELLED, FALCON_NO_TP_PLAN,
-             BLOOM_NO_TP_PLAN),
+             BLOOM_NO_TP_PLAN, COHERE_QK_NORM_NO_TP),
     unsharded=unsharded,
     check=check,
     check_sizes=check_sizes,
@@ -1093,6 +1193,7 @@ IMPLEMENTATION = Implementation(
     *OLMO2_ATTN_OUT, *OLMO2_MLP_OUT, *OLMO2_Q_NORM, *OLMO2_K_NORM, SDPA_OUT,
     *GEMMA_LN1, *GEMMA_LN2, *GEMMA_Q_NORM, *GEMMA_K_NORM, *GEMMA_POST_ATTN, *GEMMA_POST_MLP, SOFTCAP_TANH, GEGLU_GATE, GEGLU_UP, GEGLU_GELU_OUT, *OLMO_LN1, *OLMO_LN2, OLMO_ROPE_COS, OLMO_ROPE_SIN,  # FLASH_DROPOUT_LSE is the ledger's LSE, described as read from code
         GLM_ROPE_COS, GLM_ROPE_SIN, GLM_SDPA_OUT, *GLM_POST_ATTN, *GLM_POST_MLP, FALCON_K_INDEX, FALCON_V_INDEX,
+        *COHERE_LN1, *COHERE_Q_NORM, *COHERE_K_NORM,
     ),
     # LlamaConfig's own: RMSNorm, SwiGLU, attention_dropout 0, attn_implementation "sdpa" (memcalc's flash).
     defaults={

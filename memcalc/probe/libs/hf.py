@@ -252,7 +252,15 @@ def llama_config(config: ModelConfig, family: str = "llama") -> Any:
         max_position_embeddings=config.s, vocab_size=config.vocab_size, tie_word_embeddings=config.tie_embeddings,
         attn_implementation=attention_implementation(config),
     ) | _moe_fields(config, family) | _latent_fields(config, family) | _head_fields(config, family)
-      | _window_fields(config, family) | _phi3_fields(config, family) | _glm_fields(config, family))
+      | _window_fields(config, family) | _phi3_fields(config, family) | _glm_fields(config, family)
+      | _cohere_fields(config, family))
+
+
+def _cohere_fields(config: ModelConfig, family: str) -> dict[str, Any]:
+    """CohereConfig's use_qk_norm (memcalc's qk_layernorm); no token ids past a small vocabulary."""
+    if family != "cohere":
+        return {}
+    return {"use_qk_norm": config.qk_layernorm, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
 
 
 def _phi3_fields(config: ModelConfig, family: str) -> dict[str, Any]:
@@ -593,6 +601,8 @@ def _llama_norm_rules(config: ModelConfig) -> tuple[tuple[Rule, ...], tuple[Rule
     if config.norm == "rmsnorm_fp32w":  # OLMo 2: no norm before the attention or the MLP, one after each
         return (), (*_olmo2_norm_rules("post_attention_layernorm", rules.OLMO2_ATTN_OUT),
                     *_olmo2_norm_rules("post_feedforward_layernorm", rules.OLMO2_MLP_OUT))
+    if rules.is_cohere(config):  # one norm, read by the attention and the MLP
+        return _cohere_norm_rules("input_layernorm", rules.COHERE_LN1), ()
     if config.norm == "layernorm_np":
         return (_layer_norm_rules("input_layernorm", rules.OLMO_LN1),
                 _layer_norm_rules("post_attention_layernorm", rules.OLMO_LN2))
@@ -606,6 +616,9 @@ def _qk_norm_rules(config: ModelConfig) -> tuple[Rule, ...]:
         heads = _head_columns(config.head_dim)
         return (*_olmo2_norm_rules("self_attn.q_norm", rules.OLMO2_Q_NORM, heads),
                 *_olmo2_norm_rules("self_attn.k_norm", rules.OLMO2_K_NORM, heads))
+    if rules.is_cohere(config):  # use_qk_norm: CohereLayerNorm on (b, s, heads, d)
+        return (*_cohere_norm_rules("self_attn.q_norm", rules.COHERE_Q_NORM, _per_head),
+                *_cohere_norm_rules("self_attn.k_norm", rules.COHERE_K_NORM, _per_head))
     if config.norm == "rmsnorm_1p":
         return (*_gemma_norm_rules("self_attn.q_norm", rules.GEMMA_Q_NORM),
                 *_gemma_norm_rules("self_attn.k_norm", rules.GEMMA_K_NORM))
@@ -631,6 +644,21 @@ def _olmo2_norm_rules(module: str, norm: ledger.RMSNormTensors, view: Callable[[
     return (
         Rule(module, "to", norm.input_fp32, nth=0, view=then),
         Rule(module, "rsqrt", norm.rstd, view=_stats),
+        Rule(module, "mul", norm.normed_fp32, nth=0, view=then),
+    )
+
+
+def _cohere_norm_rules(module: str, norm: rules.CohereNormTensors, view: Callable[[Any], Any] | None = None
+                       ) -> tuple[Rule, ...]:
+    """CohereLayerNorm's five: the two x - mean (pow(2)'s, then the product's), rsqrt's output, weight.to(float32)
+    (the second .to, after x's), and (x - mean) * rsqrt(.), which weight * (.) keeps; `view` the per-head norm's
+    (b, s, heads, ...) as (b, heads, s, ...)."""
+    then = view or (lambda x: x)
+    return (
+        Rule(module, "sub", norm.centred_pow, nth=0, view=then),
+        Rule(module, "sub", norm.centred_mul, nth=1, view=then),
+        Rule(module, "rsqrt", norm.rstd, view=lambda x: then(_stats(x))),
+        Rule(module, "to", norm.weight_fp32, nth=1),
         Rule(module, "mul", norm.normed_fp32, nth=0, view=then),
     )
 
@@ -685,10 +713,11 @@ def _core_rules(
         Rule(attention, "tanh", rules.SOFTCAP_TANH),  # Gemma 2's soft-capping
         Rule(attention, "softmax", ledger.SOFTMAX_OUT),
         Rule(attention, "softmax", rules.SOFTMAX_FP32),
-        # Llama's cast of the fp32 softmax back to bf16; OLMo's apply_rotary_pos_emb casts q and k back before it
-        # (GPT-J's core casts q and k to fp32 before it)
+        # Llama's cast of the fp32 softmax back to bf16; OLMo's and Cohere's apply_rotary_pos_emb cast q and k back
+        # before it (GPT-J's core casts q and k to fp32 before it)
         Rule(attention, "to", rules.WEIGHTS,
-             nth=2 if config.norm in ("layernorm_np", "rmsnorm_fp32w") or rules.is_gptj(config) else 0),
+             nth=2 if config.norm in ("layernorm_np", "rmsnorm_fp32w", "layernorm_nb") or rules.is_gptj(config)
+             else 0),
         Rule(attention, "native_dropout", ledger.ATTN_DROPOUT_OUT),  # the shim's dropout
         Rule(attention, "native_dropout", ledger.ATTN_DROPOUT_MASK,
              view=_kept("NativeDropoutBackward0", "_saved_result1")),

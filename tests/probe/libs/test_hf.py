@@ -36,6 +36,8 @@ GPTJ = {"norm": "layernorm", "mlp": "gelu_tanh", "rotary_percent": 0.25, "parall
         "single_norm": True}
 STARCODER2 = {"norm": "layernorm", "mlp": "gelu", "rotary_percent": 1.0, "num_query_groups": 2}
 PHI3 = LLAMA | {"fused_qkv": True, "attention": "eager"}
+COHERE = {"norm": "layernorm_nb", "mlp": "swiglu", "parallel_residual": True, "single_norm": True,
+          "num_query_groups": 2}
 OLMO2 = {"norm": "rmsnorm_fp32w", "mlp": "swiglu", "post_norm": True, "qk_layernorm": True, "num_query_groups": 2}
 
 
@@ -157,6 +159,16 @@ CASES = {
     "gptj sdpa": (GPTJ | {"attention": "flash", "dropout": 0.0}, None),
     "gptj sdpa with dropout on a cpu": (GPTJ | {"attention": "flash", "dropout": 0.1}, None),
     "gptj fp32": (GPTJ | {"attention": "eager", "dropout": 0.0, "dtype": "fp32"}, None),
+    "cohere eager gqa with dropout and use_qk_norm: one fp32 layernorm read by attention and mlp, x - mean kept"
+    " twice, per-head q and k norms": (COHERE | {"attention": "eager", "dropout": 0.1, "qk_layernorm": True}, None),
+    "cohere eager at b=1, odd s, one k/v group: K and V themselves":
+        (COHERE | {"attention": "eager", "dropout": 0.0, "b": 1, "s": 7, "num_query_groups": 1}, None),
+    "cohere sdpa at b=1, odd s, use_qk_norm":
+        (COHERE | {"attention": "flash", "dropout": 0.0, "b": 1, "s": 7, "qk_layernorm": True}, None),
+    "cohere sdpa with dropout on a cpu, multi-head":
+        (COHERE | {"attention": "flash", "dropout": 0.1, "num_query_groups": None}, None),
+    "cohere fp32 with use_qk_norm: the weights' casts are the parameters, no copies":
+        (COHERE | {"attention": "eager", "dropout": 0.0, "dtype": "fp32", "qk_layernorm": True}, None),
     "starcoder2 mha at b=1: V is v_proj's own output, no fused storage":
         (STARCODER2 | {"attention": "eager", "dropout": 0.1, "b": 1, "num_query_groups": None}, None),
 }
@@ -204,7 +216,8 @@ def test_the_shim_makes_cpu_dropout_keep_a_bool_mask_and_undoes_itself():
     (GEMMA2 | {"attention": "flash"}, "attn_logit_softcapping runs in eager attention only"),
     (GEMMA | {"attn_logit_softcapping": 30.0, "attention": "eager"}, "attn_logit_softcapping is Gemma 2's"),
     (LLAMA | {"sandwich_norm": True}, "sandwich_norm is Gemma 2's"),
-    (LLAMA | {"parallel_residual": True}, "parallel_residual is GPTNeoXLayer's and FalconDecoderLayer's"),
+    (LLAMA | {"parallel_residual": True},
+     r"parallel_residual is GPTNeoXLayer's and FalconDecoderLayer's \(norm layernorm\) or CohereDecoderLayer's"),
     (FALCON | {"attention": "flash"}, "FalconDecoderLayer under sdpa is not modelled"),
     (BLOOM | {"attention": "flash"}, "BloomAttention has no sdpa path"),
     (BLOOM | {"ffn_hidden_size": 48}, "BloomMLP is 4h wide"),
@@ -225,6 +238,11 @@ def test_the_shim_makes_cpu_dropout_keep_a_bool_mask_and_undoes_itself():
     (GPTJ | {"parallel_residual": False}, "single_norm is GPTJBlock's"),
     (NEOX | {"single_norm": True}, "single_norm is GPTJBlock's"),
     (GPTJ | {"num_query_groups": 2}, "GPTJBlock has no grouped-query attention"),
+    (LLAMA | {"single_norm": True}, "single_norm is GPTJBlock's .* or CohereDecoderLayer's"),
+    (COHERE | {"single_norm": False}, "norm layernorm_nb is CohereDecoderLayer's"),
+    (COHERE | {"rotary_percent": 0.5}, "norm layernorm_nb's layers rotate whole heads"),
+    (COHERE | {"sandwich_norm": True}, "norm layernorm_nb is CohereDecoderLayer's"),
+    (COHERE | {"mlp": "gelu"}, "no transformers layer has norm layernorm_nb with mlp gelu"),
 ])
 def test_knobs_no_transformers_layer_runs_are_refused(knobs, words):
     with pytest.raises(ConfigError, match=words):
@@ -291,6 +309,12 @@ TP_CASES = {
         (GPTJ | {"attention": "eager", "dropout": 0.1}, 2, "gptj"),
     "gptj sdpa t=2 at b=1, odd s": (GPTJ | {"attention": "flash", "dropout": 0.0, "b": 1, "s": 7}, 2, "gptj"),
     "gptj eager t=2 at b=1, odd s": (GPTJ | {"attention": "eager", "dropout": 0.0, "b": 1, "s": 7}, 2, "gptj"),
+    "cohere t=2: its plan is the paper's; the one norm's fp32 tensors and output whole, heads and f split":
+        (COHERE | {"attention": "eager", "dropout": 0.1}, 2, "cohere"),
+    "cohere sdpa t=2 at b=1, odd s, one k/v group per rank":
+        (COHERE | {"attention": "flash", "dropout": 0.0, "b": 1, "s": 7}, 2, "cohere"),
+    "cohere eager t=2 at b=1, odd s, multi-head":
+        (COHERE | {"attention": "eager", "dropout": 0.0, "b": 1, "s": 7, "num_query_groups": None}, 2, "cohere"),
     "qwen3 t=2: q_norm and k_norm on this rank's heads of head_dim (replicated_with_grad_allreduce)":
         (LLAMA | {"attention": "eager", "dropout": 0.0, "num_query_groups": 2, "kv_channels": 16,
                   "qk_layernorm": True}, 2, None),
@@ -329,8 +353,17 @@ def test_two_gloo_ranks_each_keep_what_rank_zero_of_the_fake_group_keeps():
     (BLOOM, "does not run tp .*for BLOOM .*BloomConfig has no base_model_tp_plan"),
     (FALCON | {"num_query_groups": None}, "does not run tp .*for Falcon .*FalconConfig has no base_model_tp_plan"),
     (LLAMA | MLA | {"attention": "eager"}, "does not run tp .*with latent attention .*shards no attention"),
+    (COHERE | {"qk_layernorm": True}, "does not run tp .*for Cohere with use_qk_norm .*names no rule for q_norm"),
 ])
 def test_what_transformers_does_not_lay_out_is_refused_with_the_library_s_reason(knobs, words):
     strategy = "tp-sp" if "tp-sp" in words else "tp"
     with pytest.raises(ConfigError, match=words):
         estimate(build_config(SIZES | knobs | {"t": 2}), STRATEGIES[strategy])
+
+
+def test_coheres_own_tp_plan_fails_on_its_qk_norms_as_the_refusal_says(one_thread):
+    """The refusal of tp with use_qk_norm is transformers' own failure: its plan splits q_proj's heads, and q_norm's
+    whole (a, d) weight then meets a/t heads in CohereLayerNorm's product."""
+    config = build_config(SIZES | COHERE | {"attention": "eager", "dropout": 0.0, "qk_layernorm": True, "t": 2})
+    with pytest.raises(RuntimeError, match="must match the size of tensor"):
+        run(runner.record_layer, (config, STRATEGIES["tp"], "cohere"), mode="fake", t=2)
