@@ -154,7 +154,7 @@ class Ends:
         # Megatron's _VocabParallelCrossEntropy.forward, at its widest: right after the per-token loss.
         self._saved(tape, ledger.LOSS_LOGITS, TARGET_MASK, MASKED_TARGET)
         for name, width, why in LOSS_WORKING_SET:
-            if name != "loss/target" or z.b > 1:  # with b = 1 the transposed labels are contiguous: no copy
+            if name != "loss/target" or min(z.b, z.s) > 1:  # b = 1 or s = 1: the transposed labels are contiguous
                 tape.add(name, ACTIVATIONS, z.tokens(width), why)
         tape.mark("forward", "loss", "fp32 logits and the per-token vectors of the cross-entropy")
         tape.drop("output/logits", *(name for name, _, _ in LOSS_WORKING_SET))
