@@ -39,9 +39,10 @@ workspace per stream; NCCL keeps its buffers. None of those is a tensor, and non
 
 Modelled so far: 1F1B, plain or interleaved, at any pp (first and last stage; a middle stage
 needs less)
-and cp = 1 (none, tp, tp-sp at any t), the Megatron implementation's layer with GELU or
-SwiGLU (fused or not), eager attention with a K/V group per head or grouped-query
-(Megatron's fused softmax, or its fp32 torch softmax outside the kernel's sizes) or flash
+and cp = 1 (none, tp, tp-sp at any t), the Megatron implementation's layer (described once as
+ops, memcalc.sizing.timeline.megatron, for the generic walk) with GELU or SwiGLU (fused or
+not), eager attention with a K/V group per head or grouped-query (Megatron's fused
+softmax, or its fp32 or 16-bit torch softmax outside the kernel's sizes) or flash
 attention, LayerNorm or RMSNorm, dropout and biases on or off, tied or untied embeddings,
 learned positions or RoPE, bf16 or fp16; no recomputation, selective (the attention core
 rerun inside backward, beside the checkpoint's inputs and its held gradient) or full (each
@@ -123,12 +124,10 @@ def timeline(
     layers = range(first, first + walked)
     _others_in_flight(tape, st, walked, sum(saved.values()), ends.embedding_bytes())
     ends.forward_in(tape)
-
-    def hand_over(where: str, name: str, nbytes: int) -> None:
-        tape.drop(name)  # added into the fp32 buffer as soon as autograd hands it over
-
     folded = (INPUT, *(x.name for x in kept if x.name not in (INPUT, ledger.LAYER_INPUT.name)))
-    walk = Walk(tape, "", "", sizes, hand_over)  # every layer runs the same ops: one walk, its module set to each
+    # every layer runs the same ops: one walk, its module set to each; a weight's gradient handed over by autograd
+    # is added into the fp32 buffer at once
+    walk = Walk(tape, "", "", sizes, lambda where, name, nbytes: tape.drop(name))
     for i in layers:
         walk.module = f"layers.{i}"
         walk.forward(ops)

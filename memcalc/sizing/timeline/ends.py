@@ -236,12 +236,10 @@ class Ends:
 # -- the backward of the linears and the norm at the model's ends ---------------------------------------------
 
 
-def gathered_linear_backward(
-    tape: Tape, z: Sizes, where: str, grad: str, weight_name: str, weight_bytes: int, weight_why: str, dx: str,
-    bias: int = 0,
-) -> None:
-    """A column-parallel GEMM under SP (memcalc.probe.linear._GatheredInputLinear): gather X again,
-    dX as a partial (s, b, h) reduce-scattered to (s/t, b, h), then dW and the bias's gradient."""
+def gathered_linear_backward(tape: Tape, z: Sizes, where: str, grad: str, weight: str, nbytes: int, why: str,
+                             dx: str) -> None:
+    """The output layer under SP (memcalc.probe.linear._GatheredInputLinear): gather X again, dX as a partial
+    (s, b, h) reduce-scattered to (s/t, b, h), then dW."""
     gathered = f"grad/{where} input gathered"
     partial = f"grad/{where} partial dX"
     tape.add(gathered, TEMPORARIES, z.full(z.h), "forward kept only the input's shard: backward all-gathers it")
@@ -249,10 +247,9 @@ def gathered_linear_backward(
     tape.add(dx, TEMPORARIES, z.seq(z.h), "the reduce-scatter's output: this rank's shard of dX")
     tape.mark("backward", where, "re-gathered input, partial dX and its reduce-scatter")
     tape.drop(partial)
-    tape.add(weight_name, TEMPORARIES, weight_bytes, weight_why)
-    tape.add(f"grad/{where} bias", TEMPORARIES, z.act * bias, "the bias's gradient, dY summed over tokens")
+    tape.add(weight, TEMPORARIES, nbytes, why)
     tape.mark("backward", where, "dW and the bias's gradient beside the re-gathered input")
-    tape.drop(gathered, grad, f"grad/{where} bias")
+    tape.drop(gathered, grad)
 
 
 def enter_tp_backward(tape: Tape, z: Sizes, where: str, dx: str) -> None:
@@ -266,9 +263,7 @@ def enter_tp_backward(tape: Tape, z: Sizes, where: str, dx: str) -> None:
     tape.rename(reduced, dx)
 
 
-def norm_backward(
-    tape: Tape, z: Sizes, where: str, grad: str, norm: ledger.NormTensors, dx: str,
-) -> None:
+def norm_backward(tape: Tape, z: Sizes, where: str, grad: str, norm: ledger.NormTensors, dx: str) -> None:
     """The norm's backward, one kernel: dX and its weight's (and LayerNorm's bias's) gradients beside dY; then its
     saved tensors go."""
     tape.add(dx, TEMPORARIES, z.seq(z.h), "the norm's dX")

@@ -1,25 +1,14 @@
 """Megatron's transformer layer (impl megatron and paper) in the step, described once as ordered ops.
 
 `layer_ops` is the layer as the probe's own layer runs it (memcalc.probe.layer, attention.py, mlp.py, norm.py,
-kernels.py, checkpoint.py), for the generic walk (memcalc.sizing.timeline.walk): each op keeps the ledger's saved
-tensors (memcalc.model.impls.megatron) and says what its backward makes and frees, as autograd runs it:
-
-    ln1          the norm's backward: one kernel, dX and the weights' gradients; then the residual stream's two
-                 gradients summed
-    qkv          column-parallel: dX, dW (and the bias's) beside dY; under TP f's all-reduce of dX into a copy, under
-                 SP the input gathered again and dX reduce-scattered
-    split        q, k and v were copied out of QKV's output: their gradients concatenated
-    core         eager: K and V copied to every head (GQA), QK^T, the softmax (Megatron's fused kernel, or torch's on
-                 scores masked in place, in fp32 or the scores' dtype), attention dropout, weights x V; or flash: one
-                 kernel; under selective recomputation a checkpoint that reruns the core inside backward
-    proj, fc2    row-parallel: under SP g*'s all-gather of dY first, then dW and dX
-    dropout      dY times the mask, beside dY (the residual path still needs it)
-    ln2, fc1     as ln1 and qkv
-    mlp          GELU, or SwiGLU (one fused kernel, or the product's, SiLU's and the split's backwards)
+kernels.py, checkpoint.py), for the generic walk (memcalc.sizing.timeline.walk): ln1, QKV (column-parallel), the
+split into q, k and v, the core (eager op by op, or one flash kernel; under selective recomputation a checkpoint
+that reruns it inside backward), the projection (row-parallel), dropout and the residual add, ln2, fc1, GELU or
+SwiGLU, fc2, dropout and the residual add. Each op keeps the ledger's saved tensors (memcalc.model.impls.megatron)
+and says what its backward makes and frees, as autograd runs it, with the collectives of TP and SP as steps.
 
 The layer's forward is one moment, its end: what the ledger says it keeps, and its output. Under full recomputation
 the layer is a checkpoint that keeps its input alone and reruns the layer's forward at the start of its backward.
-
 Names are the same in every layer (a saved tensor's is the ledger's): one layer's backward runs at a time, so one op
 tuple serves them all; the walk's module path says which layer (layers.3.mlp.fc2).
 """
@@ -39,10 +28,21 @@ OUTPUT_GRAD = "grad/layer output"  # the gradient the layer's backward starts fr
 INPUT_GRAD = "grad/layer input"  # and the one it ends with (the previous layer's OUTPUT_GRAD)
 
 _WGRAD = "the weight's bf16 gradient, dW = dY^T X"
+_SOFTMAX = "softmax's backward: S' * (dY - sum(dY * S'))"
 # What the layer's block makes outside its submodules (memcalc.probe.layer._block): the residual adds and their
 # dropout. MemTracker files what the block makes in full recomputation's rerun as temporaries (the rerun calls the
 # block, not the layer module), what a submodule's forward makes as activations.
-_MADE_BY_THE_BLOCK = frozenset(x.name for x in (ledger.LN2.input, ledger.ATTN_OUT_DROPOUT_MASK, ledger.MLP_DROPOUT_MASK))
+_MADE_BY_THE_BLOCK = {x.name for x in (ledger.LN2.input, ledger.ATTN_OUT_DROPOUT_MASK, ledger.MLP_DROPOUT_MASK)}
+
+
+def _backward(where: str, *steps: Step, saves: tuple[SavedTensor, ...] = ()) -> Op:
+    """An op whose forward the layer's one forward moment covers: its backward steps and what it keeps."""
+    return Op(where, forward=(), backward=steps, saves=saves)
+
+
+def _one(where: str, what: str, made: Made, frees: tuple[str, ...], saves: tuple[SavedTensor, ...] = ()) -> Op:
+    """An op whose backward makes one tensor, then frees `frees`."""
+    return _backward(where, Step(what, (made,), frees), saves=saves)
 
 
 def layer_ops(
@@ -96,12 +96,11 @@ def _rerun_layer(z: Sizes, rerun: tuple[SavedTensor, ...], has) -> Op:
         for x in rerun if x.name != INPUT
     )
     branch = TEMPORARIES if has(ledger.MLP_DROPOUT_MASK.name) else ACTIVATIONS  # made by the block after its dropout
-    return Op("", forward=(), backward=(Step(
-        "full recomputation: the layer's forward again, to its last residual add",
-        (*made, Made("layer/recomputed output", z.seq(z.h),
-                     "the rerun's output: the checkpoint holds it while autograd runs the layer's backward"),
-         Made("layer/recomputed MLP branch", z.seq(z.h), "the last residual add's other operand", category=branch)),
-        frees=("layer/recomputed MLP branch",)),))
+    return _backward("", Step("full recomputation: the layer's forward again, to its last residual add", (
+        *made, Made("layer/recomputed output", z.seq(z.h),
+                    "the rerun's output: the checkpoint holds it while autograd runs the layer's backward"),
+        Made("layer/recomputed MLP branch", z.seq(z.h), "the last residual add's other operand", category=branch)),
+        frees=("layer/recomputed MLP branch",)))
 
 
 # -- the pieces every layer is built from ---------------------------------------------------------------------
@@ -113,8 +112,8 @@ def _dropout(ops: list[Op], z: Sizes, mask: SavedTensor, what: str, grad: str, h
     if not has(mask.name):
         return grad
     branch = f"grad/{what} dropout"
-    ops.append(Op("", forward=(), backward=(Step(f"dropout after {what}", (
-        Made(branch, z.seq(z.h), "dropout's backward: dY times the mask, a new tensor"),)),), saves=(mask,)))
+    ops.append(_one("", f"dropout after {what}", Made(branch, z.seq(z.h), "dropout's backward: dY times the mask, a"
+                                                      " new tensor"), (), saves=(mask,)))
     return branch
 
 
@@ -135,7 +134,7 @@ def _row_parallel(z: Sizes, where: str, x: SavedTensor, grad: str, residual: str
     gemms = Step("GEMMs: dW and dX", (Made(dw, z.act * z.h * width, _WGRAD),
                                        Made(dx, z.full(width), "dX = dY W, the input's gradient")),
                  frees=done, hands_over=(dw,))
-    return Op(where, forward=(), backward=(*steps, gemms), saves=(x,))
+    return _backward(where, *steps, gemms, saves=(x,))
 
 
 def _column_parallel(ops: list[Op], z: Sizes, where: str, x: SavedTensor, grad: str, width: int, bias: int,
@@ -149,23 +148,24 @@ def _column_parallel(ops: list[Op], z: Sizes, where: str, x: SavedTensor, grad: 
     handed = tuple(x.name for x in weights)
     if z.sp:  # memcalc.probe.linear._GatheredInputLinear
         gathered, partial = f"grad/{where} input gathered", f"grad/{where} partial dX"
-        ops.append(Op(where, forward=(), backward=(
+        ops.append(_backward(
+            where,
             Step("re-gathered input, partial dX and its reduce-scatter", (
                 Made(gathered, z.full(z.h), "forward kept only the input's shard: backward all-gathers it"),
                 Made(partial, z.full(z.h), "dX = dY W on the whole sequence, this rank's partial sum"),
                 Made(dx, z.seq(z.h), "the reduce-scatter's output: this rank's shard of dX")), frees=(partial,)),
             Step("dW and the bias's gradient beside the re-gathered input", weights, frees=(gathered, grad),
                  hands_over=handed),
-        ), saves=(x,)))
+            saves=(x,)))
         return dx
     gemms = Step("GEMMs: dX, dW and the bias's gradient", (Made(dx, z.full(z.h), "dX = dY W, the input's gradient"),
                                                             *weights), frees=(grad,), hands_over=handed, returns=True)
     if z.t == 1:
-        ops.append(Op(where, forward=(), backward=(gemms,), saves=(x,)))
+        ops.append(_backward(where, gemms, saves=(x,)))
         return dx
     reduced = f"{dx} (all-reduced)"
-    ops.append(Op(where, forward=(), backward=(gemms, Step("all-reduce of dX (f's backward)", (
-        Made(reduced, z.full(z.h), "f's backward all-reduces dX into a copy"),), frees=(dx,))), saves=(x,)))
+    ops.append(_backward(where, gemms, Step("all-reduce of dX (f's backward)", (
+        Made(reduced, z.full(z.h), "f's backward all-reduces dX into a copy"),), frees=(dx,)), saves=(x,)))
     return reduced
 
 
@@ -175,7 +175,8 @@ def _norm(z: Sizes, where: str, norm: NormTensors, grad: str, residual: tuple[st
     the norm's backward window: MemTracker files it under the norm). `residual`: the residual stream's gradient,
     freed by the sum (none when a checkpoint holds it)."""
     dx, dw = f"grad/{where} input (norm)", f"grad/{where} weights"
-    return Op(where, forward=(), backward=(
+    return _backward(
+        where,
         Step("the norm: dX, dweight" + (", dbias" if z.norm_vectors == 2 else ""), (
             Made(dx, z.seq(z.h), "the norm's dX"),
             Made(dw, z.norm_vectors * z.act * z.h, "the norm's weight (and bias) gradients")), frees=(grad,),
@@ -183,7 +184,7 @@ def _norm(z: Sizes, where: str, norm: NormTensors, grad: str, residual: tuple[st
         Step("the residual stream's gradients summed", (
             Made(out, z.seq(z.h), "the residual stream's gradient: the two paths' gradients summed"),),
             frees=(*residual, dx), hands_over=(dw,)),
-    ), saves=tuple(norm))
+        saves=tuple(norm))
 
 
 def _activation(ops: list[Op], config: ModelConfig, z: Sizes, grad: str) -> tuple[str, int]:
@@ -194,27 +195,23 @@ def _activation(ops: list[Op], config: ModelConfig, z: Sizes, grad: str) -> tupl
     """
     full = z.full(z.f_t)
     if config.mlp != "swiglu":
-        ops.append(Op("mlp", forward=(), backward=(Step("GELU", (
-            Made("grad/gelu input", full, "GELU's backward: dY times GELU'(x)"),), frees=(grad,)),),
-            saves=(ledger.GELU_IN,)))
+        ops.append(_one("mlp", "GELU", Made("grad/gelu input", full, "GELU's backward: dY times GELU'(x)"), (grad,),
+                        saves=(ledger.GELU_IN,)))
         return "grad/gelu input", z.f_t
     out = "grad/fc1 output"
     if config.bias_activation_fusion:
-        ops.append(Op("mlp", forward=(), backward=(Step("fused SwiGLU", (
-            Made(out, 2 * full, "the fused SwiGLU's backward: d[gate; up] in one tensor"),), frees=(grad,)),),
-            saves=(ledger.SWIGLU_GATE, ledger.SWIGLU_UP)))
+        ops.append(_one("mlp", "fused SwiGLU", Made(out, 2 * full, "the fused SwiGLU's backward: d[gate; up] in one"
+                                                         " tensor"), (grad,), saves=(ledger.SWIGLU_GATE, ledger.SWIGLU_UP)))
         return out, 2 * z.f_t
     ops.extend((
-        Op("mlp", forward=(), backward=(Step("SiLU(gate) * up: both factors' gradients", (
+        _backward("mlp", Step("SiLU(gate) * up: both factors' gradients", (
             Made("grad/up", full, "the product's backward: d(up) = dY * SiLU(gate)"),
-            Made("grad/silu output", full, "the product's backward: d(SiLU) = dY * up")), frees=(grad,)),),
+            Made("grad/silu output", full, "the product's backward: d(SiLU) = dY * up")), frees=(grad,)),
             saves=(ledger.SWIGLU_SILU_OUT, megatron.SWIGLU_UP_COPY)),
-        Op("mlp", forward=(), backward=(Step("SiLU", (
-            Made("grad/gate", full, "SiLU's backward: d(gate) = d(SiLU) * SiLU'(gate)"),),
-            frees=("grad/silu output",)),), saves=(ledger.SWIGLU_GATE, ledger.SWIGLU_UP)),
-        Op("mlp", forward=(), backward=(Step("d(gate) and d(up) concatenated into fc1's output gradient", (
-            Made(out, 2 * full, "gate and up were split from fc1's output: their gradients concatenated"),),
-            frees=("grad/gate", "grad/up")),)),
+        _one("mlp", "SiLU", Made("grad/gate", full, "SiLU's backward: d(gate) = d(SiLU) * SiLU'(gate)"),
+             ("grad/silu output",), saves=(ledger.SWIGLU_GATE, ledger.SWIGLU_UP)),
+        _one("mlp", "d(gate) and d(up) concatenated into fc1's output gradient", Made(
+            out, 2 * full, "gate and up were split from fc1's output: their gradients concatenated"), ("grad/gate", "grad/up")),
     ))
     return out, 2 * z.f_t
 
@@ -240,18 +237,17 @@ def _attention(ops: list[Op], config: ModelConfig, z: Sizes, dcontext: str, has)
         held = {x.name for x in checkpoint}
         again = {x.name: x for op in core for x in op.saves if x.name not in held}.values()
         what = "the flash kernel's" if config.attention == "flash" else "the attention core's"
-        ops.append(Op("attention", forward=(), backward=(Step(f"selective recomputation: {what} forward again", (
+        ops.append(_backward("attention", Step(f"selective recomputation: {what} forward again", (
             *(Made(x.name, 0, "made again by selective recomputation's rerun of the core", keeps=x) for x in again),
             Made("attention/recomputed output", z.full(z.h_t),
-                 "the rerun's output: the checkpoint holds it while autograd runs the core's backward"))),)))
+                 "the rerun's output: the checkpoint holds it while autograd runs the core's backward")))))
     ops.extend(core)
     if selective:
-        ops.append(Op("attention", forward=(), backward=(Step("the checkpoint returns", frees=(
-            "attention/recomputed output", dcontext)),), saves=checkpoint))
-    ops.append(Op("attention", forward=(), backward=(Step("dQ, dK, dV concatenated into the QKV output's gradient", (
-        Made("grad/qkv output", z.full(z.qkv_t),
-             "q, k and v were split from one QKV output: their gradients concatenated"),),
-        frees=("grad/q", k, v)),)))
+        ops.append(_backward("attention", Step("the checkpoint returns", frees=(
+            "attention/recomputed output", dcontext)), saves=checkpoint))
+    ops.append(_one("attention", "dQ, dK, dV concatenated into the QKV output's gradient", Made(
+        "grad/qkv output", z.full(z.qkv_t), "q, k and v were split from one QKV output: their gradients concatenated"),
+        ("grad/q", k, v)))
 
 
 def _fused_softmax(config: ModelConfig, z: Sizes) -> bool:
@@ -266,10 +262,10 @@ def _flash(ops: list[Op], z: Sizes, frees: tuple[str, ...], selective: bool) -> 
     which is the projection's input (under selective recomputation the first run's output is the projection's
     alone). Returns dK's and dV's names."""
     basd, bgsd = z.act * z.b * z.a_t * z.s * z.d, z.act * z.b * z.g_t * z.s * z.d
-    ops.append(Op("attention", forward=(), backward=(Step("flash attention: dQ, dK, dV", (
+    ops.append(_backward("attention", Step("flash attention: dQ, dK, dV", (
         Made("grad/q", basd, "the flash kernel's backward: dQ"),
         Made("grad/k", bgsd, "the flash kernel's backward: dK, per K/V group"),
-        Made("grad/v", bgsd, "the flash kernel's backward: dV, per K/V group")), frees=frees),),
+        Made("grad/v", bgsd, "the flash kernel's backward: dV, per K/V group")), frees=frees),
         saves=(ledger.Q, ledger.K, ledger.V, ledger.SOFTMAX_LSE, *(() if selective else (ledger.PROJ_IN,)))))
     return "grad/k", "grad/v"
 
@@ -282,31 +278,30 @@ def _eager(ops: list[Op], z: Sizes, frees: tuple[str, ...], has, fused_softmax: 
     expanded = has(megatron.K_EXPANDED.name)  # K and V copied to every head (grouped-query attention)
     k, v = (megatron.K_EXPANDED, megatron.V_EXPANDED) if expanded else (ledger.K, ledger.V)
     dropout = has(ledger.ATTN_DROPOUT_MASK.name)
-    ops.append(Op("attention", forward=(), backward=(Step("weights x V: dV and dWeights", (
+    ops.append(_backward("attention", Step("weights x V: dV and dWeights", (
         Made("grad/v", basd, "weights x V's backward: dV = weights^T dY"),
-        Made("grad/attention weights", z.act * bass, "weights x V's backward: dWeights = dY V^T")), frees=frees),),
+        Made("grad/attention weights", z.act * bass, "weights x V's backward: dWeights = dY V^T")), frees=frees),
         saves=(v, ledger.ATTN_DROPOUT_OUT if dropout else ledger.SOFTMAX_OUT)))
     weights = "grad/attention weights"
     if dropout:
-        ops.append(Op("attention", forward=(), backward=(Step("attention dropout", (
-            Made("grad/softmax output", z.act * bass, "attention dropout's backward: dY times the mask"),),
-            frees=(weights,)),), saves=(ledger.ATTN_DROPOUT_MASK,)))
+        ops.append(_one("attention", "attention dropout", Made(
+            "grad/softmax output", z.act * bass, "attention dropout's backward: dY times the mask"), (weights,),
+            saves=(ledger.ATTN_DROPOUT_MASK,)))
         weights = "grad/softmax output"
     if not fused_softmax:
         _torch_softmax(ops, z, weights, has)
     else:  # Megatron's fused kernel: keeps its 16-bit output alone
-        ops.append(Op("attention", forward=(), backward=(Step("softmax", (
-            Made("grad/scores", z.act * bass, "softmax's backward: S' * (dY - sum(dY * S'))"),),
-            frees=(weights,)),), saves=(ledger.SOFTMAX_OUT,)))
-    ops.append(Op("attention", forward=(), backward=(Step("QK^T: dQ and dK", (
+        ops.append(_one("attention", "softmax", Made("grad/scores", z.act * bass, _SOFTMAX), (weights,),
+                        saves=(ledger.SOFTMAX_OUT,)))
+    ops.append(_backward("attention", Step("QK^T: dQ and dK", (
         Made("grad/q", basd, "QK^T's backward: dQ = dScores K, then scaled (a new tensor)"),
         Made("grad/k unscaled", basd, "QK^T's backward: dK = dScores^T Q"),
-        Made("grad/k", basd, "dK scaled by 1/sqrt(d), a new tensor")), frees=("grad/scores", "grad/k unscaled")),),
+        Made("grad/k", basd, "dK scaled by 1/sqrt(d), a new tensor")), frees=("grad/scores", "grad/k unscaled")),
         saves=(ledger.Q, k)))
     if not expanded:
         return "grad/k", "grad/v"
     bgsd = z.act * z.b * z.g_t * z.s * z.d
-    ops.append(Op("attention", forward=(), backward=tuple(  # repeat_interleave's backward
+    ops.append(_backward("attention", *(  # repeat_interleave's backward
         Step(f"d{x.upper()} summed over each group's heads", (Made(f"grad/{x} grouped", bgsd, (
             f"repeat_interleave's backward: d{x.upper()} summed over each group's heads")),), frees=(f"grad/{x}",))
         for x in ("k", "v"))))
@@ -321,19 +316,17 @@ def _torch_softmax(ops: list[Op], z: Sizes, grad: str, has) -> None:
     sixteen_bit = has(megatron.SOFTMAX_FP32.name)  # an fp32 softmax of 16-bit scores, its output cast back
     width = 4 if sixteen_bit else z.act
     if sixteen_bit:
-        ops.append(Op("attention", forward=(), backward=(Step("the softmax output's cast", (
-            Made("grad/softmax fp32 output", 4 * bass, "the cast's backward: dY up to fp32"),), frees=(grad,)),)))
+        ops.append(_one("attention", "the softmax output's cast", Made(
+            "grad/softmax fp32 output", 4 * bass, "the cast's backward: dY up to fp32"), (grad,)))
         grad = "grad/softmax fp32 output"
     scores = "grad/wide scores" if sixteen_bit else "grad/scores"  # the (fp32) scores' gradient
     masked = "grad/masked scores" if has(megatron.CAUSAL_MASK.name) else scores
-    ops.append(Op("attention", forward=(), backward=(Step("softmax", (
-        Made(masked, width * bass, "softmax's backward: S' * (dY - sum(dY * S'))"),), frees=(grad,)),),
-        saves=(megatron.SOFTMAX_FP32 if sixteen_bit else ledger.SOFTMAX_OUT,)))
+    ops.append(_one("attention", "softmax", Made(masked, width * bass, _SOFTMAX), (grad,),
+                    saves=(megatron.SOFTMAX_FP32 if sixteen_bit else ledger.SOFTMAX_OUT,)))
     if masked != scores:
-        ops.append(Op("attention", forward=(), backward=(Step("the causal mask", (
-            Made(scores, width * bass, "masked_fill's backward: the masked gradient zeroed"),), frees=(masked,)),),
+        ops.append(_one("attention", "the causal mask", Made(
+            scores, width * bass, "masked_fill's backward: the masked gradient zeroed"), (masked,),
             saves=(megatron.CAUSAL_MASK,)))
     if sixteen_bit:
-        ops.append(Op("attention", forward=(), backward=(Step("the scores' cast", (
-            Made("grad/scores", z.act * bass, "the scores' cast to fp32: its backward casts back"),),
-            frees=(scores,)),)))
+        ops.append(_one("attention", "the scores' cast", Made(
+            "grad/scores", z.act * bass, "the scores' cast to fp32: its backward casts back"), (scores,)))
