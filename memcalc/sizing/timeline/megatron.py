@@ -15,6 +15,8 @@ tuple serves them all; the walk's module path says which layer (layers.3.mlp.fc2
 
 from __future__ import annotations
 
+from typing import Callable
+
 from memcalc.config.schema import ModelConfig
 from memcalc.model import ledger
 from memcalc.model.impls import megatron
@@ -27,6 +29,7 @@ OUTPUT = "layer/output"  # the layer's output, made in forward (the next layer's
 OUTPUT_GRAD = "grad/layer output"  # the gradient the layer's backward starts from
 INPUT_GRAD = "grad/layer input"  # and the one it ends with (the previous layer's OUTPUT_GRAD)
 
+Has = Callable[[str], bool]  # whether the layer keeps the saved tensor of that name (the ledger's size rules)
 _WGRAD = "the weight's bf16 gradient, dW = dY^T X"
 _SOFTMAX = "softmax's backward: S' * (dY - sum(dY * S'))"
 # What the layer's block makes outside its submodules (memcalc.probe.layer._block): the residual adds and their
@@ -87,7 +90,7 @@ def _layer(z: Sizes, kept: tuple[SavedTensor, ...], full: bool) -> Op:
               saves=(ledger.LAYER_INPUT,) if full else ())
 
 
-def _rerun_layer(z: Sizes, rerun: tuple[SavedTensor, ...], has) -> Op:
+def _rerun_layer(z: Sizes, rerun: tuple[SavedTensor, ...], has: Has) -> Op:
     """Full recomputation: the checkpoint runs the layer's forward again, to its last residual add, inside backward;
     what the layer keeps without recomputation is made again (the input is the checkpoint's)."""
     made = tuple(
@@ -106,7 +109,7 @@ def _rerun_layer(z: Sizes, rerun: tuple[SavedTensor, ...], has) -> Op:
 # -- the pieces every layer is built from ---------------------------------------------------------------------
 
 
-def _dropout(ops: list[Op], z: Sizes, mask: SavedTensor, what: str, grad: str, has) -> str:
+def _dropout(ops: list[Op], z: Sizes, mask: SavedTensor, what: str, grad: str, has: Has) -> str:
     """Dropout before a residual add: dY times the mask, a new tensor beside dY (which the residual path still
     needs); none without dropout. Returns the branch's gradient."""
     if not has(mask.name):
@@ -200,8 +203,8 @@ def _activation(ops: list[Op], config: ModelConfig, z: Sizes, grad: str) -> tupl
         return "grad/gelu input", z.f_t
     out = "grad/fc1 output"
     if config.bias_activation_fusion:
-        ops.append(_one("mlp", "fused SwiGLU", Made(out, 2 * full, "the fused SwiGLU's backward: d[gate; up] in one"
-                                                         " tensor"), (grad,), saves=(ledger.SWIGLU_GATE, ledger.SWIGLU_UP)))
+        ops.append(_one("mlp", "fused SwiGLU", Made(out, 2 * full, "the fused SwiGLU's backward: d[gate; up] at once"),
+                        (grad,), saves=(ledger.SWIGLU_GATE, ledger.SWIGLU_UP)))
         return out, 2 * z.f_t
     ops.extend((
         _backward("mlp", Step("SiLU(gate) * up: both factors' gradients", (
@@ -211,7 +214,8 @@ def _activation(ops: list[Op], config: ModelConfig, z: Sizes, grad: str) -> tupl
         _one("mlp", "SiLU", Made("grad/gate", full, "SiLU's backward: d(gate) = d(SiLU) * SiLU'(gate)"),
              ("grad/silu output",), saves=(ledger.SWIGLU_GATE, ledger.SWIGLU_UP)),
         _one("mlp", "d(gate) and d(up) concatenated into fc1's output gradient", Made(
-            out, 2 * full, "gate and up were split from fc1's output: their gradients concatenated"), ("grad/gate", "grad/up")),
+            out, 2 * full, "gate and up were split from fc1's output: their gradients concatenated"),
+            ("grad/gate", "grad/up")),
     ))
     return out, 2 * z.f_t
 
@@ -219,7 +223,7 @@ def _activation(ops: list[Op], config: ModelConfig, z: Sizes, grad: str) -> tupl
 # -- attention ----------------------------------------------------------------------------------------------------
 
 
-def _attention(ops: list[Op], config: ModelConfig, z: Sizes, dcontext: str, has) -> None:
+def _attention(ops: list[Op], config: ModelConfig, z: Sizes, dcontext: str, has: Has) -> None:
     """The core's backward from the projection's input gradient `dcontext` to the QKV output's.
 
     Under selective recomputation a checkpoint (memcalc.probe.checkpoint) wraps the core: it keeps q, k and v (and
@@ -270,7 +274,7 @@ def _flash(ops: list[Op], z: Sizes, frees: tuple[str, ...], selective: bool) -> 
     return "grad/k", "grad/v"
 
 
-def _eager(ops: list[Op], z: Sizes, frees: tuple[str, ...], has, fused_softmax: bool) -> tuple[str, str]:
+def _eager(ops: list[Op], z: Sizes, frees: tuple[str, ...], has: Has, fused_softmax: bool) -> tuple[str, str]:
     """softmax(QK^T / sqrt(d)) V backward, op by op (memcalc.probe.attention.eager_core), in backward order; `frees`:
     what weights x V's backward frees (dY, unless a checkpoint holds it). Returns dK's and dV's names."""
     bass = z.b * z.a_t * z.s * z.s  # (b, a/t, s, s) elements
@@ -308,7 +312,7 @@ def _eager(ops: list[Op], z: Sizes, frees: tuple[str, ...], has, fused_softmax: 
     return "grad/k grouped", "grad/v grouped"
 
 
-def _torch_softmax(ops: list[Op], z: Sizes, grad: str, has) -> None:
+def _torch_softmax(ops: list[Op], z: Sizes, grad: str, has: Has) -> None:
     """Megatron's forward_torch_softmax backward (outside the fused kernel's sizes, or in fp32), in backward order:
     the gradient cast up to fp32, softmax's backward, masked_fill's (a new tensor; with one query, s = 1, Megatron
     masks nothing), the cast back down."""
