@@ -96,6 +96,7 @@ class Walk:
                 self._step(step, op, "forward")
 
     def _first_keepers(self, ops: tuple[Op, ...]) -> None:
+        """Each saved tensor's first keeper: its backward runs last, and the tensor goes when it returns."""
         for i, op in enumerate(ops):
             for x in op.saves:
                 self._kept_by.setdefault(x.name, i)
