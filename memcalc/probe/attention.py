@@ -160,9 +160,11 @@ def eager_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, soft
     if softmax.fused(b, heads, s, q.dtype):  # one kernel: keeps its 16-bit output alone
         weights = FusedCausalSoftmax.apply(scores, 1.0)  # megatron's FusedScaleMaskSoftmax: scale None, so 1
     else:  # forward_torch_softmax: the scores masked in place (keeps the mask), softmax kept in its dtype
-        future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
-        scores = (wide(scores) if softmax.in_fp32 else scores).masked_fill_(future, float("-inf"))
-        label(future, megatron.CAUSAL_MASK)
+        scores = wide(scores) if softmax.in_fp32 else scores
+        if s > 1:  # with one query (sq = 1, megatron's KV-cache case) it masks nothing
+            future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+            scores = scores.masked_fill_(future, float("-inf"))
+            label(future, megatron.CAUSAL_MASK)
         weights = torch.softmax(scores, dim=-1)
         if weights.dtype != q.dtype:
             label(weights.view(b, heads, s, s), megatron.SOFTMAX_FP32)

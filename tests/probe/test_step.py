@@ -106,16 +106,35 @@ def _bytes_after_every_op(tp, config, strategy):
     return readings_after_every_op(Trainer.warmed_up(tp, config, strategy))
 
 
-@pytest.mark.parametrize("model, strategy", CASES)
-def test_every_moment_the_timeline_names_happens_in_order_with_its_bytes(model, strategy):
+def _assert_every_moment_in_order(config, strategy):
     """Not only the peak: each moment's bytes per category are MemTracker's after some op, in the timeline's order."""
-    config, st = build_config(MODELS[model]), STRATEGIES[strategy]
+    st = STRATEGIES[strategy]
     if st.tensor_parallel:
         readings = run_fake(_bytes_after_every_op, (config, st), config.t)
     else:
         readings = _bytes_after_every_op(single(), config, st)
     moments = timeline(config, st, Accounting(exact=True, device="cpu")).moments[1:]
     assert_moments_in_order(moments, readings, places=False)  # a forward moment names a block, not its last op's module
+
+
+@pytest.mark.parametrize("model, strategy", CASES)
+def test_every_moment_the_timeline_names_happens_in_order_with_its_bytes(model, strategy):
+    _assert_every_moment_in_order(build_config(MODELS[model]), strategy)
+
+
+# Shapes at the edges: one token per sequence, odd s, b = 1, three query heads per K/V group, the fp32 softmax.
+ODD = dict(b=1, s=7, a=12, h=96, num_query_groups=4, attention_softmax_in_fp32=True)
+
+
+@pytest.mark.parametrize("changes, strategy", [
+    ({"b": 1, "s": 1, "attention_softmax_in_fp32": True}, "tp"),  # one query: megatron masks nothing
+    ({"s": 1, "dropout": 0.0}, "none"),  # b = 2, s = 1: the labels made sequence-first are contiguous, no copy
+    (ODD, "tp"),  # odd s outside the fused softmax's window, fp32 softmax, K and V copied to three heads each
+    (ODD | {"recompute": "selective", "mlp": "swiglu", "ffn_hidden_size": 176}, "tp"),
+    ({"s": 1, "recompute": "full", "attention_softmax_in_fp32": True, "num_query_groups": 2}, "tp"),
+], ids=lambda x: str(x))
+def test_at_odd_shapes_every_moment_happens_in_order_with_its_bytes(changes, strategy):
+    _assert_every_moment_in_order(build_config(STEP | changes), strategy)
 
 
 def test_a_category_off_by_more_than_one_percent_is_reported(measured):

@@ -53,3 +53,22 @@ def test_forward_makes_activations_sized_by_the_ledger_and_backward_temporaries(
     assert (x.category, x.bytes) == (ACTIVATIONS, SAVED["x"])
     assert {x.category for x in tape.moments[-1].live if x.name.startswith("g/")} == {TEMPORARIES}
     assert [m.where for m in tape.moments] == ["layers.0.w1"] * 2 + ["layers.0.w3"] * 2 + ["layers.0.w1"] * 2
+
+
+def test_walked_backward_alone_a_tensor_two_ops_save_still_goes_when_the_earlier_ops_node_returns():
+    """Full recomputation walks a layer's backward without its forward: the first op keeping each tensor is found
+    there."""
+    tape = Tape()
+    tape.add("l/x", ACTIVATIONS, SAVED["x"], "made before, as a checkpoint's rerun makes it")
+    Walk(tape, "l", "layers.0", SAVED, lambda where, name, nbytes: tape.drop(name)).backward(_layer())
+    second, first_gemms, first_sum = tape.moments[-3:]
+    assert "l/x" in {x.name for x in first_gemms.live}
+    assert "l/x" not in {x.name for x in first_sum.live}
+
+
+def test_a_made_tensor_that_names_its_category_is_filed_there_and_not_under_the_phase():
+    tape = Tape()
+    op = Op("w", forward=(), backward=(Step("rerun", (Made("l/y", 10, "rerun", category=ACTIVATIONS),
+                                                      Made("l/z", 10, "rerun")),),))
+    Walk(tape, "l", "layers.0", SAVED, lambda where, name, nbytes: None).backward((op,))
+    assert {x.name: x.category for x in tape.moments[-1].live} == {"l/y": ACTIVATIONS, "l/z": TEMPORARIES}

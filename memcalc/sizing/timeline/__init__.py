@@ -39,9 +39,10 @@ workspace per stream; NCCL keeps its buffers. None of those is a tensor, and non
 
 Modelled so far: 1F1B, plain or interleaved, at any pp (first and last stage; a middle stage
 needs less)
-and cp = 1 (none, tp, tp-sp at any t), the Megatron implementation's layer with GELU or
-SwiGLU (fused or not), eager attention with a K/V group per head or grouped-query
-(Megatron's fused softmax, or its fp32 torch softmax outside the kernel's sizes) or flash
+and cp = 1 (none, tp, tp-sp at any t), the Megatron implementation's layer (described once as
+ops, memcalc.sizing.timeline.megatron, for the generic walk) with GELU or SwiGLU (fused or
+not), eager attention with a K/V group per head or grouped-query (Megatron's fused
+softmax, or its fp32 or 16-bit torch softmax outside the kernel's sizes) or flash
 attention, LayerNorm or RMSNorm, dropout and biases on or off, tied or untied embeddings,
 learned positions or RoPE, bf16 or fp16; no recomputation, selective (the attention core
 rerun inside backward, beside the checkpoint's inputs and its held gradient) or full (each
@@ -67,14 +68,17 @@ from dataclasses import replace
 
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError
-from memcalc.model.evaluate import estimate
+from memcalc.model import ledger
+from memcalc.model.evaluate import LayerEstimate, estimate
 from memcalc.model.knobs import Accounting
+from memcalc.model.ledger import SavedTensor
 from memcalc.model.strategy import Strategy
 from memcalc.sizing.pipeline import Stage, stages
 from memcalc.sizing.timeline.hf import hf_timeline
 from memcalc.sizing.timeline.torchtitan import torchtitan_timeline
 from memcalc.sizing.timeline.ends import STEP_TENSORS, Ends, model_states
-from memcalc.sizing.timeline.layer import LAYER_NAMES, layer_backward, layer_forward
+from memcalc.sizing.timeline.megatron import INPUT, INPUT_GRAD, OUTPUT, OUTPUT_GRAD, layer_ops
+from memcalc.sizing.timeline.walk import Op, Walk
 from memcalc.sizing.timeline.tape import (
     ACTIVATIONS, CATEGORIES, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, Live, Moment, Sizes, Tape, Timeline,
 )
@@ -103,32 +107,59 @@ def timeline(
     if config.impl == "torchtitan":  # torchtitan's Llama3Model, described as ops for the generic walk
         return torchtitan_timeline(config, strategy, accounting)
     layer = estimate(config, strategy, accounting)
-    _check_modelled(config, strategy, tuple(x.tensor.name for x in layer.tensors))
-    st = _stage(config, stage)
+    kept = tuple(x.tensor for x in layer.tensors)
+    saved = {x.tensor.name: x.bytes for x in layer.tensors}
+    rerun = _rerun(config, strategy, accounting) if config.recompute != "none" else layer
+    sizes = {x.tensor.name: x.bytes for x in rerun.tensors} | saved
     z = Sizes.of(config, strategy)
+    ops = layer_ops(config, z, kept, tuple(x.tensor for x in rerun.tensors), sizes)
+    _check_modelled(config, (*kept, *(x.tensor for x in rerun.tensors)), ops)
+    st = _stage(config, stage)
     tape = Tape()
     model_states(tape, config, st, z)
     tape.mark("steady", "", "model states between steps")
     ends = Ends(config, strategy, accounting, z, st)
-    saved = {x.tensor.name: x.bytes for x in layer.tensors}
     walked = config.L // (config.pp * config.vpp) if config.vpp and config.pp > 1 else st.layers  # one model chunk
     first = 0 if st.has_embedding else config.L - walked
     layers = range(first, first + walked)
     _others_in_flight(tape, st, walked, sum(saved.values()), ends.embedding_bytes())
-    ends.forward_in(tape, first)
+    ends.forward_in(tape)
+    folded = (INPUT, *(x.name for x in kept if x.name not in (INPUT, ledger.LAYER_INPUT.name)))
+    # every layer runs the same ops: one walk, its module set to each; a weight's gradient handed over by autograd
+    # is added into the fp32 buffer at once
+    walk = Walk(tape, "", "", sizes, lambda where, name, nbytes: tape.drop(name))
     for i in layers:
-        layer_forward(tape, i, saved, z)
-    ends.forward_out(tape, layers.stop)
-    ends.backward_out(tape, layers.stop)
-    rerun = _rerun(config, strategy, accounting) if config.recompute == "full" else saved
-    core = _rerun(config, strategy, accounting) if config.recompute == "selective" and config.attention == "eager" \
-        else None
+        walk.module = f"layers.{i}"
+        walk.forward(ops)
+        _fold(tape, i, folded)
+    ends.forward_out(tape)
+    ends.backward_out(tape)
     for i in reversed(layers):
-        layer_backward(tape, i, rerun, z, config, first, core)
-    ends.backward_in(tape, first)
+        _unfold(tape, i, kept, saved)
+        walk.module = f"layers.{i}"
+        walk.backward(ops)
+        if i > first:
+            tape.rename(INPUT_GRAD, OUTPUT_GRAD)
+    ends.backward_in(tape)
     tape.drop("pipeline/other micro-batches")  # the cool-down runs their backwards, as this one's
     tape.mark("optimizer", "", "fused AdamW on the fp32 master weights, in place")
     return Timeline(layer.strategy, tuple(tape.moments), st.name)
+
+
+def _fold(tape: Tape, i: int, names: tuple[str, ...]) -> None:
+    """After its forward, layer i's saved tensors (`names`, its input's first) as one term until its backward: the
+    moments' cost grows with the tensors live, and every layer's tensors have the same names; its output is the
+    next layer's input."""
+    held = sum(tape.live.pop(name).bytes for name in names)
+    tape.add(f"layers.{i}/saved", ACTIVATIONS, held, "what the layer keeps for backward (the ledger)")
+    tape.rename(OUTPUT, INPUT)
+
+
+def _unfold(tape: Tape, i: int, kept: tuple[SavedTensor, ...], saved: dict[str, int]) -> None:
+    """Before its backward, layer i's saved tensors one by one again, as its ops free them."""
+    tape.drop(f"layers.{i}/saved")
+    for x in kept:
+        tape.add(x.name, ACTIVATIONS, saved[x.name], "kept for backward (the ledger)")
 
 
 def _others_in_flight(tape: Tape, st: Stage, walked: int, per_layer: int, embedding: int) -> None:
@@ -140,10 +171,10 @@ def _others_in_flight(tape: Tape, st: Stage, walked: int, per_layer: int, embedd
              + (f" and {embeddings} embeddings'" if embeddings else ""))
 
 
-def _rerun(config: ModelConfig, strategy: Strategy, accounting: Accounting) -> dict[str, int]:
-    """What a layer keeps when full recomputation reruns it in backward: the layer without recomputation."""
-    layer = estimate(replace(config, recompute="none"), strategy, accounting)
-    return {x.tensor.name: x.bytes for x in layer.tensors}
+def _rerun(config: ModelConfig, strategy: Strategy, accounting: Accounting) -> LayerEstimate:
+    """What a layer keeps when recomputation reruns it (or its attention core) in backward: the layer without
+    recomputation."""
+    return estimate(replace(config, recompute="none"), strategy, accounting)
 
 
 def timelines(config: ModelConfig, strategy: Strategy, accounting: Accounting = Accounting(exact=True)) -> tuple[
@@ -179,7 +210,7 @@ def _refuse_other_layers(config: ModelConfig) -> None:
         raise ConfigError("the step timeline does not model qk_layernorm (norms on each query and key head) yet")
 
 
-def _check_modelled(config: ModelConfig, strategy: Strategy, names: tuple[str, ...]) -> None:
+def _check_modelled(config: ModelConfig, kept: tuple[SavedTensor, ...], ops: tuple[Op, ...]) -> None:
     """ConfigError naming the first thing this timeline does not model yet."""
     missing = [
         # the paper's layer is Megatron's with the fused softmax at every size: the same walk, its own tensors
@@ -187,7 +218,8 @@ def _check_modelled(config: ModelConfig, strategy: Strategy, names: tuple[str, .
         (config.cp != 1, f"cp={config.cp}"),
         (config.dtype == "fp32", "dtype fp32 (Megatron trains fp32 without master weights)"),
     ]
-    unknown = [n for n in names if n not in LAYER_NAMES]
+    known = {x.name for op in ops for x in op.saves}  # what the layer's ops free: the tensors the walk knows
+    unknown = dict.fromkeys(x.name for x in kept if x.name not in known)
     if unknown:
         missing.append((True, f"a layer that keeps {', '.join(unknown)}"))
     for absent, what in missing:

@@ -10,7 +10,7 @@ from memcalc.model.ledger import Dim, Kind, Region, SavedTensor
 from memcalc.model.strategy import Strategy
 from memcalc.sizing.pipeline import Stage
 from memcalc.sizing.states import group_params, state_bytes
-from memcalc.sizing.timeline.ops import enter_tp_backward, gathered_linear_backward, norm_backward
+from memcalc.sizing.timeline.megatron import INPUT, INPUT_GRAD, OUTPUT_GRAD
 from memcalc.sizing.timeline.tape import (
     ACTIVATIONS, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, Sizes, Tape, prod,
 )
@@ -93,7 +93,7 @@ class Ends:
         if not self.ids_are_tokens:
             self._saved(tape, ledger.EMBEDDING_INPUT_IDS, VOCAB_MASK)
         self._saved(tape, POSITION_IDS, ledger.EMBEDDING_DROPOUT_MASK)
-        tape.add("layers.0/ln1/input", ACTIVATIONS, z.seq(z.h), ledger.WHY_NORM_INPUT)
+        tape.add(INPUT, ACTIVATIONS, z.seq(z.h), ledger.WHY_NORM_INPUT)
         tape.mark("forward", "embedding", "word and position embeddings, dropout")
 
     def _labels(self, tape: Tape) -> None:
@@ -109,43 +109,43 @@ class Ends:
         kept = (ledger.EMBEDDING_INPUT_IDS, VOCAB_MASK, POSITION_IDS, ledger.EMBEDDING_DROPOUT_MASK)
         return sum(self.saved.get(x.name, 0) for x in kept)
 
-    def forward_in(self, tape: Tape, first: int) -> None:
+    def forward_in(self, tape: Tape) -> None:
         """The embedding, or the previous stage's output received as this stage's input."""
         if self.stage.has_embedding:
             self.forward_embedding(tape)
             return
         self._labels(tape)
-        tape.add(f"layers.{first}/ln1/input", ACTIVATIONS, self.z.seq(self.z.h),
+        tape.add(INPUT, ACTIVATIONS, self.z.seq(self.z.h),
                  "the previous stage's output, received (p2p) as this stage's input; the first layer keeps it")
         tape.mark("forward", "", "the input received from the previous stage")
 
-    def forward_out(self, tape: Tape, end: int) -> None:
+    def forward_out(self, tape: Tape) -> None:
         """The final norm, output layer and loss, or the output sent to the next stage."""
         if self.stage.has_output:
-            self.forward_output_and_loss(tape, end)
+            self.forward_output_and_loss(tape)
             return
         # Megatron frees the sent output's data at once (deallocate_pipeline_outputs): the next stage keeps it.
-        tape.drop(f"layers.{end}/ln1/input")
+        tape.drop(INPUT)
 
-    def backward_out(self, tape: Tape, end: int) -> None:
+    def backward_out(self, tape: Tape) -> None:
         """The loss and output layer's backward, or the output's gradient received from the next stage."""
         if self.stage.has_output:
-            self.backward_loss_and_output(tape, end)
+            self.backward_loss_and_output(tape)
             return
-        tape.add(f"grad/layers.{end - 1}/output", TEMPORARIES, self.z.seq(self.z.h),
+        tape.add(OUTPUT_GRAD, TEMPORARIES, self.z.seq(self.z.h),
                  "the gradient of this stage's output, received (p2p) from the next stage")
         tape.mark("backward", "", "the output's gradient received from the next stage")
 
-    def backward_in(self, tape: Tape, first: int) -> None:
+    def backward_in(self, tape: Tape) -> None:
         """The embedding's backward, or the input's gradient sent to the previous stage."""
         if self.stage.has_embedding:
             self.backward_embedding(tape)
             return
-        tape.drop(f"grad/layers.{first}/ln1/input")  # sent: the previous stage receives it
+        tape.drop(INPUT_GRAD)  # sent: the previous stage receives it
 
-    def forward_output_and_loss(self, tape: Tape, layers: int) -> None:
+    def forward_output_and_loss(self, tape: Tape) -> None:
         z = self.z
-        tape.add(ledger.FINAL_NORM.input.name, ACTIVATIONS, tape.live.pop(f"layers.{layers}/ln1/input").bytes,
+        tape.add(ledger.FINAL_NORM.input.name, ACTIVATIONS, tape.live.pop(INPUT).bytes,
                  ledger.WHY_NORM_INPUT)
         self._saved(tape, ledger.FINAL_NORM.mean, ledger.FINAL_NORM.rstd, ledger.OUTPUT_INPUT)
         tape.mark("forward", "final_norm", "the norm before the output layer")
@@ -154,13 +154,13 @@ class Ends:
         # Megatron's _VocabParallelCrossEntropy.forward, at its widest: right after the per-token loss.
         self._saved(tape, ledger.LOSS_LOGITS, TARGET_MASK, MASKED_TARGET)
         for name, width, why in LOSS_WORKING_SET:
-            if name != "loss/target" or z.b > 1:  # with b = 1 the transposed labels are contiguous: no copy
+            if name != "loss/target" or min(z.b, z.s) > 1:  # b = 1 or s = 1: the transposed labels are contiguous
                 tape.add(name, ACTIVATIONS, z.tokens(width), why)
         tape.mark("forward", "loss", "fp32 logits and the per-token vectors of the cross-entropy")
         tape.drop("output/logits", *(name for name, _, _ in LOSS_WORKING_SET))
         tape.add("loss/value", ACTIVATIONS, 4, "the mean loss (a 0-d fp32 tensor) lives to the step's end")
 
-    def backward_loss_and_output(self, tape: Tape, layers: int) -> None:
+    def backward_loss_and_output(self, tape: Tape) -> None:
         z = self.z
         tape.add("loss/grad seed", ACTIVATIONS, 4,
                  "loss.backward() starts from a 0-d ones tensor, made before autograd runs")
@@ -187,12 +187,12 @@ class Ends:
         tape.drop(ledger.OUTPUT_INPUT.name)
         if not self.tied:
             tape.drop(embedding_grad)
-        norm_backward(tape, z, "final_norm", dx, ledger.FINAL_NORM, None, f"grad/layers.{layers - 1}/output")
+        norm_backward(tape, z, "final_norm", dx, ledger.FINAL_NORM, OUTPUT_GRAD)
         tape.drop("grad/final_norm weights")
 
     def backward_embedding(self, tape: Tape) -> None:
         z = self.z
-        incoming = "grad/layers.0/ln1/input"
+        incoming = INPUT_GRAD
         dropout = ledger.EMBEDDING_DROPOUT_MASK.name in self.saved
         grad = incoming
         if dropout:
@@ -233,6 +233,47 @@ class Ends:
         tape.drop("loss/grad seed")  # backward is over
 
 
+# -- the backward of the linears and the norm at the model's ends ---------------------------------------------
+
+
+def gathered_linear_backward(tape: Tape, z: Sizes, where: str, grad: str, weight: str, nbytes: int, why: str,
+                             dx: str) -> None:
+    """The output layer under SP (memcalc.probe.linear._GatheredInputLinear): gather X again, dX as a partial
+    (s, b, h) reduce-scattered to (s/t, b, h), then dW."""
+    gathered = f"grad/{where} input gathered"
+    partial = f"grad/{where} partial dX"
+    tape.add(gathered, TEMPORARIES, z.full(z.h), "forward kept only the input's shard: backward all-gathers it")
+    tape.add(partial, TEMPORARIES, z.full(z.h), "dX = dY W on the whole sequence, this rank's partial sum")
+    tape.add(dx, TEMPORARIES, z.seq(z.h), "the reduce-scatter's output: this rank's shard of dX")
+    tape.mark("backward", where, "re-gathered input, partial dX and its reduce-scatter")
+    tape.drop(partial)
+    tape.add(weight, TEMPORARIES, nbytes, why)
+    tape.mark("backward", where, "dW and the bias's gradient beside the re-gathered input")
+    tape.drop(gathered, grad)
+
+
+def enter_tp_backward(tape: Tape, z: Sizes, where: str, dx: str) -> None:
+    """f's backward under TP: all-reduce dX into a new tensor (the input of an autograd op is never changed)."""
+    if z.t == 1:
+        return
+    reduced = f"{dx} (all-reduced)"
+    tape.add(reduced, TEMPORARIES, z.full(z.h), "f's backward all-reduces dX into a copy")
+    tape.mark("backward", where, "all-reduce of dX (f's backward)")
+    tape.drop(dx)
+    tape.rename(reduced, dx)
+
+
+def norm_backward(tape: Tape, z: Sizes, where: str, grad: str, norm: ledger.NormTensors, dx: str) -> None:
+    """The norm's backward, one kernel: dX and its weight's (and LayerNorm's bias's) gradients beside dY; then its
+    saved tensors go."""
+    tape.add(dx, TEMPORARIES, z.seq(z.h), "the norm's dX")
+    tape.add(f"grad/{where} weights", TEMPORARIES, z.norm_vectors * z.act * z.h,
+             "the norm's weight (and bias) gradients")
+    tape.mark("backward", where, "the norm: dX, dweight" + (", dbias" if z.norm_vectors == 2 else ""))
+    tape.drop(*(x.name for x in norm))
+    tape.drop(grad)
+
+
 # Megatron's cross-entropy at its widest (core/tensor_parallel/cross_entropy.py): per-token vectors beside the
 # logits. (name, bytes per token, why)
 LOSS_WORKING_SET: tuple[tuple[str, int, str], ...] = (
@@ -245,5 +286,3 @@ LOSS_WORKING_SET: tuple[tuple[str, int, str], ...] = (
     ("loss/per_token", 4, "each token's loss (fp32)"),
 )
 
-
-# -- one transformer layer -----------------------------------------------------------------------------------

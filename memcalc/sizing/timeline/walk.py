@@ -31,12 +31,14 @@ HandOver = Callable[[str, str, int], None]  # (where, name, bytes): a weight's g
 @dataclass(frozen=True)
 class Made:
     """A tensor a step makes: its tape name, its bytes, why it exists. `keeps`: the ledger's record when it is one
-    of the saved tensors (its bytes are then the ledger's, not `bytes`)."""
+    of the saved tensors (its bytes are then the ledger's, not `bytes`). `category`: the tape category it is filed
+    under; empty for the phase's own (activations in forward, temporaries in backward)."""
 
     name: str
     bytes: int
     why: str
     keeps: SavedTensor | None = None
+    category: str = ""
 
 
 @dataclass(frozen=True)
@@ -87,13 +89,24 @@ class Walk:
         return kept_name(self.prefix, tensor)
 
     def forward(self, ops: tuple[Op, ...]) -> None:
-        for i, op in enumerate(ops):
-            for x in op.saves:
-                self._kept_by.setdefault(x.name, i)
+        if not self._kept_by:
+            self._first_keepers(ops)
+        for op in ops:
             for step in op.forward:
                 self._step(step, op, "forward")
 
+    def _first_keepers(self, ops: tuple[Op, ...]) -> None:
+        """Each saved tensor's first keeper: its backward runs last, and the tensor goes when it returns."""
+        for i, op in enumerate(ops):
+            for x in op.saves:
+                self._kept_by.setdefault(x.name, i)
+
     def backward(self, ops: tuple[Op, ...]) -> None:
+        """The ops' backward, last op first. Without a forward walked first (a layer rerun inside backward by full
+        recomputation), the first op that keeps each saved tensor is found here. One walk serves several layers of
+        the same ops (`module` set to each in turn): that is found once."""
+        if not self._kept_by:
+            self._first_keepers(ops)
         for i in reversed(range(len(ops))):
             op = ops[i]
             returns = next((j for j, x in enumerate(op.backward) if x.returns), len(op.backward) - 1)
@@ -115,7 +128,7 @@ class Walk:
             if x.keeps is not None and x.keeps.name not in self.saved:
                 continue  # not kept under these sizes (the ledger's size rules)
             nbytes = self.saved[x.keeps.name] if x.keeps is not None else x.bytes
-            self.tape.add(x.name, category, nbytes, x.why)
+            self.tape.add(x.name, x.category or category, nbytes, x.why)
         if step.makes:
             self.tape.mark(phase, where, step.what)
         self.tape.drop(*step.frees)

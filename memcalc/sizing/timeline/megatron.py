@@ -1,0 +1,336 @@
+"""Megatron's transformer layer (impl megatron and paper) in the step, described once as ordered ops.
+
+`layer_ops` is the layer as the probe's own layer runs it (memcalc.probe.layer, attention.py, mlp.py, norm.py,
+kernels.py, checkpoint.py), for the generic walk (memcalc.sizing.timeline.walk): ln1, QKV (column-parallel), the
+split into q, k and v, the core (eager op by op, or one flash kernel; under selective recomputation a checkpoint
+that reruns it inside backward), the projection (row-parallel), dropout and the residual add, ln2, fc1, GELU or
+SwiGLU, fc2, dropout and the residual add. Each op keeps the ledger's saved tensors (memcalc.model.impls.megatron)
+and says what its backward makes and frees, as autograd runs it, with the collectives of TP and SP as steps.
+
+The layer's forward is one moment, its end: what the ledger says it keeps, and its output. Under full recomputation
+the layer is a checkpoint that keeps its input alone and reruns the layer's forward at the start of its backward.
+Names are the same in every layer (a saved tensor's is the ledger's): one layer's backward runs at a time, so one op
+tuple serves them all; the walk's module path says which layer (layers.3.mlp.fc2).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from memcalc.config.schema import ModelConfig
+from memcalc.model import ledger
+from memcalc.model.impls import megatron
+from memcalc.model.ledger import Dim, NormTensors, SavedTensor
+from memcalc.sizing.timeline.tape import ACTIVATIONS, TEMPORARIES, Sizes
+from memcalc.sizing.timeline.walk import Made, Op, Step
+
+INPUT = ledger.LN1.input.name  # the layer's input, the previous block's output
+OUTPUT = "layer/output"  # the layer's output, made in forward (the next layer's INPUT)
+OUTPUT_GRAD = "grad/layer output"  # the gradient the layer's backward starts from
+INPUT_GRAD = "grad/layer input"  # and the one it ends with (the previous layer's OUTPUT_GRAD)
+
+Has = Callable[[str], bool]  # whether the layer keeps the saved tensor of that name (the ledger's size rules)
+_WGRAD = "the weight's bf16 gradient, dW = dY^T X"
+_SOFTMAX = "softmax's backward: S' * (dY - sum(dY * S'))"
+# What the layer's block makes outside its submodules (memcalc.probe.layer._block): the residual adds and their
+# dropout. MemTracker files what the block makes in full recomputation's rerun as temporaries (the rerun calls the
+# block, not the layer module), what a submodule's forward makes as activations.
+_MADE_BY_THE_BLOCK = {x.name for x in (ledger.LN2.input, ledger.ATTN_OUT_DROPOUT_MASK, ledger.MLP_DROPOUT_MASK)}
+
+
+def _backward(where: str, *steps: Step, saves: tuple[SavedTensor, ...] = ()) -> Op:
+    """An op whose forward the layer's one forward moment covers: its backward steps and what it keeps."""
+    return Op(where, forward=(), backward=steps, saves=saves)
+
+
+def _one(where: str, what: str, made: Made, frees: tuple[str, ...], saves: tuple[SavedTensor, ...] = ()) -> Op:
+    """An op whose backward makes one tensor, then frees `frees`."""
+    return _backward(where, Step(what, (made,), frees), saves=saves)
+
+
+def layer_ops(
+    config: ModelConfig, z: Sizes, kept: tuple[SavedTensor, ...], rerun: tuple[SavedTensor, ...],
+    saved: dict[str, int],
+) -> tuple[Op, ...]:
+    """One layer, in forward order: `kept` is what the ledger says its forward keeps, `rerun` what the layer keeps
+    without recomputation (made again in backward under recomputation), `saved` the bytes of both by name (which
+    tensors exist decides the ops: the dropout masks, the softmax's, grouped-query attention's copies)."""
+    has = saved.__contains__
+    full = config.recompute == "full"
+    backward: list[Op] = []  # built in backward order, each op taking the gradient the one before it made
+    if full:
+        backward.append(_rerun_layer(z, rerun, has))
+    grad = _dropout(backward, z, ledger.MLP_DROPOUT_MASK, "the MLP", OUTPUT_GRAD, has)
+    backward.append(_row_parallel(z, "mlp.fc2", ledger.FC2_IN, grad, OUTPUT_GRAD, z.f_t, "grad/fc2 input"))
+    grad, width = _activation(backward, config, z, "grad/fc2 input")
+    grad = _column_parallel(backward, z, "mlp.fc1", ledger.FC1_IN, grad, width, width if config.add_bias_linear else 0,
+                            "grad/fc1 input")
+    mid = "grad/ln2 input"  # the residual stream's gradient between the two halves
+    backward.append(_norm(z, "ln2", ledger.LN2, grad, () if full else (OUTPUT_GRAD,), mid))
+    grad = _dropout(backward, z, ledger.ATTN_OUT_DROPOUT_MASK, "attention", mid, has)
+    backward.append(_row_parallel(z, "attention.proj", ledger.PROJ_IN, grad, mid, z.h_t, "grad/proj input"))
+    _attention(backward, config, z, "grad/proj input", has)
+    qkv_bias = z.qkv_t if config.add_bias_linear or config.add_qkv_bias else 0
+    grad = _column_parallel(backward, z, "attention.qkv", ledger.QKV_IN, "grad/qkv output", z.qkv_t, qkv_bias,
+                            "grad/qkv input")
+    backward.append(_norm(z, "ln1", ledger.LN1, grad, (mid,), INPUT_GRAD))
+    backward.append(_layer(z, kept, full))
+    return tuple(reversed(backward))
+
+
+def _layer(z: Sizes, kept: tuple[SavedTensor, ...], full: bool) -> Op:
+    """The layer's forward as one moment: its saved tensors (but its input, live already) and its output. Under full
+    recomputation it is a checkpoint: it keeps the layer's input, and when it returns its rerun's output and the
+    output's gradient (held while the rerun's backward runs) go."""
+    tensors = tuple(Made(x.name, 0, "kept for backward (the ledger)", keeps=x) for x in kept
+                    if x.name not in (INPUT, ledger.LAYER_INPUT.name))
+    output = Made(OUTPUT, z.seq(z.h), "the layer's output, the next block's input")
+    returns = (Step("the checkpoint returns", frees=("layer/recomputed output", OUTPUT_GRAD)),) if full else ()
+    return Op("", forward=(Step("the layer's saved tensors", (*tensors, output)),), backward=returns,
+              saves=(ledger.LAYER_INPUT,) if full else ())
+
+
+def _rerun_layer(z: Sizes, rerun: tuple[SavedTensor, ...], has: Has) -> Op:
+    """Full recomputation: the checkpoint runs the layer's forward again, to its last residual add, inside backward;
+    what the layer keeps without recomputation is made again (the input is the checkpoint's)."""
+    made = tuple(
+        Made(x.name, 0, "kept by the layer's rerun under full recomputation", keeps=x,
+             category="" if x.name in _MADE_BY_THE_BLOCK else ACTIVATIONS)
+        for x in rerun if x.name != INPUT
+    )
+    branch = TEMPORARIES if has(ledger.MLP_DROPOUT_MASK.name) else ACTIVATIONS  # made by the block after its dropout
+    return _backward("", Step("full recomputation: the layer's forward again, to its last residual add", (
+        *made, Made("layer/recomputed output", z.seq(z.h),
+                    "the rerun's output: the checkpoint holds it while autograd runs the layer's backward"),
+        Made("layer/recomputed MLP branch", z.seq(z.h), "the last residual add's other operand", category=branch)),
+        frees=("layer/recomputed MLP branch",)))
+
+
+# -- the pieces every layer is built from ---------------------------------------------------------------------
+
+
+def _dropout(ops: list[Op], z: Sizes, mask: SavedTensor, what: str, grad: str, has: Has) -> str:
+    """Dropout before a residual add: dY times the mask, a new tensor beside dY (which the residual path still
+    needs); none without dropout. Returns the branch's gradient."""
+    if not has(mask.name):
+        return grad
+    branch = f"grad/{what} dropout"
+    ops.append(_one("", f"dropout after {what}", Made(branch, z.seq(z.h), "dropout's backward: dY times the mask, a"
+                                                      " new tensor"), (), saves=(mask,)))
+    return branch
+
+
+def _row_parallel(z: Sizes, where: str, x: SavedTensor, grad: str, residual: str, width: int, dx: str) -> Op:
+    """fc2 or the projection (`width` inputs): under SP g* all-gathers dY first; then dW and dX beside dY. dY goes
+    unless it is the residual stream's (`residual`), which the residual sum still needs.
+
+    The bias's gradient (a sum over tokens) is made and added into the buffer before the GEMMs: no moment.
+    """
+    steps: tuple[Step, ...] = ()
+    done = () if grad == residual else (grad,)
+    if z.sp:
+        gathered = f"grad/{where} gathered"
+        steps = (Step("all-gather of dY (g*'s backward)", (
+            Made(gathered, z.full(z.h), "g*'s backward all-gathers dY along s: (s, b, h)"),), frees=done),)
+        done = (gathered,)
+    dw = f"grad/{where} weight"
+    gemms = Step("GEMMs: dW and dX", (Made(dw, z.act * z.h * width, _WGRAD),
+                                       Made(dx, z.full(width), "dX = dY W, the input's gradient")),
+                 frees=done, hands_over=(dw,))
+    return _backward(where, *steps, gemms, saves=(x,))
+
+
+def _column_parallel(ops: list[Op], z: Sizes, where: str, x: SavedTensor, grad: str, width: int, bias: int,
+                     dx: str) -> str:
+    """QKV or fc1 (`width` outputs): dX, dW and the bias's gradient beside dY, then the saved input goes; under SP
+    the input is all-gathered again and dX reduce-scattered; under TP without SP, f's backward all-reduces dX into a
+    copy (the input of an autograd op is never changed). Returns dX's name."""
+    dw, db = f"grad/{where} weight", f"grad/{where} bias"
+    weights = (Made(dw, z.act * width * z.h, _WGRAD),
+               *((Made(db, z.act * bias, "the bias's gradient, dY summed over tokens"),) if bias else ()))
+    handed = tuple(x.name for x in weights)
+    if z.sp:  # memcalc.probe.linear._GatheredInputLinear
+        gathered, partial = f"grad/{where} input gathered", f"grad/{where} partial dX"
+        ops.append(_backward(
+            where,
+            Step("re-gathered input, partial dX and its reduce-scatter", (
+                Made(gathered, z.full(z.h), "forward kept only the input's shard: backward all-gathers it"),
+                Made(partial, z.full(z.h), "dX = dY W on the whole sequence, this rank's partial sum"),
+                Made(dx, z.seq(z.h), "the reduce-scatter's output: this rank's shard of dX")), frees=(partial,)),
+            Step("dW and the bias's gradient beside the re-gathered input", weights, frees=(gathered, grad),
+                 hands_over=handed),
+            saves=(x,)))
+        return dx
+    gemms = Step("GEMMs: dX, dW and the bias's gradient", (Made(dx, z.full(z.h), "dX = dY W, the input's gradient"),
+                                                            *weights), frees=(grad,), hands_over=handed, returns=True)
+    if z.t == 1:
+        ops.append(_backward(where, gemms, saves=(x,)))
+        return dx
+    reduced = f"{dx} (all-reduced)"
+    ops.append(_backward(where, gemms, Step("all-reduce of dX (f's backward)", (
+        Made(reduced, z.full(z.h), "f's backward all-reduces dX into a copy"),), frees=(dx,)), saves=(x,)))
+    return reduced
+
+
+def _norm(z: Sizes, where: str, norm: NormTensors, grad: str, residual: tuple[str, ...], out: str) -> Op:
+    """The norm's backward, one kernel: dX and its weight's (and LayerNorm's bias's) gradients beside dY; then its
+    saved tensors go, and the residual stream's two gradients are summed into a new tensor (autograd does it inside
+    the norm's backward window: MemTracker files it under the norm). `residual`: the residual stream's gradient,
+    freed by the sum (none when a checkpoint holds it)."""
+    dx, dw = f"grad/{where} input (norm)", f"grad/{where} weights"
+    return _backward(
+        where,
+        Step("the norm: dX, dweight" + (", dbias" if z.norm_vectors == 2 else ""), (
+            Made(dx, z.seq(z.h), "the norm's dX"),
+            Made(dw, z.norm_vectors * z.act * z.h, "the norm's weight (and bias) gradients")), frees=(grad,),
+            returns=True),
+        Step("the residual stream's gradients summed", (
+            Made(out, z.seq(z.h), "the residual stream's gradient: the two paths' gradients summed"),),
+            frees=(*residual, dx), hands_over=(dw,)),
+        saves=tuple(norm))
+
+
+def _activation(ops: list[Op], config: ModelConfig, z: Sizes, grad: str) -> tuple[str, int]:
+    """GELU's or SwiGLU's backward to fc1's output gradient; returns its name and fc1's output width.
+
+    Fused SwiGLU (BiasSwiGLUFunction): one kernel writes the 2f-wide gradient. Unfused: the product's backward makes
+    both factors' gradients, SiLU's backward the gate's, and the split of fc1's output concatenates the two.
+    """
+    full = z.full(z.f_t)
+    if config.mlp != "swiglu":
+        ops.append(_one("mlp", "GELU", Made("grad/gelu input", full, "GELU's backward: dY times GELU'(x)"), (grad,),
+                        saves=(ledger.GELU_IN,)))
+        return "grad/gelu input", z.f_t
+    out = "grad/fc1 output"
+    if config.bias_activation_fusion:
+        ops.append(_one("mlp", "fused SwiGLU", Made(out, 2 * full, "the fused SwiGLU's backward: d[gate; up] at once"),
+                        (grad,), saves=(ledger.SWIGLU_GATE, ledger.SWIGLU_UP)))
+        return out, 2 * z.f_t
+    ops.extend((
+        _backward("mlp", Step("SiLU(gate) * up: both factors' gradients", (
+            Made("grad/up", full, "the product's backward: d(up) = dY * SiLU(gate)"),
+            Made("grad/silu output", full, "the product's backward: d(SiLU) = dY * up")), frees=(grad,)),
+            saves=(ledger.SWIGLU_SILU_OUT, megatron.SWIGLU_UP_COPY)),
+        _one("mlp", "SiLU", Made("grad/gate", full, "SiLU's backward: d(gate) = d(SiLU) * SiLU'(gate)"),
+             ("grad/silu output",), saves=(ledger.SWIGLU_GATE, ledger.SWIGLU_UP)),
+        _one("mlp", "d(gate) and d(up) concatenated into fc1's output gradient", Made(
+            out, 2 * full, "gate and up were split from fc1's output: their gradients concatenated"),
+            ("grad/gate", "grad/up")),
+    ))
+    return out, 2 * z.f_t
+
+
+# -- attention ----------------------------------------------------------------------------------------------------
+
+
+def _attention(ops: list[Op], config: ModelConfig, z: Sizes, dcontext: str, has: Has) -> None:
+    """The core's backward from the projection's input gradient `dcontext` to the QKV output's.
+
+    Under selective recomputation a checkpoint (memcalc.probe.checkpoint) wraps the core: it keeps q, k and v (and
+    under GQA the QKV output's query columns) and holds dY; at the start of its backward it reruns the core, which
+    makes again what the core keeps, and when it returns its inputs, its rerun's output and dY go.
+    """
+    selective = config.recompute == "selective"
+    core: list[Op] = []
+    if config.attention == "flash":
+        k, v = _flash(core, z, () if selective else (dcontext,), selective)
+    else:
+        k, v = _eager(core, z, () if selective else (dcontext,), has, _fused_softmax(config, z))
+    if selective:
+        checkpoint = (ledger.Q, ledger.K, ledger.V, megatron.QKV_QUERY_COLUMNS)
+        held = {x.name for x in checkpoint}
+        again = {x.name: x for op in core for x in op.saves if x.name not in held}.values()
+        what = "the flash kernel's" if config.attention == "flash" else "the attention core's"
+        ops.append(_backward("attention", Step(f"selective recomputation: {what} forward again", (
+            *(Made(x.name, 0, "made again by selective recomputation's rerun of the core", keeps=x) for x in again),
+            Made("attention/recomputed output", z.full(z.h_t),
+                 "the rerun's output: the checkpoint holds it while autograd runs the core's backward")))))
+    ops.extend(core)
+    if selective:
+        ops.append(_backward("attention", Step("the checkpoint returns", frees=(
+            "attention/recomputed output", dcontext)), saves=checkpoint))
+    ops.append(_one("attention", "dQ, dK, dV concatenated into the QKV output's gradient", Made(
+        "grad/qkv output", z.full(z.qkv_t), "q, k and v were split from one QKV output: their gradients concatenated"),
+        ("grad/q", k, v)))
+
+
+def _fused_softmax(config: ModelConfig, z: Sizes) -> bool:
+    """Whether Megatron's fused causal softmax kernel runs on this rank's scores (memcalc.model.impls.megatron's
+    FUSED_SOFTMAX window); the paper's layer runs it at every size."""
+    window = megatron.fused_softmax_runs({Dim.B: z.b, Dim.A: z.a_t, Dim.S: z.s}, 1)
+    return config.impl == "paper" or (config.masked_softmax_fusion and bool(window))
+
+
+def _flash(ops: list[Op], z: Sizes, frees: tuple[str, ...], selective: bool) -> tuple[str, str]:
+    """A flash kernel's backward: dQ, dK and dV alone (it rebuilds the softmax inside). The kernel keeps its output,
+    which is the projection's input (under selective recomputation the first run's output is the projection's
+    alone). Returns dK's and dV's names."""
+    basd, bgsd = z.act * z.b * z.a_t * z.s * z.d, z.act * z.b * z.g_t * z.s * z.d
+    ops.append(_backward("attention", Step("flash attention: dQ, dK, dV", (
+        Made("grad/q", basd, "the flash kernel's backward: dQ"),
+        Made("grad/k", bgsd, "the flash kernel's backward: dK, per K/V group"),
+        Made("grad/v", bgsd, "the flash kernel's backward: dV, per K/V group")), frees=frees),
+        saves=(ledger.Q, ledger.K, ledger.V, ledger.SOFTMAX_LSE, *(() if selective else (ledger.PROJ_IN,)))))
+    return "grad/k", "grad/v"
+
+
+def _eager(ops: list[Op], z: Sizes, frees: tuple[str, ...], has: Has, fused_softmax: bool) -> tuple[str, str]:
+    """softmax(QK^T / sqrt(d)) V backward, op by op (memcalc.probe.attention.eager_core), in backward order; `frees`:
+    what weights x V's backward frees (dY, unless a checkpoint holds it). Returns dK's and dV's names."""
+    bass = z.b * z.a_t * z.s * z.s  # (b, a/t, s, s) elements
+    basd = z.act * z.b * z.a_t * z.s * z.d  # (b, a/t, s, d) bytes
+    expanded = has(megatron.K_EXPANDED.name)  # K and V copied to every head (grouped-query attention)
+    k, v = (megatron.K_EXPANDED, megatron.V_EXPANDED) if expanded else (ledger.K, ledger.V)
+    dropout = has(ledger.ATTN_DROPOUT_MASK.name)
+    ops.append(_backward("attention", Step("weights x V: dV and dWeights", (
+        Made("grad/v", basd, "weights x V's backward: dV = weights^T dY"),
+        Made("grad/attention weights", z.act * bass, "weights x V's backward: dWeights = dY V^T")), frees=frees),
+        saves=(v, ledger.ATTN_DROPOUT_OUT if dropout else ledger.SOFTMAX_OUT)))
+    weights = "grad/attention weights"
+    if dropout:
+        ops.append(_one("attention", "attention dropout", Made(
+            "grad/softmax output", z.act * bass, "attention dropout's backward: dY times the mask"), (weights,),
+            saves=(ledger.ATTN_DROPOUT_MASK,)))
+        weights = "grad/softmax output"
+    if not fused_softmax:
+        _torch_softmax(ops, z, weights, has)
+    else:  # Megatron's fused kernel: keeps its 16-bit output alone
+        ops.append(_one("attention", "softmax", Made("grad/scores", z.act * bass, _SOFTMAX), (weights,),
+                        saves=(ledger.SOFTMAX_OUT,)))
+    ops.append(_backward("attention", Step("QK^T: dQ and dK", (
+        Made("grad/q", basd, "QK^T's backward: dQ = dScores K, then scaled (a new tensor)"),
+        Made("grad/k unscaled", basd, "QK^T's backward: dK = dScores^T Q"),
+        Made("grad/k", basd, "dK scaled by 1/sqrt(d), a new tensor")), frees=("grad/scores", "grad/k unscaled")),
+        saves=(ledger.Q, k)))
+    if not expanded:
+        return "grad/k", "grad/v"
+    bgsd = z.act * z.b * z.g_t * z.s * z.d
+    ops.append(_backward("attention", *(  # repeat_interleave's backward
+        Step(f"d{x.upper()} summed over each group's heads", (Made(f"grad/{x} grouped", bgsd, (
+            f"repeat_interleave's backward: d{x.upper()} summed over each group's heads")),), frees=(f"grad/{x}",))
+        for x in ("k", "v"))))
+    return "grad/k grouped", "grad/v grouped"
+
+
+def _torch_softmax(ops: list[Op], z: Sizes, grad: str, has: Has) -> None:
+    """Megatron's forward_torch_softmax backward (outside the fused kernel's sizes, or in fp32), in backward order:
+    the gradient cast up to fp32, softmax's backward, masked_fill's (a new tensor; with one query, s = 1, Megatron
+    masks nothing), the cast back down."""
+    bass = z.b * z.a_t * z.s * z.s
+    sixteen_bit = has(megatron.SOFTMAX_FP32.name)  # an fp32 softmax of 16-bit scores, its output cast back
+    width = 4 if sixteen_bit else z.act
+    if sixteen_bit:
+        ops.append(_one("attention", "the softmax output's cast", Made(
+            "grad/softmax fp32 output", 4 * bass, "the cast's backward: dY up to fp32"), (grad,)))
+        grad = "grad/softmax fp32 output"
+    scores = "grad/wide scores" if sixteen_bit else "grad/scores"  # the (fp32) scores' gradient
+    masked = "grad/masked scores" if has(megatron.CAUSAL_MASK.name) else scores
+    ops.append(_one("attention", "softmax", Made(masked, width * bass, _SOFTMAX), (grad,),
+                    saves=(megatron.SOFTMAX_FP32 if sixteen_bit else ledger.SOFTMAX_OUT,)))
+    if masked != scores:
+        ops.append(_one("attention", "the causal mask", Made(
+            scores, width * bass, "masked_fill's backward: the masked gradient zeroed"), (masked,),
+            saves=(megatron.CAUSAL_MASK,)))
+    if sixteen_bit:
+        ops.append(_one("attention", "the scores' cast", Made(
+            "grad/scores", z.act * bass, "the scores' cast to fp32: its backward casts back"), (scores,)))
