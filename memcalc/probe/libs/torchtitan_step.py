@@ -7,7 +7,9 @@ block's attention torchtitan's ScaledDotProductAttention (flex has no CPU backwa
 It is built as torchtitan's trainer builds it: on the meta device, laid out by its TP plan under tp, then `to_empty`
 on the rank's device and `init_states` (each parameter its own shard's storage: parallelizing a model built on the
 device keeps the whole storage behind each dim-0 shard). Parameters are in the activation dtype, as FSDP's mixed
-precision gives them to forward; each block's RoPE keeps its own complex64 (s, d/2) `cache` buffer.
+precision gives them to forward; each block's RoPE keeps its own complex64 (s, d/2) `cache` buffer. Under recompute
+full or op torchtitan's own FullAC or SelectiveAC config object is built and applied to the model, after its TP plan,
+as parallelize_llama does.
 
 The loss is torchtitan's own `CrossEntropyLoss` as its trainer calls it (trainer.py, `_forward_backward_body`): the
 summed fp32 cross-entropy divided by the count of valid tokens (`(labels != IGNORE_INDEX).sum()`), the bf16 logits
@@ -64,6 +66,7 @@ def warmed_up(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, 
         model = titan.model_config(config, strategy.sequence_parallel, config.L, config.vocab_size).build()
     if dims is not None:
         model.parallelize(dims)
+    checkpoint(model, config)
     model.to_empty(device=tp.device)  # each parameter its own shard's storage (a view would keep the whole one)
     torch.manual_seed(BATCH_SEED)  # the weights, as torchtitan initialises them
     with torch.no_grad(), set_default_dtype(DTYPES[config.dtype]):
@@ -71,6 +74,23 @@ def warmed_up(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, 
     model.train()
     loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config(global_vocab_size=config.vocab_size))
     return Trainer.around(config, model, lambda tokens, labels: _loss(model, loss_fn, tokens, labels))
+
+
+def checkpoint(model: Any, config: ModelConfig) -> None:
+    """torchtitan's activation checkpointing applied as parallelize_llama applies it (after the TP plan, on the meta
+    device): its config object built and applied to every block (recompute full: FullAC; op: SelectiveAC, which
+    also saves the CPU flash kernel's outputs, as it saves its CUDA twins': the shim)."""
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+    from memcalc.probe.libs import torchtitan_shim as shim
+
+    policies = {"full": FullAC.Config, "op": SelectiveAC.Config}
+    if config.recompute not in policies:
+        if config.recompute != "none":
+            raise ProbeError(f"impl torchtitan: recompute {config.recompute} is not torchtitan's; use none, op or full")
+        return
+    with shim.cuda_like_op_checkpointing():
+        policies[config.recompute]().build().apply(model)
 
 
 def _loss(model: Any, loss_fn: Any, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

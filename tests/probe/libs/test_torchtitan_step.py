@@ -107,9 +107,46 @@ def test_under_tp_every_moment_the_timeline_names_happens_in_order(one_thread, c
     assert_moments_in_order(timeline(config, STRATEGIES[strategy], CPU).moments[1:-1], run_fake(readings, (), config.t))
 
 
+# -- under torchtitan's activation checkpointing: its FullAC and SelectiveAC config objects applied to the model ------
+
+AC_CASES = [
+    ({}, "none"),
+    ({"b": 1, "s": 7, "num_query_groups": 8, "ffn_hidden_size": 100}, "none"),  # b = 1, an odd sequence, no GQA
+    ({"t": 2}, "tp"),
+    ({"t": 2, "b": 1, "s": 7, "L": 1}, "tp"),
+    ({"t": 2, "b": 1, "s": 10, "L": 1}, "tp-sp"),
+]
+
+
+@pytest.mark.parametrize("recompute", ["full", "op"])
+@pytest.mark.parametrize("changes, strategy", AC_CASES, ids=str)
+def test_under_its_activation_checkpointing_memtracker_reaches_the_peak_to_the_byte(one_thread, recompute, changes,
+                                                                                      strategy):
+    """FullAC keeps each block's input alone, SelectiveAC also the outputs its policy caches; each block's forward
+    reruns at the start of its backward."""
+    (r,) = measure_step(_config(recompute=recompute, **changes), [strategy])
+    assert r.measured.moment == r.predicted_moment
+    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+
+
+@pytest.mark.parametrize("recompute", ["full", "op"])
+@pytest.mark.parametrize("changes, strategy", [AC_CASES[0], AC_CASES[2], AC_CASES[4]], ids=str)
+def test_under_its_activation_checkpointing_every_moment_happens_in_order(one_thread, recompute, changes, strategy):
+    """What goes in forward when nothing keeps it, the rerun (read in backward, at w2 for the modules around it), what
+    the rerun's locals free in backward and the block's input going with the last tensor the rerun kept."""
+    config = _config(recompute=recompute, **changes)
+
+    def readings(tp):
+        with runtime(tp) as dims:
+            return readings_after_every_op(warmed_up(tp, config, STRATEGIES[strategy], dims))
+
+    found = run_fake(readings, (), config.t) if config.t > 1 else readings(single())
+    assert_moments_in_order(timeline(config, STRATEGIES[strategy], CPU).moments[1:-1], found)
+
+
 @pytest.mark.parametrize("changes, named", [
     ({"pp": 2}, "pp=2"),
-    ({"recompute": "full"}, "recompute full"),
+    ({"recompute": "full", "dp_shard": 2}, "recompute full with dp_shard"),
     ({"zero_stage": 2}, "zero_stage"),
     ({"tie_embeddings": True}, "tie_embeddings"),
     ({"position_embedding_type": "learned_absolute"}, "position_embedding_type learned_absolute"),
