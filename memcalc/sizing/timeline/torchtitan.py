@@ -43,8 +43,8 @@ unsharded parameters' .grad and reduce-scattered into the sharded gradients afte
 
 Exact (to the byte, at every moment named here, tests/probe/libs/test_torchtitan_step.py and test_torchtitan_fsdp.py)
 for torchtitan 0.3.0 on torch 2.13's CPU kernels at t = 1 and under tp and tp-sp at t = 2 and 4 (rank 0 of the fake
-group), b = 1 and b > 1, bf16, untied, without recomputation and under FullAC and SelectiveAC (at t = 1, and at t = 2
-under tp and tp-sp at b = 1), and under FSDP2 at t = 1 without recomputation (dp_shard 2 and 4, with and without
+group), b = 1 and b > 1, bf16, untied, without recomputation and under FullAC and SelectiveAC (at t = 1, and under tp
+and tp-sp at t = 2 and 4), and under FSDP2 at t = 1 without recomputation (dp_shard 2 and 4, with and without
 resharding); `check_modelled` names everything else.
 On CUDA torchtitan's Llama3 runs flex attention and torch's fused _fused_rms_norm kernel, which keep other tensors
 (the ledger's device rules) and allocate otherwise in backward: not described here yet.
@@ -267,9 +267,11 @@ def rms_norm(where: str, z: Sizes, norm: rules.RMSNormTensors, p: str, out: Made
     n, full, row = f"{p}/{where}" if p else where, 4 * tokens * z.h, 4 * tokens
     fp32, rstd, normed = (kept_name(p, x) for x in (norm.input_fp32, norm.rstd, norm.normed_fp32))
     weighted = (Step("times the weight, in fp32", (Made(f"{n}/weighted", full, "x * rstd * weight, a local"),),
-                     reads_last=(fp32, normed)),)
+                     reads_last=(normed,)),)
     if z.sp and z.b > 1:  # its input is the reduce-scatter's (s/t, b, h) output seen as (b, s/t, h): not contiguous
         weighted += (Step("made contiguous", (Made(f"{n}/copy", full, "fp32, a local"),), frees=(f"{n}/weighted",)),)
+    *weighted, last = weighted  # the upcast input goes before the cast back (with a checkpoint, which keeps none)
+    weighted = (*weighted, replace(last, reads_last=(*last.reads_last, fp32)))
     forward = (
         Step("input.to(float32)", (kept(p, norm.input_fp32),)),
         Step("pow(2)", (Made(f"{n}/pow", full, "x^2, a local"),)),

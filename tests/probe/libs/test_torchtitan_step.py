@@ -115,6 +115,8 @@ AC_CASES = [
     ({"t": 2}, "tp"),
     ({"t": 2, "b": 1, "s": 7, "L": 1}, "tp"),
     ({"t": 2, "b": 1, "s": 10, "L": 1}, "tp-sp"),
+    ({"t": 2}, "tp-sp"),  # b > 1: the norms' inputs are (s/t, b, h) views, made contiguous in fp32
+    ({"t": 4, "num_query_groups": 4, "s": 12, "L": 1}, "tp-sp"),
 ]
 
 
@@ -130,7 +132,7 @@ def test_under_its_activation_checkpointing_memtracker_reaches_the_peak_to_the_b
 
 
 @pytest.mark.parametrize("recompute", ["full", "op"])
-@pytest.mark.parametrize("changes, strategy", [AC_CASES[0], AC_CASES[2], AC_CASES[4]], ids=str)
+@pytest.mark.parametrize("changes, strategy", [AC_CASES[0], AC_CASES[2], AC_CASES[4], AC_CASES[5]], ids=str)
 def test_under_its_activation_checkpointing_every_moment_happens_in_order(one_thread, recompute, changes, strategy):
     """What goes in forward when nothing keeps it, the rerun (read in backward, at w2 for the modules around it), what
     the rerun's locals free in backward and the block's input going with the last tensor the rerun kept."""
