@@ -110,13 +110,15 @@ def test_under_tp_every_moment_the_timeline_names_happens_in_order(one_thread, c
 # -- under torchtitan's activation checkpointing: its FullAC and SelectiveAC config objects applied to the model ------
 
 AC_CASES = [
-    ({}, "none"),
-    ({"b": 1, "s": 7, "num_query_groups": 8, "ffn_hidden_size": 100}, "none"),  # b = 1, an odd sequence, no GQA
+    ({}, "none"),  # full: w2's GEMMs after the rerun; op: the loss's backward
+    ({"b": 1, "s": 7, "num_query_groups": 8, "ffn_hidden_size": 100}, "none"),  # b = 1, odd s, no GQA: lm_head's GEMMs
     ({"t": 2}, "tp"),
     ({"t": 2, "b": 1, "s": 7, "L": 1}, "tp"),
     ({"t": 2, "b": 1, "s": 10, "L": 1}, "tp-sp"),
     ({"t": 2}, "tp-sp"),  # b > 1: the norms' inputs are (s/t, b, h) views, made contiguous in fp32
-    ({"t": 4, "num_query_groups": 4, "s": 12, "L": 1}, "tp-sp"),
+    ({"t": 4, "num_query_groups": 4, "s": 12, "L": 1}, "tp-sp"),  # under full: in the rerun, w2's reduce-scatter
+    ({"vocab_size": 16, "s": 64, "a": 16, "num_query_groups": 16}, "none"),  # after the rerun: the product's backward
+    ({"vocab_size": 16, "s": 64, "a": 16, "num_query_groups": 16, "ffn_hidden_size": 16}, "none"),  # ffn_norm's pow
 ]
 
 
