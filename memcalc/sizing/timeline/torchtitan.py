@@ -44,8 +44,8 @@ unsharded parameters' .grad and reduce-scattered into the sharded gradients afte
 Exact (to the byte, at every moment named here, tests/probe/libs/test_torchtitan_step.py and test_torchtitan_fsdp.py)
 for torchtitan 0.3.0 on torch 2.13's CPU kernels at t = 1 and under tp and tp-sp at t = 2 and 4 (rank 0 of the fake
 group), b = 1 and b > 1, bf16, untied, without recomputation and under FullAC and SelectiveAC (at t = 1, and under tp
-and tp-sp at t = 2 and 4), and under FSDP2 at t = 1 without recomputation (dp_shard 2 and 4, with and without
-resharding); `check_modelled` names everything else.
+and tp-sp at t = 2 and 4), and under FSDP2 at t = 1 (dp_shard 2 and 4, with and without resharding, with and
+without FullAC or SelectiveAC: FSDPMemTracker reads a block's rerun as temporaries); `check_modelled` names everything else.
 On CUDA torchtitan's Llama3 runs flex attention and torch's fused _fused_rms_norm kernel, which keep other tensors
 (the ledger's device rules) and allocate otherwise in backward: not described here yet.
 """
@@ -64,8 +64,8 @@ from memcalc.model.ledger import SavedTensor
 from memcalc.model.strategy import Strategy
 from memcalc.sizing.pipeline import stages
 from memcalc.sizing.timeline.ends import model_states
-from memcalc.sizing.timeline.fsdp import OUTPUT, Fsdp
-from memcalc.sizing.timeline.tape import PARAMETERS, Sizes, Tape, Timeline, prod
+from memcalc.sizing.timeline.fsdp import OUTPUT, Fsdp, torchtitan_block
+from memcalc.sizing.timeline.tape import ACTIVATIONS, PARAMETERS, TEMPORARIES, Sizes, Tape, Timeline, prod
 from memcalc.sizing.timeline.walk import Checkpoint, Made, Op, Step, Walk, kept, kept_name
 from memcalc.sizing.totals import end_sizes
 
@@ -96,7 +96,7 @@ def torchtitan_timeline(config: ModelConfig, strategy: Strategy, accounting: Acc
     segments = [
         Segment(None, "", Walk(tape, "", "", end, hand_over), (count,)),
         Segment("tok_embeddings", "tok_embeddings", Walk(tape, "", "", end, hand_over), (lookup,)),
-        *(Segment(f"layers.{i}", f"layers.{i}", Walk(tape, f"layers.{i}", block_module(i, config), saved, hand_over,
+        *(Segment(f"layers.{i}", f"layers.{i}", Walk(tape, f"layers.{i}", torchtitan_block(i, config), saved, hand_over,
                                                       block_checkpoint(i, config, accounting)),
                   block_ops(i, z)) for i in range(config.L)),
         Segment(OUTPUT, "norm", Walk(tape, "", "", end, hand_over), tuple(norm)),
@@ -126,8 +126,6 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
         (config.dp_shard is not None and config.t > 1, "dp_shard with t > 1 (FSDP2 on a 2-D mesh with its TP plan)"),
         ((config.dp_replicate or 1) > 1, "dp_replicate (HSDP)"),
         (config.reduce_dtype != "fp32", f"reduce_dtype {config.reduce_dtype} (torchtitan reduces in float32 only)"),
-        (config.recompute != "none" and config.dp_shard is not None, f"recompute {config.recompute} with dp_shard"
-                                                                        " (its AC under FSDP2)"),
         (config.moe, "a mixture of experts (num_experts)"),
         (config.tie_embeddings, "tie_embeddings (Llama3 unties them; set tie_embeddings false)"),
         (config.position_embedding_type != "rope", f"position_embedding_type {config.position_embedding_type}"
@@ -143,22 +141,17 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
             raise ConfigError(f"the step timeline for impl torchtitan does not model {what} yet")
 
 
-_WRAPPED = "_checkpoint_wrapped_module"  # torch's checkpoint_wrapper keeps the block under this name
-
-
-def block_module(i: int, config: ModelConfig) -> str:
-    """Block i's module path: under torchtitan's AC the block inside its checkpoint_wrapper."""
-    return f"layers.{i}.{_WRAPPED}" if config.recompute != "none" else f"layers.{i}"
-
-
 def block_checkpoint(i: int, config: ModelConfig, accounting: Accounting) -> Checkpoint | None:
     """torchtitan's FullAC or SelectiveAC around block i (torch.utils.checkpoint, non-reentrant): its input held,
-    and under op the op outputs SelectiveAC caches, the ledger's (the block's input aside)."""
+    and under op the op outputs SelectiveAC caches, the ledger's (the block's input aside). Under FSDP2 its
+    apply_fsdp_to_decoder shards the checkpoint wrapper, whose rerun calls the block inside it, no FSDP unit:
+    FSDPMemTracker reads the rerun's tensors as temporaries."""
     if config.recompute == "none":
         return None
     p = f"layers.{i}"
     cached = rules.op_checkpoint(accounting) if config.recompute == "op" else ()
-    return Checkpoint(f"{p}/input", frozenset(kept_name(p, x) for x in cached if x != ledger.LAYER_INPUT))
+    return Checkpoint(f"{p}/input", frozenset(kept_name(p, x) for x in cached if x != ledger.LAYER_INPUT),
+                      ACTIVATIONS if config.dp_shard is None else TEMPORARIES)
 
 
 def module_returns(ops: tuple[Op, ...], *names: str) -> tuple[Op, ...]:
@@ -194,15 +187,17 @@ class Segment:
     def backward(self, fsdp: Fsdp | None, prefetch: str | None) -> None:
         """The unit's pre-backward (unsharded again if resharded, the unit before it prefetched), the ops' backward,
         then its post-backward for the parameters that have a gradient (the embedding's runs in the final
-        callback)."""
+        callback). Under a checkpoint the pre-backward is read in the block inside the wrapper (entered in backward
+        with it), the post-backward in the wrapper."""
         tape = self.walk.tape
         if fsdp is None or self.unit is None:
             self.walk.backward(self.ops)
             return
+        where = self.walk.module if self.walk.checkpoint is not None else self.where
         # at lm_head the unit is still unsharded from forward, and FSDP2 issues the last block's all-gather only at
         # the norm's pre-backward (FSDPMemTracker's readings): nothing happens here
         if self.unit != OUTPUT or self.where != "lm_head":
-            fsdp.pre_backward(tape, self.unit, self.where, prefetch)
+            fsdp.pre_backward(tape, self.unit, where, prefetch)
         self.walk.backward(self.ops)
         if self.unit != "tok_embeddings":
             _post_backward(fsdp, tape, self.unit, self.where)

@@ -79,10 +79,13 @@ class Op:
 class Checkpoint:
     """torch.utils.checkpoint (non-reentrant) around a walk's ops: `holds`, the region's input, which its frame keeps
     for the rerun; `cached`, the op outputs a selective policy keeps from forward to the rerun, which then takes them
-    instead of making them again."""
+    instead of making them again; `rerun`, the category the rerun's tensors are read in (MemTracker's activations;
+    FSDPMemTracker, which tells a rerun by an FSDP unit's forward in backward, reads a rerun inside one as
+    temporaries)."""
 
     holds: str
     cached: frozenset[str] = frozenset()
+    rerun: str = ACTIVATIONS
 
 
 @dataclass
@@ -136,7 +139,7 @@ class Walk:
             where = trigger.where if _ancestor(op.where, trigger.where) else op.where
             for step in op.forward:
                 new = tuple(x for x in step.makes if x.name not in self.checkpoint.cached)
-                self._make(new, ACTIVATIONS)
+                self._make(new, self.checkpoint.rerun)
                 if new:
                     self.tape.mark("backward", ".".join(x for x in (self.module, where) if x), step.what)
                 made += [x.name for x in new if x.keeps is None]

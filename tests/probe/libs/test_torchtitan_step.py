@@ -150,7 +150,7 @@ def test_under_its_activation_checkpointing_every_moment_happens_in_order(one_th
 
 @pytest.mark.parametrize("changes, named", [
     ({"pp": 2}, "pp=2"),
-    ({"recompute": "full", "dp_shard": 2}, "recompute full with dp_shard"),
+    ({"cp": 2}, "cp=2"),
     ({"zero_stage": 2}, "zero_stage"),
     ({"tie_embeddings": True}, "tie_embeddings"),
     ({"position_embedding_type": "learned_absolute"}, "position_embedding_type learned_absolute"),
