@@ -147,12 +147,13 @@ def warmed_up_sharded(tp: TensorParallelGroup, config: ModelConfig, strategy: St
     with torch.device("meta"):
         model = titan.model_config(config, strategy.sequence_parallel, config.L, config.vocab_size).build()
     precision = {"bf16": "bfloat16", "fp32": "float32"}
+    training = TrainingConfig(mixed_precision_param=precision[config.dtype],
+                              mixed_precision_reduce=precision[config.reduce_dtype])
+    parallelism = ParallelismConfig(spmd_backend=backend,
+                                    fsdp_reshard_after_forward="default" if config.reshard_after_forward else "never")
     with shim.cuda_like_op_checkpointing():
         parallelize_llama(model, parallel_dims=dims, compile_config=CompileConfig(), ac_config=ac_config(config),
-                          dump_folder="", training=TrainingConfig(mixed_precision_param=precision[config.dtype],
-                                                                  mixed_precision_reduce=precision[config.reduce_dtype]),
-                          parallelism=ParallelismConfig(spmd_backend=backend, fsdp_reshard_after_forward="default"
-                                                        if config.reshard_after_forward else "never"))
+                          dump_folder="", training=training, parallelism=parallelism)
     model.to_empty(device=tp.device)
     torch.manual_seed(BATCH_SEED)
     with torch.no_grad(), warnings.catch_warnings():  # the values do not matter: no warning that CPU meshes' are

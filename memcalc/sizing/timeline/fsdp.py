@@ -102,7 +102,8 @@ def torchtitan_units(c: ModelConfig, reshard: bool) -> tuple[Unit, ...]:
     qkv, f = (c.a + 2 * c.groups) * c.head_dim, c.ffn
     def block(i: int) -> Unit:
         m = torchtitan_block(i, c)
-        return Unit(f"layers.{i}", ((f"{m}.attention.qkv_linear.wqkv", (qkv, c.h)), (f"{m}.attention.wo", (c.h, c.a * c.head_dim)),
+        return Unit(f"layers.{i}", ((f"{m}.attention.qkv_linear.wqkv", (qkv, c.h)),
+                                    (f"{m}.attention.wo", (c.h, c.a * c.head_dim)),
                         (f"{m}.feed_forward.w1", (f, c.h)), (f"{m}.feed_forward.w2", (c.h, f)),
                         (f"{m}.feed_forward.w3", (f, c.h)), (f"{m}.attention_norm", (c.h,)),
                         (f"{m}.ffn_norm", (c.h,))), reshard)

@@ -45,7 +45,8 @@ Exact (to the byte, at every moment named here, tests/probe/libs/test_torchtitan
 for torchtitan 0.3.0 on torch 2.13's CPU kernels at t = 1 and under tp and tp-sp at t = 2 and 4 (rank 0 of the fake
 group), b = 1 and b > 1, bf16, untied, without recomputation and under FullAC and SelectiveAC (at t = 1, and under tp
 and tp-sp at t = 2 and 4), and under FSDP2 at t = 1 (dp_shard 2 and 4, with and without resharding, with and
-without FullAC or SelectiveAC: FSDPMemTracker reads a block's rerun as temporaries); `check_modelled` names everything else.
+without FullAC or SelectiveAC: FSDPMemTracker reads a block's rerun as temporaries); `check_modelled` names
+everything else.
 On CUDA torchtitan's Llama3 runs flex attention and torch's fused _fused_rms_norm kernel, which keep other tensors
 (the ledger's device rules) and allocate otherwise in backward: not described here yet.
 """

@@ -118,7 +118,7 @@ class Walk:
         for i in reversed(range(len(ops))):
             op = ops[i]
             if self.checkpoint is not None and op.saves and not self._rerun_kept:
-                self._rerun(ops, op)
+                self._rerun(ops, op, self.checkpoint)
             returns = next((j for j, x in enumerate(op.backward) if x.returns), len(op.backward) - 1)
             for j, step in enumerate(op.backward):
                 self._step(step, op, "backward")
@@ -128,29 +128,30 @@ class Walk:
             if not op.backward:
                 self._release(op, i)
 
-    def _rerun(self, ops: tuple[Op, ...], trigger: Op) -> None:
+    def _rerun(self, ops: tuple[Op, ...], trigger: Op, checkpoint: Checkpoint) -> None:
         """The checkpoint's rerun of the forward, when `trigger`'s backward first unpacks a saved tensor: each step
-        makes its tensors (activations; the cached ones are taken, not made), what the ops keep stays, the rest goes
-        as in forward, and what the rerun returns goes at its end. MemTracker reads it in backward, a rerun module
-        that is an ancestor of the trigger's (its own ops, the block's residual sums) at the trigger, which is still
-        active."""
+        makes its tensors (in the checkpoint's `rerun` category; the cached ones are taken, not made), what the ops
+        keep stays, the rest goes as in forward, and what the rerun returns goes at its end. MemTracker reads it in
+        backward, a rerun module that is an ancestor of the trigger's (its own ops, the block's residual sums) at the
+        trigger, which is still active."""
         made: list[str] = []
         for op in ops:
             where = trigger.where if _ancestor(op.where, trigger.where) else op.where
             for step in op.forward:
-                new = tuple(x for x in step.makes if x.name not in self.checkpoint.cached)
-                self._make(new, self.checkpoint.rerun)
+                new = tuple(x for x in step.makes if x.name not in checkpoint.cached)
+                self._make(new, checkpoint.rerun)
                 if new:
                     self.tape.mark("backward", ".".join(x for x in (self.module, where) if x), step.what)
                 made += [x.name for x in new if x.keeps is None]
-                self._rerun_kept.update(x.name for x in step.makes if x.keeps is not None and x.name in self.tape.live)
-                self.tape.drop(*(x for x in step.frees if x != self.checkpoint.holds))
+                kept = (x.name for x in step.makes if x.keeps is not None and x.name in self.tape.live)
+                self._rerun_kept.update(kept)
+                self.tape.drop(*(x for x in step.frees if x != checkpoint.holds))
         self.tape.drop(*made)
 
     def _release_frame(self) -> None:
         """Under a checkpoint: its frame, and with it the region's input, goes when the last tensor the rerun kept
         does (the last saved-tensor hook that refers to it)."""
-        if self._rerun_kept and not any(x in self.tape.live for x in self._rerun_kept):
+        if self.checkpoint is not None and self._rerun_kept and not self._rerun_kept & self.tape.live.keys():
             self.tape.drop(self.checkpoint.holds)
 
     def _release(self, op: Op, i: int) -> None:
