@@ -262,12 +262,14 @@ def rms_norm(where: str, z: Sizes, norm: rules.RMSNormTensors, p: str, out: Made
     tokens = z.b * z.s_seq  # under SP the norm runs on this rank's sequence shard
     n, full, row = f"{p}/{where}" if p else where, 4 * tokens * z.h, 4 * tokens
     fp32, rstd, normed = (kept_name(p, x) for x in (norm.input_fp32, norm.rstd, norm.normed_fp32))
-    weighted = (Step("times the weight, in fp32", (Made(f"{n}/weighted", full, "x * rstd * weight, a local"),),
-                     reads_last=(normed,)),)
+    # under a checkpoint (which keeps none of them) x * rstd goes after the weight multiply, the upcast input before
+    # the cast back
+    times = (Made(f"{n}/weighted", full, "x * rstd * weight, a local"),)
+    weighted = (Step("times the weight, in fp32", times, reads_last=(normed, fp32)),)
     if z.sp and z.b > 1:  # its input is the reduce-scatter's (s/t, b, h) output seen as (b, s/t, h): not contiguous
-        weighted += (Step("made contiguous", (Made(f"{n}/copy", full, "fp32, a local"),), frees=(f"{n}/weighted",)),)
-    *weighted, last = weighted  # the upcast input goes before the cast back (with a checkpoint, which keeps none)
-    weighted = (*weighted, replace(last, reads_last=(*last.reads_last, fp32)))
+        weighted = (Step("times the weight, in fp32", times, reads_last=(normed,)),
+                    Step("made contiguous", (Made(f"{n}/copy", full, "fp32, a local"),), frees=(f"{n}/weighted",),
+                         reads_last=(fp32,)))
     forward = (
         Step("input.to(float32)", (kept(p, norm.input_fp32),)),
         Step("pow(2)", (Made(f"{n}/pow", full, "x^2, a local"),)),
