@@ -187,3 +187,14 @@ def test_mixtral_totals_count_its_experts_and_fall_back_on_states_and_saved_acti
     assert "46,702,792,704 parameters" in run.out
     assert "(states + saved activations)" in run.out
     assert "does not model a mixture of experts (num_experts) yet" in " ".join(run.out.split())
+
+
+def test_torchtitans_activation_checkpointing_has_a_modelled_step_peak_below_the_one_without_it():
+    """`--recompute full` and `op` (its FullAC and SelectiveAC) are walked on the CPU kernels, not refused: each
+    strategy's verdict is on the step's peak, full's the lowest, op's between."""
+    llama = ["--hf-config", "tests/data/hf/llama-tiny.json", "--impl", "torchtitan", "--b", "2", "--s", "24",
+             "--t", "2", "--device", "cpu", "--totals"]
+    per = {r: _json(*llama, "--recompute", r)["per_gpu"]["strategies"] for r in ("none", "op", "full")}
+    for name in ("none", "tp", "tp-sp"):
+        assert {per[r][name]["needed_basis"] for r in per} == {"the step's peak"}
+        assert per["full"][name]["needed_bytes"] < per["op"][name]["needed_bytes"] < per["none"][name]["needed_bytes"]

@@ -1,12 +1,14 @@
 """The generic walk (memcalc.sizing.timeline.walk): what autograd's order implies for any list of ops, pinned on a
 two-op layer drawn by hand: a tensor two ops save goes only when the earlier op's backward returns; an op's saved
 tensors go when its node returns, before a step after it; a weight's gradient goes when the step that hands it
-over is done; forward makes activations and backward temporaries."""
+over is done; forward makes activations and backward temporaries. Under a checkpoint (torch.utils.checkpoint), on a
+three-op region: forward keeps its input and the cached outputs alone, the rerun comes at the first op that keeps
+something, and the input goes with the last tensor the rerun kept."""
 
 from memcalc.model.ledger import Dim, Kind, Region, SavedTensor
 from memcalc.sizing.timeline import ACTIVATIONS, TEMPORARIES
 from memcalc.sizing.timeline.tape import Tape
-from memcalc.sizing.timeline.walk import Made, Op, Step, Walk, kept
+from memcalc.sizing.timeline.walk import Checkpoint, Made, Op, Step, Walk, kept
 
 X = SavedTensor("x", "both linears", (Dim.B, Dim.S, Dim.H), Kind.ACTIVATION, Region.REPLICATED, "dW = X^T dY")
 SAVED = {"x": 100}
@@ -72,3 +74,56 @@ def test_a_made_tensor_that_names_its_category_is_filed_there_and_not_under_the_
                                                       Made("l/z", 10, "rerun")),),))
     Walk(tape, "l", "layers.0", SAVED, lambda where, name, nbytes: None).backward((op,))
     assert {x.name: x.category for x in tape.moments[-1].live} == {"l/y": ACTIVATIONS, "l/z": TEMPORARIES}
+
+
+# -- under a checkpoint: a region whose input "in" feeds op a (x, kept), op b.c (y = W x, keeping x) and a residual sum
+
+def _region() -> tuple[Op, ...]:
+    a = Op("a", forward=(Step("x = f(in)", (kept("l", X),)),),
+           backward=(Step("a's backward", (Made("g/in", 100, "dX"),), frees=("g/x",)),))
+    c = Op("b.c", forward=(Step("y = W x", (Made("l/y", 10, "out"),), reads_last=("l/x",)),),
+           backward=(Step("GEMMs", (Made("g/x", 100, "dX"),), frees=("g/y",), reads_last=("l/x",)),), saves=(X,))
+    return (a, c, Op("", forward=(Step("in + y", (Made("out", 10, "the output"),), frees=("l/y", "in")),), backward=()))
+
+
+def _checkpointed(cached: frozenset[str] = frozenset()) -> tuple[Tape, int]:
+    """The region walked under a checkpoint; the index of its first backward moment."""
+    tape = Tape()
+    tape.add("in", ACTIVATIONS, 50, "the region's input")
+    walk = Walk(tape, "l", "layers.0", SAVED, lambda where, name, nbytes: None, Checkpoint("in", cached))
+    walk.forward(_region())
+    tape.drop("out")
+    tape.add("g/y", TEMPORARIES, 10, "dY")
+    first = len(tape.moments)
+    walk.backward(_region())
+    return tape, first
+
+
+def test_under_a_checkpoint_forward_keeps_the_input_alone_and_a_kept_tensor_goes_after_its_last_reader():
+    tape, first = _checkpointed()
+    assert [sorted(x.name for x in m.live) for m in tape.moments[:first]] == [
+        ["in", "l/x"], ["in", "l/x", "l/y"], ["in", "l/y", "out"]]
+
+
+def test_the_rerun_at_the_first_op_that_keeps_something_makes_activations_read_in_backward_at_the_trigger():
+    tape, first = _checkpointed()
+    rerun = tape.moments[first:first + 3]
+    assert [(m.phase, m.where, m.what) for m in rerun] == [
+        ("backward", "layers.0.a", "x = f(in)"), ("backward", "layers.0.b.c", "y = W x"),
+        ("backward", "layers.0.b.c", "in + y")]  # the residual sum runs in the region, read at b.c, still active
+    assert {x.category for m in rerun for x in m.live if x.name.startswith("l/")} == {ACTIVATIONS}
+    assert "out" not in {x.name for x in tape.moments[first + 3].live}  # what the rerun returned went at its end
+
+
+def test_the_rerun_tensors_go_after_their_last_reader_and_the_input_with_the_last_of_them():
+    tape, first = _checkpointed()
+    gemms, a = tape.moments[first + 3:]
+    assert {"in", "l/x"} <= {x.name for x in gemms.live}
+    assert not {"in", "l/x"} & {x.name for x in a.live}
+    assert not tape.live.keys() - {"g/in", "g/x"}
+
+
+def test_a_cached_output_outlives_its_frees_in_forward_and_the_rerun_takes_it_instead_of_making_it():
+    tape, first = _checkpointed(frozenset({"l/y"}))
+    assert "l/y" in {x.name for x in tape.moments[first].live}  # kept from forward to the rerun
+    assert [m.what for m in tape.moments[first:first + 2]] == ["x = f(in)", "in + y"]

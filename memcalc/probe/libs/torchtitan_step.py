@@ -7,7 +7,9 @@ block's attention torchtitan's ScaledDotProductAttention (flex has no CPU backwa
 It is built as torchtitan's trainer builds it: on the meta device, laid out by its TP plan under tp, then `to_empty`
 on the rank's device and `init_states` (each parameter its own shard's storage: parallelizing a model built on the
 device keeps the whole storage behind each dim-0 shard). Parameters are in the activation dtype, as FSDP's mixed
-precision gives them to forward; each block's RoPE keeps its own complex64 (s, d/2) `cache` buffer.
+precision gives them to forward; each block's RoPE keeps its own complex64 (s, d/2) `cache` buffer. Under recompute
+full or op torchtitan's own FullAC or SelectiveAC config object is built and applied to the model, after its TP plan,
+as parallelize_llama does.
 
 The loss is torchtitan's own `CrossEntropyLoss` as its trainer calls it (trainer.py, `_forward_backward_body`): the
 summed fp32 cross-entropy divided by the count of valid tokens (`(labels != IGNORE_INDEX).sum()`), the bf16 logits
@@ -64,6 +66,7 @@ def warmed_up(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, 
         model = titan.model_config(config, strategy.sequence_parallel, config.L, config.vocab_size).build()
     if dims is not None:
         model.parallelize(dims)
+    checkpoint(model, config)
     model.to_empty(device=tp.device)  # each parameter its own shard's storage (a view would keep the whole one)
     torch.manual_seed(BATCH_SEED)  # the weights, as torchtitan initialises them
     with torch.no_grad(), set_default_dtype(DTYPES[config.dtype]):
@@ -71,6 +74,29 @@ def warmed_up(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, 
     model.train()
     loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config(global_vocab_size=config.vocab_size))
     return Trainer.around(config, model, lambda tokens, labels: _loss(model, loss_fn, tokens, labels))
+
+
+def ac_config(config: ModelConfig) -> Any:
+    """torchtitan's activation checkpointing config object for `recompute` (its trainer's activation_checkpoint):
+    full, FullAC's; op, SelectiveAC's; none, None."""
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+    policies = {"full": FullAC.Config, "op": SelectiveAC.Config, "none": lambda: None}
+    if config.recompute not in policies:
+        raise ProbeError(f"impl torchtitan: recompute {config.recompute} is not torchtitan's; use none, op or full")
+    return policies[config.recompute]()
+
+
+def checkpoint(model: Any, config: ModelConfig) -> None:
+    """torchtitan's activation checkpointing applied as parallelize_llama applies it (after the TP plan, on the meta
+    device): its config object built and applied to every block (SelectiveAC also saves the CPU flash kernel's
+    outputs, as it saves its CUDA twins': the shim)."""
+    from memcalc.probe.libs import torchtitan_shim as shim
+
+    policy = ac_config(config)
+    if policy is not None:
+        with shim.cuda_like_op_checkpointing():
+            policy.build().apply(model)
 
 
 def _loss(model: Any, loss_fn: Any, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -93,9 +119,10 @@ def measure_torchtitan_fsdp_step_on_rank(tp: TensorParallelGroup, config: ModelC
 
 def warmed_up_sharded(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy) -> Any:
     """Rank 0 of dp_shard (the fake group's world): Llama3Model built on the meta device in fp32 (its trainer's
-    training.dtype), sharded by torchtitan's own parallelize_llama (apply_fsdp_to_decoder: tok_embeddings, each block,
-    [norm, lm_head], the model; bf16 parameters, fp32 reduce, its TrainingConfig's; its reshard policy "default", or
-    "never" without reshard_after_forward), materialised and initialised, AdamW (fused) over the shards, zeroed in
+    training.dtype), sharded by torchtitan's own parallelize_llama (its activation checkpointing config for
+    `recompute` applied to each block first, then apply_fsdp_to_decoder: tok_embeddings, each block, [norm, lm_head],
+    the model; bf16 parameters, fp32 reduce, its TrainingConfig's; its reshard policy "default", or "never" without
+    reshard_after_forward), materialised and initialised, AdamW (fused) over the shards, zeroed in
     place (its trainer's zero_grad(set_to_none=False)), stepped once.
 
     The SPMD backend is "partial_dtensor" (FSDP2 over the 1-D fsdp mesh): under its default "spmd_types" at t = 1,
@@ -120,11 +147,13 @@ def warmed_up_sharded(tp: TensorParallelGroup, config: ModelConfig, strategy: St
     with torch.device("meta"):
         model = titan.model_config(config, strategy.sequence_parallel, config.L, config.vocab_size).build()
     precision = {"bf16": "bfloat16", "fp32": "float32"}
-    parallelize_llama(model, parallel_dims=dims, compile_config=CompileConfig(), ac_config=None, dump_folder="",
-                      training=TrainingConfig(mixed_precision_param=precision[config.dtype],
-                                              mixed_precision_reduce=precision[config.reduce_dtype]),
-                      parallelism=ParallelismConfig(spmd_backend=backend, fsdp_reshard_after_forward="default"
-                                                    if config.reshard_after_forward else "never"))
+    training = TrainingConfig(mixed_precision_param=precision[config.dtype],
+                              mixed_precision_reduce=precision[config.reduce_dtype])
+    parallelism = ParallelismConfig(spmd_backend=backend,
+                                    fsdp_reshard_after_forward="default" if config.reshard_after_forward else "never")
+    with shim.cuda_like_op_checkpointing():
+        parallelize_llama(model, parallel_dims=dims, compile_config=CompileConfig(), ac_config=ac_config(config),
+                          dump_folder="", training=training, parallelism=parallelism)
     model.to_empty(device=tp.device)
     torch.manual_seed(BATCH_SEED)
     with torch.no_grad(), warnings.catch_warnings():  # the values do not matter: no warning that CPU meshes' are

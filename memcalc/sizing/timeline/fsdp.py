@@ -88,14 +88,22 @@ def hf_root(c: ModelConfig, t: int) -> Unit:
                        *((("lm_head", (rows, c.h)),) if not c.tie_embeddings else ())), False)
 
 
+def torchtitan_block(i: int, c: ModelConfig) -> str:
+    """Block i's module path in torchtitan's Llama3Model: under its activation checkpointing (FullAC, SelectiveAC)
+    the block inside torch's checkpoint_wrapper, which keeps it under this name."""
+    return f"layers.{i}._checkpoint_wrapped_module" if c.recompute != "none" else f"layers.{i}"
+
+
 def torchtitan_units(c: ModelConfig, reshard: bool) -> tuple[Unit, ...]:
     """torchtitan's apply_fsdp_to_decoder on its untied Llama3Model: tok_embeddings, then each block (both resharded
-    after forward under its "default" policy, `reshard`), then norm and lm_head as one unit, never resharded after
-    forward ("as an optimization": FSDP2 would prefetch them at once); the model's own call holds no parameter."""
+    after forward under its "default" policy, `reshard`; under AC the checkpoint_wrapper around it), then norm and
+    lm_head as one unit, never resharded after forward ("as an optimization": FSDP2 would prefetch them at once); the
+    model's own call holds no parameter."""
     qkv, f = (c.a + 2 * c.groups) * c.head_dim, c.ffn
     def block(i: int) -> Unit:
-        m = f"layers.{i}"
-        return Unit(m, ((f"{m}.attention.qkv_linear.wqkv", (qkv, c.h)), (f"{m}.attention.wo", (c.h, c.a * c.head_dim)),
+        m = torchtitan_block(i, c)
+        return Unit(f"layers.{i}", ((f"{m}.attention.qkv_linear.wqkv", (qkv, c.h)),
+                                    (f"{m}.attention.wo", (c.h, c.a * c.head_dim)),
                         (f"{m}.feed_forward.w1", (f, c.h)), (f"{m}.feed_forward.w2", (c.h, f)),
                         (f"{m}.feed_forward.w3", (f, c.h)), (f"{m}.attention_norm", (c.h,)),
                         (f"{m}.ffn_norm", (c.h,))), reshard)

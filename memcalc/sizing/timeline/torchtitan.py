@@ -27,6 +27,15 @@ sequence-parallel norms (tp-sp, its default) each module's input all-gathered al
 tensor is what wqkv, w1 and w3, and lm_head keep) and wo's, w2's and the embedding's partial sums reduce-scattered,
 their gradients the conjugate collectives; without (tp) the paper's f and f*, each an all-reduce into a copy.
 
+Under torchtitan's activation checkpointing (`recompute full`: FullAC; `op`: SelectiveAC, each block wrapped by
+torch's checkpoint_wrapper, non-reentrant) each block walks inside a `Checkpoint` (memcalc.sizing.timeline.walk):
+in forward what the block's ops keep goes after the step that reads it last, but the block's input (the frame's) and
+under op the outputs SelectiveAC caches (the ledger's op_checkpoint: wqkv's and w2's GEMMs, the attention kernel's,
+w1's); at the start of w2's backward the block's forward reruns (MemTracker reads it in backward, in the module
+still active there for the rerun's modules around w2), and then its backward is the block's without recomputation,
+but that the rerun's tensors are the autograd nodes' locals (they go after the step that reads them last) and the
+block's input goes with the last of them.
+
 Sharded by FSDP2 (`dp_shard`) the walk runs in segments, one per FSDP2 unit of torchtitan's apply_fsdp_to_decoder
 (memcalc.sizing.timeline.fsdp.torchtitan_units), with FSDP2's hooks at their edges: each unit gathered before its
 forward, resharded after it, gathered again (and the next prefetched) before its backward, its gradients kept as the
@@ -34,8 +43,10 @@ unsharded parameters' .grad and reduce-scattered into the sharded gradients afte
 
 Exact (to the byte, at every moment named here, tests/probe/libs/test_torchtitan_step.py and test_torchtitan_fsdp.py)
 for torchtitan 0.3.0 on torch 2.13's CPU kernels at t = 1 and under tp and tp-sp at t = 2 and 4 (rank 0 of the fake
-group), b = 1 and b > 1, bf16, untied, without recomputation, and under FSDP2 at t = 1 (dp_shard 2 and 4, with and
-without resharding); `check_modelled` names everything else.
+group), b = 1 and b > 1, bf16, untied, without recomputation and under FullAC and SelectiveAC (at t = 1, and under tp
+and tp-sp at t = 2 and 4), and under FSDP2 at t = 1 (dp_shard 2 and 4, with and without resharding, with and
+without FullAC or SelectiveAC: FSDPMemTracker reads a block's rerun as temporaries); `check_modelled` names
+everything else.
 On CUDA torchtitan's Llama3 runs flex attention and torch's fused _fused_rms_norm kernel, which keep other tensors
 (the ledger's device rules) and allocate otherwise in backward: not described here yet.
 """
@@ -54,9 +65,9 @@ from memcalc.model.ledger import SavedTensor
 from memcalc.model.strategy import Strategy
 from memcalc.sizing.pipeline import stages
 from memcalc.sizing.timeline.ends import model_states
-from memcalc.sizing.timeline.fsdp import OUTPUT, Fsdp
-from memcalc.sizing.timeline.tape import PARAMETERS, Sizes, Tape, Timeline, prod
-from memcalc.sizing.timeline.walk import Made, Op, Step, Walk, kept, kept_name
+from memcalc.sizing.timeline.fsdp import OUTPUT, Fsdp, torchtitan_block
+from memcalc.sizing.timeline.tape import ACTIVATIONS, PARAMETERS, TEMPORARIES, Sizes, Tape, Timeline, prod
+from memcalc.sizing.timeline.walk import Checkpoint, Made, Op, Step, Walk, kept, kept_name
 from memcalc.sizing.totals import end_sizes
 
 
@@ -64,6 +75,8 @@ def torchtitan_timeline(config: ModelConfig, strategy: Strategy, accounting: Acc
     """The moments of one training step of torchtitan's Llama3Model sized by `config`, on its one rank."""
     check_modelled(config, strategy, accounting)
     layer = estimate(config, strategy, accounting)
+    # under recomputation each block's rerun keeps what a block without it keeps: the walk sizes those
+    every = estimate(replace(config, recompute="none"), strategy, accounting) if config.recompute != "none" else layer
     unpadded = replace(config, make_vocab_size_divisible_by=1)  # torchtitan trains the vocabulary as it is
     z = Sizes.of(unpadded, strategy)
     (stage,) = stages(config.L, config.pp, config.vpp, config.microbatches)
@@ -76,7 +89,7 @@ def torchtitan_timeline(config: ModelConfig, strategy: Strategy, accounting: Acc
     tape.add("states/rope caches", PARAMETERS, config.L * 8 * config.s * (z.d // 2),
              "each block's ComplexRoPE keeps its own complex64 (s, d/2) table, a buffer")
     tape.mark("steady", "", "model states between steps")
-    saved = {x.tensor.name: x.bytes for x in layer.tensors}
+    saved = {x.tensor.name: x.bytes for x in every.tensors}
     end = _end_bytes(unpadded, strategy, accounting)
     hand_over = _hand_over(tape) if fsdp is None else _keep_grad(tape, fsdp)
     count, lookup = embedding_ops(z)
@@ -84,7 +97,8 @@ def torchtitan_timeline(config: ModelConfig, strategy: Strategy, accounting: Acc
     segments = [
         Segment(None, "", Walk(tape, "", "", end, hand_over), (count,)),
         Segment("tok_embeddings", "tok_embeddings", Walk(tape, "", "", end, hand_over), (lookup,)),
-        *(Segment(f"layers.{i}", f"layers.{i}", Walk(tape, f"layers.{i}", f"layers.{i}", saved, hand_over),
+        *(Segment(f"layers.{i}", f"layers.{i}", Walk(tape, f"layers.{i}", torchtitan_block(i, config), saved, hand_over,
+                                                      block_checkpoint(i, config, accounting)),
                   block_ops(i, z)) for i in range(config.L)),
         Segment(OUTPUT, "norm", Walk(tape, "", "", end, hand_over), tuple(norm)),
         Segment(OUTPUT, "lm_head", Walk(tape, "", "", end, hand_over), (lm_head,)),
@@ -113,7 +127,6 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
         (config.dp_shard is not None and config.t > 1, "dp_shard with t > 1 (FSDP2 on a 2-D mesh with its TP plan)"),
         ((config.dp_replicate or 1) > 1, "dp_replicate (HSDP)"),
         (config.reduce_dtype != "fp32", f"reduce_dtype {config.reduce_dtype} (torchtitan reduces in float32 only)"),
-        (config.recompute != "none", f"recompute {config.recompute} (its FullAC or SelectiveAC)"),
         (config.moe, "a mixture of experts (num_experts)"),
         (config.tie_embeddings, "tie_embeddings (Llama3 unties them; set tie_embeddings false)"),
         (config.position_embedding_type != "rope", f"position_embedding_type {config.position_embedding_type}"
@@ -127,6 +140,27 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
     for absent, what in missing:
         if absent:
             raise ConfigError(f"the step timeline for impl torchtitan does not model {what} yet")
+
+
+def block_checkpoint(i: int, config: ModelConfig, accounting: Accounting) -> Checkpoint | None:
+    """torchtitan's FullAC or SelectiveAC around block i (torch.utils.checkpoint, non-reentrant): its input held,
+    and under op the op outputs SelectiveAC caches, the ledger's (the block's input aside). Under FSDP2 its
+    apply_fsdp_to_decoder shards the checkpoint wrapper, whose rerun calls the block inside it, no FSDP unit:
+    FSDPMemTracker reads the rerun's tensors as temporaries."""
+    if config.recompute == "none":
+        return None
+    p = f"layers.{i}"
+    cached = rules.op_checkpoint(accounting) if config.recompute == "op" else ()
+    return Checkpoint(f"{p}/input", frozenset(kept_name(p, x) for x in cached if x != ledger.LAYER_INPUT),
+                      ACTIVATIONS if config.dp_shard is None else TEMPORARIES)
+
+
+def module_returns(ops: tuple[Op, ...], *names: str) -> tuple[Op, ...]:
+    """`ops`, the last of a module's, with `names` (kept tensors its frame holds: its input, locals) read last by
+    their final forward step, where the module returns."""
+    *before, last = ops
+    *steps, final = last.forward
+    return (*before, replace(last, forward=(*steps, replace(final, reads_last=final.reads_last + names))))
 
 
 @dataclass(frozen=True)
@@ -154,15 +188,17 @@ class Segment:
     def backward(self, fsdp: Fsdp | None, prefetch: str | None) -> None:
         """The unit's pre-backward (unsharded again if resharded, the unit before it prefetched), the ops' backward,
         then its post-backward for the parameters that have a gradient (the embedding's runs in the final
-        callback)."""
+        callback). Under a checkpoint the pre-backward is read in the block inside the wrapper (entered in backward
+        with it), the post-backward in the wrapper."""
         tape = self.walk.tape
         if fsdp is None or self.unit is None:
             self.walk.backward(self.ops)
             return
+        where = self.walk.module if self.walk.checkpoint is not None else self.where
         # at lm_head the unit is still unsharded from forward, and FSDP2 issues the last block's all-gather only at
         # the norm's pre-backward (FSDPMemTracker's readings): nothing happens here
         if self.unit != OUTPUT or self.where != "lm_head":
-            fsdp.pre_backward(tape, self.unit, self.where, prefetch)
+            fsdp.pre_backward(tape, self.unit, where, prefetch)
         self.walk.backward(self.ops)
         if self.unit != "tok_embeddings":
             _post_backward(fsdp, tape, self.unit, self.where)
@@ -226,9 +262,14 @@ def rms_norm(where: str, z: Sizes, norm: rules.RMSNormTensors, p: str, out: Made
     tokens = z.b * z.s_seq  # under SP the norm runs on this rank's sequence shard
     n, full, row = f"{p}/{where}" if p else where, 4 * tokens * z.h, 4 * tokens
     fp32, rstd, normed = (kept_name(p, x) for x in (norm.input_fp32, norm.rstd, norm.normed_fp32))
-    weighted = (Step("times the weight, in fp32", (Made(f"{n}/weighted", full, "x * rstd * weight, a local"),)),)
+    # under a checkpoint (which keeps none of them) x * rstd goes after the weight multiply, the upcast input before
+    # the cast back
+    times = (Made(f"{n}/weighted", full, "x * rstd * weight, a local"),)
+    weighted = (Step("times the weight, in fp32", times, reads_last=(normed, fp32)),)
     if z.sp and z.b > 1:  # its input is the reduce-scatter's (s/t, b, h) output seen as (b, s/t, h): not contiguous
-        weighted += (Step("made contiguous", (Made(f"{n}/copy", full, "fp32, a local"),), frees=(f"{n}/weighted",)),)
+        weighted = (Step("times the weight, in fp32", times, reads_last=(normed,)),
+                    Step("made contiguous", (Made(f"{n}/copy", full, "fp32, a local"),), frees=(f"{n}/weighted",),
+                         reads_last=(fp32,)))
     forward = (
         Step("input.to(float32)", (kept(p, norm.input_fp32),)),
         Step("pow(2)", (Made(f"{n}/pow", full, "x^2, a local"),)),
@@ -236,13 +277,15 @@ def rms_norm(where: str, z: Sizes, norm: rules.RMSNormTensors, p: str, out: Made
         Step("rsqrt(mean + eps)", (kept(p, norm.rstd),), frees=(f"{n}/pow", f"{n}/mean")),
         Step("x * rstd", (kept(p, norm.normed_fp32),)),
         *weighted,
-        Step("cast back to bf16: the norm's output", (out,), frees=(f"{n}/weighted", f"{n}/copy", *frees)),
+        Step("cast back to bf16: the norm's output", (out,), frees=(f"{n}/weighted", f"{n}/copy", *frees),
+             reads_last=(rstd,)),
     )
     g = f"grad/{n}"
     backward = (
         Step("the cast's backward: dY up to fp32", (Made(f"{g}/dy", full, "dY in fp32"),), frees=(grad,)),
         Step("times the weight's backward: dY * weight", (Made(f"{g}/dnormed", full, "the gradient of x * rstd"),)),
-        Step("its weight's: dY * (x * rstd)", (Made(f"{g}/dw full", full, "per token, before the sum"),)),
+        Step("its weight's: dY * (x * rstd)", (Made(f"{g}/dw full", full, "per token, before the sum"),),
+             reads_last=(normed,)),
         Step("summed over tokens", (Made(f"{g}/dw fp32", 4 * z.h, "the weight's fp32 gradient"),),
              frees=(f"{g}/dw full",)),
         Step("cast to bf16: the weight's gradient", (Made(f"{g}/dweight", z.act * z.h, _WGRAD),),
@@ -375,12 +418,13 @@ def attention_ops(p: str, z: Sizes, mid: str, gmid: str, gx: str, h: int, q: int
         rms_norm("attention_norm", z, rules.LN1, p, _norm_out(z, p, "attention_norm", rules.QKV_IN),
                  f"grad/{p}/attention_norm dy" if z.t > 1 else f"grad/{p}/qkv dx", f"grad/{p}/attention_norm dx"),
         *gather(a, z, p, kept(p, rules.QKV_IN), f"grad/{p}/qkv dx", f"grad/{p}/attention_norm dy"),
-        linear(f"{a}.qkv_linear.wqkv", rules.QKV_IN, Made(f"{p}/qkv", qkv, "the fused projection's output"),
+        linear(f"{a}.qkv_linear.wqkv", rules.QKV_IN,
+               Made(kept_name(p, rules.QKV_OUT), qkv, "the fused projection's output"),
                z.act * z.qkv_t * z.h, f"grad/{p}/qkv dx", full, p, frees=(f"{g}/dqkv",)),
         Op(f"{a}.qkv_linear",
            forward=(Step("the split: q reshaped (a copy)", (Made(f"{p}/q pre-rope", q, "q, before RoPE"),)),
                     Step("k made contiguous", (Made(f"{p}/k pre-rope", kv, "k, before RoPE"),)),
-                    Step("v made contiguous", (kept(p, ledger.V),), frees=(f"{p}/qkv",))),
+                    Step("v made contiguous", (kept(p, ledger.V),), frees=(kept_name(p, rules.QKV_OUT),))),
            backward=(Step("the split's backward: dQ, dK, dV concatenated", (
                Made(f"{g}/dqkv", qkv, "the fused output's gradient"),),
                frees=(f"{g}/dq pre-rope", f"{g}/dk pre-rope", f"{g}/dv")),)),
@@ -409,13 +453,16 @@ def attention_ops(p: str, z: Sizes, mid: str, gmid: str, gx: str, h: int, q: int
            )),
         Op(f"{a}.inner_attention",
            forward=(Step("SDPA's flash kernel: output and log-sum-exp", (kept(p, ledger.PROJ_IN),
-                                                                          kept(p, ledger.SOFTMAX_LSE))),),
+                                                                          kept(p, ledger.SOFTMAX_LSE)),
+                         reads_last=(kept_name(p, ledger.SOFTMAX_LSE),)),),
            backward=(Step("SDPA's backward: dQ, dK, dV", (Made(f"{g}/dq", q, "bf16"), Made(f"{g}/dk", kv, "bf16"),
                                                           Made(f"{g}/dv", kv, "bf16")), frees=(f"{g}/dout",)),),
            saves=(ledger.Q, ledger.K, ledger.V, ledger.SOFTMAX_LSE, ledger.PROJ_IN)),
-        linear(f"{a}.wo", ledger.PROJ_IN, Made(wo_out, full, "wo's output"), z.act * z.h * z.a_t * z.d,
-               f"{g}/dout", q, p, frees=(dy,) if z.sp else ()),
-        *reduce_scatter(f"{a}.wo", z, p, wo_out, f"{p}/attention out", dy, (f"{p}/attention_norm out",)),
+        *module_returns((
+            linear(f"{a}.wo", ledger.PROJ_IN, Made(wo_out, full, "wo's output"), z.act * z.h * z.a_t * z.d,
+                   f"{g}/dout", q, p, frees=(dy,) if z.sp else ()),
+            *reduce_scatter(f"{a}.wo", z, p, wo_out, f"{p}/attention out", dy, (f"{p}/attention_norm out",)),
+        ), *(kept_name(p, x) for x in (rules.QKV_IN, ledger.Q, ledger.K, ledger.V, ledger.PROJ_IN))),
         Op("", forward=(Step("x + attention", (Made(mid, h, "the residual stream after attention"),),
                              frees=(f"{p}/attention out",)),), backward=()),
     )
@@ -425,25 +472,30 @@ def feed_forward_ops(p: str, z: Sizes, x: str, mid: str, out: str, h: int, f: in
     """w1, SiLU, w3, the product, w2 and the second residual sum (the block's output)."""
     m, g, w = "feed_forward", f"grad/{p}/feed_forward", z.act * z.f_t * z.h
     full, dy = z.full(z.h), f"{g}/dY whole"  # w2's dY, all-gathered under SP
-    w2_out = f"{p}/w2 partial" if z.t > 1 else f"{p}/ffn out"
+    w2_out = kept_name(p, rules.FC2_OUT)  # its partial sum under tp
+    ffn_out = f"{p}/ffn out" if z.t > 1 else w2_out
     return (
         linear(f"{m}.w1", rules.FC1_IN, kept(p, ledger.SWIGLU_GATE), w, f"{g}/dx1", full, p, frees=(f"{g}/dgate",),
                sums=(f"{g}/dx3", f"grad/{p}/ffn_norm out", full)),
         # SiLU runs inside feed_forward; its backward while MemTracker still has w3 active (w1 x and w3 x share an
         # input, whose gradient is not complete until w1's backward)
-        Op(f"{m}.w3", forward=(Step("SiLU", (kept(p, ledger.SWIGLU_SILU_OUT),)),),
+        Op(f"{m}.w3", forward=(Step("SiLU", (kept(p, ledger.SWIGLU_SILU_OUT),),
+                                    reads_last=(kept_name(p, ledger.SWIGLU_GATE),)),),
            backward=(Step("SiLU's backward", (Made(f"{g}/dgate", f, "bf16"),), frees=(f"{g}/dsilu",)),),
            saves=(ledger.SWIGLU_GATE,)),
         linear(f"{m}.w3", rules.FC1_IN, kept(p, ledger.SWIGLU_UP), w, f"{g}/dx3", full, p, frees=(f"{g}/dup",)),
-        Op(m, forward=(Step("SiLU(w1 x) * w3 x", (kept(p, ledger.FC2_IN),)),),
+        Op(m, forward=(Step("SiLU(w1 x) * w3 x", (kept(p, ledger.FC2_IN),),
+                            reads_last=tuple(kept_name(p, x) for x in (ledger.SWIGLU_SILU_OUT, ledger.SWIGLU_UP))),),
            backward=(Step("the product's backward: dY * up", (Made(f"{g}/dsilu", f, "bf16"),)),
                      Step("the product's backward: dY * SiLU", (Made(f"{g}/dup", f, "bf16"),), frees=(f"{g}/dfc2",))),
            saves=(ledger.SWIGLU_UP, ledger.SWIGLU_SILU_OUT)),
-        linear(f"{m}.w2", ledger.FC2_IN, Made(w2_out, full, "w2's output"), w, f"{g}/dfc2", f, p,
-               frees=(dy,) if z.sp else ()),
-        *reduce_scatter(f"{m}.w2", z, p, w2_out, f"{p}/ffn out", dy, (f"{p}/ffn_norm out",)),
+        *module_returns((
+            linear(f"{m}.w2", ledger.FC2_IN, Made(w2_out, full, "w2's output"), w, f"{g}/dfc2", f, p,
+                   frees=(dy,) if z.sp else ()),
+            *reduce_scatter(f"{m}.w2", z, p, w2_out, f"{p}/ffn out", dy, (f"{p}/ffn_norm out",)),
+        ), *(kept_name(p, x) for x in (rules.FC1_IN, ledger.FC2_IN))),
         Op("", forward=(Step("h + feed-forward: the block's output", (Made(out, h, "the next block's input"),),
-                             frees=(f"{p}/ffn out", mid, x)),), backward=()),
+                             frees=(ffn_out, mid, x)),), backward=()),
     )
 
 

@@ -11,6 +11,12 @@ frees. `Walk.forward` and `Walk.backward` turn any list of ops into moments, the
                 `hand_over` adds it into the fp32 buffer, or under FSDP2 would keep it to the block's
                 reduce-scatter); when the op's autograd node returns, the saved tensors no op before it keeps go
 
+Under torch.utils.checkpoint (non-reentrant, as torchtitan's FullAC and SelectiveAC wrap a block) a walk has a
+`Checkpoint`: forward keeps nothing the ops save (each kept tensor goes after the step that reads it last,
+`Step.reads_last`) but the region's input and the op outputs a selective policy caches; backward reruns the forward
+at the first op that keeps something, its tensors activations again, and the frame holding the input goes with the
+last tensor the rerun kept.
+
 A step is one op's output (or several outputs made together, as a GEMM's dW and dX), i.e. a moment at which
 MemTracker can read a new high; `frees` go when the next op runs. Names are whole tape names (the layer's prefix
 included): the op that makes a tensor and the op that frees it may be different ops, as a residual stream's
@@ -52,6 +58,7 @@ class Step:
     frees: tuple[str, ...] = ()
     hands_over: tuple[str, ...] = ()
     returns: bool = False  # in backward: the op's autograd node returns here, and what it saves goes (default: last)
+    reads_last: tuple[str, ...] = ()  # kept tensors read here for the last time (under a checkpoint they go after it)
 
 
 @dataclass(frozen=True)
@@ -60,15 +67,27 @@ class Op:
     and the ledger's records it keeps for backward (`saves`: freed when its autograd node returns, unless an op before
     it, whose backward runs later, keeps them too).
 
-    A collective is a step like any other (its output buffer is what it makes). Not fields yet, for want of a walk
-    that needs them: a TP style and a recomputation region (a wrapper that reruns its ops' forward steps at the start
-    of their backward); the first description that needs them adds them here.
+    A collective is a step like any other (its output buffer is what it makes). Not a field yet, for want of a walk
+    that needs it: a TP style. A recomputation region is the walk's (`Checkpoint`), around all of its ops.
     """
 
     where: str
     forward: tuple[Step, ...]
     backward: tuple[Step, ...]
     saves: tuple[SavedTensor, ...] = ()
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """torch.utils.checkpoint (non-reentrant) around a walk's ops: `holds`, the region's input, which its frame keeps
+    for the rerun; `cached`, the op outputs a selective policy keeps from forward to the rerun, which then takes them
+    instead of making them again; `rerun`, the category the rerun's tensors are read in (MemTracker's activations;
+    FSDPMemTracker, which tells a rerun by an FSDP unit's forward in backward, reads a rerun inside one as
+    temporaries)."""
+
+    holds: str
+    cached: frozenset[str] = frozenset()
+    rerun: str = ACTIVATIONS
 
 
 @dataclass
@@ -82,7 +101,9 @@ class Walk:
     module: str
     saved: dict[str, int]
     hand_over: HandOver
+    checkpoint: Checkpoint | None = None
     _kept_by: dict[str, int] = field(default_factory=dict)  # saved name -> index of the first op that keeps it
+    _rerun_kept: set[str] = field(default_factory=set)  # under a checkpoint: what the rerun made that ops keep
 
     def kept(self, tensor: SavedTensor) -> str:
         """A saved tensor's tape name."""
@@ -109,13 +130,42 @@ class Walk:
             self._first_keepers(ops)
         for i in reversed(range(len(ops))):
             op = ops[i]
+            if self.checkpoint is not None and op.saves and not self._rerun_kept:
+                self._rerun(ops, op, self.checkpoint)
             returns = next((j for j, x in enumerate(op.backward) if x.returns), len(op.backward) - 1)
             for j, step in enumerate(op.backward):
                 self._step(step, op, "backward")
                 if j == returns:
                     self._release(op, i)
+                self._release_frame()
             if not op.backward:
                 self._release(op, i)
+
+    def _rerun(self, ops: tuple[Op, ...], trigger: Op, checkpoint: Checkpoint) -> None:
+        """The checkpoint's rerun of the forward, when `trigger`'s backward first unpacks a saved tensor: each step
+        makes its tensors (in the checkpoint's `rerun` category; the cached ones are taken, not made), what the ops
+        keep stays, the rest goes as in forward, and what the rerun returns goes at its end. MemTracker reads it in
+        backward, a rerun module that is an ancestor of the trigger's (its own ops, the block's residual sums) at the
+        trigger, which is still active."""
+        made: list[str] = []
+        for op in ops:
+            where = trigger.where if _ancestor(op.where, trigger.where) else op.where
+            for step in op.forward:
+                new = tuple(x for x in step.makes if x.name not in checkpoint.cached)
+                self._make(new, checkpoint.rerun)
+                if new:
+                    self.tape.mark("backward", ".".join(x for x in (self.module, where) if x), step.what)
+                made += [x.name for x in new if x.keeps is None]
+                kept = (x.name for x in step.makes if x.keeps is not None and x.name in self.tape.live)
+                self._rerun_kept.update(kept)
+                self.tape.drop(*(x for x in step.frees if x != checkpoint.holds))
+        self.tape.drop(*made)
+
+    def _release_frame(self) -> None:
+        """Under a checkpoint: its frame, and with it the region's input, goes when the last tensor the rerun kept
+        does (the last saved-tensor hook that refers to it)."""
+        if self.checkpoint is not None and self._rerun_kept and not self._rerun_kept & self.tape.live.keys():
+            self.tape.drop(self.checkpoint.holds)
 
     def _release(self, op: Op, i: int) -> None:
         """What op i saves goes, unless an op before it (whose backward runs later) keeps it too."""
@@ -123,17 +173,32 @@ class Walk:
 
     def _step(self, step: Step, op: Op, phase: str) -> None:
         where = ".".join(x for x in (self.module, op.where) if x)
-        category = ACTIVATIONS if phase == "forward" else TEMPORARIES
-        for x in step.makes:
+        self._make(step.makes, ACTIVATIONS if phase == "forward" else TEMPORARIES)
+        if step.makes:
+            self.tape.mark(phase, where, step.what)
+        self.tape.drop(*self._frees(step, phase))
+        for name in step.hands_over:
+            self.hand_over(where, name, self.tape.live[name].bytes)
+
+    def _frees(self, step: Step, phase: str) -> tuple[str, ...]:
+        """What goes after a step: under a checkpoint also the kept tensors it reads last: in forward nothing keeps
+        them (but the region's input and the cached op outputs), in backward the rerun's are the node's locals."""
+        if self.checkpoint is None:
+            return step.frees
+        held = {self.checkpoint.holds, *self.checkpoint.cached} if phase == "forward" else set()
+        return tuple(x for x in (*step.frees, *step.reads_last) if x not in held)
+
+    def _make(self, makes: tuple[Made, ...], category: str) -> None:
+        for x in makes:
             if x.keeps is not None and x.keeps.name not in self.saved:
                 continue  # not kept under these sizes (the ledger's size rules)
             nbytes = self.saved[x.keeps.name] if x.keeps is not None else x.bytes
             self.tape.add(x.name, x.category or category, nbytes, x.why)
-        if step.makes:
-            self.tape.mark(phase, where, step.what)
-        self.tape.drop(*step.frees)
-        for name in step.hands_over:
-            self.hand_over(where, name, self.tape.live[name].bytes)
+
+
+def _ancestor(module: str, of: str) -> bool:
+    """Whether `module` (a path below the walk's) is `of` or a module around it ("" is the walk's own)."""
+    return not module or of == module or of.startswith(module + ".")
 
 
 def kept_name(prefix: str, tensor: SavedTensor) -> str:

@@ -3,7 +3,7 @@ tok_embeddings, each block, [norm, lm_head] and the model; bf16 parameters, fp32
 or "never") over dp_shard = 2 and 4 ranks of the fake group, trained with its trainer's zero_grad(set_to_none=False),
 under torch's FSDPMemTracker, against the torchtitan step timeline with FSDP2's units as data
 (memcalc.sizing.timeline.fsdp): the peak, each category at it and the state between steps to the byte, the peak's
-moment, and every moment in order."""
+moment, and every moment in order; also under its FullAC and SelectiveAC."""
 
 import pytest
 
@@ -71,11 +71,15 @@ def test_between_steps_each_rank_holds_each_padded_parameter_over_dp_shard_four_
     assert steady[OPTIMIZER] == 8 * shard + 4 * (7 * c.L + 3)
 
 
-@pytest.mark.parametrize("n, reshard", [(2, True), (2, False), (4, True)])
-def test_every_moment_the_fsdp_walk_names_happens_in_order_in_its_module_with_its_bytes(one_thread, n, reshard):
+@pytest.mark.parametrize("n, reshard, recompute", [(2, True, "none"), (2, False, "none"), (4, True, "none"),
+                                                    (2, True, "full"), (4, False, "op")])
+def test_every_moment_the_fsdp_walk_names_happens_in_order_in_its_module_with_its_bytes(one_thread, n, reshard,
+                                                                                         recompute):
     """Each unit's all-gather and copy-out, [norm, lm_head]'s two post-backwards (lm_head's gradient reduced after
-    its backward, the unit gathered again for the norm's), the reduce-scatters added into the sharded gradients."""
-    config = _config(dp_shard=n, reshard_after_forward=reshard)
+    its backward, the unit gathered again for the norm's), the reduce-scatters added into the sharded gradients; under
+    torchtitan's FullAC and SelectiveAC (passed to its parallelize_llama) each block's rerun inside its unit, which
+    FSDPMemTracker reads as temporaries."""
+    config = _config(dp_shard=n, reshard_after_forward=reshard, recompute=recompute)
 
     def on_rank(tp):
         trainer = warmed_up_sharded(tp, config, STRATEGIES["none"])
@@ -86,6 +90,17 @@ def test_every_moment_the_fsdp_walk_names_happens_in_order_in_its_module_with_it
         return tracker.readings
 
     assert_moments_in_order(timeline(config, STRATEGIES["none"], CPU).moments[1:], run_fake(on_rank, (), n))
+
+
+@pytest.mark.parametrize("changes", [
+    {"dp_shard": 2, "recompute": "full"},
+    {"dp_shard": 4, "recompute": "op", "reshard_after_forward": False},
+    {"dp_shard": 4, "recompute": "full", "b": 1, "s": 7},  # b = 1, odd s: the first block's norm in backward
+], ids=str)
+def test_under_its_activation_checkpointing_the_peak_is_fsdpmemtrackers_to_the_byte(one_thread, changes):
+    (r,) = measure_step(_config(**changes), ["none"])
+    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+    assert r.moment_matches, (r.predicted_moment, r.measured.moment)
 
 
 @pytest.mark.parametrize("changes, named", [

@@ -107,9 +107,50 @@ def test_under_tp_every_moment_the_timeline_names_happens_in_order(one_thread, c
     assert_moments_in_order(timeline(config, STRATEGIES[strategy], CPU).moments[1:-1], run_fake(readings, (), config.t))
 
 
+# -- under torchtitan's activation checkpointing: its FullAC and SelectiveAC config objects applied to the model ------
+
+AC_CASES = [
+    ({}, "none"),  # full: w2's GEMMs after the rerun; op: the loss's backward
+    ({"b": 1, "s": 7, "num_query_groups": 8, "ffn_hidden_size": 100}, "none"),  # b = 1, odd s, no GQA: lm_head's GEMMs
+    ({"t": 2}, "tp"),
+    ({"t": 2, "b": 1, "s": 7, "L": 1}, "tp"),
+    ({"t": 2, "b": 1, "s": 10, "L": 1}, "tp-sp"),
+    ({"t": 2}, "tp-sp"),  # b > 1: the norms' inputs are (s/t, b, h) views, made contiguous in fp32
+    ({"t": 4, "num_query_groups": 4, "s": 12, "L": 1}, "tp-sp"),  # under full: in the rerun, w2's reduce-scatter
+    ({"vocab_size": 16, "s": 64, "a": 16, "num_query_groups": 16}, "none"),  # after the rerun: the product's backward
+    ({"vocab_size": 16, "s": 64, "a": 16, "num_query_groups": 16, "ffn_hidden_size": 16}, "none"),  # ffn_norm's pow
+]
+
+
+@pytest.mark.parametrize("recompute", ["full", "op"])
+@pytest.mark.parametrize("changes, strategy", AC_CASES, ids=str)
+def test_under_its_activation_checkpointing_memtracker_reaches_the_peak_to_the_byte(one_thread, recompute, changes,
+                                                                                      strategy):
+    """FullAC keeps each block's input alone, SelectiveAC also the outputs its policy caches; each block's forward
+    reruns at the start of its backward."""
+    (r,) = measure_step(_config(recompute=recompute, **changes), [strategy])
+    assert r.measured.moment == r.predicted_moment
+    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+
+
+@pytest.mark.parametrize("recompute", ["full", "op"])
+@pytest.mark.parametrize("changes, strategy", [AC_CASES[0], AC_CASES[2], AC_CASES[4], AC_CASES[5]], ids=str)
+def test_under_its_activation_checkpointing_every_moment_happens_in_order(one_thread, recompute, changes, strategy):
+    """What goes in forward when nothing keeps it, the rerun (read in backward, at w2 for the modules around it), what
+    the rerun's locals free in backward and the block's input going with the last tensor the rerun kept."""
+    config = _config(recompute=recompute, **changes)
+
+    def readings(tp):
+        with runtime(tp) as dims:
+            return readings_after_every_op(warmed_up(tp, config, STRATEGIES[strategy], dims))
+
+    found = run_fake(readings, (), config.t) if config.t > 1 else readings(single())
+    assert_moments_in_order(timeline(config, STRATEGIES[strategy], CPU).moments[1:-1], found)
+
+
 @pytest.mark.parametrize("changes, named", [
     ({"pp": 2}, "pp=2"),
-    ({"recompute": "full"}, "recompute full"),
+    ({"cp": 2}, "cp=2"),
     ({"zero_stage": 2}, "zero_stage"),
     ({"tie_embeddings": True}, "tie_embeddings"),
     ({"position_embedding_type": "learned_absolute"}, "position_embedding_type learned_absolute"),
