@@ -1,6 +1,6 @@
 """Hugging Face transformers: what its decoder layers keep for backward, op by op.
 
-Two layer families, told apart by the knobs (memcalc's config has no model family):
+Layer families, told apart by the knobs (memcalc's config has no model family):
 
     rmsnorm + swiglu            LlamaDecoderLayer (Qwen2's and Mistral's are the same layer;
                                 Qwen2 adds a QKV bias, which keeps nothing more), RoPE; with
@@ -10,6 +10,9 @@ Two layer families, told apart by the knobs (memcalc's config has no model famil
                                 with rotary_percent GPTNeoXLayer (fused_qkv: one query_key_value) or
                                 Starcoder2DecoderLayer (separate q, k, v, GQA, whole heads rotated),
                                 or with single_norm GPTJBlock (one ln_1 read by attention and MLP)
+    rmsnorm_fp32w + swiglu_clamped  GptOssDecoderLayer (attention_sinks): GptOssRMSNorm, sinks, half-head
+                                RoPE tables, every layer sparse (its router's top-k softmax, the
+                                experts' clamped GLU), sliding and full layers alike under eager
 
 Where transformers' Python differs from Megatron's fused kernels it keeps more:
 
