@@ -98,8 +98,9 @@ def _fc2(c: ModelConfig, t: int) -> int:
 
 
 def _experts(c: ModelConfig, t: int) -> int:
-    """The E/ep experts one rank holds, each an MLP of width e whose fc1 and fc2 are split by etp = t."""
-    expert = replace(c, ffn_hidden_size=c.expert_ffn)
+    """The E/ep experts one rank holds, each an MLP of width e whose fc1 and fc2 are split by etp = t (gpt-oss's
+    carry biases whatever attention_bias says: GptOssExperts always has them)."""
+    expert = replace(c, ffn_hidden_size=c.expert_ffn, add_bias_linear=c.add_bias_linear or c.attention_sinks)
     return c.num_experts // c.ep * (_fc1(expert, t) + _fc2(expert, t))
 
 
