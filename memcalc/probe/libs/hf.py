@@ -55,6 +55,15 @@ a ledger row is their sum, of r rows. An expert's gate and up are halves of one
 (r_e, 2e) `gate_up_proj` output (under grouped_mm one (r, 2e) output for all),
 reported as the ledger's two rows, half its bytes each. `--route` forces the
 router (hf_shim).
+
+A config with attention sinks runs `GptOssDecoderLayer`, eager (transformers refuses
+sdpa for it), its experts by the config's experts_implementation as above (their
+gate_up output's interleaved gate and up columns reported as two rows, half its
+bytes each). Its layer 0 is a sliding-window layer, as GptOssConfig alternates them,
+or a full-attention one (`layer_type`); each kind gets the mask GptOssModel makes for
+it (`create_sliding_window_causal_mask` for sliding layers, as for Gemma 2/3's).
+Its sinks, router and expert biases are torch.empty until `_init_weights`, which the
+probe stands in for.
 """
 
 from __future__ import annotations
