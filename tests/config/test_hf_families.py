@@ -258,7 +258,6 @@ def test_tp_for_gpt_oss_is_refused_in_one_line_naming_its_plan():
                                                                 " full_attention for each layer"),
     ("quantization_config", {"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes' is not modelled"),
     ("swiglu_limit", -1, "swiglu_limit must be a positive number"),
-    ("attention_dropout", 0.1, "dropout 0.1 in GptOssDecoderLayer is not modelled"),
 ])
 def test_what_gpt_oss_s_config_asks_that_memcalc_has_not_measured_is_refused_in_one_line(tmp_path, field, value,
                                                                                           words):

@@ -53,6 +53,14 @@ def test_grouped_mm_keeps_the_sorted_expert_ids_its_bias_gather_reads_and_the_ea
     assert "moe/sorted_expert_ids" not in _bytes({"experts_implementation": "eager"})
 
 
+def test_attention_dropout_keeps_the_mask_and_the_dropped_out_weights_beside_the_sink_softmax():
+    kept, dropped = _bytes({}), _bytes({"dropout": 0.1})
+    b, s, a = SIZES["b"], SIZES["s"], SIZES["a"]
+    assert {k: v for k, v in dropped.items() if k not in kept} == {"attention/dropout_mask": b * a * s * s,
+                                                                  "attention/dropout_out": 2 * b * a * s * s}
+    assert dropped["attention/sink_softmax"] == kept["attention/sink_softmax"]
+
+
 def test_sliding_and_full_layers_are_one_ledger_so_a_window_shorter_than_s_changes_nothing():
     assert _bytes({"sliding_window": 3}) == _bytes({"sliding_window": None}) == _bytes({})
 
@@ -67,7 +75,6 @@ def test_gpt_oss_runs_no_tp_and_says_why_in_one_line():
 @pytest.mark.parametrize("knobs, words", [
     ({"attention": "flash"}, "GptOssDecoderLayer runs eager attention only: GptOssPreTrainedModel has _supports_sdpa"
                              " False"),
-    ({"dropout": 0.1}, "dropout 0.1 in GptOssDecoderLayer is not modelled"),
     ({"attention_sinks": False}, "attention_sinks and mlp swiglu_clamped are GptOssDecoderLayer's"),
     ({"mlp": "swiglu"}, "attention_sinks and mlp swiglu_clamped are GptOssDecoderLayer's"),
     ({"num_experts": None, "moe_ffn_hidden_size": None}, "attention_sinks and mlp swiglu_clamped are"

@@ -40,6 +40,9 @@ CASES = {
     "multi-head, top-1 of 4, heads of 8, h=48": ({"a": 6, "num_query_groups": None, "kv_channels": 8, "h": 48,
                                                   "moe_router_topk": 1}, FULL),
     "fp32": ({"dtype": "fp32", "s": 9}, SLIDING),
+    "attention dropout: its mask and the dropped-out weights, which weights x V keeps in place of the view":
+        ({"dropout": 0.1}, SLIDING),
+    "attention dropout at b=1, odd s, full layer": ({"dropout": 0.1, "b": 1, "s": 7}, FULL),
     "gradient checkpointing keeps the layer's input": ({"recompute": "full"}, SLIDING),
 }
 
