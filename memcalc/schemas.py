@@ -114,6 +114,7 @@ KNOBS: Schema = _object({
     "fused_qkv": FLAG,
     "alibi": FLAG,
     "single_norm": FLAG,
+    "attention_sinks": FLAG,
 })
 
 # The config a command ran: every ModelConfig field (unset optional ones left out), with the MLP

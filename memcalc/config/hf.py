@@ -184,6 +184,23 @@ def _positive_or_null(name: str) -> Callable[[Any], Any]:
     return lambda value: None if value is None else check(value)
 
 
+_KINDS_OF_LAYER = ("sliding_attention", "full_attention")
+
+
+def _layer_types(value: Any) -> Any:
+    """Gemma 2/3's and gpt-oss's layer_types: each layer's attention, a sliding window or full causal."""
+    if not isinstance(value, list) or not all(kind in _KINDS_OF_LAYER for kind in value):
+        raise ConfigError(f"layer_types must list {' or '.join(_KINDS_OF_LAYER)} for each layer, got"
+                          f" {short_repr(value)}")
+    return value
+
+
+# Sliding and full layers are counted alike, L times one layer, exactly: memcalc counts a window shorter than the
+# sequence under transformers' eager attention only (check_sliding_window), whose mask is added to the whole (s, s)
+# scores, so each kind keeps the same tensors (tests/probe/libs/test_hf_gpt_oss.py measures both).
+_LAYER_TYPES = _kept_nothing("layer_types", _layer_types, "sliding and full layers keep alike under eager attention")
+
+
 # Gemma2Config: Gemma's layer with sandwich norms (a GemmaRMSNorm on the attention's and on the MLP's output too),
 # attention scores soft-capped (attn_logit_softcapping; absent: none, as null: save_pretrained always writes it),
 # every other layer's attention a sliding window (eager keeps full attention's bytes); its activation field is
@@ -195,7 +212,7 @@ _GEMMA2_ONLY = (
     Row("sliding_window", ("sliding_window",), _sliding_window, default=4096),
     _kept_nothing("final_logit_softcapping", lambda v: v, "outside the decoder layers (the logits')"),
     _kept_nothing("query_pre_attn_scalar", lambda v: v, "a scale: keeps nothing"),
-    _kept_nothing("layer_types", lambda v: v, "sliding and full layers keep alike under eager attention"),
+    _LAYER_TYPES,
 )
 _OLMO = tuple(
     Row("norm", (), default="layernorm_np") if row.target == "norm" else row for row in _LLAMA
@@ -559,6 +576,46 @@ _COHERE = (
 )
 
 
+def _dequantized_mxfp4(value: Any) -> Any:
+    """The published gpt-oss checkpoints' MXFP4 experts: transformers trains them only dequantized to bf16
+    (Mxfp4HfQuantizer.is_trainable is False: "please consider dequantizing the model first"), the layer memcalc
+    counts. Another quantization keeps what memcalc has not measured."""
+    method = value.get("quant_method") if isinstance(value, dict) else value
+    if method != "mxfp4":
+        raise ConfigError(f"quantization_config with quant_method {short_repr(method)} is not modelled (memcalc counts"
+                          " gpt-oss's MXFP4 checkpoints as trained: dequantized to bf16)")
+    return method
+
+
+# GptOssConfig: a layer of GQA heads of head_dim whose norms are GptOssRMSNorm (Olmo2RMSNorm's code: the weight times the
+# fp32 normalised input), whose attention carries biases on q, k, v and o (attention_bias) and a learned sink logit per
+# head, every other layer a sliding window (layer_types), RoPE with YaRN scaling (cos and sin scaled: the same tables);
+# every layer's MLP sparse: GptOssTopKRouter (a linear with bias, top-k, a softmax over the k chosen logits) and
+# GptOssExperts, num_local_experts experts of intermediate_size with biases and the clamped GLU (swiglu_limit,
+# swiglu_alpha: a bound and a gain, keeping nothing of their own). hidden_act is unused (the experts' GLU is their own).
+# transformers runs it eager: GptOssPreTrainedModel has _supports_sdpa False, and its flash path needs hub kernels.
+_GPT_OSS = (
+    *_sizes("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size"),
+    Row("num_query_groups", ("num_key_value_heads",), default=8),  # GptOssConfig's defaults, gpt-oss-120b's
+    _head_dim_row(64),
+    Row("ffn_hidden_size", ("intermediate_size",), default=2880),
+    Row("num_experts", ("num_local_experts",), default=128),
+    Row("moe_router_topk", ("num_experts_per_tok",), default=4),
+    Row("norm", ("rms_norm_eps",), lambda eps: "rmsnorm_fp32w", default="rmsnorm_fp32w"),
+    Row("s", ("max_position_embeddings",), default=None),
+    Row("dropout", ("attention_dropout",), default=0.0),
+    Row("tie_embeddings", ("tie_word_embeddings",), default=False),
+    Row("add_bias_linear", ("attention_bias",), lambda v: _flag("attention_bias", v), default=True),
+    Row("sliding_window", ("sliding_window",), _sliding_window, default=128),
+    _LAYER_TYPES, _EXPERTS_IMPLEMENTATION, _AUX_LOSS,
+    _kept_nothing("swiglu_limit", _positive_number("swiglu_limit"), "the GLU's clamp bound: the same tensors"),
+    _kept_nothing("swiglu_alpha", _positive_number("swiglu_alpha"), "the sigmoid's gain: a scale"),
+    _kept_nothing("rope_parameters", lambda v: v, "YaRN scales cos and sin: the same tables"),
+    _kept_nothing("hidden_act", lambda v: v, "unused: GptOssExperts runs its own clamped GLU"),
+    _kept_nothing("quantization_config", _dequantized_mxfp4, "trained dequantized to bf16 (MXFP4 does not train)"),
+)
+
+
 def _dense(k: Any) -> bool:
     """A Llama-family layer with a dense MLP and plain multi-head or grouped-query attention (separate q, k, v),
     rotating whole heads (a rotary fraction in such a layer is GLM's)."""
@@ -689,6 +746,10 @@ FAMILIES: dict[str, Family] = {
                _ROPE | {"parallel_residual": True, "single_norm": True}, norm="layernorm_nb",
                when=lambda k: k.single_norm and not k.moe and not k.mla and not k.fused_qkv
                and k.rotary_percent is None),
+        Family("gpt_oss", "GptOssConfig", "GptOssDecoderLayer", ("GptOssForCausalLM",), _GPT_OSS,
+               _ROPE | {"mlp": "swiglu_clamped", "attention_sinks": True, "attention": "eager"},
+               norm="rmsnorm_fp32w", mlps=("swiglu_clamped",), when=lambda k: k.attention_sinks,
+               router="GptOssTopKRouter", attribute_map=_EXPERTS),
     )
 }
 # model_types transformers builds whose layers memcalc has no rules for, and what they lack: refused by name.

@@ -35,7 +35,7 @@ def dim_sizes(config: ModelConfig, routers: Any = 1) -> dict[Dim, Any]:
     sizes = {
         Dim.B: config.b, Dim.S: config.s // config.cp, Dim.H: config.h, Dim.A: config.a,
         Dim.G: config.groups, Dim.D: config.head_dim, Dim.F: config.ffn, Dim.V: config.vocab_size,
-        Dim.QKV: config.a + 2 * config.groups,
+        Dim.QKV: config.a + 2 * config.groups, Dim.S1: config.s // config.cp + 1, Dim.HALF_D: config.head_dim // 2,
     } | mla_sizes(config) | rotary_sizes(config)
     if config.num_experts is None:
         return sizes

@@ -57,6 +57,10 @@ def dim_expr(dim: Dim, knobs: Knobs) -> sympy.Expr:
         return f if knobs.ffn_set else 4 * h
     if dim is Dim.QKV:
         return a + 2 * dim_expr(Dim.G, knobs)
+    if dim is Dim.S1:
+        return s + 1
+    if dim is Dim.HALF_D:
+        return dim_expr(Dim.D, knobs) / 2
     if dim is Dim.QK:
         return d_n + d_r
     if dim is Dim.KVD:

@@ -47,9 +47,11 @@ class Mlp(Choice):
     SWIGLU = "swiglu"
     GELU_TANH = "gelu_tanh"  # tanh-approximated GELU: HF gelu_new, gelu_pytorch_tanh, gelu_fast; Megatron bias_gelu
     GEGLU_TANH = "geglu_tanh"  # gated: torch's tanh GELU(gate) * up (Gemma's gelu_pytorch_tanh); transformers only
+    # gpt-oss's experts: gate and up interleaved, clamped at swiglu_limit, (up + 1) * gate * sigmoid(alpha * gate)
+    SWIGLU_CLAMPED = "swiglu_clamped"  # transformers only (GptOssExperts._apply_gate)
 
 
-GATED = (Mlp.SWIGLU, Mlp.GEGLU_TANH)  # activation(gate) * up: fc1 makes both gate and up
+GATED = (Mlp.SWIGLU, Mlp.GEGLU_TANH, Mlp.SWIGLU_CLAMPED)  # activation(gate) * up: fc1 makes both gate and up
 
 
 class Attention(Choice):
@@ -579,6 +581,19 @@ KNOBS: tuple[Knob, ...] = (
                   " q, k, v, gate and up all read (kept once); it keeps x - mean twice in fp32 (pow(2) and the"
                   " product by rstd each compute it), the fp32 rstd, the fp32 weight and the fp32 normalised input."
                   " RoPE, the core and SwiGLU are Llama's; its tp plan is the paper's, the norm whole."),),
+    ),
+    Knob(
+        "attention_sinks", "flag", False, "hf: a learned logit per head joined to each query's scores before the"
+        " softmax and dropped after it (gpt-oss's sinks; eager only)",
+        lambda k: "attention sinks" if k.attention_sinks else None,
+        effects=(({"impl": Impl.HF, "norm": Norm.RMSNORM_FP32W, "mlp": Mlp.SWIGLU_CLAMPED, "attention": Attention.EAGER,
+                   "dropout": 0.0, "num_experts": 8, "attention_sinks": True},
+                  "GptOssDecoderLayer: the sink column widens the scores to s + 1 keys; max's int64 indices (the"
+                  " logits less their row maximum) and the softmax's (b, a, s, s + 1) output in the activation dtype"
+                  " are kept, and weights x V reads the first s columns of that output as a view, so no fp32 softmax"
+                  " and no cast are kept. Its experts' clamped GLU keeps gate_up's output, the clamped gate, the"
+                  " sigmoid, up + 1 and the GLU, five e-wide tensors a slot beside the down projection's input;"
+                  " grouped_mm's bias gather keeps the sorted expert ids."),),
     ),
 )
 BY_NAME: dict[str, Knob] = {k.name: k for k in KNOBS}

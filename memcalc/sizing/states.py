@@ -108,8 +108,9 @@ def _fc2(c: ModelConfig, t: int) -> int:
 
 
 def _experts(c: ModelConfig, t: int) -> int:
-    """The E/ep experts one rank holds, each an MLP of width e whose fc1 and fc2 are split by etp = t."""
-    expert = replace(c, ffn_hidden_size=c.expert_ffn)
+    """The E/ep experts one rank holds, each an MLP of width e whose fc1 and fc2 are split by etp = t (gpt-oss's
+    carry biases whatever attention_bias says: GptOssExperts always has them)."""
+    expert = replace(c, ffn_hidden_size=c.expert_ffn, add_bias_linear=c.add_bias_linear or c.attention_sinks)
     return c.num_experts // c.ep * (_fc1(expert, t) + _fc2(expert, t))
 
 
@@ -144,10 +145,13 @@ PARAM_GROUPS: tuple[ParamGroup, ...] = (
     ParamGroup("attention/qkv", "layer", _qkv, "column-parallel: each rank holds its heads' Q and its groups' K, V"
                " (latent attention: the down and up projections split by t, the latent norms whole)"),
     ParamGroup("attention/proj", "layer", _proj, "row-parallel: the weight is split by t, its bias is whole"),
+    ParamGroup("attention/sinks", "layer", lambda c, t: c.a // t if c.attention_sinks else 0,
+               "gpt-oss's learned sink logit, one a head: each rank its heads'"),
     ParamGroup("mlp/fc1", "dense", _fc1, "column-parallel: each rank holds f/t columns (2f/t: SwiGLU's gate and up)"),
     ParamGroup("mlp/fc2", "dense", _fc2, "row-parallel: the weight is split by t, its bias is whole"),
-    ParamGroup("moe/router", "moe", lambda c, t: c.h * c.num_experts,
-               "whole on every rank: each rank scores its own tokens against all E experts"),
+    ParamGroup("moe/router", "moe", lambda c, t: (c.h + (1 if c.attention_sinks else 0)) * c.num_experts,
+               "whole on every rank: each rank scores its own tokens against all E experts (gpt-oss's router adds a"
+               " bias an expert)"),
     ParamGroup("moe/experts", "moe", _experts, "E/ep experts a rank, each fc1 and fc2 split by etp = t", expert=True),
     ParamGroup("moe/shared_experts", "moe", _shared, "one MLP of width u on every token, split by t as the dense"
                " MLP (transformers' Qwen2-MoE adds its whole h -> 1 gate)"),

@@ -170,7 +170,7 @@ def test_experts_and_latent_attention_are_refused_naming_the_fields(tmp_path, mo
     raw = json.loads((DATA / "mistral-7b.json").read_text()) | {"model_type": model_type} | change
     with pytest.raises(ConfigError, match=f"config.json sets {named.replace('(', r'[(]').replace(')', r'[)]')},"
                                           r" which memcalc does not read for \w+"
-                                          r" \(it reads these for deepseek_v2, deepseek_v3, mixtral, qwen2_moe,"
+                                          r" \(it reads these for deepseek_v2, deepseek_v3, gpt_oss, mixtral, qwen2_moe,"
                                           r" qwen3_moe\)"):
         read_hf_config(_write(tmp_path, raw))
 

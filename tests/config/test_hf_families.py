@@ -87,7 +87,7 @@ def test_experts_a_family_does_not_read_are_refused_without_naming_it_as_a_reade
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_local_experts": 8}))
     with pytest.raises(ConfigError, match=r"which memcalc does not read for llama \(it reads these for deepseek_v2"
-                                          r", deepseek_v3, mixtral, qwen2_moe, qwen3_moe\)"):
+                                          r", deepseek_v3, gpt_oss, mixtral, qwen2_moe, qwen3_moe\)"):
         read_hf_config(path)
 
 
@@ -248,3 +248,81 @@ def test_cohere2_is_refused_in_one_line_by_its_two_layer_kinds(tmp_path):
     one_line_error(memcalc_cli("estimate", "--impl", "hf", "--hf-config", str(tmp_path / "config.json")),
                    "model_type cohere2 has two kinds of layer, sliding-window attention with RoPE and global attention"
                    " without it")
+
+
+GPT_OSS = "tests/data/hf/gpt-oss-tiny.json"  # written by GptOssConfig (sliding_window 5, 4 experts, top-2)
+
+
+def test_a_gpt_oss_config_reads_its_sinks_clamped_glu_experts_biases_and_window():
+    """GptOssConfig: GQA heads of head_dim, GptOssRMSNorm (rmsnorm_fp32w), biases (attention_bias), sinks and the clamped
+    GLU fixed by the family, every layer sparse over num_local_experts, run eager (transformers refuses sdpa for it)."""
+    hf = read_hf_config(GPT_OSS)
+    fields = hf.fields
+    assert (fields["h"], fields["a"], fields["num_query_groups"], fields["kv_channels"]) == (32, 4, 2, 16)
+    assert (fields["num_experts"], fields["moe_router_topk"], fields["ffn_hidden_size"]) == (4, 2, 32)
+    assert (fields["norm"], fields["mlp"], fields["attention_sinks"], fields["attention"]) == \
+        ("rmsnorm_fp32w", "swiglu_clamped", True, "eager")
+    assert (fields["sliding_window"], fields["add_bias_linear"]) == (5, True)
+    assert "layer_types=['sliding_attention', 'full_attention'] (sliding and full layers keep alike" in hf.describe()
+    assert "swiglu_limit=7.0 (the GLU's clamp bound" in hf.describe()
+
+
+def test_a_gpt_oss_config_is_counted_under_hf_only_and_eager_only():
+    one_line_error(memcalc_cli("estimate", "--hf-config", GPT_OSS, "--impl", "megatron", "--s", "8"),
+                   "attention_sinks (of transformers' GptOssDecoderLayer) is modelled under --impl hf only")
+    one_line_error(memcalc_cli("estimate", "--hf-config", GPT_OSS, "--impl", "hf", "--attention", "flash", "--s", "8"),
+                   "GptOssDecoderLayer runs eager attention only", "_supports_sdpa False")
+    run = memcalc_cli("estimate", "--hf-config", GPT_OSS, "--impl", "hf", "--s", "16", "--exact", "--json")
+    assert run.code == 0, run.err  # s = 16 past the window of 5: eager keeps full causal's bytes
+
+
+def test_tp_for_gpt_oss_is_refused_in_one_line_naming_its_plan():
+    """GptOssConfig.base_model_tp_plan shards embed_tokens only: no layer rule to measure."""
+    run = memcalc_cli("estimate", "--hf-config", GPT_OSS, "--impl", "hf", "--s", "8", "--t", "2", "--strategy", "tp")
+    (error,) = [line for line in run.err.splitlines() if line.startswith("memcalc: error: ")]
+    assert (run.code, run.out) == (2, "")
+    assert "does not run tp (tensor parallel) for gpt-oss (attention_sinks): GptOssConfig's base_model_tp_plan names" \
+           " only embed_tokens" in error
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("layer_types", ["sliding_attention", "chunked_attention"], "layer_types must list sliding_attention or"
+                                                                " full_attention for each layer"),
+    ("quantization_config", {"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes' is not modelled"),
+    ("swiglu_limit", -1, "swiglu_limit must be a positive number"),
+])
+def test_what_gpt_oss_s_config_asks_that_memcalc_has_not_measured_is_refused_in_one_line(tmp_path, field, value,
+                                                                                          words):
+    raw = json.loads(open(GPT_OSS).read()) | {field: value}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    one_line_error(memcalc_cli("estimate", "--hf-config", str(tmp_path / "config.json"), "--impl", "hf", "--s", "8"),
+                   words)
+
+
+def test_gpt_oss_s_mxfp4_checkpoint_is_read_as_trained_dequantized(tmp_path):
+    raw = json.loads(open(GPT_OSS).read()) | {"quantization_config": {"quant_method": "mxfp4"}}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    hf = read_hf_config(tmp_path / "config.json")
+    assert "quantization_config=mxfp4 (trained dequantized to bf16" in hf.describe()
+
+
+@pytest.mark.parametrize("fields, published", [
+    ({}, 116_829_156_672),
+    ({"num_hidden_layers": 24, "num_local_experts": 32}, 20_914_757_184),
+    ({"num_hidden_layers": 24, "num_local_experts": 32, "attention_bias": False}, None),  # the experts keep theirs
+], ids=["gpt-oss-120b", "gpt-oss-20b", "gpt-oss-20b without attention biases"])
+def test_gpt_oss_s_parameters_are_what_its_class_builds_and_openai_publishes(tmp_path, fields, published):
+    """OpenAI's model card: 116.83B and 20.91B parameters; GptOssForCausalLM built on the meta device has them too,
+    the sinks (a a layer), the router's bias (E a layer) and the experts' biases included."""
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    from memcalc.config.schema import load_config
+    from memcalc.sizing.states import total_params
+
+    config = transformers.GptOssConfig(**fields)
+    with torch.device("meta"):
+        built = sum(p.numel() for p in transformers.GptOssForCausalLM(config).parameters())
+    config.save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    assert total_params(load_config(path, {"impl": "hf"}, base=read_hf_config(path).fields)) == built
+    assert published is None or built == published

@@ -65,8 +65,12 @@ def test_the_model_pages_moe_variants_leave_tp_out_and_say_why():
         section = model_page._variant(v)
         assert "`tp` is left out: `--impl megatron` does not run it with experts" in section
         assert "| `tp` |" not in section and "| tensor | none | tp-sp |" in section
-    (hf,) = [v for v in model_page.VARIANTS if v.knobs.moe and v.knobs.impl == "hf"]  # transformers' experts
+    hf_moe = [v for v in model_page.VARIANTS if v.knobs.moe and v.knobs.impl == "hf"]
+    (hf,) = [v for v in hf_moe if not v.knobs.attention_sinks]  # transformers' experts
     section = model_page._variant(hf)
     assert "`tp-sp` is left out: `--impl hf` does not run it" in section and "| tensor | none | tp |" in section
+    (gpt_oss,) = [v for v in hf_moe if v.knobs.attention_sinks]  # its plan shards no layer
+    section = model_page._variant(gpt_oss)
+    assert "`tp` is left out: `--impl hf` does not run it for gpt-oss" in section and "| tensor | none |" in section
     dense = model_page._variant(model_page.VARIANTS[0])
     assert "| `tp` |" in dense and "left out" not in dense

@@ -82,6 +82,10 @@ _HF_EAGER = _knobs(dropout=DROPOUT, dtype=DTYPES, recompute=st.sampled_from(("no
 _HF_FALCON = _knobs(dtype=DTYPES, recompute=st.sampled_from(("none", "full")), mlp=st.sampled_from(("gelu", "gelu_tanh")))
 _HF_MOE = _knobs(attention=st.sampled_from(("eager", "flash")), dtype=DTYPES, recompute=st.sampled_from(("none", "full")),
                  moe_router_topk=st.sampled_from((1, 2)))
+_HF_GPT_OSS = _knobs(dropout=DROPOUT, dtype=DTYPES, recompute=st.sampled_from(("none", "full")),
+                     moe_router_topk=st.sampled_from((1, 2)),
+                     experts_implementation=st.sampled_from(("grouped_mm", "eager")),
+                     sliding_window=st.sampled_from((None, 4, 9)))
 
 SUBJECTS = (
     Subject("megatron", "megatron.core", {"impl": "megatron"}, _MEGATRON),
@@ -133,6 +137,8 @@ SUBJECTS = (
             family="qwen2_moe", moe=True, align=8),
     Subject("hf qwen3_moe", "transformers", {"impl": "hf", "dropout": 0.0, "num_experts": 4, "qk_layernorm": True}
             | LLAMA, _HF_MOE, family="qwen3_moe", moe=True, align=8),
+    Subject("hf gpt_oss", "transformers", {"impl": "hf", "norm": "rmsnorm_fp32w", "mlp": "swiglu_clamped",
+                                           "attention_sinks": True, "attention": "eager", "num_experts": 4}, _HF_GPT_OSS, family="gpt_oss", moe=True, align=8),
 )
 
 

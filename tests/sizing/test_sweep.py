@@ -337,7 +337,7 @@ def test_csv_has_a_header_and_one_complete_row_per_configuration():
                            "q_lora_rank",
                            "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "sliding_window",
                            "sandwich_norm", "attn_logit_softcapping", "parallel_residual", "rotary_percent", "post_norm",
-                           "fused_qkv", "alibi", "single_norm", "ep",
+                           "fused_qkv", "alibi", "single_norm", "attention_sinks", "ep",
                            "accounting"]
     assert first | {"per_layer_bytes": None, "total_bytes": None} == dict(
         b="1", s="1024", h="12288", a="96", t="8", L="96", strategy="none", per_layer_bytes=None, total_bytes=None,
@@ -351,7 +351,8 @@ def test_csv_has_a_header_and_one_complete_row_per_configuration():
         moe_router_pre_softmax="false", experts_implementation="grouped_mm",
         kv_lora_rank="", q_lora_rank="", qk_rope_head_dim="", qk_nope_head_dim="", v_head_dim="", sliding_window="",
         sandwich_norm="false", attn_logit_softcapping="", parallel_residual="false", rotary_percent="", post_norm="false",
-        fused_qkv="false", alibi="false", single_norm="false", ep="1", accounting="paper",
+        fused_qkv="false", alibi="false", single_norm="false", attention_sinks="false", ep="1",
+        accounting="paper",
     )
     for row in rows:  # each row is a configuration that estimate reproduces
         fields = {k: int(row[k]) for k in ("b", "s", "h", "a", "t", "L", "ffn_hidden_size", "num_query_groups")}

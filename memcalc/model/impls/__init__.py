@@ -58,10 +58,12 @@ def implementation(knobs: Any) -> Implementation:
 _HF_ONLY = {"parallel_residual": "GPTNeoXLayer", "rotary_percent": "GPTNeoXLayer or Starcoder2DecoderLayer",
             "sandwich_norm": "Gemma2DecoderLayer",
             "attn_logit_softcapping": "Gemma2DecoderLayer", "fused_qkv": "Phi3DecoderLayer",
-            "post_norm": "Olmo2DecoderLayer", "alibi": "BloomBlock", "single_norm": "GPTJBlock or CohereDecoderLayer"}
+            "post_norm": "Olmo2DecoderLayer", "alibi": "BloomBlock", "single_norm": "GPTJBlock or CohereDecoderLayer",
+            "attention_sinks": "GptOssDecoderLayer"}
 # Choices only transformers' layers are measured with (Gemma's GemmaRMSNorm and GeGLU, OLMo's, OLMo 2's and Cohere's
-# norms).
-_HF_ONLY_CHOICES = {"norm": ("rmsnorm_1p", "layernorm_np", "rmsnorm_fp32w", "layernorm_nb"), "mlp": ("geglu_tanh",)}
+# norms, gpt-oss's clamped GLU).
+_HF_ONLY_CHOICES = {"norm": ("rmsnorm_1p", "layernorm_np", "rmsnorm_fp32w", "layernorm_nb"),
+                    "mlp": ("geglu_tanh", "swiglu_clamped")}
 
 
 def _check_hf_only(knobs: Any) -> None:

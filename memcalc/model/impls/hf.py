@@ -1,6 +1,6 @@
 """Hugging Face transformers: what its decoder layers keep for backward, op by op.
 
-Two layer families, told apart by the knobs (memcalc's config has no model family):
+Layer families, told apart by the knobs (memcalc's config has no model family):
 
     rmsnorm + swiglu            LlamaDecoderLayer (Qwen2's and Mistral's are the same layer;
                                 Qwen2 adds a QKV bias, which keeps nothing more), RoPE; with
@@ -13,6 +13,9 @@ Two layer families, told apart by the knobs (memcalc's config has no model famil
     layernorm_nb + swiglu       CohereDecoderLayer: Llama's attention and MLP side by side on one
                                 CohereLayerNorm (single_norm), with use_qk_norm a CohereLayerNorm on
                                 each query and key head (qk_layernorm)
+    rmsnorm_fp32w + swiglu_clamped  GptOssDecoderLayer (attention_sinks): GptOssRMSNorm, sinks, half-head
+                                RoPE tables, every layer sparse (its router's top-k softmax, the
+                                experts' clamped GLU), sliding and full layers alike under eager
 
 Where transformers' Python differs from Megatron's fused kernels it keeps more:
 
@@ -519,6 +522,70 @@ SHARED_OUT = SavedTensor(
     "moe/shared_out", "Qwen2MoeSparseMoeBlock: sigmoid(gate) * shared_expert(x)", _BSH, Kind.ACTIVATION, _SEQ,
     "the gate's gradient is sum(dY * shared expert output)",
 )
+# GptOssDecoderLayer (models/gpt_oss): GptOssRMSNorm is Olmo2RMSNorm's code, before the attention and the MLP; RoPE's
+# _apply_rotary_emb multiplies each half of a head by (1, s, d/2) tables; eager_attention_forward joins each head's sink
+# logit to the scores as an (s + 1)-th column, subtracts the rows' maximum (max keeps its indices), softmaxes in the
+# activation dtype and drops the sink column by slicing, so weights x V keeps a view of the softmax's own output.
+# GptOssTopKRouter softmaxes the k chosen logits (in the activation dtype); GptOssExperts adds biases (grouped_mm gathers
+# each sorted slot's bias by expert id) and runs the clamped GLU on gate_up's interleaved columns.
+GPT_OSS_LN1 = _olmo2_norm("ln1", "gpt-oss's GptOssRMSNorm input_layernorm")
+GPT_OSS_LN2 = _olmo2_norm("ln2", "gpt-oss's GptOssRMSNorm post_attention_layernorm")
+_OAI = "gpt-oss"
+HALF_ROPE_COS = SavedTensor(
+    "attention/rope_cos_half", f"{_OAI} _apply_rotary_emb: first_half * cos and second_half * cos", (Dim.S, Dim.HALF_D),
+    Kind.ACTIVATION, _SEQ, "the gradient of each half in half * cos is dY * cos (the model's (1, s, d/2) table)",
+    paper=False,
+)
+HALF_ROPE_SIN = SavedTensor(
+    "attention/rope_sin_half", f"{_OAI} _apply_rotary_emb: second_half * sin and first_half * sin", (Dim.S, Dim.HALF_D),
+    Kind.ACTIVATION, _SEQ, "the gradient of each half in half * sin is dY * sin", paper=False,
+)
+SINK_MAX_INDICES = SavedTensor(
+    "attention/sink_max_indices", f"{_OAI} eager_attention_forward: combined_logits.max(dim=-1, keepdim=True)",
+    (Dim.B, Dim.A, Dim.S), Kind.INT64, _TEN, "max's backward puts each row maximum's gradient back at its index",
+    paper=False,
+)
+SINK_SOFTMAX = SavedTensor(
+    "attention/sink_softmax", f"{_OAI} eager_attention_forward: softmax over the scores and the sink column, in the"
+    " activation dtype; matmul(weights, v) keeps probs[..., :-1], a view of it", (Dim.B, Dim.A, Dim.S, Dim.S1),
+    Kind.ACTIVATION, _TEN, "softmax backward needs its output; the gradient of V reads the same storage",
+)
+ROUTER_TOPK_SOFTMAX = SavedTensor(
+    "moe/router_topk_softmax", f"{_OAI} GptOssTopKRouter: softmax(router_top_value), in the activation dtype",
+    (Dim.B, Dim.S, Dim.K), Kind.ACTIVATION, _SEQ, "softmax backward needs its output", paper=False,
+)
+SORTED_EXPERT_IDS = SavedTensor(
+    "moe/sorted_expert_ids", f"{_OAI} experts (grouped_mm): torch.sort's expert ids, kept by gate_up_proj_bias[ids] and"
+    " down_proj_bias[ids]", (Dim.R,), Kind.INT64, Region.EXPERT,
+    "indexing's backward scatters each slot's bias gradient back to its expert", paper=False,
+)
+_GLU = f"{_OAI} GptOssExperts._apply_gate"
+GLU_GATE_IN = replace(
+    ledger.EXPERT_GATE, name="moe/glu_gate_in", saved_by=f"{_GLU}: gate_up[..., ::2], kept by gate.clamp(max=limit)",
+    why="clamp's gradient passes where its input lay within the bound: it reads the input, a view of gate_up's output",
+)
+GLU_UP_IN = replace(
+    ledger.EXPERT_UP, name="moe/glu_up_in", saved_by=f"{_GLU}: gate_up[..., 1::2], kept by up.clamp(-limit, limit)",
+    why="clamp's gradient passes where its input lay within the bounds: it reads the input, a view of gate_up's output",
+)
+
+
+def _glu_term(name: str, saved_by: str, why: str) -> SavedTensor:
+    return SavedTensor(f"moe/{name}", f"{_GLU}: {saved_by}", (Dim.R, Dim.FE), Kind.ACTIVATION, Region.EXPERT, why)
+
+
+GLU_GATE = _glu_term("glu_gate_clamped", "gate.clamp(max=limit), kept by gate * sigmoid(.)",
+                     "the gradient of sigmoid(.) in the product is dY * gate")
+GLU_SIGMOID = _glu_term("glu_sigmoid", "torch.sigmoid(gate * alpha), kept by sigmoid and by gate * sigmoid(.)",
+                        "sigmoid's derivative is read from its output, and the gate's gradient in the product is"
+                        " dY * sigmoid(.)")
+GLU_UP_PLUS_ONE = _glu_term("glu_up_plus_one", "up + 1, kept by (up + 1) * glu",
+                            "the gradient of glu in the product is dY * (up + 1)")
+GLU_OUT = _glu_term("glu_out", "gate * sigmoid(gate * alpha), kept by (up + 1) * glu",
+                    "the gradient of up + 1 in the product is dY * glu")
+CLAMPED_GLU = (GLU_GATE_IN, GLU_UP_IN, GLU_GATE, GLU_SIGMOID, GLU_UP_PLUS_ONE, GLU_OUT)
+GPT_OSS_TENSORS = (*GPT_OSS_LN1, *GPT_OSS_LN2, HALF_ROPE_COS, HALF_ROPE_SIN, SINK_MAX_INDICES, SINK_SOFTMAX,
+                   ROUTER_TOPK_SOFTMAX, SORTED_EXPERT_IDS, *CLAMPED_GLU)
 MOE_TENSORS = (ROUTER_PROBS, TOPK_SUM, TOPK_WEIGHTS, ROUTER_IN_FP32, ROUTER_SCORES, TOKEN_SLOTS, EXPERT_WEIGHT, EXPERT_WEIGHT_CAST, EXPERT_OUT,
                COMBINE_IN, TOKEN_INDICES, SORTED_SLOTS, UNSORTED_SLOTS, EXPERT_OFFSETS,
                SHARED_GATE_SIGMOID, SHARED_OUT)
@@ -570,6 +637,11 @@ def is_gptj(knobs: Any) -> bool:
     return not is_llama(knobs) and knobs.single_norm
 
 
+def is_gpt_oss(knobs: Any) -> bool:
+    """GptOssDecoderLayer: attention sinks (attention_sinks), the clamped GLU in its experts."""
+    return bool(knobs.attention_sinks)
+
+
 def is_falcon(knobs: Any) -> bool:
     """FalconDecoderLayer (parallel_attn, RoPE on whole heads): a LayerNorm layer with a parallel residual and no
     rotary fraction; attention and the MLP read its one input_layernorm's output."""
@@ -593,6 +665,8 @@ def _rope(knobs: Any) -> tuple[SavedTensor, ...]:
     a whole head's, or none (GPT-2's learned positions live in the embedding)."""
     if is_gptj(knobs):
         return GPTJ_ROPE
+    if is_gpt_oss(knobs):
+        return (HALF_ROPE_COS, HALF_ROPE_SIN)
     if knobs.norm in ("layernorm_np", "rmsnorm_fp32w"):  # OLMo's and OLMo 2's rotary embeddings cast nothing
         return (OLMO_ROPE_COS, OLMO_ROPE_SIN)
     if is_glm(knobs):
@@ -614,6 +688,8 @@ def norm_block(which: int, knobs: Any) -> tuple[SavedTensor, ...]:
         return tuple((GEMMA_LN1, GEMMA_LN2)[which])
     if knobs.norm == "layernorm_np":
         return tuple((OLMO_LN1, OLMO_LN2)[which])
+    if knobs.norm == "rmsnorm_fp32w":  # gpt-oss's (OLMo 2 has post-norms only)
+        return tuple((GPT_OSS_LN1, GPT_OSS_LN2)[which])
     if is_llama(knobs):
         return tuple((LN1_RMS, LN2_RMS)[which])
     if which == 1 and is_falcon(knobs):
@@ -648,8 +724,10 @@ def _eager(knobs: Any) -> tuple[SavedTensor, ...]:
     q, k, v = (ledger.MLA_Q, ledger.MLA_K, ledger.MLA_V) if knobs.mla else (ledger.Q, *_key_value(knobs))
     if is_gptj(knobs):
         q, k = GPTJ_Q, GPTJ_K
-    if is_gpt2(knobs) or is_falcon(knobs):  # GPT-2's and Falcon's softmax run in the activation dtype: the paper's core
-        softmax: tuple[SavedTensor, ...] = (ledger.SOFTMAX_OUT,)
+    if is_gpt_oss(knobs):  # the sink column joined, the rows' maximum subtracted, softmax in the activation dtype
+        softmax: tuple[SavedTensor, ...] = (SINK_MAX_INDICES, SINK_SOFTMAX)
+    elif is_gpt2(knobs) or is_falcon(knobs):  # GPT-2's and Falcon's softmax run in the activation dtype: the paper's core
+        softmax = (ledger.SOFTMAX_OUT,)
     elif knobs.dtype == "fp32" or knobs.has_dropout:  # no separate cast: .to() is a no-op or dropout keeps a mask
         softmax = (SOFTMAX_FP32,)
     else:
@@ -774,6 +852,8 @@ def moe_block(knobs: Any) -> tuple[SavedTensor, ...]:
     Mixtral's experts, an ungated shared MLP that keeps the block's input); else shared experts mean Qwen2-MoE's
     block (see MOE_TENSORS' comment), and a QK norm Qwen3-MoE's, Qwen2-MoE's router and experts without them.
     """
+    if is_gpt_oss(knobs):  # GptOssTopKRouter: the k chosen logits' softmax, in the activation dtype
+        return (ledger.MOE_IN, ledger.ROUTER_TOPK_INDICES, ROUTER_TOPK_SOFTMAX, *expert_block(knobs, EXPERT_WEIGHT_CAST))
     qwen = bool(knobs.moe_shared_expert_intermediate_size or knobs.qk_layernorm) and not knobs.mla  # bf16 weights
     norm = () if knobs.moe_router_pre_softmax else (TOPK_SUM, TOPK_WEIGHTS)
     if knobs.mla:
@@ -790,11 +870,14 @@ def moe_block(knobs: Any) -> tuple[SavedTensor, ...]:
 def expert_block(knobs: Any, weight: SavedTensor) -> tuple[SavedTensor, ...]:
     """The experts by experts_implementation: grouped_mm's permutations, offsets and grouped SwiGLU, or the eager
     loop's (token, slot) pairs, SwiGLU and index_add_ source; the same SwiGLU rows and weighted output either way
-    (one storage each under grouped_mm, one an expert in the loop)."""
-    swiglu = (ledger.EXPERT_IN, ledger.EXPERT_GATE, ledger.EXPERT_UP, ledger.EXPERT_SILU_OUT, ledger.EXPERT_FC2_IN)
+    (one storage each under grouped_mm, one an expert in the loop). gpt-oss's experts run the clamped GLU in place of
+    SwiGLU, and grouped_mm's gather of their biases keeps the sorted expert ids."""
+    glu = CLAMPED_GLU if is_gpt_oss(knobs) else (ledger.EXPERT_GATE, ledger.EXPERT_UP, ledger.EXPERT_SILU_OUT)
+    swiglu = (ledger.EXPERT_IN, *glu, ledger.EXPERT_FC2_IN)
     if knobs.experts_implementation == "eager":
         return (TOKEN_SLOTS, *swiglu, weight, EXPERT_OUT, COMBINE_IN)
-    return (TOKEN_INDICES, SORTED_SLOTS, EXPERT_OFFSETS, *swiglu, weight, EXPERT_OUT, UNSORTED_SLOTS)
+    bias_ids = (SORTED_EXPERT_IDS,) if is_gpt_oss(knobs) else ()  # the experts' biases, gathered per sorted slot
+    return (TOKEN_INDICES, SORTED_SLOTS, *bias_ids, EXPERT_OFFSETS, *swiglu, weight, EXPERT_OUT, UNSORTED_SLOTS)
 
 
 def layer_tensors(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]:
@@ -864,8 +947,10 @@ def check(knobs: Any) -> None:
     if knobs.moe_first_dense_layers and not knobs.mla:
         raise ConfigError("impl hf: moe_first_dense_layers is DeepSeek-V3's first_k_dense_replace (with"
                           " kv_lora_rank); Mixtral's and Qwen2-MoE's layers have no such field")
-    if knobs.moe and not knobs.moe_shared_expert_intermediate_size and not knobs.mla and not knobs.qk_layernorm:
+    if knobs.moe and not knobs.moe_shared_expert_intermediate_size and not knobs.mla and not knobs.qk_layernorm \
+            and not is_gpt_oss(knobs):
         _check_mixtral(knobs)
+    _check_gpt_oss(knobs)
     _check_qwen3(knobs)
     check_latent(knobs)
     if family_of(knobs) is None:
@@ -939,11 +1024,34 @@ def _check_cohere(knobs: Any) -> None:
 
 
 def _check_olmo2(knobs: Any) -> None:
-    """post_norm and norm rmsnorm_fp32w are Olmo2DecoderLayer's, which always has its whole-width q_norm and k_norm."""
+    """post_norm and norm rmsnorm_fp32w are Olmo2DecoderLayer's, which always has its whole-width q_norm and k_norm
+    (gpt-oss's norms are the same code, before the attention and the MLP: `_check_gpt_oss`)."""
+    if knobs.mlp == "swiglu_clamped" or is_gpt_oss(knobs):
+        return
     olmo2 = (knobs.post_norm, knobs.norm == "rmsnorm_fp32w")
     if any(olmo2) and (not all(olmo2) or not knobs.qk_layernorm or knobs.mlp != "swiglu" or knobs.moe or knobs.mla):
         raise ConfigError("impl hf: post_norm and norm rmsnorm_fp32w are Olmo2DecoderLayer's: set both, with"
                           " qk_layernorm and mlp swiglu (a dense layer, no latent attention)")
+
+
+def _check_gpt_oss(knobs: Any) -> None:
+    """attention_sinks and mlp swiglu_clamped are GptOssDecoderLayer's: GptOssRMSNorm (norm rmsnorm_fp32w) before the
+    attention and the MLP, every layer sparse with GptOssTopKRouter's softmax over the k chosen logits, eager
+    attention (its dropout drops the first s columns of the softmax's output out: the paper's mask and output)."""
+    if not is_gpt_oss(knobs) and knobs.mlp != "swiglu_clamped":
+        return
+    if not is_gpt_oss(knobs) or knobs.mlp != "swiglu_clamped" or knobs.norm != "rmsnorm_fp32w" or not knobs.moe \
+            or knobs.post_norm or knobs.qk_layernorm or knobs.mla or knobs.moe_shared_expert_intermediate_size:
+        raise ConfigError("impl hf: attention_sinks and mlp swiglu_clamped are GptOssDecoderLayer's: set both, with norm"
+                          " rmsnorm_fp32w and num_experts (every layer sparse; no shared experts, QK norm, post_norm or"
+                          " latent attention)")
+    if knobs.attention != "eager":
+        raise ConfigError("impl hf: GptOssDecoderLayer runs eager attention only: GptOssPreTrainedModel has"
+                          " _supports_sdpa False (transformers refuses sdpa), and its flash path needs hub kernels that"
+                          " take the sinks (vllm-flash-attn3), which memcalc has not measured; use attention eager")
+    if knobs.moe_router_pre_softmax or knobs.moe_layer_freq != 1:
+        raise ConfigError("impl hf: GptOssTopKRouter softmaxes the k chosen logits (the top k renormalised: leave"
+                          " moe_router_pre_softmax unset) and every GptOssDecoderLayer is sparse (moe_layer_freq 1)")
 
 
 def _check_falcon(knobs: Any) -> None:
@@ -1119,6 +1227,13 @@ COHERE_QK_NORM_NO_TP = Refusal(
     f"{_TP_SOURCE}, CohereConfig.base_model_tp_plan; models/cohere/modeling_cohere.py CohereAttention (its own comment:"
     " 'need to be careful to use n_local_heads')",
 )
+GPT_OSS_NO_LAYER_TP_PLAN = Refusal(
+    "tp", is_gpt_oss, "for gpt-oss (attention_sinks)",
+    "GptOssConfig's base_model_tp_plan names only embed_tokens (embedding_rowwise): no rule shards a decoder layer,"
+    " and memcalc has not measured whole layers on every rank",
+    f"{_TP_SOURCE}, transformers/models/gpt_oss/configuration_gpt_oss.py (GptOssConfig.base_model_tp_plan); its"
+    " base_model_ep_plan shards the experts, which memcalc has not measured either",
+)
 LATENT_TP_NOT_MODELLED = Refusal(
     "tp", lambda knobs: knobs.mla, "with latent attention (kv_lora_rank)",
     "memcalc has not measured DeepSeek-V3's plan yet: it shards no attention, only the experts, the shared experts"
@@ -1168,11 +1283,13 @@ IMPLEMENTATION = Implementation(
     " Glm4DecoderLayer (interleaved partial RoPE, one gate_up_proj gathered under tp, GLM-4's sandwich norms), eager"
     " and sdpa, at t = 1 and 2; FalconDecoderLayer (parallel_attn, multi_query or multi-head, RoPE), eager, t = 1"
     "; BloomBlock (ALiBi, fp32 softmax, BLOOM's GELU), eager, t = 1; CohereDecoderLayer (one fp32 LayerNorm read"
-    " side by side, per-head q/k norms), eager and sdpa, at t = 1 and 2 (use_qk_norm: t = 1)"
+    " side by side, per-head q/k norms), eager and sdpa, at t = 1 and 2 (use_qk_norm: t = 1); GptOssDecoderLayer"
+    " (attention sinks, sliding and full layers, half-head RoPE tables, its router and clamped-GLU experts by"
+    " grouped_mm and the eager loop), eager, t = 1"
     " (the families `memcalc hf-families` lists, each from a config.json its transformers class wrote)",
     layer_tensors=layer_tensors,
     refuses=(NO_SEQUENCE_PARALLEL, GPT2_NO_TP_PLAN, NEOX_TP_NOT_MODELLED, LATENT_TP_NOT_MODELLED, FALCON_NO_TP_PLAN,
-             BLOOM_NO_TP_PLAN, COHERE_QK_NORM_NO_TP),
+             BLOOM_NO_TP_PLAN, COHERE_QK_NORM_NO_TP, GPT_OSS_NO_LAYER_TP_PLAN),
     unsharded=unsharded,
     check=check,
     check_sizes=check_sizes,
@@ -1194,6 +1311,7 @@ IMPLEMENTATION = Implementation(
     *GEMMA_LN1, *GEMMA_LN2, *GEMMA_Q_NORM, *GEMMA_K_NORM, *GEMMA_POST_ATTN, *GEMMA_POST_MLP, SOFTCAP_TANH, GEGLU_GATE, GEGLU_UP, GEGLU_GELU_OUT, *OLMO_LN1, *OLMO_LN2, OLMO_ROPE_COS, OLMO_ROPE_SIN,  # FLASH_DROPOUT_LSE is the ledger's LSE, described as read from code
         GLM_ROPE_COS, GLM_ROPE_SIN, GLM_SDPA_OUT, *GLM_POST_ATTN, *GLM_POST_MLP, FALCON_K_INDEX, FALCON_V_INDEX,
         *COHERE_LN1, *COHERE_Q_NORM, *COHERE_K_NORM,
+        *GPT_OSS_TENSORS,
     ),
     # LlamaConfig's own: RMSNorm, SwiGLU, attention_dropout 0, attn_implementation "sdpa" (memcalc's flash).
     defaults={

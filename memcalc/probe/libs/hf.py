@@ -55,6 +55,15 @@ a ledger row is their sum, of r rows. An expert's gate and up are halves of one
 (r_e, 2e) `gate_up_proj` output (under grouped_mm one (r, 2e) output for all),
 reported as the ledger's two rows, half its bytes each. `--route` forces the
 router (hf_shim).
+
+A config with attention sinks runs `GptOssDecoderLayer`, eager (transformers refuses
+sdpa for it), its experts by the config's experts_implementation as above (their
+gate_up output's interleaved gate and up columns reported as two rows, half its
+bytes each). Its layer 0 is a sliding-window layer, as GptOssConfig alternates them,
+or a full-attention one (`layer_type`); each kind gets the mask GptOssModel makes for
+it (`create_sliding_window_causal_mask` for sliding layers, as for Gemma 2/3's).
+Its sinks, router and expert biases are torch.empty until `_init_weights`, which the
+probe stands in for.
 """
 
 from __future__ import annotations
@@ -91,7 +100,7 @@ from memcalc.probe.recorder import SavedStorage, SavedTensorRecorder, label
 torch = require_torch()
 import transformers  # noqa: E402  (memcalc[hf]; measure.runner names it when missing)
 from torch.utils.checkpoint import checkpoint  # noqa: E402
-from transformers.masking_utils import create_causal_mask  # noqa: E402
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask  # noqa: E402
 
 NOTES: tuple[str, ...] = SHIM_NOTES
 
@@ -107,11 +116,16 @@ _GATE_UP_PARTS = (ledger.EXPERT_GATE, ledger.EXPERT_UP)
 # it).
 _DENSE_GATE_UP = SavedTensor("mlp/gate_up", "Phi3MLP's or GlmMLP's gate_up_proj", (), Kind.ACTIVATION, Region.TENSOR,
                              "chunked into gate and up")
-_HALVES = {_GATE_UP.name: _GATE_UP_PARTS, _DENSE_GATE_UP.name: (ledger.SWIGLU_GATE, ledger.SWIGLU_UP)}
-_MARKERS = (_QKV_OUT, _GATE_UP, _DENSE_GATE_UP)
+# gpt-oss's expert gate_up output, (r_e, 2e): its interleaved gate ([..., ::2]) and up ([..., 1::2]) columns.
+_GLU_GATE_UP = SavedTensor("moe/glu_gate_up", "GptOssExperts gate_up_proj", (), Kind.ACTIVATION, Region.EXPERT,
+                           "sliced into gate and up")
+_HALVES = {_GATE_UP.name: _GATE_UP_PARTS, _DENSE_GATE_UP.name: (ledger.SWIGLU_GATE, ledger.SWIGLU_UP),
+           _GLU_GATE_UP.name: (rules.GLU_GATE_IN, rules.GLU_UP_IN)}
+_MARKERS = (_QKV_OUT, _GATE_UP, _DENSE_GATE_UP, _GLU_GATE_UP)
 # The (1, s, d) RoPE tables the model passes its layers: a Llama head's, or latent attention's RoPE part's.
 _ROPE_TABLES = ((rules.ROPE_COS, rules.ROPE_SIN), (rules.MLA_ROPE_COS, rules.MLA_ROPE_SIN),
-                (rules.NEOX_ROPE_COS, rules.NEOX_ROPE_SIN), (rules.OLMO_ROPE_COS, rules.OLMO_ROPE_SIN))
+                (rules.NEOX_ROPE_COS, rules.NEOX_ROPE_SIN), (rules.OLMO_ROPE_COS, rules.OLMO_ROPE_SIN),
+                (rules.HALF_ROPE_COS, rules.HALF_ROPE_SIN))
 
 
 def run_layer(
@@ -123,13 +137,14 @@ def run_layer(
 
 def record_layer(
     tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, family: str | None = None,
-    route: str | None = None, dense: bool = False,
+    route: str | None = None, dense: bool = False, layer_type: str | None = None,
 ) -> tuple[SavedStorage, ...]:
-    """`run_layer`, with the Llama-family class choosable ("llama", "mistral", "qwen2") for the tests, and with
-    `dense` a MoE model's dense layer (Qwen2-MoE's layer 0 when moe_layer_freq > 1)."""
+    """`run_layer`, with the Llama-family class choosable ("llama", "mistral", "qwen2") for the tests, with
+    `dense` a MoE model's dense layer (Qwen2-MoE's layer 0 when moe_layer_freq > 1), and with `layer_type` the kind
+    of gpt-oss's layer 0 ("sliding_attention", its config class's, or "full_attention")."""
     rules.check(config)
     family = family or model_family(config)
-    layer, extra = _build(config, family, tp.device, dense)
+    layer, extra = _build(config, family, tp.device, dense, layer_type)
     if tp.size > 1:  # transformers' own plan by its own function (hf_tp); "none" runs at t = 1
         hf_tp.apply(layer, hf_tp.layer_plan(layer, _classes(family)[0]), tp)
     accounting = Accounting(exact=True, device=tp.device.type)
@@ -174,7 +189,8 @@ def _layer_input(config: ModelConfig, device: torch.device) -> torch.Tensor:
 # -- building the layer -----------------------------------------------------------------
 
 
-def _build(config: ModelConfig, family: str, device: torch.device, dense: bool = False) -> tuple[Any, Callable[..., dict]]:
+def _build(config: ModelConfig, family: str, device: torch.device, dense: bool = False, layer_type: str | None = None
+           ) -> tuple[Any, Callable[..., dict]]:
     """The layer in training mode, and a function giving its keyword inputs for an input x."""
     if family == "bloom":
         hf_config = transformers.BloomConfig(
@@ -196,7 +212,8 @@ def _build(config: ModelConfig, family: str, device: torch.device, dense: bool =
     else:
         _, module = _classes(family)
         build = {"gpt_neox": neox_config, "falcon": falcon_config, "starcoder2": starcoder2_config,
-                 "gptj": gptj_config}.get(family, partial(llama_config, family=family))
+                 "gptj": gptj_config, "gpt_oss": partial(gpt_oss_config, layer_type=layer_type),
+                 }.get(family, partial(llama_config, family=family))
         hf_config = build(config)
         layer_class = getattr(module, FAMILIES[family].layer)
         stem = FAMILIES[family].layer.removesuffix("DecoderLayer").removesuffix("Layer").removesuffix("Block")
@@ -343,6 +360,23 @@ def gptj_config(config: ModelConfig) -> Any:
     )
 
 
+def gpt_oss_config(config: ModelConfig, layer_type: str | None = None) -> Any:
+    """A GptOssConfig sized from memcalc's: GQA heads of head_dim, experts of the expert width with biases, q, k, v and
+    o biases (attention_bias), eager attention; its YaRN RoPE and position limit the class's own (YaRN's scale changes no
+    table's size). Layer 0 is `layer_type`, else the class's (sliding) when there is a window, else full."""
+    window = config.sliding_window
+    first = layer_type or ("sliding_attention" if window is not None else "full_attention")
+    return transformers.GptOssConfig(
+        hidden_size=config.h, num_attention_heads=config.a, num_key_value_heads=config.groups,
+        head_dim=config.head_dim, intermediate_size=config.expert_ffn, num_local_experts=config.num_experts,
+        num_experts_per_tok=config.moe_router_topk, num_hidden_layers=config.L, vocab_size=config.vocab_size,
+        sliding_window=window if window is not None else 128, attention_bias=config.add_bias_linear,
+        attention_dropout=config.dropout, tie_word_embeddings=config.tie_embeddings,
+        layer_types=[first] + ["full_attention"] * (config.L - 1),
+        experts_implementation=str(config.experts_implementation), attn_implementation=attention_implementation(config),
+    )
+
+
 def _window_fields(config: ModelConfig, family: str) -> dict[str, Any]:
     """Mistral's sliding window (MistralConfig's default is 4096: None, memcalc's full causal, is said); Gemma 2's,
     with its soft-capping and the tanh GeGLU (its field is hidden_activation)."""
@@ -404,9 +438,10 @@ def _latent_fields(config: ModelConfig, family: str) -> dict[str, Any]:
 
 def _init_experts(layer: Any, hf_config: Any) -> None:
     """The experts' 3-D weights and the router's are torch.empty (Qwen's and DeepSeek's routers zeros) until the model's
-    `_init_weights`; give them its normal(0, initializer_range), so the real router's choice depends on the data."""
+    `_init_weights`, as are gpt-oss's expert biases and attention sinks; give them its normal(0, initializer_range), so
+    the real router's choice depends on the data."""
     for name, parameter in layer.named_parameters():
-        if name.startswith(("mlp.experts.", "mlp.gate.")):
+        if name.startswith(("mlp.experts.", "mlp.gate.", "mlp.router.", "self_attn.sinks")):  # gpt-oss: router, sinks
             torch.nn.init.normal_(parameter, std=hf_config.initializer_range)
 
 
@@ -432,12 +467,14 @@ def _inputs(hf_config: Any, rotary: Any, x: torch.Tensor, rope: tuple[SavedTenso
     """What transformers' model passes its layers: the causal mask, and for Llama (cos, sin) and position ids;
     `rope` names the cos and sin tables where the prediction has them."""
     position_ids = torch.arange(x.shape[1], device=x.device).unsqueeze(0)  # (1, s), as LlamaModel makes them
-    mask = create_causal_mask(
+    layer_type = getattr(hf_config, "layer_types", None)  # Gemma 2/3's and gpt-oss's: layer 0's kind
+    sliding = bool(layer_type) and layer_type[0] == "sliding_attention"
+    mask = (create_sliding_window_causal_mask if sliding else create_causal_mask)(  # as the model makes each kind's
         config=hf_config, inputs_embeds=x, attention_mask=None, cache=None, position_ids=position_ids
     )
     if rotary is None:
         return {"attention_mask": mask}
-    layer_type = getattr(hf_config, "layer_types", None)  # Gemma 3's tables differ by layer type: layer 0's
+    # Gemma 3's tables differ by layer type: layer 0's
     kind = (layer_type[0],) if layer_type and "layer_type" in inspect.signature(rotary.forward).parameters else ()
     cos, sin = rotary.to(x.device)(x, position_ids, *kind)  # (1, s, d) each, in x's dtype
     if rope is not None:
@@ -545,6 +582,8 @@ def label_rules_for(config: ModelConfig) -> tuple[Rule, ...]:
     if config.fused_qkv and rules.is_llama(config):
         first, second = _llama_norm_rules(config)
         return (*first, *_phi3_attention_rules(config), *second, *_phi3_mlp_rules())
+    if rules.is_gpt_oss(config):
+        return _gpt_oss_rules(config)
     if rules.is_llama(config):
         attention = _latent_attention_rules(config) if config.mla else _llama_attention_rules(config)
         first, second = _llama_norm_rules(config)
@@ -566,6 +605,54 @@ def label_rules_for(config: ModelConfig) -> tuple[Rule, ...]:
                 *_layer_norm_rules("post_attention_layernorm", ledger.LN2), *_starcoder2_mlp_rules(config))
     return (*_layer_norm_rules("ln_1", ledger.LN1), *_gpt2_attention_rules(config),
             *_layer_norm_rules("ln_2", ledger.LN2), *_gpt2_mlp_rules(config))
+
+
+def _gpt_oss_rules(config: ModelConfig) -> tuple[Rule, ...]:
+    """GptOssDecoderLayer: GptOssRMSNorm (Olmo2RMSNorm's code) before the attention and the MLP; Llama's projections
+    and eager matmuls, the sinks' max and softmax; GptOssTopKRouter's input, top-k and softmax over the chosen
+    logits; the experts' clamped GLU."""
+    flat = _tokens(config.b)
+    return (
+        *_olmo2_norm_rules("input_layernorm", rules.GPT_OSS_LN1),
+        *_llama_attention_rules(config),
+        Rule("self_attn", "max", rules.SINK_MAX_INDICES, view=_kept("MaxBackward0", "_saved_indices", then=_stats)),
+        Rule("self_attn", "softmax", rules.SINK_SOFTMAX),
+        *_olmo2_norm_rules("post_attention_layernorm", rules.GPT_OSS_LN2),
+        Rule("mlp.router", "linear", ledger.MOE_IN, arg=0, view=flat),
+        Rule("mlp.router", "topk", ledger.ROUTER_TOPK_INDICES,
+             view=_kept("TopkBackward0", "_saved_indices", then=flat)),
+        Rule("mlp.router", "softmax", rules.ROUTER_TOPK_SOFTMAX, view=flat),
+        *_clamped_glu_expert_rules("mlp.experts"),
+    )
+
+
+def _clamped_glu_expert_rules(experts: str) -> tuple[Rule, ...]:
+    """GptOssExperts on either path: the eager loop's `@` (matmul) per expert (gate_up, then down) or grouped_mm's two
+    grouped matmuls, whose outputs get their biases added (the loop's `+`, grouped_mm's in-place add_); _apply_gate's two
+    clamps read views of gate_up's output, and its four products (gate * alpha, gate * sigmoid, (up + 1) * glu, then
+    the routing weight's) come in the same order on both paths. grouped_mm indexes seven times: the sorted slots'
+    tokens, their weights, gate_up's biases by expert id, _apply_gate's two slices, down's biases, and the rows put back
+    in slot order (inv_perm)."""
+    return (
+        Rule(experts, "where", rules.TOKEN_SLOTS, nth=None),
+        Rule(experts, "matmul", ledger.EXPERT_IN, nth=0, every=2, arg=0),
+        Rule(experts, "matmul", ledger.EXPERT_FC2_IN, nth=1, every=2, arg=0),
+        Rule(experts, "clamp", _GLU_GATE_UP, nth=0, every=2, arg=0, view=_whole),
+        Rule(experts, "clamp", rules.GLU_GATE, nth=0, every=2),
+        Rule(experts, "sigmoid", rules.GLU_SIGMOID, nth=None),
+        Rule(experts, "mul", rules.GLU_OUT, nth=1, every=4),
+        Rule(experts, "mul", rules.GLU_UP_PLUS_ONE, nth=2, every=4, arg=0),
+        Rule(experts, "mul", rules.EXPERT_OUT, nth=3, every=4, arg=0),
+        Rule(experts, "mul", rules.EXPERT_WEIGHT_CAST, nth=3, every=4, arg=1, view=_stats),
+        Rule(experts, "index_add_", rules.COMBINE_IN, nth=None, arg=3),
+        Rule(experts, "__getitem__", rules.TOKEN_INDICES, nth=0, arg=1),
+        Rule(experts, "__getitem__", rules.SORTED_SLOTS, nth=1, arg=1),
+        Rule(experts, "__getitem__", rules.SORTED_EXPERT_IDS, nth=2, arg=1),
+        Rule(experts, "__getitem__", rules.UNSORTED_SLOTS, nth=6, arg=1),
+        Rule(experts, "cumsum", rules.EXPERT_OFFSETS),
+        Rule(experts, "_grouped_mm", ledger.EXPERT_IN, nth=0, arg=0),
+        Rule(experts, "_grouped_mm", ledger.EXPERT_FC2_IN, nth=1, arg=0),
+    )
 
 
 def _glm_rules(config: ModelConfig) -> tuple[Rule, ...]:

@@ -51,6 +51,9 @@ WRITTEN = {
     "starcoder2": _SMALL | {"num_key_value_heads": 2, "sliding_window": 5},  # LayerNorm, whole-head RoPE, GQA
     "cohere": _SMALL | {"num_key_value_heads": 2, "use_qk_norm": True},  # Command R+'s: one fp32 LayerNorm read side
     # by side, a LayerNorm on each query and key head
+    "gpt_oss": {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                "intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2, "num_hidden_layers": 2,
+                "vocab_size": 64, "sliding_window": 5},  # sinks, clamped-GLU experts; its YaRN RoPE's own positions
     "gpt2": {"n_embd": 32, "n_head": 4, "n_layer": 2, "n_inner": 48, "vocab_size": 64, "n_positions": 64},
     "deepseek_v3": _SMALL | _EXPERTS | {"n_routed_experts": 4, "n_shared_experts": 1, "kv_lora_rank": 16,
                                         "q_lora_rank": 24, "qk_rope_head_dim": 4, "qk_nope_head_dim": 8,
