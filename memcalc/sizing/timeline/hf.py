@@ -91,6 +91,9 @@ _ROPE = (rules.ROPE_COS.name, rules.ROPE_SIN.name)
 def hf_timeline(config: ModelConfig, strategy: Strategy, accounting: Accounting) -> Timeline:
     """The moments of one training step of LlamaForCausalLM sized by `config`, on its one rank."""
     check_modelled(config, strategy)
+    if not config.moe:
+        from memcalc.sizing.timeline.hf_ops import ops_timeline
+        return ops_timeline(config, strategy, accounting)
     layer = estimate(config, strategy, accounting)
     # transformers does not pad the vocabulary: the embedding and lm_head have vocab_size rows.
     unpadded = replace(config, make_vocab_size_divisible_by=1)

@@ -37,19 +37,22 @@ class Made:
     bytes: int
     why: str
     keeps: SavedTensor | None = None
+    category: str = ""  # the tape's category; empty: the phase's (activations in forward, temporaries in backward)
 
 
 @dataclass(frozen=True)
 class Step:
     """What one aten op (or a few made together) allocates, then what is freed before the next one, and which
     weights' gradients autograd then hands over (`hands_over`, names of tensors made before). A step that makes
-    nothing marks no moment: it only frees."""
+    nothing marks no moment: it only frees; one with `moment` false makes its tensors without marking one (an op
+    whose output MemTracker never reads at a high: a transient the next op frees at once)."""
 
     what: str
     makes: tuple[Made, ...] = ()
     frees: tuple[str, ...] = ()
     hands_over: tuple[str, ...] = ()
     returns: bool = False  # in backward: the op's autograd node returns here, and what it saves goes (default: last)
+    moment: bool = True
 
 
 @dataclass(frozen=True)
@@ -98,9 +101,7 @@ class Walk:
             op = ops[i]
             returns = next((j for j, x in enumerate(op.backward) if x.returns), len(op.backward) - 1)
             for j, step in enumerate(op.backward):
-                self._step(step, op, "backward")
-                if j == returns:
-                    self._release(op, i)
+                self._step(step, op, "backward", i if j == returns else None)
             if not op.backward:
                 self._release(op, i)
 
@@ -108,17 +109,21 @@ class Walk:
         """What op i saves goes, unless an op before it (whose backward runs later) keeps it too."""
         self.tape.drop(*(self.kept(x) for x in op.saves if self._kept_by.get(x.name) == i))
 
-    def _step(self, step: Step, op: Op, phase: str) -> None:
+    def _step(self, step: Step, op: Op, phase: str, returns: int | None = None) -> None:
+        """The step's tensors made, its moment, what it frees; at the op's return (`returns`, the op's index) what the
+        op saves goes; then the weights' gradients are handed over (after the node returned, as AccumulateGrad runs)."""
         where = ".".join(x for x in (self.module, op.where) if x)
         category = ACTIVATIONS if phase == "forward" else TEMPORARIES
         for x in step.makes:
             if x.keeps is not None and x.keeps.name not in self.saved:
                 continue  # not kept under these sizes (the ledger's size rules)
             nbytes = self.saved[x.keeps.name] if x.keeps is not None else x.bytes
-            self.tape.add(x.name, category, nbytes, x.why)
-        if step.makes:
+            self.tape.add(x.name, x.category or category, nbytes, x.why)
+        if step.makes and step.moment:
             self.tape.mark(phase, where, step.what)
         self.tape.drop(*step.frees)
+        if returns is not None:
+            self._release(op, returns)
         for name in step.hands_over:
             self.hand_over(where, name, self.tape.live[name].bytes)
 
