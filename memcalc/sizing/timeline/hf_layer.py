@@ -230,5 +230,5 @@ def _grad(p: str, where: str) -> str:
 
 
 def kept_tensors(p: str, tensors: tuple[SavedTensor, ...]) -> tuple[Made, ...]:
-    """The layer's kept tensors as made by its forward, sized by the ledger (RoPE's tables are the model's)."""
-    return tuple(Made(kept_name(p, x), 0, WHY_SAVED, keeps=x) for x in tensors if x not in ROPE)
+    """The layer's kept tensors as made by its forward, sized by the ledger."""
+    return tuple(Made(kept_name(p, x), 0, WHY_SAVED, keeps=x) for x in tensors)
