@@ -8,7 +8,8 @@ master weights and Adam's moments optimizer states.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import itertools
+from dataclasses import dataclass, field, replace
 
 from memcalc.config.schema import ModelConfig
 from memcalc.model.knobs import DTYPE_BYTES
@@ -33,23 +34,34 @@ class Live:
 
 @dataclass(frozen=True)
 class Moment:
-    """What is live right after one op allocates its outputs, before anything it frees is freed."""
+    """What is live right after one op allocates its outputs, before anything it frees is freed: its bytes per
+    category, and the tensors themselves, read back from the tape's log when asked for (a moment keeps no copy)."""
 
     phase: str  # "steady", "forward", "backward" or "optimizer"
     where: str  # the probe's module path ("layers.1.mlp.fc2"), or "" outside any module
     what: str  # the op, in words
-    live: tuple[Live, ...]
+    totals: tuple[int, ...]  # bytes per category, in CATEGORIES' order
+    log: list[tuple[str, Live | None]] = field(compare=False, repr=False)  # the tape's changes, shared
+    at: int = field(compare=False, repr=False)  # how many of them had happened
 
     @property
     def bytes(self) -> int:
-        return sum(x.bytes for x in self.live)
+        return sum(self.totals)
+
+    @property
+    def live(self) -> tuple[Live, ...]:
+        """Every live tensor, in the order the tape holds them (replayed from its log: for a few moments, not all)."""
+        live: dict[str, Live] = {}
+        for name, x in itertools.islice(self.log, self.at):
+            if x is None:
+                del live[name]
+            else:
+                live[name] = x
+        return tuple(live.values())
 
     def by_category(self) -> dict[str, int]:
         """Bytes per category, every category present (0 where none)."""
-        out = dict.fromkeys(CATEGORIES, 0)
-        for x in self.live:
-            out[x.category] += x.bytes
-        return out
+        return dict(zip(CATEGORIES, self.totals))
 
     def label(self) -> str:
         """`backward layers.1.mlp.fc2 (GEMM: dW and dX)`: the moment in words."""
@@ -130,9 +142,42 @@ class Sizes:
 # -- the tape: live tensors, and the moments they make --------------------------------------------------
 
 
+class _Live(dict):
+    """The live tensors by name, which keeps the bytes of each category and a log of every change as it goes (a
+    moment is then its totals and its place in the log, however many tensors are live)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.totals = dict.fromkeys(CATEGORIES, 0)
+        self.log: list[tuple[str, Live | None]] = []
+
+    def __setitem__(self, name: str, x: Live) -> None:
+        if name in self:
+            self.totals[self[name].category] -= self[name].bytes
+        super().__setitem__(name, x)
+        self.totals[x.category] += x.bytes
+        self.log.append((name, x))
+
+    def __delitem__(self, name: str) -> None:
+        self.pop(name)
+
+    def pop(self, name: str, *default: Live | None) -> Live | None:  # type: ignore[override]
+        if name not in self:
+            return super().pop(name, *default)
+        x = super().pop(name)
+        self.totals[x.category] -= x.bytes
+        self.log.append((name, None))
+        return x
+
+    def _unsupported(self, *args: object, **kwargs: object) -> None:
+        raise TypeError("the live tensors change only by name: set, del or pop")
+
+    update = setdefault = popitem = clear = __ior__ = _unsupported  # type: ignore[assignment]
+
+
 class Tape:
     def __init__(self) -> None:
-        self.live: dict[str, Live] = {}
+        self.live = _Live()
         self.moments: list[Moment] = []
 
     def add(self, name: str, category: str, nbytes: int, why: str) -> None:
@@ -150,7 +195,8 @@ class Tape:
         self.live[new] = replace(self.live.pop(old), name=new)
 
     def mark(self, phase: str, where: str, what: str) -> None:
-        self.moments.append(Moment(phase, where, what, tuple(self.live.values())))
+        live = self.live
+        self.moments.append(Moment(phase, where, what, tuple(live.totals.values()), live.log, len(live.log)))
 
 
 # -- the step ------------------------------------------------------------------------------------------
