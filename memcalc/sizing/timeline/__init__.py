@@ -172,7 +172,7 @@ def _refuse_other_layers(config: ModelConfig) -> None:
                           " MLPs (with --impl hf, transformers' Mixtral and Qwen2-MoE)")
     if config.kv_lora_rank is not None:
         raise ConfigError("the step timeline does not model latent attention (kv_lora_rank) yet")
-    if config.head_dim_set:
+    if config.head_dim_set and config.impl != "hf":  # transformers' heads of head_dim: the hf walk's
         raise ConfigError(f"the step timeline does not model kv_channels={config.kv_channels} (heads other than"
                           f" h/a={config.h}/{config.a}={config.h // config.a} wide) yet: it walks attention h wide")
     if config.qk_layernorm:

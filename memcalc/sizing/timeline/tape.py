@@ -116,7 +116,7 @@ class Sizes:
     def of(cls, config: ModelConfig, strategy: Strategy) -> Sizes:
         t = strategy.weight_shards(config.t)
         sp = strategy.sequence_parallel and t > 1
-        d = config.h // config.a
+        d = config.head_dim  # h/a unless kv_channels says otherwise (transformers' head_dim)
         return cls(
             b=config.b, s=config.s, s_seq=config.s // t if sp else config.s, h=config.h, h_t=config.h // t,
             f_t=config.ffn // t, a_t=config.a // t, g_t=config.groups // t, d=d,
