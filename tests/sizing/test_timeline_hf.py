@@ -89,6 +89,12 @@ def test_what_the_hf_walk_does_not_model_under_tp_is_refused_by_name(changes, na
         _timeline(TP, **changes)
 
 
+@pytest.mark.parametrize("sharding", [{"dp_shard": 2}, {"zero_stage": 2, "dp": 2}])
+def test_qwen3s_norms_under_fsdp2_or_zero_are_refused_by_name(sharding):
+    with pytest.raises(ConfigError, match="for impl hf does not model dp_shard or zero_stage with qk_layernorm"):
+        _timeline(qk_layernorm=True, **sharding)
+
+
 def test_hf_refuses_tp_sp_citing_transformers():
     with pytest.raises(ConfigError, match="does not run tp-sp .*transformers has no sequence parallelism"):
         _timeline(STRATEGIES["tp-sp"], t=2)
@@ -127,9 +133,8 @@ def test_the_experts_widest_moment_holds_gate_ups_gradient_three_times_beside_do
     live = {x.name: x.bytes for x in moment.live}
     # the sum of the last expert's (3, the first autograd runs) and expert 2's, beside both
     assert sorted(n for n, b in live.items() if b == whole) == sorted(
-        ["grad/layers.2/expert 3/gate_up select", "grad/layers.2/expert 2/gate_up select",
-         "grad/layers.2/gate_up weights 1"])
-    assert live["grad/layers.2/down weights 1"] == whole // 2
+        ["grad/moe/expert 3/gate_up select", "grad/moe/expert 2/gate_up select", "grad/moe/gate_up weights 1"])
+    assert live["grad/moe/down weights 1"] == whole // 2
 
 
 @pytest.mark.parametrize("changes, named", [

@@ -175,7 +175,7 @@ def _refuse_other_layers(config: ModelConfig) -> None:
     if config.head_dim_set and config.impl != "hf":  # transformers' heads of head_dim: the hf walk's
         raise ConfigError(f"the step timeline does not model kv_channels={config.kv_channels} (heads other than"
                           f" h/a={config.h}/{config.a}={config.h // config.a} wide) yet: it walks attention h wide")
-    if config.qk_layernorm:
+    if config.qk_layernorm and config.impl != "hf":  # transformers' Qwen3 and Qwen3-MoE: the hf walk's
         raise ConfigError("the step timeline does not model qk_layernorm (norms on each query and key head) yet")
 
 

@@ -49,6 +49,7 @@ kernel would keep other tensors).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 from memcalc.config.schema import ModelConfig
@@ -64,7 +65,7 @@ from memcalc.sizing.timeline import hf_layer as layer
 from memcalc.sizing.timeline import hf_moe as moe
 from memcalc.sizing.timeline.ends import model_states
 from memcalc.sizing.timeline.fsdp import ROOT, Fsdp
-from memcalc.sizing.timeline.tape import GRADIENTS, PARAMETERS, Sizes, Tape, Timeline
+from memcalc.sizing.timeline.tape import GRADIENTS, PARAMETERS, Moment, Sizes, Tape, Timeline, bulk
 from memcalc.sizing.timeline.walk import Made, Op, Step, Walk, kept
 from memcalc.sizing.timeline.zero import Zero
 
@@ -83,36 +84,45 @@ def hf_timeline(config: ModelConfig, strategy: Strategy, accounting: Accounting)
     check_modelled(config, strategy)
     estimated = estimate(config, strategy, accounting)
     unpadded = replace(config, make_vocab_size_divisible_by=1)  # transformers does not pad the vocabulary
-    z = Sizes.of(unpadded, strategy)
+    (stage,) = stages(config.L, config.pp, config.vpp, config.microbatches)
+    kept = tuple((x.tensor, x.bytes) for x in estimated.tensors)
+    return Timeline(estimated.strategy, _moments(unpadded, Sizes.of(unpadded, strategy), kept), stage.name)
+
+
+@functools.lru_cache(maxsize=2)
+def _moments(config: ModelConfig, z: Sizes, kept: tuple[tuple[ledger.SavedTensor, int], ...]) -> tuple[Moment, ...]:
+    """The step's moments on a rank of these sizes, keeping these of the ledger's tensors (and bytes): two strategies
+    that give a rank the same (none and tp at t = 1) walk the same step, once."""
     sharding = Fsdp.of(config, z.t) if config.dp_shard is not None else Zero(config) if config.zero_stage else None
     (stage,) = stages(config.L, config.pp, config.vpp, config.microbatches)
     tape = Tape()
     if sharding is not None:
         sharding.states(tape)
     else:
-        model_states(tape, unpadded, stage, z)
+        model_states(tape, config, stage, z)
     for name in ("inv_freq", "original_inv_freq"):
         tape.add(f"states/rotary_emb.{name}", PARAMETERS, 4 * (z.d // 2),
                  "LlamaRotaryEmbedding's buffer, fp32 in a bf16 model (an explicit float arange)")
     tape.mark("steady", "", "model states between steps")
-    saved = {x.tensor.name: x.bytes for x in estimated.tensors}
+    saved = {x.name: nbytes for x, nbytes in kept}
     hand_over = _hand_over(tape, sharding)
     ends = {x.name: saved[x.name] for x in layer.ROPE} | {
         FINAL_NORM.input_fp32.name: z.tokens(4 * z.h), FINAL_NORM.rstd.name: z.tokens(4),
         FINAL_NORM.normed.name: z.full(z.h), ledger.OUTPUT_INPUT.name: z.full(z.h)}
-    tensors = tuple(x.tensor for x in estimated.tensors if x.tensor not in layer.ROPE)
+    shared = _shared_by_layers(z, config, tuple(x for x, _ in kept if x not in layer.ROPE), saved)
     per_layer = saved | moe.expert_bytes(saved, config.num_experts) if config.moe else saved
-    layers = [(Walk(tape, f"layers.{i}", f"model.layers.{i}", per_layer, hand_over),
-               _layer(i, z, config, tensors, saved)) for i in range(config.L)]
+    layers = [(Walk(tape, f"layers.{i}", f"model.layers.{i}", per_layer, hand_over), _layer(i, z, config, shared))
+              for i in range(config.L)]
     inputs = (Walk(tape, "", "", ends, hand_over), _embedding(z, config, sharding is not None))
     outputs = (Walk(tape, "", "", ends, hand_over), _output(z, config))
-    _forward(tape, sharding, inputs, layers, outputs)
-    _backward(tape, sharding, inputs, layers, outputs)
+    with bulk():  # an eager MoE walk puts some hundred thousand tensors on the tape
+        _forward(tape, sharding, inputs, layers, outputs)
+        _backward(tape, sharding, inputs, layers, outputs)
     if isinstance(sharding, Zero):  # DeepSpeed's step makes the fp32 gradient partition first
         sharding.optimizer_step(tape)
     else:
         tape.mark("optimizer", "", "fused AdamW on the fp32 master weights, in place")
-    return Timeline(estimated.strategy, tuple(tape.moments), stage.name)
+    return tuple(tape.moments)
 
 
 Walked = tuple[Walk, tuple[Op, ...]]  # ops and the walk that puts them on the tape
@@ -195,6 +205,8 @@ def _sharding_missing(config: ModelConfig, strategy: Strategy) -> list[tuple[boo
         (config.zero_stage is not None and strategy.tensor_parallel and config.t > 1,
          f"zero_stage={config.zero_stage} under tp (t={config.t}): the Trainer runs DeepSpeed over data parallelism"),
         (sharded and config.moe, "dp_shard or zero_stage with experts"),
+        (sharded and config.qk_layernorm, "dp_shard or zero_stage with qk_layernorm (the FSDP2 and ZeRO walks lay"
+                                          " out Llama's parameters, without Qwen3's q_norm and k_norm)"),
     ]
 
 
@@ -230,24 +242,31 @@ def _hand_over(tape: Tape, sharding: Fsdp | Zero | None):
     return hand_over
 
 
-def _layer(i: int, z: Sizes, config: ModelConfig, tensors: tuple[ledger.SavedTensor, ...], saved: dict[str, int]
+def _shared_by_layers(z: Sizes, config: ModelConfig, tensors: tuple[ledger.SavedTensor, ...], saved: dict[str, int]
+                      ) -> tuple[Step, moe.Routed | None, dict[str, int]]:
+    """What every layer's description shares, described once: its kept tensors' forward step, the sparse block's
+    experts' backward, and the ledger's bytes (which decide the attention's kept copies)."""
+    if config.moe:
+        return moe.kept_in_forward(tensors, config.num_experts), moe.routed(z, config), saved
+    return layer.kept_tensors(tensors), None, saved
+
+
+def _layer(i: int, z: Sizes, config: ModelConfig, shared: tuple[Step, moe.Routed | None, dict[str, int]]
            ) -> tuple[Op, ...]:
     """Decoder layer i as ops, in forward order (memcalc.sizing.timeline.hf_layer; its MLP a sparse block's,
     memcalc.sizing.timeline.hf_moe)."""
+    kept, routed, saved = shared
     p, tp = f"layers.{i}", z.t > 1
     out = f"grad/layers.{i - 1}/output" if i else "grad/embedding output"
-    if config.moe:
-        forward = layer.layer_forward(i, z, moe.kept_in_forward(p, tensors, config.num_experts),
-                                      moe.block_forward(p, z, config))
-    else:
-        forward = layer.layer_forward(i, z, layer.kept_tensors(p, tensors))
+    block = moe.block_forward(p, z, config) if routed else ()
     return (
-        *forward,
+        *layer.layer_forward(i, z, kept, block),
         *layer.rms_norm("input_layernorm", p, rules.LN1_RMS, z, f"grad/{p}/ln1 output", out, f"grad/{p}/mid"),
-        *layer.attention(p, z, config.attention == "eager", saved, config.groups != config.a, tp, i == 0),
+        *layer.attention(p, z, config.attention == "eager", saved, config.groups != config.a, tp, i == 0,
+                         config.qk_layernorm),
         *layer.rms_norm("post_attention_layernorm", p, rules.LN2_RMS, z, f"grad/{p}/ln2 output", f"grad/{p}/mid",
                         f"grad/{p}/output"),
-        *(moe.block_backward(p, z, config) if config.moe else layer.mlp(p, z, tp)),
+        *(moe.block_backward(p, z, config, routed) if routed else layer.mlp(p, z, tp)),
     )
 
 

@@ -19,7 +19,7 @@ from memcalc.model import ledger
 from memcalc.model.impls import hf as rules
 from memcalc.model.ledger import RMSNormTensors, SavedTensor
 from memcalc.sizing.timeline.tape import Sizes
-from memcalc.sizing.timeline.walk import Made, Op, Step, kept_name
+from memcalc.sizing.timeline.walk import Made, Op, Step
 
 WHY_WGRAD = "the weight's bf16 gradient, added into the fp32 buffer and dropped when autograd hands it over"
 WHY_SAVED = "kept for backward (the hf ledger); freed when the op that keeps it has run backward"
@@ -46,16 +46,19 @@ def linear(where: str, p: str, weight: int, dy: str | None, dx: str, dx_bytes: i
 
 
 def rms_norm(where: str, p: str, norm: RMSNormTensors, z: Sizes, dy: str, out: str, residual: str | None = None,
-             forward: tuple[Step, ...] = ()) -> tuple[Op, ...]:
+             forward: tuple[Step, ...] = (), width: int = 0, heads: int = 1) -> tuple[Op, ...]:
     """LlamaRMSNorm's backward as autograd runs its eager ops, in forward order: the cast back from fp32, pow (keeps
     the fp32 input), rsqrt and x * r (keep the rstd), weight * y (keeps y).
 
     Its widest moment is pow's backward: x's fp32 gradient through x * r, the mean's spread gradient and pow's three
     products, five fp32 (b, s, h) tensors. With a residual, the norm's dX and the residual stream's gradient are then
     summed into `out`. `forward`: the norm's forward steps (the final norm's; a layer's are its one forward step).
+    `width` and `heads`: Qwen3's q_norm and k_norm normalise each of a token's heads (width channels in all), h by
+    default.
     """
-    g, fp32, row = _grad(p, where), z.tokens(4 * z.h), z.tokens(4)
-    act = z.full(z.h)
+    width = width or z.h
+    g, fp32, row = _grad(p, where), z.tokens(4 * width), z.tokens(4 * heads)
+    act = z.full(width)
     dx = out if residual is None else f"{g}/dx"
     cast = Op(where, forward=forward, backward=(
         Step("x.to(float32)'s backward", (Made(f"{g}/dx fp32", fp32, "autograd sums x's two fp32 gradients"),
@@ -83,19 +86,20 @@ def rms_norm(where: str, p: str, norm: RMSNormTensors, z: Sizes, dy: str, out: s
     ), saves=(norm.rstd,))
     weight = Op(where, forward=(), backward=(
         Step("weight * y's backward", (Made(f"{g}/dY w", act, "dY * weight"), Made(f"{g}/dY y", act, "dY * y"),
-                                       Made(f"{g}/dweight", z.act * z.h, WHY_WGRAD)),
+                                       Made(f"{g}/dweight", z.act * width // heads, WHY_WGRAD)),
              frees=(f"{g}/dY y",), hands_over=(f"{g}/dweight",), moment=False),
         Step("", frees=(dy,), returns=True),
     ), saves=(norm.normed,))
     return (cast, power, rstd, weight)
 
 
-def layer_forward(i: int, z: Sizes, kept: tuple[Made, ...], mlp: tuple[Op, ...] = ()) -> tuple[Op, ...]:
-    """Layer i's forward: its kept tensors and the residual stream after attention, the MLP's forward moments (`mlp`,
-    a sparse block's, which makes the MLP's output), the output; at the second residual sum, the layer's moment."""
+def layer_forward(i: int, z: Sizes, kept: Step, mlp: tuple[Op, ...] = ()) -> tuple[Op, ...]:
+    """Layer i's forward: its kept tensors (`kept`, every layer's one step) and the residual stream after attention,
+    the MLP's forward moments (`mlp`, a sparse block's, which makes the MLP's output), the output; at the second
+    residual sum, the layer's moment."""
     p, full = f"layers.{i}", z.full(z.h)
-    made = Op("", forward=(Step("the layer's saved tensors", (*kept, Made(
-        f"{p}/mid", full, "the residual stream after attention: ln2's input and the MLP's residual")), moment=False),),
+    made = Op("", forward=(kept, Step("the residual stream", (Made(
+        f"{p}/mid", full, "the residual stream after attention: ln2's input and the MLP's residual"),), moment=False)),
               backward=())
     out = Op("", forward=(Step("the layer's saved tensors, at its second residual sum", (
         *(() if mlp else (Made(f"{p}/mlp output", full, "down_proj's output, summed into the residual stream"),)),
@@ -105,13 +109,21 @@ def layer_forward(i: int, z: Sizes, kept: tuple[Made, ...], mlp: tuple[Op, ...] 
     return (made, *mlp, out)
 
 
-def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, tp: bool, first: bool) -> tuple[Op, ...]:
-    """input_layernorm's output into q, k, v (their dX summed as they come), RoPE, the core, o_proj."""
+def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, tp: bool, first: bool,
+              qk_norm: bool = False) -> tuple[Op, ...]:
+    """input_layernorm's output into q, k, v (their dX summed as they come; with `qk_norm` q's and k's heads each
+    RMS-normalised, Qwen3's q_norm and k_norm), RoPE, the core, o_proj."""
     g, q, kv = f"grad/{p}", z.a_t * z.d, z.g_t * z.d
     full = z.full(z.h)
     projections, summed = [], ""
+    norms = {"q": (rules.Q_NORM_RMS, z.a_t), "k": (rules.K_NORM_RMS, z.g_t)} if qk_norm else {}
     for name, width in (("v", kv), ("k", kv), ("q", q)):  # backward order
         heads = f"{g}/v heads" if name == "v" else f"{g}/{name} pre-rope"
+        normed = ()
+        if name in norms:
+            normed = rms_norm(f"self_attn.{name}_norm", p, norms[name][0], z, heads, f"{g}/{name} normed", None,
+                              width=width, heads=norms[name][1])
+            heads = f"{g}/{name} normed"
         copy = width != z.d and z.s != 1  # one head: (b, 1, s, d) transposed is (b, s, 1, d) already, no copy
         tokens = f"{g}/{name} tokens" if copy else heads
         dx, out = f"{g}/{name}_proj input", f"{g}/{name}_proj input" + (f" + {summed}" if summed else "")
@@ -126,14 +138,14 @@ def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, t
                      saves=(ledger.QKV_IN,), reduced=tp)
         tail = (Step("autograd sums q's, k's and v's input gradients as they come", (
             Made(out, full, "the input gradients summed"),), frees=(dx, summed), moment=False),) if summed else ()
-        projections.append(Op(lin.where, (), (*steps, *lin.backward, *tail), lin.saves))
+        projections.append((Op(lin.where, (), (*steps, *lin.backward, *tail), lin.saves), *normed))
         summed = out if summed else dx
     rope = tuple(Op("self_attn", (), _rope_backward(g, name, z.full(w), first and name == "q")) for name, w in
                  (("q", q), ("k", kv)))  # forward order: q's, then k's
     core = _eager(p, z, saved, gqa) if eager else _sdpa(p, z)
     o_proj = linear("self_attn.o_proj", p, z.act * q * z.h, None, f"{g}/o_proj input", z.full(q),
                     saves=(ledger.PROJ_IN,) if eager else ())
-    return (*reversed(projections), *rope, *core, o_proj)
+    return (*(op for group in reversed(projections) for op in group), *rope, *core, o_proj)
 
 
 def _rope_backward(g: str, name: str, width: int, last: bool) -> tuple[Step, ...]:
@@ -229,6 +241,6 @@ def _grad(p: str, where: str) -> str:
     return "/".join(x for x in ("grad", p, where) if x)
 
 
-def kept_tensors(p: str, tensors: tuple[SavedTensor, ...]) -> tuple[Made, ...]:
-    """The layer's kept tensors as made by its forward, sized by the ledger."""
-    return tuple(Made(kept_name(p, x), 0, WHY_SAVED, keeps=x) for x in tensors)
+def kept_tensors(tensors: tuple[SavedTensor, ...]) -> Step:
+    """The layer's kept tensors as its forward makes them, sized by the ledger and named by each layer's walk."""
+    return Step("the layer's saved tensors", tuple(Made("", 0, WHY_SAVED, keeps=x) for x in tensors), moment=False)

@@ -40,7 +40,7 @@ from memcalc.model.impls import hf as rules
 from memcalc.model.ledger import SavedTensor
 from memcalc.sizing.timeline.hf_layer import WHY_SAVED, WHY_WGRAD
 from memcalc.sizing.timeline.tape import Sizes
-from memcalc.sizing.timeline.walk import Made, Op, Step, kept, kept_name
+from memcalc.sizing.timeline.walk import Made, Op, Step, kept
 
 # The block's tensors kept one storage per expert: the ledger's row is E of them (memcalc.probe.libs.hf merges them the
 # same way).
@@ -51,8 +51,14 @@ EXPERT_TENSORS = (
 
 
 def per_expert(tensor: SavedTensor, e: int) -> SavedTensor:
-    """Expert e's storage of a ledger row the loop keeps one per expert."""
-    return replace(tensor, name=f"{tensor.name}[{e}]")
+    """Expert e's storage of a ledger row the loop keeps one per expert (made once, every layer's expert e's)."""
+    key = (tensor.name, e)
+    if key not in _PER_EXPERT:
+        _PER_EXPERT[key] = replace(tensor, name=f"{tensor.name}[{e}]")
+    return _PER_EXPERT[key]
+
+
+_PER_EXPERT: dict[tuple[str, int], SavedTensor] = {}
 
 
 def expert_bytes(saved: dict[str, int], experts: int) -> dict[str, int]:
@@ -61,21 +67,27 @@ def expert_bytes(saved: dict[str, int], experts: int) -> dict[str, int]:
             for e in range(experts)}
 
 
-def kept_in_forward(p: str, tensors: tuple[SavedTensor, ...], experts: int) -> tuple[Made, ...]:
-    """The block's kept tensors made in the loop: the per-expert rows one storage per expert; the shared expert's
-    gate comes after the loop (`block_forward`)."""
-    out = []
+def kept_in_forward(tensors: tuple[SavedTensor, ...], experts: int) -> Step:
+    """The block's kept tensors made in the loop, the per-expert rows one storage per expert, beside the layer's
+    others; the shared expert's gate comes after the loop (`block_forward`). Named by each layer's walk."""
+    made: list[Made] = []
     for x in tensors:
         if x in EXPERT_TENSORS:
-            out += [Made(kept_name(p, per_expert(x, e)), 0, WHY_SAVED, keeps=per_expert(x, e)) for e in range(experts)]
+            made += [Made("", 0, WHY_SAVED, keeps=per_expert(x, e)) for e in range(experts)]
         elif x != rules.SHARED_GATE_SIGMOID:
-            out.append(Made(kept_name(p, x), 0, WHY_SAVED, keeps=x))
-    return tuple(out)
+            made.append(Made("", 0, WHY_SAVED, keeps=x))
+    return Step("the layer's saved tensors", tuple(made), moment=False)
 
 
 def _shared(config: ModelConfig) -> bool:
-    """Qwen2-MoE's block (a gated shared expert beside the routed ones), else Mixtral's."""
+    """Qwen2-MoE's block (a gated shared expert beside the routed ones), else Mixtral's or Qwen3-MoE's."""
     return bool(config.moe_shared_expert_intermediate_size)
+
+
+def _bf16(config: ModelConfig) -> bool:
+    """Whether the experts read routing weights cast to bf16 (Qwen2-MoE's and Qwen3-MoE's router), as the ledger
+    says, or Mixtral's fp32 ones (whose weighted output is then cast back to bf16 for index_add_)."""
+    return rules.EXPERT_WEIGHT_CAST in rules.moe_block(config)
 
 
 def _slots(config: ModelConfig) -> int:
@@ -94,16 +106,16 @@ def block_forward(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     output, the gated shared expert's and their sum.
     """
     shared, tokens, k, experts = _shared(config), z.b * z.s, config.moe_router_topk, config.num_experts
-    full, m = z.full(z.h), f"{p}/moe"
+    full, m, bf16 = z.full(z.h), f"{p}/moe", _bf16(config)
     out = f"{m}/experts output" if shared else f"{p}/mlp output"
-    loop = Op("mlp.experts", forward=(Step("the last expert's weighted output" + ("" if shared else " cast to bf16"), (
+    loop = Op("mlp.experts", forward=(Step("the last expert's weighted output" + ("" if bf16 else " cast to bf16"), (
         Made(out, full, "zeros_like(x), the experts' index_add_ target"),
         Made(f"{m}/router_logits", z.act * tokens * experts, "F.linear's (b*s, E) logits: the block's `_` holds them"),
-        Made(f"{m}/top_k_weights", (z.act if shared else 4) * tokens * k, "the top-k weights the experts read"),
+        Made(f"{m}/top_k_weights", (z.act if bf16 else 4) * tokens * k, "the top-k weights the experts read"),
         Made(f"{m}/expert_mask", 8 * tokens * k * (experts + 1), "one_hot(top_k_index, E + 1): (b*s, k, E + 1) int64"),
         Made(f"{m}/expert_hit", 8 * experts, "nonzero(the mask's sums): the E experts hit, (E, 1) int64"),
-        # Qwen2-MoE's weights are bf16 already: the product is the kept bf16 output itself
-        *(() if shared else (Made(f"{m}/weighted fp32", 4 * _slots(config) * z.h, "expert output * its fp32 routing"
+        # Qwen's weights are bf16 already: the product is the kept bf16 output itself
+        *(() if bf16 else (Made(f"{m}/weighted fp32", 4 * _slots(config) * z.h, "expert output * its fp32 routing"
                                   " weight, (r_e, h); the loop's variable holds it until the loop returns"),))),
         frees=(f"{m}/expert_mask", f"{m}/expert_hit", f"{m}/weighted fp32")),), backward=())
     summed = Op("mlp", forward=(Step("the experts' and the gated shared expert's outputs summed", (
@@ -136,15 +148,31 @@ class _Sums:
                      frees=(before, new), moment=bool(what)),)
 
 
-def block_backward(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
-    """The block's ops in forward order (autograd runs them in reverse: the shared expert's gate, each expert, the
-    last first, the router, the shared expert); ln2's output gradient is every path's input gradient summed."""
-    shared, experts = _shared(config), config.num_experts
-    sums = _Sums(f"grad/{p}")
-    ran = [*(_shared_gate(p, z, sums) if shared else ())]  # in the order autograd runs them
-    for e in reversed(range(experts)):
-        ran += _expert(p, z, config, e, sums)
-    ran += _router(p, z, config, sums, final=not shared)
+@dataclass(frozen=True)
+class Routed:
+    """The shared gate's and the experts' backward, autograd's first ops in the block, as every layer runs them: their
+    gradients are named for no layer (one block's backward runs at a time), so one description serves all; and the
+    running sums they leave to the router's and the shared expert's."""
+
+    ops: tuple[Op, ...]  # in the order autograd runs them
+    sums: _Sums
+
+
+def routed(z: Sizes, config: ModelConfig) -> Routed:
+    """The shared expert's gate (Qwen2-MoE) and each expert, the last first."""
+    sums = _Sums("grad/moe")
+    ran = [*(_shared_gate(z, sums) if _shared(config) else ())]
+    for e in reversed(range(config.num_experts)):
+        ran += _expert(z, config, e, sums)
+    return Routed(tuple(ran), sums)
+
+
+def block_backward(p: str, z: Sizes, config: ModelConfig, before: Routed) -> tuple[Op, ...]:
+    """The block's ops in forward order (autograd runs them in reverse: `before`'s, the router, the shared expert);
+    ln2's output gradient is every path's input gradient summed."""
+    shared = _shared(config)
+    sums = _Sums(before.sums.stem, dict(before.sums.current), dict(before.sums.count))
+    ran = [*before.ops, *_router(p, z, config, sums, final=not shared)]
     if shared:
         ran += _shared_expert(p, z, config, sums)
     first = ran[-1]  # the routing weights' gradient: live until the block's backward returns
@@ -158,11 +186,11 @@ def _op(where: str, saves: tuple[SavedTensor, ...], *steps: Step | tuple[Step, .
     return Op(where, (), flat, saves)
 
 
-def _expert(p: str, z: Sizes, config: ModelConfig, e: int, sums: _Sums) -> list[Op]:
+def _expert(z: Sizes, config: ModelConfig, e: int, sums: _Sums) -> list[Op]:
     """Expert e's ops, as autograd runs them: the combine, the product, down_proj, SwiGLU, gate_up, the gather."""
-    g, f, r, experts = f"grad/{p}/expert {e}", config.expert_ffn, _slots(config), config.num_experts
-    shared, tokens, k, act = _shared(config), z.b * z.s, config.moe_router_topk, z.act
-    width = act if shared else 4  # the routing weights' dtype, and so the product's
+    g, f, r, experts = f"{sums.stem}/expert {e}", config.expert_ffn, _slots(config), config.num_experts
+    bf16, tokens, k, act = _bf16(config), z.b * z.s, config.moe_router_topk, z.act
+    width = act if bf16 else 4  # the routing weights' dtype, and so the product's
     mine = {x.name: per_expert(x, e) for x in EXPERT_TENSORS}
     first, last = e == experts - 1, e == 0
 
@@ -177,15 +205,15 @@ def _expert(p: str, z: Sizes, config: ModelConfig, e: int, sums: _Sums) -> list[
 
     combine = _op("mlp.experts", (mine[rules.COMBINE_IN.name],), Step("index_add_'s backward", (
         Made(f"{g}/combine rows", act * r * z.h, "dY's rows at the expert's tokens"),
-        *(() if shared else (Made(f"{g}/combine rows fp32", 4 * r * z.h, "the cast to bf16's backward"),))),
-        frees=() if shared else (f"{g}/combine rows",), moment=False))
+        *(() if bf16 else (Made(f"{g}/combine rows fp32", 4 * r * z.h, "the cast to bf16's backward"),))),
+        frees=() if bf16 else (f"{g}/combine rows",), moment=False))
     product = _op("mlp.experts", tuple(mine[x.name] for x in (rules.EXPERT_OUT, rules.EXPERT_WEIGHT,
                                                                rules.EXPERT_WEIGHT_CAST)),
         Step(f"expert {e}: the routing weight's product, its gradients", (
-            *(() if shared else (Made(f"{g}/combine dY fp32", 4 * r * z.h, "dY * w, fp32"),)),
+            *(() if bf16 else (Made(f"{g}/combine dY fp32", 4 * r * z.h, "dY * w, fp32"),)),
             Made(f"{g}/combine dw rows", width * r * z.h, "dY * out, before the sum"),
-            Made(f"{g}/combine dY bf16", act * r * z.h, "dY * w" + ("" if shared else " cast to bf16"))),
-            frees=() if shared else (f"{g}/combine dw rows",)),
+            Made(f"{g}/combine dY bf16", act * r * z.h, "dY * w" + ("" if bf16 else " cast to bf16"))),
+            frees=() if bf16 else (f"{g}/combine dw rows",)),
         Step("dY * out summed over h", (Made(f"{g}/combine dw", width * r, "one value per slot"),), frees=(
             f"{g}/combine dY fp32", f"{g}/combine rows fp32", f"{g}/combine rows", f"{g}/combine dw rows"),
             moment=False, returns=True),
@@ -224,7 +252,7 @@ def _router(p: str, z: Sizes, config: ModelConfig, sums: _Sums, final: bool) -> 
     """The router's backward: top-k (the division's and top-k's small fp32 gradients come and go: no moment), the fp32
     softmax, the cast, F.linear; then dX summed with the block input's other gradients (into ln2's output gradient in
     Mixtral's block, whose router runs last)."""
-    g, tokens, experts = f"grad/{p}/router", z.b * z.s, config.num_experts
+    g, tokens, experts = f"{sums.stem}/router", z.b * z.s, config.num_experts
     topk = _op("mlp.gate", (rules.TOPK_SUM, rules.TOPK_WEIGHTS, ledger.ROUTER_TOPK_INDICES))
     softmax = _op("mlp.gate", (rules.ROUTER_PROBS,), Step("top-k's and softmax's backward", (
         Made(f"{g}/logits fp32", 4 * tokens * experts, "(b*s, E) fp32"),), moment=False), Step(
@@ -246,10 +274,10 @@ def _summed(sums: _Sums, dx: str, z: Sizes, what: str, final: bool, p: str) -> t
 # -- Qwen2-MoE's shared expert: an MLP of width u on every token, gated by sigmoid(shared_expert_gate(x)) --------------
 
 
-def _shared_gate(p: str, z: Sizes, sums: _Sums) -> list[Op]:
+def _shared_gate(z: Sizes, sums: _Sums) -> list[Op]:
     """The gate's product, its sigmoid and its (1, h) linear, autograd's first ops in the block: the gate's dX starts
     the block input's gradient."""
-    g, tokens = f"grad/{p}/shared", z.b * z.s
+    g, tokens = f"{sums.stem}/shared", z.b * z.s
     product = _op("mlp", (rules.SHARED_OUT,), Step("(sigmoid * out)'s backward", (
         Made(f"{g}/gate full", z.full(z.h), "dY * out, before the sum"), Made(f"{g}/out", z.full(z.h), "dY * sigmoid"),
         Made(f"{g}/gate", z.act * tokens, "dY * out summed over h: (b*s, 1)")), frees=(f"{g}/gate full",),
@@ -267,7 +295,7 @@ def _shared_gate(p: str, z: Sizes, sums: _Sums) -> list[Op]:
 def _shared_expert(p: str, z: Sizes, config: ModelConfig, sums: _Sums) -> list[Op]:
     """Qwen2MoeMLP's backward, autograd's last in the block: down_proj, SiLU(gate) * up, up_proj, SiLU, gate_proj;
     up_proj's and gate_proj's dX summed into the block input's gradient, the last into ln2's."""
-    g, s, u = f"grad/{p}/shared", "mlp.shared_expert", config.moe_shared_expert_intermediate_size
+    g, s, u = f"{sums.stem}/shared", "mlp.shared_expert", config.moe_shared_expert_intermediate_size
     w = z.act * z.h * u
 
     def linear(proj: str, dy: str, saves: tuple[SavedTensor, ...], final: bool) -> Op:

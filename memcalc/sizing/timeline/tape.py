@@ -8,7 +8,10 @@ master weights and Adam's moments optimizer states.
 
 from __future__ import annotations
 
+import gc
 import itertools
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 from memcalc.config.schema import ModelConfig
@@ -41,7 +44,7 @@ class Moment:
     where: str  # the probe's module path ("layers.1.mlp.fc2"), or "" outside any module
     what: str  # the op, in words
     totals: tuple[int, ...]  # bytes per category, in CATEGORIES' order
-    log: list[tuple[str, Live | None]] = field(compare=False, repr=False)  # the tape's changes, shared
+    log: list[Live | str] = field(compare=False, repr=False)  # the tape's changes, shared: a tensor set, a name gone
     at: int = field(compare=False, repr=False)  # how many of them had happened
 
     @property
@@ -52,11 +55,11 @@ class Moment:
     def live(self) -> tuple[Live, ...]:
         """Every live tensor, in the order the tape holds them (replayed from its log: for a few moments, not all)."""
         live: dict[str, Live] = {}
-        for name, x in itertools.islice(self.log, self.at):
-            if x is None:
-                del live[name]
+        for x in itertools.islice(self.log, self.at):
+            if isinstance(x, str):
+                del live[x]
             else:
-                live[name] = x
+                live[x.name] = x
         return tuple(live.values())
 
     def by_category(self) -> dict[str, int]:
@@ -149,24 +152,27 @@ class _Live(dict):
     def __init__(self) -> None:
         super().__init__()
         self.totals = dict.fromkeys(CATEGORIES, 0)
-        self.log: list[tuple[str, Live | None]] = []
+        self.log: list[Live | str] = []
 
     def __setitem__(self, name: str, x: Live) -> None:
-        if name in self:
-            self.totals[self[name].category] -= self[name].bytes
+        if name != x.name:
+            raise AssertionError(f"{x.name} set as {name}")
+        old = self.get(name)
+        if old is not None:
+            self.totals[old.category] -= old.bytes
         super().__setitem__(name, x)
         self.totals[x.category] += x.bytes
-        self.log.append((name, x))
+        self.log.append(x)
 
     def __delitem__(self, name: str) -> None:
         self.pop(name)
 
     def pop(self, name: str, *default: Live | None) -> Live | None:  # type: ignore[override]
-        if name not in self:
+        x = super().pop(name, None)
+        if x is None:
             return super().pop(name, *default)
-        x = super().pop(name)
         self.totals[x.category] -= x.bytes
-        self.log.append((name, None))
+        self.log.append(name)
         return x
 
     def _unsupported(self, *args: object, **kwargs: object) -> None:
@@ -187,8 +193,9 @@ class Tape:
             self.live[name] = Live(name, category, nbytes, why)
 
     def drop(self, *names: str) -> None:
+        pop = self.live.pop
         for name in names:
-            self.live.pop(name, None)
+            pop(name, None)
 
     def rename(self, old: str, new: str) -> None:
         """The same bytes, under the name the next op knows them by (a gradient handed on, a buffer reused)."""
@@ -197,6 +204,19 @@ class Tape:
     def mark(self, phase: str, where: str, what: str) -> None:
         live = self.live
         self.moments.append(Moment(phase, where, what, tuple(live.totals.values()), live.log, len(live.log)))
+
+
+@contextmanager
+def bulk() -> Iterator[None]:
+    """A walk allocates hundreds of thousands of small records and frees them in bulk, none in a cycle: the cyclic
+    garbage collector's passes over them would cost a third of the walk, so it waits until the walk is done."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 # -- the step ------------------------------------------------------------------------------------------

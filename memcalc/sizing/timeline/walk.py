@@ -19,6 +19,7 @@ gradient is freed where the branches meet.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -31,7 +32,8 @@ HandOver = Callable[[str, str, int], None]  # (where, name, bytes): a weight's g
 @dataclass(frozen=True)
 class Made:
     """A tensor a step makes: its tape name, its bytes, why it exists. `keeps`: the ledger's record when it is one
-    of the saved tensors (its bytes are then the ledger's, not `bytes`)."""
+    of the saved tensors (its bytes are then the ledger's, not `bytes`; without a name, the walk names it by its
+    prefix, so that every layer's walk can share the one Made)."""
 
     name: str
     bytes: int
@@ -71,6 +73,11 @@ class Op:
     backward: tuple[Step, ...]
     saves: tuple[SavedTensor, ...] = ()
 
+    @functools.cached_property
+    def returns(self) -> int:
+        """The backward step after which the op's autograd node returns: the one that says so, else the last."""
+        return next((j for j, x in enumerate(self.backward) if x.returns), len(self.backward) - 1)
+
 
 @dataclass
 class Walk:
@@ -99,7 +106,7 @@ class Walk:
     def backward(self, ops: tuple[Op, ...]) -> None:
         for i in reversed(range(len(ops))):
             op = ops[i]
-            returns = next((j for j, x in enumerate(op.backward) if x.returns), len(op.backward) - 1)
+            returns = op.returns
             for j, step in enumerate(op.backward):
                 self._step(step, op, "backward", i if j == returns else None)
             if not op.backward:
@@ -107,25 +114,29 @@ class Walk:
 
     def _release(self, op: Op, i: int) -> None:
         """What op i saves goes, unless an op before it (whose backward runs later) keeps it too."""
-        self.tape.drop(*(self.kept(x) for x in op.saves if self._kept_by.get(x.name) == i))
+        if op.saves:
+            self.tape.drop(*(self.kept(x) for x in op.saves if self._kept_by.get(x.name) == i))
 
     def _step(self, step: Step, op: Op, phase: str, returns: int | None = None) -> None:
         """The step's tensors made, its moment, what it frees; at the op's return (`returns`, the op's index) what the
         op saves goes; then the weights' gradients are handed over (after the node returned, as AccumulateGrad runs)."""
-        where = ".".join(x for x in (self.module, op.where) if x)
-        category = ACTIVATIONS if phase == "forward" else TEMPORARIES
+        category, tape = ACTIVATIONS if phase == "forward" else TEMPORARIES, self.tape
         for x in step.makes:
-            if x.keeps is not None and x.keeps.name not in self.saved:
-                continue  # not kept under these sizes (the ledger's size rules)
-            nbytes = self.saved[x.keeps.name] if x.keeps is not None else x.bytes
-            self.tape.add(x.name, x.category or category, nbytes, x.why)
+            if x.keeps is None:
+                tape.add(x.name, x.category or category, x.bytes, x.why)
+            elif x.keeps.name in self.saved:  # else not kept under these sizes (the ledger's size rules)
+                tape.add(x.name or self.kept(x.keeps), x.category or category, self.saved[x.keeps.name], x.why)
         if step.makes and step.moment:
-            self.tape.mark(phase, where, step.what)
-        self.tape.drop(*step.frees)
+            tape.mark(phase, self._where(op), step.what)
+        tape.drop(*step.frees)
         if returns is not None:
             self._release(op, returns)
         for name in step.hands_over:
-            self.hand_over(where, name, self.tape.live[name].bytes)
+            self.hand_over(self._where(op), name, tape.live[name].bytes)
+
+    def _where(self, op: Op) -> str:
+        """The probe's module path of the op: the layer's, and the op's below it."""
+        return f"{self.module}.{op.where}" if self.module and op.where else self.module or op.where
 
 
 def kept_name(prefix: str, tensor: SavedTensor) -> str:

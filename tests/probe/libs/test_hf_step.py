@@ -285,3 +285,31 @@ def test_qwen2_moe_with_wide_heads_at_odd_sizes_peaks_where_the_timeline_says(on
                                                                    "moe_shared_expert_intermediate_size": 40}))
     readings = readings_after_every_op(warmed_up(single(), config, STRATEGIES["none"], "balanced"))
     assert_moments_in_order(timeline(config, STRATEGIES["none"], CPU).moments[1:], readings)
+
+
+# -- transformers' Qwen3ForCausalLM (qk_layernorm: each query and key head RMS-normalised) and Qwen3MoeForCausalLM ---
+
+QWEN3_STEPS = [
+    ("none", "flash", {"qk_layernorm": True}, None),
+    ("none", "eager", {"qk_layernorm": True}, None),
+    ("none", "eager", {"qk_layernorm": True, "b": 1, "s": 13, "kv_channels": 12, "num_query_groups": 4}, None),
+    ("none", "flash", {"qk_layernorm": True, "b": 3, "s": 7, "h": 48, "a": 6, "num_query_groups": 2}, None),
+    ("tp", "flash", {"qk_layernorm": True, "t": 2}, None),
+    ("tp", "eager", {"qk_layernorm": True, "t": 2, "kv_channels": 12}, None),
+    ("none", "flash", MIXTRAL | {"qk_layernorm": True}, "balanced"),  # Qwen3-MoE: Qwen2-MoE's experts, no shared one
+    ("none", "eager", MIXTRAL | {"qk_layernorm": True, "moe_router_pre_softmax": True, "b": 1, "s": 12,
+                                 "kv_channels": 12}, "balanced"),
+]
+
+
+@pytest.mark.parametrize("layout, attention, changes, route", QWEN3_STEPS, ids=str)
+def test_qwen3_and_qwen3_moe_steps_happen_in_order_and_peak_where_the_timeline_says(one_thread, layout, attention,
+                                                                                   changes, route):
+    config = make_config(LLAMA, attention=attention, **changes)
+    trainer = (lambda group: readings_after_every_op(warmed_up(group, config, STRATEGIES[layout], route)))
+    readings = trainer(single()) if config.t == 1 else run_fake(trainer, (), config.t)
+    assert_moments_in_order(timeline(config, STRATEGIES[layout], CPU).moments[1:], readings)
+    (r,) = measure_step(config, [layout], route=route)
+    assert r.measured.moment == r.predicted_moment
+    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+    assert r.model.startswith("transformers' Qwen3")
