@@ -187,21 +187,25 @@ def _op(where: str, saves: tuple[SavedTensor, ...], *steps: Step | tuple[Step, .
 
 
 def _expert(z: Sizes, config: ModelConfig, e: int, sums: _Sums) -> list[Op]:
-    """Expert e's ops, as autograd runs them: the combine, the product, down_proj, SwiGLU, gate_up, the gather."""
+    """Expert e's ops, as autograd runs them: the combine, the product, down_proj, SwiGLU, gate_up, the gather. What
+    autograd makes and frees between two moments is one step (the walk leaves out what the step frees again)."""
     g, f, r, experts = f"{sums.stem}/expert {e}", config.expert_ffn, _slots(config), config.num_experts
     bf16, tokens, k, act = _bf16(config), z.b * z.s, config.moe_router_topk, z.act
     width = act if bf16 else 4  # the routing weights' dtype, and so the product's
     mine = {x.name: per_expert(x, e) for x in EXPERT_TENSORS}
-    first, last = e == experts - 1, e == 0
+    last = e == 0
 
-    def select(proj: str, nbytes: int, dw: str) -> tuple[Step, ...]:
-        """proj[e]'s select backward: dW in a zero (E, ...) tensor, summed with the experts' before; the last
-        expert's sum is handed to the parameter."""
+    def gemms(proj: str, dy: str, dx: Made, dw: int, whole: int, saves: tuple[SavedTensor, ...]) -> Op:
+        """proj[e]'s dW^T and dX, then select's backward: dW in a zero (E, ...) tensor, summed with the experts'
+        before (the sum, its two inputs: a moment); the last expert's sum is handed to the parameter."""
         sel = f"{g}/{proj} select"
-        steps = (Step(f"{proj}[e]'s backward", (Made(sel, nbytes, "the expert's dW in a zero (E, ...) tensor"),),
-                      frees=(dw,), moment=False),
-                 *sums.add(f"{proj} weights", sel, nbytes, f"{proj}'s gradients summed: the sum, its two inputs"))
-        return (*steps, Step("", hands_over=(sums.current[f"{proj} weights"],))) if last else steps
+        made = Step(f"{proj}[e]'s GEMMs and select's backward", (
+            Made(f"{g}/{proj} dW", dw, "dW^T = x^T dY"), dx, Made(sel, whole, "the expert's dW in a zero (E, ...)"
+                                                                  " tensor")),
+            frees=(dy, f"{g}/{proj} dW"), moment=False, returns=True)
+        summed = sums.add(f"{proj} weights", sel, whole, f"{proj}'s gradients summed: the sum, its two inputs")
+        handed = (Step("", hands_over=(sums.current[f"{proj} weights"],)),) if last else ()
+        return _op("mlp.experts", saves, made, summed, *handed)
 
     combine = _op("mlp.experts", (mine[rules.COMBINE_IN.name],), Step("index_add_'s backward", (
         Made(f"{g}/combine rows", act * r * z.h, "dY's rows at the expert's tokens"),
@@ -214,38 +218,30 @@ def _expert(z: Sizes, config: ModelConfig, e: int, sums: _Sums) -> list[Op]:
             Made(f"{g}/combine dw rows", width * r * z.h, "dY * out, before the sum"),
             Made(f"{g}/combine dY bf16", act * r * z.h, "dY * w" + ("" if bf16 else " cast to bf16"))),
             frees=() if bf16 else (f"{g}/combine dw rows",)),
-        Step("dY * out summed over h", (Made(f"{g}/combine dw", width * r, "one value per slot"),), frees=(
-            f"{g}/combine dY fp32", f"{g}/combine rows fp32", f"{g}/combine rows", f"{g}/combine dw rows"),
-            moment=False, returns=True),
-        Step("index's backward", (Made(f"{g}/weights zeros", width * tokens * k, "a (b*s, k) zero tensor"),
-                                  Made(f"{g}/weights put", width * tokens * k, "the slots' gradients in place")),
-             frees=(f"{g}/weights zeros", f"{g}/combine dw"), moment=False),
+        Step("dY * out summed over h, and index's backward", (
+            Made(f"{g}/combine dw", width * r, "one value per slot"),
+            Made(f"{g}/weights zeros", width * tokens * k, "a (b*s, k) zero tensor"),
+            Made(f"{g}/weights put", width * tokens * k, "the slots' gradients in place")),
+            frees=(f"{g}/combine dY fp32", f"{g}/combine rows fp32", f"{g}/combine rows", f"{g}/combine dw rows",
+                   f"{g}/weights zeros", f"{g}/combine dw"), moment=False, returns=True),
         sums.add("routing weights", f"{g}/weights put", width * tokens * k))
-    down = _op("mlp.experts", (mine[ledger.EXPERT_FC2_IN.name],), Step("down_proj[e]'s GEMMs", (
-        Made(f"{g}/down dW", act * f * z.h, "dW^T = x^T dY, (e, h)"), Made(f"{g}/down dX", act * r * f, "dY W")),
-        frees=(f"{g}/combine dY bf16",), moment=False, returns=True), select("down", act * experts * z.h * f,
-                                                                            f"{g}/down dW"))
-    swiglu = (
-        _op("mlp.experts", (mine[ledger.EXPERT_UP.name], mine[ledger.EXPERT_SILU_OUT.name]), Step(
-            "SiLU(gate) * up's backward", (Made(f"{g}/up", act * r * f, "dY * SiLU(gate)"),
-                                           Made(f"{g}/silu", act * r * f, "dY * up")),
-            frees=(f"{g}/down dX",), moment=False)),
-        _op("mlp.experts", (mine[ledger.EXPERT_GATE.name],), Step("SiLU's backward", (
-            Made(f"{g}/gate", act * r * f, "at its kept input"),), frees=(f"{g}/silu",), moment=False)),
-        _op("mlp.experts", (), Step("chunk's backward", (Made(f"{g}/gate_up dY", act * r * 2 * f, "gate's and up's"
-                                                              " gradients concatenated"),),
-                                    frees=(f"{g}/gate", f"{g}/up"), moment=False)),
-    )
-    gate_up = _op("mlp.experts", (mine[ledger.EXPERT_IN.name],), Step("gate_up_proj[e]'s GEMMs", (
-        Made(f"{g}/gate_up dW", act * z.h * 2 * f, "dW^T = x^T dY, (h, 2e)"),
-        Made(f"{g}/gate_up dX", act * r * z.h, "dY W, (r_e, h)")), frees=(f"{g}/gate_up dY",), moment=False,
-        returns=True), select("gate_up", act * experts * 2 * f * z.h, f"{g}/gate_up dW"))
+    down = gemms("down", f"{g}/combine dY bf16", Made(f"{g}/down dX", act * r * f, "dY W, (r_e, e)"),
+                 act * f * z.h, act * experts * z.h * f, (mine[ledger.EXPERT_FC2_IN.name],))
+    swiglu = _op("mlp.experts", tuple(mine[x.name] for x in (ledger.EXPERT_UP, ledger.EXPERT_SILU_OUT,
+                                                              ledger.EXPERT_GATE)),
+                 Step("SiLU(gate) * up's, SiLU's and chunk's backward", (
+                     Made(f"{g}/up", act * r * f, "dY * SiLU(gate)"), Made(f"{g}/silu", act * r * f, "dY * up"),
+                     Made(f"{g}/gate", act * r * f, "SiLU's backward, at its kept input"),
+                     Made(f"{g}/gate_up dY", act * r * 2 * f, "gate's and up's gradients concatenated")),
+                     frees=(f"{g}/down dX", f"{g}/silu", f"{g}/gate", f"{g}/up"), moment=False))
+    gate_up = gemms("gate_up", f"{g}/gate_up dY", Made(f"{g}/gate_up dX", act * r * z.h, "dY W, (r_e, h)"),
+                    act * z.h * 2 * f, act * experts * 2 * f * z.h, (mine[ledger.EXPERT_IN.name],))
     gather = _op("mlp.experts", (mine[rules.TOKEN_SLOTS.name],), Step("index's backward", (
         Made(f"{g}/input zeros", z.full(z.h), "a (b*s, h) zero tensor"),
         Made(f"{g}/input put", z.full(z.h), "the expert's dX at its tokens")),
         frees=(f"{g}/input zeros", f"{g}/gate_up dX"), moment=False, returns=True),
         sums.add("block input", f"{g}/input put", z.full(z.h)))
-    return [combine, product, down, *swiglu, gate_up, gather]
+    return [combine, product, down, swiglu, gate_up, gather]
 
 
 def _router(p: str, z: Sizes, config: ModelConfig, sums: _Sums, final: bool) -> list[Op]:

@@ -8,6 +8,7 @@ master weights and Adam's moments optimizer states.
 
 from __future__ import annotations
 
+import functools
 import gc
 import itertools
 from collections.abc import Iterator
@@ -85,7 +86,7 @@ class Timeline:
         """Between steps: model states alone."""
         return self.moments[0]
 
-    @property
+    @functools.cached_property
     def peak(self) -> Moment:
         """The moment with the most bytes live (the first, on a tie)."""
         return max(self.moments, key=lambda m: m.bytes)

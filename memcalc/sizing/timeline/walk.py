@@ -56,6 +56,14 @@ class Step:
     returns: bool = False  # in backward: the op's autograd node returns here, and what it saves goes (default: last)
     moment: bool = True
 
+    @functools.cached_property
+    def net(self) -> tuple[tuple[Made, ...], tuple[str, ...]]:
+        """What a step without a moment leaves on the tape: the tensors it makes but those it frees again (no moment
+        reads them), and what it frees of the rest."""
+        made = {x.name for x in self.makes} - {""}
+        return (tuple(x for x in self.makes if x.name not in self.frees),
+                tuple(x for x in self.frees if x not in made))
+
 
 @dataclass(frozen=True)
 class Op:
@@ -121,14 +129,15 @@ class Walk:
         """The step's tensors made, its moment, what it frees; at the op's return (`returns`, the op's index) what the
         op saves goes; then the weights' gradients are handed over (after the node returned, as AccumulateGrad runs)."""
         category, tape = ACTIVATIONS if phase == "forward" else TEMPORARIES, self.tape
-        for x in step.makes:
+        makes, frees = (step.makes, step.frees) if step.moment else step.net
+        for x in makes:
             if x.keeps is None:
                 tape.add(x.name, x.category or category, x.bytes, x.why)
             elif x.keeps.name in self.saved:  # else not kept under these sizes (the ledger's size rules)
                 tape.add(x.name or self.kept(x.keeps), x.category or category, self.saved[x.keeps.name], x.why)
         if step.makes and step.moment:
             tape.mark(phase, self._where(op), step.what)
-        tape.drop(*step.frees)
+        tape.drop(*frees)
         if returns is not None:
             self._release(op, returns)
         for name in step.hands_over:
