@@ -612,11 +612,9 @@ def _step_runner(impl: str, sharded: bool = False) -> Callable[[TensorParallelGr
 def _model(config: ModelConfig, route: str | None) -> str:
     """The model the step trains, in words: with experts or a QK norm transformers' model of the family that runs the
     knobs (Mixtral, Qwen2-MoE, Qwen3, Qwen3-MoE: memcalc.probe.libs.hf_step), its router forced."""
-    if config.impl != "hf" or not (config.moe or config.qk_layernorm):
-        return STEP_MODELS[config.impl]
-    family = family_of(config)
-    assert family is not None, "the step timeline refuses knobs no family runs"
-    return f"transformers' {family.architectures[0]}" + (f", router forced {route}" if config.moe else "")
+    family = family_of(config) if config.impl == "hf" and (config.moe or config.qk_layernorm) else None
+    return STEP_MODELS[config.impl] if family is None else f"transformers' {family.architectures[0]}" + (
+        f", router forced {route}" if config.moe else "")
 
 
 def _check_fits(planned: list[tuple[Strategy, Timeline]]) -> None:

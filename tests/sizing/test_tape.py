@@ -1,8 +1,6 @@
 """The tape (memcalc.sizing.timeline.tape): a moment keeps its bytes per category and its place in the tape's log,
 not a copy of what is live, and reads back exactly what was live when it was marked, however the tape changed after."""
 
-import pytest
-
 from memcalc.sizing.timeline.tape import ACTIVATIONS, CATEGORIES, GRADIENTS, PARAMETERS, TEMPORARIES, Live, Tape
 
 
@@ -40,7 +38,3 @@ def test_moments_share_one_log_instead_of_copying_the_live_set():
     assert len({id(m.log) for m in tape.moments}) == 1
     assert [m.at for m in tape.moments] == sorted(m.at for m in tape.moments)
 
-
-def test_the_live_set_changes_only_by_name():
-    with pytest.raises(TypeError, match="only by name"):
-        Tape().live.update({})

@@ -53,7 +53,8 @@ as one op for that reason (memcalc.probe.kernels, attention.py). transformers' L
 (`--impl hf`) is described once as ops (memcalc.sizing.timeline.hf and hf_layer) for the generic walk
 (memcalc.sizing.timeline.walk), sharded by FSDP2 too (`dp_shard`: each block's all-gather and reduce-scatter are ops
 on the same tape, memcalc.sizing.timeline.fsdp), and so are its Mixtral and Qwen2-MoE at t = 1 under the balanced
-bound, their experts in the eager loop (memcalc.sizing.timeline.hf_moe); megatron's mixture of experts is refused.
+bound, their experts in the eager loop (memcalc.sizing.timeline.hf_moe), and Qwen3 and Qwen3-MoE (QK norms, heads of
+head_dim); megatron's mixture of experts is refused.
 torchtitan's Llama3Model (`--impl torchtitan`) is described likewise (memcalc.sizing.timeline.torchtitan), at t = 1
 and under its own TP plan (tp, tp-sp) on the CPU kernels.
 Everything else raises ConfigError naming what is missing. Within a layer's forward only the end of

@@ -1,50 +1,33 @@
 """One training step of transformers' own `LlamaForCausalLM` on one rank (`--impl hf`), described once as ops.
 
 `memcalc.probe.libs.hf_step` trains the model as memcalc's probe trains its GPT (Megatron's fp32 gradient buffer, fp32
-master weights, fused AdamW) with transformers' own loss. The decoder layer is memcalc.sizing.timeline.hf_layer's ops
-(a sparse MoE block memcalc.sizing.timeline.hf_moe's), whose saved tensors are the hf ledger's
-(memcalc.model.impls.hf); this module adds the model's ends as ops for the same generic walk
-(memcalc.sizing.timeline.walk), and the sharding's hooks between the layers. Every tensor MemTracker sees is named
-(outputs of ops; what lives inside one kernel is no tensor); a moment is what is live right after an op made its
-outputs: what an op frees goes when the next op runs.
+master weights, fused AdamW) with transformers' own loss. Its decoder layer is memcalc.sizing.timeline.hf_layer's ops
+(a sparse MoE block hf_moe's), whose saved tensors are the hf ledger's (memcalc.model.impls.hf); this module adds the
+model's ends as ops for the same walk (memcalc.sizing.timeline.walk), and the sharding's hooks between the layers:
 
-    steady      bf16 weights and the rotary embedding's two fp32 inv_freq buffers, the fp32 gradient buffer, master
+    steady      bf16 weights, the rotary embedding's two fp32 inv_freq buffers, the fp32 gradient buffer, master
                 weights, Adam's m and v (or FSDP2's and ZeRO's layouts)
-    forward     the batch; the embedding lookup (under tp this rank's rows, the Partial sum all-reduced); position
-                ids; the causal mask (eager attention: SDPA runs is_causal and needs none); RoPE's cos and sin, made
-                once per forward and kept by every layer; each layer; the final RMSNorm at its widest; lm_head's bf16
-                logits (under tp: this rank's v/t columns all-gathered into a (t*b, s, v/t) buffer and concatenated,
-                so the loss is t = 1's on every rank) and ForCausalLMLoss at its widest (fp32 logits, padded and
-                shifted labels, the kept log-softmax)
-    backward    the loss's fp32 gradients; lm_head (under tp its gradient's columns made contiguous first, its dX
-                all-reduced); the final norm; the layers in reverse; the embedding's gradient (tied: summed with
-                lm_head's, which waits in autograd's buffer; under tp the whole (v, h) table, DTensor's Replicate
-                gradient, of which the trainer copies this rank's rows into the fp32 buffer)
+    forward     the batch; the embedding; position ids; the causal mask (eager attention: SDPA runs is_causal); RoPE's
+                cos and sin, kept by every layer; each layer; the final RMSNorm at its widest; lm_head's bf16 logits
+                and ForCausalLMLoss at its widest (fp32 logits, padded and shifted labels, the kept log-softmax)
+    backward    the loss's fp32 gradients; lm_head; the final norm; the layers in reverse; the embedding's gradient
+                (tied: summed with lm_head's, which waits in autograd's buffer)
     optimizer   fused AdamW in place: nothing new
 
-Every weight's bf16 gradient is added into the fp32 buffer and dropped as soon as autograd hands it over
-(memcalc.probe.step.MainGrads), so none outlives its GEMM but a tied one. Under tp (t > 1) the model is laid out by
-transformers' own plan (memcalc.probe.libs.hf_tp: what from_pretrained(tp_plan="auto") resolves), and the walk is the
-same on this rank's shards (a/t heads, g/t K/V groups, f/t MLP columns) with DTensor's collectives as steps.
+Each weight's bf16 gradient is added into the fp32 buffer as autograd hands it over (memcalc.probe.step.MainGrads).
+Under tp the model is laid out by transformers' own plan (memcalc.probe.libs.hf_tp), with DTensor's steps: the
+embedding's Partial sum all-reduced, lm_head's v/t columns all-gathered whole, each colwise dX all-reduced, the
+embedding's gradient the whole (v, h) table of which this rank's rows are copied out. With qk_layernorm the model is
+Qwen3ForCausalLM; with experts MixtralForCausalLM, Qwen2MoeForCausalLM (shared experts; its model makes an unused
+sliding-window mask too) or Qwen3MoeForCausalLM, at t = 1 under the balanced bound. Under FSDP2 (`dp_shard`,
+memcalc.sizing.timeline.fsdp) each layer is gathered before it runs and its gradients kept to its reduce-scatter; under
+DeepSpeed ZeRO (memcalc.sizing.timeline.zero, from DeepSpeed's sources, not measured) the same calls lay out its buffers.
 
-With experts (num_experts) the model is MixtralForCausalLM, or Qwen2MoeForCausalLM with shared experts, each MLP a
-sparse MoE block, at t = 1, under the balanced bound that `--route balanced` forces; Qwen2MoeModel also makes a
-sliding-window mask no layer uses, live through forward.
-
-Sharded by FSDP2 (`dp_shard`, memcalc.probe.libs.hf_fsdp) each layer is gathered before it runs and its weights' bf16
-gradients are kept to its reduce-scatter (memcalc.sizing.timeline.fsdp): exact at every moment at dp_shard 2, 4 and 8,
-and on a 2-D mesh with transformers' tp_plan (tests/probe/libs/test_hf_fsdp.py). Under DeepSpeed ZeRO (`zero_stage`
-1-3, t = 1) the same calls lay out DeepSpeed's buffers instead (memcalc.sizing.timeline.zero), modelled from
-DeepSpeed's sources, not measured.
-
-Exact (to the byte, at every moment named here, tests/probe/libs/test_hf_step.py) for LlamaForCausalLM from
-transformers 5.24 on torch 2.13's CPU kernels: no biases, no dropout, bf16 or fp16, eager or SDPA attention, grouped
-or not, tied or not (untied under tp), t = 1 or transformers' tp_plan at t = 2 and 4 (rank 0 of the fake group),
-pp = 1, no recomputation; `check_modelled` names everything else. On CUDA the same aten ops make the same outputs,
-with three differences that are no op's output and so are neither here nor in MemTracker: what a kernel allocates and
-frees inside itself (the embedding's backward sorts the ids; cuBLAS's workspace), the caching allocator's rounding
-(512-byte blocks), and SDPA's kernel choice (the flash kernel on both devices keeps what the ledger says; another CUDA
-kernel would keep other tensors).
+Exact (to the byte, at every moment, tests/probe/libs/test_hf_step.py and test_hf_fsdp.py) on transformers 5.24 and
+torch 2.13's CPU kernels: no biases, no dropout, bf16 or fp16, eager or SDPA attention, any a/g, heads of head_dim,
+tied or not (untied under tp), t = 1 or the tp_plan at t = 2, 3 and 4, FSDP2 at dp_shard 2, 4, 8 (also on a 2-D mesh),
+pp = 1, no recomputation; `check_modelled` names everything else. On CUDA the same aten ops make the same outputs; what
+a kernel allocates inside itself, the caching allocator's rounding and another SDPA kernel's choice are not here.
 """
 
 from __future__ import annotations
@@ -66,17 +49,13 @@ from memcalc.sizing.timeline import hf_moe as moe
 from memcalc.sizing.timeline.ends import model_states
 from memcalc.sizing.timeline.fsdp import ROOT, Fsdp
 from memcalc.sizing.timeline.tape import GRADIENTS, PARAMETERS, Moment, Sizes, Tape, Timeline, bulk
-from memcalc.sizing.timeline.walk import Made, Op, Step, Walk, kept
+from memcalc.sizing.timeline.walk import HandOver, Made, Op, Step, Walk, kept
 from memcalc.sizing.timeline.zero import Zero
 
 
-def _final(x: ledger.SavedTensor) -> ledger.SavedTensor:
-    return replace(x, name=f"final_norm/{x.name.partition('/')[2]}")
-
-
 # model.norm keeps what a layer's LlamaRMSNorm keeps, under its own names
-FINAL_NORM = RMSNormTensors(input_fp32=_final(rules.LN1_RMS.input_fp32), rstd=_final(rules.LN1_RMS.rstd),
-                            normed=_final(rules.LN1_RMS.normed))
+FINAL_NORM = RMSNormTensors(**{k: replace(x, name=f"final_norm/{x.name.partition('/')[2]}") for k, x in (
+    ("input_fp32", rules.LN1_RMS.input_fp32), ("rstd", rules.LN1_RMS.rstd), ("normed", rules.LN1_RMS.normed))})
 
 
 def hf_timeline(config: ModelConfig, strategy: Strategy, accounting: Accounting) -> Timeline:
@@ -109,10 +88,12 @@ def _moments(config: ModelConfig, z: Sizes, kept: tuple[tuple[ledger.SavedTensor
     ends = {x.name: saved[x.name] for x in layer.ROPE} | {
         FINAL_NORM.input_fp32.name: z.tokens(4 * z.h), FINAL_NORM.rstd.name: z.tokens(4),
         FINAL_NORM.normed.name: z.full(z.h), ledger.OUTPUT_INPUT.name: z.full(z.h)}
-    shared = _shared_by_layers(z, config, tuple(x for x, _ in kept if x not in layer.ROPE), saved)
-    per_layer = saved | moe.expert_bytes(saved, config.num_experts) if config.moe else saved
-    layers = [(Walk(tape, f"layers.{i}", f"model.layers.{i}", per_layer, hand_over), _layer(i, z, config, shared))
-              for i in range(config.L)]
+    tensors = tuple(x for x, _ in kept if x not in layer.ROPE)  # every layer shares one description of these
+    made, block = (moe.kept_in_forward(tensors, config.num_experts), moe.block_backward(z, config)) if config.moe \
+        else (layer.kept_tensors(tensors), ())
+    saved |= moe.expert_bytes(saved, config.num_experts) if config.moe else {}
+    layers = [(Walk(tape, f"layers.{i}", f"model.layers.{i}", saved, hand_over),
+               _layer(i, z, config, saved, made, block)) for i in range(config.L)]
     inputs = (Walk(tape, "", "", ends, hand_over), _embedding(z, config, sharding is not None))
     outputs = (Walk(tape, "", "", ends, hand_over), _output(z, config))
     with bulk():  # an eager MoE walk puts some hundred thousand tensors on the tape
@@ -213,7 +194,7 @@ def _sharding_missing(config: ModelConfig, strategy: Strategy) -> list[tuple[boo
 def _experts_missing(config: ModelConfig, strategy: Strategy) -> list[tuple[bool, str]]:
     """What the walk of Mixtral's and Qwen2-MoE's blocks (memcalc.sizing.timeline.hf_moe) leaves out: grouped_mm
     experts (it walks the eager loop), dense layers among them, experts under tp or ep, and any count of tokens per
-    expert but the balanced one, kbs/E each. (Other blocks are refused before: latent attention, a QK norm.)"""
+    expert but the balanced one, kbs/E each. (Latent attention is refused before.)"""
     if not config.moe:
         return []
     slots = config.moe_router_topk * config.b * config.s
@@ -232,7 +213,7 @@ def _experts_missing(config: ModelConfig, strategy: Strategy) -> list[tuple[bool
 
 
 
-def _hand_over(tape: Tape, sharding: Fsdp | Zero | None):
+def _hand_over(tape: Tape, sharding: Fsdp | Zero | None) -> HandOver:
     """A weight's gradient handed to autograd: added into the fp32 buffer and dropped, or under FSDP2 kept as the
     unsharded parameter's .grad until its block's reduce-scatter (ZeRO: into its reduce bucket)."""
     def hand_over(where: str, name: str, nbytes: int) -> None:
@@ -242,31 +223,20 @@ def _hand_over(tape: Tape, sharding: Fsdp | Zero | None):
     return hand_over
 
 
-def _shared_by_layers(z: Sizes, config: ModelConfig, tensors: tuple[ledger.SavedTensor, ...], saved: dict[str, int]
-                      ) -> tuple[Step, moe.Routed | None, dict[str, int]]:
-    """What every layer's description shares, described once: its kept tensors' forward step, the sparse block's
-    experts' backward, and the ledger's bytes (which decide the attention's kept copies)."""
-    if config.moe:
-        return moe.kept_in_forward(tensors, config.num_experts), moe.routed(z, config), saved
-    return layer.kept_tensors(tensors), None, saved
-
-
-def _layer(i: int, z: Sizes, config: ModelConfig, shared: tuple[Step, moe.Routed | None, dict[str, int]]
+def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: Step, block: tuple[Op, ...]
            ) -> tuple[Op, ...]:
-    """Decoder layer i as ops, in forward order (memcalc.sizing.timeline.hf_layer; its MLP a sparse block's,
-    memcalc.sizing.timeline.hf_moe)."""
-    kept, routed, saved = shared
+    """Decoder layer i as ops, in forward order (memcalc.sizing.timeline.hf_layer), its MLP LlamaMLP or a sparse
+    `block` (memcalc.sizing.timeline.hf_moe: every layer's one description)."""
     p, tp = f"layers.{i}", z.t > 1
     out = f"grad/layers.{i - 1}/output" if i else "grad/embedding output"
-    block = moe.block_forward(p, z, config) if routed else ()
+    mlp = moe.OUTPUT_GRAD if block else f"grad/{p}/ln2 output"
     return (
-        *layer.layer_forward(i, z, kept, block),
+        *layer.layer_forward(i, z, made, moe.block_forward(p, z, config) if block else ()),
         *layer.rms_norm("input_layernorm", p, rules.LN1_RMS, z, f"grad/{p}/ln1 output", out, f"grad/{p}/mid"),
         *layer.attention(p, z, config.attention == "eager", saved, config.groups != config.a, tp, i == 0,
                          config.qk_layernorm),
-        *layer.rms_norm("post_attention_layernorm", p, rules.LN2_RMS, z, f"grad/{p}/ln2 output", f"grad/{p}/mid",
-                        f"grad/{p}/output"),
-        *(moe.block_backward(p, z, config, routed) if routed else layer.mlp(p, z, tp)),
+        *layer.rms_norm("post_attention_layernorm", p, rules.LN2_RMS, z, mlp, f"grad/{p}/mid", f"grad/{p}/output"),
+        *(block or layer.mlp(p, z, tp)),
     )
 
 
@@ -353,8 +323,14 @@ def _output(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     lm_head = replace(head, forward=(Step("the gathered logits: this rank's columns, the gather's buffer, all", (
         *gather, Made("lm_head/logits", logits, "lm_head's bf16 logits; the output object holds them until it goes")),
         frees=("lm_head/local logits", "lm_head/gathered"), moment=tp),), backward=(*columns, *head.backward))
+    return (*norm, lm_head, _loss(z, logits))
+
+
+def _loss(z: Sizes, logits: int) -> Op:
+    """ForCausalLMLoss: the logits upcast, the labels padded and shifted, the fp32 log-softmax and nll_loss; in backward
+    three fp32 (b*s, v) tensors at once."""
     shifted = (Made("loss/shift_labels", z.tokens(8), "labels[..., 1:].contiguous(): nll_loss keeps it as its target"),)
-    loss = Op("", forward=(
+    return Op("", forward=(
         Step("the loss: bf16 and fp32 logits and the fp32 log-softmax", (
             Made("loss/logits fp32", 2 * logits, "logits.float(): the loss upcasts them"),
             Made("loss/padded labels", 8 * z.b * (z.s + 1), "labels padded by one ignore_index column, (b, s + 1)"),
@@ -372,4 +348,3 @@ def _output(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
         Step("the upcast's backward", (Made("grad/logits", logits, "the gradient cast back to bf16"),),
              frees=("grad/logits fp32",), moment=False),
     ))
-    return (*norm, lm_head, loss)

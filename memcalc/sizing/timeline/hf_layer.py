@@ -1,19 +1,16 @@
-"""transformers' LlamaDecoderLayer described once as ops (memcalc.sizing.timeline.walk), for the hf step walk.
+"""transformers' LlamaDecoderLayer (Qwen3's with qk_layernorm) described once as ops, for the hf step walk.
 
 Forward is one moment, at the layer's second residual sum: every tensor the hf ledger (memcalc.model.impls.hf) keeps
-for the layer, less RoPE's tables (made once by the model, kept by every layer), beside the residual stream. Backward
-runs the ops below in reverse, each releasing the ledger's records it saves when its node returns:
-
-    input_layernorm      LlamaRMSNorm: weight * y, y.to(bf16), x * r, rsqrt, mean, pow, all eager, in fp32
-    q_proj, k_proj, v_proj  each dX as it comes, summed by autograd (under tp a Partial sum all-reduced first)
-    rotary               apply_rotary_pos_emb's backward for q, then k
-    attention            eager (two bmm, an fp32 softmax, repeat_kv's sums under GQA) or SDPA's flash kernel
-    o_proj, ln2, the MLP LlamaMLP: gate_proj, up_proj, SiLU(gate) * up, down_proj
-
-A weight's gradient is handed over (walk's `hand_over`) once its GEMMs' node returns.
+for the layer, less RoPE's tables (the model's, kept by every layer), beside the residual stream. Backward runs the ops
+in reverse, each releasing the ledger's records it saves when its node returns, in forward order: input_layernorm
+(LlamaRMSNorm, eager in fp32); q_proj, k_proj, v_proj (each dX summed as it comes; Qwen3's q_norm and k_norm after
+q's and k's); RoPE; the core (eager: two bmm, an fp32 softmax, repeat_kv's sums under GQA; or SDPA's flash kernel);
+o_proj; post_attention_layernorm; LlamaMLP. A weight's gradient is handed over once its GEMMs' node returns.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from memcalc.model import ledger
 from memcalc.model.impls import hf as rules
@@ -113,39 +110,33 @@ def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, t
               qk_norm: bool = False) -> tuple[Op, ...]:
     """input_layernorm's output into q, k, v (their dX summed as they come; with `qk_norm` q's and k's heads each
     RMS-normalised, Qwen3's q_norm and k_norm), RoPE, the core, o_proj."""
-    g, q, kv = f"grad/{p}", z.a_t * z.d, z.g_t * z.d
-    full = z.full(z.h)
-    projections, summed = [], ""
+    g, q, kv, full = f"grad/{p}", z.a_t * z.d, z.g_t * z.d, z.full(z.h)
     norms = {"q": (rules.Q_NORM_RMS, z.a_t), "k": (rules.K_NORM_RMS, z.g_t)} if qk_norm else {}
-    for name, width in (("v", kv), ("k", kv), ("q", q)):  # backward order
+    ran: list[Op] = []  # in the order autograd runs them
+    summed = ""
+    for name, width in (("v", kv), ("k", kv), ("q", q)):
         heads = f"{g}/v heads" if name == "v" else f"{g}/{name} pre-rope"
-        normed = ()
         if name in norms:
-            normed = rms_norm(f"self_attn.{name}_norm", p, norms[name][0], z, heads, f"{g}/{name} normed", None,
-                              width=width, heads=norms[name][1])
+            ran += reversed(rms_norm(f"self_attn.{name}_norm", p, norms[name][0], z, heads, f"{g}/{name} normed",
+                                     width=width, heads=norms[name][1]))
             heads = f"{g}/{name} normed"
         copy = width != z.d and z.s != 1  # one head: (b, 1, s, d) transposed is (b, s, 1, d) already, no copy
-        tokens = f"{g}/{name} tokens" if copy else heads
-        dx, out = f"{g}/{name}_proj input", f"{g}/{name}_proj input" + (f" + {summed}" if summed else "")
-        if name == "q":
-            out = f"{g}/ln1 output"
-        steps = (
+        tokens, dx = f"{g}/{name} tokens" if copy else heads, f"{g}/{name}_proj input"
+        out = f"{g}/ln1 output" if name == "q" else f"{dx} + {summed}"
+        lin = linear(f"self_attn.{name}_proj", p, z.act * width * z.h, tokens, dx, full, (ledger.QKV_IN,), tp)
+        ran.append(replace(lin, backward=(
             *((Step("transpose's backward", (Made(tokens, z.full(width), f"{name}'s gradient made (b, s, heads * d)"
                                                   " again, contiguous for the GEMM"),), frees=(heads,), moment=False),)
-              if copy else ()),
-        )
-        lin = linear(f"self_attn.{name}_proj", p, z.act * width * z.h, tokens, dx, full,
-                     saves=(ledger.QKV_IN,), reduced=tp)
-        tail = (Step("autograd sums q's, k's and v's input gradients as they come", (
-            Made(out, full, "the input gradients summed"),), frees=(dx, summed), moment=False),) if summed else ()
-        projections.append((Op(lin.where, (), (*steps, *lin.backward, *tail), lin.saves), *normed))
+              if copy else ()), *lin.backward,
+            *((Step("autograd sums q's, k's and v's input gradients as they come", (Made(
+                out, full, "the input gradients summed"),), frees=(dx, summed), moment=False),) if summed else ()))))
         summed = out if summed else dx
     rope = tuple(Op("self_attn", (), _rope_backward(g, name, z.full(w), first and name == "q")) for name, w in
                  (("q", q), ("k", kv)))  # forward order: q's, then k's
     core = _eager(p, z, saved, gqa) if eager else _sdpa(p, z)
     o_proj = linear("self_attn.o_proj", p, z.act * q * z.h, None, f"{g}/o_proj input", z.full(q),
                     saves=(ledger.PROJ_IN,) if eager else ())
-    return (*(op for group in reversed(projections) for op in group), *rope, *core, o_proj)
+    return (*reversed(ran), *rope, *core, o_proj)
 
 
 def _rope_backward(g: str, name: str, width: int, last: bool) -> tuple[Step, ...]:

@@ -1,37 +1,30 @@
-"""transformers' sparse MoE blocks as ops for the hf step walk (`--impl hf`, t = 1): Mixtral's (MixtralSparseMoeBlock)
-and Qwen2-MoE's (Qwen2MoeSparseMoeBlock: the same experts beside a gated shared expert).
+"""transformers' sparse MoE blocks as ops for the hf step walk (`--impl hf`, t = 1): Mixtral's, Qwen2-MoE's (the same
+experts beside a gated shared expert, bf16 routing weights) and Qwen3-MoE's (Qwen2-MoE's without the shared expert).
 
-The experts run transformers' eager loop (experts_implementation eager); its default, grouped_mm, is not walked yet
-and `check_modelled` refuses it. The block keeps the hf ledger's tensors (memcalc.model.impls.hf.moe_block); the
-experts' rows are kept one storage per expert, r = kbs/E slots each under the balanced bound, which `memcalc measure
---step --route balanced` forces (memcalc.probe.libs.hf_shim). Its widest forward moments are the last expert's weighted
-output and, with a shared expert, the block's sum (`block_forward`). Backward, as autograd orders it:
+The experts run transformers' eager loop (experts_implementation eager; grouped_mm, its default, is refused). The block
+keeps the hf ledger's tensors (memcalc.model.impls.hf.moe_block), the experts' rows one storage per expert, r = kbs/E
+slots each under the balanced bound that `memcalc measure --step --route balanced` forces. Its widest forward moments
+are the last expert's weighted output and the shared expert's sum (`block_forward`). Backward, as autograd orders it:
 
-    shared gate (Qwen2-MoE) sigmoid(gate(x)) * out's gradients, sigmoid's, the gate's GEMMs; its dX starts the block
-                input's gradient
-    combine     index_add_'s backward gathers the expert's dY rows; Mixtral's cast to bf16 makes them fp32; the routing
-                weight's product gives dY * w and dY * out (fp32 in Mixtral, whose weights are fp32), the latter summed
-                to one value per slot, which index's backward puts into a (b*s, k) zero tensor
-    down_proj   dW^T and dX; down_proj[e]'s backward (select) writes dW into a zero (E, h, e) tensor, and autograd sums
-                it with the experts before (a new tensor each time)
-    SwiGLU      the product's two gradients, SiLU's, and gate_up's dY concatenated
-    gate_up     dW^T and dX; select's zero (E, 2e, h) tensor, summed likewise: the widest moment of the experts, the
-                sum, its two inputs and the down_proj sum live together
-    gather      hidden_states[token_idx]'s backward puts dX into a zero (b*s, h) tensor, summed into the block input's
-                gradient
-    router      top-k, the fp32 softmax and F.linear backward: the router's dW (E, h) and dX, summed in (Mixtral: into
-                ln2's output gradient)
-    shared MLP  (Qwen2-MoE) down_proj, SiLU(gate) * up, up_proj, SiLU, gate_proj; up's and gate's dX summed in, the
-                last into ln2's output gradient
+    shared gate  sigmoid(gate(x)) * out's gradients, sigmoid's, the gate's GEMMs: its dX starts the input's gradient
+    combine      index_add_'s backward gathers the expert's dY rows (Mixtral's cast makes them fp32); the routing
+                 weight's product gives dY * w and dY * out, the latter summed per slot into a (b*s, k) zero tensor
+    down_proj    dW^T and dX; select's backward writes dW into a zero (E, h, e) tensor, summed with the experts'
+                 before (a new tensor each time)
+    SwiGLU       the product's two gradients, SiLU's, gate_up's dY concatenated
+    gate_up      as down_proj: the sum of (E, 2e, h), its two inputs and down_proj's sum, the experts' widest moment
+    gather       hidden_states[token_idx]'s backward puts dX into a zero (b*s, h) tensor, summed into the input's
+    router       top-k, the fp32 softmax, F.linear: dW (E, h) and dX, summed in (Mixtral's and Qwen3-MoE's last)
+    shared MLP   down_proj, SiLU(gate) * up, up_proj, SiLU, gate_proj; up's and gate's dX summed in, the last
 
-Each expert weight's gradient is handed to the parameter when the last expert's sum is made. Exact for
-MixtralForCausalLM and Qwen2MoeForCausalLM from transformers 5.24 on torch 2.13's CPU kernels with the router forced
-balanced and E dividing kbs (tests/probe/libs/test_hf_step.py); the real router gives each expert a data-dependent count
-and so other bytes, and the worst-case bound other ones again: `check_modelled` refuses both.
+Each expert weight's gradient is handed to the parameter when the last expert's sum is made. Exact with the router
+forced balanced and E dividing kbs (tests/probe/libs/test_hf_step.py); the real router gives each expert a
+data-dependent count, the worst-case bound other bytes again: `check_modelled` refuses both.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 
 from memcalc.config.schema import ModelConfig
@@ -50,20 +43,15 @@ EXPERT_TENSORS = (
 )
 
 
-def per_expert(tensor: SavedTensor, e: int) -> SavedTensor:
-    """Expert e's storage of a ledger row the loop keeps one per expert (made once, every layer's expert e's)."""
-    key = (tensor.name, e)
-    if key not in _PER_EXPERT:
-        _PER_EXPERT[key] = replace(tensor, name=f"{tensor.name}[{e}]")
-    return _PER_EXPERT[key]
-
-
-_PER_EXPERT: dict[tuple[str, int], SavedTensor] = {}
+@functools.cache
+def per_expert(e: int) -> dict[str, SavedTensor]:
+    """Expert e's storages of the ledger's rows the loop keeps one per expert, by the row's name (every layer's)."""
+    return {x.name: replace(x, name=f"{x.name}[{e}]") for x in EXPERT_TENSORS}
 
 
 def expert_bytes(saved: dict[str, int], experts: int) -> dict[str, int]:
     """Each expert's share of the ledger's per-expert rows, by `per_expert` name."""
-    return {per_expert(x, e).name: saved[x.name] // experts for x in EXPERT_TENSORS if x.name in saved
+    return {per_expert(e)[x.name].name: saved[x.name] // experts for x in EXPERT_TENSORS if x.name in saved
             for e in range(experts)}
 
 
@@ -73,7 +61,7 @@ def kept_in_forward(tensors: tuple[SavedTensor, ...], experts: int) -> Step:
     made: list[Made] = []
     for x in tensors:
         if x in EXPERT_TENSORS:
-            made += [Made("", 0, WHY_SAVED, keeps=per_expert(x, e)) for e in range(experts)]
+            made += [Made("", 0, WHY_SAVED, keeps=per_expert(e)[x.name]) for e in range(experts)]
         elif x != rules.SHARED_GATE_SIGMOID:
             made.append(Made("", 0, WHY_SAVED, keeps=x))
     return Step("the layer's saved tensors", tuple(made), moment=False)
@@ -148,33 +136,20 @@ class _Sums:
                      frees=(before, new), moment=bool(what)),)
 
 
-@dataclass(frozen=True)
-class Routed:
-    """The shared gate's and the experts' backward, autograd's first ops in the block, as every layer runs them: their
-    gradients are named for no layer (one block's backward runs at a time), so one description serves all; and the
-    running sums they leave to the router's and the shared expert's."""
-
-    ops: tuple[Op, ...]  # in the order autograd runs them
-    sums: _Sums
+OUTPUT_GRAD = "grad/moe/ln2 output"  # the block input's gradient, every path's summed, which ln2's backward reads
 
 
-def routed(z: Sizes, config: ModelConfig) -> Routed:
-    """The shared expert's gate (Qwen2-MoE) and each expert, the last first."""
-    sums = _Sums("grad/moe")
-    ran = [*(_shared_gate(z, sums) if _shared(config) else ())]
+def block_backward(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
+    """The block's ops in forward order, one description for every layer (their gradients are named for no layer: one
+    block's backward runs at a time). Autograd runs them in reverse: the shared expert's gate, each expert, the last
+    first, the router, the shared expert; `OUTPUT_GRAD` is every path's input gradient summed."""
+    shared, sums = _shared(config), _Sums("grad/moe")
+    ran = [*(_shared_gate(z, sums) if shared else ())]  # in the order autograd runs them
     for e in reversed(range(config.num_experts)):
         ran += _expert(z, config, e, sums)
-    return Routed(tuple(ran), sums)
-
-
-def block_backward(p: str, z: Sizes, config: ModelConfig, before: Routed) -> tuple[Op, ...]:
-    """The block's ops in forward order (autograd runs them in reverse: `before`'s, the router, the shared expert);
-    ln2's output gradient is every path's input gradient summed."""
-    shared = _shared(config)
-    sums = _Sums(before.sums.stem, dict(before.sums.current), dict(before.sums.count))
-    ran = [*before.ops, *_router(p, z, config, sums, final=not shared)]
+    ran += _router(z, config, sums, final=not shared)
     if shared:
-        ran += _shared_expert(p, z, config, sums)
+        ran += _shared_expert(z, config, sums)
     first = ran[-1]  # the routing weights' gradient: live until the block's backward returns
     ran[-1] = replace(first, backward=(*first.backward, Step("", frees=(sums.current["routing weights"],))))
     return tuple(reversed(ran))
@@ -192,7 +167,7 @@ def _expert(z: Sizes, config: ModelConfig, e: int, sums: _Sums) -> list[Op]:
     g, f, r, experts = f"{sums.stem}/expert {e}", config.expert_ffn, _slots(config), config.num_experts
     bf16, tokens, k, act = _bf16(config), z.b * z.s, config.moe_router_topk, z.act
     width = act if bf16 else 4  # the routing weights' dtype, and so the product's
-    mine = {x.name: per_expert(x, e) for x in EXPERT_TENSORS}
+    mine = per_expert(e)
     last = e == 0
 
     def gemms(proj: str, dy: str, dx: Made, dw: int, whole: int, saves: tuple[SavedTensor, ...]) -> Op:
@@ -244,7 +219,7 @@ def _expert(z: Sizes, config: ModelConfig, e: int, sums: _Sums) -> list[Op]:
     return [combine, product, down, swiglu, gate_up, gather]
 
 
-def _router(p: str, z: Sizes, config: ModelConfig, sums: _Sums, final: bool) -> list[Op]:
+def _router(z: Sizes, config: ModelConfig, sums: _Sums, final: bool) -> list[Op]:
     """The router's backward: top-k (the division's and top-k's small fp32 gradients come and go: no moment), the fp32
     softmax, the cast, F.linear; then dX summed with the block input's other gradients (into ln2's output gradient in
     Mixtral's block, whose router runs last)."""
@@ -258,13 +233,13 @@ def _router(p: str, z: Sizes, config: ModelConfig, sums: _Sums, final: bool) -> 
         Made(f"{g}/weight", z.act * experts * z.h, "dW = dLogits^T X, (E, h)"),
         Made(f"{g}/input", z.full(z.h), "dX = dLogits W, (b*s, h)")), frees=(f"{g}/logits",),
         hands_over=(f"{g}/weight",), returns=True),
-        _summed(sums, f"{g}/input", z, "the router's input gradient summed with the block's others", final, p))
+        _summed(sums, f"{g}/input", z, "the router's input gradient summed with the block's others", final))
     return [topk, softmax, linear]
 
 
-def _summed(sums: _Sums, dx: str, z: Sizes, what: str, final: bool, p: str) -> tuple[Step, ...]:
+def _summed(sums: _Sums, dx: str, z: Sizes, what: str, final: bool) -> tuple[Step, ...]:
     """One more path's dX added into the block input's gradient, a new tensor: the last is ln2's output gradient."""
-    return sums.add("block input", dx, z.full(z.h), what, f"grad/{p}/ln2 output" if final else "")
+    return sums.add("block input", dx, z.full(z.h), what, OUTPUT_GRAD if final else "")
 
 
 # -- Qwen2-MoE's shared expert: an MLP of width u on every token, gated by sigmoid(shared_expert_gate(x)) --------------
@@ -288,7 +263,7 @@ def _shared_gate(z: Sizes, sums: _Sums) -> list[Op]:
     return [product, sigmoid, linear]
 
 
-def _shared_expert(p: str, z: Sizes, config: ModelConfig, sums: _Sums) -> list[Op]:
+def _shared_expert(z: Sizes, config: ModelConfig, sums: _Sums) -> list[Op]:
     """Qwen2MoeMLP's backward, autograd's last in the block: down_proj, SiLU(gate) * up, up_proj, SiLU, gate_proj;
     up_proj's and gate_proj's dX summed into the block input's gradient, the last into ln2's."""
     g, s, u = f"{sums.stem}/shared", "mlp.shared_expert", config.moe_shared_expert_intermediate_size
@@ -299,7 +274,7 @@ def _shared_expert(p: str, z: Sizes, config: ModelConfig, sums: _Sums) -> list[O
         dx, weight = f"{g}/{proj} dX", f"{g}/{proj} weight"
         return _op(f"{s}.{proj}_proj", saves, Step("GEMMs", (Made(weight, w, WHY_WGRAD), Made(dx, z.full(z.h), "dY W")),
                                                  frees=(dy,), moment=False, returns=True),
-                   _summed(sums, dx, z, f"the shared expert's {proj}_proj dX summed into the block's", final, p),
+                   _summed(sums, dx, z, f"the shared expert's {proj}_proj dX summed into the block's", final),
                    Step("", hands_over=(weight,)))
     return [
         _op(f"{s}.down_proj", (ledger.SHARED_FC2_IN,), Step("the shared expert's down_proj: dW and dX", (

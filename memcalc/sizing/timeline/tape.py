@@ -148,7 +148,8 @@ class Sizes:
 
 class _Live(dict):
     """The live tensors by name, which keeps the bytes of each category and a log of every change as it goes (a
-    moment is then its totals and its place in the log, however many tensors are live)."""
+    moment is then its totals and its place in the log, however many tensors are live). They change only by set, del
+    and pop."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -156,8 +157,6 @@ class _Live(dict):
         self.log: list[Live | str] = []
 
     def __setitem__(self, name: str, x: Live) -> None:
-        if name != x.name:
-            raise AssertionError(f"{x.name} set as {name}")
         old = self.get(name)
         if old is not None:
             self.totals[old.category] -= old.bytes
@@ -175,11 +174,6 @@ class _Live(dict):
         self.totals[x.category] -= x.bytes
         self.log.append(name)
         return x
-
-    def _unsupported(self, *args: object, **kwargs: object) -> None:
-        raise TypeError("the live tensors change only by name: set, del or pop")
-
-    update = setdefault = popitem = clear = __ior__ = _unsupported  # type: ignore[assignment]
 
 
 class Tape:
