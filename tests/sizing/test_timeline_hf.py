@@ -89,12 +89,6 @@ def test_what_the_hf_walk_does_not_model_under_tp_is_refused_by_name(changes, na
         _timeline(TP, **changes)
 
 
-@pytest.mark.parametrize("sharding", [{"dp_shard": 2}, {"zero_stage": 2, "dp": 2}])
-def test_qwen3s_norms_under_fsdp2_or_zero_are_refused_by_name(sharding):
-    with pytest.raises(ConfigError, match="for impl hf does not model dp_shard or zero_stage with qk_layernorm"):
-        _timeline(qk_layernorm=True, **sharding)
-
-
 def test_hf_refuses_tp_sp_citing_transformers():
     with pytest.raises(ConfigError, match="does not run tp-sp .*transformers has no sequence parallelism"):
         _timeline(STRATEGIES["tp-sp"], t=2)

@@ -70,10 +70,7 @@ def warmed_up(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, 
     if tp.size > 1 and config.tie_embeddings:
         raise ProbeError("impl hf: transformers' apply_tensor_parallelism cannot lay out tied embeddings (it looks"
                          " lm_head.weight up among named_parameters(), which name a tied weight once); untie them")
-    family = model_family(config) if config.moe or config.qk_layernorm else "llama"
-    if family not in _STEPPED:
-        raise ProbeError(f"impl hf: --step builds Mixtral's, Qwen2-MoE's or Qwen3-MoE's model for experts; these are"
-                         f" {family}'s")
+    family = stepped_family(config)
     if config.moe and route is None:
         raise ProbeError("impl hf: --step on experts forces the router (--route balanced or all-to-one)")
     hf_config = llama_config(config, family)
@@ -85,6 +82,16 @@ def warmed_up(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, 
         hf_tp.apply(model, hf_tp.model_plan(model, tp.size), tp)
     k = config.moe_router_topk if config.moe else 0
     return Trainer.around(config, model, lambda tokens, labels: _loss(model, tokens, labels, family, route, k))
+
+
+def stepped_family(config: ModelConfig) -> str:
+    """The family whose model --step builds: Llama's for a dense layer, Qwen3's with qk_layernorm, the MoE family's
+    with experts."""
+    family = model_family(config) if config.moe or config.qk_layernorm else "llama"
+    if family not in _STEPPED:
+        raise ProbeError(f"impl hf: --step builds Mixtral's, Qwen2-MoE's or Qwen3-MoE's model for experts; these are"
+                         f" {family}'s")
+    return family
 
 
 def _loss(model: Any, tokens: torch.Tensor, labels: torch.Tensor, family: str, route: str | None,

@@ -186,8 +186,6 @@ def _sharding_missing(config: ModelConfig, strategy: Strategy) -> list[tuple[boo
         (config.zero_stage is not None and strategy.tensor_parallel and config.t > 1,
          f"zero_stage={config.zero_stage} under tp (t={config.t}): the Trainer runs DeepSpeed over data parallelism"),
         (sharded and config.moe, "dp_shard or zero_stage with experts"),
-        (sharded and config.qk_layernorm, "dp_shard or zero_stage with qk_layernorm (the FSDP2 and ZeRO walks lay"
-                                          " out Llama's parameters, without Qwen3's q_norm and k_norm)"),
     ]
 
 
