@@ -77,9 +77,9 @@ def hf_layer(c: ModelConfig, t: int, i: int, reshard: bool) -> Unit:
     qk = ((f"{m}.self_attn.q_norm", (c.head_dim,)), (f"{m}.self_attn.k_norm", (c.head_dim,))) if c.qk_layernorm else ()
     return Unit(f"layers.{i}", (
         (f"{m}.self_attn.q_proj", (q, c.h)), (f"{m}.self_attn.k_proj", (kv, c.h)),
-        (f"{m}.self_attn.v_proj", (kv, c.h)), (f"{m}.self_attn.o_proj", (c.h, q)), *qk, (f"{m}.mlp.gate_proj", (f, c.h)),
-        (f"{m}.mlp.up_proj", (f, c.h)), (f"{m}.mlp.down_proj", (c.h, f)), (f"{m}.input_layernorm", (c.h,)),
-        (f"{m}.post_attention_layernorm", (c.h,))), reshard)
+        (f"{m}.self_attn.v_proj", (kv, c.h)), (f"{m}.self_attn.o_proj", (c.h, q)), *qk,
+        (f"{m}.mlp.gate_proj", (f, c.h)), (f"{m}.mlp.up_proj", (f, c.h)), (f"{m}.mlp.down_proj", (c.h, f)),
+        (f"{m}.input_layernorm", (c.h,)), (f"{m}.post_attention_layernorm", (c.h,))), reshard)
 
 
 def hf_root(c: ModelConfig, t: int) -> Unit:

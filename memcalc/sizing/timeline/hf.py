@@ -21,7 +21,7 @@ embedding's gradient the whole (v, h) table of which this rank's rows are copied
 Qwen3ForCausalLM; with experts MixtralForCausalLM, Qwen2MoeForCausalLM (shared experts; its model makes an unused
 sliding-window mask too) or Qwen3MoeForCausalLM, at t = 1 under the balanced bound. Under FSDP2 (`dp_shard`,
 memcalc.sizing.timeline.fsdp) each layer is gathered before it runs and its gradients kept to its reduce-scatter; under
-DeepSpeed ZeRO (memcalc.sizing.timeline.zero, from DeepSpeed's sources, not measured) the same calls lay out its buffers.
+DeepSpeed ZeRO (memcalc.sizing.timeline.zero, from DeepSpeed's sources, unmeasured) the same calls lay out its buffers.
 
 Exact (to the byte, at every moment, tests/probe/libs/test_hf_step.py and test_hf_fsdp.py) on transformers 5.24 and
 torch 2.13's CPU kernels: no biases, no dropout, bf16 or fp16, eager or SDPA attention, any a/g, heads of head_dim,

@@ -45,14 +45,9 @@ def linear(where: str, p: str, weight: int, dy: str | None, dx: str, dx_bytes: i
 def rms_norm(where: str, p: str, norm: RMSNormTensors, z: Sizes, dy: str, out: str, residual: str | None = None,
              forward: tuple[Step, ...] = (), width: int = 0, heads: int = 1) -> tuple[Op, ...]:
     """LlamaRMSNorm's backward as autograd runs its eager ops, in forward order: the cast back from fp32, pow (keeps
-    the fp32 input), rsqrt and x * r (keep the rstd), weight * y (keeps y).
-
-    Its widest moment is pow's backward: x's fp32 gradient through x * r, the mean's spread gradient and pow's three
-    products, five fp32 (b, s, h) tensors. With a residual, the norm's dX and the residual stream's gradient are then
-    summed into `out`. `forward`: the norm's forward steps (the final norm's; a layer's are its one forward step).
-    `width` and `heads`: Qwen3's q_norm and k_norm normalise each of a token's heads (width channels in all), h by
-    default.
-    """
+    the fp32 input), rsqrt and x * r (keep the rstd), weight * y (keeps y). Its widest moment is pow's backward: five
+    fp32 (b, s, h) tensors. With a residual, the norm's dX and the stream's gradient are summed into `out`. `forward`:
+    the final norm's forward; `width` and `heads`: Qwen3's q_norm and k_norm, on each head (width channels in all)."""
     width = width or z.h
     g, fp32, row = _grad(p, where), z.tokens(4 * width), z.tokens(4 * heads)
     act = z.full(width)

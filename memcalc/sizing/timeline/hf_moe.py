@@ -67,11 +67,6 @@ def kept_in_forward(tensors: tuple[SavedTensor, ...], experts: int) -> Step:
     return Step("the layer's saved tensors", tuple(made), moment=False)
 
 
-def _shared(config: ModelConfig) -> bool:
-    """Qwen2-MoE's block (a gated shared expert beside the routed ones), else Mixtral's or Qwen3-MoE's."""
-    return bool(config.moe_shared_expert_intermediate_size)
-
-
 def _bf16(config: ModelConfig) -> bool:
     """Whether the experts read routing weights cast to bf16 (Qwen2-MoE's and Qwen3-MoE's router), as the ledger
     says, or Mixtral's fp32 ones (whose weighted output is then cast back to bf16 for index_add_)."""
@@ -84,16 +79,12 @@ def _slots(config: ModelConfig) -> int:
 
 
 def block_forward(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
-    """The block's widest forward moments, with `{p}/mlp output` (what the block returns) live after them.
-
-    The last expert's weighted output (cast to bf16 in Mixtral's, already bf16 in Qwen2-MoE's): every expert's kept
-    tensors made, beside the block's locals (the router's logits, the top-k weights the experts read) and the loop's
-    (its routing mask, the experts it hit; in Mixtral's that expert's fp32 product). An earlier expert's moments hold
-    the same transients and fewer kept tensors: each expert after it keeps its weighted output twice, 4 r_e h bytes,
-    as much as the fp32 product the loop may still hold. With a shared expert, then the block's sum: the experts'
-    output, the gated shared expert's and their sum.
-    """
-    shared, tokens, k, experts = _shared(config), z.b * z.s, config.moe_router_topk, config.num_experts
+    """The block's widest forward moments, with `{p}/mlp output` (what the block returns) live after them: the last
+    expert's weighted output (every expert's kept tensors beside the router's logits, the top-k weights, the loop's
+    routing mask and experts hit, in Mixtral's its fp32 product: an earlier expert's moments hold fewer, each expert
+    after it keeping 4 r_e h bytes, as much as that product); with a shared expert, then the block's sum."""
+    tokens, k, experts = z.b * z.s, config.moe_router_topk, config.num_experts
+    shared = bool(config.moe_shared_expert_intermediate_size)
     full, m, bf16 = z.full(z.h), f"{p}/moe", _bf16(config)
     out = f"{m}/experts output" if shared else f"{p}/mlp output"
     loop = Op("mlp.experts", forward=(Step("the last expert's weighted output" + ("" if bf16 else " cast to bf16"), (
@@ -143,7 +134,7 @@ def block_backward(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     """The block's ops in forward order, one description for every layer (their gradients are named for no layer: one
     block's backward runs at a time). Autograd runs them in reverse: the shared expert's gate, each expert, the last
     first, the router, the shared expert; `OUTPUT_GRAD` is every path's input gradient summed."""
-    shared, sums = _shared(config), _Sums("grad/moe")
+    shared, sums = bool(config.moe_shared_expert_intermediate_size), _Sums("grad/moe")
     ran = [*(_shared_gate(z, sums) if shared else ())]  # in the order autograd runs them
     for e in reversed(range(config.num_experts)):
         ran += _expert(z, config, e, sums)

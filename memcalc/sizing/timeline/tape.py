@@ -188,9 +188,8 @@ class Tape:
             self.live[name] = Live(name, category, nbytes, why)
 
     def drop(self, *names: str) -> None:
-        pop = self.live.pop
         for name in names:
-            pop(name, None)
+            self.live.pop(name, None)
 
     def rename(self, old: str, new: str) -> None:
         """The same bytes, under the name the next op knows them by (a gradient handed on, a buffer reused)."""
