@@ -43,6 +43,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Callable
 
+from memcalc.config.hf import family_of
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError
 from memcalc.model import ledger
@@ -572,8 +573,7 @@ def measure_step(config: ModelConfig, strategies: list[str], route: str | None =
         raise ConfigError(f"--step on a mixture of experts needs --route balanced with moe_tokens balanced (not"
                           f" {route or 'the real router'}, {config.moe_tokens}): the step timeline walks the balanced"
                           " bound, which only the forced balanced router pins")
-    moe_model = "Qwen2MoeForCausalLM" if config.moe_shared_expert_intermediate_size else "MixtralForCausalLM"
-    model = f"transformers' {moe_model}, router forced {route}" if config.moe else STEP_MODELS[config.impl]
+    model = _model(config, route)
     _check_fits(planned)
     out = []
     for strategy, predicted in planned:
@@ -607,6 +607,14 @@ def _step_runner(impl: str, sharded: bool = False) -> Callable[[TensorParallelGr
     runner(impl)  # ProbeError naming the extra to install when the library is missing
     module, function = STEP_TRAINERS[impl, sharded]
     return getattr(importlib.import_module(module), function)
+
+
+def _model(config: ModelConfig, route: str | None) -> str:
+    """The model the step trains, in words: with experts or a QK norm transformers' model of the family that runs the
+    knobs (Mixtral, Qwen2-MoE, Qwen3, Qwen3-MoE: memcalc.probe.libs.hf_step), its router forced."""
+    family = family_of(config) if config.impl == "hf" and (config.moe or config.qk_layernorm) else None
+    return STEP_MODELS[config.impl] if family is None else f"transformers' {family.architectures[0]}" + (
+        f", router forced {route}" if config.moe else "")
 
 
 def _check_fits(planned: list[tuple[Strategy, Timeline]]) -> None:

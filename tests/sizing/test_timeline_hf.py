@@ -125,9 +125,10 @@ def test_the_experts_widest_moment_holds_gate_ups_gradient_three_times_beside_do
     moment = next(m for m in steps.moments if m.what.startswith("gate_up's gradients summed"))
     whole = 2 * config.num_experts * 2 * config.expert_ffn * config.h  # bf16 (E, 2e, h)
     live = {x.name: x.bytes for x in moment.live}
+    # the sum of the last expert's (3, the first autograd runs) and expert 2's, beside both
     assert sorted(n for n, b in live.items() if b == whole) == sorted(
-        ["grad/layers.2/gate_up weights", "grad/layers.2/gate_up weights (sum)", "grad/layers.2/expert 2/gate_up select"])
-    assert live["grad/layers.2/down weights"] == whole // 2
+        ["grad/moe/expert 3/gate_up select", "grad/moe/expert 2/gate_up select", "grad/moe/gate_up weights 1"])
+    assert live["grad/moe/down weights 1"] == whole // 2
 
 
 @pytest.mark.parametrize("changes, named", [

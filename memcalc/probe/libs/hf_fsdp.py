@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from memcalc.config.hf import FAMILIES
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ProbeError
 from memcalc.model.strategy import Strategy
@@ -26,6 +27,7 @@ from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.layer import DTYPES
 from memcalc.probe.libs import hf_tp
 from memcalc.probe.libs.hf import llama_config
+from memcalc.probe.libs.hf_step import stepped_family
 from memcalc.probe.step import BATCH_SEED, MomentTracker, StepMeasurement, batch
 from memcalc.sizing.timeline import ACTIVATIONS, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES
 
@@ -106,9 +108,11 @@ def warmed_up_sharded(tp: TensorParallelGroup, config: ModelConfig) -> ShardedTr
         raise ProbeError(f"the fake group has {tp.size} ranks, not dp_replicate*dp_shard*t={replicas}*{shards}*"
                          f"{config.t}")
     torch.manual_seed(BATCH_SEED)
-    hf_config = llama_config(config, "llama")
+    family = stepped_family(config)  # Llama's, or Qwen3's with qk_layernorm
+    hf_config = llama_config(config, family)
     hf_config.use_cache = False
-    model = transformers.LlamaForCausalLM._from_config(hf_config, dtype=torch.float32).to(tp.device).train()
+    model = getattr(transformers, FAMILIES[family].architectures[0])._from_config(hf_config, dtype=torch.float32)
+    model = model.to(tp.device).train()
     mesh = init_device_mesh(tp.device.type, (replicas, shards, t), mesh_dim_names=("replicate", "shard", "tp"))
     if t > 1:  # transformers' own plan over the mesh's inner dimension, then FSDP2 (HSDP) over the outer ones
         apply_tensor_parallelism(model, mesh["tp"], hf_tp.model_plan(model, t))

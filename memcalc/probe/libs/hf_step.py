@@ -23,7 +23,9 @@ plan with the same function to the model `_from_config` built.) The trainer work
 takes this rank's rows of the embedding's Replicate gradient (`memcalc.probe.step.MainGrads`). A tied model is not
 laid out: apply_tensor_parallelism looks lm_head.weight up among named_parameters(), which name a tied weight once.
 
-A config with experts builds MixtralForCausalLM instead (Qwen2MoeForCausalLM with shared experts): every layer a
+With qk_layernorm it builds Qwen3ForCausalLM (Llama's layer, each query and key head RMS-normalised before RoPE).
+A config with experts builds MixtralForCausalLM instead (Qwen2MoeForCausalLM with shared experts,
+Qwen3MoeForCausalLM with qk_layernorm): every layer a
 sparse MoE block whose experts run transformers' eager loop, its router forced to the `route` given
 (memcalc.probe.libs.hf_shim.forced_routing), so the tokens each expert gets are known. No auxiliary loss
 (output_router_logits False, both models' default).
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from memcalc.config.hf import FAMILIES
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ProbeError
 from memcalc.model.strategy import Strategy
@@ -47,8 +50,8 @@ torch = require_torch()
 import transformers  # noqa: E402  (memcalc[hf])
 
 
-# The model class --step builds, by the family memcalc.probe.libs.hf reads the config as.
-_MODELS = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+# The families whose model --step builds (FAMILIES' first architecture), as memcalc.probe.libs.hf reads the config.
+_STEPPED = ("llama", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def measure_hf_step_on_rank(
@@ -67,20 +70,28 @@ def warmed_up(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, 
     if tp.size > 1 and config.tie_embeddings:
         raise ProbeError("impl hf: transformers' apply_tensor_parallelism cannot lay out tied embeddings (it looks"
                          " lm_head.weight up among named_parameters(), which name a tied weight once); untie them")
-    family = model_family(config) if config.moe else "llama"
-    if family not in _MODELS:
-        raise ProbeError(f"impl hf: --step builds Mixtral's or Qwen2-MoE's model for experts; these are {family}'s")
+    family = stepped_family(config)
     if config.moe and route is None:
         raise ProbeError("impl hf: --step on experts forces the router (--route balanced or all-to-one)")
     hf_config = llama_config(config, family)
     hf_config.use_cache = False  # as transformers' Trainer sets it (TrainingArguments.use_cache: False)
     torch.manual_seed(BATCH_SEED)  # the weights, as the model initialises them
-    model = getattr(transformers, _MODELS[family])._from_config(hf_config, dtype=DTYPES[config.dtype])
+    model = getattr(transformers, FAMILIES[family].architectures[0])._from_config(hf_config, dtype=DTYPES[config.dtype])
     model = model.to(tp.device).train()
     if tp.size > 1:  # the plan from_pretrained(tp_plan="auto") applies, by the function it applies it with
         hf_tp.apply(model, hf_tp.model_plan(model, tp.size), tp)
     k = config.moe_router_topk if config.moe else 0
     return Trainer.around(config, model, lambda tokens, labels: _loss(model, tokens, labels, family, route, k))
+
+
+def stepped_family(config: ModelConfig) -> str:
+    """The family whose model --step builds: Llama's for a dense layer, Qwen3's with qk_layernorm, the MoE family's
+    with experts."""
+    family = model_family(config) if config.moe or config.qk_layernorm else "llama"
+    if family not in _STEPPED:
+        raise ProbeError(f"impl hf: --step builds Mixtral's, Qwen2-MoE's or Qwen3-MoE's model for experts; these are"
+                         f" {family}'s")
+    return family
 
 
 def _loss(model: Any, tokens: torch.Tensor, labels: torch.Tensor, family: str, route: str | None,

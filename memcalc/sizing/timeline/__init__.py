@@ -51,12 +51,13 @@ until it returns). The probe measures pp = 1; with pp > 1 the walk is the same p
 beside what the schedule keeps in flight. A fused kernel (flash attention, the norms'
 backward, the fused SwiGLU's) allocates its outputs alone, as on a GPU; the probe runs each
 as one op for that reason (memcalc.probe.kernels, attention.py). transformers' Llama
-(`--impl hf`) has its own walk (memcalc.sizing.timeline.hf), sharded by FSDP2 too (`dp_shard`: each block's
-all-gather and reduce-scatter are ops on the same tape, memcalc.sizing.timeline.fsdp), and so have its Mixtral and
-Qwen2-MoE at t = 1 under the balanced bound, their experts in the eager loop (memcalc.sizing.timeline.hf_moe);
-megatron's mixture of experts is refused. torchtitan's Llama3Model (`--impl torchtitan`) is described once as ops
-(memcalc.sizing.timeline.torchtitan) for the generic walk (memcalc.sizing.timeline.walk), at t = 1 and under its own
-TP plan (tp, tp-sp) on the CPU kernels.
+(`--impl hf`) is described once as ops (memcalc.sizing.timeline.hf and hf_layer) for the generic walk
+(memcalc.sizing.timeline.walk), sharded by FSDP2 too (`dp_shard`: each block's all-gather and reduce-scatter are ops
+on the same tape, memcalc.sizing.timeline.fsdp), and so are its Mixtral and Qwen2-MoE at t = 1 under the balanced
+bound, their experts in the eager loop (memcalc.sizing.timeline.hf_moe), and Qwen3 and Qwen3-MoE (QK norms, heads of
+head_dim); megatron's mixture of experts is refused.
+torchtitan's Llama3Model (`--impl torchtitan`) is described likewise (memcalc.sizing.timeline.torchtitan), at t = 1
+and under its own TP plan (tp, tp-sp) on the CPU kernels.
 Everything else raises ConfigError naming what is missing. Within a layer's forward only the end of
 each block is a moment: a forward op's transients are smaller than the gradients the same
 op makes in backward, when the same saved tensors are live.
@@ -203,10 +204,10 @@ def _refuse_other_layers(config: ModelConfig) -> None:
                           " MLPs (with --impl hf, transformers' Mixtral and Qwen2-MoE)")
     if config.kv_lora_rank is not None:
         raise ConfigError("the step timeline does not model latent attention (kv_lora_rank) yet")
-    if config.head_dim_set:
+    if config.head_dim_set and config.impl != "hf":  # transformers' heads of head_dim: the hf walk's
         raise ConfigError(f"the step timeline does not model kv_channels={config.kv_channels} (heads other than"
                           f" h/a={config.h}/{config.a}={config.h // config.a} wide) yet: it walks attention h wide")
-    if config.qk_layernorm:
+    if config.qk_layernorm and config.impl != "hf":  # transformers' Qwen3 and Qwen3-MoE: the hf walk's
         raise ConfigError("the step timeline does not model qk_layernorm (norms on each query and key head) yet")
 
 

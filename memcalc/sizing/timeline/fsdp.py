@@ -70,14 +70,16 @@ class Unit:
 
 def hf_layer(c: ModelConfig, t: int, i: int, reshard: bool) -> Unit:
     """LlamaDecoderLayer's parameters as this rank of t holds them before FSDP2 shards them (transformers' tp_plan:
-    q, k, v, gate, up colwise, o and down rowwise, the norms whole): q, k, v, o; gate, up, down; the two norms."""
+    q, k, v, gate, up colwise, o and down rowwise, the norms whole): q, k, v, o (Qwen3's: then q_norm, k_norm); gate,
+    up, down; the two norms."""
     q, kv, f = c.a * c.head_dim // t, c.groups * c.head_dim // t, c.ffn // t
     m = f"model.layers.{i}"
+    qk = ((f"{m}.self_attn.q_norm", (c.head_dim,)), (f"{m}.self_attn.k_norm", (c.head_dim,))) if c.qk_layernorm else ()
     return Unit(f"layers.{i}", (
         (f"{m}.self_attn.q_proj", (q, c.h)), (f"{m}.self_attn.k_proj", (kv, c.h)),
-        (f"{m}.self_attn.v_proj", (kv, c.h)), (f"{m}.self_attn.o_proj", (c.h, q)), (f"{m}.mlp.gate_proj", (f, c.h)),
-        (f"{m}.mlp.up_proj", (f, c.h)), (f"{m}.mlp.down_proj", (c.h, f)), (f"{m}.input_layernorm", (c.h,)),
-        (f"{m}.post_attention_layernorm", (c.h,))), reshard)
+        (f"{m}.self_attn.v_proj", (kv, c.h)), (f"{m}.self_attn.o_proj", (c.h, q)), *qk,
+        (f"{m}.mlp.gate_proj", (f, c.h)), (f"{m}.mlp.up_proj", (f, c.h)), (f"{m}.mlp.down_proj", (c.h, f)),
+        (f"{m}.input_layernorm", (c.h,)), (f"{m}.post_attention_layernorm", (c.h,))), reshard)
 
 
 def hf_root(c: ModelConfig, t: int) -> Unit:

@@ -1,73 +1,38 @@
-"""One training step of transformers' own `LlamaForCausalLM` on one rank (`--impl hf`), op by op.
+"""One training step of transformers' own `LlamaForCausalLM` on one rank (`--impl hf`), described once as ops.
 
-`memcalc.probe.libs.hf_step` trains the model as memcalc's probe trains its GPT (Megatron's
-fp32 gradient buffer, fp32 master weights, fused AdamW) with transformers' own loss; this
-module walks the same step the way autograd runs it, and names every tensor MemTracker sees
-(outputs of ops; what lives inside one kernel is no tensor). A moment is what is live right
-after an op made its outputs: what an op frees goes when the next op runs.
+`memcalc.probe.libs.hf_step` trains the model as memcalc's probe trains its GPT (Megatron's fp32 gradient buffer, fp32
+master weights, fused AdamW) with transformers' own loss. Its decoder layer is memcalc.sizing.timeline.hf_layer's ops
+(a sparse MoE block hf_moe's), whose saved tensors are the hf ledger's (memcalc.model.impls.hf); this module adds the
+model's ends as ops for the same walk (memcalc.sizing.timeline.walk), and the sharding's hooks between the layers:
 
-    steady      bf16 weights and the rotary embedding's two fp32 inv_freq buffers, the fp32
-                gradient buffer, master weights, Adam's m and v
-    forward     the embedding lookup; position ids; the causal mask (eager attention: SDPA
-                runs is_causal and needs none); RoPE's cos and sin, made once per forward and
-                kept by every layer; each decoder layer's saved tensors (the hf ledger,
-                `memcalc.model.impls.hf`, less the RoPE tables, shared here) at its second
-                residual sum; the final RMSNorm at its widest; lm_head's bf16 logits and
-                ForCausalLMLoss at its widest (fp32 logits, padded and shifted labels, the
-                kept log-softmax)
-    backward    the loss's fp32 gradients; lm_head; the eager RMSNorm's fp32 temporaries;
-                SwiGLU; o_proj; the attention (eager: two bmm and an fp32 softmax; SDPA: one
-                kernel); repeat_kv's sums under GQA; RoPE; q, k and v projections one by one,
-                their input gradients summed as autograd accumulates them; the embedding's
-                gradient (tied: summed with lm_head's, which waits in autograd's buffer)
+    steady      bf16 weights, the rotary embedding's two fp32 inv_freq buffers, the fp32 gradient buffer, master
+                weights, Adam's m and v (or FSDP2's and ZeRO's layouts)
+    forward     the batch; the embedding; position ids; the causal mask (eager attention: SDPA runs is_causal); RoPE's
+                cos and sin, kept by every layer; each layer; the final RMSNorm at its widest; lm_head's bf16 logits
+                and ForCausalLMLoss at its widest (fp32 logits, padded and shifted labels, the kept log-softmax)
+    backward    the loss's fp32 gradients; lm_head; the final norm; the layers in reverse; the embedding's gradient
+                (tied: summed with lm_head's, which waits in autograd's buffer)
     optimizer   fused AdamW in place: nothing new
 
-With experts (num_experts) the model is MixtralForCausalLM, or Qwen2MoeForCausalLM with shared
-experts: the same walk with each MLP a sparse MoE block (memcalc.sizing.timeline.hf_moe), at
-t = 1, under the balanced bound that `--route balanced` forces; Qwen2MoeModel also makes a
-sliding-window mask no layer uses, live through forward.
+Each weight's bf16 gradient is added into the fp32 buffer as autograd hands it over (memcalc.probe.step.MainGrads).
+Under tp the model is laid out by transformers' own plan (memcalc.probe.libs.hf_tp), with DTensor's steps: the
+embedding's Partial sum all-reduced, lm_head's v/t columns all-gathered whole, each colwise dX all-reduced, the
+embedding's gradient the whole (v, h) table of which this rank's rows are copied out. With qk_layernorm the model is
+Qwen3ForCausalLM; with experts MixtralForCausalLM, Qwen2MoeForCausalLM (shared experts; its model makes an unused
+sliding-window mask too) or Qwen3MoeForCausalLM, at t = 1 under the balanced bound. Under FSDP2 (`dp_shard`,
+memcalc.sizing.timeline.fsdp) each layer is gathered before it runs and its gradients kept to its reduce-scatter; under
+DeepSpeed ZeRO (memcalc.sizing.timeline.zero, from DeepSpeed's sources, unmeasured) the same calls lay out its buffers.
 
-Every weight's bf16 gradient is added into the fp32 buffer and dropped as soon as autograd
-hands it over (memcalc.probe.step.MainGrads), so none outlives its GEMM but a tied one.
-
-Under tp (t > 1) the model is laid out by transformers' own plan (memcalc.probe.libs.hf_tp:
-what from_pretrained(tp_plan="auto") resolves), and the walk is the same one on this rank's
-shards (a/t heads, g/t K/V groups, f/t MLP columns) with what DTensor adds:
-
-    forward     the embedding ("embedding_rowwise"): this rank's rows looked up, then the
-                Partial sum all-reduced into a new tensor; each rowwise linear's output
-                all-reduced likewise; lm_head ("colwise_gather_output"): this rank's v/t
-                columns, all-gathered into a (t*b, s, v/t) buffer and concatenated into the
-                whole (b, s, v) logits, so the loss is t = 1's on every rank
-    backward    the logits' gradient's v/t columns made contiguous; each colwise linear's dX
-                a partial sum, all-reduced into a new tensor by DTensor.from_local's backward
-                (q's, k's and v's one by one, then summed); the embedding's gradient the whole
-                (v, h) table (DTensor gives the Shard(0) weight a Replicate gradient), of which
-                the trainer copies this rank's rows into the fp32 buffer
-
-Sharded by FSDP2 (`dp_shard`, memcalc.probe.libs.hf_fsdp), the same walk runs with FSDP2's ops around each
-block (memcalc.sizing.timeline.fsdp): the states are fp32 shards, each block is gathered before it runs and
-its weights' bf16 gradients are kept to its reduce-scatter, instead of added into a gradient buffer at once;
-exact at every moment at dp_shard 2, 4 and 8, and on a 2-D mesh with transformers' tp_plan (the embedding's
-Replicate gradient laid out as its weight by FSDP2's post-backward, tests/probe/libs/test_hf_fsdp.py).
-Under DeepSpeed ZeRO (`zero_stage` 1-3, t = 1) the same calls lay out DeepSpeed's buffers instead
-(memcalc.sizing.timeline.zero: stage 3's gathers, the reduce bucket, the gradient partition, the fp32 gradient
-partition of its optimizer step), modelled from DeepSpeed's sources, not measured.
-
-Exact (to the byte, at every moment named here, tests/probe/libs/test_hf_step.py) for
-LlamaForCausalLM from transformers 5.24 on torch 2.13's CPU kernels: no biases, no dropout,
-bf16 or fp16, eager or SDPA attention, grouped or not, tied or not (untied under tp), t = 1
-or transformers' tp_plan at t = 2 and 4 (rank 0 of the fake group), pp = 1, no
-recomputation; `check_modelled` names everything else. On CUDA the same aten ops make the
-same outputs, with three differences that are no op's output and so are neither here nor in
-MemTracker: what a kernel allocates and frees inside itself (the embedding's backward sorts
-the ids; cuBLAS's workspace), the caching allocator's rounding (512-byte blocks), and SDPA's
-kernel choice (the flash kernel on both devices keeps what the ledger says; another CUDA
-kernel would keep other tensors).
+Exact (to the byte, at every moment, tests/probe/libs/test_hf_step.py and test_hf_fsdp.py) on transformers 5.24 and
+torch 2.13's CPU kernels: no biases, no dropout, bf16 or fp16, eager or SDPA attention, any a/g, heads of head_dim,
+tied or not (untied under tp), t = 1 or the tp_plan at t = 2, 3 and 4, FSDP2 at dp_shard 2, 4, 8 (also on a 2-D mesh),
+pp = 1, no recomputation; `check_modelled` names everything else. On CUDA the same aten ops make the same outputs; what
+a kernel allocates inside itself, the caching allocator's rounding and another SDPA kernel's choice are not here.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 from memcalc.config.schema import ModelConfig
@@ -76,41 +41,109 @@ from memcalc.model import ledger
 from memcalc.model.evaluate import estimate
 from memcalc.model.impls import hf as rules
 from memcalc.model.knobs import Accounting
+from memcalc.model.ledger import RMSNormTensors
 from memcalc.model.strategy import Strategy
 from memcalc.sizing.pipeline import stages
+from memcalc.sizing.timeline import hf_layer as layer
 from memcalc.sizing.timeline import hf_moe as moe
 from memcalc.sizing.timeline.ends import model_states
 from memcalc.sizing.timeline.fsdp import ROOT, Fsdp
-from memcalc.sizing.timeline.hf_walk import WHY_SAVED, HfWalk, norm_names
-from memcalc.sizing.timeline.tape import GRADIENTS, PARAMETERS, Sizes, Tape, Timeline
+from memcalc.sizing.timeline.tape import GRADIENTS, PARAMETERS, Moment, Sizes, Tape, Timeline, bulk
+from memcalc.sizing.timeline.walk import HandOver, Made, Op, Step, Walk, kept
 from memcalc.sizing.timeline.zero import Zero
 
-_ROPE = (rules.ROPE_COS.name, rules.ROPE_SIN.name)
+
+# model.norm keeps what a layer's LlamaRMSNorm keeps, under its own names
+FINAL_NORM = RMSNormTensors(**{k: replace(x, name=f"final_norm/{x.name.partition('/')[2]}") for k, x in (
+    ("input_fp32", rules.LN1_RMS.input_fp32), ("rstd", rules.LN1_RMS.rstd), ("normed", rules.LN1_RMS.normed))})
 
 
 def hf_timeline(config: ModelConfig, strategy: Strategy, accounting: Accounting) -> Timeline:
     """The moments of one training step of LlamaForCausalLM sized by `config`, on its one rank."""
     check_modelled(config, strategy)
-    layer = estimate(config, strategy, accounting)
-    # transformers does not pad the vocabulary: the embedding and lm_head have vocab_size rows.
-    unpadded = replace(config, make_vocab_size_divisible_by=1)
-    z = Sizes.of(unpadded, strategy)
-    fsdp = Fsdp.of(config, z.t) if config.dp_shard is not None else Zero(config) if config.zero_stage else None
-    step = _Step(Tape(), z, config, {x.tensor.name: x.bytes for x in layer.tensors}, fsdp=fsdp)
+    estimated = estimate(config, strategy, accounting)
+    unpadded = replace(config, make_vocab_size_divisible_by=1)  # transformers does not pad the vocabulary
     (stage,) = stages(config.L, config.pp, config.vpp, config.microbatches)
-    if fsdp is not None:
-        fsdp.states(step.tape)
+    kept = tuple((x.tensor, x.bytes) for x in estimated.tensors)
+    return Timeline(estimated.strategy, _moments(unpadded, Sizes.of(unpadded, strategy), kept), stage.name)
+
+
+@functools.lru_cache(maxsize=2)
+def _moments(config: ModelConfig, z: Sizes, kept: tuple[tuple[ledger.SavedTensor, int], ...]) -> tuple[Moment, ...]:
+    """The step's moments on a rank of these sizes, keeping these of the ledger's tensors (and bytes): two strategies
+    that give a rank the same (none and tp at t = 1) walk the same step, once."""
+    sharding = Fsdp.of(config, z.t) if config.dp_shard is not None else Zero(config) if config.zero_stage else None
+    (stage,) = stages(config.L, config.pp, config.vpp, config.microbatches)
+    tape = Tape()
+    if sharding is not None:
+        sharding.states(tape)
     else:
-        model_states(step.tape, unpadded, stage, step.z)
-    step.rotary_buffers()
-    step.tape.mark("steady", "", "model states between steps")
-    step.forward()
-    step.backward()
-    if isinstance(fsdp, Zero):  # DeepSpeed's step makes the fp32 gradient partition first
-        fsdp.optimizer_step(step.tape)
+        model_states(tape, config, stage, z)
+    for name in ("inv_freq", "original_inv_freq"):
+        tape.add(f"states/rotary_emb.{name}", PARAMETERS, 4 * (z.d // 2),
+                 "LlamaRotaryEmbedding's buffer, fp32 in a bf16 model (an explicit float arange)")
+    tape.mark("steady", "", "model states between steps")
+    saved = {x.name: nbytes for x, nbytes in kept}
+    hand_over = _hand_over(tape, sharding)
+    ends = {x.name: saved[x.name] for x in layer.ROPE} | {
+        FINAL_NORM.input_fp32.name: z.tokens(4 * z.h), FINAL_NORM.rstd.name: z.tokens(4),
+        FINAL_NORM.normed.name: z.full(z.h), ledger.OUTPUT_INPUT.name: z.full(z.h)}
+    tensors = tuple(x for x, _ in kept if x not in layer.ROPE)  # every layer shares one description of these
+    made, block = (moe.kept_in_forward(tensors, config.num_experts), moe.block_backward(z, config)) if config.moe \
+        else (layer.kept_tensors(tensors), ())
+    saved |= moe.expert_bytes(saved, config.num_experts) if config.moe else {}
+    layers = [(Walk(tape, f"layers.{i}", f"model.layers.{i}", saved, hand_over),
+               _layer(i, z, config, saved, made, block)) for i in range(config.L)]
+    inputs = (Walk(tape, "", "", ends, hand_over), _embedding(z, config, sharding is not None))
+    outputs = (Walk(tape, "", "", ends, hand_over), _output(z, config))
+    with bulk():  # an eager MoE walk puts some hundred thousand tensors on the tape
+        _forward(tape, sharding, inputs, layers, outputs)
+        _backward(tape, sharding, inputs, layers, outputs)
+    if isinstance(sharding, Zero):  # DeepSpeed's step makes the fp32 gradient partition first
+        sharding.optimizer_step(tape)
     else:
-        step.tape.mark("optimizer", "", "fused AdamW on the fp32 master weights, in place")
-    return Timeline(layer.strategy, tuple(step.tape.moments), stage.name)
+        tape.mark("optimizer", "", "fused AdamW on the fp32 master weights, in place")
+    return tuple(tape.moments)
+
+
+Walked = tuple[Walk, tuple[Op, ...]]  # ops and the walk that puts them on the tape
+
+
+def _forward(tape: Tape, sharding: Fsdp | Zero | None, inputs: Walked, layers: list[Walked], outputs: Walked) -> None:
+    """The batch; the embedding and LlamaModel's shared tensors; each layer, gathered around it under FSDP2 or ZeRO-3;
+    the final norm, lm_head and the loss."""
+    (front, (batch, *embedding)), (back, out) = inputs, outputs
+    front.forward((batch,))
+    if sharding is not None:  # the root's pre-forward: embedding, final norm and lm_head gathered
+        sharding.copy_out(tape, ROOT, "forward", "")
+    front.forward(tuple(embedding))
+    for i, (walk, ops) in enumerate(layers):
+        if sharding is not None:
+            sharding.copy_out(tape, f"layers.{i}", "forward", f"model.layers.{i}")
+        walk.forward(ops)
+        if sharding is not None:
+            sharding.post_forward(tape, f"layers.{i}")
+    back.forward(out)
+
+
+def _backward(tape: Tape, sharding: Fsdp | Zero | None, inputs: Walked, layers: list[Walked], outputs: Walked) -> None:
+    """loss.backward(): the loss, lm_head, the final norm, the layers in reverse (each gathered again under FSDP2, its
+    gradients reduce-scattered after it), the embedding; under sharding the root's post-backward at the end."""
+    (front, (_, *embedding)), (back, out) = inputs, outputs
+    if sharding is not None:  # the root's post-forward, then its pre-backward: the last layer's all-gather
+        sharding.forward_done(tape)
+        sharding.pre_backward(tape, ROOT, "", f"layers.{len(layers) - 1}")
+    back.backward(out)
+    for i, (walk, ops) in reversed(list(enumerate(layers))):
+        if sharding is not None:
+            sharding.pre_backward(tape, f"layers.{i}", f"model.layers.{i}", f"layers.{i - 1}" if i else None)
+        walk.backward(ops)
+        if sharding is not None:  # transformers calls self_attn with keyword inputs: active to the end of backward
+            sharding.post_backward(tape, f"layers.{i}", f"model.layers.{i}.self_attn")
+    front.backward(tuple(embedding))
+    if sharding is not None:  # the final callback, inside backward(): the root's post-backward (no module active),
+        sharding.post_backward(tape, ROOT, "")  # then the last reduce-scatter waited on
+    tape.drop(f"fsdp/{ROOT} reduce-scatter", "loss/grad seed")
 
 
 def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
@@ -158,8 +191,8 @@ def _sharding_missing(config: ModelConfig, strategy: Strategy) -> list[tuple[boo
 
 def _experts_missing(config: ModelConfig, strategy: Strategy) -> list[tuple[bool, str]]:
     """What the walk of Mixtral's and Qwen2-MoE's blocks (memcalc.sizing.timeline.hf_moe) leaves out: grouped_mm
-    experts (it walks the eager loop), dense layers among them, experts under tp or ep, and any count of tokens per expert but the balanced one, kbs/E each. (Other
-    blocks are refused before: latent attention, a QK norm.)"""
+    experts (it walks the eager loop), dense layers among them, experts under tp or ep, and any count of tokens per
+    expert but the balanced one, kbs/E each. (Latent attention is refused before.)"""
     if not config.moe:
         return []
     slots = config.moe_router_topk * config.b * config.s
@@ -177,329 +210,139 @@ def _experts_missing(config: ModelConfig, strategy: Strategy) -> list[tuple[bool
     ]
 
 
-class _Forward(HfWalk):
-    """The rotary buffers among the steady states; forward: the batch, the embedding, the layers, the final norm,
-    the loss."""
 
-    # -- steady state -----------------------------------------------------------------------------
-
-    def rotary_buffers(self) -> None:
-        """LlamaRotaryEmbedding's inv_freq and original_inv_freq: d/2 fp32 each, made by a float arange."""
-        for name in ("inv_freq", "original_inv_freq"):
-            self.tape.add(f"states/rotary_emb.{name}", PARAMETERS, 4 * (self.z.d // 2),
-                          "LlamaRotaryEmbedding's buffer, fp32 in a bf16 model (an explicit float arange)")
-
-    # -- forward ----------------------------------------------------------------------------------
-
-    def forward(self) -> None:
-        """The batch, the embedding, what LlamaModel makes once for all layers, the layers, the norm, the loss."""
-        z, add = self.z, self.add
-        add(ledger.EMBEDDING_INPUT_IDS.name, z.tokens(8),
-            "the micro-batch's token ids (int64), live for the whole step; the embedding keeps them")
-        add("batch/labels", z.tokens(8), "the micro-batch's labels (int64), live for the whole step")
-        if self.fsdp is not None:  # the root's pre-forward: embedding, final norm and lm_head gathered
-            self.fsdp.copy_out(self.tape, ROOT, "forward", "")
-        if self.tp:  # "embedding_rowwise": DTensor's vocabulary-parallel lookup, then its Partial sum all-reduced
-            add("embedding/partial", z.full(z.h), "this rank's rows looked up, the others' zeroed (DTensor's"
-                " MaskPartial; its mask and shifted ids are freed before the all-reduce), summed by all_reduce")
-        add("layers.0/input", z.full(z.h),
-            "the embedding lookup, the first layer's input: LlamaModel's inputs_embeds, live until it returns")
-        self.tape.mark("forward", "model.embed_tokens", "the embedding lookup" + (", all-reduced" if self.tp else ""))
-        self.tape.drop("embedding/partial")
-        add("model/position_ids", z.s * 8, "arange(s) as (1, s) int64, live until LlamaModel returns")
-        if self.eager:
-            add("model/causal_mask", z.act * z.b * z.s * z.s,
-                "create_causal_mask's additive (b, 1, s, s) mask, live until LlamaModel returns")
-        if self.config.moe_shared_expert_intermediate_size:  # Qwen2MoeModel: a mask per layer type, used or not
-            add("model/sliding_mask", z.act * z.b * z.s * z.s if self.eager else z.s * z.s,
-                "Qwen2MoeModel makes create_sliding_window_causal_mask's mask beside the causal one, though no layer"
-                " slides (measured: eager a second additive (b, 1, s, s) mask, SDPA a (1, 1, s, s) bool one)")
-        for name in _ROPE:
-            add(name, self.saved[name], "made once per forward by LlamaRotaryEmbedding; every layer's RoPE keeps it")
-        for i in range(self.config.L):
-            self.layer_forward(i)
-        self.final_norm_forward()
-        self.loss_forward()
-
-    def layer_forward(self, i: int) -> None:
-        """The layer's saved tensors (the ledger's, less RoPE's shared tables) at its second residual sum."""
-        z, p = self.z, f"layers.{i}"
-        if self.fsdp is not None:
-            self.fsdp.copy_out(self.tape, p, "forward", f"model.layers.{i}")
-        experts = self.config.num_experts or 1
-        for name, nbytes in self.saved.items():
-            if name in _ROPE or moe.made_after_experts(name):
-                continue
-            if moe.is_per_expert(name):  # one storage per expert, freed as its expert's backward runs
-                for e in range(experts):
-                    self.add(moe.kept(p, name, e), nbytes // experts, WHY_SAVED)
-            else:
-                self.add(f"{p}/{name}", nbytes, WHY_SAVED)
-        self.add(f"{p}/mid", z.full(z.h), "the residual stream after attention: ln2's input and the MLP's residual")
-        if self.config.moe:  # its widest moments, then what it returns
-            moe.block_forward(self, p, f"model.layers.{i}")
-        else:
-            self.add(f"{p}/mlp output", z.full(z.h), "down_proj's output, summed into the residual stream")
-        self.add(f"layers.{i + 1}/input", z.full(z.h), "the layer's output, the next layer's input")
-        self.tape.mark("forward", f"model.layers.{i}", "the layer's saved tensors, at its second residual sum")
-        self.tape.drop(f"{p}/mid", f"{p}/mlp output")
-        if self.fsdp is not None:
-            self.fsdp.post_forward(self.tape, p)
-        if i:  # the caller rebinds its hidden_states; the first layer's input is inputs_embeds too
-            self.tape.drop(f"{p}/input")
-
-    def final_norm_forward(self) -> None:
-        """model.norm at its widest: weight * x.to(bf16), with the fp32 locals not yet gone."""
-        z, out = self.z, "final_norm"
-        norm = norm_names(out)
-        self.add(norm.input_fp32, self.fp32(z.h), WHY_SAVED)
-        self.add(f"{out}/variance", z.tokens(4), "pow(2).mean(-1): a local, live until the norm returns")
-        self.add(norm.rstd, z.tokens(4), WHY_SAVED)
-        self.add(f"{out}/normalised fp32", self.fp32(z.h), "x * rsqrt(.): a local, live until the norm returns")
-        self.add(norm.normed, z.full(z.h), WHY_SAVED)
-        self.add(ledger.OUTPUT_INPUT.name, z.full(z.h), "weight * (.): lm_head's input, which it keeps")
-        self.tape.mark("forward", "model.norm", "RMSNorm at its widest: fp32 input and output, bf16 output")
-        layers = self.config.L
-        self.tape.drop(f"{out}/variance", f"{out}/normalised fp32", f"layers.{layers}/input", "layers.0/input",
-                       "model/position_ids", "model/causal_mask", "model/sliding_mask")  # LlamaModel returns
-
-    def loss_forward(self) -> None:
-        """lm_head's logits, then ForCausalLMLoss at its widest (right after nll_loss)."""
-        z, logits = self.z, self.logits
-        if self.tp:
-            self.lm_head_gather()
-        self.add("lm_head/logits", logits, "lm_head's bf16 logits; the output object holds them until it goes")
-        if self.tp:
-            self.tape.mark("forward", "lm_head", "the gathered logits: this rank's columns, the gather's buffer, all")
-            self.tape.drop("lm_head/local logits", "lm_head/gathered")
-        self.add("loss/logits fp32", 2 * logits, "logits.float(): the loss upcasts them")
-        self.add("loss/padded labels", 8 * z.b * (z.s + 1), "labels padded by one ignore_index column, (b, s + 1)")
-        if z.b > 1:  # with b = 1 the slice is contiguous already: the target is a view of the padded labels
-            self.add("loss/shift_labels", z.tokens(8), "labels[..., 1:].contiguous(): nll_loss keeps it as its target")
-        self.add("loss/log_softmax", 2 * logits, "the fp32 log_softmax: its backward and nll_loss's keep it")
-        self.add("loss/value", 4, "the mean loss (a 0-d fp32 tensor) lives to the step's end")
-        self.add("loss/total_weight", 4, "nll_loss's count of targets (0-d fp32), kept for its backward")
-        self.tape.mark("forward", "", "the loss: bf16 and fp32 logits and the fp32 log-softmax")
-        self.tape.drop("lm_head/logits", "loss/logits fp32", *(("loss/padded labels",) if z.b > 1 else ()))
-
-    def lm_head_gather(self) -> None:
-        """"colwise_gather_output": this rank's v/t columns, all-gathered into a (t*b, s, v/t) buffer (funcol
-        gathers along dim 0), then concatenated along the vocabulary into (b, s, v)."""
-        z = self.z
-        local = z.act * z.b * z.s * z.v_t
-        self.add("lm_head/local logits", local, "this rank's columns of the logits (ColwiseParallel, Shard(-1))")
-        self.add("lm_head/gathered", z.t * local, "all_gather_into_tensor's (t*b, s, v/t) buffer")
+def _hand_over(tape: Tape, sharding: Fsdp | Zero | None) -> HandOver:
+    """A weight's gradient handed to autograd: added into the fp32 buffer and dropped, or under FSDP2 kept as the
+    unsharded parameter's .grad until its block's reduce-scatter (ZeRO: into its reduce bucket)."""
+    def hand_over(where: str, name: str, nbytes: int) -> None:
+        tape.drop(name)
+        if sharding is not None:
+            sharding.keep_grad(tape, sharding.block_of(where), where, nbytes)
+    return hand_over
 
 
-class _LayerBackward(HfWalk):
-    """One decoder layer's backward, op by op."""
-
-    def layer_backward(self, i: int) -> None:
-        """The layer's backward, op by op: the MLP, ln2 and its residual sum, attention, ln1 and its residual sum."""
-        p, m = f"layers.{i}", f"model.layers.{i}"
-        if self.fsdp is not None:
-            self.fsdp.pre_backward(self.tape, p, m, f"layers.{i - 1}" if i else None)
-        if self.config.moe:
-            moe.moe_backward(self, p, m)
-        else:
-            self.mlp_backward(p, m)
-        self.rms_norm_backward(f"{m}.post_attention_layernorm", f"{p}/ln2", f"grad/{p}/ln2 output",
-                               f"grad/{p}/mid", residual=f"grad/{p}/output")
-        self.attention_backward(p, m)
-        out = f"grad/layers.{i - 1}/output" if i else "grad/embedding output"
-        self.rms_norm_backward(f"{m}.input_layernorm", f"{p}/ln1", f"grad/{p}/ln1 output", out,
-                               residual=f"grad/{p}/mid")
-        if self.fsdp is not None:  # transformers calls self_attn with keyword inputs: active to the end of backward
-            self.fsdp.post_backward(self.tape, p, f"{m}.self_attn")
-
-    def mlp_backward(self, p: str, m: str) -> None:
-        """down_proj, SiLU(gate) * up, up_proj, SiLU, gate_proj; gate's and up's input gradients summed."""
-        z, f = self.z, self.z.f_t  # down_proj's dY is the layer's output gradient: ln2's residual sum needs it
-        self.linear_backward(f"{m}.mlp.down_proj", None, z.act * f * z.h, f"grad/{p}/down_proj input", z.full(f),
-                             f"{p}/{ledger.FC2_IN.name}")
-        self.add(f"grad/{p}/up", z.full(f), "SiLU(gate) * up's backward: dY * SiLU(gate)")
-        self.add(f"grad/{p}/silu", z.full(f), "SiLU(gate) * up's backward: dY * up")
-        self.tape.mark("backward", f"{m}.mlp", "SiLU(gate) * up: its two gradients")
-        self.tape.drop(f"grad/{p}/down_proj input", *(f"{p}/{x.name}" for x in (ledger.SWIGLU_UP,
-                                                                                 ledger.SWIGLU_SILU_OUT)))
-        self.linear_backward(f"{m}.mlp.up_proj", f"grad/{p}/up", z.act * f * z.h, f"grad/{p}/up_proj input",
-                             z.full(z.h), None, reduced=self.tp)
-        self.drop_partial(f"grad/{p}/up_proj input")
-        self.add(f"grad/{p}/gate", z.full(f), "SiLU's backward, at its kept input")
-        self.tape.drop(f"grad/{p}/silu", f"{p}/{ledger.SWIGLU_GATE.name}")
-        self.linear_backward(f"{m}.mlp.gate_proj", f"grad/{p}/gate", z.act * f * z.h, f"grad/{p}/gate_proj input",
-                             z.full(z.h), f"{p}/{ledger.FC1_IN.name}", reduced=self.tp)
-        self.drop_partial(f"grad/{p}/gate_proj input")
-        self.add(f"grad/{p}/ln2 output", z.full(z.h), "autograd sums gate_proj's and up_proj's input gradients")
-        self.tape.drop(f"grad/{p}/up_proj input", f"grad/{p}/gate_proj input")
-
-    def attention_backward(self, p: str, m: str) -> None:
-        """o_proj, the core (eager or SDPA), RoPE, then v_proj, k_proj and q_proj, their dX summed as they come."""
-        z, a = self.z, f"{m}.self_attn"
-        # o_proj's dY is the stream's gradient (ln1's residual sum needs it); SDPA keeps o_proj's input as its output
-        self.linear_backward(f"{a}.o_proj", None, z.act * self.q * z.h, f"grad/{p}/o_proj input", z.full(self.q),
-                             f"{p}/{ledger.PROJ_IN.name}" if self.eager else None)
-        if self.eager:
-            self.eager_core_backward(p, a)
-        else:
-            self.sdpa_backward(p, a)
-        self.rope_backward(p, "k", self.kv)
-        self.rope_backward(p, "q", self.q)
-        if p == "layers.0":
-            self.tape.drop(*_ROPE)  # the last RoPE that keeps them has run
-        summed = ""
-        for name, width in (("v", self.kv), ("k", self.kv), ("q", self.q)):
-            heads, tokens = f"grad/{p}/{name} heads", f"grad/{p}/{name} tokens"
-            if width == z.d or z.s == 1:  # one head: (b, 1, s, d) transposed is (b, s, 1, d) already, no copy
-                self.tape.rename(heads, tokens)
-            else:
-                self.add(tokens, z.full(width), f"{name}'s gradient made (b, s, heads * d) again: transpose's"
-                         " backward, contiguous for the GEMM")
-                self.tape.drop(heads)
-            kept = f"{p}/{ledger.QKV_IN.name}" if name == "q" else None  # q_proj runs last: the input goes
-            dx = f"grad/{p}/{name}_proj input"
-            self.linear_backward(f"{a}.{name}_proj", tokens, z.act * width * z.h, dx, z.full(z.h), kept,
-                                 reduced=self.tp)
-            self.drop_partial(dx)
-            if summed:
-                self.add(f"{dx} + {summed}", z.full(z.h), "autograd sums q's, k's and v's input gradients as they come")
-                self.tape.drop(dx, summed)
-                dx = f"{dx} + {summed}"
-            summed = dx
-        self.tape.live[f"grad/{p}/ln1 output"] = replace(self.tape.live.pop(summed), name=f"grad/{p}/ln1 output")
-
-    def eager_core_backward(self, p: str, a: str) -> None:
-        """eager_attention_forward's backward: weights x V, the bf16 cast, the fp32 softmax, the cast, the scale,
-        QK^T; then repeat_kv's sums over each group's heads (GQA)."""
-        z, tape, add = self.z, self.tape, self.add
-        add(f"grad/{p}/attn heads", z.full(self.q), "the context's gradient as (b, a, s, d), contiguous for bmm")
-        tape.drop(f"grad/{p}/o_proj input")
-        expanded = rules.K_EXPANDED.name in self.saved  # repeat_kv's copies (memcalc.model.impls.hf.REPEAT_KV)
-        v, k = (rules.V_EXPANDED, rules.K_EXPANDED) if expanded else (ledger.V, ledger.K)
-        add(f"grad/{p}/v expanded", z.full(self.q), "weights x V's backward: dV = weights^T dY, at a heads")
-        add(f"grad/{p}/weights", self.scores(z.act), "weights x V's backward: dWeights = dY V^T")
-        tape.mark("backward", a, "weights x V: dV and dWeights")
-        tape.drop(f"grad/{p}/attn heads", f"{p}/{rules.WEIGHTS.name}", f"{p}/{v.name}")
-        add(f"grad/{p}/softmax fp32", self.scores(4), "the cast to bf16's backward: the gradient up to fp32")
-        tape.drop(f"grad/{p}/weights")
-        add(f"grad/{p}/scores fp32", self.scores(4), "softmax's backward, in fp32")
-        tape.mark("backward", a, "the fp32 softmax's backward")
-        tape.drop(f"grad/{p}/softmax fp32", f"{p}/{rules.SOFTMAX_FP32.name}")
-        add(f"grad/{p}/scores", self.scores(z.act), "the cast to fp32's backward: back to bf16")
-        tape.drop(f"grad/{p}/scores fp32")
-        add(f"grad/{p}/scaled scores", self.scores(z.act), "the scale's backward (the mask's passes dY on)")
-        tape.drop(f"grad/{p}/scores")
-        add(f"grad/{p}/q heads", z.full(self.q), "QK^T's backward: dQ = dScores K")
-        add(f"grad/{p}/k expanded", z.full(self.q), "QK^T's backward: dK = dScores^T Q, at a heads")
-        tape.mark("backward", a, "QK^T: dQ and dK")
-        tape.drop(f"grad/{p}/scaled scores", f"{p}/{ledger.Q.name}", f"{p}/{k.name}")
-        for name in ("v", "k"):
-            self.repeat_kv_backward(p, name)
-
-    def repeat_kv_backward(self, p: str, name: str) -> None:
-        """repeat_kv's backward: each group's a/g heads summed (no copy without GQA)."""
-        expanded, heads = f"grad/{p}/{name} expanded", f"grad/{p}/{name} heads"
-        if self.config.groups == self.config.a:
-            self.tape.live[heads] = replace(self.tape.live.pop(expanded), name=heads)
-            return
-        self.add(heads, self.z.full(self.kv), f"repeat_kv's backward: d{name} summed over each group's heads")
-        self.tape.drop(expanded)
-
-    def sdpa_backward(self, p: str, a: str) -> None:
-        """SDPA's flash kernel backward: dQ, dK and dV (at g heads) from one kernel; then what it keeps goes."""
-        z = self.z
-        self.add(f"grad/{p}/q heads", z.full(self.q), "the flash kernel's backward: dQ")
-        self.add(f"grad/{p}/k heads", z.full(self.kv), "the flash kernel's backward: dK, at g heads")
-        self.add(f"grad/{p}/v heads", z.full(self.kv), "the flash kernel's backward: dV, at g heads")
-        self.tape.mark("backward", a, "the SDPA kernel's backward: dQ, dK, dV")
-        kept = (ledger.Q, ledger.K, ledger.V, ledger.SOFTMAX_LSE, ledger.PROJ_IN)  # PROJ_IN: the kernel's output
-        self.tape.drop(f"grad/{p}/o_proj input", *(f"{p}/{x.name}" for x in kept))
-
-    def rope_backward(self, p: str, name: str, width: int) -> None:
-        """apply_rotary_pos_emb's backward for q or k: dY * cos plus rotate_half's backward of dY * sin."""
-        z, tape, add = self.z, self.tape, self.add
-        g, half = f"grad/{p}/{name}", z.full(width) // 2
-        add(f"{g} rotated", z.full(width), "rotate_half(x) * sin's backward: dY * sin")
-        add(f"{g} neg", half, "rotate_half's backward: the negated half's gradient, negated back")
-        add(f"{g} slice 1", z.full(width), "rotate_half's backward: a half's gradient placed in a zero tensor")
-        tape.drop(f"{g} neg")
-        add(f"{g} slice 2", z.full(width), "rotate_half's backward: the other half, placed likewise")
-        add(f"{g} rotate_half", z.full(width), "the two halves' gradients summed")
-        tape.drop(f"{g} slice 1", f"{g} slice 2", f"{g} rotated")
-        add(f"{g} cos", z.full(width), "x * cos's backward: dY * cos")
-        add(f"{g} pre-rope", z.full(width), "x's two gradients summed")
-        tape.drop(f"{g} cos", f"{g} rotate_half", f"{g} heads")
-        tape.rename(f"{g} pre-rope", f"{g} heads")
+def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: Step, block: tuple[Op, ...]
+           ) -> tuple[Op, ...]:
+    """Decoder layer i as ops, in forward order (memcalc.sizing.timeline.hf_layer), its MLP LlamaMLP or a sparse
+    `block` (memcalc.sizing.timeline.hf_moe: every layer's one description)."""
+    p, tp = f"layers.{i}", z.t > 1
+    out = f"grad/layers.{i - 1}/output" if i else "grad/embedding output"
+    mlp = moe.OUTPUT_GRAD if block else f"grad/{p}/ln2 output"
+    return (
+        *layer.layer_forward(i, z, made, moe.block_forward(p, z, config) if block else ()),
+        *layer.rms_norm("input_layernorm", p, rules.LN1_RMS, z, f"grad/{p}/ln1 output", out, f"grad/{p}/mid"),
+        *layer.attention(p, z, config.attention == "eager", saved, config.groups != config.a, tp, i == 0,
+                         config.qk_layernorm),
+        *layer.rms_norm("post_attention_layernorm", p, rules.LN2_RMS, z, mlp, f"grad/{p}/mid", f"grad/{p}/output"),
+        *(block or layer.mlp(p, z, tp)),
+    )
 
 
-class _Step(_Forward, _LayerBackward):
-    """The whole step: forward, then loss.backward() from the loss through the layers to the embedding."""
+# -- the model's two ends -----------------------------------------------------------------------------------------
 
-    def backward(self) -> None:
-        """loss.backward(): the loss, lm_head, the final norm, the layers in reverse, the embedding."""
-        self.add("loss/grad seed", 4, "loss.backward() starts from a 0-d ones tensor, made before autograd runs")
-        self.in_backward = True
-        if self.fsdp is not None:  # the root's post-forward, then its pre-backward: the last layer's all-gather
-            self.fsdp.forward_done(self.tape)
-            self.fsdp.pre_backward(self.tape, ROOT, "", f"layers.{self.config.L - 1}")
-        self.loss_backward()
-        self.lm_head_backward()
-        self.drop_partial("grad/lm_head input")
-        last = f"grad/layers.{self.config.L - 1}/output"
-        self.rms_norm_backward("model.norm", "final_norm", "grad/lm_head input", last)
-        for i in reversed(range(self.config.L)):
-            self.layer_backward(i)
-        self.embedding_backward()
-        if self.fsdp is not None:  # the final callback, inside backward(): the root's post-backward (no module
-            self.fsdp.post_backward(self.tape, ROOT, "")  # active), then the last reduce-scatter waited on
-            self.tape.drop(f"fsdp/{ROOT} reduce-scatter", "loss/grad seed")
 
-    def loss_backward(self) -> None:
-        """nll_loss's and log_softmax's fp32 gradients, then the upcast's: back to bf16."""
-        logits = self.logits
-        self.add("grad/log_softmax", 2 * logits, "nll_loss's backward: -1/N at each target, zero elsewhere (fp32)")
-        self.tape.drop("loss/shift_labels", "loss/padded labels", "loss/total_weight")  # nll_loss's target
-        self.add("grad/logits fp32", 2 * logits, "log_softmax's backward, in fp32")
-        self.tape.mark("backward", "", "log_softmax's backward: three fp32 (b*s, v) tensors")
-        self.tape.drop("grad/log_softmax", "loss/log_softmax")
-        self.add("grad/logits", logits, "the upcast's backward: the gradient cast back to bf16")
-        self.tape.drop("grad/logits fp32")
+def _embedding(z: Sizes, config: ModelConfig, sharded: bool) -> tuple[Op, ...]:
+    """The batch; the embedding (`embedding_rowwise` under tp: this rank's rows looked up, the Partial sum
+    all-reduced) and what LlamaModel makes once for all layers; in backward the embedding's gradient."""
+    tp = z.t > 1
+    batch = Op("", forward=(Step("the batch", (
+        Made(ledger.EMBEDDING_INPUT_IDS.name, z.tokens(8), "the micro-batch's token ids (int64), live for the whole"
+             " step; the embedding keeps them"),
+        Made("batch/labels", z.tokens(8), "the micro-batch's labels (int64), live for the whole step")),
+        moment=False),), backward=())
+    lookup = (Made("embedding/partial", z.full(z.h), "this rank's rows looked up, the others' zeroed (DTensor's"
+                   " MaskPartial), summed by all_reduce"),) if tp else ()
+    eager, act, s = config.attention == "eager", z.act, z.s
+    model = (
+        Made("model/position_ids", s * 8, "arange(s) as (1, s) int64, live until LlamaModel returns"),
+        *((Made("model/causal_mask", act * z.b * s * s, "create_causal_mask's additive (b, 1, s, s) mask, live until"
+                " LlamaModel returns"),) if eager else ()),
+        *((Made("model/sliding_mask", act * z.b * s * s if eager else s * s, "Qwen2MoeModel makes"
+                " create_sliding_window_causal_mask's mask beside the causal one, though no layer slides"),)
+          if config.moe_shared_expert_intermediate_size else ()),
+        *(kept("", x, "made once per forward by LlamaRotaryEmbedding; every layer's RoPE keeps it")
+          for x in layer.ROPE),
+    )
+    return (batch, Op("model.embed_tokens", forward=(
+        Step("the embedding lookup" + (", all-reduced" if tp else ""), (*lookup, Made(
+            "layers.0/input", z.full(z.h), "the embedding lookup, the first layer's input: LlamaModel's inputs_embeds,"
+            " live until it returns")), frees=("embedding/partial",)),
+        Step("what LlamaModel makes once for all layers", model, moment=False),
+    ), backward=_embedding_backward(z, config, tp, sharded)))
 
-    def lm_head_backward(self) -> None:
-        """lm_head's GEMMs; a tied weight's gradient waits in autograd's input buffer for the embedding's."""
-        z, grad = self.z, "grad/logits"
-        if self.tp:  # the gather's backward: this rank's columns of the whole gradient (Replicate -> Shard(-1))
-            grad = "grad/lm_head local logits"
-            self.add(grad, z.act * z.b * z.s * z.v_t, "this rank's columns of the logits' gradient, made contiguous")
-            self.tape.mark("backward", "lm_head", "this rank's columns of the logits' gradient")
-            self.tape.drop("grad/logits")
-        self.linear_backward("lm_head", grad, z.act * z.v_t * z.h, "grad/lm_head input", z.full(z.h),
-                             ledger.OUTPUT_INPUT.name, waits="grad/embedding (lm_head)" if self.tied else None,
-                             reduced=self.tp)
 
-    def embedding_backward(self) -> None:
-        """The embedding's gradient, dY added into the rows the ids picked; tied, summed with lm_head's."""
-        z, tape = self.z, self.tape
-        table = z.act * self.config.vocab_size * z.h  # under tp too: DTensor's backward of the lookup is Replicate
-        self.add("grad/embedding (lookup)", table, "embedding's backward: a (v, h) bf16 gradient"
-                 + (", the whole table on every rank (DTensor gives the Shard(0) weight a Replicate gradient)"
-                    if self.tp else ""))
-        tape.mark("backward", "model.embed_tokens", "the embedding's gradient")
-        tape.drop("grad/embedding output")
-        if self.tp and self.fsdp is None:  # the whole table is the weight's .grad, which MemTracker files as such
-            # (under FSDP2, its post-backward lays it out as the weight: memcalc.sizing.timeline.fsdp)
-            tape.drop("grad/embedding (lookup)")
-            tape.add("grad/embedding (.grad)", GRADIENTS, table, "the embedding's gradient as the weight's .grad")
-            self.add("grad/embedding (rows)", z.act * z.v_t * z.h, "this rank's rows of it, copied out as the"
-                     " weight's Shard(0) (DTensor's redistribute) to be added into the fp32 buffer")
-            tape.mark("backward", "model.embed_tokens", "this rank's rows of the embedding's gradient")
-        if self.config.tie_embeddings:
-            self.add("grad/embedding (sum)", table, "autograd sums the tied weight's two gradients into a new tensor")
-            tape.mark("backward", "model.embed_tokens", "the tied weight's two gradients summed")
-        if self.fsdp is not None:  # the weight's .grad: the lookup's gradient, or tied the two summed
-            self.hand_over("model.embed_tokens", "grad/embedding (sum)" if self.tied else "grad/embedding (lookup)",
-                           table)
-        tape.drop("grad/embedding (lookup)", "grad/embedding (.grad)", "grad/embedding (rows)",
-                  "grad/embedding (lm_head)", "grad/embedding (sum)")
-        if self.fsdp is None:  # under FSDP2 the final callback runs before backward() returns and frees it
-            tape.drop("loss/grad seed")
+def _embedding_backward(z: Sizes, config: ModelConfig, tp: bool, sharded: bool) -> tuple[Step, ...]:
+    """The embedding's gradient, dY added into the rows the ids picked; tied, summed with lm_head's. Under tp it is the
+    whole (v, h) table (DTensor gives the Shard(0) weight a Replicate gradient): without FSDP2 the weight's .grad, of
+    which this rank's rows are copied out (under FSDP2 its post-backward lays it out, memcalc.sizing.timeline.fsdp)."""
+    table, tied = z.act * config.vocab_size * z.h, config.tie_embeddings
+    rows = tp and not sharded
+    out = (
+        Step("the embedding's gradient", (Made("grad/embedding (lookup)", table, "embedding's backward: a (v, h) bf16"
+                                               " gradient"),),
+             frees=("grad/embedding output", *(("grad/embedding (lookup)",) if rows else ()))),
+    )
+    if rows:
+        out += (Step("this rank's rows of the embedding's gradient", (
+            Made("grad/embedding (.grad)", table, "the embedding's gradient as the weight's .grad", category=GRADIENTS),
+            Made("grad/embedding (rows)", z.act * z.v_t * z.h, "this rank's rows of it, copied out as the weight's"
+                 " Shard(0) (DTensor's redistribute) to be added into the fp32 buffer")),
+            frees=("grad/embedding (.grad)", "grad/embedding (rows)")),)
+    if tied:
+        out += (Step("the tied weight's two gradients summed", (Made("grad/embedding (sum)", table, "autograd sums"
+                                                                     " the tied weight's two gradients"),)),)
+    handed = () if rows else ("grad/embedding (sum)" if tied else "grad/embedding (lookup)",)
+    return out + (Step("", hands_over=handed), Step("", frees=("grad/embedding (lookup)", "grad/embedding (lm_head)")))
+
+
+def _output(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
+    """model.norm, lm_head and ForCausalLMLoss."""
+    tp = z.t > 1
+    logits = z.act * z.b * z.s * config.vocab_size  # under tp gathered whole on every rank ("colwise_gather_output")
+    local = z.act * z.b * z.s * z.v_t
+    last = f"layers.{config.L}/input"
+    norm = layer.rms_norm("model.norm", "", FINAL_NORM, z, "grad/lm_head input", f"grad/layers.{config.L - 1}/output",
+                          forward=(Step("RMSNorm at its widest: fp32 input and output, bf16 output", (
+                              kept("", FINAL_NORM.input_fp32),
+                              Made("final_norm/variance", z.tokens(4), "pow(2).mean(-1): a local"),
+                              kept("", FINAL_NORM.rstd),
+                              Made("final_norm/normalised fp32", z.tokens(4 * z.h), "x * rsqrt(.): a local"),
+                              kept("", FINAL_NORM.normed),
+                              kept("", ledger.OUTPUT_INPUT, "weight * (.): lm_head's input, which it keeps")),
+                              frees=("final_norm/variance", "final_norm/normalised fp32", last, "layers.0/input",
+                                     "model/position_ids", "model/causal_mask", "model/sliding_mask")),))
+    gather = (Made("lm_head/local logits", local, "this rank's columns of the logits (Shard(-1))"),
+              Made("lm_head/gathered", z.t * local, "all_gather_into_tensor's (t*b, s, v/t) buffer")) if tp else ()
+    head = layer.linear("lm_head", "", z.act * z.v_t * z.h, "grad/lm_head local logits" if tp else "grad/logits",
+                        "grad/lm_head input", z.full(z.h), (ledger.OUTPUT_INPUT,), tp,
+                        "grad/embedding (lm_head)" if config.tie_embeddings else "", config.tie_embeddings)
+    columns = (Step("this rank's columns of the logits' gradient", (Made(
+        "grad/lm_head local logits", local, "made contiguous"),), frees=("grad/logits",)),) if tp else ()
+    lm_head = replace(head, forward=(Step("the gathered logits: this rank's columns, the gather's buffer, all", (
+        *gather, Made("lm_head/logits", logits, "lm_head's bf16 logits; the output object holds them until it goes")),
+        frees=("lm_head/local logits", "lm_head/gathered"), moment=tp),), backward=(*columns, *head.backward))
+    return (*norm, lm_head, _loss(z, logits))
+
+
+def _loss(z: Sizes, logits: int) -> Op:
+    """ForCausalLMLoss: the logits upcast, the labels padded and shifted, the fp32 log-softmax and nll_loss; in backward
+    three fp32 (b*s, v) tensors at once."""
+    shifted = (Made("loss/shift_labels", z.tokens(8), "labels[..., 1:].contiguous(): nll_loss keeps it as its target"),)
+    return Op("", forward=(
+        Step("the loss: bf16 and fp32 logits and the fp32 log-softmax", (
+            Made("loss/logits fp32", 2 * logits, "logits.float(): the loss upcasts them"),
+            Made("loss/padded labels", 8 * z.b * (z.s + 1), "labels padded by one ignore_index column, (b, s + 1)"),
+            *(shifted if z.b > 1 else ()),  # with b = 1 the slice is contiguous already: a view
+            Made("loss/log_softmax", 2 * logits, "the fp32 log_softmax: its backward and nll_loss's keep it"),
+            Made("loss/value", 4, "the mean loss (a 0-d fp32 tensor) lives to the step's end"),
+            Made("loss/total_weight", 4, "nll_loss's count of targets (0-d fp32), kept for its backward")),
+             frees=("lm_head/logits", "loss/logits fp32", *(("loss/padded labels",) if z.b > 1 else ()))),
+        Step("loss.backward() seeds autograd", (Made("loss/grad seed", 4, "a 0-d ones tensor"),), moment=False),
+    ), backward=(
+        Step("nll_loss's backward", (Made("grad/log_softmax", 2 * logits, "-1/N at each target, zero elsewhere"),),
+             frees=("loss/shift_labels", "loss/padded labels", "loss/total_weight"), moment=False),
+        Step("log_softmax's backward: three fp32 (b*s, v) tensors", (Made("grad/logits fp32", 2 * logits, "fp32"),),
+             frees=("grad/log_softmax", "loss/log_softmax")),
+        Step("the upcast's backward", (Made("grad/logits", logits, "the gradient cast back to bf16"),),
+             frees=("grad/logits fp32",), moment=False),
+    ))

@@ -8,7 +8,12 @@ master weights and Adam's moments optimizer states.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import functools
+import gc
+import itertools
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 
 from memcalc.config.schema import ModelConfig
 from memcalc.model.knobs import DTYPE_BYTES
@@ -33,23 +38,34 @@ class Live:
 
 @dataclass(frozen=True)
 class Moment:
-    """What is live right after one op allocates its outputs, before anything it frees is freed."""
+    """What is live right after one op allocates its outputs, before anything it frees is freed: its bytes per
+    category, and the tensors themselves, read back from the tape's log when asked for (a moment keeps no copy)."""
 
     phase: str  # "steady", "forward", "backward" or "optimizer"
     where: str  # the probe's module path ("layers.1.mlp.fc2"), or "" outside any module
     what: str  # the op, in words
-    live: tuple[Live, ...]
+    totals: tuple[int, ...]  # bytes per category, in CATEGORIES' order
+    log: list[Live | str] = field(compare=False, repr=False)  # the tape's changes, shared: a tensor set, a name gone
+    at: int = field(compare=False, repr=False)  # how many of them had happened
 
     @property
     def bytes(self) -> int:
-        return sum(x.bytes for x in self.live)
+        return sum(self.totals)
+
+    @property
+    def live(self) -> tuple[Live, ...]:
+        """Every live tensor, in the order the tape holds them (replayed from its log: for a few moments, not all)."""
+        live: dict[str, Live] = {}
+        for x in itertools.islice(self.log, self.at):
+            if isinstance(x, str):
+                del live[x]
+            else:
+                live[x.name] = x
+        return tuple(live.values())
 
     def by_category(self) -> dict[str, int]:
         """Bytes per category, every category present (0 where none)."""
-        out = dict.fromkeys(CATEGORIES, 0)
-        for x in self.live:
-            out[x.category] += x.bytes
-        return out
+        return dict(zip(CATEGORIES, self.totals))
 
     def label(self) -> str:
         """`backward layers.1.mlp.fc2 (GEMM: dW and dX)`: the moment in words."""
@@ -70,7 +86,7 @@ class Timeline:
         """Between steps: model states alone."""
         return self.moments[0]
 
-    @property
+    @functools.cached_property
     def peak(self) -> Moment:
         """The moment with the most bytes live (the first, on a tie)."""
         return max(self.moments, key=lambda m: m.bytes)
@@ -104,7 +120,7 @@ class Sizes:
     def of(cls, config: ModelConfig, strategy: Strategy) -> Sizes:
         t = strategy.weight_shards(config.t)
         sp = strategy.sequence_parallel and t > 1
-        d = config.h // config.a
+        d = config.head_dim  # h/a unless kv_channels says otherwise (transformers' head_dim)
         return cls(
             b=config.b, s=config.s, s_seq=config.s // t if sp else config.s, h=config.h, h_t=config.h // t,
             f_t=config.ffn // t, a_t=config.a // t, g_t=config.groups // t, d=d,
@@ -130,9 +146,39 @@ class Sizes:
 # -- the tape: live tensors, and the moments they make --------------------------------------------------
 
 
+class _Live(dict):
+    """The live tensors by name, which keeps the bytes of each category and a log of every change as it goes (a
+    moment is then its totals and its place in the log, however many tensors are live). They change only by set, del
+    and pop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.totals = dict.fromkeys(CATEGORIES, 0)
+        self.log: list[Live | str] = []
+
+    def __setitem__(self, name: str, x: Live) -> None:
+        old = self.get(name)
+        if old is not None:
+            self.totals[old.category] -= old.bytes
+        super().__setitem__(name, x)
+        self.totals[x.category] += x.bytes
+        self.log.append(x)
+
+    def __delitem__(self, name: str) -> None:
+        self.pop(name)
+
+    def pop(self, name: str, *default: Live | None) -> Live | None:  # type: ignore[override]
+        x = super().pop(name, None)
+        if x is None:
+            return super().pop(name, *default)
+        self.totals[x.category] -= x.bytes
+        self.log.append(name)
+        return x
+
+
 class Tape:
     def __init__(self) -> None:
-        self.live: dict[str, Live] = {}
+        self.live = _Live()
         self.moments: list[Moment] = []
 
     def add(self, name: str, category: str, nbytes: int, why: str) -> None:
@@ -150,7 +196,21 @@ class Tape:
         self.live[new] = replace(self.live.pop(old), name=new)
 
     def mark(self, phase: str, where: str, what: str) -> None:
-        self.moments.append(Moment(phase, where, what, tuple(self.live.values())))
+        live = self.live
+        self.moments.append(Moment(phase, where, what, tuple(live.totals.values()), live.log, len(live.log)))
+
+
+@contextmanager
+def bulk() -> Iterator[None]:
+    """A walk allocates hundreds of thousands of small records and frees them in bulk, none in a cycle: the cyclic
+    garbage collector's passes over them would cost a third of the walk, so it waits until the walk is done."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 # -- the step ------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ gradient is freed where the branches meet.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -37,8 +38,9 @@ HandOver = Callable[[str, str, int], None]  # (where, name, bytes): a weight's g
 @dataclass(frozen=True)
 class Made:
     """A tensor a step makes: its tape name, its bytes, why it exists. `keeps`: the ledger's record when it is one
-    of the saved tensors (its bytes are then the ledger's, not `bytes`). `category`: the tape category it is filed
-    under; empty for the phase's own (activations in forward, temporaries in backward)."""
+    of the saved tensors (its bytes are then the ledger's, not `bytes`; without a name, the walk names it by its
+    prefix, so that every layer's walk can share the one Made). `category`: the tape category it is filed under;
+    empty for the phase's own (activations in forward, temporaries in backward)."""
 
     name: str
     bytes: int
@@ -51,7 +53,8 @@ class Made:
 class Step:
     """What one aten op (or a few made together) allocates, then what is freed before the next one, and which
     weights' gradients autograd then hands over (`hands_over`, names of tensors made before). A step that makes
-    nothing marks no moment: it only frees."""
+    nothing marks no moment: it only frees; one with `moment` false makes its tensors without marking one (an op
+    whose output MemTracker never reads at a high: a transient the next op frees at once)."""
 
     what: str
     makes: tuple[Made, ...] = ()
@@ -59,6 +62,15 @@ class Step:
     hands_over: tuple[str, ...] = ()
     returns: bool = False  # in backward: the op's autograd node returns here, and what it saves goes (default: last)
     reads_last: tuple[str, ...] = ()  # kept tensors read here for the last time (under a checkpoint they go after it)
+    moment: bool = True
+
+    @functools.cached_property
+    def net(self) -> tuple[tuple[Made, ...], tuple[str, ...]]:
+        """What a step without a moment leaves on the tape: the tensors it makes but those it frees again (no moment
+        reads them), and what it frees of the rest."""
+        made = {x.name for x in self.makes} - {""}
+        return (tuple(x for x in self.makes if x.name not in self.frees),
+                tuple(x for x in self.frees if x not in made))
 
 
 @dataclass(frozen=True)
@@ -75,6 +87,11 @@ class Op:
     forward: tuple[Step, ...]
     backward: tuple[Step, ...]
     saves: tuple[SavedTensor, ...] = ()
+
+    @functools.cached_property
+    def returns(self) -> int:
+        """The backward step after which the op's autograd node returns: the one that says so, else the last."""
+        return next((j for j, x in enumerate(self.backward) if x.returns), len(self.backward) - 1)
 
 
 @dataclass(frozen=True)
@@ -132,11 +149,9 @@ class Walk:
             op = ops[i]
             if self.checkpoint is not None and op.saves and not self._rerun_kept:
                 self._rerun(ops, op, self.checkpoint)
-            returns = next((j for j, x in enumerate(op.backward) if x.returns), len(op.backward) - 1)
+            returns = op.returns
             for j, step in enumerate(op.backward):
-                self._step(step, op, "backward")
-                if j == returns:
-                    self._release(op, i)
+                self._step(step, op, "backward", i if j == returns else None)
                 self._release_frame()
             if not op.backward:
                 self._release(op, i)
@@ -169,31 +184,41 @@ class Walk:
 
     def _release(self, op: Op, i: int) -> None:
         """What op i saves goes, unless an op before it (whose backward runs later) keeps it too."""
-        self.tape.drop(*(self.kept(x) for x in op.saves if self._kept_by.get(x.name) == i))
+        if op.saves:
+            self.tape.drop(*(self.kept(x) for x in op.saves if self._kept_by.get(x.name) == i))
 
-    def _step(self, step: Step, op: Op, phase: str) -> None:
-        where = ".".join(x for x in (self.module, op.where) if x)
-        self._make(step.makes, ACTIVATIONS if phase == "forward" else TEMPORARIES)
-        if step.makes:
-            self.tape.mark(phase, where, step.what)
-        self.tape.drop(*self._frees(step, phase))
+    def _step(self, step: Step, op: Op, phase: str, returns: int | None = None) -> None:
+        """The step's tensors made, its moment, what it frees; at the op's return (`returns`, the op's index) what the
+        op saves goes; then the weights' gradients are handed over (after the node returned, as AccumulateGrad runs)."""
+        makes, frees = (step.makes, step.frees) if step.moment else step.net
+        self._make(makes, ACTIVATIONS if phase == "forward" else TEMPORARIES)
+        if step.makes and step.moment:
+            self.tape.mark(phase, self._where(op), step.what)
+        self.tape.drop(*self._frees(step, frees, phase))
+        if returns is not None:
+            self._release(op, returns)
         for name in step.hands_over:
-            self.hand_over(where, name, self.tape.live[name].bytes)
+            self.hand_over(self._where(op), name, self.tape.live[name].bytes)
 
-    def _frees(self, step: Step, phase: str) -> tuple[str, ...]:
+    def _where(self, op: Op) -> str:
+        """The probe's module path of the op: the layer's, and the op's below it."""
+        return f"{self.module}.{op.where}" if self.module and op.where else self.module or op.where
+
+    def _frees(self, step: Step, frees: tuple[str, ...], phase: str) -> tuple[str, ...]:
         """What goes after a step: under a checkpoint also the kept tensors it reads last: in forward nothing keeps
         them (but the region's input and the cached op outputs), in backward the rerun's are the node's locals."""
         if self.checkpoint is None:
-            return step.frees
+            return frees
         held = {self.checkpoint.holds, *self.checkpoint.cached} if phase == "forward" else set()
-        return tuple(x for x in (*step.frees, *step.reads_last) if x not in held)
+        return tuple(x for x in (*frees, *step.reads_last) if x not in held)
 
     def _make(self, makes: tuple[Made, ...], category: str) -> None:
+        tape = self.tape
         for x in makes:
-            if x.keeps is not None and x.keeps.name not in self.saved:
-                continue  # not kept under these sizes (the ledger's size rules)
-            nbytes = self.saved[x.keeps.name] if x.keeps is not None else x.bytes
-            self.tape.add(x.name, x.category or category, nbytes, x.why)
+            if x.keeps is None:
+                tape.add(x.name, x.category or category, x.bytes, x.why)
+            elif x.keeps.name in self.saved:  # else not kept under these sizes (the ledger's size rules)
+                tape.add(x.name or self.kept(x.keeps), x.category or category, self.saved[x.keeps.name], x.why)
 
 
 def _ancestor(module: str, of: str) -> bool:

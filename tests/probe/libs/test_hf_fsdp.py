@@ -153,3 +153,17 @@ def test_tied_embeddings_hand_fsdp2_the_two_gradients_summed_and_every_moment_ha
     config = make_config(LLAMA, dp_shard=2, reshard_after_forward=reshard, tie_embeddings=True)
     predicted = timeline(config, STRATEGIES["none"], Accounting(exact=True, device="cpu"))
     assert_moments_in_order(predicted.moments[1:], _readings(config))
+
+
+@pytest.mark.parametrize("layout, changes", [
+    ("none", {"dp_shard": 2, "reshard_after_forward": True}),
+    ("none", {"dp_shard": 4, "reshard_after_forward": False, "attention": "eager"}),
+    ("tp", {"dp_shard": 2, "reshard_after_forward": True, "t": 2}),
+], ids=str)
+def test_qwen3_sharded_by_fsdp2_gathers_and_reduces_its_q_norm_and_k_norm_with_the_layer(one_thread, layout, changes):
+    """Qwen3ForCausalLM: each layer's unit holds q_norm's and k_norm's (d,) weights after o_proj's."""
+    config = make_config(LLAMA, qk_layernorm=True, **changes)
+    predicted = timeline(config, STRATEGIES[layout], Accounting(exact=True, device="cpu"))
+    assert_moments_in_order(predicted.moments[1:], _readings(config))
+    (r,) = measure_step(config, [layout])
+    assert r.matches and r.moment_matches, r.differences()

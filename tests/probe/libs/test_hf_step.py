@@ -246,3 +246,70 @@ def test_qwen2_moe_every_moment_of_the_block_happens_in_order(one_thread, attent
     config = make_config(LLAMA, attention=attention, **(QWEN2_MOE | changes))
     readings = readings_after_every_op(warmed_up(single(), config, STRATEGIES["none"], "balanced"))
     assert_moments_in_order(timeline(config, STRATEGIES["none"], CPU).moments[1:], readings)
+
+
+# -- odd shapes: b = 1, odd s, a/g = 1, 2, 3, heads other than h/a wide (kv_channels, transformers' head_dim) ---------
+
+ODD = {"h": 48, "a": 6}
+ODD_SHAPES = [
+    ("none", "flash", ODD | {"b": 1, "s": 23, "num_query_groups": 6}),  # a/g = 1
+    ("none", "eager", ODD | {"b": 1, "s": 23, "num_query_groups": 6}),
+    ("none", "eager", ODD | {"b": 1, "s": 23, "num_query_groups": 3}),  # a/g = 2
+    ("none", "flash", ODD | {"b": 3, "s": 17, "num_query_groups": 2}),  # a/g = 3
+    ("none", "eager", ODD | {"b": 3, "s": 17, "num_query_groups": 2}),
+    ("tp", "eager", ODD | {"t": 2, "b": 1, "s": 23, "num_query_groups": 2, "vocab_size": 252}),
+    ("tp", "flash", ODD | {"t": 3, "b": 1, "s": 17, "num_query_groups": 3, "vocab_size": 252, "ffn_hidden_size": 177}),
+    ("none", "flash", {"s": 19, "kv_channels": 12}),  # heads wider than h/a
+    ("none", "eager", {"s": 19, "kv_channels": 12}),
+    ("none", "eager", {"b": 1, "s": 13, "kv_channels": 4, "num_query_groups": 4}),  # narrower, one group a rank
+    ("tp", "flash", {"t": 2, "kv_channels": 12}),
+    ("tp", "eager", {"t": 2, "kv_channels": 4}),
+]
+
+
+@pytest.mark.parametrize("layout, attention, changes", ODD_SHAPES, ids=str)
+def test_at_odd_shapes_every_moment_happens_in_order_and_the_peak_is_memtrackers(one_thread, layout, attention,
+                                                                                 changes):
+    config = make_config(LLAMA, attention=attention, **changes)
+    trainer = (lambda group: readings_after_every_op(warmed_up(group, config, STRATEGIES[layout])))
+    readings = trainer(single()) if config.t == 1 else run_fake(trainer, (), config.t)
+    assert_moments_in_order(timeline(config, STRATEGIES[layout], CPU).moments[1:], readings)
+    (r,) = measure_step(config, [layout])
+    assert r.measured.moment == r.predicted_moment
+    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+
+
+def test_qwen2_moe_with_wide_heads_at_odd_sizes_peaks_where_the_timeline_says(one_thread):
+    config = make_config(LLAMA, attention="eager", **(QWEN2_MOE | {"b": 3, "s": 5, "num_experts": 3, "moe_router_topk": 3,
+                                                                   "moe_ffn_hidden_size": 24, "kv_channels": 12,
+                                                                   "moe_shared_expert_intermediate_size": 40}))
+    readings = readings_after_every_op(warmed_up(single(), config, STRATEGIES["none"], "balanced"))
+    assert_moments_in_order(timeline(config, STRATEGIES["none"], CPU).moments[1:], readings)
+
+
+# -- transformers' Qwen3ForCausalLM (qk_layernorm: each query and key head RMS-normalised) and Qwen3MoeForCausalLM ---
+
+QWEN3_STEPS = [
+    ("none", "flash", {"qk_layernorm": True}, None),
+    ("none", "eager", {"qk_layernorm": True}, None),
+    ("none", "eager", {"qk_layernorm": True, "b": 1, "s": 13, "kv_channels": 12, "num_query_groups": 4}, None),
+    ("none", "flash", {"qk_layernorm": True, "b": 3, "s": 7, "h": 48, "a": 6, "num_query_groups": 2}, None),
+    ("tp", "flash", {"qk_layernorm": True, "t": 2}, None),
+    ("tp", "eager", {"qk_layernorm": True, "t": 2, "kv_channels": 12}, None),
+    ("none", "flash", MIXTRAL | {"qk_layernorm": True}, "balanced"),  # Qwen3-MoE: Qwen2-MoE's experts, no shared one
+    ("none", "eager", MIXTRAL | {"qk_layernorm": True, "moe_router_pre_softmax": True, "b": 1, "s": 12,
+                                 "kv_channels": 12}, "balanced"),
+]
+
+
+@pytest.mark.parametrize("layout, attention, changes, route", QWEN3_STEPS, ids=str)
+def test_qwen3_and_qwen3_moe_steps_happen_in_order_and_peak_where_the_timeline_says(one_thread, layout, attention,
+                                                                                   changes, route):
+    config = make_config(LLAMA, attention=attention, **changes)
+    trainer = (lambda group: readings_after_every_op(warmed_up(group, config, STRATEGIES[layout], route)))
+    readings = trainer(single()) if config.t == 1 else run_fake(trainer, (), config.t)
+    assert_moments_in_order(timeline(config, STRATEGIES[layout], CPU).moments[1:], readings)
+    (r,) = measure_step(config, [layout], route=route)
+    assert r.measured.moment == r.predicted_moment
+    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+    assert r.model.startswith("transformers' Qwen3")

@@ -1,0 +1,232 @@
+"""transformers' LlamaDecoderLayer (Qwen3's with qk_layernorm) described once as ops, for the hf step walk.
+
+Forward is one moment, at the layer's second residual sum: every tensor the hf ledger (memcalc.model.impls.hf) keeps
+for the layer, less RoPE's tables (the model's, kept by every layer), beside the residual stream. Backward runs the ops
+in reverse, each releasing the ledger's records it saves when its node returns, in forward order: input_layernorm
+(LlamaRMSNorm, eager in fp32); q_proj, k_proj, v_proj (each dX summed as it comes; Qwen3's q_norm and k_norm after
+q's and k's); RoPE; the core (eager: two bmm, an fp32 softmax, repeat_kv's sums under GQA; or SDPA's flash kernel);
+o_proj; post_attention_layernorm; LlamaMLP. A weight's gradient is handed over once its GEMMs' node returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from memcalc.model import ledger
+from memcalc.model.impls import hf as rules
+from memcalc.model.ledger import RMSNormTensors, SavedTensor
+from memcalc.sizing.timeline.tape import Sizes
+from memcalc.sizing.timeline.walk import Made, Op, Step
+
+WHY_WGRAD = "the weight's bf16 gradient, added into the fp32 buffer and dropped when autograd hands it over"
+WHY_SAVED = "kept for backward (the hf ledger); freed when the op that keeps it has run backward"
+ROPE = (rules.ROPE_COS, rules.ROPE_SIN)  # made once per forward by LlamaRotaryEmbedding, kept by every layer
+
+
+def linear(where: str, p: str, weight: int, dy: str | None, dx: str, dx_bytes: int, saves: tuple[SavedTensor, ...] = (),
+           reduced: bool = False, dw: str = "", waits: bool = False) -> Op:
+    """nn.Linear's backward: dW = dY^T X and dX = dY W beside dY; then dY goes (unless the residual stream still needs
+    it: `dy` None) with what the op saves, and dW is handed over (unless it `waits` in autograd's buffer, tied).
+
+    `reduced`: a "colwise" linear under tp, whose dX is a Partial sum that the backward of DTensor.from_local
+    all-reduces into a new tensor (the paper's f); the partial one goes when the next op runs.
+    """
+    dw = dw or f"{_grad(p, where)} weight"
+    partial = f"{dx} (partial)" if reduced else dx
+    why = "dX = dY W, the input's gradient" + (", this rank's partial sum" if reduced else "")
+    gemms = Step("GEMMs: dW and dX", (Made(dw, weight, "the tied weight's gradient, waiting in autograd's input"
+                                                    " buffer" if waits else WHY_WGRAD), Made(partial, dx_bytes, why)),
+                 frees=(dy,) if dy else (), hands_over=() if waits else (dw,), returns=True)
+    summed = (Step("dX all-reduced", (Made(dx, dx_bytes, "the input's gradient all-reduced over the ranks (DTensor:"
+                                                         " Partial -> Replicate)"),), frees=(partial,)),)
+    return Op(where, forward=(), backward=(gemms, *(summed if reduced else ())), saves=saves)
+
+
+def rms_norm(where: str, p: str, norm: RMSNormTensors, z: Sizes, dy: str, out: str, residual: str | None = None,
+             forward: tuple[Step, ...] = (), width: int = 0, heads: int = 1) -> tuple[Op, ...]:
+    """LlamaRMSNorm's backward as autograd runs its eager ops, in forward order: the cast back from fp32, pow (keeps
+    the fp32 input), rsqrt and x * r (keep the rstd), weight * y (keeps y). Its widest moment is pow's backward: five
+    fp32 (b, s, h) tensors. With a residual, the norm's dX and the stream's gradient are summed into `out`. `forward`:
+    the final norm's forward; `width` and `heads`: Qwen3's q_norm and k_norm, on each head (width channels in all)."""
+    width = width or z.h
+    g, fp32, row = _grad(p, where), z.tokens(4 * width), z.tokens(4 * heads)
+    act = z.full(width)
+    dx = out if residual is None else f"{g}/dx"
+    cast = Op(where, forward=forward, backward=(
+        Step("x.to(float32)'s backward", (Made(f"{g}/dx fp32", fp32, "autograd sums x's two fp32 gradients"),
+                                          Made(dx, act, "x.to(float32)'s backward: cast back to bf16")),
+             frees=(f"{g}/dx (x * r)", f"{g}/dx (pow)", f"{g}/dx fp32"), moment=False),
+        *((Step("the residual's sum", (Made(out, act, "the residual stream's gradient: the norm's dX and the"
+                                            " residual's summed"),), frees=(dx, residual), moment=False),)
+          if residual else ())))
+    power = Op(where, forward=(), backward=(
+        Step("mean's backward", (Made(f"{g}/dpow", fp32, "dvariance spread over h and divided by h"),),
+             frees=(f"{g}/dvariance",), moment=False),
+        Step("RMSNorm's backward at its widest: five fp32 (b, s, h) temporaries", (
+            Made(f"{g}/x^1", fp32, "pow(2)'s backward: x^1"), Made(f"{g}/2x", fp32, "pow(2)'s backward: 2 * x^1"),
+            Made(f"{g}/dx (pow)", fp32, "pow(2)'s backward: dpow * 2x")), frees=(f"{g}/x^1", f"{g}/2x", f"{g}/dpow")),
+    ), saves=(norm.input_fp32,))
+    rstd = Op(where, forward=(), backward=(
+        Step("y.to(bf16)'s backward", (Made(f"{g}/dy fp32", fp32, "the gradient cast up to fp32"),),
+             frees=(f"{g}/dY w",), moment=False),
+        Step("x * r's backward", (Made(f"{g}/dx (x * r)", fp32, "dy * r"), Made(f"{g}/dr full", fp32, "dy * x"),
+                                  Made(f"{g}/dr", row, "the rstd's gradient, (b, s, 1) fp32")),
+             frees=(f"{g}/dy fp32", f"{g}/dr full"), moment=False),
+        Step("rsqrt's backward", (Made(f"{g}/r^3", row, "(b, s, 1) fp32"), Made(f"{g}/-r^3 / 2", row, "(b, s, 1) fp32"),
+                                  Made(f"{g}/dvariance", row, "dr * -r^3 / 2")),
+             frees=(f"{g}/r^3", f"{g}/-r^3 / 2", f"{g}/dr"), moment=False),
+    ), saves=(norm.rstd,))
+    weight = Op(where, forward=(), backward=(
+        Step("weight * y's backward", (Made(f"{g}/dY w", act, "dY * weight"), Made(f"{g}/dY y", act, "dY * y"),
+                                       Made(f"{g}/dweight", z.act * width // heads, WHY_WGRAD)),
+             frees=(f"{g}/dY y",), hands_over=(f"{g}/dweight",), moment=False),
+        Step("", frees=(dy,), returns=True),
+    ), saves=(norm.normed,))
+    return (cast, power, rstd, weight)
+
+
+def layer_forward(i: int, z: Sizes, kept: Step, mlp: tuple[Op, ...] = ()) -> tuple[Op, ...]:
+    """Layer i's forward: its kept tensors (`kept`, every layer's one step) and the residual stream after attention,
+    the MLP's forward moments (`mlp`, a sparse block's, which makes the MLP's output), the output; at the second
+    residual sum, the layer's moment."""
+    p, full = f"layers.{i}", z.full(z.h)
+    made = Op("", forward=(kept, Step("the residual stream", (Made(
+        f"{p}/mid", full, "the residual stream after attention: ln2's input and the MLP's residual"),), moment=False)),
+              backward=())
+    out = Op("", forward=(Step("the layer's saved tensors, at its second residual sum", (
+        *(() if mlp else (Made(f"{p}/mlp output", full, "down_proj's output, summed into the residual stream"),)),
+        Made(f"layers.{i + 1}/input", full, "the layer's output, the next layer's input")),
+        # the caller rebinds its hidden_states; the first layer's input is inputs_embeds too
+        frees=(f"{p}/mid", f"{p}/mlp output", *((f"{p}/input",) if i else ()))),), backward=())
+    return (made, *mlp, out)
+
+
+def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, tp: bool, first: bool,
+              qk_norm: bool = False) -> tuple[Op, ...]:
+    """input_layernorm's output into q, k, v (their dX summed as they come; with `qk_norm` q's and k's heads each
+    RMS-normalised, Qwen3's q_norm and k_norm), RoPE, the core, o_proj."""
+    g, q, kv, full = f"grad/{p}", z.a_t * z.d, z.g_t * z.d, z.full(z.h)
+    norms = {"q": (rules.Q_NORM_RMS, z.a_t), "k": (rules.K_NORM_RMS, z.g_t)} if qk_norm else {}
+    ran: list[Op] = []  # in the order autograd runs them
+    summed = ""
+    for name, width in (("v", kv), ("k", kv), ("q", q)):
+        heads = f"{g}/v heads" if name == "v" else f"{g}/{name} pre-rope"
+        if name in norms:
+            ran += reversed(rms_norm(f"self_attn.{name}_norm", p, norms[name][0], z, heads, f"{g}/{name} normed",
+                                     width=width, heads=norms[name][1]))
+            heads = f"{g}/{name} normed"
+        copy = width != z.d and z.s != 1  # one head: (b, 1, s, d) transposed is (b, s, 1, d) already, no copy
+        tokens, dx = f"{g}/{name} tokens" if copy else heads, f"{g}/{name}_proj input"
+        out = f"{g}/ln1 output" if name == "q" else f"{dx} + {summed}"
+        lin = linear(f"self_attn.{name}_proj", p, z.act * width * z.h, tokens, dx, full, (ledger.QKV_IN,), tp)
+        ran.append(replace(lin, backward=(
+            *((Step("transpose's backward", (Made(tokens, z.full(width), f"{name}'s gradient made (b, s, heads * d)"
+                                                  " again, contiguous for the GEMM"),), frees=(heads,), moment=False),)
+              if copy else ()), *lin.backward,
+            *((Step("autograd sums q's, k's and v's input gradients as they come", (Made(
+                out, full, "the input gradients summed"),), frees=(dx, summed), moment=False),) if summed else ()))))
+        summed = out if summed else dx
+    rope = tuple(Op("self_attn", (), _rope_backward(g, name, z.full(w), first and name == "q")) for name, w in
+                 (("q", q), ("k", kv)))  # forward order: q's, then k's
+    core = _eager(p, z, saved, gqa) if eager else _sdpa(p, z)
+    o_proj = linear("self_attn.o_proj", p, z.act * q * z.h, None, f"{g}/o_proj input", z.full(q),
+                    saves=(ledger.PROJ_IN,) if eager else ())
+    return (*reversed(ran), *rope, *core, o_proj)
+
+
+def _rope_backward(g: str, name: str, width: int, last: bool) -> tuple[Step, ...]:
+    """apply_rotary_pos_emb's backward for q or k: dY * cos plus rotate_half's backward of dY * sin; the last layer
+    to run it (layers.0, q) frees the model's tables."""
+    x = f"{g}/{name}"
+    tables = tuple(t.name for t in ROPE) if last else ()
+    return (
+        Step("rotate_half(x) * sin's backward", (Made(f"{x} rotated", width, "dY * sin"), Made(
+            f"{x} neg", width // 2, "the negated half's gradient, negated back"), Made(
+            f"{x} slice 1", width, "a half's gradient placed in a zero tensor")), frees=(f"{x} neg",), moment=False),
+        Step("rotate_half's backward", (Made(f"{x} slice 2", width, "the other half, placed likewise"),
+                                        Made(f"{x} rotate_half", width, "the two halves' gradients summed")),
+             frees=(f"{x} slice 1", f"{x} slice 2", f"{x} rotated"), moment=False),
+        Step("x * cos's backward", (Made(f"{x} cos", width, "dY * cos"), Made(f"{x} pre-rope", width,
+                                                                                "x's two gradients summed")),
+             frees=(f"{x} cos", f"{x} rotate_half", f"{x} heads", *tables),
+             moment=False),
+    )
+
+
+def _eager(p: str, z: Sizes, saved: dict[str, int], gqa: bool) -> tuple[Op, ...]:
+    """eager_attention_forward, in forward order: QK^T (keeps Q and K, or repeat_kv's copy), the scale, the cast to
+    fp32 and softmax (keeps its fp32 output), the cast back, weights x V (keeps the weights and V); repeat_kv's sums
+    over each group's heads (GQA) end its backward."""
+    g, q = f"grad/{p}", z.full(z.a_t * z.d)
+    scores = z.b * z.a_t * z.s * z.s
+    expanded = rules.K_EXPANDED.name in saved  # repeat_kv's copies (memcalc.model.impls.hf.REPEAT_KV)
+    v, k = (rules.V_EXPANDED, rules.K_EXPANDED) if expanded else (ledger.V, ledger.K)
+    sums = tuple(Step("repeat_kv's backward", (Made(f"{g}/{n} heads", z.full(z.g_t * z.d), f"d{n} summed over each"
+                                                    " group's heads"),), frees=(f"{g}/{n} expanded",), moment=False)
+                 for n in ("v", "k")) if gqa else ()
+    names = {n: f"{g}/{n} {'expanded' if gqa else 'heads'}" for n in ("k", "v")}
+    return (
+        Op("self_attn", (), sums),
+        Op("self_attn", (), (
+            Step("QK^T: dQ and dK", (Made(f"{g}/q heads", q, "dQ = dScores K"), Made(
+                names["k"], q, "dK = dScores^T Q, at a heads")), frees=(f"{g}/scaled scores",)),
+        ), saves=(ledger.Q, k)),
+        Op("self_attn", (), (
+            Step("the fp32 softmax's backward", (Made(f"{g}/scores fp32", 4 * scores, "softmax's backward"),),
+                 frees=(f"{g}/softmax fp32",), returns=True),
+            Step("the cast to fp32's backward", (Made(f"{g}/scores", z.act * scores, "back to bf16"),),
+                 frees=(f"{g}/scores fp32",), moment=False),
+            Step("the scale's backward", (Made(f"{g}/scaled scores", z.act * scores, "the mask's passes dY on"),),
+                 frees=(f"{g}/scores",), moment=False),
+        ), saves=(rules.SOFTMAX_FP32,)),
+        Op("self_attn", (), (
+            Step("the context made (b, a, s, d)", (Made(f"{g}/attn heads", q, "contiguous for bmm"),),
+                 frees=(f"{g}/o_proj input",), moment=False),
+            Step("weights x V: dV and dWeights", (Made(names["v"], q, "dV = weights^T dY, at a heads"), Made(
+                f"{g}/weights", z.act * scores, "dWeights = dY V^T")), frees=(f"{g}/attn heads",), returns=True),
+            Step("the cast to bf16's backward", (Made(f"{g}/softmax fp32", 4 * scores, "the gradient up to fp32"),),
+                 frees=(f"{g}/weights",), moment=False),
+        ), saves=(rules.WEIGHTS, v)),
+    )
+
+
+def _sdpa(p: str, z: Sizes) -> tuple[Op, ...]:
+    """SDPA's flash kernel: dQ, dK and dV (at g heads) from one kernel; it keeps Q, K, V, the log-sum-exp and its
+    output (o_proj's input)."""
+    g, kv = f"grad/{p}", z.full(z.g_t * z.d)
+    return (Op("self_attn", (), (Step("the SDPA kernel's backward: dQ, dK, dV", (
+        Made(f"{g}/q heads", z.full(z.a_t * z.d), "dQ"), Made(f"{g}/k heads", kv, "dK, at g heads"),
+        Made(f"{g}/v heads", kv, "dV, at g heads")), frees=(f"{g}/o_proj input",)),),
+        saves=(ledger.Q, ledger.K, ledger.V, ledger.SOFTMAX_LSE, ledger.PROJ_IN)),)
+
+
+def mlp(p: str, z: Sizes, tp: bool) -> tuple[Op, ...]:
+    """LlamaMLP, in forward order: gate_proj, up_proj (their dX summed into ln2's output gradient), SiLU (keeps its
+    input), SiLU(gate) * up (keeps both factors), down_proj (keeps its input); down_proj's dY is the layer's output
+    gradient, which ln2's residual sum still needs."""
+    g, f = f"grad/{p}", z.f_t
+    w, full = z.act * f * z.h, z.full(z.h)
+    gate = linear("mlp.gate_proj", p, w, f"{g}/gate", f"{g}/gate_proj input", full, (ledger.FC1_IN,), tp)
+    return (
+        Op(gate.where, (), (*gate.backward, Step("autograd sums gate_proj's and up_proj's input gradients", (
+            Made(f"{g}/ln2 output", full, "the MLP input's gradient"),), frees=(f"{g}/up_proj input",
+                                                                              f"{g}/gate_proj input"), moment=False)),
+           gate.saves),
+        Op("mlp", (), (Step("SiLU's backward, at its kept input", (Made(f"{g}/gate", z.full(f), "dSiLU"),),
+                            frees=(f"{g}/silu",), moment=False),), saves=(ledger.SWIGLU_GATE,)),
+        linear("mlp.up_proj", p, w, f"{g}/up", f"{g}/up_proj input", full, (ledger.FC1_IN,), tp),
+        Op("mlp", (), (Step("SiLU(gate) * up: its two gradients", (
+            Made(f"{g}/up", z.full(f), "dY * SiLU(gate)"), Made(f"{g}/silu", z.full(f), "dY * up")),
+            frees=(f"{g}/down_proj input",)),), saves=(ledger.SWIGLU_UP, ledger.SWIGLU_SILU_OUT)),
+        linear("mlp.down_proj", p, w, None, f"{g}/down_proj input", z.full(f), (ledger.FC2_IN,)),
+    )
+
+
+def _grad(p: str, where: str) -> str:
+    """The name stem of an op's gradients: "grad/layers.0/mlp.up_proj", "grad/model.norm" at the model's end."""
+    return "/".join(x for x in ("grad", p, where) if x)
+
+
+def kept_tensors(tensors: tuple[SavedTensor, ...]) -> Step:
+    """The layer's kept tensors as its forward makes them, sized by the ledger and named by each layer's walk."""
+    return Step("the layer's saved tensors", tuple(Made("", 0, WHY_SAVED, keeps=x) for x in tensors), moment=False)
