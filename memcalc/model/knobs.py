@@ -555,13 +555,14 @@ KNOBS: tuple[Knob, ...] = (
                   " Under tp transformers' Phi-3 plan gathers both fused outputs (colwise_gather_output), so every"
                   " rank keeps all heads' attention and the whole gate, up and SiLU; only o_proj's and down_proj's"
                   " inputs are split (rowwise_split_input)."),
-                 ({"impl": Impl.HF, "norm": Norm.LAYERNORM, "attention": Attention.FLASH, "dropout": 0.0,
+                 ({"impl": Impl.HF, "norm": Norm.LAYERNORM, "attention": Attention.EAGER, "dropout": 0.0,
                    "parallel_residual": True, "fused_qkv": True, "num_query_groups": 2},
                   "FalconDecoderLayer with new_decoder_architecture (Falcon-40B/180B): ln_attn and ln_mlp both read"
                   " the layer's input (the second keeps only its statistics, and dense_h_to_4h its own output);"
                   " _split_heads indexes each group's key and value (two one-element indices kept) and broadcasts"
-                  " them to every head, so RoPE's K and SDPA's (or eager matmul's) V are a heads wide, except V with"
-                  " one group (SDPA) or at b = 1 with one group (eager), a view of the (b, s, 1, 1, d) index output."),),
+                  " them to every head, so RoPE's K and eager matmul's (or SDPA's) V are a heads wide, except V at"
+                  " b = 1 with one group (eager) or with one group (SDPA, its default), a view of the (b, s, 1, 1, d)"
+                  " index output; the softmax stays in the activation dtype."),),
     ),
     Knob(
         "alibi", "flag", False, "hf: ALiBi: a per-head linear bias on the attention scores in place of position"
