@@ -484,11 +484,16 @@ def _refused_if(name: str, refused: Any, what: str) -> Callable[[Any], Any]:
     return convert
 
 
+def _new_layout(value: Any) -> bool:
+    """FalconConfig's new_decoder_architecture (absent: the class's False)."""
+    return value is not None and _flag("new_decoder_architecture", value)
+
+
 def _falcon_groups(values: list[Any]) -> int | None:
     """FalconConfig's K/V groups: new_decoder_architecture's num_kv_heads (absent: every head, multi-head; one group
     a head reads as memcalc's multi-head None), else one for multi_query (the class's default) or multi-head."""
     new, multi_query, groups, heads = values
-    if _flag("new_decoder_architecture", bool(new)):
+    if _new_layout(new):
         return None if groups in (None, heads) else groups
     return 1 if multi_query is None or _flag("multi_query", multi_query) else None
 
@@ -499,7 +504,11 @@ def _falcon_single_norm(values: list[Any]) -> bool:
     new, norms = values
     if norms not in (None, 1, 2):
         raise ConfigError(f"num_ln_in_parallel_attn must be 1 or 2, got {short_repr(norms)}")
-    return not _flag("new_decoder_architecture", bool(new)) or norms == 1
+    if norms == 2 and not _new_layout(new):
+        raise ConfigError("num_ln_in_parallel_attn=2 without new_decoder_architecture is not a layer transformers runs"
+                          " (FalconDecoderLayer builds ln_attn and ln_mlp, then its forward reads input_layernorm:"
+                          " AttributeError)")
+    return not _new_layout(new) or norms == 1
 
 
 # FalconConfig: a LayerNorm (with bias) layer whose attention and MLP both read one input_layernorm's output

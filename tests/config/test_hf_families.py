@@ -160,6 +160,7 @@ def test_phi3s_fused_projections_are_refused_outside_hf(tmp_path):
     ({"alibi": True}, "alibi=true is not modelled (ALiBi"),
     ({"parallel_attn": False}, "parallel_attn=false is not modelled (Falcon's sequential block"),
     ({"new_decoder_architecture": True, "num_ln_in_parallel_attn": 3}, "num_ln_in_parallel_attn must be 1 or 2"),
+    ({"num_ln_in_parallel_attn": 2}, "num_ln_in_parallel_attn=2 without new_decoder_architecture is not a layer"),
 ])
 def test_a_falcon_layout_memcalc_has_not_measured_is_refused_in_one_line(tmp_path, fields, words):
     transformers = pytest.importorskip("transformers")
