@@ -501,10 +501,40 @@ def _refused_if(name: str, refused: Any, what: str) -> Callable[[Any], Any]:
     return convert
 
 
+def _new_layout(value: Any) -> bool:
+    """FalconConfig's new_decoder_architecture (absent: the class's False)."""
+    return value is not None and _flag("new_decoder_architecture", value)
+
+
+def _falcon_groups(values: list[Any]) -> int | None:
+    """FalconConfig's K/V groups: new_decoder_architecture's num_kv_heads (absent: every head, multi-head; one group
+    a head reads as memcalc's multi-head None), else one for multi_query (the class's default) or multi-head."""
+    new, multi_query, groups, heads = values
+    if _new_layout(new):
+        return None if groups in (None, heads) else groups
+    return 1 if multi_query is None or _flag("multi_query", multi_query) else None
+
+
+def _falcon_single_norm(values: list[Any]) -> bool:
+    """One input_layernorm read by attention and MLP: Falcon-7B's first layout always, new_decoder_architecture's with
+    num_ln_in_parallel_attn 1 (Falcon2-11B's); its ln_attn and ln_mlp otherwise (absent: 2, Falcon-40B/180B's)."""
+    new, norms = values
+    if norms not in (None, 1, 2):
+        raise ConfigError(f"num_ln_in_parallel_attn must be 1 or 2, got {short_repr(norms)}")
+    if norms == 2 and not _new_layout(new):
+        raise ConfigError("num_ln_in_parallel_attn=2 without new_decoder_architecture is not a layer transformers runs"
+                          " (FalconDecoderLayer builds ln_attn and ln_mlp, then its forward reads input_layernorm:"
+                          " AttributeError)")
+    return not _new_layout(new) or norms == 1
+
+
 # FalconConfig: a LayerNorm (with bias) layer whose attention and MLP both read one input_layernorm's output
 # (parallel_attn), RoPE on whole heads; one key and one value head for all queries (multi_query, the class's default;
 # false: multi-head, num_kv_heads = a); GELU MLP of ffn_hidden_size (absent: 4h); biases on every linear or none (bias).
-# Without ALiBi the attention drops nothing out, so hidden_dropout (on the summed output) is memcalc's dropout.
+# new_decoder_architecture (Falcon-40B/180B) is the grouped query_key_value (fused_qkv: per group a/g query heads, one
+# key, one value) of num_kv_heads groups, multi_query ignored, with ln_attn and ln_mlp (single_norm unless
+# num_ln_in_parallel_attn is 1). Without ALiBi the attention drops nothing out, so hidden_dropout (on the summed
+# output) is memcalc's dropout.
 _FALCON = (
     *_sizes("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size"),
     Row("ffn_hidden_size", ("ffn_hidden_size",), default=None),
@@ -514,17 +544,17 @@ _FALCON = (
     Row("dropout", ("hidden_dropout",), default=0.0, combine=_largest_dropout),
     Row("tie_embeddings", ("tie_word_embeddings",), default=True),
     Row("add_bias_linear", ("bias",), lambda v: _flag("bias", v), default=False),
-    Row("num_query_groups", ("multi_query",), lambda v: 1 if _flag("multi_query", v) else None, default=1),
+    Row("num_query_groups", ("new_decoder_architecture", "multi_query", "num_kv_heads", "num_attention_heads"),
+        default=None, combine=_falcon_groups),
     Row("parallel_residual", ("parallel_attn",),
         _refused_if("parallel_attn", False, "Falcon's sequential block: attention, dropout_add, then its MLP"),
         default=True),
     _kept_nothing("alibi", _refused_if("alibi", True, "ALiBi: FalconAttention adds its bias to fp32 scores and"
                                        " drops the probabilities out, which memcalc has not measured"),
                   "RoPE, no ALiBi"),
-    _kept_nothing("new_decoder_architecture",
-                  _refused_if("new_decoder_architecture", True, "Falcon-40B/180B's layer: ln_attn and ln_mlp, K and V"
-                              " broadcast to every head of num_kv_heads groups before RoPE"),
-                  "the first layout (Falcon-7B's)"),
+    Row("fused_qkv", ("new_decoder_architecture",), lambda v: _flag("new_decoder_architecture", v), default=False),
+    Row("single_norm", ("new_decoder_architecture", "num_ln_in_parallel_attn"), default=None,
+        combine=_falcon_single_norm),
     _kept_nothing("attention_dropout", lambda v: v, "without ALiBi no dropout on the attention"),
 )
 

@@ -503,14 +503,14 @@ KNOBS: tuple[Knob, ...] = (
     ),
     Knob(
         "parallel_residual", "flag", False, "hf: attention and MLP both read the layer's input: each through its own"
-        " norm with rotary_percent (GPT-NeoX's use_parallel_residual), through one norm without it (Falcon's"
-        " parallel_attn, RoPE on whole heads)", lambda k: "parallel residual" if k.parallel_residual else None,
+        " norm with rotary_percent (GPT-NeoX's use_parallel_residual), without it Falcon's parallel_attn (RoPE on"
+        " whole heads) through one norm (single_norm, Falcon-7B's) or ln_attn and ln_mlp (new_decoder_architecture)", lambda k: "parallel residual" if k.parallel_residual else None,
         effects=(({"impl": Impl.HF, "norm": Norm.LAYERNORM, "attention": Attention.EAGER, "rotary_percent": 0.25,
                    "fused_qkv": True, "parallel_residual": True},
                   "Both norms read the layer's input: the second norm keeps no input of its own (the first's is the"
                   " same storage), only its statistics."),
                  ({"impl": Impl.HF, "norm": Norm.LAYERNORM, "attention": Attention.EAGER, "dropout": 0.0,
-                   "parallel_residual": True, "num_query_groups": 1},
+                   "parallel_residual": True, "single_norm": True, "num_query_groups": 1},
                   "FalconDecoderLayer (multi_query): one norm, whose output both the attention and the MLP read (no"
                   " second norm, no MLP input of its own); matmul broadcasts the one K/V head to every query head, a"
                   " copy each, and indexing keeps the two one-element indices that picked them; the softmax stays in"
@@ -545,7 +545,9 @@ KNOBS: tuple[Knob, ...] = (
     ),
     Knob(
         "fused_qkv", "flag", False, "hf: Q, K and V sliced from one fused projection's output: Phi-3's qkv_proj (and"
-        " gate and up chunked from one gate_up_proj output), GPT-NeoX's query_key_value (set with rotary_percent)",
+        " gate and up chunked from one gate_up_proj output), GPT-NeoX's query_key_value (set with rotary_percent),"
+        " Falcon's new_decoder_architecture (with parallel_residual and no rotary_percent: per K/V group a/g query"
+        " heads, one key, one value)",
         lambda k: None if not k.fused_qkv else "fused qkv_proj and gate_up_proj" if k.mlp == "swiglu"
         else "fused query_key_value",
         effects=(({"impl": Impl.HF, "norm": Norm.RMSNORM, "mlp": Mlp.SWIGLU, "attention": Attention.EAGER,
@@ -554,7 +556,15 @@ KNOBS: tuple[Knob, ...] = (
                   " is (b = 1, one K/V group) it keeps that whole output; gate and up are two halves of one storage."
                   " Under tp transformers' Phi-3 plan gathers both fused outputs (colwise_gather_output), so every"
                   " rank keeps all heads' attention and the whole gate, up and SiLU; only o_proj's and down_proj's"
-                  " inputs are split (rowwise_split_input)."),),
+                  " inputs are split (rowwise_split_input)."),
+                 ({"impl": Impl.HF, "norm": Norm.LAYERNORM, "attention": Attention.EAGER, "dropout": 0.0,
+                   "parallel_residual": True, "fused_qkv": True, "num_query_groups": 2},
+                  "FalconDecoderLayer with new_decoder_architecture (Falcon-40B/180B): ln_attn and ln_mlp both read"
+                  " the layer's input (the second keeps only its statistics, and dense_h_to_4h its own output);"
+                  " _split_heads indexes each group's key and value (two one-element indices kept) and broadcasts"
+                  " them to every head, so RoPE's K and eager matmul's (or SDPA's) V are a heads wide, except V at"
+                  " b = 1 with one group (eager) or with one group (SDPA, its default), a view of the (b, s, 1, 1, d)"
+                  " index output; the softmax stays in the activation dtype."),),
     ),
     Knob(
         "alibi", "flag", False, "hf: ALiBi: a per-head linear bias on the attention scores in place of position"
@@ -568,7 +578,8 @@ KNOBS: tuple[Knob, ...] = (
     ),
     Knob(
         "single_norm", "flag", False, "hf: with parallel_residual, one norm before both the attention and the MLP,"
-        " whose output both read (GPT-J's ln_1, Cohere's input_layernorm)",
+        " whose output both read (GPT-J's ln_1, Cohere's and Falcon's input_layernorm: Falcon-7B's always,"
+        " new_decoder_architecture's with num_ln_in_parallel_attn 1)",
         lambda k: "one norm" if k.single_norm else None,
         effects=(({"impl": Impl.HF, "norm": Norm.LAYERNORM, "mlp": Mlp.GELU_TANH, "attention": Attention.EAGER,
                    "rotary_percent": 0.25, "parallel_residual": True, "single_norm": True},

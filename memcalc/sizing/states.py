@@ -64,8 +64,9 @@ def _norm_params(config: ModelConfig, width: int | None = None) -> int:
 
 
 def _layer_norm_params(c: ModelConfig) -> int:
-    """A layer's norms: before the attention and the MLP (one read by both with single_norm: GPT-J's, Cohere's), and
-    the QK norms, one head's d channels shared by every head, or Cohere's (heads, d) weights, one row a head."""
+    """A layer's norms: before the attention and the MLP (one read by both with single_norm: GPT-J's, Cohere's,
+    Falcon-7B's), and the QK norms, one head's d channels shared by every head, or Cohere's (heads, d) weights, one
+    row a head."""
     norms = (1 if c.single_norm else 2) * _norm_params(c)
     if not c.qk_layernorm:
         return norms

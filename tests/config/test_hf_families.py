@@ -159,7 +159,8 @@ def test_phi3s_fused_projections_are_refused_outside_hf(tmp_path):
 @pytest.mark.parametrize("fields, words", [
     ({"alibi": True}, "alibi=true is not modelled (ALiBi"),
     ({"parallel_attn": False}, "parallel_attn=false is not modelled (Falcon's sequential block"),
-    ({"new_decoder_architecture": True, "num_kv_heads": 2}, "new_decoder_architecture=true is not modelled"),
+    ({"new_decoder_architecture": True, "num_ln_in_parallel_attn": 3}, "num_ln_in_parallel_attn must be 1 or 2"),
+    ({"num_ln_in_parallel_attn": 2}, "num_ln_in_parallel_attn=2 without new_decoder_architecture is not a layer"),
 ])
 def test_a_falcon_layout_memcalc_has_not_measured_is_refused_in_one_line(tmp_path, fields, words):
     transformers = pytest.importorskip("transformers")
@@ -182,7 +183,21 @@ def test_falcon_7b_is_read_as_multi_query_with_one_norm_and_counted_under_hf_eag
     one_line_error(memcalc_cli("estimate", "--hf-config", falcon, "--s", "2048"), "parallel_residual", "--impl hf")
     run = memcalc_cli("estimate", "--hf-config", falcon, "--impl", "hf", "--attention", "eager", "--s", "2048")
     assert run.code == 0, run.err
-    assert "multi_query->num_query_groups=1, parallel_attn->parallel_residual=True" in run.err
+    assert "new_decoder_architecture+multi_query+num_attention_heads->num_query_groups=1" in run.err
+    assert "new_decoder_architecture->single_norm=True" in run.err  # its one input_layernorm
+    assert "tp left out: impl hf does not run it for Falcon" in run.err
+
+
+def test_falcon_40bs_layout_is_read_as_grouped_fused_qkv_with_two_norms_and_counted_under_hf_only():
+    """new_decoder_architecture: num_kv_heads groups (multi_query ignored), query_key_value laid out per group
+    (fused_qkv), ln_attn and ln_mlp (num_ln_in_parallel_attn absent: 2); sdpa, FalconConfig's default, is counted."""
+    falcon = "tests/data/hf/falcon-40b-tiny.json"  # written by FalconConfig(new_decoder_architecture=True, ...)
+    fields = read_hf_config(falcon).fields
+    assert (fields["num_query_groups"], fields["fused_qkv"], fields["single_norm"], fields["parallel_residual"]) == (
+        2, True, False, True)
+    one_line_error(memcalc_cli("estimate", "--hf-config", falcon), "fused_qkv", "--impl hf")
+    run = memcalc_cli("estimate", "--hf-config", falcon, "--impl", "hf", "--b", "2", "--s", "9", "--json")
+    assert run.code == 0, run.err
     assert "tp left out: impl hf does not run it for Falcon" in run.err
 
 

@@ -80,6 +80,9 @@ _HF_GPT2 = _knobs(attention=st.sampled_from(("eager", "flash")), dropout=DROPOUT
                   recompute=st.sampled_from(("none", "full")), mlp=st.sampled_from(("gelu", "gelu_tanh")))
 _HF_EAGER = _knobs(dropout=DROPOUT, dtype=DTYPES, recompute=st.sampled_from(("none", "full")))
 _HF_FALCON = _knobs(dtype=DTYPES, recompute=st.sampled_from(("none", "full")), mlp=st.sampled_from(("gelu", "gelu_tanh")))
+_HF_FALCON_NEW = _knobs(attention=st.sampled_from(("eager", "flash")), dtype=DTYPES,
+                        recompute=st.sampled_from(("none", "full")), mlp=st.sampled_from(("gelu", "gelu_tanh")),
+                        single_norm=st.booleans())
 _HF_MOE = _knobs(attention=st.sampled_from(("eager", "flash")), dtype=DTYPES, recompute=st.sampled_from(("none", "full")),
                  moe_router_topk=st.sampled_from((1, 2)))
 _HF_GPT_OSS = _knobs(dropout=DROPOUT, dtype=DTYPES, recompute=st.sampled_from(("none", "full")),
@@ -115,8 +118,11 @@ SUBJECTS = (
     Subject("hf glm4", "transformers", {"impl": "hf", "rotary_percent": 0.5, "sandwich_norm": True} | LLAMA, _HF_LLAMA,
             family="glm4"),
     Subject("hf falcon (multi-head)", "transformers", {"impl": "hf", "norm": "layernorm", "parallel_residual": True,
-                                                       "attention": "eager", "dropout": 0.0}, _HF_FALCON,
-            family="falcon", gqa=False),
+                                                       "single_norm": True, "attention": "eager", "dropout": 0.0},
+            _HF_FALCON, family="falcon", gqa=False),
+    Subject("hf falcon (new_decoder_architecture)", "transformers",
+            {"impl": "hf", "norm": "layernorm", "parallel_residual": True, "fused_qkv": True, "dropout": 0.0},
+            _HF_FALCON_NEW, family="falcon"),
     Subject("hf starcoder2", "transformers", {"impl": "hf", "norm": "layernorm", "rotary_percent": 1.0}, _HF_GPT2,
             family="starcoder2"),
     Subject("hf gptj", "transformers", {"impl": "hf", "norm": "layernorm", "rotary_percent": 0.5,

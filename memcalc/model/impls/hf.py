@@ -309,8 +309,8 @@ GLM_SDPA_OUT = SavedTensor(
     "attention/sdpa_out_bhsd", "SDPA flash kernel: its output, laid out as GLM's contiguous (b, a, s, d) query", _BASD,
     Kind.ACTIVATION, _TEN, "flash attention's backward reads its output (for the softmax's gradient)",
 )
-# FalconAttention under multi_query picks its one key and one value head by a list index (fused_qkv[..., [-2], :]):
-# indexing keeps the index, a one-element int64 tensor, for its backward.
+# FalconAttention under multi_query picks its one key and one value head by a list index (fused_qkv[..., [-2], :]),
+# under new_decoder_architecture each group's (qkv[:, :, :, [-2]]): indexing keeps the index, a one-element int64 tensor, for its backward.
 FALCON_K_INDEX = SavedTensor(
     "attention/mqa_key_index", "FalconAttention._split_heads (multi_query): fused_qkv[..., [-2], :]'s index", (),
     Kind.INT64, Region.REPLICATED, "indexing's backward scatters the key's gradient back at the index", paper=False,
@@ -318,6 +318,19 @@ FALCON_K_INDEX = SavedTensor(
 FALCON_V_INDEX = replace(FALCON_K_INDEX, name="attention/mqa_value_index",
                          saved_by="FalconAttention._split_heads (multi_query): fused_qkv[..., [-1], :]'s index",
                          why="indexing's backward scatters the value's gradient back at the index")
+# FalconAttention under new_decoder_architecture (fused_qkv) broadcasts each group's key and value to its a/g heads and
+# flattens them: a copy at every head (a view only with one group, or one head a group). RoPE's product is K at every
+# head whatever g is, and QK^T keeps it; SDPA keeps V as passed: the flattened copy at a heads, or with one group the
+# (b, s, 1, 1, d) index's output it views with stride 0 (the ledger's V at g = 1).
+FALCON_K_HEADS = SavedTensor(
+    "attention/k_broadcast", "apply_rotary_pos_emb (new_decoder_architecture): K broadcast to every head, rotated;"
+    " kept by QK^T (eager) or SDPA", _BASD, Kind.ACTIVATION, _TEN, "the gradient of Q in QK^T is dScores K",
+)
+FALCON_V_HEADS = SavedTensor(
+    "attention/v_broadcast", "FalconAttention._split_heads (new_decoder_architecture): V broadcast to every head of its"
+    " group and flattened, a copy; kept by SDPA", _BASD, Kind.ACTIVATION, _TEN,
+    "the gradient of the attention weights is dOut V^T",
+)
 # GLM-4's sandwich norms: LlamaRMSNorm's code (Glm4RMSNorm) on the attention's output and on the MLP's output.
 GLM_POST_ATTN = _rms_norm("ln_post_attn_rms", "GLM-4's post_self_attn_layernorm, on the attention's output")
 GLM_POST_MLP = _rms_norm("ln_post_mlp_rms", "GLM-4's post_mlp_layernorm, on the MLP's output")
@@ -634,7 +647,7 @@ def is_starcoder2(knobs: Any) -> bool:
 
 def is_gptj(knobs: Any) -> bool:
     """GPTJBlock: a LayerNorm layer whose one norm feeds the attention and the MLP side by side (single_norm)."""
-    return not is_llama(knobs) and knobs.single_norm
+    return not is_llama(knobs) and knobs.single_norm and knobs.rotary_percent is not None
 
 
 def is_gpt_oss(knobs: Any) -> bool:
@@ -644,13 +657,21 @@ def is_gpt_oss(knobs: Any) -> bool:
 
 def is_falcon(knobs: Any) -> bool:
     """FalconDecoderLayer (parallel_attn, RoPE on whole heads): a LayerNorm layer with a parallel residual and no
-    rotary fraction; attention and the MLP read its one input_layernorm's output."""
+    rotary fraction; attention and the MLP read its one input_layernorm's output (single_norm), or with
+    new_decoder_architecture (fused_qkv) ln_attn's and ln_mlp's."""
     return not is_llama(knobs) and knobs.parallel_residual and knobs.rotary_percent is None and not knobs.alibi
 
 
+def is_falcon_grouped(knobs: Any) -> bool:
+    """FalconDecoderLayer with new_decoder_architecture (Falcon-40B/180B): query_key_value laid out per K/V group
+    (fused_qkv), K and V broadcast to every head before RoPE."""
+    return is_falcon(knobs) and knobs.fused_qkv
+
+
 def has_fused_v_view(knobs: Any) -> bool:
-    """GPT-NeoX's V, and multi-head Falcon's, is a strided view of the fused query_key_value output."""
-    return is_neox(knobs) or (is_falcon(knobs) and not knobs.gqa)
+    """GPT-NeoX's V, Phi-3's and multi-head Falcon's (the first layout) is a strided view of the fused query_key_value
+    (qkv_proj) output."""
+    return is_neox(knobs) or is_phi3(knobs) or (is_falcon(knobs) and not knobs.gqa and not knobs.fused_qkv)
 
 
 def resid_dropout(knobs: Any) -> bool:
@@ -679,8 +700,9 @@ def _rope(knobs: Any) -> tuple[SavedTensor, ...]:
 def norm_block(which: int, knobs: Any) -> tuple[SavedTensor, ...]:
     """LlamaRMSNorm's fp32 upcast, fp32 rstd and cast-back; GPT-2's nn.LayerNorm keeps input, mean, rstd. GPT-NeoX's
     parallel residual feeds both LayerNorms the layer's input: one storage, kept once (the first norm's). GPT-J's and
-    Cohere's one norm (single_norm) is the first; Cohere's is CohereLayerNorm."""
-    if which == 1 and knobs.single_norm:  # GPT-J, Cohere: no second norm
+    Cohere's and Falcon's one norm (single_norm) is the first; Cohere's is CohereLayerNorm. Falcon-40B's ln_attn and
+    ln_mlp read the layer's input as GPT-NeoX's two do."""
+    if which == 1 and knobs.single_norm:  # GPT-J, Cohere, Falcon-7B: no second norm
         return ()
     if is_cohere(knobs):
         return _cohere_kept(COHERE_LN1, knobs)
@@ -692,8 +714,6 @@ def norm_block(which: int, knobs: Any) -> tuple[SavedTensor, ...]:
         return tuple((GPT_OSS_LN1, GPT_OSS_LN2)[which])
     if is_llama(knobs):
         return tuple((LN1_RMS, LN2_RMS)[which])
-    if which == 1 and is_falcon(knobs):
-        return ()  # Falcon's MLP reads the attention's norm output: there is no second norm
     if which == 1 and knobs.parallel_residual:
         return (ledger.LN2.mean, ledger.LN2.rstd)
     return tuple((ledger.LN1, ledger.LN2)[which])
@@ -706,6 +726,9 @@ def _sdpa(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]:
     runs the math kernel (measured); CUDA's flash kernel drops out inside (read from code).
     """
     out = (SDPA_OUT,) if attention_gathered(knobs) else ()
+    if is_falcon_grouped(knobs):  # K and V at every head: see FALCON_V_HEADS (Falcon refuses dropout)
+        v = FALCON_V_HEADS if knobs.gqa and knobs.num_query_groups > 1 else ledger.V
+        return (ledger.Q, FALCON_K_HEADS, v, ledger.SOFTMAX_LSE)
     if not knobs.has_dropout:
         return (ledger.Q, ledger.K, ledger.V, ledger.SOFTMAX_LSE, *out)
     if accounting.device == "cpu":
@@ -724,6 +747,8 @@ def _eager(knobs: Any) -> tuple[SavedTensor, ...]:
     q, k, v = (ledger.MLA_Q, ledger.MLA_K, ledger.MLA_V) if knobs.mla else (ledger.Q, *_key_value(knobs))
     if is_gptj(knobs):
         q, k = GPTJ_Q, GPTJ_K
+    if is_falcon_grouped(knobs):  # RoPE's product is K at every head: no copy of matmul's own, whatever b and g
+        k = FALCON_K_HEADS
     if is_gpt_oss(knobs):  # the sink column joined, the rows' maximum subtracted, softmax in the activation dtype
         softmax: tuple[SavedTensor, ...] = (SINK_MAX_INDICES, SINK_SOFTMAX)
     elif is_gpt2(knobs) or is_falcon(knobs):  # GPT-2's and Falcon's softmax run in the activation dtype: the paper's core
@@ -779,7 +804,7 @@ def _copies(knobs: Any) -> Any:
 def _at_batch_of_one(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]:
     """What eager attention keeps where matmul folds a view without copying: K and V at g heads (GQA), the fused
     query_key_value (qkv_proj) output in V's place (GPT-NeoX, Phi-3: its V is a view of it)."""
-    fused_v = NEOX_QKV_OUT if knobs.fused_qkv or has_fused_v_view(knobs) else ledger.V
+    fused_v = NEOX_QKV_OUT if has_fused_v_view(knobs) else ledger.V
     swap = {V_EXPANDED.name: fused_v, K_EXPANDED.name: ledger.K} if knobs.gqa else {ledger.V.name: fused_v}
     return tuple(swap.get(x.name, x) for x in layer_tensors(knobs, accounting))
 
@@ -790,9 +815,9 @@ REPEAT_KV = SizeRule(
     " GPT-NeoX's, multi-head Falcon's and Phi-3's keep a copy of V, a view of the fused query_key_value (qkv_proj)"
     " output, except when b = 1 (NeoX and Falcon: or one head, or one token; Phi-3 under GQA: and one K/V group):"
     " then they keep that whole output; multi-query Falcon's matmul broadcasts its one K/V head as repeat_kv expands"
-    " it. Where the tp plan gathers the attention's projections (Phi-3's, OLMo 2's) every rank holds all g groups,"
+    " it, and new_decoder_architecture's V is such a copy (its K, rotated at every head, is always whole). Where the tp plan gathers the attention's projections (Phi-3's, OLMo 2's) every rank holds all g groups,"
     " so one K/V group means g = 1",
-    applies=lambda knobs: ((knobs.gqa or has_fused_v_view(knobs) or knobs.fused_qkv) and knobs.attention == "eager"
+    applies=lambda knobs: ((knobs.gqa or has_fused_v_view(knobs)) and knobs.attention == "eager"
                            and knobs.recompute != "full"),
     runs=repeat_kv_copies,
     outside=_at_batch_of_one,
@@ -822,7 +847,7 @@ def attention_block(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ..
     if is_glm(knobs) and knobs.attention == "flash" and core != SDPA_MATH:
         core += (GLM_SDPA_OUT,)
     resid = (ledger.ATTN_OUT_DROPOUT_MASK,) if resid_dropout(knobs) else ()
-    index = (FALCON_K_INDEX, FALCON_V_INDEX) if is_falcon(knobs) and knobs.gqa else ()
+    index = (FALCON_K_INDEX, FALCON_V_INDEX) if is_falcon(knobs) and (knobs.gqa or knobs.fused_qkv) else ()
     return (ledger.QKV_IN, *index, *qk_norm, *_rope(knobs), *core, ledger.PROJ_IN, *resid)
 
 
@@ -837,7 +862,7 @@ def mlp_block(knobs: Any) -> tuple[SavedTensor, ...]:
     else:
         activation = (ledger.GELU_IN,)
     dropout = (ledger.MLP_DROPOUT_MASK,) if resid_dropout(knobs) else ()
-    fc1_in = () if is_falcon(knobs) or knobs.single_norm else (ledger.FC1_IN,)  # the attention's input, one storage
+    fc1_in = () if knobs.single_norm else (ledger.FC1_IN,)  # the attention's input, one storage
     return (*fc1_in, *activation, ledger.FC2_IN, *dropout)
 
 
@@ -921,9 +946,9 @@ def check(knobs: Any) -> None:
         raise ConfigError(f"impl hf: transformers has no {knobs.recompute} recomputation; use recompute none or full"
                           " (its gradient checkpointing)")
     if knobs.gqa and not is_llama(knobs) and not is_starcoder2(knobs) \
-            and not (is_falcon(knobs) and knobs.num_query_groups == 1):
+            and not (is_falcon(knobs) and (knobs.num_query_groups == 1 or knobs.fused_qkv)):
         raise ConfigError(f"impl hf: {_layer(knobs)} has no grouped-query attention (FalconDecoderLayer: multi_query,"
-                          " num_query_groups 1, is modelled; its new_decoder_architecture's groups are not); leave"
+                          " num_query_groups 1, or new_decoder_architecture's groups with fused_qkv); leave"
                           " num_query_groups unset")
     _check_falcon(knobs)
     _check_bloom(knobs)
@@ -987,15 +1012,16 @@ def _check_neox(knobs: Any) -> None:
 
 
 def _check_phi3(knobs: Any) -> None:
-    """fused_qkv is Phi3DecoderLayer's (RMSNorm and SwiGLU, dense, no QK norm or latent attention, eager) or
-    GPTNeoXLayer's (LayerNorm with RoPE)."""
-    if not knobs.fused_qkv or is_neox(knobs):
+    """fused_qkv is Phi3DecoderLayer's (RMSNorm and SwiGLU, dense, no QK norm or latent attention, eager),
+    GPTNeoXLayer's (LayerNorm with RoPE) or FalconDecoderLayer's (new_decoder_architecture)."""
+    if not knobs.fused_qkv or is_neox(knobs) or is_falcon(knobs):
         return
     if (knobs.norm, knobs.mlp) != ("rmsnorm", "swiglu") or knobs.moe or knobs.mla or knobs.qk_layernorm \
             or knobs.sandwich_norm:
         raise ConfigError("impl hf: fused_qkv is Phi3DecoderLayer's (norm rmsnorm, mlp swiglu, dense, without"
-                          " qk_layernorm, sandwich_norm or latent attention) or GPTNeoXLayer's (norm layernorm with"
-                          " rotary_percent)")
+                          " qk_layernorm, sandwich_norm or latent attention), GPTNeoXLayer's (norm layernorm with"
+                          " rotary_percent) or FalconDecoderLayer's (norm layernorm with parallel_residual:"
+                          " new_decoder_architecture)")
     if knobs.attention == "flash":
         raise ConfigError("impl hf: Phi3DecoderLayer under sdpa is not modelled: SDPA keeps V as the fused qkv_proj"
                           " output it views, and where its output lies depends on the device's kernel (measured on a"
@@ -1005,10 +1031,11 @@ def _check_phi3(knobs: Any) -> None:
 def _check_gptj(knobs: Any) -> None:
     """single_norm is GPTJBlock's: a LayerNorm layer with RoPE (rotary_percent) and a parallel residual, separate q,
     k and v (no fused_qkv), multi-head; or CohereDecoderLayer's (`_check_cohere`)."""
-    if knobs.single_norm and not is_cohere(knobs) and (is_llama(knobs) or not knobs.parallel_residual
+    if knobs.single_norm and not is_cohere(knobs) and not is_falcon(knobs) and (is_llama(knobs) or not knobs.parallel_residual
                                                        or knobs.rotary_percent is None or knobs.fused_qkv):
         raise ConfigError("impl hf: single_norm is GPTJBlock's (norm layernorm with rotary_percent and"
-                          " parallel_residual, without fused_qkv) or CohereDecoderLayer's (norm layernorm_nb)")
+                          " parallel_residual, without fused_qkv), CohereDecoderLayer's (norm layernorm_nb) or"
+                          " FalconDecoderLayer's (norm layernorm with parallel_residual)")
 
 
 def _check_cohere(knobs: Any) -> None:
@@ -1055,12 +1082,16 @@ def _check_gpt_oss(knobs: Any) -> None:
 
 
 def _check_falcon(knobs: Any) -> None:
-    """FalconDecoderLayer (parallel_attn, no ALiBi) as measured: eager attention, no dropout."""
+    """FalconDecoderLayer (parallel_attn, no ALiBi) as measured: the first layout (Falcon-7B's) with its one norm,
+    eager; new_decoder_architecture (fused_qkv) eager and sdpa; no dropout."""
     if not is_falcon(knobs):
         return
-    if knobs.attention == "flash":
-        raise ConfigError("impl hf: FalconDecoderLayer under sdpa is not modelled (memcalc has measured its eager"
-                          " path only); use attention eager")
+    if not knobs.single_norm and not knobs.fused_qkv:
+        raise ConfigError("impl hf: FalconDecoderLayer's first layout (Falcon-7B's) has one input_layernorm: set"
+                          " single_norm (ln_attn and ln_mlp are new_decoder_architecture's: set fused_qkv)")
+    if knobs.attention == "flash" and not knobs.fused_qkv:
+        raise ConfigError("impl hf: FalconDecoderLayer's first layout under sdpa is not modelled (memcalc has"
+                          " measured its eager path only); use attention eager")
     if knobs.has_dropout:
         raise ConfigError(f"impl hf: dropout {knobs.dropout} in FalconDecoderLayer is not modelled (hidden_dropout on"
                           " the summed output; the rotary attention drops nothing out); use dropout 0")
@@ -1281,7 +1312,9 @@ IMPLEMENTATION = Implementation(
     " GQA, residual dropouts), eager and sdpa, at t = 1 and 2; GPTJBlock (one LayerNorm read side by side, fp32 Q"
     " and K, interleaved partial RoPE), eager and sdpa, at t = 1 and 2; GlmDecoderLayer and"
     " Glm4DecoderLayer (interleaved partial RoPE, one gate_up_proj gathered under tp, GLM-4's sandwich norms), eager"
-    " and sdpa, at t = 1 and 2; FalconDecoderLayer (parallel_attn, multi_query or multi-head, RoPE), eager, t = 1"
+    " and sdpa, at t = 1 and 2; FalconDecoderLayer (parallel_attn, multi_query or multi-head, RoPE), eager, t = 1;"
+    " FalconDecoderLayer with new_decoder_architecture (grouped query_key_value, ln_attn and ln_mlp), eager and"
+    " sdpa, t = 1"
     "; BloomBlock (ALiBi, fp32 softmax, BLOOM's GELU), eager, t = 1; CohereDecoderLayer (one fp32 LayerNorm read"
     " side by side, per-head q/k norms), eager and sdpa, at t = 1 and 2 (use_qk_norm: t = 1); GptOssDecoderLayer"
     " (attention sinks, sliding and full layers, half-head RoPE tables, its router and clamped-GLU experts by"
@@ -1312,6 +1345,7 @@ IMPLEMENTATION = Implementation(
         GLM_ROPE_COS, GLM_ROPE_SIN, GLM_SDPA_OUT, *GLM_POST_ATTN, *GLM_POST_MLP, FALCON_K_INDEX, FALCON_V_INDEX,
         *COHERE_LN1, *COHERE_Q_NORM, *COHERE_K_NORM,
         *GPT_OSS_TENSORS,
+        FALCON_K_HEADS, FALCON_V_HEADS,
     ),
     # LlamaConfig's own: RMSNorm, SwiGLU, attention_dropout 0, attn_implementation "sdpa" (memcalc's flash).
     defaults={

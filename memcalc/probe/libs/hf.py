@@ -321,12 +321,15 @@ def _alibi(hf_config: Any, module: Any, x: torch.Tensor) -> torch.Tensor:
 
 
 def falcon_config(config: ModelConfig) -> Any:
-    """A FalconConfig sized from memcalc's: parallel_attn with one input_layernorm, RoPE, multi_query for one K/V
-    group (else multi-head), biases on every linear or none, no ALiBi, the first decoder layout."""
+    """A FalconConfig sized from memcalc's: parallel_attn, RoPE, biases on every linear or none, no ALiBi; the first
+    decoder layout (one input_layernorm, multi_query for one K/V group, else multi-head) or with fused_qkv
+    new_decoder_architecture (num_kv_heads groups; ln_attn and ln_mlp, or one norm with single_norm)."""
     return transformers.FalconConfig(
         hidden_size=config.h, num_attention_heads=config.a, num_hidden_layers=config.L, ffn_hidden_size=config.ffn,
         vocab_size=config.vocab_size, max_position_embeddings=config.s, multi_query=config.groups == 1 < config.a,
-        parallel_attn=True, new_decoder_architecture=False, alibi=False, bias=config.add_bias_linear,
+        new_decoder_architecture=config.fused_qkv, num_kv_heads=config.groups,
+        num_ln_in_parallel_attn=(1 if config.single_norm else 2) if config.fused_qkv else None,
+        parallel_attn=True, alibi=False, bias=config.add_bias_linear,
         activation="gelu_new" if config.mlp == "gelu_tanh" else "gelu", hidden_dropout=config.dropout,
         attention_dropout=config.dropout, attn_implementation=attention_implementation(config),
     )
@@ -593,6 +596,9 @@ def label_rules_for(config: ModelConfig) -> tuple[Rule, ...]:
     if config.alibi:
         return (*_layer_norm_rules("input_layernorm", ledger.LN1), *_bloom_attention_rules(config),
                 *_layer_norm_rules("post_attention_layernorm", ledger.LN2), *_bloom_mlp_rules())
+    if rules.is_falcon(config) and not config.single_norm:  # new_decoder_architecture's ln_attn and ln_mlp
+        return (*_layer_norm_rules("ln_attn", ledger.LN1), *_layer_norm_rules("ln_mlp", ledger.LN2),
+                Rule("mlp.dense_h_to_4h", "forward", ledger.FC1_IN, arg=0), *_falcon_rules(config))
     if rules.is_falcon(config):
         return (*_layer_norm_rules("input_layernorm", ledger.LN1), *_falcon_rules(config))
     if rules.is_neox(config):
@@ -1044,17 +1050,23 @@ def _bloom_mlp_rules() -> tuple[Rule, ...]:
 
 
 def _falcon_rules(config: ModelConfig) -> tuple[Rule, ...]:
-    """FalconDecoderLayer: query_key_value's input (the one norm's output, which the MLP reads too), multi_query's
-    two list indices, the eager core (as NeoX's: at b = 1 multi-head V is the fused output it views), dense's input,
-    and FalconMLP's (GELU's input, dense_4h_to_h's). FalconLinear is `input @ weight.T`: a module's input is its
-    linear's."""
+    """FalconDecoderLayer: query_key_value's input (the one norm's output, which the MLP reads too, or ln_attn's),
+    multi_query's or new_decoder_architecture's two list indices, the eager core (as NeoX's: at b = 1 multi-head V is
+    the fused output it views) or SDPA (new_decoder_architecture: K rotated at every head, V broadcast to them or,
+    with one group, the index output its stride-0 view reads), dense's input, and FalconMLP's (GELU's input,
+    dense_4h_to_h's). FalconLinear is `input @ weight.T`: a module's input is its linear's."""
     d, attention = config.head_dim, "self_attention"
     index = lambda x: x.grad_fn._saved_indices[-1][0]  # noqa: E731  (the (1,) index of [..., [-2], :], as ())
+    key = rules.FALCON_K_HEADS if config.fused_qkv else ledger.K  # new_decoder_architecture: rotated at every head
     return (
         Rule(f"{attention}.query_key_value", "forward", ledger.QKV_IN, arg=0),
         Rule(attention, "__getitem__", rules.FALCON_K_INDEX, nth=1, view=index),
         Rule(attention, "__getitem__", rules.FALCON_V_INDEX, nth=2, view=index),
-        *_core_rules(attention, config),
+        *_core_rules(attention, config, qkv=(ledger.Q, key, ledger.V)),
+        *_sdpa_inputs(attention),
+        Rule(attention, "scaled_dot_product_attention", rules.FALCON_K_HEADS, arg=1),
+        Rule(attention, "scaled_dot_product_attention", ledger.V, arg=2, view=_stored(lambda v: v)),
+        Rule(attention, "scaled_dot_product_attention", rules.FALCON_V_HEADS, arg=2),
         Rule(attention, "matmul", rules.NEOX_QKV_OUT, nth=1, arg=1,
              view=lambda v: v._base.view(config.b, config.s, -1, d)),
         Rule(f"{attention}.dense", "forward", ledger.PROJ_IN, arg=0, view=_head_columns(d)),

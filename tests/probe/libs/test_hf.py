@@ -27,7 +27,10 @@ QWEN3 = LLAMA | {"kv_channels": 16, "qk_layernorm": True, "num_query_groups": 2}
 GEMMA = {"norm": "rmsnorm_1p", "mlp": "geglu_tanh", "kv_channels": 16, "num_query_groups": 2}
 GEMMA2 = GEMMA | {"sandwich_norm": True, "attn_logit_softcapping": 50.0, "attention": "eager"}
 GEMMA3 = GEMMA | {"sandwich_norm": True, "qk_layernorm": True}
-FALCON = GPT2 | {"parallel_residual": True, "num_query_groups": 1, "attention": "eager", "dropout": 0.0}  # Falcon-7B's
+FALCON = GPT2 | {"parallel_residual": True, "single_norm": True, "num_query_groups": 1, "attention": "eager",
+                 "dropout": 0.0}  # Falcon-7B's
+# Falcon-40B/180B's new_decoder_architecture: the grouped query_key_value, ln_attn and ln_mlp, sdpa by default
+FALCON40 = GPT2 | {"parallel_residual": True, "fused_qkv": True, "num_query_groups": 2, "dropout": 0.0}
 BLOOM = GPT2 | {"mlp": "gelu_tanh", "alibi": True, "attention": "eager", "ffn_hidden_size": None}  # BloomMLP: 4h
 GLM = LLAMA | {"rotary_percent": 0.5, "kv_channels": 16, "num_query_groups": 2}  # GlmDecoderLayer; + sandwich: GLM-4
 NEOX = {"norm": "layernorm", "mlp": "gelu", "rotary_percent": 0.25, "parallel_residual": True, "attention": "eager",
@@ -169,6 +172,20 @@ CASES = {
         (COHERE | {"attention": "flash", "dropout": 0.1, "num_query_groups": None}, None),
     "cohere fp32 with use_qk_norm: the weights' casts are the parameters, no copies":
         (COHERE | {"attention": "eager", "dropout": 0.0, "dtype": "fp32", "qk_layernorm": True}, None),
+    "falcon new_decoder_architecture sdpa: ln_attn and ln_mlp on one input, K and V broadcast to every head":
+        (FALCON40, None),
+    "falcon new_decoder_architecture sdpa, one group: V as the index output SDPA's broadcast view reads":
+        (FALCON40 | {"num_query_groups": 1}, None),
+    "falcon new_decoder_architecture sdpa at b=1, odd s, 6 heads in 3 groups, fp32, biases":
+        (FALCON40 | {"b": 1, "s": 7, "h": 48, "a": 6, "num_query_groups": 3, "dtype": "fp32", "add_bias_linear": True},
+         None),
+    "falcon new_decoder_architecture eager at b=3, odd s: rotated K at every head, matmul's copy of V":
+        (FALCON40 | {"attention": "eager", "b": 3, "s": 5}, None),
+    "falcon new_decoder_architecture eager at b=1, one group: matmul keeps V as the index output it broadcasts":
+        (FALCON40 | {"attention": "eager", "b": 1, "s": 7, "num_query_groups": 1}, None),
+    "falcon new_decoder_architecture eager, a group a head, one norm (num_ln_in_parallel_attn 1), gelu_new, fp32":
+        (FALCON40 | {"attention": "eager", "num_query_groups": None, "single_norm": True, "mlp": "gelu_tanh",
+                     "dtype": "fp32"}, None),
     "starcoder2 mha at b=1: V is v_proj's own output, no fused storage":
         (STARCODER2 | {"attention": "eager", "dropout": 0.1, "b": 1, "num_query_groups": None}, None),
 }
@@ -218,12 +235,14 @@ def test_the_shim_makes_cpu_dropout_keep_a_bool_mask_and_undoes_itself():
     (LLAMA | {"sandwich_norm": True}, "sandwich_norm is Gemma 2's"),
     (LLAMA | {"parallel_residual": True},
      r"parallel_residual is GPTNeoXLayer's and FalconDecoderLayer's \(norm layernorm\) or CohereDecoderLayer's"),
-    (FALCON | {"attention": "flash"}, "FalconDecoderLayer under sdpa is not modelled"),
+    (FALCON | {"attention": "flash"}, "FalconDecoderLayer's first layout under sdpa is not modelled"),
+    (FALCON | {"single_norm": False}, "FalconDecoderLayer's first layout .* has one input_layernorm: set single_norm"),
+    (FALCON40 | {"dropout": 0.1}, "dropout 0.1 in FalconDecoderLayer is not modelled"),
     (BLOOM | {"attention": "flash"}, "BloomAttention has no sdpa path"),
     (BLOOM | {"ffn_hidden_size": 48}, "BloomMLP is 4h wide"),
     (LLAMA | {"alibi": True}, "alibi is BloomBlock's"),
     (FALCON | {"dropout": 0.1}, "dropout 0.1 in FalconDecoderLayer is not modelled"),
-    (FALCON | {"num_query_groups": 2}, "its new_decoder_architecture's groups are not"),
+    (FALCON | {"num_query_groups": 2}, "or new_decoder_architecture's groups with fused_qkv"),
     (GEMMA | {"rotary_percent": 0.5}, "rotary_percent in an RMSNorm layer is GLM's"),
     (GLM | {"sandwich_norm": True, "attn_logit_softcapping": 30.0, "attention": "eager"},
      "attn_logit_softcapping is Gemma 2's"),
@@ -238,7 +257,7 @@ def test_the_shim_makes_cpu_dropout_keep_a_bool_mask_and_undoes_itself():
     (GPTJ | {"parallel_residual": False}, "single_norm is GPTJBlock's"),
     (NEOX | {"single_norm": True}, "single_norm is GPTJBlock's"),
     (GPTJ | {"num_query_groups": 2}, "GPTJBlock has no grouped-query attention"),
-    (LLAMA | {"single_norm": True}, "single_norm is GPTJBlock's .* or CohereDecoderLayer's"),
+    (LLAMA | {"single_norm": True}, "single_norm is GPTJBlock's .*, CohereDecoderLayer's .* or FalconDecoderLayer's"),
     (COHERE | {"single_norm": False}, "norm layernorm_nb is CohereDecoderLayer's"),
     (COHERE | {"rotary_percent": 0.5}, "norm layernorm_nb's layers rotate whole heads"),
     (COHERE | {"sandwich_norm": True}, "norm layernorm_nb is CohereDecoderLayer's"),
@@ -352,6 +371,7 @@ def test_two_gloo_ranks_each_keep_what_rank_zero_of_the_fake_group_keeps():
     (NEOX, "does not run tp .*GPT-NeoX .*has not measured GPTNeoXConfig's base_model_tp_plan"),
     (BLOOM, "does not run tp .*for BLOOM .*BloomConfig has no base_model_tp_plan"),
     (FALCON | {"num_query_groups": None}, "does not run tp .*for Falcon .*FalconConfig has no base_model_tp_plan"),
+    (FALCON40, "does not run tp .*for Falcon .*FalconConfig has no base_model_tp_plan"),
     (LLAMA | MLA | {"attention": "eager"}, "does not run tp .*with latent attention .*shards no attention"),
     (COHERE | {"qk_layernorm": True}, "does not run tp .*for Cohere with use_qk_norm .*names no rule for q_norm"),
 ])

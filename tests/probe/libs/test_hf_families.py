@@ -92,3 +92,40 @@ def test_estimate_reads_a_config_its_class_wrote(tmp_path, family):
                       "--s", "8", "--json")
     assert run.code == 0, run.err
     assert json.loads(run.out)["config"]["h"] == 32
+
+
+# Falcon-40B/180B's layout, as FalconConfig writes it: new_decoder_architecture's grouped query_key_value, with ln_attn
+# and ln_mlp unless num_ln_in_parallel_attn is 1 (Falcon2-11B's one norm); multi_query is ignored.
+FALCON_NEW = {
+    "2 K/V groups, ln_attn and ln_mlp": {"num_kv_heads": 2},
+    "one K/V group": {"num_kv_heads": 1},
+    "a group a head, one norm, biases": {"num_kv_heads": 4, "num_ln_in_parallel_attn": 1, "bias": True},
+}
+
+
+@pytest.mark.parametrize("attention", ["flash", "eager"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+@pytest.mark.parametrize("fields", FALCON_NEW.values(), ids=FALCON_NEW.keys())
+def test_falcons_new_decoder_architecture_its_class_wrote_is_read_and_its_layer_keeps_what_memcalc_predicts(
+        tmp_path, fields, shape, dtype, attention):
+    transformers.FalconConfig(**WRITTEN["falcon"], new_decoder_architecture=True, **fields).save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    config = load_config(path, {"impl": "hf", "attention": attention, "dtype": dtype} | shape,
+                         base=read_hf_config(path).fields)
+    saved = runner.record_layer(single("cpu"), config, STRATEGIES["none"], family="falcon")
+    assert_exact(compare(estimate(config, STRATEGIES["none"], CPU), saved))
+
+
+@pytest.mark.parametrize("fields", [{}, {"multi_query": False, "bias": True}, *FALCON_NEW.values(),
+                                    {"new_decoder_architecture": True, "tie_word_embeddings": False}])
+def test_falcons_model_states_count_the_parameters_of_falcon_for_causal_lm(tmp_path, fields):
+    """One input_layernorm a layer in Falcon-7B's layout (single_norm), ln_attn and ln_mlp in Falcon-40B's."""
+    from memcalc.sizing.states import total_params
+    fields = {"new_decoder_architecture": True} | fields if "num_kv_heads" in fields else fields
+    hf_config = transformers.FalconConfig(**WRITTEN["falcon"], **fields)
+    hf_config.save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    config = load_config(path, {"impl": "hf", "attention": "eager"}, base=read_hf_config(path).fields)
+    model = transformers.FalconForCausalLM(hf_config)
+    assert total_params(config) == sum(p.numel() for p in model.parameters())
