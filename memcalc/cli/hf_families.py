@@ -1,11 +1,11 @@
 """`memcalc hf-families`: the transformers families `--hf-config` reads, each with the decoder layer it was
-measured on (memcalc.config.hf.FAMILIES), and the model types it refuses with what they lack."""
+measured on (memcalc.model.families.FAMILIES), and the model types it refuses with what they lack."""
 
 from __future__ import annotations
 
 import click
 
-from memcalc.config.hf import FAMILIES, UNREAD
+from memcalc.model.families import FAMILIES, UNREAD
 
 
 @click.command("hf-families")

@@ -475,7 +475,7 @@ KNOBS: tuple[Knob, ...] = (
          _mla_knob("qk_nope_head_dim"), symbol="d_n"),
     Knob("v_head_dim", "size", None, "latent attention: each value head's channels", _mla_knob("v_head_dim"),
          symbol="d_v"),
-    # -- what transformers' decoder families add (memcalc.config.hf.FAMILIES) --
+    # -- what transformers' decoder families add (memcalc.model.families.FAMILIES) --
     Knob(
         "sliding_window", "size", None, "each query attends to the last W keys only (Mistral's sliding_window;"
         " default: full causal attention); kept bytes are full causal's: counted at s > W under --impl hf"

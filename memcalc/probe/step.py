@@ -43,7 +43,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Callable
 
-from memcalc.config.hf import family_of
+from memcalc.model.families import family_of
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError
 from memcalc.model import ledger

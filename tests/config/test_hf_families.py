@@ -1,11 +1,12 @@
-"""memcalc.config.hf.FAMILIES is the one table of transformers families: each entry's names are transformers' own,
+"""memcalc.model.families.FAMILIES is the one table of transformers families: each entry's names are transformers' own,
 config.json is read through the class's attribute_map, and a family memcalc cannot model is refused by what it lacks."""
 
 import json
 
 import pytest
 
-from memcalc.config.hf import FAMILIES, UNREAD, read_hf_config
+from memcalc.config.hf import read_hf_config
+from memcalc.model.families import FAMILIES, UNREAD
 from memcalc.errors import ConfigError
 from tests.cli import memcalc_cli, one_line_error
 

@@ -74,7 +74,7 @@ def _check_hf_only(knobs: Any) -> None:
         return
     given = [name for name in _HF_ONLY if getattr(knobs, name) not in (None, False)]
     if given:
-        from memcalc.config.hf import family_of  # only to word the refusal: the family these knobs name, if one
+        from memcalc.model.families import family_of  # only to word the refusal: the family these knobs name, if one
 
         family = family_of(knobs)
         layers = family.layer if family else " or ".join(dict.fromkeys(_HF_ONLY[name] for name in given))

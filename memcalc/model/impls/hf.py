@@ -65,7 +65,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, NamedTuple
 
-from memcalc.config.hf import FAMILIES, family_of
+from memcalc.model.families import FAMILIES, family_of
 from memcalc.errors import ConfigError
 from memcalc.model import ledger
 from memcalc.model.impls.base import Implementation, Refusal, SizeCondition, SizeRule, always, drop_small
@@ -931,7 +931,7 @@ def sandwich_norms(knobs: Any) -> tuple[tuple[SavedTensor, ...], tuple[SavedTens
 
 
 def check(knobs: Any) -> None:
-    """The knob values transformers' layers (memcalc.config.hf.FAMILIES) run; ConfigError for the rest."""
+    """The knob values transformers' layers (memcalc.model.families.FAMILIES) run; ConfigError for the rest."""
     layers = [f for f in FAMILIES.values() if f.when is not None]
     if not any(f.norm == knobs.norm and knobs.mlp in f.mlps for f in layers):
         runs = ", ".join(f"{f.norm} + {'/'.join(f.mlps)} ({f.layer})" for f in layers)

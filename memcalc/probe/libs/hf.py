@@ -76,7 +76,7 @@ from fnmatch import fnmatchcase
 from functools import partial
 from typing import Any, Callable
 
-from memcalc.config.hf import FAMILIES, family_of
+from memcalc.model.families import FAMILIES, family_of
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ProbeError
 from memcalc.model import ledger
@@ -162,7 +162,7 @@ def record_layer(
 
 
 def model_family(config: ModelConfig) -> str:
-    """The family whose layer runs these knobs (memcalc.config.hf.FAMILIES; rules.check has refused the rest)."""
+    """The family whose layer runs these knobs (memcalc.model.families.FAMILIES; rules.check has refused the rest)."""
     family = family_of(config)
     assert family is not None, "rules.check refuses knobs no family runs"
     return family.name

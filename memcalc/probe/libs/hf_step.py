@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from memcalc.config.hf import FAMILIES
+from memcalc.model.families import FAMILIES
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ProbeError
 from memcalc.model.strategy import Strategy

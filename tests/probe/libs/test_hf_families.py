@@ -1,4 +1,4 @@
-"""Each family in memcalc.config.hf.FAMILIES, end to end: a small config written by transformers' own config class
+"""Each family in memcalc.model.families.FAMILIES, end to end: a small config written by transformers' own config class
 (`save_pretrained`), read by `estimate --impl hf --hf-config`, and its decoder layer measured by the probe against
 the ledger, to the byte. A new family is one entry in `WRITTEN`."""
 
@@ -9,7 +9,8 @@ import pytest
 pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from memcalc.config.hf import FAMILIES, read_hf_config  # noqa: E402
+from memcalc.config.hf import read_hf_config
+from memcalc.model.families import FAMILIES  # noqa: E402
 from memcalc.config.schema import load_config  # noqa: E402
 from memcalc.model.evaluate import estimate  # noqa: E402
 from memcalc.model.knobs import Accounting  # noqa: E402

@@ -1,0 +1,801 @@
+"""transformers' decoder families, each declared once: how memcalc reads its config.json and which of transformers'
+decoder layers its rules were measured on.
+
+Each family is a short table of `Row`s: a memcalc field, the config.json fields that give it (first present wins, or
+all of them combined), and how a value is turned into memcalc's. `FAMILIES` names each family once (model_type,
+config class, decoder layer); `UNREAD` the model types transformers builds whose layers memcalc refuses, with what
+they lack; `family_of` tells the family whose layer runs a knob set. The reader of config.json files is
+`memcalc.config.hf`; the hf ledger (`memcalc.model.impls.hf`) and the probe read the table from here, one floor
+below the config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from memcalc.errors import ConfigError
+from memcalc.model.knobs import Mlp
+from memcalc.text import short_repr
+
+# transformers' GELU activations (ACT2CLS names) and memcalc's MLP choice for each: the tanh
+# approximation is its own choice, since a library may keep other tensors for it than for exact GELU.
+_GELUS = {
+    "gelu": Mlp.GELU, "gelu_python": Mlp.GELU, "quick_gelu": Mlp.GELU,
+    "gelu_new": Mlp.GELU_TANH, "gelu_pytorch_tanh": Mlp.GELU_TANH, "gelu_fast": Mlp.GELU_TANH,
+}
+
+
+def _gated(act: str) -> str:
+    """Llama-style MLPs are gated: SiLU(gate) * up is SwiGLU."""
+    if act in ("silu", "swish"):
+        return "swiglu"
+    raise ConfigError(f"hidden_act {short_repr(act)} in a gated MLP is not modelled (memcalc knows SwiGLU: silu)")
+
+
+def _gemma_gated(act: Any) -> str:
+    """Gemma's gated MLP: GemmaConfig turns the legacy "gelu" into gelu_pytorch_tanh, torch's tanh GELU kernel."""
+    if act in ("gelu", "gelu_pytorch_tanh"):
+        return "geglu_tanh"
+    raise ConfigError(f"hidden_act {short_repr(act)} in Gemma's gated MLP is not modelled (memcalc knows"
+                      " gelu_pytorch_tanh, and gelu, which GemmaConfig reads as it)")
+
+
+def _no_clip(value: Any) -> Any:
+    """OLMo's clip_qkv clamps Q, K and V in place, which keeps what memcalc has not measured."""
+    if value is not None:
+        raise ConfigError(f"clip_qkv={short_repr(value)} is not modelled (OLMo's in-place clamp of Q, K and V)")
+    return value
+
+
+def _plain(act: Any) -> Mlp:
+    """GPT-2 and GPT-NeoX MLPs are fc1 -> activation -> fc2."""
+    if isinstance(act, str) and act in _GELUS:
+        return _GELUS[act]
+    raise ConfigError(
+        f"activation {short_repr(act)} is not modelled (memcalc knows the GELU variants: {', '.join(_GELUS)})"
+    )
+
+
+def _kernel_gelu(act: Any) -> Mlp:
+    """StarCoder 2's MLP: its gelu_pytorch_tanh is torch's GELU kernel (approximate="tanh"), which keeps its input
+    alone, as exact GELU's kernel does: memcalc's gelu (and the probe runs gelu_pytorch_tanh for it)."""
+    return Mlp.GELU if act == "gelu_pytorch_tanh" else _plain(act)
+
+
+def _both_or_neither(values: list[Any]) -> Any:
+    """Llama's attention_bias and mlp_bias: memcalc's add_bias_linear puts biases on every linear or on none."""
+    if any(v != values[0] for v in values[1:]):
+        raise ConfigError(
+            f"attention_bias and mlp_bias differ ({short_repr(values)}); memcalc's add_bias_linear is all or none"
+        )
+    return values[0]
+
+
+def _largest_dropout(values: list[Any]) -> float:
+    """GPT-2's and GPT-NeoX's several dropouts: memcalc has one probability, so it keeps the largest."""
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        raise ConfigError(f"dropout probabilities must be numbers, got {short_repr(values)}")
+    return max(values)
+
+
+def _flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be true or false, got {short_repr(value)}")
+    return value
+
+
+def _rotary_fraction(values: list[Any]) -> float:
+    """GPT-NeoX's share of each head that RoPE rotates: rope_parameters' partial_rotary_factor (what
+    GPTNeoXConfig saves), else an older file's rotary_pct, else the class's 0.25."""
+    rope, pct = values
+    given = rope.get("partial_rotary_factor", ...) if isinstance(rope, dict) else ...
+    return _fraction(given if given is not ... else pct if pct is not ... else 0.25)
+
+
+def _fraction(fraction: Any) -> float:
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+        raise ConfigError(f"the rotary fraction (partial_rotary_factor, rotary_pct) must be in (0, 1], got"
+                          f" {short_repr(fraction)}")
+    return fraction
+
+
+@dataclass(frozen=True)
+class Row:
+    """One memcalc field and where config.json keeps it."""
+
+    target: str | None  # None: read and shown only (`note`)
+    sources: tuple[str, ...]
+    convert: Callable[[Any], Any] = lambda v: v
+    default: Any = ...  # when absent: ... required; None: memcalc's default; else the transformers class default
+    combine: Callable[[list[Any]], Any] | None = None  # combine every source (absent ones at default); else the first
+    note: str = ""  # target None: a field read, checked and shown, that changes nothing memcalc counts, and why
+
+
+def _kept_nothing(source: str, convert: Callable[[Any], Any], note: str) -> Row:
+    """A config.json field shown in the describe line, checked by `convert`, that changes no count (`note` says why)."""
+    return Row(None, (source,), convert, default=None, note=note)
+
+
+def _sizes(h: str, a: str, layers: str, vocab: str) -> tuple[Row, ...]:
+    return (Row("h", (h,)), Row("a", (a,)), Row("L", (layers,)), Row("vocab_size", (vocab,)))
+
+
+def _head_dim(value: Any) -> int:
+    """head_dim, memcalc's kv_channels: the channels of each attention head (h/a when config.json has none)."""
+    if type(value) is not int or value < 1:
+        raise ConfigError(f"head_dim must be a positive whole number, got {short_repr(value)}")
+    return value
+
+
+def _head_dim_row(default: Any = None) -> Row:
+    """The Llama family's head_dim (absent: h/a; Qwen3Config's own default is 128). DeepSeek's head_dim is its
+    RoPE part, read as qk_rope_head_dim instead."""
+    return Row("kv_channels", ("head_dim",), _head_dim, default=default)
+
+
+def _no_sliding_window(value: Any) -> Any:
+    """Qwen's use_sliding_window: sliding-window layers mask differently (and leave SDPA's causal kernel)."""
+    if value is not False:
+        raise ConfigError(f"use_sliding_window={short_repr(value)} is not modelled (memcalc models full causal"
+                          " attention in every layer)")
+    return value
+
+
+_LLAMA = (
+    *_sizes("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size"),
+    Row("num_query_groups", ("num_key_value_heads",), default=None),  # absent: multi-head (Llama 1)
+    Row("ffn_hidden_size", ("intermediate_size",)),
+    Row("mlp", ("hidden_act",), _gated, default="swiglu"),
+    Row("norm", ("rms_norm_eps",), lambda eps: "rmsnorm", default="rmsnorm"),
+    Row("s", ("max_position_embeddings",), default=None),
+    Row("dropout", ("attention_dropout",), default=0.0),
+    Row("tie_embeddings", ("tie_word_embeddings",), default=False),
+    Row("add_bias_linear", ("attention_bias", "mlp_bias"), default=False, combine=_both_or_neither),
+)
+_LLAMA_HEADS = (*_LLAMA, _head_dim_row())
+# GemmaConfig: a Llama layer whose norms scale by (1 + w) in fp32 (GemmaRMSNorm) and whose gated MLP is tanh GeGLU;
+# heads of head_dim (256 by default), embeddings tied; the embedding's scaling by sqrt(h) lies outside the layers.
+# OlmoConfig: a Llama layer whose two norms are OlmoLayerNorm, LayerNorm without weight or bias run in fp32.
+def _sliding_window(value: Any) -> int:
+    """Mistral's sliding_window: each query sees the last W keys (W a positive whole number)."""
+    if type(value) is not int or value < 1:
+        raise ConfigError(f"sliding_window must be a positive whole number or null, got {short_repr(value)}")
+    return value
+
+
+def _positive_number(name: str) -> Callable[[Any], Any]:
+    def convert(given: Any) -> Any:
+        if isinstance(given, bool) or not isinstance(given, (int, float)) or given <= 0:
+            raise ConfigError(f"{name} must be a positive number, got {short_repr(given)}")
+        return given
+
+    return convert
+
+
+def _positive_or_null(name: str) -> Callable[[Any], Any]:
+    check = _positive_number(name)
+    return lambda value: None if value is None else check(value)
+
+
+_KINDS_OF_LAYER = ("sliding_attention", "full_attention")
+
+
+def _layer_types(value: Any) -> Any:
+    """Gemma 2/3's and gpt-oss's layer_types: each layer's attention, a sliding window or full causal."""
+    if not isinstance(value, list) or not all(kind in _KINDS_OF_LAYER for kind in value):
+        raise ConfigError(f"layer_types must list {' or '.join(_KINDS_OF_LAYER)} for each layer, got"
+                          f" {short_repr(value)}")
+    return value
+
+
+# Sliding and full layers are counted alike, L times one layer, exactly: memcalc counts a window shorter than the
+# sequence under transformers' eager attention only (check_sliding_window), whose mask is added to the whole (s, s)
+# scores, so each kind keeps the same tensors (tests/probe/libs/test_hf_gpt_oss.py measures both).
+_LAYER_TYPES = _kept_nothing("layer_types", _layer_types, "sliding and full layers keep alike under eager attention")
+
+
+# Gemma2Config: Gemma's layer with sandwich norms (a GemmaRMSNorm on the attention's and on the MLP's output too),
+# attention scores soft-capped (attn_logit_softcapping; absent: none, as null: save_pretrained always writes it),
+# every other layer's attention a sliding window (eager keeps full attention's bytes); its activation field is
+# hidden_activation. The logits' own soft-capping and the query scale keep nothing a layer keeps.
+_GEMMA2_ONLY = (
+    Row("mlp", ("hidden_activation",), _gemma_gated, default="geglu_tanh"),
+    Row("attn_logit_softcapping", ("attn_logit_softcapping",), _positive_or_null("attn_logit_softcapping"),
+        default=None),
+    Row("sliding_window", ("sliding_window",), _sliding_window, default=4096),
+    _kept_nothing("final_logit_softcapping", lambda v: v, "outside the decoder layers (the logits')"),
+    _kept_nothing("query_pre_attn_scalar", lambda v: v, "a scale: keeps nothing"),
+    _LAYER_TYPES,
+)
+_OLMO = tuple(
+    Row("norm", (), default="layernorm_np") if row.target == "norm" else row for row in _LLAMA
+) + (_head_dim_row(), _kept_nothing("clip_qkv", _no_clip, "no clamp of Q, K and V"))
+_GEMMA = tuple(
+    {"mlp": Row("mlp", ("hidden_act",), _gemma_gated, default="geglu_tanh"),
+     "norm": Row("norm", ("rms_norm_eps",), lambda eps: "rmsnorm_1p", default="rmsnorm_1p"),
+     "tie_embeddings": Row("tie_embeddings", ("tie_word_embeddings",), default=True)}.get(row.target, row)
+    for row in _LLAMA
+) + (_head_dim_row(256),)
+# Qwen3Config: a Llama layer whose heads are head_dim wide (128 by default, whatever h/a is) and whose queries and
+# keys are RMS-normalised per head (q_norm, k_norm) before RoPE; no sliding window.
+_FULL_CAUSAL = _kept_nothing("use_sliding_window", _no_sliding_window, "full causal attention in every layer")
+_QWEN2 = (*_LLAMA_HEADS, _FULL_CAUSAL)
+_QWEN3 = (*_LLAMA, _head_dim_row(128), _FULL_CAUSAL)
+# DeepseekV2Config / DeepseekV3Config: a Llama layer whose attention is multi-head latent attention.
+_DEEPSEEK = (
+    *_LLAMA,
+    Row("q_lora_rank", ("q_lora_rank",), default=None),  # null: the query is projected from x (DeepSeek-V2-Lite)
+    Row("kv_lora_rank", ("kv_lora_rank",)),
+    Row("qk_rope_head_dim", ("qk_rope_head_dim",)),
+    Row("qk_nope_head_dim", ("qk_nope_head_dim",)),
+    Row("v_head_dim", ("v_head_dim",)),
+)
+
+
+def _shared_width(values: list[Any]) -> int | None:
+    """DeepSeek's n_shared_experts shared experts of moe_intermediate_size are one MLP of their summed width (the
+    DeepseekV3MLP transformers builds); absent ones at DeepseekV3Config's defaults, 1 and 2048."""
+    count, width = (d if v is ... else v for v, d in zip(values, (1, 2048)))
+    if type(count) is not int or type(width) is not int or count < 0 or width < 1:
+        raise ConfigError(f"n_shared_experts and moe_intermediate_size must be whole numbers, got {short_repr(values)}")
+    return count * width or None
+
+
+def _deepseek_v3_only(field_name: str, value: str) -> Callable[[Any], Any]:
+    """A DeepSeek router setting transformers' DeepseekV3TopkRouter hard-codes: refused when config.json asks for
+    another (DeepSeek-V2's softmax and greedy top-k are not what transformers' V3 layer runs)."""
+
+    def convert(given: Any) -> Any:
+        if given != value:
+            raise ConfigError(f"{field_name}={short_repr(given)} is not modelled: transformers' DeepseekV3TopkRouter"
+                              f" always runs {field_name}={value}")
+        return given
+
+    return convert
+
+
+def _aux_loss(values: list[Any]) -> bool:
+    """transformers adds the load-balancing loss when output_router_logits is on (with a coefficient not 0)."""
+    output_router_logits, coefficient = values
+    return bool(output_router_logits) and coefficient != 0
+
+
+def _pre_softmax(norm_topk_prob: Any) -> bool:
+    """norm_topk_prob false: the top-k probabilities are used as the softmax over all experts gave them."""
+    if not isinstance(norm_topk_prob, bool):
+        raise ConfigError(f"norm_topk_prob must be true or false, got {short_repr(norm_topk_prob)}")
+    return not norm_topk_prob
+
+
+def _experts_implementation(value: Any) -> str:
+    """transformers' experts_implementation: grouped_mm (its default when unset) or eager; its kernels' others
+    (batched_mm, deepgemm, sonicmoe) keep what memcalc has not measured."""
+    if value not in ("grouped_mm", "eager"):
+        raise ConfigError(f"experts_implementation={short_repr(value)} is not modelled (memcalc models transformers'"
+                          " grouped_mm, its default, and eager)")
+    return value
+
+
+# Every MoE family's experts run by transformers' use_experts_implementation; absent: memcalc's default, grouped_mm.
+_EXPERTS_IMPLEMENTATION = Row("experts_implementation", ("experts_implementation",), _experts_implementation,
+                              default=None)
+_AUX_LOSS = Row("moe_aux_loss", ("output_router_logits", "router_aux_loss_coef"), default=None, combine=_aux_loss)
+# MixtralConfig: every layer a sparse MoE block of num_local_experts experts as wide as intermediate_size.
+_MIXTRAL = (
+    *_LLAMA_HEADS,
+    Row("num_experts", ("num_local_experts",)),
+    Row("moe_router_topk", ("num_experts_per_tok",), default=2),  # MixtralConfig's default
+    _EXPERTS_IMPLEMENTATION, _AUX_LOSS,
+)
+# Qwen2MoeConfig: experts of moe_intermediate_size beside a gated shared expert, every decoder_sparse_step-th
+# layer sparse (the others a dense MLP of intermediate_size); its class defaults are Qwen1.5-MoE-A2.7B's.
+_QWEN2_MOE = (
+    *_LLAMA_HEADS,
+    Row("num_experts", ("num_experts",)),
+    Row("moe_router_topk", ("num_experts_per_tok",), default=4),
+    Row("moe_ffn_hidden_size", ("moe_intermediate_size",), default=1408),
+    Row("moe_shared_expert_intermediate_size", ("shared_expert_intermediate_size",), default=5632),
+    Row("moe_router_pre_softmax", ("norm_topk_prob",), _pre_softmax, default=True),  # norm_topk_prob false
+    Row("moe_layer_freq", ("decoder_sparse_step",), default=None),
+    Row("add_qkv_bias", ("qkv_bias",), default=True),
+    _EXPERTS_IMPLEMENTATION, _AUX_LOSS,
+)
+# Qwen3MoeConfig: Qwen3's attention; every decoder_sparse_step-th layer Qwen2-MoE's router and experts of
+# moe_intermediate_size without a shared expert (the others a dense MLP of intermediate_size); its class defaults are
+# Qwen3-30B-A3B's but for norm_topk_prob (false in the class, true in that model's config.json).
+_QWEN3_MOE = (
+    *_LLAMA, _head_dim_row(), _FULL_CAUSAL,
+    Row("num_experts", ("num_local_experts",)),  # Qwen3MoeConfig's attribute; older config.json files say num_experts
+    Row("moe_router_topk", ("num_experts_per_tok",), default=8),
+    Row("moe_ffn_hidden_size", ("moe_intermediate_size",), default=768),
+    Row("moe_router_pre_softmax", ("norm_topk_prob",), _pre_softmax, default=True),  # norm_topk_prob false
+    Row("moe_layer_freq", ("decoder_sparse_step",), default=None),
+    _kept_nothing("mlp_only_layers", lambda v: v, "no layer made dense by index"),  # _check_sparse_layers refuses any
+    _EXPERTS_IMPLEMENTATION, _AUX_LOSS,
+)
+def _causal(value: Any) -> Any:
+    """Gemma 3's use_bidirectional_attention: its bidirectional mask and halved window are not modelled."""
+    if value not in (False, None):
+        raise ConfigError(f"use_bidirectional_attention={short_repr(value)} is not modelled (memcalc counts causal"
+                          " decoder layers)")
+    return value
+
+
+# Gemma3TextConfig: Gemma 2's layer with a GemmaRMSNorm on each query and key head (q_norm, k_norm) and no
+# soft-capping by default; five sliding-window layers to a global one (layer_types), each kind its own RoPE base.
+_GEMMA3 = (
+    *(r for r in _GEMMA if r.target != "mlp"), *_GEMMA2_ONLY,
+    _kept_nothing("use_bidirectional_attention", _causal, "causal attention"),
+    _kept_nothing("rope_local_base_freq", lambda v: v, "a RoPE base: the same tables"),
+)
+_NOTHING_KEPT = "changes nothing kept"
+# DeepseekV3Config's MoE: n_routed_experts experts of moe_intermediate_size beside n_shared_experts shared ones of the
+# same width, the first first_k_dense_replace layers dense (intermediate_size wide); a sigmoid router whose
+# e_score_correction_bias picks the experts (noaux_tc) among topk_group of n_group groups, the picked scores
+# renormalised (norm_topk_prob) and scaled by routed_scaling_factor. The groups, the bias and the scale keep nothing
+# (transient top-ks whose values are discarded, an add, a product by a number), so they are shown, not counted.
+_DEEPSEEK_V3 = (
+    *_DEEPSEEK,
+    Row("num_experts", ("n_routed_experts",)),
+    Row("moe_router_topk", ("num_experts_per_tok",), default=8),
+    Row("moe_ffn_hidden_size", ("moe_intermediate_size",), default=2048),
+    Row("moe_shared_expert_intermediate_size", ("n_shared_experts", "moe_intermediate_size"), default=...,
+        combine=_shared_width),
+    Row("moe_first_dense_layers", ("first_k_dense_replace",), lambda k: k or None, default=3),
+    Row("moe_layer_freq", ("moe_layer_freq",), default=None),
+    Row("moe_router_pre_softmax", ("norm_topk_prob",), _pre_softmax, default=False),
+    Row("moe_router_score_function", ("scoring_func",), _deepseek_v3_only("scoring_func", "sigmoid"),
+        default="sigmoid"),
+    _EXPERTS_IMPLEMENTATION,
+    _kept_nothing("topk_method", _deepseek_v3_only("topk_method", "noaux_tc"), _NOTHING_KEPT),
+    _kept_nothing("n_group", _positive_number("n_group"), _NOTHING_KEPT),
+    _kept_nothing("topk_group", _positive_number("topk_group"), _NOTHING_KEPT),
+    _kept_nothing("routed_scaling_factor", _positive_number("routed_scaling_factor"), _NOTHING_KEPT),
+    _kept_nothing("aux_loss_alpha", lambda v: v, "not counted: transformers computes no DeepSeek balance loss"),
+    _kept_nothing("num_nextn_predict_layers", lambda v: v,
+                  "not counted: the multi-token prediction module, which transformers does not build"),
+)
+_GPT2 = (
+    *_sizes("n_embd", "n_head", "n_layer", "vocab_size"),
+    Row("ffn_hidden_size", ("n_inner",), default=None),  # null or absent: 4h
+    Row("mlp", ("activation_function",), _plain, default=_plain("gelu_new")),  # GPT2Config's default
+    Row("norm", ("layer_norm_epsilon",), lambda eps: "layernorm", default="layernorm"),
+    Row("s", ("n_positions",)),
+    Row("max_position_embeddings", ("n_positions",)),
+    Row("dropout", ("resid_pdrop", "embd_pdrop", "attn_pdrop"), default=0.1, combine=_largest_dropout),
+    Row("tie_embeddings", ("tie_word_embeddings",), default=True),
+)
+_GPT_NEOX = (
+    *_sizes("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size"),
+    Row("ffn_hidden_size", ("intermediate_size",)),
+    Row("mlp", ("hidden_act",), _plain, default="gelu"),
+    Row("norm", ("layer_norm_eps",), lambda eps: "layernorm", default="layernorm"),
+    Row("s", ("max_position_embeddings",), default=None),
+    Row("dropout", ("attention_dropout", "hidden_dropout"), default=0.0, combine=_largest_dropout),
+    Row("tie_embeddings", ("tie_word_embeddings",), default=False),
+    Row("add_bias_linear", ("attention_bias",), default=True),
+    Row("parallel_residual", ("use_parallel_residual",), lambda v: _flag("use_parallel_residual", v), default=True),
+    Row("rotary_percent", ("rope_parameters", "rotary_pct"), default=0.25, combine=_rotary_fraction),
+)
+
+
+# Starcoder2Config: a LayerNorm layer with RoPE on whole heads (its rotary embedding takes no partial factor), separate
+# q, k and v (with GQA), biases on every linear (use_bias), the attention's and the MLP's outputs dropped out
+# (residual_dropout), an MLP c_fc -> hidden_act -> c_proj, and each query attending to the last sliding_window keys.
+_STARCODER2 = (
+    *_sizes("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size"),
+    Row("num_query_groups", ("num_key_value_heads",), default=2),  # Starcoder2Config's default
+    Row("ffn_hidden_size", ("intermediate_size",)),
+    Row("mlp", ("hidden_act",), _kernel_gelu, default=Mlp.GELU),  # gelu_pytorch_tanh, Starcoder2Config's default
+    Row("norm", ("norm_epsilon",), lambda eps: "layernorm", default="layernorm"),
+    Row("s", ("max_position_embeddings",), default=None),
+    Row("dropout", ("attention_dropout", "residual_dropout", "embedding_dropout"), default=0.0,
+        combine=_largest_dropout),
+    Row("tie_embeddings", ("tie_word_embeddings",), default=True),
+    Row("add_bias_linear", ("use_bias",), lambda v: _flag("use_bias", v), default=True),
+    Row("sliding_window", ("sliding_window",), _sliding_window, default=None),
+)
+
+
+def _rotary_dim_share(values: list[Any]) -> float:
+    """GPT-J's rotary_dim (absent: GPTJConfig's 64) as a share of each head's n_embd / n_head channels."""
+    rotary_dim, h, a = (64 if values[0] is None else values[0], *values[1:])
+    if type(h) is not int or type(a) is not int or h < a or a < 1:
+        raise ConfigError(f"n_embd and n_head must be whole numbers, n_embd >= n_head, got {short_repr(values[1:])}")
+    if type(rotary_dim) is not int or rotary_dim < 2 or rotary_dim % 2:
+        raise ConfigError(f"rotary_dim must be a positive even whole number, got {short_repr(rotary_dim)}")
+    return _fraction(rotary_dim / (h // a))
+
+
+# GPTJConfig: one LayerNorm (ln_1) whose output both the attention and the MLP read, added to the residual together;
+# q, k, v and out_proj without biases, fc_in and fc_out with them (biases keep nothing: memcalc's add_bias_linear is
+# left unset); RoPE interleaved on the first rotary_dim channels of each head.
+_GPTJ = (
+    *_sizes("n_embd", "n_head", "n_layer", "vocab_size"),
+    Row("ffn_hidden_size", ("n_inner",), default=None),  # null or absent: 4h
+    Row("mlp", ("activation_function",), _plain, default=_plain("gelu_new")),  # GPTJConfig's default
+    Row("norm", ("layer_norm_epsilon",), lambda eps: "layernorm", default="layernorm"),
+    Row("s", ("n_positions",)),
+    Row("max_position_embeddings", ("n_positions",)),
+    Row("dropout", ("resid_pdrop", "embd_pdrop", "attn_pdrop"), default=0.0, combine=_largest_dropout),
+    Row("tie_embeddings", ("tie_word_embeddings",), default=False),
+    Row("rotary_percent", ("rotary_dim", "n_embd", "n_head"), default=None, combine=_rotary_dim_share),
+)
+
+
+# MistralConfig: Llama's layer, each query attending to the last sliding_window keys (the class's default, 4096, when
+# config.json has none; null: full causal attention, Mistral v0.2 on).
+_MISTRAL = (*_LLAMA_HEADS, Row("sliding_window", ("sliding_window",), _sliding_window, default=4096))
+
+
+def _whole_heads_or_share(values: list[Any]) -> float | None:
+    """Phi-3's share of each head that RoPE rotates: rope_parameters' partial_rotary_factor (what Phi3Config saves),
+    else an older file's top-level partial_rotary_factor (Phi-4-mini's 0.75, which the class moves into
+    rope_parameters); 1, the class's default, is whole heads (memcalc's unset rotary_percent)."""
+    rope, top = values
+    given = rope.get("partial_rotary_factor") if isinstance(rope, dict) else None
+    fraction = _fraction(next((v for v in (given, top) if v is not None), 1.0))
+    return None if fraction == 1 else fraction
+
+
+# Phi3Config (Phi-3, Phi-3.5, Phi-4): a Llama layer whose q, k and v are one qkv_proj and gate and up one gate_up_proj,
+# whose attention's and MLP's outputs are dropped out (resid_pdrop), and whose RoPE may rotate part of each head.
+_PHI3 = (
+    *(r for r in _LLAMA if r.target not in ("dropout", "add_bias_linear")),
+    _head_dim_row(),
+    Row("dropout", ("attention_dropout", "resid_pdrop", "embd_pdrop"), default=0.0, combine=_largest_dropout),
+    Row("rotary_percent", ("rope_parameters", "partial_rotary_factor"), default=None, combine=_whole_heads_or_share),
+    Row("sliding_window", ("sliding_window",), _sliding_window, default=None),  # Phi3Config's default: none
+    _kept_nothing("original_max_position_embeddings", lambda v: v, "LongRoPE's scaling: the same cos and sin tables"),
+)
+
+
+# Olmo2Config: a Llama layer without input norms, an Olmo2RMSNorm (its weight times the fp32 normalised input) on the
+# attention's and on the MLP's outputs, and on q_proj's and k_proj's whole outputs (q_norm, k_norm); the MLP has no
+# biases whatever attention_bias says.
+_OLMO2 = (
+    *({"norm": Row("norm", ("rms_norm_eps",), lambda eps: "rmsnorm_fp32w", default="rmsnorm_fp32w")}.get(r.target, r)
+      for r in _LLAMA if r.target != "add_bias_linear"),
+    _head_dim_row(),
+    _kept_nothing("attention_bias", lambda v: _flag("attention_bias", v), "q, k, v and o biases keep nothing"),
+)
+
+
+def _partial_rotary(default: float) -> Callable[[Any], float]:
+    """GLM's share of each head that RoPE rotates: rope_parameters' partial_rotary_factor (the config class sets
+    `default` when the file has none)."""
+
+    def convert(rope: Any) -> float:
+        return _fraction(rope.get("partial_rotary_factor", default) if isinstance(rope, dict) else rope)
+
+    return convert
+
+
+# GlmConfig: a Llama layer (LlamaRMSNorm's code) whose gate and up are one gate_up_proj (its tp_plan gathers that
+# output), whose Q, K and V carry biases (attention_bias, o_proj none) and whose RoPE turns the first half of each
+# head (partial_rotary_factor, 0.5 unless said), its tables interleaved; heads of head_dim (128 by default).
+# Glm4Config: the same layer with sandwich norms (post_self_attn_layernorm and post_mlp_layernorm).
+_GLM = (
+    *(r for r in _LLAMA if r.target != "add_bias_linear"), _head_dim_row(128),
+    Row("add_qkv_bias", ("attention_bias",), lambda v: _flag("attention_bias", v), default=True),
+    Row("rotary_percent", ("rope_parameters",), _partial_rotary(0.5), default=0.5),
+)
+
+
+
+def _refused_if(name: str, refused: Any, what: str) -> Callable[[Any], Any]:
+    """A Falcon switch whose `refused` value asks for a layer memcalc has not measured (`what`)."""
+
+    def convert(value: Any) -> Any:
+        if _flag(name, value) == refused:
+            raise ConfigError(f"{name}={str(value).lower()} is not modelled ({what})")
+        return value
+
+    return convert
+
+
+def _new_layout(value: Any) -> bool:
+    """FalconConfig's new_decoder_architecture (absent: the class's False)."""
+    return value is not None and _flag("new_decoder_architecture", value)
+
+
+def _falcon_groups(values: list[Any]) -> int | None:
+    """FalconConfig's K/V groups: new_decoder_architecture's num_kv_heads (absent: every head, multi-head; one group
+    a head reads as memcalc's multi-head None), else one for multi_query (the class's default) or multi-head."""
+    new, multi_query, groups, heads = values
+    if _new_layout(new):
+        return None if groups in (None, heads) else groups
+    return 1 if multi_query is None or _flag("multi_query", multi_query) else None
+
+
+def _falcon_single_norm(values: list[Any]) -> bool:
+    """One input_layernorm read by attention and MLP: Falcon-7B's first layout always, new_decoder_architecture's with
+    num_ln_in_parallel_attn 1 (Falcon2-11B's); its ln_attn and ln_mlp otherwise (absent: 2, Falcon-40B/180B's)."""
+    new, norms = values
+    if norms not in (None, 1, 2):
+        raise ConfigError(f"num_ln_in_parallel_attn must be 1 or 2, got {short_repr(norms)}")
+    if norms == 2 and not _new_layout(new):
+        raise ConfigError("num_ln_in_parallel_attn=2 without new_decoder_architecture is not a layer transformers runs"
+                          " (FalconDecoderLayer builds ln_attn and ln_mlp, then its forward reads input_layernorm:"
+                          " AttributeError)")
+    return not _new_layout(new) or norms == 1
+
+
+# FalconConfig: a LayerNorm (with bias) layer whose attention and MLP both read one input_layernorm's output
+# (parallel_attn), RoPE on whole heads; one key and one value head for all queries (multi_query, the class's default;
+# false: multi-head, num_kv_heads = a); GELU MLP of ffn_hidden_size (absent: 4h); biases on every linear or none (bias).
+# new_decoder_architecture (Falcon-40B/180B) is the grouped query_key_value (fused_qkv: per group a/g query heads, one
+# key, one value) of num_kv_heads groups, multi_query ignored, with ln_attn and ln_mlp (single_norm unless
+# num_ln_in_parallel_attn is 1). Without ALiBi the attention drops nothing out, so hidden_dropout (on the summed
+# output) is memcalc's dropout.
+_FALCON = (
+    *_sizes("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size"),
+    Row("ffn_hidden_size", ("ffn_hidden_size",), default=None),
+    Row("mlp", ("activation",), _plain, default="gelu"),
+    Row("norm", ("layer_norm_epsilon",), lambda eps: "layernorm", default="layernorm"),
+    Row("s", ("max_position_embeddings",), default=None),
+    Row("dropout", ("hidden_dropout",), default=0.0, combine=_largest_dropout),
+    Row("tie_embeddings", ("tie_word_embeddings",), default=True),
+    Row("add_bias_linear", ("bias",), lambda v: _flag("bias", v), default=False),
+    Row("num_query_groups", ("new_decoder_architecture", "multi_query", "num_kv_heads", "num_attention_heads"),
+        default=None, combine=_falcon_groups),
+    Row("parallel_residual", ("parallel_attn",),
+        _refused_if("parallel_attn", False, "Falcon's sequential block: attention, dropout_add, then its MLP"),
+        default=True),
+    _kept_nothing("alibi", _refused_if("alibi", True, "ALiBi: FalconAttention adds its bias to fp32 scores and"
+                                       " drops the probabilities out, which memcalc has not measured"),
+                  "RoPE, no ALiBi"),
+    Row("fused_qkv", ("new_decoder_architecture",), lambda v: _flag("new_decoder_architecture", v), default=False),
+    Row("single_norm", ("new_decoder_architecture", "num_ln_in_parallel_attn"), default=None,
+        combine=_falcon_single_norm),
+    _kept_nothing("attention_dropout", lambda v: v, "without ALiBi no dropout on the attention"),
+)
+
+
+
+def _bloom_dropout(values: list[Any]) -> float:
+    """BLOOM's attention_dropout (on the probabilities) and hidden_dropout (after the attention and the MLP): memcalc's
+    one dropout keeps all their masks or none, so both must be zero or both set (the larger is kept)."""
+    largest = _largest_dropout(values)
+    if (values[0] > 0) != (values[1] > 0):
+        raise ConfigError(f"attention_dropout={values[0]} with hidden_dropout={values[1]}: memcalc's one dropout keeps"
+                          " every mask or none; set both to zero, or both above it")
+    return largest
+
+
+# BloomConfig: GPT-2's sequential LayerNorm block (biases everywhere, an MLP of 4h) with ALiBi in place of positions,
+# Llama's fp32 softmax, and a tanh GELU that keeps its input alone; no position limit (s is yours to give).
+_BLOOM = (
+    Row("h", ("hidden_size", "n_embed")), Row("a", ("n_head",)), Row("L", ("n_layer",)),
+    Row("vocab_size", ("vocab_size",)),
+    Row("norm", ("layer_norm_epsilon",), lambda eps: "layernorm", default="layernorm"),
+    Row("dropout", ("attention_dropout", "hidden_dropout"), default=0.0, combine=_bloom_dropout),
+    Row("tie_embeddings", ("tie_word_embeddings",), default=True),
+    _kept_nothing("apply_residual_connection_post_layernorm",
+                  lambda v: _flag("apply_residual_connection_post_layernorm", v), "which tensor the residual adds"),
+    _kept_nothing("slow_but_exact", _refused_if("slow_but_exact", True, "BLOOM's sliced dense layers under"
+                                                " pretraining_tp, which memcalc has not measured"), "no slicing"),
+)
+
+
+def _logit_scale(value: Any) -> Any:
+    """Cohere's logit_scale: a number the logits are multiplied by (null: none)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise ConfigError(f"logit_scale must be a number or null, got {short_repr(value)}")
+    return value
+
+
+# CohereConfig (Command R, Command R+): Llama's attention (GQA, RoPE on whole heads, its tables interleaved) and
+# SwiGLU, side by side on one CohereLayerNorm (LayerNorm without bias, in fp32) whose output both read, summed into the
+# residual together; use_qk_norm (Command R+) adds a CohereLayerNorm on each query and key head; embeddings tied.
+_COHERE = (
+    *({"norm": Row("norm", ("layer_norm_eps",), lambda eps: "layernorm_nb", default="layernorm_nb"),
+       "tie_embeddings": Row("tie_embeddings", ("tie_word_embeddings",), default=True)}.get(r.target, r)
+      for r in _LLAMA if r.target != "add_bias_linear"),
+    _head_dim_row(),
+    Row("qk_layernorm", ("use_qk_norm",), lambda v: _flag("use_qk_norm", v), default=False),
+    _kept_nothing("attention_bias", lambda v: _flag("attention_bias", v), "q, k, v and o biases keep nothing"),
+    _kept_nothing("logit_scale", _logit_scale, "outside the decoder layers: the logits times a number keep nothing"),
+)
+
+
+def _dequantized_mxfp4(value: Any) -> Any:
+    """The published gpt-oss checkpoints' MXFP4 experts: transformers trains them only dequantized to bf16
+    (Mxfp4HfQuantizer.is_trainable is False: "please consider dequantizing the model first"), the layer memcalc
+    counts. Another quantization keeps what memcalc has not measured."""
+    method = value.get("quant_method") if isinstance(value, dict) else value
+    if method != "mxfp4":
+        raise ConfigError(f"quantization_config with quant_method {short_repr(method)} is not modelled (memcalc counts"
+                          " gpt-oss's MXFP4 checkpoints as trained: dequantized to bf16)")
+    return method
+
+
+# GptOssConfig: a layer of GQA heads of head_dim whose norms are GptOssRMSNorm (Olmo2RMSNorm's code: the weight times the
+# fp32 normalised input), whose attention carries biases on q, k, v and o (attention_bias) and a learned sink logit per
+# head, every other layer a sliding window (layer_types), RoPE with YaRN scaling (cos and sin scaled: the same tables);
+# every layer's MLP sparse: GptOssTopKRouter (a linear with bias, top-k, a softmax over the k chosen logits) and
+# GptOssExperts, num_local_experts experts of intermediate_size with biases and the clamped GLU (swiglu_limit,
+# swiglu_alpha: a bound and a gain, keeping nothing of their own). hidden_act is unused (the experts' GLU is their own).
+# transformers runs it eager: GptOssPreTrainedModel has _supports_sdpa False, and its flash path needs hub kernels.
+_GPT_OSS = (
+    *_sizes("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size"),
+    Row("num_query_groups", ("num_key_value_heads",), default=8),  # GptOssConfig's defaults, gpt-oss-120b's
+    _head_dim_row(64),
+    Row("ffn_hidden_size", ("intermediate_size",), default=2880),
+    Row("num_experts", ("num_local_experts",), default=128),
+    Row("moe_router_topk", ("num_experts_per_tok",), default=4),
+    Row("norm", ("rms_norm_eps",), lambda eps: "rmsnorm_fp32w", default="rmsnorm_fp32w"),
+    Row("s", ("max_position_embeddings",), default=None),
+    Row("dropout", ("attention_dropout",), default=0.0),
+    Row("tie_embeddings", ("tie_word_embeddings",), default=False),
+    Row("add_bias_linear", ("attention_bias",), lambda v: _flag("attention_bias", v), default=True),
+    Row("sliding_window", ("sliding_window",), _sliding_window, default=128),
+    _LAYER_TYPES, _EXPERTS_IMPLEMENTATION, _AUX_LOSS,
+    _kept_nothing("swiglu_limit", _positive_number("swiglu_limit"), "the GLU's clamp bound: the same tensors"),
+    _kept_nothing("swiglu_alpha", _positive_number("swiglu_alpha"), "the sigmoid's gain: a scale"),
+    _kept_nothing("rope_parameters", lambda v: v, "YaRN scales cos and sin: the same tables"),
+    _kept_nothing("hidden_act", lambda v: v, "unused: GptOssExperts runs its own clamped GLU"),
+    _kept_nothing("quantization_config", _dequantized_mxfp4, "trained dequantized to bf16 (MXFP4 does not train)"),
+)
+
+
+def _dense(k: Any) -> bool:
+    """A Llama-family layer with a dense MLP and plain multi-head or grouped-query attention (separate q, k, v),
+    rotating whole heads (a rotary fraction in such a layer is GLM's)."""
+    return not k.moe and not k.mla and not k.qk_layernorm and not k.fused_qkv and k.rotary_percent is None
+
+
+def _glm(k: Any) -> bool:
+    """GLM's layer: an RMSNorm layer rotating a share of each head (rotary_percent), dense, q, k and v separate,
+    without QK norms."""
+    return k.rotary_percent is not None and not k.moe and not k.mla and not k.qk_layernorm and not k.fused_qkv
+
+
+def _qkv_bias(k: Any) -> bool:
+    """Qwen2's QKV bias (a config field, not a knob: it keeps nothing, so a knob set alone reads as Llama's)."""
+    return bool(getattr(k, "add_qkv_bias", False))
+
+
+@dataclass(frozen=True)
+class Family:
+    """One transformers decoder family, declared once: how memcalc reads its config.json and which of
+    transformers' decoder layers its rules were measured on.
+
+    `name` is config.json's model_type (and transformers' models/<name> package); `config_class` the class whose
+    `save_pretrained` writes that config.json, and whose `attribute_map` (copied here, checked against the class by
+    tests/config/test_hf_families.py) renames a field before it is read, as the class's own __init__ does. `when`
+    tells the family's layer from memcalc's knobs (their sets are disjoint); None: the family is read but its knobs run
+    another family's layer (`runs_as`), or the same layer under another name (Mistral's is Llama's)."""
+
+    name: str
+    config_class: str
+    layer: str
+    architectures: tuple[str, ...]
+    rows: tuple[Row, ...]
+    fixed: dict[str, Any] = field(default_factory=dict)
+    norm: str = "rmsnorm"
+    mlps: tuple[str, ...] = ("swiglu",)
+    when: Callable[[Any], bool] | None = None
+    runs_as: str | None = None
+    router: str | None = None  # a MoE family's router class (the probe's --route forces it)
+    attribute_map: dict[str, str] = field(default_factory=dict)
+    package: str | None = None  # transformers/models/<package>, where it is not the model_type (Gemma 3's text model)
+    # the blocks whose fused outputs the config class's base_model_tp_plan gathers ("colwise_gather_output"): under tp
+    # every rank runs them whole, and only the next linear's input ("rowwise_split_input") is split
+    gathered: tuple[str, ...] = ()
+
+    @property
+    def modeling(self) -> str:
+        """The module that defines the family's decoder layer."""
+        package = self.package or self.name
+        return f"transformers.models.{package}.modeling_{package}"
+
+    def reads(self) -> tuple[str, ...]:
+        """The config.json fields memcalc reads for this family, in the table's order."""
+        return tuple(dict.fromkeys(name for row in self.rows for name in row.sources))
+
+
+_ROPE = {"position_embedding_type": "rope"}
+_EXPERTS = {"num_experts": "num_local_experts"}  # Mixtral's, Qwen3-MoE's and gpt-oss's attribute_map
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family("llama", "LlamaConfig", "LlamaDecoderLayer", ("LlamaForCausalLM",), _LLAMA_HEADS, _ROPE,
+               when=lambda k: _dense(k) and not _qkv_bias(k)),
+        Family("mistral", "MistralConfig", "MistralDecoderLayer", ("MistralForCausalLM",), _MISTRAL, _ROPE),
+        Family("qwen2", "Qwen2Config", "Qwen2DecoderLayer", ("Qwen2ForCausalLM",), _QWEN2,
+               _ROPE | {"add_qkv_bias": True}, when=lambda k: _dense(k) and _qkv_bias(k)),  # Q, K, V carry biases
+        Family("qwen3", "Qwen3Config", "Qwen3DecoderLayer", ("Qwen3ForCausalLM",), _QWEN3,
+               _ROPE | {"qk_layernorm": True}, when=lambda k: k.qk_layernorm and not k.moe and not k.mla),
+        Family("mixtral", "MixtralConfig", "MixtralDecoderLayer", ("MixtralForCausalLM",), _MIXTRAL, _ROPE,
+               when=lambda k: k.moe and not k.moe_shared_expert_intermediate_size and not k.qk_layernorm
+               and not k.mla, router="MixtralTopKRouter", attribute_map=_EXPERTS),
+        Family("qwen2_moe", "Qwen2MoeConfig", "Qwen2MoeDecoderLayer", ("Qwen2MoeForCausalLM",), _QWEN2_MOE, _ROPE,
+               when=lambda k: k.moe and bool(k.moe_shared_expert_intermediate_size) and not k.mla,
+               router="Qwen2MoeTopKRouter"),
+        Family("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeDecoderLayer", ("Qwen3MoeForCausalLM",), _QWEN3_MOE,
+               _ROPE | {"qk_layernorm": True}, when=lambda k: k.moe and k.qk_layernorm and not k.mla,
+               router="Qwen3MoeTopKRouter", attribute_map=_EXPERTS),
+        Family("gemma", "GemmaConfig", "GemmaDecoderLayer", ("GemmaForCausalLM",), _GEMMA, _ROPE,
+               norm="rmsnorm_1p", mlps=("geglu_tanh",), when=lambda k: _dense(k) and not k.sandwich_norm),
+        Family("gemma2", "Gemma2Config", "Gemma2DecoderLayer", ("Gemma2ForCausalLM",),
+               (*(r for r in _GEMMA if r.target != "mlp"), *_GEMMA2_ONLY), _ROPE | {"sandwich_norm": True},
+               norm="rmsnorm_1p", mlps=("geglu_tanh",), when=lambda k: _dense(k) and k.sandwich_norm),
+        Family("gemma3_text", "Gemma3TextConfig", "Gemma3DecoderLayer", ("Gemma3ForCausalLM",), _GEMMA3,
+               _ROPE | {"sandwich_norm": True, "qk_layernorm": True}, norm="rmsnorm_1p", mlps=("geglu_tanh",),
+               when=lambda k: k.sandwich_norm and k.qk_layernorm and not k.moe and not k.mla, package="gemma3"),
+        Family("olmo", "OlmoConfig", "OlmoDecoderLayer", ("OlmoForCausalLM",), _OLMO, _ROPE,
+               norm="layernorm_np", when=_dense),
+        Family("gpt2", "GPT2Config", "GPT2Block", ("GPT2LMHeadModel",), _GPT2,
+               {"position_embedding_type": "learned_absolute"}, norm="layernorm", mlps=("gelu", "gelu_tanh"),
+               when=lambda k: k.rotary_percent is None and not k.parallel_residual and not k.alibi
+                              and not k.fused_qkv,
+               attribute_map={"hidden_size": "n_embd", "max_position_embeddings": "n_positions",
+                              "num_attention_heads": "n_head", "num_hidden_layers": "n_layer"}),
+        Family("gpt_neox", "GPTNeoXConfig", "GPTNeoXLayer", ("GPTNeoXForCausalLM",), _GPT_NEOX,
+               _ROPE | {"fused_qkv": True}, norm="layernorm", mlps=("gelu", "gelu_tanh"),
+               when=lambda k: k.rotary_percent is not None and k.fused_qkv and not k.single_norm),
+        Family("deepseek_v2", "DeepseekV2Config", "DeepseekV2DecoderLayer", ("DeepseekV2ForCausalLM",), _DEEPSEEK,
+               _ROPE, runs_as="deepseek_v3", attribute_map={"num_experts": "n_routed_experts"}),
+        Family("deepseek_v3", "DeepseekV3Config", "DeepseekV3DecoderLayer", ("DeepseekV3ForCausalLM",),
+               _DEEPSEEK_V3, _ROPE, when=lambda k: k.mla, router="DeepseekV3TopkRouter",
+               attribute_map={"num_local_experts": "n_routed_experts", "num_mtp_layers": "num_nextn_predict_layers"}),
+        Family("phi3", "Phi3Config", "Phi3DecoderLayer", ("Phi3ForCausalLM",), _PHI3, _ROPE | {"fused_qkv": True},
+               when=lambda k: k.fused_qkv and not k.moe and not k.mla and not k.qk_layernorm,
+               gathered=("attention", "mlp")),
+        Family("olmo2", "Olmo2Config", "Olmo2DecoderLayer", ("Olmo2ForCausalLM",), _OLMO2,
+               _ROPE | {"post_norm": True, "qk_layernorm": True}, norm="rmsnorm_fp32w",
+               when=lambda k: k.post_norm and not k.moe and not k.mla, gathered=("attention",)),
+        Family("falcon", "FalconConfig", "FalconDecoderLayer", ("FalconForCausalLM",), _FALCON, _ROPE,
+               norm="layernorm", mlps=("gelu", "gelu_tanh"),
+               when=lambda k: k.parallel_residual and k.rotary_percent is None and not k.alibi),
+        Family("bloom", "BloomConfig", "BloomBlock", ("BloomForCausalLM",), _BLOOM,
+               {"position_embedding_type": "alibi", "alibi": True, "mlp": "gelu_tanh", "add_bias_linear": True},
+               norm="layernorm", mlps=("gelu_tanh",), when=lambda k: k.alibi,
+               attribute_map={"num_hidden_layers": "n_layer", "num_attention_heads": "n_head"}),
+        Family("glm", "GlmConfig", "GlmDecoderLayer", ("GlmForCausalLM",), _GLM, _ROPE,
+               when=lambda k: _glm(k) and not k.sandwich_norm, gathered=("mlp",)),
+        Family("glm4", "Glm4Config", "Glm4DecoderLayer", ("Glm4ForCausalLM",), _GLM, _ROPE | {"sandwich_norm": True},
+               when=lambda k: _glm(k) and k.sandwich_norm, gathered=("mlp",)),
+        Family("starcoder2", "Starcoder2Config", "Starcoder2DecoderLayer", ("Starcoder2ForCausalLM",), _STARCODER2,
+               _ROPE | {"rotary_percent": 1.0}, norm="layernorm", mlps=("gelu", "gelu_tanh"),
+               when=lambda k: k.rotary_percent is not None and not k.fused_qkv and not k.parallel_residual),
+        Family("gptj", "GPTJConfig", "GPTJBlock", ("GPTJForCausalLM",), _GPTJ,
+               _ROPE | {"parallel_residual": True, "single_norm": True}, norm="layernorm", mlps=("gelu", "gelu_tanh"),
+               when=lambda k: k.single_norm and k.rotary_percent is not None and not k.fused_qkv,
+               attribute_map={"max_position_embeddings": "n_positions", "hidden_size": "n_embd",
+                              "num_attention_heads": "n_head", "num_hidden_layers": "n_layer"}),
+        Family("cohere", "CohereConfig", "CohereDecoderLayer", ("CohereForCausalLM",), _COHERE,
+               _ROPE | {"parallel_residual": True, "single_norm": True}, norm="layernorm_nb",
+               when=lambda k: k.single_norm and not k.moe and not k.mla and not k.fused_qkv
+               and k.rotary_percent is None),
+        Family("gpt_oss", "GptOssConfig", "GptOssDecoderLayer", ("GptOssForCausalLM",), _GPT_OSS,
+               _ROPE | {"mlp": "swiglu_clamped", "attention_sinks": True, "attention": "eager"},
+               norm="rmsnorm_fp32w", mlps=("swiglu_clamped",), when=lambda k: k.attention_sinks,
+               router="GptOssTopKRouter", attribute_map=_EXPERTS),
+    )
+}
+# model_types transformers builds whose layers memcalc has no rules for, and what they lack: refused by name.
+UNREAD: dict[str, str] = {
+    "mamba": "state-space layers (Mamba's selective scan), no attention",
+    "mamba2": "state-space layers (Mamba-2's SSD scan), no attention",
+    "falcon_mamba": "state-space layers (Mamba's selective scan), no attention",
+    "jamba": "a hybrid of attention and Mamba state-space layers, with MoE",
+    "bamba": "a hybrid of attention and Mamba-2 state-space layers",
+    "zamba": "a hybrid of Mamba state-space layers and shared attention blocks",
+    "zamba2": "a hybrid of Mamba-2 state-space layers and shared attention blocks",
+    "falcon_h1": "a hybrid of attention and Mamba-2 state-space heads in parallel",
+    "nemotron_h": "a hybrid of attention, Mamba-2 and MLP layers",
+    "granitemoehybrid": "a hybrid of attention and Mamba-2 state-space layers, with MoE",
+    "recurrent_gemma": "recurrent (RG-LRU) layers between local attention",
+    "rwkv": "RWKV's recurrent time-mixing, no attention",
+    "cohere2": "two kinds of layer, sliding-window attention with RoPE and global attention without it (memcalc counts"
+               " one layer kind L times)",
+}
+
+
+def family_of(knobs: Any) -> Family | None:
+    """The family whose transformers layer runs these knobs (norm, MLP, and the family's own test), or None."""
+    return next((f for f in FAMILIES.values()
+                 if f.when is not None and f.norm == knobs.norm and knobs.mlp in f.mlps and f.when(knobs)), None)
