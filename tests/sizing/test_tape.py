@@ -1,6 +1,8 @@
 """The tape (memcalc.sizing.timeline.tape): a moment keeps its bytes per category and its place in the tape's log,
 not a copy of what is live, and reads back exactly what was live when it was marked, however the tape changed after."""
 
+import pytest
+
 from memcalc.sizing.timeline.tape import ACTIVATIONS, CATEGORIES, GRADIENTS, PARAMETERS, TEMPORARIES, Live, Tape
 
 
@@ -38,3 +40,11 @@ def test_moments_share_one_log_instead_of_copying_the_live_set():
     assert len({id(m.log) for m in tape.moments}) == 1
     assert [m.at for m in tape.moments] == sorted(m.at for m in tape.moments)
 
+
+
+def test_the_live_tensors_refuse_a_change_that_would_bypass_their_totals_and_log():
+    tape = Tape()
+    tape.add("x", ACTIVATIONS, 4, "a tensor")
+    for change in (lambda live: live.update({}), lambda live: live.setdefault("y", None), lambda live: live.clear()):
+        with pytest.raises(TypeError, match="only by set, del and pop"):
+            change(tape.live)

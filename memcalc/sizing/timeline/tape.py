@@ -175,6 +175,11 @@ class _Live(dict):
         self.log.append(name)
         return x
 
+    def _unlogged(self, *args: object, **kwargs: object) -> None:
+        raise TypeError("the live tensors change only by set, del and pop: the totals and the log follow those")
+
+    update = setdefault = clear = popitem = __ior__ = _unlogged  # type: ignore[assignment]
+
 
 class Tape:
     def __init__(self) -> None:
