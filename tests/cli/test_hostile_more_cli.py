@@ -116,11 +116,41 @@ def test_overlap_with_another_strategy_is_refused_not_shown_as_tp_sp():
     (["sweep", "--config", "tiny"], "--etp"),
 ])
 def test_integer_flags_take_ascii_digits_only_as_sweep_ranges_do(command, flag, value):
-    one_line_error(memcalc_cli(*command, flag, value), f"'{flag}'", "not a valid integer")
+    one_line_error(memcalc_cli(*command, flag, value), f"'{flag}'", "is not a whole number in the digits 0-9")
 
 
 def test_sweep_ranges_refuse_the_same_digits():
-    one_line_error(memcalc_cli("sweep", "--config", "tiny", "--s", "1_000"), "'--s'", "not a positive whole number")
+    one_line_error(memcalc_cli("sweep", "--config", "tiny", "--s", "1_000"), "'--s'", "is not a whole number in the digits 0-9")
+
+
+# text -> the number every reader takes it for, or None where every reader refuses it
+WHOLE_NUMBERS = {"+1024": 1024, " 1024 ": 1024, "1_024": None, "１０２４": None, "١٠٢٤": None, "01024": None,
+                 "0x400": None, "1 024": None, "+": None}
+REFUSED = "is not a whole number in the digits 0-9, without '_' or a leading zero"
+
+
+@pytest.mark.parametrize("text", WHOLE_NUMBERS)
+def test_every_reader_of_a_whole_number_takes_the_same_number_or_refuses_it(tmp_path, text):
+    """One rule: estimate's flag, sweep's list, the API's sweep text and a YAML value read the same number, or all
+    refuse it (YAML types '１０２４' or '1 024' as text, which the schema refuses as not an integer)."""
+    import memcalc
+    from memcalc.errors import ConfigError
+
+    expected = WHOLE_NUMBERS[text]
+    estimate = memcalc_cli("estimate", "--config", "tiny", "--s", text, "--json")
+    sweep = memcalc_cli("sweep", "--config", "tiny", "--s", text, "--format", "json")
+    from_yaml = memcalc_cli("estimate", "--config", yaml_file(tmp_path, f"h: 64\na: 8\ns: {text}\n"), "--json")
+    if expected is None:
+        for run in (estimate, sweep):
+            one_line_error(run, "'--s'", REFUSED)
+        one_line_error(from_yaml, "field 's'")
+        with pytest.raises(ConfigError, match=REFUSED):
+            memcalc.sweep("tiny", s=text)
+        return
+    assert json.loads(estimate.out)["config"]["s"] == expected
+    assert set(json.loads(sweep.out)["columns"]["s"]) == {expected}
+    assert json.loads(from_yaml.out)["config"]["s"] == expected
+    assert memcalc.sweep("tiny", s=text).row(0)["s"] == expected
 
 
 @pytest.mark.parametrize("text, shown", [
