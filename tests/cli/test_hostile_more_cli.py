@@ -9,6 +9,7 @@ import json
 import math
 import os
 import re
+import signal
 import stat
 import subprocess
 import sys
@@ -229,6 +230,34 @@ def test_a_narrow_terminal_lists_every_number_whole(width):
 
 def test_a_wide_enough_terminal_still_gets_tables():
     assert "┃ strategy ┃" in memcalc_cli("estimate", "--config", "gpt3-175b", width=120).out
+
+
+# -- Ctrl-C ----------------------------------------------------------------------------------------------------
+
+# A command whose Ctrl-C lands inside code run from a string, as dataclasses' generated methods are while a module
+# loads: `python -m` then ended by SIGINT (-2) although memcalc had caught the interrupt and printed its line.
+CTRL_C_IN_EXEC = """
+import os, signal, sys, types
+import click
+from memcalc import cli
+
+@click.command("ctrl-c")
+def command():
+    exec("os.kill(os.getpid(), signal.SIGINT)\\nfor _ in range(10**7): pass", {"os": os, "signal": signal})
+
+sys.modules["memcalc.cli.ctrl_c"] = types.SimpleNamespace(command=command)
+cli.COMMANDS["ctrl-c"] = ("ctrl_c", "A Ctrl-C inside exec'd text.")
+cli.main(["ctrl-c"])
+"""
+
+
+@pytest.mark.procs
+def test_a_ctrl_c_inside_code_run_from_a_string_still_exits_130_under_python_m(tmp_path):
+    (tmp_path / "ctrl_c_in_exec.py").write_text(CTRL_C_IN_EXEC)
+    env = {k: v for k, v in os.environ.items() if k != "MEMCALC_DEBUG"} | {"PYTHONPATH": f"{tmp_path}:{ROOT}"}
+    proc = subprocess.run([sys.executable, "-m", "ctrl_c_in_exec"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=60, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert (proc.returncode, proc.stderr) == (130, "memcalc: error: interrupted\n")
 
 
 # -- --breakdown: rows keyed by tensor ---------------------------------------------------------------------
