@@ -228,6 +228,55 @@ def test_a_narrow_terminal_lists_every_number_whole(width):
     assert "  tp-sp: per layer 358,612,992 B" in narrow.out
 
 
+BREAKDOWN = ["estimate", "--config", "gpt3-175b", "--breakdown"]
+
+
+def _on_a_terminal(args: list[str], width: int, columns: str | None) -> str:
+    """What `memcalc ARGS` shows on a pseudo-terminal `width` characters wide, COLUMNS set to `columns` (or unset),
+    with its styles taken out; it must exit 0."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 50, width, 0, 0))
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES", "MEMCALC_DEBUG", "NO_COLOR")}
+    env |= {"TERM": "xterm-256color"} | ({"COLUMNS": columns} if columns is not None else {})
+    proc = subprocess.Popen([sys.executable, "-m", "memcalc", *args], cwd=ROOT, env=env, stdin=follower,
+                            stdout=follower, stderr=follower)
+    os.close(follower)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(leader, 1 << 16)
+        except OSError:  # EIO: every writer of the terminal has closed it
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(leader)
+    assert proc.wait(timeout=60) == 0, shown
+    return re.sub(r"\x1b\[[0-9;]*m", "", shown.decode().replace("\r\n", "\n"))
+
+
+@pytest.mark.procs
+@pytest.mark.parametrize("width, columns", [(80, "20"), (20, None), (20, "0"), (80, "0")],
+                         ids=["COLUMNS=20", "20 wide", "20 wide, COLUMNS=0", "COLUMNS=0"])
+def test_a_narrow_terminal_shows_every_number_whole_and_columns_0_is_ignored(width, columns):
+    """On a real terminal, COLUMNS narrows the layout (0 is no width: the terminal's own stands), and whatever the
+    width, every number of the piped output is shown whole: in tables, or listed as 'key: value' lines."""
+    piped = subprocess.run([sys.executable, "-m", "memcalc", *BREAKDOWN], cwd=ROOT, capture_output=True, text=True,
+                           timeout=60, env={k: v for k, v in os.environ.items() if k != "COLUMNS"}).stdout
+    shown = _on_a_terminal(BREAKDOWN, width, columns)
+    assert "…" not in shown and _numbers(piped) <= _numbers(shown)
+    narrow = width == 20 or columns == "20"
+    assert ("  tp-sp: per layer 358,612,992 B" in shown) == narrow
+    assert ("┃ strategy ┃" in shown) == (not narrow)
+    if columns == "0":
+        assert shown == _on_a_terminal(BREAKDOWN, width, None)
+
+
 def test_a_wide_enough_terminal_still_gets_tables():
     assert "┃ strategy ┃" in memcalc_cli("estimate", "--config", "gpt3-175b", width=120).out
 
