@@ -79,6 +79,15 @@ def test_overlap_at_t_1_is_refused_instead_of_dividing_by_zero():
     one_line_error(memcalc_cli("comm", "--config", "tiny", "--t", "1", "--overlap", "default"), "t=1", "t >= 2")
 
 
+def test_a_stage_of_65536_layers_is_not_walked_layer_by_layer():
+    """The step timeline's cost grows as the square of the layers it walks: 4096 took tens of GB. Beyond 512 the
+    peak is named as not modelled (estimate) or left out of the count (fit), at once."""
+    run = memcalc_cli("estimate", "--config", "tiny", "--L", "65536", "--device-memory", "80GiB")
+    assert run.code == 0 and "at most 512: L/pp = 65536/1 is 65536" in run.out, run.err
+    run = memcalc_cli("fit", "--config", "tiny", "--L", "65536", "--budget", "1KiB")
+    assert run.code == 3 and run.err.startswith("memcalc: error: nothing fits in 1.00 KiB"), run.err
+
+
 # -- nonsense accepted -------------------------------------------------------------------------------------
 
 
