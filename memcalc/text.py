@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import re
 import reprlib
-import string
 
 from memcalc.errors import ConfigError
 
@@ -24,6 +23,7 @@ MAX_INT_DIGITS = 40  # far above any size (2^63 has 19 digits), far below Python
 # re's [0-9] is ASCII, unlike str.isdigit or int(); compiled on first use (re caches it), not at start-up
 _WHOLE = r"[+-]?(?:0|[1-9][0-9]*)"
 WHOLE_NUMBER = "a whole number in the digits 0-9, without '_' or a leading zero"
+_ASCII_SPACE = " \t\n\r\v\f"  # string.whitespace, without importing string
 
 class _Short(reprlib.Repr):
     """reprlib's bounded repr, with integers measured before they are written out.
@@ -60,7 +60,7 @@ def whole_number(text: str) -> int:
     model's to refuse, naming its rule). More than MAX_INT_DIGITS digits are refused before int(), which raises on
     4300. ConfigError says why; the caller names where the text came from.
     """
-    stripped = text.strip(string.whitespace)
+    stripped = text.strip(_ASCII_SPACE)
     if not re.fullmatch(_WHOLE, stripped):
         raise ConfigError(f"{short_repr(text)} is not {WHOLE_NUMBER}")
     digits = len(stripped.lstrip("+-"))
