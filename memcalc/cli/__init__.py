@@ -33,10 +33,13 @@ def _end_at_once(signum: int, frame: object) -> None:
 
 def _set_handlers(handlers: dict[int, Any]) -> dict[int, Any]:
     """Set each signal's handler, and return the handlers replaced. Only in the main thread, where handlers can be
-    set (no handler interrupts another thread): elsewhere nothing is set."""
+    set (no handler interrupts another thread): elsewhere nothing is set. A signal ignored stays ignored, as Python
+    keeps it: a shell starts a background job with SIGINT ignored, so that a Ctrl-C meant for the foreground spares
+    it."""
     if threading.current_thread() is not threading.main_thread():
         return {}
-    return {number: signal.signal(number, handler) for number, handler in handlers.items()}
+    return {number: signal.signal(number, handler) for number, handler in handlers.items()
+            if signal.getsignal(number) is not signal.SIG_IGN}
 
 
 # While click and the rest of this module load (a tenth of a second, longer on a busy machine), a Ctrl-C ends

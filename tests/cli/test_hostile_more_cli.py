@@ -13,6 +13,7 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -316,6 +317,18 @@ def test_a_ctrl_c_inside_code_run_from_a_string_still_exits_130_under_python_m(t
     proc = subprocess.run([sys.executable, "-m", "ctrl_c_in_exec"], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=60, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert (proc.returncode, proc.stderr) == (130, "memcalc: error: interrupted\n")
+
+
+@pytest.mark.procs
+def test_a_memcalc_started_with_sigint_ignored_keeps_ignoring_it():
+    """A shell starts a background job with SIGINT ignored, so that a Ctrl-C meant for the foreground spares it."""
+    proc = subprocess.Popen([sys.executable, "-m", "memcalc", "estimate", "--config", "gpt3-175b"], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    while proc.poll() is None:  # from its start (click loading) to its end
+        os.kill(proc.pid, signal.SIGINT)
+        time.sleep(0.01)
+    assert (proc.returncode, proc.stderr.read()) == (0, "")
 
 
 # -- --breakdown: rows keyed by tensor ---------------------------------------------------------------------
