@@ -5,14 +5,25 @@ names read from files. A config file is not trusted: a YAML alias bomb can make
 a value whose repr is gigabytes, a 5000-digit integer has no repr at all, and a
 name can carry terminal escapes (ESC, OSC) or rich markup. Everything echoed
 goes through `short_repr` or `printable`; rich output through `for_rich`.
+
+A whole number typed by a user (a flag, a sweep's list or range, a YAML value) is read
+by `whole_number`, one rule for all of them.
 """
 
 from __future__ import annotations
 
+import re
 import reprlib
+
+from memcalc.errors import ConfigError
 
 ECHO_LIMIT = 60  # characters of an echoed value; enough to recognise it, never a flood
 _DIGITS_SHOWN = 40  # an integer with more digits than this is shown by its length
+MAX_INT_DIGITS = 40  # far above any size (2^63 has 19 digits), far below Python's 4300-digit limit
+# re's [0-9] is ASCII, unlike str.isdigit or int(); compiled on first use (re caches it), not at start-up
+_WHOLE = r"[+-]?(?:0|[1-9][0-9]*)"
+WHOLE_NUMBER = "a whole number in the digits 0-9, without '_' or a leading zero"
+_ASCII_SPACE = " \t\n\r\v\f"  # string.whitespace, without importing string
 
 class _Short(reprlib.Repr):
     """reprlib's bounded repr, with integers measured before they are written out.
@@ -38,6 +49,24 @@ def short_repr(value: object) -> str:
     nine copies of a list holding nine copies ...) costs a few dozen steps.
     """
     return _cut(printable(_repr.repr(value)))
+
+
+def whole_number(text: str) -> int:
+    """The whole number `text` spells, by the one rule every flag, sweep value and YAML value follows.
+
+    An optional sign, then the ASCII digits 0-9; surrounding ASCII whitespace is ignored. int() would also read
+    '1_000', full-width '１０２４' and Arabic-Indic '١٠٢٤', and YAML 1.1 reads '017' as octal 15 and '34:08' in base
+    60: none is a number anyone meant, so each is refused rather than read. A sign is read (a negative size is the
+    model's to refuse, naming its rule). More than MAX_INT_DIGITS digits are refused before int(), which raises on
+    4300. ConfigError says why; the caller names where the text came from.
+    """
+    stripped = text.strip(_ASCII_SPACE)
+    if not re.fullmatch(_WHOLE, stripped):
+        raise ConfigError(f"{short_repr(text)} is not {WHOLE_NUMBER}")
+    digits = len(stripped.lstrip("+-"))
+    if digits > MAX_INT_DIGITS:
+        raise ConfigError(f"a {digits}-digit integer is too large (at most {MAX_INT_DIGITS} digits)")
+    return int(stripped)
 
 
 def printable(text: str) -> str:

@@ -1,8 +1,11 @@
-"""Echoed values are short and printable, whatever a hostile config puts in them."""
+"""Echoed values are short and printable, whatever a hostile config puts in them; whole numbers are read by one rule."""
 
 import time
 
-from memcalc.text import ECHO_LIMIT, for_rich, printable, short_repr
+import pytest
+
+from memcalc.errors import ConfigError
+from memcalc.text import ECHO_LIMIT, MAX_INT_DIGITS, for_rich, printable, short_repr, whole_number
 
 
 def _alias_bomb(levels: int = 9) -> list:
@@ -47,3 +50,24 @@ def test_rich_markup_in_a_name_is_escaped():
     console = Console(width=80, record=True, file=open("/dev/null", "w"))
     console.print(for_rich("[/x] [bold]\x1b[2J"))
     assert console.export_text().strip() == r"[/x] [bold]\x1b[2J"
+
+
+@pytest.mark.parametrize("text, number", [
+    ("1024", 1024), ("+1024", 1024), ("-3", -3), ("0", 0), (" 1024\n", 1024), ("9" * MAX_INT_DIGITS, 10**40 - 1),
+])
+def test_a_whole_number_is_an_optional_sign_then_ascii_digits(text, number):
+    assert whole_number(text) == number
+
+
+@pytest.mark.parametrize("text", [
+    "1_024", "１０２４", "١٠٢٤", "१०२४", "01024", "-01", "0x400", "0b1", "1e3", "1024.0", "34:08", "1 024", "++1", "+",
+    "", "\u20031024",
+])
+def test_anything_else_int_would_read_or_that_yaml_1_1_reads_otherwise_is_refused(text):
+    with pytest.raises(ConfigError, match="is not a whole number in the digits 0-9, without '_' or a leading zero"):
+        whole_number(text)
+
+
+def test_a_number_longer_than_40_digits_is_refused_by_its_length_before_int_reads_it():
+    with pytest.raises(ConfigError, match="a 5000-digit integer is too large"):
+        whole_number("9" * 5000)

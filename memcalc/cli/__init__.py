@@ -18,14 +18,40 @@ import os
 import signal
 import sys
 import threading
-from contextlib import contextmanager
-from typing import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any, Iterator
 
-import click
+INTERRUPTED = "interrupted"  # the one line a Ctrl-C ends in, exit 130, wherever it lands
 
-from memcalc import __version__
-from memcalc.errors import MemcalcError
-from memcalc.text import printable
+
+def _end_at_once(signum: int, frame: object) -> None:
+    """End the process now: a Ctrl-C with its one line and exit 130, a SIGTERM quietly with 143."""
+    if signum == signal.SIGINT:
+        os.write(2, f"memcalc: error: {INTERRUPTED}\n".encode())  # not sys.stderr: this may interrupt a write to it
+    os._exit(128 + signum)
+
+
+def _set_handlers(handlers: dict[int, Any]) -> dict[int, Any]:
+    """Set each signal's handler, and return the handlers replaced. Only in the main thread, where handlers can be
+    set (no handler interrupts another thread): elsewhere nothing is set. A signal ignored stays ignored, as Python
+    keeps it: a shell starts a background job with SIGINT ignored, so that a Ctrl-C meant for the foreground spares
+    it."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {number: signal.signal(number, handler) for number, handler in handlers.items()
+            if signal.getsignal(number) is not signal.SIG_IGN}
+
+
+# While click and the rest of this module load (a tenth of a second, longer on a busy machine), a Ctrl-C ends
+# memcalc with its one line instead of a traceback from inside click; the handler that was there (Python's, which
+# `main` turns into the same line) is put back at the end of this module.
+_WHILE_LOADING = _set_handlers({signal.SIGINT: _end_at_once})
+
+import click  # noqa: E402
+
+from memcalc import __version__  # noqa: E402
+from memcalc.errors import MemcalcError  # noqa: E402
+from memcalc.text import printable  # noqa: E402
 
 # What is loaded so far (Python's own modules, click) lives as long as the process. Frozen, it is no longer
 # rescanned at every full collection while a subcommand's modules load: about 4% of `memcalc estimate`'s
@@ -113,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     debug = bool(os.environ.get("MEMCALC_DEBUG"))
     _tolerant_streams()
     try:
-        with _terminate_as_exit():
+        with _signals_as_exceptions():
             code = cli.main(args=argv, prog_name="memcalc", standalone_mode=False)
             _flush_stdout()
     except click.exceptions.NoArgsIsHelpError as exc:  # a bare `memcalc`: the help as click prints it
@@ -129,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     except click.ClickException as exc:
         _fail(exc.format_message(), exc.exit_code)
     except (click.Abort, KeyboardInterrupt, _Interrupted):  # Ctrl-C: what was started has been stopped
-        _fail("interrupted", 128 + signal.SIGINT)
+        _fail(INTERRUPTED, 128 + signal.SIGINT)
     except (BrokenPipeError, _ReaderGone):  # the reader stopped reading (`| head`): not an error, nothing to say
         _silence_stdout()
         code = 0
@@ -195,18 +221,47 @@ def _silence_stdout() -> None:
 
 
 @contextmanager
-def _terminate_as_exit() -> Iterator[None]:
-    """SIGTERM as SystemExit(143), so that `finally` blocks run: temporary files are removed and
-    spawned workers stopped. Only in the main thread (signal handlers can be set only there)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+def _signals_handled(handlers: dict[int, Any]) -> Iterator[None]:
+    """`handlers` in force for the block (in the main thread), the previous ones after it."""
+    previous = _set_handlers(handlers)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        _set_handlers(previous)
+
+
+def _signals_as_exceptions() -> AbstractContextManager[None]:
+    """SIGTERM as SystemExit(143) and Ctrl-C as `_CtrlC`, so that `finally` blocks run: temporary files are
+    removed and spawned workers stopped."""
+    return _signals_handled({signal.SIGTERM: _exit_on_sigterm, signal.SIGINT: _raise_ctrl_c})
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
+
+
+class _CtrlC(KeyboardInterrupt):
+    """A Ctrl-C: a KeyboardInterrupt to every `except` that catches one, but not one by its exact type, which is what
+    CPython notes. When a KeyboardInterrupt ends code run from a string (dataclasses' generated methods, say, while
+    a module loads), CPython sets a flag that `python -m memcalc` reads at exit: it then ends by SIGINT (-2), even
+    after memcalc caught the interrupt and chose exit 130."""
+
+
+def _raise_ctrl_c(signum: int, frame: object) -> None:
+    raise _CtrlC
+
+
+def signals_end_at_once() -> AbstractContextManager[None]:
+    """For a block: Ctrl-C and SIGTERM end this process where they land (Ctrl-C with its one line; exit 130 and
+    143), instead of raising an exception there.
+
+    For `memcalc measure`, which imports torch and runs other people's code: an exception raised at whatever
+    bytecode a signal lands on is swallowed there (numpy's module init clears a KeyboardInterrupt, and the run goes
+    on), leaves a half-imported module behind (torch's next import fails: exit 1), or ends the process in Python's
+    own way (-2). Nothing needs unwinding: no file is being written, and the workers and the forkserver watch this
+    process's pipes and leave with it.
+    """
+    return _signals_handled({signal.SIGINT: _end_at_once, signal.SIGTERM: _end_at_once})
+
+
+_set_handlers(_WHILE_LOADING)

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from memcalc.cli import signals_end_at_once
 from memcalc.cli.compare import add_total, comparison_table, document, print_header, report, verdict
 from memcalc.cli.options import model_from, model_options, sharding_options, strategy_names, strategy_option
 from memcalc.cli.types import POSITIVE, Real
@@ -102,8 +103,9 @@ def command(strategy: str, device: str, backend: str | None, launch: str, timeou
     if step:
         from memcalc.cli.measure_step import run_step
 
-        return run_step(config, names, device=device, launch=launch, backend=backend,
-                        layer=layer, comm=comm, overlap=overlap, as_json=as_json, route=route)
+        with signals_end_at_once():  # torch and the library run here: a signal ends the process where it lands
+            return run_step(config, names, device=device, launch=launch, backend=backend,
+                            layer=layer, comm=comm, overlap=overlap, as_json=as_json, route=route)
     if config.dp_shard is not None or config.zero_stage is not None:
         raise ConfigError("--dp-shard and --zero-stage shard a whole step's states: give --step (a layer's saved"
                           " tensors do not depend on them)")
@@ -115,6 +117,17 @@ def command(strategy: str, device: str, backend: str | None, launch: str, timeou
 
     if device != "meta":  # meta allocates nothing
         check_fits(config, names, device, _ranks_here(launch, backend, config.t))
+    with signals_end_at_once():  # torch and the library run here: a signal ends the process where it lands
+        results = _measure(config, names, device, backend, launch, timeout_s, layer, overlap, num_splits, route)
+    if not results:
+        return  # a torchrun rank other than 0: rank 0 reports for the job
+    report(results, as_json, lambda: to_json(config, results), lambda: print_measurements(config, results, comm),
+           "measured bytes differ from the ledger")
+
+
+def _measure(config: ModelConfig, names: list[str], device: str, backend: str | None, launch: str, timeout_s: float,
+             layer: str, overlap: str | None, num_splits: int, route: str | None) -> list[StrategyMeasurement]:
+    """Each strategy's layer run and recorded (`memcalc.probe.measure.measure`), with --overlap read first."""
     from memcalc.probe.measure import measure  # needs torch: a one-line ProbeError without it
     from memcalc.probe.overlap import NO_OVERLAP, Overlap
 
@@ -123,11 +136,7 @@ def command(strategy: str, device: str, backend: str | None, launch: str, timeou
         chosen = Overlap.of(*methods, num_splits=num_splits) if methods else NO_OVERLAP
     except ProbeError as exc:  # a bad --overlap is bad input
         raise ConfigError(f"--overlap: {exc}") from None
-    results = measure(config, names, device, backend, launch, timeout_s, layer, chosen, route)
-    if not results:
-        return  # a torchrun rank other than 0: rank 0 reports for the job
-    report(results, as_json, lambda: to_json(config, results), lambda: print_measurements(config, results, comm),
-           "measured bytes differ from the ledger")
+    return measure(config, names, device, backend, launch, timeout_s, layer, chosen, route)
 
 
 def _ranks_here(launch: str, backend: str | None, t: int) -> int:

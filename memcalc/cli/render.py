@@ -17,7 +17,8 @@ from memcalc.model.departures import describe as describe_departure
 from memcalc.model.evaluate import LayerEstimate
 from memcalc.model.ledger import SavedTensor
 from memcalc.model.knobs import Accounting
-from memcalc.text import for_rich
+from memcalc.errors import ConfigError
+from memcalc.text import for_rich, whole_number
 from memcalc.units import human_bytes
 
 if TYPE_CHECKING:  # per-GPU totals load only when --totals asks for them
@@ -34,8 +35,9 @@ class _Console(Console):
 
     A closed pipe is `memcalc.cli.main`'s to handle (rich's own rule exits 1). Output that is not a
     terminal never depends on COLUMNS or on the terminal stderr happens to be (COLUMNS=0 used to print
-    nothing). A table wider than the terminal is listed as 'key: value' lines rather than cut to fit:
-    every number stays whole.
+    nothing). On a terminal, COLUMNS narrows the layout where it is a positive whole number (as POSIX and
+    Python's shutil have it); otherwise the terminal's own width stands. A table wider than that is listed
+    as 'key: value' lines rather than cut to fit: every number stays whole.
     """
 
     def on_broken_pipe(self) -> None:
@@ -45,6 +47,8 @@ class _Console(Console):
         width, height = Console.size.fget(self)
         if self._width is None and not self.is_terminal:
             return ConsoleDimensions(PIPED_WIDTH, height)
+        if self._width is None:
+            width = _columns() or width
         return ConsoleDimensions(max(width, 1), height)  # at width 0 rich prints nothing at all
 
     size = property(_size, Console.size.fset)
@@ -69,6 +73,15 @@ class _Console(Console):
         return Measurement.get(self, self.options.update_width(1 << 20), table).minimum <= self.width
 
 
+def _columns() -> int | None:
+    """COLUMNS, where it is a positive whole number; else None (unset, 0, or not a number: ignored)."""
+    try:
+        columns = whole_number(os.environ.get("COLUMNS", ""))
+    except ConfigError:
+        return None
+    return columns if columns > 0 else None
+
+
 def table_lines(table: Table) -> list[str]:
     """A table as lines a narrow terminal shows whole: its title, then per row
     'first cell: header value; header value; ...' (rich markup kept, line breaks in cells as spaces)."""
@@ -86,8 +99,9 @@ def _one_line(cell: Any) -> str:
 
 
 # No highlighting or emoji codes: memcalc's markup says what is styled (and a model name's ':x:' stays text), and
-# neither the highlighter's regexes nor the emoji table is loaded. COLUMNS and LINES are left out: a terminal's width
-# is read from the terminal, and COLUMNS=0 once printed nothing.
+# neither the highlighter's regexes nor the emoji table is loaded. COLUMNS and LINES are left out of rich's view:
+# rich would take COLUMNS as a fixed width for piped output too (and COLUMNS=0 once printed nothing); `_size` reads
+# COLUMNS for a terminal only.
 console = _Console(
     highlight=False, emoji=False, _environ={k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")},
 )

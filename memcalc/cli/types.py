@@ -5,7 +5,8 @@ Arabic-Indic '١٠٢٤'; its `float` reads 'nan', 'inf' and '1e400' (infinity), 
 FloatRange lets NaN through (every comparison with NaN is false). A number that
 reaches the model is written in 0-9 and is finite, so each flag says so at the
 parameter (a usage error, exit 2) rather than the model computing NaN from it.
-`memcalc sweep`'s lists and ranges apply the same digits rule.
+Whole numbers are read by `memcalc.text.whole_number`, as `memcalc sweep`'s lists and
+ranges and YAML configs read theirs.
 """
 
 from __future__ import annotations
@@ -16,17 +17,16 @@ from typing import Any
 
 import click
 
-from memcalc.config.files import MAX_INT_DIGITS
-from memcalc.text import short_repr
+from memcalc.errors import ConfigError
+from memcalc.text import short_repr, whole_number
 
-# re's [0-9] is ASCII, unlike str.isdigit or int(); compiled on first use (re caches them), not at start-up
-_WHOLE = r"[+-]?[0-9]+"
+# re's [0-9] is ASCII, unlike str.isdigit or float(); compiled on first use (re caches it), not at start-up
 _REAL = r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?"
 
 
 class Integer(click.ParamType):
-    """A whole number in the digits 0-9 (a sign allowed: the model's own rule names a negative size), at least
-    `min` and at most `max` where given."""
+    """A whole number by `whole_number`'s rule (a sign allowed: the model's own rule names a negative size), at
+    least `min` and at most `max` where given."""
 
     name = "integer"
 
@@ -37,13 +37,10 @@ class Integer(click.ParamType):
         if isinstance(value, int) and not isinstance(value, bool):
             number = value
         else:
-            text = str(value).strip()
-            if not re.fullmatch(_WHOLE, text):
-                self.fail(f"{short_repr(value)} is not a valid integer (a whole number in the digits 0-9)", param, ctx)
-            digits = len(text.lstrip("+-"))
-            if digits > MAX_INT_DIGITS:
-                self.fail(f"a {digits}-digit number is too large (at most {MAX_INT_DIGITS})", param, ctx)
-            number = int(text)
+            try:
+                number = whole_number(str(value))
+            except ConfigError as exc:
+                self.fail(str(exc), param, ctx)
         if self.min is not None and number < self.min:
             self.fail(f"{number} is below {self.min}", param, ctx)
         if self.max is not None and number > self.max:

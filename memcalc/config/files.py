@@ -21,11 +21,10 @@ from typing import Any
 from memcalc.config.flat_yaml import read_flat
 from memcalc.errors import ConfigError
 from memcalc.records import record
-from memcalc.text import printable, short_repr
+from memcalc.text import MAX_INT_DIGITS, printable, short_repr, whole_number
 
 MAX_CONFIG_BYTES = 1 << 20  # a real config is under 10 KB; a Hugging Face config.json under 100 KB
 MAX_DEPTH = 20  # configs are flat mappings of scalars; a few levels leave room for lists in config.json
-MAX_INT_DIGITS = 40  # far above any size (2^63 has 19 digits), far below Python's 4300-digit limit
 
 
 def read_capped(path: Path, what: str) -> str:
@@ -130,8 +129,8 @@ def _json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 class _RefusedYamlNumber(ConfigError):
     """A YAML number refused where it is read; the mapping holding it names its key."""
 
-    def __init__(self, node: Any, what: str, rule: str) -> None:
-        super().__init__(f"{what} at line {node.start_mark.line + 1} {rule}")
+    def __init__(self, node: Any, problem: str) -> None:
+        super().__init__(f"at line {node.start_mark.line + 1}: {problem}")
         self.node = node
 
     def key_of(self, mapping: Any) -> str:
@@ -140,9 +139,8 @@ class _RefusedYamlNumber(ConfigError):
 
 
 # YAML 1.1 also reads 34:08 as 2048 (base 60), 017 as 15 (octal), 0x10, 0b10 and 1_000: a config's
-# numbers are plain decimals, so anything else is refused rather than read as a number nobody wrote.
-# Compiled on first use (re caches them): a flat config never needs them.
-_DECIMAL_INT = r"[-+]?(?:0|[1-9][0-9]*)"
+# numbers are plain decimals (integers by `whole_number`'s rule, as flags), so anything else is refused
+# rather than read as a number nobody wrote. Compiled on first use (re caches it): a flat config never needs it.
 _DECIMAL_FLOAT = r"[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?"
 
 
@@ -186,23 +184,18 @@ def _bounded_loader(yaml: Any) -> type:
             try:
                 return super().construct_mapping(node, deep=deep)
             except _RefusedYamlNumber as exc:  # a value of this mapping: name its key
-                raise ConfigError(f"field '{printable(exc.key_of(node)[:40])}': {exc}") from None
+                raise ConfigError(f"field '{printable(exc.key_of(node)[:40])}' {exc}") from None
 
         def construct_yaml_int(self, node: Any) -> int:
-            text = str(node.value)
-            if not re.fullmatch(_DECIMAL_INT, text):
-                raise _RefusedYamlNumber(node, short_repr(text), "is not a decimal whole number (YAML 1.1 would read"
-                                         " it in base 60, 8, 16 or 2); write it in the digits 0-9")
-            digits = len(text.lstrip("+-"))
-            if digits > MAX_INT_DIGITS:
-                raise _RefusedYamlNumber(node, f"a {digits}-digit integer", f"is too large (at most {MAX_INT_DIGITS}"
-                                         " digits; sizes are below 2^63)")
-            return super().construct_yaml_int(node)
+            try:
+                return whole_number(str(node.value))
+            except ConfigError as exc:
+                raise _RefusedYamlNumber(node, str(exc)) from None
 
         def construct_yaml_float(self, node: Any) -> float:
             text = str(node.value)
             if not re.fullmatch(_DECIMAL_FLOAT, text):
-                raise _RefusedYamlNumber(node, short_repr(text), "is not a finite decimal number; write it in the"
+                raise _RefusedYamlNumber(node, f"{short_repr(text)} is not a finite decimal number; write it in the"
                                          " digits 0-9")
             return super().construct_yaml_float(node)
 

@@ -34,7 +34,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import Enum
-from multiprocessing import connection, forkserver
+from multiprocessing import connection, forkserver, resource_tracker
 from typing import Any, Callable, Iterator, Sequence
 
 from memcalc.errors import ConfigError, ProbeError
@@ -275,23 +275,22 @@ def _spawn_once(job: _Job, pickled: bytes) -> list[Any]:
 
 
 def _start_forkserver_deaf_to_sigint() -> None:
-    """Start the forkserver (if not running) with SIGINT ignored, which it and every worker it forks inherit.
+    """Start the forkserver (if not running) with SIGINT blocked, which it and every worker it forks inherit.
 
     A Ctrl-C reaches the whole terminal group, and a forkserver still importing torch printed its traceback
-    (or "Fatal Python error") for it. This process alone handles it: its KeyboardInterrupt stops the workers
-    (`_spawn_once`), and the forkserver and any worker it was still forking leave when this process does (they
-    watch its pipe). Python keeps an ignored SIGINT ignored at start-up; this process ignores it only for the
-    moment the forkserver takes to be started (not to import torch), and only in the main thread, where handlers
-    can be set.
+    (or "Fatal Python error") for it. This process alone handles it (`memcalc.cli.signals_end_at_once`): it ends,
+    and the forkserver and any worker it was still forking leave with it (they watch its pipes). Blocked, not
+    ignored: this process blocks SIGINT only in this thread and only while the forkserver is started, and keeps
+    its handler, so a Ctrl-C then is run by the handler at once (the kernel hands it to another thread) or as
+    soon as the mask is restored, never lost, as it was while this process ignored it. Python neither unblocks
+    an inherited mask nor is handed a blocked signal, so the forkserver and its workers never see one.
     """
-    if threading.current_thread() is not threading.main_thread():
-        forkserver.ensure_running()
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    resource_tracker.ensure_running()  # first, as ensure_running below would: it unblocks SIGINT when it is done
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         forkserver.ensure_running()
     finally:
-        signal.signal(signal.SIGINT, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def _store_timeout(job: _Job) -> timedelta:

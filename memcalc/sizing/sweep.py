@@ -16,7 +16,6 @@ pass 2^63 is refused before anything is computed, never wrapped.
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from dataclasses import dataclass, replace
 from math import prod
@@ -28,7 +27,7 @@ from memcalc.config.schema import (
     SIZES, ModelConfig, build_knobs, check_layout, field_default, field_names, validate_fields,
 )
 from memcalc.errors import ConfigError
-from memcalc.text import short_repr
+from memcalc.text import short_repr, whole_number
 from memcalc.model.evaluate import dim_sizes, rank_shape
 from memcalc.model.impls import implementation, layer_tensors, plan, size_rule, strategies_of
 from memcalc.model.knobs import MLA_KNOBS, Accounting, Knobs, element_bytes
@@ -40,7 +39,6 @@ from memcalc.model.strategy import STRATEGIES, Strategy
 EXPERT_AXES = ("num_experts", "moe_router_topk", "ep")
 AXES = (*SIZES[:-1], *EXPERT_AXES, SIZES[-1])
 MAX_SIZE = 2**40  # far above any model; keeps 4h and every per-rank dimension exact in int64
-MAX_DIGITS = 40  # a value longer than this is refused unread; shorter ones are checked against MAX_SIZE
 MAX_ROWS = 10_000_000  # points x strategies; about 1 GB of arrays at the peak
 INT64_MAX = 2**63 - 1
 
@@ -79,17 +77,17 @@ def parse_values(text: str) -> Sequence[int]:
 
 
 def _whole(part: str, text: str, what: str = "value") -> int:
-    """A positive whole number, or an error naming the part of `text` that is not one."""
-    part = part.strip()
-    if not re.fullmatch(r"[0-9]+", part):
-        hint = "" if part else f"; expected {RANGE_SYNTAX}"
-        raise ConfigError(f"{short_repr(text)}: {what} {short_repr(part)} is not a positive whole number{hint}")
-    digits = len(part.lstrip("0"))
-    if digits > MAX_DIGITS:  # before int(): Python refuses to read 4300 digits and more
-        raise ConfigError(f"{short_repr(text)}: {what} of {digits} digits is too large (at most 2^40 = {MAX_SIZE})")
-    if int(part) == 0:
-        raise ConfigError(f"{short_repr(text)}: {what} must be positive (got 0)")
-    return int(part)
+    """A positive whole number by `whole_number`'s rule (a flag's), or an error naming the part of `text` that is
+    not one. Values up to MAX_INT_DIGITS digits are read; `make_sweep` checks them against MAX_SIZE."""
+    if not part.strip():
+        raise ConfigError(f"{short_repr(text)}: {what} {short_repr(part)} is empty; expected {RANGE_SYNTAX}")
+    try:
+        number = whole_number(part)
+    except ConfigError as exc:
+        raise ConfigError(str(exc) if part == text else f"{short_repr(text)}: {what}: {exc}") from None
+    if number <= 0:
+        raise ConfigError(f"{short_repr(text)}: {what} must be positive (got {number})")
+    return number
 
 
 def _geometric(start: int, stop: int, factor: int) -> tuple[int, ...]:

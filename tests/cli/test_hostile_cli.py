@@ -81,7 +81,7 @@ def _what(flag: str) -> str:
 
 def test_a_5000_digit_integer_in_yaml_names_its_field(tmp_path):
     run = memcalc_cli("estimate", "--config", yaml_file(tmp_path, f"{SIZES}b: {'9' * 5000}\n"))
-    _short_one_line_error(run, "field 'b': a 5000-digit integer at line 4 is too large")
+    _short_one_line_error(run, "field 'b' at line 4: a 5000-digit integer is too large")
 
 
 def test_a_5000_digit_integer_in_json_names_its_field(tmp_path):
@@ -92,7 +92,7 @@ def test_a_5000_digit_integer_in_json_names_its_field(tmp_path):
 
 
 def test_a_5000_digit_sweep_value_is_refused():
-    _short_one_line_error(memcalc_cli("sweep", *TINY[2:], "--s", "9" * 5000), "'--s'", "5000 digits is too large")
+    _short_one_line_error(memcalc_cli("sweep", *TINY[2:], "--s", "9" * 5000), "'--s'", "5000-digit integer is too large")
 
 
 @pytest.mark.parametrize("flag, name", [("--config", "deep.yaml"), ("--hf-config", "config.json")])

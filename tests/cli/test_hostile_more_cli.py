@@ -9,9 +9,11 @@ import json
 import math
 import os
 import re
+import signal
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -78,6 +80,15 @@ def test_overlap_at_t_1_is_refused_instead_of_dividing_by_zero():
     one_line_error(memcalc_cli("comm", "--config", "tiny", "--t", "1", "--overlap", "default"), "t=1", "t >= 2")
 
 
+def test_a_stage_of_65536_layers_is_not_walked_layer_by_layer():
+    """The step timeline's cost grows as the square of the layers it walks: 4096 took tens of GB. Beyond 512 the
+    peak is named as not modelled (estimate) or left out of the count (fit), at once."""
+    run = memcalc_cli("estimate", "--config", "tiny", "--L", "65536", "--device-memory", "80GiB")
+    assert run.code == 0 and "at most 512: L/pp = 65536/1 is 65536" in run.out, run.err
+    run = memcalc_cli("fit", "--config", "tiny", "--L", "65536", "--budget", "1KiB")
+    assert run.code == 3 and run.err.startswith("memcalc: error: nothing fits in 1.00 KiB"), run.err
+
+
 # -- nonsense accepted -------------------------------------------------------------------------------------
 
 
@@ -116,11 +127,41 @@ def test_overlap_with_another_strategy_is_refused_not_shown_as_tp_sp():
     (["sweep", "--config", "tiny"], "--etp"),
 ])
 def test_integer_flags_take_ascii_digits_only_as_sweep_ranges_do(command, flag, value):
-    one_line_error(memcalc_cli(*command, flag, value), f"'{flag}'", "not a valid integer")
+    one_line_error(memcalc_cli(*command, flag, value), f"'{flag}'", "is not a whole number in the digits 0-9")
 
 
 def test_sweep_ranges_refuse_the_same_digits():
-    one_line_error(memcalc_cli("sweep", "--config", "tiny", "--s", "1_000"), "'--s'", "not a positive whole number")
+    one_line_error(memcalc_cli("sweep", "--config", "tiny", "--s", "1_000"), "'--s'", "is not a whole number in the digits 0-9")
+
+
+# text -> the number every reader takes it for, or None where every reader refuses it
+WHOLE_NUMBERS = {"+1024": 1024, " 1024 ": 1024, "1_024": None, "１０２４": None, "١٠٢٤": None, "01024": None,
+                 "0x400": None, "1 024": None, "+": None}
+REFUSED = "is not a whole number in the digits 0-9, without '_' or a leading zero"
+
+
+@pytest.mark.parametrize("text", WHOLE_NUMBERS)
+def test_every_reader_of_a_whole_number_takes_the_same_number_or_refuses_it(tmp_path, text):
+    """One rule: estimate's flag, sweep's list, the API's sweep text and a YAML value read the same number, or all
+    refuse it (YAML types '１０２４' or '1 024' as text, which the schema refuses as not an integer)."""
+    import memcalc
+    from memcalc.errors import ConfigError
+
+    expected = WHOLE_NUMBERS[text]
+    estimate = memcalc_cli("estimate", "--config", "tiny", "--s", text, "--json")
+    sweep = memcalc_cli("sweep", "--config", "tiny", "--s", text, "--format", "json")
+    from_yaml = memcalc_cli("estimate", "--config", yaml_file(tmp_path, f"h: 64\na: 8\ns: {text}\n"), "--json")
+    if expected is None:
+        for run in (estimate, sweep):
+            one_line_error(run, "'--s'", REFUSED)
+        one_line_error(from_yaml, "field 's'")
+        with pytest.raises(ConfigError, match=REFUSED):
+            memcalc.sweep("tiny", s=text)
+        return
+    assert json.loads(estimate.out)["config"]["s"] == expected
+    assert set(json.loads(sweep.out)["columns"]["s"]) == {expected}
+    assert json.loads(from_yaml.out)["config"]["s"] == expected
+    assert memcalc.sweep("tiny", s=text).row(0)["s"] == expected
 
 
 @pytest.mark.parametrize("text, shown", [
@@ -197,8 +238,97 @@ def test_a_narrow_terminal_lists_every_number_whole(width):
     assert "  tp-sp: per layer 358,612,992 B" in narrow.out
 
 
+BREAKDOWN = ["estimate", "--config", "gpt3-175b", "--breakdown"]
+
+
+def _on_a_terminal(args: list[str], width: int, columns: str | None) -> str:
+    """What `memcalc ARGS` shows on a pseudo-terminal `width` characters wide, COLUMNS set to `columns` (or unset),
+    with its styles taken out; it must exit 0."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 50, width, 0, 0))
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES", "MEMCALC_DEBUG", "NO_COLOR")}
+    env |= {"TERM": "xterm-256color"} | ({"COLUMNS": columns} if columns is not None else {})
+    proc = subprocess.Popen([sys.executable, "-m", "memcalc", *args], cwd=ROOT, env=env, stdin=follower,
+                            stdout=follower, stderr=follower)
+    os.close(follower)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(leader, 1 << 16)
+        except OSError:  # EIO: every writer of the terminal has closed it
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(leader)
+    assert proc.wait(timeout=60) == 0, shown
+    return re.sub(r"\x1b\[[0-9;]*m", "", shown.decode().replace("\r\n", "\n"))
+
+
+@pytest.mark.procs
+@pytest.mark.parametrize("width, columns", [(80, "20"), (20, None), (20, "0"), (80, "0")],
+                         ids=["COLUMNS=20", "20 wide", "20 wide, COLUMNS=0", "COLUMNS=0"])
+def test_a_narrow_terminal_shows_every_number_whole_and_columns_0_is_ignored(width, columns):
+    """On a real terminal, COLUMNS narrows the layout (0 is no width: the terminal's own stands), and whatever the
+    width, every number of the piped output is shown whole: in tables, or listed as 'key: value' lines."""
+    piped = subprocess.run([sys.executable, "-m", "memcalc", *BREAKDOWN], cwd=ROOT, capture_output=True, text=True,
+                           timeout=60, env={k: v for k, v in os.environ.items() if k != "COLUMNS"}).stdout
+    shown = _on_a_terminal(BREAKDOWN, width, columns)
+    assert "…" not in shown and _numbers(piped) <= _numbers(shown)
+    narrow = width == 20 or columns == "20"
+    assert ("  tp-sp: per layer 358,612,992 B" in shown) == narrow
+    assert ("┃ strategy ┃" in shown) == (not narrow)
+    if columns == "0":
+        assert shown == _on_a_terminal(BREAKDOWN, width, None)
+
+
 def test_a_wide_enough_terminal_still_gets_tables():
     assert "┃ strategy ┃" in memcalc_cli("estimate", "--config", "gpt3-175b", width=120).out
+
+
+# -- Ctrl-C ----------------------------------------------------------------------------------------------------
+
+# A command whose Ctrl-C lands inside code run from a string, as dataclasses' generated methods are while a module
+# loads: `python -m` then ended by SIGINT (-2) although memcalc had caught the interrupt and printed its line.
+CTRL_C_IN_EXEC = """
+import os, signal, sys, types
+import click
+from memcalc import cli
+
+@click.command("ctrl-c")
+def command():
+    exec("os.kill(os.getpid(), signal.SIGINT)\\nfor _ in range(10**7): pass", {"os": os, "signal": signal})
+
+sys.modules["memcalc.cli.ctrl_c"] = types.SimpleNamespace(command=command)
+cli.COMMANDS["ctrl-c"] = ("ctrl_c", "A Ctrl-C inside exec'd text.")
+cli.main(["ctrl-c"])
+"""
+
+
+@pytest.mark.procs
+def test_a_ctrl_c_inside_code_run_from_a_string_still_exits_130_under_python_m(tmp_path):
+    (tmp_path / "ctrl_c_in_exec.py").write_text(CTRL_C_IN_EXEC)
+    env = {k: v for k, v in os.environ.items() if k != "MEMCALC_DEBUG"} | {"PYTHONPATH": f"{tmp_path}:{ROOT}"}
+    proc = subprocess.run([sys.executable, "-m", "ctrl_c_in_exec"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=60, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert (proc.returncode, proc.stderr) == (130, "memcalc: error: interrupted\n")
+
+
+@pytest.mark.procs
+def test_a_memcalc_started_with_sigint_ignored_keeps_ignoring_it():
+    """A shell starts a background job with SIGINT ignored, so that a Ctrl-C meant for the foreground spares it."""
+    proc = subprocess.Popen([sys.executable, "-m", "memcalc", "estimate", "--config", "gpt3-175b"], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    while proc.poll() is None:  # from its start (click loading) to its end
+        os.kill(proc.pid, signal.SIGINT)
+        time.sleep(0.01)
+    assert (proc.returncode, proc.stderr.read()) == (0, "")
 
 
 # -- --breakdown: rows keyed by tensor ---------------------------------------------------------------------

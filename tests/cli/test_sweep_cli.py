@@ -134,7 +134,7 @@ def test_a_long_sweep_draws_a_progress_bar_on_a_terminal(tmp_path, monkeypatch):
     (["--s", "4096:1024"], ["'--s'", "is empty: start 4096 is above stop 1024"]),
     (["--b", "1:8:0"], ["'--b'", "step must be positive"]),
     (["--t", "1:8:x1"], ["'--t'", "factor must be at least 2"]),
-    (["--h", "1.5"], ["'--h'", "not a positive whole number"]),
+    (["--h", "1.5"], ["'--h'", "is not a whole number in the digits 0-9"]),
     (["--L", "1:2:3:4"], ["'--L'", "has 3 colons"]),
     (["--strategy", "sp"], ["'--strategy'"]),
     (["--t", "5,7"], ["no configuration in the sweep passes", "a=96 is not divisible by t=5"]),

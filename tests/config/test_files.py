@@ -46,7 +46,7 @@ def test_nesting_up_to_the_limit_is_read():
 
 
 def test_a_5000_digit_yaml_integer_is_refused_naming_its_field():
-    with pytest.raises(ConfigError, match=r"field 'b': a 5000-digit integer at line 2 is too large"):
+    with pytest.raises(ConfigError, match=r"field 'b' at line 2: a 5000-digit integer is too large"):
         parse_yaml(f"s: 16\nb: {'9' * 5000}\n")
 
 
