@@ -197,8 +197,9 @@ def _stage(config: ModelConfig, name: str | None) -> Stage:
     raise ConfigError(f"no {name} pipeline stage with pp={config.pp}: {', '.join(x.name for x in found)}")
 
 
-# The walk keeps every moment's live tensors, so its time and memory grow as the square of the layers a stage walks:
-# 512 take seconds and under 200 MB (the largest models have under 200 layers in all); 4096 took tens of GB.
+# The walk's time grows with the layers a stage walks (a moment keeps its totals and its place in the tape's log):
+# 512 take one to four seconds and under 100 MB, and the largest models have under 200 layers in all, so a stage of
+# more is refused rather than walked for minutes.
 MAX_WALKED_LAYERS = 512
 
 
