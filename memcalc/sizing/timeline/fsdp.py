@@ -94,22 +94,25 @@ def torchtitan_block(i: int, c: ModelConfig) -> str:
     return f"layers.{i}._checkpoint_wrapped_module" if c.recompute != "none" else f"layers.{i}"
 
 
-def torchtitan_units(c: ModelConfig, reshard: bool) -> tuple[Unit, ...]:
+def torchtitan_units(c: ModelConfig, reshard: bool, t: int = 1) -> tuple[Unit, ...]:
     """torchtitan's apply_fsdp_to_decoder on its untied Llama3Model: tok_embeddings, then each block (both resharded
     after forward under its "default" policy, `reshard`; under AC the checkpoint_wrapper around it), then norm and
     lm_head as one unit, never resharded after forward ("as an optimization": FSDP2 would prefetch them at once); the
-    model's own call holds no parameter."""
-    qkv, f = (c.a + 2 * c.groups) * c.head_dim, c.ffn
+    model's own call holds no parameter. Each parameter as this rank of t holds it under torchtitan's TP plan
+    (set_llama3_sharding_config): wqkv, w1, w3, the embedding's and lm_head's vocabulary rows split on dim 0, wo and
+    w2 on dim 1, the norms whole."""
+    qkv, f, v = (c.a + 2 * c.groups) * c.head_dim // t, c.ffn // t, c.vocab_size // t
+
     def block(i: int) -> Unit:
         m = torchtitan_block(i, c)
         return Unit(f"layers.{i}", ((f"{m}.attention.qkv_linear.wqkv", (qkv, c.h)),
-                                    (f"{m}.attention.wo", (c.h, c.a * c.head_dim)),
-                        (f"{m}.feed_forward.w1", (f, c.h)), (f"{m}.feed_forward.w2", (c.h, f)),
-                        (f"{m}.feed_forward.w3", (f, c.h)), (f"{m}.attention_norm", (c.h,)),
-                        (f"{m}.ffn_norm", (c.h,))), reshard)
-    return (Unit("tok_embeddings", (("tok_embeddings", (c.vocab_size, c.h)),), reshard),
+                                    (f"{m}.attention.wo", (c.h, c.a * c.head_dim // t)),
+                                    (f"{m}.feed_forward.w1", (f, c.h)), (f"{m}.feed_forward.w2", (c.h, f)),
+                                    (f"{m}.feed_forward.w3", (f, c.h)), (f"{m}.attention_norm", (c.h,)),
+                                    (f"{m}.ffn_norm", (c.h,))), reshard)
+    return (Unit("tok_embeddings", (("tok_embeddings", (v, c.h)),), reshard),
             *(block(i) for i in range(c.L)),
-            Unit(OUTPUT, (("norm", (c.h,)), ("lm_head", (c.vocab_size, c.h))), False))
+            Unit(OUTPUT, (("norm", (c.h,)), ("lm_head", (v, c.h))), False))
 
 
 @dataclass(frozen=True)
@@ -126,10 +129,11 @@ class Fsdp:
     accumulate: bool = False
 
     @classmethod
-    def torchtitan(cls, config: ModelConfig) -> Fsdp:
-        """torchtitan's layout (torchtitan_units) over dp_shard ranks, its trainer's zero_grad(set_to_none=False)."""
+    def torchtitan(cls, config: ModelConfig, t: int = 1) -> Fsdp:
+        """torchtitan's layout (torchtitan_units) over dp_shard ranks, on this rank's shards of t under its TP plan,
+        its trainer's zero_grad(set_to_none=False)."""
         return cls(config.dp_shard or 1, DTYPE_BYTES[config.dtype], DTYPE_BYTES[config.reduce_dtype],
-                   torchtitan_units(config, config.reshard_after_forward), accumulate=True)
+                   torchtitan_units(config, config.reshard_after_forward, t), accumulate=True)
 
     def unit_of(self, module: str) -> str:
         """The unit that holds the parameter of `module`."""

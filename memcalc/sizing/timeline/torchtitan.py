@@ -39,14 +39,17 @@ block's input goes with the last of them.
 Sharded by FSDP2 (`dp_shard`) the walk runs in segments, one per FSDP2 unit of torchtitan's apply_fsdp_to_decoder
 (memcalc.sizing.timeline.fsdp.torchtitan_units), with FSDP2's hooks at their edges: each unit gathered before its
 forward, resharded after it, gathered again (and the next prefetched) before its backward, its gradients kept as the
-unsharded parameters' .grad and reduce-scattered into the sharded gradients after it.
+unsharded parameters' .grad and reduce-scattered into the sharded gradients after it. Under tp-sp on torchtitan's 2-D
+(dp_shard, t) mesh the units hold this rank's TP shards (each padded and split over dp_shard), and the TP plan runs on
+DTensor (its partial_dtensor backend, the one torch 2.13's fully_shard takes with TP: memcalc.probe.libs.torchtitan_step).
 
 Exact (to the byte, at every moment named here, tests/probe/libs/test_torchtitan_step.py and test_torchtitan_fsdp.py)
 for torchtitan 0.3.0 on torch 2.13's CPU kernels at t = 1 and under tp and tp-sp at t = 2 and 4 (rank 0 of the fake
 group), b = 1 and b > 1, bf16, untied, without recomputation and under FullAC and SelectiveAC (at t = 1, and under tp
 and tp-sp at t = 2 and 4), and under FSDP2 at t = 1 (dp_shard 2 and 4, with and without resharding, with and
-without FullAC or SelectiveAC: FSDPMemTracker reads a block's rerun as temporaries); `check_modelled` names
-everything else.
+without FullAC or SelectiveAC: FSDPMemTracker reads a block's rerun as temporaries); under FSDP2 with tp-sp at t = 2
+(dp_shard 2 and 4, with and without resharding, b = 1 and b > 1, and under FullAC) the peak, each category at it and
+the state between steps; `check_modelled` names everything else.
 On CUDA torchtitan's Llama3 runs flex attention and torch's fused _fused_rms_norm kernel, which keep other tensors
 (the ledger's device rules) and allocate otherwise in backward: not described here yet.
 """
@@ -81,7 +84,7 @@ def torchtitan_timeline(config: ModelConfig, strategy: Strategy, accounting: Acc
     z = Sizes.of(unpadded, strategy)
     (stage,) = stages(config.L, config.pp, config.vpp, config.microbatches)
     tape = Tape()
-    fsdp = Fsdp.torchtitan(unpadded) if config.dp_shard is not None else None
+    fsdp = Fsdp.torchtitan(unpadded, z.t) if config.dp_shard is not None else None
     if fsdp is None:
         model_states(tape, unpadded, stage, z)
     else:
@@ -120,11 +123,16 @@ def torchtitan_timeline(config: ModelConfig, strategy: Strategy, accounting: Acc
 
 def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounting) -> None:
     """ConfigError naming the first thing the torchtitan step timeline does not model yet."""
+    sharded_tp = config.dp_shard is not None and strategy.weight_shards(config.t) > 1
     missing = [
         (accounting.device != "cpu", "device cuda (its flex attention and fused rms_norm kernels; --device cpu walks"
                                      " the CPU kernels the probe measures)"),
         (config.zero_stage is not None, "zero_stage (DeepSpeed's ZeRO: torchtitan shards with FSDP2, dp_shard)"),
-        (config.dp_shard is not None and config.t > 1, "dp_shard with t > 1 (FSDP2 on a 2-D mesh with its TP plan)"),
+        (sharded_tp and not strategy.sequence_parallel, "dp_shard with tp (t > 1 without sequence parallel: DTensor"
+                                                        " carries a Partial gradient through the norms' backward; tp-sp,"
+                                                        " torchtitan's default, is modelled)"),
+        (sharded_tp and config.recompute == "op", "dp_shard with t > 1 under recompute op (SelectiveAC on FSDP2's 2-D"
+                                                  " mesh)"),
         ((config.dp_replicate or 1) > 1, "dp_replicate (HSDP)"),
         (config.reduce_dtype != "fp32", f"reduce_dtype {config.reduce_dtype} (torchtitan reduces in float32 only)"),
         (config.moe, "a mixture of experts (num_experts)"),

@@ -16,7 +16,7 @@ from memcalc.model.knobs import Accounting  # noqa: E402
 from memcalc.model.strategy import STRATEGIES  # noqa: E402
 from memcalc.probe.launch import run_fake  # noqa: E402
 from memcalc.probe.libs.hf_fsdp import FsdpMomentTracker, fsdp_categories  # noqa: E402
-from memcalc.probe.libs.torchtitan_step import warmed_up_sharded  # noqa: E402
+from memcalc.probe.libs.torchtitan_step import data_parallel, warmed_up_sharded  # noqa: E402
 from memcalc.probe.step import measure_step  # noqa: E402
 from memcalc.sizing.timeline import GRADIENTS, OPTIMIZER, PARAMETERS, timeline  # noqa: E402
 
@@ -81,15 +81,23 @@ def test_every_moment_the_fsdp_walk_names_happens_in_order_in_its_module_with_it
     FSDPMemTracker reads as temporaries."""
     config = _config(dp_shard=n, reshard_after_forward=reshard, recompute=recompute)
 
-    def on_rank(tp):
-        trainer = warmed_up_sharded(tp, config, STRATEGIES["none"])
-        tracker = reading_every_op(FsdpMomentTracker, fsdp_categories)(trainer.model, trainer.optimizer)
-        tracker.readings = []
-        with tracker:
-            trainer.step()
-        return tracker.readings
+    assert_moments_in_order(timeline(config, STRATEGIES["none"], CPU).moments[1:], readings(config, "none"))
 
-    assert_moments_in_order(timeline(config, STRATEGIES["none"], CPU).moments[1:], run_fake(on_rank, (), n))
+
+def readings(config, strategy):
+    """FSDPMemTracker's reading after every op of one step, on rank 0 of dp_shard*t (torchtitan's own meshes)."""
+    strategy = STRATEGIES[strategy]
+
+    def on_rank(tp):
+        with data_parallel(tp, config, strategy) as dims:
+            trainer = warmed_up_sharded(tp, config, strategy, dims)
+            tracker = reading_every_op(FsdpMomentTracker, fsdp_categories)(trainer.model, trainer.optimizer)
+            tracker.readings = []
+            with tracker:
+                trainer.step()
+            return tracker.readings
+
+    return run_fake(on_rank, (), config.dp_shard * strategy.weight_shards(config.t))
 
 
 @pytest.mark.parametrize("changes", [
@@ -103,11 +111,12 @@ def test_under_its_activation_checkpointing_the_peak_is_fsdpmemtrackers_to_the_b
     assert r.moment_matches, (r.predicted_moment, r.measured.moment)
 
 
-@pytest.mark.parametrize("changes, named", [
-    ({"dp_shard": 2, "t": 2}, "dp_shard with t > 1"),
-    ({"dp_shard": 2, "dp_replicate": 2}, "dp_replicate"),
-    ({"dp_shard": 2, "reduce_dtype": "bf16"}, "reduce_dtype bf16"),
+@pytest.mark.parametrize("changes, strategy, named", [
+    ({"dp_shard": 2, "t": 2}, "tp", "dp_shard with tp"),
+    ({"dp_shard": 2, "t": 2, "recompute": "op"}, "tp-sp", "dp_shard with t > 1 under recompute op"),
+    ({"dp_shard": 2, "dp_replicate": 2}, "none", "dp_replicate"),
+    ({"dp_shard": 2, "reduce_dtype": "bf16"}, "none", "reduce_dtype bf16"),
 ])
-def test_what_the_fsdp_walk_does_not_model_is_refused_by_name(changes, named):
+def test_what_the_fsdp_walk_does_not_model_is_refused_by_name(changes, strategy, named):
     with pytest.raises(ConfigError, match=named):
-        timeline(_config(**changes), STRATEGIES["none"], CPU)
+        timeline(_config(**changes), STRATEGIES[strategy], CPU)

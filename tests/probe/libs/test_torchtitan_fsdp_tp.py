@@ -1,0 +1,52 @@
+"""torchtitan's own Llama3Model on its default 2-D layout: its TP plan (tp-sp) over the mesh's inner dimension (t = 2),
+FSDP2 over dp_shard = 2 and 4 (its own parallelize_llama on a (dp_shard, t) mesh of the fake group, the partial_dtensor
+backend), under FSDPMemTracker, against the torchtitan step timeline on this rank's TP shards with FSDP2's gathers and
+reduce-scatters of them: the peak, each category at it and the state between steps to the byte, and the peak's
+moment."""
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("torchtitan")
+
+from memcalc.config.schema import build_config  # noqa: E402
+from memcalc.probe.step import measure_step  # noqa: E402
+
+from tests.helpers import TORCHTITAN_LLAMA3  # noqa: E402
+
+# As the step tests' Llama3, with a vocabulary and an ffn width whose TP shards dp_shard = 4 pads.
+LLAMA3 = TORCHTITAN_LLAMA3 | {"ffn_hidden_size": 102}
+
+
+def _config(**changes):
+    return build_config(LLAMA3 | changes)
+
+
+@pytest.mark.parametrize("changes", [
+    {"dp_shard": 2},
+    {"dp_shard": 2, "reshard_after_forward": False},
+    {"dp_shard": 4},
+    {"dp_shard": 4, "reshard_after_forward": False},
+    {"dp_shard": 2, "b": 1, "s": 26},  # b = 1, odd s/t: the peak in the final norm's backward
+    {"dp_shard": 4, "b": 3, "s": 26},
+    {"dp_shard": 2, "recompute": "full"},  # torchtitan's FullAC: the peak in a block's rerun
+], ids=str)
+def test_the_peak_every_category_and_the_steady_state_are_fsdpmemtrackers_to_the_byte(one_thread, changes):
+    (r,) = measure_step(_config(t=2, **changes), ["tp-sp"])
+    assert r.measured.t == changes["dp_shard"] * 2
+    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+    assert r.moment_matches, (r.predicted_moment, r.measured.moment)
+
+
+def test_between_steps_each_rank_holds_its_tp_shard_of_each_parameter_over_dp_shard_four_times_in_fp32(one_thread):
+    """wqkv, w1, w3 and the vocabulary rows split over t on dim 0, wo and w2 on dim 1, the norms whole; then each
+    local shard's dim 0 padded to dp_shard and split over it: fp32 weights, gradients, AdamW's m and v."""
+    n, t = 2, 2
+    c = _config(dp_shard=n, t=t)
+    pad = lambda rows: -(-rows // n) * n  # noqa: E731
+    qkv = (c.a + 2 * c.groups) * c.head_dim // t
+    block = (pad(qkv) + 2 * pad(c.ffn // t)) * c.h + pad(c.h) * (c.a * c.head_dim + c.ffn) // t + 2 * pad(c.h)
+    shard = (c.L * block + 2 * pad(c.vocab_size // t) * c.h + pad(c.h)) // n
+    (r,) = measure_step(c, ["tp-sp"])
+    assert r.measured.steady["gradients"] == 4 * shard
+    assert r.measured.steady["optimizer states"] == 8 * shard + 4 * (7 * c.L + 3)
