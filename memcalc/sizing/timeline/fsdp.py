@@ -22,8 +22,9 @@ and so what the tape holds:
     pre-backward    the unit's own gather copied out (again, if resharded), and the next unit's all-gather
                     issued at once (implicit backward prefetch): its flat buffer waits for that unit's turn
     backward        each weight's bf16 gradient is the unsharded parameter's .grad, kept to the unit's end
-    post-backward   the unit resharded; the gradients it has cast into a flat reduce_dtype reduce-scatter
-                    buffer, freed, and this rank's shard (fp32, the parameter's dtype) made; the buffer is
+    post-backward   under tp each Partial gradient (a sequence-parallel norm's) all-reduced over t into a
+                    copy, the Partial one freed; the unit resharded; the gradients it has cast into a flat
+                    reduce_dtype reduce-scatter buffer, freed, and this rank's shard (fp32, the parameter's dtype) made; the buffer is
                     kept until the next reduce-scatter (FSDP2 waits for it there). A unit of several modules
                     (torchtitan's norm and lm_head) runs it once per module whose input gradient is ready,
                     each time for the gradients there are, and is gathered again in between
@@ -127,13 +128,17 @@ class Fsdp:
     units: tuple[Unit, ...]
     tp: bool = False  # transformers' tp_plan on the mesh's other dimension
     accumulate: bool = False
+    partial: frozenset[str] = frozenset()  # modules whose weight's gradient DTensor leaves Partial over t
 
     @classmethod
-    def torchtitan(cls, config: ModelConfig, t: int = 1) -> Fsdp:
+    def torchtitan(cls, config: ModelConfig, t: int = 1, sp: bool = False) -> Fsdp:
         """torchtitan's layout (torchtitan_units) over dp_shard ranks, on this rank's shards of t under its TP plan,
-        its trainer's zero_grad(set_to_none=False)."""
-        return cls(config.dp_shard or 1, DTYPE_BYTES[config.dtype], DTYPE_BYTES[config.reduce_dtype],
-                   torchtitan_units(config, config.reshard_after_forward, t), accumulate=True)
+        its trainer's zero_grad(set_to_none=False). Under sequence parallelism the norms run on this rank's tokens
+        alone: their Replicate weights' gradients are Partial sums over t."""
+        units = torchtitan_units(config, config.reshard_after_forward, t)
+        norms = frozenset(m for u in units for m, shape in u.params if len(shape) == 1) if sp else frozenset()
+        return cls(config.dp_shard or 1, DTYPE_BYTES[config.dtype], DTYPE_BYTES[config.reduce_dtype], units,
+                   accumulate=True, partial=norms)
 
     def unit_of(self, module: str) -> str:
         """The unit that holds the parameter of `module`."""
@@ -261,19 +266,39 @@ class Fsdp:
         weight is the embedding's, registered once)."""
         return [m for m, _ in self.unit(block).params if modules is None or m in modules][-1]
 
+    def _partial_grads(self, block: str) -> list[str]:
+        """The tape names of a block's Partial gradients, in registration order (FSDP2's loop over its parameters)."""
+        return [f"fsdp/{block} grad {m}" for m, _ in self.unit(block).params if m in self.partial]
+
+    def _reduced_name(self, block: str, module: str) -> str:
+        """The gradient of `module` that FSDP2 reduce-scatters: under tp a Partial one's all-reduced copy."""
+        return f"fsdp/{block} grad {module}" + (" (all-reduced)" if module in self.partial else "")
+
+    def all_reduced(self, tape: Tape, block: str, where: str, name: str) -> str:
+        """FSDP2 lays a Partial gradient out as its Replicate weight (DTensor's redistribute: an all-reduce over t
+        into a new tensor) before the reduce-scatter; the Partial one goes as the unsharded .grad is set to None."""
+        reduced = f"{name} (all-reduced)"
+        tape.add(reduced, TEMPORARIES, tape.live[name].bytes, "a Partial weight gradient all-reduced over t, for"
+                 " FSDP2's reduce-scatter")
+        tape.mark("backward", where, f"FSDP2 all-reduces {name.split(' grad ', 1)[1]}'s Partial gradient over t")
+        tape.drop(name)
+        return reduced
+
     def post_backward(self, tape: Tape, block: str, where: str, modules: tuple[str, ...] | None = None) -> None:
         """FSDP2's post-backward, as FSDPMemTracker files each step: the block's gradients (the unsharded parameters'
-        .grad) become its gradients; the block resharded; foreach_reduce's flat reduce_dtype input made (a
-        temporary until the reduce-scatter runs on it) and the gradients copied in and freed, but for the last
-        parameter's, which foreach_reduce's loop variable keeps until it returns; this rank's output shard made
-        (fp32, the sharded gradients, or under `accumulate` added into them and freed); the previous block's input,
-        waited on, freed. `modules`: the parameters with a gradient (foreach_reduce takes only those), all by
+        .grad) become its gradients; under tp its Partial ones all-reduced; the block resharded; foreach_reduce's
+        flat reduce_dtype input made (a temporary until the reduce-scatter runs on it) and the gradients copied in and
+        freed, but for the last parameter's, which foreach_reduce's loop variable keeps until it returns; this rank's
+        output shard made (fp32, the sharded gradients, or under `accumulate` added into them and freed); the previous
+        block's input, waited on, freed. `modules`: the parameters with a gradient (foreach_reduce takes only those), all by
         default."""
         grads = [n for n in tape.live if n.startswith(f"fsdp/{block} grad ")]
         for name in grads:
             tape.live[name] = replace(tape.live[name], category=GRADIENTS)
         if block == ROOT and self.tp:
             grads.append(self.embedding_rows(tape, where))
+        reduced = {n: self.all_reduced(tape, block, where, n) for n in self._partial_grads(block) if n in grads}
+        grads = [reduced.get(n, n) for n in grads]
         self.reshard(tape, block)
         for name in [n for n in tape.live if n.startswith("fsdp/") and n.endswith(" reduce-scatter")]:
             tape.drop(name)  # the previous block's, waited on now
@@ -282,7 +307,7 @@ class Fsdp:
         tape.add(rs, TEMPORARIES, self.reduce * whole,
                  "FSDP2's reduce-scatter input: the block's gradients in reduce_dtype, one flat buffer")
         tape.mark("backward", where, f"FSDP2's reduce-scatter buffer for {block}'s gradients")
-        last = f"fsdp/{block} grad {self.last_parameter(block, modules)}"
+        last = self._reduced_name(block, self.last_parameter(block, modules))
         tape.drop(*(n for n in grads if n != last))
         out = f"fsdp/{block} sharded grads"
         tape.add(out, TEMPORARIES, self.reduce * whole // self.shards,

@@ -14,15 +14,12 @@ from memcalc.config.schema import build_config  # noqa: E402
 from memcalc.errors import ConfigError  # noqa: E402
 from memcalc.model.knobs import Accounting  # noqa: E402
 from memcalc.model.strategy import STRATEGIES  # noqa: E402
-from memcalc.probe.launch import run_fake  # noqa: E402
-from memcalc.probe.libs.hf_fsdp import FsdpMomentTracker, fsdp_categories  # noqa: E402
-from memcalc.probe.libs.torchtitan_step import data_parallel, warmed_up_sharded  # noqa: E402
 from memcalc.probe.step import measure_step  # noqa: E402
 from memcalc.sizing.timeline import GRADIENTS, OPTIMIZER, PARAMETERS, timeline  # noqa: E402
 
 from tests.helpers import TORCHTITAN_LLAMA3  # noqa: E402
 
-from ..step_readings import assert_moments_in_order, reading_every_op  # noqa: E402
+from ..step_readings import assert_moments_in_order, torchtitan_fsdp_readings  # noqa: E402
 
 # As the step tests' Llama3, with a vocabulary and an ffn width dp_shard = 4 pads.
 LLAMA3 = TORCHTITAN_LLAMA3 | {"ffn_hidden_size": 102}
@@ -80,24 +77,8 @@ def test_every_moment_the_fsdp_walk_names_happens_in_order_in_its_module_with_it
     torchtitan's FullAC and SelectiveAC (passed to its parallelize_llama) each block's rerun inside its unit, which
     FSDPMemTracker reads as temporaries."""
     config = _config(dp_shard=n, reshard_after_forward=reshard, recompute=recompute)
-
-    assert_moments_in_order(timeline(config, STRATEGIES["none"], CPU).moments[1:], readings(config, "none"))
-
-
-def readings(config, strategy):
-    """FSDPMemTracker's reading after every op of one step, on rank 0 of dp_shard*t (torchtitan's own meshes)."""
-    strategy = STRATEGIES[strategy]
-
-    def on_rank(tp):
-        with data_parallel(tp, config, strategy) as dims:
-            trainer = warmed_up_sharded(tp, config, strategy, dims)
-            tracker = reading_every_op(FsdpMomentTracker, fsdp_categories)(trainer.model, trainer.optimizer)
-            tracker.readings = []
-            with tracker:
-                trainer.step()
-            return tracker.readings
-
-    return run_fake(on_rank, (), config.dp_shard * strategy.weight_shards(config.t))
+    predicted = timeline(config, STRATEGIES["none"], CPU)
+    assert_moments_in_order(predicted.moments[1:], torchtitan_fsdp_readings(config, "none"))
 
 
 @pytest.mark.parametrize("changes", [

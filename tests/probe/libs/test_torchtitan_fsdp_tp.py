@@ -1,8 +1,8 @@
 """torchtitan's own Llama3Model on its default 2-D layout: its TP plan (tp-sp) over the mesh's inner dimension (t = 2),
 FSDP2 over dp_shard = 2 and 4 (its own parallelize_llama on a (dp_shard, t) mesh of the fake group, the partial_dtensor
 backend), under FSDPMemTracker, against the torchtitan step timeline on this rank's TP shards with FSDP2's gathers and
-reduce-scatters of them: the peak, each category at it and the state between steps to the byte, and the peak's
-moment."""
+reduce-scatters of them: the peak, each category at it and the state between steps to the byte, the peak's moment,
+and every moment in order."""
 
 import pytest
 
@@ -10,7 +10,12 @@ pytest.importorskip("torch")
 pytest.importorskip("torchtitan")
 
 from memcalc.config.schema import build_config  # noqa: E402
+from memcalc.model.knobs import Accounting  # noqa: E402
+from memcalc.model.strategy import STRATEGIES  # noqa: E402
 from memcalc.probe.step import measure_step  # noqa: E402
+from memcalc.sizing.timeline import timeline  # noqa: E402
+
+from ..step_readings import assert_moments_in_order, torchtitan_fsdp_readings  # noqa: E402
 
 from tests.helpers import TORCHTITAN_LLAMA3  # noqa: E402
 
@@ -50,3 +55,18 @@ def test_between_steps_each_rank_holds_its_tp_shard_of_each_parameter_over_dp_sh
     (r,) = measure_step(c, ["tp-sp"])
     assert r.measured.steady["gradients"] == 4 * shard
     assert r.measured.steady["optimizer states"] == 8 * shard + 4 * (7 * c.L + 3)
+
+
+@pytest.mark.parametrize("changes", [
+    {"dp_shard": 2},
+    {"dp_shard": 4, "reshard_after_forward": False},
+    {"dp_shard": 2, "b": 1, "s": 26},
+    {"dp_shard": 2, "recompute": "full"},
+], ids=str)
+def test_every_moment_the_walk_names_happens_in_order_in_its_module_with_its_bytes(one_thread, changes):
+    """The TP plan on DTensor: a reduce-scatter along s always concatenates the chunks (b = 1 too), an all-gather at
+    b = 1 is its own output, the norms' inputs come contiguous; FSDP2 all-reduces each norm's Partial gradient over t
+    before its reduce-scatter; each unit gathers and reduce-scatters its TP shards."""
+    config = _config(t=2, **changes)
+    predicted = timeline(config, STRATEGIES["tp-sp"], Accounting(exact=True, device="cpu"))
+    assert_moments_in_order(predicted.moments[1:], torchtitan_fsdp_readings(config, "tp-sp"))
