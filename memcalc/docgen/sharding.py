@@ -166,8 +166,13 @@ def _step() -> str:
         " category and the steady state to the byte at t = 2, dp_shard 2 and 4 (the probe runs torchtitan's"
         " partial_dtensor backend: torch 2.13's fully_shard refuses its default spmd_types' parameters).",
         "",
-        "Not walked yet (refused by name): experts; torchtitan under FSDP2 with tp without sequence parallel, with"
-        " SelectiveAC on the 2-D mesh, or as HSDP.",
+        "As HSDP (`--dp-replicate`, parallelize_llama's (dp_replicate, fsdp) mesh, at t = 1 and on the 3-D mesh"
+        " with tp-sp) each unit's reduce-scatter output, all-reduced across replicas, is held by the unit"
+        " (FSDP2's AllReduceState) after torchtitan's trainer has added it into the sharded gradients, until the"
+        " unit's next post-backward or the end of backward: measured to the byte at every moment.",
+        "",
+        "Not walked yet (refused by name): experts; torchtitan under FSDP2 with tp without sequence parallel or"
+        " with SelectiveAC on the 2-D mesh.",
         "",
         "```text",
         (fsdp.__doc__ or "").strip(),

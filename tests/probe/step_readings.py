@@ -22,7 +22,7 @@ def reading_every_op(tracker: type[MomentTracker], read=categories) -> type[Mome
 
 def torchtitan_fsdp_readings(config, strategy: str) -> list[tuple[str, dict[str, int]]]:
     """FSDPMemTracker's reading after every op of one step of torchtitan's Llama3Model under its parallelize_llama, on
-    rank 0 of dp_shard*t (torchtitan's own meshes)."""
+    rank 0 of dp_replicate*dp_shard*t (torchtitan's own meshes)."""
     from memcalc.model.strategy import STRATEGIES
     from memcalc.probe.launch import run_fake
     from memcalc.probe.libs.hf_fsdp import FsdpMomentTracker, fsdp_categories
@@ -39,7 +39,7 @@ def torchtitan_fsdp_readings(config, strategy: str) -> list[tuple[str, dict[str,
                 trainer.step()
             return tracker.readings
 
-    return run_fake(on_rank, (), config.dp_shard * plan.weight_shards(config.t))
+    return run_fake(on_rank, (), (config.dp_replicate or 1) * config.dp_shard * plan.weight_shards(config.t))
 
 
 def readings_after_every_op(trainer: Trainer) -> list[tuple[str, dict[str, int]]]:

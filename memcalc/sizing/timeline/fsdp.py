@@ -25,7 +25,10 @@ and so what the tape holds:
     post-backward   under tp each Partial gradient (a sequence-parallel norm's) all-reduced over t into a
                     copy, the Partial one freed; the unit resharded; the gradients it has cast into a flat
                     reduce_dtype reduce-scatter buffer, freed, and this rank's shard (fp32, the parameter's dtype) made; the buffer is
-                    kept until the next reduce-scatter (FSDP2 waits for it there). A unit of several modules
+                    kept until the next reduce-scatter (FSDP2 waits for it there). Under HSDP (dp_replicate)
+                    the output is all-reduced across replicas in place, and under torchtitan, whose output
+                    is added into the sharded gradients, the unit holds it (AllReduceState) until its next
+                    post-backward or the end of backward. A unit of several modules
                     (torchtitan's norm and lm_head) runs it once per module whose input gradient is ready,
                     each time for the gradients there are, and is gathered again in between
 
@@ -129,6 +132,7 @@ class Fsdp:
     tp: bool = False  # transformers' tp_plan on the mesh's other dimension
     accumulate: bool = False
     partial: frozenset[str] = frozenset()  # modules whose weight's gradient DTensor leaves Partial over t
+    replicas: int = 1  # HSDP's dp_replicate: each reduce-scatter's output all-reduced across replicas
 
     @classmethod
     def torchtitan(cls, config: ModelConfig, t: int = 1, sp: bool = False) -> Fsdp:
@@ -138,7 +142,7 @@ class Fsdp:
         units = torchtitan_units(config, config.reshard_after_forward, t)
         norms = frozenset(m for u in units for m, shape in u.params if len(shape) == 1) if sp else frozenset()
         return cls(config.dp_shard or 1, DTYPE_BYTES[config.dtype], DTYPE_BYTES[config.reduce_dtype], units,
-                   accumulate=True, partial=norms)
+                   accumulate=True, partial=norms, replicas=config.dp_replicate or 1)
 
     def unit_of(self, module: str) -> str:
         """The unit that holds the parameter of `module`."""
@@ -266,6 +270,11 @@ class Fsdp:
         weight is the embedding's, registered once)."""
         return [m for m, _ in self.unit(block).params if modules is None or m in modules][-1]
 
+    @staticmethod
+    def finalize_backward(tape: Tape) -> None:
+        """FSDP2's final callback: the all-reduce inputs HSDP still holds (each unit's last) go."""
+        tape.drop(*[n for n in tape.live if n.startswith("fsdp/") and n.endswith(" all-reduce")])
+
     def _partial_grads(self, block: str) -> list[str]:
         """The tape names of a block's Partial gradients, in registration order (FSDP2's loop over its parameters)."""
         return [f"fsdp/{block} grad {m}" for m, _ in self.unit(block).params if m in self.partial]
@@ -302,6 +311,7 @@ class Fsdp:
         self.reshard(tape, block)
         for name in [n for n in tape.live if n.startswith("fsdp/") and n.endswith(" reduce-scatter")]:
             tape.drop(name)  # the previous block's, waited on now
+        tape.drop(f"fsdp/{block} all-reduce")  # this unit's last, under HSDP (_wait_for_post_backward)
         whole = self.unsharded(block, modules)
         rs = f"fsdp/{block} reduce-scatter"
         tape.add(rs, TEMPORARIES, self.reduce * whole,
@@ -321,7 +331,9 @@ class Fsdp:
             tape.drop(out)
             tape.rename(f"{out} (fp32)", out)
         tape.drop(last)
-        if self.accumulate:  # added into the sharded gradients
+        if self.accumulate and self.replicas > 1:  # HSDP: FSDP2 holds the all-reduce's input (AllReduceState)
+            tape.rename(out, f"fsdp/{block} all-reduce")
+        elif self.accumulate:  # added into the sharded gradients
             tape.drop(out)
         else:
             tape.live[out] = replace(tape.live[out], category=GRADIENTS)

@@ -51,7 +51,8 @@ for torchtitan 0.3.0 on torch 2.13's CPU kernels at t = 1 and under tp and tp-sp
 group), b = 1 and b > 1, bf16, untied, without recomputation and under FullAC and SelectiveAC (at t = 1, and under tp
 and tp-sp at t = 2 and 4), and under FSDP2 at t = 1 (dp_shard 2 and 4, with and without resharding, with and
 without FullAC or SelectiveAC: FSDPMemTracker reads a block's rerun as temporaries); under FSDP2 with tp-sp at t = 2
-(dp_shard 2 and 4, with and without resharding, b = 1 and b > 1, and under FullAC: test_torchtitan_fsdp_tp.py);
+(dp_shard 2 and 4, with and without resharding, b = 1 and b > 1, and under FullAC: test_torchtitan_fsdp_tp.py); as
+HSDP (dp_replicate 2 x dp_shard 2, at t = 1 and under tp-sp on the 3-D mesh);
 `check_modelled` names everything else.
 On CUDA torchtitan's Llama3 runs flex attention and torch's fused _fused_rms_norm kernel, which keep other tensors
 (the ledger's device rules) and allocate otherwise in backward: not described here yet.
@@ -120,6 +121,7 @@ def torchtitan_timeline(config: ModelConfig, strategy: Strategy, accounting: Acc
     if fsdp is not None:  # the final callback: the embedding's post-backward (its input, the ids, needs no gradient)
         _post_backward(fsdp, tape, "tok_embeddings", "")
         tape.drop("fsdp/tok_embeddings reduce-scatter")
+        fsdp.finalize_backward(tape)
     tape.drop("loss/grad seed")  # backward() returns
     tape.mark("optimizer", "", "fused AdamW on the fp32 master weights, in place")
     return Timeline(layer.strategy, tuple(tape.moments), stage.name)
@@ -137,7 +139,6 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
                                                         " tp-sp, torchtitan's default, is modelled)"),
         (sharded_tp and config.recompute == "op", "dp_shard with t > 1 under recompute op (SelectiveAC on FSDP2's 2-D"
                                                   " mesh)"),
-        ((config.dp_replicate or 1) > 1, "dp_replicate (HSDP)"),
         (config.reduce_dtype != "fp32", f"reduce_dtype {config.reduce_dtype} (torchtitan reduces in float32 only)"),
         (config.moe, "a mixture of experts (num_experts)"),
         (config.tie_embeddings, "tie_embeddings (Llama3 unties them; set tie_embeddings false)"),

@@ -92,10 +92,22 @@ def test_under_its_activation_checkpointing_the_peak_is_fsdpmemtrackers_to_the_b
     assert r.moment_matches, (r.predicted_moment, r.measured.moment)
 
 
+@pytest.mark.parametrize("reshard, recompute", [(True, "none"), (False, "full")])
+def test_as_hsdp_each_units_all_reduce_input_is_held_to_its_next_post_backward_and_every_moment_is_fsdpmemtrackers(
+        one_thread, reshard, recompute):
+    """HSDP (dp_replicate 2 x dp_shard 2, parallelize_llama's ["dp_replicate", "fsdp"] mesh): each reduce-scatter's
+    output, all-reduced across replicas, is held by its unit (AllReduceState) after it has been added into the sharded
+    gradients, until the unit's next post-backward (norm and lm_head's) or the end of backward (every block's)."""
+    config = _config(dp_shard=2, dp_replicate=2, reshard_after_forward=reshard, recompute=recompute)
+    predicted = timeline(config, STRATEGIES["none"], CPU)
+    assert_moments_in_order(predicted.moments[1:], torchtitan_fsdp_readings(config, "none"))
+    (r,) = measure_step(config, ["none"])
+    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+
+
 @pytest.mark.parametrize("changes, strategy, named", [
     ({"dp_shard": 2, "t": 2}, "tp", "dp_shard with tp"),
     ({"dp_shard": 2, "t": 2, "recompute": "op"}, "tp-sp", "dp_shard with t > 1 under recompute op"),
-    ({"dp_shard": 2, "dp_replicate": 2}, "none", "dp_replicate"),
     ({"dp_shard": 2, "reduce_dtype": "bf16"}, "none", "reduce_dtype bf16"),
 ])
 def test_what_the_fsdp_walk_does_not_model_is_refused_by_name(changes, strategy, named):

@@ -70,3 +70,13 @@ def test_every_moment_the_walk_names_happens_in_order_in_its_module_with_its_byt
     config = _config(t=2, **changes)
     predicted = timeline(config, STRATEGIES["tp-sp"], Accounting(exact=True, device="cpu"))
     assert_moments_in_order(predicted.moments[1:], torchtitan_fsdp_readings(config, "tp-sp"))
+
+
+def test_as_hsdp_on_a_3d_mesh_every_moment_and_the_peak_are_fsdpmemtrackers(one_thread):
+    """dp_replicate 2 x dp_shard 2 x t 2: its TP plan over t, HSDP over the outer two dimensions."""
+    config = _config(t=2, dp_shard=2, dp_replicate=2)
+    predicted = timeline(config, STRATEGIES["tp-sp"], Accounting(exact=True, device="cpu"))
+    assert_moments_in_order(predicted.moments[1:], torchtitan_fsdp_readings(config, "tp-sp"))
+    (r,) = measure_step(config, ["tp-sp"])
+    assert r.measured.t == 8
+    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
