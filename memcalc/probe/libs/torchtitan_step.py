@@ -161,10 +161,11 @@ def warmed_up_sharded(tp: TensorParallelGroup, config: ModelConfig, strategy: St
     """Rank 0 of the fake group's world (`data_parallel`'s meshes, `dims`): Llama3Model built on the meta device in
     fp32 (its trainer's training.dtype), laid out by torchtitan's own parallelize_llama (under tp its TP plan over the
     mesh's tp dimension, each parameter a DTensor of this rank's shard; its activation checkpointing config for
-    `recompute` applied to each block; then apply_fsdp_to_decoder over the fsdp dimension: tok_embeddings, each
-    block, [norm, lm_head], the model, as HSDP over (dp_replicate, fsdp) with dp_replicate; bf16 parameters, fp32 reduce, its TrainingConfig's; its reshard policy
-    "default", or "never" without reshard_after_forward), materialised and initialised, AdamW (fused) over the
-    shards, zeroed in place (its trainer's zero_grad(set_to_none=False)), stepped once."""
+    `recompute` applied to each block; then apply_fsdp_to_decoder over the fsdp dimension, as HSDP over
+    (dp_replicate, fsdp) with dp_replicate: tok_embeddings, each block, [norm, lm_head], the model; bf16 parameters,
+    fp32 reduce, its TrainingConfig's; its reshard policy "default", or "never" without reshard_after_forward),
+    materialised and initialised, AdamW (fused) over the shards, zeroed in place (its trainer's
+    zero_grad(set_to_none=False)), stepped once."""
     from torchtitan.config.configs import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.models.llama3.parallelize import parallelize_llama
 
