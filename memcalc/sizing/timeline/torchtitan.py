@@ -51,7 +51,8 @@ for torchtitan 0.3.0 on torch 2.13's CPU kernels at t = 1 and under tp and tp-sp
 group), b = 1 and b > 1, bf16, untied, without recomputation and under FullAC and SelectiveAC (at t = 1, and under tp
 and tp-sp at t = 2 and 4), and under FSDP2 at t = 1 (dp_shard 2 and 4, with and without resharding, with and
 without FullAC or SelectiveAC: FSDPMemTracker reads a block's rerun as temporaries); under FSDP2 with tp-sp at t = 2
-(dp_shard 2 and 4, with and without resharding, b = 1 and b > 1, and under FullAC: test_torchtitan_fsdp_tp.py); as
+(dp_shard 2 and 4, with and without resharding, b = 1 and b > 1, under FullAC and SelectiveAC:
+test_torchtitan_fsdp_tp.py); as
 HSDP (dp_replicate 2 x dp_shard 2, at t = 1 and under tp-sp on the 3-D mesh);
 `check_modelled` names everything else.
 On CUDA torchtitan's Llama3 runs flex attention and torch's fused _fused_rms_norm kernel, which keep other tensors
@@ -106,7 +107,7 @@ def torchtitan_timeline(config: ModelConfig, strategy: Strategy, accounting: Acc
         Segment(None, "", Walk(tape, "", "", end, hand_over), (count,)),
         Segment("tok_embeddings", "tok_embeddings", Walk(tape, "", "", end, hand_over), (lookup,)),
         *(Segment(f"layers.{i}", f"layers.{i}", Walk(tape, f"layers.{i}", torchtitan_block(i, config), saved, hand_over,
-                                                      block_checkpoint(i, config, accounting)),
+                                                      block_checkpoint(i, config, accounting, z)),
                   block_ops(i, z)) for i in range(config.L)),
         Segment(OUTPUT, "norm", Walk(tape, "", "", end, hand_over), tuple(norm)),
         Segment(OUTPUT, "lm_head", Walk(tape, "", "", end, hand_over), (lm_head,)),
@@ -137,8 +138,6 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
         (sharded_tp and not strategy.sequence_parallel, "dp_shard with tp (t > 1 without sequence parallel: DTensor"
                                                         " carries a Partial gradient through the norms' backward;"
                                                         " tp-sp, torchtitan's default, is modelled)"),
-        (sharded_tp and config.recompute == "op", "dp_shard with t > 1 under recompute op (SelectiveAC on FSDP2's 2-D"
-                                                  " mesh)"),
         (config.reduce_dtype != "fp32", f"reduce_dtype {config.reduce_dtype} (torchtitan reduces in float32 only)"),
         (config.moe, "a mixture of experts (num_experts)"),
         (config.tie_embeddings, "tie_embeddings (Llama3 unties them; set tie_embeddings false)"),
@@ -155,16 +154,19 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
             raise ConfigError(f"the step timeline for impl torchtitan does not model {what} yet")
 
 
-def block_checkpoint(i: int, config: ModelConfig, accounting: Accounting) -> Checkpoint | None:
+def block_checkpoint(i: int, config: ModelConfig, accounting: Accounting, z: Sizes) -> Checkpoint | None:
     """torchtitan's FullAC or SelectiveAC around block i (torch.utils.checkpoint, non-reentrant): its input held,
-    and under op the op outputs SelectiveAC caches, the ledger's (the block's input aside). Under FSDP2 its
-    apply_fsdp_to_decoder shards the checkpoint wrapper, whose rerun calls the block inside it, no FSDP unit:
-    FSDPMemTracker reads the rerun's tensors as temporaries."""
+    and under op the op outputs SelectiveAC caches, the ledger's (the block's input aside), and on DTensor under SP
+    wo's and w2's reduce-scatter outputs (funcol's reduce_scatter_tensor, on its list of communication ops to save).
+    Under FSDP2 its apply_fsdp_to_decoder shards the checkpoint wrapper, whose rerun calls the block inside it, no
+    FSDP unit: FSDPMemTracker reads the rerun's tensors as temporaries."""
     if config.recompute == "none":
         return None
     p = f"layers.{i}"
     cached = rules.op_checkpoint(accounting) if config.recompute == "op" else ()
-    return Checkpoint(f"{p}/input", frozenset(kept_name(p, x) for x in cached if x != ledger.LAYER_INPUT),
+    scattered = (f"{p}/attention out", f"{p}/ffn out") if cached and z.dtensor and z.sp else ()
+    return Checkpoint(f"{p}/input", frozenset((*(kept_name(p, x) for x in cached if x != ledger.LAYER_INPUT),
+                                               *scattered)),
                       ACTIVATIONS if config.dp_shard is None else TEMPORARIES)
 
 

@@ -107,7 +107,6 @@ def test_as_hsdp_each_units_all_reduce_input_is_held_to_its_next_post_backward_a
 
 @pytest.mark.parametrize("changes, strategy, named", [
     ({"dp_shard": 2, "t": 2}, "tp", "dp_shard with tp"),
-    ({"dp_shard": 2, "t": 2, "recompute": "op"}, "tp-sp", "dp_shard with t > 1 under recompute op"),
     ({"dp_shard": 2, "reduce_dtype": "bf16"}, "none", "reduce_dtype bf16"),
 ])
 def test_what_the_fsdp_walk_does_not_model_is_refused_by_name(changes, strategy, named):

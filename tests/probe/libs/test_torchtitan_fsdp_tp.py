@@ -35,6 +35,7 @@ def _config(**changes):
     {"dp_shard": 2, "b": 1, "s": 26},  # b = 1, odd s/t: the peak in the final norm's backward
     {"dp_shard": 4, "b": 3, "s": 26},
     {"dp_shard": 2, "recompute": "full"},  # torchtitan's FullAC: the peak in a block's rerun
+    {"dp_shard": 4, "recompute": "op", "b": 1, "s": 26, "reshard_after_forward": False},  # SelectiveAC
 ], ids=str)
 def test_the_peak_every_category_and_the_steady_state_are_fsdpmemtrackers_to_the_byte(one_thread, changes):
     (r,) = measure_step(_config(t=2, **changes), ["tp-sp"])
@@ -62,6 +63,7 @@ def test_between_steps_each_rank_holds_its_tp_shard_of_each_parameter_over_dp_sh
     {"dp_shard": 4, "reshard_after_forward": False},
     {"dp_shard": 2, "b": 1, "s": 26},
     {"dp_shard": 2, "recompute": "full"},
+    {"dp_shard": 2, "recompute": "op"},  # SelectiveAC also keeps wo's and w2's reduce-scatter outputs
 ], ids=str)
 def test_every_moment_the_walk_names_happens_in_order_in_its_module_with_its_bytes(one_thread, changes):
     """The TP plan on DTensor: a reduce-scatter along s always concatenates the chunks (b = 1 too), an all-gather at
