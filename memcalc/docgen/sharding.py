@@ -160,10 +160,19 @@ def _step() -> str:
         " zero_grad(set_to_none=False)). `memcalc measure --step --impl torchtitan --dp-shard N` runs torchtitan's"
         " own parallelize_llama on its Llama3Model (memcalc/probe/libs/torchtitan_step.py) under"
         " FSDPMemTracker, and tests/probe/libs/test_torchtitan_fsdp.py checks the peak, each category, the steady"
-        " state and every moment to the byte at dp_shard 2 and 4, with and without resharding, dim 0 padded.",
+        " state and every moment to the byte at dp_shard 2 and 4, with and without resharding, dim 0 padded. On"
+        " torchtitan's default 2-D (dp_shard, t) mesh with its TP plan (tp-sp) the units hold this rank's TP shards,"
+        " each padded and split over dp_shard, and tests/probe/libs/test_torchtitan_fsdp_tp.py checks the peak, each"
+        " category, the steady state and every moment to the byte at t = 2, dp_shard 2 and 4, b = 1 and b > 1,"
+        " under FullAC and SelectiveAC (the probe runs torchtitan's"
+        " partial_dtensor backend: torch 2.13's fully_shard refuses its default spmd_types' parameters).",
         "",
-        "Not walked yet (refused by name): experts; torchtitan under FSDP2 with its TP plan (a 2-D mesh), as HSDP"
-        " or with recomputation.",
+        "As HSDP (`--dp-replicate`, parallelize_llama's (dp_replicate, fsdp) mesh, at t = 1 and on the 3-D mesh"
+        " with tp-sp) each unit's reduce-scatter output, all-reduced across replicas, is held by the unit"
+        " (FSDP2's AllReduceState) after torchtitan's trainer has added it into the sharded gradients, until the"
+        " unit's next post-backward or the end of backward: measured to the byte at every moment.",
+        "",
+        "Not walked yet (refused by name): experts; torchtitan under FSDP2 with tp without sequence parallel.",
         "",
         "```text",
         (fsdp.__doc__ or "").strip(),

@@ -20,6 +20,28 @@ def reading_every_op(tracker: type[MomentTracker], read=categories) -> type[Mome
     return AfterEveryOp
 
 
+def torchtitan_fsdp_readings(config, strategy: str) -> list[tuple[str, dict[str, int]]]:
+    """FSDPMemTracker's reading after every op of one step of torchtitan's Llama3Model under its parallelize_llama, on
+    rank 0 of dp_replicate*dp_shard*t (torchtitan's own meshes)."""
+    from memcalc.model.strategy import STRATEGIES
+    from memcalc.probe.launch import run_fake
+    from memcalc.probe.libs.hf_fsdp import FsdpMomentTracker, fsdp_categories
+    from memcalc.probe.libs.torchtitan_step import data_parallel, warmed_up_sharded
+
+    plan = STRATEGIES[strategy]
+
+    def on_rank(tp):
+        with data_parallel(tp, config, plan) as dims:
+            trainer = warmed_up_sharded(tp, config, plan, dims)
+            tracker = reading_every_op(FsdpMomentTracker, fsdp_categories)(trainer.model, trainer.optimizer)
+            tracker.readings = []
+            with tracker:
+                trainer.step()
+            return tracker.readings
+
+    return run_fake(on_rank, (), (config.dp_replicate or 1) * config.dp_shard * plan.weight_shards(config.t))
+
+
 def readings_after_every_op(trainer: Trainer) -> list[tuple[str, dict[str, int]]]:
     """Where (`MomentTracker.where`) and the bytes per category after each op of one step of a warmed-up trainer."""
     tracker = reading_every_op(MomentTracker)()

@@ -16,6 +16,7 @@ the tracked inputs); `FSDP_CATEGORIES` reads those as the timeline's categories.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Callable
 
 from memcalc.model.families import FAMILIES
@@ -74,6 +75,31 @@ class FsdpMomentTracker(MomentTracker, FSDPMemTracker):
         if self._depth == 1:
             self._mod_tracker.clear_user_hooks()
         super().__exit__(*args)
+
+    def _fsdp_param_group_post_backward(self, fsdp_mod: nn.Module, orig: Callable) -> Callable:
+        """FSDPMemTracker's wrapper of a unit's post_backward files each unsharded .grad first, in a loop whose
+        variable would keep the unit's last .grad alive until post_backward returns; an untracked run frees it as
+        soon as post_backward lets it go (under tp a Partial gradient, once FSDP2 has all-reduced it). A parameter
+        without a gradient, appended for the loop and gone before post_backward runs, leaves the variable empty."""
+        group = fsdp_mod._get_fsdp_state()._fsdp_param_group
+        if group is None:
+            return super()._fsdp_param_group_post_backward(fsdp_mod, orig)
+
+        def post_backward(*args, **kwargs):
+            group.fsdp_params.pop()
+            return orig(*args, **kwargs)
+
+        tracked = super()._fsdp_param_group_post_backward(fsdp_mod, post_backward)
+
+        def inner(*args, **kwargs):
+            group.fsdp_params.append(_WITHOUT_GRAD)
+            return tracked(*args, **kwargs)
+
+        return inner
+
+
+# A parameter slot whose unsharded parameter has no gradient (FsdpMomentTracker._fsdp_param_group_post_backward).
+_WITHOUT_GRAD = SimpleNamespace(_unsharded_param=SimpleNamespace(grad=None))
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,10 @@ summed fp32 cross-entropy divided by the count of valid tokens (`(labels != IGNO
 dropped before backward (`del pred`). It is trained as `memcalc.probe.step` trains memcalc's GPT, with the same
 pieces (Megatron's fp32 gradient buffer, fp32 master weights and fused AdamW), which at t = 1 without FSDP is what
 any mixed-precision trainer keeps; a warm-up step, then one step measured by `measure_trainer`.
+
+Under FSDP2 (`--dp-shard`) the model is laid out by torchtitan's own parallelize_llama on its own meshes
+(`data_parallel`; under tp its default 2-D layout, the TP plan over t and FSDP2 over dp_shard), trained by its trainer's
+optimizer and zero_grad, and measured by FSDPMemTracker (memcalc.probe.libs.hf_fsdp).
 """
 
 from __future__ import annotations
@@ -110,26 +114,59 @@ def _loss(model: Any, loss_fn: Any, tokens: torch.Tensor, labels: torch.Tensor) 
 
 def measure_torchtitan_fsdp_step_on_rank(tp: TensorParallelGroup, config: ModelConfig,
                                          strategy: Strategy) -> StepMeasurement:
-    """torchtitan's Llama3Model sharded by its own parallelize_llama over dp_shard ranks, stepped once, then one step
-    measured by FSDPMemTracker (memcalc.probe.libs.hf_fsdp)."""
+    """torchtitan's Llama3Model sharded by its own parallelize_llama over dp_shard ranks (under tp on its 2-D mesh),
+    stepped once, then one step measured by FSDPMemTracker (memcalc.probe.libs.hf_fsdp)."""
     from memcalc.probe.libs.hf_fsdp import measure_sharded
 
-    return measure_sharded(warmed_up_sharded(tp, config, strategy), tp, strategy)
+    with data_parallel(tp, config, strategy) as dims:
+        return measure_sharded(warmed_up_sharded(tp, config, strategy, dims), tp, strategy)
 
 
-def warmed_up_sharded(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy) -> Any:
-    """Rank 0 of dp_shard (the fake group's world): Llama3Model built on the meta device in fp32 (its trainer's
-    training.dtype), sharded by torchtitan's own parallelize_llama (its activation checkpointing config for
-    `recompute` applied to each block first, then apply_fsdp_to_decoder: tok_embeddings, each block, [norm, lm_head],
-    the model; bf16 parameters, fp32 reduce, its TrainingConfig's; its reshard policy "default", or "never" without
-    reshard_after_forward), materialised and initialised, AdamW (fused) over the shards, zeroed in
-    place (its trainer's zero_grad(set_to_none=False)), stepped once.
+@contextmanager
+def data_parallel(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy) -> Iterator[Any]:
+    """torchtitan's ParallelDims over the fake group's world (dp_replicate x dp_shard x t, this process rank 0), its
+    meshes built and current while inside, as in its trainer's train_context (get_spmd_context).
 
-    The SPMD backend is "partial_dtensor" (FSDP2 over the 1-D fsdp mesh): under its default "spmd_types" at t = 1,
-    parallelize_llama hands fully_shard a DataParallelMeshDims whose parameters nothing has annotated, and fully_shard
-    refuses them (on this fake group; not measured on GPUs)."""
-    from torchtitan.config.configs import CompileConfig, ParallelismConfig, TrainingConfig
+    Its SPMD backend is "partial_dtensor" (DTensor for the TP dimension, FSDP2 over the 1-D fsdp mesh): under its
+    default "spmd_types", parallelize_llama hands fully_shard a DataParallelMeshDims, and torch 2.13's fully_shard
+    takes only DTensor parameters with one, not the plain tensors spmd_types annotates ("all parameters must be
+    DTensors on the full SPMD mesh"). So under tp the plan's collectives are DTensor's redistributions, not
+    spmd_types'."""
+    from torchtitan.distributed import utils as dist_utils
     from torchtitan.distributed.parallel_dims import ParallelDims
+
+    from memcalc.probe.libs import torchtitan_shim as shim
+
+    t = config.t if strategy.tensor_parallel else 1
+    replicas = config.dp_replicate or 1
+    if tp.size != replicas * config.dp_shard * t:
+        raise ProbeError(f"the fake group has {tp.size} ranks, not dp_replicate*dp_shard*t={replicas}*"
+                         f"{config.dp_shard}*{t}")
+    backend = "partial_dtensor"
+    dims = ParallelDims(dp_replicate=replicas, dp_shard=config.dp_shard, cp=1, tp=t, pp=1, ep=1,
+                        world_size=tp.size, spmd_backend=backend)
+    before = dist_utils.get_spmd_backend()
+    dist_utils.set_spmd_backend(backend)  # the runtime's, which torchtitan's loss reads
+    try:
+        with shim.mesh_device(tp.device.type):
+            dims.build_mesh()
+        with warnings.catch_warnings(), dist_utils.get_spmd_context(parallel_dims=dims)():
+            warnings.filterwarnings("ignore", titan.DEPRECATED_COLLECTIVES, FutureWarning)
+            yield dims
+    finally:
+        dist_utils.set_spmd_backend(before)
+
+
+def warmed_up_sharded(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, dims: Any) -> Any:
+    """Rank 0 of the fake group's world (`data_parallel`'s meshes, `dims`): Llama3Model built on the meta device in
+    fp32 (its trainer's training.dtype), laid out by torchtitan's own parallelize_llama (under tp its TP plan over the
+    mesh's tp dimension, each parameter a DTensor of this rank's shard; its activation checkpointing config for
+    `recompute` applied to each block; then apply_fsdp_to_decoder over the fsdp dimension, as HSDP over
+    (dp_replicate, fsdp) with dp_replicate: tok_embeddings, each block, [norm, lm_head], the model; bf16 parameters,
+    fp32 reduce, its TrainingConfig's; its reshard policy "default", or "never" without reshard_after_forward),
+    materialised and initialised, AdamW (fused) over the shards, zeroed in place (its trainer's
+    zero_grad(set_to_none=False)), stepped once."""
+    from torchtitan.config.configs import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.models.llama3.parallelize import parallelize_llama
 
     from memcalc.probe.libs import torchtitan_shim as shim
@@ -137,13 +174,7 @@ def warmed_up_sharded(tp: TensorParallelGroup, config: ModelConfig, strategy: St
 
     if config.tie_embeddings:
         raise ProbeError("impl torchtitan: Llama3 unties its embedding and output layer; set tie_embeddings false")
-    if (config.dp_replicate or 1) > 1 or tp.size != config.dp_shard:
-        raise ProbeError(f"impl torchtitan under FSDP2 runs on dp_shard ranks alone: the fake group has {tp.size}")
-    backend = "partial_dtensor"
-    dims = ParallelDims(dp_replicate=1, dp_shard=config.dp_shard, cp=1, tp=1, pp=1, ep=1, world_size=tp.size,
-                        spmd_backend=backend)
-    with shim.mesh_device(tp.device.type):
-        dims.build_mesh()
+    backend = dims.spmd_backend
     with torch.device("meta"):
         model = titan.model_config(config, strategy.sequence_parallel, config.L, config.vocab_size).build()
     precision = {"bf16": "bfloat16", "fp32": "float32"}

@@ -22,9 +22,13 @@ and so what the tape holds:
     pre-backward    the unit's own gather copied out (again, if resharded), and the next unit's all-gather
                     issued at once (implicit backward prefetch): its flat buffer waits for that unit's turn
     backward        each weight's bf16 gradient is the unsharded parameter's .grad, kept to the unit's end
-    post-backward   the unit resharded; the gradients it has cast into a flat reduce_dtype reduce-scatter
-                    buffer, freed, and this rank's shard (fp32, the parameter's dtype) made; the buffer is
-                    kept until the next reduce-scatter (FSDP2 waits for it there). A unit of several modules
+    post-backward   under tp each Partial gradient (a sequence-parallel norm's) all-reduced over t into a
+                    copy, the Partial one freed; the unit resharded; the gradients it has cast into a flat
+                    reduce_dtype reduce-scatter buffer, freed, and this rank's shard (fp32, the parameter's dtype) made; the buffer is
+                    kept until the next reduce-scatter (FSDP2 waits for it there). Under HSDP (dp_replicate)
+                    the output is all-reduced across replicas in place, and under torchtitan, whose output
+                    is added into the sharded gradients, the unit holds it (AllReduceState) until its next
+                    post-backward or the end of backward. A unit of several modules
                     (torchtitan's norm and lm_head) runs it once per module whose input gradient is ready,
                     each time for the gradients there are, and is gathered again in between
 
@@ -96,22 +100,25 @@ def torchtitan_block(i: int, c: ModelConfig) -> str:
     return f"layers.{i}._checkpoint_wrapped_module" if c.recompute != "none" else f"layers.{i}"
 
 
-def torchtitan_units(c: ModelConfig, reshard: bool) -> tuple[Unit, ...]:
+def torchtitan_units(c: ModelConfig, reshard: bool, t: int = 1) -> tuple[Unit, ...]:
     """torchtitan's apply_fsdp_to_decoder on its untied Llama3Model: tok_embeddings, then each block (both resharded
     after forward under its "default" policy, `reshard`; under AC the checkpoint_wrapper around it), then norm and
     lm_head as one unit, never resharded after forward ("as an optimization": FSDP2 would prefetch them at once); the
-    model's own call holds no parameter."""
-    qkv, f = (c.a + 2 * c.groups) * c.head_dim, c.ffn
+    model's own call holds no parameter. Each parameter as this rank of t holds it under torchtitan's TP plan
+    (set_llama3_sharding_config): wqkv, w1, w3, the embedding's and lm_head's vocabulary rows split on dim 0, wo and
+    w2 on dim 1, the norms whole."""
+    qkv, f, v = (c.a + 2 * c.groups) * c.head_dim // t, c.ffn // t, c.vocab_size // t
+
     def block(i: int) -> Unit:
         m = torchtitan_block(i, c)
         return Unit(f"layers.{i}", ((f"{m}.attention.qkv_linear.wqkv", (qkv, c.h)),
-                                    (f"{m}.attention.wo", (c.h, c.a * c.head_dim)),
-                        (f"{m}.feed_forward.w1", (f, c.h)), (f"{m}.feed_forward.w2", (c.h, f)),
-                        (f"{m}.feed_forward.w3", (f, c.h)), (f"{m}.attention_norm", (c.h,)),
-                        (f"{m}.ffn_norm", (c.h,))), reshard)
-    return (Unit("tok_embeddings", (("tok_embeddings", (c.vocab_size, c.h)),), reshard),
+                                    (f"{m}.attention.wo", (c.h, c.a * c.head_dim // t)),
+                                    (f"{m}.feed_forward.w1", (f, c.h)), (f"{m}.feed_forward.w2", (c.h, f)),
+                                    (f"{m}.feed_forward.w3", (f, c.h)), (f"{m}.attention_norm", (c.h,)),
+                                    (f"{m}.ffn_norm", (c.h,))), reshard)
+    return (Unit("tok_embeddings", (("tok_embeddings", (v, c.h)),), reshard),
             *(block(i) for i in range(c.L)),
-            Unit(OUTPUT, (("norm", (c.h,)), ("lm_head", (c.vocab_size, c.h))), False))
+            Unit(OUTPUT, (("norm", (c.h,)), ("lm_head", (v, c.h))), False))
 
 
 @dataclass(frozen=True)
@@ -126,12 +133,18 @@ class Fsdp:
     units: tuple[Unit, ...]
     tp: bool = False  # transformers' tp_plan on the mesh's other dimension
     accumulate: bool = False
+    partial: frozenset[str] = frozenset()  # modules whose weight's gradient DTensor leaves Partial over t
+    replicas: int = 1  # HSDP's dp_replicate: each reduce-scatter's output all-reduced across replicas
 
     @classmethod
-    def torchtitan(cls, config: ModelConfig) -> Fsdp:
-        """torchtitan's layout (torchtitan_units) over dp_shard ranks, its trainer's zero_grad(set_to_none=False)."""
-        return cls(config.dp_shard or 1, DTYPE_BYTES[config.dtype], DTYPE_BYTES[config.reduce_dtype],
-                   torchtitan_units(config, config.reshard_after_forward), accumulate=True)
+    def torchtitan(cls, config: ModelConfig, t: int = 1, sp: bool = False) -> Fsdp:
+        """torchtitan's layout (torchtitan_units) over dp_shard ranks, on this rank's shards of t under its TP plan,
+        its trainer's zero_grad(set_to_none=False). Under sequence parallelism the norms run on this rank's tokens
+        alone: their Replicate weights' gradients are Partial sums over t."""
+        units = torchtitan_units(config, config.reshard_after_forward, t)
+        norms = frozenset(m for u in units for m, shape in u.params if len(shape) == 1) if sp else frozenset()
+        return cls(config.dp_shard or 1, DTYPE_BYTES[config.dtype], DTYPE_BYTES[config.reduce_dtype], units,
+                   accumulate=True, partial=norms, replicas=config.dp_replicate or 1)
 
     def unit_of(self, module: str) -> str:
         """The unit that holds the parameter of `module`."""
@@ -259,28 +272,54 @@ class Fsdp:
         weight is the embedding's, registered once)."""
         return [m for m, _ in self.unit(block).params if modules is None or m in modules][-1]
 
+    @staticmethod
+    def finalize_backward(tape: Tape) -> None:
+        """FSDP2's final callback: the all-reduce inputs HSDP still holds (each unit's last) go."""
+        tape.drop(*[n for n in tape.live if n.startswith("fsdp/") and n.endswith(" all-reduce")])
+
+    def _partial_grads(self, block: str) -> list[str]:
+        """The tape names of a block's Partial gradients, in registration order (FSDP2's loop over its parameters)."""
+        return [f"fsdp/{block} grad {m}" for m, _ in self.unit(block).params if m in self.partial]
+
+    def _reduced_name(self, block: str, module: str) -> str:
+        """The gradient of `module` that FSDP2 reduce-scatters: under tp a Partial one's all-reduced copy."""
+        return f"fsdp/{block} grad {module}" + (" (all-reduced)" if module in self.partial else "")
+
+    def all_reduced(self, tape: Tape, block: str, where: str, name: str) -> str:
+        """FSDP2 lays a Partial gradient out as its Replicate weight (DTensor's redistribute: an all-reduce over t
+        into a new tensor) before the reduce-scatter; the Partial one goes as the unsharded .grad is set to None."""
+        reduced = f"{name} (all-reduced)"
+        tape.add(reduced, TEMPORARIES, tape.live[name].bytes, "a Partial weight gradient all-reduced over t, for"
+                 " FSDP2's reduce-scatter")
+        tape.mark("backward", where, f"FSDP2 all-reduces {name.split(' grad ', 1)[1]}'s Partial gradient over t")
+        tape.drop(name)
+        return reduced
+
     def post_backward(self, tape: Tape, block: str, where: str, modules: tuple[str, ...] | None = None) -> None:
         """FSDP2's post-backward, as FSDPMemTracker files each step: the block's gradients (the unsharded parameters'
-        .grad) become its gradients; the block resharded; foreach_reduce's flat reduce_dtype input made (a
-        temporary until the reduce-scatter runs on it) and the gradients copied in and freed, but for the last
-        parameter's, which foreach_reduce's loop variable keeps until it returns; this rank's output shard made
-        (fp32, the sharded gradients, or under `accumulate` added into them and freed); the previous block's input,
-        waited on, freed. `modules`: the parameters with a gradient (foreach_reduce takes only those), all by
+        .grad) become its gradients; under tp its Partial ones all-reduced; the block resharded; foreach_reduce's
+        flat reduce_dtype input made (a temporary until the reduce-scatter runs on it) and the gradients copied in and
+        freed, but for the last parameter's, which foreach_reduce's loop variable keeps until it returns; this rank's
+        output shard made (fp32, the sharded gradients, or under `accumulate` added into them and freed); the previous
+        block's input, waited on, freed. `modules`: the parameters with a gradient (foreach_reduce takes only those), all by
         default."""
         grads = [n for n in tape.live if n.startswith(f"fsdp/{block} grad ")]
         for name in grads:
             tape.live[name] = replace(tape.live[name], category=GRADIENTS)
         if block == ROOT and self.tp:
             grads.append(self.embedding_rows(tape, where))
+        reduced = {n: self.all_reduced(tape, block, where, n) for n in self._partial_grads(block) if n in grads}
+        grads = [reduced.get(n, n) for n in grads]
         self.reshard(tape, block)
         for name in [n for n in tape.live if n.startswith("fsdp/") and n.endswith(" reduce-scatter")]:
             tape.drop(name)  # the previous block's, waited on now
+        tape.drop(f"fsdp/{block} all-reduce")  # this unit's last, under HSDP (_wait_for_post_backward)
         whole = self.unsharded(block, modules)
         rs = f"fsdp/{block} reduce-scatter"
         tape.add(rs, TEMPORARIES, self.reduce * whole,
                  "FSDP2's reduce-scatter input: the block's gradients in reduce_dtype, one flat buffer")
         tape.mark("backward", where, f"FSDP2's reduce-scatter buffer for {block}'s gradients")
-        last = f"fsdp/{block} grad {self.last_parameter(block, modules)}"
+        last = self._reduced_name(block, self.last_parameter(block, modules))
         tape.drop(*(n for n in grads if n != last))
         out = f"fsdp/{block} sharded grads"
         tape.add(out, TEMPORARIES, self.reduce * whole // self.shards,
@@ -294,7 +333,9 @@ class Fsdp:
             tape.drop(out)
             tape.rename(f"{out} (fp32)", out)
         tape.drop(last)
-        if self.accumulate:  # added into the sharded gradients
+        if self.accumulate and self.replicas > 1:  # HSDP: FSDP2 holds the all-reduce's input (AllReduceState)
+            tape.rename(out, f"fsdp/{block} all-reduce")
+        elif self.accumulate:  # added into the sharded gradients
             tape.drop(out)
         else:
             tape.live[out] = replace(tape.live[out], category=GRADIENTS)

@@ -115,6 +115,7 @@ class Sizes:
     sp: bool
     act: int  # activation and bf16 weight width
     norm_vectors: int  # a norm's weight vectors of h: weight and bias (LayerNorm), weight alone (RMSNorm)
+    dtensor: bool = False  # the TP plan's collectives are DTensor's redistributions (torchtitan's partial_dtensor)
 
     @classmethod
     def of(cls, config: ModelConfig, strategy: Strategy) -> Sizes:

@@ -39,14 +39,22 @@ block's input goes with the last of them.
 Sharded by FSDP2 (`dp_shard`) the walk runs in segments, one per FSDP2 unit of torchtitan's apply_fsdp_to_decoder
 (memcalc.sizing.timeline.fsdp.torchtitan_units), with FSDP2's hooks at their edges: each unit gathered before its
 forward, resharded after it, gathered again (and the next prefetched) before its backward, its gradients kept as the
-unsharded parameters' .grad and reduce-scattered into the sharded gradients after it.
+unsharded parameters' .grad and reduce-scattered into the sharded gradients after it. Under tp-sp on torchtitan's 2-D
+(dp_shard, t) mesh the units hold this rank's TP shards (each padded and split over dp_shard) and the TP plan runs on
+DTensor (its partial_dtensor backend, the one torch 2.13's fully_shard takes with TP:
+memcalc.probe.libs.torchtitan_step): its reduce-scatters along s concatenate the chunks even at b = 1, its all-gathers
+at b = 1 are their own output, the norms' inputs come contiguous, and each norm's gradient is a Partial sum over t that
+FSDP2 all-reduces before its reduce-scatter.
 
 Exact (to the byte, at every moment named here, tests/probe/libs/test_torchtitan_step.py and test_torchtitan_fsdp.py)
 for torchtitan 0.3.0 on torch 2.13's CPU kernels at t = 1 and under tp and tp-sp at t = 2 and 4 (rank 0 of the fake
 group), b = 1 and b > 1, bf16, untied, without recomputation and under FullAC and SelectiveAC (at t = 1, and under tp
 and tp-sp at t = 2 and 4), and under FSDP2 at t = 1 (dp_shard 2 and 4, with and without resharding, with and
-without FullAC or SelectiveAC: FSDPMemTracker reads a block's rerun as temporaries); `check_modelled` names
-everything else.
+without FullAC or SelectiveAC: FSDPMemTracker reads a block's rerun as temporaries); under FSDP2 with tp-sp at t = 2
+(dp_shard 2 and 4, with and without resharding, b = 1 and b > 1, under FullAC and SelectiveAC:
+test_torchtitan_fsdp_tp.py); as
+HSDP (dp_replicate 2 x dp_shard 2, at t = 1 and under tp-sp on the 3-D mesh);
+`check_modelled` names everything else.
 On CUDA torchtitan's Llama3 runs flex attention and torch's fused _fused_rms_norm kernel, which keep other tensors
 (the ledger's device rules) and allocate otherwise in backward: not described here yet.
 """
@@ -78,10 +86,11 @@ def torchtitan_timeline(config: ModelConfig, strategy: Strategy, accounting: Acc
     # under recomputation each block's rerun keeps what a block without it keeps: the walk sizes those
     every = estimate(replace(config, recompute="none"), strategy, accounting) if config.recompute != "none" else layer
     unpadded = replace(config, make_vocab_size_divisible_by=1)  # torchtitan trains the vocabulary as it is
-    z = Sizes.of(unpadded, strategy)
+    # under FSDP2 its TP plan runs on DTensor (memcalc.probe.libs.torchtitan_step.data_parallel)
+    z = replace(Sizes.of(unpadded, strategy), dtensor=config.dp_shard is not None)
     (stage,) = stages(config.L, config.pp, config.vpp, config.microbatches)
     tape = Tape()
-    fsdp = Fsdp.torchtitan(unpadded) if config.dp_shard is not None else None
+    fsdp = Fsdp.torchtitan(unpadded, z.t, z.sp) if config.dp_shard is not None else None
     if fsdp is None:
         model_states(tape, unpadded, stage, z)
     else:
@@ -98,7 +107,7 @@ def torchtitan_timeline(config: ModelConfig, strategy: Strategy, accounting: Acc
         Segment(None, "", Walk(tape, "", "", end, hand_over), (count,)),
         Segment("tok_embeddings", "tok_embeddings", Walk(tape, "", "", end, hand_over), (lookup,)),
         *(Segment(f"layers.{i}", f"layers.{i}", Walk(tape, f"layers.{i}", torchtitan_block(i, config), saved, hand_over,
-                                                      block_checkpoint(i, config, accounting)),
+                                                      block_checkpoint(i, config, accounting, z)),
                   block_ops(i, z)) for i in range(config.L)),
         Segment(OUTPUT, "norm", Walk(tape, "", "", end, hand_over), tuple(norm)),
         Segment(OUTPUT, "lm_head", Walk(tape, "", "", end, hand_over), (lm_head,)),
@@ -113,6 +122,7 @@ def torchtitan_timeline(config: ModelConfig, strategy: Strategy, accounting: Acc
     if fsdp is not None:  # the final callback: the embedding's post-backward (its input, the ids, needs no gradient)
         _post_backward(fsdp, tape, "tok_embeddings", "")
         tape.drop("fsdp/tok_embeddings reduce-scatter")
+        fsdp.finalize_backward(tape)
     tape.drop("loss/grad seed")  # backward() returns
     tape.mark("optimizer", "", "fused AdamW on the fp32 master weights, in place")
     return Timeline(layer.strategy, tuple(tape.moments), stage.name)
@@ -120,12 +130,14 @@ def torchtitan_timeline(config: ModelConfig, strategy: Strategy, accounting: Acc
 
 def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounting) -> None:
     """ConfigError naming the first thing the torchtitan step timeline does not model yet."""
+    sharded_tp = config.dp_shard is not None and strategy.weight_shards(config.t) > 1
     missing = [
         (accounting.device != "cpu", "device cuda (its flex attention and fused rms_norm kernels; --device cpu walks"
                                      " the CPU kernels the probe measures)"),
         (config.zero_stage is not None, "zero_stage (DeepSpeed's ZeRO: torchtitan shards with FSDP2, dp_shard)"),
-        (config.dp_shard is not None and config.t > 1, "dp_shard with t > 1 (FSDP2 on a 2-D mesh with its TP plan)"),
-        ((config.dp_replicate or 1) > 1, "dp_replicate (HSDP)"),
+        (sharded_tp and not strategy.sequence_parallel, "dp_shard with tp (t > 1 without sequence parallel: DTensor"
+                                                        " carries a Partial gradient through the norms' backward;"
+                                                        " tp-sp, torchtitan's default, is modelled)"),
         (config.reduce_dtype != "fp32", f"reduce_dtype {config.reduce_dtype} (torchtitan reduces in float32 only)"),
         (config.moe, "a mixture of experts (num_experts)"),
         (config.tie_embeddings, "tie_embeddings (Llama3 unties them; set tie_embeddings false)"),
@@ -142,16 +154,19 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
             raise ConfigError(f"the step timeline for impl torchtitan does not model {what} yet")
 
 
-def block_checkpoint(i: int, config: ModelConfig, accounting: Accounting) -> Checkpoint | None:
+def block_checkpoint(i: int, config: ModelConfig, accounting: Accounting, z: Sizes) -> Checkpoint | None:
     """torchtitan's FullAC or SelectiveAC around block i (torch.utils.checkpoint, non-reentrant): its input held,
-    and under op the op outputs SelectiveAC caches, the ledger's (the block's input aside). Under FSDP2 its
-    apply_fsdp_to_decoder shards the checkpoint wrapper, whose rerun calls the block inside it, no FSDP unit:
-    FSDPMemTracker reads the rerun's tensors as temporaries."""
+    and under op the op outputs SelectiveAC caches, the ledger's (the block's input aside), and on DTensor under SP
+    wo's and w2's reduce-scatter outputs (funcol's reduce_scatter_tensor, on its list of communication ops to save).
+    Under FSDP2 its apply_fsdp_to_decoder shards the checkpoint wrapper, whose rerun calls the block inside it, no
+    FSDP unit: FSDPMemTracker reads the rerun's tensors as temporaries."""
     if config.recompute == "none":
         return None
     p = f"layers.{i}"
     cached = rules.op_checkpoint(accounting) if config.recompute == "op" else ()
-    return Checkpoint(f"{p}/input", frozenset(kept_name(p, x) for x in cached if x != ledger.LAYER_INPUT),
+    scattered = (f"{p}/attention out", f"{p}/ffn out") if cached and z.dtensor and z.sp else ()
+    return Checkpoint(f"{p}/input", frozenset((*(kept_name(p, x) for x in cached if x != ledger.LAYER_INPUT),
+                                               *scattered)),
                       ACTIVATIONS if config.dp_shard is None else TEMPORARIES)
 
 
@@ -266,7 +281,9 @@ def rms_norm(where: str, z: Sizes, norm: rules.RMSNormTensors, p: str, out: Made
     # the cast back
     times = (Made(f"{n}/weighted", full, "x * rstd * weight, a local"),)
     weighted = (Step("times the weight, in fp32", times, reads_last=(normed, fp32)),)
-    if z.sp and z.b > 1:  # its input is the reduce-scatter's (s/t, b, h) output seen as (b, s/t, h): not contiguous
+    # its input is spmd_types' reduce-scatter's (s/t, b, h) output seen as (b, s/t, h), not contiguous (DTensor's
+    # reduce-scatter along s makes (b, s/t, h) itself)
+    if z.sp and z.b > 1 and not z.dtensor:
         weighted = (Step("times the weight, in fp32", times, reads_last=(normed,)),
                     Step("made contiguous", (Made(f"{n}/copy", full, "fp32, a local"),), frees=(f"{n}/weighted",),
                          reads_last=(fp32,)))
@@ -325,8 +342,7 @@ def gather(where: str, z: Sizes, p: str, out: Made, dx: str, rs: str, frees: tup
         return ()
     n, g = f"{p}/{where}" if p else where, f"grad/{p}/{where}" if p else f"grad/{where}"
     return (Op(where, forward=(
-        Step("the all-gather's buffer", (Made(f"{n} gathered", z.full(z.h), "(t, b, s/t, h)"),)),
-        Step("concatenated along s", (out,), frees=(f"{n} gathered", *frees)),
+        *_all_gather(f"{n} gathered", out, z, "concatenated along s", frees),
     ), backward=(
         *_s_first(f"{g} s-first", z, "dX"),
         Step("the reduce-scatter's output", (Made(rs, z.seq(z.h), "this rank's shard of dX"),),
@@ -334,17 +350,27 @@ def gather(where: str, z: Sizes, p: str, out: Made, dx: str, rs: str, frees: tup
     )),)
 
 
+def _all_gather(buffer: str, out: Made, z: Sizes, what: str, frees: tuple[str, ...]) -> tuple[Step, ...]:
+    """SP's all-gather along s: the shards into a (t, b, s/t, h) buffer, concatenated into (b, s, h) (`out`, `what`),
+    then the buffer and `frees` go. On DTensor at b = 1 the buffer, (t, 1, s/t, h), is (1, s, h) already: `out`."""
+    if z.dtensor and z.b == 1:
+        return (Step("the all-gather's output", (out,), frees=frees),)
+    return (Step("the all-gather's buffer", (Made(buffer, z.full(z.h), "(t, b, s/t, h)"),)),
+            Step(what, (out,), frees=(buffer, *frees)))
+
+
 def _s_first(name: str, z: Sizes, what: str) -> tuple[Step, ...]:
-    """The reduce-scatter's input made (s, b, h)-contiguous: a copy, but at b = 1, where the permuted view is."""
-    if z.b == 1:
+    """The reduce-scatter's input made (s, b, h)-contiguous: a copy, but at b = 1, where the permuted view is (on
+    DTensor a copy always: its reduce-scatter along s concatenates the chunks)."""
+    if z.b == 1 and not z.dtensor:
         return ()
     return (Step(f"{what} made s-first for the reduce-scatter", (Made(name, z.full(z.h), "(s, b, h)"),)),)
 
 
 def _contiguous(name: str, z: Sizes) -> tuple[Step, ...]:
     """dY's shard made contiguous for the all-gather: a copy, but at b = 1, where the (b, s/t, h) view of the
-    (s/t, b, h) shard is contiguous already."""
-    if z.b == 1:
+    (s/t, b, h) shard is contiguous already, and on DTensor, whose shard is (b, s/t, h) itself."""
+    if z.b == 1 or z.dtensor:
         return ()
     return (Step("dY made contiguous", (Made(name, z.seq(z.h), "this rank's shard"),)),)
 
@@ -367,9 +393,8 @@ def reduce_scatter(where: str, z: Sizes, p: str, partial: str, out: str, gathere
              frees=(partial, f"{n} s-first", *frees)),
     ), backward=(
         *_contiguous(f"{g} dY", z),
-        Step("the all-gather's buffer", (Made(f"{g} buffer", z.full(z.h), "(t, b, s/t, h)"),)),
-        Step("concatenated along s: dY whole", (Made(gathered, z.full(z.h), "(b, s, h)"),),
-             frees=(f"{g} buffer", f"{g} dY")),
+        *_all_gather(f"{g} buffer", Made(gathered, z.full(z.h), "(b, s, h)"), z, "concatenated along s: dY whole",
+                     (f"{g} dY",)),
     )),)
 
 
@@ -556,9 +581,8 @@ def _vocab_parallel_lookup(z: Sizes) -> Op:
              frees=(f"{e}/partial", f"{e}/s-first")),
     ), backward=(
         *_contiguous(f"grad/{e} dY", z),
-        Step("the all-gather's buffer", (Made(f"grad/{e} buffer", full, "(t, b, s/t, h)"),)),
-        Step("concatenated along s: dY whole", (Made(f"grad/{e} gathered", full, "(b, s, h)"),),
-             frees=(f"grad/{e} buffer", f"grad/{e} dY", "grad/layers.0/input")),
+        *_all_gather(f"grad/{e} buffer", Made(f"grad/{e} gathered", full, "(b, s, h)"), z,
+                     "concatenated along s: dY whole", (f"grad/{e} dY", "grad/layers.0/input")),
         *masked,
     ))
 

@@ -14,15 +14,12 @@ from memcalc.config.schema import build_config  # noqa: E402
 from memcalc.errors import ConfigError  # noqa: E402
 from memcalc.model.knobs import Accounting  # noqa: E402
 from memcalc.model.strategy import STRATEGIES  # noqa: E402
-from memcalc.probe.launch import run_fake  # noqa: E402
-from memcalc.probe.libs.hf_fsdp import FsdpMomentTracker, fsdp_categories  # noqa: E402
-from memcalc.probe.libs.torchtitan_step import warmed_up_sharded  # noqa: E402
 from memcalc.probe.step import measure_step  # noqa: E402
 from memcalc.sizing.timeline import GRADIENTS, OPTIMIZER, PARAMETERS, timeline  # noqa: E402
 
 from tests.helpers import TORCHTITAN_LLAMA3  # noqa: E402
 
-from ..step_readings import assert_moments_in_order, reading_every_op  # noqa: E402
+from ..step_readings import assert_moments_in_order, torchtitan_fsdp_readings  # noqa: E402
 
 # As the step tests' Llama3, with a vocabulary and an ffn width dp_shard = 4 pads.
 LLAMA3 = TORCHTITAN_LLAMA3 | {"ffn_hidden_size": 102}
@@ -80,16 +77,8 @@ def test_every_moment_the_fsdp_walk_names_happens_in_order_in_its_module_with_it
     torchtitan's FullAC and SelectiveAC (passed to its parallelize_llama) each block's rerun inside its unit, which
     FSDPMemTracker reads as temporaries."""
     config = _config(dp_shard=n, reshard_after_forward=reshard, recompute=recompute)
-
-    def on_rank(tp):
-        trainer = warmed_up_sharded(tp, config, STRATEGIES["none"])
-        tracker = reading_every_op(FsdpMomentTracker, fsdp_categories)(trainer.model, trainer.optimizer)
-        tracker.readings = []
-        with tracker:
-            trainer.step()
-        return tracker.readings
-
-    assert_moments_in_order(timeline(config, STRATEGIES["none"], CPU).moments[1:], run_fake(on_rank, (), n))
+    predicted = timeline(config, STRATEGIES["none"], CPU)
+    assert_moments_in_order(predicted.moments[1:], torchtitan_fsdp_readings(config, "none"))
 
 
 @pytest.mark.parametrize("changes", [
@@ -103,11 +92,23 @@ def test_under_its_activation_checkpointing_the_peak_is_fsdpmemtrackers_to_the_b
     assert r.moment_matches, (r.predicted_moment, r.measured.moment)
 
 
-@pytest.mark.parametrize("changes, named", [
-    ({"dp_shard": 2, "t": 2}, "dp_shard with t > 1"),
-    ({"dp_shard": 2, "dp_replicate": 2}, "dp_replicate"),
-    ({"dp_shard": 2, "reduce_dtype": "bf16"}, "reduce_dtype bf16"),
+@pytest.mark.parametrize("reshard, recompute", [(True, "none"), (False, "full")])
+def test_as_hsdp_each_units_all_reduce_input_is_held_to_its_next_post_backward_and_every_moment_is_fsdpmemtrackers(
+        one_thread, reshard, recompute):
+    """HSDP (dp_replicate 2 x dp_shard 2, parallelize_llama's ["dp_replicate", "fsdp"] mesh): each reduce-scatter's
+    output, all-reduced across replicas, is held by its unit (AllReduceState) after it has been added into the sharded
+    gradients, until the unit's next post-backward (norm and lm_head's) or the end of backward (every block's)."""
+    config = _config(dp_shard=2, dp_replicate=2, reshard_after_forward=reshard, recompute=recompute)
+    predicted = timeline(config, STRATEGIES["none"], CPU)
+    assert_moments_in_order(predicted.moments[1:], torchtitan_fsdp_readings(config, "none"))
+    (r,) = measure_step(config, ["none"])
+    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+
+
+@pytest.mark.parametrize("changes, strategy, named", [
+    ({"dp_shard": 2, "t": 2}, "tp", "dp_shard with tp"),
+    ({"dp_shard": 2, "reduce_dtype": "bf16"}, "none", "reduce_dtype bf16"),
 ])
-def test_what_the_fsdp_walk_does_not_model_is_refused_by_name(changes, named):
+def test_what_the_fsdp_walk_does_not_model_is_refused_by_name(changes, strategy, named):
     with pytest.raises(ConfigError, match=named):
-        timeline(_config(**changes), STRATEGIES["none"], CPU)
+        timeline(_config(**changes), STRATEGIES[strategy], CPU)
