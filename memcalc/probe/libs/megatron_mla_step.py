@@ -19,7 +19,8 @@ warm-up step, reused), and RotaryEmbedding's frequencies (its forward is lru-cac
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ProbeError
@@ -36,7 +37,15 @@ torch = require_torch()
 def measure_megatron_mla_step_on_rank(tp: TensorParallelGroup, config: ModelConfig,
                                       strategy: Strategy) -> StepMeasurement:
     """memcalc's GPT with megatron-core's MLASelfAttention in every layer, a warm-up step, then one step measured
-    under MemTracker; megatron's shim and parallel state around both."""
+    under MemTracker."""
+    with warmed_up(tp, config, strategy) as trainer:
+        return measure_trainer(trainer, tp, strategy)
+
+
+@contextmanager
+def warmed_up(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy) -> Iterator[Trainer]:
+    """memcalc's GPT with megatron-core's MLASelfAttention in every layer, stepped once; megatron's shim and
+    parallel state stay on while the trainer is used (the softmax kernel and the dropout run in backward too)."""
     if config.add_bias_linear:
         raise ProbeError("impl megatron: --step adds no bias after MLASelfAttention's linear_proj (skip_bias_add);"
                          " set add_bias_linear: false, as DeepSeek trains")
@@ -50,7 +59,7 @@ def measure_megatron_mla_step_on_rank(tp: TensorParallelGroup, config: ModelConf
             torch.manual_seed(probe.WEIGHT_SEED)
             for layer in model.layers:
                 layer.attention = latent_attention(config, tp, sequence_parallel)
-            return measure_trainer(Trainer.around(config, model, model), tp, strategy)
+            yield Trainer.around(config, model, model)
 
 
 def latent_attention(config: ModelConfig, tp: TensorParallelGroup, sequence_parallel: bool) -> Any:

@@ -77,6 +77,7 @@ from memcalc.sizing.pipeline import Stage, stages
 from memcalc.sizing.timeline.hf import hf_timeline
 from memcalc.sizing.timeline.torchtitan import torchtitan_timeline
 from memcalc.sizing.timeline.ends import STEP_TENSORS, Ends, model_states
+from memcalc.sizing.timeline import megatron_mla
 from memcalc.sizing.timeline.megatron import INPUT, INPUT_GRAD, OUTPUT, OUTPUT_GRAD, layer_ops
 from memcalc.sizing.timeline.walk import Op, Walk
 from memcalc.sizing.timeline.tape import (
@@ -107,11 +108,12 @@ def timeline(
     if config.impl == "torchtitan":  # torchtitan's Llama3Model, described as ops for the generic walk
         return torchtitan_timeline(config, strategy, accounting)
     layer = estimate(config, strategy, accounting)
-    kept = tuple(x.tensor for x in layer.tensors)
-    saved = {x.tensor.name: x.bytes for x in layer.tensors}
+    z = Sizes.of(config, strategy)
+    host = megatron_mla.host_scalars(config, z, accounting) if config.mla else ()  # beside the ledger's, on the CPU
+    kept = (*(x.tensor for x in layer.tensors), *host)
+    saved = {x.tensor.name: x.bytes for x in layer.tensors} | {x.name: 4 for x in host}
     rerun = _rerun(config, strategy, accounting) if config.recompute != "none" else layer
     sizes = {x.tensor.name: x.bytes for x in rerun.tensors} | saved
-    z = Sizes.of(config, strategy)
     ops = layer_ops(config, z, kept, tuple(x.tensor for x in rerun.tensors), sizes)
     _check_modelled(config, (*kept, *(x.tensor for x in rerun.tensors)), ops)
     st = _stage(config, stage)
@@ -130,6 +132,8 @@ def timeline(
     walk = Walk(tape, "", "", sizes, lambda where, name, nbytes: tape.drop(name))
     for i in layers:
         walk.module = f"layers.{i}"
+        if config.mla:
+            megatron_mla.beside_the_ledger(tape, config, z, i, first)
         walk.forward(ops)
         _fold(tape, i, folded)
     ends.forward_out(tape)
@@ -201,8 +205,10 @@ def _refuse_other_layers(config: ModelConfig) -> None:
     if config.moe and config.impl != "hf":  # transformers' MoE blocks: the hf walk's check_modelled says which
         raise ConfigError("the step timeline does not model a mixture of experts (num_experts) yet: it walks dense"
                           " MLPs (with --impl hf, transformers' Mixtral and Qwen2-MoE)")
-    if config.kv_lora_rank is not None:
-        raise ConfigError("the step timeline does not model latent attention (kv_lora_rank) yet")
+    if config.mla and (config.impl != "megatron" or config.recompute != "none"):
+        raise ConfigError(f"the step timeline models latent attention (kv_lora_rank) as megatron-core's"
+                          f" MLASelfAttention without recomputation (impl megatron, recompute none), not impl"
+                          f" {config.impl} with recompute {config.recompute}")
     if config.head_dim_set:
         raise ConfigError(f"the step timeline does not model kv_channels={config.kv_channels} (heads other than"
                           f" h/a={config.h}/{config.a}={config.h // config.a} wide) yet: it walks attention h wide")
