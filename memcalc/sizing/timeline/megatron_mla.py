@@ -78,6 +78,10 @@ class Widths:
 def attention(ops: list[Op], config: ModelConfig, z: Sizes, grad: str, residual: str, has: Has) -> str:
     """The attention's backward, from the gradient of its output `grad` (the residual stream's, `residual`, or its
     dropout's) to its input's, appended to `ops` in backward order. Returns the input gradient's name."""
+    if config.attention == "flash":
+        raise ConfigError("the step timeline does not model latent attention with flash attention yet: megatron's"
+                          " flash core is Transformer Engine's (CUDA only, not measured); it walks the local"
+                          " DotProductAttention (--attention eager)")
     if z.t > 1:
         raise ConfigError(f"the step timeline does not model latent attention (kv_lora_rank) under tensor"
                           f" parallelism (t={z.t}) yet: megatron's own linears and gathers are walked at t = 1")
