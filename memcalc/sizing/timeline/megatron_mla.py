@@ -26,7 +26,7 @@ saves (host memory on CUDA: counted on the CPU only).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError
@@ -82,9 +82,9 @@ def attention(ops: list[Op], config: ModelConfig, z: Sizes, grad: str, residual:
         raise ConfigError("the step timeline does not model latent attention with flash attention yet: megatron's"
                           " flash core is Transformer Engine's (CUDA only, not measured); it walks the local"
                           " DotProductAttention (--attention eager)")
-    if z.t > 1:
-        raise ConfigError(f"the step timeline does not model latent attention (kv_lora_rank) under tensor"
-                          f" parallelism (t={z.t}) yet: megatron's own linears and gathers are walked at t = 1")
+    if z.sp:
+        raise ConfigError("the step timeline does not model latent attention (kv_lora_rank) under sequence"
+                          " parallelism yet: megatron's own linears and gathers are walked at t = 1 and under tp")
     w = Widths.of(config, z)
     ops.append(_row_parallel(z, "attention.linear_proj", ledger.MLA_PROJ_IN, grad, residual, w.heads * w.v,
                              "grad/proj input"))
@@ -113,26 +113,44 @@ def attention(ops: list[Op], config: ModelConfig, z: Sizes, grad: str, residual:
     ops.append(_one("attention", "d[latent | k_rope] concatenated: kv_down_proj's output gradient", Made(
         "grad/kv down output", w.per_token(w.kv_latent + w.rope), "the latent and the key's RoPE part were split"
         " from kv_down_proj's output: their gradients concatenated"), ("grad/kv latent", "grad/key rope")))
-    ops.append(_linear(w, "attention.linear_kv_down_proj", ledger.QKV_IN, "grad/kv down output", z.h,
-                       w.kv_latent + w.rope, "grad/kv down input"))
-    last = "attention.linear_kv_down_proj"
-    if w.q_latent is not None:
-        last = "attention.linear_q_down_proj"
-        ops.append(_linear(w, last, ledger.QKV_IN, "grad/q latent", z.h, w.q_latent, "grad/q input"))
-    ops.append(_one(last, "the two input gradients summed", Made(
+    down = (("attention.linear_kv_down_proj", "grad/kv down output", w.kv_latent + w.rope, "grad/kv down input"),
+            *((("attention.linear_q_down_proj", "grad/q latent", w.q_latent, "grad/q input"),) if w.q_latent else ()))
+    summed = Step("the two input gradients summed", (Made(
         "grad/attention input", z.seq(z.h), "x feeds the query's and the key/value's projections: their gradients"
-        " summed"), ("grad/kv down input", "grad/q input")))
+        " summed"),), frees=("grad/kv down input", "grad/q input"))
+    for i, (where, grad, width, dx) in enumerate(down):
+        last = i == len(down) - 1
+        ops.append(_linear(w, where, ledger.QKV_IN, _this_ranks_columns(ops, z, w, grad, width), z.h, width // z.t,
+                           dx, then=summed if last and z.t > 1 else None))
+    if z.t == 1:  # ColumnParallelLinear's copy_to_tensor_model_parallel_region: x's gradients meet after it
+        ops.append(_backward(where, summed))
     return "grad/attention input"
 
 
-def _linear(w: Widths, where: str, x: SavedTensor, grad: str, width: int, out: int, dx: str) -> Op:
-    """A column-parallel projection of `width` inputs to `out` outputs (megatron's
-    LinearWithGradAccumulationAndAsyncCommunication): dX, then dW; then dY goes, the weight's gradient is handed
-    over, and the saved input goes (unless an op before it keeps it too)."""
+def _linear(w: Widths, where: str, x: SavedTensor, grad: str, width: int, out: int, dx: str,
+            then: Step | None = None) -> Op:
+    """A column-parallel projection of `width` inputs to `out` outputs on this rank (megatron's
+    LinearWithGradAccumulationAndAsyncCommunication; under tp it all-reduces dX in place): dX, then dW; then dY
+    goes, the weight's gradient is handed over, and the saved input goes (unless an op before it keeps it too).
+    `then`: a step autograd runs as the node returns, before the weight's gradient is handed over (the sum of its
+    input's gradients, when no copy_to_tensor_model_parallel_region node stands between: tp)."""
     dw = f"grad/{where} weight"
-    return _backward(where, Step("GEMMs: dX and dW", (
-        Made(dx, w.per_token(width), "dX = dY W, the input's gradient"), Made(dw, w.act * width * out, _WGRAD)),
-        frees=(grad,), hands_over=(dw,)), saves=(x,))
+    gemms = Step("GEMMs: dX and dW", (Made(dx, w.per_token(width), "dX = dY W, the input's gradient"),
+                                      Made(dw, w.act * width * out, _WGRAD)), frees=(grad,),
+                 hands_over=() if then else (dw,), returns=then is not None)
+    steps = (gemms, replace(then, hands_over=(dw,))) if then else (gemms,)
+    return _backward(where, *steps, saves=(x,))
+
+
+def _this_ranks_columns(ops: list[Op], z: Sizes, w: Widths, grad: str, width: int) -> str:
+    """Under tp a down projection is column-parallel and its output gathered over t
+    (gather_from_tensor_model_parallel_region): the gather's backward keeps this rank's columns of dY, a copy."""
+    if z.t == 1:
+        return grad
+    ops.append(_one("attention", "the gather's backward: this rank's columns", Made(
+        f"{grad} columns", w.per_token(width // z.t), "the all-gather's backward: this rank's columns of dY, copied"),
+        (grad,)))
+    return f"{grad} columns"
 
 
 def _norm(z: Sizes, w: Widths, where: str, norm: ledger.NormTensors, grad: str, width: int, dx: str) -> Op:

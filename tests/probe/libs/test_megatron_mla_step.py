@@ -2,7 +2,7 @@
 with kv_lora_rank) under torch's MemTracker, against the step timeline (memcalc.sizing.timeline.megatron_mla): the
 peak, each category at it and the state between steps to the byte, and every moment the timeline names is
 MemTracker's reading after some op, in order; with and without a query latent, at b = 1 and odd s, with the fused
-softmax, torch's (fp32 too) and dropout."""
+softmax, torch's (fp32 too) and dropout, at t = 1 and as rank 0 of t under tp (fake group)."""
 
 import pytest
 
@@ -34,6 +34,9 @@ CASES = {
     "no query latent, layernorm, an fp32 softmax at b = 1, odd s": (
         NO_QUERY_LATENT | {"b": 1, "s": 7, "norm": "layernorm", "attention_softmax_in_fp32": True}, "none"),
     "dropout, twelve heads": ({"s": 20, "a": 12, "h": 96, "dropout": 0.1}, "none"),
+    "tp: the down projections' columns split back, x's gradients summed before dW is handed over": ({"t": 2}, "tp"),
+    "tp at b = 1, odd s, dropout": ({"t": 2, "b": 1, "s": 7, "dropout": 0.1}, "tp"),
+    "tp t = 4, no query latent, layernorm": (NO_QUERY_LATENT | {"t": 4, "norm": "layernorm"}, "tp"),
 }
 
 
