@@ -11,10 +11,13 @@ autograd runs megatron-core's own module (the step probe's, memcalc.probe.libs.m
                                 (the cast cos and sin tables) goes as each product returns
     RoPE, the query's part      the same, on every head
     the splits                  d[k_nope | v] and d[q_nope | q_rope] concatenated (the up projections' outputs)
-    up projections              kv's, then q's (or q_proj on x, without a query latent): dX, dW
-    latent norms                kv's, then q's: dX and the weight's gradient
-    kv down output              d[latent | k_rope] concatenated
-    down projections            kv's, then q's: dX, dW; x's two gradients summed
+    up projections              kv's, then q's (or q_proj on x, without a query latent): dX, dW (under SP dX is
+                                reduce-scattered into a new shard; the input is gathered into megatron's buffer)
+    latent norms                kv's, then q's: dX and the weight's gradient (on this rank's sequence shard)
+    kv down output              d[latent | k_rope] concatenated (under SP the latent's dY gathered along s first)
+    down projections            kv's, then q's: under tp this rank's columns of dY first (the gathered output's
+                                backward), under SP the query latent's dY gathered along s before; dX, dW; x's two
+                                gradients summed (under tp as the last returns, before its dW is handed over)
 
 The forward is the layer's one moment (memcalc.sizing.timeline.megatron): the ledger's saved tensors (`SavedTensor`
 records of memcalc.model.impls.megatron). Beside them megatron keeps three things the ledger does not list
@@ -82,9 +85,6 @@ def attention(ops: list[Op], config: ModelConfig, z: Sizes, grad: str, residual:
         raise ConfigError("the step timeline does not model latent attention with flash attention yet: megatron's"
                           " flash core is Transformer Engine's (CUDA only, not measured); it walks the local"
                           " DotProductAttention (--attention eager)")
-    if z.sp:
-        raise ConfigError("the step timeline does not model latent attention (kv_lora_rank) under sequence"
-                          " parallelism yet: megatron's own linears and gathers are walked at t = 1 and under tp")
     w = Widths.of(config, z)
     ops.append(_row_parallel(z, "attention.linear_proj", ledger.MLA_PROJ_IN, grad, residual, w.heads * w.v,
                              "grad/proj input"))
@@ -97,22 +97,23 @@ def attention(ops: list[Op], config: ModelConfig, z: Sizes, grad: str, residual:
     ops.append(_one("attention", "d[q_nope | q_rope] concatenated: the query projection's output gradient", Made(
         "grad/q up output", w.per_token(w.heads * w.qk), "q_nope and q_rope were split from the query projection's"
         " output: their gradients concatenated"), ("grad/q", "grad/query rope")))
-    ops.append(_linear(w, "attention.linear_kv_up_proj", ledger.MLA_KV_UP_IN, "grad/kv up output", w.kv_latent,
+    ops.append(_linear(z, w, "attention.linear_kv_up_proj", ledger.MLA_KV_UP_IN, "grad/kv up output", w.kv_latent,
                        w.heads * (w.nope + w.v), "grad/kv up input"))
     if w.q_latent is not None:
-        ops.append(_linear(w, "attention.linear_q_up_proj", ledger.MLA_Q_UP_IN, "grad/q up output", w.q_latent,
+        ops.append(_linear(z, w, "attention.linear_q_up_proj", ledger.MLA_Q_UP_IN, "grad/q up output", w.q_latent,
                            w.heads * w.qk, "grad/q up input"))
     else:  # q_proj runs where q_up_proj would, on x
-        ops.append(_linear(w, "attention.linear_q_proj", ledger.QKV_IN, "grad/q up output", z.h, w.heads * w.qk,
+        ops.append(_linear(z, w, "attention.linear_q_proj", ledger.QKV_IN, "grad/q up output", z.h, w.heads * w.qk,
                            "grad/q input"))
     ops.append(_norm(z, w, "attention.kv_layernorm.norm", megatron.MLA_KV_NORM, "grad/kv up input", w.kv_latent,
                      "grad/kv latent"))
     if w.q_latent is not None:
         ops.append(_norm(z, w, "attention.q_layernorm.norm", megatron.MLA_Q_NORM, "grad/q up input", w.q_latent,
                          "grad/q latent"))
+    latent = _whole_sequence(ops, z, w, "grad/kv latent", w.kv_latent)  # under SP a shard: scattered
     ops.append(_one("attention", "d[latent | k_rope] concatenated: kv_down_proj's output gradient", Made(
         "grad/kv down output", w.per_token(w.kv_latent + w.rope), "the latent and the key's RoPE part were split"
-        " from kv_down_proj's output: their gradients concatenated"), ("grad/kv latent", "grad/key rope")))
+        " from kv_down_proj's output: their gradients concatenated"), (latent, "grad/key rope")))
     down = (("attention.linear_kv_down_proj", "grad/kv down output", w.kv_latent + w.rope, "grad/kv down input"),
             *((("attention.linear_q_down_proj", "grad/q latent", w.q_latent, "grad/q input"),) if w.q_latent else ()))
     summed = Step("the two input gradients summed", (Made(
@@ -120,26 +121,42 @@ def attention(ops: list[Op], config: ModelConfig, z: Sizes, grad: str, residual:
         " summed"),), frees=("grad/kv down input", "grad/q input"))
     for i, (where, grad, width, dx) in enumerate(down):
         last = i == len(down) - 1
-        ops.append(_linear(w, where, ledger.QKV_IN, _this_ranks_columns(ops, z, w, grad, width), z.h, width // z.t,
-                           dx, then=summed if last and z.t > 1 else None))
+        whole = grad if i == 0 else _whole_sequence(ops, z, w, grad, width)  # the query latent, scattered back
+        ops.append(_linear(z, w, where, ledger.QKV_IN, _this_ranks_columns(ops, z, w, whole, width), z.h,
+                           width // z.t, dx, then=summed if last and z.t > 1 else None))
     if z.t == 1:  # ColumnParallelLinear's copy_to_tensor_model_parallel_region: x's gradients meet after it
         ops.append(_backward(where, summed))
     return "grad/attention input"
 
 
-def _linear(w: Widths, where: str, x: SavedTensor, grad: str, width: int, out: int, dx: str,
+def _linear(z: Sizes, w: Widths, where: str, x: SavedTensor, grad: str, width: int, out: int, dx: str,
             then: Step | None = None) -> Op:
     """A column-parallel projection of `width` inputs to `out` outputs on this rank (megatron's
-    LinearWithGradAccumulationAndAsyncCommunication; under tp it all-reduces dX in place): dX, then dW; then dY
-    goes, the weight's gradient is handed over, and the saved input goes (unless an op before it keeps it too).
+    LinearWithGradAccumulationAndAsyncCommunication; under tp it all-reduces dX in place; under SP it all-gathers
+    its input into the global memory buffer, no new tensor, and reduce-scatters dX into a new shard): dX, then dW;
+    then dY goes, the weight's gradient is handed over, and the saved input goes (unless an op before it keeps it).
     `then`: a step autograd runs as the node returns, before the weight's gradient is handed over (the sum of its
     input's gradients, when no copy_to_tensor_model_parallel_region node stands between: tp)."""
     dw = f"grad/{where} weight"
-    gemms = Step("GEMMs: dX and dW", (Made(dx, w.per_token(width), "dX = dY W, the input's gradient"),
-                                      Made(dw, w.act * width * out, _WGRAD)), frees=(grad,),
-                 hands_over=() if then else (dw,), returns=then is not None)
+    whole = f"{dx} before its reduce-scatter" if z.sp else dx
+    gemms = Step("GEMMs: dX and dW", (
+        Made(whole, w.per_token(width), "dX = dY W, the input's gradient on the whole sequence"),
+        *((Made(dx, z.seq(width), "the reduce-scatter's output: this rank's shard of dX"),) if z.sp else ()),
+        Made(dw, w.act * width * out, _WGRAD)), frees=(grad, *((whole,) if z.sp else ())),
+        hands_over=() if then else (dw,), returns=then is not None)
     steps = (gemms, replace(then, hands_over=(dw,))) if then else (gemms,)
     return _backward(where, *steps, saves=(x,))
+
+
+def _whole_sequence(ops: list[Op], z: Sizes, w: Widths, grad: str, width: int) -> str:
+    """Under SP a latent's sequence shard is scattered out of the gathered one (scatter_to_sequence_parallel_region):
+    the scatter's backward all-gathers dY along s, a new tensor."""
+    if not z.sp:
+        return grad
+    ops.append(_one("attention", "the scatter's backward: dY all-gathered along s", Made(
+        f"{grad} gathered", w.per_token(width), "the scatter's backward all-gathers dY along s: (s, b, width)"),
+        (grad,)))
+    return f"{grad} gathered"
 
 
 def _this_ranks_columns(ops: list[Op], z: Sizes, w: Widths, grad: str, width: int) -> str:
@@ -158,7 +175,7 @@ def _norm(z: Sizes, w: Widths, where: str, norm: ledger.NormTensors, grad: str, 
     gradient in one kernel; dY and what it keeps go, the weight's gradient is handed over."""
     dw = f"grad/{where} weights"
     return _backward(where, Step("the norm: dX, dweight", (
-        Made(dx, w.per_token(width), "the norm's dX"),
+        Made(dx, z.seq(width), "the norm's dX"),
         Made(dw, z.norm_vectors * w.act * width, "the norm's weight (and bias) gradients")),
         frees=(grad,), hands_over=(dw,)), saves=tuple(norm))
 
@@ -244,8 +261,11 @@ def beside_the_ledger(tape: Tape, config: ModelConfig, z: Sizes, i: int, first: 
     before this step first sees in layer i's forward: its RotaryEmbedding's lru-cached frequencies (fp32, (s, 1, 1,
     d_r): each layer's module has its own), and in the first layer walked the global memory buffer ("mpu") the
     core's baddbmm writes its scores into, (b*a/t, s, s) in the activation dtype."""
-    if i == first:
-        tape.add("megatron/global memory buffer", ACTIVATIONS, z.act * z.b * z.a_t * z.s * z.s,
-                 "parallel_state's global memory buffer: the core's baddbmm writes its scores into it")
+    if i == first:  # under SP megatron's linears all-gather their inputs into the same buffer: the largest request
+        gathered = (z.h, config.kv_lora_rank, config.q_lora_rank or 0) if z.sp else ()
+        requests = (z.b * z.a_t * z.s * z.s, *(z.b * z.s * x for x in gathered))  # elements
+        tape.add("megatron/global memory buffer", ACTIVATIONS, z.act * max(requests),
+                 "parallel_state's global memory buffer: the core's baddbmm writes its scores into it (under SP the"
+                 " linears' all-gathered inputs too), allocated at the largest request")
     tape.add(f"layers.{i}/rotary frequencies", ACTIVATIONS, 4 * z.s * config.qk_rope_head_dim,
              "RotaryEmbedding.forward is lru-cached: its fp32 frequencies outlive the step")

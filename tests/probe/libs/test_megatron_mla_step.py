@@ -37,6 +37,10 @@ CASES = {
     "tp: the down projections' columns split back, x's gradients summed before dW is handed over": ({"t": 2}, "tp"),
     "tp at b = 1, odd s, dropout": ({"t": 2, "b": 1, "s": 7, "dropout": 0.1}, "tp"),
     "tp t = 4, no query latent, layernorm": (NO_QUERY_LATENT | {"t": 4, "norm": "layernorm"}, "tp"),
+    "tp-sp: dX reduce-scattered, the latents' dY gathered along s": ({"t": 2}, "tp-sp"),
+    "tp-sp t = 4 at b = 1, dropout": ({"t": 4, "b": 1, "s": 28, "dropout": 0.1}, "tp-sp"),
+    "tp-sp, no query latent, an fp32 torch softmax": (
+        NO_QUERY_LATENT | {"t": 2, "s": 16, "norm": "layernorm", "attention_softmax_in_fp32": True}, "tp-sp"),
 }
 
 
@@ -57,11 +61,12 @@ def test_every_moment_the_timeline_names_happens_in_order_with_its_bytes(case):
     assert_moments_in_order(moments, readings, places=False)  # a forward moment names a layer, not its last op's
 
 
-@pytest.mark.parametrize("changes", [
-    {"s": 128, "h": 32, "vocab_size": 64},  # the peak in the last layer's attention core: (s, s) gradients
-    {"b": 1, "s": 7},  # in the last layer's fc1
+@pytest.mark.parametrize("changes, layout", [
+    ({"s": 128, "h": 32, "vocab_size": 64}, "none"),  # the peak in the last layer's attention core: (s, s) gradients
+    ({"b": 1, "s": 7}, "none"),  # in the last layer's fc1
+    ({"t": 2, "b": 1, "h": 256}, "tp-sp"),  # megatron's global buffer sized by the linears' gathered x, not the scores
 ], ids=str)
-def test_the_peak_each_category_at_it_and_the_steady_state_are_memtrackers_to_the_byte(changes):
-    (r,) = measure_step(build_config(MLA | changes), ["none"])
+def test_the_peak_each_category_at_it_and_the_steady_state_are_memtrackers_to_the_byte(changes, layout):
+    (r,) = measure_step(build_config(MLA | changes), [layout])
     assert r.matches, r.differences()
     assert r.rows("peak")[-1].difference == 0 and r.rows("steady")[-1].difference == 0
