@@ -34,7 +34,8 @@ of the peak is the phase and the innermost module when MemTracker first reached 
 `measure_step` puts each reading next to the step timeline (memcalc.sizing.timeline). With
 --impl hf the model is transformers' own LlamaForCausalLM, trained by the same `Trainer`
 (memcalc.probe.libs.hf_step); with --impl torchtitan torchtitan's own Llama3Model with its trainer's loss
-(memcalc.probe.libs.torchtitan_step).
+(memcalc.probe.libs.torchtitan_step); with --impl megatron and kv_lora_rank this GPT with megatron-core's own
+MLASelfAttention in every layer (memcalc.probe.libs.megatron_mla_step).
 """
 
 from __future__ import annotations

@@ -47,7 +47,8 @@ attention, LayerNorm or RMSNorm, dropout and biases on or off, tied or untied em
 learned positions or RoPE, bf16 or fp16; no recomputation, selective (the attention core
 rerun inside backward, beside the checkpoint's inputs and its held gradient) or full (each
 layer rerun: its tensors made again, its input and output gradient held by the checkpoint
-until it returns). The probe measures pp = 1; with pp > 1 the walk is the same per stage,
+until it returns). With kv_lora_rank the attention is megatron-core's own MLASelfAttention
+(memcalc.sizing.timeline.megatron_mla), eager and without recomputation. The probe measures pp = 1; with pp > 1 the walk is the same per stage,
 beside what the schedule keeps in flight. A fused kernel (flash attention, the norms'
 backward, the fused SwiGLU's) allocates its outputs alone, as on a GPU; the probe runs each
 as one op for that reason (memcalc.probe.kernels, attention.py). transformers' Llama
