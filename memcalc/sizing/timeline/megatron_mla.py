@@ -91,6 +91,13 @@ def attention(ops: list[Op], config: ModelConfig, z: Sizes, grad: str, residual:
     _core(ops, config, z, w, "grad/proj input", has)
     _rope(ops, w, "key", w.per_token(w.rope), expanded=True)
     _rope(ops, w, "query", w.per_token(w.heads * w.rope), expanded=False)
+    _up(ops, z, w)
+    return _down(ops, z, w)
+
+
+def _up(ops: list[Op], z: Sizes, w: Widths) -> None:
+    """From the core's dQ, dK, dV and the RoPE parts' input gradients to the latent norms' dX: the splits'
+    concatenations, the up projections (or q_proj), the norms."""
     ops.append(_one("attention", "d[k_nope | v] concatenated: kv_up_proj's output gradient", Made(
         "grad/kv up output", w.per_token(w.heads * (w.nope + w.v)), "k_nope and v were split from kv_up_proj's"
         " output: their gradients concatenated"), ("grad/k", "grad/v")))
@@ -110,6 +117,12 @@ def attention(ops: list[Op], config: ModelConfig, z: Sizes, grad: str, residual:
     if w.q_latent is not None:
         ops.append(_norm(z, w, "attention.q_layernorm.norm", megatron.MLA_Q_NORM, "grad/q up input", w.q_latent,
                          "grad/q latent"))
+
+
+def _down(ops: list[Op], z: Sizes, w: Widths) -> str:
+    """From the latent norms' dX to the attention's input gradient: the kv down output's concatenation, the down
+    projections (under tp on this rank's columns of dY, under SP gathered along s first), x's two gradients summed.
+    Returns the sum's name."""
     latent = _whole_sequence(ops, z, w, "grad/kv latent", w.kv_latent)  # under SP a shard: scattered
     ops.append(_one("attention", "d[latent | k_rope] concatenated: kv_down_proj's output gradient", Made(
         "grad/kv down output", w.per_token(w.kv_latent + w.rope), "the latent and the key's RoPE part were split"
