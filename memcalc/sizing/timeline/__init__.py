@@ -48,7 +48,7 @@ learned positions or RoPE, bf16 or fp16; no recomputation, selective (the attent
 rerun inside backward, beside the checkpoint's inputs and its held gradient) or full (each
 layer rerun: its tensors made again, its input and output gradient held by the checkpoint
 until it returns). With kv_lora_rank the attention is megatron-core's own MLASelfAttention
-(memcalc.sizing.timeline.megatron_mla), eager and without recomputation. The probe measures pp = 1; with pp > 1 the walk is the same per stage,
+(memcalc.sizing.timeline.megatron_mla), eager, without or with selective recomputation. The probe measures pp = 1; with pp > 1 the walk is the same per stage,
 beside what the schedule keeps in flight. A fused kernel (flash attention, the norms'
 backward, the fused SwiGLU's) allocates its outputs alone, as on a GPU; the probe runs each
 as one op for that reason (memcalc.probe.kernels, attention.py). transformers' Llama
@@ -114,7 +114,8 @@ def timeline(
     kept = (*(x.tensor for x in layer.tensors), *host)
     saved = {x.tensor.name: x.bytes for x in layer.tensors} | {x.name: 4 for x in host}
     rerun = _rerun(config, strategy, accounting) if config.recompute != "none" else layer
-    sizes = {x.tensor.name: x.bytes for x in rerun.tensors} | saved
+    again = megatron_mla.rerun_host_scalars(config, z, accounting) if config.mla else ()
+    sizes = {x.tensor.name: x.bytes for x in rerun.tensors} | {x.name: 4 for x in again} | saved
     ops = layer_ops(config, z, kept, tuple(x.tensor for x in rerun.tensors), sizes)
     _check_modelled(config, (*kept, *(x.tensor for x in rerun.tensors)), ops)
     st = _stage(config, stage)
@@ -206,9 +207,9 @@ def _refuse_other_layers(config: ModelConfig) -> None:
     if config.moe and config.impl != "hf":  # transformers' MoE blocks: the hf walk's check_modelled says which
         raise ConfigError("the step timeline does not model a mixture of experts (num_experts) yet: it walks dense"
                           " MLPs (with --impl hf, transformers' Mixtral and Qwen2-MoE)")
-    if config.mla and (config.impl != "megatron" or config.recompute != "none"):
+    if config.mla and (config.impl != "megatron" or config.recompute == "full"):
         raise ConfigError(f"the step timeline models latent attention (kv_lora_rank) as megatron-core's"
-                          f" MLASelfAttention without recomputation (impl megatron, recompute none), not impl"
+                          f" MLASelfAttention without recomputation or with selective (impl megatron), not impl"
                           f" {config.impl} with recompute {config.recompute}")
     if config.head_dim_set:
         raise ConfigError(f"the step timeline does not model kv_channels={config.kv_channels} (heads other than"

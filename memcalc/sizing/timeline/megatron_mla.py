@@ -5,7 +5,8 @@ autograd runs megatron-core's own module (the step probe's, memcalc.probe.libs.m
 
     linear_proj                 dX, dW (row-parallel)
     core (DotProductAttention)  bmm's dV and dWeights; the fused causal softmax's (or torch's) backward; baddbmm's dQ
-                                and dK, each a bmm then its scaling (a new tensor)
+                                and dK, each a bmm then its scaling (a new tensor); under selective recomputation
+                                inside megatron's CheckpointFunction (the core rerun first)
     RoPE, the key's part        the expand over heads summed; apply_rotary_pos_emb's backward (rotate_half's, the
                                 sin and cos products', MLA's even/odd interleave, the RoPE slice): what it keeps
                                 (the cast cos and sin tables) goes as each product returns
@@ -23,8 +24,8 @@ The forward is the layer's one moment (memcalc.sizing.timeline.megatron): the le
 records of memcalc.model.impls.megatron). Beside them megatron keeps three things the ledger does not list
 (`beside_the_ledger`, `host_scalars`): each layer's RoPE frequencies (RotaryEmbedding.forward is lru-cached) and
 the global memory buffer the core's baddbmm writes into, both made in the first step and kept (a tracker started
-before a step sees them where forward first touches them), and the fused softmax's scale, a 1-element tensor it
-saves (host memory on CUDA: counted on the CPU only).
+before a step sees them where forward first touches them), and the fused softmax's scale (or under selective
+recomputation the checkpoint's attn_mask_type), a 1-element tensor (host memory on CUDA: counted on the CPU only).
 """
 
 from __future__ import annotations
@@ -48,6 +49,15 @@ SOFTMAX_SCALE = SavedTensor(
     "attention/softmax_scale", "megatron's fused causal softmax: torch.tensor([scale])", (), Kind.FP32,
     Region.REPLICATED, "the kernel's backward scales by it; host memory on CUDA (not the GPU's), the CPU's here",
     paper=False,
+)
+
+
+# Attention._checkpointed_attention_forward (selective recomputation): `torch.tensor([attn_mask_type.value])`, an
+# input of megatron's CheckpointFunction, which keeps its inputs.
+ATTN_MASK_TYPE = SavedTensor(
+    "attention/attn_mask_type", "megatron's core-attention checkpoint: torch.tensor([attn_mask_type.value])", (),
+    Kind.INT32, Region.REPLICATED, "the checkpoint keeps its inputs for the rerun; host memory on CUDA, the CPU's"
+    " here", paper=False,
 )
 
 
@@ -194,13 +204,49 @@ def _norm(z: Sizes, w: Widths, where: str, norm: ledger.NormTensors, grad: str, 
 
 
 def _core(ops: list[Op], config: ModelConfig, z: Sizes, w: Widths, dcontext: str, has: Has) -> None:
-    """DotProductAttention's backward (baddbmm, softmax, dropout, bmm), in backward order."""
+    """DotProductAttention's backward (baddbmm, softmax, dropout, bmm), in backward order. Under selective
+    recomputation megatron's CheckpointFunction wraps it: it keeps Q, K, V (and attn_mask_type) and holds dY; in
+    backward it reruns the core (its scores live until the core returns), runs the core's backward on the rerun's
+    output, each of dQ, dK, dV copied into its detached input's layout, and when it returns its inputs, the rerun's
+    output and dY go."""
+    selective = config.recompute == "selective"
+    core: list[Op] = []
+    _core_backward(core, config, z, w, () if selective else (dcontext,), has, selective)
+    if not selective:
+        ops.extend(core)
+        return
+    held = {x.name for x in (ledger.MLA_Q, ledger.MLA_K, ledger.MLA_V)}
+    again = {x.name: x for op in core for x in op.saves if x.name not in held}.values()
+    # the rerun runs the core module's forward: MemTracker files what it makes as activations
+    scores = Made("attention/recomputed scores", w.act * z.b * w.heads * z.s * z.s,
+                  "the rerun's baddbmm output: a local of the core's forward until it returns", category=ACTIVATIONS)
+    ops.append(_backward("attention", Step("selective recomputation: the core's forward again", (
+        scores, *(Made(x.name, 0, "made again by selective recomputation's rerun of the core", keeps=x,
+                       category=ACTIVATIONS) for x in again),
+        Made("attention/recomputed context", w.per_token(w.heads * w.v), "the rerun's bmm output, before its copy",
+             category=ACTIVATIONS),
+        Made("attention/recomputed output", w.per_token(w.heads * w.v),
+             "the rerun's output: the checkpoint holds it while autograd runs the core's backward",
+             category=ACTIVATIONS)),
+        frees=(scores.name, "attention/recomputed context"))))
+    ops.extend(core)
+    ops.append(_backward("attention", Step("the checkpoint returns", frees=(
+        "attention/recomputed output", dcontext)), saves=(ledger.MLA_Q, ledger.MLA_K, ledger.MLA_V, ATTN_MASK_TYPE)))
+
+
+def _core_backward(ops: list[Op], config: ModelConfig, z: Sizes, w: Widths, frees: tuple[str, ...], has: Has,
+                   selective: bool) -> None:
+    """The core's own backward; `frees`: what the bmm's backward frees (dY, unless the checkpoint holds it). Under
+    selective recomputation each of dQ, dK, dV is then copied into its checkpoint input's layout (AccumulateGrad
+    on the detached input: new_empty_strided)."""
     weights_bytes = w.act * z.b * w.heads * z.s * z.s  # (b*a/t, s, s)
     dropout = has(ledger.ATTN_DROPOUT_MASK.name)
+    copied = " raw" if selective else ""  # under selective recomputation, before its copy into the input's layout
     ops.append(_backward("attention.core_attention", Step("weights x V: dV and dWeights", (
-        Made("grad/v", w.per_token(w.heads * w.v), "bmm's backward: dV = weights^T dY"),
-        Made("grad/attention weights", weights_bytes, "bmm's backward: dWeights = dY V^T")), frees=(dcontext,)),
+        Made(f"grad/v{copied}", w.per_token(w.heads * w.v), "bmm's backward: dV = weights^T dY"),
+        Made("grad/attention weights", weights_bytes, "bmm's backward: dWeights = dY V^T")), frees=frees),
         saves=(ledger.MLA_V, ledger.ATTN_DROPOUT_OUT if dropout else ledger.SOFTMAX_OUT)))
+    ops.extend(_copied("v", w.per_token(w.heads * w.v), selective))
     weights = "grad/attention weights"
     if dropout:
         ops.append(_one("attention.core_attention", "attention dropout", Made(
@@ -217,9 +263,20 @@ def _core(ops: list[Op], config: ModelConfig, z: Sizes, w: Widths, dcontext: str
         step for x, other in (("q", "K"), ("k", "Q")) for step in (
             Step(f"baddbmm's backward: d{x.upper()} = dScores {other}", (
                 Made(f"grad/{x} unscaled", qk, f"baddbmm's backward: d{x.upper()} before its scale"),)),
-            Step(f"d{x.upper()} scaled", (Made(f"grad/{x}", qk, "scaled by 1/sqrt(d_n+d_r), a new tensor"),),
+            Step(f"d{x.upper()} scaled", (Made(f"grad/{x}{copied}", qk, "scaled by 1/sqrt(d_n+d_r), a new tensor"),),
                  frees=(f"grad/{x} unscaled", *(("grad/scores",) if x == "k" else ()))))),
         saves=(ledger.MLA_Q, ledger.MLA_K)))
+    ops.extend(op for x in ("k", "q") for op in _copied(x, qk, selective))
+
+
+def _copied(x: str, nbytes: int, selective: bool) -> tuple[Op, ...]:
+    """Under selective recomputation: d`x` copied into the layout of the checkpoint's detached input (its .grad), by
+    that leaf's AccumulateGrad, after the node that made it has returned."""
+    if not selective:
+        return ()
+    return (_one("attention.core_attention", f"d{x.upper()} into its input's layout", Made(
+        f"grad/{x}", nbytes, "AccumulateGrad on the checkpoint's detached input: a copy in the input's strides"),
+        (f"grad/{x} raw",)),)
 
 
 def _rope(ops: list[Op], w: Widths, part: str, width: int, expanded: bool) -> None:
@@ -264,9 +321,21 @@ def _rope(ops: list[Op], w: Widths, part: str, width: int, expanded: bool) -> No
 
 
 def host_scalars(config: ModelConfig, z: Sizes, accounting: Accounting) -> tuple[SavedTensor, ...]:
-    """What a layer keeps beside the ledger that CUDA keeps in host memory: the fused softmax's scale, counted on
-    the CPU alone (its memory is the device's there)."""
-    return (SOFTMAX_SCALE,) if accounting.device == "cpu" and _fused_softmax(config, z) else ()
+    """What a layer keeps beside the ledger that CUDA keeps in host memory, counted on the CPU alone (its memory is
+    the device's there): the fused softmax's scale, or under selective recomputation the checkpoint's
+    attn_mask_type (the softmax's scale is then made by the rerun alone: `rerun_host_scalars`)."""
+    if accounting.device != "cpu":
+        return ()
+    if config.recompute == "selective":
+        return (ATTN_MASK_TYPE,)
+    return (SOFTMAX_SCALE,) if _fused_softmax(config, z) else ()
+
+
+def rerun_host_scalars(config: ModelConfig, z: Sizes, accounting: Accounting) -> tuple[SavedTensor, ...]:
+    """The host scalars selective recomputation's rerun of the core makes again (on the CPU): the fused softmax's
+    scale."""
+    selective = config.recompute == "selective"
+    return (SOFTMAX_SCALE,) if selective and accounting.device == "cpu" and _fused_softmax(config, z) else ()
 
 
 def beside_the_ledger(tape: Tape, config: ModelConfig, z: Sizes, i: int, first: int) -> None:
