@@ -48,8 +48,9 @@ learned positions or RoPE, bf16 or fp16; no recomputation, selective (the attent
 rerun inside backward, beside the checkpoint's inputs and its held gradient) or full (each
 layer rerun: its tensors made again, its input and output gradient held by the checkpoint
 until it returns). With kv_lora_rank the attention is megatron-core's own MLASelfAttention
-(memcalc.sizing.timeline.megatron_mla), eager, without or with selective recomputation. The probe measures pp = 1; with pp > 1 the walk is the same per stage,
-beside what the schedule keeps in flight. A fused kernel (flash attention, the norms'
+(memcalc.sizing.timeline.megatron_mla), eager, without or with selective recomputation.
+The probe measures pp = 1; with pp > 1 the walk is the same per stage, beside what the
+schedule keeps in flight. A fused kernel (flash attention, the norms'
 backward, the fused SwiGLU's) allocates its outputs alone, as on a GPU; the probe runs each
 as one op for that reason (memcalc.probe.kernels, attention.py). transformers' Llama
 (`--impl hf`) has its own walk (memcalc.sizing.timeline.hf), sharded by FSDP2 too (`dp_shard`: each block's
