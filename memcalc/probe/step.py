@@ -34,7 +34,8 @@ of the peak is the phase and the innermost module when MemTracker first reached 
 `measure_step` puts each reading next to the step timeline (memcalc.sizing.timeline). With
 --impl hf the model is transformers' own LlamaForCausalLM, trained by the same `Trainer`
 (memcalc.probe.libs.hf_step); with --impl torchtitan torchtitan's own Llama3Model with its trainer's loss
-(memcalc.probe.libs.torchtitan_step).
+(memcalc.probe.libs.torchtitan_step); with --impl megatron and kv_lora_rank this GPT with megatron-core's own
+MLASelfAttention in every layer (memcalc.probe.libs.megatron_mla_step).
 """
 
 from __future__ import annotations
@@ -486,6 +487,7 @@ class MomentTracker(MemTracker):
 
 STEP_MODELS = {  # what --step runs, by --impl
     "megatron": "memcalc's own GPT", "hf": "transformers' LlamaForCausalLM", "torchtitan": "torchtitan's Llama3Model",
+    "megatron latent attention": "memcalc's own GPT with megatron-core's MLASelfAttention",
 }
 TOLERANCE = 0.01  # issue 8's bound: the peak and each of its categories within 1% of what MemTracker measured
 
@@ -582,8 +584,8 @@ def measure_step(config: ModelConfig, strategies: list[str], route: str | None =
         # FSDP2: the fake group is every rank of the mesh, dp_replicate*dp_shard*t
         t = (config.dp_replicate or 1) * (config.dp_shard or 1) * tp if mode is Mode.FAKE else 1
         routed = (route,) if config.moe else ()  # only the hf runner takes one
-        (measured,) = run(_step_runner(config.impl, config.dp_shard is not None), (config, strategy, *routed), mode=mode,
-                          t=t)
+        (measured,) = run(_step_runner(_trained(config), config.dp_shard is not None), (config, strategy, *routed),
+                          mode=mode, t=t)
         out.append(StepComparison(strategy, mode, predicted, measured, model))
     return out
 
@@ -595,7 +597,13 @@ STEP_TRAINERS = {
     ("hf", True): ("memcalc.probe.libs.hf_fsdp", "measure_hf_fsdp_step_on_rank"),
     ("torchtitan", False): ("memcalc.probe.libs.torchtitan_step", "measure_torchtitan_step_on_rank"),
     ("torchtitan", True): ("memcalc.probe.libs.torchtitan_step", "measure_torchtitan_fsdp_step_on_rank"),
+    ("megatron latent attention", False): ("memcalc.probe.libs.megatron_mla_step", "measure_megatron_mla_step_on_rank"),
 }
+
+
+def _trained(config: ModelConfig) -> str:
+    """The STEP_TRAINERS key's model: --impl, or for megatron with kv_lora_rank its own latent attention."""
+    return "megatron latent attention" if config.impl == "megatron" and config.mla else config.impl
 
 
 def _step_runner(impl: str, sharded: bool = False) -> Callable[[TensorParallelGroup, ModelConfig, Strategy],
@@ -604,7 +612,7 @@ def _step_runner(impl: str, sharded: bool = False) -> Callable[[TensorParallelGr
     `sharded`: under FSDP2; impl torchtitan: its Llama3Model), imported only then."""
     if (impl, sharded) not in STEP_TRAINERS:
         return measure_step_on_rank
-    runner(impl)  # ProbeError naming the extra to install when the library is missing
+    runner(impl.split()[0])  # ProbeError naming the extra to install when the library is missing
     module, function = STEP_TRAINERS[impl, sharded]
     return getattr(importlib.import_module(module), function)
 
@@ -613,7 +621,7 @@ def _model(config: ModelConfig, route: str | None) -> str:
     """The model the step trains, in words: with experts or a QK norm transformers' model of the family that runs the
     knobs (Mixtral, Qwen2-MoE, Qwen3, Qwen3-MoE: memcalc.probe.libs.hf_step), its router forced."""
     family = family_of(config) if config.impl == "hf" and (config.moe or config.qk_layernorm) else None
-    return STEP_MODELS[config.impl] if family is None else f"transformers' {family.architectures[0]}" + (
+    return STEP_MODELS[_trained(config)] if family is None else f"transformers' {family.architectures[0]}" + (
         f", router forced {route}" if config.moe else "")
 
 

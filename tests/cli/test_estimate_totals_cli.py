@@ -198,3 +198,14 @@ def test_torchtitans_activation_checkpointing_has_a_modelled_step_peak_below_the
     for name in ("none", "tp", "tp-sp"):
         assert {per[r][name]["needed_basis"] for r in per} == {"the step's peak"}
         assert per["full"][name]["needed_bytes"] < per["op"][name]["needed_bytes"] < per["none"][name]["needed_bytes"]
+
+
+def test_latent_attention_without_experts_has_a_modelled_step_peak():
+    """megatron-core's MLASelfAttention is walked (memcalc.sizing.timeline.megatron_mla): at t = 1, under tp and
+    tp-sp the verdict is on the step's peak, above states and saved activations."""
+    latent = ["--kv-lora-rank", "512", "--q-lora-rank", "1536", "--qk-rope-head-dim", "64", "--qk-nope-head-dim",
+              "128", "--v-head-dim", "128"]
+    per = _json("--config", "llama2-7b", "--attention", "eager", *latent, "--totals")["per_gpu"]["strategies"]
+    for name in ("none", "tp", "tp-sp"):
+        (stage,) = per[name]["stages"]
+        assert per[name]["needed_basis"] == "the step's peak" and stage["peak_bytes"] > stage["total_bytes"]

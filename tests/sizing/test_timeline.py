@@ -113,6 +113,19 @@ def test_what_is_not_modelled_yet_is_refused_by_name(changes, named):
         _timeline("tp", **changes)
 
 
+LATENT = {"kv_lora_rank": 24, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 12, "v_head_dim": 10}
+
+
+@pytest.mark.parametrize("changes, named", [
+    ({"attention": "flash"}, "latent attention with flash attention"),
+    ({"recompute": "full"}, "latent attention .* without recomputation or with selective"),
+    ({"impl": "hf", "attention": "eager", "add_bias_linear": False}, "latent attention .* not impl hf"),
+])
+def test_latent_attention_is_walked_as_megatron_cores_eager_module_without_full_recomputation_only(changes, named):
+    with pytest.raises(ConfigError, match=named):
+        _timeline("tp", **LATENT | changes)
+
+
 def _pipelined(strategy, **changes):
     config = build_config(STEP | {"L": 8, "pp": 4} | changes)
     return config, timelines(config, STRATEGIES[strategy], CPU)

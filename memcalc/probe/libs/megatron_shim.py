@@ -26,7 +26,8 @@ Made to keep what CUDA keeps (each one is also a line of `NOTES`):
 - Masked softmax: Megatron-LM trains with `masked_softmax_fusion` on, and the
   fused kernel (`scaled_upper_triang_masked_softmax_cuda`, from Apex) keeps its
   bf16 output. `_softmax_extension()` stands in for that extension module with the
-  same forward/backward signatures, computing in fp32 as the kernel does; the
+  same forward/backward signatures, computing in fp32 as the kernel does, each
+  as one custom op (a step's MemTracker sees the kernel's output alone); the
   kernel's own size checks (`FusedScaleMaskSoftmax.is_kernel_available`) still
   decide whether it runs, with the CUDA extension's batch-per-block rule.
   Outside them (s <= 16, s > 4096, b*a/t not a multiple of the kernel's batch per
@@ -148,17 +149,41 @@ def _softmax_extension() -> types.ModuleType:
 
 
 def _fused_causal_softmax(inputs: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """(attn_batches, s, s) scores -> softmax(scale * scores, future masked), in the input's dtype."""
-    s = inputs.shape[-1]
-    future = torch.ones(s, s, dtype=torch.bool, device=inputs.device).triu(1)
-    scores = (inputs.float() * float(scale)).masked_fill(future, -math.inf)
-    return torch.softmax(scores, dim=-1).to(inputs.dtype)
+    """The kernel's forward, one op (`causal_softmax`): the allocator sees its output alone, as on CUDA."""
+    return causal_softmax(inputs, float(scale))
 
 
 def _fused_causal_softmax_backward(grads: torch.Tensor, softmax: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The kernel's backward, one op (`causal_softmax_backward`)."""
+    return causal_softmax_backward(grads, softmax, float(scale))
+
+
+# Registered as custom ops, the kernel's math (in fp32, as the kernel computes) runs below any TorchDispatchMode:
+# MemTracker (memcalc.probe.step) sees each kernel's output only, as a CUDA run would (memcalc.probe.kernels).
+@torch.library.custom_op("memcalc::megatron_causal_softmax", mutates_args=())
+def causal_softmax(inputs: torch.Tensor, scale: float) -> torch.Tensor:
+    """(attn_batches, s, s) scores -> softmax(scale * scores, future masked), in the input's dtype."""
+    s = inputs.shape[-1]
+    future = torch.ones(s, s, dtype=torch.bool, device=inputs.device).triu(1)
+    scores = (inputs.float() * scale).masked_fill(future, -math.inf)
+    return torch.softmax(scores, dim=-1).to(inputs.dtype)
+
+
+@causal_softmax.register_fake
+def _(inputs, scale):
+    return torch.empty_like(inputs)
+
+
+@torch.library.custom_op("memcalc::megatron_causal_softmax_backward", mutates_args=())
+def causal_softmax_backward(grads: torch.Tensor, softmax: torch.Tensor, scale: float) -> torch.Tensor:
     """d scores = scale * y * (dy - rowsum(dy * y)), as the kernel computes it."""
     y, dy = softmax.float(), grads.float()
-    return (float(scale) * y * (dy - (dy * y).sum(-1, keepdim=True))).to(grads.dtype)
+    return (scale * y * (dy - (dy * y).sum(-1, keepdim=True))).to(grads.dtype)
+
+
+@causal_softmax_backward.register_fake
+def _(grads, softmax, scale):
+    return torch.empty_like(grads)
 
 
 def _sizes() -> types.ModuleType:

@@ -47,8 +47,10 @@ attention, LayerNorm or RMSNorm, dropout and biases on or off, tied or untied em
 learned positions or RoPE, bf16 or fp16; no recomputation, selective (the attention core
 rerun inside backward, beside the checkpoint's inputs and its held gradient) or full (each
 layer rerun: its tensors made again, its input and output gradient held by the checkpoint
-until it returns). The probe measures pp = 1; with pp > 1 the walk is the same per stage,
-beside what the schedule keeps in flight. A fused kernel (flash attention, the norms'
+until it returns). With kv_lora_rank the attention is megatron-core's own MLASelfAttention
+(memcalc.sizing.timeline.megatron_mla), eager, without or with selective recomputation.
+The probe measures pp = 1; with pp > 1 the walk is the same per stage, beside what the
+schedule keeps in flight. A fused kernel (flash attention, the norms'
 backward, the fused SwiGLU's) allocates its outputs alone, as on a GPU; the probe runs each
 as one op for that reason (memcalc.probe.kernels, attention.py). transformers' Llama
 (`--impl hf`) is described once as ops (memcalc.sizing.timeline.hf and hf_layer) for the generic walk
@@ -78,6 +80,7 @@ from memcalc.sizing.pipeline import Stage, stages
 from memcalc.sizing.timeline.hf import hf_timeline
 from memcalc.sizing.timeline.torchtitan import torchtitan_timeline
 from memcalc.sizing.timeline.ends import STEP_TENSORS, Ends, model_states
+from memcalc.sizing.timeline import megatron_mla
 from memcalc.sizing.timeline.megatron import INPUT, INPUT_GRAD, OUTPUT, OUTPUT_GRAD, layer_ops
 from memcalc.sizing.timeline.walk import Op, Walk
 from memcalc.sizing.timeline.tape import (
@@ -108,11 +111,13 @@ def timeline(
     if config.impl == "torchtitan":  # torchtitan's Llama3Model, described as ops for the generic walk
         return torchtitan_timeline(config, strategy, accounting)
     layer = estimate(config, strategy, accounting)
-    kept = tuple(x.tensor for x in layer.tensors)
-    saved = {x.tensor.name: x.bytes for x in layer.tensors}
-    rerun = _rerun(config, strategy, accounting) if config.recompute != "none" else layer
-    sizes = {x.tensor.name: x.bytes for x in rerun.tensors} | saved
     z = Sizes.of(config, strategy)
+    host = megatron_mla.host_scalars(config, z, accounting) if config.mla else ()  # beside the ledger's, on the CPU
+    kept = (*(x.tensor for x in layer.tensors), *host)
+    saved = {x.tensor.name: x.bytes for x in layer.tensors} | {x.name: 4 for x in host}
+    rerun = _rerun(config, strategy, accounting) if config.recompute != "none" else layer
+    again = megatron_mla.rerun_host_scalars(config, z, accounting) if config.mla else ()
+    sizes = {x.tensor.name: x.bytes for x in rerun.tensors} | {x.name: 4 for x in again} | saved
     ops = layer_ops(config, z, kept, tuple(x.tensor for x in rerun.tensors), sizes)
     _check_modelled(config, (*kept, *(x.tensor for x in rerun.tensors)), ops)
     st = _stage(config, stage)
@@ -131,6 +136,8 @@ def timeline(
     walk = Walk(tape, "", "", sizes, lambda where, name, nbytes: tape.drop(name))
     for i in layers:
         walk.module = f"layers.{i}"
+        if config.mla:
+            megatron_mla.beside_the_ledger(tape, config, z, i, first)
         walk.forward(ops)
         _fold(tape, i, folded)
     ends.forward_out(tape)
@@ -212,8 +219,10 @@ def _refuse_other_layers(config: ModelConfig) -> None:
     if config.moe and config.impl != "hf":  # transformers' MoE blocks: the hf walk's check_modelled says which
         raise ConfigError("the step timeline does not model a mixture of experts (num_experts) yet: it walks dense"
                           " MLPs (with --impl hf, transformers' Mixtral and Qwen2-MoE)")
-    if config.kv_lora_rank is not None:
-        raise ConfigError("the step timeline does not model latent attention (kv_lora_rank) yet")
+    if config.mla and (config.impl != "megatron" or config.recompute == "full"):
+        raise ConfigError(f"the step timeline models latent attention (kv_lora_rank) as megatron-core's"
+                          f" MLASelfAttention without recomputation or with selective (impl megatron), not impl"
+                          f" {config.impl} with recompute {config.recompute}")
     if config.head_dim_set and config.impl != "hf":  # transformers' heads of head_dim: the hf walk's
         raise ConfigError(f"the step timeline does not model kv_channels={config.kv_channels} (heads other than"
                           f" h/a={config.h}/{config.a}={config.h // config.a} wide) yet: it walks attention h wide")

@@ -68,11 +68,16 @@ def layer_ops(
     mid = "grad/ln2 input"  # the residual stream's gradient between the two halves
     backward.append(_norm(z, "ln2", ledger.LN2, grad, () if full else (OUTPUT_GRAD,), mid))
     grad = _dropout(backward, z, ledger.ATTN_OUT_DROPOUT_MASK, "attention", mid, has)
-    backward.append(_row_parallel(z, "attention.proj", ledger.PROJ_IN, grad, mid, z.h_t, "grad/proj input"))
-    _attention(backward, config, z, "grad/proj input", has)
-    qkv_bias = z.qkv_t if config.add_bias_linear or config.add_qkv_bias else 0
-    grad = _column_parallel(backward, z, "attention.qkv", ledger.QKV_IN, "grad/qkv output", z.qkv_t, qkv_bias,
-                            "grad/qkv input")
+    if config.mla:  # megatron-core's MLASelfAttention, built on this module's pieces (imported here: no cycle)
+        from memcalc.sizing.timeline import megatron_mla
+
+        grad = megatron_mla.attention(backward, config, z, grad, mid, has)
+    else:
+        backward.append(_row_parallel(z, "attention.proj", ledger.PROJ_IN, grad, mid, z.h_t, "grad/proj input"))
+        _attention(backward, config, z, "grad/proj input", has)
+        qkv_bias = z.qkv_t if config.add_bias_linear or config.add_qkv_bias else 0
+        grad = _column_parallel(backward, z, "attention.qkv", ledger.QKV_IN, "grad/qkv output", z.qkv_t, qkv_bias,
+                                "grad/qkv input")
     backward.append(_norm(z, "ln1", ledger.LN1, grad, (mid,), INPUT_GRAD))
     backward.append(_layer(z, kept, full))
     return tuple(reversed(backward))

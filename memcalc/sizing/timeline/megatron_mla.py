@@ -1,0 +1,353 @@
+"""Megatron's latent attention (megatron-core 0.16's MLASelfAttention, DeepSeek-V2/V3) in the step, as ops.
+
+`attention` appends the attention's backward to Megatron's layer (memcalc.sizing.timeline.megatron `layer_ops`), as
+autograd runs megatron-core's own module (the step probe's, memcalc.probe.libs.megatron_mla_step), in backward order:
+
+    linear_proj                 dX, dW (row-parallel)
+    core (DotProductAttention)  bmm's dV and dWeights; the fused causal softmax's (or torch's) backward; baddbmm's dQ
+                                and dK, each a bmm then its scaling (a new tensor); under selective recomputation
+                                inside megatron's CheckpointFunction (the core rerun first)
+    RoPE, the key's part        the expand over heads summed; apply_rotary_pos_emb's backward (rotate_half's, the
+                                sin and cos products', MLA's even/odd interleave, the RoPE slice): what it keeps
+                                (the cast cos and sin tables) goes as each product returns
+    RoPE, the query's part      the same, on every head
+    the splits                  d[k_nope | v] and d[q_nope | q_rope] concatenated (the up projections' outputs)
+    up projections              kv's, then q's (or q_proj on x, without a query latent): dX, dW (under SP dX is
+                                reduce-scattered into a new shard; the input is gathered into megatron's buffer)
+    latent norms                kv's, then q's: dX and the weight's gradient (on this rank's sequence shard)
+    kv down output              d[latent | k_rope] concatenated (under SP the latent's dY gathered along s first)
+    down projections            kv's, then q's: under tp this rank's columns of dY first (the gathered output's
+                                backward), under SP the query latent's dY gathered along s before; dX, dW; x's two
+                                gradients summed (under tp as the last returns, before its dW is handed over)
+
+The forward is the layer's one moment (memcalc.sizing.timeline.megatron): the ledger's saved tensors (`SavedTensor`
+records of memcalc.model.impls.megatron). Beside them megatron keeps three things the ledger does not list
+(`beside_the_ledger`, `host_scalars`): each layer's RoPE frequencies (RotaryEmbedding.forward is lru-cached) and
+the global memory buffer the core's baddbmm writes into, both made in the first step and kept (a tracker started
+before a step sees them where forward first touches them), and the fused softmax's scale (or under selective
+recomputation the checkpoint's attn_mask_type), a 1-element tensor (host memory on CUDA: counted on the CPU only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from memcalc.config.schema import ModelConfig
+from memcalc.errors import ConfigError
+from memcalc.model import ledger
+from memcalc.model.impls import megatron
+from memcalc.model.knobs import Accounting
+from memcalc.model.ledger import Kind, Region, SavedTensor
+from memcalc.sizing.timeline.megatron import (
+    _SOFTMAX, _WGRAD, Has, _backward, _fused_softmax, _one, _row_parallel, _torch_softmax,
+)
+from memcalc.sizing.timeline.tape import ACTIVATIONS, Sizes, Tape
+from memcalc.sizing.timeline.walk import Made, Op, Step
+
+# ScaledUpperTriangMaskedSoftmax.forward: `scale_t = torch.tensor([scale])`, saved for its backward.
+SOFTMAX_SCALE = SavedTensor(
+    "attention/softmax_scale", "megatron's fused causal softmax: torch.tensor([scale])", (), Kind.FP32,
+    Region.REPLICATED, "the kernel's backward scales by it; host memory on CUDA (not the GPU's), the CPU's here",
+    paper=False,
+)
+
+
+# Attention._checkpointed_attention_forward (selective recomputation): `torch.tensor([attn_mask_type.value])`, an
+# input of megatron's CheckpointFunction, which keeps its inputs.
+ATTN_MASK_TYPE = SavedTensor(
+    "attention/attn_mask_type", "megatron's core-attention checkpoint: torch.tensor([attn_mask_type.value])", (),
+    Kind.INT32, Region.REPLICATED, "the checkpoint keeps its inputs for the rerun; host memory on CUDA, the CPU's"
+    " here", paper=False,
+)
+
+
+@dataclass(frozen=True)
+class Widths:
+    """Bytes of the latent attention's tensors on one rank: per token of the whole sequence (`tokens` = b*s)."""
+
+    tokens: int
+    act: int
+    heads: int  # a/t
+    nope: int  # d_n
+    rope: int  # d_r
+    v: int  # d_v
+    q_latent: int | None  # r_q (None: q_proj reads x)
+    kv_latent: int  # r_kv
+
+    @classmethod
+    def of(cls, config: ModelConfig, z: Sizes) -> Widths:
+        return cls(z.b * z.s, z.act, z.a_t, config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim,
+                   config.q_lora_rank, config.kv_lora_rank)
+
+    def per_token(self, width: int) -> int:
+        """Bytes of an activation-dtype (s, b, width) tensor."""
+        return self.act * self.tokens * width
+
+    @property
+    def qk(self) -> int:
+        return self.nope + self.rope
+
+
+def attention(ops: list[Op], config: ModelConfig, z: Sizes, grad: str, residual: str, has: Has) -> str:
+    """The attention's backward, from the gradient of its output `grad` (the residual stream's, `residual`, or its
+    dropout's) to its input's, appended to `ops` in backward order. Returns the input gradient's name."""
+    if config.attention == "flash":
+        raise ConfigError("the step timeline does not model latent attention with flash attention yet: megatron's"
+                          " flash core is Transformer Engine's (CUDA only, not measured); it walks the local"
+                          " DotProductAttention (--attention eager)")
+    w = Widths.of(config, z)
+    ops.append(_row_parallel(z, "attention.linear_proj", ledger.MLA_PROJ_IN, grad, residual, w.heads * w.v,
+                             "grad/proj input"))
+    _core(ops, config, z, w, "grad/proj input", has)
+    _rope(ops, w, "key", w.per_token(w.rope), expanded=True)
+    _rope(ops, w, "query", w.per_token(w.heads * w.rope), expanded=False)
+    _up(ops, z, w)
+    return _down(ops, z, w)
+
+
+def _up(ops: list[Op], z: Sizes, w: Widths) -> None:
+    """From the core's dQ, dK, dV and the RoPE parts' input gradients to the latent norms' dX: the splits'
+    concatenations, the up projections (or q_proj), the norms."""
+    ops.append(_one("attention", "d[k_nope | v] concatenated: kv_up_proj's output gradient", Made(
+        "grad/kv up output", w.per_token(w.heads * (w.nope + w.v)), "k_nope and v were split from kv_up_proj's"
+        " output: their gradients concatenated"), ("grad/k", "grad/v")))
+    ops.append(_one("attention", "d[q_nope | q_rope] concatenated: the query projection's output gradient", Made(
+        "grad/q up output", w.per_token(w.heads * w.qk), "q_nope and q_rope were split from the query projection's"
+        " output: their gradients concatenated"), ("grad/q", "grad/query rope")))
+    ops.append(_linear(z, w, "attention.linear_kv_up_proj", ledger.MLA_KV_UP_IN, "grad/kv up output", w.kv_latent,
+                       w.heads * (w.nope + w.v), "grad/kv up input"))
+    if w.q_latent is not None:
+        ops.append(_linear(z, w, "attention.linear_q_up_proj", ledger.MLA_Q_UP_IN, "grad/q up output", w.q_latent,
+                           w.heads * w.qk, "grad/q up input"))
+    else:  # q_proj runs where q_up_proj would, on x
+        ops.append(_linear(z, w, "attention.linear_q_proj", ledger.QKV_IN, "grad/q up output", z.h, w.heads * w.qk,
+                           "grad/q input"))
+    ops.append(_norm(z, w, "attention.kv_layernorm.norm", megatron.MLA_KV_NORM, "grad/kv up input", w.kv_latent,
+                     "grad/kv latent"))
+    if w.q_latent is not None:
+        ops.append(_norm(z, w, "attention.q_layernorm.norm", megatron.MLA_Q_NORM, "grad/q up input", w.q_latent,
+                         "grad/q latent"))
+
+
+def _down(ops: list[Op], z: Sizes, w: Widths) -> str:
+    """From the latent norms' dX to the attention's input gradient: the kv down output's concatenation, the down
+    projections (under tp on this rank's columns of dY, under SP gathered along s first), x's two gradients summed.
+    Returns the sum's name."""
+    latent = _whole_sequence(ops, z, w, "grad/kv latent", w.kv_latent)  # under SP a shard: scattered
+    ops.append(_one("attention", "d[latent | k_rope] concatenated: kv_down_proj's output gradient", Made(
+        "grad/kv down output", w.per_token(w.kv_latent + w.rope), "the latent and the key's RoPE part were split"
+        " from kv_down_proj's output: their gradients concatenated"), (latent, "grad/key rope")))
+    down = (("attention.linear_kv_down_proj", "grad/kv down output", w.kv_latent + w.rope, "grad/kv down input"),
+            *((("attention.linear_q_down_proj", "grad/q latent", w.q_latent, "grad/q input"),) if w.q_latent else ()))
+    summed = Step("the two input gradients summed", (Made(
+        "grad/attention input", z.seq(z.h), "x feeds the query's and the key/value's projections: their gradients"
+        " summed"),), frees=("grad/kv down input", "grad/q input"))
+    for i, (where, grad, width, dx) in enumerate(down):
+        last = i == len(down) - 1
+        whole = grad if i == 0 else _whole_sequence(ops, z, w, grad, width)  # the query latent, scattered back
+        ops.append(_linear(z, w, where, ledger.QKV_IN, _this_ranks_columns(ops, z, w, whole, width), z.h,
+                           width // z.t, dx, then=summed if last and z.t > 1 else None))
+    if z.t == 1:  # ColumnParallelLinear's copy_to_tensor_model_parallel_region: x's gradients meet after it
+        ops.append(_backward(where, summed))
+    return "grad/attention input"
+
+
+def _linear(z: Sizes, w: Widths, where: str, x: SavedTensor, grad: str, width: int, out: int, dx: str,
+            then: Step | None = None) -> Op:
+    """A column-parallel projection of `width` inputs to `out` outputs on this rank (megatron's
+    LinearWithGradAccumulationAndAsyncCommunication; under tp it all-reduces dX in place; under SP it all-gathers
+    its input into the global memory buffer, no new tensor, and reduce-scatters dX into a new shard): dX, then dW;
+    then dY goes, the weight's gradient is handed over, and the saved input goes (unless an op before it keeps it).
+    `then`: a step autograd runs as the node returns, before the weight's gradient is handed over (the sum of its
+    input's gradients, when no copy_to_tensor_model_parallel_region node stands between: tp)."""
+    dw = f"grad/{where} weight"
+    whole = f"{dx} before its reduce-scatter" if z.sp else dx
+    gemms = Step("GEMMs: dX and dW", (
+        Made(whole, w.per_token(width), "dX = dY W, the input's gradient on the whole sequence"),
+        *((Made(dx, z.seq(width), "the reduce-scatter's output: this rank's shard of dX"),) if z.sp else ()),
+        Made(dw, w.act * width * out, _WGRAD)), frees=(grad, *((whole,) if z.sp else ())),
+        hands_over=() if then else (dw,), returns=then is not None)
+    steps = (gemms, replace(then, hands_over=(dw,))) if then else (gemms,)
+    return _backward(where, *steps, saves=(x,))
+
+
+def _whole_sequence(ops: list[Op], z: Sizes, w: Widths, grad: str, width: int) -> str:
+    """Under SP a latent's sequence shard is scattered out of the gathered one (scatter_to_sequence_parallel_region):
+    the scatter's backward all-gathers dY along s, a new tensor."""
+    if not z.sp:
+        return grad
+    ops.append(_one("attention", "the scatter's backward: dY all-gathered along s", Made(
+        f"{grad} gathered", w.per_token(width), "the scatter's backward all-gathers dY along s: (s, b, width)"),
+        (grad,)))
+    return f"{grad} gathered"
+
+
+def _this_ranks_columns(ops: list[Op], z: Sizes, w: Widths, grad: str, width: int) -> str:
+    """Under tp a down projection is column-parallel and its output gathered over t
+    (gather_from_tensor_model_parallel_region): the gather's backward keeps this rank's columns of dY, a copy."""
+    if z.t == 1:
+        return grad
+    ops.append(_one("attention", "the gather's backward: this rank's columns", Made(
+        f"{grad} columns", w.per_token(width // z.t), "the all-gather's backward: this rank's columns of dY, copied"),
+        (grad,)))
+    return f"{grad} columns"
+
+
+def _norm(z: Sizes, w: Widths, where: str, norm: ledger.NormTensors, grad: str, width: int, dx: str) -> Op:
+    """A latent's norm (the probe's norm inside megatron's spec): dX and the weight's (and LayerNorm's bias's)
+    gradient in one kernel; dY and what it keeps go, the weight's gradient is handed over."""
+    dw = f"grad/{where} weights"
+    return _backward(where, Step("the norm: dX, dweight", (
+        Made(dx, z.seq(width), "the norm's dX"),
+        Made(dw, z.norm_vectors * w.act * width, "the norm's weight (and bias) gradients")),
+        frees=(grad,), hands_over=(dw,)), saves=tuple(norm))
+
+
+def _core(ops: list[Op], config: ModelConfig, z: Sizes, w: Widths, dcontext: str, has: Has) -> None:
+    """DotProductAttention's backward (baddbmm, softmax, dropout, bmm), in backward order. Under selective
+    recomputation megatron's CheckpointFunction wraps it: it keeps Q, K, V (and attn_mask_type) and holds dY; in
+    backward it reruns the core (its scores live until the core returns), runs the core's backward on the rerun's
+    output, each of dQ, dK, dV copied into its detached input's layout, and when it returns its inputs, the rerun's
+    output and dY go."""
+    selective = config.recompute == "selective"
+    core: list[Op] = []
+    _core_backward(core, config, z, w, () if selective else (dcontext,), has, selective)
+    if not selective:
+        ops.extend(core)
+        return
+    held = {x.name for x in (ledger.MLA_Q, ledger.MLA_K, ledger.MLA_V)}
+    again = {x.name: x for op in core for x in op.saves if x.name not in held}.values()
+    # the rerun runs the core module's forward: MemTracker files what it makes as activations
+    scores = Made("attention/recomputed scores", w.act * z.b * w.heads * z.s * z.s,
+                  "the rerun's baddbmm output: a local of the core's forward until it returns", category=ACTIVATIONS)
+    ops.append(_backward("attention", Step("selective recomputation: the core's forward again", (
+        scores, *(Made(x.name, 0, "made again by selective recomputation's rerun of the core", keeps=x,
+                       category=ACTIVATIONS) for x in again),
+        Made("attention/recomputed context", w.per_token(w.heads * w.v), "the rerun's bmm output, before its copy",
+             category=ACTIVATIONS),
+        Made("attention/recomputed output", w.per_token(w.heads * w.v),
+             "the rerun's output: the checkpoint holds it while autograd runs the core's backward",
+             category=ACTIVATIONS)),
+        frees=(scores.name, "attention/recomputed context"))))
+    ops.extend(core)
+    ops.append(_backward("attention", Step("the checkpoint returns", frees=(
+        "attention/recomputed output", dcontext)), saves=(ledger.MLA_Q, ledger.MLA_K, ledger.MLA_V, ATTN_MASK_TYPE)))
+
+
+def _core_backward(ops: list[Op], config: ModelConfig, z: Sizes, w: Widths, frees: tuple[str, ...], has: Has,
+                   selective: bool) -> None:
+    """The core's own backward; `frees`: what the bmm's backward frees (dY, unless the checkpoint holds it). Under
+    selective recomputation each of dQ, dK, dV is then copied into its checkpoint input's layout (AccumulateGrad
+    on the detached input: new_empty_strided)."""
+    weights_bytes = w.act * z.b * w.heads * z.s * z.s  # (b*a/t, s, s)
+    dropout = has(ledger.ATTN_DROPOUT_MASK.name)
+    copied = " raw" if selective else ""  # under selective recomputation, before its copy into the input's layout
+    ops.append(_backward("attention.core_attention", Step("weights x V: dV and dWeights", (
+        Made(f"grad/v{copied}", w.per_token(w.heads * w.v), "bmm's backward: dV = weights^T dY"),
+        Made("grad/attention weights", weights_bytes, "bmm's backward: dWeights = dY V^T")), frees=frees),
+        saves=(ledger.MLA_V, ledger.ATTN_DROPOUT_OUT if dropout else ledger.SOFTMAX_OUT)))
+    ops.extend(_copied("v", w.per_token(w.heads * w.v), selective))
+    weights = "grad/attention weights"
+    if dropout:
+        ops.append(_one("attention.core_attention", "attention dropout", Made(
+            "grad/softmax output", weights_bytes, "attention dropout's backward: dY times the mask"), (weights,),
+            saves=(ledger.ATTN_DROPOUT_MASK,)))
+        weights = "grad/softmax output"
+    if _fused_softmax(config, z):  # the kernel keeps its 16-bit output, and its scale (SOFTMAX_SCALE)
+        ops.append(_one("attention.core_attention", "softmax", Made("grad/scores", weights_bytes, _SOFTMAX),
+                        (weights,), saves=(ledger.SOFTMAX_OUT, SOFTMAX_SCALE)))
+    else:
+        _torch_softmax(ops, z, weights, has)
+    qk = w.per_token(w.heads * w.qk)
+    ops.append(_backward("attention.core_attention", *(
+        step for x, other in (("q", "K"), ("k", "Q")) for step in (
+            Step(f"baddbmm's backward: d{x.upper()} = dScores {other}", (
+                Made(f"grad/{x} unscaled", qk, f"baddbmm's backward: d{x.upper()} before its scale"),)),
+            Step(f"d{x.upper()} scaled", (Made(f"grad/{x}{copied}", qk, "scaled by 1/sqrt(d_n+d_r), a new tensor"),),
+                 frees=(f"grad/{x} unscaled", *(("grad/scores",) if x == "k" else ()))))),
+        saves=(ledger.MLA_Q, ledger.MLA_K)))
+    ops.extend(op for x in ("k", "q") for op in _copied(x, qk, selective))
+
+
+def _copied(x: str, nbytes: int, selective: bool) -> tuple[Op, ...]:
+    """Under selective recomputation: d`x` copied into the layout of the checkpoint's detached input (its .grad), by
+    that leaf's AccumulateGrad, after the node that made it has returned."""
+    if not selective:
+        return ()
+    return (_one("attention.core_attention", f"d{x.upper()} into its input's layout", Made(
+        f"grad/{x}", nbytes, "AccumulateGrad on the checkpoint's detached input: a copy in the input's strides"),
+        (f"grad/{x} raw",)),)
+
+
+def _rope(ops: list[Op], w: Widths, part: str, width: int, expanded: bool) -> None:
+    """apply_rotary_pos_emb's backward on the key's (one head, expanded to every head: the expand's backward sums
+    dK's RoPE part first) or the query's RoPE part of `width` bytes. Forward ran t[..., :d_r], MLA's even/odd
+    interleave (cat of t[..., 0::2] and t[..., 1::2]), then t * cos + rotate_half(t) * sin, each product keeping
+    its cast table. Leaves f"grad/{part} rope"."""
+    p = part[0]
+    cos, sin = (x for x in megatron.MLA_ROPE if x.name.startswith(f"mla/rope_{p}_"))
+    g = f"grad/{part} rope"
+    incoming: tuple[str, ...] = ()
+    if expanded:
+        ops.append(_one("attention", f"the {part}'s RoPE part: the expand over heads' backward", Made(
+            f"{g} summed", width, "expand's backward: dK's RoPE part summed over the heads"), ()))
+        incoming = (f"{g} summed",)
+    made = {  # name: why, each (s, b, heads, d_r) but rotate_half's negated half
+        "sin": "rotate_half(t) * sin's backward: dY * sin", "neg": "rotate_half's backward: a half negated",
+        "rotated": "rotate_half's backward: the halves concatenated", "cos": "t * cos's backward: dY * cos",
+        "t": "the products' gradients of t summed", "odd": "t[..., 1::2]'s backward", "even": "t[..., 0::2]'s backward",
+        "interleaved": "the even and odd halves' gradients summed", "sliced": "t[..., :d_r]'s backward",
+    }
+
+    def m(name: str, nbytes: int = width) -> Made:
+        return Made(f"{g} {name}", nbytes, made[name])
+
+    def names(*xs: str) -> tuple[str, ...]:
+        return tuple(f"{g} {x}" for x in xs)
+
+    ops.extend((
+        _backward("attention", Step("rotate_half(t) * sin", (m("sin"),)), saves=(sin,)),
+        _backward("attention", Step("rotate_half: the negated half", (m("neg", width // 2),)),
+                  Step("rotate_half: concatenated", (m("rotated"),), frees=names("sin", "neg"))),
+        _backward("attention", Step("t * cos", (m("cos"),)), saves=(cos,)),
+        _backward("attention", Step("the two gradients of t summed", (m("t"),), frees=names("rotated", "cos")),
+                  Step("the interleave: t[..., 0::2]", (m("odd"),)),
+                  Step("the interleave: t[..., 1::2]", (m("even"),), frees=names("t")),
+                  Step("the interleave's gradients summed", (m("interleaved"),), frees=names("odd", "even")),
+                  Step("t[..., :d_r]", (m("sliced"),), frees=incoming),
+                  Step(f"the {part}'s RoPE input gradient", (Made(g, width, "the RoPE part's input gradient"),),
+                       frees=names("sliced", "interleaved"))),
+    ))
+
+
+def host_scalars(config: ModelConfig, z: Sizes, accounting: Accounting) -> tuple[SavedTensor, ...]:
+    """What a layer keeps beside the ledger that CUDA keeps in host memory, counted on the CPU alone (its memory is
+    the device's there): the fused softmax's scale, or under selective recomputation the checkpoint's
+    attn_mask_type (the softmax's scale is then made by the rerun alone: `rerun_host_scalars`)."""
+    if accounting.device != "cpu":
+        return ()
+    if config.recompute == "selective":
+        return (ATTN_MASK_TYPE,)
+    return (SOFTMAX_SCALE,) if _fused_softmax(config, z) else ()
+
+
+def rerun_host_scalars(config: ModelConfig, z: Sizes, accounting: Accounting) -> tuple[SavedTensor, ...]:
+    """The host scalars selective recomputation's rerun of the core makes again (on the CPU): the fused softmax's
+    scale."""
+    selective = config.recompute == "selective"
+    return (SOFTMAX_SCALE,) if selective and accounting.device == "cpu" and _fused_softmax(config, z) else ()
+
+
+def beside_the_ledger(tape: Tape, config: ModelConfig, z: Sizes, i: int, first: int) -> None:
+    """Before layer i's forward moment: what megatron made in the first step and keeps, which a tracker started
+    before this step first sees in layer i's forward: its RotaryEmbedding's lru-cached frequencies (fp32, (s, 1, 1,
+    d_r): each layer's module has its own), and in the first layer walked the global memory buffer ("mpu") the
+    core's baddbmm writes its scores into, (b*a/t, s, s) in the activation dtype."""
+    if i == first:  # under SP megatron's linears all-gather their inputs into the same buffer: the largest request
+        gathered = (z.h, config.kv_lora_rank, config.q_lora_rank or 0) if z.sp else ()
+        requests = (z.b * z.a_t * z.s * z.s, *(z.b * z.s * x for x in gathered))  # elements
+        tape.add("megatron/global memory buffer", ACTIVATIONS, z.act * max(requests),
+                 "parallel_state's global memory buffer: the core's baddbmm writes its scores into it (under SP the"
+                 " linears' all-gathered inputs too), allocated at the largest request")
+    tape.add(f"layers.{i}/rotary frequencies", ACTIVATIONS, 4 * z.s * config.qk_rope_head_dim,
+             "RotaryEmbedding.forward is lru-cached: its fp32 frequencies outlive the step")

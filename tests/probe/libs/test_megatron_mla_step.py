@@ -1,0 +1,80 @@
+"""One whole training step of memcalc's GPT whose attention is megatron-core's own MLASelfAttention (`--impl megatron`
+with kv_lora_rank) under torch's MemTracker, against the step timeline (memcalc.sizing.timeline.megatron_mla): the
+peak, each category at it and the state between steps to the byte, and every moment the timeline names is
+MemTracker's reading after some op, in order; with and without a query latent, at b = 1 and odd s, with the fused
+softmax, torch's (fp32 too) and dropout, without recomputation and under selective recomputation (megatron's
+core-attention checkpoint), at t = 1 and as rank 0 of t under tp and tp-sp (fake group)."""
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("megatron.core")
+
+from memcalc.config.schema import build_config  # noqa: E402
+from memcalc.model.knobs import Accounting  # noqa: E402
+from memcalc.model.strategy import STRATEGIES  # noqa: E402
+from memcalc.probe.group import single  # noqa: E402
+from memcalc.probe.launch import run_fake  # noqa: E402
+from memcalc.probe.libs.megatron_mla_step import warmed_up  # noqa: E402
+from memcalc.probe.step import measure_step  # noqa: E402
+from memcalc.sizing.timeline import timeline  # noqa: E402
+
+from ..step_readings import assert_moments_in_order, readings_after_every_op  # noqa: E402
+
+# DeepSeek-V3's layer, small: latents r_q = 16, r_kv = 24; heads of d_n + d_r = 12 + 8, values of d_v = 10 (a*d_v =
+# 80, not h = 64); b*a = 16 and s = 24: the fused causal softmax runs.
+MLA = dict(b=2, s=24, h=64, a=8, L=2, vocab_size=250, kv_lora_rank=24, q_lora_rank=16, qk_rope_head_dim=8,
+           qk_nope_head_dim=12, v_head_dim=10, norm="rmsnorm", dropout=0.0, mlp="swiglu", ffn_hidden_size=176,
+           position_embedding_type="rope", add_bias_linear=False, tie_embeddings=False)
+NO_QUERY_LATENT = {"q_lora_rank": None}  # DeepSeek-V2-Lite: q_proj on x
+
+CASES = {
+    "the fused softmax, a query latent": ({}, "none"),
+    "b = 1, odd s: torch's softmax keeps the causal mask": ({"b": 1, "s": 7}, "none"),
+    "no query latent: q_proj runs where q_up_proj would": (NO_QUERY_LATENT, "none"),
+    "no query latent, layernorm, an fp32 softmax at b = 1, odd s": (
+        NO_QUERY_LATENT | {"b": 1, "s": 7, "norm": "layernorm", "attention_softmax_in_fp32": True}, "none"),
+    "dropout, twelve heads": ({"s": 20, "a": 12, "h": 96, "dropout": 0.1}, "none"),
+    "tp: the down projections' columns split back, x's gradients summed before dW is handed over": ({"t": 2}, "tp"),
+    "tp at b = 1, odd s, dropout": ({"t": 2, "b": 1, "s": 7, "dropout": 0.1}, "tp"),
+    "tp t = 4, no query latent, layernorm": (NO_QUERY_LATENT | {"t": 4, "norm": "layernorm"}, "tp"),
+    "tp-sp: dX reduce-scattered, the latents' dY gathered along s": ({"t": 2}, "tp-sp"),
+    "tp-sp t = 4 at b = 1, dropout": ({"t": 4, "b": 1, "s": 28, "dropout": 0.1}, "tp-sp"),
+    "tp-sp, no query latent, an fp32 torch softmax": (
+        NO_QUERY_LATENT | {"t": 2, "s": 16, "norm": "layernorm", "attention_softmax_in_fp32": True}, "tp-sp"),
+    "selective: the core rerun, dQ, dK, dV copied into the checkpoint's inputs' layout": (
+        {"recompute": "selective"}, "none"),
+    "selective tp-sp with dropout: the bmm's node returns before dV's copy": (
+        {"recompute": "selective", "t": 2, "dropout": 0.1}, "tp-sp"),
+    "selective tp at b = 1, odd s, an fp32 torch softmax, no query latent": (
+        NO_QUERY_LATENT | {"recompute": "selective", "t": 2, "b": 1, "s": 7, "attention_softmax_in_fp32": True}, "tp"),
+}
+
+
+def _readings(tp, config, strategy):
+    with warmed_up(tp, config, strategy) as trainer:
+        return readings_after_every_op(trainer)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_moment_the_timeline_names_happens_in_order_with_its_bytes(case):
+    changes, layout = CASES[case]
+    config, strategy = build_config(MLA | changes), STRATEGIES[layout]
+    if strategy.tensor_parallel:
+        readings = run_fake(_readings, (config, strategy), config.t)
+    else:
+        readings = _readings(single(), config, strategy)
+    moments = timeline(config, strategy, Accounting(exact=True, device="cpu")).moments[1:]
+    assert_moments_in_order(moments, readings, places=False)  # a forward moment names a layer, not its last op's
+
+
+@pytest.mark.parametrize("changes, layout", [
+    ({"s": 128, "h": 32, "vocab_size": 64}, "none"),  # the peak in the last layer's attention core: (s, s) gradients
+    ({"b": 1, "s": 7}, "none"),  # in the last layer's fc1
+    ({"t": 2, "b": 1, "h": 256}, "tp-sp"),  # megatron's global buffer sized by the linears' gathered x, not the scores
+    ({"recompute": "selective", "s": 128, "h": 32, "vocab_size": 64}, "none"),  # in the rerun core's backward
+], ids=str)
+def test_the_peak_each_category_at_it_and_the_steady_state_are_memtrackers_to_the_byte(changes, layout):
+    (r,) = measure_step(build_config(MLA | changes), [layout])
+    assert r.matches, r.differences()
+    assert r.rows("peak")[-1].difference == 0 and r.rows("steady")[-1].difference == 0
