@@ -203,14 +203,18 @@ class CrossEntropy(nn.Module):
 
 
 class GPT(nn.Module):
-    """Embedding, L layers, final norm, output layer and loss on one tensor-parallel rank."""
+    """Embedding, L layers, final norm, output layer and loss on one tensor-parallel rank.
 
-    def __init__(self, config: ModelConfig, tp: TensorParallelGroup, strategy: Strategy) -> None:
+    `mlps` gives layer i another MLP than the probe's own (None: the probe's): megatron-core's MoELayer in a
+    mixture of experts' step (memcalc.probe.libs.megatron_step)."""
+
+    def __init__(self, config: ModelConfig, tp: TensorParallelGroup, strategy: Strategy,
+                 mlps: Callable[[int], nn.Module | None] = lambda i: None) -> None:
         super().__init__()
         sp = strategy.sequence_parallel and tp.size > 1
         dtype = DTYPES[config.dtype]
         self.embedding = Embedding(config, tp, sp)
-        self.layers = nn.ModuleList(TransformerLayer(config, tp, sp) for _ in range(config.L))
+        self.layers = nn.ModuleList(TransformerLayer(config, tp, sp, mlp=mlps(i)) for i in range(config.L))
         self.final_norm = Norm(config.norm, config.h, ledger.FINAL_NORM, dtype, tp.device)
         for param in self.final_norm.parameters():
             param.sequence_parallel = sp
@@ -572,8 +576,7 @@ def measure_step(config: ModelConfig, strategies: list[str], route: str | None =
         raise ConfigError(f"--step on a mixture of experts needs --route balanced with moe_tokens balanced (not"
                           f" {route or 'the real router'}, {config.moe_tokens}): the step timeline walks the balanced"
                           " bound, which only the forced balanced router pins")
-    moe_model = "Qwen2MoeForCausalLM" if config.moe_shared_expert_intermediate_size else "MixtralForCausalLM"
-    model = f"transformers' {moe_model}, router forced {route}" if config.moe else STEP_MODELS[config.impl]
+    model = f"{_moe_model(config)}, router forced {route}" if config.moe else STEP_MODELS[config.impl]
     _check_fits(planned)
     out = []
     for strategy, predicted in planned:
@@ -581,31 +584,43 @@ def measure_step(config: ModelConfig, strategies: list[str], route: str | None =
         tp = config.t if strategy.tensor_parallel else 1
         # FSDP2: the fake group is every rank of the mesh, dp_replicate*dp_shard*t
         t = (config.dp_replicate or 1) * (config.dp_shard or 1) * tp if mode is Mode.FAKE else 1
-        routed = (route,) if config.moe else ()  # only the hf runner takes one
-        (measured,) = run(_step_runner(config.impl, config.dp_shard is not None), (config, strategy, *routed), mode=mode,
-                          t=t)
+        routed = (route,) if config.moe else ()  # only the MoE runners take one
+        runner_ = _step_runner(config.impl, config.dp_shard is not None, config.moe)
+        (measured,) = run(runner_, (config, strategy, *routed), mode=mode, t=t)
         out.append(StepComparison(strategy, mode, predicted, measured, model))
     return out
 
 
-# The step trainers of the libraries' own models, by (--impl, under FSDP2): module and function, imported only when a
-# step runs (each imports its library: an optional extra). Every other --impl trains memcalc's own GPT.
+def _moe_model(config: ModelConfig) -> str:
+    """What a mixture of experts' step runs, in words: transformers' Mixtral or Qwen2-MoE, or memcalc's GPT with
+    megatron-core's MoELayer."""
+    if config.impl == "megatron":
+        return "memcalc's own GPT with megatron-core's MoELayer"
+    return f"transformers' {'Qwen2MoeForCausalLM' if config.moe_shared_expert_intermediate_size else 'MixtralForCausalLM'}"
+
+
+# The step trainers of the libraries' own models, by (--impl, under FSDP2, with experts): module and function,
+# imported only when a step runs (each imports its library: an optional extra). Every other case trains memcalc's own
+# GPT.
 STEP_TRAINERS = {
-    ("hf", False): ("memcalc.probe.libs.hf_step", "measure_hf_step_on_rank"),
-    ("hf", True): ("memcalc.probe.libs.hf_fsdp", "measure_hf_fsdp_step_on_rank"),
-    ("torchtitan", False): ("memcalc.probe.libs.torchtitan_step", "measure_torchtitan_step_on_rank"),
-    ("torchtitan", True): ("memcalc.probe.libs.torchtitan_step", "measure_torchtitan_fsdp_step_on_rank"),
+    ("hf", False, False): ("memcalc.probe.libs.hf_step", "measure_hf_step_on_rank"),
+    ("hf", False, True): ("memcalc.probe.libs.hf_step", "measure_hf_step_on_rank"),
+    ("hf", True, False): ("memcalc.probe.libs.hf_fsdp", "measure_hf_fsdp_step_on_rank"),
+    ("torchtitan", False, False): ("memcalc.probe.libs.torchtitan_step", "measure_torchtitan_step_on_rank"),
+    ("torchtitan", True, False): ("memcalc.probe.libs.torchtitan_step", "measure_torchtitan_fsdp_step_on_rank"),
+    ("megatron", False, True): ("memcalc.probe.libs.megatron_step", "measure_megatron_moe_step_on_rank"),
 }
 
 
-def _step_runner(impl: str, sharded: bool = False) -> Callable[[TensorParallelGroup, ModelConfig, Strategy],
-                                                                StepMeasurement]:
-    """memcalc's own GPT, or the library's own model from `STEP_TRAINERS` (impl hf: transformers' LlamaForCausalLM;
-    `sharded`: under FSDP2; impl torchtitan: its Llama3Model), imported only then."""
-    if (impl, sharded) not in STEP_TRAINERS:
+def _step_runner(impl: str, sharded: bool = False, moe: bool = False) -> Callable[
+        ..., StepMeasurement]:
+    """memcalc's own GPT, or the model from `STEP_TRAINERS` (impl hf: transformers' LlamaForCausalLM, Mixtral or
+    Qwen2-MoE; `sharded`: under FSDP2; impl torchtitan: its Llama3Model; impl megatron with experts: memcalc's GPT with
+    megatron-core's MoELayer), imported only then."""
+    if (impl, sharded, moe) not in STEP_TRAINERS:
         return measure_step_on_rank
     runner(impl)  # ProbeError naming the extra to install when the library is missing
-    module, function = STEP_TRAINERS[impl, sharded]
+    module, function = STEP_TRAINERS[impl, sharded, moe]
     return getattr(importlib.import_module(module), function)
 
 
