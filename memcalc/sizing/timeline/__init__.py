@@ -54,7 +54,8 @@ as one op for that reason (memcalc.probe.kernels, attention.py). transformers' L
 (`--impl hf`) has its own walk (memcalc.sizing.timeline.hf), sharded by FSDP2 too (`dp_shard`: each block's
 all-gather and reduce-scatter are ops on the same tape, memcalc.sizing.timeline.fsdp), and so have its Mixtral and
 Qwen2-MoE at t = 1 under the balanced bound, their experts in the eager loop (memcalc.sizing.timeline.hf_moe);
-megatron's mixture of experts is refused. torchtitan's Llama3Model (`--impl torchtitan`) is described once as ops
+megatron-core's MoELayer at t = 1, ep = 1 under the balanced bound, its router, all-to-all dispatcher and
+SequentialMLP experts as ops in the Megatron layer (memcalc.sizing.timeline.megatron_moe). torchtitan's Llama3Model (`--impl torchtitan`) is described once as ops
 (memcalc.sizing.timeline.torchtitan) for the generic walk (memcalc.sizing.timeline.walk), at t = 1 and under its own
 TP plan (tp, tp-sp) on the CPU kernels.
 Everything else raises ConfigError naming what is missing. Within a layer's forward only the end of
@@ -77,6 +78,7 @@ from memcalc.sizing.pipeline import Stage, stages
 from memcalc.sizing.timeline.hf import hf_timeline
 from memcalc.sizing.timeline.torchtitan import torchtitan_timeline
 from memcalc.sizing.timeline.ends import STEP_TENSORS, Ends, model_states
+from memcalc.sizing.timeline import megatron_moe
 from memcalc.sizing.timeline.megatron import INPUT, INPUT_GRAD, OUTPUT, OUTPUT_GRAD, layer_ops
 from memcalc.sizing.timeline.walk import Op, Walk
 from memcalc.sizing.timeline.tape import (
@@ -106,14 +108,18 @@ def timeline(
         return hf_timeline(config, strategy, accounting)
     if config.impl == "torchtitan":  # torchtitan's Llama3Model, described as ops for the generic walk
         return torchtitan_timeline(config, strategy, accounting)
+    _refuse_other_moe(config, strategy)
     layer = estimate(config, strategy, accounting)
     kept = tuple(x.tensor for x in layer.tensors)
     saved = {x.tensor.name: x.bytes for x in layer.tensors}
+    if config.moe:  # each expert's own storages as pieces of the ledger's rows
+        kept, saved = megatron_moe.pieces(config, kept, saved)
     rerun = _rerun(config, strategy, accounting) if config.recompute != "none" else layer
-    sizes = {x.tensor.name: x.bytes for x in rerun.tensors} | saved
+    again = kept if rerun is layer else tuple(x.tensor for x in rerun.tensors)
+    sizes = {x.tensor.name: x.bytes for x in rerun.tensors if rerun is not layer} | saved
     z = Sizes.of(config, strategy)
-    ops = layer_ops(config, z, kept, tuple(x.tensor for x in rerun.tensors), sizes)
-    _check_modelled(config, (*kept, *(x.tensor for x in rerun.tensors)), ops)
+    ops = layer_ops(config, z, kept, again, sizes)
+    _check_modelled(config, (*kept, *again), ops)
     st = _stage(config, stage)
     tape = Tape()
     model_states(tape, config, st, z)
@@ -132,6 +138,8 @@ def timeline(
         walk.module = f"layers.{i}"
         walk.forward(ops)
         _fold(tape, i, folded)
+        for name in megatron_moe.HELD if config.moe else ():  # held by the layer's modules beyond the step
+            tape.rename(name, f"layers.{i}/{name}")
     ends.forward_out(tape)
     ends.backward_out(tape)
     for i in reversed(layers):
@@ -198,9 +206,10 @@ def _stage(config: ModelConfig, name: str | None) -> Stage:
 
 def _refuse_other_layers(config: ModelConfig) -> None:
     """ConfigError for layers no walk models yet, whichever library runs them."""
-    if config.moe and config.impl != "hf":  # transformers' MoE blocks: the hf walk's check_modelled says which
-        raise ConfigError("the step timeline does not model a mixture of experts (num_experts) yet: it walks dense"
-                          " MLPs (with --impl hf, transformers' Mixtral and Qwen2-MoE)")
+    if config.moe and config.impl not in ("hf", "megatron"):  # the hf walk's check_modelled says which it models
+        raise ConfigError(f"the step timeline does not model a mixture of experts (num_experts) with impl"
+                          f" {config.impl} yet: it walks megatron-core's MoELayer (--impl megatron) and transformers'"
+                          " Mixtral and Qwen2-MoE (--impl hf)")
     if config.kv_lora_rank is not None:
         raise ConfigError("the step timeline does not model latent attention (kv_lora_rank) yet")
     if config.head_dim_set:
@@ -208,6 +217,15 @@ def _refuse_other_layers(config: ModelConfig) -> None:
                           f" h/a={config.h}/{config.a}={config.h // config.a} wide) yet: it walks attention h wide")
     if config.qk_layernorm:
         raise ConfigError("the step timeline does not model qk_layernorm (norms on each query and key head) yet")
+
+
+def _refuse_other_moe(config: ModelConfig, strategy: Strategy) -> None:
+    """ConfigError naming what of megatron-core's MoELayer the walk does not model yet
+    (memcalc.sizing.timeline.megatron_moe)."""
+    missing = megatron_moe.unmodelled(config, strategy.weight_shards(config.t)) if config.moe else None
+    if missing:
+        raise ConfigError(f"the step timeline does not model {missing} yet: it walks megatron-core's MoELayer at"
+                          " t = 1, ep = 1")
 
 
 def _check_modelled(config: ModelConfig, kept: tuple[SavedTensor, ...], ops: tuple[Op, ...]) -> None:

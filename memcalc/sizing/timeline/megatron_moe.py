@@ -1,0 +1,276 @@
+"""megatron-core's MoELayer (impl megatron with num_experts) in the step, as ops for the generic walk.
+
+The MLP of `memcalc.sizing.timeline.megatron.layer_ops` becomes megatron-core 0.16's MoELayer as it runs on the CPU
+path (memcalc.probe.libs.megatron_step): TopKRouter (a GEMM to E logits, top-k, an fp32 softmax over the k, cast
+back and scattered into an (n, E) map), the all-to-all dispatcher at ep = 1 (permute: masked_select of the
+probabilities, index_select of the tokens; sort_chunks_by_idxs, a split and a cat, for tokens and probabilities),
+SequentialMLP's experts one after another (fc1, SwiGLU or GELU, activation * probability, fc2), then the unsort
+(split and cat) and unpermute (scatter_add_ into zeros). The saved tensors are the ledger's
+(memcalc.model.impls.megatron.moe_block); an expert's own storages (`PER_EXPERT`) are one per local expert, each
+freed as that expert's backward returns: the walk keeps them as `[e]` pieces of the ledger's row. Backward, as
+autograd runs it (n tokens on the rank, R = kn slots, r = R/E an expert's under the balanced bound):
+
+    unpermute   scatter_add_'s backward gathers dY rows, (R, h); the unsort's split backward concatenates them
+    expert e    (the last first) fc2's dX and dW; activation * probs: dY * probs, dY * activation summed over
+                its columns (an (r, 1) probability gradient); SwiGLU's product, SiLU's backward and the
+                concatenated (r, 2f_e) fc1 output gradient (or GELU's); fc1's dX and dW
+    experts     the per-expert probability and input gradients concatenated; the sort's split backward
+                concatenates each again
+    permute     index_select's backward: new_zeros and index_add, (n, h); masked_select's: zeros_like and
+                masked_scatter, (E, n)
+    router      scatter's gather (n, k); the cast up, the fp32 softmax's backward, the cast down; top-k's
+                new_zeros and scatter, (n, E); the router's GEMMs and the sum of its dX with the permute's
+
+The dispatcher keeps the router's probabilities and map and the tokens per expert as attributes (`HELD`) until the
+next forward replaces them: they outlive the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from memcalc.config.schema import ModelConfig
+from memcalc.model import ledger
+from memcalc.model.impls import megatron
+from memcalc.model.ledger import SavedTensor
+from memcalc.sizing.timeline.tape import Sizes
+from memcalc.sizing.timeline.walk import Made, Op, Step
+
+# The ledger's rows an expert keeps in a storage of its own (SequentialMLP runs each expert's MLP on its slots).
+PER_EXPERT = (ledger.EXPERT_GATE, ledger.EXPERT_UP, ledger.EXPERT_SILU_OUT, megatron.EXPERT_UP_COPY,
+              ledger.EXPERT_GELU_IN, megatron.EXPERT_ACT_OUT, ledger.EXPERT_FC2_IN)
+_PER_EXPERT = frozenset(x.name for x in PER_EXPERT)
+_WGRAD = "the expert weight's bf16 gradient, dW = dY^T X"
+
+# What the all-to-all dispatcher holds as attributes after its forward, to the next forward (tape names; the walk
+# gives each layer's its own): the router's outputs, the tokens per expert, and the permutation's indices, which
+# index_select and unpermute's scatter_add_ keep for backward too (a ledger row the dispatcher outlives).
+HELD = ("moe/dispatcher probs", "moe/dispatcher routing map", "moe/dispatcher tokens per expert",
+        megatron.PERMUTE_INDICES.name)
+
+
+def unmodelled(config: ModelConfig, t: int) -> str | None:
+    """The first thing of a MoE layer on t weight shards the walk does not model yet, in words; None when it models
+    the layer."""
+    missing = [
+        (config.ep != 1, f"ep={config.ep} (expert parallelism: the walk runs the all-to-all dispatcher at ep = 1)"),
+        (t != 1, f"t={t} with experts (expert tensor parallelism)"),
+        (config.moe_token_dispatcher_type != "alltoall",
+         f"the {config.moe_token_dispatcher_type} token dispatcher (it walks the all-to-all one)"),
+        (bool(config.moe_shared_expert_intermediate_size), "shared experts (moe_shared_expert_intermediate_size)"),
+        (config.moe_expert_capacity_factor is not None, "a capacity factor (moe_expert_capacity_factor)"),
+        (config.moe_aux_loss, "the load-balancing loss (moe_aux_loss)"),
+        (config.moe_router_score_function != "softmax", f"the {config.moe_router_score_function} router"),
+        (config.moe_router_pre_softmax, "moe_router_pre_softmax"),
+        (config.mlp == "swiglu" and config.bias_activation_fusion, "the fused SwiGLU in the experts"),
+        (config.moe_layers != config.L, "dense layers among MoE ones (moe_layer_freq, moe_first_dense_layers)"),
+        (config.recompute != "none", f"recompute {config.recompute} with experts"),
+        (bool(config.vpp) and config.pp > 1, "interleaved pipelining with experts (the other chunks' dispatchers)"),
+        (config.moe_tokens != "balanced", f"moe_tokens {config.moe_tokens} (it walks the balanced bound)"),
+        (config.moe_router_topk * config.b * config.s % config.num_experts != 0,
+         f"k*b*s={config.moe_router_topk * config.b * config.s} slots that E={config.num_experts} experts cannot"
+         " share evenly (the balanced bound's r/E per expert)"),
+    ]
+    return next((what for absent, what in missing if absent), None)
+
+
+def piece(x: SavedTensor, e: int) -> SavedTensor:
+    """Expert e's share of a per-expert ledger row: the ledger's record, named for the expert."""
+    return replace(x, name=f"{x.name}[{e}]")
+
+
+def pieces(config: ModelConfig, kept: tuple[SavedTensor, ...], saved: dict[str, int]) -> tuple[
+        tuple[SavedTensor, ...], dict[str, int]]:
+    """The layer's saved tensors with each per-expert row split into its experts' pieces (bytes shared evenly under
+    the balanced bound), less those the dispatcher holds beyond backward (`held` makes them); and every tensor's bytes
+    by name."""
+    experts = config.num_experts // config.ep
+    out: list[SavedTensor] = []
+    sizes = {name: nbytes for name, nbytes in saved.items() if name not in _PER_EXPERT}
+    for x in kept:
+        if x.name in HELD:  # `held`: the dispatcher holds it beyond backward
+            continue
+        if x.name not in _PER_EXPERT:
+            out.append(x)
+            continue
+        for e in range(experts):
+            out.append(piece(x, e))
+            sizes[piece(x, e).name] = saved[x.name] // experts
+    return tuple(out), sizes
+
+
+def held(config: ModelConfig, z: Sizes) -> tuple[Made, ...]:
+    """What the dispatcher keeps as attributes after the layer's forward (`HELD`): the router's (n, E) probabilities
+    and map, the tokens per local expert (one int64 per expert of the tp*ep group), the permutation's indices."""
+    n, experts = z.b * z.s_seq, config.num_experts
+    return (
+        Made(HELD[0], z.act * n * experts, "the dispatcher's self.probs: the router's (n, E) probabilities"),
+        Made(HELD[1], n * experts, "the dispatcher's self.routing_map: the router's (n, E) bool map"),
+        Made(HELD[2], 8 * experts, "the dispatcher's self.num_global_tokens_per_local_expert, int64"),
+        Made(HELD[3], 0, "the dispatcher's self.reversed_local_input_permutation_mapping (the ledger's row)",
+             keeps=megatron.PERMUTE_INDICES),
+    )
+
+
+def experts_forward(config: ModelConfig, z: Sizes, made: tuple[SavedTensor, ...]) -> tuple[
+        Op, tuple[SavedTensor, ...]]:
+    """The MoE's widest forward moment, the experts' outputs concatenated, as an op (forward only); and what of `made`
+    (the saved tensors the layer's forward makes) is made after it, at the layer's end.
+
+    By then every saved tensor of the layer but the MLP's dropout mask exists, and the dispatcher's attributes
+    (`held`); MoELayer.forward still holds the permuted tokens and probabilities (the sort made copies), each expert's
+    fc2 output and their concatenation. The unsort's concatenation that follows replaces the experts' outputs with as
+    many bytes: MemTracker's peak is the first.
+    """
+    act, slots = z.act, config.moe_router_topk * z.b * z.s_seq
+    later = tuple(x for x in made if x.name == ledger.MLP_DROPOUT_MASK.name)
+    before = tuple(Made(x.name, 0, "kept for backward (the ledger)", keeps=x) for x in made if x not in later)
+    transients = (
+        Made("moe/permuted tokens", act * slots * z.h, "permute's index_select: MoELayer.forward holds it, (R, h)"),
+        Made("moe/permuted probs", act * slots, "permute's masked_select of the probabilities, held likewise, (R,)"),
+        Made("moe/expert outputs", act * slots * z.h, "each expert's fc2 output, SequentialMLP's list, (R, h) in all"),
+        Made("moe/experts output", act * slots * z.h, "SequentialMLP's cat of its experts' outputs, (R, h)"),
+    )
+    step = Step("the experts' outputs concatenated", (*before, *held(config, z), *transients),
+                frees=tuple(x.name for x in transients))
+    return Op("mlp.experts", forward=(step,), backward=()), later
+
+
+def _backward(where: str, *steps: Step, saves: tuple[SavedTensor, ...] = ()) -> Op:
+    return Op(where, forward=(), backward=steps, saves=saves)
+
+
+def _one(where: str, what: str, made: Made, frees: tuple[str, ...], saves: tuple[SavedTensor, ...] = ()) -> Op:
+    return _backward(where, Step(what, (made,), frees), saves=saves)
+
+
+def moe_ops(ops: list[Op], config: ModelConfig, z: Sizes, grad: str, residual: str) -> str:
+    """MoELayer's backward, appended to `ops` in backward order, from its output's gradient `grad` (freed by the
+    unpermute unless it is the residual stream's, `residual`) to its input's; returns that gradient's name."""
+    act, h, n, k = z.act, z.h, z.b * z.s_seq, config.moe_router_topk
+    experts = config.num_experts // config.ep
+    slots = k * n
+    ops.append(_one("mlp", "unpermute: scatter_add_'s backward gathers dY", Made(
+        "grad/unpermuted", act * slots * h, "scatter_add_'s backward: dY gathered by the permutation, (R, h)"),
+        () if grad == residual else (grad,)))  # its indices: the dispatcher holds them (HELD)
+    ops.append(_one("mlp", "unsort: split's backward concatenates", Made(
+        "grad/expert output", act * slots * h, "sort_chunks_by_idxs split the experts' output: its gradient concatenated"),
+        ("grad/unpermuted",)))
+    for e in reversed(range(experts)):
+        _expert(ops, config, z, e, slots // experts)
+    ops.extend((
+        # MemTracker still has the first expert's fc1 active here (and the experts for the sort's probabilities)
+        _one("mlp.experts.local_experts.0.linear_fc1", "the experts' probability gradients concatenated", Made(
+            "grad/expert probs", act * slots, "SequentialMLP split the probabilities: their gradients concatenated"),
+            tuple(f"grad/expert probs[{e}]" for e in range(experts))),
+        _one("mlp.experts", "the experts' input gradients concatenated", Made(
+            "grad/expert input", act * slots * h, "SequentialMLP split its input: the gradients concatenated"),
+            tuple(f"grad/expert input[{e}]" for e in range(experts))),
+        _one("mlp.experts", "sort's split backward: the probabilities' gradient", Made(
+            "grad/permuted probs", act * slots, "sort_chunks_by_idxs split the probabilities: concatenated again"),
+            ("grad/expert probs",)),
+        _one("mlp", "sort's split backward: the tokens' gradient", Made(
+            "grad/sorted tokens", act * slots * h, "sort_chunks_by_idxs split the tokens: concatenated again"),
+            ("grad/expert input",)),
+    ))
+    _permute(ops, z, n, config.num_experts)
+    return _router(ops, z, n, config.num_experts, k)
+
+
+def _expert(ops: list[Op], config: ModelConfig, z: Sizes, e: int, r: int) -> None:
+    """Expert e's backward on its r slots: fc2, the probability's product, the activation, fc1."""
+    act, h, fe = z.act, z.h, config.expert_ffn
+    where = f"mlp.experts.local_experts.{e}"
+    dx2, dact = f"grad/expert fc2 input[{e}]", f"grad/expert act[{e}]"
+    ops.append(_backward(f"{where}.linear_fc2", Step("GEMMs: dX and dW", (
+        Made(dx2, act * r * fe, "dX = dY W, fc2's input gradient"),
+        Made(f"grad/expert fc2 weight[{e}]", act * h * fe, _WGRAD)),
+        frees=("grad/expert output",) if e == 0 else (), hands_over=(f"grad/expert fc2 weight[{e}]",)),
+        saves=(piece(ledger.EXPERT_FC2_IN, e),)))
+    product = f"grad/expert probs product[{e}]"
+    ops.append(_backward(
+        where,
+        Step("activation * probs: dY * probs", (Made(dact, act * r * fe, "the product's gradient: dY * probs"),)),
+        Step("activation * probs: dY * activation", (Made(product, act * r * fe, "dY * activation, (r, f_e)"),)),
+        Step("summed over the columns: the probability's gradient", (Made(
+            f"grad/expert probs[{e}]", act * r, "the probability's gradient: dY * activation summed, (r, 1)"),),
+            frees=(product, dx2)),
+        saves=(piece(megatron.EXPERT_ACT_OUT, e), megatron.EXPERT_PROBS)))
+    out = f"grad/expert fc1 output[{e}]"
+    if config.mlp == "swiglu":
+        silu, up, gate = f"grad/expert silu output[{e}]", f"grad/expert up[{e}]", f"grad/expert gate[{e}]"
+        ops.extend((
+            _backward(where, Step("SiLU(gate) * up: both factors' gradients", (
+                Made(silu, act * r * fe, "the product's backward: d(SiLU) = dY * up"),
+                Made(up, act * r * fe, "the product's backward: d(up) = dY * SiLU(gate)")), frees=(dact,)),
+                saves=(piece(ledger.EXPERT_SILU_OUT, e), piece(megatron.EXPERT_UP_COPY, e))),
+            _one(where, "SiLU", Made(gate, act * r * fe, "SiLU's backward: d(gate) = d(SiLU) * SiLU'(gate)"), (silu,),
+                 saves=(piece(ledger.EXPERT_GATE, e), piece(ledger.EXPERT_UP, e))),
+            _one(where, "d(gate) and d(up) concatenated", Made(
+                out, 2 * act * r * fe, "gate and up were split from fc1's output: their gradients concatenated"),
+                (gate, up)),
+        ))
+        width = 2 * fe
+    else:
+        ops.append(_one(where, "GELU", Made(out, act * r * fe, "GELU's backward: dY times GELU'(x)"), (dact,),
+                        saves=(piece(ledger.EXPERT_GELU_IN, e),)))
+        width = fe
+    ops.append(_backward(f"{where}.linear_fc1", Step("GEMMs: dX and dW", (
+        Made(f"grad/expert input[{e}]", act * r * h, "dX = dY W, the expert's input gradient"),
+        Made(f"grad/expert fc1 weight[{e}]", act * width * h, _WGRAD)),
+        frees=(out,), hands_over=(f"grad/expert fc1 weight[{e}]",)), saves=(ledger.EXPERT_IN,)))
+
+
+def _permute(ops: list[Op], z: Sizes, n: int, experts: int) -> None:
+    """The dispatcher's permute, backward: index_select's (the tokens) and masked_select's (the probabilities)."""
+    act, h = z.act, z.h
+    ops.extend((
+        _backward("mlp", Step("index_select's backward: new_zeros", (Made(
+            "grad/permute zeros", act * n * h, "index_select's backward starts from new_zeros, (n, h)"),)),
+            Step("index_select's backward: index_add", (Made(
+                "grad/permute input", act * n * h, "index_add of the sorted tokens' gradient, out of place"),),
+                frees=("grad/permute zeros", "grad/sorted tokens"))),  # its indices: HELD
+        _backward("mlp", Step("masked_select's backward: zeros_like", (Made(
+            "grad/probs zeros", act * n * experts, "masked_select's backward starts from zeros_like, (E, n)"),)),
+            Step("masked_select's backward: masked_scatter", (Made(
+                "grad/probs", act * n * experts, "masked_scatter of the permuted probabilities' gradient"),),
+                frees=("grad/probs zeros", "grad/permuted probs")),
+            saves=(megatron.ROUTING_MAP, megatron.PROBS_T)),
+    ))
+
+
+def _router(ops: list[Op], z: Sizes, n: int, experts: int, k: int) -> str:
+    """TopKRouter's backward: scatter's gather, the casts around the fp32 softmax, top-k's scatter, the GEMMs, and
+    the sum of the router's dX with the permute's (the MoE input's gradient, which is returned)."""
+    act = z.act
+    ops.extend((
+        _one("mlp.router", "scatter's backward: the chosen probabilities' gradient", Made(
+            "grad/topk probs", act * n * k, "scatter's backward gathers the k chosen columns, (n, k)"),
+            ("grad/probs",), saves=(ledger.ROUTER_TOPK_INDICES,)),
+        _one("mlp.router", "the cast down's backward", Made(
+            "grad/topk probs fp32", 4 * n * k, "the probabilities were cast from fp32: the gradient cast up"),
+            ("grad/topk probs",)),
+        _one("mlp.router", "softmax", Made(
+            "grad/topk logits fp32", 4 * n * k, "softmax's backward in fp32: S' * (dY - sum(dY * S'))"),
+            ("grad/topk probs fp32",), saves=(megatron.TOPK_PROBS,)),
+        _one("mlp.router", "the cast up's backward", Made(
+            "grad/topk logits", act * n * k, "the top-k logits were cast to fp32: the gradient cast down"),
+            ("grad/topk logits fp32",)),
+        _backward("mlp.router", Step("top-k's backward: new_zeros", (Made(
+            "grad/topk zeros", act * n * experts, "top-k's backward starts from new_zeros, (n, E)"),)),
+            Step("top-k's backward: scatter", (Made(
+                "grad/router logits", act * n * experts, "the k logits' gradient scattered into (n, E)"),),
+                frees=("grad/topk zeros", "grad/topk logits")),
+            saves=(ledger.ROUTER_TOPK_INDICES,)),
+        _backward(
+            "mlp.router",
+            Step("GEMMs: dX and dW", (
+                Made("grad/router input", act * n * z.h, "dX = dY W, the router's input gradient"),
+                Made("grad/router weight", act * experts * z.h, "the router weight's bf16 gradient")),
+                frees=("grad/router logits",), returns=True),
+            Step("the router's and the permute's input gradients summed", (Made(
+                "grad/moe input", act * n * z.h, "the MoE input feeds the router and the permute: gradients summed"),),
+                frees=("grad/router input", "grad/permute input"), hands_over=("grad/router weight",)),
+            saves=(ledger.MOE_IN,)),
+    ))
+    return "grad/moe input"

@@ -1,0 +1,84 @@
+"""One whole training step of memcalc's GPT whose MLPs are megatron-core's own MoELayer (`--impl megatron` with
+num_experts), its router forced balanced, under torch's MemTracker, against the step timeline (memcalc.sizing.timeline
+.megatron_moe): every moment the timeline names is MemTracker's reading after some op, in order, to the byte; the peak
+is reached where the timeline says, with the bytes it says; what the walk does not model is refused in one line."""
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("megatron.core")
+
+from memcalc.errors import ConfigError  # noqa: E402
+from memcalc.model.knobs import Accounting  # noqa: E402
+from memcalc.model.strategy import STRATEGIES  # noqa: E402
+from memcalc.probe.group import single  # noqa: E402
+from memcalc.probe.libs.megatron_step import inside_megatron, warmed_up  # noqa: E402
+from memcalc.probe.step import measure_step  # noqa: E402
+from memcalc.sizing.timeline import timeline  # noqa: E402
+
+from tests.helpers import make_config  # noqa: E402
+
+from ..step_readings import assert_moments_in_order, readings_after_every_op  # noqa: E402
+
+CPU = Accounting(exact=True, device="cpu")
+NONE = STRATEGIES["none"]
+# Mixtral-style: SwiGLU experts, RMSNorm, two K/V groups, RoPE, no biases (megatron's MoE has none here), untied.
+MOE = dict(
+    impl="megatron", b=2, s=24, h=64, a=8, L=2, vocab_size=250, mlp="swiglu", ffn_hidden_size=176, norm="rmsnorm",
+    num_query_groups=2, position_embedding_type="rope", add_bias_linear=False, dropout=0.0, tie_embeddings=False,
+    attention="flash", num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48,
+)
+SHAPES = [
+    {},
+    {"b": 1, "s": 7, "num_experts": 2},  # b = 1, odd s: 14 slots, 7 an expert
+    {"b": 1, "s": 7, "moe_router_topk": 4, "dropout": 0.1},  # every expert takes every token; dropout masks
+    {"mlp": "gelu", "ffn_hidden_size": 100, "b": 3, "s": 10, "num_experts": 6, "attention": "eager",
+     "norm": "layernorm"},  # GELU experts, eager attention, 10 slots an expert
+]
+
+
+def _readings(config):
+    tp = single()
+    with inside_megatron(tp, config, "balanced"):
+        return readings_after_every_op(warmed_up(tp, config, NONE))
+
+
+@pytest.mark.parametrize("changes", SHAPES, ids=str)
+def test_every_moment_of_a_megatron_moe_step_happens_in_order_with_its_bytes(one_thread, changes):
+    """The router's, the dispatcher's and each expert's backward, op by op: MemTracker's reading after some op."""
+    config = make_config(MOE, **changes)
+    moments = timeline(config, NONE, CPU).moments[1:]
+    assert any(".mlp.experts.local_experts." in m.where for m in moments)
+    assert_moments_in_order(moments, _readings(config), places=False)  # a forward moment names a layer, not its op
+
+
+# Experts wide beside a small vocabulary: the peak moves into the MoE's backward; many slots of a wide h: its forward.
+PEAKS = [
+    ({}, "forward loss"),
+    ({"moe_ffn_hidden_size": 512, "vocab_size": 20, "s": 48}, "backward layers.1.mlp.experts.local_experts.3.linear_fc2"),
+    ({"moe_ffn_hidden_size": 256, "vocab_size": 20, "s": 48, "num_experts": 2},
+     "backward layers.1.mlp.experts.local_experts.1"),  # the probability's gradient beside the product's two
+    ({"moe_ffn_hidden_size": 64, "h": 256, "vocab_size": 20, "s": 48, "num_experts": 8, "moe_router_topk": 4},
+     "forward layers.1.mlp.experts"),  # the permuted tokens, the experts' outputs and their cat, (R, h) each
+]
+
+
+@pytest.mark.parametrize("changes, where", PEAKS, ids=str)
+def test_a_megatron_moe_step_peaks_where_the_timeline_says_to_the_byte(one_thread, changes, where):
+    (r,) = measure_step(make_config(MOE, **changes), ["none"], route="balanced")
+    assert r.measured.moment == r.predicted_moment == where
+    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+    assert r.model == "memcalc's own GPT with megatron-core's MoELayer, router forced balanced"
+
+
+@pytest.mark.parametrize("changes, words", [
+    ({"ep": 2}, "ep=2"),
+    ({"moe_shared_expert_intermediate_size": 32}, "shared experts"),
+    ({"moe_aux_loss": True}, "the load-balancing loss"),
+    ({"moe_token_dispatcher_type": "allgather"}, "the allgather token dispatcher"),
+    ({"num_experts": 5}, "k*b*s=96 slots that E=5 experts cannot share evenly"),
+], ids=str)
+def test_what_the_moe_walk_does_not_model_is_refused_in_one_line(changes, words):
+    with pytest.raises(ConfigError, match="does not model") as err:
+        timeline(make_config(MOE, **changes), NONE, CPU)
+    assert words in str(err.value) and "\n" not in str(err.value)
