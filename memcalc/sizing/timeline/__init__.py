@@ -138,8 +138,9 @@ def timeline(
         walk.module = f"layers.{i}"
         walk.forward(ops)
         _fold(tape, i, folded)
-        for name in megatron_moe.HELD if config.moe else ():  # held by the layer's modules beyond the step
-            tape.rename(name, f"layers.{i}/{name}")
+        if config.moe:  # held by the layer's dispatcher beyond the step: one term
+            tape.add(f"layers.{i}/moe dispatcher", ACTIVATIONS, sum(tape.live.pop(x).bytes for x in megatron_moe.HELD),
+                     "what MoELayer's token dispatcher holds as attributes until the next forward")
     ends.forward_out(tape)
     ends.backward_out(tape)
     for i in reversed(layers):

@@ -9,6 +9,7 @@ master weights and Adam's moments optimizer states.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 from memcalc.config.schema import ModelConfig
 from memcalc.model.knobs import DTYPE_BYTES
@@ -40,8 +41,8 @@ class Moment:
     what: str  # the op, in words
     live: tuple[Live, ...]
 
-    @property
-    def bytes(self) -> int:
+    @cached_property
+    def bytes(self) -> int:  # cached: a MoE step has thousands of moments, and the CLI asks for the peak often
         return sum(x.bytes for x in self.live)
 
     def by_category(self) -> dict[str, int]:
@@ -70,7 +71,7 @@ class Timeline:
         """Between steps: model states alone."""
         return self.moments[0]
 
-    @property
+    @cached_property
     def peak(self) -> Moment:
         """The moment with the most bytes live (the first, on a tie)."""
         return max(self.moments, key=lambda m: m.bytes)
