@@ -572,10 +572,11 @@ def measure_step(config: ModelConfig, strategies: list[str], route: str | None =
     accounting = Accounting(exact=True, device="cpu")
     planned = [(STRATEGIES[name], timeline(config, check_strategy(config, STRATEGIES[name]), accounting))
                for name in strategies]
-    if config.moe and not routing_fixed(config, route):
-        raise ConfigError(f"--step on a mixture of experts needs --route balanced with moe_tokens balanced (not"
-                          f" {route or 'the real router'}, {config.moe_tokens}): the step timeline walks the balanced"
-                          " bound, which only the forced balanced router pins")
+    if config.moe and not (routing_fixed(config, route) or _pins_worst(config, route)):
+        raise ConfigError(f"--step on a mixture of experts needs --route balanced with moe_tokens balanced (or, with"
+                          f" --impl megatron at ep = 1, --route all-to-one with moe_tokens worst; not"
+                          f" {route or 'the real router'}, {config.moe_tokens}): the step timeline walks the bound, which"
+                          " only the forced route pins")
     model = f"{_moe_model(config)}, router forced {route}" if config.moe else STEP_MODELS[config.impl]
     _check_fits(planned)
     out = []
@@ -589,6 +590,12 @@ def measure_step(config: ModelConfig, strategies: list[str], route: str | None =
         (measured,) = run(runner_, (config, strategy, *routed), mode=mode, t=t)
         out.append(StepComparison(strategy, mode, predicted, measured, model))
     return out
+
+
+def _pins_worst(config: ModelConfig, route: str | None) -> bool:
+    """Whether the forced all-to-one route pins the worst bound the MoE walk takes: every token's k slots on the same
+    k experts (megatron's walk, memcalc.sizing.timeline.megatron_moe.expert_slots, at ep = 1)."""
+    return config.impl == "megatron" and config.ep == 1 and route == "all-to-one" and config.moe_tokens == "worst"
 
 
 def _moe_model(config: ModelConfig) -> str:

@@ -54,7 +54,7 @@ as one op for that reason (memcalc.probe.kernels, attention.py). transformers' L
 (`--impl hf`) has its own walk (memcalc.sizing.timeline.hf), sharded by FSDP2 too (`dp_shard`: each block's
 all-gather and reduce-scatter are ops on the same tape, memcalc.sizing.timeline.fsdp), and so have its Mixtral and
 Qwen2-MoE at t = 1 under the balanced bound, their experts in the eager loop (memcalc.sizing.timeline.hf_moe);
-megatron-core's MoELayer at t = 1, ep = 1 under the balanced bound, its router, all-to-all dispatcher and
+megatron-core's MoELayer at t = 1, ep = 1 under the balanced or worst bound, its router, all-to-all dispatcher and
 SequentialMLP experts as ops in the Megatron layer (memcalc.sizing.timeline.megatron_moe). torchtitan's Llama3Model (`--impl torchtitan`) is described once as ops
 (memcalc.sizing.timeline.torchtitan) for the generic walk (memcalc.sizing.timeline.walk), at t = 1 and under its own
 TP plan (tp, tp-sp) on the CPU kernels.
@@ -113,7 +113,7 @@ def timeline(
     kept = tuple(x.tensor for x in layer.tensors)
     saved = {x.tensor.name: x.bytes for x in layer.tensors}
     if config.moe:  # each expert's own storages as pieces of the ledger's rows
-        kept, saved = megatron_moe.pieces(config, kept, saved)
+        kept, saved = megatron_moe.pieces(config, Sizes.of(config, strategy), kept, saved)
     rerun = _rerun(config, strategy, accounting) if config.recompute != "none" else layer
     again = kept if rerun is layer else tuple(x.tensor for x in rerun.tensors)
     sizes = {x.tensor.name: x.bytes for x in rerun.tensors if rerun is not layer} | saved

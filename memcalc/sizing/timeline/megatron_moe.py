@@ -4,11 +4,12 @@ The MLP of `memcalc.sizing.timeline.megatron.layer_ops` becomes megatron-core 0.
 path (memcalc.probe.libs.megatron_step): TopKRouter (a GEMM to E logits, top-k, an fp32 softmax over the k, cast
 back and scattered into an (n, E) map), the all-to-all dispatcher at ep = 1 (permute: masked_select of the
 probabilities, index_select of the tokens; sort_chunks_by_idxs, a split and a cat, for tokens and probabilities),
-SequentialMLP's experts one after another (fc1, SwiGLU or GELU, activation * probability, fc2), then the unsort
-(split and cat) and unpermute (scatter_add_ into zeros). The saved tensors are the ledger's
+SequentialMLP's experts one after another (fc1, SwiGLU or GELU, activation * probability, fc2; an expert without
+tokens still makes its weights' gradients), then the unsort (split and cat) and unpermute (scatter_add_ into zeros). The saved tensors are the ledger's
 (memcalc.model.impls.megatron.moe_block); an expert's own storages (`PER_EXPERT`) are one per local expert, each
 freed as that expert's backward returns: the walk keeps them as `[e]` pieces of the ledger's row. Backward, as
-autograd runs it (n tokens on the rank, R = kn slots, r = R/E an expert's under the balanced bound):
+autograd runs it (n tokens on the rank, R = kn slots, r an expert's: R/E under the balanced bound, n or 0 under
+the worst, which the forced all-to-one route pins):
 
     unpermute   scatter_add_'s backward gathers dY rows, (R, h); the unsort's split backward concatenates them
     expert e    (the last first) fc2's dX and dW; activation * probs: dY * probs, dY * activation summed over
@@ -66,12 +67,22 @@ def unmodelled(config: ModelConfig, t: int) -> str | None:
         (config.moe_layers != config.L, "dense layers among MoE ones (moe_layer_freq, moe_first_dense_layers)"),
         (config.recompute != "none", f"recompute {config.recompute} with experts"),
         (bool(config.vpp) and config.pp > 1, "interleaved pipelining with experts (the other chunks' dispatchers)"),
-        (config.moe_tokens != "balanced", f"moe_tokens {config.moe_tokens} (it walks the balanced bound)"),
-        (config.moe_router_topk * config.b * config.s % config.num_experts != 0,
+        (config.moe_tokens == "capacity", "moe_tokens capacity (it walks the balanced and the worst bounds)"),
+        (config.moe_tokens == "balanced" and config.moe_router_topk * config.b * config.s % config.num_experts != 0,
          f"k*b*s={config.moe_router_topk * config.b * config.s} slots that E={config.num_experts} experts cannot"
          " share evenly (the balanced bound's r/E per expert)"),
     ]
     return next((what for absent, what in missing if absent), None)
+
+
+def expert_slots(config: ModelConfig, z: Sizes) -> tuple[int, ...]:
+    """The slots each local expert receives (ep = 1) under the knobs' bound: balanced, R/E each (the forced balanced
+    route); worst, every token's k slots on the same k experts, n each and none for the others (the forced all-to-one
+    route)."""
+    n, k, experts = z.b * z.s_seq, config.moe_router_topk, config.num_experts
+    if config.moe_tokens == "worst":
+        return tuple(n if e < k else 0 for e in range(experts))
+    return (k * n // experts,) * experts
 
 
 def piece(x: SavedTensor, e: int) -> SavedTensor:
@@ -79,12 +90,12 @@ def piece(x: SavedTensor, e: int) -> SavedTensor:
     return replace(x, name=f"{x.name}[{e}]")
 
 
-def pieces(config: ModelConfig, kept: tuple[SavedTensor, ...], saved: dict[str, int]) -> tuple[
+def pieces(config: ModelConfig, z: Sizes, kept: tuple[SavedTensor, ...], saved: dict[str, int]) -> tuple[
         tuple[SavedTensor, ...], dict[str, int]]:
-    """The layer's saved tensors with each per-expert row split into its experts' pieces (bytes shared evenly under
-    the balanced bound), less those the dispatcher holds beyond backward (`held` makes them); and every tensor's bytes
-    by name."""
-    experts = config.num_experts // config.ep
+    """The layer's saved tensors with each per-expert row split into its experts' pieces (bytes shared as the slots
+    are, `expert_slots`), less those the dispatcher holds beyond backward (`held` makes them); and every tensor's
+    bytes by name."""
+    slots = expert_slots(config, z)
     out: list[SavedTensor] = []
     sizes = {name: nbytes for name, nbytes in saved.items() if name not in _PER_EXPERT}
     for x in kept:
@@ -93,9 +104,11 @@ def pieces(config: ModelConfig, kept: tuple[SavedTensor, ...], saved: dict[str, 
         if x.name not in _PER_EXPERT:
             out.append(x)
             continue
-        for e in range(experts):
+        for e, r in enumerate(slots):
+            if not r:  # an expert without tokens keeps nothing
+                continue
             out.append(piece(x, e))
-            sizes[piece(x, e).name] = saved[x.name] // experts
+            sizes[piece(x, e).name] = saved[x.name] * r // sum(slots)
     return tuple(out), sizes
 
 
@@ -156,8 +169,8 @@ def moe_ops(ops: list[Op], config: ModelConfig, z: Sizes, grad: str, residual: s
     ops.append(_one("mlp", "unsort: split's backward concatenates", Made(
         "grad/expert output", act * slots * h, "sort_chunks_by_idxs split the experts' output: its gradient concatenated"),
         ("grad/unpermuted",)))
-    for e in reversed(range(experts)):
-        _expert(ops, config, z, e, slots // experts)
+    for e, r in reversed(list(enumerate(expert_slots(config, z)))):
+        _expert(ops, config, z, e, r)
     ops.extend((
         # MemTracker still has the first expert's fc1 active here (and the experts for the sort's probabilities)
         _one("mlp.experts.local_experts.0.linear_fc1", "the experts' probability gradients concatenated", Made(

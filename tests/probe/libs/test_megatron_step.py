@@ -1,5 +1,5 @@
 """One whole training step of memcalc's GPT whose MLPs are megatron-core's own MoELayer (`--impl megatron` with
-num_experts), its router forced balanced, under torch's MemTracker, against the step timeline (memcalc.sizing.timeline
+num_experts), its router forced balanced or all-to-one, under torch's MemTracker, against the step timeline (memcalc.sizing.timeline
 .megatron_moe): every moment the timeline names is MemTracker's reading after some op, in order, to the byte; the peak
 is reached where the timeline says, with the bytes it says; what the walk does not model is refused in one line."""
 
@@ -28,28 +28,33 @@ MOE = dict(
     num_query_groups=2, position_embedding_type="rope", add_bias_linear=False, dropout=0.0, tie_embeddings=False,
     attention="flash", num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48,
 )
+# The forced route and the bound it pins: the balanced route kbs/E slots each expert, all-to-one n slots to each of
+# the first k experts and none to the others (the worst bound at ep = 1).
+ROUTES = {"balanced": {}, "all-to-one": {"moe_tokens": "worst"}}
 SHAPES = [
-    {},
-    {"b": 1, "s": 7, "num_experts": 2},  # b = 1, odd s: 14 slots, 7 an expert
-    {"b": 1, "s": 7, "moe_router_topk": 4, "dropout": 0.1},  # every expert takes every token; dropout masks
-    {"mlp": "gelu", "ffn_hidden_size": 100, "b": 3, "s": 10, "num_experts": 6, "attention": "eager",
-     "norm": "layernorm"},  # GELU experts, eager attention, 10 slots an expert
+    (route, changes) for route in ROUTES for changes in (
+        {},
+        {"b": 1, "s": 7, "num_experts": 2},  # b = 1, odd s: 14 slots, 7 an expert (all-to-one: every expert 7)
+        {"b": 1, "s": 7, "moe_router_topk": 4, "dropout": 0.1},  # every expert takes every token; dropout masks
+        {"mlp": "gelu", "ffn_hidden_size": 100, "b": 3, "s": 10, "num_experts": 6, "attention": "eager",
+         "norm": "layernorm"},  # GELU experts, eager attention, 10 slots an expert (all-to-one: 30 to two of six)
+    )
 ]
 
 
-def _readings(config):
+def _readings(config, route):
     tp = single()
-    with inside_megatron(tp, config, "balanced"):
+    with inside_megatron(tp, config, route):
         return readings_after_every_op(warmed_up(tp, config, NONE))
 
 
-@pytest.mark.parametrize("changes", SHAPES, ids=str)
-def test_every_moment_of_a_megatron_moe_step_happens_in_order_with_its_bytes(one_thread, changes):
+@pytest.mark.parametrize("route, changes", SHAPES, ids=str)
+def test_every_moment_of_a_megatron_moe_step_happens_in_order_with_its_bytes(one_thread, route, changes):
     """The router's, the dispatcher's and each expert's backward, op by op: MemTracker's reading after some op."""
-    config = make_config(MOE, **changes)
+    config = make_config(MOE, **ROUTES[route], **changes)
     moments = timeline(config, NONE, CPU).moments[1:]
     assert any(".mlp.experts.local_experts." in m.where for m in moments)
-    assert_moments_in_order(moments, _readings(config), places=False)  # a forward moment names a layer, not its op
+    assert_moments_in_order(moments, _readings(config, route), places=False)  # a forward moment names a layer
 
 
 # Experts wide beside a small vocabulary: the peak moves into the MoE's backward; many slots of a wide h: its forward.
@@ -61,14 +66,25 @@ PEAKS = [
     ({"moe_ffn_hidden_size": 64, "h": 256, "vocab_size": 20, "s": 48, "num_experts": 8, "moe_router_topk": 4},
      "forward layers.1.mlp.experts"),  # the permuted tokens, the experts' outputs and their cat, (R, h) each
 ]
+PEAKS = [("balanced", changes, where) for changes, where in PEAKS] + [
+    ("all-to-one", {"moe_ffn_hidden_size": 512, "vocab_size": 20, "s": 48},
+     "backward layers.1.mlp.experts.local_experts.1"),  # the second of the two experts that take every token
+    ("all-to-one", PEAKS[-1][0], "forward layers.1.mlp.experts"),
+]
 
 
-@pytest.mark.parametrize("changes, where", PEAKS, ids=str)
-def test_a_megatron_moe_step_peaks_where_the_timeline_says_to_the_byte(one_thread, changes, where):
-    (r,) = measure_step(make_config(MOE, **changes), ["none"], route="balanced")
+@pytest.mark.parametrize("route, changes, where", PEAKS, ids=str)
+def test_a_megatron_moe_step_peaks_where_the_timeline_says_to_the_byte(one_thread, route, changes, where):
+    (r,) = measure_step(make_config(MOE, **ROUTES[route], **changes), ["none"], route=route)
     assert r.measured.moment == r.predicted_moment == where
     assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
-    assert r.model == "memcalc's own GPT with megatron-core's MoELayer, router forced balanced"
+    assert r.model == f"memcalc's own GPT with megatron-core's MoELayer, router forced {route}"
+
+
+@pytest.mark.parametrize("route, bound", [(None, "balanced"), ("all-to-one", "balanced"), ("balanced", "worst")])
+def test_a_megatron_moe_step_is_measured_only_under_the_route_that_pins_the_walks_bound(route, bound):
+    with pytest.raises(ConfigError, match="needs --route balanced with moe_tokens balanced"):
+        measure_step(make_config(MOE, moe_tokens=bound), ["none"], route=route)
 
 
 @pytest.mark.parametrize("changes, words", [
