@@ -8,7 +8,7 @@ SequentialMLP's experts one after another (fc1, SwiGLU or GELU, activation * pro
 tokens still makes its weights' gradients), then the unsort (split and cat) and unpermute (scatter_add_ into zeros). The saved tensors are the ledger's
 (memcalc.model.impls.megatron.moe_block); an expert's own storages (`PER_EXPERT`) are one per local expert, each
 freed as that expert's backward returns: the walk keeps them as `[e]` pieces of the ledger's row. Backward, as
-autograd runs it (n tokens on the rank, R = kn slots, r an expert's: R/E under the balanced bound, n or 0 under
+autograd runs it (n tokens on the rank, R = kn slots, r an expert's: about R/E under the balanced bound, n or 0 under
 the worst, which the forced all-to-one route pins):
 
     unpermute   scatter_add_'s backward gathers dY rows, (R, h); the unsort's split backward concatenates them
@@ -28,7 +28,7 @@ next forward replaces them: they outlive the step.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from memcalc.config.schema import ModelConfig
 from memcalc.model import ledger
@@ -58,31 +58,26 @@ def unmodelled(config: ModelConfig, t: int) -> str | None:
         (t != 1, f"t={t} with experts (expert tensor parallelism)"),
         (config.moe_token_dispatcher_type != "alltoall",
          f"the {config.moe_token_dispatcher_type} token dispatcher (it walks the all-to-all one)"),
-        (bool(config.moe_shared_expert_intermediate_size), "shared experts (moe_shared_expert_intermediate_size)"),
         (config.moe_expert_capacity_factor is not None, "a capacity factor (moe_expert_capacity_factor)"),
         (config.moe_aux_loss, "the load-balancing loss (moe_aux_loss)"),
         (config.moe_router_score_function != "softmax", f"the {config.moe_router_score_function} router"),
-        (config.moe_router_pre_softmax, "moe_router_pre_softmax"),
         (config.mlp == "swiglu" and config.bias_activation_fusion, "the fused SwiGLU in the experts"),
         (config.moe_layers != config.L, "dense layers among MoE ones (moe_layer_freq, moe_first_dense_layers)"),
         (config.recompute != "none", f"recompute {config.recompute} with experts"),
         (bool(config.vpp) and config.pp > 1, "interleaved pipelining with experts (the other chunks' dispatchers)"),
         (config.moe_tokens == "capacity", "moe_tokens capacity (it walks the balanced and the worst bounds)"),
-        (config.moe_tokens == "balanced" and config.moe_router_topk * config.b * config.s % config.num_experts != 0,
-         f"k*b*s={config.moe_router_topk * config.b * config.s} slots that E={config.num_experts} experts cannot"
-         " share evenly (the balanced bound's r/E per expert)"),
     ]
     return next((what for absent, what in missing if absent), None)
 
 
 def expert_slots(config: ModelConfig, z: Sizes) -> tuple[int, ...]:
-    """The slots each local expert receives (ep = 1) under the knobs' bound: balanced, R/E each (the forced balanced
-    route); worst, every token's k slots on the same k experts, n each and none for the others (the forced all-to-one
-    route)."""
+    """The slots each local expert receives (ep = 1) under the knobs' bound: balanced, R/E each, the first R mod E
+    experts one more (the forced balanced route sends slot j of token i to expert (ik + j) mod E); worst, every
+    token's k slots on the same k experts, n each and none for the others (the forced all-to-one route)."""
     n, k, experts = z.b * z.s_seq, config.moe_router_topk, config.num_experts
     if config.moe_tokens == "worst":
         return tuple(n if e < k else 0 for e in range(experts))
-    return (k * n // experts,) * experts
+    return tuple(k * n // experts + (e < k * n % experts) for e in range(experts))
 
 
 def piece(x: SavedTensor, e: int) -> SavedTensor:
@@ -143,6 +138,8 @@ def experts_forward(config: ModelConfig, z: Sizes, made: tuple[SavedTensor, ...]
         Made("moe/permuted probs", act * slots, "permute's masked_select of the probabilities, held likewise, (R,)"),
         Made("moe/expert outputs", act * slots * z.h, "each expert's fc2 output, SequentialMLP's list, (R, h) in all"),
         Made("moe/experts output", act * slots * z.h, "SequentialMLP's cat of its experts' outputs, (R, h)"),
+        *((Made("moe/shared experts output", z.seq(z.h), "the shared experts ran first: their output waits for the"
+                " routed experts'"),) if config.moe_shared_expert_intermediate_size else ()),
     )
     step = Step("the experts' outputs concatenated", (*before, *held(config, z), *transients),
                 frees=tuple(x.name for x in transients))
@@ -162,10 +159,11 @@ def moe_ops(ops: list[Op], config: ModelConfig, z: Sizes, grad: str, residual: s
     unpermute unless it is the residual stream's, `residual`) to its input's; returns that gradient's name."""
     act, h, n, k = z.act, z.h, z.b * z.s_seq, config.moe_router_topk
     experts = config.num_experts // config.ep
+    shared = bool(config.moe_shared_expert_intermediate_size)  # the shared experts read dY after the routed ones
     slots = k * n
     ops.append(_one("mlp", "unpermute: scatter_add_'s backward gathers dY", Made(
         "grad/unpermuted", act * slots * h, "scatter_add_'s backward: dY gathered by the permutation, (R, h)"),
-        () if grad == residual else (grad,)))  # its indices: the dispatcher holds them (HELD)
+        () if grad == residual or shared else (grad,)))  # its indices: the dispatcher holds them (HELD)
     ops.append(_one("mlp", "unsort: split's backward concatenates", Made(
         "grad/expert output", act * slots * h, "sort_chunks_by_idxs split the experts' output: its gradient concatenated"),
         ("grad/unpermuted",)))
@@ -187,51 +185,105 @@ def moe_ops(ops: list[Op], config: ModelConfig, z: Sizes, grad: str, residual: s
             ("grad/expert input",)),
     ))
     _permute(ops, z, n, config.num_experts)
-    return _router(ops, z, n, config.num_experts, k)
+    if not shared:
+        _router(ops, config, z, n, "grad/moe input")
+        return "grad/moe input"
+    _router(ops, config, z, n, "grad/moe routed input")
+    dx = _shared(ops, config, z, () if grad == residual else (grad,))
+    ops.append(_one("mlp.shared_experts.linear_fc1", "the routed and the shared experts' input gradients summed",
+                    Made("grad/moe input", z.act * n * z.h, "the MoE input feeds the router, the permute and the shared"
+                         " experts: gradients summed"), ("grad/moe routed input", dx)))
+    return "grad/moe input"
+
+
+@dataclass(frozen=True)
+class _Mlp:
+    """One of the MoE's MLPs in backward: where it runs, its tape names' tag, its rows and width, and the ledger's
+    records its fc2, product, SiLU (or GELU) and fc1 keep."""
+
+    where: str
+    tag: str  # "expert ...[e]" names read f"grad/expert fc2 input[e]"; the shared experts' "shared ..."
+    rows: int
+    width: int
+    fc2_in: SavedTensor
+    product: tuple[SavedTensor, ...]  # SiLU(gate) * up's: SiLU's output and glu's up copy
+    silu: tuple[SavedTensor, ...]  # SiLU's: the gate and up (one storage)
+    gelu_in: SavedTensor
+    fc1_in: SavedTensor
+
+    def name(self, what: str) -> str:
+        return f"grad/{self.tag.replace('...', what)}"
 
 
 def _expert(ops: list[Op], config: ModelConfig, z: Sizes, e: int, r: int) -> None:
     """Expert e's backward on its r slots: fc2, the probability's product, the activation, fc1."""
-    act, h, fe = z.act, z.h, config.expert_ffn
-    where = f"mlp.experts.local_experts.{e}"
-    dx2, dact = f"grad/expert fc2 input[{e}]", f"grad/expert act[{e}]"
-    ops.append(_backward(f"{where}.linear_fc2", Step("GEMMs: dX and dW", (
-        Made(dx2, act * r * fe, "dX = dY W, fc2's input gradient"),
-        Made(f"grad/expert fc2 weight[{e}]", act * h * fe, _WGRAD)),
-        frees=("grad/expert output",) if e == 0 else (), hands_over=(f"grad/expert fc2 weight[{e}]",)),
-        saves=(piece(ledger.EXPERT_FC2_IN, e),)))
-    product = f"grad/expert probs product[{e}]"
+    mlp = _Mlp(
+        f"mlp.experts.local_experts.{e}", f"expert ...[{e}]", r, config.expert_ffn, piece(ledger.EXPERT_FC2_IN, e),
+        (piece(ledger.EXPERT_SILU_OUT, e), piece(megatron.EXPERT_UP_COPY, e)),
+        (piece(ledger.EXPERT_GATE, e), piece(ledger.EXPERT_UP, e)), piece(ledger.EXPERT_GELU_IN, e), ledger.EXPERT_IN,
+    )
+    dx2 = _fc2(ops, z, mlp, ("grad/expert output",) if e == 0 else ())  # the last expert's backward frees dY
+    act, fe = z.act, config.expert_ffn
+    dact, product = mlp.name("act"), mlp.name("probs product")
     ops.append(_backward(
-        where,
+        mlp.where,
         Step("activation * probs: dY * probs", (Made(dact, act * r * fe, "the product's gradient: dY * probs"),)),
         Step("activation * probs: dY * activation", (Made(product, act * r * fe, "dY * activation, (r, f_e)"),)),
         Step("summed over the columns: the probability's gradient", (Made(
             f"grad/expert probs[{e}]", act * r, "the probability's gradient: dY * activation summed, (r, 1)"),),
             frees=(product, dx2)),
         saves=(piece(megatron.EXPERT_ACT_OUT, e), megatron.EXPERT_PROBS)))
-    out = f"grad/expert fc1 output[{e}]"
+    _activation_and_fc1(ops, config, z, mlp, dact)
+
+
+def _shared(ops: list[Op], config: ModelConfig, z: Sizes, frees: tuple[str, ...]) -> str:
+    """SharedExpertMLP's backward on every token (its fc1 reads the MoE's input), its fc2 freeing `frees` (dY, unless
+    the residual stream's); returns its dX."""
+    mlp = _Mlp(
+        "mlp.shared_experts", "shared ...", z.b * z.s_seq, config.moe_shared_expert_intermediate_size,
+        ledger.SHARED_FC2_IN, (ledger.SHARED_SILU_OUT, megatron.SHARED_UP_COPY), (ledger.SHARED_GATE, ledger.SHARED_UP),
+        ledger.SHARED_GELU_IN, ledger.MOE_IN,
+    )
+    _activation_and_fc1(ops, config, z, mlp, _fc2(ops, z, mlp, frees))
+    return mlp.name("input")
+
+
+def _fc2(ops: list[Op], z: Sizes, mlp: _Mlp, frees: tuple[str, ...]) -> str:
+    """fc2's GEMMs: dX and dW (handed over); then `frees`. Returns dX's name."""
+    dx, dw = mlp.name("fc2 input"), mlp.name("fc2 weight")
+    ops.append(_backward(f"{mlp.where}.linear_fc2", Step("GEMMs: dX and dW", (
+        Made(dx, z.act * mlp.rows * mlp.width, "dX = dY W, fc2's input gradient"),
+        Made(dw, z.act * z.h * mlp.width, _WGRAD)), frees=frees, hands_over=(dw,)), saves=(mlp.fc2_in,)))
+    return dx
+
+
+def _activation_and_fc1(ops: list[Op], config: ModelConfig, z: Sizes, mlp: _Mlp, grad: str) -> None:
+    """SwiGLU's (the product's two gradients, SiLU's, their concatenation) or GELU's backward from `grad`, then fc1's
+    GEMMs: dX (named mlp.name("input")) and dW."""
+    act, rows, width = z.act, mlp.rows, mlp.width
+    out = mlp.name("fc1 output")
     if config.mlp == "swiglu":
-        silu, up, gate = f"grad/expert silu output[{e}]", f"grad/expert up[{e}]", f"grad/expert gate[{e}]"
+        silu, up, gate = mlp.name("silu output"), mlp.name("up"), mlp.name("gate")
         ops.extend((
-            _backward(where, Step("SiLU(gate) * up: both factors' gradients", (
-                Made(silu, act * r * fe, "the product's backward: d(SiLU) = dY * up"),
-                Made(up, act * r * fe, "the product's backward: d(up) = dY * SiLU(gate)")), frees=(dact,)),
-                saves=(piece(ledger.EXPERT_SILU_OUT, e), piece(megatron.EXPERT_UP_COPY, e))),
-            _one(where, "SiLU", Made(gate, act * r * fe, "SiLU's backward: d(gate) = d(SiLU) * SiLU'(gate)"), (silu,),
-                 saves=(piece(ledger.EXPERT_GATE, e), piece(ledger.EXPERT_UP, e))),
-            _one(where, "d(gate) and d(up) concatenated", Made(
-                out, 2 * act * r * fe, "gate and up were split from fc1's output: their gradients concatenated"),
+            _backward(mlp.where, Step("SiLU(gate) * up: both factors' gradients", (
+                Made(silu, act * rows * width, "the product's backward: d(SiLU) = dY * up"),
+                Made(up, act * rows * width, "the product's backward: d(up) = dY * SiLU(gate)")), frees=(grad,)),
+                saves=mlp.product),
+            _one(mlp.where, "SiLU", Made(gate, act * rows * width, "SiLU's backward: d(gate) = d(SiLU) * SiLU'(gate)"),
+                 (silu,), saves=mlp.silu),
+            _one(mlp.where, "d(gate) and d(up) concatenated", Made(
+                out, 2 * act * rows * width, "gate and up were split from fc1's output: their gradients concatenated"),
                 (gate, up)),
         ))
-        width = 2 * fe
+        fc1_width = 2 * width
     else:
-        ops.append(_one(where, "GELU", Made(out, act * r * fe, "GELU's backward: dY times GELU'(x)"), (dact,),
-                        saves=(piece(ledger.EXPERT_GELU_IN, e),)))
-        width = fe
-    ops.append(_backward(f"{where}.linear_fc1", Step("GEMMs: dX and dW", (
-        Made(f"grad/expert input[{e}]", act * r * h, "dX = dY W, the expert's input gradient"),
-        Made(f"grad/expert fc1 weight[{e}]", act * width * h, _WGRAD)),
-        frees=(out,), hands_over=(f"grad/expert fc1 weight[{e}]",)), saves=(ledger.EXPERT_IN,)))
+        ops.append(_one(mlp.where, "GELU", Made(out, act * rows * width, "GELU's backward: dY times GELU'(x)"), (grad,),
+                        saves=(mlp.gelu_in,)))
+        fc1_width = width
+    dw = mlp.name("fc1 weight")
+    ops.append(_backward(f"{mlp.where}.linear_fc1", Step("GEMMs: dX and dW", (
+        Made(mlp.name("input"), act * rows * z.h, "dX = dY W, the input's gradient"),
+        Made(dw, act * fc1_width * z.h, _WGRAD)), frees=(out,), hands_over=(dw,)), saves=(mlp.fc1_in,)))
 
 
 def _permute(ops: list[Op], z: Sizes, n: int, experts: int) -> None:
@@ -252,38 +304,50 @@ def _permute(ops: list[Op], z: Sizes, n: int, experts: int) -> None:
     ))
 
 
-def _router(ops: list[Op], z: Sizes, n: int, experts: int, k: int) -> str:
-    """TopKRouter's backward: scatter's gather, the casts around the fp32 softmax, top-k's scatter, the GEMMs, and
-    the sum of the router's dX with the permute's (the MoE input's gradient, which is returned)."""
-    act = z.act
-    ops.extend((
-        _one("mlp.router", "scatter's backward: the chosen probabilities' gradient", Made(
-            "grad/topk probs", act * n * k, "scatter's backward gathers the k chosen columns, (n, k)"),
-            ("grad/probs",), saves=(ledger.ROUTER_TOPK_INDICES,)),
+def _router(ops: list[Op], config: ModelConfig, z: Sizes, n: int, out: str) -> None:
+    """TopKRouter's backward: scatter's gather; the fp32 softmax over the top k's logits (or, pre-softmax, over all E
+    before the top k) with its casts, and top-k's scatter; the GEMMs, and the sum of the router's dX with the
+    permute's (`out`)."""
+    act, experts, k = z.act, config.num_experts, config.moe_router_topk
+    ops.append(_one("mlp.router", "scatter's backward: the chosen probabilities' gradient", Made(
+        "grad/topk probs", act * n * k, "scatter's backward gathers the k chosen columns, (n, k)"),
+        ("grad/probs",), saves=(ledger.ROUTER_TOPK_INDICES,)))
+    if config.moe_router_pre_softmax:  # softmax over E, cast down, top-k
+        ops.extend((_topk(z, n, experts, "grad/topk probs", "grad/all probs"),
+                    *_softmax(z, n * experts, "grad/all probs", "grad/router logits", megatron.ALL_PROBS)))
+    else:  # top-k of the logits, cast up, softmax over k
+        ops.extend((*_softmax(z, n * k, "grad/topk probs", "grad/topk logits", megatron.TOPK_PROBS),
+                    _topk(z, n, experts, "grad/topk logits", "grad/router logits")))
+    ops.append(_backward(
+        "mlp.router",
+        Step("GEMMs: dX and dW", (
+            Made("grad/router input", act * n * z.h, "dX = dY W, the router's input gradient"),
+            Made("grad/router weight", act * experts * z.h, "the router weight's bf16 gradient")),
+            frees=("grad/router logits",), returns=True),
+        Step("the router's and the permute's input gradients summed", (Made(
+            out, act * n * z.h, "the MoE input feeds the router and the permute: gradients summed"),),
+            frees=("grad/router input", "grad/permute input"), hands_over=("grad/router weight",)),
+        saves=(ledger.MOE_IN,)))
+
+
+def _softmax(z: Sizes, elements: int, grad: str, out: str, keeps: SavedTensor) -> tuple[Op, ...]:
+    """The probabilities' cast down, the fp32 softmax and the logits' cast up, backward, over `elements`."""
+    return (
         _one("mlp.router", "the cast down's backward", Made(
-            "grad/topk probs fp32", 4 * n * k, "the probabilities were cast from fp32: the gradient cast up"),
-            ("grad/topk probs",)),
+            f"{grad} fp32", 4 * elements, "the probabilities were cast from fp32: the gradient cast up"), (grad,)),
         _one("mlp.router", "softmax", Made(
-            "grad/topk logits fp32", 4 * n * k, "softmax's backward in fp32: S' * (dY - sum(dY * S'))"),
-            ("grad/topk probs fp32",), saves=(megatron.TOPK_PROBS,)),
+            f"{out} fp32", 4 * elements, "softmax's backward in fp32: S' * (dY - sum(dY * S'))"), (f"{grad} fp32",),
+            saves=(keeps,)),
         _one("mlp.router", "the cast up's backward", Made(
-            "grad/topk logits", act * n * k, "the top-k logits were cast to fp32: the gradient cast down"),
-            ("grad/topk logits fp32",)),
-        _backward("mlp.router", Step("top-k's backward: new_zeros", (Made(
-            "grad/topk zeros", act * n * experts, "top-k's backward starts from new_zeros, (n, E)"),)),
-            Step("top-k's backward: scatter", (Made(
-                "grad/router logits", act * n * experts, "the k logits' gradient scattered into (n, E)"),),
-                frees=("grad/topk zeros", "grad/topk logits")),
-            saves=(ledger.ROUTER_TOPK_INDICES,)),
-        _backward(
-            "mlp.router",
-            Step("GEMMs: dX and dW", (
-                Made("grad/router input", act * n * z.h, "dX = dY W, the router's input gradient"),
-                Made("grad/router weight", act * experts * z.h, "the router weight's bf16 gradient")),
-                frees=("grad/router logits",), returns=True),
-            Step("the router's and the permute's input gradients summed", (Made(
-                "grad/moe input", act * n * z.h, "the MoE input feeds the router and the permute: gradients summed"),),
-                frees=("grad/router input", "grad/permute input"), hands_over=("grad/router weight",)),
-            saves=(ledger.MOE_IN,)),
-    ))
-    return "grad/moe input"
+            out, z.act * elements, "the logits were cast to fp32: the gradient cast down"), (f"{out} fp32",)),
+    )
+
+
+def _topk(z: Sizes, n: int, experts: int, grad: str, out: str) -> Op:
+    """top-k's backward: new_zeros, and the k values' gradient scattered into it, (n, E)."""
+    return _backward("mlp.router", Step("top-k's backward: new_zeros", (Made(
+        "grad/topk zeros", z.act * n * experts, "top-k's backward starts from new_zeros, (n, E)"),)),
+        Step("top-k's backward: scatter", (Made(
+            out, z.act * n * experts, "the k values' gradient scattered into (n, E)"),),
+            frees=("grad/topk zeros", grad)),
+        saves=(ledger.ROUTER_TOPK_INDICES,))

@@ -38,6 +38,12 @@ SHAPES = [
         {"b": 1, "s": 7, "moe_router_topk": 4, "dropout": 0.1},  # every expert takes every token; dropout masks
         {"mlp": "gelu", "ffn_hidden_size": 100, "b": 3, "s": 10, "num_experts": 6, "attention": "eager",
          "norm": "layernorm"},  # GELU experts, eager attention, 10 slots an expert (all-to-one: 30 to two of six)
+        {"num_experts": 5, "moe_router_pre_softmax": True},  # 96 slots: 20 to the first expert, 19 to the others;
+        # the softmax over all E before the top k
+        {"b": 1, "s": 7, "num_experts": 7, "moe_router_topk": 3, "moe_shared_expert_intermediate_size": 24,
+         "dropout": 0.1},  # shared experts (Qwen-MoE's), which read the dropout's gradient after the routed ones
+        {"mlp": "gelu", "ffn_hidden_size": 100, "moe_shared_expert_intermediate_size": 40,
+         "moe_router_pre_softmax": True},  # GELU shared experts
     )
 ]
 
@@ -87,14 +93,16 @@ def test_a_megatron_moe_step_is_measured_only_under_the_route_that_pins_the_walk
         measure_step(make_config(MOE, moe_tokens=bound), ["none"], route=route)
 
 
-@pytest.mark.parametrize("changes, words", [
-    ({"ep": 2}, "ep=2"),
-    ({"moe_shared_expert_intermediate_size": 32}, "shared experts"),
-    ({"moe_aux_loss": True}, "the load-balancing loss"),
-    ({"moe_token_dispatcher_type": "allgather"}, "the allgather token dispatcher"),
-    ({"num_experts": 5}, "k*b*s=96 slots that E=5 experts cannot share evenly"),
+@pytest.mark.parametrize("changes, strategy, words", [
+    ({"ep": 2}, "none", "ep=2"),
+    ({"t": 2}, "tp-sp", "t=2 with experts"),
+    ({"moe_aux_loss": True}, "none", "the load-balancing loss"),
+    ({"moe_token_dispatcher_type": "allgather"}, "none", "the allgather token dispatcher"),
+    ({"moe_expert_capacity_factor": 1.0, "moe_tokens": "capacity"}, "none", "a capacity factor"),
+    ({"moe_router_score_function": "sigmoid"}, "none", "the sigmoid router"),
+    ({"recompute": "selective"}, "none", "recompute selective with experts"),
 ], ids=str)
-def test_what_the_moe_walk_does_not_model_is_refused_in_one_line(changes, words):
+def test_what_the_moe_walk_does_not_model_is_refused_in_one_line(changes, strategy, words):
     with pytest.raises(ConfigError, match="does not model") as err:
-        timeline(make_config(MOE, **changes), NONE, CPU)
+        timeline(make_config(MOE, **changes), STRATEGIES[strategy], CPU)
     assert words in str(err.value) and "\n" not in str(err.value)
