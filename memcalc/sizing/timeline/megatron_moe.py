@@ -1,8 +1,10 @@
 """megatron-core's MoELayer (impl megatron with num_experts) in the step, as ops for the generic walk.
 
 The MLP of `memcalc.sizing.timeline.megatron.layer_ops` becomes megatron-core 0.16's MoELayer as it runs on the CPU
-path (memcalc.probe.libs.megatron_step): TopKRouter (a GEMM to E logits, top-k, an fp32 softmax over the k, cast
-back and scattered into an (n, E) map), the all-to-all dispatcher at ep = 1 (permute: masked_select of the
+path (memcalc.probe.libs.megatron_step): SharedExpertMLP first when there are shared experts (a dense MLP of width
+u on every token, its output held until it is added to the routed experts'), TopKRouter (a GEMM to E logits, top-k,
+an fp32 softmax over the k, cast back and scattered into an (n, E) map; pre-softmax, the fp32 softmax over all E
+before the top k), the all-to-all dispatcher at ep = 1 (permute: masked_select of the
 probabilities, index_select of the tokens; sort_chunks_by_idxs, a split and a cat, for tokens and probabilities),
 SequentialMLP's experts one after another (fc1, SwiGLU or GELU, activation * probability, fc2; an expert without
 tokens still makes its weights' gradients), then the unsort (split and cat) and unpermute (scatter_add_ into zeros). The saved tensors are the ledger's
@@ -20,7 +22,10 @@ the worst, which the forced all-to-one route pins):
     permute     index_select's backward: new_zeros and index_add, (n, h); masked_select's: zeros_like and
                 masked_scatter, (E, n)
     router      scatter's gather (n, k); the cast up, the fp32 softmax's backward, the cast down; top-k's
-                new_zeros and scatter, (n, E); the router's GEMMs and the sum of its dX with the permute's
+                new_zeros and scatter, (n, E) (pre-softmax: top-k's first, then the casts and softmax over E);
+                the router's GEMMs and the sum of its dX with the permute's
+    shared      fc2, SwiGLU or GELU, fc1 on every token, as an expert's without the probability; its dX summed
+                with the routed path's
 
 The dispatcher keeps the router's probabilities and map and the tokens per expert as attributes (`HELD`) until the
 next forward replaces them: they outlive the step.
