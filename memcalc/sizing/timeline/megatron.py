@@ -79,8 +79,8 @@ def layer_ops(
                             "grad/qkv input")
     backward.append(_norm(z, "ln1", ledger.LN1, grad, (mid,), INPUT_GRAD))
     if config.moe:  # the experts' widest forward moment first, then the layer's end
-        experts, later = megatron_moe.experts_forward(config, z, _made_here(kept))
-        backward.extend((_layer(z, later, full), experts))
+        moments, later = megatron_moe.experts_forward(config, z, _made_here(kept))
+        backward.extend((_layer(z, later, full), *reversed(moments)))
     else:
         backward.append(_layer(z, _made_here(kept), full))
     return tuple(reversed(backward))

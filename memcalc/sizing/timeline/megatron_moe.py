@@ -27,7 +27,10 @@ the worst, which the forced all-to-one route pins):
     shared      fc2, SwiGLU or GELU, fc1 on every token, as an expert's without the probability; its dX summed
                 with the routed path's
 
-The dispatcher keeps the router's probabilities and map and the tokens per expert as attributes (`HELD`) until the
+Under tp-sp (etp = t) each rank routes its s/t tokens; the dispatcher all-gathers the t ranks' slots (R = t k n) for
+the experts, each f_e/t wide, and reduce-scatters their unsorted output back: in backward the unpermute's gradient is
+all-gathered before the unsort and the sorted tokens' and probabilities' gradients reduce-scattered before the
+permute. The dispatcher keeps the router's probabilities and map and the tokens per expert as attributes (`HELD`) until the
 next forward replaces them: they outlive the step.
 """
 
@@ -55,12 +58,14 @@ HELD = ("moe/dispatcher probs", "moe/dispatcher routing map", "moe/dispatcher to
         megatron.PERMUTE_INDICES.name)
 
 
-def unmodelled(config: ModelConfig, t: int) -> str | None:
-    """The first thing of a MoE layer on t weight shards the walk does not model yet, in words; None when it models
+def unmodelled(config: ModelConfig, z: Sizes) -> str | None:
+    """The first thing of a MoE layer on this rank (`z`) the walk does not model yet, in words; None when it models
     the layer."""
+    t = z.t
     missing = [
         (config.ep != 1, f"ep={config.ep} (expert parallelism: the walk runs the all-to-all dispatcher at ep = 1)"),
-        (t != 1, f"t={t} with experts (expert tensor parallelism)"),
+        (t > 1 and not z.sp, f"t={t} without sequence parallelism with experts"),
+        (t > 1 and bool(config.moe_shared_expert_intermediate_size), f"shared experts at t={t}"),
         (config.moe_token_dispatcher_type != "alltoall",
          f"the {config.moe_token_dispatcher_type} token dispatcher (it walks the all-to-all one)"),
         (config.moe_expert_capacity_factor is not None, "a capacity factor (moe_expert_capacity_factor)"),
@@ -81,8 +86,8 @@ def expert_slots(config: ModelConfig, z: Sizes) -> tuple[int, ...]:
     token's k slots on the same k experts, n each and none for the others (the forced all-to-one route)."""
     n, k, experts = z.b * z.s_seq, config.moe_router_topk, config.num_experts
     if config.moe_tokens == "worst":
-        return tuple(n if e < k else 0 for e in range(experts))
-    return tuple(k * n // experts + (e < k * n % experts) for e in range(experts))
+        return tuple(z.t * n if e < k else 0 for e in range(experts))
+    return tuple(z.t * (k * n // experts + (e < k * n % experts)) for e in range(experts))
 
 
 def piece(x: SavedTensor, e: int) -> SavedTensor:
@@ -119,36 +124,54 @@ def held(config: ModelConfig, z: Sizes) -> tuple[Made, ...]:
     return (
         Made(HELD[0], z.act * n * experts, "the dispatcher's self.probs: the router's (n, E) probabilities"),
         Made(HELD[1], n * experts, "the dispatcher's self.routing_map: the router's (n, E) bool map"),
-        Made(HELD[2], 8 * experts, "the dispatcher's self.num_global_tokens_per_local_expert, int64"),
+        Made(HELD[2], 8 * z.t * experts, "the dispatcher's self.num_global_tokens_per_local_expert, int64: each"
+             " local expert's tokens from each rank of the tp*ep group"),
         Made(HELD[3], 0, "the dispatcher's self.reversed_local_input_permutation_mapping (the ledger's row)",
              keeps=megatron.PERMUTE_INDICES),
     )
 
 
 def experts_forward(config: ModelConfig, z: Sizes, made: tuple[SavedTensor, ...]) -> tuple[
-        Op, tuple[SavedTensor, ...]]:
-    """The MoE's widest forward moment, the experts' outputs concatenated, as an op (forward only); and what of `made`
-    (the saved tensors the layer's forward makes) is made after it, at the layer's end.
+        tuple[Op, ...], tuple[SavedTensor, ...]]:
+    """The MoE's widest forward moments as ops (forward only, in forward order); and what of `made` (the saved
+    tensors the layer's forward makes) is made after them, at the layer's end.
 
-    By then every saved tensor of the layer but the MLP's dropout mask exists, and the dispatcher's attributes
-    (`held`); MoELayer.forward still holds the permuted tokens and probabilities (the sort made copies), each expert's
-    fc2 output and their concatenation. The unsort's concatenation that follows replaces the experts' outputs with as
-    many bytes: MemTracker's peak is the first.
+    By the experts' concatenated output every saved tensor of the layer but the MLP's dropout mask exists, and the
+    dispatcher's attributes (`held`); MoELayer.forward still holds the permuted tokens and probabilities (the sort
+    made copies; at t > 1 the all-gathered copies are gone by then, the token counts summed over the group not yet),
+    each expert's fc2 output and their concatenation. At t = 1 the unsort's concatenation that follows replaces the
+    experts' outputs with as many bytes (MemTracker's peak is the first); at t > 1 the reduce-scatter of the unsorted
+    output adds this rank's share beside both concatenations.
     """
-    act, slots = z.act, config.moe_router_topk * z.b * z.s_seq
+    act, local = z.act, config.moe_router_topk * z.b * z.s_seq
+    slots = z.t * local  # the t ranks' slots, all-gathered for the experts (etp = t)
     later = tuple(x for x in made if x.name == ledger.MLP_DROPOUT_MASK.name)
     before = tuple(Made(x.name, 0, "kept for backward (the ledger)", keeps=x) for x in made if x not in later)
-    transients = (
-        Made("moe/permuted tokens", act * slots * z.h, "permute's index_select: MoELayer.forward holds it, (R, h)"),
-        Made("moe/permuted probs", act * slots, "permute's masked_select of the probabilities, held likewise, (R,)"),
-        Made("moe/expert outputs", act * slots * z.h, "each expert's fc2 output, SequentialMLP's list, (R, h) in all"),
-        Made("moe/experts output", act * slots * z.h, "SequentialMLP's cat of its experts' outputs, (R, h)"),
+    held_by_forward = (
+        Made("moe/permuted tokens", act * local * z.h, "permute's index_select: MoELayer.forward holds it"),
+        Made("moe/permuted probs", act * local, "permute's masked_select of the probabilities, held likewise"),
+        *((Made("moe/tokens per expert", 8 * config.num_experts // config.ep, "the experts' token counts summed over"
+                " the tp*ep group's ranks (at t = 1 a view of what the dispatcher holds), int64"),) if z.t > 1 else ()),
         *((Made("moe/shared experts output", z.seq(z.h), "the shared experts ran first: their output waits for the"
                 " routed experts'"),) if config.moe_shared_expert_intermediate_size else ()),
+        Made("moe/experts output", act * slots * z.h, "SequentialMLP's cat of its experts' outputs, (R, h)"),
     )
-    step = Step("the experts' outputs concatenated", (*before, *held(config, z), *transients),
-                frees=tuple(x.name for x in transients))
-    return Op("mlp.experts", forward=(step,), backward=()), later
+    outputs = Made("moe/expert outputs", act * slots * z.h, "each expert's fc2 output, SequentialMLP's list, (R, h)")
+    experts = Op("mlp.experts", forward=(Step("the experts' outputs concatenated", (
+        *before, *held(config, z), *held_by_forward, outputs), frees=(outputs.name,)),), backward=())
+    if z.t == 1:
+        return (experts, _dropped(held_by_forward)), later
+    combine = Op("mlp", forward=(Step("the unsorted output reduce-scattered over t", (
+        Made("moe/unsorted output", act * slots * z.h, "sort_chunks_by_idxs back to the tokens' order, (R, h)"),
+        Made("moe/reduce-scattered output", act * local * z.h, "the reduce-scatter's output: this rank's slots")),
+        frees=(*(x.name for x in held_by_forward), "moe/unsorted output", "moe/reduce-scattered output")),),
+        backward=())
+    return (experts, combine), later
+
+
+def _dropped(made: tuple[Made, ...]) -> Op:
+    """An op that only frees (forward-held transients), making no moment."""
+    return Op("mlp", forward=(Step("MoELayer's forward returns", frees=tuple(x.name for x in made)),), backward=())
 
 
 def _backward(where: str, *steps: Step, saves: tuple[SavedTensor, ...] = ()) -> Op:
@@ -165,13 +188,20 @@ def moe_ops(ops: list[Op], config: ModelConfig, z: Sizes, grad: str, residual: s
     act, h, n, k = z.act, z.h, z.b * z.s_seq, config.moe_router_topk
     experts = config.num_experts // config.ep
     shared = bool(config.moe_shared_expert_intermediate_size)  # the shared experts read dY after the routed ones
-    slots = k * n
+    local = k * n  # the slots of this rank's tokens
+    slots = z.t * local  # and of the t ranks', all-gathered for the experts
     ops.append(_one("mlp", "unpermute: scatter_add_'s backward gathers dY", Made(
-        "grad/unpermuted", act * slots * h, "scatter_add_'s backward: dY gathered by the permutation, (R, h)"),
+        "grad/unpermuted", act * local * h, "scatter_add_'s backward: dY gathered by the permutation"),
         () if grad == residual or shared else (grad,)))  # its indices: the dispatcher holds them (HELD)
+    unpermuted = "grad/unpermuted"
+    if z.t > 1:
+        ops.append(_one("mlp", "all-gather of dY (the combine's reduce-scatter's backward)", Made(
+            "grad/unpermuted gathered", act * slots * h, "the experts' output was reduce-scattered over t: its"
+            " gradient all-gathered, (R, h)"), (unpermuted,)))
+        unpermuted = "grad/unpermuted gathered"
     ops.append(_one("mlp", "unsort: split's backward concatenates", Made(
         "grad/expert output", act * slots * h, "sort_chunks_by_idxs split the experts' output: its gradient concatenated"),
-        ("grad/unpermuted",)))
+        (unpermuted,)))
     for e, r in reversed(list(enumerate(expert_slots(config, z)))):
         _expert(ops, config, z, e, r)
     ops.extend((
@@ -189,7 +219,14 @@ def moe_ops(ops: list[Op], config: ModelConfig, z: Sizes, grad: str, residual: s
             "grad/sorted tokens", act * slots * h, "sort_chunks_by_idxs split the tokens: concatenated again"),
             ("grad/expert input",)),
     ))
-    _permute(ops, z, n, config.num_experts)
+    if z.t > 1:
+        ops.append(_backward("mlp", Step("reduce-scatter of the probabilities' gradient", (Made(
+            "grad/permuted probs local", act * local, "the probabilities were all-gathered over t: their gradient"
+            " reduce-scattered"),), frees=("grad/permuted probs",)),
+            Step("reduce-scatter of the tokens' gradient", (Made(
+                "grad/sorted tokens local", act * local * h, "the tokens were all-gathered over t: their gradient"
+                " reduce-scattered"),), frees=("grad/sorted tokens",))))
+    _permute(ops, z, n, config.num_experts, " local" if z.t > 1 else "")
     if not shared:
         _router(ops, config, z, n, "grad/moe input")
         return "grad/moe input"
@@ -223,12 +260,13 @@ class _Mlp:
 def _expert(ops: list[Op], config: ModelConfig, z: Sizes, e: int, r: int) -> None:
     """Expert e's backward on its r slots: fc2, the probability's product, the activation, fc1."""
     mlp = _Mlp(
-        f"mlp.experts.local_experts.{e}", f"expert ...[{e}]", r, config.expert_ffn, piece(ledger.EXPERT_FC2_IN, e),
+        f"mlp.experts.local_experts.{e}", f"expert ...[{e}]", r, config.expert_ffn // z.t,
+        piece(ledger.EXPERT_FC2_IN, e),
         (piece(ledger.EXPERT_SILU_OUT, e), piece(megatron.EXPERT_UP_COPY, e)),
         (piece(ledger.EXPERT_GATE, e), piece(ledger.EXPERT_UP, e)), piece(ledger.EXPERT_GELU_IN, e), ledger.EXPERT_IN,
     )
     dx2 = _fc2(ops, z, mlp, ("grad/expert output",) if e == 0 else ())  # the last expert's backward frees dY
-    act, fe = z.act, config.expert_ffn
+    act, fe = z.act, config.expert_ffn // z.t
     dact, product = mlp.name("act"), mlp.name("probs product")
     ops.append(_backward(
         mlp.where,
@@ -291,7 +329,7 @@ def _activation_and_fc1(ops: list[Op], config: ModelConfig, z: Sizes, mlp: _Mlp,
         Made(dw, act * fc1_width * z.h, _WGRAD)), frees=(out,), hands_over=(dw,)), saves=(mlp.fc1_in,)))
 
 
-def _permute(ops: list[Op], z: Sizes, n: int, experts: int) -> None:
+def _permute(ops: list[Op], z: Sizes, n: int, experts: int, local: str) -> None:
     """The dispatcher's permute, backward: index_select's (the tokens) and masked_select's (the probabilities)."""
     act, h = z.act, z.h
     ops.extend((
@@ -299,12 +337,12 @@ def _permute(ops: list[Op], z: Sizes, n: int, experts: int) -> None:
             "grad/permute zeros", act * n * h, "index_select's backward starts from new_zeros, (n, h)"),)),
             Step("index_select's backward: index_add", (Made(
                 "grad/permute input", act * n * h, "index_add of the sorted tokens' gradient, out of place"),),
-                frees=("grad/permute zeros", "grad/sorted tokens"))),  # its indices: HELD
+                frees=("grad/permute zeros", f"grad/sorted tokens{local}"))),  # its indices: HELD
         _backward("mlp", Step("masked_select's backward: zeros_like", (Made(
             "grad/probs zeros", act * n * experts, "masked_select's backward starts from zeros_like, (E, n)"),)),
             Step("masked_select's backward: masked_scatter", (Made(
                 "grad/probs", act * n * experts, "masked_scatter of the permuted probabilities' gradient"),),
-                frees=("grad/probs zeros", "grad/permuted probs")),
+                frees=("grad/probs zeros", f"grad/permuted probs{local}")),
             saves=(megatron.ROUTING_MAP, megatron.PROBS_T)),
     ))
 

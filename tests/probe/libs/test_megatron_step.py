@@ -1,7 +1,8 @@
 """One whole training step of memcalc's GPT whose MLPs are megatron-core's own MoELayer (`--impl megatron` with
 num_experts), its router forced balanced or all-to-one, under torch's MemTracker, against the step timeline (memcalc.sizing.timeline
 .megatron_moe): every moment the timeline names is MemTracker's reading after some op, in order, to the byte; the peak
-is reached where the timeline says, with the bytes it says; what the walk does not model is refused in one line."""
+is reached where the timeline says, with the bytes it says, at t = 1 and under tp-sp (rank 0 of t = 2 and 4 through
+the fake group); what the walk does not model is refused in one line."""
 
 import pytest
 
@@ -12,6 +13,7 @@ from memcalc.errors import ConfigError  # noqa: E402
 from memcalc.model.knobs import Accounting  # noqa: E402
 from memcalc.model.strategy import STRATEGIES  # noqa: E402
 from memcalc.probe.group import single  # noqa: E402
+from memcalc.probe.launch import run_fake  # noqa: E402
 from memcalc.probe.libs.megatron_step import inside_megatron, warmed_up  # noqa: E402
 from memcalc.probe.step import measure_step  # noqa: E402
 from memcalc.sizing.timeline import timeline  # noqa: E402
@@ -48,19 +50,42 @@ SHAPES = [
 ]
 
 
-def _readings(config, route):
-    tp = single()
+def _readings(tp, config, strategy, route):
     with inside_megatron(tp, config, route):
-        return readings_after_every_op(warmed_up(tp, config, NONE))
+        return readings_after_every_op(warmed_up(tp, config, strategy))
+
+
+def _assert_every_moment_in_order(config, strategy, route):
+    st = STRATEGIES[strategy]
+    moments = timeline(config, st, CPU).moments[1:]
+    assert any(".mlp.experts.local_experts." in m.where for m in moments)
+    if st.tensor_parallel:  # rank 0 of t through the fake group
+        readings = run_fake(_readings, (config, st, route), config.t)
+    else:
+        readings = _readings(single(), config, st, route)
+    assert_moments_in_order(moments, readings, places=False)  # a forward moment names a layer, not its op
 
 
 @pytest.mark.parametrize("route, changes", SHAPES, ids=str)
 def test_every_moment_of_a_megatron_moe_step_happens_in_order_with_its_bytes(one_thread, route, changes):
     """The router's, the dispatcher's and each expert's backward, op by op: MemTracker's reading after some op."""
-    config = make_config(MOE, **ROUTES[route], **changes)
-    moments = timeline(config, NONE, CPU).moments[1:]
-    assert any(".mlp.experts.local_experts." in m.where for m in moments)
-    assert_moments_in_order(moments, _readings(config, route), places=False)  # a forward moment names a layer
+    _assert_every_moment_in_order(make_config(MOE, **ROUTES[route], **changes), "none", route)
+
+
+# Expert tensor parallelism (etp = t) under SP: each rank routes its s/t tokens; the dispatcher all-gathers the t
+# ranks' slots for the experts, each expert f_e/t wide, and reduce-scatters their output (gradients the other way).
+TP_SHAPES = [
+    ("balanced", {"t": 2}),
+    ("balanced", {"t": 2, "b": 1, "s": 14, "moe_router_topk": 4, "dropout": 0.1, "moe_router_pre_softmax": True}),
+    ("balanced", {"t": 2, "num_experts": 5, "mlp": "gelu", "ffn_hidden_size": 100, "moe_ffn_hidden_size": 40}),
+    ("all-to-one", {"t": 2, "b": 1, "s": 14, "num_experts": 3}),
+    ("balanced", {"t": 4, "b": 1, "s": 20, "num_query_groups": 4}),
+]
+
+
+@pytest.mark.parametrize("route, changes", TP_SHAPES, ids=str)
+def test_under_tp_sp_every_moment_of_a_megatron_moe_step_happens_in_order_with_its_bytes(one_thread, route, changes):
+    _assert_every_moment_in_order(make_config(MOE, **ROUTES[route], **changes), "tp-sp", route)
 
 
 # Experts wide beside a small vocabulary: the peak moves into the MoE's backward; many slots of a wide h: its forward.
@@ -79,9 +104,18 @@ PEAKS = [("balanced", changes, where) for changes, where in PEAKS] + [
 ]
 
 
+PEAKS += [  # under tp-sp at t = 2: rank 0 of two through the fake group
+    ("balanced", {"t": 2, "moe_ffn_hidden_size": 1024, "vocab_size": 20, "s": 48},
+     "backward layers.1.mlp.experts.local_experts.3.linear_fc2"),
+    ("balanced", {"t": 2, **PEAKS[3][1]}, "forward layers.1.mlp"),  # the unsorted output's reduce-scatter beside
+    # both concatenations
+]
+
+
 @pytest.mark.parametrize("route, changes, where", PEAKS, ids=str)
 def test_a_megatron_moe_step_peaks_where_the_timeline_says_to_the_byte(one_thread, route, changes, where):
-    (r,) = measure_step(make_config(MOE, **ROUTES[route], **changes), ["none"], route=route)
+    config = make_config(MOE, **ROUTES[route], **changes)
+    (r,) = measure_step(config, ["tp-sp" if config.t > 1 else "none"], route=route)
     assert r.measured.moment == r.predicted_moment == where
     assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
     assert r.model == f"memcalc's own GPT with megatron-core's MoELayer, router forced {route}"
@@ -95,7 +129,7 @@ def test_a_megatron_moe_step_is_measured_only_under_the_route_that_pins_the_walk
 
 @pytest.mark.parametrize("changes, strategy, words", [
     ({"ep": 2}, "none", "ep=2"),
-    ({"t": 2}, "tp-sp", "t=2 with experts"),
+    ({"t": 2, "moe_shared_expert_intermediate_size": 32}, "tp-sp", "shared experts at t=2"),
     ({"moe_aux_loss": True}, "none", "the load-balancing loss"),
     ({"moe_token_dispatcher_type": "allgather"}, "none", "the allgather token dispatcher"),
     ({"moe_expert_capacity_factor": 1.0, "moe_tokens": "capacity"}, "none", "a capacity factor"),
