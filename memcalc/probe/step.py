@@ -560,8 +560,9 @@ def measure_step(config: ModelConfig, strategies: list[str], route: str | None =
     """Predict and measure one training step per strategy, on the CPU: one process, or rank 0 of t (fake group).
 
     Every strategy's timeline is made before any step runs, so an unmodelled knob is named at once. `route`
-    forces a mixture of experts' router (transformers' Mixtral and Qwen2-MoE): the timeline walks the balanced bound, which
-    only the balanced route pins.
+    forces a mixture of experts' router (transformers' Mixtral and Qwen2-MoE, megatron-core's MoELayer): the timeline
+    walks the balanced bound, which only the balanced route pins, or megatron's worst at ep = 1, which all-to-one
+    pins.
     """
     if config.impl not in STEP_MODELS:
         raise ConfigError(f"--step runs memcalc's own Megatron-style model, transformers' LlamaForCausalLM with"
@@ -575,8 +576,8 @@ def measure_step(config: ModelConfig, strategies: list[str], route: str | None =
     if config.moe and not (routing_fixed(config, route) or _pins_worst(config, route)):
         raise ConfigError(f"--step on a mixture of experts needs --route balanced with moe_tokens balanced (or, with"
                           f" --impl megatron at ep = 1, --route all-to-one with moe_tokens worst; not"
-                          f" {route or 'the real router'}, {config.moe_tokens}): the step timeline walks the bound, which"
-                          " only the forced route pins")
+                          f" {route or 'the real router'}, {config.moe_tokens}): the step timeline walks the bound,"
+                          " which only the forced route pins")
     model = f"{_moe_model(config)}, router forced {route}" if config.moe else STEP_MODELS[config.impl]
     _check_fits(planned)
     out = []
@@ -603,7 +604,8 @@ def _moe_model(config: ModelConfig) -> str:
     megatron-core's MoELayer."""
     if config.impl == "megatron":
         return "memcalc's own GPT with megatron-core's MoELayer"
-    return f"transformers' {'Qwen2MoeForCausalLM' if config.moe_shared_expert_intermediate_size else 'MixtralForCausalLM'}"
+    shared = config.moe_shared_expert_intermediate_size
+    return f"transformers' {'Qwen2MoeForCausalLM' if shared else 'MixtralForCausalLM'}"
 
 
 # The step trainers of the libraries' own models, by (--impl, under FSDP2, with experts): module and function,

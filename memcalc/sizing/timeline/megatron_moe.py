@@ -4,12 +4,12 @@ The MLP of `memcalc.sizing.timeline.megatron.layer_ops` becomes megatron-core 0.
 path (memcalc.probe.libs.megatron_step): SharedExpertMLP first when there are shared experts (a dense MLP of width
 u on every token, its output held until it is added to the routed experts'), TopKRouter (a GEMM to E logits, top-k,
 an fp32 softmax over the k, cast back and scattered into an (n, E) map; pre-softmax, the fp32 softmax over all E
-before the top k), the all-to-all dispatcher at ep = 1 (permute: masked_select of the
-probabilities, index_select of the tokens; sort_chunks_by_idxs, a split and a cat, for tokens and probabilities),
-SequentialMLP's experts one after another (fc1, SwiGLU or GELU, activation * probability, fc2; an expert without
-tokens still makes its weights' gradients), then the unsort (split and cat) and unpermute (scatter_add_ into zeros). The saved tensors are the ledger's
-(memcalc.model.impls.megatron.moe_block); an expert's own storages (`PER_EXPERT`) are one per local expert, each
-freed as that expert's backward returns: the walk keeps them as `[e]` pieces of the ledger's row. Backward, as
+before the top k), the all-to-all dispatcher at ep = 1 (permute: masked_select of the probabilities, index_select of
+the tokens; sort_chunks_by_idxs, a split and a cat, for tokens and probabilities), SequentialMLP's experts one after
+another (fc1, SwiGLU or GELU, activation * probability, fc2; an expert without tokens still makes its weights'
+gradients), then the unsort (split and cat) and unpermute (scatter_add_ into zeros). The saved tensors are the
+ledger's (memcalc.model.impls.megatron.moe_block); an expert's own storages (`PER_EXPERT`) are one per local expert,
+each freed as that expert's backward returns: the walk keeps them as `[e]` pieces of the ledger's row. Backward, as
 autograd runs it (n tokens on the rank, R = kn slots, r an expert's: about R/E under the balanced bound, n or 0 under
 the worst, which the forced all-to-one route pins):
 
@@ -30,8 +30,8 @@ the worst, which the forced all-to-one route pins):
 Under tp-sp (etp = t) each rank routes its s/t tokens; the dispatcher all-gathers the t ranks' slots (R = t k n) for
 the experts, each f_e/t wide, and reduce-scatters their unsorted output back: in backward the unpermute's gradient is
 all-gathered before the unsort and the sorted tokens' and probabilities' gradients reduce-scattered before the
-permute. The dispatcher keeps the router's probabilities and map and the tokens per expert as attributes (`HELD`) until the
-next forward replaces them: they outlive the step.
+permute. The dispatcher keeps the router's probabilities and map and the tokens per expert as attributes (`HELD`)
+until the next forward replaces them: they outlive the step.
 """
 
 from __future__ import annotations
@@ -200,7 +200,8 @@ def moe_ops(ops: list[Op], config: ModelConfig, z: Sizes, grad: str, residual: s
             " gradient all-gathered, (R, h)"), (unpermuted,)))
         unpermuted = "grad/unpermuted gathered"
     ops.append(_one("mlp", "unsort: split's backward concatenates", Made(
-        "grad/expert output", act * slots * h, "sort_chunks_by_idxs split the experts' output: its gradient concatenated"),
+        "grad/expert output", act * slots * h, "sort_chunks_by_idxs split the experts' output: its gradient"
+        " concatenated"),
         (unpermuted,)))
     for e, r in reversed(list(enumerate(expert_slots(config, z)))):
         _expert(ops, config, z, e, r)

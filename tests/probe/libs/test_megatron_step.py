@@ -1,8 +1,8 @@
 """One whole training step of memcalc's GPT whose MLPs are megatron-core's own MoELayer (`--impl megatron` with
-num_experts), its router forced balanced or all-to-one, under torch's MemTracker, against the step timeline (memcalc.sizing.timeline
-.megatron_moe): every moment the timeline names is MemTracker's reading after some op, in order, to the byte; the peak
-is reached where the timeline says, with the bytes it says, at t = 1 and under tp-sp (rank 0 of t = 2 and 4 through
-the fake group); what the walk does not model is refused in one line."""
+num_experts), its router forced balanced or all-to-one, under torch's MemTracker, against the step timeline
+(memcalc.sizing.timeline.megatron_moe): every moment the timeline names is MemTracker's reading after some op, in
+order, to the byte; the peak is reached where the timeline says, with the bytes it says, at t = 1 and under tp-sp
+(rank 0 of t = 2 and 4 through the fake group); what the walk does not model is refused in one line."""
 
 import pytest
 
@@ -91,7 +91,8 @@ def test_under_tp_sp_every_moment_of_a_megatron_moe_step_happens_in_order_with_i
 # Experts wide beside a small vocabulary: the peak moves into the MoE's backward; many slots of a wide h: its forward.
 PEAKS = [
     ({}, "forward loss"),
-    ({"moe_ffn_hidden_size": 512, "vocab_size": 20, "s": 48}, "backward layers.1.mlp.experts.local_experts.3.linear_fc2"),
+    ({"moe_ffn_hidden_size": 512, "vocab_size": 20, "s": 48},
+     "backward layers.1.mlp.experts.local_experts.3.linear_fc2"),
     ({"moe_ffn_hidden_size": 256, "vocab_size": 20, "s": 48, "num_experts": 2},
      "backward layers.1.mlp.experts.local_experts.1"),  # the probability's gradient beside the product's two
     ({"moe_ffn_hidden_size": 64, "h": 256, "vocab_size": 20, "s": 48, "num_experts": 8, "moe_router_topk": 4},
