@@ -54,7 +54,7 @@ as one op for that reason (memcalc.probe.kernels, attention.py). transformers' L
 (`--impl hf`) has its own walk (memcalc.sizing.timeline.hf), sharded by FSDP2 too (`dp_shard`: each block's
 all-gather and reduce-scatter are ops on the same tape, memcalc.sizing.timeline.fsdp), and so have its Mixtral and
 Qwen2-MoE at t = 1 under the balanced bound, their experts in the eager loop (memcalc.sizing.timeline.hf_moe);
-megatron-core's MoELayer at ep = 1 (t = 1 or tp-sp) under the balanced or worst bound, its router, all-to-all
+megatron-core's MoELayer at t = 1 (any ep) or tp-sp (ep = 1) under the balanced or worst bound, its router, all-to-all
 dispatcher and SequentialMLP experts as ops in the Megatron layer (memcalc.sizing.timeline.megatron_moe).
 torchtitan's Llama3Model (`--impl torchtitan`) is described once as ops
 (memcalc.sizing.timeline.torchtitan) for the generic walk (memcalc.sizing.timeline.walk), at t = 1 and under its own
@@ -226,8 +226,8 @@ def _refuse_other_moe(config: ModelConfig, strategy: Strategy) -> None:
     (memcalc.sizing.timeline.megatron_moe)."""
     missing = megatron_moe.unmodelled(config, Sizes.of(config, strategy)) if config.moe else None
     if missing:
-        raise ConfigError(f"the step timeline does not model {missing} yet: it walks megatron-core's MoELayer at"
-                          " ep = 1")
+        raise ConfigError(f"the step timeline does not model {missing} yet: it walks megatron-core's MoELayer"
+                          " with the all-to-all dispatcher")
 
 
 def _check_modelled(config: ModelConfig, kept: tuple[SavedTensor, ...], ops: tuple[Op, ...]) -> None:

@@ -30,7 +30,9 @@ the worst, which the forced all-to-one route pins):
 Under tp-sp (etp = t) each rank routes its s/t tokens; the dispatcher all-gathers the t ranks' slots (R = t k n) for
 the experts, each f_e/t wide, and reduce-scatters their unsorted output back: in backward the unpermute's gradient is
 all-gathered before the unsort and the sorted tokens' and probabilities' gradients reduce-scattered before the
-permute. The dispatcher keeps the router's probabilities and map and the tokens per expert as attributes (`HELD`)
+permute. Over ep (at t = 1) all-to-alls take their place, each rank's E/ep experts receiving the slots every rank
+routes to them (R = kn under the balanced bound, ep n min(k, E/ep) under the worst); MoELayer.forward then holds the
+dispatched tokens and probabilities through the experts. The dispatcher keeps the router's probabilities and map and the tokens per expert as attributes (`HELD`)
 until the next forward replaces them: they outlive the step.
 """
 
@@ -63,7 +65,14 @@ def unmodelled(config: ModelConfig, z: Sizes) -> str | None:
     the layer."""
     t = z.t
     missing = [
-        (config.ep != 1, f"ep={config.ep} (expert parallelism: the walk runs the all-to-all dispatcher at ep = 1)"),
+        (config.ep > 1 and t > 1, f"ep={config.ep} beside t={t} (it walks expert parallelism at t = 1)"),
+        (config.ep > 1 and bool(config.moe_shared_expert_intermediate_size), "shared experts at ep > 1"),
+        (config.ep > 1 and config.num_experts == config.ep, f"one expert a rank (E=ep={config.ep}: the dispatcher"
+         " neither sorts nor keeps the per-expert counts)"),
+        (config.ep > 1 and config.moe_tokens == "balanced" and config.moe_router_topk * z.b * z.s_seq
+         % config.num_experts != 0, f"ep={config.ep} with k*b*s={config.moe_router_topk * z.b * z.s_seq} slots a rank"
+         f" that E={config.num_experts} experts do not share evenly (the ranks' experts would receive other than"
+         " the balanced bound's kbs)"),
         (t > 1 and not z.sp, f"t={t} without sequence parallelism with experts"),
         (t > 1 and bool(config.moe_shared_expert_intermediate_size), f"shared experts at t={t}"),
         (config.moe_token_dispatcher_type != "alltoall",
@@ -85,9 +94,10 @@ def expert_slots(config: ModelConfig, z: Sizes) -> tuple[int, ...]:
     experts one more (the forced balanced route sends slot j of token i to expert (ik + j) mod E); worst, every
     token's k slots on the same k experts, n each and none for the others (the forced all-to-one route)."""
     n, k, experts = z.b * z.s_seq, config.moe_router_topk, config.num_experts
+    ranks = z.t * config.ep  # every rank of the tp*ep group routes as this one, and rank 0 holds experts 0..E/ep-1
     if config.moe_tokens == "worst":
-        return tuple(z.t * n if e < k else 0 for e in range(experts))
-    return tuple(z.t * (k * n // experts + (e < k * n % experts)) for e in range(experts))
+        return tuple(ranks * n if e < k else 0 for e in range(experts // config.ep))
+    return tuple(ranks * (k * n // experts + (e < k * n % experts)) for e in range(experts // config.ep))
 
 
 def piece(x: SavedTensor, e: int) -> SavedTensor:
@@ -144,14 +154,20 @@ def experts_forward(config: ModelConfig, z: Sizes, made: tuple[SavedTensor, ...]
     output adds this rank's share beside both concatenations.
     """
     act, local = z.act, config.moe_router_topk * z.b * z.s_seq
-    slots = z.t * local  # the t ranks' slots, all-gathered for the experts (etp = t)
+    slots = sum(expert_slots(config, z))  # what this rank's experts receive: all-gathered over t, all-to-all over ep
+    exchanged = z.t > 1 or config.ep > 1
     later = tuple(x for x in made if x.name == ledger.MLP_DROPOUT_MASK.name)
     before = tuple(Made(x.name, 0, "kept for backward (the ledger)", keeps=x) for x in made if x not in later)
     held_by_forward = (
         Made("moe/permuted tokens", act * local * z.h, "permute's index_select: MoELayer.forward holds it"),
-        Made("moe/permuted probs", act * local, "permute's masked_select of the probabilities, held likewise"),
+        *((Made("moe/permuted probs", act * local, "permute's masked_select of the probabilities, held likewise"),)
+          if config.ep == 1 else (
+            Made("moe/dispatched tokens", act * slots * z.h, "the all-to-all's output over ep: MoELayer.forward holds"
+                 " it beside the permuted tokens, (R, h)"),
+            Made("moe/dispatched probs", act * slots, "the probabilities' all-to-all output, which replaces the"
+                 " permuted ones"))),
         *((Made("moe/tokens per expert", 8 * config.num_experts // config.ep, "the experts' token counts summed over"
-                " the tp*ep group's ranks (at t = 1 a view of what the dispatcher holds), int64"),) if z.t > 1 else ()),
+                " the tp*ep group's ranks (at t = 1 a view of what the dispatcher holds), int64"),) if exchanged else ()),
         *((Made("moe/shared experts output", z.seq(z.h), "the shared experts ran first: their output waits for the"
                 " routed experts'"),) if config.moe_shared_expert_intermediate_size else ()),
         Made("moe/experts output", act * slots * z.h, "SequentialMLP's cat of its experts' outputs, (R, h)"),
@@ -159,11 +175,14 @@ def experts_forward(config: ModelConfig, z: Sizes, made: tuple[SavedTensor, ...]
     outputs = Made("moe/expert outputs", act * slots * z.h, "each expert's fc2 output, SequentialMLP's list, (R, h)")
     experts = Op("mlp.experts", forward=(Step("the experts' outputs concatenated", (
         *before, *held(config, z), *held_by_forward, outputs), frees=(outputs.name,)),), backward=())
-    if z.t == 1:
+    if not exchanged:
         return (experts, _dropped(held_by_forward)), later
-    combine = Op("mlp", forward=(Step("the unsorted output reduce-scattered over t", (
+    # over ep the experts' output and the token counts are gone before the all-to-all back; over t they stay
+    gone = (Step("the experts' output and the token counts freed", frees=("moe/experts output", "moe/tokens per expert")),
+            ) if config.ep > 1 else ()
+    combine = Op("mlp", forward=(*gone, Step("the unsorted output sent back (reduce-scatter over t, all-to-all over ep)", (
         Made("moe/unsorted output", act * slots * z.h, "sort_chunks_by_idxs back to the tokens' order, (R, h)"),
-        Made("moe/reduce-scattered output", act * local * z.h, "the reduce-scatter's output: this rank's slots")),
+        Made("moe/reduce-scattered output", act * local * z.h, "the collective's output: this rank's slots")),
         frees=(*(x.name for x in held_by_forward), "moe/unsorted output", "moe/reduce-scattered output")),),
         backward=())
     return (experts, combine), later
@@ -189,12 +208,13 @@ def moe_ops(ops: list[Op], config: ModelConfig, z: Sizes, grad: str, residual: s
     experts = config.num_experts // config.ep
     shared = bool(config.moe_shared_expert_intermediate_size)  # the shared experts read dY after the routed ones
     local = k * n  # the slots of this rank's tokens
-    slots = z.t * local  # and of the t ranks', all-gathered for the experts
+    slots = sum(expert_slots(config, z))  # and those this rank's experts receive
+    exchanged = z.t > 1 or config.ep > 1
     ops.append(_one("mlp", "unpermute: scatter_add_'s backward gathers dY", Made(
         "grad/unpermuted", act * local * h, "scatter_add_'s backward: dY gathered by the permutation"),
         () if grad == residual or shared else (grad,)))  # its indices: the dispatcher holds them (HELD)
     unpermuted = "grad/unpermuted"
-    if z.t > 1:
+    if exchanged:
         ops.append(_one("mlp", "all-gather of dY (the combine's reduce-scatter's backward)", Made(
             "grad/unpermuted gathered", act * slots * h, "the experts' output was reduce-scattered over t: its"
             " gradient all-gathered, (R, h)"), (unpermuted,)))
@@ -220,14 +240,14 @@ def moe_ops(ops: list[Op], config: ModelConfig, z: Sizes, grad: str, residual: s
             "grad/sorted tokens", act * slots * h, "sort_chunks_by_idxs split the tokens: concatenated again"),
             ("grad/expert input",)),
     ))
-    if z.t > 1:
+    if exchanged:
         ops.append(_backward("mlp", Step("reduce-scatter of the probabilities' gradient", (Made(
             "grad/permuted probs local", act * local, "the probabilities were all-gathered over t: their gradient"
             " reduce-scattered"),), frees=("grad/permuted probs",)),
             Step("reduce-scatter of the tokens' gradient", (Made(
                 "grad/sorted tokens local", act * local * h, "the tokens were all-gathered over t: their gradient"
                 " reduce-scattered"),), frees=("grad/sorted tokens",))))
-    _permute(ops, z, n, config.num_experts, " local" if z.t > 1 else "")
+    _permute(ops, z, n, config.num_experts, " local" if exchanged else "")
     if not shared:
         _router(ops, config, z, n, "grad/moe input")
         return "grad/moe input"

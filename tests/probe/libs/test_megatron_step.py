@@ -83,6 +83,19 @@ TP_SHAPES = [
 ]
 
 
+# Expert parallelism at t = 1 (rank 0 of ep through megatron's own fake group): all-to-alls in place of the gathers.
+EP_SHAPES = [
+    ("balanced", {"ep": 2, "dp": 2}),
+    ("all-to-one", {"ep": 2, "dp": 2, "num_experts": 8}),
+    ("balanced", {"ep": 2, "dp": 2, "b": 1, "s": 12, "num_experts": 6, "moe_router_pre_softmax": True, "dropout": 0.1}),
+]
+
+
+@pytest.mark.parametrize("route, changes", EP_SHAPES, ids=str)
+def test_under_ep_every_moment_of_a_megatron_moe_step_happens_in_order_with_its_bytes(one_thread, route, changes):
+    _assert_every_moment_in_order(make_config(MOE, **ROUTES[route], **changes), "none", route)
+
+
 @pytest.mark.parametrize("route, changes", TP_SHAPES, ids=str)
 def test_under_tp_sp_every_moment_of_a_megatron_moe_step_happens_in_order_with_its_bytes(one_thread, route, changes):
     _assert_every_moment_in_order(make_config(MOE, **ROUTES[route], **changes), "tp-sp", route)
@@ -129,7 +142,9 @@ def test_a_megatron_moe_step_is_measured_only_under_the_route_that_pins_the_walk
 
 
 @pytest.mark.parametrize("changes, strategy, words", [
-    ({"ep": 2}, "none", "ep=2"),
+    ({"ep": 2, "dp": 2, "t": 2}, "tp-sp", "ep=2 beside t=2"),
+    ({"ep": 4, "dp": 4}, "none", "one expert a rank"),
+    ({"ep": 2, "dp": 2, "b": 1, "s": 7, "num_experts": 6}, "none", "slots a rank that E=6 experts do not share evenly"),
     ({"t": 2, "moe_shared_expert_intermediate_size": 32}, "tp-sp", "shared experts at t=2"),
     ({"moe_aux_loss": True}, "none", "the load-balancing loss"),
     ({"moe_token_dispatcher_type": "allgather"}, "none", "the allgather token dispatcher"),
