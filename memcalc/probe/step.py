@@ -561,8 +561,7 @@ def measure_step(config: ModelConfig, strategies: list[str], route: str | None =
 
     Every strategy's timeline is made before any step runs, so an unmodelled knob is named at once. `route`
     forces a mixture of experts' router (transformers' Mixtral and Qwen2-MoE, megatron-core's MoELayer): the timeline
-    walks the balanced bound, which only the balanced route pins, or megatron's worst at ep = 1, which all-to-one
-    pins.
+    walks the balanced bound, which only the balanced route pins, or megatron's worst, which all-to-one pins.
     """
     if config.impl not in STEP_MODELS:
         raise ConfigError(f"--step runs memcalc's own Megatron-style model, transformers' LlamaForCausalLM with"
@@ -575,7 +574,7 @@ def measure_step(config: ModelConfig, strategies: list[str], route: str | None =
                for name in strategies]
     if config.moe and not (routing_fixed(config, route) or _pins_worst(config, route)):
         raise ConfigError(f"--step on a mixture of experts needs --route balanced with moe_tokens balanced (or, with"
-                          f" --impl megatron at ep = 1, --route all-to-one with moe_tokens worst; not"
+                          f" --impl megatron, --route all-to-one with moe_tokens worst; not"
                           f" {route or 'the real router'}, {config.moe_tokens}): the step timeline walks the bound,"
                           " which only the forced route pins")
     model = f"{_moe_model(config)}, router forced {route}" if config.moe else STEP_MODELS[config.impl]
@@ -594,9 +593,9 @@ def measure_step(config: ModelConfig, strategies: list[str], route: str | None =
 
 
 def _pins_worst(config: ModelConfig, route: str | None) -> bool:
-    """Whether the forced all-to-one route pins the worst bound the MoE walk takes: every token's k slots on the same
-    k experts (megatron's walk, memcalc.sizing.timeline.megatron_moe.expert_slots, at ep = 1)."""
-    return config.impl == "megatron" and config.ep == 1 and route == "all-to-one" and config.moe_tokens == "worst"
+    """Whether the forced all-to-one route pins the worst bound the MoE walk takes: every rank's tokens' k slots on the
+    same k experts (megatron's walk, memcalc.sizing.timeline.megatron_moe.expert_slots)."""
+    return config.impl == "megatron" and route == "all-to-one" and config.moe_tokens == "worst"
 
 
 def _moe_model(config: ModelConfig) -> str:

@@ -40,10 +40,11 @@ class Moment:
     where: str  # the probe's module path ("layers.1.mlp.fc2"), or "" outside any module
     what: str  # the op, in words
     live: tuple[Live, ...]
+    total: int | None = None  # the live bytes, when the tape kept their running sum
 
     @cached_property
-    def bytes(self) -> int:  # cached: a MoE step has thousands of moments, and the CLI asks for the peak often
-        return sum(x.bytes for x in self.live)
+    def bytes(self) -> int:  # a MoE step has tens of thousands of moments of hundreds of tensors: summed once at most
+        return self.total if self.total is not None else sum(x.bytes for x in self.live)
 
     def by_category(self) -> dict[str, int]:
         """Bytes per category, every category present (0 where none)."""
@@ -131,9 +132,32 @@ class Sizes:
 # -- the tape: live tensors, and the moments they make --------------------------------------------------
 
 
+class _Live(dict):
+    """Live tensors by name, with the running sum of their bytes (`total`): a moment's bytes without a sum over its
+    tensors. Every way the walks change it (setting, popping) keeps the sum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+
+    def __setitem__(self, name: str, live: Live) -> None:
+        old = self.get(name)
+        self.total += live.bytes - (old.bytes if old is not None else 0)
+        super().__setitem__(name, live)
+
+    def pop(self, name: str, *default: Live | None) -> Live | None:
+        if name in self:
+            self.total -= self[name].bytes
+        return super().pop(name, *default)
+
+    def __delitem__(self, name: str) -> None:
+        self.total -= self[name].bytes
+        super().__delitem__(name)
+
+
 class Tape:
     def __init__(self) -> None:
-        self.live: dict[str, Live] = {}
+        self.live: dict[str, Live] = _Live()
         self.moments: list[Moment] = []
 
     def add(self, name: str, category: str, nbytes: int, why: str) -> None:
@@ -151,7 +175,7 @@ class Tape:
         self.live[new] = replace(self.live.pop(old), name=new)
 
     def mark(self, phase: str, where: str, what: str) -> None:
-        self.moments.append(Moment(phase, where, what, tuple(self.live.values())))
+        self.moments.append(Moment(phase, where, what, tuple(self.live.values()), self.live.total))
 
 
 # -- the step ------------------------------------------------------------------------------------------

@@ -83,6 +83,7 @@ class Walk:
     saved: dict[str, int]
     hand_over: HandOver
     _kept_by: dict[str, int] = field(default_factory=dict)  # saved name -> index of the first op that keeps it
+    _releases: dict[int, tuple[str, ...]] = field(default_factory=dict)  # op index -> the tape names it frees
 
     def kept(self, tensor: SavedTensor) -> str:
         """A saved tensor's tape name."""
@@ -118,8 +119,11 @@ class Walk:
                 self._release(op, i)
 
     def _release(self, op: Op, i: int) -> None:
-        """What op i saves goes, unless an op before it (whose backward runs later) keeps it too."""
-        self.tape.drop(*(self.kept(x) for x in op.saves if self._kept_by.get(x.name) == i))
+        """What op i saves goes, unless an op before it (whose backward runs later) keeps it too (found once per op:
+        one walk serves every layer, and a MoE layer has thousands of ops)."""
+        if i not in self._releases:
+            self._releases[i] = tuple(self.kept(x) for x in op.saves if self._kept_by.get(x.name) == i)
+        self.tape.drop(*self._releases[i])
 
     def _step(self, step: Step, op: Op, phase: str) -> None:
         where = ".".join(x for x in (self.module, op.where) if x)
