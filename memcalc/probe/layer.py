@@ -42,10 +42,13 @@ class TransformerLayer(nn.Module):
 
     `overlap` (SP only) runs the linears' all-gathers and reduce-scatters as pieces
     beside their GEMMs (memcalc.probe.overlap); the same function, other messages.
+    `mlp`: another MLP, (s, b, h) -> (s, b, h), in place of the probe's own (the step's megatron-core MoELayer,
+    memcalc.probe.libs.megatron_step).
     """
 
     def __init__(
-        self, config: ModelConfig, tp: TensorParallelGroup, sequence_parallel: bool, overlap: Overlap = NO_OVERLAP
+        self, config: ModelConfig, tp: TensorParallelGroup, sequence_parallel: bool, overlap: Overlap = NO_OVERLAP,
+        mlp: nn.Module | None = None,
     ) -> None:
         super().__init__()
         dtype = DTYPES[config.dtype]
@@ -56,7 +59,7 @@ class TransformerLayer(nn.Module):
         # partial gradients: marked, as linear.py marks a row-parallel bias (and Megatron its norms).
         for param in (*self.ln1.parameters(), *self.ln2.parameters()):
             param.sequence_parallel = sequence_parallel
-        self.mlp = MLP(config, tp, sequence_parallel, dtype, overlap)
+        self.mlp = MLP(config, tp, sequence_parallel, dtype, overlap) if mlp is None else mlp
         self.dropout = config.dropout
         self.full_recompute = config.recompute == "full"
 

@@ -205,14 +205,18 @@ class CrossEntropy(nn.Module):
 
 
 class GPT(nn.Module):
-    """Embedding, L layers, final norm, output layer and loss on one tensor-parallel rank."""
+    """Embedding, L layers, final norm, output layer and loss on one tensor-parallel rank.
 
-    def __init__(self, config: ModelConfig, tp: TensorParallelGroup, strategy: Strategy) -> None:
+    `mlps` gives layer i another MLP than the probe's own (None: the probe's): megatron-core's MoELayer in a
+    mixture of experts' step (memcalc.probe.libs.megatron_step)."""
+
+    def __init__(self, config: ModelConfig, tp: TensorParallelGroup, strategy: Strategy,
+                 mlps: Callable[[int], nn.Module | None] = lambda i: None) -> None:
         super().__init__()
         sp = strategy.sequence_parallel and tp.size > 1
         dtype = DTYPES[config.dtype]
         self.embedding = Embedding(config, tp, sp)
-        self.layers = nn.ModuleList(TransformerLayer(config, tp, sp) for _ in range(config.L))
+        self.layers = nn.ModuleList(TransformerLayer(config, tp, sp, mlp=mlps(i)) for i in range(config.L))
         self.final_norm = Norm(config.norm, config.h, ledger.FINAL_NORM, dtype, tp.device)
         for param in self.final_norm.parameters():
             param.sequence_parallel = sp
@@ -488,6 +492,7 @@ class MomentTracker(MemTracker):
 STEP_MODELS = {  # what --step runs, by --impl
     "megatron": "memcalc's own GPT", "hf": "transformers' LlamaForCausalLM", "torchtitan": "torchtitan's Llama3Model",
     "megatron latent attention": "memcalc's own GPT with megatron-core's MLASelfAttention",
+    "megatron experts": "memcalc's own GPT with megatron-core's MoELayer",
 }
 TOLERANCE = 0.01  # issue 8's bound: the peak and each of its categories within 1% of what MemTracker measured
 
@@ -559,8 +564,8 @@ def measure_step(config: ModelConfig, strategies: list[str], route: str | None =
     """Predict and measure one training step per strategy, on the CPU: one process, or rank 0 of t (fake group).
 
     Every strategy's timeline is made before any step runs, so an unmodelled knob is named at once. `route`
-    forces a mixture of experts' router (transformers' Mixtral and Qwen2-MoE): the timeline walks the balanced bound, which
-    only the balanced route pins.
+    forces a mixture of experts' router (transformers' Mixtral and Qwen2-MoE, megatron-core's MoELayer): the timeline
+    walks the balanced bound, which only the balanced route pins, or megatron's worst, which all-to-one pins.
     """
     if config.impl not in STEP_MODELS:
         raise ConfigError(f"--step runs memcalc's own Megatron-style model, transformers' LlamaForCausalLM with"
@@ -568,13 +573,17 @@ def measure_step(config: ModelConfig, strategies: list[str], route: str | None =
                           " it cannot")
     if route is not None and not config.moe:
         raise ConfigError(f"--route {route} forces a MoE router: the config has no experts (set num_experts)")
+    if config.impl == "megatron" and config.mla and config.moe:
+        raise ConfigError("--step trains megatron-core's latent attention or its MoE layer in memcalc's GPT, not both"
+                          " at once (DeepSeek-V3's layer): measure each alone")
     accounting = Accounting(exact=True, device="cpu")
     planned = [(STRATEGIES[name], timeline(config, check_strategy(config, STRATEGIES[name]), accounting))
                for name in strategies]
-    if config.moe and not routing_fixed(config, route):
-        raise ConfigError(f"--step on a mixture of experts needs --route balanced with moe_tokens balanced (not"
-                          f" {route or 'the real router'}, {config.moe_tokens}): the step timeline walks the balanced"
-                          " bound, which only the forced balanced router pins")
+    if config.moe and not (routing_fixed(config, route) or _pins_worst(config, route)):
+        raise ConfigError(f"--step on a mixture of experts needs --route balanced with moe_tokens balanced (or, with"
+                          f" --impl megatron, --route all-to-one with moe_tokens worst; not"
+                          f" {route or 'the real router'}, {config.moe_tokens}): the step timeline walks the bound,"
+                          " which only the forced route pins")
     model = _model(config, route)
     _check_fits(planned)
     out = []
@@ -583,33 +592,44 @@ def measure_step(config: ModelConfig, strategies: list[str], route: str | None =
         tp = config.t if strategy.tensor_parallel else 1
         # FSDP2: the fake group is every rank of the mesh, dp_replicate*dp_shard*t
         t = (config.dp_replicate or 1) * (config.dp_shard or 1) * tp if mode is Mode.FAKE else 1
-        routed = (route,) if config.moe else ()  # only the hf runner takes one
+        routed = (route,) if config.moe else ()  # only the MoE runners take one
         (measured,) = run(_step_runner(_trained(config), config.dp_shard is not None), (config, strategy, *routed),
                           mode=mode, t=t)
         out.append(StepComparison(strategy, mode, predicted, measured, model))
     return out
 
 
-# The step trainers of the libraries' own models, by (--impl, under FSDP2): module and function, imported only when a
-# step runs (each imports its library: an optional extra). Every other --impl trains memcalc's own GPT.
+def _pins_worst(config: ModelConfig, route: str | None) -> bool:
+    """Whether the forced all-to-one route pins the worst bound the MoE walk takes: every rank's tokens' k slots on the
+    same k experts (megatron's walk, memcalc.sizing.timeline.megatron_moe.expert_slots)."""
+    return config.impl == "megatron" and route == "all-to-one" and config.moe_tokens == "worst"
+
+
+# The step trainers of the libraries' own models, by (the model `_trained` names, under FSDP2): module and function,
+# imported only when a step runs (each imports its library: an optional extra). Every other case trains memcalc's own
+# GPT.
 STEP_TRAINERS = {
     ("hf", False): ("memcalc.probe.libs.hf_step", "measure_hf_step_on_rank"),
     ("hf", True): ("memcalc.probe.libs.hf_fsdp", "measure_hf_fsdp_step_on_rank"),
     ("torchtitan", False): ("memcalc.probe.libs.torchtitan_step", "measure_torchtitan_step_on_rank"),
     ("torchtitan", True): ("memcalc.probe.libs.torchtitan_step", "measure_torchtitan_fsdp_step_on_rank"),
     ("megatron latent attention", False): ("memcalc.probe.libs.megatron_mla_step", "measure_megatron_mla_step_on_rank"),
+    ("megatron experts", False): ("memcalc.probe.libs.megatron_step", "measure_megatron_moe_step_on_rank"),
 }
 
 
 def _trained(config: ModelConfig) -> str:
-    """The STEP_TRAINERS key's model: --impl, or for megatron with kv_lora_rank its own latent attention."""
-    return "megatron latent attention" if config.impl == "megatron" and config.mla else config.impl
+    """The STEP_TRAINERS key's model: --impl, or for megatron megatron-core's latent attention (kv_lora_rank) or
+    mixture of experts (num_experts) in memcalc's GPT."""
+    if config.impl == "megatron" and config.mla:
+        return "megatron latent attention"
+    return "megatron experts" if config.impl == "megatron" and config.moe else config.impl
 
 
-def _step_runner(impl: str, sharded: bool = False) -> Callable[[TensorParallelGroup, ModelConfig, Strategy],
-                                                                StepMeasurement]:
-    """memcalc's own GPT, or the library's own model from `STEP_TRAINERS` (impl hf: transformers' LlamaForCausalLM;
-    `sharded`: under FSDP2; impl torchtitan: its Llama3Model), imported only then."""
+def _step_runner(impl: str, sharded: bool = False) -> Callable[..., StepMeasurement]:
+    """memcalc's own GPT, or the model from `STEP_TRAINERS` (impl hf: transformers' own; `sharded`: under FSDP2; impl
+    torchtitan: its Llama3Model; megatron's latent attention or experts: memcalc's GPT with megatron-core's module),
+    imported only then; the MoE runners take the route too."""
     if (impl, sharded) not in STEP_TRAINERS:
         return measure_step_on_rank
     runner(impl.split()[0])  # ProbeError naming the extra to install when the library is missing
@@ -621,8 +641,8 @@ def _model(config: ModelConfig, route: str | None) -> str:
     """The model the step trains, in words: with experts or a QK norm transformers' model of the family that runs the
     knobs (Mixtral, Qwen2-MoE, Qwen3, Qwen3-MoE: memcalc.probe.libs.hf_step), its router forced."""
     family = family_of(config) if config.impl == "hf" and (config.moe or config.qk_layernorm) else None
-    return STEP_MODELS[_trained(config)] if family is None else f"transformers' {family.architectures[0]}" + (
-        f", router forced {route}" if config.moe else "")
+    model = STEP_MODELS[_trained(config)] if family is None else f"transformers' {family.architectures[0]}"
+    return model + (f", router forced {route}" if config.moe else "")
 
 
 def _check_fits(planned: list[tuple[Strategy, Timeline]]) -> None:

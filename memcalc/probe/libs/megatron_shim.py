@@ -210,7 +210,7 @@ def _cpu_dtoh(self: Any, point: str, tokens_per_expert: Any = None) -> Any:
         for name in ("input_splits", "output_splits", "output_splits_tp"):
             sizes = getattr(self, name)
             if torch.is_tensor(sizes):
-                setattr(self, name, sizes.numpy())
+                setattr(self, name, sizes.numpy().copy())  # host memory, as CUDA's copies: the tensor goes
     return tokens_per_expert
 
 
@@ -226,8 +226,8 @@ def _every_rank_like_this_one(gather: Any) -> Any:
             return out
         if out._base is not None:  # the all-gather dispatcher's tokens land in megatron's global buffer, a view:
             out = out.clone()  # autograd forbids writing into a custom Function's view (clone keeps nothing)
-        with torch.no_grad():  # (ranks * n, ...): every rank's n rows alike
-            out.copy_(torch.cat([input_] * group.size()))
+        with torch.no_grad():  # (ranks * n, ...): every rank's n rows alike, copied in place (a cat would allocate)
+            out.view(group.size(), *input_.shape).copy_(input_.expand(group.size(), *input_.shape))
         return out
 
     return gathered

@@ -57,7 +57,9 @@ as one op for that reason (memcalc.probe.kernels, attention.py). transformers' L
 (memcalc.sizing.timeline.walk), sharded by FSDP2 too (`dp_shard`: each block's all-gather and reduce-scatter are ops
 on the same tape, memcalc.sizing.timeline.fsdp), and so are its Mixtral and Qwen2-MoE at t = 1 under the balanced
 bound, their experts in the eager loop (memcalc.sizing.timeline.hf_moe), and Qwen3 and Qwen3-MoE (QK norms, heads of
-head_dim); megatron's mixture of experts is refused.
+head_dim). Megatron's layer takes
+megatron-core's MoELayer at t = 1 (any ep) or tp-sp (ep = 1) under the balanced or worst bound, its router, all-to-all
+dispatcher and SequentialMLP experts as ops in the Megatron layer (memcalc.sizing.timeline.megatron_moe).
 torchtitan's Llama3Model (`--impl torchtitan`) is described likewise (memcalc.sizing.timeline.torchtitan), at t = 1
 and under its own TP plan (tp, tp-sp) on the CPU kernels.
 Everything else raises ConfigError naming what is missing. Within a layer's forward only the end of
@@ -80,7 +82,7 @@ from memcalc.sizing.pipeline import Stage, stages
 from memcalc.sizing.timeline.hf import hf_timeline
 from memcalc.sizing.timeline.torchtitan import torchtitan_timeline
 from memcalc.sizing.timeline.ends import STEP_TENSORS, Ends, model_states
-from memcalc.sizing.timeline import megatron_mla
+from memcalc.sizing.timeline import megatron_mla, megatron_moe
 from memcalc.sizing.timeline.megatron import INPUT, INPUT_GRAD, OUTPUT, OUTPUT_GRAD, layer_ops
 from memcalc.sizing.timeline.walk import Op, Walk
 from memcalc.sizing.timeline.tape import (
@@ -110,16 +112,20 @@ def timeline(
         return hf_timeline(config, strategy, accounting)
     if config.impl == "torchtitan":  # torchtitan's Llama3Model, described as ops for the generic walk
         return torchtitan_timeline(config, strategy, accounting)
+    _refuse_other_moe(config, strategy)
     layer = estimate(config, strategy, accounting)
     z = Sizes.of(config, strategy)
     host = megatron_mla.host_scalars(config, z, accounting) if config.mla else ()  # beside the ledger's, on the CPU
     kept = (*(x.tensor for x in layer.tensors), *host)
     saved = {x.tensor.name: x.bytes for x in layer.tensors} | {x.name: 4 for x in host}
+    if config.moe:  # each expert's own storages as pieces of the ledger's rows
+        kept, saved = megatron_moe.pieces(config, z, kept, saved)
     rerun = _rerun(config, strategy, accounting) if config.recompute != "none" else layer
-    again = megatron_mla.rerun_host_scalars(config, z, accounting) if config.mla else ()
-    sizes = {x.tensor.name: x.bytes for x in rerun.tensors} | {x.name: 4 for x in again} | saved
-    ops = layer_ops(config, z, kept, tuple(x.tensor for x in rerun.tensors), sizes)
-    _check_modelled(config, (*kept, *(x.tensor for x in rerun.tensors)), ops)
+    again = kept if rerun is layer else tuple(x.tensor for x in rerun.tensors)
+    host_again = megatron_mla.rerun_host_scalars(config, z, accounting) if config.mla else ()
+    sizes = {x.tensor.name: x.bytes for x in rerun.tensors if rerun is not layer} | {x.name: 4 for x in host_again} | saved
+    ops = layer_ops(config, z, kept, again, sizes)
+    _check_modelled(config, (*kept, *again), ops)
     st = _stage(config, stage)
     tape = Tape()
     model_states(tape, config, st, z)
@@ -140,6 +146,9 @@ def timeline(
             megatron_mla.beside_the_ledger(tape, config, z, i, first)
         walk.forward(ops)
         _fold(tape, i, folded)
+        if config.moe:  # held by the layer's dispatcher beyond the step: one term
+            tape.add(f"layers.{i}/moe dispatcher", ACTIVATIONS, sum(tape.live.pop(x).bytes for x in megatron_moe.HELD),
+                     "what MoELayer's token dispatcher holds as attributes until the next forward")
     ends.forward_out(tape)
     ends.backward_out(tape)
     for i in reversed(layers):
@@ -216,9 +225,10 @@ def _refuse_other_layers(config: ModelConfig) -> None:
     if per_stage > MAX_WALKED_LAYERS:
         raise ConfigError(f"the step timeline walks a stage's layers one by one, at most {MAX_WALKED_LAYERS}:"
                           f" L/pp = {config.L}/{config.pp} is {per_stage}")
-    if config.moe and config.impl != "hf":  # transformers' MoE blocks: the hf walk's check_modelled says which
-        raise ConfigError("the step timeline does not model a mixture of experts (num_experts) yet: it walks dense"
-                          " MLPs (with --impl hf, transformers' Mixtral and Qwen2-MoE)")
+    if config.moe and config.impl not in ("hf", "megatron"):  # the hf walk's check_modelled says which it models
+        raise ConfigError(f"the step timeline does not model a mixture of experts (num_experts) with impl"
+                          f" {config.impl} yet: it walks megatron-core's MoELayer (--impl megatron) and transformers'"
+                          " Mixtral and Qwen2-MoE (--impl hf)")
     if config.mla and (config.impl != "megatron" or config.recompute == "full"):
         raise ConfigError(f"the step timeline models latent attention (kv_lora_rank) as megatron-core's"
                           f" MLASelfAttention without recomputation or with selective (impl megatron), not impl"
@@ -228,6 +238,15 @@ def _refuse_other_layers(config: ModelConfig) -> None:
                           f" h/a={config.h}/{config.a}={config.h // config.a} wide) yet: it walks attention h wide")
     if config.qk_layernorm and config.impl != "hf":  # transformers' Qwen3 and Qwen3-MoE: the hf walk's
         raise ConfigError("the step timeline does not model qk_layernorm (norms on each query and key head) yet")
+
+
+def _refuse_other_moe(config: ModelConfig, strategy: Strategy) -> None:
+    """ConfigError naming what of megatron-core's MoELayer the walk does not model yet
+    (memcalc.sizing.timeline.megatron_moe)."""
+    missing = megatron_moe.unmodelled(config, Sizes.of(config, strategy)) if config.moe else None
+    if missing:
+        raise ConfigError(f"the step timeline does not model {missing} yet: it walks megatron-core's MoELayer"
+                          " with the all-to-all dispatcher")
 
 
 def _check_modelled(config: ModelConfig, kept: tuple[SavedTensor, ...], ops: tuple[Op, ...]) -> None:

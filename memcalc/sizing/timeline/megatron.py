@@ -21,6 +21,7 @@ from memcalc.config.schema import ModelConfig
 from memcalc.model import ledger
 from memcalc.model.impls import megatron
 from memcalc.model.ledger import Dim, NormTensors, SavedTensor
+from memcalc.sizing.timeline import megatron_moe
 from memcalc.sizing.timeline.tape import ACTIVATIONS, TEMPORARIES, Sizes
 from memcalc.sizing.timeline.walk import Made, Op, Step
 
@@ -61,10 +62,13 @@ def layer_ops(
     if full:
         backward.append(_rerun_layer(z, rerun, has))
     grad = _dropout(backward, z, ledger.MLP_DROPOUT_MASK, "the MLP", OUTPUT_GRAD, has)
-    backward.append(_row_parallel(z, "mlp.fc2", ledger.FC2_IN, grad, OUTPUT_GRAD, z.f_t, "grad/fc2 input"))
-    grad, width = _activation(backward, config, z, "grad/fc2 input")
-    grad = _column_parallel(backward, z, "mlp.fc1", ledger.FC1_IN, grad, width, width if config.add_bias_linear else 0,
-                            "grad/fc1 input")
+    if config.moe:
+        grad = megatron_moe.moe_ops(backward, config, z, grad, OUTPUT_GRAD)
+    else:
+        backward.append(_row_parallel(z, "mlp.fc2", ledger.FC2_IN, grad, OUTPUT_GRAD, z.f_t, "grad/fc2 input"))
+        grad, width = _activation(backward, config, z, "grad/fc2 input")
+        grad = _column_parallel(backward, z, "mlp.fc1", ledger.FC1_IN, grad, width,
+                                width if config.add_bias_linear else 0, "grad/fc1 input")
     mid = "grad/ln2 input"  # the residual stream's gradient between the two halves
     backward.append(_norm(z, "ln2", ledger.LN2, grad, () if full else (OUTPUT_GRAD,), mid))
     grad = _dropout(backward, z, ledger.ATTN_OUT_DROPOUT_MASK, "attention", mid, has)
@@ -79,16 +83,24 @@ def layer_ops(
         grad = _column_parallel(backward, z, "attention.qkv", ledger.QKV_IN, "grad/qkv output", z.qkv_t, qkv_bias,
                                 "grad/qkv input")
     backward.append(_norm(z, "ln1", ledger.LN1, grad, (mid,), INPUT_GRAD))
-    backward.append(_layer(z, kept, full))
+    if config.moe:  # the experts' widest forward moment first, then the layer's end
+        moments, later = megatron_moe.experts_forward(config, z, _made_here(kept))
+        backward.extend((_layer(z, later, full), *reversed(moments)))
+    else:
+        backward.append(_layer(z, _made_here(kept), full))
     return tuple(reversed(backward))
 
 
-def _layer(z: Sizes, kept: tuple[SavedTensor, ...], full: bool) -> Op:
-    """The layer's forward as one moment: its saved tensors (but its input, live already) and its output. Under full
+def _made_here(kept: tuple[SavedTensor, ...]) -> tuple[SavedTensor, ...]:
+    """What the layer's forward makes of what it keeps: all but its input, live already."""
+    return tuple(x for x in kept if x.name not in (INPUT, ledger.LAYER_INPUT.name))
+
+
+def _layer(z: Sizes, made: tuple[SavedTensor, ...], full: bool) -> Op:
+    """The layer's forward as one moment: the saved tensors it makes (`made`) and its output. Under full
     recomputation it is a checkpoint: it keeps the layer's input, and when it returns its rerun's output and the
     output's gradient (held while the rerun's backward runs) go."""
-    tensors = tuple(Made(x.name, 0, "kept for backward (the ledger)", keeps=x) for x in kept
-                    if x.name not in (INPUT, ledger.LAYER_INPUT.name))
+    tensors = tuple(Made(x.name, 0, "kept for backward (the ledger)", keeps=x) for x in made)
     output = Made(OUTPUT, z.seq(z.h), "the layer's output, the next block's input")
     returns = (Step("the checkpoint returns", frees=("layer/recomputed output", OUTPUT_GRAD)),) if full else ()
     return Op("", forward=(Step("the layer's saved tensors", (*tensors, output)),), backward=returns,

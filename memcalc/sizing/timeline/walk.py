@@ -121,6 +121,7 @@ class Walk:
     checkpoint: Checkpoint | None = None
     _kept_by: dict[str, int] = field(default_factory=dict)  # saved name -> index of the first op that keeps it
     _rerun_kept: set[str] = field(default_factory=set)  # under a checkpoint: what the rerun made that ops keep
+    _releases: dict[int, tuple[str, ...]] = field(default_factory=dict)  # op index -> the tape names it frees
 
     def kept(self, tensor: SavedTensor) -> str:
         """A saved tensor's tape name."""
@@ -183,9 +184,11 @@ class Walk:
             self.tape.drop(self.checkpoint.holds)
 
     def _release(self, op: Op, i: int) -> None:
-        """What op i saves goes, unless an op before it (whose backward runs later) keeps it too."""
-        if op.saves:
-            self.tape.drop(*(self.kept(x) for x in op.saves if self._kept_by.get(x.name) == i))
+        """What op i saves goes, unless an op before it (whose backward runs later) keeps it too (found once per op:
+        one walk serves every layer, and a MoE layer has thousands of ops)."""
+        if i not in self._releases:
+            self._releases[i] = tuple(self.kept(x) for x in op.saves if self._kept_by.get(x.name) == i)
+        self.tape.drop(*self._releases[i])
 
     def _step(self, step: Step, op: Op, phase: str, returns: int | None = None) -> None:
         """The step's tensors made, its moment, what it frees; at the op's return (`returns`, the op's index) what the

@@ -1,0 +1,83 @@
+"""One training step of memcalc's GPT whose MLPs are megatron-core's own MoELayer, measured with MemTracker.
+
+The step probe's GPT (memcalc.probe.step) with each MoE layer's MLP swapped for the MoELayer megatron's GPT decoder
+block spec gives that layer (`megatron_shim.layer_spec`: TopKRouter, the configured token dispatcher, SequentialMLP
+experts, shared experts), built from the `TransformerConfig` the layer probe builds (memcalc.probe.libs.megatron)
+under megatron's parallel_state on the probe's group, inside `megatron_shim.cpu_megatron()`, its router forced by
+`--route` (`megatron_shim.forced_routing`). Warm-up and measured step both run inside the shim, so the dispatcher
+runs its CPU path each time. Trained as every step trainer trains (`Trainer.around`: Megatron's fp32 gradient
+buffer and mixed-precision AdamW).
+"""
+
+from __future__ import annotations
+
+import warnings
+from contextlib import contextmanager, nullcontext
+from dataclasses import replace
+from functools import partial
+from typing import Any, Iterator
+
+from memcalc.config.schema import ModelConfig
+from memcalc.model.strategy import Strategy
+from memcalc.probe import require_torch
+from memcalc.probe.group import TensorParallelGroup
+from memcalc.probe.libs.megatron import WEIGHT_SEED, _model_parallel, _quiet, transformer_config
+from memcalc.probe.libs.megatron_shim import cpu_megatron, forced_routing, layer_spec, seed_rng_tracker
+from memcalc.probe.step import BATCH_SEED, GPT, StepMeasurement, Trainer, measure_trainer
+
+torch = require_torch()
+from torch import nn  # noqa: E402  (after the install check above)
+
+
+def measure_megatron_moe_step_on_rank(
+    tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, route: str | None = None,
+) -> StepMeasurement:
+    """Build the GPT with megatron-core's MoELayer on this rank, run a warm-up step, then measure one step."""
+    with inside_megatron(tp, config, route):
+        return measure_trainer(warmed_up(tp, config, strategy), tp, strategy)
+
+
+@contextmanager
+def inside_megatron(tp: TensorParallelGroup, config: ModelConfig, route: str | None) -> Iterator[None]:
+    """megatron's CPU shim, its parallel_state on the probe's group and the forced route (none: the real router), for
+    building and stepping the GPT."""
+    with warnings.catch_warnings():
+        _quiet()  # before the shim imports megatron, which warns as it is imported
+        routing = forced_routing(route, config.moe_router_topk) if route else nullcontext()
+        with cpu_megatron(), _model_parallel(tp, config.ep), routing:
+            yield
+
+
+def warmed_up(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy) -> Trainer:
+    """The GPT with MoELayer MLPs, stepped once (`inside_megatron`)."""
+    megatron_config = transformer_config(config, tp.size, strategy.sequence_parallel and tp.size > 1)
+    torch.manual_seed(WEIGHT_SEED)
+    seed_rng_tracker(WEIGHT_SEED, tp.rank)
+    mlps = partial(_moe_layer, config, megatron_config, tp.device)
+    model = GPT(config, tp, strategy, mlps)
+    torch.manual_seed(BATCH_SEED + tp.rank)  # dropout masks
+    return Trainer.around(config, model, model)
+
+
+def _moe_layer(config: ModelConfig, megatron_config: Any, device: torch.device, i: int) -> nn.Module | None:
+    """Layer i's MLP: the MoELayer its spec gives a MoE layer, returning its output alone; None for a dense one
+    (the probe's own MLP)."""
+    from megatron.core.transformer.spec_utils import build_module
+
+    if not config.is_moe_layer(i):
+        return None
+    spec = layer_spec(megatron_config, i).submodules.mlp
+    return build_module(replace(spec, module=_output_only(spec.module)), config=megatron_config,
+                        layer_number=i + 1).to(device)
+
+
+def _output_only(moe_layer: type) -> type:
+    """MoELayer returns (output, bias): the probe's layer adds the output alone (the bias is None without biases)."""
+
+    class OutputOnly(moe_layer):
+        def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+            output, bias = super().forward(hidden_states)
+            assert bias is None, "MoELayer's experts have no biases here (megatron._check_experts)"
+            return output
+
+    return OutputOnly

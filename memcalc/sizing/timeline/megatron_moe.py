@@ -1,0 +1,417 @@
+"""megatron-core's MoELayer (impl megatron with num_experts) in the step, as ops for the generic walk.
+
+The MLP of `memcalc.sizing.timeline.megatron.layer_ops` becomes megatron-core 0.16's MoELayer as it runs on the CPU
+path (memcalc.probe.libs.megatron_step): SharedExpertMLP first when there are shared experts (a dense MLP of width
+u on every token, its output held until it is added to the routed experts'), TopKRouter (a GEMM to E logits, top-k,
+an fp32 softmax over the k, cast back and scattered into an (n, E) map; pre-softmax, the fp32 softmax over all E
+before the top k), the all-to-all dispatcher at ep = 1 (permute: masked_select of the probabilities, index_select of
+the tokens; sort_chunks_by_idxs, a split and a cat, for tokens and probabilities), SequentialMLP's experts one after
+another (fc1, SwiGLU or GELU, activation * probability, fc2; an expert without tokens still makes its weights'
+gradients), then the unsort (split and cat) and unpermute (scatter_add_ into zeros). The saved tensors are the
+ledger's (memcalc.model.impls.megatron.moe_block); an expert's own storages (`PER_EXPERT`) are one per local expert,
+each freed as that expert's backward returns: the walk keeps them as `[e]` pieces of the ledger's row. Backward, as
+autograd runs it (n tokens on the rank, R = kn slots, r an expert's: about R/E under the balanced bound, n or 0 under
+the worst, which the forced all-to-one route pins):
+
+    unpermute   scatter_add_'s backward gathers dY rows, (R, h); the unsort's split backward concatenates them
+    expert e    (the last first) fc2's dX and dW; activation * probs: dY * probs, dY * activation summed over
+                its columns (an (r, 1) probability gradient); SwiGLU's product, SiLU's backward and the
+                concatenated (r, 2f_e) fc1 output gradient (or GELU's); fc1's dX and dW
+    experts     the per-expert probability and input gradients concatenated; the sort's split backward
+                concatenates each again
+    permute     index_select's backward: new_zeros and index_add, (n, h); masked_select's: zeros_like and
+                masked_scatter, (E, n)
+    router      scatter's gather (n, k); the cast up, the fp32 softmax's backward, the cast down; top-k's
+                new_zeros and scatter, (n, E) (pre-softmax: top-k's first, then the casts and softmax over E);
+                the router's GEMMs and the sum of its dX with the permute's
+    shared      fc2, SwiGLU or GELU, fc1 on every token, as an expert's without the probability; its dX summed
+                with the routed path's
+
+Under tp-sp (etp = t) each rank routes its s/t tokens; the dispatcher all-gathers the t ranks' slots (R = t k n) for
+the experts, each f_e/t wide, and reduce-scatters their unsorted output back: in backward the unpermute's gradient is
+all-gathered before the unsort and the sorted tokens' and probabilities' gradients reduce-scattered before the
+permute. Over ep (at t = 1) all-to-alls take their place, each rank's E/ep experts receiving the slots every rank
+routes to them (R = kn under the balanced bound, ep n min(k, E/ep) under the worst); MoELayer.forward then holds the
+dispatched tokens and probabilities through the experts. The dispatcher keeps the router's probabilities and map and the tokens per expert as attributes (`HELD`)
+until the next forward replaces them: they outlive the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from memcalc.config.schema import ModelConfig
+from memcalc.model import ledger
+from memcalc.model.impls import megatron
+from memcalc.model.ledger import SavedTensor
+from memcalc.sizing.timeline.tape import Sizes
+from memcalc.sizing.timeline.walk import Made, Op, Step
+
+# The ledger's rows an expert keeps in a storage of its own (SequentialMLP runs each expert's MLP on its slots).
+PER_EXPERT = (ledger.EXPERT_GATE, ledger.EXPERT_UP, ledger.EXPERT_SILU_OUT, megatron.EXPERT_UP_COPY,
+              ledger.EXPERT_GELU_IN, megatron.EXPERT_ACT_OUT, ledger.EXPERT_FC2_IN)
+_PER_EXPERT = frozenset(x.name for x in PER_EXPERT)
+_WGRAD = "the expert weight's bf16 gradient, dW = dY^T X"
+
+# What the all-to-all dispatcher holds as attributes after its forward, to the next forward (tape names; the walk
+# gives each layer's its own): the router's outputs, the tokens per expert, and the permutation's indices, which
+# index_select and unpermute's scatter_add_ keep for backward too (a ledger row the dispatcher outlives).
+HELD = ("moe/dispatcher probs", "moe/dispatcher routing map", "moe/dispatcher tokens per expert",
+        megatron.PERMUTE_INDICES.name)
+
+
+def unmodelled(config: ModelConfig, z: Sizes) -> str | None:
+    """The first thing of a MoE layer on this rank (`z`) the walk does not model yet, in words; None when it models
+    the layer."""
+    t = z.t
+    missing = [
+        (config.ep > 1 and t > 1, f"ep={config.ep} beside t={t} (it walks expert parallelism at t = 1)"),
+        (config.ep > 1 and bool(config.moe_shared_expert_intermediate_size), "shared experts at ep > 1"),
+        (config.ep > 1 and config.num_experts == config.ep, f"one expert a rank (E=ep={config.ep}: the dispatcher"
+         " neither sorts nor keeps the per-expert counts)"),
+        (config.ep > 1 and config.moe_tokens == "balanced" and config.moe_router_topk * z.b * z.s_seq
+         % config.num_experts != 0, f"ep={config.ep} with k*b*s={config.moe_router_topk * z.b * z.s_seq} slots a rank"
+         f" that E={config.num_experts} experts do not share evenly (the ranks' experts would receive other than"
+         " the balanced bound's kbs)"),
+        (t > 1 and not z.sp, f"t={t} without sequence parallelism with experts"),
+        (t > 1 and bool(config.moe_shared_expert_intermediate_size), f"shared experts at t={t}"),
+        (config.moe_token_dispatcher_type != "alltoall",
+         f"the {config.moe_token_dispatcher_type} token dispatcher (it walks the all-to-all one)"),
+        (config.moe_expert_capacity_factor is not None, "a capacity factor (moe_expert_capacity_factor)"),
+        (config.moe_aux_loss, "the load-balancing loss (moe_aux_loss)"),
+        (config.moe_router_score_function != "softmax", f"the {config.moe_router_score_function} router"),
+        (config.mlp == "swiglu" and config.bias_activation_fusion, "the fused SwiGLU in the experts"),
+        (config.moe_layers != config.L, "dense layers among MoE ones (moe_layer_freq, moe_first_dense_layers)"),
+        (config.recompute != "none", f"recompute {config.recompute} with experts"),
+        (bool(config.vpp) and config.pp > 1, "interleaved pipelining with experts (the other chunks' dispatchers)"),
+        (config.moe_tokens == "capacity", "moe_tokens capacity (it walks the balanced and the worst bounds)"),
+    ]
+    return next((what for absent, what in missing if absent), None)
+
+
+def expert_slots(config: ModelConfig, z: Sizes) -> tuple[int, ...]:
+    """The slots each local expert receives (ep = 1) under the knobs' bound: balanced, R/E each, the first R mod E
+    experts one more (the forced balanced route sends slot j of token i to expert (ik + j) mod E); worst, every
+    token's k slots on the same k experts, n each and none for the others (the forced all-to-one route)."""
+    n, k, experts = z.b * z.s_seq, config.moe_router_topk, config.num_experts
+    ranks = z.t * config.ep  # every rank of the tp*ep group routes as this one, and rank 0 holds experts 0..E/ep-1
+    if config.moe_tokens == "worst":
+        return tuple(ranks * n if e < k else 0 for e in range(experts // config.ep))
+    return tuple(ranks * (k * n // experts + (e < k * n % experts)) for e in range(experts // config.ep))
+
+
+def piece(x: SavedTensor, e: int) -> SavedTensor:
+    """Expert e's share of a per-expert ledger row: the ledger's record, named for the expert."""
+    return replace(x, name=f"{x.name}[{e}]")
+
+
+def pieces(config: ModelConfig, z: Sizes, kept: tuple[SavedTensor, ...], saved: dict[str, int]) -> tuple[
+        tuple[SavedTensor, ...], dict[str, int]]:
+    """The layer's saved tensors with each per-expert row split into its experts' pieces (bytes shared as the slots
+    are, `expert_slots`), less those the dispatcher holds beyond backward (`held` makes them); and every tensor's
+    bytes by name."""
+    slots = expert_slots(config, z)
+    out: list[SavedTensor] = []
+    sizes = {name: nbytes for name, nbytes in saved.items() if name not in _PER_EXPERT}
+    for x in kept:
+        if x.name in HELD:  # `held`: the dispatcher holds it beyond backward
+            continue
+        if x.name not in _PER_EXPERT:
+            out.append(x)
+            continue
+        for e, r in enumerate(slots):
+            if not r:  # an expert without tokens keeps nothing
+                continue
+            out.append(piece(x, e))
+            sizes[piece(x, e).name] = saved[x.name] * r // sum(slots)
+    return tuple(out), sizes
+
+
+def held(config: ModelConfig, z: Sizes) -> tuple[Made, ...]:
+    """What the dispatcher keeps as attributes after the layer's forward (`HELD`): the router's (n, E) probabilities
+    and map, the tokens per local expert (one int64 per expert of the tp*ep group), the permutation's indices."""
+    n, experts = z.b * z.s_seq, config.num_experts
+    return (
+        Made(HELD[0], z.act * n * experts, "the dispatcher's self.probs: the router's (n, E) probabilities"),
+        Made(HELD[1], n * experts, "the dispatcher's self.routing_map: the router's (n, E) bool map"),
+        Made(HELD[2], 8 * z.t * experts, "the dispatcher's self.num_global_tokens_per_local_expert, int64: each"
+             " local expert's tokens from each rank of the tp*ep group"),
+        Made(HELD[3], 0, "the dispatcher's self.reversed_local_input_permutation_mapping (the ledger's row)",
+             keeps=megatron.PERMUTE_INDICES),
+    )
+
+
+def experts_forward(config: ModelConfig, z: Sizes, made: tuple[SavedTensor, ...]) -> tuple[
+        tuple[Op, ...], tuple[SavedTensor, ...]]:
+    """The MoE's widest forward moments as ops (forward only, in forward order); and what of `made` (the saved
+    tensors the layer's forward makes) is made after them, at the layer's end.
+
+    By the experts' concatenated output every saved tensor of the layer but the MLP's dropout mask exists, and the
+    dispatcher's attributes (`held`); MoELayer.forward still holds the permuted tokens and probabilities (the sort
+    made copies; at t > 1 the all-gathered copies are gone by then, the token counts summed over the group not yet),
+    each expert's fc2 output and their concatenation. At t = 1 the unsort's concatenation that follows replaces the
+    experts' outputs with as many bytes (MemTracker's peak is the first); at t > 1 the reduce-scatter of the unsorted
+    output adds this rank's share beside both concatenations.
+    """
+    act, local = z.act, config.moe_router_topk * z.b * z.s_seq
+    slots = sum(expert_slots(config, z))  # what this rank's experts receive: all-gathered over t, all-to-all over ep
+    exchanged = z.t > 1 or config.ep > 1
+    later = tuple(x for x in made if x.name == ledger.MLP_DROPOUT_MASK.name)
+    before = tuple(Made(x.name, 0, "kept for backward (the ledger)", keeps=x) for x in made if x not in later)
+    held_by_forward = (
+        Made("moe/permuted tokens", act * local * z.h, "permute's index_select: MoELayer.forward holds it"),
+        *((Made("moe/permuted probs", act * local, "permute's masked_select of the probabilities, held likewise"),)
+          if config.ep == 1 else (
+            Made("moe/dispatched tokens", act * slots * z.h, "the all-to-all's output over ep: MoELayer.forward holds"
+                 " it beside the permuted tokens, (R, h)"),
+            Made("moe/dispatched probs", act * slots, "the probabilities' all-to-all output, which replaces the"
+                 " permuted ones"))),
+        *((Made("moe/tokens per expert", 8 * config.num_experts // config.ep, "the experts' token counts summed over"
+                " the tp*ep group's ranks (at t = 1 a view of what the dispatcher holds), int64"),) if exchanged else ()),
+        *((Made("moe/shared experts output", z.seq(z.h), "the shared experts ran first: their output waits for the"
+                " routed experts'"),) if config.moe_shared_expert_intermediate_size else ()),
+        Made("moe/experts output", act * slots * z.h, "SequentialMLP's cat of its experts' outputs, (R, h)"),
+    )
+    outputs = Made("moe/expert outputs", act * slots * z.h, "each expert's fc2 output, SequentialMLP's list, (R, h)")
+    experts = Op("mlp.experts", forward=(Step("the experts' outputs concatenated", (
+        *before, *held(config, z), *held_by_forward, outputs), frees=(outputs.name,)),), backward=())
+    if not exchanged:
+        return (experts, _dropped(held_by_forward)), later
+    # over ep the experts' output and the token counts are gone before the all-to-all back; over t they stay
+    gone = (Step("the experts' output and the token counts freed", frees=("moe/experts output", "moe/tokens per expert")),
+            ) if config.ep > 1 else ()
+    combine = Op("mlp", forward=(*gone, Step("the unsorted output sent back (reduce-scatter over t, all-to-all over ep)", (
+        Made("moe/unsorted output", act * slots * z.h, "sort_chunks_by_idxs back to the tokens' order, (R, h)"),
+        Made("moe/reduce-scattered output", act * local * z.h, "the collective's output: this rank's slots")),
+        frees=(*(x.name for x in held_by_forward), "moe/unsorted output", "moe/reduce-scattered output")),),
+        backward=())
+    return (experts, combine), later
+
+
+def _dropped(made: tuple[Made, ...]) -> Op:
+    """An op that only frees (forward-held transients), making no moment."""
+    return Op("mlp", forward=(Step("MoELayer's forward returns", frees=tuple(x.name for x in made)),), backward=())
+
+
+def _backward(where: str, *steps: Step, saves: tuple[SavedTensor, ...] = ()) -> Op:
+    return Op(where, forward=(), backward=steps, saves=saves)
+
+
+def _one(where: str, what: str, made: Made, frees: tuple[str, ...], saves: tuple[SavedTensor, ...] = ()) -> Op:
+    return _backward(where, Step(what, (made,), frees), saves=saves)
+
+
+def moe_ops(ops: list[Op], config: ModelConfig, z: Sizes, grad: str, residual: str) -> str:
+    """MoELayer's backward, appended to `ops` in backward order, from its output's gradient `grad` (freed by the
+    unpermute unless it is the residual stream's, `residual`) to its input's; returns that gradient's name."""
+    act, h, n, k = z.act, z.h, z.b * z.s_seq, config.moe_router_topk
+    experts = config.num_experts // config.ep
+    shared = bool(config.moe_shared_expert_intermediate_size)  # the shared experts read dY after the routed ones
+    local = k * n  # the slots of this rank's tokens
+    slots = sum(expert_slots(config, z))  # and those this rank's experts receive
+    exchanged = z.t > 1 or config.ep > 1
+    ops.append(_one("mlp", "unpermute: scatter_add_'s backward gathers dY", Made(
+        "grad/unpermuted", act * local * h, "scatter_add_'s backward: dY gathered by the permutation"),
+        () if grad == residual or shared else (grad,)))  # its indices: the dispatcher holds them (HELD)
+    unpermuted = "grad/unpermuted"
+    if exchanged:
+        ops.append(_one("mlp", "all-gather of dY (the combine's reduce-scatter's backward)", Made(
+            "grad/unpermuted gathered", act * slots * h, "the experts' output was reduce-scattered over t: its"
+            " gradient all-gathered, (R, h)"), (unpermuted,)))
+        unpermuted = "grad/unpermuted gathered"
+    ops.append(_one("mlp", "unsort: split's backward concatenates", Made(
+        "grad/expert output", act * slots * h, "sort_chunks_by_idxs split the experts' output: its gradient"
+        " concatenated"),
+        (unpermuted,)))
+    for e, r in reversed(list(enumerate(expert_slots(config, z)))):
+        _expert(ops, config, z, e, r)
+    ops.extend((
+        # MemTracker still has the first expert's fc1 active here (and the experts for the sort's probabilities)
+        _one("mlp.experts.local_experts.0.linear_fc1", "the experts' probability gradients concatenated", Made(
+            "grad/expert probs", act * slots, "SequentialMLP split the probabilities: their gradients concatenated"),
+            tuple(f"grad/expert probs[{e}]" for e in range(experts))),
+        _one("mlp.experts", "the experts' input gradients concatenated", Made(
+            "grad/expert input", act * slots * h, "SequentialMLP split its input: the gradients concatenated"),
+            tuple(f"grad/expert input[{e}]" for e in range(experts))),
+        _one("mlp.experts", "sort's split backward: the probabilities' gradient", Made(
+            "grad/permuted probs", act * slots, "sort_chunks_by_idxs split the probabilities: concatenated again"),
+            ("grad/expert probs",)),
+        _one("mlp", "sort's split backward: the tokens' gradient", Made(
+            "grad/sorted tokens", act * slots * h, "sort_chunks_by_idxs split the tokens: concatenated again"),
+            ("grad/expert input",)),
+    ))
+    if exchanged:
+        ops.append(_backward("mlp", Step("reduce-scatter of the probabilities' gradient", (Made(
+            "grad/permuted probs local", act * local, "the probabilities were all-gathered over t: their gradient"
+            " reduce-scattered"),), frees=("grad/permuted probs",)),
+            Step("reduce-scatter of the tokens' gradient", (Made(
+                "grad/sorted tokens local", act * local * h, "the tokens were all-gathered over t: their gradient"
+                " reduce-scattered"),), frees=("grad/sorted tokens",))))
+    _permute(ops, z, n, config.num_experts, " local" if exchanged else "")
+    if not shared:
+        _router(ops, config, z, n, "grad/moe input")
+        return "grad/moe input"
+    _router(ops, config, z, n, "grad/moe routed input")
+    dx = _shared(ops, config, z, () if grad == residual else (grad,))
+    ops.append(_one("mlp.shared_experts.linear_fc1", "the routed and the shared experts' input gradients summed",
+                    Made("grad/moe input", z.act * n * z.h, "the MoE input feeds the router, the permute and the shared"
+                         " experts: gradients summed"), ("grad/moe routed input", dx)))
+    return "grad/moe input"
+
+
+@dataclass(frozen=True)
+class _Mlp:
+    """One of the MoE's MLPs in backward: where it runs, its tape names' tag, its rows and width, and the ledger's
+    records its fc2, product, SiLU (or GELU) and fc1 keep."""
+
+    where: str
+    tag: str  # "expert ...[e]" names read f"grad/expert fc2 input[e]"; the shared experts' "shared ..."
+    rows: int
+    width: int
+    fc2_in: SavedTensor
+    product: tuple[SavedTensor, ...]  # SiLU(gate) * up's: SiLU's output and glu's up copy
+    silu: tuple[SavedTensor, ...]  # SiLU's: the gate and up (one storage)
+    gelu_in: SavedTensor
+    fc1_in: SavedTensor
+
+    def name(self, what: str) -> str:
+        return f"grad/{self.tag.replace('...', what)}"
+
+
+def _expert(ops: list[Op], config: ModelConfig, z: Sizes, e: int, r: int) -> None:
+    """Expert e's backward on its r slots: fc2, the probability's product, the activation, fc1."""
+    mlp = _Mlp(
+        f"mlp.experts.local_experts.{e}", f"expert ...[{e}]", r, config.expert_ffn // z.t,
+        piece(ledger.EXPERT_FC2_IN, e),
+        (piece(ledger.EXPERT_SILU_OUT, e), piece(megatron.EXPERT_UP_COPY, e)),
+        (piece(ledger.EXPERT_GATE, e), piece(ledger.EXPERT_UP, e)), piece(ledger.EXPERT_GELU_IN, e), ledger.EXPERT_IN,
+    )
+    dx2 = _fc2(ops, z, mlp, ("grad/expert output",) if e == 0 else ())  # the last expert's backward frees dY
+    act, fe = z.act, config.expert_ffn // z.t
+    dact, product = mlp.name("act"), mlp.name("probs product")
+    ops.append(_backward(
+        mlp.where,
+        Step("activation * probs: dY * probs", (Made(dact, act * r * fe, "the product's gradient: dY * probs"),)),
+        Step("activation * probs: dY * activation", (Made(product, act * r * fe, "dY * activation, (r, f_e)"),)),
+        Step("summed over the columns: the probability's gradient", (Made(
+            f"grad/expert probs[{e}]", act * r, "the probability's gradient: dY * activation summed, (r, 1)"),),
+            frees=(product, dx2)),
+        saves=(piece(megatron.EXPERT_ACT_OUT, e), megatron.EXPERT_PROBS)))
+    _activation_and_fc1(ops, config, z, mlp, dact)
+
+
+def _shared(ops: list[Op], config: ModelConfig, z: Sizes, frees: tuple[str, ...]) -> str:
+    """SharedExpertMLP's backward on every token (its fc1 reads the MoE's input), its fc2 freeing `frees` (dY, unless
+    the residual stream's); returns its dX."""
+    mlp = _Mlp(
+        "mlp.shared_experts", "shared ...", z.b * z.s_seq, config.moe_shared_expert_intermediate_size,
+        ledger.SHARED_FC2_IN, (ledger.SHARED_SILU_OUT, megatron.SHARED_UP_COPY), (ledger.SHARED_GATE, ledger.SHARED_UP),
+        ledger.SHARED_GELU_IN, ledger.MOE_IN,
+    )
+    _activation_and_fc1(ops, config, z, mlp, _fc2(ops, z, mlp, frees))
+    return mlp.name("input")
+
+
+def _fc2(ops: list[Op], z: Sizes, mlp: _Mlp, frees: tuple[str, ...]) -> str:
+    """fc2's GEMMs: dX and dW (handed over); then `frees`. Returns dX's name."""
+    dx, dw = mlp.name("fc2 input"), mlp.name("fc2 weight")
+    ops.append(_backward(f"{mlp.where}.linear_fc2", Step("GEMMs: dX and dW", (
+        Made(dx, z.act * mlp.rows * mlp.width, "dX = dY W, fc2's input gradient"),
+        Made(dw, z.act * z.h * mlp.width, _WGRAD)), frees=frees, hands_over=(dw,)), saves=(mlp.fc2_in,)))
+    return dx
+
+
+def _activation_and_fc1(ops: list[Op], config: ModelConfig, z: Sizes, mlp: _Mlp, grad: str) -> None:
+    """SwiGLU's (the product's two gradients, SiLU's, their concatenation) or GELU's backward from `grad`, then fc1's
+    GEMMs: dX (named mlp.name("input")) and dW."""
+    act, rows, width = z.act, mlp.rows, mlp.width
+    out = mlp.name("fc1 output")
+    if config.mlp == "swiglu":
+        silu, up, gate = mlp.name("silu output"), mlp.name("up"), mlp.name("gate")
+        ops.extend((
+            _backward(mlp.where, Step("SiLU(gate) * up: both factors' gradients", (
+                Made(silu, act * rows * width, "the product's backward: d(SiLU) = dY * up"),
+                Made(up, act * rows * width, "the product's backward: d(up) = dY * SiLU(gate)")), frees=(grad,)),
+                saves=mlp.product),
+            _one(mlp.where, "SiLU", Made(gate, act * rows * width, "SiLU's backward: d(gate) = d(SiLU) * SiLU'(gate)"),
+                 (silu,), saves=mlp.silu),
+            _one(mlp.where, "d(gate) and d(up) concatenated", Made(
+                out, 2 * act * rows * width, "gate and up were split from fc1's output: their gradients concatenated"),
+                (gate, up)),
+        ))
+        fc1_width = 2 * width
+    else:
+        ops.append(_one(mlp.where, "GELU", Made(out, act * rows * width, "GELU's backward: dY times GELU'(x)"), (grad,),
+                        saves=(mlp.gelu_in,)))
+        fc1_width = width
+    dw = mlp.name("fc1 weight")
+    ops.append(_backward(f"{mlp.where}.linear_fc1", Step("GEMMs: dX and dW", (
+        Made(mlp.name("input"), act * rows * z.h, "dX = dY W, the input's gradient"),
+        Made(dw, act * fc1_width * z.h, _WGRAD)), frees=(out,), hands_over=(dw,)), saves=(mlp.fc1_in,)))
+
+
+def _permute(ops: list[Op], z: Sizes, n: int, experts: int, local: str) -> None:
+    """The dispatcher's permute, backward: index_select's (the tokens) and masked_select's (the probabilities)."""
+    act, h = z.act, z.h
+    ops.extend((
+        _backward("mlp", Step("index_select's backward: new_zeros", (Made(
+            "grad/permute zeros", act * n * h, "index_select's backward starts from new_zeros, (n, h)"),)),
+            Step("index_select's backward: index_add", (Made(
+                "grad/permute input", act * n * h, "index_add of the sorted tokens' gradient, out of place"),),
+                frees=("grad/permute zeros", f"grad/sorted tokens{local}"))),  # its indices: HELD
+        _backward("mlp", Step("masked_select's backward: zeros_like", (Made(
+            "grad/probs zeros", act * n * experts, "masked_select's backward starts from zeros_like, (E, n)"),)),
+            Step("masked_select's backward: masked_scatter", (Made(
+                "grad/probs", act * n * experts, "masked_scatter of the permuted probabilities' gradient"),),
+                frees=("grad/probs zeros", f"grad/permuted probs{local}")),
+            saves=(megatron.ROUTING_MAP, megatron.PROBS_T)),
+    ))
+
+
+def _router(ops: list[Op], config: ModelConfig, z: Sizes, n: int, out: str) -> None:
+    """TopKRouter's backward: scatter's gather; the fp32 softmax over the top k's logits (or, pre-softmax, over all E
+    before the top k) with its casts, and top-k's scatter; the GEMMs, and the sum of the router's dX with the
+    permute's (`out`)."""
+    act, experts, k = z.act, config.num_experts, config.moe_router_topk
+    ops.append(_one("mlp.router", "scatter's backward: the chosen probabilities' gradient", Made(
+        "grad/topk probs", act * n * k, "scatter's backward gathers the k chosen columns, (n, k)"),
+        ("grad/probs",), saves=(ledger.ROUTER_TOPK_INDICES,)))
+    if config.moe_router_pre_softmax:  # softmax over E, cast down, top-k
+        ops.extend((_topk(z, n, experts, "grad/topk probs", "grad/all probs"),
+                    *_softmax(z, n * experts, "grad/all probs", "grad/router logits", megatron.ALL_PROBS)))
+    else:  # top-k of the logits, cast up, softmax over k
+        ops.extend((*_softmax(z, n * k, "grad/topk probs", "grad/topk logits", megatron.TOPK_PROBS),
+                    _topk(z, n, experts, "grad/topk logits", "grad/router logits")))
+    ops.append(_backward(
+        "mlp.router",
+        Step("GEMMs: dX and dW", (
+            Made("grad/router input", act * n * z.h, "dX = dY W, the router's input gradient"),
+            Made("grad/router weight", act * experts * z.h, "the router weight's bf16 gradient")),
+            frees=("grad/router logits",), returns=True),
+        Step("the router's and the permute's input gradients summed", (Made(
+            out, act * n * z.h, "the MoE input feeds the router and the permute: gradients summed"),),
+            frees=("grad/router input", "grad/permute input"), hands_over=("grad/router weight",)),
+        saves=(ledger.MOE_IN,)))
+
+
+def _softmax(z: Sizes, elements: int, grad: str, out: str, keeps: SavedTensor) -> tuple[Op, ...]:
+    """The probabilities' cast down, the fp32 softmax and the logits' cast up, backward, over `elements`."""
+    return (
+        _one("mlp.router", "the cast down's backward", Made(
+            f"{grad} fp32", 4 * elements, "the probabilities were cast from fp32: the gradient cast up"), (grad,)),
+        _one("mlp.router", "softmax", Made(
+            f"{out} fp32", 4 * elements, "softmax's backward in fp32: S' * (dY - sum(dY * S'))"), (f"{grad} fp32",),
+            saves=(keeps,)),
+        _one("mlp.router", "the cast up's backward", Made(
+            out, z.act * elements, "the logits were cast to fp32: the gradient cast down"), (f"{out} fp32",)),
+    )
+
+
+def _topk(z: Sizes, n: int, experts: int, grad: str, out: str) -> Op:
+    """top-k's backward: new_zeros, and the k values' gradient scattered into it, (n, E)."""
+    return _backward("mlp.router", Step("top-k's backward: new_zeros", (Made(
+        "grad/topk zeros", z.act * n * experts, "top-k's backward starts from new_zeros, (n, E)"),)),
+        Step("top-k's backward: scatter", (Made(
+            out, z.act * n * experts, "the k values' gradient scattered into (n, E)"),),
+            frees=("grad/topk zeros", grad)),
+        saves=(ledger.ROUTER_TOPK_INDICES,))

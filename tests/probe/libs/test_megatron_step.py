@@ -1,0 +1,158 @@
+"""One whole training step of memcalc's GPT whose MLPs are megatron-core's own MoELayer (`--impl megatron` with
+num_experts), its router forced balanced or all-to-one, under torch's MemTracker, against the step timeline
+(memcalc.sizing.timeline.megatron_moe): every moment the timeline names is MemTracker's reading after some op, in
+order, to the byte; the peak is reached where the timeline says, with the bytes it says, at t = 1 and under tp-sp
+(rank 0 of t = 2 and 4 through the fake group); what the walk does not model is refused in one line."""
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("megatron.core")
+
+from memcalc.errors import ConfigError  # noqa: E402
+from memcalc.model.knobs import Accounting  # noqa: E402
+from memcalc.model.strategy import STRATEGIES  # noqa: E402
+from memcalc.probe.group import single  # noqa: E402
+from memcalc.probe.launch import run_fake  # noqa: E402
+from memcalc.probe.libs.megatron_step import inside_megatron, warmed_up  # noqa: E402
+from memcalc.probe.step import measure_step  # noqa: E402
+from memcalc.sizing.timeline import timeline  # noqa: E402
+
+from tests.helpers import make_config  # noqa: E402
+
+from ..step_readings import assert_moments_in_order, readings_after_every_op  # noqa: E402
+
+CPU = Accounting(exact=True, device="cpu")
+NONE = STRATEGIES["none"]
+# Mixtral-style: SwiGLU experts, RMSNorm, two K/V groups, RoPE, no biases (megatron's MoE has none here), untied.
+MOE = dict(
+    impl="megatron", b=2, s=24, h=64, a=8, L=2, vocab_size=250, mlp="swiglu", ffn_hidden_size=176, norm="rmsnorm",
+    num_query_groups=2, position_embedding_type="rope", add_bias_linear=False, dropout=0.0, tie_embeddings=False,
+    attention="flash", num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48,
+)
+# The forced route and the bound it pins: the balanced route kbs/E slots each expert, all-to-one n slots to each of
+# the first k experts and none to the others (the worst bound at ep = 1).
+ROUTES = {"balanced": {}, "all-to-one": {"moe_tokens": "worst"}}
+SHAPES = [
+    (route, changes) for route in ROUTES for changes in (
+        {},
+        {"b": 1, "s": 7, "num_experts": 2},  # b = 1, odd s: 14 slots, 7 an expert (all-to-one: every expert 7)
+        {"b": 1, "s": 7, "moe_router_topk": 4, "dropout": 0.1},  # every expert takes every token; dropout masks
+        {"mlp": "gelu", "ffn_hidden_size": 100, "b": 3, "s": 10, "num_experts": 6, "attention": "eager",
+         "norm": "layernorm"},  # GELU experts, eager attention, 10 slots an expert (all-to-one: 30 to two of six)
+        {"num_experts": 5, "moe_router_pre_softmax": True},  # 96 slots: 20 to the first expert, 19 to the others;
+        # the softmax over all E before the top k
+        {"b": 1, "s": 7, "num_experts": 7, "moe_router_topk": 3, "moe_shared_expert_intermediate_size": 24,
+         "dropout": 0.1},  # shared experts (Qwen-MoE's), which read the dropout's gradient after the routed ones
+        {"mlp": "gelu", "ffn_hidden_size": 100, "moe_shared_expert_intermediate_size": 40,
+         "moe_router_pre_softmax": True},  # GELU shared experts
+    )
+]
+
+
+def _readings(tp, config, strategy, route):
+    with inside_megatron(tp, config, route):
+        return readings_after_every_op(warmed_up(tp, config, strategy))
+
+
+def _assert_every_moment_in_order(config, strategy, route):
+    st = STRATEGIES[strategy]
+    moments = timeline(config, st, CPU).moments[1:]
+    assert any(".mlp.experts.local_experts." in m.where for m in moments)
+    if st.tensor_parallel:  # rank 0 of t through the fake group
+        readings = run_fake(_readings, (config, st, route), config.t)
+    else:
+        readings = _readings(single(), config, st, route)
+    assert_moments_in_order(moments, readings, places=False)  # a forward moment names a layer, not its op
+
+
+@pytest.mark.parametrize("route, changes", SHAPES, ids=str)
+def test_every_moment_of_a_megatron_moe_step_happens_in_order_with_its_bytes(one_thread, route, changes):
+    """The router's, the dispatcher's and each expert's backward, op by op: MemTracker's reading after some op."""
+    _assert_every_moment_in_order(make_config(MOE, **ROUTES[route], **changes), "none", route)
+
+
+# Expert tensor parallelism (etp = t) under SP: each rank routes its s/t tokens; the dispatcher all-gathers the t
+# ranks' slots for the experts, each expert f_e/t wide, and reduce-scatters their output (gradients the other way).
+TP_SHAPES = [
+    ("balanced", {"t": 2}),
+    ("balanced", {"t": 2, "b": 1, "s": 14, "moe_router_topk": 4, "dropout": 0.1, "moe_router_pre_softmax": True}),
+    ("balanced", {"t": 2, "num_experts": 5, "mlp": "gelu", "ffn_hidden_size": 100, "moe_ffn_hidden_size": 40}),
+    ("all-to-one", {"t": 2, "b": 1, "s": 14, "num_experts": 3}),
+    ("balanced", {"t": 4, "b": 1, "s": 20, "num_query_groups": 4}),
+]
+
+
+# Expert parallelism at t = 1 (rank 0 of ep through megatron's own fake group): all-to-alls in place of the gathers.
+EP_SHAPES = [
+    ("balanced", {"ep": 2, "dp": 2}),
+    ("all-to-one", {"ep": 2, "dp": 2, "num_experts": 8}),
+    ("balanced", {"ep": 2, "dp": 2, "b": 1, "s": 12, "num_experts": 6, "moe_router_pre_softmax": True, "dropout": 0.1}),
+]
+
+
+@pytest.mark.parametrize("route, changes", EP_SHAPES, ids=str)
+def test_under_ep_every_moment_of_a_megatron_moe_step_happens_in_order_with_its_bytes(one_thread, route, changes):
+    _assert_every_moment_in_order(make_config(MOE, **ROUTES[route], **changes), "none", route)
+
+
+@pytest.mark.parametrize("route, changes", TP_SHAPES, ids=str)
+def test_under_tp_sp_every_moment_of_a_megatron_moe_step_happens_in_order_with_its_bytes(one_thread, route, changes):
+    _assert_every_moment_in_order(make_config(MOE, **ROUTES[route], **changes), "tp-sp", route)
+
+
+# Experts wide beside a small vocabulary: the peak moves into the MoE's backward; many slots of a wide h: its forward.
+PEAKS = [
+    ({}, "forward loss"),
+    ({"moe_ffn_hidden_size": 512, "vocab_size": 20, "s": 48},
+     "backward layers.1.mlp.experts.local_experts.3.linear_fc2"),
+    ({"moe_ffn_hidden_size": 256, "vocab_size": 20, "s": 48, "num_experts": 2},
+     "backward layers.1.mlp.experts.local_experts.1"),  # the probability's gradient beside the product's two
+    ({"moe_ffn_hidden_size": 64, "h": 256, "vocab_size": 20, "s": 48, "num_experts": 8, "moe_router_topk": 4},
+     "forward layers.1.mlp.experts"),  # the permuted tokens, the experts' outputs and their cat, (R, h) each
+]
+PEAKS = [("balanced", changes, where) for changes, where in PEAKS] + [
+    ("all-to-one", {"moe_ffn_hidden_size": 512, "vocab_size": 20, "s": 48},
+     "backward layers.1.mlp.experts.local_experts.1"),  # the second of the two experts that take every token
+    ("all-to-one", PEAKS[-1][0], "forward layers.1.mlp.experts"),
+]
+
+
+PEAKS += [  # under tp-sp at t = 2: rank 0 of two through the fake group
+    ("balanced", {"t": 2, "moe_ffn_hidden_size": 1024, "vocab_size": 20, "s": 48},
+     "backward layers.1.mlp.experts.local_experts.3.linear_fc2"),
+    ("balanced", {"t": 2, **PEAKS[3][1]}, "forward layers.1.mlp"),  # the unsorted output's reduce-scatter beside
+    # both concatenations
+]
+
+
+@pytest.mark.parametrize("route, changes, where", PEAKS, ids=str)
+def test_a_megatron_moe_step_peaks_where_the_timeline_says_to_the_byte(one_thread, route, changes, where):
+    config = make_config(MOE, **ROUTES[route], **changes)
+    (r,) = measure_step(config, ["tp-sp" if config.t > 1 else "none"], route=route)
+    assert r.measured.moment == r.predicted_moment == where
+    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+    assert r.model == f"memcalc's own GPT with megatron-core's MoELayer, router forced {route}"
+
+
+@pytest.mark.parametrize("route, bound", [(None, "balanced"), ("all-to-one", "balanced"), ("balanced", "worst")])
+def test_a_megatron_moe_step_is_measured_only_under_the_route_that_pins_the_walks_bound(route, bound):
+    with pytest.raises(ConfigError, match="needs --route balanced with moe_tokens balanced"):
+        measure_step(make_config(MOE, moe_tokens=bound), ["none"], route=route)
+
+
+@pytest.mark.parametrize("changes, strategy, words", [
+    ({"ep": 2, "dp": 2, "t": 2}, "tp-sp", "ep=2 beside t=2"),
+    ({"ep": 4, "dp": 4}, "none", "one expert a rank"),
+    ({"ep": 2, "dp": 2, "b": 1, "s": 7, "num_experts": 6}, "none", "slots a rank that E=6 experts do not share evenly"),
+    ({"t": 2, "moe_shared_expert_intermediate_size": 32}, "tp-sp", "shared experts at t=2"),
+    ({"moe_aux_loss": True}, "none", "the load-balancing loss"),
+    ({"moe_token_dispatcher_type": "allgather"}, "none", "the allgather token dispatcher"),
+    ({"moe_expert_capacity_factor": 1.0, "moe_tokens": "capacity"}, "none", "a capacity factor"),
+    ({"moe_router_score_function": "sigmoid"}, "none", "the sigmoid router"),
+    ({"recompute": "selective"}, "none", "recompute selective with experts"),
+], ids=str)
+def test_what_the_moe_walk_does_not_model_is_refused_in_one_line(changes, strategy, words):
+    with pytest.raises(ConfigError, match="does not model") as err:
+        timeline(make_config(MOE, **changes), STRATEGIES[strategy], CPU)
+    assert words in str(err.value) and "\n" not in str(err.value)
