@@ -55,9 +55,9 @@ def test_backward_leaves_only_the_batch_and_the_loss_behind():
 
 
 @pytest.mark.parametrize("changes, named", [
-    ({"dropout": 0.1}, "dropout 0.1"),
+    ({"dropout": 0.1, "attention": "flash"}, "dropout 0.1 with SDPA"),
     ({"recompute": "full"}, "recompute full"),
-    ({"add_bias_linear": True}, "biases"),
+    ({"add_bias_linear": True}, "add_bias_linear"),
     ({"norm": "layernorm", "mlp": "gelu", "num_query_groups": None}, "norm layernorm with mlp gelu"),
     ({"position_embedding_type": "learned_absolute"}, "position_embedding_type learned_absolute"),
     ({"dtype": "fp32"}, "dtype fp32"),
