@@ -24,7 +24,8 @@ takes this rank's rows of the embedding's Replicate gradient (`memcalc.probe.ste
 laid out: apply_tensor_parallelism looks lm_head.weight up among named_parameters(), which name a tied weight once.
 
 With add_qkv_bias it builds Qwen2ForCausalLM (Llama's layer, q_proj, k_proj and v_proj with biases; no sliding
-window, Qwen2Config's default). With qk_layernorm it builds Qwen3ForCausalLM (Llama's layer, each query and key head RMS-normalised before RoPE).
+window, Qwen2Config's default). With qk_layernorm it builds Qwen3ForCausalLM (Llama's layer, each query and key head
+RMS-normalised before RoPE).
 A config with experts builds MixtralForCausalLM instead (Qwen2MoeForCausalLM with shared experts,
 Qwen3MoeForCausalLM with qk_layernorm): every layer a
 sparse MoE block whose experts run transformers' eager loop, its router forced to the `route` given

@@ -18,17 +18,19 @@ Each weight's bf16 gradient is added into the fp32 buffer as autograd hands it o
 Under tp the model is laid out by transformers' own plan (memcalc.probe.libs.hf_tp), with DTensor's steps: the
 embedding's Partial sum all-reduced, lm_head's v/t columns all-gathered whole, each colwise dX all-reduced, the
 embedding's gradient the whole (v, h) table of which this rank's rows are copied out. With qk_layernorm the model is
-Qwen3ForCausalLM, with add_qkv_bias Qwen2ForCausalLM; with experts MixtralForCausalLM, Qwen2MoeForCausalLM (shared experts; its model makes an unused
-sliding-window mask too) or Qwen3MoeForCausalLM, at t = 1 under the balanced bound. Under FSDP2 (`dp_shard`,
-memcalc.sizing.timeline.fsdp) each layer is gathered before it runs and its gradients kept to its reduce-scatter; under
-DeepSpeed ZeRO (memcalc.sizing.timeline.zero, from DeepSpeed's sources, unmeasured) the same calls lay out its buffers.
+Qwen3ForCausalLM, with add_qkv_bias Qwen2ForCausalLM; with experts MixtralForCausalLM, Qwen2MoeForCausalLM (shared
+experts; its model makes an unused sliding-window mask too) or Qwen3MoeForCausalLM, at t = 1 under the balanced
+bound. Under FSDP2 (`dp_shard`, memcalc.sizing.timeline.fsdp) each layer is gathered before it runs and its gradients
+kept to its reduce-scatter; under DeepSpeed ZeRO (memcalc.sizing.timeline.zero, from DeepSpeed's sources, unmeasured)
+the same calls lay out its buffers.
 
 Exact (to the byte, at every moment, tests/probe/libs/test_hf_step.py and test_hf_fsdp.py) on transformers 5.24 and
 torch 2.13's CPU kernels: no biases but Qwen2's q, k, v ones (add_qkv_bias), attention dropout with eager attention
-(native_dropout's bool mask, CUDA's, through the probe's shim), bf16 or fp16, eager or SDPA attention, any a/g, heads of head_dim,
-tied or not (untied under tp), t = 1 or the tp_plan at t = 2, 3 and 4, FSDP2 at dp_shard 2, 4, 8 (also on a 2-D mesh),
-pp = 1, no recomputation; `check_modelled` names everything else. On CUDA the same aten ops make the same outputs; what
-a kernel allocates inside itself, the caching allocator's rounding and another SDPA kernel's choice are not here.
+(native_dropout's bool mask, CUDA's, through the probe's shim), bf16 or fp16, eager or SDPA attention, any a/g,
+heads of head_dim, tied or not (untied under tp), t = 1 or the tp_plan at t = 2, 3 and 4, FSDP2 at dp_shard 2, 4, 8
+(also on a 2-D mesh), pp = 1, no recomputation; `check_modelled` names everything else. On CUDA the same aten ops make
+the same outputs; what a kernel allocates inside itself, the caching allocator's rounding and another SDPA kernel's
+choice are not here.
 """
 
 from __future__ import annotations

@@ -41,7 +41,8 @@ def linear(where: str, p: str, weight: int, dy: str | None, dx: str, dx_bytes: i
     partial = f"{dx} (partial)" if reduced else dx
     why = "dX = dY W, the input's gradient" + (", this rank's partial sum" if reduced else "")
     gemms = Step("GEMMs: dW and dX", (Made(dw, weight, "the tied weight's gradient, waiting in autograd's input"
-                                                    " buffer" if waits else WHY_WGRAD), Made(partial, dx_bytes, why), *biased),
+                                                    " buffer" if waits else WHY_WGRAD), Made(partial, dx_bytes, why),
+                                     *biased),
                  frees=(dy,) if dy else (), hands_over=(*(() if waits else (dw,)), *(x.name for x in biased)),
                  returns=True)
     summed = (Step("dX all-reduced", (Made(dx, dx_bytes, "the input's gradient all-reduced over the ranks (DTensor:"
