@@ -190,6 +190,8 @@ def _sharding_missing(config: ModelConfig, strategy: Strategy) -> list[tuple[boo
         (config.zero_stage is not None and strategy.tensor_parallel and config.t > 1,
          f"zero_stage={config.zero_stage} under tp (t={config.t}): the Trainer runs DeepSpeed over data parallelism"),
         (sharded and config.moe, "dp_shard or zero_stage with experts"),
+        (sharded and config.add_qkv_bias, "dp_shard or zero_stage with add_qkv_bias (its walks lay out one gradient a"
+                                          " module, the weight's)"),
     ]
 
 
