@@ -166,7 +166,9 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
          " named_parameters(), which names a tied weight once: KeyError)"),
         (config.pp != 1, f"pp={config.pp}"),
         (config.cp != 1, f"cp={config.cp}"),
-        (config.recompute != "none", f"recompute {config.recompute} (gradient checkpointing)"),
+        (config.recompute != "none", f"recompute {config.recompute} (gradient_checkpointing_enable: a non-reentrant"
+                                     " checkpoint around each decoder layer's forward, whose forward and early-stopped"
+                                     " rerun it does not walk op by op)"),
         (config.has_dropout and config.attention != "eager", f"dropout {config.dropout} with SDPA (a CPU runs its"
                                                              " math kernel, CUDA the flash kernel's own dropout)"),
         (config.add_bias_linear, "add_bias_linear (biases on every linear; Qwen2's q, k, v biases are add_qkv_bias)"),
