@@ -341,21 +341,25 @@ def test_qwen2s_qkv_bias_gradients_happen_in_order_and_the_peak_is_memtrackers(o
 # -- attention_dropout (eager: native_dropout's bool mask, CUDA's, through the probe's shim) --------------------------
 
 DROPOUT_STEPS = [
-    ("none", {"dropout": 0.1, "s": 13}),  # a/g = 4
-    ("none", {"dropout": 0.1, "b": 1, "s": 11, "num_query_groups": 8, "add_qkv_bias": True}),  # a/g = 1, Qwen2
-    ("none", {"dropout": 0.1, "b": 1, "s": 96, "h": 16, "ffn_hidden_size": 16, "vocab_size": 20}),  # the softmax's
-    ("tp", {"dropout": 0.1, "t": 2, "s": 9}),
+    ("none", {"dropout": 0.1, "s": 13}, None),  # a/g = 4
+    ("none", {"dropout": 0.1, "b": 1, "s": 11, "num_query_groups": 8, "add_qkv_bias": True}, None),  # a/g = 1, Qwen2
+    ("none", {"dropout": 0.1, "b": 1, "s": 96, "h": 16, "ffn_hidden_size": 16, "vocab_size": 20}, None),  # softmax's
+    ("tp", {"dropout": 0.1, "t": 2, "s": 9}, None),
+    ("none", MIXTRAL | {"dropout": 0.1, "s": 13}, "balanced"),
+    ("none", MIXTRAL | {"dropout": 0.1, "qk_layernorm": True, "b": 3, "s": 7, "h": 48, "a": 6, "num_query_groups": 3,
+                        "num_experts": 3, "moe_router_topk": 1, "moe_ffn_hidden_size": 24}, "balanced"),  # Qwen3-MoE
 ]
 
 
-@pytest.mark.parametrize("layout, changes", DROPOUT_STEPS, ids=str)
-def test_attention_dropout_keeps_its_mask_to_its_backward_and_the_peak_is_memtrackers(one_thread, layout, changes):
+@pytest.mark.parametrize("layout, changes, route", DROPOUT_STEPS, ids=str)
+def test_attention_dropout_keeps_its_mask_to_its_backward_and_the_peak_is_memtrackers(one_thread, layout, changes,
+                                                                                      route):
     """native_dropout keeps a 1-byte mask and weights x V the dropped-out weights (not the softmax's bf16 cast); its
     backward is one kernel, the gradient through the mask."""
     config = make_config(LLAMA, attention="eager", **changes)
-    trainer = (lambda group: readings_after_every_op(warmed_up(group, config, STRATEGIES[layout])))
+    trainer = (lambda group: readings_after_every_op(warmed_up(group, config, STRATEGIES[layout], route)))
     readings = trainer(single()) if config.t == 1 else run_fake(trainer, (), config.t)
     assert_moments_in_order(timeline(config, STRATEGIES[layout], CPU).moments[1:], readings)
-    (r,) = measure_step(config, [layout])
+    (r,) = measure_step(config, [layout], route=route)
     assert r.measured.moment == r.predicted_moment
     assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
