@@ -638,9 +638,10 @@ def _step_runner(impl: str, sharded: bool = False) -> Callable[..., StepMeasurem
 
 
 def _model(config: ModelConfig, route: str | None) -> str:
-    """The model the step trains, in words: with experts or a QK norm transformers' model of the family that runs the
-    knobs (Mixtral, Qwen2-MoE, Qwen3, Qwen3-MoE: memcalc.probe.libs.hf_step), its router forced."""
-    family = family_of(config) if config.impl == "hf" and (config.moe or config.qk_layernorm) else None
+    """The model the step trains, in words: with experts, a QK norm or Q, K, V biases transformers' model of the family
+    that runs the knobs (Mixtral, Qwen2-MoE, Qwen2, Qwen3, Qwen3-MoE: memcalc.probe.libs.hf_step), its router forced."""
+    own = config.moe or config.qk_layernorm or config.add_qkv_bias
+    family = family_of(config) if config.impl == "hf" and own else None
     model = STEP_MODELS[_trained(config)] if family is None else f"transformers' {family.architectures[0]}"
     return model + (f", router forced {route}" if config.moe else "")
 

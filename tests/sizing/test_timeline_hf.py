@@ -55,9 +55,10 @@ def test_backward_leaves_only_the_batch_and_the_loss_behind():
 
 
 @pytest.mark.parametrize("changes, named", [
-    ({"dropout": 0.1}, "dropout 0.1"),
+    ({"dropout": 0.1, "attention": "flash"}, "dropout 0.1 with SDPA"),
     ({"recompute": "full"}, "recompute full"),
-    ({"add_bias_linear": True}, "biases"),
+    ({"add_bias_linear": True}, "add_bias_linear"),
+    ({"add_qkv_bias": True, "dp_shard": 2}, "dp_shard or zero_stage with add_qkv_bias"),
     ({"norm": "layernorm", "mlp": "gelu", "num_query_groups": None}, "norm layernorm with mlp gelu"),
     ({"position_embedding_type": "learned_absolute"}, "position_embedding_type learned_absolute"),
     ({"dtype": "fp32"}, "dtype fp32"),
@@ -165,3 +166,24 @@ def test_qwen2_moe_keeps_its_shared_experts_gate_sigmoid_only_from_after_the_exp
 def rules_bytes(config, tensor):
     """One layer's bytes of a ledger tensor at these sizes."""
     return next(x.bytes for x in estimate(config, NONE, CPU).tensors if x.tensor is tensor)
+
+
+@pytest.mark.parametrize("proj, heads", [("q", "a"), ("k", "num_query_groups"), ("v", "num_query_groups")])
+def test_qwen2s_bias_gradient_is_made_beside_its_projections_gemms(proj, heads):
+    """add_qkv_bias: each of q, k, v's GEMM moments holds its bias's bf16 gradient as well, (out,) wide."""
+    where = f"backward model.layers.0.self_attn.{proj}_proj (GEMMs: dW and dX)"
+    (plain,), (biased,) = ([m for m in _timeline(add_qkv_bias=bias)[1].moments if m.label() == where]
+                           for bias in (False, True))
+    out = LLAMA[heads] * LLAMA["h"] // LLAMA["a"]
+    assert biased.by_category()[TEMPORARIES] - plain.by_category()[TEMPORARIES] == 2 * out
+
+
+def test_attention_dropout_keeps_its_bool_mask_until_its_backward_runs():
+    """Eager attention with dropout: the layer keeps native_dropout's 1-byte mask and the dropped-out weights instead of
+    the softmax's bf16 cast; the mask goes at dropout's backward, which makes one gradient the size of the weights."""
+    config, walked = _timeline(dropout=0.1, attention="eager")
+    moment = next(m for m in walked.moments if "dropout's backward" in m.label())
+    assert moment.where == "model.layers.2.self_attn"
+    after = walked.moments[walked.moments.index(moment) + 1]
+    scores = config.b * config.a * config.s * config.s
+    assert moment.by_category()[ACTIVATIONS] - after.by_category()[ACTIVATIONS] == scores  # the bool mask went

@@ -28,7 +28,7 @@ from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.layer import DTYPES
 from memcalc.probe.libs import hf_tp
 from memcalc.probe.libs.hf import llama_config
-from memcalc.probe.libs.hf_step import stepped_family
+from memcalc.probe.libs.hf_step import model_loss, stepped_family
 from memcalc.probe.step import BATCH_SEED, MomentTracker, StepMeasurement, batch
 from memcalc.sizing.timeline import ACTIVATIONS, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES
 
@@ -148,7 +148,7 @@ def warmed_up_sharded(tp: TensorParallelGroup, config: ModelConfig) -> ShardedTr
         fully_shard(layer, mesh=dp, mp_policy=policy, reshard_after_forward=config.reshard_after_forward)
     fully_shard(model, mesh=dp, mp_policy=policy, reshard_after_forward=config.reshard_after_forward)
     trainer = ShardedTrainer(config, model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True),
-                             lambda tokens, labels: model(input_ids=tokens, labels=labels).loss)
+                             lambda tokens, labels: model_loss(model, tokens, labels, family))
     trainer.step()
     return trainer
 

@@ -23,7 +23,9 @@ plan with the same function to the model `_from_config` built.) The trainer work
 takes this rank's rows of the embedding's Replicate gradient (`memcalc.probe.step.MainGrads`). A tied model is not
 laid out: apply_tensor_parallelism looks lm_head.weight up among named_parameters(), which name a tied weight once.
 
-With qk_layernorm it builds Qwen3ForCausalLM (Llama's layer, each query and key head RMS-normalised before RoPE).
+With add_qkv_bias it builds Qwen2ForCausalLM (Llama's layer, q_proj, k_proj and v_proj with biases; no sliding
+window, Qwen2Config's default). With qk_layernorm it builds Qwen3ForCausalLM (Llama's layer, each query and key head
+RMS-normalised before RoPE).
 A config with experts builds MixtralForCausalLM instead (Qwen2MoeForCausalLM with shared experts,
 Qwen3MoeForCausalLM with qk_layernorm): every layer a
 sparse MoE block whose experts run transformers' eager loop, its router forced to the `route` given
@@ -44,6 +46,7 @@ from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.layer import DTYPES
 from memcalc.probe.libs import hf_tp
 from memcalc.probe.libs.hf import llama_config, model_family, routing
+from memcalc.probe.libs.hf_shim import cuda_like_dropout
 from memcalc.probe.step import BATCH_SEED, StepMeasurement, Trainer, measure_trainer
 
 torch = require_torch()
@@ -51,7 +54,7 @@ import transformers  # noqa: E402  (memcalc[hf])
 
 
 # The families whose model --step builds (FAMILIES' first architecture), as memcalc.probe.libs.hf reads the config.
-_STEPPED = ("llama", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+_STEPPED = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def measure_hf_step_on_rank(
@@ -81,22 +84,22 @@ def warmed_up(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, 
     if tp.size > 1:  # the plan from_pretrained(tp_plan="auto") applies, by the function it applies it with
         hf_tp.apply(model, hf_tp.model_plan(model, tp.size), tp)
     k = config.moe_router_topk if config.moe else 0
-    return Trainer.around(config, model, lambda tokens, labels: _loss(model, tokens, labels, family, route, k))
+    return Trainer.around(config, model, lambda tokens, labels: model_loss(model, tokens, labels, family, route, k))
 
 
 def stepped_family(config: ModelConfig) -> str:
-    """The family whose model --step builds: Llama's for a dense layer, Qwen3's with qk_layernorm, the MoE family's
-    with experts."""
-    family = model_family(config) if config.moe or config.qk_layernorm else "llama"
+    """The family whose model --step builds: Llama's for a dense layer, Qwen2's with add_qkv_bias, Qwen3's with
+    qk_layernorm, the MoE family's with experts."""
+    family = model_family(config) if config.moe or config.qk_layernorm or config.add_qkv_bias else "llama"
     if family not in _STEPPED:
         raise ProbeError(f"impl hf: --step builds Mixtral's, Qwen2-MoE's or Qwen3-MoE's model for experts; these are"
                          f" {family}'s")
     return family
 
 
-def _loss(model: Any, tokens: torch.Tensor, labels: torch.Tensor, family: str, route: str | None,
-          k: int) -> torch.Tensor:
-    """transformers' own loss, the router forced while forward runs; the output object (and the bf16 logits in it)
-    goes as this returns."""
-    with routing(family, route, k):
+def model_loss(model: Any, tokens: torch.Tensor, labels: torch.Tensor, family: str, route: str | None = None,
+               k: int = 0) -> torch.Tensor:
+    """transformers' own loss, the router forced while forward runs and dropout keeping CUDA's bool mask; the output
+    object (and the bf16 logits in it) goes as this returns."""
+    with routing(family, route, k), cuda_like_dropout():
         return model(input_ids=tokens, labels=labels).loss

@@ -18,16 +18,19 @@ Each weight's bf16 gradient is added into the fp32 buffer as autograd hands it o
 Under tp the model is laid out by transformers' own plan (memcalc.probe.libs.hf_tp), with DTensor's steps: the
 embedding's Partial sum all-reduced, lm_head's v/t columns all-gathered whole, each colwise dX all-reduced, the
 embedding's gradient the whole (v, h) table of which this rank's rows are copied out. With qk_layernorm the model is
-Qwen3ForCausalLM; with experts MixtralForCausalLM, Qwen2MoeForCausalLM (shared experts; its model makes an unused
-sliding-window mask too) or Qwen3MoeForCausalLM, at t = 1 under the balanced bound. Under FSDP2 (`dp_shard`,
-memcalc.sizing.timeline.fsdp) each layer is gathered before it runs and its gradients kept to its reduce-scatter; under
-DeepSpeed ZeRO (memcalc.sizing.timeline.zero, from DeepSpeed's sources, unmeasured) the same calls lay out its buffers.
+Qwen3ForCausalLM, with add_qkv_bias Qwen2ForCausalLM; with experts MixtralForCausalLM, Qwen2MoeForCausalLM (shared
+experts; its model makes an unused sliding-window mask too) or Qwen3MoeForCausalLM, at t = 1 under the balanced
+bound. Under FSDP2 (`dp_shard`, memcalc.sizing.timeline.fsdp) each layer is gathered before it runs and its gradients
+kept to its reduce-scatter; under DeepSpeed ZeRO (memcalc.sizing.timeline.zero, from DeepSpeed's sources, unmeasured)
+the same calls lay out its buffers.
 
 Exact (to the byte, at every moment, tests/probe/libs/test_hf_step.py and test_hf_fsdp.py) on transformers 5.24 and
-torch 2.13's CPU kernels: no biases, no dropout, bf16 or fp16, eager or SDPA attention, any a/g, heads of head_dim,
-tied or not (untied under tp), t = 1 or the tp_plan at t = 2, 3 and 4, FSDP2 at dp_shard 2, 4, 8 (also on a 2-D mesh),
-pp = 1, no recomputation; `check_modelled` names everything else. On CUDA the same aten ops make the same outputs; what
-a kernel allocates inside itself, the caching allocator's rounding and another SDPA kernel's choice are not here.
+torch 2.13's CPU kernels: no biases but Qwen2's q, k, v ones (add_qkv_bias), attention dropout with eager attention
+(native_dropout's bool mask, CUDA's, through the probe's shim), bf16 or fp16, eager or SDPA attention, any a/g,
+heads of head_dim, tied or not (untied under tp), t = 1 or the tp_plan at t = 2, 3 and 4, FSDP2 at dp_shard 2, 4, 8
+(also on a 2-D mesh), pp = 1, no recomputation; `check_modelled` names everything else. On CUDA the same aten ops make
+the same outputs; what a kernel allocates inside itself, the caching allocator's rounding and another SDPA kernel's
+choice are not here.
 """
 
 from __future__ import annotations
@@ -163,9 +166,12 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
          " named_parameters(), which names a tied weight once: KeyError)"),
         (config.pp != 1, f"pp={config.pp}"),
         (config.cp != 1, f"cp={config.cp}"),
-        (config.recompute != "none", f"recompute {config.recompute} (gradient checkpointing)"),
-        (config.has_dropout, f"dropout {config.dropout}"),
-        (config.add_bias_linear or config.add_qkv_bias, "biases (LlamaForCausalLM as built here has none)"),
+        (config.recompute != "none", f"recompute {config.recompute} (gradient_checkpointing_enable: a non-reentrant"
+                                     " checkpoint around each decoder layer's forward, whose forward and early-stopped"
+                                     " rerun it does not walk op by op)"),
+        (config.has_dropout and config.attention != "eager", f"dropout {config.dropout} with SDPA (a CPU runs its"
+                                                             " math kernel, CUDA the flash kernel's own dropout)"),
+        (config.add_bias_linear, "add_bias_linear (biases on every linear; Qwen2's q, k, v biases are add_qkv_bias)"),
         (config.position_embedding_type != "rope", f"position_embedding_type {config.position_embedding_type}"),
         (config.dtype == "fp32", "dtype fp32 (no master weights)"),
         *_experts_missing(config, strategy),
@@ -186,6 +192,8 @@ def _sharding_missing(config: ModelConfig, strategy: Strategy) -> list[tuple[boo
         (config.zero_stage is not None and strategy.tensor_parallel and config.t > 1,
          f"zero_stage={config.zero_stage} under tp (t={config.t}): the Trainer runs DeepSpeed over data parallelism"),
         (sharded and config.moe, "dp_shard or zero_stage with experts"),
+        (sharded and config.add_qkv_bias, "dp_shard or zero_stage with add_qkv_bias (its walks lay out one gradient a"
+                                          " module, the weight's)"),
     ]
 
 
@@ -232,7 +240,7 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
         *layer.layer_forward(i, z, made, moe.block_forward(p, z, config) if block else ()),
         *layer.rms_norm("input_layernorm", p, rules.LN1_RMS, z, f"grad/{p}/ln1 output", out, f"grad/{p}/mid"),
         *layer.attention(p, z, config.attention == "eager", saved, config.groups != config.a, tp, i == 0,
-                         config.qk_layernorm),
+                         config.qk_layernorm, config.add_qkv_bias, config.has_dropout),
         *layer.rms_norm("post_attention_layernorm", p, rules.LN2_RMS, z, mlp, f"grad/{p}/mid", f"grad/{p}/output"),
         *(block or layer.mlp(p, z, tp)),
     )

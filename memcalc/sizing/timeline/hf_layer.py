@@ -19,24 +19,32 @@ from memcalc.sizing.timeline.tape import Sizes
 from memcalc.sizing.timeline.walk import Made, Op, Step
 
 WHY_WGRAD = "the weight's bf16 gradient, added into the fp32 buffer and dropped when autograd hands it over"
+WHY_BGRAD = "the bias's bf16 gradient, dY summed over the tokens (sum_to), handed over with the weight's"
 WHY_SAVED = "kept for backward (the hf ledger); freed when the op that keeps it has run backward"
 ROPE = (rules.ROPE_COS, rules.ROPE_SIN)  # made once per forward by LlamaRotaryEmbedding, kept by every layer
 
 
 def linear(where: str, p: str, weight: int, dy: str | None, dx: str, dx_bytes: int, saves: tuple[SavedTensor, ...] = (),
-           reduced: bool = False, dw: str = "", waits: bool = False) -> Op:
+           reduced: bool = False, dw: str = "", waits: bool = False, bias: int = 0) -> Op:
     """nn.Linear's backward: dW = dY^T X and dX = dY W beside dY; then dY goes (unless the residual stream still needs
     it: `dy` None) with what the op saves, and dW is handed over (unless it `waits` in autograd's buffer, tied).
+
+    `bias`: the bias's bytes, when the linear has one (Qwen2's q, k and v): F.linear runs a contiguous (b, s, h) input
+    as one addmm, whose node passes dY on as the bias's gradient and autograd sums it to the bias's shape (sum_to, a
+    new tensor) while dY still lives; it is handed over with dW.
 
     `reduced`: a "colwise" linear under tp, whose dX is a Partial sum that the backward of DTensor.from_local
     all-reduces into a new tensor (the paper's f); the partial one goes when the next op runs.
     """
-    dw = dw or f"{_grad(p, where)} weight"
+    dw, db = dw or f"{_grad(p, where)} weight", f"{_grad(p, where)} bias"
+    biased = (Made(db, bias, WHY_BGRAD),) if bias else ()
     partial = f"{dx} (partial)" if reduced else dx
     why = "dX = dY W, the input's gradient" + (", this rank's partial sum" if reduced else "")
     gemms = Step("GEMMs: dW and dX", (Made(dw, weight, "the tied weight's gradient, waiting in autograd's input"
-                                                    " buffer" if waits else WHY_WGRAD), Made(partial, dx_bytes, why)),
-                 frees=(dy,) if dy else (), hands_over=() if waits else (dw,), returns=True)
+                                                    " buffer" if waits else WHY_WGRAD), Made(partial, dx_bytes, why),
+                                     *biased),
+                 frees=(dy,) if dy else (), hands_over=(*(() if waits else (dw,)), *(x.name for x in biased)),
+                 returns=True)
     summed = (Step("dX all-reduced", (Made(dx, dx_bytes, "the input's gradient all-reduced over the ranks (DTensor:"
                                                          " Partial -> Replicate)"),), frees=(partial,)),)
     return Op(where, forward=(), backward=(gemms, *(summed if reduced else ())), saves=saves)
@@ -102,9 +110,10 @@ def layer_forward(i: int, z: Sizes, kept: Step, mlp: tuple[Op, ...] = ()) -> tup
 
 
 def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, tp: bool, first: bool,
-              qk_norm: bool = False) -> tuple[Op, ...]:
+              qk_norm: bool = False, qkv_bias: bool = False, dropout: bool = False) -> tuple[Op, ...]:
     """input_layernorm's output into q, k, v (their dX summed as they come; with `qk_norm` q's and k's heads each
-    RMS-normalised, Qwen3's q_norm and k_norm), RoPE, the core, o_proj."""
+    RMS-normalised, Qwen3's q_norm and k_norm; with `qkv_bias` each with a bias, Qwen2's), RoPE, the core (eager: with
+    `dropout` its attention_dropout), o_proj."""
     g, q, kv, full = f"grad/{p}", z.a_t * z.d, z.g_t * z.d, z.full(z.h)
     norms = {"q": (rules.Q_NORM_RMS, z.a_t), "k": (rules.K_NORM_RMS, z.g_t)} if qk_norm else {}
     ran: list[Op] = []  # in the order autograd runs them
@@ -118,7 +127,8 @@ def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, t
         copy = width != z.d and z.s != 1  # one head: (b, 1, s, d) transposed is (b, s, 1, d) already, no copy
         tokens, dx = f"{g}/{name} tokens" if copy else heads, f"{g}/{name}_proj input"
         out = f"{g}/ln1 output" if name == "q" else f"{dx} + {summed}"
-        lin = linear(f"self_attn.{name}_proj", p, z.act * width * z.h, tokens, dx, full, (ledger.QKV_IN,), tp)
+        lin = linear(f"self_attn.{name}_proj", p, z.act * width * z.h, tokens, dx, full, (ledger.QKV_IN,), tp,
+                     bias=z.act * width if qkv_bias else 0)
         ran.append(replace(lin, backward=(
             *((Step("transpose's backward", (Made(tokens, z.full(width), f"{name}'s gradient made (b, s, heads * d)"
                                                   " again, contiguous for the GEMM"),), frees=(heads,), moment=False),)
@@ -128,7 +138,7 @@ def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, t
         summed = out if summed else dx
     rope = tuple(Op("self_attn", (), _rope_backward(g, name, z.full(w), first and name == "q")) for name, w in
                  (("q", q), ("k", kv)))  # forward order: q's, then k's
-    core = _eager(p, z, saved, gqa) if eager else _sdpa(p, z)
+    core = _eager(p, z, saved, gqa, dropout) if eager else _sdpa(p, z)
     o_proj = linear("self_attn.o_proj", p, z.act * q * z.h, None, f"{g}/o_proj input", z.full(q),
                     saves=(ledger.PROJ_IN,) if eager else ())
     return (*reversed(ran), *rope, *core, o_proj)
@@ -153,10 +163,11 @@ def _rope_backward(g: str, name: str, width: int, last: bool) -> tuple[Step, ...
     )
 
 
-def _eager(p: str, z: Sizes, saved: dict[str, int], gqa: bool) -> tuple[Op, ...]:
+def _eager(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool = False) -> tuple[Op, ...]:
     """eager_attention_forward, in forward order: QK^T (keeps Q and K, or repeat_kv's copy), the scale, the cast to
-    fp32 and softmax (keeps its fp32 output), the cast back, weights x V (keeps the weights and V); repeat_kv's sums
-    over each group's heads (GQA) end its backward."""
+    fp32 and softmax (keeps its fp32 output), the cast back, with `dropout` native_dropout (keeps its bool mask; the
+    probe's shim runs CUDA's op on a CPU, memcalc.probe.libs.hf_shim), weights x V (keeps the weights, or the dropped
+    out ones, and V); repeat_kv's sums over each group's heads (GQA) end its backward."""
     g, q = f"grad/{p}", z.full(z.a_t * z.d)
     scores = z.b * z.a_t * z.s * z.s
     expanded = rules.K_EXPANDED.name in saved  # repeat_kv's copies (memcalc.model.impls.hf.REPEAT_KV)
@@ -165,6 +176,11 @@ def _eager(p: str, z: Sizes, saved: dict[str, int], gqa: bool) -> tuple[Op, ...]
                                                     " group's heads"),), frees=(f"{g}/{n} expanded",), moment=False)
                  for n in ("v", "k")) if gqa else ()
     names = {n: f"{g}/{n} {'expanded' if gqa else 'heads'}" for n in ("k", "v")}
+    weights = f"{g}/dropped" if dropout else f"{g}/weights"
+    dropped = (Op("self_attn", (), (
+        Step("dropout's backward: dY * mask * scale", (Made(f"{g}/weights", z.act * scores, "native_dropout_backward:"
+                                                            " one kernel, the gradient through the mask"),),
+             frees=(weights,)),), saves=(ledger.ATTN_DROPOUT_MASK,)),) if dropout else ()
     return (
         Op("self_attn", (), sums),
         Op("self_attn", (), (
@@ -172,6 +188,8 @@ def _eager(p: str, z: Sizes, saved: dict[str, int], gqa: bool) -> tuple[Op, ...]
                 names["k"], q, "dK = dScores^T Q, at a heads")), frees=(f"{g}/scaled scores",)),
         ), saves=(ledger.Q, k)),
         Op("self_attn", (), (
+            Step("the cast to bf16's backward", (Made(f"{g}/softmax fp32", 4 * scores, "the gradient up to fp32"),),
+                 frees=(f"{g}/weights",), moment=False),
             Step("the fp32 softmax's backward", (Made(f"{g}/scores fp32", 4 * scores, "softmax's backward"),),
                  frees=(f"{g}/softmax fp32",), returns=True),
             Step("the cast to fp32's backward", (Made(f"{g}/scores", z.act * scores, "back to bf16"),),
@@ -179,14 +197,13 @@ def _eager(p: str, z: Sizes, saved: dict[str, int], gqa: bool) -> tuple[Op, ...]
             Step("the scale's backward", (Made(f"{g}/scaled scores", z.act * scores, "the mask's passes dY on"),),
                  frees=(f"{g}/scores",), moment=False),
         ), saves=(rules.SOFTMAX_FP32,)),
+        *dropped,
         Op("self_attn", (), (
             Step("the context made (b, a, s, d)", (Made(f"{g}/attn heads", q, "contiguous for bmm"),),
                  frees=(f"{g}/o_proj input",), moment=False),
             Step("weights x V: dV and dWeights", (Made(names["v"], q, "dV = weights^T dY, at a heads"), Made(
-                f"{g}/weights", z.act * scores, "dWeights = dY V^T")), frees=(f"{g}/attn heads",), returns=True),
-            Step("the cast to bf16's backward", (Made(f"{g}/softmax fp32", 4 * scores, "the gradient up to fp32"),),
-                 frees=(f"{g}/weights",), moment=False),
-        ), saves=(rules.WEIGHTS, v)),
+                weights, z.act * scores, "dWeights = dY V^T")), frees=(f"{g}/attn heads",)),
+        ), saves=(ledger.ATTN_DROPOUT_OUT if dropout else rules.WEIGHTS, v)),
     )
 
 

@@ -167,3 +167,12 @@ def test_qwen3_sharded_by_fsdp2_gathers_and_reduces_its_q_norm_and_k_norm_with_t
     assert_moments_in_order(predicted.moments[1:], _readings(config))
     (r,) = measure_step(config, [layout])
     assert r.matches and r.moment_matches, r.differences()
+
+
+def test_attention_dropout_under_fsdp2_happens_in_order_and_peaks_where_the_walk_says(one_thread):
+    """The step's loss runs under the probe's dropout shim sharded too: native_dropout's bool mask, as on CUDA."""
+    config = make_config(LLAMA, dp_shard=2, reshard_after_forward=True, attention="eager", dropout=0.1, b=1, s=13)
+    predicted = timeline(config, STRATEGIES["none"], Accounting(exact=True, device="cpu"))
+    assert_moments_in_order(predicted.moments[1:], _readings(config))
+    (r,) = measure_step(config, ["none"])
+    assert r.matches and r.measured.moment == r.predicted_moment, r.differences()

@@ -313,3 +313,53 @@ def test_qwen3_and_qwen3_moe_steps_happen_in_order_and_peak_where_the_timeline_s
     assert r.measured.moment == r.predicted_moment
     assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
     assert r.model.startswith("transformers' Qwen3")
+
+
+# -- transformers' Qwen2ForCausalLM (add_qkv_bias: q_proj, k_proj and v_proj with biases) -----------------------------
+
+QWEN2_STEPS = [
+    ("none", "eager", {"add_qkv_bias": True, "b": 1, "s": 13}),  # a/g = 4
+    ("none", "flash", {"add_qkv_bias": True, "s": 11, "num_query_groups": 8}),  # a/g = 1
+    ("none", "eager", {"add_qkv_bias": True, "b": 3, "s": 7, "h": 48, "a": 6, "num_query_groups": 3}),  # a/g = 2
+    ("tp", "flash", {"add_qkv_bias": True, "t": 2, "s": 9}),
+]
+
+
+@pytest.mark.parametrize("layout, attention, changes", QWEN2_STEPS, ids=str)
+def test_qwen2s_qkv_bias_gradients_happen_in_order_and_the_peak_is_memtrackers(one_thread, layout, attention, changes):
+    """Each bias's gradient is dY summed to (out,) inside the GEMMs' node, beside dY, dW and dX."""
+    config = make_config(LLAMA, attention=attention, **changes)
+    trainer = (lambda group: readings_after_every_op(warmed_up(group, config, STRATEGIES[layout])))
+    readings = trainer(single()) if config.t == 1 else run_fake(trainer, (), config.t)
+    assert_moments_in_order(timeline(config, STRATEGIES[layout], CPU).moments[1:], readings)
+    (r,) = measure_step(config, [layout])
+    assert r.measured.moment == r.predicted_moment
+    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+    assert r.model.startswith("transformers' Qwen2")
+
+
+# -- attention_dropout (eager: native_dropout's bool mask, CUDA's, through the probe's shim) --------------------------
+
+DROPOUT_STEPS = [
+    ("none", {"dropout": 0.1, "s": 13}, None),  # a/g = 4
+    ("none", {"dropout": 0.1, "b": 1, "s": 11, "num_query_groups": 8, "add_qkv_bias": True}, None),  # a/g = 1, Qwen2
+    ("none", {"dropout": 0.1, "b": 1, "s": 96, "h": 16, "ffn_hidden_size": 16, "vocab_size": 20}, None),  # softmax's
+    ("tp", {"dropout": 0.1, "t": 2, "s": 9}, None),
+    ("none", MIXTRAL | {"dropout": 0.1, "s": 13}, "balanced"),
+    ("none", MIXTRAL | {"dropout": 0.1, "qk_layernorm": True, "b": 3, "s": 7, "h": 48, "a": 6, "num_query_groups": 3,
+                        "num_experts": 3, "moe_router_topk": 1, "moe_ffn_hidden_size": 24}, "balanced"),  # Qwen3-MoE
+]
+
+
+@pytest.mark.parametrize("layout, changes, route", DROPOUT_STEPS, ids=str)
+def test_attention_dropout_keeps_its_mask_to_its_backward_and_the_peak_is_memtrackers(one_thread, layout, changes,
+                                                                                      route):
+    """native_dropout keeps a 1-byte mask and weights x V the dropped-out weights (not the softmax's bf16 cast); its
+    backward is one kernel, the gradient through the mask."""
+    config = make_config(LLAMA, attention="eager", **changes)
+    trainer = (lambda group: readings_after_every_op(warmed_up(group, config, STRATEGIES[layout], route)))
+    readings = trainer(single()) if config.t == 1 else run_fake(trainer, (), config.t)
+    assert_moments_in_order(timeline(config, STRATEGIES[layout], CPU).moments[1:], readings)
+    (r,) = measure_step(config, [layout], route=route)
+    assert r.measured.moment == r.predicted_moment
+    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
