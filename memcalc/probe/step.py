@@ -613,7 +613,7 @@ def _model(config: ModelConfig, route: str | None) -> str:
     """The model the step trains, in words: with experts, a QK norm or another norm transformers' model of the family
     that runs the knobs (Mixtral, Qwen2-MoE, Qwen3, Qwen3-MoE, Gemma: memcalc.probe.libs.hf_step), its router
     forced."""
-    stepped = config.moe or config.qk_layernorm or config.norm != "rmsnorm"  # as hf_step.stepped_family builds
+    stepped = config.moe or config.qk_layernorm or config.norm != "rmsnorm" or config.fused_qkv  # as hf_step builds
     family = family_of(config) if config.impl == "hf" and stepped else None
     return STEP_MODELS[config.impl] if family is None else f"transformers' {family.architectures[0]}" + (
         f", router forced {route}" if config.moe else "")

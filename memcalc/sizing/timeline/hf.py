@@ -20,7 +20,9 @@ embedding's Partial sum all-reduced, lm_head's v/t columns all-gathered whole, e
 embedding's gradient the whole (v, h) table of which this rank's rows are copied out. With qk_layernorm the model is
 Qwen3ForCausalLM; with norm rmsnorm_1p GemmaForCausalLM (GemmaRMSNorm's fp32 (1 + w) product, the tanh GeGLU, the
 embedding scaled by its 0-d embed_scale buffer), with sandwich_norm too Gemma2ForCausalLM (eager only: a GemmaRMSNorm
-on the attention's and the MLP's outputs, the scores soft-capped, both masks made); with experts MixtralForCausalLM, Qwen2MoeForCausalLM (shared experts; its model makes an unused
+on the attention's and the MLP's outputs, the scores soft-capped, both masks made); with fused_qkv Phi3ForCausalLM
+(eager: one qkv_proj sliced, one gate_up_proj chunked; its p = 0 residual dropouts, which return their inputs, are
+where MemTracker reads o_proj's and down_proj's branches); with experts MixtralForCausalLM, Qwen2MoeForCausalLM (shared experts; its model makes an unused
 sliding-window mask too) or Qwen3MoeForCausalLM, at t = 1 under the balanced bound. Under FSDP2 (`dp_shard`,
 memcalc.sizing.timeline.fsdp) each layer is gathered before it runs and its gradients kept to its reduce-scatter; under
 DeepSpeed ZeRO (memcalc.sizing.timeline.zero, from DeepSpeed's sources, unmeasured) the same calls lay out its buffers.
@@ -28,7 +30,7 @@ DeepSpeed ZeRO (memcalc.sizing.timeline.zero, from DeepSpeed's sources, unmeasur
 Exact (to the byte, at every moment, tests/probe/libs/test_hf_step.py and test_hf_fsdp.py) on transformers 5.24 and
 torch 2.13's CPU kernels: no biases, no dropout, bf16 or fp16, eager or SDPA attention, any a/g, heads of head_dim,
 tied or not (untied under tp), t = 1 or the tp_plan at t = 2, 3 and 4, FSDP2 at dp_shard 2, 4, 8 (also on a 2-D mesh),
-pp = 1, no recomputation; Gemma's and Gemma 2's at t = 1 unsharded; `check_modelled` names everything else. On CUDA the same aten ops make the same outputs; what
+pp = 1, no recomputation; Gemma's, Gemma 2's and Phi-3's at t = 1 unsharded; `check_modelled` names everything else. On CUDA the same aten ops make the same outputs; what
 a kernel allocates inside itself, the caching allocator's rounding and another SDPA kernel's choice are not here.
 """
 
@@ -164,7 +166,6 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
         (config.sandwich_norm and config.qk_layernorm, "Gemma 3's model (its q/k norms and its local RoPE)"),
         (config.sandwich_norm and config.attention != "eager",
          f"attention {config.attention} in Gemma 2's model (Gemma2ForCausalLM runs eager attention only)"),
-        (config.fused_qkv, "Phi-3's fused qkv_proj and gate_up_proj (it walks Llama's)"),
         (config.rotary_percent is not None, "GLM's partial RoPE and fused gate_up (it walks Llama's)"),
         (strategy.tensor_parallel and config.vocab_size % config.t != 0,
          f"vocab_size={config.vocab_size} that t={config.t} does not divide (DTensor pads uneven shards to gather"
@@ -177,9 +178,9 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
         (config.recompute != "none", f"recompute {config.recompute} (gradient checkpointing)"),
         (config.has_dropout, f"dropout {config.dropout}"),
         (config.add_bias_linear or config.add_qkv_bias, "biases (LlamaForCausalLM as built here has none)"),
-        (scaled_embedding(config) and (strategy.tensor_parallel and config.t > 1 or config.dp_shard is not None
+        ((scaled_embedding(config) or config.fused_qkv) and (strategy.tensor_parallel and config.t > 1 or config.dp_shard is not None
                                        or config.zero_stage is not None),
-         "Gemma's model under tp, dp_shard or zero_stage (unmeasured: t = 1 without sharding only)"),
+         "Gemma's or Phi-3's model under tp, dp_shard or zero_stage (unmeasured: t = 1 without sharding only)"),
         (config.position_embedding_type != "rope", f"position_embedding_type {config.position_embedding_type}"),
         (config.dtype == "fp32", "dtype fp32 (no master weights)"),
         *_experts_missing(config, strategy),
@@ -249,17 +250,25 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
         layer.rms_norm(name, p, norm, z, None, dx) for name, norm, dx in (
             ("post_attention_layernorm", rules.GEMMA_POST_ATTN, attn_out),
             ("post_feedforward_layernorm", rules.GEMMA_POST_MLP, mlp_out))) if config.sandwich_norm else ((), ())
-    return (
+    ops = (
         *layer.layer_forward(i, z, made, moe.block_forward(p, z, config) if block else ()),
         *layer.rms_norm("input_layernorm", p, ln1, z, f"grad/{p}/ln1 output", out, f"grad/{p}/mid"),
         *layer.attention(p, z, config.attention == "eager", saved, config.groups != config.a, tp, i == 0,
-                         config.qk_layernorm, config.attn_logit_softcapping is not None, attn_out),
+                         config.qk_layernorm, config.attn_logit_softcapping is not None, attn_out, config.fused_qkv),
         *post_attn,
         *layer.rms_norm("pre_feedforward_layernorm" if config.sandwich_norm else "post_attention_layernorm", p, ln2,
                         z, mlp, f"grad/{p}/mid", f"grad/{p}/output"),
-        *(block or layer.mlp(p, z, tp, rules.GATED[config.mlp], mlp_out)),
+        *(block or layer.mlp(p, z, tp, rules.GATED[config.mlp], mlp_out, config.fused_qkv)),
         *post_mlp,
     )
+    return tuple(replace(x, where=PHI3_SHADOWED.get(x.where, x.where)) for x in ops) if config.fused_qkv else ops
+
+
+# Phi-3's residual dropouts (resid_pdrop 0: nn.Dropout returns its input) take o_proj's and down_proj's outputs as
+# their inputs, the same tensors: MemTracker reads the branch's backward inside the dropout, but for the modules that
+# make outputs of their own (qkv_proj, gate_up_proj, the activation).
+PHI3_SHADOWED = {"self_attn": "resid_attn_dropout", "self_attn.o_proj": "resid_attn_dropout",
+                 "mlp": "resid_mlp_dropout", "mlp.down_proj": "resid_mlp_dropout"}
 
 
 # -- the model's two ends -----------------------------------------------------------------------------------------

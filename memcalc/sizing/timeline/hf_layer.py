@@ -130,10 +130,12 @@ def layer_forward(i: int, z: Sizes, kept: Step, mlp: tuple[Op, ...] = ()) -> tup
 
 
 def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, tp: bool, first: bool,
-              qk_norm: bool = False, softcap: bool = False, dy: str | None = None) -> tuple[Op, ...]:
+              qk_norm: bool = False, softcap: bool = False, dy: str | None = None, fused: bool = False
+              ) -> tuple[Op, ...]:
     """input_layernorm's output into q, k, v (their dX summed as they come; with `qk_norm` q's and k's heads each
-    RMS-normalised, Qwen3's q_norm and k_norm), RoPE, the core (`softcap`: Gemma 2's soft-capped scores), o_proj
-    (`dy`: its output's gradient, freed by its backward; None: the residual stream's, which lives on)."""
+    RMS-normalised, Qwen3's q_norm and k_norm; `fused`: Phi-3's one qkv_proj, `_fused_qkv`), RoPE, the core
+    (`softcap`: Gemma 2's soft-capped scores), o_proj (`dy`: its output's gradient, freed by its backward; None: the
+    residual stream's, which lives on)."""
     g, q, kv, full = f"grad/{p}", z.a_t * z.d, z.g_t * z.d, z.full(z.h)
     norms = {"q": (rules.Q_NORM_RMS, z.a_t), "k": (rules.K_NORM_RMS, z.g_t)} if qk_norm else {}
     ran: list[Op] = []  # in the order autograd runs them
@@ -160,7 +162,35 @@ def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, t
     core = _eager(p, z, saved, gqa, softcap) if eager else _sdpa(p, z)
     o_proj = linear("self_attn.o_proj", p, z.act * q * z.h, dy, f"{g}/o_proj input", z.full(q),
                     saves=(ledger.PROJ_IN,) if eager else ())
-    return (*reversed(ran), *rope, *core, o_proj)
+    return (*(_fused_qkv(p, z, q, kv, tp) if fused else reversed(ran)), *rope, *core, o_proj)
+
+
+def _fused_qkv(p: str, z: Sizes, q: int, kv: int, tp: bool) -> tuple[Op, ...]:
+    """Phi-3's qkv_proj, in forward order: one GEMM whose output q, k and v slice and view as heads. Backward: each
+    head view's gradient made (b, s, heads * d) again (v's, k's, q's, as autograd reaches their views), then each
+    slice's backward places it in a zero (b, s, (a + 2g) d) tensor, summed in autograd's buffer as they come."""
+    g, width = f"grad/{p}", q + 2 * kv
+    views = []
+    for name, w in (("v", kv), ("k", kv), ("q", q)):
+        heads = f"{g}/v heads" if name == "v" else f"{g}/{name} pre-rope"
+        copy = w != z.d and z.s != 1  # one head: (b, 1, s, d) transposed is (b, s, 1, d) already, no copy
+        views.append((name, f"{g}/{name} tokens" if copy else heads, heads, w, copy))
+    view = Op("self_attn", (), tuple(
+        Step("the head view's backward", (Made(tokens, z.full(w), f"{name}'s gradient made (b, s, heads * d)"),),
+             frees=(heads,), moment=False) for name, tokens, heads, w, copy in views if copy))
+    slices, summed = [], ""
+    for name, tokens, _, _, _ in views:
+        out = f"{summed}+{name}" if summed else f"{g}/qkv {name}"
+        slices.append(Step("the slice's backward", (Made(f"{g}/qkv {name}", z.full(width), f"{name}'s gradient placed"
+                                                         " in a zero (b, s, (a + 2g) d) tensor"),), frees=(tokens,),
+                           moment=False))
+        if summed:
+            slices.append(Step("autograd sums the slices' gradients", (Made(out, z.full(width), "summed"),),
+                               frees=(summed, f"{g}/qkv {name}"), moment=False))
+        summed = out
+    lin = linear("self_attn.qkv_proj", p, z.act * width * z.h, summed, f"{g}/ln1 output", z.full(z.h),
+                 (ledger.QKV_IN,), tp)
+    return (lin, Op("self_attn", (), tuple(slices)), view)
 
 
 def _rope_backward(g: str, name: str, width: int, last: bool) -> tuple[Step, ...]:
@@ -191,6 +221,7 @@ def _eager(p: str, z: Sizes, saved: dict[str, int], gqa: bool, softcap: bool = F
     scores = z.b * z.a_t * z.s * z.s
     expanded = rules.K_EXPANDED.name in saved  # repeat_kv's copies (memcalc.model.impls.hf.REPEAT_KV)
     v, k = (rules.V_EXPANDED, rules.K_EXPANDED) if expanded else (ledger.V, ledger.K)
+    v = rules.NEOX_QKV_OUT if rules.NEOX_QKV_OUT.name in saved else v  # Phi-3's V, a view of the whole qkv output
     sums = tuple(Step("repeat_kv's backward", (Made(f"{g}/{n} heads", z.full(z.g_t * z.d), f"d{n} summed over each"
                                                     " group's heads"),), frees=(f"{g}/{n} expanded",), moment=False)
                  for n in ("v", "k")) if gqa else ()
@@ -241,29 +272,36 @@ def _sdpa(p: str, z: Sizes) -> tuple[Op, ...]:
         saves=(ledger.Q, ledger.K, ledger.V, ledger.SOFTMAX_LSE, ledger.PROJ_IN)),)
 
 
-def mlp(p: str, z: Sizes, tp: bool, gated: tuple[SavedTensor, SavedTensor, SavedTensor], dy: str | None = None
-        ) -> tuple[Op, ...]:
+def mlp(p: str, z: Sizes, tp: bool, gated: tuple[SavedTensor, SavedTensor, SavedTensor], dy: str | None = None,
+        fused: bool = False) -> tuple[Op, ...]:
     """LlamaMLP, in forward order: gate_proj, up_proj (their dX summed into ln2's output gradient), SiLU (keeps its
     input), SiLU(gate) * up (keeps both factors), down_proj (keeps its input); down_proj's dY is the layer's output
     gradient, which ln2's residual sum still needs. `gated`: what the activation and the product keep (the ledger's
     gate, up and activation output: GemmaMLP's tanh GELU keeps as SiLU does, its input, with one gradient); `dy`:
-    down_proj's output gradient when it is not the layer's (Gemma 2's post_feedforward_layernorm's dX), freed there."""
+    down_proj's output gradient when it is not the layer's (Gemma 2's post_feedforward_layernorm's dX), freed there;
+    `fused`: Phi-3's one gate_up_proj, chunked in two, whose backward concatenates the two gradients."""
     g, f = f"grad/{p}", z.f_t
     gate_in, up, act_out = gated
     w, full = z.act * f * z.h, z.full(z.h)
     gate = linear("mlp.gate_proj", p, w, f"{g}/gate", f"{g}/gate_proj input", full, (ledger.FC1_IN,), tp)
+    silu = Op("mlp", (), (Step("SiLU's backward, at its kept input", (Made(f"{g}/gate", z.full(f), "dSiLU"),),
+                               frees=(f"{g}/silu",), moment=False),), saves=(gate_in,))
+    product = Op("mlp", (), (Step("SiLU(gate) * up: its two gradients", (
+        Made(f"{g}/up", z.full(f), "dY * SiLU(gate)"), Made(f"{g}/silu", z.full(f), "dY * up")),
+        frees=(f"{g}/down_proj input",)),), saves=(up, act_out))
+    down = linear("mlp.down_proj", p, w, dy, f"{g}/down_proj input", z.full(f), (ledger.FC2_IN,))
+    if fused:
+        chunk = Op("mlp", (), (Step("chunk's backward: the two gradients concatenated", (
+            Made(f"{g}/gate_up", z.full(2 * f), "(b, s, 2f), gate's and up's"),), frees=(f"{g}/gate", f"{g}/up"),
+            moment=False),))
+        gate_up = linear("mlp.gate_up_proj", p, 2 * w, f"{g}/gate_up", f"{g}/ln2 output", full, (ledger.FC1_IN,), tp)
+        return (gate_up, chunk, silu, product, down)
     return (
         Op(gate.where, (), (*gate.backward, Step("autograd sums gate_proj's and up_proj's input gradients", (
             Made(f"{g}/ln2 output", full, "the MLP input's gradient"),), frees=(f"{g}/up_proj input",
                                                                               f"{g}/gate_proj input"), moment=False)),
            gate.saves),
-        Op("mlp", (), (Step("SiLU's backward, at its kept input", (Made(f"{g}/gate", z.full(f), "dSiLU"),),
-                            frees=(f"{g}/silu",), moment=False),), saves=(gate_in,)),
-        linear("mlp.up_proj", p, w, f"{g}/up", f"{g}/up_proj input", full, (ledger.FC1_IN,), tp),
-        Op("mlp", (), (Step("SiLU(gate) * up: its two gradients", (
-            Made(f"{g}/up", z.full(f), "dY * SiLU(gate)"), Made(f"{g}/silu", z.full(f), "dY * up")),
-            frees=(f"{g}/down_proj input",)),), saves=(up, act_out)),
-        linear("mlp.down_proj", p, w, dy, f"{g}/down_proj input", z.full(f), (ledger.FC2_IN,)),
+        silu, linear("mlp.up_proj", p, w, f"{g}/up", f"{g}/up_proj input", full, (ledger.FC1_IN,), tp), product, down,
     )
 
 

@@ -321,6 +321,7 @@ def test_qwen3_and_qwen3_moe_steps_happen_in_order_and_peak_where_the_timeline_s
 GEMMA = {"norm": "rmsnorm_1p", "mlp": "geglu_tanh"}  # GemmaForCausalLM: (1 + w) RMSNorm, tanh GeGLU, scaled embedding
 GEMMA2 = GEMMA | {"sandwich_norm": True}  # Gemma2ForCausalLM: eager attention only (_supports_sdpa False)
 CAPPED = {"attn_logit_softcapping": 50.0}
+PHI3 = {"fused_qkv": True}
 FAMILY_STEPS = [
     ("gemma", "eager", GEMMA),  # the loss's backward
     ("gemma", "flash", GEMMA | {"b": 1, "s": 13, "kv_channels": 12, "num_query_groups": 4}),  # lm_head's GEMMs
@@ -336,12 +337,19 @@ FAMILY_STEPS = [
     ("gemma2", "eager", GEMMA2 | CAPPED | {"vocab_size": 40, "h": 32, "ffn_hidden_size": 512}),
     ("gemma2", "eager", GEMMA2 | CAPPED | {"s": 95, "h": 16, "ffn_hidden_size": 16, "vocab_size": 20,
                                           "sliding_window": 16}),  # a window shorter than s
+    ("phi3", "eager", PHI3),  # Phi3ForCausalLM: one qkv_proj, one gate_up_proj, eager (the ledger's)
+    ("phi3", "eager", PHI3 | {"b": 1, "s": 13, "kv_channels": 12, "num_query_groups": 4}),
+    ("phi3", "eager", PHI3 | {"b": 1, "s": 13, "num_query_groups": 1}),  # V kept as the whole qkv_proj output
+    ("phi3", "eager", PHI3 | {"b": 3, "s": 7, "h": 48, "a": 6, "num_query_groups": 2, "tie_embeddings": True}),
+    ("phi3", "eager", PHI3 | {"vocab_size": 40}),
+    ("phi3", "eager", PHI3 | {"vocab_size": 40, "h": 32, "ffn_hidden_size": 512}),
+    ("phi3", "eager", PHI3 | {"s": 95, "h": 16, "ffn_hidden_size": 16, "vocab_size": 20}),
 ]
 
 
 def test_the_families_sizes_put_the_peak_in_different_places():
     """What gives the next test its meaning: a family's cases peak at five different moments (the default sizes and
-    the tied model both in the loss)."""
+    the tied model both in the loss; Phi-3's two b = 1 cases both in lm_head)."""
     peaks = [(family, timeline(make_config(LLAMA, attention=a, **c), STRATEGIES["none"], CPU).peak.label())
              for family, a, c in FAMILY_STEPS]
     families = {family for family, _ in peaks}
