@@ -158,7 +158,8 @@ PARAM_GROUPS: tuple[ParamGroup, ...] = (
                " MLP (transformers' Qwen2-MoE adds its whole h -> 1 gate)"),
     ParamGroup(
         "layer/norms", "layer", lambda c, t: _layer_norm_params(c),
-        "two norms per layer (one with single_norm, four with sandwich_norm), and with qk_layernorm the query's and the key's over one head's d"
+        "two norms per layer (one with single_norm, four with sandwich_norm), and with qk_layernorm the query's and the"
+        " key's over one head's d"
         " channels (shared by every head; Cohere's use_qk_norm weighs each head apart), whole on every rank"
         " (LayerNorm: weight and bias; RMSNorm: weight)",
     ),

@@ -26,7 +26,8 @@ laid out: apply_tensor_parallelism looks lm_head.weight up among named_parameter
 With norm rmsnorm_1p and mlp geglu_tanh it builds GemmaForCausalLM (GemmaRMSNorm, the tanh GeGLU, the embedding
 scaled by sqrt(h)); with sandwich_norm too Gemma2ForCausalLM (every other layer sliding, the scores soft-capped if
 attn_logit_softcapping is set, no final logit soft-capping: memcalc has no knob for it); with fused_qkv
-Phi3ForCausalLM (one qkv_proj, one gate_up_proj). With qk_layernorm it builds Qwen3ForCausalLM (Llama's layer, each query and key head RMS-normalised before RoPE).
+Phi3ForCausalLM (one qkv_proj, one gate_up_proj). With qk_layernorm it builds Qwen3ForCausalLM (Llama's layer, each
+query and key head RMS-normalised before RoPE).
 A config with experts builds MixtralForCausalLM instead (Qwen2MoeForCausalLM with shared experts,
 Qwen3MoeForCausalLM with qk_layernorm): every layer a
 sparse MoE block whose experts run transformers' eager loop, its router forced to the `route` given
@@ -93,8 +94,8 @@ def stepped_family(config: ModelConfig) -> str:
     stepped = config.moe or config.qk_layernorm or config.norm != "rmsnorm" or config.fused_qkv
     family = model_family(config) if stepped else "llama"
     if family not in _STEPPED:
-        raise ProbeError(f"impl hf: --step builds Llama's, Qwen3's, Gemma's, Mixtral's, Qwen2-MoE's or Qwen3-MoE's"
-                         f" model; these knobs are {family}'s")
+        raise ProbeError(f"impl hf: --step builds Llama's, Qwen3's, Gemma's, Gemma 2's, Phi-3's, Mixtral's, Qwen2-MoE's"
+                         f" or Qwen3-MoE's model; these knobs are {family}'s")
     return family
 
 

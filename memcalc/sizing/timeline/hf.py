@@ -22,16 +22,18 @@ Qwen3ForCausalLM; with norm rmsnorm_1p GemmaForCausalLM (GemmaRMSNorm's fp32 (1 
 embedding scaled by its 0-d embed_scale buffer), with sandwich_norm too Gemma2ForCausalLM (eager only: a GemmaRMSNorm
 on the attention's and the MLP's outputs, the scores soft-capped, both masks made); with fused_qkv Phi3ForCausalLM
 (eager: one qkv_proj sliced, one gate_up_proj chunked; its p = 0 residual dropouts, which return their inputs, are
-where MemTracker reads o_proj's and down_proj's branches); with experts MixtralForCausalLM, Qwen2MoeForCausalLM (shared experts; its model makes an unused
-sliding-window mask too) or Qwen3MoeForCausalLM, at t = 1 under the balanced bound. Under FSDP2 (`dp_shard`,
-memcalc.sizing.timeline.fsdp) each layer is gathered before it runs and its gradients kept to its reduce-scatter; under
-DeepSpeed ZeRO (memcalc.sizing.timeline.zero, from DeepSpeed's sources, unmeasured) the same calls lay out its buffers.
+where MemTracker reads o_proj's and down_proj's branches); with experts MixtralForCausalLM, Qwen2MoeForCausalLM
+(shared experts; its model makes an unused sliding-window mask too) or Qwen3MoeForCausalLM, at t = 1 under the
+balanced bound. Under FSDP2 (`dp_shard`, memcalc.sizing.timeline.fsdp) each layer is gathered before it runs and its
+gradients kept to its reduce-scatter; under DeepSpeed ZeRO (memcalc.sizing.timeline.zero, from DeepSpeed's sources,
+unmeasured) the same calls lay out its buffers.
 
 Exact (to the byte, at every moment, tests/probe/libs/test_hf_step.py and test_hf_fsdp.py) on transformers 5.24 and
 torch 2.13's CPU kernels: no biases, no dropout, bf16 or fp16, eager or SDPA attention, any a/g, heads of head_dim,
 tied or not (untied under tp), t = 1 or the tp_plan at t = 2, 3 and 4, FSDP2 at dp_shard 2, 4, 8 (also on a 2-D mesh),
-pp = 1, no recomputation; Gemma's, Gemma 2's and Phi-3's at t = 1 unsharded; `check_modelled` names everything else. On CUDA the same aten ops make the same outputs; what
-a kernel allocates inside itself, the caching allocator's rounding and another SDPA kernel's choice are not here.
+pp = 1, no recomputation; Gemma's, Gemma 2's and Phi-3's at t = 1 unsharded; `check_modelled` names everything else.
+On CUDA the same aten ops make the same outputs; what a kernel allocates inside itself, the caching allocator's
+rounding and another SDPA kernel's choice are not here.
 """
 
 from __future__ import annotations
@@ -55,7 +57,6 @@ from memcalc.sizing.timeline.fsdp import ROOT, Fsdp
 from memcalc.sizing.timeline.tape import GRADIENTS, PARAMETERS, Moment, Sizes, Tape, Timeline, bulk
 from memcalc.sizing.timeline.walk import HandOver, Made, Op, Step, Walk, kept
 from memcalc.sizing.timeline.zero import Zero
-
 
 
 def final_norm(config: ModelConfig) -> RMSNormTensors:
@@ -90,8 +91,8 @@ def _moments(config: ModelConfig, z: Sizes, kept: tuple[tuple[ledger.SavedTensor
         tape.add(f"states/rotary_emb.{name}", PARAMETERS, 4 * (z.d // 2),
                  "LlamaRotaryEmbedding's buffer, fp32 in a bf16 model (an explicit float arange)")
     if scaled_embedding(config):
-        tape.add("states/embed_tokens.embed_scale", PARAMETERS, z.act, "GemmaTextScaledWordEmbedding's sqrt(h), a"
-                 " 0-d buffer that _from_config casts to the weights' dtype (its .to(dtype) in forward is then a no-op)")
+        tape.add("states/embed_tokens.embed_scale", PARAMETERS, z.act, "GemmaTextScaledWordEmbedding's sqrt(h), a 0-d"
+                 " buffer that _from_config casts to the weights' dtype (its .to(dtype) in forward is then a no-op)")
     tape.mark("steady", "", "model states between steps")
     saved = {x.name: nbytes for x, nbytes in kept}
     hand_over = _hand_over(tape, sharding)
@@ -178,8 +179,9 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
         (config.recompute != "none", f"recompute {config.recompute} (gradient checkpointing)"),
         (config.has_dropout, f"dropout {config.dropout}"),
         (config.add_bias_linear or config.add_qkv_bias, "biases (LlamaForCausalLM as built here has none)"),
-        ((scaled_embedding(config) or config.fused_qkv) and (strategy.tensor_parallel and config.t > 1 or config.dp_shard is not None
-                                       or config.zero_stage is not None),
+        ((scaled_embedding(config) or config.fused_qkv) and (strategy.tensor_parallel and config.t > 1
+                                                             or config.dp_shard is not None
+                                                             or config.zero_stage is not None),
          "Gemma's or Phi-3's model under tp, dp_shard or zero_stage (unmeasured: t = 1 without sharding only)"),
         (config.position_embedding_type != "rope", f"position_embedding_type {config.position_embedding_type}"),
         (config.dtype == "fp32", "dtype fp32 (no master weights)"),
