@@ -637,11 +637,17 @@ def _step_runner(impl: str, sharded: bool = False) -> Callable[..., StepMeasurem
     return getattr(importlib.import_module(module), function)
 
 
+def own_model(config: ModelConfig) -> bool:
+    """Whether --step --impl hf builds the family's own model (experts, QK norms, Qwen2's q/k/v biases, Gemma's norm,
+    Phi-3's fused projections), not LlamaForCausalLM."""
+    return bool(config.moe or config.qk_layernorm or config.add_qkv_bias or config.norm != "rmsnorm"
+                or config.fused_qkv)
+
+
 def _model(config: ModelConfig, route: str | None) -> str:
-    """The model the step trains, in words: with experts, a QK norm or Q, K, V biases transformers' model of the family
-    that runs the knobs (Mixtral, Qwen2-MoE, Qwen2, Qwen3, Qwen3-MoE: memcalc.probe.libs.hf_step), its router forced."""
-    own = config.moe or config.qk_layernorm or config.add_qkv_bias
-    family = family_of(config) if config.impl == "hf" and own else None
+    """The model the step trains, in words: transformers' model of the family that runs the knobs where --step
+    builds its own (`own_model`: memcalc.probe.libs.hf_step), its router forced."""
+    family = family_of(config) if config.impl == "hf" and own_model(config) else None
     model = STEP_MODELS[_trained(config)] if family is None else f"transformers' {family.architectures[0]}"
     return model + (f", router forced {route}" if config.moe else "")
 

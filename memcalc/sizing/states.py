@@ -67,7 +67,7 @@ def _layer_norm_params(c: ModelConfig) -> int:
     """A layer's norms: before the attention and the MLP (one read by both with single_norm: GPT-J's, Cohere's,
     Falcon-7B's), and the QK norms, one head's d channels shared by every head, or Cohere's (heads, d) weights, one
     row a head."""
-    norms = (1 if c.single_norm else 2) * _norm_params(c)
+    norms = (1 if c.single_norm else 4 if c.sandwich_norm else 2) * _norm_params(c)  # sandwich: on both outputs too
     if not c.qk_layernorm:
         return norms
     heads = c.a + c.groups if c.norm == "layernorm_nb" else 2
@@ -158,7 +158,8 @@ PARAM_GROUPS: tuple[ParamGroup, ...] = (
                " MLP (transformers' Qwen2-MoE adds its whole h -> 1 gate)"),
     ParamGroup(
         "layer/norms", "layer", lambda c, t: _layer_norm_params(c),
-        "two norms per layer (one with single_norm), and with qk_layernorm the query's and the key's over one head's d"
+        "two norms per layer (one with single_norm, four with sandwich_norm), and with qk_layernorm the query's and the"
+        " key's over one head's d"
         " channels (shared by every head; Cohere's use_qk_norm weighs each head apart), whole on every rank"
         " (LayerNorm: weight and bias; RMSNorm: weight)",
     ),

@@ -187,3 +187,46 @@ def test_attention_dropout_keeps_its_bool_mask_until_its_backward_runs():
     after = walked.moments[walked.moments.index(moment) + 1]
     scores = config.b * config.a * config.s * config.s
     assert moment.by_category()[ACTIVATIONS] - after.by_category()[ACTIVATIONS] == scores  # the bool mask went
+
+
+GEMMA = {"norm": "rmsnorm_1p", "mlp": "geglu_tanh"}
+
+
+def test_gemmas_layers_add_the_hf_ledgers_gemma_tensors_less_the_shared_rope_tables():
+    config, steps = _timeline(**GEMMA)
+    ends = [m.by_category()[ACTIVATIONS] for m in steps.moments if m.phase == "forward" and ".layers." in f".{m.where}"]
+    ledger = {x.tensor.name: x.bytes for x in estimate(config, NONE, CPU).tensors}
+    assert rules.GEMMA_LN1.weight_plus_one.name in ledger and rules.GEGLU_GATE.name in ledger
+    shared = ledger[rules.ROPE_COS.name] + ledger[rules.ROPE_SIN.name]
+    assert [b - a for a, b in zip(ends[1:], ends[2:])] == [sum(ledger.values()) - shared] * (config.L - 2)
+
+
+def test_gemmas_model_states_add_its_embedding_scale_a_0_d_buffer_in_the_weights_dtype():
+    config, steps = _timeline(**GEMMA)
+    llama = _timeline()[1].steady.by_category()[PARAMETERS]
+    assert steps.steady.by_category()[PARAMETERS] == llama + 2
+    final = {x.name for x in steps.moments[-1].live}
+    assert "states/embed_tokens.embed_scale" in final
+
+
+def test_gemma_under_tp_is_refused_by_name():
+    with pytest.raises(ConfigError, match="does not model Gemma.s or Phi-3.s model under tp"):
+        _timeline(TP, t=2, **GEMMA)
+
+
+@pytest.mark.parametrize("changes, named", [
+    ({"sandwich_norm": True, "attention": "flash"}, "attention flash in Gemma 2's model"),
+    ({"sandwich_norm": True, "qk_layernorm": True}, "Gemma 3's model"),
+], ids=str)
+def test_what_the_gemma_walk_leaves_out_is_refused_by_name(changes, named):
+    with pytest.raises(ConfigError, match=f"does not model {named}"):
+        _timeline(**GEMMA | changes)
+
+
+def test_gemma_2s_layers_add_its_sandwich_norms_and_soft_capping_as_the_ledger_keeps_them():
+    config, steps = _timeline(**GEMMA, sandwich_norm=True, attn_logit_softcapping=50.0, attention="eager")
+    ends = [m.by_category()[ACTIVATIONS] for m in steps.moments if m.phase == "forward" and ".layers." in f".{m.where}"]
+    ledger = {x.tensor.name: x.bytes for x in estimate(config, NONE, CPU).tensors}
+    assert {rules.GEMMA_POST_MLP.normed_fp32.name, rules.SOFTCAP_TANH.name} <= ledger.keys()
+    shared = ledger[rules.ROPE_COS.name] + ledger[rules.ROPE_SIN.name]
+    assert [b - a for a, b in zip(ends[1:], ends[2:])] == [sum(ledger.values()) - shared] * (config.L - 2)

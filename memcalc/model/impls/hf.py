@@ -238,8 +238,13 @@ GEGLU_UP = replace(ledger.SWIGLU_UP, name="mlp/geglu_up", saved_by="GELU(gate) *
                    why="the gradient of GELU(gate) in the product is dY * up")
 GEGLU_GELU_OUT = replace(ledger.SWIGLU_SILU_OUT, name="mlp/gelu_out", saved_by="GELU(gate) * up",
                          why="the gradient of up in the product is dY * GELU(gate)")
+# The gated MLPs' gate (the activation's input), up and activation output, by memcalc's mlp: LlamaMLP's, GemmaMLP's.
+GATED = {"swiglu": (ledger.SWIGLU_GATE, ledger.SWIGLU_UP, ledger.SWIGLU_SILU_OUT),
+         "geglu_tanh": (GEGLU_GATE, GEGLU_UP, GEGLU_GELU_OUT)}
 LN1_RMS = _rms_norm("ln1", "input_layernorm")
 LN2_RMS = _rms_norm("ln2", "post_attention_layernorm")
+# The two norms of a Llama-shaped layer by memcalc's norm: LlamaRMSNorm, GemmaRMSNorm.
+RMS_NORMS = {"rmsnorm": (LN1_RMS, LN2_RMS), "rmsnorm_1p": (GEMMA_LN1, GEMMA_LN2)}
 # Qwen3Attention (qk_layernorm): Qwen3RMSNorm, LlamaRMSNorm's code, on q_proj(x) and k_proj(x) viewed as (b, s, heads,
 # d), before RoPE; its output, transposed, goes on to RoPE and the core.
 Q_NORM_RMS = _rms_norm("attention/q_norm_", "Qwen3RMSNorm q_norm, each query head", Dim.D, heads=Dim.A)
@@ -707,13 +712,13 @@ def norm_block(which: int, knobs: Any) -> tuple[SavedTensor, ...]:
     if is_cohere(knobs):
         return _cohere_kept(COHERE_LN1, knobs)
     if knobs.norm == "rmsnorm_1p":
-        return tuple((GEMMA_LN1, GEMMA_LN2)[which])
+        return tuple(RMS_NORMS["rmsnorm_1p"][which])
     if knobs.norm == "layernorm_np":
         return tuple((OLMO_LN1, OLMO_LN2)[which])
     if knobs.norm == "rmsnorm_fp32w":  # gpt-oss's (OLMo 2 has post-norms only)
         return tuple((GPT_OSS_LN1, GPT_OSS_LN2)[which])
     if is_llama(knobs):
-        return tuple((LN1_RMS, LN2_RMS)[which])
+        return tuple(RMS_NORMS["rmsnorm"][which])
     if which == 1 and knobs.parallel_residual:
         return (ledger.LN2.mean, ledger.LN2.rstd)
     return tuple((ledger.LN1, ledger.LN2)[which])
@@ -853,10 +858,8 @@ def attention_block(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ..
 
 def mlp_block(knobs: Any) -> tuple[SavedTensor, ...]:
     """LlamaMLP (gate, up, SiLU(gate) * up) or GPT2MLP (c_fc, activation, c_proj, dropout)."""
-    if knobs.mlp == "swiglu":
-        activation = (ledger.SWIGLU_GATE, ledger.SWIGLU_UP, ledger.SWIGLU_SILU_OUT)
-    elif knobs.mlp == "geglu_tanh":
-        activation = (GEGLU_GATE, GEGLU_UP, GEGLU_GELU_OUT)
+    if knobs.mlp in GATED:
+        activation: tuple[SavedTensor, ...] = GATED[knobs.mlp]
     elif knobs.mlp == "gelu_tanh" and not knobs.alibi:  # gelu_new; BLOOM's GeLUFunction keeps its input alone
         activation = (ledger.GELU_IN, HALF_X, TANH_OUT, ONE_PLUS_TANH)
     else:

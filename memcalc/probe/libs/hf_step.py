@@ -23,9 +23,12 @@ plan with the same function to the model `_from_config` built.) The trainer work
 takes this rank's rows of the embedding's Replicate gradient (`memcalc.probe.step.MainGrads`). A tied model is not
 laid out: apply_tensor_parallelism looks lm_head.weight up among named_parameters(), which name a tied weight once.
 
-With add_qkv_bias it builds Qwen2ForCausalLM (Llama's layer, q_proj, k_proj and v_proj with biases; no sliding
-window, Qwen2Config's default). With qk_layernorm it builds Qwen3ForCausalLM (Llama's layer, each query and key head
-RMS-normalised before RoPE).
+With norm rmsnorm_1p and mlp geglu_tanh it builds GemmaForCausalLM (GemmaRMSNorm, the tanh GeGLU, the embedding
+scaled by sqrt(h)); with sandwich_norm too Gemma2ForCausalLM (every other layer sliding, the scores soft-capped if
+attn_logit_softcapping is set, no final logit soft-capping: memcalc has no knob for it); with fused_qkv
+Phi3ForCausalLM (one qkv_proj, one gate_up_proj). With qk_layernorm it builds Qwen3ForCausalLM (Llama's layer, each
+query and key head RMS-normalised before RoPE); with add_qkv_bias Qwen2ForCausalLM (Llama's layer, q_proj, k_proj
+and v_proj with biases; no sliding window, Qwen2Config's default).
 A config with experts builds MixtralForCausalLM instead (Qwen2MoeForCausalLM with shared experts,
 Qwen3MoeForCausalLM with qk_layernorm): every layer a
 sparse MoE block whose experts run transformers' eager loop, its router forced to the `route` given
@@ -47,14 +50,14 @@ from memcalc.probe.layer import DTYPES
 from memcalc.probe.libs import hf_tp
 from memcalc.probe.libs.hf import llama_config, model_family, routing
 from memcalc.probe.libs.hf_shim import cuda_like_dropout
-from memcalc.probe.step import BATCH_SEED, StepMeasurement, Trainer, measure_trainer
+from memcalc.probe.step import BATCH_SEED, StepMeasurement, Trainer, measure_trainer, own_model
 
 torch = require_torch()
 import transformers  # noqa: E402  (memcalc[hf])
 
 
 # The families whose model --step builds (FAMILIES' first architecture), as memcalc.probe.libs.hf reads the config.
-_STEPPED = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+_STEPPED = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma", "gemma2", "phi3")
 
 
 def measure_hf_step_on_rank(
@@ -89,11 +92,11 @@ def warmed_up(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, 
 
 def stepped_family(config: ModelConfig) -> str:
     """The family whose model --step builds: Llama's for a dense layer, Qwen2's with add_qkv_bias, Qwen3's with
-    qk_layernorm, the MoE family's with experts."""
-    family = model_family(config) if config.moe or config.qk_layernorm or config.add_qkv_bias else "llama"
+    qk_layernorm, Gemma's with its norm, Phi-3's with fused_qkv, the MoE family's with experts."""
+    family = model_family(config) if own_model(config) else "llama"
     if family not in _STEPPED:
-        raise ProbeError(f"impl hf: --step builds Mixtral's, Qwen2-MoE's or Qwen3-MoE's model for experts; these are"
-                         f" {family}'s")
+        raise ProbeError(f"impl hf: --step builds Llama's, Qwen3's, Gemma's, Gemma 2's, Phi-3's, Mixtral's, Qwen2-MoE's"
+                         f" or Qwen3-MoE's model; these knobs are {family}'s")
     return family
 
 

@@ -18,25 +18,28 @@ Each weight's bf16 gradient is added into the fp32 buffer as autograd hands it o
 Under tp the model is laid out by transformers' own plan (memcalc.probe.libs.hf_tp), with DTensor's steps: the
 embedding's Partial sum all-reduced, lm_head's v/t columns all-gathered whole, each colwise dX all-reduced, the
 embedding's gradient the whole (v, h) table of which this rank's rows are copied out. With qk_layernorm the model is
-Qwen3ForCausalLM, with add_qkv_bias Qwen2ForCausalLM; with experts MixtralForCausalLM, Qwen2MoeForCausalLM (shared
-experts; its model makes an unused sliding-window mask too) or Qwen3MoeForCausalLM, at t = 1 under the balanced
-bound. Under FSDP2 (`dp_shard`, memcalc.sizing.timeline.fsdp) each layer is gathered before it runs and its gradients
-kept to its reduce-scatter; under DeepSpeed ZeRO (memcalc.sizing.timeline.zero, from DeepSpeed's sources, unmeasured)
-the same calls lay out its buffers.
-
+Qwen3ForCausalLM, with add_qkv_bias Qwen2ForCausalLM; with norm rmsnorm_1p GemmaForCausalLM (GemmaRMSNorm's fp32
+(1 + w) product, the tanh GeGLU, the embedding scaled by its 0-d embed_scale buffer), with sandwich_norm too Gemma2ForCausalLM (eager only: a GemmaRMSNorm
+on the attention's and the MLP's outputs, the scores soft-capped, both masks made); with fused_qkv Phi3ForCausalLM
+(eager: one qkv_proj sliced, one gate_up_proj chunked; its p = 0 residual dropouts, which return their inputs, are
+where MemTracker reads o_proj's and down_proj's branches); with experts MixtralForCausalLM, Qwen2MoeForCausalLM
+(shared experts; its model makes an unused sliding-window mask too) or Qwen3MoeForCausalLM, at t = 1 under the
+balanced bound. Under FSDP2 (`dp_shard`, memcalc.sizing.timeline.fsdp) each layer is gathered before it runs and its
+gradients kept to its reduce-scatter; under DeepSpeed ZeRO (memcalc.sizing.timeline.zero, from DeepSpeed's sources,
+unmeasured) the same calls lay out its buffers.
 Exact (to the byte, at every moment, tests/probe/libs/test_hf_step.py and test_hf_fsdp.py) on transformers 5.24 and
 torch 2.13's CPU kernels: no biases but Qwen2's q, k, v ones (add_qkv_bias), attention dropout with eager attention
 (native_dropout's bool mask, CUDA's, through the probe's shim), bf16 or fp16, eager or SDPA attention, any a/g,
 heads of head_dim, tied or not (untied under tp), t = 1 or the tp_plan at t = 2, 3 and 4, FSDP2 at dp_shard 2, 4, 8
-(also on a 2-D mesh), pp = 1, no recomputation; `check_modelled` names everything else. On CUDA the same aten ops make
-the same outputs; what a kernel allocates inside itself, the caching allocator's rounding and another SDPA kernel's
-choice are not here.
+(also on a 2-D mesh), pp = 1, no recomputation; Gemma's, Gemma 2's and Phi-3's at t = 1 unsharded; `check_modelled`
+names everything else. On CUDA the same aten ops make the same outputs; what a kernel allocates inside itself, the
+caching allocator's rounding and another SDPA kernel's choice are not here.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import replace
+from dataclasses import fields, replace
 
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError
@@ -56,9 +59,11 @@ from memcalc.sizing.timeline.walk import HandOver, Made, Op, Step, Walk, kept
 from memcalc.sizing.timeline.zero import Zero
 
 
-# model.norm keeps what a layer's LlamaRMSNorm keeps, under its own names
-FINAL_NORM = RMSNormTensors(**{k: replace(x, name=f"final_norm/{x.name.partition('/')[2]}") for k, x in (
-    ("input_fp32", rules.LN1_RMS.input_fp32), ("rstd", rules.LN1_RMS.rstd), ("normed", rules.LN1_RMS.normed))})
+def final_norm(config: ModelConfig) -> RMSNormTensors:
+    """model.norm keeps what a layer's input_layernorm keeps (the same class), under its own names."""
+    ln1 = rules.RMS_NORMS[config.norm][0]
+    return replace(ln1, **{f.name: replace(x, name=f"final_norm/{x.name.partition('/')[2]}") for f in fields(ln1)
+                           if (x := getattr(ln1, f.name)) is not None})
 
 
 def hf_timeline(config: ModelConfig, strategy: Strategy, accounting: Accounting) -> Timeline:
@@ -85,12 +90,15 @@ def _moments(config: ModelConfig, z: Sizes, kept: tuple[tuple[ledger.SavedTensor
     for name in ("inv_freq", "original_inv_freq"):
         tape.add(f"states/rotary_emb.{name}", PARAMETERS, 4 * (z.d // 2),
                  "LlamaRotaryEmbedding's buffer, fp32 in a bf16 model (an explicit float arange)")
+    if scaled_embedding(config):
+        tape.add("states/embed_tokens.embed_scale", PARAMETERS, z.act, "GemmaTextScaledWordEmbedding's sqrt(h), a 0-d"
+                 " buffer that _from_config casts to the weights' dtype (its .to(dtype) in forward is then a no-op)")
     tape.mark("steady", "", "model states between steps")
     saved = {x.name: nbytes for x, nbytes in kept}
     hand_over = _hand_over(tape, sharding)
-    ends = {x.name: saved[x.name] for x in layer.ROPE} | {
-        FINAL_NORM.input_fp32.name: z.tokens(4 * z.h), FINAL_NORM.rstd.name: z.tokens(4),
-        FINAL_NORM.normed.name: z.full(z.h), ledger.OUTPUT_INPUT.name: z.full(z.h)}
+    ln1, final = rules.RMS_NORMS[config.norm][0], final_norm(config)  # the final norm's tensors are ln1's sizes
+    ends = {x.name: saved[x.name] for x in layer.ROPE} | {ledger.OUTPUT_INPUT.name: z.full(z.h)} | {
+        y.name: saved[x.name] for x, y in zip(ln1, final) if x.name in saved}
     tensors = tuple(x for x, _ in kept if x not in layer.ROPE)  # every layer shares one description of these
     made, block = (moe.kept_in_forward(tensors, config.num_experts), moe.block_backward(z, config)) if config.moe \
         else (layer.kept_tensors(tensors), ())
@@ -152,11 +160,13 @@ def _backward(tape: Tape, sharding: Fsdp | Zero | None, inputs: Walked, layers: 
 def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
     """ConfigError naming the first thing the hf step timeline does not model yet."""
     missing = [
-        ((config.norm, config.mlp) != ("rmsnorm", "swiglu"),
-         f"norm {config.norm} with mlp {config.mlp} (another family's model; it walks Llama's)"),
-        (config.sandwich_norm or config.attn_logit_softcapping is not None or config.sliding_window is not None,
-         "a sliding window, or Gemma 2/3's sandwich norms or soft-capping (it walks Llama's)"),
-        (config.fused_qkv, "Phi-3's fused qkv_proj and gate_up_proj (it walks Llama's)"),
+        ((config.norm, config.mlp) not in (("rmsnorm", "swiglu"), ("rmsnorm_1p", "geglu_tanh")),
+         f"norm {config.norm} with mlp {config.mlp} (another family's model; it walks Llama's and Gemma's)"),
+        (config.sliding_window is not None and not config.sandwich_norm,
+         f"sliding_window={config.sliding_window} outside Gemma 2 (Mistral's model; it walks Llama's and Gemma's)"),
+        (config.sandwich_norm and config.qk_layernorm, "Gemma 3's model (its q/k norms and its local RoPE)"),
+        (config.sandwich_norm and config.attention != "eager",
+         f"attention {config.attention} in Gemma 2's model (Gemma2ForCausalLM runs eager attention only)"),
         (config.rotary_percent is not None, "GLM's partial RoPE and fused gate_up (it walks Llama's)"),
         (strategy.tensor_parallel and config.vocab_size % config.t != 0,
          f"vocab_size={config.vocab_size} that t={config.t} does not divide (DTensor pads uneven shards to gather"
@@ -172,6 +182,11 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
         (config.has_dropout and config.attention != "eager", f"dropout {config.dropout} with SDPA (a CPU runs its"
                                                              " math kernel, CUDA the flash kernel's own dropout)"),
         (config.add_bias_linear, "add_bias_linear (biases on every linear; Qwen2's q, k, v biases are add_qkv_bias)"),
+        ((scaled_embedding(config) or config.fused_qkv) and (strategy.tensor_parallel and config.t > 1
+                                                             or config.dp_shard is not None
+                                                             or config.zero_stage is not None or config.has_dropout),
+         "Gemma's or Phi-3's model under tp, dp_shard or zero_stage, or with dropout (unmeasured: t = 1 without"
+         " sharding or dropout only)"),
         (config.position_embedding_type != "rope", f"position_embedding_type {config.position_embedding_type}"),
         (config.dtype == "fp32", "dtype fp32 (no master weights)"),
         *_experts_missing(config, strategy),
@@ -236,14 +251,33 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
     p, tp = f"layers.{i}", z.t > 1
     out = f"grad/layers.{i - 1}/output" if i else "grad/embedding output"
     mlp = moe.OUTPUT_GRAD if block else f"grad/{p}/ln2 output"
-    return (
+    ln1, ln2 = rules.RMS_NORMS[config.norm]
+    # Gemma 2's sandwich norms: on the attention's output and on the MLP's, whose gradients are then theirs
+    attn_out, mlp_out = (f"grad/{p}/attn output", f"grad/{p}/mlp output") if config.sandwich_norm else (None, None)
+    post_attn, post_mlp = (
+        layer.rms_norm(name, p, norm, z, None, dx) for name, norm, dx in (
+            ("post_attention_layernorm", rules.GEMMA_POST_ATTN, attn_out),
+            ("post_feedforward_layernorm", rules.GEMMA_POST_MLP, mlp_out))) if config.sandwich_norm else ((), ())
+    ops = (
         *layer.layer_forward(i, z, made, moe.block_forward(p, z, config) if block else ()),
-        *layer.rms_norm("input_layernorm", p, rules.LN1_RMS, z, f"grad/{p}/ln1 output", out, f"grad/{p}/mid"),
+        *layer.rms_norm("input_layernorm", p, ln1, z, f"grad/{p}/ln1 output", out, f"grad/{p}/mid"),
         *layer.attention(p, z, config.attention == "eager", saved, config.groups != config.a, tp, i == 0,
-                         config.qk_layernorm, config.add_qkv_bias, config.has_dropout),
-        *layer.rms_norm("post_attention_layernorm", p, rules.LN2_RMS, z, mlp, f"grad/{p}/mid", f"grad/{p}/output"),
-        *(block or layer.mlp(p, z, tp)),
+                         config.qk_layernorm, config.add_qkv_bias, config.has_dropout,
+                         config.attn_logit_softcapping is not None, attn_out, config.fused_qkv),
+        *post_attn,
+        *layer.rms_norm("pre_feedforward_layernorm" if config.sandwich_norm else "post_attention_layernorm", p, ln2,
+                        z, mlp, f"grad/{p}/mid", f"grad/{p}/output"),
+        *(block or layer.mlp(p, z, tp, rules.GATED[config.mlp], mlp_out, config.fused_qkv)),
+        *post_mlp,
     )
+    return tuple(replace(x, where=PHI3_SHADOWED.get(x.where, x.where)) for x in ops) if config.fused_qkv else ops
+
+
+# Phi-3's residual dropouts (resid_pdrop 0: nn.Dropout returns its input) take o_proj's and down_proj's outputs as
+# their inputs, the same tensors: MemTracker reads the branch's backward inside the dropout, but for the modules that
+# make outputs of their own (qkv_proj, gate_up_proj, the activation).
+PHI3_SHADOWED = {"self_attn": "resid_attn_dropout", "self_attn.o_proj": "resid_attn_dropout",
+                 "mlp": "resid_mlp_dropout", "mlp.down_proj": "resid_mlp_dropout"}
 
 
 # -- the model's two ends -----------------------------------------------------------------------------------------
@@ -265,18 +299,44 @@ def _embedding(z: Sizes, config: ModelConfig, sharded: bool) -> tuple[Op, ...]:
         Made("model/position_ids", s * 8, "arange(s) as (1, s) int64, live until LlamaModel returns"),
         *((Made("model/causal_mask", act * z.b * s * s, "create_causal_mask's additive (b, 1, s, s) mask, live until"
                 " LlamaModel returns"),) if eager else ()),
-        *((Made("model/sliding_mask", act * z.b * s * s if eager else s * s, "Qwen2MoeModel makes"
-                " create_sliding_window_causal_mask's mask beside the causal one, though no layer slides"),)
-          if config.moe_shared_expert_intermediate_size else ()),
+        *((Made("model/sliding_mask", act * z.b * s * s if eager else s * s, "create_sliding_window_causal_mask's"
+                " mask beside the causal one: Gemma 2's sliding layers read it (Qwen2MoeModel makes it too, though no"
+                " layer slides)"),) if config.moe_shared_expert_intermediate_size or config.sandwich_norm else ()),
         *(kept("", x, "made once per forward by LlamaRotaryEmbedding; every layer's RoPE keeps it")
           for x in layer.ROPE),
     )
+    first = Made("layers.0/input", z.full(z.h), "the embedding lookup, the first layer's input: LlamaModel's"
+                 " inputs_embeds, live until it returns")
+    looked_up = (Step("the embedding lookup" + (", all-reduced" if tp else ""), (*lookup, first),
+                      frees=("embedding/partial",)),)
+    if scaled_embedding(config):
+        looked_up = _scaled(z, replace(looked_up[0], makes=(*lookup, Made("embedding/lookup", z.full(z.h), "the"
+                                                                          " lookup, before its scale")), moment=False),
+                            first)
     return (batch, Op("model.embed_tokens", forward=(
-        Step("the embedding lookup" + (", all-reduced" if tp else ""), (*lookup, Made(
-            "layers.0/input", z.full(z.h), "the embedding lookup, the first layer's input: LlamaModel's inputs_embeds,"
-            " live until it returns")), frees=("embedding/partial",)),
-        Step("what LlamaModel makes once for all layers", model, moment=False),
-    ), backward=_embedding_backward(z, config, tp, sharded)))
+        *looked_up, Step("what LlamaModel makes once for all layers", model, moment=False),
+    ), backward=(*_scaled_backward(z, config), *_embedding_backward(z, config, tp, sharded))))
+
+
+def scaled_embedding(config: ModelConfig) -> bool:
+    """Gemma's models (GemmaRMSNorm's, norm rmsnorm_1p) scale the embedding by sqrt(h):
+    GemmaTextScaledWordEmbedding multiplies the lookup by its embed_scale buffer."""
+    return config.norm == "rmsnorm_1p"
+
+
+def _scaled(z: Sizes, lookup: Step, first: Made) -> tuple[Step, ...]:
+    """GemmaTextScaledWordEmbedding's forward: the lookup, then lookup * embed_scale (the buffer itself, kept by the
+    product for its backward); the lookup goes as the module returns."""
+    return (lookup, Step("the lookup scaled by sqrt(h)", (first,), frees=("embedding/lookup",)))
+
+
+def _scaled_backward(z: Sizes, config: ModelConfig) -> tuple[Step, ...]:
+    """The scale's backward (GemmaTextScaledWordEmbedding): dY * scale, the lookup's gradient."""
+    if not scaled_embedding(config):
+        return ()
+    return (Step("the scale's backward", (Made("grad/embedding (scaled)", z.full(z.h), "dY * scale, the lookup's"
+                                                " gradient"),), frees=("grad/embedding output",),
+                 moment=False),)
 
 
 def _embedding_backward(z: Sizes, config: ModelConfig, tp: bool, sharded: bool) -> tuple[Step, ...]:
@@ -288,7 +348,8 @@ def _embedding_backward(z: Sizes, config: ModelConfig, tp: bool, sharded: bool) 
     out = (
         Step("the embedding's gradient", (Made("grad/embedding (lookup)", table, "embedding's backward: a (v, h) bf16"
                                                " gradient"),),
-             frees=("grad/embedding output", *(("grad/embedding (lookup)",) if rows else ()))),
+             frees=("grad/embedding (scaled)" if scaled_embedding(config) else "grad/embedding output",
+                    *(("grad/embedding (lookup)",) if rows else ()))),
     )
     if rows:
         out += (Step("this rank's rows of the embedding's gradient", (
@@ -309,15 +370,16 @@ def _output(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     logits = z.act * z.b * z.s * config.vocab_size  # under tp gathered whole on every rank ("colwise_gather_output")
     local = z.act * z.b * z.s * z.v_t
     last = f"layers.{config.L}/input"
-    norm = layer.rms_norm("model.norm", "", FINAL_NORM, z, "grad/lm_head input", f"grad/layers.{config.L - 1}/output",
+    final = final_norm(config)
+    # the locals alive at its widest: LlamaRMSNorm's variance and fp32 x * r; GemmaRMSNorm's fp32 product
+    temps = (Made("final_norm/product fp32", z.tokens(4 * z.h), "(x * r) * (1 + w) in fp32: a local"),) \
+        if final.weight_plus_one else (Made("final_norm/variance", z.tokens(4), "pow(2).mean(-1): a local"),
+                                       Made("final_norm/normalised fp32", z.tokens(4 * z.h), "x * rsqrt(.): a local"))
+    norm = layer.rms_norm("model.norm", "", final, z, "grad/lm_head input", f"grad/layers.{config.L - 1}/output",
                           forward=(Step("RMSNorm at its widest: fp32 input and output, bf16 output", (
-                              kept("", FINAL_NORM.input_fp32),
-                              Made("final_norm/variance", z.tokens(4), "pow(2).mean(-1): a local"),
-                              kept("", FINAL_NORM.rstd),
-                              Made("final_norm/normalised fp32", z.tokens(4 * z.h), "x * rsqrt(.): a local"),
-                              kept("", FINAL_NORM.normed),
-                              kept("", ledger.OUTPUT_INPUT, "weight * (.): lm_head's input, which it keeps")),
-                              frees=("final_norm/variance", "final_norm/normalised fp32", last, "layers.0/input",
+                              *(kept("", x) for x in final), *temps,
+                              kept("", ledger.OUTPUT_INPUT, "the cast back: lm_head's input, which it keeps")),
+                              frees=(*(x.name for x in temps), last, "layers.0/input",
                                      "model/position_ids", "model/causal_mask", "model/sliding_mask")),))
     gather = (Made("lm_head/local logits", local, "this rank's columns of the logits (Shard(-1))"),
               Made("lm_head/gathered", z.t * local, "all_gather_into_tensor's (t*b, s, v/t) buffer")) if tp else ()

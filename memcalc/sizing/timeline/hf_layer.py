@@ -50,12 +50,15 @@ def linear(where: str, p: str, weight: int, dy: str | None, dx: str, dx_bytes: i
     return Op(where, forward=(), backward=(gemms, *(summed if reduced else ())), saves=saves)
 
 
-def rms_norm(where: str, p: str, norm: RMSNormTensors, z: Sizes, dy: str, out: str, residual: str | None = None,
+def rms_norm(where: str, p: str, norm: RMSNormTensors, z: Sizes, dy: str | None, out: str, residual: str | None = None,
              forward: tuple[Step, ...] = (), width: int = 0, heads: int = 1) -> tuple[Op, ...]:
     """LlamaRMSNorm's backward as autograd runs its eager ops, in forward order: the cast back from fp32, pow (keeps
     the fp32 input), rsqrt and x * r (keep the rstd), weight * y (keeps y). Its widest moment is pow's backward: five
     fp32 (b, s, h) tensors. With a residual, the norm's dX and the stream's gradient are summed into `out`. `forward`:
-    the final norm's forward; `width` and `heads`: Qwen3's q_norm and k_norm, on each head (width channels in all)."""
+    the final norm's forward; `width` and `heads`: Qwen3's q_norm and k_norm, on each head (width channels in all);
+    `dy` None: the output's gradient is the residual stream's too, which lives on (Gemma 2's sandwich norms).
+    A norm that keeps (1 + w) (`norm.weight_plus_one`, GemmaRMSNorm) multiplies in fp32 and casts back last: its
+    last ops are `_gemma_weight`'s, and x * r's backward takes their fp32 gradient as it comes."""
     width = width or z.h
     g, fp32, row = _grad(p, where), z.tokens(4 * width), z.tokens(4 * heads)
     act = z.full(width)
@@ -74,9 +77,10 @@ def rms_norm(where: str, p: str, norm: RMSNormTensors, z: Sizes, dy: str, out: s
             Made(f"{g}/x^1", fp32, "pow(2)'s backward: x^1"), Made(f"{g}/2x", fp32, "pow(2)'s backward: 2 * x^1"),
             Made(f"{g}/dx (pow)", fp32, "pow(2)'s backward: dpow * 2x")), frees=(f"{g}/x^1", f"{g}/2x", f"{g}/dpow")),
     ), saves=(norm.input_fp32,))
+    upcast = Step("y.to(bf16)'s backward", (Made(f"{g}/dy fp32", fp32, "the gradient cast up to fp32"),),
+                  frees=(f"{g}/dY w",), moment=False)
     rstd = Op(where, forward=(), backward=(
-        Step("y.to(bf16)'s backward", (Made(f"{g}/dy fp32", fp32, "the gradient cast up to fp32"),),
-             frees=(f"{g}/dY w",), moment=False),
+        *(() if norm.weight_plus_one else (upcast,)),
         Step("x * r's backward", (Made(f"{g}/dx (x * r)", fp32, "dy * r"), Made(f"{g}/dr full", fp32, "dy * x"),
                                   Made(f"{g}/dr", row, "the rstd's gradient, (b, s, 1) fp32")),
              frees=(f"{g}/dy fp32", f"{g}/dr full"), moment=False),
@@ -84,13 +88,37 @@ def rms_norm(where: str, p: str, norm: RMSNormTensors, z: Sizes, dy: str, out: s
                                   Made(f"{g}/dvariance", row, "dr * -r^3 / 2")),
              frees=(f"{g}/r^3", f"{g}/-r^3 / 2", f"{g}/dr"), moment=False),
     ), saves=(norm.rstd,))
+    if norm.weight_plus_one:
+        return (cast, power, rstd, *_gemma_weight(where, g, norm, z, dy, fp32, width // heads))
     weight = Op(where, forward=(), backward=(
         Step("weight * y's backward", (Made(f"{g}/dY w", act, "dY * weight"), Made(f"{g}/dY y", act, "dY * y"),
                                        Made(f"{g}/dweight", z.act * width // heads, WHY_WGRAD)),
              frees=(f"{g}/dY y",), hands_over=(f"{g}/dweight",), moment=False),
-        Step("", frees=(dy,), returns=True),
+        Step("", frees=(dy,) if dy else (), returns=True),
     ), saves=(norm.normed,))
     return (cast, power, rstd, weight)
+
+
+def _gemma_weight(where: str, g: str, norm: RMSNormTensors, z: Sizes, dy: str | None, fp32: int, channels: int
+                  ) -> tuple[Op, Op]:
+    """GemmaRMSNorm's last two ops, in forward order: (x * r) * (1.0 + weight.float()) in fp32 (keeps both factors),
+    then type_as(x). Backward: dY cast up; the product's two fp32 gradients, (1 + w)'s summed over the tokens; through
+    1.0 + (.) unchanged, cast back to the weight's dtype by weight.float()'s backward."""
+    product = Op(where, forward=(), backward=(
+        Step("(x * r) * (1 + w)'s backward: its two fp32 gradients", (
+            Made(f"{g}/dw+1 full", fp32, "dY * (x * r), fp32"),
+            Made(f"{g}/dy fp32", fp32, "dY * (1 + w): the normalised input's gradient, fp32")),
+             frees=(f"{g}/dY fp32",)),
+        Step("(1 + w)'s gradient summed over the tokens", (Made(f"{g}/dw+1", 4 * channels, "(h,) fp32"),),
+             frees=(f"{g}/dw+1 full",), moment=False),
+        Step("weight.float()'s backward", (Made(f"{g}/dweight", z.act * channels, WHY_WGRAD),),
+             frees=(f"{g}/dw+1",), hands_over=(f"{g}/dweight",), moment=False),
+    ), saves=(norm.weight_plus_one, norm.normed_fp32))
+    cast = Op(where, forward=(), backward=(
+        Step("type_as(x)'s backward", (Made(f"{g}/dY fp32", fp32, "the gradient cast up to fp32"),),
+             frees=(dy,) if dy else (),
+             moment=False),))
+    return (product, cast)
 
 
 def layer_forward(i: int, z: Sizes, kept: Step, mlp: tuple[Op, ...] = ()) -> tuple[Op, ...]:
@@ -110,10 +138,13 @@ def layer_forward(i: int, z: Sizes, kept: Step, mlp: tuple[Op, ...] = ()) -> tup
 
 
 def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, tp: bool, first: bool,
-              qk_norm: bool = False, qkv_bias: bool = False, dropout: bool = False) -> tuple[Op, ...]:
+              qk_norm: bool = False, qkv_bias: bool = False, dropout: bool = False, softcap: bool = False,
+              dy: str | None = None, fused: bool = False) -> tuple[Op, ...]:
     """input_layernorm's output into q, k, v (their dX summed as they come; with `qk_norm` q's and k's heads each
-    RMS-normalised, Qwen3's q_norm and k_norm; with `qkv_bias` each with a bias, Qwen2's), RoPE, the core (eager: with
-    `dropout` its attention_dropout), o_proj."""
+    RMS-normalised, Qwen3's q_norm and k_norm; with `qkv_bias` each with a bias, Qwen2's; `fused`: Phi-3's one
+    qkv_proj, `_fused_qkv`), RoPE, the core (eager: with `dropout` its attention_dropout, with `softcap` Gemma 2's
+    soft-capped scores), o_proj (`dy`: its output's gradient, freed by its backward; None: the residual stream's,
+    which lives on)."""
     g, q, kv, full = f"grad/{p}", z.a_t * z.d, z.g_t * z.d, z.full(z.h)
     norms = {"q": (rules.Q_NORM_RMS, z.a_t), "k": (rules.K_NORM_RMS, z.g_t)} if qk_norm else {}
     ran: list[Op] = []  # in the order autograd runs them
@@ -138,10 +169,38 @@ def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, t
         summed = out if summed else dx
     rope = tuple(Op("self_attn", (), _rope_backward(g, name, z.full(w), first and name == "q")) for name, w in
                  (("q", q), ("k", kv)))  # forward order: q's, then k's
-    core = _eager(p, z, saved, gqa, dropout) if eager else _sdpa(p, z)
-    o_proj = linear("self_attn.o_proj", p, z.act * q * z.h, None, f"{g}/o_proj input", z.full(q),
+    core = _eager(p, z, saved, gqa, dropout, softcap) if eager else _sdpa(p, z)
+    o_proj = linear("self_attn.o_proj", p, z.act * q * z.h, dy, f"{g}/o_proj input", z.full(q),
                     saves=(ledger.PROJ_IN,) if eager else ())
-    return (*reversed(ran), *rope, *core, o_proj)
+    return (*(_fused_qkv(p, z, q, kv, tp) if fused else reversed(ran)), *rope, *core, o_proj)
+
+
+def _fused_qkv(p: str, z: Sizes, q: int, kv: int, tp: bool) -> tuple[Op, ...]:
+    """Phi-3's qkv_proj, in forward order: one GEMM whose output q, k and v slice and view as heads. Backward: each
+    head view's gradient made (b, s, heads * d) again (v's, k's, q's, as autograd reaches their views), then each
+    slice's backward places it in a zero (b, s, (a + 2g) d) tensor, summed in autograd's buffer as they come."""
+    g, width = f"grad/{p}", q + 2 * kv
+    views = []
+    for name, w in (("v", kv), ("k", kv), ("q", q)):
+        heads = f"{g}/v heads" if name == "v" else f"{g}/{name} pre-rope"
+        copy = w != z.d and z.s != 1  # one head: (b, 1, s, d) transposed is (b, s, 1, d) already, no copy
+        views.append((name, f"{g}/{name} tokens" if copy else heads, heads, w, copy))
+    view = Op("self_attn", (), tuple(
+        Step("the head view's backward", (Made(tokens, z.full(w), f"{name}'s gradient made (b, s, heads * d)"),),
+             frees=(heads,), moment=False) for name, tokens, heads, w, copy in views if copy))
+    slices, summed = [], ""
+    for name, tokens, _, _, _ in views:
+        out = f"{summed}+{name}" if summed else f"{g}/qkv {name}"
+        slices.append(Step("the slice's backward", (Made(f"{g}/qkv {name}", z.full(width), f"{name}'s gradient placed"
+                                                         " in a zero (b, s, (a + 2g) d) tensor"),), frees=(tokens,),
+                           moment=False))
+        if summed:
+            slices.append(Step("autograd sums the slices' gradients", (Made(out, z.full(width), "summed"),),
+                               frees=(summed, f"{g}/qkv {name}"), moment=False))
+        summed = out
+    lin = linear("self_attn.qkv_proj", p, z.act * width * z.h, summed, f"{g}/ln1 output", z.full(z.h),
+                 (ledger.QKV_IN,), tp)
+    return (lin, Op("self_attn", (), tuple(slices)), view)
 
 
 def _rope_backward(g: str, name: str, width: int, last: bool) -> tuple[Step, ...]:
@@ -163,19 +222,25 @@ def _rope_backward(g: str, name: str, width: int, last: bool) -> tuple[Step, ...
     )
 
 
-def _eager(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool = False) -> tuple[Op, ...]:
-    """eager_attention_forward, in forward order: QK^T (keeps Q and K, or repeat_kv's copy), the scale, the cast to
-    fp32 and softmax (keeps its fp32 output), the cast back, with `dropout` native_dropout (keeps its bool mask; the
-    probe's shim runs CUDA's op on a CPU, memcalc.probe.libs.hf_shim), weights x V (keeps the weights, or the dropped
-    out ones, and V); repeat_kv's sums over each group's heads (GQA) end its backward."""
+def _eager(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool = False, softcap: bool = False
+           ) -> tuple[Op, ...]:
+    """eager_attention_forward, in forward order: QK^T (keeps Q and K, or repeat_kv's copy), the scale, with `softcap`
+    Gemma 2's tanh(scores / cap) * cap (tanh keeps its output), the cast to fp32 and softmax (keeps its fp32 output),
+    the cast back, with `dropout` native_dropout (keeps its bool mask; the probe's shim runs CUDA's op on a CPU,
+    memcalc.probe.libs.hf_shim), weights x V (keeps the weights, or the dropped out ones, and V); repeat_kv's sums over
+    each group's heads (GQA) end its backward."""
     g, q = f"grad/{p}", z.full(z.a_t * z.d)
     scores = z.b * z.a_t * z.s * z.s
     expanded = rules.K_EXPANDED.name in saved  # repeat_kv's copies (memcalc.model.impls.hf.REPEAT_KV)
     v, k = (rules.V_EXPANDED, rules.K_EXPANDED) if expanded else (ledger.V, ledger.K)
+    v = rules.NEOX_QKV_OUT if rules.NEOX_QKV_OUT.name in saved else v  # Phi-3's V, a view of the whole qkv output
     sums = tuple(Step("repeat_kv's backward", (Made(f"{g}/{n} heads", z.full(z.g_t * z.d), f"d{n} summed over each"
                                                     " group's heads"),), frees=(f"{g}/{n} expanded",), moment=False)
                  for n in ("v", "k")) if gqa else ()
     names = {n: f"{g}/{n} {'expanded' if gqa else 'heads'}" for n in ("k", "v")}
+    scale = Step("the scale's backward", (Made(f"{g}/scaled scores", z.act * scores, "the mask's passes dY on"),),
+                 frees=(f"{g}/scores",), moment=False)
+    capped = (Op("self_attn", (), (*_softcap_backward(g, z.act * scores), scale), saves=(rules.SOFTCAP_TANH,)),)
     weights = f"{g}/dropped" if dropout else f"{g}/weights"
     dropped = (Op("self_attn", (), (
         Step("dropout's backward: dY * mask * scale", (Made(f"{g}/weights", z.act * scores, "native_dropout_backward:"
@@ -187,6 +252,7 @@ def _eager(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool = F
             Step("QK^T: dQ and dK", (Made(f"{g}/q heads", q, "dQ = dScores K"), Made(
                 names["k"], q, "dK = dScores^T Q, at a heads")), frees=(f"{g}/scaled scores",)),
         ), saves=(ledger.Q, k)),
+        *(capped if softcap else ()),
         Op("self_attn", (), (
             Step("the cast to bf16's backward", (Made(f"{g}/softmax fp32", 4 * scores, "the gradient up to fp32"),),
                  frees=(f"{g}/weights",), moment=False),
@@ -194,8 +260,7 @@ def _eager(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool = F
                  frees=(f"{g}/softmax fp32",), returns=True),
             Step("the cast to fp32's backward", (Made(f"{g}/scores", z.act * scores, "back to bf16"),),
                  frees=(f"{g}/scores fp32",), moment=False),
-            Step("the scale's backward", (Made(f"{g}/scaled scores", z.act * scores, "the mask's passes dY on"),),
-                 frees=(f"{g}/scores",), moment=False),
+            *(() if softcap else (scale,)),
         ), saves=(rules.SOFTMAX_FP32,)),
         *dropped,
         Op("self_attn", (), (
@@ -205,6 +270,14 @@ def _eager(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool = F
                 weights, z.act * scores, "dWeights = dY V^T")), frees=(f"{g}/attn heads",)),
         ), saves=(ledger.ATTN_DROPOUT_OUT if dropout else rules.WEIGHTS, v)),
     )
+
+
+def _softcap_backward(g: str, scores: int) -> tuple[Step, ...]:
+    """Gemma 2's soft-capping undone in reverse: (.) * cap, tanh (at its kept output), (.) / cap: each a new
+    (b, a, s, s) gradient in place of the last; the scale's backward takes the last as "scores"."""
+    names = (f"{g}/scores", f"{g}/capped", f"{g}/tanh")
+    return tuple(Step(f"{what}'s backward", (Made(new, scores, f"{what}'s gradient"),), frees=(old,), moment=False)
+                 for what, old, new in zip(("(.) * softcap", "tanh", "(.) / softcap"), names, (*names[1:], names[0])))
 
 
 def _sdpa(p: str, z: Sizes) -> tuple[Op, ...]:
@@ -217,25 +290,36 @@ def _sdpa(p: str, z: Sizes) -> tuple[Op, ...]:
         saves=(ledger.Q, ledger.K, ledger.V, ledger.SOFTMAX_LSE, ledger.PROJ_IN)),)
 
 
-def mlp(p: str, z: Sizes, tp: bool) -> tuple[Op, ...]:
+def mlp(p: str, z: Sizes, tp: bool, gated: tuple[SavedTensor, SavedTensor, SavedTensor], dy: str | None = None,
+        fused: bool = False) -> tuple[Op, ...]:
     """LlamaMLP, in forward order: gate_proj, up_proj (their dX summed into ln2's output gradient), SiLU (keeps its
     input), SiLU(gate) * up (keeps both factors), down_proj (keeps its input); down_proj's dY is the layer's output
-    gradient, which ln2's residual sum still needs."""
+    gradient, which ln2's residual sum still needs. `gated`: what the activation and the product keep (the ledger's
+    gate, up and activation output: GemmaMLP's tanh GELU keeps as SiLU does, its input, with one gradient); `dy`:
+    down_proj's output gradient when it is not the layer's (Gemma 2's post_feedforward_layernorm's dX), freed there;
+    `fused`: Phi-3's one gate_up_proj, chunked in two, whose backward concatenates the two gradients."""
     g, f = f"grad/{p}", z.f_t
+    gate_in, up, act_out = gated
     w, full = z.act * f * z.h, z.full(z.h)
     gate = linear("mlp.gate_proj", p, w, f"{g}/gate", f"{g}/gate_proj input", full, (ledger.FC1_IN,), tp)
+    silu = Op("mlp", (), (Step("SiLU's backward, at its kept input", (Made(f"{g}/gate", z.full(f), "dSiLU"),),
+                               frees=(f"{g}/silu",), moment=False),), saves=(gate_in,))
+    product = Op("mlp", (), (Step("SiLU(gate) * up: its two gradients", (
+        Made(f"{g}/up", z.full(f), "dY * SiLU(gate)"), Made(f"{g}/silu", z.full(f), "dY * up")),
+        frees=(f"{g}/down_proj input",)),), saves=(up, act_out))
+    down = linear("mlp.down_proj", p, w, dy, f"{g}/down_proj input", z.full(f), (ledger.FC2_IN,))
+    if fused:
+        chunk = Op("mlp", (), (Step("chunk's backward: the two gradients concatenated", (
+            Made(f"{g}/gate_up", z.full(2 * f), "(b, s, 2f), gate's and up's"),), frees=(f"{g}/gate", f"{g}/up"),
+            moment=False),))
+        gate_up = linear("mlp.gate_up_proj", p, 2 * w, f"{g}/gate_up", f"{g}/ln2 output", full, (ledger.FC1_IN,), tp)
+        return (gate_up, chunk, silu, product, down)
     return (
         Op(gate.where, (), (*gate.backward, Step("autograd sums gate_proj's and up_proj's input gradients", (
             Made(f"{g}/ln2 output", full, "the MLP input's gradient"),), frees=(f"{g}/up_proj input",
                                                                               f"{g}/gate_proj input"), moment=False)),
            gate.saves),
-        Op("mlp", (), (Step("SiLU's backward, at its kept input", (Made(f"{g}/gate", z.full(f), "dSiLU"),),
-                            frees=(f"{g}/silu",), moment=False),), saves=(ledger.SWIGLU_GATE,)),
-        linear("mlp.up_proj", p, w, f"{g}/up", f"{g}/up_proj input", full, (ledger.FC1_IN,), tp),
-        Op("mlp", (), (Step("SiLU(gate) * up: its two gradients", (
-            Made(f"{g}/up", z.full(f), "dY * SiLU(gate)"), Made(f"{g}/silu", z.full(f), "dY * up")),
-            frees=(f"{g}/down_proj input",)),), saves=(ledger.SWIGLU_UP, ledger.SWIGLU_SILU_OUT)),
-        linear("mlp.down_proj", p, w, None, f"{g}/down_proj input", z.full(f), (ledger.FC2_IN,)),
+        silu, linear("mlp.up_proj", p, w, f"{g}/up", f"{g}/up_proj input", full, (ledger.FC1_IN,), tp), product, down,
     )
 
 

@@ -15,13 +15,14 @@ tuple serves them all; the walk's module path says which layer (layers.3.mlp.fc2
 
 from __future__ import annotations
 
-from typing import Callable
-
 from memcalc.config.schema import ModelConfig
 from memcalc.model import ledger
 from memcalc.model.impls import megatron
-from memcalc.model.ledger import Dim, NormTensors, SavedTensor
-from memcalc.sizing.timeline import megatron_moe
+from memcalc.model.ledger import NormTensors, SavedTensor
+from memcalc.sizing.timeline import megatron_mla, megatron_moe
+from memcalc.sizing.timeline.megatron_pieces import (
+    SOFTMAX, WGRAD, Has, backward_only, fused_softmax, one, row_parallel, torch_softmax,
+)
 from memcalc.sizing.timeline.tape import ACTIVATIONS, TEMPORARIES, Sizes
 from memcalc.sizing.timeline.walk import Made, Op, Step
 
@@ -30,23 +31,10 @@ OUTPUT = "layer/output"  # the layer's output, made in forward (the next layer's
 OUTPUT_GRAD = "grad/layer output"  # the gradient the layer's backward starts from
 INPUT_GRAD = "grad/layer input"  # and the one it ends with (the previous layer's OUTPUT_GRAD)
 
-Has = Callable[[str], bool]  # whether the layer keeps the saved tensor of that name (the ledger's size rules)
-_WGRAD = "the weight's bf16 gradient, dW = dY^T X"
-_SOFTMAX = "softmax's backward: S' * (dY - sum(dY * S'))"
 # What the layer's block makes outside its submodules (memcalc.probe.layer._block): the residual adds and their
 # dropout. MemTracker files what the block makes in full recomputation's rerun as temporaries (the rerun calls the
 # block, not the layer module), what a submodule's forward makes as activations.
 _MADE_BY_THE_BLOCK = {x.name for x in (ledger.LN2.input, ledger.ATTN_OUT_DROPOUT_MASK, ledger.MLP_DROPOUT_MASK)}
-
-
-def _backward(where: str, *steps: Step, saves: tuple[SavedTensor, ...] = ()) -> Op:
-    """An op whose forward the layer's one forward moment covers: its backward steps and what it keeps."""
-    return Op(where, forward=(), backward=steps, saves=saves)
-
-
-def _one(where: str, what: str, made: Made, frees: tuple[str, ...], saves: tuple[SavedTensor, ...] = ()) -> Op:
-    """An op whose backward makes one tensor, then frees `frees`."""
-    return _backward(where, Step(what, (made,), frees), saves=saves)
 
 
 def layer_ops(
@@ -65,7 +53,7 @@ def layer_ops(
     if config.moe:
         grad = megatron_moe.moe_ops(backward, config, z, grad, OUTPUT_GRAD)
     else:
-        backward.append(_row_parallel(z, "mlp.fc2", ledger.FC2_IN, grad, OUTPUT_GRAD, z.f_t, "grad/fc2 input"))
+        backward.append(row_parallel(z, "mlp.fc2", ledger.FC2_IN, grad, OUTPUT_GRAD, z.f_t, "grad/fc2 input"))
         grad, width = _activation(backward, config, z, "grad/fc2 input")
         grad = _column_parallel(backward, z, "mlp.fc1", ledger.FC1_IN, grad, width,
                                 width if config.add_bias_linear else 0, "grad/fc1 input")
@@ -73,11 +61,9 @@ def layer_ops(
     backward.append(_norm(z, "ln2", ledger.LN2, grad, () if full else (OUTPUT_GRAD,), mid))
     grad = _dropout(backward, z, ledger.ATTN_OUT_DROPOUT_MASK, "attention", mid, has)
     if config.mla:  # megatron-core's MLASelfAttention, built on this module's pieces (imported here: no cycle)
-        from memcalc.sizing.timeline import megatron_mla
-
         grad = megatron_mla.attention(backward, config, z, grad, mid, has)
     else:
-        backward.append(_row_parallel(z, "attention.proj", ledger.PROJ_IN, grad, mid, z.h_t, "grad/proj input"))
+        backward.append(row_parallel(z, "attention.proj", ledger.PROJ_IN, grad, mid, z.h_t, "grad/proj input"))
         _attention(backward, config, z, "grad/proj input", has)
         qkv_bias = z.qkv_t if config.add_bias_linear or config.add_qkv_bias else 0
         grad = _column_parallel(backward, z, "attention.qkv", ledger.QKV_IN, "grad/qkv output", z.qkv_t, qkv_bias,
@@ -116,7 +102,7 @@ def _rerun_layer(z: Sizes, rerun: tuple[SavedTensor, ...], has: Has) -> Op:
         for x in rerun if x.name != INPUT
     )
     branch = TEMPORARIES if has(ledger.MLP_DROPOUT_MASK.name) else ACTIVATIONS  # made by the block after its dropout
-    return _backward("", Step("full recomputation: the layer's forward again, to its last residual add", (
+    return backward_only("", Step("full recomputation: the layer's forward again, to its last residual add", (
         *made, Made("layer/recomputed output", z.seq(z.h),
                     "the rerun's output: the checkpoint holds it while autograd runs the layer's backward"),
         Made("layer/recomputed MLP branch", z.seq(z.h), "the last residual add's other operand", category=branch)),
@@ -132,29 +118,9 @@ def _dropout(ops: list[Op], z: Sizes, mask: SavedTensor, what: str, grad: str, h
     if not has(mask.name):
         return grad
     branch = f"grad/{what} dropout"
-    ops.append(_one("", f"dropout after {what}", Made(branch, z.seq(z.h), "dropout's backward: dY times the mask, a"
+    ops.append(one("", f"dropout after {what}", Made(branch, z.seq(z.h), "dropout's backward: dY times the mask, a"
                                                       " new tensor"), (), saves=(mask,)))
     return branch
-
-
-def _row_parallel(z: Sizes, where: str, x: SavedTensor, grad: str, residual: str, width: int, dx: str) -> Op:
-    """fc2 or the projection (`width` inputs): under SP g* all-gathers dY first; then dW and dX beside dY. dY goes
-    unless it is the residual stream's (`residual`), which the residual sum still needs.
-
-    The bias's gradient (a sum over tokens) is made and added into the buffer before the GEMMs: no moment.
-    """
-    steps: tuple[Step, ...] = ()
-    done = () if grad == residual else (grad,)
-    if z.sp:
-        gathered = f"grad/{where} gathered"
-        steps = (Step("all-gather of dY (g*'s backward)", (
-            Made(gathered, z.full(z.h), "g*'s backward all-gathers dY along s: (s, b, h)"),), frees=done),)
-        done = (gathered,)
-    dw = f"grad/{where} weight"
-    gemms = Step("GEMMs: dW and dX", (Made(dw, z.act * z.h * width, _WGRAD),
-                                       Made(dx, z.full(width), "dX = dY W, the input's gradient")),
-                 frees=done, hands_over=(dw,))
-    return _backward(where, *steps, gemms, saves=(x,))
 
 
 def _column_parallel(ops: list[Op], z: Sizes, where: str, x: SavedTensor, grad: str, width: int, bias: int,
@@ -163,12 +129,12 @@ def _column_parallel(ops: list[Op], z: Sizes, where: str, x: SavedTensor, grad: 
     the input is all-gathered again and dX reduce-scattered; under TP without SP, f's backward all-reduces dX into a
     copy (the input of an autograd op is never changed). Returns dX's name."""
     dw, db = f"grad/{where} weight", f"grad/{where} bias"
-    weights = (Made(dw, z.act * width * z.h, _WGRAD),
+    weights = (Made(dw, z.act * width * z.h, WGRAD),
                *((Made(db, z.act * bias, "the bias's gradient, dY summed over tokens"),) if bias else ()))
     handed = tuple(x.name for x in weights)
     if z.sp:  # memcalc.probe.linear._GatheredInputLinear
         gathered, partial = f"grad/{where} input gathered", f"grad/{where} partial dX"
-        ops.append(_backward(
+        ops.append(backward_only(
             where,
             Step("re-gathered input, partial dX and its reduce-scatter", (
                 Made(gathered, z.full(z.h), "forward kept only the input's shard: backward all-gathers it"),
@@ -181,10 +147,10 @@ def _column_parallel(ops: list[Op], z: Sizes, where: str, x: SavedTensor, grad: 
     gemms = Step("GEMMs: dX, dW and the bias's gradient", (Made(dx, z.full(z.h), "dX = dY W, the input's gradient"),
                                                             *weights), frees=(grad,), hands_over=handed, returns=True)
     if z.t == 1:
-        ops.append(_backward(where, gemms, saves=(x,)))
+        ops.append(backward_only(where, gemms, saves=(x,)))
         return dx
     reduced = f"{dx} (all-reduced)"
-    ops.append(_backward(where, gemms, Step("all-reduce of dX (f's backward)", (
+    ops.append(backward_only(where, gemms, Step("all-reduce of dX (f's backward)", (
         Made(reduced, z.full(z.h), "f's backward all-reduces dX into a copy"),), frees=(dx,)), saves=(x,)))
     return reduced
 
@@ -195,7 +161,7 @@ def _norm(z: Sizes, where: str, norm: NormTensors, grad: str, residual: tuple[st
     the norm's backward window: MemTracker files it under the norm). `residual`: the residual stream's gradient,
     freed by the sum (none when a checkpoint holds it)."""
     dx, dw = f"grad/{where} input (norm)", f"grad/{where} weights"
-    return _backward(
+    return backward_only(
         where,
         Step("the norm: dX, dweight" + (", dbias" if z.norm_vectors == 2 else ""), (
             Made(dx, z.seq(z.h), "the norm's dX"),
@@ -215,22 +181,22 @@ def _activation(ops: list[Op], config: ModelConfig, z: Sizes, grad: str) -> tupl
     """
     full = z.full(z.f_t)
     if config.mlp != "swiglu":
-        ops.append(_one("mlp", "GELU", Made("grad/gelu input", full, "GELU's backward: dY times GELU'(x)"), (grad,),
+        ops.append(one("mlp", "GELU", Made("grad/gelu input", full, "GELU's backward: dY times GELU'(x)"), (grad,),
                         saves=(ledger.GELU_IN,)))
         return "grad/gelu input", z.f_t
     out = "grad/fc1 output"
     if config.bias_activation_fusion:
-        ops.append(_one("mlp", "fused SwiGLU", Made(out, 2 * full, "the fused SwiGLU's backward: d[gate; up] at once"),
+        ops.append(one("mlp", "fused SwiGLU", Made(out, 2 * full, "the fused SwiGLU's backward: d[gate; up] at once"),
                         (grad,), saves=(ledger.SWIGLU_GATE, ledger.SWIGLU_UP)))
         return out, 2 * z.f_t
     ops.extend((
-        _backward("mlp", Step("SiLU(gate) * up: both factors' gradients", (
+        backward_only("mlp", Step("SiLU(gate) * up: both factors' gradients", (
             Made("grad/up", full, "the product's backward: d(up) = dY * SiLU(gate)"),
             Made("grad/silu output", full, "the product's backward: d(SiLU) = dY * up")), frees=(grad,)),
             saves=(ledger.SWIGLU_SILU_OUT, megatron.SWIGLU_UP_COPY)),
-        _one("mlp", "SiLU", Made("grad/gate", full, "SiLU's backward: d(gate) = d(SiLU) * SiLU'(gate)"),
+        one("mlp", "SiLU", Made("grad/gate", full, "SiLU's backward: d(gate) = d(SiLU) * SiLU'(gate)"),
              ("grad/silu output",), saves=(ledger.SWIGLU_GATE, ledger.SWIGLU_UP)),
-        _one("mlp", "d(gate) and d(up) concatenated into fc1's output gradient", Made(
+        one("mlp", "d(gate) and d(up) concatenated into fc1's output gradient", Made(
             out, 2 * full, "gate and up were split from fc1's output: their gradients concatenated"),
             ("grad/gate", "grad/up")),
     ))
@@ -252,30 +218,23 @@ def _attention(ops: list[Op], config: ModelConfig, z: Sizes, dcontext: str, has:
     if config.attention == "flash":
         k, v = _flash(core, z, () if selective else (dcontext,), selective)
     else:
-        k, v = _eager(core, z, () if selective else (dcontext,), has, _fused_softmax(config, z))
+        k, v = _eager(core, z, () if selective else (dcontext,), has, fused_softmax(config, z))
     if selective:
         checkpoint = (ledger.Q, ledger.K, ledger.V, megatron.QKV_QUERY_COLUMNS)
         held = {x.name for x in checkpoint}
         again = {x.name: x for op in core for x in op.saves if x.name not in held}.values()
         what = "the flash kernel's" if config.attention == "flash" else "the attention core's"
-        ops.append(_backward("attention", Step(f"selective recomputation: {what} forward again", (
+        ops.append(backward_only("attention", Step(f"selective recomputation: {what} forward again", (
             *(Made(x.name, 0, "made again by selective recomputation's rerun of the core", keeps=x) for x in again),
             Made("attention/recomputed output", z.full(z.h_t),
                  "the rerun's output: the checkpoint holds it while autograd runs the core's backward")))))
     ops.extend(core)
     if selective:
-        ops.append(_backward("attention", Step("the checkpoint returns", frees=(
+        ops.append(backward_only("attention", Step("the checkpoint returns", frees=(
             "attention/recomputed output", dcontext)), saves=checkpoint))
-    ops.append(_one("attention", "dQ, dK, dV concatenated into the QKV output's gradient", Made(
+    ops.append(one("attention", "dQ, dK, dV concatenated into the QKV output's gradient", Made(
         "grad/qkv output", z.full(z.qkv_t), "q, k and v were split from one QKV output: their gradients concatenated"),
         ("grad/q", k, v)))
-
-
-def _fused_softmax(config: ModelConfig, z: Sizes) -> bool:
-    """Whether Megatron's fused causal softmax kernel runs on this rank's scores (memcalc.model.impls.megatron's
-    FUSED_SOFTMAX window); the paper's layer runs it at every size."""
-    window = megatron.fused_softmax_runs({Dim.B: z.b, Dim.A: z.a_t, Dim.S: z.s}, 1)
-    return config.impl == "paper" or (config.masked_softmax_fusion and bool(window))
 
 
 def _flash(ops: list[Op], z: Sizes, frees: tuple[str, ...], selective: bool) -> tuple[str, str]:
@@ -283,7 +242,7 @@ def _flash(ops: list[Op], z: Sizes, frees: tuple[str, ...], selective: bool) -> 
     which is the projection's input (under selective recomputation the first run's output is the projection's
     alone). Returns dK's and dV's names."""
     basd, bgsd = z.act * z.b * z.a_t * z.s * z.d, z.act * z.b * z.g_t * z.s * z.d
-    ops.append(_backward("attention", Step("flash attention: dQ, dK, dV", (
+    ops.append(backward_only("attention", Step("flash attention: dQ, dK, dV", (
         Made("grad/q", basd, "the flash kernel's backward: dQ"),
         Made("grad/k", bgsd, "the flash kernel's backward: dK, per K/V group"),
         Made("grad/v", bgsd, "the flash kernel's backward: dV, per K/V group")), frees=frees),
@@ -299,22 +258,22 @@ def _eager(ops: list[Op], z: Sizes, frees: tuple[str, ...], has: Has, fused_soft
     expanded = has(megatron.K_EXPANDED.name)  # K and V copied to every head (grouped-query attention)
     k, v = (megatron.K_EXPANDED, megatron.V_EXPANDED) if expanded else (ledger.K, ledger.V)
     dropout = has(ledger.ATTN_DROPOUT_MASK.name)
-    ops.append(_backward("attention", Step("weights x V: dV and dWeights", (
+    ops.append(backward_only("attention", Step("weights x V: dV and dWeights", (
         Made("grad/v", basd, "weights x V's backward: dV = weights^T dY"),
         Made("grad/attention weights", z.act * bass, "weights x V's backward: dWeights = dY V^T")), frees=frees),
         saves=(v, ledger.ATTN_DROPOUT_OUT if dropout else ledger.SOFTMAX_OUT)))
     weights = "grad/attention weights"
     if dropout:
-        ops.append(_one("attention", "attention dropout", Made(
+        ops.append(one("attention", "attention dropout", Made(
             "grad/softmax output", z.act * bass, "attention dropout's backward: dY times the mask"), (weights,),
             saves=(ledger.ATTN_DROPOUT_MASK,)))
         weights = "grad/softmax output"
     if not fused_softmax:
-        _torch_softmax(ops, z, weights, has)
+        torch_softmax(ops, z, weights, has)
     else:  # Megatron's fused kernel: keeps its 16-bit output alone
-        ops.append(_one("attention", "softmax", Made("grad/scores", z.act * bass, _SOFTMAX), (weights,),
+        ops.append(one("attention", "softmax", Made("grad/scores", z.act * bass, SOFTMAX), (weights,),
                         saves=(ledger.SOFTMAX_OUT,)))
-    ops.append(_backward("attention", Step("QK^T: dQ and dK", (
+    ops.append(backward_only("attention", Step("QK^T: dQ and dK", (
         Made("grad/q", basd, "QK^T's backward: dQ = dScores K, then scaled (a new tensor)"),
         Made("grad/k unscaled", basd, "QK^T's backward: dK = dScores^T Q"),
         Made("grad/k", basd, "dK scaled by 1/sqrt(d), a new tensor")), frees=("grad/scores", "grad/k unscaled")),
@@ -322,32 +281,8 @@ def _eager(ops: list[Op], z: Sizes, frees: tuple[str, ...], has: Has, fused_soft
     if not expanded:
         return "grad/k", "grad/v"
     bgsd = z.act * z.b * z.g_t * z.s * z.d
-    ops.append(_backward("attention", *(  # repeat_interleave's backward
+    ops.append(backward_only("attention", *(  # repeat_interleave's backward
         Step(f"d{x.upper()} summed over each group's heads", (Made(f"grad/{x} grouped", bgsd, (
             f"repeat_interleave's backward: d{x.upper()} summed over each group's heads")),), frees=(f"grad/{x}",))
         for x in ("k", "v"))))
     return "grad/k grouped", "grad/v grouped"
-
-
-def _torch_softmax(ops: list[Op], z: Sizes, grad: str, has: Has) -> None:
-    """Megatron's forward_torch_softmax backward (outside the fused kernel's sizes, or in fp32), in backward order:
-    the gradient cast up to fp32, softmax's backward, masked_fill's (a new tensor; with one query, s = 1, Megatron
-    masks nothing), the cast back down."""
-    bass = z.b * z.a_t * z.s * z.s
-    sixteen_bit = has(megatron.SOFTMAX_FP32.name)  # an fp32 softmax of 16-bit scores, its output cast back
-    width = 4 if sixteen_bit else z.act
-    if sixteen_bit:
-        ops.append(_one("attention", "the softmax output's cast", Made(
-            "grad/softmax fp32 output", 4 * bass, "the cast's backward: dY up to fp32"), (grad,)))
-        grad = "grad/softmax fp32 output"
-    scores = "grad/wide scores" if sixteen_bit else "grad/scores"  # the (fp32) scores' gradient
-    masked = "grad/masked scores" if has(megatron.CAUSAL_MASK.name) else scores
-    ops.append(_one("attention", "softmax", Made(masked, width * bass, _SOFTMAX), (grad,),
-                    saves=(megatron.SOFTMAX_FP32 if sixteen_bit else ledger.SOFTMAX_OUT,)))
-    if masked != scores:
-        ops.append(_one("attention", "the causal mask", Made(
-            scores, width * bass, "masked_fill's backward: the masked gradient zeroed"), (masked,),
-            saves=(megatron.CAUSAL_MASK,)))
-    if sixteen_bit:
-        ops.append(_one("attention", "the scores' cast", Made(
-            "grad/scores", z.act * bass, "the scores' cast to fp32: its backward casts back"), (scores,)))

@@ -38,8 +38,8 @@ from memcalc.model import ledger
 from memcalc.model.impls import megatron
 from memcalc.model.knobs import Accounting
 from memcalc.model.ledger import Kind, Region, SavedTensor
-from memcalc.sizing.timeline.megatron import (
-    _SOFTMAX, _WGRAD, Has, _backward, _fused_softmax, _one, _row_parallel, _torch_softmax,
+from memcalc.sizing.timeline.megatron_pieces import (
+    SOFTMAX, WGRAD, Has, backward_only, fused_softmax, one, row_parallel, torch_softmax,
 )
 from memcalc.sizing.timeline.tape import ACTIVATIONS, Sizes, Tape
 from memcalc.sizing.timeline.walk import Made, Op, Step
@@ -96,7 +96,7 @@ def attention(ops: list[Op], config: ModelConfig, z: Sizes, grad: str, residual:
                           " flash core is Transformer Engine's (CUDA only, not measured); it walks the local"
                           " DotProductAttention (--attention eager)")
     w = Widths.of(config, z)
-    ops.append(_row_parallel(z, "attention.linear_proj", ledger.MLA_PROJ_IN, grad, residual, w.heads * w.v,
+    ops.append(row_parallel(z, "attention.linear_proj", ledger.MLA_PROJ_IN, grad, residual, w.heads * w.v,
                              "grad/proj input"))
     _core(ops, config, z, w, "grad/proj input", has)
     _rope(ops, w, "key", w.per_token(w.rope), expanded=True)
@@ -108,10 +108,10 @@ def attention(ops: list[Op], config: ModelConfig, z: Sizes, grad: str, residual:
 def _up(ops: list[Op], z: Sizes, w: Widths) -> None:
     """From the core's dQ, dK, dV and the RoPE parts' input gradients to the latent norms' dX: the splits'
     concatenations, the up projections (or q_proj), the norms."""
-    ops.append(_one("attention", "d[k_nope | v] concatenated: kv_up_proj's output gradient", Made(
+    ops.append(one("attention", "d[k_nope | v] concatenated: kv_up_proj's output gradient", Made(
         "grad/kv up output", w.per_token(w.heads * (w.nope + w.v)), "k_nope and v were split from kv_up_proj's"
         " output: their gradients concatenated"), ("grad/k", "grad/v")))
-    ops.append(_one("attention", "d[q_nope | q_rope] concatenated: the query projection's output gradient", Made(
+    ops.append(one("attention", "d[q_nope | q_rope] concatenated: the query projection's output gradient", Made(
         "grad/q up output", w.per_token(w.heads * w.qk), "q_nope and q_rope were split from the query projection's"
         " output: their gradients concatenated"), ("grad/q", "grad/query rope")))
     ops.append(_linear(z, w, "attention.linear_kv_up_proj", ledger.MLA_KV_UP_IN, "grad/kv up output", w.kv_latent,
@@ -134,7 +134,7 @@ def _down(ops: list[Op], z: Sizes, w: Widths) -> str:
     projections (under tp on this rank's columns of dY, under SP gathered along s first), x's two gradients summed.
     Returns the sum's name."""
     latent = _whole_sequence(ops, z, w, "grad/kv latent", w.kv_latent)  # under SP a shard: scattered
-    ops.append(_one("attention", "d[latent | k_rope] concatenated: kv_down_proj's output gradient", Made(
+    ops.append(one("attention", "d[latent | k_rope] concatenated: kv_down_proj's output gradient", Made(
         "grad/kv down output", w.per_token(w.kv_latent + w.rope), "the latent and the key's RoPE part were split"
         " from kv_down_proj's output: their gradients concatenated"), (latent, "grad/key rope")))
     down = (("attention.linear_kv_down_proj", "grad/kv down output", w.kv_latent + w.rope, "grad/kv down input"),
@@ -148,7 +148,7 @@ def _down(ops: list[Op], z: Sizes, w: Widths) -> str:
         ops.append(_linear(z, w, where, ledger.QKV_IN, _this_ranks_columns(ops, z, w, whole, width), z.h,
                            width // z.t, dx, then=summed if last and z.t > 1 else None))
     if z.t == 1:  # ColumnParallelLinear's copy_to_tensor_model_parallel_region: x's gradients meet after it
-        ops.append(_backward(where, summed))
+        ops.append(backward_only(where, summed))
     return "grad/attention input"
 
 
@@ -165,10 +165,10 @@ def _linear(z: Sizes, w: Widths, where: str, x: SavedTensor, grad: str, width: i
     gemms = Step("GEMMs: dX and dW", (
         Made(whole, w.per_token(width), "dX = dY W, the input's gradient on the whole sequence"),
         *((Made(dx, z.seq(width), "the reduce-scatter's output: this rank's shard of dX"),) if z.sp else ()),
-        Made(dw, w.act * width * out, _WGRAD)), frees=(grad, *((whole,) if z.sp else ())),
+        Made(dw, w.act * width * out, WGRAD)), frees=(grad, *((whole,) if z.sp else ())),
         hands_over=() if then else (dw,), returns=then is not None)
     steps = (gemms, replace(then, hands_over=(dw,))) if then else (gemms,)
-    return _backward(where, *steps, saves=(x,))
+    return backward_only(where, *steps, saves=(x,))
 
 
 def _whole_sequence(ops: list[Op], z: Sizes, w: Widths, grad: str, width: int) -> str:
@@ -176,7 +176,7 @@ def _whole_sequence(ops: list[Op], z: Sizes, w: Widths, grad: str, width: int) -
     the scatter's backward all-gathers dY along s, a new tensor."""
     if not z.sp:
         return grad
-    ops.append(_one("attention", "the scatter's backward: dY all-gathered along s", Made(
+    ops.append(one("attention", "the scatter's backward: dY all-gathered along s", Made(
         f"{grad} gathered", w.per_token(width), "the scatter's backward all-gathers dY along s: (s, b, width)"),
         (grad,)))
     return f"{grad} gathered"
@@ -187,7 +187,7 @@ def _this_ranks_columns(ops: list[Op], z: Sizes, w: Widths, grad: str, width: in
     (gather_from_tensor_model_parallel_region): the gather's backward keeps this rank's columns of dY, a copy."""
     if z.t == 1:
         return grad
-    ops.append(_one("attention", "the gather's backward: this rank's columns", Made(
+    ops.append(one("attention", "the gather's backward: this rank's columns", Made(
         f"{grad} columns", w.per_token(width // z.t), "the all-gather's backward: this rank's columns of dY, copied"),
         (grad,)))
     return f"{grad} columns"
@@ -197,7 +197,7 @@ def _norm(z: Sizes, w: Widths, where: str, norm: ledger.NormTensors, grad: str, 
     """A latent's norm (the probe's norm inside megatron's spec): dX and the weight's (and LayerNorm's bias's)
     gradient in one kernel; dY and what it keeps go, the weight's gradient is handed over."""
     dw = f"grad/{where} weights"
-    return _backward(where, Step("the norm: dX, dweight", (
+    return backward_only(where, Step("the norm: dX, dweight", (
         Made(dx, z.seq(width), "the norm's dX"),
         Made(dw, z.norm_vectors * w.act * width, "the norm's weight (and bias) gradients")),
         frees=(grad,), hands_over=(dw,)), saves=tuple(norm))
@@ -220,7 +220,7 @@ def _core(ops: list[Op], config: ModelConfig, z: Sizes, w: Widths, dcontext: str
     # the rerun runs the core module's forward: MemTracker files what it makes as activations
     scores = Made("attention/recomputed scores", w.act * z.b * w.heads * z.s * z.s,
                   "the rerun's baddbmm output: a local of the core's forward until it returns", category=ACTIVATIONS)
-    ops.append(_backward("attention", Step("selective recomputation: the core's forward again", (
+    ops.append(backward_only("attention", Step("selective recomputation: the core's forward again", (
         scores, *(Made(x.name, 0, "made again by selective recomputation's rerun of the core", keeps=x,
                        category=ACTIVATIONS) for x in again),
         Made("attention/recomputed context", w.per_token(w.heads * w.v), "the rerun's bmm output, before its copy",
@@ -230,7 +230,7 @@ def _core(ops: list[Op], config: ModelConfig, z: Sizes, w: Widths, dcontext: str
              category=ACTIVATIONS)),
         frees=(scores.name, "attention/recomputed context"))))
     ops.extend(core)
-    ops.append(_backward("attention", Step("the checkpoint returns", frees=(
+    ops.append(backward_only("attention", Step("the checkpoint returns", frees=(
         "attention/recomputed output", dcontext)), saves=(ledger.MLA_Q, ledger.MLA_K, ledger.MLA_V, ATTN_MASK_TYPE)))
 
 
@@ -242,24 +242,24 @@ def _core_backward(ops: list[Op], config: ModelConfig, z: Sizes, w: Widths, free
     weights_bytes = w.act * z.b * w.heads * z.s * z.s  # (b*a/t, s, s)
     dropout = has(ledger.ATTN_DROPOUT_MASK.name)
     copied = " raw" if selective else ""  # under selective recomputation, before its copy into the input's layout
-    ops.append(_backward("attention.core_attention", Step("weights x V: dV and dWeights", (
+    ops.append(backward_only("attention.core_attention", Step("weights x V: dV and dWeights", (
         Made(f"grad/v{copied}", w.per_token(w.heads * w.v), "bmm's backward: dV = weights^T dY"),
         Made("grad/attention weights", weights_bytes, "bmm's backward: dWeights = dY V^T")), frees=frees),
         saves=(ledger.MLA_V, ledger.ATTN_DROPOUT_OUT if dropout else ledger.SOFTMAX_OUT)))
     ops.extend(_copied("v", w.per_token(w.heads * w.v), selective))
     weights = "grad/attention weights"
     if dropout:
-        ops.append(_one("attention.core_attention", "attention dropout", Made(
+        ops.append(one("attention.core_attention", "attention dropout", Made(
             "grad/softmax output", weights_bytes, "attention dropout's backward: dY times the mask"), (weights,),
             saves=(ledger.ATTN_DROPOUT_MASK,)))
         weights = "grad/softmax output"
-    if _fused_softmax(config, z):  # the kernel keeps its 16-bit output, and its scale (SOFTMAX_SCALE)
-        ops.append(_one("attention.core_attention", "softmax", Made("grad/scores", weights_bytes, _SOFTMAX),
+    if fused_softmax(config, z):  # the kernel keeps its 16-bit output, and its scale (SOFTMAX_SCALE)
+        ops.append(one("attention.core_attention", "softmax", Made("grad/scores", weights_bytes, SOFTMAX),
                         (weights,), saves=(ledger.SOFTMAX_OUT, SOFTMAX_SCALE)))
     else:
-        _torch_softmax(ops, z, weights, has)
+        torch_softmax(ops, z, weights, has)
     qk = w.per_token(w.heads * w.qk)
-    ops.append(_backward("attention.core_attention", *(
+    ops.append(backward_only("attention.core_attention", *(
         step for x, other in (("q", "K"), ("k", "Q")) for step in (
             Step(f"baddbmm's backward: d{x.upper()} = dScores {other}", (
                 Made(f"grad/{x} unscaled", qk, f"baddbmm's backward: d{x.upper()} before its scale"),)),
@@ -274,7 +274,7 @@ def _copied(x: str, nbytes: int, selective: bool) -> tuple[Op, ...]:
     that leaf's AccumulateGrad, after the node that made it has returned."""
     if not selective:
         return ()
-    return (_one("attention.core_attention", f"d{x.upper()} into its input's layout", Made(
+    return (one("attention.core_attention", f"d{x.upper()} into its input's layout", Made(
         f"grad/{x}", nbytes, "AccumulateGrad on the checkpoint's detached input: a copy in the input's strides"),
         (f"grad/{x} raw",)),)
 
@@ -289,7 +289,7 @@ def _rope(ops: list[Op], w: Widths, part: str, width: int, expanded: bool) -> No
     g = f"grad/{part} rope"
     incoming: tuple[str, ...] = ()
     if expanded:
-        ops.append(_one("attention", f"the {part}'s RoPE part: the expand over heads' backward", Made(
+        ops.append(one("attention", f"the {part}'s RoPE part: the expand over heads' backward", Made(
             f"{g} summed", width, "expand's backward: dK's RoPE part summed over the heads"), ()))
         incoming = (f"{g} summed",)
     made = {  # name: why, each (s, b, heads, d_r) but rotate_half's negated half
@@ -306,11 +306,11 @@ def _rope(ops: list[Op], w: Widths, part: str, width: int, expanded: bool) -> No
         return tuple(f"{g} {x}" for x in xs)
 
     ops.extend((
-        _backward("attention", Step("rotate_half(t) * sin", (m("sin"),)), saves=(sin,)),
-        _backward("attention", Step("rotate_half: the negated half", (m("neg", width // 2),)),
+        backward_only("attention", Step("rotate_half(t) * sin", (m("sin"),)), saves=(sin,)),
+        backward_only("attention", Step("rotate_half: the negated half", (m("neg", width // 2),)),
                   Step("rotate_half: concatenated", (m("rotated"),), frees=names("sin", "neg"))),
-        _backward("attention", Step("t * cos", (m("cos"),)), saves=(cos,)),
-        _backward("attention", Step("the two gradients of t summed", (m("t"),), frees=names("rotated", "cos")),
+        backward_only("attention", Step("t * cos", (m("cos"),)), saves=(cos,)),
+        backward_only("attention", Step("the two gradients of t summed", (m("t"),), frees=names("rotated", "cos")),
                   Step("the interleave: t[..., 0::2]", (m("odd"),)),
                   Step("the interleave: t[..., 1::2]", (m("even"),), frees=names("t")),
                   Step("the interleave's gradients summed", (m("interleaved"),), frees=names("odd", "even")),
@@ -328,14 +328,14 @@ def host_scalars(config: ModelConfig, z: Sizes, accounting: Accounting) -> tuple
         return ()
     if config.recompute == "selective":
         return (ATTN_MASK_TYPE,)
-    return (SOFTMAX_SCALE,) if _fused_softmax(config, z) else ()
+    return (SOFTMAX_SCALE,) if fused_softmax(config, z) else ()
 
 
 def rerun_host_scalars(config: ModelConfig, z: Sizes, accounting: Accounting) -> tuple[SavedTensor, ...]:
     """The host scalars selective recomputation's rerun of the core makes again (on the CPU): the fused softmax's
     scale."""
     selective = config.recompute == "selective"
-    return (SOFTMAX_SCALE,) if selective and accounting.device == "cpu" and _fused_softmax(config, z) else ()
+    return (SOFTMAX_SCALE,) if selective and accounting.device == "cpu" and fused_softmax(config, z) else ()
 
 
 def beside_the_ledger(tape: Tape, config: ModelConfig, z: Sizes, i: int, first: int) -> None:

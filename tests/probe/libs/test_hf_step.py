@@ -9,6 +9,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from memcalc.model.families import FAMILIES  # noqa: E402
 from memcalc.model.knobs import Accounting  # noqa: E402
 from memcalc.model.strategy import STRATEGIES  # noqa: E402
 from memcalc.errors import ConfigError  # noqa: E402
@@ -363,3 +364,55 @@ def test_attention_dropout_keeps_its_mask_to_its_backward_and_the_peak_is_memtra
     (r,) = measure_step(config, [layout], route=route)
     assert r.measured.moment == r.predicted_moment
     assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+
+
+# -- other families' own *ForCausalLM: the Llama walk with each family's declared variations -------------------------
+
+GEMMA = {"norm": "rmsnorm_1p", "mlp": "geglu_tanh"}  # GemmaForCausalLM: (1 + w) RMSNorm, tanh GeGLU, scaled embedding
+GEMMA2 = GEMMA | {"sandwich_norm": True}  # Gemma2ForCausalLM: eager attention only (_supports_sdpa False)
+CAPPED = {"attn_logit_softcapping": 50.0}
+PHI3 = {"fused_qkv": True}
+FAMILY_STEPS = [
+    ("gemma", "eager", GEMMA),  # the loss's backward
+    ("gemma", "flash", GEMMA | {"b": 1, "s": 13, "kv_channels": 12, "num_query_groups": 4}),  # lm_head's GEMMs
+    ("gemma", "flash", GEMMA | {"b": 3, "s": 7, "h": 48, "a": 6, "num_query_groups": 2, "tie_embeddings": True}),
+    ("gemma", "flash", GEMMA | {"vocab_size": 40}),  # the final GemmaRMSNorm's backward
+    ("gemma", "flash", GEMMA | {"vocab_size": 40, "h": 32, "ffn_hidden_size": 512}),  # the last GeGLU's gradients
+    ("gemma", "eager", GEMMA | {"s": 95, "h": 16, "ffn_hidden_size": 16, "vocab_size": 20}),  # the fp32 softmax
+    ("gemma2", "eager", GEMMA2 | CAPPED),  # sandwich norms, every other layer sliding, the scores soft-capped
+    ("gemma2", "eager", GEMMA2 | {"b": 1, "s": 13, "kv_channels": 12, "num_query_groups": 4}),  # not capped
+    ("gemma2", "eager", GEMMA2 | CAPPED | {"b": 3, "s": 7, "h": 48, "a": 6, "num_query_groups": 2,
+                                          "tie_embeddings": True}),
+    ("gemma2", "eager", GEMMA2 | CAPPED | {"vocab_size": 40}),
+    ("gemma2", "eager", GEMMA2 | CAPPED | {"vocab_size": 40, "h": 32, "ffn_hidden_size": 512}),
+    ("gemma2", "eager", GEMMA2 | CAPPED | {"s": 95, "h": 16, "ffn_hidden_size": 16, "vocab_size": 20,
+                                          "sliding_window": 16}),  # a window shorter than s
+    ("phi3", "eager", PHI3),  # Phi3ForCausalLM: one qkv_proj, one gate_up_proj, eager (the ledger's)
+    ("phi3", "eager", PHI3 | {"b": 1, "s": 13, "kv_channels": 12, "num_query_groups": 4}),
+    ("phi3", "eager", PHI3 | {"b": 1, "s": 13, "num_query_groups": 1}),  # V kept as the whole qkv_proj output
+    ("phi3", "eager", PHI3 | {"b": 3, "s": 7, "h": 48, "a": 6, "num_query_groups": 2, "tie_embeddings": True}),
+    ("phi3", "eager", PHI3 | {"vocab_size": 40}),
+    ("phi3", "eager", PHI3 | {"vocab_size": 40, "h": 32, "ffn_hidden_size": 512}),
+    ("phi3", "eager", PHI3 | {"s": 95, "h": 16, "ffn_hidden_size": 16, "vocab_size": 20}),
+]
+
+
+def test_the_families_sizes_put_the_peak_in_different_places():
+    """What gives the next test its meaning: a family's cases peak at five different moments (the default sizes and
+    the tied model both in the loss; Phi-3's two b = 1 cases both in lm_head)."""
+    peaks = [(family, timeline(make_config(LLAMA, attention=a, **c), STRATEGIES["none"], CPU).peak.label())
+             for family, a, c in FAMILY_STEPS]
+    families = {family for family, _ in peaks}
+    assert [len({p for f, p in peaks if f == family}) for family in families] == [5] * len(families), peaks
+
+
+@pytest.mark.parametrize("family, attention, changes", FAMILY_STEPS, ids=str)
+def test_each_familys_step_happens_in_order_and_peaks_where_the_timeline_says_to_the_byte(one_thread, family,
+                                                                                           attention, changes):
+    config = make_config(LLAMA, attention=attention, **changes)
+    readings = readings_after_every_op(warmed_up(single(), config, STRATEGIES["none"]))
+    assert_moments_in_order(timeline(config, STRATEGIES["none"], CPU).moments[1:], readings)
+    (r,) = measure_step(config, ["none"])
+    assert r.measured.moment == r.predicted_moment
+    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+    assert r.model.startswith(f"transformers' {FAMILIES[family].architectures[0]}")

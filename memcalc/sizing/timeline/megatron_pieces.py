@@ -1,0 +1,79 @@
+"""The pieces Megatron's layer ops are built of (memcalc.sizing.timeline.megatron) that its latent attention
+(memcalc.sizing.timeline.megatron_mla) shares: an op known by its backward alone, the row-parallel linear's
+backward, and the softmax's backward, fused or torch's."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from memcalc.config.schema import ModelConfig
+from memcalc.model import ledger
+from memcalc.model.impls import megatron
+from memcalc.model.ledger import Dim, SavedTensor
+from memcalc.sizing.timeline.tape import Sizes
+from memcalc.sizing.timeline.walk import Made, Op, Step
+
+Has = Callable[[str], bool]  # whether the layer keeps the saved tensor of that name (the ledger's size rules)
+WGRAD = "the weight's bf16 gradient, dW = dY^T X"
+SOFTMAX = "softmax's backward: S' * (dY - sum(dY * S'))"
+
+
+def backward_only(where: str, *steps: Step, saves: tuple[SavedTensor, ...] = ()) -> Op:
+    """An op whose forward the layer's one forward moment covers: its backward steps and what it keeps."""
+    return Op(where, forward=(), backward=steps, saves=saves)
+
+
+def one(where: str, what: str, made: Made, frees: tuple[str, ...], saves: tuple[SavedTensor, ...] = ()) -> Op:
+    """An op whose backward makes one tensor, then frees `frees`."""
+    return backward_only(where, Step(what, (made,), frees), saves=saves)
+
+
+def row_parallel(z: Sizes, where: str, x: SavedTensor, grad: str, residual: str, width: int, dx: str) -> Op:
+    """fc2 or the projection (`width` inputs): under SP g* all-gathers dY first; then dW and dX beside dY. dY goes
+    unless it is the residual stream's (`residual`), which the residual sum still needs.
+
+    The bias's gradient (a sum over tokens) is made and added into the buffer before the GEMMs: no moment.
+    """
+    steps: tuple[Step, ...] = ()
+    done = () if grad == residual else (grad,)
+    if z.sp:
+        gathered = f"grad/{where} gathered"
+        steps = (Step("all-gather of dY (g*'s backward)", (
+            Made(gathered, z.full(z.h), "g*'s backward all-gathers dY along s: (s, b, h)"),), frees=done),)
+        done = (gathered,)
+    dw = f"grad/{where} weight"
+    gemms = Step("GEMMs: dW and dX", (Made(dw, z.act * z.h * width, WGRAD),
+                                       Made(dx, z.full(width), "dX = dY W, the input's gradient")),
+                 frees=done, hands_over=(dw,))
+    return backward_only(where, *steps, gemms, saves=(x,))
+
+
+def fused_softmax(config: ModelConfig, z: Sizes) -> bool:
+    """Whether Megatron's fused causal softmax kernel runs on this rank's scores (memcalc.model.impls.megatron's
+    FUSED_SOFTMAX window); the paper's layer runs it at every size."""
+    window = megatron.fused_softmax_runs({Dim.B: z.b, Dim.A: z.a_t, Dim.S: z.s}, 1)
+    return config.impl == "paper" or (config.masked_softmax_fusion and bool(window))
+
+
+def torch_softmax(ops: list[Op], z: Sizes, grad: str, has: Has) -> None:
+    """Megatron's forward_torch_softmax backward (outside the fused kernel's sizes, or in fp32), in backward order:
+    the gradient cast up to fp32, softmax's backward, masked_fill's (a new tensor; with one query, s = 1, Megatron
+    masks nothing), the cast back down."""
+    bass = z.b * z.a_t * z.s * z.s
+    sixteen_bit = has(megatron.SOFTMAX_FP32.name)  # an fp32 softmax of 16-bit scores, its output cast back
+    width = 4 if sixteen_bit else z.act
+    if sixteen_bit:
+        ops.append(one("attention", "the softmax output's cast", Made(
+            "grad/softmax fp32 output", 4 * bass, "the cast's backward: dY up to fp32"), (grad,)))
+        grad = "grad/softmax fp32 output"
+    scores = "grad/wide scores" if sixteen_bit else "grad/scores"  # the (fp32) scores' gradient
+    masked = "grad/masked scores" if has(megatron.CAUSAL_MASK.name) else scores
+    ops.append(one("attention", "softmax", Made(masked, width * bass, SOFTMAX), (grad,),
+                    saves=(megatron.SOFTMAX_FP32 if sixteen_bit else ledger.SOFTMAX_OUT,)))
+    if masked != scores:
+        ops.append(one("attention", "the causal mask", Made(
+            scores, width * bass, "masked_fill's backward: the masked gradient zeroed"), (masked,),
+            saves=(megatron.CAUSAL_MASK,)))
+    if sixteen_bit:
+        ops.append(one("attention", "the scores' cast", Made(
+            "grad/scores", z.act * bass, "the scores' cast to fp32: its backward casts back"), (scores,)))
