@@ -558,7 +558,7 @@ def measure_step(config: ModelConfig, strategies: list[str], route: str | None =
 
     Every strategy's timeline is made before any step runs, so an unmodelled knob is named at once. `route`
     forces a mixture of experts' router (transformers' Mixtral and Qwen2-MoE): the timeline walks the balanced bound, which
-    only the balanced route pins.
+    only the balanced route pins (grouped_mm experts: any forced route, `_any_route_pinned`).
     """
     if config.impl not in STEP_MODELS:
         raise ConfigError(f"--step runs memcalc's own Megatron-style model, transformers' LlamaForCausalLM with"
@@ -569,10 +569,10 @@ def measure_step(config: ModelConfig, strategies: list[str], route: str | None =
     accounting = Accounting(exact=True, device="cpu")
     planned = [(STRATEGIES[name], timeline(config, check_strategy(config, STRATEGIES[name]), accounting))
                for name in strategies]
-    if config.moe and not routing_fixed(config, route):
+    if config.moe and not (routing_fixed(config, route) or _any_route_pinned(config, route)):
         raise ConfigError(f"--step on a mixture of experts needs --route balanced with moe_tokens balanced (not"
                           f" {route or 'the real router'}, {config.moe_tokens}): the step timeline walks the balanced"
-                          " bound, which only the forced balanced router pins")
+                          " bound, which only the forced balanced router pins (grouped_mm experts: any forced route)")
     model = _model(config, route)
     _check_fits(planned)
     out = []
@@ -586,6 +586,13 @@ def measure_step(config: ModelConfig, strategies: list[str], route: str | None =
                           t=t)
         out.append(StepComparison(strategy, mode, predicted, measured, model))
     return out
+
+
+def _any_route_pinned(config: ModelConfig, route: str | None) -> bool:
+    """Whether a forced route other than balanced pins the step too: transformers' grouped_mm experts keep all k*b*s
+    slots in one storage a tensor, whatever each expert's count (memcalc.sizing.timeline.hf_moe)."""
+    return (config.impl == "hf" and config.experts_implementation == "grouped_mm" and route is not None
+            and config.moe_tokens == "balanced")
 
 
 # The step trainers of the libraries' own models, by (--impl, under FSDP2): module and function, imported only when a

@@ -136,12 +136,19 @@ def test_the_experts_widest_moment_holds_gate_ups_gradient_three_times_beside_do
     ({"moe_tokens": "worst"}, "moe_tokens worst"),
     ({"num_experts": 5}, "k\\*b\\*s=96 slots that E=5 experts do not share evenly"),
     ({"ep": 2}, "ep=2"),
-    ({"experts_implementation": "grouped_mm"}, "experts_implementation grouped_mm .transformers' default; it walks the"
-                                               " eager loop"),
 ])
 def test_what_the_mixtral_walk_does_not_model_is_refused_by_name(changes, named):
     with pytest.raises(ConfigError, match=f"for impl hf does not model {named}"):
         _timeline(**(MIXTRAL | changes))
+
+
+def test_grouped_mm_walks_slots_its_experts_do_not_share_evenly_as_one_storage_a_tensor():
+    """grouped_mm keeps all k*b*s slots in one storage a tensor: no per-expert rows, any E."""
+    config, steps = _timeline(**(MIXTRAL | {"experts_implementation": "grouped_mm", "num_experts": 5}))
+    moment = next(m for m in steps.moments if m.what.startswith("gate_up_proj's grouped GEMMs"))
+    live = {x.name: x.bytes for x in moment.live}
+    assert not any(name.endswith("]") for name in live)
+    assert live["grad/moe/experts/gate_up dW"] == 2 * 5 * 2 * config.expert_ffn * config.h  # bf16 (E, h, 2e) at once
 
 
 def test_mixtral_experts_under_tp_are_refused_by_name():

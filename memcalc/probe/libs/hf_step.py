@@ -25,8 +25,8 @@ laid out: apply_tensor_parallelism looks lm_head.weight up among named_parameter
 
 With qk_layernorm it builds Qwen3ForCausalLM (Llama's layer, each query and key head RMS-normalised before RoPE).
 A config with experts builds MixtralForCausalLM instead (Qwen2MoeForCausalLM with shared experts,
-Qwen3MoeForCausalLM with qk_layernorm): every layer a
-sparse MoE block whose experts run transformers' eager loop, its router forced to the `route` given
+Qwen3MoeForCausalLM with qk_layernorm): every layer a sparse MoE block whose experts run the config's
+experts_implementation (grouped_mm or the eager loop), its router forced to the `route` given
 (memcalc.probe.libs.hf_shim.forced_routing), so the tokens each expert gets are known. No auxiliary loss
 (output_router_logits False, both models' default).
 """

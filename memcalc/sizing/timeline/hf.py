@@ -89,9 +89,9 @@ def _moments(config: ModelConfig, z: Sizes, kept: tuple[tuple[ledger.SavedTensor
         FINAL_NORM.input_fp32.name: z.tokens(4 * z.h), FINAL_NORM.rstd.name: z.tokens(4),
         FINAL_NORM.normed.name: z.full(z.h), ledger.OUTPUT_INPUT.name: z.full(z.h)}
     tensors = tuple(x for x, _ in kept if x not in layer.ROPE)  # every layer shares one description of these
-    made, block = (moe.kept_in_forward(tensors, config.num_experts), moe.block_backward(z, config)) if config.moe \
+    made, block = (moe.kept_in_forward(tensors, config), moe.block_backward(z, config)) if config.moe \
         else (layer.kept_tensors(tensors), ())
-    saved |= moe.expert_bytes(saved, config.num_experts) if config.moe else {}
+    saved |= moe.expert_bytes(saved, config) if config.moe else {}
     layers = [(Walk(tape, f"layers.{i}", f"model.layers.{i}", saved, hand_over),
                _layer(i, z, config, saved, made, block)) for i in range(config.L)]
     inputs = (Walk(tape, "", "", ends, hand_over), _embedding(z, config, sharding is not None))
@@ -190,25 +190,23 @@ def _sharding_missing(config: ModelConfig, strategy: Strategy) -> list[tuple[boo
 
 
 def _experts_missing(config: ModelConfig, strategy: Strategy) -> list[tuple[bool, str]]:
-    """What the walk of Mixtral's and Qwen2-MoE's blocks (memcalc.sizing.timeline.hf_moe) leaves out: grouped_mm
-    experts (it walks the eager loop), dense layers among them, experts under tp or ep, and any count of tokens per
-    expert but the balanced one, kbs/E each. (Latent attention is refused before.)"""
+    """What the walk of Mixtral's, Qwen2-MoE's and Qwen3-MoE's blocks (memcalc.sizing.timeline.hf_moe) leaves out:
+    dense layers among them, experts under tp or ep, and any count of tokens per expert but the balanced one, kbs/E
+    each (grouped_mm's tensors hold all k*b*s slots whatever the counts; the eager loop's are per expert). (Latent
+    attention is refused before.)"""
     if not config.moe:
         return []
     slots = config.moe_router_topk * config.b * config.s
     return [
-        (config.experts_implementation != "eager", f"experts_implementation {config.experts_implementation}"
-                                                   " (transformers' default; it walks the eager loop: pass"
-                                                   " --experts-implementation eager)"),
         (config.moe_layer_freq != 1, f"moe_layer_freq={config.moe_layer_freq} (dense layers among MoE ones)"),
         (strategy.tensor_parallel and config.t > 1, f"experts under tp (t={config.t})"),
         (config.ep != 1, f"ep={config.ep}"),
         (config.moe_tokens != "balanced", f"moe_tokens {config.moe_tokens} (it walks the balanced bound, kbs/E slots"
                                           " an expert, which the forced balanced router gives)"),
-        (slots % config.num_experts != 0, f"k*b*s={slots} slots that E={config.num_experts} experts do not share"
-                                          " evenly (balanced routing would give them unequal counts)"),
+        (config.experts_implementation == "eager" and slots % config.num_experts != 0,
+         f"k*b*s={slots} slots that E={config.num_experts} experts do not share evenly in the eager loop (balanced"
+         " routing would give them unequal counts)"),
     ]
-
 
 
 def _hand_over(tape: Tape, sharding: Fsdp | Zero | None) -> HandOver:
