@@ -81,7 +81,7 @@ def warmed_up(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, 
     if tp.size > 1:  # the plan from_pretrained(tp_plan="auto") applies, by the function it applies it with
         hf_tp.apply(model, hf_tp.model_plan(model, tp.size), tp)
     k = config.moe_router_topk if config.moe else 0
-    return Trainer.around(config, model, lambda tokens, labels: _loss(model, tokens, labels, family, route, k))
+    return Trainer.around(config, model, lambda tokens, labels: loss(model, tokens, labels, family, route, k))
 
 
 def stepped_family(config: ModelConfig) -> str:
@@ -94,7 +94,7 @@ def stepped_family(config: ModelConfig) -> str:
     return family
 
 
-def _loss(model: Any, tokens: torch.Tensor, labels: torch.Tensor, family: str, route: str | None,
+def loss(model: Any, tokens: torch.Tensor, labels: torch.Tensor, family: str, route: str | None,
           k: int) -> torch.Tensor:
     """transformers' own loss, the router forced while forward runs; the output object (and the bf16 logits in it)
     goes as this returns."""

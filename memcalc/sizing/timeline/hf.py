@@ -185,7 +185,9 @@ def _sharding_missing(config: ModelConfig, strategy: Strategy) -> list[tuple[boo
                                  " states)"),
         (config.zero_stage is not None and strategy.tensor_parallel and config.t > 1,
          f"zero_stage={config.zero_stage} under tp (t={config.t}): the Trainer runs DeepSpeed over data parallelism"),
-        (sharded and config.moe, "dp_shard or zero_stage with experts"),
+        (config.zero_stage is not None and config.moe, "zero_stage with experts"),
+        (sharded and config.moe and not moe.grouped(config), "dp_shard with the eager loop's experts (FSDP2 walks"
+                                                             " grouped_mm, transformers' default)"),
     ]
 
 
@@ -215,7 +217,7 @@ def _hand_over(tape: Tape, sharding: Fsdp | Zero | None) -> HandOver:
     def hand_over(where: str, name: str, nbytes: int) -> None:
         tape.drop(name)
         if sharding is not None:
-            sharding.keep_grad(tape, sharding.block_of(where), where, nbytes)
+            sharding.keep_grad(tape, sharding.block_of(where), moe.weight_of(where, name), nbytes)
     return hand_over
 
 

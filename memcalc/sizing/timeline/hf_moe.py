@@ -94,6 +94,17 @@ def kept_in_forward(tensors: tuple[SavedTensor, ...], config: ModelConfig) -> St
     return Step("the layer's saved tensors", tuple(made), moment=False)
 
 
+STEM = "grad/moe"  # the block's gradients, named for no layer (one block's backward runs at a time)
+# grouped_mm's experts hand over two weights' gradients from one module (MixtralExperts): by their own paths
+_EXPERT_WEIGHTS = {f"{STEM}/experts/{proj} dW": f"{proj}_proj" for proj in ("gate_up", "down")}
+
+
+def weight_of(where: str, gradient: str) -> str:
+    """The path of the weight whose gradient (`gradient`, the tape's name) a module hands over: the module's, but
+    for the experts' two weights (memcalc.sizing.timeline.fsdp keeps each as its unsharded .grad)."""
+    return f"{where}.{_EXPERT_WEIGHTS[gradient]}" if gradient in _EXPERT_WEIGHTS else where
+
+
 def _bf16(config: ModelConfig) -> bool:
     """Whether the experts read routing weights cast to bf16 (Qwen2-MoE's and Qwen3-MoE's router), as the ledger
     says, or Mixtral's fp32 ones (whose weighted output is then cast back to bf16 for index_add_)."""
@@ -191,14 +202,14 @@ class _Sums:
                      frees=(before, new), moment=bool(what)),)
 
 
-OUTPUT_GRAD = "grad/moe/ln2 output"  # the block input's gradient, every path's summed, which ln2's backward reads
+OUTPUT_GRAD = f"{STEM}/ln2 output"  # the block input's gradient, every path's summed, which ln2's backward reads
 
 
 def block_backward(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     """The block's ops in forward order, one description for every layer (their gradients are named for no layer: one
     block's backward runs at a time). Autograd runs them in reverse: the shared expert's gate, each expert, the last
     first, the router, the shared expert; `OUTPUT_GRAD` is every path's input gradient summed."""
-    shared, sums = bool(config.moe_shared_expert_intermediate_size), _Sums("grad/moe")
+    shared, sums = bool(config.moe_shared_expert_intermediate_size), _Sums(STEM)
     ran = [*(_shared_gate(z, sums) if shared else ())]  # in the order autograd runs them
     if grouped(config):
         ran += _grouped(z, config, sums)
