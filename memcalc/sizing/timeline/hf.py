@@ -186,8 +186,7 @@ def _sharding_missing(config: ModelConfig, strategy: Strategy) -> list[tuple[boo
         (config.zero_stage is not None and strategy.tensor_parallel and config.t > 1,
          f"zero_stage={config.zero_stage} under tp (t={config.t}): the Trainer runs DeepSpeed over data parallelism"),
         (config.zero_stage is not None and config.moe, "zero_stage with experts"),
-        (sharded and config.moe and not moe.grouped(config), "dp_shard with the eager loop's experts (FSDP2 walks"
-                                                             " grouped_mm, transformers' default)"),
+
     ]
 
 

@@ -95,14 +95,15 @@ def kept_in_forward(tensors: tuple[SavedTensor, ...], config: ModelConfig) -> St
 
 
 STEM = "grad/moe"  # the block's gradients, named for no layer (one block's backward runs at a time)
-# grouped_mm's experts hand over two weights' gradients from one module (MixtralExperts): by their own paths
-_EXPERT_WEIGHTS = {f"{STEM}/experts/{proj} dW": f"{proj}_proj" for proj in ("gate_up", "down")}
 
 
 def weight_of(where: str, gradient: str) -> str:
     """The path of the weight whose gradient (`gradient`, the tape's name) a module hands over: the module's, but
-    for the experts' two weights (memcalc.sizing.timeline.fsdp keeps each as its unsharded .grad)."""
-    return f"{where}.{_EXPERT_WEIGHTS[gradient]}" if gradient in _EXPERT_WEIGHTS else where
+    for the experts' two weights, which one module (MixtralExperts) hands over, each by its own path
+    (memcalc.sizing.timeline.fsdp keeps each as its unsharded .grad)."""
+    if not where.endswith(".mlp.experts"):
+        return where
+    return f"{where}.{'gate_up_proj' if '/gate_up ' in gradient else 'down_proj'}"
 
 
 def _bf16(config: ModelConfig) -> bool:

@@ -2,8 +2,8 @@
 bf16 parameters, fp32 reduce) over dp_shard = 2, 4 and 8 ranks of the fake group, with and without
 reshard_after_forward, under torch's FSDPMemTracker, against the hf step timeline with FSDP2's ops: the peak, each
 category at it and the state between steps to the byte, the peak's moment, every moment in order, and
-`estimate --totals --json`'s peak. Mixtral, Qwen2-MoE and Qwen3-MoE too, their experts by grouped_mm, the router
-forced balanced or all-to-one."""
+`estimate --totals --json`'s peak. Mixtral, Qwen2-MoE and Qwen3-MoE too, their experts by grouped_mm (the router
+forced balanced or all-to-one) and by the eager loop (balanced)."""
 
 import json
 
@@ -171,7 +171,7 @@ def test_qwen3_sharded_by_fsdp2_gathers_and_reduces_its_q_norm_and_k_norm_with_t
     assert r.matches and r.moment_matches, r.differences()
 
 
-# -- transformers' MoE models (grouped_mm, its default experts), each layer's unit holding the router and experts ----
+# -- transformers' MoE models (grouped_mm, its default experts, and the loop), each layer's unit holding them all ----
 
 MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 48, "experts_implementation": "grouped_mm",
        "dp_shard": 2}
@@ -182,6 +182,7 @@ MOE_STEPS = [
     # Qwen2-MoE: the shared expert and its (1, h) gate, dim 0 padded to dp_shard
     ({"moe_shared_expert_intermediate_size": 40, "num_experts": 3, "b": 1, "s": 7, "dp_shard": 4}, "all-to-one"),
     ({"qk_layernorm": True, "reduce_dtype": "bf16", "b": 3, "s": 5}, "all-to-one"),  # Qwen3-MoE: experts before gate
+    ({"experts_implementation": "eager"}, "balanced"),  # the loop: each expert's weight gradients summed
 ]
 
 
@@ -201,6 +202,7 @@ def test_a_moe_model_sharded_by_fsdp2_peaks_where_the_timeline_says_to_the_byte(
     ({}, "balanced"),
     ({"moe_shared_expert_intermediate_size": 40, "b": 1, "s": 13, "attention": "eager"}, "all-to-one"),
     ({"qk_layernorm": True, "reshard_after_forward": False}, "balanced"),
+    ({"experts_implementation": "eager", "moe_shared_expert_intermediate_size": 40}, "balanced"),
 ], ids=str)
 def test_a_moe_model_sharded_by_fsdp2_has_every_moment_in_order(one_thread, changes, route):
     """The experts' two weights, the router's and the shared expert's each kept as the unsharded .grad to the
