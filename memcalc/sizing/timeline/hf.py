@@ -192,15 +192,19 @@ def _sharding_missing(config: ModelConfig, strategy: Strategy) -> list[tuple[boo
 
 def _experts_missing(config: ModelConfig, strategy: Strategy) -> list[tuple[bool, str]]:
     """What the walk of Mixtral's, Qwen2-MoE's and Qwen3-MoE's blocks (memcalc.sizing.timeline.hf_moe) leaves out:
-    dense layers among them, experts under tp or ep, and any count of tokens per expert but the balanced one, kbs/E
-    each (grouped_mm's tensors hold all k*b*s slots whatever the counts; the eager loop's are per expert). (Latent
-    attention is refused before.)"""
+    dense layers among them, the eager loop or a shared expert under tp, ep, and any count of tokens per expert but
+    the balanced one, kbs/E each (grouped_mm's tensors hold all k*b*s slots whatever the counts; the eager loop's
+    are per expert). (Latent attention is refused before.)"""
     if not config.moe:
         return []
     slots = config.moe_router_topk * config.b * config.s
     return [
         (config.moe_layer_freq != 1, f"moe_layer_freq={config.moe_layer_freq} (dense layers among MoE ones)"),
-        (strategy.tensor_parallel and config.t > 1, f"experts under tp (t={config.t})"),
+        (strategy.tensor_parallel and config.t > 1 and not moe.grouped(config),
+         f"the eager loop's experts under tp (t={config.t})"),
+        (strategy.tensor_parallel and config.t > 1 and bool(config.moe_shared_expert_intermediate_size),
+         f"Qwen2-MoE's shared expert under tp (t={config.t}): transformers' plan leaves it whole on every rank, which"
+         " the model states do not count yet"),
         (config.ep != 1, f"ep={config.ep}"),
         (config.moe_tokens != "balanced", f"moe_tokens {config.moe_tokens} (it walks the balanced bound, kbs/E slots"
                                           " an expert, which the forced balanced router gives)"),

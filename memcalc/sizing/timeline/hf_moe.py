@@ -1,4 +1,4 @@
-"""transformers' sparse MoE blocks as ops for the hf step walk (`--impl hf`, t = 1): Mixtral's, Qwen2-MoE's (the same
+"""transformers' sparse MoE blocks as ops for the hf step walk (`--impl hf`): Mixtral's, Qwen2-MoE's (the same
 experts beside a gated shared expert, bf16 routing weights) and Qwen3-MoE's (Qwen2-MoE's without the shared expert).
 
 The router, the shared expert and its gate are one description; the experts run by the config's experts_implementation
@@ -6,8 +6,9 @@ The router, the shared expert and its gate are one description; the experts run 
 
 grouped_mm, transformers' default: the k*b*s slots sorted by expert, gathered, two torch._grouped_mm cut at int32
 offsets, the weighted rows put back in slot order and summed over k. Each kept tensor is one storage of all slots,
-whatever each expert's count, so any forced route is exact. Its widest forward moment is the weighted rows twice, in
-expert and in slot order (`_grouped_forward`). Backward, as autograd orders it (`_grouped`):
+whatever each expert's count, so any forced route is exact. Under tp (transformers' plan) each rank runs e/t of every
+expert on all slots, its weights made local tensors as the experts begin: autograd hands their gradients over last.
+Its widest forward moment is the weighted rows twice, in expert and in slot order (`_grouped_forward`). Backward, as autograd orders it (`_grouped`):
 
     sum over k  in Mixtral's the cast's fp32 dY first; the expanded dY made contiguous, (k*b*s, h)
     unsort      index's backward: a zero (k*b*s, h) tensor and index_put's, the rows back in expert order
@@ -294,8 +295,10 @@ def _grouped(z: Sizes, config: ModelConfig, sums: _Sums) -> list[Op]:
     index, the routing weight's product, down_proj's grouped GEMMs (torch._grouped_mm's backward: dW, then dX),
     SwiGLU, gate_up_proj's, then the two gathers' index_put: the sorted weights' gradient back at their slots, the
     rows' dX summed at their tokens."""
-    g, f, experts, r = f"{sums.stem}/experts", config.expert_ffn, config.num_experts, config.moe_router_topk * z.b * z.s
+    g, f, experts = f"{sums.stem}/experts", config.expert_ffn // z.t, config.num_experts
+    r = config.moe_router_topk * z.b * z.s
     act, width, bf16, h = z.act, _width(z, config), _bf16(config), z.h
+    tp = z.t > 1  # this rank's e/t of each expert, local tensors: the weights' gradients handed over at the end
     combine = _op("mlp.experts", (), *(() if bf16 else (Step("the cast's backward: dY in fp32", (
         Made(f"{g}/dY fp32", z.tokens(4 * h), "the block's dY cast to the sum's fp32"),)),)),
         Step("sum's and view's backward: dY repeated at each token's k slots", (
@@ -317,7 +320,7 @@ def _grouped(z: Sizes, config: ModelConfig, sums: _Sums) -> list[Op]:
              frees=(f"{g}/sorted rows", f"{g}/weights dw rows")))
     down = _op("mlp.experts", (ledger.EXPERT_FC2_IN,), Step("down_proj's grouped GEMMs: dW, then dX", (
         Made(f"{g}/down dW", act * experts * f * h, WHY_WGRAD), Made(f"{g}/down dX", act * r * f, "(k*b*s, e)")),
-        frees=(down_dy,), hands_over=(f"{g}/down dW",)))
+        frees=(down_dy,), hands_over=() if tp else (f"{g}/down dW",)))
     product_swiglu = _op("mlp.experts", (ledger.EXPERT_UP, ledger.EXPERT_SILU_OUT),
                          Step("SiLU(gate) * up's backward: dY * SiLU(gate)", (Made(f"{g}/up", act * r * f, "up's"),)),
                          Step("SiLU(gate) * up's backward: dY * up", (Made(f"{g}/silu", act * r * f, "SiLU's"),),
@@ -332,7 +335,7 @@ def _grouped(z: Sizes, config: ModelConfig, sums: _Sums) -> list[Op]:
         "gate_up_proj's grouped GEMMs: dW, then dX", (
             Made(f"{g}/gate_up dW", act * experts * 2 * f * h, WHY_WGRAD), Made(f"{g}/gate_up dX", act * r * h,
                                                                                 "(k*b*s, h)")),
-        frees=(f"{g}/gate_up dY",), hands_over=(f"{g}/gate_up dW",)))
+        frees=(f"{g}/gate_up dY",), hands_over=() if tp else (f"{g}/gate_up dW",)))
     weights = _op("mlp.experts", (rules.SORTED_SLOTS,), Step("indexing's backward: the weights' gradient in slots", (
         Made(f"{g}/weights zeros", width * r, "a zero (k*b*s,) tensor"),
         Made(f"{g}/weights put", width * r, "index_put's: the routing weights' gradient")),
@@ -343,7 +346,11 @@ def _grouped(z: Sizes, config: ModelConfig, sums: _Sums) -> list[Op]:
                                                                             "index_put's, accumulated")),
         frees=(f"{g}/input zeros", f"{g}/gate_up dX"), returns=True),
         sums.add("block input", f"{g}/input put", z.full(h)))
-    return [combine, unsort, product, down, product_swiglu, silu, chunk, gate_up, weights, gather]
+    # under tp the plan's hook made the weights local (to_local) as the experts began: autograd runs those last, the
+    # down_proj's first, each handing its DTensor weight the gradient
+    local = [_op("mlp.experts", (), Step("", hands_over=(f"{g}/{proj} dW",))) for proj in ("down", "gate_up")]
+    ran = [combine, unsort, product, down, product_swiglu, silu, chunk, gate_up, weights, gather]
+    return ran + local if tp else ran
 
 
 def _router(z: Sizes, config: ModelConfig, sums: _Sums, final: bool) -> list[Op]:

@@ -250,6 +250,28 @@ def test_grouped_mm_every_moment_of_the_block_happens_in_order(one_thread, base,
     assert_moments_in_order(timeline(config, STRATEGIES["none"], CPU).moments[1:], readings)
 
 
+@pytest.mark.parametrize("base, attention, changes, route", [
+    (GROUPED, "flash", {"t": 2}, "balanced"),
+    (QWEN3_MOE_GROUPED, "flash", {"t": 2, "b": 3, "s": 5, "num_experts": 8, "moe_router_topk": 3,
+                                  "moe_ffn_hidden_size": 16, "kv_channels": 12}, "balanced"),
+    (GROUPED, "eager", {"t": 4, "num_query_groups": 4, "moe_router_topk": 1, "moe_ffn_hidden_size": 256, "b": 1,
+                        "s": 13}, "all-to-one"),
+], ids=str)
+def test_under_tp_grouped_mm_experts_of_e_over_t_peak_where_the_timeline_says_with_every_moment_in_order(
+    one_thread, base, attention, changes, route
+):
+    """transformers' plan gives each rank e/t of every expert, local tensors from the experts' start: their weights'
+    gradients are handed over when the experts' backward ends, the input's and routing weights' all-reduced in
+    place."""
+    config = make_config(LLAMA, attention=attention, **(base | changes))
+    readings = run_fake(lambda group: readings_after_every_op(warmed_up(group, config, STRATEGIES["tp"], route)), (),
+                        config.t)
+    assert_moments_in_order(timeline(config, STRATEGIES["tp"], CPU).moments[1:], readings)
+    (r,) = measure_step(config, ["tp"], route=route)
+    assert r.measured.moment == r.predicted_moment
+    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+
+
 # -- transformers' Qwen2MoeForCausalLM: Mixtral's experts (bf16 routing weights) beside a gated shared expert ----------
 
 QWEN2_MOE = MIXTRAL | {"moe_shared_expert_intermediate_size": 64}
