@@ -168,12 +168,9 @@ def test_under_fsdp2_each_expert_weight_is_its_own_unsharded_grad_until_the_redu
     assert live["fsdp/layers.1 grad model.layers.1.mlp.gate"] == 2 * 4 * config.h
 
 
-def test_the_eager_loop_and_a_shared_expert_under_tp_are_refused_by_name():
+def test_the_eager_loop_under_tp_is_refused_by_name():
     with pytest.raises(ConfigError, match="for impl hf does not model the eager loop's experts under tp"):
         _timeline(TP, t=2, **MIXTRAL)
-    grouped = MIXTRAL | {"experts_implementation": "grouped_mm", "moe_shared_expert_intermediate_size": 64}
-    with pytest.raises(ConfigError, match="for impl hf does not model Qwen2-MoE's shared expert under tp"):
-        _timeline(TP, t=2, **grouped)
 
 
 def test_qwen2_moe_keeps_its_shared_experts_gate_sigmoid_only_from_after_the_experts_loop():

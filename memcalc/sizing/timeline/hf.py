@@ -202,9 +202,6 @@ def _experts_missing(config: ModelConfig, strategy: Strategy) -> list[tuple[bool
         (config.moe_layer_freq != 1, f"moe_layer_freq={config.moe_layer_freq} (dense layers among MoE ones)"),
         (strategy.tensor_parallel and config.t > 1 and not moe.grouped(config),
          f"the eager loop's experts under tp (t={config.t})"),
-        (strategy.tensor_parallel and config.t > 1 and bool(config.moe_shared_expert_intermediate_size),
-         f"Qwen2-MoE's shared expert under tp (t={config.t}): transformers' plan leaves it whole on every rank, which"
-         " the model states do not count yet"),
         (config.ep != 1, f"ep={config.ep}"),
         (config.moe_tokens != "balanced", f"moe_tokens {config.moe_tokens} (it walks the balanced bound, kbs/E slots"
                                           " an expert, which the forced balanced router gives)"),

@@ -256,6 +256,8 @@ def test_grouped_mm_every_moment_of_the_block_happens_in_order(one_thread, base,
                                   "moe_ffn_hidden_size": 16, "kv_channels": 12}, "balanced"),
     (GROUPED, "eager", {"t": 4, "num_query_groups": 4, "moe_router_topk": 1, "moe_ffn_hidden_size": 256, "b": 1,
                         "s": 13}, "all-to-one"),
+    # Qwen2-MoE: the plan names no shared expert: whole on every rank
+    (GROUPED | {"moe_shared_expert_intermediate_size": 40}, "eager", {"t": 2, "b": 1, "s": 13}, "all-to-one"),
 ], ids=str)
 def test_under_tp_grouped_mm_experts_of_e_over_t_peak_where_the_timeline_says_with_every_moment_in_order(
     one_thread, base, attention, changes, route
