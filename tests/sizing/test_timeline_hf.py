@@ -132,7 +132,8 @@ def test_the_experts_widest_moment_holds_gate_ups_gradient_three_times_beside_do
 
 
 @pytest.mark.parametrize("changes, named", [
-    ({"moe_shared_expert_intermediate_size": 64, "moe_layer_freq": 2}, "moe_layer_freq=2"),
+    ({"moe_shared_expert_intermediate_size": 64, "moe_layer_freq": 2, "L": 3},
+     "L=3 layers that moe_layer_freq=2 does not divide"),
     ({"moe_tokens": "worst"}, "moe_tokens worst"),
     ({"num_experts": 5}, "k\\*b\\*s=96 slots that E=5 experts do not share evenly"),
     ({"ep": 2}, "ep=2"),
@@ -149,6 +150,13 @@ def test_grouped_mm_walks_slots_its_experts_do_not_share_evenly_as_one_storage_a
     live = {x.name: x.bytes for x in moment.live}
     assert not any(name.endswith("]") for name in live)
     assert live["grad/moe/experts/gate_up dW"] == 2 * 5 * 2 * config.expert_ffn * config.h  # bf16 (E, h, 2e) at once
+
+
+def test_with_decoder_sparse_step_only_every_freq_th_layer_walks_the_sparse_block():
+    """Qwen2-MoE's decoder_sparse_step (moe_layer_freq): layer i is sparse when freq divides i + 1."""
+    config, steps = _timeline(**(MIXTRAL | {"moe_shared_expert_intermediate_size": 64, "moe_layer_freq": 2, "L": 4}))
+    sparse = {m.where.split(".")[2] for m in steps.moments if ".mlp.experts" in m.where}
+    assert sparse == {"1", "3"}
 
 
 def test_experts_under_zero_are_refused_by_name():

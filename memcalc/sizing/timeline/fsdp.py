@@ -79,7 +79,8 @@ def hf_layer(c: ModelConfig, t: int, i: int, reshard: bool) -> Unit:
     q, kv, f = c.a * c.head_dim // t, c.groups * c.head_dim // t, c.ffn // t
     m = f"model.layers.{i}"
     qk = ((f"{m}.self_attn.q_norm", (c.head_dim,)), (f"{m}.self_attn.k_norm", (c.head_dim,))) if c.qk_layernorm else ()
-    mlp = hf_moe_parameters(c, f"{m}.mlp") if c.moe else (
+    sparse = c.moe and (i + 1) % c.moe_layer_freq == 0  # transformers' decoder_sparse_step
+    mlp = hf_moe_parameters(c, f"{m}.mlp") if sparse else (
         (f"{m}.mlp.gate_proj", (f, c.h)), (f"{m}.mlp.up_proj", (f, c.h)), (f"{m}.mlp.down_proj", (c.h, f)))
     return Unit(f"layers.{i}", (
         (f"{m}.self_attn.q_proj", (q, c.h)), (f"{m}.self_attn.k_proj", (kv, c.h)),

@@ -65,13 +65,16 @@ def hf_timeline(config: ModelConfig, strategy: Strategy, accounting: Accounting)
     unpadded = replace(config, make_vocab_size_divisible_by=1)  # transformers does not pad the vocabulary
     (stage,) = stages(config.L, config.pp, config.vpp, config.microbatches)
     kept = tuple((x.tensor, x.bytes) for x in estimated.tensors)
-    return Timeline(estimated.strategy, _moments(unpadded, Sizes.of(unpadded, strategy), kept), stage.name)
+    dense = tuple((x.tensor, x.bytes) for x in estimated.dense)  # a dense layer's, among MoE ones
+    return Timeline(estimated.strategy, _moments(unpadded, Sizes.of(unpadded, strategy), kept, dense), stage.name)
 
 
 @functools.lru_cache(maxsize=2)
-def _moments(config: ModelConfig, z: Sizes, kept: tuple[tuple[ledger.SavedTensor, int], ...]) -> tuple[Moment, ...]:
-    """The step's moments on a rank of these sizes, keeping these of the ledger's tensors (and bytes): two strategies
-    that give a rank the same (none and tp at t = 1) walk the same step, once."""
+def _moments(config: ModelConfig, z: Sizes, kept: tuple[tuple[ledger.SavedTensor, int], ...],
+             dense: tuple[tuple[ledger.SavedTensor, int], ...] = ()) -> tuple[Moment, ...]:
+    """The step's moments on a rank of these sizes, keeping these of the ledger's tensors (and bytes; `dense`, a
+    dense layer's among MoE ones): two strategies that give a rank the same (none and tp at t = 1) walk the same
+    step, once."""
     sharding = Fsdp.of(config, z.t) if config.dp_shard is not None else Zero(config) if config.zero_stage else None
     (stage,) = stages(config.L, config.pp, config.vpp, config.microbatches)
     tape = Tape()
@@ -83,7 +86,7 @@ def _moments(config: ModelConfig, z: Sizes, kept: tuple[tuple[ledger.SavedTensor
         tape.add(f"states/rotary_emb.{name}", PARAMETERS, 4 * (z.d // 2),
                  "LlamaRotaryEmbedding's buffer, fp32 in a bf16 model (an explicit float arange)")
     tape.mark("steady", "", "model states between steps")
-    saved = {x.name: nbytes for x, nbytes in kept}
+    saved = {x.name: nbytes for x, nbytes in (*dense, *kept)}
     hand_over = _hand_over(tape, sharding)
     ends = {x.name: saved[x.name] for x in layer.ROPE} | {
         FINAL_NORM.input_fp32.name: z.tokens(4 * z.h), FINAL_NORM.rstd.name: z.tokens(4),
@@ -92,8 +95,10 @@ def _moments(config: ModelConfig, z: Sizes, kept: tuple[tuple[ledger.SavedTensor
     made, block = (moe.kept_in_forward(tensors, config), moe.block_backward(z, config)) if config.moe \
         else (layer.kept_tensors(tensors), ())
     saved |= moe.expert_bytes(saved, config) if config.moe else {}
+    plain = layer.kept_tensors(tuple(x for x, _ in dense if x not in layer.ROPE))  # a dense layer's among MoE ones
     layers = [(Walk(tape, f"layers.{i}", f"model.layers.{i}", saved, hand_over),
-               _layer(i, z, config, saved, made, block)) for i in range(config.L)]
+               _layer(i, z, config, saved, made, block) if not config.moe or moe.sparse(config, i) else
+               _layer(i, z, config, saved, plain, ())) for i in range(config.L)]
     inputs = (Walk(tape, "", "", ends, hand_over), _embedding(z, config, sharding is not None))
     outputs = (Walk(tape, "", "", ends, hand_over), _output(z, config))
     with bulk():  # an eager MoE walk puts some hundred thousand tensors on the tape
@@ -192,14 +197,16 @@ def _sharding_missing(config: ModelConfig, strategy: Strategy) -> list[tuple[boo
 
 def _experts_missing(config: ModelConfig, strategy: Strategy) -> list[tuple[bool, str]]:
     """What the walk of Mixtral's, Qwen2-MoE's and Qwen3-MoE's blocks (memcalc.sizing.timeline.hf_moe) leaves out:
-    dense layers among them, the eager loop or a shared expert under tp, ep, and any count of tokens per expert but
+    L that decoder_sparse_step does not divide, the eager loop under tp, ep, and any count of tokens per expert but
     the balanced one, kbs/E each (grouped_mm's tensors hold all k*b*s slots whatever the counts; the eager loop's
     are per expert). (Latent attention is refused before.)"""
     if not config.moe:
         return []
     slots = config.moe_router_topk * config.b * config.s
     return [
-        (config.moe_layer_freq != 1, f"moe_layer_freq={config.moe_layer_freq} (dense layers among MoE ones)"),
+        (config.L % config.moe_layer_freq != 0, f"L={config.L} layers that moe_layer_freq={config.moe_layer_freq}"
+                                                 " does not divide (transformers' decoder_sparse_step makes layer i"
+                                                 " sparse when freq divides i + 1; the model states count Megatron's)"),
         (strategy.tensor_parallel and config.t > 1 and not moe.grouped(config),
          f"the eager loop's experts under tp (t={config.t})"),
         (config.ep != 1, f"ep={config.ep}"),

@@ -76,6 +76,12 @@ def expert_bytes(saved: dict[str, int], config: ModelConfig) -> dict[str, int]:
             for e in range(experts)}
 
 
+def sparse(config: ModelConfig, i: int) -> bool:
+    """Whether layer i has the sparse block: every layer of Mixtral's model; Qwen2-MoE's and Qwen3-MoE's when
+    decoder_sparse_step (moe_layer_freq) divides i + 1."""
+    return config.moe and (i + 1) % config.moe_layer_freq == 0
+
+
 def grouped(config: ModelConfig) -> bool:
     """Whether the experts run transformers' default grouped_mm (one storage a row), not the eager loop."""
     return config.experts_implementation == "grouped_mm"

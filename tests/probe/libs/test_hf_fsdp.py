@@ -203,6 +203,7 @@ def test_a_moe_model_sharded_by_fsdp2_peaks_where_the_timeline_says_to_the_byte(
     ({"moe_shared_expert_intermediate_size": 40, "b": 1, "s": 13, "attention": "eager"}, "all-to-one"),
     ({"qk_layernorm": True, "reshard_after_forward": False}, "balanced"),
     ({"experts_implementation": "eager", "moe_shared_expert_intermediate_size": 40}, "balanced"),
+    ({"qk_layernorm": True, "moe_layer_freq": 2, "L": 4}, "all-to-one"),  # dense layers' units among sparse ones
 ], ids=str)
 def test_a_moe_model_sharded_by_fsdp2_has_every_moment_in_order(one_thread, changes, route):
     """The experts' two weights, the router's and the shared expert's each kept as the unsharded .grad to the
