@@ -565,7 +565,8 @@ def measure_step(config: ModelConfig, strategies: list[str], route: str | None =
 
     Every strategy's timeline is made before any step runs, so an unmodelled knob is named at once. `route`
     forces a mixture of experts' router (transformers' Mixtral and Qwen2-MoE, megatron-core's MoELayer): the timeline
-    walks the balanced bound, which only the balanced route pins, or megatron's worst, which all-to-one pins.
+    walks the balanced bound, which only the balanced route pins, or megatron's worst, which all-to-one pins
+    (transformers' grouped_mm experts: any forced route, `_any_route_pinned`).
     """
     if config.impl not in STEP_MODELS:
         raise ConfigError(f"--step runs memcalc's own Megatron-style model, transformers' LlamaForCausalLM with"
@@ -579,11 +580,12 @@ def measure_step(config: ModelConfig, strategies: list[str], route: str | None =
     accounting = Accounting(exact=True, device="cpu")
     planned = [(STRATEGIES[name], timeline(config, check_strategy(config, STRATEGIES[name]), accounting))
                for name in strategies]
-    if config.moe and not (routing_fixed(config, route) or _pins_worst(config, route)):
+    if config.moe and not (routing_fixed(config, route) or _pins_worst(config, route)
+                           or _any_route_pinned(config, route)):
         raise ConfigError(f"--step on a mixture of experts needs --route balanced with moe_tokens balanced (or, with"
                           f" --impl megatron, --route all-to-one with moe_tokens worst; not"
-                          f" {route or 'the real router'}, {config.moe_tokens}): the step timeline walks the bound,"
-                          " which only the forced route pins")
+                          f" {route or 'the real router'}, {config.moe_tokens}; transformers' grouped_mm experts: any"
+                          " forced route): the step timeline walks the bound, which only the forced route pins")
     model = _model(config, route)
     _check_fits(planned)
     out = []
@@ -603,6 +605,13 @@ def _pins_worst(config: ModelConfig, route: str | None) -> bool:
     """Whether the forced all-to-one route pins the worst bound the MoE walk takes: every rank's tokens' k slots on the
     same k experts (megatron's walk, memcalc.sizing.timeline.megatron_moe.expert_slots)."""
     return config.impl == "megatron" and route == "all-to-one" and config.moe_tokens == "worst"
+
+
+def _any_route_pinned(config: ModelConfig, route: str | None) -> bool:
+    """Whether a forced route other than balanced pins the step too: transformers' grouped_mm experts keep all k*b*s
+    slots in one storage a tensor, whatever each expert's count (memcalc.sizing.timeline.hf_moe)."""
+    return (config.impl == "hf" and config.experts_implementation == "grouped_mm" and route is not None
+            and config.moe_tokens == "balanced")
 
 
 # The step trainers of the libraries' own models, by (the model `_trained` names, under FSDP2): module and function,

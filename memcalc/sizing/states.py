@@ -117,11 +117,12 @@ def _experts(c: ModelConfig, t: int) -> int:
 
 def _shared(c: ModelConfig, t: int) -> int:
     """Shared experts: one MLP of width u, split by t as the dense MLP; transformers' Qwen2-MoE gates it with a
-    linear h -> 1 (whole)."""
+    linear h -> 1 (whole), and its tp plan names neither: whole on every rank."""
     if not c.moe_shared_expert_intermediate_size:
         return 0
-    shared = replace(c, ffn_hidden_size=c.moe_shared_expert_intermediate_size)
-    return _fc1(shared, t) + _fc2(shared, t) + (c.h if c.impl == "hf" else 0)
+    shared, hf = replace(c, ffn_hidden_size=c.moe_shared_expert_intermediate_size), c.impl == "hf"
+    split = 1 if hf else t
+    return _fc1(shared, split) + _fc2(shared, split) + (c.h if hf else 0)
 
 
 def _output(c: ModelConfig, t: int) -> int:
@@ -155,7 +156,7 @@ PARAM_GROUPS: tuple[ParamGroup, ...] = (
                " bias an expert)"),
     ParamGroup("moe/experts", "moe", _experts, "E/ep experts a rank, each fc1 and fc2 split by etp = t", expert=True),
     ParamGroup("moe/shared_experts", "moe", _shared, "one MLP of width u on every token, split by t as the dense"
-               " MLP (transformers' Qwen2-MoE adds its whole h -> 1 gate)"),
+               " MLP (transformers' Qwen2-MoE: whole on every rank, as its tp plan names it not, with an h -> 1 gate)"),
     ParamGroup(
         "layer/norms", "layer", lambda c, t: _layer_norm_params(c),
         "two norms per layer (one with single_norm, four with sandwich_norm), and with qk_layernorm the query's and the"

@@ -114,3 +114,12 @@ def test_impl_hf_mixtral_step_needs_the_balanced_route_the_timeline_walks(route)
 def test_route_on_a_step_without_experts_exits_2(config):
     run = memcalc_cli("measure", "--config", config, "--step", "--route", "balanced")
     _one_line_error(run, 2, "--route balanced forces a MoE router: the config has no experts")
+
+
+def test_impl_hf_mixtral_step_on_transformers_default_grouped_mm_takes_the_all_to_one_route():
+    run = memcalc_cli("measure", "--hf-config", "tests/data/hf/mixtral-tiny.json", "--impl", "hf", "--step",
+                      "--strategy", "none", "--route", "all-to-one")
+    assert run.code == 0, run.err
+    for words in ("ran as: transformers' MixtralForCausalLM, router forced all-to-one", "(same moment)",
+                  "match: the peak and every category within 1%"):
+        assert words in run.out, (words, run.out)

@@ -129,6 +129,13 @@ def test_shared_experts_are_split_by_t_as_the_dense_mlp():
     assert params["moe/shared_experts"] == config.L * 3 * 64 * 32 // 2
 
 
+def test_transformers_tp_plan_leaves_qwen2_moes_shared_expert_and_its_gate_whole_on_every_rank():
+    config = build_config(MOE | dict(moe_shared_expert_intermediate_size=32, t=2, impl="hf", mlp="swiglu",
+                                     norm="rmsnorm", position_embedding_type="rope", add_bias_linear=False))
+    params = group_params(config, stages(config.L, 1, None)[0], 2)
+    assert params["moe/shared_experts"] == config.L * (3 * 64 * 32 + 64)
+
+
 def test_the_distributed_optimizer_shards_expert_states_over_the_expert_data_parallel_group():
     """dp=4, ep=2: dense parameters' 12 bytes over 4 ranks, the experts' over t*cp*dp/(ep*etp) = 2."""
     config = build_config(MOE | dict(dp=4, ep=2, distributed_optimizer=True))

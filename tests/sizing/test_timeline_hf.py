@@ -133,20 +133,52 @@ def test_the_experts_widest_moment_holds_gate_ups_gradient_three_times_beside_do
 
 
 @pytest.mark.parametrize("changes, named", [
-    ({"moe_shared_expert_intermediate_size": 64, "moe_layer_freq": 2}, "moe_layer_freq=2"),
+    ({"moe_shared_expert_intermediate_size": 64, "moe_layer_freq": 2, "L": 3},
+     "L=3 layers that moe_layer_freq=2 does not divide"),
     ({"moe_tokens": "worst"}, "moe_tokens worst"),
     ({"num_experts": 5}, "k\\*b\\*s=96 slots that E=5 experts do not share evenly"),
     ({"ep": 2}, "ep=2"),
-    ({"experts_implementation": "grouped_mm"}, "experts_implementation grouped_mm .transformers' default; it walks the"
-                                               " eager loop"),
 ])
 def test_what_the_mixtral_walk_does_not_model_is_refused_by_name(changes, named):
     with pytest.raises(ConfigError, match=f"for impl hf does not model {named}"):
         _timeline(**(MIXTRAL | changes))
 
 
-def test_mixtral_experts_under_tp_are_refused_by_name():
-    with pytest.raises(ConfigError, match="for impl hf does not model experts under tp"):
+def test_grouped_mm_walks_slots_its_experts_do_not_share_evenly_as_one_storage_a_tensor():
+    """grouped_mm keeps all k*b*s slots in one storage a tensor: no per-expert rows, any E."""
+    config, steps = _timeline(**(MIXTRAL | {"experts_implementation": "grouped_mm", "num_experts": 5}))
+    moment = next(m for m in steps.moments if m.what.startswith("gate_up_proj's grouped GEMMs"))
+    live = {x.name: x.bytes for x in moment.live}
+    assert not any(name.endswith("]") for name in live)
+    assert live["grad/moe/experts/gate_up dW"] == 2 * 5 * 2 * config.expert_ffn * config.h  # bf16 (E, h, 2e) at once
+
+
+def test_with_decoder_sparse_step_only_every_freq_th_layer_walks_the_sparse_block():
+    """Qwen2-MoE's decoder_sparse_step (moe_layer_freq): layer i is sparse when freq divides i + 1."""
+    config, steps = _timeline(**(MIXTRAL | {"moe_shared_expert_intermediate_size": 64, "moe_layer_freq": 2, "L": 4}))
+    sparse = {m.where.split(".")[2] for m in steps.moments if ".mlp.experts" in m.where}
+    assert sparse == {"1", "3"}
+
+
+def test_experts_under_zero_are_refused_by_name():
+    with pytest.raises(ConfigError, match="for impl hf does not model zero_stage with experts"):
+        _timeline(**(MIXTRAL | {"zero_stage": 3}))
+
+
+@pytest.mark.parametrize("path", ["grouped_mm", "eager"])
+def test_under_fsdp2_each_expert_weight_is_its_own_unsharded_grad_until_the_reduce_scatter(path):
+    """MixtralExperts hands over two weights' gradients from one module: FSDP2 keeps each as its own .grad."""
+    config, steps = _timeline(**(MIXTRAL | {"experts_implementation": path, "dp_shard": 2}))
+    moment = next(m for m in steps.moments if m.what == "FSDP2's reduce-scatter buffer for layers.1's gradients")
+    live = {x.name: x.bytes for x in moment.live}
+    experts = "fsdp/layers.1 grad model.layers.1.mlp.experts"
+    assert live[f"{experts}.gate_up_proj"] == 2 * 4 * 2 * config.expert_ffn * config.h  # bf16 (E, 2e, h)
+    assert live[f"{experts}.down_proj"] == 2 * 4 * config.h * config.expert_ffn
+    assert live["fsdp/layers.1 grad model.layers.1.mlp.gate"] == 2 * 4 * config.h
+
+
+def test_the_eager_loop_under_tp_is_refused_by_name():
+    with pytest.raises(ConfigError, match="for impl hf does not model the eager loop's experts under tp"):
         _timeline(TP, t=2, **MIXTRAL)
 
 

@@ -123,18 +123,21 @@ class ShardedTrainer:
         self.optimizer.zero_grad(set_to_none=self.set_to_none)
 
 
-def warmed_up_sharded(tp: TensorParallelGroup, config: ModelConfig) -> ShardedTrainer:
+def warmed_up_sharded(tp: TensorParallelGroup, config: ModelConfig, route: str | None = None) -> ShardedTrainer:
     """Rank 0 of dp_replicate*dp_shard*t (the fake group's world): LlamaForCausalLM built in fp32, under tp laid out by
     transformers' tp_plan over the mesh's last dimension, every decoder layer and then the whole model under
     fully_shard (HSDP over the (dp_replicate, dp_shard) dimensions), AdamW over the shards, stepped once (AdamW's
-    moments exist from then on)."""
+    moments exist from then on). With experts, Mixtral's, Qwen2-MoE's or Qwen3-MoE's model, its router forced to
+    `route` (memcalc.probe.libs.hf_step)."""
     replicas, shards = config.dp_replicate or 1, config.dp_shard
     t = tp.size // (replicas * shards)
     if tp.size % (replicas * shards) or t not in (1, config.t):
         raise ProbeError(f"the fake group has {tp.size} ranks, not dp_replicate*dp_shard*t={replicas}*{shards}*"
                          f"{config.t}")
     torch.manual_seed(BATCH_SEED)
-    family = stepped_family(config)  # Llama's, or Qwen3's with qk_layernorm
+    family = stepped_family(config)  # Llama's, Qwen3's with qk_layernorm, or the MoE family's
+    if config.moe and route is None:
+        raise ProbeError("impl hf: --step on experts forces the router (--route balanced or all-to-one)")
     hf_config = llama_config(config, family)
     hf_config.use_cache = False
     model = getattr(transformers, FAMILIES[family].architectures[0])._from_config(hf_config, dtype=torch.float32)
@@ -148,14 +151,16 @@ def warmed_up_sharded(tp: TensorParallelGroup, config: ModelConfig) -> ShardedTr
         fully_shard(layer, mesh=dp, mp_policy=policy, reshard_after_forward=config.reshard_after_forward)
     fully_shard(model, mesh=dp, mp_policy=policy, reshard_after_forward=config.reshard_after_forward)
     trainer = ShardedTrainer(config, model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True),
-                             lambda tokens, labels: model_loss(model, tokens, labels, family))
+                             lambda tokens, labels: model_loss(model, tokens, labels, family, route,
+                                                               config.moe_router_topk if config.moe else 0))
     trainer.step()
     return trainer
 
 
-def measure_hf_fsdp_step_on_rank(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy) -> StepMeasurement:
+def measure_hf_fsdp_step_on_rank(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy,
+                                 route: str | None = None) -> StepMeasurement:
     """One step of the sharded Llama under FSDPMemTracker: the state before it, the peak, and where the peak was."""
-    return measure_sharded(warmed_up_sharded(tp, config), tp, strategy)
+    return measure_sharded(warmed_up_sharded(tp, config, route), tp, strategy)
 
 
 def measure_sharded(trainer: ShardedTrainer, tp: TensorParallelGroup, strategy: Strategy) -> StepMeasurement:

@@ -30,8 +30,8 @@ Phi3ForCausalLM (one qkv_proj, one gate_up_proj). With qk_layernorm it builds Qw
 query and key head RMS-normalised before RoPE); with add_qkv_bias Qwen2ForCausalLM (Llama's layer, q_proj, k_proj
 and v_proj with biases; no sliding window, Qwen2Config's default).
 A config with experts builds MixtralForCausalLM instead (Qwen2MoeForCausalLM with shared experts,
-Qwen3MoeForCausalLM with qk_layernorm): every layer a
-sparse MoE block whose experts run transformers' eager loop, its router forced to the `route` given
+Qwen3MoeForCausalLM with qk_layernorm): every layer a sparse MoE block whose experts run the config's
+experts_implementation (grouped_mm or the eager loop), its router forced to the `route` given
 (memcalc.probe.libs.hf_shim.forced_routing), so the tokens each expert gets are known. No auxiliary loss
 (output_router_logits False, both models' default).
 """

@@ -75,15 +75,31 @@ class Unit:
 def hf_layer(c: ModelConfig, t: int, i: int, reshard: bool) -> Unit:
     """LlamaDecoderLayer's parameters as this rank of t holds them before FSDP2 shards them (transformers' tp_plan:
     q, k, v, gate, up colwise, o and down rowwise, the norms whole): q, k, v, o (Qwen3's: then q_norm, k_norm); gate,
-    up, down; the two norms."""
+    up, down (a sparse MoE block's own, `hf_moe_parameters`); the two norms."""
     q, kv, f = c.a * c.head_dim // t, c.groups * c.head_dim // t, c.ffn // t
     m = f"model.layers.{i}"
     qk = ((f"{m}.self_attn.q_norm", (c.head_dim,)), (f"{m}.self_attn.k_norm", (c.head_dim,))) if c.qk_layernorm else ()
+    sparse = c.moe and (i + 1) % c.moe_layer_freq == 0  # transformers' decoder_sparse_step
+    mlp = hf_moe_parameters(c, f"{m}.mlp") if sparse else (
+        (f"{m}.mlp.gate_proj", (f, c.h)), (f"{m}.mlp.up_proj", (f, c.h)), (f"{m}.mlp.down_proj", (c.h, f)))
     return Unit(f"layers.{i}", (
         (f"{m}.self_attn.q_proj", (q, c.h)), (f"{m}.self_attn.k_proj", (kv, c.h)),
-        (f"{m}.self_attn.v_proj", (kv, c.h)), (f"{m}.self_attn.o_proj", (c.h, q)), *qk,
-        (f"{m}.mlp.gate_proj", (f, c.h)), (f"{m}.mlp.up_proj", (f, c.h)), (f"{m}.mlp.down_proj", (c.h, f)),
+        (f"{m}.self_attn.v_proj", (kv, c.h)), (f"{m}.self_attn.o_proj", (c.h, q)), *qk, *mlp,
         (f"{m}.input_layernorm", (c.h,)), (f"{m}.post_attention_layernorm", (c.h,))), reshard)
+
+
+def hf_moe_parameters(c: ModelConfig, m: str) -> tuple[Param, ...]:
+    """A sparse MoE block's parameters in registration order (t = 1): the router's (E, h) weight and the experts'
+    (E, 2e, h) gate_up_proj and (E, h, e) down_proj (Qwen3-MoE registers its experts first), then Qwen2-MoE's shared
+    expert (gate, up, down) and its (1, h) gate. The experts' two weights are one module's: each is named by its own
+    path (memcalc.sizing.timeline.hf_moe.weight_of)."""
+    router = ((f"{m}.gate", (c.num_experts, c.h)),)
+    experts = ((f"{m}.experts.gate_up_proj", (c.num_experts, 2 * c.expert_ffn, c.h)),
+               (f"{m}.experts.down_proj", (c.num_experts, c.h, c.expert_ffn)))
+    u = c.moe_shared_expert_intermediate_size
+    shared = ((f"{m}.shared_expert.gate_proj", (u, c.h)), (f"{m}.shared_expert.up_proj", (u, c.h)),
+              (f"{m}.shared_expert.down_proj", (c.h, u)), (f"{m}.shared_expert_gate", (1, c.h))) if u else ()
+    return (*experts, *router) if c.qk_layernorm else (*router, *experts, *shared)
 
 
 def hf_root(c: ModelConfig, t: int) -> Unit:

@@ -73,13 +73,16 @@ def hf_timeline(config: ModelConfig, strategy: Strategy, accounting: Accounting)
     unpadded = replace(config, make_vocab_size_divisible_by=1)  # transformers does not pad the vocabulary
     (stage,) = stages(config.L, config.pp, config.vpp, config.microbatches)
     kept = tuple((x.tensor, x.bytes) for x in estimated.tensors)
-    return Timeline(estimated.strategy, _moments(unpadded, Sizes.of(unpadded, strategy), kept), stage.name)
+    dense = tuple((x.tensor, x.bytes) for x in estimated.dense)  # a dense layer's, among MoE ones
+    return Timeline(estimated.strategy, _moments(unpadded, Sizes.of(unpadded, strategy), kept, dense), stage.name)
 
 
 @functools.lru_cache(maxsize=2)
-def _moments(config: ModelConfig, z: Sizes, kept: tuple[tuple[ledger.SavedTensor, int], ...]) -> tuple[Moment, ...]:
-    """The step's moments on a rank of these sizes, keeping these of the ledger's tensors (and bytes): two strategies
-    that give a rank the same (none and tp at t = 1) walk the same step, once."""
+def _moments(config: ModelConfig, z: Sizes, kept: tuple[tuple[ledger.SavedTensor, int], ...],
+             dense: tuple[tuple[ledger.SavedTensor, int], ...] = ()) -> tuple[Moment, ...]:
+    """The step's moments on a rank of these sizes, keeping these of the ledger's tensors (and bytes; `dense`, a
+    dense layer's among MoE ones): two strategies that give a rank the same (none and tp at t = 1) walk the same
+    step, once."""
     sharding = Fsdp.of(config, z.t) if config.dp_shard is not None else Zero(config) if config.zero_stage else None
     (stage,) = stages(config.L, config.pp, config.vpp, config.microbatches)
     tape = Tape()
@@ -94,17 +97,19 @@ def _moments(config: ModelConfig, z: Sizes, kept: tuple[tuple[ledger.SavedTensor
         tape.add("states/embed_tokens.embed_scale", PARAMETERS, z.act, "GemmaTextScaledWordEmbedding's sqrt(h), a 0-d"
                  " buffer that _from_config casts to the weights' dtype (its .to(dtype) in forward is then a no-op)")
     tape.mark("steady", "", "model states between steps")
-    saved = {x.name: nbytes for x, nbytes in kept}
+    saved = {x.name: nbytes for x, nbytes in (*dense, *kept)}
     hand_over = _hand_over(tape, sharding)
     ln1, final = rules.RMS_NORMS[config.norm][0], final_norm(config)  # the final norm's tensors are ln1's sizes
     ends = {x.name: saved[x.name] for x in layer.ROPE} | {ledger.OUTPUT_INPUT.name: z.full(z.h)} | {
         y.name: saved[x.name] for x, y in zip(ln1, final) if x.name in saved}
     tensors = tuple(x for x, _ in kept if x not in layer.ROPE)  # every layer shares one description of these
-    made, block = (moe.kept_in_forward(tensors, config.num_experts), moe.block_backward(z, config)) if config.moe \
+    made, block = (moe.kept_in_forward(tensors, config), moe.block_backward(z, config)) if config.moe \
         else (layer.kept_tensors(tensors), ())
-    saved |= moe.expert_bytes(saved, config.num_experts) if config.moe else {}
+    saved |= moe.expert_bytes(saved, config) if config.moe else {}
+    plain = layer.kept_tensors(tuple(x for x, _ in dense if x not in layer.ROPE))  # a dense layer's among MoE ones
     layers = [(Walk(tape, f"layers.{i}", f"model.layers.{i}", saved, hand_over),
-               _layer(i, z, config, saved, made, block)) for i in range(config.L)]
+               _layer(i, z, config, saved, made, block) if not config.moe or moe.sparse(config, i) else
+               _layer(i, z, config, saved, plain, ())) for i in range(config.L)]
     inputs = (Walk(tape, "", "", ends, hand_over), _embedding(z, config, sharding is not None))
     outputs = (Walk(tape, "", "", ends, hand_over), _output(z, config))
     with bulk():  # an eager MoE walk puts some hundred thousand tensors on the tape
@@ -206,32 +211,33 @@ def _sharding_missing(config: ModelConfig, strategy: Strategy) -> list[tuple[boo
                                  " states)"),
         (config.zero_stage is not None and strategy.tensor_parallel and config.t > 1,
          f"zero_stage={config.zero_stage} under tp (t={config.t}): the Trainer runs DeepSpeed over data parallelism"),
-        (sharded and config.moe, "dp_shard or zero_stage with experts"),
+        (config.zero_stage is not None and config.moe, "zero_stage with experts"),
         (sharded and config.add_qkv_bias, "dp_shard or zero_stage with add_qkv_bias (its walks lay out one gradient a"
                                           " module, the weight's)"),
     ]
 
 
 def _experts_missing(config: ModelConfig, strategy: Strategy) -> list[tuple[bool, str]]:
-    """What the walk of Mixtral's and Qwen2-MoE's blocks (memcalc.sizing.timeline.hf_moe) leaves out: grouped_mm
-    experts (it walks the eager loop), dense layers among them, experts under tp or ep, and any count of tokens per
-    expert but the balanced one, kbs/E each. (Latent attention is refused before.)"""
+    """What the walk of Mixtral's, Qwen2-MoE's and Qwen3-MoE's blocks (memcalc.sizing.timeline.hf_moe) leaves out:
+    L that decoder_sparse_step does not divide, the eager loop under tp, ep, and any count of tokens per expert but
+    the balanced one, kbs/E each (grouped_mm's tensors hold all k*b*s slots whatever the counts; the eager loop's
+    are per expert). (Latent attention is refused before.)"""
     if not config.moe:
         return []
     slots = config.moe_router_topk * config.b * config.s
     return [
-        (config.experts_implementation != "eager", f"experts_implementation {config.experts_implementation}"
-                                                   " (transformers' default; it walks the eager loop: pass"
-                                                   " --experts-implementation eager)"),
-        (config.moe_layer_freq != 1, f"moe_layer_freq={config.moe_layer_freq} (dense layers among MoE ones)"),
-        (strategy.tensor_parallel and config.t > 1, f"experts under tp (t={config.t})"),
+        (config.L % config.moe_layer_freq != 0, f"L={config.L} layers that moe_layer_freq={config.moe_layer_freq}"
+                                                 " does not divide (transformers' decoder_sparse_step makes layer i"
+                                                 " sparse when freq divides i + 1; the model states count Megatron's)"),
+        (strategy.tensor_parallel and config.t > 1 and not moe.grouped(config),
+         f"the eager loop's experts under tp (t={config.t})"),
         (config.ep != 1, f"ep={config.ep}"),
         (config.moe_tokens != "balanced", f"moe_tokens {config.moe_tokens} (it walks the balanced bound, kbs/E slots"
                                           " an expert, which the forced balanced router gives)"),
-        (slots % config.num_experts != 0, f"k*b*s={slots} slots that E={config.num_experts} experts do not share"
-                                          " evenly (balanced routing would give them unequal counts)"),
+        (config.experts_implementation == "eager" and slots % config.num_experts != 0,
+         f"k*b*s={slots} slots that E={config.num_experts} experts do not share evenly in the eager loop (balanced"
+         " routing would give them unequal counts)"),
     ]
-
 
 
 def _hand_over(tape: Tape, sharding: Fsdp | Zero | None) -> HandOver:
@@ -240,7 +246,7 @@ def _hand_over(tape: Tape, sharding: Fsdp | Zero | None) -> HandOver:
     def hand_over(where: str, name: str, nbytes: int) -> None:
         tape.drop(name)
         if sharding is not None:
-            sharding.keep_grad(tape, sharding.block_of(where), where, nbytes)
+            sharding.keep_grad(tape, sharding.block_of(where), moe.weight_of(where, name), nbytes)
     return hand_over
 
 

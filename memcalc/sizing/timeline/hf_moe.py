@@ -1,8 +1,26 @@
-"""transformers' sparse MoE blocks as ops for the hf step walk (`--impl hf`, t = 1): Mixtral's, Qwen2-MoE's (the same
+"""transformers' sparse MoE blocks as ops for the hf step walk (`--impl hf`): Mixtral's, Qwen2-MoE's (the same
 experts beside a gated shared expert, bf16 routing weights) and Qwen3-MoE's (Qwen2-MoE's without the shared expert).
 
-The experts run transformers' eager loop (experts_implementation eager; grouped_mm, its default, is refused). The block
-keeps the hf ledger's tensors (memcalc.model.impls.hf.moe_block), the experts' rows one storage per expert, r = kbs/E
+The router, the shared expert and its gate are one description; the experts run by the config's experts_implementation
+(transformers/integrations/moe.py), both keeping the hf ledger's tensors (memcalc.model.impls.hf.moe_block).
+
+grouped_mm, transformers' default: the k*b*s slots sorted by expert, gathered, two torch._grouped_mm cut at int32
+offsets, the weighted rows put back in slot order and summed over k. Each kept tensor is one storage of all slots,
+whatever each expert's count, so any forced route is exact. Under tp (transformers' plan) each rank runs e/t of every
+expert on all slots, its weights made local tensors as the experts begin: autograd hands their gradients over last.
+Its widest forward moment is the weighted rows twice, in expert and in slot order (`_grouped_forward`). Backward, as autograd orders it (`_grouped`):
+
+    sum over k  in Mixtral's the cast's fp32 dY first; the expanded dY made contiguous, (k*b*s, h)
+    unsort      index's backward: a zero (k*b*s, h) tensor and index_put's, the rows back in expert order
+    product     dY * w, dY * out (Mixtral's fp32, dY * w then cast to bf16), dY * out summed over h
+    down_proj   GroupedMmBackward0 (it saves self, mat2 and offs; MemTracker sees mat2's gradient made first):
+                dW (E, e, h), then dX
+    SwiGLU      the product's two gradients, SiLU's, chunk's concatenation
+    gate_up     as down_proj: dW (E, h, 2e), then dX; the offsets go
+    gathers     index_put's of the sorted weights' gradient (the routing weights'), then of the rows' dX at their
+                tokens, a (b*s, h) tensor that starts (or joins) the block input's gradient
+
+The eager loop (experts_implementation eager): the block keeps the experts' rows one storage per expert, r = kbs/E
 slots each under the balanced bound that `memcalc measure --step --route balanced` forces. Its widest forward moments
 are the last expert's weighted output and the shared expert's sum (`block_forward`). Backward, as autograd orders it:
 
@@ -49,22 +67,50 @@ def per_expert(e: int) -> dict[str, SavedTensor]:
     return {x.name: replace(x, name=f"{x.name}[{e}]") for x in EXPERT_TENSORS}
 
 
-def expert_bytes(saved: dict[str, int], experts: int) -> dict[str, int]:
-    """Each expert's share of the ledger's per-expert rows, by `per_expert` name."""
+def expert_bytes(saved: dict[str, int], config: ModelConfig) -> dict[str, int]:
+    """Each expert's share of the ledger's per-expert rows, by `per_expert` name (the eager loop's only)."""
+    if grouped(config):
+        return {}
+    experts = config.num_experts
     return {per_expert(e)[x.name].name: saved[x.name] // experts for x in EXPERT_TENSORS if x.name in saved
             for e in range(experts)}
 
 
-def kept_in_forward(tensors: tuple[SavedTensor, ...], experts: int) -> Step:
-    """The block's kept tensors made in the loop, the per-expert rows one storage per expert, beside the layer's
-    others; the shared expert's gate comes after the loop (`block_forward`). Named by each layer's walk."""
+def sparse(config: ModelConfig, i: int) -> bool:
+    """Whether layer i has the sparse block: every layer of Mixtral's model; Qwen2-MoE's and Qwen3-MoE's when
+    decoder_sparse_step (moe_layer_freq) divides i + 1."""
+    return config.moe and (i + 1) % config.moe_layer_freq == 0
+
+
+def grouped(config: ModelConfig) -> bool:
+    """Whether the experts run transformers' default grouped_mm (one storage a row), not the eager loop."""
+    return config.experts_implementation == "grouped_mm"
+
+
+def kept_in_forward(tensors: tuple[SavedTensor, ...], config: ModelConfig) -> Step:
+    """The block's kept tensors beside the layer's others, the eager loop's per-expert rows one storage per expert
+    (grouped_mm keeps one of each); the shared expert's gate comes after the experts (`block_forward`). Named by each
+    layer's walk."""
     made: list[Made] = []
+    loop = not grouped(config)
     for x in tensors:
-        if x in EXPERT_TENSORS:
-            made += [Made("", 0, WHY_SAVED, keeps=per_expert(e)[x.name]) for e in range(experts)]
+        if loop and x in EXPERT_TENSORS:
+            made += [Made("", 0, WHY_SAVED, keeps=per_expert(e)[x.name]) for e in range(config.num_experts)]
         elif x != rules.SHARED_GATE_SIGMOID:
             made.append(Made("", 0, WHY_SAVED, keeps=x))
     return Step("the layer's saved tensors", tuple(made), moment=False)
+
+
+STEM = "grad/moe"  # the block's gradients, named for no layer (one block's backward runs at a time)
+
+
+def weight_of(where: str, gradient: str) -> str:
+    """The path of the weight whose gradient (`gradient`, the tape's name) a module hands over: the module's, but
+    for the experts' two weights, which one module (MixtralExperts) hands over, each by its own path
+    (memcalc.sizing.timeline.fsdp keeps each as its unsharded .grad)."""
+    if not where.endswith(".mlp.experts"):
+        return where
+    return f"{where}.{'gate_up_proj' if '/gate_up ' in gradient else 'down_proj'}"
 
 
 def _bf16(config: ModelConfig) -> bool:
@@ -73,36 +119,73 @@ def _bf16(config: ModelConfig) -> bool:
     return rules.EXPERT_WEIGHT_CAST in rules.moe_block(config)
 
 
+def _width(z: Sizes, config: ModelConfig) -> int:
+    """The routing weights' bytes a value, and so their product's: bf16 in Qwen's blocks, fp32 in Mixtral's."""
+    return z.act if _bf16(config) else 4
+
+
 def _slots(config: ModelConfig) -> int:
     """r_e: the slots each expert gets under the balanced bound, kbs/E."""
     return config.moe_router_topk * config.b * config.s // config.num_experts
 
 
 def block_forward(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
-    """The block's widest forward moments, with `{p}/mlp output` (what the block returns) live after them: the last
-    expert's weighted output (every expert's kept tensors beside the router's logits, the top-k weights, the loop's
-    routing mask and experts hit, in Mixtral's its fp32 product: an earlier expert's moments hold fewer, each expert
-    after it keeping 4 r_e h bytes, as much as that product); with a shared expert, then the block's sum."""
-    tokens, k, experts = z.b * z.s, config.moe_router_topk, config.num_experts
+    """The block's widest forward moments, with `{p}/mlp output` (what the block returns) live after them: the experts'
+    (`_loop_forward` or `_grouped_forward`), the router's logits and top-k weights beside them; with a shared expert,
+    then the block's sum."""
     shared = bool(config.moe_shared_expert_intermediate_size)
-    full, m, bf16 = z.full(z.h), f"{p}/moe", _bf16(config)
+    full, m = z.full(z.h), f"{p}/moe"
     out = f"{m}/experts output" if shared else f"{p}/mlp output"
-    loop = Op("mlp.experts", forward=(Step("the last expert's weighted output" + ("" if bf16 else " cast to bf16"), (
-        Made(out, full, "zeros_like(x), the experts' index_add_ target"),
-        Made(f"{m}/router_logits", z.act * tokens * experts, "F.linear's (b*s, E) logits: the block's `_` holds them"),
-        Made(f"{m}/top_k_weights", (z.act if bf16 else 4) * tokens * k, "the top-k weights the experts read"),
+    routed = (
+        Made(f"{m}/router_logits", z.act * z.b * z.s * config.num_experts, "F.linear's (b*s, E) logits: the block's"
+             " `_` holds them"),
+        Made(f"{m}/top_k_weights", (z.act if _bf16(config) else 4) * z.b * z.s * config.moe_router_topk,
+             "the top-k weights the experts read"))
+    experts = (_grouped_forward if grouped(config) else _loop_forward)(m, out, z, config, routed)
+    summed = Op("mlp", forward=(Step("the experts' and the gated shared expert's outputs summed", (
+        kept(p, rules.SHARED_GATE_SIGMOID), Made(f"{m}/shared gated", full, "sigmoid(gate(x)) * shared_expert(x)"),
+        Made(f"{p}/mlp output", full, "the experts' and the gated shared expert's outputs summed")),
+        frees=(out, f"{m}/shared gated")),), backward=())
+    done = Op("mlp", forward=(Step("", frees=(f"{m}/router_logits", f"{m}/top_k_weights")),), backward=())
+    return (experts, *((summed,) if shared else ()), done)
+
+
+def _loop_forward(m: str, out: str, z: Sizes, config: ModelConfig, routed: tuple[Made, ...]) -> Op:
+    """The eager loop's widest moment, the last expert's weighted output: every expert's kept tensors beside the
+    router's outputs, the loop's routing mask and experts hit, in Mixtral's its fp32 product (an earlier expert's
+    moments hold fewer, each expert after it keeping 4 r_e h bytes, as much as that product)."""
+    tokens, k, experts, bf16 = z.b * z.s, config.moe_router_topk, config.num_experts, _bf16(config)
+    return Op("mlp.experts", forward=(Step("the last expert's weighted output" + ("" if bf16 else " cast to bf16"), (
+        Made(out, z.full(z.h), "zeros_like(x), the experts' index_add_ target"), *routed,
         Made(f"{m}/expert_mask", 8 * tokens * k * (experts + 1), "one_hot(top_k_index, E + 1): (b*s, k, E + 1) int64"),
         Made(f"{m}/expert_hit", 8 * experts, "nonzero(the mask's sums): the E experts hit, (E, 1) int64"),
         # Qwen's weights are bf16 already: the product is the kept bf16 output itself
         *(() if bf16 else (Made(f"{m}/weighted fp32", 4 * _slots(config) * z.h, "expert output * its fp32 routing"
                                   " weight, (r_e, h); the loop's variable holds it until the loop returns"),))),
         frees=(f"{m}/expert_mask", f"{m}/expert_hit", f"{m}/weighted fp32")),), backward=())
-    summed = Op("mlp", forward=(Step("the experts' and the gated shared expert's outputs summed", (
-        kept(p, rules.SHARED_GATE_SIGMOID), Made(f"{m}/shared gated", full, "sigmoid(gate(x)) * shared_expert(x)"),
-        Made(f"{p}/mlp output", full, "the experts' and the gated shared expert's outputs summed")),
-        frees=(out, f"{m}/shared gated")),), backward=())
-    done = Op("mlp", forward=(Step("", frees=(f"{m}/router_logits", f"{m}/top_k_weights")),), backward=())
-    return (loop, *((summed,) if shared else ()), done)
+
+
+def _grouped_forward(m: str, out: str, z: Sizes, config: ModelConfig, routed: tuple[Made, ...]) -> Op:
+    """grouped_mm's widest moments, every kept tensor made: the weighted rows put back in slot order (beside the
+    router's outputs, the sort's values, histc's input and counts and the weighted rows in expert order; the arange that
+    inverted the permutation is gone), then their sum over each token's k slots, in Mixtral's fp32 then cast to bf16."""
+    r, width, bf16 = config.moe_router_topk * z.b * z.s, _width(z, config), _bf16(config)
+    temporaries = (f"{m}/slot order", f"{m}/sorted expert ids", f"{m}/histc input", f"{m}/tokens per expert")
+    summed = out if bf16 else f"{m}/summed fp32"
+    return Op("mlp.experts", forward=(
+        Step("the weighted rows put back in slot order", (
+            *routed,
+            Made(f"{m}/sorted expert ids", 8 * r, "torch.sort's values, each sorted slot's expert: (k*b*s,) int64"),
+            Made(f"{m}/histc input", 4 * r, "the sorted ids as fp32 (histc takes no integers on the CPU)"),
+            Made(f"{m}/tokens per expert", 4 * config.num_experts, "histc's (E,) fp32 counts"),
+            Made(f"{m}/weighted", width * r * z.h, "down_proj's rows * their routing weights, in expert order"),
+            Made(f"{m}/slot order", width * r * z.h, "weighted_out[inv_perm]: the rows in slot order")),
+            frees=(f"{m}/weighted",)),
+        Step("the rows summed over each token's k slots", (Made(summed, width * z.b * z.s * z.h, "view(b*s, k, h)"
+                                                                 ".sum(1)"),), frees=temporaries if bf16 else ()),
+        *(() if bf16 else (Step("the sum cast to bf16", (Made(out, z.full(z.h), ".to(hidden_states.dtype)"),),
+                                frees=(summed, *temporaries)),)),
+    ), backward=())
 
 
 @dataclass
@@ -127,17 +210,20 @@ class _Sums:
                      frees=(before, new), moment=bool(what)),)
 
 
-OUTPUT_GRAD = "grad/moe/ln2 output"  # the block input's gradient, every path's summed, which ln2's backward reads
+OUTPUT_GRAD = f"{STEM}/ln2 output"  # the block input's gradient, every path's summed, which ln2's backward reads
 
 
 def block_backward(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     """The block's ops in forward order, one description for every layer (their gradients are named for no layer: one
     block's backward runs at a time). Autograd runs them in reverse: the shared expert's gate, each expert, the last
     first, the router, the shared expert; `OUTPUT_GRAD` is every path's input gradient summed."""
-    shared, sums = bool(config.moe_shared_expert_intermediate_size), _Sums("grad/moe")
+    shared, sums = bool(config.moe_shared_expert_intermediate_size), _Sums(STEM)
     ran = [*(_shared_gate(z, sums) if shared else ())]  # in the order autograd runs them
-    for e in reversed(range(config.num_experts)):
-        ran += _expert(z, config, e, sums)
+    if grouped(config):
+        ran += _grouped(z, config, sums)
+    else:
+        for e in reversed(range(config.num_experts)):
+            ran += _expert(z, config, e, sums)
     ran += _router(z, config, sums, final=not shared)
     if shared:
         ran += _shared_expert(z, config, sums)
@@ -208,6 +294,69 @@ def _expert(z: Sizes, config: ModelConfig, e: int, sums: _Sums) -> list[Op]:
         frees=(f"{g}/input zeros", f"{g}/gate_up dX"), moment=False, returns=True),
         sums.add("block input", f"{g}/input put", z.full(z.h)))
     return [combine, product, down, swiglu, gate_up, gather]
+
+
+def _grouped(z: Sizes, config: ModelConfig, sums: _Sums) -> list[Op]:
+    """grouped_mm's ops, as autograd runs them: the sum over k (in Mixtral's after the cast's), the unpermuting
+    index, the routing weight's product, down_proj's grouped GEMMs (torch._grouped_mm's backward: dW, then dX),
+    SwiGLU, gate_up_proj's, then the two gathers' index_put: the sorted weights' gradient back at their slots, the
+    rows' dX summed at their tokens."""
+    g, f, experts = f"{sums.stem}/experts", config.expert_ffn // z.t, config.num_experts
+    r = config.moe_router_topk * z.b * z.s
+    act, width, bf16, h = z.act, _width(z, config), _bf16(config), z.h
+    tp = z.t > 1  # this rank's e/t of each expert, local tensors: the weights' gradients handed over at the end
+    combine = _op("mlp.experts", (), *(() if bf16 else (Step("the cast's backward: dY in fp32", (
+        Made(f"{g}/dY fp32", z.tokens(4 * h), "the block's dY cast to the sum's fp32"),)),)),
+        Step("sum's and view's backward: dY repeated at each token's k slots", (
+            Made(f"{g}/slot rows", width * r * h, "the expanded dY made contiguous, (k*b*s, h)"),),
+            frees=(f"{g}/dY fp32",)))
+    unsort = _op("mlp.experts", (rules.UNSORTED_SLOTS,), Step("indexing's backward: the rows back in expert order", (
+        Made(f"{g}/rows zeros", width * r * h, "a zero (k*b*s, h) tensor"),
+        Made(f"{g}/sorted rows", width * r * h, "index_put's: the rows at the permutation")),
+        frees=(f"{g}/slot rows", f"{g}/rows zeros")))
+    down_dy = f"{g}/down dY"
+    product = _op("mlp.experts", (rules.EXPERT_OUT, rules.EXPERT_WEIGHT_CAST if bf16 else rules.EXPERT_WEIGHT),
+        Step("the routing weight's product: dY * w", (Made(down_dy if bf16 else f"{g}/down dY fp32", width * r * h,
+                                                           "dY * w, down_proj's output gradient"),)),
+        Step("the routing weight's product: dY * out", (Made(f"{g}/weights dw rows", width * r * h,
+                                                             "dY * out, before the sum over h"),)),
+        *(() if bf16 else (Step("dY * w cast to bf16", (Made(down_dy, act * r * h, "down_proj's output gradient"),),
+                                frees=(f"{g}/down dY fp32",)),)),
+        Step("dY * out summed over h", (Made(f"{g}/weights dw", width * r, "one value per slot, (k*b*s, 1)"),),
+             frees=(f"{g}/sorted rows", f"{g}/weights dw rows")))
+    down = _op("mlp.experts", (ledger.EXPERT_FC2_IN,), Step("down_proj's grouped GEMMs: dW, then dX", (
+        Made(f"{g}/down dW", act * experts * f * h, WHY_WGRAD), Made(f"{g}/down dX", act * r * f, "(k*b*s, e)")),
+        frees=(down_dy,), hands_over=() if tp else (f"{g}/down dW",)))
+    product_swiglu = _op("mlp.experts", (ledger.EXPERT_UP, ledger.EXPERT_SILU_OUT),
+                         Step("SiLU(gate) * up's backward: dY * SiLU(gate)", (Made(f"{g}/up", act * r * f, "up's"),)),
+                         Step("SiLU(gate) * up's backward: dY * up", (Made(f"{g}/silu", act * r * f, "SiLU's"),),
+                              frees=(f"{g}/down dX",)))
+    # SiLU's backward: its node still holds gate, and with it gate_up's (r, 2e) storage, whose up half the walk has
+    # let go with the product's node: no moment
+    silu = _op("mlp.experts.act_fn", (ledger.EXPERT_GATE,), Step("SiLU's backward", (
+        Made(f"{g}/gate", act * r * f, "at its kept input"),), frees=(f"{g}/silu",), moment=False))
+    chunk = _op("mlp.experts", (), Step("chunk's backward: gate's and up's gradients concatenated", (
+        Made(f"{g}/gate_up dY", act * r * 2 * f, "(k*b*s, 2e)"),), frees=(f"{g}/gate", f"{g}/up")))
+    gate_up = _op("mlp.experts", (ledger.EXPERT_IN, rules.EXPERT_OFFSETS), Step(
+        "gate_up_proj's grouped GEMMs: dW, then dX", (
+            Made(f"{g}/gate_up dW", act * experts * 2 * f * h, WHY_WGRAD), Made(f"{g}/gate_up dX", act * r * h,
+                                                                                "(k*b*s, h)")),
+        frees=(f"{g}/gate_up dY",), hands_over=() if tp else (f"{g}/gate_up dW",)))
+    weights = _op("mlp.experts", (rules.SORTED_SLOTS,), Step("indexing's backward: the weights' gradient in slots", (
+        Made(f"{g}/weights zeros", width * r, "a zero (k*b*s,) tensor"),
+        Made(f"{g}/weights put", width * r, "index_put's: the routing weights' gradient")),
+        frees=(f"{g}/weights zeros", f"{g}/weights dw"), moment=False), sums.add("routing weights",
+                                                                                 f"{g}/weights put", width * r))
+    gather = _op("mlp.experts", (rules.TOKEN_INDICES,), Step("indexing's backward: the rows' dX summed per token", (
+        Made(f"{g}/input zeros", z.full(h), "a zero (b*s, h) tensor"), Made(f"{g}/input put", z.full(h),
+                                                                            "index_put's, accumulated")),
+        frees=(f"{g}/input zeros", f"{g}/gate_up dX"), returns=True),
+        sums.add("block input", f"{g}/input put", z.full(h)))
+    # under tp the plan's hook made the weights local (to_local) as the experts began: autograd runs those last, the
+    # down_proj's first, each handing its DTensor weight the gradient
+    local = [_op("mlp.experts", (), Step("", hands_over=(f"{g}/{proj} dW",))) for proj in ("down", "gate_up")]
+    ran = [combine, unsort, product, down, product_swiglu, silu, chunk, gate_up, weights, gather]
+    return ran + local if tp else ran
 
 
 def _router(z: Sizes, config: ModelConfig, sums: _Sums, final: bool) -> list[Op]:

@@ -2,7 +2,8 @@
 bf16 parameters, fp32 reduce) over dp_shard = 2, 4 and 8 ranks of the fake group, with and without
 reshard_after_forward, under torch's FSDPMemTracker, against the hf step timeline with FSDP2's ops: the peak, each
 category at it and the state between steps to the byte, the peak's moment, every moment in order, and
-`estimate --totals --json`'s peak."""
+`estimate --totals --json`'s peak. Mixtral, Qwen2-MoE and Qwen3-MoE too, their experts by grouped_mm (the router
+forced balanced or all-to-one) and by the eager loop (balanced)."""
 
 import json
 
@@ -72,10 +73,11 @@ def test_every_moment_the_fsdp_walk_names_happens_in_order_in_its_module_with_it
     assert_moments_in_order(predicted.moments[1:], _readings(config))  # [0]: before the step
 
 
-def _readings(config):
-    """FSDPMemTracker's reading after every op of one step, on rank 0 of dp_replicate*dp_shard*t."""
+def _readings(config, route=None):
+    """FSDPMemTracker's reading after every op of one step, on rank 0 of dp_replicate*dp_shard*t (with experts, the
+    router forced to `route`)."""
     def on_rank(tp):
-        trainer = warmed_up_sharded(tp, config)
+        trainer = warmed_up_sharded(tp, config, route)
         tracker = reading_every_op(FsdpMomentTracker, fsdp_categories)(trainer.model, trainer.optimizer)
         tracker.readings = []
         with tracker:
@@ -176,3 +178,45 @@ def test_attention_dropout_under_fsdp2_happens_in_order_and_peaks_where_the_walk
     assert_moments_in_order(predicted.moments[1:], _readings(config))
     (r,) = measure_step(config, ["none"])
     assert r.matches and r.measured.moment == r.predicted_moment, r.differences()
+
+
+# -- transformers' MoE models (grouped_mm, its default experts, and the loop), each layer's unit holding them all ----
+
+MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 48, "experts_implementation": "grouped_mm",
+       "dp_shard": 2}
+MOE_STEPS = [
+    ({}, "balanced"),  # layer 0 gathered again in backward
+    ({"s": 64, "moe_router_topk": 4, "moe_ffn_hidden_size": 128, "vocab_size": 16}, "all-to-one"),  # dY * w, backward
+    ({"s": 64, "vocab_size": 16, "reshard_after_forward": False}, "balanced"),  # the rows in slot order, forward
+    # Qwen2-MoE: the shared expert and its (1, h) gate, dim 0 padded to dp_shard
+    ({"moe_shared_expert_intermediate_size": 40, "num_experts": 3, "b": 1, "s": 7, "dp_shard": 4}, "all-to-one"),
+    ({"qk_layernorm": True, "reduce_dtype": "bf16", "b": 3, "s": 5}, "all-to-one"),  # Qwen3-MoE: experts before gate
+    ({"experts_implementation": "eager"}, "balanced"),  # the loop: each expert's weight gradients summed
+]
+
+
+def test_the_moe_sizes_put_the_peak_in_three_different_places_two_inside_the_experts():
+    moments = {timeline(make_config(LLAMA, **(MOE | c)), STRATEGIES["none"], Accounting(exact=True, device="cpu"))
+               .peak.label() for c, _ in MOE_STEPS[:3]}
+    assert len(moments) == 3 and len([m for m in moments if ".mlp.experts" in m]) == 2, moments
+
+
+@pytest.mark.parametrize("changes, route", MOE_STEPS, ids=str)
+def test_a_moe_model_sharded_by_fsdp2_peaks_where_the_timeline_says_to_the_byte(one_thread, changes, route):
+    (r,) = measure_step(make_config(LLAMA, **(MOE | changes)), ["none"], route=route)
+    assert r.matches and r.moment_matches, r.differences()
+
+
+@pytest.mark.parametrize("changes, route", [
+    ({}, "balanced"),
+    ({"moe_shared_expert_intermediate_size": 40, "b": 1, "s": 13, "attention": "eager"}, "all-to-one"),
+    ({"qk_layernorm": True, "reshard_after_forward": False}, "balanced"),
+    ({"experts_implementation": "eager", "moe_shared_expert_intermediate_size": 40}, "balanced"),
+    ({"qk_layernorm": True, "moe_layer_freq": 2, "L": 4}, "all-to-one"),  # dense layers' units among sparse ones
+], ids=str)
+def test_a_moe_model_sharded_by_fsdp2_has_every_moment_in_order(one_thread, changes, route):
+    """The experts' two weights, the router's and the shared expert's each kept as the unsharded .grad to the
+    layer's reduce-scatter, beside the grouped_mm block's moments."""
+    config = make_config(LLAMA, **(MOE | changes))
+    predicted = timeline(config, STRATEGIES["none"], Accounting(exact=True, device="cpu"))
+    assert_moments_in_order(predicted.moments[1:], _readings(config, route))

@@ -195,10 +195,87 @@ def test_a_mixtral_step_is_measured_only_under_the_balanced_route_the_timeline_w
         measure_step(make_config(LLAMA, attention="flash", **MIXTRAL), ["none"], route=route)
 
 
-def test_the_step_timeline_refuses_transformers_default_grouped_mm_experts_in_one_line():
-    grouped = MIXTRAL | {"experts_implementation": "grouped_mm"}
-    with pytest.raises(ConfigError, match="does not model experts_implementation grouped_mm .transformers' default"):
-        measure_step(make_config(LLAMA, attention="flash", **grouped), ["none"], route="balanced")
+# -- transformers' default grouped_mm experts: the slots sorted by expert, two torch._grouped_mm ------------------------
+
+GROUPED = MIXTRAL | {"experts_implementation": "grouped_mm"}
+QWEN3_MOE_GROUPED = GROUPED | {"qk_layernorm": True}
+GROUPED_MOMENTS = [
+    ("MixtralForCausalLM", GROUPED, "flash", {}),  # backward: dY * w cast to bf16 beside its fp32 products
+    ("MixtralForCausalLM", GROUPED, "eager", {"moe_router_topk": 1, "b": 1, "s": 13}),  # gate_up_proj's dW and dX
+    ("MixtralForCausalLM", GROUPED, "flash", {"moe_ffn_hidden_size": 256, "moe_router_topk": 4}),  # down_proj's
+    # forward: the weighted rows twice, in expert and in slot order
+    ("Qwen2MoeForCausalLM", GROUPED | {"moe_shared_expert_intermediate_size": 8}, "flash", {
+        "num_experts": 16, "moe_router_topk": 4, "moe_ffn_hidden_size": 8, "s": 96, "h": 16, "a": 2,
+        "num_query_groups": 1, "vocab_size": 20}),
+    ("Qwen3MoeForCausalLM", QWEN3_MOE_GROUPED, "flash", {"b": 3, "s": 5, "num_experts": 8, "moe_router_topk": 3,
+                                                         "moe_ffn_hidden_size": 16, "kv_channels": 12}),
+]
+
+
+def test_grouped_mm_sizes_put_the_peak_in_four_different_places_of_the_experts():
+    moments = [timeline(make_config(LLAMA, attention=a, **(base | c)), STRATEGIES["none"], CPU).peak
+               for _, base, a, c in GROUPED_MOMENTS]
+    assert len({m.label() for m in moments}) == 4 and {m.where for m in moments} == {"model.layers.1.mlp.experts"}
+    assert [m.phase for m in moments] == ["backward"] * 3 + ["forward", "backward"]
+
+
+@pytest.mark.parametrize("route", ["balanced", "all-to-one"])
+@pytest.mark.parametrize("model, base, attention, changes", GROUPED_MOMENTS, ids=str)
+def test_a_grouped_mm_moe_model_peaks_where_the_timeline_says_to_the_byte_under_either_forced_route(
+    one_thread, model, base, attention, changes, route
+):
+    """grouped_mm's tensors hold all k*b*s slots whatever each expert's count: every expert's or the first k's."""
+    (r,) = measure_step(make_config(LLAMA, attention=attention, **(base | changes)), ["none"], route=route)
+    assert r.measured.moment == r.predicted_moment
+    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+    assert r.model == f"transformers' {model}, router forced {route}"
+
+
+@pytest.mark.parametrize("base, attention, changes, route", [
+    (GROUPED, "flash", {}, "balanced"),
+    (GROUPED, "flash", {"moe_router_topk": 1, "b": 1, "s": 13}, "all-to-one"),
+    # fourteen slots that three experts do not share evenly: grouped_mm does not mind
+    (GROUPED | {"moe_shared_expert_intermediate_size": 40}, "eager", {
+        "num_experts": 3, "moe_ffn_hidden_size": 24, "b": 1, "s": 7}, "all-to-one"),
+    (QWEN3_MOE_GROUPED, "flash", {"b": 3, "s": 5, "num_experts": 8, "moe_router_topk": 3, "moe_ffn_hidden_size": 16,
+                                  "kv_channels": 12}, "balanced"),
+    (GROUPED, "eager", {"num_experts": 2, "moe_router_topk": 1, "moe_ffn_hidden_size": 8, "h": 128, "b": 3, "s": 11,
+                        "dtype": "fp16"}, "balanced"),
+    # decoder_sparse_step 2: dense layers among the sparse ones (layer i sparse when 2 divides i + 1)
+    (GROUPED | {"moe_shared_expert_intermediate_size": 64}, "flash", {"moe_layer_freq": 2}, "balanced"),
+    (QWEN3_MOE_GROUPED, "eager", {"moe_layer_freq": 2, "L": 4, "b": 1, "s": 13}, "all-to-one"),
+], ids=str)
+def test_grouped_mm_every_moment_of_the_block_happens_in_order(one_thread, base, attention, changes, route):
+    """The rows put back in slot order and their sum in forward; in backward the sum's, the unpermuting index's, the
+    routing weight's product, both grouped GEMMs (dW, then dX), SwiGLU's and chunk's, the gather's: MemTracker's
+    reading after some op, in the named module, in order."""
+    config = make_config(LLAMA, attention=attention, **(base | changes))
+    readings = readings_after_every_op(warmed_up(single(), config, STRATEGIES["none"], route))
+    assert_moments_in_order(timeline(config, STRATEGIES["none"], CPU).moments[1:], readings)
+
+
+@pytest.mark.parametrize("base, attention, changes, route", [
+    (GROUPED, "flash", {"t": 2}, "balanced"),
+    (QWEN3_MOE_GROUPED, "flash", {"t": 2, "b": 3, "s": 5, "num_experts": 8, "moe_router_topk": 3,
+                                  "moe_ffn_hidden_size": 16, "kv_channels": 12}, "balanced"),
+    (GROUPED, "eager", {"t": 4, "num_query_groups": 4, "moe_router_topk": 1, "moe_ffn_hidden_size": 256, "b": 1,
+                        "s": 13}, "all-to-one"),
+    # Qwen2-MoE: the plan names no shared expert: whole on every rank
+    (GROUPED | {"moe_shared_expert_intermediate_size": 40}, "eager", {"t": 2, "b": 1, "s": 13}, "all-to-one"),
+], ids=str)
+def test_under_tp_grouped_mm_experts_of_e_over_t_peak_where_the_timeline_says_with_every_moment_in_order(
+    one_thread, base, attention, changes, route
+):
+    """transformers' plan gives each rank e/t of every expert, local tensors from the experts' start: their weights'
+    gradients are handed over when the experts' backward ends, the input's and routing weights' all-reduced in
+    place."""
+    config = make_config(LLAMA, attention=attention, **(base | changes))
+    readings = run_fake(lambda group: readings_after_every_op(warmed_up(group, config, STRATEGIES["tp"], route)), (),
+                        config.t)
+    assert_moments_in_order(timeline(config, STRATEGIES["tp"], CPU).moments[1:], readings)
+    (r,) = measure_step(config, ["tp"], route=route)
+    assert r.measured.moment == r.predicted_moment
+    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
 
 
 # -- transformers' Qwen2MoeForCausalLM: Mixtral's experts (bf16 routing weights) beside a gated shared expert ----------
