@@ -164,3 +164,25 @@ def test_on_cuda_the_walk_refuses_what_it_has_not_described():
     """CUDA runs flex attention and the fused rms_norm kernel: other tensors, another backward."""
     with pytest.raises(ConfigError, match="device cuda"):
         timeline(_config(), STRATEGIES["none"], Accounting(exact=True, device="cuda"))
+
+
+# -- with experts: its Qwen3 MoE decoder layers in the Llama3Model, the router forced ------------------------------
+
+MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 24, "moe_tokens": "balanced"}
+
+
+@pytest.mark.parametrize("route, expected", [("balanced", [24, 24, 24, 24]), ("all-to-one", [48, 48, 0, 0])])
+def test_with_experts_the_step_trains_its_moe_layers_on_the_forced_route(one_thread, route, expected):
+    """Every layer is torchtitan's MoE (GroupedExperts behind its TokenChoiceTopKRouter), and the router takes the
+    route forced: each expert's count of the step's k*b*s = 96 slots, as its MoE tallies them."""
+    trainer = warmed_up(single(), _config(**MOE), STRATEGIES["none"], route=route)
+    trainer.step()
+    for layer in trainer.model.layers.values():
+        assert layer.moe.tokens_per_expert_E.tolist() == [2 * x for x in expected]  # the warm-up's and the step's
+
+
+def test_with_experts_the_step_needs_a_forced_route():
+    from memcalc.errors import ProbeError
+
+    with pytest.raises(ProbeError, match="forces the router"):
+        warmed_up(single(), _config(**MOE), STRATEGIES["none"])
