@@ -611,10 +611,13 @@ def _step_runner(impl: str, sharded: bool = False) -> Callable[[TensorParallelGr
 
 def _model(config: ModelConfig, route: str | None) -> str:
     """The model the step trains, in words: with experts or a QK norm transformers' model of the family that runs the
-    knobs (Mixtral, Qwen2-MoE, Qwen3, Qwen3-MoE: memcalc.probe.libs.hf_step), its router forced."""
+    knobs (Mixtral, Qwen2-MoE, Qwen3, Qwen3-MoE: memcalc.probe.libs.hf_step), its router forced; torchtitan's
+    Llama3Model with its Qwen3 MoE layers (memcalc.probe.libs.torchtitan_step)."""
+    forced = f", router forced {route}" if config.moe else ""
+    if config.impl == "torchtitan" and config.moe:
+        return f"{STEP_MODELS[config.impl]} with its Qwen3 MoE layers{forced}"
     family = family_of(config) if config.impl == "hf" and (config.moe or config.qk_layernorm) else None
-    return STEP_MODELS[config.impl] if family is None else f"transformers' {family.architectures[0]}" + (
-        f", router forced {route}" if config.moe else "")
+    return STEP_MODELS[config.impl] if family is None else f"transformers' {family.architectures[0]}{forced}"
 
 
 def _check_fits(planned: list[tuple[Strategy, Timeline]]) -> None:

@@ -209,9 +209,10 @@ def _refuse_other_layers(config: ModelConfig) -> None:
     if per_stage > MAX_WALKED_LAYERS:
         raise ConfigError(f"the step timeline walks a stage's layers one by one, at most {MAX_WALKED_LAYERS}:"
                           f" L/pp = {config.L}/{config.pp} is {per_stage}")
-    if config.moe and config.impl != "hf":  # transformers' MoE blocks: the hf walk's check_modelled says which
+    if config.moe and config.impl not in ("hf", "torchtitan"):  # those walks' check_modelled say which they walk
         raise ConfigError("the step timeline does not model a mixture of experts (num_experts) yet: it walks dense"
-                          " MLPs (with --impl hf, transformers' Mixtral and Qwen2-MoE)")
+                          " MLPs (with --impl hf, transformers' Mixtral and Qwen2-MoE; with --impl torchtitan, its"
+                          " MoE layers)")
     if config.kv_lora_rank is not None:
         raise ConfigError("the step timeline does not model latent attention (kv_lora_rank) yet")
     if config.head_dim_set and config.impl != "hf":  # transformers' heads of head_dim: the hf walk's

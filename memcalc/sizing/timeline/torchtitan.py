@@ -75,6 +75,7 @@ from memcalc.sizing.pipeline import stages
 from memcalc.sizing.timeline.ends import model_states
 from memcalc.sizing.timeline.fsdp import OUTPUT, Fsdp, torchtitan_block
 from memcalc.sizing.timeline.tape import ACTIVATIONS, PARAMETERS, TEMPORARIES, Sizes, Tape, Timeline, prod
+from memcalc.sizing.timeline.torchtitan_moe import moe_ops
 from memcalc.sizing.timeline.walk import Checkpoint, Made, Op, Step, Walk, kept, kept_name
 from memcalc.sizing.totals import end_sizes
 
@@ -97,6 +98,9 @@ def torchtitan_timeline(config: ModelConfig, strategy: Strategy, accounting: Acc
         fsdp.states(tape)
     tape.add("states/rope caches", PARAMETERS, config.L * 8 * config.s * (z.d // 2),
              "each block's ComplexRoPE keeps its own complex64 (s, d/2) table, a buffer")
+    if config.moe:
+        tape.add("states/moe buffers", PARAMETERS, config.moe_layers * 2 * 4 * config.num_experts,
+                 "each MoE keeps two fp32 (E,) buffers: expert_bias_E and tokens_per_expert_E")
     tape.mark("steady", "", "model states between steps")
     saved = {x.tensor.name: x.bytes for x in every.tensors}
     end = _end_bytes(unpadded, strategy, accounting)
@@ -108,7 +112,7 @@ def torchtitan_timeline(config: ModelConfig, strategy: Strategy, accounting: Acc
         Segment("tok_embeddings", "tok_embeddings", Walk(tape, "", "", end, hand_over), (lookup,)),
         *(Segment(f"layers.{i}", f"layers.{i}", Walk(tape, f"layers.{i}", torchtitan_block(i, config), saved, hand_over,
                                                       block_checkpoint(i, config, accounting, z)),
-                  block_ops(i, z)) for i in range(config.L)),
+                  block_ops(i, z, config)) for i in range(config.L)),
         Segment(OUTPUT, "norm", Walk(tape, "", "", end, hand_over), tuple(norm)),
         Segment(OUTPUT, "lm_head", Walk(tape, "", "", end, hand_over), (lm_head,)),
         Segment(None, "", Walk(tape, "", "", end, hand_over), (loss,)),
@@ -139,7 +143,7 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
                                                         " carries a Partial gradient through the norms' backward;"
                                                         " tp-sp, torchtitan's default, is modelled)"),
         (config.reduce_dtype != "fp32", f"reduce_dtype {config.reduce_dtype} (torchtitan reduces in float32 only)"),
-        (config.moe, "a mixture of experts (num_experts)"),
+        *moe_refusals(config),
         (config.tie_embeddings, "tie_embeddings (Llama3 unties them; set tie_embeddings false)"),
         (config.position_embedding_type != "rope", f"position_embedding_type {config.position_embedding_type}"
                                                    " (Llama3 rotates q and k: set rope)"),
@@ -152,6 +156,19 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
     for absent, what in missing:
         if absent:
             raise ConfigError(f"the step timeline for impl torchtitan does not model {what} yet")
+
+
+def moe_refusals(config: ModelConfig) -> tuple[tuple[bool, str], ...]:
+    """What the walk does not model of torchtitan's MoE layers yet, each with its words."""
+    if not config.moe:
+        return ()
+    return (
+        (config.moe_layer_freq != 1 or bool(config.moe_first_dense_layers), "a mix of dense and MoE layers"
+                                                                             " (moe_layer_freq, moe_first_dense_layers)"),
+        (bool(config.moe_shared_expert_intermediate_size), "shared experts (moe_shared_expert_intermediate_size)"),
+        (config.recompute != "none", f"recompute {config.recompute} with experts"),
+        (config.dp_shard is not None, "dp_shard with experts"),
+    )
 
 
 def block_checkpoint(i: int, config: ModelConfig, accounting: Accounting, z: Sizes) -> Checkpoint | None:
@@ -398,13 +415,23 @@ def reduce_scatter(where: str, z: Sizes, p: str, partial: str, out: str, gathere
     )),)
 
 
-def block_ops(i: int, z: Sizes) -> tuple[Op, ...]:
-    """Llama3TransformerBlock i, op by op (its input "layers.i/input", its output "layers.{i+1}/input")."""
+def block_ops(i: int, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
+    """Llama3TransformerBlock i, op by op (its input "layers.i/input", its output "layers.{i+1}/input"); with experts
+    the MoE layer (Qwen3TransformerBlock's: the same attention, its MoE as the feed-forward)."""
     p = f"layers.{i}"
     x, out, mid = f"{p}/input", f"layers.{i + 1}/input", f"{p}/mid"
     gx, gout, gmid = f"grad/{p}/input", f"grad/layers.{i + 1}/input", f"grad/{p}/mid"
     h, q, kv = z.seq(z.h), z.tokens(z.act * z.a_t * z.d), z.tokens(z.act * z.g_t * z.d)
     f = z.tokens(z.act * z.f_t)
+    if config.is_moe_layer(i):
+        return (
+            *attention_ops(p, z, mid, gmid, gx, h, q, kv),
+            residual(p, "ffn_norm", f"grad/{p}/ffn_norm dx", gout, gmid, h),
+            rms_norm("ffn_norm", z, rules.LN2, p, Made(f"{p}/ffn_norm out", h, "the MoE's input, bf16"),
+                     f"grad/{p}/ffn_norm out", f"grad/{p}/ffn_norm dx"),
+            *moe_ops(p, z, config, f"{p}/ffn_norm out", f"grad/{p}/ffn_norm out"),
+            _second_residual(p, x, mid, out, f"{p}/ffn out", h),
+        )
     return (
         *attention_ops(p, z, mid, gmid, gx, h, q, kv),
         residual(p, "ffn_norm", f"grad/{p}/ffn_norm dx", gout, gmid, h),
@@ -519,9 +546,14 @@ def feed_forward_ops(p: str, z: Sizes, x: str, mid: str, out: str, h: int, f: in
                    frees=(dy,) if z.sp else ()),
             *reduce_scatter(f"{m}.w2", z, p, w2_out, f"{p}/ffn out", dy, (f"{p}/ffn_norm out",)),
         ), *(kept_name(p, x) for x in (rules.FC1_IN, ledger.FC2_IN))),
-        Op("", forward=(Step("h + feed-forward: the block's output", (Made(out, h, "the next block's input"),),
-                             frees=(ffn_out, mid, x)),), backward=()),
+        _second_residual(p, x, mid, out, ffn_out, h),
     )
+
+
+def _second_residual(p: str, x: str, mid: str, out: str, ffn_out: str, h: int) -> Op:
+    """h + the feed-forward's output: the block's output; the block's input, h and that output go."""
+    return Op("", forward=(Step("h + feed-forward: the block's output", (Made(out, h, "the next block's input"),),
+                                frees=(ffn_out, mid, x)),), backward=())
 
 
 # -- the model's two ends -----------------------------------------------------------------------------------------
