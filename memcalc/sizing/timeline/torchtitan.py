@@ -15,6 +15,9 @@ the walk is the generic one. A block is
     ffn_norm         as attention_norm
     w1, SiLU, w3, *  SwiGLU, each product kept; w2 and the residual sum, the block's output
 
+With experts (num_experts) each block is torchtitan's Qwen3 MoE decoder layer (the same attention and norms, its MoE
+as the feed-forward: memcalc.sizing.timeline.torchtitan_moe), the router forced by the probe's shim (`--route`).
+
 The model's ends: the token ids and labels (int64, live all step), the trainer's count of valid tokens, the
 embedding, the final norm, lm_head's bf16 logits and torchtitan's cross_entropy_loss (fp32 logits, the kept fp32
 log-softmax), divided by the count; the trainer drops the logits before backward.
@@ -53,7 +56,8 @@ and tp-sp at t = 2 and 4), and under FSDP2 at t = 1 (dp_shard 2 and 4, with and 
 without FullAC or SelectiveAC: FSDPMemTracker reads a block's rerun as temporaries); under FSDP2 with tp-sp at t = 2
 (dp_shard 2 and 4, with and without resharding, b = 1 and b > 1, under FullAC and SelectiveAC:
 test_torchtitan_fsdp_tp.py); as
-HSDP (dp_replicate 2 x dp_shard 2, at t = 1 and under tp-sp on the 3-D mesh);
+HSDP (dp_replicate 2 x dp_shard 2, at t = 1 and under tp-sp on the 3-D mesh); with experts at t = 1 without
+recomputation, the router forced balanced or all-to-one (test_torchtitan_step.py);
 `check_modelled` names everything else.
 On CUDA torchtitan's Llama3 runs flex attention and torch's fused _fused_rms_norm kernel, which keep other tensors
 (the ledger's device rules) and allocate otherwise in backward: not described here yet.
