@@ -167,9 +167,7 @@ def moe_refusals(config: ModelConfig) -> tuple[tuple[bool, str], ...]:
     if not config.moe:
         return ()
     return (
-        (config.moe_layer_freq != 1 or bool(config.moe_first_dense_layers), "a mix of dense and MoE layers"
-                                                                             " (moe_layer_freq, moe_first_dense_layers)"),
-        (bool(config.moe_shared_expert_intermediate_size), "shared experts (moe_shared_expert_intermediate_size)"),
+        (config.moe_layers != config.L, "a mix of dense and MoE layers (moe_layer_freq, moe_first_dense_layers)"),
         (config.recompute != "none", f"recompute {config.recompute} with experts"),
         (config.dp_shard is not None, "dp_shard with experts"),
     )
@@ -428,12 +426,15 @@ def block_ops(i: int, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     h, q, kv = z.seq(z.h), z.tokens(z.act * z.a_t * z.d), z.tokens(z.act * z.g_t * z.d)
     f = z.tokens(z.act * z.f_t)
     if config.is_moe_layer(i):
+        shared = bool(config.moe_shared_expert_intermediate_size)
         return (
             *attention_ops(p, z, mid, gmid, gx, h, q, kv),
             residual(p, "ffn_norm", f"grad/{p}/ffn_norm dx", gout, gmid, h),
-            rms_norm("ffn_norm", z, rules.LN2, p, Made(f"{p}/ffn_norm out", h, "the MoE's input, bf16"),
-                     f"grad/{p}/ffn_norm out", f"grad/{p}/ffn_norm dx"),
-            *moe_ops(p, z, config, f"{p}/ffn_norm out", f"grad/{p}/ffn_norm out"),
+            rms_norm("ffn_norm", z, rules.LN2, p, kept(p, rules.MOE_SHARED_IN) if shared else
+                     Made(f"{p}/ffn_norm out", h, "the MoE's input, bf16"), f"grad/{p}/ffn_norm out",
+                     f"grad/{p}/ffn_norm dx"),
+            *moe_ops(p, z, config, kept_name(p, rules.MOE_SHARED_IN) if shared else f"{p}/ffn_norm out",
+                     shared_experts_ops(p, z, config) if shared else ()),
             _second_residual(p, x, mid, out, f"{p}/ffn out", h),
         )
     return (
@@ -531,26 +532,55 @@ def feed_forward_ops(p: str, z: Sizes, x: str, mid: str, out: str, h: int, f: in
     w2_out = kept_name(p, rules.FC2_OUT)  # its partial sum under tp
     ffn_out = f"{p}/ffn out" if z.t > 1 else w2_out
     return (
-        linear(f"{m}.w1", rules.FC1_IN, kept(p, ledger.SWIGLU_GATE), w, f"{g}/dx1", full, p, frees=(f"{g}/dgate",),
-               sums=(f"{g}/dx3", f"grad/{p}/ffn_norm out", full)),
-        # SiLU runs inside feed_forward; its backward while MemTracker still has w3 active (w1 x and w3 x share an
-        # input, whose gradient is not complete until w1's backward)
-        Op(f"{m}.w3", forward=(Step("SiLU", (kept(p, ledger.SWIGLU_SILU_OUT),),
-                                    reads_last=(kept_name(p, ledger.SWIGLU_GATE),)),),
-           backward=(Step("SiLU's backward", (Made(f"{g}/dgate", f, "bf16"),), frees=(f"{g}/dsilu",)),),
-           saves=(ledger.SWIGLU_GATE,)),
-        linear(f"{m}.w3", rules.FC1_IN, kept(p, ledger.SWIGLU_UP), w, f"{g}/dx3", full, p, frees=(f"{g}/dup",)),
-        Op(m, forward=(Step("SiLU(w1 x) * w3 x", (kept(p, ledger.FC2_IN),),
-                            reads_last=tuple(kept_name(p, x) for x in (ledger.SWIGLU_SILU_OUT, ledger.SWIGLU_UP))),),
-           backward=(Step("the product's backward: dY * up", (Made(f"{g}/dsilu", f, "bf16"),)),
-                     Step("the product's backward: dY * SiLU", (Made(f"{g}/dup", f, "bf16"),), frees=(f"{g}/dfc2",))),
-           saves=(ledger.SWIGLU_UP, ledger.SWIGLU_SILU_OUT)),
+        *swiglu_ops(p, z, m, DENSE_SWIGLU, w, f, f"grad/{p}/ffn_norm out"),
         *module_returns((
             linear(f"{m}.w2", ledger.FC2_IN, Made(w2_out, full, "w2's output"), w, f"{g}/dfc2", f, p,
                    frees=(dy,) if z.sp else ()),
             *reduce_scatter(f"{m}.w2", z, p, w2_out, f"{p}/ffn out", dy, (f"{p}/ffn_norm out",)),
         ), *(kept_name(p, x) for x in (rules.FC1_IN, ledger.FC2_IN))),
         _second_residual(p, x, mid, out, ffn_out, h),
+    )
+
+
+# A FeedForward's tensors: w1's and w3's input, SiLU's input and output, w3's output, w2's input (the product).
+DENSE_SWIGLU = (rules.FC1_IN, ledger.SWIGLU_GATE, ledger.SWIGLU_SILU_OUT, ledger.SWIGLU_UP, ledger.FC2_IN)
+SHARED_SWIGLU = (rules.MOE_SHARED_IN, ledger.SHARED_GATE, ledger.SHARED_SILU_OUT, ledger.SHARED_UP,
+                 ledger.SHARED_FC2_IN)
+
+
+def swiglu_ops(p: str, z: Sizes, m: str, tensors: tuple[SavedTensor, ...], w: int, f: int,
+               dx: str) -> tuple[Op, ...]:
+    """A FeedForward `m` (Llama3's, or the MoE's shared experts) up to w2: w1, SiLU, w3 and the product, keeping
+    `tensors` (DENSE_SWIGLU's roles); w1's and w3's dX summed into `dx`. `w`: a weight's bytes, `f`: a (b, s, f)
+    tensor's."""
+    x_in, gate, silu, up, product = tensors
+    g, full = f"grad/{p}/{m}", z.full(z.h)
+    return (
+        linear(f"{m}.w1", x_in, kept(p, gate), w, f"{g}/dx1", full, p, frees=(f"{g}/dgate",),
+               sums=(f"{g}/dx3", dx, full)),
+        # SiLU runs inside the FeedForward; its backward while MemTracker still has w3 active (w1 x and w3 x share an
+        # input, whose gradient is not complete until w1's backward)
+        Op(f"{m}.w3", forward=(Step("SiLU", (kept(p, silu),), reads_last=(kept_name(p, gate),)),),
+           backward=(Step("SiLU's backward", (Made(f"{g}/dgate", f, "bf16"),), frees=(f"{g}/dsilu",)),),
+           saves=(gate,)),
+        linear(f"{m}.w3", x_in, kept(p, up), w, f"{g}/dx3", full, p, frees=(f"{g}/dup",)),
+        Op(m, forward=(Step("SiLU(w1 x) * w3 x", (kept(p, product),),
+                            reads_last=tuple(kept_name(p, x) for x in (silu, up))),),
+           backward=(Step("the product's backward: dY * up", (Made(f"{g}/dsilu", f, "bf16"),)),
+                     Step("the product's backward: dY * SiLU", (Made(f"{g}/dup", f, "bf16"),), frees=(f"{g}/dfc2",))),
+           saves=(up, silu)),
+    )
+
+
+def shared_experts_ops(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
+    """The MoE's shared experts (a FeedForward of width u on its input, t = 1): their output f"{p}/moe/shared out";
+    in backward their input's gradient f"grad/{p}/moe/shared dX"."""
+    m, u = "moe.shared_experts", config.moe_shared_expert_intermediate_size
+    w, f = z.act * u * z.h, z.tokens(z.act * u)
+    return (
+        *swiglu_ops(p, z, m, SHARED_SWIGLU, w, f, f"grad/{p}/moe/shared dX"),
+        linear(f"{m}.w2", ledger.SHARED_FC2_IN, Made(f"{p}/moe/shared out", z.full(z.h), "the shared experts' output"),
+               w, f"grad/{p}/{m}/dfc2", f, p),
     )
 
 

@@ -14,6 +14,8 @@ the CPU runs it:
                      (kept), the product (kept), w2
     routed_experts   combine: zeros_like(x), the output upcast to fp32 (kept), times the score, cast back,
                      torchtitan's deterministic_scatter_add into the zeros: the MoE's output
+    shared_experts   with moe_shared_expert_intermediate_size, a FeedForward on the MoE's input (which w1 and w3 then
+                     keep), its output summed with the routed one
 
 torch._grouped_mm is one aten op on this CPU build as on CUDA (torchtitan 0.3.0 calls it directly, no for-loop
 fallback); its backward (autograd's formula, the same on every device) makes dW as one (E, ...) grouped matmul and dX
@@ -23,10 +25,13 @@ Backward runs the same ops in reverse: combine's gather of dY at each slot's tok
 gradients (the score's summed over h), each grouped matmul's dW and dX (w1's and w3's dX summed), the index's
 backward into a (b*s, h) zero tensor, the sorted scores' into a (b*s*k) one, route_norm's and gather's into a (b, s,
 E) one, softmax's, the gate's fp32 GEMMs, cast back to bf16 and summed with the dispatch's: ffn_norm's output
-gradient.
+gradient. The shared experts' backward runs first, their dX summed with the dispatch's after its index_put.
 
-Exact at t = 1 without recomputation, the router forced balanced or all-to-one, without shared experts
-(tests/probe/libs/test_torchtitan_step.py); `memcalc.sizing.timeline.torchtitan.check_modelled` refuses the rest.
+Exact at t = 1 without recomputation, the router forced balanced or all-to-one (at ep = 1 the same bytes), softmax or
+sigmoid, with and without route_norm and shared experts (tests/probe/libs/test_torchtitan_step.py);
+`memcalc.sizing.timeline.torchtitan.check_modelled` refuses the rest. Two measured facts the walk follows without a
+reason from the source: route_norm's division backward is walked as one step (its small fp32 temporaries make no
+moment), and the slots' score gradient (the sorted scores' index_put) lives until the router's backward is done.
 """
 
 from __future__ import annotations
@@ -40,16 +45,25 @@ from memcalc.sizing.timeline.walk import Made, Op, Step, kept, kept_name
 _WGRAD = "the weight's bf16 gradient, added into the fp32 buffer when autograd hands it over"
 
 
-def moe_ops(p: str, z: Sizes, config: ModelConfig, x: str, grad_x: str) -> tuple[Op, ...]:
-    """The MoE on ffn_norm's output `x` (freed as it returns), its output f"{p}/ffn out"; in backward its input's
-    gradient is `grad_x`."""
-    return (*_router(p, z, config), *_dispatch(p, z, config), *_experts(p, z, config),
-            *_combine(p, z, config, x, grad_x))
+def moe_ops(p: str, z: Sizes, config: ModelConfig, x: str, shared: tuple[Op, ...] = ()) -> tuple[Op, ...]:
+    """The MoE on ffn_norm's output `x`, its output f"{p}/ffn out"; in backward its input's gradient is
+    f"grad/{p}/ffn_norm out". `shared`: the shared experts' ops (memcalc.sizing.timeline.torchtitan
+    .shared_experts_ops: output f"{p}/moe/shared out", input gradient f"grad/{p}/moe/shared dX"), which keep `x`;
+    without them `x` goes as the MoE returns."""
+    n = f"{p}/moe"
+    summed = Op("moe", forward=(Step("the routed and the shared experts' outputs summed", (
+        Made(f"{p}/ffn out", z.full(z.h), "the MoE's output"),), frees=(f"{n}/routed out", f"{n}/shared out")),),
+        backward=())
+    returned = Op("moe", forward=(Step("", frees=(*(() if shared else (x,)), f"{n}/routing map", f"{n}/counts",
+                                                  f"{n}/router/topk scores")),), backward=())
+    return (*_router(p, z, config, bool(shared)), *_dispatch(p, z, config, bool(shared)), *_experts(p, z, config),
+            *_combine(p, z, config, bool(shared)), *shared, *((summed,) if shared else ()), returned)
 
 
-def _router(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
+def _router(p: str, z: Sizes, config: ModelConfig, shared: bool) -> tuple[Op, ...]:
     """TokenChoiceTopKRouter: the fp32 gate, the forced lead, softmax, the bias, top-k and route_norm."""
-    n, g, tokens, e, k = f"{p}/moe/router", f"grad/{p}/moe/router", z.b * z.s, config.num_experts, config.moe_router_topk
+    n, g, tokens = f"{p}/moe/router", f"grad/{p}/moe/router", z.b * z.s
+    e, k = config.num_experts, config.moe_router_topk
     scores, slots = 4 * tokens * e, 4 * tokens * k
     gate = Op("moe.router.gate", forward=(
         Step("autocast: the gate's weight cast to fp32", (kept(p, rules.MOE_ROUTER_WEIGHT),)),
@@ -62,7 +76,7 @@ def _router(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
         Step("the input cast's backward: dX to bf16", (Made(f"{g}/input", z.act * tokens * z.h, "bf16"),)),
         Step("summed with the dispatch's: ffn_norm's output gradient", (
             Made(f"grad/{p}/ffn_norm out", z.act * tokens * z.h, "both paths' summed"),),
-            frees=(f"{g}/input", f"grad/{p}/moe/input put", f"{g}/input fp32"), moment=False),
+            frees=(f"{g}/input", _dispatched(p, shared), f"{g}/input fp32"), moment=False),
         Step("the weight cast's backward: dW to bf16", (Made(f"{g}/weight", z.act * e * z.h, _WGRAD),)),
         # the slots' score gradient (the sorted scores' index_put) goes only now, with the router's backward done
         Step("", frees=(f"{g}/weight fp32", f"grad/{p}/moe/scores"), hands_over=(f"{g}/weight",)),
@@ -77,10 +91,11 @@ def _router(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     ), backward=())
     norm = rules.MOE_TOPK_SUM in rules.moe_block(config)  # route_norm
     softmax = Op("moe.router", forward=(
-        Step("softmax", (kept(p, rules.MOE_ROUTER_SCORES),), frees=(f"{n}/led",)),
+        Step(config.moe_router_score_function, (kept(p, rules.MOE_ROUTER_SCORES),), frees=(f"{n}/led",)),
         Step("+ expert_bias_E: the scores for choice", (Made(f"{n}/for choice", scores, "fp32"),)),
     ), backward=(
-        Step("softmax's backward", (Made(f"{g}/logits", scores, "fp32"),), frees=(f"{g}/scores",)),
+        Step(f"{config.moe_router_score_function}'s backward", (Made(f"{g}/logits", scores, "fp32"),),
+             frees=(f"{g}/scores",)),
     ), saves=(rules.MOE_ROUTER_SCORES,))
     topk = Op("moe.router", forward=(
         Step("top-k", (Made(f"{n}/topk values", slots, "fp32, unused"), kept(p, ledger.ROUTER_TOPK_INDICES))),
@@ -112,7 +127,12 @@ def _router(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     return (gate, lead, softmax, topk, *((route_norm,) if norm else ()), scale)
 
 
-def _dispatch(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
+def _dispatched(p: str, shared: bool) -> str:
+    """The gradient the dispatch hands the router's: its index_put's, with shared experts summed with theirs."""
+    return f"grad/{p}/moe/input sum" if shared else f"grad/{p}/moe/input put"
+
+
+def _dispatch(p: str, z: Sizes, config: ModelConfig, shared: bool) -> tuple[Op, ...]:
     """MoE's routing map and counts, then the local dispatcher's reorder: argsort, the sorted scores, token indices,
     the sorted rows."""
     n, tokens, e, k = f"{p}/moe", z.b * z.s, config.num_experts, config.moe_router_topk
@@ -129,7 +149,10 @@ def _dispatch(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     ), backward=(
         Step("the sorted scores' backward: zeros", (Made(f"grad/{n}/scores zeros", 4 * r, "(b*s*k,) fp32"),)),
         Step("index_put: each slot's gradient", (Made(f"grad/{n}/scores", 4 * r, "fp32"),),
-             frees=(f"grad/{n}/scores zeros", f"grad/{n}/sorted scores")),
+             frees=(f"grad/{n}/scores zeros", f"grad/{n}/sorted scores"), returns=True),
+        *((Step("the dispatch's dX summed with the shared experts'", (
+            Made(_dispatched(p, shared), z.act * tokens * z.h, "bf16"),),
+            frees=(f"grad/{n}/input put", f"grad/{n}/shared dX")),) if shared else ()),
     ), saves=(rules.MOE_SORTED_SLOTS,))
     rows = Op("moe.routed_experts", forward=(
         Step("slot // k: each row's token", (kept(p, rules.MOE_TOKEN_INDICES),)),
@@ -188,9 +211,9 @@ def _experts(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     )
 
 
-def _combine(p: str, z: Sizes, config: ModelConfig, x: str, grad_x: str) -> tuple[Op, ...]:
-    """The local dispatcher's combine: the output upcast, times its score, cast back, scatter-added to its token;
-    the MoE returns (its input and locals go)."""
+def _combine(p: str, z: Sizes, config: ModelConfig, shared: bool) -> tuple[Op, ...]:
+    """The local dispatcher's combine: the output upcast, times its score, cast back, scatter-added to its token
+    (with shared experts the routed output, summed with theirs after); routed_experts returns."""
     n, g = f"{p}/moe", f"grad/{p}/moe"
     tokens = z.b * z.s
     r = tokens * config.moe_router_topk
@@ -201,10 +224,10 @@ def _combine(p: str, z: Sizes, config: ModelConfig, x: str, grad_x: str) -> tupl
             Step("the output upcast", (kept(p, rules.MOE_EXPERT_OUT),)),
             Step("times the score", (Made(f"{n}/weighted fp32", rows32, "fp32"),)),
             Step("cast back", (Made(f"{n}/weighted", rows, "bf16"),), frees=(f"{n}/weighted fp32",)),
-            Step("deterministic_scatter_add: the MoE's output", (Made(f"{p}/ffn out", out, "(b*s, h) bf16"),),
-                 frees=(f"{n}/zeros", f"{n}/weighted")),
-            # the MoE returns: its input and what its frames held
-            Step("", frees=(x, f"{n}/experts/output", f"{n}/routing map", f"{n}/counts", f"{n}/router/topk scores")),
+            Step("deterministic_scatter_add: the routed output", (
+                Made(f"{n}/routed out" if shared else f"{p}/ffn out", out, "(b*s, h) bf16"),),
+                frees=(f"{n}/zeros", f"{n}/weighted")),
+            Step("", frees=(f"{n}/experts/output",)),  # routed_experts returns
         ), backward=(
             Step("scatter_add's backward: dY at each row's token", (Made(f"{g}/rows", rows, "bf16"),)),
             Step("the cast's backward: to fp32", (Made(f"{g}/rows fp32", rows32, "fp32"),), frees=(f"{g}/rows",)),

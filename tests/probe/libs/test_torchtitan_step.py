@@ -189,18 +189,21 @@ def test_with_experts_the_step_needs_a_forced_route():
 
 
 # Sizes that move the peak with experts (t = 1, b = 1 and b > 1, odd s, E and k, both score functions, with and
-# without route_norm): the peak in w2's grouped GEMMs' backward, lm_head's GEMMs, the loss's backward, combine's fp32
-# backward.
+# without route_norm, with and without shared experts): the peak in w2's grouped GEMMs' backward, lm_head's GEMMs, the
+# loss's backward, combine's fp32 backward, the shared experts' w2, the final norm's backward.
 MOE_MOMENTS = [
     ({"vocab_size": 16, "moe_ffn_hidden_size": 200, "moe_router_pre_softmax": True}, "balanced"),
     ({"b": 1, "s": 7}, "balanced"),
     ({"b": 3, "s": 5, "num_experts": 8, "moe_router_topk": 1}, "all-to-one"),
     ({"moe_router_score_function": "sigmoid", "vocab_size": 16, "s": 9, "ffn_hidden_size": 16, "num_experts": 6,
       "moe_router_topk": 3, "moe_ffn_hidden_size": 8}, "all-to-one"),
+    ({"moe_shared_expert_intermediate_size": 400, "vocab_size": 16, "b": 1, "s": 7}, "balanced"),  # shared w2's
+    ({"moe_shared_expert_intermediate_size": 48, "moe_router_score_function": "sigmoid", "vocab_size": 16, "s": 9},
+     "all-to-one"),  # DeepSeek-V3's router beside shared experts: the final norm's backward
 ]
 
 
-def test_with_experts_the_chosen_sizes_put_the_peak_in_four_different_places():
+def test_with_experts_the_chosen_sizes_put_the_peak_in_six_different_places():
     moments = {timeline(_config(**(MOE | c)), STRATEGIES["none"], CPU).peak.label() for c, _ in MOE_MOMENTS}
     assert len(moments) == len(MOE_MOMENTS), moments
 
@@ -220,10 +223,10 @@ def test_with_experts_memtracker_reaches_the_peak_to_the_byte(one_thread, change
     assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
 
 
-@pytest.mark.parametrize("changes, route", [MOE_MOMENTS[1], MOE_MOMENTS[2], MOE_MOMENTS[3]], ids=str)
+@pytest.mark.parametrize("changes, route", [MOE_MOMENTS[1], MOE_MOMENTS[2], MOE_MOMENTS[3], MOE_MOMENTS[5]], ids=str)
 def test_with_experts_every_moment_the_timeline_names_happens_in_order(one_thread, changes, route):
     """The router (its fp32 gate, the forced lead, top-k, route_norm), the reorder, the grouped SwiGLU, the combine,
-    and their backward: each moment MemTracker's reading after some op, in its module."""
+    the shared experts, and their backward: each moment MemTracker's reading after some op, in its module."""
     config = _config(**(MOE | changes))
     with runtime(single()) as dims:
         readings = readings_after_every_op(warmed_up(single(), config, STRATEGIES["none"], dims, route))
@@ -237,7 +240,7 @@ def test_with_experts_measure_step_runs_the_moe_model_on_the_balanced_route(one_
 
 
 @pytest.mark.parametrize("changes, named", [
-    ({"moe_shared_expert_intermediate_size": 48}, "shared experts"),
+    ({"dp_shard": 2}, "dp_shard with experts"),
     ({"recompute": "full"}, "recompute"),
     ({"moe_layer_freq": 2}, "a mix of dense and MoE layers"),
 ])
