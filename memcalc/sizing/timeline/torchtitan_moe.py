@@ -39,11 +39,9 @@ from __future__ import annotations
 from memcalc.config.schema import ModelConfig
 from memcalc.model import ledger
 from memcalc.model.impls import torchtitan as rules
+from memcalc.sizing.timeline.hf_layer import WHY_WGRAD
 from memcalc.sizing.timeline.tape import Sizes
 from memcalc.sizing.timeline.walk import Made, Op, Step, kept, kept_name
-
-_WGRAD = "the weight's bf16 gradient, added into the fp32 buffer when autograd hands it over"
-
 
 def moe_ops(p: str, z: Sizes, config: ModelConfig, x: str, shared: tuple[Op, ...] = ()) -> tuple[Op, ...]:
     """The MoE on ffn_norm's output `x`, its output f"{p}/ffn out"; in backward its input's gradient is
@@ -77,7 +75,7 @@ def _router(p: str, z: Sizes, config: ModelConfig, shared: bool) -> tuple[Op, ..
         Step("summed with the dispatch's: ffn_norm's output gradient", (
             Made(f"grad/{p}/ffn_norm out", z.act * tokens * z.h, "both paths' summed"),),
             frees=(f"{g}/input", _dispatched(p, shared), f"{g}/input fp32"), moment=False),
-        Step("the weight cast's backward: dW to bf16", (Made(f"{g}/weight", z.act * e * z.h, _WGRAD),)),
+        Step("the weight cast's backward: dW to bf16", (Made(f"{g}/weight", z.act * e * z.h, WHY_WGRAD),)),
         # the slots' score gradient (the sorted scores' index_put) goes only now, with the router's backward done
         Step("", frees=(f"{g}/weight fp32", f"grad/{p}/moe/scores"), hands_over=(f"{g}/weight",)),
     ), saves=(rules.MOE_ROUTER_WEIGHT, rules.MOE_ROUTER_IN))
@@ -172,7 +170,7 @@ def _experts(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     rows_f, rows_h, weight = z.act * r * f, z.act * r * z.h, z.act * e * f * z.h
 
     def gemms(w: str, dy: str, dx: str, dx_bytes: int, frees: tuple[str, ...] = ()) -> Step:
-        return Step(f"{w}'s grouped GEMMs: dW and dX", (Made(f"{g}/{w} weight", weight, _WGRAD),
+        return Step(f"{w}'s grouped GEMMs: dW and dX", (Made(f"{g}/{w} weight", weight, WHY_WGRAD),
                                                          Made(dx, dx_bytes, "dX = dY W, per expert")),
                     frees=frees, returns=True)
 
