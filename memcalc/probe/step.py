@@ -655,10 +655,14 @@ def own_model(config: ModelConfig) -> bool:
 
 def _model(config: ModelConfig, route: str | None) -> str:
     """The model the step trains, in words: transformers' model of the family that runs the knobs where --step
-    builds its own (`own_model`: memcalc.probe.libs.hf_step), its router forced."""
+    builds its own (`own_model`: memcalc.probe.libs.hf_step), torchtitan's Llama3Model with its Qwen3 MoE layers
+    (memcalc.probe.libs.torchtitan_step), its router forced."""
+    forced = f", router forced {route}" if config.moe else ""
+    if config.impl == "torchtitan" and config.moe:
+        return f"{STEP_MODELS[config.impl]} with its Qwen3 MoE layers{forced}"
     family = family_of(config) if config.impl == "hf" and own_model(config) else None
     model = STEP_MODELS[_trained(config)] if family is None else f"transformers' {family.architectures[0]}"
-    return model + (f", router forced {route}" if config.moe else "")
+    return model + forced
 
 
 def _check_fits(planned: list[tuple[Strategy, Timeline]]) -> None:

@@ -77,12 +77,21 @@ ROPE_THETA = 500000  # every Llama3 flavour's; the values do not change what is 
 
 def block_config(config: ModelConfig, sequence_parallel: bool) -> Any:
     """torchtitan's Llama3 block config at memcalc's sizes, with its TP plan filled in (with experts: its MoE layer)."""
-    model = model_config(config, sequence_parallel, layers=1, vocab_size=1)  # the two ends are built nowhere
+    model = _llama3_config(config, sequence_parallel, layers=1, vocab_size=1)  # the two ends are built nowhere
     return moe_block_config(config, model.layers[0]) if config.moe else model.layers[0]
 
 
 def model_config(config: ModelConfig, sequence_parallel: bool, layers: int, vocab_size: int) -> Any:
-    """torchtitan's Llama3Model config at memcalc's sizes (as its flavours build it, untied), TP plan filled in.
+    """torchtitan's Llama3Model config at memcalc's sizes (as its flavours build it, untied), TP plan filled in;
+    with experts the layers `is_moe_layer` picks are its Qwen3 MoE decoder layers (`moe_block_config`)."""
+    model = _llama3_config(config, sequence_parallel, layers, vocab_size)
+    model.layers = [moe_block_config(config, block) if config.is_moe_layer(i) else block
+                    for i, block in enumerate(model.layers)]
+    return model
+
+
+def _llama3_config(config: ModelConfig, sequence_parallel: bool, layers: int, vocab_size: int) -> Any:
+    """torchtitan's Llama3Model config, every block Llama3's, TP plan filled in.
 
     Each block's attention is torchtitan's ScaledDotProductAttention: flex has no CPU backward.
     """
@@ -372,7 +381,7 @@ def _hand_to_recorder(kept: list[torch.Tensor]) -> None:
 
 # spmd_types (torchtitan's TP backend) still calls these; torch 2.13 warns on every call.
 # The MoE router's torch.autocast(float32), which the shim runs at fp32 on the CPU anyway (cuda_like_router).
-_CPU_AUTOCAST_FP32 = "In CPU autocast, but the target dtype is not supported"
+CPU_AUTOCAST_FP32 = "In CPU autocast, but the target dtype is not supported"
 DEPRECATED_COLLECTIVES = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
 
 
@@ -386,7 +395,7 @@ def run_layer(
     with ExitStack() as stack:
         stack.enter_context(warnings.catch_warnings())
         warnings.filterwarnings("ignore", DEPRECATED_COLLECTIVES, FutureWarning)
-        warnings.filterwarnings("ignore", _CPU_AUTOCAST_FP32, UserWarning)
+        warnings.filterwarnings("ignore", CPU_AUTOCAST_FP32, UserWarning)
         dims = stack.enter_context(tensor_parallel(tp))
         stack.enter_context(shim.cuda_like_op_checkpointing())
         caches = stack.enter_context(shim.op_checkpoint_caches())

@@ -43,29 +43,36 @@ from torchtitan.components.loss import IGNORE_INDEX, CrossEntropyLoss  # noqa: E
 from torchtitan.tools.utils import set_default_dtype  # noqa: E402
 
 
-def measure_torchtitan_step_on_rank(tp: TensorParallelGroup, config: ModelConfig,
-                                    strategy: Strategy) -> StepMeasurement:
-    """Build torchtitan's Llama3Model (under tp laid out by its own plan), run a warm-up step, then measure one step
-    under MemTracker."""
+def measure_torchtitan_step_on_rank(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy,
+                                    route: str | None = None) -> StepMeasurement:
+    """Build torchtitan's Llama3Model (under tp laid out by its own plan; with experts its MoE layers, the router
+    forced to `route`), run a warm-up step, then measure one step under MemTracker."""
     with runtime(tp) as dims:
-        return measure_trainer(warmed_up(tp, config, strategy, dims), tp, strategy)
+        return measure_trainer(warmed_up(tp, config, strategy, dims, route), tp, strategy)
 
 
 @contextmanager
 def runtime(tp: TensorParallelGroup) -> Iterator[Any]:
     """torchtitan's TP runtime over the probe's group (memcalc.probe.libs.torchtitan), its collectives' deprecation
-    warnings silenced: the ParallelDims, or None at t = 1."""
+    warnings and the CPU's refusal of the MoE router's autocast(float32) (the shim runs it) silenced: the
+    ParallelDims, or None at t = 1."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", titan.DEPRECATED_COLLECTIVES, FutureWarning)
+        warnings.filterwarnings("ignore", titan.CPU_AUTOCAST_FP32, UserWarning)
         with titan.tensor_parallel(tp) as dims:
             yield dims
 
 
-def warmed_up(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, dims: Any = None) -> Trainer:
+def warmed_up(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, dims: Any = None,
+              route: str | None = None) -> Trainer:
     """torchtitan's Llama3Model in training mode with memcalc's trainer, stepped once; under tp (inside `runtime`)
-    laid out by its own plan (set_llama3_sharding_config, Module.parallelize), its loss vocabulary-parallel."""
+    laid out by its own plan (set_llama3_sharding_config, Module.parallelize), its loss vocabulary-parallel. With
+    experts its MoE layers' routers run in fp32 as under CUDA's autocast, forced to `route` (the shim's
+    cuda_like_router, as the layer probe runs them)."""
     if config.tie_embeddings:
         raise ProbeError("impl torchtitan: Llama3 unties its embedding and output layer; set tie_embeddings false")
+    if config.moe and route is None:
+        raise ProbeError("impl torchtitan: --step on experts forces the router (--route balanced or all-to-one)")
     with torch.device("meta"), set_default_dtype(DTYPES[config.dtype]):  # as its trainer builds a model
         model = titan.model_config(config, strategy.sequence_parallel, config.L, config.vocab_size).build()
     if dims is not None:
@@ -77,7 +84,17 @@ def warmed_up(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, 
         model.init_states(buffer_device=tp.device)
     model.train()
     loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config(global_vocab_size=config.vocab_size))
-    return Trainer.around(config, model, lambda tokens, labels: _loss(model, loss_fn, tokens, labels))
+    return Trainer.around(config, model, lambda tokens, labels: _routed_loss(model, loss_fn, tokens, labels, config,
+                                                                             route))
+
+
+def _routed_loss(model: Any, loss_fn: Any, tokens: torch.Tensor, labels: torch.Tensor, config: ModelConfig,
+                 route: str | None) -> torch.Tensor:
+    """The trainer's forward (`_loss`), each MoE router fp32 and forced to `route` while it runs."""
+    from memcalc.probe.libs import torchtitan_shim as shim
+
+    with shim.cuda_like_router(model, route, config.moe_router_topk if config.moe else 0):
+        return _loss(model, loss_fn, tokens, labels)
 
 
 def ac_config(config: ModelConfig) -> Any:

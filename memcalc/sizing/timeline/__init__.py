@@ -225,10 +225,6 @@ def _refuse_other_layers(config: ModelConfig) -> None:
     if per_stage > MAX_WALKED_LAYERS:
         raise ConfigError(f"the step timeline walks a stage's layers one by one, at most {MAX_WALKED_LAYERS}:"
                           f" L/pp = {config.L}/{config.pp} is {per_stage}")
-    if config.moe and config.impl not in ("hf", "megatron"):  # the hf walk's check_modelled says which it models
-        raise ConfigError(f"the step timeline does not model a mixture of experts (num_experts) with impl"
-                          f" {config.impl} yet: it walks megatron-core's MoELayer (--impl megatron) and transformers'"
-                          " Mixtral and Qwen2-MoE (--impl hf)")
     if config.mla and (config.impl != "megatron" or config.recompute == "full"):
         raise ConfigError(f"the step timeline models latent attention (kv_lora_rank) as megatron-core's"
                           f" MLASelfAttention without recomputation or with selective (impl megatron), not impl"

@@ -15,6 +15,9 @@ the walk is the generic one. A block is
     ffn_norm         as attention_norm
     w1, SiLU, w3, *  SwiGLU, each product kept; w2 and the residual sum, the block's output
 
+With experts (num_experts) each block is torchtitan's Qwen3 MoE decoder layer (the same attention and norms, its MoE
+as the feed-forward: memcalc.sizing.timeline.torchtitan_moe), the router forced by the probe's shim (`--route`).
+
 The model's ends: the token ids and labels (int64, live all step), the trainer's count of valid tokens, the
 embedding, the final norm, lm_head's bf16 logits and torchtitan's cross_entropy_loss (fp32 logits, the kept fp32
 log-softmax), divided by the count; the trainer drops the logits before backward.
@@ -53,7 +56,8 @@ and tp-sp at t = 2 and 4), and under FSDP2 at t = 1 (dp_shard 2 and 4, with and 
 without FullAC or SelectiveAC: FSDPMemTracker reads a block's rerun as temporaries); under FSDP2 with tp-sp at t = 2
 (dp_shard 2 and 4, with and without resharding, b = 1 and b > 1, under FullAC and SelectiveAC:
 test_torchtitan_fsdp_tp.py); as
-HSDP (dp_replicate 2 x dp_shard 2, at t = 1 and under tp-sp on the 3-D mesh);
+HSDP (dp_replicate 2 x dp_shard 2, at t = 1 and under tp-sp on the 3-D mesh); with experts at t = 1 without
+recomputation, the router forced balanced or all-to-one (test_torchtitan_step.py);
 `check_modelled` names everything else.
 On CUDA torchtitan's Llama3 runs flex attention and torch's fused _fused_rms_norm kernel, which keep other tensors
 (the ledger's device rules) and allocate otherwise in backward: not described here yet.
@@ -75,6 +79,7 @@ from memcalc.sizing.pipeline import stages
 from memcalc.sizing.timeline.ends import model_states
 from memcalc.sizing.timeline.fsdp import OUTPUT, Fsdp, torchtitan_block
 from memcalc.sizing.timeline.tape import ACTIVATIONS, PARAMETERS, TEMPORARIES, Sizes, Tape, Timeline, prod
+from memcalc.sizing.timeline.torchtitan_moe import moe_ops
 from memcalc.sizing.timeline.walk import Checkpoint, Made, Op, Step, Walk, kept, kept_name
 from memcalc.sizing.totals import end_sizes
 
@@ -97,6 +102,9 @@ def torchtitan_timeline(config: ModelConfig, strategy: Strategy, accounting: Acc
         fsdp.states(tape)
     tape.add("states/rope caches", PARAMETERS, config.L * 8 * config.s * (z.d // 2),
              "each block's ComplexRoPE keeps its own complex64 (s, d/2) table, a buffer")
+    if config.moe:
+        tape.add("states/moe buffers", PARAMETERS, config.moe_layers * 2 * 4 * config.num_experts,
+                 "each MoE keeps two fp32 (E,) buffers: expert_bias_E and tokens_per_expert_E")
     tape.mark("steady", "", "model states between steps")
     saved = {x.tensor.name: x.bytes for x in every.tensors}
     end = _end_bytes(unpadded, strategy, accounting)
@@ -108,7 +116,7 @@ def torchtitan_timeline(config: ModelConfig, strategy: Strategy, accounting: Acc
         Segment("tok_embeddings", "tok_embeddings", Walk(tape, "", "", end, hand_over), (lookup,)),
         *(Segment(f"layers.{i}", f"layers.{i}", Walk(tape, f"layers.{i}", torchtitan_block(i, config), saved, hand_over,
                                                       block_checkpoint(i, config, accounting, z)),
-                  block_ops(i, z)) for i in range(config.L)),
+                  block_ops(i, z, config)) for i in range(config.L)),
         Segment(OUTPUT, "norm", Walk(tape, "", "", end, hand_over), tuple(norm)),
         Segment(OUTPUT, "lm_head", Walk(tape, "", "", end, hand_over), (lm_head,)),
         Segment(None, "", Walk(tape, "", "", end, hand_over), (loss,)),
@@ -139,7 +147,7 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
                                                         " carries a Partial gradient through the norms' backward;"
                                                         " tp-sp, torchtitan's default, is modelled)"),
         (config.reduce_dtype != "fp32", f"reduce_dtype {config.reduce_dtype} (torchtitan reduces in float32 only)"),
-        (config.moe, "a mixture of experts (num_experts)"),
+        *moe_refusals(config),
         (config.tie_embeddings, "tie_embeddings (Llama3 unties them; set tie_embeddings false)"),
         (config.position_embedding_type != "rope", f"position_embedding_type {config.position_embedding_type}"
                                                    " (Llama3 rotates q and k: set rope)"),
@@ -152,6 +160,17 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
     for absent, what in missing:
         if absent:
             raise ConfigError(f"the step timeline for impl torchtitan does not model {what} yet")
+
+
+def moe_refusals(config: ModelConfig) -> tuple[tuple[bool, str], ...]:
+    """What the walk does not model of torchtitan's MoE layers yet, each with its words."""
+    if not config.moe:
+        return ()
+    return (
+        (config.moe_layers != config.L, "a mix of dense and MoE layers (moe_layer_freq, moe_first_dense_layers)"),
+        (config.recompute != "none", f"recompute {config.recompute} with experts"),
+        (config.dp_shard is not None, "dp_shard with experts"),
+    )
 
 
 def block_checkpoint(i: int, config: ModelConfig, accounting: Accounting, z: Sizes) -> Checkpoint | None:
@@ -398,13 +417,26 @@ def reduce_scatter(where: str, z: Sizes, p: str, partial: str, out: str, gathere
     )),)
 
 
-def block_ops(i: int, z: Sizes) -> tuple[Op, ...]:
-    """Llama3TransformerBlock i, op by op (its input "layers.i/input", its output "layers.{i+1}/input")."""
+def block_ops(i: int, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
+    """Llama3TransformerBlock i, op by op (its input "layers.i/input", its output "layers.{i+1}/input"); with experts
+    the MoE layer (Qwen3TransformerBlock's: the same attention, its MoE as the feed-forward)."""
     p = f"layers.{i}"
     x, out, mid = f"{p}/input", f"layers.{i + 1}/input", f"{p}/mid"
     gx, gout, gmid = f"grad/{p}/input", f"grad/layers.{i + 1}/input", f"grad/{p}/mid"
     h, q, kv = z.seq(z.h), z.tokens(z.act * z.a_t * z.d), z.tokens(z.act * z.g_t * z.d)
     f = z.tokens(z.act * z.f_t)
+    if config.is_moe_layer(i):
+        shared = bool(config.moe_shared_expert_intermediate_size)
+        return (
+            *attention_ops(p, z, mid, gmid, gx, h, q, kv),
+            residual(p, "ffn_norm", f"grad/{p}/ffn_norm dx", gout, gmid, h),
+            rms_norm("ffn_norm", z, rules.LN2, p, kept(p, rules.MOE_SHARED_IN) if shared else
+                     Made(f"{p}/ffn_norm out", h, "the MoE's input, bf16"), f"grad/{p}/ffn_norm out",
+                     f"grad/{p}/ffn_norm dx"),
+            *moe_ops(p, z, config, kept_name(p, rules.MOE_SHARED_IN) if shared else f"{p}/ffn_norm out",
+                     shared_experts_ops(p, z, config) if shared else ()),
+            _second_residual(p, x, mid, out, f"{p}/ffn out", h),
+        )
     return (
         *attention_ops(p, z, mid, gmid, gx, h, q, kv),
         residual(p, "ffn_norm", f"grad/{p}/ffn_norm dx", gout, gmid, h),
@@ -500,28 +532,62 @@ def feed_forward_ops(p: str, z: Sizes, x: str, mid: str, out: str, h: int, f: in
     w2_out = kept_name(p, rules.FC2_OUT)  # its partial sum under tp
     ffn_out = f"{p}/ffn out" if z.t > 1 else w2_out
     return (
-        linear(f"{m}.w1", rules.FC1_IN, kept(p, ledger.SWIGLU_GATE), w, f"{g}/dx1", full, p, frees=(f"{g}/dgate",),
-               sums=(f"{g}/dx3", f"grad/{p}/ffn_norm out", full)),
-        # SiLU runs inside feed_forward; its backward while MemTracker still has w3 active (w1 x and w3 x share an
-        # input, whose gradient is not complete until w1's backward)
-        Op(f"{m}.w3", forward=(Step("SiLU", (kept(p, ledger.SWIGLU_SILU_OUT),),
-                                    reads_last=(kept_name(p, ledger.SWIGLU_GATE),)),),
-           backward=(Step("SiLU's backward", (Made(f"{g}/dgate", f, "bf16"),), frees=(f"{g}/dsilu",)),),
-           saves=(ledger.SWIGLU_GATE,)),
-        linear(f"{m}.w3", rules.FC1_IN, kept(p, ledger.SWIGLU_UP), w, f"{g}/dx3", full, p, frees=(f"{g}/dup",)),
-        Op(m, forward=(Step("SiLU(w1 x) * w3 x", (kept(p, ledger.FC2_IN),),
-                            reads_last=tuple(kept_name(p, x) for x in (ledger.SWIGLU_SILU_OUT, ledger.SWIGLU_UP))),),
-           backward=(Step("the product's backward: dY * up", (Made(f"{g}/dsilu", f, "bf16"),)),
-                     Step("the product's backward: dY * SiLU", (Made(f"{g}/dup", f, "bf16"),), frees=(f"{g}/dfc2",))),
-           saves=(ledger.SWIGLU_UP, ledger.SWIGLU_SILU_OUT)),
+        *swiglu_ops(p, z, m, DENSE_SWIGLU, w, f, f"grad/{p}/ffn_norm out"),
         *module_returns((
             linear(f"{m}.w2", ledger.FC2_IN, Made(w2_out, full, "w2's output"), w, f"{g}/dfc2", f, p,
                    frees=(dy,) if z.sp else ()),
             *reduce_scatter(f"{m}.w2", z, p, w2_out, f"{p}/ffn out", dy, (f"{p}/ffn_norm out",)),
         ), *(kept_name(p, x) for x in (rules.FC1_IN, ledger.FC2_IN))),
-        Op("", forward=(Step("h + feed-forward: the block's output", (Made(out, h, "the next block's input"),),
-                             frees=(ffn_out, mid, x)),), backward=()),
+        _second_residual(p, x, mid, out, ffn_out, h),
     )
+
+
+# A FeedForward's tensors: w1's and w3's input, SiLU's input and output, w3's output, w2's input (the product).
+DENSE_SWIGLU = (rules.FC1_IN, ledger.SWIGLU_GATE, ledger.SWIGLU_SILU_OUT, ledger.SWIGLU_UP, ledger.FC2_IN)
+SHARED_SWIGLU = (rules.MOE_SHARED_IN, ledger.SHARED_GATE, ledger.SHARED_SILU_OUT, ledger.SHARED_UP,
+                 ledger.SHARED_FC2_IN)
+
+
+def swiglu_ops(p: str, z: Sizes, m: str, tensors: tuple[SavedTensor, ...], w: int, f: int,
+               dx: str) -> tuple[Op, ...]:
+    """A FeedForward `m` (Llama3's, or the MoE's shared experts) up to w2: w1, SiLU, w3 and the product, keeping
+    `tensors` (DENSE_SWIGLU's roles); w1's and w3's dX summed into `dx`. `w`: a weight's bytes, `f`: a (b, s, f)
+    tensor's."""
+    x_in, gate, silu, up, product = tensors
+    g, full = f"grad/{p}/{m}", z.full(z.h)
+    return (
+        linear(f"{m}.w1", x_in, kept(p, gate), w, f"{g}/dx1", full, p, frees=(f"{g}/dgate",),
+               sums=(f"{g}/dx3", dx, full)),
+        # SiLU runs inside the FeedForward; its backward while MemTracker still has w3 active (w1 x and w3 x share an
+        # input, whose gradient is not complete until w1's backward)
+        Op(f"{m}.w3", forward=(Step("SiLU", (kept(p, silu),), reads_last=(kept_name(p, gate),)),),
+           backward=(Step("SiLU's backward", (Made(f"{g}/dgate", f, "bf16"),), frees=(f"{g}/dsilu",)),),
+           saves=(gate,)),
+        linear(f"{m}.w3", x_in, kept(p, up), w, f"{g}/dx3", full, p, frees=(f"{g}/dup",)),
+        Op(m, forward=(Step("SiLU(w1 x) * w3 x", (kept(p, product),),
+                            reads_last=tuple(kept_name(p, x) for x in (silu, up))),),
+           backward=(Step("the product's backward: dY * up", (Made(f"{g}/dsilu", f, "bf16"),)),
+                     Step("the product's backward: dY * SiLU", (Made(f"{g}/dup", f, "bf16"),), frees=(f"{g}/dfc2",))),
+           saves=(up, silu)),
+    )
+
+
+def shared_experts_ops(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
+    """The MoE's shared experts (a FeedForward of width u on its input, t = 1): their output f"{p}/moe/shared out";
+    in backward their input's gradient f"grad/{p}/moe/shared dX"."""
+    m, u = "moe.shared_experts", config.moe_shared_expert_intermediate_size
+    w, f = z.act * u * z.h, z.tokens(z.act * u)
+    return (
+        *swiglu_ops(p, z, m, SHARED_SWIGLU, w, f, f"grad/{p}/moe/shared dX"),
+        linear(f"{m}.w2", ledger.SHARED_FC2_IN, Made(f"{p}/moe/shared out", z.full(z.h), "the shared experts' output"),
+               w, f"grad/{p}/{m}/dfc2", f, p),
+    )
+
+
+def _second_residual(p: str, x: str, mid: str, out: str, ffn_out: str, h: int) -> Op:
+    """h + the feed-forward's output: the block's output; the block's input, h and that output go."""
+    return Op("", forward=(Step("h + feed-forward: the block's output", (Made(out, h, "the next block's input"),),
+                                frees=(ffn_out, mid, x)),), backward=())
 
 
 # -- the model's two ends -----------------------------------------------------------------------------------------

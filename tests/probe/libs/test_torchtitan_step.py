@@ -164,3 +164,86 @@ def test_on_cuda_the_walk_refuses_what_it_has_not_described():
     """CUDA runs flex attention and the fused rms_norm kernel: other tensors, another backward."""
     with pytest.raises(ConfigError, match="device cuda"):
         timeline(_config(), STRATEGIES["none"], Accounting(exact=True, device="cuda"))
+
+
+# -- with experts: its Qwen3 MoE decoder layers in the Llama3Model, the router forced ------------------------------
+
+MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 24, "moe_tokens": "balanced"}
+
+
+@pytest.mark.parametrize("route, expected", [("balanced", [24, 24, 24, 24]), ("all-to-one", [48, 48, 0, 0])])
+def test_with_experts_the_step_trains_its_moe_layers_on_the_forced_route(one_thread, route, expected):
+    """Every layer is torchtitan's MoE (GroupedExperts behind its TokenChoiceTopKRouter), and the router takes the
+    route forced: each expert's count of the step's k*b*s = 96 slots, as its MoE tallies them."""
+    trainer = warmed_up(single(), _config(**MOE), STRATEGIES["none"], route=route)
+    trainer.step()
+    for layer in trainer.model.layers.values():
+        assert layer.moe.tokens_per_expert_E.tolist() == [2 * x for x in expected]  # the warm-up's and the step's
+
+
+def test_with_experts_the_step_needs_a_forced_route():
+    from memcalc.errors import ProbeError
+
+    with pytest.raises(ProbeError, match="forces the router"):
+        warmed_up(single(), _config(**MOE), STRATEGIES["none"])
+
+
+# Sizes that move the peak with experts (t = 1, b = 1 and b > 1, odd s, E and k, both score functions, with and
+# without route_norm, with and without shared experts): the peak in w2's grouped GEMMs' backward, lm_head's GEMMs, the
+# loss's backward, combine's fp32 backward, the shared experts' w2, the final norm's backward.
+MOE_MOMENTS = [
+    ({"vocab_size": 16, "moe_ffn_hidden_size": 200, "moe_router_pre_softmax": True}, "balanced"),
+    ({"b": 1, "s": 7}, "balanced"),
+    ({"b": 3, "s": 5, "num_experts": 8, "moe_router_topk": 1}, "all-to-one"),
+    ({"moe_router_score_function": "sigmoid", "vocab_size": 16, "s": 9, "ffn_hidden_size": 16, "num_experts": 6,
+      "moe_router_topk": 3, "moe_ffn_hidden_size": 8}, "all-to-one"),
+    ({"moe_shared_expert_intermediate_size": 400, "vocab_size": 16, "b": 1, "s": 7}, "balanced"),  # shared w2's
+    ({"moe_shared_expert_intermediate_size": 48, "moe_router_score_function": "sigmoid", "vocab_size": 16, "s": 9},
+     "all-to-one"),  # DeepSeek-V3's router beside shared experts: the final norm's backward
+]
+
+
+def test_with_experts_the_chosen_sizes_put_the_peak_in_six_different_places():
+    moments = {timeline(_config(**(MOE | c)), STRATEGIES["none"], CPU).peak.label() for c, _ in MOE_MOMENTS}
+    assert len(moments) == len(MOE_MOMENTS), moments
+
+
+@pytest.mark.parametrize("changes, route", MOE_MOMENTS, ids=str)
+def test_with_experts_memtracker_reaches_the_peak_to_the_byte(one_thread, changes, route):
+    """At ep = 1 one rank runs every expert on all k*b*s slots: balanced or all-to-one, the same bytes."""
+    from memcalc.probe.libs.torchtitan_step import measure_torchtitan_step_on_rank
+    from memcalc.probe.step import StepComparison
+    from memcalc.probe.launch import Mode
+
+    config = _config(**(MOE | changes))
+    predicted = timeline(config, STRATEGIES["none"], CPU)
+    measured = measure_torchtitan_step_on_rank(single(), config, STRATEGIES["none"], route)
+    r = StepComparison(STRATEGIES["none"], Mode.SINGLE, predicted, measured)
+    assert r.measured.moment == r.predicted_moment
+    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+
+
+@pytest.mark.parametrize("changes, route", [MOE_MOMENTS[1], MOE_MOMENTS[2], MOE_MOMENTS[3], MOE_MOMENTS[5]], ids=str)
+def test_with_experts_every_moment_the_timeline_names_happens_in_order(one_thread, changes, route):
+    """The router (its fp32 gate, the forced lead, top-k, route_norm), the reorder, the grouped SwiGLU, the combine,
+    the shared experts, and their backward: each moment MemTracker's reading after some op, in its module."""
+    config = _config(**(MOE | changes))
+    with runtime(single()) as dims:
+        readings = readings_after_every_op(warmed_up(single(), config, STRATEGIES["none"], dims, route))
+    assert_moments_in_order(timeline(config, STRATEGIES["none"], CPU).moments[1:-1], readings)
+
+
+def test_with_experts_measure_step_runs_the_moe_model_on_the_balanced_route(one_thread):
+    (r,) = measure_step(_config(**MOE, b=1, s=7), ["none"], route="balanced")
+    assert r.model == "torchtitan's Llama3Model with its Qwen3 MoE layers, router forced balanced"
+    assert r.measured.moment == r.predicted_moment and r.matches
+
+
+@pytest.mark.parametrize("changes, named", [
+    ({"dp_shard": 2}, "dp_shard with experts"),
+    ({"recompute": "full"}, "recompute"),
+    ({"moe_layer_freq": 2}, "a mix of dense and MoE layers"),
+])
+def test_with_experts_what_the_walk_does_not_model_is_refused_by_name(changes, named):
+    with pytest.raises(ConfigError, match=named):
+        timeline(_config(**(MOE | changes)), STRATEGIES["none"], CPU)
