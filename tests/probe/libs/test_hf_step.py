@@ -29,6 +29,18 @@ CPU = Accounting(exact=True, device="cpu")
 
 LAYOUTS = ["none", "tp"]  # transformers runs no sequence parallelism (memcalc.model.impls.hf.NO_SEQUENCE_PARALLEL)
 
+def _exact_step(config, layout: str, route: str | None = None):
+    """The step of `config` under `layout`: every moment the walk names among MemTracker's readings, in order; the
+    peak's moment, and every category at the peak and between steps, MemTracker's to the byte."""
+    trainer = (lambda group: readings_after_every_op(warmed_up(group, config, STRATEGIES[layout], route)))
+    readings = trainer(single()) if config.t == 1 else run_fake(trainer, (), config.t)
+    assert_moments_in_order(timeline(config, STRATEGIES[layout], CPU).moments[1:], readings)
+    (r,) = measure_step(config, [layout], route=route)
+    assert r.measured.moment == r.predicted_moment
+    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+    return r
+
+
 
 @pytest.fixture(scope="module")
 def measured(one_thread):
@@ -349,12 +361,7 @@ ODD_SHAPES = [
 def test_at_odd_shapes_every_moment_happens_in_order_and_the_peak_is_memtrackers(one_thread, layout, attention,
                                                                                  changes):
     config = make_config(LLAMA, attention=attention, **changes)
-    trainer = (lambda group: readings_after_every_op(warmed_up(group, config, STRATEGIES[layout])))
-    readings = trainer(single()) if config.t == 1 else run_fake(trainer, (), config.t)
-    assert_moments_in_order(timeline(config, STRATEGIES[layout], CPU).moments[1:], readings)
-    (r,) = measure_step(config, [layout])
-    assert r.measured.moment == r.predicted_moment
-    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+    _exact_step(config, layout)
 
 
 def test_qwen2_moe_with_wide_heads_at_odd_sizes_peaks_where_the_timeline_says(one_thread):
@@ -384,12 +391,7 @@ QWEN3_STEPS = [
 def test_qwen3_and_qwen3_moe_steps_happen_in_order_and_peak_where_the_timeline_says(one_thread, layout, attention,
                                                                                    changes, route):
     config = make_config(LLAMA, attention=attention, **changes)
-    trainer = (lambda group: readings_after_every_op(warmed_up(group, config, STRATEGIES[layout], route)))
-    readings = trainer(single()) if config.t == 1 else run_fake(trainer, (), config.t)
-    assert_moments_in_order(timeline(config, STRATEGIES[layout], CPU).moments[1:], readings)
-    (r,) = measure_step(config, [layout], route=route)
-    assert r.measured.moment == r.predicted_moment
-    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+    r = _exact_step(config, layout, route)
     assert r.model.startswith("transformers' Qwen3")
 
 
@@ -407,12 +409,7 @@ QWEN2_STEPS = [
 def test_qwen2s_qkv_bias_gradients_happen_in_order_and_the_peak_is_memtrackers(one_thread, layout, attention, changes):
     """Each bias's gradient is dY summed to (out,) inside the GEMMs' node, beside dY, dW and dX."""
     config = make_config(LLAMA, attention=attention, **changes)
-    trainer = (lambda group: readings_after_every_op(warmed_up(group, config, STRATEGIES[layout])))
-    readings = trainer(single()) if config.t == 1 else run_fake(trainer, (), config.t)
-    assert_moments_in_order(timeline(config, STRATEGIES[layout], CPU).moments[1:], readings)
-    (r,) = measure_step(config, [layout])
-    assert r.measured.moment == r.predicted_moment
-    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+    r = _exact_step(config, layout)
     assert r.model.startswith("transformers' Qwen2")
 
 
@@ -435,12 +432,7 @@ def test_attention_dropout_keeps_its_mask_to_its_backward_and_the_peak_is_memtra
     """native_dropout keeps a 1-byte mask and weights x V the dropped-out weights (not the softmax's bf16 cast); its
     backward is one kernel, the gradient through the mask."""
     config = make_config(LLAMA, attention="eager", **changes)
-    trainer = (lambda group: readings_after_every_op(warmed_up(group, config, STRATEGIES[layout], route)))
-    readings = trainer(single()) if config.t == 1 else run_fake(trainer, (), config.t)
-    assert_moments_in_order(timeline(config, STRATEGIES[layout], CPU).moments[1:], readings)
-    (r,) = measure_step(config, [layout], route=route)
-    assert r.measured.moment == r.predicted_moment
-    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+    _exact_step(config, layout, route)
 
 
 # -- other families' own *ForCausalLM: the Llama walk with each family's declared variations -------------------------
@@ -486,10 +478,5 @@ def test_the_families_sizes_put_the_peak_in_different_places():
 @pytest.mark.parametrize("family, attention, changes", FAMILY_STEPS, ids=str)
 def test_each_familys_step_happens_in_order_and_peaks_where_the_timeline_says_to_the_byte(one_thread, family,
                                                                                            attention, changes):
-    config = make_config(LLAMA, attention=attention, **changes)
-    readings = readings_after_every_op(warmed_up(single(), config, STRATEGIES["none"]))
-    assert_moments_in_order(timeline(config, STRATEGIES["none"], CPU).moments[1:], readings)
-    (r,) = measure_step(config, ["none"])
-    assert r.measured.moment == r.predicted_moment
-    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+    r = _exact_step(make_config(LLAMA, attention=attention, **changes), "none")
     assert r.model.startswith(f"transformers' {FAMILIES[family].architectures[0]}")
