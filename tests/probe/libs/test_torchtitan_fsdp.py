@@ -10,14 +10,13 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("torchtitan")
 
-from memcalc.config.schema import build_config  # noqa: E402
 from memcalc.errors import ConfigError  # noqa: E402
 from memcalc.model.knobs import Accounting  # noqa: E402
 from memcalc.model.strategy import STRATEGIES  # noqa: E402
 from memcalc.probe.step import measure_step  # noqa: E402
 from memcalc.sizing.timeline import GRADIENTS, OPTIMIZER, PARAMETERS, timeline  # noqa: E402
 
-from tests.helpers import TORCHTITAN_LLAMA3  # noqa: E402
+from tests.helpers import TORCHTITAN_LLAMA3, make_config  # noqa: E402
 
 from ..step_readings import assert_moments_in_order, torchtitan_fsdp_readings  # noqa: E402
 
@@ -28,13 +27,9 @@ SHARDS = [2, 4]
 RESHARD = [True, False]
 
 
-def _config(**changes):
-    return build_config(LLAMA3 | changes)
-
-
 @pytest.fixture(scope="module")
 def measured(one_thread):
-    return {(n, reshard): measure_step(_config(dp_shard=n, reshard_after_forward=reshard), ["none"])[0]
+    return {(n, reshard): measure_step(make_config(LLAMA3, dp_shard=n, reshard_after_forward=reshard), ["none"])[0]
             for n in SHARDS for reshard in RESHARD}
 
 
@@ -57,7 +52,7 @@ def test_the_chosen_sizes_put_the_peak_at_a_gather_in_backward_and_in_the_loss(m
 def test_between_steps_each_rank_holds_each_padded_parameter_over_dp_shard_four_times_in_fp32(measured, n):
     """fp32 shards, their gradients (zeroed in place, not freed), AdamW's m and v, a 4-byte step per parameter
     tensor; each block's RoPE table (complex64, s by d/2) a buffer. Counted from the config, dim 0 padded to n."""
-    c = _config(dp_shard=n)
+    c = make_config(LLAMA3, dp_shard=n)
     pad = lambda rows: -(-rows // n) * n  # noqa: E731
     qkv = (c.a + 2 * c.groups) * c.head_dim
     block = (pad(qkv) + pad(c.h) + 2 * pad(c.ffn)) * c.h + pad(c.h) * c.ffn + 2 * pad(c.h)  # wqkv wo w1 w3, w2, norms
@@ -76,7 +71,7 @@ def test_every_moment_the_fsdp_walk_names_happens_in_order_in_its_module_with_it
     its backward, the unit gathered again for the norm's), the reduce-scatters added into the sharded gradients; under
     torchtitan's FullAC and SelectiveAC (passed to its parallelize_llama) each block's rerun inside its unit, which
     FSDPMemTracker reads as temporaries."""
-    config = _config(dp_shard=n, reshard_after_forward=reshard, recompute=recompute)
+    config = make_config(LLAMA3, dp_shard=n, reshard_after_forward=reshard, recompute=recompute)
     predicted = timeline(config, STRATEGIES["none"], CPU)
     assert_moments_in_order(predicted.moments[1:], torchtitan_fsdp_readings(config, "none"))
 
@@ -87,7 +82,7 @@ def test_every_moment_the_fsdp_walk_names_happens_in_order_in_its_module_with_it
     {"dp_shard": 4, "recompute": "full", "b": 1, "s": 7},  # b = 1, odd s: the first block's norm in backward
 ], ids=str)
 def test_under_its_activation_checkpointing_the_peak_is_fsdpmemtrackers_to_the_byte(one_thread, changes):
-    (r,) = measure_step(_config(**changes), ["none"])
+    (r,) = measure_step(make_config(LLAMA3, **changes), ["none"])
     assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
     assert r.moment_matches, (r.predicted_moment, r.measured.moment)
 
@@ -98,7 +93,7 @@ def test_as_hsdp_each_units_all_reduce_input_is_held_to_its_next_post_backward_a
     """HSDP (dp_replicate 2 x dp_shard 2, parallelize_llama's ["dp_replicate", "fsdp"] mesh): each reduce-scatter's
     output, all-reduced across replicas, is held by its unit (AllReduceState) after it has been added into the sharded
     gradients, until the unit's next post-backward (norm and lm_head's) or the end of backward (every block's)."""
-    config = _config(dp_shard=2, dp_replicate=2, reshard_after_forward=reshard, recompute=recompute)
+    config = make_config(LLAMA3, dp_shard=2, dp_replicate=2, reshard_after_forward=reshard, recompute=recompute)
     predicted = timeline(config, STRATEGIES["none"], CPU)
     assert_moments_in_order(predicted.moments[1:], torchtitan_fsdp_readings(config, "none"))
     (r,) = measure_step(config, ["none"])
@@ -111,4 +106,4 @@ def test_as_hsdp_each_units_all_reduce_input_is_held_to_its_next_post_backward_a
 ])
 def test_what_the_fsdp_walk_does_not_model_is_refused_by_name(changes, strategy, named):
     with pytest.raises(ConfigError, match=named):
-        timeline(_config(**changes), STRATEGIES[strategy], CPU)
+        timeline(make_config(LLAMA3, **changes), STRATEGIES[strategy], CPU)

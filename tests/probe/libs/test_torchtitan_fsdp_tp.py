@@ -9,7 +9,6 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("torchtitan")
 
-from memcalc.config.schema import build_config  # noqa: E402
 from memcalc.model.knobs import Accounting  # noqa: E402
 from memcalc.model.strategy import STRATEGIES  # noqa: E402
 from memcalc.probe.step import measure_step  # noqa: E402
@@ -17,14 +16,10 @@ from memcalc.sizing.timeline import timeline  # noqa: E402
 
 from ..step_readings import assert_moments_in_order, torchtitan_fsdp_readings  # noqa: E402
 
-from tests.helpers import TORCHTITAN_LLAMA3  # noqa: E402
+from tests.helpers import TORCHTITAN_LLAMA3, make_config  # noqa: E402
 
 # As the step tests' Llama3, with a vocabulary and an ffn width whose TP shards dp_shard = 4 pads.
 LLAMA3 = TORCHTITAN_LLAMA3 | {"ffn_hidden_size": 102}
-
-
-def _config(**changes):
-    return build_config(LLAMA3 | changes)
 
 
 @pytest.mark.parametrize("changes", [
@@ -38,7 +33,7 @@ def _config(**changes):
     {"dp_shard": 4, "recompute": "op", "b": 1, "s": 26, "reshard_after_forward": False},  # SelectiveAC
 ], ids=str)
 def test_the_peak_every_category_and_the_steady_state_are_fsdpmemtrackers_to_the_byte(one_thread, changes):
-    (r,) = measure_step(_config(t=2, **changes), ["tp-sp"])
+    (r,) = measure_step(make_config(LLAMA3, t=2, **changes), ["tp-sp"])
     assert r.measured.t == changes["dp_shard"] * 2
     assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
     assert r.moment_matches, (r.predicted_moment, r.measured.moment)
@@ -48,7 +43,7 @@ def test_between_steps_each_rank_holds_its_tp_shard_of_each_parameter_over_dp_sh
     """wqkv, w1, w3 and the vocabulary rows split over t on dim 0, wo and w2 on dim 1, the norms whole; then each
     local shard's dim 0 padded to dp_shard and split over it: fp32 weights, gradients, AdamW's m and v."""
     n, t = 2, 2
-    c = _config(dp_shard=n, t=t)
+    c = make_config(LLAMA3, dp_shard=n, t=t)
     pad = lambda rows: -(-rows // n) * n  # noqa: E731
     qkv = (c.a + 2 * c.groups) * c.head_dim // t
     block = (pad(qkv) + 2 * pad(c.ffn // t)) * c.h + pad(c.h) * (c.a * c.head_dim + c.ffn) // t + 2 * pad(c.h)
@@ -69,14 +64,14 @@ def test_every_moment_the_walk_names_happens_in_order_in_its_module_with_its_byt
     """The TP plan on DTensor: a reduce-scatter along s always concatenates the chunks (b = 1 too), an all-gather at
     b = 1 is its own output, the norms' inputs come contiguous; FSDP2 all-reduces each norm's Partial gradient over t
     before its reduce-scatter; each unit gathers and reduce-scatters its TP shards."""
-    config = _config(t=2, **changes)
+    config = make_config(LLAMA3, t=2, **changes)
     predicted = timeline(config, STRATEGIES["tp-sp"], Accounting(exact=True, device="cpu"))
     assert_moments_in_order(predicted.moments[1:], torchtitan_fsdp_readings(config, "tp-sp"))
 
 
 def test_as_hsdp_on_a_3d_mesh_every_moment_and_the_peak_are_fsdpmemtrackers(one_thread):
     """dp_replicate 2 x dp_shard 2 x t 2: its TP plan over t, HSDP over the outer two dimensions."""
-    config = _config(t=2, dp_shard=2, dp_replicate=2)
+    config = make_config(LLAMA3, t=2, dp_shard=2, dp_replicate=2)
     predicted = timeline(config, STRATEGIES["tp-sp"], Accounting(exact=True, device="cpu"))
     assert_moments_in_order(predicted.moments[1:], torchtitan_fsdp_readings(config, "tp-sp"))
     (r,) = measure_step(config, ["tp-sp"])

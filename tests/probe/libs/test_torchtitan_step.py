@@ -10,7 +10,6 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("torchtitan")
 
-from memcalc.config.schema import build_config  # noqa: E402
 from memcalc.errors import ConfigError  # noqa: E402
 from memcalc.model.knobs import Accounting  # noqa: E402
 from memcalc.model.strategy import STRATEGIES  # noqa: E402
@@ -20,16 +19,11 @@ from memcalc.probe.libs.torchtitan_step import runtime, warmed_up  # noqa: E402
 from memcalc.probe.step import measure_step  # noqa: E402
 from memcalc.sizing.timeline import ACTIVATIONS, timeline  # noqa: E402
 
-from tests.helpers import TORCHTITAN_LLAMA3  # noqa: E402
+from tests.helpers import TORCHTITAN_LLAMA3 as LLAMA3, make_config  # noqa: E402
 
 from ..step_readings import assert_moments_in_order, readings_after_every_op  # noqa: E402
 
-LLAMA3 = TORCHTITAN_LLAMA3
 CPU = Accounting(exact=True, device="cpu")
-
-
-def _config(**changes):
-    return build_config(LLAMA3 | changes)
 
 
 # Sizes that move the peak: each entry's peak is somewhere no other entry's is.
@@ -43,13 +37,13 @@ MOMENTS = [
 
 def test_the_chosen_sizes_put_the_peak_in_four_different_places():
     """What gives the next test its meaning: no two cases share a predicted moment."""
-    moments = {timeline(_config(**c), STRATEGIES["none"], CPU).peak.label() for c in MOMENTS}
+    moments = {timeline(make_config(LLAMA3, **c), STRATEGIES["none"], CPU).peak.label() for c in MOMENTS}
     assert len(moments) == len(MOMENTS), moments
 
 
 @pytest.mark.parametrize("changes", MOMENTS, ids=str)
 def test_wherever_the_peak_is_memtracker_reaches_it_there_to_the_byte(one_thread, changes):
-    (r,) = measure_step(_config(**changes), ["none"])
+    (r,) = measure_step(make_config(LLAMA3, **changes), ["none"])
     assert r.model == "torchtitan's Llama3Model"
     assert r.measured.moment == r.predicted_moment
     assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
@@ -63,7 +57,7 @@ def test_wherever_the_peak_is_memtracker_reaches_it_there_to_the_byte(one_thread
 ], ids=str)
 def test_every_moment_the_timeline_names_happens_in_order_in_its_module_with_its_bytes(one_thread, changes):
     """Not only the peak: each moment is MemTracker's reading after some op, in the named module, in order."""
-    config = _config(**changes)
+    config = make_config(LLAMA3, **changes)
     readings = readings_after_every_op(warmed_up(single(), config, STRATEGIES["none"]))
     assert_moments_in_order(timeline(config, STRATEGIES["none"], CPU).moments[1:-1], readings)
 
@@ -79,13 +73,13 @@ TP_MOMENTS = [
 
 
 def test_under_tp_the_chosen_sizes_put_the_peak_in_four_different_places():
-    moments = {timeline(_config(**c), STRATEGIES[st], CPU).peak.label() for c, st in TP_MOMENTS}
+    moments = {timeline(make_config(LLAMA3, **c), STRATEGIES[st], CPU).peak.label() for c, st in TP_MOMENTS}
     assert len(moments) == len(TP_MOMENTS), moments
 
 
 @pytest.mark.parametrize("changes, strategy", TP_MOMENTS, ids=str)
 def test_under_tp_wherever_the_peak_is_memtracker_reaches_it_there_to_the_byte(one_thread, changes, strategy):
-    (r,) = measure_step(_config(**changes), [strategy])
+    (r,) = measure_step(make_config(LLAMA3, **changes), [strategy])
     assert r.measured.t == changes["t"] and r.how().startswith(f"one process as rank 0 of t={changes['t']}")
     assert r.measured.moment == r.predicted_moment
     assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
@@ -98,7 +92,7 @@ def test_under_tp_every_moment_the_timeline_names_happens_in_order(one_thread, c
     """Each collective's buffer (under SP the all-gathers at the modules' entries and the reduce-scatters after wo and
     w2, at b > 1 and at b = 1 where the s-first copies are views; without SP f's and f*'s all-reduced copies), the
     vocabulary-parallel embedding and loss."""
-    config = _config(**changes)
+    config = make_config(LLAMA3, **changes)
 
     def readings(tp):
         with runtime(tp) as dims:
@@ -128,7 +122,7 @@ def test_under_its_activation_checkpointing_memtracker_reaches_the_peak_to_the_b
                                                                                       strategy):
     """FullAC keeps each block's input alone, SelectiveAC also the outputs its policy caches; each block's forward
     reruns at the start of its backward."""
-    (r,) = measure_step(_config(recompute=recompute, **changes), [strategy])
+    (r,) = measure_step(make_config(LLAMA3, recompute=recompute, **changes), [strategy])
     assert r.measured.moment == r.predicted_moment
     assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
 
@@ -138,7 +132,7 @@ def test_under_its_activation_checkpointing_memtracker_reaches_the_peak_to_the_b
 def test_under_its_activation_checkpointing_every_moment_happens_in_order(one_thread, recompute, changes, strategy):
     """What goes in forward when nothing keeps it, the rerun (read in backward, at w2 for the modules around it), what
     the rerun's locals free in backward and the block's input going with the last tensor the rerun kept."""
-    config = _config(recompute=recompute, **changes)
+    config = make_config(LLAMA3, recompute=recompute, **changes)
 
     def readings(tp):
         with runtime(tp) as dims:
@@ -157,13 +151,13 @@ def test_under_its_activation_checkpointing_every_moment_happens_in_order(one_th
 ])
 def test_what_the_walk_does_not_model_is_refused_by_name(changes, named):
     with pytest.raises(ConfigError, match=named):
-        timeline(_config(**changes), STRATEGIES["none"], CPU)
+        timeline(make_config(LLAMA3, **changes), STRATEGIES["none"], CPU)
 
 
 def test_on_cuda_the_walk_refuses_what_it_has_not_described():
     """CUDA runs flex attention and the fused rms_norm kernel: other tensors, another backward."""
     with pytest.raises(ConfigError, match="device cuda"):
-        timeline(_config(), STRATEGIES["none"], Accounting(exact=True, device="cuda"))
+        timeline(make_config(LLAMA3), STRATEGIES["none"], Accounting(exact=True, device="cuda"))
 
 
 # -- with experts: its Qwen3 MoE decoder layers in the Llama3Model, the router forced ------------------------------
@@ -175,7 +169,7 @@ MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 24, "moe_t
 def test_with_experts_the_step_trains_its_moe_layers_on_the_forced_route(one_thread, route, expected):
     """Every layer is torchtitan's MoE (GroupedExperts behind its TokenChoiceTopKRouter), and the router takes the
     route forced: each expert's count of the step's k*b*s = 96 slots, as its MoE tallies them."""
-    trainer = warmed_up(single(), _config(**MOE), STRATEGIES["none"], route=route)
+    trainer = warmed_up(single(), make_config(LLAMA3, **MOE), STRATEGIES["none"], route=route)
     trainer.step()
     for layer in trainer.model.layers.values():
         assert layer.moe.tokens_per_expert_E.tolist() == [2 * x for x in expected]  # the warm-up's and the step's
@@ -185,7 +179,7 @@ def test_with_experts_the_step_needs_a_forced_route():
     from memcalc.errors import ProbeError
 
     with pytest.raises(ProbeError, match="forces the router"):
-        warmed_up(single(), _config(**MOE), STRATEGIES["none"])
+        warmed_up(single(), make_config(LLAMA3, **MOE), STRATEGIES["none"])
 
 
 # Sizes that move the peak with experts (t = 1, b = 1 and b > 1, odd s, E and k, both score functions, with and
@@ -204,7 +198,7 @@ MOE_MOMENTS = [
 
 
 def test_with_experts_the_chosen_sizes_put_the_peak_in_six_different_places():
-    moments = {timeline(_config(**(MOE | c)), STRATEGIES["none"], CPU).peak.label() for c, _ in MOE_MOMENTS}
+    moments = {timeline(make_config(LLAMA3, **(MOE | c)), STRATEGIES["none"], CPU).peak.label() for c, _ in MOE_MOMENTS}
     assert len(moments) == len(MOE_MOMENTS), moments
 
 
@@ -215,7 +209,7 @@ def test_with_experts_memtracker_reaches_the_peak_to_the_byte(one_thread, change
     from memcalc.probe.step import StepComparison
     from memcalc.probe.launch import Mode
 
-    config = _config(**(MOE | changes))
+    config = make_config(LLAMA3, **(MOE | changes))
     predicted = timeline(config, STRATEGIES["none"], CPU)
     measured = measure_torchtitan_step_on_rank(single(), config, STRATEGIES["none"], route)
     r = StepComparison(STRATEGIES["none"], Mode.SINGLE, predicted, measured)
@@ -227,14 +221,14 @@ def test_with_experts_memtracker_reaches_the_peak_to_the_byte(one_thread, change
 def test_with_experts_every_moment_the_timeline_names_happens_in_order(one_thread, changes, route):
     """The router (its fp32 gate, the forced lead, top-k, route_norm), the reorder, the grouped SwiGLU, the combine,
     the shared experts, and their backward: each moment MemTracker's reading after some op, in its module."""
-    config = _config(**(MOE | changes))
+    config = make_config(LLAMA3, **(MOE | changes))
     with runtime(single()) as dims:
         readings = readings_after_every_op(warmed_up(single(), config, STRATEGIES["none"], dims, route))
     assert_moments_in_order(timeline(config, STRATEGIES["none"], CPU).moments[1:-1], readings)
 
 
 def test_with_experts_measure_step_runs_the_moe_model_on_the_balanced_route(one_thread):
-    (r,) = measure_step(_config(**MOE, b=1, s=7), ["none"], route="balanced")
+    (r,) = measure_step(make_config(LLAMA3, **MOE, b=1, s=7), ["none"], route="balanced")
     assert r.model == "torchtitan's Llama3Model with its Qwen3 MoE layers, router forced balanced"
     assert r.measured.moment == r.predicted_moment and r.matches
 
@@ -246,4 +240,4 @@ def test_with_experts_measure_step_runs_the_moe_model_on_the_balanced_route(one_
 ])
 def test_with_experts_what_the_walk_does_not_model_is_refused_by_name(changes, named):
     with pytest.raises(ConfigError, match=named):
-        timeline(_config(**(MOE | changes)), STRATEGIES["none"], CPU)
+        timeline(make_config(LLAMA3, **(MOE | changes)), STRATEGIES["none"], CPU)
