@@ -44,9 +44,9 @@ from memcalc.config.schema import ModelConfig
 from memcalc.probe import require_torch
 from memcalc.probe.checkpoint import checkpoint
 from memcalc.probe.group import TensorParallelGroup
+from memcalc.probe.kernels import wide
 from memcalc.probe.linear import ColumnParallelLinear, RowParallelLinear
 from memcalc.probe.overlap import NO_OVERLAP, Overlap
-from memcalc.probe.norm import wide
 from memcalc.probe.recorder import batch_first, label
 
 torch = require_torch()

@@ -15,7 +15,8 @@ from memcalc.probe import require_torch
 torch = require_torch()
 
 
-def _wide(x: torch.Tensor) -> torch.Tensor:
+def wide(x: torch.Tensor) -> torch.Tensor:
+    """x in at least fp32, the precision fused kernels (norms here, flash attention too) compute in."""
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
@@ -24,10 +25,10 @@ def rms_norm_backward(
     grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """dX (x's dtype and shape) and dWeight (weight's) of y = x * rstd * weight."""
-    x_hat = _wide(x) * _wide(rstd)
-    grad_x_hat = _wide(grad_y) * _wide(weight)
-    grad_x = _wide(rstd) * (grad_x_hat - x_hat * (grad_x_hat * x_hat).mean(-1, keepdim=True))
-    grad_weight = (_wide(grad_y) * x_hat).reshape(-1, x.shape[-1]).sum(0)
+    x_hat = wide(x) * wide(rstd)
+    grad_x_hat = wide(grad_y) * wide(weight)
+    grad_x = wide(rstd) * (grad_x_hat - x_hat * (grad_x_hat * x_hat).mean(-1, keepdim=True))
+    grad_weight = (wide(grad_y) * x_hat).reshape(-1, x.shape[-1]).sum(0)
     return grad_x.to(x.dtype), grad_weight.to(weight.dtype)
 
 
@@ -39,9 +40,9 @@ def _(grad_y, x, weight, rstd):
 @torch.library.custom_op("memcalc::swiglu_backward", mutates_args=())
 def swiglu_backward(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """d[gate; up] of SiLU(gate) * up, as one tensor of twice the width: BiasSwiGLUFunction's backward."""
-    sigmoid = torch.sigmoid(_wide(gate))
-    grad_gate = _wide(grad) * _wide(up) * sigmoid * (1 + _wide(gate) * (1 - sigmoid))
-    grad_up = _wide(grad) * _wide(gate) * sigmoid
+    sigmoid = torch.sigmoid(wide(gate))
+    grad_gate = wide(grad) * wide(up) * sigmoid * (1 + wide(gate) * (1 - sigmoid))
+    grad_up = wide(grad) * wide(gate) * sigmoid
     return torch.cat([grad_gate, grad_up], dim=-1).to(grad.dtype)
 
 

@@ -20,7 +20,7 @@ from functools import lru_cache
 
 from memcalc.model.ledger import NormTensors
 from memcalc.probe import require_torch
-from memcalc.probe.kernels import rms_norm_backward
+from memcalc.probe.kernels import rms_norm_backward, wide
 from memcalc.probe.recorder import batch_first, label
 
 torch = require_torch()
@@ -78,11 +78,6 @@ class _RMSNorm(torch.autograd.Function):
     def backward(ctx, grad_y, _grad_rstd):
         x, weight, rstd = ctx.saved_tensors
         return rms_norm_backward(grad_y, x, weight, rstd)  # one op, as the fused kernel
-
-
-def wide(x: torch.Tensor) -> torch.Tensor:
-    """x in at least fp32, the precision fused kernels (norms here, flash attention too) compute in."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 @lru_cache(maxsize=None)
