@@ -22,6 +22,8 @@ natively, so no emulation is needed.
 
 from __future__ import annotations
 
+from typing import Callable
+
 from memcalc.probe import require_torch
 from memcalc.probe.group import TensorParallelGroup
 
@@ -65,68 +67,37 @@ def copy_seq_shard(x: torch.Tensor, tp: TensorParallelGroup) -> torch.Tensor:
 # -- one autograd function per operator; backward calls the partner's forward --
 
 
-class _EnterTensorRegion(torch.autograd.Function):
-    """f: forward identity, backward all-reduce (conjugate of f*)."""
+def _identity(x: torch.Tensor, tp: TensorParallelGroup) -> torch.Tensor:
+    return x
 
-    @staticmethod
-    def forward(ctx, x, tp):
+
+def _operator(name: str, doc: str, forward: Callable, backward: Callable) -> type[torch.autograd.Function]:
+    """An autograd function running forward(x, tp) forward and backward(grad, tp) backward."""
+
+    def run_forward(ctx, x, tp):
         ctx.tp = tp
-        return x
+        return forward(x, tp)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return all_reduce(grad, ctx.tp), None
+    def run_backward(ctx, grad):
+        return backward(grad, ctx.tp), None
 
-
-class _LeaveTensorRegion(torch.autograd.Function):
-    """f*: forward all-reduce, backward identity (conjugate of f)."""
-
-    @staticmethod
-    def forward(ctx, x, tp):
-        return all_reduce(x, tp)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
+    body = {"__doc__": doc, "forward": staticmethod(run_forward), "backward": staticmethod(run_backward)}
+    return type(name, (torch.autograd.Function,), body)
 
 
-class _GatherSequence(torch.autograd.Function):
-    """g: forward all-gather along s, backward reduce-scatter along s (conjugate of g*)."""
-
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return all_gather_seq(x, tp)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter_seq(grad, ctx.tp), None
-
-
-class _ScatterSequence(torch.autograd.Function):
-    """g*: forward reduce-scatter along s, backward all-gather along s (conjugate of g)."""
-
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return reduce_scatter_seq(x, tp)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_seq(grad, ctx.tp), None
-
-
-class _SplitSequence(torch.autograd.Function):
-    """Entering SP from a replicated tensor: forward split along s, backward all-gather along s."""
-
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return copy_seq_shard(x, tp)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_seq(grad, ctx.tp), None
+_EnterTensorRegion = _operator(
+    "_EnterTensorRegion", "f: forward identity, backward all-reduce (conjugate of f*).", _identity, all_reduce)
+_LeaveTensorRegion = _operator(
+    "_LeaveTensorRegion", "f*: forward all-reduce, backward identity (conjugate of f).", all_reduce, _identity)
+_GatherSequence = _operator(
+    "_GatherSequence", "g: forward all-gather along s, backward reduce-scatter along s (conjugate of g*).",
+    all_gather_seq, reduce_scatter_seq)
+_ScatterSequence = _operator(
+    "_ScatterSequence", "g*: forward reduce-scatter along s, backward all-gather along s (conjugate of g).",
+    reduce_scatter_seq, all_gather_seq)
+_SplitSequence = _operator(
+    "_SplitSequence", "Entering SP from a replicated tensor: forward split along s, backward all-gather along s.",
+    copy_seq_shard, all_gather_seq)
 
 
 # -- public wrappers: identities when t = 1 -----------------------------------
