@@ -1,54 +1,9 @@
 """Tensor-parallel communication overlapped with the GEMMs (seed, section 5), run for real.
 
-Under SP the column-parallel linear all-gathers its input along s (g) and the
-row-parallel linear reduce-scatters its output along s (g*). Megatron with
-Transformer Engine hides those collectives behind the GEMM they feed or follow
-by cutting both into pieces:
-
-    ring-ag        (tp_comm_overlap_ag)  the all-gather as t-1 ring hops: each rank
-                   multiplies the sequence chunk it holds by its weight while
-                   passing the chunk to the next rank; after t-1 hops every chunk
-                   has met every rank's weight.
-    ring-rs        (tp_comm_overlap_rs)  the reduce-scatter as t-1 ring hops: the
-                   buffer for sequence chunk j starts on rank j+1; each rank adds
-                   its partial result for the chunk and passes it on, so after
-                   t-1 hops it is home on rank j, summed over every rank.
-    pipelined-rs   (tp_comm_overlap_rs, TE's "pipeline" method)  the row GEMM in
-                   num_splits blocks, each block reduce-scattered (one collective
-                   each) while the next block's GEMM runs.
-
-ring-rs is the seed's accumulate-and-pass ring. Transformer Engine's
-ring_exchange reduce-scatter (CommOverlapP2PBase::split_overlap_rs) instead
-sends each chunk's partial straight to its home rank (i ranks away at step i)
-and sums the t partials there at the end, keeping 2t-1 chunk buffers where this
-ring keeps two. Both send t-1 messages of one chunk from each rank.
-
-Only forward is overlapped. Backward is g's and g*'s (linear.py): the column
-linear's is the very code it runs without overlap, the row linear's the same
-math as F.linear followed by g*, and the tests check both number for number.
-
-What each rank sends, for a whole tensor of n bytes (the gathered input, or
-the row GEMM's full output), is what the ring collective it replaces sends:
-ring-ag and ring-rs t-1 messages of n/t bytes each, (t-1)/t * n in all;
-pipelined-rs num_splits reduce-scatters of n/num_splits bytes each, (t-1)/t of
-that per chunk. Overlap moves no fewer bytes; it hides their time.
-
-The pieces cut the tensor the way each partner needs it. ring-ag and ring-rs
-hop with whole sequence chunks (s/t rows, a rank's SP shard). pipelined-rs cuts
-the GEMM along its output features, as Transformer Engine's split_overlap_rs
-cuts its weight into m/num_splits rows and writes each reduce-scattered block
-into the output at a stride: every block's reduce-scatter then hands this rank
-its own s/t rows of those columns, and the blocks side by side are its whole
-sequence shard.
-
-Each hop's send and receive go to torch.distributed's batch_isend_irecv
-together, which gloo runs as plain isend/irecv and NCCL as one grouped launch:
-torch documents that the order of a batch's sends and receives cannot
-deadlock, which a ring of separate blocking NCCL sends could. Torch's fake
-process group accepts them and moves no data, like its collectives.
-
-On the CPU, gloo moves the bytes on its own threads, so the hops do run beside
-the GEMMs; the probe's point is the bytes and the result, not the speed.
+Under SP the column-parallel linear's all-gather (g) and the row-parallel linear's reduce-scatter (g*) are cut into
+pieces that run beside the GEMM they feed or follow, as Megatron with Transformer Engine does: ring-ag, ring-rs and
+pipelined-rs (`Method`). Only forward is overlapped; what each method moves and why it cannot deadlock is in
+docs/probe.md, "Overlapped collectives".
 """
 
 from __future__ import annotations
