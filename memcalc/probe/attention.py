@@ -6,31 +6,9 @@
       -> core: eager or flash                        (s, b, h/t), the projection's input
       -> output projection (row-parallel, f* or g*)  (s, b, h)  [SP: (s/t, b, h)]
 
-The fused QKV output is laid out group by group, [a/g query heads, one key, one
-value] per K/V group (as Megatron's is), so a rank's column block holds whole
-groups. Megatron keeps q, k and v as views of that one QKV output; the probe
-copies them apart so that each ledger row is one storage (same bytes in total).
-
-Grouped-query attention keeps what megatron-core's local core attention keeps
-(memcalc.model.impls.megatron): eager attention `repeat_interleave`s K and V to
-every head, and QK^T and weights x V keep those (b, a/t, s, d) copies; under
-selective recomputation the checkpoint keeps q, k, v and, as Megatron's does
-through K and V's views of the fused QKV output, the query columns of that output
-(here a storage of their own). Flash attention scores each group's a/g query heads,
-stacked along the rows, against its one key: (b*g, a/g*s, d) @ (b*g, d, s). The
-scale and the causal mask go into one `baddbmm` (additive mask), so neither keeps
-a tensor for backward.
-
-Eager attention keeps what its ops' backwards read: q and k (QK^T), the softmax
-output, the dropout mask, the dropped-out weights and v (weights x V); with
-dropout 0 the weights x V matmul keeps the softmax output itself.
-
-Flash attention is `FlashAttention` below, not torch's kernel: torch 2.13's CPU
-flash kernel (`_scaled_dot_product_flash_attention_for_cpu`) refuses dropout and
-returns its output in (b, a, s, d) layout, so the sequence-first projection
-input could not be that same storage. Like the CUDA kernels it keeps q, k, v,
-the output and each row's fp32 log-sum-exp, and regenerates the dropout mask
-from a seed in backward.
+What each core keeps, and where this layer departs from Megatron's in layout but not in bytes (q, k, v
+copied apart, the grouped flash scores, `FlashAttention` instead of torch's CPU kernel), is in
+docs/probe.md, "The layer".
 """
 
 from __future__ import annotations
