@@ -1,32 +1,9 @@
 """Pipeline stages: which layers and model ends a GPU holds, and how many micro-batches it keeps.
 
-Under pipeline parallelism a stage's activations are not its layers' share of
-one micro-batch: a schedule keeps several micro-batches in flight so that no
-stage idles (Korthikanti et al. 2022, section 4.2.3). With Megatron-LM's
-schedules, after the warm-up every step runs one forward and then one backward,
-so a rank's peak is its warm-up forwards plus one:
-
-- 1F1B (PipeDream-Flush): rank r warms up with p - r - 1 forwards, so the first
-  stage keeps p micro-batches of its L/p layers (L layers' worth, whatever p
-  is) and the last stage keeps one.
-- Interleaved 1F1B with m model chunks of L/(pm) layers per rank: rank r warms
-  up with 2(p - r - 1) + (m - 1)p chunk forwards, so the first stage keeps
-  pm + p - 1 chunk-micro-batches, L(1 + (p-1)/(pm)) layers' worth (the paper's
-  factor), and the last stage (m - 1)p + 1. Forward k runs chunk (k mod pm) // p,
-  so chunk 0, which holds the embedding, reaches 2p micro-batches in flight at
-  that same peak, while the output layer's chunk on the last stage keeps one.
-
-The middle stages hold fewer micro-batches than the first and no model ends,
-so the first and the last stage bound every GPU. Both counts follow from one
-rule, megatron-core 0.16's `get_pp_rank_microbatches`: rank r runs its warm-up
-forwards (above), capped at the step's n micro-batches times its chunks, then,
-while forwards are left, one forward before each backward. With n unknown
-(None) the steady state is assumed. A short step caps only the first stage:
-under 1F1B it keeps min(p, n); interleaved (Megatron-LM needs n >= p, memcalc
-p | n), n = p leaves rank 0 all n*m forwards as warm-up, n of them the
-embedding's chunk. The last rank's (m - 1)p warm-up forwards stay fewer than
-n*m whatever n is, so it keeps (m - 1)p + 1, one of them the output layer's
-chunk, whose backward follows its forward: one micro-batch's logits at a time.
+Under pipeline parallelism a schedule keeps several micro-batches in flight so that no stage idles (Korthikanti
+et al. 2022, section 4.2.3); with Megatron-LM's 1F1B and interleaved 1F1B, a rank's peak is its warm-up forwards
+plus one. The first and the last stage bound every GPU. The counts, and a short step's, are derived in
+docs/guide-fit-totals.md (section 1, `layers`).
 """
 
 from __future__ import annotations
