@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,20 @@ TORCHTITAN_LLAMA3 = dict(
     impl="torchtitan", b=2, s=24, h=64, a=8, L=2, vocab_size=250, ffn_hidden_size=176, num_query_groups=2,
     position_embedding_type="rope", add_bias_linear=False, tie_embeddings=False, recompute="none",
 )
+
+
+# SEED.md section 3 written out by hand, the oracle every formula test checks against.
+SEED_TEXT = {"none": "sbh(34 + 5as/h)", "tp": "sbh(10 + 24/t + 5as/(ht))", "tp-sp": "sbh(34/t + 5as/(ht))"}
+
+
+def seed_bytes(strategy: str, b: Any, s: Any, h: Any, a: Any, t: Any, recompute: str = "none") -> Any:
+    """Bytes one GPU keeps for one layer by SEED_TEXT (selective drops the 5as/h terms; full keeps the layer's input,
+    2sbh, split by t under SP): a Fraction for whole sizes, an expression for sympy symbols."""
+    ratio = lambda x, y: Fraction(x, y) if isinstance(y, int) else x / y  # noqa: E731
+    sbh, core = s * b * h, ratio(0 if recompute == "selective" else 5 * a * s, h)
+    if recompute == "full":
+        return sbh * (ratio(2, t) if strategy == "tp-sp" else 2)
+    return sbh * {"none": 34 + core, "tp": 10 + ratio(24, t) + core / t, "tp-sp": ratio(34, t) + core / t}[strategy]
 
 
 def make_config(base: dict[str, Any], **changes: Any) -> ModelConfig:

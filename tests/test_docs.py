@@ -12,6 +12,8 @@ from memcalc.docgen import model as docgen
 from memcalc.model import ledger
 from memcalc.model.formula import SYMBOLS
 
+from tests.helpers import SEED_TEXT, seed_bytes
+
 DOCS = Path(__file__).parents[1] / "docs" / "model.md"
 
 
@@ -33,18 +35,13 @@ def test_docs_describe_every_ledger_tensor_with_its_reason(rendered):
 
 def test_docs_print_the_seeds_three_formulas(rendered):
     default = rendered.split("## Formulas of the default layer", 1)[1].split("\n## ", 1)[0]
-    for name, text in (("none", "sbh(34 + 5as/h)"), ("tp", "sbh(10 + 24/t + 5as/(ht))"),
-                       ("tp-sp", "sbh(34/t + 5as/(ht))")):
+    for name, text in SEED_TEXT.items():
         assert f"| `{name}` | `{text}` |" in default
 
 
 def test_docs_latex_totals_parse_back_to_the_seeds_formulas(rendered):
     b, s, h, a, t = (SYMBOLS[n] for n in "bshat")
-    seed = {
-        "none": s * b * h * (34 + 5 * a * s / h),
-        "tp": s * b * h * (10 + 24 / t + 5 * a * s / (h * t)),
-        "tp-sp": s * b * h * (34 / t + 5 * a * s / (h * t)),
-    }
+    seed = {name: seed_bytes(name, b, s, h, a, t) for name in SEED_TEXT}
     default = rendered.split("## Formulas of the default layer", 1)[1]
     for name, expr in seed.items():
         latex = re.search(rf"\\text{{{name}}} &= (.*?)(?: \\\\)?$", default, re.M).group(1)

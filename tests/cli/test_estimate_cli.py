@@ -1,11 +1,12 @@
 """`memcalc estimate`: the seed's numbers for GPT-3 175B, the JSON shape, the tables."""
 
 import json
-from fractions import Fraction
 
 import pytest
 
 from memcalc.model.ledger import BY_NAME
+
+from tests.helpers import seed_bytes
 
 from . import memcalc_cli, shipped
 
@@ -15,9 +16,7 @@ B, S, H, A, T, L = 1, 2048, 12288, 96, 8, 96  # Korthikanti et al. 2022, Table 3
 
 def _seed(strategy: str, t: int = T) -> int:
     """SEED.md section 3 evaluated by hand at GPT-3 175B's sizes."""
-    core = Fraction(5 * A * S, H)
-    per_sbh = {"none": 34 + core, "tp": 10 + Fraction(24, t) + core / t, "tp-sp": Fraction(34, t) + core / t}
-    value = S * B * H * per_sbh[strategy]
+    value = seed_bytes(strategy, B, S, H, A, t)
     assert value.denominator == 1
     return int(value)
 

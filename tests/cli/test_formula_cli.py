@@ -9,15 +9,12 @@ from memcalc.model.formula import SYMBOLS
 from memcalc.model.impls import layer_tensors
 from memcalc.model.knobs import Accounting, Knobs
 
+from tests.helpers import SEED_TEXT, seed_bytes
+
 from . import memcalc_cli, shipped
 
 b, s, h, a, t = (SYMBOLS[n] for n in "bshat")
-SEED = {
-    "none": s * b * h * (34 + 5 * a * s / h),
-    "tp": s * b * h * (10 + 24 / t + 5 * a * s / (h * t)),
-    "tp-sp": s * b * h * (34 / t + 5 * a * s / (h * t)),
-}
-SEED_TEXT = {"none": "sbh(34 + 5as/h)", "tp": "sbh(10 + 24/t + 5as/(ht))", "tp-sp": "sbh(34/t + 5as/(ht))"}
+SEED = {name: seed_bytes(name, b, s, h, a, t) for name in SEED_TEXT}
 
 
 def _ok(*args: str) -> str:

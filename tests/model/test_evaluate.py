@@ -1,7 +1,5 @@
 """Integer bytes per rank, checked against the seed's tables and formulas by hand."""
 
-from fractions import Fraction
-
 import pytest
 
 from memcalc.config.schema import build_config
@@ -11,24 +9,16 @@ from memcalc.model.knobs import Accounting
 from memcalc.model.ledger import GELU_IN, PROJ_IN, QKV_IN, Dim
 from memcalc.model.strategy import NONE, TP, TP_SP
 
+from tests.helpers import seed_bytes
+
 SIZES = dict(b=4, s=40, h=80, a=10, t=5)  # where Megatron's fused softmax runs: b*a/t a multiple of 8
-
-
-def _seed_formula(strategy: str, b, s, h, a, t) -> Fraction:
-    """SEED.md section 3, written out by hand."""
-    sbh, core = s * b * h, Fraction(5 * a * s, h)
-    return sbh * {
-        "none": 34 + core,
-        "tp": 10 + Fraction(24, t) + core / t,
-        "tp-sp": Fraction(34, t) + core / t,
-    }[strategy]
 
 
 @pytest.mark.parametrize("strategy", [NONE, TP, TP_SP], ids=lambda x: x.name)
 @pytest.mark.parametrize("sizes", [SIZES, dict(b=1, s=2048, h=12288, a=96, t=8), dict(b=8, s=32, h=8, a=1, t=1)])
 def test_per_layer_bytes_are_the_seeds_formulas(strategy, sizes):
     result = estimate(build_config(sizes), strategy)
-    assert result.per_layer_bytes == _seed_formula(strategy.name, **sizes)
+    assert result.per_layer_bytes == seed_bytes(strategy.name, **sizes)
 
 
 def test_no_parallelism_matches_the_seeds_table_tensor_by_tensor():

@@ -11,13 +11,10 @@ from memcalc.model.evaluate import estimate
 from memcalc.model.knobs import Accounting, Knobs
 from memcalc.model.strategy import NONE, STRATEGIES, TP, TP_SP
 
+from tests.helpers import SEED_TEXT, seed_bytes
+
 b, s, h, a, t, g, f = (F.SYMBOLS[n] for n in "bshatgf")
-SEED = {
-    "none": s * b * h * (34 + 5 * a * s / h),
-    "tp": s * b * h * (10 + 24 / t + 5 * a * s / (h * t)),
-    "tp-sp": s * b * h * (34 / t + 5 * a * s / (h * t)),
-}
-SEED_TEXT = {"none": "sbh(34 + 5as/h)", "tp": "sbh(10 + 24/t + 5as/(ht))", "tp-sp": "sbh(34/t + 5as/(ht))"}
+SEED = {name: seed_bytes(name, b, s, h, a, t) for name in SEED_TEXT}
 
 VARIANTS = [
     Knobs(), Knobs(mlp="swiglu", ffn_hidden_size=96), Knobs(attention="flash", num_query_groups=2), Knobs(norm="rmsnorm"),

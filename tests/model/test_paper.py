@@ -1,8 +1,6 @@
 """`--impl paper` is Korthikanti et al.'s accounting at every shape: the seed's closed formulas, to the byte; and
 every other implementation departs from it only by what its departures name."""
 
-from fractions import Fraction
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -16,20 +14,7 @@ from memcalc.model.knobs import Accounting
 from memcalc.model.ledger import Dim
 from memcalc.model.strategy import STRATEGIES
 
-
-def seed(strategy: str, recompute: str, b: int, s: int, h: int, a: int, t: int) -> Fraction:
-    """SEED.md section 3, written out: bytes one GPU keeps for one layer (selective drops the 5as/h terms; full
-    keeps the layer's input, 2sbh, split by t under SP)."""
-    sbh, core = Fraction(s * b * h), Fraction(5 * a * s, h)
-    if recompute == "full":
-        return sbh * (Fraction(2, t) if strategy == "tp-sp" else 2)
-    if recompute == "selective":
-        core = Fraction(0)
-    return sbh * {
-        "none": 34 + core,
-        "tp": 10 + Fraction(24, t) + core / t,
-        "tp-sp": Fraction(34, t) + core / t,
-    }[strategy]
+from tests.helpers import seed_bytes
 
 
 @st.composite
@@ -47,7 +32,7 @@ def shapes(draw):
 def test_the_paper_is_the_seeds_three_formulas_at_every_shape(fields, recompute, dtype, dropout):
     config = build_config(fields | dict(impl="paper", recompute=recompute, dtype=dtype, dropout=dropout))
     for name in ("none", "tp", "tp-sp"):
-        assert estimate(config, STRATEGIES[name]).per_layer_bytes == seed(name, recompute, **fields), name
+        assert estimate(config, STRATEGIES[name]).per_layer_bytes == seed_bytes(name, **fields, recompute=recompute), name
 
 
 @pytest.mark.parametrize("knob", [
@@ -65,7 +50,7 @@ def test_the_paper_refuses_a_knob_it_does_not_model_naming_it(knob):
 def test_the_paper_takes_heads_of_h_over_a_and_an_mlp_of_4h_said_outright():
     said = build_config(dict(impl="paper", b=1, s=32, h=64, a=4, num_query_groups=4, kv_channels=16,
                              ffn_hidden_size=256))
-    assert estimate(said, STRATEGIES["none"]).per_layer_bytes == seed("none", "none", 1, 32, 64, 4, 1)
+    assert estimate(said, STRATEGIES["none"]).per_layer_bytes == seed_bytes("none", 1, 32, 64, 4, 1)
 
 
 @st.composite

@@ -3,7 +3,6 @@ breakdown's segments are the ledger's tensors in forward order."""
 
 import sys
 import xml.etree.ElementTree as ET
-from fractions import Fraction
 
 import pytest
 
@@ -20,16 +19,15 @@ from memcalc.model.knobs import Accounting, Knobs  # noqa: E402
 from memcalc.model.strategy import STRATEGIES  # noqa: E402
 from memcalc.units import human_bytes  # noqa: E402
 
+from tests.helpers import seed_bytes  # noqa: E402
+
 GPT3 = build_config(dict(name="gpt3-175b", b=1, s=2048, h=12288, a=96, t=8, L=96))
 TITLES = plot.Titles("a model: activation memory", "b=1 h=12288")
 S_VALUES = [1024, 2048, 4096, 8192, 16384, 32768, 65536]
 
 
 def _seed_bytes(strategy: str, s: int, t: int = 8, b: int = 1, h: int = 12288, a: int = 96) -> int:
-    """SEED.md section 3, one layer: sbh(34 + 5as/h), sbh(10 + 24/t + 5as/(ht)), sbh(34/t + 5as/(ht))."""
-    core = Fraction(5 * a * s, h)
-    per_sbh = {"none": 34 + core, "tp": 10 + Fraction(24, t) + core / t, "tp-sp": Fraction(34, t) + core / t}[strategy]
-    return int(s * b * h * per_sbh)
+    return int(seed_bytes(strategy, b, s, h, a, t))
 
 
 def _lines(xs=S_VALUES, **kw):

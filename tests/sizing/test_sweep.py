@@ -6,7 +6,6 @@ import io
 import itertools
 import json
 import math
-from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -20,6 +19,8 @@ from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import NONE, STRATEGIES, TP, TP_SP
 from memcalc.sizing.sweep import MAX_ROWS, describe_skips, evaluate_sweep, make_sweep, parse_values
 from memcalc.cli.sweep_output import _digits, csv_chunks, json_chunks
+
+from tests.helpers import seed_bytes
 
 GPT3 = dict(name="gpt3-175b", b=1, s=2048, h=12288, a=96, t=8, L=96)  # Korthikanti et al. 2022, Table 3
 ALL = list(STRATEGIES.values())
@@ -176,11 +177,8 @@ def test_a_sweep_too_big_for_memory_is_refused_before_any_work():
 
 # --- numbers ---
 
-def _seed_per_layer(strategy: str, b: int, s: int, t: int, h: int = 12288, a: int = 96) -> int:
-    """SEED.md section 3, evaluated exactly: sbh(34 + 5as/h), sbh(10 + 24/t + 5as/(ht)), sbh(34/t + 5as/(ht))."""
-    core = Fraction(5 * a * s, h)
-    per_sbh = {"none": 34 + core, "tp": 10 + Fraction(24, t) + core / t, "tp-sp": Fraction(34, t) + core / t}[strategy]
-    return int(s * b * h * per_sbh)
+def _seed_per_layer(strategy: str, b: int, s: int, t: int) -> int:
+    return int(seed_bytes(strategy, b, s, GPT3["h"], GPT3["a"], t))
 
 
 def test_gpt3_175b_rows_are_the_seeds_formulas():
