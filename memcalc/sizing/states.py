@@ -7,19 +7,9 @@ output layer) and row-parallel weights (projection, fc2) are split by t; norm
 weights, row-parallel biases and a learned position table are whole on every
 rank. The vocabulary is padded as Megatron-LM pads it (`padded_vocab`).
 
-Bytes per parameter follow each stack's own layout (`STATE_LAYOUTS`, chosen by
-`sharding`). Megatron-LM's mixed-precision Adam (its `theoretical_memory_usage.py`):
-bf16 weights (2), fp32 gradients (4), an fp32 master copy (4) and two fp32 Adam
-moments (4 + 4), 18 bytes in all; the distributed optimizer shards the last 12
-over the data-parallel ranks, which in Megatron-LM's optimizer group include the
-context-parallel ones: 6 + 12/(dp*cp). FSDP2 (torchtitan's default, and
-accelerate's under transformers' Trainer, `dp_shard`): fp32 parameters,
-gradients and AdamW moments, all sharded over dp_shard*cp, 16/(dp_shard*cp); the
-bf16 copies forward and backward use are gathered block by block, transients of
-the step (memcalc.sizing.timeline.fsdp). DeepSpeed ZeRO (`zero_stage`, under
-transformers' Trainer) as its own estimators lay it out: 4 + 16/dp at stage 1,
-2 + 18/dp at stage 2, 18/dp at stage 3 (plus the largest module gathered,
-`zero3_largest_layer`); 20 bytes at stage 0.
+Bytes per parameter follow each stack's own layout (`STATE_LAYOUTS`, chosen by `sharding`): Megatron-LM's
+18 (6 + 12/(dp*cp) with its distributed optimizer), FSDP2's 16/(dp_shard*cp), DeepSpeed ZeRO's by stage;
+docs/sharding.md renders the table, docs/guide-fit-totals.md derives Megatron-LM's.
 
 A mixture of experts (num_experts) replaces the dense MLP of its MoE layers
 (`moe_layer_freq`; the rest stay dense) by a router, whole on every rank, the
