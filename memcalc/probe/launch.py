@@ -1,23 +1,9 @@
 """How the probe's t ranks get started: four modes behind one entry point, `run`.
 
-    single    one process, t = 1, no process group and no collectives
-    spawn     t worker processes started here, on one machine: gloo on CPUs, or
-              nccl with one GPU per rank (cuda:rank)
-    fake      one process acting as rank 0 of t through torch's fake process
-              group: exact per-rank shapes without t devices (its collectives
-              move no data, so values are meaningless; shapes and bytes are not)
-    torchrun  this process is one rank of a torchrun job, on one node or several;
-              the tensor-parallel group is the whole world: t = WORLD_SIZE
-
-Each mode calls a per-rank function `fn(tp, *args)` with a `TensorParallelGroup`
-and hands back its result. Under spawn, fn and args reach fresh processes by
-pickle, so fn must be a module-level function (importable by name), and args
-and results must be picklable; results come back pickled by value.
-
-Spawned workers fork from a forkserver that imported torch once, so each rank
-costs a fork rather than a torch import; plain fork is avoided because neither
-CUDA nor OpenMP survives it. Workers meet at a TCPStore that this process hosts
-on a free port of 127.0.0.1 (port 0: the kernel picks, so there is no race).
+single (t = 1, no group), spawn (t processes here: gloo, or nccl with a GPU each), fake (rank 0 of t through torch's
+fake process group: exact shapes, no data moved) and torchrun (one rank of the world: t = WORLD_SIZE). Each calls
+fn(tp, *args) with a `TensorParallelGroup` and hands back its result. docs/probe-launching.md says what each needs
+(module-level fn, picklable args and results under spawn) and how the spawned workers start and meet.
 """
 
 from __future__ import annotations

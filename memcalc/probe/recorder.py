@@ -1,28 +1,8 @@
 """Count what autograd really keeps for backward, storage by storage, under ledger names.
 
-While a `SavedTensorRecorder` is active, autograd hands every tensor it saves
-for backward to the recorder's pack hook (`torch.autograd.graph.saved_tensors_hooks`),
-custom autograd functions' `ctx.save_for_backward` included. The recorder
-counts each *storage* once, at its full size: ops often save a view (linear
-saves its input flattened to 2-D, a matmul saves K^T), and a view keeps its
-whole storage alive, so storage bytes are the real memory. Parameters are not
-activations and are skipped. Storages are told apart by identity, not by the
-address of their data, so the recorder works on device "meta" too, where no
-tensor has data: a full-size layer's shapes and dtypes, without its bytes.
-
-The layer names the tensors it makes with `label(tensor, ledger.X)`, as a view
-in the ledger's axis order (batch first), so that a saved storage can be shown
-next to the ledger's prediction with its shape. A saved storage nobody labelled
-is reported without a name: that is how a tensor the ledger does not know about
-shows up. Labels made while gradients are disabled are ignored: nothing
-computed then is saved, and a checkpoint's no-grad forward must not rename the
-inputs the checkpoint itself keeps.
-
-`kept_only=True` counts a storage only if some autograd node that saved it is
-still alive when recording ends: an op whose outputs the code throws away (a
-top-k whose values nobody reads, as DeepSeek's group-limited routing runs) frees
-what it saved with itself when the forward returns, so it was never kept for
-backward. The caller keeps the forward's output alive until then.
+A `SavedTensorRecorder` sees every tensor autograd saves through a saved-tensor pack hook and counts each storage
+once, at its full size; `label` names a tensor after its ledger entry. Why storages, why labels made without
+gradients are ignored, and what `kept_only` leaves out: docs/probe.md, "How it measures".
 """
 
 from __future__ import annotations
