@@ -7,19 +7,8 @@ to show the graph is whole. The prediction is `memcalc.model.evaluate.estimate` 
 exact accounting for the device the layer actually ran on; the two are compared
 name by name, in bytes and in per-rank shape (batch-first, as the ledger writes it).
 
-Which way the ranks run (`choose_launch`, for --launch auto):
-
-    torchrun's variables are set          -> torchrun (t = WORLD_SIZE)
-    t = 1, or the strategy is none        -> single: this process
-    --backend given                       -> spawn: t processes, real collectives
-    --device cuda with >= t GPUs          -> spawn with nccl
-    otherwise                             -> fake: rank 0 of t through torch's fake group
-
---device meta runs the layer on torch's meta device: tensors with shapes and
-dtypes but no data, so a full-size layer costs seconds and no memory. Nothing
-moves between ranks there, so its ranks run single or fake, never spawned or
-under torchrun. Its meta kernels keep what CUDA's do (LayerNorm's statistics
-in fp32, dropout's 1-byte mask), so it is held up against CUDA's accounting.
+Which way the ranks run (`choose_launch`, for --launch auto) and what --device meta measures: docs/probe.md,
+"Launch modes".
 """
 
 from __future__ import annotations
