@@ -48,16 +48,14 @@ def _nullable(schema: Schema) -> Schema:
     return {"anyOf": [schema, {"type": "null"}]}
 
 
-def _object(properties: dict[str, Schema], optional: tuple[str, ...] = (), closed: bool = True) -> Schema:
-    """An object with these keys, all required but `optional`; closed: no other keys."""
-    schema: Schema = {
+def _object(properties: dict[str, Schema], optional: tuple[str, ...] = ()) -> Schema:
+    """An object with these keys, all required but `optional`, and no other keys."""
+    return {
         "type": "object",
         "properties": properties,
         "required": [k for k in properties if k not in optional],
+        "additionalProperties": False,
     }
-    if closed:
-        schema["additionalProperties"] = False
-    return schema
 
 
 def _by_strategy(schema: Schema) -> Schema:
