@@ -1,31 +1,9 @@
 """What fits a memory budget: the largest micro-batch b or sequence s, or the smallest t, pp, cp, ep or dp_shard.
 
-Every answer is an exact integer found by evaluating what `memcalc estimate
---totals` bases its verdict on: the step's peak (`memcalc.sizing.timeline`) where
-it is modelled, else the per-GPU totals (`memcalc.sizing.totals.per_gpu`); or, on
-request, the totals or the activations alone. Never by rounding a formula: so the
-answer fits by estimate's own numbers, and the next valid value does not. The peak
-grows with b and s as every term it sums does.
-
-- b and s: every ledger term is a product of sizes with positive coefficients
-  (linear in b, at most quadratic in s) and model states do not shrink as they
-  grow, so the total is monotonic. Among the valid values (for s: multiples of
-  `sequence_step`), doubling then bisection finds the largest that fits.
-- t: the total need not be monotonic in t (replicated terms stay put), and the
-  valid t are few (divisors of a that pass every divisibility rule), so each is
-  tried, smallest first. "none" splits nothing by t, so it has no answer.
-- pp and cp: the same search over the divisors of L (pp) or s/2 (cp: 2cp | s),
-  smallest first, since each extra stage or context rank is a GPU taken from
-  data parallelism. With `gpus` fixed, each candidate derives its own dp =
-  gpus/(t*pp*cp), and a candidate that does not divide the GPUs is invalid.
-- dp_shard: the same search over the divisors of dp, smallest first: FSDP2 over
-  the fewest ranks that fits, HSDP replicating the rest (dp/dp_shard replicas),
-  so that each step's all-gathers and reduce-scatters span as few ranks as they
-  can. dp is the config's (or gpus/(t*pp*cp)).
-- ep: the same search over the divisors of the experts E, smallest first. Each
-  expert-parallel rank holds E/ep experts' weights, gradients and optimizer
-  states; the GPUs stay those of t*cp*dp (experts are laid over them), so a
-  candidate whose ep*etp does not divide t*cp*dp is invalid.
+Every answer is an exact integer found by evaluating what `memcalc estimate --totals` bases its verdict on (the
+step's peak where `memcalc.sizing.timeline` models it, else `memcalc.sizing.totals.per_gpu`; or, on request, the
+totals or the activations alone), never by rounding a formula: the answer fits by estimate's own numbers and the
+next valid value does not. Why each size's search is sound: docs/guide-fit-totals.md, section 2.
 """
 
 from __future__ import annotations
