@@ -102,7 +102,7 @@ def test_tp_alone_does_not_need_t_to_divide_s():
 
 
 @pytest.mark.parametrize("args", [["--help"], ["--version"], ["estimate", "--help"], ["estimate", *TINY]])
-def test_success_exits_zero(args):
+def test_help_version_and_a_valid_estimate_exit_zero(args):
     assert memcalc_cli(*args).code == 0
 
 

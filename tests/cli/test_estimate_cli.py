@@ -36,7 +36,7 @@ def test_gpt3_175b_json_is_the_seeds_three_formulas():
         assert got["ratio_to_none"] == pytest.approx(_seed(name) / _seed("none"))
 
 
-def test_json_shape():
+def test_the_json_lists_each_strategys_tensors_by_ledger_name_summing_to_its_bytes():
     doc = _json("--config", GPT3_175B)
     assert {"config", "accounting", "strategies"} <= set(doc)
     assert doc["accounting"] == {"exact": False, "device": "cuda", "impl": "megatron"}

@@ -46,7 +46,7 @@ def test_experts_axes_without_experts_are_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("group", ["tensor", "block"])
-def test_breakdown_as_png(tmp_path, group):
+def test_a_breakdown_is_a_1000_by_500_png_grouped_by_tensor_or_block(tmp_path, group):
     out = tmp_path / "breakdown.png"
     result = invoke("plot", "--config", GPT3, "--kind", "breakdown", "--group", group, "--out", str(out))
     assert result.exit_code == 0, result.output

@@ -253,7 +253,7 @@ def test_the_library_keeps_what_the_ledger_predicts_at_drawn_shapes(library):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("library", SUBJECTS, ids=[s.name for s in SUBJECTS], indirect=True)
-def test_many_drawn_shapes(library, request):
+def test_the_library_keeps_what_the_ledger_predicts_at_many_drawn_shapes(library, request):
     if "slow" not in (request.config.getoption("markexpr") or ""):
         pytest.skip("many examples: select with -m slow")
     _drawn(library, SLOW_PER_SUBJECT, derandomize=False)()
