@@ -15,13 +15,11 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from memcalc.docgen.model import terms_by_tensor, terms_latex, terms_table, totals
-from memcalc.model import formula as F
+from memcalc.docgen.model import formula_section
 from memcalc.model.impls import IMPLEMENTATIONS
 from memcalc.model.impls.base import Implementation
 from memcalc.model.knobs import KNOBS, Accounting, Knobs, element_bytes
 from memcalc.model.ledger import SavedTensor
-from memcalc.model.strategy import STRATEGIES
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 EXACT = Accounting(exact=True, device="cuda")  # every byte, as on the GPUs users train on
@@ -134,22 +132,9 @@ def _tensor_table(tensors: list[SavedTensor], knobs: Knobs) -> str:
 
 
 def _formulas(impl: Implementation, knobs: Knobs) -> str:
-    names = impl.runs(knobs)
-    formulas = [F.layer_formula(STRATEGIES[n], knobs, EXACT) for n in names]
-    rows = list(terms_by_tensor(knobs, EXACT, names).items())
-    return "\n".join([
-        "## Per-layer formulas, its default knobs",
-        "",
-        "Bytes per GPU for one layer, every byte counted, statistics as on CUDA:",
-        "",
-        totals(formulas),
-        "",
-        "Each tensor's term:",
-        "",
-        terms_table(rows, names),
-        "",
-        terms_latex(rows, names),
-    ])
+    return formula_section("## Per-layer formulas, its default knobs",
+                           "Bytes per GPU for one layer, every byte counted, statistics as on CUDA:", knobs, EXACT,
+                           impl.runs(knobs))
 
 
 def pages() -> dict[Path, str]:

@@ -205,22 +205,22 @@ def _when(x: SavedTensor) -> str:
 
 
 def _default_formulas() -> str:
-    formulas = [F.layer_formula(s, Knobs(), Accounting()) for s in STRATEGIES.values()]
-    rows = list(terms_by_tensor(Knobs(), Accounting()).items())
-    return "\n".join([
+    return formula_section(
         "## Formulas of the default layer",
-        "",
         "Bytes per GPU for one layer: the seed's model (GELU MLP of width 4h, multi-head eager attention,"
         " LayerNorm, dropout, no recomputation, 16-bit activations), the paper's accounting.",
-        "",
-        totals(formulas),
-        "",
-        "Each tensor's term:",
-        "",
-        terms_table(rows),
-        "",
-        terms_latex(rows),
-    ])
+        Knobs(), Accounting(),
+    )
+
+
+def formula_section(
+    title: str, intro: str, knobs: Knobs, accounting: Accounting, names: tuple[str, ...] = tuple(STRATEGIES),
+) -> str:
+    """Each named strategy's per-layer formula, then each tensor's term as a table and in LaTeX."""
+    formulas = [F.layer_formula(STRATEGIES[n], knobs, accounting) for n in names]
+    rows = list(terms_by_tensor(knobs, accounting, names).items())
+    return "\n".join([title, "", intro, "", totals(formulas), "", "Each tensor's term:", "", terms_table(rows, names),
+                      "", terms_latex(rows, names)])
 
 
 def _variant(v: Variant) -> str:
