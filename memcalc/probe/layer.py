@@ -1,20 +1,9 @@
 """One transformer layer on one tensor-parallel rank, built to save what the ledger says.
 
-Megatron's pre-norm block, sequence-first (hidden states are (s, b, h)):
-
-    x -> norm1 -> attention (QKV | core | out-proj) -> dropout -> + x
-      -> norm2 -> MLP (fc1 | GELU or SwiGLU | fc2)   -> dropout -> +
-
-Every knob of `memcalc estimate` is a constructor choice here: the MLP's
-activation, grouped-query attention, the norm, dropout, eager or flash attention,
-recomputation and dtype. Under TP each rank holds a/t heads, g/t K/V groups and
-f/t of the MLP; under SP the layer's input and output are this rank's sequence
-shard (s/t, b, h) and the column-parallel linears all-gather it themselves.
-
-Every tensor the layer makes that the ledger lists is labelled with the ledger's
-name (`recorder.label`), so a recorded run reads as the ledger does. Dropout is
-`torch.native_dropout`, which keeps a 1-byte mask; on the CPU `F.dropout` would
-keep a mask in the activation dtype instead (on CUDA it runs native_dropout).
+Megatron's pre-norm block, sequence-first, every knob of `memcalc estimate` a constructor choice; every tensor it
+makes that the ledger lists is labelled with the ledger's name (`recorder.label`), so a recorded run reads as the
+ledger does. Its diagram, and where it departs from Megatron's code in layout but not in bytes: docs/probe.md,
+"The layer".
 """
 
 from __future__ import annotations
