@@ -1,17 +1,7 @@
 """The layer's two norms, LayerNorm and RMSNorm, labelling what they keep for backward.
 
-LayerNorm is torch's own kernel (`native_layer_norm`, what `F.layer_norm` runs),
-called directly so that its saved mean and rstd can be labelled. Their width is
-the kernel's: fp32 on CUDA, the input's dtype on the CPU, and fp32 on the meta
-device, whose kernel returns what CUDA's does (so a meta run is CUDA-like).
-
-RMSNorm is a small autograd function in the style of the fused kernels Megatron
-uses (Apex, Transformer Engine): it keeps the input and each token's rstd,
-nothing else, and its backward is one op (`memcalc.probe.kernels`). torch 2.13's
-`F.rms_norm` on the CPU is not fused: it keeps fp32 copies of the input and of
-intermediate products instead. The rstd is kept at
-the width the device's LayerNorm kernel keeps its statistics, so the two norms
-differ only in the missing mean.
+LayerNorm is torch's own kernel; RMSNorm keeps what the fused kernels Megatron uses keep (its input and rstd), its
+statistics at the width the device's LayerNorm kernel keeps them. Why, per device: docs/probe.md, "The layer".
 """
 
 from __future__ import annotations
