@@ -3,18 +3,7 @@
     GELU:    x -> fc1 (h -> f/t) -> GELU -> fc2 (f/t -> h)
     SwiGLU:  x -> fc1 (h -> 2f/t) -> gate, up -> SiLU(gate) * up -> fc2 (f/t -> h)
 
-SwiGLU's fc1 is one column-parallel GEMM of width 2f, as Megatron's: one input
-kept, one f or g operator around it. Each rank holds [gate_r; up_r], its blocks
-of the full gate and up weights (`rank_interleaved`), so every t computes the
-same model. Megatron keeps the 2f-wide output as one storage; the probe copies
-gate and up apart so that each ledger row is one storage, the same bytes. What SwiGLU
-keeps is megatron-core's (memcalc.model.impls.megatron), with one storage per
-ledger row:
-- fused (`bias_activation_fusion`): gate and up, as BiasSwiGLUFunction keeps its
-  input; backward recomputes SiLU.
-- unfused: SiLU keeps the gate, and with it up (in Megatron the gate is a view of
-  fc1's whole output); the product keeps SiLU's output and `up + offset`, a copy
-  of up that Megatron's glu() makes even for offset 0.
+What SwiGLU keeps, fused and unfused, and why gate and up are copied apart: docs/probe.md, "The layer".
 """
 
 from __future__ import annotations
