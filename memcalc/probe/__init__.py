@@ -4,13 +4,6 @@ Everything torch-related in memcalc lives in this package, and even here torch i
 imported only when a submodule is loaded: importing `memcalc.probe` itself stays
 cheap. Each submodule begins with `torch = require_torch()`, so a missing torch
 surfaces as a one-line `ProbeError` saying how to install it, not an ImportError.
-
-Communication: `group` (who am I among t ranks), `mappings` (Megatron's f, f*, g,
-g*), `linear` (column- and row-parallel linears), `launch` (how t ranks get
-started: one process, spawned processes, torch's fake group, or torchrun).
-The layer: `norm`, `attention` and `mlp`, assembled by `layer`, with `checkpoint`
-for recomputation. Measuring: `recorder` (what autograd saves, under ledger
-names) and `measure` (each strategy run and compared with the ledger).
 """
 
 from __future__ import annotations
