@@ -91,7 +91,7 @@ def fits_somewhere(per: list[PerGpu], peaks: dict, budget: Budget) -> bool:
     return any(need(p, peaks.get(p.strategy.name)).bytes <= budget.bytes for p in per)
 
 
-def step_peaks(config: ModelConfig, strategy: Strategy, device: str = "cuda") -> tuple[Timeline, ...] | str:
+def step_peaks(config: ModelConfig, strategy: Strategy, device: str) -> tuple[Timeline, ...] | str:
     """One step's timeline per bounding stage (memcalc.sizing.timeline) on `device`'s kernels, or why it is not
     modelled for this config."""
     from memcalc.sizing.timeline import timelines  # only --totals pays for it
@@ -104,14 +104,12 @@ def step_peaks(config: ModelConfig, strategy: Strategy, device: str = "cuda") ->
 
 def to_json(
     config: ModelConfig, accounting: Accounting, results: list[LayerEstimate], baseline: LayerEstimate,
-    per: list[PerGpu] | None = None, budget: Budget | None = None, peaks: dict | None = None,
-    comparisons: list[PaperComparison] | None = None,
+    per: list[PerGpu] | None, budget: Budget, peaks: dict | None, comparisons: list[PaperComparison],
 ) -> dict:
     """The JSON document: the config, how bytes were counted, each strategy's numbers beside the paper's (and each
     departure from them), and totals if asked."""
     from memcalc.schemas import SCHEMA_VERSION  # the schema tables load only for JSON
 
-    compared = comparisons or [compare_with_paper(config, r, accounting) for r in results]
     doc = {
         "schema_version": SCHEMA_VERSION,
         "config": config_record(config),
@@ -124,11 +122,11 @@ def to_json(
                 "tensors": _tensors_json(r.tensors),
                 "paper": _paper_json(c),
             }
-            for r, c in zip(results, compared)
+            for r, c in zip(results, comparisons)
         },
     }
     if per is not None:
-        doc["per_gpu"] = per_gpu_json(config, per, budget or budget_for(None, None, None), peaks or {})
+        doc["per_gpu"] = per_gpu_json(config, per, budget, peaks or {})
     return doc
 
 
