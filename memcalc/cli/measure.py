@@ -213,7 +213,7 @@ def _check_library_comm(config: ModelConfig, names: list[str], route: str | None
                           f" balanced with moe_tokens balanced (not {route or 'the real router'}, {config.moe_tokens})")
 
 
-def print_measurements(config: ModelConfig, results: list[StrategyMeasurement], comm: bool = False) -> None:
+def print_measurements(config: ModelConfig, results: list[StrategyMeasurement], comm: bool) -> None:
     """A table per strategy, how it ran, and whether it matched."""
     from memcalc.cli.render import console
     from memcalc.units import human_bytes

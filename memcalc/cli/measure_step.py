@@ -23,7 +23,7 @@ TOP_TERMS = 6  # the largest activations and temporaries live at the predicted p
 
 def run_step(
     config: ModelConfig, strategies: list[str], *, device: str, launch: str, backend: str | None,
-    layer: str | None, comm: bool, overlap: str | None, as_json: bool, route: str | None = None,
+    layer: str | None, comm: bool, overlap: str | None, as_json: bool, route: str | None,
 ) -> None:
     """Measure one step per strategy and print it; ProbeError (exit 1) beyond the tolerance. `route` forces a
     mixture of experts' router (memcalc.probe.step.measure_step)."""

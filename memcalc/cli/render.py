@@ -123,7 +123,7 @@ def describe_knobs(knobs: Any) -> str:
     return ", ".join(words for k in KNOBS if (words := k.describe(knobs)))
 
 
-def accounting_note(accounting: Accounting, impl: str = "paper") -> str:
+def accounting_note(accounting: Accounting, impl: str) -> str:
     """How the bytes were counted and whose layer keeps them, for the line above a table: "the paper's
     accounting" only for --impl paper."""
     if impl == "paper":
@@ -139,11 +139,10 @@ def accounting_note(accounting: Accounting, impl: str = "paper") -> str:
 
 def print_estimates(
     config: ModelConfig, accounting: Accounting, results: list[LayerEstimate], baseline: LayerEstimate, breakdown: bool,
-    comparisons: list[PaperComparison] | None = None,
+    comparisons: list[PaperComparison],
 ) -> None:
     """The per-strategy table, each departure from the paper's numbers and, if asked, the per-tensor table
     (with the paper's bytes beside the implementation's where they differ)."""
-    comparisons = comparisons or []
     console.print(describe(config), highlight=False)
     if config.cp > 1:
         console.print(f"context parallel: cp={config.cp}, so each rank keeps s/cp = {config.s // config.cp} tokens")
@@ -184,14 +183,14 @@ def _bytes_cell(n: int) -> str:
     return f"{n:,} B\n[dim]{human_bytes(n)}[/dim]"
 
 
-def breakdown_table(results: list[LayerEstimate], comparisons: list[PaperComparison] | None = None) -> Table:
+def breakdown_table(results: list[LayerEstimate], comparisons: list[PaperComparison]) -> Table:
     """One row per saved tensor, keyed by name (a layout, or the paper, may keep one the others do not), one column
     of per-layer bytes per strategy; where the implementation departs from the paper, the paper's bytes below."""
     table = Table(title="Per-tensor bytes per GPU, one layer")
     table.add_column("tensor")
     for r in results:
         table.add_column(r.strategy.name, justify="right", no_wrap=True)
-    papers = [c.paper if c is not None and c.departures else None for c in (comparisons or [None] * len(results))]
+    papers = [c.paper if c.departures else None for c in comparisons]
     compared = [p for p in papers if p is not None]
     for x, cells in tensor_rows([*results, *compared]):
         theirs = iter(cells[len(results):])
@@ -261,7 +260,7 @@ def headroom(budget: int, used: int) -> str:
     return f"{human_bytes(budget - used)} left" if used <= budget else f"{human_bytes(used - budget)} over"
 
 
-def print_totals(config: ModelConfig, per: list[PerGpu], device: Budget, peaks: dict | None = None) -> None:
+def print_totals(config: ModelConfig, per: list[PerGpu], device: Budget, peaks: dict) -> None:
     """A table per bounding pipeline stage, every term by name, a verdict per strategy, and the step's peak."""
     from memcalc.sizing.verdict import need
 
@@ -276,7 +275,7 @@ def print_totals(config: ModelConfig, per: list[PerGpu], device: Budget, peaks: 
         f" {human_bytes(device.reserve_bytes)} reserve for what the allocator does not see)", highlight=False,
     )
     for p in per:
-        needed = need(p, (peaks or {}).get(p.strategy.name))
+        needed = need(p, peaks.get(p.strategy.name))
         where = f", {needed.stage} stage" if needed.stage != "only" else ""
         console.print(
             f"  {p.strategy.name}: {'yes' if needed.bytes <= budget else 'no'}, {needed.bytes:,} B ="
@@ -285,10 +284,10 @@ def print_totals(config: ModelConfig, per: list[PerGpu], device: Budget, peaks: 
         )
     from memcalc.sizing.states import sharding
 
-    _print_peaks(peaks or {}, sharded=sharding(config) != "megatron")
+    _print_peaks(peaks, sharded=sharding(config) != "megatron")
 
 
-def _print_peaks(peaks: dict, sharded: bool = False) -> None:
+def _print_peaks(peaks: dict, sharded: bool) -> None:
     """Each strategy's step peak per bounding stage: when, what is live, and the steady state; or why not. Sharded by
     FSDP2 or ZeRO, the peak's moment in words too: which of their buffers sit on the states then."""
     unmodelled = {peak for peak in peaks.values() if isinstance(peak, str)}

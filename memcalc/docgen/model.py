@@ -245,15 +245,13 @@ def _variant(v: Variant) -> str:
     return "\n".join(parts)
 
 
-def terms_by_tensor(
-    knobs: Knobs, accounting: Accounting, names: tuple[str, ...] = tuple(STRATEGIES)
-) -> dict[SavedTensor, list]:
+def terms_by_tensor(knobs: Knobs, accounting: Accounting, names: tuple[str, ...]) -> dict[SavedTensor, list]:
     """Each tensor's term under every strategy named, in the ledger's order."""
     formulas = [F.layer_formula(STRATEGIES[n], knobs, accounting) for n in names]
     return {terms[0][0]: [e for _, e in terms] for terms in zip(*(lf.terms for lf in formulas))}
 
 
-def terms_table(rows: list[tuple[SavedTensor, list]], names: tuple[str, ...] = tuple(STRATEGIES)) -> str:
+def terms_table(rows: list[tuple[SavedTensor, list]], names: tuple[str, ...]) -> str:
     """A markdown table: a row per tensor, a column per strategy, each cell that tensor's term."""
     lines = [f"| tensor | {' | '.join(names)} |", "|---" * (len(names) + 1) + "|"]
     lines += [f"| `{x.name}` | " + " | ".join(f"`{F.to_text(e)}`" for e in exprs) + " |" for x, exprs in rows]
@@ -268,7 +266,7 @@ def totals(formulas: list[F.LayerFormula]) -> str:
     return f"{table}\n\n$$\n\\begin{{aligned}}\n{latex}\n\\end{{aligned}}\n$$"
 
 
-def terms_latex(rows: list[tuple[SavedTensor, list]], names: tuple[str, ...] = tuple(STRATEGIES)) -> str:
+def terms_latex(rows: list[tuple[SavedTensor, list]], names: tuple[str, ...]) -> str:
     """One LaTeX array: a row per tensor, a column per strategy, each cell that tensor's term."""
     head = " & ".join(["", *(f"\\text{{{name}}}" for name in names)])
     body = " \\\\\n".join(

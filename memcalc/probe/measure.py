@@ -411,7 +411,7 @@ def _plan(config: ModelConfig, strategy: Strategy, device: str, backend: str | N
 
 def _compared(
     strategy: Strategy, plan: Launch, config: ModelConfig, ranks: list[RankResult], layer: str, overlap: Overlap,
-    route: str | None = None,
+    route: str | None,
 ) -> StrategyMeasurement:
     prediction = estimate(config, strategy, Accounting(exact=True, device=ACCOUNTED_AS[ranks[0].device]))
     rows = tuple(compare(prediction, result.saved) for result in ranks)
@@ -442,7 +442,7 @@ def comm_modelled(config: ModelConfig, strategy: Strategy, route: str | None) ->
 
 
 def _compared_comm(
-    config: ModelConfig, strategy: Strategy, result: RankResult, overlap: Overlap = NO_OVERLAP
+    config: ModelConfig, strategy: Strategy, result: RankResult, overlap: Overlap
 ) -> tuple[CommRow, ...]:
     """The collectives one rank issued against the communication ledger's, in order. A collective over a group
     of one rank (t = 1, or ep = 1) sends nothing, and neither memcalc's mappings nor megatron's issue it."""

@@ -100,7 +100,7 @@ def line_figure(
 
 
 def breakdown_figure(
-    estimates: Sequence[LayerEstimate], by_block: bool, layers: int, titles: Titles, device_memory: int | None = None
+    estimates: Sequence[LayerEstimate], by_block: bool, layers: int, titles: Titles, device_memory: int | None
 ) -> Figure:
     """One stacked bar per strategy: a segment per ledger tensor (or per block), bottom to
     top in forward order, each bar's total above it. `layers` multiplies one layer's bytes."""
@@ -126,7 +126,7 @@ def breakdown_figure(
     return fig
 
 
-def timeline_figure(timelines: Sequence[Timeline], titles: Titles, device_memory: int | None = None) -> Figure:
+def timeline_figure(timelines: Sequence[Timeline], titles: Titles, device_memory: int | None) -> Figure:
     """A panel per strategy: one step's memory per GPU, moment by moment (x), stacked by category, with the
     phases marked, the peak named and the device's memory as a line."""
     fig, axes = _panels(titles, (5.5 * len(timelines), TIMELINE_HEIGHT + 0.5), len(timelines))
