@@ -147,9 +147,20 @@ class LayerEstimate:
         return sum(t.bytes for t in self.dense)
 
     @property
+    def model_wide_bytes(self) -> int:
+        """What every layer keeps of the model's one copy (RoPE's tables): in each layer's bytes, once in a model's."""
+        return sum(t.bytes for t in self.tensors if t.tensor.model_wide)
+
+    @property
     def total_bytes(self) -> int:
-        """All L layers: MoE layers and dense layers each at their own bytes."""
-        return self.per_layer_bytes * (self.layers - self.dense_layers) + self.dense_layer_bytes * self.dense_layers
+        """All L layers: MoE layers and dense layers each at their own bytes, the model-wide tensors once."""
+        return self.layers_bytes(self.layers - self.dense_layers, self.dense_layers, 1)
+
+    def layers_bytes(self, layers: int, dense: int, copies: int) -> int:
+        """`layers` layers' bytes (MoE ones where the model mixes them) and `dense` dense layers', with `copies` of
+        the model-wide tensors: one for each model chunk's forward kept (a pipeline stage's chunk-micro-batches)."""
+        shared = self.model_wide_bytes
+        return (self.per_layer_bytes - shared) * layers + (self.dense_layer_bytes - shared) * dense + shared * copies
 
     def __repr__(self) -> str:
         """One line for a notebook: the generated repr would print every tensor of the ledger."""

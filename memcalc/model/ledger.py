@@ -86,7 +86,13 @@ class SavedTensor:
     region: Region
     why: str
     paper: bool = True  # False: a small term the paper leaves out (shown with exact accounting)
-    stage: str = "layer"  # "layer": in every transformer layer; "first"/"last": beside the embedding/output layer
+    stage: str = "layer"  # "layer": in every transformer layer; "first"/"last": beside the embedding/output layer;
+    # "model": made once per forward by the model and kept by every layer (RoPE's tables; `model_wide`)
+
+    @property
+    def model_wide(self) -> bool:
+        """One storage that every layer keeps: a layer's bytes count it, all L layers' once per model chunk."""
+        return self.stage == "model"
 
     @property
     def block(self) -> str:

@@ -135,12 +135,14 @@ def _stage_total(
 
 
 def _layers_term(config: ModelConfig, stage: Stage, layer: LayerEstimate) -> Term:
-    """The stage's layer activations: with MoE and dense layers mixed, each kind at its own bytes."""
+    """The stage's layer activations: with MoE and dense layers mixed, each kind at its own bytes; the model-wide
+    tensors (RoPE's tables) once for each model chunk's forward kept."""
+    copies = stage.chunks_in_flight
     if not layer.dense_layers:
-        return Term("layers", ACTIVATIONS, layer.per_layer_bytes * stage.layer_slots, stage.schedule)
+        return Term("layers", ACTIVATIONS, layer.layers_bytes(stage.layer_slots, 0, copies), stage.schedule)
     moe = stage.layer_slots * moe_layers_held(config, stage) // stage.layers  # every chunk holds the same share
     dense = stage.layer_slots - moe
-    return Term("layers", ACTIVATIONS, layer.per_layer_bytes * moe + layer.dense_layer_bytes * dense,
+    return Term("layers", ACTIVATIONS, layer.layers_bytes(moe, dense, copies),
                 f"{stage.schedule}; {moe} of them MoE layers, {dense} dense")
 
 
