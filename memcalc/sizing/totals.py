@@ -40,6 +40,8 @@ def end_tensors(config: ModelConfig, accounting: Accounting, stage: str) -> tupl
         absent.add(ledger.EMBEDDING_DROPOUT_MASK)  # no dropout, no mask
     if config.norm == "rmsnorm":
         absent.add(ledger.FINAL_NORM.mean)  # RMSNorm keeps no mean
+    if config.final_logit_softcapping is None:
+        absent.add(ledger.LOGITS_SOFTCAP_TANH)
     kept = (x for x in ledger.END_TENSORS if x.stage == stage and x not in absent)
     return drop_small(kept, accounting)
 

@@ -349,7 +349,8 @@ def test_csv_has_a_header_and_one_complete_row_per_configuration():
                            "moe_tokens", "moe_aux_loss", "moe_router_pre_softmax", "experts_implementation", "kv_lora_rank",
                            "q_lora_rank",
                            "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "sliding_window",
-                           "sandwich_norm", "attn_logit_softcapping", "parallel_residual", "rotary_percent", "post_norm",
+                           "sandwich_norm", "attn_logit_softcapping", "final_logit_softcapping", "parallel_residual",
+                           "rotary_percent", "post_norm",
                            "fused_qkv", "alibi", "single_norm", "attention_sinks", "ep",
                            "accounting"]
     assert first | {"per_layer_bytes": None, "total_bytes": None} == dict(
@@ -363,7 +364,8 @@ def test_csv_has_a_header_and_one_complete_row_per_configuration():
         moe_router_enable_expert_bias="false", moe_tokens="balanced", moe_aux_loss="false",
         moe_router_pre_softmax="false", experts_implementation="grouped_mm",
         kv_lora_rank="", q_lora_rank="", qk_rope_head_dim="", qk_nope_head_dim="", v_head_dim="", sliding_window="",
-        sandwich_norm="false", attn_logit_softcapping="", parallel_residual="false", rotary_percent="", post_norm="false",
+        sandwich_norm="false", attn_logit_softcapping="", final_logit_softcapping="", parallel_residual="false",
+        rotary_percent="", post_norm="false",
         fused_qkv="false", alibi="false", single_norm="false", attention_sinks="false", ep="1",
         accounting="paper",
     )

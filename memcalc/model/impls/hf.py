@@ -1128,9 +1128,10 @@ def _check_gemma2(knobs: Any) -> None:
     if knobs.sandwich_norm and knobs.norm != "rmsnorm_1p" and not is_glm(knobs):
         raise ConfigError("impl hf: sandwich_norm is Gemma 2's, whose norms are GemmaRMSNorm (set norm rmsnorm_1p),"
                           " or GLM-4's (norm rmsnorm with rotary_percent)")
-    if knobs.attn_logit_softcapping is not None and (not knobs.sandwich_norm or knobs.norm != "rmsnorm_1p"):
-        raise ConfigError("impl hf: attn_logit_softcapping is Gemma 2's (Gemma2DecoderLayer: set sandwich_norm and norm"
-                          " rmsnorm_1p)")
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(knobs, name) is not None and (not knobs.sandwich_norm or knobs.norm != "rmsnorm_1p"):
+            raise ConfigError(f"impl hf: {name} is Gemma 2's (Gemma2ForCausalLM: set sandwich_norm and norm"
+                              " rmsnorm_1p)")
     if knobs.attn_logit_softcapping is not None and knobs.attention != "eager":
         raise ConfigError("impl hf: attn_logit_softcapping runs in eager attention only (SDPA takes no softcap); use"
                           " attention eager")

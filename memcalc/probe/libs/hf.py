@@ -379,13 +379,13 @@ def gpt_oss_config(config: ModelConfig, layer_type: str | None = None) -> Any:
 
 def _window_fields(config: ModelConfig, family: str) -> dict[str, Any]:
     """Mistral's sliding window (MistralConfig's default is 4096: None, memcalc's full causal, is said); Gemma 2's,
-    with its soft-capping and the tanh GeGLU (its field is hidden_activation)."""
+    with its soft-capping (the scores' and the logits') and the tanh GeGLU (its field is hidden_activation)."""
     if family == "mistral":
         return {"sliding_window": config.sliding_window}
     if family in ("gemma2", "gemma3_text"):
         window = {"sliding_window": config.sliding_window} if config.sliding_window is not None else {}
         return {"attn_logit_softcapping": config.attn_logit_softcapping, "hidden_activation": "gelu_pytorch_tanh",
-                "final_logit_softcapping": None} | window
+                "final_logit_softcapping": config.final_logit_softcapping} | window
     return {}
 
 

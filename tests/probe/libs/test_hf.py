@@ -266,6 +266,8 @@ def test_the_shim_makes_cpu_dropout_keep_a_bool_mask_and_undoes_itself():
     (NEOX | {"attention": "flash"}, "GPTNeoXLayer under sdpa is not modelled"),
     (GEMMA2 | {"attention": "flash"}, "attn_logit_softcapping runs in eager attention only"),
     (GEMMA | {"attn_logit_softcapping": 30.0, "attention": "eager"}, "attn_logit_softcapping is Gemma 2's"),
+    (LLAMA | {"final_logit_softcapping": 30.0}, "final_logit_softcapping is Gemma 2's"),
+    (GEMMA2 | {"final_logit_softcapping": 30.0, "impl": "megatron"}, "modelled under --impl hf only"),
     (LLAMA | {"sandwich_norm": True}, "sandwich_norm is Gemma 2's"),
     (LLAMA | {"parallel_residual": True},
      r"parallel_residual is GPTNeoXLayer's and FalconDecoderLayer's \(norm layernorm\) or CohereDecoderLayer's"),
