@@ -226,7 +226,11 @@ def _layers_saved(knobs: dict) -> tuple[int, int]:
     {"norm": "layernorm_np", "mlp": "swiglu", "attention": "flash", "dropout": 0.0, "L": 3},  # OLMo's fp32 tables
     GLM | {"attention": "eager", "L": 2, "b": 3, "s": 5},  # each layer's own interleaved tables
     NEOX | {"L": 3, "dropout": 0.0},  # the model's partial (s, d_r) tables
-], ids=["llama eager L=2", "llama sdpa L=3", "olmo sdpa L=3", "glm eager L=2", "gpt-neox eager L=3"])
+    LLAMA | MLA | {"attention": "eager", "dropout": 0.0, "L": 2},  # DeepSeek-V3: the (s, d_r) tables, sliced views
+    GEMMA | {"attention": "flash", "L": 3, "b": 1, "s": 9},
+    COHERE | {"attention": "eager", "L": 2},  # its rotary embedding interleaves the tables once, for every layer
+], ids=["llama eager L=2", "llama sdpa L=3", "olmo sdpa L=3", "glm eager L=2", "gpt-neox eager L=3",
+        "deepseek-v3 eager L=2", "gemma sdpa L=3", "cohere eager L=2"])
 def test_a_models_layers_keep_the_ledgers_l_layer_total_with_the_rope_tables_once(knobs):
     measured, predicted = _layers_saved(knobs)
     assert measured == predicted
