@@ -110,7 +110,7 @@ tensor is an activation exactly when some operator's backward reads it: a dropou
 GELU its input, softmax its output. Each such tensor is described once in `memcalc/model/ledger.py`;
 the knobs decide which of them a layer keeps, and a strategy decides which dimension it splits
 across the t tensor-parallel ranks. All L layers keep L times one layer's bytes, less what the model makes
-once and every layer keeps (transformers' RoPE tables: counted once).
+once for every layer (transformers' RoPE tables: counted once, Gemma 3's once for each kind of layer).
 
 The layer is Megatron-LM's pre-norm block:
 

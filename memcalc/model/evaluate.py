@@ -12,7 +12,7 @@ from __future__ import annotations
 from math import prod
 from typing import TYPE_CHECKING, Any
 
-from memcalc.model.impls import plan, tensors_at
+from memcalc.model.impls import implementation, plan, tensors_at
 from memcalc.model.knobs import Accounting, Knobs, element_bytes
 from memcalc.model.rules import check_sequence_split
 from memcalc.model.ledger import Dim, SavedTensor
@@ -136,6 +136,7 @@ class LayerEstimate:
     tensors: tuple[TensorBytes, ...]  # a MoE layer's when the model has experts
     dense: tuple[TensorBytes, ...] = ()  # a dense layer's, when MoE layers alternate with dense ones
     dense_layers: int = 0  # how many of the L layers are dense (moe_layer_freq > 1)
+    model_wide_copies: int = 1  # how many copies of the model-wide tensors the L layers keep (Gemma 3's RoPE: 2)
 
     @property
     def per_layer_bytes(self) -> int:
@@ -153,8 +154,9 @@ class LayerEstimate:
 
     @property
     def total_bytes(self) -> int:
-        """All L layers: MoE layers and dense layers each at their own bytes, the model-wide tensors once."""
-        return self.layers_bytes(self.layers - self.dense_layers, self.dense_layers, 1)
+        """All L layers: MoE layers and dense layers each at their own bytes, the model-wide tensors once (a copy
+        for each kind of layer that reads its own)."""
+        return self.layers_bytes(self.layers - self.dense_layers, self.dense_layers, self.model_wide_copies)
 
     def layers_bytes(self, layers: int, dense: int, copies: int) -> int:
         """`layers` layers' bytes (MoE ones where the model mixes them) and `dense` dense layers', with `copies` of
@@ -193,4 +195,5 @@ def estimate(config: ModelConfig, strategy: Strategy, accounting: Accounting = A
 
     dense_layers = config.L - config.moe_layers if knobs.moe else 0
     dense = kept_bytes(knobs.dense) if dense_layers else ()
-    return LayerEstimate(strategy, config.L, kept_bytes(knobs), dense, dense_layers)
+    copies = implementation(knobs).model_wide_copies(knobs, config.L)
+    return LayerEstimate(strategy, config.L, kept_bytes(knobs), dense, dense_layers, copies)

@@ -114,7 +114,7 @@ def breakdown_figure(
         ax.bar(names, heights, bottom=bottoms, color=colour, edgecolor="white", linewidth=0.5, label=label, width=0.6)
         bottoms = [b + h for b, h in zip(bottoms, heights)]
     for i, r in enumerate(estimates):
-        ax.annotate(human_bytes(r.layers_bytes(layers, 0, 1)), (i, bottoms[i]), xytext=(0, 3),
+        ax.annotate(human_bytes(r.layers_bytes(layers, 0, _copies(r, layers))), (i, bottoms[i]), xytext=(0, 3),
                     textcoords="offset points", ha="center", fontsize=9)
     ax.set_xticks(range(len(estimates)), [f"{r.strategy.name}\n({r.strategy.title})" for r in estimates], fontsize=9)
     ax.set_ylabel(_bytes_label(layers))
@@ -179,14 +179,20 @@ def _bytes_label(layers: int) -> str:
 
 
 def _segments(estimates: Sequence[LayerEstimate], by_block: bool, layers: int) -> dict[str, list[int]]:
-    """Label -> bytes of `layers` layers per strategy (a model-wide tensor once), in forward order; every strategy
-    saves the same tensors."""
+    """Label -> bytes of `layers` layers per strategy (a model-wide tensor once for each kind of layer), in forward
+    order; every strategy saves the same tensors."""
     segments: dict[str, list[int]] = {}
     for i, r in enumerate(estimates):
         for x in r.tensors:
             label = x.tensor.block if by_block else x.tensor.name
-            segments.setdefault(label, [0] * len(estimates))[i] += x.bytes * (1 if x.tensor.model_wide else layers)
+            times = _copies(r, layers) if x.tensor.model_wide else layers
+            segments.setdefault(label, [0] * len(estimates))[i] += x.bytes * times
     return segments
+
+
+def _copies(r: LayerEstimate, layers: int) -> int:
+    """The copies of the model-wide tensors `layers` layers keep: one layer's one, all L layers' the estimate's."""
+    return 1 if layers == 1 else r.model_wide_copies
 
 
 def _colours(labels: list[str]) -> list[Any]:

@@ -523,11 +523,12 @@ def evaluate_sweep(sweep: Sweep, advance: Callable[[int], None] = lambda rows: N
     at, layers = index[:-2] + (0, index[-1]), grid.L.ravel()[index[-2]]
     per_layer = _layer_columns(grid, sweep, knobs, per_layer_bytes, advance)[at]
     shared = _layer_columns(grid, sweep, knobs, model_wide_bytes)[at]  # in every layer's bytes, once in the model's
+    once = shared * implementation(knobs).model_wide_copies(knobs, layers)
     if not _mixed(knobs):
-        return SweepResult(sweep, grid, index, per_layer, (per_layer - shared) * layers + shared, skipped)
+        return SweepResult(sweep, grid, index, per_layer, (per_layer - shared) * layers + once, skipped)
     moe = grid.moe_layers.ravel()[index[-2]]
     dense = _layer_columns(grid, sweep, knobs.dense, per_layer_bytes)[at]
-    total = (per_layer - shared) * moe + (dense - shared) * (layers - moe) + shared
+    total = (per_layer - shared) * moe + (dense - shared) * (layers - moe) + once
     return SweepResult(sweep, grid, index, per_layer, total, skipped)
 
 

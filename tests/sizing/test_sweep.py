@@ -102,17 +102,22 @@ def test_layout_fields_do_not_change_the_numbers():
 MOE = dict(b=1, s=64, h=32, a=4, t=2, L=6, num_experts=8, moe_router_topk=2, dp=4)
 
 
-def test_an_hf_sweep_counts_the_rope_tables_once_in_all_l_layers_as_estimate_does():
-    fields = dict(impl="hf", norm="rmsnorm", mlp="swiglu", attention="eager", b=1, h=64, a=4, num_query_groups=2)
+@pytest.mark.parametrize("family, kinds", [
+    ({"norm": "rmsnorm", "mlp": "swiglu"}, {1: 1, 3: 1, 6: 1}),  # Llama: one pair of tables
+    ({"norm": "rmsnorm_1p", "mlp": "geglu_tanh", "sandwich_norm": True, "qk_layernorm": True},
+     {1: 1, 3: 1, 6: 2}),  # Gemma 3: a pair for sliding layers, another from the first full one (the sixth)
+])
+def test_an_hf_sweep_counts_the_rope_tables_once_for_each_kind_of_layer_as_estimate_does(family, kinds):
+    fields = dict(impl="hf", attention="eager", b=1, h=64, a=4, num_query_groups=2) | family
     exact = Accounting(exact=True, device="cpu")
-    result = _sweep(fields, [NONE, TP], exact, L="1,3", s="7,16", t="1,2")
+    result = _sweep(fields, [NONE, TP], exact, L="1,3,6", s="7,16", t="1,2")
     for i in range(result.rows):
         row = result.row(i)
         config = build_config(fields | {k: row[k] for k in ("s", "L", "t")})
         expected = estimate(config, STRATEGIES[row["strategy"]], exact)
         assert (row["per_layer_bytes"], row["total_bytes"]) == (expected.per_layer_bytes, expected.total_bytes)
         tables = 2 * 2 * row["s"] * 16  # cos and sin, (s, d) in bf16, whole on every rank
-        assert row["total_bytes"] == row["L"] * row["per_layer_bytes"] - (row["L"] - 1) * tables
+        assert row["total_bytes"] == row["L"] * row["per_layer_bytes"] - (row["L"] - kinds[row["L"]]) * tables
 
 
 @pytest.mark.parametrize("moe", [

@@ -25,7 +25,8 @@ Where transformers' Python differs from Megatron's fused kernels it keeps more:
 - RoPE: `q * cos + rotate_half(q) * sin` keeps cos and sin (s, d), in the activation dtype (the rotary embedding
   computes them in fp32 and casts them; OLMo's and OLMo 2's do not cast). The model makes them once per forward and
   every layer keeps the same two storages: a layer counts them, all L layers once (stage "model", measured on 2 and 3
-  layers). GLM's and GPT-J's layers repeat_interleave the model's tables: each layer keeps its own.
+  layers; Gemma 3 makes a pair for its sliding and one for its full layers, `rope_pairs`). GLM's and GPT-J's layers
+  repeat_interleave the model's tables: each layer keeps its own.
 - Qwen3's q_norm and k_norm are LlamaRMSNorm's code on each head, (b, s, heads, d): the
   same three tensors per head, with heads split where TP splits them.
 - Eager attention runs `torch.matmul` on head-strided views, so matmul keeps its
@@ -691,6 +692,18 @@ def resid_dropout(knobs: Any) -> bool:
     return knobs.has_dropout and (not is_llama(knobs) or knobs.fused_qkv)
 
 
+# Gemma3TextModel makes a (cos, sin) pair for each kind of layer in layer_types (its rotary embedding's local base for
+# sliding layers, the global one for full layers), each kept by the layers of its kind: under Gemma3TextConfig's
+# default pattern every sixth layer is full, so six layers or more keep two pairs (measured at L = 5, 6 and 7).
+GEMMA3_FULL_EVERY = 6  # Gemma3TextConfig's sliding_window_pattern
+
+
+def rope_pairs(knobs: Any, layers: Any) -> Any:
+    """The pairs of RoPE tables `layers` layers keep: one, or Gemma 3's two from its first full layer on."""
+    gemma3 = knobs.sandwich_norm and knobs.qk_layernorm and knobs.norm == "rmsnorm_1p"
+    return 1 + (layers >= GEMMA3_FULL_EVERY) if gemma3 else 1
+
+
 def _rope(knobs: Any) -> tuple[SavedTensor, ...]:
     """The (s, d) cos and sin tables RoPE's products keep: OLMo's fp32, GLM's interleaved, the first d_r channels'
     (rotary_percent),
@@ -1337,6 +1350,7 @@ IMPLEMENTATION = Implementation(
     check=check,
     check_sizes=check_sizes,
     size_rule=REPEAT_KV,
+    model_wide_copies=rope_pairs,
     size_conditions=(
         SPLIT_PROJ_INPUT,
         SizeCondition(

@@ -229,8 +229,10 @@ def _layers_saved(knobs: dict) -> tuple[int, int]:
     LLAMA | MLA | {"attention": "eager", "dropout": 0.0, "L": 2},  # DeepSeek-V3: the (s, d_r) tables, sliced views
     GEMMA | {"attention": "flash", "L": 3, "b": 1, "s": 9},
     COHERE | {"attention": "eager", "L": 2},  # its rotary embedding interleaves the tables once, for every layer
+    GEMMA3 | {"attention": "eager", "L": 5},  # five sliding layers: the local pair only
+    GEMMA3 | {"attention": "flash", "L": 7, "b": 1},  # the sixth is full: the global pair too
 ], ids=["llama eager L=2", "llama sdpa L=3", "olmo sdpa L=3", "glm eager L=2", "gpt-neox eager L=3",
-        "deepseek-v3 eager L=2", "gemma sdpa L=3", "cohere eager L=2"])
+        "deepseek-v3 eager L=2", "gemma sdpa L=3", "cohere eager L=2", "gemma3 eager L=5", "gemma3 sdpa L=7"])
 def test_a_models_layers_keep_the_ledgers_l_layer_total_with_the_rope_tables_once(knobs):
     measured, predicted = _layers_saved(knobs)
     assert measured == predicted
