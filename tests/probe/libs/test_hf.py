@@ -206,13 +206,16 @@ def _layers_saved(knobs: dict) -> tuple[int, int]:
     the first layer's start to the last one's end, the rotary embedding's tables included), and the ledger's."""
     config = build_config(SIZES | knobs)
     family = runner.model_family(config)
-    hf_config = {"gpt_neox": runner.neox_config}.get(family, partial(runner.llama_config, family=family))(config)
+    builders = {"gpt_neox": runner.neox_config, "falcon": runner.falcon_config, "gptj": runner.gptj_config,
+                "starcoder2": runner.starcoder2_config}
+    hf_config = builders.get(family, partial(runner.llama_config, family=family))(config)
     hf_config.pad_token_id = None  # GLM's lies past a small vocabulary; the embedding is not run
     torch.manual_seed(0)
     model = transformers.AutoModel.from_config(hf_config).to(torch.bfloat16).train()
     recorder = SavedTensorRecorder(model.parameters(), kept_only=True)
-    model.layers[0].register_forward_pre_hook(lambda *_: None if recorder.__enter__() else None)
-    model.layers[-1].register_forward_hook(lambda *_: recorder.__exit__(None, None, None))  # returns None
+    layers = model.layers if hasattr(model, "layers") else model.h  # Falcon's and GPT-J's
+    layers[0].register_forward_pre_hook(lambda *_: None if recorder.__enter__() else None)
+    layers[-1].register_forward_hook(lambda *_: recorder.__exit__(None, None, None))  # returns None
     x = torch.randn(config.b, config.s, config.h, dtype=torch.bfloat16, requires_grad=True)
     with cuda_like_dropout():
         model(inputs_embeds=x).last_hidden_state.sum().backward()
@@ -231,8 +234,12 @@ def _layers_saved(knobs: dict) -> tuple[int, int]:
     COHERE | {"attention": "eager", "L": 2},  # its rotary embedding interleaves the tables once, for every layer
     GEMMA3 | {"attention": "eager", "L": 5},  # five sliding layers: the local pair only
     GEMMA3 | {"attention": "flash", "L": 7, "b": 1},  # the sixth is full: the global pair too
+    FALCON | {"L": 3},
+    GPTJ | {"attention": "eager", "dropout": 0.0, "L": 2},  # each layer repeats the model's (s, d_r/2) tables
+    STARCODER2 | {"attention": "flash", "dropout": 0.0, "L": 2},
 ], ids=["llama eager L=2", "llama sdpa L=3", "olmo sdpa L=3", "glm eager L=2", "gpt-neox eager L=3",
-        "deepseek-v3 eager L=2", "gemma sdpa L=3", "cohere eager L=2", "gemma3 eager L=5", "gemma3 sdpa L=7"])
+        "deepseek-v3 eager L=2", "gemma sdpa L=3", "cohere eager L=2", "gemma3 eager L=5", "gemma3 sdpa L=7",
+        "falcon eager L=3", "gpt-j eager L=2", "starcoder2 sdpa L=2"])
 def test_a_models_layers_keep_the_ledgers_l_layer_total_with_the_rope_tables_once(knobs):
     measured, predicted = _layers_saved(knobs)
     assert measured == predicted
