@@ -106,6 +106,7 @@ KNOBS: Schema = _object({
     "sliding_window": _nullable(POSITIVE),
     "sandwich_norm": FLAG,
     "attn_logit_softcapping": _nullable({"type": "number", "exclusiveMinimum": 0}),
+    "final_logit_softcapping": _nullable({"type": "number", "exclusiveMinimum": 0}),
     "parallel_residual": FLAG,
     "rotary_percent": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
     "post_norm": FLAG,
@@ -145,7 +146,7 @@ CONFIG: Schema = _object(
     optional=("name", "description", "max_position_embeddings", "vpp", "gpus", "num_microbatches", "global_batch_size",
               "etp", "dp_shard", "dp_replicate", "zero_stage", "num_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_first_dense_layers",
               "moe_expert_capacity_factor", "kv_channels", *_MLA, "sliding_window", "rotary_percent",
-              "attn_logit_softcapping"),
+              "attn_logit_softcapping", "final_logit_softcapping"),
 )
 
 ACCOUNTING: Schema = _object({"exact": FLAG, "device": {"enum": ["cuda", "cpu"]}})

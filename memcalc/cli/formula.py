@@ -130,7 +130,9 @@ def _print_text(F: Any, formulas: list, knobs: Knobs, accounting: Accounting) ->
     for lf in formulas:
         click.echo(f"  {lf.strategy.name:<{width}}  {F.to_text(lf.total)}")
     used = F.symbols_in([lf.total for lf in formulas])
-    click.echo("where " + ", ".join(f"{n} = {F.MEANINGS[n]}" for n in used) + "; all L layers: multiply by L.")
+    shared = ", ".join(dict.fromkeys(x.name for lf in formulas for x, _ in lf.terms if x.model_wide))
+    once = f", but {shared} once for all layers of a kind (the model makes them for every layer)" if shared else ""
+    click.echo("where " + ", ".join(f"{n} = {F.MEANINGS[n]}" for n in used) + f"; all L layers: multiply by L{once}.")
     table = Table(title="Each tensor's term")
     table.add_column("tensor")
     for lf in formulas:

@@ -109,7 +109,8 @@ memcalc counts the bytes of activations one GPU keeps for backward in one transf
 tensor is an activation exactly when some operator's backward reads it: a dropout keeps its mask,
 GELU its input, softmax its output. Each such tensor is described once in `memcalc/model/ledger.py`;
 the knobs decide which of them a layer keeps, and a strategy decides which dimension it splits
-across the t tensor-parallel ranks. All L layers keep L times one layer's bytes.
+across the t tensor-parallel ranks. All L layers keep L times one layer's bytes, less what the model makes
+once for every layer (transformers' RoPE tables: counted once, Gemma 3's once for each kind of layer).
 
 The layer is Megatron-LM's pre-norm block:
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from math import prod
 from typing import TYPE_CHECKING, Any
 
-from memcalc.model.impls import plan, tensors_at
+from memcalc.model.impls import implementation, plan, tensors_at
 from memcalc.model.knobs import Accounting, Knobs, element_bytes
 from memcalc.model.rules import check_sequence_split
 from memcalc.model.ledger import Dim, SavedTensor
@@ -136,6 +136,7 @@ class LayerEstimate:
     tensors: tuple[TensorBytes, ...]  # a MoE layer's when the model has experts
     dense: tuple[TensorBytes, ...] = ()  # a dense layer's, when MoE layers alternate with dense ones
     dense_layers: int = 0  # how many of the L layers are dense (moe_layer_freq > 1)
+    model_wide_copies: int = 1  # how many copies of the model-wide tensors the L layers keep (Gemma 3's RoPE: 2)
 
     @property
     def per_layer_bytes(self) -> int:
@@ -147,9 +148,21 @@ class LayerEstimate:
         return sum(t.bytes for t in self.dense)
 
     @property
+    def model_wide_bytes(self) -> int:
+        """What every layer keeps of the model's one copy (RoPE's tables): in each layer's bytes, once in a model's."""
+        return sum(t.bytes for t in self.tensors if t.tensor.model_wide)
+
+    @property
     def total_bytes(self) -> int:
-        """All L layers: MoE layers and dense layers each at their own bytes."""
-        return self.per_layer_bytes * (self.layers - self.dense_layers) + self.dense_layer_bytes * self.dense_layers
+        """All L layers: MoE layers and dense layers each at their own bytes, the model-wide tensors once (a copy
+        for each kind of layer that reads its own)."""
+        return self.layers_bytes(self.layers - self.dense_layers, self.dense_layers, self.model_wide_copies)
+
+    def layers_bytes(self, layers: int, dense: int, copies: int) -> int:
+        """`layers` layers' bytes (MoE ones where the model mixes them) and `dense` dense layers', with `copies` of
+        the model-wide tensors: one for each model chunk's forward kept (a pipeline stage's chunk-micro-batches)."""
+        shared = self.model_wide_bytes
+        return (self.per_layer_bytes - shared) * layers + (self.dense_layer_bytes - shared) * dense + shared * copies
 
     def __repr__(self) -> str:
         """One line for a notebook: the generated repr would print every tensor of the ledger."""
@@ -182,4 +195,5 @@ def estimate(config: ModelConfig, strategy: Strategy, accounting: Accounting = A
 
     dense_layers = config.L - config.moe_layers if knobs.moe else 0
     dense = kept_bytes(knobs.dense) if dense_layers else ()
-    return LayerEstimate(strategy, config.L, kept_bytes(knobs), dense, dense_layers)
+    copies = implementation(knobs).model_wide_copies(knobs, config.L)
+    return LayerEstimate(strategy, config.L, kept_bytes(knobs), dense, dense_layers, copies)

@@ -196,15 +196,16 @@ _LAYER_TYPES = _kept_nothing("layer_types", _layer_types, "sliding and full laye
 
 
 # Gemma2Config: Gemma's layer with sandwich norms (a GemmaRMSNorm on the attention's and on the MLP's output too),
-# attention scores soft-capped (attn_logit_softcapping; absent: none, as null: save_pretrained always writes it),
-# every other layer's attention a sliding window (eager keeps full attention's bytes); its activation field is
-# hidden_activation. The logits' own soft-capping and the query scale keep nothing a layer keeps.
+# attention scores and the logits soft-capped (attn_logit_softcapping, final_logit_softcapping; absent: none, as
+# null: save_pretrained always writes both), every other layer's attention a sliding window (eager keeps full
+# attention's bytes); its activation field is hidden_activation. The query scale keeps nothing.
 _GEMMA2_ONLY = (
     Row("mlp", ("hidden_activation",), _gemma_gated, default="geglu_tanh"),
     Row("attn_logit_softcapping", ("attn_logit_softcapping",), _positive_or_null("attn_logit_softcapping"),
         default=None),
     Row("sliding_window", ("sliding_window",), _sliding_window, default=4096),
-    _kept_nothing("final_logit_softcapping", lambda v: v, "outside the decoder layers (the logits')"),
+    Row("final_logit_softcapping", ("final_logit_softcapping",), _positive_or_null("final_logit_softcapping"),
+        default=None),
     _kept_nothing("query_pre_attn_scalar", lambda v: v, "a scale: keeps nothing"),
     _LAYER_TYPES,
 )

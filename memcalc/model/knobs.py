@@ -502,6 +502,15 @@ KNOBS: tuple[Knob, ...] = (
                   "Soft-capping keeps tanh's (b, a, s, s) output, whose derivative 1 - tanh^2 backward reads."),),
     ),
     Knob(
+        "final_logit_softcapping", "factor", None, "hf: the logits become c * tanh(logits / c) before the loss (Gemma"
+        " 2's final_logit_softcapping): tanh keeps its (b, s, v) output beside the loss's, outside the layers",
+        lambda k: None if k.final_logit_softcapping is None else f"logits softcap {k.final_logit_softcapping:g}",
+        effects=(({"impl": Impl.HF, "norm": Norm.RMSNORM_1P, "mlp": Mlp.GEGLU_TANH, "attention": Attention.EAGER,
+                   "sandwich_norm": True, "final_logit_softcapping": 30.0},
+                  "The layer keeps what Gemma 2's keeps: the logits are soft-capped after lm_head, where the output"
+                  " end keeps tanh's (b, s, v) output in the activation dtype beside the loss's logits (--totals)."),),
+    ),
+    Knob(
         "parallel_residual", "flag", False, "hf: attention and MLP both read the layer's input: each through its own"
         " norm with rotary_percent (GPT-NeoX's use_parallel_residual), without it Falcon's parallel_attn (RoPE on"
         " whole heads) through one norm (single_norm, Falcon-7B's) or ln_attn and ln_mlp (new_decoder_architecture)", lambda k: "parallel residual" if k.parallel_residual else None,

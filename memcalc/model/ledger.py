@@ -86,7 +86,13 @@ class SavedTensor:
     region: Region
     why: str
     paper: bool = True  # False: a small term the paper leaves out (shown with exact accounting)
-    stage: str = "layer"  # "layer": in every transformer layer; "first"/"last": beside the embedding/output layer
+    stage: str = "layer"  # "layer": in every transformer layer; "first"/"last": beside the embedding/output layer;
+    # "model": made once per forward by the model and kept by every layer (RoPE's tables; `model_wide`)
+
+    @property
+    def model_wide(self) -> bool:
+        """One storage that every layer keeps: a layer's bytes count it, all L layers' once per model chunk."""
+        return self.stage == "model"
 
     @property
     def block(self) -> str:
@@ -363,7 +369,14 @@ LOSS_LOGITS = SavedTensor(
     "loss/logits_fp32", "cross-entropy (vocabulary-parallel)", (Dim.B, Dim.S, Dim.V), Kind.FP32, Region.TENSOR,
     "the loss's gradient is softmax(logits) - onehot(target), from the fp32 softmax kept in forward", stage="last",
 )
+# Gemma 2's final_logit_softcapping c (transformers' Gemma2ForCausalLM.forward): logits / c, tanh, then * c, which the
+# loss reads. Dividing and multiplying by a number keep nothing; tanh keeps its output, whole on every rank (the
+# model's tp plan gathers the logits before it).
+LOGITS_SOFTCAP_TANH = SavedTensor(
+    "loss/softcap_tanh", "final logit soft-capping: tanh(logits / c)", (Dim.B, Dim.S, Dim.V), Kind.ACTIVATION,
+    Region.REPLICATED, "tanh's derivative, 1 - tanh^2, is read from its output", stage="last",
+)
 END_TENSORS: tuple[SavedTensor, ...] = (
-    EMBEDDING_INPUT_IDS, EMBEDDING_DROPOUT_MASK, *FINAL_NORM, OUTPUT_INPUT, LOSS_LOGITS,
+    EMBEDDING_INPUT_IDS, EMBEDDING_DROPOUT_MASK, *FINAL_NORM, OUTPUT_INPUT, LOGITS_SOFTCAP_TANH, LOSS_LOGITS,
 )
 BY_NAME: dict[str, SavedTensor] = {t.name: t for t in (*ALL_TENSORS, *END_TENSORS)}

@@ -21,6 +21,7 @@ class Stage:
     embedding_in_flight: int  # micro-batches whose embedding activations are kept (0: no embedding here)
     output_in_flight: int  # micro-batches whose output-layer and loss activations are kept (0: none here)
     schedule: str  # how the counts arise, for people
+    chunks_in_flight: int  # model-chunk forwards kept (layer_slots / layers a chunk): each made its own RoPE tables
 
     @property
     def has_embedding(self) -> bool:
@@ -39,7 +40,7 @@ def stages(L: int, pp: int, vpp: int | None, microbatches: int | None = None) ->
     """
     m = microbatches
     if pp == 1:
-        return (Stage("only", L, L, 1, 1, "no pipelining: one micro-batch at a time"),)
+        return (Stage("only", L, L, 1, 1, "no pipelining: one micro-batch at a time", 1),)
     chunks = vpp or 1
     chunk = L // (pp * chunks)
     first, last = in_flight(pp, vpp, 0, m), in_flight(pp, vpp, pp - 1, m)
@@ -51,20 +52,20 @@ def stages(L: int, pp: int, vpp: int | None, microbatches: int | None = None) ->
         return (
             Stage(
                 "first", chunk, chunk * first, embedding, 0,
-                f"1F1B keeps {first} micro-batch{'es' if first > 1 else ''} of {chunk} layers{why}",
+                f"1F1B keeps {first} micro-batch{'es' if first > 1 else ''} of {chunk} layers{why}", first,
             ),
-            Stage("last", chunk, chunk * last, 0, output, f"1F1B keeps 1 micro-batch of {chunk} layers"),
+            Stage("last", chunk, chunk * last, 0, output, f"1F1B keeps 1 micro-batch of {chunk} layers", last),
         )
     return (
         Stage(
             "first", chunk * vpp, chunk * first, embedding, 0,
             f"interleaved 1F1B keeps {first} chunk-micro-batches of {chunk} layers,"
-            f" {embedding} of them the embedding's chunk{why}",
+            f" {embedding} of them the embedding's chunk{why}", first,
         ),
         Stage(
             "last", chunk * vpp, chunk * last, 0, output,
             f"interleaved 1F1B keeps {last} chunk-micro-batches of {chunk} layers,"
-            f" {output} of them the output layer's chunk",
+            f" {output} of them the output layer's chunk", last,
         ),
     )
 

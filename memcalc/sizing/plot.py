@@ -106,15 +106,15 @@ def breakdown_figure(
     top in forward order, each bar's total above it. `layers` multiplies one layer's bytes."""
     fig, ax = _figure(titles, BREAKDOWN_SIZE)
     names = [r.strategy.name for r in estimates]
-    segments = _segments(estimates, by_block)
+    segments = _segments(estimates, by_block, layers)
     bottoms = [0.0] * len(estimates)
     colours = _colours(list(segments))
     for (label, sizes), colour in zip(segments.items(), colours):
-        heights = [layers * n / GIB for n in sizes]
+        heights = [n / GIB for n in sizes]
         ax.bar(names, heights, bottom=bottoms, color=colour, edgecolor="white", linewidth=0.5, label=label, width=0.6)
         bottoms = [b + h for b, h in zip(bottoms, heights)]
     for i, r in enumerate(estimates):
-        ax.annotate(human_bytes(layers * r.per_layer_bytes), (i, bottoms[i]), xytext=(0, 3),
+        ax.annotate(human_bytes(r.layers_bytes(layers, 0, _copies(r, layers))), (i, bottoms[i]), xytext=(0, 3),
                     textcoords="offset points", ha="center", fontsize=9)
     ax.set_xticks(range(len(estimates)), [f"{r.strategy.name}\n({r.strategy.title})" for r in estimates], fontsize=9)
     ax.set_ylabel(_bytes_label(layers))
@@ -178,14 +178,21 @@ def _bytes_label(layers: int) -> str:
     return f"activation memory per GPU, {scope} (GiB, $2^{{30}}$ bytes)"
 
 
-def _segments(estimates: Sequence[LayerEstimate], by_block: bool) -> dict[str, list[int]]:
-    """Label -> bytes per strategy, in forward order; every strategy saves the same tensors."""
+def _segments(estimates: Sequence[LayerEstimate], by_block: bool, layers: int) -> dict[str, list[int]]:
+    """Label -> bytes of `layers` layers per strategy (a model-wide tensor once for each kind of layer), in forward
+    order; every strategy saves the same tensors."""
     segments: dict[str, list[int]] = {}
     for i, r in enumerate(estimates):
         for x in r.tensors:
             label = x.tensor.block if by_block else x.tensor.name
-            segments.setdefault(label, [0] * len(estimates))[i] += x.bytes
+            times = _copies(r, layers) if x.tensor.model_wide else layers
+            segments.setdefault(label, [0] * len(estimates))[i] += x.bytes * times
     return segments
+
+
+def _copies(r: LayerEstimate, layers: int) -> int:
+    """The copies of the model-wide tensors `layers` layers keep: one layer's one, all L layers' the estimate's."""
+    return 1 if layers == 1 else r.model_wide_copies
 
 
 def _colours(labels: list[str]) -> list[Any]:

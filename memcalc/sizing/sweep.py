@@ -325,6 +325,13 @@ def per_layer_bytes(grid: GridSizes, strategy: Strategy, knobs: Knobs, accountin
     return np.concatenate(slices, axis=axis)
 
 
+def model_wide_bytes(grid: GridSizes, strategy: Strategy, knobs: Knobs, accounting: Accounting) -> np.ndarray:
+    """The bytes of what every layer keeps of the model's one copy (RoPE's tables) at every point (L-free)."""
+    shared = tuple(x for x in layer_tensors(knobs, accounting) if x.model_wide)
+    sizes = dim_sizes(grid, grid.t if strategy.sequence_parallel else 1)
+    return _tensor_bytes(shared, strategy, sizes, grid.t, knobs, accounting)
+
+
 def _topk_variants(grid: GridSizes, knobs: Knobs) -> list[Knobs]:
     """The knobs at each value of a swept top-k, in the axis's order; else (or for a dense layer) the knobs alone."""
     if "moe_router_topk" not in grid.names or not knobs.moe:
@@ -514,12 +521,15 @@ def evaluate_sweep(sweep: Sweep, advance: Callable[[int], None] = lambda rows: N
         raise ConfigError(f"no configuration in the sweep passes the divisibility rules, e.g. {skipped[0].example}")
     index = np.nonzero(keep)
     at, layers = index[:-2] + (0, index[-1]), grid.L.ravel()[index[-2]]
-    per_layer = _layer_columns(grid, sweep, knobs, advance)[at]
+    per_layer = _layer_columns(grid, sweep, knobs, per_layer_bytes, advance)[at]
+    shared = _layer_columns(grid, sweep, knobs, model_wide_bytes)[at]  # in every layer's bytes, once in the model's
+    once = shared * implementation(knobs).model_wide_copies(knobs, layers)
     if not _mixed(knobs):
-        return SweepResult(sweep, grid, index, per_layer, per_layer * layers, skipped)
+        return SweepResult(sweep, grid, index, per_layer, (per_layer - shared) * layers + once, skipped)
     moe = grid.moe_layers.ravel()[index[-2]]
-    dense = _layer_columns(grid, sweep, knobs.dense)[at]
-    return SweepResult(sweep, grid, index, per_layer, per_layer * moe + dense * (layers - moe), skipped)
+    dense = _layer_columns(grid, sweep, knobs.dense, per_layer_bytes)[at]
+    total = (per_layer - shared) * moe + (dense - shared) * (layers - moe) + once
+    return SweepResult(sweep, grid, index, per_layer, total, skipped)
 
 
 def _mixed(knobs: Knobs) -> bool:
@@ -528,13 +538,15 @@ def _mixed(knobs: Knobs) -> bool:
 
 
 def _layer_columns(
-    grid: GridSizes, sweep: Sweep, knobs: Knobs, advance: Callable[[int], None] = lambda rows: None
+    grid: GridSizes, sweep: Sweep, knobs: Knobs, bytes_of: Callable[..., np.ndarray],
+    advance: Callable[[int], None] = lambda rows: None,
 ) -> np.ndarray:
-    """One layer's bytes under each strategy, shaped (b, s, h, a, t, 1, strategy); per_layer_bytes is L-free."""
+    """`bytes_of` (one layer's, or its model-wide tensors') under each strategy, shaped (b, s, h, a, t, 1,
+    strategy); both are L-free."""
     layer_free = grid.shape[:-1] + (1,)
     columns = []
     for st in sweep.strategies:
-        columns.append(np.broadcast_to(per_layer_bytes(grid, st, knobs, sweep.accounting), layer_free))
+        columns.append(np.broadcast_to(bytes_of(grid, st, knobs, sweep.accounting), layer_free))
         advance(sweep.rows // len(sweep.strategies))
     return np.stack(columns, axis=-1)
 

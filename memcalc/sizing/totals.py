@@ -21,6 +21,7 @@ from math import prod
 from memcalc.config.schema import ModelConfig
 from memcalc.model import ledger
 from memcalc.model.evaluate import LayerEstimate, dim_sizes, estimate, rank_shape
+from memcalc.model.impls import implementation
 from memcalc.model.impls.base import drop_small
 from memcalc.model.knobs import Accounting, element_bytes
 from memcalc.model.ledger import Dim, SavedTensor
@@ -40,6 +41,8 @@ def end_tensors(config: ModelConfig, accounting: Accounting, stage: str) -> tupl
         absent.add(ledger.EMBEDDING_DROPOUT_MASK)  # no dropout, no mask
     if config.norm == "rmsnorm":
         absent.add(ledger.FINAL_NORM.mean)  # RMSNorm keeps no mean
+    if config.final_logit_softcapping is None:
+        absent.add(ledger.LOGITS_SOFTCAP_TANH)
     kept = (x for x in ledger.END_TENSORS if x.stage == stage and x not in absent)
     return drop_small(kept, accounting)
 
@@ -135,12 +138,15 @@ def _stage_total(
 
 
 def _layers_term(config: ModelConfig, stage: Stage, layer: LayerEstimate) -> Term:
-    """The stage's layer activations: with MoE and dense layers mixed, each kind at its own bytes."""
+    """The stage's layer activations: with MoE and dense layers mixed, each kind at its own bytes; the model-wide
+    tensors (RoPE's tables) once for each model chunk's forward kept."""
+    chunk = stage.layer_slots // stage.chunks_in_flight  # the layers of one model chunk
+    copies = stage.chunks_in_flight * implementation(config).model_wide_copies(config, chunk)
     if not layer.dense_layers:
-        return Term("layers", ACTIVATIONS, layer.per_layer_bytes * stage.layer_slots, stage.schedule)
+        return Term("layers", ACTIVATIONS, layer.layers_bytes(stage.layer_slots, 0, copies), stage.schedule)
     moe = stage.layer_slots * moe_layers_held(config, stage) // stage.layers  # every chunk holds the same share
     dense = stage.layer_slots - moe
-    return Term("layers", ACTIVATIONS, layer.per_layer_bytes * moe + layer.dense_layer_bytes * dense,
+    return Term("layers", ACTIVATIONS, layer.layers_bytes(moe, dense, copies),
                 f"{stage.schedule}; {moe} of them MoE layers, {dense} dense")
 
 

@@ -30,6 +30,13 @@ def test_text_prints_the_seeds_three_formulas():
     assert "b = micro-batch size" in out and "multiply by L" in out
 
 
+def test_the_rope_tables_every_hf_layer_keeps_are_counted_once_in_all_l_layers():
+    out = _ok("--impl", "hf", "--norm", "rmsnorm", "--mlp", "swiglu", "--exact")
+    assert ("all L layers: multiply by L, but attention/rope_cos, attention/rope_sin once for all layers of a kind"
+            " (the model makes them for every layer).") in " ".join(out.split())
+    assert "once for all" not in _ok("--impl", "hf", "--norm", "rmsnorm", "--mlp", "swiglu")  # the paper's terms only
+
+
 def test_text_lists_each_tensors_term():
     # The softmax output is 2bas^2 bytes: 2as/h per sbh, split by t under both tp and tp-sp.
     row = next(line for line in _ok().splitlines() if "attention/softmax_out" in line)

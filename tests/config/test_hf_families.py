@@ -150,6 +150,20 @@ def test_a_phi3_config_reads_fused_projections_and_rotates_whole_heads_unless_a_
     assert read_hf_config(tmp_path / "config.json").fields["rotary_percent"] == 0.5
 
 
+def test_a_gemma2_config_reads_its_final_logit_softcapping_and_null_is_none(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    small = {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 48}
+    transformers.Gemma2Config(**small).save_pretrained(tmp_path)  # the class's 30.0 and 50.0
+    fields = read_hf_config(tmp_path / "config.json").fields
+    assert (fields["final_logit_softcapping"], fields["attn_logit_softcapping"]) == (30.0, 50.0)
+    transformers.Gemma2Config(**small, final_logit_softcapping=None).save_pretrained(tmp_path)
+    assert read_hf_config(tmp_path / "config.json").fields.get("final_logit_softcapping") is None  # memcalc's default
+    raw = json.loads((tmp_path / "config.json").read_text()) | {"final_logit_softcapping": -1}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match="final_logit_softcapping must be a positive number, got -1"):
+        read_hf_config(tmp_path / "config.json")
+
+
 def test_phi3s_fused_projections_are_refused_outside_hf(tmp_path):
     transformers = pytest.importorskip("transformers")
     transformers.Phi3Config(hidden_size=32, num_attention_heads=4, intermediate_size=48).save_pretrained(tmp_path)

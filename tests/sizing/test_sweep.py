@@ -103,6 +103,24 @@ def test_layout_fields_do_not_change_the_numbers():
 MOE = dict(b=1, s=64, h=32, a=4, t=2, L=6, num_experts=8, moe_router_topk=2, dp=4)
 
 
+@pytest.mark.parametrize("family, kinds", [
+    ({"norm": "rmsnorm", "mlp": "swiglu"}, {1: 1, 3: 1, 6: 1}),  # Llama: one pair of tables
+    ({"norm": "rmsnorm_1p", "mlp": "geglu_tanh", "sandwich_norm": True, "qk_layernorm": True},
+     {1: 1, 3: 1, 6: 2}),  # Gemma 3: a pair for sliding layers, another from the first full one (the sixth)
+])
+def test_an_hf_sweep_counts_the_rope_tables_once_for_each_kind_of_layer_as_estimate_does(family, kinds):
+    fields = dict(impl="hf", attention="eager", b=1, h=64, a=4, num_query_groups=2) | family
+    exact = Accounting(exact=True, device="cpu")
+    result = _sweep(fields, [NONE, TP], exact, L="1,3,6", s="7,16", t="1,2")
+    for i in range(result.rows):
+        row = result.row(i)
+        config = build_config(fields | {k: row[k] for k in ("s", "L", "t")})
+        expected = estimate(config, STRATEGIES[row["strategy"]], exact)
+        assert (row["per_layer_bytes"], row["total_bytes"]) == (expected.per_layer_bytes, expected.total_bytes)
+        tables = 2 * 2 * row["s"] * 16  # cos and sin, (s, d) in bf16, whole on every rank
+        assert row["total_bytes"] == row["L"] * row["per_layer_bytes"] - (row["L"] - kinds[row["L"]]) * tables
+
+
 @pytest.mark.parametrize("moe", [
     {"moe_layer_freq": 2},
     {"moe_first_dense_layers": 3, "moe_ffn_hidden_size": 48},
@@ -334,7 +352,8 @@ def test_csv_has_a_header_and_one_complete_row_per_configuration():
                            "moe_tokens", "moe_aux_loss", "moe_router_pre_softmax", "experts_implementation", "kv_lora_rank",
                            "q_lora_rank",
                            "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "sliding_window",
-                           "sandwich_norm", "attn_logit_softcapping", "parallel_residual", "rotary_percent", "post_norm",
+                           "sandwich_norm", "attn_logit_softcapping", "final_logit_softcapping", "parallel_residual",
+                           "rotary_percent", "post_norm",
                            "fused_qkv", "alibi", "single_norm", "attention_sinks", "ep",
                            "accounting"]
     assert first | {"per_layer_bytes": None, "total_bytes": None} == dict(
@@ -348,7 +367,8 @@ def test_csv_has_a_header_and_one_complete_row_per_configuration():
         moe_router_enable_expert_bias="false", moe_tokens="balanced", moe_aux_loss="false",
         moe_router_pre_softmax="false", experts_implementation="grouped_mm",
         kv_lora_rank="", q_lora_rank="", qk_rope_head_dim="", qk_nope_head_dim="", v_head_dim="", sliding_window="",
-        sandwich_norm="false", attn_logit_softcapping="", parallel_residual="false", rotary_percent="", post_norm="false",
+        sandwich_norm="false", attn_logit_softcapping="", final_logit_softcapping="", parallel_residual="false",
+        rotary_percent="", post_norm="false",
         fused_qkv="false", alibi="false", single_norm="false", attention_sinks="false", ep="1",
         accounting="paper",
     )

@@ -255,6 +255,16 @@ def test_what_the_gemma_walk_leaves_out_is_refused_by_name(changes, named):
         _timeline(**GEMMA | changes)
 
 
+def test_gemma_2s_final_logit_softcapping_keeps_tanhs_bsv_output_from_its_forward_to_its_backward():
+    config, steps = _timeline(**GEMMA, sandwich_norm=True, final_logit_softcapping=30.0, attention="eager")
+    kept = 2 * config.b * config.s * config.vocab_size  # bf16, the unpadded vocabulary
+    holding = [m.what for m in steps.moments if any(x.name == "loss/softcap_tanh" and x.bytes == kept
+                                                    for x in m.live)]
+    assert (holding[0], holding[-1]) == ("tanh(logits / c), which tanh keeps", "tanh's backward")
+    _, uncapped = _timeline(**GEMMA, sandwich_norm=True, attention="eager")
+    assert steps.steady == uncapped.steady and steps.peak.bytes == uncapped.peak.bytes + kept  # the loss's backward
+
+
 def test_gemma_2s_layers_add_its_sandwich_norms_and_soft_capping_as_the_ledger_keeps_them():
     config, steps = _timeline(**GEMMA, sandwich_norm=True, attn_logit_softcapping=50.0, attention="eager")
     ends = [m.by_category()[ACTIVATIONS] for m in steps.moments if m.phase == "forward" and ".layers." in f".{m.where}"]

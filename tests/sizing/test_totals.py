@@ -157,6 +157,21 @@ def test_a_stage_counts_its_moe_and_dense_layers_each_at_their_own_bytes(pp):
     assert layer.per_layer_bytes != layer.dense_layer_bytes
 
 
+@pytest.mark.parametrize("pp, vpp, kept", [
+    (1, None, [(8, 1)]),
+    (2, None, [(8, 2), (4, 1)]),  # 1F1B: the first stage's two micro-batches each made their own tables
+    (2, 2, [(10, 5), (6, 3)]),  # interleaved: one pair of tables for each chunk-micro-batch in flight
+])
+def test_a_stage_keeps_the_rope_tables_once_for_each_model_chunk_forward_in_flight(pp, vpp, kept):
+    config = build_config(dict(impl="hf", norm="rmsnorm", mlp="swiglu", b=1, s=7, h=32, a=4, L=8, pp=pp, vpp=vpp))
+    exact = Accounting(exact=True, device="cpu")
+    layer, tables = estimate(config, NONE, exact), 2 * 2 * 7 * 8  # cos and sin, (s, d) in bf16
+    assert layer.model_wide_bytes == tables
+    for st, (slots, copies) in zip(per_gpu(config, NONE, exact).stages, kept, strict=True):
+        assert (st.stage.layer_slots, st.stage.chunks_in_flight) == (slots, copies)
+        assert _terms(st)["layers"] == slots * (layer.per_layer_bytes - tables) + copies * tables
+
+
 def test_mixtral_totals_count_every_expert_on_one_gpu():
     totals = per_gpu(load_config("mixtral-8x7b", {}), NONE)
     assert totals.stages[0].params["moe/experts"] == 32 * 8 * 3 * 4096 * 14336

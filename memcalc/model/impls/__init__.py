@@ -57,7 +57,8 @@ def implementation(knobs: Any) -> Implementation:
 # Knobs of a layer only transformers' code is measured for, and the layer that has each.
 _HF_ONLY = {"parallel_residual": "GPTNeoXLayer", "rotary_percent": "GPTNeoXLayer or Starcoder2DecoderLayer",
             "sandwich_norm": "Gemma2DecoderLayer",
-            "attn_logit_softcapping": "Gemma2DecoderLayer", "fused_qkv": "Phi3DecoderLayer",
+            "attn_logit_softcapping": "Gemma2DecoderLayer", "final_logit_softcapping": "Gemma2ForCausalLM",
+            "fused_qkv": "Phi3DecoderLayer",
             "post_norm": "Olmo2DecoderLayer", "alibi": "BloomBlock", "single_norm": "GPTJBlock or CohereDecoderLayer",
             "attention_sinks": "GptOssDecoderLayer"}
 # Choices only transformers' layers are measured with (Gemma's GemmaRMSNorm and GeGLU, OLMo's, OLMo 2's and Cohere's

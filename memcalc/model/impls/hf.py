@@ -22,7 +22,11 @@ Where transformers' Python differs from Megatron's fused kernels it keeps more:
 - `LlamaRMSNorm` upcasts: `x.to(float32)` is kept by `pow(2)` and `x * rsqrt(.)`,
   the fp32 rstd by the same product, the normalised input cast back by `weight * (.)`.
   The bf16 input itself is not kept.
-- RoPE: `q * cos + rotate_half(q) * sin` keeps cos and sin (s, d), once per layer.
+- RoPE: `q * cos + rotate_half(q) * sin` keeps cos and sin (s, d), in the activation dtype (the rotary embedding
+  computes them in fp32 and casts them; OLMo's and OLMo 2's do not cast). The model makes them once per forward and
+  every layer keeps the same two storages: a layer counts them, all L layers once (stage "model", measured on 2 and 3
+  layers; Gemma 3 makes a pair for its sliding and one for its full layers, `rope_pairs`). GLM's and GPT-J's layers
+  repeat_interleave the model's tables: each layer keeps its own.
 - Qwen3's q_norm and k_norm are LlamaRMSNorm's code on each head, (b, s, heads, d): the
   same three tensors per head, with heads split where TP splits them.
 - Eager attention runs `torch.matmul` on head-strided views, so matmul keeps its
@@ -266,25 +270,27 @@ MLA_KV_NORM_VIEW = replace(
 MLA_ROPE_COS = SavedTensor(
     "mla/rope_cos", "apply_rotary_pos_emb(_interleave): q_rot * cos and k_rot * cos", (Dim.S, Dim.DR),
     Kind.ACTIVATION, _SEQ, "the gradient of x in x * cos is dY * cos (one (1, s, d_r) table from the model's rotary"
-    " embedding; cos needs no gradient, so x is not kept)", paper=False,
+    " embedding; cos needs no gradient, so x is not kept)", paper=False, stage="model",
 )
 MLA_ROPE_SIN = SavedTensor(
     "mla/rope_sin", "apply_rotary_pos_emb(_interleave): rotate_half(x) * sin", (Dim.S, Dim.DR), Kind.ACTIVATION,
-    _SEQ, "the gradient of rotate_half(x) in rotate_half(x) * sin is dY * sin", paper=False,
+    _SEQ, "the gradient of rotate_half(x) in rotate_half(x) * sin is dY * sin", paper=False, stage="model",
 )
 
 # GPTNeoXAttention (and Phi3Attention, partial_rotary_factor < 1): RoPE on the first d_r = d * rotary_pct channels of
 # each query and key head (q[..., :d_r] * cos, rotate_half(.) * sin, then concatenated with the rest): the model's
-# (1, s, d_r) tables, kept once per layer. Starcoder2Attention's are whole heads' (rotary_percent 1: d_r = d).
+# (1, s, d_r) tables, which every layer keeps. Starcoder2Attention's are whole heads' (rotary_percent 1: d_r = d).
 NEOX_ROPE_COS = SavedTensor(
     "attention/rope_cos_partial", "apply_rotary_pos_emb (GPT-NeoX, Phi-3, StarCoder 2): q_rot * cos and k_rot * cos",
     (Dim.S, Dim.DR),
     Kind.ACTIVATION, _SEQ, "the gradient of q_rot in q_rot * cos is dY * cos (the (1, s, d_r) table)", paper=False,
+    stage="model",
 )
 NEOX_ROPE_SIN = SavedTensor(
     "attention/rope_sin_partial", "apply_rotary_pos_emb (GPT-NeoX, Phi-3, StarCoder 2): rotate_half(q_rot) * sin",
     (Dim.S, Dim.DR),
     Kind.ACTIVATION, _SEQ, "the gradient of rotate_half(q_rot) in rotate_half(q_rot) * sin is dY * sin", paper=False,
+    stage="model",
 )
 # GPT-NeoX's V is a view of query_key_value's (b, s, a, 3d) output, Phi-3's of qkv_proj's (b, s, (a+2g)d); at b = 1
 # eager matmul folds it into a bmm batch without a copy and keeps that whole storage (see REPEAT_KV): Q, K and V's
@@ -360,10 +366,11 @@ GPTJ_K = replace(ledger.K, name="attention/k_fp32", kind=Kind.FP32,
 ROPE_COS = SavedTensor(
     "attention/rope_cos", "apply_rotary_pos_emb: q * cos and k * cos", (Dim.S, Dim.D), Kind.ACTIVATION, _SEQ,
     "the gradient of q in q * cos is dY * cos (one (1, s, d) table from the model's rotary embedding)", paper=False,
+    stage="model",
 )
 ROPE_SIN = SavedTensor(
     "attention/rope_sin", "apply_rotary_pos_emb: rotate_half(q) * sin", (Dim.S, Dim.D), Kind.ACTIVATION, _SEQ,
-    "the gradient of rotate_half(q) in rotate_half(q) * sin is dY * sin", paper=False,
+    "the gradient of rotate_half(q) in rotate_half(q) * sin is dY * sin", paper=False, stage="model",
 )
 # OlmoRotaryEmbedding returns fp32 tables (no cast to x's dtype), so q * cos runs in fp32 and keeps them fp32;
 # apply_rotary_pos_emb casts q and k back after.
@@ -552,11 +559,11 @@ _OAI = "gpt-oss"
 HALF_ROPE_COS = SavedTensor(
     "attention/rope_cos_half", f"{_OAI} _apply_rotary_emb: first_half * cos and second_half * cos", (Dim.S, Dim.HALF_D),
     Kind.ACTIVATION, _SEQ, "the gradient of each half in half * cos is dY * cos (the model's (1, s, d/2) table)",
-    paper=False,
+    paper=False, stage="model",
 )
 HALF_ROPE_SIN = SavedTensor(
     "attention/rope_sin_half", f"{_OAI} _apply_rotary_emb: second_half * sin and first_half * sin", (Dim.S, Dim.HALF_D),
-    Kind.ACTIVATION, _SEQ, "the gradient of each half in half * sin is dY * sin", paper=False,
+    Kind.ACTIVATION, _SEQ, "the gradient of each half in half * sin is dY * sin", paper=False, stage="model",
 )
 SINK_MAX_INDICES = SavedTensor(
     "attention/sink_max_indices", f"{_OAI} eager_attention_forward: combined_logits.max(dim=-1, keepdim=True)",
@@ -683,6 +690,18 @@ def resid_dropout(knobs: Any) -> bool:
     """Whether the attention's and the MLP's outputs are dropped out: GPT-2's, GPT-NeoX's and StarCoder 2's, and Phi-3's
     resid_attn_dropout and resid_mlp_dropout (Llama's layer drops out attention weights only)."""
     return knobs.has_dropout and (not is_llama(knobs) or knobs.fused_qkv)
+
+
+# Gemma3TextModel makes a (cos, sin) pair for each kind of layer in layer_types (its rotary embedding's local base for
+# sliding layers, the global one for full layers), each kept by the layers of its kind: under Gemma3TextConfig's
+# default pattern every sixth layer is full, so six layers or more keep two pairs (measured at L = 5, 6 and 7).
+GEMMA3_FULL_EVERY = 6  # Gemma3TextConfig's sliding_window_pattern
+
+
+def rope_pairs(knobs: Any, layers: Any) -> Any:
+    """The pairs of RoPE tables `layers` layers keep: one, or Gemma 3's two from its first full layer on."""
+    gemma3 = knobs.sandwich_norm and knobs.qk_layernorm and knobs.norm == "rmsnorm_1p"
+    return 1 + (layers >= GEMMA3_FULL_EVERY) if gemma3 else 1
 
 
 def _rope(knobs: Any) -> tuple[SavedTensor, ...]:
@@ -1122,9 +1141,10 @@ def _check_gemma2(knobs: Any) -> None:
     if knobs.sandwich_norm and knobs.norm != "rmsnorm_1p" and not is_glm(knobs):
         raise ConfigError("impl hf: sandwich_norm is Gemma 2's, whose norms are GemmaRMSNorm (set norm rmsnorm_1p),"
                           " or GLM-4's (norm rmsnorm with rotary_percent)")
-    if knobs.attn_logit_softcapping is not None and (not knobs.sandwich_norm or knobs.norm != "rmsnorm_1p"):
-        raise ConfigError("impl hf: attn_logit_softcapping is Gemma 2's (Gemma2DecoderLayer: set sandwich_norm and norm"
-                          " rmsnorm_1p)")
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(knobs, name) is not None and (not knobs.sandwich_norm or knobs.norm != "rmsnorm_1p"):
+            raise ConfigError(f"impl hf: {name} is Gemma 2's (Gemma2ForCausalLM: set sandwich_norm and norm"
+                              " rmsnorm_1p)")
     if knobs.attn_logit_softcapping is not None and knobs.attention != "eager":
         raise ConfigError("impl hf: attn_logit_softcapping runs in eager attention only (SDPA takes no softcap); use"
                           " attention eager")
@@ -1330,6 +1350,7 @@ IMPLEMENTATION = Implementation(
     check=check,
     check_sizes=check_sizes,
     size_rule=REPEAT_KV,
+    model_wide_copies=rope_pairs,
     size_conditions=(
         SPLIT_PROJ_INPUT,
         SizeCondition(

@@ -122,10 +122,6 @@ _GLU_GATE_UP = SavedTensor("moe/glu_gate_up", "GptOssExperts gate_up_proj", (), 
 _HALVES = {_GATE_UP.name: _GATE_UP_PARTS, _DENSE_GATE_UP.name: (ledger.SWIGLU_GATE, ledger.SWIGLU_UP),
            _GLU_GATE_UP.name: (rules.GLU_GATE_IN, rules.GLU_UP_IN)}
 _MARKERS = (_QKV_OUT, _GATE_UP, _DENSE_GATE_UP, _GLU_GATE_UP)
-# The (1, s, d) RoPE tables the model passes its layers: a Llama head's, or latent attention's RoPE part's.
-_ROPE_TABLES = ((rules.ROPE_COS, rules.ROPE_SIN), (rules.MLA_ROPE_COS, rules.MLA_ROPE_SIN),
-                (rules.NEOX_ROPE_COS, rules.NEOX_ROPE_SIN), (rules.OLMO_ROPE_COS, rules.OLMO_ROPE_SIN),
-                (rules.HALF_ROPE_COS, rules.HALF_ROPE_SIN))
 
 
 def run_layer(
@@ -149,10 +145,11 @@ def record_layer(
         hf_tp.apply(layer, hf_tp.layer_plan(layer, _classes(family)[0]), tp)
     accounting = Accounting(exact=True, device=tp.device.type)
     knobs = Knobs.of(config).dense if dense else Knobs.of(config)
-    expected = {t.name for t in tensors_at(knobs, accounting, dim_sizes(config), tp.size)}  # at these sizes
+    predicted = tensors_at(knobs, accounting, dim_sizes(config), tp.size)  # at these sizes
+    expected = {t.name for t in predicted}
     label_rules = tuple(r for r in label_rules_for(config) if r.tensor.name in expected or r.tensor in _MARKERS)
     x = _layer_input(config, tp.device)
-    rope = next((pair for pair in _ROPE_TABLES if pair[0].name in expected), None)
+    rope = tuple(t for t in predicted if t.model_wide) or None  # the (cos, sin) the model passes its layers
     with cuda_like_dropout(), routing(family, route, config.moe_router_topk):
         with SavedTensorRecorder(layer.parameters(), kept_only=True) as recorder, Labels(layer, label_rules):
             y = layer(x, **extra(x, rope))
@@ -382,13 +379,13 @@ def gpt_oss_config(config: ModelConfig, layer_type: str | None = None) -> Any:
 
 def _window_fields(config: ModelConfig, family: str) -> dict[str, Any]:
     """Mistral's sliding window (MistralConfig's default is 4096: None, memcalc's full causal, is said); Gemma 2's,
-    with its soft-capping and the tanh GeGLU (its field is hidden_activation)."""
+    with its soft-capping (the scores' and the logits') and the tanh GeGLU (its field is hidden_activation)."""
     if family == "mistral":
         return {"sliding_window": config.sliding_window}
     if family in ("gemma2", "gemma3_text"):
         window = {"sliding_window": config.sliding_window} if config.sliding_window is not None else {}
         return {"attn_logit_softcapping": config.attn_logit_softcapping, "hidden_activation": "gelu_pytorch_tanh",
-                "final_logit_softcapping": None} | window
+                "final_logit_softcapping": config.final_logit_softcapping} | window
     return {}
 
 

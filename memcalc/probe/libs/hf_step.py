@@ -25,7 +25,7 @@ laid out: apply_tensor_parallelism looks lm_head.weight up among named_parameter
 
 With norm rmsnorm_1p and mlp geglu_tanh it builds GemmaForCausalLM (GemmaRMSNorm, the tanh GeGLU, the embedding
 scaled by sqrt(h)); with sandwich_norm too Gemma2ForCausalLM (every other layer sliding, the scores soft-capped if
-attn_logit_softcapping is set, no final logit soft-capping: memcalc has no knob for it); with fused_qkv
+attn_logit_softcapping is set, the logits if final_logit_softcapping is); with fused_qkv
 Phi3ForCausalLM (one qkv_proj, one gate_up_proj). With qk_layernorm it builds Qwen3ForCausalLM (Llama's layer, each
 query and key head RMS-normalised before RoPE); with add_qkv_bias Qwen2ForCausalLM (Llama's layer, q_proj, k_proj
 and v_proj with biases; no sliding window, Qwen2Config's default).

@@ -9,7 +9,8 @@ model's ends as ops for the same walk (memcalc.sizing.timeline.walk), and the sh
                 weights, Adam's m and v (or FSDP2's and ZeRO's layouts)
     forward     the batch; the embedding; position ids; the causal mask (eager attention: SDPA runs is_causal); RoPE's
                 cos and sin, kept by every layer; each layer; the final RMSNorm at its widest; lm_head's bf16 logits
-                and ForCausalLMLoss at its widest (fp32 logits, padded and shifted labels, the kept log-softmax)
+                (Gemma 2's soft-capped: / c, tanh, kept, * c) and ForCausalLMLoss at its widest (fp32 logits,
+                padded and shifted labels, the kept log-softmax)
     backward    the loss's fp32 gradients; lm_head; the final norm; the layers in reverse; the embedding's gradient
                 (tied: summed with lm_head's, which waits in autograd's buffer)
     optimizer   fused AdamW in place: nothing new
@@ -101,7 +102,8 @@ def _moments(config: ModelConfig, z: Sizes, kept: tuple[tuple[ledger.SavedTensor
     hand_over = _hand_over(tape, sharding)
     ln1, final = rules.RMS_NORMS[config.norm][0], final_norm(config)  # the final norm's tensors are ln1's sizes
     ends = {x.name: saved[x.name] for x in layer.ROPE} | {ledger.OUTPUT_INPUT.name: z.full(z.h)} | {
-        y.name: saved[x.name] for x, y in zip(ln1, final) if x.name in saved}
+        y.name: saved[x.name] for x, y in zip(ln1, final) if x.name in saved} | {
+        ledger.LOGITS_SOFTCAP_TANH.name: z.act * z.b * z.s * config.vocab_size}
     tensors = tuple(x for x, _ in kept if x not in layer.ROPE)  # every layer shares one description of these
     made, block = (moe.kept_in_forward(tensors, config), moe.block_backward(z, config)) if config.moe \
         else (layer.kept_tensors(tensors), ())
@@ -397,7 +399,30 @@ def _output(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     lm_head = replace(head, forward=(Step("the gathered logits: this rank's columns, the gather's buffer, all", (
         *gather, Made("lm_head/logits", logits, "lm_head's bf16 logits; the output object holds them until it goes")),
         frees=("lm_head/local logits", "lm_head/gathered"), moment=tp),), backward=(*columns, *head.backward))
-    return (*norm, lm_head, _loss(z, logits))
+    return (*norm, lm_head, *_softcap(config, logits), _loss(z, logits))
+
+
+def _softcap(config: ModelConfig, logits: int) -> tuple[Op, ...]:
+    """Gemma2ForCausalLM's final logit soft-capping, in its forward after lm_head: logits / c, tanh (which keeps its
+    output), then * c, the logits the loss reads; each op's output replaces the one before. In backward dY * c, tanh's
+    backward (its output then goes), / c: lm_head's gradient."""
+    if config.final_logit_softcapping is None:
+        return ()
+    tanh = ledger.LOGITS_SOFTCAP_TANH
+    return (Op("", forward=(
+        Step("the logits / c", (Made("softcap/scaled", logits, "logits / final_logit_softcapping"),),
+             frees=("lm_head/logits",)),
+        Step("tanh(logits / c), which tanh keeps", (kept("", tanh, "tanh's backward reads its output"),),
+             frees=("softcap/scaled",)),
+        Step("the capped logits: tanh(.) * c", (Made("lm_head/logits", logits, "the capped logits: the output"
+                                                     " object holds them until it goes"),)),
+    ), backward=(
+        Step("(.) * c's backward", (Made("grad/softcap tanh", logits, "dY * c"),), frees=("grad/logits",)),
+        Step("tanh's backward", (Made("grad/softcap scaled", logits, "dY * (1 - tanh^2)"),),
+             frees=("grad/softcap tanh",), returns=True),
+        Step("(.) / c's backward: lm_head's gradient", (Made("grad/logits", logits, "dY / c"),),
+             frees=("grad/softcap scaled",)),
+    ), saves=(tanh,)),)
 
 
 def _loss(z: Sizes, logits: int) -> Op:

@@ -1,11 +1,14 @@
 """transformers' own layers keep, tensor by tensor, what memcalc's hf rules predict (bytes and shape)."""
 
+from functools import partial
+
 import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import torch  # noqa: E402
+import transformers  # noqa: E402
 
 from memcalc.config.schema import build_config  # noqa: E402
 from memcalc.errors import ConfigError  # noqa: E402
@@ -198,6 +201,50 @@ def test_the_layer_keeps_exactly_what_the_rules_predict(knobs, family):
     assert all(row.measured > 0 for row in rows)  # every predicted tensor was found, none unlabelled
 
 
+def _layers_saved(knobs: dict) -> tuple[int, int]:
+    """transformers' own model of these knobs run on inputs_embeds: the bytes its decoder layers keep (recorded from
+    the first layer's start to the last one's end, the rotary embedding's tables included), and the ledger's."""
+    config = build_config(SIZES | knobs)
+    family = runner.model_family(config)
+    builders = {"gpt_neox": runner.neox_config, "falcon": runner.falcon_config, "gptj": runner.gptj_config,
+                "starcoder2": runner.starcoder2_config}
+    hf_config = builders.get(family, partial(runner.llama_config, family=family))(config)
+    hf_config.pad_token_id = None  # GLM's lies past a small vocabulary; the embedding is not run
+    torch.manual_seed(0)
+    model = transformers.AutoModel.from_config(hf_config).to(torch.bfloat16).train()
+    recorder = SavedTensorRecorder(model.parameters(), kept_only=True)
+    layers = model.layers if hasattr(model, "layers") else model.h  # Falcon's and GPT-J's
+    layers[0].register_forward_pre_hook(lambda *_: None if recorder.__enter__() else None)
+    layers[-1].register_forward_hook(lambda *_: recorder.__exit__(None, None, None))  # returns None
+    x = torch.randn(config.b, config.s, config.h, dtype=torch.bfloat16, requires_grad=True)
+    with cuda_like_dropout():
+        model(inputs_embeds=x).last_hidden_state.sum().backward()
+    predicted = estimate(config, STRATEGIES["none"], Accounting(exact=True, device="cpu")).total_bytes
+    return sum(x.nbytes for x in recorder.saved), predicted
+
+
+@pytest.mark.parametrize("knobs", [
+    LLAMA | {"attention": "eager", "num_query_groups": 2, "b": 1, "s": 7, "L": 2},  # bf16 tables, once
+    LLAMA | {"attention": "flash", "L": 3},
+    {"norm": "layernorm_np", "mlp": "swiglu", "attention": "flash", "dropout": 0.0, "L": 3},  # OLMo's fp32 tables
+    GLM | {"attention": "eager", "L": 2, "b": 3, "s": 5},  # each layer's own interleaved tables
+    NEOX | {"L": 3, "dropout": 0.0},  # the model's partial (s, d_r) tables
+    LLAMA | MLA | {"attention": "eager", "dropout": 0.0, "L": 2},  # DeepSeek-V3: the (s, d_r) tables, sliced views
+    GEMMA | {"attention": "flash", "L": 3, "b": 1, "s": 9},
+    COHERE | {"attention": "eager", "L": 2},  # its rotary embedding interleaves the tables once, for every layer
+    GEMMA3 | {"attention": "eager", "L": 5},  # five sliding layers: the local pair only
+    GEMMA3 | {"attention": "flash", "L": 7, "b": 1},  # the sixth is full: the global pair too
+    FALCON | {"L": 3},
+    GPTJ | {"attention": "eager", "dropout": 0.0, "L": 2},  # each layer repeats the model's (s, d_r/2) tables
+    STARCODER2 | {"attention": "flash", "dropout": 0.0, "L": 2},
+], ids=["llama eager L=2", "llama sdpa L=3", "olmo sdpa L=3", "glm eager L=2", "gpt-neox eager L=3",
+        "deepseek-v3 eager L=2", "gemma sdpa L=3", "cohere eager L=2", "gemma3 eager L=5", "gemma3 sdpa L=7",
+        "falcon eager L=3", "gpt-j eager L=2", "starcoder2 sdpa L=2"])
+def test_a_models_layers_keep_the_ledgers_l_layer_total_with_the_rope_tables_once(knobs):
+    measured, predicted = _layers_saved(knobs)
+    assert measured == predicted
+
+
 def test_gpt2_sdpa_predicts_q_k_v_as_a_third_of_the_c_attn_storage_each():
     rows = {row.name: row for row in _rows(GPT2 | {"mlp": "gelu", "attention": "flash", "dropout": 0.0})}
     b, s, h, a = (SIZES[k] for k in "bsha")
@@ -232,6 +279,8 @@ def test_the_shim_makes_cpu_dropout_keep_a_bool_mask_and_undoes_itself():
     (NEOX | {"attention": "flash"}, "GPTNeoXLayer under sdpa is not modelled"),
     (GEMMA2 | {"attention": "flash"}, "attn_logit_softcapping runs in eager attention only"),
     (GEMMA | {"attn_logit_softcapping": 30.0, "attention": "eager"}, "attn_logit_softcapping is Gemma 2's"),
+    (LLAMA | {"final_logit_softcapping": 30.0}, "final_logit_softcapping is Gemma 2's"),
+    (GEMMA2 | {"final_logit_softcapping": 30.0, "impl": "megatron"}, "modelled under --impl hf only"),
     (LLAMA | {"sandwich_norm": True}, "sandwich_norm is Gemma 2's"),
     (LLAMA | {"parallel_residual": True},
      r"parallel_residual is GPTNeoXLayer's and FalconDecoderLayer's \(norm layernorm\) or CohereDecoderLayer's"),

@@ -466,6 +466,19 @@ FAMILY_STEPS = [
 ]
 
 
+SOFTCAPPED = {"final_logit_softcapping": 30.0}  # Gemma2ForCausalLM's logits: c * tanh(logits / c)
+
+
+@pytest.mark.parametrize("changes", [
+    GEMMA2 | CAPPED | SOFTCAPPED,
+    GEMMA2 | SOFTCAPPED | {"b": 3, "s": 7, "h": 16, "ffn_hidden_size": 16, "vocab_size": 301, "num_query_groups": 2},
+], ids=str)
+def test_gemma_2s_final_logit_softcapping_keeps_tanhs_output_and_the_step_is_memtrackers_to_the_byte(one_thread,
+                                                                                                     changes):
+    r = _exact_step(make_config(LLAMA, attention="eager", **changes), "none")  # the division, tanh, the product
+    assert r.model.startswith("transformers' Gemma2ForCausalLM")
+
+
 def test_the_families_sizes_put_the_peak_in_different_places():
     """What gives the next test its meaning: a family's cases peak at five different moments (the default sizes and
     the tied model both in the loss; Phi-3's two b = 1 cases both in lm_head)."""
