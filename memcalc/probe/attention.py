@@ -7,8 +7,8 @@
       -> output projection (row-parallel, f* or g*)  (s, b, h)  [SP: (s/t, b, h)]
 
 What each core keeps, and where this layer departs from Megatron's in layout but not in bytes (q, k, v
-copied apart, the grouped flash scores, `FlashAttention` instead of torch's CPU kernel), is in
-docs/probe.md, "The layer".
+copied apart, the grouped flash scores, `FlashAttention` instead of torch's CPU kernel, what the QK norms' views of
+the fused QKV output keep alive), is in docs/probe.md, "The layer".
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.kernels import wide
 from memcalc.probe.linear import ColumnParallelLinear, RowParallelLinear
 from memcalc.probe.overlap import NO_OVERLAP, Overlap
+from memcalc.probe.norm import Norm
 from memcalc.probe.recorder import batch_first, label
 
 torch = require_torch()
@@ -53,13 +54,21 @@ class SelfAttention(nn.Module):
         qkv_bias = config.add_bias_linear or config.add_qkv_bias
         self.qkv = ColumnParallelLinear(config.h, qkv_width, bias=qkv_bias, seed=1, **linear)
         self.proj = RowParallelLinear(config.a * self.head_dim, config.h, bias=config.add_bias_linear, seed=2, **linear)
+        if config.qk_layernorm:  # one weight of d shared by every head (and rank)
+            self.q_norm, self.k_norm = (Norm(config.norm, self.head_dim, x, dtype, tp.device, heads=True)
+                                        for x in (ledger.Q_NORM, ledger.K_NORM))
+        self.qk_norm = config.qk_layernorm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         label(batch_first(x), ledger.QKV_IN)
         q, k, v = self._split_heads(self.qkv(x))
+        columns = self._query_columns(q)
+        if self.qk_norm:
+            q, k = self._normed(q, k, v, columns)
+            columns = ()  # held beside the key norm's input
         for tensor, saved in ((q, ledger.Q), (k, ledger.K), (v, ledger.V)):
             label(tensor, saved)
-        context = checkpoint(self._core, q, k, v, *self._query_columns(q)) if self.recompute else self._core(q, k, v)
+        context = checkpoint(self._core, q, k, v, *columns) if self.recompute else self._core(q, k, v)
         label(batch_first(context).unflatten(-1, (-1, self.head_dim)), ledger.PROJ_IN)  # (b, s, a/t, d)
         return self.proj(context)
 
@@ -69,13 +78,27 @@ class SelfAttention(nn.Module):
         return eager_core(q, k, v, self.dropout, self.softmax)
 
     def _query_columns(self, q: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """What Megatron's core-attention checkpoint keeps beside q, k, v under GQA: the QKV output's query columns
-        (none with one K/V group per rank, where megatron's query is a view of them: impls.megatron.CONDITIONS)."""
+        """What Megatron keeps beside q, k, v under eager GQA, through K and V's views of the fused QKV output (its
+        core-attention checkpoint's inputs, or the key norm's): the QKV output's query columns (none with one K/V
+        group per rank, where megatron's query is a view of them: impls.megatron.CONDITIONS)."""
         if self.flash or self.heads_per_group == 1 or self.groups_per_rank == 1:
+            return ()
+        if not (self.recompute or self.qk_norm):
             return ()
         columns = q.clone()
         label(columns, megatron.QKV_QUERY_COLUMNS)
         return (columns,)
+
+    def _normed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                columns: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k (b, heads, s, d) normalised per head, as megatron's norms run on (s, b, heads, d); under eager
+        GQA the key norm's input holds v and the query columns, as megatron's view of the fused output does."""
+        label(q, ledger.Q_NORM.input)
+        label(k, ledger.K_NORM.input)
+        if not self.flash and self.heads_per_group > 1:
+            k = _HeldBy.apply(k, v, *columns)
+        return tuple(norm(x.permute(2, 0, 1, 3)).permute(1, 2, 0, 3).contiguous()  # (b, heads, s, d)
+                     for norm, x in ((self.q_norm, q), (self.k_norm, k)))
 
     def _split_heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(s, b, g/t * (a/g + 2) * d) -> q (b, a/t, s, d), k and v (b, g/t, s, d), each its own storage."""
@@ -85,6 +108,19 @@ class SelfAttention(nn.Module):
         # (s, b, g/t, n, d) -> (b, g/t, n, s, d) -> (b, g/t * n, s, d); clone: always a storage of its own
         q, k, v = (p.permute(1, 2, 3, 0, 4).clone(memory_format=torch.contiguous_format) for p in parts)
         return tuple(x.view(b, -1, s, self.head_dim) for x in (q, k, v))
+
+
+class _HeldBy(torch.autograd.Function):
+    """forward: x itself, holding `held` for backward; backward: dx as it came, and `held` goes."""
+
+    @staticmethod
+    def forward(ctx, x, *held):
+        ctx.save_for_backward(*held)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad, *(None for _ in ctx.saved_tensors))
 
 
 # -- the core: softmax(q k^T / sqrt(d) + causal mask) v, per K/V group ---------

@@ -105,8 +105,6 @@ def test_a_larger_vocabulary_moves_the_peak_to_the_loss():
 @pytest.mark.parametrize("changes, named", [
     ({"cp": 2, "attention": "flash"}, "cp=2"),
     ({"dtype": "fp32"}, "dtype fp32"),
-    ({"qk_layernorm": True}, "qk_layernorm"),
-    ({"kv_channels": 64}, "kv_channels=64"),
 ])
 def test_what_is_not_modelled_yet_is_refused_by_name(changes, named):
     with pytest.raises(ConfigError, match=f"does not model {named}"):

@@ -43,7 +43,7 @@ and cp = 1 (none, tp, tp-sp at any t), the Megatron implementation's layer (desc
 ops, memcalc.sizing.timeline.megatron, for the generic walk) with GELU or SwiGLU (fused or
 not), eager attention with a K/V group per head or grouped-query (Megatron's fused
 softmax, or its fp32 or 16-bit torch softmax outside the kernel's sizes) or flash
-attention, LayerNorm or RMSNorm, dropout and biases on or off, tied or untied embeddings,
+attention, heads of h/a or of kv_channels, with or without qk_layernorm, LayerNorm or RMSNorm, dropout and biases on or off, tied or untied embeddings,
 learned positions or RoPE, bf16 or fp16; no recomputation, selective (the attention core
 rerun inside backward, beside the checkpoint's inputs and its held gradient) or full (each
 layer rerun: its tensors made again, its input and output gradient held by the checkpoint
@@ -229,11 +229,6 @@ def _refuse_other_layers(config: ModelConfig) -> None:
         raise ConfigError(f"the step timeline models latent attention (kv_lora_rank) as megatron-core's"
                           f" MLASelfAttention without recomputation or with selective (impl megatron), not impl"
                           f" {config.impl} with recompute {config.recompute}")
-    if config.head_dim_set and config.impl != "hf":  # transformers' heads of head_dim: the hf walk's
-        raise ConfigError(f"the step timeline does not model kv_channels={config.kv_channels} (heads other than"
-                          f" h/a={config.h}/{config.a}={config.h // config.a} wide) yet: it walks attention h wide")
-    if config.qk_layernorm and config.impl != "hf":  # transformers' Qwen3 and Qwen3-MoE: the hf walk's
-        raise ConfigError("the step timeline does not model qk_layernorm (norms on each query and key head) yet")
 
 
 def _refuse_other_moe(config: ModelConfig, strategy: Strategy) -> None:

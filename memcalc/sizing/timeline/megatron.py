@@ -232,9 +232,31 @@ def _attention(ops: list[Op], config: ModelConfig, z: Sizes, dcontext: str, has:
     if selective:
         ops.append(backward_only("attention", Step("the checkpoint returns", frees=(
             "attention/recomputed output", dcontext)), saves=checkpoint))
+    q = "grad/q"
+    if config.qk_layernorm:
+        q, k = _head_norms(ops, config, z, q, k)
     ops.append(one("attention", "dQ, dK, dV concatenated into the QKV output's gradient", Made(
         "grad/qkv output", z.full(z.qkv_t), "q, k and v were split from one QKV output: their gradients concatenated"),
-        ("grad/q", k, v)))
+        (q, k, v)))
+
+
+def _head_norms(ops: list[Op], config: ModelConfig, z: Sizes, dq: str, dk: str) -> tuple[str, str]:
+    """qk_layernorm's backward, the key's norm first (autograd runs the later node first): each one kernel, dX and
+    the d-wide weight's (and bias's) gradients beside dY. Under eager GQA the key norm's input is a view of the fused
+    QKV output (memcalc.model.impls.megatron), which so keeps V and the query columns until that norm's node goes,
+    after the query's norm. Returns dX's names."""
+    out = []
+    for which, norm, grad, heads in (("k", ledger.K_NORM, dk, z.g_t), ("q", ledger.Q_NORM, dq, z.a_t)):
+        dx, dw = f"grad/{which} norm input", f"grad/{which} norm weights"
+        ops.append(backward_only(f"attention.{which}_norm", Step(f"the {which} norm: dX, dweight" + (
+            ", dbias" if z.norm_vectors == 2 else ""), (
+            Made(dx, z.act * z.b * heads * z.s * z.d, "the norm's dX"),
+            Made(dw, z.norm_vectors * z.act * z.d, "the norm's weight (and bias) gradients, d wide")),
+            frees=(grad,), hands_over=(dw,)), saves=tuple(norm)))
+        out.append(dx)
+    if config.attention != "flash" and z.a_t > z.g_t:
+        ops.append(backward_only("attention", saves=(ledger.V, megatron.QKV_QUERY_COLUMNS)))
+    return out[1], out[0]
 
 
 def _flash(ops: list[Op], z: Sizes, frees: tuple[str, ...], selective: bool) -> tuple[str, str]:

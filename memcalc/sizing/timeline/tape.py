@@ -103,7 +103,7 @@ class Sizes:
     s: int  # the whole sequence: inside the column/row-parallel pair
     s_seq: int  # the sequence outside the pair: s/t under SP
     h: int
-    h_t: int  # hidden columns inside the pair (a/t heads of d)
+    h_t: int  # the attention's columns inside the pair: a/t heads of d (h/t unless kv_channels says otherwise)
     f_t: int
     a_t: int
     g_t: int  # K/V groups on this rank
@@ -123,7 +123,7 @@ class Sizes:
         sp = strategy.sequence_parallel and t > 1
         d = config.head_dim  # h/a unless kv_channels says otherwise (transformers' head_dim)
         return cls(
-            b=config.b, s=config.s, s_seq=config.s // t if sp else config.s, h=config.h, h_t=config.h // t,
+            b=config.b, s=config.s, s_seq=config.s // t if sp else config.s, h=config.h, h_t=config.a * d // t,
             f_t=config.ffn // t, a_t=config.a // t, g_t=config.groups // t, d=d,
             qkv_t=(config.a + 2 * config.groups) * d // t,
             v_t=vocab_shard(config, t), t=t, sp=sp, act=DTYPE_BYTES[config.dtype],
