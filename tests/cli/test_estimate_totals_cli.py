@@ -195,6 +195,15 @@ def test_mixtral_totals_count_its_experts_and_give_the_steps_peak():
     assert "does not model ep=2 beside t=2" in " ".join(ep.out.split())
 
 
+def test_qwen3_moe_totals_give_the_steps_peak_with_its_wide_normed_heads():
+    """Qwen3-30B-A3B's heads are kv_channels = 128 wide (a*d = 4096 against h = 2048) and normed per head
+    (qk_layernorm): megatron's step walks both (memcalc.sizing.timeline.megatron), at t = 1 and under tp-sp."""
+    run = memcalc_cli("estimate", "--config", "qwen3-30b-a3b", "--totals", "--t", "4")
+    assert run.code == 3, run.err
+    assert "none: no, 583,181,680,644 B = 543.13 GiB (the step's peak)" in run.out
+    assert "tp-sp: no, 150,805,864,452 B = 140.45 GiB (the step's peak)" in run.out
+
+
 def test_torchtitans_activation_checkpointing_has_a_modelled_step_peak_below_the_one_without_it():
     """`--recompute full` and `op` (its FullAC and SelectiveAC) are walked on the CPU kernels, not refused: each
     strategy's verdict is on the step's peak, full's the lowest, op's between."""

@@ -137,6 +137,38 @@ def test_at_odd_shapes_every_moment_happens_in_order_with_its_bytes(changes, str
     _assert_every_moment_in_order(build_config(STEP | changes), strategy)
 
 
+# Heads of kv_channels (h/a = 8 here: 4, 12 and 20 wide) and megatron-core's QK norms, at odd shapes, with one, two
+# and every query head per K/V group (a/g = 1, 2, 8), eager and flash, each recomputation, t = 1, 2 and 4.
+QK = dict(qk_layernorm=True, b=1, s=7)
+
+
+@pytest.mark.parametrize("changes, strategy", [
+    ({"kv_channels": 12, "num_query_groups": 4, "attention_softmax_in_fp32": True}, "tp"),  # no QK norm
+    (QK | {"kv_channels": 12}, "tp"),  # multi-head: the norms' inputs, Q and K, V apart
+    (QK | {"kv_channels": 20, "num_query_groups": 1, "norm": "rmsnorm", "t": 1}, "none"),  # one K/V group, 8 heads
+    (QK | {"kv_channels": 4, "num_query_groups": 8, "s": 10, "norm": "rmsnorm", "mlp": "swiglu"}, "tp-sp"),  # a/g = 1
+    (QK | {"kv_channels": 12, "num_query_groups": 4}, "tp"),  # the key norm's input holds V and the query columns
+    (QK | {"kv_channels": 12, "num_query_groups": 4, "t": 4, "s": 12}, "tp-sp"),  # g/t = 1: V, no query columns
+    (QK | {"kv_channels": 20, "num_query_groups": 2, "attention": "flash", "s": 10}, "tp-sp"),
+    (QK | {"kv_channels": 4, "num_query_groups": 4, "recompute": "selective"}, "tp"),  # the core rerun, norms not
+    (QK | {"kv_channels": 12, "num_query_groups": 8, "attention": "flash", "recompute": "selective"}, "tp"),
+    (QK | {"kv_channels": 4, "num_query_groups": 4, "recompute": "full"}, "tp"),  # the norms rerun with the layer
+    (QK | {"kv_channels": 20, "num_query_groups": 2, "recompute": "full", "attention": "flash", "s": 12,
+           "norm": "rmsnorm", "dropout": 0.0}, "tp-sp"),
+], ids=lambda x: str(x))
+def test_with_heads_of_kv_channels_and_qk_norms_every_moment_happens_in_order_with_its_bytes(changes, strategy):
+    _assert_every_moment_in_order(build_config(STEP | changes), strategy)
+
+
+def test_qwen3s_attention_peaks_where_the_timeline_says_to_the_byte():
+    """Qwen3's heads (wider than h/a, normed, four query heads a K/V group) at a size whose peak is the attention's."""
+    config = build_config(STEP | QK | {"s": 128, "h": 32, "vocab_size": 64, "kv_channels": 12, "num_query_groups": 2,
+                                       "norm": "rmsnorm", "mlp": "swiglu"})
+    (r,) = measure_step(config, ["none"])
+    assert r.measured.moment == r.predicted_moment
+    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+
+
 def test_a_category_off_by_more_than_one_percent_is_reported(measured):
     r = measured["gpt", "tp"]
     off = int(r.measured.peak[ACTIVATIONS] * (1 + 2 * TOLERANCE))

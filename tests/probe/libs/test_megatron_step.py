@@ -72,6 +72,23 @@ def test_every_moment_of_a_megatron_moe_step_happens_in_order_with_its_bytes(one
     _assert_every_moment_in_order(make_config(MOE, **ROUTES[route], **changes), "none", route)
 
 
+# Qwen3-MoE's attention (heads of kv_channels, wider or narrower than h/a = 8, normed per head) before the experts.
+QWEN3 = [
+    ("none", {"qk_layernorm": True, "kv_channels": 12, "b": 1, "s": 7}),
+    ("none", {"qk_layernorm": True, "kv_channels": 4, "num_query_groups": 1, "attention": "eager", "b": 1, "s": 9}),
+    ("none", {"qk_layernorm": True, "kv_channels": 20, "num_query_groups": 8, "dropout": 0.1, "b": 1, "s": 7}),
+    ("tp-sp", {"qk_layernorm": True, "kv_channels": 12, "num_query_groups": 4, "attention": "eager", "t": 2,
+               "b": 1, "s": 14}),
+    ("tp-sp", {"qk_layernorm": True, "kv_channels": 6, "num_query_groups": 4, "t": 4, "s": 12}),
+]
+
+
+@pytest.mark.parametrize("strategy, changes", QWEN3, ids=str)
+def test_with_qwen3s_attention_every_moment_of_a_megatron_moe_step_happens_in_order_with_its_bytes(
+        one_thread, strategy, changes):
+    _assert_every_moment_in_order(make_config(MOE, **changes), strategy, "balanced")
+
+
 # Expert tensor parallelism (etp = t) under SP: each rank routes its s/t tokens; the dispatcher all-gathers the t
 # ranks' slots for the experts, each expert f_e/t wide, and reduce-scatters their output (gradients the other way).
 TP_SHAPES = [
