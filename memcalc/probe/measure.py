@@ -135,9 +135,6 @@ def _run_own_layer(
     if config.mla:
         raise ProbeError("--layer memcalc has no latent attention (kv_lora_rank); measure MLA with --impl megatron"
                          " or --impl hf, which run the libraries' own MLA layers")
-    if config.qk_layernorm:
-        raise ProbeError("--layer memcalc has no QK norm (qk_layernorm); measure it with --impl megatron or --impl hf,"
-                         " which run the libraries' own layers")
     sequence_parallel = strategy.sequence_parallel
     layer = TransformerLayer(config, tp, sequence_parallel, overlap if sequence_parallel else NO_OVERLAP)
     x = _layer_input(config, tp, sequence_parallel)

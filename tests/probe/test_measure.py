@@ -99,6 +99,21 @@ def test_no_parallelism_in_one_process_saves_what_the_ledger_predicts():
     assert _mismatches(cases, run(measure_on_rank, (cases,), mode="single")) == []
 
 
+# QK norms on heads of kv_channels (narrower and wider than h/a), with one and several query heads per K/V group.
+QK_NORMS = [
+    {"qk_layernorm": True, "kv_channels": 4},
+    {"qk_layernorm": True, "kv_channels": 12, "gqa": True, "norm": "rmsnorm"},
+    {"qk_layernorm": True, "kv_channels": 20, "gqa": True, "recompute": "selective", "s": 14, "b": 1},
+    {"qk_layernorm": True, "kv_channels": 12, "gqa": True, "attention": "flash", "recompute": "full", "b": 1},
+]
+
+
+@pytest.mark.parametrize("strategy", ["tp", "tp-sp"])
+def test_the_own_layer_with_qk_norms_saves_what_the_ledger_predicts(strategy):
+    cases = tuple((_case(2, 4, knobs), strategy, "memcalc", NO_OVERLAP) for knobs in QK_NORMS)
+    assert _mismatches(cases, run(measure_on_rank, (cases,), mode="fake", t=2)) == []
+
+
 # -- the comparison -------------------------------------------------------------------
 
 
