@@ -81,9 +81,7 @@ class SelfAttention(nn.Module):
         """What Megatron keeps beside q, k, v under eager GQA, through K and V's views of the fused QKV output (its
         core-attention checkpoint's inputs, or the key norm's): the QKV output's query columns (none with one K/V
         group per rank, where megatron's query is a view of them: impls.megatron.CONDITIONS)."""
-        if self.flash or self.heads_per_group == 1 or self.groups_per_rank == 1:
-            return ()
-        if not (self.recompute or self.qk_norm):
+        if self.flash or self.heads_per_group == 1 or self.groups_per_rank == 1 or not (self.recompute or self.qk_norm):
             return ()
         columns = q.clone()
         label(columns, megatron.QKV_QUERY_COLUMNS)

@@ -2,10 +2,11 @@
 
 `layer_ops` is the layer as the probe's own layer runs it (memcalc.probe.layer, attention.py, mlp.py, norm.py,
 kernels.py, checkpoint.py), for the generic walk (memcalc.sizing.timeline.walk): ln1, QKV (column-parallel), the
-split into q, k and v, the core (eager op by op, or one flash kernel; under selective recomputation a checkpoint
-that reruns it inside backward), the projection (row-parallel), dropout and the residual add, ln2, fc1, GELU or
-SwiGLU, fc2, dropout and the residual add. Each op keeps the ledger's saved tensors (memcalc.model.impls.megatron)
-and says what its backward makes and frees, as autograd runs it, with the collectives of TP and SP as steps.
+split into q, k and v (heads of kv_channels; with qk_layernorm each query and key head normed), the core (eager op
+by op, or one flash kernel; under selective recomputation a checkpoint that reruns it inside backward), the
+projection (row-parallel), dropout and the residual add, ln2, fc1, GELU or SwiGLU, fc2, dropout and the residual
+add. Each op keeps the ledger's saved tensors (memcalc.model.impls.megatron) and says what its backward makes and
+frees, as autograd runs it, with the collectives of TP and SP as steps.
 
 The layer's forward is one moment, its end: what the ledger says it keeps, and its output. Under full recomputation
 the layer is a checkpoint that keeps its input alone and reruns the layer's forward at the start of its backward.
@@ -245,18 +246,17 @@ def _head_norms(ops: list[Op], config: ModelConfig, z: Sizes, dq: str, dk: str) 
     the d-wide weight's (and bias's) gradients beside dY. Under eager GQA the key norm's input is a view of the fused
     QKV output (memcalc.model.impls.megatron), which so keeps V and the query columns until that norm's node goes,
     after the query's norm. Returns dX's names."""
-    out = []
+    dx = {which: f"grad/{which} norm input" for which in "qk"}
     for which, norm, grad, heads in (("k", ledger.K_NORM, dk, z.g_t), ("q", ledger.Q_NORM, dq, z.a_t)):
-        dx, dw = f"grad/{which} norm input", f"grad/{which} norm weights"
+        dw = f"grad/{which} norm weights"
         ops.append(backward_only(f"attention.{which}_norm", Step(f"the {which} norm: dX, dweight" + (
             ", dbias" if z.norm_vectors == 2 else ""), (
-            Made(dx, z.act * z.b * heads * z.s * z.d, "the norm's dX"),
+            Made(dx[which], z.act * z.b * heads * z.s * z.d, "the norm's dX"),
             Made(dw, z.norm_vectors * z.act * z.d, "the norm's weight (and bias) gradients, d wide")),
             frees=(grad,), hands_over=(dw,)), saves=tuple(norm)))
-        out.append(dx)
     if config.attention != "flash" and z.a_t > z.g_t:
         ops.append(backward_only("attention", saves=(ledger.V, megatron.QKV_QUERY_COLUMNS)))
-    return out[1], out[0]
+    return dx["q"], dx["k"]
 
 
 def _flash(ops: list[Op], z: Sizes, frees: tuple[str, ...], selective: bool) -> tuple[str, str]:
