@@ -16,6 +16,8 @@ tuple serves them all; the walk's module path says which layer (layers.3.mlp.fc2
 
 from __future__ import annotations
 
+from typing import Any
+
 from memcalc.config.schema import ModelConfig
 from memcalc.model import ledger
 from memcalc.model.impls import megatron
@@ -164,14 +166,19 @@ def _norm(z: Sizes, where: str, norm: NormTensors, grad: str, residual: tuple[st
     dx, dw = f"grad/{where} input (norm)", f"grad/{where} weights"
     return backward_only(
         where,
-        Step("the norm: dX, dweight" + (", dbias" if z.norm_vectors == 2 else ""), (
-            Made(dx, z.seq(z.h), "the norm's dX"),
-            Made(dw, z.norm_vectors * z.act * z.h, "the norm's weight (and bias) gradients")), frees=(grad,),
-            returns=True),
+        _norm_kernel(z, grad, dx, z.seq(z.h), dw, z.h, returns=True),
         Step("the residual stream's gradients summed", (
             Made(out, z.seq(z.h), "the residual stream's gradient: the two paths' gradients summed"),),
             frees=(*residual, dx), hands_over=(dw,)),
         saves=tuple(norm))
+
+
+def _norm_kernel(z: Sizes, grad: str, dx: str, dx_bytes: int, dw: str, width: int, **step: Any) -> Step:
+    """A norm's backward, one kernel: dX and the `width`-wide weight's (and LayerNorm's bias's) gradients beside
+    dY, which then goes."""
+    return Step("the norm: dX, dweight" + (", dbias" if z.norm_vectors == 2 else ""), (
+        Made(dx, dx_bytes, "the norm's dX"),
+        Made(dw, z.norm_vectors * z.act * width, "the norm's weight (and bias) gradients")), frees=(grad,), **step)
 
 
 def _activation(ops: list[Op], config: ModelConfig, z: Sizes, grad: str) -> tuple[str, int]:
@@ -249,11 +256,8 @@ def _head_norms(ops: list[Op], config: ModelConfig, z: Sizes, dq: str, dk: str) 
     dx = {which: f"grad/{which} norm input" for which in "qk"}
     for which, norm, grad, heads in (("k", ledger.K_NORM, dk, z.g_t), ("q", ledger.Q_NORM, dq, z.a_t)):
         dw = f"grad/{which} norm weights"
-        ops.append(backward_only(f"attention.{which}_norm", Step(f"the {which} norm: dX, dweight" + (
-            ", dbias" if z.norm_vectors == 2 else ""), (
-            Made(dx[which], z.act * z.b * heads * z.s * z.d, "the norm's dX"),
-            Made(dw, z.norm_vectors * z.act * z.d, "the norm's weight (and bias) gradients, d wide")),
-            frees=(grad,), hands_over=(dw,)), saves=tuple(norm)))
+        ops.append(backward_only(f"attention.{which}_norm", _norm_kernel(
+            z, grad, dx[which], z.act * z.b * heads * z.s * z.d, dw, z.d, hands_over=(dw,)), saves=tuple(norm)))
     if config.attention != "flash" and z.a_t > z.g_t:
         ops.append(backward_only("attention", saves=(ledger.V, megatron.QKV_QUERY_COLUMNS)))
     return dx["q"], dx["k"]
