@@ -80,6 +80,8 @@ QWEN3 = [
     ("tp-sp", {"qk_layernorm": True, "kv_channels": 12, "num_query_groups": 4, "attention": "eager", "t": 2,
                "b": 1, "s": 14}),
     ("tp-sp", {"qk_layernorm": True, "kv_channels": 6, "num_query_groups": 4, "t": 4, "s": 12}),
+    ("none", {"qk_layernorm": True, "kv_channels": 12, "num_query_groups": 4, "attention": "eager", "ep": 2, "dp": 2,
+              "b": 1, "s": 12}),  # rank 0 of ep = 2
 ]
 
 
