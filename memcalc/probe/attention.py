@@ -89,14 +89,21 @@ class SelfAttention(nn.Module):
 
     def _normed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 columns: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        """q and k (b, heads, s, d) normalised per head, as megatron's norms run on (s, b, heads, d); under eager
-        GQA the key norm's input holds v and the query columns, as megatron's view of the fused output does."""
+        """q and k (b, heads, s, d) normalised per head, as megatron's norms run on (s, b, heads, d).
+
+        Megatron's norms read views of the fused QKV output, which so lives as long as they do: with the query heads
+        copied out of it (a/g > 1 and g/t > 1) until the key norm's backward returns (the query columns, the key and
+        v), else until the query norm's (its whole output). `_HeldBy` holds the same bytes for as long: its node
+        runs right after that norm's."""
         label(q, ledger.Q_NORM.input)
         label(k, ledger.K_NORM.input)
-        if not self.flash and self.heads_per_group > 1:
+        copied = self.heads_per_group > 1 and self.groups_per_rank > 1
+        if not copied:
+            q = _HeldBy.apply(q, k, v)
+        q = _per_head(self.q_norm, q)
+        if copied:
             k = _HeldBy.apply(k, v, *columns)
-        return tuple(norm(x.permute(2, 0, 1, 3)).permute(1, 2, 0, 3).contiguous()  # (b, heads, s, d)
-                     for norm, x in ((self.q_norm, q), (self.k_norm, k)))
+        return q, _per_head(self.k_norm, k)
 
     def _split_heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(s, b, g/t * (a/g + 2) * d) -> q (b, a/t, s, d), k and v (b, g/t, s, d), each its own storage."""
@@ -106,6 +113,11 @@ class SelfAttention(nn.Module):
         # (s, b, g/t, n, d) -> (b, g/t, n, s, d) -> (b, g/t * n, s, d); clone: always a storage of its own
         q, k, v = (p.permute(1, 2, 3, 0, 4).clone(memory_format=torch.contiguous_format) for p in parts)
         return tuple(x.view(b, -1, s, self.head_dim) for x in (q, k, v))
+
+
+def _per_head(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """(b, heads, s, d) through a norm over each head's d channels, run on the (s, b, heads, d) view."""
+    return norm(x.permute(2, 0, 1, 3)).permute(1, 2, 0, 3).contiguous()
 
 
 class _HeldBy(torch.autograd.Function):

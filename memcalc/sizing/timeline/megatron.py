@@ -242,24 +242,27 @@ def _attention(ops: list[Op], config: ModelConfig, z: Sizes, dcontext: str, has:
             "attention/recomputed output", dcontext)), saves=checkpoint))
     q = "grad/q"
     if config.qk_layernorm:
-        q, k = _head_norms(ops, config, z, q, k)
+        q, k = _head_norms(ops, z, q, k)
     ops.append(one("attention", "dQ, dK, dV concatenated into the QKV output's gradient", Made(
         "grad/qkv output", z.full(z.qkv_t), "q, k and v were split from one QKV output: their gradients concatenated"),
         (q, k, v)))
 
 
-def _head_norms(ops: list[Op], config: ModelConfig, z: Sizes, dq: str, dk: str) -> tuple[str, str]:
+def _head_norms(ops: list[Op], z: Sizes, dq: str, dk: str) -> tuple[str, str]:
     """qk_layernorm's backward, the key's norm first (autograd runs the later node first): each one kernel, dX and
-    the d-wide weight's (and bias's) gradients beside dY. Under eager GQA the key norm's input is a view of the fused
-    QKV output (memcalc.model.impls.megatron), which so keeps V and the query columns until that norm's node goes,
-    after the query's norm. Returns dX's names."""
+    the d-wide weight's (and bias's) gradients beside dY. The norms read views of the fused QKV output
+    (memcalc.model.impls.megatron), which goes with the last of them: with the query heads copied out of it (a/g > 1,
+    g/t > 1) the key's (V and the query columns with it), else the query's (K's input and V). Returns dX's names."""
+    copied = z.a_t > z.g_t > 1
+    fused = backward_only("attention", saves=(ledger.V, megatron.QKV_QUERY_COLUMNS) if copied else (
+        ledger.K_NORM.input, ledger.V))
     dx = {which: f"grad/{which} norm input" for which in "qk"}
     for which, norm, grad, heads in (("k", ledger.K_NORM, dk, z.g_t), ("q", ledger.Q_NORM, dq, z.a_t)):
         dw = f"grad/{which} norm weights"
         ops.append(backward_only(f"attention.{which}_norm", _norm_kernel(
             z, grad, dx[which], z.act * z.b * heads * z.s * z.d, dw, z.d, hands_over=(dw,)), saves=tuple(norm)))
-    if config.attention != "flash" and z.a_t > z.g_t:
-        ops.append(backward_only("attention", saves=(ledger.V, megatron.QKV_QUERY_COLUMNS)))
+        if (which == "k") == copied:
+            ops.append(fused)
     return dx["q"], dx["k"]
 
 
