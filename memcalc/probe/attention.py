@@ -78,9 +78,9 @@ class SelfAttention(nn.Module):
         return eager_core(q, k, v, self.dropout, self.softmax)
 
     def _query_columns(self, q: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """What Megatron keeps beside q, k, v under eager GQA, through K and V's views of the fused QKV output (its
-        core-attention checkpoint's inputs, or the key norm's): the QKV output's query columns (none with one K/V
-        group per rank, where megatron's query is a view of them: impls.megatron.CONDITIONS)."""
+        """What Megatron keeps beside q, k, v under eager GQA, through views of the fused QKV output (its checkpoint's
+        K and V, or the key norm's input): the QKV output's query columns (none with one K/V group per rank, where
+        megatron's query is a view of them: impls.megatron.CONDITIONS)."""
         if self.flash or self.heads_per_group == 1 or self.groups_per_rank == 1 or not (self.recompute or self.qk_norm):
             return ()
         columns = q.clone()
@@ -89,12 +89,9 @@ class SelfAttention(nn.Module):
 
     def _normed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 columns: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        """q and k (b, heads, s, d) normalised per head, as megatron's norms run on (s, b, heads, d).
-
-        Megatron's norms read views of the fused QKV output, which so lives as long as they do: with the query heads
-        copied out of it (a/g > 1 and g/t > 1) until the key norm's backward returns (the query columns, the key and
-        v), else until the query norm's (its whole output). `_HeldBy` holds the same bytes for as long: its node
-        runs right after that norm's."""
+        """q and k (b, heads, s, d) normalised per head; the bytes of megatron's fused QKV output held beside the last
+        norm that reads a view of it (the key's with the query heads copied out, else the query's), until that norm's
+        backward returns (docs/probe.md, "The layer")."""
         label(q, ledger.Q_NORM.input)
         label(k, ledger.K_NORM.input)
         copied = self.heads_per_group > 1 and self.groups_per_rank > 1
