@@ -82,6 +82,9 @@ QWEN3 = [
     ("tp-sp", {"qk_layernorm": True, "kv_channels": 6, "num_query_groups": 4, "t": 4, "s": 12}),
     ("none", {"qk_layernorm": True, "kv_channels": 12, "num_query_groups": 4, "attention": "eager", "ep": 2, "dp": 2,
               "b": 1, "s": 12}),  # rank 0 of ep = 2
+    ("none", {"qk_layernorm": True, "kv_channels": 16, "a": 16, "num_query_groups": 2, "num_experts": 16,
+              "moe_router_topk": 8, "moe_ffn_hidden_size": 24, "b": 1, "s": 9}),  # Qwen3-30B-A3B in small: a/g = 8,
+    # heads 4 h/a wide, the top 8 of 16 experts
 ]
 
 
