@@ -46,6 +46,9 @@ SHAPES = [
          "dropout": 0.1},  # shared experts (Qwen-MoE's), which read the dropout's gradient after the routed ones
         {"mlp": "gelu", "ffn_hidden_size": 100, "moe_shared_expert_intermediate_size": 40,
          "moe_router_pre_softmax": True},  # GELU shared experts
+        {"L": 3, "moe_layer_freq": 2, "b": 1, "s": 7},  # layers 0 and 2 MoE, layer 1 the probe's dense MLP
+        {"L": 3, "moe_first_dense_layers": 2, "num_experts": 3, "dropout": 0.1,
+         "moe_shared_expert_intermediate_size": 24},  # DeepSeek's first dense layers, then one MoE layer
     )
 ]
 
@@ -80,6 +83,7 @@ TP_SHAPES = [
     ("balanced", {"t": 2, "num_experts": 5, "mlp": "gelu", "ffn_hidden_size": 100, "moe_ffn_hidden_size": 40}),
     ("all-to-one", {"t": 2, "b": 1, "s": 14, "num_experts": 3}),
     ("balanced", {"t": 4, "b": 1, "s": 20, "num_query_groups": 4}),
+    ("all-to-one", {"t": 2, "b": 1, "s": 14, "L": 3, "moe_first_dense_layers": 1, "dropout": 0.1}),
 ]
 
 
@@ -118,6 +122,10 @@ PEAKS = [("balanced", changes, where) for changes, where in PEAKS] + [
 ]
 
 
+PEAKS += [  # a wide dense MLP in the first layer, before two MoE layers: the peak moves into its SwiGLU's backward
+    ("balanced", {"L": 3, "moe_first_dense_layers": 1, "ffn_hidden_size": 2048, "vocab_size": 20, "s": 48},
+     "backward layers.0.mlp"),
+]
 PEAKS += [  # under tp-sp at t = 2: rank 0 of two through the fake group
     ("balanced", {"t": 2, "moe_ffn_hidden_size": 1024, "vocab_size": 20, "s": 48},
      "backward layers.1.mlp.experts.local_experts.3.linear_fc2"),
