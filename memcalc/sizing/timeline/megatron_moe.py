@@ -4,7 +4,8 @@ The MLP of `memcalc.sizing.timeline.megatron.layer_ops` becomes megatron-core 0.
 path (memcalc.probe.libs.megatron_step): SharedExpertMLP first when there are shared experts (a dense MLP of width
 u on every token, its output held until it is added to the routed experts'), TopKRouter (a GEMM to E logits, top-k,
 an fp32 softmax over the k, cast back and scattered into an (n, E) map; pre-softmax, the fp32 softmax over all E
-before the top k), the all-to-all dispatcher at ep = 1 (permute: masked_select of the probabilities, index_select of
+before the top k; the sigmoid router, an fp32 sigmoid over all E, cast back, top-k, the k chosen scores divided by
+their sum), the all-to-all dispatcher at ep = 1 (permute: masked_select of the probabilities, index_select of
 the tokens; sort_chunks_by_idxs, a split and a cat, for tokens and probabilities), SequentialMLP's experts one after
 another (fc1, SwiGLU or GELU, activation * probability, fc2; an expert without tokens still makes its weights'
 gradients), then the unsort (split and cat) and unpermute (scatter_add_ into zeros). The saved tensors are the
@@ -22,7 +23,8 @@ the worst, which the forced all-to-one route pins):
     permute     index_select's backward: new_zeros and index_add, (n, h); masked_select's: zeros_like and
                 masked_scatter, (E, n)
     router      scatter's gather (n, k); the cast up, the fp32 softmax's backward, the cast down; top-k's
-                new_zeros and scatter, (n, E) (pre-softmax: top-k's first, then the casts and softmax over E);
+                new_zeros and scatter, (n, E) (pre-softmax: top-k's first, then the casts and softmax over E;
+                sigmoid: the division's, the sum's, then top-k's, the casts and the sigmoid's over E);
                 the router's GEMMs and the sum of its dX with the permute's
     shared      fc2, SwiGLU or GELU, fc1 on every token, as an expert's without the probability; its dX summed
                 with the routed path's
@@ -79,7 +81,7 @@ def unmodelled(config: ModelConfig, z: Sizes) -> str | None:
          f"the {config.moe_token_dispatcher_type} token dispatcher (it walks the all-to-all one)"),
         (config.moe_expert_capacity_factor is not None, "a capacity factor (moe_expert_capacity_factor)"),
         (config.moe_aux_loss, "the load-balancing loss (moe_aux_loss)"),
-        (config.moe_router_score_function != "softmax", f"the {config.moe_router_score_function} router"),
+        (config.moe_router_enable_expert_bias, "the sigmoid router's expert bias (moe_router_enable_expert_bias)"),
         (config.mlp == "swiglu" and config.bias_activation_fusion, "the fused SwiGLU in the experts"),
         (config.recompute != "none", f"recompute {config.recompute} with experts"),
         (bool(config.vpp) and config.pp > 1, "interleaved pipelining with experts (the other chunks' dispatchers)"),
@@ -368,19 +370,13 @@ def _permute(ops: list[Op], z: Sizes, n: int, experts: int, local: str) -> None:
 
 
 def _router(ops: list[Op], config: ModelConfig, z: Sizes, n: int, out: str) -> None:
-    """TopKRouter's backward: scatter's gather; the fp32 softmax over the top k's logits (or, pre-softmax, over all E
-    before the top k) with its casts, and top-k's scatter; the GEMMs, and the sum of the router's dX with the
-    permute's (`out`)."""
+    """TopKRouter's backward: scatter's gather; the scores' backward (`_scores`); the GEMMs, and the sum of the
+    router's dX with the permute's (`out`)."""
     act, experts, k = z.act, config.num_experts, config.moe_router_topk
     ops.append(_one("mlp.router", "scatter's backward: the chosen probabilities' gradient", Made(
         "grad/topk probs", act * n * k, "scatter's backward gathers the k chosen columns, (n, k)"),
         ("grad/probs",), saves=(ledger.ROUTER_TOPK_INDICES,)))
-    if config.moe_router_pre_softmax:  # softmax over E, cast down, top-k
-        ops.extend((_topk(z, n, experts, "grad/topk probs", "grad/all probs"),
-                    *_softmax(z, n * experts, "grad/all probs", "grad/router logits", megatron.ALL_PROBS)))
-    else:  # top-k of the logits, cast up, softmax over k
-        ops.extend((*_softmax(z, n * k, "grad/topk probs", "grad/topk logits", megatron.TOPK_PROBS),
-                    _topk(z, n, experts, "grad/topk logits", "grad/router logits")))
+    ops.extend(_scores(config, z, n, "grad/topk probs", "grad/router logits"))
     ops.append(_backward(
         "mlp.router",
         Step("GEMMs: dX and dW", (
@@ -393,14 +389,65 @@ def _router(ops: list[Op], config: ModelConfig, z: Sizes, n: int, out: str) -> N
         saves=(ledger.MOE_IN,)))
 
 
-def _softmax(z: Sizes, elements: int, grad: str, out: str, keeps: SavedTensor) -> tuple[Op, ...]:
-    """The probabilities' cast down, the fp32 softmax and the logits' cast up, backward, over `elements`."""
+def _scores(config: ModelConfig, z: Sizes, n: int, grad: str, out: str) -> tuple[Op, ...]:
+    """topk_routing_with_score_function's backward, from the k chosen probabilities' gradient `grad` to the logits'
+    (`out`): the fp32 softmax over the top k's logits with its casts, then top-k's scatter (pre-softmax: top-k's
+    first, then the casts and the softmax over all E); or, for the sigmoid router, the renormalisation's division
+    (k > 1), top-k's scatter, the casts and the sigmoid over all E."""
+    experts, k = config.num_experts, config.moe_router_topk
+    if config.moe_router_score_function == "sigmoid":  # the chosen scores renormalised (k > 1), top-k, the sigmoid
+        renormalised = _renormalised(z, n, k, grad) if k > 1 else ()
+        return (*renormalised, _topk(z, n, experts, "grad/topk scores" if k > 1 else grad, "grad/all scores"),
+                *_casts(z, n * experts, "grad/all scores", out, "sigmoid", megatron.SIGMOID_SCORES))
+    if config.moe_router_pre_softmax:  # softmax over E, cast down, top-k
+        return (_topk(z, n, experts, grad, "grad/all probs"),
+                *_casts(z, n * experts, "grad/all probs", out, "softmax", megatron.ALL_PROBS))
+    # top-k of the logits, cast up, softmax over k
+    return (*_casts(z, n * k, grad, "grad/topk logits", "softmax", megatron.TOPK_PROBS),
+            _topk(z, n, experts, "grad/topk logits", out))
+
+
+def _renormalised(z: Sizes, n: int, k: int, grad: str) -> tuple[Op, ...]:
+    """The sigmoid router's probabilities, the k chosen scores / (their sum + 1e-20), backward from `grad` to the
+    chosen scores' gradient ("grad/topk scores"): DivBackward0 makes the divisor's gradient first, -dY * ((scores /
+    d) / d) with its three temporaries live until the expression ends, then the dividend's, dY / d; autograd sums the
+    divisor's to its (n, 1) after the node returns; the sum's backward expands it (a view), added to the dividend's
+    into a new tensor."""
+    chosen, wide = z.act * n * k, "grad/topk divisor (n, k)"
+    parts = {"grad/topk scores / d": "scores / d", "grad/topk scores / d^2": "(scores / d) / d", "grad/-dY": "-dY"}
+    return (
+        _backward(
+            "mlp.router",
+            Step("the division's backward: the divisor's gradient", (
+                *(Made(name, chosen, f"the divisor's gradient, -dY * ((scores / d) / d): {why}")
+                  for name, why in parts.items()),
+                Made(wide, chosen, "the divisor's gradient before autograd sums it to the divisor's shape")),
+                frees=tuple(parts)),
+            Step("the division's backward: the dividend's gradient", (Made(
+                "grad/topk quotient", chosen, "dY / d, the chosen scores' gradient as the dividend"),)),
+            Step("the divisor's gradient summed to its shape", (Made(
+                "grad/topk denominator", z.act * n, "autograd sums the divisor's (n, k) gradient to its (n, 1)"),),
+                frees=(wide, grad), returns=True),
+            saves=(megatron.TOPK_SCORES, megatron.TOPK_DENOMINATOR)),
+        _one("mlp.router", "the sum's backward: the divisor's gradient added to the dividend's", Made(
+            "grad/topk scores", chosen, "the chosen scores feed the division twice (dividend, and divisor through the"
+            " sum): autograd adds the two gradients into a new tensor"),
+            ("grad/topk quotient", "grad/topk denominator")),
+    )
+
+
+_SCORE_BACKWARD = {"softmax": "softmax's backward in fp32: S' * (dY - sum(dY * S'))",
+                   "sigmoid": "sigmoid's backward in fp32: dY * S(1 - S), read from its output S"}
+
+
+def _casts(z: Sizes, elements: int, grad: str, out: str, what: str, keeps: SavedTensor) -> tuple[Op, ...]:
+    """The scores' cast down, the fp32 softmax or sigmoid (`what`) and the logits' cast up, backward, over
+    `elements`."""
     return (
         _one("mlp.router", "the cast down's backward", Made(
             f"{grad} fp32", 4 * elements, "the probabilities were cast from fp32: the gradient cast up"), (grad,)),
-        _one("mlp.router", "softmax", Made(
-            f"{out} fp32", 4 * elements, "softmax's backward in fp32: S' * (dY - sum(dY * S'))"), (f"{grad} fp32",),
-            saves=(keeps,)),
+        _one("mlp.router", what, Made(f"{out} fp32", 4 * elements, _SCORE_BACKWARD[what]), (f"{grad} fp32",),
+             saves=(keeps,)),
         _one("mlp.router", "the cast up's backward", Made(
             out, z.act * elements, "the logits were cast to fp32: the gradient cast down"), (f"{out} fp32",)),
     )

@@ -49,6 +49,10 @@ SHAPES = [
         {"L": 3, "moe_layer_freq": 2, "b": 1, "s": 7},  # layers 0 and 2 MoE, layer 1 the probe's dense MLP
         {"L": 3, "moe_first_dense_layers": 2, "num_experts": 3, "dropout": 0.1,
          "moe_shared_expert_intermediate_size": 24},  # DeepSeek's first dense layers, then one MoE layer
+        {"moe_router_score_function": "sigmoid", "b": 1, "s": 7, "num_experts": 6, "moe_router_topk": 3},  # the
+        # sigmoid router: the k chosen scores renormalised (a division by their sum), top-k, the fp32 sigmoid
+        {"moe_router_score_function": "sigmoid", "moe_router_topk": 1, "num_experts": 3,
+         "moe_shared_expert_intermediate_size": 24},  # k = 1: the chosen score as it is, no renormalisation
     )
 ]
 
@@ -84,6 +88,8 @@ TP_SHAPES = [
     ("all-to-one", {"t": 2, "b": 1, "s": 14, "num_experts": 3}),
     ("balanced", {"t": 4, "b": 1, "s": 20, "num_query_groups": 4}),
     ("all-to-one", {"t": 2, "b": 1, "s": 14, "L": 3, "moe_first_dense_layers": 1, "dropout": 0.1}),
+    ("balanced", {"t": 2, "b": 1, "s": 14, "num_experts": 6, "moe_router_topk": 3,
+                  "moe_router_score_function": "sigmoid"}),
 ]
 
 
@@ -92,6 +98,7 @@ EP_SHAPES = [
     ("balanced", {"ep": 2, "dp": 2}),
     ("all-to-one", {"ep": 2, "dp": 2, "num_experts": 8}),
     ("balanced", {"ep": 2, "dp": 2, "b": 1, "s": 12, "num_experts": 6, "moe_router_pre_softmax": True, "dropout": 0.1}),
+    ("balanced", {"ep": 2, "dp": 2, "moe_router_score_function": "sigmoid"}),
 ]
 
 
@@ -122,7 +129,10 @@ PEAKS = [("balanced", changes, where) for changes, where in PEAKS] + [
 ]
 
 
-PEAKS += [  # a wide dense MLP in the first layer, before two MoE layers: the peak moves into its SwiGLU's backward
+PEAKS += [
+    ("balanced", {"moe_ffn_hidden_size": 512, "vocab_size": 20, "s": 48, "moe_router_score_function": "sigmoid"},
+     "backward layers.1.mlp.experts.local_experts.3.linear_fc2"),  # beside layer 0's sigmoid router's tensors
+    # a wide dense MLP in the first layer, before two MoE layers: the peak moves into its SwiGLU's backward
     ("balanced", {"L": 3, "moe_first_dense_layers": 1, "ffn_hidden_size": 2048, "vocab_size": 20, "s": 48},
      "backward layers.0.mlp"),
 ]
@@ -157,7 +167,8 @@ def test_a_megatron_moe_step_is_measured_only_under_the_route_that_pins_the_walk
     ({"moe_aux_loss": True}, "none", "the load-balancing loss"),
     ({"moe_token_dispatcher_type": "allgather"}, "none", "the allgather token dispatcher"),
     ({"moe_expert_capacity_factor": 1.0, "moe_tokens": "capacity"}, "none", "a capacity factor"),
-    ({"moe_router_score_function": "sigmoid"}, "none", "the sigmoid router"),
+    ({"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True}, "none", "the sigmoid router's"
+     " expert bias"),
     ({"recompute": "selective"}, "none", "recompute selective with experts"),
 ], ids=str)
 def test_what_the_moe_walk_does_not_model_is_refused_in_one_line(changes, strategy, words):
