@@ -1,12 +1,14 @@
-"""One training step of memcalc's GPT whose MLPs are megatron-core's own MoELayer, measured with MemTracker.
+"""One training step of memcalc's GPT whose MLPs are megatron-core's own MoELayer, measured with MemTracker; with
+kv_lora_rank its attention megatron-core's MLASelfAttention too (DeepSeek-V3's layer).
 
 The step probe's GPT (memcalc.probe.step) with each MoE layer's MLP swapped for the MoELayer megatron's GPT decoder
 block spec gives that layer (`megatron_shim.layer_spec`: TopKRouter, the configured token dispatcher, SequentialMLP
 experts, shared experts), built from the `TransformerConfig` the layer probe builds (memcalc.probe.libs.megatron)
 under megatron's parallel_state on the probe's group, inside `megatron_shim.cpu_megatron()`, its router forced by
 `--route` (`megatron_shim.forced_routing`). Warm-up and measured step both run inside the shim, so the dispatcher
-runs its CPU path each time. Trained as every step trainer trains (`Trainer.around`: Megatron's fp32 gradient
-buffer and mixed-precision AdamW).
+runs its CPU path each time. With latent attention each layer's attention is swapped for the latent attention trainer's
+(memcalc.probe.libs.megatron_mla_step.latent_attention) before the trainer is built. Trained as every step trainer
+trains (`Trainer.around`: Megatron's fp32 gradient buffer and mixed-precision AdamW).
 """
 
 from __future__ import annotations
@@ -43,18 +45,27 @@ def inside_megatron(tp: TensorParallelGroup, config: ModelConfig, route: str | N
     building and stepping the GPT."""
     with warnings.catch_warnings():
         _quiet()  # before the shim imports megatron, which warns as it is imported
+        # megatron's torch softmax (latent attention) calls a torch.nn.Softmax made in forward, gone by backward:
+        # MemTracker's module hooks find it dead and say so (what it measures is unchanged)
+        warnings.filterwarnings("ignore", "Module is None", UserWarning)
         routing = forced_routing(route, config.moe_router_topk) if route else nullcontext()
         with cpu_megatron(), _model_parallel(tp, config.ep), routing:
             yield
 
 
 def warmed_up(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy) -> Trainer:
-    """The GPT with MoELayer MLPs, stepped once (`inside_megatron`)."""
-    megatron_config = transformer_config(config, tp.size, strategy.sequence_parallel and tp.size > 1)
+    """The GPT with MoELayer MLPs (and with kv_lora_rank MLASelfAttention), stepped once (`inside_megatron`)."""
+    sequence_parallel = strategy.sequence_parallel and tp.size > 1
+    megatron_config = transformer_config(config, tp.size, sequence_parallel)
     torch.manual_seed(WEIGHT_SEED)
     seed_rng_tracker(WEIGHT_SEED, tp.rank)
     mlps = partial(_moe_layer, config, megatron_config, tp.device)
     model = GPT(config, tp, strategy, mlps)
+    if config.mla:
+        from memcalc.probe.libs.megatron_mla_step import latent_attention
+
+        for layer in model.layers:
+            layer.attention = latent_attention(config, tp, sequence_parallel)
     torch.manual_seed(BATCH_SEED + tp.rank)  # dropout masks
     return Trainer.around(config, model, model)
 

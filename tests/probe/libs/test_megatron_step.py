@@ -175,3 +175,40 @@ def test_what_the_moe_walk_does_not_model_is_refused_in_one_line(changes, strate
     with pytest.raises(ConfigError, match="does not model") as err:
         timeline(make_config(MOE, **changes), STRATEGIES[strategy], CPU)
     assert words in str(err.value) and "\n" not in str(err.value)
+
+
+# DeepSeek-V3's layers, small: megatron-core's MLASelfAttention (eager: the local DotProductAttention) beside its
+# MoELayer with the sigmoid router, a shared expert and the first layer dense.
+DEEPSEEK = MOE | dict(
+    L=3, attention="eager", num_query_groups=None, kv_lora_rank=24, q_lora_rank=16, qk_rope_head_dim=8,
+    qk_nope_head_dim=12, v_head_dim=10, num_experts=6, moe_router_topk=3, moe_router_score_function="sigmoid",
+    moe_shared_expert_intermediate_size=24, moe_first_dense_layers=1,
+)
+DEEPSEEK_SHAPES = [
+    ("none", {}),
+    ("none", {"b": 1, "s": 7, "dropout": 0.1}),  # torch's softmax keeps the causal mask; dropout masks
+    ("none", {"q_lora_rank": None, "moe_first_dense_layers": 2, "moe_router_score_function": "softmax"}),
+    ("tp-sp", {"t": 2, "b": 1, "s": 14, "moe_shared_expert_intermediate_size": None}),  # shared experts: t = 1 only
+]
+
+
+@pytest.mark.parametrize("strategy, changes", DEEPSEEK_SHAPES, ids=str)
+def test_every_moment_of_a_step_with_latent_attention_and_experts_happens_in_order_with_its_bytes(
+        one_thread, strategy, changes):
+    _assert_every_moment_in_order(make_config(DEEPSEEK, **changes), strategy, "balanced")
+
+
+@pytest.mark.parametrize("strategy, changes, where", [
+    ("none", {}, "forward loss"),
+    ("none", {"moe_ffn_hidden_size": 512, "vocab_size": 20, "s": 48},
+     "backward layers.2.mlp.experts.local_experts.5.linear_fc2"),  # the last expert's, beside layer 1's router's
+    ("tp-sp", {"t": 2, "moe_shared_expert_intermediate_size": None, "moe_ffn_hidden_size": 1024, "vocab_size": 20,
+               "s": 48}, "backward layers.2.mlp.experts.local_experts.5.linear_fc2"),
+], ids=str)
+def test_a_step_with_latent_attention_and_experts_peaks_where_the_timeline_says_to_the_byte(
+        one_thread, strategy, changes, where):
+    (r,) = measure_step(make_config(DEEPSEEK, **changes), [strategy], route="balanced")
+    assert r.measured.moment == r.predicted_moment == where
+    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+    assert r.model == ("memcalc's own GPT with megatron-core's MLASelfAttention and MoELayer, router forced"
+                       " balanced")
