@@ -210,3 +210,12 @@ def test_megatrons_published_7b_pp4_vpp8_last_stage_peak_is_within_two_percent()
     config = build_config(MEGATRON_7B_PP4_VPP8)
     _, last = timelines(config, STRATEGIES["none"], Accounting(exact=True, device="cuda"))
     assert last.peak.bytes == pytest.approx(MEGATRON_7B_PP4_VPP8_LAST_STAGE_PEAK, rel=0.02)
+
+
+def test_experts_between_two_of_as_many_slots_are_walked_without_moments_and_the_peak_stays_the_first_experts():
+    # 16 experts of 6 slots each (kbs = 96): the first and the last walked mark moments, the fourteen between do not
+    _, tl = _timeline("none", **MIXED | {"t": 1, "L": 1, "num_experts": 16, "moe_ffn_hidden_size": 512,
+                                         "vocab_size": 20})
+    walked = {int(m.where.split(".")[5]) for m in tl.moments if ".local_experts." in m.where}
+    assert walked == {0, 15}
+    assert tl.peak.where.startswith("layers.0.mlp.experts.local_experts.15.")  # wide experts: the first walked peaks

@@ -224,8 +224,12 @@ def moe_ops(ops: list[Op], config: ModelConfig, z: Sizes, grad: str, residual: s
         "grad/expert output", act * slots * h, "sort_chunks_by_idxs split the experts' output: its gradient"
         " concatenated"),
         (unpermuted,)))
-    for e, r in reversed(list(enumerate(expert_slots(config, z)))):
-        _expert(ops, config, z, e, r)
+    received = expert_slots(config, z)
+    for e in reversed(range(experts)):  # the last first; one between two of as many slots: its net change alone
+        if 0 < e < experts - 1 and received[e - 1] == received[e] == received[e + 1]:
+            ops.append(_between(z, e, received[e]))
+        else:
+            _expert(ops, config, z, e, received[e])
     ops.extend((
         # MemTracker still has the first expert's fc1 active here (and the experts for the sort's probabilities)
         _one("mlp.experts.local_experts.0.linear_fc1", "the experts' probability gradients concatenated", Made(
@@ -299,6 +303,17 @@ def _expert(ops: list[Op], config: ModelConfig, z: Sizes, e: int, r: int) -> Non
             frees=(product, dx2)),
         saves=(piece(megatron.EXPERT_ACT_OUT, e), megatron.EXPERT_PROBS)))
     _activation_and_fc1(ops, config, z, mlp, dact)
+
+
+def _between(z: Sizes, e: int, r: int) -> Op:
+    """Expert e's backward when the experts walked just before and after it receive as many slots: the same steps on
+    the same sizes, so its moments lie on the line between theirs (one expert's net change apart) and the highest of
+    them is one of theirs; walked as what it leaves, its input's and probability's gradients, without a moment (a
+    MoE layer of hundreds of experts walks in a fraction of the time). Its saved pieces go as it returns."""
+    return _backward(f"mlp.experts.local_experts.{e}", Step("the expert's backward, between its neighbours'", (
+        Made(f"grad/expert input[{e}]", z.act * r * z.h, "dX = dY W, the expert's input gradient"),
+        Made(f"grad/expert probs[{e}]", z.act * r, "the probability's gradient: dY * activation summed, (r, 1)")),
+        moment=False), saves=(*(piece(x, e) for x in PER_EXPERT), megatron.EXPERT_PROBS, ledger.EXPERT_IN))
 
 
 def _shared(ops: list[Op], config: ModelConfig, z: Sizes, frees: tuple[str, ...]) -> str:
