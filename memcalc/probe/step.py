@@ -35,8 +35,8 @@ of the peak is the phase and the innermost module when MemTracker first reached 
 --impl hf the model is transformers' own LlamaForCausalLM, trained by the same `Trainer`
 (memcalc.probe.libs.hf_step); with --impl torchtitan torchtitan's own Llama3Model with its trainer's loss
 (memcalc.probe.libs.torchtitan_step); with --impl megatron and kv_lora_rank this GPT with megatron-core's own
-MLASelfAttention in every layer (memcalc.probe.libs.megatron_mla_step), with num_experts its MoELayer in the MoE layers
-(memcalc.probe.libs.megatron_step, which swaps in both with both).
+MLASelfAttention in every layer, with num_experts its MoELayer in the MoE layers, or both
+(memcalc.probe.libs.megatron_step).
 """
 
 from __future__ import annotations
@@ -621,10 +621,8 @@ STEP_TRAINERS = {
     ("hf", True): ("memcalc.probe.libs.hf_fsdp", "measure_hf_fsdp_step_on_rank"),
     ("torchtitan", False): ("memcalc.probe.libs.torchtitan_step", "measure_torchtitan_step_on_rank"),
     ("torchtitan", True): ("memcalc.probe.libs.torchtitan_step", "measure_torchtitan_fsdp_step_on_rank"),
-    ("megatron latent attention", False): ("memcalc.probe.libs.megatron_mla_step", "measure_megatron_mla_step_on_rank"),
-    ("megatron experts", False): ("memcalc.probe.libs.megatron_step", "measure_megatron_moe_step_on_rank"),
-    ("megatron latent attention and experts", False): ("memcalc.probe.libs.megatron_step",
-                                                       "measure_megatron_moe_step_on_rank"),
+    **{(megatron, False): ("memcalc.probe.libs.megatron_step", "measure_megatron_step_on_rank") for megatron in (
+        "megatron latent attention", "megatron experts", "megatron latent attention and experts")},
 }
 
 

@@ -1,7 +1,7 @@
 """Megatron's latent attention (megatron-core 0.16's MLASelfAttention, DeepSeek-V2/V3) in the step, as ops.
 
 `attention` appends the attention's backward to Megatron's layer (memcalc.sizing.timeline.megatron `layer_ops`), as
-autograd runs megatron-core's own module (the step probe's, memcalc.probe.libs.megatron_mla_step), in backward order:
+autograd runs megatron-core's own module (the step probe's, memcalc.probe.libs.megatron_step), in backward order:
 
     linear_proj                 dX, dW (row-parallel)
     core (DotProductAttention)  bmm's dV and dWeights; the fused causal softmax's (or torch's) backward; baddbmm's dQ

@@ -46,6 +46,7 @@ from memcalc.config.schema import ModelConfig
 from memcalc.model import ledger
 from memcalc.model.impls import megatron
 from memcalc.model.ledger import SavedTensor
+from memcalc.sizing.timeline.megatron_pieces import backward_only as _backward, one as _one
 from memcalc.sizing.timeline.tape import Sizes
 from memcalc.sizing.timeline.walk import Made, Op, Step
 
@@ -192,14 +193,6 @@ def experts_forward(config: ModelConfig, z: Sizes, made: tuple[SavedTensor, ...]
 def _dropped(made: tuple[Made, ...]) -> Op:
     """An op that only frees (forward-held transients), making no moment."""
     return Op("mlp", forward=(Step("MoELayer's forward returns", frees=tuple(x.name for x in made)),), backward=())
-
-
-def _backward(where: str, *steps: Step, saves: tuple[SavedTensor, ...] = ()) -> Op:
-    return Op(where, forward=(), backward=steps, saves=saves)
-
-
-def _one(where: str, what: str, made: Made, frees: tuple[str, ...], saves: tuple[SavedTensor, ...] = ()) -> Op:
-    return _backward(where, Step(what, (made,), frees), saves=saves)
 
 
 def moe_ops(ops: list[Op], config: ModelConfig, z: Sizes, grad: str, residual: str) -> str:
