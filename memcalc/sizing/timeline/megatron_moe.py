@@ -82,7 +82,6 @@ def unmodelled(config: ModelConfig, z: Sizes) -> str | None:
          f"the {config.moe_token_dispatcher_type} token dispatcher (it walks the all-to-all one)"),
         (config.moe_expert_capacity_factor is not None, "a capacity factor (moe_expert_capacity_factor)"),
         (config.moe_aux_loss, "the load-balancing loss (moe_aux_loss)"),
-        (config.moe_router_enable_expert_bias, "the sigmoid router's expert bias (moe_router_enable_expert_bias)"),
         (config.mlp == "swiglu" and config.bias_activation_fusion, "the fused SwiGLU in the experts"),
         (config.recompute != "none", f"recompute {config.recompute} with experts"),
         (bool(config.vpp) and config.pp > 1, "interleaved pipelining with experts (the other chunks' dispatchers)"),
@@ -401,11 +400,12 @@ def _scores(config: ModelConfig, z: Sizes, n: int, grad: str, out: str) -> tuple
     """topk_routing_with_score_function's backward, from the k chosen probabilities' gradient `grad` to the logits'
     (`out`): the fp32 softmax over the top k's logits with its casts, then top-k's scatter (pre-softmax: top-k's
     first, then the casts and the softmax over all E); or, for the sigmoid router, the renormalisation's division
-    (k > 1), top-k's scatter, the casts and the sigmoid over all E."""
+    (k > 1), top-k's scatter (with the expert bias gather's), the casts and the sigmoid over all E."""
     experts, k = config.num_experts, config.moe_router_topk
     if config.moe_router_score_function == "sigmoid":  # the chosen scores renormalised (k > 1), top-k, the sigmoid
         renormalised = _renormalised(z, n, k, grad) if k > 1 else ()
-        return (*renormalised, _topk(z, n, experts, "grad/topk scores" if k > 1 else grad, "grad/all scores"),
+        return (*renormalised, _topk(z, n, experts, "grad/topk scores" if k > 1 else grad, "grad/all scores",
+                                     config.moe_router_enable_expert_bias),
                 *_casts(z, n * experts, "grad/all scores", out, "sigmoid", megatron.SIGMOID_SCORES))
     if config.moe_router_pre_softmax:  # softmax over E, cast down, top-k
         return (_topk(z, n, experts, grad, "grad/all probs"),
@@ -461,11 +461,13 @@ def _casts(z: Sizes, elements: int, grad: str, out: str, what: str, keeps: Saved
     )
 
 
-def _topk(z: Sizes, n: int, experts: int, grad: str, out: str) -> Op:
-    """top-k's backward: new_zeros, and the k values' gradient scattered into it, (n, E)."""
-    return _backward("mlp.router", Step("top-k's backward: new_zeros", (Made(
-        "grad/topk zeros", z.act * n * experts, "top-k's backward starts from new_zeros, (n, E)"),)),
-        Step("top-k's backward: scatter", (Made(
+def _topk(z: Sizes, n: int, experts: int, grad: str, out: str, biased: bool = False) -> Op:
+    """top-k's backward (`biased`: the expert bias's, gather's by the biased top-k's indices, which keeps every
+    expert's score): new_zeros, and the k values' gradient scattered (added) into it, (n, E)."""
+    what = "gather" if biased else "top-k"
+    return _backward("mlp.router", Step(f"{what}'s backward: new_zeros", (Made(
+        "grad/topk zeros", z.act * n * experts, f"{what}'s backward starts from new_zeros, (n, E)"),)),
+        Step(f"{what}'s backward: scatter{'_add' if biased else ''}", (Made(
             out, z.act * n * experts, "the k values' gradient scattered into (n, E)"),),
             frees=("grad/topk zeros", grad)),
-        saves=(ledger.ROUTER_TOPK_INDICES,))
+        saves=(*((megatron.BIASED_CHOICE_SCORES,) if biased else ()), ledger.ROUTER_TOPK_INDICES))

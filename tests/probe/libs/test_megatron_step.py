@@ -53,6 +53,9 @@ SHAPES = [
         # sigmoid router: the k chosen scores renormalised (a division by their sum), top-k, the fp32 sigmoid
         {"moe_router_score_function": "sigmoid", "moe_router_topk": 1, "num_experts": 3,
          "moe_shared_expert_intermediate_size": 24},  # k = 1: the chosen score as it is, no renormalisation
+        {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True, "b": 1, "s": 7,
+         "num_experts": 6, "moe_router_topk": 3},  # the expert bias picks: gather keeps every expert's score; the
+        # router's two fp32 (E,) buffers sit with the parameters
     )
 ]
 
@@ -98,7 +101,7 @@ EP_SHAPES = [
     ("balanced", {"ep": 2, "dp": 2}),
     ("all-to-one", {"ep": 2, "dp": 2, "num_experts": 8}),
     ("balanced", {"ep": 2, "dp": 2, "b": 1, "s": 12, "num_experts": 6, "moe_router_pre_softmax": True, "dropout": 0.1}),
-    ("balanced", {"ep": 2, "dp": 2, "moe_router_score_function": "sigmoid"}),
+    ("balanced", {"ep": 2, "dp": 2, "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True}),
 ]
 
 
@@ -167,8 +170,6 @@ def test_a_megatron_moe_step_is_measured_only_under_the_route_that_pins_the_walk
     ({"moe_aux_loss": True}, "none", "the load-balancing loss"),
     ({"moe_token_dispatcher_type": "allgather"}, "none", "the allgather token dispatcher"),
     ({"moe_expert_capacity_factor": 1.0, "moe_tokens": "capacity"}, "none", "a capacity factor"),
-    ({"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True}, "none", "the sigmoid router's"
-     " expert bias"),
     ({"recompute": "selective"}, "none", "recompute selective with experts"),
 ], ids=str)
 def test_what_the_moe_walk_does_not_model_is_refused_in_one_line(changes, strategy, words):
@@ -188,6 +189,7 @@ DEEPSEEK_SHAPES = [
     ("none", {}),
     ("none", {"b": 1, "s": 7, "dropout": 0.1}),  # torch's softmax keeps the causal mask; dropout masks
     ("none", {"q_lora_rank": None, "moe_first_dense_layers": 2, "moe_router_score_function": "softmax"}),
+    ("none", {"moe_router_enable_expert_bias": True, "dropout": 0.1}),  # DeepSeek-V3's aux-loss-free balancing
     ("tp-sp", {"t": 2, "b": 1, "s": 14, "moe_shared_expert_intermediate_size": None}),  # shared experts: t = 1 only
 ]
 
@@ -200,7 +202,7 @@ def test_every_moment_of_a_step_with_latent_attention_and_experts_happens_in_ord
 
 @pytest.mark.parametrize("strategy, changes, where", [
     ("none", {}, "forward loss"),
-    ("none", {"moe_ffn_hidden_size": 512, "vocab_size": 20, "s": 48},
+    ("none", {"moe_ffn_hidden_size": 512, "vocab_size": 20, "s": 48, "moe_router_enable_expert_bias": True},
      "backward layers.2.mlp.experts.local_experts.5.linear_fc2"),  # the last expert's, beside layer 1's router's
     ("tp-sp", {"t": 2, "moe_shared_expert_intermediate_size": None, "moe_ffn_hidden_size": 1024, "vocab_size": 20,
                "s": 48}, "backward layers.2.mlp.experts.local_experts.5.linear_fc2"),
