@@ -141,6 +141,8 @@ def timeline(
         walk.module = f"layers.{i}"
         if config.mla:
             megatron_mla.beside_the_ledger(tape, config, z, i, first)
+        if kind.config.moe:
+            megatron_moe.beside_the_ledger(tape, config, z)
         walk.forward(kind.ops)
         _fold(tape, i, kind.folded)
         if kind.config.moe:  # held by the layer's dispatcher beyond the step: one term

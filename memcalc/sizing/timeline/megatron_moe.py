@@ -26,8 +26,9 @@ the worst, which the forced all-to-one route pins):
                 new_zeros and scatter, (n, E) (pre-softmax: top-k's first, then the casts and softmax over E;
                 sigmoid: the division's, the sum's, then top-k's, the casts and the sigmoid's over E);
                 the router's GEMMs and the sum of its dX with the permute's
-    shared      fc2, SwiGLU or GELU, fc1 on every token, as an expert's without the probability; its dX summed
-                with the routed path's
+    shared      fc2, SwiGLU or GELU, fc1 on every token, as an expert's without the probability, through
+                megatron's row- and column-parallel linears (under SP: dY all-gathered, fc1's input gathered into
+                the global memory buffer, its dX reduce-scattered); its dX summed with the routed path's
 
 Under tp-sp (etp = t) each rank routes its s/t tokens; the dispatcher all-gathers the t ranks' slots (R = t k n) for
 the experts, each f_e/t wide, and reduce-scatters their unsorted output back: in backward the unpermute's gradient is
@@ -46,8 +47,10 @@ from memcalc.config.schema import ModelConfig
 from memcalc.model import ledger
 from memcalc.model.impls import megatron
 from memcalc.model.ledger import SavedTensor
-from memcalc.sizing.timeline.megatron_pieces import backward_only as _backward, one as _one
-from memcalc.sizing.timeline.tape import Sizes
+from memcalc.sizing.timeline.megatron_pieces import (
+    GLOBAL_MEMORY_BUFFER, backward_only as _backward, linear, one as _one, row_parallel,
+)
+from memcalc.sizing.timeline.tape import ACTIVATIONS, Sizes, Tape
 from memcalc.sizing.timeline.walk import Made, Op, Step
 
 # The ledger's rows an expert keeps in a storage of its own (SequentialMLP runs each expert's MLP on its slots).
@@ -77,7 +80,6 @@ def unmodelled(config: ModelConfig, z: Sizes) -> str | None:
          f" that E={config.num_experts} experts do not share evenly (the ranks' experts would receive other than"
          " the balanced bound's kbs)"),
         (t > 1 and not z.sp, f"t={t} without sequence parallelism with experts"),
-        (t > 1 and bool(config.moe_shared_expert_intermediate_size), f"shared experts at t={t}"),
         (config.moe_token_dispatcher_type != "alltoall",
          f"the {config.moe_token_dispatcher_type} token dispatcher (it walks the all-to-all one)"),
         (config.moe_expert_capacity_factor is not None, "a capacity factor (moe_expert_capacity_factor)"),
@@ -140,6 +142,15 @@ def held(config: ModelConfig, z: Sizes) -> tuple[Made, ...]:
         Made(HELD[3], 0, "the dispatcher's self.reversed_local_input_permutation_mapping (the ledger's row)",
              keeps=megatron.PERMUTE_INDICES),
     )
+
+
+def beside_the_ledger(tape: Tape, config: ModelConfig, z: Sizes) -> None:
+    """Before a MoE layer's forward: under SP its shared experts' fc1 all-gathers its input into megatron's global
+    memory buffer, (s, b, h), made in the first step and kept (a tracker started before a step first sees it there);
+    latent attention's layers make it first, at their largest request (megatron_mla.beside_the_ledger)."""
+    if z.sp and config.moe_shared_expert_intermediate_size and GLOBAL_MEMORY_BUFFER not in tape.live:
+        tape.add(GLOBAL_MEMORY_BUFFER, ACTIVATIONS, z.full(z.h), "parallel_state's global memory buffer: the shared"
+                 " experts' fc1 all-gathers its input into it")
 
 
 def experts_forward(config: ModelConfig, z: Sizes, made: tuple[SavedTensor, ...]) -> tuple[
@@ -249,10 +260,7 @@ def moe_ops(ops: list[Op], config: ModelConfig, z: Sizes, grad: str, residual: s
         _router(ops, config, z, n, "grad/moe input")
         return "grad/moe input"
     _router(ops, config, z, n, "grad/moe routed input")
-    dx = _shared(ops, config, z, () if grad == residual else (grad,))
-    ops.append(_one("mlp.shared_experts.linear_fc1", "the routed and the shared experts' input gradients summed",
-                    Made("grad/moe input", z.act * n * z.h, "the MoE input feeds the router, the permute and the shared"
-                         " experts: gradients summed"), ("grad/moe routed input", dx)))
+    _shared(ops, config, z, grad, residual)
     return "grad/moe input"
 
 
@@ -308,16 +316,26 @@ def _between(z: Sizes, e: int, r: int) -> Op:
         moment=False), saves=(*(piece(x, e) for x in PER_EXPERT), megatron.EXPERT_PROBS, ledger.EXPERT_IN))
 
 
-def _shared(ops: list[Op], config: ModelConfig, z: Sizes, frees: tuple[str, ...]) -> str:
-    """SharedExpertMLP's backward on every token (its fc1 reads the MoE's input), its fc2 freeing `frees` (dY, unless
-    the residual stream's); returns its dX."""
+def _shared(ops: list[Op], config: ModelConfig, z: Sizes, grad: str, residual: str) -> None:
+    """SharedExpertMLP's backward, megatron's MLP on every token: its row-parallel fc2 from the MoE output's gradient
+    `grad` (under SP all-gathered first; freed unless the residual stream's, `residual`), the activation, its
+    column-parallel fc1 (under SP on the gathered MoE input, dX reduce-scattered), and the sum of its dX with the
+    routed path's into "grad/moe input" (under tp inside fc1's node, before its weight's gradient is handed over)."""
+    width = config.moe_shared_expert_intermediate_size // z.t
     mlp = _Mlp(
-        "mlp.shared_experts", "shared ...", z.b * z.s_seq, config.moe_shared_expert_intermediate_size,
-        ledger.SHARED_FC2_IN, (ledger.SHARED_SILU_OUT, megatron.SHARED_UP_COPY), (ledger.SHARED_GATE, ledger.SHARED_UP),
+        "mlp.shared_experts", "shared ...", z.b * z.s, width, ledger.SHARED_FC2_IN,
+        (ledger.SHARED_SILU_OUT, megatron.SHARED_UP_COPY), (ledger.SHARED_GATE, ledger.SHARED_UP),
         ledger.SHARED_GELU_IN, ledger.MOE_IN,
     )
-    _activation_and_fc1(ops, config, z, mlp, _fc2(ops, z, mlp, frees))
-    return mlp.name("input")
+    ops.append(row_parallel(z, f"{mlp.where}.linear_fc2", mlp.fc2_in, grad, residual, width, mlp.name("fc2 input")))
+    out, fc1_width = _activation(ops, config, z, mlp, mlp.name("fc2 input"))
+    summed = Step("the routed and the shared experts' input gradients summed", (Made(
+        "grad/moe input", z.seq(z.h), "the MoE input feeds the router, the permute and the shared experts: gradients"
+        " summed"),), frees=("grad/moe routed input", mlp.name("input")))
+    where = f"{mlp.where}.linear_fc1"
+    ops.append(linear(z, where, mlp.fc1_in, out, z.h, fc1_width, mlp.name("input"), then=summed if z.t > 1 else None))
+    if z.t == 1:  # the two gradients meet after fc1's node and its weight's gradient
+        ops.append(_backward(where, summed))
 
 
 def _fc2(ops: list[Op], z: Sizes, mlp: _Mlp, frees: tuple[str, ...]) -> str:
@@ -330,8 +348,18 @@ def _fc2(ops: list[Op], z: Sizes, mlp: _Mlp, frees: tuple[str, ...]) -> str:
 
 
 def _activation_and_fc1(ops: list[Op], config: ModelConfig, z: Sizes, mlp: _Mlp, grad: str) -> None:
-    """SwiGLU's (the product's two gradients, SiLU's, their concatenation) or GELU's backward from `grad`, then fc1's
-    GEMMs: dX (named mlp.name("input")) and dW."""
+    """An expert's activation's backward from `grad` (`_activation`), then fc1's GEMMs: dX (named mlp.name("input"))
+    and dW."""
+    out, fc1_width = _activation(ops, config, z, mlp, grad)
+    dw = mlp.name("fc1 weight")
+    ops.append(_backward(f"{mlp.where}.linear_fc1", Step("GEMMs: dX and dW", (
+        Made(mlp.name("input"), z.act * mlp.rows * z.h, "dX = dY W, the input's gradient"),
+        Made(dw, z.act * fc1_width * z.h, _WGRAD)), frees=(out,), hands_over=(dw,)), saves=(mlp.fc1_in,)))
+
+
+def _activation(ops: list[Op], config: ModelConfig, z: Sizes, mlp: _Mlp, grad: str) -> tuple[str, int]:
+    """SwiGLU's (the product's two gradients, SiLU's, their concatenation) or GELU's backward from `grad`; returns
+    fc1's output gradient's name and fc1's output width."""
     act, rows, width = z.act, mlp.rows, mlp.width
     out = mlp.name("fc1 output")
     if config.mlp == "swiglu":
@@ -352,10 +380,7 @@ def _activation_and_fc1(ops: list[Op], config: ModelConfig, z: Sizes, mlp: _Mlp,
         ops.append(_one(mlp.where, "GELU", Made(out, act * rows * width, "GELU's backward: dY times GELU'(x)"), (grad,),
                         saves=(mlp.gelu_in,)))
         fc1_width = width
-    dw = mlp.name("fc1 weight")
-    ops.append(_backward(f"{mlp.where}.linear_fc1", Step("GEMMs: dX and dW", (
-        Made(mlp.name("input"), act * rows * z.h, "dX = dY W, the input's gradient"),
-        Made(dw, act * fc1_width * z.h, _WGRAD)), frees=(out,), hands_over=(dw,)), saves=(mlp.fc1_in,)))
+    return out, fc1_width
 
 
 def _permute(ops: list[Op], z: Sizes, n: int, experts: int, local: str) -> None:

@@ -93,6 +93,11 @@ TP_SHAPES = [
     ("all-to-one", {"t": 2, "b": 1, "s": 14, "L": 3, "moe_first_dense_layers": 1, "dropout": 0.1}),
     ("balanced", {"t": 2, "b": 1, "s": 14, "num_experts": 6, "moe_router_topk": 3,
                   "moe_router_score_function": "sigmoid"}),
+    # shared experts: megatron's MLP under SP (fc1 on the input gathered into the global memory buffer, its dX
+    # reduce-scattered and summed with the routed path's before its weight's gradient is handed over)
+    ("balanced", {"t": 2, "b": 1, "s": 14, "moe_shared_expert_intermediate_size": 24, "dropout": 0.1}),
+    ("all-to-one", {"t": 4, "b": 1, "s": 20, "num_query_groups": 4, "mlp": "gelu", "ffn_hidden_size": 100,
+                    "moe_shared_expert_intermediate_size": 40}),
 ]
 
 
@@ -144,6 +149,8 @@ PEAKS += [  # under tp-sp at t = 2: rank 0 of two through the fake group
      "backward layers.1.mlp.experts.local_experts.3.linear_fc2"),
     ("balanced", {"t": 2, **PEAKS[3][1]}, "forward layers.1.mlp"),  # the unsorted output's reduce-scatter beside
     # both concatenations
+    ("balanced", {"t": 2, "moe_shared_expert_intermediate_size": 1024, "vocab_size": 20, "s": 48},
+     "backward layers.1.mlp.shared_experts"),  # wide shared experts: their SwiGLU's backward on the whole sequence
 ]
 
 
@@ -166,7 +173,6 @@ def test_a_megatron_moe_step_is_measured_only_under_the_route_that_pins_the_walk
     ({"ep": 2, "dp": 2, "t": 2}, "tp-sp", "ep=2 beside t=2"),
     ({"ep": 4, "dp": 4}, "none", "one expert a rank"),
     ({"ep": 2, "dp": 2, "b": 1, "s": 7, "num_experts": 6}, "none", "slots a rank that E=6 experts do not share evenly"),
-    ({"t": 2, "moe_shared_expert_intermediate_size": 32}, "tp-sp", "shared experts at t=2"),
     ({"moe_aux_loss": True}, "none", "the load-balancing loss"),
     ({"moe_token_dispatcher_type": "allgather"}, "none", "the allgather token dispatcher"),
     ({"moe_expert_capacity_factor": 1.0, "moe_tokens": "capacity"}, "none", "a capacity factor"),
@@ -190,7 +196,8 @@ DEEPSEEK_SHAPES = [
     ("none", {"b": 1, "s": 7, "dropout": 0.1}),  # torch's softmax keeps the causal mask; dropout masks
     ("none", {"q_lora_rank": None, "moe_first_dense_layers": 2, "moe_router_score_function": "softmax"}),
     ("none", {"moe_router_enable_expert_bias": True, "dropout": 0.1}),  # DeepSeek-V3's aux-loss-free balancing
-    ("tp-sp", {"t": 2, "b": 1, "s": 14, "moe_shared_expert_intermediate_size": None}),  # shared experts: t = 1 only
+    ("tp-sp", {"t": 2, "b": 1, "s": 14}),
+    ("tp-sp", {"t": 4, "s": 28, "dropout": 0.1, "moe_router_enable_expert_bias": True}),
 ]
 
 
@@ -204,8 +211,8 @@ def test_every_moment_of_a_step_with_latent_attention_and_experts_happens_in_ord
     ("none", {}, "forward loss"),
     ("none", {"moe_ffn_hidden_size": 512, "vocab_size": 20, "s": 48, "moe_router_enable_expert_bias": True},
      "backward layers.2.mlp.experts.local_experts.5.linear_fc2"),  # the last expert's, beside layer 1's router's
-    ("tp-sp", {"t": 2, "moe_shared_expert_intermediate_size": None, "moe_ffn_hidden_size": 1024, "vocab_size": 20,
-               "s": 48}, "backward layers.2.mlp.experts.local_experts.5.linear_fc2"),
+    ("tp-sp", {"t": 2, "moe_ffn_hidden_size": 1024, "vocab_size": 20, "s": 48},
+     "backward layers.2.mlp.experts.local_experts.5.linear_fc2"),
 ], ids=str)
 def test_a_step_with_latent_attention_and_experts_peaks_where_the_timeline_says_to_the_byte(
         one_thread, strategy, changes, where):
