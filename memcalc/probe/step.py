@@ -35,7 +35,8 @@ of the peak is the phase and the innermost module when MemTracker first reached 
 --impl hf the model is transformers' own LlamaForCausalLM, trained by the same `Trainer`
 (memcalc.probe.libs.hf_step); with --impl torchtitan torchtitan's own Llama3Model with its trainer's loss
 (memcalc.probe.libs.torchtitan_step); with --impl megatron and kv_lora_rank this GPT with megatron-core's own
-MLASelfAttention in every layer (memcalc.probe.libs.megatron_mla_step).
+MLASelfAttention in every layer, with num_experts its MoELayer in the MoE layers, or both
+(memcalc.probe.libs.megatron_step).
 """
 
 from __future__ import annotations
@@ -493,6 +494,7 @@ STEP_MODELS = {  # what --step runs, by --impl
     "megatron": "memcalc's own GPT", "hf": "transformers' LlamaForCausalLM", "torchtitan": "torchtitan's Llama3Model",
     "megatron latent attention": "memcalc's own GPT with megatron-core's MLASelfAttention",
     "megatron experts": "memcalc's own GPT with megatron-core's MoELayer",
+    "megatron latent attention and experts": "memcalc's own GPT with megatron-core's MLASelfAttention and MoELayer",
 }
 TOLERANCE = 0.01  # issue 8's bound: the peak and each of its categories within 1% of what MemTracker measured
 
@@ -574,9 +576,6 @@ def measure_step(config: ModelConfig, strategies: list[str], route: str | None =
                           " it cannot")
     if route is not None and not config.moe:
         raise ConfigError(f"--route {route} forces a MoE router: the config has no experts (set num_experts)")
-    if config.impl == "megatron" and config.mla and config.moe:
-        raise ConfigError("--step trains megatron-core's latent attention or its MoE layer in memcalc's GPT, not both"
-                          " at once (DeepSeek-V3's layer): measure each alone")
     accounting = Accounting(exact=True, device="cpu")
     planned = [(STRATEGIES[name], timeline(config, check_strategy(config, STRATEGIES[name]), accounting))
                for name in strategies]
@@ -622,17 +621,16 @@ STEP_TRAINERS = {
     ("hf", True): ("memcalc.probe.libs.hf_fsdp", "measure_hf_fsdp_step_on_rank"),
     ("torchtitan", False): ("memcalc.probe.libs.torchtitan_step", "measure_torchtitan_step_on_rank"),
     ("torchtitan", True): ("memcalc.probe.libs.torchtitan_step", "measure_torchtitan_fsdp_step_on_rank"),
-    ("megatron latent attention", False): ("memcalc.probe.libs.megatron_mla_step", "measure_megatron_mla_step_on_rank"),
-    ("megatron experts", False): ("memcalc.probe.libs.megatron_step", "measure_megatron_moe_step_on_rank"),
+    **{(megatron, False): ("memcalc.probe.libs.megatron_step", "measure_megatron_step_on_rank") for megatron in (
+        "megatron latent attention", "megatron experts", "megatron latent attention and experts")},
 }
 
 
 def _trained(config: ModelConfig) -> str:
-    """The STEP_TRAINERS key's model: --impl, or for megatron megatron-core's latent attention (kv_lora_rank) or
-    mixture of experts (num_experts) in memcalc's GPT."""
-    if config.impl == "megatron" and config.mla:
-        return "megatron latent attention"
-    return "megatron experts" if config.impl == "megatron" and config.moe else config.impl
+    """The STEP_TRAINERS key's model: --impl, or for megatron megatron-core's latent attention (kv_lora_rank), its
+    mixture of experts (num_experts) or both in memcalc's GPT."""
+    modules = [x for x, used in (("latent attention", config.mla), ("experts", config.moe)) if used]
+    return " ".join(("megatron", " and ".join(modules))) if config.impl == "megatron" and modules else config.impl
 
 
 def _step_runner(impl: str, sharded: bool = False) -> Callable[..., StepMeasurement]:

@@ -224,3 +224,14 @@ def test_latent_attention_without_experts_has_a_modelled_step_peak():
     for name in ("none", "tp", "tp-sp"):
         (stage,) = per[name]["stages"]
         assert per[name]["needed_basis"] == "the step's peak" and stage["peak_bytes"] > stage["total_bytes"]
+
+
+def test_deepseek_v3_totals_give_the_steps_peak_in_its_last_layers_attention_core():
+    """Issue 19: DeepSeek-V3's 61 layers (latent attention; three dense MLPs, then 256 experts under the sigmoid
+    router beside a shared one) are walked, not refused: each strategy's verdict is on the step's peak."""
+    run = memcalc_cli("estimate", "--config", "deepseek-v3", "--totals")
+    assert run.code == 3, run.err  # 11 TiB on one GPU fits no card
+    assert "671,026,404,352 parameters" in run.out and "not modelled" not in run.out
+    assert "12,491,063,502,860 B = 11.36 TiB (the step's peak)" in run.out
+    assert "none: the step peaks at 11.36 TiB, backward layers.60.attention.core_attention (softmax)" in " ".join(
+        run.out.split())

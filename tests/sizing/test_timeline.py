@@ -124,6 +124,28 @@ def test_latent_attention_is_walked_as_megatron_cores_eager_module_without_full_
         _timeline("tp", **LATENT | changes)
 
 
+MIXED = {"num_experts": 4, "moe_layer_freq": 2, "mlp": "swiglu", "add_bias_linear": False}  # MoE layers: the even ones
+
+
+def test_among_moe_layers_each_dense_layer_keeps_the_dense_ledgers_tensors_and_no_dispatcher():
+    config, tl = _timeline("tp-sp", **MIXED, L=4)
+    live = {x.name: x.bytes for x in _moment(tl, "forward", "loss").live}
+    layer = estimate(config, STRATEGIES["tp-sp"], CPU)
+    assert [live[f"layers.{i}/saved"] for i in (1, 3)] == [layer.dense_layer_bytes] * 2
+    assert layer.dense_layer_bytes < layer.per_layer_bytes
+    assert [f"layers.{i}/moe dispatcher" in live for i in range(4)] == [True, False, True, False]
+
+
+def test_1f1b_keeps_the_other_micro_batches_moe_and_dense_layers_each_at_their_own_bytes():
+    (config, (mixed, _)), (_, (dense, _)) = (_pipelined("tp-sp", **x) for x in (MIXED, {"mlp": "swiglu",
+                                                                                      "add_bias_linear": False}))
+    mixed, dense = (next(x.bytes for x in tl.peak.live if x.name == "pipeline/other micro-batches")
+                    for tl in (mixed, dense))
+    layer = estimate(config, STRATEGIES["tp-sp"], CPU)  # L = 8, pp = 4: a MoE and a dense layer a stage
+    embeddings = dense - 3 * 2 * layer.dense_layer_bytes  # 1F1B keeps four micro-batches on the first stage
+    assert mixed == 3 * (layer.per_layer_bytes + layer.dense_layer_bytes) + embeddings
+
+
 def _pipelined(strategy, **changes):
     config = build_config(STEP | {"L": 8, "pp": 4} | changes)
     return config, timelines(config, STRATEGIES[strategy], CPU)
@@ -186,3 +208,12 @@ def test_megatrons_published_7b_pp4_vpp8_last_stage_peak_is_within_two_percent()
     config = build_config(MEGATRON_7B_PP4_VPP8)
     _, last = timelines(config, STRATEGIES["none"], Accounting(exact=True, device="cuda"))
     assert last.peak.bytes == pytest.approx(MEGATRON_7B_PP4_VPP8_LAST_STAGE_PEAK, rel=0.02)
+
+
+def test_experts_between_two_of_as_many_slots_are_walked_without_moments_and_the_peak_stays_the_first_experts():
+    # 16 experts of 6 slots each (kbs = 96): the first and the last walked mark moments, the fourteen between do not
+    _, tl = _timeline("none", **MIXED | {"t": 1, "L": 1, "num_experts": 16, "moe_ffn_hidden_size": 512,
+                                         "vocab_size": 20})
+    walked = {int(m.where.split(".")[5]) for m in tl.moments if ".local_experts." in m.where}
+    assert walked == {0, 15}
+    assert tl.peak.where.startswith("layers.0.mlp.experts.local_experts.15.")  # wide experts: the first walked peaks

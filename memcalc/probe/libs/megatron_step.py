@@ -1,12 +1,18 @@
-"""One training step of memcalc's GPT whose MLPs are megatron-core's own MoELayer, measured with MemTracker.
+"""One training step of memcalc's GPT with megatron-core's own modules in its layers, measured with MemTracker: with
+num_experts its MoE layers' MLPs are megatron-core's MoELayer, with kv_lora_rank its attention is MLASelfAttention
+(both: DeepSeek-V3's layers; `memcalc measure --step --impl megatron`).
 
 The step probe's GPT (memcalc.probe.step) with each MoE layer's MLP swapped for the MoELayer megatron's GPT decoder
 block spec gives that layer (`megatron_shim.layer_spec`: TopKRouter, the configured token dispatcher, SequentialMLP
-experts, shared experts), built from the `TransformerConfig` the layer probe builds (memcalc.probe.libs.megatron)
-under megatron's parallel_state on the probe's group, inside `megatron_shim.cpu_megatron()`, its router forced by
-`--route` (`megatron_shim.forced_routing`). Warm-up and measured step both run inside the shim, so the dispatcher
-runs its CPU path each time. Trained as every step trainer trains (`Trainer.around`: Megatron's fp32 gradient
-buffer and mixed-precision AdamW).
+experts, shared experts), and each layer's attention for the MLASelfAttention of the latent layer's spec (its down
+projections, latent norms, up projections, RoPE, local core attention, linear_proj), built from the
+`TransformerConfig` the layer probe builds (memcalc.probe.libs.megatron) under megatron's parallel_state on the
+probe's group, inside `megatron_shim.cpu_megatron()`, the router forced by `--route` (`megatron_shim.forced_routing`).
+Warm-up and measured step both run inside the shim, so the dispatcher runs its CPU path and the core its softmax
+extension and dropout each time. Trained as every step trainer trains (`Trainer.around`: Megatron's fp32 gradient
+buffer and mixed-precision AdamW). Two things megatron keeps outside any step are not tensors MemTracker sees, as on
+CUDA they are not in the ledger: the global memory buffer the core's baddbmm writes into (made in the warm-up step,
+reused), and RotaryEmbedding's frequencies (its forward is lru-cached).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from functools import partial
 from typing import Any, Iterator
 
 from memcalc.config.schema import ModelConfig
+from memcalc.errors import ProbeError
 from memcalc.model.strategy import Strategy
 from memcalc.probe import require_torch
 from memcalc.probe.group import TensorParallelGroup
@@ -29,10 +36,10 @@ torch = require_torch()
 from torch import nn  # noqa: E402  (after the install check above)
 
 
-def measure_megatron_moe_step_on_rank(
+def measure_megatron_step_on_rank(
     tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, route: str | None = None,
 ) -> StepMeasurement:
-    """Build the GPT with megatron-core's MoELayer on this rank, run a warm-up step, then measure one step."""
+    """Build the GPT with megatron-core's modules on this rank, run a warm-up step, then measure one step."""
     with inside_megatron(tp, config, route):
         return measure_trainer(warmed_up(tp, config, strategy), tp, strategy)
 
@@ -43,18 +50,27 @@ def inside_megatron(tp: TensorParallelGroup, config: ModelConfig, route: str | N
     building and stepping the GPT."""
     with warnings.catch_warnings():
         _quiet()  # before the shim imports megatron, which warns as it is imported
+        # megatron's torch softmax (latent attention) calls a torch.nn.Softmax made in forward, gone by backward:
+        # MemTracker's module hooks find it dead and say so (what it measures is unchanged)
+        warnings.filterwarnings("ignore", "Module is None", UserWarning)
         routing = forced_routing(route, config.moe_router_topk) if route else nullcontext()
         with cpu_megatron(), _model_parallel(tp, config.ep), routing:
             yield
 
 
 def warmed_up(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy) -> Trainer:
-    """The GPT with MoELayer MLPs, stepped once (`inside_megatron`)."""
+    """The GPT with MoELayer MLPs and MLASelfAttention where the knobs ask, stepped once (`inside_megatron`)."""
+    if config.mla and config.add_bias_linear:
+        raise ProbeError("impl megatron: --step adds no bias after MLASelfAttention's linear_proj (skip_bias_add);"
+                         " set add_bias_linear: false, as DeepSeek trains")
     megatron_config = transformer_config(config, tp.size, strategy.sequence_parallel and tp.size > 1)
     torch.manual_seed(WEIGHT_SEED)
-    seed_rng_tracker(WEIGHT_SEED, tp.rank)
+    seed_rng_tracker(WEIGHT_SEED, tp.rank)  # the core's attention dropout forks the model-parallel state
     mlps = partial(_moe_layer, config, megatron_config, tp.device)
     model = GPT(config, tp, strategy, mlps)
+    if config.mla:
+        for layer in model.layers:
+            layer.attention = latent_attention(megatron_config, tp.device)
     torch.manual_seed(BATCH_SEED + tp.rank)  # dropout masks
     return Trainer.around(config, model, model)
 
@@ -69,6 +85,29 @@ def _moe_layer(config: ModelConfig, megatron_config: Any, device: torch.device, 
     spec = layer_spec(megatron_config, i).submodules.mlp
     return build_module(replace(spec, module=_output_only(spec.module)), config=megatron_config,
                         layer_number=i + 1).to(device)
+
+
+def latent_attention(megatron_config: Any, device: torch.device) -> nn.Module:
+    """megatron-core's MLASelfAttention from the latent layer's spec, called as the probe's layer calls its
+    attention: (s, b, h) in, its output out (no bias: see above), with no attention mask (the core's is causal)."""
+    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+    spec = layer_spec(megatron_config, 0).submodules.self_attention
+    mla = build_module(ModuleSpec(module=_called_as_the_probe_calls(spec.module), params=spec.params,
+                                  submodules=spec.submodules), config=megatron_config, layer_number=1)
+    return mla.to(device)
+
+
+def _called_as_the_probe_calls(attention: type) -> type:
+    """`attention` (MLASelfAttention) taking the hidden states alone and returning its output alone: its module
+    names stay megatron's (attention.linear_kv_down_proj), as MemTracker reports them."""
+
+    class LatentAttention(attention):
+        def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+            output, _ = super().forward(hidden_states, None)
+            return output
+
+    return LatentAttention
 
 
 def _output_only(moe_layer: type) -> type:

@@ -59,7 +59,8 @@ on the same tape, memcalc.sizing.timeline.fsdp), and so are its Mixtral and Qwen
 bound, their experts in the eager loop (memcalc.sizing.timeline.hf_moe), and Qwen3 and Qwen3-MoE (QK norms, heads of
 head_dim). Megatron's layer takes
 megatron-core's MoELayer at t = 1 (any ep) or tp-sp (ep = 1) under the balanced or worst bound, its router, all-to-all
-dispatcher and SequentialMLP experts as ops in the Megatron layer (memcalc.sizing.timeline.megatron_moe).
+dispatcher and SequentialMLP experts as ops in the Megatron layer (memcalc.sizing.timeline.megatron_moe), and the
+dense layers among them (moe_layer_freq, moe_first_dense_layers) as the dense layer's ops, each at its own ledger.
 torchtitan's Llama3Model (`--impl torchtitan`) is described likewise (memcalc.sizing.timeline.torchtitan), at t = 1
 and under its own TP plan (tp, tp-sp) on the CPU kernels.
 Everything else raises ConfigError naming what is missing. Within a layer's forward only the end of
@@ -74,10 +75,11 @@ from dataclasses import replace
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError
 from memcalc.model import ledger
-from memcalc.model.evaluate import LayerEstimate, estimate
+from memcalc.model.evaluate import LayerEstimate, TensorBytes, estimate
 from memcalc.model.knobs import Accounting
 from memcalc.model.ledger import SavedTensor
 from memcalc.model.strategy import Strategy
+from memcalc.records import record
 from memcalc.sizing.pipeline import Stage, stages
 from memcalc.sizing.timeline.hf import hf_timeline
 from memcalc.sizing.timeline.torchtitan import torchtitan_timeline
@@ -115,17 +117,10 @@ def timeline(
     _refuse_other_moe(config, strategy)
     layer = estimate(config, strategy, accounting)
     z = Sizes.of(config, strategy)
-    host = megatron_mla.host_scalars(config, z, accounting) if config.mla else ()  # beside the ledger's, on the CPU
-    kept = (*(x.tensor for x in layer.tensors), *host)
-    saved = {x.tensor.name: x.bytes for x in layer.tensors} | {x.name: 4 for x in host}
-    if config.moe:  # each expert's own storages as pieces of the ledger's rows
-        kept, saved = megatron_moe.pieces(config, z, kept, saved)
-    rerun = _rerun(config, strategy, accounting) if config.recompute != "none" else layer
-    again = kept if rerun is layer else tuple(x.tensor for x in rerun.tensors)
-    host_again = megatron_mla.rerun_host_scalars(config, z, accounting) if config.mla else ()
-    sizes = {x.tensor.name: x.bytes for x in rerun.tensors if rerun is not layer} | {x.name: 4 for x in host_again} | saved
-    ops = layer_ops(config, z, kept, again, sizes)
-    _check_modelled(config, (*kept, *again), ops)
+    rerun = _rerun(config, strategy, accounting) if config.recompute != "none" else None
+    kinds = {False: _Kind.of(config, z, accounting, layer.tensors, rerun and rerun.tensors)}  # by `dense` below
+    if layer.dense_layers:  # dense layers among MoE ones: a dense MLP, each tensor at the dense layer's bytes
+        kinds[True] = _Kind.of(config.dense, z, accounting, layer.dense, rerun and rerun.dense)
     st = _stage(config, stage)
     tape = Tape()
     model_states(tape, config, st, z)
@@ -134,27 +129,32 @@ def timeline(
     walked = config.L // (config.pp * config.vpp) if config.vpp and config.pp > 1 else st.layers  # one model chunk
     first = 0 if st.has_embedding else config.L - walked
     layers = range(first, first + walked)
-    _others_in_flight(tape, st, walked, sum(saved.values()), ends.embedding_bytes())
+    dense = [config.moe and not config.is_moe_layer(i) for i in layers]  # each layer's kind
+    # every chunk of a stage holds the same kinds of layers (memcalc.sizing.states.check_expert_states)
+    _others_in_flight(tape, st, walked, sum(kinds[is_dense].saved_bytes for is_dense in dense), ends.embedding_bytes())
     ends.forward_in(tape)
-    folded = (INPUT, *(x.name for x in kept if x.name not in (INPUT, ledger.LAYER_INPUT.name)))
-    # every layer runs the same ops: one walk, its module set to each; a weight's gradient handed over by autograd
-    # is added into the fp32 buffer at once
-    walk = Walk(tape, "", "", sizes, lambda where, name, nbytes: tape.drop(name))
-    for i in layers:
+    # a weight's gradient handed over by autograd is added into the fp32 buffer at once
+    walks = {is_dense: Walk(tape, "", "", kind.sizes, lambda where, name, nbytes: tape.drop(name))
+             for is_dense, kind in kinds.items()}
+    for i, is_dense in zip(layers, dense):
+        kind, walk = kinds[is_dense], walks[is_dense]
         walk.module = f"layers.{i}"
         if config.mla:
             megatron_mla.beside_the_ledger(tape, config, z, i, first)
-        walk.forward(ops)
-        _fold(tape, i, folded)
-        if config.moe:  # held by the layer's dispatcher beyond the step: one term
+        if kind.config.moe:
+            megatron_moe.beside_the_ledger(tape, config, z)
+        walk.forward(kind.ops)
+        _fold(tape, i, kind.folded)
+        if kind.config.moe:  # held by the layer's dispatcher beyond the step: one term
             tape.add(f"layers.{i}/moe dispatcher", ACTIVATIONS, sum(tape.live.pop(x).bytes for x in megatron_moe.HELD),
                      "what MoELayer's token dispatcher holds as attributes until the next forward")
     ends.forward_out(tape)
     ends.backward_out(tape)
-    for i in reversed(layers):
-        _unfold(tape, i, kept, saved)
+    for i, is_dense in reversed(list(zip(layers, dense))):
+        kind, walk = kinds[is_dense], walks[is_dense]
+        _unfold(tape, i, kind)
         walk.module = f"layers.{i}"
-        walk.backward(ops)
+        walk.backward(kind.ops)
         if i > first:
             tape.rename(INPUT_GRAD, OUTPUT_GRAD)
     ends.backward_in(tape)
@@ -172,20 +172,60 @@ def _fold(tape: Tape, i: int, names: tuple[str, ...]) -> None:
     tape.rename(OUTPUT, INPUT)
 
 
-def _unfold(tape: Tape, i: int, kept: tuple[SavedTensor, ...], saved: dict[str, int]) -> None:
+def _unfold(tape: Tape, i: int, kind: _Kind) -> None:
     """Before its backward, layer i's saved tensors one by one again, as its ops free them."""
     tape.drop(f"layers.{i}/saved")
-    for x in kept:
-        tape.add(x.name, ACTIVATIONS, saved[x.name], "kept for backward (the ledger)")
+    for x in kind.kept:
+        tape.add(x.name, ACTIVATIONS, kind.saved[x.name], "kept for backward (the ledger)")
 
 
-def _others_in_flight(tape: Tape, st: Stage, walked: int, per_layer: int, embedding: int) -> None:
+def _others_in_flight(tape: Tape, st: Stage, walked: int, walked_bytes: int, embedding: int) -> None:
     """What the schedule keeps on the stage beside the walked micro-batch's chunk: the rest of its layer slots
-    (`memcalc.sizing.pipeline`), and the other micro-batches' embedding tensors."""
+    (`memcalc.sizing.pipeline`), each chunk-micro-batch's layers as the walked chunk's (`walked_bytes`), and the other
+    micro-batches' embedding tensors."""
     slots, embeddings = st.layer_slots - walked, max(st.embedding_in_flight - 1, 0)
-    tape.add("pipeline/other micro-batches", ACTIVATIONS, slots * per_layer + embeddings * embedding,
+    tape.add("pipeline/other micro-batches", ACTIVATIONS, slots // walked * walked_bytes + embeddings * embedding,
              f"{st.schedule}: beside this one, {slots} layers' saved tensors"
              + (f" and {embeddings} embeddings'" if embeddings else ""))
+
+
+@record
+class _Kind:
+    """One kind of layer as the walk runs it (a MoE layer, or a dense one among MoE layers): its config, what its
+    forward keeps (each expert's storages as pieces of the ledger's rows), those tensors' bytes by name, every
+    tensor's its ops make or keep (under recomputation the rerun's too), and its ops."""
+
+    config: ModelConfig
+    kept: tuple[SavedTensor, ...]
+    saved: dict[str, int]
+    sizes: dict[str, int]
+    ops: tuple[Op, ...]
+
+    @classmethod
+    def of(cls, config: ModelConfig, z: Sizes, accounting: Accounting, tensors: tuple[TensorBytes, ...],
+           rerun: tuple[TensorBytes, ...] | None) -> _Kind:
+        """The layer keeping the ledger's `tensors`; `rerun`: what it keeps without recomputation (None: no
+        recomputation)."""
+        host = megatron_mla.host_scalars(config, z, accounting) if config.mla else ()  # beside the ledger's, on the CPU
+        kept = (*(x.tensor for x in tensors), *host)
+        saved = {x.tensor.name: x.bytes for x in tensors} | {x.name: 4 for x in host}
+        if config.moe:  # each expert's own storages as pieces of the ledger's rows
+            kept, saved = megatron_moe.pieces(config, z, kept, saved)
+        again = kept if rerun is None else tuple(x.tensor for x in rerun)
+        host_again = megatron_mla.rerun_host_scalars(config, z, accounting) if config.mla else ()
+        sizes = {x.tensor.name: x.bytes for x in rerun or ()} | {x.name: 4 for x in host_again} | saved
+        ops = layer_ops(config, z, kept, again, sizes)
+        _check_modelled(config, (*kept, *again), ops)
+        return cls(config, kept, saved, sizes, ops)
+
+    @property
+    def folded(self) -> tuple[str, ...]:
+        """What `_fold` sums after the layer's forward: its input first, then what it made."""
+        return (INPUT, *(x.name for x in self.kept if x.name not in (INPUT, ledger.LAYER_INPUT.name)))
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(self.saved.values())
 
 
 def _rerun(config: ModelConfig, strategy: Strategy, accounting: Accounting) -> LayerEstimate:

@@ -1,7 +1,7 @@
 """Megatron's latent attention (megatron-core 0.16's MLASelfAttention, DeepSeek-V2/V3) in the step, as ops.
 
 `attention` appends the attention's backward to Megatron's layer (memcalc.sizing.timeline.megatron `layer_ops`), as
-autograd runs megatron-core's own module (the step probe's, memcalc.probe.libs.megatron_mla_step), in backward order:
+autograd runs megatron-core's own module (the step probe's, memcalc.probe.libs.megatron_step), in backward order:
 
     linear_proj                 dX, dW (row-parallel)
     core (DotProductAttention)  bmm's dV and dWeights; the fused causal softmax's (or torch's) backward; baddbmm's dQ
@@ -30,7 +30,7 @@ recomputation the checkpoint's attn_mask_type), a 1-element tensor (host memory 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError
@@ -39,7 +39,7 @@ from memcalc.model.impls import megatron
 from memcalc.model.knobs import Accounting
 from memcalc.model.ledger import Kind, Region, SavedTensor
 from memcalc.sizing.timeline.megatron_pieces import (
-    SOFTMAX, WGRAD, Has, backward_only, fused_softmax, one, row_parallel, torch_softmax,
+    GLOBAL_MEMORY_BUFFER, SOFTMAX, Has, backward_only, fused_softmax, linear, one, row_parallel, torch_softmax,
 )
 from memcalc.sizing.timeline.tape import ACTIVATIONS, Sizes, Tape
 from memcalc.sizing.timeline.walk import Made, Op, Step
@@ -114,13 +114,13 @@ def _up(ops: list[Op], z: Sizes, w: Widths) -> None:
     ops.append(one("attention", "d[q_nope | q_rope] concatenated: the query projection's output gradient", Made(
         "grad/q up output", w.per_token(w.heads * w.qk), "q_nope and q_rope were split from the query projection's"
         " output: their gradients concatenated"), ("grad/q", "grad/query rope")))
-    ops.append(_linear(z, w, "attention.linear_kv_up_proj", ledger.MLA_KV_UP_IN, "grad/kv up output", w.kv_latent,
+    ops.append(linear(z, "attention.linear_kv_up_proj", ledger.MLA_KV_UP_IN, "grad/kv up output", w.kv_latent,
                        w.heads * (w.nope + w.v), "grad/kv up input"))
     if w.q_latent is not None:
-        ops.append(_linear(z, w, "attention.linear_q_up_proj", ledger.MLA_Q_UP_IN, "grad/q up output", w.q_latent,
+        ops.append(linear(z, "attention.linear_q_up_proj", ledger.MLA_Q_UP_IN, "grad/q up output", w.q_latent,
                            w.heads * w.qk, "grad/q up input"))
     else:  # q_proj runs where q_up_proj would, on x
-        ops.append(_linear(z, w, "attention.linear_q_proj", ledger.QKV_IN, "grad/q up output", z.h, w.heads * w.qk,
+        ops.append(linear(z, "attention.linear_q_proj", ledger.QKV_IN, "grad/q up output", z.h, w.heads * w.qk,
                            "grad/q input"))
     ops.append(_norm(z, w, "attention.kv_layernorm.norm", megatron.MLA_KV_NORM, "grad/kv up input", w.kv_latent,
                      "grad/kv latent"))
@@ -145,30 +145,11 @@ def _down(ops: list[Op], z: Sizes, w: Widths) -> str:
     for i, (where, grad, width, dx) in enumerate(down):
         last = i == len(down) - 1
         whole = grad if i == 0 else _whole_sequence(ops, z, w, grad, width)  # the query latent, scattered back
-        ops.append(_linear(z, w, where, ledger.QKV_IN, _this_ranks_columns(ops, z, w, whole, width), z.h,
+        ops.append(linear(z, where, ledger.QKV_IN, _this_ranks_columns(ops, z, w, whole, width), z.h,
                            width // z.t, dx, then=summed if last and z.t > 1 else None))
     if z.t == 1:  # ColumnParallelLinear's copy_to_tensor_model_parallel_region: x's gradients meet after it
         ops.append(backward_only(where, summed))
     return "grad/attention input"
-
-
-def _linear(z: Sizes, w: Widths, where: str, x: SavedTensor, grad: str, width: int, out: int, dx: str,
-            then: Step | None = None) -> Op:
-    """A column-parallel projection of `width` inputs to `out` outputs on this rank (megatron's
-    LinearWithGradAccumulationAndAsyncCommunication; under tp it all-reduces dX in place; under SP it all-gathers
-    its input into the global memory buffer, no new tensor, and reduce-scatters dX into a new shard): dX, then dW;
-    then dY goes, the weight's gradient is handed over, and the saved input goes (unless an op before it keeps it).
-    `then`: a step autograd runs as the node returns, before the weight's gradient is handed over (the sum of its
-    input's gradients, when no copy_to_tensor_model_parallel_region node stands between: tp)."""
-    dw = f"grad/{where} weight"
-    whole = f"{dx} before its reduce-scatter" if z.sp else dx
-    gemms = Step("GEMMs: dX and dW", (
-        Made(whole, w.per_token(width), "dX = dY W, the input's gradient on the whole sequence"),
-        *((Made(dx, z.seq(width), "the reduce-scatter's output: this rank's shard of dX"),) if z.sp else ()),
-        Made(dw, w.act * width * out, WGRAD)), frees=(grad, *((whole,) if z.sp else ())),
-        hands_over=() if then else (dw,), returns=then is not None)
-    steps = (gemms, replace(then, hands_over=(dw,))) if then else (gemms,)
-    return backward_only(where, *steps, saves=(x,))
 
 
 def _whole_sequence(ops: list[Op], z: Sizes, w: Widths, grad: str, width: int) -> str:
@@ -346,7 +327,7 @@ def beside_the_ledger(tape: Tape, config: ModelConfig, z: Sizes, i: int, first: 
     if i == first:  # under SP megatron's linears all-gather their inputs into the same buffer: the largest request
         gathered = (z.h, config.kv_lora_rank, config.q_lora_rank or 0) if z.sp else ()
         requests = (z.b * z.a_t * z.s * z.s, *(z.b * z.s * x for x in gathered))  # elements
-        tape.add("megatron/global memory buffer", ACTIVATIONS, z.act * max(requests),
+        tape.add(GLOBAL_MEMORY_BUFFER, ACTIVATIONS, z.act * max(requests),
                  "parallel_state's global memory buffer: the core's baddbmm writes its scores into it (under SP the"
                  " linears' all-gathered inputs too), allocated at the largest request")
     tape.add(f"layers.{i}/rotary frequencies", ACTIVATIONS, 4 * z.s * config.qk_rope_head_dim,

@@ -4,7 +4,8 @@ The MLP of `memcalc.sizing.timeline.megatron.layer_ops` becomes megatron-core 0.
 path (memcalc.probe.libs.megatron_step): SharedExpertMLP first when there are shared experts (a dense MLP of width
 u on every token, its output held until it is added to the routed experts'), TopKRouter (a GEMM to E logits, top-k,
 an fp32 softmax over the k, cast back and scattered into an (n, E) map; pre-softmax, the fp32 softmax over all E
-before the top k), the all-to-all dispatcher at ep = 1 (permute: masked_select of the probabilities, index_select of
+before the top k; the sigmoid router, an fp32 sigmoid over all E, cast back, top-k, the k chosen scores divided by
+their sum), the all-to-all dispatcher at ep = 1 (permute: masked_select of the probabilities, index_select of
 the tokens; sort_chunks_by_idxs, a split and a cat, for tokens and probabilities), SequentialMLP's experts one after
 another (fc1, SwiGLU or GELU, activation * probability, fc2; an expert without tokens still makes its weights'
 gradients), then the unsort (split and cat) and unpermute (scatter_add_ into zeros). The saved tensors are the
@@ -22,10 +23,12 @@ the worst, which the forced all-to-one route pins):
     permute     index_select's backward: new_zeros and index_add, (n, h); masked_select's: zeros_like and
                 masked_scatter, (E, n)
     router      scatter's gather (n, k); the cast up, the fp32 softmax's backward, the cast down; top-k's
-                new_zeros and scatter, (n, E) (pre-softmax: top-k's first, then the casts and softmax over E);
+                new_zeros and scatter, (n, E) (pre-softmax: top-k's first, then the casts and softmax over E;
+                sigmoid: the division's, the sum's, then top-k's, the casts and the sigmoid's over E);
                 the router's GEMMs and the sum of its dX with the permute's
-    shared      fc2, SwiGLU or GELU, fc1 on every token, as an expert's without the probability; its dX summed
-                with the routed path's
+    shared      fc2, SwiGLU or GELU, fc1 on every token, as an expert's without the probability, through
+                megatron's row- and column-parallel linears (under SP: dY all-gathered, fc1's input gathered into
+                the global memory buffer, its dX reduce-scattered); its dX summed with the routed path's
 
 Under tp-sp (etp = t) each rank routes its s/t tokens; the dispatcher all-gathers the t ranks' slots (R = t k n) for
 the experts, each f_e/t wide, and reduce-scatters their unsorted output back: in backward the unpermute's gradient is
@@ -44,7 +47,10 @@ from memcalc.config.schema import ModelConfig
 from memcalc.model import ledger
 from memcalc.model.impls import megatron
 from memcalc.model.ledger import SavedTensor
-from memcalc.sizing.timeline.tape import Sizes
+from memcalc.sizing.timeline.megatron_pieces import (
+    GLOBAL_MEMORY_BUFFER, backward_only as _backward, linear, one as _one, row_parallel,
+)
+from memcalc.sizing.timeline.tape import ACTIVATIONS, Sizes, Tape
 from memcalc.sizing.timeline.walk import Made, Op, Step
 
 # The ledger's rows an expert keeps in a storage of its own (SequentialMLP runs each expert's MLP on its slots).
@@ -74,14 +80,11 @@ def unmodelled(config: ModelConfig, z: Sizes) -> str | None:
          f" that E={config.num_experts} experts do not share evenly (the ranks' experts would receive other than"
          " the balanced bound's kbs)"),
         (t > 1 and not z.sp, f"t={t} without sequence parallelism with experts"),
-        (t > 1 and bool(config.moe_shared_expert_intermediate_size), f"shared experts at t={t}"),
         (config.moe_token_dispatcher_type != "alltoall",
          f"the {config.moe_token_dispatcher_type} token dispatcher (it walks the all-to-all one)"),
         (config.moe_expert_capacity_factor is not None, "a capacity factor (moe_expert_capacity_factor)"),
         (config.moe_aux_loss, "the load-balancing loss (moe_aux_loss)"),
-        (config.moe_router_score_function != "softmax", f"the {config.moe_router_score_function} router"),
         (config.mlp == "swiglu" and config.bias_activation_fusion, "the fused SwiGLU in the experts"),
-        (config.moe_layers != config.L, "dense layers among MoE ones (moe_layer_freq, moe_first_dense_layers)"),
         (config.recompute != "none", f"recompute {config.recompute} with experts"),
         (bool(config.vpp) and config.pp > 1, "interleaved pipelining with experts (the other chunks' dispatchers)"),
         (config.moe_tokens == "capacity", "moe_tokens capacity (it walks the balanced and the worst bounds)"),
@@ -141,6 +144,15 @@ def held(config: ModelConfig, z: Sizes) -> tuple[Made, ...]:
     )
 
 
+def beside_the_ledger(tape: Tape, config: ModelConfig, z: Sizes) -> None:
+    """Before a MoE layer's forward: under SP its shared experts' fc1 all-gathers its input into megatron's global
+    memory buffer, (s, b, h), made in the first step and kept (a tracker started before a step first sees it there);
+    latent attention's layers make it first, at their largest request (megatron_mla.beside_the_ledger)."""
+    if z.sp and config.moe_shared_expert_intermediate_size and GLOBAL_MEMORY_BUFFER not in tape.live:
+        tape.add(GLOBAL_MEMORY_BUFFER, ACTIVATIONS, z.full(z.h), "parallel_state's global memory buffer: the shared"
+                 " experts' fc1 all-gathers its input into it")
+
+
 def experts_forward(config: ModelConfig, z: Sizes, made: tuple[SavedTensor, ...]) -> tuple[
         tuple[Op, ...], tuple[SavedTensor, ...]]:
     """The MoE's widest forward moments as ops (forward only, in forward order); and what of `made` (the saved
@@ -193,14 +205,6 @@ def _dropped(made: tuple[Made, ...]) -> Op:
     return Op("mlp", forward=(Step("MoELayer's forward returns", frees=tuple(x.name for x in made)),), backward=())
 
 
-def _backward(where: str, *steps: Step, saves: tuple[SavedTensor, ...] = ()) -> Op:
-    return Op(where, forward=(), backward=steps, saves=saves)
-
-
-def _one(where: str, what: str, made: Made, frees: tuple[str, ...], saves: tuple[SavedTensor, ...] = ()) -> Op:
-    return _backward(where, Step(what, (made,), frees), saves=saves)
-
-
 def moe_ops(ops: list[Op], config: ModelConfig, z: Sizes, grad: str, residual: str) -> str:
     """MoELayer's backward, appended to `ops` in backward order, from its output's gradient `grad` (freed by the
     unpermute unless it is the residual stream's, `residual`) to its input's; returns that gradient's name."""
@@ -223,8 +227,12 @@ def moe_ops(ops: list[Op], config: ModelConfig, z: Sizes, grad: str, residual: s
         "grad/expert output", act * slots * h, "sort_chunks_by_idxs split the experts' output: its gradient"
         " concatenated"),
         (unpermuted,)))
-    for e, r in reversed(list(enumerate(expert_slots(config, z)))):
-        _expert(ops, config, z, e, r)
+    received = expert_slots(config, z)
+    for e in reversed(range(experts)):  # the last first; one between two of as many slots: its net change alone
+        if 0 < e < experts - 1 and received[e - 1] == received[e] == received[e + 1]:
+            ops.append(_between(z, e, received[e]))
+        else:
+            _expert(ops, config, z, e, received[e])
     ops.extend((
         # MemTracker still has the first expert's fc1 active here (and the experts for the sort's probabilities)
         _one("mlp.experts.local_experts.0.linear_fc1", "the experts' probability gradients concatenated", Made(
@@ -252,10 +260,7 @@ def moe_ops(ops: list[Op], config: ModelConfig, z: Sizes, grad: str, residual: s
         _router(ops, config, z, n, "grad/moe input")
         return "grad/moe input"
     _router(ops, config, z, n, "grad/moe routed input")
-    dx = _shared(ops, config, z, () if grad == residual else (grad,))
-    ops.append(_one("mlp.shared_experts.linear_fc1", "the routed and the shared experts' input gradients summed",
-                    Made("grad/moe input", z.act * n * z.h, "the MoE input feeds the router, the permute and the shared"
-                         " experts: gradients summed"), ("grad/moe routed input", dx)))
+    _shared(ops, config, z, grad, residual)
     return "grad/moe input"
 
 
@@ -300,16 +305,37 @@ def _expert(ops: list[Op], config: ModelConfig, z: Sizes, e: int, r: int) -> Non
     _activation_and_fc1(ops, config, z, mlp, dact)
 
 
-def _shared(ops: list[Op], config: ModelConfig, z: Sizes, frees: tuple[str, ...]) -> str:
-    """SharedExpertMLP's backward on every token (its fc1 reads the MoE's input), its fc2 freeing `frees` (dY, unless
-    the residual stream's); returns its dX."""
+def _between(z: Sizes, e: int, r: int) -> Op:
+    """Expert e's backward when the experts walked just before and after it receive as many slots: the same steps on
+    the same sizes, so its moments lie on the line between theirs (one expert's net change apart) and the highest of
+    them is one of theirs; walked as what it leaves, its input's and probability's gradients, without a moment (a
+    MoE layer of hundreds of experts walks in a fraction of the time). Its saved pieces go as it returns."""
+    return _backward(f"mlp.experts.local_experts.{e}", Step("the expert's backward, between its neighbours'", (
+        Made(f"grad/expert input[{e}]", z.act * r * z.h, "dX = dY W, the expert's input gradient"),
+        Made(f"grad/expert probs[{e}]", z.act * r, "the probability's gradient: dY * activation summed, (r, 1)")),
+        moment=False), saves=(*(piece(x, e) for x in PER_EXPERT), megatron.EXPERT_PROBS, ledger.EXPERT_IN))
+
+
+def _shared(ops: list[Op], config: ModelConfig, z: Sizes, grad: str, residual: str) -> None:
+    """SharedExpertMLP's backward, megatron's MLP on every token: its row-parallel fc2 from the MoE output's gradient
+    `grad` (under SP all-gathered first; freed unless the residual stream's, `residual`), the activation, its
+    column-parallel fc1 (under SP on the gathered MoE input, dX reduce-scattered), and the sum of its dX with the
+    routed path's into "grad/moe input" (under tp inside fc1's node, before its weight's gradient is handed over)."""
+    width = config.moe_shared_expert_intermediate_size // z.t
     mlp = _Mlp(
-        "mlp.shared_experts", "shared ...", z.b * z.s_seq, config.moe_shared_expert_intermediate_size,
-        ledger.SHARED_FC2_IN, (ledger.SHARED_SILU_OUT, megatron.SHARED_UP_COPY), (ledger.SHARED_GATE, ledger.SHARED_UP),
+        "mlp.shared_experts", "shared ...", z.b * z.s, width, ledger.SHARED_FC2_IN,
+        (ledger.SHARED_SILU_OUT, megatron.SHARED_UP_COPY), (ledger.SHARED_GATE, ledger.SHARED_UP),
         ledger.SHARED_GELU_IN, ledger.MOE_IN,
     )
-    _activation_and_fc1(ops, config, z, mlp, _fc2(ops, z, mlp, frees))
-    return mlp.name("input")
+    ops.append(row_parallel(z, f"{mlp.where}.linear_fc2", mlp.fc2_in, grad, residual, width, mlp.name("fc2 input")))
+    out, fc1_width = _activation(ops, config, z, mlp, mlp.name("fc2 input"))
+    summed = Step("the routed and the shared experts' input gradients summed", (Made(
+        "grad/moe input", z.seq(z.h), "the MoE input feeds the router, the permute and the shared experts: gradients"
+        " summed"),), frees=("grad/moe routed input", mlp.name("input")))
+    where = f"{mlp.where}.linear_fc1"
+    ops.append(linear(z, where, mlp.fc1_in, out, z.h, fc1_width, mlp.name("input"), then=summed if z.t > 1 else None))
+    if z.t == 1:  # the two gradients meet after fc1's node and its weight's gradient
+        ops.append(_backward(where, summed))
 
 
 def _fc2(ops: list[Op], z: Sizes, mlp: _Mlp, frees: tuple[str, ...]) -> str:
@@ -322,8 +348,18 @@ def _fc2(ops: list[Op], z: Sizes, mlp: _Mlp, frees: tuple[str, ...]) -> str:
 
 
 def _activation_and_fc1(ops: list[Op], config: ModelConfig, z: Sizes, mlp: _Mlp, grad: str) -> None:
-    """SwiGLU's (the product's two gradients, SiLU's, their concatenation) or GELU's backward from `grad`, then fc1's
-    GEMMs: dX (named mlp.name("input")) and dW."""
+    """An expert's activation's backward from `grad` (`_activation`), then fc1's GEMMs: dX (named mlp.name("input"))
+    and dW."""
+    out, fc1_width = _activation(ops, config, z, mlp, grad)
+    dw = mlp.name("fc1 weight")
+    ops.append(_backward(f"{mlp.where}.linear_fc1", Step("GEMMs: dX and dW", (
+        Made(mlp.name("input"), z.act * mlp.rows * z.h, "dX = dY W, the input's gradient"),
+        Made(dw, z.act * fc1_width * z.h, _WGRAD)), frees=(out,), hands_over=(dw,)), saves=(mlp.fc1_in,)))
+
+
+def _activation(ops: list[Op], config: ModelConfig, z: Sizes, mlp: _Mlp, grad: str) -> tuple[str, int]:
+    """SwiGLU's (the product's two gradients, SiLU's, their concatenation) or GELU's backward from `grad`; returns
+    fc1's output gradient's name and fc1's output width."""
     act, rows, width = z.act, mlp.rows, mlp.width
     out = mlp.name("fc1 output")
     if config.mlp == "swiglu":
@@ -344,10 +380,7 @@ def _activation_and_fc1(ops: list[Op], config: ModelConfig, z: Sizes, mlp: _Mlp,
         ops.append(_one(mlp.where, "GELU", Made(out, act * rows * width, "GELU's backward: dY times GELU'(x)"), (grad,),
                         saves=(mlp.gelu_in,)))
         fc1_width = width
-    dw = mlp.name("fc1 weight")
-    ops.append(_backward(f"{mlp.where}.linear_fc1", Step("GEMMs: dX and dW", (
-        Made(mlp.name("input"), act * rows * z.h, "dX = dY W, the input's gradient"),
-        Made(dw, act * fc1_width * z.h, _WGRAD)), frees=(out,), hands_over=(dw,)), saves=(mlp.fc1_in,)))
+    return out, fc1_width
 
 
 def _permute(ops: list[Op], z: Sizes, n: int, experts: int, local: str) -> None:
@@ -369,19 +402,13 @@ def _permute(ops: list[Op], z: Sizes, n: int, experts: int, local: str) -> None:
 
 
 def _router(ops: list[Op], config: ModelConfig, z: Sizes, n: int, out: str) -> None:
-    """TopKRouter's backward: scatter's gather; the fp32 softmax over the top k's logits (or, pre-softmax, over all E
-    before the top k) with its casts, and top-k's scatter; the GEMMs, and the sum of the router's dX with the
-    permute's (`out`)."""
+    """TopKRouter's backward: scatter's gather; the scores' backward (`_scores`); the GEMMs, and the sum of the
+    router's dX with the permute's (`out`)."""
     act, experts, k = z.act, config.num_experts, config.moe_router_topk
     ops.append(_one("mlp.router", "scatter's backward: the chosen probabilities' gradient", Made(
         "grad/topk probs", act * n * k, "scatter's backward gathers the k chosen columns, (n, k)"),
         ("grad/probs",), saves=(ledger.ROUTER_TOPK_INDICES,)))
-    if config.moe_router_pre_softmax:  # softmax over E, cast down, top-k
-        ops.extend((_topk(z, n, experts, "grad/topk probs", "grad/all probs"),
-                    *_softmax(z, n * experts, "grad/all probs", "grad/router logits", megatron.ALL_PROBS)))
-    else:  # top-k of the logits, cast up, softmax over k
-        ops.extend((*_softmax(z, n * k, "grad/topk probs", "grad/topk logits", megatron.TOPK_PROBS),
-                    _topk(z, n, experts, "grad/topk logits", "grad/router logits")))
+    ops.extend(_scores(config, z, n, "grad/topk probs", "grad/router logits"))
     ops.append(_backward(
         "mlp.router",
         Step("GEMMs: dX and dW", (
@@ -394,24 +421,78 @@ def _router(ops: list[Op], config: ModelConfig, z: Sizes, n: int, out: str) -> N
         saves=(ledger.MOE_IN,)))
 
 
-def _softmax(z: Sizes, elements: int, grad: str, out: str, keeps: SavedTensor) -> tuple[Op, ...]:
-    """The probabilities' cast down, the fp32 softmax and the logits' cast up, backward, over `elements`."""
+def _scores(config: ModelConfig, z: Sizes, n: int, grad: str, out: str) -> tuple[Op, ...]:
+    """topk_routing_with_score_function's backward, from the k chosen probabilities' gradient `grad` to the logits'
+    (`out`): the fp32 softmax over the top k's logits with its casts, then top-k's scatter (pre-softmax: top-k's
+    first, then the casts and the softmax over all E); or, for the sigmoid router, the renormalisation's division
+    (k > 1), top-k's scatter (with the expert bias gather's), the casts and the sigmoid over all E."""
+    experts, k = config.num_experts, config.moe_router_topk
+    if config.moe_router_score_function == "sigmoid":  # the chosen scores renormalised (k > 1), top-k, the sigmoid
+        renormalised = _renormalised(z, n, k, grad) if k > 1 else ()
+        return (*renormalised, _topk(z, n, experts, "grad/topk scores" if k > 1 else grad, "grad/all scores",
+                                     config.moe_router_enable_expert_bias),
+                *_casts(z, n * experts, "grad/all scores", out, "sigmoid", megatron.SIGMOID_SCORES))
+    if config.moe_router_pre_softmax:  # softmax over E, cast down, top-k
+        return (_topk(z, n, experts, grad, "grad/all probs"),
+                *_casts(z, n * experts, "grad/all probs", out, "softmax", megatron.ALL_PROBS))
+    # top-k of the logits, cast up, softmax over k
+    return (*_casts(z, n * k, grad, "grad/topk logits", "softmax", megatron.TOPK_PROBS),
+            _topk(z, n, experts, "grad/topk logits", out))
+
+
+def _renormalised(z: Sizes, n: int, k: int, grad: str) -> tuple[Op, ...]:
+    """The sigmoid router's probabilities, the k chosen scores / (their sum + 1e-20), backward from `grad` to the
+    chosen scores' gradient ("grad/topk scores"): DivBackward0 makes the divisor's gradient first, -dY * ((scores /
+    d) / d) with its three temporaries live until the expression ends, then the dividend's, dY / d; autograd sums the
+    divisor's to its (n, 1) after the node returns; the sum's backward expands it (a view), added to the dividend's
+    into a new tensor."""
+    chosen, wide = z.act * n * k, "grad/topk divisor (n, k)"
+    parts = {"grad/topk scores / d": "scores / d", "grad/topk scores / d^2": "(scores / d) / d", "grad/-dY": "-dY"}
+    return (
+        _backward(
+            "mlp.router",
+            Step("the division's backward: the divisor's gradient", (
+                *(Made(name, chosen, f"the divisor's gradient, -dY * ((scores / d) / d): {why}")
+                  for name, why in parts.items()),
+                Made(wide, chosen, "the divisor's gradient before autograd sums it to the divisor's shape")),
+                frees=tuple(parts)),
+            Step("the division's backward: the dividend's gradient", (Made(
+                "grad/topk quotient", chosen, "dY / d, the chosen scores' gradient as the dividend"),)),
+            Step("the divisor's gradient summed to its shape", (Made(
+                "grad/topk denominator", z.act * n, "autograd sums the divisor's (n, k) gradient to its (n, 1)"),),
+                frees=(wide, grad), returns=True),
+            saves=(megatron.TOPK_SCORES, megatron.TOPK_DENOMINATOR)),
+        _one("mlp.router", "the sum's backward: the divisor's gradient added to the dividend's", Made(
+            "grad/topk scores", chosen, "the chosen scores feed the division twice (dividend, and divisor through the"
+            " sum): autograd adds the two gradients into a new tensor"),
+            ("grad/topk quotient", "grad/topk denominator")),
+    )
+
+
+_SCORE_BACKWARD = {"softmax": "softmax's backward in fp32: S' * (dY - sum(dY * S'))",
+                   "sigmoid": "sigmoid's backward in fp32: dY * S(1 - S), read from its output S"}
+
+
+def _casts(z: Sizes, elements: int, grad: str, out: str, what: str, keeps: SavedTensor) -> tuple[Op, ...]:
+    """The scores' cast down, the fp32 softmax or sigmoid (`what`) and the logits' cast up, backward, over
+    `elements`."""
     return (
         _one("mlp.router", "the cast down's backward", Made(
             f"{grad} fp32", 4 * elements, "the probabilities were cast from fp32: the gradient cast up"), (grad,)),
-        _one("mlp.router", "softmax", Made(
-            f"{out} fp32", 4 * elements, "softmax's backward in fp32: S' * (dY - sum(dY * S'))"), (f"{grad} fp32",),
-            saves=(keeps,)),
+        _one("mlp.router", what, Made(f"{out} fp32", 4 * elements, _SCORE_BACKWARD[what]), (f"{grad} fp32",),
+             saves=(keeps,)),
         _one("mlp.router", "the cast up's backward", Made(
             out, z.act * elements, "the logits were cast to fp32: the gradient cast down"), (f"{out} fp32",)),
     )
 
 
-def _topk(z: Sizes, n: int, experts: int, grad: str, out: str) -> Op:
-    """top-k's backward: new_zeros, and the k values' gradient scattered into it, (n, E)."""
-    return _backward("mlp.router", Step("top-k's backward: new_zeros", (Made(
-        "grad/topk zeros", z.act * n * experts, "top-k's backward starts from new_zeros, (n, E)"),)),
-        Step("top-k's backward: scatter", (Made(
+def _topk(z: Sizes, n: int, experts: int, grad: str, out: str, biased: bool = False) -> Op:
+    """top-k's backward (`biased`: the expert bias's, gather's by the biased top-k's indices, which keeps every
+    expert's score): new_zeros, and the k values' gradient scattered (added) into it, (n, E)."""
+    what = "gather" if biased else "top-k"
+    return _backward("mlp.router", Step(f"{what}'s backward: new_zeros", (Made(
+        "grad/topk zeros", z.act * n * experts, f"{what}'s backward starts from new_zeros, (n, E)"),)),
+        Step(f"{what}'s backward: scatter{'_add' if biased else ''}", (Made(
             out, z.act * n * experts, "the k values' gradient scattered into (n, E)"),),
             frees=("grad/topk zeros", grad)),
-        saves=(ledger.ROUTER_TOPK_INDICES,))
+        saves=(*((megatron.BIASED_CHOICE_SCORES,) if biased else ()), ledger.ROUTER_TOPK_INDICES))

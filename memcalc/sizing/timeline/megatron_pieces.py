@@ -1,9 +1,10 @@
-"""The pieces Megatron's layer ops are built of (memcalc.sizing.timeline.megatron) that its latent attention
-(memcalc.sizing.timeline.megatron_mla) shares: an op known by its backward alone, the row-parallel linear's
-backward, and the softmax's backward, fused or torch's."""
+"""The pieces Megatron's layer ops are built of (memcalc.sizing.timeline.megatron) that its latent attention and
+experts (memcalc.sizing.timeline.megatron_mla, megatron_moe) share: an op known by its backward alone, megatron's
+row- and column-parallel linears' backward, and the softmax's backward, fused or torch's."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 from memcalc.config.schema import ModelConfig
@@ -15,6 +16,9 @@ from memcalc.sizing.timeline.walk import Made, Op, Step
 
 Has = Callable[[str], bool]  # whether the layer keeps the saved tensor of that name (the ledger's size rules)
 WGRAD = "the weight's bf16 gradient, dW = dY^T X"
+# parallel_state's global memory buffer: megatron's linears under SP all-gather their input into it (the local core
+# attention writes its scores there too), allocated at the largest request in the first step and kept
+GLOBAL_MEMORY_BUFFER = "megatron/global memory buffer"
 SOFTMAX = "softmax's backward: S' * (dY - sum(dY * S'))"
 
 
@@ -46,6 +50,25 @@ def row_parallel(z: Sizes, where: str, x: SavedTensor, grad: str, residual: str,
                                        Made(dx, z.full(width), "dX = dY W, the input's gradient")),
                  frees=done, hands_over=(dw,))
     return backward_only(where, *steps, gemms, saves=(x,))
+
+
+def linear(z: Sizes, where: str, x: SavedTensor, grad: str, width: int, out: int, dx: str,
+           then: Step | None = None) -> Op:
+    """A column-parallel linear of `width` inputs to `out` outputs on this rank, on the whole sequence (megatron's
+    LinearWithGradAccumulationAndAsyncCommunication; under tp it all-reduces dX in place; under SP it all-gathers
+    its input into the global memory buffer, no new tensor, and reduce-scatters dX into a new shard): dX, then dW;
+    then dY goes, the weight's gradient is handed over, and the saved input goes (unless an op before it keeps it).
+    `then`: a step autograd runs as the node returns, before the weight's gradient is handed over (the sum of its
+    input's gradients, when no copy_to_tensor_model_parallel_region node stands between: tp)."""
+    dw = f"grad/{where} weight"
+    whole = f"{dx} before its reduce-scatter" if z.sp else dx
+    gemms = Step("GEMMs: dX and dW", (
+        Made(whole, z.full(width), "dX = dY W, the input's gradient on the whole sequence"),
+        *((Made(dx, z.seq(width), "the reduce-scatter's output: this rank's shard of dX"),) if z.sp else ()),
+        Made(dw, z.act * width * out, WGRAD)), frees=(grad, *((whole,) if z.sp else ())),
+        hands_over=() if then else (dw,), returns=then is not None)
+    steps = (gemms, replace(then, hands_over=(dw,))) if then else (gemms,)
+    return backward_only(where, *steps, saves=(x,))
 
 
 def fused_softmax(config: ModelConfig, z: Sizes) -> bool:

@@ -15,7 +15,7 @@ from memcalc.model.knobs import Accounting  # noqa: E402
 from memcalc.model.strategy import STRATEGIES  # noqa: E402
 from memcalc.probe.group import single  # noqa: E402
 from memcalc.probe.launch import run_fake  # noqa: E402
-from memcalc.probe.libs.megatron_mla_step import warmed_up  # noqa: E402
+from memcalc.probe.libs.megatron_step import inside_megatron, warmed_up  # noqa: E402
 from memcalc.probe.step import measure_step  # noqa: E402
 from memcalc.sizing.timeline import timeline  # noqa: E402
 
@@ -52,8 +52,8 @@ CASES = {
 
 
 def _readings(tp, config, strategy):
-    with warmed_up(tp, config, strategy) as trainer:
-        return readings_after_every_op(trainer)
+    with inside_megatron(tp, config, None):
+        return readings_after_every_op(warmed_up(tp, config, strategy))
 
 
 @pytest.mark.parametrize("case", list(CASES))

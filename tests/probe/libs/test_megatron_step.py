@@ -46,6 +46,16 @@ SHAPES = [
          "dropout": 0.1},  # shared experts (Qwen-MoE's), which read the dropout's gradient after the routed ones
         {"mlp": "gelu", "ffn_hidden_size": 100, "moe_shared_expert_intermediate_size": 40,
          "moe_router_pre_softmax": True},  # GELU shared experts
+        {"L": 3, "moe_layer_freq": 2, "b": 1, "s": 7},  # layers 0 and 2 MoE, layer 1 the probe's dense MLP
+        {"L": 3, "moe_first_dense_layers": 2, "num_experts": 3, "dropout": 0.1,
+         "moe_shared_expert_intermediate_size": 24},  # DeepSeek's first dense layers, then one MoE layer
+        {"moe_router_score_function": "sigmoid", "b": 1, "s": 7, "num_experts": 6, "moe_router_topk": 3},  # the
+        # sigmoid router: the k chosen scores renormalised (a division by their sum), top-k, the fp32 sigmoid
+        {"moe_router_score_function": "sigmoid", "moe_router_topk": 1, "num_experts": 3,
+         "moe_shared_expert_intermediate_size": 24},  # k = 1: the chosen score as it is, no renormalisation
+        {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True, "b": 1, "s": 7,
+         "num_experts": 6, "moe_router_topk": 3},  # the expert bias picks: gather keeps every expert's score; the
+        # router's two fp32 (E,) buffers sit with the parameters
     )
 ]
 
@@ -102,6 +112,14 @@ TP_SHAPES = [
     ("balanced", {"t": 2, "num_experts": 5, "mlp": "gelu", "ffn_hidden_size": 100, "moe_ffn_hidden_size": 40}),
     ("all-to-one", {"t": 2, "b": 1, "s": 14, "num_experts": 3}),
     ("balanced", {"t": 4, "b": 1, "s": 20, "num_query_groups": 4}),
+    ("all-to-one", {"t": 2, "b": 1, "s": 14, "L": 3, "moe_first_dense_layers": 1, "dropout": 0.1}),
+    ("balanced", {"t": 2, "b": 1, "s": 14, "num_experts": 6, "moe_router_topk": 3,
+                  "moe_router_score_function": "sigmoid"}),
+    # shared experts: megatron's MLP under SP (fc1 on the input gathered into the global memory buffer, its dX
+    # reduce-scattered and summed with the routed path's before its weight's gradient is handed over)
+    ("balanced", {"t": 2, "b": 1, "s": 14, "moe_shared_expert_intermediate_size": 24, "dropout": 0.1}),
+    ("all-to-one", {"t": 4, "b": 1, "s": 20, "num_query_groups": 4, "mlp": "gelu", "ffn_hidden_size": 100,
+                    "moe_shared_expert_intermediate_size": 40}),
 ]
 
 
@@ -110,6 +128,7 @@ EP_SHAPES = [
     ("balanced", {"ep": 2, "dp": 2}),
     ("all-to-one", {"ep": 2, "dp": 2, "num_experts": 8}),
     ("balanced", {"ep": 2, "dp": 2, "b": 1, "s": 12, "num_experts": 6, "moe_router_pre_softmax": True, "dropout": 0.1}),
+    ("balanced", {"ep": 2, "dp": 2, "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True}),
 ]
 
 
@@ -140,11 +159,20 @@ PEAKS = [("balanced", changes, where) for changes, where in PEAKS] + [
 ]
 
 
+PEAKS += [
+    ("balanced", {"moe_ffn_hidden_size": 512, "vocab_size": 20, "s": 48, "moe_router_score_function": "sigmoid"},
+     "backward layers.1.mlp.experts.local_experts.3.linear_fc2"),  # beside layer 0's sigmoid router's tensors
+    # a wide dense MLP in the first layer, before two MoE layers: the peak moves into its SwiGLU's backward
+    ("balanced", {"L": 3, "moe_first_dense_layers": 1, "ffn_hidden_size": 2048, "vocab_size": 20, "s": 48},
+     "backward layers.0.mlp"),
+]
 PEAKS += [  # under tp-sp at t = 2: rank 0 of two through the fake group
     ("balanced", {"t": 2, "moe_ffn_hidden_size": 1024, "vocab_size": 20, "s": 48},
      "backward layers.1.mlp.experts.local_experts.3.linear_fc2"),
     ("balanced", {"t": 2, **PEAKS[3][1]}, "forward layers.1.mlp"),  # the unsorted output's reduce-scatter beside
     # both concatenations
+    ("balanced", {"t": 2, "moe_shared_expert_intermediate_size": 1024, "vocab_size": 20, "s": 48},
+     "backward layers.1.mlp.shared_experts"),  # wide shared experts: their SwiGLU's backward on the whole sequence
 ]
 
 
@@ -167,14 +195,51 @@ def test_a_megatron_moe_step_is_measured_only_under_the_route_that_pins_the_walk
     ({"ep": 2, "dp": 2, "t": 2}, "tp-sp", "ep=2 beside t=2"),
     ({"ep": 4, "dp": 4}, "none", "one expert a rank"),
     ({"ep": 2, "dp": 2, "b": 1, "s": 7, "num_experts": 6}, "none", "slots a rank that E=6 experts do not share evenly"),
-    ({"t": 2, "moe_shared_expert_intermediate_size": 32}, "tp-sp", "shared experts at t=2"),
     ({"moe_aux_loss": True}, "none", "the load-balancing loss"),
     ({"moe_token_dispatcher_type": "allgather"}, "none", "the allgather token dispatcher"),
     ({"moe_expert_capacity_factor": 1.0, "moe_tokens": "capacity"}, "none", "a capacity factor"),
-    ({"moe_router_score_function": "sigmoid"}, "none", "the sigmoid router"),
     ({"recompute": "selective"}, "none", "recompute selective with experts"),
 ], ids=str)
 def test_what_the_moe_walk_does_not_model_is_refused_in_one_line(changes, strategy, words):
     with pytest.raises(ConfigError, match="does not model") as err:
         timeline(make_config(MOE, **changes), STRATEGIES[strategy], CPU)
     assert words in str(err.value) and "\n" not in str(err.value)
+
+
+# DeepSeek-V3's layers, small: megatron-core's MLASelfAttention (eager: the local DotProductAttention) beside its
+# MoELayer with the sigmoid router, a shared expert and the first layer dense.
+DEEPSEEK = MOE | dict(
+    L=3, attention="eager", num_query_groups=None, kv_lora_rank=24, q_lora_rank=16, qk_rope_head_dim=8,
+    qk_nope_head_dim=12, v_head_dim=10, num_experts=6, moe_router_topk=3, moe_router_score_function="sigmoid",
+    moe_shared_expert_intermediate_size=24, moe_first_dense_layers=1,
+)
+DEEPSEEK_SHAPES = [
+    ("none", {}),
+    ("none", {"b": 1, "s": 7, "dropout": 0.1}),  # torch's softmax keeps the causal mask; dropout masks
+    ("none", {"q_lora_rank": None, "moe_first_dense_layers": 2, "moe_router_score_function": "softmax"}),
+    ("none", {"moe_router_enable_expert_bias": True, "dropout": 0.1}),  # DeepSeek-V3's aux-loss-free balancing
+    ("tp-sp", {"t": 2, "b": 1, "s": 14}),
+    ("tp-sp", {"t": 4, "s": 28, "dropout": 0.1, "moe_router_enable_expert_bias": True}),
+]
+
+
+@pytest.mark.parametrize("strategy, changes", DEEPSEEK_SHAPES, ids=str)
+def test_every_moment_of_a_step_with_latent_attention_and_experts_happens_in_order_with_its_bytes(
+        one_thread, strategy, changes):
+    _assert_every_moment_in_order(make_config(DEEPSEEK, **changes), strategy, "balanced")
+
+
+@pytest.mark.parametrize("strategy, changes, where", [
+    ("none", {}, "forward loss"),
+    ("none", {"moe_ffn_hidden_size": 512, "vocab_size": 20, "s": 48, "moe_router_enable_expert_bias": True},
+     "backward layers.2.mlp.experts.local_experts.5.linear_fc2"),  # the last expert's, beside layer 1's router's
+    ("tp-sp", {"t": 2, "moe_ffn_hidden_size": 1024, "vocab_size": 20, "s": 48},
+     "backward layers.2.mlp.experts.local_experts.5.linear_fc2"),
+], ids=str)
+def test_a_step_with_latent_attention_and_experts_peaks_where_the_timeline_says_to_the_byte(
+        one_thread, strategy, changes, where):
+    (r,) = measure_step(make_config(DEEPSEEK, **changes), [strategy], route="balanced")
+    assert r.measured.moment == r.predicted_moment == where
+    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+    assert r.model == ("memcalc's own GPT with megatron-core's MLASelfAttention and MoELayer, router forced"
+                       " balanced")
