@@ -42,7 +42,7 @@ paper's Megatron layer:
 
 With experts (num_experts), the feed-forward is torchtitan's MoE (models/common/moe.py) as its Qwen3 and
 DeepSeek-V3 layers build it; what it keeps is listed with its tensors below (`moe_block`). Measured at ep = 1,
-bf16, without recomputation, under `none`: the rest is refused (`check_moe`, `MOE_NOT_SHARDED`).
+bf16, under `none`, without recomputation and under FullAC: the rest is refused (`check_moe`, `MOE_NOT_SHARDED`).
 
 Recomputation, torchtitan's own (distributed/activation_checkpoint.py):
 - "full" (FullAC, non-reentrant torch.utils.checkpoint): the block's input alone.
@@ -284,13 +284,13 @@ _MOE_REFUSED = (
      " it alltoall"),
     (lambda k: k.moe_aux_loss, "moe_aux_loss: its MoE balances load without an auxiliary loss (expert_bias_E)"),
     (lambda k: getattr(k, "ep", 1) > 1, "ep > 1 (its all-to-all dispatcher) is not measured yet; use ep 1"),
-    (lambda k: k.recompute != "none", "recompute op or full with experts is not measured yet; use recompute none"),
+    (lambda k: k.recompute == "op", "recompute op with experts is not measured yet; use recompute full or none"),
     (lambda k: k.dtype != "bf16", "GroupedExperts computes in bf16 whatever the dtype; use dtype bf16"),
 )
 
 
 def check_moe(knobs: Any) -> None:
-    """ConfigError for MoE knobs the measured MoE block (EP=1, no recompute, bf16) does not run."""
+    """ConfigError for MoE knobs the measured MoE block (EP=1, no recompute or FullAC, bf16) does not run."""
     for refused, reason in _MOE_REFUSED:
         if refused(knobs):
             raise ConfigError(f"impl torchtitan with experts: {reason}")
@@ -326,7 +326,7 @@ IMPLEMENTATION = Implementation(
     measured_on="torchtitan 0.3.0 (torch 2.13.0, CPU, bf16): Llama3TransformerBlock with fused wqkv and SDPA,"
     " its own TP plan (set_llama3_sharding_config + Module.parallelize, spmd_types backend), FullAC and SelectiveAC;"
     " with experts, Qwen3TransformerBlock's MoE (router, local dispatcher, GroupedExperts on torch._grouped_mm,"
-    " shared experts) at ep 1 without recomputation, its router forced balanced and all-to-one",
+    " shared experts) at ep 1 without recomputation and under FullAC, its router forced balanced and all-to-one",
     layer_tensors=layer_tensors,
     kept_whole=KEPT_WHOLE,
     tensors=(*LN1, *LN2, QKV_IN, FC1_IN, QKV_OUT, FC2_OUT, FLEX_MAX_SCORES, V_IN_QKV_OUT, *MOE_TENSORS),

@@ -68,7 +68,9 @@ def warmed_up(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, 
     """torchtitan's Llama3Model in training mode with memcalc's trainer, stepped once; under tp (inside `runtime`)
     laid out by its own plan (set_llama3_sharding_config, Module.parallelize), its loss vocabulary-parallel. With
     experts its MoE layers' routers run in fp32 as under CUDA's autocast, forced to `route` (the shim's
-    cuda_like_router, as the layer probe runs them)."""
+    route_gates, as the layer probe runs them)."""
+    from memcalc.probe.libs import torchtitan_shim as shim
+
     if config.tie_embeddings:
         raise ProbeError("impl torchtitan: Llama3 unties its embedding and output layer; set tie_embeddings false")
     if config.moe and route is None:
@@ -83,18 +85,10 @@ def warmed_up(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, 
     with torch.no_grad(), set_default_dtype(DTYPES[config.dtype]):
         model.init_states(buffer_device=tp.device)
     model.train()
+    if config.moe:  # its routers fp32 and forced, in forward and in a checkpoint's rerun alike
+        shim.route_gates(model, route, config.moe_router_topk)
     loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config(global_vocab_size=config.vocab_size))
-    return Trainer.around(config, model, lambda tokens, labels: _routed_loss(model, loss_fn, tokens, labels, config,
-                                                                             route))
-
-
-def _routed_loss(model: Any, loss_fn: Any, tokens: torch.Tensor, labels: torch.Tensor, config: ModelConfig,
-                 route: str | None) -> torch.Tensor:
-    """The trainer's forward (`_loss`), each MoE router fp32 and forced to `route` while it runs."""
-    from memcalc.probe.libs import torchtitan_shim as shim
-
-    with shim.cuda_like_router(model, route, config.moe_router_topk if config.moe else 0):
-        return _loss(model, loss_fn, tokens, labels)
+    return Trainer.around(config, model, lambda tokens, labels: _loss(model, loss_fn, tokens, labels))
 
 
 def ac_config(config: ModelConfig) -> Any:

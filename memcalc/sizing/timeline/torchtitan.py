@@ -57,7 +57,7 @@ without FullAC or SelectiveAC: FSDPMemTracker reads a block's rerun as temporari
 (dp_shard 2 and 4, with and without resharding, b = 1 and b > 1, under FullAC and SelectiveAC:
 test_torchtitan_fsdp_tp.py); as
 HSDP (dp_replicate 2 x dp_shard 2, at t = 1 and under tp-sp on the 3-D mesh); with experts at t = 1 without
-recomputation, the router forced balanced or all-to-one (test_torchtitan_step.py);
+recomputation and under FullAC, the router forced balanced or all-to-one (test_torchtitan_step.py);
 `check_modelled` names everything else.
 On CUDA torchtitan's Llama3 runs flex attention and torch's fused _fused_rms_norm kernel, which keep other tensors
 (the ledger's device rules) and allocate otherwise in backward: not described here yet.
@@ -168,7 +168,7 @@ def moe_refusals(config: ModelConfig) -> tuple[tuple[bool, str], ...]:
         return ()
     return (
         (config.moe_layers != config.L, "a mix of dense and MoE layers (moe_layer_freq, moe_first_dense_layers)"),
-        (config.recompute != "none", f"recompute {config.recompute} with experts"),
+        (config.recompute == "op", f"recompute {config.recompute} with experts"),
         (config.dp_shard is not None, "dp_shard with experts"),
     )
 
@@ -577,11 +577,11 @@ def shared_experts_ops(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     in backward their input's gradient f"grad/{p}/moe/shared dX"."""
     m, u = "moe.shared_experts", config.moe_shared_expert_intermediate_size
     w, f = z.act * u * z.h, z.tokens(z.act * u)
-    return (
+    return module_returns((
         *swiglu_ops(p, z, m, SHARED_SWIGLU, w, f, f"grad/{p}/moe/shared dX"),
         linear(f"{m}.w2", ledger.SHARED_FC2_IN, Made(f"{p}/moe/shared out", z.full(z.h), "the shared experts' output"),
                w, f"grad/{p}/{m}/dfc2", f, p),
-    )
+    ), kept_name(p, ledger.SHARED_FC2_IN))
 
 
 def _second_residual(p: str, x: str, mid: str, out: str, ffn_out: str, h: int) -> Op:

@@ -27,8 +27,13 @@ backward into a (b*s, h) zero tensor, the sorted scores' into a (b*s*k) one, rou
 E) one, softmax's, the gate's fp32 GEMMs, cast back to bf16 and summed with the dispatch's: ffn_norm's output
 gradient. The shared experts' backward runs first, their dX summed with the dispatch's after its index_put.
 
-Exact at t = 1 without recomputation, the router forced balanced or all-to-one (at ep = 1 the same bytes), softmax or
-sigmoid, with and without route_norm and shared experts (tests/probe/libs/test_torchtitan_step.py);
+Under FullAC (the block in a `Checkpoint`) what the ops keep goes in forward with the Python local that holds it
+(`Step.reads_last`: the gate's fp32 casts as it returns, the router's scores and ids as the MoE does, the dispatch's
+sorted scores, token indices and rows as routed_experts does); the rerun starts at the combine's backward (or the
+shared experts'), and its tensors go with the node that unpacks them last.
+
+Exact at t = 1 without recomputation and under FullAC, the router forced balanced or all-to-one (at ep = 1 the same
+bytes), softmax or sigmoid, with and without route_norm and shared experts (tests/probe/libs/test_torchtitan_step.py);
 `memcalc.sizing.timeline.torchtitan.check_modelled` refuses the rest. Two measured facts the walk follows without a
 reason from the source: route_norm's division backward is walked as one step (its small fp32 temporaries make no
 moment), and the slots' score gradient (the sorted scores' index_put) lives until the router's backward is done.
@@ -52,8 +57,11 @@ def moe_ops(p: str, z: Sizes, config: ModelConfig, x: str, shared: tuple[Op, ...
     summed = Op("moe", forward=(Step("the routed and the shared experts' outputs summed", (
         Made(f"{p}/ffn out", z.full(z.h), "the MoE's output"),), frees=(f"{n}/routed out", f"{n}/shared out")),),
         backward=())
+    # MoE.forward returns: its locals go (under a checkpoint also the router's scores and ids, and the input)
+    locals_ = (rules.MOE_ROUTER_SCORES, ledger.ROUTER_TOPK_INDICES, *((rules.MOE_SHARED_IN,) if shared else ()))
     returned = Op("moe", forward=(Step("", frees=(*(() if shared else (x,)), f"{n}/routing map", f"{n}/counts",
-                                                  f"{n}/router/topk scores")),), backward=())
+                                                  f"{n}/router/topk scores"),
+                                       reads_last=tuple(kept_name(p, t) for t in locals_)),), backward=())
     return (*_router(p, z, config, bool(shared)), *_dispatch(p, z, config, bool(shared)), *_experts(p, z, config),
             *_combine(p, z, config, bool(shared)), *shared, *((summed,) if shared else ()), returned)
 
@@ -66,7 +74,9 @@ def _router(p: str, z: Sizes, config: ModelConfig, shared: bool) -> tuple[Op, ..
     gate = Op("moe.router.gate", forward=(
         Step("autocast: the gate's weight cast to fp32", (kept(p, rules.MOE_ROUTER_WEIGHT),)),
         Step("autocast: its input cast to fp32", (kept(p, rules.MOE_ROUTER_IN),)),
-        Step("the fp32 logits", (Made(f"{n}/logits", scores, "(b*s, E) fp32"),)),
+        # the gate returns: the cast input goes, the hook's restored autocast drops its cached fp32 weight
+        Step("the fp32 logits", (Made(f"{n}/logits", scores, "(b*s, E) fp32"),),
+             reads_last=(kept_name(p, rules.MOE_ROUTER_WEIGHT), kept_name(p, rules.MOE_ROUTER_IN))),
     ), backward=(
         Step("the gate's fp32 GEMMs: dW and dX", (Made(f"{g}/weight fp32", 4 * e * z.h, "dW = dLogits^T X"),
                                                  Made(f"{g}/input fp32", 4 * tokens * z.h, "dX = dLogits W")),
@@ -109,7 +119,8 @@ def _router(p: str, z: Sizes, config: ModelConfig, shared: bool) -> tuple[Op, ..
     route_norm = Op("moe.router", forward=(
         Step("their sum", (Made(f"{n}/sum", 4 * tokens, "fp32"),)),
         Step("+ 1e-20: the divisor", (kept(p, rules.MOE_TOPK_SUM),), frees=(f"{n}/sum",)),
-        Step("route_norm: divided", (Made(f"{n}/normed", slots, "fp32"),)),
+        Step("route_norm: divided", (Made(f"{n}/normed", slots, "fp32"),),
+             reads_last=(kept_name(p, rules.MOE_TOPK_SCORES),)),
     ), backward=(
         # div's backward op by op (dY / sum, then -dY * y / sum / sum, summed to (b, s, 1)): small fp32 rows
         Step("the division's backward", (Made(f"{g}/d numerator", slots, "fp32"),
@@ -118,7 +129,8 @@ def _router(p: str, z: Sizes, config: ModelConfig, shared: bool) -> tuple[Op, ..
     ), saves=(rules.MOE_TOPK_SCORES, rules.MOE_TOPK_SUM))
     scale = Op("moe.router", forward=(
         Step("times route_scale", (Made(f"{n}/topk scores", slots, "fp32, what the experts read"),),
-             frees=(f"{n}/normed", f"{n}/chosen scores", f"{n}/topk values", f"{n}/for choice")),
+             frees=(f"{n}/normed", f"{n}/chosen scores", f"{n}/topk values", f"{n}/for choice"),
+             reads_last=(kept_name(p, rules.MOE_TOPK_SUM),)),  # the router returns
     ), backward=(
         Step("route_scale's backward", (Made(f"{g}/scaled" if norm else f"{g}/d chosen", slots, "fp32"),)),
     ))
@@ -153,7 +165,8 @@ def _dispatch(p: str, z: Sizes, config: ModelConfig, shared: bool) -> tuple[Op, 
             frees=(f"grad/{n}/input put", f"grad/{n}/shared dX")),) if shared else ()),
     ), saves=(rules.MOE_SORTED_SLOTS,))
     rows = Op("moe.routed_experts", forward=(
-        Step("slot // k: each row's token", (kept(p, rules.MOE_TOKEN_INDICES),)),
+        Step("slot // k: each row's token", (kept(p, rules.MOE_TOKEN_INDICES),),
+             reads_last=(kept_name(p, rules.MOE_SORTED_SLOTS),)),
         Step("x[indices]: the rows in expert order", (kept(p, ledger.EXPERT_IN),)),
     ), backward=(
         Step("index's backward: zeros", (Made(f"grad/{n}/input zeros", z.act * tokens * z.h, "(b*s, h) bf16"),)),
@@ -184,7 +197,7 @@ def _experts(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
                  frees=(f"{g}/dx1", f"{g}/dx3"), hands_over=(f"{g}/w1 weight",)),
         ), saves=(rules.MOE_OFFSETS, ledger.EXPERT_IN)),
         Op("moe.routed_experts.inner_experts", forward=(
-            Step("SiLU", (kept(p, ledger.EXPERT_SILU_OUT),)),
+            Step("SiLU", (kept(p, ledger.EXPERT_SILU_OUT),), reads_last=(kept_name(p, ledger.EXPERT_GATE),)),
         ), backward=(
             Step("SiLU's backward", (Made(f"{g}/gate", rows_f, "bf16"),), frees=(f"{g}/silu",)),
         ), saves=(ledger.EXPERT_GATE,)),
@@ -195,13 +208,15 @@ def _experts(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
             Step("", hands_over=(f"{g}/w3 weight",)),
         )),
         Op("moe.routed_experts.inner_experts", forward=(
-            Step("SiLU(w1 x) * w3 x", (kept(p, ledger.EXPERT_FC2_IN),)),
+            Step("SiLU(w1 x) * w3 x", (kept(p, ledger.EXPERT_FC2_IN),),
+                 reads_last=(kept_name(p, ledger.EXPERT_SILU_OUT), kept_name(p, ledger.EXPERT_UP))),
         ), backward=(
             Step("the product's backward: dY * up", (Made(f"{g}/silu", rows_f, "bf16"),)),
             Step("the product's backward: dY * SiLU", (Made(f"{g}/up", rows_f, "bf16"),), frees=(f"{g}/dh",)),
         ), saves=(ledger.EXPERT_UP, ledger.EXPERT_SILU_OUT)),
         Op("moe.routed_experts.inner_experts", forward=(
-            Step("w2's grouped GEMM", (Made(f"{n}/output", rows_h, "(r, h) bf16"),)),
+            Step("w2's grouped GEMM", (Made(f"{n}/output", rows_h, "(r, h) bf16"),),  # inner_experts returns
+                 reads_last=(kept_name(p, ledger.EXPERT_FC2_IN), kept_name(p, rules.MOE_OFFSETS))),
         ), backward=(
             gemms("w2", f"{g}/output", f"{g}/dh", rows_f, frees=(f"{g}/output",)),
             Step("", hands_over=(f"{g}/w2 weight",)),
@@ -220,17 +235,20 @@ def _combine(p: str, z: Sizes, config: ModelConfig, shared: bool) -> tuple[Op, .
         Op("moe.routed_experts", forward=(
             Step("zeros_like(x): scatter_add's target", (Made(f"{n}/zeros", out, "(b*s, h) bf16"),)),
             Step("the output upcast", (kept(p, rules.MOE_EXPERT_OUT),)),
-            Step("times the score", (Made(f"{n}/weighted fp32", rows32, "fp32"),)),
+            Step("times the score", (Made(f"{n}/weighted fp32", rows32, "fp32"),),
+                 reads_last=(kept_name(p, rules.MOE_EXPERT_OUT),)),
             Step("cast back", (Made(f"{n}/weighted", rows, "bf16"),), frees=(f"{n}/weighted fp32",)),
             Step("deterministic_scatter_add: the routed output", (
                 Made(f"{n}/routed out" if shared else f"{p}/ffn out", out, "(b*s, h) bf16"),),
                 frees=(f"{n}/zeros", f"{n}/weighted")),
-            Step("", frees=(f"{n}/experts/output",)),  # routed_experts returns
+            Step("", frees=(f"{n}/experts/output",), reads_last=tuple(  # routed_experts returns: its locals go
+                kept_name(p, t) for t in (rules.MOE_SORTED_SCORES, rules.MOE_TOKEN_INDICES, ledger.EXPERT_IN))),
         ), backward=(
             Step("scatter_add's backward: dY at each row's token", (Made(f"{g}/rows", rows, "bf16"),)),
             Step("the cast's backward: to fp32", (Made(f"{g}/rows fp32", rows32, "fp32"),), frees=(f"{g}/rows",)),
             Step("the product's backward: dY * score", (Made(f"{g}/dx fp32", rows32, "fp32"),)),
-            Step("the product's backward: dY * output", (Made(f"{g}/dscore rows", rows32, "fp32"),)),
+            Step("the product's backward: dY * output", (Made(f"{g}/dscore rows", rows32, "fp32"),),
+                 reads_last=(kept_name(p, rules.MOE_EXPERT_OUT), kept_name(p, rules.MOE_SORTED_SCORES))),
             Step("summed over h: each slot's score gradient", (Made(f"{g}/sorted scores", 4 * r, "fp32"),),
                  frees=(f"{g}/rows fp32", f"{g}/dscore rows"), returns=True),
             Step("the upcast's backward: to bf16", (Made(f"{g}/experts/output", rows, "bf16"),),

@@ -208,14 +208,12 @@ def test_with_experts_the_chosen_sizes_put_the_peak_in_six_different_places():
     assert len(moments) == len(MOE_MOMENTS), moments
 
 
-@pytest.mark.parametrize("changes, route", MOE_MOMENTS, ids=str)
-def test_with_experts_memtracker_reaches_the_peak_to_the_byte(one_thread, changes, route):
-    """At ep = 1 one rank runs every expert on all k*b*s slots: balanced or all-to-one, the same bytes."""
+def _assert_moe_peak_exact(config, route):
+    """The MoE model's step on `route`: MemTracker's peak at the predicted moment, every category to the byte."""
     from memcalc.probe.libs.torchtitan_step import measure_torchtitan_step_on_rank
     from memcalc.probe.step import StepComparison
     from memcalc.probe.launch import Mode
 
-    config = _config(**(MOE | changes))
     predicted = timeline(config, STRATEGIES["none"], CPU)
     measured = measure_torchtitan_step_on_rank(single(), config, STRATEGIES["none"], route)
     r = StepComparison(STRATEGIES["none"], Mode.SINGLE, predicted, measured)
@@ -223,14 +221,42 @@ def test_with_experts_memtracker_reaches_the_peak_to_the_byte(one_thread, change
     assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
 
 
+def _assert_moe_moments_in_order(config, route):
+    """Each moment of the MoE model's step on `route` MemTracker's reading after some op, in its module, in order."""
+    with runtime(single()) as dims:
+        readings = readings_after_every_op(warmed_up(single(), config, STRATEGIES["none"], dims, route))
+    assert_moments_in_order(timeline(config, STRATEGIES["none"], CPU).moments[1:-1], readings)
+
+
+@pytest.mark.parametrize("changes, route", MOE_MOMENTS, ids=str)
+def test_with_experts_memtracker_reaches_the_peak_to_the_byte(one_thread, changes, route):
+    """At ep = 1 one rank runs every expert on all k*b*s slots: balanced or all-to-one, the same bytes."""
+    _assert_moe_peak_exact(_config(**(MOE | changes)), route)
+
+
 @pytest.mark.parametrize("changes, route", [MOE_MOMENTS[1], MOE_MOMENTS[2], MOE_MOMENTS[3], MOE_MOMENTS[5]], ids=str)
 def test_with_experts_every_moment_the_timeline_names_happens_in_order(one_thread, changes, route):
     """The router (its fp32 gate, the forced lead, top-k, route_norm), the reorder, the grouped SwiGLU, the combine,
     the shared experts, and their backward: each moment MemTracker's reading after some op, in its module."""
-    config = _config(**(MOE | changes))
-    with runtime(single()) as dims:
-        readings = readings_after_every_op(warmed_up(single(), config, STRATEGIES["none"], dims, route))
-    assert_moments_in_order(timeline(config, STRATEGIES["none"], CPU).moments[1:-1], readings)
+    _assert_moe_moments_in_order(_config(**(MOE | changes)), route)
+
+
+@pytest.mark.parametrize("recompute", ["full"])
+@pytest.mark.parametrize("changes, route", MOE_MOMENTS, ids=str)
+def test_with_experts_under_its_activation_checkpointing_memtracker_reaches_the_peak_to_the_byte(
+        one_thread, recompute, changes, route):
+    """Each MoE block's input kept (FullAC), its forward rerun in backward, the router forced alike both times."""
+    _assert_moe_peak_exact(_config(**(MOE | changes), recompute=recompute), route)
+
+
+@pytest.mark.parametrize("recompute", ["full"])
+@pytest.mark.parametrize("changes, route", [MOE_MOMENTS[1], MOE_MOMENTS[2], MOE_MOMENTS[4], MOE_MOMENTS[5]], ids=str)
+def test_with_experts_under_its_activation_checkpointing_every_moment_happens_in_order(one_thread, recompute,
+                                                                                       changes, route):
+    """What the MoE's ops keep goes in forward as its Python locals do (the gate's fp32 casts at its return, the
+    router's scores and ids at the MoE's); the rerun at the start of the combine's (or the shared experts')
+    backward."""
+    _assert_moe_moments_in_order(_config(**(MOE | changes), recompute=recompute), route)
 
 
 def test_with_experts_measure_step_runs_the_moe_model_on_the_balanced_route(one_thread):
@@ -241,7 +267,7 @@ def test_with_experts_measure_step_runs_the_moe_model_on_the_balanced_route(one_
 
 @pytest.mark.parametrize("changes, named", [
     ({"dp_shard": 2}, "dp_shard with experts"),
-    ({"recompute": "full"}, "recompute"),
+    ({"recompute": "op"}, "recompute"),
     ({"moe_layer_freq": 2}, "a mix of dense and MoE layers"),
 ])
 def test_with_experts_what_the_walk_does_not_model_is_refused_by_name(changes, named):
