@@ -224,6 +224,10 @@ def library_rules(config: ModelConfig, t: int) -> tuple[Rule, ...]:
             Rule("*attention.wo", "linear", ledger.PROJ_IN, arg=0, view=_heads(d)),  # the attention kernel's output
             Rule("*feed_forward", "silu", ledger.SWIGLU_GATE, arg=0),  # w1's output
             Rule("*feed_forward.w2", "linear", rules.FC2_OUT),
+            Rule("*moe.router", "topk", rules.MOE_TOPK_VALUES),
+            Rule("*moe.router", "gather", ledger.ROUTER_TOPK_INDICES, arg="index"),  # topk's second output
+            Rule("*moe.shared_experts", "silu", ledger.SHARED_GATE, arg=0),  # w1's output
+            Rule("*moe.shared_experts.w2", "linear", rules.SHARED_FC2_OUT),
         )
     return (
         Rule("*attention_norm", "rms_norm", rules.LN1.input_fp32, arg=0),  # fp32 only: bf16 is upcast (AtenLabels)

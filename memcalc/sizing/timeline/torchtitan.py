@@ -57,7 +57,8 @@ without FullAC or SelectiveAC: FSDPMemTracker reads a block's rerun as temporari
 (dp_shard 2 and 4, with and without resharding, b = 1 and b > 1, under FullAC and SelectiveAC:
 test_torchtitan_fsdp_tp.py); as
 HSDP (dp_replicate 2 x dp_shard 2, at t = 1 and under tp-sp on the 3-D mesh); with experts at t = 1 without
-recomputation and under FullAC, the router forced balanced or all-to-one (test_torchtitan_step.py);
+recomputation, under FullAC and under SelectiveAC, the router forced balanced or all-to-one
+(test_torchtitan_step.py);
 `check_modelled` names everything else.
 On CUDA torchtitan's Llama3 runs flex attention and torch's fused _fused_rms_norm kernel, which keep other tensors
 (the ledger's device rules) and allocate otherwise in backward: not described here yet.
@@ -168,7 +169,6 @@ def moe_refusals(config: ModelConfig) -> tuple[tuple[bool, str], ...]:
         return ()
     return (
         (config.moe_layers != config.L, "a mix of dense and MoE layers (moe_layer_freq, moe_first_dense_layers)"),
-        (config.recompute == "op", f"recompute {config.recompute} with experts"),
         (config.dp_shard is not None, "dp_shard with experts"),
     )
 
@@ -182,7 +182,7 @@ def block_checkpoint(i: int, config: ModelConfig, accounting: Accounting, z: Siz
     if config.recompute == "none":
         return None
     p = f"layers.{i}"
-    cached = rules.op_checkpoint(accounting) if config.recompute == "op" else ()
+    cached = rules.op_checkpoint(config, accounting, config.is_moe_layer(i)) if config.recompute == "op" else ()
     scattered = (f"{p}/attention out", f"{p}/ffn out") if cached and z.dtensor and z.sp else ()
     return Checkpoint(f"{p}/input", frozenset((*(kept_name(p, x) for x in cached if x != ledger.LAYER_INPUT),
                                                *scattered)),
@@ -573,13 +573,15 @@ def swiglu_ops(p: str, z: Sizes, m: str, tensors: tuple[SavedTensor, ...], w: in
 
 
 def shared_experts_ops(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
-    """The MoE's shared experts (a FeedForward of width u on its input, t = 1): their output f"{p}/moe/shared out";
+    """The MoE's shared experts (a FeedForward of width u on its input, t = 1): their output (the ledger's
+    SHARED_FC2_OUT, which SelectiveAC caches);
     in backward their input's gradient f"grad/{p}/moe/shared dX"."""
     m, u = "moe.shared_experts", config.moe_shared_expert_intermediate_size
     w, f = z.act * u * z.h, z.tokens(z.act * u)
     return module_returns((
         *swiglu_ops(p, z, m, SHARED_SWIGLU, w, f, f"grad/{p}/moe/shared dX"),
-        linear(f"{m}.w2", ledger.SHARED_FC2_IN, Made(f"{p}/moe/shared out", z.full(z.h), "the shared experts' output"),
+        linear(f"{m}.w2", ledger.SHARED_FC2_IN, Made(kept_name(p, rules.SHARED_FC2_OUT), z.full(z.h),
+                                                     "the shared experts' output"),
                w, f"grad/{p}/{m}/dfc2", f, p),
     ), kept_name(p, ledger.SHARED_FC2_IN))
 

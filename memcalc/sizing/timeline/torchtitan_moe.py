@@ -30,10 +30,12 @@ gradient. The shared experts' backward runs first, their dX summed with the disp
 Under FullAC (the block in a `Checkpoint`) what the ops keep goes in forward with the Python local that holds it
 (`Step.reads_last`: the gate's fp32 casts as it returns, the router's scores and ids as the MoE does, the dispatch's
 sorted scores, token indices and rows as routed_experts does); the rerun starts at the combine's backward (or the
-shared experts'), and its tensors go with the node that unpacks them last.
+shared experts'), and its tensors go with the node that unpacks them last. Under SelectiveAC the cached top-k
+outputs (and the shared experts' w1 and w2 outputs) stay from forward to the rerun, which takes them.
 
-Exact at t = 1 without recomputation and under FullAC, the router forced balanced or all-to-one (at ep = 1 the same
-bytes), softmax or sigmoid, with and without route_norm and shared experts (tests/probe/libs/test_torchtitan_step.py);
+Exact at t = 1 without recomputation, under FullAC and SelectiveAC, the router forced balanced or all-to-one (at
+ep = 1 the same bytes), softmax or sigmoid, with and without route_norm and shared experts
+(tests/probe/libs/test_torchtitan_step.py);
 `memcalc.sizing.timeline.torchtitan.check_modelled` refuses the rest. Two measured facts the walk follows without a
 reason from the source: route_norm's division backward is walked as one step (its small fp32 temporaries make no
 moment), and the slots' score gradient (the sorted scores' index_put) lives until the router's backward is done.
@@ -51,11 +53,12 @@ from memcalc.sizing.timeline.walk import Made, Op, Step, kept, kept_name
 def moe_ops(p: str, z: Sizes, config: ModelConfig, x: str, shared: tuple[Op, ...] = ()) -> tuple[Op, ...]:
     """The MoE on ffn_norm's output `x`, its output f"{p}/ffn out"; in backward its input's gradient is
     f"grad/{p}/ffn_norm out". `shared`: the shared experts' ops (memcalc.sizing.timeline.torchtitan
-    .shared_experts_ops: output f"{p}/moe/shared out", input gradient f"grad/{p}/moe/shared dX"), which keep `x`;
+    .shared_experts_ops: output the ledger's SHARED_FC2_OUT, input gradient f"grad/{p}/moe/shared dX"), which keep `x`;
     without them `x` goes as the MoE returns."""
     n = f"{p}/moe"
     summed = Op("moe", forward=(Step("the routed and the shared experts' outputs summed", (
-        Made(f"{p}/ffn out", z.full(z.h), "the MoE's output"),), frees=(f"{n}/routed out", f"{n}/shared out")),),
+        Made(f"{p}/ffn out", z.full(z.h), "the MoE's output"),),
+        frees=(f"{n}/routed out", kept_name(p, rules.SHARED_FC2_OUT))),),
         backward=())
     # MoE.forward returns: its locals go (under a checkpoint also the router's scores and ids, and the input)
     locals_ = (rules.MOE_ROUTER_SCORES, ledger.ROUTER_TOPK_INDICES, *((rules.MOE_SHARED_IN,) if shared else ()))
@@ -106,7 +109,8 @@ def _router(p: str, z: Sizes, config: ModelConfig, shared: bool) -> tuple[Op, ..
              frees=(f"{g}/scores",)),
     ), saves=(rules.MOE_ROUTER_SCORES,))
     topk = Op("moe.router", forward=(
-        Step("top-k", (Made(f"{n}/topk values", slots, "fp32, unused"), kept(p, ledger.ROUTER_TOPK_INDICES))),
+        Step("top-k", (Made(kept_name(p, rules.MOE_TOPK_VALUES), slots, "fp32, unused (SelectiveAC caches it)"),
+                       kept(p, ledger.ROUTER_TOPK_INDICES))),
         Step("the chosen scores gathered", (kept(p, rules.MOE_TOPK_SCORES) if norm else
                                             Made(f"{n}/chosen scores", slots, "fp32"),)),
     ), backward=(
@@ -129,7 +133,7 @@ def _router(p: str, z: Sizes, config: ModelConfig, shared: bool) -> tuple[Op, ..
     ), saves=(rules.MOE_TOPK_SCORES, rules.MOE_TOPK_SUM))
     scale = Op("moe.router", forward=(
         Step("times route_scale", (Made(f"{n}/topk scores", slots, "fp32, what the experts read"),),
-             frees=(f"{n}/normed", f"{n}/chosen scores", f"{n}/topk values", f"{n}/for choice"),
+             frees=(f"{n}/normed", f"{n}/chosen scores", kept_name(p, rules.MOE_TOPK_VALUES), f"{n}/for choice"),
              reads_last=(kept_name(p, rules.MOE_TOPK_SUM),)),  # the router returns
     ), backward=(
         Step("route_scale's backward", (Made(f"{g}/scaled" if norm else f"{g}/d chosen", slots, "fp32"),)),

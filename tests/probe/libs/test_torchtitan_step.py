@@ -241,15 +241,17 @@ def test_with_experts_every_moment_the_timeline_names_happens_in_order(one_threa
     _assert_moe_moments_in_order(_config(**(MOE | changes)), route)
 
 
-@pytest.mark.parametrize("recompute", ["full"])
+@pytest.mark.parametrize("recompute", ["full", "op"])
 @pytest.mark.parametrize("changes, route", MOE_MOMENTS, ids=str)
 def test_with_experts_under_its_activation_checkpointing_memtracker_reaches_the_peak_to_the_byte(
         one_thread, recompute, changes, route):
-    """Each MoE block's input kept (FullAC), its forward rerun in backward, the router forced alike both times."""
+    """Each MoE block's input kept (FullAC), and under SelectiveAC the outputs its policy caches (wqkv's, the
+    attention kernel's, the router's top-k, the shared experts' w1 and w2); its forward rerun in backward, the router
+    forced alike both times."""
     _assert_moe_peak_exact(_config(**(MOE | changes), recompute=recompute), route)
 
 
-@pytest.mark.parametrize("recompute", ["full"])
+@pytest.mark.parametrize("recompute", ["full", "op"])
 @pytest.mark.parametrize("changes, route", [MOE_MOMENTS[1], MOE_MOMENTS[2], MOE_MOMENTS[4], MOE_MOMENTS[5]], ids=str)
 def test_with_experts_under_its_activation_checkpointing_every_moment_happens_in_order(one_thread, recompute,
                                                                                        changes, route):
@@ -267,7 +269,6 @@ def test_with_experts_measure_step_runs_the_moe_model_on_the_balanced_route(one_
 
 @pytest.mark.parametrize("changes, named", [
     ({"dp_shard": 2}, "dp_shard with experts"),
-    ({"recompute": "op"}, "recompute"),
     ({"moe_layer_freq": 2}, "a mix of dense and MoE layers"),
 ])
 def test_with_experts_what_the_walk_does_not_model_is_refused_by_name(changes, named):
