@@ -261,6 +261,25 @@ def test_with_experts_under_its_activation_checkpointing_every_moment_happens_in
     _assert_moe_moments_in_order(_config(**(MOE | changes), recompute=recompute), route)
 
 
+# Dense blocks beside MoE ones (Llama3's FeedForward where is_moe_layer says no): every other layer, or the first dense
+MIXES = [
+    ({"moe_layer_freq": 2, "b": 1, "s": 7}, "balanced", "none"),
+    ({"moe_first_dense_layers": 1, "b": 3, "s": 5}, "all-to-one", "op"),
+    ({"moe_layer_freq": 2, "L": 3, "moe_shared_expert_intermediate_size": 48}, "balanced", "full"),
+]
+
+
+@pytest.mark.parametrize("changes, route, recompute", MIXES, ids=str)
+def test_with_dense_and_moe_layers_memtracker_reaches_the_peak_to_the_byte(one_thread, changes, route, recompute):
+    _assert_moe_peak_exact(_config(**(MOE | changes), recompute=recompute), route)
+
+
+@pytest.mark.parametrize("changes, route, recompute", MIXES, ids=str)
+def test_with_dense_and_moe_layers_every_moment_happens_in_order(one_thread, changes, route, recompute):
+    """Each block walks its own ops (Llama3's FeedForward or the MoE) and keeps its own ledger's tensors."""
+    _assert_moe_moments_in_order(_config(**(MOE | changes), recompute=recompute), route)
+
+
 def test_with_experts_measure_step_runs_the_moe_model_on_the_balanced_route(one_thread):
     (r,) = measure_step(_config(**MOE, b=1, s=7), ["none"], route="balanced")
     assert r.model == "torchtitan's Llama3Model with its Qwen3 MoE layers, router forced balanced"
@@ -269,7 +288,6 @@ def test_with_experts_measure_step_runs_the_moe_model_on_the_balanced_route(one_
 
 @pytest.mark.parametrize("changes, named", [
     ({"dp_shard": 2}, "dp_shard with experts"),
-    ({"moe_layer_freq": 2}, "a mix of dense and MoE layers"),
 ])
 def test_with_experts_what_the_walk_does_not_model_is_refused_by_name(changes, named):
     with pytest.raises(ConfigError, match=named):
