@@ -5,9 +5,10 @@ where FSDP2's hooks run).
 A layout is data: a list of units, each one `fully_shard` call with its parameters (module, shape, in registration
 order) and its reshard_after_forward. accelerate's (`Fsdp.of`): every decoder layer, then the whole model (the root:
 embedding, final norm, lm_head, unsharded from its forward to the end of backward). torchtitan's (`Fsdp.torchtitan`,
-its apply_fsdp_to_decoder): tok_embeddings, every block, then norm and lm_head as one unit never resharded after
-forward, the model's own call holding nothing; its trainer zeroes the sharded gradients in place
-(zero_grad(set_to_none=False)), so they live between steps and each reduce-scatter's shard is added into them. Both
+its apply_fsdp_to_decoder): tok_embeddings, every block (a MoE one with its experts: one unit at ep = 1), then norm
+and lm_head as one unit never resharded after forward, the model's own call holding nothing; its trainer zeroes the
+sharded gradients in place (zero_grad(set_to_none=False)), so they live between steps and each reduce-scatter's shard
+is added into them. Both
 with MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=...), over dp_shard ranks. What torch 2.13's FSDP2 does,
 and so what the tape holds:
 
@@ -42,6 +43,7 @@ from dataclasses import dataclass, replace
 from memcalc.config.schema import ModelConfig
 from memcalc.model.knobs import DTYPE_BYTES
 from memcalc.sizing.timeline.tape import ACTIVATIONS, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, Tape
+from memcalc.sizing.timeline.torchtitan_moe import GROUPED_WEIGHTS as W
 
 ROOT = "root"
 OUTPUT = "norm+lm_head"  # torchtitan's last unit
@@ -127,14 +129,26 @@ def torchtitan_units(c: ModelConfig, reshard: bool, t: int = 1) -> tuple[Unit, .
 
     def block(i: int) -> Unit:
         m = torchtitan_block(i, c)
+        mlp = torchtitan_moe_parameters(c, f"{m}.moe") if c.is_moe_layer(i) else (
+            (f"{m}.feed_forward.w1", (f, c.h)), (f"{m}.feed_forward.w2", (c.h, f)), (f"{m}.feed_forward.w3", (f, c.h)))
         return Unit(f"layers.{i}", ((f"{m}.attention.qkv_linear.wqkv", (qkv, c.h)),
-                                    (f"{m}.attention.wo", (c.h, c.a * c.head_dim // t)),
-                                    (f"{m}.feed_forward.w1", (f, c.h)), (f"{m}.feed_forward.w2", (c.h, f)),
-                                    (f"{m}.feed_forward.w3", (f, c.h)), (f"{m}.attention_norm", (c.h,)),
-                                    (f"{m}.ffn_norm", (c.h,))), reshard)
+                                    (f"{m}.attention.wo", (c.h, c.a * c.head_dim // t)), *mlp,
+                                    (f"{m}.attention_norm", (c.h,)), (f"{m}.ffn_norm", (c.h,))), reshard)
     return (Unit("tok_embeddings", (("tok_embeddings", (v, c.h)),), reshard),
             *(block(i) for i in range(c.L)),
             Unit(OUTPUT, (("norm", (c.h,)), ("lm_head", (v, c.h))), False))
+
+
+def torchtitan_moe_parameters(c: ModelConfig, m: str) -> tuple[Param, ...]:
+    """torchtitan's MoE's parameters in registration order (t = 1, ep = 1): GroupedExperts' (E, f, h) w1, (E, h, f)
+    w2 and (E, f, h) w3 (one module's, each named by its own path), the router's (E, h) gate, then the shared
+    experts' FeedForward (w1, w2, w3). Sharded on dim 0 while dp_shard <= E (beyond, apply_fsdp_to_decoder shards
+    the experts on dim 1: not modelled)."""
+    e, f, u, experts = c.num_experts, c.expert_ffn, c.moe_shared_expert_intermediate_size, f"{m}.routed_experts"
+    shared = ((f"{m}.shared_experts.w1", (u, c.h)), (f"{m}.shared_experts.w2", (c.h, u)),
+              (f"{m}.shared_experts.w3", (u, c.h))) if u else ()
+    return ((f"{experts}.inner_experts.{W['w1']}", (e, f, c.h)), (f"{experts}.inner_experts.{W['w2']}", (e, c.h, f)),
+            (f"{experts}.inner_experts.{W['w3']}", (e, f, c.h)), (f"{m}.router.gate", (e, c.h)), *shared)
 
 
 @dataclass(frozen=True)
@@ -161,6 +175,10 @@ class Fsdp:
         norms = frozenset(m for u in units for m, shape in u.params if len(shape) == 1) if sp else frozenset()
         return cls(config.dp_shard or 1, DTYPE_BYTES[config.dtype], DTYPE_BYTES[config.reduce_dtype], units,
                    accumulate=True, partial=norms, replicas=config.dp_replicate or 1)
+
+    def holds(self, module: str) -> bool:
+        """Whether some unit has a parameter of `module` (named by the module's path)."""
+        return any(m == module for u in self.units for m, _ in u.params)
 
     def unit_of(self, module: str) -> str:
         """The unit that holds the parameter of `module`."""

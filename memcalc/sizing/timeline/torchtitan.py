@@ -58,7 +58,8 @@ without FullAC or SelectiveAC: FSDPMemTracker reads a block's rerun as temporari
 test_torchtitan_fsdp_tp.py); as
 HSDP (dp_replicate 2 x dp_shard 2, at t = 1 and under tp-sp on the 3-D mesh); with experts at t = 1 without
 recomputation, under FullAC and under SelectiveAC, the router forced balanced or all-to-one, every layer a MoE one
-or dense blocks beside them (moe_layer_freq, moe_first_dense_layers) (test_torchtitan_step.py);
+or dense blocks beside them (moe_layer_freq, moe_first_dense_layers) (test_torchtitan_step.py), and under FSDP2 at
+dp_shard <= E, each MoE block one unit, its grouped experts' weights among its parameters (test_torchtitan_fsdp.py);
 `check_modelled` names everything else.
 On CUDA torchtitan's Llama3 runs flex attention and torch's fused _fused_rms_norm kernel, which keep other tensors
 (the ledger's device rules) and allocate otherwise in backward: not described here yet.
@@ -168,7 +169,8 @@ def moe_refusals(config: ModelConfig) -> tuple[tuple[bool, str], ...]:
     if not config.moe:
         return ()
     return (
-        (config.dp_shard is not None, "dp_shard with experts"),
+        ((config.dp_shard or 1) > config.num_experts, f"dp_shard={config.dp_shard} beyond num_experts="
+         f"{config.num_experts} (apply_fsdp_to_decoder then shards the experts on dim 1)"),
     )
 
 
@@ -245,8 +247,12 @@ def _post_backward(fsdp: Fsdp, tape: Tape, unit: str, where: str) -> None:
 
 
 def _keep_grad(tape: Tape, fsdp: Fsdp):
-    """Under FSDP2 a weight's bf16 gradient is the unsharded parameter's .grad, kept to its unit's reduce-scatter."""
-    return lambda where, name, nbytes: tape.rename(name, f"fsdp/{fsdp.unit_of(where)} grad {where}")
+    """Under FSDP2 a weight's bf16 gradient is the unsharded parameter's .grad, kept to its unit's reduce-scatter; a
+    module of several parameters (GroupedExperts) hands each over under its parameter's name (GROUPED_WEIGHTS)."""
+    def keep(where: str, name: str, nbytes: int) -> None:
+        param = where if fsdp.holds(where) else f"{where}.{name.rsplit('/', 1)[1]}"
+        tape.rename(name, f"fsdp/{fsdp.unit_of(param)} grad {param}")
+    return keep
 
 
 def _hand_over(tape: Tape):

@@ -50,6 +50,11 @@ from memcalc.sizing.timeline.hf_layer import WHY_WGRAD
 from memcalc.sizing.timeline.tape import Sizes
 from memcalc.sizing.timeline.walk import Made, Op, Step, kept, kept_name
 
+# GroupedExperts' three (E, ...) parameters, one module's: each weight's gradient is named by its parameter, so that
+# FSDP2's walk keeps each as that parameter's unsharded .grad (memcalc.sizing.timeline.torchtitan._keep_grad)
+GROUPED_WEIGHTS = {"w1": "w1_EFD", "w2": "w2_EDF", "w3": "w3_EFD"}
+
+
 def moe_ops(p: str, z: Sizes, config: ModelConfig, x: str, shared: tuple[Op, ...] = ()) -> tuple[Op, ...]:
     """The MoE on ffn_norm's output `x`, its output f"{p}/ffn out"; in backward its input's gradient is
     f"grad/{p}/ffn_norm out". `shared`: the shared experts' ops (memcalc.sizing.timeline.torchtitan
@@ -187,7 +192,7 @@ def _experts(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     rows_f, rows_h, weight = z.act * r * f, z.act * r * z.h, z.act * e * f * z.h
 
     def gemms(w: str, dy: str, dx: str, dx_bytes: int, frees: tuple[str, ...] = ()) -> Step:
-        return Step(f"{w}'s grouped GEMMs: dW and dX", (Made(f"{g}/{w} weight", weight, WHY_WGRAD),
+        return Step(f"{w}'s grouped GEMMs: dW and dX", (Made(f"{g}/{GROUPED_WEIGHTS[w]}", weight, WHY_WGRAD),
                                                          Made(dx, dx_bytes, "dX = dY W, per expert")),
                     frees=frees, returns=True)
 
@@ -198,7 +203,7 @@ def _experts(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
         ), backward=(
             gemms("w1", f"{g}/gate", f"{g}/dx1", rows_h, frees=(f"{g}/gate",)),
             Step("w1's and w3's dX summed", (Made(f"grad/{p}/moe/experts input", rows_h, "bf16"),),
-                 frees=(f"{g}/dx1", f"{g}/dx3"), hands_over=(f"{g}/w1 weight",)),
+                 frees=(f"{g}/dx1", f"{g}/dx3"), hands_over=(f"{g}/{GROUPED_WEIGHTS['w1']}",)),
         ), saves=(rules.MOE_OFFSETS, ledger.EXPERT_IN)),
         Op("moe.routed_experts.inner_experts", forward=(
             Step("SiLU", (kept(p, ledger.EXPERT_SILU_OUT),), reads_last=(kept_name(p, ledger.EXPERT_GATE),)),
@@ -209,7 +214,7 @@ def _experts(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
             Step("w3's grouped GEMM", (kept(p, ledger.EXPERT_UP),)),
         ), backward=(
             gemms("w3", f"{g}/up", f"{g}/dx3", rows_h, frees=(f"{g}/up",)),
-            Step("", hands_over=(f"{g}/w3 weight",)),
+            Step("", hands_over=(f"{g}/{GROUPED_WEIGHTS['w3']}",)),
         )),
         Op("moe.routed_experts.inner_experts", forward=(
             Step("SiLU(w1 x) * w3 x", (kept(p, ledger.EXPERT_FC2_IN),),
@@ -223,7 +228,7 @@ def _experts(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
                  reads_last=(kept_name(p, ledger.EXPERT_FC2_IN), kept_name(p, rules.MOE_OFFSETS))),
         ), backward=(
             gemms("w2", f"{g}/output", f"{g}/dh", rows_f, frees=(f"{g}/output",)),
-            Step("", hands_over=(f"{g}/w2 weight",)),
+            Step("", hands_over=(f"{g}/{GROUPED_WEIGHTS['w2']}",)),
         ), saves=(ledger.EXPERT_FC2_IN,)),
     )
 
