@@ -23,7 +23,7 @@ is edited.
   `torch.autocast(device, float32)`, which CUDA honours (the gate casts its weight
   and input to fp32, and the router works in fp32) and a CPU refuses with a
   warning (its autocast takes bf16 and fp16 only), leaving the router in bf16.
-  `route_gates` (`cuda_like_router` while inside) turns the CPU's autocast on
+  `route_gates` turns the CPU's autocast on
   at fp32 (torch's own set_autocast_dtype) for the gate's call alone, the region
   torchtitan's autocast covers, so the CPU keeps what CUDA keeps; its hooks stay
   on the gate, so an activation checkpoint's rerun in backward routes alike.
@@ -142,22 +142,9 @@ def route_note(route: str) -> str:
     return f"torchtitan: the router is forced ({route}): its gate's logits get {route_lead(route)}; the rest as written"
 
 
-@contextmanager
-def cuda_like_router(block: torch.nn.Module, route: str | None, k: int) -> Iterator[None]:
-    """While inside, each MoE gate of `block` runs as under CUDA's autocast(float32), its logits led by `route`."""
-    found = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
-    handles = route_gates(block, route, k)
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-        _restore_cpu_autocast(*found)  # also where a gate raised
-
-
-def route_gates(block: torch.nn.Module, route: str | None, k: int) -> list[Any]:
+def route_gates(block: torch.nn.Module, route: str | None, k: int) -> None:
     """Hooks that make each MoE gate of `block` run as under CUDA's autocast(float32), its logits led by `route`,
-    in forward and in a checkpoint's rerun in backward alike: their handles."""
+    in forward and in a checkpoint's rerun in backward alike, for the life of `block`."""
     from torchtitan.models.common.moe import TokenChoiceTopKRouter
 
     found: list[tuple[bool, Any]] = []  # the CPU autocast state each running gate found
@@ -173,9 +160,9 @@ def route_gates(block: torch.nn.Module, route: str | None, k: int) -> list[Any]:
             _restore_cpu_autocast(*found.pop())
         return logits if route is None else logits + lead(logits.flatten(0, -2), route, k).view_as(logits)
 
-    gates = [m.gate for m in block.modules() if isinstance(m, TokenChoiceTopKRouter)]
-    return [h for gate in gates for h in (gate.register_forward_pre_hook(fp32_on_cpu),
-                                          gate.register_forward_hook(restored))]
+    for gate in [m.gate for m in block.modules() if isinstance(m, TokenChoiceTopKRouter)]:
+        gate.register_forward_pre_hook(fp32_on_cpu)
+        gate.register_forward_hook(restored)
 
 
 def _restore_cpu_autocast(enabled: bool, dtype: Any) -> None:
