@@ -71,10 +71,7 @@ def warmed_up(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, 
     route_gates, as the layer probe runs them)."""
     from memcalc.probe.libs import torchtitan_shim as shim
 
-    if config.tie_embeddings:
-        raise ProbeError("impl torchtitan: Llama3 unties its embedding and output layer; set tie_embeddings false")
-    if config.moe and route is None:
-        raise ProbeError("impl torchtitan: --step on experts forces the router (--route balanced or all-to-one)")
+    _check_buildable(config, route)
     with torch.device("meta"), set_default_dtype(DTYPES[config.dtype]):  # as its trainer builds a model
         model = titan.model_config(config, strategy.sequence_parallel, config.L, config.vocab_size).build()
     if dims is not None:
@@ -89,6 +86,14 @@ def warmed_up(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, 
         shim.route_gates(model, route, config.moe_router_topk)
     loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config(global_vocab_size=config.vocab_size))
     return Trainer.around(config, model, lambda tokens, labels: _loss(model, loss_fn, tokens, labels))
+
+
+def _check_buildable(config: ModelConfig, route: str | None) -> None:
+    """ProbeError for what the step cannot build: tied embeddings (Llama3 unties them), experts without a route."""
+    if config.tie_embeddings:
+        raise ProbeError("impl torchtitan: Llama3 unties its embedding and output layer; set tie_embeddings false")
+    if config.moe and route is None:
+        raise ProbeError("impl torchtitan: --step on experts forces the router (--route balanced or all-to-one)")
 
 
 def ac_config(config: ModelConfig) -> Any:
@@ -186,10 +191,7 @@ def warmed_up_sharded(tp: TensorParallelGroup, config: ModelConfig, strategy: St
     from memcalc.probe.libs import torchtitan_shim as shim
     from memcalc.probe.libs.hf_fsdp import ShardedTrainer
 
-    if config.tie_embeddings:
-        raise ProbeError("impl torchtitan: Llama3 unties its embedding and output layer; set tie_embeddings false")
-    if config.moe and route is None:
-        raise ProbeError("impl torchtitan: --step on experts forces the router (--route balanced or all-to-one)")
+    _check_buildable(config, route)
     backend = dims.spmd_backend
     with torch.device("meta"):
         model = titan.model_config(config, strategy.sequence_parallel, config.L, config.vocab_size).build()

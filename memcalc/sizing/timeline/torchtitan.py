@@ -82,7 +82,7 @@ from memcalc.sizing.timeline.ends import model_states
 from memcalc.sizing.timeline.fsdp import OUTPUT, Fsdp, torchtitan_block
 from memcalc.sizing.timeline.tape import ACTIVATIONS, PARAMETERS, TEMPORARIES, Sizes, Tape, Timeline, prod
 from memcalc.sizing.timeline.torchtitan_moe import moe_ops
-from memcalc.sizing.timeline.walk import Checkpoint, Made, Op, Step, Walk, kept, kept_name
+from memcalc.sizing.timeline.walk import Checkpoint, Made, Op, Step, Walk, kept, kept_name, kept_names
 from memcalc.sizing.totals import end_sizes
 
 
@@ -149,7 +149,8 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
                                                         " carries a Partial gradient through the norms' backward;"
                                                         " tp-sp, torchtitan's default, is modelled)"),
         (config.reduce_dtype != "fp32", f"reduce_dtype {config.reduce_dtype} (torchtitan reduces in float32 only)"),
-        *moe_refusals(config),
+        (config.moe and (config.dp_shard or 1) > config.num_experts, f"dp_shard={config.dp_shard} beyond"
+         f" num_experts={config.num_experts} (apply_fsdp_to_decoder then shards the experts on dim 1)"),
         (config.tie_embeddings, "tie_embeddings (Llama3 unties them; set tie_embeddings false)"),
         (config.position_embedding_type != "rope", f"position_embedding_type {config.position_embedding_type}"
                                                    " (Llama3 rotates q and k: set rope)"),
@@ -162,16 +163,6 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
     for absent, what in missing:
         if absent:
             raise ConfigError(f"the step timeline for impl torchtitan does not model {what} yet")
-
-
-def moe_refusals(config: ModelConfig) -> tuple[tuple[bool, str], ...]:
-    """What the walk does not model of torchtitan's MoE layers yet, each with its words."""
-    if not config.moe:
-        return ()
-    return (
-        ((config.dp_shard or 1) > config.num_experts, f"dp_shard={config.dp_shard} beyond num_experts="
-         f"{config.num_experts} (apply_fsdp_to_decoder then shards the experts on dim 1)"),
-    )
 
 
 def block_checkpoint(i: int, config: ModelConfig, accounting: Accounting, z: Sizes) -> Checkpoint | None:
@@ -300,7 +291,7 @@ def rms_norm(where: str, z: Sizes, norm: rules.RMSNormTensors, p: str, out: Made
     """
     tokens = z.b * z.s_seq  # under SP the norm runs on this rank's sequence shard
     n, full, row = f"{p}/{where}" if p else where, 4 * tokens * z.h, 4 * tokens
-    fp32, rstd, normed = (kept_name(p, x) for x in (norm.input_fp32, norm.rstd, norm.normed_fp32))
+    fp32, rstd, normed = kept_names(p, norm.input_fp32, norm.rstd, norm.normed_fp32)
     # under a checkpoint (which keeps none of them) x * rstd goes after the weight multiply, the upcast input before
     # the cast back
     times = (Made(f"{n}/weighted", full, "x * rstd * weight, a local"),)
@@ -524,7 +515,7 @@ def attention_ops(p: str, z: Sizes, mid: str, gmid: str, gx: str, h: int, q: int
             linear(f"{a}.wo", ledger.PROJ_IN, Made(wo_out, full, "wo's output"), z.act * z.h * z.a_t * z.d,
                    f"{g}/dout", q, p, frees=(dy,) if z.sp else ()),
             *reduce_scatter(f"{a}.wo", z, p, wo_out, f"{p}/attention out", dy, (f"{p}/attention_norm out",)),
-        ), *(kept_name(p, x) for x in (rules.QKV_IN, ledger.Q, ledger.K, ledger.V, ledger.PROJ_IN))),
+        ), *kept_names(p, rules.QKV_IN, ledger.Q, ledger.K, ledger.V, ledger.PROJ_IN)),
         Op("", forward=(Step("x + attention", (Made(mid, h, "the residual stream after attention"),),
                              frees=(f"{p}/attention out",)),), backward=()),
     )
@@ -542,7 +533,7 @@ def feed_forward_ops(p: str, z: Sizes, x: str, mid: str, out: str, h: int, f: in
             linear(f"{m}.w2", ledger.FC2_IN, Made(w2_out, full, "w2's output"), w, f"{g}/dfc2", f, p,
                    frees=(dy,) if z.sp else ()),
             *reduce_scatter(f"{m}.w2", z, p, w2_out, f"{p}/ffn out", dy, (f"{p}/ffn_norm out",)),
-        ), *(kept_name(p, x) for x in (rules.FC1_IN, ledger.FC2_IN))),
+        ), *kept_names(p, rules.FC1_IN, ledger.FC2_IN)),
         _second_residual(p, x, mid, out, ffn_out, h),
     )
 
@@ -570,7 +561,7 @@ def swiglu_ops(p: str, z: Sizes, m: str, tensors: tuple[SavedTensor, ...], w: in
            saves=(gate,)),
         linear(f"{m}.w3", x_in, kept(p, up), w, f"{g}/dx3", full, p, frees=(f"{g}/dup",)),
         Op(m, forward=(Step("SiLU(w1 x) * w3 x", (kept(p, product),),
-                            reads_last=tuple(kept_name(p, x) for x in (silu, up))),),
+                            reads_last=kept_names(p, silu, up)),),
            backward=(Step("the product's backward: dY * up", (Made(f"{g}/dsilu", f, "bf16"),)),
                      Step("the product's backward: dY * SiLU", (Made(f"{g}/dup", f, "bf16"),), frees=(f"{g}/dfc2",))),
            saves=(up, silu)),

@@ -48,7 +48,7 @@ from memcalc.model import ledger
 from memcalc.model.impls import torchtitan as rules
 from memcalc.sizing.timeline.hf_layer import WHY_WGRAD
 from memcalc.sizing.timeline.tape import Sizes
-from memcalc.sizing.timeline.walk import Made, Op, Step, kept, kept_name
+from memcalc.sizing.timeline.walk import Made, Op, Step, kept, kept_name, kept_names
 
 # GroupedExperts' three (E, ...) parameters, one module's: each weight's gradient is named by its parameter, so that
 # FSDP2's walk keeps each as that parameter's unsharded .grad (memcalc.sizing.timeline.torchtitan._keep_grad)
@@ -69,7 +69,7 @@ def moe_ops(p: str, z: Sizes, config: ModelConfig, x: str, shared: tuple[Op, ...
     locals_ = (rules.MOE_ROUTER_SCORES, ledger.ROUTER_TOPK_INDICES, *((rules.MOE_SHARED_IN,) if shared else ()))
     returned = Op("moe", forward=(Step("", frees=(*(() if shared else (x,)), f"{n}/routing map", f"{n}/counts",
                                                   f"{n}/router/topk scores"),
-                                       reads_last=tuple(kept_name(p, t) for t in locals_)),), backward=())
+                                       reads_last=kept_names(p, *locals_)),), backward=())
     return (*_router(p, z, config, bool(shared)), *_dispatch(p, z, config, bool(shared)), *_experts(p, z, config),
             *_combine(p, z, config, bool(shared)), *shared, *((summed,) if shared else ()), returned)
 
@@ -84,7 +84,7 @@ def _router(p: str, z: Sizes, config: ModelConfig, shared: bool) -> tuple[Op, ..
         Step("autocast: its input cast to fp32", (kept(p, rules.MOE_ROUTER_IN),)),
         # the gate returns: the cast input goes, the hook's restored autocast drops its cached fp32 weight
         Step("the fp32 logits", (Made(f"{n}/logits", scores, "(b*s, E) fp32"),),
-             reads_last=(kept_name(p, rules.MOE_ROUTER_WEIGHT), kept_name(p, rules.MOE_ROUTER_IN))),
+             reads_last=kept_names(p, rules.MOE_ROUTER_WEIGHT, rules.MOE_ROUTER_IN)),
     ), backward=(
         Step("the gate's fp32 GEMMs: dW and dX", (Made(f"{g}/weight fp32", 4 * e * z.h, "dW = dLogits^T X"),
                                                  Made(f"{g}/input fp32", 4 * tokens * z.h, "dX = dLogits W")),
@@ -129,7 +129,7 @@ def _router(p: str, z: Sizes, config: ModelConfig, shared: bool) -> tuple[Op, ..
         Step("their sum", (Made(f"{n}/sum", 4 * tokens, "fp32"),)),
         Step("+ 1e-20: the divisor", (kept(p, rules.MOE_TOPK_SUM),), frees=(f"{n}/sum",)),
         Step("route_norm: divided", (Made(f"{n}/normed", slots, "fp32"),),
-             reads_last=(kept_name(p, rules.MOE_TOPK_SCORES),)),
+             reads_last=kept_names(p, rules.MOE_TOPK_SCORES)),
     ), backward=(
         # div's backward op by op (dY / sum, then -dY * y / sum / sum, summed to (b, s, 1)): small fp32 rows
         Step("the division's backward", (Made(f"{g}/d numerator", slots, "fp32"),
@@ -139,7 +139,7 @@ def _router(p: str, z: Sizes, config: ModelConfig, shared: bool) -> tuple[Op, ..
     scale = Op("moe.router", forward=(
         Step("times route_scale", (Made(f"{n}/topk scores", slots, "fp32, what the experts read"),),
              frees=(f"{n}/normed", f"{n}/chosen scores", kept_name(p, rules.MOE_TOPK_VALUES), f"{n}/for choice"),
-             reads_last=(kept_name(p, rules.MOE_TOPK_SUM),)),  # the router returns
+             reads_last=kept_names(p, rules.MOE_TOPK_SUM)),  # the router returns
     ), backward=(
         Step("route_scale's backward", (Made(f"{g}/scaled" if norm else f"{g}/d chosen", slots, "fp32"),)),
     ))
@@ -175,7 +175,7 @@ def _dispatch(p: str, z: Sizes, config: ModelConfig, shared: bool) -> tuple[Op, 
     ), saves=(rules.MOE_SORTED_SLOTS,))
     rows = Op("moe.routed_experts", forward=(
         Step("slot // k: each row's token", (kept(p, rules.MOE_TOKEN_INDICES),),
-             reads_last=(kept_name(p, rules.MOE_SORTED_SLOTS),)),
+             reads_last=kept_names(p, rules.MOE_SORTED_SLOTS)),
         Step("x[indices]: the rows in expert order", (kept(p, ledger.EXPERT_IN),)),
     ), backward=(
         Step("index's backward: zeros", (Made(f"grad/{n}/input zeros", z.act * tokens * z.h, "(b*s, h) bf16"),)),
@@ -206,7 +206,7 @@ def _experts(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
                  frees=(f"{g}/dx1", f"{g}/dx3"), hands_over=(f"{g}/{GROUPED_WEIGHTS['w1']}",)),
         ), saves=(rules.MOE_OFFSETS, ledger.EXPERT_IN)),
         Op("moe.routed_experts.inner_experts", forward=(
-            Step("SiLU", (kept(p, ledger.EXPERT_SILU_OUT),), reads_last=(kept_name(p, ledger.EXPERT_GATE),)),
+            Step("SiLU", (kept(p, ledger.EXPERT_SILU_OUT),), reads_last=kept_names(p, ledger.EXPERT_GATE)),
         ), backward=(
             Step("SiLU's backward", (Made(f"{g}/gate", rows_f, "bf16"),), frees=(f"{g}/silu",)),
         ), saves=(ledger.EXPERT_GATE,)),
@@ -218,14 +218,14 @@ def _experts(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
         )),
         Op("moe.routed_experts.inner_experts", forward=(
             Step("SiLU(w1 x) * w3 x", (kept(p, ledger.EXPERT_FC2_IN),),
-                 reads_last=(kept_name(p, ledger.EXPERT_SILU_OUT), kept_name(p, ledger.EXPERT_UP))),
+                 reads_last=kept_names(p, ledger.EXPERT_SILU_OUT, ledger.EXPERT_UP)),
         ), backward=(
             Step("the product's backward: dY * up", (Made(f"{g}/silu", rows_f, "bf16"),)),
             Step("the product's backward: dY * SiLU", (Made(f"{g}/up", rows_f, "bf16"),), frees=(f"{g}/dh",)),
         ), saves=(ledger.EXPERT_UP, ledger.EXPERT_SILU_OUT)),
         Op("moe.routed_experts.inner_experts", forward=(
             Step("w2's grouped GEMM", (Made(f"{n}/output", rows_h, "(r, h) bf16"),),  # inner_experts returns
-                 reads_last=(kept_name(p, ledger.EXPERT_FC2_IN), kept_name(p, rules.MOE_OFFSETS))),
+                 reads_last=kept_names(p, ledger.EXPERT_FC2_IN, rules.MOE_OFFSETS)),
         ), backward=(
             gemms("w2", f"{g}/output", f"{g}/dh", rows_f, frees=(f"{g}/output",)),
             Step("", hands_over=(f"{g}/{GROUPED_WEIGHTS['w2']}",)),
@@ -245,19 +245,19 @@ def _combine(p: str, z: Sizes, config: ModelConfig, shared: bool) -> tuple[Op, .
             Step("zeros_like(x): scatter_add's target", (Made(f"{n}/zeros", out, "(b*s, h) bf16"),)),
             Step("the output upcast", (kept(p, rules.MOE_EXPERT_OUT),)),
             Step("times the score", (Made(f"{n}/weighted fp32", rows32, "fp32"),),
-                 reads_last=(kept_name(p, rules.MOE_EXPERT_OUT),)),
+                 reads_last=kept_names(p, rules.MOE_EXPERT_OUT)),
             Step("cast back", (Made(f"{n}/weighted", rows, "bf16"),), frees=(f"{n}/weighted fp32",)),
             Step("deterministic_scatter_add: the routed output", (
                 Made(f"{n}/routed out" if shared else f"{p}/ffn out", out, "(b*s, h) bf16"),),
                 frees=(f"{n}/zeros", f"{n}/weighted")),
-            Step("", frees=(f"{n}/experts/output",), reads_last=tuple(  # routed_experts returns: its locals go
-                kept_name(p, t) for t in (rules.MOE_SORTED_SCORES, rules.MOE_TOKEN_INDICES, ledger.EXPERT_IN))),
+            Step("", frees=(f"{n}/experts/output",),  # routed_experts returns: its locals go
+                 reads_last=kept_names(p, rules.MOE_SORTED_SCORES, rules.MOE_TOKEN_INDICES, ledger.EXPERT_IN)),
         ), backward=(
             Step("scatter_add's backward: dY at each row's token", (Made(f"{g}/rows", rows, "bf16"),)),
             Step("the cast's backward: to fp32", (Made(f"{g}/rows fp32", rows32, "fp32"),), frees=(f"{g}/rows",)),
             Step("the product's backward: dY * score", (Made(f"{g}/dx fp32", rows32, "fp32"),)),
             Step("the product's backward: dY * output", (Made(f"{g}/dscore rows", rows32, "fp32"),),
-                 reads_last=(kept_name(p, rules.MOE_EXPERT_OUT), kept_name(p, rules.MOE_SORTED_SCORES))),
+                 reads_last=kept_names(p, rules.MOE_EXPERT_OUT, rules.MOE_SORTED_SCORES)),
             Step("summed over h: each slot's score gradient", (Made(f"{g}/sorted scores", 4 * r, "fp32"),),
                  frees=(f"{g}/rows fp32", f"{g}/dscore rows"), returns=True),
             Step("the upcast's backward: to bf16", (Made(f"{g}/experts/output", rows, "bf16"),),
