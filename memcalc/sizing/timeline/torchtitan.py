@@ -58,8 +58,9 @@ without FullAC or SelectiveAC: FSDPMemTracker reads a block's rerun as temporari
 test_torchtitan_fsdp_tp.py); as
 HSDP (dp_replicate 2 x dp_shard 2, at t = 1 and under tp-sp on the 3-D mesh); with experts at t = 1 without
 recomputation, under FullAC and under SelectiveAC, the router forced balanced or all-to-one, every layer a MoE one
-or dense blocks beside them (moe_layer_freq, moe_first_dense_layers) (test_torchtitan_step.py), and under FSDP2 at
-dp_shard <= E, each MoE block one unit, its grouped experts' weights among its parameters (test_torchtitan_fsdp.py);
+or dense blocks beside them (moe_layer_freq, moe_first_dense_layers) (test_torchtitan_step.py), and under FSDP2,
+each MoE block one unit, its grouped experts' weights among its parameters, sharded on dim 0 or (more data-parallel
+ranks than experts) on dim 1, and as HSDP (test_torchtitan_fsdp.py);
 `check_modelled` names everything else.
 On CUDA torchtitan's Llama3 runs flex attention and torch's fused _fused_rms_norm kernel, which keep other tensors
 (the ledger's device rules) and allocate otherwise in backward: not described here yet.
@@ -79,7 +80,7 @@ from memcalc.model.ledger import SavedTensor
 from memcalc.model.strategy import Strategy
 from memcalc.sizing.pipeline import stages
 from memcalc.sizing.timeline.ends import model_states
-from memcalc.sizing.timeline.fsdp import OUTPUT, Fsdp, torchtitan_block
+from memcalc.sizing.timeline.fsdp import OUTPUT, Fsdp, expert_dim1, torchtitan_block
 from memcalc.sizing.timeline.tape import ACTIVATIONS, PARAMETERS, TEMPORARIES, Sizes, Tape, Timeline, prod
 from memcalc.sizing.timeline.torchtitan_moe import moe_ops
 from memcalc.sizing.timeline.walk import Checkpoint, Made, Op, Step, Walk, kept, kept_name, kept_names
@@ -149,8 +150,9 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
                                                         " carries a Partial gradient through the norms' backward;"
                                                         " tp-sp, torchtitan's default, is modelled)"),
         (config.reduce_dtype != "fp32", f"reduce_dtype {config.reduce_dtype} (torchtitan reduces in float32 only)"),
-        (config.moe and (config.dp_shard or 1) > config.num_experts, f"dp_shard={config.dp_shard} beyond"
-         f" num_experts={config.num_experts} (apply_fsdp_to_decoder then shards the experts on dim 1)"),
+        (expert_dim1(config) and bool(config.expert_ffn % config.dp_shard or config.h % config.dp_shard),
+         f"dp_shard={config.dp_shard} for num_experts={config.num_experts} with f_e={config.expert_ffn} and"
+         f" h={config.h} (apply_fsdp_to_decoder shards the experts on dim 1, which FSDP2 requires even)"),
         (config.tie_embeddings, "tie_embeddings (Llama3 unties them; set tie_embeddings false)"),
         (config.position_embedding_type != "rope", f"position_embedding_type {config.position_embedding_type}"
                                                    " (Llama3 rotates q and k: set rope)"),
