@@ -40,6 +40,7 @@ On the fake process group the collectives move nothing, but every buffer is allo
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, replace
 
 from memcalc.config.schema import ModelConfig
@@ -209,7 +210,7 @@ class Fsdp:
     def shapes(self, block: str) -> tuple[tuple[int, ...], ...]:
         return self.unit(block).shapes
 
-    def unsharded(self, block: str, modules: tuple[str, ...] | None = None) -> int:
+    def unsharded(self, block: str, modules: Collection[str] | None = None) -> int:
         """Elements of a block gathered whole (each parameter padded), or of those of its parameters in `modules`."""
         return sum(_padded(shape, self.shards, m in self.dim1) for m, shape in self.unit(block).params
                    if modules is None or m in modules)
