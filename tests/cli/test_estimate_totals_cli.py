@@ -215,6 +215,18 @@ def test_torchtitans_activation_checkpointing_has_a_modelled_step_peak_below_the
         assert per["full"][name]["needed_bytes"] < per["op"][name]["needed_bytes"] < per["none"][name]["needed_bytes"]
 
 
+def test_torchtitans_moe_under_its_activation_checkpointing_has_a_modelled_step_peak():
+    """Mixtral under impl torchtitan (its trainer's default: SelectiveAC, `op`) walks its Qwen3-style MoE layers on
+    the CPU kernels, not refused: the verdict is on the step's peak, FullAC's below it, no recomputation's above."""
+    mixtral = ["--config", "mixtral-8x7b", "--impl", "torchtitan", "--device", "cpu", "--totals"]
+    run = memcalc_cli("estimate", *mixtral)
+    assert run.code == 3, run.err  # 789 GiB on one GPU fits no 80 GB card
+    assert "847,146,739,756 B = 788.97 GiB (the step's peak)" in run.out
+    per = {r: _json(*mixtral, "--recompute", r)["per_gpu"]["strategies"]["none"] for r in ("none", "op", "full")}
+    assert {per[r]["needed_basis"] for r in per} == {"the step's peak"}
+    assert per["full"]["needed_bytes"] < per["op"]["needed_bytes"] < per["none"]["needed_bytes"]
+
+
 def test_latent_attention_without_experts_has_a_modelled_step_peak():
     """megatron-core's MLASelfAttention is walked (memcalc.sizing.timeline.megatron_mla): at t = 1, under tp and
     tp-sp the verdict is on the step's peak, above states and saved activations."""

@@ -20,9 +20,9 @@ def reading_every_op(tracker: type[MomentTracker], read=categories) -> type[Mome
     return AfterEveryOp
 
 
-def torchtitan_fsdp_readings(config, strategy: str) -> list[tuple[str, dict[str, int]]]:
+def torchtitan_fsdp_readings(config, strategy: str, route: str | None = None) -> list[tuple[str, dict[str, int]]]:
     """FSDPMemTracker's reading after every op of one step of torchtitan's Llama3Model under its parallelize_llama, on
-    rank 0 of dp_replicate*dp_shard*t (torchtitan's own meshes)."""
+    rank 0 of dp_replicate*dp_shard*t (torchtitan's own meshes); with experts the router forced to `route`."""
     from memcalc.model.strategy import STRATEGIES
     from memcalc.probe.launch import run_fake
     from memcalc.probe.libs.hf_fsdp import FsdpMomentTracker, fsdp_categories
@@ -32,7 +32,7 @@ def torchtitan_fsdp_readings(config, strategy: str) -> list[tuple[str, dict[str,
 
     def on_rank(tp):
         with data_parallel(tp, config, plan) as dims:
-            trainer = warmed_up_sharded(tp, config, plan, dims)
+            trainer = warmed_up_sharded(tp, config, plan, dims, route)
             tracker = reading_every_op(FsdpMomentTracker, fsdp_categories)(trainer.model, trainer.optimizer)
             tracker.readings = []
             with tracker:

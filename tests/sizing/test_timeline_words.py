@@ -31,6 +31,19 @@ def test_fsdp2s_peak_names_its_block_gathered_and_the_previous_blocks_reduce_sca
     assert "its gathered parameters" in words and "the reduce-scatter of layer 1's gradients" in words
 
 
+def test_torchtitans_peak_under_fsdp2_is_said_of_its_block():
+    """torchtitan's module paths have no `model.` ahead of `layers.N` (under its checkpointing the block's is
+    layers.N._checkpoint_wrapped_module): a MoE model's peak at dp_shard 2 in a block's backward is that layer's,
+    not the root's."""
+    from memcalc.model.knobs import Accounting
+
+    config = build_config({"impl": "torchtitan", "num_experts": 4, "moe_router_topk": 2} | {
+        k: LLAMA[k] for k in ("b", "s", "h", "a", "L", "vocab_size", "ffn_hidden_size", "num_query_groups")} | {
+        "position_embedding_type": "rope", "add_bias_linear": False, "tie_embeddings": False, "dp_shard": 2})
+    peak = timeline(config, STRATEGIES["none"], Accounting(device="cpu")).peak
+    assert peak.where.startswith("layers.") and in_words(peak).startswith(f"{peak.phase} of layer {peak.where[7]} (")
+
+
 def test_a_moment_under_zero3_names_the_gathered_modules_and_the_bucket():
     walk = timeline(build_config(LLAMA | {"zero_stage": 3}), STRATEGIES["none"])
     (moment,) = [m for m in walk.moments if m.where == "model.layers.1.self_attn.q_proj" and "reduce bucket" in m.what]

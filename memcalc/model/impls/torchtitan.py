@@ -42,7 +42,8 @@ paper's Megatron layer:
 
 With experts (num_experts), the feed-forward is torchtitan's MoE (models/common/moe.py) as its Qwen3 and
 DeepSeek-V3 layers build it; what it keeps is listed with its tensors below (`moe_block`). Measured at ep = 1,
-bf16, without recomputation, under `none`: the rest is refused (`check_moe`, `MOE_NOT_SHARDED`).
+bf16, without recomputation, under FullAC and under SelectiveAC: the rest is refused (`check_moe`,
+`MOE_NOT_SHARDED`).
 
 Recomputation, torchtitan's own (distributed/activation_checkpoint.py):
 - "full" (FullAC, non-reentrant torch.utils.checkpoint): the block's input alone.
@@ -53,6 +54,9 @@ Recomputation, torchtitan's own (distributed/activation_checkpoint.py):
   output is its partial sum over the whole sequence, before the reduce-scatter or
   all-reduce (spmd_types' collectives are torch.distributed calls, which the policy
   does not save). On CUDA flex attention's cached outputs include its row maxima.
+  In a MoE layer the router's gate mm is forced to recompute (force_recompute_mm_shapes_by_fqns) and
+  torch._grouped_mm is not on the list, so what it caches of the MoE is top-k's two outputs (topk is on its
+  list, to route alike in the rerun) and, with shared experts, their w1's and w2's outputs (`op_checkpoint`).
 - Both keep the RNG state for the recompute (torch.get_rng_state(): 5056 bytes on
   a CPU); that is not a tensor autograd saves, and is not counted.
 """
@@ -128,6 +132,16 @@ FLEX_MAX_SCORES = SavedTensor(
     "flex attention (CUDA; read from torch's _higher_order_ops/flex_attention.py: FlexAttentionAutogradOp)",
     (Dim.B, Dim.A, Dim.S), Kind.FP32, Region.TENSOR,
     "flex attention saves each query row's fp32 score maximum beside the log-sum-exp", paper=False,
+)
+SHARED_FC2_OUT = replace(
+    FC2_OUT, name="moe/shared_fc2_out", saved_by="SelectiveAC: MUST_SAVE of the shared experts' w2 matmul (the fifth)",
+    why="op-level checkpointing keeps this GEMM's output so the recompute in backward need not redo it",
+)
+MOE_TOPK_VALUES = SavedTensor(
+    "moe/topk_values_fp32", "SelectiveAC: MUST_SAVE of the router's torch.topk (on its list, beside the ids)",
+    (Dim.B, Dim.S, Dim.K), Kind.FP32, _SEQ,
+    "op-level checkpointing keeps top-k's outputs so that the recompute routes each token as forward did; the"
+    " values are unused, the scores are gathered from the softmax", paper=False,
 )
 KEPT_WHOLE = frozenset({QKV_IN.name, FC1_IN.name, FC2_OUT.name})
 
@@ -218,10 +232,17 @@ def mlp_block() -> tuple[SavedTensor, ...]:
     return (FC1_IN, ledger.SWIGLU_GATE, ledger.SWIGLU_UP, ledger.SWIGLU_SILU_OUT, ledger.FC2_IN)
 
 
-def op_checkpoint(accounting: Accounting) -> tuple[SavedTensor, ...]:
-    """SelectiveAC's saved op outputs: wqkv, the attention kernel, w1 (SiLU's input), w2; and the block's input."""
+def op_checkpoint(knobs: Any, accounting: Accounting, moe: bool | None = None) -> tuple[SavedTensor, ...]:
+    """SelectiveAC's saved op outputs, and the block's input: wqkv's matmul (the first), the attention kernel's,
+    then a FeedForward's w1 and w2 (the third and fifth matmuls; wo's and w3's, the even ones, are recomputed). In a
+    MoE layer (`moe`, default knobs.moe) the router's topk; the gate's mm is forced to recompute (its
+    force_recompute_mm_shapes_by_fqns) and torch._grouped_mm is not on the list, so the only matmuls counted are the
+    shared experts' FeedForward's."""
     kernel = (*attention_kernel(accounting), ledger.PROJ_IN)
-    return (ledger.LAYER_INPUT, QKV_OUT, *kernel, ledger.SWIGLU_GATE, FC2_OUT)
+    if not (knobs.moe if moe is None else moe):
+        return (ledger.LAYER_INPUT, QKV_OUT, *kernel, ledger.SWIGLU_GATE, FC2_OUT)
+    shared = (ledger.SHARED_GATE, SHARED_FC2_OUT) if knobs.moe_shared_expert_intermediate_size else ()
+    return (ledger.LAYER_INPUT, QKV_OUT, *kernel, MOE_TOPK_VALUES, ledger.ROUTER_TOPK_INDICES, *shared)
 
 
 def moe_block(knobs: Any) -> tuple[SavedTensor, ...]:
@@ -240,7 +261,7 @@ def layer_tensors(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]
     if knobs.recompute == "full":
         return (ledger.LAYER_INPUT,)
     if knobs.recompute == "op":
-        return drop_small(op_checkpoint(accounting), accounting)
+        return drop_small(op_checkpoint(knobs, accounting), accounting)
     mlp = moe_block(knobs) if knobs.moe else mlp_block()
     blocks = norm_block(LN1, accounting) + attention_block(accounting) + norm_block(LN2, accounting) + mlp
     return drop_small(blocks, accounting)
@@ -284,13 +305,12 @@ _MOE_REFUSED = (
      " it alltoall"),
     (lambda k: k.moe_aux_loss, "moe_aux_loss: its MoE balances load without an auxiliary loss (expert_bias_E)"),
     (lambda k: getattr(k, "ep", 1) > 1, "ep > 1 (its all-to-all dispatcher) is not measured yet; use ep 1"),
-    (lambda k: k.recompute != "none", "recompute op or full with experts is not measured yet; use recompute none"),
     (lambda k: k.dtype != "bf16", "GroupedExperts computes in bf16 whatever the dtype; use dtype bf16"),
 )
 
 
 def check_moe(knobs: Any) -> None:
-    """ConfigError for MoE knobs the measured MoE block (EP=1, no recompute, bf16) does not run."""
+    """ConfigError for MoE knobs the measured MoE block (EP=1, bf16) does not run."""
     for refused, reason in _MOE_REFUSED:
         if refused(knobs):
             raise ConfigError(f"impl torchtitan with experts: {reason}")
@@ -326,10 +346,12 @@ IMPLEMENTATION = Implementation(
     measured_on="torchtitan 0.3.0 (torch 2.13.0, CPU, bf16): Llama3TransformerBlock with fused wqkv and SDPA,"
     " its own TP plan (set_llama3_sharding_config + Module.parallelize, spmd_types backend), FullAC and SelectiveAC;"
     " with experts, Qwen3TransformerBlock's MoE (router, local dispatcher, GroupedExperts on torch._grouped_mm,"
-    " shared experts) at ep 1 without recomputation, its router forced balanced and all-to-one",
+    " shared experts) at ep 1 without recomputation, under FullAC and SelectiveAC, its router forced balanced and"
+    " all-to-one",
     layer_tensors=layer_tensors,
     kept_whole=KEPT_WHOLE,
-    tensors=(*LN1, *LN2, QKV_IN, FC1_IN, QKV_OUT, FC2_OUT, FLEX_MAX_SCORES, V_IN_QKV_OUT, *MOE_TENSORS),
+    tensors=(*LN1, *LN2, QKV_IN, FC1_IN, QKV_OUT, FC2_OUT, FLEX_MAX_SCORES, V_IN_QKV_OUT, *MOE_TENSORS, SHARED_FC2_OUT,
+             MOE_TOPK_VALUES),
     size_conditions=CONDITIONS,
     check=check,
     refuses=MOE_NOT_SHARDED,

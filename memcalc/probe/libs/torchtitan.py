@@ -224,6 +224,10 @@ def library_rules(config: ModelConfig, t: int) -> tuple[Rule, ...]:
             Rule("*attention.wo", "linear", ledger.PROJ_IN, arg=0, view=_heads(d)),  # the attention kernel's output
             Rule("*feed_forward", "silu", ledger.SWIGLU_GATE, arg=0),  # w1's output
             Rule("*feed_forward.w2", "linear", rules.FC2_OUT),
+            Rule("*moe.router", "topk", rules.MOE_TOPK_VALUES),
+            Rule("*moe.router", "gather", ledger.ROUTER_TOPK_INDICES, arg="index"),  # topk's second output
+            Rule("*moe.shared_experts", "silu", ledger.SHARED_GATE, arg=0),  # w1's output
+            Rule("*moe.shared_experts.w2", "linear", rules.SHARED_FC2_OUT),
         )
     return (
         Rule("*attention_norm", "rms_norm", rules.LN1.input_fp32, arg=0),  # fp32 only: bf16 is upcast (AtenLabels)
@@ -380,7 +384,7 @@ def _hand_to_recorder(kept: list[torch.Tensor]) -> None:
 # -- the runner ---------------------------------------------------------------------
 
 # spmd_types (torchtitan's TP backend) still calls these; torch 2.13 warns on every call.
-# The MoE router's torch.autocast(float32), which the shim runs at fp32 on the CPU anyway (cuda_like_router).
+# The MoE router's torch.autocast(float32), which the shim runs at fp32 on the CPU anyway (route_gates).
 CPU_AUTOCAST_FP32 = "In CPU autocast, but the target dtype is not supported"
 DEPRECATED_COLLECTIVES = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
 
@@ -401,7 +405,7 @@ def run_layer(
         caches = stack.enter_context(shim.op_checkpoint_caches())
         block = build_block(config, tp, strategy, dims)
         x = block_input(config, tp, strategy)
-        stack.enter_context(shim.cuda_like_router(block, route, config.moe_router_topk))
+        shim.route_gates(block, route, config.moe_router_topk)
         state = chain(block.parameters(), block.buffers())  # buffers: the RoPE table is state, like a weight
         with SavedTensorRecorder(state) as recorder:
             with Labels(block, library_rules(config, tp.size)), AtenLabels(block, aten_rules()):

@@ -23,9 +23,10 @@ is edited.
   `torch.autocast(device, float32)`, which CUDA honours (the gate casts its weight
   and input to fp32, and the router works in fp32) and a CPU refuses with a
   warning (its autocast takes bf16 and fp16 only), leaving the router in bf16.
-  `cuda_like_router` turns the CPU's autocast on at fp32 (torch's own
-  set_autocast_dtype) for the gate's call alone, the region torchtitan's
-  autocast covers, so the CPU keeps what CUDA keeps.
+  `route_gates` turns the CPU's autocast on
+  at fp32 (torch's own set_autocast_dtype) for the gate's call alone, the region
+  torchtitan's autocast covers, so the CPU keeps what CUDA keeps; its hooks stay
+  on the gate, so an activation checkpoint's rerun in backward routes alike.
 - Forced routing (`--route`): the same hook on the gate adds hf_shim's constant
   lead to its logits, so the router's scores, top-k and route_norm run as
   written on known experts.
@@ -141,31 +142,27 @@ def route_note(route: str) -> str:
     return f"torchtitan: the router is forced ({route}): its gate's logits get {route_lead(route)}; the rest as written"
 
 
-@contextmanager
-def cuda_like_router(block: torch.nn.Module, route: str | None, k: int) -> Iterator[None]:
-    """While inside, each MoE gate of `block` runs as under CUDA's autocast(float32), its logits led by `route`."""
+def route_gates(block: torch.nn.Module, route: str | None, k: int) -> None:
+    """Hooks that make each MoE gate of `block` run as under CUDA's autocast(float32), its logits led by `route`,
+    in forward and in a checkpoint's rerun in backward alike, for the life of `block`."""
     from torchtitan.models.common.moe import TokenChoiceTopKRouter
 
-    found = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
+    found: list[tuple[bool, Any]] = []  # the CPU autocast state each running gate found
 
     def fp32_on_cpu(module: torch.nn.Module, args: tuple) -> None:
         if args[0].device.type == "cpu":  # what torch.autocast refuses on a CPU and runs on CUDA
+            found.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
             torch.set_autocast_dtype("cpu", torch.float32)
             torch.set_autocast_enabled("cpu", True)
 
     def restored(module: torch.nn.Module, args: tuple, logits: torch.Tensor) -> torch.Tensor:
-        _restore_cpu_autocast(*found)
+        if found:
+            _restore_cpu_autocast(*found.pop())
         return logits if route is None else logits + lead(logits.flatten(0, -2), route, k).view_as(logits)
 
-    gates = [m.gate for m in block.modules() if isinstance(m, TokenChoiceTopKRouter)]
-    handles = [h for gate in gates
-               for h in (gate.register_forward_pre_hook(fp32_on_cpu), gate.register_forward_hook(restored))]
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-        _restore_cpu_autocast(*found)  # also where a gate raised
+    for gate in [m.gate for m in block.modules() if isinstance(m, TokenChoiceTopKRouter)]:
+        gate.register_forward_pre_hook(fp32_on_cpu)
+        gate.register_forward_hook(restored)
 
 
 def _restore_cpu_autocast(enabled: bool, dtype: Any) -> None:

@@ -68,11 +68,10 @@ def warmed_up(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, 
     """torchtitan's Llama3Model in training mode with memcalc's trainer, stepped once; under tp (inside `runtime`)
     laid out by its own plan (set_llama3_sharding_config, Module.parallelize), its loss vocabulary-parallel. With
     experts its MoE layers' routers run in fp32 as under CUDA's autocast, forced to `route` (the shim's
-    cuda_like_router, as the layer probe runs them)."""
-    if config.tie_embeddings:
-        raise ProbeError("impl torchtitan: Llama3 unties its embedding and output layer; set tie_embeddings false")
-    if config.moe and route is None:
-        raise ProbeError("impl torchtitan: --step on experts forces the router (--route balanced or all-to-one)")
+    route_gates, as the layer probe runs them)."""
+    from memcalc.probe.libs import torchtitan_shim as shim
+
+    _check_buildable(config, route)
     with torch.device("meta"), set_default_dtype(DTYPES[config.dtype]):  # as its trainer builds a model
         model = titan.model_config(config, strategy.sequence_parallel, config.L, config.vocab_size).build()
     if dims is not None:
@@ -83,18 +82,18 @@ def warmed_up(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, 
     with torch.no_grad(), set_default_dtype(DTYPES[config.dtype]):
         model.init_states(buffer_device=tp.device)
     model.train()
+    if config.moe:  # its routers fp32 and forced, in forward and in a checkpoint's rerun alike
+        shim.route_gates(model, route, config.moe_router_topk)
     loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config(global_vocab_size=config.vocab_size))
-    return Trainer.around(config, model, lambda tokens, labels: _routed_loss(model, loss_fn, tokens, labels, config,
-                                                                             route))
+    return Trainer.around(config, model, lambda tokens, labels: _loss(model, loss_fn, tokens, labels))
 
 
-def _routed_loss(model: Any, loss_fn: Any, tokens: torch.Tensor, labels: torch.Tensor, config: ModelConfig,
-                 route: str | None) -> torch.Tensor:
-    """The trainer's forward (`_loss`), each MoE router fp32 and forced to `route` while it runs."""
-    from memcalc.probe.libs import torchtitan_shim as shim
-
-    with shim.cuda_like_router(model, route, config.moe_router_topk if config.moe else 0):
-        return _loss(model, loss_fn, tokens, labels)
+def _check_buildable(config: ModelConfig, route: str | None) -> None:
+    """ProbeError for what the step cannot build: tied embeddings (Llama3 unties them), experts without a route."""
+    if config.tie_embeddings:
+        raise ProbeError("impl torchtitan: Llama3 unties its embedding and output layer; set tie_embeddings false")
+    if config.moe and route is None:
+        raise ProbeError("impl torchtitan: --step on experts forces the router (--route balanced or all-to-one)")
 
 
 def ac_config(config: ModelConfig) -> Any:
@@ -129,14 +128,15 @@ def _loss(model: Any, loss_fn: Any, tokens: torch.Tensor, labels: torch.Tensor) 
     return loss
 
 
-def measure_torchtitan_fsdp_step_on_rank(tp: TensorParallelGroup, config: ModelConfig,
-                                         strategy: Strategy) -> StepMeasurement:
-    """torchtitan's Llama3Model sharded by its own parallelize_llama over dp_shard ranks (under tp on its 2-D mesh),
-    stepped once, then one step measured by FSDPMemTracker (memcalc.probe.libs.hf_fsdp)."""
+def measure_torchtitan_fsdp_step_on_rank(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy,
+                                         route: str | None = None) -> StepMeasurement:
+    """torchtitan's Llama3Model sharded by its own parallelize_llama over dp_shard ranks (under tp on its 2-D mesh;
+    with experts its MoE layers, the router forced to `route`), stepped once, then one step measured by
+    FSDPMemTracker (memcalc.probe.libs.hf_fsdp)."""
     from memcalc.probe.libs.hf_fsdp import measure_sharded
 
     with data_parallel(tp, config, strategy) as dims:
-        return measure_sharded(warmed_up_sharded(tp, config, strategy, dims), tp, strategy)
+        return measure_sharded(warmed_up_sharded(tp, config, strategy, dims, route), tp, strategy)
 
 
 @contextmanager
@@ -174,7 +174,8 @@ def data_parallel(tp: TensorParallelGroup, config: ModelConfig, strategy: Strate
         dist_utils.set_spmd_backend(before)
 
 
-def warmed_up_sharded(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, dims: Any) -> Any:
+def warmed_up_sharded(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, dims: Any,
+                      route: str | None = None) -> Any:
     """Rank 0 of the fake group's world (`data_parallel`'s meshes, `dims`): Llama3Model built on the meta device in
     fp32 (its trainer's training.dtype), laid out by torchtitan's own parallelize_llama (under tp its TP plan over the
     mesh's tp dimension, each parameter a DTensor of this rank's shard; its activation checkpointing config for
@@ -182,15 +183,15 @@ def warmed_up_sharded(tp: TensorParallelGroup, config: ModelConfig, strategy: St
     (dp_replicate, fsdp) with dp_replicate: tok_embeddings, each block, [norm, lm_head], the model; bf16 parameters,
     fp32 reduce, its TrainingConfig's; its reshard policy "default", or "never" without reshard_after_forward),
     materialised and initialised, AdamW (fused) over the shards, zeroed in place (its trainer's
-    zero_grad(set_to_none=False)), stepped once."""
+    zero_grad(set_to_none=False)), stepped once. With experts (one FSDP2 unit per block at ep = 1) its routers run
+    in fp32, forced to `route`, as `warmed_up`'s."""
     from torchtitan.config.configs import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.models.llama3.parallelize import parallelize_llama
 
     from memcalc.probe.libs import torchtitan_shim as shim
     from memcalc.probe.libs.hf_fsdp import ShardedTrainer
 
-    if config.tie_embeddings:
-        raise ProbeError("impl torchtitan: Llama3 unties its embedding and output layer; set tie_embeddings false")
+    _check_buildable(config, route)
     backend = dims.spmd_backend
     with torch.device("meta"):
         model = titan.model_config(config, strategy.sequence_parallel, config.L, config.vocab_size).build()
@@ -208,6 +209,8 @@ def warmed_up_sharded(tp: TensorParallelGroup, config: ModelConfig, strategy: St
         warnings.filterwarnings("ignore", "DTensor random operators", UserWarning)  # not those of a GPU mesh
         model.init_states(buffer_device=tp.device)
     model.train()
+    if config.moe:
+        shim.route_gates(model, route, config.moe_router_topk)
     loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config(global_vocab_size=config.vocab_size))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     trainer = ShardedTrainer(config, model, optimizer, lambda tokens, labels: _loss(model, loss_fn, tokens, labels),

@@ -5,9 +5,10 @@ where FSDP2's hooks run).
 A layout is data: a list of units, each one `fully_shard` call with its parameters (module, shape, in registration
 order) and its reshard_after_forward. accelerate's (`Fsdp.of`): every decoder layer, then the whole model (the root:
 embedding, final norm, lm_head, unsharded from its forward to the end of backward). torchtitan's (`Fsdp.torchtitan`,
-its apply_fsdp_to_decoder): tok_embeddings, every block, then norm and lm_head as one unit never resharded after
-forward, the model's own call holding nothing; its trainer zeroes the sharded gradients in place
-(zero_grad(set_to_none=False)), so they live between steps and each reduce-scatter's shard is added into them. Both
+its apply_fsdp_to_decoder): tok_embeddings, every block (a MoE one with its experts: one unit at ep = 1), then norm
+and lm_head as one unit never resharded after forward, the model's own call holding nothing; its trainer zeroes the
+sharded gradients in place (zero_grad(set_to_none=False)), so they live between steps and each reduce-scatter's shard
+is added into them. Both
 with MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=...), over dp_shard ranks. What torch 2.13's FSDP2 does,
 and so what the tape holds:
 
@@ -16,16 +17,18 @@ and so what the tape holds:
                     gradients (zero_grad sets them to None), or under torchtitan their fp32 shards
     pre-forward     a unit's all-gather: this rank's shards cast to bf16, a flat bf16 buffer of the whole
                     unit (foreach_all_gather), copied out into each parameter's unsharded bf16 storage
-                    (foreach_all_gather_copy_out); the buffer is kept until the next unit's copy-out
+                    (foreach_all_gather_copy_out; a Shard(1) parameter's rank by rank into a temporary, then
+                    chunk-cat into its own); the buffer is kept until the next unit's copy-out
                     (implicit forward prefetch), the last until the root's forward returns
     post-forward    reshard_after_forward: the unit's unsharded parameters freed
     pre-backward    the unit's own gather copied out (again, if resharded), and the next unit's all-gather
                     issued at once (implicit backward prefetch): its flat buffer waits for that unit's turn
     backward        each weight's bf16 gradient is the unsharded parameter's .grad, kept to the unit's end
     post-backward   under tp each Partial gradient (a sequence-parallel norm's) all-reduced over t into a
-                    copy, the Partial one freed; the unit resharded; the gradients it has cast into a flat
-                    reduce_dtype reduce-scatter buffer, freed, and this rank's shard (fp32, the parameter's dtype) made; the buffer is
-                    kept until the next reduce-scatter (FSDP2 waits for it there). Under HSDP (dp_replicate)
+                    copy, the Partial one freed; the unit resharded; each Shard(1) gradient copied, laid out on
+                    dim 0; the gradients it has cast into a flat reduce_dtype reduce-scatter buffer, freed, and
+                    this rank's shard (fp32, the parameter's dtype) made; the buffer is kept until the next
+                    reduce-scatter (FSDP2 waits for it there). Under HSDP (dp_replicate)
                     the output is all-reduced across replicas in place, and under torchtitan, whose output
                     is added into the sharded gradients, the unit holds it (AllReduceState) until its next
                     post-backward or the end of backward. A unit of several modules
@@ -37,22 +40,25 @@ On the fake process group the collectives move nothing, but every buffer is allo
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, replace
 
 from memcalc.config.schema import ModelConfig
 from memcalc.model.knobs import DTYPE_BYTES
 from memcalc.sizing.timeline.tape import ACTIVATIONS, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, Tape
+from memcalc.sizing.timeline.torchtitan_moe import GROUPED_WEIGHTS as W
 
 ROOT = "root"
 OUTPUT = "norm+lm_head"  # torchtitan's last unit
 
 
-def _padded(shape: tuple[int, ...], shards: int) -> int:
-    """Elements of one parameter as FSDP2 stores it: dim 0 padded up to a multiple of `shards`."""
+def _padded(shape: tuple[int, ...], shards: int, dim1: bool = False) -> int:
+    """Elements of one parameter as FSDP2 stores it: dim 0 padded up to a multiple of `shards` (sharded on dim 1,
+    which FSDP2 requires even, none)."""
     rest = 1
     for n in shape[1:]:
         rest *= n
-    return -(-shape[0] // shards) * shards * rest
+    return shape[0] * rest if dim1 else -(-shape[0] // shards) * shards * rest
 
 
 Param = tuple[str, tuple[int, ...]]  # a parameter's module path and its shape on this rank before FSDP2 shards it
@@ -127,14 +133,31 @@ def torchtitan_units(c: ModelConfig, reshard: bool, t: int = 1) -> tuple[Unit, .
 
     def block(i: int) -> Unit:
         m = torchtitan_block(i, c)
+        mlp = torchtitan_moe_parameters(c, f"{m}.moe") if c.is_moe_layer(i) else (
+            (f"{m}.feed_forward.w1", (f, c.h)), (f"{m}.feed_forward.w2", (c.h, f)), (f"{m}.feed_forward.w3", (f, c.h)))
         return Unit(f"layers.{i}", ((f"{m}.attention.qkv_linear.wqkv", (qkv, c.h)),
-                                    (f"{m}.attention.wo", (c.h, c.a * c.head_dim // t)),
-                                    (f"{m}.feed_forward.w1", (f, c.h)), (f"{m}.feed_forward.w2", (c.h, f)),
-                                    (f"{m}.feed_forward.w3", (f, c.h)), (f"{m}.attention_norm", (c.h,)),
-                                    (f"{m}.ffn_norm", (c.h,))), reshard)
+                                    (f"{m}.attention.wo", (c.h, c.a * c.head_dim // t)), *mlp,
+                                    (f"{m}.attention_norm", (c.h,)), (f"{m}.ffn_norm", (c.h,))), reshard)
     return (Unit("tok_embeddings", (("tok_embeddings", (v, c.h)),), reshard),
             *(block(i) for i in range(c.L)),
             Unit(OUTPUT, (("norm", (c.h,)), ("lm_head", (v, c.h))), False))
+
+
+def torchtitan_moe_parameters(c: ModelConfig, m: str) -> tuple[Param, ...]:
+    """torchtitan's MoE's parameters in registration order (t = 1, ep = 1): GroupedExperts' (E, f, h) w1, (E, h, f)
+    w2 and (E, f, h) w3 (one module's, each named by its own path), the router's (E, h) gate, then the shared
+    experts' FeedForward (w1, w2, w3). The grouped ones sharded on dim 0, or on dim 1 (`expert_dim1`)."""
+    e, f, u, experts = c.num_experts, c.expert_ffn, c.moe_shared_expert_intermediate_size, f"{m}.routed_experts"
+    shared = ((f"{m}.shared_experts.w1", (u, c.h)), (f"{m}.shared_experts.w2", (c.h, u)),
+              (f"{m}.shared_experts.w3", (u, c.h))) if u else ()
+    return ((f"{experts}.inner_experts.{W['w1']}", (e, f, c.h)), (f"{experts}.inner_experts.{W['w2']}", (e, c.h, f)),
+            (f"{experts}.inner_experts.{W['w3']}", (e, f, c.h)), (f"{m}.router.gate", (e, c.h)), *shared)
+
+
+def expert_dim1(c: ModelConfig) -> bool:
+    """Whether torchtitan's apply_fsdp_to_decoder shards the experts on dim 1: at ep = 1 when its data-parallel mesh
+    (dp_replicate x dp_shard) has more ranks than there are experts."""
+    return bool(c.moe) and (c.dp_replicate or 1) * (c.dp_shard or 1) > c.num_experts
 
 
 @dataclass(frozen=True)
@@ -150,6 +173,7 @@ class Fsdp:
     tp: bool = False  # transformers' tp_plan on the mesh's other dimension
     accumulate: bool = False
     partial: frozenset[str] = frozenset()  # modules whose weight's gradient DTensor leaves Partial over t
+    dim1: frozenset[str] = frozenset()  # parameters sharded on dim 1 (Shard(1): evenly, no padding)
     replicas: int = 1  # HSDP's dp_replicate: each reduce-scatter's output all-reduced across replicas
 
     @classmethod
@@ -159,8 +183,14 @@ class Fsdp:
         alone: their Replicate weights' gradients are Partial sums over t."""
         units = torchtitan_units(config, config.reshard_after_forward, t)
         norms = frozenset(m for u in units for m, shape in u.params if len(shape) == 1) if sp else frozenset()
+        experts = frozenset(m for u in units for m, _ in u.params if m.endswith(tuple(W.values())))
         return cls(config.dp_shard or 1, DTYPE_BYTES[config.dtype], DTYPE_BYTES[config.reduce_dtype], units,
-                   accumulate=True, partial=norms, replicas=config.dp_replicate or 1)
+                   accumulate=True, partial=norms, replicas=config.dp_replicate or 1,
+                   dim1=experts if expert_dim1(config) else frozenset())
+
+    def holds(self, module: str) -> bool:
+        """Whether some unit has a parameter of `module` (named by the module's path)."""
+        return any(m == module for u in self.units for m, _ in u.params)
 
     def unit_of(self, module: str) -> str:
         """The unit that holds the parameter of `module`."""
@@ -180,9 +210,9 @@ class Fsdp:
     def shapes(self, block: str) -> tuple[tuple[int, ...], ...]:
         return self.unit(block).shapes
 
-    def unsharded(self, block: str, modules: tuple[str, ...] | None = None) -> int:
+    def unsharded(self, block: str, modules: Collection[str] | None = None) -> int:
         """Elements of a block gathered whole (each parameter padded), or of those of its parameters in `modules`."""
-        return sum(_padded(shape, self.shards) for m, shape in self.unit(block).params
+        return sum(_padded(shape, self.shards, m in self.dim1) for m, shape in self.unit(block).params
                    if modules is None or m in modules)
 
     def blocks(self) -> tuple[str, ...]:
@@ -227,14 +257,24 @@ class Fsdp:
             return
         if f"fsdp/{block} all-gather" not in tape.live:
             self.all_gather(tape, block, phase, where)
-        if phase == "forward":
-            self.forward_done(tape, keep=block)
         name = f"fsdp/{block} unsharded"
         # FSDP2 frees and regrows the same storages (resize_): gathered first in the step's forward, FSDPMemTracker
         # files them as an op's output (an activation) until FSDP2's pre-forward hook has run, then as the
         # unsharded parameters; gathered again in backward, they are known as such at once
-        tape.add(name, ACTIVATIONS if phase == "forward" else PARAMETERS, self.act * self.unsharded(block),
-                 "the block's parameters gathered whole, in param_dtype, while it runs")
+        made = ACTIVATIONS if phase == "forward" else PARAMETERS
+        unsharded = (name, made, self.act * self.unsharded(block), "the block's parameters gathered whole, in"
+                     " param_dtype, while it runs")
+        dim1 = self.act * self.unsharded(block, self.dim1)
+        if dim1:  # Shard(1) parameters are copied out into temporaries first, then chunk-cat into their own
+            tape.add(*unsharded)
+            tape.add(f"fsdp/{block} chunk-cat", ACTIVATIONS if phase == "forward" else TEMPORARIES, dim1,
+                     "the Shard(1) parameters' all-gather outputs, rank by rank: chunk-cat into their storage")
+            tape.mark(phase, where, f"FSDP2 chunk-cats {block}'s Shard(1) parameters out of temporaries")
+            tape.drop(f"fsdp/{block} chunk-cat")
+        if phase == "forward":
+            self.forward_done(tape, keep=block)
+        if not dim1:
+            tape.add(*unsharded)
         tape.mark(phase, where, f"FSDP2 copies the gathered {block} out of its all-gather buffer")
         if phase != "forward":
             tape.drop(f"fsdp/{block} all-gather")
@@ -311,6 +351,20 @@ class Fsdp:
         tape.drop(name)
         return reduced
 
+    def _dim0_copies(self, tape: Tape, block: str, where: str, grads: list[str]) -> list[str]:
+        """foreach_reduce's first loop: each Shard(1) gradient chunked on dim 1 and concatenated on dim 0, a copy in
+        the flat list; the originals, still referenced by the loop, go (measured) with the last one's copy, all but
+        the last: its loop variable holds it until foreach_reduce returns. The Shard(1) gradients' names."""
+        dim1 = [n for n in (f"fsdp/{block} grad {m}" for m, _ in self.unit(block).params if m in self.dim1)
+                if n in grads]  # in registration order, as FSDP2 loops over them
+        for i, name in enumerate(dim1):
+            tape.add(f"{name} (dim 0)", TEMPORARIES, tape.live[name].bytes, "a Shard(1) gradient's chunks"
+                     " concatenated on dim 0, for the reduce-scatter's copy-in")
+            if i == len(dim1) - 1:
+                tape.drop(*dim1[:-1])
+            tape.mark("backward", where, f"FSDP2 lays {name.split(' grad ', 1)[1]}'s Shard(1) gradient out on dim 0")
+        return dim1
+
     def post_backward(self, tape: Tape, block: str, where: str, modules: tuple[str, ...] | None = None) -> None:
         """FSDP2's post-backward, as FSDPMemTracker files each step: the block's gradients (the unsharded parameters'
         .grad) become its gradients; under tp its Partial ones all-reduced; the block resharded; foreach_reduce's
@@ -330,13 +384,15 @@ class Fsdp:
         for name in [n for n in tape.live if n.startswith("fsdp/") and n.endswith(" reduce-scatter")]:
             tape.drop(name)  # the previous block's, waited on now
         tape.drop(f"fsdp/{block} all-reduce")  # this unit's last, under HSDP (_wait_for_post_backward)
+        dim1 = self._dim0_copies(tape, block, where, grads)
         whole = self.unsharded(block, modules)
         rs = f"fsdp/{block} reduce-scatter"
         tape.add(rs, TEMPORARIES, self.reduce * whole,
                  "FSDP2's reduce-scatter input: the block's gradients in reduce_dtype, one flat buffer")
         tape.mark("backward", where, f"FSDP2's reduce-scatter buffer for {block}'s gradients")
         last = self._reduced_name(block, self.last_parameter(block, modules))
-        tape.drop(*(n for n in grads if n != last))
+        held = (last, *dim1[-1:])  # the last Shard(1) one: foreach_reduce's first loop variable
+        tape.drop(*(n for n in grads if n not in held), *(f"{n} (dim 0)" for n in dim1))
         out = f"fsdp/{block} sharded grads"
         tape.add(out, TEMPORARIES, self.reduce * whole // self.shards,
                  "this rank's shard of the block's gradients, in reduce_dtype")
@@ -348,7 +404,7 @@ class Fsdp:
             tape.mark("backward", where, f"{block}'s gradient shard cast to fp32")
             tape.drop(out)
             tape.rename(f"{out} (fp32)", out)
-        tape.drop(last)
+        tape.drop(*held)
         if self.accumulate and self.replicas > 1:  # HSDP: FSDP2 holds the all-reduce's input (AllReduceState)
             tape.rename(out, f"fsdp/{block} all-reduce")
         elif self.accumulate:  # added into the sharded gradients

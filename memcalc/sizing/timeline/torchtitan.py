@@ -57,7 +57,10 @@ without FullAC or SelectiveAC: FSDPMemTracker reads a block's rerun as temporari
 (dp_shard 2 and 4, with and without resharding, b = 1 and b > 1, under FullAC and SelectiveAC:
 test_torchtitan_fsdp_tp.py); as
 HSDP (dp_replicate 2 x dp_shard 2, at t = 1 and under tp-sp on the 3-D mesh); with experts at t = 1 without
-recomputation, the router forced balanced or all-to-one (test_torchtitan_step.py);
+recomputation, under FullAC and under SelectiveAC, the router forced balanced or all-to-one, every layer a MoE one
+or dense blocks beside them (moe_layer_freq, moe_first_dense_layers) (test_torchtitan_step.py), and under FSDP2,
+each MoE block one unit, its grouped experts' weights among its parameters, sharded on dim 0 or (more data-parallel
+ranks than experts) on dim 1, and as HSDP (test_torchtitan_fsdp.py);
 `check_modelled` names everything else.
 On CUDA torchtitan's Llama3 runs flex attention and torch's fused _fused_rms_norm kernel, which keep other tensors
 (the ledger's device rules) and allocate otherwise in backward: not described here yet.
@@ -77,10 +80,10 @@ from memcalc.model.ledger import SavedTensor
 from memcalc.model.strategy import Strategy
 from memcalc.sizing.pipeline import stages
 from memcalc.sizing.timeline.ends import model_states
-from memcalc.sizing.timeline.fsdp import OUTPUT, Fsdp, torchtitan_block
+from memcalc.sizing.timeline.fsdp import OUTPUT, Fsdp, expert_dim1, torchtitan_block
 from memcalc.sizing.timeline.tape import ACTIVATIONS, PARAMETERS, TEMPORARIES, Sizes, Tape, Timeline, prod
 from memcalc.sizing.timeline.torchtitan_moe import moe_ops
-from memcalc.sizing.timeline.walk import Checkpoint, Made, Op, Step, Walk, kept, kept_name
+from memcalc.sizing.timeline.walk import Checkpoint, Made, Op, Step, Walk, kept, kept_name, kept_names
 from memcalc.sizing.totals import end_sizes
 
 
@@ -106,7 +109,7 @@ def torchtitan_timeline(config: ModelConfig, strategy: Strategy, accounting: Acc
         tape.add("states/moe buffers", PARAMETERS, config.moe_layers * 2 * 4 * config.num_experts,
                  "each MoE keeps two fp32 (E,) buffers: expert_bias_E and tokens_per_expert_E")
     tape.mark("steady", "", "model states between steps")
-    saved = {x.tensor.name: x.bytes for x in every.tensors}
+    saved = {x.tensor.name: x.bytes for x in (*every.tensors, *every.dense)}  # a MoE layer's, and a dense one's
     end = _end_bytes(unpadded, strategy, accounting)
     hand_over = _hand_over(tape) if fsdp is None else _keep_grad(tape, fsdp)
     count, lookup = embedding_ops(z)
@@ -147,7 +150,9 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
                                                         " carries a Partial gradient through the norms' backward;"
                                                         " tp-sp, torchtitan's default, is modelled)"),
         (config.reduce_dtype != "fp32", f"reduce_dtype {config.reduce_dtype} (torchtitan reduces in float32 only)"),
-        *moe_refusals(config),
+        (expert_dim1(config) and bool(config.expert_ffn % config.dp_shard or config.h % config.dp_shard),
+         f"dp_shard={config.dp_shard} for num_experts={config.num_experts} with f_e={config.expert_ffn} and"
+         f" h={config.h} (apply_fsdp_to_decoder shards the experts on dim 1, which FSDP2 requires even)"),
         (config.tie_embeddings, "tie_embeddings (Llama3 unties them; set tie_embeddings false)"),
         (config.position_embedding_type != "rope", f"position_embedding_type {config.position_embedding_type}"
                                                    " (Llama3 rotates q and k: set rope)"),
@@ -162,17 +167,6 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
             raise ConfigError(f"the step timeline for impl torchtitan does not model {what} yet")
 
 
-def moe_refusals(config: ModelConfig) -> tuple[tuple[bool, str], ...]:
-    """What the walk does not model of torchtitan's MoE layers yet, each with its words."""
-    if not config.moe:
-        return ()
-    return (
-        (config.moe_layers != config.L, "a mix of dense and MoE layers (moe_layer_freq, moe_first_dense_layers)"),
-        (config.recompute != "none", f"recompute {config.recompute} with experts"),
-        (config.dp_shard is not None, "dp_shard with experts"),
-    )
-
-
 def block_checkpoint(i: int, config: ModelConfig, accounting: Accounting, z: Sizes) -> Checkpoint | None:
     """torchtitan's FullAC or SelectiveAC around block i (torch.utils.checkpoint, non-reentrant): its input held,
     and under op the op outputs SelectiveAC caches, the ledger's (the block's input aside), and on DTensor under SP
@@ -182,7 +176,7 @@ def block_checkpoint(i: int, config: ModelConfig, accounting: Accounting, z: Siz
     if config.recompute == "none":
         return None
     p = f"layers.{i}"
-    cached = rules.op_checkpoint(accounting) if config.recompute == "op" else ()
+    cached = rules.op_checkpoint(config, accounting, config.is_moe_layer(i)) if config.recompute == "op" else ()
     scattered = (f"{p}/attention out", f"{p}/ffn out") if cached and z.dtensor and z.sp else ()
     return Checkpoint(f"{p}/input", frozenset((*(kept_name(p, x) for x in cached if x != ledger.LAYER_INPUT),
                                                *scattered)),
@@ -246,8 +240,12 @@ def _post_backward(fsdp: Fsdp, tape: Tape, unit: str, where: str) -> None:
 
 
 def _keep_grad(tape: Tape, fsdp: Fsdp):
-    """Under FSDP2 a weight's bf16 gradient is the unsharded parameter's .grad, kept to its unit's reduce-scatter."""
-    return lambda where, name, nbytes: tape.rename(name, f"fsdp/{fsdp.unit_of(where)} grad {where}")
+    """Under FSDP2 a weight's bf16 gradient is the unsharded parameter's .grad, kept to its unit's reduce-scatter; a
+    module of several parameters (GroupedExperts) hands each over under its parameter's name (GROUPED_WEIGHTS)."""
+    def keep(where: str, name: str, nbytes: int) -> None:
+        param = where if fsdp.holds(where) else f"{where}.{name.rsplit('/', 1)[1]}"
+        tape.rename(name, f"fsdp/{fsdp.unit_of(param)} grad {param}")
+    return keep
 
 
 def _hand_over(tape: Tape):
@@ -295,7 +293,7 @@ def rms_norm(where: str, z: Sizes, norm: rules.RMSNormTensors, p: str, out: Made
     """
     tokens = z.b * z.s_seq  # under SP the norm runs on this rank's sequence shard
     n, full, row = f"{p}/{where}" if p else where, 4 * tokens * z.h, 4 * tokens
-    fp32, rstd, normed = (kept_name(p, x) for x in (norm.input_fp32, norm.rstd, norm.normed_fp32))
+    fp32, rstd, normed = kept_names(p, norm.input_fp32, norm.rstd, norm.normed_fp32)
     # under a checkpoint (which keeps none of them) x * rstd goes after the weight multiply, the upcast input before
     # the cast back
     times = (Made(f"{n}/weighted", full, "x * rstd * weight, a local"),)
@@ -519,7 +517,7 @@ def attention_ops(p: str, z: Sizes, mid: str, gmid: str, gx: str, h: int, q: int
             linear(f"{a}.wo", ledger.PROJ_IN, Made(wo_out, full, "wo's output"), z.act * z.h * z.a_t * z.d,
                    f"{g}/dout", q, p, frees=(dy,) if z.sp else ()),
             *reduce_scatter(f"{a}.wo", z, p, wo_out, f"{p}/attention out", dy, (f"{p}/attention_norm out",)),
-        ), *(kept_name(p, x) for x in (rules.QKV_IN, ledger.Q, ledger.K, ledger.V, ledger.PROJ_IN))),
+        ), *kept_names(p, rules.QKV_IN, ledger.Q, ledger.K, ledger.V, ledger.PROJ_IN)),
         Op("", forward=(Step("x + attention", (Made(mid, h, "the residual stream after attention"),),
                              frees=(f"{p}/attention out",)),), backward=()),
     )
@@ -537,7 +535,7 @@ def feed_forward_ops(p: str, z: Sizes, x: str, mid: str, out: str, h: int, f: in
             linear(f"{m}.w2", ledger.FC2_IN, Made(w2_out, full, "w2's output"), w, f"{g}/dfc2", f, p,
                    frees=(dy,) if z.sp else ()),
             *reduce_scatter(f"{m}.w2", z, p, w2_out, f"{p}/ffn out", dy, (f"{p}/ffn_norm out",)),
-        ), *(kept_name(p, x) for x in (rules.FC1_IN, ledger.FC2_IN))),
+        ), *kept_names(p, rules.FC1_IN, ledger.FC2_IN)),
         _second_residual(p, x, mid, out, ffn_out, h),
     )
 
@@ -565,7 +563,7 @@ def swiglu_ops(p: str, z: Sizes, m: str, tensors: tuple[SavedTensor, ...], w: in
            saves=(gate,)),
         linear(f"{m}.w3", x_in, kept(p, up), w, f"{g}/dx3", full, p, frees=(f"{g}/dup",)),
         Op(m, forward=(Step("SiLU(w1 x) * w3 x", (kept(p, product),),
-                            reads_last=tuple(kept_name(p, x) for x in (silu, up))),),
+                            reads_last=kept_names(p, silu, up)),),
            backward=(Step("the product's backward: dY * up", (Made(f"{g}/dsilu", f, "bf16"),)),
                      Step("the product's backward: dY * SiLU", (Made(f"{g}/dup", f, "bf16"),), frees=(f"{g}/dfc2",))),
            saves=(up, silu)),
@@ -573,15 +571,17 @@ def swiglu_ops(p: str, z: Sizes, m: str, tensors: tuple[SavedTensor, ...], w: in
 
 
 def shared_experts_ops(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
-    """The MoE's shared experts (a FeedForward of width u on its input, t = 1): their output f"{p}/moe/shared out";
+    """The MoE's shared experts (a FeedForward of width u on its input, t = 1): their output (the ledger's
+    SHARED_FC2_OUT, which SelectiveAC caches);
     in backward their input's gradient f"grad/{p}/moe/shared dX"."""
     m, u = "moe.shared_experts", config.moe_shared_expert_intermediate_size
     w, f = z.act * u * z.h, z.tokens(z.act * u)
-    return (
+    return module_returns((
         *swiglu_ops(p, z, m, SHARED_SWIGLU, w, f, f"grad/{p}/moe/shared dX"),
-        linear(f"{m}.w2", ledger.SHARED_FC2_IN, Made(f"{p}/moe/shared out", z.full(z.h), "the shared experts' output"),
+        linear(f"{m}.w2", ledger.SHARED_FC2_IN, Made(kept_name(p, rules.SHARED_FC2_OUT), z.full(z.h),
+                                                     "the shared experts' output"),
                w, f"grad/{p}/{m}/dfc2", f, p),
-    )
+    ), kept_name(p, ledger.SHARED_FC2_IN))
 
 
 def _second_residual(p: str, x: str, mid: str, out: str, ffn_out: str, h: int) -> Op:

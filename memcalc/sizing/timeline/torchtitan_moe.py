@@ -27,8 +27,15 @@ backward into a (b*s, h) zero tensor, the sorted scores' into a (b*s*k) one, rou
 E) one, softmax's, the gate's fp32 GEMMs, cast back to bf16 and summed with the dispatch's: ffn_norm's output
 gradient. The shared experts' backward runs first, their dX summed with the dispatch's after its index_put.
 
-Exact at t = 1 without recomputation, the router forced balanced or all-to-one (at ep = 1 the same bytes), softmax or
-sigmoid, with and without route_norm and shared experts (tests/probe/libs/test_torchtitan_step.py);
+Under FullAC (the block in a `Checkpoint`) what the ops keep goes in forward with the Python local that holds it
+(`Step.reads_last`: the gate's fp32 casts as it returns, the router's scores and ids as the MoE does, the dispatch's
+sorted scores, token indices and rows as routed_experts does); the rerun starts at the combine's backward (or the
+shared experts'), and its tensors go with the node that unpacks them last. Under SelectiveAC the cached top-k
+outputs (and the shared experts' w1 and w2 outputs) stay from forward to the rerun, which takes them.
+
+Exact at t = 1 without recomputation, under FullAC and SelectiveAC, the router forced balanced or all-to-one (at
+ep = 1 the same bytes), softmax or sigmoid, with and without route_norm and shared experts
+(tests/probe/libs/test_torchtitan_step.py);
 `memcalc.sizing.timeline.torchtitan.check_modelled` refuses the rest. Two measured facts the walk follows without a
 reason from the source: route_norm's division backward is walked as one step (its small fp32 temporaries make no
 moment), and the slots' score gradient (the sorted scores' index_put) lives until the router's backward is done.
@@ -41,19 +48,28 @@ from memcalc.model import ledger
 from memcalc.model.impls import torchtitan as rules
 from memcalc.sizing.timeline.hf_layer import WHY_WGRAD
 from memcalc.sizing.timeline.tape import Sizes
-from memcalc.sizing.timeline.walk import Made, Op, Step, kept, kept_name
+from memcalc.sizing.timeline.walk import Made, Op, Step, kept, kept_name, kept_names
+
+# GroupedExperts' three (E, ...) parameters, one module's: each weight's gradient is named by its parameter, so that
+# FSDP2's walk keeps each as that parameter's unsharded .grad (memcalc.sizing.timeline.torchtitan._keep_grad)
+GROUPED_WEIGHTS = {"w1": "w1_EFD", "w2": "w2_EDF", "w3": "w3_EFD"}
+
 
 def moe_ops(p: str, z: Sizes, config: ModelConfig, x: str, shared: tuple[Op, ...] = ()) -> tuple[Op, ...]:
     """The MoE on ffn_norm's output `x`, its output f"{p}/ffn out"; in backward its input's gradient is
     f"grad/{p}/ffn_norm out". `shared`: the shared experts' ops (memcalc.sizing.timeline.torchtitan
-    .shared_experts_ops: output f"{p}/moe/shared out", input gradient f"grad/{p}/moe/shared dX"), which keep `x`;
+    .shared_experts_ops: output the ledger's SHARED_FC2_OUT, input gradient f"grad/{p}/moe/shared dX"), which keep `x`;
     without them `x` goes as the MoE returns."""
     n = f"{p}/moe"
     summed = Op("moe", forward=(Step("the routed and the shared experts' outputs summed", (
-        Made(f"{p}/ffn out", z.full(z.h), "the MoE's output"),), frees=(f"{n}/routed out", f"{n}/shared out")),),
+        Made(f"{p}/ffn out", z.full(z.h), "the MoE's output"),),
+        frees=(f"{n}/routed out", kept_name(p, rules.SHARED_FC2_OUT))),),
         backward=())
+    # MoE.forward returns: its locals go (under a checkpoint also the router's scores and ids, and the input)
+    locals_ = (rules.MOE_ROUTER_SCORES, ledger.ROUTER_TOPK_INDICES, *((rules.MOE_SHARED_IN,) if shared else ()))
     returned = Op("moe", forward=(Step("", frees=(*(() if shared else (x,)), f"{n}/routing map", f"{n}/counts",
-                                                  f"{n}/router/topk scores")),), backward=())
+                                                  f"{n}/router/topk scores"),
+                                       reads_last=kept_names(p, *locals_)),), backward=())
     return (*_router(p, z, config, bool(shared)), *_dispatch(p, z, config, bool(shared)), *_experts(p, z, config),
             *_combine(p, z, config, bool(shared)), *shared, *((summed,) if shared else ()), returned)
 
@@ -66,7 +82,9 @@ def _router(p: str, z: Sizes, config: ModelConfig, shared: bool) -> tuple[Op, ..
     gate = Op("moe.router.gate", forward=(
         Step("autocast: the gate's weight cast to fp32", (kept(p, rules.MOE_ROUTER_WEIGHT),)),
         Step("autocast: its input cast to fp32", (kept(p, rules.MOE_ROUTER_IN),)),
-        Step("the fp32 logits", (Made(f"{n}/logits", scores, "(b*s, E) fp32"),)),
+        # the gate returns: the cast input goes, the hook's restored autocast drops its cached fp32 weight
+        Step("the fp32 logits", (Made(f"{n}/logits", scores, "(b*s, E) fp32"),),
+             reads_last=kept_names(p, rules.MOE_ROUTER_WEIGHT, rules.MOE_ROUTER_IN)),
     ), backward=(
         Step("the gate's fp32 GEMMs: dW and dX", (Made(f"{g}/weight fp32", 4 * e * z.h, "dW = dLogits^T X"),
                                                  Made(f"{g}/input fp32", 4 * tokens * z.h, "dX = dLogits W")),
@@ -96,7 +114,8 @@ def _router(p: str, z: Sizes, config: ModelConfig, shared: bool) -> tuple[Op, ..
              frees=(f"{g}/scores",)),
     ), saves=(rules.MOE_ROUTER_SCORES,))
     topk = Op("moe.router", forward=(
-        Step("top-k", (Made(f"{n}/topk values", slots, "fp32, unused"), kept(p, ledger.ROUTER_TOPK_INDICES))),
+        Step("top-k", (Made(kept_name(p, rules.MOE_TOPK_VALUES), slots, "fp32, unused (SelectiveAC caches it)"),
+                       kept(p, ledger.ROUTER_TOPK_INDICES))),
         Step("the chosen scores gathered", (kept(p, rules.MOE_TOPK_SCORES) if norm else
                                             Made(f"{n}/chosen scores", slots, "fp32"),)),
     ), backward=(
@@ -109,7 +128,8 @@ def _router(p: str, z: Sizes, config: ModelConfig, shared: bool) -> tuple[Op, ..
     route_norm = Op("moe.router", forward=(
         Step("their sum", (Made(f"{n}/sum", 4 * tokens, "fp32"),)),
         Step("+ 1e-20: the divisor", (kept(p, rules.MOE_TOPK_SUM),), frees=(f"{n}/sum",)),
-        Step("route_norm: divided", (Made(f"{n}/normed", slots, "fp32"),)),
+        Step("route_norm: divided", (Made(f"{n}/normed", slots, "fp32"),),
+             reads_last=kept_names(p, rules.MOE_TOPK_SCORES)),
     ), backward=(
         # div's backward op by op (dY / sum, then -dY * y / sum / sum, summed to (b, s, 1)): small fp32 rows
         Step("the division's backward", (Made(f"{g}/d numerator", slots, "fp32"),
@@ -118,7 +138,8 @@ def _router(p: str, z: Sizes, config: ModelConfig, shared: bool) -> tuple[Op, ..
     ), saves=(rules.MOE_TOPK_SCORES, rules.MOE_TOPK_SUM))
     scale = Op("moe.router", forward=(
         Step("times route_scale", (Made(f"{n}/topk scores", slots, "fp32, what the experts read"),),
-             frees=(f"{n}/normed", f"{n}/chosen scores", f"{n}/topk values", f"{n}/for choice")),
+             frees=(f"{n}/normed", f"{n}/chosen scores", kept_name(p, rules.MOE_TOPK_VALUES), f"{n}/for choice"),
+             reads_last=kept_names(p, rules.MOE_TOPK_SUM)),  # the router returns
     ), backward=(
         Step("route_scale's backward", (Made(f"{g}/scaled" if norm else f"{g}/d chosen", slots, "fp32"),)),
     ))
@@ -153,7 +174,8 @@ def _dispatch(p: str, z: Sizes, config: ModelConfig, shared: bool) -> tuple[Op, 
             frees=(f"grad/{n}/input put", f"grad/{n}/shared dX")),) if shared else ()),
     ), saves=(rules.MOE_SORTED_SLOTS,))
     rows = Op("moe.routed_experts", forward=(
-        Step("slot // k: each row's token", (kept(p, rules.MOE_TOKEN_INDICES),)),
+        Step("slot // k: each row's token", (kept(p, rules.MOE_TOKEN_INDICES),),
+             reads_last=kept_names(p, rules.MOE_SORTED_SLOTS)),
         Step("x[indices]: the rows in expert order", (kept(p, ledger.EXPERT_IN),)),
     ), backward=(
         Step("index's backward: zeros", (Made(f"grad/{n}/input zeros", z.act * tokens * z.h, "(b*s, h) bf16"),)),
@@ -170,7 +192,7 @@ def _experts(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     rows_f, rows_h, weight = z.act * r * f, z.act * r * z.h, z.act * e * f * z.h
 
     def gemms(w: str, dy: str, dx: str, dx_bytes: int, frees: tuple[str, ...] = ()) -> Step:
-        return Step(f"{w}'s grouped GEMMs: dW and dX", (Made(f"{g}/{w} weight", weight, WHY_WGRAD),
+        return Step(f"{w}'s grouped GEMMs: dW and dX", (Made(f"{g}/{GROUPED_WEIGHTS[w]}", weight, WHY_WGRAD),
                                                          Made(dx, dx_bytes, "dX = dY W, per expert")),
                     frees=frees, returns=True)
 
@@ -181,10 +203,10 @@ def _experts(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
         ), backward=(
             gemms("w1", f"{g}/gate", f"{g}/dx1", rows_h, frees=(f"{g}/gate",)),
             Step("w1's and w3's dX summed", (Made(f"grad/{p}/moe/experts input", rows_h, "bf16"),),
-                 frees=(f"{g}/dx1", f"{g}/dx3"), hands_over=(f"{g}/w1 weight",)),
+                 frees=(f"{g}/dx1", f"{g}/dx3"), hands_over=(f"{g}/{GROUPED_WEIGHTS['w1']}",)),
         ), saves=(rules.MOE_OFFSETS, ledger.EXPERT_IN)),
         Op("moe.routed_experts.inner_experts", forward=(
-            Step("SiLU", (kept(p, ledger.EXPERT_SILU_OUT),)),
+            Step("SiLU", (kept(p, ledger.EXPERT_SILU_OUT),), reads_last=kept_names(p, ledger.EXPERT_GATE)),
         ), backward=(
             Step("SiLU's backward", (Made(f"{g}/gate", rows_f, "bf16"),), frees=(f"{g}/silu",)),
         ), saves=(ledger.EXPERT_GATE,)),
@@ -192,19 +214,21 @@ def _experts(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
             Step("w3's grouped GEMM", (kept(p, ledger.EXPERT_UP),)),
         ), backward=(
             gemms("w3", f"{g}/up", f"{g}/dx3", rows_h, frees=(f"{g}/up",)),
-            Step("", hands_over=(f"{g}/w3 weight",)),
+            Step("", hands_over=(f"{g}/{GROUPED_WEIGHTS['w3']}",)),
         )),
         Op("moe.routed_experts.inner_experts", forward=(
-            Step("SiLU(w1 x) * w3 x", (kept(p, ledger.EXPERT_FC2_IN),)),
+            Step("SiLU(w1 x) * w3 x", (kept(p, ledger.EXPERT_FC2_IN),),
+                 reads_last=kept_names(p, ledger.EXPERT_SILU_OUT, ledger.EXPERT_UP)),
         ), backward=(
             Step("the product's backward: dY * up", (Made(f"{g}/silu", rows_f, "bf16"),)),
             Step("the product's backward: dY * SiLU", (Made(f"{g}/up", rows_f, "bf16"),), frees=(f"{g}/dh",)),
         ), saves=(ledger.EXPERT_UP, ledger.EXPERT_SILU_OUT)),
         Op("moe.routed_experts.inner_experts", forward=(
-            Step("w2's grouped GEMM", (Made(f"{n}/output", rows_h, "(r, h) bf16"),)),
+            Step("w2's grouped GEMM", (Made(f"{n}/output", rows_h, "(r, h) bf16"),),  # inner_experts returns
+                 reads_last=kept_names(p, ledger.EXPERT_FC2_IN, rules.MOE_OFFSETS)),
         ), backward=(
             gemms("w2", f"{g}/output", f"{g}/dh", rows_f, frees=(f"{g}/output",)),
-            Step("", hands_over=(f"{g}/w2 weight",)),
+            Step("", hands_over=(f"{g}/{GROUPED_WEIGHTS['w2']}",)),
         ), saves=(ledger.EXPERT_FC2_IN,)),
     )
 
@@ -220,17 +244,20 @@ def _combine(p: str, z: Sizes, config: ModelConfig, shared: bool) -> tuple[Op, .
         Op("moe.routed_experts", forward=(
             Step("zeros_like(x): scatter_add's target", (Made(f"{n}/zeros", out, "(b*s, h) bf16"),)),
             Step("the output upcast", (kept(p, rules.MOE_EXPERT_OUT),)),
-            Step("times the score", (Made(f"{n}/weighted fp32", rows32, "fp32"),)),
+            Step("times the score", (Made(f"{n}/weighted fp32", rows32, "fp32"),),
+                 reads_last=kept_names(p, rules.MOE_EXPERT_OUT)),
             Step("cast back", (Made(f"{n}/weighted", rows, "bf16"),), frees=(f"{n}/weighted fp32",)),
             Step("deterministic_scatter_add: the routed output", (
                 Made(f"{n}/routed out" if shared else f"{p}/ffn out", out, "(b*s, h) bf16"),),
                 frees=(f"{n}/zeros", f"{n}/weighted")),
-            Step("", frees=(f"{n}/experts/output",)),  # routed_experts returns
+            Step("", frees=(f"{n}/experts/output",),  # routed_experts returns: its locals go
+                 reads_last=kept_names(p, rules.MOE_SORTED_SCORES, rules.MOE_TOKEN_INDICES, ledger.EXPERT_IN)),
         ), backward=(
             Step("scatter_add's backward: dY at each row's token", (Made(f"{g}/rows", rows, "bf16"),)),
             Step("the cast's backward: to fp32", (Made(f"{g}/rows fp32", rows32, "fp32"),), frees=(f"{g}/rows",)),
             Step("the product's backward: dY * score", (Made(f"{g}/dx fp32", rows32, "fp32"),)),
-            Step("the product's backward: dY * output", (Made(f"{g}/dscore rows", rows32, "fp32"),)),
+            Step("the product's backward: dY * output", (Made(f"{g}/dscore rows", rows32, "fp32"),),
+                 reads_last=kept_names(p, rules.MOE_EXPERT_OUT, rules.MOE_SORTED_SCORES)),
             Step("summed over h: each slot's score gradient", (Made(f"{g}/sorted scores", 4 * r, "fp32"),),
                  frees=(f"{g}/rows fp32", f"{g}/dscore rows"), returns=True),
             Step("the upcast's backward: to bf16", (Made(f"{g}/experts/output", rows, "bf16"),),

@@ -234,6 +234,11 @@ def kept_name(prefix: str, tensor: SavedTensor) -> str:
     return f"{prefix}/{tensor.name}" if prefix else tensor.name
 
 
+def kept_names(prefix: str, *tensors: SavedTensor) -> tuple[str, ...]:
+    """The tape names of saved tensors of the layer `prefix` names (a step's `reads_last`)."""
+    return tuple(kept_name(prefix, x) for x in tensors)
+
+
 def kept(prefix: str, tensor: SavedTensor, why: str = "kept for backward (the ledger)") -> Made:
     """A saved tensor made by a step: sized by the ledger."""
     return Made(kept_name(prefix, tensor), 0, why, keeps=tensor)

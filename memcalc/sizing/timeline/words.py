@@ -34,9 +34,9 @@ def block_words(block: str) -> str:
 
 
 def _block(where: str) -> str | None:
-    """The decoder layer a module path is in (model.layers.3.mlp -> layers.3), the root for the model's other
-    modules, none outside any module."""
-    found = re.match(r"model\.layers\.(\d+)", where)
+    """The decoder layer a module path is in (transformers' model.layers.3.mlp, torchtitan's layers.3.moe ->
+    layers.3), the root for the model's other modules, none outside any module."""
+    found = re.match(r"(?:model\.)?layers\.(\d+)", where)
     if found:
         return f"layers.{found.group(1)}"
     return ROOT if where else None

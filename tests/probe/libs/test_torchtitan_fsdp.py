@@ -100,9 +100,45 @@ def test_as_hsdp_each_units_all_reduce_input_is_held_to_its_next_post_backward_a
     assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
 
 
+# With experts: its Qwen3 MoE layers, each block one FSDP2 unit at ep = 1, the experts sharded on dim 0 while the
+# data-parallel ranks are no more than E, else on dim 1 (Shard(1): chunk-cat out of temporaries, and each gradient
+# laid out on dim 0 for the reduce-scatter)
+MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 24, "moe_tokens": "balanced"}
+MOE_CASES = [
+    {"dp_shard": 2, "b": 1, "s": 7},
+    {"dp_shard": 4, "reshard_after_forward": False, "moe_shared_expert_intermediate_size": 48},
+    {"dp_shard": 2, "recompute": "full", "b": 1, "s": 7},
+    {"dp_shard": 4, "recompute": "op", "moe_shared_expert_intermediate_size": 48, "s": 9},
+    {"dp_shard": 2, "recompute": "op", "moe_layer_freq": 2, "L": 3},  # dense blocks beside MoE ones
+    {"dp_shard": 8, "b": 1, "s": 7},  # Shard(1)
+    {"dp_shard": 8, "recompute": "op", "moe_shared_expert_intermediate_size": 48},
+    {"dp_shard": 8, "recompute": "full", "reshard_after_forward": False, "s": 9},  # the peak at a chunk-cat
+    {"dp_shard": 4, "num_experts": 2, "moe_router_topk": 1, "moe_layer_freq": 2, "L": 3},
+    {"dp_shard": 2, "dp_replicate": 2, "num_experts": 2, "moe_router_topk": 1},  # HSDP: 4 ranks, Shard(1)
+    {"dp_shard": 2, "dp_replicate": 2, "recompute": "op"},  # HSDP, Shard(0)
+]
+
+
+@pytest.mark.parametrize("changes", MOE_CASES, ids=str)
+def test_with_experts_the_peak_is_fsdpmemtrackers_to_the_byte(one_thread, changes):
+    """Each MoE block gathered whole (its grouped experts' (E, ...) weights among its parameters), each grouped
+    weight's gradient kept as its own unsharded .grad to the block's reduce-scatter."""
+    (r,) = measure_step(_config(**(MOE | changes)), ["none"], route="balanced")
+    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+    assert r.moment_matches, (r.predicted_moment, r.measured.moment)
+
+
+@pytest.mark.parametrize("changes", MOE_CASES[1::2], ids=str)
+def test_with_experts_every_moment_is_fsdpmemtrackers(one_thread, changes):
+    config = _config(**(MOE | changes))
+    predicted = timeline(config, STRATEGIES["none"], CPU)
+    assert_moments_in_order(predicted.moments[1:], torchtitan_fsdp_readings(config, "none", "all-to-one"))
+
+
 @pytest.mark.parametrize("changes, strategy, named", [
     ({"dp_shard": 2, "t": 2}, "tp", "dp_shard with tp"),
     ({"dp_shard": 2, "reduce_dtype": "bf16"}, "none", "reduce_dtype bf16"),
+    (MOE | {"dp_shard": 8, "moe_ffn_hidden_size": 20}, "none", "dp_shard=8 for num_experts=4 with f_e=20"),
 ])
 def test_what_the_fsdp_walk_does_not_model_is_refused_by_name(changes, strategy, named):
     with pytest.raises(ConfigError, match=named):

@@ -60,6 +60,25 @@ def test_the_router_runs_in_fp32_on_the_cpu_as_under_cudas_autocast():
     assert rows["moe/input"].measured == 2 * 8 * 32 * 2  # the shared experts keep the bf16 input
 
 
+SELECTIVE = {"layer/input", "attention/qkv_out", "attention/proj_in", "attention/softmax_lse", "moe/topk_values_fp32",
+             "moe/topk_indices"}
+
+
+@pytest.mark.parametrize("recompute, knobs, kept", [
+    ("full", QWEN3_MOE, {"layer/input"}),
+    ("full", DEEPSEEK_V3, {"layer/input"}),
+    ("op", QWEN3_MOE, SELECTIVE),
+    ("op", DEEPSEEK_V3, SELECTIVE | {"moe/shared_gate", "moe/shared_fc2_out"}),
+], ids=["full-qwen3-moe", "full-deepseek-v3", "op-qwen3-moe", "op-deepseek-v3"])
+def test_under_its_activation_checkpointing_the_moe_layer_keeps_exactly_what_the_rules_predict(recompute, knobs, kept):
+    """FullAC keeps the block's input alone; SelectiveAC also its cached op outputs: wqkv's matmul, the attention
+    kernel's, the router's top-k (values and ids), and with shared experts their w1's and w2's matmuls (the gate's mm
+    forced to recompute, the grouped experts' _grouped_mm not on its list)."""
+    rows = _rows(knobs | {"recompute": recompute}, "balanced")
+    assert_exact(rows)
+    assert {row.name for row in rows} == kept
+
+
 @pytest.mark.parametrize("knobs", [QWEN3_MOE, DEEPSEEK_V3], ids=["qwen3-moe", "deepseek-v3"])
 def test_with_the_real_router_each_tensor_lies_within_the_balanced_and_worst_bounds(knobs):
     assert_within_bounds(_rows(knobs, None), _rows(knobs, "balanced", bound="balanced"),
@@ -71,7 +90,6 @@ def test_with_the_real_router_each_tensor_lies_within_the_balanced_and_worst_bou
     ({"moe_token_dispatcher_type": "allgather"}, "is Megatron's"),
     ({"moe_aux_loss": True}, "without an auxiliary loss"),
     ({"ep": 2}, "ep > 1"),
-    ({"recompute": "op"}, "recompute op or full with experts is not measured"),
     ({"dtype": "fp32"}, "GroupedExperts computes in bf16"),
 ])
 def test_moe_knobs_the_measured_block_does_not_run_are_refused_in_one_line(knobs, words):

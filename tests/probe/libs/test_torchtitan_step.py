@@ -25,7 +25,6 @@ from ..step_readings import assert_moments_in_order, readings_after_every_op  # 
 
 CPU = Accounting(exact=True, device="cpu")
 
-
 # Sizes that move the peak: each entry's peak is somewhere no other entry's is.
 MOMENTS = [
     {},  # the loss's backward: three fp32 (b*s, v) tensors
@@ -157,7 +156,7 @@ def test_what_the_walk_does_not_model_is_refused_by_name(changes, named):
 def test_on_cuda_the_walk_refuses_what_it_has_not_described():
     """CUDA runs flex attention and the fused rms_norm kernel: other tensors, another backward."""
     with pytest.raises(ConfigError, match="device cuda"):
-        timeline(make_config(LLAMA3), STRATEGIES["none"], Accounting(exact=True, device="cuda"))
+        timeline(makemake_config(LLAMA3, LLAMA3), STRATEGIES["none"], Accounting(exact=True, device="cuda"))
 
 
 # -- with experts: its Qwen3 MoE decoder layers in the Llama3Model, the router forced ------------------------------
@@ -202,14 +201,12 @@ def test_with_experts_the_chosen_sizes_put_the_peak_in_six_different_places():
     assert len(moments) == len(MOE_MOMENTS), moments
 
 
-@pytest.mark.parametrize("changes, route", MOE_MOMENTS, ids=str)
-def test_with_experts_memtracker_reaches_the_peak_to_the_byte(one_thread, changes, route):
-    """At ep = 1 one rank runs every expert on all k*b*s slots: balanced or all-to-one, the same bytes."""
+def _assert_moe_peak_exact(config, route):
+    """The MoE model's step on `route`: MemTracker's peak at the predicted moment, every category to the byte."""
     from memcalc.probe.libs.torchtitan_step import measure_torchtitan_step_on_rank
     from memcalc.probe.step import StepComparison
     from memcalc.probe.launch import Mode
 
-    config = make_config(LLAMA3, **(MOE | changes))
     predicted = timeline(config, STRATEGIES["none"], CPU)
     measured = measure_torchtitan_step_on_rank(single(), config, STRATEGIES["none"], route)
     r = StepComparison(STRATEGIES["none"], Mode.SINGLE, predicted, measured)
@@ -217,14 +214,63 @@ def test_with_experts_memtracker_reaches_the_peak_to_the_byte(one_thread, change
     assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
 
 
+def _assert_moe_moments_in_order(config, route):
+    """Each moment of the MoE model's step on `route` MemTracker's reading after some op, in its module, in order."""
+    with runtime(single()) as dims:
+        readings = readings_after_every_op(warmed_up(single(), config, STRATEGIES["none"], dims, route))
+    assert_moments_in_order(timeline(config, STRATEGIES["none"], CPU).moments[1:-1], readings)
+
+
+@pytest.mark.parametrize("changes, route", MOE_MOMENTS, ids=str)
+def test_with_experts_memtracker_reaches_the_peak_to_the_byte(one_thread, changes, route):
+    """At ep = 1 one rank runs every expert on all k*b*s slots: balanced or all-to-one, the same bytes."""
+    _assert_moe_peak_exact(make_config(LLAMA3, **(MOE | changes)), route)
+
+
 @pytest.mark.parametrize("changes, route", [MOE_MOMENTS[1], MOE_MOMENTS[2], MOE_MOMENTS[3], MOE_MOMENTS[5]], ids=str)
 def test_with_experts_every_moment_the_timeline_names_happens_in_order(one_thread, changes, route):
     """The router (its fp32 gate, the forced lead, top-k, route_norm), the reorder, the grouped SwiGLU, the combine,
     the shared experts, and their backward: each moment MemTracker's reading after some op, in its module."""
-    config = make_config(LLAMA3, **(MOE | changes))
-    with runtime(single()) as dims:
-        readings = readings_after_every_op(warmed_up(single(), config, STRATEGIES["none"], dims, route))
-    assert_moments_in_order(timeline(config, STRATEGIES["none"], CPU).moments[1:-1], readings)
+    _assert_moe_moments_in_order(make_config(LLAMA3, **(MOE | changes)), route)
+
+
+@pytest.mark.parametrize("recompute", ["full", "op"])
+@pytest.mark.parametrize("changes, route", MOE_MOMENTS, ids=str)
+def test_with_experts_under_its_activation_checkpointing_memtracker_reaches_the_peak_to_the_byte(
+        one_thread, recompute, changes, route):
+    """Each MoE block's input kept (FullAC), and under SelectiveAC the outputs its policy caches (wqkv's, the
+    attention kernel's, the router's top-k, the shared experts' w1 and w2); its forward rerun in backward, the router
+    forced alike both times."""
+    _assert_moe_peak_exact(make_config(LLAMA3, **(MOE | changes), recompute=recompute), route)
+
+
+@pytest.mark.parametrize("recompute", ["full", "op"])
+@pytest.mark.parametrize("changes, route", [MOE_MOMENTS[1], MOE_MOMENTS[2], MOE_MOMENTS[4], MOE_MOMENTS[5]], ids=str)
+def test_with_experts_under_its_activation_checkpointing_every_moment_happens_in_order(one_thread, recompute,
+                                                                                       changes, route):
+    """What the MoE's ops keep goes in forward as its Python locals do (the gate's fp32 casts at its return, the
+    router's scores and ids at the MoE's); the rerun at the start of the combine's (or the shared experts')
+    backward."""
+    _assert_moe_moments_in_order(make_config(LLAMA3, **(MOE | changes), recompute=recompute), route)
+
+
+# Dense blocks beside MoE ones (Llama3's FeedForward where is_moe_layer says no): every other layer, or the first dense
+MIXES = [
+    ({"moe_layer_freq": 2, "b": 1, "s": 7}, "balanced", "none"),
+    ({"moe_first_dense_layers": 1, "b": 3, "s": 5}, "all-to-one", "op"),
+    ({"moe_layer_freq": 2, "L": 3, "moe_shared_expert_intermediate_size": 48}, "balanced", "full"),
+]
+
+
+@pytest.mark.parametrize("changes, route, recompute", MIXES, ids=str)
+def test_with_dense_and_moe_layers_memtracker_reaches_the_peak_to_the_byte(one_thread, changes, route, recompute):
+    _assert_moe_peak_exact(make_config(LLAMA3, **(MOE | changes), recompute=recompute), route)
+
+
+@pytest.mark.parametrize("changes, route, recompute", MIXES, ids=str)
+def test_with_dense_and_moe_layers_every_moment_happens_in_order(one_thread, changes, route, recompute):
+    """Each block walks its own ops (Llama3's FeedForward or the MoE) and keeps its own ledger's tensors."""
+    _assert_moe_moments_in_order(make_config(LLAMA3, **(MOE | changes), recompute=recompute), route)
 
 
 def test_with_experts_measure_step_runs_the_moe_model_on_the_balanced_route(one_thread):
@@ -234,9 +280,7 @@ def test_with_experts_measure_step_runs_the_moe_model_on_the_balanced_route(one_
 
 
 @pytest.mark.parametrize("changes, named", [
-    ({"dp_shard": 2}, "dp_shard with experts"),
-    ({"recompute": "full"}, "recompute"),
-    ({"moe_layer_freq": 2}, "a mix of dense and MoE layers"),
+    ({"dp_shard": 8, "moe_ffn_hidden_size": 20}, "dp_shard=8 for num_experts=4 with f_e=20"),
 ])
 def test_with_experts_what_the_walk_does_not_model_is_refused_by_name(changes, named):
     with pytest.raises(ConfigError, match=named):
