@@ -86,6 +86,8 @@ def warmed_up(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, 
     model = model.to(tp.device).train()
     if tp.size > 1:  # the plan from_pretrained(tp_plan="auto") applies, by the function it applies it with
         hf_tp.apply(model, hf_tp.model_plan(model, tp.size), tp)
+    if config.recompute == "full":  # as the Trainer's activation_checkpointing=True calls it: its defaults
+        model.activation_checkpointing_enable()
     k = config.moe_router_topk if config.moe else 0
     return Trainer.around(config, model, lambda tokens, labels: model_loss(model, tokens, labels, family, route, k))
 

@@ -54,8 +54,8 @@ from memcalc.sizing.timeline import hf_layer as layer
 from memcalc.sizing.timeline import hf_moe as moe
 from memcalc.sizing.timeline.ends import model_states
 from memcalc.sizing.timeline.fsdp import ROOT, Fsdp
-from memcalc.sizing.timeline.tape import GRADIENTS, PARAMETERS, Moment, Sizes, Tape, Timeline, bulk
-from memcalc.sizing.timeline.walk import HandOver, Made, Op, Step, Walk, kept
+from memcalc.sizing.timeline.tape import GRADIENTS, PARAMETERS, TEMPORARIES, Moment, Sizes, Tape, Timeline, bulk
+from memcalc.sizing.timeline.walk import Checkpoint, HandOver, Made, Op, Step, Walk, kept
 from memcalc.sizing.timeline.zero import Zero
 
 
@@ -70,6 +70,9 @@ def hf_timeline(config: ModelConfig, strategy: Strategy, accounting: Accounting)
     """The moments of one training step of LlamaForCausalLM sized by `config`, on its one rank."""
     check_modelled(config, strategy)
     estimated = estimate(config, strategy, accounting)
+    if config.recompute == "full":  # each layer's rerun keeps what a layer without it keeps: the walk sizes those
+        estimated = replace(estimate(replace(config, recompute="none"), strategy, accounting),
+                            strategy=estimated.strategy)
     unpadded = replace(config, make_vocab_size_divisible_by=1)  # transformers does not pad the vocabulary
     (stage,) = stages(config.L, config.pp, config.vpp, config.microbatches)
     kept = tuple((x.tensor, x.bytes) for x in estimated.tensors)
@@ -107,7 +110,7 @@ def _moments(config: ModelConfig, z: Sizes, kept: tuple[tuple[ledger.SavedTensor
         else (layer.kept_tensors(tensors), ())
     saved |= moe.expert_bytes(saved, config) if config.moe else {}
     plain = layer.kept_tensors(tuple(x for x, _ in dense if x not in layer.ROPE))  # a dense layer's among MoE ones
-    layers = [(Walk(tape, f"layers.{i}", f"model.layers.{i}", saved, hand_over),
+    layers = [(Walk(tape, f"layers.{i}", f"model.layers.{i}", saved, hand_over, _checkpoint(i, config)),
                _layer(i, z, config, saved, made, block) if not config.moe or moe.sparse(config, i) else
                _layer(i, z, config, saved, plain, ())) for i in range(config.L)]
     inputs = (Walk(tape, "", "", ends, hand_over), _embedding(z, config, sharding is not None))
@@ -123,6 +126,20 @@ def _moments(config: ModelConfig, z: Sizes, kept: tuple[tuple[ledger.SavedTensor
 
 
 Walked = tuple[Walk, tuple[Op, ...]]  # ops and the walk that puts them on the tape
+
+# LlamaModel's locals, live until it returns: the first layer's input (inputs_embeds), the position ids and the masks
+MODEL_LOCALS = ("layers.0/input", "model/position_ids", "model/causal_mask", "model/sliding_mask")
+
+
+def _checkpoint(i: int, config: ModelConfig) -> Checkpoint | None:
+    """gradient_checkpointing_enable's non-reentrant checkpoint around layer i's forward, with torch's early stop:
+    its frame holds the layer's input (the layer's own ops, its residual sums, are rerun outside any module's forward:
+    temporaries to MemTracker), and the keyword arguments LlamaModel passes every layer (the mask, the
+    position ids, RoPE's tables), which the first layer's frame is the last to hold."""
+    if config.recompute != "full":
+        return None
+    shared = (*MODEL_LOCALS[1:], *(x.name for x in layer.ROPE)) if i == 0 else ()
+    return Checkpoint(f"layers.{i}/input", early_stop=True, own=TEMPORARIES, frame=shared)
 
 
 def _forward(tape: Tape, sharding: Fsdp | Zero | None, inputs: Walked, layers: list[Walked], outputs: Walked) -> None:
@@ -181,9 +198,6 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
          " named_parameters(), which names a tied weight once: KeyError)"),
         (config.pp != 1, f"pp={config.pp}"),
         (config.cp != 1, f"cp={config.cp}"),
-        (config.recompute != "none", f"recompute {config.recompute} (gradient_checkpointing_enable: a non-reentrant"
-                                     " checkpoint around each decoder layer's forward, whose forward and early-stopped"
-                                     " rerun it does not walk op by op)"),
         (config.has_dropout and config.attention != "eager", f"dropout {config.dropout} with SDPA (a CPU runs its"
                                                              " math kernel, CUDA the flash kernel's own dropout)"),
         (config.add_bias_linear, "add_bias_linear (biases on every linear; Qwen2's q, k, v biases are add_qkv_bias)"),
@@ -196,10 +210,27 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
         (config.dtype == "fp32", "dtype fp32 (no master weights)"),
         *_experts_missing(config, strategy),
         *_sharding_missing(config, strategy),
+        *_recompute_missing(config, strategy),
     ]
     for absent, what in missing:
         if absent:
             raise ConfigError(f"the step timeline for impl hf does not model {what} yet")
+
+
+def _recompute_missing(config: ModelConfig, strategy: Strategy) -> list[tuple[bool, str]]:
+    """What the walk under gradient checkpointing (each layer's forward op by op, and its early-stopped rerun in
+    backward) leaves out: it walks Llama's layer (LlamaRMSNorm, q, k, v, RoPE, eager or SDPA, LlamaMLP) on one rank."""
+    if config.recompute == "none":
+        return []
+    what = f"recompute {config.recompute} (gradient checkpointing) with"
+    return [
+        (config.moe, f"{what} experts"),
+        (config.qk_layernorm or config.add_qkv_bias or config.fused_qkv or scaled_embedding(config),
+         f"{what} Qwen3's, Qwen2's, Phi-3's or Gemma's layer (their forward is not walked op by op; Llama's is)"),
+        (config.has_dropout, f"{what} dropout"),
+        (strategy.tensor_parallel and config.t > 1, f"{what} tp (t={config.t})"),
+        (config.dp_shard is not None or config.zero_stage is not None, f"{what} dp_shard or zero_stage"),
+    ]
 
 
 def _sharding_missing(config: ModelConfig, strategy: Strategy) -> list[tuple[bool, str]]:
@@ -253,8 +284,9 @@ def _hand_over(tape: Tape, sharding: Fsdp | Zero | None) -> HandOver:
 def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: Step, block: tuple[Op, ...]
            ) -> tuple[Op, ...]:
     """Decoder layer i as ops, in forward order (memcalc.sizing.timeline.hf_layer), its MLP LlamaMLP or a sparse
-    `block` (memcalc.sizing.timeline.hf_moe: every layer's one description)."""
-    p, tp = f"layers.{i}", z.t > 1
+    `block` (memcalc.sizing.timeline.hf_moe: every layer's one description). Under a checkpoint its forward runs op
+    by op; without, it is one moment (`made`, every kept tensor at once, at the second residual sum)."""
+    p, tp, checkpointed = f"layers.{i}", z.t > 1, config.recompute == "full"
     out = f"grad/layers.{i - 1}/output" if i else "grad/embedding output"
     mlp = moe.OUTPUT_GRAD if block else f"grad/{p}/ln2 output"
     ln1, ln2 = rules.RMS_NORMS[config.norm]
@@ -264,18 +296,25 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
         layer.rms_norm(name, p, norm, z, None, dx) for name, norm, dx in (
             ("post_attention_layernorm", rules.GEMMA_POST_ATTN, attn_out),
             ("post_feedforward_layernorm", rules.GEMMA_POST_MLP, mlp_out))) if config.sandwich_norm else ((), ())
+    mid, output = layer.residuals(i, z, config.attention == "eager")
     ops = (
-        *layer.layer_forward(i, z, made, moe.block_forward(p, z, config) if block else ()),
-        *layer.rms_norm("input_layernorm", p, ln1, z, f"grad/{p}/ln1 output", out, f"grad/{p}/mid"),
-        *layer.attention(p, z, config.attention == "eager", saved, config.groups != config.a, tp, i == 0,
+        *layer.rms_norm("input_layernorm", p, ln1, z, f"grad/{p}/ln1 output", out, f"grad/{p}/mid",
+                        output=kept(p, ledger.QKV_IN)),
+        *layer.attention(p, z, config.attention == "eager", saved, config.groups != config.a, tp,
+                         i == 0 and not checkpointed,
                          config.qk_layernorm, config.add_qkv_bias, config.has_dropout,
                          config.attn_logit_softcapping is not None, attn_out, config.fused_qkv),
         *post_attn,
+        *((mid,) if checkpointed else ()),
         *layer.rms_norm("pre_feedforward_layernorm" if config.sandwich_norm else "post_attention_layernorm", p, ln2,
-                        z, mlp, f"grad/{p}/mid", f"grad/{p}/output"),
+                        z, mlp, f"grad/{p}/mid", f"grad/{p}/output", output=kept(p, ledger.FC1_IN)),
         *(block or layer.mlp(p, z, tp, rules.GATED[config.mlp], mlp_out, config.fused_qkv)),
         *post_mlp,
+        *((output,) if checkpointed else ()),
     )
+    if not checkpointed:
+        ops = (*layer.layer_forward(i, z, made, moe.block_forward(p, z, config) if block else ()),
+               *(replace(x, forward=()) for x in ops))
     return tuple(replace(x, where=PHI3_SHADOWED.get(x.where, x.where)) for x in ops) if config.fused_qkv else ops
 
 
@@ -385,8 +424,8 @@ def _output(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
                           forward=(Step("RMSNorm at its widest: fp32 input and output, bf16 output", (
                               *(kept("", x) for x in final), *temps,
                               kept("", ledger.OUTPUT_INPUT, "the cast back: lm_head's input, which it keeps")),
-                              frees=(*(x.name for x in temps), last, "layers.0/input",
-                                     "model/position_ids", "model/causal_mask", "model/sliding_mask")),))
+                              frees=(*(x.name for x in temps), last,  # the first layer's frame holds the rest
+                                     *(MODEL_LOCALS if config.recompute != "full" else ()))),))
     gather = (Made("lm_head/local logits", local, "this rank's columns of the logits (Shard(-1))"),
               Made("lm_head/gathered", z.t * local, "all_gather_into_tensor's (t*b, s, v/t) buffer")) if tp else ()
     head = layer.linear("lm_head", "", z.act * z.v_t * z.h, "grad/lm_head local logits" if tp else "grad/logits",

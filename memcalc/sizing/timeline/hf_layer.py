@@ -16,7 +16,7 @@ from memcalc.model import ledger
 from memcalc.model.impls import hf as rules
 from memcalc.model.ledger import RMSNormTensors, SavedTensor
 from memcalc.sizing.timeline.tape import Sizes
-from memcalc.sizing.timeline.walk import Made, Op, Step
+from memcalc.sizing.timeline.walk import Made, Op, Step, kept, kept_name
 
 WHY_WGRAD = "the weight's bf16 gradient, added into the fp32 buffer and dropped when autograd hands it over"
 WHY_BGRAD = "the bias's bf16 gradient, dY summed over the tokens (sum_to), handed over with the weight's"
@@ -51,18 +51,22 @@ def linear(where: str, p: str, weight: int, dy: str | None, dx: str, dx_bytes: i
 
 
 def rms_norm(where: str, p: str, norm: RMSNormTensors, z: Sizes, dy: str | None, out: str, residual: str | None = None,
-             forward: tuple[Step, ...] = (), width: int = 0, heads: int = 1) -> tuple[Op, ...]:
+             forward: tuple[Step, ...] = (), width: int = 0, heads: int = 1, output: Made | None = None
+             ) -> tuple[Op, ...]:
     """LlamaRMSNorm's backward as autograd runs its eager ops, in forward order: the cast back from fp32, pow (keeps
     the fp32 input), rsqrt and x * r (keep the rstd), weight * y (keeps y). Its widest moment is pow's backward: five
     fp32 (b, s, h) tensors. With a residual, the norm's dX and the stream's gradient are summed into `out`. `forward`:
     the final norm's forward; `width` and `heads`: Qwen3's q_norm and k_norm, on each head (width channels in all);
     `dy` None: the output's gradient is the residual stream's too, which lives on (Gemma 2's sandwich norms).
+    `output`: the norm's output, made by its forward op by op (`_norm_forward`), as a checkpoint's walk needs it.
     A norm that keeps (1 + w) (`norm.weight_plus_one`, GemmaRMSNorm) multiplies in fp32 and casts back last: its
     last ops are `_gemma_weight`'s, and x * r's backward takes their fp32 gradient as it comes."""
     width = width or z.h
     g, fp32, row = _grad(p, where), z.tokens(4 * width), z.tokens(4 * heads)
     act = z.full(width)
     dx = out if residual is None else f"{g}/dx"
+    forward = forward or (_norm_forward(f"{p}/{where}", p, norm, z, output)
+                          if output and not norm.weight_plus_one else ())  # GemmaRMSNorm's is not walked yet
     cast = Op(where, forward=forward, backward=(
         Step("x.to(float32)'s backward", (Made(f"{g}/dx fp32", fp32, "autograd sums x's two fp32 gradients"),
                                           Made(dx, act, "x.to(float32)'s backward: cast back to bf16")),
@@ -97,6 +101,25 @@ def rms_norm(where: str, p: str, norm: RMSNormTensors, z: Sizes, dy: str | None,
         Step("", frees=(dy,) if dy else (), returns=True),
     ), saves=(norm.normed,))
     return (cast, power, rstd, weight)
+
+
+def _norm_forward(n: str, p: str, norm: RMSNormTensors, z: Sizes, output: Made) -> tuple[Step, ...]:
+    """LlamaRMSNorm's forward op by op: x.to(float32), pow(2), mean (the variance, a local to the return), + eps,
+    rsqrt, x * rstd (its fp32 input and the rstd go unless saved), the cast back, weight * y (`output`)."""
+    fp32, row = z.tokens(4 * z.h), z.tokens(4)
+    return (
+        Step("x.to(float32)", (kept(p, norm.input_fp32),)),
+        Step("pow(2)", (Made(f"{n}/pow", fp32, "x^2, a temporary"),)),
+        Step("mean over h: the variance", (Made(f"{n}/variance", row, "a local until the norm returns"),),
+             frees=(f"{n}/pow",)),
+        Step("variance + eps", (Made(f"{n}/variance + eps", row, "rsqrt's input, a temporary"),)),
+        Step("rsqrt", (kept(p, norm.rstd),), frees=(f"{n}/variance + eps",)),
+        Step("x * rstd", (Made(f"{n}/normalised fp32", fp32, "a local until the norm returns"),),
+             reads_last=(kept_name(p, norm.input_fp32), kept_name(p, norm.rstd))),
+        Step("the cast back to bf16", (kept(p, norm.normed),)),
+        Step("weight * y: the norm's output", (output,), frees=(f"{n}/variance", f"{n}/normalised fp32"),
+             reads_last=(kept_name(p, norm.normed),)),
+    )
 
 
 def _gemma_weight(where: str, g: str, norm: RMSNormTensors, z: Sizes, dy: str | None, fp32: int, channels: int
@@ -137,6 +160,19 @@ def layer_forward(i: int, z: Sizes, kept: Step, mlp: tuple[Op, ...] = ()) -> tup
     return (made, *mlp, out)
 
 
+def residuals(i: int, z: Sizes, eager: bool) -> tuple[Op, Op]:
+    """Layer i's two residual sums, in forward: after attention (the stream's `mid`, o_proj's output gone) and after
+    the MLP (the next layer's input); as the layer returns its locals go: the stream, the MLP's output, eager's
+    attention weights (`hidden_states, _ = self.self_attn(...)` holds them), and the input the caller rebinds."""
+    p, full = f"layers.{i}", z.full(z.h)
+    mid = Op("", (Step("x + attention", (Made(f"{p}/mid", full, "the residual stream after attention: ln2's input and"
+                                              " the MLP's residual"),), frees=(f"{p}/attn output",)),), ())
+    out = Op("", (Step("the layer's output", (Made(f"layers.{i + 1}/input", full, "the next layer's input"),),
+                       frees=(f"{p}/mid", f"{p}/mlp output", *((f"{p}/input",) if i else ())),
+                       reads_last=(kept_name(p, rules.WEIGHTS),) if eager else ()),), ())
+    return mid, out
+
+
 def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, tp: bool, first: bool,
               qk_norm: bool = False, qkv_bias: bool = False, dropout: bool = False, softcap: bool = False,
               dy: str | None = None, fused: bool = False) -> tuple[Op, ...]:
@@ -144,8 +180,16 @@ def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, t
     RMS-normalised, Qwen3's q_norm and k_norm; with `qkv_bias` each with a bias, Qwen2's; `fused`: Phi-3's one
     qkv_proj, `_fused_qkv`), RoPE, the core (eager: with `dropout` its attention_dropout, with `softcap` Gemma 2's
     soft-capped scores), o_proj (`dy`: its output's gradient, freed by its backward; None: the residual stream's,
-    which lives on)."""
+    which lives on). Forward op by op (Llama's): q, k and v projected, RoPE's, the core's, o_proj's, the heads and
+    the norm's output going as the module returns."""
     g, q, kv, full = f"grad/{p}", z.a_t * z.d, z.g_t * z.d, z.full(z.h)
+    # the projections' outputs and RoPE's, each the core's saved tensor or a local of the attention
+    q_copied, kv_copied = _bmm_copies(z, saved)
+    made = {"q": Made(f"{p}/q pre-rope", z.full(q), "q_proj's output, a local"),
+            "k": Made(f"{p}/k pre-rope", z.full(kv), "k_proj's output, a local"),
+            "v": _kept_or_local(p, ledger.V, saved, "v heads", z.full(kv), eager and kv_copied)}
+    rotated = {"q": _kept_or_local(p, ledger.Q, saved, "q heads", z.full(q), eager and q_copied),
+               "k": _kept_or_local(p, ledger.K, saved, "k heads", z.full(kv), eager and kv_copied)}
     norms = {"q": (rules.Q_NORM_RMS, z.a_t), "k": (rules.K_NORM_RMS, z.g_t)} if qk_norm else {}
     ran: list[Op] = []  # in the order autograd runs them
     summed = ""
@@ -160,19 +204,41 @@ def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, t
         out = f"{g}/ln1 output" if name == "q" else f"{dx} + {summed}"
         lin = linear(f"self_attn.{name}_proj", p, z.act * width * z.h, tokens, dx, full, (ledger.QKV_IN,), tp,
                      bias=z.act * width if qkv_bias else 0)
-        ran.append(replace(lin, backward=(
+        ran.append(replace(lin, forward=(Step("the GEMM", (made[name],)),), backward=(
             *((Step("transpose's backward", (Made(tokens, z.full(width), f"{name}'s gradient made (b, s, heads * d)"
                                                   " again, contiguous for the GEMM"),), frees=(heads,), moment=False),)
               if copy else ()), *lin.backward,
             *((Step("autograd sums q's, k's and v's input gradients as they come", (Made(
                 out, full, "the input gradients summed"),), frees=(dx, summed), moment=False),) if summed else ()))))
         summed = out if summed else dx
-    rope = tuple(Op("self_attn", (), _rope_backward(g, name, z.full(w), first and name == "q")) for name, w in
+    rope = tuple(Op("self_attn", _rope_forward(p, name, z.full(w), rotated[name], name == "k"),
+                    _rope_backward(g, name, z.full(w), first and name == "q")) for name, w in
                  (("q", q), ("k", kv)))  # forward order: q's, then k's
     core = _eager(p, z, saved, gqa, dropout, softcap) if eager else _sdpa(p, z)
     o_proj = linear("self_attn.o_proj", p, z.act * q * z.h, dy, f"{g}/o_proj input", z.full(q),
                     saves=(ledger.PROJ_IN,) if eager else ())
+    gone = (made["v"], *rotated.values(), kept(p, ledger.QKV_IN), kept(p, ledger.PROJ_IN))  # at the module's return
+    o_proj = replace(o_proj, forward=(Step("the GEMM", (Made(f"{p}/attn output", full, "o_proj's output"),),
+                                           frees=tuple(x.name for x in gone if x.keeps is None),
+                                           reads_last=tuple(x.name for x in gone if x.keeps is not None)),))
     return (*(_fused_qkv(p, z, q, kv, tp) if fused else reversed(ran)), *rope, *core, o_proj)
+
+
+def _kept_or_local(p: str, tensor: SavedTensor, saved: dict[str, int], name: str, nbytes: int, copied: bool = False
+                   ) -> Made:
+    """A tensor the core keeps when the ledger says so (SDPA's K and V; eager's without repeat_kv's copies), else
+    (or when eager's matmul keeps a contiguous copy of it, `copied`) a local of the attention."""
+    if tensor.name in saved and not copied:
+        return kept(p, tensor)
+    return Made(f"{p}/{name}", nbytes, "a local of the attention")
+
+
+def _bmm_copies(z: Sizes, saved: dict[str, int]) -> tuple[bool, bool]:
+    """Whether eager's matmul copies Q, and K and V, to run bmm (the copy is then what it keeps): a (b, heads, s, d)
+    view of a (b, s, heads, d) tensor folds into (b * heads, s, d) only when b, s or heads is 1; repeat_kv's copies
+    are contiguous."""
+    strided = z.b > 1 and z.s > 1
+    return strided and z.a_t > 1, strided and z.g_t > 1 and rules.K_EXPANDED.name not in saved
 
 
 def _fused_qkv(p: str, z: Sizes, q: int, kv: int, tp: bool) -> tuple[Op, ...]:
@@ -201,6 +267,21 @@ def _fused_qkv(p: str, z: Sizes, q: int, kv: int, tp: bool) -> tuple[Op, ...]:
     lin = linear("self_attn.qkv_proj", p, z.act * width * z.h, summed, f"{g}/ln1 output", z.full(z.h),
                  (ledger.QKV_IN,), tp)
     return (lin, Op("self_attn", (), tuple(slices)), view)
+
+
+def _rope_forward(p: str, name: str, width: int, out: Made, last: bool) -> tuple[Step, ...]:
+    """apply_rotary_pos_emb for q or k: x * cos, rotate_half (-x2, then the halves concatenated), times sin, the sum
+    (`out`); after k's (`last`) the projections' outputs go, rebound to RoPE's."""
+    x = f"{p}/{name}"
+    return (
+        Step(f"{name} * cos", (Made(f"{x} cos", width, "a temporary"),)),
+        Step("rotate_half: the negated half", (Made(f"{x} neg", width // 2, "-x2, a temporary"),)),
+        Step("rotate_half: the halves concatenated", (Made(f"{x} rotated", width, "a temporary"),),
+             frees=(f"{x} neg",)),
+        Step("rotate_half(x) * sin", (Made(f"{x} sin", width, "a temporary"),), frees=(f"{x} rotated",)),
+        Step("RoPE's sum", (out,), frees=(f"{x} cos", f"{x} sin",
+                                          *((f"{p}/q pre-rope", f"{p}/k pre-rope") if last else ()))),
+    )
 
 
 def _rope_backward(g: str, name: str, width: int, last: bool) -> tuple[Step, ...]:
@@ -246,14 +327,29 @@ def _eager(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool = F
         Step("dropout's backward: dY * mask * scale", (Made(f"{g}/weights", z.act * scores, "native_dropout_backward:"
                                                             " one kernel, the gradient through the mask"),),
              frees=(weights,)),), saves=(ledger.ATTN_DROPOUT_MASK,)),) if dropout else ()
+    sc, x = z.act * scores, f"{p}/scores"
+    copies = tuple(Step(f"repeat_kv({n})", (kept(p, t),)) for n, t in (("k", k), ("v", v))) if expanded else ()
+    q_copied, kv_copied = _bmm_copies(z, saved)
+    qk = ((ledger.Q,) if q_copied else ()) + ((k,) if kv_copied else ())
     return (
-        Op("self_attn", (), sums),
-        Op("self_attn", (), (
+        Op("self_attn", copies, sums),
+        Op("self_attn", (
+            *(Step("made contiguous for bmm", (kept(p, t),)) for t in qk),
+            Step("QK^T", (Made(x, sc, "bmm's output"),), reads_last=tuple(kept_name(p, t) for t in qk)),
+            Step("times the scale", (Made(f"{x} scaled", sc, "a temporary"),), frees=(x,)),
+            Step("plus the mask", (Made(f"{x} masked", sc, "a local, rebound by the softmax"),),
+                 frees=(f"{x} scaled",)),
+        ), (
             Step("QK^T: dQ and dK", (Made(f"{g}/q heads", q, "dQ = dScores K"), Made(
                 names["k"], q, "dK = dScores^T Q, at a heads")), frees=(f"{g}/scaled scores",)),
         ), saves=(ledger.Q, k)),
         *(capped if softcap else ()),
-        Op("self_attn", (), (
+        Op("self_attn", (
+            Step("the cast to fp32", (Made(f"{x} fp32", 2 * sc, "softmax's input, a temporary"),)),
+            Step("the fp32 softmax", (kept(p, rules.SOFTMAX_FP32),), frees=(f"{x} fp32",)),
+            Step("the cast back: the attention weights", (kept(p, rules.WEIGHTS),), frees=(f"{x} masked",),
+                 reads_last=(kept_name(p, rules.SOFTMAX_FP32),)),
+        ), (
             Step("the cast to bf16's backward", (Made(f"{g}/softmax fp32", 4 * scores, "the gradient up to fp32"),),
                  frees=(f"{g}/weights",), moment=False),
             Step("the fp32 softmax's backward", (Made(f"{g}/scores fp32", 4 * scores, "softmax's backward"),),
@@ -263,7 +359,13 @@ def _eager(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool = F
             *(() if softcap else (scale,)),
         ), saves=(rules.SOFTMAX_FP32,)),
         *dropped,
-        Op("self_attn", (), (
+        Op("self_attn", (
+            *((Step("V made contiguous for bmm", (kept(p, v),)),) if kv_copied else ()),
+            Step("weights x V", (Made(f"{p}/context", q, "bmm's output, (b, a, s, d)"),),
+                 reads_last=(kept_name(p, v),) if kv_copied else ()),
+            Step("the context made (b, s, a, d)", (kept(p, ledger.PROJ_IN),), frees=(f"{p}/context",),
+                 reads_last=tuple(kept_name(p, t) for t in (k, v)) if expanded else ()),
+        ), (
             Step("the context made (b, a, s, d)", (Made(f"{g}/attn heads", q, "contiguous for bmm"),),
                  frees=(f"{g}/o_proj input",), moment=False),
             Step("weights x V: dV and dWeights", (Made(names["v"], q, "dV = weights^T dY, at a heads"), Made(
@@ -284,7 +386,9 @@ def _sdpa(p: str, z: Sizes) -> tuple[Op, ...]:
     """SDPA's flash kernel: dQ, dK and dV (at g heads) from one kernel; it keeps Q, K, V, the log-sum-exp and its
     output (o_proj's input)."""
     g, kv = f"grad/{p}", z.full(z.g_t * z.d)
-    return (Op("self_attn", (), (Step("the SDPA kernel's backward: dQ, dK, dV", (
+    return (Op("self_attn", (Step("SDPA's flash kernel: its output and log-sum-exp", (
+        kept(p, ledger.PROJ_IN), kept(p, ledger.SOFTMAX_LSE)), reads_last=(kept_name(p, ledger.SOFTMAX_LSE),)),), (
+        Step("the SDPA kernel's backward: dQ, dK, dV", (
         Made(f"{g}/q heads", z.full(z.a_t * z.d), "dQ"), Made(f"{g}/k heads", kv, "dK, at g heads"),
         Made(f"{g}/v heads", kv, "dV, at g heads")), frees=(f"{g}/o_proj input",)),),
         saves=(ledger.Q, ledger.K, ledger.V, ledger.SOFTMAX_LSE, ledger.PROJ_IN)),)
@@ -301,13 +405,19 @@ def mlp(p: str, z: Sizes, tp: bool, gated: tuple[SavedTensor, SavedTensor, Saved
     g, f = f"grad/{p}", z.f_t
     gate_in, up, act_out = gated
     w, full = z.act * f * z.h, z.full(z.h)
-    gate = linear("mlp.gate_proj", p, w, f"{g}/gate", f"{g}/gate_proj input", full, (ledger.FC1_IN,), tp)
-    silu = Op("mlp", (), (Step("SiLU's backward, at its kept input", (Made(f"{g}/gate", z.full(f), "dSiLU"),),
-                               frees=(f"{g}/silu",), moment=False),), saves=(gate_in,))
-    product = Op("mlp", (), (Step("SiLU(gate) * up: its two gradients", (
+    gate = replace(linear("mlp.gate_proj", p, w, f"{g}/gate", f"{g}/gate_proj input", full, (ledger.FC1_IN,), tp),
+                   forward=(Step("the GEMM", (kept(p, gate_in),)),))
+    silu = Op("mlp.act_fn", (Step("the activation", (kept(p, act_out),), reads_last=(kept_name(p, gate_in),)),), (
+        Step("SiLU's backward, at its kept input", (Made(f"{g}/gate", z.full(f), "dSiLU"),), frees=(f"{g}/silu",),
+             moment=False),), saves=(gate_in,))
+    product = Op("mlp", (Step("act(gate) * up", (kept(p, ledger.FC2_IN),),
+                              reads_last=(kept_name(p, act_out), kept_name(p, up))),), (
+        Step("SiLU(gate) * up: its two gradients", (
         Made(f"{g}/up", z.full(f), "dY * SiLU(gate)"), Made(f"{g}/silu", z.full(f), "dY * up")),
         frees=(f"{g}/down_proj input",)),), saves=(up, act_out))
-    down = linear("mlp.down_proj", p, w, dy, f"{g}/down_proj input", z.full(f), (ledger.FC2_IN,))
+    down = replace(linear("mlp.down_proj", p, w, dy, f"{g}/down_proj input", z.full(f), (ledger.FC2_IN,)),
+                   forward=(Step("the GEMM", (Made(f"{p}/mlp output", z.full(z.h), "down_proj's output"),),
+                                 reads_last=(kept_name(p, ledger.FC2_IN), kept_name(p, ledger.FC1_IN))),))
     if fused:
         chunk = Op("mlp", (), (Step("chunk's backward: the two gradients concatenated", (
             Made(f"{g}/gate_up", z.full(2 * f), "(b, s, 2f), gate's and up's"),), frees=(f"{g}/gate", f"{g}/up"),
@@ -315,11 +425,11 @@ def mlp(p: str, z: Sizes, tp: bool, gated: tuple[SavedTensor, SavedTensor, Saved
         gate_up = linear("mlp.gate_up_proj", p, 2 * w, f"{g}/gate_up", f"{g}/ln2 output", full, (ledger.FC1_IN,), tp)
         return (gate_up, chunk, silu, product, down)
     return (
-        Op(gate.where, (), (*gate.backward, Step("autograd sums gate_proj's and up_proj's input gradients", (
+        replace(gate, backward=(*gate.backward, Step("autograd sums gate_proj's and up_proj's input gradients", (
             Made(f"{g}/ln2 output", full, "the MLP input's gradient"),), frees=(f"{g}/up_proj input",
-                                                                              f"{g}/gate_proj input"), moment=False)),
-           gate.saves),
-        silu, linear("mlp.up_proj", p, w, f"{g}/up", f"{g}/up_proj input", full, (ledger.FC1_IN,), tp), product, down,
+                                                                              f"{g}/gate_proj input"), moment=False))),
+        silu, replace(linear("mlp.up_proj", p, w, f"{g}/up", f"{g}/up_proj input", full, (ledger.FC1_IN,), tp),
+                      forward=(Step("the GEMM", (kept(p, up),)),)), product, down,
     )
 
 

@@ -480,3 +480,42 @@ def test_each_familys_step_happens_in_order_and_peaks_where_the_timeline_says_to
                                                                                            attention, changes):
     r = _exact_step(make_config(LLAMA, attention=attention, **changes), "none")
     assert r.model.startswith(f"transformers' {FAMILIES[family].architectures[0]}")
+
+
+# -- gradient checkpointing (activation_checkpointing_enable's defaults: non-reentrant, early stop) -------------------
+
+RECOMPUTE_STEPS = [
+    ("eager", {}),  # the last layer's down_proj GEMMs, right after its early-stopped rerun
+    ("flash", {"vocab_size": 40, "h": 32, "ffn_hidden_size": 512}),  # the last layer's SwiGLU gradients
+    ("eager", {"s": 96, "h": 16, "ffn_hidden_size": 16, "vocab_size": 20}),  # the last layer's fp32 softmax
+    ("flash", {"b": 1, "s": 4, "vocab_size": 3000, "tie_embeddings": True}),  # the tied embedding's two gradients
+    ("eager", ODD | {"b": 1, "s": 23, "num_query_groups": 6}),  # a/g = 1, b = 1: matmul keeps K and V themselves
+    ("flash", ODD | {"b": 1, "s": 23, "num_query_groups": 3}),  # a/g = 2
+    ("eager", ODD | {"b": 3, "s": 17, "num_query_groups": 2, "L": 3}),  # a/g = 3, b > 1: matmul copies Q
+    ("eager", ODD | {"b": 3, "s": 17, "num_query_groups": 6}),  # and K and V, without repeat_kv's copies
+    ("flash", {"s": 19, "kv_channels": 12, "dtype": "fp16"}),  # heads wider than h/a
+]
+
+
+def test_under_recomputation_the_sizes_put_the_peak_in_four_different_places():
+    peaks = {timeline(make_config(LLAMA, attention=a, recompute="full", **c), STRATEGIES["none"], CPU).peak.label()
+             for a, c in RECOMPUTE_STEPS[:4]}
+    assert len(peaks) == 4, peaks
+
+
+@pytest.mark.parametrize("attention, changes", RECOMPUTE_STEPS, ids=str)
+def test_under_gradient_checkpointing_each_layer_and_its_early_stopped_rerun_happen_in_order_to_the_byte(
+        one_thread, attention, changes):
+    """Each layer's forward op by op, keeping only its input (the first layer's frame also the mask, the position
+    ids and RoPE's tables); in backward its rerun up to SwiGLU's product, the last saved tensor, then its backward."""
+    _exact_step(make_config(LLAMA, attention=attention, recompute="full", **changes), "none")
+
+
+@pytest.mark.parametrize("changes, named", [
+    ({"qk_layernorm": True}, "Qwen3's, Qwen2's, Phi-3's or Gemma's layer"),
+    ({"t": 2}, "recompute full \\(gradient checkpointing\\) with tp"),
+])
+def test_under_gradient_checkpointing_what_the_walk_does_not_model_is_refused_by_name(changes, named):
+    layout = "tp" if "t" in changes else "none"
+    with pytest.raises(ConfigError, match=named):
+        timeline(make_config(LLAMA, attention="eager", recompute="full", **changes), STRATEGIES[layout], CPU)
