@@ -219,14 +219,16 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
 
 def _recompute_missing(config: ModelConfig, strategy: Strategy) -> list[tuple[bool, str]]:
     """What the walk under gradient checkpointing (each layer's forward op by op, and its early-stopped rerun in
-    backward) leaves out: it walks Llama's layer (LlamaRMSNorm, q, k, v, RoPE, eager or SDPA, LlamaMLP) on one rank."""
+    backward) leaves out: it walks Llama's layer (LlamaRMSNorm, q, k, v, RoPE, eager or SDPA, LlamaMLP; Qwen2's q, k,
+    v biases, Qwen3's q_norm and k_norm) on one rank."""
     if config.recompute == "none":
         return []
     what = f"recompute {config.recompute} (gradient checkpointing) with"
     return [
         (config.moe, f"{what} experts"),
-        (config.qk_layernorm or config.add_qkv_bias or config.fused_qkv or scaled_embedding(config),
-         f"{what} Qwen3's, Qwen2's, Phi-3's or Gemma's layer (their forward is not walked op by op; Llama's is)"),
+        (config.fused_qkv or scaled_embedding(config),
+         f"{what} Phi-3's or Gemma's layer (their forward is not walked op by op; Llama's, Qwen2's and Qwen3's"
+         " are)"),
         (config.has_dropout, f"{what} dropout"),
         (strategy.tensor_parallel and config.t > 1, f"{what} tp (t={config.t})"),
         (config.dp_shard is not None or config.zero_stage is not None, f"{what} dp_shard or zero_stage"),

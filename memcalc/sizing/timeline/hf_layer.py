@@ -31,7 +31,7 @@ def linear(where: str, p: str, weight: int, dy: str | None, dx: str, dx_bytes: i
 
     `bias`: the bias's bytes, when the linear has one (Qwen2's q, k and v): F.linear runs a contiguous (b, s, h) input
     as one addmm, whose node passes dY on as the bias's gradient and autograd sums it to the bias's shape (sum_to, a
-    new tensor) while dY still lives; it is handed over with dW.
+    new tensor, `Step.reduced`) after the node returned, while dY still lives; it is handed over with dW.
 
     `reduced`: a "colwise" linear under tp, whose dX is a Partial sum that the backward of DTensor.from_local
     all-reduces into a new tensor (the paper's f); the partial one goes when the next op runs.
@@ -40,32 +40,35 @@ def linear(where: str, p: str, weight: int, dy: str | None, dx: str, dx_bytes: i
     biased = (Made(db, bias, WHY_BGRAD),) if bias else ()
     partial = f"{dx} (partial)" if reduced else dx
     why = "dX = dY W, the input's gradient" + (", this rank's partial sum" if reduced else "")
+    handed = (*(() if waits else (dw,)), *(x.name for x in biased))
     gemms = Step("GEMMs: dW and dX", (Made(dw, weight, "the tied weight's gradient, waiting in autograd's input"
-                                                    " buffer" if waits else WHY_WGRAD), Made(partial, dx_bytes, why),
-                                     *biased),
-                 frees=(dy,) if dy else (), hands_over=(*(() if waits else (dw,)), *(x.name for x in biased)),
-                 returns=True)
+                                                    " buffer" if waits else WHY_WGRAD), Made(partial, dx_bytes, why)),
+                 frees=() if bias or not dy else (dy,), hands_over=() if bias else handed, returns=True,
+                 moment=not bias)
+    summed_bias = (Step("the bias's gradient: dY summed over the tokens", biased, frees=(dy,) if dy else (),
+                        hands_over=handed, reduced=True),) if bias else ()
     summed = (Step("dX all-reduced", (Made(dx, dx_bytes, "the input's gradient all-reduced over the ranks (DTensor:"
                                                          " Partial -> Replicate)"),), frees=(partial,)),)
-    return Op(where, forward=(), backward=(gemms, *(summed if reduced else ())), saves=saves)
+    return Op(where, forward=(), backward=(gemms, *summed_bias, *(summed if reduced else ())), saves=saves)
 
 
 def rms_norm(where: str, p: str, norm: RMSNormTensors, z: Sizes, dy: str | None, out: str, residual: str | None = None,
-             forward: tuple[Step, ...] = (), width: int = 0, heads: int = 1, output: Made | None = None
-             ) -> tuple[Op, ...]:
+             forward: tuple[Step, ...] = (), width: int = 0, heads: int = 1, output: Made | None = None,
+             gone: tuple[str, ...] = ()) -> tuple[Op, ...]:
     """LlamaRMSNorm's backward as autograd runs its eager ops, in forward order: the cast back from fp32, pow (keeps
     the fp32 input), rsqrt and x * r (keep the rstd), weight * y (keeps y). Its widest moment is pow's backward: five
     fp32 (b, s, h) tensors. With a residual, the norm's dX and the stream's gradient are summed into `out`. `forward`:
     the final norm's forward; `width` and `heads`: Qwen3's q_norm and k_norm, on each head (width channels in all);
     `dy` None: the output's gradient is the residual stream's too, which lives on (Gemma 2's sandwich norms).
-    `output`: the norm's output, made by its forward op by op (`_norm_forward`), as a checkpoint's walk needs it.
+    `output`: the norm's output, made by its forward op by op (`_norm_forward`), as a checkpoint's walk needs it;
+    `gone`: what goes as the norm returns (Qwen3's q_norm's and k_norm's input, a temporary).
     A norm that keeps (1 + w) (`norm.weight_plus_one`, GemmaRMSNorm) multiplies in fp32 and casts back last: its
     last ops are `_gemma_weight`'s, and x * r's backward takes their fp32 gradient as it comes."""
     width = width or z.h
     g, fp32, row = _grad(p, where), z.tokens(4 * width), z.tokens(4 * heads)
     act = z.full(width)
     dx = out if residual is None else f"{g}/dx"
-    forward = forward or (_norm_forward(f"{p}/{where}", p, norm, z, output)
+    forward = forward or (_norm_forward(f"{p}/{where}", p, norm, fp32, row, output, gone)
                           if output and not norm.weight_plus_one else ())  # GemmaRMSNorm's is not walked yet
     cast = Op(where, forward=forward, backward=(
         Step("x.to(float32)'s backward", (Made(f"{g}/dx fp32", fp32, "autograd sums x's two fp32 gradients"),
@@ -103,10 +106,11 @@ def rms_norm(where: str, p: str, norm: RMSNormTensors, z: Sizes, dy: str | None,
     return (cast, power, rstd, weight)
 
 
-def _norm_forward(n: str, p: str, norm: RMSNormTensors, z: Sizes, output: Made) -> tuple[Step, ...]:
+def _norm_forward(n: str, p: str, norm: RMSNormTensors, fp32: int, row: int, output: Made, gone: tuple[str, ...]
+                  ) -> tuple[Step, ...]:
     """LlamaRMSNorm's forward op by op: x.to(float32), pow(2), mean (the variance, a local to the return), + eps,
-    rsqrt, x * rstd (its fp32 input and the rstd go unless saved), the cast back, weight * y (`output`)."""
-    fp32, row = z.tokens(4 * z.h), z.tokens(4)
+    rsqrt, x * rstd (its fp32 input and the rstd go unless saved), the cast back, weight * y (`output`; then `gone`
+    goes too). `fp32`: an fp32 copy's bytes, `row`: the statistics'."""
     return (
         Step("x.to(float32)", (kept(p, norm.input_fp32),)),
         Step("pow(2)", (Made(f"{n}/pow", fp32, "x^2, a temporary"),)),
@@ -117,7 +121,7 @@ def _norm_forward(n: str, p: str, norm: RMSNormTensors, z: Sizes, output: Made) 
         Step("x * rstd", (Made(f"{n}/normalised fp32", fp32, "a local until the norm returns"),),
              reads_last=(kept_name(p, norm.input_fp32), kept_name(p, norm.rstd))),
         Step("the cast back to bf16", (kept(p, norm.normed),)),
-        Step("weight * y: the norm's output", (output,), frees=(f"{n}/variance", f"{n}/normalised fp32"),
+        Step("weight * y: the norm's output", (output,), frees=(f"{n}/variance", f"{n}/normalised fp32", *gone),
              reads_last=(kept_name(p, norm.normed),)),
     )
 
@@ -195,16 +199,18 @@ def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, t
     summed = ""
     for name, width in (("v", kv), ("k", kv), ("q", q)):
         heads = f"{g}/v heads" if name == "v" else f"{g}/{name} pre-rope"
-        if name in norms:
+        projected = made[name]
+        if name in norms:  # the projection's output is the norm's input, RoPE's the norm's output
+            projected = Made(f"{p}/{name} proj", z.full(width), f"{name}_proj's output, {name}_norm's input")
             ran += reversed(rms_norm(f"self_attn.{name}_norm", p, norms[name][0], z, heads, f"{g}/{name} normed",
-                                     width=width, heads=norms[name][1]))
+                                     width=width, heads=norms[name][1], output=made[name], gone=(projected.name,)))
             heads = f"{g}/{name} normed"
         copy = width != z.d and z.s != 1  # one head: (b, 1, s, d) transposed is (b, s, 1, d) already, no copy
         tokens, dx = f"{g}/{name} tokens" if copy else heads, f"{g}/{name}_proj input"
         out = f"{g}/ln1 output" if name == "q" else f"{dx} + {summed}"
         lin = linear(f"self_attn.{name}_proj", p, z.act * width * z.h, tokens, dx, full, (ledger.QKV_IN,), tp,
                      bias=z.act * width if qkv_bias else 0)
-        ran.append(replace(lin, forward=(Step("the GEMM", (made[name],)),), backward=(
+        ran.append(replace(lin, forward=(Step("the GEMM", (projected,)),), backward=(
             *((Step("transpose's backward", (Made(tokens, z.full(width), f"{name}'s gradient made (b, s, heads * d)"
                                                   " again, contiguous for the GEMM"),), frees=(heads,), moment=False),)
               if copy else ()), *lin.backward,

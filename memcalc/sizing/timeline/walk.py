@@ -61,6 +61,9 @@ class Step:
     frees: tuple[str, ...] = ()
     hands_over: tuple[str, ...] = ()
     returns: bool = False  # in backward: the op's autograd node returns here, and what it saves goes (default: last)
+    # autograd sums this gradient to its input's shape (validate_outputs) after the node returned: the node's saved
+    # tensors go after it, but under a checkpoint, whose rerun's tensors are the node's locals, before it
+    reduced: bool = False
     reads_last: tuple[str, ...] = ()  # kept tensors read here for the last time (under a checkpoint they go after it)
     moment: bool = True
 
@@ -92,6 +95,14 @@ class Op:
     def returns(self) -> int:
         """The backward step after which the op's autograd node returns: the one that says so, else the last."""
         return next((j for j, x in enumerate(self.backward) if x.returns), len(self.backward) - 1)
+
+    @functools.cached_property
+    def validated(self) -> int:
+        """The backward step after which the node's saved tensors go: its return, and the sums autograd then makes."""
+        j = self.returns
+        while j + 1 < len(self.backward) and self.backward[j + 1].reduced:
+            j += 1
+        return j
 
 
 @dataclass(frozen=True)
@@ -156,7 +167,7 @@ class Walk:
             op = ops[i]
             if self.checkpoint is not None and op.saves and not self._rerun_kept:
                 self._rerun(ops, op, self.checkpoint)
-            returns = op.returns
+            returns = op.returns if self.checkpoint is not None else op.validated
             for j, step in enumerate(op.backward):
                 self._step(step, op, "backward", i if j == returns else None)
                 self._release_frame()

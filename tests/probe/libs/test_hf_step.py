@@ -494,6 +494,10 @@ RECOMPUTE_STEPS = [
     ("eager", ODD | {"b": 3, "s": 17, "num_query_groups": 2, "L": 3}),  # a/g = 3, b > 1: matmul copies Q
     ("eager", ODD | {"b": 3, "s": 17, "num_query_groups": 6}),  # and K and V, without repeat_kv's copies
     ("flash", {"s": 19, "kv_channels": 12, "dtype": "fp16"}),  # heads wider than h/a
+    ("eager", {"qk_layernorm": True}),  # Qwen3ForCausalLM: q_norm and k_norm on each head, rerun too
+    ("flash", ODD | {"qk_layernorm": True, "b": 1, "s": 23, "num_query_groups": 3}),
+    ("eager", {"add_qkv_bias": True}),  # Qwen2ForCausalLM: the ln1 output goes before q's bias gradient is summed
+    ("flash", ODD | {"add_qkv_bias": True, "b": 3, "s": 17, "num_query_groups": 2}),
 ]
 
 
@@ -512,7 +516,7 @@ def test_under_gradient_checkpointing_each_layer_and_its_early_stopped_rerun_hap
 
 
 @pytest.mark.parametrize("changes, named", [
-    ({"qk_layernorm": True}, "Qwen3's, Qwen2's, Phi-3's or Gemma's layer"),
+    ({"fused_qkv": True}, "Phi-3's or Gemma's layer"),
     ({"t": 2}, "recompute full \\(gradient checkpointing\\) with tp"),
 ])
 def test_under_gradient_checkpointing_what_the_walk_does_not_model_is_refused_by_name(changes, named):
