@@ -226,9 +226,9 @@ def _recompute_missing(config: ModelConfig, strategy: Strategy) -> list[tuple[bo
     what = f"recompute {config.recompute} (gradient checkpointing) with"
     return [
         (config.moe, f"{what} experts"),
-        (config.fused_qkv or scaled_embedding(config),
-         f"{what} Phi-3's or Gemma's layer (their forward is not walked op by op; Llama's, Qwen2's and Qwen3's"
-         " are)"),
+        (config.fused_qkv or config.sandwich_norm,
+         f"{what} Phi-3's or Gemma 2's layer (their forward is not walked op by op; Llama's, Qwen2's, Qwen3's and"
+         " Gemma's are)"),
         (config.has_dropout, f"{what} dropout"),
         (strategy.tensor_parallel and config.t > 1, f"{what} tp (t={config.t})"),
         (config.dp_shard is not None or config.zero_stage is not None, f"{what} dp_shard or zero_stage"),

@@ -68,8 +68,8 @@ def rms_norm(where: str, p: str, norm: RMSNormTensors, z: Sizes, dy: str | None,
     g, fp32, row = _grad(p, where), z.tokens(4 * width), z.tokens(4 * heads)
     act = z.full(width)
     dx = out if residual is None else f"{g}/dx"
-    forward = forward or (_norm_forward(f"{p}/{where}", p, norm, fp32, row, output, gone)
-                          if output and not norm.weight_plus_one else ())  # GemmaRMSNorm's is not walked yet
+    walked = _gemma_norm_forward if norm.weight_plus_one else _norm_forward
+    forward = forward or (walked(f"{p}/{where}", p, norm, fp32, row, output, gone) if output else ())
     cast = Op(where, forward=forward, backward=(
         Step("x.to(float32)'s backward", (Made(f"{g}/dx fp32", fp32, "autograd sums x's two fp32 gradients"),
                                           Made(dx, act, "x.to(float32)'s backward: cast back to bf16")),
@@ -123,6 +123,29 @@ def _norm_forward(n: str, p: str, norm: RMSNormTensors, fp32: int, row: int, out
         Step("the cast back to bf16", (kept(p, norm.normed),)),
         Step("weight * y: the norm's output", (output,), frees=(f"{n}/variance", f"{n}/normalised fp32", *gone),
              reads_last=(kept_name(p, norm.normed),)),
+    )
+
+
+def _gemma_norm_forward(n: str, p: str, norm: RMSNormTensors, fp32: int, row: int, output: Made,
+                        gone: tuple[str, ...]) -> tuple[Step, ...]:
+    """GemmaRMSNorm's forward op by op: x.float(), pow(2), mean, + eps, rsqrt, x * rstd (the fp32 input and the rstd
+    go unless saved: `_norm` returns), weight.float() (an (h,) fp32 copy), 1.0 + it, the fp32 product, type_as(x)
+    (`output`). `fp32`: an fp32 copy's bytes, `row`: the statistics'."""
+    channels = fp32 // row  # the channels each statistic covers: the weight's
+    return (
+        Step("x.float()", (kept(p, norm.input_fp32),)),
+        Step("pow(2)", (Made(f"{n}/pow", fp32, "x^2, a temporary"),)),
+        Step("mean over h", (Made(f"{n}/variance", row, "a temporary"),), frees=(f"{n}/pow",)),
+        Step("mean + eps", (Made(f"{n}/variance + eps", row, "rsqrt's input, a temporary"),),
+             frees=(f"{n}/variance",)),
+        Step("rsqrt", (kept(p, norm.rstd),), frees=(f"{n}/variance + eps",)),
+        Step("x * rstd", (kept(p, norm.normed_fp32),),
+             reads_last=(kept_name(p, norm.input_fp32), kept_name(p, norm.rstd))),
+        Step("weight.float()", (Made(f"{n}/weight fp32", 4 * channels, "the weight's (h,) fp32 copy, a temporary"),)),
+        Step("1.0 + weight", (kept(p, norm.weight_plus_one),), frees=(f"{n}/weight fp32",)),
+        Step("the product, in fp32", (Made(f"{n}/product fp32", fp32, "a local until the norm returns"),),
+             reads_last=(kept_name(p, norm.normed_fp32), kept_name(p, norm.weight_plus_one))),
+        Step("type_as(x): the norm's output", (output,), frees=(f"{n}/product fp32", *gone)),
     )
 
 

@@ -498,6 +498,8 @@ RECOMPUTE_STEPS = [
     ("flash", ODD | {"qk_layernorm": True, "b": 1, "s": 23, "num_query_groups": 3}),
     ("eager", {"add_qkv_bias": True}),  # Qwen2ForCausalLM: the ln1 output goes before q's bias gradient is summed
     ("flash", ODD | {"add_qkv_bias": True, "b": 3, "s": 17, "num_query_groups": 2}),
+    ("eager", GEMMA),  # GemmaForCausalLM: GemmaRMSNorm's fp32 (1 + w) product, the tanh GeGLU, the scaled embedding
+    ("flash", GEMMA | {"b": 3, "s": 7, "h": 48, "a": 6, "num_query_groups": 2, "tie_embeddings": True}),
 ]
 
 
@@ -516,7 +518,7 @@ def test_under_gradient_checkpointing_each_layer_and_its_early_stopped_rerun_hap
 
 
 @pytest.mark.parametrize("changes, named", [
-    ({"fused_qkv": True}, "Phi-3's or Gemma's layer"),
+    ({"fused_qkv": True}, "Phi-3's or Gemma 2's layer"),
     ({"t": 2}, "recompute full \\(gradient checkpointing\\) with tp"),
 ])
 def test_under_gradient_checkpointing_what_the_walk_does_not_model_is_refused_by_name(changes, named):
