@@ -135,10 +135,13 @@ def _checkpoint(i: int, config: ModelConfig) -> Checkpoint | None:
     """gradient_checkpointing_enable's non-reentrant checkpoint around layer i's forward, with torch's early stop:
     its frame holds the layer's input (the layer's own ops, its residual sums, are rerun outside any module's forward:
     temporaries to MemTracker), and the keyword arguments LlamaModel passes every layer (the mask, the
-    position ids, RoPE's tables), which the first layer's frame is the last to hold."""
+    position ids, RoPE's tables), which the first layer's frame is the last to hold (a mask, the first layer's that
+    gets it)."""
     if config.recompute != "full":
         return None
-    shared = (*MODEL_LOCALS[1:], *(x.name for x in layer.ROPE)) if i == 0 else ()
+    masks = [_mask(config, j) for j in range(i + 1)]
+    shared = (*(("model/position_ids", *(x.name for x in layer.ROPE)) if i == 0 else ()),
+              *((masks[i],) if masks.index(masks[i]) == i else ()))
     return Checkpoint(f"layers.{i}/input", early_stop=True, own=TEMPORARIES, frame=shared)
 
 
@@ -157,6 +160,11 @@ def _forward(tape: Tape, sharding: Fsdp | Zero | None, inputs: Walked, layers: l
         if sharding is not None:
             sharding.post_forward(tape, f"layers.{i}")
     back.forward(out)
+
+
+def _mask(config: ModelConfig, i: int) -> str:
+    """The mask LlamaModel passes layer i: Gemma 2's even layers slide (layer_types), the rest attend causally."""
+    return "model/sliding_mask" if config.sandwich_norm and i % 2 == 0 else "model/causal_mask"
 
 
 def _backward(tape: Tape, sharding: Fsdp | Zero | None, inputs: Walked, layers: list[Walked], outputs: Walked) -> None:
@@ -226,9 +234,8 @@ def _recompute_missing(config: ModelConfig, strategy: Strategy) -> list[tuple[bo
     what = f"recompute {config.recompute} (gradient checkpointing) with"
     return [
         (config.moe, f"{what} experts"),
-        (config.fused_qkv or config.sandwich_norm,
-         f"{what} Phi-3's or Gemma 2's layer (their forward is not walked op by op; Llama's, Qwen2's, Qwen3's and"
-         " Gemma's are)"),
+        (config.fused_qkv, f"{what} Phi-3's layer (its forward is not walked op by op; Llama's, Qwen2's, Qwen3's,"
+                           " Gemma's and Gemma 2's are)"),
         (config.has_dropout, f"{what} dropout"),
         (strategy.tensor_parallel and config.t > 1, f"{what} tp (t={config.t})"),
         (config.dp_shard is not None or config.zero_stage is not None, f"{what} dp_shard or zero_stage"),
@@ -294,10 +301,12 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
     ln1, ln2 = rules.RMS_NORMS[config.norm]
     # Gemma 2's sandwich norms: on the attention's output and on the MLP's, whose gradients are then theirs
     attn_out, mlp_out = (f"grad/{p}/attn output", f"grad/{p}/mlp output") if config.sandwich_norm else (None, None)
-    post_attn, post_mlp = (
-        layer.rms_norm(name, p, norm, z, None, dx) for name, norm, dx in (
-            ("post_attention_layernorm", rules.GEMMA_POST_ATTN, attn_out),
-            ("post_feedforward_layernorm", rules.GEMMA_POST_MLP, mlp_out))) if config.sandwich_norm else ((), ())
+    post_attn, post_mlp = (  # each on its branch's output, which goes as the norm returns
+        layer.rms_norm(name, p, norm, z, None, dx, output=Made(f"{p}/{branch} normed", z.full(z.h), "the branch's"
+                                                                " output normalised"), gone=(f"{p}/{branch} output",))
+        for name, norm, dx, branch in (
+            ("post_attention_layernorm", rules.GEMMA_POST_ATTN, attn_out, "attn"),
+            ("post_feedforward_layernorm", rules.GEMMA_POST_MLP, mlp_out, "mlp"))) if config.sandwich_norm else ((), ())
     mid, output = layer.residuals(i, z, config.attention == "eager")
     ops = (
         *layer.rms_norm("input_layernorm", p, ln1, z, f"grad/{p}/ln1 output", out, f"grad/{p}/mid",

@@ -188,14 +188,16 @@ def layer_forward(i: int, z: Sizes, kept: Step, mlp: tuple[Op, ...] = ()) -> tup
 
 
 def residuals(i: int, z: Sizes, eager: bool) -> tuple[Op, Op]:
-    """Layer i's two residual sums, in forward: after attention (the stream's `mid`, o_proj's output gone) and after
-    the MLP (the next layer's input); as the layer returns its locals go: the stream, the MLP's output, eager's
+    """Layer i's two residual sums, in forward: after attention (the stream's `mid`, o_proj's output, or Gemma 2's
+    norm of it, gone) and after the MLP (the next layer's input); as the layer returns its locals go: the stream, the
+    MLP's output (or its norm), eager's
     attention weights (`hidden_states, _ = self.self_attn(...)` holds them), and the input the caller rebinds."""
     p, full = f"layers.{i}", z.full(z.h)
     mid = Op("", (Step("x + attention", (Made(f"{p}/mid", full, "the residual stream after attention: ln2's input and"
-                                              " the MLP's residual"),), frees=(f"{p}/attn output",)),), ())
+                                              " the MLP's residual"),), frees=(f"{p}/attn output", f"{p}/attn normed")
+                        ),), ())
     out = Op("", (Step("the layer's output", (Made(f"layers.{i + 1}/input", full, "the next layer's input"),),
-                       frees=(f"{p}/mid", f"{p}/mlp output", *((f"{p}/input",) if i else ())),
+                       frees=(f"{p}/mid", f"{p}/mlp output", f"{p}/mlp normed", *((f"{p}/input",) if i else ())),
                        reads_last=(kept_name(p, rules.WEIGHTS),) if eager else ()),), ())
     return mid, out
 
@@ -350,7 +352,13 @@ def _eager(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool = F
     names = {n: f"{g}/{n} {'expanded' if gqa else 'heads'}" for n in ("k", "v")}
     scale = Step("the scale's backward", (Made(f"{g}/scaled scores", z.act * scores, "the mask's passes dY on"),),
                  frees=(f"{g}/scores",), moment=False)
-    capped = (Op("self_attn", (), (*_softcap_backward(g, z.act * scores), scale), saves=(rules.SOFTCAP_TANH,)),)
+    tanh = kept_name(p, rules.SOFTCAP_TANH)
+    capped = (Op("self_attn", (  # each a new (b, a, s, s) tensor, the last one's gone
+        Step("(.) / softcap", (Made(f"{p}/scores divided", z.act * scores, "a temporary"),),
+             frees=(f"{p}/scores scaled",)),
+        Step("tanh", (kept(p, rules.SOFTCAP_TANH),), frees=(f"{p}/scores divided",)),
+        Step("(.) * softcap", (Made(f"{p}/scores capped", z.act * scores, "a temporary"),), reads_last=(tanh,)),
+    ), (*_softcap_backward(g, z.act * scores), scale), saves=(rules.SOFTCAP_TANH,)),)
     weights = f"{g}/dropped" if dropout else f"{g}/weights"
     dropped = (Op("self_attn", (), (
         Step("dropout's backward: dY * mask * scale", (Made(f"{g}/weights", z.act * scores, "native_dropout_backward:"
@@ -366,14 +374,14 @@ def _eager(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool = F
             *(Step("made contiguous for bmm", (kept(p, t),)) for t in qk),
             Step("QK^T", (Made(x, sc, "bmm's output"),), reads_last=tuple(kept_name(p, t) for t in qk)),
             Step("times the scale", (Made(f"{x} scaled", sc, "a temporary"),), frees=(x,)),
-            Step("plus the mask", (Made(f"{x} masked", sc, "a local, rebound by the softmax"),),
-                 frees=(f"{x} scaled",)),
         ), (
             Step("QK^T: dQ and dK", (Made(f"{g}/q heads", q, "dQ = dScores K"), Made(
                 names["k"], q, "dK = dScores^T Q, at a heads")), frees=(f"{g}/scaled scores",)),
         ), saves=(ledger.Q, k)),
         *(capped if softcap else ()),
         Op("self_attn", (
+            Step("plus the mask", (Made(f"{x} masked", sc, "a local, rebound by the softmax"),),
+                 frees=(f"{x} scaled", f"{x} capped")),
             Step("the cast to fp32", (Made(f"{x} fp32", 2 * sc, "softmax's input, a temporary"),)),
             Step("the fp32 softmax", (kept(p, rules.SOFTMAX_FP32),), frees=(f"{x} fp32",)),
             Step("the cast back: the attention weights", (kept(p, rules.WEIGHTS),), frees=(f"{x} masked",),

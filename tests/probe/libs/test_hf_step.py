@@ -500,6 +500,9 @@ RECOMPUTE_STEPS = [
     ("flash", ODD | {"add_qkv_bias": True, "b": 3, "s": 17, "num_query_groups": 2}),
     ("eager", GEMMA),  # GemmaForCausalLM: GemmaRMSNorm's fp32 (1 + w) product, the tanh GeGLU, the scaled embedding
     ("flash", GEMMA | {"b": 3, "s": 7, "h": 48, "a": 6, "num_query_groups": 2, "tie_embeddings": True}),
+    ("eager", GEMMA2 | CAPPED),  # Gemma2ForCausalLM: the sandwich norms, the soft-capped scores, both masks held
+    ("eager", GEMMA2 | CAPPED | {"b": 3, "s": 7, "h": 48, "a": 6, "num_query_groups": 2, "L": 3}),
+    ("eager", GEMMA2 | {"s": 95, "h": 16, "ffn_hidden_size": 16, "vocab_size": 20, "sliding_window": 16}),
 ]
 
 
@@ -513,12 +516,13 @@ def test_under_recomputation_the_sizes_put_the_peak_in_four_different_places():
 def test_under_gradient_checkpointing_each_layer_and_its_early_stopped_rerun_happen_in_order_to_the_byte(
         one_thread, attention, changes):
     """Each layer's forward op by op, keeping only its input (the first layer's frame also the mask, the position
-    ids and RoPE's tables); in backward its rerun up to SwiGLU's product, the last saved tensor, then its backward."""
+    ids and RoPE's tables; Gemma 2's second layer's the causal mask); in backward its rerun up to the MLP's product,
+    the last saved tensor (Gemma 2's: its post_feedforward_layernorm's 1 + w), then its backward."""
     _exact_step(make_config(LLAMA, attention=attention, recompute="full", **changes), "none")
 
 
 @pytest.mark.parametrize("changes, named", [
-    ({"fused_qkv": True}, "Phi-3's or Gemma 2's layer"),
+    ({"fused_qkv": True}, "Phi-3's layer"),
     ({"t": 2}, "recompute full \\(gradient checkpointing\\) with tp"),
 ])
 def test_under_gradient_checkpointing_what_the_walk_does_not_model_is_refused_by_name(changes, named):
