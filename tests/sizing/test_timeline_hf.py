@@ -56,7 +56,7 @@ def test_backward_leaves_only_the_batch_and_the_loss_behind():
 
 @pytest.mark.parametrize("changes, named", [
     ({"dropout": 0.1, "attention": "flash"}, "dropout 0.1 with SDPA"),
-    ({"recompute": "full", "dp_shard": 2}, "recompute full \\(gradient checkpointing\\) with dp_shard"),
+    ({"recompute": "full", "zero_stage": 2}, "recompute full \\(gradient checkpointing\\) with zero_stage"),
     ({"add_bias_linear": True}, "add_bias_linear"),
     ({"add_qkv_bias": True, "dp_shard": 2}, "dp_shard or zero_stage with add_qkv_bias"),
     ({"norm": "layernorm", "mlp": "gelu", "num_query_groups": None}, "norm layernorm with mlp gelu"),

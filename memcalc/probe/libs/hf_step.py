@@ -86,10 +86,17 @@ def warmed_up(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, 
     model = model.to(tp.device).train()
     if tp.size > 1:  # the plan from_pretrained(tp_plan="auto") applies, by the function it applies it with
         hf_tp.apply(model, hf_tp.model_plan(model, tp.size), tp)
-    if config.recompute == "full":  # as the Trainer's activation_checkpointing=True calls it: its defaults
-        model.activation_checkpointing_enable()
+    checkpointed(model, config)
     k = config.moe_router_topk if config.moe else 0
     return Trainer.around(config, model, lambda tokens, labels: model_loss(model, tokens, labels, family, route, k))
+
+
+def checkpointed(model: Any, config: ModelConfig) -> None:
+    """Under recompute full, transformers' gradient checkpointing as the Trainer's activation_checkpointing=True turns
+    it on: activation_checkpointing_enable() with its defaults (gradient_checkpointing_enable, its deprecated alias,
+    calls the same), a non-reentrant torch.utils.checkpoint around each decoder layer's forward, early stop on."""
+    if config.recompute == "full":
+        model.activation_checkpointing_enable()
 
 
 def stepped_family(config: ModelConfig) -> str:

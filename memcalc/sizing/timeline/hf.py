@@ -31,8 +31,10 @@ Exact (to the byte, at every moment, tests/probe/libs/test_hf_step.py and test_h
 torch 2.13's CPU kernels: no biases but Qwen2's q, k, v ones (add_qkv_bias), attention dropout with eager attention
 (native_dropout's bool mask, CUDA's, through the probe's shim), bf16 or fp16, eager or SDPA attention, any a/g,
 heads of head_dim, tied or not (untied under tp), t = 1 or the tp_plan at t = 2, 3 and 4, FSDP2 at dp_shard 2, 4, 8
-(also on a 2-D mesh), pp = 1, no recomputation; Gemma's, Gemma 2's and Phi-3's at t = 1 unsharded; `check_modelled`
-names everything else. On CUDA the same aten ops make the same outputs; what a kernel allocates inside itself, the
+(also on a 2-D mesh), pp = 1; Gemma's, Gemma 2's and Phi-3's at t = 1 unsharded; under gradient checkpointing
+(recompute full, `_checkpoint`: each layer's forward op by op, its rerun in backward stopped early at its last saved
+tensor) Llama's, Qwen2's, Qwen3's, Gemma's and Gemma 2's at t = 1, and Llama's and Qwen3's under FSDP2;
+`check_modelled` names everything else. On CUDA the same aten ops make the same outputs; what a kernel allocates inside itself, the
 caching allocator's rounding and another SDPA kernel's choice are not here.
 """
 
@@ -54,7 +56,9 @@ from memcalc.sizing.timeline import hf_layer as layer
 from memcalc.sizing.timeline import hf_moe as moe
 from memcalc.sizing.timeline.ends import model_states
 from memcalc.sizing.timeline.fsdp import ROOT, Fsdp
-from memcalc.sizing.timeline.tape import GRADIENTS, PARAMETERS, TEMPORARIES, Moment, Sizes, Tape, Timeline, bulk
+from memcalc.sizing.timeline.tape import (
+    ACTIVATIONS, GRADIENTS, PARAMETERS, TEMPORARIES, Moment, Sizes, Tape, Timeline, bulk,
+)
 from memcalc.sizing.timeline.walk import Checkpoint, HandOver, Made, Op, Step, Walk, kept
 from memcalc.sizing.timeline.zero import Zero
 
@@ -142,7 +146,8 @@ def _checkpoint(i: int, config: ModelConfig) -> Checkpoint | None:
     masks = [_mask(config, j) for j in range(i + 1)]
     shared = (*(("model/position_ids", *(x.name for x in layer.ROPE)) if i == 0 else ()),
               *((masks[i],) if masks.index(masks[i]) == i else ()))
-    return Checkpoint(f"layers.{i}/input", early_stop=True, own=TEMPORARIES, frame=shared)
+    rerun = ACTIVATIONS if config.dp_shard is None else TEMPORARIES  # FSDPMemTracker's: in backward, no unit's forward
+    return Checkpoint(f"layers.{i}/input", rerun=rerun, early_stop=True, own=TEMPORARIES, frame=shared)
 
 
 def _forward(tape: Tape, sharding: Fsdp | Zero | None, inputs: Walked, layers: list[Walked], outputs: Walked) -> None:
@@ -238,7 +243,7 @@ def _recompute_missing(config: ModelConfig, strategy: Strategy) -> list[tuple[bo
                            " Gemma's and Gemma 2's are)"),
         (config.has_dropout, f"{what} dropout"),
         (strategy.tensor_parallel and config.t > 1, f"{what} tp (t={config.t})"),
-        (config.dp_shard is not None or config.zero_stage is not None, f"{what} dp_shard or zero_stage"),
+        (config.zero_stage is not None, f"{what} zero_stage"),
     ]
 
 
