@@ -269,9 +269,10 @@ def _kept_or_local(p: str, tensor: SavedTensor, saved: dict[str, int], name: str
 def _bmm_copies(z: Sizes, saved: dict[str, int]) -> tuple[bool, bool]:
     """Whether eager's matmul copies Q, and K and V, to run bmm (the copy is then what it keeps): a (b, heads, s, d)
     view of a (b, s, heads, d) tensor folds into (b * heads, s, d) only when b, s or heads is 1; repeat_kv's copies
-    are contiguous."""
-    strided = z.b > 1 and z.s > 1
-    return strided and z.a_t > 1, strided and z.g_t > 1 and rules.K_EXPANDED.name not in saved
+    are contiguous, but of one K/V group on the rank it makes a view with a zero stride, which folds only at b = 1
+    (the ledger's REPEAT_KV: at b > 1 these copies are what it keeps as K and V expanded)."""
+    strided, expanded = z.b > 1 and z.s > 1, rules.K_EXPANDED.name in saved
+    return strided and z.a_t > 1, (strided and z.g_t > 1 and not expanded) or (expanded and z.g_t == 1)
 
 
 def _fused_qkv(p: str, z: Sizes, q: int, kv: int, tp: bool) -> tuple[Op, ...]:
@@ -367,8 +368,9 @@ def _eager(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool = F
                                                             " one kernel, the gradient through the mask"),),
              frees=(weights,)),), saves=(ledger.ATTN_DROPOUT_MASK,)),) if dropout else ()
     sc, x = z.act * scores, f"{p}/scores"
-    copies = tuple(Step(f"repeat_kv({n})", (kept(p, t),)) for n, t in (("k", k), ("v", v))) if expanded else ()
     q_copied, kv_copied = _bmm_copies(z, saved)
+    repeated = expanded and not kv_copied  # repeat_kv's copies, kept to the core's return; else matmul's, to bmm's
+    copies = tuple(Step(f"repeat_kv({n})", (kept(p, t),)) for n, t in (("k", k), ("v", v))) if repeated else ()
     qk = ((ledger.Q,) if q_copied else ()) + ((k,) if kv_copied else ())
     return (
         Op("self_attn", copies, sums),
@@ -400,10 +402,8 @@ def _eager(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool = F
         *dropped,
         Op("self_attn", (
             *((Step("V made contiguous for bmm", (kept(p, v),)),) if kv_copied else ()),
-            Step("weights x V", (Made(f"{p}/context", q, "bmm's output, (b, a, s, d)"),),
-                 reads_last=(kept_name(p, v),) if kv_copied else ()),
-            Step("the context made (b, s, a, d)", (kept(p, ledger.PROJ_IN),), frees=(f"{p}/context",),
-                 reads_last=tuple(kept_name(p, t) for t in (k, v)) if expanded else ()),
+            *_context(p, z, q, (kept_name(p, v),) if kv_copied else (),
+                      tuple(kept_name(p, t) for t in (k, v)) if repeated else ()),
         ), (
             Step("the context made (b, a, s, d)", (Made(f"{g}/attn heads", q, "contiguous for bmm"),),
                  frees=(f"{g}/o_proj input",), moment=False),
@@ -411,6 +411,16 @@ def _eager(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool = F
                 weights, z.act * scores, "dWeights = dY V^T")), frees=(f"{g}/attn heads",)),
         ), saves=(ledger.ATTN_DROPOUT_OUT if dropout else rules.WEIGHTS, v)),
     )
+
+
+def _context(p: str, z: Sizes, q: int, read: tuple[str, ...], gone: tuple[str, ...]) -> tuple[Step, ...]:
+    """weights x V (`read` last there), then transpose(1, 2).contiguous(): o_proj's input, a copy but for one token or
+    one head a rank ((b, a, 1, d) transposed is contiguous already); `gone` goes as the core returns."""
+    if z.s == 1 or z.a_t == 1:
+        return (Step("weights x V: o_proj's input", (kept(p, ledger.PROJ_IN),), reads_last=(*read, *gone)),)
+    return (Step("weights x V", (Made(f"{p}/context", q, "bmm's output, (b, a, s, d)"),), reads_last=read),
+            Step("the context made (b, s, a, d)", (kept(p, ledger.PROJ_IN),), frees=(f"{p}/context",),
+                 reads_last=gone))
 
 
 def _softcap_backward(g: str, scores: int) -> tuple[Step, ...]:
