@@ -136,11 +136,10 @@ MODEL_LOCALS = ("layers.0/input", "model/position_ids", "model/causal_mask", "mo
 
 
 def _checkpoint(i: int, config: ModelConfig) -> Checkpoint | None:
-    """gradient_checkpointing_enable's non-reentrant checkpoint around layer i's forward, with torch's early stop:
-    its frame holds the layer's input (the layer's own ops, its residual sums, are rerun outside any module's forward:
-    temporaries to MemTracker), and the keyword arguments LlamaModel passes every layer (the mask, the
-    position ids, RoPE's tables), which the first layer's frame is the last to hold (a mask, the first layer's that
-    gets it)."""
+    """gradient_checkpointing_enable's non-reentrant checkpoint around layer i's forward, torch's early stop on. Its
+    frame holds the layer's input and the keyword arguments LlamaModel passes (the position ids and RoPE's tables,
+    which layer 0's frame is the last to hold; a mask, which the first layer given it is). The layer's own ops, its
+    residual sums, rerun outside any module's forward: MemTracker's temporaries."""
     if config.recompute != "full":
         return None
     masks = [_mask(config, j) for j in range(i + 1)]
@@ -223,17 +222,17 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
         (config.dtype == "fp32", "dtype fp32 (no master weights)"),
         *_experts_missing(config, strategy),
         *_sharding_missing(config, strategy),
-        *_recompute_missing(config, strategy),
+        *_recompute_missing(config),
     ]
     for absent, what in missing:
         if absent:
             raise ConfigError(f"the step timeline for impl hf does not model {what} yet")
 
 
-def _recompute_missing(config: ModelConfig, strategy: Strategy) -> list[tuple[bool, str]]:
+def _recompute_missing(config: ModelConfig) -> list[tuple[bool, str]]:
     """What the walk under gradient checkpointing (each layer's forward op by op, and its early-stopped rerun in
     backward) leaves out: it walks Llama's layer (LlamaRMSNorm, q, k, v, RoPE, eager or SDPA, LlamaMLP; Qwen2's q, k,
-    v biases, Qwen3's q_norm and k_norm; Gemma's and Gemma 2's), unsharded, under tp or FSDP2."""
+    v biases, Qwen3's q_norm and k_norm; Gemma's and Gemma 2's) at t = 1, under the tp_plan and under FSDP2."""
     if config.recompute == "none":
         return []
     what = f"recompute {config.recompute} (gradient checkpointing) with"
@@ -241,7 +240,7 @@ def _recompute_missing(config: ModelConfig, strategy: Strategy) -> list[tuple[bo
         (config.moe, f"{what} experts"),
         (config.fused_qkv, f"{what} Phi-3's layer (its forward is not walked op by op; Llama's, Qwen2's, Qwen3's,"
                            " Gemma's and Gemma 2's are)"),
-        (config.has_dropout, f"{what} dropout"),
+        (config.has_dropout, f"{what} dropout (the probe's CUDA-like dropout shim is not active in the rerun)"),
         (config.zero_stage is not None, f"{what} zero_stage"),
     ]
 
