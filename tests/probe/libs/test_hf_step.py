@@ -508,6 +508,8 @@ RECOMPUTE_STEPS = [
     ("tp", "eager", ODD | {"t": 2, "b": 1, "s": 23, "num_query_groups": 2, "vocab_size": 252}),  # transformers' plan
     ("tp", "flash", {"t": 2, "b": 3, "s": 9, "vocab_size": 252, "qk_layernorm": True}),
     ("tp", "eager", {"t": 4, "b": 3, "s": 7, "num_query_groups": 4, "vocab_size": 252}),  # one K/V group a rank
+    ("tp", "flash", ODD | {"t": 3, "b": 1, "s": 17, "num_query_groups": 3, "vocab_size": 252, "ffn_hidden_size": 177}),
+    ("tp", "eager", {"t": 2, "b": 3, "s": 5, "vocab_size": 252, "kv_channels": 12, "add_qkv_bias": True}),
 ]
 
 
