@@ -33,9 +33,10 @@ torch 2.13's CPU kernels: no biases but Qwen2's q, k, v ones (add_qkv_bias), att
 heads of head_dim, tied or not (untied under tp), t = 1 or the tp_plan at t = 2, 3 and 4, FSDP2 at dp_shard 2, 4, 8
 (also on a 2-D mesh), pp = 1; Gemma's, Gemma 2's and Phi-3's at t = 1 unsharded; under gradient checkpointing
 (recompute full, `_checkpoint`: each layer's forward op by op, its rerun in backward stopped early at its last saved
-tensor) Llama's, Qwen2's, Qwen3's, Gemma's and Gemma 2's at t = 1, Llama's and Qwen3's under the tp_plan at t = 2
-and 4 and under FSDP2; `check_modelled` names everything else. On CUDA the same aten ops make the same outputs; what
-a kernel allocates inside itself, the caching allocator's rounding and another SDPA kernel's choice are not here.
+tensor) Llama's, Qwen2's, Qwen3's, Gemma's, Gemma 2's and Phi-3's at t = 1, Llama's, Qwen2's and Qwen3's under
+the tp_plan at t = 2, 3 and 4 and under FSDP2; `check_modelled` names everything else. On CUDA the same aten ops
+make the same outputs; what a kernel allocates inside itself, the caching allocator's rounding and another SDPA
+kernel's choice are not here.
 """
 
 from __future__ import annotations
@@ -232,14 +233,12 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
 def _recompute_missing(config: ModelConfig) -> list[tuple[bool, str]]:
     """What the walk under gradient checkpointing (each layer's forward op by op, and its early-stopped rerun in
     backward) leaves out: it walks Llama's layer (LlamaRMSNorm, q, k, v, RoPE, eager or SDPA, LlamaMLP; Qwen2's q, k,
-    v biases, Qwen3's q_norm and k_norm; Gemma's and Gemma 2's) at t = 1, under the tp_plan and under FSDP2."""
+    v biases, Qwen3's q_norm and k_norm; Gemma's, Gemma 2's and Phi-3's) at t = 1, under the tp_plan and FSDP2."""
     if config.recompute == "none":
         return []
     what = f"recompute {config.recompute} (gradient checkpointing) with"
     return [
         (config.moe, f"{what} experts"),
-        (config.fused_qkv, f"{what} Phi-3's layer (its forward is not walked op by op; Llama's, Qwen2's, Qwen3's,"
-                           " Gemma's and Gemma 2's are)"),
         (config.has_dropout, f"{what} dropout (the probe's CUDA-like dropout shim is not active in the rerun)"),
         (config.zero_stage is not None, f"{what} zero_stage"),
     ]
@@ -329,7 +328,7 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
     if not checkpointed:
         ops = (*layer.layer_forward(i, z, made, moe.block_forward(p, z, config) if block else ()),
                *(replace(x, forward=()) for x in ops))
-    return tuple(replace(x, where=PHI3_SHADOWED.get(x.where, x.where)) for x in ops) if config.fused_qkv else ops
+    return tuple(replace(x, shadow=PHI3_SHADOWED.get(x.where, "")) for x in ops) if config.fused_qkv else ops
 
 
 # Phi-3's residual dropouts (resid_pdrop 0: nn.Dropout returns its input) take o_proj's and down_proj's outputs as

@@ -215,12 +215,12 @@ def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, t
     the norm's output going as the module returns."""
     g, q, kv, full = f"grad/{p}", z.a_t * z.d, z.g_t * z.d, z.full(z.h)
     # the projections' outputs and RoPE's, each the core's saved tensor or a local of the attention
-    q_copied, kv_copied = _bmm_copies(z, saved)
+    q_copied, k_copied, v_copied = _bmm_copies(z, saved, fused)
     made = {"q": Made(f"{p}/q pre-rope", z.full(q), "q_proj's output, a local"),
             "k": Made(f"{p}/k pre-rope", z.full(kv), "k_proj's output, a local"),
-            "v": _kept_or_local(p, ledger.V, saved, "v heads", z.full(kv), eager and kv_copied)}
+            "v": _kept_or_local(p, ledger.V, saved, "v heads", z.full(kv), eager and v_copied)}
     rotated = {"q": _kept_or_local(p, ledger.Q, saved, "q heads", z.full(q), eager and q_copied),
-               "k": _kept_or_local(p, ledger.K, saved, "k heads", z.full(kv), eager and kv_copied)}
+               "k": _kept_or_local(p, ledger.K, saved, "k heads", z.full(kv), eager and k_copied)}
     norms = {"q": (rules.Q_NORM_RMS, z.a_t), "k": (rules.K_NORM_RMS, z.g_t)} if qk_norm else {}
     ran: list[Op] = []  # in the order autograd runs them
     summed = ""
@@ -244,17 +244,19 @@ def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, t
             *((Step("autograd sums q's, k's and v's input gradients as they come", (Made(
                 out, full, "the input gradients summed"),), frees=(dx, summed), moment=False),) if summed else ()))))
         summed = out if summed else dx
-    rope = tuple(Op("self_attn", _rope_forward(p, name, z.full(w), rotated[name], name == "k"),
+    if fused:  # q, k and v are views of qkv_proj's output, which V's view keeps whole at b = 1
+        made["v"] = _kept_or_local(p, rules.NEOX_QKV_OUT, saved, "qkv", z.full(q + 2 * kv))
+    rope = tuple(Op("self_attn", _rope_forward(p, name, z.full(w), rotated[name], name == "k" and not fused, fused),
                     _rope_backward(g, name, z.full(w), first and name == "q")) for name, w in
                  (("q", q), ("k", kv)))  # forward order: q's, then k's
-    core = _eager(p, z, saved, gqa, dropout, softcap) if eager else _sdpa(p, z)
+    core = _eager(p, z, saved, gqa, dropout, softcap, fused) if eager else _sdpa(p, z)
     o_proj = linear("self_attn.o_proj", p, z.act * q * z.h, dy, f"{g}/o_proj input", z.full(q),
                     saves=(ledger.PROJ_IN,) if eager else ())
     gone = (made["v"], *rotated.values(), kept(p, ledger.QKV_IN), kept(p, ledger.PROJ_IN))  # at the module's return
     o_proj = replace(o_proj, forward=(Step("the GEMM", (Made(f"{p}/attn output", full, "o_proj's output"),),
                                            frees=tuple(x.name for x in gone if x.keeps is None),
                                            reads_last=tuple(x.name for x in gone if x.keeps is not None)),))
-    return (*(_fused_qkv(p, z, q, kv, tp) if fused else reversed(ran)), *rope, *core, o_proj)
+    return (*(_fused_qkv(p, z, q, kv, tp, made["v"]) if fused else reversed(ran)), *rope, *core, o_proj)
 
 
 def _kept_or_local(p: str, tensor: SavedTensor, saved: dict[str, int], name: str, nbytes: int, copied: bool = False
@@ -266,16 +268,21 @@ def _kept_or_local(p: str, tensor: SavedTensor, saved: dict[str, int], name: str
     return Made(f"{p}/{name}", nbytes, "a local of the attention")
 
 
-def _bmm_copies(z: Sizes, saved: dict[str, int]) -> tuple[bool, bool]:
-    """Whether eager's matmul copies Q, and K and V, to run bmm (the copy is then what it keeps): a (b, heads, s, d)
-    view of a (b, s, heads, d) tensor folds into (b * heads, s, d) only when b, s or heads is 1; repeat_kv's copies
-    are contiguous, but of one K/V group on the rank it makes a view with a zero stride, which folds only at b = 1
-    (the ledger's REPEAT_KV: at b > 1 these copies are what it keeps as K and V expanded)."""
+def _bmm_copies(z: Sizes, saved: dict[str, int], fused: bool = False) -> tuple[bool, bool, bool]:
+    """Whether eager's matmul copies Q, K and V to run bmm (the copy is then what it keeps): a (b, heads, s, d) view
+    of a (b, s, heads, d) tensor folds into (b * heads, s, d) only when b, s or heads is 1; repeat_kv's copies are
+    contiguous, but of one K/V group on the rank it makes a view with a zero stride, which folds only at b = 1 (the
+    ledger's REPEAT_KV: at b > 1 these copies are what it keeps as K and V expanded). Phi-3's (`fused`) Q and K are
+    RoPE's concatenations, contiguous; its V a view of qkv_proj's output, folding only at b = 1 or one head."""
     strided, expanded = z.b > 1 and z.s > 1, rules.K_EXPANDED.name in saved
-    return strided and z.a_t > 1, (strided and z.g_t > 1 and not expanded) or (expanded and z.g_t == 1)
+    views = expanded and z.g_t == 1
+    if fused:
+        return False, views, views or (not expanded and z.b > 1 and z.a_t > 1)
+    plain = strided and z.g_t > 1 and not expanded
+    return strided and z.a_t > 1, plain or views, plain or views
 
 
-def _fused_qkv(p: str, z: Sizes, q: int, kv: int, tp: bool) -> tuple[Op, ...]:
+def _fused_qkv(p: str, z: Sizes, q: int, kv: int, tp: bool, qkv: Made) -> tuple[Op, ...]:
     """Phi-3's qkv_proj, in forward order: one GEMM whose output q, k and v slice and view as heads. Backward: each
     head view's gradient made (b, s, heads * d) again (v's, k's, q's, as autograd reaches their views), then each
     slice's backward places it in a zero (b, s, (a + 2g) d) tensor, summed in autograd's buffer as they come."""
@@ -300,13 +307,20 @@ def _fused_qkv(p: str, z: Sizes, q: int, kv: int, tp: bool) -> tuple[Op, ...]:
         summed = out
     lin = linear("self_attn.qkv_proj", p, z.act * width * z.h, summed, f"{g}/ln1 output", z.full(z.h),
                  (ledger.QKV_IN,), tp)
-    return (lin, Op("self_attn", (), tuple(slices)), view)
+    return (replace(lin, forward=(Step("the GEMM", (qkv,)),)), Op("self_attn", (), tuple(slices)), view)
 
 
-def _rope_forward(p: str, name: str, width: int, out: Made, last: bool) -> tuple[Step, ...]:
+def _rope_forward(p: str, name: str, width: int, out: Made, last: bool, passthrough: bool = False
+                  ) -> tuple[Step, ...]:
     """apply_rotary_pos_emb for q or k: x * cos, rotate_half (-x2, then the halves concatenated), times sin, the sum
-    (`out`); after k's (`last`) the projections' outputs go, rebound to RoPE's."""
+    (`out`); after k's (`last`) the projections' outputs go, rebound to RoPE's. `passthrough`: Phi-3's, whose sum is
+    concatenated with the unrotated rest (none, at its full rotary dimension): a copy, `out`."""
     x = f"{p}/{name}"
+    if passthrough:
+        summed = Made(f"{x} embed", width, "the rotated part, a temporary")
+        return (*_rope_forward(p, name, width, summed, last)[:-1],
+                Step("RoPE's sum", (summed,), frees=(f"{x} cos", f"{x} sin")),
+                Step("the rotated part and the rest concatenated", (out,), frees=(summed.name,)))
     return (
         Step(f"{name} * cos", (Made(f"{x} cos", width, "a temporary"),)),
         Step("rotate_half: the negated half", (Made(f"{x} neg", width // 2, "-x2, a temporary"),)),
@@ -337,8 +351,8 @@ def _rope_backward(g: str, name: str, width: int, last: bool) -> tuple[Step, ...
     )
 
 
-def _eager(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool = False, softcap: bool = False
-           ) -> tuple[Op, ...]:
+def _eager(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool = False, softcap: bool = False,
+           fused: bool = False) -> tuple[Op, ...]:
     """eager_attention_forward, in forward order: QK^T (keeps Q and K, or repeat_kv's copy), the scale, with `softcap`
     Gemma 2's tanh(scores / cap) * cap (tanh keeps its output), the cast to fp32 and softmax (keeps its fp32 output),
     the cast back, with `dropout` native_dropout (keeps its bool mask; the probe's shim runs CUDA's op on a CPU,
@@ -368,10 +382,10 @@ def _eager(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool = F
                                                             " one kernel, the gradient through the mask"),),
              frees=(weights,)),), saves=(ledger.ATTN_DROPOUT_MASK,)),) if dropout else ()
     sc, x = z.act * scores, f"{p}/scores"
-    q_copied, kv_copied = _bmm_copies(z, saved)
-    repeated = expanded and not kv_copied  # repeat_kv's copies, kept to the core's return; else matmul's, to bmm's
+    q_copied, k_copied, v_copied = _bmm_copies(z, saved, fused)
+    repeated = expanded and not v_copied  # repeat_kv's copies, kept to the core's return; else matmul's, to bmm's
     copies = tuple(Step(f"repeat_kv({n})", (kept(p, t),)) for n, t in (("k", k), ("v", v))) if repeated else ()
-    qk = ((ledger.Q,) if q_copied else ()) + ((k,) if kv_copied else ())
+    qk = ((ledger.Q,) if q_copied else ()) + ((k,) if k_copied else ())
     return (
         Op("self_attn", copies, sums),
         Op("self_attn", (
@@ -401,8 +415,8 @@ def _eager(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool = F
         ), saves=(rules.SOFTMAX_FP32,)),
         *dropped,
         Op("self_attn", (
-            *((Step("V made contiguous for bmm", (kept(p, v),)),) if kv_copied else ()),
-            *_context(p, z, q, (kept_name(p, v),) if kv_copied else (),
+            *((Step("V made contiguous for bmm", (kept(p, v),)),) if v_copied else ()),
+            *_context(p, z, q, (kept_name(p, v),) if v_copied else (),
                       tuple(kept_name(p, t) for t in (k, v)) if repeated else ()),
         ), (
             Step("the context made (b, a, s, d)", (Made(f"{g}/attn heads", q, "contiguous for bmm"),),
@@ -472,7 +486,11 @@ def mlp(p: str, z: Sizes, tp: bool, gated: tuple[SavedTensor, SavedTensor, Saved
             Made(f"{g}/gate_up", z.full(2 * f), "(b, s, 2f), gate's and up's"),), frees=(f"{g}/gate", f"{g}/up"),
             moment=False),))
         gate_up = linear("mlp.gate_up_proj", p, 2 * w, f"{g}/gate_up", f"{g}/ln2 output", full, (ledger.FC1_IN,), tp)
-        return (gate_up, chunk, silu, product, down)
+        halves = tuple(kept_name(p, x) for x in (gate_in, up))  # one storage, gone as the MLP returns
+        return (replace(gate_up, forward=(Step("the GEMM: gate and up, chunked", (kept(p, gate_in), kept(p, up))),)),
+                chunk, replace(silu, where="mlp.activation_fn", forward=(replace(silu.forward[0], reads_last=()),)),
+                replace(product, forward=(replace(product.forward[0], reads_last=(kept_name(p, act_out),)),)),
+                replace(down, forward=(replace(down.forward[0], reads_last=down.forward[0].reads_last + halves),)))
     return (
         replace(gate, backward=(*gate.backward, Step("autograd sums gate_proj's and up_proj's input gradients", (
             Made(f"{g}/ln2 output", full, "the MLP input's gradient"),), frees=(f"{g}/up_proj input",

@@ -90,6 +90,7 @@ class Op:
     forward: tuple[Step, ...]
     backward: tuple[Step, ...]
     saves: tuple[SavedTensor, ...] = ()
+    shadow: str = ""  # where MemTracker reads its backward, if a module that returns its output as its own runs last
 
     @functools.cached_property
     def returns(self) -> int:
@@ -183,7 +184,7 @@ class Walk:
         made: list[str] = []
         pending = self._kept_made(ops) if checkpoint.early_stop else None
         for op, step in ((op, step) for op in ops for step in op.forward):
-            where = trigger.where if _ancestor(op.where, trigger.where) else op.where
+            where = (trigger.shadow or trigger.where) if _ancestor(op.where, trigger.where) else op.where
             new = tuple(x for x in step.makes if x.name not in checkpoint.cached)
             self._make(new, checkpoint.rerun if op.where else checkpoint.own)
             if new:
@@ -220,16 +221,17 @@ class Walk:
         makes, frees = (step.makes, step.frees) if step.moment else step.net
         self._make(makes, ACTIVATIONS if phase == "forward" else TEMPORARIES)
         if step.makes and step.moment:
-            self.tape.mark(phase, self._where(op), step.what)
+            self.tape.mark(phase, self._where(op, phase), step.what)
         self.tape.drop(*self._frees(step, frees, phase))
         if returns is not None:
             self._release(op, returns)
         for name in step.hands_over:
-            self.hand_over(self._where(op), name, self.tape.live[name].bytes)
+            self.hand_over(self._where(op, phase), name, self.tape.live[name].bytes)
 
-    def _where(self, op: Op) -> str:
-        """The probe's module path of the op: the layer's, and the op's below it."""
-        return f"{self.module}.{op.where}" if self.module and op.where else self.module or op.where
+    def _where(self, op: Op, phase: str = "forward") -> str:
+        """The probe's module path of the op (in backward its shadow's, if any): the layer's, and the op's below it."""
+        where = op.shadow if phase == "backward" and op.shadow else op.where
+        return f"{self.module}.{where}" if self.module and where else self.module or where
 
     def _frees(self, step: Step, frees: tuple[str, ...], phase: str) -> tuple[str, ...]:
         """What goes after a step: under a checkpoint also the kept tensors it reads last: in forward nothing keeps

@@ -503,6 +503,9 @@ RECOMPUTE_STEPS = [
     ("none", "eager", GEMMA2 | CAPPED),  # Gemma2ForCausalLM: the sandwich norms, the capped scores, both masks
     ("none", "eager", GEMMA2 | CAPPED | {"b": 3, "s": 7, "h": 48, "a": 6, "num_query_groups": 2, "L": 3}),
     ("none", "eager", GEMMA2 | {"s": 95, "h": 16, "ffn_hidden_size": 16, "vocab_size": 20, "sliding_window": 16}),
+    ("none", "eager", PHI3),  # Phi3ForCausalLM: one qkv_proj sliced, RoPE's concatenation, one gate_up_proj chunked
+    ("none", "eager", PHI3 | {"b": 3, "s": 7, "num_query_groups": 8}),  # V, a view of qkv_proj's output, copied
+    ("none", "eager", PHI3 | {"b": 2, "s": 5, "num_query_groups": 1}),
     ("none", "eager", {"b": 3, "s": 7, "num_query_groups": 1}),  # repeat_kv's zero-stride views: matmul copies them
     ("none", "eager", {"b": 2, "s": 1, "num_query_groups": 1}),  # one token: the context is o_proj's input itself
     ("tp", "eager", ODD | {"t": 2, "b": 1, "s": 23, "num_query_groups": 2, "vocab_size": 252}),  # transformers' plan
@@ -529,7 +532,7 @@ def test_under_gradient_checkpointing_each_layer_and_its_early_stopped_rerun_hap
 
 
 @pytest.mark.parametrize("changes, named", [
-    ({"fused_qkv": True}, "Phi-3's layer"),
+    ({"dropout": 0.1}, "recompute full \\(gradient checkpointing\\) with dropout"),
     (MIXTRAL, "recompute full \\(gradient checkpointing\\) with experts"),
 ])
 def test_under_gradient_checkpointing_what_the_walk_does_not_model_is_refused_by_name(changes, named):
