@@ -33,7 +33,8 @@ A config with experts builds MixtralForCausalLM instead (Qwen2MoeForCausalLM wit
 Qwen3MoeForCausalLM with qk_layernorm): every layer a sparse MoE block whose experts run the config's
 experts_implementation (grouped_mm or the eager loop), its router forced to the `route` given
 (memcalc.probe.libs.hf_shim.forced_routing), so the tokens each expert gets are known. No auxiliary loss
-(output_router_logits False, both models' default).
+(output_router_logits False, both models' default). Under recompute full each decoder layer's forward runs inside
+transformers' gradient checkpointing, turned on as the Trainer does (`checkpointed`).
 """
 
 from __future__ import annotations
