@@ -238,7 +238,8 @@ def _recompute_missing(config: ModelConfig) -> list[tuple[bool, str]]:
         return []
     what = f"recompute {config.recompute} (gradient checkpointing) with"
     return [
-        (config.moe, f"{what} experts"),
+        (config.moe, f"{what} experts (the sparse block's forward, its router and grouped_mm's sorts, gathers and"
+                     " permutations, is not walked op by op)"),
         (config.has_dropout, f"{what} dropout (the probe's CUDA-like dropout shim is not active in the rerun)"),
         (config.zero_stage is not None, f"{what} zero_stage"),
     ]
