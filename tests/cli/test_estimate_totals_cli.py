@@ -247,3 +247,14 @@ def test_deepseek_v3_totals_give_the_steps_peak_in_its_last_layers_attention_cor
     assert "12,491,063,502,860 B = 11.36 TiB (the step's peak)" in run.out
     assert "none: the step peaks at 11.36 TiB, backward layers.60.attention.core_attention (softmax)" in " ".join(
         run.out.split())
+
+
+def test_hf_gradient_checkpointing_has_a_modelled_step_peak_below_the_one_without_it():
+    """`--impl hf --recompute full` (gradient_checkpointing_enable's non-reentrant checkpoint around each decoder
+    layer, memcalc.sizing.timeline.hf) is walked, not refused: at t = 1 and under transformers' tp_plan the verdict
+    is on the step's peak, the lower one."""
+    llama = ["--config", "llama2-7b", "--impl", "hf", "--totals"]
+    per = {r: _json(*llama, "--recompute", r)["per_gpu"]["strategies"] for r in ("none", "full")}
+    for name in ("none", "tp"):
+        assert {per[r][name]["needed_basis"] for r in per} == {"the step's peak"}
+        assert per["full"][name]["needed_bytes"] < per["none"][name]["needed_bytes"]

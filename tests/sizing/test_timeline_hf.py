@@ -56,7 +56,7 @@ def test_backward_leaves_only_the_batch_and_the_loss_behind():
 
 @pytest.mark.parametrize("changes, named", [
     ({"dropout": 0.1, "attention": "flash"}, "dropout 0.1 with SDPA"),
-    ({"recompute": "full"}, "recompute full"),
+    ({"recompute": "full", "zero_stage": 2}, "recompute full \\(gradient checkpointing\\) with zero_stage"),
     ({"add_bias_linear": True}, "add_bias_linear"),
     ({"add_qkv_bias": True, "dp_shard": 2}, "dp_shard or zero_stage with add_qkv_bias"),
     ({"norm": "layernorm", "mlp": "gelu", "num_query_groups": None}, "norm layernorm with mlp gelu"),
@@ -202,10 +202,11 @@ def rules_bytes(config, tensor):
 
 @pytest.mark.parametrize("proj, heads", [("q", "a"), ("k", "num_query_groups"), ("v", "num_query_groups")])
 def test_qwen2s_bias_gradient_is_made_beside_its_projections_gemms(proj, heads):
-    """add_qkv_bias: each of q, k, v's GEMM moments holds its bias's bf16 gradient as well, (out,) wide."""
-    where = f"backward model.layers.0.self_attn.{proj}_proj (GEMMs: dW and dX)"
-    (plain,), (biased,) = ([m for m in _timeline(add_qkv_bias=bias)[1].moments if m.label() == where]
-                           for bias in (False, True))
+    """add_qkv_bias: autograd sums each of q, k, v's bias gradients, (out,) wide, beside its GEMMs' outputs."""
+    where = f"backward model.layers.0.self_attn.{proj}_proj"
+    (plain,), (biased,) = ([m for m in _timeline(add_qkv_bias=bias)[1].moments if m.label() == f"{where} ({what})"]
+                           for bias, what in ((False, "GEMMs: dW and dX"),
+                                              (True, "the bias's gradient: dY summed over the tokens")))
     out = LLAMA[heads] * LLAMA["h"] // LLAMA["a"]
     assert biased.by_category()[TEMPORARIES] - plain.by_category()[TEMPORARIES] == 2 * out
 

@@ -28,7 +28,7 @@ from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.layer import DTYPES
 from memcalc.probe.libs import hf_tp
 from memcalc.probe.libs.hf import llama_config
-from memcalc.probe.libs.hf_step import model_loss, stepped_family
+from memcalc.probe.libs.hf_step import checkpointed, model_loss, stepped_family
 from memcalc.probe.step import BATCH_SEED, MomentTracker, StepMeasurement, batch
 from memcalc.sizing.timeline import ACTIVATIONS, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES
 
@@ -145,6 +145,7 @@ def warmed_up_sharded(tp: TensorParallelGroup, config: ModelConfig, route: str |
     mesh = init_device_mesh(tp.device.type, (replicas, shards, t), mesh_dim_names=("replicate", "shard", "tp"))
     if t > 1:  # transformers' own plan over the mesh's inner dimension, then FSDP2 (HSDP) over the outer ones
         apply_tensor_parallelism(model, mesh["tp"], hf_tp.model_plan(model, t))
+    checkpointed(model, config)
     dp = mesh["replicate", "shard"] if replicas > 1 else mesh["shard"]
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[config.dtype], reduce_dtype=DTYPES[config.reduce_dtype])
     for layer in model.model.layers:

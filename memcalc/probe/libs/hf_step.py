@@ -33,7 +33,8 @@ A config with experts builds MixtralForCausalLM instead (Qwen2MoeForCausalLM wit
 Qwen3MoeForCausalLM with qk_layernorm): every layer a sparse MoE block whose experts run the config's
 experts_implementation (grouped_mm or the eager loop), its router forced to the `route` given
 (memcalc.probe.libs.hf_shim.forced_routing), so the tokens each expert gets are known. No auxiliary loss
-(output_router_logits False, both models' default).
+(output_router_logits False, both models' default). Under recompute full each decoder layer's forward runs inside
+transformers' gradient checkpointing, turned on as the Trainer does (`checkpointed`).
 """
 
 from __future__ import annotations
@@ -86,8 +87,17 @@ def warmed_up(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, 
     model = model.to(tp.device).train()
     if tp.size > 1:  # the plan from_pretrained(tp_plan="auto") applies, by the function it applies it with
         hf_tp.apply(model, hf_tp.model_plan(model, tp.size), tp)
+    checkpointed(model, config)
     k = config.moe_router_topk if config.moe else 0
     return Trainer.around(config, model, lambda tokens, labels: model_loss(model, tokens, labels, family, route, k))
+
+
+def checkpointed(model: Any, config: ModelConfig) -> None:
+    """Under recompute full, transformers' gradient checkpointing as the Trainer's activation_checkpointing=True turns
+    it on: activation_checkpointing_enable() with its defaults (gradient_checkpointing_enable, its deprecated alias,
+    calls the same), a non-reentrant torch.utils.checkpoint around each decoder layer's forward, early stop on."""
+    if config.recompute == "full":
+        model.activation_checkpointing_enable()
 
 
 def stepped_family(config: ModelConfig) -> str:

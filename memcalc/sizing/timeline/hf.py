@@ -32,9 +32,12 @@ Exact (to the byte, at every moment, tests/probe/libs/test_hf_step.py and test_h
 torch 2.13's CPU kernels: no biases but Qwen2's q, k, v ones (add_qkv_bias), attention dropout with eager attention
 (native_dropout's bool mask, CUDA's, through the probe's shim), bf16 or fp16, eager or SDPA attention, any a/g,
 heads of head_dim, tied or not (untied under tp), t = 1 or the tp_plan at t = 2, 3 and 4, FSDP2 at dp_shard 2, 4, 8
-(also on a 2-D mesh), pp = 1, no recomputation; Gemma's, Gemma 2's and Phi-3's at t = 1 unsharded; `check_modelled`
-names everything else. On CUDA the same aten ops make the same outputs; what a kernel allocates inside itself, the
-caching allocator's rounding and another SDPA kernel's choice are not here.
+(also on a 2-D mesh), pp = 1; Gemma's, Gemma 2's and Phi-3's at t = 1 unsharded; under gradient checkpointing
+(recompute full, `_checkpoint`: each layer's forward op by op, its rerun in backward stopped early at its last saved
+tensor) Llama's, Qwen2's, Qwen3's, Gemma's, Gemma 2's and Phi-3's at t = 1, Llama's, Qwen2's and Qwen3's under
+the tp_plan at t = 2, 3 and 4 and under FSDP2; `check_modelled` names everything else. On CUDA the same aten ops
+make the same outputs; what a kernel allocates inside itself, the caching allocator's rounding and another SDPA
+kernel's choice are not here.
 """
 
 from __future__ import annotations
@@ -55,8 +58,10 @@ from memcalc.sizing.timeline import hf_layer as layer
 from memcalc.sizing.timeline import hf_moe as moe
 from memcalc.sizing.timeline.ends import model_states
 from memcalc.sizing.timeline.fsdp import ROOT, Fsdp
-from memcalc.sizing.timeline.tape import GRADIENTS, PARAMETERS, Moment, Sizes, Tape, Timeline, bulk
-from memcalc.sizing.timeline.walk import HandOver, Made, Op, Step, Walk, kept
+from memcalc.sizing.timeline.tape import (
+    ACTIVATIONS, GRADIENTS, PARAMETERS, TEMPORARIES, Moment, Sizes, Tape, Timeline, bulk,
+)
+from memcalc.sizing.timeline.walk import Checkpoint, HandOver, Made, Op, Step, Walk, kept
 from memcalc.sizing.timeline.zero import Zero
 
 
@@ -71,6 +76,9 @@ def hf_timeline(config: ModelConfig, strategy: Strategy, accounting: Accounting)
     """The moments of one training step of LlamaForCausalLM sized by `config`, on its one rank."""
     check_modelled(config, strategy)
     estimated = estimate(config, strategy, accounting)
+    if config.recompute == "full":  # each layer's rerun keeps what a layer without it keeps: the walk sizes those
+        estimated = replace(estimate(replace(config, recompute="none"), strategy, accounting),
+                            strategy=estimated.strategy)
     unpadded = replace(config, make_vocab_size_divisible_by=1)  # transformers does not pad the vocabulary
     (stage,) = stages(config.L, config.pp, config.vpp, config.microbatches)
     kept = tuple((x.tensor, x.bytes) for x in estimated.tensors)
@@ -109,7 +117,7 @@ def _moments(config: ModelConfig, z: Sizes, kept: tuple[tuple[ledger.SavedTensor
         else (layer.kept_tensors(tensors), ())
     saved |= moe.expert_bytes(saved, config) if config.moe else {}
     plain = layer.kept_tensors(tuple(x for x, _ in dense if x not in layer.ROPE))  # a dense layer's among MoE ones
-    layers = [(Walk(tape, f"layers.{i}", f"model.layers.{i}", saved, hand_over),
+    layers = [(Walk(tape, f"layers.{i}", f"model.layers.{i}", saved, hand_over, _checkpoint(i, config)),
                _layer(i, z, config, saved, made, block) if not config.moe or moe.sparse(config, i) else
                _layer(i, z, config, saved, plain, ())) for i in range(config.L)]
     inputs = (Walk(tape, "", "", ends, hand_over), _embedding(z, config, sharding is not None))
@@ -125,6 +133,23 @@ def _moments(config: ModelConfig, z: Sizes, kept: tuple[tuple[ledger.SavedTensor
 
 
 Walked = tuple[Walk, tuple[Op, ...]]  # ops and the walk that puts them on the tape
+
+# LlamaModel's locals, live until it returns: the first layer's input (inputs_embeds), the position ids and the masks
+MODEL_LOCALS = ("layers.0/input", "model/position_ids", "model/causal_mask", "model/sliding_mask")
+
+
+def _checkpoint(i: int, config: ModelConfig) -> Checkpoint | None:
+    """gradient_checkpointing_enable's non-reentrant checkpoint around layer i's forward, torch's early stop on. Its
+    frame holds the layer's input and the keyword arguments LlamaModel passes (the position ids and RoPE's tables,
+    which layer 0's frame is the last to hold; a mask, which the first layer given it is). The layer's own ops, its
+    residual sums, rerun outside any module's forward: MemTracker's temporaries."""
+    if config.recompute != "full":
+        return None
+    masks = [_mask(config, j) for j in range(i + 1)]
+    shared = (*(("model/position_ids", *(x.name for x in layer.ROPE)) if i == 0 else ()),
+              *((masks[i],) if masks.index(masks[i]) == i else ()))
+    rerun = ACTIVATIONS if config.dp_shard is None else TEMPORARIES  # FSDPMemTracker's: in backward, no unit's forward
+    return Checkpoint(f"layers.{i}/input", rerun=rerun, early_stop=True, own=TEMPORARIES, frame=shared)
 
 
 def _forward(tape: Tape, sharding: Fsdp | Zero | None, inputs: Walked, layers: list[Walked], outputs: Walked) -> None:
@@ -142,6 +167,11 @@ def _forward(tape: Tape, sharding: Fsdp | Zero | None, inputs: Walked, layers: l
         if sharding is not None:
             sharding.post_forward(tape, f"layers.{i}")
     back.forward(out)
+
+
+def _mask(config: ModelConfig, i: int) -> str:
+    """The mask LlamaModel passes layer i: Gemma 2's even layers slide (layer_types), the rest attend causally."""
+    return "model/sliding_mask" if config.sandwich_norm and i % 2 == 0 else "model/causal_mask"
 
 
 def _backward(tape: Tape, sharding: Fsdp | Zero | None, inputs: Walked, layers: list[Walked], outputs: Walked) -> None:
@@ -183,9 +213,6 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
          " named_parameters(), which names a tied weight once: KeyError)"),
         (config.pp != 1, f"pp={config.pp}"),
         (config.cp != 1, f"cp={config.cp}"),
-        (config.recompute != "none", f"recompute {config.recompute} (gradient_checkpointing_enable: a non-reentrant"
-                                     " checkpoint around each decoder layer's forward, whose forward and early-stopped"
-                                     " rerun it does not walk op by op)"),
         (config.has_dropout and config.attention != "eager", f"dropout {config.dropout} with SDPA (a CPU runs its"
                                                              " math kernel, CUDA the flash kernel's own dropout)"),
         (config.add_bias_linear, "add_bias_linear (biases on every linear; Qwen2's q, k, v biases are add_qkv_bias)"),
@@ -198,10 +225,26 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
         (config.dtype == "fp32", "dtype fp32 (no master weights)"),
         *_experts_missing(config, strategy),
         *_sharding_missing(config, strategy),
+        *_recompute_missing(config),
     ]
     for absent, what in missing:
         if absent:
             raise ConfigError(f"the step timeline for impl hf does not model {what} yet")
+
+
+def _recompute_missing(config: ModelConfig) -> list[tuple[bool, str]]:
+    """What the walk under gradient checkpointing (each layer's forward op by op, and its early-stopped rerun in
+    backward) leaves out: it walks Llama's layer (LlamaRMSNorm, q, k, v, RoPE, eager or SDPA, LlamaMLP; Qwen2's q, k,
+    v biases, Qwen3's q_norm and k_norm; Gemma's, Gemma 2's and Phi-3's) at t = 1, under the tp_plan and FSDP2."""
+    if config.recompute == "none":
+        return []
+    what = f"recompute {config.recompute} (gradient checkpointing) with"
+    return [
+        (config.moe, f"{what} experts (the sparse block's forward, its router and grouped_mm's sorts, gathers and"
+                     " permutations, is not walked op by op)"),
+        (config.has_dropout, f"{what} dropout (the probe's CUDA-like dropout shim is not active in the rerun)"),
+        (config.zero_stage is not None, f"{what} zero_stage"),
+    ]
 
 
 def _sharding_missing(config: ModelConfig, strategy: Strategy) -> list[tuple[bool, str]]:
@@ -255,30 +298,40 @@ def _hand_over(tape: Tape, sharding: Fsdp | Zero | None) -> HandOver:
 def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: Step, block: tuple[Op, ...]
            ) -> tuple[Op, ...]:
     """Decoder layer i as ops, in forward order (memcalc.sizing.timeline.hf_layer), its MLP LlamaMLP or a sparse
-    `block` (memcalc.sizing.timeline.hf_moe: every layer's one description)."""
-    p, tp = f"layers.{i}", z.t > 1
+    `block` (memcalc.sizing.timeline.hf_moe: every layer's one description). Under a checkpoint its forward runs op
+    by op; without, it is one moment (`made`, every kept tensor at once, at the second residual sum)."""
+    p, tp, checkpointed = f"layers.{i}", z.t > 1, config.recompute == "full"
     out = f"grad/layers.{i - 1}/output" if i else "grad/embedding output"
     mlp = moe.OUTPUT_GRAD if block else f"grad/{p}/ln2 output"
     ln1, ln2 = rules.RMS_NORMS[config.norm]
     # Gemma 2's sandwich norms: on the attention's output and on the MLP's, whose gradients are then theirs
     attn_out, mlp_out = (f"grad/{p}/attn output", f"grad/{p}/mlp output") if config.sandwich_norm else (None, None)
-    post_attn, post_mlp = (
-        layer.rms_norm(name, p, norm, z, None, dx) for name, norm, dx in (
-            ("post_attention_layernorm", rules.GEMMA_POST_ATTN, attn_out),
-            ("post_feedforward_layernorm", rules.GEMMA_POST_MLP, mlp_out))) if config.sandwich_norm else ((), ())
+    post_attn, post_mlp = (  # each on its branch's output, which goes as the norm returns
+        layer.rms_norm(name, p, norm, z, None, dx, output=Made(f"{p}/{branch} normed", z.full(z.h), "the branch's"
+                                                                " output normalised"), gone=(f"{p}/{branch} output",))
+        for name, norm, dx, branch in (
+            ("post_attention_layernorm", rules.GEMMA_POST_ATTN, attn_out, "attn"),
+            ("post_feedforward_layernorm", rules.GEMMA_POST_MLP, mlp_out, "mlp"))) if config.sandwich_norm else ((), ())
+    mid, output = layer.residuals(i, z, config.attention == "eager")
     ops = (
-        *layer.layer_forward(i, z, made, moe.block_forward(p, z, config) if block else ()),
-        *layer.rms_norm("input_layernorm", p, ln1, z, f"grad/{p}/ln1 output", out, f"grad/{p}/mid"),
-        *layer.attention(p, z, config.attention == "eager", saved, config.groups != config.a, tp, i == 0,
+        *layer.rms_norm("input_layernorm", p, ln1, z, f"grad/{p}/ln1 output", out, f"grad/{p}/mid",
+                        output=kept(p, ledger.QKV_IN)),
+        *layer.attention(p, z, config.attention == "eager", saved, config.groups != config.a, tp,
+                         i == 0 and not checkpointed,
                          config.qk_layernorm, config.add_qkv_bias, config.has_dropout,
                          config.attn_logit_softcapping is not None, attn_out, config.fused_qkv),
         *post_attn,
+        *((mid,) if checkpointed else ()),
         *layer.rms_norm("pre_feedforward_layernorm" if config.sandwich_norm else "post_attention_layernorm", p, ln2,
-                        z, mlp, f"grad/{p}/mid", f"grad/{p}/output"),
+                        z, mlp, f"grad/{p}/mid", f"grad/{p}/output", output=kept(p, ledger.FC1_IN)),
         *(block or layer.mlp(p, z, tp, rules.GATED[config.mlp], mlp_out, config.fused_qkv)),
         *post_mlp,
+        *((output,) if checkpointed else ()),
     )
-    return tuple(replace(x, where=PHI3_SHADOWED.get(x.where, x.where)) for x in ops) if config.fused_qkv else ops
+    if not checkpointed:
+        ops = (*layer.layer_forward(i, z, made, moe.block_forward(p, z, config) if block else ()),
+               *(replace(x, forward=()) for x in ops))
+    return tuple(replace(x, shadow=PHI3_SHADOWED.get(x.where, "")) for x in ops) if config.fused_qkv else ops
 
 
 # Phi-3's residual dropouts (resid_pdrop 0: nn.Dropout returns its input) take o_proj's and down_proj's outputs as
@@ -387,8 +440,8 @@ def _output(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
                           forward=(Step("RMSNorm at its widest: fp32 input and output, bf16 output", (
                               *(kept("", x) for x in final), *temps,
                               kept("", ledger.OUTPUT_INPUT, "the cast back: lm_head's input, which it keeps")),
-                              frees=(*(x.name for x in temps), last, "layers.0/input",
-                                     "model/position_ids", "model/causal_mask", "model/sliding_mask")),))
+                              frees=(*(x.name for x in temps), last,  # the first layer's frame holds the rest
+                                     *(MODEL_LOCALS if config.recompute != "full" else ()))),))
     gather = (Made("lm_head/local logits", local, "this rank's columns of the logits (Shard(-1))"),
               Made("lm_head/gathered", z.t * local, "all_gather_into_tensor's (t*b, s, v/t) buffer")) if tp else ()
     head = layer.linear("lm_head", "", z.act * z.v_t * z.h, "grad/lm_head local logits" if tp else "grad/logits",

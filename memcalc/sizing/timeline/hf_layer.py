@@ -1,7 +1,9 @@
 """transformers' LlamaDecoderLayer (Qwen3's with qk_layernorm) described once as ops, for the hf step walk.
 
 Forward is one moment, at the layer's second residual sum: every tensor the hf ledger (memcalc.model.impls.hf) keeps
-for the layer, less RoPE's tables (the model's, kept by every layer), beside the residual stream. Backward runs the ops
+for the layer, less RoPE's tables (the model's, kept by every layer), beside the residual stream; under gradient
+checkpointing, which keeps none of them, the ops' own forward steps run instead, op by op (what each makes, what goes
+when the Python code drops it), and again in backward as the checkpoint's rerun. Backward runs the ops
 in reverse, each releasing the ledger's records it saves when its node returns, in forward order: input_layernorm
 (LlamaRMSNorm, eager in fp32); q_proj, k_proj, v_proj (each dX summed as it comes; Qwen3's q_norm and k_norm after
 q's and k's); RoPE; the core (eager: two bmm, an fp32 softmax, repeat_kv's sums under GQA; or SDPA's flash kernel);
@@ -16,7 +18,7 @@ from memcalc.model import ledger
 from memcalc.model.impls import hf as rules
 from memcalc.model.ledger import RMSNormTensors, SavedTensor
 from memcalc.sizing.timeline.tape import Sizes
-from memcalc.sizing.timeline.walk import Made, Op, Step
+from memcalc.sizing.timeline.walk import Made, Op, Step, kept, kept_name
 
 WHY_WGRAD = "the weight's bf16 gradient, added into the fp32 buffer and dropped when autograd hands it over"
 WHY_BGRAD = "the bias's bf16 gradient, dY summed over the tokens (sum_to), handed over with the weight's"
@@ -31,7 +33,7 @@ def linear(where: str, p: str, weight: int, dy: str | None, dx: str, dx_bytes: i
 
     `bias`: the bias's bytes, when the linear has one (Qwen2's q, k and v): F.linear runs a contiguous (b, s, h) input
     as one addmm, whose node passes dY on as the bias's gradient and autograd sums it to the bias's shape (sum_to, a
-    new tensor) while dY still lives; it is handed over with dW.
+    new tensor, `Step.reduced`) after the node returned, while dY still lives; it is handed over with dW.
 
     `reduced`: a "colwise" linear under tp, whose dX is a Partial sum that the backward of DTensor.from_local
     all-reduces into a new tensor (the paper's f); the partial one goes when the next op runs.
@@ -40,29 +42,36 @@ def linear(where: str, p: str, weight: int, dy: str | None, dx: str, dx_bytes: i
     biased = (Made(db, bias, WHY_BGRAD),) if bias else ()
     partial = f"{dx} (partial)" if reduced else dx
     why = "dX = dY W, the input's gradient" + (", this rank's partial sum" if reduced else "")
+    handed = (*(() if waits else (dw,)), *(x.name for x in biased))
     gemms = Step("GEMMs: dW and dX", (Made(dw, weight, "the tied weight's gradient, waiting in autograd's input"
-                                                    " buffer" if waits else WHY_WGRAD), Made(partial, dx_bytes, why),
-                                     *biased),
-                 frees=(dy,) if dy else (), hands_over=(*(() if waits else (dw,)), *(x.name for x in biased)),
-                 returns=True)
+                                                    " buffer" if waits else WHY_WGRAD), Made(partial, dx_bytes, why)),
+                 frees=() if bias or not dy else (dy,), hands_over=() if bias else handed, returns=True,
+                 moment=not bias)
+    summed_bias = (Step("the bias's gradient: dY summed over the tokens", biased, frees=(dy,) if dy else (),
+                        hands_over=handed, reduced=True),) if bias else ()
     summed = (Step("dX all-reduced", (Made(dx, dx_bytes, "the input's gradient all-reduced over the ranks (DTensor:"
                                                          " Partial -> Replicate)"),), frees=(partial,)),)
-    return Op(where, forward=(), backward=(gemms, *(summed if reduced else ())), saves=saves)
+    return Op(where, forward=(), backward=(gemms, *summed_bias, *(summed if reduced else ())), saves=saves)
 
 
 def rms_norm(where: str, p: str, norm: RMSNormTensors, z: Sizes, dy: str | None, out: str, residual: str | None = None,
-             forward: tuple[Step, ...] = (), width: int = 0, heads: int = 1) -> tuple[Op, ...]:
+             forward: tuple[Step, ...] = (), width: int = 0, heads: int = 1, output: Made | None = None,
+             gone: tuple[str, ...] = ()) -> tuple[Op, ...]:
     """LlamaRMSNorm's backward as autograd runs its eager ops, in forward order: the cast back from fp32, pow (keeps
     the fp32 input), rsqrt and x * r (keep the rstd), weight * y (keeps y). Its widest moment is pow's backward: five
     fp32 (b, s, h) tensors. With a residual, the norm's dX and the stream's gradient are summed into `out`. `forward`:
     the final norm's forward; `width` and `heads`: Qwen3's q_norm and k_norm, on each head (width channels in all);
     `dy` None: the output's gradient is the residual stream's too, which lives on (Gemma 2's sandwich norms).
+    `output`: the norm's output, made by its forward op by op (`_norm_forward`), as a checkpoint's walk needs it;
+    `gone`: what goes as the norm returns (Qwen3's q_norm's and k_norm's input, a temporary).
     A norm that keeps (1 + w) (`norm.weight_plus_one`, GemmaRMSNorm) multiplies in fp32 and casts back last: its
     last ops are `_gemma_weight`'s, and x * r's backward takes their fp32 gradient as it comes."""
     width = width or z.h
     g, fp32, row = _grad(p, where), z.tokens(4 * width), z.tokens(4 * heads)
     act = z.full(width)
     dx = out if residual is None else f"{g}/dx"
+    walked = _gemma_norm_forward if norm.weight_plus_one else _norm_forward
+    forward = forward or (walked(f"{p}/{where}", p, norm, fp32, row, output, gone) if output else ())
     cast = Op(where, forward=forward, backward=(
         Step("x.to(float32)'s backward", (Made(f"{g}/dx fp32", fp32, "autograd sums x's two fp32 gradients"),
                                           Made(dx, act, "x.to(float32)'s backward: cast back to bf16")),
@@ -97,6 +106,49 @@ def rms_norm(where: str, p: str, norm: RMSNormTensors, z: Sizes, dy: str | None,
         Step("", frees=(dy,) if dy else (), returns=True),
     ), saves=(norm.normed,))
     return (cast, power, rstd, weight)
+
+
+def _norm_forward(n: str, p: str, norm: RMSNormTensors, fp32: int, row: int, output: Made, gone: tuple[str, ...]
+                  ) -> tuple[Step, ...]:
+    """LlamaRMSNorm's forward op by op: x.to(float32), pow(2), mean (the variance, a local to the return), + eps,
+    rsqrt, x * rstd (its fp32 input and the rstd go unless saved), the cast back, weight * y (`output`; then `gone`
+    goes too). `fp32`: an fp32 copy's bytes, `row`: the statistics'."""
+    return (
+        Step("x.to(float32)", (kept(p, norm.input_fp32),)),
+        Step("pow(2)", (Made(f"{n}/pow", fp32, "x^2, a temporary"),)),
+        Step("mean over h: the variance", (Made(f"{n}/variance", row, "a local until the norm returns"),),
+             frees=(f"{n}/pow",)),
+        Step("variance + eps", (Made(f"{n}/variance + eps", row, "rsqrt's input, a temporary"),)),
+        Step("rsqrt", (kept(p, norm.rstd),), frees=(f"{n}/variance + eps",)),
+        Step("x * rstd", (Made(f"{n}/normalised fp32", fp32, "a local until the norm returns"),),
+             reads_last=(kept_name(p, norm.input_fp32), kept_name(p, norm.rstd))),
+        Step("the cast back to bf16", (kept(p, norm.normed),)),
+        Step("weight * y: the norm's output", (output,), frees=(f"{n}/variance", f"{n}/normalised fp32", *gone),
+             reads_last=(kept_name(p, norm.normed),)),
+    )
+
+
+def _gemma_norm_forward(n: str, p: str, norm: RMSNormTensors, fp32: int, row: int, output: Made,
+                        gone: tuple[str, ...]) -> tuple[Step, ...]:
+    """GemmaRMSNorm's forward op by op: x.float(), pow(2), mean, + eps, rsqrt, x * rstd (the fp32 input and the rstd
+    go unless saved: `_norm` returns), weight.float() (an (h,) fp32 copy), 1.0 + it, the fp32 product, type_as(x)
+    (`output`). `fp32`: an fp32 copy's bytes, `row`: the statistics'."""
+    channels = fp32 // row  # the channels each statistic covers: the weight's
+    return (
+        Step("x.float()", (kept(p, norm.input_fp32),)),
+        Step("pow(2)", (Made(f"{n}/pow", fp32, "x^2, a temporary"),)),
+        Step("mean over h", (Made(f"{n}/variance", row, "a temporary"),), frees=(f"{n}/pow",)),
+        Step("mean + eps", (Made(f"{n}/variance + eps", row, "rsqrt's input, a temporary"),),
+             frees=(f"{n}/variance",)),
+        Step("rsqrt", (kept(p, norm.rstd),), frees=(f"{n}/variance + eps",)),
+        Step("x * rstd", (kept(p, norm.normed_fp32),),
+             reads_last=(kept_name(p, norm.input_fp32), kept_name(p, norm.rstd))),
+        Step("weight.float()", (Made(f"{n}/weight fp32", 4 * channels, "the weight's (h,) fp32 copy, a temporary"),)),
+        Step("1.0 + weight", (kept(p, norm.weight_plus_one),), frees=(f"{n}/weight fp32",)),
+        Step("the product, in fp32", (Made(f"{n}/product fp32", fp32, "a local until the norm returns"),),
+             reads_last=(kept_name(p, norm.normed_fp32), kept_name(p, norm.weight_plus_one))),
+        Step("type_as(x): the norm's output", (output,), frees=(f"{n}/product fp32", *gone)),
+    )
 
 
 def _gemma_weight(where: str, g: str, norm: RMSNormTensors, z: Sizes, dy: str | None, fp32: int, channels: int
@@ -137,6 +189,21 @@ def layer_forward(i: int, z: Sizes, kept: Step, mlp: tuple[Op, ...] = ()) -> tup
     return (made, *mlp, out)
 
 
+def residuals(i: int, z: Sizes, eager: bool) -> tuple[Op, Op]:
+    """Layer i's two residual sums, in forward: after attention (the stream's `mid`, o_proj's output, or Gemma 2's
+    norm of it, gone) and after the MLP (the next layer's input); as the layer returns its locals go: the stream, the
+    MLP's output (or its norm), eager's
+    attention weights (`hidden_states, _ = self.self_attn(...)` holds them), and the input the caller rebinds."""
+    p, full = f"layers.{i}", z.full(z.h)
+    mid = Op("", (Step("x + attention", (Made(f"{p}/mid", full, "the residual stream after attention: ln2's input and"
+                                              " the MLP's residual"),), frees=(f"{p}/attn output", f"{p}/attn normed")
+                        ),), ())
+    out = Op("", (Step("the layer's output", (Made(f"layers.{i + 1}/input", full, "the next layer's input"),),
+                       frees=(f"{p}/mid", f"{p}/mlp output", f"{p}/mlp normed", *((f"{p}/input",) if i else ())),
+                       reads_last=(kept_name(p, rules.WEIGHTS),) if eager else ()),), ())
+    return mid, out
+
+
 def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, tp: bool, first: bool,
               qk_norm: bool = False, qkv_bias: bool = False, dropout: bool = False, softcap: bool = False,
               dy: str | None = None, fused: bool = False) -> tuple[Op, ...]:
@@ -144,38 +211,78 @@ def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, t
     RMS-normalised, Qwen3's q_norm and k_norm; with `qkv_bias` each with a bias, Qwen2's; `fused`: Phi-3's one
     qkv_proj, `_fused_qkv`), RoPE, the core (eager: with `dropout` its attention_dropout, with `softcap` Gemma 2's
     soft-capped scores), o_proj (`dy`: its output's gradient, freed by its backward; None: the residual stream's,
-    which lives on)."""
+    which lives on). Forward op by op (Llama's): q, k and v projected, RoPE's, the core's, o_proj's, the heads and
+    the norm's output going as the module returns."""
     g, q, kv, full = f"grad/{p}", z.a_t * z.d, z.g_t * z.d, z.full(z.h)
+    # the projections' outputs and RoPE's, each the core's saved tensor or a local of the attention
+    q_copied, k_copied, v_copied = _bmm_copies(z, saved, fused)
+    made = {"q": Made(f"{p}/q pre-rope", z.full(q), "q_proj's output, a local"),
+            "k": Made(f"{p}/k pre-rope", z.full(kv), "k_proj's output, a local"),
+            "v": _kept_or_local(p, ledger.V, saved, "v heads", z.full(kv), eager and v_copied)}
+    rotated = {"q": _kept_or_local(p, ledger.Q, saved, "q heads", z.full(q), eager and q_copied),
+               "k": _kept_or_local(p, ledger.K, saved, "k heads", z.full(kv), eager and k_copied)}
     norms = {"q": (rules.Q_NORM_RMS, z.a_t), "k": (rules.K_NORM_RMS, z.g_t)} if qk_norm else {}
     ran: list[Op] = []  # in the order autograd runs them
     summed = ""
     for name, width in (("v", kv), ("k", kv), ("q", q)):
         heads = f"{g}/v heads" if name == "v" else f"{g}/{name} pre-rope"
-        if name in norms:
+        projected = made[name]
+        if name in norms:  # the projection's output is the norm's input, RoPE's the norm's output
+            projected = Made(f"{p}/{name} proj", z.full(width), f"{name}_proj's output, {name}_norm's input")
             ran += reversed(rms_norm(f"self_attn.{name}_norm", p, norms[name][0], z, heads, f"{g}/{name} normed",
-                                     width=width, heads=norms[name][1]))
+                                     width=width, heads=norms[name][1], output=made[name], gone=(projected.name,)))
             heads = f"{g}/{name} normed"
         copy = width != z.d and z.s != 1  # one head: (b, 1, s, d) transposed is (b, s, 1, d) already, no copy
         tokens, dx = f"{g}/{name} tokens" if copy else heads, f"{g}/{name}_proj input"
         out = f"{g}/ln1 output" if name == "q" else f"{dx} + {summed}"
         lin = linear(f"self_attn.{name}_proj", p, z.act * width * z.h, tokens, dx, full, (ledger.QKV_IN,), tp,
                      bias=z.act * width if qkv_bias else 0)
-        ran.append(replace(lin, backward=(
+        ran.append(replace(lin, forward=(Step("the GEMM", (projected,)),), backward=(
             *((Step("transpose's backward", (Made(tokens, z.full(width), f"{name}'s gradient made (b, s, heads * d)"
                                                   " again, contiguous for the GEMM"),), frees=(heads,), moment=False),)
               if copy else ()), *lin.backward,
             *((Step("autograd sums q's, k's and v's input gradients as they come", (Made(
                 out, full, "the input gradients summed"),), frees=(dx, summed), moment=False),) if summed else ()))))
         summed = out if summed else dx
-    rope = tuple(Op("self_attn", (), _rope_backward(g, name, z.full(w), first and name == "q")) for name, w in
+    if fused:  # q, k and v are views of qkv_proj's output, which V's view keeps whole at b = 1
+        made["v"] = _kept_or_local(p, rules.NEOX_QKV_OUT, saved, "qkv", z.full(q + 2 * kv))
+    rope = tuple(Op("self_attn", _rope_forward(p, name, z.full(w), rotated[name], name == "k" and not fused, fused),
+                    _rope_backward(g, name, z.full(w), first and name == "q")) for name, w in
                  (("q", q), ("k", kv)))  # forward order: q's, then k's
-    core = _eager(p, z, saved, gqa, dropout, softcap) if eager else _sdpa(p, z)
+    core = _eager(p, z, saved, gqa, dropout, softcap, fused) if eager else _sdpa(p, z)
     o_proj = linear("self_attn.o_proj", p, z.act * q * z.h, dy, f"{g}/o_proj input", z.full(q),
                     saves=(ledger.PROJ_IN,) if eager else ())
-    return (*(_fused_qkv(p, z, q, kv, tp) if fused else reversed(ran)), *rope, *core, o_proj)
+    gone = (made["v"], *rotated.values(), kept(p, ledger.QKV_IN), kept(p, ledger.PROJ_IN))  # at the module's return
+    o_proj = replace(o_proj, forward=(Step("the GEMM", (Made(f"{p}/attn output", full, "o_proj's output"),),
+                                           frees=tuple(x.name for x in gone if x.keeps is None),
+                                           reads_last=tuple(x.name for x in gone if x.keeps is not None)),))
+    return (*(_fused_qkv(p, z, q, kv, tp, made["v"]) if fused else reversed(ran)), *rope, *core, o_proj)
 
 
-def _fused_qkv(p: str, z: Sizes, q: int, kv: int, tp: bool) -> tuple[Op, ...]:
+def _kept_or_local(p: str, tensor: SavedTensor, saved: dict[str, int], name: str, nbytes: int, copied: bool = False
+                   ) -> Made:
+    """A tensor the core keeps when the ledger says so (SDPA's K and V; eager's without repeat_kv's copies), else
+    (or when eager's matmul keeps a contiguous copy of it, `copied`) a local of the attention."""
+    if tensor.name in saved and not copied:
+        return kept(p, tensor)
+    return Made(f"{p}/{name}", nbytes, "a local of the attention")
+
+
+def _bmm_copies(z: Sizes, saved: dict[str, int], fused: bool = False) -> tuple[bool, bool, bool]:
+    """Whether eager's matmul copies Q, K and V to run bmm (the copy is then what it keeps): a (b, heads, s, d) view
+    of a (b, s, heads, d) tensor folds into (b * heads, s, d) only when b, s or heads is 1; repeat_kv's copies are
+    contiguous, but of one K/V group on the rank it makes a view with a zero stride, which folds only at b = 1 (the
+    ledger's REPEAT_KV: at b > 1 these copies are what it keeps as K and V expanded). Phi-3's (`fused`) Q and K are
+    RoPE's concatenations, contiguous; its V a view of qkv_proj's output, folding only at b = 1 or one head."""
+    strided, expanded = z.b > 1 and z.s > 1, rules.K_EXPANDED.name in saved
+    views = expanded and z.g_t == 1
+    if fused:
+        return False, views, views or (not expanded and z.b > 1 and z.a_t > 1)
+    plain = strided and z.g_t > 1 and not expanded
+    return strided and z.a_t > 1, plain or views, plain or views
+
+
+def _fused_qkv(p: str, z: Sizes, q: int, kv: int, tp: bool, qkv: Made) -> tuple[Op, ...]:
     """Phi-3's qkv_proj, in forward order: one GEMM whose output q, k and v slice and view as heads. Backward: each
     head view's gradient made (b, s, heads * d) again (v's, k's, q's, as autograd reaches their views), then each
     slice's backward places it in a zero (b, s, (a + 2g) d) tensor, summed in autograd's buffer as they come."""
@@ -200,7 +307,29 @@ def _fused_qkv(p: str, z: Sizes, q: int, kv: int, tp: bool) -> tuple[Op, ...]:
         summed = out
     lin = linear("self_attn.qkv_proj", p, z.act * width * z.h, summed, f"{g}/ln1 output", z.full(z.h),
                  (ledger.QKV_IN,), tp)
-    return (lin, Op("self_attn", (), tuple(slices)), view)
+    return (replace(lin, forward=(Step("the GEMM", (qkv,)),)), Op("self_attn", (), tuple(slices)), view)
+
+
+def _rope_forward(p: str, name: str, width: int, out: Made, last: bool, passthrough: bool = False
+                  ) -> tuple[Step, ...]:
+    """apply_rotary_pos_emb for q or k: x * cos, rotate_half (-x2, then the halves concatenated), times sin, the sum
+    (`out`); after k's (`last`) the projections' outputs go, rebound to RoPE's. `passthrough`: Phi-3's, whose sum is
+    concatenated with the unrotated rest (none, at its full rotary dimension): a copy, `out`."""
+    x = f"{p}/{name}"
+    if passthrough:
+        summed = Made(f"{x} embed", width, "the rotated part, a temporary")
+        return (*_rope_forward(p, name, width, summed, last)[:-1],
+                Step("RoPE's sum", (summed,), frees=(f"{x} cos", f"{x} sin")),
+                Step("the rotated part and the rest concatenated", (out,), frees=(summed.name,)))
+    return (
+        Step(f"{name} * cos", (Made(f"{x} cos", width, "a temporary"),)),
+        Step("rotate_half: the negated half", (Made(f"{x} neg", width // 2, "-x2, a temporary"),)),
+        Step("rotate_half: the halves concatenated", (Made(f"{x} rotated", width, "a temporary"),),
+             frees=(f"{x} neg",)),
+        Step("rotate_half(x) * sin", (Made(f"{x} sin", width, "a temporary"),), frees=(f"{x} rotated",)),
+        Step("RoPE's sum", (out,), frees=(f"{x} cos", f"{x} sin",
+                                          *((f"{p}/q pre-rope", f"{p}/k pre-rope") if last else ()))),
+    )
 
 
 def _rope_backward(g: str, name: str, width: int, last: bool) -> tuple[Step, ...]:
@@ -222,8 +351,8 @@ def _rope_backward(g: str, name: str, width: int, last: bool) -> tuple[Step, ...
     )
 
 
-def _eager(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool = False, softcap: bool = False
-           ) -> tuple[Op, ...]:
+def _eager(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool = False, softcap: bool = False,
+           fused: bool = False) -> tuple[Op, ...]:
     """eager_attention_forward, in forward order: QK^T (keeps Q and K, or repeat_kv's copy), the scale, with `softcap`
     Gemma 2's tanh(scores / cap) * cap (tanh keeps its output), the cast to fp32 and softmax (keeps its fp32 output),
     the cast back, with `dropout` native_dropout (keeps its bool mask; the probe's shim runs CUDA's op on a CPU,
@@ -240,20 +369,42 @@ def _eager(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool = F
     names = {n: f"{g}/{n} {'expanded' if gqa else 'heads'}" for n in ("k", "v")}
     scale = Step("the scale's backward", (Made(f"{g}/scaled scores", z.act * scores, "the mask's passes dY on"),),
                  frees=(f"{g}/scores",), moment=False)
-    capped = (Op("self_attn", (), (*_softcap_backward(g, z.act * scores), scale), saves=(rules.SOFTCAP_TANH,)),)
+    tanh = kept_name(p, rules.SOFTCAP_TANH)
+    capped = (Op("self_attn", (  # each a new (b, a, s, s) tensor, the last one's gone
+        Step("(.) / softcap", (Made(f"{p}/scores divided", z.act * scores, "a temporary"),),
+             frees=(f"{p}/scores scaled",)),
+        Step("tanh", (kept(p, rules.SOFTCAP_TANH),), frees=(f"{p}/scores divided",)),
+        Step("(.) * softcap", (Made(f"{p}/scores capped", z.act * scores, "a temporary"),), reads_last=(tanh,)),
+    ), (*_softcap_backward(g, z.act * scores), scale), saves=(rules.SOFTCAP_TANH,)),)
     weights = f"{g}/dropped" if dropout else f"{g}/weights"
     dropped = (Op("self_attn", (), (
         Step("dropout's backward: dY * mask * scale", (Made(f"{g}/weights", z.act * scores, "native_dropout_backward:"
                                                             " one kernel, the gradient through the mask"),),
              frees=(weights,)),), saves=(ledger.ATTN_DROPOUT_MASK,)),) if dropout else ()
+    sc, x = z.act * scores, f"{p}/scores"
+    q_copied, k_copied, v_copied = _bmm_copies(z, saved, fused)
+    repeated = expanded and not v_copied  # repeat_kv's copies, kept to the core's return; else matmul's, to bmm's
+    copies = tuple(Step(f"repeat_kv({n})", (kept(p, t),)) for n, t in (("k", k), ("v", v))) if repeated else ()
+    qk = ((ledger.Q,) if q_copied else ()) + ((k,) if k_copied else ())
     return (
-        Op("self_attn", (), sums),
-        Op("self_attn", (), (
+        Op("self_attn", copies, sums),
+        Op("self_attn", (
+            *(Step("made contiguous for bmm", (kept(p, t),)) for t in qk),
+            Step("QK^T", (Made(x, sc, "bmm's output"),), reads_last=tuple(kept_name(p, t) for t in qk)),
+            Step("times the scale", (Made(f"{x} scaled", sc, "a temporary"),), frees=(x,)),
+        ), (
             Step("QK^T: dQ and dK", (Made(f"{g}/q heads", q, "dQ = dScores K"), Made(
                 names["k"], q, "dK = dScores^T Q, at a heads")), frees=(f"{g}/scaled scores",)),
         ), saves=(ledger.Q, k)),
         *(capped if softcap else ()),
-        Op("self_attn", (), (
+        Op("self_attn", (
+            Step("plus the mask", (Made(f"{x} masked", sc, "a local, rebound by the softmax"),),
+                 frees=(f"{x} scaled", f"{x} capped")),
+            Step("the cast to fp32", (Made(f"{x} fp32", 2 * sc, "softmax's input, a temporary"),)),
+            Step("the fp32 softmax", (kept(p, rules.SOFTMAX_FP32),), frees=(f"{x} fp32",)),
+            Step("the cast back: the attention weights", (kept(p, rules.WEIGHTS),), frees=(f"{x} masked",),
+                 reads_last=(kept_name(p, rules.SOFTMAX_FP32),)),
+        ), (
             Step("the cast to bf16's backward", (Made(f"{g}/softmax fp32", 4 * scores, "the gradient up to fp32"),),
                  frees=(f"{g}/weights",), moment=False),
             Step("the fp32 softmax's backward", (Made(f"{g}/scores fp32", 4 * scores, "softmax's backward"),),
@@ -263,13 +414,27 @@ def _eager(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool = F
             *(() if softcap else (scale,)),
         ), saves=(rules.SOFTMAX_FP32,)),
         *dropped,
-        Op("self_attn", (), (
+        Op("self_attn", (
+            *((Step("V made contiguous for bmm", (kept(p, v),)),) if v_copied else ()),
+            *_context(p, z, q, (kept_name(p, v),) if v_copied else (),
+                      tuple(kept_name(p, t) for t in (k, v)) if repeated else ()),
+        ), (
             Step("the context made (b, a, s, d)", (Made(f"{g}/attn heads", q, "contiguous for bmm"),),
                  frees=(f"{g}/o_proj input",), moment=False),
             Step("weights x V: dV and dWeights", (Made(names["v"], q, "dV = weights^T dY, at a heads"), Made(
                 weights, z.act * scores, "dWeights = dY V^T")), frees=(f"{g}/attn heads",)),
         ), saves=(ledger.ATTN_DROPOUT_OUT if dropout else rules.WEIGHTS, v)),
     )
+
+
+def _context(p: str, z: Sizes, q: int, read: tuple[str, ...], gone: tuple[str, ...]) -> tuple[Step, ...]:
+    """weights x V (`read` last there), then transpose(1, 2).contiguous(): o_proj's input, a copy but for one token or
+    one head a rank ((b, a, 1, d) transposed is contiguous already); `gone` goes as the core returns."""
+    if z.s == 1 or z.a_t == 1:
+        return (Step("weights x V: o_proj's input", (kept(p, ledger.PROJ_IN),), reads_last=(*read, *gone)),)
+    return (Step("weights x V", (Made(f"{p}/context", q, "bmm's output, (b, a, s, d)"),), reads_last=read),
+            Step("the context made (b, s, a, d)", (kept(p, ledger.PROJ_IN),), frees=(f"{p}/context",),
+                 reads_last=gone))
 
 
 def _softcap_backward(g: str, scores: int) -> tuple[Step, ...]:
@@ -284,7 +449,9 @@ def _sdpa(p: str, z: Sizes) -> tuple[Op, ...]:
     """SDPA's flash kernel: dQ, dK and dV (at g heads) from one kernel; it keeps Q, K, V, the log-sum-exp and its
     output (o_proj's input)."""
     g, kv = f"grad/{p}", z.full(z.g_t * z.d)
-    return (Op("self_attn", (), (Step("the SDPA kernel's backward: dQ, dK, dV", (
+    return (Op("self_attn", (Step("SDPA's flash kernel: its output and log-sum-exp", (
+        kept(p, ledger.PROJ_IN), kept(p, ledger.SOFTMAX_LSE)), reads_last=(kept_name(p, ledger.SOFTMAX_LSE),)),), (
+        Step("the SDPA kernel's backward: dQ, dK, dV", (
         Made(f"{g}/q heads", z.full(z.a_t * z.d), "dQ"), Made(f"{g}/k heads", kv, "dK, at g heads"),
         Made(f"{g}/v heads", kv, "dV, at g heads")), frees=(f"{g}/o_proj input",)),),
         saves=(ledger.Q, ledger.K, ledger.V, ledger.SOFTMAX_LSE, ledger.PROJ_IN)),)
@@ -301,25 +468,35 @@ def mlp(p: str, z: Sizes, tp: bool, gated: tuple[SavedTensor, SavedTensor, Saved
     g, f = f"grad/{p}", z.f_t
     gate_in, up, act_out = gated
     w, full = z.act * f * z.h, z.full(z.h)
-    gate = linear("mlp.gate_proj", p, w, f"{g}/gate", f"{g}/gate_proj input", full, (ledger.FC1_IN,), tp)
-    silu = Op("mlp", (), (Step("SiLU's backward, at its kept input", (Made(f"{g}/gate", z.full(f), "dSiLU"),),
-                               frees=(f"{g}/silu",), moment=False),), saves=(gate_in,))
-    product = Op("mlp", (), (Step("SiLU(gate) * up: its two gradients", (
+    gate = replace(linear("mlp.gate_proj", p, w, f"{g}/gate", f"{g}/gate_proj input", full, (ledger.FC1_IN,), tp),
+                   forward=(Step("the GEMM", (kept(p, gate_in),)),))
+    silu = Op("mlp.act_fn", (Step("the activation", (kept(p, act_out),), reads_last=(kept_name(p, gate_in),)),), (
+        Step("SiLU's backward, at its kept input", (Made(f"{g}/gate", z.full(f), "dSiLU"),), frees=(f"{g}/silu",),
+             moment=False),), saves=(gate_in,))
+    product = Op("mlp", (Step("act(gate) * up", (kept(p, ledger.FC2_IN),),
+                              reads_last=(kept_name(p, act_out), kept_name(p, up))),), (
+        Step("SiLU(gate) * up: its two gradients", (
         Made(f"{g}/up", z.full(f), "dY * SiLU(gate)"), Made(f"{g}/silu", z.full(f), "dY * up")),
         frees=(f"{g}/down_proj input",)),), saves=(up, act_out))
-    down = linear("mlp.down_proj", p, w, dy, f"{g}/down_proj input", z.full(f), (ledger.FC2_IN,))
+    down = replace(linear("mlp.down_proj", p, w, dy, f"{g}/down_proj input", z.full(f), (ledger.FC2_IN,)),
+                   forward=(Step("the GEMM", (Made(f"{p}/mlp output", z.full(z.h), "down_proj's output"),),
+                                 reads_last=(kept_name(p, ledger.FC2_IN), kept_name(p, ledger.FC1_IN))),))
     if fused:
         chunk = Op("mlp", (), (Step("chunk's backward: the two gradients concatenated", (
             Made(f"{g}/gate_up", z.full(2 * f), "(b, s, 2f), gate's and up's"),), frees=(f"{g}/gate", f"{g}/up"),
             moment=False),))
         gate_up = linear("mlp.gate_up_proj", p, 2 * w, f"{g}/gate_up", f"{g}/ln2 output", full, (ledger.FC1_IN,), tp)
-        return (gate_up, chunk, silu, product, down)
+        halves = tuple(kept_name(p, x) for x in (gate_in, up))  # one storage, gone as the MLP returns
+        return (replace(gate_up, forward=(Step("the GEMM: gate and up, chunked", (kept(p, gate_in), kept(p, up))),)),
+                chunk, replace(silu, where="mlp.activation_fn", forward=(replace(silu.forward[0], reads_last=()),)),
+                replace(product, forward=(replace(product.forward[0], reads_last=(kept_name(p, act_out),)),)),
+                replace(down, forward=(replace(down.forward[0], reads_last=down.forward[0].reads_last + halves),)))
     return (
-        Op(gate.where, (), (*gate.backward, Step("autograd sums gate_proj's and up_proj's input gradients", (
+        replace(gate, backward=(*gate.backward, Step("autograd sums gate_proj's and up_proj's input gradients", (
             Made(f"{g}/ln2 output", full, "the MLP input's gradient"),), frees=(f"{g}/up_proj input",
-                                                                              f"{g}/gate_proj input"), moment=False)),
-           gate.saves),
-        silu, linear("mlp.up_proj", p, w, f"{g}/up", f"{g}/up_proj input", full, (ledger.FC1_IN,), tp), product, down,
+                                                                              f"{g}/gate_proj input"), moment=False))),
+        silu, replace(linear("mlp.up_proj", p, w, f"{g}/up", f"{g}/up_proj input", full, (ledger.FC1_IN,), tp),
+                      forward=(Step("the GEMM", (kept(p, up),)),)), product, down,
     )
 
 

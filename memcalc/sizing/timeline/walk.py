@@ -14,8 +14,8 @@ frees. `Walk.forward` and `Walk.backward` turn any list of ops into moments, the
 Under torch.utils.checkpoint (non-reentrant, as torchtitan's FullAC and SelectiveAC wrap a block) a walk has a
 `Checkpoint`: forward keeps nothing the ops save (each kept tensor goes after the step that reads it last,
 `Step.reads_last`) but the region's input and the op outputs a selective policy caches; backward reruns the forward
-at the first op that keeps something, its tensors activations again, and the frame holding the input goes with the
-last tensor the rerun kept.
+at the first op that keeps something, its tensors activations again (with early stop, torch's default, only up to
+the step that makes the last of them), and the frame holding the input goes with the last tensor the rerun kept.
 
 A step is one op's output (or several outputs made together, as a GEMM's dW and dX), i.e. a moment at which
 MemTracker can read a new high; `frees` go when the next op runs. Names are whole tape names (the layer's prefix
@@ -61,6 +61,9 @@ class Step:
     frees: tuple[str, ...] = ()
     hands_over: tuple[str, ...] = ()
     returns: bool = False  # in backward: the op's autograd node returns here, and what it saves goes (default: last)
+    # autograd sums this gradient to its input's shape (validate_outputs) after the node returned: the node's saved
+    # tensors go after it, but under a checkpoint, whose rerun's tensors are the node's locals, before it
+    reduced: bool = False
     reads_last: tuple[str, ...] = ()  # kept tensors read here for the last time (under a checkpoint they go after it)
     moment: bool = True
 
@@ -87,11 +90,20 @@ class Op:
     forward: tuple[Step, ...]
     backward: tuple[Step, ...]
     saves: tuple[SavedTensor, ...] = ()
+    shadow: str = ""  # where MemTracker reads its backward, if a module that returns its output as its own runs last
 
     @functools.cached_property
     def returns(self) -> int:
         """The backward step after which the op's autograd node returns: the one that says so, else the last."""
         return next((j for j, x in enumerate(self.backward) if x.returns), len(self.backward) - 1)
+
+    @functools.cached_property
+    def validated(self) -> int:
+        """The backward step after which the node's saved tensors go: its return, and the sums autograd then makes."""
+        j = self.returns
+        while j + 1 < len(self.backward) and self.backward[j + 1].reduced:
+            j += 1
+        return j
 
 
 @dataclass(frozen=True)
@@ -100,11 +112,17 @@ class Checkpoint:
     for the rerun; `cached`, the op outputs a selective policy keeps from forward to the rerun, which then takes them
     instead of making them again; `rerun`, the category the rerun's tensors are read in (MemTracker's activations;
     FSDPMemTracker, which tells a rerun by an FSDP unit's forward in backward, reads a rerun inside one as
-    temporaries)."""
+    temporaries); `own`, the category of what the region's own ops (where "") make in the rerun (transformers
+    checkpoints a layer's forward, not its __call__: MemTracker, inside no module's forward then, reads temporaries);
+    `early_stop`, whether the rerun stops at the last saved tensor's pack hook, its frame's locals going then (torch's
+    default; torchtitan turns it off); `frame`, what else the frame holds (the forward's keyword arguments)."""
 
     holds: str
     cached: frozenset[str] = frozenset()
     rerun: str = ACTIVATIONS
+    own: str = ACTIVATIONS
+    early_stop: bool = False
+    frame: tuple[str, ...] = ()
 
 
 @dataclass
@@ -150,7 +168,7 @@ class Walk:
             op = ops[i]
             if self.checkpoint is not None and op.saves and not self._rerun_kept:
                 self._rerun(ops, op, self.checkpoint)
-            returns = op.returns
+            returns = op.returns if self.checkpoint is not None else op.validated
             for j, step in enumerate(op.backward):
                 self._step(step, op, "backward", i if j == returns else None)
                 self._release_frame()
@@ -164,24 +182,31 @@ class Walk:
         backward, a rerun module that is an ancestor of the trigger's (its own ops, the block's residual sums) at the
         trigger, which is still active."""
         made: list[str] = []
-        for op in ops:
-            where = trigger.where if _ancestor(op.where, trigger.where) else op.where
-            for step in op.forward:
-                new = tuple(x for x in step.makes if x.name not in checkpoint.cached)
-                self._make(new, checkpoint.rerun)
-                if new:
-                    self.tape.mark("backward", ".".join(x for x in (self.module, where) if x), step.what)
-                made += [x.name for x in new if x.keeps is None]
-                kept = (x.name for x in step.makes if x.keeps is not None and x.name in self.tape.live)
-                self._rerun_kept.update(kept)
-                self.tape.drop(*(x for x in step.frees if x != checkpoint.holds))
+        pending = self._kept_made(ops) if checkpoint.early_stop else None
+        for op, step in ((op, step) for op in ops for step in op.forward):
+            where = (trigger.shadow or trigger.where) if _ancestor(op.where, trigger.where) else op.where
+            new = tuple(x for x in step.makes if x.name not in checkpoint.cached)
+            self._make(new, checkpoint.rerun if op.where else checkpoint.own)
+            if new:
+                self.tape.mark("backward", ".".join(x for x in (self.module, where) if x), step.what)
+            made += [x.name for x in new if x.keeps is None]
+            kept = {x.name for x in step.makes if x.keeps is not None and x.name in self.tape.live}
+            self._rerun_kept.update(kept)
+            self.tape.drop(*(x for x in step.frees if x != checkpoint.holds))
+            if pending is not None and not (pending := pending - kept):
+                break  # early stop: the last saved tensor is made again; the forward's frame unwinds
         self.tape.drop(*made)
+
+    def _kept_made(self, ops: tuple[Op, ...]) -> set[str]:
+        """The saved tensors the ops' forward makes on this rank (sized here): early stop waits for the last."""
+        return {x.name for op in ops for step in op.forward for x in step.makes
+                if x.keeps is not None and x.keeps.name in self.saved}
 
     def _release_frame(self) -> None:
         """Under a checkpoint: its frame, and with it the region's input, goes when the last tensor the rerun kept
         does (the last saved-tensor hook that refers to it)."""
         if self.checkpoint is not None and self._rerun_kept and not self._rerun_kept & self.tape.live.keys():
-            self.tape.drop(self.checkpoint.holds)
+            self.tape.drop(self.checkpoint.holds, *self.checkpoint.frame)
 
     def _release(self, op: Op, i: int) -> None:
         """What op i saves goes, unless an op before it (whose backward runs later) keeps it too (found once per op:
@@ -196,16 +221,17 @@ class Walk:
         makes, frees = (step.makes, step.frees) if step.moment else step.net
         self._make(makes, ACTIVATIONS if phase == "forward" else TEMPORARIES)
         if step.makes and step.moment:
-            self.tape.mark(phase, self._where(op), step.what)
+            self.tape.mark(phase, self._where(op, phase), step.what)
         self.tape.drop(*self._frees(step, frees, phase))
         if returns is not None:
             self._release(op, returns)
         for name in step.hands_over:
-            self.hand_over(self._where(op), name, self.tape.live[name].bytes)
+            self.hand_over(self._where(op, phase), name, self.tape.live[name].bytes)
 
-    def _where(self, op: Op) -> str:
-        """The probe's module path of the op: the layer's, and the op's below it."""
-        return f"{self.module}.{op.where}" if self.module and op.where else self.module or op.where
+    def _where(self, op: Op, phase: str = "forward") -> str:
+        """The probe's module path of the op (in backward its shadow's, if any): the layer's, and the op's below it."""
+        where = op.shadow if phase == "backward" and op.shadow else op.where
+        return f"{self.module}.{where}" if self.module and where else self.module or where
 
     def _frees(self, step: Step, frees: tuple[str, ...], phase: str) -> tuple[str, ...]:
         """What goes after a step: under a checkpoint also the kept tensors it reads last: in forward nothing keeps

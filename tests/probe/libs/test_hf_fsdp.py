@@ -220,3 +220,25 @@ def test_a_moe_model_sharded_by_fsdp2_has_every_moment_in_order(one_thread, chan
     config = make_config(LLAMA, **(MOE | changes))
     predicted = timeline(config, STRATEGIES["none"], Accounting(exact=True, device="cpu"))
     assert_moments_in_order(predicted.moments[1:], _readings(config, route))
+
+
+CHECKPOINTED = [  # gradient checkpointing inside each FSDP2 unit (transformers checkpoints the layer's forward only)
+    {"dp_shard": 2, "b": 1, "s": 7},
+    {"dp_shard": 4, "reshard_after_forward": False, "attention": "eager", "b": 2, "s": 9},
+    {"dp_shard": 2, "attention": "eager", "b": 1, "s": 13, "num_query_groups": 8, "L": 3},
+    {"dp_shard": 2, "b": 2, "s": 7, "qk_layernorm": True},  # Qwen3ForCausalLM
+    {"dp_shard": 2, "t": 2, "b": 2, "s": 7},  # on the 2-D mesh, transformers' tp_plan inside
+]
+
+
+@pytest.mark.parametrize("changes", CHECKPOINTED, ids=str)
+def test_under_gradient_checkpointing_every_moment_happens_in_order_and_the_peak_is_fsdpmemtrackers(one_thread,
+                                                                                                   changes):
+    """Each layer's rerun runs in backward outside its unit's forward hooks: FSDPMemTracker reads it as temporaries."""
+    config = make_config(LLAMA, recompute="full", **changes)
+    layout = "tp" if config.t > 1 else "none"
+    assert_moments_in_order(timeline(config, STRATEGIES[layout], Accounting(exact=True, device="cpu")).moments[1:],
+                            _readings(config))
+    (r,) = measure_step(config, [layout])
+    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+    assert r.moment_matches, (r.predicted_moment, r.measured.moment)

@@ -493,3 +493,61 @@ def test_each_familys_step_happens_in_order_and_peaks_where_the_timeline_says_to
                                                                                            attention, changes):
     r = _exact_step(make_config(LLAMA, attention=attention, **changes), "none")
     assert r.model.startswith(f"transformers' {FAMILIES[family].architectures[0]}")
+
+
+# -- gradient checkpointing (activation_checkpointing_enable's defaults: non-reentrant, early stop) -------------------
+
+RECOMPUTE_STEPS = [
+    ("none", "eager", {}),  # the last layer's down_proj GEMMs, right after its early-stopped rerun
+    ("none", "flash", {"vocab_size": 40, "h": 32, "ffn_hidden_size": 512}),  # the last layer's SwiGLU gradients
+    ("none", "eager", {"s": 96, "h": 16, "ffn_hidden_size": 16, "vocab_size": 20}),  # the last layer's fp32 softmax
+    ("none", "flash", {"b": 1, "s": 4, "vocab_size": 3000, "tie_embeddings": True}),  # the tied embedding's gradients
+    ("none", "eager", ODD | {"b": 1, "s": 23, "num_query_groups": 6}),  # a/g = 1, b = 1: matmul keeps K and V
+    ("none", "flash", ODD | {"b": 1, "s": 23, "num_query_groups": 3}),  # a/g = 2
+    ("none", "eager", ODD | {"b": 3, "s": 17, "num_query_groups": 2, "L": 3}),  # a/g = 3, b > 1: matmul copies Q
+    ("none", "eager", ODD | {"b": 3, "s": 17, "num_query_groups": 6}),  # and K and V, without repeat_kv's copies
+    ("none", "flash", {"s": 19, "kv_channels": 12, "dtype": "fp16"}),  # heads wider than h/a
+    ("none", "eager", {"qk_layernorm": True}),  # Qwen3ForCausalLM: q_norm and k_norm on each head, rerun too
+    ("none", "flash", ODD | {"qk_layernorm": True, "b": 1, "s": 23, "num_query_groups": 3}),
+    ("none", "eager", {"add_qkv_bias": True}),  # Qwen2ForCausalLM: ln1's output goes before q's bias gradient's sum
+    ("none", "flash", ODD | {"add_qkv_bias": True, "b": 3, "s": 17, "num_query_groups": 2}),
+    ("none", "eager", GEMMA),  # GemmaForCausalLM: GemmaRMSNorm's fp32 (1 + w) product, the tanh GeGLU
+    ("none", "flash", GEMMA | {"b": 3, "s": 7, "h": 48, "a": 6, "num_query_groups": 2, "tie_embeddings": True}),
+    ("none", "eager", GEMMA2 | CAPPED),  # Gemma2ForCausalLM: the sandwich norms, the capped scores, both masks
+    ("none", "eager", GEMMA2 | CAPPED | {"b": 3, "s": 7, "h": 48, "a": 6, "num_query_groups": 2, "L": 3}),
+    ("none", "eager", GEMMA2 | {"s": 95, "h": 16, "ffn_hidden_size": 16, "vocab_size": 20, "sliding_window": 16}),
+    ("none", "eager", PHI3),  # Phi3ForCausalLM: one qkv_proj sliced, RoPE's concatenation, one gate_up_proj chunked
+    ("none", "eager", PHI3 | {"b": 3, "s": 7, "num_query_groups": 8}),  # V, a view of qkv_proj's output, copied
+    ("none", "eager", PHI3 | {"b": 2, "s": 5, "num_query_groups": 1}),
+    ("none", "eager", {"b": 3, "s": 7, "num_query_groups": 1}),  # repeat_kv's zero-stride views: matmul copies them
+    ("none", "eager", {"b": 2, "s": 1, "num_query_groups": 1}),  # one token: the context is o_proj's input itself
+    ("tp", "eager", ODD | {"t": 2, "b": 1, "s": 23, "num_query_groups": 2, "vocab_size": 252}),  # transformers' plan
+    ("tp", "flash", {"t": 2, "b": 3, "s": 9, "vocab_size": 252, "qk_layernorm": True}),
+    ("tp", "eager", {"t": 4, "b": 3, "s": 7, "num_query_groups": 4, "vocab_size": 252}),  # one K/V group a rank
+    ("tp", "flash", ODD | {"t": 3, "b": 1, "s": 17, "num_query_groups": 3, "vocab_size": 252, "ffn_hidden_size": 177}),
+    ("tp", "eager", {"t": 2, "b": 3, "s": 5, "vocab_size": 252, "kv_channels": 12, "add_qkv_bias": True}),
+]
+
+
+def test_under_recomputation_the_sizes_put_the_peak_in_four_different_places():
+    peaks = {timeline(make_config(LLAMA, attention=a, recompute="full", **c), STRATEGIES[layout], CPU).peak.label()
+             for layout, a, c in RECOMPUTE_STEPS[:4]}
+    assert len(peaks) == 4, peaks
+
+
+@pytest.mark.parametrize("layout, attention, changes", RECOMPUTE_STEPS, ids=str)
+def test_under_gradient_checkpointing_each_layer_and_its_early_stopped_rerun_happen_in_order_to_the_byte(
+        one_thread, layout, attention, changes):
+    """Each layer's forward op by op, keeping only its input (the first layer's frame also the mask, the position
+    ids and RoPE's tables; Gemma 2's second layer's the causal mask); in backward its rerun up to the MLP's product,
+    the last saved tensor (Gemma 2's: its post_feedforward_layernorm's 1 + w), then its backward."""
+    _exact_step(make_config(LLAMA, attention=attention, recompute="full", **changes), layout)
+
+
+@pytest.mark.parametrize("changes, named", [
+    ({"dropout": 0.1}, "recompute full \\(gradient checkpointing\\) with dropout"),
+    (MIXTRAL, "recompute full \\(gradient checkpointing\\) with experts"),
+])
+def test_under_gradient_checkpointing_what_the_walk_does_not_model_is_refused_by_name(changes, named):
+    with pytest.raises(ConfigError, match=named):
+        timeline(make_config(LLAMA, attention="eager", recompute="full", **changes), STRATEGIES["none"], CPU)
