@@ -156,7 +156,7 @@ def test_what_the_walk_does_not_model_is_refused_by_name(changes, named):
 def test_on_cuda_the_walk_refuses_what_it_has_not_described():
     """CUDA runs flex attention and the fused rms_norm kernel: other tensors, another backward."""
     with pytest.raises(ConfigError, match="device cuda"):
-        timeline(makemake_config(LLAMA3, LLAMA3), STRATEGIES["none"], Accounting(exact=True, device="cuda"))
+        timeline(make_config(LLAMA3), STRATEGIES["none"], Accounting(exact=True, device="cuda"))
 
 
 # -- with experts: its Qwen3 MoE decoder layers in the Llama3Model, the router forced ------------------------------
