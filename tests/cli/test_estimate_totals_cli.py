@@ -215,3 +215,13 @@ def test_latent_attention_without_experts_has_a_modelled_step_peak():
     for name in ("none", "tp", "tp-sp"):
         (stage,) = per[name]["stages"]
         assert per[name]["needed_basis"] == "the step's peak" and stage["peak_bytes"] > stage["total_bytes"]
+
+
+def test_mixtral_under_recomputation_has_a_modelled_step_peak_below_the_one_without_it():
+    """megatron-core's MoELayer under recomputation is walked: selective reruns the attention core alone, the MoE
+    layer untouched; each strategy's verdict is on the step's peak, below the one without recomputation."""
+    per = {r: _json("--config", "mixtral-8x7b", "--recompute", r, "--totals")["per_gpu"]["strategies"]
+           for r in ("none", "selective")}
+    for name in ("none", "tp-sp"):
+        assert {per[r][name]["needed_basis"] for r in per} == {"the step's peak"}
+        assert per["selective"][name]["needed_bytes"] < per["none"][name]["needed_bytes"]

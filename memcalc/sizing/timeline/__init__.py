@@ -120,10 +120,14 @@ def timeline(
     saved = {x.tensor.name: x.bytes for x in layer.tensors} | {x.name: 4 for x in host}
     if config.moe:  # each expert's own storages as pieces of the ledger's rows
         kept, saved = megatron_moe.pieces(config, z, kept, saved)
-    rerun = _rerun(config, strategy, accounting) if config.recompute != "none" else layer
-    again = kept if rerun is layer else tuple(x.tensor for x in rerun.tensors)
+    again, sizes = kept, saved
+    if config.recompute != "none":  # what the layer keeps without recomputation, made again in backward
+        rerun = _rerun(config, strategy, accounting)
+        again, sizes = tuple(x.tensor for x in rerun.tensors), {x.tensor.name: x.bytes for x in rerun.tensors}
+        if config.moe:
+            again, sizes = megatron_moe.pieces(config, z, again, sizes)
     host_again = megatron_mla.rerun_host_scalars(config, z, accounting) if config.mla else ()
-    sizes = {x.tensor.name: x.bytes for x in rerun.tensors if rerun is not layer} | {x.name: 4 for x in host_again} | saved
+    sizes = sizes | {x.name: 4 for x in host_again} | saved
     ops = layer_ops(config, z, kept, again, sizes)
     _check_modelled(config, (*kept, *again), ops)
     st = _stage(config, stage)

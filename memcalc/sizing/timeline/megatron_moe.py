@@ -82,7 +82,7 @@ def unmodelled(config: ModelConfig, z: Sizes) -> str | None:
         (config.moe_router_score_function != "softmax", f"the {config.moe_router_score_function} router"),
         (config.mlp == "swiglu" and config.bias_activation_fusion, "the fused SwiGLU in the experts"),
         (config.moe_layers != config.L, "dense layers among MoE ones (moe_layer_freq, moe_first_dense_layers)"),
-        (config.recompute != "none", f"recompute {config.recompute} with experts"),
+        (config.recompute == "full", "recompute full with experts"),
         (bool(config.vpp) and config.pp > 1, "interleaved pipelining with experts (the other chunks' dispatchers)"),
         (config.moe_tokens == "capacity", "moe_tokens capacity (it walks the balanced and the worst bounds)"),
     ]

@@ -101,6 +101,26 @@ def test_under_tp_sp_every_moment_of_a_megatron_moe_step_happens_in_order_with_i
     _assert_every_moment_in_order(make_config(MOE, **ROUTES[route], **changes), "tp-sp", route)
 
 
+# Recomputation, at t = 1, over ep and under tp-sp: selective reruns the attention core inside backward, the MoE
+# layer untouched.
+RECOMPUTE_SHAPES = [
+    ("balanced", {"recompute": "selective", "attention": "eager", "dropout": 0.1}, "none"),
+    ("all-to-one", {"recompute": "selective", "b": 1, "s": 7, "num_experts": 2, "attention": "eager"}, "none"),
+    ("balanced", {"recompute": "selective", "b": 1, "s": 7, "num_experts": 7, "moe_router_topk": 3,
+                  "moe_shared_expert_intermediate_size": 24, "attention": "eager"}, "none"),
+    ("balanced", {"recompute": "selective", "ep": 2, "dp": 2, "b": 1, "s": 12, "num_experts": 6}, "none"),
+    ("all-to-one", {"recompute": "selective", "t": 2, "b": 1, "s": 14, "num_experts": 3, "attention": "eager"},
+     "tp-sp"),
+    ("balanced", {"recompute": "selective", "t": 2, "moe_router_topk": 4, "dropout": 0.1}, "tp-sp"),
+]
+
+
+@pytest.mark.parametrize("route, changes, strategy", RECOMPUTE_SHAPES, ids=str)
+def test_under_recomputation_every_moment_of_a_megatron_moe_step_happens_in_order_with_its_bytes(
+        one_thread, route, changes, strategy):
+    _assert_every_moment_in_order(make_config(MOE, **ROUTES[route], **changes), strategy, route)
+
+
 # Experts wide beside a small vocabulary: the peak moves into the MoE's backward; many slots of a wide h: its forward.
 PEAKS = [
     ({}, "forward loss"),
@@ -123,6 +143,8 @@ PEAKS += [  # under tp-sp at t = 2: rank 0 of two through the fake group
      "backward layers.1.mlp.experts.local_experts.3.linear_fc2"),
     ("balanced", {"t": 2, **PEAKS[3][1]}, "forward layers.1.mlp"),  # the unsorted output's reduce-scatter beside
     # both concatenations
+    ("balanced", {"recompute": "selective", "attention": "eager", "s": 48, "vocab_size": 20, "moe_ffn_hidden_size": 16},
+     "backward layers.1.attention"),  # the core's rerun: the eager scores beside the checkpoint's inputs
 ]
 
 
@@ -150,7 +172,7 @@ def test_a_megatron_moe_step_is_measured_only_under_the_route_that_pins_the_walk
     ({"moe_token_dispatcher_type": "allgather"}, "none", "the allgather token dispatcher"),
     ({"moe_expert_capacity_factor": 1.0, "moe_tokens": "capacity"}, "none", "a capacity factor"),
     ({"moe_router_score_function": "sigmoid"}, "none", "the sigmoid router"),
-    ({"recompute": "selective"}, "none", "recompute selective with experts"),
+    ({"recompute": "full"}, "none", "recompute full with experts"),
 ], ids=str)
 def test_what_the_moe_walk_does_not_model_is_refused_in_one_line(changes, strategy, words):
     with pytest.raises(ConfigError, match="does not model") as err:
