@@ -159,7 +159,9 @@ def timeline(
         _unfold(tape, i, kept, saved)
         walk.module = f"layers.{i}"
         walk.backward(ops)
-        if i > first:
+        if config.moe and config.recompute == "full":
+            _held_by_the_rerun(tape, i, saved[ledger.LAYER_INPUT.name])
+        elif i > first:
             tape.rename(INPUT_GRAD, OUTPUT_GRAD)
     ends.backward_in(tape)
     tape.drop("pipeline/other micro-batches")  # the cool-down runs their backwards, as this one's
@@ -174,6 +176,15 @@ def _fold(tape: Tape, i: int, names: tuple[str, ...]) -> None:
     held = sum(tape.live.pop(name).bytes for name in names)
     tape.add(f"layers.{i}/saved", ACTIVATIONS, held, "what the layer keeps for backward (the ledger)")
     tape.rename(OUTPUT, INPUT)
+
+
+def _held_by_the_rerun(tape: Tape, i: int, nbytes: int) -> None:
+    """Full recomputation with experts: the dispatcher's probabilities, made by layer i's rerun with autograd on,
+    keep its graph to the next forward, and with it the checkpoint's detached input (AccumulateGrad's variable) and
+    that input's .grad, the gradient handed on (the layer below frees its output's gradient by a name no longer
+    live)."""
+    tape.add(f"layers.{i}/rerun input", ACTIVATIONS, nbytes, "the rerun's detached input, held by its graph")
+    tape.rename(INPUT_GRAD, f"layers.{i}/rerun input grad")
 
 
 def _unfold(tape: Tape, i: int, kept: tuple[SavedTensor, ...], saved: dict[str, int]) -> None:

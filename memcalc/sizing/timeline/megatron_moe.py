@@ -34,6 +34,11 @@ permute. Over ep (at t = 1) all-to-alls take their place, each rank's E/ep exper
 routes to them (R = kn under the balanced bound, ep n min(k, E/ep) under the worst); MoELayer.forward then holds the
 dispatched tokens and probabilities through the experts. The dispatcher keeps the router's probabilities and map and the tokens per expert as attributes (`HELD`)
 until the next forward replaces them: they outlive the step.
+
+Under full recomputation the layer's first forward runs without autograd (at the experts' concatenation MoELayer
+holds its input and the sorted tokens and probabilities as locals, `LOCALS`); its rerun inside backward reaches the
+same widest moments, replacing the dispatcher's attributes, whose probabilities then keep the rerun's graph: the
+checkpoint's detached input and its gradient live to the next forward.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ from memcalc.config.schema import ModelConfig
 from memcalc.model import ledger
 from memcalc.model.impls import megatron
 from memcalc.model.ledger import SavedTensor
-from memcalc.sizing.timeline.tape import Sizes
+from memcalc.sizing.timeline.tape import ACTIVATIONS, Sizes
 from memcalc.sizing.timeline.walk import Made, Op, Step
 
 # The ledger's rows an expert keeps in a storage of its own (SequentialMLP runs each expert's MLP on its slots).
@@ -73,6 +78,8 @@ def unmodelled(config: ModelConfig, z: Sizes) -> str | None:
          % config.num_experts != 0, f"ep={config.ep} with k*b*s={config.moe_router_topk * z.b * z.s_seq} slots a rank"
          f" that E={config.num_experts} experts do not share evenly (the ranks' experts would receive other than"
          " the balanced bound's kbs)"),
+        (config.ep > 1 and config.recompute == "full", f"recompute full beside ep={config.ep} (its first forward,"
+         " without autograd, frees the experts' output before the all-to-all back)"),
         (t > 1 and not z.sp, f"t={t} without sequence parallelism with experts"),
         (t > 1 and bool(config.moe_shared_expert_intermediate_size), f"shared experts at t={t}"),
         (config.moe_token_dispatcher_type != "alltoall",
@@ -82,7 +89,6 @@ def unmodelled(config: ModelConfig, z: Sizes) -> str | None:
         (config.moe_router_score_function != "softmax", f"the {config.moe_router_score_function} router"),
         (config.mlp == "swiglu" and config.bias_activation_fusion, "the fused SwiGLU in the experts"),
         (config.moe_layers != config.L, "dense layers among MoE ones (moe_layer_freq, moe_first_dense_layers)"),
-        (config.recompute == "full", "recompute full with experts"),
         (bool(config.vpp) and config.pp > 1, "interleaved pipelining with experts (the other chunks' dispatchers)"),
         (config.moe_tokens == "capacity", "moe_tokens capacity (it walks the balanced and the worst bounds)"),
     ]
@@ -141,24 +147,29 @@ def held(config: ModelConfig, z: Sizes) -> tuple[Made, ...]:
     )
 
 
-def experts_forward(config: ModelConfig, z: Sizes, made: tuple[SavedTensor, ...]) -> tuple[
-        tuple[Op, ...], tuple[SavedTensor, ...]]:
-    """The MoE's widest forward moments as ops (forward only, in forward order); and what of `made` (the saved
-    tensors the layer's forward makes) is made after them, at the layer's end.
+# What MoELayer.forward's locals hold at the experts' concatenation whether or not autograd keeps it (full
+# recomputation's first forward keeps nothing): its input, the sorted tokens and probabilities, gone when it returns.
+LOCALS = (ledger.MOE_IN, ledger.EXPERT_IN, megatron.EXPERT_PROBS)
 
-    By the experts' concatenated output every saved tensor of the layer but the MLP's dropout mask exists, and the
-    dispatcher's attributes (`held`); MoELayer.forward still holds the permuted tokens and probabilities (the sort
-    made copies; at t > 1 the all-gathered copies are gone by then, the token counts summed over the group not yet),
-    each expert's fc2 output and their concatenation. At t = 1 the unsort's concatenation that follows replaces the
-    experts' outputs with as many bytes (MemTracker's peak is the first); at t > 1 the reduce-scatter of the unsorted
-    output adds this rank's share beside both concatenations.
+
+def experts_forward(config: ModelConfig, z: Sizes, before: tuple[Made, ...], gone: tuple[str, ...] = (),
+                    rerun: bool = False) -> tuple[Op, ...]:
+    """The MoE's widest forward moments as ops, in forward order: `before`, what the layer has made by then that lives
+    on (every saved tensor but the MLP's dropout mask); `gone`, what of it goes when MoELayer returns. `rerun`: inside
+    full recomputation's backward, as backward steps, in the MoE's activations; the dispatcher's attributes are
+    replaced there by as many bytes, not made beside them.
+
+    By the experts' concatenated output MoELayer.forward still holds the dispatcher's attributes (`held`), the
+    permuted tokens and probabilities (the sort made copies; at t > 1 the all-gathered copies are gone by then, the
+    token counts summed over the group not yet), each expert's fc2 output and their concatenation. At t = 1 the
+    unsort's concatenation that follows replaces the experts' outputs with as many bytes (MemTracker's peak is the
+    first); at t > 1 the reduce-scatter of the unsorted output adds this rank's share beside both concatenations.
     """
     act, local = z.act, config.moe_router_topk * z.b * z.s_seq
     slots = sum(expert_slots(config, z))  # what this rank's experts receive: all-gathered over t, all-to-all over ep
     exchanged = z.t > 1 or config.ep > 1
-    later = tuple(x for x in made if x.name == ledger.MLP_DROPOUT_MASK.name)
-    before = tuple(Made(x.name, 0, "kept for backward (the ledger)", keeps=x) for x in made if x not in later)
-    held_by_forward = (
+    mine = ACTIVATIONS if rerun else ""  # what MoELayer makes: activations in the rerun too
+    held_by_forward = tuple(replace(x, category=mine) for x in (
         Made("moe/permuted tokens", act * local * z.h, "permute's index_select: MoELayer.forward holds it"),
         *((Made("moe/permuted probs", act * local, "permute's masked_select of the probabilities, held likewise"),)
           if config.ep == 1 else (
@@ -171,26 +182,26 @@ def experts_forward(config: ModelConfig, z: Sizes, made: tuple[SavedTensor, ...]
         *((Made("moe/shared experts output", z.seq(z.h), "the shared experts ran first: their output waits for the"
                 " routed experts'"),) if config.moe_shared_expert_intermediate_size else ()),
         Made("moe/experts output", act * slots * z.h, "SequentialMLP's cat of its experts' outputs, (R, h)"),
-    )
-    outputs = Made("moe/expert outputs", act * slots * z.h, "each expert's fc2 output, SequentialMLP's list, (R, h)")
-    experts = Op("mlp.experts", forward=(Step("the experts' outputs concatenated", (
-        *before, *held(config, z), *held_by_forward, outputs), frees=(outputs.name,)),), backward=())
+    ))
+    outputs = Made("moe/expert outputs", act * slots * z.h, "each expert's fc2 output, SequentialMLP's list, (R, h)",
+                   category=mine)
+    returned = (*(x.name for x in held_by_forward), *gone)
+    steps: tuple[tuple[str, tuple[Step, ...]], ...] = (("mlp.experts", (Step("the experts' outputs concatenated", (
+        *before, *(() if rerun else held(config, z)), *held_by_forward, outputs), frees=(outputs.name,)),)),)
     if not exchanged:
-        return (experts, _dropped(held_by_forward)), later
-    # over ep the experts' output and the token counts are gone before the all-to-all back; over t they stay
-    gone = (Step("the experts' output and the token counts freed", frees=("moe/experts output", "moe/tokens per expert")),
-            ) if config.ep > 1 else ()
-    combine = Op("mlp", forward=(*gone, Step("the unsorted output sent back (reduce-scatter over t, all-to-all over ep)", (
-        Made("moe/unsorted output", act * slots * z.h, "sort_chunks_by_idxs back to the tokens' order, (R, h)"),
-        Made("moe/reduce-scattered output", act * local * z.h, "the collective's output: this rank's slots")),
-        frees=(*(x.name for x in held_by_forward), "moe/unsorted output", "moe/reduce-scattered output")),),
-        backward=())
-    return (experts, combine), later
-
-
-def _dropped(made: tuple[Made, ...]) -> Op:
-    """An op that only frees (forward-held transients), making no moment."""
-    return Op("mlp", forward=(Step("MoELayer's forward returns", frees=tuple(x.name for x in made)),), backward=())
+        steps += (("mlp", (Step("MoELayer's forward returns", frees=returned),)),)
+    else:  # over ep the experts' output and the token counts are gone before the all-to-all back; over t they stay
+        gone_first = (Step("the experts' output and the token counts freed", frees=(
+            "moe/experts output", "moe/tokens per expert")),) if config.ep > 1 else ()
+        back = "the unsorted output sent back (reduce-scatter over t, all-to-all over ep)"
+        steps += (("mlp", (*gone_first, Step(back, (
+            Made("moe/unsorted output", act * slots * z.h, "sort_chunks_by_idxs back to the tokens' order, (R, h)",
+                 category=mine),
+            Made("moe/reduce-scattered output", act * local * z.h, "the collective's output: this rank's slots",
+                 category=mine)), frees=(*returned, "moe/unsorted output", "moe/reduce-scattered output"))),),)
+    if rerun:
+        return tuple(Op(where, forward=(), backward=x) for where, x in steps)
+    return tuple(Op(where, forward=x, backward=()) for where, x in steps)
 
 
 def _backward(where: str, *steps: Step, saves: tuple[SavedTensor, ...] = ()) -> Op:

@@ -58,7 +58,7 @@ def _readings(tp, config, strategy, route):
 def _assert_every_moment_in_order(config, strategy, route):
     st = STRATEGIES[strategy]
     moments = timeline(config, st, CPU).moments[1:]
-    assert any(".mlp.experts.local_experts." in m.where for m in moments)
+    assert any(".mlp.experts" in m.where for m in moments)  # under full recomputation the rerun's alone
     if st.tensor_parallel:  # rank 0 of t through the fake group
         readings = run_fake(_readings, (config, st, route), config.t)
     else:
@@ -102,7 +102,9 @@ def test_under_tp_sp_every_moment_of_a_megatron_moe_step_happens_in_order_with_i
 
 
 # Recomputation, at t = 1, over ep and under tp-sp: selective reruns the attention core inside backward, the MoE
-# layer untouched.
+# layer untouched; full reruns the whole layer there (router, dispatcher, experts), after a first forward without
+# autograd whose MoELayer holds its locals alone, and the dispatcher's probabilities keep the rerun's graph, with the
+# checkpoint's detached input and its gradient, to the next forward.
 RECOMPUTE_SHAPES = [
     ("balanced", {"recompute": "selective", "attention": "eager", "dropout": 0.1}, "none"),
     ("all-to-one", {"recompute": "selective", "b": 1, "s": 7, "num_experts": 2, "attention": "eager"}, "none"),
@@ -112,6 +114,16 @@ RECOMPUTE_SHAPES = [
     ("all-to-one", {"recompute": "selective", "t": 2, "b": 1, "s": 14, "num_experts": 3, "attention": "eager"},
      "tp-sp"),
     ("balanced", {"recompute": "selective", "t": 2, "moe_router_topk": 4, "dropout": 0.1}, "tp-sp"),
+    ("balanced", {"recompute": "full"}, "none"),
+    ("all-to-one", {"recompute": "full", "b": 1, "s": 7, "num_experts": 2, "dropout": 0.1, "attention": "eager"},
+     "none"),
+    ("balanced", {"recompute": "full", "b": 1, "s": 7, "num_experts": 7, "moe_router_topk": 3,
+                  "moe_shared_expert_intermediate_size": 24, "dropout": 0.1}, "none"),
+    ("all-to-one", {"recompute": "full", "mlp": "gelu", "ffn_hidden_size": 100, "b": 3, "s": 10, "num_experts": 6,
+                    "attention": "eager", "norm": "layernorm"}, "none"),
+    ("all-to-one", {"recompute": "full", "t": 2, "b": 1, "s": 14, "num_experts": 3}, "tp-sp"),
+    ("balanced", {"recompute": "full", "t": 2, "dropout": 0.1, "moe_router_topk": 4, "moe_router_pre_softmax": True},
+     "tp-sp"),
 ]
 
 
@@ -145,6 +157,10 @@ PEAKS += [  # under tp-sp at t = 2: rank 0 of two through the fake group
     # both concatenations
     ("balanced", {"recompute": "selective", "attention": "eager", "s": 48, "vocab_size": 20, "moe_ffn_hidden_size": 16},
      "backward layers.1.attention"),  # the core's rerun: the eager scores beside the checkpoint's inputs
+    ("balanced", {"recompute": "full", **PEAKS[3][1]}, "backward layers.1.mlp.experts"),  # the rerun's experts
+    ("all-to-one", {"recompute": "full", **PEAKS[1][1]}, "backward layers.1"),  # MemTracker reads the rerun's
+    # backward in the layer alone: the checkpoint's backward runs outside the modules' backward hooks
+    ("balanced", {"recompute": "full", "t": 2, **PEAKS[3][1]}, "backward layers.1.mlp"),  # the rerun's reduce-scatter
 ]
 
 
@@ -172,7 +188,7 @@ def test_a_megatron_moe_step_is_measured_only_under_the_route_that_pins_the_walk
     ({"moe_token_dispatcher_type": "allgather"}, "none", "the allgather token dispatcher"),
     ({"moe_expert_capacity_factor": 1.0, "moe_tokens": "capacity"}, "none", "a capacity factor"),
     ({"moe_router_score_function": "sigmoid"}, "none", "the sigmoid router"),
-    ({"recompute": "full"}, "none", "recompute full with experts"),
+    ({"recompute": "full", "ep": 2, "dp": 2}, "none", "recompute full beside ep=2"),
 ], ids=str)
 def test_what_the_moe_walk_does_not_model_is_refused_in_one_line(changes, strategy, words):
     with pytest.raises(ConfigError, match="does not model") as err:
