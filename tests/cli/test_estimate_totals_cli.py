@@ -182,14 +182,17 @@ def test_hf_config_names_the_attention_kernel_it_takes_from_the_implementation()
 
 def test_mixtral_totals_count_its_experts_and_give_the_steps_peak():
     """The step timeline walks megatron-core's MoELayer (memcalc.sizing.timeline.megatron_moe): Mixtral's peak and
-    Qwen1.5-MoE's (shared experts, the softmax before the top k, 60 experts sharing 16,384 slots) are modelled; a MoE
-    layer it does not model yet (expert parallelism beside tensor parallelism) is refused by name there."""
+    Qwen1.5-MoE's (shared experts, the softmax before the top k, 60 experts sharing 16,384 slots; at t = 1 and 2) are
+    modelled; a MoE layer it does not model yet (expert parallelism beside tensor parallelism) is refused by name
+    there."""
     run = memcalc_cli("estimate", "--config", "mixtral-8x7b", "--totals")
     assert run.code == 3, run.err  # 834 GiB on one GPU fits no 80 GB card
     assert "46,702,792,704 parameters" in run.out
     assert "895,757,891,588 B = 834.24 GiB (the step's peak)" in run.out
     shared = memcalc_cli("estimate", "--config", "qwen1.5-moe-a2.7b", "--totals")
     assert "278,536,244,484 B = 259.41 GiB (the step's peak)" in shared.out
+    shared_tp = memcalc_cli("estimate", "--config", "qwen1.5-moe-a2.7b", "--t", "2", "--totals")
+    assert "tp-sp: no, 140,124,498,436 B = 130.50 GiB (the step's peak)" in shared_tp.out  # shared experts at t = 2
     ep = memcalc_cli("estimate", "--config", "mixtral-8x7b", "--ep", "2", "--dp", "2", "--t", "2", "--totals")
     assert "(states + saved activations)" in ep.out
     assert "does not model ep=2 beside t=2" in " ".join(ep.out.split())

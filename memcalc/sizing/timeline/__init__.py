@@ -148,6 +148,8 @@ def timeline(
         walk.module = f"layers.{i}"
         if config.mla:
             megatron_mla.beside_the_ledger(tape, config, z, i, first)
+        if config.moe:
+            megatron_moe.beside_the_ledger(tape, config, z, i, first)
         walk.forward(ops)
         _fold(tape, i, folded)
         if config.moe:  # held by the layer's dispatcher beyond the step: one term

@@ -30,7 +30,8 @@ the worst, which the forced all-to-one route pins):
 Under tp-sp (etp = t) each rank routes its s/t tokens; the dispatcher all-gathers the t ranks' slots (R = t k n) for
 the experts, each f_e/t wide, and reduce-scatters their unsorted output back: in backward the unpermute's gradient is
 all-gathered before the unsort and the sorted tokens' and probabilities' gradients reduce-scattered before the
-permute. Over ep (at t = 1) all-to-alls take their place, each rank's E/ep experts receiving the slots every rank
+permute; the shared experts are tp-sp's MLP (fc1 all-gathers its input into megatron's global memory buffer, fc2
+reduce-scatters). Over ep (at t = 1) all-to-alls take their place, each rank's E/ep experts receiving the slots every rank
 routes to them (R = kn under the balanced bound, ep n min(k, E/ep) under the worst); MoELayer.forward then holds the
 dispatched tokens and probabilities through the experts. The dispatcher keeps the router's probabilities and map and the tokens per expert as attributes (`HELD`)
 until the next forward replaces them: they outlive the step.
@@ -49,7 +50,7 @@ from memcalc.config.schema import ModelConfig
 from memcalc.model import ledger
 from memcalc.model.impls import megatron
 from memcalc.model.ledger import SavedTensor
-from memcalc.sizing.timeline.tape import ACTIVATIONS, Sizes
+from memcalc.sizing.timeline.tape import ACTIVATIONS, Sizes, Tape
 from memcalc.sizing.timeline.walk import Made, Op, Step
 
 # The ledger's rows an expert keeps in a storage of its own (SequentialMLP runs each expert's MLP on its slots).
@@ -81,7 +82,6 @@ def unmodelled(config: ModelConfig, z: Sizes) -> str | None:
         (config.ep > 1 and config.recompute == "full", f"recompute full beside ep={config.ep} (its first forward,"
          " without autograd, frees the experts' output before the all-to-all back)"),
         (t > 1 and not z.sp, f"t={t} without sequence parallelism with experts"),
-        (t > 1 and bool(config.moe_shared_expert_intermediate_size), f"shared experts at t={t}"),
         (config.moe_token_dispatcher_type != "alltoall",
          f"the {config.moe_token_dispatcher_type} token dispatcher (it walks the all-to-all one)"),
         (config.moe_expert_capacity_factor is not None, "a capacity factor (moe_expert_capacity_factor)"),
@@ -104,6 +104,15 @@ def expert_slots(config: ModelConfig, z: Sizes) -> tuple[int, ...]:
     if config.moe_tokens == "worst":
         return tuple(ranks * n if e < k else 0 for e in range(experts // config.ep))
     return tuple(ranks * (k * n // experts + (e < k * n % experts)) for e in range(experts // config.ep))
+
+
+def beside_the_ledger(tape: Tape, config: ModelConfig, z: Sizes, i: int, first: int) -> None:
+    """Before the first walked layer's forward moment, under SP with shared experts: parallel_state's global memory
+    buffer, which their fc1 (ColumnParallelLinear) all-gathers its input into, (s, b, h); made in the first step and
+    kept, a tracker started before this step first sees it there."""
+    if i == first and z.sp and config.moe_shared_expert_intermediate_size:
+        tape.add("megatron/global memory buffer", ACTIVATIONS, z.full(z.h),
+                 "parallel_state's global memory buffer: the shared experts' fc1 all-gathers its input into it")
 
 
 def piece(x: SavedTensor, e: int) -> SavedTensor:
@@ -263,10 +272,11 @@ def moe_ops(ops: list[Op], config: ModelConfig, z: Sizes, grad: str, residual: s
         _router(ops, config, z, n, "grad/moe input")
         return "grad/moe input"
     _router(ops, config, z, n, "grad/moe routed input")
-    dx = _shared(ops, config, z, () if grad == residual else (grad,))
-    ops.append(_one("mlp.shared_experts.linear_fc1", "the routed and the shared experts' input gradients summed",
-                    Made("grad/moe input", z.act * n * z.h, "the MoE input feeds the router, the permute and the shared"
-                         " experts: gradients summed"), ("grad/moe routed input", dx)))
+    dx, pending = _shared(ops, config, z, () if grad == residual else (grad,))
+    ops.append(_backward("mlp.shared_experts.linear_fc1", Step(
+        "the routed and the shared experts' input gradients summed", (Made(
+            "grad/moe input", z.act * n * z.h, "the MoE input feeds the router, the permute and the shared experts:"
+            " gradients summed"),), ("grad/moe routed input", dx), hands_over=pending)))
     return "grad/moe input"
 
 
@@ -284,6 +294,7 @@ class _Mlp:
     silu: tuple[SavedTensor, ...]  # SiLU's: the gate and up (one storage)
     gelu_in: SavedTensor
     fc1_in: SavedTensor
+    scattered: bool = False  # under SP (the shared experts at t > 1): fc2 reduce-scatters, fc1 all-gathers its input
 
     def name(self, what: str) -> str:
         return f"grad/{self.tag.replace('...', what)}"
@@ -311,16 +322,22 @@ def _expert(ops: list[Op], config: ModelConfig, z: Sizes, e: int, r: int) -> Non
     _activation_and_fc1(ops, config, z, mlp, dact)
 
 
-def _shared(ops: list[Op], config: ModelConfig, z: Sizes, frees: tuple[str, ...]) -> str:
+def _shared(ops: list[Op], config: ModelConfig, z: Sizes, frees: tuple[str, ...]) -> tuple[str, tuple[str, ...]]:
     """SharedExpertMLP's backward on every token (its fc1 reads the MoE's input), its fc2 freeing `frees` (dY, unless
-    the residual stream's); returns its dX."""
+    the residual stream's); returns its dX, and under SP fc1's weight gradient, which autograd hands over after the
+    input's gradients are summed (no copy_to_tensor_model_parallel_region node stands between)."""
     mlp = _Mlp(
-        "mlp.shared_experts", "shared ...", z.b * z.s_seq, config.moe_shared_expert_intermediate_size,
+        "mlp.shared_experts", "shared ...", z.b * z.s, config.moe_shared_expert_intermediate_size // z.t,
         ledger.SHARED_FC2_IN, (ledger.SHARED_SILU_OUT, megatron.SHARED_UP_COPY), (ledger.SHARED_GATE, ledger.SHARED_UP),
-        ledger.SHARED_GELU_IN, ledger.MOE_IN,
+        ledger.SHARED_GELU_IN, ledger.MOE_IN, scattered=z.sp,
     )
+    if mlp.scattered:  # fc2's reduce-scatter's backward: dY all-gathered along s
+        gathered = mlp.name("output gathered")
+        ops.append(_one("mlp.shared_experts.linear_fc2", "all-gather of dY (the reduce-scatter's backward)", Made(
+            gathered, z.full(z.h), "fc2's output was reduce-scattered along s: its gradient all-gathered"), frees))
+        frees = (gathered,)
     _activation_and_fc1(ops, config, z, mlp, _fc2(ops, z, mlp, frees))
-    return mlp.name("input")
+    return mlp.name("input"), (mlp.name("fc1 weight"),) if mlp.scattered else ()
 
 
 def _fc2(ops: list[Op], z: Sizes, mlp: _Mlp, frees: tuple[str, ...]) -> str:
@@ -355,10 +372,13 @@ def _activation_and_fc1(ops: list[Op], config: ModelConfig, z: Sizes, mlp: _Mlp,
         ops.append(_one(mlp.where, "GELU", Made(out, act * rows * width, "GELU's backward: dY times GELU'(x)"), (grad,),
                         saves=(mlp.gelu_in,)))
         fc1_width = width
-    dw = mlp.name("fc1 weight")
+    dw, dx = mlp.name("fc1 weight"), mlp.name("input")
+    whole = f"{dx} before its reduce-scatter" if mlp.scattered else dx  # its input re-gathered into the buffer
     ops.append(_backward(f"{mlp.where}.linear_fc1", Step("GEMMs: dX and dW", (
-        Made(mlp.name("input"), act * rows * z.h, "dX = dY W, the input's gradient"),
-        Made(dw, act * fc1_width * z.h, _WGRAD)), frees=(out,), hands_over=(dw,)), saves=(mlp.fc1_in,)))
+        Made(whole, act * rows * z.h, "dX = dY W, the input's gradient"),
+        *((Made(dx, z.seq(z.h), "the reduce-scatter's output: this rank's shard of dX"),) if mlp.scattered else ()),
+        Made(dw, act * fc1_width * z.h, _WGRAD)), frees=(out, *((whole,) if mlp.scattered else ())),
+        hands_over=() if mlp.scattered else (dw,)), saves=(mlp.fc1_in,)))
 
 
 def _permute(ops: list[Op], z: Sizes, n: int, experts: int, local: str) -> None:

@@ -80,6 +80,13 @@ TP_SHAPES = [
     ("balanced", {"t": 2, "num_experts": 5, "mlp": "gelu", "ffn_hidden_size": 100, "moe_ffn_hidden_size": 40}),
     ("all-to-one", {"t": 2, "b": 1, "s": 14, "num_experts": 3}),
     ("balanced", {"t": 4, "b": 1, "s": 20, "num_query_groups": 4}),
+    # shared experts: tp-sp's MLP on every token, fc1 all-gathering its input into megatron's global memory buffer
+    ("balanced", {"t": 2, "moe_shared_expert_intermediate_size": 32}),
+    ("all-to-one", {"t": 2, "b": 1, "s": 14, "num_experts": 3, "moe_shared_expert_intermediate_size": 24,
+                    "dropout": 0.1, "moe_router_pre_softmax": True}),
+    ("balanced", {"t": 2, "mlp": "gelu", "ffn_hidden_size": 100, "moe_shared_expert_intermediate_size": 40,
+                  "attention": "eager", "norm": "layernorm"}),
+    ("balanced", {"t": 4, "b": 1, "s": 20, "num_query_groups": 4, "moe_shared_expert_intermediate_size": 48}),
 ]
 
 
@@ -124,6 +131,7 @@ RECOMPUTE_SHAPES = [
     ("all-to-one", {"recompute": "full", "t": 2, "b": 1, "s": 14, "num_experts": 3}, "tp-sp"),
     ("balanced", {"recompute": "full", "t": 2, "dropout": 0.1, "moe_router_topk": 4, "moe_router_pre_softmax": True},
      "tp-sp"),
+    ("balanced", {"recompute": "full", "t": 2, "moe_shared_expert_intermediate_size": 32, "dropout": 0.1}, "tp-sp"),
 ]
 
 
@@ -161,6 +169,10 @@ PEAKS += [  # under tp-sp at t = 2: rank 0 of two through the fake group
     ("all-to-one", {"recompute": "full", **PEAKS[1][1]}, "backward layers.1"),  # MemTracker reads the rerun's
     # backward in the layer alone: the checkpoint's backward runs outside the modules' backward hooks
     ("balanced", {"recompute": "full", "t": 2, **PEAKS[3][1]}, "backward layers.1.mlp"),  # the rerun's reduce-scatter
+    ("balanced", {"t": 2, "moe_shared_expert_intermediate_size": 1024, "vocab_size": 20, "s": 48},
+     "backward layers.1.mlp.shared_experts"),  # the shared experts' SwiGLU on the whole sequence, u/t wide
+    ("balanced", {"t": 2, "moe_shared_expert_intermediate_size": 2048, "vocab_size": 20, "s": 48, "mlp": "gelu",
+                  "ffn_hidden_size": 100}, "backward layers.1.mlp.shared_experts.linear_fc2"),  # beside dY gathered
 ]
 
 
@@ -183,7 +195,7 @@ def test_a_megatron_moe_step_is_measured_only_under_the_route_that_pins_the_walk
     ({"ep": 2, "dp": 2, "t": 2}, "tp-sp", "ep=2 beside t=2"),
     ({"ep": 4, "dp": 4}, "none", "one expert a rank"),
     ({"ep": 2, "dp": 2, "b": 1, "s": 7, "num_experts": 6}, "none", "slots a rank that E=6 experts do not share evenly"),
-    ({"t": 2, "moe_shared_expert_intermediate_size": 32}, "tp-sp", "shared experts at t=2"),
+    ({"ep": 2, "dp": 2, "moe_shared_expert_intermediate_size": 32}, "none", "shared experts at ep > 1"),
     ({"moe_aux_loss": True}, "none", "the load-balancing loss"),
     ({"moe_token_dispatcher_type": "allgather"}, "none", "the allgather token dispatcher"),
     ({"moe_expert_capacity_factor": 1.0, "moe_tokens": "capacity"}, "none", "a capacity factor"),
