@@ -72,7 +72,6 @@ def unmodelled(config: ModelConfig, z: Sizes) -> str | None:
     t = z.t
     missing = [
         (config.ep > 1 and t > 1, f"ep={config.ep} beside t={t} (it walks expert parallelism at t = 1)"),
-        (config.ep > 1 and bool(config.moe_shared_expert_intermediate_size), "shared experts at ep > 1"),
         (config.ep > 1 and config.num_experts == config.ep, f"one expert a rank (E=ep={config.ep}: the dispatcher"
          " neither sorts nor keeps the per-expert counts)"),
         (config.ep > 1 and config.moe_tokens == "balanced" and config.moe_router_topk * z.b * z.s_seq

@@ -95,6 +95,9 @@ EP_SHAPES = [
     ("balanced", {"ep": 2, "dp": 2}),
     ("all-to-one", {"ep": 2, "dp": 2, "num_experts": 8}),
     ("balanced", {"ep": 2, "dp": 2, "b": 1, "s": 12, "num_experts": 6, "moe_router_pre_softmax": True, "dropout": 0.1}),
+    ("all-to-one", {"ep": 2, "dp": 2, "num_experts": 8, "moe_shared_expert_intermediate_size": 40, "dropout": 0.1}),
+    ("balanced", {"ep": 2, "dp": 2, "mlp": "gelu", "ffn_hidden_size": 100, "moe_shared_expert_intermediate_size": 40,
+                  "moe_router_pre_softmax": True}),  # shared experts beside the all-to-alls
 ]
 
 
@@ -118,6 +121,8 @@ RECOMPUTE_SHAPES = [
     ("balanced", {"recompute": "selective", "b": 1, "s": 7, "num_experts": 7, "moe_router_topk": 3,
                   "moe_shared_expert_intermediate_size": 24, "attention": "eager"}, "none"),
     ("balanced", {"recompute": "selective", "ep": 2, "dp": 2, "b": 1, "s": 12, "num_experts": 6}, "none"),
+    ("balanced", {"recompute": "selective", "ep": 4, "dp": 4, "num_experts": 8, "b": 1, "s": 16,
+                  "moe_shared_expert_intermediate_size": 24}, "none"),
     ("all-to-one", {"recompute": "selective", "t": 2, "b": 1, "s": 14, "num_experts": 3, "attention": "eager"},
      "tp-sp"),
     ("balanced", {"recompute": "selective", "t": 2, "moe_router_topk": 4, "dropout": 0.1}, "tp-sp"),
@@ -173,6 +178,8 @@ PEAKS += [  # under tp-sp at t = 2: rank 0 of two through the fake group
      "backward layers.1.mlp.shared_experts"),  # the shared experts' SwiGLU on the whole sequence, u/t wide
     ("balanced", {"t": 2, "moe_shared_expert_intermediate_size": 2048, "vocab_size": 20, "s": 48, "mlp": "gelu",
                   "ffn_hidden_size": 100}, "backward layers.1.mlp.shared_experts.linear_fc2"),  # beside dY gathered
+    ("balanced", {"ep": 2, "dp": 2, "moe_shared_expert_intermediate_size": 1024, "vocab_size": 20, "s": 48},
+     "backward layers.1.mlp.shared_experts"),  # over ep: rank 0 of two through megatron's fake group
 ]
 
 
@@ -195,7 +202,6 @@ def test_a_megatron_moe_step_is_measured_only_under_the_route_that_pins_the_walk
     ({"ep": 2, "dp": 2, "t": 2}, "tp-sp", "ep=2 beside t=2"),
     ({"ep": 4, "dp": 4}, "none", "one expert a rank"),
     ({"ep": 2, "dp": 2, "b": 1, "s": 7, "num_experts": 6}, "none", "slots a rank that E=6 experts do not share evenly"),
-    ({"ep": 2, "dp": 2, "moe_shared_expert_intermediate_size": 32}, "none", "shared experts at ep > 1"),
     ({"moe_aux_loss": True}, "none", "the load-balancing loss"),
     ({"moe_token_dispatcher_type": "allgather"}, "none", "the allgather token dispatcher"),
     ({"moe_expert_capacity_factor": 1.0, "moe_tokens": "capacity"}, "none", "a capacity factor"),
