@@ -101,16 +101,6 @@ def _layer(z: Sizes, made: tuple[SavedTensor, ...], full: bool) -> Op:
               saves=(ledger.LAYER_INPUT,) if full else ())
 
 
-def _made_again(rerun: tuple[SavedTensor, ...]) -> tuple[Made, ...]:
-    """What full recomputation's rerun makes again: what the layer keeps without recomputation (the input is the
-    checkpoint's), filed as MemTracker files it."""
-    return tuple(
-        Made(x.name, 0, "kept by the layer's rerun under full recomputation", keeps=x,
-             category="" if x.name in _MADE_BY_THE_BLOCK else ACTIVATIONS)
-        for x in rerun if x.name != INPUT
-    )
-
-
 def _rerun_layer(config: ModelConfig, z: Sizes, rerun: tuple[SavedTensor, ...], has: Has) -> tuple[Op, ...]:
     """Full recomputation: the checkpoint runs the layer's forward again, to its last residual add, inside backward,
     making again what the layer keeps without recomputation (the input is the checkpoint's), filed as MemTracker files

@@ -28,13 +28,14 @@ the worst, which the forced all-to-one route pins):
                 with the routed path's
 
 Under tp-sp (etp = t) each rank routes its s/t tokens; the dispatcher all-gathers the t ranks' slots (R = t k n) for
-the experts, each f_e/t wide, and reduce-scatters their unsorted output back: in backward the unpermute's gradient is
-all-gathered before the unsort and the sorted tokens' and probabilities' gradients reduce-scattered before the
+the experts, each f_e/t wide, and reduce-scatters their unsorted output back: in backward the unpermute's gradient
+is all-gathered before the unsort and the sorted tokens' and probabilities' gradients reduce-scattered before the
 permute; the shared experts are tp-sp's MLP (fc1 all-gathers its input into megatron's global memory buffer, fc2
-reduce-scatters). Over ep (at t = 1) all-to-alls take their place, each rank's E/ep experts receiving the slots every rank
-routes to them (R = kn under the balanced bound, ep n min(k, E/ep) under the worst); MoELayer.forward then holds the
-dispatched tokens and probabilities through the experts. The dispatcher keeps the router's probabilities and map and the tokens per expert as attributes (`HELD`)
-until the next forward replaces them: they outlive the step.
+reduce-scatters). Over ep (at t = 1) all-to-alls take their place, each rank's E/ep experts receiving the slots
+every rank routes to them (R = kn under the balanced bound, ep n min(k, E/ep) under the worst); MoELayer.forward
+then holds the dispatched tokens and probabilities through the experts. The dispatcher keeps the router's
+probabilities and map and the tokens per expert as attributes (`HELD`) until the next forward replaces them: they
+outlive the step.
 
 Under full recomputation the layer's first forward runs without autograd (at the experts' concatenation MoELayer
 holds its input and the sorted tokens and probabilities as locals, `LOCALS`); its rerun inside backward reaches the
@@ -78,8 +79,8 @@ def unmodelled(config: ModelConfig, z: Sizes) -> str | None:
          % config.num_experts != 0, f"ep={config.ep} with k*b*s={config.moe_router_topk * z.b * z.s_seq} slots a rank"
          f" that E={config.num_experts} experts do not share evenly (the ranks' experts would receive other than"
          " the balanced bound's kbs)"),
-        (config.ep > 1 and config.recompute == "full", f"recompute full beside ep={config.ep} (its first forward,"
-         " without autograd, frees the experts' output before the all-to-all back)"),
+        (config.ep > 1 and config.recompute == "full", f"recompute full beside ep={config.ep} (the all-to-all back"
+         " of a first forward without autograd)"),
         (t > 1 and not z.sp, f"t={t} without sequence parallelism with experts"),
         (config.moe_token_dispatcher_type != "alltoall",
          f"the {config.moe_token_dispatcher_type} token dispatcher (it walks the all-to-all one)"),
