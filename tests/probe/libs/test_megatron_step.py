@@ -101,9 +101,24 @@ EP_SHAPES = [
 ]
 
 
+# Expert parallelism beside tp-sp (etp = t): the all-to-all over ep, then the all-gather over t (and back the other
+# way); rank 0 of t through the launch's fake group inside megatron's fake one of t*ep.
+EP_SHAPES += [
+    ("balanced", {"t": 2, "ep": 2, "dp": 2}),
+    ("all-to-one", {"t": 2, "ep": 2, "dp": 2, "num_experts": 8}),
+    ("balanced", {"t": 2, "ep": 2, "dp": 2, "b": 1, "s": 24, "num_experts": 6, "moe_router_topk": 3,
+                  "moe_shared_expert_intermediate_size": 24, "dropout": 0.1}),
+    ("all-to-one", {"t": 2, "ep": 2, "dp": 2, "b": 1, "s": 14, "moe_shared_expert_intermediate_size": 24,
+                    "attention": "eager"}),
+    ("balanced", {"t": 2, "ep": 4, "dp": 4, "num_experts": 8, "moe_router_pre_softmax": True, "recompute": "selective",
+                  "mlp": "gelu", "ffn_hidden_size": 100}),
+]
+
+
 @pytest.mark.parametrize("route, changes", EP_SHAPES, ids=str)
 def test_under_ep_every_moment_of_a_megatron_moe_step_happens_in_order_with_its_bytes(one_thread, route, changes):
-    _assert_every_moment_in_order(make_config(MOE, **ROUTES[route], **changes), "none", route)
+    config = make_config(MOE, **ROUTES[route], **changes)
+    _assert_every_moment_in_order(config, "tp-sp" if config.t > 1 else "none", route)
 
 
 @pytest.mark.parametrize("route, changes", TP_SHAPES, ids=str)
@@ -180,6 +195,10 @@ PEAKS += [  # under tp-sp at t = 2: rank 0 of two through the fake group
                   "ffn_hidden_size": 100}, "backward layers.1.mlp.shared_experts.linear_fc2"),  # beside dY gathered
     ("balanced", {"ep": 2, "dp": 2, "moe_shared_expert_intermediate_size": 1024, "vocab_size": 20, "s": 48},
      "backward layers.1.mlp.shared_experts"),  # over ep: rank 0 of two through megatron's fake group
+    ("balanced", {"t": 2, "ep": 2, "dp": 2, **PEAKS[3][1]}, "forward layers.1.mlp"),  # the reduce-scatter before
+    # the all-to-all back, beside both concatenations
+    ("balanced", {"t": 2, "ep": 2, "dp": 2, "moe_ffn_hidden_size": 1024, "vocab_size": 20, "s": 48},
+     "backward layers.1.mlp.experts.local_experts.1"),
 ]
 
 
@@ -199,7 +218,6 @@ def test_a_megatron_moe_step_is_measured_only_under_the_route_that_pins_the_walk
 
 
 @pytest.mark.parametrize("changes, strategy, words", [
-    ({"ep": 2, "dp": 2, "t": 2}, "tp-sp", "ep=2 beside t=2"),
     ({"ep": 4, "dp": 4}, "none", "one expert a rank"),
     ({"ep": 2, "dp": 2, "b": 1, "s": 7, "num_experts": 6}, "none", "slots a rank that E=6 experts do not share evenly"),
     ({"moe_aux_loss": True}, "none", "the load-balancing loss"),
