@@ -183,8 +183,8 @@ def test_hf_config_names_the_attention_kernel_it_takes_from_the_implementation()
 def test_mixtral_totals_count_its_experts_and_give_the_steps_peak():
     """The step timeline walks megatron-core's MoELayer (memcalc.sizing.timeline.megatron_moe): Mixtral's peak and
     Qwen1.5-MoE's (shared experts, the softmax before the top k, 60 experts sharing 16,384 slots; at t = 1 and 2) are
-    modelled, and beside ep; a MoE layer it does not model yet (full recomputation beside expert parallelism) is
-    refused by name there."""
+    modelled, and beside ep; a MoE layer it does not model yet (the load-balancing loss) is refused by name
+    there."""
     run = memcalc_cli("estimate", "--config", "mixtral-8x7b", "--totals")
     assert run.code == 3, run.err  # 834 GiB on one GPU fits no 80 GB card
     assert "46,702,792,704 parameters" in run.out
@@ -197,8 +197,10 @@ def test_mixtral_totals_count_its_experts_and_give_the_steps_peak():
     assert "tp-sp: no, 246,027,726,852 B = 229.13 GiB (the step's peak)" in ep.out  # ep beside tp-sp
     full = memcalc_cli("estimate", "--config", "mixtral-8x7b", "--ep", "4", "--dp", "4", "--t", "2", "--recompute",
                        "full", "--totals")
-    assert "(states + saved activations)" in full.out
-    assert "does not model recompute full beside ep=4" in " ".join(full.out.split())
+    assert "tp-sp: no, 118,090,162,204 B = 109.98 GiB (the step's peak)" in full.out
+    refused = memcalc_cli("estimate", "--config", "mixtral-8x7b", "--moe-aux-loss", "--totals")
+    assert "(states + saved activations)" in refused.out
+    assert "does not model the load-balancing loss" in " ".join(refused.out.split())
 
 
 def test_torchtitans_activation_checkpointing_has_a_modelled_step_peak_below_the_one_without_it():

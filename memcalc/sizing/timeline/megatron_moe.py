@@ -78,8 +78,6 @@ def unmodelled(config: ModelConfig, z: Sizes) -> str | None:
          % config.num_experts != 0, f"ep={config.ep} with k*b*s={config.moe_router_topk * z.b * z.s_seq} slots a rank"
          f" that E={config.num_experts} experts do not share evenly (the ranks' experts would receive other than"
          " the balanced bound's kbs)"),
-        (config.ep > 1 and config.recompute == "full", f"recompute full beside ep={config.ep} (the all-to-all back"
-         " of a first forward without autograd)"),
         (t > 1 and not z.sp, f"t={t} without sequence parallelism with experts"),
         (config.moe_token_dispatcher_type != "alltoall",
          f"the {config.moe_token_dispatcher_type} token dispatcher (it walks the all-to-all one)"),
@@ -156,8 +154,10 @@ def held(config: ModelConfig, z: Sizes) -> tuple[Made, ...]:
 
 
 # What MoELayer.forward's locals hold at the experts' concatenation whether or not autograd keeps it (full
-# recomputation's first forward keeps nothing): its input, the sorted tokens and probabilities, gone when it returns.
-LOCALS = (ledger.MOE_IN, ledger.EXPERT_IN, megatron.EXPERT_PROBS)
+# recomputation's first forward keeps nothing): its input, gone when it returns, and routed_experts_compute's sorted
+# tokens and probabilities, gone when that returns (over ep before the all-to-all back).
+ROUTED_LOCALS = (ledger.EXPERT_IN, megatron.EXPERT_PROBS)
+LOCALS = (ledger.MOE_IN, *ROUTED_LOCALS)
 
 
 def experts_forward(config: ModelConfig, z: Sizes, before: tuple[Made, ...], gone: tuple[str, ...] = (),
@@ -169,9 +169,10 @@ def experts_forward(config: ModelConfig, z: Sizes, before: tuple[Made, ...], gon
 
     By the experts' concatenated output MoELayer.forward still holds the dispatcher's attributes (`held`), the
     permuted tokens and probabilities (the sort made copies; at t > 1 the all-gathered copies are gone by then, the
-    token counts summed over the group not yet), each expert's fc2 output and their concatenation. At t = 1 the
-    unsort's concatenation that follows replaces the experts' outputs with as many bytes (MemTracker's peak is the
-    first); at t > 1 the reduce-scatter of the unsorted output adds this rank's share beside both concatenations.
+    token counts summed over the group not yet), each expert's fc2 output and their concatenation. Without exchanges
+    the unsort's concatenation that follows replaces the experts' outputs with as many bytes (MemTracker's peak is
+    the first); with them (`_combine`) a copy of the unsort's chunk sizes comes beside it, and at t > 1 the
+    reduce-scatter of the unsorted output adds this rank's share beside both concatenations.
     """
     act, local = z.act, config.moe_router_topk * z.b * z.s_seq
     slots = sum(expert_slots(config, z))  # what this rank's experts receive: all-gathered over t, all-to-all over ep
@@ -199,32 +200,36 @@ def experts_forward(config: ModelConfig, z: Sizes, before: tuple[Made, ...], gon
     if not exchanged:
         steps += (("mlp", (Step("MoELayer's forward returns", frees=returned),)),)
     else:
-        steps += (("mlp", _combine(config, z, slots, local, returned, mine)),)
+        routed = tuple(x.name for x in ROUTED_LOCALS if x.name in gone)
+        steps += (("mlp", _combine(config, z, slots, local, returned, routed, mine)),)
     if rerun:
         return tuple(Op(where, forward=(), backward=x) for where, x in steps)
     return tuple(Op(where, forward=x, backward=()) for where, x in steps)
 
 
-def _combine(config: ModelConfig, z: Sizes, slots: int, local: int, returned: tuple[str, ...], category: str) -> tuple[
-        Step, ...]:
+def _combine(config: ModelConfig, z: Sizes, slots: int, local: int, returned: tuple[str, ...],
+             routed: tuple[str, ...], category: str) -> tuple[Step, ...]:
     """The unsorted output sent back: reduce-scattered over t (the experts' output and the token counts still live),
-    then over ep all-to-all'd back to the tokens' ranks (the experts' output, the token counts and at t > 1 the
-    unsorted output gone first); then what MoELayer held (`returned`) goes."""
+    then over ep all-to-all'd back to the tokens' ranks (the experts' output, the token counts, `routed` (what of
+    `ROUTED_LOCALS` autograd does not keep) and at t > 1 the unsorted output gone first); then what MoELayer held
+    (`returned`) goes."""
     act, h = z.act, z.h
     unsorted = Made("moe/unsorted output", act * slots * h, "sort_chunks_by_idxs back to the tokens' order, (R, h)",
                     category=category)
-    steps: list[Step] = []
+    order = Made("moe/unsort order", 8 * z.t * config.num_experts, "num_global_tokens_per_local_expert.T.ravel():"
+                 " the unsort's chunk sizes, a copy (int64)", category=category)
+    steps = [Step("the experts' output unsorted", (order, unsorted), frees=(order.name,))]
     if z.t > 1:
-        steps.append(Step("the unsorted output reduce-scattered over t", (unsorted, Made(
+        steps.append(Step("the unsorted output reduce-scattered over t", (Made(
             "moe/reduce-scattered output", act * slots // z.t * h, "the reduce-scatter's output: this rank's share",
-            category=category))))
+            category=category),)))
     if config.ep > 1:
         steps += [
             Step("the experts' output and the token counts freed", frees=(
-                "moe/experts output", "moe/tokens per expert", *((unsorted.name,) if z.t > 1 else ()))),
-            Step("the unsorted output all-to-all'd back over ep", (*(() if z.t > 1 else (unsorted,)), Made(
+                "moe/experts output", "moe/tokens per expert", *routed, *((unsorted.name,) if z.t > 1 else ()))),
+            Step("the unsorted output all-to-all'd back over ep", (Made(
                 "moe/all-to-all output", act * local * h, "the all-to-all's output: this rank's tokens' slots",
-                category=category))),
+                category=category),)),
         ]
     return (*steps[:-1], replace(steps[-1], frees=(*steps[-1].frees, *returned, unsorted.name,
                                                     "moe/reduce-scattered output", "moe/all-to-all output")))

@@ -152,6 +152,9 @@ RECOMPUTE_SHAPES = [
     ("balanced", {"recompute": "full", "t": 2, "dropout": 0.1, "moe_router_topk": 4, "moe_router_pre_softmax": True},
      "tp-sp"),
     ("balanced", {"recompute": "full", "t": 2, "moe_shared_expert_intermediate_size": 32, "dropout": 0.1}, "tp-sp"),
+    ("balanced", {"recompute": "full", "ep": 2, "dp": 2, "b": 1, "s": 12, "num_experts": 6, "dropout": 0.1}, "none"),
+    ("all-to-one", {"recompute": "full", "ep": 2, "dp": 2, "num_experts": 8}, "none"),
+    ("balanced", {"recompute": "full", "t": 2, "ep": 2, "dp": 2, "moe_shared_expert_intermediate_size": 24}, "tp-sp"),
 ]
 
 
@@ -199,6 +202,9 @@ PEAKS += [  # under tp-sp at t = 2: rank 0 of two through the fake group
     # the all-to-all back, beside both concatenations
     ("balanced", {"t": 2, "ep": 2, "dp": 2, "moe_ffn_hidden_size": 1024, "vocab_size": 20, "s": 48},
      "backward layers.1.mlp.experts.local_experts.1"),
+    ("balanced", {"ep": 2, "dp": 2, **PEAKS[3][1]}, "forward layers.1.mlp"),  # over ep the unsort's chunk sizes,
+    # a copy, beside its output and the experts' (as many bytes as their list): above the concatenation
+    ("balanced", {"recompute": "full", "ep": 2, "dp": 2, **PEAKS[3][1]}, "backward layers.1.mlp"),  # in the rerun
 ]
 
 
@@ -224,7 +230,6 @@ def test_a_megatron_moe_step_is_measured_only_under_the_route_that_pins_the_walk
     ({"moe_token_dispatcher_type": "allgather"}, "none", "the allgather token dispatcher"),
     ({"moe_expert_capacity_factor": 1.0, "moe_tokens": "capacity"}, "none", "a capacity factor"),
     ({"moe_router_score_function": "sigmoid"}, "none", "the sigmoid router"),
-    ({"recompute": "full", "ep": 2, "dp": 2}, "none", "recompute full beside ep=2"),
 ], ids=str)
 def test_what_the_moe_walk_does_not_model_is_refused_in_one_line(changes, strategy, words):
     with pytest.raises(ConfigError, match="does not model") as err:
