@@ -196,6 +196,15 @@ RECOMPUTE_SHAPES = [
     ("balanced", {"recompute": "full", "ep": 2, "dp": 2, "b": 1, "s": 12, "num_experts": 6, "dropout": 0.1}, "none"),
     ("all-to-one", {"recompute": "full", "ep": 2, "dp": 2, "num_experts": 8}, "none"),
     ("balanced", {"recompute": "full", "t": 2, "ep": 2, "dp": 2, "moe_shared_expert_intermediate_size": 24}, "tp-sp"),
+    # each kind of layer its own rerun: dense layers among MoE ones, below and above them
+    ("all-to-one", {"recompute": "full", "L": 3, "moe_first_dense_layers": 1, "dropout": 0.1, "b": 1, "s": 7}, "none"),
+    ("balanced", {"recompute": "full", "L": 3, "moe_layer_freq": 2, "b": 1, "s": 7}, "none"),
+    ("balanced", {"recompute": "selective", "L": 3, "moe_first_dense_layers": 1, "attention": "eager", "b": 1,
+                  "s": 7}, "none"),
+    ("balanced", {"recompute": "full", "t": 2, "L": 3, "moe_first_dense_layers": 1, "b": 1, "s": 14,
+                  "moe_shared_expert_intermediate_size": 24}, "tp-sp"),
+    ("balanced", {"recompute": "full", "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+                  "b": 1, "s": 7, "num_experts": 6, "moe_router_topk": 3}, "none"),  # the sigmoid router's rerun
 ]
 
 
@@ -298,6 +307,8 @@ DEEPSEEK_SHAPES = [
     ("none", {"moe_router_enable_expert_bias": True, "dropout": 0.1}),  # DeepSeek-V3's aux-loss-free balancing
     ("tp-sp", {"t": 2, "b": 1, "s": 14}),
     ("tp-sp", {"t": 4, "s": 28, "dropout": 0.1, "moe_router_enable_expert_bias": True}),
+    ("none", {"recompute": "selective", "b": 1, "s": 7}),  # the latent core's rerun beside the experts' pieces
+    ("tp-sp", {"t": 2, "b": 1, "s": 14, "recompute": "selective"}),
 ]
 
 
