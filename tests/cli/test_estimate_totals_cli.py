@@ -182,17 +182,25 @@ def test_hf_config_names_the_attention_kernel_it_takes_from_the_implementation()
 
 def test_mixtral_totals_count_its_experts_and_give_the_steps_peak():
     """The step timeline walks megatron-core's MoELayer (memcalc.sizing.timeline.megatron_moe): Mixtral's peak and
-    Qwen1.5-MoE's (shared experts, the softmax before the top k, 60 experts sharing 16,384 slots) are modelled; a MoE
-    layer it does not model yet (expert parallelism beside tensor parallelism) is refused by name there."""
+    Qwen1.5-MoE's (shared experts, the softmax before the top k, 60 experts sharing 16,384 slots; at t = 1 and 2) are
+    modelled, and beside ep; a MoE layer it does not model yet (the load-balancing loss) is refused by name
+    there."""
     run = memcalc_cli("estimate", "--config", "mixtral-8x7b", "--totals")
     assert run.code == 3, run.err  # 834 GiB on one GPU fits no 80 GB card
     assert "46,702,792,704 parameters" in run.out
     assert "895,757,891,588 B = 834.24 GiB (the step's peak)" in run.out
     shared = memcalc_cli("estimate", "--config", "qwen1.5-moe-a2.7b", "--totals")
     assert "278,536,244,484 B = 259.41 GiB (the step's peak)" in shared.out
+    shared_tp = memcalc_cli("estimate", "--config", "qwen1.5-moe-a2.7b", "--t", "2", "--totals")
+    assert "tp-sp: no, 140,124,498,436 B = 130.50 GiB (the step's peak)" in shared_tp.out  # shared experts at t = 2
     ep = memcalc_cli("estimate", "--config", "mixtral-8x7b", "--ep", "2", "--dp", "2", "--t", "2", "--totals")
-    assert "(states + saved activations)" in ep.out
-    assert "does not model ep=2 beside t=2" in " ".join(ep.out.split())
+    assert "tp-sp: no, 246,027,726,852 B = 229.13 GiB (the step's peak)" in ep.out  # ep beside tp-sp
+    full = memcalc_cli("estimate", "--config", "mixtral-8x7b", "--ep", "4", "--dp", "4", "--t", "2", "--recompute",
+                       "full", "--totals")
+    assert "tp-sp: no, 118,090,162,204 B = 109.98 GiB (the step's peak)" in full.out
+    refused = memcalc_cli("estimate", "--config", "mixtral-8x7b", "--moe-aux-loss", "--totals")
+    assert "(states + saved activations)" in refused.out
+    assert "does not model the load-balancing loss" in " ".join(refused.out.split())
 
 
 def test_qwen3_moe_totals_give_the_steps_peak_with_its_wide_normed_heads():
@@ -258,3 +266,14 @@ def test_hf_gradient_checkpointing_has_a_modelled_step_peak_below_the_one_withou
     for name in ("none", "tp"):
         assert {per[r][name]["needed_basis"] for r in per} == {"the step's peak"}
         assert per["full"][name]["needed_bytes"] < per["none"][name]["needed_bytes"]
+
+
+def test_mixtral_under_recomputation_has_a_modelled_step_peak_below_the_one_without_it():
+    """megatron-core's MoELayer under recomputation is walked: selective reruns the attention core alone, the MoE
+    layer untouched, full the whole layer; each strategy's verdict is on the step's peak, full's the lowest."""
+    per = {r: _json("--config", "mixtral-8x7b", "--recompute", r, "--totals")["per_gpu"]["strategies"]
+           for r in ("none", "selective", "full")}
+    for name in ("none", "tp-sp"):
+        assert {per[r][name]["needed_basis"] for r in per} == {"the step's peak"}
+        assert per["full"][name]["needed_bytes"] < per["selective"][name]["needed_bytes"] \
+            < per["none"][name]["needed_bytes"]

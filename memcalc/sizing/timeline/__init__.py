@@ -58,8 +58,9 @@ as one op for that reason (memcalc.probe.kernels, attention.py). transformers' L
 on the same tape, memcalc.sizing.timeline.fsdp), and so are its Mixtral and Qwen2-MoE at t = 1 under the balanced
 bound, their experts in the eager loop (memcalc.sizing.timeline.hf_moe), and Qwen3 and Qwen3-MoE (QK norms, heads of
 head_dim). Megatron's layer takes
-megatron-core's MoELayer at t = 1 (any ep) or tp-sp (ep = 1) under the balanced or worst bound, its router, all-to-all
-dispatcher and SequentialMLP experts as ops in the Megatron layer (memcalc.sizing.timeline.megatron_moe), and the
+megatron-core's MoELayer at t = 1 or tp-sp, with any ep and any recomputation, under the balanced or worst bound, its
+router, all-to-all dispatcher and SequentialMLP experts as ops in the Megatron layer
+(memcalc.sizing.timeline.megatron_moe), and the
 dense layers among them (moe_layer_freq, moe_first_dense_layers) as the dense layer's ops, each at its own ledger.
 torchtitan's Llama3Model (`--impl torchtitan`) is described likewise (memcalc.sizing.timeline.torchtitan), at t = 1
 and under its own TP plan (tp, tp-sp) on the CPU kernels.
@@ -155,7 +156,9 @@ def timeline(
         _unfold(tape, i, kind)
         walk.module = f"layers.{i}"
         walk.backward(kind.ops)
-        if i > first:
+        if kind.config.moe and config.recompute == "full":
+            _held_by_the_rerun(tape, i, kind.saved[ledger.LAYER_INPUT.name])
+        elif i > first:
             tape.rename(INPUT_GRAD, OUTPUT_GRAD)
     ends.backward_in(tape)
     tape.drop("pipeline/other micro-batches")  # the cool-down runs their backwards, as this one's
@@ -170,6 +173,15 @@ def _fold(tape: Tape, i: int, names: tuple[str, ...]) -> None:
     held = sum(tape.live.pop(name).bytes for name in names)
     tape.add(f"layers.{i}/saved", ACTIVATIONS, held, "what the layer keeps for backward (the ledger)")
     tape.rename(OUTPUT, INPUT)
+
+
+def _held_by_the_rerun(tape: Tape, i: int, nbytes: int) -> None:
+    """Full recomputation with experts: the dispatcher's probabilities, made by layer i's rerun with autograd on,
+    keep its graph to the next forward, and with it the checkpoint's detached input (AccumulateGrad's variable) and
+    that input's .grad, the gradient handed on (the layer below frees its output's gradient by a name no longer
+    live)."""
+    tape.add(f"layers.{i}/rerun input", ACTIVATIONS, nbytes, "the rerun's detached input, held by its graph")
+    tape.rename(INPUT_GRAD, f"layers.{i}/rerun input grad")
 
 
 def _unfold(tape: Tape, i: int, kind: _Kind) -> None:
@@ -211,9 +223,13 @@ class _Kind:
         saved = {x.tensor.name: x.bytes for x in tensors} | {x.name: 4 for x in host}
         if config.moe:  # each expert's own storages as pieces of the ledger's rows
             kept, saved = megatron_moe.pieces(config, z, kept, saved)
-        again = kept if rerun is None else tuple(x.tensor for x in rerun)
+        again, sizes = kept, saved
+        if rerun is not None:  # what the layer keeps without recomputation, made again in backward
+            again, sizes = tuple(x.tensor for x in rerun), {x.tensor.name: x.bytes for x in rerun}
+            if config.moe:
+                again, sizes = megatron_moe.pieces(config, z, again, sizes)
         host_again = megatron_mla.rerun_host_scalars(config, z, accounting) if config.mla else ()
-        sizes = {x.tensor.name: x.bytes for x in rerun or ()} | {x.name: 4 for x in host_again} | saved
+        sizes = sizes | {x.name: 4 for x in host_again} | saved
         ops = layer_ops(config, z, kept, again, sizes)
         _check_modelled(config, (*kept, *again), ops)
         return cls(config, kept, saved, sizes, ops)

@@ -16,6 +16,7 @@ tuple serves them all; the walk's module path says which layer (layers.3.mlp.fc2
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from memcalc.config.schema import ModelConfig
@@ -50,8 +51,6 @@ def layer_ops(
     has = saved.__contains__
     full = config.recompute == "full"
     backward: list[Op] = []  # built in backward order, each op taking the gradient the one before it made
-    if full:
-        backward.append(_rerun_layer(z, rerun, has))
     grad = _dropout(backward, z, ledger.MLP_DROPOUT_MASK, "the MLP", OUTPUT_GRAD, has)
     if config.moe:
         grad = megatron_moe.moe_ops(backward, config, z, grad, OUTPUT_GRAD)
@@ -73,10 +72,18 @@ def layer_ops(
                                 "grad/qkv input")
     backward.append(_norm(z, "ln1", ledger.LN1, grad, (mid,), INPUT_GRAD))
     if config.moe:  # the experts' widest forward moment first, then the layer's end
-        moments, later = megatron_moe.experts_forward(config, z, _made_here(kept))
+        # full's forward keeps nothing: the block's residual and MoELayer's locals, gone by the layer's end
+        gone = (ledger.LN2.input, *megatron_moe.LOCALS) if full else ()
+        made = gone or _made_here(kept)
+        later = tuple(x for x in made if x.name == ledger.MLP_DROPOUT_MASK.name)
+        before = tuple(Made(x.name, 0, "kept for backward (the ledger)", keeps=x) for x in made if x not in later)
+        moments = megatron_moe.experts_forward(config, z, before, tuple(x.name for x in gone))
         backward.extend((_layer(z, later, full), *reversed(moments)))
     else:
         backward.append(_layer(z, _made_here(kept), full))
+    if full:  # the checkpoint's backward runs outside the modules' backward hooks: MemTracker reads the layer's
+        backward = [*_rerun_layer(config, z, rerun, has),
+                    *(replace(x, where="") if x.backward else x for x in backward)]
     return tuple(reversed(backward))
 
 
@@ -96,20 +103,25 @@ def _layer(z: Sizes, made: tuple[SavedTensor, ...], full: bool) -> Op:
               saves=(ledger.LAYER_INPUT,) if full else ())
 
 
-def _rerun_layer(z: Sizes, rerun: tuple[SavedTensor, ...], has: Has) -> Op:
-    """Full recomputation: the checkpoint runs the layer's forward again, to its last residual add, inside backward;
-    what the layer keeps without recomputation is made again (the input is the checkpoint's)."""
-    made = tuple(
+def _rerun_layer(config: ModelConfig, z: Sizes, rerun: tuple[SavedTensor, ...], has: Has) -> tuple[Op, ...]:
+    """Full recomputation: the checkpoint runs the layer's forward again, to its last residual add, inside backward,
+    making again what the layer keeps without recomputation (the input is the checkpoint's), filed as MemTracker files
+    it; with experts, their widest moments first."""
+    again = tuple(
         Made(x.name, 0, "kept by the layer's rerun under full recomputation", keeps=x,
              category="" if x.name in _MADE_BY_THE_BLOCK else ACTIVATIONS)
         for x in rerun if x.name != INPUT
     )
+    later = tuple(x for x in again if x.name == ledger.MLP_DROPOUT_MASK.name) if config.moe else again
+    experts = megatron_moe.experts_forward(config, z, tuple(x for x in again if x not in later), rerun=True) \
+        if config.moe else ()
     branch = TEMPORARIES if has(ledger.MLP_DROPOUT_MASK.name) else ACTIVATIONS  # made by the block after its dropout
-    return backward_only("", Step("full recomputation: the layer's forward again, to its last residual add", (
-        *made, Made("layer/recomputed output", z.seq(z.h),
-                    "the rerun's output: the checkpoint holds it while autograd runs the layer's backward"),
+    what = "full recomputation: the layer's forward again, to its last residual add"
+    return (*experts, backward_only("", Step(what, (
+        *later, Made("layer/recomputed output", z.seq(z.h),
+                     "the rerun's output: the checkpoint holds it while autograd runs the layer's backward"),
         Made("layer/recomputed MLP branch", z.seq(z.h), "the last residual add's other operand", category=branch)),
-        frees=("layer/recomputed MLP branch",)))
+        frees=("layer/recomputed MLP branch",))))
 
 
 # -- the pieces every layer is built from ---------------------------------------------------------------------

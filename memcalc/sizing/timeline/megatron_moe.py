@@ -31,12 +31,19 @@ the worst, which the forced all-to-one route pins):
                 the global memory buffer, its dX reduce-scattered); its dX summed with the routed path's
 
 Under tp-sp (etp = t) each rank routes its s/t tokens; the dispatcher all-gathers the t ranks' slots (R = t k n) for
-the experts, each f_e/t wide, and reduce-scatters their unsorted output back: in backward the unpermute's gradient is
-all-gathered before the unsort and the sorted tokens' and probabilities' gradients reduce-scattered before the
-permute. Over ep (at t = 1) all-to-alls take their place, each rank's E/ep experts receiving the slots every rank
-routes to them (R = kn under the balanced bound, ep n min(k, E/ep) under the worst); MoELayer.forward then holds the
-dispatched tokens and probabilities through the experts. The dispatcher keeps the router's probabilities and map and the tokens per expert as attributes (`HELD`)
-until the next forward replaces them: they outlive the step.
+the experts, each f_e/t wide, and reduce-scatters their unsorted output back: in backward the unpermute's gradient
+is all-gathered before the unsort and the sorted tokens' and probabilities' gradients reduce-scattered before the
+permute; the shared experts are tp-sp's MLP (fc1 all-gathers its input into megatron's global memory buffer, fc2
+reduce-scatters). Over ep all-to-alls come before the gathers (after the reduce-scatters), each rank's E/ep experts
+receiving the slots every rank routes to them (R = t k n under the balanced bound, t ep n min(k, E/ep) under the
+worst); MoELayer.forward then holds the dispatched tokens and probabilities through the experts. The dispatcher
+keeps the router's probabilities and map and the tokens per expert as attributes (`HELD`) until the next forward
+replaces them: they outlive the step.
+
+Under full recomputation the layer's first forward runs without autograd (at the experts' concatenation MoELayer
+holds its input and the sorted tokens and probabilities as locals, `LOCALS`); its rerun inside backward reaches the
+same widest moments, replacing the dispatcher's attributes, whose probabilities then keep the rerun's graph: the
+checkpoint's detached input and its gradient live to the next forward.
 """
 
 from __future__ import annotations
@@ -71,8 +78,6 @@ def unmodelled(config: ModelConfig, z: Sizes) -> str | None:
     the layer."""
     t = z.t
     missing = [
-        (config.ep > 1 and t > 1, f"ep={config.ep} beside t={t} (it walks expert parallelism at t = 1)"),
-        (config.ep > 1 and bool(config.moe_shared_expert_intermediate_size), "shared experts at ep > 1"),
         (config.ep > 1 and config.num_experts == config.ep, f"one expert a rank (E=ep={config.ep}: the dispatcher"
          " neither sorts nor keeps the per-expert counts)"),
         (config.ep > 1 and config.moe_tokens == "balanced" and config.moe_router_topk * z.b * z.s_seq
@@ -85,7 +90,6 @@ def unmodelled(config: ModelConfig, z: Sizes) -> str | None:
         (config.moe_expert_capacity_factor is not None, "a capacity factor (moe_expert_capacity_factor)"),
         (config.moe_aux_loss, "the load-balancing loss (moe_aux_loss)"),
         (config.mlp == "swiglu" and config.bias_activation_fusion, "the fused SwiGLU in the experts"),
-        (config.recompute != "none", f"recompute {config.recompute} with experts"),
         (bool(config.vpp) and config.pp > 1, "interleaved pipelining with experts (the other chunks' dispatchers)"),
         (config.moe_tokens == "capacity", "moe_tokens capacity (it walks the balanced and the worst bounds)"),
     ]
@@ -153,56 +157,93 @@ def beside_the_ledger(tape: Tape, config: ModelConfig, z: Sizes) -> None:
                  " experts' fc1 all-gathers its input into it")
 
 
-def experts_forward(config: ModelConfig, z: Sizes, made: tuple[SavedTensor, ...]) -> tuple[
-        tuple[Op, ...], tuple[SavedTensor, ...]]:
-    """The MoE's widest forward moments as ops (forward only, in forward order); and what of `made` (the saved
-    tensors the layer's forward makes) is made after them, at the layer's end.
+# What MoELayer.forward's locals hold at the experts' concatenation whether or not autograd keeps it (full
+# recomputation's first forward keeps nothing): its input, gone when it returns, and routed_experts_compute's sorted
+# tokens and probabilities, gone when that returns (over ep before the all-to-all back).
+ROUTED_LOCALS = (ledger.EXPERT_IN, megatron.EXPERT_PROBS)
+LOCALS = (ledger.MOE_IN, *ROUTED_LOCALS)
 
-    By the experts' concatenated output every saved tensor of the layer but the MLP's dropout mask exists, and the
-    dispatcher's attributes (`held`); MoELayer.forward still holds the permuted tokens and probabilities (the sort
-    made copies; at t > 1 the all-gathered copies are gone by then, the token counts summed over the group not yet),
-    each expert's fc2 output and their concatenation. At t = 1 the unsort's concatenation that follows replaces the
-    experts' outputs with as many bytes (MemTracker's peak is the first); at t > 1 the reduce-scatter of the unsorted
-    output adds this rank's share beside both concatenations.
+
+def experts_forward(config: ModelConfig, z: Sizes, before: tuple[Made, ...], gone: tuple[str, ...] = (),
+                    rerun: bool = False) -> tuple[Op, ...]:
+    """The MoE's widest forward moments as ops, in forward order: `before`, what the layer has made by then that lives
+    on (every saved tensor but the MLP's dropout mask); `gone`, what of it goes when MoELayer returns. `rerun`: inside
+    full recomputation's backward, as backward steps, in the MoE's activations; the dispatcher's attributes are
+    replaced there by as many bytes, not made beside them.
+
+    By the experts' concatenated output MoELayer.forward still holds the dispatcher's attributes (`held`), the
+    permuted tokens and probabilities (the sort made copies; at t > 1 the all-gathered copies are gone by then, the
+    token counts summed over the group not yet), each expert's fc2 output and their concatenation. Without exchanges
+    the unsort's concatenation that follows replaces the experts' outputs with as many bytes (MemTracker's peak is
+    the first); with them (`_combine`) a copy of the unsort's chunk sizes comes beside it, and at t > 1 the
+    reduce-scatter of the unsorted output adds this rank's share beside both concatenations.
     """
     act, local = z.act, config.moe_router_topk * z.b * z.s_seq
     slots = sum(expert_slots(config, z))  # what this rank's experts receive: all-gathered over t, all-to-all over ep
     exchanged = z.t > 1 or config.ep > 1
-    later = tuple(x for x in made if x.name == ledger.MLP_DROPOUT_MASK.name)
-    before = tuple(Made(x.name, 0, "kept for backward (the ledger)", keeps=x) for x in made if x not in later)
-    held_by_forward = (
+    mine = ACTIVATIONS if rerun else ""  # what MoELayer makes: activations in the rerun too
+    held_by_forward = tuple(replace(x, category=mine) for x in (
         Made("moe/permuted tokens", act * local * z.h, "permute's index_select: MoELayer.forward holds it"),
         *((Made("moe/permuted probs", act * local, "permute's masked_select of the probabilities, held likewise"),)
           if config.ep == 1 else (
-            Made("moe/dispatched tokens", act * slots * z.h, "the all-to-all's output over ep: MoELayer.forward holds"
-                 " it beside the permuted tokens, (R, h)"),
-            Made("moe/dispatched probs", act * slots, "the probabilities' all-to-all output, which replaces the"
+            Made("moe/dispatched tokens", act * slots // z.t * z.h, "the all-to-all's output over ep: MoELayer.forward"
+                 " holds it beside the permuted tokens, (R/t, h) (at t > 1 all-gathered to R)"),
+            Made("moe/dispatched probs", act * slots // z.t, "the probabilities' all-to-all output, which replaces the"
                  " permuted ones"))),
         *((Made("moe/tokens per expert", 8 * config.num_experts // config.ep, "the experts' token counts summed over"
                 " the tp*ep group's ranks (at t = 1 a view of what the dispatcher holds), int64"),) if exchanged else ()),
         *((Made("moe/shared experts output", z.seq(z.h), "the shared experts ran first: their output waits for the"
                 " routed experts'"),) if config.moe_shared_expert_intermediate_size else ()),
         Made("moe/experts output", act * slots * z.h, "SequentialMLP's cat of its experts' outputs, (R, h)"),
-    )
-    outputs = Made("moe/expert outputs", act * slots * z.h, "each expert's fc2 output, SequentialMLP's list, (R, h)")
-    experts = Op("mlp.experts", forward=(Step("the experts' outputs concatenated", (
-        *before, *held(config, z), *held_by_forward, outputs), frees=(outputs.name,)),), backward=())
+    ))
+    outputs = Made("moe/expert outputs", act * slots * z.h, "each expert's fc2 output, SequentialMLP's list, (R, h)",
+                   category=mine)
+    returned = (*(x.name for x in held_by_forward), *gone)
+    steps: tuple[tuple[str, tuple[Step, ...]], ...] = (("mlp.experts", (Step("the experts' outputs concatenated", (
+        *before, *(() if rerun else held(config, z)), *held_by_forward, outputs), frees=(outputs.name,)),)),)
     if not exchanged:
-        return (experts, _dropped(held_by_forward)), later
-    # over ep the experts' output and the token counts are gone before the all-to-all back; over t they stay
-    gone = (Step("the experts' output and the token counts freed", frees=("moe/experts output", "moe/tokens per expert")),
-            ) if config.ep > 1 else ()
-    combine = Op("mlp", forward=(*gone, Step("the unsorted output sent back (reduce-scatter over t, all-to-all over ep)", (
-        Made("moe/unsorted output", act * slots * z.h, "sort_chunks_by_idxs back to the tokens' order, (R, h)"),
-        Made("moe/reduce-scattered output", act * local * z.h, "the collective's output: this rank's slots")),
-        frees=(*(x.name for x in held_by_forward), "moe/unsorted output", "moe/reduce-scattered output")),),
-        backward=())
-    return (experts, combine), later
+        steps += (("mlp", (Step("MoELayer's forward returns", frees=returned),)),)
+    else:
+        routed = tuple(x.name for x in ROUTED_LOCALS if x.name in gone)
+        steps += (("mlp", _combine(config, z, slots, local, returned, routed, mine)),)
+    if rerun:
+        return tuple(Op(where, forward=(), backward=x) for where, x in steps)
+    return tuple(Op(where, forward=x, backward=()) for where, x in steps)
 
 
-def _dropped(made: tuple[Made, ...]) -> Op:
-    """An op that only frees (forward-held transients), making no moment."""
-    return Op("mlp", forward=(Step("MoELayer's forward returns", frees=tuple(x.name for x in made)),), backward=())
+def _combine(config: ModelConfig, z: Sizes, slots: int, local: int, returned: tuple[str, ...],
+             routed: tuple[str, ...], category: str) -> tuple[Step, ...]:
+    """The unsorted output sent back: reduce-scattered over t (the experts' output and the token counts still live),
+    then over ep all-to-all'd back to the tokens' ranks (the experts' output, the token counts, `routed` (what of
+    `ROUTED_LOCALS` autograd does not keep) and at t > 1 the unsorted output gone first); then what MoELayer held
+    (`returned`) goes."""
+    act, h = z.act, z.h
+    unsorted = Made("moe/unsorted output", act * slots * h, "sort_chunks_by_idxs back to the tokens' order, (R, h)",
+                    category=category)
+    order = Made("moe/unsort order", 8 * z.t * config.num_experts, "num_global_tokens_per_local_expert.T.ravel():"
+                 " the unsort's chunk sizes, a copy (int64)", category=category)
+    steps = [Step("the experts' output unsorted", (order, unsorted), frees=(order.name,))]
+    if z.t > 1:
+        steps.append(Step("the unsorted output reduce-scattered over t", (Made(
+            "moe/reduce-scattered output", act * slots // z.t * h, "the reduce-scatter's output: this rank's share",
+            category=category),)))
+    if config.ep > 1:
+        steps += [
+            Step("the experts' output and the token counts freed", frees=(
+                "moe/experts output", "moe/tokens per expert", *routed, *((unsorted.name,) if z.t > 1 else ()))),
+            Step("the unsorted output all-to-all'd back over ep", (Made(
+                "moe/all-to-all output", act * local * h, "the all-to-all's output: this rank's tokens' slots",
+                category=category),)),
+        ]
+    return (*steps[:-1], replace(steps[-1], frees=(*steps[-1].frees, *returned, unsorted.name,
+                                                    "moe/reduce-scattered output", "moe/all-to-all output")))
+
+
+def _exchanges(config: ModelConfig, z: Sizes, slots: int) -> tuple[tuple[str, int], ...]:
+    """The dispatch's collectives in forward order, each with the slots its output holds: the all-to-all over ep (R/t,
+    what this rank's experts receive of its tp group's tokens), the all-gather over t (R). The combine's backward
+    runs them in this order too; the dispatch's backward the other way, each output back to its input's slots."""
+    return (*((("all-to-all", slots // z.t),) if config.ep > 1 else ()), *((("all-gather", slots),) if z.t > 1 else ()))
 
 
 def moe_ops(ops: list[Op], config: ModelConfig, z: Sizes, grad: str, residual: str) -> str:
@@ -213,16 +254,15 @@ def moe_ops(ops: list[Op], config: ModelConfig, z: Sizes, grad: str, residual: s
     shared = bool(config.moe_shared_expert_intermediate_size)  # the shared experts read dY after the routed ones
     local = k * n  # the slots of this rank's tokens
     slots = sum(expert_slots(config, z))  # and those this rank's experts receive
-    exchanged = z.t > 1 or config.ep > 1
     ops.append(_one("mlp", "unpermute: scatter_add_'s backward gathers dY", Made(
         "grad/unpermuted", act * local * h, "scatter_add_'s backward: dY gathered by the permutation"),
         () if grad == residual or shared else (grad,)))  # its indices: the dispatcher holds them (HELD)
     unpermuted = "grad/unpermuted"
-    if exchanged:
-        ops.append(_one("mlp", "all-gather of dY (the combine's reduce-scatter's backward)", Made(
-            "grad/unpermuted gathered", act * slots * h, "the experts' output was reduce-scattered over t: its"
-            " gradient all-gathered, (R, h)"), (unpermuted,)))
-        unpermuted = "grad/unpermuted gathered"
+    for how, rows in _exchanges(config, z, slots):  # the combine's collectives' backward
+        ops.append(_one("mlp", f"dY's {how} (the combine's backward)", Made(
+            f"grad/unpermuted {how}", act * rows * h, "the experts' output was sent back: its gradient too"),
+            (unpermuted,)))
+        unpermuted = f"grad/unpermuted {how}"
     ops.append(_one("mlp", "unsort: split's backward concatenates", Made(
         "grad/expert output", act * slots * h, "sort_chunks_by_idxs split the experts' output: its gradient"
         " concatenated"),
@@ -248,14 +288,16 @@ def moe_ops(ops: list[Op], config: ModelConfig, z: Sizes, grad: str, residual: s
             "grad/sorted tokens", act * slots * h, "sort_chunks_by_idxs split the tokens: concatenated again"),
             ("grad/expert input",)),
     ))
-    if exchanged:
-        ops.append(_backward("mlp", Step("reduce-scatter of the probabilities' gradient", (Made(
-            "grad/permuted probs local", act * local, "the probabilities were all-gathered over t: their gradient"
-            " reduce-scattered"),), frees=("grad/permuted probs",)),
-            Step("reduce-scatter of the tokens' gradient", (Made(
-                "grad/sorted tokens local", act * local * h, "the tokens were all-gathered over t: their gradient"
-                " reduce-scattered"),), frees=("grad/sorted tokens",))))
-    _permute(ops, z, n, config.num_experts, " local" if exchanged else "")
+    probs, tokens = "grad/permuted probs", "grad/sorted tokens"
+    hops = _exchanges(config, z, slots)[::-1]  # the dispatch's collectives' backward: each to its input's slots
+    for (how, _), rows in zip(hops, (*(x for _, x in hops[1:]), local)):
+        ops.append(_backward("mlp", Step(f"{how}'s backward: the probabilities' gradient", (Made(
+            f"{probs} {how}", act * rows, "the probabilities were dispatched: their gradient sent back"),),
+            frees=(probs,)), Step(f"{how}'s backward: the tokens' gradient", (Made(
+                f"{tokens} {how}", act * rows * h, "the tokens were dispatched: their gradient sent back"),),
+                frees=(tokens,))))
+        probs, tokens = f"{probs} {how}", f"{tokens} {how}"
+    _permute(ops, z, n, config.num_experts, tokens, probs)
     if not shared:
         _router(ops, config, z, n, "grad/moe input")
         return "grad/moe input"
@@ -383,20 +425,21 @@ def _activation(ops: list[Op], config: ModelConfig, z: Sizes, mlp: _Mlp, grad: s
     return out, fc1_width
 
 
-def _permute(ops: list[Op], z: Sizes, n: int, experts: int, local: str) -> None:
-    """The dispatcher's permute, backward: index_select's (the tokens) and masked_select's (the probabilities)."""
+def _permute(ops: list[Op], z: Sizes, n: int, experts: int, tokens: str, probs: str) -> None:
+    """The dispatcher's permute, backward: index_select's (the tokens' gradient `tokens`) and masked_select's (the
+    probabilities', `probs`)."""
     act, h = z.act, z.h
     ops.extend((
         _backward("mlp", Step("index_select's backward: new_zeros", (Made(
             "grad/permute zeros", act * n * h, "index_select's backward starts from new_zeros, (n, h)"),)),
             Step("index_select's backward: index_add", (Made(
                 "grad/permute input", act * n * h, "index_add of the sorted tokens' gradient, out of place"),),
-                frees=("grad/permute zeros", f"grad/sorted tokens{local}"))),  # its indices: HELD
+                frees=("grad/permute zeros", tokens))),  # its indices: HELD
         _backward("mlp", Step("masked_select's backward: zeros_like", (Made(
             "grad/probs zeros", act * n * experts, "masked_select's backward starts from zeros_like, (E, n)"),)),
             Step("masked_select's backward: masked_scatter", (Made(
                 "grad/probs", act * n * experts, "masked_scatter of the permuted probabilities' gradient"),),
-                frees=("grad/probs zeros", f"grad/permuted probs{local}")),
+                frees=("grad/probs zeros", probs)),
             saves=(megatron.ROUTING_MAP, megatron.PROBS_T)),
     ))
 

@@ -68,7 +68,7 @@ def _readings(tp, config, strategy, route):
 def _assert_every_moment_in_order(config, strategy, route):
     st = STRATEGIES[strategy]
     moments = timeline(config, st, CPU).moments[1:]
-    assert any(".mlp.experts.local_experts." in m.where for m in moments)
+    assert any(".mlp.experts" in m.where for m in moments)  # under full recomputation the rerun's alone
     if st.tensor_parallel:  # rank 0 of t through the fake group
         readings = run_fake(_readings, (config, st, route), config.t)
     else:
@@ -120,6 +120,13 @@ TP_SHAPES = [
     ("balanced", {"t": 2, "b": 1, "s": 14, "moe_shared_expert_intermediate_size": 24, "dropout": 0.1}),
     ("all-to-one", {"t": 4, "b": 1, "s": 20, "num_query_groups": 4, "mlp": "gelu", "ffn_hidden_size": 100,
                     "moe_shared_expert_intermediate_size": 40}),
+    # shared experts: tp-sp's MLP on every token, fc1 all-gathering its input into megatron's global memory buffer
+    ("balanced", {"t": 2, "moe_shared_expert_intermediate_size": 32}),
+    ("all-to-one", {"t": 2, "b": 1, "s": 14, "num_experts": 3, "moe_shared_expert_intermediate_size": 24,
+                    "dropout": 0.1, "moe_router_pre_softmax": True}),
+    ("balanced", {"t": 2, "mlp": "gelu", "ffn_hidden_size": 100, "moe_shared_expert_intermediate_size": 40,
+                  "attention": "eager", "norm": "layernorm"}),
+    ("balanced", {"t": 4, "b": 1, "s": 20, "num_query_groups": 4, "moe_shared_expert_intermediate_size": 48}),
 ]
 
 
@@ -129,17 +136,82 @@ EP_SHAPES = [
     ("all-to-one", {"ep": 2, "dp": 2, "num_experts": 8}),
     ("balanced", {"ep": 2, "dp": 2, "b": 1, "s": 12, "num_experts": 6, "moe_router_pre_softmax": True, "dropout": 0.1}),
     ("balanced", {"ep": 2, "dp": 2, "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True}),
+    ("all-to-one", {"ep": 2, "dp": 2, "num_experts": 8, "moe_shared_expert_intermediate_size": 40, "dropout": 0.1}),
+    ("balanced", {"ep": 2, "dp": 2, "mlp": "gelu", "ffn_hidden_size": 100, "moe_shared_expert_intermediate_size": 40,
+                  "moe_router_pre_softmax": True}),  # shared experts beside the all-to-alls
+]
+
+
+# Expert parallelism beside tp-sp (etp = t): the all-to-all over ep, then the all-gather over t (and back the other
+# way); rank 0 of t through the launch's fake group inside megatron's fake one of t*ep.
+EP_SHAPES += [
+    ("balanced", {"t": 2, "ep": 2, "dp": 2}),
+    ("all-to-one", {"t": 2, "ep": 2, "dp": 2, "num_experts": 8}),
+    ("balanced", {"t": 2, "ep": 2, "dp": 2, "b": 1, "s": 24, "num_experts": 6, "moe_router_topk": 3,
+                  "moe_shared_expert_intermediate_size": 24, "dropout": 0.1}),
+    ("all-to-one", {"t": 2, "ep": 2, "dp": 2, "b": 1, "s": 14, "moe_shared_expert_intermediate_size": 24,
+                    "attention": "eager"}),
+    ("balanced", {"t": 2, "ep": 4, "dp": 4, "num_experts": 8, "moe_router_pre_softmax": True, "recompute": "selective",
+                  "mlp": "gelu", "ffn_hidden_size": 100}),
 ]
 
 
 @pytest.mark.parametrize("route, changes", EP_SHAPES, ids=str)
 def test_under_ep_every_moment_of_a_megatron_moe_step_happens_in_order_with_its_bytes(one_thread, route, changes):
-    _assert_every_moment_in_order(make_config(MOE, **ROUTES[route], **changes), "none", route)
+    config = make_config(MOE, **ROUTES[route], **changes)
+    _assert_every_moment_in_order(config, "tp-sp" if config.t > 1 else "none", route)
 
 
 @pytest.mark.parametrize("route, changes", TP_SHAPES, ids=str)
 def test_under_tp_sp_every_moment_of_a_megatron_moe_step_happens_in_order_with_its_bytes(one_thread, route, changes):
     _assert_every_moment_in_order(make_config(MOE, **ROUTES[route], **changes), "tp-sp", route)
+
+
+# Recomputation, at t = 1, over ep and under tp-sp: selective reruns the attention core inside backward, the MoE
+# layer untouched; full reruns the whole layer there (router, dispatcher, experts), after a first forward without
+# autograd whose MoELayer holds its locals alone, and the dispatcher's probabilities keep the rerun's graph, with the
+# checkpoint's detached input and its gradient, to the next forward.
+RECOMPUTE_SHAPES = [
+    ("balanced", {"recompute": "selective", "attention": "eager", "dropout": 0.1}, "none"),
+    ("all-to-one", {"recompute": "selective", "b": 1, "s": 7, "num_experts": 2, "attention": "eager"}, "none"),
+    ("balanced", {"recompute": "selective", "b": 1, "s": 7, "num_experts": 7, "moe_router_topk": 3,
+                  "moe_shared_expert_intermediate_size": 24, "attention": "eager"}, "none"),
+    ("balanced", {"recompute": "selective", "ep": 2, "dp": 2, "b": 1, "s": 12, "num_experts": 6}, "none"),
+    ("balanced", {"recompute": "selective", "ep": 4, "dp": 4, "num_experts": 8, "b": 1, "s": 16,
+                  "moe_shared_expert_intermediate_size": 24}, "none"),
+    ("all-to-one", {"recompute": "selective", "t": 2, "b": 1, "s": 14, "num_experts": 3, "attention": "eager"},
+     "tp-sp"),
+    ("balanced", {"recompute": "selective", "t": 2, "moe_router_topk": 4, "dropout": 0.1}, "tp-sp"),
+    ("balanced", {"recompute": "full"}, "none"),
+    ("all-to-one", {"recompute": "full", "b": 1, "s": 7, "num_experts": 2, "dropout": 0.1, "attention": "eager"},
+     "none"),
+    ("balanced", {"recompute": "full", "b": 1, "s": 7, "num_experts": 7, "moe_router_topk": 3,
+                  "moe_shared_expert_intermediate_size": 24, "dropout": 0.1}, "none"),
+    ("all-to-one", {"recompute": "full", "mlp": "gelu", "ffn_hidden_size": 100, "b": 3, "s": 10, "num_experts": 6,
+                    "attention": "eager", "norm": "layernorm"}, "none"),
+    ("all-to-one", {"recompute": "full", "t": 2, "b": 1, "s": 14, "num_experts": 3}, "tp-sp"),
+    ("balanced", {"recompute": "full", "t": 2, "dropout": 0.1, "moe_router_topk": 4, "moe_router_pre_softmax": True},
+     "tp-sp"),
+    ("balanced", {"recompute": "full", "t": 2, "moe_shared_expert_intermediate_size": 32, "dropout": 0.1}, "tp-sp"),
+    ("balanced", {"recompute": "full", "ep": 2, "dp": 2, "b": 1, "s": 12, "num_experts": 6, "dropout": 0.1}, "none"),
+    ("all-to-one", {"recompute": "full", "ep": 2, "dp": 2, "num_experts": 8}, "none"),
+    ("balanced", {"recompute": "full", "t": 2, "ep": 2, "dp": 2, "moe_shared_expert_intermediate_size": 24}, "tp-sp"),
+    # each kind of layer its own rerun: dense layers among MoE ones, below and above them
+    ("all-to-one", {"recompute": "full", "L": 3, "moe_first_dense_layers": 1, "dropout": 0.1, "b": 1, "s": 7}, "none"),
+    ("balanced", {"recompute": "full", "L": 3, "moe_layer_freq": 2, "b": 1, "s": 7}, "none"),
+    ("balanced", {"recompute": "selective", "L": 3, "moe_first_dense_layers": 1, "attention": "eager", "b": 1,
+                  "s": 7}, "none"),
+    ("balanced", {"recompute": "full", "t": 2, "L": 3, "moe_first_dense_layers": 1, "b": 1, "s": 14,
+                  "moe_shared_expert_intermediate_size": 24}, "tp-sp"),
+    ("balanced", {"recompute": "full", "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+                  "b": 1, "s": 7, "num_experts": 6, "moe_router_topk": 3}, "none"),  # the sigmoid router's rerun
+]
+
+
+@pytest.mark.parametrize("route, changes, strategy", RECOMPUTE_SHAPES, ids=str)
+def test_under_recomputation_every_moment_of_a_megatron_moe_step_happens_in_order_with_its_bytes(
+        one_thread, route, changes, strategy):
+    _assert_every_moment_in_order(make_config(MOE, **ROUTES[route], **changes), strategy, route)
 
 
 # Experts wide beside a small vocabulary: the peak moves into the MoE's backward; many slots of a wide h: its forward.
@@ -171,8 +243,25 @@ PEAKS += [  # under tp-sp at t = 2: rank 0 of two through the fake group
      "backward layers.1.mlp.experts.local_experts.3.linear_fc2"),
     ("balanced", {"t": 2, **PEAKS[3][1]}, "forward layers.1.mlp"),  # the unsorted output's reduce-scatter beside
     # both concatenations
+    ("balanced", {"recompute": "selective", "attention": "eager", "s": 48, "vocab_size": 20, "moe_ffn_hidden_size": 16},
+     "backward layers.1.attention"),  # the core's rerun: the eager scores beside the checkpoint's inputs
+    ("balanced", {"recompute": "full", **PEAKS[3][1]}, "backward layers.1.mlp.experts"),  # the rerun's experts
+    ("all-to-one", {"recompute": "full", **PEAKS[1][1]}, "backward layers.1"),  # MemTracker reads the rerun's
+    # backward in the layer alone: the checkpoint's backward runs outside the modules' backward hooks
+    ("balanced", {"recompute": "full", "t": 2, **PEAKS[3][1]}, "backward layers.1.mlp"),  # the rerun's reduce-scatter
     ("balanced", {"t": 2, "moe_shared_expert_intermediate_size": 1024, "vocab_size": 20, "s": 48},
-     "backward layers.1.mlp.shared_experts"),  # wide shared experts: their SwiGLU's backward on the whole sequence
+     "backward layers.1.mlp.shared_experts"),  # the shared experts' SwiGLU on the whole sequence, u/t wide
+    ("balanced", {"t": 2, "moe_shared_expert_intermediate_size": 2048, "vocab_size": 20, "s": 48, "mlp": "gelu",
+                  "ffn_hidden_size": 100}, "backward layers.1.mlp.shared_experts.linear_fc2"),  # beside dY gathered
+    ("balanced", {"ep": 2, "dp": 2, "moe_shared_expert_intermediate_size": 1024, "vocab_size": 20, "s": 48},
+     "backward layers.1.mlp.shared_experts"),  # over ep: rank 0 of two through megatron's fake group
+    ("balanced", {"t": 2, "ep": 2, "dp": 2, **PEAKS[3][1]}, "forward layers.1.mlp"),  # the reduce-scatter before
+    # the all-to-all back, beside both concatenations
+    ("balanced", {"t": 2, "ep": 2, "dp": 2, "moe_ffn_hidden_size": 1024, "vocab_size": 20, "s": 48},
+     "backward layers.1.mlp.experts.local_experts.1"),
+    ("balanced", {"ep": 2, "dp": 2, **PEAKS[3][1]}, "forward layers.1.mlp"),  # over ep the unsort's chunk sizes,
+    # a copy, beside its output and the experts' (as many bytes as their list): above the concatenation
+    ("balanced", {"recompute": "full", "ep": 2, "dp": 2, **PEAKS[3][1]}, "backward layers.1.mlp"),  # in the rerun
 ]
 
 
@@ -192,13 +281,11 @@ def test_a_megatron_moe_step_is_measured_only_under_the_route_that_pins_the_walk
 
 
 @pytest.mark.parametrize("changes, strategy, words", [
-    ({"ep": 2, "dp": 2, "t": 2}, "tp-sp", "ep=2 beside t=2"),
     ({"ep": 4, "dp": 4}, "none", "one expert a rank"),
     ({"ep": 2, "dp": 2, "b": 1, "s": 7, "num_experts": 6}, "none", "slots a rank that E=6 experts do not share evenly"),
     ({"moe_aux_loss": True}, "none", "the load-balancing loss"),
     ({"moe_token_dispatcher_type": "allgather"}, "none", "the allgather token dispatcher"),
     ({"moe_expert_capacity_factor": 1.0, "moe_tokens": "capacity"}, "none", "a capacity factor"),
-    ({"recompute": "selective"}, "none", "recompute selective with experts"),
 ], ids=str)
 def test_what_the_moe_walk_does_not_model_is_refused_in_one_line(changes, strategy, words):
     with pytest.raises(ConfigError, match="does not model") as err:
@@ -220,6 +307,8 @@ DEEPSEEK_SHAPES = [
     ("none", {"moe_router_enable_expert_bias": True, "dropout": 0.1}),  # DeepSeek-V3's aux-loss-free balancing
     ("tp-sp", {"t": 2, "b": 1, "s": 14}),
     ("tp-sp", {"t": 4, "s": 28, "dropout": 0.1, "moe_router_enable_expert_bias": True}),
+    ("none", {"recompute": "selective", "b": 1, "s": 7}),  # the latent core's rerun beside the experts' pieces
+    ("tp-sp", {"t": 2, "b": 1, "s": 14, "recompute": "selective"}),
 ]
 
 
