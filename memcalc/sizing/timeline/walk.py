@@ -120,7 +120,7 @@ class Checkpoint:
     holds: str
     cached: frozenset[str] = frozenset()
     rerun: str = ACTIVATIONS
-    own: str = ACTIVATIONS
+    own: str | None = None  # None: as `rerun`
     early_stop: bool = False
     frame: tuple[str, ...] = ()
 
@@ -186,7 +186,7 @@ class Walk:
         for op, step in ((op, step) for op in ops for step in op.forward):
             where = (trigger.shadow or trigger.where) if _ancestor(op.where, trigger.where) else op.where
             new = tuple(x for x in step.makes if x.name not in checkpoint.cached)
-            self._make(new, checkpoint.rerun if op.where else checkpoint.own)
+            self._make(new, checkpoint.rerun if op.where else checkpoint.own or checkpoint.rerun)
             if new:
                 self.tape.mark("backward", ".".join(x for x in (self.module, where) if x), step.what)
             made += [x.name for x in new if x.keeps is None]

@@ -123,14 +123,14 @@ MOE_CASES = [
 def test_with_experts_the_peak_is_fsdpmemtrackers_to_the_byte(one_thread, changes):
     """Each MoE block gathered whole (its grouped experts' (E, ...) weights among its parameters), each grouped
     weight's gradient kept as its own unsharded .grad to the block's reduce-scatter."""
-    (r,) = measure_step(_config(**(MOE | changes)), ["none"], route="balanced")
+    (r,) = measure_step(make_config(LLAMA3, **(MOE | changes)), ["none"], route="balanced")
     assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
     assert r.moment_matches, (r.predicted_moment, r.measured.moment)
 
 
 @pytest.mark.parametrize("changes", MOE_CASES[1::2], ids=str)
 def test_with_experts_every_moment_is_fsdpmemtrackers(one_thread, changes):
-    config = _config(**(MOE | changes))
+    config = make_config(LLAMA3, **(MOE | changes))
     predicted = timeline(config, STRATEGIES["none"], CPU)
     assert_moments_in_order(predicted.moments[1:], torchtitan_fsdp_readings(config, "none", "all-to-one"))
 
