@@ -1,0 +1,188 @@
+"""Differential: at drawn shapes and knobs, one training step of each library's own model peaks where, and at what, the
+step timeline says.
+
+For every model `measure --step` trains (memcalc's GPT with megatron-core's modules, torchtitan's Llama3Model dense,
+checkpointed and with experts, transformers' families, and both under FSDP2), hypothesis draws a tensor-parallel size
+t in {1, 2, 4}, one to three layers, b = 1 among the batch sizes, s <= 16 (odd ones included), odd head counts per
+rank and every GQA ratio t allows, a small vocabulary, the knob values the model takes, one of the layouts its
+implementation runs and, with experts, a forced route. What the step timeline does not model is refused there in one
+line (ConfigError) and the case is dropped (`assume`): the walk's own refusals say what is drawn, no rule is written
+twice. Everything else is `measure_step`'s comparison, as `memcalc measure --step` makes it: the moment of the peak,
+its total, each category at it and between steps, MemTracker's to the byte.
+
+The default run draws a few examples per subject (seeded: the same ones every time); `pytest -m slow
+tests/probe/test_step_differential.py` draws many more, from a fresh seed each run. hypothesis keeps no database.
+
+A subject is one line of `SUBJECTS`: adding a model is adding a line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, Phase, assume, given, settings
+from hypothesis import strategies as st
+
+from memcalc.config.schema import build_config
+from memcalc.errors import ConfigError
+from memcalc.model.strategy import STRATEGIES
+from .test_differential import DROPOUT, DTYPES, MLA, _installed, _layouts, routed
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+LLAMA = {"norm": "rmsnorm", "mlp": "swiglu", "position_embedding_type": "rope", "add_bias_linear": False}
+# megatron's forced routes with the bound each pins; transformers' grouped_mm experts are pinned by either route
+BALANCED = ("balanced", "balanced")
+ROUTES = (BALANCED, ("all-to-one", "worst"), ("all-to-one", "balanced"))
+NO_ROUTE = ((None, "balanced"),)
+TORCHTITAN = {"impl": "torchtitan", "tie_embeddings": False} | LLAMA  # Llama3 unties them
+
+
+@dataclass(frozen=True)
+class Subject:
+    """One model `measure --step` trains, as this test draws it."""
+
+    name: str
+    module: str  # the library it runs: skipped where not installed
+    fields: dict[str, Any]  # fixed config fields
+    knobs: st.SearchStrategy[dict[str, Any]]  # drawn knob values
+    routes: tuple[tuple[str | None, str], ...] = NO_ROUTE  # (forced route, moe_tokens) pairs drawn with experts
+    gqa: bool = True  # whether num_query_groups may be fewer than a
+    align: int = 1  # widths (head, expert) a multiple of this: torch._grouped_mm wants 16-byte strides
+    ts: tuple[int, ...] = (1, 2, 4)  # tensor-parallel sizes drawn
+
+
+def _knobs(**choices: st.SearchStrategy[Any]) -> st.SearchStrategy[dict[str, Any]]:
+    return st.fixed_dictionaries(choices)
+
+
+ATTENTION = st.sampled_from(("eager", "flash"))
+TIED = st.booleans()
+_MEGATRON = _knobs(
+    norm=st.sampled_from(("layernorm", "rmsnorm")), mlp=st.sampled_from(("gelu", "swiglu")), dropout=DROPOUT,
+    recompute=st.sampled_from(("none", "selective", "full")), bias_activation_fusion=st.booleans(),
+    add_bias_linear=st.booleans(), attention=ATTENTION, tie_embeddings=TIED,
+    position_embedding_type=st.sampled_from(("learned_absolute", "rope")), attention_softmax_in_fp32=st.booleans(),
+)
+_MEGATRON_MLA = _knobs(norm=st.sampled_from(("layernorm", "rmsnorm")), dropout=DROPOUT,
+                       recompute=st.sampled_from(("none", "selective")), q_lora_rank=st.sampled_from((None, 8)),
+                       attention_softmax_in_fp32=st.booleans())
+_MEGATRON_MOE = routed(_knobs(mlp=st.sampled_from(("gelu", "swiglu")), norm=st.sampled_from(("layernorm", "rmsnorm")),
+                              attention=ATTENTION, dropout=DROPOUT, num_experts=st.integers(3, 6),
+                              moe_shared_expert_intermediate_size=st.sampled_from((None, 8, 24))))
+_TORCHTITAN = _knobs(recompute=st.sampled_from(("none", "full", "op")))
+_TORCHTITAN_MOE = _knobs(num_experts=st.integers(2, 6), moe_router_topk=st.integers(1, 3),
+                         moe_router_score_function=st.sampled_from(("softmax", "sigmoid")),
+                         moe_router_pre_softmax=st.booleans(),
+                         moe_shared_expert_intermediate_size=st.sampled_from((None, 8, 48)))
+_HF = _knobs(attention=ATTENTION, dropout=DROPOUT, dtype=DTYPES, tie_embeddings=TIED)
+_HF_MIXTRAL = _knobs(attention=ATTENTION, num_experts=st.integers(2, 6), moe_router_topk=st.integers(1, 3),
+                     tie_embeddings=TIED)
+_HF_GEMMA2 = _knobs(attn_logit_softcapping=st.sampled_from((None, 50.0)), sliding_window=st.sampled_from((None, 3, 8)),
+                    tie_embeddings=TIED)
+_HF_PHI3 = _knobs(tie_embeddings=TIED)
+_FSDP = {"dp_shard": st.sampled_from((2, 3, 4)), "reshard_after_forward": st.booleans(),
+         "dp_replicate": st.sampled_from((None, None, 2))}
+_TORCHTITAN_FSDP = _knobs(recompute=st.sampled_from(("none", "full", "op")), **_FSDP)
+_HF_FSDP = _knobs(attention=ATTENTION, tie_embeddings=TIED, **_FSDP)
+
+SUBJECTS = (
+    Subject("megatron dense", "megatron.core", {"impl": "megatron"}, _MEGATRON),
+    Subject("megatron latent attention", "megatron.core", {"impl": "megatron", "mlp": "swiglu", "attention": "eager",
+                                                               "add_bias_linear": False} | MLA, _MEGATRON_MLA, gqa=False),
+    Subject("megatron experts", "megatron.core", {"impl": "megatron", "add_bias_linear": False}, _MEGATRON_MOE,
+            routes=ROUTES[:2]),
+    Subject("torchtitan dense", "torchtitan", TORCHTITAN, _TORCHTITAN),
+    Subject("torchtitan moe", "torchtitan", TORCHTITAN | {"recompute": "none"}, _TORCHTITAN_MOE,
+            routes=(BALANCED,), align=8),
+    Subject("hf llama", "transformers", {"impl": "hf"} | LLAMA, _HF),
+    Subject("hf qwen3", "transformers", {"impl": "hf", "qk_layernorm": True} | LLAMA, _HF),
+    Subject("hf mixtral (grouped_mm)", "transformers", {"impl": "hf", "dropout": 0.0} | LLAMA, _HF_MIXTRAL,
+            routes=(BALANCED, ROUTES[2]), align=8),
+    Subject("hf gemma2", "transformers", {"impl": "hf", "norm": "rmsnorm_1p", "mlp": "geglu_tanh",
+                                          "sandwich_norm": True, "attention": "eager", "dropout": 0.0,
+                                          "position_embedding_type": "rope", "add_bias_linear": False}, _HF_GEMMA2),
+    Subject("hf phi3", "transformers", {"impl": "hf", "fused_qkv": True, "attention": "eager", "dropout": 0.0} | LLAMA,
+            _HF_PHI3),
+    Subject("torchtitan fsdp2", "torchtitan", TORCHTITAN, _TORCHTITAN_FSDP, ts=(1, 2)),
+    Subject("hf fsdp2", "transformers", {"impl": "hf", "dropout": 0.0} | LLAMA, _HF_FSDP, ts=(1, 2)),
+)
+
+
+@st.composite
+def steps(draw: st.DrawFn, subject: Subject) -> tuple[Any, str, str | None]:
+    """A config whose step the subject's model trains, the layout it runs under and the route its router is forced to."""
+    knobs = subject.fields | draw(subject.knobs)
+    t = draw(st.sampled_from(subject.ts))
+    per_rank = draw(st.sampled_from((1, 2, 3, 5)))  # heads per rank, odd ones included
+    a = t * per_rank
+    groups = t * draw(st.sampled_from([g for g in range(1, per_rank + 1) if per_rank % g == 0])) if subject.gqa else None
+    d = subject.align * draw(st.sampled_from((2, 4, 6)))  # RoPE wants an even head width
+    layouts = _layouts(knobs, t)
+    assume(layouts)
+    layout = draw(st.sampled_from(layouts))
+    s = t * draw(st.integers(1, 4)) if STRATEGIES[layout].sequence_parallel else draw(st.integers(1, 16))
+    route, tokens = draw(st.sampled_from(subject.routes))
+    if "num_experts" in knobs:
+        knobs |= {"moe_ffn_hidden_size": t * subject.align * draw(st.integers(1, 3)), "moe_tokens": tokens}
+    fields = knobs | {"L": draw(st.integers(1, 3)), "b": draw(st.sampled_from((1, 1, 2, 3))), "s": s, "a": a,
+                      "h": a * d, "num_query_groups": groups, "t": t, "ffn_hidden_size": t * draw(st.integers(1, 6)),
+                      "vocab_size": t * draw(st.integers(2, 24))}
+    try:
+        return build_config(fields), layout, route
+    except ConfigError:
+        assume(False)  # refused input is a one-line error, not a number: nothing to compare
+
+
+def check_step(config: Any, layout: str, route: str | None) -> None:
+    """`measure --step`'s comparison: MemTracker peaks at the moment the timeline names, with its bytes in every
+    category, at the peak and between steps."""
+    from memcalc.probe.step import measure_step
+
+    try:
+        (r,) = measure_step(config, [layout], route=route)
+    except ConfigError:
+        assume(False)  # the step timeline refuses what it does not model, in one line
+    assert r.measured.moment == r.predicted_moment, (r.measured.moment, r.predicted_moment, r.differences())
+    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+
+
+def _drawn(subject: Subject, examples: int, derandomize: bool) -> Any:
+    """A hypothesis test of `subject` over `examples` drawn steps; the default (derandomized) run reports the first
+    failing case as drawn, without shrinking it, to stay within its time."""
+    phases = [Phase.generate] if derandomize else [Phase.generate, Phase.shrink]
+    @settings(max_examples=examples, deadline=None, database=None, derandomize=derandomize, print_blob=True,
+              phases=phases, suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow])
+    @given(steps(subject))
+    def drawn(case: tuple[Any, str, str | None]) -> None:
+        check_step(*case)
+
+    return drawn
+
+
+PER_SUBJECT = 3  # the default run: seeded, a few per subject
+SLOW_PER_SUBJECT = 30
+
+
+@pytest.fixture
+def library(request: pytest.FixtureRequest) -> Subject:
+    subject = request.param
+    pytest.importorskip("torch")
+    if not _installed(subject.module):
+        pytest.skip(f"{subject.module} is not installed")
+    return subject
+
+
+@pytest.mark.parametrize("library", SUBJECTS, ids=[s.name for s in SUBJECTS], indirect=True)
+def test_the_step_peaks_where_and_at_what_the_timeline_says_at_drawn_shapes(library):
+    _drawn(library, PER_SUBJECT, derandomize=True)()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("library", SUBJECTS, ids=[s.name for s in SUBJECTS], indirect=True)
+def test_the_step_peaks_where_and_at_what_the_timeline_says_at_many_drawn_shapes(library, request):
+    if "slow" not in (request.config.getoption("markexpr") or ""):
+        pytest.skip("many examples: select with -m slow")
+    _drawn(library, SLOW_PER_SUBJECT, derandomize=False)()
