@@ -38,6 +38,9 @@ BALANCED = ("balanced", "balanced")
 ROUTES = (BALANCED, ("all-to-one", "worst"), ("all-to-one", "balanced"))
 NO_ROUTE = ((None, "balanced"),)
 TORCHTITAN = {"impl": "torchtitan", "tie_embeddings": False} | LLAMA  # Llama3 unties them
+# GemmaForCausalLM: (1 + w) RMSNorm, tanh GeGLU, a scaled embedding; eager attention, which Gemma 2 runs alone
+GEMMA = {"impl": "hf", "norm": "rmsnorm_1p", "mlp": "geglu_tanh", "attention": "eager", "dropout": 0.0,
+         "position_embedding_type": "rope", "add_bias_linear": False}
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,7 @@ class Subject:
     gqa: bool = True  # whether num_query_groups may be fewer than a
     align: int = 1  # widths (head, expert) a multiple of this: torch._grouped_mm wants 16-byte strides
     ts: tuple[int, ...] = (1, 2, 4)  # tensor-parallel sizes drawn
+    known: str = ""  # a finding not fixed yet (FINDINGS): the many-example run is expected to meet it
 
 
 def _knobs(**choices: st.SearchStrategy[Any]) -> st.SearchStrategy[dict[str, Any]]:
@@ -101,9 +105,8 @@ SUBJECTS = (
     Subject("hf qwen3", "transformers", {"impl": "hf", "qk_layernorm": True} | LLAMA, _HF),
     Subject("hf mixtral (grouped_mm)", "transformers", {"impl": "hf", "dropout": 0.0} | LLAMA, _HF_MIXTRAL,
             routes=(BALANCED, ROUTES[2]), align=8),
-    Subject("hf gemma2", "transformers", {"impl": "hf", "norm": "rmsnorm_1p", "mlp": "geglu_tanh",
-                                          "sandwich_norm": True, "attention": "eager", "dropout": 0.0,
-                                          "position_embedding_type": "rope", "add_bias_linear": False}, _HF_GEMMA2),
+    Subject("hf gemma2", "transformers", GEMMA | {"sandwich_norm": True}, _HF_GEMMA2,
+            known="GemmaRMSNorm's backward at small b*s: FINDINGS"),
     Subject("hf phi3", "transformers", {"impl": "hf", "fused_qkv": True, "attention": "eager", "dropout": 0.0} | LLAMA,
             _HF_PHI3),
     Subject("torchtitan fsdp2", "torchtitan", TORCHTITAN, _TORCHTITAN_FSDP, ts=(1, 2)),
@@ -137,14 +140,19 @@ def steps(draw: st.DrawFn, subject: Subject) -> tuple[Any, str, str | None]:
 
 
 def check_step(config: Any, layout: str, route: str | None) -> None:
-    """`measure --step`'s comparison: MemTracker peaks at the moment the timeline names, with its bytes in every
-    category, at the peak and between steps."""
+    """The step timeline refuses the config in one line, or `assert_step_exact` holds."""
     from memcalc.probe.step import measure_step
 
     try:
         (r,) = measure_step(config, [layout], route=route)
     except ConfigError:
         assume(False)  # the step timeline refuses what it does not model, in one line
+    assert_step_exact(r)
+
+
+def assert_step_exact(r: Any) -> None:
+    """`measure --step`'s comparison (a `StepComparison`): MemTracker peaks at the moment the timeline names, with its
+    bytes in every category, at the peak and between steps."""
     assert r.measured.moment == r.predicted_moment, (r.measured.moment, r.predicted_moment, r.differences())
     assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
 
@@ -172,6 +180,8 @@ def library(request: pytest.FixtureRequest) -> Subject:
     pytest.importorskip("torch")
     if not _installed(subject.module):
         pytest.skip(f"{subject.module} is not installed")
+    if subject.known and "many" in request.node.name:
+        request.node.add_marker(pytest.mark.xfail(reason=subject.known, strict=False))
     return subject
 
 
@@ -186,3 +196,28 @@ def test_the_step_peaks_where_and_at_what_the_timeline_says_at_many_drawn_shapes
     if "slow" not in (request.config.getoption("markexpr") or ""):
         pytest.skip("many examples: select with -m slow")
     _drawn(library, SLOW_PER_SUBJECT, derandomize=False)()
+
+
+def _finding(fields: dict[str, Any], layout: str, cause: str) -> Any:
+    return pytest.param(fields, layout, marks=pytest.mark.xfail(strict=True, reason=cause), id=cause.split(":")[0])
+
+
+# What the drawn runs found and is not fixed yet (the walk is in files other work is changing), each at the smallest
+# config that shows it: strict, so that the fix is seen.
+FINDINGS = [
+    _finding(GEMMA | {"tie_embeddings": False, "L": 1, "b": 1, "s": 1, "h": 4, "a": 1, "ffn_hidden_size": 1,
+                      "vocab_size": 2}, "none",
+             "GemmaRMSNorm's (1 + w) gradient: autograd sums dY * (x * r) over the tokens into (h,) fp32 while dY in"
+             " fp32 and both fp32 products live (the walk, hf_layer._gemma_weight, frees dY fp32 a step early and"
+             " marks no moment at the sum): 4h bytes short, the peak at b = s = 1 (the final norm's backward, 64 B of"
+             " temporaries measured, 48 predicted)"),
+]
+
+
+@pytest.mark.parametrize("fields, layout", FINDINGS)
+def test_at_the_findings_shapes_the_step_peaks_where_and_at_what_the_timeline_says(one_thread, fields, layout):
+    from memcalc.probe.step import measure_step
+
+    pytest.importorskip("transformers")
+    (r,) = measure_step(build_config(fields), [layout])
+    assert_step_exact(r)
