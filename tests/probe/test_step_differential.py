@@ -96,7 +96,8 @@ SUBJECTS = (
     Subject("megatron dense", "torch", {"impl": "megatron"}, _MEGATRON,  # memcalc's own GPT
             known="a moment in a layer's rerun under recompute full, named: FINDINGS"),
     Subject("megatron latent attention", "megatron.core", {"impl": "megatron", "mlp": "swiglu", "attention": "eager",
-                                                               "add_bias_linear": False} | MLA, _MEGATRON_MLA, gqa=False),
+                                                               "add_bias_linear": False} | MLA, _MEGATRON_MLA, gqa=False,
+            known="a moment in the core's selective rerun, named: FINDINGS"),
     Subject("megatron experts", "megatron.core", {"impl": "megatron", "add_bias_linear": False}, _MEGATRON_MOE,
             routes=ROUTES[:2]),
     Subject("torchtitan dense", "torchtitan", TORCHTITAN, _TORCHTITAN),
@@ -220,6 +221,13 @@ FINDINGS = [
              " inside backward, where torch's ModTracker registers no backward hooks (`not self.is_bw`), so"
              " MomentTracker names the rerun's backward by the checkpointed layer ('backward layers.0') where the walk"
              " names its module ('backward layers.0.attention', the fp32 softmax's backward); the bytes agree"),
+    _finding("megatron.core", {"impl": "megatron", "mlp": "swiglu", "attention": "eager", "add_bias_linear": False}
+             | MLA | {"q_lora_rank": None, "norm": "layernorm", "dropout": 0.0, "recompute": "selective", "L": 3, "b": 1,
+                      "s": 3, "h": 10, "a": 5, "ffn_hidden_size": 1, "vocab_size": 2}, "none",
+             "A moment in the core's selective rerun, named: the peak is dK scaled in the last layer's core backward"
+             " ('backward layers.2.attention.core_attention (dK scaled)' in the walk); MomentTracker is then inside"
+             " 'backward layers.2.attention', the core's module not entered (it ran again in backward, under megatron's"
+             " CheckpointFunction, where torch's ModTracker hooks no backward); the bytes agree"),
 ]
 
 
