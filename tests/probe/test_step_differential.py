@@ -69,13 +69,15 @@ _MEGATRON = _knobs(
     recompute=st.sampled_from(("none", "selective", "full")), bias_activation_fusion=st.booleans(),
     add_bias_linear=st.booleans(), attention=ATTENTION, tie_embeddings=TIED,
     position_embedding_type=st.sampled_from(("learned_absolute", "rope")), attention_softmax_in_fp32=st.booleans(),
+    dtype=DTYPES,
 )
 _MEGATRON_MLA = _knobs(norm=st.sampled_from(("layernorm", "rmsnorm")), dropout=DROPOUT,
                        recompute=st.sampled_from(("none", "selective")), q_lora_rank=st.sampled_from((None, 8)),
-                       attention_softmax_in_fp32=st.booleans())
+                       attention_softmax_in_fp32=st.booleans(), dtype=DTYPES)
 _MEGATRON_MOE = routed(_knobs(mlp=st.sampled_from(("gelu", "swiglu")), norm=st.sampled_from(("layernorm", "rmsnorm")),
                               attention=ATTENTION, dropout=DROPOUT, num_experts=st.integers(3, 6),
-                              moe_shared_expert_intermediate_size=st.sampled_from((None, 8, 24))))
+                              moe_shared_expert_intermediate_size=st.sampled_from((None, 8, 24)), dtype=DTYPES,
+                              ep=st.sampled_from((1, 2)), dp=st.just(2)))  # ep divides dp
 _TORCHTITAN = _knobs(recompute=st.sampled_from(("none", "full", "op")))
 _TORCHTITAN_MOE = _knobs(num_experts=st.integers(2, 6), moe_router_topk=st.integers(1, 3),
                          moe_router_score_function=st.sampled_from(("softmax", "sigmoid")),
@@ -94,7 +96,7 @@ _HF_FSDP = _knobs(attention=ATTENTION, tie_embeddings=TIED, **_FSDP)
 
 SUBJECTS = (
     Subject("megatron dense", "torch", {"impl": "megatron"}, _MEGATRON,  # memcalc's own GPT
-            known="a moment in a layer's rerun under recompute full, named: FINDINGS"),
+            known="a moment in a layer's rerun under recompute full, named; the rerun with dropout: FINDINGS"),
     Subject("megatron latent attention", "megatron.core", {"impl": "megatron", "mlp": "swiglu", "attention": "eager",
                                                                "add_bias_linear": False} | MLA, _MEGATRON_MLA, gqa=False,
             known="a moment in the core's selective rerun, named: FINDINGS"),
@@ -221,13 +223,22 @@ FINDINGS = [
              " inside backward, where torch's ModTracker registers no backward hooks (`not self.is_bw`), so"
              " MomentTracker names the rerun's backward by the checkpointed layer ('backward layers.0') where the walk"
              " names its module ('backward layers.0.attention', the fp32 softmax's backward); the bytes agree"),
+    _finding("torch", {"impl": "megatron", "mlp": "gelu", "norm": "layernorm", "dropout": 0.1, "recompute": "full",
+                       "attention_softmax_in_fp32": True, "tie_embeddings": False, "add_bias_linear": False, "L": 1,
+                       "b": 3, "s": 9, "h": 30, "a": 5, "num_query_groups": 1, "ffn_hidden_size": 1,
+                       "vocab_size": 2}, "none",
+             "Full recomputation's rerun with dropout, one moment short: after the MLP's dropout fc2's output (2sbh,"
+             " an activation) is still held, then freed as the residual add makes its 2sbh, a tie MemTracker reaches"
+             " first; the walk (timeline/megatron.py) marks the rerun once, after the add: the total agrees, 1,620 B"
+             " filed as temporaries that MemTracker files as activations"),
     _finding("megatron.core", {"impl": "megatron", "mlp": "swiglu", "attention": "eager", "add_bias_linear": False}
              | MLA | {"q_lora_rank": None, "norm": "layernorm", "dropout": 0.0, "recompute": "selective", "L": 3, "b": 1,
                       "s": 3, "h": 10, "a": 5, "ffn_hidden_size": 1, "vocab_size": 2}, "none",
              "A moment in the core's selective rerun, named: the peak is dK scaled in the last layer's core backward"
              " ('backward layers.2.attention.core_attention (dK scaled)' in the walk); MomentTracker is then inside"
-             " 'backward layers.2.attention', the core's module not entered (it ran again in backward, under megatron's"
-             " CheckpointFunction, where torch's ModTracker hooks no backward); the bytes agree"),
+             " 'backward layers.2.attention' in every layer: the core ran again in backward, under megatron's"
+             " CheckpointFunction, where torch's ModTracker hooks no backward, so it is never entered there"
+             " (tests/probe/libs/test_megatron_mla_step.py checks moments with places=False); the bytes agree"),
 ]
 
 
