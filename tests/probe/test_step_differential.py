@@ -38,6 +38,7 @@ BALANCED = ("balanced", "balanced")
 ROUTES = (BALANCED, ("all-to-one", "worst"), ("all-to-one", "balanced"))
 NO_ROUTE = ((None, "balanced"),)
 TORCHTITAN = {"impl": "torchtitan", "tie_embeddings": False} | LLAMA  # Llama3 unties them
+LATENT = {"impl": "megatron", "mlp": "swiglu", "attention": "eager", "add_bias_linear": False} | MLA
 # GemmaForCausalLM: (1 + w) RMSNorm, tanh GeGLU, a scaled embedding; eager attention, which Gemma 2 runs alone
 GEMMA = {"impl": "hf", "norm": "rmsnorm_1p", "mlp": "geglu_tanh", "attention": "eager", "dropout": 0.0,
          "position_embedding_type": "rope", "add_bias_linear": False}
@@ -64,16 +65,15 @@ def _knobs(**choices: st.SearchStrategy[Any]) -> st.SearchStrategy[dict[str, Any
 
 ATTENTION = st.sampled_from(("eager", "flash"))
 TIED = st.booleans()
-_MEGATRON = _knobs(
+MEGATRON = dict(  # memcalc's GPT; full recomputation is a subject of its own (FINDINGS)
     norm=st.sampled_from(("layernorm", "rmsnorm")), mlp=st.sampled_from(("gelu", "swiglu")), dropout=DROPOUT,
-    recompute=st.sampled_from(("none", "selective", "full")), bias_activation_fusion=st.booleans(),
-    add_bias_linear=st.booleans(), attention=ATTENTION, tie_embeddings=TIED,
+    bias_activation_fusion=st.booleans(), add_bias_linear=st.booleans(), attention=ATTENTION, tie_embeddings=TIED,
     position_embedding_type=st.sampled_from(("learned_absolute", "rope")), attention_softmax_in_fp32=st.booleans(),
     dtype=DTYPES,
 )
-_MEGATRON_MLA = _knobs(norm=st.sampled_from(("layernorm", "rmsnorm")), dropout=DROPOUT,
-                       recompute=st.sampled_from(("none", "selective")), q_lora_rank=st.sampled_from((None, 8)),
-                       attention_softmax_in_fp32=st.booleans(), dtype=DTYPES)
+# megatron-core's latent attention; selective recomputation is a subject of its own (FINDINGS)
+MEGATRON_MLA = dict(norm=st.sampled_from(("layernorm", "rmsnorm")), dropout=DROPOUT,
+                    q_lora_rank=st.sampled_from((None, 8)), attention_softmax_in_fp32=st.booleans(), dtype=DTYPES)
 _MEGATRON_MOE = routed(_knobs(mlp=st.sampled_from(("gelu", "swiglu")), norm=st.sampled_from(("layernorm", "rmsnorm")),
                               attention=ATTENTION, dropout=DROPOUT, num_experts=st.integers(3, 6),
                               moe_shared_expert_intermediate_size=st.sampled_from((None, 8, 24)), dtype=DTYPES,
@@ -95,11 +95,14 @@ _TORCHTITAN_FSDP = _knobs(recompute=st.sampled_from(("none", "full", "op")), **_
 _HF_FSDP = _knobs(attention=ATTENTION, tie_embeddings=TIED, **_FSDP)
 
 SUBJECTS = (
-    Subject("megatron dense", "torch", {"impl": "megatron"}, _MEGATRON,  # memcalc's own GPT
-            known="a moment in a layer's rerun under recompute full, named; the rerun with dropout: FINDINGS"),
-    Subject("megatron latent attention", "megatron.core", {"impl": "megatron", "mlp": "swiglu", "attention": "eager",
-                                                               "add_bias_linear": False} | MLA, _MEGATRON_MLA, gqa=False,
-            known="a moment in the core's selective rerun, named: FINDINGS"),
+    Subject("megatron dense", "torch", {"impl": "megatron"},
+            _knobs(**MEGATRON, recompute=st.sampled_from(("none", "selective")))),
+    Subject("megatron dense, full recomputation", "torch", {"impl": "megatron", "recompute": "full"},
+            _knobs(**MEGATRON), known="a moment in a layer's rerun, named; the rerun with dropout: FINDINGS"),
+    Subject("megatron latent attention", "megatron.core", LATENT | {"recompute": "none"}, _knobs(**MEGATRON_MLA),
+            gqa=False),
+    Subject("megatron latent attention, selective recomputation", "megatron.core", LATENT | {"recompute": "selective"},
+            _knobs(**MEGATRON_MLA), gqa=False, known="a moment in the core's selective rerun, named: FINDINGS"),
     Subject("megatron experts", "megatron.core", {"impl": "megatron", "add_bias_linear": False}, _MEGATRON_MOE,
             routes=ROUTES[:2]),
     Subject("torchtitan dense", "torchtitan", TORCHTITAN, _TORCHTITAN),
@@ -231,8 +234,7 @@ FINDINGS = [
              " an activation) is still held, then freed as the residual add makes its 2sbh, a tie MemTracker reaches"
              " first; the walk (timeline/megatron.py) marks the rerun once, after the add: the total agrees, 1,620 B"
              " filed as temporaries that MemTracker files as activations"),
-    _finding("megatron.core", {"impl": "megatron", "mlp": "swiglu", "attention": "eager", "add_bias_linear": False}
-             | MLA | {"q_lora_rank": None, "norm": "layernorm", "dropout": 0.0, "recompute": "selective", "L": 3, "b": 1,
+    _finding("megatron.core", LATENT | {"q_lora_rank": None, "norm": "layernorm", "dropout": 0.0, "recompute": "selective", "L": 3, "b": 1,
                       "s": 3, "h": 10, "a": 5, "ffn_hidden_size": 1, "vocab_size": 2}, "none",
              "A moment in the core's selective rerun, named: the peak is dK scaled in the last layer's core backward"
              " ('backward layers.2.attention.core_attention (dK scaled)' in the walk); MomentTracker is then inside"
