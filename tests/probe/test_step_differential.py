@@ -13,7 +13,8 @@ its total, each category at it and between steps, MemTracker's to the byte.
 The default run draws a few examples per subject (seeded: the same ones every time); `pytest -m slow
 tests/probe/test_step_differential.py` draws many more, from a fresh seed each run. hypothesis keeps no database.
 
-A subject is one line of `SUBJECTS`: adding a model is adding a line.
+A subject is one line of `SUBJECTS`: adding a model is adding a line. What the drawn runs found is kept in `FINDINGS`
+at its smallest config: a plain case once fixed, a strict xfail (with its cause) until then.
 """
 
 from __future__ import annotations
