@@ -69,9 +69,16 @@ _MEGATRON_MLA = _knobs(norm=st.sampled_from(("layernorm", "rmsnorm")), mlp=st.sa
                       dropout=DROPOUT, dtype=DTYPES, q_lora_rank=st.sampled_from((None, 8)))
 # megatron-core refuses top-1 softmax routing without moe_router_pre_softmax (TransformerConfig; memcalc does not
 # refuse it yet: docs/limitations.md)
-_MEGATRON_MOE = st.sampled_from(({"moe_router_topk": 1, "moe_router_pre_softmax": True}, {"moe_router_topk": 2})).flatmap(
-    lambda router: _knobs(dtype=DTYPES, moe_token_dispatcher_type=st.sampled_from(("alltoall", "allgather")))
-    .map(lambda knobs: knobs | router))
+MEGATRON_ROUTER = st.sampled_from(({"moe_router_topk": 1, "moe_router_pre_softmax": True}, {"moe_router_topk": 2},
+                                   {"moe_router_topk": 3, "moe_router_pre_softmax": True}))
+
+
+def routed(knobs: st.SearchStrategy[dict[str, Any]]) -> st.SearchStrategy[dict[str, Any]]:
+    """`knobs` with one of the routers megatron-core builds (`MEGATRON_ROUTER`)."""
+    return st.tuples(knobs, MEGATRON_ROUTER).map(lambda pair: pair[0] | pair[1])
+
+
+_MEGATRON_MOE = routed(_knobs(dtype=DTYPES, moe_token_dispatcher_type=st.sampled_from(("alltoall", "allgather"))))
 _TORCHTITAN = _knobs(dtype=DTYPES, recompute=st.sampled_from(("none", "op", "full")))
 _TORCHTITAN_MOE = _knobs(dtype=DTYPES, moe_router_topk=st.sampled_from((1, 2)))
 _HF_LLAMA = _knobs(attention=st.sampled_from(("eager", "flash")), dropout=DROPOUT, dtype=DTYPES,

@@ -251,8 +251,8 @@ class Fsdp:
 
     def copy_out(self, tape: Tape, block: str, phase: str, where: str) -> None:
         """The gathered buffer copied into each parameter's unsharded storage (wait_for_unshard). In backward the
-        buffer is freed at once; in forward FSDP2 keeps it until the next block's copy-out (implicit prefetch),
-        the last one until the root's forward returns (`forward_done`)."""
+        buffer is freed at once; in forward FSDP2 keeps it until the next block's copy-out has made its storages
+        (implicit prefetch), the last one until the root's forward returns (`forward_done`)."""
         if f"fsdp/{block} unsharded" in tape.live:
             return
         if f"fsdp/{block} all-gather" not in tape.live:
@@ -276,7 +276,9 @@ class Fsdp:
         if not dim1:
             tape.add(*unsharded)
         tape.mark(phase, where, f"FSDP2 copies the gathered {block} out of its all-gather buffer")
-        if phase != "forward":
+        if phase == "forward":
+            self.forward_done(tape, keep=block)
+        else:
             tape.drop(f"fsdp/{block} all-gather")
         tape.live[name] = replace(tape.live[name], category=PARAMETERS)
 
