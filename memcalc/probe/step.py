@@ -1,42 +1,9 @@
 """One whole training step of a small GPT on one rank, measured with torch's own MemTracker.
 
-The model is built from the probe's pieces, as Megatron-LM's GPTModel lays them out:
-
-    tokens (b, s) -> vocabulary-parallel embedding (+ learned positions) -> dropout   (s, b, h) [SP: (s/t, b, h)]
-      -> L x TransformerLayer (memcalc.probe.layer)
-      -> final norm -> output layer (column-parallel over the vocabulary; tied to the embedding unless the
-         config unties it)
-      -> Megatron's vocabulary-parallel cross-entropy in fp32 -> mean over tokens (no loss mask)
-
-and trained as Megatron-LM trains it in mixed precision, on one data-parallel rank:
-
-- the bf16 weights are the module's parameters;
-- a contiguous fp32 gradient buffer (Megatron's `main_grad`, allocated up front) holds
-  one view per parameter; a hook on each parameter's gradient accumulator adds the bf16
-  weight gradient into it and drops it, as megatron/core/distributed's backward post-hook
-  does without gradient-accumulation fusion (a CUDA-only kernel that writes fp32 wgrads
-  straight into the buffer);
-- `MixedPrecisionAdamW` keeps the fp32 master weights as one flat buffer (one view per
-  parameter) whose `.grad` is the gradient buffer, runs `torch.optim.AdamW` over it
-  (fused: one kernel, as Megatron's FusedAdam, no per-tensor temporaries), and copies the
-  master weights back into the bf16 parameters. No gradient clipping.
-
-`measure_step_on_rank` runs one warm-up step (Adam's moments exist from the first step on),
-then the measured step inside a `torch.distributed._tools.mem_tracker.MemTracker`, on the
-CPU, in this process: t = 1, or rank 0 of t through torch's fake process group.
-MemTracker files each storage by when it was made: parameters and optimizer states as
-registered, anything made in forward as "Activation", in backward as "Temp", a
-parameter's `.grad` as "Gradient", in an optimizer step as "Optstate". The gradient
-buffer is not any parameter's `.grad` (the parameters are bf16, the buffer fp32), so it is
-registered with `track_external`, which files it as "Other": `MEASURED_CATEGORIES` reads
-"Other" as gradients, since the buffer is the one tensor registered that way. The moment
-of the peak is the phase and the innermost module when MemTracker first reached it (`MomentTracker`).
-`measure_step` puts each reading next to the step timeline (memcalc.sizing.timeline). With
---impl hf the model is transformers' own LlamaForCausalLM, trained by the same `Trainer`
-(memcalc.probe.libs.hf_step); with --impl torchtitan torchtitan's own Llama3Model with its trainer's loss
-(memcalc.probe.libs.torchtitan_step); with --impl megatron and kv_lora_rank this GPT with megatron-core's own
-MLASelfAttention in every layer, with num_experts its MoELayer in the MoE layers, or both
-(memcalc.probe.libs.megatron_step).
+The model is built from the probe's pieces as Megatron-LM's GPTModel lays them out, and trained as Megatron-LM
+trains it in mixed precision (an fp32 gradient buffer, fp32 master weights, fused AdamW), so that each moment of the
+step timeline (memcalc.sizing.timeline) has a measured twin. The model, the trainer, how MemTracker's categories
+are read, and the libraries' own models under `--step`: docs/probe.md, "One whole step".
 """
 
 from __future__ import annotations

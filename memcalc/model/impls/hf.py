@@ -1,67 +1,10 @@
 """Hugging Face transformers: what its decoder layers keep for backward, op by op.
 
-Layer families, told apart by the knobs (memcalc's config has no model family):
-
-    rmsnorm + swiglu            LlamaDecoderLayer (Qwen2's and Mistral's are the same layer;
-                                Qwen2 adds a QKV bias, which keeps nothing more), RoPE; with
-                                qk_layernorm Qwen3DecoderLayer (heads of head_dim, memcalc's
-                                kv_channels, each query and key head RMS-normalised before RoPE)
-    layernorm + gelu/gelu_tanh  GPT2Block (learned positions live in the embedding, outside the layer);
-                                with rotary_percent GPTNeoXLayer (fused_qkv: one query_key_value) or
-                                Starcoder2DecoderLayer (separate q, k, v, GQA, whole heads rotated),
-                                or with single_norm GPTJBlock (one ln_1 read by attention and MLP)
-    layernorm_nb + swiglu       CohereDecoderLayer: Llama's attention and MLP side by side on one
-                                CohereLayerNorm (single_norm), with use_qk_norm a CohereLayerNorm on
-                                each query and key head (qk_layernorm)
-    rmsnorm_fp32w + swiglu_clamped  GptOssDecoderLayer (attention_sinks): GptOssRMSNorm, sinks, half-head
-                                RoPE tables, every layer sparse (its router's top-k softmax, the
-                                experts' clamped GLU), sliding and full layers alike under eager
-
-Where transformers' Python differs from Megatron's fused kernels it keeps more:
-
-- `LlamaRMSNorm` upcasts: `x.to(float32)` is kept by `pow(2)` and `x * rsqrt(.)`,
-  the fp32 rstd by the same product, the normalised input cast back by `weight * (.)`.
-  The bf16 input itself is not kept.
-- RoPE: `q * cos + rotate_half(q) * sin` keeps cos and sin (s, d), in the activation dtype (the rotary embedding
-  computes them in fp32 and casts them; OLMo's and OLMo 2's do not cast). The model makes them once per forward and
-  every layer keeps the same two storages: a layer counts them, all L layers once (stage "model", measured on 2 and 3
-  layers; Gemma 3 makes a pair for its sliding and one for its full layers, `rope_pairs`). GLM's and GPT-J's layers
-  repeat_interleave the model's tables: each layer keeps its own.
-- Qwen3's q_norm and k_norm are LlamaRMSNorm's code on each head, (b, s, heads, d): the
-  same three tensors per head, with heads split where TP splits them.
-- Eager attention runs `torch.matmul` on head-strided views, so matmul keeps its
-  own contiguous copies of Q, K^T and V (one storage each, the ledger's shapes).
-  Llama's softmax runs in fp32 (`dtype=torch.float32`) and keeps its fp32 output;
-  with dropout 0 the weights x V matmul keeps the bf16 cast of it as well.
-  `repeat_kv` expands K and V to all a heads under GQA, and matmul keeps those copies.
-- SDPA (memcalc's "flash") keeps Q, K, V as passed (K/V at g heads: transformers
-  passes `enable_gqa`), the output (the o_proj input, one storage) and an fp32
-  log-sum-exp. (GPT-2's Q, K, V are views of the one c_attn output: SDPA keeps that
-  (b, s, 3h) storage, the three ledger tensors side by side.) With dropout on a CPU,
-  torch's flash kernel refuses and its math kernel runs in fp32: a per-device rule
-  (`SDPA_MATH`); on CUDA the flash kernel takes dropout and keeps the same tensors
-  (read from torch's code). Not counted on CUDA: the fused kernel's RNG state, a few
-  int64 bytes (flash_api.cpp: mha_fwd returns a (2,) and a () uint64 tensor).
-- GPT-2's `gelu_new` is written out in Python: it keeps its input, tanh's output,
-  0.5 * x and 1 + tanh(.), four f-wide tensors; `gelu` (torch's kernel) keeps its input.
-  memcalc's `gelu_tanh` is `gelu_new`, GPT2Config's default. A config.json naming
-  another tanh GELU reads as `gelu_tanh` too, and is counted as `gelu_new` although
-  transformers keeps otherwise: `gelu_pytorch_tanh` (torch's kernel) its input alone,
-  `gelu_fast` (written out another way) seven f-wide tensors. Likewise `gelu_python` (erf
-  written out) and `quick_gelu` (x * sigmoid(1.702x)) read as `gelu` and are counted as
-  torch's kernel, which keeps the input alone; transformers' Python versions keep more.
-- Cohere's `CohereLayerNorm` is LayerNorm written out on an fp32 copy: `x - mean` is computed
-  twice (for pow(2) and for the product by rsqrt), each copy kept, with the fp32 rstd, the fp32
-  weight (a copy under bf16) and the fp32 normalised input; the fp32 x itself is not kept.
-  Its RoPE upcasts q and k and pairs channels interleaved, but the products keep only the
-  model's (s, d) tables, as Llama's do. Its logit_scale multiplies the logits by a number
-  outside the layers: it keeps nothing (the loss's fp32 logits are counted as any model's).
-- Dropout: Llama has attention dropout only; GPT-2 adds resid and MLP dropouts.
-- Recompute "full" is transformers' gradient checkpointing (torch.utils.checkpoint,
-  non-reentrant by default): only the layer's input is kept.
-
-Measured with memcalc's probe (memcalc/probe/libs/hf.py) on the CPU, where dropout
-is made CUDA-like (a bool mask; memcalc/probe/libs/hf_shim.py).
+memcalc's config has no model family: the knobs tell transformers' layer classes apart (Llama's, GPT-2's, GPT-NeoX's,
+Cohere's, gpt-oss's and the rest). Where transformers' Python differs from Megatron's fused kernels it keeps more
+(upcasting norms, RoPE's tables, matmul's contiguous copies, written-out GELUs). Each family and each of those
+differences, with the measurements behind them (memcalc/probe/libs/hf.py): docs/impl-notes/hf.md, rendered into
+docs/impl-hf.md.
 """
 
 from __future__ import annotations

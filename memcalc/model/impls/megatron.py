@@ -1,52 +1,9 @@
 """Megatron-core: the seed's layer, as megatron-core's own TransformerLayer keeps it.
 
-Which ledger tensors the layer keeps, given its knobs: the MLP's activation
-picks its tensors, eager or flash attention picks the core's, dropout 0 removes
-masks, recomputation drops what it will rebuild. The paper's accounting leaves
-out the small `paper=False` terms; exact accounting keeps them. With GELU and
-multi-head attention this is exactly the seed's sbh(34 + 5as/h) and its TP and
-TP+SP forms. GELU's tanh approximation (`gelu_tanh`) keeps what exact GELU keeps,
-its input: `F.gelu(approximate="tanh")` saves its input alone (measured), as does
-the fused `bias_gelu` (`bias_activation_fusion`; Megatron runs it for
-activation_func F.gelu, and it is the tanh approximation). Megatron-LM's
-`openai_gelu` writes the formula out under megatron's `jit_fuser`, torch.compile,
-whose inductor partitioner saves the input alone too (checked on CPU with torch
-2.13; run eagerly, openai_gelu would keep six more f-wide tensors, and the probe
-runs torch.compile eagerly, so it measures the F.gelu form).
-
-Measured on megatron-core 0.16.1 (`memcalc measure --impl megatron`), three
-places where Megatron keeps other storages than the paper's layer:
-- SwiGLU (megatron/core/transformer/mlp.py, MLP.forward). fc1 is one GEMM whose
-  2f/t-wide output holds gate and up side by side. Fused
-  (`bias_activation_fusion`, `BiasSwiGLUFunction`), only that output is kept:
-  no SiLU output. Unfused, `glu()` chunks it: SiLU keeps the gate as a view, which
-  keeps the whole output (gate and up), and `x_linear + glu_linear_offset` makes
-  a copy of up (even for offset 0) that the product keeps beside SiLU's output.
-- Grouped-query attention (transformer/attention.py, get_query_key_value_tensors;
-  transformer/dot_product_attention.py, DotProductAttention.forward). With a/g > 1
-  heads per group, `query.reshape` copies the query heads out of the fused QKV
-  output, and the local core attention `repeat_interleave`s K and V to every
-  head before QK^T and weights x V, which keep the copies, (b, a, s, d) each.
-  Under selective recomputation the checkpoint keeps that query copy and K, V
-  as views of the fused QKV output, whose query columns so stay alive too
-  (except with one K/V group per rank, g = t: there the query heads are
-  contiguous, no copy is made, and the seed's Q, K, V is exact; the rules see
-  knobs, not t, so they model g/t > 1).
-- Q, K and V (multi-head) are views of the one fused QKV output: one storage,
-  the same bytes as the three ledger rows.
-- qk_layernorm (get_query_key_value_tensors: q_layernorm(query), k_layernorm(key),
-  norms over each head's kv_channels): the norms keep their inputs, views of the
-  fused QKV output (under GQA the query's copy, and the key's view keeps the whole
-  output), and the core keeps their outputs as Q and K.
-- The softmax is Megatron-LM's default (`masked_softmax_fusion`), the fused causal
-  kernel (Apex's scaled_upper_triang_masked_softmax), which keeps its fp16/bf16
-  output. In fp32, or without the fusion, it does not run, and
-  FusedScaleMaskSoftmax.forward_torch_softmax keeps the (s, s) causal mask of its
-  masked_fill_ beside the softmax output: fp32 with `attention_softmax_in_fp32`
-  (off by Megatron-LM's default), else 16-bit. (In fp16/bf16 the kernel also needs
-  16 < s <= 4096 and b*a/t a multiple of its batch per block, 8 for s <= 128;
-  outside that the torch softmax runs: FUSED_SOFTMAX, a rule on the sizes, which
-  evaluate and sweep apply; formulas say under which sizes they hold.)
+Which ledger tensors the layer keeps, given its knobs; with GELU and multi-head attention exactly the seed's
+sbh(34 + 5as/h) and its TP and TP+SP forms. Why GELU's tanh forms keep their input alone, and the places where
+megatron-core 0.16.1 keeps other storages than the paper's layer (SwiGLU, grouped-query attention, QK norms, the
+softmax outside its fused kernel's sizes): docs/impl-notes/megatron.md, rendered into docs/impl-megatron.md.
 """
 
 from __future__ import annotations

@@ -1,64 +1,8 @@
 """torchtitan: what its Llama3 TransformerBlock keeps for backward, under its own TP plan.
 
-The block (torchtitan/models/llama3/model.py, Llama3TransformerBlock) is
-
-    x -> RMSNorm -> fused wqkv -> split, RoPE -> SDPA/flex -> wo -> +x
-      -> RMSNorm -> w1, w3 -> SiLU(w1 x) * w3 x -> w2            -> +
-
-with no dropout and no biases. Its TP plan (models/llama3/sharding.py,
-set_llama3_sharding_config, applied by `Module.parallelize`) makes wqkv, w1, w3
-column-parallel and wo, w2 row-parallel; with sequence parallelism (torchtitan's
-default) the norms run on sequence shards. Where it keeps other tensors than the
-paper's Megatron layer:
-
-- The column-parallel linears keep their input **all-gathered**: the attention and
-  the feed-forward each declare their input Replicate, so the gather happens once
-  at the module's entry and wqkv (one fused GEMM), and w1 and w3 (one storage
-  shared by both) keep the gathered (b, s, h) tensor, not a sequence shard that
-  backward gathers again as Megatron does (`kept_whole`).
-- nn.RMSNorm runs torch's rms_norm, which keeps an fp32 rstd. On CUDA it is
-  aten::_fused_rms_norm, which keeps its input and rstd (read from torch 2.13's
-  tools/autograd/derivatives.yaml, `_fused_rms_norm`: input, result1, weight; and
-  aten/src/ATen/native/layer_norm.cpp, rms_norm_symint, which sends every non-MPS
-  device there). On a CPU _fused_rms_norm has no kernel and runs its composite
-  (layer_norm.cpp, rms_norm_composite): `input.to(float32)` kept by pow and by
-  `x * rstd`, whose fp32 result the weight multiply keeps; the bf16 input is not
-  kept (in fp32 the upcast is the input itself). So the norm is modelled per
-  device. CUDA's fused path needs the weight in the input's dtype, as FSDP's mixed
-  precision gives it; an fp32 weight with a bf16 input falls back to the composite.
-- RoPE multiplies by the precomputed freqs_cis, a buffer that does not require
-  grad: the product keeps only (a view of) that buffer, model state like a
-  weight, so nothing per token. Q and K are kept after RoPE, V as the contiguous
-  copy the fused QKV split makes; K and V at g heads (SDPA's enable_gqa and flex
-  attention take grouped K/V as they are).
-- Attention keeps Q, K, V, its output (the same storage that wo keeps as its
-  input) and an fp32 log-sum-exp. On GPUs Llama3 runs flex attention, which also
-  keeps each row's fp32 maximum (read from torch 2.13's
-  _higher_order_ops/flex_attention.py, FlexAttentionAutogradOp.forward: q, k, v,
-  out, logsumexp, max_scores and the block mask's tensors); flex has no CPU
-  backward, so the CPU run uses torchtitan's ScaledDotProductAttention, which
-  keeps the rest alike. The block mask is built once per step for all layers
-  (int32, (b, 1, s/128, s/128)-sized), so it is not counted per layer.
-
-With experts (num_experts), the feed-forward is torchtitan's MoE (models/common/moe.py) as its Qwen3 and
-DeepSeek-V3 layers build it; what it keeps is listed with its tensors below (`moe_block`). Measured at ep = 1,
-bf16, without recomputation, under FullAC and under SelectiveAC: the rest is refused (`check_moe`,
-`MOE_NOT_SHARDED`).
-
-Recomputation, torchtitan's own (distributed/activation_checkpoint.py):
-- "full" (FullAC, non-reentrant torch.utils.checkpoint): the block's input alone.
-- "op" (SelectiveAC, per-op): the block's input and the outputs of the ops it must
-  save: matmuls (every second one is recomputed instead), SDPA/flex attention and
-  reduce-scatters. In the block that is the fused wqkv output, the attention output
-  and log-sum-exp, w1's output and w2's output: wo and w3 are recomputed. w2's
-  output is its partial sum over the whole sequence, before the reduce-scatter or
-  all-reduce (spmd_types' collectives are torch.distributed calls, which the policy
-  does not save). On CUDA flex attention's cached outputs include its row maxima.
-  In a MoE layer the router's gate mm is forced to recompute (force_recompute_mm_shapes_by_fqns) and
-  torch._grouped_mm is not on the list, so what it caches of the MoE is top-k's two outputs (topk is on its
-  list, to route alike in the rerun) and, with shared experts, their w1's and w2's outputs (`op_checkpoint`).
-- Both keep the RNG state for the recompute (torch.get_rng_state(): 5056 bytes on
-  a CPU); that is not a tensor autograd saves, and is not counted.
+Where the block keeps other tensors than the paper's Megatron layer (inputs kept all-gathered, the norm per device,
+RoPE's buffer, flex's row maxima), its MoE, and what FullAC and SelectiveAC keep, each read from torchtitan's and
+torch's sources: docs/impl-notes/torchtitan.md, rendered into docs/impl-torchtitan.md.
 """
 
 from __future__ import annotations

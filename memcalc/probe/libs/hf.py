@@ -1,69 +1,9 @@
 """transformers' own decoder layers, recorded under ledger names (`memcalc measure --impl hf`).
 
-`run_layer` builds the layer memcalc's knobs describe (memcalc.model.impls.hf):
-`LlamaDecoderLayer` (`Qwen2DecoderLayer` when the config asks for a QKV bias,
-`Qwen3DecoderLayer` for qk_layernorm; `MistralDecoderLayer` is the same layer and
-the tests run it too) or `GPT2Block`, heads of kv_channels (transformers' head_dim),
-from a config object sized from memcalc's config: nothing is downloaded. The
-layer runs in training mode with `attn_implementation` "eager" or "sdpa" (memcalc's
-eager or flash), fed as transformers' own model feeds it: a batch-first input,
-the causal mask from `create_causal_mask` (None under SDPA, which then runs
-`is_causal`), and for Llama the `(cos, sin)` its rotary embedding module makes
-from position ids (1, s). For t > 1 (strategy tp) the layer is laid out by
-transformers' own tensor parallelism before it runs: its config class's
-base_model_tp_plan, by apply_tensor_parallelism over the probe's group
-(memcalc.probe.libs.hf_tp). Recompute "full" is transformers' gradient
-checkpointing, enabled as `activation_checkpointing_enable()` does it:
-torch.utils.checkpoint, non-reentrant. Its own saved-tensor hooks shadow the
-recorder's inside the layer, which is right: what they hold is freed, and the
-recorder sees what the checkpoint keeps, the layer's input.
-
-Tensors made inside one torch op (matmul's contiguous copies of Q, K^T and V,
-LayerNorm's mean and rstd, the dropout mask, SDPA's log-sum-exp and its math
-kernel's fp32 copies) are no call's result: a rule's `view` reaches them through
-the result's autograd graph (`_kept`). The rules name every tensor the layer may
-keep; only those the prediction lists for this config are applied, so a storage
-two names could describe (fp32: softmax's output and its no-op cast) gets the
-predicted one, and a storage the rules did not predict stays unlabelled.
-
-GPT-2 under SDPA keeps q, k and v as views of the one c_attn output: that storage
-is labelled with a private marker and reported as the ledger's Q, K and V, a
-third of its bytes each (`_attributed`), as the Megatron runner does.
-
-A config with latent attention (kv_lora_rank) runs `DeepseekV3DecoderLayer`, eager
-only: the latent norms are LlamaRMSNorm's code, and the model's RoPE tables are the
-RoPE part's. Without experts first_k_dense_replace covers the layer (a dense MLP);
-with them the layer is the first past moe_first_dense_layers, a DeepseekV3MoE whose
-router weight and correction bias stay fp32 as transformers loads them
-(`_keep_in_fp32_modules_strict`), routed within groups: n_group 2 (topk_group 1)
-when k <= E/2, else one group, so the group choice runs for real. What its
-discarded top-ks save is freed when the router returns: the recorder counts what is
-still kept when the forward ends (`kept_only`).
-
-A config with experts runs `MixtralDecoderLayer`, or `Qwen2MoeDecoderLayer` when
-it has shared experts, or `Qwen3MoeDecoderLayer` with qk_layernorm (their MoE layer,
-index moe_layer_freq - 1: transformers' decoder_sparse_step makes layer i sparse
-when (i + 1) is a multiple of it), its experts run as the config's
-experts_implementation says. A layer built alone does not get the default a model
-gets (PreTrainedModel's init sets "grouped_mm"; the experts' forward falls back to
-the eager loop when the config says nothing), so the probe always passes memcalc's
-knob, whose default is transformers' own. Under grouped_mm torch's own
-`_grouped_mm` runs, on the CPU too (torch >= 2.9 has a CPU kernel; transformers
-takes its fallback only under torch.compile or on older torch). Under the eager
-loop each expert keeps its tensors for the tokens it got, one storage per expert:
-a ledger row is their sum, of r rows. An expert's gate and up are halves of one
-(r_e, 2e) `gate_up_proj` output (under grouped_mm one (r, 2e) output for all),
-reported as the ledger's two rows, half its bytes each. `--route` forces the
-router (hf_shim).
-
-A config with attention sinks runs `GptOssDecoderLayer`, eager (transformers refuses
-sdpa for it), its experts by the config's experts_implementation as above (their
-gate_up output's interleaved gate and up columns reported as two rows, half its
-bytes each). Its layer 0 is a sliding-window layer, as GptOssConfig alternates them,
-or a full-attention one (`layer_type`); each kind gets the mask GptOssModel makes for
-it (`create_sliding_window_causal_mask` for sliding layers, as for Gemma 2/3's).
-Its sinks, router and expert biases are torch.empty until `_init_weights`, which the
-probe stands in for.
+`run_layer` builds the layer memcalc's knobs describe (memcalc.model.impls.hf) from a config object sized from
+memcalc's config (nothing is downloaded), feeds it as transformers' own model does, and labels what it keeps with
+rules that name every tensor the layer may keep. Which class each family runs, how it is fed, laid out under tp and
+checkpointed, and how tensors made inside one torch op are reached: docs/probe.md, "transformers' own layers".
 """
 
 from __future__ import annotations

@@ -1,40 +1,9 @@
 """One whole training step of transformers' own `LlamaForCausalLM` under MemTracker (`memcalc measure --step
 --impl hf`).
 
-The model is built from memcalc's config as the layer probe builds its layer (`memcalc.probe.libs.hf.llama_config`:
-L decoder layers, GQA, SwiGLU, RMSNorm, RoPE, the attention implementation the config asks for, tied or untied
-embeddings), through `_from_config(dtype=...)` as transformers builds a model in a dtype: the weights in bf16
-(or fp16), the rotary embedding's `inv_freq` buffers in fp32 (made by an explicit float arange). Nothing is
-downloaded. `use_cache` is off, as transformers' Trainer sets it (`TrainingArguments.use_cache`, False): with
-LlamaConfig's default (True) LlamaModel builds a DynamicCache in training too, which keeps every layer's K and V
-until the output object goes.
-
-It is trained as `memcalc.probe.step` trains memcalc's own GPT, with the same pieces: Megatron's fp32 gradient
-buffer (`MainGrads`), fp32 master weights and fused AdamW (`MixedPrecisionAdamW`), one warm-up step, then one
-step measured by `measure_trainer`. The loss is transformers' own: the labels go into the model, whose
-`ForCausalLMLoss` upcasts the logits to fp32, shifts the labels by one and takes the mean cross-entropy. As
-transformers' Trainer does (`compute_loss` returns the loss alone), only the loss outlives the forward call: the
-output object, and with it the bf16 logits, is dropped at once.
-
-Under tp (rank 0 of t through the fake group) the built model is laid out by the plan from_pretrained(tp_plan="auto")
-resolves (`memcalc.probe.libs.hf_tp.model_plan`), applied by transformers' apply_tensor_parallelism: every weight
-but the norms a DTensor shard. (from_pretrained's own path needs accelerate and a checkpoint; this applies the same
-plan with the same function to the model `_from_config` built.) The trainer works on the weights' local shards, and
-takes this rank's rows of the embedding's Replicate gradient (`memcalc.probe.step.MainGrads`). A tied model is not
-laid out: apply_tensor_parallelism looks lm_head.weight up among named_parameters(), which name a tied weight once.
-
-With norm rmsnorm_1p and mlp geglu_tanh it builds GemmaForCausalLM (GemmaRMSNorm, the tanh GeGLU, the embedding
-scaled by sqrt(h)); with sandwich_norm too Gemma2ForCausalLM (every other layer sliding, the scores soft-capped if
-attn_logit_softcapping is set, the logits if final_logit_softcapping is); with fused_qkv
-Phi3ForCausalLM (one qkv_proj, one gate_up_proj). With qk_layernorm it builds Qwen3ForCausalLM (Llama's layer, each
-query and key head RMS-normalised before RoPE); with add_qkv_bias Qwen2ForCausalLM (Llama's layer, q_proj, k_proj
-and v_proj with biases; no sliding window, Qwen2Config's default).
-A config with experts builds MixtralForCausalLM instead (Qwen2MoeForCausalLM with shared experts,
-Qwen3MoeForCausalLM with qk_layernorm): every layer a sparse MoE block whose experts run the config's
-experts_implementation (grouped_mm or the eager loop), its router forced to the `route` given
-(memcalc.probe.libs.hf_shim.forced_routing), so the tokens each expert gets are known. No auxiliary loss
-(output_router_logits False, both models' default). Under recompute full each decoder layer's forward runs inside
-transformers' gradient checkpointing, turned on as the Trainer does (`checkpointed`).
+The model is built from memcalc's config as the layer probe builds its layer (nothing is downloaded) and trained as
+`memcalc.probe.step` trains memcalc's own GPT, with transformers' own loss. How it is built, laid out under tp, which
+family each knob picks, and why `use_cache` is off: docs/probe.md, "transformers' model under `--step`".
 """
 
 from __future__ import annotations

@@ -1,63 +1,9 @@
 """What megatron-core 0.16 needs to run its own layer on a CPU, as CUDA would run it.
 
-megatron-core assumes a GPU in a few places that have nothing to do with what a
-layer keeps for backward; `cpu_megatron()` patches them while a layer is built and
-run, and undoes every patch afterwards. No file of megatron-core is edited.
-
-Made to run at all on the CPU:
-- `torch.cuda.current_device()` (the global memory buffer of the attention scores
-  and of the SP all-gather, dgrad's reduce-scatter buffer) answers the CPU device.
-- The CUDA RNG tracker (`tensor_parallel.random`): its states are the CPU
-  generator's, so dropout inside `get_cuda_rng_tracker().fork()` and a
-  checkpoint's RNG restore work as on CUDA.
-- `torch.compile`, megatron's `jit_fuser`, runs eagerly: the fused functions run
-  inside autograd Functions under no_grad, so compiling changes no saved tensor.
-- The local spec's norm (`WrappedTorchNorm`) refuses sequence parallelism; with
-  Apex, Megatron uses `FusedLayerNorm`, which accepts it and marks its weights
-  `sequence_parallel`. `layer_spec` swaps in `SequenceParallelNorm`, which does
-  the same with torch's LayerNorm kernel (`native_layer_norm`).
-- Labels: the patched dropout takes a no-op `mask.view_as(mask)`, so that a
-  `Labels` rule can name the mask, which `native_dropout` returns second.
-
-Made to keep what CUDA keeps (each one is also a line of `NOTES`):
-- Dropout: torch's CPU `F.dropout` keeps a mask in the activation dtype, scaled
-  by 1/(1-p); on CUDA `at::dropout` runs `native_dropout`, which keeps a bool
-  mask. The patched `F.dropout` calls `native_dropout` for 0 < p < 1, as CUDA does.
-- Masked softmax: Megatron-LM trains with `masked_softmax_fusion` on, and the
-  fused kernel (`scaled_upper_triang_masked_softmax_cuda`, from Apex) keeps its
-  bf16 output. `_softmax_extension()` stands in for that extension module with the
-  same forward/backward signatures, computing in fp32 as the kernel does, each
-  as one custom op (a step's MemTracker sees the kernel's output alone); the
-  kernel's own size checks (`FusedScaleMaskSoftmax.is_kernel_available`) still
-  decide whether it runs, with the CUDA extension's batch-per-block rule.
-  Outside them (s <= 16, s > 4096, b*a/t not a multiple of the kernel's batch per
-  block), or without the fusion, Megatron falls back to torch's softmax, which
-  keeps its output (4 bytes with `attention_softmax_in_fp32`, else 16 bits) and
-  the (s, s) causal bool mask of `masked_fill_`, on CUDA too.
-- Latent attention (MLASelfAttention): megatron-core 0.16's local core attention,
-  `DotProductAttention`, does not take MLA's `k_channels`/`v_channels` (only
-  Transformer Engine's does), and `multi_latent_attention.HAVE_TE` reads True
-  with TE's classes None. `MlaDotProductAttention` takes them and runs the local
-  core unchanged, its output a*v_head_dim/t wide; `HAVE_TE` is patched False.
-- RMSNorm: torch 2.13's `F.rms_norm` is unfused on the CPU (fp32 copies of the
-  input and of the normalised tensor plus fp32 rstd); the CUDA kernel
-  (`_fused_rms_norm`) keeps the input and rstd. `SequenceParallelNorm` runs
-  memcalc's probe norm (`memcalc.probe.norm.Norm`), whose RMSNorm keeps those two,
-  and which labels what it keeps with the ledger's names.
-
-Mixture of experts (MoELayer with TopKRouter, the all-to-all dispatcher and SequentialMLP; GroupedMLP
-needs the grouped_gemm CUDA package):
-- Router gating: `moe_utils.RouterGatingLinearFunction` reads Transformer Engine's `te_general_gemm`,
-  a name megatron-core 0.16.1 leaves undefined without TE (a NameError on CUDA too). The shim defines
-  it as None, so the function's torch.mm path runs; it saves the same input and weight either way.
-- The all-to-all dispatcher makes a CUDA stream for its device-to-host copies of the split sizes;
-  `_cpu_dtoh` does what its `_maybe_dtoh_and_synchronize` does, on the CPU (the sizes become numpy).
-- On torch's fake group nothing moves, so the token counts the dispatchers all-gather would be
-  uninitialised memory. `_every_rank_like_this_one` fills the gathered tensor with this rank's, once
-  per rank: every rank routes as this one does (exactly so under a forced route, whose assignment each
-  rank repeats on its own tokens). The gather still runs, so its collectives are issued as on CUDA.
-- `forced_routing(route, k)` (`memcalc measure --route`) adds hf_shim's constant lead to the logits
-  TopKRouter.gating returns, so that softmax and top-k pick known experts and run as written.
+megatron-core assumes a GPU in a few places that have nothing to do with what a layer keeps for backward;
+`cpu_megatron()` patches them while a layer is built and run, and undoes every patch afterwards. No file of
+megatron-core is edited. Each patch is a record of memcalc.probe.shims (`NOTES`, the `shim:` lines `memcalc measure`
+prints), tabled with its reason in docs/probe.md, "What the shims change", with the details the table leaves out.
 """
 
 from __future__ import annotations

@@ -1,40 +1,8 @@
 """What torchtitan 0.3.0 needs to run its Llama3 and MoE blocks on a CPU, patched at run time; no library file
 is edited.
 
-- Import: `torchtitan.models.common` imports the MoE expert-parallel dispatcher,
-  whose kernels module imports triton at import time (a 286 MB wheel, GPU-only
-  here). Where triton is not installed, `stub_triton_kernels` puts a module in
-  its place whose kernels raise when called; neither the dense Llama3 block nor
-  the MoE block at EP=1 (its local dispatcher) calls them, and torch itself
-  never sees a fake triton.
-- Device: `ParallelDims.build_mesh` builds its DeviceMesh on
-  `torchtitan.tools.utils.device_type`, which falls back to "cuda" on a machine
-  without an accelerator; `mesh_device` sets it to the rank's device while the
-  mesh is built.
-- Attention: torchtitan's language models use flex attention, which has no CPU
-  backward; the runner builds the block with torchtitan's own
-  ScaledDotProductAttention (a config choice, no patch). It keeps what flex keeps
-  but flex's fp32 row maxima, which the rules add for CUDA.
-- Op-level checkpointing (SelectiveAC) saves the outputs of CUDA's attention ops
-  (flex attention, SDPA's flash/cuDNN kernels); its list does not have the CPU's
-  flash kernel, so on a CPU the attention would be recomputed. `cuda_like_op_checkpointing`
-  adds it, so the CPU run keeps what a GPU run keeps.
-- MoE router: TokenChoiceTopKRouter runs its gate under
-  `torch.autocast(device, float32)`, which CUDA honours (the gate casts its weight
-  and input to fp32, and the router works in fp32) and a CPU refuses with a
-  warning (its autocast takes bf16 and fp16 only), leaving the router in bf16.
-  `route_gates` turns the CPU's autocast on
-  at fp32 (torch's own set_autocast_dtype) for the gate's call alone, the region
-  torchtitan's autocast covers, so the CPU keeps what CUDA keeps; its hooks stay
-  on the gate, so an activation checkpoint's rerun in backward routes alike.
-- Forced routing (`--route`): the same hook on the gate adds hf_shim's constant
-  lead to its logits, so the router's scores, top-k and route_norm run as
-  written on known experts.
-- Measuring: torch.utils.checkpoint keeps the op outputs SelectiveAC saves in a
-  cache of its own, not as saved tensors, so the recorder cannot see them.
-  `op_checkpoint_caches` collects those caches for the runner to hand over.
-
-`NOTES` says the same in one line each, for `memcalc measure`'s output.
+Each patch is a record of memcalc.probe.shims (`NOTES`, the `shim:` lines `memcalc measure` prints), tabled with its
+reason in docs/probe.md, "What the shims change", with the details the table leaves out.
 """
 
 from __future__ import annotations

@@ -1,72 +1,10 @@
 """One training step on one rank, over time: what is live at each moment, and the peak.
 
-`memcalc.sizing.totals` adds model states and the activations a stage keeps; a run goes
-out of memory at its peak, a moment when short-lived tensors sit on top of those. This
-module walks one micro-batch of a step on one pipeline stage the way autograd runs it,
-tensor by tensor, and records what is live at every moment where memory can peak:
-
-    steady state        bf16 weights, the fp32 gradient buffer, master weights, Adam's m and v
-    in flight           with pp > 1, the saved tensors of the other micro-batches 1F1B keeps
-                        on this stage while this one runs (none on the last stage)
-    forward             the batch; each block's saved tensors (the ledger's) as it finishes
-    loss                the bf16 logits, their fp32 copy and the per-token vectors of the
-                        vocabulary-parallel cross-entropy, all at once
-    backward            block by block, in reverse: each op's new gradients on top of what is
-                        still saved; an op's saved tensors and its incoming gradient are freed
-                        when it returns; a weight's bf16 gradient is added into the fp32
-                        buffer as soon as autograd finishes it
-    optimizer step      fused AdamW updates in place: nothing new
-
-The saved tensors are the ledger's (`memcalc.model.evaluate.estimate`, and `END_TENSORS`
-at the model's ends), so the per-layer terms follow every implementation rule there.
-What the ledger does not hold is named here with its reason: the gradients each op
-makes in backward, the loss's working set, and four small tensors the model's ends keep
-(`STEP_TENSORS`).
-
-Categories are MemTracker's (`memcalc.probe.step`): a tensor made in forward is an
-activation until freed, one made in backward a temporary, a weight's bf16 gradient a
-temporary until autograd hands it to the parameter (a moment later it is added into the
-buffer and dropped), the fp32 buffer a gradient, master weights and Adam's moments
-optimizer states.
-
-Exact for the probe's own model (`memcalc measure --step`): one rank of Megatron's GPT
-(tied embeddings, learned positions) with Megatron's vocabulary-parallel cross-entropy and
-mixed-precision optimizer, without gradient-accumulation fusion, which on CUDA writes
-each fp32 weight gradient straight into the buffer (no bf16 weight gradient at all). A
-real run differs further in what an allocator adds: CUDA's caching allocator rounds each
-block up to 512 bytes (2 MiB segments for large ones) and fragments; cuBLAS keeps a
-workspace per stream; NCCL keeps its buffers. None of those is a tensor, and none is here.
-
-Modelled so far: 1F1B, plain or interleaved, at any pp (first and last stage; a middle stage
-needs less)
-and cp = 1 (none, tp, tp-sp at any t), the Megatron implementation's layer (described once as
-ops, memcalc.sizing.timeline.megatron, for the generic walk) with GELU or SwiGLU (fused or
-not), eager attention with a K/V group per head or grouped-query (Megatron's fused
-softmax, or its fp32 or 16-bit torch softmax outside the kernel's sizes) or flash
-attention, heads of h/a or of kv_channels, with or without qk_layernorm, LayerNorm or RMSNorm, dropout and biases on or off, tied or untied embeddings,
-learned positions or RoPE, bf16 or fp16; no recomputation, selective (the attention core
-rerun inside backward, beside the checkpoint's inputs and its held gradient) or full (each
-layer rerun: its tensors made again, its input and output gradient held by the checkpoint
-until it returns). With kv_lora_rank the attention is megatron-core's own MLASelfAttention
-(memcalc.sizing.timeline.megatron_mla), eager, without or with selective recomputation.
-The probe measures pp = 1; with pp > 1 the walk is the same per stage, beside what the
-schedule keeps in flight. A fused kernel (flash attention, the norms'
-backward, the fused SwiGLU's) allocates its outputs alone, as on a GPU; the probe runs each
-as one op for that reason (memcalc.probe.kernels, attention.py). transformers' Llama
-(`--impl hf`) is described once as ops (memcalc.sizing.timeline.hf and hf_layer) for the generic walk
-(memcalc.sizing.timeline.walk), sharded by FSDP2 too (`dp_shard`: each block's all-gather and reduce-scatter are ops
-on the same tape, memcalc.sizing.timeline.fsdp), and so are its Mixtral and Qwen2-MoE at t = 1 under the balanced
-bound, their experts in the eager loop (memcalc.sizing.timeline.hf_moe), and Qwen3 and Qwen3-MoE (QK norms, heads of
-head_dim). Megatron's layer takes
-megatron-core's MoELayer at t = 1 or tp-sp, with any ep and any recomputation, under the balanced or worst bound, its
-router, all-to-all dispatcher and SequentialMLP experts as ops in the Megatron layer
-(memcalc.sizing.timeline.megatron_moe), and the
-dense layers among them (moe_layer_freq, moe_first_dense_layers) as the dense layer's ops, each at its own ledger.
-torchtitan's Llama3Model (`--impl torchtitan`) is described likewise (memcalc.sizing.timeline.torchtitan), at t = 1
-and under its own TP plan (tp, tp-sp) on the CPU kernels.
-Everything else raises ConfigError naming what is missing. Within a layer's forward only the end of
-each block is a moment: a forward op's transients are smaller than the gradients the same
-op makes in backward, when the same saved tensors are live.
+A run goes out of memory at its peak, a moment when short-lived tensors (each op's gradients in backward, the
+loss's working set) sit on top of the model states and saved activations `memcalc.sizing.totals` adds. The walk
+takes its saved tensors from the ledger, so every implementation rule there holds here too, and it is exact where
+`memcalc measure --step` runs the same step under MemTracker. What it models, phase by phase and library by library,
+and what it leaves out (the allocator, workspaces): docs/timeline.md.
 """
 
 from __future__ import annotations

@@ -1,43 +1,9 @@
 """One training step of transformers' own `LlamaForCausalLM` on one rank (`--impl hf`), described once as ops.
 
-`memcalc.probe.libs.hf_step` trains the model as memcalc's probe trains its GPT (Megatron's fp32 gradient buffer, fp32
-master weights, fused AdamW) with transformers' own loss. Its decoder layer is memcalc.sizing.timeline.hf_layer's ops
-(a sparse MoE block hf_moe's), whose saved tensors are the hf ledger's (memcalc.model.impls.hf); this module adds the
-model's ends as ops for the same walk (memcalc.sizing.timeline.walk), and the sharding's hooks between the layers:
-
-    steady      bf16 weights, the rotary embedding's two fp32 inv_freq buffers, the fp32 gradient buffer, master
-                weights, Adam's m and v (or FSDP2's and ZeRO's layouts)
-    forward     the batch; the embedding; position ids; the causal mask (eager attention: SDPA runs is_causal); RoPE's
-                cos and sin, kept by every layer; each layer; the final RMSNorm at its widest; lm_head's bf16 logits
-                (Gemma 2's soft-capped: / c, tanh, kept, * c) and ForCausalLMLoss at its widest (fp32 logits,
-                padded and shifted labels, the kept log-softmax)
-    backward    the loss's fp32 gradients; lm_head; the final norm; the layers in reverse; the embedding's gradient
-                (tied: summed with lm_head's, which waits in autograd's buffer)
-    optimizer   fused AdamW in place: nothing new
-
-Each weight's bf16 gradient is added into the fp32 buffer as autograd hands it over (memcalc.probe.step.MainGrads).
-Under tp the model is laid out by transformers' own plan (memcalc.probe.libs.hf_tp), with DTensor's steps: the
-embedding's Partial sum all-reduced, lm_head's v/t columns all-gathered whole, each colwise dX all-reduced, the
-embedding's gradient the whole (v, h) table of which this rank's rows are copied out. With qk_layernorm the model is
-Qwen3ForCausalLM, with add_qkv_bias Qwen2ForCausalLM; with norm rmsnorm_1p GemmaForCausalLM (GemmaRMSNorm's fp32
-(1 + w) product, the tanh GeGLU, the embedding scaled by its 0-d embed_scale buffer), with sandwich_norm too Gemma2ForCausalLM (eager only: a GemmaRMSNorm
-on the attention's and the MLP's outputs, the scores soft-capped, both masks made); with fused_qkv Phi3ForCausalLM
-(eager: one qkv_proj sliced, one gate_up_proj chunked; its p = 0 residual dropouts, which return their inputs, are
-where MemTracker reads o_proj's and down_proj's branches); with experts MixtralForCausalLM, Qwen2MoeForCausalLM
-(shared experts; its model makes an unused sliding-window mask too) or Qwen3MoeForCausalLM, at t = 1 under the
-balanced bound. Under FSDP2 (`dp_shard`, memcalc.sizing.timeline.fsdp) each layer is gathered before it runs and its
-gradients kept to its reduce-scatter; under DeepSpeed ZeRO (memcalc.sizing.timeline.zero, from DeepSpeed's sources,
-unmeasured) the same calls lay out its buffers.
-Exact (to the byte, at every moment, tests/probe/libs/test_hf_step.py and test_hf_fsdp.py) on transformers 5.24 and
-torch 2.13's CPU kernels: no biases but Qwen2's q, k, v ones (add_qkv_bias), attention dropout with eager attention
-(native_dropout's bool mask, CUDA's, through the probe's shim), bf16 or fp16, eager or SDPA attention, any a/g,
-heads of head_dim, tied or not (untied under tp), t = 1 or the tp_plan at t = 2, 3 and 4, FSDP2 at dp_shard 2, 4, 8
-(also on a 2-D mesh), pp = 1; Gemma's, Gemma 2's and Phi-3's at t = 1 unsharded; under gradient checkpointing
-(recompute full, `_checkpoint`: each layer's forward op by op, its rerun in backward stopped early at its last saved
-tensor) Llama's, Qwen2's, Qwen3's, Gemma's, Gemma 2's and Phi-3's at t = 1, Llama's, Qwen2's and Qwen3's under
-the tp_plan at t = 2, 3 and 4 and under FSDP2; `check_modelled` names everything else. On CUDA the same aten ops
-make the same outputs; what a kernel allocates inside itself, the caching allocator's rounding and another SDPA
-kernel's choice are not here.
+The decoder layer is memcalc.sizing.timeline.hf_layer's ops (a sparse MoE block hf_moe's), its saved tensors the hf
+ledger's; this module adds the model's ends for the generic walk (memcalc.sizing.timeline.walk) and the sharding's
+hooks between the layers. Each phase, the families, tp, FSDP2 and ZeRO, and where it is exact:
+docs/timeline.md, "transformers' models".
 """
 
 from __future__ import annotations

@@ -1,43 +1,9 @@
-"""transformers' sparse MoE blocks as ops for the hf step walk (`--impl hf`): Mixtral's, Qwen2-MoE's (the same
-experts beside a gated shared expert, bf16 routing weights) and Qwen3-MoE's (Qwen2-MoE's without the shared expert).
+"""transformers' sparse MoE blocks (Mixtral's, Qwen2-MoE's, Qwen3-MoE's) as ops for the hf step walk (`--impl hf`).
 
-The router, the shared expert and its gate are one description; the experts run by the config's experts_implementation
-(transformers/integrations/moe.py), both keeping the hf ledger's tensors (memcalc.model.impls.hf.moe_block).
-
-grouped_mm, transformers' default: the k*b*s slots sorted by expert, gathered, two torch._grouped_mm cut at int32
-offsets, the weighted rows put back in slot order and summed over k. Each kept tensor is one storage of all slots,
-whatever each expert's count, so any forced route is exact. Under tp (transformers' plan) each rank runs e/t of every
-expert on all slots, its weights made local tensors as the experts begin: autograd hands their gradients over last.
-Its widest forward moment is the weighted rows twice, in expert and in slot order (`_grouped_forward`). Backward, as autograd orders it (`_grouped`):
-
-    sum over k  in Mixtral's the cast's fp32 dY first; the expanded dY made contiguous, (k*b*s, h)
-    unsort      index's backward: a zero (k*b*s, h) tensor and index_put's, the rows back in expert order
-    product     dY * w, dY * out (Mixtral's fp32, dY * w then cast to bf16), dY * out summed over h
-    down_proj   GroupedMmBackward0 (it saves self, mat2 and offs; MemTracker sees mat2's gradient made first):
-                dW (E, e, h), then dX
-    SwiGLU      the product's two gradients, SiLU's, chunk's concatenation
-    gate_up     as down_proj: dW (E, h, 2e), then dX; the offsets go
-    gathers     index_put's of the sorted weights' gradient (the routing weights'), then of the rows' dX at their
-                tokens, a (b*s, h) tensor that starts (or joins) the block input's gradient
-
-The eager loop (experts_implementation eager): the block keeps the experts' rows one storage per expert, r = kbs/E
-slots each under the balanced bound that `memcalc measure --step --route balanced` forces. Its widest forward moments
-are the last expert's weighted output and the shared expert's sum (`block_forward`). Backward, as autograd orders it:
-
-    shared gate  sigmoid(gate(x)) * out's gradients, sigmoid's, the gate's GEMMs: its dX starts the input's gradient
-    combine      index_add_'s backward gathers the expert's dY rows (Mixtral's cast makes them fp32); the routing
-                 weight's product gives dY * w and dY * out, the latter summed per slot into a (b*s, k) zero tensor
-    down_proj    dW^T and dX; select's backward writes dW into a zero (E, h, e) tensor, summed with the experts'
-                 before (a new tensor each time)
-    SwiGLU       the product's two gradients, SiLU's, gate_up's dY concatenated
-    gate_up      as down_proj: the sum of (E, 2e, h), its two inputs and down_proj's sum, the experts' widest moment
-    gather       hidden_states[token_idx]'s backward puts dX into a zero (b*s, h) tensor, summed into the input's
-    router       top-k, the fp32 softmax, F.linear: dW (E, h) and dX, summed in (Mixtral's and Qwen3-MoE's last)
-    shared MLP   down_proj, SiLU(gate) * up, up_proj, SiLU, gate_proj; up's and gate's dX summed in, the last
-
-Each expert weight's gradient is handed to the parameter when the last expert's sum is made. Exact with the router
-forced balanced and E dividing kbs (tests/probe/libs/test_hf_step.py); the real router gives each expert a
-data-dependent count, the worst-case bound other bytes again: `check_modelled` refuses both.
+The router, the shared expert and its gate are one description; the experts run by the config's
+experts_implementation (grouped_mm or the eager loop), both keeping the hf ledger's tensors
+(memcalc.model.impls.hf.moe_block). Each path's backward, as autograd orders it: docs/timeline.md, "transformers'
+MoE blocks".
 """
 
 from __future__ import annotations

@@ -1,49 +1,8 @@
 """megatron-core's MoELayer (impl megatron with num_experts) in the step, as ops for the generic walk.
 
-The MLP of `memcalc.sizing.timeline.megatron.layer_ops` becomes megatron-core 0.16's MoELayer as it runs on the CPU
-path (memcalc.probe.libs.megatron_step): SharedExpertMLP first when there are shared experts (a dense MLP of width
-u on every token, its output held until it is added to the routed experts'), TopKRouter (a GEMM to E logits, top-k,
-an fp32 softmax over the k, cast back and scattered into an (n, E) map; pre-softmax, the fp32 softmax over all E
-before the top k; the sigmoid router, an fp32 sigmoid over all E, cast back, top-k, the k chosen scores divided by
-their sum), the all-to-all dispatcher at ep = 1 (permute: masked_select of the probabilities, index_select of
-the tokens; sort_chunks_by_idxs, a split and a cat, for tokens and probabilities), SequentialMLP's experts one after
-another (fc1, SwiGLU or GELU, activation * probability, fc2; an expert without tokens still makes its weights'
-gradients), then the unsort (split and cat) and unpermute (scatter_add_ into zeros). The saved tensors are the
-ledger's (memcalc.model.impls.megatron.moe_block); an expert's own storages (`PER_EXPERT`) are one per local expert,
-each freed as that expert's backward returns: the walk keeps them as `[e]` pieces of the ledger's row. Backward, as
-autograd runs it (n tokens on the rank, R = kn slots, r an expert's: about R/E under the balanced bound, n or 0 under
-the worst, which the forced all-to-one route pins):
-
-    unpermute   scatter_add_'s backward gathers dY rows, (R, h); the unsort's split backward concatenates them
-    expert e    (the last first) fc2's dX and dW; activation * probs: dY * probs, dY * activation summed over
-                its columns (an (r, 1) probability gradient); SwiGLU's product, SiLU's backward and the
-                concatenated (r, 2f_e) fc1 output gradient (or GELU's); fc1's dX and dW
-    experts     the per-expert probability and input gradients concatenated; the sort's split backward
-                concatenates each again
-    permute     index_select's backward: new_zeros and index_add, (n, h); masked_select's: zeros_like and
-                masked_scatter, (E, n)
-    router      scatter's gather (n, k); the cast up, the fp32 softmax's backward, the cast down; top-k's
-                new_zeros and scatter, (n, E) (pre-softmax: top-k's first, then the casts and softmax over E;
-                sigmoid: the division's, the sum's, then top-k's, the casts and the sigmoid's over E);
-                the router's GEMMs and the sum of its dX with the permute's
-    shared      fc2, SwiGLU or GELU, fc1 on every token, as an expert's without the probability, through
-                megatron's row- and column-parallel linears (under SP: dY all-gathered, fc1's input gathered into
-                the global memory buffer, its dX reduce-scattered); its dX summed with the routed path's
-
-Under tp-sp (etp = t) each rank routes its s/t tokens; the dispatcher all-gathers the t ranks' slots (R = t k n) for
-the experts, each f_e/t wide, and reduce-scatters their unsorted output back: in backward the unpermute's gradient
-is all-gathered before the unsort and the sorted tokens' and probabilities' gradients reduce-scattered before the
-permute; the shared experts are tp-sp's MLP (fc1 all-gathers its input into megatron's global memory buffer, fc2
-reduce-scatters). Over ep all-to-alls come before the gathers (after the reduce-scatters), each rank's E/ep experts
-receiving the slots every rank routes to them (R = t k n under the balanced bound, t ep n min(k, E/ep) under the
-worst); MoELayer.forward then holds the dispatched tokens and probabilities through the experts. The dispatcher
-keeps the router's probabilities and map and the tokens per expert as attributes (`HELD`) until the next forward
-replaces them: they outlive the step.
-
-Under full recomputation the layer's first forward runs without autograd (at the experts' concatenation MoELayer
-holds its input and the sorted tokens and probabilities as locals, `LOCALS`); its rerun inside backward reaches the
-same widest moments, replacing the dispatcher's attributes, whose probabilities then keep the rerun's graph: the
-checkpoint's detached input and its gradient live to the next forward.
+The MLP of `memcalc.sizing.timeline.megatron.layer_ops` becomes MoELayer as megatron-core 0.16 runs it on the CPU
+path (memcalc.probe.libs.megatron_step), keeping the ledger's tensors (memcalc.model.impls.megatron.moe_block). Its
+forward, its backward op by op, tp-sp, ep and full recomputation: docs/timeline.md, "Megatron's MoELayer".
 """
 
 from __future__ import annotations

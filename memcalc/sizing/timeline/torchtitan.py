@@ -1,69 +1,9 @@
 """One training step of torchtitan's own Llama3 model on one rank (`--impl torchtitan`), described once as ops.
 
-`memcalc.probe.libs.torchtitan_step` trains torchtitan 0.3.0's Llama3Model (tok_embeddings, L
-Llama3TransformerBlocks, norm, lm_head) with its trainer's loss; this module describes the same step as ordered ops
-(memcalc.sizing.timeline.walk): each op's steps are the aten ops that allocate, what they free, and which of the
-ledger's saved tensors (memcalc.model.impls.torchtitan) the op keeps, so the per-layer terms are the ledger's and
-the walk is the generic one. A block is
-
-    attention_norm   nn.RMSNorm: on a CPU torch's rms_norm_composite (x.to(float32), pow, mean, rsqrt, x * rstd,
-                     times the weight in fp32, cast back), its backward op by op through autograd
-    wqkv, split      the fused projection; the split's three .contiguous() copies (V is kept by SDPA)
-    rope             q.float() and k.float() times the complex64 table, cast back (Q and K kept)
-    inner_attention  SDPA's flash kernel (its output, wo's input, and an fp32 log-sum-exp kept)
-    wo, + x          the projection and the residual sum
-    ffn_norm         as attention_norm
-    w1, SiLU, w3, *  SwiGLU, each product kept; w2 and the residual sum, the block's output
-
-With experts (num_experts) each block is torchtitan's Qwen3 MoE decoder layer (the same attention and norms, its MoE
-as the feed-forward: memcalc.sizing.timeline.torchtitan_moe), the router forced by the probe's shim (`--route`).
-
-The model's ends: the token ids and labels (int64, live all step), the trainer's count of valid tokens, the
-embedding, the final norm, lm_head's bf16 logits and torchtitan's cross_entropy_loss (fp32 logits, the kept fp32
-log-softmax), divided by the count; the trainer drops the logits before backward.
-
-Under tp (t > 1) the model is laid out by torchtitan's own plan (set_llama3_sharding_config, Module.parallelize on
-its spmd_types backend) and the walk is the same on this rank's shards, with the plan's collectives as ops: the
-embedding vocabulary-parallel (this rank's rows, masked), lm_head's v/t columns into its _LossParallelCrossEntropy
-(all-reduced row maxima, sums and target log-probabilities; it keeps the fp32 log-probabilities); with its
-sequence-parallel norms (tp-sp, its default) each module's input all-gathered along s at its entry (the gathered
-tensor is what wqkv, w1 and w3, and lm_head keep) and wo's, w2's and the embedding's partial sums reduce-scattered,
-their gradients the conjugate collectives; without (tp) the paper's f and f*, each an all-reduce into a copy.
-
-Under torchtitan's activation checkpointing (`recompute full`: FullAC; `op`: SelectiveAC, each block wrapped by
-torch's checkpoint_wrapper, non-reentrant) each block walks inside a `Checkpoint` (memcalc.sizing.timeline.walk):
-in forward what the block's ops keep goes after the step that reads it last, but the block's input (the frame's) and
-under op the outputs SelectiveAC caches (the ledger's op_checkpoint: wqkv's and w2's GEMMs, the attention kernel's,
-w1's); at the start of w2's backward the block's forward reruns (MemTracker reads it in backward, in the module
-still active there for the rerun's modules around w2), and then its backward is the block's without recomputation,
-but that the rerun's tensors are the autograd nodes' locals (they go after the step that reads them last) and the
-block's input goes with the last of them.
-
-Sharded by FSDP2 (`dp_shard`) the walk runs in segments, one per FSDP2 unit of torchtitan's apply_fsdp_to_decoder
-(memcalc.sizing.timeline.fsdp.torchtitan_units), with FSDP2's hooks at their edges: each unit gathered before its
-forward, resharded after it, gathered again (and the next prefetched) before its backward, its gradients kept as the
-unsharded parameters' .grad and reduce-scattered into the sharded gradients after it. Under tp-sp on torchtitan's 2-D
-(dp_shard, t) mesh the units hold this rank's TP shards (each padded and split over dp_shard) and the TP plan runs on
-DTensor (its partial_dtensor backend, the one torch 2.13's fully_shard takes with TP:
-memcalc.probe.libs.torchtitan_step): its reduce-scatters along s concatenate the chunks even at b = 1, its all-gathers
-at b = 1 are their own output, the norms' inputs come contiguous, and each norm's gradient is a Partial sum over t that
-FSDP2 all-reduces before its reduce-scatter.
-
-Exact (to the byte, at every moment named here, tests/probe/libs/test_torchtitan_step.py and test_torchtitan_fsdp.py)
-for torchtitan 0.3.0 on torch 2.13's CPU kernels at t = 1 and under tp and tp-sp at t = 2 and 4 (rank 0 of the fake
-group), b = 1 and b > 1, bf16, untied, without recomputation and under FullAC and SelectiveAC (at t = 1, and under tp
-and tp-sp at t = 2 and 4), and under FSDP2 at t = 1 (dp_shard 2 and 4, with and without resharding, with and
-without FullAC or SelectiveAC: FSDPMemTracker reads a block's rerun as temporaries); under FSDP2 with tp-sp at t = 2
-(dp_shard 2 and 4, with and without resharding, b = 1 and b > 1, under FullAC and SelectiveAC:
-test_torchtitan_fsdp_tp.py); as
-HSDP (dp_replicate 2 x dp_shard 2, at t = 1 and under tp-sp on the 3-D mesh); with experts at t = 1 without
-recomputation, under FullAC and under SelectiveAC, the router forced balanced or all-to-one, every layer a MoE one
-or dense blocks beside them (moe_layer_freq, moe_first_dense_layers) (test_torchtitan_step.py), and under FSDP2,
-each MoE block one unit, its grouped experts' weights among its parameters, sharded on dim 0 or (more data-parallel
-ranks than experts) on dim 1, and as HSDP (test_torchtitan_fsdp.py);
-`check_modelled` names everything else.
-On CUDA torchtitan's Llama3 runs flex attention and torch's fused _fused_rms_norm kernel, which keep other tensors
-(the ledger's device rules) and allocate otherwise in backward: not described here yet.
+The same step `memcalc.probe.libs.torchtitan_step` trains, as ordered ops for the generic walk
+(memcalc.sizing.timeline.walk), keeping the torchtitan ledger's tensors (memcalc.model.impls.torchtitan). A block's
+ops, the model's ends, its TP plan, FullAC and SelectiveAC, FSDP2 and where it is exact: docs/timeline.md,
+"torchtitan's Llama3Model".
 """
 
 from __future__ import annotations

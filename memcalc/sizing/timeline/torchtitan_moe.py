@@ -1,44 +1,8 @@
 """torchtitan's MoE feed-forward (models/common/moe.py, ep = 1) as ops for its step walk (`--impl torchtitan`, t = 1).
 
-The layer is its Qwen3 MoE decoder layer in the Llama3Model (memcalc.probe.libs.torchtitan_step); its MoE keeps the
-torchtitan ledger's tensors (memcalc.model.impls.torchtitan.moe_block), one storage each for all experts. Forward, as
-the CPU runs it:
-
-    router.gate      autocast(float32): the weight and the input cast to fp32 (both kept), the fp32 logits; the
-                     probe's forced route adds its lead (the shim's arange, remainder, zeros and sum)
-    router           softmax (kept), + expert_bias_E, top-k (its ids kept), the chosen scores gathered (kept), their
-                     sum + 1e-20 (kept) and the quotient, times route_scale
-    moe              the (b, s, E) bool routing map and each expert's count
-    routed_experts   argsort of the k*b*s slots (kept), the sorted scores (kept), slot // k (kept), x[indices] (kept)
-    inner_experts    cumsum of the counts (kept), then SwiGLU on torch._grouped_mm: w1 (kept), SiLU (kept), w3
-                     (kept), the product (kept), w2
-    routed_experts   combine: zeros_like(x), the output upcast to fp32 (kept), times the score, cast back,
-                     torchtitan's deterministic_scatter_add into the zeros: the MoE's output
-    shared_experts   with moe_shared_expert_intermediate_size, a FeedForward on the MoE's input (which w1 and w3 then
-                     keep), its output summed with the routed one
-
-torch._grouped_mm is one aten op on this CPU build as on CUDA (torchtitan 0.3.0 calls it directly, no for-loop
-fallback); its backward (autograd's formula, the same on every device) makes dW as one (E, ...) grouped matmul and dX
-as another: the allocations are the outputs, on CUDA too (a kernel's workspace aside).
-
-Backward runs the same ops in reverse: combine's gather of dY at each slot's token, the casts' and the product's
-gradients (the score's summed over h), each grouped matmul's dW and dX (w1's and w3's dX summed), the index's
-backward into a (b*s, h) zero tensor, the sorted scores' into a (b*s*k) one, route_norm's and gather's into a (b, s,
-E) one, softmax's, the gate's fp32 GEMMs, cast back to bf16 and summed with the dispatch's: ffn_norm's output
-gradient. The shared experts' backward runs first, their dX summed with the dispatch's after its index_put.
-
-Under FullAC (the block in a `Checkpoint`) what the ops keep goes in forward with the Python local that holds it
-(`Step.reads_last`: the gate's fp32 casts as it returns, the router's scores and ids as the MoE does, the dispatch's
-sorted scores, token indices and rows as routed_experts does); the rerun starts at the combine's backward (or the
-shared experts'), and its tensors go with the node that unpacks them last. Under SelectiveAC the cached top-k
-outputs (and the shared experts' w1 and w2 outputs) stay from forward to the rerun, which takes them.
-
-Exact at t = 1 without recomputation, under FullAC and SelectiveAC, the router forced balanced or all-to-one (at
-ep = 1 the same bytes), softmax or sigmoid, with and without route_norm and shared experts
-(tests/probe/libs/test_torchtitan_step.py);
-`memcalc.sizing.timeline.torchtitan.check_modelled` refuses the rest. Two measured facts the walk follows without a
-reason from the source: route_norm's division backward is walked as one step (its small fp32 temporaries make no
-moment), and the slots' score gradient (the sorted scores' index_put) lives until the router's backward is done.
+Its Qwen3 MoE decoder layer keeps the torchtitan ledger's tensors (memcalc.model.impls.torchtitan.moe_block), one
+storage each for all experts. Forward and backward op by op, checkpointing, and two measured facts the walk follows
+without a reason from the source: docs/timeline.md, "torchtitan's MoE".
 """
 
 from __future__ import annotations
