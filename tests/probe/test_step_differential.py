@@ -99,7 +99,7 @@ SUBJECTS = (
     Subject("megatron dense", "torch", {"impl": "megatron"},
             _knobs(**MEGATRON, recompute=st.sampled_from(("none", "selective")))),
     Subject("megatron dense, full recomputation", "torch", {"impl": "megatron", "recompute": "full"},
-            _knobs(**MEGATRON), known="a moment in a layer's rerun, named; the rerun with dropout: FINDINGS"),
+            _knobs(**MEGATRON), known="the rerun with dropout: FINDINGS"),
     Subject("megatron latent attention", "megatron.core", LATENT | {"recompute": "none"}, _knobs(**MEGATRON_MLA),
             gqa=False),
     Subject("megatron latent attention, selective recomputation", "megatron.core", LATENT | {"recompute": "selective"},
@@ -113,8 +113,7 @@ SUBJECTS = (
     Subject("hf qwen3", "transformers", {"impl": "hf", "qk_layernorm": True} | LLAMA, _HF),
     Subject("hf mixtral (grouped_mm)", "transformers", {"impl": "hf", "dropout": 0.0} | LLAMA, _HF_MIXTRAL,
             routes=(BALANCED, ROUTES[2]), align=8),
-    Subject("hf gemma2", "transformers", GEMMA | {"sandwich_norm": True}, _HF_GEMMA2,
-            known="GemmaRMSNorm's backward at small b*s: FINDINGS"),
+    Subject("hf gemma2", "transformers", GEMMA | {"sandwich_norm": True}, _HF_GEMMA2),
     Subject("hf phi3", "transformers", {"impl": "hf", "fused_qkv": True, "attention": "eager", "dropout": 0.0} | LLAMA,
             _HF_PHI3),
     Subject("torchtitan fsdp2", "torchtitan", TORCHTITAN, _TORCHTITAN_FSDP, ts=(1, 2)),
@@ -226,14 +225,15 @@ FINDINGS = [
              "GemmaRMSNorm's (1 + w) gradient: autograd sums dY * (x * r) over the tokens into (h,) fp32 while dY in"
              " fp32 and both fp32 products live (the walk, hf_layer._gemma_weight, frees dY fp32 a step early and"
              " marks no moment at the sum): 4h bytes short, the peak at b = s = 1 (the final norm's backward, 64 B of"
-             " temporaries measured, 48 predicted)"),
+             " temporaries measured, 48 predicted)", fixed=True),
     _finding("torch", {"impl": "megatron", "mlp": "gelu", "norm": "layernorm", "dropout": 0.0, "recompute": "full",
                        "attention_softmax_in_fp32": True, "tie_embeddings": False, "add_bias_linear": False, "L": 1,
                        "b": 1, "s": 12, "h": 10, "a": 5, "ffn_hidden_size": 1, "vocab_size": 2}, "none",
              "A moment in a layer's rerun, named: memcalc's reentrant checkpoint (probe/checkpoint.py) reruns the layer"
              " inside backward, where torch's ModTracker registers no backward hooks (`not self.is_bw`), so"
              " MomentTracker names the rerun's backward by the checkpointed layer ('backward layers.0') where the walk"
-             " names its module ('backward layers.0.attention', the fp32 softmax's backward); the bytes agree"),
+             " named its module ('backward layers.0.attention', the fp32 softmax's backward); the walk now names a"
+             " rerun's moments by the layer, as MemTracker reads them", fixed=True),
     _finding("torch", {"impl": "megatron", "mlp": "gelu", "norm": "layernorm", "dropout": 0.1, "recompute": "full",
                        "attention_softmax_in_fp32": True, "tie_embeddings": False, "add_bias_linear": False, "L": 1,
                        "b": 3, "s": 9, "h": 30, "a": 5, "num_query_groups": 1, "ffn_hidden_size": 1,

@@ -271,8 +271,6 @@ class Fsdp:
                      "the Shard(1) parameters' all-gather outputs, rank by rank: chunk-cat into their storage")
             tape.mark(phase, where, f"FSDP2 chunk-cats {block}'s Shard(1) parameters out of temporaries")
             tape.drop(f"fsdp/{block} chunk-cat")
-        if phase == "forward":
-            self.forward_done(tape, keep=block)
         if not dim1:
             tape.add(*unsharded)
         tape.mark(phase, where, f"FSDP2 copies the gathered {block} out of its all-gather buffer")
