@@ -159,9 +159,9 @@ def _gemma_weight(where: str, g: str, norm: RMSNormTensors, z: Sizes, dy: str | 
     product = Op(where, forward=(), backward=(
         Step("(x * r) * (1 + w)'s backward: its two fp32 gradients", (
             Made(f"{g}/dw+1 full", fp32, "dY * (x * r), fp32"),
-            Made(f"{g}/dy fp32", fp32, "dY * (1 + w): the normalised input's gradient, fp32"))),
+            Made(f"{g}/dy fp32", fp32, "dY * (1 + w): the normalised input's gradient, fp32")), returns=True),
         Step("(1 + w)'s gradient summed over the tokens (dY in fp32 still live)",
-             (Made(f"{g}/dw+1", 4 * channels, "(h,) fp32"),), frees=(f"{g}/dw+1 full", f"{g}/dY fp32")),
+             (Made(f"{g}/dw+1", 4 * channels, "(h,) fp32"),), frees=(f"{g}/dw+1 full", f"{g}/dY fp32"), reduced=True),
         Step("weight.float()'s backward", (Made(f"{g}/dweight", z.act * channels, WHY_WGRAD),),
              frees=(f"{g}/dw+1",), hands_over=(f"{g}/dweight",), moment=False),
     ), saves=(norm.weight_plus_one, norm.normed_fp32))
