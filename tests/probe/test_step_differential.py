@@ -99,11 +99,11 @@ SUBJECTS = (
     Subject("megatron dense", "torch", {"impl": "megatron"},
             _knobs(**MEGATRON, recompute=st.sampled_from(("none", "selective")))),
     Subject("megatron dense, full recomputation", "torch", {"impl": "megatron", "recompute": "full"},
-            _knobs(**MEGATRON), known="the rerun with dropout: FINDINGS"),
+            _knobs(**MEGATRON)),
     Subject("megatron latent attention", "megatron.core", LATENT | {"recompute": "none"}, _knobs(**MEGATRON_MLA),
             gqa=False),
     Subject("megatron latent attention, selective recomputation", "megatron.core", LATENT | {"recompute": "selective"},
-            _knobs(**MEGATRON_MLA), gqa=False, known="a moment in the core's selective rerun, named: FINDINGS"),
+            _knobs(**MEGATRON_MLA), gqa=False),
     Subject("megatron experts", "megatron.core", {"impl": "megatron", "add_bias_linear": False}, _MEGATRON_MOE,
             routes=ROUTES[:2]),
     Subject("torchtitan dense", "torchtitan", TORCHTITAN, _TORCHTITAN),
@@ -240,15 +240,16 @@ FINDINGS = [
                        "vocab_size": 2}, "none",
              "Full recomputation's rerun with dropout, one moment short: after the MLP's dropout fc2's output (2sbh,"
              " an activation) is still held, then freed as the residual add makes its 2sbh, a tie MemTracker reaches"
-             " first; the walk (timeline/megatron.py) marks the rerun once, after the add: the total agrees, 1,620 B"
-             " filed as temporaries that MemTracker files as activations"),
+             " first; the walk (timeline/megatron.py) marked the rerun once, after the add (1,620 B filed as"
+             " temporaries that MemTracker files as activations); it now marks the dropout first", fixed=True),
     _finding("megatron.core", LATENT | {"q_lora_rank": None, "norm": "layernorm", "dropout": 0.0, "recompute": "selective", "L": 3, "b": 1,
                       "s": 3, "h": 10, "a": 5, "ffn_hidden_size": 1, "vocab_size": 2}, "none",
-             "A moment in the core's selective rerun, named: the peak is dK scaled in the last layer's core backward"
-             " ('backward layers.2.attention.core_attention (dK scaled)' in the walk); MomentTracker is then inside"
-             " 'backward layers.2.attention' in every layer: the core ran again in backward, under megatron's"
-             " CheckpointFunction, where torch's ModTracker hooks no backward, so it is never entered there"
-             " (tests/probe/libs/test_megatron_mla_step.py checks moments with places=False); the bytes agree"),
+             "A moment in the core's selective rerun, named: the peak is dK scaled in the last layer's core backward;"
+             " MomentTracker is then inside 'backward layers.2.attention' in every layer: the core ran again in"
+             " backward, under megatron's CheckpointFunction, where torch's ModTracker hooks no backward, so it is"
+             " never entered there; the walk (timeline/megatron_mla.py) named the core's backward"
+             " ('backward layers.2.attention.core_attention (dK scaled)'), it now reads it as the attention's"
+             " (Op.shadow), and the rerun's moment as the core's forward", fixed=True),
 ]
 
 

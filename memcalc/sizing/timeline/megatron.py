@@ -115,13 +115,21 @@ def _rerun_layer(config: ModelConfig, z: Sizes, rerun: tuple[SavedTensor, ...], 
     later = tuple(x for x in again if x.name == ledger.MLP_DROPOUT_MASK.name) if config.moe else again
     experts = megatron_moe.experts_forward(config, z, tuple(x for x in again if x not in later), rerun=True) \
         if config.moe else ()
-    branch = TEMPORARIES if has(ledger.MLP_DROPOUT_MASK.name) else ACTIVATIONS  # made by the block after its dropout
-    what = "full recomputation: the layer's forward again, to its last residual add"
-    return (*experts, backward_only("", Step(what, (
-        *later, Made("layer/recomputed output", z.seq(z.h),
-                     "the rerun's output: the checkpoint holds it while autograd runs the layer's backward"),
-        Made("layer/recomputed MLP branch", z.seq(z.h), "the last residual add's other operand", category=branch)),
-        frees=("layer/recomputed MLP branch",))))
+    mlp = Made("layer/recomputed MLP output", z.seq(z.h), "the MLP's output (a submodule's forward's)",
+               category=ACTIVATIONS)
+    output = Made("layer/recomputed output", z.seq(z.h),
+                  "the rerun's output: the checkpoint holds it while autograd runs the layer's backward")
+    to = "full recomputation: the layer's forward again, to"
+    if not has(ledger.MLP_DROPOUT_MASK.name):  # the MLP's output is the last residual add's other operand
+        return (*experts, backward_only("", Step(f"{to} its last residual add", (*later, output, mlp),
+                                                 frees=(mlp.name,))))
+    # with dropout the MLP's output goes once the dropout's (the block's, a temporary) is made: a moment before the
+    # residual add makes as many bytes again, so that MemTracker reads a tie there first
+    dropped = Made("layer/recomputed MLP dropout", z.seq(z.h), "the MLP's dropout, the last residual add's other"
+                   " operand", category=TEMPORARIES)
+    return (*experts, backward_only(
+        "", Step(f"{to} the MLP's dropout", (*later, mlp, dropped), frees=(mlp.name,)),
+        Step("the rerun's last residual add", (output,), frees=(dropped.name,))))
 
 
 # -- the pieces every layer is built from ---------------------------------------------------------------------

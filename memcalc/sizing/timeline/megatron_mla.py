@@ -30,7 +30,7 @@ recomputation the checkpoint's attn_mask_type), a 1-element tensor (host memory 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError
@@ -198,10 +198,11 @@ def _core(ops: list[Op], config: ModelConfig, z: Sizes, w: Widths, dcontext: str
         return
     held = {x.name for x in (ledger.MLA_Q, ledger.MLA_K, ledger.MLA_V)}
     again = {x.name: x for op in core for x in op.saves if x.name not in held}.values()
-    # the rerun runs the core module's forward: MemTracker files what it makes as activations
+    # the rerun runs the core module's forward (MemTracker files what it makes as activations, inside the core); its
+    # backward then runs inside the checkpoint's, where ModTracker hooks no module: MemTracker reads the attention's
     scores = Made("attention/recomputed scores", w.act * z.b * w.heads * z.s * z.s,
                   "the rerun's baddbmm output: a local of the core's forward until it returns", category=ACTIVATIONS)
-    ops.append(backward_only("attention", Step("selective recomputation: the core's forward again", (
+    ops.append(backward_only("attention.core_attention", Step("selective recomputation: the core's forward again", (
         scores, *(Made(x.name, 0, "made again by selective recomputation's rerun of the core", keeps=x,
                        category=ACTIVATIONS) for x in again),
         Made("attention/recomputed context", w.per_token(w.heads * w.v), "the rerun's bmm output, before its copy",
@@ -210,7 +211,7 @@ def _core(ops: list[Op], config: ModelConfig, z: Sizes, w: Widths, dcontext: str
              "the rerun's output: the checkpoint holds it while autograd runs the core's backward",
              category=ACTIVATIONS)),
         frees=(scores.name, "attention/recomputed context"))))
-    ops.extend(core)
+    ops.extend(replace(x, shadow="attention") for x in core)
     ops.append(backward_only("attention", Step("the checkpoint returns", frees=(
         "attention/recomputed output", dcontext)), saves=(ledger.MLA_Q, ledger.MLA_K, ledger.MLA_V, ATTN_MASK_TYPE)))
 
