@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from memcalc.config.schema import build_config
 from memcalc.errors import ConfigError
 from memcalc.model.strategy import STRATEGIES
-from .test_differential import DROPOUT, DTYPES, MLA, _installed, _layouts, routed
+from .test_differential import DROPOUT, DTYPES, MLA, _layouts, library, routed  # noqa: F401  (library: the fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -57,7 +57,7 @@ class Subject:
     gqa: bool = True  # whether num_query_groups may be fewer than a
     align: int = 1  # widths (head, expert) a multiple of this: torch._grouped_mm wants 16-byte strides
     ts: tuple[int, ...] = (1, 2, 4)  # tensor-parallel sizes drawn
-    known: str = ""  # a finding not fixed yet (FINDINGS): the many-example run is expected to meet it
+    known: str = ""  # a finding not fixed yet (FINDINGS): the subject's runs are expected to meet it
 
 
 def _knobs(**choices: st.SearchStrategy[Any]) -> st.SearchStrategy[dict[str, Any]]:
@@ -179,17 +179,6 @@ def _drawn(subject: Subject, examples: int, derandomize: bool) -> Any:
 
 PER_SUBJECT = 3  # the default run: seeded, a few per subject
 SLOW_PER_SUBJECT = 30
-
-
-@pytest.fixture
-def library(request: pytest.FixtureRequest) -> Subject:
-    subject = request.param
-    pytest.importorskip("torch")
-    if not _installed(subject.module):
-        pytest.skip(f"{subject.module} is not installed")
-    if subject.known and "many" in request.node.name:
-        request.node.add_marker(pytest.mark.xfail(reason=subject.known, strict=False))
-    return subject
 
 
 @pytest.mark.parametrize("library", SUBJECTS, ids=[s.name for s in SUBJECTS], indirect=True)
