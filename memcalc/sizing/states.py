@@ -199,6 +199,15 @@ def moe_layers_held(config: ModelConfig, stage: Stage) -> int:
     return config.moe_layers if config.pp == 1 else stage.layers // config.moe_layer_freq
 
 
+ROUTER_BUFFERS_WHY = "each MoE layer's TopKRouter keeps expert_bias and local_tokens_per_expert, fp32 (E,) buffers"
+
+
+def router_buffer_bytes(config: ModelConfig, stage: Stage) -> int:
+    """megatron-core's router buffers under moe_router_enable_expert_bias, on every rank of the stage's MoE layers:
+    two fp32 (E,) tensors a layer, beside the parameters (not sharded, no gradient, no optimizer state)."""
+    return 2 * 4 * config.num_experts * moe_layers_held(config, stage) if config.moe_router_enable_expert_bias else 0
+
+
 def group_params(config: ModelConfig, stage: Stage, t: int) -> dict[str, int]:
     """Parameters one rank of `stage` holds, per group (layer groups times the stage's layers of their kind)."""
     check_expert_states(config)

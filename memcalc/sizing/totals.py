@@ -27,7 +27,8 @@ from memcalc.model.knobs import Accounting, element_bytes
 from memcalc.model.ledger import Dim, SavedTensor
 from memcalc.sizing.pipeline import Stage, stages
 from memcalc.sizing.states import (
-    expert_params, group_params, moe_layers_held, padded_vocab, state_bytes, zero3_largest_layer,
+    ROUTER_BUFFERS_WHY, expert_params, group_params, moe_layers_held, padded_vocab, router_buffer_bytes,
+    state_bytes, zero3_largest_layer,
 )
 from memcalc.model.strategy import Strategy
 
@@ -130,6 +131,8 @@ def _stage_total(
     held, experts = sum(params.values()), expert_params(params)
     note = f"{held:,} parameters" + (f", {experts:,} of them experts'" if experts else "")
     terms += [Term(name, STATES, n, note) for name, n in state_bytes(config, held, experts).items()]
+    if config.moe_router_enable_expert_bias:
+        terms.append(Term("states/router buffers", STATES, router_buffer_bytes(config, stage), ROUTER_BUFFERS_WHY))
     if config.zero_stage == 3:
         terms.append(Term("zero3/largest_layer", STATES, zero3_largest_layer(config),
                           "ZeRO-3 gathers a module's bf16 weights (and makes their gradients) while it runs: the"

@@ -175,3 +175,16 @@ def test_a_stage_keeps_the_rope_tables_once_for_each_model_chunk_forward_in_flig
 def test_mixtral_totals_count_every_expert_on_one_gpu():
     totals = per_gpu(load_config("mixtral-8x7b", {}), NONE)
     assert totals.stages[0].params["moe/experts"] == 32 * 8 * 3 * 4096 * 14336
+
+
+def test_the_expert_bias_router_buffers_are_a_state_term_as_the_step_counts_them():
+    """megatron-core's TopKRouter under moe_router_enable_expert_bias keeps two fp32 (E,) buffers a MoE layer: the
+    per-GPU totals count them as the step timeline's model states do (MemTracker files them with the parameters)."""
+    from memcalc.sizing.timeline import PARAMETERS, timeline
+
+    config = load_config("deepseek-v3", {"moe_router_enable_expert_bias": True, "L": 5, "moe_first_dense_layers": 2})
+    (stage,) = per_gpu(config, NONE, Accounting(exact=True)).stages
+    (term,) = [x for x in stage.terms if x.name == "states/router buffers"]
+    assert term.group == STATES and term.bytes == 2 * 4 * 256 * 3
+    (buffers,) = [x for x in timeline(config, NONE).moments[0].live if x.name == "states/router buffers"]
+    assert (buffers.bytes, buffers.category) == (term.bytes, PARAMETERS)

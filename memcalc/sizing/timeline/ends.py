@@ -9,7 +9,7 @@ from memcalc.model.knobs import Accounting, element_bytes
 from memcalc.model.ledger import Dim, Kind, Region, SavedTensor
 from memcalc.model.strategy import Strategy
 from memcalc.sizing.pipeline import Stage
-from memcalc.sizing.states import group_params, moe_layers_held, state_bytes
+from memcalc.sizing.states import ROUTER_BUFFERS_WHY, group_params, router_buffer_bytes, state_bytes
 from memcalc.sizing.timeline.megatron import INPUT, INPUT_GRAD, OUTPUT_GRAD
 from memcalc.sizing.timeline.tape import (
     ACTIVATIONS, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, Sizes, Tape, prod,
@@ -53,8 +53,7 @@ def model_states(tape: Tape, config: ModelConfig, stage: Stage, z: Sizes) -> Non
         tape.add(name, category, states.get(name, 0), why)
     tape.add("optimizer/step", OPTIMIZER, 4, "torch's AdamW counts steps in a 0-d fp32 tensor")
     if config.moe_router_enable_expert_bias:  # buffers, which MemTracker files with the parameters
-        tape.add("states/router buffers", PARAMETERS, 2 * 4 * config.num_experts * moe_layers_held(config, stage),
-                 "each MoE layer's TopKRouter keeps expert_bias and local_tokens_per_expert, fp32 (E,) buffers")
+        tape.add("states/router buffers", PARAMETERS, router_buffer_bytes(config, stage), ROUTER_BUFFERS_WHY)
 
 
 # -- the model's two ends ---------------------------------------------------------------------------------
