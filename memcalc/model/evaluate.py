@@ -66,6 +66,7 @@ def mla_sizes(config: Any) -> dict[Dim, Any]:
         Dim.QR: config.q_lora_rank or 0, Dim.KVR: config.kv_lora_rank, Dim.DR: config.qk_rope_head_dim,
         Dim.KVD: config.kv_lora_rank + config.qk_rope_head_dim,
         Dim.QK: config.qk_nope_head_dim + config.qk_rope_head_dim, Dim.DV: config.v_head_dim,
+        Dim.NV: config.qk_nope_head_dim + config.v_head_dim,
     }
 
 

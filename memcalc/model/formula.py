@@ -65,6 +65,8 @@ def dim_expr(dim: Dim, knobs: Knobs) -> sympy.Expr:
         return d_n + d_r
     if dim is Dim.KVD:
         return r_kv + d_r
+    if dim is Dim.NV:
+        return d_n + d_v
     if dim is Dim.FE:
         return e if knobs.moe_ffn_hidden_size is not None else dim_expr(Dim.F, knobs)
     if dim is Dim.R:

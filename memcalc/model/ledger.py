@@ -50,6 +50,7 @@ class Dim(Enum):
     DR = "d_r"  # the RoPE part of each query/key head (qk_rope_head_dim), shared by every head for keys
     QK = "d_n+d_r"  # one query/key head: its no-RoPE part (qk_nope_head_dim) and its RoPE part
     DV = "d_v"  # one value head (v_head_dim)
+    NV = "d_n+d_v"  # one head of the key/value up projection's output: its keys' no-RoPE part and its value
     S1 = "s+1"  # the keys and one more column: gpt-oss's attention sink joined to each query's scores
     HALF_D = "d/2"  # half a head: gpt-oss's RoPE tables, one channel of each rotated pair
 
