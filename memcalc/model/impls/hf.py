@@ -749,9 +749,9 @@ def repeat_kv_copies(sizes: dict[Any, Any], t: Any) -> Any:
 
 
 def batched(sizes: dict[Any, Any], t: Any) -> Any:
-    """Whether GPT-NeoX's (multi-head Falcon's, DeepSeek's) eager matmul copies V, a (b, a, s, d) view of a fused output:
-    unless its b and a/t axes merge into a bmm batch as a view, which they do when either is 1 or s = 1 (then b's
-    stride is a times a's; found for Falcon by the differential test)."""
+    """Whether GPT-NeoX's (multi-head Falcon's, DeepSeek's) eager matmul copies V, a (b, a, s, d) view of a fused
+    output: unless its b and a/t axes merge into a bmm batch as a view, which they do when either is 1 or s = 1 (then
+    b's stride is a times a's; found for Falcon and DeepSeek by the differential test)."""
     return (sizes[Dim.B] != 1) & (sizes[Dim.A] // t != 1) & (sizes[Dim.S] != 1)
 
 
