@@ -328,6 +328,13 @@ MLA_V = SavedTensor(
     (Dim.B, Dim.A, Dim.S, Dim.DV), Kind.ACTIVATION, Region.TENSOR,
     "the gradient of the attention weights is dOut V^T",
 )
+# V is a d_v-wide split of each head of the key/value up projection's output: where the core keeps it as that view (a
+# size condition of the implementation's says where), the whole output is kept in V's place.
+MLA_KV_UP_OUT = SavedTensor(
+    "mla/kv_up_out", "core attention (weights x V) where V is a view of it: the key/value up projection's output",
+    (Dim.B, Dim.S, Dim.A, Dim.NV), Kind.ACTIVATION, Region.TENSOR,
+    "the gradient of the attention weights is dOut V^T: V is read from the output it views",
+)
 MLA_PROJ_IN = SavedTensor(
     "mla/proj_in", "output projection (row-parallel), on a heads of d_v", (Dim.B, Dim.S, Dim.A, Dim.DV),
     Kind.ACTIVATION, Region.TENSOR, PROJ_IN.why,

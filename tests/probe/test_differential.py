@@ -100,7 +100,8 @@ _HF_GPT_OSS = _knobs(dropout=DROPOUT, dtype=DTYPES, recompute=st.sampled_from(("
 SUBJECTS = (
     Subject("megatron", "megatron.core", {"impl": "megatron"}, _MEGATRON),
     Subject("megatron latent attention", "megatron.core", {"impl": "megatron"}, _MEGATRON_MLA, gqa=False, extra=MLA,
-            known="at b = s = 1 V is kept as a view of a larger storage: not modelled yet"),
+            known="tp-sp at b = 1, s = t: the KV latent's scattered shard is a view, the norm keeps kv_down's gathered"
+            " output: not modelled yet"),
     Subject("megatron moe", "megatron.core", {"impl": "megatron", "norm": "rmsnorm", "mlp": "swiglu", "dropout": 0.0,
                                               "num_experts": 4, "add_bias_linear": False}, _MEGATRON_MOE, moe=True,
             known="eager GQA at b = 1 with one K/V group per rank keeps the QKV output for the query: not modelled"

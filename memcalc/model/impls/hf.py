@@ -219,13 +219,6 @@ MLA_ROPE_SIN = SavedTensor(
     "mla/rope_sin", "apply_rotary_pos_emb(_interleave): rotate_half(x) * sin", (Dim.S, Dim.DR), Kind.ACTIVATION,
     _SEQ, "the gradient of rotate_half(x) in rotate_half(x) * sin is dY * sin", paper=False, stage="model",
 )
-# V is torch.split(kv_b_proj(.).view(b, s, a, d_n + d_v).transpose(1, 2))[1], a (b, a, s, d_v) view; where its b
-# and a axes merge into a bmm batch as a view (`batched`) matmul keeps it, and with it kv_b_proj's whole output.
-MLA_KV_UP_OUT = SavedTensor(
-    "mla/kv_up_out", "DeepseekV3Attention's eager matmul(weights, v) where b = 1, one head or one token: kv_b_proj's"
-    " output, of which v is a view", (Dim.B, Dim.S, Dim.A, Dim.NV), Kind.ACTIVATION, _TEN,
-    "the gradient of the attention weights is dOut V^T: V is read from the output it views",
-)
 
 # GPTNeoXAttention (and Phi3Attention, partial_rotary_factor < 1): RoPE on the first d_r = d * rotary_pct channels of
 # each query and key head (q[..., :d_r] * cos, rotate_half(.) * sin, then concatenated with the rest): the model's
@@ -1311,12 +1304,12 @@ IMPLEMENTATION = Implementation(
         SizeCondition(
             ledger.MLA_V, "DeepSeek's eager matmul copies V, a (b, a, s, d_v) view of kv_b_proj's output, unless b = 1,"
             " one head or one token: then b and a merge into a bmm batch as a view and it keeps the whole output",
-            kept=batched, instead=MLA_KV_UP_OUT,  # found by the differential test
+            kept=batched, instead=ledger.MLA_KV_UP_OUT,  # found by the differential test
         ),
     ),
     tensors=(
         *LN1_RMS, *LN2_RMS, *Q_NORM_RMS, *K_NORM_RMS,
-        ROPE_COS, ROPE_SIN, *MLA_Q_RMS, *MLA_KV_RMS, MLA_ROPE_COS, MLA_ROPE_SIN, MLA_KV_UP_OUT, K_EXPANDED, V_EXPANDED, SOFTMAX_FP32, WEIGHTS, *SDPA_MATH,
+        ROPE_COS, ROPE_SIN, *MLA_Q_RMS, *MLA_KV_RMS, MLA_ROPE_COS, MLA_ROPE_SIN, ledger.MLA_KV_UP_OUT, K_EXPANDED, V_EXPANDED, SOFTMAX_FP32, WEIGHTS, *SDPA_MATH,
         HALF_X, TANH_OUT, ONE_PLUS_TANH, *MOE_TENSORS, NEOX_ROPE_COS, NEOX_ROPE_SIN, NEOX_QKV_OUT, *GPTJ_ROPE, GPTJ_Q,
         GPTJ_K,
     *OLMO2_ATTN_OUT, *OLMO2_MLP_OUT, *OLMO2_Q_NORM, *OLMO2_K_NORM, SDPA_OUT,

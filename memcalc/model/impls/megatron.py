@@ -229,7 +229,7 @@ TENSORS: tuple[SavedTensor, ...] = (  # megatron's own
     AUX_SIGMOID_SCORES, AUX_SIGMOID_DENOMINATOR, AUX_TOKENS_PER_EXPERT, AUX_LOSS, AUX_LOSS_SIGMOID, CAPACITY_MASK,
     ROUTING_MAP, PROBS_T, PERMUTE_INDICES, PAD_PROBS_INDICES, GATHERED_ROUTING_MAP, GATHERED_PROBS_T,
     GATHERED_PERMUTE_INDICES, EXPERT_UP_COPY, SHARED_UP_COPY, EXPERT_ACT_OUT, EXPERT_PROBS, *MLA_ROPE,
-    MLA_KV_DOWN_VIEW, MLA_Q_LATENT_GATHERED,
+    MLA_KV_DOWN_VIEW, MLA_Q_LATENT_GATHERED, ledger.MLA_KV_UP_OUT,
 )
 
 
@@ -461,6 +461,13 @@ CONDITIONS = (
         " output: get_query_key_value_tensors' reshape is a view, no query copy is made, and the query's columns are"
         " the query itself",
         kept=lambda sizes, t: sizes[Dim.G] // t > 1,
+    ),
+    SizeCondition(
+        ledger.MLA_V, "MLASelfAttention's value.contiguous() copies V, a d_v-wide split of linear_kv_up_proj's (s, b,"
+        " a/t, d_n + d_v) output, unless b = s = 1 with one head on the rank: V is then contiguous as it is, and the"
+        " core keeps that view, with the whole output",
+        kept=lambda sizes, t: (sizes[Dim.B] > 1) | (sizes[Dim.S] > 1) | (sizes[Dim.A] // t > 1),
+        instead=ledger.MLA_KV_UP_OUT,  # found by the differential test
     ),
 )
 

@@ -828,7 +828,7 @@ def _latent_attention_rules(config: ModelConfig) -> tuple[Rule, ...]:
           for r in _rms_rules("self_attn.kv_a_layernorm", rules.MLA_KV_RMS)),  # in fp32, a view of kv_a's output
         Rule("self_attn.kv_b_proj", "linear", ledger.MLA_KV_UP_IN, arg=0, view=lambda x: x.flatten(1, 2)),  # (b, 1, s, r)
         *_core_rules("self_attn", config, (ledger.MLA_Q, ledger.MLA_K, ledger.MLA_V)),
-        Rule("self_attn", "matmul", rules.MLA_KV_UP_OUT, nth=1, arg=1,  # where matmul keeps V as a view of it
+        Rule("self_attn", "matmul", ledger.MLA_KV_UP_OUT, nth=1, arg=1,  # where matmul keeps V as a view of it
              view=lambda v: v._base.view(config.b, config.s, config.a, -1)),
         Rule("self_attn.o_proj", "linear", ledger.MLA_PROJ_IN, arg=0, view=lambda x: x.unflatten(-1, (config.a, -1))),
     )

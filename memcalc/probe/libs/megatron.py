@@ -378,7 +378,11 @@ def _latent_rules(config: ModelConfig, t: int) -> list[Rule]:
         Rule("*linear_kv_up_proj", "forward", ledger.MLA_KV_UP_IN, arg=0, view=batch_first),
         *rope,
         *(Rule("*core_attention", "forward", x, arg=i, view=_heads_first)  # the contiguous query, key, value
-          for i, x in enumerate((ledger.MLA_Q, ledger.MLA_K, ledger.MLA_V))),
+          for i, x in enumerate((ledger.MLA_Q, ledger.MLA_K))),
+        Rule("*core_attention", "forward", ledger.MLA_V, arg=2,  # a copy unless contiguous() left it a view
+             view=lambda v: _heads_first(v) if v._base is None else None),
+        Rule("*core_attention", "forward", ledger.MLA_KV_UP_OUT, arg=2,  # what V, left a view, keeps
+             view=lambda v: None if v._base is None else batch_first(v._base.view(*v.shape[:3], -1))),
         Rule("*linear_proj", "forward", ledger.MLA_PROJ_IN, arg=0,
              view=lambda x: batch_first(x).unflatten(-1, (heads, -1))),
     ]
