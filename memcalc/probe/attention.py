@@ -66,7 +66,8 @@ class SelfAttention(nn.Module):
         if self.qk_norm:
             q, k = self._normed(q, k, v, columns)
             columns = ()  # held beside the key norm's input
-        for tensor, saved in ((q, ledger.Q), (k, ledger.K), (v, ledger.V)):
+        copied = not self.flash and self.heads_per_group > 1 and not self.recompute and not self.qk_norm
+        for tensor, saved in ((q, megatron.QUERY_COPY if copied else ledger.Q), (k, ledger.K), (v, ledger.V)):
             if not self._query_views_qkv(x.shape[1]):  # else views of one storage, which _split_heads labelled
                 label(tensor, saved)
         context = checkpoint(self._core, q, k, v, *columns) if self.recompute else self._core(q, k, v)
