@@ -66,8 +66,10 @@ class SelfAttention(nn.Module):
         if self.qk_norm:
             q, k = self._normed(q, k, v, columns)
             columns = ()  # held beside the key norm's input
-        for tensor, saved in ((q, ledger.Q), (k, ledger.K), (v, ledger.V)):
-            label(tensor, saved)
+        copied = not self.flash and self.heads_per_group > 1 and not self.recompute and not self.qk_norm
+        for tensor, saved in ((q, megatron.QUERY_COPY if copied else ledger.Q), (k, ledger.K), (v, ledger.V)):
+            if not self._query_views_qkv(x.shape[1]):  # else views of one storage, which _split_heads labelled
+                label(tensor, saved)
         context = checkpoint(self._core, q, k, v, *columns) if self.recompute else self._core(q, k, v)
         label(batch_first(context).unflatten(-1, (-1, self.head_dim)), ledger.PROJ_IN)  # (b, s, a/t, d)
         return self.proj(context)
@@ -106,10 +108,20 @@ class SelfAttention(nn.Module):
         """(s, b, g/t * (a/g + 2) * d) -> q (b, a/t, s, d), k and v (b, g/t, s, d), each its own storage."""
         s, b, _ = mixed.shape
         groups = mixed.view(s, b, -1, self.heads_per_group + 2, self.head_dim)  # (s, b, g/t, a/g + 2, d)
+        if self._query_views_qkv(b):  # (b, a/t + 2, s, d), one storage: q, k, v views of it, as megatron's
+            whole = groups.permute(1, 2, 3, 0, 4).clone(memory_format=torch.contiguous_format).flatten(1, 2)
+            label(whole.transpose(1, 2), megatron.QKV_OUT)
+            return tuple(whole.split([self.heads_per_group, 1, 1], dim=1))
         parts = groups.split([self.heads_per_group, 1, 1], dim=3)
         # (s, b, g/t, n, d) -> (b, g/t, n, s, d) -> (b, g/t * n, s, d); clone: always a storage of its own
         q, k, v = (p.permute(1, 2, 3, 0, 4).clone(memory_format=torch.contiguous_format) for p in parts)
         return tuple(x.view(b, -1, s, self.head_dim) for x in (q, k, v))
+
+    def _query_views_qkv(self, b: int) -> bool:
+        """Whether megatron's eager QK^T keeps its query as a view of the fused QKV output (one K/V group per rank,
+        b = 1, nothing copying the query between: impls.megatron.CONDITIONS), so the whole output with it."""
+        return (not self.flash and self.heads_per_group > 1 and self.groups_per_rank == 1 and b == 1
+                and not self.recompute and not self.qk_norm)
 
 
 def _per_head(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -121,9 +121,11 @@ def test_gqa_with_flash_attention_shrinks_k_and_v_by_groups_over_heads():
 
 def test_gqa_in_megatrons_eager_attention_expands_k_and_v_to_every_head_and_saves_nothing():
     mha, gqa = _by_name(), _by_name(num_query_groups=G)
-    assert set(mha) - set(gqa) == {"attention/k", "attention/v"}
-    assert set(gqa) - set(mha) == {"attention/k_expanded", "attention/v_expanded"}
-    assert gqa["attention/k_expanded"] == mha["attention/k"] and sum(gqa.values()) == sum(mha.values())
+    # the query, a view of the fused QKV output multi-head, is the core's copy of it under GQA (b > 1 here)
+    assert set(mha) - set(gqa) == {"attention/q", "attention/k", "attention/v"}
+    assert set(gqa) - set(mha) == {"attention/q_copy", "attention/k_expanded", "attention/v_expanded"}
+    assert gqa["attention/q_copy"] == mha["attention/q"] and gqa["attention/k_expanded"] == mha["attention/k"]
+    assert sum(gqa.values()) == sum(mha.values())
 
 
 def test_query_groups_equal_to_heads_is_plain_multi_head_attention():

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from memcalc.config.schema import ModelConfig, build_config
 from memcalc.model.evaluate import dim_sizes, estimate
-from memcalc.model.impls.megatron import FUSED_SOFTMAX
+from memcalc.model.impls.megatron import CONDITIONS, FUSED_SOFTMAX
 from memcalc.model.knobs import Accounting
 from memcalc.model.ledger import Dim
 from memcalc.model.strategy import NONE, TP, TP_SP
@@ -83,8 +83,9 @@ def test_more_than_one_gpu_makes_tp_sp_strictly_smaller(fields, accounting):
 @given(configs(), accountings, st.integers(2, 9))
 def test_memory_is_linear_in_the_micro_batch(fields, accounting, k):
     # Every term with a batch dimension; megatron's fp32 causal mask, (s, s), is one per layer.
-    # Megatron's fused softmax runs only where b*a/t fills its blocks: compare b values where its choice agrees.
-    assume(len({_fused_softmax_runs(fields | {"b": b}) for b in (1, k)}) == 1)
+    # Megatron's fused softmax runs only where b*a/t fills its blocks, and at b = 1 its eager GQA core's query can be a
+    # view of the fused QKV output (impls.megatron.CONDITIONS): compare b values where these choices agree.
+    assume(len({_size_choices(fields | {"b": b}) for b in (1, k)}) == 1)
     one = _batch_terms(build_config(fields | {"b": 1}), accounting)
     many = _batch_terms(build_config(fields | {"b": k}), accounting)
     assert many == [k * x for x in one]
@@ -94,6 +95,13 @@ def _fused_softmax_runs(fields: dict) -> tuple[bool, ...]:
     """Whether the fused softmax runs under each strategy's split (t = 1 for none)."""
     config = build_config(fields)
     return tuple(bool(FUSED_SOFTMAX.runs(dim_sizes(config), t)) for t in (1, config.t))
+
+
+def _size_choices(fields: dict) -> tuple[bool, ...]:
+    """Whether the fused softmax runs, and each size condition keeps its tensor, under each strategy's split."""
+    config = build_config(fields)
+    kept = tuple(bool(c.kept(dim_sizes(config), t)) for c in CONDITIONS for t in (1, config.t))
+    return (*_fused_softmax_runs(fields), *kept)
 
 
 def _batch_terms(config: ModelConfig, accounting: Accounting) -> list[int]:

@@ -103,9 +103,7 @@ SUBJECTS = (
             known="tp-sp at b = 1, s = t: the KV latent's scattered shard is a view, the norm keeps kv_down's gathered"
             " output: not modelled yet"),
     Subject("megatron moe", "megatron.core", {"impl": "megatron", "norm": "rmsnorm", "mlp": "swiglu", "dropout": 0.0,
-                                              "num_experts": 4, "add_bias_linear": False}, _MEGATRON_MOE, moe=True,
-            known="eager GQA at b = 1 with one K/V group per rank keeps the QKV output for the query: not modelled"
-                  " yet"),
+                                              "num_experts": 4, "add_bias_linear": False}, _MEGATRON_MOE, moe=True),
     Subject("torchtitan", "torchtitan", {"impl": "torchtitan"}, _TORCHTITAN),
     Subject("torchtitan moe", "torchtitan", {"impl": "torchtitan", "recompute": "none", "num_experts": 4},
             _TORCHTITAN_MOE, moe=True, align=8),

@@ -32,6 +32,20 @@ QKV_QUERY_COLUMNS = SavedTensor(
     Kind.ACTIVATION, Region.TENSOR,
     "K and V are kept as views of the fused QKV output, which keeps its query columns alive beside the query copy",
 )
+# DotProductAttention (local) folds the query to (sq, b*np, hn) for QK^T. Under GQA get_query_key_value_tensors'
+# query is the fused QKV output's query columns: a copy with several K/V groups per rank, else (g = t) a view whose
+# heads are d apart and whose tokens (b) are a/t+2 heads apart. Folding b into the heads copies that view; at b = 1
+# it stays a view, and QK^T keeps the whole fused output, K's and V's columns too: CONDITIONS.
+QUERY_COPY = SavedTensor(
+    "attention/q_copy", "QK^T under GQA: the query heads' copy (get_query_key_value_tensors' query.reshape with"
+    " several K/V groups per rank, else DotProductAttention's query.reshape(sq, b*np, hn))", _BASD,
+    Kind.ACTIVATION, Region.TENSOR, "the gradient of K in QK^T is dScores^T Q: the query heads, folded into a copy",
+)
+QKV_OUT = SavedTensor(
+    "attention/qkv_out", "DotProductAttention at b = 1, one K/V group per rank: QK^T's query is a view of the fused"
+    " QKV output", (Dim.B, Dim.S, Dim.QKV, Dim.D), Kind.ACTIVATION, Region.TENSOR,
+    "the gradient of K in QK^T is dScores^T Q: Q is read from the fused output it views, kept whole",
+)
 SWIGLU_UP_COPY = SavedTensor(
     "mlp/up_plus_offset", "MLP glu(): SiLU(gate) * (up + glu_linear_offset)", (Dim.B, Dim.S, Dim.F),
     Kind.ACTIVATION, Region.TENSOR, "`up + offset` is a new tensor (even for offset 0); the product's dSiLU needs it",
@@ -224,7 +238,7 @@ MLA_Q_NORM = ledger.MLA_Q_NORM._replace(input=MLA_Q_LATENT_GATHERED)
 MLA_KV_NORM = ledger.MLA_KV_NORM._replace(input=MLA_KV_DOWN_VIEW)
 
 TENSORS: tuple[SavedTensor, ...] = (  # megatron's own
-    K_EXPANDED, V_EXPANDED, QKV_QUERY_COLUMNS, SWIGLU_UP_COPY, CAUSAL_MASK, SOFTMAX_FP32,
+    K_EXPANDED, V_EXPANDED, QUERY_COPY, QKV_OUT, QKV_QUERY_COLUMNS, SWIGLU_UP_COPY, CAUSAL_MASK, SOFTMAX_FP32,
     TOPK_PROBS, ALL_PROBS, SIGMOID_SCORES, TOPK_SCORES, TOPK_DENOMINATOR, BIASED_CHOICE_SCORES, AUX_SCORES,
     AUX_SIGMOID_SCORES, AUX_SIGMOID_DENOMINATOR, AUX_TOKENS_PER_EXPERT, AUX_LOSS, AUX_LOSS_SIGMOID, CAPACITY_MASK,
     ROUTING_MAP, PROBS_T, PERMUTE_INDICES, PAD_PROBS_INDICES, GATHERED_ROUTING_MAP, GATHERED_PROBS_T,
@@ -268,7 +282,7 @@ def query_key_value(knobs: Any) -> tuple[SavedTensor, ...]:
     if knobs.recompute == "selective":
         # The checkpoint's inputs, expanded in backward (with one K/V group per rank, Q, K, V alone: CONDITIONS).
         return (ledger.Q, ledger.K, ledger.V, QKV_QUERY_COLUMNS)
-    return (ledger.Q, K_EXPANDED, V_EXPANDED)
+    return (QUERY_COPY, K_EXPANDED, V_EXPANDED)  # at b = 1 with g = t, the fused output in Q's place: CONDITIONS
 
 
 def normed_query_key_value(knobs: Any) -> tuple[SavedTensor, ...]:
@@ -468,6 +482,12 @@ CONDITIONS = (
         " core keeps that view, with the whole output",
         kept=lambda sizes, t: (sizes[Dim.B] > 1) | (sizes[Dim.S] > 1) | (sizes[Dim.A] // t > 1),
         instead=ledger.MLA_KV_UP_OUT,  # found by the differential test
+    ),
+    SizeCondition(
+        QUERY_COPY, "with one K/V group per rank (g = t) and b = 1, DotProductAttention's query.reshape(sq, b*np, hn)"
+        " of that query view is a view too (only b's stride stood in the way): QK^T keeps the whole fused QKV output"
+        " in the query copy's place",
+        kept=lambda sizes, t: (sizes[Dim.B] > 1) | (sizes[Dim.G] // t > 1), instead=QKV_OUT,
     ),
 )
 

@@ -366,6 +366,14 @@ def _query_copied(config: ModelConfig, t: int) -> bool:
     return config.groups != config.a and config.groups // t > 1
 
 
+def _query_views_qkv(config: ModelConfig, t: int) -> bool:
+    """Whether eager QK^T's query is a view of the QKV output under GQA: get_query_key_value_tensors' query is one
+    (one K/V group per rank), no norm copies it, and DotProductAttention's reshape(sq, b*np, hn) keeps it one, as
+    there is one token (b = 1) whose a+2g-head stride would stand in the way."""
+    return (config.groups != config.a and config.attention == "eager" and config.recompute == "none"
+            and not config.qk_layernorm and not _query_copied(config, t) and config.b == 1)
+
+
 def _latent_rules(config: ModelConfig, t: int) -> list[Rule]:
     """MLASelfAttention: x, the up projections' inputs, RoPE's four cast tables, the contiguous Q, K, V, the
     projection input (the latent norms label themselves: SequenceParallelNorm)."""
@@ -410,9 +418,11 @@ def _attention_rules(config: ModelConfig, t: int) -> tuple[Rule, ...]:
     if gqa and config.recompute == "selective" and not config.qk_layernorm:
         if _query_copied(config, t):  # the checkpoint keeps the query copy beside the whole QKV output
             rules_.append(Rule("*self_attention", "reshape", ledger.Q, view=_heads_first))
-    elif gqa:  # QK^T keeps a query copy, the core expands K and V to every head
+    elif gqa:  # QK^T keeps a query copy (or the QKV output it views), the core expands K and V to every head
         rules_ += [
-            Rule("*core_attention", "reshape", ledger.Q, view=lambda q: _heads_first(q.unflatten(1, (config.b, -1)))),
+            *((Rule("*core_attention", "reshape", rules.QUERY_COPY,
+                    view=lambda q: _heads_first(q.unflatten(1, (config.b, -1)))),)
+              if not config.qk_layernorm and not _query_views_qkv(config, t) else ()),  # the norm labels its output
             Rule("*core_attention", "repeat_interleave", rules.K_EXPANDED, nth=0, view=_heads_first),
             Rule("*core_attention", "repeat_interleave", rules.V_EXPANDED, nth=1, view=_heads_first),
         ]
@@ -577,7 +587,8 @@ def _splits(config: ModelConfig, t: int) -> dict[str, tuple[tuple[SavedTensor, i
     key = ledger.K_NORM.input if normed else ledger.K
     per_head = (b, heads, s, d)
     return {
-        _QKV_OUT.name: (
+        _QKV_OUT.name: ((rules.QKV_OUT, heads + 2 * groups, (b, s, heads + 2 * groups, d)),)
+        if _query_views_qkv(config, t) else (
             (query, heads, per_head), (key, groups, (b, groups, s, d)), (ledger.V, groups, (b, groups, s, d)),
         ),
         _FC1_OUT.name: ((ledger.SWIGLU_GATE, 1, (b, s, ffn)), (ledger.SWIGLU_UP, 1, (b, s, ffn))),

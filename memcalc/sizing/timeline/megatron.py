@@ -242,14 +242,16 @@ def _attention(ops: list[Op], config: ModelConfig, z: Sizes, dcontext: str, has:
     makes again what the core keeps, and when it returns its inputs, its rerun's output and dY go.
     """
     selective = config.recompute == "selective"
+    # what QK^T keeps of the query beside q: the core's copy, or the fused QKV output it views (impls.megatron)
+    query = tuple(x for x in (megatron.QUERY_COPY, megatron.QKV_OUT) if has(x.name))
     core: list[Op] = []
     if config.attention == "flash":
         k, v = _flash(core, z, () if selective else (dcontext,), selective)
     else:
-        k, v = _eager(core, z, () if selective else (dcontext,), has, fused_softmax(config, z))
+        k, v = _eager(core, z, () if selective else (dcontext,), has, fused_softmax(config, z), (*query, ledger.Q))
     if selective:
         checkpoint = (ledger.Q, ledger.K, ledger.V, megatron.QKV_QUERY_COLUMNS)
-        held = {x.name for x in checkpoint}
+        held = {x.name for x in (*checkpoint, *query)}  # the rerun's query: a view of the checkpoint's q
         again = {x.name: x for op in core for x in op.saves if x.name not in held}.values()
         what = "the flash kernel's" if config.attention == "flash" else "the attention core's"
         ops.append(backward_only("attention", Step(f"selective recomputation: {what} forward again", (
@@ -299,9 +301,11 @@ def _flash(ops: list[Op], z: Sizes, frees: tuple[str, ...], selective: bool) -> 
     return "grad/k", "grad/v"
 
 
-def _eager(ops: list[Op], z: Sizes, frees: tuple[str, ...], has: Has, fused_softmax: bool) -> tuple[str, str]:
+def _eager(ops: list[Op], z: Sizes, frees: tuple[str, ...], has: Has, fused_softmax: bool,
+           query: tuple[SavedTensor, ...]) -> tuple[str, str]:
     """softmax(QK^T / sqrt(d)) V backward, op by op (memcalc.probe.attention.eager_core), in backward order; `frees`:
-    what weights x V's backward frees (dY, unless a checkpoint holds it). Returns dK's and dV's names."""
+    what weights x V's backward frees (dY, unless a checkpoint holds it); `query`: what QK^T keeps of the query
+    (those the layer keeps go). Returns dK's and dV's names."""
     bass = z.b * z.a_t * z.s * z.s  # (b, a/t, s, s) elements
     basd = z.act * z.b * z.a_t * z.s * z.d  # (b, a/t, s, d) bytes
     expanded = has(megatron.K_EXPANDED.name)  # K and V copied to every head (grouped-query attention)
@@ -326,7 +330,7 @@ def _eager(ops: list[Op], z: Sizes, frees: tuple[str, ...], has: Has, fused_soft
         Made("grad/q", basd, "QK^T's backward: dQ = dScores K, then scaled (a new tensor)"),
         Made("grad/k unscaled", basd, "QK^T's backward: dK = dScores^T Q"),
         Made("grad/k", basd, "dK scaled by 1/sqrt(d), a new tensor")), frees=("grad/scores", "grad/k unscaled")),
-        saves=(ledger.Q, k)))
+        saves=(*query, k)))
     if not expanded:
         return "grad/k", "grad/v"
     bgsd = z.act * z.b * z.g_t * z.s * z.d
