@@ -204,6 +204,10 @@ class _JoinFailed(ProbeError):
     """A rank could not form the process group before fn ran: worth one fresh attempt."""
 
 
+class _RankFailed(ProbeError):
+    """A rank's own report of an exception."""
+
+
 def run_spawned(
     fn: RankFn,
     args: Sequence[Any],
@@ -398,8 +402,41 @@ def _collect(workers: list, job: _Job, deadline: float) -> list[Any]:
             )
         for rank, (process, receiver) in waiting.items():
             if receiver in ready:
-                results[rank] = _received(rank, process, receiver, job)
+                try:
+                    results[rank] = _received(rank, process, receiver, job)
+                except _RankFailed as failed:
+                    _raise_a_silent_death(workers, {rank, *results}, job, failed)
+                    raise
     return [results[rank] for rank in range(job.t)]
+
+
+# A rank's failure is often a peer's death seen from its side (a collective's connection reset by the peer): how long
+# the other ranks are given to show a death without a result, which is then reported as the cause.
+_PEER_GRACE_S = 2.0
+
+
+def _raise_a_silent_death(workers: list, done: set[int], job: _Job, failed: ProbeError) -> None:
+    """The ProbeError of a rank (not in `done`) that dies without a result within the grace, the failure chained;
+    nothing if none does."""
+    others = {rank: worker for rank, worker in enumerate(workers) if rank not in done}
+    deadline = time.monotonic() + _PEER_GRACE_S
+    while others:
+        ready = connection.wait([r for _, r in others.values()], timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            return
+        for rank, (process, receiver) in list(others.items()):
+            if receiver in ready:
+                del others[rank]
+                try:
+                    receiver.recv_bytes()
+                except EOFError:
+                    raise _died(rank, process, job) from failed
+
+
+def _died(rank: int, process: multiprocessing.Process, job: _Job) -> ProbeError:
+    process.join(timeout=1.0)
+    return ProbeError(f"rank {rank} of t={job.t} ({job.backend}) died without a result (exit code {process.exitcode})")
+
 
 
 def _received(rank: int, process: multiprocessing.Process, receiver: connection.Connection, job: _Job) -> Any:
@@ -408,14 +445,13 @@ def _received(rank: int, process: multiprocessing.Process, receiver: connection.
     try:
         status, *payload = pickle.loads(receiver.recv_bytes())
     except EOFError:
-        process.join(timeout=1.0)
-        raise ProbeError(f"{who} died without a result (exit code {process.exitcode})") from None
+        raise _died(rank, process, job) from None
     if status == "ok":
         return payload[0]
     message, remote = payload
     if status == "unjoined":
         raise _JoinFailed(f"{who} could not join the process group: {message}") from _RemoteTraceback(remote)
-    raise ProbeError(f"{who} failed: {message}") from _RemoteTraceback(remote)
+    raise _RankFailed(f"{who} failed: {message}") from _RemoteTraceback(remote)
 
 
 def _stop(workers: list, grace_s: float) -> None:

@@ -73,6 +73,22 @@ def test_a_hung_rank_times_out_instead_of_hanging_the_caller():
     assert multiprocessing.active_children() == []
 
 
+def _rank_0_fails_as_rank_1_dies(tp) -> None:
+    if tp.rank == 1:
+        time.sleep(0.3)
+        os._exit(3)
+    raise RuntimeError("Connection reset by peer")  # what a collective says when its peer is gone
+
+
+@pytest.mark.procs
+def test_a_failure_that_a_peers_silent_death_explains_is_reported_as_that_death():
+    """The peer's death is the cause (its failure chained), whichever message reaches the launcher first."""
+    with pytest.raises(ProbeError, match=r"rank 1 of t=2 \(gloo\) died without a result \(exit code 3\)") as caught:
+        run_spawned(_rank_0_fails_as_rank_1_dies, (), t=2, timeout_s=30)
+    assert str(caught.value.__cause__).startswith("rank 0 of t=2 (gloo) failed: RuntimeError: Connection reset")
+    assert multiprocessing.active_children() == []
+
+
 @pytest.mark.procs
 def test_a_rank_that_dies_silently_is_reported_with_its_exit_code():
     with pytest.raises(ProbeError, match=r"rank 1 of t=2 \(gloo\) died without a result \(exit code 3\)"):
