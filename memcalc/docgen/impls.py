@@ -47,7 +47,7 @@ def render(impl: Implementation) -> str:
 def _intro(impl: Implementation, knobs: Knobs) -> str:
     from memcalc.cli.render import describe_knobs
 
-    whole = ", ".join(f"`{n}`" for n in sorted(impl.kept_whole)) or "none"
+    whole = ", ".join(f"`{n}`" for n in sorted(impl.tp_plan(knobs).kept_whole())) or "none"
     return "\n".join([
         f"# `--impl {impl.name}`: {impl.title}",
         "",

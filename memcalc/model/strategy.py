@@ -73,13 +73,16 @@ class Strategy:
         return tuple(forms.get(x.name, x) for x in tensors)
 
     def planned(self, impl: Implementation, knobs: Any) -> Strategy:
-        """This layout as `impl` runs `knobs`: under TP, the tensors its plan leaves unsharded (`unsharded`) stay
-        whole; under SP, the tensors it keeps gathered stay whole too, and the tensors it keeps in another form
+        """This layout as `impl` runs `knobs`: under TP, the tensors its TP plan leaves unsharded stay whole; under
+        SP, the tensors the plan keeps gathered stay whole too, and the tensors it keeps in another form
         (`sequence_parallel_forms`) are kept in that form."""
-        whole = impl.unsharded(knobs) if self.tensor_parallel else frozenset()
+        if not self.tensor_parallel:
+            return self
+        tp_plan = impl.tp_plan(knobs)
+        whole = tp_plan.unsharded()
         forms: tuple[SavedTensor, ...] = ()
         if self.sequence_parallel:
-            whole |= impl.kept_whole
+            whole |= tp_plan.kept_whole()
             forms = tuple(x for x in impl.sequence_parallel_forms(knobs) if x not in self.forms)
         overridden = {name for name, _ in self.overrides}
         pinned = tuple((name, None) for name in sorted(whole - overridden))

@@ -18,6 +18,7 @@ from memcalc.model import ledger
 from memcalc.model.impls.base import Implementation, Refusal, SizeCondition, SizeRule, always, drop_small
 from memcalc.model.knobs import DTYPE_BYTES, Accounting
 from memcalc.model.ledger import Dim, Kind, Region, RMSNormTensors, SavedTensor
+from memcalc.model.tp_plan import ATTENTION, MLP, Pair, Rule, Style, TPPlan, pair
 
 _BSH = (Dim.B, Dim.S, Dim.H)
 _BSF = (Dim.B, Dim.S, Dim.F)
@@ -1182,7 +1183,7 @@ def _check_deepseek_moe(knobs: Any) -> None:
 # and routing weights, summing the ranks' outputs after it. No rule names the router: every rank routes every token alike, so each keeps
 # the router's tensors whole and gathers the same r rows, whole in h (Region.EXPERT's rule: only F_E is split).
 # Qwen2-MoE's gate_proj, up_proj and down_proj rules under mlp are a dense layer's Qwen2MoeMLP; the sparse block's
-# shared expert is mlp.shared_expert, which no rule names, so every rank runs it whole (`unsharded`).
+# shared expert is mlp.shared_expert, which no rule names, so every rank runs it whole (`tp_plan`).
 _TP_SOURCE = "transformers 5.24"
 NO_SEQUENCE_PARALLEL = Refusal(
     "tp-sp", always, "in any model",
@@ -1239,26 +1240,30 @@ LATENT_TP_NOT_MODELLED = Refusal(
 )
 
 
-def unsharded(knobs: Any) -> frozenset[str]:
-    """What tp keeps whole because transformers' plan names no module that makes it: Qwen2-MoE's shared expert
-    (its gate and combine lie outside any column/row pair, whole anyway); and what a family's plan gathers
-    (`Family.gathered`): every tensor of that block but the rowwise linear's input, which it splits."""
-    qwen2_moe = knobs.moe and knobs.moe_shared_expert_intermediate_size and not knobs.mla
-    whole = frozenset(x.name for x in SHARED_MLP) if qwen2_moe else frozenset()
-    return whole | _gathered(knobs)
-
-
-def _gathered(knobs: Any) -> frozenset[str]:
-    """The tensors of the blocks the family's plan runs whole on every rank ("colwise_gather_output"): the attention
-    (both cores, on either device, and the b = 1 fused output) or the MLP, less o_proj's and down_proj's inputs."""
+def tp_plan(knobs: Any) -> TPPlan:
+    """The family's base_model_tp_plan for its decoder layer: the Llama family's, a block the family's plan gathers
+    ("colwise_gather_output": every tensor of it whole but the rowwise linear's input), the experts' rules; and
+    Qwen2-MoE's shared expert, which no rule names (its gate and combine lie outside any pair, whole anyway)."""
     family = family_of(knobs)
-    if family is None:
-        return frozenset()
-    blocks = {"attention": lambda: (*(x for d in ("cpu", "cuda") for x in attention_block(knobs, Accounting(device=d))),
-                                    ledger.K, ledger.V, NEOX_QKV_OUT),  # and what REPEAT_KV keeps at b = 1
-              "mlp": lambda: mlp_block(knobs)}
-    split = {ledger.PROJ_IN.name, ledger.FC2_IN.name}
-    return frozenset(x.name for block in family.gathered for x in blocks[block]() if x.name not in split)
+    gathered = family.gathered if family else ()
+    qkv = ("qkv_proj",) if knobs.fused_qkv else ("q_proj", "k_proj", "v_proj")
+    gate_up = ("gate_up_proj",) if "mlp" in gathered else ("gate_proj", "up_proj")
+    shared = (Rule("mlp.shared_expert", Style.REPLICATED, whole=tuple(x.name for x in SHARED_MLP)),) \
+        if knobs.moe_shared_expert_intermediate_size and not knobs.mla else ()
+    mlp = (Rule("mlp.experts", Style.EXPERTS), *shared) if knobs.moe else _pair(knobs, MLP, gate_up, "down_proj", gathered)
+    return TPPlan((*_pair(knobs, ATTENTION, qkv, "o_proj", gathered), *mlp))
+
+
+def _pair(knobs: Any, p: Pair, colwise: tuple[str, ...], rowwise: str, gathered: tuple[str, ...]) -> tuple[Rule, ...]:
+    """One pair's rules, its modules under self_attn or mlp; where the family's plan gathers the block, every tensor
+    of it is whole (both cores, on either device, and the b = 1 fused output) but the rowwise linear's input."""
+    module = "self_attn" if p is ATTENTION else "mlp"
+    if p.name not in gathered:
+        return pair(p, tuple(f"{module}.{m}" for m in colwise), f"{module}.{rowwise}")
+    made = (*(x for d in ("cpu", "cuda") for x in attention_block(knobs, Accounting(device=d))), ledger.K, ledger.V,
+            NEOX_QKV_OUT) if p is ATTENTION else mlp_block(knobs)  # and what REPEAT_KV keeps at b = 1
+    whole = tuple(dict.fromkeys(x.name for x in made if x.name not in (ledger.PROJ_IN.name, ledger.FC2_IN.name)))
+    return pair(p, tuple(f"{module}.{m}" for m in colwise), f"{module}.{rowwise}", Style.COLWISE_GATHER_OUTPUT, whole)
 
 
 IMPLEMENTATION = Implementation(
@@ -1289,7 +1294,7 @@ IMPLEMENTATION = Implementation(
     layer_tensors=layer_tensors,
     refuses=(NO_SEQUENCE_PARALLEL, GPT2_NO_TP_PLAN, NEOX_TP_NOT_MODELLED, LATENT_TP_NOT_MODELLED, FALCON_NO_TP_PLAN,
              BLOOM_NO_TP_PLAN, COHERE_QK_NORM_NO_TP, GPT_OSS_NO_LAYER_TP_PLAN),
-    unsharded=unsharded,
+    tp_plan=tp_plan,
     check=check,
     check_sizes=check_sizes,
     size_rule=REPEAT_KV,

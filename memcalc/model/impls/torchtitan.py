@@ -15,6 +15,7 @@ from memcalc.model import ledger
 from memcalc.model.impls.base import Implementation, Refusal, SizeCondition, drop_small
 from memcalc.model.knobs import Accounting
 from memcalc.model.ledger import Dim, Kind, Region, RMSNormTensors, SavedTensor
+from memcalc.model.tp_plan import ATTENTION, MLP, Rule, Style, TPPlan, pair
 
 _BSH = (Dim.B, Dim.S, Dim.H)
 _SEQ = Region.SEQUENCE
@@ -87,7 +88,19 @@ MOE_TOPK_VALUES = SavedTensor(
     "op-level checkpointing keeps top-k's outputs so that the recompute routes each token as forward did; the"
     " values are unused, the scores are gathered from the softmax", paper=False,
 )
-KEPT_WHOLE = frozenset({QKV_IN.name, FC1_IN.name, FC2_OUT.name})
+
+
+def tp_plan(knobs: Any) -> TPPlan:
+    """Llama3's plan (set_llama3_sharding_config): norms sequence-parallel, wqkv, w1 and w3 colwise, wo and w2 rowwise.
+    Each block's entry gathers its input (in_dst_shardings Replicate), which the colwise linears keep; SelectiveAC
+    keeps w2's output before its reduce-scatter. With experts, Qwen3's MoE in the feed-forward's place."""
+    keeps = Style.COLWISE_KEEPS_INPUT
+    ffn = (Rule("moe", Style.EXPERTS),) if knobs.moe else (
+        Rule("feed_forward.w1", keeps, MLP, (FC1_IN.name,)), Rule("feed_forward.w3", keeps, MLP),
+        Rule("feed_forward.w2", Style.ROWWISE, MLP, (FC2_OUT.name,)))
+    return TPPlan((Rule("attention_norm", Style.SEQUENCE),
+                   *pair(ATTENTION, ("attention.qkv_linear.wqkv",), "attention.wo", keeps, (QKV_IN.name,)),
+                   Rule("ffn_norm", Style.SEQUENCE), *ffn))
 
 # -- The MoE block (torchtitan/models/common/moe.py: MoE), as its Qwen3 and DeepSeek-V3 decoder layers run it ------
 # TokenChoiceTopKRouter computes its gate under autocast(float32), so on CUDA the gate casts its weight and input
@@ -293,7 +306,7 @@ IMPLEMENTATION = Implementation(
     " shared experts) at ep 1 without recomputation, under FullAC and SelectiveAC, its router forced balanced and"
     " all-to-one",
     layer_tensors=layer_tensors,
-    kept_whole=KEPT_WHOLE,
+    tp_plan=tp_plan,
     tensors=(*LN1, *LN2, QKV_IN, FC1_IN, QKV_OUT, FC2_OUT, FLEX_MAX_SCORES, V_IN_QKV_OUT, *MOE_TENSORS, SHARED_FC2_OUT,
              MOE_TOPK_VALUES),
     size_conditions=CONDITIONS,
