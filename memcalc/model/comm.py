@@ -14,9 +14,9 @@ collective (or nothing):
 Under SP, Megatron's column-parallel linear keeps only its input's sequence
 shard, so its backward all-gathers the input once more to form dW = X^T dY (the
 seed's overlapped re-gather); a plan whose colwise module keeps the gathered
-input (torchtitan's DTensor plan) skips it. Full recomputation reruns the forward in
-backward, collectives included. Every collective of a dense layer moves a
-(b, s, h) tensor of the activation dtype.
+input (torchtitan's DTensor plan) skips it. Full recomputation reruns the
+forward in backward, collectives included. Every collective of a dense layer
+moves a (b, s, h) tensor of the activation dtype.
 
 A MoE layer (megatron-core's MoELayer, the all-to-all token dispatcher) keeps
 attention's collectives and trades the MLP's for the dispatcher's (`_experts`):
@@ -110,39 +110,31 @@ class Collective:
     kind: Kind = Kind.ACTIVATION  # what decides its element width: the activation dtype, or int64 token counts
 
 
-def _enter(block: str, what: str, sequence_parallel: bool) -> tuple[Collective, ...]:
-    """The operator at a colwise module's entry: f (tp) or g (tp-sp)."""
-    if sequence_parallel:
-        return (
-            Collective(f"{block}/g", "g", Op.ALL_GATHER, "forward", f"{what} (sequence shards)", _BSH,
-                       "the column-parallel linear needs every token of its input"),
-            Collective(f"{block}/g", "g", Op.REDUCE_SCATTER, "backward", f"the gradient of {what}", _BSH,
-                       "each rank's partial dX is summed and handed back as its sequence shard"),
-        )
-    return (
-        Collective(f"{block}/f", "f", Op.ALL_REDUCE, "backward", f"the gradient of {what}", _BSH,
-                   "each rank computed dX from its own columns: the partial sums are added"),
-    )
+# The seed's operators at a pair's ends, under tp (False) and tp-sp (True): a colwise module's entry f or g, a rowwise
+# module's exit f* or g*, and SP's re-gather. Each collective: op, pass, what it moves ({}: the tensor there), why.
+_OPERATORS: dict[tuple[str, bool], tuple[str, tuple[tuple[Op, str, str, str], ...]]] = {
+    ("enter", False): ("f", ((Op.ALL_REDUCE, "backward", "the gradient of {}",
+                              "each rank computed dX from its own columns: the partial sums are added"),)),
+    ("enter", True): ("g", ((Op.ALL_GATHER, "forward", "{} (sequence shards)",
+                             "the column-parallel linear needs every token of its input"),
+                            (Op.REDUCE_SCATTER, "backward", "the gradient of {}",
+                             "each rank's partial dX is summed and handed back as its sequence shard"))),
+    ("leave", False): ("f*", ((Op.ALL_REDUCE, "forward", "{}",
+                               "each rank holds a partial sum of the row-parallel output"),)),
+    ("leave", True): ("g*", ((Op.REDUCE_SCATTER, "forward", "{}",
+                              "the row-parallel partial sums are added and split back into sequence shards"),
+                             (Op.ALL_GATHER, "backward", "the gradient of {}",
+                              "the row-parallel linear's backward needs dY for every token"))),
+    ("regather", True): ("g", ((Op.ALL_GATHER, "backward", "{} again", "only the input's sequence shard was kept:"
+                                " dW = X^T dY needs it whole (the seed's re-gather)"),)),
+}
 
 
-def _leave(block: str, what: str, sequence_parallel: bool) -> tuple[Collective, ...]:
-    """The operator at a rowwise module's exit: f* (tp) or g* (tp-sp)."""
-    if sequence_parallel:
-        return (
-            Collective(f"{block}/g*", "g*", Op.REDUCE_SCATTER, "forward", what, _BSH,
-                       "the row-parallel partial sums are added and split back into sequence shards"),
-            Collective(f"{block}/g*", "g*", Op.ALL_GATHER, "backward", f"the gradient of {what}", _BSH,
-                       "the row-parallel linear's backward needs dY for every token"),
-        )
-    return (
-        Collective(f"{block}/f*", "f*", Op.ALL_REDUCE, "forward", what, _BSH,
-                   "each rank holds a partial sum of the row-parallel output"),
-    )
-
-
-def _regather(block: str, what: str) -> Collective:
-    return Collective(f"{block}/g", "g", Op.ALL_GATHER, "backward", f"{what} again", _BSH,
-                      "only the input's sequence shard was kept: dW = X^T dY needs it whole (the seed's re-gather)")
+def _operator(block: str, end: str, sequence_parallel: bool, what: str) -> list[Collective]:
+    """The collectives of the operator at one end of a pair (`_OPERATORS`), moving `what`."""
+    name, calls = _OPERATORS[end, sequence_parallel]
+    return [Collective(f"{block}/{name}", name, op, phase, moves.format(what), _BSH, why)
+            for op, phase, moves, why in calls]
 
 
 def layer_collectives(
@@ -168,7 +160,7 @@ def layer_collectives(
     shared_style = pairs.pop(SHARED, None)  # MoELayer's shared experts: issued inside the MoE block, never cut up
     shared = _dense(SHARED, shared_style, sp, frozenset(), 1, 1) if shared_style else ([], [])
     blocks = [_dense(p, style, sp, overlap, t, splits) for p, style in pairs.items()]
-    if tp_plan.runs(Style.EXPERTS):
+    if any(r.style is Style.EXPERTS for r in tp_plan.rules):
         blocks.append(_experts(knobs, strategy, ep, shared))
     forward = [c for block, _ in blocks for c in block]
     backward = [_rerun(c) for c in forward] if knobs.recompute == "full" else []  # the whole forward, rerun first
@@ -181,9 +173,9 @@ def _dense(
 ) -> tuple[list[Collective], list[Collective]]:
     """A column/row-parallel pair's collectives, its colwise modules in `style`: (forward, as the overlap method
     cuts them; backward, with SP's re-gather where the colwise module keeps only its input's shard)."""
-    enter, leave = _enter(p.name, p.entering, sp), _leave(p.name, p.leaving, sp)
+    enter, leave = _operator(p.name, "enter", sp, p.entering), _operator(p.name, "leave", sp, p.leaving)
     forward = [c for c in (*enter, *leave) if c.phase == "forward"]
-    regather = [_regather(p.name, p.entering)] if sp and style is Style.COLWISE else []
+    regather = _operator(p.name, "regather", sp, p.entering) if sp and style is Style.COLWISE else []
     backward = [*(c for c in leave if c.phase == "backward"), *regather, *(c for c in enter if c.phase == "backward")]
     return [piece for c in forward for piece in _pieces(c, overlap, t, splits)], backward
 

@@ -79,10 +79,6 @@ class TPPlan:
         entries = {r.pair: r.style for r in reversed(self.rules) if r.style in _ENTERS}
         return {r.pair: entries[r.pair] for r in self.rules if r.style in _LEAVES and r.pair is not None}
 
-    def runs(self, style: Style) -> bool:
-        """Whether some module of the layer runs in `style`."""
-        return any(r.style is style for r in self.rules)
-
 
 def pair(p: Pair, colwise: tuple[str, ...], rowwise: str, style: Style = Style.COLWISE,
          whole: tuple[str, ...] = ()) -> tuple[Rule, ...]:

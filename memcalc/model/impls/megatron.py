@@ -502,14 +502,17 @@ MOE_WITHOUT_SP = Refusal(
     " refused at any t, as tp at t=1 is none",
 )
 
+
 def tp_plan(knobs: Any) -> TPPlan:
     """megatron-core's layer as its classes split it (local spec): norms sequence-parallel, linear_qkv (latent
     attention's up projections) and linear_fc1 ColumnParallelLinear, linear_proj and linear_fc2 RowParallelLinear;
     with experts, MoELayer's shared experts a pair of their own, then its experts (etp = t, over ep)."""
-    qkv = (f"linear_q_{'up_' * bool(knobs.q_lora_rank)}proj", "linear_kv_up_proj") if knobs.mla else ("linear_qkv",)
+    query = "linear_q_up_proj" if knobs.q_lora_rank else "linear_q_proj"
+    qkv = (query, "linear_kv_up_proj") if knobs.mla else ("linear_qkv",)
     shared = pair(SHARED, ("mlp.shared_experts.linear_fc1",), "mlp.shared_experts.linear_fc2") \
         if knobs.moe_shared_expert_intermediate_size else ()
-    mlp = (*shared, Rule("mlp.experts", Style.EXPERTS)) if knobs.moe else pair(MLP, ("mlp.linear_fc1",), "mlp.linear_fc2")
+    mlp = (*shared, Rule("mlp.experts", Style.EXPERTS)) if knobs.moe else \
+        pair(MLP, ("mlp.linear_fc1",), "mlp.linear_fc2")
     return TPPlan((Rule("input_layernorm", Style.SEQUENCE),
                    *pair(ATTENTION, tuple(f"self_attention.{m}" for m in qkv), "self_attention.linear_proj"),
                    Rule("pre_mlp_layernorm", Style.SEQUENCE), *mlp))
