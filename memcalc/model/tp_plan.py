@@ -20,7 +20,7 @@ class Style(Enum):
     """How a module runs over the t ranks; the value is the library's word for it where it has one."""
 
     COLWISE = "colwise"  # output columns split: enters through f (tp) / g (tp-sp); SP keeps its input's shard only
-    COLWISE_KEEPS_INPUT = "colwise, gathered input kept"  # DTensor's: the input gathered at the entry is the one kept
+    COLWISE_KEEPS_INPUT = "colwise (its gathered input kept)"  # DTensor's: the input gathered at entry is kept
     COLWISE_GATHER_OUTPUT = "colwise_gather_output"  # transformers': output gathered, every rank runs the block whole
     ROWWISE = "rowwise"  # input rows split: leaves through f* (tp) / g* (tp-sp)
     ROWWISE_SPLIT_INPUT = "rowwise_split_input"  # transformers': rowwise, its whole input split on the rank first
