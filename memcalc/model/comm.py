@@ -157,7 +157,7 @@ def layer_collectives(
                           " outputs gathered over t, SP's scatter of the latents) are not modelled yet")
     tp_plan, sp = implementation(knobs).tp_plan(knobs), strategy.sequence_parallel
     pairs = tp_plan.pairs() if strategy.tensor_parallel else {}
-    shared_style = pairs.pop(SHARED, None)  # MoELayer's shared experts: issued inside the MoE block, never cut up
+    shared_style = pairs.pop(SHARED, None)  # MoELayer's shared experts: issued inside its block, not cut by overlap
     shared = _dense(SHARED, shared_style, sp, frozenset(), 1, 1) if shared_style else ([], [])
     blocks = [_dense(p, style, sp, overlap, t, splits) for p, style in pairs.items()]
     if any(r.style is Style.EXPERTS for r in tp_plan.rules):
@@ -211,8 +211,8 @@ def _experts(
     tp, bound = strategy.tensor_parallel, _BOUND[str(knobs.moe_tokens)]
     a2a = [c for c in _all_to_alls(bound) if ep > 1]  # an expert-parallel group of one exchanges nothing
     routed = [
-        *([_aux_counts()] if tp and knobs.moe_aux_loss else []),
-        _counts(),
+        *([_AUX_COUNTS] if tp and knobs.moe_aux_loss else []),
+        _COUNTS,
         *[c for c in a2a if c.name == "moe/dispatch"],
         *(_tp_pair(bound) if tp else []),
         *[c for c in a2a if c.name == "moe/combine"],
@@ -226,16 +226,12 @@ def experts_doc() -> str:
     return " ".join((_experts.__doc__ or "").split())
 
 
-def _counts() -> Collective:
-    return Collective("moe/counts", "g", Op.ALL_GATHER, "forward", "each rank's token count per expert (int64)",
-                      (Dim.E,), "the dispatcher's split sizes: how many slots each rank sends to each expert",
-                      group=Group.TP_EP, count=Count.EACH, kind=Kind.INT64)
-
-
-def _aux_counts() -> Collective:
-    return Collective("router/aux", "f*", Op.ALL_REDUCE, "forward", "the token count per expert (int64)", (Dim.E,),
-                      "the load-balancing loss counts the tokens of the whole sequence, not one rank's shard",
-                      kind=Kind.INT64)
+_COUNTS = Collective("moe/counts", "g", Op.ALL_GATHER, "forward", "each rank's token count per expert (int64)",
+                     (Dim.E,), "the dispatcher's split sizes: how many slots each rank sends to each expert",
+                     group=Group.TP_EP, count=Count.EACH, kind=Kind.INT64)
+_AUX_COUNTS = Collective("router/aux", "f*", Op.ALL_REDUCE, "forward", "the token count per expert (int64)", (Dim.E,),
+                         "the load-balancing loss counts the tokens of the whole sequence, not one rank's shard",
+                         kind=Kind.INT64)
 
 
 def _all_to_alls(bound: str) -> tuple[Collective, ...]:
@@ -296,11 +292,6 @@ def _pieces(c: Collective, overlap: frozenset[str], t: int, splits: int) -> list
     if c.op is Op.REDUCE_SCATTER and "pipelined-rs" in overlap:
         return [replace(c, moves=f"{c.moves}: one of {splits} GEMM blocks", piece=Fraction(1, splits))] * splits
     return [c]
-
-
-def ring_units(c: Collective) -> int:
-    """How many times its tensor's bytes x (t-1)/t a collective sends from each rank: 2 for an all-reduce, else 1."""
-    return 2 if c.op is Op.ALL_REDUCE else 1
 
 
 def sent_bytes(c: Collective, sizes: dict[Dim, int], t: int, width: int, ep: int = 1) -> int:
@@ -383,7 +374,8 @@ def formula(knobs: Any, strategy: Strategy, width: int, ep: int = 1) -> tuple[st
     factors = _FACTORS if strategy.tensor_parallel else _FACTORS_T1
     for c in layer_collectives(knobs, strategy, ep=ep):
         key = (factors[(c.group, c.count)], c.shape)
-        terms[key] = terms.get(key, 0) + ring_units(c) * _FIXED_WIDTHS.get(c.kind, width)
+        ring_units = 2 if c.op is Op.ALL_REDUCE else 1  # the tensor's bytes x (t-1)/t each rank sends, this often
+        terms[key] = terms.get(key, 0) + ring_units * _FIXED_WIDTHS.get(c.kind, width)
     if not terms:
         return "0", "0"
     text = " + ".join(f"{n}{_symbols(shape)}{share}" for ((share, _), shape), n in terms.items())
