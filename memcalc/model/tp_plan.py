@@ -21,7 +21,7 @@ class Style(Enum):
 
     COLWISE = "colwise"  # output columns split: enters through f (tp) / g (tp-sp); SP keeps its input's shard only
     COLWISE_KEEPS_INPUT = "colwise (its gathered input kept)"  # DTensor's: the input gathered at entry is kept
-    COLWISE_GATHER_OUTPUT = "colwise_gather_output"  # transformers': output gathered, every rank runs the block whole
+    COLWISE_GATHER_OUTPUT = "colwise_gather_output"  # output gathered (transformers': every rank runs the block whole)
     ROWWISE = "rowwise"  # input rows split: leaves through f* (tp) / g* (tp-sp)
     ROWWISE_SPLIT_INPUT = "rowwise_split_input"  # transformers': rowwise, its whole input split on the rank first
     SEQUENCE = "sequence parallel"  # a norm: under SP it runs on its rank's sequence shard, no collective of its own

@@ -505,15 +505,19 @@ MOE_WITHOUT_SP = Refusal(
 
 def tp_plan(knobs: Any) -> TPPlan:
     """megatron-core's layer as its classes split it (local spec): norms sequence-parallel, linear_qkv (latent
-    attention's up projections) and linear_fc1 ColumnParallelLinear, linear_proj and linear_fc2 RowParallelLinear;
-    with experts, MoELayer's shared experts a pair of their own, then its experts (etp = t, over ep)."""
-    query = "linear_q_up_proj" if knobs.q_lora_rank else "linear_q_proj"
-    qkv = (query, "linear_kv_up_proj") if knobs.mla else ("linear_qkv",)
+    attention's up projections, after its down projections, column-parallel with their outputs gathered) and
+    linear_fc1 ColumnParallelLinear, linear_proj and linear_fc2 RowParallelLinear; with experts, MoELayer's shared
+    experts a pair of their own, then its experts (etp = t, over ep)."""
+    down, qkv = (), ("linear_qkv",)
+    if knobs.mla:  # a query latent or not
+        down, qkv = (("q", "kv"), ("linear_q_up_proj", "linear_kv_up_proj")) if knobs.q_lora_rank else \
+            (("kv",), ("linear_q_proj", "linear_kv_up_proj"))
     shared = pair(SHARED, ("mlp.shared_experts.linear_fc1",), "mlp.shared_experts.linear_fc2") \
         if knobs.moe_shared_expert_intermediate_size else ()
     mlp = (*shared, Rule("mlp.experts", Style.EXPERTS)) if knobs.moe else \
         pair(MLP, ("mlp.linear_fc1",), "mlp.linear_fc2")
     return TPPlan((Rule("input_layernorm", Style.SEQUENCE),
+                   *(Rule(f"self_attention.linear_{x}_down_proj", Style.COLWISE_GATHER_OUTPUT) for x in down),
                    *pair(ATTENTION, tuple(f"self_attention.{m}" for m in qkv), "self_attention.linear_proj"),
                    Rule("pre_mlp_layernorm", Style.SEQUENCE), *mlp))
 
