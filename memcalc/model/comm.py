@@ -43,7 +43,7 @@ from memcalc.model.impls import implementation, plan
 from memcalc.model.knobs import DTYPE_BYTES, Knobs
 from memcalc.model.ledger import Dim, Kind
 from memcalc.model.strategy import Strategy
-from memcalc.model.tp_plan import SHARED, Pair, Style
+from memcalc.model.tp_plan import SHARED, Pair, Rule, Style
 
 if TYPE_CHECKING:
     from memcalc.config.schema import ModelConfig
@@ -130,6 +130,9 @@ _OPERATORS: dict[tuple[str, bool], tuple[str, tuple[tuple[Op, str, str, str], ..
 }
 
 
+_LEAVES = ("f*", "g*")  # the operators at a pair's exit
+
+
 def _operator(block: str, end: str, sequence_parallel: bool, what: str) -> list[Collective]:
     """The collectives of the operator at one end of a pair (`_OPERATORS`), moving `what`."""
     name, calls = _OPERATORS[end, sequence_parallel]
@@ -158,26 +161,60 @@ def layer_collectives(
     tp_plan, sp = implementation(knobs).tp_plan(knobs), strategy.sequence_parallel
     pairs = tp_plan.pairs() if strategy.tensor_parallel else {}
     shared_style = pairs.pop(SHARED, None)  # MoELayer's shared experts: issued inside its block, not cut by overlap
-    shared = _dense(SHARED, shared_style, sp, frozenset(), 1, 1) if shared_style else ([], [])
-    blocks = [_dense(p, style, sp, overlap, t, splits) for p, style in pairs.items()]
+    shared = _dense(SHARED, tp_plan.ends(SHARED), sp, frozenset(), 1, 1) if shared_style else ([], [])
+    blocks = [_dense(p, tp_plan.ends(p), sp, overlap, t, splits) for p in pairs]
     if any(r.style is Style.EXPERTS for r in tp_plan.rules):
         blocks.append(_experts(knobs, strategy, ep, shared))
     forward = [c for block, _ in blocks for c in block]
-    backward = [_rerun(c) for c in forward] if knobs.recompute == "full" else []  # the whole forward, rerun first
-    backward += [c for _, block in reversed(blocks) for c in block]  # then each block from its output
+    backward = [c for _, block in reversed(blocks) for c in block]  # each block from its output
+    rerun = implementation(knobs).rerun
+    if knobs.recompute in rerun.regions and blocks:
+        output = [c for c in blocks[-1][0] if c.operator in _LEAVES]  # the last pair's exit
+        first = [c for c in backward[:len(output)] if c.operator in _LEAVES] if rerun.after_output else []
+        # the rerun stops at the last saved tensor: before the exit, unless a norm after it keeps its input
+        stops = rerun.early_stop and not (knobs.post_norm or knobs.sandwich_norm)
+        again = forward[:len(forward) - len(output)] if stops else forward
+        backward = [*first, *(_rerun(c) for c in again), *backward[len(first):]]
     return (*forward, *backward)
 
 
 def _dense(
-    p: Pair, style: Style, sp: bool, overlap: frozenset[str], t: int, splits: int,
+    p: Pair, ends: tuple[tuple[Rule, ...], Rule], sp: bool, overlap: frozenset[str], t: int, splits: int,
 ) -> tuple[list[Collective], list[Collective]]:
-    """A column/row-parallel pair's collectives, its colwise modules in `style`: (forward, as the overlap method
-    cuts them; backward, with SP's re-gather where the colwise module keeps only its input's shard)."""
+    """A column/row-parallel pair's collectives from its modules before the rowwise one and the rowwise one
+    (`ends`): (forward, as the overlap method cuts them; backward, with SP's re-gather where the colwise module keeps
+    only its input's shard). A colwise module that wraps its own input has its own f, a norm between them whose
+    weight is replicated its weight gradient's all-reduce; a gathered block adds DTensor's all-gathers."""
+    entering, rowwise = ends
+    style = entering[0].style
     enter, leave = _operator(p.name, "enter", sp, p.entering), _operator(p.name, "leave", sp, p.leaving)
-    forward = [c for c in (*enter, *leave) if c.phase == "forward"]
+    gathered = [_gather(p, r, "forward") for r in entering if r.style is Style.COLWISE_GATHER_OUTPUT]
+    split = [_gather(p, rowwise, "backward")] if rowwise.style is Style.ROWWISE_SPLIT_INPUT else []
+    forward = [*(c for c in enter if c.phase == "forward"), *gathered, *(c for c in leave if c.phase == "forward")]
     regather = _operator(p.name, "regather", sp, p.entering) if sp and style is Style.COLWISE else []
-    backward = [*(c for c in leave if c.phase == "backward"), *regather, *(c for c in enter if c.phase == "backward")]
+    entered = [c for c in enter if c.phase == "backward"]
+    if style is not Style.COLWISE_KEEPS_INPUT:  # each module's own, in reverse: a colwise input's f, a norm's weight
+        entered = [c for r in reversed(entering) for c in
+                   ([_weight_gradient(p, r)] if r.style is Style.REPLICATED_GRAD_ALLREDUCE else entered)]
+    backward = [*(c for c in leave if c.phase == "backward"), *split, *regather, *entered]
     return [piece for c in forward for piece in _pieces(c, overlap, t, splits)], backward
+
+
+def _weight_gradient(p: Pair, r: Rule) -> Collective:
+    """replicated_with_grad_allreduce: a norm's weight, whole on every rank, its gradient all-reduced by a hook."""
+    module = r.module.rsplit(".", 1)[-1]
+    return Collective(f"{p.name}/{module}", "weight", Op.ALL_REDUCE, "backward", f"the gradient of {module}'s weight",
+                      r.moves, "each rank's gradient covers its own heads: the hook sums them")
+
+
+def _gather(p: Pair, r: Rule, phase: str) -> Collective:
+    """DTensor's all-gather in a block the plan gathers: a colwise module's output (Shard(-1) to Replicate) in
+    forward, or the gradient of the rowwise module's input, which forward split on the rank, in backward."""
+    module = r.module.rsplit(".", 1)[-1]
+    moves, why = (f"{module}'s output", "colwise_gather_output: every rank runs the block on the whole output") \
+        if phase == "forward" else (f"the gradient of {module}'s input", "rowwise_split_input: forward split the"
+                                    " whole input on the rank, so backward gathers its gradient")
+    return Collective(f"{p.name}/gather", "gather", Op.ALL_GATHER, phase, moves, r.moves, why, piece=Fraction(r.parts))
 
 
 # -- a mixture of experts: megatron-core 0.16.1's MoELayer with the all-to-all token dispatcher ---------------------

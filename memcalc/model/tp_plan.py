@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from enum import Enum
 
+from memcalc.model.ledger import Dim
 from memcalc.records import record
 
 
@@ -26,6 +27,8 @@ class Style(Enum):
     ROWWISE_SPLIT_INPUT = "rowwise_split_input"  # transformers': rowwise, its whole input split on the rank first
     SEQUENCE = "sequence parallel"  # a norm: under SP it runs on its rank's sequence shard, no collective of its own
     REPLICATED = "replicated"  # no rule shards it: every rank runs it whole
+    # a norm inside a pair, whole on every rank: its weight's gradient is all-reduced once autograd has it
+    REPLICATED_GRAD_ALLREDUCE = "replicated_with_grad_allreduce"
     EXPERTS = "experts"  # each expert's width split by t (etp = t), tokens dispatched to them (comm's MoE block)
 
 
@@ -58,6 +61,10 @@ class Rule:
     # ledger tensors kept whole where the layout would split them: under SP, what a colwise module keeps of the input
     # it gathered or a rowwise one of its output before the reduce-scatter; under TP, what a whole block makes
     whole: tuple[str, ...] = ()
+    # what a collective at this module moves where the plan gathers a block (a colwise module's whole output, a
+    # rowwise module's input gradient) or replicates a norm (its weight's gradient); `parts` such tensors
+    moves: tuple[Dim, ...] = ()
+    parts: int = 1
 
 
 @record
@@ -73,6 +80,11 @@ class TPPlan:
     def unsharded(self) -> frozenset[str]:
         """Tensors a tensor-parallel layout keeps whole on every rank: made by a block the plan runs whole."""
         return frozenset(n for r in self.rules if r.style in _WHOLE_UNDER_TP for n in r.whole)
+
+    def ends(self, p: Pair) -> tuple[tuple[Rule, ...], Rule]:
+        """Pair `p`'s modules before its rowwise one (colwise, and the norms between them), and its rowwise one."""
+        return tuple(r for r in self.rules if r.pair == p and r.style not in _LEAVES), \
+            next(r for r in self.rules if r.pair == p and r.style in _LEAVES)
 
     def pairs(self) -> dict[Pair, Style]:
         """Each column/row-parallel pair in forward order, with the style of its (first) colwise module."""

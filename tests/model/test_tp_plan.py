@@ -14,7 +14,7 @@ from memcalc.model.tp_plan import ATTENTION, MLP, SHARED, Style
 
 GPT = dict(b=2, s=64, h=128, a=8, t=4, L=2)
 LLAMA = GPT | {"norm": "rmsnorm", "mlp": "swiglu", "dropout": 0.0}
-_LINEAR = {"colwise", "rowwise", "colwise_gather_output", "rowwise_split_input"}
+_STYLES = {"colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "replicated_with_grad_allreduce"}
 SMALL = {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 48}
 
 
@@ -29,7 +29,7 @@ def _plan(fields):
     ("qwen3_moe", {}),
 ])
 def test_transformers_plan_names_the_linears_its_config_classs_base_model_tp_plan_does(family, extra, tmp_path):
-    """Every colwise and rowwise rule of the family's decoder layer, by module and style; in a sparse layer the dense
+    """Every colwise and rowwise rule of the family's decoder layer (and a norm replicated in a pair), by module and style; in a sparse layer the dense
     MLP's rules (Qwen2MoeMLP's) and the experts' (packed_colwise, moe_tp_experts) are not its pairs."""
     transformers = pytest.importorskip("transformers")
     config_class = getattr(transformers, FAMILIES[family].config_class)
@@ -38,7 +38,7 @@ def test_transformers_plan_names_the_linears_its_config_classs_base_model_tp_pla
                            "attention": "eager", "t": 2})
     mine = {r.module: r.style.value for r in IMPLEMENTATIONS["hf"].tp_plan(config).rules if r.pair is not None}
     theirs = {name.split(".", 2)[2]: style for name, style in config_class.base_model_tp_plan.items()
-              if style in _LINEAR and ".experts" not in name and not (config.moe and ".mlp." in name)}
+              if style in _STYLES and ".experts" not in name and not (config.moe and ".mlp." in name)}
     assert mine == theirs
 
 

@@ -93,6 +93,17 @@ class Refusal:
 
 
 @record
+class Rerun:
+    """How a library's recomputation reruns a layer's forward collectives in backward (memcalc.model.comm)."""
+
+    regions: frozenset[str] = frozenset({"full"})  # the recompute values whose rerun covers the layer's collectives
+    # torch.utils.checkpoint, non-reentrant: backward first meets the nodes that save nothing (the output
+    # collective's backward), and the first saved tensor it unpacks starts the rerun (a reentrant one reruns first)
+    after_output: bool = False
+    early_stop: bool = False  # the rerun stops at the last saved tensor, before the output collective (torch's default)
+
+
+@record
 class Implementation:
     """One library's rules: which tensors a layer keeps, and which layouts and knobs it runs."""
 
@@ -102,6 +113,7 @@ class Implementation:
     layer_tensors: Callable[[Any, Accounting], tuple[SavedTensor, ...]]  # one layer, forward order
     tp_plan: Callable[[Any], TPPlan]  # for a knob set, the library's TP plan of one layer (memcalc.model.tp_plan)
     strategies: tuple[str, ...] = ("none", "tp", "tp-sp")  # the layouts the library runs (for some knobs)
+    rerun: Rerun = Rerun()
     refuses: tuple[Refusal, ...] = ()  # layouts of `strategies` it does not run under some knobs, and why
     # For a knob set, what a sequence-splitting layout keeps in place of the same-named tensors of `layer_tensors`
     # (another width or split); unlike a plan's gathered input, it changes no collective: backward gathers as before.

@@ -15,7 +15,7 @@ from typing import Any, Callable, NamedTuple
 from memcalc.model.families import FAMILIES, family_of
 from memcalc.errors import ConfigError
 from memcalc.model import ledger
-from memcalc.model.impls.base import Implementation, Refusal, SizeCondition, SizeRule, always, drop_small
+from memcalc.model.impls.base import Implementation, Refusal, Rerun, SizeCondition, SizeRule, always, drop_small
 from memcalc.model.knobs import DTYPE_BYTES, Accounting
 from memcalc.model.ledger import Dim, Kind, Region, RMSNormTensors, SavedTensor
 from memcalc.model.tp_plan import ATTENTION, MLP, Pair, Rule, Style, TPPlan, pair
@@ -1252,11 +1252,40 @@ def _pair(knobs: Any, p: Pair, colwise: tuple[str, ...], rowwise: str, gathered:
     """One pair's rules; where the family's plan gathers the block, every tensor of it is whole (both cores, on
     either device, and the b = 1 fused output) but the rowwise linear's input."""
     if p.name not in gathered:
-        return pair(p, colwise, rowwise)
+        return _with_head_norms(knobs, pair(p, colwise, rowwise))
     made = (*(x for d in ("cpu", "cuda") for x in attention_block(knobs, Accounting(device=d))), ledger.K, ledger.V,
             NEOX_QKV_OUT) if p is ATTENTION else mlp_block(knobs)  # and what REPEAT_KV keeps at b = 1
     whole = tuple(dict.fromkeys(x.name for x in made if x.name not in (ledger.PROJ_IN.name, ledger.FC2_IN.name)))
-    return pair(p, colwise, rowwise, Style.COLWISE_GATHER_OUTPUT, whole)
+    return tuple(_gathering(r) for r in pair(p, colwise, rowwise, Style.COLWISE_GATHER_OUTPUT, whole))
+
+
+def _with_head_norms(knobs: Any, rules: tuple[Rule, ...]) -> tuple[Rule, ...]:
+    """`rules` with q_norm after q_proj and k_norm after k_proj where the layer norms its heads: the plans that name
+    them (Qwen3's, Gemma 3's) replicate them with their weight's gradient all-reduced."""
+    if not knobs.qk_layernorm:
+        return rules
+    planned = []
+    for r in rules:
+        planned.append(r)
+        prefix, module = r.module.rsplit(".", 1)
+        if module in ("q_proj", "k_proj"):
+            planned.append(Rule(f"{prefix}.{module[0]}_norm", Style.REPLICATED_GRAD_ALLREDUCE, r.pair, moves=(Dim.D,)))
+    return tuple(planned)
+
+
+def _gathering(r: Rule) -> Rule:
+    """`r` with what DTensor gathers at its module (`_GATHERS`)."""
+    shape, parts = _GATHERS[r.module.rsplit(".", 1)[1]]
+    return replace(r, moves=shape, parts=parts)
+
+
+# What DTensor gathers at each module of a gathered block (memcalc.model.tp_plan.Rule.gathers), and how many such
+# tensors: a colwise module's output, a rowwise module's input (its gradient, in backward).
+_HEADS = (Dim.B, Dim.S, Dim.A, Dim.D)
+_GATHERS = {"qkv_proj": ((Dim.B, Dim.S, Dim.QKV, Dim.D), 1), "q_proj": (_HEADS, 1),
+            "k_proj": ((Dim.B, Dim.S, Dim.G, Dim.D), 1), "v_proj": ((Dim.B, Dim.S, Dim.G, Dim.D), 1),
+            "o_proj": (_HEADS, 1), "gate_up_proj": ((Dim.B, Dim.S, Dim.F), 2), "gate_proj": ((Dim.B, Dim.S, Dim.F), 1),
+            "up_proj": ((Dim.B, Dim.S, Dim.F), 1), "down_proj": ((Dim.B, Dim.S, Dim.F), 1)}
 
 
 IMPLEMENTATION = Implementation(
@@ -1288,6 +1317,7 @@ IMPLEMENTATION = Implementation(
     refuses=(NO_SEQUENCE_PARALLEL, GPT2_NO_TP_PLAN, NEOX_TP_NOT_MODELLED, LATENT_TP_NOT_MODELLED, FALCON_NO_TP_PLAN,
              BLOOM_NO_TP_PLAN, COHERE_QK_NORM_NO_TP, GPT_OSS_NO_LAYER_TP_PLAN),
     tp_plan=tp_plan,
+    rerun=Rerun(after_output=True, early_stop=True),  # activation_checkpointing_enable: non-reentrant, early stop
     check=check,
     check_sizes=check_sizes,
     size_rule=REPEAT_KV,

@@ -12,7 +12,7 @@ from typing import Any
 
 from memcalc.errors import ConfigError
 from memcalc.model import ledger
-from memcalc.model.impls.base import Implementation, Refusal, SizeCondition, drop_small
+from memcalc.model.impls.base import Implementation, Refusal, Rerun, SizeCondition, drop_small
 from memcalc.model.knobs import Accounting
 from memcalc.model.ledger import Dim, Kind, Region, RMSNormTensors, SavedTensor
 from memcalc.model.tp_plan import ATTENTION, MLP, Rule, Style, TPPlan, pair
@@ -307,6 +307,7 @@ IMPLEMENTATION = Implementation(
     " all-to-one",
     layer_tensors=layer_tensors,
     tp_plan=tp_plan,
+    rerun=Rerun(frozenset({"op", "full"}), after_output=True),  # SelectiveAC caches no collective of spmd_types
     tensors=(*LN1, *LN2, QKV_IN, FC1_IN, QKV_OUT, FC2_OUT, FLEX_MAX_SCORES, V_IN_QKV_OUT, *MOE_TENSORS, SHARED_FC2_OUT,
              MOE_TOPK_VALUES),
     size_conditions=CONDITIONS,

@@ -41,6 +41,7 @@ from memcalc.model.knobs import Accounting, Knobs
 from memcalc.model.ledger import SavedTensor
 from memcalc.model.strategy import Strategy
 from memcalc.probe import require_torch
+from memcalc.probe.collectives import CollectiveLog, LoggedCollective
 from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.layer import DTYPES
 from memcalc.probe.libs import torchtitan_shim as shim
@@ -390,10 +391,11 @@ DEPRECATED_COLLECTIVES = r"`torch\.distributed\.(all_gather_into_tensor|reduce_s
 
 
 def run_layer(
-    tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, route: str | None = None
+    tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, route: str | None = None,
+    collectives: list[LoggedCollective] | None = None,
 ) -> tuple[SavedStorage, ...]:
     """torchtitan's block on this rank: one recorded forward (named by the ledger), then backward once; `route`
-    forces a MoE router (memcalc.probe.ROUTES)."""
+    forces a MoE router (memcalc.probe.ROUTES); `collectives` gets every collective forward and backward issue."""
     if route is not None and not config.moe:
         raise ProbeError(f"--route {route} forces a MoE router: the config has no experts (set num_experts)")
     with ExitStack() as stack:
@@ -407,9 +409,13 @@ def run_layer(
         x = block_input(config, tp, strategy)
         shim.route_gates(block, route, config.moe_router_topk)
         state = chain(block.parameters(), block.buffers())  # buffers: the RoPE table is state, like a weight
+        log = stack.enter_context(CollectiveLog())
         with SavedTensorRecorder(state) as recorder:
             with Labels(block, library_rules(config, tp.size)), AtenLabels(block, aten_rules()):
                 y = block(x, None, None)
             _hand_to_recorder(shim.cached_tensors(caches))
+        log.phase = "backward"
         y.backward(torch.ones_like(y))
+    if collectives is not None:
+        collectives.extend(log.calls)
     return recorder.saved
