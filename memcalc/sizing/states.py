@@ -178,6 +178,9 @@ def check_expert_states(config: ModelConfig) -> None:
     c = config
     if not c.moe:
         return
+    if c.impl == "torchtitan" and c.ep > 1:
+        raise ConfigError(f"impl torchtitan with ep={c.ep}: its model states (E/ep experts whole on each of the t"
+                          " ranks, no expert tensor parallelism) are not modelled yet; estimate without --totals")
     etp = c.etp or c.t
     if (c.t * c.cp * c.dp) % (c.ep * etp):
         raise ConfigError(f"ep*etp={c.ep * etp} does not divide t*cp*dp={c.t * c.cp * c.dp}: the expert data-parallel"

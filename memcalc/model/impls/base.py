@@ -106,6 +106,9 @@ class Implementation:
     # For a knob set, the tensors a tensor-parallel layout keeps whole on every rank: made by a module the library's
     # own TP plan does not shard (transformers' Qwen2-MoE plan names no module of the shared expert)
     unsharded: Callable[[Any], frozenset[str]] = lambda knobs: frozenset()
+    # For a config (its ep), the dimension a tensor-parallel layout splits by t in tensors the library's plan splits
+    # otherwise than their region says, before kept_whole: torchtitan's experts, spread over the TP ranks
+    splits: Callable[[Any], tuple[tuple[str, Any], ...]] = lambda config: ()
     # For a knob set, what a sequence-splitting layout keeps in place of the same-named tensors of `layer_tensors`
     # (another width or split); unlike kept_whole, it changes no collective: backward gathers as before.
     sequence_parallel_forms: Callable[[Any], tuple[SavedTensor, ...]] = lambda knobs: ()

@@ -93,6 +93,8 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
         (expert_dim1(config) and bool(config.expert_ffn % config.dp_shard or config.h % config.dp_shard),
          f"dp_shard={config.dp_shard} for num_experts={config.num_experts} with f_e={config.expert_ffn} and"
          f" h={config.h} (apply_fsdp_to_decoder shards the experts on dim 1, which FSDP2 requires even)"),
+        (config.moe and strategy.weight_shards(config.t) > 1, f"experts under {strategy.name} (t={config.t},"
+                                                               f" ep={config.ep}: its MoE sharding plan's step)"),
         (config.tie_embeddings, "tie_embeddings (Llama3 unties them; set tie_embeddings false)"),
         (config.position_embedding_type != "rope", f"position_embedding_type {config.position_embedding_type}"
                                                    " (Llama3 rotates q and k: set rope)"),

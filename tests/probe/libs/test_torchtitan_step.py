@@ -280,7 +280,7 @@ def test_with_experts_measure_step_runs_the_moe_model_on_the_balanced_route(one_
 
 
 @pytest.mark.parametrize("changes, named", [
-    ({"dp_shard": 8, "moe_ffn_hidden_size": 20}, "dp_shard=8 for num_experts=4 with f_e=20"),
+    ({"dp_shard": 16}, "dp_shard=16 for num_experts=4 with f_e=24"),
 ])
 def test_with_experts_what_the_walk_does_not_model_is_refused_by_name(changes, named):
     with pytest.raises(ConfigError, match=named):
