@@ -1,4 +1,5 @@
-"""torchtitan's MoE feed-forward (models/common/moe.py, ep = 1) as ops for its step walk (`--impl torchtitan`, t = 1).
+"""torchtitan's MoE feed-forward (models/common/moe.py, ep = 1) as ops for its step walk (`--impl torchtitan`), at t = 1
+and under its own MoE sharding plan (tp, tp-sp).
 
 Its Qwen3 MoE decoder layer keeps the torchtitan ledger's tensors (memcalc.model.impls.torchtitan.moe_block), one
 storage each for all experts. Forward and backward op by op, checkpointing, and two measured facts the walk follows
@@ -20,23 +21,37 @@ GROUPED_WEIGHTS = {"w1": "w1_EFD", "w2": "w2_EDF", "w3": "w3_EFD"}
 
 
 def moe_ops(p: str, z: Sizes, config: ModelConfig, x: str, shared: tuple[Op, ...] = ()) -> tuple[Op, ...]:
-    """The MoE on ffn_norm's output `x`, its output f"{p}/ffn out"; in backward its input's gradient is
-    f"grad/{p}/ffn_norm out". `shared`: the shared experts' ops (memcalc.sizing.timeline.torchtitan
-    .shared_experts_ops: output the ledger's SHARED_FC2_OUT, input gradient f"grad/{p}/moe/shared dX"), which keep `x`;
-    without them `x` goes as the MoE returns."""
-    n = f"{p}/moe"
-    summed = Op("moe", forward=(Step("the routed and the shared experts' outputs summed", (
-        Made(f"{p}/ffn out", z.full(z.h), "the MoE's output"),),
-        frees=(f"{n}/routed out", kept_name(p, rules.SHARED_FC2_OUT))),),
-        backward=())
-    # MoE.forward returns: its locals go (under a checkpoint also the router's scores and ids, and the input)
-    locals_ = (rules.MOE_ROUTER_SCORES, ledger.ROUTER_TOPK_INDICES, *((rules.MOE_SHARED_IN,) if shared else ()))
-    returned = Op("moe", forward=(Step("", frees=(*(() if shared else (x,)), f"{n}/routing map", f"{n}/counts",
-                                                  f"{n}/router/topk scores"),
-                                       reads_last=kept_names(p, *locals_)),), backward=())
-    return (*_router(p, z, config, bool(shared)), *_dispatch(p, z, config, bool(shared)), *_experts(p, z, config),
-            *_combine(p, z, config, bool(shared)), *shared, *((summed,) if shared else ()), returned)
+    """The MoE on ffn_norm's output `x` (under SP gathered at its entry), its output f"{p}/ffn out"; in backward its
+    input's gradient is f"grad/{p}/ffn_norm out". `shared`: the shared experts' ops (memcalc.sizing.timeline
+    .torchtitan.shared_experts_ops: output f"{p}/moe/shared out" under SP, else the ledger's SHARED_FC2_OUT, input
+    gradient f"grad/{p}/moe/shared dX"), which keep `x`; without them `x` goes as the MoE returns.
 
+    Under its TP plan at ep = 1 (set_moe_sharding_config) every rank runs every token through its e/t-wide share of
+    each expert: the routed output a partial sum, under SP reduce-scattered as routed_experts returns (and the shared
+    experts' as their w2 does), under tp summed with the shared experts' and all-reduced as the MoE returns."""
+    n, all_reduced = f"{p}/moe", z.t > 1 and not z.sp
+    final = f"{n}/partial" if all_reduced else f"{p}/ffn out"
+    routed = f"{n}/routed out" if shared else final
+    combined = f"{n}/routed partial" if z.sp else routed
+    shared_out = f"{n}/shared out" if z.sp else kept_name(p, rules.SHARED_FC2_OUT)
+    summed = Op("moe", forward=(Step("the routed and the shared experts' outputs summed", (
+        Made(final, z.seq(z.h), "the MoE's output"),), frees=(routed, shared_out)),), backward=())
+    # MoE.forward returns: its locals go (under a checkpoint also the router's scores and ids, and the input; under
+    # SP the norm's shard it gathered); under tp its input, which its sharding wrapper holds, after the f*
+    held = Step("", frees=() if shared else (x,), reads_last=kept_names(p, rules.MOE_SHARED_IN) if shared else ())
+    returned = Op("moe", forward=(Step("", frees=(f"{n}/routing map", f"{n}/counts", f"{n}/router/topk scores",
+                                                  *((f"{p}/ffn_norm out",) if z.sp else ())),
+                                       reads_last=kept_names(p, rules.MOE_ROUTER_SCORES, ledger.ROUTER_TOPK_INDICES)),
+                                  *(() if all_reduced else (held,))), backward=())
+    from memcalc.sizing.timeline.torchtitan import reduce_scatter  # the block's module, which imports this one
+
+    dy = f"grad/{n}/dY whole"
+    return (*_router(p, z, config, bool(shared)), *_dispatch(p, z, config, bool(shared)), *_experts(p, z, config),
+            *_combine(p, z, config, combined, dy if z.sp else ""),
+            *(reduce_scatter("moe.routed_experts", z, p, combined, routed, dy, ()) if z.sp else ()),
+            *shared, *((summed,) if shared else ()), returned,
+            *((*reduce_scatter("moe", z, p, final, f"{p}/ffn out", "", ()), Op("moe", forward=(held,), backward=()))
+              if all_reduced else ()))
 
 def _router(p: str, z: Sizes, config: ModelConfig, shared: bool) -> tuple[Op, ...]:
     """TokenChoiceTopKRouter: the fp32 gate, the forced lead, softmax, the bias, top-k and route_norm."""
@@ -150,8 +165,9 @@ def _dispatch(p: str, z: Sizes, config: ModelConfig, shared: bool) -> tuple[Op, 
 
 
 def _experts(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
-    """GroupedExperts: the offsets, then SwiGLU on torch._grouped_mm for every expert at once."""
-    n, g, e, f = f"{p}/moe/experts", f"grad/{p}/moe/experts", config.num_experts, config.expert_ffn
+    """GroupedExperts: the offsets, then SwiGLU on torch._grouped_mm for every expert at once (each e/t wide under
+    TP at ep = 1)."""
+    n, g, e, f = f"{p}/moe/experts", f"grad/{p}/moe/experts", config.num_experts, config.expert_ffn // z.t
     r = z.b * z.s * config.moe_router_topk
     rows_f, rows_h, weight = z.act * r * f, z.act * r * z.h, z.act * e * f * z.h
 
@@ -197,27 +213,27 @@ def _experts(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     )
 
 
-def _combine(p: str, z: Sizes, config: ModelConfig, shared: bool) -> tuple[Op, ...]:
+def _combine(p: str, z: Sizes, config: ModelConfig, out: str, dy: str) -> tuple[Op, ...]:
     """The local dispatcher's combine: the output upcast, times its score, cast back, scatter-added to its token
-    (with shared experts the routed output, summed with theirs after); routed_experts returns."""
+    (`out`); routed_experts returns. In backward its gradient `dy` (under SP all-gathered whole) goes once read."""
     n, g = f"{p}/moe", f"grad/{p}/moe"
     tokens = z.b * z.s
     r = tokens * config.moe_router_topk
-    out, rows32, rows = z.act * tokens * z.h, 4 * r * z.h, z.act * r * z.h
+    full, rows32, rows = z.act * tokens * z.h, 4 * r * z.h, z.act * r * z.h
     return (
         Op("moe.routed_experts", forward=(
-            Step("zeros_like(x): scatter_add's target", (Made(f"{n}/zeros", out, "(b*s, h) bf16"),)),
+            Step("zeros_like(x): scatter_add's target", (Made(f"{n}/zeros", full, "(b*s, h) bf16"),)),
             Step("the output upcast", (kept(p, rules.MOE_EXPERT_OUT),)),
             Step("times the score", (Made(f"{n}/weighted fp32", rows32, "fp32"),),
                  reads_last=kept_names(p, rules.MOE_EXPERT_OUT)),
             Step("cast back", (Made(f"{n}/weighted", rows, "bf16"),), frees=(f"{n}/weighted fp32",)),
-            Step("deterministic_scatter_add: the routed output", (
-                Made(f"{n}/routed out" if shared else f"{p}/ffn out", out, "(b*s, h) bf16"),),
-                frees=(f"{n}/zeros", f"{n}/weighted")),
+            Step("deterministic_scatter_add: the routed output", (Made(out, z.full(z.h), "(b*s, h) bf16"),),
+                 frees=(f"{n}/zeros", f"{n}/weighted")),
             Step("", frees=(f"{n}/experts/output",),  # routed_experts returns: its locals go
                  reads_last=kept_names(p, rules.MOE_SORTED_SCORES, rules.MOE_TOKEN_INDICES, ledger.EXPERT_IN)),
         ), backward=(
-            Step("scatter_add's backward: dY at each row's token", (Made(f"{g}/rows", rows, "bf16"),)),
+            Step("scatter_add's backward: dY at each row's token", (Made(f"{g}/rows", rows, "bf16"),),
+                 frees=(dy,) if dy else ()),
             Step("the cast's backward: to fp32", (Made(f"{g}/rows fp32", rows32, "fp32"),), frees=(f"{g}/rows",)),
             Step("the product's backward: dY * score", (Made(f"{g}/dx fp32", rows32, "fp32"),)),
             Step("the product's backward: dY * output", (Made(f"{g}/dscore rows", rows32, "fp32"),),

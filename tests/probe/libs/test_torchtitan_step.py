@@ -285,3 +285,55 @@ def test_with_experts_measure_step_runs_the_moe_model_on_the_balanced_route(one_
 def test_with_experts_what_the_walk_does_not_model_is_refused_by_name(changes, named):
     with pytest.raises(ConfigError, match=named):
         timeline(make_config(LLAMA3, **(MOE | changes)), STRATEGIES["none"], CPU)
+
+
+# -- with experts under its own TP plan (set_moe_sharding_config) at ep = 1, rank 0 of t = 2 through the fake group:
+# under SP the MoE's input all-gathered at its entry, the routed output (and the shared experts') reduce-scattered; under
+# tp the summed partial output all-reduced as the MoE returns; every expert e/t wide
+TP_MOE = {"t": 2, "moe_ffn_hidden_size": 32}
+TP_MOE_MOMENTS = [
+    ({"L": 1}, "tp-sp", "balanced", "none"),
+    ({"b": 1, "s": 6, "num_experts": 6, "moe_router_topk": 3, "moe_ffn_hidden_size": 16}, "tp-sp", "all-to-one",
+     "none"),  # b = 1, s/t odd
+    ({"b": 1, "s": 7, "num_experts": 6, "moe_router_topk": 3, "moe_ffn_hidden_size": 16, "vocab_size": 16}, "tp",
+     "all-to-one", "none"),  # an odd s
+    ({"moe_shared_expert_intermediate_size": 48, "moe_router_score_function": "sigmoid", "vocab_size": 16}, "tp-sp",
+     "balanced", "none"),
+    ({"L": 1, "moe_shared_expert_intermediate_size": 48, "moe_ffn_hidden_size": 256}, "tp", "balanced", "full"),
+    ({"moe_shared_expert_intermediate_size": 48}, "tp-sp", "all-to-one", "op"),
+    ({"L": 1, "moe_router_pre_softmax": True}, "tp", "balanced", "op"),
+]
+
+
+def _tp_moe(changes, recompute):
+    return make_config(LLAMA3, **(MOE | TP_MOE | changes), recompute=recompute)
+
+
+@pytest.mark.parametrize("changes, strategy, route, recompute", TP_MOE_MOMENTS, ids=str)
+def test_with_experts_under_its_tp_plan_memtracker_reaches_the_peak_to_the_byte(one_thread, changes, strategy, route,
+                                                                                recompute):
+    (r,) = measure_step(_tp_moe(changes, recompute), [strategy], route=route)
+    assert r.measured.moment == r.predicted_moment
+    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+
+
+@pytest.mark.parametrize("changes, strategy, route, recompute", TP_MOE_MOMENTS, ids=str)
+def test_with_experts_under_its_tp_plan_every_moment_happens_in_order(one_thread, changes, strategy, route, recompute):
+    """The MoE's collectives (the all-gather at its entry, the reduce-scatters or the all-reduce at its exit, their
+    conjugates in backward) and its experts' e/t-wide grouped GEMMs, forward and backward, under recomputation too."""
+    config = _tp_moe(changes, recompute)
+
+    def readings(tp):
+        with runtime(tp, config.ep) as dims:
+            return readings_after_every_op(warmed_up(tp, config, STRATEGIES[strategy], dims, route))
+
+    assert_moments_in_order(timeline(config, STRATEGIES[strategy], CPU).moments[1:-1], run_fake(readings, (), config.t))
+
+
+@pytest.mark.parametrize("changes, strategy, named", [
+    ({"ep": 2}, "tp-sp", "experts at ep=2"),
+    ({"dp_shard": 2}, "tp-sp", "experts under dp_shard with tp"),
+])
+def test_with_experts_under_tp_what_the_walk_does_not_model_is_refused_by_name(changes, strategy, named):
+    with pytest.raises(ConfigError, match=named):
+        timeline(make_config(LLAMA3, **(MOE | TP_MOE | changes)), STRATEGIES[strategy], CPU)
