@@ -61,14 +61,16 @@ def every_rank_routes_alike() -> Iterator[None]:
     rank's experts as this rank's own: every rank routes as this one (so under a forced route, which each rank
     repeats on its own tokens). The all-to-all still runs; only the values it leaves are written. The fake group's
     list all-to-all copies each input chunk to the same rank's output chunk, which an uneven route (this rank's
-    slots sent to itself alone, received from every rank) cannot: there it moves nothing, the chunks allocated as
-    spmd_types allocates them."""
+    slots sent to itself alone, received from every rank) cannot: there it zeroes the chunks spmd_types allocated
+    (uninitialised, they could hold NaNs that a step's update would write into the weights, and so into the route)."""
     from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
 
     original, all_to_all = AllToAllTokenDispatcher._token_count_exchange, torch.distributed.all_to_all
 
     def uneven(outputs: list, inputs: list, group: Any = None, **kwargs: Any) -> Any:
         if torch.distributed.get_backend(group) == "fake":
+            for chunk in outputs:
+                chunk.zero_()
             return None
         return all_to_all(outputs, inputs, group=group, **kwargs)
 

@@ -174,6 +174,22 @@ def test_with_experts_the_step_trains_its_moe_layers_on_the_forced_route(one_thr
         assert layer.moe.tokens_per_expert_E.tolist() == [2 * x for x in expected]  # the warm-up's and the step's
 
 
+@pytest.mark.parametrize("route, expected", [("balanced", [24, 24, 24, 24]), ("all-to-one", [48, 48, 0, 0])])
+def test_over_the_fake_group_its_expert_parallel_step_keeps_the_forced_route(one_thread, route, expected):
+    """At ep = t = 2 the all-to-all dispatcher's received rows are zeros on the fake group, never uninitialised
+    memory whose NaNs the warm-up's update would write into the weights (and so into the measured step's route):
+    rank 0 routes its own 48 slots as forced, in the warm-up and in the step alike."""
+    config = make_config(LLAMA3, **(MOE | TP_MOE), ep=2)
+
+    def counts(tp):
+        with runtime(tp, config.ep) as dims:
+            trainer = warmed_up(tp, config, STRATEGIES["tp-sp"], dims, route)
+            trainer.step()
+            return [layer.moe.tokens_per_expert_E.tolist() for layer in trainer.model.layers.values()]
+
+    assert run_fake(counts, (), 2) == [expected] * config.L
+
+
 def test_with_experts_the_step_needs_a_forced_route():
     from memcalc.errors import ProbeError
 
