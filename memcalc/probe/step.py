@@ -569,8 +569,9 @@ def measure_step(config: ModelConfig, strategies: list[str], route: str | None =
 
 def _pins_worst(config: ModelConfig, route: str | None) -> bool:
     """Whether the forced all-to-one route pins the worst bound the MoE walk takes: every rank's tokens' k slots on the
-    same k experts (megatron's walk, memcalc.sizing.timeline.megatron_moe.expert_slots)."""
-    return config.impl == "megatron" and route == "all-to-one" and config.moe_tokens == "worst"
+    same k experts (megatron's walk, memcalc.sizing.timeline.megatron_moe.expert_slots; torchtitan's at ep > 1)."""
+    experts_apart = config.impl == "megatron" or config.impl == "torchtitan" and config.ep > 1
+    return experts_apart and route == "all-to-one" and config.moe_tokens == "worst"
 
 
 def _any_route_pinned(config: ModelConfig, route: str | None) -> bool:

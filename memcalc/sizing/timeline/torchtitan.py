@@ -93,7 +93,11 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
         (expert_dim1(config) and bool(config.expert_ffn % config.dp_shard or config.h % config.dp_shard),
          f"dp_shard={config.dp_shard} for num_experts={config.num_experts} with f_e={config.expert_ffn} and"
          f" h={config.h} (apply_fsdp_to_decoder shards the experts on dim 1, which FSDP2 requires even)"),
-        (config.moe and config.ep > 1, f"experts at ep={config.ep} (its all-to-all dispatcher's step)"),
+        *((config.moe and config.ep > 1 and absent, f"experts at ep={config.ep} {what}") for absent, what in (
+            (not strategy.sequence_parallel, "under tp without sequence parallel (its MoE slices the replicated input;"
+                                             " tp-sp, torchtitan's default, is modelled)"),
+            (bool(config.moe_shared_expert_intermediate_size), "with shared experts (gathered for their own plan)"),
+            (config.recompute != "none", f"under recompute {config.recompute}"))),
         (config.moe and sharded_tp, "experts under dp_shard with tp (FSDP2 over its MoE sharding plan)"),
         (config.tie_embeddings, "tie_embeddings (Llama3 unties them; set tie_embeddings false)"),
         (config.position_embedding_type != "rope", f"position_embedding_type {config.position_embedding_type}"
@@ -367,14 +371,18 @@ def block_ops(i: int, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     f = z.tokens(z.act * z.f_t)
     if config.is_moe_layer(i):
         shared = bool(config.moe_shared_expert_intermediate_size)
-        # the MoE's input: the norm's output, under SP gathered at the MoE's entry (kept by the shared experts)
+        # the MoE's input: the norm's output, under SP at ep = 1 gathered at the MoE's entry (kept by the shared
+        # experts); at ep > 1 each rank routes its own shard
         moe_in = kept(p, rules.MOE_SHARED_IN) if shared else Made(f"{p}/moe input", z.full(z.h), "the MoE's input")
+        gathered = z.t > 1 and config.ep == 1
+        if not gathered:
+            moe_in = Made(f"{p}/ffn_norm out", h, "bf16, the MoE's input") if z.sp else moe_in
         return (
             *attention_ops(p, z, mid, gmid, gx, h, q, kv),
             residual(p, "ffn_norm", f"grad/{p}/ffn_norm dx", gout, gmid, h),
             rms_norm("ffn_norm", z, rules.LN2, p, Made(f"{p}/ffn_norm out", h, "bf16") if z.sp else moe_in,
-                     f"grad/{p}/ffn_norm dy" if z.t > 1 else f"grad/{p}/ffn_norm out", f"grad/{p}/ffn_norm dx"),
-            *gather("moe", z, p, moe_in, f"grad/{p}/ffn_norm out", f"grad/{p}/ffn_norm dy"),
+                     f"grad/{p}/ffn_norm dy" if gathered else f"grad/{p}/ffn_norm out", f"grad/{p}/ffn_norm dx"),
+            *(gather("moe", z, p, moe_in, f"grad/{p}/ffn_norm out", f"grad/{p}/ffn_norm dy") if gathered else ()),
             *moe_ops(p, z, config, moe_in.name,
                      shared_experts_ops(p, z, config) if shared else ()),
             _second_residual(p, x, mid, out, f"{p}/ffn out", h),

@@ -347,9 +347,41 @@ def test_with_experts_under_its_tp_plan_every_moment_happens_in_order(one_thread
 
 
 @pytest.mark.parametrize("changes, strategy, named", [
-    ({"ep": 2}, "tp-sp", "experts at ep=2"),
+    ({"ep": 2}, "tp", "experts at ep=2 under tp without sequence parallel"),
+    ({"ep": 2, "moe_shared_expert_intermediate_size": 48}, "tp-sp", "experts at ep=2 with shared experts"),
+    ({"ep": 2, "recompute": "full"}, "tp-sp", "experts at ep=2 under recompute full"),
     ({"dp_shard": 2}, "tp-sp", "experts under dp_shard with tp"),
 ])
 def test_with_experts_under_tp_what_the_walk_does_not_model_is_refused_by_name(changes, strategy, named):
     with pytest.raises(ConfigError, match=named):
         timeline(make_config(LLAMA3, **(MOE | TP_MOE | changes)), STRATEGIES[strategy], CPU)
+
+
+# -- with experts over its TP ranks (ep = t = 2, tp-sp): each rank routes its own s/t tokens; the all-to-all dispatcher
+# exchanges the counts, sends the rows (chunks, concatenated), reorders them expert-major (_permute's int64 indices) for
+# its E/ep whole experts, and returns them; forced balanced (r = k*b*s/t) or all-to-one (rank 0 receives every rank's)
+EP_MOMENTS = [
+    ({"L": 1}, "balanced"),
+    ({"moe_tokens": "worst"}, "all-to-one"),
+    ({"b": 1, "s": 6, "num_experts": 6, "moe_router_topk": 2, "moe_ffn_hidden_size": 16}, "balanced"),  # s/t odd
+    ({"b": 3, "s": 10, "num_experts": 8, "moe_router_topk": 1, "moe_ffn_hidden_size": 48, "moe_tokens": "worst",
+      "vocab_size": 16}, "all-to-one"),
+]
+
+
+@pytest.mark.parametrize("changes, route", EP_MOMENTS, ids=str)
+def test_with_experts_over_its_tp_ranks_memtracker_reaches_the_peak_to_the_byte(one_thread, changes, route):
+    (r,) = measure_step(_tp_moe(changes | {"ep": 2}, "none"), ["tp-sp"], route=route)
+    assert r.measured.moment == r.predicted_moment
+    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+
+
+@pytest.mark.parametrize("changes, route", EP_MOMENTS, ids=str)
+def test_with_experts_over_its_tp_ranks_every_moment_happens_in_order(one_thread, changes, route):
+    config = _tp_moe(changes | {"ep": 2}, "none")
+
+    def readings(tp):
+        with runtime(tp, config.ep) as dims:
+            return readings_after_every_op(warmed_up(tp, config, STRATEGIES["tp-sp"], dims, route))
+
+    assert_moments_in_order(timeline(config, STRATEGIES["tp-sp"], CPU).moments[1:-1], run_fake(readings, (), 2))
