@@ -299,8 +299,7 @@ def _returned(p: str, z: Sizes, sizes: Slots) -> Op:
     n, g = f"{p}/moe", f"grad/{p}/moe"
     received, rows = z.act * sizes.received * z.h, z.act * sizes.sent * z.h
     return Op("moe.routed_experts", forward=(
-        Step("_unpermute: the rows rank-major", (Made(f"{n}/unpermuted", received, "(r/t, h) bf16"),),
-             reads_last=kept_names(p, rules.MOE_PERMUTED_INDICES)),
+        Step("_unpermute: the rows rank-major", (Made(f"{n}/unpermuted", received, "(r/t, h) bf16"),)),
         Step("the all-to-all back: its output chunks", (Made(f"{n}/chunks back", rows, "ep chunks"),)),
         Step("concatenated: this rank's slots' outputs", (Made(f"{n}/returned", rows, "(k*b*s/t, h) bf16"),),
              frees=(f"{n}/chunks back", f"{n}/unpermuted")),
@@ -333,7 +332,8 @@ def _combine(p: str, z: Sizes, config: ModelConfig, out: str, dy: str) -> tuple[
             Step("deterministic_scatter_add: the routed output", (Made(out, full, "(b*s, h) bf16"),),
                  frees=(f"{n}/zeros", f"{n}/weighted")),
             Step("", frees=(f"{n}/experts/output", f"{n}/local counts"),  # routed_experts returns: its locals go
-                 reads_last=kept_names(p, rules.MOE_SORTED_SCORES, rules.MOE_TOKEN_INDICES, ledger.EXPERT_IN)),
+                 reads_last=kept_names(p, rules.MOE_SORTED_SCORES, rules.MOE_TOKEN_INDICES, ledger.EXPERT_IN,
+                                       *(() if local else (rules.MOE_PERMUTED_INDICES,)))),  # (in the metadata)
         ), backward=(
             # at ep > 1 routed_experts' local_map hands its body dY contiguous: the residual stream's gradient, the
             # (s/t, b, h) reduce-scatter output seen as (b, s/t, h), is copied but at b = 1
