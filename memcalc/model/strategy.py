@@ -74,8 +74,8 @@ class Strategy:
 
     def planned(self, impl: Implementation, knobs: Any) -> Strategy:
         """This layout as `impl` runs `knobs`: under TP, the tensors its plan leaves unsharded (`unsharded`) stay
-        whole and those it splits otherwise (`splits`) are split so; under SP, the tensors it keeps gathered stay whole too, and the tensors it keeps in another form
-        (`sequence_parallel_forms`) are kept in that form."""
+        whole and those it splits otherwise (`splits`) are split so; under SP, the tensors it keeps gathered stay
+        whole too, and the tensors it keeps in another form (`sequence_parallel_forms`) are kept in that form."""
         whole = impl.unsharded(knobs) if self.tensor_parallel else frozenset()
         splits = impl.splits(knobs) if self.tensor_parallel else ()
         forms: tuple[SavedTensor, ...] = ()

@@ -145,7 +145,8 @@ MOE_EXPERT_OUT = SavedTensor(
     Region.EXPERT, "the score's gradient is sum(dY * expert output): the fp32 copy the multiply read",
 )
 MOE_PERMUTED_INDICES = SavedTensor(
-    "moe/permuted_indices", "AllToAllTokenDispatcher (EP>1): _permute's row of each received slot, rank- to expert-major",
+    "moe/permuted_indices",
+    "AllToAllTokenDispatcher (EP>1): _permute's row of each received slot, rank- to expert-major",
     (Dim.R,), Kind.INT64, Region.EXPERT, "the rows' index backward puts each gradient back at the row it came from",
     paper=False,
 )
