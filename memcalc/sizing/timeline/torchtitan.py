@@ -384,7 +384,7 @@ def block_ops(i: int, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
                      f"grad/{p}/ffn_norm dy" if gathered else f"grad/{p}/ffn_norm out", f"grad/{p}/ffn_norm dx"),
             *(gather("moe", z, p, moe_in, f"grad/{p}/ffn_norm out", f"grad/{p}/ffn_norm dy") if gathered else ()),
             *moe_ops(p, z, config, moe_in.name,
-                     shared_experts_ops(p, z, config) if shared else ()),
+                     shared_experts_ops(p, z, config) if shared else (), reduce_scatter),
             _second_residual(p, x, mid, out, f"{p}/ffn out", h),
         )
     return (

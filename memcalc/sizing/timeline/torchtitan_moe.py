@@ -9,6 +9,7 @@ without a reason from the source: docs/timeline.md, "torchtitan's MoE".
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from memcalc.config.schema import ModelConfig
 from memcalc.model import ledger
@@ -46,11 +47,13 @@ class Slots:
 GROUPED_WEIGHTS = {"w1": "w1_EFD", "w2": "w2_EDF", "w3": "w3_EFD"}
 
 
-def moe_ops(p: str, z: Sizes, config: ModelConfig, x: str, shared: tuple[Op, ...] = ()) -> tuple[Op, ...]:
+def moe_ops(p: str, z: Sizes, config: ModelConfig, x: str, shared: tuple[Op, ...] = (),
+            reduce_scatter: Callable[..., tuple[Op, ...]] | None = None) -> tuple[Op, ...]:
     """The MoE on ffn_norm's output `x` (under SP gathered at its entry), its output f"{p}/ffn out"; in backward its
     input's gradient is f"grad/{p}/ffn_norm out". `shared`: the shared experts' ops (memcalc.sizing.timeline
     .torchtitan.shared_experts_ops: output f"{p}/moe/shared out" under SP, else the ledger's SHARED_FC2_OUT, input
-    gradient f"grad/{p}/moe/shared dX"), which keep `x`; without them `x` goes as the MoE returns.
+    gradient f"grad/{p}/moe/shared dX"), which keep `x`; without them `x` goes as the MoE returns. `reduce_scatter`: the
+    block's (memcalc.sizing.timeline.torchtitan.reduce_scatter: SP's, or tp's f*), under TP.
 
     Under its TP plan at ep = 1 (set_moe_sharding_config) every rank runs every token through its e/t-wide share of
     each expert: the routed output a partial sum, under SP reduce-scattered as routed_experts returns (and the shared
@@ -70,8 +73,6 @@ def moe_ops(p: str, z: Sizes, config: ModelConfig, x: str, shared: tuple[Op, ...
                                                   *((f"{p}/ffn_norm out",) if scattered else ())),
                                        reads_last=kept_names(p, rules.MOE_ROUTER_SCORES, ledger.ROUTER_TOPK_INDICES)),
                                   *(() if all_reduced else (held,))), backward=())
-    from memcalc.sizing.timeline.torchtitan import reduce_scatter  # the block's module, which imports this one
-
     dy = f"grad/{n}/dY whole"
     return (*_router(p, z, config, bool(shared)), *_dispatch(p, z, config, bool(shared)), *_experts(p, z, config),
             *_combine(p, z, config, combined, dy if scattered else ""),
