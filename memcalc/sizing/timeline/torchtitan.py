@@ -96,8 +96,7 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
         *((config.moe and config.ep > 1 and absent, f"experts at ep={config.ep} {what}") for absent, what in (
             (not strategy.sequence_parallel, "under tp without sequence parallel (its MoE slices the replicated input;"
                                              " tp-sp, torchtitan's default, is modelled)"),
-            (bool(config.moe_shared_expert_intermediate_size), "with shared experts (gathered for their own plan)"),
-            (config.recompute != "none", f"under recompute {config.recompute}"))),
+            (bool(config.moe_shared_expert_intermediate_size), "with shared experts (gathered for their own plan)"))),
         (config.moe and sharded_tp, "experts under dp_shard with tp (FSDP2 over its MoE sharding plan)"),
         (config.tie_embeddings, "tie_embeddings (Llama3 unties them; set tie_embeddings false)"),
         (config.position_embedding_type != "rope", f"position_embedding_type {config.position_embedding_type}"

@@ -336,10 +336,6 @@ def _combine(p: str, z: Sizes, config: ModelConfig, out: str, dy: str) -> tuple[
                  reads_last=kept_names(p, rules.MOE_SORTED_SCORES, rules.MOE_TOKEN_INDICES, ledger.EXPERT_IN,
                                        *(() if local else (rules.MOE_PERMUTED_INDICES,)))),  # (in the metadata)
         ), backward=(
-            # at ep > 1 routed_experts' local_map hands its body dY contiguous: the residual stream's gradient, the
-            # (s/t, b, h) reduce-scatter output seen as (b, s/t, h), is copied but at b = 1
-            *(() if local or z.b == 1 else (Step("dY made contiguous at routed_experts' boundary", (
-                Made(f"{g}/dY copy", full, "bf16"),)),)),
             Step("scatter_add's backward: dY at each row's token", (Made(f"{g}/rows", rows, "bf16"),),
                  frees=(dy,) if dy else () if local else (f"{g}/dY copy",)),
             Step("the cast's backward: to fp32", (Made(f"{g}/rows fp32", rows32, "fp32"),), frees=(f"{g}/rows",)),
@@ -351,4 +347,9 @@ def _combine(p: str, z: Sizes, config: ModelConfig, out: str, dy: str) -> tuple[
             Step("the upcast's backward: to bf16", (Made(f"{g}/experts/output" if local else f"{g}/experts/returned",
                                                           rows, "bf16"),), frees=(f"{g}/dx fp32",)),
         ), saves=(rules.MOE_EXPERT_OUT, rules.MOE_SORTED_SCORES)),
+        # at ep > 1 routed_experts' local_map hands its body dY contiguous, before any node of it unpacks what it
+        # saved: the residual stream's gradient, the (s/t, b, h) reduce-scatter output seen as (b, s/t, h), is copied
+        # but at b = 1
+        *(() if local or z.b == 1 else (Op("moe.routed_experts", forward=(), backward=(
+            Step("dY made contiguous at routed_experts' boundary", (Made(f"{g}/dY copy", full, "bf16"),)),)),)),
     )
