@@ -93,10 +93,8 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
         (expert_dim1(config) and bool(config.expert_ffn % config.dp_shard or config.h % config.dp_shard),
          f"dp_shard={config.dp_shard} for num_experts={config.num_experts} with f_e={config.expert_ffn} and"
          f" h={config.h} (apply_fsdp_to_decoder shards the experts on dim 1, which FSDP2 requires even)"),
-        *((config.moe and config.ep > 1 and absent, f"experts at ep={config.ep} {what}") for absent, what in (
-            (not strategy.sequence_parallel, "under tp without sequence parallel (its MoE slices the replicated input;"
-                                             " tp-sp, torchtitan's default, is modelled)"),
-            (bool(config.moe_shared_expert_intermediate_size), "with shared experts (gathered for their own plan)"))),
+        (config.moe and config.ep > 1 and not strategy.sequence_parallel, f"experts at ep={config.ep} under tp without"
+         " sequence parallel (its MoE slices the replicated input; tp-sp, torchtitan's default, is modelled)"),
         (config.moe and sharded_tp, "experts under dp_shard with tp (FSDP2 over its MoE sharding plan)"),
         (config.tie_embeddings, "tie_embeddings (Llama3 unties them; set tie_embeddings false)"),
         (config.position_embedding_type != "rope", f"position_embedding_type {config.position_embedding_type}"
@@ -371,7 +369,7 @@ def block_ops(i: int, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     if config.is_moe_layer(i):
         shared = bool(config.moe_shared_expert_intermediate_size)
         # the MoE's input: the norm's output, under SP at ep = 1 gathered at the MoE's entry (kept by the shared
-        # experts); at ep > 1 each rank routes its own shard
+        # experts); at ep > 1 each rank routes its own shard (and the shared experts gather it)
         moe_in = kept(p, rules.MOE_SHARED_IN) if shared else Made(f"{p}/moe input", z.full(z.h), "the MoE's input")
         gathered = z.t > 1 and config.ep == 1
         if not gathered:
@@ -527,13 +525,15 @@ def shared_experts_ops(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     their input's gradient f"grad/{p}/moe/shared dX"."""
     m, u = "moe.shared_experts", config.moe_shared_expert_intermediate_size // z.t
     w, f, dy = z.act * u * z.h, z.tokens(z.act * u), f"grad/{p}/{m}/dY whole"
-    fc2_out = kept_name(p, rules.SHARED_FC2_OUT)
+    fc2_out, dx = kept_name(p, rules.SHARED_FC2_OUT), f"grad/{p}/moe/shared dX"
+    gathered = config.ep > 1 and z.sp  # at ep > 1 the MoE's input is this rank's shard: gathered at their entry
     return module_returns((
-        *swiglu_ops(p, z, m, SHARED_SWIGLU, w, f, f"grad/{p}/moe/shared dX"),
+        *(gather(m, z, p, kept(p, rules.MOE_SHARED_IN), f"{dx} whole", dx) if gathered else ()),
+        *swiglu_ops(p, z, m, SHARED_SWIGLU, w, f, f"{dx} whole" if gathered else dx),
         linear(f"{m}.w2", ledger.SHARED_FC2_IN, Made(fc2_out, z.full(z.h), "the shared experts' output"),
                w, f"grad/{p}/{m}/dfc2", f, p, frees=(dy,) if z.sp else ()),
         *(reduce_scatter(f"{m}.w2", z, p, fc2_out, f"{p}/moe/shared out", dy, ()) if z.sp else ()),
-    ), kept_name(p, ledger.SHARED_FC2_IN))
+    ), *kept_names(p, ledger.SHARED_FC2_IN, *((rules.MOE_SHARED_IN,) if gathered else ())))
 
 
 def _second_residual(p: str, x: str, mid: str, out: str, ffn_out: str, h: int) -> Op:

@@ -68,7 +68,8 @@ def moe_ops(p: str, z: Sizes, config: ModelConfig, x: str, shared: tuple[Op, ...
         Made(final, z.seq(z.h), "the MoE's output"),), frees=(routed, shared_out)),), backward=())
     # MoE.forward returns: its locals go (under a checkpoint also the router's scores and ids, and the input; under
     # SP the norm's shard it gathered); under tp its input, which its sharding wrapper holds, after the f*
-    held = Step("", frees=() if shared else (x,), reads_last=kept_names(p, rules.MOE_SHARED_IN) if shared else ())
+    kept_in = x == kept_name(p, rules.MOE_SHARED_IN)  # the shared experts keep the MoE's input (at ep > 1 they
+    held = Step("", frees=() if kept_in else (x,), reads_last=(x,) if kept_in else ())  # gather it themselves)
     returned = Op("moe", forward=(Step("", frees=(f"{n}/routing map", f"{n}/counts", f"{n}/router/topk scores",
                                                   *((f"{p}/ffn_norm out",) if scattered else ())),
                                        reads_last=kept_names(p, rules.MOE_ROUTER_SCORES, ledger.ROUTER_TOPK_INDICES)),

@@ -348,7 +348,6 @@ def test_with_experts_under_its_tp_plan_every_moment_happens_in_order(one_thread
 
 @pytest.mark.parametrize("changes, strategy, named", [
     ({"ep": 2}, "tp", "experts at ep=2 under tp without sequence parallel"),
-    ({"ep": 2, "moe_shared_expert_intermediate_size": 48}, "tp-sp", "experts at ep=2 with shared experts"),
     ({"dp_shard": 2}, "tp-sp", "experts under dp_shard with tp"),
 ])
 def test_with_experts_under_tp_what_the_walk_does_not_model_is_refused_by_name(changes, strategy, named):
@@ -358,13 +357,18 @@ def test_with_experts_under_tp_what_the_walk_does_not_model_is_refused_by_name(c
 
 # -- with experts over its TP ranks (ep = t = 2, tp-sp): each rank routes its own s/t tokens; the all-to-all dispatcher
 # exchanges the counts, sends the rows (chunks, concatenated), reorders them expert-major (_permute's int64 indices) for
-# its E/ep whole experts, and returns them; forced balanced (r = k*b*s/t) or all-to-one (rank 0 receives every rank's)
+# its E/ep whole experts, and returns them; forced balanced (r = k*b*s/t) or all-to-one (rank 0 receives every rank's);
+# shared experts gather the shard themselves
 EP_MOMENTS = [
     ({"L": 1}, "balanced"),
     ({"moe_tokens": "worst"}, "all-to-one"),
     ({"b": 1, "s": 6, "num_experts": 6, "moe_router_topk": 2, "moe_ffn_hidden_size": 16}, "balanced"),  # s/t odd
     ({"b": 3, "s": 10, "num_experts": 8, "moe_router_topk": 1, "moe_ffn_hidden_size": 48, "moe_tokens": "worst",
       "vocab_size": 16}, "all-to-one"),
+    # shared experts: they gather the rank's shard at their entry, their partial output reduce-scattered
+    ({"L": 1, "moe_shared_expert_intermediate_size": 48}, "balanced"),
+    ({"b": 1, "s": 6, "num_experts": 6, "moe_ffn_hidden_size": 16, "moe_shared_expert_intermediate_size": 48,
+      "moe_router_score_function": "sigmoid", "moe_tokens": "worst"}, "all-to-one"),
 ]
 
 
