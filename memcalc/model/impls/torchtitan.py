@@ -15,6 +15,7 @@ from memcalc.model import ledger
 from memcalc.model.impls.base import Implementation, Refusal, SizeCondition, drop_small
 from memcalc.model.knobs import Accounting
 from memcalc.model.ledger import Dim, Kind, Region, RMSNormTensors, SavedTensor
+from memcalc.model.tp_plan import ATTENTION, MLP, Rule, Style, TPPlan, pair
 
 _BSH = (Dim.B, Dim.S, Dim.H)
 _SEQ = Region.SEQUENCE
@@ -88,6 +89,21 @@ MOE_TOPK_VALUES = SavedTensor(
     " values are unused, the scores are gathered from the softmax", paper=False,
 )
 
+
+def tp_plan(knobs: Any) -> TPPlan:
+    """Llama3's plan (set_llama3_sharding_config): norms sequence-parallel, wqkv, w1 and w3 colwise, wo and w2 rowwise.
+    Each block's entry gathers its input (in_dst_shardings Replicate), which the colwise linears keep; SelectiveAC
+    keeps w2's output before its reduce-scatter. With experts, Qwen3's MoE in the feed-forward's place
+    (set_moe_sharding_config): at ep = 1 its entry gathers its input too, of which the router and the shared experts
+    keep what they keep (`MOE_GATHERED`); at ep > 1 each rank routes its own shard (`splits`)."""
+    keeps = Style.COLWISE_KEEPS_INPUT
+    ffn = (Rule("moe", Style.EXPERTS, whole=MOE_GATHERED),) if knobs.moe else (
+        Rule("feed_forward.w1", keeps, MLP, (FC1_IN.name,)), Rule("feed_forward.w3", keeps, MLP),
+        Rule("feed_forward.w2", Style.ROWWISE, MLP, (FC2_OUT.name,)))
+    return TPPlan((Rule("attention_norm", Style.SEQUENCE),
+                   *pair(ATTENTION, ("attention.qkv_linear.wqkv",), "attention.wo", keeps, (QKV_IN.name,)),
+                   Rule("ffn_norm", Style.SEQUENCE), *ffn))
+
 # -- The MoE block (torchtitan/models/common/moe.py: MoE), as its Qwen3 and DeepSeek-V3 decoder layers run it ------
 # TokenChoiceTopKRouter computes its gate under autocast(float32), so on CUDA the gate casts its weight and input
 # to fp32 and everything the router makes is fp32; softmax or sigmoid scores every expert, top-k picks, gather
@@ -155,10 +171,10 @@ MOE_SHARED_IN = replace(
     why="the shared experts' dW = X^T dY needs their input (the gate keeps an fp32 copy of its own)",
 )
 # What the router keeps of the MoE's input, which set_moe_sharding_config gathers at the MoE's entry under SP (at
-# ep = 1; with ep > 1 each TP rank routes its own s/t tokens, `splits`)
+# ep = 1; with ep > 1 each TP rank routes its own s/t tokens, `splits`), and the shared experts' input (gathered)
 MOE_ROUTED = (MOE_ROUTER_IN, MOE_ROUTER_SCORES, ledger.ROUTER_TOPK_INDICES, MOE_TOPK_SCORES, MOE_TOPK_SUM,
               MOE_TOPK_VALUES)
-KEPT_WHOLE = frozenset(x.name for x in (QKV_IN, FC1_IN, FC2_OUT, MOE_SHARED_IN, *MOE_ROUTED))
+MOE_GATHERED = tuple(x.name for x in (MOE_SHARED_IN, *MOE_ROUTED))
 MOE_TENSORS = (MOE_ROUTER_WEIGHT, MOE_ROUTER_IN, MOE_ROUTER_SCORES, MOE_TOPK_SCORES, MOE_TOPK_SUM, MOE_SORTED_SLOTS,
                MOE_TOKEN_INDICES, MOE_SORTED_SCORES, MOE_PERMUTED_INDICES, MOE_OFFSETS, MOE_EXPERT_OUT, MOE_SHARED_IN)
 
@@ -341,7 +357,7 @@ IMPLEMENTATION = Implementation(
     " all-to-one; under its MoE sharding plan (set_moe_sharding_config) at tp and tp-sp, ep 1 and ep = t (the"
     " all-to-all dispatcher over the TP ranks)",
     layer_tensors=layer_tensors,
-    kept_whole=KEPT_WHOLE,
+    tp_plan=tp_plan,
     tensors=(*LN1, *LN2, QKV_IN, FC1_IN, QKV_OUT, FC2_OUT, FLEX_MAX_SCORES, V_IN_QKV_OUT, *MOE_TENSORS, SHARED_FC2_OUT,
              MOE_TOPK_VALUES),
     size_conditions=CONDITIONS,
