@@ -569,15 +569,18 @@ def measure_step(config: ModelConfig, strategies: list[str], route: str | None =
 
 def _pins_worst(config: ModelConfig, route: str | None) -> bool:
     """Whether the forced all-to-one route pins the worst bound the MoE walk takes: every rank's tokens' k slots on the
-    same k experts (megatron's walk, memcalc.sizing.timeline.megatron_moe.expert_slots)."""
-    return config.impl == "megatron" and route == "all-to-one" and config.moe_tokens == "worst"
+    same k experts (megatron's walk, memcalc.sizing.timeline.megatron_moe.expert_slots; torchtitan's at ep > 1)."""
+    experts_apart = config.impl == "megatron" or config.impl == "torchtitan" and config.ep > 1
+    return experts_apart and route == "all-to-one" and config.moe_tokens == "worst"
 
 
 def _any_route_pinned(config: ModelConfig, route: str | None) -> bool:
-    """Whether a forced route other than balanced pins the step too: transformers' grouped_mm experts keep all k*b*s
-    slots in one storage a tensor, whatever each expert's count (memcalc.sizing.timeline.hf_moe)."""
-    return (config.impl == "hf" and config.experts_implementation == "grouped_mm" and route is not None
-            and config.moe_tokens == "balanced")
+    """Whether a forced route other than balanced pins the step too: transformers' grouped_mm experts, and
+    torchtitan's GroupedExperts at ep = 1, keep all k*b*s slots in one storage a tensor, whatever each expert's count
+    (memcalc.sizing.timeline.hf_moe, torchtitan_moe)."""
+    grouped = config.impl == "hf" and config.experts_implementation == "grouped_mm" or \
+        config.impl == "torchtitan" and config.ep == 1
+    return grouped and route is not None and config.moe_tokens == "balanced"
 
 
 # The step trainers of the libraries' own models, by (the model `_trained` names, under FSDP2): module and function,

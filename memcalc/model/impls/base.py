@@ -115,6 +115,9 @@ class Implementation:
     strategies: tuple[str, ...] = ("none", "tp", "tp-sp")  # the layouts the library runs (for some knobs)
     rerun: Rerun = Rerun()
     refuses: tuple[Refusal, ...] = ()  # layouts of `strategies` it does not run under some knobs, and why
+    # For a config (its ep), the dimension a tensor-parallel layout splits by t in tensors the library's plan splits
+    # otherwise than their region says, before what it keeps whole: torchtitan's experts, spread over the TP ranks
+    splits: Callable[[Any], tuple[tuple[str, Any], ...]] = lambda config: ()
     # For a knob set, what a sequence-splitting layout keeps in place of the same-named tensors of `layer_tensors`
     # (another width or split); unlike a plan's gathered input, it changes no collective: backward gathers as before.
     sequence_parallel_forms: Callable[[Any], tuple[SavedTensor, ...]] = lambda knobs: ()

@@ -64,6 +64,8 @@ from torchtitan.models.llama3 import Llama3Model, _build_llama3_layers  # noqa: 
 from torchtitan.models.llama3.sharding import set_llama3_sharding_config  # noqa: E402
 from torchtitan.models.common.config_utils import make_ffn_config  # noqa: E402
 from torchtitan.models.qwen3 import _build_qwen3_moe_layers  # noqa: E402
+from torchtitan.models.qwen3.sharding import _GROUPED_EXPERTS_PARAM_LAYOUT  # noqa: E402
+from torchtitan.models.common.moe_sharding import set_moe_sharding_config  # noqa: E402
 from torchtitan.tools.utils import set_default_dtype  # noqa: E402
 
 NOTES = shim.NOTES
@@ -79,14 +81,14 @@ ROPE_THETA = 500000  # every Llama3 flavour's; the values do not change what is 
 def block_config(config: ModelConfig, sequence_parallel: bool) -> Any:
     """torchtitan's Llama3 block config at memcalc's sizes, with its TP plan filled in (with experts: its MoE layer)."""
     model = _llama3_config(config, sequence_parallel, layers=1, vocab_size=1)  # the two ends are built nowhere
-    return moe_block_config(config, model.layers[0]) if config.moe else model.layers[0]
+    return moe_block_config(config, model.layers[0], sequence_parallel) if config.moe else model.layers[0]
 
 
 def model_config(config: ModelConfig, sequence_parallel: bool, layers: int, vocab_size: int) -> Any:
     """torchtitan's Llama3Model config at memcalc's sizes (as its flavours build it, untied), TP plan filled in;
     with experts the layers `is_moe_layer` picks are its Qwen3 MoE decoder layers (`moe_block_config`)."""
     model = _llama3_config(config, sequence_parallel, layers, vocab_size)
-    model.layers = [moe_block_config(config, block) if config.is_moe_layer(i) else block
+    model.layers = [moe_block_config(config, block, sequence_parallel) if config.is_moe_layer(i) else block
                     for i, block in enumerate(model.layers)]
     return model
 
@@ -114,7 +116,7 @@ def _llama3_config(config: ModelConfig, sequence_parallel: bool, layers: int, vo
     return model
 
 
-def moe_block_config(config: ModelConfig, llama3: Any) -> Any:
+def moe_block_config(config: ModelConfig, llama3: Any, sequence_parallel: bool) -> Any:
     """torchtitan's Qwen3 MoE decoder layer from its own builder, with the Llama3 block's attention and norms.
 
     The builder makes Qwen3TransformerBlock with its MoE (the "standard" dispatcher, local at EP=1, and
@@ -136,6 +138,8 @@ def moe_block_config(config: ModelConfig, llama3: Any) -> Any:
             dim=config.h, hidden_dim=config.moe_shared_expert_intermediate_size,
             w1_param_init=dense.w1.param_init, w2w3_param_init=dense.w2.param_init,
         )
+    set_moe_sharding_config(layer.moe, enable_ep=config.ep > 1, enable_sp=sequence_parallel,
+                            expert_param_layout=_GROUPED_EXPERTS_PARAM_LAYOUT)
     return layer
 
 
@@ -165,20 +169,21 @@ def build_block(config: ModelConfig, tp: TensorParallelGroup, strategy: Strategy
 
 
 @contextmanager
-def tensor_parallel(tp: TensorParallelGroup) -> Iterator[ParallelDims | None]:
-    """torchtitan's TP runtime over the probe's group (the whole world): None for t = 1, which has no plan."""
+def tensor_parallel(tp: TensorParallelGroup, ep: int = 1) -> Iterator[ParallelDims | None]:
+    """torchtitan's TP runtime over the probe's group (the whole world), its experts over `ep` of its ranks (the TP
+    ranks, as torchtitan borrows them): None for t = 1, which has no plan."""
     if tp.size == 1:
         yield None
         return
     dist_utils.set_spmd_backend(SPMD_BACKEND)
     dims = ParallelDims(
-        dp_replicate=1, dp_shard=1, cp=1, tp=tp.size, pp=1, ep=1, world_size=tp.size, spmd_backend=SPMD_BACKEND
+        dp_replicate=1, dp_shard=1, cp=1, tp=tp.size, pp=1, ep=ep, world_size=tp.size, spmd_backend=SPMD_BACKEND
     )
     with shim.mesh_device(tp.device.type):
         dims.build_mesh()
-    set_spmd_meshes(dense_mesh=dims.spmd_dense_mesh(), sparse_mesh=None)
+    set_spmd_meshes(dense_mesh=dims.spmd_dense_mesh(), sparse_mesh=dims.spmd_sparse_mesh())
     try:
-        with set_current_spmd_mesh(dims.spmd_dense_mesh()):
+        with set_current_spmd_mesh(dims.spmd_dense_mesh()), shim.every_rank_routes_alike():
             yield dims
     finally:
         set_spmd_meshes(dense_mesh=None, sparse_mesh=None)
@@ -251,7 +256,7 @@ def moe_rules() -> tuple[Rule, ...]:
     """The MoE block's tensors, named in torchtitan's code (the gate's fp32 casts are aten's: `aten_rules`).
 
     The dispatcher is no module: its calls run in `routed_experts`' frame, where the first indexing sorts the
-    scores and the first `to` is combine's upcast.
+    scores and the first product is combine's.
     """
     router, routed, experts, shared = "*moe.router", "*moe.routed_experts", "*inner_experts", "*moe.shared_experts"
     return (
@@ -263,7 +268,8 @@ def moe_rules() -> tuple[Rule, ...]:
         Rule(routed, "argsort", rules.MOE_SORTED_SLOTS),
         Rule(routed, "__getitem__", rules.MOE_SORTED_SCORES),
         Rule(routed, "__floordiv__", rules.MOE_TOKEN_INDICES),
-        Rule(routed, "to", rules.MOE_EXPERT_OUT),
+        Rule(routed, "mul", rules.MOE_EXPERT_OUT, arg=0),  # combine's upcast times the score
+        Rule(routed, "sub", rules.MOE_PERMUTED_INDICES, nth=2),  # EP's _permute: its third subtraction
         Rule(experts, "forward", ledger.EXPERT_IN, arg=0),
         Rule(experts, "cumsum", rules.MOE_OFFSETS),
         Rule(experts, "silu", ledger.EXPERT_GATE, arg=0),
@@ -402,7 +408,7 @@ def run_layer(
         stack.enter_context(warnings.catch_warnings())
         warnings.filterwarnings("ignore", DEPRECATED_COLLECTIVES, FutureWarning)
         warnings.filterwarnings("ignore", CPU_AUTOCAST_FP32, UserWarning)
-        dims = stack.enter_context(tensor_parallel(tp))
+        dims = stack.enter_context(tensor_parallel(tp, config.ep))
         stack.enter_context(shim.cuda_like_op_checkpointing())
         caches = stack.enter_context(shim.op_checkpoint_caches())
         block = build_block(config, tp, strategy, dims)

@@ -56,6 +56,41 @@ def mesh_device(device_type: str) -> Iterator[None]:
 
 
 @contextmanager
+def every_rank_routes_alike() -> Iterator[None]:
+    """On the fake group, the EP dispatcher's all-to-all of token counts leaves each source rank's counts for this
+    rank's experts as this rank's own: every rank routes as this one (so under a forced route, which each rank
+    repeats on its own tokens). The all-to-all still runs; only the values it leaves are written. The fake group's
+    list all-to-all copies each input chunk to the same rank's output chunk, which an uneven route (this rank's
+    slots sent to itself alone, received from every rank) cannot: there it zeroes the chunks spmd_types allocated
+    (uninitialised, they could hold NaNs that a step's update would write into the weights, and so into the route)."""
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+
+    original, all_to_all = AllToAllTokenDispatcher._token_count_exchange, torch.distributed.all_to_all
+
+    def uneven(outputs: list, inputs: list, group: Any = None, **kwargs: Any) -> Any:
+        if torch.distributed.get_backend(group) == "fake":
+            for chunk in outputs:
+                chunk.zero_()
+            return None
+        return all_to_all(outputs, inputs, group=group, **kwargs)
+
+    def exchanged(self: Any, counts: torch.Tensor, group: Any, ep: int) -> torch.Tensor:
+        received = original(self, counts, group, ep)
+        if torch.distributed.get_backend(group) != "fake":
+            return received
+        received = torch.ops._c10d_functional.wait_tensor(received)  # (ep, E/ep): each source rank's counts
+        mine = counts.view(ep, -1)[torch.distributed.get_rank(group)]
+        received.copy_(mine.expand(ep, -1))
+        return received
+
+    AllToAllTokenDispatcher._token_count_exchange, torch.distributed.all_to_all = exchanged, uneven
+    try:
+        yield
+    finally:
+        AllToAllTokenDispatcher._token_count_exchange, torch.distributed.all_to_all = original, all_to_all
+
+
+@contextmanager
 def cuda_like_op_checkpointing() -> Iterator[None]:
     """SelectiveAC saves the CPU flash-attention kernel's outputs too, as it saves its CUDA twins'."""
     from torchtitan.distributed import activation_checkpoint

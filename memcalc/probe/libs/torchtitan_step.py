@@ -47,19 +47,19 @@ def measure_torchtitan_step_on_rank(tp: TensorParallelGroup, config: ModelConfig
                                     route: str | None = None) -> StepMeasurement:
     """Build torchtitan's Llama3Model (under tp laid out by its own plan; with experts its MoE layers, the router
     forced to `route`), run a warm-up step, then measure one step under MemTracker."""
-    with runtime(tp) as dims:
+    with runtime(tp, config.ep) as dims:
         return measure_trainer(warmed_up(tp, config, strategy, dims, route), tp, strategy)
 
 
 @contextmanager
-def runtime(tp: TensorParallelGroup) -> Iterator[Any]:
-    """torchtitan's TP runtime over the probe's group (memcalc.probe.libs.torchtitan), its collectives' deprecation
-    warnings and the CPU's refusal of the MoE router's autocast(float32) (the shim runs it) silenced: the
-    ParallelDims, or None at t = 1."""
+def runtime(tp: TensorParallelGroup, ep: int = 1) -> Iterator[Any]:
+    """torchtitan's TP runtime over the probe's group (memcalc.probe.libs.torchtitan; its experts over `ep` of the
+    TP ranks), its collectives' deprecation warnings and the CPU's refusal of the MoE router's autocast(float32) (the
+    shim runs it) silenced: the ParallelDims, or None at t = 1."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", titan.DEPRECATED_COLLECTIVES, FutureWarning)
         warnings.filterwarnings("ignore", titan.CPU_AUTOCAST_FP32, UserWarning)
-        with titan.tensor_parallel(tp) as dims:
+        with titan.tensor_parallel(tp, ep) as dims:
             yield dims
 
 

@@ -93,6 +93,9 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
         (expert_dim1(config) and bool(config.expert_ffn % config.dp_shard or config.h % config.dp_shard),
          f"dp_shard={config.dp_shard} for num_experts={config.num_experts} with f_e={config.expert_ffn} and"
          f" h={config.h} (apply_fsdp_to_decoder shards the experts on dim 1, which FSDP2 requires even)"),
+        (config.moe and config.ep > 1 and not strategy.sequence_parallel, f"experts at ep={config.ep} under tp without"
+         " sequence parallel (its MoE slices the replicated input; tp-sp, torchtitan's default, is modelled)"),
+        (config.moe and sharded_tp, "experts under dp_shard with tp (FSDP2 over its MoE sharding plan)"),
         (config.tie_embeddings, "tie_embeddings (Llama3 unties them; set tie_embeddings false)"),
         (config.position_embedding_type != "rope", f"position_embedding_type {config.position_embedding_type}"
                                                    " (Llama3 rotates q and k: set rope)"),
@@ -365,14 +368,20 @@ def block_ops(i: int, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     f = z.tokens(z.act * z.f_t)
     if config.is_moe_layer(i):
         shared = bool(config.moe_shared_expert_intermediate_size)
+        # the MoE's input: the norm's output, under SP at ep = 1 gathered at the MoE's entry (kept by the shared
+        # experts); at ep > 1 each rank routes its own shard (and the shared experts gather it)
+        moe_in = kept(p, rules.MOE_SHARED_IN) if shared else Made(f"{p}/moe input", z.full(z.h), "the MoE's input")
+        gathered = z.t > 1 and config.ep == 1
+        if not gathered:
+            moe_in = Made(f"{p}/ffn_norm out", h, "bf16, the MoE's input") if z.sp else moe_in
         return (
             *attention_ops(p, z, mid, gmid, gx, h, q, kv),
             residual(p, "ffn_norm", f"grad/{p}/ffn_norm dx", gout, gmid, h),
-            rms_norm("ffn_norm", z, rules.LN2, p, kept(p, rules.MOE_SHARED_IN) if shared else
-                     Made(f"{p}/ffn_norm out", h, "the MoE's input, bf16"), f"grad/{p}/ffn_norm out",
-                     f"grad/{p}/ffn_norm dx"),
-            *moe_ops(p, z, config, kept_name(p, rules.MOE_SHARED_IN) if shared else f"{p}/ffn_norm out",
-                     shared_experts_ops(p, z, config) if shared else ()),
+            rms_norm("ffn_norm", z, rules.LN2, p, Made(f"{p}/ffn_norm out", h, "bf16") if z.sp else moe_in,
+                     f"grad/{p}/ffn_norm dy" if gathered else f"grad/{p}/ffn_norm out", f"grad/{p}/ffn_norm dx"),
+            *(gather("moe", z, p, moe_in, f"grad/{p}/ffn_norm out", f"grad/{p}/ffn_norm dy") if gathered else ()),
+            *moe_ops(p, z, config, moe_in.name,
+                     shared_experts_ops(p, z, config) if shared else (), reduce_scatter),
             _second_residual(p, x, mid, out, f"{p}/ffn out", h),
         )
     return (
@@ -511,17 +520,20 @@ def swiglu_ops(p: str, z: Sizes, m: str, tensors: tuple[SavedTensor, ...], w: in
 
 
 def shared_experts_ops(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
-    """The MoE's shared experts (a FeedForward of width u on its input, t = 1): their output (the ledger's
-    SHARED_FC2_OUT, which SelectiveAC caches);
-    in backward their input's gradient f"grad/{p}/moe/shared dX"."""
-    m, u = "moe.shared_experts", config.moe_shared_expert_intermediate_size
-    w, f = z.act * u * z.h, z.tokens(z.act * u)
+    """The MoE's shared experts (a FeedForward of width u/t on its input): their output, under SP w2's partial sum
+    (the ledger's SHARED_FC2_OUT, which SelectiveAC caches) reduce-scattered into f"{p}/moe/shared out"; in backward
+    their input's gradient f"grad/{p}/moe/shared dX"."""
+    m, u = "moe.shared_experts", config.moe_shared_expert_intermediate_size // z.t
+    w, f, dy = z.act * u * z.h, z.tokens(z.act * u), f"grad/{p}/{m}/dY whole"
+    fc2_out, dx = kept_name(p, rules.SHARED_FC2_OUT), f"grad/{p}/moe/shared dX"
+    gathered = config.ep > 1 and z.sp  # at ep > 1 the MoE's input is this rank's shard: gathered at their entry
     return module_returns((
-        *swiglu_ops(p, z, m, SHARED_SWIGLU, w, f, f"grad/{p}/moe/shared dX"),
-        linear(f"{m}.w2", ledger.SHARED_FC2_IN, Made(kept_name(p, rules.SHARED_FC2_OUT), z.full(z.h),
-                                                     "the shared experts' output"),
-               w, f"grad/{p}/{m}/dfc2", f, p),
-    ), kept_name(p, ledger.SHARED_FC2_IN))
+        *(gather(m, z, p, kept(p, rules.MOE_SHARED_IN), f"{dx} whole", dx) if gathered else ()),
+        *swiglu_ops(p, z, m, SHARED_SWIGLU, w, f, f"{dx} whole" if gathered else dx),
+        linear(f"{m}.w2", ledger.SHARED_FC2_IN, Made(fc2_out, z.full(z.h), "the shared experts' output"),
+               w, f"grad/{p}/{m}/dfc2", f, p, frees=(dy,) if z.sp else ()),
+        *(reduce_scatter(f"{m}.w2", z, p, fc2_out, f"{p}/moe/shared out", dy, ()) if z.sp else ()),
+    ), *kept_names(p, ledger.SHARED_FC2_IN, *((rules.MOE_SHARED_IN,) if gathered else ())))
 
 
 def _second_residual(p: str, x: str, mid: str, out: str, ffn_out: str, h: int) -> Op:
