@@ -116,7 +116,7 @@ def block_checkpoint(i: int, config: ModelConfig, accounting: Accounting, z: Siz
     if config.recompute == "none":
         return None
     p = f"layers.{i}"
-    cached = rules.op_checkpoint(config, accounting, config.is_moe_layer(i)) if config.recompute == "op" else ()
+    cached = rules.op_checkpoint(config, config.is_moe_layer(i)) if config.recompute == "op" else ()
     scattered = (f"{p}/attention out", f"{p}/ffn out") if cached and z.dtensor and z.sp else ()
     return Checkpoint(f"{p}/input", frozenset((*(kept_name(p, x) for x in cached if x != ledger.LAYER_INPUT),
                                                *scattered)),
