@@ -33,16 +33,17 @@ def run_step(
                           " DeepSpeed's sources, not measured (docs/sharding.md); see it with estimate --totals")
     from memcalc.probe.step import TOLERANCE, measure_step  # needs torch: a one-line ProbeError without it
 
-    results = measure_step(config, strategies, route)
+    results = measure_step(config, strategies, route, device)
     report(results, as_json, lambda: to_json(config, results), lambda: print_steps(config, results, TOLERANCE),
            f"the step's measured memory differs from the timeline by more than {TOLERANCE:.0%}")
 
 
 def _check_flags(device: str, launch: str, backend: str | None, layer: str | None, comm: bool,
                  overlap: str | None) -> None:
-    """--step runs on the CPU in this process (rank 0 of t through the fake group); other flags do not apply."""
-    if device != "cpu":
-        raise ConfigError(f"--step measures with MemTracker on the CPU; --device {device} is not supported with it")
+    """--step runs on the CPU in this process (rank 0 of t through the fake group), with --device cuda as CUDA runs
+    (torchtitan's model); other flags do not apply."""
+    if device == "meta":
+        raise ConfigError("--step measures with MemTracker on the CPU; --device meta is not supported with it")
     given = [flag for flag, value in (
         ("--launch", launch != "auto"), ("--backend", backend), ("--comm", comm), ("--overlap", overlap),
         ("--layer library", layer == "library"),

@@ -1,5 +1,5 @@
-"""What torchtitan 0.3.0 needs to run its Llama3 and MoE blocks on a CPU, patched at run time; no library file
-is edited.
+"""What torchtitan 0.3.0 needs to run its Llama3 and MoE blocks on a CPU, and to run them as CUDA does (`--device
+cuda` with `--step`), patched at run time; no library file is edited.
 
 Each patch is a record of memcalc.probe.shims (`NOTES`, the `shim:` lines `memcalc measure` prints), tabled with its
 reason in docs/probe.md, "What the shims change", with the details the table leaves out.
@@ -53,6 +53,62 @@ def mesh_device(device_type: str) -> Iterator[None]:
         yield
     finally:
         parallel_dims.device_type = original
+
+
+@contextmanager
+def flex_on_cpu() -> Iterator[None]:
+    """While inside: torchtitan's compiled flex attention runs SDPA's CPU flash kernel (causal; the probe's positions
+    are one document a row, so its block mask says the same), and its compiled create_block_mask runs as one op."""
+    from torchtitan.models.common import attention, decoder
+
+    original = attention.FlexAttention.compiled_flex_attn, decoder.create_attention_mask
+    attention.FlexAttention.compiled_flex_attn, decoder.create_attention_mask = staticmethod(_flash), _block_mask
+    try:
+        yield
+    finally:
+        attention.FlexAttention.compiled_flex_attn, decoder.create_attention_mask = original
+
+
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None, enable_gqa: bool,
+           **flex: Any) -> tuple[torch.Tensor, Any]:
+    """Causal attention by SDPA's flash kernel, which keeps what compiled flex keeps: q, k, v, out, lse."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.flex_attention import AuxOutput
+
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                               enable_gqa=enable_gqa)
+    return out, AuxOutput()
+
+
+def _block_mask(*args: Any, **kwargs: Any) -> Any:
+    """torch's create_block_mask as torch.compile runs it: only its tensors are made (eagerly its (b, 1, s, s)-sized
+    intermediates would be, which the compiled kernel never materialises): run unseen, its tensors copied in."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        mask = create_block_mask(*args, **kwargs)
+    for name, value in vars(mask).items():
+        if isinstance(value, torch.Tensor):
+            setattr(mask, name, value.clone())
+    return mask
+
+
+def fused_norms(model: torch.nn.Module) -> None:
+    """Each nn.RMSNorm of `model` runs as torch's CUDA _fused_rms_norm (one op each way, keeping its input and rstd),
+    for the life of `model` (before its TP plan, which wraps the forward it finds); on a CPU torch runs rms_norm's
+    composite."""
+    from memcalc.probe.kernels import FusedRMSNorm
+
+    for norm in [m for m in model.modules() if isinstance(m, torch.nn.RMSNorm)]:
+        norm.forward = _fused(norm, FusedRMSNorm)
+
+
+def _fused(norm: torch.nn.RMSNorm, kernel: Any) -> Any:
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return kernel.apply(x, norm.weight, torch.finfo(x.dtype).eps if norm.eps is None else norm.eps)
+    return forward
 
 
 @contextmanager

@@ -1,0 +1,77 @@
+"""torchtitan's Llama3Model stepped as CUDA runs it (`memcalc measure --step --impl torchtitan --device cuda`): its
+default flex attention given the batch's positions and block mask (SDPA's CPU flash kernel standing in for the
+compiled kernel, which keeps the same tensors), its norms torch's fused rms_norm kernel, one op each way; against the
+step timeline on device cuda: the peak, each category at it and the state between steps to the byte, and every
+moment the timeline names among MemTracker's readings, in order, at t = 1 and under its TP plan, without
+recomputation and under FullAC and SelectiveAC."""
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("torchtitan")
+
+from memcalc.errors import ConfigError  # noqa: E402
+from memcalc.model.knobs import Accounting  # noqa: E402
+from memcalc.model.strategy import STRATEGIES  # noqa: E402
+from memcalc.probe.group import single  # noqa: E402
+from memcalc.probe.launch import run_fake  # noqa: E402
+from memcalc.probe.libs.torchtitan_step import runtime, warmed_up  # noqa: E402
+from memcalc.probe.step import measure_step  # noqa: E402
+from memcalc.sizing.timeline import timeline  # noqa: E402
+
+from tests.helpers import TORCHTITAN_LLAMA3 as LLAMA3, make_config  # noqa: E402
+
+from ..step_readings import assert_moments_in_order, readings_after_every_op  # noqa: E402
+
+CUDA = Accounting(exact=True, device="cuda")
+
+# Random shapes: b = 1 and b > 1, odd s (and s past one 128-token mask block), one K/V group, no GQA.
+CASES = [
+    ({}, "none"),
+    ({"b": 1, "s": 7, "num_query_groups": 8, "ffn_hidden_size": 100}, "none"),  # lm_head's GEMMs
+    ({"vocab_size": 16, "s": 131, "a": 16, "num_query_groups": 16, "L": 1}, "none"),
+    ({"vocab_size": 16, "b": 3, "s": 9, "num_query_groups": 1, "ffn_hidden_size": 512}, "none"),  # w2's GEMMs
+    ({"t": 2}, "tp-sp"),
+    ({"t": 2, "b": 1, "s": 10, "L": 1}, "tp-sp"),
+    ({"t": 4, "num_query_groups": 4, "vocab_size": 32, "s": 64}, "tp-sp"),
+    ({"t": 2, "b": 1, "s": 8, "num_query_groups": 8, "vocab_size": 64, "ffn_hidden_size": 512}, "tp"),
+]
+
+
+def _readings(config, strategy: str):
+    def on_rank(tp):
+        with runtime(tp, "cuda") as dims:
+            return readings_after_every_op(warmed_up(tp, config, STRATEGIES[strategy], dims, device="cuda"))
+
+    return run_fake(on_rank, (), config.t) if STRATEGIES[strategy].tensor_parallel else on_rank(single())
+
+
+@pytest.mark.parametrize("recompute", ["none", "full", "op"])
+@pytest.mark.parametrize("changes, strategy", CASES, ids=str)
+def test_as_cuda_runs_it_memtracker_reaches_the_peak_to_the_byte(one_thread, recompute, changes, strategy):
+    (r,) = measure_step(make_config(LLAMA3, recompute=recompute, **changes), [strategy], device="cuda")
+    assert r.measured.moment == r.predicted_moment
+    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+
+
+@pytest.mark.parametrize("recompute", ["none", "full", "op"])
+@pytest.mark.parametrize("changes, strategy", [CASES[0], CASES[1], CASES[4], CASES[7]], ids=str)
+def test_as_cuda_runs_it_every_moment_happens_in_order_in_its_module(one_thread, recompute, changes, strategy):
+    """The fused norms' one moment each way, what they keep (the residual stream itself), RoPE's gathered table, the
+    positions and block mask live all step."""
+    config = make_config(LLAMA3, recompute=recompute, **changes)
+    assert_moments_in_order(timeline(config, STRATEGIES[strategy], CUDA).moments[1:-1], _readings(config, strategy))
+
+
+@pytest.mark.parametrize("changes, named", [
+    ({"num_experts": 4, "moe_router_topk": 2}, "experts on device cuda"),
+    ({"dp_shard": 2}, "dp_shard on device cuda"),
+])
+def test_on_cuda_the_walk_refuses_what_it_has_not_described(changes, named):
+    with pytest.raises(ConfigError, match=named):
+        timeline(make_config(LLAMA3, **changes), STRATEGIES["none"], CUDA)
+
+
+def test_only_torchtitans_step_runs_as_cuda_does():
+    with pytest.raises(ConfigError, match="only with --impl torchtitan"):
+        measure_step(make_config(LLAMA3, impl="megatron"), ["none"], device="cuda")
