@@ -493,6 +493,7 @@ class StepComparison:
     predicted: Timeline
     measured: StepMeasurement
     model: str = "memcalc's own GPT"  # what ran: STEP_MODELS
+    device: str = "cpu"  # whose kernels: cuda runs the CPU as CUDA runs (torchtitan's shim)
 
     @property
     def predicted_moment(self) -> str:
@@ -524,9 +525,10 @@ class StepComparison:
         ]
 
     def how(self) -> str:
+        on = "on cpu" if self.device == "cpu" else "on cpu, run as CUDA runs it"
         if self.launch is Mode.FAKE:
-            return f"one process as rank 0 of t={self.measured.t} through torch's fake process group on cpu"
-        return "one process (t=1) on cpu"
+            return f"one process as rank 0 of t={self.measured.t} through torch's fake process group {on}"
+        return f"one process (t=1) {on}"
 
 
 def measure_step(config: ModelConfig, strategies: list[str], route: str | None = None,
@@ -568,7 +570,7 @@ def measure_step(config: ModelConfig, strategies: list[str], route: str | None =
         routed = (route, device) if device != "cpu" else routed  # torchtitan's runner takes the device after it
         (measured,) = run(_step_runner(_trained(config), config.dp_shard is not None), (config, strategy, *routed),
                           mode=mode, t=t)
-        out.append(StepComparison(strategy, mode, predicted, measured, model))
+        out.append(StepComparison(strategy, mode, predicted, measured, model, device))
     return out
 
 

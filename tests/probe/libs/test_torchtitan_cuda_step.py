@@ -75,3 +75,15 @@ def test_on_cuda_the_walk_refuses_what_it_has_not_described(changes, named):
 def test_only_torchtitans_step_runs_as_cuda_does():
     with pytest.raises(ConfigError, match="only with --impl torchtitan"):
         measure_step(make_config(LLAMA3, impl="megatron"), ["none"], device="cuda")
+
+
+def test_measure_step_on_device_cuda_says_it_ran_as_cuda_runs_and_matches(tmp_path):
+    from tests.cli import memcalc_cli
+
+    path = tmp_path / "llama3.yaml"
+    path.write_text("b: 1\ns: 26\nh: 64\na: 8\nL: 2\nvocab_size: 250\nffn_hidden_size: 176\nnum_query_groups: 2\n"
+                    "position_embedding_type: rope\nadd_bias_linear: false\ntie_embeddings: false\n")
+    run = memcalc_cli("measure", "--step", "--impl", "torchtitan", "--device", "cuda", "--config", str(path),
+                      "--strategy", "tp-sp", "--t", "2")
+    assert (run.code, run.err) == (0, "")
+    assert "fake process group on cpu, run as CUDA runs it" in run.out and "match: the peak" in run.out
