@@ -35,6 +35,8 @@ CASES = [
     ({"t": 2, "b": 1, "s": 10, "L": 1}, "tp-sp"),
     ({"t": 4, "num_query_groups": 4, "vocab_size": 32, "s": 64}, "tp-sp"),
     ({"t": 2, "b": 1, "s": 8, "num_query_groups": 8, "vocab_size": 64, "ffn_hidden_size": 512}, "tp"),
+    ({"t": 4, "num_query_groups": 4, "b": 3, "s": 12, "L": 1}, "tp"),
+    ({"t": 2, "b": 3, "s": 130, "vocab_size": 16, "L": 1, "num_query_groups": 4}, "tp-sp"),  # two mask blocks
 ]
 
 
@@ -55,7 +57,7 @@ def test_as_cuda_runs_it_memtracker_reaches_the_peak_to_the_byte(one_thread, rec
 
 
 @pytest.mark.parametrize("recompute", ["none", "full", "op"])
-@pytest.mark.parametrize("changes, strategy", [CASES[0], CASES[1], CASES[4], CASES[7]], ids=str)
+@pytest.mark.parametrize("changes, strategy", [CASES[0], CASES[1], CASES[4], CASES[7], CASES[9]], ids=str)
 def test_as_cuda_runs_it_every_moment_happens_in_order_in_its_module(one_thread, recompute, changes, strategy):
     """The fused norms' one moment each way, what they keep (the residual stream itself), RoPE's gathered table, the
     positions and block mask live all step."""
