@@ -425,7 +425,8 @@ def residual(p: str, norm: str, dx: str, grad: str, out: str, h: int, in_place: 
     """In backward: the norm's dX and the residual stream's gradient summed, as soon as the norm's returns (autograd
     does it inside the norm's window); listed before the norm, so it runs after it. The forward sum is the branch's
     last op. `in_place`: autograd adds dX into the residual stream's gradient, which it holds alone (its input
-    buffer's in-place accumulation: measured after the fused norm's contiguous dX), making nothing."""
+    buffer's in-place accumulation, after a fused norm's node as after native_layer_norm's; not after the CPU
+    composite's), making nothing."""
     return Op(norm, forward=(), backward=(Step("the residual stream's gradients summed", (
         Made(out, h, "the residual stream's gradient: both paths' summed"),), frees=(dx, grad), moment=not in_place),))
 
