@@ -83,6 +83,7 @@ def _strategy_json(r: StepComparison) -> dict[str, Any]:
 def print_steps(config: ModelConfig, results: list[StepComparison], tolerance: float) -> None:
     """Per strategy: the peak by category, the moment, the steady state, the largest tensors live at the peak."""
     from memcalc.cli.render import console
+    from memcalc.probe.shims import notes
     from memcalc.sizing.timeline import ACTIVATIONS, TEMPORARIES
     from memcalc.text import for_rich
     from memcalc.units import human_bytes
@@ -105,6 +106,8 @@ def print_steps(config: ModelConfig, results: list[StepComparison], tolerance: f
         console.print("largest activations and temporaries at the peak: " + ", ".join(
             f"{for_rich(x.name)} {human_bytes(x.bytes)}" for x in largest), highlight=False)
         console.print(f"ran as: {r.model}, {r.how()}", highlight=False)
+        for note in notes(config.impl, cuda_step=True) if r.device == "cuda" else ():
+            console.print(f"[dim]shim: {note}[/dim]", highlight=False)
         console.print(verdict(r.matches, f"the peak and every category within {tolerance:.0%}"))
 
 

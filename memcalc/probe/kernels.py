@@ -25,7 +25,7 @@ def wide(x: torch.Tensor) -> torch.Tensor:
 def rms_norm_backward(
     grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """dX (x's dtype and shape, contiguous as CUDA's kernel makes it) and dWeight (weight's) of y = x * rstd * weight."""
+    """dX (x's dtype and shape, contiguous as CUDA's kernels make it) and dWeight (weight's) of y = x * rstd * w."""
     x_hat = wide(x.contiguous()) * wide(rstd)
     grad_x_hat = wide(grad_y) * wide(weight)
     grad_x = wide(rstd) * (grad_x_hat - x_hat * (grad_x_hat * x_hat).mean(-1, keepdim=True))

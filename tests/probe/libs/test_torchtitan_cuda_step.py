@@ -89,3 +89,4 @@ def test_measure_step_on_device_cuda_says_it_ran_as_cuda_runs_and_matches(tmp_pa
                       "--strategy", "tp-sp", "--t", "2")
     assert (run.code, run.err) == (0, "")
     assert "fake process group on cpu, run as CUDA runs it" in run.out and "match: the peak" in run.out
+    assert "shim: device emulation: each norm runs as torch's CUDA _fused_rms_norm" in run.out
