@@ -437,6 +437,7 @@ def attention_ops(p: str, z: Sizes, mid: str, gmid: str, gx: str, h: int, q: int
     qkv = z.tokens(z.act * z.qkv_t)
     full, dy = z.full(z.h), f"{g}/dY whole"  # wo's dY, all-gathered under SP
     wo_out = f"{p}/wo partial" if z.t > 1 else f"{p}/attention out"
+    kernel = "flex attention" if z.cuda else "SDPA's flash kernel"
     return (
         residual(p, "attention_norm", f"grad/{p}/attention_norm dx", gmid, gx, h, z.cuda),
         norm("attention_norm", z, rules.LN1, p, _norm_out(z, p, "attention_norm", rules.QKV_IN),
@@ -455,11 +456,13 @@ def attention_ops(p: str, z: Sizes, mid: str, gmid: str, gx: str, h: int, q: int
                frees=(f"{g}/dq pre-rope", f"{g}/dk pre-rope", f"{g}/dv")),)),
         rope_ops(p, z, q, kv),
         Op(f"{a}.inner_attention",
-           forward=(Step("SDPA's flash kernel: output and log-sum-exp", (kept(p, ledger.PROJ_IN),
-                                                                          kept(p, ledger.SOFTMAX_LSE)),
+           # SDPA's flash kernel; on CUDA compiled flex, whose Inductor buffers (the row maxima, backward's delta) are
+           # its workspace
+           forward=(Step(f"{kernel}: output and log-sum-exp", (kept(p, ledger.PROJ_IN), kept(p, ledger.SOFTMAX_LSE)),
                          reads_last=(kept_name(p, ledger.SOFTMAX_LSE),)),),
-           backward=(Step("SDPA's backward: dQ, dK, dV", (Made(f"{g}/dq", q, "bf16"), Made(f"{g}/dk", kv, "bf16"),
-                                                          Made(f"{g}/dv", kv, "bf16")), frees=(f"{g}/dout",)),),
+           backward=(Step(f"{kernel}'s backward: dQ, dK, dV", (
+               Made(f"{g}/dq", q, "bf16"), Made(f"{g}/dk", kv, "bf16"), Made(f"{g}/dv", kv, "bf16")),
+               frees=(f"{g}/dout",)),),
            saves=(ledger.Q, ledger.K, ledger.V, ledger.SOFTMAX_LSE, ledger.PROJ_IN)),
         *module_returns((
             linear(f"{a}.wo", ledger.PROJ_IN, Made(wo_out, full, "wo's output"), z.act * z.h * z.a_t * z.d,
