@@ -3,7 +3,8 @@ torchtitan`).
 
 The model is torchtitan 0.3.0's `Llama3Model` (its Decoder: `tok_embeddings`, L `Llama3TransformerBlock`s built by
 its own `_build_llama3_layers`, the final `norm`, `lm_head`) at memcalc's sizes, untied as Llama3 trains it, each
-block's attention torchtitan's ScaledDotProductAttention (flex has no CPU backward: memcalc.probe.libs.torchtitan).
+block's attention torchtitan's ScaledDotProductAttention (flex has no CPU backward: memcalc.probe.libs.torchtitan);
+with `device` cuda its default flex attention, run as CUDA runs it (the shim's flex_on_cpu and fused_norms).
 It is built as torchtitan's trainer builds it: on the meta device, laid out by its TP plan under tp, then `to_empty`
 on the rank's device and `init_states` (each parameter its own shard's storage: parallelizing a model built on the
 device keeps the whole storage behind each dim-0 shard). Parameters are in the activation dtype, as FSDP's mixed
