@@ -150,14 +150,15 @@ def _flex_inputs(model: Any, tokens: torch.Tensor, held: list[Any]) -> dict[str,
 
 
 def measure_torchtitan_fsdp_step_on_rank(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy,
-                                         route: str | None = None) -> StepMeasurement:
+                                         route: str | None = None, device: str = "cpu") -> StepMeasurement:
     """torchtitan's Llama3Model sharded by its own parallelize_llama over dp_shard ranks (under tp on its 2-D mesh;
     with experts its MoE layers, the router forced to `route`), stepped once, then one step measured by
     FSDPMemTracker (memcalc.probe.libs.hf_fsdp)."""
+    from memcalc.probe.libs import torchtitan_shim as shim
     from memcalc.probe.libs.hf_fsdp import measure_sharded
 
-    with data_parallel(tp, config, strategy) as dims:
-        return measure_sharded(warmed_up_sharded(tp, config, strategy, dims, route), tp, strategy)
+    with data_parallel(tp, config, strategy) as dims, shim.flex_on_cpu() if device == "cuda" else nullcontext():
+        return measure_sharded(warmed_up_sharded(tp, config, strategy, dims, route, device), tp, strategy)
 
 
 @contextmanager
@@ -196,7 +197,7 @@ def data_parallel(tp: TensorParallelGroup, config: ModelConfig, strategy: Strate
 
 
 def warmed_up_sharded(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, dims: Any,
-                      route: str | None = None) -> Any:
+                      route: str | None = None, device: str = "cpu") -> Any:
     """Rank 0 of the fake group's world (`data_parallel`'s meshes, `dims`): Llama3Model built on the meta device in
     fp32 (its trainer's training.dtype), laid out by torchtitan's own parallelize_llama (under tp its TP plan over the
     mesh's tp dimension, each parameter a DTensor of this rank's shard; its activation checkpointing config for
@@ -205,7 +206,7 @@ def warmed_up_sharded(tp: TensorParallelGroup, config: ModelConfig, strategy: St
     fp32 reduce, its TrainingConfig's; its reshard policy "default", or "never" without reshard_after_forward),
     materialised and initialised, AdamW (fused) over the shards, zeroed in place (its trainer's
     zero_grad(set_to_none=False)), stepped once. With experts (one FSDP2 unit per block at ep = 1) its routers run
-    in fp32, forced to `route`, as `warmed_up`'s."""
+    in fp32, forced to `route`, as `warmed_up`'s; on `device` cuda its flex attention and fused norms as there."""
     from torchtitan.config.configs import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.models.llama3.parallelize import parallelize_llama
 
@@ -214,8 +215,11 @@ def warmed_up_sharded(tp: TensorParallelGroup, config: ModelConfig, strategy: St
 
     _check_buildable(config, route)
     backend = dims.spmd_backend
+    cuda = device == "cuda"  # as `warmed_up` runs it (inside flex_on_cpu)
     with torch.device("meta"):
-        model = titan.model_config(config, strategy.sequence_parallel, config.L, config.vocab_size).build()
+        model = titan.model_config(config, strategy.sequence_parallel, config.L, config.vocab_size, cuda).build()
+    if cuda:
+        shim.fused_norms(model)
     precision = {"bf16": "bfloat16", "fp32": "float32"}
     training = TrainingConfig(mixed_precision_param=precision[config.dtype],
                               mixed_precision_reduce=precision[config.reduce_dtype])
@@ -234,7 +238,8 @@ def warmed_up_sharded(tp: TensorParallelGroup, config: ModelConfig, strategy: St
         shim.route_gates(model, route, config.moe_router_topk)
     loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config(global_vocab_size=config.vocab_size))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    trainer = ShardedTrainer(config, model, optimizer, lambda tokens, labels: _loss(model, loss_fn, tokens, labels),
-                             set_to_none=False)
+    held: list[Any] | None = [] if cuda else None
+    trainer = ShardedTrainer(config, model, optimizer,
+                             lambda tokens, labels: _loss(model, loss_fn, tokens, labels, held), set_to_none=False)
     trainer.step()
     return trainer
