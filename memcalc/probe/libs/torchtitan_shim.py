@@ -7,6 +7,7 @@ reason in docs/probe.md, "What the shims change", with the details the table lea
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
 import types
@@ -101,8 +102,28 @@ def fused_norms(model: torch.nn.Module) -> None:
     composite."""
     from memcalc.probe.kernels import FusedRMSNorm
 
+    _fused_norm_sharding()
     for norm in [m for m in model.modules() if isinstance(m, torch.nn.RMSNorm)]:
         norm.forward = _fused(norm, FusedRMSNorm)
+
+
+@functools.cache
+def _fused_norm_sharding() -> None:
+    """DTensor's rules for the probe's fused norm ops (FSDP2 beside tp runs the TP plan on DTensor), as it has them
+    for _fused_rms_norm: sharded along any dim but the normalised one, the weight replicated and its gradient a
+    Partial sum, or all replicated."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.experimental import register_sharding
+
+    @register_sharding(torch.ops.memcalc.rms_norm.default)
+    def forward(x: Any, weight: Any, eps: float) -> list:
+        return [([Replicate(), Replicate()], [Replicate(), Replicate(), None]),
+                *(([Shard(d), Shard(d)], [Shard(d), Replicate(), None]) for d in range(x.ndim - 1))]
+
+    @register_sharding(torch.ops.memcalc.rms_norm_backward.default)
+    def backward(grad_y: Any, x: Any, weight: Any, rstd: Any) -> list:
+        return [([Replicate(), Replicate()], [Replicate()] * 4),
+                *(([Shard(d), Partial()], [Shard(d), Shard(d), Replicate(), Shard(d)]) for d in range(x.ndim - 1))]
 
 
 def _fused(norm: torch.nn.RMSNorm, kernel: Any) -> Any:

@@ -84,7 +84,6 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
     sharded_tp = config.dp_shard is not None and strategy.weight_shards(config.t) > 1
     missing = [
         (accounting.device == "cuda" and config.moe, "experts on device cuda (--device cpu walks them)"),
-        (accounting.device == "cuda" and sharded_tp, "dp_shard with tp on device cuda (--device cpu walks it)"),
         (config.zero_stage is not None, "zero_stage (DeepSpeed's ZeRO: torchtitan shards with FSDP2, dp_shard)"),
         (sharded_tp and not strategy.sequence_parallel, "dp_shard with tp (t > 1 without sequence parallel: DTensor"
                                                         " carries a Partial gradient through the norms' backward;"
