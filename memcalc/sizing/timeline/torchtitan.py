@@ -83,7 +83,6 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
     """ConfigError naming the first thing the torchtitan step timeline does not model yet."""
     sharded_tp = config.dp_shard is not None and strategy.weight_shards(config.t) > 1
     missing = [
-        (accounting.device == "cuda" and config.moe, "experts on device cuda (--device cpu walks them)"),
         (config.zero_stage is not None, "zero_stage (DeepSpeed's ZeRO: torchtitan shards with FSDP2, dp_shard)"),
         (sharded_tp and not strategy.sequence_parallel, "dp_shard with tp (t > 1 without sequence parallel: DTensor"
                                                         " carries a Partial gradient through the norms' backward;"
@@ -394,13 +393,13 @@ def block_ops(i: int, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
         shared = bool(config.moe_shared_expert_intermediate_size)
         return (
             *attention_ops(p, z, mid, gmid, gx, h, q, kv),
-            residual(p, "ffn_norm", f"grad/{p}/ffn_norm dx", gout, gmid, h),
-            rms_norm("ffn_norm", z, rules.LN2, p, kept(p, rules.MOE_SHARED_IN) if shared else
-                     Made(f"{p}/ffn_norm out", h, "the MoE's input, bf16"), f"grad/{p}/ffn_norm out",
-                     f"grad/{p}/ffn_norm dx"),
+            residual(p, "ffn_norm", f"grad/{p}/ffn_norm dx", gout, gmid, h, z.cuda),
+            norm("ffn_norm", z, rules.LN2, p, kept(p, rules.MOE_SHARED_IN) if shared else
+                 Made(f"{p}/ffn_norm out", h, "the MoE's input, bf16"), f"grad/{p}/ffn_norm out",
+                 f"grad/{p}/ffn_norm dx", mid),
             *moe_ops(p, z, config, kept_name(p, rules.MOE_SHARED_IN) if shared else f"{p}/ffn_norm out",
                      shared_experts_ops(p, z, config) if shared else ()),
-            _second_residual(p, x, mid, out, f"{p}/ffn out", h),
+            _second_residual(p, x, mid, out, f"{p}/ffn out", h, z.cuda),
         )
     return (
         *attention_ops(p, z, mid, gmid, gx, h, q, kv),

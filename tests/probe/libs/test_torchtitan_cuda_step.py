@@ -88,9 +88,22 @@ def test_as_cuda_runs_it_under_fsdp2_fsdpmemtracker_reaches_the_peak_to_the_byte
     assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
 
 
-def test_on_cuda_the_walk_refuses_what_it_has_not_described():
-    with pytest.raises(ConfigError, match="experts on device cuda"):
-        timeline(make_config(LLAMA3, num_experts=4, moe_router_topk=2), STRATEGIES["none"], CUDA)
+MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 24, "moe_tokens": "balanced"}
+
+
+@pytest.mark.parametrize("changes", [
+    {},
+    {"b": 1, "s": 7, "recompute": "full"},
+    {"moe_shared_expert_intermediate_size": 48, "recompute": "op", "moe_router_score_function": "sigmoid", "s": 9},
+    {"moe_first_dense_layers": 1, "recompute": "op"},
+    {"dp_shard": 2},
+    {"dp_shard": 2, "recompute": "full", "b": 1, "s": 7},
+], ids=str)
+def test_as_cuda_runs_it_with_experts_memtracker_reaches_the_peak_to_the_byte(one_thread, changes):
+    """Its Qwen3 MoE layers (the router forced balanced): the same fused norms, RoPE and flex around the MoE."""
+    (r,) = measure_step(make_config(LLAMA3, **(MOE | changes)), ["none"], route="balanced", device="cuda")
+    assert r.measured.moment == r.predicted_moment
+    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
 
 
 def test_only_torchtitans_step_runs_as_cuda_does():
