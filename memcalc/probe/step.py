@@ -493,6 +493,7 @@ class StepComparison:
     predicted: Timeline
     measured: StepMeasurement
     model: str = "memcalc's own GPT"  # what ran: STEP_MODELS
+    device: str = "cpu"  # whose kernels: cuda runs the CPU as CUDA runs (torchtitan's shim)
 
     @property
     def predicted_moment(self) -> str:
@@ -524,13 +525,16 @@ class StepComparison:
         ]
 
     def how(self) -> str:
+        on = "on cpu" if self.device == "cpu" else "on cpu, run as CUDA runs it"
         if self.launch is Mode.FAKE:
-            return f"one process as rank 0 of t={self.measured.t} through torch's fake process group on cpu"
-        return "one process (t=1) on cpu"
+            return f"one process as rank 0 of t={self.measured.t} through torch's fake process group {on}"
+        return f"one process (t=1) {on}"
 
 
-def measure_step(config: ModelConfig, strategies: list[str], route: str | None = None) -> list[StepComparison]:
-    """Predict and measure one training step per strategy, on the CPU: one process, or rank 0 of t (fake group).
+def measure_step(config: ModelConfig, strategies: list[str], route: str | None = None,
+                 device: str = "cpu") -> list[StepComparison]:
+    """Predict and measure one training step per strategy, on the CPU: one process, or rank 0 of t (fake group);
+    with `device` cuda (torchtitan's model) predicted for CUDA's kernels and run as CUDA runs them (its shim).
 
     Every strategy's timeline is made before any step runs, so an unmodelled knob is named at once. `route`
     forces a mixture of experts' router (transformers' Mixtral and Qwen2-MoE, megatron-core's MoELayer): the timeline
@@ -543,7 +547,9 @@ def measure_step(config: ModelConfig, strategies: list[str], route: str | None =
                           " it cannot")
     if route is not None and not config.moe:
         raise ConfigError(f"--route {route} forces a MoE router: the config has no experts (set num_experts)")
-    accounting = Accounting(exact=True, device="cpu")
+    if device != "cpu" and config.impl != "torchtitan":
+        raise ConfigError(f"--step runs as CUDA does (--device {device}) only with --impl torchtitan")
+    accounting = Accounting(exact=True, device=device)
     planned = [(STRATEGIES[name], timeline(config, check_strategy(config, STRATEGIES[name]), accounting))
                for name in strategies]
     if config.moe and not (routing_fixed(config, route) or _pins_worst(config, route)
@@ -561,9 +567,10 @@ def measure_step(config: ModelConfig, strategies: list[str], route: str | None =
         # FSDP2: the fake group is every rank of the mesh, dp_replicate*dp_shard*t
         t = (config.dp_replicate or 1) * (config.dp_shard or 1) * tp if mode is Mode.FAKE else 1
         routed = (route,) if config.moe else ()  # only the MoE runners take one
+        routed = (route, device) if device != "cpu" else routed  # torchtitan's runner takes the device after it
         (measured,) = run(_step_runner(_trained(config), config.dp_shard is not None), (config, strategy, *routed),
                           mode=mode, t=t)
-        out.append(StepComparison(strategy, mode, predicted, measured, model))
+        out.append(StepComparison(strategy, mode, predicted, measured, model, device))
     return out
 
 

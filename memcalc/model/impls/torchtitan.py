@@ -1,7 +1,7 @@
 """torchtitan: what its Llama3 TransformerBlock keeps for backward, under its own TP plan.
 
 Where the block keeps other tensors than the paper's Megatron layer (inputs kept all-gathered, the norm per device,
-RoPE's buffer, flex's row maxima), its MoE, and what FullAC and SelectiveAC keep, each read from torchtitan's and
+RoPE's table, gathered on CUDA), its MoE, and what FullAC and SelectiveAC keep, each read from torchtitan's and
 torch's sources: docs/impl-notes/torchtitan.md, rendered into docs/impl-torchtitan.md.
 """
 
@@ -72,11 +72,12 @@ FC2_OUT = SavedTensor(
     Kind.ACTIVATION, _SEQ,
     "op-level checkpointing keeps this GEMM's output: partial sums over the whole sequence on every rank",
 )
-FLEX_MAX_SCORES = SavedTensor(
-    "attention/flex_max_scores",
-    "flex attention (CUDA; read from torch's _higher_order_ops/flex_attention.py: FlexAttentionAutogradOp)",
-    (Dim.B, Dim.A, Dim.S), Kind.FP32, Region.TENSOR,
-    "flex attention saves each query row's fp32 score maximum beside the log-sum-exp", paper=False,
+ROPE_CACHE = SavedTensor(
+    "attention/rope_cache",
+    "ComplexRoPE given the trainer's positions (CUDA's flex path): its complex64 table gathered at them, (b, s, d/2),"
+    " counted as fp32 pairs", (Dim.B, Dim.S, Dim.D), Kind.FP32, Region.REPLICATED,
+    "q's and k's complex products read the table for their gradients: gathered per token, it is a tensor of its own,"
+    " not a view of the buffer", paper=False,
 )
 SHARED_FC2_OUT = replace(
     FC2_OUT, name="moe/shared_fc2_out", saved_by="SelectiveAC: MUST_SAVE of the shared experts' w2 matmul (the fifth)",
@@ -186,16 +187,12 @@ def norm_block(norm: RMSNormTensors, accounting: Accounting) -> tuple[SavedTenso
     return (norm.input_fp32, norm.rstd, norm.normed_fp32)
 
 
-def attention_kernel(accounting: Accounting) -> tuple[SavedTensor, ...]:
-    """The kernel's statistics: the log-sum-exp; on CUDA, where it is flex attention, also the row maxima."""
-    if accounting.device == "cuda":
-        return (ledger.SOFTMAX_LSE, FLEX_MAX_SCORES)
-    return (ledger.SOFTMAX_LSE,)
-
-
 def attention_block(accounting: Accounting) -> tuple[SavedTensor, ...]:
-    """The gathered wqkv input, Q and K after RoPE, V, the kernel's statistics, its output (wo's input)."""
-    return (QKV_IN, ledger.Q, ledger.K, ledger.V, *attention_kernel(accounting), ledger.PROJ_IN)
+    """The gathered wqkv input, (on CUDA RoPE's gathered table,) Q and K after RoPE, V, the kernel's log-sum-exp,
+    its output (wo's input). torch.compile'd flex attention keeps what SDPA's flash kernel keeps: its row maxima are
+    made but not saved (AOTAutograd saves what flex_attention_backward reads: q, k, v, out, lse, the block mask's)."""
+    rope = (ROPE_CACHE,) if accounting.device == "cuda" else ()
+    return (QKV_IN, *rope, ledger.Q, ledger.K, ledger.V, ledger.SOFTMAX_LSE, ledger.PROJ_IN)
 
 
 def mlp_block() -> tuple[SavedTensor, ...]:
@@ -203,13 +200,13 @@ def mlp_block() -> tuple[SavedTensor, ...]:
     return (FC1_IN, ledger.SWIGLU_GATE, ledger.SWIGLU_UP, ledger.SWIGLU_SILU_OUT, ledger.FC2_IN)
 
 
-def op_checkpoint(knobs: Any, accounting: Accounting, moe: bool | None = None) -> tuple[SavedTensor, ...]:
+def op_checkpoint(knobs: Any, moe: bool | None = None) -> tuple[SavedTensor, ...]:
     """SelectiveAC's saved op outputs, and the block's input: wqkv's matmul (the first), the attention kernel's,
     then a FeedForward's w1 and w2 (the third and fifth matmuls; wo's and w3's, the even ones, are recomputed). In a
     MoE layer (`moe`, default knobs.moe) the router's topk; the gate's mm is forced to recompute (its
     force_recompute_mm_shapes_by_fqns) and torch._grouped_mm is not on the list, so the only matmuls counted are the
     shared experts' FeedForward's."""
-    kernel = (*attention_kernel(accounting), ledger.PROJ_IN)
+    kernel = (ledger.SOFTMAX_LSE, ledger.PROJ_IN)
     if not (knobs.moe if moe is None else moe):
         return (ledger.LAYER_INPUT, QKV_OUT, *kernel, ledger.SWIGLU_GATE, FC2_OUT)
     shared = (ledger.SHARED_GATE, SHARED_FC2_OUT) if knobs.moe_shared_expert_intermediate_size else ()
@@ -233,7 +230,7 @@ def layer_tensors(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]
     if knobs.recompute == "full":
         return (ledger.LAYER_INPUT,)
     if knobs.recompute == "op":
-        return drop_small(op_checkpoint(knobs, accounting), accounting)
+        return drop_small(op_checkpoint(knobs), accounting)
     mlp = moe_block(knobs) if knobs.moe else mlp_block()
     blocks = norm_block(LN1, accounting) + attention_block(accounting) + norm_block(LN2, accounting) + mlp
     return drop_small(blocks, accounting)
@@ -359,7 +356,7 @@ IMPLEMENTATION = Implementation(
     layer_tensors=layer_tensors,
     tp_plan=tp_plan,
     rerun=Rerun(frozenset({"op", "full"}), after_output=True),  # SelectiveAC caches no collective of spmd_types
-    tensors=(*LN1, *LN2, QKV_IN, FC1_IN, QKV_OUT, FC2_OUT, FLEX_MAX_SCORES, V_IN_QKV_OUT, *MOE_TENSORS, SHARED_FC2_OUT,
+    tensors=(*LN1, *LN2, QKV_IN, FC1_IN, QKV_OUT, FC2_OUT, ROPE_CACHE, V_IN_QKV_OUT, *MOE_TENSORS, SHARED_FC2_OUT,
              MOE_TOPK_VALUES),
     size_conditions=CONDITIONS,
     check=check,

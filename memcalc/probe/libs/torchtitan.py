@@ -84,25 +84,29 @@ def block_config(config: ModelConfig, sequence_parallel: bool) -> Any:
     return moe_block_config(config, model.layers[0], sequence_parallel) if config.moe else model.layers[0]
 
 
-def model_config(config: ModelConfig, sequence_parallel: bool, layers: int, vocab_size: int) -> Any:
+def model_config(config: ModelConfig, sequence_parallel: bool, layers: int, vocab_size: int,
+                 flex: bool = False) -> Any:
     """torchtitan's Llama3Model config at memcalc's sizes (as its flavours build it, untied), TP plan filled in;
-    with experts the layers `is_moe_layer` picks are its Qwen3 MoE decoder layers (`moe_block_config`)."""
-    model = _llama3_config(config, sequence_parallel, layers, vocab_size)
+    with experts the layers `is_moe_layer` picks are its Qwen3 MoE decoder layers (`moe_block_config`). `flex`: its
+    own attention, flex (CUDA's), else the SDPA stand-in."""
+    model = _llama3_config(config, sequence_parallel, layers, vocab_size, flex)
     model.layers = [moe_block_config(config, block, sequence_parallel) if config.is_moe_layer(i) else block
                     for i, block in enumerate(model.layers)]
     return model
 
 
-def _llama3_config(config: ModelConfig, sequence_parallel: bool, layers: int, vocab_size: int) -> Any:
+def _llama3_config(config: ModelConfig, sequence_parallel: bool, layers: int, vocab_size: int,
+                   flex: bool = False) -> Any:
     """torchtitan's Llama3Model config, every block Llama3's, TP plan filled in.
 
-    Each block's attention is torchtitan's ScaledDotProductAttention: flex has no CPU backward.
+    Each block's attention is torchtitan's ScaledDotProductAttention (flex has no CPU backward), or with `flex` its
+    default FlexAttention, which the shim runs on a CPU (flex_on_cpu).
     """
     blocks = _build_llama3_layers(
         n_layers=layers, dim=config.h, n_heads=config.a, n_kv_heads=config.groups, hidden_dim=config.ffn,
         rope=_rope(config), fuse_qkv=True, attn_backend="flex",
     )
-    for block in blocks:
+    for block in blocks if not flex else ():
         block.attention.inner_attention = ScaledDotProductAttention.Config()
     model = Llama3Model.Config(
         dim=config.h, vocab_size=vocab_size, layers=blocks,
