@@ -85,7 +85,8 @@ def timeline(
         walk.forward(kind.ops)
         _fold(tape, i, kind.folded)
         if kind.config.moe:  # held by the layer's dispatcher beyond the step: one term
-            tape.add(f"layers.{i}/moe dispatcher", ACTIVATIONS, sum(tape.live.pop(x).bytes for x in megatron_moe.HELD),
+            tape.add(f"layers.{i}/moe dispatcher", ACTIVATIONS, sum(tape.live.pop(x).bytes for x in megatron_moe.HELD
+                                                                if x in tape.live),
                      "what MoELayer's token dispatcher holds as attributes until the next forward")
     ends.forward_out(tape)
     ends.backward_out(tape)
