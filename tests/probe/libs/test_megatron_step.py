@@ -337,6 +337,10 @@ DEEPSEEK_SHAPES = [
     ("tp-sp", {"t": 4, "s": 28, "dropout": 0.1, "moe_router_enable_expert_bias": True}),
     ("none", {"recompute": "selective", "b": 1, "s": 7}),  # the latent core's rerun beside the experts' pieces
     ("tp-sp", {"t": 2, "b": 1, "s": 14, "recompute": "selective"}),
+    ("none", {"recompute": "full", "b": 1, "s": 7, "dropout": 0.1, "moe_router_enable_expert_bias": True}),  # each
+    # layer rerun: the latent attention's and the experts'
+    ("none", {"recompute": "full", "ep": 2, "dp": 2, "b": 1, "s": 12}),
+    ("tp-sp", {"t": 2, "b": 1, "s": 14, "recompute": "full"}),
 ]
 
 
