@@ -38,10 +38,9 @@ def unmodelled(config: ModelConfig, z: Sizes) -> str | None:
     t = z.t
     missing = [
         (config.num_experts == 1, "a single routed expert (num_experts 1)"),
-        (config.ep > 1 and config.moe_tokens == "balanced" and config.moe_router_topk * z.b * z.s_seq
-         % config.num_experts != 0, f"ep={config.ep} with k*b*s={config.moe_router_topk * z.b * z.s_seq} slots a rank"
-         f" that E={config.num_experts} experts do not share evenly (the ranks' experts would receive other than"
-         " the balanced bound's kbs)"),
+        (config.moe_tokens == "balanced" and config.moe_router_topk * z.b * z.s_seq % config.ep != 0,
+         f"a rank's k*b*s={config.moe_router_topk * z.b * z.s_seq} slots that ep={config.ep} does not divide under the"
+         " balanced bound (each rank would receive other than kbs; --moe-tokens worst is walked)"),
         (t > 1 and not z.sp, f"t={t} without sequence parallelism with experts"),
         (config.moe_token_dispatcher_type != "alltoall",
          f"the {config.moe_token_dispatcher_type} token dispatcher (it walks the all-to-all one)"),
@@ -61,14 +60,16 @@ def one_expert(config: ModelConfig) -> bool:
 
 
 def expert_slots(config: ModelConfig, z: Sizes) -> tuple[int, ...]:
-    """The slots each local expert receives (ep = 1) under the knobs' bound: balanced, R/E each, the first R mod E
-    experts one more (the forced balanced route sends slot j of token i to expert (ik + j) mod E); worst, every
-    token's k slots on the same k experts, n each and none for the others (the forced all-to-one route)."""
-    n, k, experts = z.b * z.s_seq, config.moe_router_topk, config.num_experts
+    """The slots each local expert receives under the knobs' bound: balanced, the kn/ep slots each rank sends here
+    shared by the E/ep experts, the first ones one more (the forced balanced route deals slot m = ik + j of token i
+    to rank m mod ep's expert (m div ep) mod E/ep: at ep = 1, (ik + j) mod E); worst, every token's k slots on the
+    same k experts, n each and none for the others (the forced all-to-one route)."""
+    n, k, local = z.b * z.s_seq, config.moe_router_topk, config.num_experts // config.ep
     ranks = z.t * config.ep  # every rank of the tp*ep group routes as this one, and rank 0 holds experts 0..E/ep-1
     if config.moe_tokens == "worst":
-        return tuple(ranks * n if e < k else 0 for e in range(experts // config.ep))
-    return tuple(ranks * (k * n // experts + (e < k * n % experts)) for e in range(experts // config.ep))
+        return tuple(ranks * n if e < k else 0 for e in range(local))
+    sent = k * n // config.ep  # what each rank sends this one (`unmodelled`: ep divides kn)
+    return tuple(ranks * (sent // local + (e < sent % local)) for e in range(local))
 
 
 def piece(x: SavedTensor, e: int) -> SavedTensor:

@@ -58,8 +58,8 @@ CASES = {
     "full tp at b = 1, odd s, dropout": ({"recompute": "full", "t": 2, "b": 1, "s": 7, "dropout": 0.1}, "tp"),
     "full tp-sp t = 4 at b = 1, dropout": ({"recompute": "full", "t": 4, "b": 1, "s": 28, "dropout": 0.1}, "tp-sp"),
     "full tp-sp, no query latent, an fp32 torch softmax": (
-        NO_QUERY_LATENT | {"recompute": "full", "t": 2, "s": 16, "norm": "layernorm", "attention_softmax_in_fp32": True},
-        "tp-sp"),
+        NO_QUERY_LATENT | {"recompute": "full", "t": 2, "s": 16, "norm": "layernorm",
+                           "attention_softmax_in_fp32": True}, "tp-sp"),
 }
 
 

@@ -155,6 +155,15 @@ EP_SHAPES += [
                   "mlp": "gelu", "ffn_hidden_size": 100}),
 ]
 
+# E not dividing a rank's kbs slots, ep dividing them: the forced route deals them round the ranks, kbs/ep each, and
+# each rank's first experts take one more.
+EP_SHAPES += [
+    ("balanced", {"ep": 2, "dp": 2, "b": 1, "s": 7, "num_experts": 6}),
+    ("balanced", {"t": 2, "ep": 2, "dp": 2, "b": 1, "s": 14, "moe_shared_expert_intermediate_size": 24}),
+    ("balanced", {"ep": 4, "dp": 4, "num_experts": 12, "b": 1, "s": 10, "recompute": "selective",
+                  "attention": "eager"}),
+]
+
 # One expert a rank (E = ep): SequentialMLP runs it on the dispatched slots themselves; the dispatcher neither sorts
 # nor unsorts them, nor keeps the per-expert counts.
 EP_SHAPES += [
@@ -310,7 +319,8 @@ def test_a_megatron_moe_step_is_measured_only_under_the_route_that_pins_the_walk
 
 @pytest.mark.parametrize("changes, strategy, words", [
     ({"num_experts": 1, "moe_router_topk": 1, "moe_router_pre_softmax": True}, "none", "a single routed expert"),
-    ({"ep": 2, "dp": 2, "b": 1, "s": 7, "num_experts": 6}, "none", "slots a rank that E=6 experts do not share evenly"),
+    ({"ep": 2, "dp": 2, "b": 1, "s": 7, "num_experts": 6, "moe_router_topk": 3}, "none",
+     "a rank's k*b*s=21 slots that ep=2 does not divide"),
     ({"moe_aux_loss": True}, "none", "the load-balancing loss"),
     ({"moe_token_dispatcher_type": "allgather"}, "none", "the allgather token dispatcher"),
     ({"moe_expert_capacity_factor": 1.0, "moe_tokens": "capacity"}, "none", "a capacity factor"),
