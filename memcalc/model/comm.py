@@ -155,10 +155,12 @@ def layer_collectives(
     if not strategy.tensor_parallel and not (knobs.moe and ep > 1):
         return ()
     plan(knobs, strategy)  # refuses a layout the implementation does not run
+    tp_plan, sp = implementation(knobs).tp_plan(knobs), strategy.sequence_parallel
+    if knobs.moe and ep > 1 and not any(r.style is Style.EXPERTS for r in tp_plan.rules):
+        raise ConfigError(f"impl {knobs.impl}: ep={ep}: its all-to-all dispatcher's collectives are not modelled yet")
     if knobs.mla:
         raise ConfigError(f"kv_lora_rank={knobs.kv_lora_rank}: latent attention's collectives (the down projections'"
                           " outputs gathered over t, SP's scatter of the latents) are not modelled yet")
-    tp_plan, sp = implementation(knobs).tp_plan(knobs), strategy.sequence_parallel
     pairs = tp_plan.pairs() if strategy.tensor_parallel else {}
     shared_style = pairs.pop(SHARED, None)  # MoELayer's shared experts: issued inside its block, not cut by overlap
     shared = _dense(SHARED, tp_plan.ends(SHARED), sp, frozenset(), 1, 1) if shared_style else ([], [])
@@ -170,6 +172,9 @@ def layer_collectives(
     rerun = implementation(knobs).rerun
     if knobs.recompute in rerun.regions and blocks:
         output = [c for c in blocks[-1][0] if c.operator in _LEAVES]  # the last pair's exit
+        if rerun.after_output and len(output) > 1:
+            raise ConfigError(f"impl {knobs.impl}: recompute {knobs.recompute} with shared experts under tp-sp: where"
+                              " the rerun of a block that leaves through two reduce-scatters starts is not measured")
         first = [c for c in backward[:len(output)] if c.operator in _LEAVES] if rerun.after_output else []
         # the rerun stops at the last saved tensor: before the exit, unless a norm after it keeps its input
         stops = rerun.early_stop and not (knobs.post_norm or knobs.sandwich_norm)
@@ -179,17 +184,20 @@ def layer_collectives(
 
 
 def _dense(
-    p: Pair, ends: tuple[tuple[Rule, ...], Rule], sp: bool, overlap: frozenset[str], t: int, splits: int,
+    p: Pair, ends: tuple[tuple[Rule, ...], tuple[Rule, ...]], sp: bool, overlap: frozenset[str], t: int, splits: int,
 ) -> tuple[list[Collective], list[Collective]]:
     """A column/row-parallel pair's collectives from its modules before the rowwise one and the rowwise one
-    (`ends`): (forward, as the overlap method cuts them; backward, with SP's re-gather where the colwise module keeps
+    ones (`ends`): (forward, as the overlap method cuts them; backward, with SP's re-gather where the colwise module keeps
     only its input's shard). A colwise module that wraps its own input has its own f, a norm between them whose
     weight is replicated its weight gradient's all-reduce; a gathered block adds DTensor's all-gathers."""
-    entering, rowwise = ends
+    entering, leaving = ends
     style = entering[0].style
+    # several rowwise modules (a MoE's experts and shared experts): under tp their partial sums are added before one
+    # f*, under SP each is reduce-scattered on its own
     enter, leave = _operator(p.name, "enter", sp, p.entering), _operator(p.name, "leave", sp, p.leaving)
+    leave = leave * len(leaving) if sp else leave
     gathered = [_gather(p, r, "forward") for r in entering if r.style is Style.COLWISE_GATHER_OUTPUT]
-    split = [_gather(p, rowwise, "backward")] if rowwise.style is Style.ROWWISE_SPLIT_INPUT else []
+    split = [_gather(p, r, "backward") for r in leaving if r.style is Style.ROWWISE_SPLIT_INPUT]
     forward = [*(c for c in enter if c.phase == "forward"), *gathered, *(c for c in leave if c.phase == "forward")]
     regather = _operator(p.name, "regather", sp, p.entering) if sp and style is Style.COLWISE else []
     entered = [c for c in enter if c.phase == "backward"]

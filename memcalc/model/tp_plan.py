@@ -49,6 +49,7 @@ class Pair:
 ATTENTION = Pair("attention", "the QKV input", "the projection output")
 MLP = Pair("mlp", "the fc1 input", "the fc2 output")
 SHARED = Pair("shared", "the shared experts' fc1 input", "the shared experts' fc2 output")
+MOE = Pair("moe", "the MoE's input", "the experts' output")
 
 
 @record
@@ -81,10 +82,11 @@ class TPPlan:
         """Tensors a tensor-parallel layout keeps whole on every rank: made by a block the plan runs whole."""
         return frozenset(n for r in self.rules if r.style in _WHOLE_UNDER_TP for n in r.whole)
 
-    def ends(self, p: Pair) -> tuple[tuple[Rule, ...], Rule]:
-        """Pair `p`'s modules before its rowwise one (colwise, and the norms between them), and its rowwise one."""
+    def ends(self, p: Pair) -> tuple[tuple[Rule, ...], tuple[Rule, ...]]:
+        """Pair `p`'s modules before its rowwise ones (colwise, and the norms between them), and its rowwise ones (a
+        MoE's experts and shared experts each leave on their own)."""
         return tuple(r for r in self.rules if r.pair == p and r.style not in _LEAVES), \
-            next(r for r in self.rules if r.pair == p and r.style in _LEAVES)
+            tuple(r for r in self.rules if r.pair == p and r.style in _LEAVES)
 
     def pairs(self) -> dict[Pair, Style]:
         """Each column/row-parallel pair in forward order, with the style of its (first) colwise module."""

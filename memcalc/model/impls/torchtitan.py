@@ -15,7 +15,7 @@ from memcalc.model import ledger
 from memcalc.model.impls.base import Implementation, Refusal, Rerun, SizeCondition, drop_small
 from memcalc.model.knobs import Accounting
 from memcalc.model.ledger import Dim, Kind, Region, RMSNormTensors, SavedTensor
-from memcalc.model.tp_plan import ATTENTION, MLP, Rule, Style, TPPlan, pair
+from memcalc.model.tp_plan import ATTENTION, MLP, MOE, Rule, Style, TPPlan, pair
 
 _BSH = (Dim.B, Dim.S, Dim.H)
 _SEQ = Region.SEQUENCE
@@ -96,9 +96,11 @@ def tp_plan(knobs: Any) -> TPPlan:
     Each block's entry gathers its input (in_dst_shardings Replicate), which the colwise linears keep; SelectiveAC
     keeps w2's output before its reduce-scatter. With experts, Qwen3's MoE in the feed-forward's place
     (set_moe_sharding_config): at ep = 1 its entry gathers its input too, of which the router and the shared experts
-    keep what they keep (`MOE_GATHERED`); at ep > 1 each rank routes its own shard (`splits`)."""
+    keep what they keep (`MOE_GATHERED`), and the experts' output (and the shared experts') leaves through a g* of
+    its own; at ep > 1 each rank routes its own shard (`splits`)."""
     keeps = Style.COLWISE_KEEPS_INPUT
-    ffn = (Rule("moe", Style.EXPERTS, whole=MOE_GATHERED),) if knobs.moe else (
+    shared = (Rule("moe.shared_experts.w2", Style.ROWWISE, MOE),) if knobs.moe_shared_expert_intermediate_size else ()
+    ffn = (Rule("moe", keeps, MOE, MOE_GATHERED), Rule("moe.experts", Style.ROWWISE, MOE), *shared) if knobs.moe else (
         Rule("feed_forward.w1", keeps, MLP, (FC1_IN.name,)), Rule("feed_forward.w3", keeps, MLP),
         Rule("feed_forward.w2", Style.ROWWISE, MLP, (FC2_OUT.name,)))
     return TPPlan((Rule("attention_norm", Style.SEQUENCE),

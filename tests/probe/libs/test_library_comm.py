@@ -13,6 +13,7 @@ import pytest
 pytest.importorskip("torch")
 
 from memcalc.config.schema import build_config  # noqa: E402
+from memcalc.errors import ConfigError  # noqa: E402
 from memcalc.model.comm import layer_collectives  # noqa: E402
 from memcalc.model.evaluate import dim_sizes  # noqa: E402
 from memcalc.model.knobs import DTYPE_BYTES  # noqa: E402
@@ -52,11 +53,23 @@ def _rows(config, strategy):
     return compare_collectives(predicted, dim_sizes(config), config.t, DTYPE_BYTES[config.dtype], calls)
 
 
+MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32, "h": 64, "a": 4, "num_query_groups": 2}
+SHARED = MOE | {"moe_shared_expert_intermediate_size": 32}
+
+
 @pytest.mark.parametrize("recompute", ["none", "op", "full"])
 @pytest.mark.parametrize("strategy", ["tp", "tp-sp"])
-def test_torchtitans_block_issues_the_ledgers_collectives_in_order(strategy, recompute):
+@pytest.mark.parametrize("block", [{}, MOE, SHARED], ids=["dense", "experts", "shared experts too"])
+def test_torchtitans_block_issues_the_ledgers_collectives_in_order(block, strategy, recompute):
+    """Its MoE at ep = 1 enters like a dense block; the experts' and the shared experts' outputs leave summed under
+    tp, each through its own reduce-scatter under tp-sp."""
     pytest.importorskip("torchtitan")
-    rows = _rows(build_config(TORCHTITAN | {"t": 2, "recompute": recompute}), strategy)
+    config = build_config(TORCHTITAN | block | {"t": 2, "recompute": recompute})
+    if block is SHARED and strategy == "tp-sp" and recompute != "none":
+        with pytest.raises(ConfigError, match="two reduce-scatters"):
+            layer_collectives(config, STRATEGIES[strategy], t=2)
+        return
+    rows = _rows(config, strategy)
     assert rows and all(row.matches for row in rows), [r for r in rows if not r.matches]
 
 
