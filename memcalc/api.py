@@ -7,15 +7,9 @@
     memcalc.fit("gpt3-175b", budget="80GiB", solve="b")      # the largest b that fits
     memcalc.sweep("gpt3-175b", s=[2048, 4096], t="1:8")      # every combination, as arrays
 
-Each takes an optional config (a shipped name such as "gpt3-175b", or a YAML
-path) and the config's fields as keyword arguments, which override the file's:
-the same fields, rules and one-line ConfigError as `memcalc estimate --config
-... --h ...`. Each returns the typed result the CLI prints from, so nothing here
-computes anything: it only turns keyword arguments into a checked config.
-
-`import memcalc` stays cheap (the CLI's start-up depends on it), so the package
-reaches these functions through a lazy `__getattr__`; numpy is imported only by
-`sweep`.
+Each takes an optional config (a shipped name or a YAML path) and its fields as keyword overrides, with the CLI's
+rules and one-line ConfigError, and returns the typed result the CLI prints from. `import memcalc` stays cheap:
+the package reaches these through a lazy `__getattr__`, and numpy is imported only by `sweep`.
 """
 
 from __future__ import annotations

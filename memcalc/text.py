@@ -1,13 +1,8 @@
 """Text that came from a user, made safe to show: short, and free of control characters.
 
-Error messages echo what was given (`(got 'relu')`), and tables print model
-names read from files. A config file is not trusted: a YAML alias bomb can make
-a value whose repr is gigabytes, a 5000-digit integer has no repr at all, and a
-name can carry terminal escapes (ESC, OSC) or rich markup. Everything echoed
-goes through `short_repr` or `printable`; rich output through `for_rich`.
-
-A whole number typed by a user (a flag, a sweep's list or range, a YAML value) is read
-by `whole_number`, one rule for all of them.
+A config file is not trusted: an alias bomb makes a value whose repr is gigabytes, a 5000-digit integer has no
+repr, and a name can carry terminal escapes or rich markup. Everything echoed goes through `short_repr` or
+`printable` (rich output through `for_rich`); every whole number a user types is read by `whole_number`.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """`memcalc sweep`: many configurations at once, as CSV, JSON or a table.
 
-Where the rows go: `--out FILE.csv|FILE.json` (or `--format`); without
---out, a table on a terminal and CSV when stdout is a pipe or file, so that
-`memcalc sweep ... > runs.csv` and `| head` do what they look like.
-numpy and rich are imported inside the command, so `memcalc --help` and the
-other commands never load them.
+Without --out or --format: a table on a terminal, CSV into a pipe or file (so `> runs.csv` and `| head` do what
+they look like). numpy and rich are imported inside the command.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Writing a sweep's rows as CSV or JSON, fast: numpy builds the text as bytes.
 
-A million rows of CSV through Python string joins take seconds; here each
-column is turned into fixed-width digit bytes by table look-up (four digits at a
-time), the columns are laid side by side as one uint8 matrix, and the padding is
-dropped in one pass.
+Each column becomes fixed-width digit bytes by table look-up (four digits at a time), the columns are laid side by
+side as one uint8 matrix, and the padding is dropped in one pass (Python's string joins take seconds).
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """Reading config files that may be hostile: bounded in size, depth and integer length.
 
-A config file is whatever path the user typed: a FIFO that never ends, /dev/zero,
-a YAML alias bomb, a 5000-digit integer, a list nested 100,000 deep. Each of
-these is refused here with one ConfigError naming the file and the rule,
-before it can hang, exhaust memory or raise something that is not ours.
-
-YAML is read by a safe loader that also refuses aliases (no config needs
-them, and they are how a 500-byte file expands to gigabytes) and duplicate
-keys (otherwise the last silently wins).
+A FIFO that never ends, /dev/zero, an alias bomb, a 5000-digit integer, a list nested 100,000 deep: each is refused
+with one ConfigError naming the file and the rule. The YAML loader is safe and also refuses aliases (how a 500-byte
+file expands to gigabytes) and duplicate keys (the last would silently win).
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""docs/comm.md: what tensor parallelism sends and what overlapping it costs, rendered from the code.
-
-The collectives and their formulas come from `memcalc.model.comm`, the overlap
-methods, their pairings, the timing model and the GPU presets from
-`memcalc.model.overlap`; only the connecting prose is written here.
+"""docs/comm.md: what tensor parallelism sends and what overlapping it costs, rendered from `memcalc.model.comm`
+and `memcalc.model.overlap`; only the connecting prose is written here.
 """
 
 from __future__ import annotations

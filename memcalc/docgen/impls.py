@@ -1,14 +1,8 @@
 """docs/impl-<name>.md: one page per implementation, rendered from its module.
 
-Each page says which library and version the rules were measured on, which
-layouts the library runs (and, from its declared refusals, which it does not
-under which knobs, and why), its TP plan, what its layer keeps that the paper's
-(Megatron's) layer with the same knobs does not (and the reverse), which tensors
-it keeps gathered under sequence parallelism, the hand-written account of what its layer
-keeps and why (docs/impl-notes/<name>.md, too long for the module's docstring),
-and its per-layer formulas, text and LaTeX, for the library's own default knobs.
-The measured tables live beside it, in docs/measured-<name>.md, as pasted
-`memcalc measure` output that a test re-runs wherever the library is installed.
+Each page says which library version the rules were measured on, which layouts it runs (and refuses, and why),
+its TP plan, what its layer keeps beside the paper's, what it keeps gathered under SP, the hand-written account
+(docs/impl-notes/<name>.md), and its formulas for the library's default knobs.
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
 """docs/model.md, rendered from the ledger, the layer's knobs and the formulas.
 
-The reference explains every saved tensor (shape, width, how each strategy splits
-it, why backward needs it) and prints the three strategies' formulas, term by
-term, for the default layer and for each knob's variant. Every name, shape and
-formula comes from `memcalc.model.ledger`, `memcalc.model.knobs`, `memcalc.model.strategy` and
-`memcalc.model.formula`; only the connecting prose is written here. A test fails when
-the checked-in file differs from what this module renders.
-
-`memcalc.docgen` prints or writes it with the implementation pages.
+Every saved tensor (shape, width, split, why backward needs it) and the strategies' formulas for the default layer
+and each knob's variant; every name, shape and formula comes from `memcalc.model`, only the prose is written here.
 """
 
 from __future__ import annotations

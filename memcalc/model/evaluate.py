@@ -1,10 +1,8 @@
 """Numbers from the ledger: bytes per tensor, per layer and per model, per GPU.
 
-This path never touches sympy: a tensor's bytes are its element width times the
-product of its per-rank dimensions, computed in exact integers. The same code
-works element-wise on numpy arrays, which is how sweeps evaluate many
-configurations at once. `memcalc.model.formula` builds the symbolic twin from the
-same ledger, and a test checks the two agree.
+A tensor's bytes are its element width times its per-rank dimensions, in exact integers and never through sympy;
+the same code runs element-wise on numpy arrays for sweeps. `memcalc.model.formula` is its symbolic twin, and a
+test checks the two agree.
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
-"""Symbolic formulas from the ledger: per tensor, per layer, printed like the seed.
+"""Symbolic formulas from the ledger: per tensor, per layer, printed like the seed's `sbh(34/t + 5as/(ht))`.
 
-Each tensor's term is its element width times the product of its dimensions,
-with the split dimension divided by t: the same rule `memcalc.model.evaluate` applies
-to numbers, here applied to sympy symbols. A layer's formula is the sum of its
-tensors' terms, written as sbh(...) the way the seed writes
-`sbh(34/t + 5as/(ht))`.
-
-sympy is slow to import (about a second), so only this module imports it, and
-only commands that print formulas import this module.
+A tensor's term is `memcalc.model.evaluate`'s rule on sympy symbols. sympy takes about a second to import, so only
+this module imports it, and only the commands that print formulas import this module.
 """
 
 from __future__ import annotations

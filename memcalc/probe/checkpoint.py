@@ -3,11 +3,9 @@
     forward:  run f without autograd; keep only f's inputs (and the RNG state)
     backward: restore the RNG state, run f again with autograd, backprop through it
 
-Keeping the inputs with `ctx.save_for_backward` makes them ordinary saved
-tensors, so the recorder sees exactly what a checkpoint costs. (torch's own
-non-reentrant `torch.utils.checkpoint` hides what it keeps behind saved-tensor
-hooks of its own, which would shadow the recorder's.) Restoring the RNG state
-makes the rerun draw the same dropout masks as the first run.
+The inputs are kept with `ctx.save_for_backward`, so the recorder sees what a checkpoint costs (torch's
+non-reentrant checkpoint hides them behind saved-tensor hooks of its own); the RNG state makes the rerun draw the
+same dropout masks.
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
 """Count the collectives a layer really issues, at the process-group API, not in the model.
 
-While a `CollectiveLog` is active, torch.distributed's all_reduce,
-all_gather_single and reduce_scatter_single (the calls the probe's f, f*, g, g*
-and column-parallel linears make) are wrapped: each call is logged with its
-kind, the pass it ran in (`log.phase`, which the runner sets around forward and
-backward) and the bytes of the whole tensor it collects: the all-reduced
-tensor, the all-gather's output, the reduce-scatter's input. The bytes a rank
-then sends under the ring algorithm follow from those (memcalc.model.comm.Op.share).
-Under torch's fake process group the calls are logged as well; no data moves.
-
-Point-to-point calls (isend, irecv, send, recv: what the overlapped rings of
-overlap.py issue, batch_isend_irecv included) are logged one message each, as
-"send" or "recv" with the message's bytes. A send's bytes are what the rank
-sends: no ring share applies, as it does to a collective's tensor. They are wrapped in
-torch.distributed's own module as well as its namespace, because
-batch_isend_irecv looks isend and irecv up there (and checks its P2POps' ops
-against them). torch's functional collectives, which DTensor's redistributions run (transformers' TP styles),
-are logged below the API, as aten ops.
+While a `CollectiveLog` is active, torch.distributed's all_reduce, all_gather_single and reduce_scatter_single are
+wrapped: each call is logged with its kind, pass (`log.phase`) and the bytes of the whole tensor it collects (the
+ring's per-rank share follows, memcalc.model.comm.Op.share). Point-to-point calls are logged one message each,
+"send" or "recv", wrapped in torch.distributed's own module too because batch_isend_irecv looks them up there.
+torch's functional collectives, which DTensor's redistributions run (transformers' TP styles), are logged below
+the API, as aten ops.
 """
 
 from __future__ import annotations

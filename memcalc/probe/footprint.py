@@ -1,16 +1,9 @@
 """The least memory `memcalc measure` will allocate, checked against the machine before any rank starts.
 
-`measure --config gpt3-175b.yaml --strategy none` asks one process for one
-GPT-3 layer at full width; `--s 1099511627776` asks for exabytes. torch would
-try, and the machine would swap, be killed by the OOM killer, or raise deep
-inside a worker. So the bytes are counted first, from the ledger, and a run
-that cannot fit is refused in one line naming them.
-
-The count is a lower bound, so no run that could fit is refused: per rank, the
-activations the ledger says forward saves (exact accounting) plus the layer's
-weights and their gradients; times the ranks that run on this machine at once.
-The probe allocates more (inputs, temporaries, optimizer-free backward), never less.
-Nothing here imports torch, except to ask a GPU its size.
+A GPT-3 layer at full width, or `--s 1099511627776`, would make torch swap, meet the OOM killer or fail deep in a
+worker; so the bytes are counted first and a run that cannot fit is refused in one line. The count is a lower
+bound (saved activations plus the layer's weights and gradients, times the ranks here at once), so no run that
+could fit is refused. torch is imported only to ask a GPU its size.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """Run the probe's layer under each strategy and hold what it saved up against the ledger.
 
-Each rank builds the layer with seeded weights, feeds it the full input (s, b, h)
-or, under SP, its sequence shard, runs forward inside a `SavedTensorRecorder`
-(and, on CUDA, between readings of torch.cuda's allocator), then backward once
-to show the graph is whole. The prediction is `memcalc.model.evaluate.estimate` with
-exact accounting for the device the layer actually ran on; the two are compared
-name by name, in bytes and in per-rank shape (batch-first, as the ledger writes it).
-
-Which way the ranks run (`choose_launch`, for --launch auto) and what --device meta measures: docs/probe.md,
-"Launch modes".
+Each rank runs forward inside a `SavedTensorRecorder` (on CUDA, between allocator readings), then backward once to
+show the graph is whole; the prediction is `estimate` with exact accounting for the device it ran on, compared
+name by name in bytes and per-rank shape. Launch modes and --device meta: docs/probe.md, "Launch modes".
 """
 
 from __future__ import annotations

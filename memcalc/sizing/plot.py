@@ -1,14 +1,7 @@
-"""Figures: activation memory against s or t, what each tensor adds to it, and one step over time.
+"""Figures: activation memory against s or t (`line_figure`), per tensor (`breakdown_figure`), and one step
+over time (`timeline_figure`), in GiB.
 
-Three views: `line_figure` draws one line per strategy over a swept size (from
-`memcalc.sizing.sweep`), `breakdown_figure` stacks one bar per strategy from the
-ledger's tensors (from `memcalc.model.evaluate.estimate`), and `timeline_figure`
-stacks one step's memory by category, moment by moment (from
-`memcalc.sizing.timeline`). Bytes are shown in GiB (2^30 bytes), and every axis
-says so.
-
-matplotlib is imported inside the functions (it costs about a second), and
-figures are `matplotlib.figure.Figure` objects drawn on an Agg canvas, never
+matplotlib is imported inside the functions (about a second), and figures are drawn on an Agg canvas, never
 pyplot: no global state, no window, the same pixels on every machine.
 """
 

@@ -1,22 +1,9 @@
 """Model states: the parameters one GPU holds, and the bytes its weights, gradients and Adam keep.
 
-Parameters are counted from the config's sizes, group by group, each with the
-reason it is (or is not) split by tensor parallelism: Megatron-LM's
-column-parallel weights (QKV, fc1, the vocabulary-parallel embedding and
-output layer) and row-parallel weights (projection, fc2) are split by t; norm
-weights, row-parallel biases and a learned position table are whole on every
-rank. The vocabulary is padded as Megatron-LM pads it (`padded_vocab`).
-
-Bytes per parameter follow each stack's own layout (`STATE_LAYOUTS`, chosen by `sharding`): Megatron-LM's
-18 (6 + 12/(dp*cp) with its distributed optimizer), FSDP2's 16/(dp_shard*cp), DeepSpeed ZeRO's by stage;
-docs/sharding.md renders the table, docs/guide-fit-totals.md derives Megatron-LM's.
-
-A mixture of experts (num_experts) replaces the dense MLP of its MoE layers
-(`moe_layer_freq`; the rest stay dense) by a router, whole on every rank, the
-E/ep experts one rank holds, each split by expert tensor parallelism (etp = t),
-and shared experts split by t. Expert parameters are replicated only over the
-expert data-parallel group, t*cp*dp/(ep*etp) ranks, so that is what the
-distributed optimizer shards their states over (Megatron-LM's expert_dp group).
+Parameters are counted group by group (`PARAM_GROUPS`), each with why tensor parallelism does or does not split
+it; the vocabulary is padded as Megatron-LM pads it. Bytes per parameter follow each stack's layout
+(`STATE_LAYOUTS`, rendered in docs/sharding.md). Expert parameters are replicated only over the expert
+data-parallel group, t*cp*dp/(ep*etp) ranks, which is what the distributed optimizer shards their states over.
 """
 
 from __future__ import annotations
