@@ -21,11 +21,8 @@ WHOLE_NUMBER = "a whole number in the digits 0-9, without '_' or a leading zero"
 _ASCII_SPACE = " \t\n\r\v\f"  # string.whitespace, without importing string
 
 class _Short(reprlib.Repr):
-    """reprlib's bounded repr, with integers measured before they are written out.
-
-    str() of a 5000-digit integer raises in Python 3.11, and reprlib's own
-    repr_int calls it before cutting.
-    """
+    """reprlib's bounded repr, measuring integers before writing them out (str() of a 5000-digit integer raises,
+    and reprlib's repr_int calls it)."""
 
     def repr_int(self, x: int, level: int) -> str:
         digits = len(str(abs(x))) if x.bit_length() < 3.3 * _DIGITS_SHOWN else int(x.bit_length() * 0.30103) + 1
@@ -38,22 +35,15 @@ _repr.maxstring = _repr.maxother = ECHO_LIMIT
 
 
 def short_repr(value: object) -> str:
-    """repr(value), bounded in the work it does and the characters it returns, and printable.
-
-    reprlib stops at a depth and a length, so an alias bomb (a list holding
-    nine copies of a list holding nine copies ...) costs a few dozen steps.
-    """
+    """repr(value), bounded in work and length (an alias bomb costs a few dozen steps), and printable."""
     return _cut(printable(_repr.repr(value)))
 
 
 def whole_number(text: str) -> int:
-    """The whole number `text` spells, by the one rule every flag, sweep value and YAML value follows.
+    """The whole number `text` spells: an optional sign, then ASCII digits 0-9, ASCII whitespace around.
 
-    An optional sign, then the ASCII digits 0-9; surrounding ASCII whitespace is ignored. int() would also read
-    '1_000', full-width '１０２４' and Arabic-Indic '١٠٢٤', and YAML 1.1 reads '017' as octal 15 and '34:08' in base
-    60: none is a number anyone meant, so each is refused rather than read. A sign is read (a negative size is the
-    model's to refuse, naming its rule). More than MAX_INT_DIGITS digits are refused before int(), which raises on
-    4300. ConfigError says why; the caller names where the text came from.
+    int() would also read '1_000' or full-width digits, YAML 1.1 '017' as octal and '34:08' in base 60: none is what
+    anyone meant, so each is refused. More than MAX_INT_DIGITS digits are refused before int() (which raises at 4300).
     """
     stripped = text.strip(_ASCII_SPACE)
     if not re.fullmatch(_WHOLE, stripped):

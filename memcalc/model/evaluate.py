@@ -23,13 +23,9 @@ if TYPE_CHECKING:
 
 
 def dim_sizes(config: ModelConfig, routers: Any = 1) -> dict[Dim, Any]:
-    """The value of every ledger dimension for this config, on one context-parallel rank.
-
-    Context parallelism gives each rank s/cp of the tokens (check_layout makes
-    2cp divide s), so that is the sequence every saved tensor spans. `routers`: the
-    ranks that split a tensor-parallel group's tokens before a MoE router (t under
-    sequence parallelism), each dropping its own tokens to its own capacity.
-    """
+    """The value of every ledger dimension for this config, on one context-parallel rank (s/cp tokens).
+    `routers`: the ranks that split a tensor-parallel group's tokens before a MoE router (t under SP), each dropping
+    its own tokens to its own capacity."""
     sizes = {
         Dim.B: config.b, Dim.S: config.s // config.cp, Dim.H: config.h, Dim.A: config.a,
         Dim.G: config.groups, Dim.D: config.head_dim, Dim.F: config.ffn, Dim.V: config.vocab_size,
@@ -72,12 +68,9 @@ def mla_sizes(config: Any) -> dict[Dim, Any]:
 def routed_slots(config: ModelConfig, bound: str, routers: Any = 1) -> Any:
     """r: the token-expert slots one rank's experts receive in one MoE layer, under `bound` (numbers or arrays).
 
-    Each rank routes its b*s/cp tokens to k experts each; with expert tensor parallelism equal to t, the
-    slots of the t ranks that share experts arrive on each of them, so the count does not depend on t.
-    balanced: k*b*s. worst (no capacity): every token of the ep ranks sends all its k slots here, at most
-    E/ep experts' worth, ep*b*s*min(k, E/ep). With a capacity factor every bound is at most the capacity's,
-    every expert full (`capacity_slots`); padded to capacity (moe_pad_expert_input_to_capacity) it is that,
-    whatever the route.
+    With etp = t the slots of the t ranks sharing experts arrive on each, so r does not depend on t. balanced:
+    k*b*s; worst: every token of the ep ranks sends all k slots here, ep*b*s*min(k, E/ep). A capacity factor caps
+    each bound at every expert full (`capacity_slots`), which is r itself when padded to capacity.
     """
     c, tokens = config, config.b * (config.s // config.cp)
     k = c.moe_router_topk
@@ -105,11 +98,8 @@ def _whole(x: Any) -> Any:
 
 
 def rank_shape(tensor: SavedTensor, strategy: Strategy, sizes: dict[Dim, Any], t: Any) -> tuple[Any, ...]:
-    """The tensor's shape on one rank: its split dimension (if any) divided by t.
-
-    Every split dimension is a multiple of t (the config's rules) except the
-    vocabulary, which is padded up to one: hence the division rounds up.
-    """
+    """The tensor's shape on one rank: its split dimension divided by t, rounded up (the vocabulary is padded
+    to a multiple of t; every other split dimension is one by the config's rules)."""
     split = strategy.split_dim(tensor)
     return tuple(-(-sizes[d] // t) if d is split else sizes[d] for d in tensor.shape)
 

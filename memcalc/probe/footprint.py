@@ -44,12 +44,8 @@ def footprint(config: ModelConfig, strategy: str, device: str, ranks_here: int) 
 
 
 def check_fits(config: ModelConfig, strategies: list[str], device: str, ranks_here: int) -> None:
-    """Refuse, in one line naming the bytes, a run whose least footprint exceeds what this machine has.
-
-    Strategies run one after another, so the largest one is what must fit. On
-    GPUs each rank has its own, so one rank's bytes are held against one GPU.
-    torch's meta device holds shapes without data: nothing to check there.
-    """
+    """Refuse, in one line naming the bytes, a run whose least footprint exceeds what this machine has: the
+    largest strategy (they run one after another), per GPU on GPUs; nothing on meta, which holds no data."""
     if device == "meta":
         return
     worst = max((footprint(config, name, device, ranks_here) for name in strategies), key=lambda f: f.bytes)

@@ -143,10 +143,8 @@ def _run_own_layer(
 
 
 def _layer_input(config: ModelConfig, tp: TensorParallelGroup, sequence_parallel: bool) -> torch.Tensor:
-    """The same full input on every rank, or this rank's sequence shard of it, in a storage of its own.
-
-    It requires grad, as every layer's input past the embedding does.
-    """
+    """The same full input on every rank, or this rank's sequence shard of it, in a storage of its own; it
+    requires grad, as every layer's input past the embedding does."""
     if tp.device.type == "meta":  # nothing to draw; a shard of the same shape as on a real device
         full = torch.empty(config.s, config.b, config.h, dtype=DTYPES[config.dtype], device="meta")
     else:
@@ -338,12 +336,8 @@ def measure(
     config: ModelConfig, strategies: list[str], device: str, backend: str | None, launch: str, timeout_s: float,
     layer: str = "library", overlap: Overlap = NO_OVERLAP, route: str | None = None,
 ) -> list[StrategyMeasurement]:
-    """Measure each strategy on `layer` (see LAYERS); everything is checked before any rank starts.
-
-    `route` forces a MoE router's assignment (ROUTES), for the libraries' layers in ROUTED only.
-
-    Returns nothing on a torchrun rank other than 0: rank 0 reports for the job.
-    """
+    """Measure each strategy on `layer` (see LAYERS), everything checked before any rank starts; `route`
+    forces a ROUTED library's MoE router. Returns nothing on a torchrun rank other than 0."""
     if config.cp != 1:
         raise ConfigError(f"cp={config.cp}: the probe runs one layer without context parallelism; measure with cp=1")
     if layer == "memcalc" and config.impl not in OWN_LAYER_IMPLS:

@@ -33,11 +33,8 @@ class Stage:
 
 
 def stages(L: int, pp: int, vpp: int | None, microbatches: int | None = None) -> tuple[Stage, ...]:
-    """The stages that bound per-GPU memory: the only one, or the first and the last.
-
-    Expects a validated layout (pp divides L, or pp*vpp does when interleaved, and then pp divides
-    `microbatches`). `microbatches` caps what a stage keeps when the step is shorter than the warm-up.
-    """
+    """The stages that bound per-GPU memory: the only one, or the first and the last, for a validated layout;
+    `microbatches` caps what a stage keeps when the step is shorter than the warm-up."""
     m = microbatches
     if pp == 1:
         return (Stage("only", L, L, 1, 1, "no pipelining: one micro-batch at a time", 1),)

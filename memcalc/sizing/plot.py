@@ -58,13 +58,8 @@ def line_figure(
     x_name: str, x: Sequence[int], lines: dict[str, Sequence[float]], layers: int, titles: Titles,
     device_memory: int | None = None,
 ) -> Figure:
-    """Bytes against `x`, one line per label in `lines` (NaN leaves a gap); `layers`
-    says how many layers the bytes cover, for the axis label.
-
-    The x axis is logarithmic (base 2) when x spans a factor of 8 or more, as
-    geometric ranges do; the y axis is logarithmic when the values span more
-    than a factor of 100, so that small strategies do not flatten to zero.
-    """
+    """Bytes against `x`, one line per label in `lines` (NaN leaves a gap), over `layers` layers; an axis is
+    logarithmic where its values span a factor of 8 (x, base 2) or 100 (y), so small strategies do not flatten."""
     import numpy as np
 
     fig, ax = _figure(titles, LINE_SIZE)

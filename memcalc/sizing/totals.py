@@ -147,11 +147,8 @@ def _layers_term(config: ModelConfig, stage: Stage, layer: LayerEstimate) -> Ter
 
 
 def _rebuilt_layer_bytes(config: ModelConfig, strategy: Strategy, accounting: Accounting, layer: LayerEstimate) -> int:
-    """Exact accounting only: while backward runs a recomputed layer, what it rebuilt is live too.
-
-    That is the layer's activations without recomputation less what the
-    recompute choice keeps anyway; the paper leaves it out.
-    """
+    """Exact accounting only: while backward runs a recomputed layer, what it rebuilt is live too (its
+    activations without recomputation, less what the recompute choice keeps anyway); the paper leaves it out."""
     if not accounting.exact or config.recompute == "none":
         return 0
     whole = estimate(replace(config, recompute="none"), strategy, accounting)
