@@ -72,10 +72,8 @@ def fit(
     config: str | Path | ModelConfig | None = None, *, budget: int | str, solve: str = "b",
     strategy: str = DEFAULT_STRATEGY, count: str = "peak", exact: bool = False, device: str = "cuda", **fields: Any,
 ) -> Fit:
-    """The largest b or s, or the smallest t (`solve`), whose per-GPU bytes fit `budget`
-    (bytes, or text such as "80GiB"); `count` is "peak" (the step's, as `memcalc fit` by default), "total" or
-    "activations". One strategy and
-    the config's recompute choice: `memcalc fit` tries each choice, a loop over `recompute=` here."""
+    """The largest b or s, or the smallest t (`solve`), whose per-GPU bytes (`count`: "peak", "total" or
+    "activations") fit `budget` (bytes, or text such as "80GiB"), for the config's recompute choice."""
     from memcalc.sizing.fit import COUNTS, SOLVES
     from memcalc.sizing.fit import fit as solve_fit
 

@@ -146,11 +146,8 @@ def _ranks_here(launch: str, backend: str | None, t: int) -> int:
 
 
 def to_json(config: ModelConfig, results: list[StrategyMeasurement]) -> dict:
-    """The config; totals and every tensor over all strategies run; and each strategy in detail (rank 0).
-
-    The top-level `predicted_bytes` and `measured_bytes` add up the strategies
-    that ran (one layer each), and `tensors` lists every row with its strategy.
-    """
+    """The config; totals (summed over the strategies run, one layer each) and every tensor with its strategy;
+    and each strategy in detail (rank 0)."""
     strategies = {m.strategy.name: _strategy_json(m) for m in results}
     return document(
         config, results,

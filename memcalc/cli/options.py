@@ -173,10 +173,8 @@ device_options = _stack(
 
 
 def model_from(params: dict[str, Any]) -> ModelConfig:
-    """The validated config that --config or --hf-config and the flags describe.
-
-    With --hf-config, the fields it used go to stderr, so stdout stays clean for --json.
-    """
+    """The validated config that --config or --hf-config and the flags describe (the fields --hf-config used
+    go to stderr, so stdout stays clean for --json)."""
     fields, path, note = file_fields(params)
     overrides = {k: params.get(k) for k in SIZE_FLAGS + EXPERT_FLAGS + KNOB_FLAGS + LAYOUT_FLAGS}
     config = load_config(path, overrides, base=fields)

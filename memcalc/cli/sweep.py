@@ -100,10 +100,8 @@ def build_sweep(
     params: dict[str, Any], ranges: dict[str, Sequence[int]], strategies: Sequence[Strategy] | None,
     accounting: Accounting,
 ) -> Sweep:
-    """A checked `memcalc.sizing.sweep.Sweep`: the fields of --config or --hf-config, the size
-    and knob flags laid over them, `ranges` over those. Errors name the file, as
-    `options.model_from`'s do. `strategies` None is every layout the implementation runs for the knobs;
-    one it leaves out is named, with why, in a note on stderr."""
+    """A checked `memcalc.sizing.sweep.Sweep`: the file's fields, the size and knob flags over them, `ranges`
+    over those, errors naming the file; with `strategies` None, a layout left out is named on stderr."""
     from memcalc.sizing.sweep import make_sweep
 
     fields, path, note = file_fields(params)
