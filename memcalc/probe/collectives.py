@@ -70,12 +70,9 @@ class LoggedCollective:
 
 
 class CollectiveLog:
-    """Context manager: log every wrapped torch.distributed call made inside it, in order.
-
-    `aliases`: modules that bound a wrapped function to a name of their own when imported (megatron's
-    mappings and layers keep `dist_all_gather_func = torch.distributed.all_gather_into_tensor`); each such
-    name is wrapped too, and put back on exit.
-    """
+    """Context manager: log every wrapped torch.distributed call made inside it, in order; `aliases` are modules
+    that bound a wrapped function to a name of their own (megatron's `dist_all_gather_func`), wrapped too and put back
+    on exit."""
 
     def __init__(self, aliases: tuple[ModuleType, ...] = ()) -> None:
         self.phase = "forward"
