@@ -35,9 +35,12 @@ def atomic_write(path: Path) -> Iterator[BinaryIO]:
     becomes, included): on an error the temporary is removed and `path` left as it was."""
     target = _target(Path(path))
     mode = _existing_mode(target)
-    if mode is not None and _in_place(mode):
-        with _in_place_write(target, path) as stream:
-            yield stream
+    if mode is not None and _in_place(mode):  # the device or FIFO itself (a FIFO waits for its reader, as `>` does)
+        try:
+            with open(target, "wb") as stream:
+                yield stream
+        except OSError as exc:
+            raise _cannot(path, exc) from None
         return
     _remove_leftovers(target)
     temporary = None
@@ -127,16 +130,6 @@ def _existing_mode(target: Path) -> int | None:
 def _in_place(mode: int) -> bool:
     """A character device or a FIFO: written where it stands, never replaced by a file."""
     return stat.S_ISCHR(mode) or stat.S_ISFIFO(mode)
-
-
-@contextmanager
-def _in_place_write(target: Path, path: Path) -> Iterator[BinaryIO]:
-    """The device or FIFO itself, opened for writing (a FIFO waits for its reader, as `>` does)."""
-    try:
-        with open(target, "wb") as stream:
-            yield stream
-    except OSError as exc:
-        raise _cannot(path, exc) from None
 
 
 def _cannot(path: Path | str, exc: OSError) -> OutputError:

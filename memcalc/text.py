@@ -36,7 +36,8 @@ _repr.maxstring = _repr.maxother = ECHO_LIMIT
 
 def short_repr(value: object) -> str:
     """repr(value), bounded in work and length (an alias bomb costs a few dozen steps), and printable."""
-    return _cut(printable(_repr.repr(value)))
+    text = printable(_repr.repr(value))
+    return text if len(text) <= ECHO_LIMIT else f"{text[:ECHO_LIMIT - 3]}..."
 
 
 def whole_number(text: str) -> int:
@@ -66,7 +67,3 @@ def for_rich(text: str) -> str:
     from rich.markup import escape  # rich is loaded by whoever prints with it
 
     return escape(printable(text))
-
-
-def _cut(text: str) -> str:
-    return text if len(text) <= ECHO_LIMIT else f"{text[:ECHO_LIMIT - 3]}..."

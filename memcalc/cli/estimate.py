@@ -84,15 +84,11 @@ def command(
         render.print_estimates(config, accounting, results, baseline, breakdown, comparisons)
         if per is not None:
             render.print_totals(config, per, budget, peaks)
-    if per is not None and not fits_somewhere(per, peaks, budget):
-        click.get_current_context().exit(DoesNotFit.exit_code)  # printed the verdict; only the code says no
+    if per is not None:
+        from memcalc.sizing.verdict import need  # the verdict loads only with totals
 
-
-def fits_somewhere(per: list[PerGpu], peaks: dict, budget: Budget) -> bool:
-    """Whether some strategy's need (its step's peak, or its totals) fits the budget."""
-    from memcalc.sizing.verdict import need  # the verdict loads only with totals
-
-    return any(need(p, peaks.get(p.strategy.name)).bytes <= budget.bytes for p in per)
+        if not any(need(p, peaks.get(p.strategy.name)).bytes <= budget.bytes for p in per):
+            click.get_current_context().exit(DoesNotFit.exit_code)  # printed the verdict; only the code says no
 
 
 def step_peaks(config: ModelConfig, strategy: Strategy, device: str) -> tuple[Timeline, ...] | str:

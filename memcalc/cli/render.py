@@ -239,11 +239,6 @@ def describe_layout(config: ModelConfig) -> str:
     )
 
 
-def headroom(budget: int, used: int) -> str:
-    """'12.00 GiB left' or '3.00 GiB over'."""
-    return f"{human_bytes(budget - used)} left" if used <= budget else f"{human_bytes(used - budget)} over"
-
-
 def print_totals(config: ModelConfig, per: list[PerGpu], device: Budget, peaks: dict) -> None:
     """A table per bounding pipeline stage, every term by name, a verdict per strategy, and the step's peak."""
     from memcalc.sizing.verdict import need
@@ -263,7 +258,8 @@ def print_totals(config: ModelConfig, per: list[PerGpu], device: Budget, peaks: 
         where = f", {needed.stage} stage" if needed.stage != "only" else ""
         console.print(
             f"  {p.strategy.name}: {'yes' if needed.bytes <= budget else 'no'}, {needed.bytes:,} B ="
-            f" {human_bytes(needed.bytes)} ({needed.basis}{where}), {headroom(budget, needed.bytes)}",
+            f" {human_bytes(needed.bytes)} ({needed.basis}{where}), {human_bytes(abs(budget - needed.bytes))}"
+            f" {'left' if needed.bytes <= budget else 'over'}",
             highlight=False,
         )
     from memcalc.sizing.states import sharding
