@@ -121,15 +121,11 @@ def _columns(result: SweepResult, quote: bool) -> dict[str, _Field]:
     }
 
 
-def _chunks(rows: int, chunk_rows: int) -> Iterator[slice]:
-    return (slice(start, min(start + chunk_rows, rows)) for start in range(0, rows, chunk_rows))
-
-
 def _text_of_chunks(layout: list[_Field | bytes], result: SweepResult, chunk_rows: int) -> Iterator[tuple[slice, bytes]]:
     """Each chunk of rows with its text, in order, on every core (numpy releases the GIL while it copies and
     compacts), at most two chunks per thread in flight so memory stays bounded."""
     workers = os.cpu_count() or 1
-    chunks = _chunks(result.rows, chunk_rows)
+    chunks = (slice(start, min(start + chunk_rows, result.rows)) for start in range(0, result.rows, chunk_rows))
     with ThreadPoolExecutor(workers) as pool:
         pending: deque[tuple[slice, Future[bytes]]] = deque()
         for rows in chunks:
