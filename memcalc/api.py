@@ -61,8 +61,7 @@ def per_gpu(
     config: str | Path | ModelConfig | None = None, *, strategy: str = DEFAULT_STRATEGY, exact: bool = False,
     device: str = "cuda", **fields: Any,
 ) -> PerGpu:
-    """Everything one GPU holds (layers, the model's two ends, weights, gradients, optimizer states),
-    for each pipeline stage that bounds memory: `memcalc estimate --totals`."""
+    """Everything one GPU holds, per pipeline stage that bounds memory: `memcalc estimate --totals`."""
     from memcalc.sizing.totals import per_gpu as totals
 
     return totals(_config(config, fields), _strategy(strategy), _accounting(exact, device))

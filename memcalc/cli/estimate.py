@@ -92,8 +92,7 @@ def command(
 
 
 def step_peaks(config: ModelConfig, strategy: Strategy, device: str) -> tuple[Timeline, ...] | str:
-    """One step's timeline per bounding stage (memcalc.sizing.timeline) on `device`'s kernels, or why it is not
-    modelled for this config."""
+    """One step's timeline per bounding stage on `device`'s kernels, or why it is not modelled for this config."""
     from memcalc.sizing.timeline import timelines  # only --totals pays for it
 
     try:
@@ -106,8 +105,7 @@ def to_json(
     config: ModelConfig, accounting: Accounting, results: list[LayerEstimate], baseline: LayerEstimate,
     per: list[PerGpu] | None, budget: Budget, peaks: dict | None, comparisons: list[PaperComparison],
 ) -> dict:
-    """The JSON document: the config, how bytes were counted, each strategy's numbers beside the paper's (and each
-    departure from them), and totals if asked."""
+    """The config, the accounting, each strategy's numbers beside the paper's (and departures), totals if asked."""
     from memcalc.schemas import SCHEMA_VERSION  # the schema tables load only for JSON
 
     doc = {
@@ -152,8 +150,7 @@ def _paper_json(c: PaperComparison) -> dict:
 
 
 def per_gpu_json(config: ModelConfig, per: list[PerGpu], device: Budget, peaks: dict) -> dict:
-    """Per-GPU totals: for each strategy the verdict, each bounding stage term by term, and (one
-    stage) the step's peak and steady state from the timeline, or why they are not modelled."""
+    """Per strategy: the verdict, each bounding stage term by term, and its step's peak (or why not modelled)."""
     from memcalc.sizing.states import padded_vocab, total_params
     from memcalc.sizing.verdict import need
 

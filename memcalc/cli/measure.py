@@ -146,8 +146,7 @@ def _ranks_here(launch: str, backend: str | None, t: int) -> int:
 
 
 def to_json(config: ModelConfig, results: list[StrategyMeasurement]) -> dict:
-    """The config; totals (summed over the strategies run, one layer each) and every tensor with its strategy;
-    and each strategy in detail (rank 0)."""
+    """Totals (summed over the strategies run) and every tensor with its strategy; each strategy in detail."""
     strategies = {m.strategy.name: _strategy_json(m) for m in results}
     return document(
         config, results,
@@ -195,8 +194,7 @@ def _list(shape: tuple[int, ...] | None) -> list[int] | None:
 
 
 def _check_library_comm(config: ModelConfig, names: list[str], route: str | None) -> None:
-    """--comm on a library's layer: one that logs its collectives, that the ledger models, routed so that their
-    bytes are the ledger's (ConfigError otherwise)."""
+    """--comm on a library's layer: it must log its collectives, the ledger model them and the route fix them."""
     from memcalc.model.comm import layer_comm
     from memcalc.model.strategy import STRATEGIES
 

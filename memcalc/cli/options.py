@@ -1,8 +1,5 @@
-"""Options shared by the commands that take a model: sizes, knobs, --config or --hf-config.
-
-Flags default to None so that a value left out falls through to the YAML file
-(or Hugging Face config.json, if any) and then to the config's own default;
-`model_from` does that merge and leaves all validation to `memcalc.config.schema`.
+"""Options shared by the commands that take a model: sizes, knobs, --config or --hf-config. Flags default to
+None, so a value left out falls through to the file and then to the config's default (`model_from`).
 """
 
 from __future__ import annotations
@@ -219,7 +216,6 @@ def strategy_names(choice: str, knobs: Any) -> list[str]:
 
 
 def note_left_out(knobs: Any) -> None:
-    """Name on stderr, one line each, the layouts the implementation does not run for these knobs, and why:
-    stdout stays the table or the JSON of the layouts it does run."""
+    """Name on stderr, one line each, the layouts the implementation does not run for these knobs, and why."""
     for line in left_out(knobs):
         click.echo(f"memcalc: note: {line}", err=True)

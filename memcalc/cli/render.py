@@ -110,8 +110,7 @@ def describe_knobs(knobs: Any) -> str:
 
 
 def accounting_note(accounting: Accounting, impl: str) -> str:
-    """How the bytes were counted and whose layer keeps them, for the line above a table: "the paper's
-    accounting" only for --impl paper."""
+    """How the bytes were counted and whose layer keeps them, for the line above a table."""
     if impl == "paper":
         whose = "the paper's accounting"
     else:
@@ -127,8 +126,7 @@ def print_estimates(
     config: ModelConfig, accounting: Accounting, results: list[LayerEstimate], baseline: LayerEstimate, breakdown: bool,
     comparisons: list[PaperComparison],
 ) -> None:
-    """The per-strategy table, each departure from the paper's numbers and, if asked, the per-tensor table
-    (with the paper's bytes beside the implementation's where they differ)."""
+    """The per-strategy table, each departure from the paper's numbers and, if asked, the per-tensor table."""
     console.print(describe(config), highlight=False)
     if config.cp > 1:
         console.print(f"context parallel: cp={config.cp}, so each rank keeps s/cp = {config.s // config.cp} tokens")

@@ -54,8 +54,7 @@ RANGE_FLAGS = (*SIZE_FLAGS, *SWEPT_KNOBS, "ep")  # each takes one value, a list 
 
 
 def size_range_options(f: Callable) -> Callable:
-    """--b .. --L, and a mixture of experts' --num-experts, --moe-router-topk and --ep, each a list or range
-    (the config's descriptions as help); --etp takes one value."""
+    """--b .. --L and, for experts, --num-experts, --moe-router-topk and --ep, each a list or range; --etp one value."""
     f = click.option("--etp", "etp", type=INTEGER, help="Expert tensor-parallel size (memcalc models etp = t).")(f)
     for name in reversed(RANGE_FLAGS):
         meaning = field_help(name)
@@ -89,8 +88,7 @@ strategies_option = click.option(
 
 
 def chosen_strategies(choices: Sequence[str]) -> list[Strategy] | None:
-    """The strategies --strategy names, each once, in the order of memcalc.model.strategy; None for "all": every
-    layout the implementation runs for the config's knobs, known once they are read (`make_sweep`)."""
+    """The strategies --strategy names, each once, in STRATEGIES' order; None for "all" (known once knobs are read)."""
     if "all" in choices:
         return None
     return [st for name, st in STRATEGIES.items() if name in choices]

@@ -109,8 +109,7 @@ def _lines(layout: list[_Field | bytes], result: SweepResult, rows: slice) -> by
 
 
 def _columns(result: SweepResult, quote: bool) -> dict[str, _Field]:
-    """CSV_COLUMNS as text, then the swept expert axes (E, k, ep) if the model has experts; `quote` writes
-    strategy names as JSON strings."""
+    """CSV_COLUMNS as text, then E, k and ep if the model has experts; `quote` writes strategy names as JSON strings."""
     grid = result.grid
     names = [json.dumps(st.name) if quote else st.name for st in result.sweep.strategies]
     return {

@@ -21,8 +21,7 @@ _REAL = r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?"
 
 
 class Integer(click.ParamType):
-    """A whole number by `whole_number`'s rule (a sign allowed: the model's own rule names a negative size), at
-    least `min` and at most `max` where given."""
+    """A whole number by `whole_number`'s rule (signed: the model's rule names a negative size), within min and max."""
 
     name = "integer"
 
@@ -45,8 +44,7 @@ class Integer(click.ParamType):
 
 
 class Real(click.ParamType):
-    """A finite number in decimal notation (never NaN or infinity), above `above`, at least `least` and at most
-    `most` where given."""
+    """A finite number in decimal notation (never NaN or infinity), above `above`, within `least` and `most`."""
 
     name = "number"
 

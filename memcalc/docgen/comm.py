@@ -64,8 +64,7 @@ _MOE = Knobs(num_experts=8, moe_router_topk=2, moe_shared_expert_intermediate_si
 
 
 def _experts() -> str:
-    """A MoE layer's collectives (megatron-core's MoELayer, the all-to-all dispatcher), ep > 1, under tp-sp and
-    under expert parallelism alone."""
+    """A MoE layer's collectives (megatron-core's all-to-all dispatcher), ep > 1, under tp-sp and under ep alone."""
     lines = [
         "## A mixture of experts' layer (megatron-core's MoELayer, the all-to-all token dispatcher)",
         "",

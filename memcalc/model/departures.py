@@ -45,8 +45,7 @@ class PaperComparison:
 
 
 def paper_config(config: ModelConfig) -> ModelConfig:
-    """The same inputs under the paper: its implementation, and the knobs only other libraries have at their
-    defaults (the paper has no such setting)."""
+    """The same inputs under the paper, the knobs only other libraries have at their defaults (it has none)."""
     unset = {k.name: k.default for k in KNOBS if k.impls and PAPER not in k.impls}
     return replace(config, impl=PAPER, **unset)
 

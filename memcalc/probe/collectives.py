@@ -60,8 +60,7 @@ class LoggedCollective:
     sent: int | None = None  # an all-to-all's bytes bound for the other ranks, from its split sizes
 
     def moved_bytes(self, t: int) -> int:
-        """Bytes this rank sends for a collective (ring algorithm; an all-to-all: what its splits send
-        away), or the message a send or recv moves."""
+        """Bytes this rank sends: a collective's ring share, an all-to-all's split rows, a send's or recv's message."""
         if self.op in (SEND, RECV):
             return self.tensor_bytes
         if self.sent is not None:
@@ -157,8 +156,7 @@ def _nbytes(whole: Any) -> int:
 
 
 def _all_to_all_sent(bound: dict[str, Any], group: Any) -> int:
-    """all_to_all_single: the input's rows bound for the other ranks of the group, in bytes (even splits
-    when none are given)."""
+    """all_to_all_single: the bytes of the input's rows bound for the group's other ranks (even splits if unsaid)."""
     x, ranks = bound["input"], dist.get_world_size(group)
     splits = bound.get("input_split_sizes")
     rows = list(splits) if splits is not None and len(splits) else [x.shape[0] // ranks] * ranks

@@ -1,9 +1,6 @@
-"""How the probe's t ranks get started: four modes behind one entry point, `run`.
-
-single (t = 1, no group), spawn (t processes here: gloo, or nccl with a GPU each), fake (rank 0 of t through torch's
-fake process group: exact shapes, no data moved) and torchrun (one rank of the world: t = WORLD_SIZE). Each calls
-fn(tp, *args) with a `TensorParallelGroup` and hands back its result. docs/probe-launching.md says what each needs
-(module-level fn, picklable args and results under spawn) and how the spawned workers start and meet.
+"""How the probe's t ranks get started: single, spawn, fake or torchrun, behind one entry point, `run`, which
+calls fn(tp, *args) with a `TensorParallelGroup` and hands back its result. What each mode needs and how spawned
+workers start and meet: docs/probe-launching.md.
 """
 
 from __future__ import annotations
@@ -131,8 +128,7 @@ def torchrun_env() -> dict[str, int]:
 
 
 def run_torchrun(fn: RankFn, args: Sequence[Any] = (), timeout_s: float = DEFAULT_TIMEOUT_S) -> Any | None:
-    """fn on this torchrun rank, t = WORLD_SIZE (nccl on cuda:LOCAL_RANK, else gloo); rank 0's result on rank 0,
-    None on the others."""
+    """fn on this torchrun rank, t = WORLD_SIZE (nccl on cuda:LOCAL_RANK, else gloo); rank 0's result, else None."""
     if not under_torchrun():
         missing = ", ".join(name for name in TORCHRUN_ENV if name not in os.environ)
         raise ProbeError(f"mode torchrun needs the environment torchrun sets, but {missing} is not set")
@@ -296,8 +292,7 @@ def _spawned_rank(
 
 
 def _die_with(owner: connection.Connection) -> None:
-    """Leave at once, silently, when the spawning process ends, however it ends: `owner` reads end-of-file
-    (docs/probe-launching.md, "Signals")."""
+    """Leave at once when the spawning process ends, however it ends (docs/probe-launching.md, "Signals")."""
     def watch() -> None:
         with suppress(EOFError, OSError):
             owner.recv_bytes()
@@ -358,8 +353,7 @@ _PEER_GRACE_S = 2.0
 
 
 def _raise_a_silent_death(workers: list, done: set[int], job: _Job, failed: ProbeError) -> None:
-    """The ProbeError of a rank (not in `done`) that dies without a result within the grace, the failure chained;
-    nothing if none does."""
+    """The ProbeError of a rank not `done` that dies without a result within the grace (the failure chained)."""
     others = {rank: worker for rank, worker in enumerate(workers) if rank not in done}
     deadline = time.monotonic() + _PEER_GRACE_S
     while others:

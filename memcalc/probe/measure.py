@@ -87,8 +87,7 @@ Case = tuple[ModelConfig, str, str, Overlap] | tuple[ModelConfig, str, str, Over
 
 
 def measure_on_rank(tp: TensorParallelGroup, cases: tuple[Case, ...]) -> list[RankResult]:
-    """The per-rank entry point for `launch.run`: each case in turn (a case without a route lets the router
-    route)."""
+    """The per-rank entry point for `launch.run`: each case in turn (without a route, the router routes)."""
     return [measure_layer(tp, config, STRATEGIES[name], layer, overlap, *route)
             for config, name, layer, overlap, *route in cases]
 
@@ -124,8 +123,7 @@ def runner(impl: str) -> ModuleType:
 def _run_own_layer(
     tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, overlap: Overlap
 ) -> tuple[tuple[SavedStorage, ...], CudaMemory | None, tuple[LoggedCollective, ...]]:
-    """memcalc's Megatron-style layer: what it saves, torch.cuda's readings around forward on a GPU,
-    and every collective it issues in forward and backward."""
+    """memcalc's Megatron-style layer: what it saves, torch.cuda's readings around forward, its collectives."""
     if config.mla:
         raise ProbeError("--layer memcalc has no latent attention (kv_lora_rank); measure MLA with --impl megatron"
                          " or --impl hf, which run the libraries' own MLA layers")

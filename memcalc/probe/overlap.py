@@ -1,9 +1,8 @@
 """Tensor-parallel communication overlapped with the GEMMs (seed, section 5), run for real.
 
-Under SP the column-parallel linear's all-gather (g) and the row-parallel linear's reduce-scatter (g*) are cut into
-pieces that run beside the GEMM they feed or follow, as Megatron with Transformer Engine does: ring-ag, ring-rs and
-pipelined-rs (`Method`). Only forward is overlapped; what each method moves and why it cannot deadlock is in
-docs/probe.md, "Overlapped collectives".
+Under SP the column linear's all-gather (g) and the row linear's reduce-scatter (g*) run in pieces beside their
+GEMM, as Megatron with Transformer Engine does (`Method`), in forward only; what each moves and why it cannot
+deadlock: docs/probe.md, "Overlapped collectives".
 """
 
 from __future__ import annotations

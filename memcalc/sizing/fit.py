@@ -1,9 +1,8 @@
 """What fits a memory budget: the largest micro-batch b or sequence s, or the smallest t, pp, cp, ep or dp_shard.
 
-Every answer is an exact integer found by evaluating what `memcalc estimate --totals` bases its verdict on (the
-step's peak where `memcalc.sizing.timeline` models it, else `memcalc.sizing.totals.per_gpu`; or, on request, the
-totals or the activations alone), never by rounding a formula: the answer fits by estimate's own numbers and the
-next valid value does not. Why each size's search is sound: docs/guide-fit-totals.md, section 2.
+Every answer is an exact integer, found by evaluating what `memcalc estimate --totals` bases its verdict on (or
+the totals, or the activations alone), never by rounding a formula: it fits by estimate's own numbers and the next
+valid value does not. Why each search is sound: docs/guide-fit-totals.md, section 2.
 """
 
 from __future__ import annotations

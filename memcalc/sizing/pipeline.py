@@ -1,9 +1,6 @@
-"""Pipeline stages: which layers and model ends a GPU holds, and how many micro-batches it keeps.
-
-Under pipeline parallelism a schedule keeps several micro-batches in flight so that no stage idles (Korthikanti
-et al. 2022, section 4.2.3); with Megatron-LM's 1F1B and interleaved 1F1B, a rank's peak is its warm-up forwards
-plus one. The first and the last stage bound every GPU. The counts, and a short step's, are derived in
-docs/guide-fit-totals.md (section 1, `layers`).
+"""Pipeline stages: which layers and model ends a GPU holds, and how many micro-batches it keeps in flight
+(Megatron-LM's 1F1B and interleaved 1F1B: its warm-up forwards plus one). The first and the last stage bound every
+GPU; the counts are derived in docs/guide-fit-totals.md (section 1, `layers`).
 """
 
 from __future__ import annotations

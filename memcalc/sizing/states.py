@@ -29,8 +29,7 @@ def padded_vocab(config: ModelConfig, t: int) -> int:
 
 
 def vocab_shard(config: ModelConfig, t: int) -> int:
-    """Rows of the (padded) vocabulary one of t ranks holds: the most any rank holds, where a DTensor
-    (torchtitan) shards a vocabulary that t does not divide unevenly."""
+    """Rows of the padded vocabulary one of t ranks holds: the most any holds (torchtitan's DTensor: uneven)."""
     return -(-padded_vocab(config, t) // t)
 
 
