@@ -116,7 +116,9 @@ def command(strategy: str, device: str, backend: str | None, launch: str, timeou
     from memcalc.probe.footprint import check_fits
 
     if device != "meta":  # meta allocates nothing
-        check_fits(config, names, device, _ranks_here(launch, backend, config.t))
+        # The ranks on this machine at once: t when spawned here, else one (fake; torchrun's one a process).
+        spawned = launch == "spawn" or (launch == "auto" and backend is not None)
+        check_fits(config, names, device, config.t if spawned else 1)
     with signals_end_at_once():  # torch and the library run here: a signal ends the process where it lands
         results = _measure(config, names, device, backend, launch, timeout_s, layer, overlap, num_splits, route)
     if not results:
@@ -137,12 +139,6 @@ def _measure(config: ModelConfig, names: list[str], device: str, backend: str | 
     except ProbeError as exc:  # a bad --overlap is bad input
         raise ConfigError(f"--overlap: {exc}") from None
     return measure(config, names, device, backend, launch, timeout_s, layer, chosen, route)
-
-
-def _ranks_here(launch: str, backend: str | None, t: int) -> int:
-    """How many tensor-parallel ranks share this machine at once: t when spawned here (--launch spawn,
-    or auto with --backend), else one (fake, and torchrun's one rank per process: a lower bound)."""
-    return t if launch == "spawn" or (launch == "auto" and backend is not None) else 1
 
 
 def to_json(config: ModelConfig, results: list[StrategyMeasurement]) -> dict:

@@ -205,7 +205,8 @@ def _spawn_once(job: _Job, pickled: bytes) -> list[Any]:
     store = dist.TCPStore(LOCALHOST, 0, is_master=True, wait_for_workers=False, timeout=_store_timeout(job))
     workers: list[tuple[multiprocessing.Process, connection.Connection]] = []
     results = None
-    context = _worker_context(job.fn)
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([*FORKSERVER_PRELOAD, job.fn.__module__])  # counts only when the server starts
     watched, alive = context.Pipe(duplex=False)  # nothing is ever sent: only this process's end closing counts
     _start_forkserver_deaf_to_sigint()
     try:
@@ -257,13 +258,6 @@ def _check_spawn(t: int, backend: str, device: str) -> None:
 # Imported once in the forkserver rather than in every worker. torch's first backward imports
 # symbolic_shapes, and with it sympy: seconds per worker on a small machine.
 FORKSERVER_PRELOAD = ["__main__", "torch", "torch.fx.experimental.symbolic_shapes", __name__]
-
-
-def _worker_context(fn: RankFn) -> multiprocessing.context.BaseContext:
-    """The forkserver context; the preload (with fn's module) counts only when the server first starts."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload([*FORKSERVER_PRELOAD, fn.__module__])
-    return context
 
 
 def _spawned_rank(

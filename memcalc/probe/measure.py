@@ -235,8 +235,10 @@ def choose_launch(t: int, device: str, backend: str | None, launch: str = "auto"
         )
     if mode is Mode.SINGLE and t != 1:
         raise ConfigError(f"--launch single runs one rank, but t={t}; use spawn, fake or torchrun")
-    if mode is Mode.TORCHRUN:
-        _check_torchrun(t)
+    if mode is Mode.TORCHRUN and not under_torchrun():
+        raise ConfigError("--launch torchrun needs torchrun's environment; start with torchrun -m memcalc measure ...")
+    if mode is Mode.TORCHRUN and (world := int(os.environ["WORLD_SIZE"])) != t:
+        raise ConfigError(f"t={t}, but torchrun started WORLD_SIZE={world} ranks; under torchrun t is the world size")
     if mode is Mode.SPAWN:
         backend = backend or ("nccl" if device == "cuda" else "gloo")
         if device == "cuda" and torch.cuda.device_count() < t:
@@ -263,14 +265,6 @@ def _check_device(device: str, backend: str | None) -> None:
         raise ConfigError("--backend nccl runs on GPUs only; add --device cuda, or use --backend gloo")
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda, but torch sees no GPU (this torch build or machine has no CUDA)")
-
-
-def _check_torchrun(t: int) -> None:
-    if not under_torchrun():
-        raise ConfigError("--launch torchrun needs torchrun's environment; start with torchrun -m memcalc measure ...")
-    world = int(os.environ["WORLD_SIZE"])
-    if world != t:
-        raise ConfigError(f"t={t}, but torchrun started WORLD_SIZE={world} ranks; under torchrun t is the world size")
 
 
 # -- the whole measurement -------------------------------------------------------
