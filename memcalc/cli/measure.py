@@ -115,10 +115,9 @@ def command(strategy: str, device: str, backend: str | None, launch: str, timeou
         _check_library_comm(config, names, route)
     from memcalc.probe.footprint import check_fits
 
-    if device != "meta":  # meta allocates nothing
-        # The ranks on this machine at once: t when spawned here, else one (fake; torchrun's one a process).
-        spawned = launch == "spawn" or (launch == "auto" and backend is not None)
-        check_fits(config, names, device, config.t if spawned else 1)
+    # The ranks on this machine at once: t when spawned here, else one (fake; torchrun's one a process).
+    spawned = launch == "spawn" or (launch == "auto" and backend is not None)
+    check_fits(config, names, device, config.t if spawned else 1)  # nothing to check on meta, which allocates none
     with signals_end_at_once():  # torch and the library run here: a signal ends the process where it lands
         results = _measure(config, names, device, backend, launch, timeout_s, layer, overlap, num_splits, route)
     if not results:

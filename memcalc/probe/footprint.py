@@ -62,9 +62,7 @@ def check_fits(config: ModelConfig, strategies: list[str], device: str, ranks_he
 
 def available(device: str) -> tuple[int | None, str]:
     """Bytes the run may use on `device`, and what they are (None when it cannot be told)."""
-    if device == "cuda":
-        return _gpu_memory()
-    return _free_memory()
+    return _gpu_memory() if device == "cuda" else _free_memory()
 
 
 def _free_memory() -> tuple[int | None, str]:
