@@ -47,11 +47,8 @@ def estimate(
     config: str | Path | ModelConfig | None = None, *, strategy: str = DEFAULT_STRATEGY, exact: bool = False,
     device: str = "cuda", **fields: Any,
 ) -> LayerEstimate:
-    """Activation bytes one GPU keeps for backward under `strategy`: per tensor, per layer, all L layers.
-
-    `exact` counts every saved byte (norm statistics, LSE) instead of the paper's terms; `device`
-    says whose kernels (cuda or cpu) for exact accounting.
-    """
+    """Activation bytes one GPU keeps for backward under `strategy`: per tensor, per layer, all L layers;
+    `exact` counts every saved byte (norm statistics, LSE) as `device`'s kernels keep them."""
     from memcalc.model.evaluate import estimate as layer_estimate
 
     return layer_estimate(_config(config, fields), _strategy(strategy), _accounting(exact, device))
@@ -91,10 +88,9 @@ def sweep(
 ) -> SweepResult:
     """Every combination of the sizes given as several values, under each strategy: `memcalc sweep`.
 
-    A size (b, s, h, a, t, L) may be one int, a list or range of ints, or the CLI's text
-    ("1:8", "1024:32768:x2"). Combinations that break a divisibility rule are skipped and
-    counted in the result's `skipped`; `result.row(i)` is one row as a dict. "all" is every layout the
-    implementation runs for the knobs (megatron's MoE layer: none and tp-sp); naming one it does not run is refused.
+    A size (b, s, h, a, t, L) may be an int, a list or range of ints, or the CLI's text ("1:8", "1024:32768:x2").
+    Combinations that break a divisibility rule are counted in `skipped`; `result.row(i)` is one row as a dict.
+    `strategies` "all" is every layout the implementation runs for the knobs; one it does not run is refused.
     """
     from memcalc.sizing.sweep import SIZES, evaluate_sweep, make_sweep, parse_values
 

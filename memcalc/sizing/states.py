@@ -18,10 +18,8 @@ from memcalc.sizing.pipeline import Stage
 
 
 def padded_vocab(config: ModelConfig, t: int) -> int:
-    """v as Megatron-LM pads it (`_vocab_size_with_padding`): up to a multiple of
-    make_vocab_size_divisible_by * t, so each of t shards is whole and a multiple of the divisor
-    (128 by default, for GEMM tiles). The padded rows are real weights, gradients and logits.
-    transformers and torchtitan train the vocabulary as it is."""
+    """v as Megatron-LM pads it (`_vocab_size_with_padding`): up to a multiple of make_vocab_size_divisible_by
+    * t (GEMM tiles); the padded rows are real weights, gradients and logits. Other libraries train v as it is."""
     if config.impl != "megatron":
         return config.vocab_size
     step = config.make_vocab_size_divisible_by * t
@@ -301,9 +299,8 @@ ZERO_STATES: tuple[StateTerm, ...] = (
 
 
 def sharding(config: ModelConfig) -> str:
-    """How the stack keeps its data-parallel states: "fsdp2" (dp_shard), "zero" (zero_stage) or "megatron"
-    (Megatron-LM's layout, with or without its distributed optimizer; memcalc's probe trains hf and torchtitan
-    models with it where neither is set)."""
+    """How the stack keeps its data-parallel states: "fsdp2" (dp_shard), "zero" (zero_stage), else
+    "megatron" (its layout, with or without the distributed optimizer)."""
     if config.dp_shard is not None:
         return "fsdp2"
     return "zero" if config.zero_stage is not None else "megatron"
@@ -327,10 +324,8 @@ STATE_LAYOUTS: dict[str, tuple[StateTerm, ...]] = {
 
 
 def state_bytes(config: ModelConfig, params: int, experts: int = 0) -> dict[str, int]:
-    """Bytes of each model state for `params` parameters on one GPU, `experts` of them expert parameters
-    (terms of width 0 left out). Each term is split as its stack splits it (`sharding`); Megatron-LM's
-    distributed optimizer shards the experts' states over their own data-parallel group,
-    t*cp*dp/(ep*etp) ranks (etp = t)."""
+    """Bytes of each model state (widths of 0 left out) for `params` parameters, `experts` of them expert
+    ones, each split as its stack splits it; Megatron's distributed optimizer shards the experts' over expert_dp."""
     c = config
     expert_dp = c.t * c.cp * c.dp // (c.ep * (c.etp or c.t))  # whole by check_expert_states
     out = {}
