@@ -48,8 +48,7 @@ def rotary_sizes(config: Any) -> dict[Dim, Any]:
     as they are wide; GPT-NeoX fails on an odd share)."""
     if config.rotary_percent is None or config.kv_lora_rank is not None:
         return {}
-    d_r = config.head_dim * config.rotary_percent
-    d_r = d_r.astype(int) if hasattr(d_r, "astype") else int(d_r)
+    d_r = _whole(config.head_dim * config.rotary_percent)
     return {Dim.DR: d_r + d_r % 2}
 
 
@@ -93,7 +92,7 @@ def capacity_slots(config: ModelConfig, routers: Any = 1) -> Any:
 
 
 def _whole(x: Any) -> Any:
-    """A whole number (a rounded-up float, or an array of them) as int."""
+    """A float, or an array of them, as int (truncated toward zero)."""
     return x.astype("int64") if hasattr(x, "astype") else int(x)
 
 
