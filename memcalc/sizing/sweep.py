@@ -59,7 +59,10 @@ def parse_values(text: str) -> Sequence[int]:
         factor = _whole(step[1:], text, what="factor")
         if factor < 2:
             raise ConfigError(f"{short_repr(text)}: a geometric factor must be at least 2 (got x{factor})")
-        return _geometric(start, stop, factor)
+        powers = [start]
+        while powers[-1] * factor <= stop:
+            powers.append(powers[-1] * factor)
+        return tuple(powers)
     return range(start, stop + 1, _whole(step, text, what="step"))
 
 
@@ -75,13 +78,6 @@ def _whole(part: str, text: str, what: str = "value") -> int:
     if number <= 0:
         raise ConfigError(f"{short_repr(text)}: {what} must be positive (got {number})")
     return number
-
-
-def _geometric(start: int, stop: int, factor: int) -> tuple[int, ...]:
-    values = [start]
-    while values[-1] * factor <= stop:
-        values.append(values[-1] * factor)
-    return tuple(values)
 
 
 # --- What to sweep ------------------------------------------------------------
