@@ -7,15 +7,9 @@
     memcalc.fit("gpt3-175b", budget="80GiB", solve="b")      # the largest b that fits
     memcalc.sweep("gpt3-175b", s=[2048, 4096], t="1:8")      # every combination, as arrays
 
-Each takes an optional config (a shipped name such as "gpt3-175b", or a YAML
-path) and the config's fields as keyword arguments, which override the file's:
-the same fields, rules and one-line ConfigError as `memcalc estimate --config
-... --h ...`. Each returns the typed result the CLI prints from, so nothing here
-computes anything: it only turns keyword arguments into a checked config.
-
-`import memcalc` stays cheap (the CLI's start-up depends on it), so the package
-reaches these functions through a lazy `__getattr__`; numpy is imported only by
-`sweep`.
+Each takes an optional config (a shipped name or a YAML path) and its fields as keyword overrides, with the CLI's
+rules and one-line ConfigError, and returns the typed result the CLI prints from. `import memcalc` stays cheap:
+the package reaches these through a lazy `__getattr__`, and numpy is imported only by `sweep`.
 """
 
 from __future__ import annotations
@@ -53,11 +47,8 @@ def estimate(
     config: str | Path | ModelConfig | None = None, *, strategy: str = DEFAULT_STRATEGY, exact: bool = False,
     device: str = "cuda", **fields: Any,
 ) -> LayerEstimate:
-    """Activation bytes one GPU keeps for backward under `strategy`: per tensor, per layer, all L layers.
-
-    `exact` counts every saved byte (norm statistics, LSE) instead of the paper's terms; `device`
-    says whose kernels (cuda or cpu) for exact accounting.
-    """
+    """Activation bytes one GPU keeps for backward under `strategy`: per tensor, per layer, all L layers;
+    `exact` counts every saved byte (norm statistics, LSE) as `device`'s kernels keep them."""
     from memcalc.model.evaluate import estimate as layer_estimate
 
     return layer_estimate(_config(config, fields), _strategy(strategy), _accounting(exact, device))
@@ -67,8 +58,7 @@ def per_gpu(
     config: str | Path | ModelConfig | None = None, *, strategy: str = DEFAULT_STRATEGY, exact: bool = False,
     device: str = "cuda", **fields: Any,
 ) -> PerGpu:
-    """Everything one GPU holds (layers, the model's two ends, weights, gradients, optimizer states),
-    for each pipeline stage that bounds memory: `memcalc estimate --totals`."""
+    """Everything one GPU holds, per pipeline stage that bounds memory: `memcalc estimate --totals`."""
     from memcalc.sizing.totals import per_gpu as totals
 
     return totals(_config(config, fields), _strategy(strategy), _accounting(exact, device))
@@ -78,10 +68,8 @@ def fit(
     config: str | Path | ModelConfig | None = None, *, budget: int | str, solve: str = "b",
     strategy: str = DEFAULT_STRATEGY, count: str = "peak", exact: bool = False, device: str = "cuda", **fields: Any,
 ) -> Fit:
-    """The largest b or s, or the smallest t (`solve`), whose per-GPU bytes fit `budget`
-    (bytes, or text such as "80GiB"); `count` is "peak" (the step's, as `memcalc fit` by default), "total" or
-    "activations". One strategy and
-    the config's recompute choice: `memcalc fit` tries each choice, a loop over `recompute=` here."""
+    """The largest b or s, or the smallest t (`solve`), whose per-GPU bytes (`count`: "peak", "total" or
+    "activations") fit `budget` (bytes, or text such as "80GiB"), for the config's recompute choice."""
     from memcalc.sizing.fit import COUNTS, SOLVES
     from memcalc.sizing.fit import fit as solve_fit
 
@@ -100,10 +88,9 @@ def sweep(
 ) -> SweepResult:
     """Every combination of the sizes given as several values, under each strategy: `memcalc sweep`.
 
-    A size (b, s, h, a, t, L) may be one int, a list or range of ints, or the CLI's text
-    ("1:8", "1024:32768:x2"). Combinations that break a divisibility rule are skipped and
-    counted in the result's `skipped`; `result.row(i)` is one row as a dict. "all" is every layout the
-    implementation runs for the knobs (megatron's MoE layer: none and tp-sp); naming one it does not run is refused.
+    A size (b, s, h, a, t, L) may be an int, a list or range of ints, or the CLI's text ("1:8", "1024:32768:x2").
+    Combinations that break a divisibility rule are counted in `skipped`; `result.row(i)` is one row as a dict.
+    `strategies` "all" is every layout the implementation runs for the knobs; one it does not run is refused.
     """
     from memcalc.sizing.sweep import SIZES, evaluate_sweep, make_sweep, parse_values
 

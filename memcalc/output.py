@@ -1,26 +1,9 @@
-"""Files memcalc writes appear whole or not at all.
+"""Files memcalc writes appear whole or not at all: a SIGTERM, a full disk or a second writer never leaves a half file.
 
-A sweep of millions of rows takes seconds to write; a SIGTERM, a full disk or a
-second sweep writing the same path must never leave a clean-looking half file,
-or a file of NUL bytes where the old one was. So every file is written to a
-temporary file beside its target (same directory, so same filesystem) and
-renamed over it only when complete: rename is atomic on POSIX, and two writers
-leave one whole file, the last to finish.
-
-A SIGKILL cannot be caught, so it leaves the temporary behind. Its name says
-whose it is: `.rows.csv.memcalc-HOST-PID.RANDOM.part` (the target, memcalc's
-mark, the host and process that wrote it). The next write to the same target
-removes the leftovers of that target whose writer no longer runs on this host;
-a live writer's temporary, another host's (a shared filesystem), and any file
-not named this way for this target are never touched.
-
-What stands at the path is kept what it is. A symlink is followed, and its
-target written (whole, as above); a file keeps its permission bits (a `chmod 600`
-file stays 600). A character device or a FIFO (`/dev/stdout`, `/dev/full`, a
-named pipe a reader waits on) is written in place, as a shell's `>` would: a
-rename would put a plain file where the device was. Anything else that is not a
-regular file (a socket, a directory) is refused. `check_writable` says all of
-this before any work is done.
+Each file is written to a temporary beside its target and renamed over it when complete (atomic on POSIX). A
+SIGKILL's leftover is named `.rows.csv.memcalc-HOST-PID.RANDOM.part`; the next write to that target removes the
+ones whose writer no longer runs on this host. A symlink's target is written, a file keeps its permission bits, a
+character device or FIFO (`/dev/stdout`, a named pipe) is written in place as `>` would; anything else is refused.
 """
 
 from __future__ import annotations
@@ -48,17 +31,16 @@ class OutputError(MemcalcError):
 
 @contextmanager
 def atomic_write(path: Path) -> Iterator[BinaryIO]:
-    """A binary stream whose bytes become `path` when the block ends without an error.
-
-    On any error (or SystemExit, as SIGTERM becomes in `memcalc.cli.main`) the
-    temporary file is removed and `path` is left as it was. A symlink's target is
-    written; a device or FIFO is written in place (see the module's docstring).
-    """
+    """A binary stream whose bytes become `path` when the block ends without an error (SystemExit, as SIGTERM
+    becomes, included): on an error the temporary is removed and `path` left as it was."""
     target = _target(Path(path))
     mode = _existing_mode(target)
-    if mode is not None and _in_place(mode):
-        with _in_place_write(target, path) as stream:
-            yield stream
+    if mode is not None and _in_place(mode):  # the device or FIFO itself (a FIFO waits for its reader, as `>` does)
+        try:
+            with open(target, "wb") as stream:
+                yield stream
+        except OSError as exc:
+            raise _cannot(path, exc) from None
         return
     _remove_leftovers(target)
     temporary = None
@@ -82,11 +64,8 @@ def atomic_write(path: Path) -> Iterator[BinaryIO]:
 
 
 def check_writable(path: Path) -> None:
-    """Raise OutputError (one line) unless `atomic_write(path)` can write there, before any work is done.
-
-    For a regular file (or a new one) that means making, and removing, a file in its directory: the
-    only test that holds for root, for read-only mounts and for /proc alike.
-    """
+    """Raise OutputError (one line) unless `atomic_write(path)` can write there, before any work is done: by making
+    and removing a file beside it, the only test that holds for root, read-only mounts and /proc alike."""
     target = _target(Path(path))
     mode = _existing_mode(target)
     if mode is not None and not os.access(target, os.W_OK):  # a read-only file is not replaced behind its back
@@ -109,13 +88,10 @@ def _temporary_beside(target: Path, path: Path) -> tuple[int, str]:
 
 @contextmanager
 def _signals_held() -> Iterator[None]:
-    """SIGTERM and SIGINT wait while a temporary file is made and its name kept.
+    """SIGTERM and SIGINT wait while a temporary file is made and its name kept, so nothing leaves it unremoved.
 
-    A signal between the two would leave a file that nothing removes; held, it arrives a moment later, when
-    the name is known and the `except` that removes the file is in force. Held by handlers that note it and
-    raise it again, not by the thread's signal mask: the probe's processes run torch's native threads, any of
-    which the kernel may hand the signal to, and Python runs its handler in the main thread whatever the mask.
-    Handlers can be set in the main thread only; elsewhere no handler interrupts this thread anyway.
+    Held by handlers that note and re-raise them, not by the signal mask: torch's native threads may be handed the
+    signal whatever this thread's mask, and Python runs the handler in the main thread (the only place one is set).
     """
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -156,34 +132,19 @@ def _in_place(mode: int) -> bool:
     return stat.S_ISCHR(mode) or stat.S_ISFIFO(mode)
 
 
-@contextmanager
-def _in_place_write(target: Path, path: Path) -> Iterator[BinaryIO]:
-    """The device or FIFO itself, opened for writing (a FIFO waits for its reader, as `>` does)."""
-    try:
-        with open(target, "wb") as stream:
-            yield stream
-    except OSError as exc:
-        raise _cannot(path, exc) from None
-
-
 def _cannot(path: Path | str, exc: OSError) -> OutputError:
     return OutputError(f"cannot write {printable(str(path))}: {exc.strerror or exc}")
 
 
 def _writer_prefix(path: Path) -> str:
-    """The start of this host's temporaries for `path`, up to the writer's process id.
-
-    The host is kept to letters, digits and '-', so that the '.' after the id ends it unambiguously.
-    """
+    """The start of this host's temporaries for `path`, up to the writer's process id (the host kept to letters,
+    digits and '-', so the '.' after the id ends it unambiguously)."""
     host = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())
     return f".{path.name}.memcalc-{host}-"
 
 
 def _remove_leftovers(path: Path) -> None:
-    """Remove the temporaries for `path` that a writer on this host left when it was killed.
-
-    Best effort: a leftover that cannot be listed or removed does not stop this write.
-    """
+    """Remove the temporaries for `path` that a killed writer on this host left (best effort: never stops a write)."""
     leftover = re.compile(re.escape(_writer_prefix(path)) + r"([1-9][0-9]*)\.[a-z0-9_]+\.part")
     try:
         names = os.listdir(path.parent)
@@ -215,7 +176,5 @@ def _umask() -> int:
 
 
 def _remove(path: str) -> None:
-    try:
+    with suppress(FileNotFoundError):
         os.unlink(path)
-    except FileNotFoundError:
-        pass

@@ -1,13 +1,9 @@
 """Frozen value records: what `@dataclass(frozen=True)` declares, cheaper to create at start-up.
 
-`memcalc estimate` runs in loops, and Python 3.11's dataclasses write six methods of every frozen class out as
-source text and compile each one (__init__, __setattr__, __delattr__, __eq__, __hash__, __repr__): about 1 ms
-a class, and estimate loads some twenty of them. `record` declares the same dataclass (its fields, defaults,
-`fields()`, `replace()`, `asdict()`, pattern matching, pickling) and gives it these six methods written once,
-here, for every record: an instance is built, compared, hashed, printed and refuses assignment as a frozen
-dataclass's does. Two differences: a record has no __post_init__ (refused at declaration), and `dataclasses`
-sees it as not frozen (its methods are the record's own), so a subclass is declared with `record` too.
-tests/test_records.py checks a record against the frozen dataclass it stands for.
+Python 3.11's dataclasses compile six methods of every frozen class from source text (about 1 ms a class, some
+twenty at estimate's start-up); `record` declares the same dataclass with those six written once, here. Two
+differences: no __post_init__ (refused), and `dataclasses` sees it as not frozen, so a subclass is declared with
+`record` too. tests/test_records.py checks a record against the frozen dataclass it stands for.
 """
 
 from __future__ import annotations

@@ -1,25 +1,10 @@
-"""JSON Schemas (draft 2020-12) of every document memcalc prints or writes as JSON.
+"""JSON Schemas (draft 2020-12) of every document memcalc prints or writes as JSON (`SCHEMAS`, each titled with
+its command).
 
-Scripts read `--json` output by key; a key renamed or dropped breaks them
-silently. So each document says which shape it has (`schema_version`, bumped
-when a key changes meaning or goes away), and the shape is written down here,
-as plain data that `json.dumps(SCHEMAS[name])` publishes unchanged. The tests
-validate each command's real output against its schema, and the top-level
-objects forbid keys the schema does not name, so a key added in code and not
-here fails a test instead of going undocumented.
-
-The CLI imports this module for SCHEMA_VERSION on every `--json` run, so it
-is data alone: it imports `typing` and the two words a verdict's basis is
-spelled with (`memcalc.sizing.verdict`, itself data at import), nothing else.
-
-    estimate        memcalc estimate --json (and --totals: adds `per_gpu`)
-    formula         memcalc formula --format json
-    comm            memcalc comm --json
-    comm-overlap    memcalc comm --overlap METHODS --json
-    measure         memcalc measure --json
-    measure-step    memcalc measure --step --json
-    fit             memcalc fit --json
-    sweep           memcalc sweep --format json (or --out FILE.json)
+Scripts read `--json` output by key, so a renamed or dropped key breaks them silently: each document carries a
+`schema_version` (bumped when a key changes meaning or goes away), tests validate every command's output against
+its schema here, and top-level objects forbid unnamed keys, so a key added in code and not here fails a test.
+This module is data alone (the CLI imports it for SCHEMA_VERSION on every `--json` run).
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """Text that came from a user, made safe to show: short, and free of control characters.
 
-Error messages echo what was given (`(got 'relu')`), and tables print model
-names read from files. A config file is not trusted: a YAML alias bomb can make
-a value whose repr is gigabytes, a 5000-digit integer has no repr at all, and a
-name can carry terminal escapes (ESC, OSC) or rich markup. Everything echoed
-goes through `short_repr` or `printable`; rich output through `for_rich`.
-
-A whole number typed by a user (a flag, a sweep's list or range, a YAML value) is read
-by `whole_number`, one rule for all of them.
+A config file is not trusted: an alias bomb makes a value whose repr is gigabytes, a 5000-digit integer has no
+repr, and a name can carry terminal escapes or rich markup. Everything echoed goes through `short_repr` or
+`printable` (rich output through `for_rich`); every whole number a user types is read by `whole_number`.
 """
 
 from __future__ import annotations
@@ -26,11 +21,8 @@ WHOLE_NUMBER = "a whole number in the digits 0-9, without '_' or a leading zero"
 _ASCII_SPACE = " \t\n\r\v\f"  # string.whitespace, without importing string
 
 class _Short(reprlib.Repr):
-    """reprlib's bounded repr, with integers measured before they are written out.
-
-    str() of a 5000-digit integer raises in Python 3.11, and reprlib's own
-    repr_int calls it before cutting.
-    """
+    """reprlib's bounded repr, measuring integers before writing them out (str() of a 5000-digit integer raises,
+    and reprlib's repr_int calls it)."""
 
     def repr_int(self, x: int, level: int) -> str:
         digits = len(str(abs(x))) if x.bit_length() < 3.3 * _DIGITS_SHOWN else int(x.bit_length() * 0.30103) + 1
@@ -43,22 +35,16 @@ _repr.maxstring = _repr.maxother = ECHO_LIMIT
 
 
 def short_repr(value: object) -> str:
-    """repr(value), bounded in the work it does and the characters it returns, and printable.
-
-    reprlib stops at a depth and a length, so an alias bomb (a list holding
-    nine copies of a list holding nine copies ...) costs a few dozen steps.
-    """
-    return _cut(printable(_repr.repr(value)))
+    """repr(value), bounded in work and length (an alias bomb costs a few dozen steps), and printable."""
+    text = printable(_repr.repr(value))
+    return text if len(text) <= ECHO_LIMIT else f"{text[:ECHO_LIMIT - 3]}..."
 
 
 def whole_number(text: str) -> int:
-    """The whole number `text` spells, by the one rule every flag, sweep value and YAML value follows.
+    """The whole number `text` spells: an optional sign, then ASCII digits 0-9, ASCII whitespace around.
 
-    An optional sign, then the ASCII digits 0-9; surrounding ASCII whitespace is ignored. int() would also read
-    '1_000', full-width '１０２４' and Arabic-Indic '١٠٢٤', and YAML 1.1 reads '017' as octal 15 and '34:08' in base
-    60: none is a number anyone meant, so each is refused rather than read. A sign is read (a negative size is the
-    model's to refuse, naming its rule). More than MAX_INT_DIGITS digits are refused before int(), which raises on
-    4300. ConfigError says why; the caller names where the text came from.
+    int() would also read '1_000' or full-width digits, YAML 1.1 '017' as octal and '34:08' in base 60: none is what
+    anyone meant, so each is refused. More than MAX_INT_DIGITS digits are refused before int() (which raises at 4300).
     """
     stripped = text.strip(_ASCII_SPACE)
     if not re.fullmatch(_WHOLE, stripped):
@@ -81,7 +67,3 @@ def for_rich(text: str) -> str:
     from rich.markup import escape  # rich is loaded by whoever prints with it
 
     return escape(printable(text))
-
-
-def _cut(text: str) -> str:
-    return text if len(text) <= ECHO_LIMIT else f"{text[:ECHO_LIMIT - 3]}..."

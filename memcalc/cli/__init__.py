@@ -1,11 +1,7 @@
-"""The `memcalc` command: a click group whose subcommands load on first use.
+"""The `memcalc` command: a click group whose subcommands load on first use (`estimate` never pays for sympy or torch).
 
-Each subcommand lives in its own module and is imported only when it runs, so
-`memcalc estimate` never pays for sympy (formula) or torch (measure).
-Errors are rendered in one place, `main`: one line on stderr, non-zero exit.
-Output that cannot be written follows one rule: writing nowhere (stdout closed,
-a full disk) is an error, exit 1 with one line; a reader that stopped reading
-(`| head`) is not: memcalc stops quietly and exits 0.
+Errors are rendered in one place, `main`: one line on stderr, non-zero exit. Writing nowhere (stdout closed, a full
+disk) is an error, exit 1; a reader that stopped reading (`| head`) is not: memcalc stops quietly and exits 0.
 """
 
 from __future__ import annotations
@@ -32,19 +28,16 @@ def _end_at_once(signum: int, frame: object) -> None:
 
 
 def _set_handlers(handlers: dict[int, Any]) -> dict[int, Any]:
-    """Set each signal's handler, and return the handlers replaced. Only in the main thread, where handlers can be
-    set (no handler interrupts another thread): elsewhere nothing is set. A signal ignored stays ignored, as Python
-    keeps it: a shell starts a background job with SIGINT ignored, so that a Ctrl-C meant for the foreground spares
-    it."""
+    """Set each signal's handler (main thread only: elsewhere nothing), and return those replaced. An ignored signal
+    stays ignored: a shell starts a background job with SIGINT ignored, to spare it the foreground's Ctrl-C."""
     if threading.current_thread() is not threading.main_thread():
         return {}
     return {number: signal.signal(number, handler) for number, handler in handlers.items()
             if signal.getsignal(number) is not signal.SIG_IGN}
 
 
-# While click and the rest of this module load (a tenth of a second, longer on a busy machine), a Ctrl-C ends
-# memcalc with its one line instead of a traceback from inside click; the handler that was there (Python's, which
-# `main` turns into the same line) is put back at the end of this module.
+# While click and this module load, a Ctrl-C ends memcalc with its one line, not a traceback from inside click; the
+# handler that was there is put back at the end of this module.
 _WHILE_LOADING = _set_handlers({signal.SIGINT: _end_at_once})
 
 import click  # noqa: E402
@@ -53,9 +46,8 @@ from memcalc import __version__  # noqa: E402
 from memcalc.errors import MemcalcError  # noqa: E402
 from memcalc.text import printable  # noqa: E402
 
-# What is loaded so far (Python's own modules, click) lives as long as the process. Frozen, it is no longer
-# rescanned at every full collection while a subcommand's modules load: about 4% of `memcalc estimate`'s
-# start-up (benchmarks/bench_estimate.py). Once per process, at import: nothing later is frozen.
+# What is loaded so far lives as long as the process: frozen, it is not rescanned while a subcommand's modules load
+# (about 4% of `memcalc estimate`'s start-up, benchmarks/bench_estimate.py).
 gc.freeze()
 
 # name -> (module under memcalc.cli, one-line help shown by `memcalc --help`)
@@ -139,9 +131,11 @@ def main(argv: list[str] | None = None) -> None:
     debug = bool(os.environ.get("MEMCALC_DEBUG"))
     _tolerant_streams()
     try:
-        with _signals_as_exceptions():
+        # SIGTERM as SystemExit(143) and Ctrl-C as _CtrlC, so that `finally` blocks remove temporary files and stop
+        # spawned workers.
+        with _signals_handled({signal.SIGTERM: _exit_on_sigterm, signal.SIGINT: _raise_ctrl_c}):
             code = cli.main(args=argv, prog_name="memcalc", standalone_mode=False)
-            _flush_stdout()
+            sys.stdout.flush()  # now, so a full disk or a closed pipe is reported here rather than lost at exit
     except click.exceptions.NoArgsIsHelpError as exc:  # a bare `memcalc`: the help as click prints it
         exc.show()
         sys.exit(exc.exit_code)
@@ -206,12 +200,6 @@ def _tolerant_streams() -> None:
             stream.reconfigure(errors="backslashreplace")
 
 
-def _flush_stdout() -> None:
-    """Flush now, so a full disk or a closed pipe is reported here rather than lost at exit."""
-    if sys.stdout is not None:
-        sys.stdout.flush()
-
-
 def _silence_stdout() -> None:
     """Point fd 1 at /dev/null, so Python's own flush at exit has nowhere to fail."""
     try:
@@ -230,21 +218,14 @@ def _signals_handled(handlers: dict[int, Any]) -> Iterator[None]:
         _set_handlers(previous)
 
 
-def _signals_as_exceptions() -> AbstractContextManager[None]:
-    """SIGTERM as SystemExit(143) and Ctrl-C as `_CtrlC`, so that `finally` blocks run: temporary files are
-    removed and spawned workers stopped."""
-    return _signals_handled({signal.SIGTERM: _exit_on_sigterm, signal.SIGINT: _raise_ctrl_c})
-
-
 def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
 class _CtrlC(KeyboardInterrupt):
-    """A Ctrl-C: a KeyboardInterrupt to every `except` that catches one, but not one by its exact type, which is what
-    CPython notes. When a KeyboardInterrupt ends code run from a string (dataclasses' generated methods, say, while
-    a module loads), CPython sets a flag that `python -m memcalc` reads at exit: it then ends by SIGINT (-2), even
-    after memcalc caught the interrupt and chose exit 130."""
+    """A Ctrl-C that every `except KeyboardInterrupt` catches but CPython does not note by its exact type: a noted
+    one (ending code run from a string, such as dataclasses' generated methods) makes `python -m memcalc` end by
+    SIGINT (-2) at exit even after memcalc chose exit 130."""
 
 
 def _raise_ctrl_c(signum: int, frame: object) -> None:
@@ -252,14 +233,11 @@ def _raise_ctrl_c(signum: int, frame: object) -> None:
 
 
 def signals_end_at_once() -> AbstractContextManager[None]:
-    """For a block: Ctrl-C and SIGTERM end this process where they land (Ctrl-C with its one line; exit 130 and
-    143), instead of raising an exception there.
+    """For a block: Ctrl-C and SIGTERM end this process where they land (exit 130, with its one line, and 143).
 
-    For `memcalc measure`, which imports torch and runs other people's code: an exception raised at whatever
-    bytecode a signal lands on is swallowed there (numpy's module init clears a KeyboardInterrupt, and the run goes
-    on), leaves a half-imported module behind (torch's next import fails: exit 1), or ends the process in Python's
-    own way (-2). Nothing needs unwinding: no file is being written, and the workers and the forkserver watch this
-    process's pipes and leave with it.
+    For `memcalc measure`, which runs torch and other people's code: an exception raised there may be swallowed
+    (numpy's init clears a KeyboardInterrupt) or leave a half-imported module. Nothing needs unwinding: the workers
+    and the forkserver watch this process's pipes and leave with it.
     """
     return _signals_handled({signal.SIGINT: _end_at_once, signal.SIGTERM: _end_at_once})
 

@@ -1,8 +1,6 @@
 """What `memcalc measure` and `memcalc measure --step` print alike: each strategy's prediction next to its
-measurement, as a JSON document or as tables, and exit 1 where they differ.
-
-A result is one strategy's comparison (memcalc.probe.measure.StrategyMeasurement, memcalc.probe.step.StepComparison):
-it has a `strategy`, `matches` and `differences()`.
+measurement (a result with `strategy`, `matches` and `differences()`), as JSON or tables, and exit 1 where they
+differ.
 """
 
 from __future__ import annotations
@@ -20,8 +18,7 @@ if TYPE_CHECKING:
 
 def report(results: Sequence[Any], as_json: bool, document: Callable[[], dict[str, Any]], tables: Callable[[], None],
            differ: str) -> None:
-    """The results as a JSON document or as tables; then ProbeError (exit 1) naming each strategy's differences
-    after `differ`, what differs from what."""
+    """The results as JSON or tables; then ProbeError (exit 1) naming each strategy's differences after `differ`."""
     if as_json:
         echo_json(document())
     else:

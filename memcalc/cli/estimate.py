@@ -84,20 +84,15 @@ def command(
         render.print_estimates(config, accounting, results, baseline, breakdown, comparisons)
         if per is not None:
             render.print_totals(config, per, budget, peaks)
-    if per is not None and not fits_somewhere(per, peaks, budget):
-        click.get_current_context().exit(DoesNotFit.exit_code)  # printed the verdict; only the code says no
+    if per is not None:
+        from memcalc.sizing.verdict import need  # the verdict loads only with totals
 
-
-def fits_somewhere(per: list[PerGpu], peaks: dict, budget: Budget) -> bool:
-    """Whether some strategy's need (its step's peak, or its totals) fits the budget."""
-    from memcalc.sizing.verdict import need  # the verdict loads only with totals
-
-    return any(need(p, peaks.get(p.strategy.name)).bytes <= budget.bytes for p in per)
+        if not any(need(p, peaks.get(p.strategy.name)).bytes <= budget.bytes for p in per):
+            click.get_current_context().exit(DoesNotFit.exit_code)  # printed the verdict; only the code says no
 
 
 def step_peaks(config: ModelConfig, strategy: Strategy, device: str) -> tuple[Timeline, ...] | str:
-    """One step's timeline per bounding stage (memcalc.sizing.timeline) on `device`'s kernels, or why it is not
-    modelled for this config."""
+    """One step's timeline per bounding stage on `device`'s kernels, or why it is not modelled for this config."""
     from memcalc.sizing.timeline import timelines  # only --totals pays for it
 
     try:
@@ -110,8 +105,7 @@ def to_json(
     config: ModelConfig, accounting: Accounting, results: list[LayerEstimate], baseline: LayerEstimate,
     per: list[PerGpu] | None, budget: Budget, peaks: dict | None, comparisons: list[PaperComparison],
 ) -> dict:
-    """The JSON document: the config, how bytes were counted, each strategy's numbers beside the paper's (and each
-    departure from them), and totals if asked."""
+    """The config, the accounting, each strategy's numbers beside the paper's (and departures), totals if asked."""
     from memcalc.schemas import SCHEMA_VERSION  # the schema tables load only for JSON
 
     doc = {
@@ -156,8 +150,7 @@ def _paper_json(c: PaperComparison) -> dict:
 
 
 def per_gpu_json(config: ModelConfig, per: list[PerGpu], device: Budget, peaks: dict) -> dict:
-    """Per-GPU totals: for each strategy the verdict, each bounding stage term by term, and (one
-    stage) the step's peak and steady state from the timeline, or why they are not modelled."""
+    """Per strategy: the verdict, each bounding stage term by term, and its step's peak (or why not modelled)."""
     from memcalc.sizing.states import padded_vocab, total_params
     from memcalc.sizing.verdict import need
 

@@ -1,7 +1,5 @@
-"""Knobs for the commands that need no sizes (formula, explain).
-
-They take the same knob flags as `estimate`, or read them from a --config
-file (whose sizes are then validated too, though not needed).
+"""Knobs for the commands that need no sizes (formula, explain): the knob flags, or a --config file's (whose
+sizes are then validated too).
 """
 
 from __future__ import annotations

@@ -113,8 +113,9 @@ def command(strategy: str, device: str, backend: str | None, launch: str, timeou
         _check_library_comm(config, names, route)
     from memcalc.probe.footprint import check_fits
 
-    if device != "meta":  # meta allocates nothing
-        check_fits(config, names, device, _ranks_here(launch, backend, config.t))
+    # The ranks on this machine at once: t when spawned here, else one (fake; torchrun's one a process).
+    spawned = launch == "spawn" or (launch == "auto" and backend is not None)
+    check_fits(config, names, device, config.t if spawned else 1)  # nothing to check on meta, which allocates none
     with signals_end_at_once():  # torch and the library run here: a signal ends the process where it lands
         results = _measure(config, names, device, backend, launch, timeout_s, layer, overlap, num_splits, route)
     if not results:
@@ -137,18 +138,8 @@ def _measure(config: ModelConfig, names: list[str], device: str, backend: str | 
     return measure(config, names, device, backend, launch, timeout_s, layer, chosen, route)
 
 
-def _ranks_here(launch: str, backend: str | None, t: int) -> int:
-    """How many tensor-parallel ranks share this machine at once: t when spawned here (--launch spawn,
-    or auto with --backend), else one (fake, and torchrun's one rank per process: a lower bound)."""
-    return t if launch == "spawn" or (launch == "auto" and backend is not None) else 1
-
-
 def to_json(config: ModelConfig, results: list[StrategyMeasurement]) -> dict:
-    """The config; totals and every tensor over all strategies run; and each strategy in detail (rank 0).
-
-    The top-level `predicted_bytes` and `measured_bytes` add up the strategies
-    that ran (one layer each), and `tensors` lists every row with its strategy.
-    """
+    """Totals (summed over the strategies run) and every tensor with its strategy; each strategy in detail."""
     strategies = {m.strategy.name: _strategy_json(m) for m in results}
     return document(
         config, results,
@@ -196,8 +187,7 @@ def _list(shape: tuple[int, ...] | None) -> list[int] | None:
 
 
 def _check_library_comm(config: ModelConfig, names: list[str], route: str | None) -> None:
-    """--comm on a library's layer: one whose collectives the ledger models, routed so that their bytes are the
-    ledger's (ConfigError otherwise)."""
+    """--comm on a library's layer: the ledger must model its collectives and the route fix their bytes."""
     from memcalc.model.comm import layer_comm
     from memcalc.model.strategy import STRATEGIES
 

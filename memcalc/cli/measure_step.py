@@ -25,8 +25,7 @@ def run_step(
     config: ModelConfig, strategies: list[str], *, device: str, launch: str, backend: str | None,
     layer: str | None, comm: bool, overlap: str | None, as_json: bool, route: str | None,
 ) -> None:
-    """Measure one step per strategy and print it; ProbeError (exit 1) beyond the tolerance. `route` forces a
-    mixture of experts' router (memcalc.probe.step.measure_step)."""
+    """Measure one step per strategy (`route` forces a MoE router) and print it; ProbeError beyond the tolerance."""
     _check_flags(device, launch, backend, layer, comm, overlap)
     if config.zero_stage is not None:
         raise ConfigError(f"--step does not run DeepSpeed's engine: the ZeRO-{config.zero_stage} step is modelled from"

@@ -1,8 +1,5 @@
-"""Options shared by the commands that take a model: sizes, knobs, --config or --hf-config.
-
-Flags default to None so that a value left out falls through to the YAML file
-(or Hugging Face config.json, if any) and then to the config's own default;
-`model_from` does that merge and leaves all validation to `memcalc.config.schema`.
+"""Options shared by the commands that take a model: sizes, knobs, --config or --hf-config. Flags default to
+None, so a value left out falls through to the file and then to the config's default (`model_from`).
 """
 
 from __future__ import annotations
@@ -51,23 +48,24 @@ hf_config_option = click.option(
     " DeepSeek-V3, and DeepSeek-V2's latent attention with a dense MLP) instead of --config.",
 )
 
+def _int(flag: str, help: str, name: str | None = None) -> Callable:
+    """A flag taking a whole number, None when not given (so a config's value stands)."""
+    return click.option(flag, *([name] if name else []), type=INTEGER, help=help)
+
+
 expert_options = _stack(  # EXPERT_FLAGS
-    click.option(
-        "--ep", "ep", type=INTEGER, help="Expert-parallel size: each rank holds num_experts/ep experts [default: 1]."
-    ),
-    click.option(
-        "--etp", "etp", type=INTEGER, help="Expert tensor-parallel size (memcalc models etp = t) [default: t]."
-    ),
+    _int("--ep", "Expert-parallel size: each rank holds num_experts/ep experts [default: 1]."),
+    _int("--etp", "Expert tensor-parallel size (memcalc models etp = t) [default: t]."),
 )
 
 size_options = _stack(
-    click.option("--b", "b", type=INTEGER, help="Micro-batch size [default: 1]."),
-    click.option("--s", "s", type=INTEGER, help="Sequence length."),
-    click.option("--h", "h", type=INTEGER, help="Hidden size."),
-    click.option("--a", "a", type=INTEGER, help="Attention heads."),
-    click.option("--t", "t", type=INTEGER, help="Tensor-parallel size [default: 1]."),
+    _int("--b", "Micro-batch size [default: 1]."),
+    _int("--s", "Sequence length."),
+    _int("--h", "Hidden size."),
+    _int("--a", "Attention heads."),
+    _int("--t", "Tensor-parallel size [default: 1]."),
     expert_options,
-    click.option("--L", "L", type=INTEGER, help="Number of layers [default: 1]."),
+    _int("--L", "Number of layers [default: 1].", name="L"),
 )
 
 def _knob_option(knob: Knob) -> Callable:
@@ -104,10 +102,9 @@ strategy_option = click.option(
 )
 
 sharding_options = _stack(  # SHARDING_FLAGS: data-parallel sharding as torchtitan and transformers' Trainer run it
-    click.option("--dp-shard", type=INTEGER, help="FSDP2 (fully_shard) over this many data-parallel ranks; dp ="
-                 " dp_replicate*dp_shard [default: no FSDP]."),
-    click.option("--dp-replicate", type=INTEGER, help="HSDP: FSDP2 groups that replicate each other [default:"
-                 " dp/dp_shard]."),
+    _int("--dp-shard", "FSDP2 (fully_shard) over this many data-parallel ranks; dp = dp_replicate*dp_shard [default:"
+         " no FSDP]."),
+    _int("--dp-replicate", "HSDP: FSDP2 groups that replicate each other [default: dp/dp_shard]."),
     click.option("--reshard-after-forward/--no-reshard-after-forward", default=None,
                  help="FSDP2 frees each block's gathered parameters after forward [default: on]."),
     click.option("--reduce-dtype", type=click.Choice(["fp32", "bf16"]), default=None,
@@ -117,31 +114,25 @@ sharding_options = _stack(  # SHARDING_FLAGS: data-parallel sharding as torchtit
 )
 
 layout_options = _stack(
-    click.option("--pp", type=INTEGER, help="Pipeline stages [default: 1]."),
-    click.option("--vpp", type=INTEGER, help="Model chunks per stage, interleaved 1F1B [default: plain 1F1B]."),
-    click.option(
-        "--dp", type=INTEGER, help="Data-parallel size; shards optimizer states with --distributed-optimizer."
-    ),
-    click.option("--cp", type=INTEGER, help="Context-parallel size: each rank keeps s/cp tokens [default: 1]."),
+    _int("--pp", "Pipeline stages [default: 1]."),
+    _int("--vpp", "Model chunks per stage, interleaved 1F1B [default: plain 1F1B]."),
+    _int("--dp", "Data-parallel size; shards optimizer states with --distributed-optimizer."),
+    _int("--cp", "Context-parallel size: each rank keeps s/cp tokens [default: 1]."),
     click.option(
         "--distributed-optimizer/--no-distributed-optimizer", default=None,
         help="Shard fp32 master weights and Adam moments over dp*cp [default: off].",
     ),
     sharding_options,
-    click.option("--vocab-size", type=INTEGER, help="Vocabulary size v [default: 51200]."),
+    _int("--vocab-size", "Vocabulary size v [default: 51200]."),
     click.option(
         "--tie-embeddings/--untie-embeddings", default=None, help="Output layer shares the embedding [default: tied]."
     ),
-    click.option("--gpus", type=INTEGER, help="GPUs in the job: dp is derived as gpus/(t*pp*cp), which must be whole."),
-    click.option(
-        "--num-microbatches", type=INTEGER,
-        help="Micro-batches per step; fewer than pp caps what a stage keeps in flight [default: enough to fill it].",
-    ),
-    click.option("--global-batch-size", type=INTEGER, help="Sequences per step: micro-batches = it/(dp*b)."),
-    click.option(
-        "--make-vocab-size-divisible-by", type=INTEGER,
-        help="Pad v up to a multiple of this times t, as Megatron-LM does [default: 128].",
-    ),
+    _int("--gpus", "GPUs in the job: dp is derived as gpus/(t*pp*cp), which must be whole."),
+    _int("--num-microbatches", "Micro-batches per step; fewer than pp caps what a stage keeps in flight [default:"
+         " enough to fill it]."),
+    _int("--global-batch-size", "Sequences per step: micro-batches = it/(dp*b)."),
+    _int("--make-vocab-size-divisible-by",
+         "Pad v up to a multiple of this times t, as Megatron-LM does [default: 128]."),
 )
 
 
@@ -179,10 +170,8 @@ device_options = _stack(
 
 
 def model_from(params: dict[str, Any]) -> ModelConfig:
-    """The validated config that --config or --hf-config and the flags describe.
-
-    With --hf-config, the fields it used go to stderr, so stdout stays clean for --json.
-    """
+    """The validated config that --config or --hf-config and the flags describe (the fields --hf-config used
+    go to stderr, so stdout stays clean for --json)."""
     fields, path, note = file_fields(params)
     overrides = {k: params.get(k) for k in SIZE_FLAGS + EXPERT_FLAGS + KNOB_FLAGS + LAYOUT_FLAGS}
     config = load_config(path, overrides, base=fields)
@@ -227,7 +216,6 @@ def strategy_names(choice: str, knobs: Any) -> list[str]:
 
 
 def note_left_out(knobs: Any) -> None:
-    """Name on stderr, one line each, the layouts the implementation does not run for these knobs, and why:
-    stdout stays the table or the JSON of the layouts it does run."""
+    """Name on stderr, one line each, the layouts the implementation does not run for these knobs, and why."""
     for line in left_out(knobs):
         click.echo(f"memcalc: note: {line}", err=True)

@@ -1,8 +1,5 @@
-"""`memcalc plot`: activation memory against s or t, or the per-tensor breakdown, as PNG or SVG.
-
-The line view evaluates a one-size sweep (`memcalc.sizing.sweep`); the breakdown view
-is `memcalc estimate --breakdown` drawn as stacked bars. matplotlib and numpy
-are imported inside the command.
+"""`memcalc plot`: activation memory against s or t (a one-size sweep), the per-tensor breakdown (estimate
+--breakdown as stacked bars) or one step's timeline, as PNG or SVG; matplotlib and numpy load inside the command.
 """
 
 from __future__ import annotations
@@ -116,15 +113,13 @@ def _breakdown(
 
 
 def _runs(config: Any, strategies: list[Strategy] | None) -> list[Strategy]:
-    """The strategies --strategy chose; for "all" (None), every layout the config's implementation runs (one it
-    leaves out named on stderr)."""
+    """The strategies --strategy chose; for "all" (None), every layout the implementation runs (one left out named)."""
     return strategies if strategies is not None else [STRATEGIES[n] for n in strategy_names("all", config)]
 
 
 def _timeline(params: dict[str, Any], strategies: list[Strategy] | None, device_memory: int | None,
               device: str = "cuda") -> Figure:
-    """One step per strategy (`estimate --totals`'s peak on `device`'s kernels), its most loaded stage, drawn moment
-    by moment."""
+    """One step per strategy (`estimate --totals`' peak), its most loaded stage, drawn moment by moment."""
     from memcalc.sizing import plot
     from memcalc.sizing.timeline import timelines
 

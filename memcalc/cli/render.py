@@ -11,12 +11,11 @@ from rich.measure import Measurement
 from rich.table import Table
 
 from memcalc.config.schema import ModelConfig
-from memcalc.model.knobs import KNOBS
+from memcalc.model.knobs import KNOBS, Accounting
 from memcalc.model.departures import PaperComparison
 from memcalc.model.departures import describe as describe_departure
 from memcalc.model.evaluate import LayerEstimate
 from memcalc.model.ledger import SavedTensor
-from memcalc.model.knobs import Accounting
 from memcalc.errors import ConfigError
 from memcalc.text import for_rich, whole_number
 from memcalc.units import human_bytes
@@ -31,14 +30,9 @@ NARROW_WIDTH = 40  # below this every line is printed whole and the terminal wra
 
 
 class _Console(Console):
-    """rich's Console with memcalc's rules for where its output goes.
-
-    A closed pipe is `memcalc.cli.main`'s to handle (rich's own rule exits 1). Output that is not a
-    terminal never depends on COLUMNS or on the terminal stderr happens to be (COLUMNS=0 used to print
-    nothing). On a terminal, COLUMNS narrows the layout where it is a positive whole number (as POSIX and
-    Python's shutil have it); otherwise the terminal's own width stands. A table wider than that is listed
-    as 'key: value' lines rather than cut to fit: every number stays whole.
-    """
+    """rich's Console with memcalc's rules: a closed pipe is `memcalc.cli.main`'s to handle (rich would exit 1);
+    output that is not a terminal never depends on COLUMNS; a table too wide is listed as 'key: value' lines
+    rather than cut to fit, so every number stays whole."""
 
     def on_broken_pipe(self) -> None:
         raise BrokenPipeError(errno.EPIPE, "stdout's reader closed the pipe")
@@ -63,11 +57,8 @@ class _Console(Console):
         super().print(*objects, **options)
 
     def _fits(self, table: Table) -> bool:
-        """Whether rich can lay `table` out in this width by wrapping words, cutting no cell.
-
-        Output that is not a terminal is laid out PIPED_WIDTH wide, more than any memcalc table needs, so only a
-        terminal's width is measured against (measuring costs a quarter of drawing the table).
-        """
+        """Whether rich can lay `table` out in this width by wrapping words, cutting no cell (PIPED_WIDTH is wider
+        than any memcalc table: only a terminal is measured, which costs a quarter of drawing the table)."""
         if self.width >= PIPED_WIDTH:
             return True
         return Measurement.get(self, self.options.update_width(1 << 20), table).minimum <= self.width
@@ -98,10 +89,8 @@ def _one_line(cell: Any) -> str:
     return " ".join(str(cell).split("\n"))
 
 
-# No highlighting or emoji codes: memcalc's markup says what is styled (and a model name's ':x:' stays text), and
-# neither the highlighter's regexes nor the emoji table is loaded. COLUMNS and LINES are left out of rich's view:
-# rich would take COLUMNS as a fixed width for piped output too (and COLUMNS=0 once printed nothing); `_size` reads
-# COLUMNS for a terminal only.
+# No highlighting or emoji codes: memcalc's markup says what is styled (a model name's ':x:' stays text). COLUMNS
+# is hidden from rich, which would apply it to piped output too; `_size` reads it for a terminal only.
 console = _Console(
     highlight=False, emoji=False, _environ={k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")},
 )
@@ -115,17 +104,13 @@ def describe(config: ModelConfig) -> str:
 
 
 def describe_knobs(knobs: Any) -> str:
-    """'gelu (ffn 49152), eager attention (96 K/V groups), layernorm, dropout 0.1, recompute none, bf16'.
-
-    Each knob's words come from the knob table; a config's MLP width and K/V
-    groups are shown as used, a bare knob set's as set (or 4h and a).
-    """
+    """'gelu (ffn 49152), eager attention (96 K/V groups), layernorm, dropout 0.1, recompute none, bf16', each
+    knob's words from the knob table."""
     return ", ".join(words for k in KNOBS if (words := k.describe(knobs)))
 
 
 def accounting_note(accounting: Accounting, impl: str) -> str:
-    """How the bytes were counted and whose layer keeps them, for the line above a table: "the paper's
-    accounting" only for --impl paper."""
+    """How the bytes were counted and whose layer keeps them, for the line above a table."""
     if impl == "paper":
         whose = "the paper's accounting"
     else:
@@ -141,8 +126,7 @@ def print_estimates(
     config: ModelConfig, accounting: Accounting, results: list[LayerEstimate], baseline: LayerEstimate, breakdown: bool,
     comparisons: list[PaperComparison],
 ) -> None:
-    """The per-strategy table, each departure from the paper's numbers and, if asked, the per-tensor table
-    (with the paper's bytes beside the implementation's where they differ)."""
+    """The per-strategy table, each departure from the paper's numbers and, if asked, the per-tensor table."""
     console.print(describe(config), highlight=False)
     if config.cp > 1:
         console.print(f"context parallel: cp={config.cp}, so each rank keeps s/cp = {config.s // config.cp} tokens")
@@ -205,10 +189,8 @@ def breakdown_table(results: list[LayerEstimate], comparisons: list[PaperCompari
 def tensor_rows(results: list[LayerEstimate]) -> list[tuple[SavedTensor, list[int | None]]]:
     """Each saved tensor of any strategy, with its bytes under each (None where that strategy keeps no such tensor).
 
-    Rows are keyed by tensor name (and, for a name kept twice, by which of them), never by position: strategies
-    may keep different tensors (Qwen2-7B at t=4 under megatron keeps attention/softmax_fp32 under tp and tp-sp
-    only), and a row must hold one tensor's bytes in every column. A tensor only some strategies keep is placed
-    after the one before it in the first strategy that keeps it.
+    Rows are keyed by name (and which of a name kept twice), never by position: strategies may keep different
+    tensors. A tensor only some keep is placed after the one before it in the first strategy that keeps it.
     """
     keys: list[tuple[str, int]] = []
     tensors: dict[tuple[str, int], SavedTensor] = {}
@@ -255,11 +237,6 @@ def describe_layout(config: ModelConfig) -> str:
     )
 
 
-def headroom(budget: int, used: int) -> str:
-    """'12.00 GiB left' or '3.00 GiB over'."""
-    return f"{human_bytes(budget - used)} left" if used <= budget else f"{human_bytes(used - budget)} over"
-
-
 def print_totals(config: ModelConfig, per: list[PerGpu], device: Budget, peaks: dict) -> None:
     """A table per bounding pipeline stage, every term by name, a verdict per strategy, and the step's peak."""
     from memcalc.sizing.verdict import need
@@ -279,7 +256,8 @@ def print_totals(config: ModelConfig, per: list[PerGpu], device: Budget, peaks: 
         where = f", {needed.stage} stage" if needed.stage != "only" else ""
         console.print(
             f"  {p.strategy.name}: {'yes' if needed.bytes <= budget else 'no'}, {needed.bytes:,} B ="
-            f" {human_bytes(needed.bytes)} ({needed.basis}{where}), {headroom(budget, needed.bytes)}",
+            f" {human_bytes(needed.bytes)} ({needed.basis}{where}), {human_bytes(abs(budget - needed.bytes))}"
+            f" {'left' if needed.bytes <= budget else 'over'}",
             highlight=False,
         )
     from memcalc.sizing.states import sharding

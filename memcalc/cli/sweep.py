@@ -1,10 +1,7 @@
 """`memcalc sweep`: many configurations at once, as CSV, JSON or a table.
 
-Where the rows go: `--out FILE.csv|FILE.json` (or `--format`); without
---out, a table on a terminal and CSV when stdout is a pipe or file, so that
-`memcalc sweep ... > runs.csv` and `| head` do what they look like.
-numpy and rich are imported inside the command, so `memcalc --help` and the
-other commands never load them.
+Without --out or --format: a table on a terminal, CSV into a pipe or file (so `> runs.csv` and `| head` do what
+they look like). numpy and rich are imported inside the command.
 """
 
 from __future__ import annotations
@@ -57,8 +54,7 @@ RANGE_FLAGS = (*SIZE_FLAGS, *SWEPT_KNOBS, "ep")  # each takes one value, a list 
 
 
 def size_range_options(f: Callable) -> Callable:
-    """--b .. --L, and a mixture of experts' --num-experts, --moe-router-topk and --ep, each a list or range
-    (the config's descriptions as help); --etp takes one value."""
+    """--b .. --L and, for experts, --num-experts, --moe-router-topk and --ep, each a list or range; --etp one value."""
     f = click.option("--etp", "etp", type=INTEGER, help="Expert tensor-parallel size (memcalc models etp = t).")(f)
     for name in reversed(RANGE_FLAGS):
         meaning = field_help(name)
@@ -92,8 +88,7 @@ strategies_option = click.option(
 
 
 def chosen_strategies(choices: Sequence[str]) -> list[Strategy] | None:
-    """The strategies --strategy names, each once, in the order of memcalc.model.strategy; None for "all": every
-    layout the implementation runs for the config's knobs, known once they are read (`make_sweep`)."""
+    """The strategies --strategy names, each once, in STRATEGIES' order; None for "all" (known once knobs are read)."""
     if "all" in choices:
         return None
     return [st for name, st in STRATEGIES.items() if name in choices]
@@ -103,10 +98,8 @@ def build_sweep(
     params: dict[str, Any], ranges: dict[str, Sequence[int]], strategies: Sequence[Strategy] | None,
     accounting: Accounting,
 ) -> Sweep:
-    """A checked `memcalc.sizing.sweep.Sweep`: the fields of --config or --hf-config, the size
-    and knob flags laid over them, `ranges` over those. Errors name the file, as
-    `options.model_from`'s do. `strategies` None is every layout the implementation runs for the knobs;
-    one it leaves out is named, with why, in a note on stderr."""
+    """A checked `memcalc.sizing.sweep.Sweep`: the file's fields, the size and knob flags over them, `ranges`
+    over those, errors naming the file; with `strategies` None, a layout left out is named on stderr."""
     from memcalc.sizing.sweep import make_sweep
 
     fields, path, note = file_fields(params)

@@ -1,9 +1,7 @@
 """Writing a sweep's rows as CSV or JSON, fast: numpy builds the text as bytes.
 
-A million rows of CSV through Python string joins take seconds; here each
-column is turned into fixed-width digit bytes by table look-up (four digits at a
-time), the columns are laid side by side as one uint8 matrix, and the padding is
-dropped in one pass.
+Each column becomes fixed-width digit bytes by table look-up (four digits at a time), the columns are laid side by
+side as one uint8 matrix, and the padding is dropped in one pass (Python's string joins take seconds).
 """
 
 from __future__ import annotations
@@ -45,11 +43,8 @@ _LEADING, _ZERO, _SEP = 10_000, 20_000, 20_001
 
 
 def _digits(values: np.ndarray) -> np.ndarray:
-    """Non-negative integers as text fields ending in ',', one row each.
-
-    str() costs about a microsecond a number; this looks four digits at a time
-    up in a table, which is what lets a million-row CSV take about a second.
-    """
+    """Non-negative integers as text fields ending in ',', one row each, looked up four digits at a time (str()
+    costs a microsecond a number: a million-row CSV would take seconds more)."""
     values = np.asarray(values, dtype=np.int64).ravel()
     n, groups = len(values), max(1, (len(str(int(values.max(initial=0)))) + 3) // 4)
     codes = np.empty((n, groups + 1), dtype=np.int64)
@@ -114,8 +109,7 @@ def _lines(layout: list[_Field | bytes], result: SweepResult, rows: slice) -> by
 
 
 def _columns(result: SweepResult, quote: bool) -> dict[str, _Field]:
-    """CSV_COLUMNS as text, then the swept expert axes (E, k, ep) if the model has experts; `quote` writes
-    strategy names as JSON strings."""
+    """CSV_COLUMNS as text, then E, k and ep if the model has experts; `quote` writes strategy names as JSON strings."""
     grid = result.grid
     names = [json.dumps(st.name) if quote else st.name for st in result.sweep.strategies]
     return {
@@ -126,19 +120,11 @@ def _columns(result: SweepResult, quote: bool) -> dict[str, _Field]:
     }
 
 
-def _chunks(rows: int, chunk_rows: int) -> Iterator[slice]:
-    return (slice(start, min(start + chunk_rows, rows)) for start in range(0, rows, chunk_rows))
-
-
 def _text_of_chunks(layout: list[_Field | bytes], result: SweepResult, chunk_rows: int) -> Iterator[tuple[slice, bytes]]:
-    """Each chunk of rows with its text, in order, built on every core.
-
-    numpy lets go of the GIL while it copies and compacts the byte matrices, so
-    threads halve the time on two cores. At most two chunks per thread are in
-    flight, so memory stays bounded however long the sweep.
-    """
+    """Each chunk of rows with its text, in order, on every core (numpy releases the GIL while it copies and
+    compacts), at most two chunks per thread in flight so memory stays bounded."""
     workers = os.cpu_count() or 1
-    chunks = _chunks(result.rows, chunk_rows)
+    chunks = (slice(start, min(start + chunk_rows, result.rows)) for start in range(0, result.rows, chunk_rows))
     with ThreadPoolExecutor(workers) as pool:
         pending: deque[tuple[slice, Future[bytes]]] = deque()
         for rows in chunks:
@@ -157,12 +143,8 @@ def accounting_label(accounting: Accounting) -> str:
 
 
 def csv_chunks(result: SweepResult, chunk_rows: int = CHUNK_ROWS) -> Iterator[tuple[float, bytes]]:
-    """The CSV, piece by piece, each with how many rows it holds.
-
-    Columns: CSV_COLUMNS, then KNOB_COLUMNS, the expert-parallel size and the
-    accounting, so that each row is a configuration `memcalc estimate` reproduces
-    (E, k and ep from the grid where the model has experts, else the same on every row).
-    """
+    """The CSV, piece by piece, each with how many rows it holds: CSV_COLUMNS, KNOB_COLUMNS, ep and the
+    accounting, so each row is a configuration `memcalc estimate` reproduces."""
     yield 0, (",".join(CSV_COLUMNS + KNOB_COLUMNS + ("ep", "accounting")) + "\n").encode()
     grid = result.grid
     columns = _columns(result, quote=False)
@@ -187,11 +169,8 @@ def _cell(value: object) -> str:
 
 
 def json_chunks(result: SweepResult, chunk_rows: int = CHUNK_ROWS) -> Iterator[tuple[float, bytes]]:
-    """The JSON document, piece by piece: knobs and skips once, then one list per column.
-
-    Lists per column rather than an object per row: a million rows as objects
-    would be several times larger and slower to read back.
-    """
+    """The JSON document, piece by piece: knobs and skips once, then one list per column (a million rows as
+    objects would be several times larger and slower to read back)."""
     sweep = result.sweep
     head = {
         "schema_version": SCHEMA_VERSION,

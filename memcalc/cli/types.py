@@ -1,12 +1,8 @@
 """The two number types every flag uses: whole numbers in ASCII digits, and finite reals.
 
-click's `int` is Python's int(), which also reads '1_000', full-width '１０２４' and
-Arabic-Indic '١٠٢٤'; its `float` reads 'nan', 'inf' and '1e400' (infinity), and
-FloatRange lets NaN through (every comparison with NaN is false). A number that
-reaches the model is written in 0-9 and is finite, so each flag says so at the
-parameter (a usage error, exit 2) rather than the model computing NaN from it.
-Whole numbers are read by `memcalc.text.whole_number`, as `memcalc sweep`'s lists and
-ranges and YAML configs read theirs.
+click's `int` also reads '1_000' and full-width or Arabic-Indic digits, its `float` 'nan' and '1e400', and
+FloatRange lets NaN through; these refuse them at the parameter (a usage error, exit 2). Whole numbers are read
+by `memcalc.text.whole_number`, as sweeps' ranges and YAML configs read theirs.
 """
 
 from __future__ import annotations
@@ -25,8 +21,7 @@ _REAL = r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?"
 
 
 class Integer(click.ParamType):
-    """A whole number by `whole_number`'s rule (a sign allowed: the model's own rule names a negative size), at
-    least `min` and at most `max` where given."""
+    """A whole number by `whole_number`'s rule (signed: the model's rule names a negative size), within min and max."""
 
     name = "integer"
 
@@ -49,8 +44,7 @@ class Integer(click.ParamType):
 
 
 class Real(click.ParamType):
-    """A finite number in decimal notation (never NaN or infinity), above `above`, at least `least` and at most
-    `most` where given."""
+    """A finite number in decimal notation (never NaN or infinity), above `above`, within `least` and `most`."""
 
     name = "number"
 

@@ -1,13 +1,8 @@
 """Reading config files that may be hostile: bounded in size, depth and integer length.
 
-A config file is whatever path the user typed: a FIFO that never ends, /dev/zero,
-a YAML alias bomb, a 5000-digit integer, a list nested 100,000 deep. Each of
-these is refused here with one ConfigError naming the file and the rule,
-before it can hang, exhaust memory or raise something that is not ours.
-
-YAML is read by a safe loader that also refuses aliases (no config needs
-them, and they are how a 500-byte file expands to gigabytes) and duplicate
-keys (otherwise the last silently wins).
+A FIFO that never ends, /dev/zero, an alias bomb, a 5000-digit integer, a list nested 100,000 deep: each is refused
+with one ConfigError naming the file and the rule. The YAML loader is safe and also refuses aliases (how a 500-byte
+file expands to gigabytes) and duplicate keys (the last would silently win).
 """
 
 from __future__ import annotations
@@ -15,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import stat
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +24,8 @@ MAX_DEPTH = 20  # configs are flat mappings of scalars; a few levels leave room 
 
 
 def read_capped(path: Path, what: str) -> str:
-    """The text of the regular file `path`, refusing anything else before opening it.
-
-    stat() first: opening a FIFO blocks until a writer comes, and a device such
-    as /dev/zero never ends. Then at most MAX_CONFIG_BYTES are read.
-    """
+    """The text of the regular file `path`, at most MAX_CONFIG_BYTES, refusing anything else before opening it
+    (opening a FIFO blocks until a writer comes; /dev/zero never ends)."""
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
@@ -57,10 +50,8 @@ def read_capped(path: Path, what: str) -> str:
 
 
 def parse_yaml(text: str) -> Any:
-    """The YAML document in `text`, by the bounded loader; ConfigError for any problem.
-
-    A flat `key: value` file that `read_flat` is sure of is read without importing PyYAML (start-up).
-    """
+    """The YAML document in `text`, by the bounded loader (a flat file `read_flat` is sure of without PyYAML);
+    ConfigError for any problem."""
     flat = read_flat(text)
     if flat is not None:
         return flat
@@ -144,13 +135,9 @@ class _RefusedYamlNumber(ConfigError):
 _DECIMAL_FLOAT = r"[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?"
 
 
-_LOADERS: dict[str, type] = {}
-
-
+@cache
 def _bounded_loader(yaml: Any) -> type:
     """yaml.SafeLoader, less aliases, duplicate keys, deep nesting and huge integers (built once)."""
-    if "bounded" in _LOADERS:
-        return _LOADERS["bounded"]
 
     class BoundedLoader(yaml.SafeLoader):
         depth = 0
@@ -165,7 +152,8 @@ def _bounded_loader(yaml: Any) -> type:
             self.depth += 1
             try:
                 if self.depth > MAX_DEPTH:
-                    raise ConfigError(f"YAML nested deeper than {MAX_DEPTH} levels at line {self._line()}")
+                    line = self.peek_event().start_mark.line + 1
+                    raise ConfigError(f"YAML nested deeper than {MAX_DEPTH} levels at line {line}")
                 return super().compose_node(parent, index)
             finally:
                 self.depth -= 1
@@ -199,10 +187,6 @@ def _bounded_loader(yaml: Any) -> type:
                                          " digits 0-9")
             return super().construct_yaml_float(node)
 
-        def _line(self) -> int:
-            return self.peek_event().start_mark.line + 1
-
     BoundedLoader.add_constructor("tag:yaml.org,2002:int", BoundedLoader.construct_yaml_int)
     BoundedLoader.add_constructor("tag:yaml.org,2002:float", BoundedLoader.construct_yaml_float)
-    _LOADERS["bounded"] = BoundedLoader
     return BoundedLoader

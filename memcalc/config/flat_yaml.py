@@ -1,14 +1,8 @@
-"""The flat YAML of a typical config, read without importing PyYAML; anything else is left to PyYAML.
+"""The flat YAML of a typical config, read without importing PyYAML (a tenth of `estimate`'s start-up).
 
-Importing PyYAML is a tenth of `memcalc estimate`'s start-up (its reader compiles a large
-Unicode regex at import). Nearly every config, the shipped ones included, is a flat mapping
-of `key: value` lines with comments. `read_flat` reads exactly that, and only where it is
-sure of what PyYAML's safe loader (YAML 1.1) would return: decimal integers, plain decimal
-floats, true/false, quoted text without escapes and plain words. Any other line (a list, an
-indented line, a tab, yes/no/on/off/null, a timestamp-like or base-60 value, a duplicate key,
-a control or non-ASCII character, ...) makes it return None, and the caller reads the whole
-text with PyYAML, which decides and words every error. tests/config/test_flat_yaml.py checks
-that both read the same mapping.
+`read_flat` reads `key: value` lines only where it is sure what PyYAML's safe loader would return (decimal
+numbers, true/false, plain words, quoted text without escapes); anything else makes it return None and the caller
+uses PyYAML, which decides and words every error. tests/config/test_flat_yaml.py checks both read the same.
 """
 
 from __future__ import annotations

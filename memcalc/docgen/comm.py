@@ -1,8 +1,5 @@
-"""docs/comm.md: what tensor parallelism sends and what overlapping it costs, rendered from the code.
-
-The collectives and their formulas come from `memcalc.model.comm`, the overlap
-methods, their pairings, the timing model and the GPU presets from
-`memcalc.model.overlap`; only the connecting prose is written here.
+"""docs/comm.md: what tensor parallelism sends and what overlapping it costs, rendered from `memcalc.model.comm`
+and `memcalc.model.overlap`; only the connecting prose is written here.
 """
 
 from __future__ import annotations
@@ -73,8 +70,7 @@ _MOE = Knobs(num_experts=8, moe_router_topk=2, moe_shared_expert_intermediate_si
 
 
 def _experts() -> str:
-    """A MoE layer's collectives (megatron-core's MoELayer, the all-to-all dispatcher), ep > 1, under tp-sp and
-    under expert parallelism alone."""
+    """A MoE layer's collectives (megatron-core's all-to-all dispatcher), ep > 1, under tp-sp and under ep alone."""
     lines = [
         "## A mixture of experts' layer (megatron-core's MoELayer, the all-to-all token dispatcher)",
         "",

@@ -1,14 +1,8 @@
 """docs/impl-<name>.md: one page per implementation, rendered from its module.
 
-Each page says which library and version the rules were measured on, which
-layouts the library runs (and, from its declared refusals, which it does not
-under which knobs, and why), its TP plan, what its layer keeps that the paper's
-(Megatron's) layer with the same knobs does not (and the reverse), which tensors
-it keeps gathered under sequence parallelism, the hand-written account of what its layer
-keeps and why (docs/impl-notes/<name>.md, too long for the module's docstring),
-and its per-layer formulas, text and LaTeX, for the library's own default knobs.
-The measured tables live beside it, in docs/measured-<name>.md, as pasted
-`memcalc measure` output that a test re-runs wherever the library is installed.
+Each page says which library version the rules were measured on, which layouts it runs (and refuses, and why),
+its TP plan, what its layer keeps beside the paper's, what it keeps gathered under SP, the hand-written account
+(docs/impl-notes/<name>.md), and its formulas for the library's default knobs.
 """
 
 from __future__ import annotations
@@ -26,22 +20,16 @@ DOCS = Path(__file__).resolve().parents[2] / "docs"
 EXACT = Accounting(exact=True, device="cuda")  # every byte, as on the GPUs users train on
 
 
-def page_path(impl: Implementation) -> Path:
-    return DOCS / f"impl-{impl.name}.md"
-
-
-def library_knobs(impl: Implementation) -> Knobs:
-    """The knobs a config gets with `impl: <name>` and nothing else: the library's own defaults."""
-    return Knobs(**{"impl": impl.name, **impl.knob_defaults()})
-
-
 def render(impl: Implementation) -> str:
-    """The whole page for one implementation."""
-    knobs = library_knobs(impl)
-    sections = [_intro(impl, knobs), _own_knobs(impl), _differences(impl, knobs), _notes(impl),
-                _size_rule(impl, knobs), _formulas(impl, knobs)]
-    sections = [x for x in sections if x]
-    return "\n\n".join(sections).rstrip() + "\n"
+    """The whole page for one implementation, at the knobs `impl: <name>` alone gets (the library's defaults)."""
+    knobs = Knobs(**{"impl": impl.name, **impl.knob_defaults()})
+    notes = _notes_path(impl)
+    formulas = formula_section("## Per-layer formulas, its default knobs",
+                               "Bytes per GPU for one layer, every byte counted, statistics as on CUDA:", knobs, EXACT,
+                               impl.runs(knobs))
+    sections = [_intro(impl, knobs), _own_knobs(impl), _differences(impl, knobs),
+                notes.read_text().rstrip() if notes.exists() else "", _size_rule(impl, knobs), formulas]
+    return "\n\n".join(x for x in sections if x).rstrip() + "\n"
 
 
 def _intro(impl: Implementation, knobs: Knobs) -> str:
@@ -106,11 +94,6 @@ def _sources(impl: Implementation) -> list[str]:
     return [f"memcalc/model/impls/{impl.name}.py", *([str(notes.relative_to(DOCS.parent))] if notes.exists() else [])]
 
 
-def _notes(impl: Implementation) -> str:
-    path = _notes_path(impl)
-    return path.read_text().rstrip() if path.exists() else ""
-
-
 def _size_rule(impl: Implementation, knobs: Knobs) -> str:
     """Where what the layer keeps depends on the sizes, and what it keeps then."""
     rule = impl.size_rule
@@ -150,12 +133,6 @@ def _tensor_table(tensors: list[SavedTensor], knobs: Knobs) -> str:
     return "\n".join(["| tensor | kept by | shape | bytes per element (cuda) | why |", "|---|---|---|---|---|", *rows])
 
 
-def _formulas(impl: Implementation, knobs: Knobs) -> str:
-    return formula_section("## Per-layer formulas, its default knobs",
-                           "Bytes per GPU for one layer, every byte counted, statistics as on CUDA:", knobs, EXACT,
-                           impl.runs(knobs))
-
-
 def pages() -> dict[Path, str]:
     """Every implementation's page, by path."""
-    return {page_path(impl): render(impl) for impl in IMPLEMENTATIONS.values()}
+    return {DOCS / f"impl-{impl.name}.md": render(impl) for impl in IMPLEMENTATIONS.values()}

@@ -1,8 +1,5 @@
-"""docs/sharding.md: data-parallel sharding as each stack runs it, rendered from the code.
-
-The model states come from `memcalc.sizing.states` (each stack's `STATE_LAYOUTS`, evaluated at bf16), the
-layout fields and their help from the config schema, the refusals from `memcalc.config.schema`, and FSDP2's ops
-in the step from `memcalc.sizing.timeline.fsdp`'s own description; only the connecting prose is written here.
+"""docs/sharding.md: data-parallel sharding as each stack runs it, rendered from `memcalc.sizing.states`, the
+config schema and `memcalc.sizing.timeline.fsdp`'s description; only the connecting prose is written here.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
 """Where an implementation's numbers depart from the paper's, each departure named from the ledger.
 
-The paper (`memcalc.model.impls.paper`) is an implementation like the others, so
-the same estimate runs for it at the same inputs; every tensor whose bytes
-differ between the two is a departure. Nothing here is a list of messages: a
-tensor that differs because a size rule moved the layer outside its kernel's
-window (`SizeRule`: the set kept inside the window and the set kept outside
-differ in it) is said once, in the rule's own words with the sizes that miss
-it; one that differs because a knob only the library has is set (megatron's
-softmax knobs) is said in the knob's own words (its effect in the knob table);
-any other tensor that differs is said in the ledger's words, who keeps it and
-why.
+The paper is an implementation like the others, so the same estimate runs for it and every tensor whose bytes
+differ is a departure, said once in the words that explain it: a size rule's (its kernel's window missed), a
+knob's (a setting only the library has), or else the ledger's (who keeps it and why). No list of messages.
 """
 
 from __future__ import annotations
@@ -52,8 +45,7 @@ class PaperComparison:
 
 
 def paper_config(config: ModelConfig) -> ModelConfig:
-    """The same inputs under the paper: its implementation, and the knobs only other libraries have at their
-    defaults (the paper has no such setting)."""
+    """The same inputs under the paper, the knobs only other libraries have at their defaults (it has none)."""
     unset = {k.name: k.default for k in KNOBS if k.impls and PAPER not in k.impls}
     return replace(config, impl=PAPER, **unset)
 

@@ -1,10 +1,8 @@
 """Numbers from the ledger: bytes per tensor, per layer and per model, per GPU.
 
-This path never touches sympy: a tensor's bytes are its element width times the
-product of its per-rank dimensions, computed in exact integers. The same code
-works element-wise on numpy arrays, which is how sweeps evaluate many
-configurations at once. `memcalc.model.formula` builds the symbolic twin from the
-same ledger, and a test checks the two agree.
+A tensor's bytes are its element width times its per-rank dimensions, in exact integers and never through sympy;
+the same code runs element-wise on numpy arrays for sweeps. `memcalc.model.formula` is its symbolic twin, and a
+test checks the two agree.
 """
 
 from __future__ import annotations
@@ -25,13 +23,9 @@ if TYPE_CHECKING:
 
 
 def dim_sizes(config: ModelConfig, routers: Any = 1) -> dict[Dim, Any]:
-    """The value of every ledger dimension for this config, on one context-parallel rank.
-
-    Context parallelism gives each rank s/cp of the tokens (check_layout makes
-    2cp divide s), so that is the sequence every saved tensor spans. `routers`: the
-    ranks that split a tensor-parallel group's tokens before a MoE router (t under
-    sequence parallelism), each dropping its own tokens to its own capacity.
-    """
+    """The value of every ledger dimension for this config, on one context-parallel rank (s/cp tokens).
+    `routers`: the ranks that split a tensor-parallel group's tokens before a MoE router (t under SP), each dropping
+    its own tokens to its own capacity."""
     sizes = {
         Dim.B: config.b, Dim.S: config.s // config.cp, Dim.H: config.h, Dim.A: config.a,
         Dim.G: config.groups, Dim.D: config.head_dim, Dim.F: config.ffn, Dim.V: config.vocab_size,
@@ -54,8 +48,7 @@ def rotary_sizes(config: Any) -> dict[Dim, Any]:
     as they are wide; GPT-NeoX fails on an odd share)."""
     if config.rotary_percent is None or config.kv_lora_rank is not None:
         return {}
-    d_r = config.head_dim * config.rotary_percent
-    d_r = d_r.astype(int) if hasattr(d_r, "astype") else int(d_r)
+    d_r = _whole(config.head_dim * config.rotary_percent)
     return {Dim.DR: d_r + d_r % 2}
 
 
@@ -74,12 +67,9 @@ def mla_sizes(config: Any) -> dict[Dim, Any]:
 def routed_slots(config: ModelConfig, bound: str, routers: Any = 1) -> Any:
     """r: the token-expert slots one rank's experts receive in one MoE layer, under `bound` (numbers or arrays).
 
-    Each rank routes its b*s/cp tokens to k experts each; with expert tensor parallelism equal to t, the
-    slots of the t ranks that share experts arrive on each of them, so the count does not depend on t.
-    balanced: k*b*s. worst (no capacity): every token of the ep ranks sends all its k slots here, at most
-    E/ep experts' worth, ep*b*s*min(k, E/ep). With a capacity factor every bound is at most the capacity's,
-    every expert full (`capacity_slots`); padded to capacity (moe_pad_expert_input_to_capacity) it is that,
-    whatever the route.
+    With etp = t the slots of the t ranks sharing experts arrive on each, so r does not depend on t. balanced:
+    k*b*s; worst: every token of the ep ranks sends all k slots here, ep*b*s*min(k, E/ep). A capacity factor caps
+    each bound at every expert full (`capacity_slots`), which is r itself when padded to capacity.
     """
     c, tokens = config, config.b * (config.s // config.cp)
     k = c.moe_router_topk
@@ -102,16 +92,13 @@ def capacity_slots(config: ModelConfig, routers: Any = 1) -> Any:
 
 
 def _whole(x: Any) -> Any:
-    """A whole number (a rounded-up float, or an array of them) as int."""
+    """A float, or an array of them, as int (truncated toward zero)."""
     return x.astype("int64") if hasattr(x, "astype") else int(x)
 
 
 def rank_shape(tensor: SavedTensor, strategy: Strategy, sizes: dict[Dim, Any], t: Any) -> tuple[Any, ...]:
-    """The tensor's shape on one rank: its split dimension (if any) divided by t.
-
-    Every split dimension is a multiple of t (the config's rules) except the
-    vocabulary, which is padded up to one: hence the division rounds up.
-    """
+    """The tensor's shape on one rank: its split dimension divided by t, rounded up (the vocabulary is padded
+    to a multiple of t; every other split dimension is one by the config's rules)."""
     split = strategy.split_dim(tensor)
     return tuple(-(-sizes[d] // t) if d is split else sizes[d] for d in tensor.shape)
 

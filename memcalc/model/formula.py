@@ -1,13 +1,7 @@
-"""Symbolic formulas from the ledger: per tensor, per layer, printed like the seed.
+"""Symbolic formulas from the ledger: per tensor, per layer, printed like the seed's `sbh(34/t + 5as/(ht))`.
 
-Each tensor's term is its element width times the product of its dimensions,
-with the split dimension divided by t: the same rule `memcalc.model.evaluate` applies
-to numbers, here applied to sympy symbols. A layer's formula is the sum of its
-tensors' terms, written as sbh(...) the way the seed writes
-`sbh(34/t + 5as/(ht))`.
-
-sympy is slow to import (about a second), so only this module imports it, and
-only commands that print formulas import this module.
+A tensor's term is `memcalc.model.evaluate`'s rule on sympy symbols. sympy takes about a second to import, so only
+this module imports it, and only the commands that print formulas import this module.
 """
 
 from __future__ import annotations
@@ -15,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 from math import prod
+from typing import Callable
 
 import sympy
 
@@ -47,35 +42,29 @@ MEANINGS = {
 }
 
 
+# The dimensions that are not a symbol of their own, in symbols, given the knobs.
+_DIM_EXPRS: dict[Dim, Callable[[Knobs], sympy.Expr]] = {
+    Dim.D: lambda kn: d if kn.head_dim_set else h / a,
+    Dim.G: lambda kn: g if kn.gqa else a,
+    Dim.F: lambda kn: f if kn.ffn_set else 4 * h,
+    Dim.QKV: lambda kn: a + 2 * dim_expr(Dim.G, kn),
+    Dim.S1: lambda kn: s + 1,
+    Dim.HALF_D: lambda kn: dim_expr(Dim.D, kn) / 2,
+    Dim.QK: lambda kn: d_n + d_r,
+    Dim.KVD: lambda kn: r_kv + d_r,
+    Dim.NV: lambda kn: d_n + d_v,
+    Dim.FE: lambda kn: e if kn.moe_ffn_hidden_size is not None else dim_expr(Dim.F, kn),
+    Dim.R: lambda kn: routed_slots_expr(kn),
+    Dim.EL: lambda kn: E / ep,
+    # the slots a group's own tokens keep (evaluate.routed_slots' balanced bound, without its rounding and cap)
+    Dim.RS: lambda kn: (c if kn.moe_expert_capacity_factor is not None else 1) * k * b * s,
+}
+
+
 def dim_expr(dim: Dim, knobs: Knobs) -> sympy.Expr:
     """A dimension in symbols: g, d and f appear only when the config sets them."""
-    if dim is Dim.D:
-        return d if knobs.head_dim_set else h / a
-    if dim is Dim.G:
-        return g if knobs.gqa else a
-    if dim is Dim.F:
-        return f if knobs.ffn_set else 4 * h
-    if dim is Dim.QKV:
-        return a + 2 * dim_expr(Dim.G, knobs)
-    if dim is Dim.S1:
-        return s + 1
-    if dim is Dim.HALF_D:
-        return dim_expr(Dim.D, knobs) / 2
-    if dim is Dim.QK:
-        return d_n + d_r
-    if dim is Dim.KVD:
-        return r_kv + d_r
-    if dim is Dim.NV:
-        return d_n + d_v
-    if dim is Dim.FE:
-        return e if knobs.moe_ffn_hidden_size is not None else dim_expr(Dim.F, knobs)
-    if dim is Dim.R:
-        return routed_slots_expr(knobs)
-    if dim is Dim.EL:
-        return E / ep
-    if dim is Dim.RS:  # the slots a group's own tokens keep (evaluate.routed_slots' balanced bound, without its rounding and cap)
-        return (c if knobs.moe_expert_capacity_factor is not None else 1) * k * b * s
-    return SYMBOLS[dim.value]
+    expr = _DIM_EXPRS.get(dim)
+    return SYMBOLS[dim.value] if expr is None else expr(knobs)
 
 
 def routed_slots_expr(knobs: Knobs) -> sympy.Expr:

@@ -162,12 +162,6 @@ def chosen(options: tuple[str, ...], methods: frozenset[str]) -> str | None:
     return next((m for m in options if m in methods), None)
 
 
-def check_methods(methods: frozenset[str]) -> None:
-    unknown = sorted(methods - set(METHODS))
-    if unknown:
-        raise ConfigError(f"unknown overlap method {unknown[0]!r} (known: {', '.join(METHODS)}, or 'default')")
-
-
 def buffer_bytes(config: ModelConfig, methods: frozenset[str], t: int) -> dict[str, int]:
     """Userbuffers for the whole model, one per overlapped GEMM name (outside PyTorch's allocator)."""
     sizes = dim_sizes(config)
@@ -187,6 +181,7 @@ def resolve(names: Any) -> frozenset[str]:
     chosen_names: set[str] = set()
     for name in names:
         chosen_names |= set(DEFAULT) if name == "default" else {name}
-    methods = frozenset(chosen_names)
-    check_methods(methods)
-    return methods
+    unknown = sorted(chosen_names - set(METHODS))
+    if unknown:
+        raise ConfigError(f"unknown overlap method {unknown[0]!r} (known: {', '.join(METHODS)}, or 'default')")
+    return frozenset(chosen_names)

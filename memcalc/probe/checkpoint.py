@@ -3,11 +3,9 @@
     forward:  run f without autograd; keep only f's inputs (and the RNG state)
     backward: restore the RNG state, run f again with autograd, backprop through it
 
-Keeping the inputs with `ctx.save_for_backward` makes them ordinary saved
-tensors, so the recorder sees exactly what a checkpoint costs. (torch's own
-non-reentrant `torch.utils.checkpoint` hides what it keeps behind saved-tensor
-hooks of its own, which would shadow the recorder's.) Restoring the RNG state
-makes the rerun draw the same dropout masks as the first run.
+The inputs are kept with `ctx.save_for_backward`, so the recorder sees what a checkpoint costs (torch's
+non-reentrant checkpoint hides them behind saved-tensor hooks of its own); the RNG state makes the rerun draw the
+same dropout masks.
 """
 
 from __future__ import annotations
@@ -23,8 +21,8 @@ class _Checkpoint(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> torch.Tensor:
         ctx.run = run
-        ctx.devices = _cuda_devices(inputs)
-        ctx.rng_states = _rng_states(ctx.devices)
+        ctx.devices = sorted({x.device.index for x in inputs if x.is_cuda})
+        ctx.rng_states = torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in ctx.devices]
         ctx.save_for_backward(*inputs)
         return run(*inputs)  # autograd is off inside forward: nothing of f is kept
 
@@ -32,7 +30,10 @@ class _Checkpoint(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> tuple:
         inputs = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
         with torch.random.fork_rng(devices=ctx.devices):
-            _set_rng_states(ctx.devices, ctx.rng_states)
+            cpu, cuda = ctx.rng_states
+            torch.set_rng_state(cpu)
+            for device, state in zip(ctx.devices, cuda):
+                torch.cuda.set_rng_state(state, device)
             with torch.enable_grad():
                 output = ctx.run(*inputs)
         torch.autograd.backward(output, grad)
@@ -42,18 +43,3 @@ class _Checkpoint(torch.autograd.Function):
 def checkpoint(run: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> torch.Tensor:
     """run(*inputs), keeping only `inputs` for backward and recomputing the rest there."""
     return _Checkpoint.apply(run, *inputs)
-
-
-def _cuda_devices(inputs: tuple[torch.Tensor, ...]) -> list[int]:
-    return sorted({x.device.index for x in inputs if x.is_cuda})
-
-
-def _rng_states(devices: list[int]) -> tuple:
-    return torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices]
-
-
-def _set_rng_states(devices: list[int], states: tuple) -> None:
-    cpu, cuda = states
-    torch.set_rng_state(cpu)
-    for device, state in zip(devices, cuda):
-        torch.cuda.set_rng_state(state, device)

@@ -1,22 +1,11 @@
 """Count the collectives a layer really issues, at the process-group API, not in the model.
 
-While a `CollectiveLog` is active, torch.distributed's all_reduce,
-all_gather_single and reduce_scatter_single (the calls the probe's f, f*, g, g*
-and column-parallel linears make) are wrapped: each call is logged with its
-kind, the pass it ran in (`log.phase`, which the runner sets around forward and
-backward) and the bytes of the whole tensor it collects: the all-reduced
-tensor, the all-gather's output, the reduce-scatter's input. The bytes a rank
-then sends under the ring algorithm follow from those (memcalc.model.comm.Op.share).
-Under torch's fake process group the calls are logged as well; no data moves.
-
-Point-to-point calls (isend, irecv, send, recv: what the overlapped rings of
-overlap.py issue, batch_isend_irecv included) are logged one message each, as
-"send" or "recv" with the message's bytes. A send's bytes are what the rank
-sends: no ring share applies, as it does to a collective's tensor. They are wrapped in
-torch.distributed's own module as well as its namespace, because
-batch_isend_irecv looks isend and irecv up there (and checks its P2POps' ops
-against them). torch's functional collectives, which DTensor's redistributions run (transformers' TP styles),
-are logged below the API, as aten ops.
+While a `CollectiveLog` is active, torch.distributed's all_reduce, all_gather_single and reduce_scatter_single are
+wrapped: each call is logged with its kind, pass (`log.phase`) and the bytes of the whole tensor it collects (the
+ring's per-rank share follows, memcalc.model.comm.Op.share). Point-to-point calls are logged one message each,
+"send" or "recv", wrapped in torch.distributed's own module too because batch_isend_irecv looks them up there.
+torch's functional collectives, which DTensor's redistributions run (transformers' TP styles), are logged below
+the API, as aten ops.
 """
 
 from __future__ import annotations
@@ -71,8 +60,7 @@ class LoggedCollective:
     sent: int | None = None  # an all-to-all's bytes bound for the other ranks, from its split sizes
 
     def moved_bytes(self, t: int) -> int:
-        """Bytes this rank sends for a collective (ring algorithm; an all-to-all: what its splits send
-        away), or the message a send or recv moves."""
+        """Bytes this rank sends: a collective's ring share, an all-to-all's split rows, a send's or recv's message."""
         if self.op in (SEND, RECV):
             return self.tensor_bytes
         if self.sent is not None:
@@ -81,12 +69,9 @@ class LoggedCollective:
 
 
 class CollectiveLog:
-    """Context manager: log every wrapped torch.distributed call made inside it, in order.
-
-    `aliases`: modules that bound a wrapped function to a name of their own when imported (megatron's
-    mappings and layers keep `dist_all_gather_func = torch.distributed.all_gather_into_tensor`); each such
-    name is wrapped too, and put back on exit.
-    """
+    """Context manager: log every wrapped torch.distributed call made inside it, in order; `aliases` are modules
+    that bound a wrapped function to a name of their own (megatron's `dist_all_gather_func`), wrapped too and put back
+    on exit."""
 
     def __init__(self, aliases: tuple[ModuleType, ...] = ()) -> None:
         self.phase = "forward"
@@ -171,8 +156,7 @@ def _nbytes(whole: Any) -> int:
 
 
 def _all_to_all_sent(bound: dict[str, Any], group: Any) -> int:
-    """all_to_all_single: the input's rows bound for the other ranks of the group, in bytes (even splits
-    when none are given)."""
+    """all_to_all_single: the bytes of the input's rows bound for the group's other ranks (even splits if unsaid)."""
     x, ranks = bound["input"], dist.get_world_size(group)
     splits = bound.get("input_split_sizes")
     rows = list(splits) if splits is not None and len(splits) else [x.shape[0] // ranks] * ranks

@@ -1,16 +1,9 @@
 """The least memory `memcalc measure` will allocate, checked against the machine before any rank starts.
 
-`measure --config gpt3-175b.yaml --strategy none` asks one process for one
-GPT-3 layer at full width; `--s 1099511627776` asks for exabytes. torch would
-try, and the machine would swap, be killed by the OOM killer, or raise deep
-inside a worker. So the bytes are counted first, from the ledger, and a run
-that cannot fit is refused in one line naming them.
-
-The count is a lower bound, so no run that could fit is refused: per rank, the
-activations the ledger says forward saves (exact accounting) plus the layer's
-weights and their gradients; times the ranks that run on this machine at once.
-The probe allocates more (inputs, temporaries, optimizer-free backward), never less.
-Nothing here imports torch, except to ask a GPU its size.
+A GPT-3 layer at full width, or `--s 1099511627776`, would make torch swap, meet the OOM killer or fail deep in a
+worker; so the bytes are counted first and a run that cannot fit is refused in one line. The count is a lower
+bound (saved activations plus the layer's weights and gradients, times the ranks here at once), so no run that
+could fit is refused. torch is imported only to ask a GPU its size.
 """
 
 from __future__ import annotations
@@ -51,12 +44,8 @@ def footprint(config: ModelConfig, strategy: str, device: str, ranks_here: int) 
 
 
 def check_fits(config: ModelConfig, strategies: list[str], device: str, ranks_here: int) -> None:
-    """Refuse, in one line naming the bytes, a run whose least footprint exceeds what this machine has.
-
-    Strategies run one after another, so the largest one is what must fit. On
-    GPUs each rank has its own, so one rank's bytes are held against one GPU.
-    torch's meta device holds shapes without data: nothing to check there.
-    """
+    """Refuse, in one line naming the bytes, a run whose least footprint exceeds what this machine has: the
+    largest strategy (they run one after another), per GPU on GPUs; nothing on meta, which holds no data."""
     if device == "meta":
         return
     worst = max((footprint(config, name, device, ranks_here) for name in strategies), key=lambda f: f.bytes)
@@ -73,9 +62,7 @@ def check_fits(config: ModelConfig, strategies: list[str], device: str, ranks_he
 
 def available(device: str) -> tuple[int | None, str]:
     """Bytes the run may use on `device`, and what they are (None when it cannot be told)."""
-    if device == "cuda":
-        return _gpu_memory()
-    return _free_memory()
+    return _gpu_memory() if device == "cuda" else _free_memory()
 
 
 def _free_memory() -> tuple[int | None, str]:

@@ -1,10 +1,7 @@
 """Who this process is among the t tensor-parallel ranks, and how to cut a tensor for it.
 
-Every probe module takes a `TensorParallelGroup` rather than asking
-torch.distributed for the default group: the same layer code then runs in one
-process (t = 1, no collectives at all), in t real processes (gloo or nccl), or
-as one rank of torch's fake group, which gives exact per-rank shapes without t
-devices (see `memcalc.probe.launch`).
+Probe modules take a `TensorParallelGroup`, never torch.distributed's default group, so the same layer runs in one
+process, in t processes, or as one rank of torch's fake group (`memcalc.probe.launch`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""How the probe's t ranks get started: four modes behind one entry point, `run`.
-
-single (t = 1, no group), spawn (t processes here: gloo, or nccl with a GPU each), fake (rank 0 of t through torch's
-fake process group: exact shapes, no data moved) and torchrun (one rank of the world: t = WORLD_SIZE). Each calls
-fn(tp, *args) with a `TensorParallelGroup` and hands back its result. docs/probe-launching.md says what each needs
-(module-level fn, picklable args and results under spawn) and how the spawned workers start and meet.
+"""How the probe's t ranks get started: single, spawn, fake or torchrun, behind one entry point, `run`, which
+calls fn(tp, *args) with a `TensorParallelGroup` and hands back its result. What each mode needs and how spawned
+workers start and meet: docs/probe-launching.md.
 """
 
 from __future__ import annotations
@@ -16,7 +13,7 @@ import signal
 import threading
 import time
 import traceback
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import Enum
@@ -53,21 +50,11 @@ class Mode(str, Enum):
 
 
 def run(
-    fn: RankFn,
-    args: Sequence[Any] = (),
-    *,
-    mode: Mode | str,
-    t: int = 1,
-    backend: str = "gloo",
-    device: str = "cpu",
+    fn: RankFn, args: Sequence[Any] = (), *, mode: Mode | str, t: int = 1, backend: str = "gloo", device: str = "cpu",
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> list[Any]:
-    """Run fn(tp, *args) on t ranks in `mode`; the results this process holds, in rank order.
-
-    spawn holds all t results; single and fake hold rank 0's; torchrun holds rank
-    0's on rank 0 and none on the others. `backend` is for spawn only; torchrun
-    picks its own backend and device (nccl on cuda:LOCAL_RANK when CUDA is there).
-    """
+    """Run fn(tp, *args) on t ranks in `mode`; the results this process holds, in rank order (spawn: all t;
+    torchrun: rank 0's on rank 0, none elsewhere). `backend` is for spawn only (docs/probe-launching.md)."""
     try:
         mode = Mode(mode)
     except ValueError:
@@ -96,15 +83,8 @@ def run_single(fn: RankFn, args: Sequence[Any] = (), device: str = "cpu") -> Any
 
 
 def run_fake(fn: RankFn, args: Sequence[Any], t: int, device: str = "cpu", rank: int = 0) -> Any:
-    """fn as rank `rank` (0 by default) of t, in this process, through torch's fake process group.
-
-    torch 2.13 ships the fake group in its testing package: importing
-    torch.testing._internal.distributed.fake_pg registers backend "fake", which
-    `init_process_group` then builds from a `FakeStore`. It becomes the default
-    group for the duration of the call and is destroyed afterwards, so the call
-    can be repeated; since a process has one default group, a process that
-    already has one (a spawned worker, a torchrun rank) is refused.
-    """
+    """fn as rank `rank` of t, in this process, through torch's fake process group: the default group for the
+    call only, so a process that already has one (a spawned worker, a torchrun rank) is refused."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers backend "fake"
 
     if dist.is_initialized():
@@ -120,11 +100,8 @@ def run_fake(fn: RankFn, args: Sequence[Any], t: int, device: str = "cpu", rank:
 
 
 def under_torchrun() -> bool:
-    """Whether torchrun (or a launcher that sets the same variables) started this process.
-
-    When it did, the variables are checked here, the first place every caller
-    passes, so that no later int(os.environ["RANK"]) meets RANK=zero.
-    """
+    """Whether torchrun (or a launcher that sets the same variables) started this process; if so the variables are
+    checked here, the first place every caller passes, so no later int(os.environ["RANK"]) meets RANK=zero."""
     if not all(name in os.environ for name in TORCHRUN_ENV):
         return False
     torchrun_env()
@@ -151,12 +128,7 @@ def torchrun_env() -> dict[str, int]:
 
 
 def run_torchrun(fn: RankFn, args: Sequence[Any] = (), timeout_s: float = DEFAULT_TIMEOUT_S) -> Any | None:
-    """fn on this torchrun rank, t = WORLD_SIZE; rank 0's result on rank 0, None on the others.
-
-    nccl on cuda:LOCAL_RANK when CUDA is available, gloo on the CPU otherwise.
-    Over several nodes the TP group spans them all, which is slow but exact:
-    the probe measures memory, not speed.
-    """
+    """fn on this torchrun rank, t = WORLD_SIZE (nccl on cuda:LOCAL_RANK, else gloo); rank 0's result, else None."""
     if not under_torchrun():
         missing = ", ".join(name for name in TORCHRUN_ENV if name not in os.environ)
         raise ProbeError(f"mode torchrun needs the environment torchrun sets, but {missing} is not set")
@@ -209,21 +181,11 @@ class _RankFailed(ProbeError):
 
 
 def run_spawned(
-    fn: RankFn,
-    args: Sequence[Any],
-    t: int,
-    backend: str = "gloo",
-    device: str = "cpu",
+    fn: RankFn, args: Sequence[Any], t: int, backend: str = "gloo", device: str = "cpu",
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> list[Any]:
-    """fn on t fresh local processes, one per rank; their results in rank order.
-
-    A failing rank raises ProbeError naming the rank and its error in one line
-    (its traceback is chained as the cause); ranks that do not finish within
-    timeout_s raise ProbeError naming them. Either way every worker still
-    running is killed: the caller never hangs and leaves nothing behind. Only a
-    failure to form the group, before fn runs, is tried again (once).
-    """
+    """fn on t fresh local processes, one per rank; their results in rank order. A failing or late rank raises a
+    one-line ProbeError and every worker is killed; only a failure to form the group is tried again, once."""
     _check_spawn(t, backend, device)
     job = _Job(fn, tuple(args), t, backend, device, timeout_s)
     try:
@@ -233,10 +195,8 @@ def run_spawned(
             f"spawned ranks receive fn and its args by pickle, which failed ({err}); define fn at module level"
         ) from err
     for _ in range(JOIN_ATTEMPTS - 1):
-        try:
+        with suppress(_JoinFailed):
             return _spawn_once(job, pickled)
-        except _JoinFailed:
-            pass
     return _spawn_once(job, pickled)
 
 
@@ -245,7 +205,8 @@ def _spawn_once(job: _Job, pickled: bytes) -> list[Any]:
     store = dist.TCPStore(LOCALHOST, 0, is_master=True, wait_for_workers=False, timeout=_store_timeout(job))
     workers: list[tuple[multiprocessing.Process, connection.Connection]] = []
     results = None
-    context = _worker_context(job.fn)
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([*FORKSERVER_PRELOAD, job.fn.__module__])  # counts only when the server starts
     watched, alive = context.Pipe(duplex=False)  # nothing is ever sent: only this process's end closing counts
     _start_forkserver_deaf_to_sigint()
     try:
@@ -265,16 +226,8 @@ def _spawn_once(job: _Job, pickled: bytes) -> list[Any]:
 
 
 def _start_forkserver_deaf_to_sigint() -> None:
-    """Start the forkserver (if not running) with SIGINT blocked, which it and every worker it forks inherit.
-
-    A Ctrl-C reaches the whole terminal group, and a forkserver still importing torch printed its traceback
-    (or "Fatal Python error") for it. This process alone handles it (`memcalc.cli.signals_end_at_once`): it ends,
-    and the forkserver and any worker it was still forking leave with it (they watch its pipes). Blocked, not
-    ignored: this process blocks SIGINT only in this thread and only while the forkserver is started, and keeps
-    its handler, so a Ctrl-C then is run by the handler at once (the kernel hands it to another thread) or as
-    soon as the mask is restored, never lost, as it was while this process ignored it. Python neither unblocks
-    an inherited mask nor is handed a blocked signal, so the forkserver and its workers never see one.
-    """
+    """Start the forkserver (if not running) with SIGINT blocked, which it and every worker it forks inherit:
+    only memcalc handles a Ctrl-C (docs/probe-launching.md, "Signals")."""
     resource_tracker.ensure_running()  # first, as ensure_running below would: it unblocks SIGINT when it is done
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
@@ -284,11 +237,8 @@ def _start_forkserver_deaf_to_sigint() -> None:
 
 
 def _store_timeout(job: _Job) -> timedelta:
-    """How long connecting to the local store may take: at least STORE_START_S.
-
-    The ranks' deadline is kept by `_collect`, which stops every worker at timeout_s; a store
-    given a tiny timeout would instead fail to connect, as torch's DistNetworkError plus a C++ log.
-    """
+    """How long connecting to the local store may take: at least STORE_START_S (`_collect` keeps the ranks'
+    deadline; a tiny store timeout would fail to connect, with a C++ log)."""
     return timedelta(seconds=max(job.timeout_s, STORE_START_S))
 
 
@@ -310,22 +260,11 @@ def _check_spawn(t: int, backend: str, device: str) -> None:
 FORKSERVER_PRELOAD = ["__main__", "torch", "torch.fx.experimental.symbolic_shapes", __name__]
 
 
-def _worker_context(fn: RankFn) -> multiprocessing.context.BaseContext:
-    """The forkserver context; the preload (with fn's module) counts only when the server first starts."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload([*FORKSERVER_PRELOAD, fn.__module__])
-    return context
-
-
 def _spawned_rank(
     rank: int, pickled_job: bytes, store_port: int, sender: connection.Connection,
     owner: connection.Connection | None = None,
 ) -> None:
-    """One worker: join the group, run fn, send home its result or its error, leave.
-
-    `owner` is the reading end of a pipe only the spawning process writes to:
-    when it reads end-of-file, that process is gone, and so is this worker.
-    """
+    """One worker: join the group, run fn, send home its result or its error, leave (and die with `owner`)."""
     if owner is not None:
         _die_with(owner)
     status = "failed"  # what an error at this point means to the parent; "unjoined" is tried again
@@ -347,18 +286,10 @@ def _spawned_rank(
 
 
 def _die_with(owner: connection.Connection) -> None:
-    """Leave at once, silently, when the spawning process ends, however it ends (SIGKILL included).
-
-    A worker's parent is multiprocessing's forkserver, not memcalc, and the
-    forkserver stays up while any worker lives: so neither `daemon` nor a
-    parent-death signal reaches a worker when memcalc is killed. A pipe does:
-    the kernel closes memcalc's end when it dies, and the read here returns.
-    """
+    """Leave at once when the spawning process ends, however it ends (docs/probe-launching.md, "Signals")."""
     def watch() -> None:
-        try:
+        with suppress(EOFError, OSError):
             owner.recv_bytes()
-        except (EOFError, OSError):
-            pass
         os._exit(1)
 
     threading.Thread(target=watch, name="memcalc-owner-watch", daemon=True).start()
@@ -416,8 +347,7 @@ _PEER_GRACE_S = 2.0
 
 
 def _raise_a_silent_death(workers: list, done: set[int], job: _Job, failed: ProbeError) -> None:
-    """The ProbeError of a rank (not in `done`) that dies without a result within the grace, the failure chained;
-    nothing if none does."""
+    """The ProbeError of a rank not `done` that dies without a result within the grace (the failure chained)."""
     others = {rank: worker for rank, worker in enumerate(workers) if rank not in done}
     deadline = time.monotonic() + _PEER_GRACE_S
     while others:
@@ -436,7 +366,6 @@ def _raise_a_silent_death(workers: list, done: set[int], job: _Job, failed: Prob
 def _died(rank: int, process: multiprocessing.Process, job: _Job) -> ProbeError:
     process.join(timeout=1.0)
     return ProbeError(f"rank {rank} of t={job.t} ({job.backend}) died without a result (exit code {process.exitcode})")
-
 
 
 def _received(rank: int, process: multiprocessing.Process, receiver: connection.Connection, job: _Job) -> Any:
@@ -482,10 +411,8 @@ def _joined(
 
 
 def _forget_sharding_cache() -> None:
-    """Empty DTensor's cache of each op's output sharding, whose keys hold device meshes that hash by their layout and
-    names: a later run's mesh of the same layout (transformers' tp submesh of a 3-D mesh, say, after a 2-D one) would
-    get back specs naming the destroyed group's process groups ("Could not resolve the process group"), which is
-what torch's own DTensor tests clear between cases."""
+    """Empty DTensor's sharding cache, as torch's own DTensor tests do between cases: its meshes hash by layout, so a
+    later run's mesh would get specs naming the destroyed groups ("Could not resolve the process group")."""
     if "torch.distributed.tensor" not in sys.modules:  # no DTensor ran
         return
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache  # the Python cache and C++'s fast path's

@@ -1,14 +1,8 @@
 """Run the probe's layer under each strategy and hold what it saved up against the ledger.
 
-Each rank builds the layer with seeded weights, feeds it the full input (s, b, h)
-or, under SP, its sequence shard, runs forward inside a `SavedTensorRecorder`
-(and, on CUDA, between readings of torch.cuda's allocator), then backward once
-to show the graph is whole. The prediction is `memcalc.model.evaluate.estimate` with
-exact accounting for the device the layer actually ran on; the two are compared
-name by name, in bytes and in per-rank shape (batch-first, as the ledger writes it).
-
-Which way the ranks run (`choose_launch`, for --launch auto) and what --device meta measures: docs/probe.md,
-"Launch modes".
+Each rank runs forward inside a `SavedTensorRecorder` (on CUDA, between allocator readings), then backward once to
+show the graph is whole; the prediction is `estimate` with exact accounting for the device it ran on, compared
+name by name in bytes and per-rank shape. Launch modes and --device meta: docs/probe.md, "Launch modes".
 """
 
 from __future__ import annotations
@@ -93,8 +87,7 @@ Case = tuple[ModelConfig, str, str, Overlap] | tuple[ModelConfig, str, str, Over
 
 
 def measure_on_rank(tp: TensorParallelGroup, cases: tuple[Case, ...]) -> list[RankResult]:
-    """The per-rank entry point for `launch.run`: each case in turn (a case without a route lets the router
-    route)."""
+    """The per-rank entry point for `launch.run`: each case in turn (without a route, the router routes)."""
     return [measure_layer(tp, config, STRATEGIES[name], layer, overlap, *route)
             for config, name, layer, overlap, *route in cases]
 
@@ -130,8 +123,7 @@ def runner(impl: str) -> ModuleType:
 def _run_own_layer(
     tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, overlap: Overlap
 ) -> tuple[tuple[SavedStorage, ...], CudaMemory | None, tuple[LoggedCollective, ...]]:
-    """memcalc's Megatron-style layer: what it saves, torch.cuda's readings around forward on a GPU,
-    and every collective it issues in forward and backward."""
+    """memcalc's Megatron-style layer: what it saves, torch.cuda's readings around forward, its collectives."""
     if config.mla:
         raise ProbeError("--layer memcalc has no latent attention (kv_lora_rank); measure MLA with --impl megatron"
                          " or --impl hf, which run the libraries' own MLA layers")
@@ -149,10 +141,8 @@ def _run_own_layer(
 
 
 def _layer_input(config: ModelConfig, tp: TensorParallelGroup, sequence_parallel: bool) -> torch.Tensor:
-    """The same full input on every rank, or this rank's sequence shard of it, in a storage of its own.
-
-    It requires grad, as every layer's input past the embedding does.
-    """
+    """The same full input on every rank, or this rank's sequence shard of it, in a storage of its own; it
+    requires grad, as every layer's input past the embedding does."""
     if tp.device.type == "meta":  # nothing to draw; a shard of the same shape as on a real device
         full = torch.empty(config.s, config.b, config.h, dtype=DTYPES[config.dtype], device="meta")
     else:
@@ -245,8 +235,10 @@ def choose_launch(t: int, device: str, backend: str | None, launch: str = "auto"
         )
     if mode is Mode.SINGLE and t != 1:
         raise ConfigError(f"--launch single runs one rank, but t={t}; use spawn, fake or torchrun")
-    if mode is Mode.TORCHRUN:
-        _check_torchrun(t)
+    if mode is Mode.TORCHRUN and not under_torchrun():
+        raise ConfigError("--launch torchrun needs torchrun's environment; start with torchrun -m memcalc measure ...")
+    if mode is Mode.TORCHRUN and (world := int(os.environ["WORLD_SIZE"])) != t:
+        raise ConfigError(f"t={t}, but torchrun started WORLD_SIZE={world} ranks; under torchrun t is the world size")
     if mode is Mode.SPAWN:
         backend = backend or ("nccl" if device == "cuda" else "gloo")
         if device == "cuda" and torch.cuda.device_count() < t:
@@ -273,14 +265,6 @@ def _check_device(device: str, backend: str | None) -> None:
         raise ConfigError("--backend nccl runs on GPUs only; add --device cuda, or use --backend gloo")
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda, but torch sees no GPU (this torch build or machine has no CUDA)")
-
-
-def _check_torchrun(t: int) -> None:
-    if not under_torchrun():
-        raise ConfigError("--launch torchrun needs torchrun's environment; start with torchrun -m memcalc measure ...")
-    world = int(os.environ["WORLD_SIZE"])
-    if world != t:
-        raise ConfigError(f"t={t}, but torchrun started WORLD_SIZE={world} ranks; under torchrun t is the world size")
 
 
 # -- the whole measurement -------------------------------------------------------
@@ -344,12 +328,8 @@ def measure(
     config: ModelConfig, strategies: list[str], device: str, backend: str | None, launch: str, timeout_s: float,
     layer: str = "library", overlap: Overlap = NO_OVERLAP, route: str | None = None,
 ) -> list[StrategyMeasurement]:
-    """Measure each strategy on `layer` (see LAYERS); everything is checked before any rank starts.
-
-    `route` forces a MoE router's assignment (ROUTES), for the libraries' layers in ROUTED only.
-
-    Returns nothing on a torchrun rank other than 0: rank 0 reports for the job.
-    """
+    """Measure each strategy on `layer` (see LAYERS), everything checked before any rank starts; `route`
+    forces a ROUTED library's MoE router. Returns nothing on a torchrun rank other than 0."""
     if config.cp != 1:
         raise ConfigError(f"cp={config.cp}: the probe runs one layer without context parallelism; measure with cp=1")
     if layer == "memcalc" and config.impl not in OWN_LAYER_IMPLS:

@@ -1,9 +1,8 @@
 """Tensor-parallel communication overlapped with the GEMMs (seed, section 5), run for real.
 
-Under SP the column-parallel linear's all-gather (g) and the row-parallel linear's reduce-scatter (g*) are cut into
-pieces that run beside the GEMM they feed or follow, as Megatron with Transformer Engine does: ring-ag, ring-rs and
-pipelined-rs (`Method`). Only forward is overlapped; what each method moves and why it cannot deadlock is in
-docs/probe.md, "Overlapped collectives".
+Under SP the column linear's all-gather (g) and the row linear's reduce-scatter (g*) run in pieces beside their
+GEMM, as Megatron with Transformer Engine does (`Method`), in forward only; what each moves and why it cannot
+deadlock: docs/probe.md, "Overlapped collectives".
 """
 
 from __future__ import annotations
@@ -36,11 +35,8 @@ class Method(str, Enum):
 
 @dataclass(frozen=True)
 class Overlap:
-    """Which overlap methods a layer's linears use (none: plain g and g*), and pipelined-rs's block count.
-
-    `methods` takes names or `Method`s, kept as a frozenset of `Method`s. ring-rs and
-    pipelined-rs are two ways to do the same reduce-scatter, so they exclude each other.
-    """
+    """Which overlap methods a layer's linears use (none: plain g and g*), and pipelined-rs's block count;
+    ring-rs and pipelined-rs do the same reduce-scatter, so they exclude each other."""
 
     methods: frozenset[Method] = field(default_factory=frozenset)
     num_splits: int = DEFAULT_NUM_SPLITS
@@ -108,17 +104,12 @@ def gathered_chunk(rank: int, step: int, t: int) -> int:
 
 
 def reduced_chunk(rank: int, step: int, t: int) -> int:
-    """The sequence chunk `rank` adds its partial result to at `step` of the reduce-scatter ring.
-
-    Chunk j's buffer starts on rank j+1 and moves up one rank a step, so at step t-1
-    it reaches rank j: every rank's last chunk is its own.
-    """
+    """The sequence chunk `rank` adds its partial result to at `step` of the reduce-scatter ring: chunk j's
+    buffer starts on rank j+1 and moves up a rank a step, so every rank's last chunk is its own."""
     return (rank - 1 - step) % t
 
 
-def _exchange(
-    send: torch.Tensor, receive: torch.Tensor, tp: TensorParallelGroup
-) -> list[dist.Work]:
+def _exchange(send: torch.Tensor, receive: torch.Tensor, tp: TensorParallelGroup) -> list[dist.Work]:
     """Start one hop: `send` to the next rank and `receive` from the previous; wait on what it returns."""
     to, source = ring_neighbours(tp)
     hop = [
@@ -139,10 +130,8 @@ def _wait(works: list[dist.Work]) -> None:
 def ring_gathered_gemm(
     x_shard: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tp: TensorParallelGroup
 ) -> torch.Tensor:
-    """F.linear(all-gather of x_shard along s, weight, bias), the gather done as t-1 hops beside t GEMMs.
-
-    Two chunk buffers are live at a time: the one being multiplied and the one arriving.
-    """
+    """F.linear(all-gather of x_shard along s, weight, bias), the gather done as t-1 hops beside t GEMMs (two
+    chunk buffers live at a time: the one being multiplied and the one arriving)."""
     rows = x_shard.shape[0]  # s/t
     out = x_shard.new_empty(tp.size * rows, *x_shard.shape[1:-1], weight.shape[0])  # (s, b, out/t)
     held = x_shard.contiguous()
@@ -160,12 +149,8 @@ def ring_gathered_gemm(
 
 
 def ring_scattered_gemm(x: torch.Tensor, weight: torch.Tensor, tp: TensorParallelGroup) -> torch.Tensor:
-    """Reduce-scatter along s of F.linear(x, weight), as t-1 hops of partial sums beside t chunk GEMMs.
-
-    At each step a rank computes its partial result for one sequence chunk (while the
-    previous hop is in flight), adds the buffer that arrived for that chunk, and passes
-    the sum on. What is left after the last step is this rank's chunk, summed over all.
-    """
+    """Reduce-scatter along s of F.linear(x, weight), as t-1 hops of partial sums beside t chunk GEMMs: each
+    step a rank computes one chunk's partial, adds the sum that arrived for it and passes it on; the last is its own."""
     rows = tp.divide(x.shape[0], "sequence length (dim 0)")  # s/t
     hop = arriving = None  # no hop before the first step
     for step in range(tp.size):
@@ -182,12 +167,8 @@ def ring_scattered_gemm(x: torch.Tensor, weight: torch.Tensor, tp: TensorParalle
 
 @dataclass(frozen=True)
 class _PipelinedScatter:
-    """Reduce-scatter along s of F.linear(x, weight) in num_splits blocks of output features.
-
-    Block i's GEMM (all s rows, out/num_splits of the weight's rows) runs while block
-    i-1's reduce-scatter is in flight; each reduce-scatter hands this rank its s/t rows
-    of the block, and the blocks side by side are its sequence shard of the whole sum.
-    """
+    """Reduce-scatter along s of F.linear(x, weight) in num_splits blocks of output features: block i's GEMM
+    runs while block i-1's reduce-scatter is in flight, and the blocks side by side are this rank's shard."""
 
     num_splits: int
 

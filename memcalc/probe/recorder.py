@@ -31,13 +31,9 @@ class SavedStorage:
 
 
 def label(tensor: torch.Tensor, saved: SavedTensor, in_function: bool = False) -> None:
-    """Name the storage under `tensor` after the ledger entry `saved`, for the active recorder.
-
-    Pass the tensor as a view in the ledger's axis order: its shape is the one reported.
-    Tensors made without autograd (a checkpoint's first run) are never saved, so they are
-    not labelled; `in_function` is for an autograd Function's forward, where autograd is
-    always off: the caller says whether it was on outside.
-    """
+    """Name the storage under `tensor` (a view in the ledger's axis order: its shape is reported) after the
+    ledger entry `saved`, for the active recorder. Tensors made without autograd are never saved, so not labelled;
+    `in_function` is for an autograd Function's forward (autograd off): the caller says whether it was on outside."""
     if _active and (in_function or torch.is_grad_enabled()):
         _active[-1].add_label(tensor, saved)
 
@@ -107,13 +103,8 @@ class SavedTensorRecorder:
 
 
 def _storage_key(tensor: torch.Tensor) -> int:
-    """The identity of the storage under `tensor`: the address of its StorageImpl.
-
-    Not the data's address: every tensor on device "meta" has data_ptr() 0, as
-    does every empty storage anywhere, so keying by data would merge them all
-    into one. The key is only unique while the storage lives, which the recorder
-    ensures by holding every tensor it keys: saved, labelled and parameters.
-    """
+    """The identity of the storage under `tensor`: its StorageImpl's address, not the data's (every meta or
+    empty tensor has data_ptr() 0); unique while the storage lives, which the recorder ensures by holding it."""
     return _local(tensor).untyped_storage()._cdata
 
 

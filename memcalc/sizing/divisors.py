@@ -1,9 +1,7 @@
 """The divisors of a size, found from its prime factors rather than by trying every value below it.
 
-`memcalc fit --solve t` tries each t that divides a; with a = 2^40 walking
-1..a takes hours, and even trial division up to sqrt(a) is too slow when a is
-a large prime (sizes go up to 2^63). Pollard's rho (Brent's variant) with a
-deterministic Miller-Rabin test factors any 64-bit number in milliseconds.
+`memcalc fit --solve t` tries each t that divides a, and sizes go up to 2^63, where trial division is far too slow
+for a large prime: Pollard's rho (Brent's variant) with deterministic Miller-Rabin factors it in milliseconds.
 """
 
 from __future__ import annotations

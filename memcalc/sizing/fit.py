@@ -1,9 +1,8 @@
 """What fits a memory budget: the largest micro-batch b or sequence s, or the smallest t, pp, cp, ep or dp_shard.
 
-Every answer is an exact integer found by evaluating what `memcalc estimate --totals` bases its verdict on (the
-step's peak where `memcalc.sizing.timeline` models it, else `memcalc.sizing.totals.per_gpu`; or, on request, the
-totals or the activations alone), never by rounding a formula: the answer fits by estimate's own numbers and the
-next valid value does not. Why each size's search is sound: docs/guide-fit-totals.md, section 2.
+Every answer is an exact integer, found by evaluating what `memcalc estimate --totals` bases its verdict on (or
+the totals, or the activations alone), never by rounding a formula: it fits by estimate's own numbers and the next
+valid value does not. Why each search is sound: docs/guide-fit-totals.md, section 2.
 """
 
 from __future__ import annotations
@@ -43,13 +42,8 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Fit:
-    """The answer for one strategy and recompute choice.
-
-    `answer` is the best value that fits (None if none does). `beyond` is the
-    candidate just past it, which does not fit or is invalid: the next larger b
-    or s, or the next smaller valid t; when nothing fits, the cheapest
-    candidate. None when there is no such candidate (the answer is t's smallest valid value).
-    """
+    """The answer for one strategy and recompute choice: `answer` fits (None if nothing does); `beyond` is the
+    candidate just past it (the next larger b or s, the next smaller valid t; the cheapest when nothing fits)."""
 
     strategy: Strategy
     recompute: str
@@ -68,11 +62,8 @@ class Fit:
 
 
 def sequence_step(config: ModelConfig, strategy: Strategy) -> int:
-    """s must be a multiple of this: 2*cp under context parallelism, and t*cp under sequence parallelism.
-
-    The rules themselves live in `memcalc.config.schema` (check_layout) and `memcalc.model.rules`
-    (check_sequence_split); the search only uses this to skip values they would refuse.
-    """
+    """s must be a multiple of this: 2*cp under context parallelism, and t*cp under sequence parallelism (the
+    rules live in check_layout and check_sequence_split; the search only skips what they would refuse)."""
     step = 2 * config.cp if config.cp > 1 else 1
     return lcm(step, config.t * config.cp) if strategy.sequence_parallel else step
 
@@ -116,10 +107,8 @@ def _measure(value: int, config: ModelConfig, strategy: Strategy, accounting: Ac
 
 
 def _largest(try_value: Callable[[int], Candidate], budget: int) -> tuple[Candidate | None, Candidate]:
-    """The candidate of the largest k that fits (None if k = 1 does not), and the candidate of k + 1.
-
-    Sizes only grow with k, and an invalid k (past a learned position table) stays invalid above.
-    """
+    """The candidate of the largest k that fits (None if k = 1 does not), and that of k + 1: bytes only grow
+    with k, and an invalid k (past a learned position table) stays invalid above."""
     try_value = lru_cache(maxsize=None)(try_value)
     lo, hi = 0, 1
     while try_value(hi).fits(budget):  # double until some k does not fit
@@ -152,11 +141,8 @@ def _experts(config: ModelConfig) -> int:
 def _smallest(
     solve: str, name: str, size: int, try_value: Callable[[int], Candidate], budget: int
 ) -> tuple[Candidate | None, Candidate | None]:
-    """The smallest valid value that fits, and the valid value just below it (or the cheapest, if none fits).
-
-    Candidates are the divisors of `size`, from its prime factors, smallest first;
-    the search stops at the first that fits.
-    """
+    """The smallest valid divisor of `size` that fits, and the valid value just below it (or the cheapest, if
+    none fits)."""
     valid: list[Candidate] = []
     for value in divisors(size):
         p = try_value(value)

@@ -1,9 +1,6 @@
-"""Pipeline stages: which layers and model ends a GPU holds, and how many micro-batches it keeps.
-
-Under pipeline parallelism a schedule keeps several micro-batches in flight so that no stage idles (Korthikanti
-et al. 2022, section 4.2.3); with Megatron-LM's 1F1B and interleaved 1F1B, a rank's peak is its warm-up forwards
-plus one. The first and the last stage bound every GPU. The counts, and a short step's, are derived in
-docs/guide-fit-totals.md (section 1, `layers`).
+"""Pipeline stages: which layers and model ends a GPU holds, and how many micro-batches it keeps in flight
+(Megatron-LM's 1F1B and interleaved 1F1B: its warm-up forwards plus one). The first and the last stage bound every
+GPU; the counts are derived in docs/guide-fit-totals.md (section 1, `layers`).
 """
 
 from __future__ import annotations
@@ -33,11 +30,8 @@ class Stage:
 
 
 def stages(L: int, pp: int, vpp: int | None, microbatches: int | None = None) -> tuple[Stage, ...]:
-    """The stages that bound per-GPU memory: the only one, or the first and the last.
-
-    Expects a validated layout (pp divides L, or pp*vpp does when interleaved, and then pp divides
-    `microbatches`). `microbatches` caps what a stage keeps when the step is shorter than the warm-up.
-    """
+    """The stages that bound per-GPU memory: the only one, or the first and the last, for a validated layout;
+    `microbatches` caps what a stage keeps when the step is shorter than the warm-up."""
     m = microbatches
     if pp == 1:
         return (Stage("only", L, L, 1, 1, "no pipelining: one micro-batch at a time", 1),)

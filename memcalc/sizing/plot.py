@@ -1,14 +1,7 @@
-"""Figures: activation memory against s or t, what each tensor adds to it, and one step over time.
+"""Figures: activation memory against s or t (`line_figure`), per tensor (`breakdown_figure`), and one step
+over time (`timeline_figure`), in GiB.
 
-Three views: `line_figure` draws one line per strategy over a swept size (from
-`memcalc.sizing.sweep`), `breakdown_figure` stacks one bar per strategy from the
-ledger's tensors (from `memcalc.model.evaluate.estimate`), and `timeline_figure`
-stacks one step's memory by category, moment by moment (from
-`memcalc.sizing.timeline`). Bytes are shown in GiB (2^30 bytes), and every axis
-says so.
-
-matplotlib is imported inside the functions (it costs about a second), and
-figures are `matplotlib.figure.Figure` objects drawn on an Agg canvas, never
+matplotlib is imported inside the functions (about a second), and figures are drawn on an Agg canvas, never
 pyplot: no global state, no window, the same pixels on every machine.
 """
 
@@ -65,13 +58,8 @@ def line_figure(
     x_name: str, x: Sequence[int], lines: dict[str, Sequence[float]], layers: int, titles: Titles,
     device_memory: int | None = None,
 ) -> Figure:
-    """Bytes against `x`, one line per label in `lines` (NaN leaves a gap); `layers`
-    says how many layers the bytes cover, for the axis label.
-
-    The x axis is logarithmic (base 2) when x spans a factor of 8 or more, as
-    geometric ranges do; the y axis is logarithmic when the values span more
-    than a factor of 100, so that small strategies do not flatten to zero.
-    """
+    """Bytes against `x`, one line per label in `lines` (NaN leaves a gap), over `layers` layers; an axis is
+    logarithmic where its values span a factor of 8 (x, base 2) or 100 (y), so small strategies do not flatten."""
     import numpy as np
 
     fig, ax = _figure(titles, LINE_SIZE)

@@ -1,22 +1,9 @@
 """Model states: the parameters one GPU holds, and the bytes its weights, gradients and Adam keep.
 
-Parameters are counted from the config's sizes, group by group, each with the
-reason it is (or is not) split by tensor parallelism: Megatron-LM's
-column-parallel weights (QKV, fc1, the vocabulary-parallel embedding and
-output layer) and row-parallel weights (projection, fc2) are split by t; norm
-weights, row-parallel biases and a learned position table are whole on every
-rank. The vocabulary is padded as Megatron-LM pads it (`padded_vocab`).
-
-Bytes per parameter follow each stack's own layout (`STATE_LAYOUTS`, chosen by `sharding`): Megatron-LM's
-18 (6 + 12/(dp*cp) with its distributed optimizer), FSDP2's 16/(dp_shard*cp), DeepSpeed ZeRO's by stage;
-docs/sharding.md renders the table, docs/guide-fit-totals.md derives Megatron-LM's.
-
-A mixture of experts (num_experts) replaces the dense MLP of its MoE layers
-(`moe_layer_freq`; the rest stay dense) by a router, whole on every rank, the
-E/ep experts one rank holds, each split by expert tensor parallelism (etp = t),
-and shared experts split by t. Expert parameters are replicated only over the
-expert data-parallel group, t*cp*dp/(ep*etp) ranks, so that is what the
-distributed optimizer shards their states over (Megatron-LM's expert_dp group).
+Parameters are counted group by group (`PARAM_GROUPS`), each with why tensor parallelism does or does not split
+it; the vocabulary is padded as Megatron-LM pads it. Bytes per parameter follow each stack's layout
+(`STATE_LAYOUTS`, rendered in docs/sharding.md). Expert parameters are replicated only over the expert
+data-parallel group, t*cp*dp/(ep*etp) ranks, which is what the distributed optimizer shards their states over.
 """
 
 from __future__ import annotations
@@ -31,10 +18,8 @@ from memcalc.sizing.pipeline import Stage
 
 
 def padded_vocab(config: ModelConfig, t: int) -> int:
-    """v as Megatron-LM pads it (`_vocab_size_with_padding`): up to a multiple of
-    make_vocab_size_divisible_by * t, so each of t shards is whole and a multiple of the divisor
-    (128 by default, for GEMM tiles). The padded rows are real weights, gradients and logits.
-    transformers and torchtitan train the vocabulary as it is."""
+    """v as Megatron-LM pads it (`_vocab_size_with_padding`): up to a multiple of make_vocab_size_divisible_by
+    * t (GEMM tiles); the padded rows are real weights, gradients and logits. Other libraries train v as it is."""
     if config.impl != "megatron":
         return config.vocab_size
     step = config.make_vocab_size_divisible_by * t
@@ -42,8 +27,7 @@ def padded_vocab(config: ModelConfig, t: int) -> int:
 
 
 def vocab_shard(config: ModelConfig, t: int) -> int:
-    """Rows of the (padded) vocabulary one of t ranks holds: the most any rank holds, where a DTensor
-    (torchtitan) shards a vocabulary that t does not divide unevenly."""
+    """Rows of the padded vocabulary one of t ranks holds: the most any holds (torchtitan's DTensor: uneven)."""
     return -(-padded_vocab(config, t) // t)
 
 
@@ -315,9 +299,8 @@ ZERO_STATES: tuple[StateTerm, ...] = (
 
 
 def sharding(config: ModelConfig) -> str:
-    """How the stack keeps its data-parallel states: "fsdp2" (dp_shard), "zero" (zero_stage) or "megatron"
-    (Megatron-LM's layout, with or without its distributed optimizer; memcalc's probe trains hf and torchtitan
-    models with it where neither is set)."""
+    """How the stack keeps its data-parallel states: "fsdp2" (dp_shard), "zero" (zero_stage), else
+    "megatron" (its layout, with or without the distributed optimizer)."""
     if config.dp_shard is not None:
         return "fsdp2"
     return "zero" if config.zero_stage is not None else "megatron"
@@ -341,10 +324,8 @@ STATE_LAYOUTS: dict[str, tuple[StateTerm, ...]] = {
 
 
 def state_bytes(config: ModelConfig, params: int, experts: int = 0) -> dict[str, int]:
-    """Bytes of each model state for `params` parameters on one GPU, `experts` of them expert parameters
-    (terms of width 0 left out). Each term is split as its stack splits it (`sharding`); Megatron-LM's
-    distributed optimizer shards the experts' states over their own data-parallel group,
-    t*cp*dp/(ep*etp) ranks (etp = t)."""
+    """Bytes of each model state (widths of 0 left out) for `params` parameters, `experts` of them expert
+    ones, each split as its stack splits it; Megatron's distributed optimizer shards the experts' over expert_dp."""
     c = config
     expert_dp = c.t * c.cp * c.dp // (c.ep * (c.etp or c.t))  # whole by check_expert_states
     out = {}

@@ -1,17 +1,9 @@
-"""Sweeps: many configurations evaluated at once, from the ledger, with numpy.
+"""Sweeps: every combination of swept sizes under every strategy, from the ledger, with numpy.
 
-Each of b, s, h, a, t, L takes a list or a range of values (`parse_values`);
-every combination is a point of a grid, and every point is evaluated under
-every chosen strategy. The bytes come from the code a single estimate uses,
-`evaluate.dim_sizes` and `evaluate.rank_shape`, applied to numpy arrays that lie
-along separate axes: broadcasting builds each tensor's bytes over the whole
-grid in a few array operations, with no Python loop over points and no second
-copy of any formula.
-
-A point that breaks a divisibility rule gets no number. It is dropped, and the
-drops are counted by rule (`Skip`), each with an example worded the way
-`memcalc.config.schema` words it. Bytes are exact int64; a sweep whose bytes could
-pass 2^63 is refused before anything is computed, never wrapped.
+The bytes come from the code a single estimate uses (`evaluate.dim_sizes`, `evaluate.rank_shape`) applied to
+arrays along separate axes, so broadcasting covers the grid with no loop over points and no second formula. A
+point that breaks a divisibility rule is dropped and counted by rule (`Skip`). Bytes are exact int64; a sweep
+that could pass 2^63 is refused before anything is computed.
 """
 
 from __future__ import annotations
@@ -48,13 +40,8 @@ RANGE_SYNTAX = "a list 1024,2048, a range start:stop[:step] (stop included) or s
 # --- Values of one size -------------------------------------------------------
 
 def parse_values(text: str) -> Sequence[int]:
-    """The values a flag like `--s` stands for, in order.
-
-    '1024,2048' -> (1024, 2048); '1:64' -> 1..64; '64:640000:64' -> 64, 128, ..,
-    640000; '1024:32768:x2' -> 1024, 2048, .., 32768. A stop is included when
-    the steps land on it. Arithmetic ranges stay lazy `range` objects, so a long
-    one costs nothing until the sweep lays it out.
-    """
+    """The values a flag like `--s` stands for, in order: '1024,2048'; '1:64'; '64:640000:64' (a lazy `range`, the
+    stop included when the steps land on it); '1024:32768:x2' (geometric)."""
     if ":" not in text:
         values = tuple(_whole(part, text) for part in text.split(","))
         repeated = sorted(v for v, n in Counter(values).items() if n > 1)
@@ -72,7 +59,10 @@ def parse_values(text: str) -> Sequence[int]:
         factor = _whole(step[1:], text, what="factor")
         if factor < 2:
             raise ConfigError(f"{short_repr(text)}: a geometric factor must be at least 2 (got x{factor})")
-        return _geometric(start, stop, factor)
+        powers = [start]
+        while powers[-1] * factor <= stop:
+            powers.append(powers[-1] * factor)
+        return tuple(powers)
     return range(start, stop + 1, _whole(step, text, what="step"))
 
 
@@ -88,13 +78,6 @@ def _whole(part: str, text: str, what: str = "value") -> int:
     if number <= 0:
         raise ConfigError(f"{short_repr(text)}: {what} must be positive (got {number})")
     return number
-
-
-def _geometric(start: int, stop: int, factor: int) -> tuple[int, ...]:
-    values = [start]
-    while values[-1] * factor <= stop:
-        values.append(values[-1] * factor)
-    return tuple(values)
 
 
 # --- What to sweep ------------------------------------------------------------
@@ -131,15 +114,8 @@ def make_sweep(
     accounting: Accounting,
 ) -> Sweep:
     """A checked sweep: `ranges` give swept sizes, `fields` (a config's keys) the rest; `strategies` None is every
-    layout the implementation runs for the knobs (a layout named that it does not run is refused, as by `plan`).
-
-    Knobs are validated once, by the same schema as any config; the
-    sizes are positive whole numbers by construction or checked here. Rules
-    between sizes are left to `evaluate_sweep`, which applies them per point.
-    The layout fields of a config (pp, vpp, dp, vocab_size, ...) do not change
-    one layer's activations and are not read; context parallelism would (each
-    rank keeps s/cp tokens), so a config with cp > 1 is refused.
-    """
+    layout the implementation runs for the knobs. Rules between sizes are left to `evaluate_sweep`, per point;
+    cp > 1 is refused (each rank would keep s/cp tokens)."""
     # Knobs, and unknown keys so that validation names them; sizes and layout fields are not knobs.
     knobs = build_knobs({
         k: v for k, v in fields.items() if k in field_names(Knobs) or k not in field_names()
@@ -168,11 +144,8 @@ def make_sweep(
 
 
 def _expert_knobs(ranges: dict[str, Sequence[int]]) -> dict[str, int]:
-    """Swept E and k as knob values that pass the knobs' own checks (k <= E): the most experts, the fewest picks.
-
-    The grid holds every value; the knobs only decide which tensors a layer keeps, and
-    `per_layer_bytes` takes that set for each k of the sweep.
-    """
+    """Swept E and k as knob values that pass the knobs' own checks (k <= E): the most experts, the fewest picks
+    (the grid holds every value; `per_layer_bytes` takes each k's tensor set)."""
     knobs = {}
     if "num_experts" in ranges:
         knobs["num_experts"] = max(ranges["num_experts"])
@@ -200,13 +173,9 @@ def _check_experts(
 
 
 def _check_layout(fields: dict[str, Any], values: dict[str, Sequence[int]]) -> None:
-    """Every field by the rules `memcalc estimate` applies, except the divisibility rules that
-    `evaluate_sweep` applies point by point.
-
-    One point stands for the sweep: the first value of each size, but s at its
-    largest (a learned position table must hold every s) and L at a value that
-    breaks the pipeline rule if any does (pp*vpp must divide every L).
-    """
+    """Every field by `memcalc estimate`'s rules but the per-point divisibility ones, at one point that stands for
+    the sweep: the first values, but s at its largest (a position table must hold it) and an L that breaks the
+    pipeline rule if any does."""
     point = {name: v[0] for name, v in values.items()}
     point["s"] = max(values["s"]) if not isinstance(values["s"], range) else values["s"][-1]
     if "num_experts" in point:  # a point the expert rules (applied per point) let through
@@ -306,12 +275,8 @@ def _array(values: Sequence[int]) -> np.ndarray:
 
 
 def per_layer_bytes(grid: GridSizes, strategy: Strategy, knobs: Knobs, accounting: Accounting) -> np.ndarray:
-    """One rank's bytes for one layer at every point of the grid (broadcastable, L-free).
-
-    Where a swept top-k changes which tensors a layer keeps (megatron's sigmoid
-    router renormalises k > 1 scores), each k is evaluated with its own set, on its
-    slice of the grid, and the slices are laid back along k's axis.
-    """
+    """One rank's bytes for one layer at every point of the grid (broadcastable, L-free); where a swept top-k
+    changes which tensors a layer keeps, each k's slice is evaluated with its own set."""
     variants = _topk_variants(grid, knobs)
     if len({tuple(x.name for s in _kept_sets(k, accounting) for x in s) for k in variants}) == 1:
         return _same_set_bytes(grid, strategy, knobs, accounting)
@@ -340,15 +305,8 @@ def _topk_variants(grid: GridSizes, knobs: Knobs) -> list[Knobs]:
 
 
 def _same_set_bytes(grid: GridSizes, strategy: Strategy, knobs: Knobs, accounting: Accounting) -> np.ndarray:
-    """One layer's bytes where one top-k's tensor set holds at every point (see per_layer_bytes).
-
-    Each tensor's per-rank dimensions come from `rank_shape`, exactly as for a
-    single estimate; multiplying the smallest arrays first keeps most products
-    small until the last factor spreads them over the grid. Where what a layer
-    keeps depends on the point (K/V groups equal to the heads are multi-head
-    attention, as `Knobs.of` reads a config; a kernel that runs only at some
-    sizes), each point takes the set its config would.
-    """
+    """One layer's bytes where one top-k's tensor set holds at every point; a point whose K/V groups equal its
+    heads takes multi-head attention's set, as `Knobs.of` reads a config."""
     if knobs.num_query_groups is not None:
         multi_head = _kernel_aware_bytes(grid, strategy, replace(knobs, num_query_groups=None), accounting)
         grouped = _kernel_aware_bytes(grid, strategy, knobs, accounting)
@@ -402,12 +360,8 @@ def _kept_sets(knobs: Knobs, accounting: Accounting) -> list[tuple[SavedTensor, 
 
 
 def _check_int64(grid: GridSizes, sweep: Sweep, knobs: Knobs) -> None:
-    """Refuse a sweep whose bytes could pass int64, before computing any.
-
-    Every per-rank dimension grows with the sizes and shrinks with t, so each
-    tensor's bytes are at most the product of its dimensions' largest values
-    with the smallest t; the bound is worked out in Python integers.
-    """
+    """Refuse a sweep whose bytes could pass int64, before computing any: each tensor's bytes are at most its
+    dimensions' largest values with the smallest t, bounded in Python integers."""
     largest = {d: int(np.max(v)) for d, v in dim_sizes(grid).items() if v is not None}
     t, layers = int(np.min(grid.t)), int(np.max(grid.L))
     sets = [kept for k in _topk_variants(grid, knobs) for kept in _kept_sets(k, sweep.accounting)]
@@ -508,11 +462,8 @@ class SweepResult:
 
 
 def evaluate_sweep(sweep: Sweep, advance: Callable[[int], None] = lambda rows: None) -> SweepResult:
-    """Bytes for every configuration of the sweep that passes the divisibility rules.
-
-    `advance` is told how many configurations each strategy's pass covered, for
-    a progress bar.
-    """
+    """Bytes for every configuration of the sweep that passes the divisibility rules; `advance` is told how many
+    configurations each strategy's pass covered (a progress bar)."""
     knobs = Knobs.of(sweep.knobs)
     grid = GridSizes.of(sweep)
     _check_int64(grid, sweep, knobs)

@@ -1,16 +1,9 @@
 """Per-GPU totals: the layers' activations, the model's two ends, and the model states, stage by stage.
 
-The transformer layers' activations come from the ledger (`memcalc.model.evaluate`),
-times the layer-activations a pipeline stage keeps (`memcalc.sizing.pipeline`).
-The tensors outside the layers (embedding, final norm, output layer, loss) are
-ledger entries too (`ledger.END_TENSORS`, stage "first" or "last"), split by the
-same plans. Parameters and their states come from `memcalc.sizing.states`.
-
-Context parallelism (cp) gives each rank s/cp tokens of every sequence. Each
-rank keeps only its own tokens' activations: with fused attention (which cp
-requires) nothing of size s x s is kept, and the K/V blocks passed around the
-ring in forward are passed again in backward, not stored. So every activation
-here is the ledger's, evaluated at s/cp.
+Activations come from the ledger (layers, and `ledger.END_TENSORS` for embedding, output and loss) times what a
+pipeline stage keeps; parameters and states from `memcalc.sizing.states`. Under context parallelism every
+activation is the ledger's at s/cp: fused attention (which cp requires) keeps nothing s x s, and the ring's K/V
+blocks are passed again in backward, not stored.
 """
 
 from __future__ import annotations
@@ -154,11 +147,8 @@ def _layers_term(config: ModelConfig, stage: Stage, layer: LayerEstimate) -> Ter
 
 
 def _rebuilt_layer_bytes(config: ModelConfig, strategy: Strategy, accounting: Accounting, layer: LayerEstimate) -> int:
-    """Exact accounting only: while backward runs a recomputed layer, what it rebuilt is live too.
-
-    That is the layer's activations without recomputation less what the
-    recompute choice keeps anyway; the paper leaves it out.
-    """
+    """Exact accounting only: while backward runs a recomputed layer, what it rebuilt is live too (its
+    activations without recomputation, less what the recompute choice keeps anyway); the paper leaves it out."""
     if not accounting.exact or config.recompute == "none":
         return 0
     whole = estimate(replace(config, recompute="none"), strategy, accounting)

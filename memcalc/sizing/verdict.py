@@ -1,8 +1,5 @@
-"""What a strategy needs per GPU, for the fits/does-not-fit verdict: the step's peak where it is modelled.
-
-A run goes out of memory at its peak (`memcalc.sizing.timeline`), which lies above the
-model states plus the saved activations that `memcalc.sizing.totals` adds. Where the
-timeline does not model a config, the verdict falls back on those totals and says so.
+"""What a strategy needs per GPU, for the fits/does-not-fit verdict: the step's peak where it is modelled
+(a run goes out of memory at its peak, above states plus saved activations), else those totals, said so.
 """
 
 from __future__ import annotations
