@@ -4,9 +4,10 @@ decoder layers its rules were measured on.
 Each family is a short table of `Row`s: a memcalc field, the config.json fields that give it (first present wins, or
 all of them combined), and how a value is turned into memcalc's. `FAMILIES` names each family once (model_type,
 config class, decoder layer); `UNREAD` the model types transformers builds whose layers memcalc refuses, with what
-they lack; `family_of` tells the family whose layer runs a knob set. The reader of config.json files is
-`memcalc.config.hf`; the hf ledger (`memcalc.model.impls.hf`) and the probe read the table from here, one floor
-below the config.
+they lack. A config names its family (the `family` knob: config.json's model_type, a YAML's `family:`, --family);
+`layer_family` is the family whose layer runs it, a config that names none given its default here, and
+`check_family` refuses knobs that are not that layer's. The reader of config.json files is `memcalc.config.hf`; the
+hf ledger (`memcalc.model.impls.hf`) and the probe read the table from here, one floor below the config.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from memcalc.errors import ConfigError
-from memcalc.model.knobs import Mlp
+from memcalc.model.knobs import BY_NAME, KNOBS, Mlp
 from memcalc.text import short_repr
 
 # transformers' GELU activations (ACT2CLS names) and memcalc's MLP choice for each: the tanh
@@ -653,9 +654,10 @@ def _glm(k: Any) -> bool:
     return k.rotary_percent is not None and not k.moe and not k.mla and not k.qk_layernorm and not k.fused_qkv
 
 
-def _qkv_bias(k: Any) -> bool:
-    """Qwen2's QKV bias (a config field, not a knob: it keeps nothing, so a knob set alone reads as Llama's)."""
-    return bool(getattr(k, "add_qkv_bias", False))
+def _llama(k: Any) -> bool:
+    """Llama's layer (Mistral's too): dense, q, k and v separate, whole heads rotated; no q/k/v biases, which are
+    Qwen2's (add_qkv_bias, a config field a knob set alone does not carry)."""
+    return _dense(k) and not getattr(k, "add_qkv_bias", False)
 
 
 @dataclass(frozen=True)
@@ -666,8 +668,8 @@ class Family:
     `name` is config.json's model_type (and transformers' models/<name> package); `config_class` the class whose
     `save_pretrained` writes that config.json, and whose `attribute_map` (copied here, checked against the class by
     tests/config/test_hf_families.py) renames a field before it is read, as the class's own __init__ does. `when`
-    tells the family's layer from memcalc's knobs (their sets are disjoint); None: the family is read but its knobs run
-    another family's layer (`runs_as`), or the same layer under another name (Mistral's is Llama's)."""
+    says which knobs the family's layer runs, beside its `norm` and `mlps` (`check_family`); None: the family is read
+    but its knobs run another family's layer (`runs_as`)."""
 
     name: str
     config_class: str
@@ -702,11 +704,11 @@ _EXPERTS = {"num_experts": "num_local_experts"}  # Mixtral's, Qwen3-MoE's and gp
 FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
-        Family("llama", "LlamaConfig", "LlamaDecoderLayer", ("LlamaForCausalLM",), _LLAMA_HEADS, _ROPE,
-               when=lambda k: _dense(k) and not _qkv_bias(k)),
-        Family("mistral", "MistralConfig", "MistralDecoderLayer", ("MistralForCausalLM",), _MISTRAL, _ROPE),
+        Family("llama", "LlamaConfig", "LlamaDecoderLayer", ("LlamaForCausalLM",), _LLAMA_HEADS, _ROPE, when=_llama),
+        Family("mistral", "MistralConfig", "MistralDecoderLayer", ("MistralForCausalLM",), _MISTRAL, _ROPE,
+               when=_llama),
         Family("qwen2", "Qwen2Config", "Qwen2DecoderLayer", ("Qwen2ForCausalLM",), _QWEN2,
-               _ROPE | {"add_qkv_bias": True}, when=lambda k: _dense(k) and _qkv_bias(k)),  # Q, K, V carry biases
+               _ROPE | {"add_qkv_bias": True}, when=_dense),  # Q, K, V carry biases
         Family("qwen3", "Qwen3Config", "Qwen3DecoderLayer", ("Qwen3ForCausalLM",), _QWEN3,
                _ROPE | {"qk_layernorm": True}, when=lambda k: k.qk_layernorm and not k.moe and not k.mla),
         Family("mixtral", "MixtralConfig", "MixtralDecoderLayer", ("MixtralForCausalLM",), _MIXTRAL, _ROPE,
@@ -796,7 +798,49 @@ UNREAD: dict[str, str] = {
 }
 
 
-def family_of(knobs: Any) -> Family | None:
-    """The family whose transformers layer runs these knobs (norm, MLP, and the family's own test), or None."""
-    return next((f for f in FAMILIES.values()
-                 if f.when is not None and f.norm == knobs.norm and knobs.mlp in f.mlps and f.when(knobs)), None)
+# The family a config that names none runs under --impl hf: the first of these whose layer has its norm and MLP (the
+# seed's LayerNorm and GELU are GPT-2's). Any other family's layer runs only where the config names it.
+UNNAMED = ("llama", "gpt2")
+
+
+def layer_family(knobs: Any) -> Family:
+    """The family whose transformers layer runs these knobs: the one they name (or the one whose layer that one runs,
+    `runs_as`); where they name none, the first of `UNNAMED` with their norm and MLP, else Llama's."""
+    named = knobs.family or next((n for n in UNNAMED if _has_norm_and_mlp(FAMILIES[n], knobs)), UNNAMED[0])
+    family = FAMILIES[named]
+    return FAMILIES[family.runs_as] if family.runs_as else family
+
+
+def _has_norm_and_mlp(family: Family, knobs: Any) -> bool:
+    return family.norm == knobs.norm and knobs.mlp in family.mlps
+
+
+def check_name(knobs: Any) -> None:
+    """ConfigError for a family memcalc does not read."""
+    if knobs.family is not None and knobs.family not in FAMILIES:
+        raise ConfigError(f"field 'family': {short_repr(knobs.family)} is not a transformers family memcalc reads"
+                          f" ({', '.join(FAMILIES)})")
+
+
+def check_family(knobs: Any, model: bool = False) -> None:
+    """ConfigError (under --impl hf, which runs the family's layer) for knobs that layer does not run: one line, never
+    another family's layer guessed in its place. A knob set without experts may be a dense layer of a MoE family's
+    model (`Knobs.dense`), which the `model`'s own check (its config's) holds to the family's."""
+    family = layer_family(knobs)
+    dense_layer = not model and family.router is not None and not knobs.moe
+    if not _has_norm_and_mlp(family, knobs) or not (dense_layer or family.when(knobs)):
+        named = f"family {knobs.family}" if knobs.family else "a config that names no family"
+        raise ConfigError(f"impl hf: {named} runs transformers' {family.layer}, which {_unlike(family, knobs)}; name"
+                          " the family whose layer it is (family, --family: `memcalc hf-families` lists them)")
+
+
+def _unlike(family: Family, knobs: Any) -> str:
+    """Why the knobs are not the family's layer's: the values its config.json fixes that they lack, else all that
+    picks a layer as they set it (norm, MLP, experts, latent attention, a rotary share, flags, Qwen2's q/k/v biases)."""
+    needs = [f"{name} {v}" for name, v in family.fixed.items() if name in BY_NAME and getattr(knobs, name) != v]
+    sizes = ("num_experts", "moe_shared_expert_intermediate_size", "kv_lora_rank", "rotary_percent")
+    on = [k.name for k in KNOBS if k.kind == "flag" and not k.impls and k.default is False and getattr(knobs, k.name)]
+    given = [f"norm {knobs.norm}", f"mlp {knobs.mlp}",
+             *(f"{name} {getattr(knobs, name)}" for name in sizes if getattr(knobs, name) is not None),
+             *on, *(["add_qkv_bias"] if getattr(knobs, "add_qkv_bias", False) else [])]
+    return f"{'needs ' + ', '.join(needs) if needs else 'does not run these knobs'} ({', '.join(given)})"

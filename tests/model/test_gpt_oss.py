@@ -12,7 +12,7 @@ from memcalc.model.impls import IMPLEMENTATIONS, left_out, strategies_of
 from memcalc.model.knobs import Accounting, Knobs
 from memcalc.model.strategy import STRATEGIES
 
-GPT_OSS = {"impl": "hf", "norm": "rmsnorm_fp32w", "mlp": "swiglu_clamped", "attention_sinks": True,
+GPT_OSS = {"impl": "hf", "family": "gpt_oss", "norm": "rmsnorm_fp32w", "mlp": "swiglu_clamped", "attention_sinks": True,
            "attention": "eager", "dropout": 0.0, "num_experts": 4, "moe_router_topk": 2}
 SIZES = {"b": 2, "s": 9, "h": 32, "a": 4, "num_query_groups": 2, "kv_channels": 16, "moe_ffn_hidden_size": 32,
          "sliding_window": 5}

@@ -1,6 +1,7 @@
 """Hugging Face transformers: what its decoder layers keep for backward, op by op.
 
-memcalc's config has no model family: the knobs tell transformers' layer classes apart (Llama's, GPT-2's, GPT-NeoX's,
+A config names its transformers family (the `family` knob; memcalc.model.families.layer_family gives the layer, and
+a config that names none Llama's or GPT-2's), and the knobs say what that layer keeps (Llama's, GPT-2's, GPT-NeoX's,
 Cohere's, gpt-oss's and the rest). Where transformers' Python differs from Megatron's fused kernels it keeps more
 (upcasting norms, RoPE's tables, matmul's contiguous copies, written-out GELUs). Each family and each of those
 differences, with the measurements behind them (memcalc/probe/libs/hf.py): docs/impl-notes/hf.md, rendered into
@@ -12,7 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, NamedTuple
 
-from memcalc.model.families import FAMILIES, family_of
+from memcalc.model.families import FAMILIES, check_family, layer_family
 from memcalc.errors import ConfigError
 from memcalc.model import ledger
 from memcalc.model.impls.base import Implementation, Refusal, SizeCondition, SizeRule, always, drop_small
@@ -705,8 +706,7 @@ def _sdpa(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]:
 
 def attention_gathered(knobs: Any) -> bool:
     """Whether the family's tp plan gathers the attention's projections (`Family.gathered`: Phi-3's, OLMo 2's)."""
-    family = family_of(knobs)
-    return family is not None and "attention" in family.gathered
+    return "attention" in layer_family(knobs).gathered
 
 
 def _eager(knobs: Any) -> tuple[SavedTensor, ...]:
@@ -912,9 +912,9 @@ def check(knobs: Any) -> None:
                           " (its gradient checkpointing)")
     if knobs.gqa and not is_llama(knobs) and not is_starcoder2(knobs) \
             and not (is_falcon(knobs) and (knobs.num_query_groups == 1 or knobs.fused_qkv)):
-        raise ConfigError(f"impl hf: {_layer(knobs)} has no grouped-query attention (FalconDecoderLayer: multi_query,"
-                          " num_query_groups 1, or new_decoder_architecture's groups with fused_qkv); leave"
-                          " num_query_groups unset")
+        raise ConfigError(f"impl hf: {layer_family(knobs).layer} has no grouped-query attention (FalconDecoderLayer:"
+                          " multi_query, num_query_groups 1, or new_decoder_architecture's groups with fused_qkv);"
+                          " leave num_query_groups unset")
     _check_falcon(knobs)
     _check_bloom(knobs)
     if knobs.bias_activation_fusion:
@@ -943,15 +943,7 @@ def check(knobs: Any) -> None:
     _check_gpt_oss(knobs)
     _check_qwen3(knobs)
     check_latent(knobs)
-    if family_of(knobs) is None:
-        raise ConfigError(f"impl hf: no transformers layer runs norm {knobs.norm} and mlp {knobs.mlp} with these knobs"
-                          " (GemmaDecoderLayer has no experts, QK norm or latent attention)")
-
-
-def _layer(knobs: Any) -> str:
-    """The transformers layer these knobs run (after the norm/mlp check)."""
-    family = family_of(knobs)
-    return family.layer if family is not None else "no transformers layer"
+    check_family(knobs)
 
 
 def _check_neox(knobs: Any) -> None:
@@ -1097,7 +1089,8 @@ def check_sizes(config: Any) -> None:
     """torch._grouped_mm, transformers' default experts path, takes only strides of whole 16-byte runs (aten's
     GroupedMMUtils.h, check_valid_strides_and_return_transposed, on the CPU and CUDA alike): h and each rank's
     expert width e/t must be multiples of 16 bytes' worth of elements. GPT-J's interleaved RoPE pairs channels:
-    its rotary_dim, d_r = int(d * rotary_percent), must be even and not 0."""
+    its rotary_dim, d_r = int(d * rotary_percent), must be even and not 0. A MoE family's model has its experts."""
+    check_family(config, model=True)
     if is_gptj(config):
         _check_rotary_pairs(config)
     if not config.moe or config.experts_implementation != "grouped_mm":
@@ -1251,9 +1244,7 @@ def unsharded(knobs: Any) -> frozenset[str]:
 def _gathered(knobs: Any) -> frozenset[str]:
     """The tensors of the blocks the family's plan runs whole on every rank ("colwise_gather_output"): the attention
     (both cores, on either device, and the b = 1 fused output) or the MLP, less o_proj's and down_proj's inputs."""
-    family = family_of(knobs)
-    if family is None:
-        return frozenset()
+    family = layer_family(knobs)
     blocks = {"attention": lambda: (*(x for d in ("cpu", "cuda") for x in attention_block(knobs, Accounting(device=d))),
                                     ledger.K, ledger.V, NEOX_QKV_OUT),  # and what REPEAT_KV keeps at b = 1
               "mlp": lambda: mlp_block(knobs)}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from memcalc.model.families import FAMILIES
+from memcalc.model.families import FAMILIES, layer_family
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ProbeError
 from memcalc.model.strategy import Strategy
@@ -18,9 +18,9 @@ from memcalc.probe import require_torch
 from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.layer import DTYPES
 from memcalc.probe.libs import hf_tp
-from memcalc.probe.libs.hf import llama_config, model_family, routing
+from memcalc.probe.libs.hf import llama_config, routing
 from memcalc.probe.libs.hf_shim import cuda_like_dropout
-from memcalc.probe.step import BATCH_SEED, StepMeasurement, Trainer, measure_trainer, own_model
+from memcalc.probe.step import BATCH_SEED, StepMeasurement, Trainer, measure_trainer
 
 torch = require_torch()
 import transformers  # noqa: E402  (memcalc[hf])
@@ -70,9 +70,8 @@ def checkpointed(model: Any, config: ModelConfig) -> None:
 
 
 def stepped_family(config: ModelConfig) -> str:
-    """The family whose model --step builds: Llama's for a dense layer, Qwen2's with add_qkv_bias, Qwen3's with
-    qk_layernorm, Gemma's with its norm, Phi-3's with fused_qkv, the MoE family's with experts."""
-    family = model_family(config) if own_model(config) else "llama"
+    """The family whose model --step builds: the config's (memcalc.model.families.layer_family)."""
+    family = layer_family(config).name
     if family not in _STEPPED:
         raise ProbeError(f"impl hf: --step builds Llama's, Qwen3's, Gemma's, Gemma 2's, Phi-3's, Mixtral's, Qwen2-MoE's"
                          f" or Qwen3-MoE's model; these knobs are {family}'s")

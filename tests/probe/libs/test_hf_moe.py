@@ -34,11 +34,11 @@ from . import assert_exact, assert_within_bounds  # noqa: E402
 SIZES = {"b": 2, "s": 8, "h": 32, "a": 4, "num_query_groups": 2, "impl": "hf", "attention": "eager",
          "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32}
 PATHS = ("grouped_mm", "eager")  # experts_implementation: transformers' default first
-MIXTRAL = {}
-QWEN2_MOE = {"moe_shared_expert_intermediate_size": 16, "add_qkv_bias": True, "moe_router_pre_softmax": True}
-QWEN3_MOE = {"qk_layernorm": True, "kv_channels": 16}  # Qwen2-MoE's router and experts, no shared expert
+MIXTRAL = {"family": "mixtral"}
+QWEN2_MOE = {"family": "qwen2_moe", "moe_shared_expert_intermediate_size": 16, "add_qkv_bias": True, "moe_router_pre_softmax": True}
+QWEN3_MOE = {"family": "qwen3_moe", "qk_layernorm": True, "kv_channels": 16}  # Qwen2-MoE's router and experts, no shared expert
 # DeepseekV3DecoderLayer: latent attention, a sigmoid router over 8 experts in 2 groups, one shared expert
-DEEPSEEK_V3 = {"num_query_groups": None, "num_experts": 8, "moe_shared_expert_intermediate_size": 32,
+DEEPSEEK_V3 = {"family": "deepseek_v3", "num_query_groups": None, "num_experts": 8, "moe_shared_expert_intermediate_size": 32,
                "moe_router_score_function": "sigmoid", "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 4,
                "qk_nope_head_dim": 8, "v_head_dim": 8}
 NONE = STRATEGIES["none"]
@@ -155,7 +155,7 @@ def _tp_rows(knobs: dict, route: str | None, t: int = 2, mode: str = "fake", den
     spawned rank); `dense` a mix's dense layer."""
     config = build_config(SIZES | knobs | {"t": t})
     prediction = estimate(config, TP, CPU)
-    per_rank = run(runner.record_layer, (config, TP, None, route, dense), mode=mode, t=t)
+    per_rank = run(runner.record_layer, (config, TP, route, dense), mode=mode, t=t)
     expected = replace(prediction, tensors=prediction.dense) if dense else prediction
     return [compare(expected, saved) for saved in per_rank]
 
