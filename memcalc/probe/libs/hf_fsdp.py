@@ -135,7 +135,7 @@ def warmed_up_sharded(tp: TensorParallelGroup, config: ModelConfig, route: str |
         raise ProbeError(f"the fake group has {tp.size} ranks, not dp_replicate*dp_shard*t={replicas}*{shards}*"
                          f"{config.t}")
     torch.manual_seed(BATCH_SEED)
-    family = stepped_family(config)  # Llama's, Qwen3's with qk_layernorm, or the MoE family's
+    family = stepped_family(config)  # the config's
     if config.moe and route is None:
         raise ProbeError("impl hf: --step on experts forces the router (--route balanced or all-to-one)")
     hf_config = llama_config(config, family)

@@ -3,7 +3,7 @@
 
 The model is built from memcalc's config as the layer probe builds its layer (nothing is downloaded) and trained as
 `memcalc.probe.step` trains memcalc's own GPT, with transformers' own loss. How it is built, laid out under tp, which
-family each knob picks, and why `use_cache` is off: docs/probe.md, "transformers' model under `--step`".
+family's model it builds, and why `use_cache` is off: docs/probe.md, "transformers' model under `--step`".
 """
 
 from __future__ import annotations
