@@ -47,8 +47,7 @@ config_option = click.option(
 
 hf_config_option = click.option(
     "--hf-config", "hf_config_path", type=click.Path(path_type=Path), default=None,
-    help="A Hugging Face config.json (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-2, GPT-NeoX,"
-    " DeepSeek-V3, and DeepSeek-V2's latent attention with a dense MLP) instead of --config.",
+    help="A Hugging Face config.json (of a family `memcalc hf-families` lists) instead of --config.",
 )
 
 expert_options = _stack(  # EXPERT_FLAGS

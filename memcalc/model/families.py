@@ -801,17 +801,19 @@ UNREAD: dict[str, str] = {
 # The family a config that names none runs under --impl hf: the first of these whose layer has its norm and MLP (the
 # seed's LayerNorm and GELU are GPT-2's). Any other family's layer runs only where the config names it.
 UNNAMED = ("llama", "gpt2")
+# The knobs that pick a transformers layer, as a refusal names them (with add_qkv_bias, a config's Qwen2 biases).
+_PICKS = ("norm", "mlp", "num_experts", "moe_shared_expert_intermediate_size", "kv_lora_rank", "rotary_percent",
+          *(k.name for k in KNOBS if k.kind == "flag" and not k.impls and k.default is False), "add_qkv_bias")
 
 
 def layer_family(knobs: Any) -> Family:
     """The family whose transformers layer runs these knobs: the one they name (or the one whose layer that one runs,
     `runs_as`); where they name none, the first of `UNNAMED` with their norm and MLP, else Llama's."""
-    named = knobs.family or next((n for n in UNNAMED if _has_norm_and_mlp(FAMILIES[n], knobs)), UNNAMED[0])
-    family = FAMILIES[named]
+    family = FAMILIES[knobs.family or next((n for n in UNNAMED if _runs_norm_and_mlp(FAMILIES[n], knobs)), "llama")]
     return FAMILIES[family.runs_as] if family.runs_as else family
 
 
-def _has_norm_and_mlp(family: Family, knobs: Any) -> bool:
+def _runs_norm_and_mlp(family: Family, knobs: Any) -> bool:
     return family.norm == knobs.norm and knobs.mlp in family.mlps
 
 
@@ -823,24 +825,14 @@ def check_name(knobs: Any) -> None:
 
 
 def check_family(knobs: Any, model: bool = False) -> None:
-    """ConfigError (under --impl hf, which runs the family's layer) for knobs that layer does not run: one line, never
-    another family's layer guessed in its place. A knob set without experts may be a dense layer of a MoE family's
-    model (`Knobs.dense`), which the `model`'s own check (its config's) holds to the family's."""
+    """ConfigError (--impl hf) for knobs the family's layer does not run, in one line, never another layer guessed in
+    its place; a knob set without experts may be a MoE `model`'s dense layer (`Knobs.dense`), its config checked."""
     family = layer_family(knobs)
     dense_layer = not model and family.router is not None and not knobs.moe
-    if not _has_norm_and_mlp(family, knobs) or not (dense_layer or family.when(knobs)):
+    if not _runs_norm_and_mlp(family, knobs) or not (dense_layer or family.when(knobs)):
         named = f"family {knobs.family}" if knobs.family else "a config that names no family"
-        raise ConfigError(f"impl hf: {named} runs transformers' {family.layer}, which {_unlike(family, knobs)}; name"
+        needs = [f"{n} {v}" for n, v in family.fixed.items() if n in BY_NAME and getattr(knobs, n) != v]
+        given = [f"{n} {v}" for n in _PICKS if (v := getattr(knobs, n, None)) not in (None, False)]
+        why = f"needs {', '.join(needs)}" if needs else "does not run these knobs"
+        raise ConfigError(f"impl hf: {named} runs transformers' {family.layer}, which {why} ({', '.join(given)}); name"
                           " the family whose layer it is (family, --family: `memcalc hf-families` lists them)")
-
-
-def _unlike(family: Family, knobs: Any) -> str:
-    """Why the knobs are not the family's layer's: the values its config.json fixes that they lack, else all that
-    picks a layer as they set it (norm, MLP, experts, latent attention, a rotary share, flags, Qwen2's q/k/v biases)."""
-    needs = [f"{name} {v}" for name, v in family.fixed.items() if name in BY_NAME and getattr(knobs, name) != v]
-    sizes = ("num_experts", "moe_shared_expert_intermediate_size", "kv_lora_rank", "rotary_percent")
-    on = [k.name for k in KNOBS if k.kind == "flag" and not k.impls and k.default is False and getattr(knobs, k.name)]
-    given = [f"norm {knobs.norm}", f"mlp {knobs.mlp}",
-             *(f"{name} {getattr(knobs, name)}" for name in sizes if getattr(knobs, name) is not None),
-             *on, *(["add_qkv_bias"] if getattr(knobs, "add_qkv_bias", False) else [])]
-    return f"{'needs ' + ', '.join(needs) if needs else 'does not run these knobs'} ({', '.join(given)})"

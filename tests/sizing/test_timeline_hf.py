@@ -59,7 +59,7 @@ def test_backward_leaves_only_the_batch_and_the_loss_behind():
     ({"recompute": "full", "zero_stage": 2}, "recompute full \\(gradient checkpointing\\) with zero_stage"),
     ({"add_bias_linear": True}, "add_bias_linear"),
     ({"family": "qwen2", "add_qkv_bias": True, "dp_shard": 2}, "dp_shard or zero_stage with add_qkv_bias"),
-    ({"norm": "layernorm", "mlp": "gelu", "num_query_groups": None}, "norm layernorm with mlp gelu"),
+    ({"norm": "layernorm", "mlp": "gelu", "num_query_groups": None}, "gpt2's model"),
     ({"position_embedding_type": "learned_absolute"}, "position_embedding_type learned_absolute"),
     ({"dtype": "fp32"}, "dtype fp32"),
 ])
@@ -250,7 +250,7 @@ def test_gemma_under_tp_is_refused_by_name():
 
 @pytest.mark.parametrize("changes, named", [
     ({"family": "gemma2", "sandwich_norm": True, "attention": "flash"}, "attention flash in Gemma 2's model"),
-    ({"family": "gemma3_text", "sandwich_norm": True, "qk_layernorm": True}, "Gemma 3's model"),
+    ({"family": "gemma3_text", "sandwich_norm": True, "qk_layernorm": True}, "gemma3_text's model"),
 ], ids=str)
 def test_what_the_gemma_walk_leaves_out_is_refused_by_name(changes, named):
     with pytest.raises(ConfigError, match=f"does not model {named}"):

@@ -26,10 +26,6 @@ torch = require_torch()
 import transformers  # noqa: E402  (memcalc[hf])
 
 
-# The families whose model --step builds (FAMILIES' first architecture), as memcalc.probe.libs.hf reads the config.
-_STEPPED = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma", "gemma2", "phi3")
-
-
 def measure_hf_step_on_rank(
     tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, route: str | None = None,
 ) -> StepMeasurement:
@@ -46,7 +42,7 @@ def warmed_up(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, 
     if tp.size > 1 and config.tie_embeddings:
         raise ProbeError("impl hf: transformers' apply_tensor_parallelism cannot lay out tied embeddings (it looks"
                          " lm_head.weight up among named_parameters(), which name a tied weight once); untie them")
-    family = stepped_family(config)
+    family = layer_family(config).name  # one the step timeline walks (timeline.hf.WALKED refuses the rest before)
     if config.moe and route is None:
         raise ProbeError("impl hf: --step on experts forces the router (--route balanced or all-to-one)")
     hf_config = llama_config(config, family)
@@ -67,15 +63,6 @@ def checkpointed(model: Any, config: ModelConfig) -> None:
     calls the same), a non-reentrant torch.utils.checkpoint around each decoder layer's forward, early stop on."""
     if config.recompute == "full":
         model.activation_checkpointing_enable()
-
-
-def stepped_family(config: ModelConfig) -> str:
-    """The family whose model --step builds: the config's (memcalc.model.families.layer_family)."""
-    family = layer_family(config).name
-    if family not in _STEPPED:
-        raise ProbeError(f"impl hf: --step builds Llama's, Qwen3's, Gemma's, Gemma 2's, Phi-3's, Mixtral's, Qwen2-MoE's"
-                         f" or Qwen3-MoE's model; these knobs are {family}'s")
-    return family
 
 
 def model_loss(model: Any, tokens: torch.Tensor, labels: torch.Tensor, family: str, route: str | None = None,

@@ -472,6 +472,13 @@ FAMILY_STEPS = [
 ]
 
 
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_mistrals_own_model_without_a_window_steps_as_the_llama_walk_says_to_the_byte(one_thread, attention):
+    """family mistral builds MistralForCausalLM, Llama's model under another name (a window is refused before)."""
+    r = _exact_step(make_config(LLAMA, attention=attention, family="mistral", b=1, s=13), "none")
+    assert r.model.startswith("transformers' MistralForCausalLM")
+
+
 SOFTCAPPED = {"final_logit_softcapping": 30.0}  # Gemma2ForCausalLM's logits: c * tanh(logits / c)
 
 
