@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from memcalc.errors import ConfigError
-from memcalc.model.knobs import BY_NAME, KNOBS, Mlp
+from memcalc.model.knobs import Mlp
 from memcalc.text import short_repr
 
 # transformers' GELU activations (ACT2CLS names) and memcalc's MLP choice for each: the tanh
@@ -642,22 +642,9 @@ _GPT_OSS = (
 )
 
 
-def _dense(k: Any) -> bool:
-    """A Llama-family layer with a dense MLP and plain multi-head or grouped-query attention (separate q, k, v),
-    rotating whole heads (a rotary fraction in such a layer is GLM's)."""
-    return not k.moe and not k.mla and not k.qk_layernorm and not k.fused_qkv and k.rotary_percent is None
-
-
-def _glm(k: Any) -> bool:
-    """GLM's layer: an RMSNorm layer rotating a share of each head (rotary_percent), dense, q, k and v separate,
-    without QK norms."""
-    return k.rotary_percent is not None and not k.moe and not k.mla and not k.qk_layernorm and not k.fused_qkv
-
-
-def _llama(k: Any) -> bool:
-    """Llama's layer (Mistral's too): dense, q, k and v separate, whole heads rotated; no q/k/v biases, which are
-    Qwen2's (add_qkv_bias, a config field a knob set alone does not carry)."""
-    return _dense(k) and not getattr(k, "add_qkv_bias", False)
+def _rotates(k: Any) -> bool:
+    """GPT-NeoX's, GLM's and GPT-J's layers rotate a share of each head: rotary_percent set."""
+    return k.rotary_percent is not None
 
 
 @dataclass(frozen=True)
@@ -668,8 +655,8 @@ class Family:
     `name` is config.json's model_type (and transformers' models/<name> package); `config_class` the class whose
     `save_pretrained` writes that config.json, and whose `attribute_map` (copied here, checked against the class by
     tests/config/test_hf_families.py) renames a field before it is read, as the class's own __init__ does. `when`
-    says which knobs the family's layer runs, beside its `norm` and `mlps` (`check_family`); None: the family is read
-    but its knobs run another family's layer (`runs_as`)."""
+    is what its layer needs beyond `fixed` values (`check_family`: a layer has only the knobs its table fixes or reads);
+    `runs_as` a family whose layer another's runs."""
 
     name: str
     config_class: str
@@ -679,7 +666,7 @@ class Family:
     fixed: dict[str, Any] = field(default_factory=dict)
     norm: str = "rmsnorm"
     mlps: tuple[str, ...] = ("swiglu",)
-    when: Callable[[Any], bool] | None = None
+    when: Callable[[Any], bool] = lambda k: True
     runs_as: str | None = None
     router: str | None = None  # a MoE family's router class (the probe's --route forces it)
     attribute_map: dict[str, str] = field(default_factory=dict)
@@ -704,78 +691,67 @@ _EXPERTS = {"num_experts": "num_local_experts"}  # Mixtral's, Qwen3-MoE's and gp
 FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
-        Family("llama", "LlamaConfig", "LlamaDecoderLayer", ("LlamaForCausalLM",), _LLAMA_HEADS, _ROPE, when=_llama),
-        Family("mistral", "MistralConfig", "MistralDecoderLayer", ("MistralForCausalLM",), _MISTRAL, _ROPE,
-               when=_llama),
+        Family("llama", "LlamaConfig", "LlamaDecoderLayer", ("LlamaForCausalLM",), _LLAMA_HEADS, _ROPE),
+        Family("mistral", "MistralConfig", "MistralDecoderLayer", ("MistralForCausalLM",), _MISTRAL, _ROPE),
         Family("qwen2", "Qwen2Config", "Qwen2DecoderLayer", ("Qwen2ForCausalLM",), _QWEN2,
-               _ROPE | {"add_qkv_bias": True}, when=_dense),  # Q, K, V carry biases
+               _ROPE | {"add_qkv_bias": True}),  # Q, K, V carry biases
         Family("qwen3", "Qwen3Config", "Qwen3DecoderLayer", ("Qwen3ForCausalLM",), _QWEN3,
-               _ROPE | {"qk_layernorm": True}, when=lambda k: k.qk_layernorm and not k.moe and not k.mla),
+               _ROPE | {"qk_layernorm": True}),
         Family("mixtral", "MixtralConfig", "MixtralDecoderLayer", ("MixtralForCausalLM",), _MIXTRAL, _ROPE,
-               when=lambda k: k.moe and not k.moe_shared_expert_intermediate_size and not k.qk_layernorm
-               and not k.mla, router="MixtralTopKRouter", attribute_map=_EXPERTS),
+               when=lambda k: k.moe, router="MixtralTopKRouter", attribute_map=_EXPERTS),
         Family("qwen2_moe", "Qwen2MoeConfig", "Qwen2MoeDecoderLayer", ("Qwen2MoeForCausalLM",), _QWEN2_MOE, _ROPE,
-               when=lambda k: k.moe and bool(k.moe_shared_expert_intermediate_size) and not k.mla,
-               router="Qwen2MoeTopKRouter"),
+               when=lambda k: k.moe and bool(k.moe_shared_expert_intermediate_size), router="Qwen2MoeTopKRouter"),
         Family("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeDecoderLayer", ("Qwen3MoeForCausalLM",), _QWEN3_MOE,
-               _ROPE | {"qk_layernorm": True}, when=lambda k: k.moe and k.qk_layernorm and not k.mla,
-               router="Qwen3MoeTopKRouter", attribute_map=_EXPERTS),
+               _ROPE | {"qk_layernorm": True}, when=lambda k: k.moe, router="Qwen3MoeTopKRouter",
+               attribute_map=_EXPERTS),
         Family("gemma", "GemmaConfig", "GemmaDecoderLayer", ("GemmaForCausalLM",), _GEMMA, _ROPE,
-               norm="rmsnorm_1p", mlps=("geglu_tanh",), when=lambda k: _dense(k) and not k.sandwich_norm),
+               norm="rmsnorm_1p", mlps=("geglu_tanh",)),
         Family("gemma2", "Gemma2Config", "Gemma2DecoderLayer", ("Gemma2ForCausalLM",),
                (*(r for r in _GEMMA if r.target != "mlp"), *_GEMMA2_ONLY), _ROPE | {"sandwich_norm": True},
-               norm="rmsnorm_1p", mlps=("geglu_tanh",), when=lambda k: _dense(k) and k.sandwich_norm),
+               norm="rmsnorm_1p", mlps=("geglu_tanh",)),
         Family("gemma3_text", "Gemma3TextConfig", "Gemma3DecoderLayer", ("Gemma3ForCausalLM",), _GEMMA3,
                _ROPE | {"sandwich_norm": True, "qk_layernorm": True}, norm="rmsnorm_1p", mlps=("geglu_tanh",),
-               when=lambda k: k.sandwich_norm and k.qk_layernorm and not k.moe and not k.mla, package="gemma3"),
-        Family("olmo", "OlmoConfig", "OlmoDecoderLayer", ("OlmoForCausalLM",), _OLMO, _ROPE,
-               norm="layernorm_np", when=_dense),
+               package="gemma3"),
+        Family("olmo", "OlmoConfig", "OlmoDecoderLayer", ("OlmoForCausalLM",), _OLMO, _ROPE, norm="layernorm_np"),
         Family("gpt2", "GPT2Config", "GPT2Block", ("GPT2LMHeadModel",), _GPT2,
                {"position_embedding_type": "learned_absolute"}, norm="layernorm", mlps=("gelu", "gelu_tanh"),
-               when=lambda k: k.rotary_percent is None and not k.parallel_residual and not k.alibi
-                              and not k.fused_qkv,
                attribute_map={"hidden_size": "n_embd", "max_position_embeddings": "n_positions",
                               "num_attention_heads": "n_head", "num_hidden_layers": "n_layer"}),
         Family("gpt_neox", "GPTNeoXConfig", "GPTNeoXLayer", ("GPTNeoXForCausalLM",), _GPT_NEOX,
                _ROPE | {"fused_qkv": True}, norm="layernorm", mlps=("gelu", "gelu_tanh"),
-               when=lambda k: k.rotary_percent is not None and k.fused_qkv and not k.single_norm),
+               when=_rotates),
         Family("deepseek_v2", "DeepseekV2Config", "DeepseekV2DecoderLayer", ("DeepseekV2ForCausalLM",), _DEEPSEEK,
                _ROPE, runs_as="deepseek_v3", attribute_map={"num_experts": "n_routed_experts"}),
         Family("deepseek_v3", "DeepseekV3Config", "DeepseekV3DecoderLayer", ("DeepseekV3ForCausalLM",),
                _DEEPSEEK_V3, _ROPE, when=lambda k: k.mla, router="DeepseekV3TopkRouter",
                attribute_map={"num_local_experts": "n_routed_experts", "num_mtp_layers": "num_nextn_predict_layers"}),
         Family("phi3", "Phi3Config", "Phi3DecoderLayer", ("Phi3ForCausalLM",), _PHI3, _ROPE | {"fused_qkv": True},
-               when=lambda k: k.fused_qkv and not k.moe and not k.mla and not k.qk_layernorm,
                gathered=("attention", "mlp")),
         Family("olmo2", "Olmo2Config", "Olmo2DecoderLayer", ("Olmo2ForCausalLM",), _OLMO2,
-               _ROPE | {"post_norm": True, "qk_layernorm": True}, norm="rmsnorm_fp32w",
-               when=lambda k: k.post_norm and not k.moe and not k.mla, gathered=("attention",)),
+               _ROPE | {"post_norm": True, "qk_layernorm": True}, norm="rmsnorm_fp32w", gathered=("attention",)),
         Family("falcon", "FalconConfig", "FalconDecoderLayer", ("FalconForCausalLM",), _FALCON, _ROPE,
                norm="layernorm", mlps=("gelu", "gelu_tanh"),
-               when=lambda k: k.parallel_residual and k.rotary_percent is None and not k.alibi),
+               when=lambda k: k.parallel_residual),
         Family("bloom", "BloomConfig", "BloomBlock", ("BloomForCausalLM",), _BLOOM,
                {"position_embedding_type": "alibi", "alibi": True, "mlp": "gelu_tanh", "add_bias_linear": True},
-               norm="layernorm", mlps=("gelu_tanh",), when=lambda k: k.alibi,
+               norm="layernorm", mlps=("gelu_tanh",),
                attribute_map={"num_hidden_layers": "n_layer", "num_attention_heads": "n_head"}),
-        Family("glm", "GlmConfig", "GlmDecoderLayer", ("GlmForCausalLM",), _GLM, _ROPE,
-               when=lambda k: _glm(k) and not k.sandwich_norm, gathered=("mlp",)),
+        Family("glm", "GlmConfig", "GlmDecoderLayer", ("GlmForCausalLM",), _GLM, _ROPE, when=_rotates,
+               gathered=("mlp",)),
         Family("glm4", "Glm4Config", "Glm4DecoderLayer", ("Glm4ForCausalLM",), _GLM, _ROPE | {"sandwich_norm": True},
-               when=lambda k: _glm(k) and k.sandwich_norm, gathered=("mlp",)),
+               when=_rotates, gathered=("mlp",)),
         Family("starcoder2", "Starcoder2Config", "Starcoder2DecoderLayer", ("Starcoder2ForCausalLM",), _STARCODER2,
-               _ROPE | {"rotary_percent": 1.0}, norm="layernorm", mlps=("gelu", "gelu_tanh"),
-               when=lambda k: k.rotary_percent is not None and not k.fused_qkv and not k.parallel_residual),
+               _ROPE | {"rotary_percent": 1.0}, norm="layernorm", mlps=("gelu", "gelu_tanh")),
         Family("gptj", "GPTJConfig", "GPTJBlock", ("GPTJForCausalLM",), _GPTJ,
                _ROPE | {"parallel_residual": True, "single_norm": True}, norm="layernorm", mlps=("gelu", "gelu_tanh"),
-               when=lambda k: k.single_norm and k.rotary_percent is not None and not k.fused_qkv,
+               when=_rotates,
                attribute_map={"max_position_embeddings": "n_positions", "hidden_size": "n_embd",
                               "num_attention_heads": "n_head", "num_hidden_layers": "n_layer"}),
         Family("cohere", "CohereConfig", "CohereDecoderLayer", ("CohereForCausalLM",), _COHERE,
-               _ROPE | {"parallel_residual": True, "single_norm": True}, norm="layernorm_nb",
-               when=lambda k: k.single_norm and not k.moe and not k.mla and not k.fused_qkv
-               and k.rotary_percent is None),
+               _ROPE | {"parallel_residual": True, "single_norm": True}, norm="layernorm_nb"),
         Family("gpt_oss", "GptOssConfig", "GptOssDecoderLayer", ("GptOssForCausalLM",), _GPT_OSS,
                _ROPE | {"mlp": "swiglu_clamped", "attention_sinks": True, "attention": "eager"},
-               norm="rmsnorm_fp32w", mlps=("swiglu_clamped",), when=lambda k: k.attention_sinks,
+               norm="rmsnorm_fp32w", mlps=("swiglu_clamped",),
                router="GptOssTopKRouter", attribute_map=_EXPERTS),
     )
 }
@@ -801,15 +777,20 @@ UNREAD: dict[str, str] = {
 # The family a config that names none runs under --impl hf: the first of these whose layer has its norm and MLP (the
 # seed's LayerNorm and GELU are GPT-2's). Any other family's layer runs only where the config names it.
 UNNAMED = ("llama", "gpt2")
-# The knobs that pick a transformers layer, as a refusal names them (with add_qkv_bias, a config's Qwen2 biases).
-_PICKS = ("norm", "mlp", "num_experts", "moe_shared_expert_intermediate_size", "kv_lora_rank", "rotary_percent",
-          *(k.name for k in KNOBS if k.kind == "flag" and not k.impls and k.default is False), "add_qkv_bias")
+# The knobs that pick a transformers layer beside its norm and MLP (and add_qkv_bias, a config's Qwen2 biases).
+_PICKS = ("num_experts", "moe_shared_expert_intermediate_size", "kv_lora_rank", "rotary_percent", "qk_layernorm",
+          "sandwich_norm", "parallel_residual", "post_norm", "fused_qkv", "alibi", "single_norm", "attention_sinks",
+          "add_qkv_bias")
+
+
+def _named(knobs: Any) -> Family:
+    """The family the knobs name; where they name none, the first of `UNNAMED` with their norm and MLP, else Llama's."""
+    return FAMILIES[knobs.family or next((n for n in UNNAMED if _runs_norm_and_mlp(FAMILIES[n], knobs)), "llama")]
 
 
 def layer_family(knobs: Any) -> Family:
-    """The family whose transformers layer runs these knobs: the one they name (or the one whose layer that one runs,
-    `runs_as`); where they name none, the first of `UNNAMED` with their norm and MLP, else Llama's."""
-    family = FAMILIES[knobs.family or next((n for n in UNNAMED if _runs_norm_and_mlp(FAMILIES[n], knobs)), "llama")]
+    """The family whose transformers layer runs these knobs: the one they name, or the one whose layer it runs."""
+    family = _named(knobs)
     return FAMILIES[family.runs_as] if family.runs_as else family
 
 
@@ -826,13 +807,17 @@ def check_name(knobs: Any) -> None:
 
 def check_family(knobs: Any, model: bool = False) -> None:
     """ConfigError (--impl hf) for knobs the family's layer does not run, in one line, never another layer guessed in
-    its place; a knob set without experts may be a MoE `model`'s dense layer (`Knobs.dense`), its config checked."""
-    family = layer_family(knobs)
+    its place: a knob its table neither fixes nor reads left at its default, a fixed one at its value, `when` true. A
+    knob set without experts may be a MoE `model`'s dense layer (`Knobs.dense`), its config checked whole."""
+    named, family = _named(knobs), layer_family(knobs)
+    read = {row.target for row in named.rows} | named.fixed.keys()
+    needs = [f"needs {n} {v}" for n, v in named.fixed.items() if n in ("mlp", *_PICKS) and getattr(knobs, n, v) != v]
+    has = [f"has no {n}" for n in _PICKS if n not in read and getattr(knobs, n, None) not in (None, False)]
     dense_layer = not model and family.router is not None and not knobs.moe
-    if not _runs_norm_and_mlp(family, knobs) or not (dense_layer or family.when(knobs)):
-        named = f"family {knobs.family}" if knobs.family else "a config that names no family"
-        needs = [f"{n} {v}" for n, v in family.fixed.items() if n in BY_NAME and getattr(knobs, n) != v]
-        given = [f"{n} {v}" for n in _PICKS if (v := getattr(knobs, n, None)) not in (None, False)]
-        why = f"needs {', '.join(needs)}" if needs else "does not run these knobs"
-        raise ConfigError(f"impl hf: {named} runs transformers' {family.layer}, which {why} ({', '.join(given)}); name"
-                          " the family whose layer it is (family, --family: `memcalc hf-families` lists them)")
+    if not _runs_norm_and_mlp(family, knobs) or needs or has or not (dense_layer or family.when(knobs)):
+        who = f"family {knobs.family}" if knobs.family else "a config that names no family"
+        given = ", ".join(f"{n} {v}" for n in ("norm", "mlp", *_PICKS)
+                          if (v := getattr(knobs, n, None)) not in (None, False))
+        raise ConfigError(f"impl hf: {who} runs transformers' {family.layer}, which"
+                          f" {', '.join(needs + has) or 'does not run these knobs'} ({given}); name the family whose"
+                          " layer it is (family, --family: `memcalc hf-families` lists them)")

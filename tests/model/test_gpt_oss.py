@@ -75,8 +75,8 @@ def test_gpt_oss_runs_no_tp_and_says_why_in_one_line():
 @pytest.mark.parametrize("knobs, words", [
     ({"attention": "flash"}, "GptOssDecoderLayer runs eager attention only: GptOssPreTrainedModel has _supports_sdpa"
                              " False"),
-    ({"attention_sinks": False}, "attention_sinks and mlp swiglu_clamped are GptOssDecoderLayer's"),
-    ({"mlp": "swiglu"}, "attention_sinks and mlp swiglu_clamped are GptOssDecoderLayer's"),
+    ({"attention_sinks": False}, "GptOssDecoderLayer, which needs attention_sinks True"),
+    ({"mlp": "swiglu"}, "GptOssDecoderLayer, which needs mlp swiglu_clamped"),
     ({"num_experts": None, "moe_ffn_hidden_size": None}, "attention_sinks and mlp swiglu_clamped are"
                                                          " GptOssDecoderLayer's"),
     ({"norm": "rmsnorm"}, "no transformers layer has norm rmsnorm with mlp swiglu_clamped"),

@@ -101,7 +101,7 @@ def test_hf_eager_attention_keeps_what_deepseek_v3_attention_saved_on_the_cpu():
 
 def test_hf_sdpa_with_latent_attention_is_refused_in_one_line():
     with pytest.raises(ConfigError, match="its flash kernel does not run.*use attention eager"):
-        build_config(MLA | {"impl": "hf", "attention": "flash"})
+        build_config(MLA | {"impl": "hf", "family": "deepseek_v2", "attention": "flash"})
 
 
 def test_torchtitan_refuses_latent_attention():

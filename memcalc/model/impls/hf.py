@@ -11,7 +11,7 @@ docs/impl-hf.md.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from memcalc.model.families import FAMILIES, check_family, layer_family
 from memcalc.errors import ConfigError
@@ -566,56 +566,22 @@ def is_llama(knobs: Any) -> bool:
     return knobs.norm in ("rmsnorm", "rmsnorm_1p", "layernorm_np", "rmsnorm_fp32w", "layernorm_nb")
 
 
-def is_cohere(knobs: Any) -> bool:
-    """CohereDecoderLayer: a Llama-family layer (GQA, whole-head RoPE, SwiGLU) whose one CohereLayerNorm feeds the
-    attention and the MLP side by side (single_norm)."""
-    return knobs.norm == "layernorm_nb"
+def _family_is(*names: str) -> Callable[[Any], bool]:
+    """Whether the config's family (memcalc.model.families.layer_family) is one of these: its layer."""
+    return lambda knobs: layer_family(knobs).name in names
 
 
-def is_glm(knobs: Any) -> bool:
-    """GlmDecoderLayer (Glm4DecoderLayer with sandwich norms): an RMSNorm layer rotating a share of each head, its
-    q, k and v separate (Phi-3's are one qkv_proj)."""
-    return knobs.norm == "rmsnorm" and knobs.rotary_percent is not None and not knobs.fused_qkv
-
-
-def is_neox(knobs: Any) -> bool:
-    """GPTNeoXLayer: a LayerNorm layer with (partial) RoPE, rotary_percent set (GPT-2 has no RoPE), whose Q, K and V
-    are views of one query_key_value output (fused_qkv)."""
-    return not is_llama(knobs) and knobs.rotary_percent is not None and knobs.fused_qkv
-
-
-def is_gpt2(knobs: Any) -> bool:
-    """GPT2Block: a LayerNorm layer without RoPE (its learned positions live in the embedding), in sequence (Falcon's
-    runs attention and MLP side by side), without ALiBi (BLOOM's)."""
-    return not is_llama(knobs) and knobs.rotary_percent is None and not knobs.parallel_residual and not knobs.alibi
-
-
-def is_phi3(knobs: Any) -> bool:
-    """Phi3DecoderLayer: an RMSNorm layer whose q, k and v are one qkv_proj (fused_qkv; GPT-NeoX's LayerNorm layer
-    has one too)."""
-    return is_llama(knobs) and knobs.fused_qkv
-
-
-def is_starcoder2(knobs: Any) -> bool:
-    """Starcoder2DecoderLayer: a LayerNorm layer with RoPE (on whole heads) and separate q, k and v projections."""
-    return not is_llama(knobs) and knobs.rotary_percent is not None and not knobs.fused_qkv and not knobs.single_norm
-
-
-def is_gptj(knobs: Any) -> bool:
-    """GPTJBlock: a LayerNorm layer whose one norm feeds the attention and the MLP side by side (single_norm)."""
-    return not is_llama(knobs) and knobs.single_norm and knobs.rotary_percent is not None
-
-
-def is_gpt_oss(knobs: Any) -> bool:
-    """GptOssDecoderLayer: attention sinks (attention_sinks), the clamped GLU in its experts."""
-    return bool(knobs.attention_sinks)
-
-
-def is_falcon(knobs: Any) -> bool:
-    """FalconDecoderLayer (parallel_attn, RoPE on whole heads): a LayerNorm layer with a parallel residual and no
-    rotary fraction; attention and the MLP read its one input_layernorm's output (single_norm), or with
-    new_decoder_architecture (fused_qkv) ln_attn's and ln_mlp's."""
-    return not is_llama(knobs) and knobs.parallel_residual and knobs.rotary_percent is None and not knobs.alibi
+is_cohere = _family_is("cohere")  # CohereDecoderLayer: Llama's attention and SwiGLU side by side on one norm
+is_glm = _family_is("glm", "glm4")  # GlmDecoderLayer (Glm4DecoderLayer: sandwich norms): a share of each head rotated
+is_neox = _family_is("gpt_neox")  # GPTNeoXLayer: a LayerNorm layer, partial RoPE, Q, K, V views of query_key_value
+is_gpt2 = _family_is("gpt2")  # GPT2Block: no RoPE (its learned positions live in the embedding), in sequence
+is_phi3 = _family_is("phi3")  # Phi3DecoderLayer: an RMSNorm layer whose q, k and v are one qkv_proj
+is_starcoder2 = _family_is("starcoder2")  # Starcoder2DecoderLayer: LayerNorm, whole heads rotated, q, k, v apart
+is_gptj = _family_is("gptj")  # GPTJBlock: one LayerNorm read by the attention and the MLP side by side
+is_gpt_oss = _family_is("gpt_oss")  # GptOssDecoderLayer: attention sinks, the clamped GLU in its experts
+# FalconDecoderLayer (parallel_attn, RoPE on whole heads): the attention and the MLP read its one input_layernorm's
+# output (single_norm), or with new_decoder_architecture (fused_qkv) ln_attn's and ln_mlp's.
+is_falcon = _family_is("falcon")
 
 
 def is_falcon_grouped(knobs: Any) -> bool:
@@ -897,10 +863,11 @@ def sandwich_norms(knobs: Any) -> tuple[tuple[SavedTensor, ...], tuple[SavedTens
 
 def check(knobs: Any) -> None:
     """The knob values transformers' layers (memcalc.model.families.FAMILIES) run; ConfigError for the rest."""
-    layers = [f for f in FAMILIES.values() if f.when is not None]
+    layers = [f for f in FAMILIES.values() if f.runs_as is None]
     if not any(f.norm == knobs.norm and knobs.mlp in f.mlps for f in layers):
         runs = ", ".join(f"{f.norm} + {'/'.join(f.mlps)} ({f.layer})" for f in layers)
         raise ConfigError(f"impl hf: no transformers layer has norm {knobs.norm} with mlp {knobs.mlp}; it runs {runs}")
+    check_family(knobs)
     _check_neox(knobs)
     _check_phi3(knobs)
     _check_olmo2(knobs)
@@ -943,7 +910,6 @@ def check(knobs: Any) -> None:
     _check_gpt_oss(knobs)
     _check_qwen3(knobs)
     check_latent(knobs)
-    check_family(knobs)
 
 
 def _check_neox(knobs: Any) -> None:

@@ -217,7 +217,8 @@ def test_two_gloo_ranks_route_alike_and_each_keep_what_rank_zero_of_the_fake_gro
     (MIXTRAL | {"moe_router_score_function": "sigmoid"}, "the sigmoid router is DeepseekV3MoE's"),
     (DEEPSEEK_V3 | {"moe_router_score_function": "softmax"}, "DeepseekV3TopkRouter scores with sigmoid"),
     (DEEPSEEK_V3 | {"moe_shared_expert_intermediate_size": 20}, "must be a multiple of moe_ffn_hidden_size=32"),
-    (QWEN3_MOE | {"moe_shared_expert_intermediate_size": 16}, "Qwen3MoeDecoderLayer, whose sparse block has no"),
+    (QWEN3_MOE | {"moe_shared_expert_intermediate_size": 16},
+     "Qwen3MoeDecoderLayer, which has no moe_shared_expert_intermediate_size"),
     (DEEPSEEK_V3 | {"qk_layernorm": True}, "qk_layernorm with kv_lora_rank"),
     (MIXTRAL | {"t": 2, "moe_ffn_hidden_size": 24}, "moe_ffn_hidden_size/t=24/2=12 is not a multiple of 8:"
                                                    " torch._grouped_mm"),
