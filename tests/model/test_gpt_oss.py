@@ -77,8 +77,7 @@ def test_gpt_oss_runs_no_tp_and_says_why_in_one_line():
                              " False"),
     ({"attention_sinks": False}, "GptOssDecoderLayer, which needs attention_sinks True"),
     ({"mlp": "swiglu"}, "GptOssDecoderLayer, which needs mlp swiglu_clamped"),
-    ({"num_experts": None, "moe_ffn_hidden_size": None}, "attention_sinks and mlp swiglu_clamped are"
-                                                         " GptOssDecoderLayer's"),
+    ({"num_experts": None, "moe_ffn_hidden_size": None}, "every GptOssDecoderLayer is sparse: set num_experts"),
     ({"norm": "rmsnorm"}, "no transformers layer has norm rmsnorm with mlp swiglu_clamped"),
     ({"moe_router_pre_softmax": True}, "GptOssTopKRouter softmaxes the k chosen logits"),
 ])
