@@ -656,7 +656,7 @@ class Family:
     `save_pretrained` writes that config.json, and whose `attribute_map` (copied here, checked against the class by
     tests/config/test_hf_families.py) renames a field before it is read, as the class's own __init__ does. `when`
     is what its layer needs beyond `fixed` values (`check_family`: a layer has only the knobs its table fixes or reads);
-    `runs_as` a family whose layer another's runs."""
+    `runs_as` the family whose layer this one's config runs (DeepSeek-V2's is DeepSeek-V3's)."""
 
     name: str
     config_class: str
