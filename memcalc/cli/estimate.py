@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -15,6 +16,7 @@ from memcalc.config.schema import ModelConfig, config_record
 from memcalc.errors import ConfigError, DoesNotFit
 from memcalc.model.departures import PaperComparison, compare_with_paper
 from memcalc.model.evaluate import LayerEstimate, TensorBytes, estimate
+from memcalc.model.impls import strategies_of
 from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import STRATEGIES, Strategy
 
@@ -59,7 +61,9 @@ def command(
     """
     config = model_from(params)
     accounting = Accounting(exact=exact, device=device)
-    baseline = estimate(config, STRATEGIES["none"], accounting)
+    # no parallelism: where the library's expert ranks are its TP ranks (torchtitan's), without ep too
+    alone = config if "none" in strategies_of(config) else replace(config, ep=1)
+    baseline = estimate(alone, STRATEGIES["none"], accounting)
     results = [
         baseline if n == "none" else estimate(config, STRATEGIES[n], accounting) for n in strategy_names(strategy, config)
     ]

@@ -33,16 +33,17 @@ def run_step(
                           " DeepSpeed's sources, not measured (docs/sharding.md); see it with estimate --totals")
     from memcalc.probe.step import TOLERANCE, measure_step  # needs torch: a one-line ProbeError without it
 
-    results = measure_step(config, strategies, route)
+    results = measure_step(config, strategies, route, device)
     report(results, as_json, lambda: to_json(config, results), lambda: print_steps(config, results, TOLERANCE),
            f"the step's measured memory differs from the timeline by more than {TOLERANCE:.0%}")
 
 
 def _check_flags(device: str, launch: str, backend: str | None, layer: str | None, comm: bool,
                  overlap: str | None) -> None:
-    """--step runs on the CPU in this process (rank 0 of t through the fake group); other flags do not apply."""
-    if device != "cpu":
-        raise ConfigError(f"--step measures with MemTracker on the CPU; --device {device} is not supported with it")
+    """--step runs on the CPU in this process (rank 0 of t through the fake group), with --device cuda as CUDA runs
+    (torchtitan's model); other flags do not apply."""
+    if device == "meta":
+        raise ConfigError("--step measures with MemTracker on the CPU; --device meta is not supported with it")
     given = [flag for flag, value in (
         ("--launch", launch != "auto"), ("--backend", backend), ("--comm", comm), ("--overlap", overlap),
         ("--layer library", layer == "library"),
@@ -82,6 +83,7 @@ def _strategy_json(r: StepComparison) -> dict[str, Any]:
 def print_steps(config: ModelConfig, results: list[StepComparison], tolerance: float) -> None:
     """Per strategy: the peak by category, the moment, the steady state, the largest tensors live at the peak."""
     from memcalc.cli.render import console
+    from memcalc.probe.shims import notes
     from memcalc.sizing.timeline import ACTIVATIONS, TEMPORARIES
     from memcalc.text import for_rich
     from memcalc.units import human_bytes
@@ -104,6 +106,8 @@ def print_steps(config: ModelConfig, results: list[StepComparison], tolerance: f
         console.print("largest activations and temporaries at the peak: " + ", ".join(
             f"{for_rich(x.name)} {human_bytes(x.bytes)}" for x in largest), highlight=False)
         console.print(f"ran as: {r.model}, {r.how()}", highlight=False)
+        for note in notes(config.impl, cuda_step=True) if r.device == "cuda" else ():
+            console.print(f"[dim]shim: {note}[/dim]", highlight=False)
         console.print(verdict(r.matches, f"the peak and every category within {tolerance:.0%}"))
 
 

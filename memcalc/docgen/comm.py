@@ -27,7 +27,9 @@ def render() -> str:
         " Do not edit by hand. -->",
         "",
         "`memcalc comm` lists every collective the seed's operators f, f*, g, g* issue in one layer, forward and"
-        " backward, with the bytes one rank sends under the ring algorithm, and a MoE layer's (below);"
+        " backward, with the bytes one rank sends under the ring algorithm, and a MoE layer's (below). They follow from"
+        " the implementation's TP plan (`memcalc/model/tp_plan.py`, shown on each impl page): each column/row-parallel"
+        " pair issues f (tp) or g (tp-sp) at its colwise modules' entry and f* or g* at its rowwise module's exit."
         " `memcalc measure --comm` logs the collectives a layer really issues (memcalc's own with `--layer memcalc`,"
         " megatron-core's with `--layer library`; at the torch.distributed API) and compares them, one by one, in"
         " order.",

@@ -2,9 +2,9 @@
 
 Each page says which library and version the rules were measured on, which
 layouts the library runs (and, from its declared refusals, which it does not
-under which knobs, and why), what its layer keeps that the paper's (Megatron's)
-layer with the same knobs does not (and the reverse), which tensors it keeps
-gathered under sequence parallelism, the hand-written account of what its layer
+under which knobs, and why), its TP plan, what its layer keeps that the paper's
+(Megatron's) layer with the same knobs does not (and the reverse), which tensors
+it keeps gathered under sequence parallelism, the hand-written account of what its layer
 keeps and why (docs/impl-notes/<name>.md, too long for the module's docstring),
 and its per-layer formulas, text and LaTeX, for the library's own default knobs.
 The measured tables live beside it, in docs/measured-<name>.md, as pasted
@@ -47,7 +47,8 @@ def render(impl: Implementation) -> str:
 def _intro(impl: Implementation, knobs: Knobs) -> str:
     from memcalc.cli.render import describe_knobs
 
-    whole = ", ".join(f"`{n}`" for n in sorted(impl.kept_whole)) or "none"
+    tp_plan = impl.tp_plan(knobs)
+    whole = ", ".join(f"`{n}`" for n in sorted(tp_plan.kept_whole())) or "none"
     return "\n".join([
         f"# `--impl {impl.name}`: {impl.title}",
         "",
@@ -61,6 +62,8 @@ def _intro(impl: Implementation, knobs: Knobs) -> str:
         f"Tensors a sequence-parallel layout keeps gathered (whole sequence): {whole}.",
         "",
         f"Its defaults (what `impl: {impl.name}` sets unless the config says otherwise): {describe_knobs(knobs)}.",
+        f"Its TP plan for them, module by module: {', '.join(f'`{r.module}` {r.style.value}' for r in tp_plan.rules)}"
+        " (memcalc/model/tp_plan.py; a colwise module's entry issues f or g, a rowwise module's exit f* or g*).",
         *([f"Measured per-tensor tables: [measured-{impl.name}.md](measured-{impl.name}.md)."]
           if (DOCS / f"measured-{impl.name}.md").exists() else []),
     ])

@@ -1,9 +1,10 @@
 """The communication ledger: every collective a layer's f, f*, g, g* issue, and the bytes each rank sends.
 
-Built like the activation ledger, beside it. A tensor-parallel block enters and
-leaves the column/row-parallel pair through one conjugate pair of operators
-(SEED.md section 4), and each operator's forward and backward is a collective
-(or nothing):
+Derived from the implementation's TP plan (memcalc.model.tp_plan), beside the
+activation ledger. A tensor-parallel block enters its column/row-parallel pair
+at a colwise module and leaves it at a rowwise one, through one conjugate pair
+of operators (SEED.md section 4), and each operator's forward and backward is a
+collective (or nothing):
 
     f  (enter, tp)      forward -                 backward all-reduce of dX
     f* (leave, tp)      forward all-reduce of Y   backward -
@@ -12,10 +13,10 @@ leaves the column/row-parallel pair through one conjugate pair of operators
 
 Under SP, Megatron's column-parallel linear keeps only its input's sequence
 shard, so its backward all-gathers the input once more to form dW = X^T dY (the
-seed's overlapped re-gather); an implementation that keeps the gathered input
-(torchtitan's DTensor plan) skips it. Full recomputation reruns the forward in
-backward, collectives included. Every collective of a dense layer moves a
-(b, s, h) tensor of the activation dtype.
+seed's overlapped re-gather); a plan whose colwise module keeps the gathered
+input (torchtitan's DTensor plan) skips it. Full recomputation reruns the
+forward in backward, collectives included. Every collective of a dense layer
+moves a (b, s, h) tensor of the activation dtype.
 
 A MoE layer (megatron-core's MoELayer, the all-to-all token dispatcher) keeps
 attention's collectives and trades the MLP's for the dispatcher's (`_experts`):
@@ -42,6 +43,7 @@ from memcalc.model.impls import implementation, plan
 from memcalc.model.knobs import DTYPE_BYTES, Knobs
 from memcalc.model.ledger import Dim, Kind
 from memcalc.model.strategy import Strategy
+from memcalc.model.tp_plan import SHARED, Pair, Rule, Style
 
 if TYPE_CHECKING:
     from memcalc.config.schema import ModelConfig
@@ -108,43 +110,34 @@ class Collective:
     kind: Kind = Kind.ACTIVATION  # what decides its element width: the activation dtype, or int64 token counts
 
 
-def _enter(block: str, what: str, sequence_parallel: bool) -> tuple[Collective, ...]:
-    """The operator in front of a block's column-parallel linear."""
-    if sequence_parallel:
-        return (
-            Collective(f"{block}/g", "g", Op.ALL_GATHER, "forward", f"{what} (sequence shards)", _BSH,
-                       "the column-parallel linear needs every token of its input"),
-            Collective(f"{block}/g", "g", Op.REDUCE_SCATTER, "backward", f"the gradient of {what}", _BSH,
-                       "each rank's partial dX is summed and handed back as its sequence shard"),
-        )
-    return (
-        Collective(f"{block}/f", "f", Op.ALL_REDUCE, "backward", f"the gradient of {what}", _BSH,
-                   "each rank computed dX from its own columns: the partial sums are added"),
-    )
+# The seed's operators at a pair's ends, under tp (False) and tp-sp (True): a colwise module's entry f or g, a rowwise
+# module's exit f* or g*, and SP's re-gather. Each collective: op, pass, what it moves ({}: the tensor there), why.
+_OPERATORS: dict[tuple[str, bool], tuple[str, tuple[tuple[Op, str, str, str], ...]]] = {
+    ("enter", False): ("f", ((Op.ALL_REDUCE, "backward", "the gradient of {}",
+                              "each rank computed dX from its own columns: the partial sums are added"),)),
+    ("enter", True): ("g", ((Op.ALL_GATHER, "forward", "{} (sequence shards)",
+                             "the column-parallel linear needs every token of its input"),
+                            (Op.REDUCE_SCATTER, "backward", "the gradient of {}",
+                             "each rank's partial dX is summed and handed back as its sequence shard"))),
+    ("leave", False): ("f*", ((Op.ALL_REDUCE, "forward", "{}",
+                               "each rank holds a partial sum of the row-parallel output"),)),
+    ("leave", True): ("g*", ((Op.REDUCE_SCATTER, "forward", "{}",
+                              "the row-parallel partial sums are added and split back into sequence shards"),
+                             (Op.ALL_GATHER, "backward", "the gradient of {}",
+                              "the row-parallel linear's backward needs dY for every token"))),
+    ("regather", True): ("g", ((Op.ALL_GATHER, "backward", "{} again", "only the input's sequence shard was kept:"
+                                " dW = X^T dY needs it whole (the seed's re-gather)"),)),
+}
 
 
-def _leave(block: str, what: str, sequence_parallel: bool) -> tuple[Collective, ...]:
-    """The operator after a block's row-parallel linear."""
-    if sequence_parallel:
-        return (
-            Collective(f"{block}/g*", "g*", Op.REDUCE_SCATTER, "forward", what, _BSH,
-                       "the row-parallel partial sums are added and split back into sequence shards"),
-            Collective(f"{block}/g*", "g*", Op.ALL_GATHER, "backward", f"the gradient of {what}", _BSH,
-                       "the row-parallel linear's backward needs dY for every token"),
-        )
-    return (
-        Collective(f"{block}/f*", "f*", Op.ALL_REDUCE, "forward", what, _BSH,
-                   "each rank holds a partial sum of the row-parallel output"),
-    )
+_LEAVES = ("f*", "g*")  # the operators at a pair's exit
 
 
-def _regather(block: str, what: str) -> Collective:
-    return Collective(f"{block}/g", "g", Op.ALL_GATHER, "backward", f"{what} again", _BSH,
-                      "only the input's sequence shard was kept: dW = X^T dY needs it whole (the seed's re-gather)")
-
-
-_BLOCKS = (("attention", "the QKV input", "the projection output"), ("mlp", "the fc1 input", "the fc2 output"))
-_SHARED = ("shared", "the shared experts' fc1 input", "the shared experts' fc2 output")
+def _operator(block: str, end: str, sequence_parallel: bool, what: str) -> list[Collective]:
+    """The collectives of the operator at one end of a pair (`_OPERATORS`), moving `what`."""
+    name, calls = _OPERATORS[end, sequence_parallel]
+    return [Collective(f"{block}/{name}", name, op, phase, moves.format(what), _BSH, why)
+            for op, phase, moves, why in calls]
 
 
 def layer_collectives(
@@ -165,28 +158,63 @@ def layer_collectives(
     if knobs.mla:
         raise ConfigError(f"kv_lora_rank={knobs.kv_lora_rank}: latent attention's collectives (the down projections'"
                           " outputs gathered over t, SP's scatter of the latents) are not modelled yet")
-    sp = strategy.sequence_parallel
-    regathers = sp and not implementation(knobs).kept_whole
-    blocks = [_dense(*_BLOCKS[0], sp, regathers, overlap, t, splits)] if strategy.tensor_parallel else []
-    if knobs.moe:
-        blocks.append(_experts(knobs, strategy, ep, regathers))
-    elif strategy.tensor_parallel:
-        blocks.append(_dense(*_BLOCKS[1], sp, regathers, overlap, t, splits))
+    tp_plan, sp = implementation(knobs).tp_plan(knobs), strategy.sequence_parallel
+    pairs = tp_plan.pairs() if strategy.tensor_parallel else {}
+    shared_style = pairs.pop(SHARED, None)  # MoELayer's shared experts: issued inside its block, not cut by overlap
+    shared = _dense(SHARED, tp_plan.ends(SHARED), sp, frozenset(), 1, 1) if shared_style else ([], [])
+    blocks = [_dense(p, tp_plan.ends(p), sp, overlap, t, splits) for p in pairs]
+    if any(r.style is Style.EXPERTS for r in tp_plan.rules):
+        blocks.append(_experts(knobs, strategy, ep, shared))
     forward = [c for block, _ in blocks for c in block]
-    backward = [_rerun(c) for c in forward] if knobs.recompute == "full" else []  # the whole forward, rerun first
-    backward += [c for _, block in reversed(blocks) for c in block]  # then each block from its output
+    backward = [c for _, block in reversed(blocks) for c in block]  # each block from its output
+    rerun = implementation(knobs).rerun
+    if knobs.recompute in rerun.regions and blocks:
+        output = [c for c in blocks[-1][0] if c.operator in _LEAVES]  # the last pair's exit
+        first = [c for c in backward[:len(output)] if c.operator in _LEAVES] if rerun.after_output else []
+        # the rerun stops at the last saved tensor: before the exit, unless a norm after it keeps its input
+        stops = rerun.early_stop and not (knobs.post_norm or knobs.sandwich_norm)
+        again = forward[:len(forward) - len(output)] if stops else forward
+        backward = [*first, *(_rerun(c) for c in again), *backward[len(first):]]
     return (*forward, *backward)
 
 
 def _dense(
-    block: str, entering: str, leaving: str, sp: bool, regathers: bool, overlap: frozenset[str], t: int, splits: int,
+    p: Pair, ends: tuple[tuple[Rule, ...], Rule], sp: bool, overlap: frozenset[str], t: int, splits: int,
 ) -> tuple[list[Collective], list[Collective]]:
-    """A column/row-parallel pair's collectives: (forward, as the overlap method cuts them; backward)."""
-    forward = [c for c in (*_enter(block, entering, sp), *_leave(block, leaving, sp)) if c.phase == "forward"]
-    leave = [c for c in _leave(block, leaving, sp) if c.phase == "backward"]
-    enter = [c for c in _enter(block, entering, sp) if c.phase == "backward"]
-    backward = [*leave, *([_regather(block, entering)] if regathers else []), *enter]
-    return [p for c in forward for p in _pieces(c, overlap, t, splits)], backward
+    """A column/row-parallel pair's collectives from its modules before the rowwise one and the rowwise one
+    (`ends`): (forward, as the overlap method cuts them; backward, with SP's re-gather where the colwise module keeps
+    only its input's shard). A colwise module that wraps its own input has its own f, a norm between them whose
+    weight is replicated its weight gradient's all-reduce; a gathered block adds DTensor's all-gathers."""
+    entering, rowwise = ends
+    style = entering[0].style
+    enter, leave = _operator(p.name, "enter", sp, p.entering), _operator(p.name, "leave", sp, p.leaving)
+    gathered = [_gather(p, r, "forward") for r in entering if r.style is Style.COLWISE_GATHER_OUTPUT]
+    split = [_gather(p, rowwise, "backward")] if rowwise.style is Style.ROWWISE_SPLIT_INPUT else []
+    forward = [*(c for c in enter if c.phase == "forward"), *gathered, *(c for c in leave if c.phase == "forward")]
+    regather = _operator(p.name, "regather", sp, p.entering) if sp and style is Style.COLWISE else []
+    entered = [c for c in enter if c.phase == "backward"]
+    if style is not Style.COLWISE_KEEPS_INPUT:  # each module's own, in reverse: a colwise input's f, a norm's weight
+        entered = [c for r in reversed(entering) for c in
+                   ([_weight_gradient(p, r)] if r.style is Style.REPLICATED_GRAD_ALLREDUCE else entered)]
+    backward = [*(c for c in leave if c.phase == "backward"), *split, *regather, *entered]
+    return [piece for c in forward for piece in _pieces(c, overlap, t, splits)], backward
+
+
+def _weight_gradient(p: Pair, r: Rule) -> Collective:
+    """replicated_with_grad_allreduce: a norm's weight, whole on every rank, its gradient all-reduced by a hook."""
+    module = r.module.rsplit(".", 1)[-1]
+    return Collective(f"{p.name}/{module}", "weight", Op.ALL_REDUCE, "backward", f"the gradient of {module}'s weight",
+                      r.moves, "each rank's gradient covers its own heads: the hook sums them")
+
+
+def _gather(p: Pair, r: Rule, phase: str) -> Collective:
+    """DTensor's all-gather in a block the plan gathers: a colwise module's output (Shard(-1) to Replicate) in
+    forward, or the gradient of the rowwise module's input, which forward split on the rank, in backward."""
+    module = r.module.rsplit(".", 1)[-1]
+    moves, why = (f"{module}'s output", "colwise_gather_output: every rank runs the block on the whole output") \
+        if phase == "forward" else (f"the gradient of {module}'s input", "rowwise_split_input: forward split the"
+                                    " whole input on the rank, so backward gathers its gradient")
+    return Collective(f"{p.name}/gather", "gather", Op.ALL_GATHER, phase, moves, r.moves, why, piece=Fraction(r.parts))
 
 
 # -- a mixture of experts: megatron-core 0.16.1's MoELayer with the all-to-all token dispatcher ---------------------
@@ -196,7 +224,9 @@ _BOUND = {"balanced": "balanced routing, r = kbs", "capacity": "the capacity bou
           "worst": "the worst-case bound on r"}
 
 
-def _experts(knobs: Any, strategy: Strategy, ep: int, regathers: bool) -> tuple[list[Collective], list[Collective]]:
+def _experts(
+    knobs: Any, strategy: Strategy, ep: int, shared: tuple[list[Collective], list[Collective]],
+) -> tuple[list[Collective], list[Collective]]:
     """megatron-core's MoELayer with the all-to-all dispatcher, experts over ep ranks and etp = t: its collectives.
 
     Forward, in megatron's order: the shared experts (a dense MLP's g and g*), the router's aux-loss
@@ -216,18 +246,16 @@ def _experts(knobs: Any, strategy: Strategy, ep: int, regathers: bool) -> tuple[
                           " dispatcher's collectives are modelled (the allgather one gathers every token of t*ep"
                           " ranks instead)")
     tp, bound = strategy.tensor_parallel, _BOUND[str(knobs.moe_tokens)]
-    sp, has_shared = strategy.sequence_parallel, tp and knobs.moe_shared_expert_intermediate_size
-    shared_forward, shared_backward = _dense(*_SHARED, sp, regathers, frozenset(), 1, 1) if has_shared else ([], [])
     a2a = [c for c in _all_to_alls(bound) if ep > 1]  # an expert-parallel group of one exchanges nothing
     routed = [
-        *([_aux_counts()] if tp and knobs.moe_aux_loss else []),
-        _counts(),
+        *([_AUX_COUNTS] if tp and knobs.moe_aux_loss else []),
+        _COUNTS,
         *[c for c in a2a if c.name == "moe/dispatch"],
         *(_tp_pair(bound) if tp else []),
         *[c for c in a2a if c.name == "moe/combine"],
     ]
     backward = [b for b in map(_conjugate, reversed(routed)) if b is not None]
-    return [*shared_forward, *routed], [*backward, *shared_backward]
+    return [*shared[0], *routed], [*backward, *shared[1]]
 
 
 def experts_doc() -> str:
@@ -235,16 +263,12 @@ def experts_doc() -> str:
     return " ".join((_experts.__doc__ or "").split())
 
 
-def _counts() -> Collective:
-    return Collective("moe/counts", "g", Op.ALL_GATHER, "forward", "each rank's token count per expert (int64)",
-                      (Dim.E,), "the dispatcher's split sizes: how many slots each rank sends to each expert",
-                      group=Group.TP_EP, count=Count.EACH, kind=Kind.INT64)
-
-
-def _aux_counts() -> Collective:
-    return Collective("router/aux", "f*", Op.ALL_REDUCE, "forward", "the token count per expert (int64)", (Dim.E,),
-                      "the load-balancing loss counts the tokens of the whole sequence, not one rank's shard",
-                      kind=Kind.INT64)
+_COUNTS = Collective("moe/counts", "g", Op.ALL_GATHER, "forward", "each rank's token count per expert (int64)",
+                     (Dim.E,), "the dispatcher's split sizes: how many slots each rank sends to each expert",
+                     group=Group.TP_EP, count=Count.EACH, kind=Kind.INT64)
+_AUX_COUNTS = Collective("router/aux", "f*", Op.ALL_REDUCE, "forward", "the token count per expert (int64)", (Dim.E,),
+                         "the load-balancing loss counts the tokens of the whole sequence, not one rank's shard",
+                         kind=Kind.INT64)
 
 
 def _all_to_alls(bound: str) -> tuple[Collective, ...]:
@@ -305,11 +329,6 @@ def _pieces(c: Collective, overlap: frozenset[str], t: int, splits: int) -> list
     if c.op is Op.REDUCE_SCATTER and "pipelined-rs" in overlap:
         return [replace(c, moves=f"{c.moves}: one of {splits} GEMM blocks", piece=Fraction(1, splits))] * splits
     return [c]
-
-
-def ring_units(c: Collective) -> int:
-    """How many times its tensor's bytes x (t-1)/t a collective sends from each rank: 2 for an all-reduce, else 1."""
-    return 2 if c.op is Op.ALL_REDUCE else 1
 
 
 def sent_bytes(c: Collective, sizes: dict[Dim, int], t: int, width: int, ep: int = 1) -> int:
@@ -392,7 +411,8 @@ def formula(knobs: Any, strategy: Strategy, width: int, ep: int = 1) -> tuple[st
     factors = _FACTORS if strategy.tensor_parallel else _FACTORS_T1
     for c in layer_collectives(knobs, strategy, ep=ep):
         key = (factors[(c.group, c.count)], c.shape)
-        terms[key] = terms.get(key, 0) + ring_units(c) * _FIXED_WIDTHS.get(c.kind, width)
+        ring_units = 2 if c.op is Op.ALL_REDUCE else 1  # the tensor's bytes x (t-1)/t each rank sends, this often
+        terms[key] = terms.get(key, 0) + ring_units * _FIXED_WIDTHS.get(c.kind, width)
     if not terms:
         return "0", "0"
     text = " + ".join(f"{n}{_symbols(shape)}{share}" for ((share, _), shape), n in terms.items())

@@ -40,7 +40,8 @@ def dim_sizes(config: ModelConfig, routers: Any = 1) -> dict[Dim, Any]:
     if config.num_experts is None:
         return sizes
     return sizes | {
-        Dim.E: config.num_experts, Dim.K: config.moe_router_topk, Dim.FE: config.expert_ffn,
+        Dim.E: config.num_experts, Dim.EL: config.num_experts // config.ep, Dim.K: config.moe_router_topk,
+        Dim.FE: config.expert_ffn,
         Dim.U: config.moe_shared_expert_intermediate_size or 0,
         Dim.R: routed_slots(config, config.moe_tokens, routers),
         Dim.RS: routed_slots(config, "balanced", routers),  # r_s: the slots its own tokens keep, whatever the route

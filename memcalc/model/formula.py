@@ -71,6 +71,8 @@ def dim_expr(dim: Dim, knobs: Knobs) -> sympy.Expr:
         return e if knobs.moe_ffn_hidden_size is not None else dim_expr(Dim.F, knobs)
     if dim is Dim.R:
         return routed_slots_expr(knobs)
+    if dim is Dim.EL:
+        return E / ep
     if dim is Dim.RS:  # the slots a group's own tokens keep (evaluate.routed_slots' balanced bound, without its rounding and cap)
         return (c if knobs.moe_expert_capacity_factor is not None else 1) * k * b * s
     return SYMBOLS[dim.value]

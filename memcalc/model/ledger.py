@@ -44,6 +44,7 @@ class Dim(Enum):
     U = "u"  # the shared experts' MLP hidden size (moe_shared_expert_intermediate_size)
     R = "r"  # token-expert slots this rank's experts receive: k*b*s balanced, else the bound asked for
     RS = "r_s"  # token-expert slots a tensor-parallel group's own tokens keep: k*b*s, fewer where a capacity drops
+    EL = "E/ep"  # the routed experts on one rank (num_experts / ep)
     QR = "r_q"  # multi-head latent attention: the query latent's width (q_lora_rank)
     KVR = "r_kv"  # the key/value latent's width (kv_lora_rank)
     KVD = "r_kv+d_r"  # the key/value down projection's output: the latent and the keys' RoPE part side by side

@@ -73,17 +73,22 @@ class Strategy:
         return tuple(forms.get(x.name, x) for x in tensors)
 
     def planned(self, impl: Implementation, knobs: Any) -> Strategy:
-        """This layout as `impl` runs `knobs`: under TP, the tensors its plan leaves unsharded (`unsharded`) stay
-        whole; under SP, the tensors it keeps gathered stay whole too, and the tensors it keeps in another form
-        (`sequence_parallel_forms`) are kept in that form."""
-        whole = impl.unsharded(knobs) if self.tensor_parallel else frozenset()
+        """This layout as `impl` runs `knobs`: under TP, the tensors its TP plan leaves unsharded stay whole and those
+        it splits otherwise (`splits`) are split so; under SP, the tensors the plan keeps gathered stay whole too, and
+        the tensors it keeps in another form (`sequence_parallel_forms`) are kept in that form."""
+        if not self.tensor_parallel:
+            return self
+        tp_plan = impl.tp_plan(knobs)
+        whole, splits = tp_plan.unsharded(), impl.splits(knobs)
         forms: tuple[SavedTensor, ...] = ()
         if self.sequence_parallel:
-            whole |= impl.kept_whole
+            whole |= tp_plan.kept_whole()
             forms = tuple(x for x in impl.sequence_parallel_forms(knobs) if x not in self.forms)
-        overridden = {name for name, _ in self.overrides}
+        overrides = self.overrides + tuple(x for x in splits if x not in self.overrides)
+        overridden = {name for name, _ in overrides}
         pinned = tuple((name, None) for name in sorted(whole - overridden))
-        return replace(self, overrides=self.overrides + pinned, forms=self.forms + forms) if pinned or forms else self
+        changed = pinned or forms or overrides != self.overrides
+        return replace(self, overrides=overrides + pinned, forms=self.forms + forms) if changed else self
 
 
 NONE = Strategy("none", "no parallelism", frozenset())

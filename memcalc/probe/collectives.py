@@ -15,7 +15,8 @@ overlap.py issue, batch_isend_irecv included) are logged one message each, as
 sends: no ring share applies, as it does to a collective's tensor. They are wrapped in
 torch.distributed's own module as well as its namespace, because
 batch_isend_irecv looks isend and irecv up there (and checks its P2POps' ops
-against them).
+against them). torch's functional collectives, which DTensor's redistributions run (transformers' TP styles),
+are logged below the API, as aten ops.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from memcalc.probe import require_torch
 torch = require_torch()
 import torch.distributed as dist  # noqa: E402  (after the install check above)
 from torch.distributed import distributed_c10d as c10d  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 # The wrapped API calls, what each is, and which of its arguments is the whole tensor (or list of its pieces).
 _CALLS: dict[str, tuple[Op, int]] = {
@@ -43,6 +45,14 @@ _CALLS: dict[str, tuple[Op, int]] = {
     "all_gather": (Op.ALL_GATHER, 0),  # (output pieces, input): megatron's gather of uneven token splits
     "reduce_scatter": (Op.REDUCE_SCATTER, 1),  # (output, input pieces)
     "all_to_all_single": (Op.ALL_TO_ALL, 1),  # (output, input, output_split_sizes, input_split_sizes)
+}
+
+# torch's functional collectives (what DTensor's redistributions run: transformers' TP styles), by aten name: what each
+# is, and where its whole tensor is: "out" its result (the gathered tensor), else that argument.
+_FUNCTIONAL: dict[str, tuple[Op, int | str]] = {
+    "all_reduce": (Op.ALL_REDUCE, 0),  # (input, reduce_op, group_name)
+    "all_gather_into_tensor": (Op.ALL_GATHER, "out"),  # (input, group_size, group_name)
+    "reduce_scatter_tensor": (Op.REDUCE_SCATTER, 0),  # (input, reduce_op, group_size, group_name)
 }
 
 SEND, RECV = "send", "recv"  # a point-to-point message, as logged
@@ -80,6 +90,7 @@ class CollectiveLog:
 
     def __init__(self, aliases: tuple[ModuleType, ...] = ()) -> None:
         self.phase = "forward"
+        self._functional = _FunctionalLog(self)
         self.calls: list[LoggedCollective] = []
         self._originals: dict[str, Callable] = {}
         self._aliases = aliases
@@ -95,9 +106,11 @@ class CollectiveLog:
             wrapped = self._wrapped(self._originals[name], kind, 0)
             setattr(dist, name, wrapped)
             setattr(c10d, name, wrapped)
+        self._functional.__enter__()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        self._functional.__exit__(*exc_info)
         for name, original in self._originals.items():
             setattr(dist, name, original)
             if name in _P2P_CALLS:
@@ -129,6 +142,25 @@ class CollectiveLog:
             self.calls.append(LoggedCollective(op, self.phase, _nbytes(whole), dist.get_world_size(group), sent))
             return original(*args, **kwargs)
         return call
+
+
+class _FunctionalLog(TorchDispatchMode):
+    """Logs torch's functional collectives into a CollectiveLog: DTensor redistributes through them, below the
+    torch.distributed calls the log wraps."""
+
+    def __init__(self, log: CollectiveLog) -> None:
+        super().__init__()
+        self._log = log
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        name = func.__name__.split(".")[0]
+        if func.namespace == "_c10d_functional" and name in _FUNCTIONAL:
+            op, arg = _FUNCTIONAL[name]
+            ranks = c10d._resolve_process_group(args[-1]).size()
+            whole = out if arg == "out" else args[arg]
+            self._log.calls.append(LoggedCollective(op.value, self._log.phase, _nbytes(whole), ranks))
+        return out
 
 
 def _nbytes(whole: Any) -> int:

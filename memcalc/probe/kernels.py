@@ -1,7 +1,8 @@
-"""Backward passes that are one fused kernel on the GPU, as one op here.
+"""Kernels that are one fused kernel on the GPU, as one op here.
 
 Megatron runs RMSNorm's backward (Apex, Transformer Engine) and the fused SwiGLU's
-backward as single kernels: the allocator sees their outputs and nothing else. The
+backward as single kernels, torch's CUDA rms_norm (`_fused_rms_norm`) its forward and
+backward: the allocator sees their outputs and nothing else. The
 same math in eager torch makes a handful of fp32 (s, b, h) or (s, b, f) temporaries,
 which a step's peak would count on the CPU and never on a GPU. Registered as custom
 ops, each runs below any TorchDispatchMode: MemTracker (`memcalc.probe.step`) sees
@@ -24,12 +25,12 @@ def wide(x: torch.Tensor) -> torch.Tensor:
 def rms_norm_backward(
     grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """dX (x's dtype and shape) and dWeight (weight's) of y = x * rstd * weight."""
-    x_hat = wide(x) * wide(rstd)
+    """dX (x's dtype and shape, contiguous as CUDA's kernels make it) and dWeight (weight's) of y = x * rstd * w."""
+    x_hat = wide(x.contiguous()) * wide(rstd)
     grad_x_hat = wide(grad_y) * wide(weight)
     grad_x = wide(rstd) * (grad_x_hat - x_hat * (grad_x_hat * x_hat).mean(-1, keepdim=True))
     grad_weight = (wide(grad_y) * x_hat).reshape(-1, x.shape[-1]).sum(0)
-    return grad_x.to(x.dtype), grad_weight.to(weight.dtype)
+    return grad_x.to(x.dtype, memory_format=torch.contiguous_format), grad_weight.to(weight.dtype)
 
 
 @rms_norm_backward.register_fake
@@ -49,3 +50,31 @@ def swiglu_backward(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) ->
 @swiglu_backward.register_fake
 def _(grad, gate, up):
     return grad.new_empty((*grad.shape[:-1], 2 * grad.shape[-1]))
+
+
+@torch.library.custom_op("memcalc::rms_norm", mutates_args=())
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """y = x * rstd * weight (x's dtype) and rstd (fp32, x's shape with a 1 for the normalised dim), as torch's
+    CUDA _fused_rms_norm makes them (from x made contiguous first)."""
+    x = x.contiguous()
+    rstd = torch.rsqrt(wide(x).pow(2).mean(-1, keepdim=True) + eps)
+    return (wide(x) * rstd * wide(weight)).to(x.dtype), rstd
+
+
+@rms_norm.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x), x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)
+
+
+class FusedRMSNorm(torch.autograd.Function):
+    """torch's _fused_rms_norm as CUDA runs it: one op each way, keeping x and rstd (derivatives.yaml)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        y, rstd = rms_norm(x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        return (*rms_norm_backward(grad_y, *ctx.saved_tensors), None)

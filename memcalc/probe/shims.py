@@ -38,6 +38,7 @@ class Shim:
     why: str
     kind: Kind
     route: bool = False  # only under --route, which prints its own line (each runner's route_note)
+    cuda_step: bool = False  # only where `measure --step --device cuda` runs the CPU as CUDA runs
 
     def note(self) -> str:
         """The line `memcalc measure` prints under the table (after "shim: ")."""
@@ -104,9 +105,24 @@ SHIMS: tuple[Shim, ...] = (
          "the DeviceMesh is built on the rank's device",
          "torchtitan falls back to 'cuda' on a machine without an accelerator", Kind.RUNS),
     Shim("torchtitan", "layers[0].attention.inner_attention = ScaledDotProductAttention.Config()",
-         "attention is torchtitan's ScaledDotProductAttention; flex's extra row maxima are counted on cuda only",
-         "flex attention (torchtitan's default) has no CPU backward; --device cpu counts SDPA's CPU kernel,"
-         " --device cuda flex", Kind.STAND_IN),
+         "attention is torchtitan's ScaledDotProductAttention, which keeps what compiled flex keeps (flex's positions"
+         " and block mask aside)",
+         "flex attention (torchtitan's default) has no CPU backward; compiled, it keeps what SDPA's flash kernel keeps",
+         Kind.STAND_IN),
+    Shim("torchtitan", "FlexAttention.compiled_flex_attn (--device cuda --step)",
+         "flex attention's compiled kernel runs SDPA's CPU flash kernel, causal (the probe's positions are one"
+         " document a row); the block mask is made and held as its trainer makes it",
+         "torch.compile'd flex runs Triton kernels (no CPU backward); it saves q, k, v, out and the fp32"
+         " log-sum-exp, as SDPA's flash kernel does (its row maxima are made and dropped inside)", Kind.STAND_IN,
+         cuda_step=True),
+    Shim("torchtitan", "decoder.create_attention_mask (--device cuda --step)",
+         "the block mask is made as one op: torch's create_block_mask runs unseen, its tensors copied in",
+         "torchtitan compiles create_block_mask, which then makes only its tensors; eagerly it makes (b, 1, s, s)-sized"
+         " intermediates", Kind.EMULATION, cuda_step=True),
+    Shim("torchtitan", "nn.RMSNorm forward (--device cuda --step)",
+         "each norm runs as torch's CUDA _fused_rms_norm, one op each way, keeping its input and the fp32 rstd",
+         "on a CPU rms_norm runs its composite, which keeps fp32 copies (derivatives.yaml: _fused_rms_norm keeps"
+         " input and rstd)", Kind.EMULATION, cuda_step=True),
     Shim("torchtitan", "activation_checkpoint._get_default_save_ops",
          "op-level checkpointing also saves the CPU flash-attention kernel's outputs, as it saves CUDA's",
          "SelectiveAC's list has CUDA's attention ops only; on a CPU the attention would be recomputed",
@@ -117,6 +133,10 @@ SHIMS: tuple[Shim, ...] = (
     Shim("torchtitan", "activation_checkpoint.create_selective_checkpoint_contexts",
          "the op outputs SelectiveAC caches are handed to the recorder",
          "torch.utils.checkpoint keeps them in a cache of its own, not as saved tensors", Kind.MEASURES),
+    Shim("torchtitan", "AllToAllTokenDispatcher._token_count_exchange",
+         "on the fake group every rank routes as rank 0: the exchanged token counts are its own",
+         "nothing moves on torch's fake group: the counts the all-to-all received would be uninitialised memory",
+         Kind.MEASURES),
     Shim("torchtitan", "TokenChoiceTopKRouter.gate's logits (--route)",
          "--route: the gate's logits lead on known experts; scores, top-k and route_norm run as written",
          "the tokens each expert receives become known, so bytes can be exact", Kind.KNOB, route=True),
@@ -143,10 +163,10 @@ SHIMS: tuple[Shim, ...] = (
 )
 
 
-def notes(library: str) -> tuple[str, ...]:
+def notes(library: str, cuda_step: bool = False) -> tuple[str, ...]:
     """The `shim:` lines `memcalc measure --impl <library>` prints, every change but the --route ones, which it
-    prints with their route."""
-    return tuple(s.note() for s in SHIMS if s.library == library and not s.route)
+    prints with their route; with `cuda_step`, those `measure --step --device cuda` adds."""
+    return tuple(s.note() for s in SHIMS if s.library == library and not s.route and s.cuda_step == cuda_step)
 
 
 def markdown() -> str:

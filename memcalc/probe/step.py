@@ -493,6 +493,7 @@ class StepComparison:
     predicted: Timeline
     measured: StepMeasurement
     model: str = "memcalc's own GPT"  # what ran: STEP_MODELS
+    device: str = "cpu"  # whose kernels: cuda runs the CPU as CUDA runs (torchtitan's shim)
 
     @property
     def predicted_moment(self) -> str:
@@ -524,13 +525,16 @@ class StepComparison:
         ]
 
     def how(self) -> str:
+        on = "on cpu" if self.device == "cpu" else "on cpu, run as CUDA runs it"
         if self.launch is Mode.FAKE:
-            return f"one process as rank 0 of t={self.measured.t} through torch's fake process group on cpu"
-        return "one process (t=1) on cpu"
+            return f"one process as rank 0 of t={self.measured.t} through torch's fake process group {on}"
+        return f"one process (t=1) {on}"
 
 
-def measure_step(config: ModelConfig, strategies: list[str], route: str | None = None) -> list[StepComparison]:
-    """Predict and measure one training step per strategy, on the CPU: one process, or rank 0 of t (fake group).
+def measure_step(config: ModelConfig, strategies: list[str], route: str | None = None,
+                 device: str = "cpu") -> list[StepComparison]:
+    """Predict and measure one training step per strategy, on the CPU: one process, or rank 0 of t (fake group);
+    with `device` cuda (torchtitan's model) predicted for CUDA's kernels and run as CUDA runs them (its shim).
 
     Every strategy's timeline is made before any step runs, so an unmodelled knob is named at once. `route`
     forces a mixture of experts' router (transformers' Mixtral and Qwen2-MoE, megatron-core's MoELayer): the timeline
@@ -543,7 +547,9 @@ def measure_step(config: ModelConfig, strategies: list[str], route: str | None =
                           " it cannot")
     if route is not None and not config.moe:
         raise ConfigError(f"--route {route} forces a MoE router: the config has no experts (set num_experts)")
-    accounting = Accounting(exact=True, device="cpu")
+    if device != "cpu" and config.impl != "torchtitan":
+        raise ConfigError(f"--step runs as CUDA does (--device {device}) only with --impl torchtitan")
+    accounting = Accounting(exact=True, device=device)
     planned = [(STRATEGIES[name], timeline(config, check_strategy(config, STRATEGIES[name]), accounting))
                for name in strategies]
     if config.moe and not (routing_fixed(config, route) or _pins_worst(config, route)
@@ -561,23 +567,27 @@ def measure_step(config: ModelConfig, strategies: list[str], route: str | None =
         # FSDP2: the fake group is every rank of the mesh, dp_replicate*dp_shard*t
         t = (config.dp_replicate or 1) * (config.dp_shard or 1) * tp if mode is Mode.FAKE else 1
         routed = (route,) if config.moe else ()  # only the MoE runners take one
+        routed = (route, device) if device != "cpu" else routed  # torchtitan's runner takes the device after it
         (measured,) = run(_step_runner(_trained(config), config.dp_shard is not None), (config, strategy, *routed),
                           mode=mode, t=t)
-        out.append(StepComparison(strategy, mode, predicted, measured, model))
+        out.append(StepComparison(strategy, mode, predicted, measured, model, device))
     return out
 
 
 def _pins_worst(config: ModelConfig, route: str | None) -> bool:
     """Whether the forced all-to-one route pins the worst bound the MoE walk takes: every rank's tokens' k slots on the
-    same k experts (megatron's walk, memcalc.sizing.timeline.megatron_moe.expert_slots)."""
-    return config.impl == "megatron" and route == "all-to-one" and config.moe_tokens == "worst"
+    same k experts (megatron's walk, memcalc.sizing.timeline.megatron_moe.expert_slots; torchtitan's at ep > 1)."""
+    experts_apart = config.impl == "megatron" or config.impl == "torchtitan" and config.ep > 1
+    return experts_apart and route == "all-to-one" and config.moe_tokens == "worst"
 
 
 def _any_route_pinned(config: ModelConfig, route: str | None) -> bool:
-    """Whether a forced route other than balanced pins the step too: transformers' grouped_mm experts keep all k*b*s
-    slots in one storage a tensor, whatever each expert's count (memcalc.sizing.timeline.hf_moe)."""
-    return (config.impl == "hf" and config.experts_implementation == "grouped_mm" and route is not None
-            and config.moe_tokens == "balanced")
+    """Whether a forced route other than balanced pins the step too: transformers' grouped_mm experts, and
+    torchtitan's GroupedExperts at ep = 1, keep all k*b*s slots in one storage a tensor, whatever each expert's count
+    (memcalc.sizing.timeline.hf_moe, torchtitan_moe)."""
+    grouped = config.impl == "hf" and config.experts_implementation == "grouped_mm" or \
+        config.impl == "torchtitan" and config.ep == 1
+    return grouped and route is not None and config.moe_tokens == "balanced"
 
 
 # The step trainers of the libraries' own models, by (the model `_trained` names, under FSDP2): module and function,

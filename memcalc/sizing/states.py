@@ -99,10 +99,11 @@ def _fc2(c: ModelConfig, t: int) -> int:
 
 
 def _experts(c: ModelConfig, t: int) -> int:
-    """The E/ep experts one rank holds, each an MLP of width e whose fc1 and fc2 are split by etp = t (gpt-oss's
-    carry biases whatever attention_bias says: GptOssExperts always has them)."""
+    """The E/ep experts one rank holds, each an MLP of width e whose fc1 and fc2 are split by etp (`expert_tp`: t
+    where split at all; gpt-oss's carry biases whatever attention_bias says: GptOssExperts always has them)."""
     expert = replace(c, ffn_hidden_size=c.expert_ffn, add_bias_linear=c.add_bias_linear or c.attention_sinks)
-    return c.num_experts // c.ep * (_fc1(expert, t) + _fc2(expert, t))
+    etp = t if expert_tp(c) > 1 else 1
+    return c.num_experts // c.ep * (_fc1(expert, etp) + _fc2(expert, etp))
 
 
 def _shared(c: ModelConfig, t: int) -> int:
@@ -144,7 +145,8 @@ PARAM_GROUPS: tuple[ParamGroup, ...] = (
     ParamGroup("moe/router", "moe", lambda c, t: (c.h + (1 if c.attention_sinks else 0)) * c.num_experts,
                "whole on every rank: each rank scores its own tokens against all E experts (gpt-oss's router adds a"
                " bias an expert)"),
-    ParamGroup("moe/experts", "moe", _experts, "E/ep experts a rank, each fc1 and fc2 split by etp = t", expert=True),
+    ParamGroup("moe/experts", "moe", _experts, "E/ep experts a rank, each fc1 and fc2 split by etp = t (torchtitan at"
+               " ep > 1: whole)", expert=True),
     ParamGroup("moe/shared_experts", "moe", _shared, "one MLP of width u on every token, split by t as the dense"
                " MLP (transformers' Qwen2-MoE: whole on every rank, as its tp plan names it not, with an h -> 1 gate)"),
     ParamGroup(
@@ -178,7 +180,7 @@ def check_expert_states(config: ModelConfig) -> None:
     c = config
     if not c.moe:
         return
-    etp = c.etp or c.t
+    etp = expert_tp(c)
     if (c.t * c.cp * c.dp) % (c.ep * etp):
         raise ConfigError(f"ep*etp={c.ep * etp} does not divide t*cp*dp={c.t * c.cp * c.dp}: the expert data-parallel"
                           " group has t*cp*dp/(ep*etp) ranks")
@@ -190,6 +192,12 @@ def check_expert_states(config: ModelConfig) -> None:
     if c.pp > 1 and chunk % c.moe_layer_freq:
         raise ConfigError(f"moe_layer_freq={c.moe_layer_freq} does not divide the {chunk} layers of a pipeline chunk"
                           " (L/(pp*vpp)): memcalc counts each stage's MoE layers as layers/freq")
+
+
+def expert_tp(config: ModelConfig) -> int:
+    """Expert tensor parallelism: etp = t, but torchtitan's experts at ep > 1, whole on each of its expert-parallel
+    ranks (which are its TP ranks: memcalc.model.impls.torchtitan.splits)."""
+    return 1 if config.impl == "torchtitan" and config.ep > 1 else config.etp or config.t
 
 
 def moe_layers_held(config: ModelConfig, stage: Stage) -> int:

@@ -183,7 +183,7 @@ def test_hf_config_names_the_attention_kernel_it_takes_from_the_implementation()
 def test_mixtral_totals_count_its_experts_and_give_the_steps_peak():
     """The step timeline walks megatron-core's MoELayer (memcalc.sizing.timeline.megatron_moe): Mixtral's peak and
     Qwen1.5-MoE's (shared experts, the softmax before the top k, 60 experts sharing 16,384 slots; at t = 1 and 2) are
-    modelled, and beside ep; a MoE layer it does not model yet (the load-balancing loss) is refused by name
+    modelled, and beside ep (one expert a rank too); a MoE layer it does not model yet (the load-balancing loss) is refused by name
     there."""
     run = memcalc_cli("estimate", "--config", "mixtral-8x7b", "--totals")
     assert run.code == 3, run.err  # 834 GiB on one GPU fits no 80 GB card
@@ -198,6 +198,8 @@ def test_mixtral_totals_count_its_experts_and_give_the_steps_peak():
     full = memcalc_cli("estimate", "--config", "mixtral-8x7b", "--ep", "4", "--dp", "4", "--t", "2", "--recompute",
                        "full", "--totals")
     assert "tp-sp: no, 118,090,162,204 B = 109.98 GiB (the step's peak)" in full.out
+    one = memcalc_cli("estimate", "--config", "mixtral-8x7b", "--ep", "8", "--dp", "8", "--totals")
+    assert "none: no, 185,477,672,964 B = 172.74 GiB (the step's peak)" in one.out  # one expert a rank
     refused = memcalc_cli("estimate", "--config", "mixtral-8x7b", "--moe-aux-loss", "--totals")
     assert "(states + saved activations)" in refused.out
     assert "does not model the load-balancing loss" in " ".join(refused.out.split())

@@ -117,6 +117,14 @@ def test_each_rank_holds_its_e_over_ep_experts_split_by_t_and_the_router_whole()
     assert "mlp/fc1" in params and params["mlp/fc1"] == 0  # every layer is a MoE layer
 
 
+def test_torchtitans_experts_over_its_tp_ranks_are_whole_on_each():
+    """torchtitan takes its expert-parallel ranks from the TP ranks (ep = t): each holds E/ep experts, unsplit."""
+    config = build_config(MOE | dict(t=2, ep=2, impl="torchtitan", mlp="swiglu", norm="rmsnorm", dropout=0.0,
+                                     position_embedding_type="rope", add_bias_linear=False, attention="flash"))
+    params = group_params(config, stages(config.L, 1, None)[0], 2)
+    assert params["moe/experts"] == config.L * (8 // 2) * 3 * 64 * 96
+
+
 def test_dense_layers_between_moe_layers_keep_the_dense_mlp():
     config = build_config(MOE | dict(moe_layer_freq=2, ffn_hidden_size=128))
     params = group_params(config, stages(config.L, 1, None)[0], 1)

@@ -5,12 +5,11 @@ The paper's ledger says what backward *needs*; a library decides what it
 input where Megatron keeps a shard. An implementation is one module under
 `memcalc.model.impls` that declares the tensors only its library keeps and the
 function that lists, for a knob set, every tensor one layer keeps, in forward
-order. How a layout splits each tensor stays with the layout
-(`memcalc.model.strategy`); an implementation only names the tensors that a
-sequence-parallel layout keeps gathered, as torchtitan's DTensor plan does, or
-keeps in another form, as megatron's latent attention does, and those a
-tensor-parallel layout keeps whole, as transformers' plans do for a module they
-do not name.
+order, and its TP plan (`memcalc.model.tp_plan`). How a layout splits each
+tensor stays with the layout (`memcalc.model.strategy`); the plan says which
+tensors it keeps whole (torchtitan's gathered inputs, a module transformers'
+plan does not name), and the implementation which it keeps in another form
+under SP, as megatron's latent attention does.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ from typing import Any, Callable, Iterable
 from memcalc.model import ledger
 from memcalc.model.knobs import BY_NAME as KNOB_NAMES, Accounting
 from memcalc.model.ledger import SavedTensor
+from memcalc.model.tp_plan import TPPlan
 from memcalc.records import record
 
 
@@ -93,6 +93,17 @@ class Refusal:
 
 
 @record
+class Rerun:
+    """How a library's recomputation reruns a layer's forward collectives in backward (memcalc.model.comm)."""
+
+    regions: frozenset[str] = frozenset({"full"})  # the recompute values whose rerun covers the layer's collectives
+    # torch.utils.checkpoint, non-reentrant: backward first meets the nodes that save nothing (the output
+    # collective's backward), and the first saved tensor it unpacks starts the rerun (a reentrant one reruns first)
+    after_output: bool = False
+    early_stop: bool = False  # the rerun stops at the last saved tensor, before the output collective (torch's default)
+
+
+@record
 class Implementation:
     """One library's rules: which tensors a layer keeps, and which layouts and knobs it runs."""
 
@@ -100,14 +111,15 @@ class Implementation:
     title: str
     measured_on: str  # the library, its version and the modules the rules were measured on
     layer_tensors: Callable[[Any, Accounting], tuple[SavedTensor, ...]]  # one layer, forward order
+    tp_plan: Callable[[Any], TPPlan]  # for a knob set, the library's TP plan of one layer (memcalc.model.tp_plan)
     strategies: tuple[str, ...] = ("none", "tp", "tp-sp")  # the layouts the library runs (for some knobs)
+    rerun: Rerun = Rerun()
     refuses: tuple[Refusal, ...] = ()  # layouts of `strategies` it does not run under some knobs, and why
-    kept_whole: frozenset[str] = frozenset()  # tensors a sequence-splitting layout keeps gathered (full s)
-    # For a knob set, the tensors a tensor-parallel layout keeps whole on every rank: made by a module the library's
-    # own TP plan does not shard (transformers' Qwen2-MoE plan names no module of the shared expert)
-    unsharded: Callable[[Any], frozenset[str]] = lambda knobs: frozenset()
+    # For a config (its ep), the dimension a tensor-parallel layout splits by t in tensors the library's plan splits
+    # otherwise than their region says, before what it keeps whole: torchtitan's experts, spread over the TP ranks
+    splits: Callable[[Any], tuple[tuple[str, Any], ...]] = lambda config: ()
     # For a knob set, what a sequence-splitting layout keeps in place of the same-named tensors of `layer_tensors`
-    # (another width or split); unlike kept_whole, it changes no collective: backward gathers as before.
+    # (another width or split); unlike a plan's gathered input, it changes no collective: backward gathers as before.
     sequence_parallel_forms: Callable[[Any], tuple[SavedTensor, ...]] = lambda knobs: ()
     check: Callable[[Any], None] = _accept_all  # ConfigError for knob values the library cannot run
     check_sizes: Callable[[Any], None] = _accept_all  # ConfigError for a config's sizes its kernels refuse

@@ -16,9 +16,10 @@ from typing import Any, Callable, NamedTuple
 from memcalc.model.families import FAMILIES, check_family, layer_family
 from memcalc.errors import ConfigError
 from memcalc.model import ledger
-from memcalc.model.impls.base import Implementation, Refusal, SizeCondition, SizeRule, always, drop_small
+from memcalc.model.impls.base import Implementation, Refusal, Rerun, SizeCondition, SizeRule, always, drop_small
 from memcalc.model.knobs import DTYPE_BYTES, Accounting
 from memcalc.model.ledger import Dim, Kind, Region, RMSNormTensors, SavedTensor
+from memcalc.model.tp_plan import ATTENTION, MLP, Pair, Rule, Style, TPPlan, pair
 
 _BSH = (Dim.B, Dim.S, Dim.H)
 _BSF = (Dim.B, Dim.S, Dim.F)
@@ -1049,17 +1050,6 @@ def _check_deepseek_moe(knobs: Any) -> None:
                           " sparse at every layer past first_k_dense_replace (moe_first_dense_layers)")
 
 
-# Tensor parallelism is transformers' own (transformers/distributed/tensor_parallel.py, DTensor): the config class's
-# base_model_tp_plan applied by apply_tensor_parallelism, as from_pretrained(tp_plan="auto") does. Under the Llama
-# family's plan (q, k, v, gate, up "colwise"; o, down "rowwise") a layer keeps what the paper's TP keeps: the
-# colwise linears' one input whole (DTensor.from_local wraps it as Replicate, no copy), the rest split by t.
-# The MoE plans (Mixtral's, Qwen2-MoE's, Qwen3-MoE's) shard each expert's width and nothing else of the sparse block:
-# gate_up_proj "packed_colwise" (each rank its F_E/t of gate and of up), down_proj "rowwise" (its F_E/t input
-# columns), and "moe_tp_experts" runs the experts (grouped_mm or the loop) on local weights over the whole tokens
-# and routing weights, summing the ranks' outputs after it. No rule names the router: every rank routes every token alike, so each keeps
-# the router's tensors whole and gathers the same r rows, whole in h (Region.EXPERT's rule: only F_E is split).
-# Qwen2-MoE's gate_proj, up_proj and down_proj rules under mlp are a dense layer's Qwen2MoeMLP; the sparse block's
-# shared expert is mlp.shared_expert, which no rule names, so every rank runs it whole (`unsharded`).
 _TP_SOURCE = "transformers 5.24"
 NO_SEQUENCE_PARALLEL = Refusal(
     "tp-sp", always, "in any model",
@@ -1069,24 +1059,22 @@ NO_SEQUENCE_PARALLEL = Refusal(
     f"{_TP_SOURCE}, transformers/distributed/configuration_utils.py (DistributedConfig) and tensor_parallel.py"
     " (SequenceParallel, registered with use_local_output=True; ColwiseParallel.transform_inputs_pre_forward)",
 )
-GPT2_NO_TP_PLAN = Refusal(
-    "tp", is_gpt2, "for GPT-2 (norm layernorm, no RoPE)",
-    "GPT2Config has no base_model_tp_plan, so from_pretrained(tp_plan=\"auto\") has nothing to apply",
-    f"{_TP_SOURCE}, transformers/models/gpt2/configuration_gpt2.py; distributed/mixin.py _resolve_parallel_plans"
-    " raises ValueError for tp_size > 1 without a plan",
-)
-BLOOM_NO_TP_PLAN = Refusal(
-    "tp", lambda knobs: knobs.alibi, "for BLOOM (alibi)",
-    "BloomConfig has no base_model_tp_plan, so from_pretrained(tp_plan=\"auto\") has nothing to apply",
-    f"{_TP_SOURCE}, transformers/models/bloom/configuration_bloom.py; distributed/mixin.py _resolve_parallel_plans"
-    " raises ValueError for tp_size > 1 without a plan",
-)
-FALCON_NO_TP_PLAN = Refusal(
-    "tp", is_falcon, "for Falcon (norm layernorm with parallel_residual)",
-    "FalconConfig has no base_model_tp_plan, so from_pretrained(tp_plan=\"auto\") has nothing to apply",
-    f"{_TP_SOURCE}, transformers/models/falcon/configuration_falcon.py; distributed/mixin.py _resolve_parallel_plans"
-    " raises ValueError for tp_size > 1 without a plan",
-)
+
+
+def _no_tp_plan(when: Callable[[Any], bool], condition: str, family: str) -> Refusal:
+    """tp for a family whose config class has no base_model_tp_plan (`family`: its FAMILIES key)."""
+    return Refusal(
+        "tp", when, condition,
+        f"{FAMILIES[family].config_class} has no base_model_tp_plan, so from_pretrained(tp_plan=\"auto\") has"
+        " nothing to apply",
+        f"{_TP_SOURCE}, transformers/models/{family}/configuration_{family}.py; distributed/mixin.py"
+        " _resolve_parallel_plans raises ValueError for tp_size > 1 without a plan",
+    )
+
+
+GPT2_NO_TP_PLAN = _no_tp_plan(is_gpt2, "for GPT-2 (norm layernorm, no RoPE)", "gpt2")
+BLOOM_NO_TP_PLAN = _no_tp_plan(lambda knobs: knobs.alibi, "for BLOOM (alibi)", "bloom")
+FALCON_NO_TP_PLAN = _no_tp_plan(is_falcon, "for Falcon (norm layernorm with parallel_residual)", "falcon")
 NEOX_TP_NOT_MODELLED = Refusal(
     "tp", is_neox, "for GPT-NeoX (norm layernorm with rotary_percent and fused_qkv)",
     "memcalc has not measured GPTNeoXConfig's base_model_tp_plan yet (query_key_value and dense_h_to_4h colwise,"
@@ -1116,24 +1104,64 @@ LATENT_TP_NOT_MODELLED = Refusal(
 )
 
 
-def unsharded(knobs: Any) -> frozenset[str]:
-    """What tp keeps whole because transformers' plan names no module that makes it: Qwen2-MoE's shared expert
-    (its gate and combine lie outside any column/row pair, whole anyway); and what a family's plan gathers
-    (`Family.gathered`): every tensor of that block but the rowwise linear's input, which it splits."""
-    qwen2_moe = knobs.moe and knobs.moe_shared_expert_intermediate_size and not knobs.mla
-    whole = frozenset(x.name for x in SHARED_MLP) if qwen2_moe else frozenset()
-    return whole | _gathered(knobs)
+def tp_plan(knobs: Any) -> TPPlan:
+    """The family's base_model_tp_plan, as apply_tensor_parallelism applies it (DTensor; from_pretrained(tp_plan=
+    "auto")): the Llama family's (a colwise linear's input wrapped as Replicate, no copy), a block the family's plan
+    gathers ("colwise_gather_output"), and the MoE plans', which shard only each expert's width ("packed_colwise"
+    gate_up_proj, "rowwise" down_proj, "moe_tp_experts" summing the ranks' outputs): no rule names the router, so
+    every rank routes every token alike and gathers the same r rows (Region.EXPERT: only F_E is split), nor
+    Qwen2-MoE's shared expert (its gate and combine lie outside any pair, whole anyway)."""
+    gathered, gptj = layer_family(knobs).gathered, is_gptj(knobs)
+    attention = "attn" if gptj else "self_attn"
+    qkv = ("qkv_proj",) if knobs.fused_qkv else ("q_proj", "k_proj", "v_proj")
+    up, down = ((("gate_up_proj",) if "mlp" in gathered else ("gate_proj", "up_proj")), "down_proj") \
+        if knobs.mlp in GATED else (("fc_in",), "fc_out") if gptj else (("c_fc",), "c_proj")  # GPT-J's, StarCoder 2's
+    shared = (Rule("mlp.shared_expert", Style.REPLICATED, whole=tuple(x.name for x in SHARED_MLP)),) \
+        if knobs.moe_shared_expert_intermediate_size and not knobs.mla else ()
+    mlp = (Rule("mlp.experts", Style.EXPERTS), *shared) if knobs.moe else \
+        _pair(knobs, MLP, tuple(f"mlp.{m}" for m in up), f"mlp.{down}", gathered)
+    return TPPlan((*_pair(knobs, ATTENTION, tuple(f"{attention}.{m}" for m in qkv),
+                          f"{attention}.{'out_proj' if gptj else 'o_proj'}", gathered), *mlp))
 
 
-def _gathered(knobs: Any) -> frozenset[str]:
-    """The tensors of the blocks the family's plan runs whole on every rank ("colwise_gather_output"): the attention
-    (both cores, on either device, and the b = 1 fused output) or the MLP, less o_proj's and down_proj's inputs."""
-    family = layer_family(knobs)
-    blocks = {"attention": lambda: (*(x for d in ("cpu", "cuda") for x in attention_block(knobs, Accounting(device=d))),
-                                    ledger.K, ledger.V, NEOX_QKV_OUT),  # and what REPEAT_KV keeps at b = 1
-              "mlp": lambda: mlp_block(knobs)}
-    split = {ledger.PROJ_IN.name, ledger.FC2_IN.name}
-    return frozenset(x.name for block in family.gathered for x in blocks[block]() if x.name not in split)
+def _pair(knobs: Any, p: Pair, colwise: tuple[str, ...], rowwise: str, gathered: tuple[str, ...]) -> tuple[Rule, ...]:
+    """One pair's rules; where the family's plan gathers the block, every tensor of it is whole (both cores, on
+    either device, and the b = 1 fused output) but the rowwise linear's input."""
+    if p.name not in gathered:
+        return _with_head_norms(knobs, pair(p, colwise, rowwise))
+    made = (*(x for d in ("cpu", "cuda") for x in attention_block(knobs, Accounting(device=d))), ledger.K, ledger.V,
+            NEOX_QKV_OUT) if p is ATTENTION else mlp_block(knobs)  # and what REPEAT_KV keeps at b = 1
+    whole = tuple(dict.fromkeys(x.name for x in made if x.name not in (ledger.PROJ_IN.name, ledger.FC2_IN.name)))
+    return tuple(_gathering(r) for r in pair(p, colwise, rowwise, Style.COLWISE_GATHER_OUTPUT, whole))
+
+
+def _with_head_norms(knobs: Any, rules: tuple[Rule, ...]) -> tuple[Rule, ...]:
+    """`rules` with q_norm after q_proj and k_norm after k_proj where the layer norms its heads: the plans that name
+    them (Qwen3's, Gemma 3's) replicate them with their weight's gradient all-reduced."""
+    if not knobs.qk_layernorm:
+        return rules
+    planned = []
+    for r in rules:
+        planned.append(r)
+        prefix, module = r.module.rsplit(".", 1)
+        if module in ("q_proj", "k_proj"):
+            planned.append(Rule(f"{prefix}.{module[0]}_norm", Style.REPLICATED_GRAD_ALLREDUCE, r.pair, moves=(Dim.D,)))
+    return tuple(planned)
+
+
+def _gathering(r: Rule) -> Rule:
+    """`r` with what DTensor gathers at its module (`_GATHERS`)."""
+    shape, parts = _GATHERS[r.module.rsplit(".", 1)[1]]
+    return replace(r, moves=shape, parts=parts)
+
+
+# What DTensor gathers at each module of a gathered block (memcalc.model.tp_plan.Rule.gathers), and how many such
+# tensors: a colwise module's output, a rowwise module's input (its gradient, in backward).
+_HEADS = (Dim.B, Dim.S, Dim.A, Dim.D)
+_GATHERS = {"qkv_proj": ((Dim.B, Dim.S, Dim.QKV, Dim.D), 1), "q_proj": (_HEADS, 1),
+            "k_proj": ((Dim.B, Dim.S, Dim.G, Dim.D), 1), "v_proj": ((Dim.B, Dim.S, Dim.G, Dim.D), 1),
+            "o_proj": (_HEADS, 1), "gate_up_proj": ((Dim.B, Dim.S, Dim.F), 2), "gate_proj": ((Dim.B, Dim.S, Dim.F), 1),
+            "up_proj": ((Dim.B, Dim.S, Dim.F), 1), "down_proj": ((Dim.B, Dim.S, Dim.F), 1)}
 
 
 IMPLEMENTATION = Implementation(
@@ -1164,7 +1192,8 @@ IMPLEMENTATION = Implementation(
     layer_tensors=layer_tensors,
     refuses=(NO_SEQUENCE_PARALLEL, GPT2_NO_TP_PLAN, NEOX_TP_NOT_MODELLED, LATENT_TP_NOT_MODELLED, FALCON_NO_TP_PLAN,
              BLOOM_NO_TP_PLAN, COHERE_QK_NORM_NO_TP, GPT_OSS_NO_LAYER_TP_PLAN),
-    unsharded=unsharded,
+    tp_plan=tp_plan,
+    rerun=Rerun(after_output=True, early_stop=True),  # activation_checkpointing_enable: non-reentrant, early stop
     check=check,
     check_sizes=check_sizes,
     size_rule=REPEAT_KV,

@@ -16,6 +16,7 @@ from memcalc.model import ledger
 from memcalc.model.impls.base import Implementation, Refusal, SizeCondition, SizeRule, drop_small
 from memcalc.model.knobs import Accounting
 from memcalc.model.ledger import Dim, Kind, Region, SavedTensor
+from memcalc.model.tp_plan import ATTENTION, MLP, SHARED, Rule, Style, TPPlan, pair
 
 _BASD = (Dim.B, Dim.A, Dim.S, Dim.D)
 
@@ -501,11 +502,32 @@ MOE_WITHOUT_SP = Refusal(
     " refused at any t, as tp at t=1 is none",
 )
 
+
+def tp_plan(knobs: Any) -> TPPlan:
+    """megatron-core's layer as its classes split it (local spec): norms sequence-parallel, linear_qkv (latent
+    attention's up projections, after its down projections, column-parallel with their outputs gathered) and
+    linear_fc1 ColumnParallelLinear, linear_proj and linear_fc2 RowParallelLinear; with experts, MoELayer's shared
+    experts a pair of their own, then its experts (etp = t, over ep)."""
+    down, qkv = (), ("linear_qkv",)
+    if knobs.mla:  # a query latent or not
+        down, qkv = (("q", "kv"), ("linear_q_up_proj", "linear_kv_up_proj")) if knobs.q_lora_rank else \
+            (("kv",), ("linear_q_proj", "linear_kv_up_proj"))
+    shared = pair(SHARED, ("mlp.shared_experts.linear_fc1",), "mlp.shared_experts.linear_fc2") \
+        if knobs.moe_shared_expert_intermediate_size else ()
+    mlp = (*shared, Rule("mlp.experts", Style.EXPERTS)) if knobs.moe else \
+        pair(MLP, ("mlp.linear_fc1",), "mlp.linear_fc2")
+    return TPPlan((Rule("input_layernorm", Style.SEQUENCE),
+                   *(Rule(f"self_attention.linear_{x}_down_proj", Style.COLWISE_GATHER_OUTPUT) for x in down),
+                   *pair(ATTENTION, tuple(f"self_attention.{m}" for m in qkv), "self_attention.linear_proj"),
+                   Rule("pre_mlp_layernorm", Style.SEQUENCE), *mlp))
+
+
 IMPLEMENTATION = Implementation(
     name="megatron",
     title="Megatron-core",
     measured_on="megatron-core 0.16.1 TransformerLayer and TransformerBlock (full recompute), local spec, on CPU",
     layer_tensors=layer_tensors,
+    tp_plan=tp_plan,
     sequence_parallel_forms=sequence_parallel_forms,
     tensors=TENSORS,
     check=check,

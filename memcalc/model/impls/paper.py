@@ -31,6 +31,7 @@ from memcalc.model import ledger
 from memcalc.model.impls.base import Implementation, drop_small
 from memcalc.model.knobs import KNOBS, Accounting, Knobs
 from memcalc.model.ledger import SavedTensor
+from memcalc.model.tp_plan import ATTENTION, MLP, Rule, Style, TPPlan, pair
 
 # The knobs whose values the paper models; every other knob must keep its default, the seed's layer.
 MODELLED = ("impl", "family", "dropout", "recompute", "dtype")  # family: a name, whose layer the others describe
@@ -81,11 +82,16 @@ def check(knobs: Any) -> None:
                           " torchtitan")
 
 
+# memcalc's own layer (memcalc/probe/layer.py), Megatron's split: the seed's f, f*, g and g* around each pair.
+TP_PLAN = TPPlan((Rule("ln1", Style.SEQUENCE), *pair(ATTENTION, ("attention.qkv",), "attention.proj"),
+                  Rule("ln2", Style.SEQUENCE), *pair(MLP, ("mlp.fc1",), "mlp.fc2")))
+
 IMPLEMENTATION = Implementation(
     name="paper",
     title="the paper (Korthikanti et al. 2022)",
     measured_on="memcalc's own layer with a fused scale-mask-softmax that keeps its 16-bit output"
     " (memcalc measure --impl paper)",
     layer_tensors=layer_tensors,
+    tp_plan=lambda knobs: TP_PLAN,
     check=check,
 )

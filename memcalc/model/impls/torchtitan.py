@@ -1,7 +1,7 @@
 """torchtitan: what its Llama3 TransformerBlock keeps for backward, under its own TP plan.
 
 Where the block keeps other tensors than the paper's Megatron layer (inputs kept all-gathered, the norm per device,
-RoPE's buffer, flex's row maxima), its MoE, and what FullAC and SelectiveAC keep, each read from torchtitan's and
+RoPE's table, gathered on CUDA), its MoE, and what FullAC and SelectiveAC keep, each read from torchtitan's and
 torch's sources: docs/impl-notes/torchtitan.md, rendered into docs/impl-torchtitan.md.
 """
 
@@ -12,9 +12,10 @@ from typing import Any
 
 from memcalc.errors import ConfigError
 from memcalc.model import ledger
-from memcalc.model.impls.base import Implementation, Refusal, SizeCondition, drop_small
+from memcalc.model.impls.base import Implementation, Refusal, Rerun, SizeCondition, drop_small
 from memcalc.model.knobs import Accounting
 from memcalc.model.ledger import Dim, Kind, Region, RMSNormTensors, SavedTensor
+from memcalc.model.tp_plan import ATTENTION, MLP, Rule, Style, TPPlan, pair
 
 _BSH = (Dim.B, Dim.S, Dim.H)
 _SEQ = Region.SEQUENCE
@@ -71,11 +72,12 @@ FC2_OUT = SavedTensor(
     Kind.ACTIVATION, _SEQ,
     "op-level checkpointing keeps this GEMM's output: partial sums over the whole sequence on every rank",
 )
-FLEX_MAX_SCORES = SavedTensor(
-    "attention/flex_max_scores",
-    "flex attention (CUDA; read from torch's _higher_order_ops/flex_attention.py: FlexAttentionAutogradOp)",
-    (Dim.B, Dim.A, Dim.S), Kind.FP32, Region.TENSOR,
-    "flex attention saves each query row's fp32 score maximum beside the log-sum-exp", paper=False,
+ROPE_CACHE = SavedTensor(
+    "attention/rope_cache",
+    "ComplexRoPE given the trainer's positions (CUDA's flex path): its complex64 table gathered at them, (b, s, d/2),"
+    " counted as fp32 pairs", (Dim.B, Dim.S, Dim.D), Kind.FP32, Region.REPLICATED,
+    "q's and k's complex products read the table for their gradients: gathered per token, it is a tensor of its own,"
+    " not a view of the buffer", paper=False,
 )
 SHARED_FC2_OUT = replace(
     FC2_OUT, name="moe/shared_fc2_out", saved_by="SelectiveAC: MUST_SAVE of the shared experts' w2 matmul (the fifth)",
@@ -87,7 +89,21 @@ MOE_TOPK_VALUES = SavedTensor(
     "op-level checkpointing keeps top-k's outputs so that the recompute routes each token as forward did; the"
     " values are unused, the scores are gathered from the softmax", paper=False,
 )
-KEPT_WHOLE = frozenset({QKV_IN.name, FC1_IN.name, FC2_OUT.name})
+
+
+def tp_plan(knobs: Any) -> TPPlan:
+    """Llama3's plan (set_llama3_sharding_config): norms sequence-parallel, wqkv, w1 and w3 colwise, wo and w2 rowwise.
+    Each block's entry gathers its input (in_dst_shardings Replicate), which the colwise linears keep; SelectiveAC
+    keeps w2's output before its reduce-scatter. With experts, Qwen3's MoE in the feed-forward's place
+    (set_moe_sharding_config): at ep = 1 its entry gathers its input too, of which the router and the shared experts
+    keep what they keep (`MOE_GATHERED`); at ep > 1 each rank routes its own shard (`splits`)."""
+    keeps = Style.COLWISE_KEEPS_INPUT
+    ffn = (Rule("moe", Style.EXPERTS, whole=MOE_GATHERED),) if knobs.moe else (
+        Rule("feed_forward.w1", keeps, MLP, (FC1_IN.name,)), Rule("feed_forward.w3", keeps, MLP),
+        Rule("feed_forward.w2", Style.ROWWISE, MLP, (FC2_OUT.name,)))
+    return TPPlan((Rule("attention_norm", Style.SEQUENCE),
+                   *pair(ATTENTION, ("attention.qkv_linear.wqkv",), "attention.wo", keeps, (QKV_IN.name,)),
+                   Rule("ffn_norm", Style.SEQUENCE), *ffn))
 
 # -- The MoE block (torchtitan/models/common/moe.py: MoE), as its Qwen3 and DeepSeek-V3 decoder layers run it ------
 # TokenChoiceTopKRouter computes its gate under autocast(float32), so on CUDA the gate casts its weight and input
@@ -123,33 +139,45 @@ MOE_TOPK_SUM = SavedTensor(
     _SEQ, "the division's gradients read its divisor", paper=False,
 )
 MOE_SORTED_SLOTS = SavedTensor(
-    "moe/sorted_slots", f"{_DISPATCH}: argsort of the expert ids, kept by indexing the scores with it", (Dim.R,),
+    "moe/sorted_slots", f"{_DISPATCH}: argsort of the expert ids, kept by indexing the scores with it", (Dim.RS,),
     Kind.INT64, Region.EXPERT, "indexing's backward scatters the sorted scores' gradient back to their slots",
     paper=False,
 )
 MOE_TOKEN_INDICES = SavedTensor(
-    "moe/token_indices", f"{_DISPATCH}: sorted slots // k, kept by x[indices] and combine's scatter_add", (Dim.R,),
+    "moe/token_indices", f"{_DISPATCH}: sorted slots // k, kept by x[indices] and combine's scatter_add", (Dim.RS,),
     Kind.INT64, Region.EXPERT, "gathering rows and scatter-adding them route their gradients by the same indices",
     paper=False,
 )
 MOE_SORTED_SCORES = SavedTensor(
     "moe/sorted_scores_fp32", f"{_DISPATCH}: the top-k scores in expert order, kept by combine's multiply",
-    (Dim.R,), Kind.FP32, Region.EXPERT, "the expert output's gradient in the product is dY * score", paper=False,
+    (Dim.RS,), Kind.FP32, Region.EXPERT, "the expert output's gradient in the product is dY * score", paper=False,
 )
 MOE_OFFSETS = SavedTensor(
-    "moe/expert_offsets", f"{_GROUPED}: cumsum of the tokens per expert, kept by each grouped matmul", (Dim.E,),
+    "moe/expert_offsets", f"{_GROUPED}: cumsum of the tokens per local expert, kept by each grouped matmul",
+    (Dim.EL,),
     Kind.INT32, Region.REPLICATED, "a grouped matmul's backward cuts dY at the same expert boundaries", paper=False,
 )
 MOE_EXPERT_OUT = SavedTensor(
-    "moe/expert_out_fp32", f"{_DISPATCH}: combine's routed_output.to(float32) * score", (Dim.R, Dim.H), Kind.FP32,
+    "moe/expert_out_fp32", f"{_DISPATCH}: combine's routed_output.to(float32) * score", (Dim.RS, Dim.H), Kind.FP32,
     Region.EXPERT, "the score's gradient is sum(dY * expert output): the fp32 copy the multiply read",
+)
+MOE_PERMUTED_INDICES = SavedTensor(
+    "moe/permuted_indices",
+    "AllToAllTokenDispatcher (EP>1): _permute's row of each received slot, rank- to expert-major",
+    (Dim.R,), Kind.INT64, Region.EXPERT, "the rows' index backward puts each gradient back at the row it came from",
+    paper=False,
 )
 MOE_SHARED_IN = replace(
     ledger.MOE_IN, saved_by="shared experts' w1 and w3 (FeedForward), on the normalised input",
     why="the shared experts' dW = X^T dY needs their input (the gate keeps an fp32 copy of its own)",
 )
+# What the router keeps of the MoE's input, which set_moe_sharding_config gathers at the MoE's entry under SP (at
+# ep = 1; with ep > 1 each TP rank routes its own s/t tokens, `splits`), and the shared experts' input (gathered)
+MOE_ROUTED = (MOE_ROUTER_IN, MOE_ROUTER_SCORES, ledger.ROUTER_TOPK_INDICES, MOE_TOPK_SCORES, MOE_TOPK_SUM,
+              MOE_TOPK_VALUES)
+MOE_GATHERED = tuple(x.name for x in (MOE_SHARED_IN, *MOE_ROUTED))
 MOE_TENSORS = (MOE_ROUTER_WEIGHT, MOE_ROUTER_IN, MOE_ROUTER_SCORES, MOE_TOPK_SCORES, MOE_TOPK_SUM, MOE_SORTED_SLOTS,
-               MOE_TOKEN_INDICES, MOE_SORTED_SCORES, MOE_OFFSETS, MOE_EXPERT_OUT, MOE_SHARED_IN)
+               MOE_TOKEN_INDICES, MOE_SORTED_SCORES, MOE_PERMUTED_INDICES, MOE_OFFSETS, MOE_EXPERT_OUT, MOE_SHARED_IN)
 
 
 def norm_block(norm: RMSNormTensors, accounting: Accounting) -> tuple[SavedTensor, ...]:
@@ -159,16 +187,12 @@ def norm_block(norm: RMSNormTensors, accounting: Accounting) -> tuple[SavedTenso
     return (norm.input_fp32, norm.rstd, norm.normed_fp32)
 
 
-def attention_kernel(accounting: Accounting) -> tuple[SavedTensor, ...]:
-    """The kernel's statistics: the log-sum-exp; on CUDA, where it is flex attention, also the row maxima."""
-    if accounting.device == "cuda":
-        return (ledger.SOFTMAX_LSE, FLEX_MAX_SCORES)
-    return (ledger.SOFTMAX_LSE,)
-
-
 def attention_block(accounting: Accounting) -> tuple[SavedTensor, ...]:
-    """The gathered wqkv input, Q and K after RoPE, V, the kernel's statistics, its output (wo's input)."""
-    return (QKV_IN, ledger.Q, ledger.K, ledger.V, *attention_kernel(accounting), ledger.PROJ_IN)
+    """The gathered wqkv input, (on CUDA RoPE's gathered table,) Q and K after RoPE, V, the kernel's log-sum-exp,
+    its output (wo's input). torch.compile'd flex attention keeps what SDPA's flash kernel keeps: its row maxima are
+    made but not saved (AOTAutograd saves what flex_attention_backward reads: q, k, v, out, lse, the block mask's)."""
+    rope = (ROPE_CACHE,) if accounting.device == "cuda" else ()
+    return (QKV_IN, *rope, ledger.Q, ledger.K, ledger.V, ledger.SOFTMAX_LSE, ledger.PROJ_IN)
 
 
 def mlp_block() -> tuple[SavedTensor, ...]:
@@ -176,13 +200,13 @@ def mlp_block() -> tuple[SavedTensor, ...]:
     return (FC1_IN, ledger.SWIGLU_GATE, ledger.SWIGLU_UP, ledger.SWIGLU_SILU_OUT, ledger.FC2_IN)
 
 
-def op_checkpoint(knobs: Any, accounting: Accounting, moe: bool | None = None) -> tuple[SavedTensor, ...]:
+def op_checkpoint(knobs: Any, moe: bool | None = None) -> tuple[SavedTensor, ...]:
     """SelectiveAC's saved op outputs, and the block's input: wqkv's matmul (the first), the attention kernel's,
     then a FeedForward's w1 and w2 (the third and fifth matmuls; wo's and w3's, the even ones, are recomputed). In a
     MoE layer (`moe`, default knobs.moe) the router's topk; the gate's mm is forced to recompute (its
     force_recompute_mm_shapes_by_fqns) and torch._grouped_mm is not on the list, so the only matmuls counted are the
     shared experts' FeedForward's."""
-    kernel = (*attention_kernel(accounting), ledger.PROJ_IN)
+    kernel = (ledger.SOFTMAX_LSE, ledger.PROJ_IN)
     if not (knobs.moe if moe is None else moe):
         return (ledger.LAYER_INPUT, QKV_OUT, *kernel, ledger.SWIGLU_GATE, FC2_OUT)
     shared = (ledger.SHARED_GATE, SHARED_FC2_OUT) if knobs.moe_shared_expert_intermediate_size else ()
@@ -194,8 +218,9 @@ def moe_block(knobs: Any) -> tuple[SavedTensor, ...]:
     the shared experts: each expert's tensors are the dense MLP's rows for r slots, as one grouped storage each."""
     norm = () if knobs.moe_router_pre_softmax else (MOE_TOPK_SCORES, MOE_TOPK_SUM)  # route_norm
     router = (MOE_ROUTER_WEIGHT, MOE_ROUTER_IN, MOE_ROUTER_SCORES, ledger.ROUTER_TOPK_INDICES, *norm)
-    experts = (MOE_SORTED_SLOTS, MOE_SORTED_SCORES, MOE_TOKEN_INDICES, ledger.EXPERT_IN, MOE_OFFSETS,
-               ledger.EXPERT_GATE, ledger.EXPERT_SILU_OUT, ledger.EXPERT_UP, ledger.EXPERT_FC2_IN, MOE_EXPERT_OUT)
+    experts = (MOE_SORTED_SLOTS, MOE_SORTED_SCORES, MOE_TOKEN_INDICES, MOE_PERMUTED_INDICES, ledger.EXPERT_IN,
+               MOE_OFFSETS, ledger.EXPERT_GATE, ledger.EXPERT_SILU_OUT, ledger.EXPERT_UP, ledger.EXPERT_FC2_IN,
+               MOE_EXPERT_OUT)
     shared = (MOE_SHARED_IN, ledger.SHARED_GATE, ledger.SHARED_SILU_OUT, ledger.SHARED_UP, ledger.SHARED_FC2_IN)
     return (*router, *experts, *(shared if knobs.moe_shared_expert_intermediate_size else ()))
 
@@ -205,7 +230,7 @@ def layer_tensors(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]
     if knobs.recompute == "full":
         return (ledger.LAYER_INPUT,)
     if knobs.recompute == "op":
-        return drop_small(op_checkpoint(knobs, accounting), accounting)
+        return drop_small(op_checkpoint(knobs), accounting)
     mlp = moe_block(knobs) if knobs.moe else mlp_block()
     blocks = norm_block(LN1, accounting) + attention_block(accounting) + norm_block(LN2, accounting) + mlp
     return drop_small(blocks, accounting)
@@ -248,26 +273,56 @@ _MOE_REFUSED = (
     (lambda k: k.moe_token_dispatcher_type != "alltoall", "moe_token_dispatcher_type allgather is Megatron's; leave"
      " it alltoall"),
     (lambda k: k.moe_aux_loss, "moe_aux_loss: its MoE balances load without an auxiliary loss (expert_bias_E)"),
-    (lambda k: getattr(k, "ep", 1) > 1, "ep > 1 (its all-to-all dispatcher) is not measured yet; use ep 1"),
     (lambda k: k.dtype != "bf16", "GroupedExperts computes in bf16 whatever the dtype; use dtype bf16"),
 )
 
 
 def check_moe(knobs: Any) -> None:
-    """ConfigError for MoE knobs the measured MoE block (EP=1, bf16) does not run."""
+    """ConfigError for MoE knobs the measured MoE block (bf16; ep 1, or ep = t over the TP ranks) does not run."""
     for refused, reason in _MOE_REFUSED:
         if refused(knobs):
             raise ConfigError(f"impl torchtitan with experts: {reason}")
+    c = knobs  # a config: its layout too (a knob set alone has no ep)
+    if getattr(c, "ep", 1) > 1 and (c.ep != c.t or c.dp_shard is not None or c.s % c.t):
+        raise ConfigError(f"impl torchtitan with experts: ep={c.ep} is measured as ep = t over the TP ranks, without"
+                          f" dp_shard, t dividing s (its MoE splits the sequence over them), not at t={c.t},"
+                          f" dp_shard={c.dp_shard}, s={c.s}; use ep 1 (or ep = t under tp or tp-sp)")
 
 
-MOE_NOT_SHARDED = tuple(
-    Refusal(
-        name, lambda knobs: knobs.moe, "with experts (num_experts set)",
-        "memcalc has not measured torchtitan's MoE sharding plan (set_moe_sharding_config) yet",
-        "torchtitan 0.3.0, torchtitan/models/common/moe_sharding.py; memcalc's own limit, not the library's",
-    )
-    for name in ("tp", "tp-sp")
+def _ep(config: Any) -> int:
+    return getattr(config, "ep", 1)
+
+
+def splits(config: Any) -> tuple[tuple[str, Dim], ...]:
+    """With ep > 1 (ep = t) the MoE spreads its tokens over the TP ranks (set_moe_sharding_config, enable_ep): each
+    routes its own s/t tokens (r_s/t slots), its E/ep experts whole, receiving r/t of the slots over the all-to-all."""
+    if _ep(config) == 1:
+        return ()
+    slots = (MOE_SORTED_SLOTS, MOE_TOKEN_INDICES, MOE_SORTED_SCORES, MOE_EXPERT_OUT)
+    received = (MOE_PERMUTED_INDICES, ledger.EXPERT_IN, ledger.EXPERT_GATE, ledger.EXPERT_SILU_OUT, ledger.EXPERT_UP,
+                ledger.EXPERT_FC2_IN)
+    return (*((x.name, Dim.S) for x in MOE_ROUTED), *((x.name, Dim.RS) for x in slots),
+            *((x.name, Dim.R) for x in received))
+
+
+EP_WITHOUT_TP = Refusal(
+    "none", lambda config: _ep(config) > 1, "with ep > 1",
+    "torchtitan takes its expert-parallel ranks from dp_shard*cp*tp: without FSDP2 they are the TP ranks",
+    "torchtitan 0.3.0, torchtitan/distributed/parallel_dims.py (efsdp = dp_shard*cp*tp/ep)",
 )
+
+
+def check_sizes(config: Any) -> None:
+    """torch._grouped_mm takes only strides of whole 16-byte runs (aten's GroupedMMUtils.h, on the CPU and CUDA
+    alike): h and each rank's expert width (e/t under TP at ep = 1; whole under ep = t) multiples of 8 in bf16."""
+    if not config.moe:
+        return
+    shards = config.t if _ep(config) == 1 else 1
+    for name, value in (("h", config.h), (f"moe_ffn_hidden_size/t={config.expert_ffn}/{shards}",
+                                          config.expert_ffn // shards)):
+        if value % 8:
+            raise ConfigError(f"impl torchtitan: {name}={value} is not a multiple of 8: torch._grouped_mm (its"
+                              " GroupedExperts) needs strides of whole 16-byte runs in bf16")
 
 # Found by the differential test (tests/probe/test_differential.py) at b = s = 1.
 V_IN_QKV_OUT = SavedTensor(
@@ -282,6 +337,11 @@ CONDITIONS = (
         " rank (g = t) it is, so SDPA keeps the view, and with it the whole fused output",
         kept=lambda sizes, t: (sizes[Dim.B] * sizes[Dim.S] > 1) | (sizes[Dim.G] // t > 1), instead=V_IN_QKV_OUT,
     ),
+    SizeCondition(
+        MOE_PERMUTED_INDICES, "AllToAllTokenDispatcher reorders the slots it receives only with experts on other"
+        " ranks (ep > 1, fewer than E here); at ep = 1 it dispatches locally",
+        kept=lambda sizes, t: sizes.get(Dim.EL, 0) < sizes.get(Dim.E, 0),
+    ),
 )
 
 IMPLEMENTATION = Implementation(
@@ -291,14 +351,18 @@ IMPLEMENTATION = Implementation(
     " its own TP plan (set_llama3_sharding_config + Module.parallelize, spmd_types backend), FullAC and SelectiveAC;"
     " with experts, Qwen3TransformerBlock's MoE (router, local dispatcher, GroupedExperts on torch._grouped_mm,"
     " shared experts) at ep 1 without recomputation, under FullAC and SelectiveAC, its router forced balanced and"
-    " all-to-one",
+    " all-to-one; under its MoE sharding plan (set_moe_sharding_config) at tp and tp-sp, ep 1 and ep = t (the"
+    " all-to-all dispatcher over the TP ranks)",
     layer_tensors=layer_tensors,
-    kept_whole=KEPT_WHOLE,
-    tensors=(*LN1, *LN2, QKV_IN, FC1_IN, QKV_OUT, FC2_OUT, FLEX_MAX_SCORES, V_IN_QKV_OUT, *MOE_TENSORS, SHARED_FC2_OUT,
+    tp_plan=tp_plan,
+    rerun=Rerun(frozenset({"op", "full"}), after_output=True),  # SelectiveAC caches no collective of spmd_types
+    tensors=(*LN1, *LN2, QKV_IN, FC1_IN, QKV_OUT, FC2_OUT, ROPE_CACHE, V_IN_QKV_OUT, *MOE_TENSORS, SHARED_FC2_OUT,
              MOE_TOPK_VALUES),
     size_conditions=CONDITIONS,
     check=check,
-    refuses=MOE_NOT_SHARDED,
+    check_sizes=check_sizes,
+    refuses=(EP_WITHOUT_TP,),
+    splits=splits,
     # Llama3's block, and the trainer's default activation_checkpoint (SelectiveAC); attention: flex, a fused kernel.
     defaults={"norm": "rmsnorm", "mlp": "swiglu", "dropout": 0.0, "attention": "flash", "recompute": "op"},
 )

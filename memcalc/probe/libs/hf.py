@@ -27,6 +27,7 @@ from memcalc.model.knobs import Accounting, Knobs
 from memcalc.model.ledger import Kind, Region, SavedTensor
 from memcalc.model.strategy import Strategy
 from memcalc.probe import require_torch
+from memcalc.probe.collectives import CollectiveLog, LoggedCollective
 from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.layer import DTYPES
 from memcalc.probe.libs import hf_tp
@@ -65,15 +66,17 @@ _MARKERS = (_QKV_OUT, _GATE_UP, _DENSE_GATE_UP, _GLU_GATE_UP)
 
 
 def run_layer(
-    tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, route: str | None = None
+    tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, route: str | None = None,
+    collectives: list[LoggedCollective] | None = None,
 ) -> tuple[SavedStorage, ...]:
-    """Build the layer, record one forward pass under ledger names, run backward once; `route` forces the router."""
-    return record_layer(tp, config, strategy, route=route)
+    """Build the layer, record one forward pass under ledger names, run backward once; `route` forces the router;
+    `collectives` gets every collective forward and backward issue (memcalc.probe.collectives)."""
+    return record_layer(tp, config, strategy, route=route, collectives=collectives)
 
 
 def record_layer(
     tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, route: str | None = None, dense: bool = False,
-    layer_type: str | None = None,
+    layer_type: str | None = None, collectives: list[LoggedCollective] | None = None,
 ) -> tuple[SavedStorage, ...]:
     """`run_layer`, with `dense` a MoE model's dense layer (Qwen2-MoE's layer 0 when moe_layer_freq > 1), and with
     `layer_type` the kind of gpt-oss's layer 0 ("sliding_attention", its config class's, or "full_attention")."""
@@ -89,11 +92,14 @@ def record_layer(
     label_rules = tuple(r for r in label_rules_for(config) if r.tensor.name in expected or r.tensor in _MARKERS)
     x = _layer_input(config, tp.device)
     rope = tuple(t for t in predicted if t.model_wide) or None  # the (cos, sin) the model passes its layers
-    with cuda_like_dropout(), routing(family, route, config.moe_router_topk):
+    with cuda_like_dropout(), routing(family, route, config.moe_router_topk), CollectiveLog() as log:
         with SavedTensorRecorder(layer.parameters(), kept_only=True) as recorder, Labels(layer, label_rules):
             y = layer(x, **extra(x, rope))
             y = y[0] if isinstance(y, tuple) else y  # FalconDecoderLayer returns (output, attention weights)
+        log.phase = "backward"
         y.backward(torch.ones_like(y))  # inside the shim: a checkpoint's recompute must drop out alike
+    if collectives is not None:
+        collectives.extend(log.calls)
     return _merged_experts(_attributed(recorder.saved, config))
 
 

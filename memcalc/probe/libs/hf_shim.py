@@ -22,7 +22,9 @@ router's forward runs, the logits its `F.linear` returns get a constant lead of
 +100 on the experts `route` assigns each token. Its softmax, top-k and
 renormalisation then run as written and keep what they always keep (adding a
 constant keeps nothing). balanced: token i's k slots go to experts (ik + j) mod
-E, so each expert gets kbs/E slots when E divides kbs; all-to-one: every token's
+E, so each expert gets kbs/E slots when E divides kbs (over ep ranks, megatron's,
+slot m = ik + j goes to rank m mod ep's expert (m div ep) mod E/ep: every rank
+then receives kbs/ep slots of each when ep divides kbs); all-to-one: every token's
 k slots go to experts 0..k-1. DeepSeek-V3's sigmoid router scores the led experts
 1.0 (sigmoid(100) in fp32) and the rest about 0.5, so its group choice keeps them
 when the k led experts lie within topk_group groups, as the probe's layer has them.
@@ -105,10 +107,15 @@ def _leading(original: Any, route: str, k: int) -> Any:
     return forward
 
 
-def lead(logits: Any, route: str, k: int) -> Any:
-    """(tokens, E): +_LEAD on each token's assigned experts, 0 elsewhere; a constant, so nothing is saved for it."""
+def lead(logits: Any, route: str, k: int, ep: int = 1) -> Any:
+    """(tokens, E): +_LEAD on each token's assigned experts (dealt round the `ep` ranks first, E/ep experts each, when
+    balanced), 0 elsewhere; a constant, so nothing is saved for it."""
     tokens, experts = logits.shape
     slots = torch.arange(tokens * k, device=logits.device).view(tokens, k)  # slot j of token i is ik + j
     chosen = slots % experts if route == "balanced" else slots % k
+    if route == "balanced" and ep > 1:  # residue m = q ep + r to rank r's expert q, by a table: no product or
+        # quotient in the router's frame, whose rules count those (memcalc.probe.libs.megatron)
+        dealt = [m % ep * (experts // ep) + m // ep for m in range(experts)]
+        chosen = torch.tensor(dealt, device=logits.device)[chosen]
     offsets = torch.zeros(tokens, experts, dtype=logits.dtype, device=logits.device)
     return offsets.scatter_(1, chosen, _LEAD)

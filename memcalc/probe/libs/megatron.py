@@ -105,7 +105,7 @@ def _recorded(
 ) -> tuple[SavedStorage, ...]:
     """One forward under labels, then backward. A MoE layer counts only what a live node still holds
     (kept_only): the aux loss's top-k saves indices for values nobody reads, freed as the router returns."""
-    routing = forced_routing(route, config.moe_router_topk) if route else nullcontext()
+    routing = forced_routing(route, config.moe_router_topk, config.ep) if route else nullcontext()
     layer = config.dense if dense else config  # the knobs the built layer has: a mix's dense layer, no experts
     # megatron-core refuses sequence parallelism without tensor parallelism; at t = 1 it splits nothing anyway
     sequence_parallel = strategy.sequence_parallel and tp.size > 1

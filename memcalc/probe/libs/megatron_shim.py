@@ -180,15 +180,16 @@ def _every_rank_like_this_one(gather: Any) -> Any:
 
 
 @contextmanager
-def forced_routing(route: str, k: int) -> Iterator[None]:
-    """While inside, TopKRouter's logits lead on the experts `route` assigns (hf_shim.lead), so its k are known."""
+def forced_routing(route: str, k: int, ep: int) -> Iterator[None]:
+    """While inside, TopKRouter's logits lead on the experts `route` assigns over `ep` ranks (hf_shim.lead), so its k
+    are known."""
     from megatron.core.transformer.moe.router import TopKRouter
 
     gating = TopKRouter.gating
 
     def led(self: Any, input: torch.Tensor) -> torch.Tensor:  # noqa: A002  (megatron's own parameter name)
         logits = gating(self, input)  # (s, b, E)
-        return logits + lead(logits.view(-1, logits.shape[-1]), route, k).view_as(logits)
+        return logits + lead(logits.view(-1, logits.shape[-1]), route, k, ep).view_as(logits)
 
     with mock.patch.object(TopKRouter, "gating", led):
         yield
@@ -196,8 +197,9 @@ def forced_routing(route: str, k: int) -> Iterator[None]:
 
 def route_note(route: str) -> str:
     """The `shim:` line a forced route prints."""
-    return f"the router is forced ({route}): TopKRouter.gating's logits get {route_lead(route)}; softmax and top-k" \
-        " run as written"
+    dealt = " (over ep, residue m = q ep + r on rank r's expert q)" if route == "balanced" else ""
+    return f"the router is forced ({route}): TopKRouter.gating's logits get {route_lead(route)}{dealt}; softmax and" \
+        " top-k run as written"
 
 
 # -- the RNG tracker ----------------------------------------------------------------

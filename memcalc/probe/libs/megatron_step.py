@@ -53,7 +53,7 @@ def inside_megatron(tp: TensorParallelGroup, config: ModelConfig, route: str | N
         # megatron's torch softmax (latent attention) calls a torch.nn.Softmax made in forward, gone by backward:
         # MemTracker's module hooks find it dead and say so (what it measures is unchanged)
         warnings.filterwarnings("ignore", "Module is None", UserWarning)
-        routing = forced_routing(route, config.moe_router_topk) if route else nullcontext()
+        routing = forced_routing(route, config.moe_router_topk, config.ep) if route else nullcontext()
         with cpu_megatron(), _model_parallel(tp, config.ep), routing:
             yield
 

@@ -41,6 +41,7 @@ from memcalc.model.knobs import Accounting, Knobs
 from memcalc.model.ledger import SavedTensor
 from memcalc.model.strategy import Strategy
 from memcalc.probe import require_torch
+from memcalc.probe.collectives import CollectiveLog, LoggedCollective
 from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.layer import DTYPES
 from memcalc.probe.libs import torchtitan_shim as shim
@@ -63,6 +64,8 @@ from torchtitan.models.llama3 import Llama3Model, _build_llama3_layers  # noqa: 
 from torchtitan.models.llama3.sharding import set_llama3_sharding_config  # noqa: E402
 from torchtitan.models.common.config_utils import make_ffn_config  # noqa: E402
 from torchtitan.models.qwen3 import _build_qwen3_moe_layers  # noqa: E402
+from torchtitan.models.qwen3.sharding import _GROUPED_EXPERTS_PARAM_LAYOUT  # noqa: E402
+from torchtitan.models.common.moe_sharding import set_moe_sharding_config  # noqa: E402
 from torchtitan.tools.utils import set_default_dtype  # noqa: E402
 
 NOTES = shim.NOTES
@@ -78,28 +81,32 @@ ROPE_THETA = 500000  # every Llama3 flavour's; the values do not change what is 
 def block_config(config: ModelConfig, sequence_parallel: bool) -> Any:
     """torchtitan's Llama3 block config at memcalc's sizes, with its TP plan filled in (with experts: its MoE layer)."""
     model = _llama3_config(config, sequence_parallel, layers=1, vocab_size=1)  # the two ends are built nowhere
-    return moe_block_config(config, model.layers[0]) if config.moe else model.layers[0]
+    return moe_block_config(config, model.layers[0], sequence_parallel) if config.moe else model.layers[0]
 
 
-def model_config(config: ModelConfig, sequence_parallel: bool, layers: int, vocab_size: int) -> Any:
+def model_config(config: ModelConfig, sequence_parallel: bool, layers: int, vocab_size: int,
+                 flex: bool = False) -> Any:
     """torchtitan's Llama3Model config at memcalc's sizes (as its flavours build it, untied), TP plan filled in;
-    with experts the layers `is_moe_layer` picks are its Qwen3 MoE decoder layers (`moe_block_config`)."""
-    model = _llama3_config(config, sequence_parallel, layers, vocab_size)
-    model.layers = [moe_block_config(config, block) if config.is_moe_layer(i) else block
+    with experts the layers `is_moe_layer` picks are its Qwen3 MoE decoder layers (`moe_block_config`). `flex`: its
+    own attention, flex (CUDA's), else the SDPA stand-in."""
+    model = _llama3_config(config, sequence_parallel, layers, vocab_size, flex)
+    model.layers = [moe_block_config(config, block, sequence_parallel) if config.is_moe_layer(i) else block
                     for i, block in enumerate(model.layers)]
     return model
 
 
-def _llama3_config(config: ModelConfig, sequence_parallel: bool, layers: int, vocab_size: int) -> Any:
+def _llama3_config(config: ModelConfig, sequence_parallel: bool, layers: int, vocab_size: int,
+                   flex: bool = False) -> Any:
     """torchtitan's Llama3Model config, every block Llama3's, TP plan filled in.
 
-    Each block's attention is torchtitan's ScaledDotProductAttention: flex has no CPU backward.
+    Each block's attention is torchtitan's ScaledDotProductAttention (flex has no CPU backward), or with `flex` its
+    default FlexAttention, which the shim runs on a CPU (flex_on_cpu).
     """
     blocks = _build_llama3_layers(
         n_layers=layers, dim=config.h, n_heads=config.a, n_kv_heads=config.groups, hidden_dim=config.ffn,
         rope=_rope(config), fuse_qkv=True, attn_backend="flex",
     )
-    for block in blocks:
+    for block in blocks if not flex else ():
         block.attention.inner_attention = ScaledDotProductAttention.Config()
     model = Llama3Model.Config(
         dim=config.h, vocab_size=vocab_size, layers=blocks,
@@ -113,7 +120,7 @@ def _llama3_config(config: ModelConfig, sequence_parallel: bool, layers: int, vo
     return model
 
 
-def moe_block_config(config: ModelConfig, llama3: Any) -> Any:
+def moe_block_config(config: ModelConfig, llama3: Any, sequence_parallel: bool) -> Any:
     """torchtitan's Qwen3 MoE decoder layer from its own builder, with the Llama3 block's attention and norms.
 
     The builder makes Qwen3TransformerBlock with its MoE (the "standard" dispatcher, local at EP=1, and
@@ -135,6 +142,8 @@ def moe_block_config(config: ModelConfig, llama3: Any) -> Any:
             dim=config.h, hidden_dim=config.moe_shared_expert_intermediate_size,
             w1_param_init=dense.w1.param_init, w2w3_param_init=dense.w2.param_init,
         )
+    set_moe_sharding_config(layer.moe, enable_ep=config.ep > 1, enable_sp=sequence_parallel,
+                            expert_param_layout=_GROUPED_EXPERTS_PARAM_LAYOUT)
     return layer
 
 
@@ -164,20 +173,21 @@ def build_block(config: ModelConfig, tp: TensorParallelGroup, strategy: Strategy
 
 
 @contextmanager
-def tensor_parallel(tp: TensorParallelGroup) -> Iterator[ParallelDims | None]:
-    """torchtitan's TP runtime over the probe's group (the whole world): None for t = 1, which has no plan."""
+def tensor_parallel(tp: TensorParallelGroup, ep: int = 1) -> Iterator[ParallelDims | None]:
+    """torchtitan's TP runtime over the probe's group (the whole world), its experts over `ep` of its ranks (the TP
+    ranks, as torchtitan borrows them): None for t = 1, which has no plan."""
     if tp.size == 1:
         yield None
         return
     dist_utils.set_spmd_backend(SPMD_BACKEND)
     dims = ParallelDims(
-        dp_replicate=1, dp_shard=1, cp=1, tp=tp.size, pp=1, ep=1, world_size=tp.size, spmd_backend=SPMD_BACKEND
+        dp_replicate=1, dp_shard=1, cp=1, tp=tp.size, pp=1, ep=ep, world_size=tp.size, spmd_backend=SPMD_BACKEND
     )
     with shim.mesh_device(tp.device.type):
         dims.build_mesh()
-    set_spmd_meshes(dense_mesh=dims.spmd_dense_mesh(), sparse_mesh=None)
+    set_spmd_meshes(dense_mesh=dims.spmd_dense_mesh(), sparse_mesh=dims.spmd_sparse_mesh())
     try:
-        with set_current_spmd_mesh(dims.spmd_dense_mesh()):
+        with set_current_spmd_mesh(dims.spmd_dense_mesh()), shim.every_rank_routes_alike():
             yield dims
     finally:
         set_spmd_meshes(dense_mesh=None, sparse_mesh=None)
@@ -250,7 +260,7 @@ def moe_rules() -> tuple[Rule, ...]:
     """The MoE block's tensors, named in torchtitan's code (the gate's fp32 casts are aten's: `aten_rules`).
 
     The dispatcher is no module: its calls run in `routed_experts`' frame, where the first indexing sorts the
-    scores and the first `to` is combine's upcast.
+    scores and the first product is combine's.
     """
     router, routed, experts, shared = "*moe.router", "*moe.routed_experts", "*inner_experts", "*moe.shared_experts"
     return (
@@ -262,7 +272,8 @@ def moe_rules() -> tuple[Rule, ...]:
         Rule(routed, "argsort", rules.MOE_SORTED_SLOTS),
         Rule(routed, "__getitem__", rules.MOE_SORTED_SCORES),
         Rule(routed, "__floordiv__", rules.MOE_TOKEN_INDICES),
-        Rule(routed, "to", rules.MOE_EXPERT_OUT),
+        Rule(routed, "mul", rules.MOE_EXPERT_OUT, arg=0),  # combine's upcast times the score
+        Rule(routed, "sub", rules.MOE_PERMUTED_INDICES, nth=2),  # EP's _permute: its third subtraction
         Rule(experts, "forward", ledger.EXPERT_IN, arg=0),
         Rule(experts, "cumsum", rules.MOE_OFFSETS),
         Rule(experts, "silu", ledger.EXPERT_GATE, arg=0),
@@ -390,26 +401,31 @@ DEPRECATED_COLLECTIVES = r"`torch\.distributed\.(all_gather_into_tensor|reduce_s
 
 
 def run_layer(
-    tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, route: str | None = None
+    tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, route: str | None = None,
+    collectives: list[LoggedCollective] | None = None,
 ) -> tuple[SavedStorage, ...]:
     """torchtitan's block on this rank: one recorded forward (named by the ledger), then backward once; `route`
-    forces a MoE router (memcalc.probe.ROUTES)."""
+    forces a MoE router (memcalc.probe.ROUTES); `collectives` gets every collective forward and backward issue."""
     if route is not None and not config.moe:
         raise ProbeError(f"--route {route} forces a MoE router: the config has no experts (set num_experts)")
     with ExitStack() as stack:
         stack.enter_context(warnings.catch_warnings())
         warnings.filterwarnings("ignore", DEPRECATED_COLLECTIVES, FutureWarning)
         warnings.filterwarnings("ignore", CPU_AUTOCAST_FP32, UserWarning)
-        dims = stack.enter_context(tensor_parallel(tp))
+        dims = stack.enter_context(tensor_parallel(tp, config.ep))
         stack.enter_context(shim.cuda_like_op_checkpointing())
         caches = stack.enter_context(shim.op_checkpoint_caches())
         block = build_block(config, tp, strategy, dims)
         x = block_input(config, tp, strategy)
         shim.route_gates(block, route, config.moe_router_topk)
         state = chain(block.parameters(), block.buffers())  # buffers: the RoPE table is state, like a weight
+        log = stack.enter_context(CollectiveLog())
         with SavedTensorRecorder(state) as recorder:
             with Labels(block, library_rules(config, tp.size)), AtenLabels(block, aten_rules()):
                 y = block(x, None, None)
             _hand_to_recorder(shim.cached_tensors(caches))
+        log.phase = "backward"
         y.backward(torch.ones_like(y))
+    if collectives is not None:
+        collectives.extend(log.calls)
     return recorder.saved

@@ -1,5 +1,5 @@
-"""What torchtitan 0.3.0 needs to run its Llama3 and MoE blocks on a CPU, patched at run time; no library file
-is edited.
+"""What torchtitan 0.3.0 needs to run its Llama3 and MoE blocks on a CPU, and to run them as CUDA does (`--device
+cuda` with `--step`), patched at run time; no library file is edited.
 
 Each patch is a record of memcalc.probe.shims (`NOTES`, the `shim:` lines `memcalc measure` prints), tabled with its
 reason in docs/probe.md, "What the shims change", with the details the table leaves out.
@@ -7,6 +7,7 @@ reason in docs/probe.md, "What the shims change", with the details the table lea
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
 import types
@@ -53,6 +54,117 @@ def mesh_device(device_type: str) -> Iterator[None]:
         yield
     finally:
         parallel_dims.device_type = original
+
+
+@contextmanager
+def every_rank_routes_alike() -> Iterator[None]:
+    """On the fake group, the EP dispatcher's all-to-all of token counts leaves each source rank's counts for this
+    rank's experts as this rank's own: every rank routes as this one (so under a forced route, which each rank
+    repeats on its own tokens). The all-to-all still runs; only the values it leaves are written. The fake group's
+    list all-to-all copies each input chunk to the same rank's output chunk, which an uneven route (this rank's
+    slots sent to itself alone, received from every rank) cannot: there it zeroes the chunks spmd_types allocated
+    (uninitialised, they could hold NaNs that a step's update would write into the weights, and so into the route)."""
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+
+    original, all_to_all = AllToAllTokenDispatcher._token_count_exchange, torch.distributed.all_to_all
+
+    def uneven(outputs: list, inputs: list, group: Any = None, **kwargs: Any) -> Any:
+        if torch.distributed.get_backend(group) == "fake":
+            for chunk in outputs:
+                chunk.zero_()
+            return None
+        return all_to_all(outputs, inputs, group=group, **kwargs)
+
+    def exchanged(self: Any, counts: torch.Tensor, group: Any, ep: int) -> torch.Tensor:
+        received = original(self, counts, group, ep)
+        if torch.distributed.get_backend(group) != "fake":
+            return received
+        received = torch.ops._c10d_functional.wait_tensor(received)  # (ep, E/ep): each source rank's counts
+        mine = counts.view(ep, -1)[torch.distributed.get_rank(group)]
+        received.copy_(mine.expand(ep, -1))
+        return received
+
+    AllToAllTokenDispatcher._token_count_exchange, torch.distributed.all_to_all = exchanged, uneven
+    try:
+        yield
+    finally:
+        AllToAllTokenDispatcher._token_count_exchange, torch.distributed.all_to_all = original, all_to_all
+
+
+@contextmanager
+def flex_on_cpu() -> Iterator[None]:
+    """While inside: torchtitan's compiled flex attention runs SDPA's CPU flash kernel (causal; the probe's positions
+    are one document a row, so its block mask says the same), and its compiled create_block_mask runs as one op."""
+    from torchtitan.models.common import attention, decoder
+
+    original = attention.FlexAttention.compiled_flex_attn, decoder.create_attention_mask
+    attention.FlexAttention.compiled_flex_attn, decoder.create_attention_mask = staticmethod(_flash), _block_mask
+    try:
+        yield
+    finally:
+        attention.FlexAttention.compiled_flex_attn, decoder.create_attention_mask = original
+
+
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None, enable_gqa: bool,
+           **flex: Any) -> tuple[torch.Tensor, Any]:
+    """Causal attention by SDPA's flash kernel, which keeps what compiled flex keeps: q, k, v, out, lse."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.flex_attention import AuxOutput
+
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                               enable_gqa=enable_gqa)
+    return out, AuxOutput()
+
+
+def _block_mask(*args: Any, **kwargs: Any) -> Any:
+    """torch's create_block_mask as torch.compile runs it: only its tensors are made (eagerly its (b, 1, s, s)-sized
+    intermediates would be, which the compiled kernel never materialises): run unseen, its tensors copied in."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        mask = create_block_mask(*args, **kwargs)
+    for name, value in vars(mask).items():
+        if isinstance(value, torch.Tensor):
+            setattr(mask, name, value.clone())
+    return mask
+
+
+def fused_norms(model: torch.nn.Module) -> None:
+    """Each nn.RMSNorm of `model` runs as torch's CUDA _fused_rms_norm (one op each way, keeping its input and rstd),
+    for the life of `model` (before its TP plan, which wraps the forward it finds); on a CPU torch runs rms_norm's
+    composite."""
+    from memcalc.probe.kernels import FusedRMSNorm
+
+    _fused_norm_sharding()
+    for norm in [m for m in model.modules() if isinstance(m, torch.nn.RMSNorm)]:
+        norm.forward = _fused(norm, FusedRMSNorm)
+
+
+@functools.cache
+def _fused_norm_sharding() -> None:
+    """DTensor's rules for the probe's fused norm ops (FSDP2 beside tp runs the TP plan on DTensor), as it has them
+    for _fused_rms_norm: sharded along any dim but the normalised one, the weight replicated and its gradient a
+    Partial sum, or all replicated."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.experimental import register_sharding
+
+    @register_sharding(torch.ops.memcalc.rms_norm.default)
+    def forward(x: Any, weight: Any, eps: float) -> list:
+        return [([Replicate(), Replicate()], [Replicate(), Replicate(), None]),
+                *(([Shard(d), Shard(d)], [Shard(d), Replicate(), None]) for d in range(x.ndim - 1))]
+
+    @register_sharding(torch.ops.memcalc.rms_norm_backward.default)
+    def backward(grad_y: Any, x: Any, weight: Any, rstd: Any) -> list:
+        return [([Replicate(), Replicate()], [Replicate()] * 4),
+                *(([Shard(d), Partial()], [Shard(d), Shard(d), Replicate(), Shard(d)]) for d in range(x.ndim - 1))]
+
+
+def _fused(norm: torch.nn.RMSNorm, kernel: Any) -> Any:
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return kernel.apply(x, norm.weight, torch.finfo(x.dtype).eps if norm.eps is None else norm.eps)
+    return forward
 
 
 @contextmanager

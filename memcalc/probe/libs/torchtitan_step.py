@@ -3,7 +3,8 @@ torchtitan`).
 
 The model is torchtitan 0.3.0's `Llama3Model` (its Decoder: `tok_embeddings`, L `Llama3TransformerBlock`s built by
 its own `_build_llama3_layers`, the final `norm`, `lm_head`) at memcalc's sizes, untied as Llama3 trains it, each
-block's attention torchtitan's ScaledDotProductAttention (flex has no CPU backward: memcalc.probe.libs.torchtitan).
+block's attention torchtitan's ScaledDotProductAttention (flex has no CPU backward: memcalc.probe.libs.torchtitan);
+with `device` cuda its default flex attention, run as CUDA runs it (the shim's flex_on_cpu and fused_norms).
 It is built as torchtitan's trainer builds it: on the meta device, laid out by its TP plan under tp, then `to_empty`
 on the rank's device and `init_states` (each parameter its own shard's storage: parallelizing a model built on the
 device keeps the whole storage behind each dim-0 shard). Parameters are in the activation dtype, as FSDP's mixed
@@ -25,7 +26,7 @@ optimizer and zero_grad, and measured by FSDPMemTracker (memcalc.probe.libs.hf_f
 from __future__ import annotations
 
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Iterator
 
 from memcalc.config.schema import ModelConfig
@@ -44,36 +45,45 @@ from torchtitan.tools.utils import set_default_dtype  # noqa: E402
 
 
 def measure_torchtitan_step_on_rank(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy,
-                                    route: str | None = None) -> StepMeasurement:
+                                    route: str | None = None, device: str = "cpu") -> StepMeasurement:
     """Build torchtitan's Llama3Model (under tp laid out by its own plan; with experts its MoE layers, the router
-    forced to `route`), run a warm-up step, then measure one step under MemTracker."""
-    with runtime(tp) as dims:
-        return measure_trainer(warmed_up(tp, config, strategy, dims, route), tp, strategy)
+    forced to `route`; on `device` cuda run as CUDA runs it), run a warm-up step, then measure one step under
+    MemTracker."""
+    with runtime(tp, config.ep, device) as dims:
+        return measure_trainer(warmed_up(tp, config, strategy, dims, route, device), tp, strategy)
 
 
 @contextmanager
-def runtime(tp: TensorParallelGroup) -> Iterator[Any]:
-    """torchtitan's TP runtime over the probe's group (memcalc.probe.libs.torchtitan), its collectives' deprecation
-    warnings and the CPU's refusal of the MoE router's autocast(float32) (the shim runs it) silenced: the
+def runtime(tp: TensorParallelGroup, ep: int = 1, device: str = "cpu") -> Iterator[Any]:
+    """torchtitan's TP runtime over the probe's group (memcalc.probe.libs.torchtitan; its experts over `ep` of the
+    TP ranks), its collectives' deprecation warnings and the CPU's refusal of the MoE router's autocast(float32) (the
+    shim runs it) silenced, and for `device` cuda its flex attention run on the CPU (the shim's flex_on_cpu): the
     ParallelDims, or None at t = 1."""
-    with warnings.catch_warnings():
+    from memcalc.probe.libs import torchtitan_shim as shim
+
+    with warnings.catch_warnings(), shim.flex_on_cpu() if device == "cuda" else nullcontext():
         warnings.filterwarnings("ignore", titan.DEPRECATED_COLLECTIVES, FutureWarning)
         warnings.filterwarnings("ignore", titan.CPU_AUTOCAST_FP32, UserWarning)
-        with titan.tensor_parallel(tp) as dims:
+        with titan.tensor_parallel(tp, ep) as dims:
             yield dims
 
 
 def warmed_up(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, dims: Any = None,
-              route: str | None = None) -> Trainer:
+              route: str | None = None, device: str = "cpu") -> Trainer:
     """torchtitan's Llama3Model in training mode with memcalc's trainer, stepped once; under tp (inside `runtime`)
     laid out by its own plan (set_llama3_sharding_config, Module.parallelize), its loss vocabulary-parallel. With
     experts its MoE layers' routers run in fp32 as under CUDA's autocast, forced to `route` (the shim's
-    route_gates, as the layer probe runs them)."""
+    route_gates, as the layer probe runs them). On `device` cuda (inside `runtime` for it) as CUDA runs it: its
+    flex attention given the trainer's positions and block mask, its norms torch's fused kernel (the shim's
+    fused_norms)."""
     from memcalc.probe.libs import torchtitan_shim as shim
 
     _check_buildable(config, route)
+    cuda = device == "cuda"
     with torch.device("meta"), set_default_dtype(DTYPES[config.dtype]):  # as its trainer builds a model
-        model = titan.model_config(config, strategy.sequence_parallel, config.L, config.vocab_size).build()
+        model = titan.model_config(config, strategy.sequence_parallel, config.L, config.vocab_size, cuda).build()
+    if cuda:  # before its plan, which wraps each module's forward in its redistributions
+        shim.fused_norms(model)
     if dims is not None:
         model.parallelize(dims)
     checkpoint(model, config)
@@ -85,7 +95,8 @@ def warmed_up(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, 
     if config.moe:  # its routers fp32 and forced, in forward and in a checkpoint's rerun alike
         shim.route_gates(model, route, config.moe_router_topk)
     loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config(global_vocab_size=config.vocab_size))
-    return Trainer.around(config, model, lambda tokens, labels: _loss(model, loss_fn, tokens, labels))
+    held: list[Any] | None = [] if cuda else None
+    return Trainer.around(config, model, lambda tokens, labels: _loss(model, loss_fn, tokens, labels, held))
 
 
 def _check_buildable(config: ModelConfig, route: str | None) -> None:
@@ -119,24 +130,36 @@ def checkpoint(model: Any, config: ModelConfig) -> None:
             policy.build().apply(model)
 
 
-def _loss(model: Any, loss_fn: Any, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def _loss(model: Any, loss_fn: Any, tokens: torch.Tensor, labels: torch.Tensor,
+          held: list[Any] | None = None) -> torch.Tensor:
     """torchtitan's trainer's forward: the valid tokens counted, the logits made, the summed loss divided by the
-    count; the logits go as this returns (its `del pred`)."""
+    count; the logits go as this returns (its `del pred`). With `held`, flex attention's inputs first."""
+    kwargs = {} if held is None else _flex_inputs(model, tokens, held)
     valid = (labels != IGNORE_INDEX).sum()
-    pred = model(tokens)
+    pred = model(tokens, **kwargs)
     loss, _ = loss_fn(pred, labels, valid)
     return loss
 
 
+def _flex_inputs(model: Any, tokens: torch.Tensor, held: list[Any]) -> dict[str, Any]:
+    """The batch's positions (one document a row) and the block mask its trainer makes of them for flex attention,
+    in `held` until the next step (its trainer holds them through this one's backward)."""
+    held.clear()
+    positions = torch.arange(tokens.shape[1], device=tokens.device).repeat(tokens.shape[0], 1)
+    held += [positions, model.get_attention_masks(positions)]
+    return {"positions": held[0], "attention_masks": held[1]}
+
+
 def measure_torchtitan_fsdp_step_on_rank(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy,
-                                         route: str | None = None) -> StepMeasurement:
+                                         route: str | None = None, device: str = "cpu") -> StepMeasurement:
     """torchtitan's Llama3Model sharded by its own parallelize_llama over dp_shard ranks (under tp on its 2-D mesh;
     with experts its MoE layers, the router forced to `route`), stepped once, then one step measured by
     FSDPMemTracker (memcalc.probe.libs.hf_fsdp)."""
+    from memcalc.probe.libs import torchtitan_shim as shim
     from memcalc.probe.libs.hf_fsdp import measure_sharded
 
-    with data_parallel(tp, config, strategy) as dims:
-        return measure_sharded(warmed_up_sharded(tp, config, strategy, dims, route), tp, strategy)
+    with data_parallel(tp, config, strategy) as dims, shim.flex_on_cpu() if device == "cuda" else nullcontext():
+        return measure_sharded(warmed_up_sharded(tp, config, strategy, dims, route, device), tp, strategy)
 
 
 @contextmanager
@@ -175,7 +198,7 @@ def data_parallel(tp: TensorParallelGroup, config: ModelConfig, strategy: Strate
 
 
 def warmed_up_sharded(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, dims: Any,
-                      route: str | None = None) -> Any:
+                      route: str | None = None, device: str = "cpu") -> Any:
     """Rank 0 of the fake group's world (`data_parallel`'s meshes, `dims`): Llama3Model built on the meta device in
     fp32 (its trainer's training.dtype), laid out by torchtitan's own parallelize_llama (under tp its TP plan over the
     mesh's tp dimension, each parameter a DTensor of this rank's shard; its activation checkpointing config for
@@ -184,7 +207,7 @@ def warmed_up_sharded(tp: TensorParallelGroup, config: ModelConfig, strategy: St
     fp32 reduce, its TrainingConfig's; its reshard policy "default", or "never" without reshard_after_forward),
     materialised and initialised, AdamW (fused) over the shards, zeroed in place (its trainer's
     zero_grad(set_to_none=False)), stepped once. With experts (one FSDP2 unit per block at ep = 1) its routers run
-    in fp32, forced to `route`, as `warmed_up`'s."""
+    in fp32, forced to `route`, as `warmed_up`'s; on `device` cuda its flex attention and fused norms as there."""
     from torchtitan.config.configs import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.models.llama3.parallelize import parallelize_llama
 
@@ -193,8 +216,11 @@ def warmed_up_sharded(tp: TensorParallelGroup, config: ModelConfig, strategy: St
 
     _check_buildable(config, route)
     backend = dims.spmd_backend
+    cuda = device == "cuda"  # as `warmed_up` runs it (inside flex_on_cpu)
     with torch.device("meta"):
-        model = titan.model_config(config, strategy.sequence_parallel, config.L, config.vocab_size).build()
+        model = titan.model_config(config, strategy.sequence_parallel, config.L, config.vocab_size, cuda).build()
+    if cuda:
+        shim.fused_norms(model)
     precision = {"bf16": "bfloat16", "fp32": "float32"}
     training = TrainingConfig(mixed_precision_param=precision[config.dtype],
                               mixed_precision_reduce=precision[config.reduce_dtype])
@@ -213,7 +239,8 @@ def warmed_up_sharded(tp: TensorParallelGroup, config: ModelConfig, strategy: St
         shim.route_gates(model, route, config.moe_router_topk)
     loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config(global_vocab_size=config.vocab_size))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    trainer = ShardedTrainer(config, model, optimizer, lambda tokens, labels: _loss(model, loss_fn, tokens, labels),
-                             set_to_none=False)
+    held: list[Any] | None = [] if cuda else None
+    trainer = ShardedTrainer(config, model, optimizer,
+                             lambda tokens, labels: _loss(model, loss_fn, tokens, labels, held), set_to_none=False)
     trainer.step()
     return trainer

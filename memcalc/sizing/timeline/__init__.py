@@ -85,7 +85,8 @@ def timeline(
         walk.forward(kind.ops)
         _fold(tape, i, kind.folded)
         if kind.config.moe:  # held by the layer's dispatcher beyond the step: one term
-            tape.add(f"layers.{i}/moe dispatcher", ACTIVATIONS, sum(tape.live.pop(x).bytes for x in megatron_moe.HELD),
+            tape.add(f"layers.{i}/moe dispatcher", ACTIVATIONS, sum(tape.live.pop(x).bytes for x in megatron_moe.HELD
+                                                                if x in tape.live),
                      "what MoELayer's token dispatcher holds as attributes until the next forward")
     ends.forward_out(tape)
     ends.backward_out(tape)
@@ -167,7 +168,7 @@ class _Kind:
             if config.moe:
                 again, sizes = megatron_moe.pieces(config, z, again, sizes)
         host_again = megatron_mla.rerun_host_scalars(config, z, accounting) if config.mla else ()
-        sizes = sizes | {x.name: 4 for x in host_again} | saved
+        again, sizes = (*again, *host_again), sizes | {x.name: 4 for x in host_again} | saved
         ops = layer_ops(config, z, kept, again, sizes)
         _check_modelled(config, (*kept, *again), ops)
         return cls(config, kept, saved, sizes, ops)
@@ -219,10 +220,9 @@ def _refuse_other_layers(config: ModelConfig) -> None:
     if per_stage > MAX_WALKED_LAYERS:
         raise ConfigError(f"the step timeline walks a stage's layers one by one, at most {MAX_WALKED_LAYERS}:"
                           f" L/pp = {config.L}/{config.pp} is {per_stage}")
-    if config.mla and (config.impl != "megatron" or config.recompute == "full"):
+    if config.mla and config.impl != "megatron":
         raise ConfigError(f"the step timeline models latent attention (kv_lora_rank) as megatron-core's"
-                          f" MLASelfAttention without recomputation or with selective (impl megatron), not impl"
-                          f" {config.impl} with recompute {config.recompute}")
+                          f" MLASelfAttention (impl megatron), not impl {config.impl}")
 
 
 def _refuse_other_moe(config: ModelConfig, strategy: Strategy) -> None:

@@ -26,6 +26,7 @@ records of memcalc.model.impls.megatron). Beside them megatron keeps three thing
 the global memory buffer the core's baddbmm writes into, both made in the first step and kept (a tracker started
 before a step sees them where forward first touches them), and the fused softmax's scale (or under selective
 recomputation the checkpoint's attn_mask_type), a 1-element tensor (host memory on CUDA: counted on the CPU only).
+Under full recomputation the layer's rerun (memcalc.sizing.timeline.megatron) makes them all again, the scale too.
 """
 
 from __future__ import annotations
@@ -305,8 +306,9 @@ def _rope(ops: list[Op], w: Widths, part: str, width: int, expanded: bool) -> No
 def host_scalars(config: ModelConfig, z: Sizes, accounting: Accounting) -> tuple[SavedTensor, ...]:
     """What a layer keeps beside the ledger that CUDA keeps in host memory, counted on the CPU alone (its memory is
     the device's there): the fused softmax's scale, or under selective recomputation the checkpoint's
-    attn_mask_type (the softmax's scale is then made by the rerun alone: `rerun_host_scalars`)."""
-    if accounting.device != "cpu":
+    attn_mask_type; under full recomputation nothing (the forward runs without autograd). The softmax's scale is
+    then made by the rerun alone (`rerun_host_scalars`)."""
+    if accounting.device != "cpu" or config.recompute == "full":
         return ()
     if config.recompute == "selective":
         return (ATTN_MASK_TYPE,)
@@ -314,10 +316,10 @@ def host_scalars(config: ModelConfig, z: Sizes, accounting: Accounting) -> tuple
 
 
 def rerun_host_scalars(config: ModelConfig, z: Sizes, accounting: Accounting) -> tuple[SavedTensor, ...]:
-    """The host scalars selective recomputation's rerun of the core makes again (on the CPU): the fused softmax's
-    scale."""
-    selective = config.recompute == "selective"
-    return (SOFTMAX_SCALE,) if selective and accounting.device == "cpu" and fused_softmax(config, z) else ()
+    """The host scalars recomputation's rerun (of the core, or of the layer) makes again (on the CPU): the fused
+    softmax's scale."""
+    again = config.recompute != "none"
+    return (SOFTMAX_SCALE,) if again and accounting.device == "cpu" and fused_softmax(config, z) else ()
 
 
 def beside_the_ledger(tape: Tape, config: ModelConfig, z: Sizes, i: int, first: int) -> None:

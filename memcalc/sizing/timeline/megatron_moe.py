@@ -37,12 +37,10 @@ def unmodelled(config: ModelConfig, z: Sizes) -> str | None:
     the layer."""
     t = z.t
     missing = [
-        (config.ep > 1 and config.num_experts == config.ep, f"one expert a rank (E=ep={config.ep}: the dispatcher"
-         " neither sorts nor keeps the per-expert counts)"),
-        (config.ep > 1 and config.moe_tokens == "balanced" and config.moe_router_topk * z.b * z.s_seq
-         % config.num_experts != 0, f"ep={config.ep} with k*b*s={config.moe_router_topk * z.b * z.s_seq} slots a rank"
-         f" that E={config.num_experts} experts do not share evenly (the ranks' experts would receive other than"
-         " the balanced bound's kbs)"),
+        (config.num_experts == 1, "a single routed expert (num_experts 1)"),
+        (config.moe_tokens == "balanced" and config.moe_router_topk * z.b * z.s_seq % config.ep != 0,
+         f"a rank's k*b*s={config.moe_router_topk * z.b * z.s_seq} slots that ep={config.ep} does not divide under the"
+         " balanced bound (each rank would receive other than kbs; --moe-tokens worst is walked)"),
         (t > 1 and not z.sp, f"t={t} without sequence parallelism with experts"),
         (config.moe_token_dispatcher_type != "alltoall",
          f"the {config.moe_token_dispatcher_type} token dispatcher (it walks the all-to-all one)"),
@@ -55,15 +53,23 @@ def unmodelled(config: ModelConfig, z: Sizes) -> str | None:
     return next((what for absent, what in missing if absent), None)
 
 
+def one_expert(config: ModelConfig) -> bool:
+    """One expert a rank (E = ep): SequentialMLP runs it on the dispatched slots themselves, and the dispatcher neither
+    sorts them by expert nor keeps the per-expert counts."""
+    return config.num_experts == config.ep
+
+
 def expert_slots(config: ModelConfig, z: Sizes) -> tuple[int, ...]:
-    """The slots each local expert receives (ep = 1) under the knobs' bound: balanced, R/E each, the first R mod E
-    experts one more (the forced balanced route sends slot j of token i to expert (ik + j) mod E); worst, every
-    token's k slots on the same k experts, n each and none for the others (the forced all-to-one route)."""
-    n, k, experts = z.b * z.s_seq, config.moe_router_topk, config.num_experts
+    """The slots each local expert receives under the knobs' bound: balanced, the kn/ep slots each rank sends here
+    shared by the E/ep experts, the first ones one more (the forced balanced route deals slot m = ik + j of token i
+    to rank m mod ep's expert (m div ep) mod E/ep: at ep = 1, (ik + j) mod E); worst, every token's k slots on the
+    same k experts, n each and none for the others (the forced all-to-one route)."""
+    n, k, local = z.b * z.s_seq, config.moe_router_topk, config.num_experts // config.ep
     ranks = z.t * config.ep  # every rank of the tp*ep group routes as this one, and rank 0 holds experts 0..E/ep-1
     if config.moe_tokens == "worst":
-        return tuple(ranks * n if e < k else 0 for e in range(experts // config.ep))
-    return tuple(ranks * (k * n // experts + (e < k * n % experts)) for e in range(experts // config.ep))
+        return tuple(ranks * n if e < k else 0 for e in range(local))
+    sent = k * n // config.ep  # what each rank sends this one (`unmodelled`: ep divides kn)
+    return tuple(ranks * (sent // local + (e < sent % local)) for e in range(local))
 
 
 def piece(x: SavedTensor, e: int) -> SavedTensor:
@@ -95,13 +101,15 @@ def pieces(config: ModelConfig, z: Sizes, kept: tuple[SavedTensor, ...], saved: 
 
 def held(config: ModelConfig, z: Sizes) -> tuple[Made, ...]:
     """What the dispatcher keeps as attributes after the layer's forward (`HELD`): the router's (n, E) probabilities
-    and map, the tokens per local expert (one int64 per expert of the tp*ep group), the permutation's indices."""
+    and map, the tokens per local expert (one int64 per expert of the tp*ep group; never set with one expert a rank),
+    the permutation's indices."""
     n, experts = z.b * z.s_seq, config.num_experts
     return (
         Made(HELD[0], z.act * n * experts, "the dispatcher's self.probs: the router's (n, E) probabilities"),
         Made(HELD[1], n * experts, "the dispatcher's self.routing_map: the router's (n, E) bool map"),
-        Made(HELD[2], 8 * z.t * experts, "the dispatcher's self.num_global_tokens_per_local_expert, int64: each"
-             " local expert's tokens from each rank of the tp*ep group"),
+        *(() if one_expert(config) else (Made(HELD[2], 8 * z.t * experts, "the dispatcher's"
+          " self.num_global_tokens_per_local_expert, int64: each local expert's tokens from each rank of the tp*ep"
+          " group"),)),
         Made(HELD[3], 0, "the dispatcher's self.reversed_local_input_permutation_mapping (the ledger's row)",
              keeps=megatron.PERMUTE_INDICES),
     )
@@ -116,9 +124,9 @@ def beside_the_ledger(tape: Tape, config: ModelConfig, z: Sizes) -> None:
                  " experts' fc1 all-gathers its input into it")
 
 
-# What MoELayer.forward's locals hold at the experts' concatenation whether or not autograd keeps it (full
-# recomputation's first forward keeps nothing): its input, gone when it returns, and routed_experts_compute's sorted
-# tokens and probabilities, gone when that returns (over ep before the all-to-all back).
+# What MoELayer.forward's locals hold at the experts' output whether or not autograd keeps it (full recomputation's
+# first forward keeps nothing): its input, gone when it returns, and routed_experts_compute's sorted tokens and
+# probabilities, gone when that returns (over ep before the all-to-all back).
 ROUTED_LOCALS = (ledger.EXPERT_IN, megatron.EXPERT_PROBS)
 LOCALS = (ledger.MOE_IN, *ROUTED_LOCALS)
 
@@ -135,13 +143,14 @@ def experts_forward(config: ModelConfig, z: Sizes, before: tuple[Made, ...], gon
     token counts summed over the group not yet), each expert's fc2 output and their concatenation. Without exchanges
     the unsort's concatenation that follows replaces the experts' outputs with as many bytes (MemTracker's peak is
     the first); with them (`_combine`) a copy of the unsort's chunk sizes comes beside it, and at t > 1 the
-    reduce-scatter of the unsorted output adds this rank's share beside both concatenations.
+    reduce-scatter of the unsorted output adds this rank's share beside both concatenations. One expert a rank
+    (`one_expert`) runs on the dispatched slots themselves: its fc2's output is the widest moment, sent back unsorted.
     """
     act, local = z.act, config.moe_router_topk * z.b * z.s_seq
     slots = sum(expert_slots(config, z))  # what this rank's experts receive: all-gathered over t, all-to-all over ep
-    exchanged = z.t > 1 or config.ep > 1
+    exchanged, one = z.t > 1 or config.ep > 1, one_expert(config)
     mine = ACTIVATIONS if rerun else ""  # what MoELayer makes: activations in the rerun too
-    held_by_forward = tuple(replace(x, category=mine) for x in (
+    dispatched = (
         Made("moe/permuted tokens", act * local * z.h, "permute's index_select: MoELayer.forward holds it"),
         *((Made("moe/permuted probs", act * local, "permute's masked_select of the probabilities, held likewise"),)
           if config.ep == 1 else (
@@ -149,21 +158,33 @@ def experts_forward(config: ModelConfig, z: Sizes, before: tuple[Made, ...], gon
                  " holds it beside the permuted tokens, (R/t, h) (at t > 1 all-gathered to R)"),
             Made("moe/dispatched probs", act * slots // z.t, "the probabilities' all-to-all output, which replaces the"
                  " permuted ones"))),
+    )
+    if one and z.t == 1:  # the last of them is the expert's own input: the ledger's EXPERT_IN and EXPERT_PROBS
+        dispatched = dispatched[:1] if config.ep > 1 else ()
+    held_by_forward = tuple(replace(x, category=mine) for x in (
+        *dispatched,
         *((Made("moe/tokens per expert", 8 * config.num_experts // config.ep, "the experts' token counts summed over"
-                " the tp*ep group's ranks (at t = 1 a view of what the dispatcher holds), int64"),) if exchanged else ()),
+                " the tp*ep group's ranks, int64"),) if exchanged else ()),
         *((Made("moe/shared experts output", z.seq(z.h), "the shared experts ran first: their output waits for the"
                 " routed experts'"),) if config.moe_shared_expert_intermediate_size else ()),
-        Made("moe/experts output", act * slots * z.h, "SequentialMLP's cat of its experts' outputs, (R, h)"),
+        Made("moe/experts output", act * slots * z.h, "the expert's fc2 output, (R, h)" if one else
+             "SequentialMLP's cat of its experts' outputs, (R, h)"),
     ))
-    outputs = Made("moe/expert outputs", act * slots * z.h, "each expert's fc2 output, SequentialMLP's list, (R, h)",
-                   category=mine)
+    outputs = () if one else (Made("moe/expert outputs", act * slots * z.h, "each expert's fc2 output, SequentialMLP's"
+                                   " list, (R, h)", category=mine),)
+    fc2_in = piece(ledger.EXPERT_FC2_IN, 0)  # one expert's, a local of its forward at its output (full's first)
+    local_in = (Made(fc2_in.name, 0, "the expert's fc2 input, held until it returns", keeps=fc2_in),) if one and gone \
+        else ()
     returned = (*(x.name for x in held_by_forward), *gone)
-    steps: tuple[tuple[str, tuple[Step, ...]], ...] = (("mlp.experts", (Step("the experts' outputs concatenated", (
-        *before, *(() if rerun else held(config, z)), *held_by_forward, outputs), frees=(outputs.name,)),)),)
+    widest = Step("the expert's output" if one else "the experts' outputs concatenated", (
+        *before, *local_in, *(() if rerun else held(config, z)), *held_by_forward, *outputs),
+        frees=tuple(x.name for x in (*outputs, *local_in)))
+    steps = (("mlp.experts.local_experts.0.linear_fc2" if one else "mlp.experts", (widest,)),)
     if not exchanged:
         steps += (("mlp", (Step("MoELayer's forward returns", frees=returned),)),)
     else:
-        routed = tuple(x.name for x in ROUTED_LOCALS if x.name in gone)
+        # at t = 1 one expert's input is MoELayer.forward's: it lives to its end
+        routed = tuple(x.name for x in ROUTED_LOCALS if x.name in gone and not (one and z.t == 1))
         steps += (("mlp", _combine(config, z, slots, local, returned, routed, mine)),)
     if rerun:
         return tuple(Op(where, forward=(), backward=x) for where, x in steps)
@@ -172,29 +193,32 @@ def experts_forward(config: ModelConfig, z: Sizes, before: tuple[Made, ...], gon
 
 def _combine(config: ModelConfig, z: Sizes, slots: int, local: int, returned: tuple[str, ...],
              routed: tuple[str, ...], category: str) -> tuple[Step, ...]:
-    """The unsorted output sent back: reduce-scattered over t (the experts' output and the token counts still live),
-    then over ep all-to-all'd back to the tokens' ranks (the experts' output, the token counts, `routed` (what of
-    `ROUTED_LOCALS` autograd does not keep) and at t > 1 the unsorted output gone first); then what MoELayer held
-    (`returned`) goes."""
-    act, h = z.act, z.h
+    """The unsorted output (one expert's own) sent back: reduce-scattered over t (the experts' output and the token
+    counts still live), then over ep all-to-all'd back to the tokens' ranks (the experts' output, the token counts,
+    `routed` (what of `ROUTED_LOCALS` autograd does not keep) and at t > 1 the unsorted output gone first); then what
+    MoELayer held (`returned`) goes."""
+    act, h, one = z.act, z.h, one_expert(config)
     unsorted = Made("moe/unsorted output", act * slots * h, "sort_chunks_by_idxs back to the tokens' order, (R, h)",
                     category=category)
     order = Made("moe/unsort order", 8 * z.t * config.num_experts, "num_global_tokens_per_local_expert.T.ravel():"
                  " the unsort's chunk sizes, a copy (int64)", category=category)
-    steps = [Step("the experts' output unsorted", (order, unsorted), frees=(order.name,))]
+    steps = [] if one else [Step("the experts' output unsorted", (order, unsorted), frees=(order.name,))]
+    # one expert's output is sent back as it is: nothing to unsort
+    sent, sending = ("the expert's output", "moe/experts output") if one else ("the unsorted output", unsorted.name)
     if z.t > 1:
-        steps.append(Step("the unsorted output reduce-scattered over t", (Made(
+        steps.append(Step(f"{sent} reduce-scattered over t", (Made(
             "moe/reduce-scattered output", act * slots // z.t * h, "the reduce-scatter's output: this rank's share",
             category=category),)))
     if config.ep > 1:
         steps += [
             Step("the experts' output and the token counts freed", frees=(
-                "moe/experts output", "moe/tokens per expert", *routed, *((unsorted.name,) if z.t > 1 else ()))),
-            Step("the unsorted output all-to-all'd back over ep", (Made(
+                *(() if one else ("moe/experts output",)), "moe/tokens per expert", *routed,
+                *((sending,) if z.t > 1 else ()))),
+            Step(f"{sent} all-to-all'd back over ep", (Made(
                 "moe/all-to-all output", act * local * h, "the all-to-all's output: this rank's tokens' slots",
                 category=category),)),
         ]
-    return (*steps[:-1], replace(steps[-1], frees=(*steps[-1].frees, *returned, unsorted.name,
+    return (*steps[:-1], replace(steps[-1], frees=(*steps[-1].frees, *returned, sending,
                                                     "moe/reduce-scattered output", "moe/all-to-all output")))
 
 
@@ -209,7 +233,6 @@ def moe_ops(ops: list[Op], config: ModelConfig, z: Sizes, grad: str, residual: s
     """MoELayer's backward, appended to `ops` in backward order, from its output's gradient `grad` (freed by the
     unpermute unless it is the residual stream's, `residual`) to its input's; returns that gradient's name."""
     act, h, n, k = z.act, z.h, z.b * z.s_seq, config.moe_router_topk
-    experts = config.num_experts // config.ep
     shared = bool(config.moe_shared_expert_intermediate_size)  # the shared experts read dY after the routed ones
     local = k * n  # the slots of this rank's tokens
     slots = sum(expert_slots(config, z))  # and those this rank's experts receive
@@ -222,32 +245,12 @@ def moe_ops(ops: list[Op], config: ModelConfig, z: Sizes, grad: str, residual: s
             f"grad/unpermuted {how}", act * rows * h, "the experts' output was sent back: its gradient too"),
             (unpermuted,)))
         unpermuted = f"grad/unpermuted {how}"
-    ops.append(_one("mlp", "unsort: split's backward concatenates", Made(
-        "grad/expert output", act * slots * h, "sort_chunks_by_idxs split the experts' output: its gradient"
-        " concatenated"),
-        (unpermuted,)))
-    received = expert_slots(config, z)
-    for e in reversed(range(experts)):  # the last first; one between two of as many slots: its net change alone
-        if 0 < e < experts - 1 and received[e - 1] == received[e] == received[e + 1]:
-            ops.append(_between(z, e, received[e]))
-        else:
-            _expert(ops, config, z, e, received[e])
-    ops.extend((
-        # MemTracker still has the first expert's fc1 active here (and the experts for the sort's probabilities)
-        _one("mlp.experts.local_experts.0.linear_fc1", "the experts' probability gradients concatenated", Made(
-            "grad/expert probs", act * slots, "SequentialMLP split the probabilities: their gradients concatenated"),
-            tuple(f"grad/expert probs[{e}]" for e in range(experts))),
-        _one("mlp.experts", "the experts' input gradients concatenated", Made(
-            "grad/expert input", act * slots * h, "SequentialMLP split its input: the gradients concatenated"),
-            tuple(f"grad/expert input[{e}]" for e in range(experts))),
-        _one("mlp.experts", "sort's split backward: the probabilities' gradient", Made(
-            "grad/permuted probs", act * slots, "sort_chunks_by_idxs split the probabilities: concatenated again"),
-            ("grad/expert probs",)),
-        _one("mlp", "sort's split backward: the tokens' gradient", Made(
-            "grad/sorted tokens", act * slots * h, "sort_chunks_by_idxs split the tokens: concatenated again"),
-            ("grad/expert input",)),
-    ))
-    probs, tokens = "grad/permuted probs", "grad/sorted tokens"
+    if one_expert(config):  # no sort: the expert's gradients are the dispatched slots' own
+        _expert(ops, config, z, 0, slots, unpermuted)
+        probs, tokens = "grad/expert probs[0]", "grad/expert input[0]"
+    else:
+        _experts(ops, config, z, unpermuted, slots)
+        probs, tokens = "grad/permuted probs", "grad/sorted tokens"
     hops = _exchanges(config, z, slots)[::-1]  # the dispatch's collectives' backward: each to its input's slots
     for (how, _), rows in zip(hops, (*(x for _, x in hops[1:]), local)):
         ops.append(_backward("mlp", Step(f"{how}'s backward: the probabilities' gradient", (Made(
@@ -263,6 +266,36 @@ def moe_ops(ops: list[Op], config: ModelConfig, z: Sizes, grad: str, residual: s
     _router(ops, config, z, n, "grad/moe routed input")
     _shared(ops, config, z, grad, residual)
     return "grad/moe input"
+
+
+def _experts(ops: list[Op], config: ModelConfig, z: Sizes, grad: str, slots: int) -> None:
+    """SequentialMLP's experts' backward from the unsorted output's gradient `grad`: the unsort's concatenation, each
+    expert (the last first), the concatenations of their gradients and the sort's."""
+    act, h, experts = z.act, z.h, config.num_experts // config.ep
+    ops.append(_one("mlp", "unsort: split's backward concatenates", Made(
+        "grad/expert output", act * slots * h, "sort_chunks_by_idxs split the experts' output: its gradient"
+        " concatenated"), (grad,)))
+    received = expert_slots(config, z)
+    for e in reversed(range(experts)):  # the last first; one between two of as many slots: its net change alone
+        if 0 < e < experts - 1 and received[e - 1] == received[e] == received[e + 1]:
+            ops.append(_between(z, e, received[e]))
+        else:
+            _expert(ops, config, z, e, received[e], "grad/expert output")
+    ops.extend((
+        # MemTracker still has the first expert's fc1 active here (and the experts for the sort's probabilities)
+        _one("mlp.experts.local_experts.0.linear_fc1", "the experts' probability gradients concatenated", Made(
+            "grad/expert probs", act * slots, "SequentialMLP split the probabilities: their gradients concatenated"),
+            tuple(f"grad/expert probs[{e}]" for e in range(experts))),
+        _one("mlp.experts", "the experts' input gradients concatenated", Made(
+            "grad/expert input", act * slots * h, "SequentialMLP split its input: the gradients concatenated"),
+            tuple(f"grad/expert input[{e}]" for e in range(experts))),
+        _one("mlp.experts", "sort's split backward: the probabilities' gradient", Made(
+            "grad/permuted probs", act * slots, "sort_chunks_by_idxs split the probabilities: concatenated again"),
+            ("grad/expert probs",)),
+        _one("mlp", "sort's split backward: the tokens' gradient", Made(
+            "grad/sorted tokens", act * slots * h, "sort_chunks_by_idxs split the tokens: concatenated again"),
+            ("grad/expert input",)),
+    ))
 
 
 @dataclass(frozen=True)
@@ -284,15 +317,16 @@ class _Mlp:
         return f"grad/{self.tag.replace('...', what)}"
 
 
-def _expert(ops: list[Op], config: ModelConfig, z: Sizes, e: int, r: int) -> None:
-    """Expert e's backward on its r slots: fc2, the probability's product, the activation, fc1."""
+def _expert(ops: list[Op], config: ModelConfig, z: Sizes, e: int, r: int, grad: str) -> None:
+    """Expert e's backward on its r slots of the output gradient `grad` (freed by the last, expert 0): fc2, the
+    probability's product, the activation, fc1."""
     mlp = _Mlp(
         f"mlp.experts.local_experts.{e}", f"expert ...[{e}]", r, config.expert_ffn // z.t,
         piece(ledger.EXPERT_FC2_IN, e),
         (piece(ledger.EXPERT_SILU_OUT, e), piece(megatron.EXPERT_UP_COPY, e)),
         (piece(ledger.EXPERT_GATE, e), piece(ledger.EXPERT_UP, e)), piece(ledger.EXPERT_GELU_IN, e), ledger.EXPERT_IN,
     )
-    dx2 = _fc2(ops, z, mlp, ("grad/expert output",) if e == 0 else ())  # the last expert's backward frees dY
+    dx2 = _fc2(ops, z, mlp, (grad,) if e == 0 else ())
     act, fe = z.act, config.expert_ffn // z.t
     dact, product = mlp.name("act"), mlp.name("probs product")
     ops.append(_backward(

@@ -116,6 +116,7 @@ class Sizes:
     act: int  # activation and bf16 weight width
     norm_vectors: int  # a norm's weight vectors of h: weight and bias (LayerNorm), weight alone (RMSNorm)
     dtensor: bool = False  # the TP plan's collectives are DTensor's redistributions (torchtitan's partial_dtensor)
+    cuda: bool = False  # CUDA's kernels (torchtitan's: the fused rms_norm, flex attention given the batch's positions)
 
     @classmethod
     def of(cls, config: ModelConfig, strategy: Strategy) -> Sizes:

@@ -35,7 +35,7 @@ def torchtitan_timeline(config: ModelConfig, strategy: Strategy, accounting: Acc
     every = estimate(replace(config, recompute="none"), strategy, accounting) if config.recompute != "none" else layer
     unpadded = replace(config, make_vocab_size_divisible_by=1)  # torchtitan trains the vocabulary as it is
     # under FSDP2 its TP plan runs on DTensor (memcalc.probe.libs.torchtitan_step.data_parallel)
-    z = replace(Sizes.of(unpadded, strategy), dtensor=config.dp_shard is not None)
+    z = replace(Sizes.of(unpadded, strategy), dtensor=config.dp_shard is not None, cuda=accounting.device == "cuda")
     (stage,) = stages(config.L, config.pp, config.vpp, config.microbatches)
     tape = Tape()
     fsdp = Fsdp.torchtitan(unpadded, z.t, z.sp) if config.dp_shard is not None else None
@@ -83,8 +83,6 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
     """ConfigError naming the first thing the torchtitan step timeline does not model yet."""
     sharded_tp = config.dp_shard is not None and strategy.weight_shards(config.t) > 1
     missing = [
-        (accounting.device != "cpu", "device cuda (its flex attention and fused rms_norm kernels; --device cpu walks"
-                                     " the CPU kernels the probe measures)"),
         (config.zero_stage is not None, "zero_stage (DeepSpeed's ZeRO: torchtitan shards with FSDP2, dp_shard)"),
         (sharded_tp and not strategy.sequence_parallel, "dp_shard with tp (t > 1 without sequence parallel: DTensor"
                                                         " carries a Partial gradient through the norms' backward;"
@@ -93,6 +91,9 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
         (expert_dim1(config) and bool(config.expert_ffn % config.dp_shard or config.h % config.dp_shard),
          f"dp_shard={config.dp_shard} for num_experts={config.num_experts} with f_e={config.expert_ffn} and"
          f" h={config.h} (apply_fsdp_to_decoder shards the experts on dim 1, which FSDP2 requires even)"),
+        (config.moe and config.ep > 1 and not strategy.sequence_parallel, f"experts at ep={config.ep} under tp without"
+         " sequence parallel (its MoE slices the replicated input; tp-sp, torchtitan's default, is modelled)"),
+        (config.moe and sharded_tp, "experts under dp_shard with tp (FSDP2 over its MoE sharding plan)"),
         (config.tie_embeddings, "tie_embeddings (Llama3 unties them; set tie_embeddings false)"),
         (config.position_embedding_type != "rope", f"position_embedding_type {config.position_embedding_type}"
                                                    " (Llama3 rotates q and k: set rope)"),
@@ -116,7 +117,7 @@ def block_checkpoint(i: int, config: ModelConfig, accounting: Accounting, z: Siz
     if config.recompute == "none":
         return None
     p = f"layers.{i}"
-    cached = rules.op_checkpoint(config, accounting, config.is_moe_layer(i)) if config.recompute == "op" else ()
+    cached = rules.op_checkpoint(config, config.is_moe_layer(i)) if config.recompute == "op" else ()
     scattered = (f"{p}/attention out", f"{p}/ffn out") if cached and z.dtensor and z.sp else ()
     return Checkpoint(f"{p}/input", frozenset((*(kept_name(p, x) for x in cached if x != ledger.LAYER_INPUT),
                                                *scattered)),
@@ -286,6 +287,32 @@ def rms_norm(where: str, z: Sizes, norm: rules.RMSNormTensors, p: str, out: Made
     return Op(where, forward, backward, saves=(norm.input_fp32, norm.rstd, norm.normed_fp32))
 
 
+def norm(where: str, z: Sizes, tensors: rules.RMSNormTensors, p: str, out: Made, grad: str, dx: str, x: str,
+         frees: tuple[str, ...] = ()) -> Op:
+    """nn.RMSNorm on the walk's device: on CUDA torch's fused kernel (`fused_rms_norm`), keeping its input `x` itself,
+    else the CPU composite (`rms_norm`)."""
+    if not z.cuda:
+        return rms_norm(where, z, tensors, p, out, grad, dx, frees)
+    return fused_rms_norm(where, z, tensors, p, out, grad, dx, x)
+
+
+def fused_rms_norm(where: str, z: Sizes, tensors: rules.RMSNormTensors, p: str, out: Made, grad: str, dx: str,
+                   x: str) -> Op:
+    """nn.RMSNorm on CUDA: torch's _fused_rms_norm, one kernel each way (a non-contiguous input's copy is its own,
+    as its workspace). Forward makes the output and the fp32 rstd; it keeps the input `x` (the residual stream's
+    tensor itself: the ledger's input term) and rstd; backward makes dX and the weight's gradient beside dY, then
+    dY, `x` and rstd go."""
+    n = f"{p}/{where}" if p else where
+    rstd, dweight = kept_name(p, tensors.rstd), f"grad/{n}/dweight"
+    return Op(where, forward=(
+        Step("_fused_rms_norm: the output and rstd", (out, kept(p, tensors.rstd)), reads_last=(rstd,)),
+    ), backward=(
+        Step("_fused_rms_norm_backward: dX and the weight's gradient", (
+            Made(dx, z.act * z.b * z.s_seq * z.h, "the norm's dX"), Made(dweight, z.act * z.h, _WGRAD)),
+            frees=(grad, x), hands_over=(dweight,)),
+    ), saves=(tensors.rstd,))
+
+
 def gather(where: str, z: Sizes, p: str, out: Made, dx: str, rs: str, frees: tuple[str, ...] = ()) -> tuple[Op, ...]:
     """SP's all-gather along s at a module's entry (its plan declares the input Replicate): the shards into a (t, b,
     s/t, h) buffer, concatenated into (b, s, h) (`out`, which the column-parallel linears keep), then `frees`. In
@@ -326,8 +353,9 @@ def _s_first(name: str, z: Sizes, what: str) -> tuple[Step, ...]:
 
 def _contiguous(name: str, z: Sizes) -> tuple[Step, ...]:
     """dY's shard made contiguous for the all-gather: a copy, but at b = 1, where the (b, s/t, h) view of the
-    (s/t, b, h) shard is contiguous already, and on DTensor, whose shard is (b, s/t, h) itself."""
-    if z.b == 1 or z.dtensor:
+    (s/t, b, h) shard is contiguous already, on DTensor, whose shard is (b, s/t, h) itself, and on CUDA, where the
+    residual stream's gradient is the fused norm's contiguous dX, summed into in place."""
+    if z.b == 1 or z.dtensor or z.cuda:
         return ()
     return (Step("dY made contiguous", (Made(name, z.seq(z.h), "this rank's shard"),)),)
 
@@ -359,27 +387,34 @@ def block_ops(i: int, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     """Llama3TransformerBlock i, op by op (its input "layers.i/input", its output "layers.{i+1}/input"); with experts
     the MoE layer (Qwen3TransformerBlock's: the same attention, its MoE as the feed-forward)."""
     p = f"layers.{i}"
-    x, out, mid = f"{p}/input", f"layers.{i + 1}/input", f"{p}/mid"
+    # on CUDA the residual stream after attention is ffn_norm's kept input (the ledger's ln2/input)
+    x, out, mid = f"{p}/input", f"layers.{i + 1}/input", kept_name(p, rules.LN2.input) if z.cuda else f"{p}/mid"
     gx, gout, gmid = f"grad/{p}/input", f"grad/layers.{i + 1}/input", f"grad/{p}/mid"
     h, q, kv = z.seq(z.h), z.tokens(z.act * z.a_t * z.d), z.tokens(z.act * z.g_t * z.d)
     f = z.tokens(z.act * z.f_t)
     if config.is_moe_layer(i):
         shared = bool(config.moe_shared_expert_intermediate_size)
+        # the MoE's input: the norm's output, under SP at ep = 1 gathered at the MoE's entry (kept by the shared
+        # experts); at ep > 1 each rank routes its own shard (and the shared experts gather it)
+        moe_in = kept(p, rules.MOE_SHARED_IN) if shared else Made(f"{p}/moe input", z.full(z.h), "the MoE's input")
+        gathered = z.t > 1 and config.ep == 1
+        if not gathered:
+            moe_in = Made(f"{p}/ffn_norm out", h, "bf16, the MoE's input") if z.sp else moe_in
         return (
             *attention_ops(p, z, mid, gmid, gx, h, q, kv),
-            residual(p, "ffn_norm", f"grad/{p}/ffn_norm dx", gout, gmid, h),
-            rms_norm("ffn_norm", z, rules.LN2, p, kept(p, rules.MOE_SHARED_IN) if shared else
-                     Made(f"{p}/ffn_norm out", h, "the MoE's input, bf16"), f"grad/{p}/ffn_norm out",
-                     f"grad/{p}/ffn_norm dx"),
-            *moe_ops(p, z, config, kept_name(p, rules.MOE_SHARED_IN) if shared else f"{p}/ffn_norm out",
-                     shared_experts_ops(p, z, config) if shared else ()),
-            _second_residual(p, x, mid, out, f"{p}/ffn out", h),
+            residual(p, "ffn_norm", f"grad/{p}/ffn_norm dx", gout, gmid, h, z.cuda),
+            norm("ffn_norm", z, rules.LN2, p, Made(f"{p}/ffn_norm out", h, "bf16") if z.sp else moe_in,
+                 f"grad/{p}/ffn_norm dy" if gathered else f"grad/{p}/ffn_norm out", f"grad/{p}/ffn_norm dx", mid),
+            *(gather("moe", z, p, moe_in, f"grad/{p}/ffn_norm out", f"grad/{p}/ffn_norm dy") if gathered else ()),
+            *moe_ops(p, z, config, moe_in.name,
+                     shared_experts_ops(p, z, config) if shared else (), reduce_scatter),
+            _second_residual(p, x, mid, out, f"{p}/ffn out", h, z.cuda),
         )
     return (
         *attention_ops(p, z, mid, gmid, gx, h, q, kv),
-        residual(p, "ffn_norm", f"grad/{p}/ffn_norm dx", gout, gmid, h),
-        rms_norm("ffn_norm", z, rules.LN2, p, _norm_out(z, p, "ffn_norm", rules.FC1_IN),
-                 f"grad/{p}/ffn_norm dy" if z.t > 1 else f"grad/{p}/ffn_norm out", f"grad/{p}/ffn_norm dx"),
+        residual(p, "ffn_norm", f"grad/{p}/ffn_norm dx", gout, gmid, h, z.cuda),
+        norm("ffn_norm", z, rules.LN2, p, _norm_out(z, p, "ffn_norm", rules.FC1_IN),
+             f"grad/{p}/ffn_norm dy" if z.t > 1 else f"grad/{p}/ffn_norm out", f"grad/{p}/ffn_norm dx", mid),
         *gather("feed_forward", z, p, kept(p, rules.FC1_IN), f"grad/{p}/ffn_norm out", f"grad/{p}/ffn_norm dy"),
         *feed_forward_ops(p, z, x, mid, out, h, f),
     )
@@ -392,26 +427,28 @@ def _norm_out(z: Sizes, p: str, norm: str, kept_input: SavedTensor) -> Made:
     return kept(p, kept_input)
 
 
-def residual(p: str, norm: str, dx: str, grad: str, out: str, h: int) -> Op:
+def residual(p: str, norm: str, dx: str, grad: str, out: str, h: int, in_place: bool = False) -> Op:
     """In backward: the norm's dX and the residual stream's gradient summed, as soon as the norm's returns (autograd
     does it inside the norm's window); listed before the norm, so it runs after it. The forward sum is the branch's
-    last op."""
+    last op. `in_place`: autograd adds dX into the residual stream's gradient, which it holds alone (its input
+    buffer's in-place accumulation, after a fused norm's node as after native_layer_norm's; not after the CPU
+    composite's), making nothing."""
     return Op(norm, forward=(), backward=(Step("the residual stream's gradients summed", (
-        Made(out, h, "the residual stream's gradient: both paths' summed"),), frees=(dx, grad)),))
+        Made(out, h, "the residual stream's gradient: both paths' summed"),), frees=(dx, grad), moment=not in_place),))
 
 
 def attention_ops(p: str, z: Sizes, mid: str, gmid: str, gx: str, h: int, q: int, kv: int) -> tuple[Op, ...]:
     """attention_norm, wqkv, the split, RoPE, SDPA, wo and the first residual sum."""
     a, g = "attention", f"grad/{p}/attention"
     qkv = z.tokens(z.act * z.qkv_t)
-    fp32q, fp32k = 2 * q, 2 * kv  # the fp32 copies and their complex64 products: twice the bf16 bytes
-    table = 8 * z.s * (z.d // 2)  # the (1, s, 1, d/2) complex64 table's conjugate, materialised
     full, dy = z.full(z.h), f"{g}/dY whole"  # wo's dY, all-gathered under SP
     wo_out = f"{p}/wo partial" if z.t > 1 else f"{p}/attention out"
+    kernel = "flex attention" if z.cuda else "SDPA's flash kernel"
     return (
-        residual(p, "attention_norm", f"grad/{p}/attention_norm dx", gmid, gx, h),
-        rms_norm("attention_norm", z, rules.LN1, p, _norm_out(z, p, "attention_norm", rules.QKV_IN),
-                 f"grad/{p}/attention_norm dy" if z.t > 1 else f"grad/{p}/qkv dx", f"grad/{p}/attention_norm dx"),
+        residual(p, "attention_norm", f"grad/{p}/attention_norm dx", gmid, gx, h, z.cuda),
+        norm("attention_norm", z, rules.LN1, p, _norm_out(z, p, "attention_norm", rules.QKV_IN),
+             f"grad/{p}/attention_norm dy" if z.t > 1 else f"grad/{p}/qkv dx", f"grad/{p}/attention_norm dx",
+             f"{p}/input"),
         *gather(a, z, p, kept(p, rules.QKV_IN), f"grad/{p}/qkv dx", f"grad/{p}/attention_norm dy"),
         linear(f"{a}.qkv_linear.wqkv", rules.QKV_IN,
                Made(kept_name(p, rules.QKV_OUT), qkv, "the fused projection's output"),
@@ -423,44 +460,60 @@ def attention_ops(p: str, z: Sizes, mid: str, gmid: str, gx: str, h: int, q: int
            backward=(Step("the split's backward: dQ, dK, dV concatenated", (
                Made(f"{g}/dqkv", qkv, "the fused output's gradient"),),
                frees=(f"{g}/dq pre-rope", f"{g}/dk pre-rope", f"{g}/dv")),)),
-        Op(f"{a}.rope",
-           forward=(Step("q.float()", (Made(f"{p}/q fp32", fp32q, "q in fp32"),)),
-                    Step("k.float()", (Made(f"{p}/k fp32", fp32k, "k in fp32"),)),
-                    Step("q times the table", (Made(f"{p}/q rotated", fp32q, "complex64"),)),
-                    Step("k times the table", (Made(f"{p}/k rotated", fp32k, "complex64"),)),
-                    Step("q cast back", (kept(p, ledger.Q),)),
-                    Step("k cast back", (kept(p, ledger.K),), frees=(
-                        f"{p}/q fp32", f"{p}/k fp32", f"{p}/q rotated", f"{p}/k rotated", f"{p}/q pre-rope",
-                        f"{p}/k pre-rope"))),
-           backward=(
-               Step("k's cast's backward: dK up to fp32", (Made(f"{g}/dk fp32", fp32k, "fp32"),)),
-               Step("q's cast's backward: dQ up to fp32", (Made(f"{g}/dq fp32", fp32q, "fp32"),)),
-               Step("the table's conjugate, for k", (Made(f"{g}/conj k", table, "complex64"),)),
-               Step("dK times it", (Made(f"{g}/dk rotated", fp32k, "complex64"),),
-                    frees=(f"{g}/conj k", f"{g}/dk fp32")),
-               Step("the table's conjugate, for q", (Made(f"{g}/conj q", table, "complex64"),)),
-               Step("dQ times it", (Made(f"{g}/dq rotated", fp32q, "complex64"),),
-                    frees=(f"{g}/conj q", f"{g}/dq fp32")),
-               Step("k.float()'s backward: to bf16", (Made(f"{g}/dk pre-rope", kv, "bf16"),),
-                    frees=(f"{g}/dk rotated",)),
-               Step("q.float()'s backward: to bf16", (Made(f"{g}/dq pre-rope", q, "bf16"),),
-                    frees=(f"{g}/dq rotated", f"{g}/dq", f"{g}/dk")),
-           )),
+        rope_ops(p, z, q, kv),
         Op(f"{a}.inner_attention",
-           forward=(Step("SDPA's flash kernel: output and log-sum-exp", (kept(p, ledger.PROJ_IN),
-                                                                          kept(p, ledger.SOFTMAX_LSE)),
+           # SDPA's flash kernel; on CUDA compiled flex, whose Inductor buffers (the row maxima, backward's delta) are
+           # its workspace
+           forward=(Step(f"{kernel}: output and log-sum-exp", (kept(p, ledger.PROJ_IN), kept(p, ledger.SOFTMAX_LSE)),
                          reads_last=(kept_name(p, ledger.SOFTMAX_LSE),)),),
-           backward=(Step("SDPA's backward: dQ, dK, dV", (Made(f"{g}/dq", q, "bf16"), Made(f"{g}/dk", kv, "bf16"),
-                                                          Made(f"{g}/dv", kv, "bf16")), frees=(f"{g}/dout",)),),
+           backward=(Step(f"{kernel}'s backward: dQ, dK, dV", (
+               Made(f"{g}/dq", q, "bf16"), Made(f"{g}/dk", kv, "bf16"), Made(f"{g}/dv", kv, "bf16")),
+               frees=(f"{g}/dout",)),),
            saves=(ledger.Q, ledger.K, ledger.V, ledger.SOFTMAX_LSE, ledger.PROJ_IN)),
         *module_returns((
             linear(f"{a}.wo", ledger.PROJ_IN, Made(wo_out, full, "wo's output"), z.act * z.h * z.a_t * z.d,
                    f"{g}/dout", q, p, frees=(dy,) if z.sp else ()),
             *reduce_scatter(f"{a}.wo", z, p, wo_out, f"{p}/attention out", dy, (f"{p}/attention_norm out",)),
         ), *kept_names(p, rules.QKV_IN, ledger.Q, ledger.K, ledger.V, ledger.PROJ_IN)),
-        Op("", forward=(Step("x + attention", (Made(mid, h, "the residual stream after attention"),),
+        Op("", forward=(Step("x + attention", (kept(p, rules.LN2.input, "the residual stream after attention; on CUDA"
+                                                              " ffn_norm keeps it") if z.cuda else
+                                               Made(mid, h, "the residual stream after attention"),),
                              frees=(f"{p}/attention out",)),), backward=()),
     )
+
+
+def rope_ops(p: str, z: Sizes, q: int, kv: int) -> Op:
+    """ComplexRoPE: q and k in fp32 times the complex64 table, cast back (Q and K kept). On CUDA's flex path, given
+    the batch's positions, the table is first gathered at them (kept by both products, until q's backward)."""
+    g, gathered = f"grad/{p}/attention", kept_name(p, rules.ROPE_CACHE)
+    fp32q, fp32k = 2 * q, 2 * kv  # the fp32 copies and their complex64 products: twice the bf16 bytes
+    # the table's conjugate, materialised: the (1, s, 1, d/2) buffer's, or on CUDA the gathered (b, s, 1, d/2) one
+    table = 8 * z.s * (z.d // 2) * (z.b if z.cuda else 1)
+    gather = (Step("the table gathered at the positions", (kept(p, rules.ROPE_CACHE),)),) if z.cuda else ()
+    return Op(
+        "attention.rope",
+        forward=(*gather,
+                 Step("q.float()", (Made(f"{p}/q fp32", fp32q, "q in fp32"),)),
+                 Step("k.float()", (Made(f"{p}/k fp32", fp32k, "k in fp32"),)),
+                 Step("q times the table", (Made(f"{p}/q rotated", fp32q, "complex64"),)),
+                 Step("k times the table", (Made(f"{p}/k rotated", fp32k, "complex64"),)),
+                 Step("q cast back", (kept(p, ledger.Q),)),
+                 Step("k cast back", (kept(p, ledger.K),), frees=(
+                     f"{p}/q fp32", f"{p}/k fp32", f"{p}/q rotated", f"{p}/k rotated", f"{p}/q pre-rope",
+                     f"{p}/k pre-rope"), reads_last=(gathered,))),  # the gathered table: a local of its forward
+        backward=(
+            Step("k's cast's backward: dK up to fp32", (Made(f"{g}/dk fp32", fp32k, "fp32"),)),
+            Step("q's cast's backward: dQ up to fp32", (Made(f"{g}/dq fp32", fp32q, "fp32"),)),
+            Step("the table's conjugate, for k", (Made(f"{g}/conj k", table, "complex64"),)),
+            Step("dK times it", (Made(f"{g}/dk rotated", fp32k, "complex64"),), frees=(f"{g}/conj k", f"{g}/dk fp32")),
+            Step("the table's conjugate, for q", (Made(f"{g}/conj q", table, "complex64"),)),
+            Step("dQ times it", (Made(f"{g}/dq rotated", fp32q, "complex64"),), frees=(f"{g}/conj q", f"{g}/dq fp32"),
+                 returns=True),
+            Step("k.float()'s backward: to bf16", (Made(f"{g}/dk pre-rope", kv, "bf16"),), frees=(f"{g}/dk rotated",)),
+            Step("q.float()'s backward: to bf16", (Made(f"{g}/dq pre-rope", q, "bf16"),),
+                 frees=(f"{g}/dq rotated", f"{g}/dq", f"{g}/dk")),
+        ),
+        saves=(rules.ROPE_CACHE,) if z.cuda else ())
 
 
 def feed_forward_ops(p: str, z: Sizes, x: str, mid: str, out: str, h: int, f: int) -> tuple[Op, ...]:
@@ -476,7 +529,7 @@ def feed_forward_ops(p: str, z: Sizes, x: str, mid: str, out: str, h: int, f: in
                    frees=(dy,) if z.sp else ()),
             *reduce_scatter(f"{m}.w2", z, p, w2_out, f"{p}/ffn out", dy, (f"{p}/ffn_norm out",)),
         ), *kept_names(p, rules.FC1_IN, ledger.FC2_IN)),
-        _second_residual(p, x, mid, out, ffn_out, h),
+        _second_residual(p, x, mid, out, ffn_out, h, z.cuda),
     )
 
 
@@ -511,23 +564,29 @@ def swiglu_ops(p: str, z: Sizes, m: str, tensors: tuple[SavedTensor, ...], w: in
 
 
 def shared_experts_ops(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
-    """The MoE's shared experts (a FeedForward of width u on its input, t = 1): their output (the ledger's
-    SHARED_FC2_OUT, which SelectiveAC caches);
-    in backward their input's gradient f"grad/{p}/moe/shared dX"."""
-    m, u = "moe.shared_experts", config.moe_shared_expert_intermediate_size
-    w, f = z.act * u * z.h, z.tokens(z.act * u)
+    """The MoE's shared experts (a FeedForward of width u/t on its input): their output, under SP w2's partial sum
+    (the ledger's SHARED_FC2_OUT, which SelectiveAC caches) reduce-scattered into f"{p}/moe/shared out"; in backward
+    their input's gradient f"grad/{p}/moe/shared dX"."""
+    m, u = "moe.shared_experts", config.moe_shared_expert_intermediate_size // z.t
+    w, f, dy = z.act * u * z.h, z.tokens(z.act * u), f"grad/{p}/{m}/dY whole"
+    fc2_out, dx = kept_name(p, rules.SHARED_FC2_OUT), f"grad/{p}/moe/shared dX"
+    gathered = config.ep > 1 and z.sp  # at ep > 1 the MoE's input is this rank's shard: gathered at their entry
     return module_returns((
-        *swiglu_ops(p, z, m, SHARED_SWIGLU, w, f, f"grad/{p}/moe/shared dX"),
-        linear(f"{m}.w2", ledger.SHARED_FC2_IN, Made(kept_name(p, rules.SHARED_FC2_OUT), z.full(z.h),
-                                                     "the shared experts' output"),
-               w, f"grad/{p}/{m}/dfc2", f, p),
-    ), kept_name(p, ledger.SHARED_FC2_IN))
+        *(gather(m, z, p, kept(p, rules.MOE_SHARED_IN), f"{dx} whole", dx) if gathered else ()),
+        *swiglu_ops(p, z, m, SHARED_SWIGLU, w, f, f"{dx} whole" if gathered else dx),
+        linear(f"{m}.w2", ledger.SHARED_FC2_IN, Made(fc2_out, z.full(z.h), "the shared experts' output"),
+               w, f"grad/{p}/{m}/dfc2", f, p, frees=(dy,) if z.sp else ()),
+        *(reduce_scatter(f"{m}.w2", z, p, fc2_out, f"{p}/moe/shared out", dy, ()) if z.sp else ()),
+    ), *kept_names(p, ledger.SHARED_FC2_IN, *((rules.MOE_SHARED_IN,) if gathered else ())))
 
 
-def _second_residual(p: str, x: str, mid: str, out: str, ffn_out: str, h: int) -> Op:
-    """h + the feed-forward's output: the block's output; the block's input, h and that output go."""
+def _second_residual(p: str, x: str, mid: str, out: str, ffn_out: str, h: int, cuda: bool = False) -> Op:
+    """h + the feed-forward's output: the block's output; the block's input, h and that output go (on CUDA the norms
+    keep x and h: under a checkpoint h goes, which keeps nothing but x)."""
+    kept_inputs = (mid, x) if cuda else ()
     return Op("", forward=(Step("h + feed-forward: the block's output", (Made(out, h, "the next block's input"),),
-                                frees=(ffn_out, mid, x)),), backward=())
+                                frees=tuple(n for n in (ffn_out, mid, x) if n not in kept_inputs),
+                                reads_last=kept_inputs),), backward=())
 
 
 # -- the model's two ends -----------------------------------------------------------------------------------------
@@ -539,6 +598,7 @@ def embedding_ops(z: Sizes) -> tuple[Op, ...]:
         Step("the token ids", (Made(ledger.EMBEDDING_INPUT_IDS.name, z.tokens(8),
                                     "the micro-batch's token ids (int64), live all step; the embedding keeps them"),)),
         Step("the labels", (Made("batch/labels", z.tokens(8), "the micro-batch's labels (int64), live all step"),)),
+        *(flex_inputs(z) if z.cuda else ()),
         Step("labels != IGNORE_INDEX", (Made("loss/valid mask", z.tokens(1), "bool, a local"),)),
         Step("their sum: the valid tokens", (Made("loss/valid tokens", 8, "int64, the loss's divisor: the division's"
                                                   " backward keeps it"),), frees=("loss/valid mask",)),
@@ -552,6 +612,26 @@ def embedding_ops(z: Sizes) -> tuple[Op, ...]:
              frees=("grad/layers.0/input",), hands_over=("grad/embedding",)),
     ))
     return (count, lookup)
+
+
+def flex_inputs(z: Sizes) -> tuple[Step, ...]:
+    """CUDA's flex path: the batch's positions (int64 (b, s): one document a row, as the probe draws them) and the
+    block mask its trainer makes of them (torchtitan's causal and packed-document mask_mods; create_block_mask's
+    eight int32 tensors, (b, 1, n) and (b, 1, n, n) for n = s/128 rounded up), with the buffers the document
+    mask_mod holds (b = 1: the document ids and an offsets table of s + 1 rounded up to 128; else each token's
+    document end), live all step; the mask_mod's locals go as it returns."""
+    n = -(-z.s // 128)
+    held = 4 * (z.s + -(-(z.s + 1) // 128) * 128) if z.b == 1 else z.tokens(4)
+    return (
+        Step("the positions: one row", (Made("batch/arange", 8 * z.s, "int64 (s,)"),)),
+        Step("the positions: repeated over the batch", (
+            Made("batch/positions", z.tokens(8), "the micro-batch's positions (int64), live all step"),),
+            frees=("batch/arange",)),
+        Step("the block mask and its mask_mod's buffers", (
+            Made("batch/block mask", 16 * z.b * n * (n + 1), "flex attention's BlockMask (int32), live all step"),
+            Made("batch/document mask", held, "int32 tensors the document mask_mod holds, live all step")),
+            moment=False),
+    )
 
 
 def _vocab_parallel_lookup(z: Sizes) -> Op:
@@ -617,10 +697,11 @@ def output_ops(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     if z.t > 1:
         loss = _loss_parallel(z)
     return (
-        rms_norm("norm", z, rules.FINAL_NORM, "", _norm_out(z, "", "norm", ledger.OUTPUT_INPUT),
-                 "grad/norm dy" if z.t > 1 else "grad/lm_head dx", f"grad/{last}", frees=() if z.sp else (last,)),
+        norm("norm", z, rules.FINAL_NORM, "", _norm_out(z, "", "norm", ledger.OUTPUT_INPUT),
+             "grad/norm dy" if z.t > 1 else "grad/lm_head dx", f"grad/{last}", last,
+             frees=() if z.sp else (last,)),
         *gather("norm", z, "", kept("", ledger.OUTPUT_INPUT), "grad/lm_head dx", "grad/norm dy",
-                frees=("norm out", last)),
+                frees=("norm out",) if z.cuda else ("norm out", last)),  # CUDA's fused norm keeps its input
         linear("lm_head", ledger.OUTPUT_INPUT, Made("lm_head/logits", logits, "bf16 logits: the trainer's pred"),
                z.act * z.v_t * z.h, "grad/lm_head dx", z.tokens(z.act * z.h), "", frees=("grad/logits",)),
         loss,

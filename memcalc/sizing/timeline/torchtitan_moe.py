@@ -1,4 +1,5 @@
-"""torchtitan's MoE feed-forward (models/common/moe.py, ep = 1) as ops for its step walk (`--impl torchtitan`, t = 1).
+"""torchtitan's MoE feed-forward (models/common/moe.py, ep = 1) as ops for its step walk (`--impl torchtitan`), at t = 1
+and under its own MoE sharding plan (tp, tp-sp).
 
 Its Qwen3 MoE decoder layer keeps the torchtitan ledger's tensors (memcalc.model.impls.torchtitan.moe_block), one
 storage each for all experts. Forward and backward op by op, checkpointing, and two measured facts the walk follows
@@ -7,40 +8,83 @@ without a reason from the source: docs/timeline.md, "torchtitan's MoE".
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 from memcalc.config.schema import ModelConfig
 from memcalc.model import ledger
+from memcalc.model.evaluate import routed_slots
 from memcalc.model.impls import torchtitan as rules
 from memcalc.sizing.timeline.hf_layer import WHY_WGRAD
 from memcalc.sizing.timeline.tape import Sizes
 from memcalc.sizing.timeline.walk import Made, Op, Step, kept, kept_name, kept_names
+
+@dataclass(frozen=True)
+class Slots:
+    """What one rank's MoE works on: at ep = 1 every token (under TP each expert e/t wide); at ep = t its own s/t
+    tokens, its E/ep experts whole, receiving r/t of the slots over the all-to-all (memcalc.model.impls.torchtitan
+    .splits)."""
+
+    tokens: int  # the tokens it routes
+    sent: int  # their token-expert slots, k a token
+    received: int  # the slots its experts receive
+    experts: int  # the experts it holds
+    width: int  # each one's width on this rank
+
+    @classmethod
+    def of(cls, z: Sizes, config: ModelConfig) -> Slots:
+        k, e = config.moe_router_topk, config.num_experts
+        if config.ep == 1:
+            tokens = z.b * z.s
+            return cls(tokens, k * tokens, k * tokens, e, config.expert_ffn // z.t)
+        tokens = z.b * z.s // z.t
+        return cls(tokens, k * tokens, routed_slots(config, config.moe_tokens) // z.t, e // config.ep,
+                   config.expert_ffn)
+
 
 # GroupedExperts' three (E, ...) parameters, one module's: each weight's gradient is named by its parameter, so that
 # FSDP2's walk keeps each as that parameter's unsharded .grad (memcalc.sizing.timeline.torchtitan._keep_grad)
 GROUPED_WEIGHTS = {"w1": "w1_EFD", "w2": "w2_EDF", "w3": "w3_EFD"}
 
 
-def moe_ops(p: str, z: Sizes, config: ModelConfig, x: str, shared: tuple[Op, ...] = ()) -> tuple[Op, ...]:
-    """The MoE on ffn_norm's output `x`, its output f"{p}/ffn out"; in backward its input's gradient is
-    f"grad/{p}/ffn_norm out". `shared`: the shared experts' ops (memcalc.sizing.timeline.torchtitan
-    .shared_experts_ops: output the ledger's SHARED_FC2_OUT, input gradient f"grad/{p}/moe/shared dX"), which keep `x`;
-    without them `x` goes as the MoE returns."""
-    n = f"{p}/moe"
-    summed = Op("moe", forward=(Step("the routed and the shared experts' outputs summed", (
-        Made(f"{p}/ffn out", z.full(z.h), "the MoE's output"),),
-        frees=(f"{n}/routed out", kept_name(p, rules.SHARED_FC2_OUT))),),
-        backward=())
-    # MoE.forward returns: its locals go (under a checkpoint also the router's scores and ids, and the input)
-    locals_ = (rules.MOE_ROUTER_SCORES, ledger.ROUTER_TOPK_INDICES, *((rules.MOE_SHARED_IN,) if shared else ()))
-    returned = Op("moe", forward=(Step("", frees=(*(() if shared else (x,)), f"{n}/routing map", f"{n}/counts",
-                                                  f"{n}/router/topk scores"),
-                                       reads_last=kept_names(p, *locals_)),), backward=())
-    return (*_router(p, z, config, bool(shared)), *_dispatch(p, z, config, bool(shared)), *_experts(p, z, config),
-            *_combine(p, z, config, bool(shared)), *shared, *((summed,) if shared else ()), returned)
+def moe_ops(p: str, z: Sizes, config: ModelConfig, x: str, shared: tuple[Op, ...] = (),
+            reduce_scatter: Callable[..., tuple[Op, ...]] | None = None) -> tuple[Op, ...]:
+    """The MoE on ffn_norm's output `x` (under SP gathered at its entry), its output f"{p}/ffn out"; in backward its
+    input's gradient is f"grad/{p}/ffn_norm out". `shared`: the shared experts' ops (memcalc.sizing.timeline
+    .torchtitan.shared_experts_ops: output f"{p}/moe/shared out" under SP, else the ledger's SHARED_FC2_OUT, input
+    gradient f"grad/{p}/moe/shared dX"), which keep `x`; without them `x` goes as the MoE returns. `reduce_scatter`: the
+    block's (memcalc.sizing.timeline.torchtitan.reduce_scatter: SP's, or tp's f*), under TP.
 
+    Under its TP plan at ep = 1 (set_moe_sharding_config) every rank runs every token through its e/t-wide share of
+    each expert: the routed output a partial sum, under SP reduce-scattered as routed_experts returns (and the shared
+    experts' as their w2 does), under tp summed with the shared experts' and all-reduced as the MoE returns."""
+    n, split = f"{p}/moe", config.ep == 1  # the experts split in width (at t = 1: whole)
+    all_reduced, scattered = split and z.t > 1 and not z.sp, split and z.sp
+    final = f"{n}/partial" if all_reduced else f"{p}/ffn out"
+    routed = f"{n}/routed out" if shared else final
+    combined = f"{n}/routed partial" if scattered else routed
+    shared_out = f"{n}/shared out" if z.sp else kept_name(p, rules.SHARED_FC2_OUT)
+    summed = Op("moe", forward=(Step("the routed and the shared experts' outputs summed", (
+        Made(final, z.seq(z.h), "the MoE's output"),), frees=(routed, shared_out)),), backward=())
+    # MoE.forward returns: its locals go (under a checkpoint also the router's scores and ids, and the input; under
+    # SP the norm's shard it gathered); under tp its input, which its sharding wrapper holds, after the f*
+    kept_in = x == kept_name(p, rules.MOE_SHARED_IN)  # the shared experts keep the MoE's input (at ep > 1 they
+    held = Step("", frees=() if kept_in else (x,), reads_last=(x,) if kept_in else ())  # gather it themselves)
+    returned = Op("moe", forward=(Step("", frees=(f"{n}/routing map", f"{n}/counts", f"{n}/router/topk scores",
+                                                  *((f"{p}/ffn_norm out",) if scattered else ())),
+                                       reads_last=kept_names(p, rules.MOE_ROUTER_SCORES, ledger.ROUTER_TOPK_INDICES)),
+                                  *(() if all_reduced else (held,))), backward=())
+    dy = f"grad/{n}/dY whole"
+    return (*_router(p, z, config, bool(shared)), *_dispatch(p, z, config, bool(shared)), *_experts(p, z, config),
+            *_combine(p, z, config, combined, dy if scattered else ""),
+            *(reduce_scatter("moe.routed_experts", z, p, combined, routed, dy, ()) if scattered else ()),
+            *shared, *((summed,) if shared else ()), returned,
+            *((*reduce_scatter("moe", z, p, final, f"{p}/ffn out", "", ()), Op("moe", forward=(held,), backward=()))
+              if all_reduced else ()))
 
 def _router(p: str, z: Sizes, config: ModelConfig, shared: bool) -> tuple[Op, ...]:
     """TokenChoiceTopKRouter: the fp32 gate, the forced lead, softmax, the bias, top-k and route_norm."""
-    n, g, tokens = f"{p}/moe/router", f"grad/{p}/moe/router", z.b * z.s
+    n, g, tokens = f"{p}/moe/router", f"grad/{p}/moe/router", Slots.of(z, config).tokens
     e, k = config.num_experts, config.moe_router_topk
     scores, slots = 4 * tokens * e, 4 * tokens * k
     gate = Op("moe.router.gate", forward=(
@@ -118,8 +162,8 @@ def _dispatched(p: str, shared: bool) -> str:
 def _dispatch(p: str, z: Sizes, config: ModelConfig, shared: bool) -> tuple[Op, ...]:
     """MoE's routing map and counts, then the local dispatcher's reorder: argsort, the sorted scores, token indices,
     the sorted rows."""
-    n, tokens, e, k = f"{p}/moe", z.b * z.s, config.num_experts, config.moe_router_topk
-    r = tokens * k
+    n, e, sizes = f"{p}/moe", config.num_experts, Slots.of(z, config)
+    tokens, r, local = sizes.tokens, sizes.sent, config.ep == 1
     counts = Op("moe", forward=(
         Step("the routing map", (Made(f"{n}/routing map", tokens * e, "(b, s, E) bool"),)),
         Step("each expert's count", (Made(f"{n}/counts", 8 * e, "(E,) int64"),)),
@@ -140,20 +184,73 @@ def _dispatch(p: str, z: Sizes, config: ModelConfig, shared: bool) -> tuple[Op, 
     rows = Op("moe.routed_experts", forward=(
         Step("slot // k: each row's token", (kept(p, rules.MOE_TOKEN_INDICES),),
              reads_last=kept_names(p, rules.MOE_SORTED_SLOTS)),
-        Step("x[indices]: the rows in expert order", (kept(p, ledger.EXPERT_IN),)),
+        Step("x[indices]: the rows in expert order", (kept(p, ledger.EXPERT_IN) if local else
+                                                      Made(f"{n}/rows", z.act * r * z.h, "(k*b*s/t, h) bf16"),)),
     ), backward=(
         Step("index's backward: zeros", (Made(f"grad/{n}/input zeros", z.act * tokens * z.h, "(b*s, h) bf16"),)),
         Step("index_put: each row's dX at its token", (Made(f"grad/{n}/input put", z.act * tokens * z.h, "bf16"),),
-             frees=(f"grad/{n}/input zeros", f"grad/{n}/experts input")),
+             frees=(f"grad/{n}/input zeros", f"grad/{n}/experts input" if local else f"grad/{n}/rows")),
     ), saves=(rules.MOE_TOKEN_INDICES,))
-    return (counts, scores, rows)
+    return (counts, scores, rows, *(() if local else _exchange(p, z, config, sizes)))
+
+
+def _exchange(p: str, z: Sizes, config: ModelConfig, sizes: Slots) -> tuple[Op, ...]:
+    """AllToAllTokenDispatcher (ep > 1): the token counts exchanged and summed into the splits, the rows all-to-all
+    (output chunks, concatenated), then _permute's rank- to expert-major reorder: its int64 (E,) starts and lengths,
+    each received slot's segment and row (the index it keeps), the rows indexed: the experts' input. In backward the
+    index's gradient put back, then the all-to-all reversed."""
+    n, g, e, ep = f"{p}/moe", f"grad/{p}/moe", config.num_experts, config.ep
+    r = 8 * sizes.received  # an int64 (r/t,) index
+    received, rows = z.act * sizes.received * z.h, z.act * sizes.sent * z.h
+
+    def index(name: str, what: str, frees: tuple[str, ...] = ()) -> Step:
+        return Step(what, (Made(f"{n}/{name}", r, "(r/t,) int64"),), frees=frees)
+
+    return (Op("moe.routed_experts", forward=(
+        Step("the counts' all-to-all: its output chunks", (Made(f"{n}/count chunks", 8 * e, "ep (E/ep,) int64"),)),
+        Step("stacked: each rank's counts for these experts", (Made(f"{n}/received counts", 8 * e, "(ep, E/ep)"),),
+             frees=(f"{n}/count chunks",)),
+        Step("the input splits", (Made(f"{n}/input splits", 8 * ep, "(ep,) int64"),)),
+        Step("the output splits", (Made(f"{n}/output splits", 8 * ep, "(ep,) int64"),),
+             frees=(f"{n}/input splits", f"{n}/output splits")),  # .tolist(): the splits are Python's
+        Step("the rows' all-to-all: its output chunks", (Made(f"{n}/chunks", received, "ep (r/t/ep, h)"),)),
+        Step("concatenated: the rows received", (Made(f"{n}/received", received, "(r/t, h) bf16, rank-major"),),
+             frees=(f"{n}/chunks",)),
+        Step("_permute: cumsum of the counts", (Made(f"{n}/cumsum", 8 * e, "(E,) int64"),)),
+        Step("each segment's start", (Made(f"{n}/starts", 8 * e, "(E,) int64"),), frees=(f"{n}/cumsum",)),
+        Step("the lengths expert-major", (Made(f"{n}/lengths", 8 * e, "(E,) int64"),)),
+        Step("the starts expert-major", (Made(f"{n}/starts t", 8 * e, "(E,) int64"),), frees=(f"{n}/starts",)),
+        Step("arange(E)", (Made(f"{n}/segments", 8 * e, "(E,) int64"),)),
+        index("repeats", "repeat_interleave: the repeats"),
+        index("segment ids", "each slot's segment", frees=(f"{n}/segments", f"{n}/repeats")),
+        Step("the output starts: cumsum", (Made(f"{n}/cumsum 2", 8 * e, "(E,) int64"),)),
+        Step("less the lengths", (Made(f"{n}/output starts", 8 * e, "(E,) int64"),), frees=(f"{n}/cumsum 2",)),
+        index("input at", "each slot's input start"),
+        index("arange", "arange(r/t)"),
+        index("sum", "the two summed", frees=(f"{n}/input at", f"{n}/arange")),
+        index("output at", "each slot's output start"),
+        Step("less it: each received slot's row", (kept(p, rules.MOE_PERMUTED_INDICES),),
+             frees=(f"{n}/sum", f"{n}/output at")),
+        Step("the counts per local expert", (Made(f"{n}/local counts", 8 * sizes.experts, "(E/ep,) int64"),)),
+        Step("the rows expert-major: the experts' input", (kept(p, ledger.EXPERT_IN),), frees=(
+            f"{n}/rows", f"{n}/received", f"{n}/received counts", f"{n}/lengths", f"{n}/starts t",
+            f"{n}/segment ids", f"{n}/output starts")),  # dispatch returns
+    ), backward=(
+        Step("the reorder's backward: zeros", (Made(f"{g}/received zeros", received, "(r/t, h) bf16"),)),
+        Step("index_put: each row's gradient", (Made(f"{g}/received", received, "bf16"),),
+             frees=(f"{g}/received zeros", f"{g}/experts input"), returns=True),
+        Step("the all-to-all's backward: its output chunks", (Made(f"{g}/chunks", rows, "ep chunks"),)),
+        Step("concatenated: the sent rows' gradient", (Made(f"{g}/rows", rows, "(k*b*s/t, h) bf16"),),
+             frees=(f"{g}/chunks", f"{g}/received")),
+    ), saves=(rules.MOE_PERMUTED_INDICES,)),)
 
 
 def _experts(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
-    """GroupedExperts: the offsets, then SwiGLU on torch._grouped_mm for every expert at once."""
-    n, g, e, f = f"{p}/moe/experts", f"grad/{p}/moe/experts", config.num_experts, config.expert_ffn
-    r = z.b * z.s * config.moe_router_topk
-    rows_f, rows_h, weight = z.act * r * f, z.act * r * z.h, z.act * e * f * z.h
+    """GroupedExperts: the offsets, then SwiGLU on torch._grouped_mm for every expert at once (each e/t wide under
+    TP at ep = 1)."""
+    n, g, sizes = f"{p}/moe/experts", f"grad/{p}/moe/experts", Slots.of(z, config)
+    r, f = sizes.received, sizes.width
+    rows_f, rows_h, weight = z.act * r * f, z.act * r * z.h, z.act * sizes.experts * f * z.h
 
     def gemms(w: str, dy: str, dx: str, dx_bytes: int, frees: tuple[str, ...] = ()) -> Step:
         return Step(f"{w}'s grouped GEMMs: dW and dX", (Made(f"{g}/{GROUPED_WEIGHTS[w]}", weight, WHY_WGRAD),
@@ -197,34 +294,63 @@ def _experts(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     )
 
 
-def _combine(p: str, z: Sizes, config: ModelConfig, shared: bool) -> tuple[Op, ...]:
-    """The local dispatcher's combine: the output upcast, times its score, cast back, scatter-added to its token
-    (with shared experts the routed output, summed with theirs after); routed_experts returns."""
+def _returned(p: str, z: Sizes, sizes: Slots) -> Op:
+    """AllToAllTokenDispatcher's combine (ep > 1) before the local one: the experts' rows put back rank-major
+    (_unpermute), then all-to-all to the ranks whose tokens they are; in backward the all-to-all reversed and the
+    rows gathered expert-major, w2's gradient."""
     n, g = f"{p}/moe", f"grad/{p}/moe"
-    tokens = z.b * z.s
-    r = tokens * config.moe_router_topk
-    out, rows32, rows = z.act * tokens * z.h, 4 * r * z.h, z.act * r * z.h
+    received, rows = z.act * sizes.received * z.h, z.act * sizes.sent * z.h
+    return Op("moe.routed_experts", forward=(
+        Step("_unpermute: the rows rank-major", (Made(f"{n}/unpermuted", received, "(r/t, h) bf16"),)),
+        Step("the all-to-all back: its output chunks", (Made(f"{n}/chunks back", rows, "ep chunks"),)),
+        Step("concatenated: this rank's slots' outputs", (Made(f"{n}/returned", rows, "(k*b*s/t, h) bf16"),),
+             frees=(f"{n}/chunks back", f"{n}/unpermuted")),
+    ), backward=(
+        Step("the all-to-all's backward: its output chunks", (Made(f"{g}/chunks back", received, "ep chunks"),)),
+        Step("concatenated", (Made(f"{g}/returned", received, "(r/t, h) bf16"),),
+             frees=(f"{g}/chunks back", f"{g}/experts/returned")),
+        Step("_unpermute's backward: the rows expert-major", (Made(f"{g}/experts/output", received, "bf16"),),
+             frees=(f"{g}/returned",)),
+    ))
+
+
+def _combine(p: str, z: Sizes, config: ModelConfig, out: str, dy: str) -> tuple[Op, ...]:
+    """The local dispatcher's combine: the output upcast, times its score, cast back, scatter-added to its token
+    (`out`); routed_experts returns. In backward its gradient `dy` (under SP all-gathered whole) goes once read. At
+    ep > 1 it combines the rows the all-to-all returned (`_returned`)."""
+    n, g, sizes = f"{p}/moe", f"grad/{p}/moe", Slots.of(z, config)
+    local = config.ep == 1
+    r, source = sizes.sent, f"{n}/experts/output" if local else f"{n}/returned"
+    full, rows32, rows = z.act * sizes.tokens * z.h, 4 * r * z.h, z.act * r * z.h
     return (
+        *(() if local else (_returned(p, z, sizes),)),
         Op("moe.routed_experts", forward=(
-            Step("zeros_like(x): scatter_add's target", (Made(f"{n}/zeros", out, "(b*s, h) bf16"),)),
+            Step("zeros_like(x): scatter_add's target", (Made(f"{n}/zeros", full, "(b*s, h) bf16"),)),
             Step("the output upcast", (kept(p, rules.MOE_EXPERT_OUT),)),
             Step("times the score", (Made(f"{n}/weighted fp32", rows32, "fp32"),),
                  reads_last=kept_names(p, rules.MOE_EXPERT_OUT)),
-            Step("cast back", (Made(f"{n}/weighted", rows, "bf16"),), frees=(f"{n}/weighted fp32",)),
-            Step("deterministic_scatter_add: the routed output", (
-                Made(f"{n}/routed out" if shared else f"{p}/ffn out", out, "(b*s, h) bf16"),),
-                frees=(f"{n}/zeros", f"{n}/weighted")),
-            Step("", frees=(f"{n}/experts/output",),  # routed_experts returns: its locals go
-                 reads_last=kept_names(p, rules.MOE_SORTED_SCORES, rules.MOE_TOKEN_INDICES, ledger.EXPERT_IN)),
+            Step("cast back", (Made(f"{n}/weighted", rows, "bf16"),),
+                 frees=(f"{n}/weighted fp32", *(() if local else (source,)))),
+            Step("deterministic_scatter_add: the routed output", (Made(out, full, "(b*s, h) bf16"),),
+                 frees=(f"{n}/zeros", f"{n}/weighted")),
+            Step("", frees=(f"{n}/experts/output", f"{n}/local counts"),  # routed_experts returns: its locals go
+                 reads_last=kept_names(p, rules.MOE_SORTED_SCORES, rules.MOE_TOKEN_INDICES, ledger.EXPERT_IN,
+                                       *(() if local else (rules.MOE_PERMUTED_INDICES,)))),  # (in the metadata)
         ), backward=(
-            Step("scatter_add's backward: dY at each row's token", (Made(f"{g}/rows", rows, "bf16"),)),
+            Step("scatter_add's backward: dY at each row's token", (Made(f"{g}/rows", rows, "bf16"),),
+                 frees=(dy,) if dy else () if local else (f"{g}/dY copy",)),
             Step("the cast's backward: to fp32", (Made(f"{g}/rows fp32", rows32, "fp32"),), frees=(f"{g}/rows",)),
             Step("the product's backward: dY * score", (Made(f"{g}/dx fp32", rows32, "fp32"),)),
             Step("the product's backward: dY * output", (Made(f"{g}/dscore rows", rows32, "fp32"),),
                  reads_last=kept_names(p, rules.MOE_EXPERT_OUT, rules.MOE_SORTED_SCORES)),
             Step("summed over h: each slot's score gradient", (Made(f"{g}/sorted scores", 4 * r, "fp32"),),
                  frees=(f"{g}/rows fp32", f"{g}/dscore rows"), returns=True),
-            Step("the upcast's backward: to bf16", (Made(f"{g}/experts/output", rows, "bf16"),),
-                 frees=(f"{g}/dx fp32",)),
+            Step("the upcast's backward: to bf16", (Made(f"{g}/experts/output" if local else f"{g}/experts/returned",
+                                                          rows, "bf16"),), frees=(f"{g}/dx fp32",)),
         ), saves=(rules.MOE_EXPERT_OUT, rules.MOE_SORTED_SCORES)),
+        # at ep > 1 routed_experts' local_map hands its body dY contiguous, before any node of it unpacks what it
+        # saved: the residual stream's gradient, the (s/t, b, h) reduce-scatter output seen as (b, s/t, h), is copied
+        # but at b = 1
+        *(() if local or z.b == 1 else (Op("moe.routed_experts", forward=(), backward=(
+            Step("dY made contiguous at routed_experts' boundary", (Made(f"{g}/dY copy", full, "bf16"),)),)),)),
     )

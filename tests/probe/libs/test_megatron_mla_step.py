@@ -2,8 +2,9 @@
 with kv_lora_rank) under torch's MemTracker, against the step timeline (memcalc.sizing.timeline.megatron_mla): the
 peak, each category at it and the state between steps to the byte, and every moment the timeline names is
 MemTracker's reading after some op, in order; with and without a query latent, at b = 1 and odd s, with the fused
-softmax, torch's (fp32 too) and dropout, without recomputation and under selective recomputation (megatron's
-core-attention checkpoint), at t = 1 and as rank 0 of t under tp and tp-sp (fake group)."""
+softmax, torch's (fp32 too) and dropout, without recomputation, under selective recomputation (megatron's
+core-attention checkpoint) and under full (the layer's), at t = 1 and as rank 0 of t under tp and tp-sp (fake
+group)."""
 
 import pytest
 
@@ -48,6 +49,17 @@ CASES = {
         {"recompute": "selective", "t": 2, "dropout": 0.1}, "tp-sp"),
     "selective tp at b = 1, odd s, an fp32 torch softmax, no query latent": (
         NO_QUERY_LATENT | {"recompute": "selective", "t": 2, "b": 1, "s": 7, "attention_softmax_in_fp32": True}, "tp"),
+    "full: the layer rerun in backward, the fused softmax's scale made by the rerun alone": (
+        {"recompute": "full"}, "none"),
+    "full at b = 1, odd s, no query latent, layernorm, an fp32 torch softmax": (
+        NO_QUERY_LATENT | {"recompute": "full", "b": 1, "s": 7, "norm": "layernorm", "attention_softmax_in_fp32": True},
+        "none"),
+    "full, dropout, twelve heads": ({"recompute": "full", "s": 20, "a": 12, "h": 96, "dropout": 0.1}, "none"),
+    "full tp at b = 1, odd s, dropout": ({"recompute": "full", "t": 2, "b": 1, "s": 7, "dropout": 0.1}, "tp"),
+    "full tp-sp t = 4 at b = 1, dropout": ({"recompute": "full", "t": 4, "b": 1, "s": 28, "dropout": 0.1}, "tp-sp"),
+    "full tp-sp, no query latent, an fp32 torch softmax": (
+        NO_QUERY_LATENT | {"recompute": "full", "t": 2, "s": 16, "norm": "layernorm",
+                           "attention_softmax_in_fp32": True}, "tp-sp"),
 }
 
 
@@ -73,6 +85,8 @@ def test_every_moment_the_timeline_names_happens_in_order_with_its_bytes(case):
     ({"b": 1, "s": 7}, "none"),  # in the last layer's fc1
     ({"t": 2, "b": 1, "h": 256}, "tp-sp"),  # megatron's global buffer sized by the linears' gathered x, not the scores
     ({"recompute": "selective", "s": 128, "h": 32, "vocab_size": 64}, "none"),  # in the rerun core's backward
+    ({"recompute": "full", "s": 128, "h": 32, "vocab_size": 64}, "none"),  # in the rerun layer's core
+    ({"recompute": "full", "t": 2, "b": 1, "h": 256}, "tp-sp"),  # in the last layer's fc1, after its rerun
 ], ids=str)
 def test_the_peak_each_category_at_it_and_the_steady_state_are_memtrackers_to_the_byte(changes, layout):
     (r,) = measure_step(build_config(MLA | changes), [layout])

@@ -155,6 +155,27 @@ EP_SHAPES += [
                   "mlp": "gelu", "ffn_hidden_size": 100}),
 ]
 
+# E not dividing a rank's kbs slots, ep dividing them: the forced route deals them round the ranks, kbs/ep each, and
+# each rank's first experts take one more.
+EP_SHAPES += [
+    ("balanced", {"ep": 2, "dp": 2, "b": 1, "s": 7, "num_experts": 6}),
+    ("balanced", {"t": 2, "ep": 2, "dp": 2, "b": 1, "s": 14, "moe_shared_expert_intermediate_size": 24}),
+    ("balanced", {"ep": 4, "dp": 4, "num_experts": 12, "b": 1, "s": 10, "recompute": "selective",
+                  "attention": "eager"}),
+]
+
+# One expert a rank (E = ep): SequentialMLP runs it on the dispatched slots themselves; the dispatcher neither sorts
+# nor unsorts them, nor keeps the per-expert counts.
+EP_SHAPES += [
+    ("balanced", {"ep": 2, "dp": 2, "num_experts": 2}),
+    ("balanced", {"ep": 4, "dp": 4, "b": 1, "s": 10, "moe_shared_expert_intermediate_size": 24, "dropout": 0.1}),
+    ("all-to-one", {"ep": 4, "dp": 4, "b": 1, "s": 7, "moe_router_topk": 1, "moe_router_pre_softmax": True,
+                    "mlp": "gelu", "ffn_hidden_size": 100}),  # every token to rank 0's expert, from each of 4 ranks
+    ("balanced", {"t": 2, "ep": 2, "dp": 2, "num_experts": 2, "b": 1, "s": 14, "dropout": 0.1,
+                  "moe_shared_expert_intermediate_size": 24}),  # the gathered slots are the expert's input
+    ("all-to-one", {"t": 2, "ep": 4, "dp": 4, "b": 1, "s": 14, "moe_router_score_function": "sigmoid"}),
+]
+
 
 @pytest.mark.parametrize("route, changes", EP_SHAPES, ids=str)
 def test_under_ep_every_moment_of_a_megatron_moe_step_happens_in_order_with_its_bytes(one_thread, route, changes):
@@ -205,6 +226,13 @@ RECOMPUTE_SHAPES = [
                   "moe_shared_expert_intermediate_size": 24}, "tp-sp"),
     ("balanced", {"recompute": "full", "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
                   "b": 1, "s": 7, "num_experts": 6, "moe_router_topk": 3}, "none"),  # the sigmoid router's rerun
+    # one expert a rank: the first forward's expert holds its fc2's input until it returns
+    ("balanced", {"recompute": "full", "ep": 4, "dp": 4, "b": 1, "s": 10, "mlp": "gelu", "ffn_hidden_size": 100,
+                  "moe_shared_expert_intermediate_size": 24}, "none"),
+    ("all-to-one", {"recompute": "full", "ep": 4, "dp": 4, "b": 1, "s": 7, "dropout": 0.1}, "none"),
+    ("balanced", {"recompute": "full", "t": 2, "ep": 2, "dp": 2, "num_experts": 2, "b": 1, "s": 14}, "tp-sp"),
+    ("balanced", {"recompute": "selective", "t": 2, "ep": 2, "dp": 2, "num_experts": 2, "attention": "eager"},
+     "tp-sp"),
 ]
 
 
@@ -263,6 +291,15 @@ PEAKS += [  # under tp-sp at t = 2: rank 0 of two through the fake group
     # a copy, beside its output and the experts' (as many bytes as their list): above the concatenation
     ("balanced", {"recompute": "full", "ep": 2, "dp": 2, **PEAKS[3][1]}, "backward layers.1.mlp"),  # in the rerun
 ]
+PEAKS += [  # one expert a rank: its output all-to-all'd back beside it, unsorted; its own backward
+    ("balanced", {"ep": 4, "dp": 4, **PEAKS[3][1], "num_experts": 4}, "forward layers.1.mlp"),
+    ("balanced", {"t": 2, "ep": 2, "dp": 2, **PEAKS[3][1], "num_experts": 2, "moe_router_topk": 2},
+     "forward layers.1.mlp"),  # the reduce-scatter beside the expert's output
+    ("balanced", {"ep": 2, "dp": 2, "num_experts": 2, "moe_ffn_hidden_size": 1024, "vocab_size": 20, "s": 48},
+     "backward layers.1.mlp.experts.local_experts.0"),
+    ("all-to-one", {"recompute": "full", "ep": 4, "dp": 4, "moe_ffn_hidden_size": 1024, "vocab_size": 20, "s": 48},
+     "backward layers.1"),
+]
 
 
 @pytest.mark.parametrize("route, changes, where", PEAKS, ids=str)
@@ -281,8 +318,9 @@ def test_a_megatron_moe_step_is_measured_only_under_the_route_that_pins_the_walk
 
 
 @pytest.mark.parametrize("changes, strategy, words", [
-    ({"ep": 4, "dp": 4}, "none", "one expert a rank"),
-    ({"ep": 2, "dp": 2, "b": 1, "s": 7, "num_experts": 6}, "none", "slots a rank that E=6 experts do not share evenly"),
+    ({"num_experts": 1, "moe_router_topk": 1, "moe_router_pre_softmax": True}, "none", "a single routed expert"),
+    ({"ep": 2, "dp": 2, "b": 1, "s": 7, "num_experts": 6, "moe_router_topk": 3}, "none",
+     "a rank's k*b*s=21 slots that ep=2 does not divide"),
     ({"moe_aux_loss": True}, "none", "the load-balancing loss"),
     ({"moe_token_dispatcher_type": "allgather"}, "none", "the allgather token dispatcher"),
     ({"moe_expert_capacity_factor": 1.0, "moe_tokens": "capacity"}, "none", "a capacity factor"),
@@ -309,6 +347,10 @@ DEEPSEEK_SHAPES = [
     ("tp-sp", {"t": 4, "s": 28, "dropout": 0.1, "moe_router_enable_expert_bias": True}),
     ("none", {"recompute": "selective", "b": 1, "s": 7}),  # the latent core's rerun beside the experts' pieces
     ("tp-sp", {"t": 2, "b": 1, "s": 14, "recompute": "selective"}),
+    ("none", {"recompute": "full", "b": 1, "s": 7, "dropout": 0.1, "moe_router_enable_expert_bias": True}),  # each
+    # layer rerun: the latent attention's and the experts'
+    ("none", {"recompute": "full", "ep": 2, "dp": 2, "b": 1, "s": 12}),
+    ("tp-sp", {"t": 2, "b": 1, "s": 14, "recompute": "full"}),
 ]
 
 

@@ -138,7 +138,7 @@ def test_with_experts_every_moment_is_fsdpmemtrackers(one_thread, changes):
 @pytest.mark.parametrize("changes, strategy, named", [
     ({"dp_shard": 2, "t": 2}, "tp", "dp_shard with tp"),
     ({"dp_shard": 2, "reduce_dtype": "bf16"}, "none", "reduce_dtype bf16"),
-    (MOE | {"dp_shard": 8, "moe_ffn_hidden_size": 20}, "none", "dp_shard=8 for num_experts=4 with f_e=20"),
+    (MOE | {"dp_shard": 16}, "none", "dp_shard=16 for num_experts=4 with f_e=24"),
 ])
 def test_what_the_fsdp_walk_does_not_model_is_refused_by_name(changes, strategy, named):
     with pytest.raises(ConfigError, match=named):

@@ -19,6 +19,7 @@ from memcalc.model.impls import plan  # noqa: E402
 from memcalc.model.knobs import Accounting  # noqa: E402
 from memcalc.model.strategy import STRATEGIES  # noqa: E402
 from memcalc.probe.group import single  # noqa: E402
+from memcalc.probe.launch import run_fake  # noqa: E402
 from memcalc.probe.libs import torchtitan as runner  # noqa: E402
 from memcalc.probe.measure import compare  # noqa: E402
 from . import assert_exact, assert_within_bounds  # noqa: E402
@@ -89,7 +90,9 @@ def test_with_the_real_router_each_tensor_lies_within_the_balanced_and_worst_bou
     ({"moe_expert_capacity_factor": 1.0}, "drops no tokens"),
     ({"moe_token_dispatcher_type": "allgather"}, "is Megatron's"),
     ({"moe_aux_loss": True}, "without an auxiliary loss"),
-    ({"ep": 2}, "ep > 1"),
+    ({"ep": 2, "t": 4}, "ep=2 is measured as ep = t"),
+    ({"ep": 2, "t": 2, "s": 9}, "t dividing s"),
+    ({"t": 2}, "moe_ffn_hidden_size/t=24/2=12 is not a multiple of 8"),
     ({"dtype": "fp32"}, "GroupedExperts computes in bf16"),
 ])
 def test_moe_knobs_the_measured_block_does_not_run_are_refused_in_one_line(knobs, words):
@@ -98,7 +101,34 @@ def test_moe_knobs_the_measured_block_does_not_run_are_refused_in_one_line(knobs
     assert "\n" not in str(caught.value)
 
 
+def test_expert_parallelism_without_tensor_parallelism_is_refused_naming_where_torchtitan_takes_its_ranks():
+    with pytest.raises(ConfigError, match="dp_shard"):
+        plan(build_config(SIZES | {"t": 2, "ep": 2, "moe_ffn_hidden_size": 32}), STRATEGIES["none"])
+
+
+# -- under its own TP plan (set_moe_sharding_config, Module.parallelize), rank 0 of t = 2 through the fake group:
+# at ep = 1 the MoE's input gathered whole (under SP), the experts split in width; at ep = t each rank routes its own
+# s/t tokens to E/ep whole experts over the all-to-all dispatcher (all-to-one: rank 0 receives every rank's slots)
+
+# (the forced balanced route deals a rank's k*b*s/t slots round the E experts: even where E divides them; elsewhere
+# the first experts get one more, rank 0's among them)
+TP_CASES = {
+    "qwen3-moe": QWEN3_MOE | {"moe_ffn_hidden_size": 32},
+    "deepseek-v3 at b = 1, s/t odd, k = 2 of 6": DEEPSEEK_V3 | {
+        "b": 1, "s": 6, "num_experts": 6, "moe_router_topk": 2, "moe_ffn_hidden_size": 16},
+    "one of eight, b = 8, s/t = 1": QWEN3_MOE | {
+        "b": 8, "s": 2, "num_experts": 8, "moe_router_topk": 1, "moe_ffn_hidden_size": 48},
+}
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+@pytest.mark.parametrize("route, bound", [("balanced", "balanced"), ("all-to-one", "worst")])
 @pytest.mark.parametrize("strategy", ["tp", "tp-sp"])
-def test_tensor_parallel_layouts_with_experts_are_refused_naming_the_unmeasured_plan(strategy):
-    with pytest.raises(ConfigError, match="set_moe_sharding_config"):
-        plan(build_config(SIZES | {"t": 2}), STRATEGIES[strategy])
+@pytest.mark.parametrize("knobs", TP_CASES.values(), ids=TP_CASES.keys())
+def test_under_its_tp_plan_and_ep_the_moe_layer_keeps_exactly_what_the_rules_predict(knobs, strategy, route, bound,
+                                                                                     ep):
+    config = build_config(SIZES | knobs | {"t": 2, "ep": ep, "moe_tokens": bound})
+    layout = STRATEGIES[strategy]
+    rows = compare(estimate(config, layout, CPU), run_fake(runner.run_layer, (config, layout, route), 2))
+    assert_exact(rows)
+    assert ("moe/permuted_indices" in {row.name for row in rows}) == (ep > 1)

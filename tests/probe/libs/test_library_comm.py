@@ -1,0 +1,68 @@
+"""torchtitan's and transformers' own layers issue, call by call and in order, the collectives the communication
+ledger lists (memcalc.model.comm, derived from each implementation's TP plan): torchtitan's block gathers once at
+each block's entry and its SelectiveAC and FullAC rerun every forward collective after the output's backward one;
+transformers wraps each colwise linear's input on its own (an all-reduce each in backward), gathers the blocks its
+plan gathers, and its checkpoint's rerun stops before the layer's last collective.
+
+Each runs as rank 0 of torch's fake group, where a call is logged with the sizes it is given (DTensor's functional
+collectives as aten ops): the log is exact though nothing moves.
+"""
+
+import pytest
+
+pytest.importorskip("torch")
+
+from memcalc.config.schema import build_config  # noqa: E402
+from memcalc.model.comm import layer_collectives  # noqa: E402
+from memcalc.model.evaluate import dim_sizes  # noqa: E402
+from memcalc.model.knobs import DTYPE_BYTES  # noqa: E402
+from memcalc.model.strategy import STRATEGIES  # noqa: E402
+from memcalc.probe.collectives import compare_collectives  # noqa: E402
+from memcalc.probe.launch import run  # noqa: E402
+
+TORCHTITAN = {"impl": "torchtitan", "b": 1, "s": 18, "h": 48, "a": 6, "num_query_groups": 2, "ffn_hidden_size": 80,
+              "mlp": "swiglu", "norm": "rmsnorm", "position_embedding_type": "rope", "add_bias_linear": False,
+              "tie_embeddings": False, "dropout": 0.0, "L": 1, "vocab_size": 128}
+HF = {"impl": "hf", "b": 1, "s": 9, "h": 64, "a": 8, "ffn_hidden_size": 40, "mlp": "swiglu", "norm": "rmsnorm",
+      "dropout": 0.0}
+FAMILIES = {  # each family's layer (memcalc.model.families) with its knobs, and its plan's shape
+    "llama, grouped-query: an f for each of q, k, v, gate and up": {"num_query_groups": 4},
+    "qwen3, heads of kv_channels": {"family": "qwen3", "kv_channels": 16, "qk_layernorm": True, "num_query_groups": 4},
+    "phi3: both blocks gathered, fused qkv and gate_up": {"family": "phi3", "fused_qkv": True, "attention": "eager"},
+    "olmo2: attention gathered, q, k, v each": {"family": "olmo2", "norm": "rmsnorm_fp32w", "post_norm": True,
+                                                "qk_layernorm": True, "num_query_groups": 4},
+    "glm: the mlp gathered": {"family": "glm", "rotary_percent": 0.5, "kv_channels": 16, "num_query_groups": 4},
+}
+
+
+def _logged(tp, config, strategy):
+    import importlib
+
+    calls = []
+    importlib.import_module(f"memcalc.probe.libs.{config.impl}").run_layer(tp, config, STRATEGIES[strategy],
+                                                                           collectives=calls)
+    return tuple(calls)
+
+
+def _rows(config, strategy):
+    """Rank 0's collectives against the ledger's, in order."""
+    calls = run(_logged, (config, strategy), mode="fake", t=config.t, backend="gloo", timeout_s=240)[0]
+    predicted = layer_collectives(config, STRATEGIES[strategy], t=config.t)
+    return compare_collectives(predicted, dim_sizes(config), config.t, DTYPE_BYTES[config.dtype], calls)
+
+
+@pytest.mark.parametrize("recompute", ["none", "op", "full"])
+@pytest.mark.parametrize("strategy", ["tp", "tp-sp"])
+def test_torchtitans_block_issues_the_ledgers_collectives_in_order(strategy, recompute):
+    pytest.importorskip("torchtitan")
+    rows = _rows(build_config(TORCHTITAN | {"t": 2, "recompute": recompute}), strategy)
+    assert rows and all(row.matches for row in rows), [r for r in rows if not r.matches]
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+@pytest.mark.parametrize("t", [2, 4])
+@pytest.mark.parametrize("family", FAMILIES.values(), ids=FAMILIES.keys())
+def test_transformers_layers_issue_the_ledgers_collectives_in_order(family, t, recompute):
+    pytest.importorskip("transformers")
+    rows = _rows(build_config(HF | family | {"t": t, "recompute": recompute}), "tp")
+    assert rows and all(row.matches for row in rows), [r for r in rows if not r.matches]
