@@ -12,7 +12,7 @@ from memcalc.cli.options import model_from, model_options, sharding_options, str
 from memcalc.cli.types import POSITIVE, Real
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError, ProbeError
-from memcalc.probe import LOGGED, ROUTES, routing_fixed
+from memcalc.probe import ROUTES, routing_fixed
 
 if TYPE_CHECKING:  # torch: only when the command runs
     from rich.table import Table
@@ -54,13 +54,11 @@ MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: torch's timedelta and any real run st
     "--layer", type=click.Choice(LAYERS), default=None,
     help="library: the implementation's own code (--impl; needs the extra megatron, torchtitan or hf);"
     " memcalc: memcalc's own Megatron-style layer (--impl megatron or paper; needs the extra probe: torch)"
-    " [default: library; memcalc with --impl paper, on --device meta and with --comm or --overlap, which only it"
-    " runs].",
+    " [default: library; memcalc with --impl paper, on --device meta and with --overlap, which only it runs].",
 )
 @click.option(
     "--comm", is_flag=True,
-    help="Also show every collective the layer issued next to the communication ledger's (memcalc's own layer,"
-    " or megatron-core's with --layer library).",
+    help="Also show every collective the layer issued next to the communication ledger's.",
 )
 @click.option(
     "--overlap", default=None, metavar="METHODS",
@@ -110,7 +108,7 @@ def command(strategy: str, device: str, backend: str | None, launch: str, timeou
         raise ConfigError("--dp-shard and --zero-stage shard a whole step's states: give --step (a layer's saved"
                           " tensors do not depend on them)")
     if layer is None:
-        layer = "memcalc" if device == "meta" or comm or overlap or config.impl == "paper" else "library"
+        layer = "memcalc" if device == "meta" or overlap or config.impl == "paper" else "library"
     if comm and layer != "memcalc":
         _check_library_comm(config, names, route)
     from memcalc.probe.footprint import check_fits
@@ -198,14 +196,11 @@ def _list(shape: tuple[int, ...] | None) -> list[int] | None:
 
 
 def _check_library_comm(config: ModelConfig, names: list[str], route: str | None) -> None:
-    """--comm on a library's layer: one that logs its collectives, that the ledger models, routed so that their
-    bytes are the ledger's (ConfigError otherwise)."""
+    """--comm on a library's layer: one whose collectives the ledger models, routed so that their bytes are the
+    ledger's (ConfigError otherwise)."""
     from memcalc.model.comm import layer_comm
     from memcalc.model.strategy import STRATEGIES
 
-    if config.impl not in LOGGED:
-        raise ConfigError(f"--comm counts the collectives of memcalc's own layer or megatron-core's (impl"
-                          f" {config.impl} logs none): add --layer memcalc")
     for name in names:
         layer_comm(config, STRATEGIES[name], 1)  # a ConfigError where the ledger does not model them
     if not routing_fixed(config, route):

@@ -29,10 +29,16 @@ def render() -> str:
         "`memcalc comm` lists every collective the seed's operators f, f*, g, g* issue in one layer, forward and"
         " backward, with the bytes one rank sends under the ring algorithm, and a MoE layer's (below). They follow from"
         " the implementation's TP plan (`memcalc/model/tp_plan.py`, shown on each impl page): each column/row-parallel"
-        " pair issues f (tp) or g (tp-sp) at its colwise modules' entry and f* or g* at its rowwise module's exit."
-        " `memcalc measure --comm` logs the collectives a layer really issues (memcalc's own with `--layer memcalc`,"
-        " megatron-core's with `--layer library`; at the torch.distributed API) and compares them, one by one, in"
-        " order.",
+        " pair issues f (tp) or g (tp-sp) at its colwise modules' entry and f* or g* at its rowwise module's exit;"
+        " transformers' colwise linears each wrap their own input, so each has an f; where its plan gathers a block,"
+        " DTensor all-gathers the colwise output in forward and the rowwise input's gradient in backward; a norm its"
+        " plan replicates inside a pair (Qwen3's q_norm, k_norm) all-reduces its weight's gradient. Recomputation"
+        " reruns the forward's collectives in backward: Megatron's checkpoint first; torch's non-reentrant one"
+        " (torchtitan's FullAC and SelectiveAC, transformers' gradient checkpointing) after the block output's"
+        " backward collective, transformers' stopping at the last saved tensor. `memcalc measure` logs the"
+        " collectives a layer really issues (memcalc's own with `--layer memcalc`, or the library's own: at the"
+        " torch.distributed API, and DTensor's functional collectives as aten ops) and compares them with these, one"
+        " by one, in order.",
         "",
         _collectives(),
         "",

@@ -17,9 +17,6 @@ from memcalc.errors import ProbeError
 # The assignments `memcalc measure --route` forces a MoE router to (memcalc.probe.libs.hf_shim), named here so
 # the CLI offers them without importing torch.
 ROUTES = ("balanced", "all-to-one")
-# The implementations whose runner logs the collectives its own layer issues (`run_layer(..., collectives=[])`),
-# so that `memcalc measure --comm` can compare them with the communication ledger.
-LOGGED = ("megatron",)
 
 
 def routing_fixed(config: Any, route: str | None) -> bool:

@@ -24,7 +24,7 @@ from memcalc.errors import ConfigError, ProbeError
 from memcalc.model.comm import layer_collectives
 from memcalc.model.evaluate import LayerEstimate, check_strategy, dim_sizes, estimate
 from memcalc.model.knobs import DTYPE_BYTES, Accounting
-from memcalc.probe import LOGGED, require_torch, routing_fixed
+from memcalc.probe import require_torch, routing_fixed
 from memcalc.probe.collectives import CollectiveLog, CommRow, LoggedCollective, compare_collectives
 from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.launch import Mode, run, under_torchrun
@@ -70,7 +70,7 @@ class RankResult:
     device: str  # cpu, cuda or meta: decides the width of norm statistics (ACCOUNTED_AS)
     saved: tuple[SavedStorage, ...]
     cuda: CudaMemory | None
-    collectives: tuple[LoggedCollective, ...] = ()  # memcalc's own layer and LOGGED libraries': every collective issued
+    collectives: tuple[LoggedCollective, ...] = ()  # every collective the layer issued
 
 
 # Which code builds the layer: the implementation's own library, or memcalc's own Megatron-style layer.
@@ -107,9 +107,9 @@ def measure_layer(
     torch.manual_seed(INPUT_SEED + tp.rank)  # dropout masks; weights are seeded by the linears
     if layer == "library":
         forced = {"route": route} if route else {}  # only ROUTED runners take one (measure checks)
-        logged: dict[str, list[LoggedCollective]] = {"collectives": []} if config.impl in LOGGED else {}
-        saved, cuda = runner(config.impl).run_layer(tp, config, strategy, **forced, **logged), None
-        collectives = tuple(logged.get("collectives", ()))
+        logged: list[LoggedCollective] = []
+        saved, cuda = runner(config.impl).run_layer(tp, config, strategy, **forced, collectives=logged), None
+        collectives = tuple(logged)
     else:
         saved, cuda, collectives = _run_own_layer(tp, config, strategy, overlap)
     return RankResult(strategy.name, tp.rank, tp.size, tp.mode, tp.device.type, saved, cuda, collectives)
@@ -412,7 +412,7 @@ def _compared(
 ) -> StrategyMeasurement:
     prediction = estimate(config, strategy, Accounting(exact=True, device=ACCOUNTED_AS[ranks[0].device]))
     rows = tuple(compare(prediction, result.saved) for result in ranks)
-    logged = layer == "memcalc" or (config.impl in LOGGED and comm_modelled(config, strategy, route))
+    logged = layer == "memcalc" or comm_modelled(config, strategy, route)
     comm = tuple(_compared_comm(config, strategy, r, overlap) for r in ranks) if logged else ()
     if layer == "library":
         package = RUNNERS[config.impl][1]

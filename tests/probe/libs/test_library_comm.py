@@ -19,6 +19,7 @@ from memcalc.model.knobs import DTYPE_BYTES  # noqa: E402
 from memcalc.model.strategy import STRATEGIES  # noqa: E402
 from memcalc.probe.collectives import compare_collectives  # noqa: E402
 from memcalc.probe.launch import run  # noqa: E402
+from tests.cli import memcalc_cli  # noqa: E402
 
 TORCHTITAN = {"impl": "torchtitan", "b": 1, "s": 18, "h": 48, "a": 6, "num_query_groups": 2, "ffn_hidden_size": 80,
               "mlp": "swiglu", "norm": "rmsnorm", "position_embedding_type": "rope", "add_bias_linear": False,
@@ -66,3 +67,12 @@ def test_transformers_layers_issue_the_ledgers_collectives_in_order(family, t, r
     pytest.importorskip("transformers")
     rows = _rows(build_config(HF | family | {"t": t, "recompute": recompute}), "tp")
     assert rows and all(row.matches for row in rows), [r for r in rows if not r.matches]
+
+
+def test_measure_comm_lists_transformers_own_collectives_beside_the_ledgers():
+    pytest.importorskip("transformers")
+    run = memcalc_cli("measure", "--config", "tiny", "--impl", "hf", "--strategy", "tp", "--launch", "fake", "--comm")
+    assert run.code == 0, run.err
+    rows = [line for line in run.out.splitlines() if "all-reduce backward" in line]
+    assert len(rows) == 5 and all(line.count("all-reduce backward") == 2 for line in rows)  # ledger's, issued
+    assert "transformers' own layer" in run.out and "match: every tensor agrees to the byte" in run.out
