@@ -59,6 +59,7 @@ _MLA = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "
 # The model's knobs, as `formula` prints them (size knobs null unless set) and as a config carries them.
 KNOBS: Schema = _object({
     "impl": {"enum": ["megatron", "torchtitan", "hf", "paper"]},
+    "family": _nullable(TEXT),  # a transformers family (memcalc.model.families.FAMILIES), null when unnamed
     "mlp": TEXT,
     "ffn_hidden_size": _nullable(POSITIVE),
     "attention": TEXT,
@@ -106,6 +107,7 @@ KNOBS: Schema = _object({
 CONFIG: Schema = _object(
     {
         **KNOBS["properties"],
+        "family": TEXT,
         "ffn_hidden_size": POSITIVE,
         "num_query_groups": POSITIVE,
         "name": TEXT,
@@ -128,7 +130,7 @@ CONFIG: Schema = _object(
         "global_batch_size": POSITIVE,
     },
     # The fields whose default is None, left out unless set.
-    optional=("name", "description", "max_position_embeddings", "vpp", "gpus", "num_microbatches", "global_batch_size",
+    optional=("name", "description", "family", "max_position_embeddings", "vpp", "gpus", "num_microbatches", "global_batch_size",
               "etp", "dp_shard", "dp_replicate", "zero_stage", "num_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_first_dense_layers",
               "moe_expert_capacity_factor", "kv_channels", *_MLA, "sliding_window", "rotary_percent",
               "attn_logit_softcapping", "final_logit_softcapping"),

@@ -44,8 +44,7 @@ config_option = click.option(
 
 hf_config_option = click.option(
     "--hf-config", "hf_config_path", type=click.Path(path_type=Path), default=None,
-    help="A Hugging Face config.json (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-2, GPT-NeoX,"
-    " DeepSeek-V3, and DeepSeek-V2's latent attention with a dense MLP) instead of --config.",
+    help="A Hugging Face config.json (of a family `memcalc hf-families` lists) instead of --config.",
 )
 
 def _int(flag: str, help: str, name: str | None = None) -> Callable:
@@ -74,7 +73,7 @@ def _knob_option(knob: Knob) -> Callable:
     help = f"{knob.help[:1].upper()}{knob.help[1:]}{shown}."
     if knob.kind == "flag":
         return click.option(f"{knob.flag}/--no-{knob.flag[2:]}", knob.name, default=None, help=help)
-    kinds = {"size": INTEGER, "probability": Real(), "factor": Real()}
+    kinds = {"name": click.STRING, "size": INTEGER, "probability": Real(), "factor": Real()}
     kind = click.Choice(knob.values) if knob.kind == "choice" else kinds[knob.kind]
     return click.option(knob.flag, knob.name, type=kind, help=help)
 

@@ -47,7 +47,7 @@ def read_hf_config(path: Path) -> HfConfig:
     family = _family(raw, path)
     raw, written = _renamed(raw, family)
     _refuse_unmodelled(raw, path, family)
-    fields, used, missing = dict(family.fixed), [], []
+    fields, used, missing = {"family": family.name, **family.fixed}, [], []
     assumed = list(family.fixed.items())
     for row in family.rows:
         present = [name for name in row.sources if raw.get(name) is not None]

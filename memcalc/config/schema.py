@@ -68,6 +68,8 @@ def knob_schema(knob: Knob) -> cs.Schema:
     """A knob's validation rule, from its kind in the knob table."""
     if knob.kind == "choice":
         return cs.after_schema(knob.choices, cs.literal_schema(list(knob.values)))
+    if knob.kind == "name":  # which names: memcalc.model.families, checked with the knobs (impls.implementation)
+        return cs.nullable_schema(cs.str_schema())
     if knob.kind == "size":
         return cs.nullable_schema(cs.int_schema(gt=0, lt=_SIZE_LIMIT))
     if knob.kind == "probability":

@@ -4,9 +4,10 @@ decoder layers its rules were measured on.
 Each family is a short table of `Row`s: a memcalc field, the config.json fields that give it (first present wins, or
 all of them combined), and how a value is turned into memcalc's. `FAMILIES` names each family once (model_type,
 config class, decoder layer); `UNREAD` the model types transformers builds whose layers memcalc refuses, with what
-they lack; `family_of` tells the family whose layer runs a knob set. The reader of config.json files is
-`memcalc.config.hf`; the hf ledger (`memcalc.model.impls.hf`) and the probe read the table from here, one floor
-below the config.
+they lack. A config names its family (the `family` knob: config.json's model_type, a YAML's `family:`, --family);
+`layer_family` is the family whose layer runs it, a config that names none given its default here, and
+`check_family` refuses knobs that are not that layer's. The reader of config.json files is `memcalc.config.hf`; the
+hf ledger (`memcalc.model.impls.hf`) and the probe read the table from here, one floor below the config.
 """
 
 from __future__ import annotations
@@ -641,21 +642,9 @@ _GPT_OSS = (
 )
 
 
-def _dense(k: Any) -> bool:
-    """A Llama-family layer with a dense MLP and plain multi-head or grouped-query attention (separate q, k, v),
-    rotating whole heads (a rotary fraction in such a layer is GLM's)."""
-    return not k.moe and not k.mla and not k.qk_layernorm and not k.fused_qkv and k.rotary_percent is None
-
-
-def _glm(k: Any) -> bool:
-    """GLM's layer: an RMSNorm layer rotating a share of each head (rotary_percent), dense, q, k and v separate,
-    without QK norms."""
-    return k.rotary_percent is not None and not k.moe and not k.mla and not k.qk_layernorm and not k.fused_qkv
-
-
-def _qkv_bias(k: Any) -> bool:
-    """Qwen2's QKV bias (a config field, not a knob: it keeps nothing, so a knob set alone reads as Llama's)."""
-    return bool(getattr(k, "add_qkv_bias", False))
+def _rotates(k: Any) -> bool:
+    """GPT-NeoX's, GLM's and GPT-J's layers rotate a share of each head: rotary_percent set."""
+    return k.rotary_percent is not None
 
 
 @dataclass(frozen=True)
@@ -666,8 +655,8 @@ class Family:
     `name` is config.json's model_type (and transformers' models/<name> package); `config_class` the class whose
     `save_pretrained` writes that config.json, and whose `attribute_map` (copied here, checked against the class by
     tests/config/test_hf_families.py) renames a field before it is read, as the class's own __init__ does. `when`
-    tells the family's layer from memcalc's knobs (their sets are disjoint); None: the family is read but its knobs run
-    another family's layer (`runs_as`), or the same layer under another name (Mistral's is Llama's)."""
+    is what its layer needs beyond `fixed` values (`check_family`: a layer has only the knobs its table fixes or reads);
+    `runs_as` the family whose layer this one's config runs (DeepSeek-V2's is DeepSeek-V3's)."""
 
     name: str
     config_class: str
@@ -677,7 +666,7 @@ class Family:
     fixed: dict[str, Any] = field(default_factory=dict)
     norm: str = "rmsnorm"
     mlps: tuple[str, ...] = ("swiglu",)
-    when: Callable[[Any], bool] | None = None
+    when: Callable[[Any], bool] = lambda k: True
     runs_as: str | None = None
     router: str | None = None  # a MoE family's router class (the probe's --route forces it)
     attribute_map: dict[str, str] = field(default_factory=dict)
@@ -702,78 +691,67 @@ _EXPERTS = {"num_experts": "num_local_experts"}  # Mixtral's, Qwen3-MoE's and gp
 FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
-        Family("llama", "LlamaConfig", "LlamaDecoderLayer", ("LlamaForCausalLM",), _LLAMA_HEADS, _ROPE,
-               when=lambda k: _dense(k) and not _qkv_bias(k)),
+        Family("llama", "LlamaConfig", "LlamaDecoderLayer", ("LlamaForCausalLM",), _LLAMA_HEADS, _ROPE),
         Family("mistral", "MistralConfig", "MistralDecoderLayer", ("MistralForCausalLM",), _MISTRAL, _ROPE),
         Family("qwen2", "Qwen2Config", "Qwen2DecoderLayer", ("Qwen2ForCausalLM",), _QWEN2,
-               _ROPE | {"add_qkv_bias": True}, when=lambda k: _dense(k) and _qkv_bias(k)),  # Q, K, V carry biases
+               _ROPE | {"add_qkv_bias": True}),  # Q, K, V carry biases
         Family("qwen3", "Qwen3Config", "Qwen3DecoderLayer", ("Qwen3ForCausalLM",), _QWEN3,
-               _ROPE | {"qk_layernorm": True}, when=lambda k: k.qk_layernorm and not k.moe and not k.mla),
+               _ROPE | {"qk_layernorm": True}),
         Family("mixtral", "MixtralConfig", "MixtralDecoderLayer", ("MixtralForCausalLM",), _MIXTRAL, _ROPE,
-               when=lambda k: k.moe and not k.moe_shared_expert_intermediate_size and not k.qk_layernorm
-               and not k.mla, router="MixtralTopKRouter", attribute_map=_EXPERTS),
+               when=lambda k: k.moe, router="MixtralTopKRouter", attribute_map=_EXPERTS),
         Family("qwen2_moe", "Qwen2MoeConfig", "Qwen2MoeDecoderLayer", ("Qwen2MoeForCausalLM",), _QWEN2_MOE, _ROPE,
-               when=lambda k: k.moe and bool(k.moe_shared_expert_intermediate_size) and not k.mla,
-               router="Qwen2MoeTopKRouter"),
+               when=lambda k: k.moe and bool(k.moe_shared_expert_intermediate_size), router="Qwen2MoeTopKRouter"),
         Family("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeDecoderLayer", ("Qwen3MoeForCausalLM",), _QWEN3_MOE,
-               _ROPE | {"qk_layernorm": True}, when=lambda k: k.moe and k.qk_layernorm and not k.mla,
-               router="Qwen3MoeTopKRouter", attribute_map=_EXPERTS),
+               _ROPE | {"qk_layernorm": True}, when=lambda k: k.moe, router="Qwen3MoeTopKRouter",
+               attribute_map=_EXPERTS),
         Family("gemma", "GemmaConfig", "GemmaDecoderLayer", ("GemmaForCausalLM",), _GEMMA, _ROPE,
-               norm="rmsnorm_1p", mlps=("geglu_tanh",), when=lambda k: _dense(k) and not k.sandwich_norm),
+               norm="rmsnorm_1p", mlps=("geglu_tanh",)),
         Family("gemma2", "Gemma2Config", "Gemma2DecoderLayer", ("Gemma2ForCausalLM",),
                (*(r for r in _GEMMA if r.target != "mlp"), *_GEMMA2_ONLY), _ROPE | {"sandwich_norm": True},
-               norm="rmsnorm_1p", mlps=("geglu_tanh",), when=lambda k: _dense(k) and k.sandwich_norm),
+               norm="rmsnorm_1p", mlps=("geglu_tanh",)),
         Family("gemma3_text", "Gemma3TextConfig", "Gemma3DecoderLayer", ("Gemma3ForCausalLM",), _GEMMA3,
                _ROPE | {"sandwich_norm": True, "qk_layernorm": True}, norm="rmsnorm_1p", mlps=("geglu_tanh",),
-               when=lambda k: k.sandwich_norm and k.qk_layernorm and not k.moe and not k.mla, package="gemma3"),
-        Family("olmo", "OlmoConfig", "OlmoDecoderLayer", ("OlmoForCausalLM",), _OLMO, _ROPE,
-               norm="layernorm_np", when=_dense),
+               package="gemma3"),
+        Family("olmo", "OlmoConfig", "OlmoDecoderLayer", ("OlmoForCausalLM",), _OLMO, _ROPE, norm="layernorm_np"),
         Family("gpt2", "GPT2Config", "GPT2Block", ("GPT2LMHeadModel",), _GPT2,
                {"position_embedding_type": "learned_absolute"}, norm="layernorm", mlps=("gelu", "gelu_tanh"),
-               when=lambda k: k.rotary_percent is None and not k.parallel_residual and not k.alibi
-                              and not k.fused_qkv,
                attribute_map={"hidden_size": "n_embd", "max_position_embeddings": "n_positions",
                               "num_attention_heads": "n_head", "num_hidden_layers": "n_layer"}),
         Family("gpt_neox", "GPTNeoXConfig", "GPTNeoXLayer", ("GPTNeoXForCausalLM",), _GPT_NEOX,
                _ROPE | {"fused_qkv": True}, norm="layernorm", mlps=("gelu", "gelu_tanh"),
-               when=lambda k: k.rotary_percent is not None and k.fused_qkv and not k.single_norm),
+               when=_rotates),
         Family("deepseek_v2", "DeepseekV2Config", "DeepseekV2DecoderLayer", ("DeepseekV2ForCausalLM",), _DEEPSEEK,
                _ROPE, runs_as="deepseek_v3", attribute_map={"num_experts": "n_routed_experts"}),
         Family("deepseek_v3", "DeepseekV3Config", "DeepseekV3DecoderLayer", ("DeepseekV3ForCausalLM",),
                _DEEPSEEK_V3, _ROPE, when=lambda k: k.mla, router="DeepseekV3TopkRouter",
                attribute_map={"num_local_experts": "n_routed_experts", "num_mtp_layers": "num_nextn_predict_layers"}),
         Family("phi3", "Phi3Config", "Phi3DecoderLayer", ("Phi3ForCausalLM",), _PHI3, _ROPE | {"fused_qkv": True},
-               when=lambda k: k.fused_qkv and not k.moe and not k.mla and not k.qk_layernorm,
                gathered=("attention", "mlp")),
         Family("olmo2", "Olmo2Config", "Olmo2DecoderLayer", ("Olmo2ForCausalLM",), _OLMO2,
-               _ROPE | {"post_norm": True, "qk_layernorm": True}, norm="rmsnorm_fp32w",
-               when=lambda k: k.post_norm and not k.moe and not k.mla, gathered=("attention",)),
+               _ROPE | {"post_norm": True, "qk_layernorm": True}, norm="rmsnorm_fp32w", gathered=("attention",)),
         Family("falcon", "FalconConfig", "FalconDecoderLayer", ("FalconForCausalLM",), _FALCON, _ROPE,
                norm="layernorm", mlps=("gelu", "gelu_tanh"),
-               when=lambda k: k.parallel_residual and k.rotary_percent is None and not k.alibi),
+               when=lambda k: k.parallel_residual),
         Family("bloom", "BloomConfig", "BloomBlock", ("BloomForCausalLM",), _BLOOM,
                {"position_embedding_type": "alibi", "alibi": True, "mlp": "gelu_tanh", "add_bias_linear": True},
-               norm="layernorm", mlps=("gelu_tanh",), when=lambda k: k.alibi,
+               norm="layernorm", mlps=("gelu_tanh",),
                attribute_map={"num_hidden_layers": "n_layer", "num_attention_heads": "n_head"}),
-        Family("glm", "GlmConfig", "GlmDecoderLayer", ("GlmForCausalLM",), _GLM, _ROPE,
-               when=lambda k: _glm(k) and not k.sandwich_norm, gathered=("mlp",)),
+        Family("glm", "GlmConfig", "GlmDecoderLayer", ("GlmForCausalLM",), _GLM, _ROPE, when=_rotates,
+               gathered=("mlp",)),
         Family("glm4", "Glm4Config", "Glm4DecoderLayer", ("Glm4ForCausalLM",), _GLM, _ROPE | {"sandwich_norm": True},
-               when=lambda k: _glm(k) and k.sandwich_norm, gathered=("mlp",)),
+               when=_rotates, gathered=("mlp",)),
         Family("starcoder2", "Starcoder2Config", "Starcoder2DecoderLayer", ("Starcoder2ForCausalLM",), _STARCODER2,
-               _ROPE | {"rotary_percent": 1.0}, norm="layernorm", mlps=("gelu", "gelu_tanh"),
-               when=lambda k: k.rotary_percent is not None and not k.fused_qkv and not k.parallel_residual),
+               _ROPE | {"rotary_percent": 1.0}, norm="layernorm", mlps=("gelu", "gelu_tanh")),
         Family("gptj", "GPTJConfig", "GPTJBlock", ("GPTJForCausalLM",), _GPTJ,
                _ROPE | {"parallel_residual": True, "single_norm": True}, norm="layernorm", mlps=("gelu", "gelu_tanh"),
-               when=lambda k: k.single_norm and k.rotary_percent is not None and not k.fused_qkv,
+               when=_rotates,
                attribute_map={"max_position_embeddings": "n_positions", "hidden_size": "n_embd",
                               "num_attention_heads": "n_head", "num_hidden_layers": "n_layer"}),
         Family("cohere", "CohereConfig", "CohereDecoderLayer", ("CohereForCausalLM",), _COHERE,
-               _ROPE | {"parallel_residual": True, "single_norm": True}, norm="layernorm_nb",
-               when=lambda k: k.single_norm and not k.moe and not k.mla and not k.fused_qkv
-               and k.rotary_percent is None),
+               _ROPE | {"parallel_residual": True, "single_norm": True}, norm="layernorm_nb"),
         Family("gpt_oss", "GptOssConfig", "GptOssDecoderLayer", ("GptOssForCausalLM",), _GPT_OSS,
                _ROPE | {"mlp": "swiglu_clamped", "attention_sinks": True, "attention": "eager"},
-               norm="rmsnorm_fp32w", mlps=("swiglu_clamped",), when=lambda k: k.attention_sinks,
+               norm="rmsnorm_fp32w", mlps=("swiglu_clamped",),
                router="GptOssTopKRouter", attribute_map=_EXPERTS),
     )
 }
@@ -796,7 +774,50 @@ UNREAD: dict[str, str] = {
 }
 
 
-def family_of(knobs: Any) -> Family | None:
-    """The family whose transformers layer runs these knobs (norm, MLP, and the family's own test), or None."""
-    return next((f for f in FAMILIES.values()
-                 if f.when is not None and f.norm == knobs.norm and knobs.mlp in f.mlps and f.when(knobs)), None)
+# The family a config that names none runs under --impl hf: the first of these whose layer has its norm and MLP (the
+# seed's LayerNorm and GELU are GPT-2's). Any other family's layer runs only where the config names it.
+UNNAMED = ("llama", "gpt2")
+# The knobs that pick a transformers layer beside its norm and MLP (and add_qkv_bias, a config's Qwen2 biases).
+_PICKS = ("num_experts", "moe_shared_expert_intermediate_size", "kv_lora_rank", "rotary_percent", "qk_layernorm",
+          "sandwich_norm", "parallel_residual", "post_norm", "fused_qkv", "alibi", "single_norm", "attention_sinks",
+          "add_qkv_bias")
+
+
+def _named(knobs: Any) -> Family:
+    """The family the knobs name; where they name none, the first of `UNNAMED` with their norm and MLP, else Llama's."""
+    return FAMILIES[knobs.family or next((n for n in UNNAMED if _runs_norm_and_mlp(FAMILIES[n], knobs)), "llama")]
+
+
+def layer_family(knobs: Any) -> Family:
+    """The family whose transformers layer runs these knobs: the one they name, or the one whose layer it runs."""
+    family = _named(knobs)
+    return FAMILIES[family.runs_as] if family.runs_as else family
+
+
+def _runs_norm_and_mlp(family: Family, knobs: Any) -> bool:
+    return family.norm == knobs.norm and knobs.mlp in family.mlps
+
+
+def check_name(knobs: Any) -> None:
+    """ConfigError for a family memcalc does not read."""
+    if knobs.family is not None and knobs.family not in FAMILIES:
+        raise ConfigError(f"field 'family': {short_repr(knobs.family)} is not a transformers family memcalc reads"
+                          f" ({', '.join(FAMILIES)})")
+
+
+def check_family(knobs: Any, model: bool = False) -> None:
+    """ConfigError (--impl hf) for knobs the family's layer does not run, in one line, never another layer guessed in
+    its place: a knob its table neither fixes nor reads left at its default, a fixed one at its value, `when` true. A
+    knob set without experts may be a MoE `model`'s dense layer (`Knobs.dense`), its config checked whole."""
+    named, family = _named(knobs), layer_family(knobs)
+    read = {row.target for row in named.rows} | named.fixed.keys()
+    needs = [f"needs {n} {v}" for n, v in named.fixed.items() if n in ("mlp", *_PICKS) and getattr(knobs, n, v) != v]
+    has = [f"has no {n}" for n in _PICKS if n not in read and getattr(knobs, n, None) not in (None, False)]
+    dense_layer = not model and family.router is not None and not knobs.moe
+    if not _runs_norm_and_mlp(family, knobs) or needs or has or not (dense_layer or family.when(knobs)):
+        who = f"family {knobs.family}" if knobs.family else "a config that names no family"
+        given = ", ".join(f"{n} {v}" for n in ("norm", "mlp", *_PICKS)
+                          if (v := getattr(knobs, n, None)) not in (None, False))
+        raise ConfigError(f"impl hf: {who} runs transformers' {family.layer}, which"
+                          f" {', '.join(needs + has) or 'does not run these knobs'} ({given}); name the family whose"
+                          " layer it is (family, --family: `memcalc hf-families` lists them)")

@@ -12,7 +12,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Callable
 
-from memcalc.model.families import family_of
+from memcalc.model.families import layer_family
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError
 from memcalc.model import ledger
@@ -621,23 +621,15 @@ def _step_runner(impl: str, sharded: bool = False) -> Callable[..., StepMeasurem
     return getattr(importlib.import_module(module), function)
 
 
-def own_model(config: ModelConfig) -> bool:
-    """Whether --step --impl hf builds the family's own model (experts, QK norms, Qwen2's q/k/v biases, Gemma's norm,
-    Phi-3's fused projections), not LlamaForCausalLM."""
-    return bool(config.moe or config.qk_layernorm or config.add_qkv_bias or config.norm != "rmsnorm"
-                or config.fused_qkv)
-
-
 def _model(config: ModelConfig, route: str | None) -> str:
-    """The model the step trains, in words: transformers' model of the family that runs the knobs where --step
-    builds its own (`own_model`: memcalc.probe.libs.hf_step), torchtitan's Llama3Model with its Qwen3 MoE layers
-    (memcalc.probe.libs.torchtitan_step), its router forced."""
+    """The model the step trains, in words: transformers' model of the config's family (memcalc.probe.libs.hf_step),
+    torchtitan's Llama3Model with its Qwen3 MoE layers (memcalc.probe.libs.torchtitan_step), its router forced."""
     forced = f", router forced {route}" if config.moe else ""
     if config.impl == "torchtitan" and config.moe:
         return f"{STEP_MODELS[config.impl]} with its Qwen3 MoE layers{forced}"
-    family = family_of(config) if config.impl == "hf" and own_model(config) else None
-    model = STEP_MODELS[_trained(config)] if family is None else f"transformers' {family.architectures[0]}"
-    return model + forced
+    if config.impl == "hf":
+        return f"transformers' {layer_family(config).architectures[0]}{forced}"
+    return STEP_MODELS[_trained(config)] + forced
 
 
 def _check_fits(planned: list[tuple[Strategy, Timeline]]) -> None:

@@ -59,8 +59,8 @@ def test_transformers_deepseek_v3_layer_measures_latent_attention_to_the_byte():
     pytest.importorskip("transformers")
     latent = ["--kv-lora-rank", "24", "--q-lora-rank", "16", "--qk-rope-head-dim", "8", "--qk-nope-head-dim", "12",
               "--v-head-dim", "10"]
-    run = memcalc_cli("measure", "--impl", "hf", "--b", "2", "--s", "32", "--h", "64", "--a", "4", "--attention",
-                      "eager", "--strategy", "none", *latent)  # tp: not measured for latent attention (a note)
+    run = memcalc_cli("measure", "--impl", "hf", "--family", "deepseek_v3", "--b", "2", "--s", "32", "--h", "64", "--a",
+                      "4", "--attention", "eager", "--strategy", "none", *latent)  # tp: not measured for latent attention (a note)
     assert (run.code, run.err) == (0, "")
     assert "match: every tensor agrees to the byte" in run.out
     for name in ("mla/q_norm_input_fp32", "mla/kv_up_in", "mla/rope_cos", "mla/q", "mla/v", "mla/proj_in"):

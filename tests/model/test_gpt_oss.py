@@ -12,7 +12,7 @@ from memcalc.model.impls import IMPLEMENTATIONS, left_out, strategies_of
 from memcalc.model.knobs import Accounting, Knobs
 from memcalc.model.strategy import STRATEGIES
 
-GPT_OSS = {"impl": "hf", "norm": "rmsnorm_fp32w", "mlp": "swiglu_clamped", "attention_sinks": True,
+GPT_OSS = {"impl": "hf", "family": "gpt_oss", "norm": "rmsnorm_fp32w", "mlp": "swiglu_clamped", "attention_sinks": True,
            "attention": "eager", "dropout": 0.0, "num_experts": 4, "moe_router_topk": 2}
 SIZES = {"b": 2, "s": 9, "h": 32, "a": 4, "num_query_groups": 2, "kv_channels": 16, "moe_ffn_hidden_size": 32,
          "sliding_window": 5}
@@ -75,10 +75,9 @@ def test_gpt_oss_runs_no_tp_and_says_why_in_one_line():
 @pytest.mark.parametrize("knobs, words", [
     ({"attention": "flash"}, "GptOssDecoderLayer runs eager attention only: GptOssPreTrainedModel has _supports_sdpa"
                              " False"),
-    ({"attention_sinks": False}, "attention_sinks and mlp swiglu_clamped are GptOssDecoderLayer's"),
-    ({"mlp": "swiglu"}, "attention_sinks and mlp swiglu_clamped are GptOssDecoderLayer's"),
-    ({"num_experts": None, "moe_ffn_hidden_size": None}, "attention_sinks and mlp swiglu_clamped are"
-                                                         " GptOssDecoderLayer's"),
+    ({"attention_sinks": False}, "GptOssDecoderLayer, which needs attention_sinks True"),
+    ({"mlp": "swiglu"}, "GptOssDecoderLayer, which needs mlp swiglu_clamped"),
+    ({"num_experts": None, "moe_ffn_hidden_size": None}, "every GptOssDecoderLayer is sparse: set num_experts"),
     ({"norm": "rmsnorm"}, "no transformers layer has norm rmsnorm with mlp swiglu_clamped"),
     ({"moe_router_pre_softmax": True}, "GptOssTopKRouter softmaxes the k chosen logits"),
 ])

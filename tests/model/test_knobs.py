@@ -13,7 +13,7 @@ from memcalc.model.knobs import KNOBS, Knobs
 from memcalc.cli.sweep_output import KNOB_COLUMNS
 
 # A value other than the default, for each kind of knob.
-OTHER = {"size": 96, "probability": 0.0, "factor": 1.25, "flag": True}
+OTHER = {"name": "llama", "size": 96, "probability": 0.0, "factor": 1.25, "flag": True}
 
 
 def _other(knob):

@@ -93,7 +93,7 @@ def test_latent_attention_replaces_the_dense_q_k_v_and_projection_input():
 
 def test_hf_eager_attention_keeps_what_deepseek_v3_attention_saved_on_the_cpu():
     # DeepseekV3Attention alone, b=2 s=16 h=64 a=4, bf16, eager, recorded: 42,752 bytes
-    fields = MLA | {"impl": "hf", "attention": "eager", "s": 16, "ffn_hidden_size": 96}
+    fields = MLA | {"impl": "hf", "family": "deepseek_v3", "attention": "eager", "s": 16, "ffn_hidden_size": 96}
     result = estimate(build_config(fields), STRATEGIES["none"], Accounting(exact=True, device="cpu"))
     attention = [x for x in result.tensors if x.tensor.block in ("attention", "mla")]
     assert sum(x.bytes for x in attention) == 42_752
@@ -101,7 +101,7 @@ def test_hf_eager_attention_keeps_what_deepseek_v3_attention_saved_on_the_cpu():
 
 def test_hf_sdpa_with_latent_attention_is_refused_in_one_line():
     with pytest.raises(ConfigError, match="its flash kernel does not run.*use attention eager"):
-        build_config(MLA | {"impl": "hf", "attention": "flash"})
+        build_config(MLA | {"impl": "hf", "family": "deepseek_v2", "attention": "flash"})
 
 
 def test_torchtitan_refuses_latent_attention():

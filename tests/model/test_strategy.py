@@ -94,7 +94,7 @@ def test_strategies_are_the_three_of_the_seed_in_order():
 
 
 HF = {"impl": "hf", "b": 2, "s": 8, "h": 32, "a": 4, "t": 2}
-QWEN2_MOE = HF | {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32,
+QWEN2_MOE = HF | {"family": "qwen2_moe", "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32,
                   "moe_shared_expert_intermediate_size": 16}
 TENSORS = IMPLEMENTATIONS["hf"].by_name()
 
@@ -108,4 +108,4 @@ def test_tp_keeps_whole_what_the_librarys_own_plan_leaves_unsharded():
 
 def test_where_the_library_shards_everything_the_plan_is_the_layout_itself():
     assert plan(build_config(HF), TP) is TP
-    assert plan(build_config(QWEN2_MOE | {"moe_shared_expert_intermediate_size": None}), TP) is TP
+    assert plan(build_config(QWEN2_MOE | {"family": "mixtral", "moe_shared_expert_intermediate_size": None}), TP) is TP

@@ -72,8 +72,8 @@ def test_megatrons_shared_experts_are_a_pair_of_their_own_beside_the_experts():
 def test_a_block_transformers_plan_gathers_is_whole_on_every_rank_but_the_rowwise_linears_input():
     """OLMo 2's attention ("colwise_gather_output" q, k, v; "rowwise_split_input" o_proj): tp splits only o_proj's
     input there, and nothing of it under SP, which transformers does not run."""
-    olmo2 = LLAMA | {"impl": "hf", "post_norm": True, "qk_layernorm": True, "norm": "rmsnorm_fp32w",
-                     "attention": "eager"}
+    olmo2 = LLAMA | {"impl": "hf", "family": "olmo2", "post_norm": True, "qk_layernorm": True,
+                     "norm": "rmsnorm_fp32w", "attention": "eager"}
     plan = _plan(olmo2)
     assert {ledger.Q.name, ledger.K.name, ledger.V.name} <= plan.unsharded()
     assert ledger.PROJ_IN.name not in plan.unsharded() and not plan.kept_whole()

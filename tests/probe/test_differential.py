@@ -48,7 +48,7 @@ class Subject:
     module: str  # the library it runs: skipped where not installed
     fields: dict[str, Any]  # fixed config fields (impl, the family's architecture)
     knobs: st.SearchStrategy[dict[str, Any]]  # drawn knob values
-    family: str | None = None  # transformers' decoder-layer class to build (`hf.record_layer`)
+    family: str | None = None  # transformers' family, whose decoder layer `hf.record_layer` builds
     gqa: bool = True  # whether num_query_groups may be fewer than a
     moe: bool = False  # routed experts: forced to the balanced route, so each expert's tokens are known
     extra: dict[str, Any] = field(default_factory=dict)  # other fixed fields (latent widths)
@@ -156,7 +156,7 @@ SUBJECTS = (
 @st.composite
 def cases(draw: st.DrawFn, subject: Subject) -> tuple[Any, str]:
     """A config the subject's library runs, and one of the layouts it runs it under."""
-    knobs = subject.fields | subject.extra | draw(subject.knobs)
+    knobs = subject.fields | subject.extra | ({"family": subject.family} if subject.family else {}) | draw(subject.knobs)
     t = draw(st.sampled_from((1, 2, 4)))
     per_rank = draw(st.sampled_from((1, 2, 3, 5)))  # heads per rank, odd ones included
     a = t * per_rank
@@ -199,8 +199,7 @@ def _saved(tp: Any, config: Any, strategy: str, subject: Subject) -> Any:
     if subject.family is not None:
         from memcalc.probe.libs import hf
 
-        return hf.record_layer(tp, config, STRATEGIES[strategy], family=subject.family,
-                               route="balanced" if subject.moe else None)
+        return hf.record_layer(tp, config, STRATEGIES[strategy], route="balanced" if subject.moe else None)
     route = {"route": "balanced"} if subject.moe else {}
     return runner(config.impl).run_layer(tp, config, STRATEGIES[strategy], **route)
 

@@ -41,7 +41,7 @@ NO_ROUTE = ((None, "balanced"),)
 TORCHTITAN = {"impl": "torchtitan", "tie_embeddings": False} | LLAMA  # Llama3 unties them
 LATENT = {"impl": "megatron", "mlp": "swiglu", "attention": "eager", "add_bias_linear": False} | MLA
 # GemmaForCausalLM: (1 + w) RMSNorm, tanh GeGLU, a scaled embedding; eager attention, which Gemma 2 runs alone
-GEMMA = {"impl": "hf", "norm": "rmsnorm_1p", "mlp": "geglu_tanh", "attention": "eager", "dropout": 0.0,
+GEMMA = {"impl": "hf", "family": "gemma", "norm": "rmsnorm_1p", "mlp": "geglu_tanh", "attention": "eager", "dropout": 0.0,
          "position_embedding_type": "rope", "add_bias_linear": False}
 
 
@@ -110,12 +110,12 @@ SUBJECTS = (
     Subject("torchtitan moe", "torchtitan", TORCHTITAN | {"recompute": "none"}, _TORCHTITAN_MOE,
             routes=(BALANCED,), align=8),
     Subject("hf llama", "transformers", {"impl": "hf"} | LLAMA, _HF),
-    Subject("hf qwen3", "transformers", {"impl": "hf", "qk_layernorm": True} | LLAMA, _HF),
-    Subject("hf mixtral (grouped_mm)", "transformers", {"impl": "hf", "dropout": 0.0} | LLAMA, _HF_MIXTRAL,
-            routes=(BALANCED, ROUTES[2]), align=8),
-    Subject("hf gemma2", "transformers", GEMMA | {"sandwich_norm": True}, _HF_GEMMA2),
-    Subject("hf phi3", "transformers", {"impl": "hf", "fused_qkv": True, "attention": "eager", "dropout": 0.0} | LLAMA,
-            _HF_PHI3),
+    Subject("hf qwen3", "transformers", {"impl": "hf", "family": "qwen3", "qk_layernorm": True} | LLAMA, _HF),
+    Subject("hf mixtral (grouped_mm)", "transformers", {"impl": "hf", "family": "mixtral", "dropout": 0.0} | LLAMA,
+            _HF_MIXTRAL, routes=(BALANCED, ROUTES[2]), align=8),
+    Subject("hf gemma2", "transformers", GEMMA | {"family": "gemma2", "sandwich_norm": True}, _HF_GEMMA2),
+    Subject("hf phi3", "transformers", {"impl": "hf", "family": "phi3", "fused_qkv": True, "attention": "eager",
+                                       "dropout": 0.0} | LLAMA, _HF_PHI3),
     Subject("torchtitan fsdp2", "torchtitan", TORCHTITAN, _TORCHTITAN_FSDP, ts=(1, 2)),
     Subject("hf fsdp2", "transformers", {"impl": "hf", "dropout": 0.0} | LLAMA, _HF_FSDP, ts=(1, 2)),
 )

@@ -138,7 +138,7 @@ def test_shared_experts_are_split_by_t_as_the_dense_mlp():
 
 
 def test_transformers_tp_plan_leaves_qwen2_moes_shared_expert_and_its_gate_whole_on_every_rank():
-    config = build_config(MOE | dict(moe_shared_expert_intermediate_size=32, t=2, impl="hf", mlp="swiglu",
+    config = build_config(MOE | dict(moe_shared_expert_intermediate_size=32, t=2, impl="hf", family="qwen2_moe", mlp="swiglu",
                                      norm="rmsnorm", position_embedding_type="rope", add_bias_linear=False))
     params = group_params(config, stages(config.L, 1, None)[0], 2)
     assert params["moe/shared_experts"] == config.L * (3 * 64 * 32 + 64)

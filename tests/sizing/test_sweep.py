@@ -105,7 +105,7 @@ MOE = dict(b=1, s=64, h=32, a=4, t=2, L=6, num_experts=8, moe_router_topk=2, dp=
 
 @pytest.mark.parametrize("family, kinds", [
     ({"norm": "rmsnorm", "mlp": "swiglu"}, {1: 1, 3: 1, 6: 1}),  # Llama: one pair of tables
-    ({"norm": "rmsnorm_1p", "mlp": "geglu_tanh", "sandwich_norm": True, "qk_layernorm": True},
+    ({"family": "gemma3_text", "norm": "rmsnorm_1p", "mlp": "geglu_tanh", "sandwich_norm": True, "qk_layernorm": True},
      {1: 1, 3: 1, 6: 2}),  # Gemma 3: a pair for sliding layers, another from the first full one (the sixth)
 ])
 def test_an_hf_sweep_counts_the_rope_tables_once_for_each_kind_of_layer_as_estimate_does(family, kinds):
@@ -143,7 +143,7 @@ def test_a_mixture_of_experts_sweep_totals_each_layer_kind_and_ep_as_estimate_do
     ({"moe_tokens": "worst"}, [NONE, TP_SP]),
     ({"moe_router_score_function": "sigmoid", "moe_layer_freq": 2, "exact": True}, [TP_SP]),  # k = 1 keeps less
     ({"moe_expert_capacity_factor": 1.25, "moe_tokens": "capacity"}, [NONE, TP_SP]),
-    ({"impl": "hf", "mlp": "swiglu", "moe_tokens": "worst"}, [NONE]),
+    ({"impl": "hf", "family": "mixtral", "mlp": "swiglu", "moe_tokens": "worst"}, [NONE]),
 ])
 def test_experts_top_k_and_ep_sweep_as_axes_and_each_row_is_what_estimate_says(moe, strategies):
     accounting = Accounting(exact=moe.get("exact", False))
@@ -342,7 +342,7 @@ def test_csv_has_a_header_and_one_complete_row_per_configuration():
     assert len(rows) == 2 * 3 * 3
     first = rows[0]
     assert list(first) == ["b", "s", "h", "a", "t", "L", "strategy", "per_layer_bytes", "total_bytes",
-                           "ffn_hidden_size", "num_query_groups", "impl", "mlp", "attention", "kv_channels",
+                           "ffn_hidden_size", "num_query_groups", "impl", "family", "mlp", "attention", "kv_channels",
                            "qk_layernorm", "norm", "dropout",
                            "recompute", "dtype", "bias_activation_fusion", "attention_softmax_in_fp32",
                            "masked_softmax_fusion", "num_experts", "moe_router_topk",
@@ -358,7 +358,7 @@ def test_csv_has_a_header_and_one_complete_row_per_configuration():
                            "accounting"]
     assert first | {"per_layer_bytes": None, "total_bytes": None} == dict(
         b="1", s="1024", h="12288", a="96", t="8", L="96", strategy="none", per_layer_bytes=None, total_bytes=None,
-        ffn_hidden_size="49152", num_query_groups="96", impl="megatron", mlp="swiglu", attention="eager",
+        ffn_hidden_size="49152", num_query_groups="96", impl="megatron", family="", mlp="swiglu", attention="eager",
         kv_channels="", qk_layernorm="false", norm="layernorm", dropout="0.0", recompute="none", dtype="bf16", bias_activation_fusion="false",
         attention_softmax_in_fp32="false", masked_softmax_fusion="true",
         num_experts="", moe_router_topk="2", moe_ffn_hidden_size="", moe_shared_expert_intermediate_size="",

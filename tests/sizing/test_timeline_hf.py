@@ -58,8 +58,8 @@ def test_backward_leaves_only_the_batch_and_the_loss_behind():
     ({"dropout": 0.1, "attention": "flash"}, "dropout 0.1 with SDPA"),
     ({"recompute": "full", "zero_stage": 2}, "recompute full \\(gradient checkpointing\\) with zero_stage"),
     ({"add_bias_linear": True}, "add_bias_linear"),
-    ({"add_qkv_bias": True, "dp_shard": 2}, "dp_shard or zero_stage with add_qkv_bias"),
-    ({"norm": "layernorm", "mlp": "gelu", "num_query_groups": None}, "norm layernorm with mlp gelu"),
+    ({"family": "qwen2", "add_qkv_bias": True, "dp_shard": 2}, "dp_shard or zero_stage with add_qkv_bias"),
+    ({"norm": "layernorm", "mlp": "gelu", "num_query_groups": None}, "gpt2's model"),
     ({"position_embedding_type": "learned_absolute"}, "position_embedding_type learned_absolute"),
     ({"dtype": "fp32"}, "dtype fp32"),
 ])
@@ -97,7 +97,7 @@ def test_hf_refuses_tp_sp_citing_transformers():
 
 # -- transformers' MixtralForCausalLM: the balanced bound, kbs/E slots an expert ----------------------------------------
 
-MIXTRAL = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 48, "vocab_size": 40,
+MIXTRAL = {"family": "mixtral", "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 48, "vocab_size": 40,
            "experts_implementation": "eager"}  # the loop the walk models
 
 
@@ -133,7 +133,7 @@ def test_the_experts_widest_moment_holds_gate_ups_gradient_three_times_beside_do
 
 
 @pytest.mark.parametrize("changes, named", [
-    ({"moe_shared_expert_intermediate_size": 64, "moe_layer_freq": 2, "L": 3},
+    ({"family": "qwen2_moe", "moe_shared_expert_intermediate_size": 64, "moe_layer_freq": 2, "L": 3},
      "L=3 layers that moe_layer_freq=2 does not divide"),
     ({"moe_tokens": "worst"}, "moe_tokens worst"),
     ({"num_experts": 5}, "k\\*b\\*s=96 slots that E=5 experts do not share evenly"),
@@ -155,7 +155,7 @@ def test_grouped_mm_walks_slots_its_experts_do_not_share_evenly_as_one_storage_a
 
 def test_with_decoder_sparse_step_only_every_freq_th_layer_walks_the_sparse_block():
     """Qwen2-MoE's decoder_sparse_step (moe_layer_freq): layer i is sparse when freq divides i + 1."""
-    config, steps = _timeline(**(MIXTRAL | {"moe_shared_expert_intermediate_size": 64, "moe_layer_freq": 2, "L": 4}))
+    config, steps = _timeline(**(MIXTRAL | {"family": "qwen2_moe", "moe_shared_expert_intermediate_size": 64, "moe_layer_freq": 2, "L": 4}))
     sparse = {m.where.split(".")[2] for m in steps.moments if ".mlp.experts" in m.where}
     assert sparse == {"1", "3"}
 
@@ -185,7 +185,7 @@ def test_the_eager_loop_under_tp_is_refused_by_name():
 def test_qwen2_moe_keeps_its_shared_experts_gate_sigmoid_only_from_after_the_experts_loop():
     """The gate's sigmoid is made after the routed experts: at the last expert it is not yet live, at the block's
     sum it is, beside the experts' and the gated shared expert's outputs."""
-    config, steps = _timeline(**(MIXTRAL | {"moe_shared_expert_intermediate_size": 64}))
+    config, steps = _timeline(**(MIXTRAL | {"family": "qwen2_moe", "moe_shared_expert_intermediate_size": 64}))
     last, summed = (next(m for m in steps.moments if m.where == "model.layers.0.mlp" + where and m.phase == "forward")
                     for where in (".experts", ""))
     sigmoid = "layers.0/" + rules.SHARED_GATE_SIGMOID.name
@@ -204,7 +204,7 @@ def rules_bytes(config, tensor):
 def test_qwen2s_bias_gradient_is_made_beside_its_projections_gemms(proj, heads):
     """add_qkv_bias: autograd sums each of q, k, v's bias gradients, (out,) wide, beside its GEMMs' outputs."""
     where = f"backward model.layers.0.self_attn.{proj}_proj"
-    (plain,), (biased,) = ([m for m in _timeline(add_qkv_bias=bias)[1].moments if m.label() == f"{where} ({what})"]
+    (plain,), (biased,) = ([m for m in _timeline(add_qkv_bias=bias, family="qwen2" if bias else None)[1].moments if m.label() == f"{where} ({what})"]
                            for bias, what in ((False, "GEMMs: dW and dX"),
                                               (True, "the bias's gradient: dY summed over the tokens")))
     out = LLAMA[heads] * LLAMA["h"] // LLAMA["a"]
@@ -222,7 +222,8 @@ def test_attention_dropout_keeps_its_bool_mask_until_its_backward_runs():
     assert moment.by_category()[ACTIVATIONS] - after.by_category()[ACTIVATIONS] == scores  # the bool mask went
 
 
-GEMMA = {"norm": "rmsnorm_1p", "mlp": "geglu_tanh"}
+GEMMA = {"family": "gemma", "norm": "rmsnorm_1p", "mlp": "geglu_tanh"}
+GEMMA2 = GEMMA | {"family": "gemma2", "sandwich_norm": True}
 
 
 def test_gemmas_layers_add_the_hf_ledgers_gemma_tensors_less_the_shared_rope_tables():
@@ -248,8 +249,8 @@ def test_gemma_under_tp_is_refused_by_name():
 
 
 @pytest.mark.parametrize("changes, named", [
-    ({"sandwich_norm": True, "attention": "flash"}, "attention flash in Gemma 2's model"),
-    ({"sandwich_norm": True, "qk_layernorm": True}, "Gemma 3's model"),
+    ({"family": "gemma2", "sandwich_norm": True, "attention": "flash"}, "attention flash in Gemma 2's model"),
+    ({"family": "gemma3_text", "sandwich_norm": True, "qk_layernorm": True}, "gemma3_text's model"),
 ], ids=str)
 def test_what_the_gemma_walk_leaves_out_is_refused_by_name(changes, named):
     with pytest.raises(ConfigError, match=f"does not model {named}"):
@@ -257,17 +258,17 @@ def test_what_the_gemma_walk_leaves_out_is_refused_by_name(changes, named):
 
 
 def test_gemma_2s_final_logit_softcapping_keeps_tanhs_bsv_output_from_its_forward_to_its_backward():
-    config, steps = _timeline(**GEMMA, sandwich_norm=True, final_logit_softcapping=30.0, attention="eager")
+    config, steps = _timeline(**GEMMA2, final_logit_softcapping=30.0, attention="eager")
     kept = 2 * config.b * config.s * config.vocab_size  # bf16, the unpadded vocabulary
     holding = [m.what for m in steps.moments if any(x.name == "loss/softcap_tanh" and x.bytes == kept
                                                     for x in m.live)]
     assert (holding[0], holding[-1]) == ("tanh(logits / c), which tanh keeps", "tanh's backward")
-    _, uncapped = _timeline(**GEMMA, sandwich_norm=True, attention="eager")
+    _, uncapped = _timeline(**GEMMA2, attention="eager")
     assert steps.steady == uncapped.steady and steps.peak.bytes == uncapped.peak.bytes + kept  # the loss's backward
 
 
 def test_gemma_2s_layers_add_its_sandwich_norms_and_soft_capping_as_the_ledger_keeps_them():
-    config, steps = _timeline(**GEMMA, sandwich_norm=True, attn_logit_softcapping=50.0, attention="eager")
+    config, steps = _timeline(**GEMMA2, attn_logit_softcapping=50.0, attention="eager")
     ends = [m.by_category()[ACTIVATIONS] for m in steps.moments if m.phase == "forward" and ".layers." in f".{m.where}"]
     ledger = {x.tensor.name: x.bytes for x in estimate(config, NONE, CPU).tensors}
     assert {rules.GEMMA_POST_MLP.normed_fp32.name, rules.SOFTCAP_TANH.name} <= ledger.keys()

@@ -49,6 +49,10 @@ def implementation(knobs: Any) -> Implementation:
     check_settings(knobs)
     check_moe(knobs)
     check_mla(knobs)
+    if knobs.family is not None:  # the families' table is imported only where a config names one (or impl hf)
+        from memcalc.model.families import check_name
+
+        check_name(knobs)
     _check_hf_only(knobs)
     impl.check(knobs)
     return impl
@@ -75,10 +79,10 @@ def _check_hf_only(knobs: Any) -> None:
         return
     given = [name for name in _HF_ONLY if getattr(knobs, name) not in (None, False)]
     if given:
-        from memcalc.model.families import family_of  # only to word the refusal: the family these knobs name, if one
+        from memcalc.model.families import FAMILIES  # only to word the refusal: the family's layer, if one is named
 
-        family = family_of(knobs)
-        layers = family.layer if family else " or ".join(dict.fromkeys(_HF_ONLY[name] for name in given))
+        named = FAMILIES[knobs.family].layer if knobs.family else None
+        layers = named or " or ".join(dict.fromkeys(_HF_ONLY[name] for name in given))
         verb = "is" if len(given) == 1 else "are"
         raise ConfigError(f"{', '.join(given[:-1]) + ' and ' * (len(given) > 1) + given[-1]} (of transformers' {layers}) {verb} modelled under --impl hf only;"
                           f" impl {knobs.impl}'s layer has no such choice")

@@ -1,6 +1,7 @@
 """Hugging Face transformers: what its decoder layers keep for backward, op by op.
 
-memcalc's config has no model family: the knobs tell transformers' layer classes apart (Llama's, GPT-2's, GPT-NeoX's,
+A config names its transformers family (the `family` knob; memcalc.model.families.layer_family gives the layer, and
+a config that names none Llama's or GPT-2's), and the knobs say what that layer keeps (Llama's, GPT-2's, GPT-NeoX's,
 Cohere's, gpt-oss's and the rest). Where transformers' Python differs from Megatron's fused kernels it keeps more
 (upcasting norms, RoPE's tables, matmul's contiguous copies, written-out GELUs). Each family and each of those
 differences, with the measurements behind them (memcalc/probe/libs/hf.py): docs/impl-notes/hf.md, rendered into
@@ -12,7 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Callable, NamedTuple
 
-from memcalc.model.families import FAMILIES, family_of
+from memcalc.model.families import FAMILIES, check_family, layer_family
 from memcalc.errors import ConfigError
 from memcalc.model import ledger
 from memcalc.model.impls.base import Implementation, Refusal, Rerun, SizeCondition, SizeRule, always, drop_small
@@ -566,56 +567,22 @@ def is_llama(knobs: Any) -> bool:
     return knobs.norm in ("rmsnorm", "rmsnorm_1p", "layernorm_np", "rmsnorm_fp32w", "layernorm_nb")
 
 
-def is_cohere(knobs: Any) -> bool:
-    """CohereDecoderLayer: a Llama-family layer (GQA, whole-head RoPE, SwiGLU) whose one CohereLayerNorm feeds the
-    attention and the MLP side by side (single_norm)."""
-    return knobs.norm == "layernorm_nb"
+def _family_is(*names: str) -> Callable[[Any], bool]:
+    """Whether the config's family (memcalc.model.families.layer_family) is one of these: its layer."""
+    return lambda knobs: layer_family(knobs).name in names
 
 
-def is_glm(knobs: Any) -> bool:
-    """GlmDecoderLayer (Glm4DecoderLayer with sandwich norms): an RMSNorm layer rotating a share of each head, its
-    q, k and v separate (Phi-3's are one qkv_proj)."""
-    return knobs.norm == "rmsnorm" and knobs.rotary_percent is not None and not knobs.fused_qkv
-
-
-def is_neox(knobs: Any) -> bool:
-    """GPTNeoXLayer: a LayerNorm layer with (partial) RoPE, rotary_percent set (GPT-2 has no RoPE), whose Q, K and V
-    are views of one query_key_value output (fused_qkv)."""
-    return not is_llama(knobs) and knobs.rotary_percent is not None and knobs.fused_qkv
-
-
-def is_gpt2(knobs: Any) -> bool:
-    """GPT2Block: a LayerNorm layer without RoPE (its learned positions live in the embedding), in sequence (Falcon's
-    runs attention and MLP side by side), without ALiBi (BLOOM's)."""
-    return not is_llama(knobs) and knobs.rotary_percent is None and not knobs.parallel_residual and not knobs.alibi
-
-
-def is_phi3(knobs: Any) -> bool:
-    """Phi3DecoderLayer: an RMSNorm layer whose q, k and v are one qkv_proj (fused_qkv; GPT-NeoX's LayerNorm layer
-    has one too)."""
-    return is_llama(knobs) and knobs.fused_qkv
-
-
-def is_starcoder2(knobs: Any) -> bool:
-    """Starcoder2DecoderLayer: a LayerNorm layer with RoPE (on whole heads) and separate q, k and v projections."""
-    return not is_llama(knobs) and knobs.rotary_percent is not None and not knobs.fused_qkv and not knobs.single_norm
-
-
-def is_gptj(knobs: Any) -> bool:
-    """GPTJBlock: a LayerNorm layer whose one norm feeds the attention and the MLP side by side (single_norm)."""
-    return not is_llama(knobs) and knobs.single_norm and knobs.rotary_percent is not None
-
-
-def is_gpt_oss(knobs: Any) -> bool:
-    """GptOssDecoderLayer: attention sinks (attention_sinks), the clamped GLU in its experts."""
-    return bool(knobs.attention_sinks)
-
-
-def is_falcon(knobs: Any) -> bool:
-    """FalconDecoderLayer (parallel_attn, RoPE on whole heads): a LayerNorm layer with a parallel residual and no
-    rotary fraction; attention and the MLP read its one input_layernorm's output (single_norm), or with
-    new_decoder_architecture (fused_qkv) ln_attn's and ln_mlp's."""
-    return not is_llama(knobs) and knobs.parallel_residual and knobs.rotary_percent is None and not knobs.alibi
+is_cohere = _family_is("cohere")  # CohereDecoderLayer: Llama's attention and SwiGLU side by side on one norm
+is_glm = _family_is("glm", "glm4")  # GlmDecoderLayer (Glm4DecoderLayer: sandwich norms): a share of each head rotated
+is_neox = _family_is("gpt_neox")  # GPTNeoXLayer: a LayerNorm layer, partial RoPE, Q, K, V views of query_key_value
+is_gpt2 = _family_is("gpt2")  # GPT2Block: no RoPE (its learned positions live in the embedding), in sequence
+is_phi3 = _family_is("phi3")  # Phi3DecoderLayer: an RMSNorm layer whose q, k and v are one qkv_proj
+is_starcoder2 = _family_is("starcoder2")  # Starcoder2DecoderLayer: LayerNorm, whole heads rotated, q, k, v apart
+is_gptj = _family_is("gptj")  # GPTJBlock: one LayerNorm read by the attention and the MLP side by side
+is_gpt_oss = _family_is("gpt_oss")  # GptOssDecoderLayer: attention sinks, the clamped GLU in its experts
+# FalconDecoderLayer (parallel_attn, RoPE on whole heads): the attention and the MLP read its one input_layernorm's
+# output (single_norm), or with new_decoder_architecture (fused_qkv) ln_attn's and ln_mlp's.
+is_falcon = _family_is("falcon")
 
 
 def is_falcon_grouped(knobs: Any) -> bool:
@@ -706,8 +673,7 @@ def _sdpa(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]:
 
 def attention_gathered(knobs: Any) -> bool:
     """Whether the family's tp plan gathers the attention's projections (`Family.gathered`: Phi-3's, OLMo 2's)."""
-    family = family_of(knobs)
-    return family is not None and "attention" in family.gathered
+    return "attention" in layer_family(knobs).gathered
 
 
 def _eager(knobs: Any) -> tuple[SavedTensor, ...]:
@@ -898,31 +864,25 @@ def sandwich_norms(knobs: Any) -> tuple[tuple[SavedTensor, ...], tuple[SavedTens
 
 def check(knobs: Any) -> None:
     """The knob values transformers' layers (memcalc.model.families.FAMILIES) run; ConfigError for the rest."""
-    layers = [f for f in FAMILIES.values() if f.when is not None]
+    layers = [f for f in FAMILIES.values() if f.runs_as is None]
     if not any(f.norm == knobs.norm and knobs.mlp in f.mlps for f in layers):
         runs = ", ".join(f"{f.norm} + {'/'.join(f.mlps)} ({f.layer})" for f in layers)
         raise ConfigError(f"impl hf: no transformers layer has norm {knobs.norm} with mlp {knobs.mlp}; it runs {runs}")
+    check_family(knobs)
     _check_neox(knobs)
-    _check_phi3(knobs)
-    _check_olmo2(knobs)
-    _check_gptj(knobs)
-    _check_cohere(knobs)
     _check_gemma2(knobs)
     if knobs.recompute not in ("none", "full"):
         raise ConfigError(f"impl hf: transformers has no {knobs.recompute} recomputation; use recompute none or full"
                           " (its gradient checkpointing)")
     if knobs.gqa and not is_llama(knobs) and not is_starcoder2(knobs) \
             and not (is_falcon(knobs) and (knobs.num_query_groups == 1 or knobs.fused_qkv)):
-        raise ConfigError(f"impl hf: {_layer(knobs)} has no grouped-query attention (FalconDecoderLayer: multi_query,"
-                          " num_query_groups 1, or new_decoder_architecture's groups with fused_qkv); leave"
-                          " num_query_groups unset")
+        raise ConfigError(f"impl hf: {layer_family(knobs).layer} has no grouped-query attention (FalconDecoderLayer:"
+                          " multi_query, num_query_groups 1, or new_decoder_architecture's groups with fused_qkv);"
+                          " leave num_query_groups unset")
     _check_falcon(knobs)
     _check_bloom(knobs)
     if knobs.bias_activation_fusion:
         raise ConfigError("impl hf: bias_activation_fusion is Megatron's fused kernel; transformers has none")
-    if knobs.moe and not is_llama(knobs):
-        raise ConfigError("impl hf: transformers' sparse MoE blocks (Mixtral, Qwen2-MoE) have RMSNorm and SwiGLU"
-                          f" experts; got norm {knobs.norm} with mlp {knobs.mlp}")
     if knobs.moe_expert_capacity_factor is not None:
         raise ConfigError("impl hf: transformers' Mixtral and Qwen MoE blocks drop no tokens; leave"
                           " moe_expert_capacity_factor unset")
@@ -942,102 +902,32 @@ def check(knobs: Any) -> None:
             and not is_gpt_oss(knobs):
         _check_mixtral(knobs)
     _check_gpt_oss(knobs)
-    _check_qwen3(knobs)
+    _check_head_dim(knobs)
     check_latent(knobs)
-    if family_of(knobs) is None:
-        raise ConfigError(f"impl hf: no transformers layer runs norm {knobs.norm} and mlp {knobs.mlp} with these knobs"
-                          " (GemmaDecoderLayer has no experts, QK norm or latent attention)")
-
-
-def _layer(knobs: Any) -> str:
-    """The transformers layer these knobs run (after the norm/mlp check)."""
-    family = family_of(knobs)
-    return family.layer if family is not None else "no transformers layer"
 
 
 def _check_neox(knobs: Any) -> None:
-    """GPT-NeoX's knobs: a LayerNorm layer's partial RoPE (rotary_percent) and parallel residual, eager attention;
-    without fused_qkv a LayerNorm layer with RoPE is StarCoder 2's: whole heads, in sequence."""
+    """A rotary share in (0, 1]; GPT-NeoX's and Phi-3's fused outputs are measured under eager attention only."""
     if knobs.rotary_percent is not None and not 0 < knobs.rotary_percent <= 1:
         raise ConfigError(f"impl hf: rotary_percent={knobs.rotary_percent} must be in (0, 1] (a share of each head)")
-    if is_llama(knobs) and knobs.parallel_residual and not is_cohere(knobs):
-        raise ConfigError("impl hf: parallel_residual is GPTNeoXLayer's and FalconDecoderLayer's (norm layernorm) or"
-                          " CohereDecoderLayer's (norm layernorm_nb); the other Llama-family layers run attention and"
-                          " MLP in sequence")
-    if is_llama(knobs) and knobs.rotary_percent is not None and knobs.norm != "rmsnorm":
-        raise ConfigError(f"impl hf: rotary_percent in an RMSNorm layer is GLM's (norm rmsnorm); norm {knobs.norm}'s"
-                          " layers rotate whole heads")
-    if is_starcoder2(knobs) and (knobs.rotary_percent != 1 or knobs.parallel_residual):
-        raise ConfigError("impl hf: a LayerNorm layer with RoPE and separate q, k, v is Starcoder2DecoderLayer, which"
-                          " rotates whole heads (rotary_percent 1) in sequence (no parallel_residual); GPTNeoXLayer's"
-                          " share and parallel residual need its fused query_key_value: set fused_qkv")
     if is_neox(knobs) and knobs.attention == "flash":
         raise ConfigError("impl hf: GPTNeoXLayer under sdpa is not modelled: SDPA keeps V as the fused query_key_value"
                           " output it views, and where its output lies depends on the device's kernel (measured on"
                           " a CPU only); use attention eager")
-
-
-def _check_phi3(knobs: Any) -> None:
-    """fused_qkv is Phi3DecoderLayer's (RMSNorm and SwiGLU, dense, no QK norm or latent attention, eager),
-    GPTNeoXLayer's (LayerNorm with RoPE) or FalconDecoderLayer's (new_decoder_architecture)."""
-    if not knobs.fused_qkv or is_neox(knobs) or is_falcon(knobs):
-        return
-    if (knobs.norm, knobs.mlp) != ("rmsnorm", "swiglu") or knobs.moe or knobs.mla or knobs.qk_layernorm \
-            or knobs.sandwich_norm:
-        raise ConfigError("impl hf: fused_qkv is Phi3DecoderLayer's (norm rmsnorm, mlp swiglu, dense, without"
-                          " qk_layernorm, sandwich_norm or latent attention), GPTNeoXLayer's (norm layernorm with"
-                          " rotary_percent) or FalconDecoderLayer's (norm layernorm with parallel_residual:"
-                          " new_decoder_architecture)")
-    if knobs.attention == "flash":
+    if is_phi3(knobs) and knobs.attention == "flash":
         raise ConfigError("impl hf: Phi3DecoderLayer under sdpa is not modelled: SDPA keeps V as the fused qkv_proj"
                           " output it views, and where its output lies depends on the device's kernel (measured on a"
                           " CPU only); use attention eager")
-
-
-def _check_gptj(knobs: Any) -> None:
-    """single_norm is GPTJBlock's: a LayerNorm layer with RoPE (rotary_percent) and a parallel residual, separate q,
-    k and v (no fused_qkv), multi-head; or CohereDecoderLayer's (`_check_cohere`)."""
-    if knobs.single_norm and not is_cohere(knobs) and not is_falcon(knobs) and (is_llama(knobs) or not knobs.parallel_residual
-                                                       or knobs.rotary_percent is None or knobs.fused_qkv):
-        raise ConfigError("impl hf: single_norm is GPTJBlock's (norm layernorm with rotary_percent and"
-                          " parallel_residual, without fused_qkv), CohereDecoderLayer's (norm layernorm_nb) or"
-                          " FalconDecoderLayer's (norm layernorm with parallel_residual)")
-
-
-def _check_cohere(knobs: Any) -> None:
-    """norm layernorm_nb is CohereDecoderLayer's: one norm read side by side (parallel_residual and single_norm), a
-    dense SwiGLU, separate q, k and v rotated whole, no other family's norms."""
-    if not is_cohere(knobs):
-        return
-    if (not knobs.parallel_residual or not knobs.single_norm or knobs.mlp != "swiglu" or knobs.moe or knobs.mla
-            or knobs.fused_qkv or knobs.rotary_percent is not None or knobs.sandwich_norm or knobs.post_norm):
-        raise ConfigError("impl hf: norm layernorm_nb is CohereDecoderLayer's: set parallel_residual and single_norm"
-                          " with mlp swiglu (dense, separate q, k, v rotated whole; no rotary_percent, fused_qkv,"
-                          " sandwich_norm, post_norm or latent attention)")
-
-
-def _check_olmo2(knobs: Any) -> None:
-    """post_norm and norm rmsnorm_fp32w are Olmo2DecoderLayer's, which always has its whole-width q_norm and k_norm
-    (gpt-oss's norms are the same code, before the attention and the MLP: `_check_gpt_oss`)."""
-    if knobs.mlp == "swiglu_clamped" or is_gpt_oss(knobs):
-        return
-    olmo2 = (knobs.post_norm, knobs.norm == "rmsnorm_fp32w")
-    if any(olmo2) and (not all(olmo2) or not knobs.qk_layernorm or knobs.mlp != "swiglu" or knobs.moe or knobs.mla):
-        raise ConfigError("impl hf: post_norm and norm rmsnorm_fp32w are Olmo2DecoderLayer's: set both, with"
-                          " qk_layernorm and mlp swiglu (a dense layer, no latent attention)")
 
 
 def _check_gpt_oss(knobs: Any) -> None:
     """attention_sinks and mlp swiglu_clamped are GptOssDecoderLayer's: GptOssRMSNorm (norm rmsnorm_fp32w) before the
     attention and the MLP, every layer sparse with GptOssTopKRouter's softmax over the k chosen logits, eager
     attention (its dropout drops the first s columns of the softmax's output out: the paper's mask and output)."""
-    if not is_gpt_oss(knobs) and knobs.mlp != "swiglu_clamped":
+    if not is_gpt_oss(knobs):
         return
-    if not is_gpt_oss(knobs) or knobs.mlp != "swiglu_clamped" or knobs.norm != "rmsnorm_fp32w" or not knobs.moe \
-            or knobs.post_norm or knobs.qk_layernorm or knobs.mla or knobs.moe_shared_expert_intermediate_size:
-        raise ConfigError("impl hf: attention_sinks and mlp swiglu_clamped are GptOssDecoderLayer's: set both, with norm"
-                          " rmsnorm_fp32w and num_experts (every layer sparse; no shared experts, QK norm, post_norm or"
-                          " latent attention)")
+    if not knobs.moe:
+        raise ConfigError("impl hf: every GptOssDecoderLayer is sparse: set num_experts")
     if knobs.attention != "eager":
         raise ConfigError("impl hf: GptOssDecoderLayer runs eager attention only: GptOssPreTrainedModel has"
                           " _supports_sdpa False (transformers refuses sdpa), and its flash path needs hub kernels that"
@@ -1067,9 +957,6 @@ def _check_bloom(knobs: Any) -> None:
     """ALiBi is BloomBlock's: GPT-2's LayerNorm block with tanh GELU, no RoPE, eager (BloomAttention has one path)."""
     if not knobs.alibi:
         return
-    if is_llama(knobs) or knobs.mlp != "gelu_tanh" or knobs.rotary_percent is not None or knobs.parallel_residual:
-        raise ConfigError("impl hf: alibi is BloomBlock's: norm layernorm, mlp gelu_tanh, no rotary_percent or"
-                          " parallel_residual (Falcon's ALiBi layout is not modelled)")
     h = getattr(knobs, "h", None)  # a config's (a knob set alone has no sizes)
     if knobs.ffn_hidden_size is not None and h is not None and knobs.ffn_hidden_size != 4 * h:
         raise ConfigError(f"impl hf: BloomMLP is 4h wide (4 * {h}); ffn_hidden_size={knobs.ffn_hidden_size} is not"
@@ -1082,9 +969,6 @@ def _check_bloom(knobs: Any) -> None:
 def _check_gemma2(knobs: Any) -> None:
     """Gemma 2's sandwich norms are GemmaRMSNorm's (norm rmsnorm_1p); its soft-capping runs in eager attention only
     (SDPA's kernels take no softcap)."""
-    if knobs.sandwich_norm and knobs.norm != "rmsnorm_1p" and not is_glm(knobs):
-        raise ConfigError("impl hf: sandwich_norm is Gemma 2's, whose norms are GemmaRMSNorm (set norm rmsnorm_1p),"
-                          " or GLM-4's (norm rmsnorm with rotary_percent)")
     for name in ("attn_logit_softcapping", "final_logit_softcapping"):
         if getattr(knobs, name) is not None and (not knobs.sandwich_norm or knobs.norm != "rmsnorm_1p"):
             raise ConfigError(f"impl hf: {name} is Gemma 2's (Gemma2ForCausalLM: set sandwich_norm and norm"
@@ -1098,7 +982,8 @@ def check_sizes(config: Any) -> None:
     """torch._grouped_mm, transformers' default experts path, takes only strides of whole 16-byte runs (aten's
     GroupedMMUtils.h, check_valid_strides_and_return_transposed, on the CPU and CUDA alike): h and each rank's
     expert width e/t must be multiples of 16 bytes' worth of elements. GPT-J's interleaved RoPE pairs channels:
-    its rotary_dim, d_r = int(d * rotary_percent), must be even and not 0."""
+    its rotary_dim, d_r = int(d * rotary_percent), must be even and not 0. A MoE family's model has its experts."""
+    check_family(config, model=True)
     if is_gptj(config):
         _check_rotary_pairs(config)
     if not config.moe or config.experts_implementation != "grouped_mm":
@@ -1131,25 +1016,17 @@ def _check_mixtral(knobs: Any) -> None:
                           " block with shared experts); every MixtralDecoderLayer is a MoE layer")
 
 
-def _check_qwen3(knobs: Any) -> None:
-    """Heads of kv_channels run in the Llama family (head_dim); a QK norm is Qwen3's (Qwen3DecoderLayer, and
-    Qwen3MoeDecoderLayer, whose sparse block has no shared experts)."""
-    if not is_llama(knobs) and (knobs.head_dim_set or knobs.qk_layernorm):
-        what = "kv_channels (head_dim)" if knobs.head_dim_set else "qk_layernorm"
-        raise ConfigError(f"impl hf: GPT2Block has no {what}; Llama-family layers (norm rmsnorm, mlp swiglu) do")
-    if knobs.qk_layernorm and knobs.moe_shared_expert_intermediate_size and not knobs.mla:
-        raise ConfigError("impl hf: qk_layernorm with experts is Qwen3MoeDecoderLayer, whose sparse block has no"
-                          " shared experts (Qwen2-MoE's has them, without a QK norm); leave"
-                          " moe_shared_expert_intermediate_size unset")
+def _check_head_dim(knobs: Any) -> None:
+    """Heads of kv_channels run in the Llama family (head_dim), not in the LayerNorm layers' heads of h/a."""
+    if not is_llama(knobs) and knobs.head_dim_set:
+        raise ConfigError(f"impl hf: {layer_family(knobs).layer} has no kv_channels (head_dim); Llama-family layers"
+                          " (norm rmsnorm, mlp swiglu) do")
 
 
 def check_latent(knobs: Any) -> None:
-    """DeepseekV3DecoderLayer is RMSNorm + SwiGLU; its MoE block and SDPA path are not modelled (see the errors)."""
+    """DeepseekV3DecoderLayer's MoE block as modelled; its SDPA path is not (see the errors)."""
     if not knobs.mla:
         return
-    if not is_llama(knobs):
-        raise ConfigError(f"impl hf: DeepseekV3DecoderLayer has RMSNorm and SwiGLU; got norm {knobs.norm} with mlp"
-                          f" {knobs.mlp} for kv_lora_rank")
     if knobs.moe:
         _check_deepseek_moe(knobs)
     if knobs.attention == "flash":
@@ -1234,8 +1111,7 @@ def tp_plan(knobs: Any) -> TPPlan:
     gate_up_proj, "rowwise" down_proj, "moe_tp_experts" summing the ranks' outputs): no rule names the router, so
     every rank routes every token alike and gathers the same r rows (Region.EXPERT: only F_E is split), nor
     Qwen2-MoE's shared expert (its gate and combine lie outside any pair, whole anyway)."""
-    family, gptj = family_of(knobs), is_gptj(knobs)
-    gathered = family.gathered if family else ()
+    gathered, gptj = layer_family(knobs).gathered, is_gptj(knobs)
     attention = "attn" if gptj else "self_attn"
     qkv = ("qkv_proj",) if knobs.fused_qkv else ("q_proj", "k_proj", "v_proj")
     up, down = ((("gate_up_proj",) if "mlp" in gathered else ("gate_proj", "up_proj")), "down_proj") \

@@ -34,7 +34,7 @@ from memcalc.model.ledger import SavedTensor
 from memcalc.model.tp_plan import ATTENTION, MLP, Rule, Style, TPPlan, pair
 
 # The knobs whose values the paper models; every other knob must keep its default, the seed's layer.
-MODELLED = ("impl", "dropout", "recompute", "dtype")
+MODELLED = ("impl", "family", "dropout", "recompute", "dtype")  # family: a name, whose layer the others describe
 SEED_LAYER = ("the seed's layer (LayerNorm, GELU MLP of 4h, multi-head eager attention, 16-bit activations,"
               " dropout, no experts or latents)")
 

@@ -16,7 +16,7 @@ from fnmatch import fnmatchcase
 from functools import partial
 from typing import Any, Callable
 
-from memcalc.model.families import FAMILIES, family_of
+from memcalc.model.families import FAMILIES, layer_family
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ProbeError
 from memcalc.model import ledger
@@ -75,15 +75,13 @@ def run_layer(
 
 
 def record_layer(
-    tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, family: str | None = None,
-    route: str | None = None, dense: bool = False, layer_type: str | None = None,
-    collectives: list[LoggedCollective] | None = None,
+    tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, route: str | None = None, dense: bool = False,
+    layer_type: str | None = None, collectives: list[LoggedCollective] | None = None,
 ) -> tuple[SavedStorage, ...]:
-    """`run_layer`, with the Llama-family class choosable ("llama", "mistral", "qwen2") for the tests, with
-    `dense` a MoE model's dense layer (Qwen2-MoE's layer 0 when moe_layer_freq > 1), and with `layer_type` the kind
-    of gpt-oss's layer 0 ("sliding_attention", its config class's, or "full_attention")."""
+    """`run_layer`, with `dense` a MoE model's dense layer (Qwen2-MoE's layer 0 when moe_layer_freq > 1), and with
+    `layer_type` the kind of gpt-oss's layer 0 ("sliding_attention", its config class's, or "full_attention")."""
     rules.check(config)
-    family = family or model_family(config)
+    family = layer_family(config).name
     layer, extra = _build(config, family, tp.device, dense, layer_type)
     if tp.size > 1:  # transformers' own plan by its own function (hf_tp); "none" runs at t = 1
         hf_tp.apply(layer, hf_tp.layer_plan(layer, _classes(family)[0]), tp)
@@ -103,13 +101,6 @@ def record_layer(
     if collectives is not None:
         collectives.extend(log.calls)
     return _merged_experts(_attributed(recorder.saved, config))
-
-
-def model_family(config: ModelConfig) -> str:
-    """The family whose layer runs these knobs (memcalc.model.families.FAMILIES; rules.check has refused the rest)."""
-    family = family_of(config)
-    assert family is not None, "rules.check refuses knobs no family runs"
-    return family.name
 
 
 def routing(family: str, route: str | None, k: int) -> Any:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Callable
 
-from memcalc.model.families import FAMILIES
+from memcalc.model.families import FAMILIES, layer_family
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ProbeError
 from memcalc.model.strategy import Strategy
@@ -28,7 +28,7 @@ from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.layer import DTYPES
 from memcalc.probe.libs import hf_tp
 from memcalc.probe.libs.hf import llama_config
-from memcalc.probe.libs.hf_step import checkpointed, model_loss, stepped_family
+from memcalc.probe.libs.hf_step import checkpointed, model_loss
 from memcalc.probe.step import BATCH_SEED, MomentTracker, StepMeasurement, batch
 from memcalc.sizing.timeline import ACTIVATIONS, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES
 
@@ -135,7 +135,7 @@ def warmed_up_sharded(tp: TensorParallelGroup, config: ModelConfig, route: str |
         raise ProbeError(f"the fake group has {tp.size} ranks, not dp_replicate*dp_shard*t={replicas}*{shards}*"
                          f"{config.t}")
     torch.manual_seed(BATCH_SEED)
-    family = stepped_family(config)  # Llama's, Qwen3's with qk_layernorm, or the MoE family's
+    family = layer_family(config).name
     if config.moe and route is None:
         raise ProbeError("impl hf: --step on experts forces the router (--route balanced or all-to-one)")
     hf_config = llama_config(config, family)

@@ -3,14 +3,14 @@
 
 The model is built from memcalc's config as the layer probe builds its layer (nothing is downloaded) and trained as
 `memcalc.probe.step` trains memcalc's own GPT, with transformers' own loss. How it is built, laid out under tp, which
-family each knob picks, and why `use_cache` is off: docs/probe.md, "transformers' model under `--step`".
+family's model it builds, and why `use_cache` is off: docs/probe.md, "transformers' model under `--step`".
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from memcalc.model.families import FAMILIES
+from memcalc.model.families import FAMILIES, layer_family
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ProbeError
 from memcalc.model.strategy import Strategy
@@ -18,16 +18,12 @@ from memcalc.probe import require_torch
 from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.layer import DTYPES
 from memcalc.probe.libs import hf_tp
-from memcalc.probe.libs.hf import llama_config, model_family, routing
+from memcalc.probe.libs.hf import llama_config, routing
 from memcalc.probe.libs.hf_shim import cuda_like_dropout
-from memcalc.probe.step import BATCH_SEED, StepMeasurement, Trainer, measure_trainer, own_model
+from memcalc.probe.step import BATCH_SEED, StepMeasurement, Trainer, measure_trainer
 
 torch = require_torch()
 import transformers  # noqa: E402  (memcalc[hf])
-
-
-# The families whose model --step builds (FAMILIES' first architecture), as memcalc.probe.libs.hf reads the config.
-_STEPPED = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma", "gemma2", "phi3")
 
 
 def measure_hf_step_on_rank(
@@ -46,7 +42,7 @@ def warmed_up(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, 
     if tp.size > 1 and config.tie_embeddings:
         raise ProbeError("impl hf: transformers' apply_tensor_parallelism cannot lay out tied embeddings (it looks"
                          " lm_head.weight up among named_parameters(), which name a tied weight once); untie them")
-    family = stepped_family(config)
+    family = layer_family(config).name  # one the step timeline walks (timeline.hf.WALKED refuses the rest before)
     if config.moe and route is None:
         raise ProbeError("impl hf: --step on experts forces the router (--route balanced or all-to-one)")
     hf_config = llama_config(config, family)
@@ -67,16 +63,6 @@ def checkpointed(model: Any, config: ModelConfig) -> None:
     calls the same), a non-reentrant torch.utils.checkpoint around each decoder layer's forward, early stop on."""
     if config.recompute == "full":
         model.activation_checkpointing_enable()
-
-
-def stepped_family(config: ModelConfig) -> str:
-    """The family whose model --step builds: Llama's for a dense layer, Qwen2's with add_qkv_bias, Qwen3's with
-    qk_layernorm, Gemma's with its norm, Phi-3's with fused_qkv, the MoE family's with experts."""
-    family = model_family(config) if own_model(config) else "llama"
-    if family not in _STEPPED:
-        raise ProbeError(f"impl hf: --step builds Llama's, Qwen3's, Gemma's, Gemma 2's, Phi-3's, Mixtral's, Qwen2-MoE's"
-                         f" or Qwen3-MoE's model; these knobs are {family}'s")
-    return family
 
 
 def model_loss(model: Any, tokens: torch.Tensor, labels: torch.Tensor, family: str, route: str | None = None,

@@ -15,6 +15,7 @@ from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError
 from memcalc.model import ledger
 from memcalc.model.evaluate import estimate
+from memcalc.model.families import layer_family
 from memcalc.model.impls import hf as rules
 from memcalc.model.knobs import Accounting
 from memcalc.model.ledger import RMSNormTensors
@@ -160,14 +161,17 @@ def _backward(tape: Tape, sharding: Fsdp | Zero | None, inputs: Walked, layers: 
     tape.drop(f"fsdp/{ROOT} reduce-scatter", "loss/grad seed")
 
 
+# The families whose model the walk follows, which --step builds (memcalc.probe.libs.hf_step).
+WALKED = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma", "gemma2", "phi3")
+
+
 def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
     """ConfigError naming the first thing the hf step timeline does not model yet."""
+    family = layer_family(config).name
     missing = [
-        ((config.norm, config.mlp) not in (("rmsnorm", "swiglu"), ("rmsnorm_1p", "geglu_tanh")),
-         f"norm {config.norm} with mlp {config.mlp} (another family's model; it walks Llama's and Gemma's)"),
+        (family not in WALKED, f"{family}'s model (it walks {', '.join(WALKED)})"),
         (config.sliding_window is not None and not config.sandwich_norm,
-         f"sliding_window={config.sliding_window} outside Gemma 2 (Mistral's model; it walks Llama's and Gemma's)"),
-        (config.sandwich_norm and config.qk_layernorm, "Gemma 3's model (its q/k norms and its local RoPE)"),
+         f"sliding_window={config.sliding_window} outside Gemma 2 (it walks a window in Gemma 2's model only)"),
         (config.sandwich_norm and config.attention != "eager",
          f"attention {config.attention} in Gemma 2's model (Gemma2ForCausalLM runs eager attention only)"),
         (config.rotary_percent is not None, "GLM's partial RoPE and fused gate_up (it walks Llama's)"),

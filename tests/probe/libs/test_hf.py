@@ -13,6 +13,7 @@ import transformers  # noqa: E402
 from memcalc.config.schema import build_config  # noqa: E402
 from memcalc.errors import ConfigError  # noqa: E402
 from memcalc.model.evaluate import estimate  # noqa: E402
+from memcalc.model.families import layer_family  # noqa: E402
 from memcalc.model.knobs import Accounting  # noqa: E402
 from memcalc.model.strategy import STRATEGIES  # noqa: E402
 from memcalc.probe.group import single  # noqa: E402
@@ -25,31 +26,31 @@ from memcalc.probe.recorder import SavedTensorRecorder  # noqa: E402
 SIZES = {"b": 2, "s": 8, "h": 32, "a": 4, "ffn_hidden_size": 48, "impl": "hf"}
 LLAMA = {"norm": "rmsnorm", "mlp": "swiglu"}
 GPT2 = {"norm": "layernorm", "mlp": "gelu"}  # transformers' own defaults are Llama's
-MLA = {"kv_lora_rank": 24, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 12, "v_head_dim": 10}
-QWEN3 = LLAMA | {"kv_channels": 16, "qk_layernorm": True, "num_query_groups": 2}  # heads of 16, not h/a = 8
-GEMMA = {"norm": "rmsnorm_1p", "mlp": "geglu_tanh", "kv_channels": 16, "num_query_groups": 2}
-GEMMA2 = GEMMA | {"sandwich_norm": True, "attn_logit_softcapping": 50.0, "attention": "eager"}
-GEMMA3 = GEMMA | {"sandwich_norm": True, "qk_layernorm": True}
-FALCON = GPT2 | {"parallel_residual": True, "single_norm": True, "num_query_groups": 1, "attention": "eager",
+MLA = {"family": "deepseek_v3", "kv_lora_rank": 24, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 12, "v_head_dim": 10}
+QWEN3 = LLAMA | {"family": "qwen3", "kv_channels": 16, "qk_layernorm": True, "num_query_groups": 2}  # heads of 16, not h/a = 8
+GEMMA = {"family": "gemma", "norm": "rmsnorm_1p", "mlp": "geglu_tanh", "kv_channels": 16, "num_query_groups": 2}
+GEMMA2 = GEMMA | {"family": "gemma2", "sandwich_norm": True, "attn_logit_softcapping": 50.0, "attention": "eager"}
+GEMMA3 = GEMMA | {"family": "gemma3_text", "sandwich_norm": True, "qk_layernorm": True}
+FALCON = GPT2 | {"family": "falcon", "parallel_residual": True, "single_norm": True, "num_query_groups": 1, "attention": "eager",
                  "dropout": 0.0}  # Falcon-7B's
 # Falcon-40B/180B's new_decoder_architecture: the grouped query_key_value, ln_attn and ln_mlp, sdpa by default
-FALCON40 = GPT2 | {"parallel_residual": True, "fused_qkv": True, "num_query_groups": 2, "dropout": 0.0}
-BLOOM = GPT2 | {"mlp": "gelu_tanh", "alibi": True, "attention": "eager", "ffn_hidden_size": None}  # BloomMLP: 4h
-GLM = LLAMA | {"rotary_percent": 0.5, "kv_channels": 16, "num_query_groups": 2}  # GlmDecoderLayer; + sandwich: GLM-4
-NEOX = {"norm": "layernorm", "mlp": "gelu", "rotary_percent": 0.25, "parallel_residual": True, "attention": "eager",
+FALCON40 = GPT2 | {"family": "falcon", "parallel_residual": True, "fused_qkv": True, "num_query_groups": 2, "dropout": 0.0}
+BLOOM = GPT2 | {"family": "bloom", "mlp": "gelu_tanh", "alibi": True, "attention": "eager", "ffn_hidden_size": None}  # BloomMLP: 4h
+GLM = LLAMA | {"family": "glm", "rotary_percent": 0.5, "kv_channels": 16, "num_query_groups": 2}  # GlmDecoderLayer; + sandwich: GLM-4
+NEOX = {"family": "gpt_neox", "norm": "layernorm", "mlp": "gelu", "rotary_percent": 0.25, "parallel_residual": True, "attention": "eager",
         "fused_qkv": True}
-GPTJ = {"norm": "layernorm", "mlp": "gelu_tanh", "rotary_percent": 0.25, "parallel_residual": True,
+GPTJ = {"family": "gptj", "norm": "layernorm", "mlp": "gelu_tanh", "rotary_percent": 0.25, "parallel_residual": True,
         "single_norm": True}
-STARCODER2 = {"norm": "layernorm", "mlp": "gelu", "rotary_percent": 1.0, "num_query_groups": 2}
-PHI3 = LLAMA | {"fused_qkv": True, "attention": "eager"}
-COHERE = {"norm": "layernorm_nb", "mlp": "swiglu", "parallel_residual": True, "single_norm": True,
+STARCODER2 = {"family": "starcoder2", "norm": "layernorm", "mlp": "gelu", "rotary_percent": 1.0, "num_query_groups": 2}
+PHI3 = LLAMA | {"family": "phi3", "fused_qkv": True, "attention": "eager"}
+COHERE = {"family": "cohere", "norm": "layernorm_nb", "mlp": "swiglu", "parallel_residual": True, "single_norm": True,
           "num_query_groups": 2}
-OLMO2 = {"norm": "rmsnorm_fp32w", "mlp": "swiglu", "post_norm": True, "qk_layernorm": True, "num_query_groups": 2}
+OLMO2 = {"family": "olmo2", "norm": "rmsnorm_fp32w", "mlp": "swiglu", "post_norm": True, "qk_layernorm": True, "num_query_groups": 2}
 
 
 def _rows(knobs: dict, family: str | None = None):
-    config = build_config(SIZES | knobs)
-    saved = runner.record_layer(single("cpu"), config, STRATEGIES["none"], family=family)
+    config = build_config(SIZES | knobs | ({"family": family} if family else {}))
+    saved = runner.record_layer(single("cpu"), config, STRATEGIES["none"])
     prediction = estimate(config, STRATEGIES["none"], Accounting(exact=True, device="cpu"))
     return compare(prediction, saved)
 
@@ -69,7 +70,7 @@ CASES = {
         (LLAMA | {"attention": "flash", "dropout": 0.1, "num_query_groups": 2}, None),
     "mistral keeps what llama keeps":
         (LLAMA | {"attention": "eager", "dropout": 0.1, "num_query_groups": 2}, "mistral"),
-    "qwen2's qkv bias keeps nothing more": (LLAMA | {"attention": "flash", "dropout": 0.0, "add_qkv_bias": True}, None),
+    "qwen2's qkv bias keeps nothing more": (LLAMA | {"attention": "flash", "dropout": 0.0, "add_qkv_bias": True}, "qwen2"),
     "llama fp32: the softmax cast is a no-op, one storage": (LLAMA | {"attention": "eager", "dtype": "fp32"}, None),
     "llama b=1 with one k/v group: repeat_kv's expand is a view, matmul keeps k and v at one head":
         (LLAMA | {"attention": "eager", "dropout": 0.0, "num_query_groups": 1, "b": 1}, None),
@@ -99,9 +100,9 @@ CASES = {
     "gemma3 sdpa with dropout on a cpu": (GEMMA3 | {"attention": "flash", "dropout": 0.1}, None),
     "gemma fp32": (GEMMA | {"attention": "eager", "dtype": "fp32"}, None),
     "olmo eager with dropout: each weightless layernorm keeps an fp32 copy of its input, fp32 mean and rstd":
-        ({"norm": "layernorm_np", "mlp": "swiglu", "attention": "eager", "dropout": 0.1}, None),
+        ({"norm": "layernorm_np", "mlp": "swiglu", "attention": "eager", "dropout": 0.1}, "olmo"),
     "olmo sdpa gqa": ({"norm": "layernorm_np", "mlp": "swiglu", "attention": "flash", "dropout": 0.0,
-                      "num_query_groups": 2}, None),
+                      "num_query_groups": 2}, "olmo"),
     "gpt-neox, parallel residual: both norms read the layer's input, kept once; (s, d/4) rope tables, fp32 softmax":
         (NEOX | {"dropout": 0.0}, None),
     "gpt-neox sequential residual with dropout and gelu_new, whole heads rotated":
@@ -145,7 +146,7 @@ CASES = {
     "glm eager: interleaved (s, d_r) rope tables, gate_up's one output kept as gate and up":
         (GLM | {"attention": "eager", "dropout": 0.0}, None),
     "glm4 sdpa: sandwich norms; the flash kernel keeps its output, laid out as the cat query, apart from o_proj's copy":
-        (GLM | {"attention": "flash", "dropout": 0.0, "sandwich_norm": True}, None),
+        (GLM | {"attention": "flash", "dropout": 0.0, "sandwich_norm": True}, "glm4"),
     "glm sdpa with dropout on a cpu: the math kernel keeps no output of its own":
         (GLM | {"attention": "flash", "dropout": 0.1}, None),
     "glm fp32 at b=1 with one k/v group, whole heads rotated":
@@ -205,7 +206,7 @@ def _layers_saved(knobs: dict) -> tuple[int, int]:
     """transformers' own model of these knobs run on inputs_embeds: the bytes its decoder layers keep (recorded from
     the first layer's start to the last one's end, the rotary embedding's tables included), and the ledger's."""
     config = build_config(SIZES | knobs)
-    family = runner.model_family(config)
+    family = layer_family(config).name
     builders = {"gpt_neox": runner.neox_config, "falcon": runner.falcon_config, "gptj": runner.gptj_config,
                 "starcoder2": runner.starcoder2_config}
     hf_config = builders.get(family, partial(runner.llama_config, family=family))(config)
@@ -226,7 +227,7 @@ def _layers_saved(knobs: dict) -> tuple[int, int]:
 @pytest.mark.parametrize("knobs", [
     LLAMA | {"attention": "eager", "num_query_groups": 2, "b": 1, "s": 7, "L": 2},  # bf16 tables, once
     LLAMA | {"attention": "flash", "L": 3},
-    {"norm": "layernorm_np", "mlp": "swiglu", "attention": "flash", "dropout": 0.0, "L": 3},  # OLMo's fp32 tables
+    {"family": "olmo", "norm": "layernorm_np", "mlp": "swiglu", "attention": "flash", "dropout": 0.0, "L": 3},  # fp32 tables
     GLM | {"attention": "eager", "L": 2, "b": 3, "s": 5},  # each layer's own interleaved tables
     NEOX | {"L": 3, "dropout": 0.0},  # the model's partial (s, d_r) tables
     LLAMA | MLA | {"attention": "eager", "dropout": 0.0, "L": 2},  # DeepSeek-V3: the (s, d_r) tables, sliced views
@@ -274,42 +275,41 @@ def test_the_shim_makes_cpu_dropout_keep_a_bool_mask_and_undoes_itself():
     (LLAMA | {"recompute": "selective"}, "no selective recomputation"),
     (LLAMA | {"recompute": "op"}, "no op recomputation"),
     (GPT2 | {"num_query_groups": 2}, "GPT2Block has no grouped-query attention"),
-    (GPT2 | {"qk_layernorm": True}, "GPT2Block has no qk_layernorm"),
+    (GPT2 | {"qk_layernorm": True}, "GPT2Block, which has no qk_layernorm"),
     (GPT2 | {"kv_channels": 16}, "GPT2Block has no kv_channels"),
     (NEOX | {"attention": "flash"}, "GPTNeoXLayer under sdpa is not modelled"),
     (GEMMA2 | {"attention": "flash"}, "attn_logit_softcapping runs in eager attention only"),
     (GEMMA | {"attn_logit_softcapping": 30.0, "attention": "eager"}, "attn_logit_softcapping is Gemma 2's"),
     (LLAMA | {"final_logit_softcapping": 30.0}, "final_logit_softcapping is Gemma 2's"),
     (GEMMA2 | {"final_logit_softcapping": 30.0, "impl": "megatron"}, "modelled under --impl hf only"),
-    (LLAMA | {"sandwich_norm": True}, "sandwich_norm is Gemma 2's"),
-    (LLAMA | {"parallel_residual": True},
-     r"parallel_residual is GPTNeoXLayer's and FalconDecoderLayer's \(norm layernorm\) or CohereDecoderLayer's"),
+    (LLAMA | {"sandwich_norm": True}, "LlamaDecoderLayer, which has no sandwich_norm"),
+    (LLAMA | {"parallel_residual": True}, "LlamaDecoderLayer, which has no parallel_residual"),
     (FALCON | {"attention": "flash"}, "FalconDecoderLayer's first layout under sdpa is not modelled"),
     (FALCON | {"single_norm": False}, "FalconDecoderLayer's first layout .* has one input_layernorm: set single_norm"),
     (FALCON40 | {"dropout": 0.1}, "dropout 0.1 in FalconDecoderLayer is not modelled"),
     (BLOOM | {"attention": "flash"}, "BloomAttention has no sdpa path"),
     (BLOOM | {"ffn_hidden_size": 48}, "BloomMLP is 4h wide"),
-    (LLAMA | {"alibi": True}, "alibi is BloomBlock's"),
+    (LLAMA | {"alibi": True}, "LlamaDecoderLayer, which has no alibi"),
     (FALCON | {"dropout": 0.1}, "dropout 0.1 in FalconDecoderLayer is not modelled"),
     (FALCON | {"num_query_groups": 2}, "or new_decoder_architecture's groups with fused_qkv"),
-    (GEMMA | {"rotary_percent": 0.5}, "rotary_percent in an RMSNorm layer is GLM's"),
-    (GLM | {"sandwich_norm": True, "attn_logit_softcapping": 30.0, "attention": "eager"},
+    (GEMMA | {"rotary_percent": 0.5}, "GemmaDecoderLayer, which has no rotary_percent"),
+    (GLM | {"family": "glm4", "sandwich_norm": True, "attn_logit_softcapping": 30.0, "attention": "eager"},
      "attn_logit_softcapping is Gemma 2's"),
     (NEOX | {"rotary_percent": 1.5}, r"rotary_percent=1.5 must be in \(0, 1\]"),
     (PHI3 | {"attention": "flash"}, "Phi3DecoderLayer under sdpa is not modelled"),
-    (LLAMA | {"post_norm": True, "qk_layernorm": True}, "post_norm and norm rmsnorm_fp32w are Olmo2DecoderLayer's"),
-    (OLMO2 | {"qk_layernorm": False}, "post_norm and norm rmsnorm_fp32w are Olmo2DecoderLayer's"),
-    (PHI3 | {"qk_layernorm": True}, "fused_qkv is Phi3DecoderLayer's"),
-    (GPT2 | {"fused_qkv": True}, "fused_qkv is Phi3DecoderLayer's"),
-    (STARCODER2 | {"rotary_percent": 0.5}, r"Starcoder2DecoderLayer, which rotates whole heads"),
-    (STARCODER2 | {"parallel_residual": True}, r"Starcoder2DecoderLayer, .*in sequence"),
-    (GPTJ | {"parallel_residual": False}, "single_norm is GPTJBlock's"),
-    (NEOX | {"single_norm": True}, "single_norm is GPTJBlock's"),
+    (LLAMA | {"post_norm": True, "qk_layernorm": True}, "LlamaDecoderLayer, which has no qk_layernorm, has no post_norm"),
+    (OLMO2 | {"qk_layernorm": False}, "Olmo2DecoderLayer, which needs qk_layernorm True"),
+    (PHI3 | {"qk_layernorm": True}, "Phi3DecoderLayer, which has no qk_layernorm"),
+    (GPT2 | {"fused_qkv": True}, "GPT2Block, which has no fused_qkv"),
+    (STARCODER2 | {"rotary_percent": 0.5}, "Starcoder2DecoderLayer, which needs rotary_percent 1.0"),
+    (STARCODER2 | {"parallel_residual": True}, "Starcoder2DecoderLayer, which has no parallel_residual"),
+    (GPTJ | {"parallel_residual": False}, "GPTJBlock, which needs parallel_residual True"),
+    (NEOX | {"single_norm": True}, "GPTNeoXLayer, which has no single_norm"),
     (GPTJ | {"num_query_groups": 2}, "GPTJBlock has no grouped-query attention"),
-    (LLAMA | {"single_norm": True}, "single_norm is GPTJBlock's .*, CohereDecoderLayer's .* or FalconDecoderLayer's"),
-    (COHERE | {"single_norm": False}, "norm layernorm_nb is CohereDecoderLayer's"),
-    (COHERE | {"rotary_percent": 0.5}, "norm layernorm_nb's layers rotate whole heads"),
-    (COHERE | {"sandwich_norm": True}, "norm layernorm_nb is CohereDecoderLayer's"),
+    (LLAMA | {"single_norm": True}, "LlamaDecoderLayer, which has no single_norm"),
+    (COHERE | {"single_norm": False}, "CohereDecoderLayer, which needs single_norm True"),
+    (COHERE | {"rotary_percent": 0.5}, "CohereDecoderLayer, which has no rotary_percent"),
+    (COHERE | {"sandwich_norm": True}, "CohereDecoderLayer, which has no sandwich_norm"),
     (COHERE | {"mlp": "gelu"}, "no transformers layer has norm layernorm_nb with mlp gelu"),
 ])
 def test_knobs_no_transformers_layer_runs_are_refused(knobs, words):
@@ -324,9 +324,9 @@ def test_knobs_no_transformers_layer_runs_are_refused(knobs, words):
 
 def _tp_rows(knobs: dict, t: int, family: str | None = None, mode: str = "fake"):
     """Each rank's rows under transformers' tp_plan at t (rank 0 of the fake group, or every spawned rank)."""
-    config = build_config(SIZES | knobs | {"t": t})
+    config = build_config(SIZES | knobs | {"t": t} | ({"family": family} if family else {}))
     prediction = estimate(config, STRATEGIES["tp"], Accounting(exact=True, device="cpu"))
-    per_rank = run(runner.record_layer, (config, STRATEGIES["tp"], family), mode=mode, t=t)
+    per_rank = run(runner.record_layer, (config, STRATEGIES["tp"]), mode=mode, t=t)
     return [compare(prediction, saved) for saved in per_rank]
 
 
@@ -342,7 +342,7 @@ TP_CASES = {
     "eager mha t=4": (LLAMA | {"attention": "eager", "dropout": 0.0}, 4, None),
     "mistral t=2": (LLAMA | {"attention": "eager", "dropout": 0.1, "num_query_groups": 2}, 2, "mistral"),
     "qwen2 t=2: the colwise q/k/v biases are split, nothing more kept":
-        (LLAMA | {"attention": "flash", "dropout": 0.0, "add_qkv_bias": True}, 2, None),
+        (LLAMA | {"attention": "flash", "dropout": 0.0, "add_qkv_bias": True}, 2, "qwen2"),
     "gradient checkpointing t=2: the layer's whole input": (LLAMA | {"recompute": "full", "dropout": 0.1}, 2, None),
     "fp32 t=2": (LLAMA | {"attention": "eager", "dtype": "fp32", "num_query_groups": 2}, 2, None),
     "b=1, one k/v group per rank t=2: matmul keeps k and v unexpanded (repeat_kv's views)":
@@ -385,7 +385,7 @@ TP_CASES = {
         (COHERE | {"attention": "eager", "dropout": 0.0, "b": 1, "s": 7, "num_query_groups": None}, 2, "cohere"),
     "qwen3 t=2: q_norm and k_norm on this rank's heads of head_dim (replicated_with_grad_allreduce)":
         (LLAMA | {"attention": "eager", "dropout": 0.0, "num_query_groups": 2, "kv_channels": 16,
-                  "qk_layernorm": True}, 2, None),
+                  "qk_layernorm": True}, 2, "qwen3"),
 }
 
 
@@ -435,4 +435,4 @@ def test_coheres_own_tp_plan_fails_on_its_qk_norms_as_the_refusal_says(one_threa
     whole (a, d) weight then meets a/t heads in CohereLayerNorm's product."""
     config = build_config(SIZES | COHERE | {"attention": "eager", "dropout": 0.0, "qk_layernorm": True, "t": 2})
     with pytest.raises(RuntimeError, match="must match the size of tensor"):
-        run(runner.record_layer, (config, STRATEGIES["tp"], "cohere"), mode="fake", t=2)
+        run(runner.record_layer, (config, STRATEGIES["tp"]), mode="fake", t=2)

@@ -164,7 +164,7 @@ def test_tied_embeddings_hand_fsdp2_the_two_gradients_summed_and_every_moment_ha
 ], ids=str)
 def test_qwen3_sharded_by_fsdp2_gathers_and_reduces_its_q_norm_and_k_norm_with_the_layer(one_thread, layout, changes):
     """Qwen3ForCausalLM: each layer's unit holds q_norm's and k_norm's (d,) weights after o_proj's."""
-    config = make_config(LLAMA, qk_layernorm=True, **changes)
+    config = make_config(LLAMA, family="qwen3", qk_layernorm=True, **changes)
     predicted = timeline(config, STRATEGIES[layout], Accounting(exact=True, device="cpu"))
     assert_moments_in_order(predicted.moments[1:], _readings(config))
     (r,) = measure_step(config, [layout])
@@ -182,15 +182,17 @@ def test_attention_dropout_under_fsdp2_happens_in_order_and_peaks_where_the_walk
 
 # -- transformers' MoE models (grouped_mm, its default experts, and the loop), each layer's unit holding them all ----
 
-MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 48, "experts_implementation": "grouped_mm",
-       "dp_shard": 2}
+MOE = {"family": "mixtral", "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 48,
+       "experts_implementation": "grouped_mm", "dp_shard": 2}
+QWEN2_MOE = {"family": "qwen2_moe", "moe_shared_expert_intermediate_size": 40}  # a shared expert beside the routed
+QWEN3_MOE = {"family": "qwen3_moe", "qk_layernorm": True}
 MOE_STEPS = [
     ({}, "balanced"),  # layer 0 gathered again in backward
     ({"s": 64, "moe_router_topk": 4, "moe_ffn_hidden_size": 128, "vocab_size": 16}, "all-to-one"),  # dY * w, backward
     ({"s": 64, "vocab_size": 16, "reshard_after_forward": False}, "balanced"),  # the rows in slot order, forward
     # Qwen2-MoE: the shared expert and its (1, h) gate, dim 0 padded to dp_shard
-    ({"moe_shared_expert_intermediate_size": 40, "num_experts": 3, "b": 1, "s": 7, "dp_shard": 4}, "all-to-one"),
-    ({"qk_layernorm": True, "reduce_dtype": "bf16", "b": 3, "s": 5}, "all-to-one"),  # Qwen3-MoE: experts before gate
+    (QWEN2_MOE | {"num_experts": 3, "b": 1, "s": 7, "dp_shard": 4}, "all-to-one"),
+    (QWEN3_MOE | {"reduce_dtype": "bf16", "b": 3, "s": 5}, "all-to-one"),  # Qwen3-MoE: experts before gate
     ({"experts_implementation": "eager"}, "balanced"),  # the loop: each expert's weight gradients summed
 ]
 
@@ -209,10 +211,10 @@ def test_a_moe_model_sharded_by_fsdp2_peaks_where_the_timeline_says_to_the_byte(
 
 @pytest.mark.parametrize("changes, route", [
     ({}, "balanced"),
-    ({"moe_shared_expert_intermediate_size": 40, "b": 1, "s": 13, "attention": "eager"}, "all-to-one"),
-    ({"qk_layernorm": True, "reshard_after_forward": False}, "balanced"),
-    ({"experts_implementation": "eager", "moe_shared_expert_intermediate_size": 40}, "balanced"),
-    ({"qk_layernorm": True, "moe_layer_freq": 2, "L": 4}, "all-to-one"),  # dense layers' units among sparse ones
+    (QWEN2_MOE | {"b": 1, "s": 13, "attention": "eager"}, "all-to-one"),
+    (QWEN3_MOE | {"reshard_after_forward": False}, "balanced"),
+    (QWEN2_MOE | {"experts_implementation": "eager"}, "balanced"),
+    (QWEN3_MOE | {"moe_layer_freq": 2, "L": 4}, "all-to-one"),  # dense layers' units among sparse ones
 ], ids=str)
 def test_a_moe_model_sharded_by_fsdp2_has_every_moment_in_order(one_thread, changes, route):
     """The experts' two weights, the router's and the shared expert's each kept as the unsharded .grad to the
@@ -226,7 +228,7 @@ CHECKPOINTED = [  # gradient checkpointing inside each FSDP2 unit (transformers 
     {"dp_shard": 2, "b": 1, "s": 7},
     {"dp_shard": 4, "reshard_after_forward": False, "attention": "eager", "b": 2, "s": 9},
     {"dp_shard": 2, "attention": "eager", "b": 1, "s": 13, "num_query_groups": 8, "L": 3},
-    {"dp_shard": 2, "b": 2, "s": 7, "qk_layernorm": True},  # Qwen3ForCausalLM
+    {"dp_shard": 2, "b": 2, "s": 7, "family": "qwen3", "qk_layernorm": True},  # Qwen3ForCausalLM
     {"dp_shard": 2, "t": 2, "b": 2, "s": 7},  # on the 2-D mesh, transformers' tp_plan inside
 ]
 

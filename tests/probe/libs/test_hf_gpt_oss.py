@@ -23,7 +23,7 @@ from tests.cli import memcalc_cli  # noqa: E402
 from . import assert_exact, assert_within_bounds  # noqa: E402
 
 # torch._grouped_mm wants 16-byte strides: h and the expert width multiples of 8 in bf16. A window of 5.
-GPT_OSS = {"impl": "hf", "norm": "rmsnorm_fp32w", "mlp": "swiglu_clamped", "attention_sinks": True,
+GPT_OSS = {"impl": "hf", "family": "gpt_oss", "norm": "rmsnorm_fp32w", "mlp": "swiglu_clamped", "attention_sinks": True,
            "attention": "eager", "dropout": 0.0, "b": 2, "s": 8, "h": 32, "a": 4, "num_query_groups": 2,
            "kv_channels": 16, "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32, "sliding_window": 5}
 PATHS = ("grouped_mm", "eager")  # experts_implementation: transformers' default first

@@ -34,11 +34,11 @@ from . import assert_exact, assert_within_bounds  # noqa: E402
 SIZES = {"b": 2, "s": 8, "h": 32, "a": 4, "num_query_groups": 2, "impl": "hf", "attention": "eager",
          "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32}
 PATHS = ("grouped_mm", "eager")  # experts_implementation: transformers' default first
-MIXTRAL = {}
-QWEN2_MOE = {"moe_shared_expert_intermediate_size": 16, "add_qkv_bias": True, "moe_router_pre_softmax": True}
-QWEN3_MOE = {"qk_layernorm": True, "kv_channels": 16}  # Qwen2-MoE's router and experts, no shared expert
+MIXTRAL = {"family": "mixtral"}
+QWEN2_MOE = {"family": "qwen2_moe", "moe_shared_expert_intermediate_size": 16, "add_qkv_bias": True, "moe_router_pre_softmax": True}
+QWEN3_MOE = {"family": "qwen3_moe", "qk_layernorm": True, "kv_channels": 16}  # Qwen2-MoE's router and experts, no shared expert
 # DeepseekV3DecoderLayer: latent attention, a sigmoid router over 8 experts in 2 groups, one shared expert
-DEEPSEEK_V3 = {"num_query_groups": None, "num_experts": 8, "moe_shared_expert_intermediate_size": 32,
+DEEPSEEK_V3 = {"family": "deepseek_v3", "num_query_groups": None, "num_experts": 8, "moe_shared_expert_intermediate_size": 32,
                "moe_router_score_function": "sigmoid", "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 4,
                "qk_nope_head_dim": 8, "v_head_dim": 8}
 NONE = STRATEGIES["none"]
@@ -155,7 +155,7 @@ def _tp_rows(knobs: dict, route: str | None, t: int = 2, mode: str = "fake", den
     spawned rank); `dense` a mix's dense layer."""
     config = build_config(SIZES | knobs | {"t": t})
     prediction = estimate(config, TP, CPU)
-    per_rank = run(runner.record_layer, (config, TP, None, route, dense), mode=mode, t=t)
+    per_rank = run(runner.record_layer, (config, TP, route, dense), mode=mode, t=t)
     expected = replace(prediction, tensors=prediction.dense) if dense else prediction
     return [compare(expected, saved) for saved in per_rank]
 
@@ -217,7 +217,8 @@ def test_two_gloo_ranks_route_alike_and_each_keep_what_rank_zero_of_the_fake_gro
     (MIXTRAL | {"moe_router_score_function": "sigmoid"}, "the sigmoid router is DeepseekV3MoE's"),
     (DEEPSEEK_V3 | {"moe_router_score_function": "softmax"}, "DeepseekV3TopkRouter scores with sigmoid"),
     (DEEPSEEK_V3 | {"moe_shared_expert_intermediate_size": 20}, "must be a multiple of moe_ffn_hidden_size=32"),
-    (QWEN3_MOE | {"moe_shared_expert_intermediate_size": 16}, "Qwen3MoeDecoderLayer, whose sparse block has no"),
+    (QWEN3_MOE | {"moe_shared_expert_intermediate_size": 16},
+     "Qwen3MoeDecoderLayer, which has no moe_shared_expert_intermediate_size"),
     (DEEPSEEK_V3 | {"qk_layernorm": True}, "qk_layernorm with kv_lora_rank"),
     (MIXTRAL | {"t": 2, "moe_ffn_hidden_size": 24}, "moe_ffn_hidden_size/t=24/2=12 is not a multiple of 8:"
                                                    " torch._grouped_mm"),

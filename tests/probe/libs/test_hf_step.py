@@ -167,8 +167,11 @@ def test_under_tp_what_the_walk_does_not_model_is_refused_by_name(changes, named
 
 # -- transformers' MixtralForCausalLM, its router forced balanced (kbs/E slots an expert) -----------------------------
 
-MIXTRAL = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 48, "vocab_size": 40,
+MIXTRAL = {"family": "mixtral", "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 48, "vocab_size": 40,
            "experts_implementation": "eager"}  # the loop the timeline walks
+QWEN3 = {"family": "qwen3", "qk_layernorm": True}  # Qwen3ForCausalLM: q_norm and k_norm on each head
+QWEN3_MOE = MIXTRAL | QWEN3 | {"family": "qwen3_moe"}  # Qwen2-MoE's experts, no shared one
+QWEN2 = {"family": "qwen2", "add_qkv_bias": True}  # Qwen2ForCausalLM: q_proj, k_proj and v_proj with biases
 MIXTRAL_MOMENTS = [
     ("flash", {}),  # the last layer's gate_up gradients summed: the sum and its two inputs, (E, 2e, h) each
     ("eager", {"vocab_size": 250}),  # the loss's backward
@@ -210,13 +213,14 @@ def test_a_mixtral_step_is_measured_only_under_the_balanced_route_the_timeline_w
 # -- transformers' default grouped_mm experts: the slots sorted by expert, two torch._grouped_mm ------------------------
 
 GROUPED = MIXTRAL | {"experts_implementation": "grouped_mm"}
-QWEN3_MOE_GROUPED = GROUPED | {"qk_layernorm": True}
+QWEN3_MOE_GROUPED = GROUPED | QWEN3 | {"family": "qwen3_moe"}
+QWEN2_MOE_GROUPED = GROUPED | {"family": "qwen2_moe"}  # with a shared expert
 GROUPED_MOMENTS = [
     ("MixtralForCausalLM", GROUPED, "flash", {}),  # backward: dY * w cast to bf16 beside its fp32 products
     ("MixtralForCausalLM", GROUPED, "eager", {"moe_router_topk": 1, "b": 1, "s": 13}),  # gate_up_proj's dW and dX
     ("MixtralForCausalLM", GROUPED, "flash", {"moe_ffn_hidden_size": 256, "moe_router_topk": 4}),  # down_proj's
     # forward: the weighted rows twice, in expert and in slot order
-    ("Qwen2MoeForCausalLM", GROUPED | {"moe_shared_expert_intermediate_size": 8}, "flash", {
+    ("Qwen2MoeForCausalLM", QWEN2_MOE_GROUPED | {"moe_shared_expert_intermediate_size": 8}, "flash", {
         "num_experts": 16, "moe_router_topk": 4, "moe_ffn_hidden_size": 8, "s": 96, "h": 16, "a": 2,
         "num_query_groups": 1, "vocab_size": 20}),
     ("Qwen3MoeForCausalLM", QWEN3_MOE_GROUPED, "flash", {"b": 3, "s": 5, "num_experts": 8, "moe_router_topk": 3,
@@ -247,14 +251,14 @@ def test_a_grouped_mm_moe_model_peaks_where_the_timeline_says_to_the_byte_under_
     (GROUPED, "flash", {}, "balanced"),
     (GROUPED, "flash", {"moe_router_topk": 1, "b": 1, "s": 13}, "all-to-one"),
     # fourteen slots that three experts do not share evenly: grouped_mm does not mind
-    (GROUPED | {"moe_shared_expert_intermediate_size": 40}, "eager", {
+    (QWEN2_MOE_GROUPED | {"moe_shared_expert_intermediate_size": 40}, "eager", {
         "num_experts": 3, "moe_ffn_hidden_size": 24, "b": 1, "s": 7}, "all-to-one"),
     (QWEN3_MOE_GROUPED, "flash", {"b": 3, "s": 5, "num_experts": 8, "moe_router_topk": 3, "moe_ffn_hidden_size": 16,
                                   "kv_channels": 12}, "balanced"),
     (GROUPED, "eager", {"num_experts": 2, "moe_router_topk": 1, "moe_ffn_hidden_size": 8, "h": 128, "b": 3, "s": 11,
                         "dtype": "fp16"}, "balanced"),
     # decoder_sparse_step 2: dense layers among the sparse ones (layer i sparse when 2 divides i + 1)
-    (GROUPED | {"moe_shared_expert_intermediate_size": 64}, "flash", {"moe_layer_freq": 2}, "balanced"),
+    (QWEN2_MOE_GROUPED | {"moe_shared_expert_intermediate_size": 64}, "flash", {"moe_layer_freq": 2}, "balanced"),
     (QWEN3_MOE_GROUPED, "eager", {"moe_layer_freq": 2, "L": 4, "b": 1, "s": 13}, "all-to-one"),
 ], ids=str)
 def test_grouped_mm_every_moment_of_the_block_happens_in_order(one_thread, base, attention, changes, route):
@@ -273,7 +277,7 @@ def test_grouped_mm_every_moment_of_the_block_happens_in_order(one_thread, base,
     (GROUPED, "eager", {"t": 4, "num_query_groups": 4, "moe_router_topk": 1, "moe_ffn_hidden_size": 256, "b": 1,
                         "s": 13}, "all-to-one"),
     # Qwen2-MoE: the plan names no shared expert: whole on every rank
-    (GROUPED | {"moe_shared_expert_intermediate_size": 40}, "eager", {"t": 2, "b": 1, "s": 13}, "all-to-one"),
+    (QWEN2_MOE_GROUPED | {"moe_shared_expert_intermediate_size": 40}, "eager", {"t": 2, "b": 1, "s": 13}, "all-to-one"),
 ], ids=str)
 def test_under_tp_grouped_mm_experts_of_e_over_t_peak_where_the_timeline_says_with_every_moment_in_order(
     one_thread, base, attention, changes, route
@@ -292,7 +296,7 @@ def test_under_tp_grouped_mm_experts_of_e_over_t_peak_where_the_timeline_says_wi
 
 # -- transformers' Qwen2MoeForCausalLM: Mixtral's experts (bf16 routing weights) beside a gated shared expert ----------
 
-QWEN2_MOE = MIXTRAL | {"moe_shared_expert_intermediate_size": 64}
+QWEN2_MOE = MIXTRAL | {"family": "qwen2_moe", "moe_shared_expert_intermediate_size": 64}
 QWEN2_MOE_MOMENTS = [
     ("flash", {}),  # the last layer's gate_up gradients summed
     # a wide shared expert: its down_proj's dW and dX, autograd's last ops in the block
@@ -375,14 +379,14 @@ def test_qwen2_moe_with_wide_heads_at_odd_sizes_peaks_where_the_timeline_says(on
 # -- transformers' Qwen3ForCausalLM (qk_layernorm: each query and key head RMS-normalised) and Qwen3MoeForCausalLM ---
 
 QWEN3_STEPS = [
-    ("none", "flash", {"qk_layernorm": True}, None),
-    ("none", "eager", {"qk_layernorm": True}, None),
-    ("none", "eager", {"qk_layernorm": True, "b": 1, "s": 13, "kv_channels": 12, "num_query_groups": 4}, None),
-    ("none", "flash", {"qk_layernorm": True, "b": 3, "s": 7, "h": 48, "a": 6, "num_query_groups": 2}, None),
-    ("tp", "flash", {"qk_layernorm": True, "t": 2}, None),
-    ("tp", "eager", {"qk_layernorm": True, "t": 2, "kv_channels": 12}, None),
-    ("none", "flash", MIXTRAL | {"qk_layernorm": True}, "balanced"),  # Qwen3-MoE: Qwen2-MoE's experts, no shared one
-    ("none", "eager", MIXTRAL | {"qk_layernorm": True, "moe_router_pre_softmax": True, "b": 1, "s": 12,
+    ("none", "flash", QWEN3, None),
+    ("none", "eager", QWEN3, None),
+    ("none", "eager", QWEN3 | {"b": 1, "s": 13, "kv_channels": 12, "num_query_groups": 4}, None),
+    ("none", "flash", QWEN3 | {"b": 3, "s": 7, "h": 48, "a": 6, "num_query_groups": 2}, None),
+    ("tp", "flash", QWEN3 | {"t": 2}, None),
+    ("tp", "eager", QWEN3 | {"t": 2, "kv_channels": 12}, None),
+    ("none", "flash", QWEN3_MOE, "balanced"),  # Qwen3-MoE: Qwen2-MoE's experts, no shared one
+    ("none", "eager", QWEN3_MOE | {"moe_router_pre_softmax": True, "b": 1, "s": 12,
                                  "kv_channels": 12}, "balanced"),
 ]
 
@@ -398,10 +402,10 @@ def test_qwen3_and_qwen3_moe_steps_happen_in_order_and_peak_where_the_timeline_s
 # -- transformers' Qwen2ForCausalLM (add_qkv_bias: q_proj, k_proj and v_proj with biases) -----------------------------
 
 QWEN2_STEPS = [
-    ("none", "eager", {"add_qkv_bias": True, "b": 1, "s": 13}),  # a/g = 4
-    ("none", "flash", {"add_qkv_bias": True, "s": 11, "num_query_groups": 8}),  # a/g = 1
-    ("none", "eager", {"add_qkv_bias": True, "b": 3, "s": 7, "h": 48, "a": 6, "num_query_groups": 3}),  # a/g = 2
-    ("tp", "flash", {"add_qkv_bias": True, "t": 2, "s": 9}),
+    ("none", "eager", QWEN2 | {"b": 1, "s": 13}),  # a/g = 4
+    ("none", "flash", QWEN2 | {"s": 11, "num_query_groups": 8}),  # a/g = 1
+    ("none", "eager", QWEN2 | {"b": 3, "s": 7, "h": 48, "a": 6, "num_query_groups": 3}),  # a/g = 2
+    ("tp", "flash", QWEN2 | {"t": 2, "s": 9}),
 ]
 
 
@@ -417,11 +421,11 @@ def test_qwen2s_qkv_bias_gradients_happen_in_order_and_the_peak_is_memtrackers(o
 
 DROPOUT_STEPS = [
     ("none", {"dropout": 0.1, "s": 13}, None),  # a/g = 4
-    ("none", {"dropout": 0.1, "b": 1, "s": 11, "num_query_groups": 8, "add_qkv_bias": True}, None),  # a/g = 1, Qwen2
+    ("none", {"dropout": 0.1, "b": 1, "s": 11, "num_query_groups": 8} | QWEN2, None),  # a/g = 1, Qwen2
     ("none", {"dropout": 0.1, "b": 1, "s": 96, "h": 16, "ffn_hidden_size": 16, "vocab_size": 20}, None),  # softmax's
     ("tp", {"dropout": 0.1, "t": 2, "s": 9}, None),
     ("none", MIXTRAL | {"dropout": 0.1, "s": 13}, "balanced"),
-    ("none", MIXTRAL | {"dropout": 0.1, "qk_layernorm": True, "b": 3, "s": 7, "h": 48, "a": 6, "num_query_groups": 3,
+    ("none", QWEN3_MOE | {"dropout": 0.1, "b": 3, "s": 7, "h": 48, "a": 6, "num_query_groups": 3,
                         "num_experts": 3, "moe_router_topk": 1, "moe_ffn_hidden_size": 24}, "balanced"),  # Qwen3-MoE
 ]
 
@@ -437,10 +441,12 @@ def test_attention_dropout_keeps_its_mask_to_its_backward_and_the_peak_is_memtra
 
 # -- other families' own *ForCausalLM: the Llama walk with each family's declared variations -------------------------
 
-GEMMA = {"norm": "rmsnorm_1p", "mlp": "geglu_tanh"}  # GemmaForCausalLM: (1 + w) RMSNorm, tanh GeGLU, scaled embedding
-GEMMA2 = GEMMA | {"sandwich_norm": True}  # Gemma2ForCausalLM: eager attention only (_supports_sdpa False)
+# GemmaForCausalLM: (1 + w) RMSNorm, tanh GeGLU, scaled embedding
+GEMMA = {"family": "gemma", "norm": "rmsnorm_1p", "mlp": "geglu_tanh"}
+# Gemma2ForCausalLM: eager attention only (_supports_sdpa False)
+GEMMA2 = GEMMA | {"family": "gemma2", "sandwich_norm": True}
 CAPPED = {"attn_logit_softcapping": 50.0}
-PHI3 = {"fused_qkv": True}
+PHI3 = {"family": "phi3", "fused_qkv": True}
 FAMILY_STEPS = [
     ("gemma", "eager", GEMMA),  # the loss's backward
     ("gemma", "flash", GEMMA | {"b": 1, "s": 13, "kv_channels": 12, "num_query_groups": 4}),  # lm_head's GEMMs
@@ -464,6 +470,13 @@ FAMILY_STEPS = [
     ("phi3", "eager", PHI3 | {"vocab_size": 40, "h": 32, "ffn_hidden_size": 512}),
     ("phi3", "eager", PHI3 | {"s": 95, "h": 16, "ffn_hidden_size": 16, "vocab_size": 20}),
 ]
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_mistrals_own_model_without_a_window_steps_as_the_llama_walk_says_to_the_byte(one_thread, attention):
+    """family mistral builds MistralForCausalLM, Llama's model under another name (a window is refused before)."""
+    r = _exact_step(make_config(LLAMA, attention=attention, family="mistral", b=1, s=13), "none")
+    assert r.model.startswith("transformers' MistralForCausalLM")
 
 
 SOFTCAPPED = {"final_logit_softcapping": 30.0}  # Gemma2ForCausalLM's logits: c * tanh(logits / c)
@@ -507,10 +520,10 @@ RECOMPUTE_STEPS = [
     ("none", "eager", ODD | {"b": 3, "s": 17, "num_query_groups": 2, "L": 3}),  # a/g = 3, b > 1: matmul copies Q
     ("none", "eager", ODD | {"b": 3, "s": 17, "num_query_groups": 6}),  # and K and V, without repeat_kv's copies
     ("none", "flash", {"s": 19, "kv_channels": 12, "dtype": "fp16"}),  # heads wider than h/a
-    ("none", "eager", {"qk_layernorm": True}),  # Qwen3ForCausalLM: q_norm and k_norm on each head, rerun too
-    ("none", "flash", ODD | {"qk_layernorm": True, "b": 1, "s": 23, "num_query_groups": 3}),
-    ("none", "eager", {"add_qkv_bias": True}),  # Qwen2ForCausalLM: ln1's output goes before q's bias gradient's sum
-    ("none", "flash", ODD | {"add_qkv_bias": True, "b": 3, "s": 17, "num_query_groups": 2}),
+    ("none", "eager", QWEN3),  # Qwen3ForCausalLM: q_norm and k_norm on each head, rerun too
+    ("none", "flash", ODD | QWEN3 | {"b": 1, "s": 23, "num_query_groups": 3}),
+    ("none", "eager", QWEN2),  # Qwen2ForCausalLM: ln1's output goes before q's bias gradient's sum
+    ("none", "flash", ODD | QWEN2 | {"b": 3, "s": 17, "num_query_groups": 2}),
     ("none", "eager", GEMMA),  # GemmaForCausalLM: GemmaRMSNorm's fp32 (1 + w) product, the tanh GeGLU
     ("none", "flash", GEMMA | {"b": 3, "s": 7, "h": 48, "a": 6, "num_query_groups": 2, "tie_embeddings": True}),
     ("none", "eager", GEMMA2 | CAPPED),  # Gemma2ForCausalLM: the sandwich norms, the capped scores, both masks
@@ -522,10 +535,10 @@ RECOMPUTE_STEPS = [
     ("none", "eager", {"b": 3, "s": 7, "num_query_groups": 1}),  # repeat_kv's zero-stride views: matmul copies them
     ("none", "eager", {"b": 2, "s": 1, "num_query_groups": 1}),  # one token: the context is o_proj's input itself
     ("tp", "eager", ODD | {"t": 2, "b": 1, "s": 23, "num_query_groups": 2, "vocab_size": 252}),  # transformers' plan
-    ("tp", "flash", {"t": 2, "b": 3, "s": 9, "vocab_size": 252, "qk_layernorm": True}),
+    ("tp", "flash", {"t": 2, "b": 3, "s": 9, "vocab_size": 252} | QWEN3),
     ("tp", "eager", {"t": 4, "b": 3, "s": 7, "num_query_groups": 4, "vocab_size": 252}),  # one K/V group a rank
     ("tp", "flash", ODD | {"t": 3, "b": 1, "s": 17, "num_query_groups": 3, "vocab_size": 252, "ffn_hidden_size": 177}),
-    ("tp", "eager", {"t": 2, "b": 3, "s": 5, "vocab_size": 252, "kv_channels": 12, "add_qkv_bias": True}),
+    ("tp", "eager", {"t": 2, "b": 3, "s": 5, "vocab_size": 252, "kv_channels": 12} | QWEN2),
 ]
 
 

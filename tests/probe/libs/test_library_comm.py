@@ -27,13 +27,13 @@ TORCHTITAN = {"impl": "torchtitan", "b": 1, "s": 18, "h": 48, "a": 6, "num_query
               "tie_embeddings": False, "dropout": 0.0, "L": 1, "vocab_size": 128}
 HF = {"impl": "hf", "b": 1, "s": 9, "h": 64, "a": 8, "ffn_hidden_size": 40, "mlp": "swiglu", "norm": "rmsnorm",
       "dropout": 0.0}
-FAMILIES = {  # the knobs that pick each family's layer (memcalc.model.families), and its plan's shape
+FAMILIES = {  # each family's layer (memcalc.model.families) with its knobs, and its plan's shape
     "llama, grouped-query: an f for each of q, k, v, gate and up": {"num_query_groups": 4},
-    "qwen3, heads of kv_channels": {"kv_channels": 16, "qk_layernorm": True, "num_query_groups": 4},
-    "phi3: both blocks gathered, fused qkv and gate_up": {"fused_qkv": True, "attention": "eager"},
-    "olmo2: attention gathered, q, k, v each": {"norm": "rmsnorm_fp32w", "post_norm": True, "qk_layernorm": True,
-                                                "num_query_groups": 4},
-    "glm: the mlp gathered": {"rotary_percent": 0.5, "kv_channels": 16, "num_query_groups": 4},
+    "qwen3, heads of kv_channels": {"family": "qwen3", "kv_channels": 16, "qk_layernorm": True, "num_query_groups": 4},
+    "phi3: both blocks gathered, fused qkv and gate_up": {"family": "phi3", "fused_qkv": True, "attention": "eager"},
+    "olmo2: attention gathered, q, k, v each": {"family": "olmo2", "norm": "rmsnorm_fp32w", "post_norm": True,
+                                                "qk_layernorm": True, "num_query_groups": 4},
+    "glm: the mlp gathered": {"family": "glm", "rotary_percent": 0.5, "kv_channels": 16, "num_query_groups": 4},
 }
 
 
