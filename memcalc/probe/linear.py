@@ -1,27 +1,7 @@
 """Column- and row-parallel linears, the pair that tensor parallelism splits (seed, sections 3-4).
 
-A column-parallel linear holds a block of the weight's rows (out/t outputs); a
-row-parallel linear holds a block of its columns (in/t inputs) and sums partial
-results across ranks. Chained column -> row (fc1 -> fc2, QKV -> out-proj), the
-tensor between them never leaves its rank:
-
-    not SP:  x (s, b, h) --f--> column --> (s, b, 4h/t) --> row --> f* --> (s, b, h)
-    SP:      x (s/t, b, h) --g--> column --> (s, b, 4h/t) --> row --> g* --> (s/t, b, h)
-
-Under SP the column linear fuses g into its GEMM, as Megatron's
-LinearWithGradAccumulationAndAsyncCommunication does, so that it saves only its
-input's sequence shard for backward and all-gathers it again there (the seed's
-"nothing of size (b, s, h) is kept whole").
-
-Given an `Overlap` (overlap.py), an SP linear runs its forward collective as
-pieces beside pieces of its GEMM: the column's g as ring hops (ring-ag), the
-row's g* as ring hops or per-block reduce-scatters (ring-rs, pipelined-rs).
-Only the forward's schedule changes; backward is g's and g*'s as without it.
-
-Weights start from a seeded generator on the *full* (unsharded) matrix, cut
-into this rank's block: any t then holds the same model, so results compare
-across t. That costs one full weight on the CPU while a layer is built; on
-device "meta" nothing is drawn and the weights are empty (shapes only).
+The pair under TP and SP, the overlapped schedule, and how weights are drawn: docs/probe.md, "The column/row-parallel
+pair".
 """
 
 from __future__ import annotations
