@@ -71,6 +71,7 @@ SOFTMAX_FP32 = SavedTensor(
 # over the slots its experts receive in the expert region.
 _BSK = (Dim.B, Dim.S, Dim.K)
 TOPK_PROBS = SavedTensor(
+    
     "moe/topk_probs_fp32", "router: torch.softmax(top-k logits, dtype=float32) (moe_utils.topk_routing_with_score_function)",
     _BSK, Kind.FP32, Region.SEQUENCE, "softmax backward needs its output: the k chosen experts' probabilities",
     paper=False,
@@ -111,6 +112,7 @@ AUX_SCORES = SavedTensor(
 # With the sigmoid router the aux loss's scores are every expert's sigmoid in the activation dtype (not fp32),
 # normalised over the E experts; the loss, a sum over them, has that dtype too.
 AUX_SIGMOID_SCORES = SavedTensor(
+    
     "moe/aux_sigmoid_scores", "router: sigmoid(logits) / (its sum over E + 1e-20) (compute_routing_scores_for_aux_loss)",
     (Dim.B, Dim.S, Dim.E), Kind.ACTIVATION, Region.SEQUENCE,
     "the load-balancing loss's gradient flows through the sigmoid, whose derivative is read from its output, and"
@@ -440,8 +442,7 @@ FUSED_SOFTMAX = SizeRule(
     " else of 4), the unfused softmax keeps the (s, s) causal mask and its output (fp32 with"
     " attention_softmax_in_fp32)",
     applies=lambda knobs: knobs.attention == "eager" and knobs.recompute not in ("selective", "full")
-    and knobs.dtype != "fp32" and knobs.masked_softmax_fusion,
-    runs=fused_softmax_runs,
+    and knobs.dtype != "fp32" and knobs.masked_softmax_fusion, runs=fused_softmax_runs,
     outside=lambda knobs, accounting: layer_tensors(knobs, accounting, fused_softmax=False),
     misses=fused_softmax_misses,
 )
@@ -523,15 +524,8 @@ def tp_plan(knobs: Any) -> TPPlan:
 
 
 IMPLEMENTATION = Implementation(
-    name="megatron",
-    title="Megatron-core",
+    name="megatron", title="Megatron-core",
     measured_on="megatron-core 0.16.1 TransformerLayer and TransformerBlock (full recompute), local spec, on CPU",
-    layer_tensors=layer_tensors,
-    tp_plan=tp_plan,
-    sequence_parallel_forms=sequence_parallel_forms,
-    tensors=TENSORS,
-    check=check,
-    size_rule=FUSED_SOFTMAX,
-    size_conditions=CONDITIONS,
-    refuses=(MOE_WITHOUT_SP,),
+    layer_tensors=layer_tensors, tp_plan=tp_plan, sequence_parallel_forms=sequence_parallel_forms, tensors=TENSORS,
+    check=check, size_rule=FUSED_SOFTMAX, size_conditions=CONDITIONS, refuses=(MOE_WITHOUT_SP,),
 )
