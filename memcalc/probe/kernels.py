@@ -1,12 +1,6 @@
 """Kernels that are one fused kernel on the GPU, as one op here.
 
-Megatron runs RMSNorm's backward (Apex, Transformer Engine) and the fused SwiGLU's
-backward as single kernels, torch's CUDA rms_norm (`_fused_rms_norm`) its forward and
-backward: the allocator sees their outputs and nothing else. The
-same math in eager torch makes a handful of fp32 (s, b, h) or (s, b, f) temporaries,
-which a step's peak would count on the CPU and never on a GPU. Registered as custom
-ops, each runs below any TorchDispatchMode: MemTracker (`memcalc.probe.step`) sees
-the op's outputs only, as a CUDA run would. The math is eager torch, computed in fp32.
+Which kernels, and why one op: docs/probe.md, "Fused kernels as one op".
 """
 
 from __future__ import annotations
