@@ -275,11 +275,8 @@ class FlashAttention(torch.autograd.Function):
     forward:  q (b, a/t, s, d), k, v (b, g/t, s, d) -> out (s, b, a/t, d), lse (b, a/t, s) fp32
     backward: rebuilds the softmax from q, k and lse, and the dropout mask from the seed
 
-    Each direction is one op (`memcalc::flash_attention`, `memcalc::flash_attention_backward`), as
-    the kernel is: it computes naively inside (the s x s scores exist there, briefly), and what
-    memory tools see is a flash kernel's: forward makes out and lse, backward dq, dk and dv. The
-    output is allocated sequence-first, so that the output projection's input is a view of it, as
-    with Transformer Engine's sbhd layout.
+    Each direction is one op (`memcalc::flash_attention`, `memcalc::flash_attention_backward`), as the kernel is:
+    memory tools see only its outputs. Why not torch's CPU kernel: docs/probe.md, "The layer".
     """
 
     @staticmethod

@@ -119,12 +119,8 @@ class _ParallelLinear(nn.Module):
         return shape
 
     def seeded_full_weights(self, seed: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """nn.Linear's uniform(+-1/sqrt(in)) init of the whole unsharded layer, drawn from `seed`.
-
-        A layer on device "meta" holds no values, so nothing is drawn: the full weights
-        come back empty on meta, and a full-size layer is built without them ever
-        existing on the CPU (a GPT-3 175B fc1 alone is 4.8 GB in fp32).
-        """
+        """nn.Linear's uniform(+-1/sqrt(in)) init of the whole unsharded layer, drawn from `seed`; empty on device
+        "meta", so a full-size layer never exists on the CPU (a GPT-3 175B fc1 alone is 4.8 GB in fp32)."""
         device = "meta" if self.weight.is_meta else "cpu"
         weight = torch.empty(self.out_features, self.in_features, device=device)
         bias = torch.empty(self.out_features, device=device)
