@@ -255,14 +255,9 @@ def seed_rng_tracker(seed: int, tp_rank: int) -> None:
 
 
 class SequenceParallelNorm(nn.Module):
-    """The local spec's norm, accepting SP: memcalc's probe norm (torch LayerNorm, or fused-style RMSNorm).
-
-    Built as megatron builds a norm, `Norm(config=..., hidden_size=..., eps=...)`, plus the
-    ledger names it labels its input and statistics with (a spec param). Under SP its weights
-    are marked `sequence_parallel`, as Apex's FusedLayerNorm does, so megatron all-reduces
-    their gradients across the TP group. `heads` (a spec param): qk_layernorm's norm over each
-    head of (s, b, heads, d), its input labelled where it is made (memcalc.probe.norm.Norm).
-    """
+    """The local spec's norm, accepting SP: memcalc's probe norm (docs/probe.md, "What the table leaves out"), built as
+    megatron builds a norm, plus the ledger `names` it labels with and `heads` (qk_layernorm's, per head of (s, b,
+    heads, d)), both spec params."""
 
     def __init__(
         self, config: Any, hidden_size: int, names: NormTensors, eps: float = EPS, heads: bool = False, **_: Any,
