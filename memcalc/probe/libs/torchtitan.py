@@ -135,12 +135,8 @@ def _rope(config: ModelConfig) -> Any:
 
 
 def build_block(config: ModelConfig, tp: TensorParallelGroup, strategy: Strategy, dims: ParallelDims | None) -> Any:
-    """The block laid out by its plan, then initialised as torchtitan's trainer does it.
-
-    Parameters are made in the activation dtype, as FSDP's mixed precision gives them
-    to forward; the RoPE table stays complex64 (`Module.to(bf16)` would discard its
-    imaginary part).
-    """
+    """The block laid out by its plan, then initialised as torchtitan's trainer does it, in the activation dtype
+    (docs/probe.md); the RoPE table stays complex64 (`Module.to(bf16)` would discard its imaginary part)."""
     with torch.device(tp.device), set_default_dtype(DTYPES[config.dtype]):
         block = block_config(config, strategy.sequence_parallel).build()
         if dims is not None:
