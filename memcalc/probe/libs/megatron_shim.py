@@ -87,21 +87,11 @@ def _causal_mask(sq: int) -> torch.Tensor:
 
 
 def _softmax_extension() -> types.ModuleType:
-    """A stand-in for the CUDA extension: forward(inputs, scale), backward(grads, softmax, scale)."""
+    """A stand-in for the CUDA extension: forward(inputs, scale), backward(grads, softmax, scale), each one op."""
     module = types.ModuleType(_SOFTMAX_EXTENSION)
-    module.forward = _fused_causal_softmax
-    module.backward = _fused_causal_softmax_backward
+    module.forward = lambda inputs, scale: causal_softmax(inputs, float(scale))
+    module.backward = lambda grads, softmax, scale: causal_softmax_backward(grads, softmax, float(scale))
     return module
-
-
-def _fused_causal_softmax(inputs: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The kernel's forward, one op (`causal_softmax`): the allocator sees its output alone, as on CUDA."""
-    return causal_softmax(inputs, float(scale))
-
-
-def _fused_causal_softmax_backward(grads: torch.Tensor, softmax: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The kernel's backward, one op (`causal_softmax_backward`)."""
-    return causal_softmax_backward(grads, softmax, float(scale))
 
 
 # Registered as custom ops, the kernel's math (in fp32, as the kernel computes) runs below any TorchDispatchMode:
