@@ -72,3 +72,29 @@ class FusedRMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         return (*rms_norm_backward(grad_y, *ctx.saved_tensors), None)
+
+
+@torch.library.custom_op("memcalc::fused_causal_softmax", mutates_args=())
+def fused_causal_softmax(scores: torch.Tensor, scale: float) -> torch.Tensor:
+    """Apex's scaled_upper_triang_masked_softmax: (batches, s, s) scores -> softmax(scale * scores, future masked),
+    computed in fp32, in the scores' dtype."""
+    s = scores.shape[-1]
+    future = torch.ones(s, s, dtype=torch.bool, device=scores.device).triu(1)
+    return torch.softmax((wide(scores) * scale).masked_fill(future, float("-inf")), dim=-1).to(scores.dtype)
+
+
+@fused_causal_softmax.register_fake
+def _(scores, scale):
+    return torch.empty_like(scores)
+
+
+@torch.library.custom_op("memcalc::fused_causal_softmax_backward", mutates_args=())
+def fused_causal_softmax_backward(grad: torch.Tensor, probs: torch.Tensor, scale: float) -> torch.Tensor:
+    """dScores = scale * P * (dP - rowsum(dP * P)), from the output alone, as the kernel computes it."""
+    wide_probs, wide_grad = wide(probs), wide(grad)
+    return (wide_probs * (wide_grad - (wide_grad * wide_probs).sum(-1, keepdim=True)) * scale).to(grad.dtype)
+
+
+@fused_causal_softmax_backward.register_fake
+def _(grad, probs, scale):
+    return torch.empty_like(grad)

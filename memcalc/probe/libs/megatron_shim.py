@@ -18,6 +18,7 @@ from unittest import mock
 from memcalc.model import ledger
 from memcalc.model.ledger import NormTensors
 from memcalc.probe import require_torch, shims
+from memcalc.probe.kernels import fused_causal_softmax, fused_causal_softmax_backward
 from memcalc.probe.libs.hf_shim import lead, route_lead
 from memcalc.probe.norm import EPS, Norm
 from memcalc.probe.recorder import batch_first, label
@@ -89,37 +90,9 @@ def _causal_mask(sq: int) -> torch.Tensor:
 def _softmax_extension() -> types.ModuleType:
     """A stand-in for the CUDA extension: forward(inputs, scale), backward(grads, softmax, scale), each one op."""
     module = types.ModuleType(_SOFTMAX_EXTENSION)
-    module.forward = lambda inputs, scale: causal_softmax(inputs, float(scale))
-    module.backward = lambda grads, softmax, scale: causal_softmax_backward(grads, softmax, float(scale))
+    module.forward = lambda inputs, scale: fused_causal_softmax(inputs, float(scale))
+    module.backward = lambda grads, softmax, scale: fused_causal_softmax_backward(grads, softmax, float(scale))
     return module
-
-
-# Registered as custom ops, the kernel's math (in fp32, as the kernel computes) runs below any TorchDispatchMode:
-# MemTracker (memcalc.probe.step) sees each kernel's output only, as a CUDA run would (memcalc.probe.kernels).
-@torch.library.custom_op("memcalc::megatron_causal_softmax", mutates_args=())
-def causal_softmax(inputs: torch.Tensor, scale: float) -> torch.Tensor:
-    """(attn_batches, s, s) scores -> softmax(scale * scores, future masked), in the input's dtype."""
-    s = inputs.shape[-1]
-    future = torch.ones(s, s, dtype=torch.bool, device=inputs.device).triu(1)
-    scores = (inputs.float() * scale).masked_fill(future, -math.inf)
-    return torch.softmax(scores, dim=-1).to(inputs.dtype)
-
-
-@causal_softmax.register_fake
-def _(inputs, scale):
-    return torch.empty_like(inputs)
-
-
-@torch.library.custom_op("memcalc::megatron_causal_softmax_backward", mutates_args=())
-def causal_softmax_backward(grads: torch.Tensor, softmax: torch.Tensor, scale: float) -> torch.Tensor:
-    """d scores = scale * y * (dy - rowsum(dy * y)), as the kernel computes it."""
-    y, dy = softmax.float(), grads.float()
-    return (scale * y * (dy - (dy * y).sum(-1, keepdim=True))).to(grads.dtype)
-
-
-@causal_softmax_backward.register_fake
-def _(grads, softmax, scale):
-    return torch.empty_like(grads)
 
 
 def _sizes() -> types.ModuleType:
