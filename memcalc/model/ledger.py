@@ -174,8 +174,7 @@ def _head_norm(which: str, heads: Dim) -> NormTensors:
 
 
 QKV_IN = SavedTensor(
-    "attention/qkv_in", "QKV linear (column-parallel)", _BSH, Kind.ACTIVATION, Region.SEQUENCE,
-    WHY_GATHERED_INPUT,
+    "attention/qkv_in", "QKV linear (column-parallel)", _BSH, Kind.ACTIVATION, Region.SEQUENCE, WHY_GATHERED_INPUT,
 )
 Q = SavedTensor(
     "attention/q", "core attention (QK^T or flash kernel)", (Dim.B, Dim.A, Dim.S, Dim.D),
@@ -196,18 +195,15 @@ SOFTMAX_OUT = SavedTensor(
     "softmax backward, diag(S') - S'S'^T, needs its output, not its input",
 )
 ATTN_DROPOUT_MASK = SavedTensor(
-    "attention/dropout_mask", "attention dropout", _BASS, Kind.MASK, Region.TENSOR,
-    WHY_DROPOUT_MASK,
+    "attention/dropout_mask", "attention dropout", _BASS, Kind.MASK, Region.TENSOR, WHY_DROPOUT_MASK,
 )
 ATTN_DROPOUT_OUT = SavedTensor(
     "attention/dropout_out", "weights x V matmul", _BASS, Kind.ACTIVATION, Region.TENSOR,
     "the gradient of V is (dropped-out weights)^T dOut",
 )
 SOFTMAX_LSE = SavedTensor(
-    "attention/softmax_lse", "flash attention kernel", (Dim.B, Dim.A, Dim.S), Kind.FP32,
-    Region.TENSOR,
-    "flash attention rebuilds the softmax in backward from Q, K and each row's log-sum-exp",
-    paper=False,
+    "attention/softmax_lse", "flash attention kernel", (Dim.B, Dim.A, Dim.S), Kind.FP32, Region.TENSOR,
+    "flash attention rebuilds the softmax in backward from Q, K and each row's log-sum-exp", paper=False,
 )
 PROJ_IN = SavedTensor(
     "attention/proj_in", "output projection (row-parallel), on a heads of d", (Dim.B, Dim.S, Dim.A, Dim.D),
@@ -215,17 +211,12 @@ PROJ_IN = SavedTensor(
     "dW = X^T dY needs the input (flash attention saves this same tensor as its output)",
 )
 ATTN_OUT_DROPOUT_MASK = SavedTensor(
-    "attention/out_dropout_mask", "dropout after attention", _BSH, Kind.MASK, Region.SEQUENCE,
-    WHY_DROPOUT_MASK,
+    "attention/out_dropout_mask", "dropout after attention", _BSH, Kind.MASK, Region.SEQUENCE, WHY_DROPOUT_MASK,
 )
 
-FC1_IN = SavedTensor(
-    "mlp/fc1_in", "fc1 (column-parallel)", _BSH, Kind.ACTIVATION, Region.SEQUENCE,
-    WHY_GATHERED_INPUT,
-)
+FC1_IN = SavedTensor("mlp/fc1_in", "fc1 (column-parallel)", _BSH, Kind.ACTIVATION, Region.SEQUENCE, WHY_GATHERED_INPUT)
 GELU_IN = SavedTensor(
-    "mlp/gelu_in", "GELU", _BSF, Kind.ACTIVATION, Region.TENSOR,
-    "GELU's derivative is evaluated at its input",
+    "mlp/gelu_in", "GELU", _BSF, Kind.ACTIVATION, Region.TENSOR, "GELU's derivative is evaluated at its input",
 )
 SWIGLU_GATE = SavedTensor(
     "mlp/gate", "SiLU", _BSF, Kind.ACTIVATION, Region.TENSOR,
@@ -240,12 +231,10 @@ SWIGLU_SILU_OUT = SavedTensor(
     "the gradient of up in the product is dY * SiLU(gate)",
 )
 FC2_IN = SavedTensor(
-    "mlp/fc2_in", "fc2 (row-parallel)", _BSF, Kind.ACTIVATION, Region.TENSOR,
-    "dW = X^T dY needs the input",
+    "mlp/fc2_in", "fc2 (row-parallel)", _BSF, Kind.ACTIVATION, Region.TENSOR, "dW = X^T dY needs the input",
 )
 MLP_DROPOUT_MASK = SavedTensor(
-    "mlp/dropout_mask", "dropout after the MLP", _BSH, Kind.MASK, Region.SEQUENCE,
-    WHY_DROPOUT_MASK,
+    "mlp/dropout_mask", "dropout after the MLP", _BSH, Kind.MASK, Region.SEQUENCE, WHY_DROPOUT_MASK,
 )
 
 # -- A mixture-of-experts layer: its MLP is a router, E expert MLPs and (optionally) shared experts ----------------
@@ -326,8 +315,7 @@ MLA_K = SavedTensor(
 )
 MLA_V = SavedTensor(
     "mla/v", "core attention (weights x V or flash kernel): values up-projected from the latent",
-    (Dim.B, Dim.A, Dim.S, Dim.DV), Kind.ACTIVATION, Region.TENSOR,
-    "the gradient of the attention weights is dOut V^T",
+    (Dim.B, Dim.A, Dim.S, Dim.DV), Kind.ACTIVATION, Region.TENSOR, "the gradient of the attention weights is dOut V^T",
 )
 # V is a d_v-wide split of each head of the key/value up projection's output: where the core keeps it as that view (a
 # size condition of the implementation's says where), the whole output is kept in V's place.

@@ -22,7 +22,7 @@ from memcalc.config.schema import ModelConfig
 from memcalc.probe import require_torch
 from memcalc.probe.checkpoint import checkpoint
 from memcalc.probe.group import TensorParallelGroup
-from memcalc.probe.kernels import wide
+from memcalc.probe.kernels import fused_causal_softmax, fused_causal_softmax_backward, wide
 from memcalc.probe.linear import ColumnParallelLinear, RowParallelLinear
 from memcalc.probe.overlap import NO_OVERLAP, Overlap
 from memcalc.probe.norm import Norm
@@ -226,7 +226,7 @@ class FusedCausalSoftmax(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, scores, scale):
-        probs = _fused_softmax_forward(scores, scale)
+        probs = fused_causal_softmax(scores, scale)
         ctx.save_for_backward(probs)
         ctx.scale = scale
         return probs
@@ -234,30 +234,7 @@ class FusedCausalSoftmax(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (probs,) = ctx.saved_tensors
-        return _fused_softmax_backward(grad, probs, ctx.scale), None
-
-
-@torch.library.custom_op("memcalc::fused_causal_softmax", mutates_args=())
-def _fused_softmax_forward(scores: torch.Tensor, scale: float) -> torch.Tensor:
-    s = scores.shape[-1]
-    future = torch.ones(s, s, dtype=torch.bool, device=scores.device).triu(1)
-    return torch.softmax((wide(scores) * scale).masked_fill(future, float("-inf")), dim=-1).to(scores.dtype)
-
-
-@_fused_softmax_forward.register_fake
-def _(scores, scale):
-    return torch.empty_like(scores)
-
-
-@torch.library.custom_op("memcalc::fused_causal_softmax_backward", mutates_args=())
-def _fused_softmax_backward(grad: torch.Tensor, probs: torch.Tensor, scale: float) -> torch.Tensor:
-    wide_probs, wide_grad = wide(probs), wide(grad)
-    return (wide_probs * (wide_grad - (wide_grad * wide_probs).sum(-1, keepdim=True)) * scale).to(grad.dtype)
-
-
-@_fused_softmax_backward.register_fake
-def _(grad, probs, scale):
-    return torch.empty_like(grad)
+        return fused_causal_softmax_backward(grad, probs, ctx.scale), None
 
 
 def flash_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
@@ -275,11 +252,8 @@ class FlashAttention(torch.autograd.Function):
     forward:  q (b, a/t, s, d), k, v (b, g/t, s, d) -> out (s, b, a/t, d), lse (b, a/t, s) fp32
     backward: rebuilds the softmax from q, k and lse, and the dropout mask from the seed
 
-    Each direction is one op (`memcalc::flash_attention`, `memcalc::flash_attention_backward`), as
-    the kernel is: it computes naively inside (the s x s scores exist there, briefly), and what
-    memory tools see is a flash kernel's: forward makes out and lse, backward dq, dk and dv. The
-    output is allocated sequence-first, so that the output projection's input is a view of it, as
-    with Transformer Engine's sbhd layout.
+    Each direction is one op (`memcalc::flash_attention`, `memcalc::flash_attention_backward`), as the kernel is:
+    memory tools see only its outputs. Why not torch's CPU kernel: docs/probe.md, "The layer".
     """
 
     @staticmethod

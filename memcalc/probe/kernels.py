@@ -1,12 +1,6 @@
 """Kernels that are one fused kernel on the GPU, as one op here.
 
-Megatron runs RMSNorm's backward (Apex, Transformer Engine) and the fused SwiGLU's
-backward as single kernels, torch's CUDA rms_norm (`_fused_rms_norm`) its forward and
-backward: the allocator sees their outputs and nothing else. The
-same math in eager torch makes a handful of fp32 (s, b, h) or (s, b, f) temporaries,
-which a step's peak would count on the CPU and never on a GPU. Registered as custom
-ops, each runs below any TorchDispatchMode: MemTracker (`memcalc.probe.step`) sees
-the op's outputs only, as a CUDA run would. The math is eager torch, computed in fp32.
+Which kernels, and why one op: docs/probe.md, "Fused kernels as one op".
 """
 
 from __future__ import annotations
@@ -78,3 +72,29 @@ class FusedRMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         return (*rms_norm_backward(grad_y, *ctx.saved_tensors), None)
+
+
+@torch.library.custom_op("memcalc::fused_causal_softmax", mutates_args=())
+def fused_causal_softmax(scores: torch.Tensor, scale: float) -> torch.Tensor:
+    """Apex's scaled_upper_triang_masked_softmax: (batches, s, s) scores -> softmax(scale * scores, future masked),
+    computed in fp32, in the scores' dtype."""
+    s = scores.shape[-1]
+    future = torch.ones(s, s, dtype=torch.bool, device=scores.device).triu(1)
+    return torch.softmax((wide(scores) * scale).masked_fill(future, float("-inf")), dim=-1).to(scores.dtype)
+
+
+@fused_causal_softmax.register_fake
+def _(scores, scale):
+    return torch.empty_like(scores)
+
+
+@torch.library.custom_op("memcalc::fused_causal_softmax_backward", mutates_args=())
+def fused_causal_softmax_backward(grad: torch.Tensor, probs: torch.Tensor, scale: float) -> torch.Tensor:
+    """dScores = scale * P * (dP - rowsum(dP * P)), from the output alone, as the kernel computes it."""
+    wide_probs, wide_grad = wide(probs), wide(grad)
+    return (wide_probs * (wide_grad - (wide_grad * wide_probs).sum(-1, keepdim=True)) * scale).to(grad.dtype)
+
+
+@fused_causal_softmax_backward.register_fake
+def _(grad, probs, scale):
+    return torch.empty_like(grad)

@@ -1,27 +1,7 @@
 """Column- and row-parallel linears, the pair that tensor parallelism splits (seed, sections 3-4).
 
-A column-parallel linear holds a block of the weight's rows (out/t outputs); a
-row-parallel linear holds a block of its columns (in/t inputs) and sums partial
-results across ranks. Chained column -> row (fc1 -> fc2, QKV -> out-proj), the
-tensor between them never leaves its rank:
-
-    not SP:  x (s, b, h) --f--> column --> (s, b, 4h/t) --> row --> f* --> (s, b, h)
-    SP:      x (s/t, b, h) --g--> column --> (s, b, 4h/t) --> row --> g* --> (s/t, b, h)
-
-Under SP the column linear fuses g into its GEMM, as Megatron's
-LinearWithGradAccumulationAndAsyncCommunication does, so that it saves only its
-input's sequence shard for backward and all-gathers it again there (the seed's
-"nothing of size (b, s, h) is kept whole").
-
-Given an `Overlap` (overlap.py), an SP linear runs its forward collective as
-pieces beside pieces of its GEMM: the column's g as ring hops (ring-ag), the
-row's g* as ring hops or per-block reduce-scatters (ring-rs, pipelined-rs).
-Only the forward's schedule changes; backward is g's and g*'s as without it.
-
-Weights start from a seeded generator on the *full* (unsharded) matrix, cut
-into this rank's block: any t then holds the same model, so results compare
-across t. That costs one full weight on the CPU while a layer is built; on
-device "meta" nothing is drawn and the weights are empty (shapes only).
+The pair under TP and SP, the overlapped schedule, and how weights are drawn: docs/probe.md, "The column/row-parallel
+pair".
 """
 
 from __future__ import annotations
@@ -139,12 +119,8 @@ class _ParallelLinear(nn.Module):
         return shape
 
     def seeded_full_weights(self, seed: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """nn.Linear's uniform(+-1/sqrt(in)) init of the whole unsharded layer, drawn from `seed`.
-
-        A layer on device "meta" holds no values, so nothing is drawn: the full weights
-        come back empty on meta, and a full-size layer is built without them ever
-        existing on the CPU (a GPT-3 175B fc1 alone is 4.8 GB in fp32).
-        """
+        """nn.Linear's uniform(+-1/sqrt(in)) init of the whole unsharded layer, drawn from `seed`; empty on device
+        "meta", so a full-size layer never exists on the CPU (a GPT-3 175B fc1 alone is 4.8 GB in fp32)."""
         device = "meta" if self.weight.is_meta else "cpu"
         weight = torch.empty(self.out_features, self.in_features, device=device)
         bias = torch.empty(self.out_features, device=device)

@@ -58,7 +58,7 @@ class _RMSNorm(torch.autograd.Function):
         x_wide = wide(x)
         rstd = torch.rsqrt(x_wide.pow(2).mean(-1, keepdim=True) + EPS)  # (s, b, 1)
         y = (x_wide * rstd).to(x.dtype) * weight
-        rstd = rstd.to(norm_stats_dtype(x))
+        rstd = rstd.to(_stats_dtype(x.device.type, x.dtype))
         ctx.save_for_backward(x, weight, rstd)
         ctx.mark_non_differentiable(rstd)
         ctx.set_materialize_grads(False)  # no zeros made for rstd's (absent) gradient
@@ -72,10 +72,6 @@ class _RMSNorm(torch.autograd.Function):
 
 @lru_cache(maxsize=None)
 def _stats_dtype(device_type: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype torch's LayerNorm kernel keeps its statistics in, for `dtype` on `device_type`."""
     probe = torch.zeros(1, 2, dtype=dtype, device=device_type)
     return torch.native_layer_norm(probe, (2,), None, None, EPS)[2].dtype
-
-
-def norm_stats_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype torch's LayerNorm kernel keeps its statistics in, for x's dtype on x's device."""
-    return _stats_dtype(x.device.type, x.dtype)

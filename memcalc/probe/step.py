@@ -62,11 +62,7 @@ MEASURED_CATEGORIES = {
 
 class Embedding(nn.Module):
     """Megatron's LanguageModelEmbedding: vocabulary-parallel word embedding, learned positions, dropout.
-
-    (b, s) token ids -> (s, b, h), or this rank's sequence shard (s/t, b, h) under SP.
-    Each rank holds v_padded/t rows of the table; ids outside its rows look up row 0 and
-    are zeroed, and f* (or, under SP, the split after it) sums the ranks' rows.
-    """
+    (b, s) token ids -> (s, b, h), or this rank's sequence shard (s/t, b, h) under SP."""
 
     def __init__(self, config: ModelConfig, tp: TensorParallelGroup, sequence_parallel: bool) -> None:
         super().__init__()
@@ -209,14 +205,9 @@ class GPT(nn.Module):
 
 
 class MainGrads:
-    """Megatron's contiguous fp32 gradient buffer: one view (`param.main_grad`) per parameter.
-
-    Allocated once, before any step. A hook on each parameter's gradient accumulator
-    adds the bf16 gradient into the buffer and drops it, so a weight's bf16 gradient
-    lives only from the moment autograd finishes it until its addition. A DTensor
-    weight (transformers' TP) has its local shard's view; a gradient laid out otherwise
-    (the vocabulary-parallel embedding's Replicate one) is first laid out as its weight.
-    """
+    """Megatron's contiguous fp32 gradient buffer, one view (`param.main_grad`) per parameter (docs/probe.md, "One
+    whole step"). A DTensor weight (transformers' TP) has its local shard's view; a gradient laid out otherwise (the
+    vocabulary-parallel embedding's Replicate one) is first laid out as its weight."""
 
     def __init__(self, params: list[nn.Parameter]) -> None:
         shards = [local(p) for p in params]
@@ -262,12 +253,8 @@ def _add_into_main_grad(param: nn.Parameter):
 
 
 class MixedPrecisionAdamW(torch.optim.Optimizer):
-    """AdamW on fp32 master weights for bf16 parameters, as Megatron's Float16Optimizer keeps them.
-
-    The master weights are one flat fp32 buffer; each parameter's state holds its view
-    (`main_param`), so MemTracker files them with the optimizer's states. The flat buffer's
-    `.grad` is the gradient buffer itself, as Megatron sets `main_param.grad = main_grad`.
-    """
+    """AdamW on fp32 master weights for bf16 parameters, as Megatron's Float16Optimizer keeps them: one flat buffer,
+    each parameter's state its view (`main_param`, an optimizer state), its `.grad` the gradient buffer."""
 
     def __init__(self, params: list[nn.Parameter], main_grads: MainGrads, lr: float = 1e-4) -> None:
         super().__init__(params, {})

@@ -71,6 +71,7 @@ SOFTMAX_FP32 = SavedTensor(
 # over the slots its experts receive in the expert region.
 _BSK = (Dim.B, Dim.S, Dim.K)
 TOPK_PROBS = SavedTensor(
+    
     "moe/topk_probs_fp32", "router: torch.softmax(top-k logits, dtype=float32) (moe_utils.topk_routing_with_score_function)",
     _BSK, Kind.FP32, Region.SEQUENCE, "softmax backward needs its output: the k chosen experts' probabilities",
     paper=False,
@@ -111,6 +112,7 @@ AUX_SCORES = SavedTensor(
 # With the sigmoid router the aux loss's scores are every expert's sigmoid in the activation dtype (not fp32),
 # normalised over the E experts; the loss, a sum over them, has that dtype too.
 AUX_SIGMOID_SCORES = SavedTensor(
+    
     "moe/aux_sigmoid_scores", "router: sigmoid(logits) / (its sum over E + 1e-20) (compute_routing_scores_for_aux_loss)",
     (Dim.B, Dim.S, Dim.E), Kind.ACTIVATION, Region.SEQUENCE,
     "the load-balancing loss's gradient flows through the sigmoid, whose derivative is read from its output, and"
@@ -318,21 +320,28 @@ def latent_attention(knobs: Any) -> tuple[SavedTensor, ...]:
     return (ledger.QKV_IN, *query, *latent, *MLA_ROPE, ledger.MLA_Q, ledger.MLA_K, ledger.MLA_V)
 
 
-def swiglu(knobs: Any) -> tuple[SavedTensor, ...]:
-    """Gate and up (the two halves of fc1's output); unfused, also SiLU's output and a copy of up."""
+# What an MLP's activation keeps, by MLP (the dense one, each expert, the shared experts): GELU's input; SwiGLU's gate,
+# up, SiLU's output and the copy of up.
+_DENSE = (ledger.GELU_IN, ledger.SWIGLU_GATE, ledger.SWIGLU_UP, ledger.SWIGLU_SILU_OUT, SWIGLU_UP_COPY)
+_EXPERT = (ledger.EXPERT_GELU_IN, ledger.EXPERT_GATE, ledger.EXPERT_UP, ledger.EXPERT_SILU_OUT, EXPERT_UP_COPY)
+_SHARED = (ledger.SHARED_GELU_IN, ledger.SHARED_GATE, ledger.SHARED_UP, ledger.SHARED_SILU_OUT, SHARED_UP_COPY)
+
+
+def activation(knobs: Any, mlp: tuple[SavedTensor, ...]) -> tuple[SavedTensor, ...]:
+    """What `mlp`'s activation keeps: GELU its input (F.gelu, exact or tanh, openai_gelu, the fused bias_gelu);
+    SwiGLU gate and up (the two halves of fc1's output), unfused also SiLU's output and a copy of up."""
+    gelu_in, gate, up, silu_out, up_copy = mlp
+    if knobs.mlp != "swiglu":
+        return (gelu_in,)
     if knobs.bias_activation_fusion:
-        return (ledger.SWIGLU_GATE, ledger.SWIGLU_UP)  # BiasSwiGLUFunction keeps its input alone
-    return (ledger.SWIGLU_GATE, ledger.SWIGLU_UP, ledger.SWIGLU_SILU_OUT, SWIGLU_UP_COPY)
+        return (gate, up)  # BiasSwiGLUFunction keeps its input alone
+    return (gate, up, silu_out, up_copy)
 
 
 def mlp_block(knobs: Any) -> tuple[SavedTensor, ...]:
     """fc1 input, the activation's terms, fc2 input, the output mask."""
-    if knobs.mlp == "swiglu":
-        activation = swiglu(knobs)
-    else:
-        activation = (ledger.GELU_IN,)  # F.gelu (exact or tanh), openai_gelu, the fused bias_gelu: the input
     mask = (ledger.MLP_DROPOUT_MASK,) if knobs.has_dropout else ()
-    return (ledger.FC1_IN, *activation, ledger.FC2_IN, *mask)
+    return (ledger.FC1_IN, *activation(knobs, _DENSE), ledger.FC2_IN, *mask)
 
 
 def moe_block(knobs: Any) -> tuple[SavedTensor, ...]:
@@ -344,13 +353,7 @@ def moe_block(knobs: Any) -> tuple[SavedTensor, ...]:
     capacity = (CAPACITY_MASK,) if knobs.moe_expert_capacity_factor is not None else ()
     router = (ledger.MOE_IN, *router_scores(knobs), ledger.ROUTER_TOPK_INDICES, *capacity, *aux_loss(knobs),
               *dispatch(knobs))
-    if knobs.mlp != "swiglu":
-        activation: tuple[SavedTensor, ...] = (ledger.EXPERT_GELU_IN,)
-    elif knobs.bias_activation_fusion:
-        activation = (ledger.EXPERT_GATE, ledger.EXPERT_UP)
-    else:
-        activation = (ledger.EXPERT_GATE, ledger.EXPERT_UP, ledger.EXPERT_SILU_OUT, EXPERT_UP_COPY)
-    experts = (ledger.EXPERT_IN, *activation, EXPERT_ACT_OUT, EXPERT_PROBS, ledger.EXPERT_FC2_IN)
+    experts = (ledger.EXPERT_IN, *activation(knobs, _EXPERT), EXPERT_ACT_OUT, EXPERT_PROBS, ledger.EXPERT_FC2_IN)
     mask = (ledger.MLP_DROPOUT_MASK,) if knobs.has_dropout else ()
     return (*router, *experts, *shared_experts(knobs), *mask)
 
@@ -389,11 +392,7 @@ def shared_experts(knobs: Any) -> tuple[SavedTensor, ...]:
     """SharedExpertMLP: a dense MLP of width u on every token; its fc1 reads the router's input (one storage)."""
     if not knobs.moe_shared_expert_intermediate_size:
         return ()
-    if knobs.mlp != "swiglu":
-        return (ledger.SHARED_GELU_IN, ledger.SHARED_FC2_IN)
-    if knobs.bias_activation_fusion:  # BiasSwiGLUFunction keeps fc1's output alone, as the dense MLP's
-        return (ledger.SHARED_GATE, ledger.SHARED_UP, ledger.SHARED_FC2_IN)
-    return (ledger.SHARED_GATE, ledger.SHARED_UP, ledger.SHARED_SILU_OUT, SHARED_UP_COPY, ledger.SHARED_FC2_IN)
+    return (*activation(knobs, _SHARED), ledger.SHARED_FC2_IN)
 
 
 def layer_tensors(knobs: Any, accounting: Accounting, fused_softmax: bool = True) -> tuple[SavedTensor, ...]:
@@ -440,8 +439,7 @@ FUSED_SOFTMAX = SizeRule(
     " else of 4), the unfused softmax keeps the (s, s) causal mask and its output (fp32 with"
     " attention_softmax_in_fp32)",
     applies=lambda knobs: knobs.attention == "eager" and knobs.recompute not in ("selective", "full")
-    and knobs.dtype != "fp32" and knobs.masked_softmax_fusion,
-    runs=fused_softmax_runs,
+    and knobs.dtype != "fp32" and knobs.masked_softmax_fusion, runs=fused_softmax_runs,
     outside=lambda knobs, accounting: layer_tensors(knobs, accounting, fused_softmax=False),
     misses=fused_softmax_misses,
 )
@@ -523,15 +521,8 @@ def tp_plan(knobs: Any) -> TPPlan:
 
 
 IMPLEMENTATION = Implementation(
-    name="megatron",
-    title="Megatron-core",
+    name="megatron", title="Megatron-core",
     measured_on="megatron-core 0.16.1 TransformerLayer and TransformerBlock (full recompute), local spec, on CPU",
-    layer_tensors=layer_tensors,
-    tp_plan=tp_plan,
-    sequence_parallel_forms=sequence_parallel_forms,
-    tensors=TENSORS,
-    check=check,
-    size_rule=FUSED_SOFTMAX,
-    size_conditions=CONDITIONS,
-    refuses=(MOE_WITHOUT_SP,),
+    layer_tensors=layer_tensors, tp_plan=tp_plan, sequence_parallel_forms=sequence_parallel_forms, tensors=TENSORS,
+    check=check, size_rule=FUSED_SOFTMAX, size_conditions=CONDITIONS, refuses=(MOE_WITHOUT_SP,),
 )

@@ -1,25 +1,7 @@
 """The paper: Korthikanti et al. 2022's accounting as an implementation of its own (shared/SEED.md).
 
-The seed's layer exactly, at every size: what backward needs and nothing a
-library adds. LayerNorm before attention and before a GELU MLP of 4h, multi-head
-attention op by op, a softmax that keeps its 16-bit output (the fused CUDA kernel
-the paper measured, with no window of sizes: at every shape), dropout after the
-attention weights and after both blocks, 16-bit activations and 1-byte masks:
-
-    none   sbh(34 + 5as/h)
-    tp     sbh(10 + 24/t + 5as/(ht))
-    tp-sp  sbh(34/t + 5as/(ht))
-
-Selective recomputation drops the 5as/h terms (the core is rerun), full
-recomputation keeps the layer's input alone, 2sbh (2sbh/t under SP). Exact
-accounting adds LayerNorm's statistics, the small terms the paper leaves out.
-
-Every other implementation departs from these numbers only where its library
-keeps something else; `memcalc.model.departures` names each difference. Knobs
-outside the seed's layer are refused (`check`), one line naming the knob: the
-paper says nothing about SwiGLU, flash attention, K/V groups, experts, latents,
-context parallelism or fp32 activations. `memcalc measure --impl paper` runs
-memcalc's own layer, whose fused softmax keeps what this accounting counts.
+The seed's layer exactly, at every size; its formulas, what it refuses and why: docs/impl-notes/paper.md, rendered
+into docs/impl-paper.md.
 """
 
 from __future__ import annotations

@@ -155,8 +155,7 @@ MOE_SORTED_SCORES = SavedTensor(
     (Dim.RS,), Kind.FP32, Region.EXPERT, "the expert output's gradient in the product is dY * score", paper=False,
 )
 MOE_OFFSETS = SavedTensor(
-    "moe/expert_offsets", f"{_GROUPED}: cumsum of the tokens per local expert, kept by each grouped matmul",
-    (Dim.EL,),
+    "moe/expert_offsets", f"{_GROUPED}: cumsum of the tokens per local expert, kept by each grouped matmul", (Dim.EL,),
     Kind.INT32, Region.REPLICATED, "a grouped matmul's backward cuts dY at the same expert boundaries", paper=False,
 )
 MOE_EXPERT_OUT = SavedTensor(

@@ -1,19 +1,6 @@
 """Ledger names for tensors made inside a library's own code, which the probe cannot edit.
 
-memcalc's own layer calls `recorder.label` beside each op. A library's layer
-(Megatron-core, torchtitan, transformers) is run as it is, so its tensors are
-named from the outside, by rules: "the result of the first `softmax` called
-inside any module whose name ends in `self_attn` is attention/softmax_out".
-
-`Labels` follows which module is running with forward pre/post hooks on every
-submodule of the root, and sees each torch-level call (functions and tensor
-methods: `F.linear`, `x.to`, `a * b`) through a `TorchFunctionMode`. A call
-inside a torch function is not seen separately, so a rule names what the
-library's Python code calls, the same thing one reads in its source. A rule
-with `function="forward"` names a module's own input (`arg`) or output.
-
-    with SavedTensorRecorder(layer.parameters()) as recorder, Labels(layer, RULES):
-        y = layer(x)
+How rules name what a library's own code makes: docs/probe.md, "Naming a library's tensors".
 """
 
 from __future__ import annotations

@@ -1,34 +1,7 @@
 """megatron-core's own layer on one tensor-parallel rank, recorded under ledger names.
 
-`run_layer` builds `TransformerLayer` from the spec megatron's GPT decoder block
-gives it (`get_gpt_decoder_layer_specs`, no Transformer Engine; of a MoE model,
-its first MoE layer or its first dense one), or a `TransformerBlock` of that one
-layer for full recomputation (Megatron checkpoints whole layers from the block),
-with a `TransformerConfig`
-sized from memcalc's config, under megatron's `parallel_state` on the probe's
-process group (fake, gloo, nccl or torchrun; a one-rank fake group when t = 1).
-It runs inside `megatron_shim.cpu_megatron()`, whose `NOTES` say what was
-patched to run on a CPU as on CUDA.
-
-Megatron-LM's training arguments, not TransformerConfig's defaults, decide three
-choices, each a memcalc knob of the same name whose default is Megatron-LM's:
-`masked_softmax_fusion` (on: the fused causal softmax keeps bf16),
-`attention_softmax_in_fp32` (off: the unfused softmax keeps 16 bits) and
-`bias_activation_fusion`.
-
-Two storages hold several ledger tensors side by side: the fused QKV output
-(q, k and v are views of it) and, under SwiGLU, fc1's output (gate and up). Each
-is labelled with a private marker and reported as one row per ledger tensor,
-its bytes divided by the columns each tensor spans (`_SPLITS`), so the table
-reads row by row as the ledger does and the bytes add up to the storage's.
-
-With num_experts the MLP is megatron's MoELayer (TopKRouter, the all-to-all or
-all-gather token dispatcher, SequentialMLP experts, SharedExpertMLP), its
-experts split over ep ranks and expert tensor parallelism etp = t: a fake group of t*ep
-ranks when ep > 1 (expert parallelism runs on the fake group only). Each
-expert keeps its tensors for the tokens it got, one storage per expert: a
-ledger row is their sum, of r rows (labels.merged_rows). `--route` forces
-the router (megatron_shim.forced_routing).
+How the layer is built and run, which training arguments decide its kernels, and how shared storages and experts
+are reported: docs/probe.md, "megatron-core's own layer".
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from unittest import mock
 from memcalc.model import ledger
 from memcalc.model.ledger import NormTensors
 from memcalc.probe import require_torch, shims
+from memcalc.probe.kernels import fused_causal_softmax, fused_causal_softmax_backward
 from memcalc.probe.libs.hf_shim import lead, route_lead
 from memcalc.probe.norm import EPS, Norm
 from memcalc.probe.recorder import batch_first, label
@@ -87,49 +88,11 @@ def _causal_mask(sq: int) -> torch.Tensor:
 
 
 def _softmax_extension() -> types.ModuleType:
-    """A stand-in for the CUDA extension: forward(inputs, scale), backward(grads, softmax, scale)."""
+    """A stand-in for the CUDA extension: forward(inputs, scale), backward(grads, softmax, scale), each one op."""
     module = types.ModuleType(_SOFTMAX_EXTENSION)
-    module.forward = _fused_causal_softmax
-    module.backward = _fused_causal_softmax_backward
+    module.forward = lambda inputs, scale: fused_causal_softmax(inputs, float(scale))
+    module.backward = lambda grads, softmax, scale: fused_causal_softmax_backward(grads, softmax, float(scale))
     return module
-
-
-def _fused_causal_softmax(inputs: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The kernel's forward, one op (`causal_softmax`): the allocator sees its output alone, as on CUDA."""
-    return causal_softmax(inputs, float(scale))
-
-
-def _fused_causal_softmax_backward(grads: torch.Tensor, softmax: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The kernel's backward, one op (`causal_softmax_backward`)."""
-    return causal_softmax_backward(grads, softmax, float(scale))
-
-
-# Registered as custom ops, the kernel's math (in fp32, as the kernel computes) runs below any TorchDispatchMode:
-# MemTracker (memcalc.probe.step) sees each kernel's output only, as a CUDA run would (memcalc.probe.kernels).
-@torch.library.custom_op("memcalc::megatron_causal_softmax", mutates_args=())
-def causal_softmax(inputs: torch.Tensor, scale: float) -> torch.Tensor:
-    """(attn_batches, s, s) scores -> softmax(scale * scores, future masked), in the input's dtype."""
-    s = inputs.shape[-1]
-    future = torch.ones(s, s, dtype=torch.bool, device=inputs.device).triu(1)
-    scores = (inputs.float() * scale).masked_fill(future, -math.inf)
-    return torch.softmax(scores, dim=-1).to(inputs.dtype)
-
-
-@causal_softmax.register_fake
-def _(inputs, scale):
-    return torch.empty_like(inputs)
-
-
-@torch.library.custom_op("memcalc::megatron_causal_softmax_backward", mutates_args=())
-def causal_softmax_backward(grads: torch.Tensor, softmax: torch.Tensor, scale: float) -> torch.Tensor:
-    """d scores = scale * y * (dy - rowsum(dy * y)), as the kernel computes it."""
-    y, dy = softmax.float(), grads.float()
-    return (scale * y * (dy - (dy * y).sum(-1, keepdim=True))).to(grads.dtype)
-
-
-@causal_softmax_backward.register_fake
-def _(grads, softmax, scale):
-    return torch.empty_like(grads)
 
 
 def _sizes() -> types.ModuleType:
@@ -255,14 +218,9 @@ def seed_rng_tracker(seed: int, tp_rank: int) -> None:
 
 
 class SequenceParallelNorm(nn.Module):
-    """The local spec's norm, accepting SP: memcalc's probe norm (torch LayerNorm, or fused-style RMSNorm).
-
-    Built as megatron builds a norm, `Norm(config=..., hidden_size=..., eps=...)`, plus the
-    ledger names it labels its input and statistics with (a spec param). Under SP its weights
-    are marked `sequence_parallel`, as Apex's FusedLayerNorm does, so megatron all-reduces
-    their gradients across the TP group. `heads` (a spec param): qk_layernorm's norm over each
-    head of (s, b, heads, d), its input labelled where it is made (memcalc.probe.norm.Norm).
-    """
+    """The local spec's norm, accepting SP: memcalc's probe norm (docs/probe.md, "What the table leaves out"), built as
+    megatron builds a norm, plus the ledger `names` it labels with and `heads` (qk_layernorm's, per head of (s, b,
+    heads, d)), both spec params."""
 
     def __init__(
         self, config: Any, hidden_size: int, names: NormTensors, eps: float = EPS, heads: bool = False, **_: Any,

@@ -1,18 +1,7 @@
-"""One training step of memcalc's GPT with megatron-core's own modules in its layers, measured with MemTracker: with
-num_experts its MoE layers' MLPs are megatron-core's MoELayer, with kv_lora_rank its attention is MLASelfAttention
-(both: DeepSeek-V3's layers; `memcalc measure --step --impl megatron`).
+"""One training step of memcalc's GPT with megatron-core's MoELayer or MLASelfAttention in its layers, under MemTracker.
 
-The step probe's GPT (memcalc.probe.step) with each MoE layer's MLP swapped for the MoELayer megatron's GPT decoder
-block spec gives that layer (`megatron_shim.layer_spec`: TopKRouter, the configured token dispatcher, SequentialMLP
-experts, shared experts), and each layer's attention for the MLASelfAttention of the latent layer's spec (its down
-projections, latent norms, up projections, RoPE, local core attention, linear_proj), built from the
-`TransformerConfig` the layer probe builds (memcalc.probe.libs.megatron) under megatron's parallel_state on the
-probe's group, inside `megatron_shim.cpu_megatron()`, the router forced by `--route` (`megatron_shim.forced_routing`).
-Warm-up and measured step both run inside the shim, so the dispatcher runs its CPU path and the core its softmax
-extension and dropout each time. Trained as every step trainer trains (`Trainer.around`: Megatron's fp32 gradient
-buffer and mixed-precision AdamW). Two things megatron keeps outside any step are not tensors MemTracker sees, as on
-CUDA they are not in the ledger: the global memory buffer the core's baddbmm writes into (made in the warm-up step,
-reused), and RotaryEmbedding's frequencies (its forward is lru-cached).
+The model, what runs inside the shim, and what megatron keeps outside any step: docs/probe.md, "megatron-core's modules
+under `--step`".
 """
 
 from __future__ import annotations

@@ -1,25 +1,7 @@
 """Run torchtitan's own Llama3 block under its own TP plan, and name what it keeps by the ledger.
 
-The block is torchtitan's (torchtitan.models.llama3: `_build_llama3_layers`, the
-builder every Llama3 flavour uses: fused wqkv, ComplexRoPE, nn.RMSNorm, SwiGLU)
-with memcalc's sizes: dim h, n_heads a, n_kv_heads g, hidden_dim f. torchtitan's
-flavours derive f from h (compute_ffn_hidden_dim: 8h/3 times ffn_dim_multiplier,
-rounded up to multiple_of); here f is memcalc's ffn_hidden_size, passed as is.
-Weights are in the activation dtype, as FSDP's mixed precision gives them to forward.
-
-For t > 1 its TP plan is applied as its trainer does (models/llama3/parallelize.py):
-`set_llama3_sharding_config` (sequence parallel on for tp-sp, off for tp), then
-`Module.parallelize` over a ParallelDims with tp = t, on the spmd_types backend
-(torchtitan's default; its collectives are torch.distributed calls on the
-DeviceMesh's TP group, which is the probe's group). t = 1 parallelizes nothing,
-as torchtitan does when TP is off. Recompute full and op wrap the block in
-torchtitan's FullAC and SelectiveAC.
-
-Names: `Labels` rules name what torchtitan's Python code passes to torch; what
-torch's C++ composites make inside one call (the CPU rms_norm's fp32 tensors,
-the attention kernel's log-sum-exp) is named one level down, at the aten op,
-by `AtenLabels`. The op outputs SelectiveAC caches are handed to the recorder
-(see `_hand_to_recorder`).
+The block, its TP plan and activation checkpointing, and how its tensors are named: docs/probe.md, "torchtitan's own
+block".
 """
 
 from __future__ import annotations
@@ -153,12 +135,8 @@ def _rope(config: ModelConfig) -> Any:
 
 
 def build_block(config: ModelConfig, tp: TensorParallelGroup, strategy: Strategy, dims: ParallelDims | None) -> Any:
-    """The block laid out by its plan, then initialised as torchtitan's trainer does it.
-
-    Parameters are made in the activation dtype, as FSDP's mixed precision gives them
-    to forward; the RoPE table stays complex64 (`Module.to(bf16)` would discard its
-    imaginary part).
-    """
+    """The block laid out by its plan, then initialised as torchtitan's trainer does it, in the activation dtype
+    (docs/probe.md); the RoPE table stays complex64 (`Module.to(bf16)` would discard its imaginary part)."""
     with torch.device(tp.device), set_default_dtype(DTYPES[config.dtype]):
         block = block_config(config, strategy.sequence_parallel).build()
         if dims is not None:

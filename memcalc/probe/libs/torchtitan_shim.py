@@ -58,12 +58,9 @@ def mesh_device(device_type: str) -> Iterator[None]:
 
 @contextmanager
 def every_rank_routes_alike() -> Iterator[None]:
-    """On the fake group, the EP dispatcher's all-to-all of token counts leaves each source rank's counts for this
-    rank's experts as this rank's own: every rank routes as this one (so under a forced route, which each rank
-    repeats on its own tokens). The all-to-all still runs; only the values it leaves are written. The fake group's
-    list all-to-all copies each input chunk to the same rank's output chunk, which an uneven route (this rank's
-    slots sent to itself alone, received from every rank) cannot: there it zeroes the chunks spmd_types allocated
-    (uninitialised, they could hold NaNs that a step's update would write into the weights, and so into the route)."""
+    """On the fake group, every rank routes as this one: the token counts' all-to-all still runs, then leaves this
+    rank's own counts; the chunks an uneven all-to-all cannot copy are zeroed (docs/probe.md, "What the table leaves
+    out")."""
     from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
 
     original, all_to_all = AllToAllTokenDispatcher._token_count_exchange, torch.distributed.all_to_all

@@ -1,26 +1,6 @@
-"""One whole training step of torchtitan's own Llama3 model under MemTracker (`memcalc measure --step --impl
-torchtitan`).
+"""One whole training step of torchtitan's own Llama3 model under MemTracker (`measure --step --impl torchtitan`).
 
-The model is torchtitan 0.3.0's `Llama3Model` (its Decoder: `tok_embeddings`, L `Llama3TransformerBlock`s built by
-its own `_build_llama3_layers`, the final `norm`, `lm_head`) at memcalc's sizes, untied as Llama3 trains it, each
-block's attention torchtitan's ScaledDotProductAttention (flex has no CPU backward: memcalc.probe.libs.torchtitan);
-with `device` cuda its default flex attention, run as CUDA runs it (the shim's flex_on_cpu and fused_norms).
-It is built as torchtitan's trainer builds it: on the meta device, laid out by its TP plan under tp, then `to_empty`
-on the rank's device and `init_states` (each parameter its own shard's storage: parallelizing a model built on the
-device keeps the whole storage behind each dim-0 shard). Parameters are in the activation dtype, as FSDP's mixed
-precision gives them to forward; each block's RoPE keeps its own complex64 (s, d/2) `cache` buffer. Under recompute
-full or op torchtitan's own FullAC or SelectiveAC config object is built and applied to the model, after its TP plan,
-as parallelize_llama does.
-
-The loss is torchtitan's own `CrossEntropyLoss` as its trainer calls it (trainer.py, `_forward_backward_body`): the
-summed fp32 cross-entropy divided by the count of valid tokens (`(labels != IGNORE_INDEX).sum()`), the bf16 logits
-dropped before backward (`del pred`). It is trained as `memcalc.probe.step` trains memcalc's GPT, with the same
-pieces (Megatron's fp32 gradient buffer, fp32 master weights and fused AdamW), which at t = 1 without FSDP is what
-any mixed-precision trainer keeps; a warm-up step, then one step measured by `measure_trainer`.
-
-Under FSDP2 (`--dp-shard`) the model is laid out by torchtitan's own parallelize_llama on its own meshes
-(`data_parallel`; under tp its default 2-D layout, the TP plan over t and FSDP2 over dp_shard), trained by its trainer's
-optimizer and zero_grad, and measured by FSDPMemTracker (memcalc.probe.libs.hf_fsdp).
+How the model is built, its loss, and FSDP2: docs/probe.md, "torchtitan's model under `--step`".
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
 """One training step on one rank, over time: what is live at each moment, and the peak.
 
-A run goes out of memory at its peak, a moment when short-lived tensors (each op's gradients in backward, the
-loss's working set) sit on top of the model states and saved activations `memcalc.sizing.totals` adds. The walk
-takes its saved tensors from the ledger, so every implementation rule there holds here too, and it is exact where
-`memcalc measure --step` runs the same step under MemTracker. What it models, phase by phase and library by library,
-and what it leaves out (the allocator, workspaces): docs/timeline.md.
+Why the peak, not the totals, and what it models phase by phase and library by library: docs/timeline.md.
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
 """transformers' LlamaDecoderLayer (Qwen3's with qk_layernorm) described once as ops, for the hf step walk.
 
-Forward is one moment, at the layer's second residual sum: every tensor the hf ledger (memcalc.model.impls.hf) keeps
-for the layer, less RoPE's tables (the model's, kept by every layer), beside the residual stream; under gradient
-checkpointing, which keeps none of them, the ops' own forward steps run instead, op by op (what each makes, what goes
-when the Python code drops it), and again in backward as the checkpoint's rerun. Backward runs the ops
-in reverse, each releasing the ledger's records it saves when its node returns, in forward order: input_layernorm
-(LlamaRMSNorm, eager in fp32); q_proj, k_proj, v_proj (each dX summed as it comes; Qwen3's q_norm and k_norm after
-q's and k's); RoPE; the core (eager: two bmm, an fp32 softmax, repeat_kv's sums under GQA; or SDPA's flash kernel);
-o_proj; post_attention_layernorm; LlamaMLP. A weight's gradient is handed over once its GEMMs' node returns.
+Its forward moment, its ops in backward order and gradient checkpointing: docs/timeline.md, "transformers' decoder
+layer".
 """
 
 from __future__ import annotations

@@ -1,17 +1,6 @@
 """Megatron's transformer layer (impl megatron and paper) in the step, described once as ordered ops.
 
-`layer_ops` is the layer as the probe's own layer runs it (memcalc.probe.layer, attention.py, mlp.py, norm.py,
-kernels.py, checkpoint.py), for the generic walk (memcalc.sizing.timeline.walk): ln1, QKV (column-parallel), the
-split into q, k and v (heads of kv_channels; with qk_layernorm each query and key head normed), the core (eager op
-by op, or one flash kernel; under selective recomputation a checkpoint that reruns it inside backward), the
-projection (row-parallel), dropout and the residual add, ln2, fc1, GELU or SwiGLU, fc2, dropout and the residual
-add. Each op keeps the ledger's saved tensors (memcalc.model.impls.megatron) and says what its backward makes and
-frees, as autograd runs it, with the collectives of TP and SP as steps.
-
-The layer's forward is one moment, its end: what the ledger says it keeps, and its output. Under full recomputation
-the layer is a checkpoint that keeps its input alone and reruns the layer's forward at the start of its backward.
-Names are the same in every layer (a saved tensor's is the ledger's): one layer's backward runs at a time, so one op
-tuple serves them all; the walk's module path says which layer (layers.3.mlp.fc2).
+Its ops in order, what the forward moment holds and full recomputation: docs/timeline.md, "Megatron's layer".
 """
 
 from __future__ import annotations

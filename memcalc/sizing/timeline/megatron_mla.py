@@ -1,32 +1,6 @@
 """Megatron's latent attention (megatron-core 0.16's MLASelfAttention, DeepSeek-V2/V3) in the step, as ops.
 
-`attention` appends the attention's backward to Megatron's layer (memcalc.sizing.timeline.megatron `layer_ops`), as
-autograd runs megatron-core's own module (the step probe's, memcalc.probe.libs.megatron_step), in backward order:
-
-    linear_proj                 dX, dW (row-parallel)
-    core (DotProductAttention)  bmm's dV and dWeights; the fused causal softmax's (or torch's) backward; baddbmm's dQ
-                                and dK, each a bmm then its scaling (a new tensor); under selective recomputation
-                                inside megatron's CheckpointFunction (the core rerun first)
-    RoPE, the key's part        the expand over heads summed; apply_rotary_pos_emb's backward (rotate_half's, the
-                                sin and cos products', MLA's even/odd interleave, the RoPE slice): what it keeps
-                                (the cast cos and sin tables) goes as each product returns
-    RoPE, the query's part      the same, on every head
-    the splits                  d[k_nope | v] and d[q_nope | q_rope] concatenated (the up projections' outputs)
-    up projections              kv's, then q's (or q_proj on x, without a query latent): dX, dW (under SP dX is
-                                reduce-scattered into a new shard; the input is gathered into megatron's buffer)
-    latent norms                kv's, then q's: dX and the weight's gradient (on this rank's sequence shard)
-    kv down output              d[latent | k_rope] concatenated (under SP the latent's dY gathered along s first)
-    down projections            kv's, then q's: under tp this rank's columns of dY first (the gathered output's
-                                backward), under SP the query latent's dY gathered along s before; dX, dW; x's two
-                                gradients summed (under tp as the last returns, before its dW is handed over)
-
-The forward is the layer's one moment (memcalc.sizing.timeline.megatron): the ledger's saved tensors (`SavedTensor`
-records of memcalc.model.impls.megatron). Beside them megatron keeps three things the ledger does not list
-(`beside_the_ledger`, `host_scalars`): each layer's RoPE frequencies (RotaryEmbedding.forward is lru-cached) and
-the global memory buffer the core's baddbmm writes into, both made in the first step and kept (a tracker started
-before a step sees them where forward first touches them), and the fused softmax's scale (or under selective
-recomputation the checkpoint's attn_mask_type), a 1-element tensor (host memory on CUDA: counted on the CPU only).
-Under full recomputation the layer's rerun (memcalc.sizing.timeline.megatron) makes them all again, the scale too.
+Its backward op by op, and what megatron keeps beside the ledger: docs/timeline.md, "Megatron's latent attention".
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """The tape a step is walked on: what is live, the moments it makes, and the sizes one rank works with.
 
-Categories are MemTracker's (`memcalc.probe.step`): a tensor made in forward is an
-activation until freed, one made in backward a temporary, a weight's bf16 gradient a
-temporary until autograd hands it to the parameter, the fp32 gradient buffer a gradient,
-master weights and Adam's moments optimizer states.
+Categories are MemTracker's (`memcalc.probe.step`), as docs/timeline.md, "The walk", files each tensor.
 """
 
 from __future__ import annotations

@@ -1,26 +1,7 @@
 """A layer described once, as an ordered list of ops, and the one walk that puts any such list on the tape.
 
-Issue 19: each op says what it makes in forward, which of the ledger's saved tensors it keeps for backward (the
-`SavedTensor` records themselves, sized by the ledger: nothing is written twice), and what its backward makes and
-frees. `Walk.forward` and `Walk.backward` turn any list of ops into moments, the way autograd runs them:
-
-    forward     op by op, in order: each step's tensors made (activations), a moment, then what the step frees;
-                what an op keeps stays on the tape until its backward has run
-    backward    op by op, in reverse: each step's gradients made (temporaries), a moment, then what it frees; a
-                weight's gradient is handed to autograd after the step that names it (`hands_over`; the walk's
-                `hand_over` adds it into the fp32 buffer, or under FSDP2 would keep it to the block's
-                reduce-scatter); when the op's autograd node returns, the saved tensors no op before it keeps go
-
-Under torch.utils.checkpoint (non-reentrant, as torchtitan's FullAC and SelectiveAC wrap a block) a walk has a
-`Checkpoint`: forward keeps nothing the ops save (each kept tensor goes after the step that reads it last,
-`Step.reads_last`) but the region's input and the op outputs a selective policy caches; backward reruns the forward
-at the first op that keeps something, its tensors activations again (with early stop, torch's default, only up to
-the step that makes the last of them), and the frame holding the input goes with the last tensor the rerun kept.
-
-A step is one op's output (or several outputs made together, as a GEMM's dW and dX), i.e. a moment at which
-MemTracker can read a new high; `frees` go when the next op runs. Names are whole tape names (the layer's prefix
-included): the op that makes a tensor and the op that frees it may be different ops, as a residual stream's
-gradient is freed where the branches meet.
+Op, Step, Made and Checkpoint, and how forward, backward and a rerun put them on the tape: docs/timeline.md,
+"Ops and the one walk".
 """
 
 from __future__ import annotations
