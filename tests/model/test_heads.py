@@ -102,3 +102,17 @@ def test_q_k_v_and_the_projection_are_a_d_wide_and_the_qk_norms_d_wide_per_layer
 def test_what_an_implementation_does_not_model_is_refused_by_name(impl, knobs, words):
     with pytest.raises(ConfigError, match=words):
         build_config(SIZES | {"impl": impl} | knobs)
+
+
+@pytest.mark.parametrize("knobs", [{"kv_channels": 5}, {"kv_channels": 3}, {"kv_channels": 1}, {"h": 20, "kv_channels": None}])
+def test_transformers_rope_on_whole_heads_of_odd_width_is_refused(knobs):
+    """transformers refuses d = 5 (its RoPE validation), fails at d = 3 and rotates a wider table at d = 1."""
+    with pytest.raises(ConfigError, match=r"RoPE on whole heads needs an even head width: d = \d+ is odd"):
+        build_config(SIZES | QWEN3 | {"impl": "hf", "num_query_groups": None} | knobs)
+
+
+def test_transformers_rope_on_a_share_of_an_odd_rotary_width_is_accepted():
+    """GLM rotates int(6 * 0.5) = 3 channels of each head, rounded up within it (measured to the byte)."""
+    config = build_config(SIZES | {"impl": "hf", "norm": "rmsnorm", "mlp": "swiglu", "rotary_percent": 0.5,
+                                   "kv_channels": 6})
+    assert config.head_dim == 6

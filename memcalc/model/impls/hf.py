@@ -1096,10 +1096,8 @@ def _check_gemma2(knobs: Any) -> None:
 def check_sizes(config: Any) -> None:
     """torch._grouped_mm, transformers' default experts path, takes only strides of whole 16-byte runs (aten's
     GroupedMMUtils.h, check_valid_strides_and_return_transposed, on the CPU and CUDA alike): h and each rank's
-    expert width e/t must be multiples of 16 bytes' worth of elements. GPT-J's interleaved RoPE pairs channels:
-    its rotary_dim, d_r = int(d * rotary_percent), must be even and not 0."""
-    if is_gptj(config):
-        _check_rotary_pairs(config)
+    expert width e/t must be multiples of 16 bytes' worth of elements. RoPE rotates channel pairs (`_check_rotary`)."""
+    _check_rotary(config)
     if not config.moe or config.experts_implementation != "grouped_mm":
         return
     run = 16 // DTYPE_BYTES[config.dtype]
@@ -1111,13 +1109,22 @@ def check_sizes(config: Any) -> None:
                               f" {config.dtype}; use --experts-implementation eager")
 
 
-def _check_rotary_pairs(config: Any) -> None:
-    """GPTJAttention's rotate_every_two stacks the even and the odd channels of its rotary_dim: an even count."""
-    d_r = int(config.head_dim * config.rotary_percent)
-    if d_r < 2 or d_r % 2:
+def _check_rotary(config: Any) -> None:
+    """RoPE rotates channel pairs of d_r = int(d * rotary_percent) channels. GPT-J's rotate_every_two stacks the even
+    and the odd ones: an even count, at least 2. The other families rotate halves (rotate_half), and a whole head of
+    odd width runs nowhere alike: transformers' RoPE validation refuses it (d > 4), apply_rotary_pos_emb fails (d = 3)
+    or the tables round up past the head (d = 1); a share of a head rounds its odd d_r up within it (measured)."""
+    if config.mla or not _rope(config):
+        return
+    share = 1 if config.rotary_percent is None else config.rotary_percent
+    d_r = int(config.head_dim * share)
+    if is_gptj(config) and (d_r < 2 or d_r % 2):
         raise ConfigError(f"impl hf: GPT-J's rotary_dim d_r = int(d * rotary_percent) = int({config.head_dim} *"
                           f" {config.rotary_percent:g}) = {d_r} must be even and at least 2 (its RoPE rotates"
                           " channel pairs)")
+    if d_r == config.head_dim and d_r % 2:
+        raise ConfigError(f"impl hf: RoPE on whole heads needs an even head width: d = {config.head_dim} is odd"
+                          " (transformers' rotate_half rotates channel pairs)")
 
 
 def _check_mixtral(knobs: Any) -> None:
