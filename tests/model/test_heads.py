@@ -116,3 +116,29 @@ def test_transformers_rope_on_a_share_of_an_odd_rotary_width_is_accepted():
     config = build_config(SIZES | {"impl": "hf", "norm": "rmsnorm", "mlp": "swiglu", "rotary_percent": 0.5,
                                    "kv_channels": 6})
     assert config.head_dim == 6
+
+
+def test_the_families_said_to_want_a_dividing_h_are_those_whose_config_class_refuses_it():
+    """`_A_DIVIDES_H` against transformers itself: each family the probe builds, at h = 12 and a = 8."""
+    transformers = pytest.importorskip("transformers")
+    from huggingface_hub.errors import StrictDataclassClassValidationError
+
+    from memcalc.model.families import FAMILIES
+    from memcalc.model.impls.hf import _A_DIVIDES_H
+
+    def refuses(family):
+        try:
+            getattr(transformers, family.config_class)(hidden_size=12, num_attention_heads=8)
+        except StrictDataclassClassValidationError:
+            return True
+        return False
+
+    built = [family for family in FAMILIES.values() if family.when is not None]
+    assert [family.name for family in built if refuses(family)] == list(_A_DIVIDES_H)
+
+
+def test_heads_of_kv_channels_that_do_not_tile_h_are_refused_where_the_config_class_refuses_them():
+    llama = SIZES | {"impl": "hf", "norm": "rmsnorm", "mlp": "swiglu", "h": 50, "kv_channels": 12, "dropout": 0.0}
+    with pytest.raises(ConfigError, match="LlamaConfig wants h divisible by a whatever head_dim: h=50 is not"):
+        build_config(llama)
+    assert build_config(llama | {"qk_layernorm": True}).head_dim == 12  # Qwen3Config takes them

@@ -1096,8 +1096,10 @@ def _check_gemma2(knobs: Any) -> None:
 def check_sizes(config: Any) -> None:
     """torch._grouped_mm, transformers' default experts path, takes only strides of whole 16-byte runs (aten's
     GroupedMMUtils.h, check_valid_strides_and_return_transposed, on the CPU and CUDA alike): h and each rank's
-    expert width e/t must be multiples of 16 bytes' worth of elements. RoPE rotates channel pairs (`_check_rotary`)."""
+    expert width e/t must be multiples of 16 bytes' worth of elements. RoPE rotates channel pairs (`_check_rotary`);
+    some config classes want a | h whatever head_dim (`_check_whole_heads`)."""
     _check_rotary(config)
+    _check_whole_heads(config)
     if not config.moe or config.experts_implementation != "grouped_mm":
         return
     run = 16 // DTYPE_BYTES[config.dtype]
@@ -1107,6 +1109,19 @@ def check_sizes(config: Any) -> None:
             raise ConfigError(f"impl hf: {name}={value} is not a multiple of {run}: torch._grouped_mm (transformers'"
                               f" default experts_implementation) needs strides of whole 16-byte runs in"
                               f" {config.dtype}; use --experts-implementation eager")
+
+
+# The families whose config class's validate_architecture refuses h % a != 0 even beside head_dim (transformers 5:
+# LlamaConfig, Gemma2Config, Gemma3TextConfig, GPTNeoXConfig); the others take heads of head_dim whatever h is.
+_A_DIVIDES_H = ("llama", "gemma2", "gemma3_text", "gpt_neox")
+
+
+def _check_whole_heads(config: Any) -> None:
+    """A family whose config class wants a | h (`_A_DIVIDES_H`) refuses heads of kv_channels that do not tile h."""
+    family = family_of(config)
+    if family is not None and family.name in _A_DIVIDES_H and config.h % config.a:
+        raise ConfigError(f"impl hf: {family.config_class} wants h divisible by a whatever head_dim: h={config.h} is"
+                          f" not divisible by a={config.a} (its validate_architecture)")
 
 
 def _check_rotary(config: Any) -> None:
