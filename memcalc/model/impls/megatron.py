@@ -338,7 +338,8 @@ def moe_block(knobs: Any) -> tuple[SavedTensor, ...]:
     """MoELayer: the router, the permutation, each local expert's MLP on its slots, shared experts, the dropout mask.
 
     The experts apply the routing probabilities inside the MLP (activation(fc1) * probs), so the product keeps
-    the activation's output and the probabilities; unpermute's scatter_add_ keeps only the permutation indices.
+    the activation's output and the probabilities; fused (bias_activation_fusion), WeightedSwiGLUFunction keeps
+    fc1's output and the probabilities alone. unpermute's scatter_add_ keeps only the permutation indices.
     """
     capacity = (CAPACITY_MASK,) if knobs.moe_expert_capacity_factor is not None else ()
     router = (ledger.MOE_IN, *router_scores(knobs), ledger.ROUTER_TOPK_INDICES, *capacity, *aux_loss(knobs),
@@ -349,7 +350,8 @@ def moe_block(knobs: Any) -> tuple[SavedTensor, ...]:
         activation = (ledger.EXPERT_GATE, ledger.EXPERT_UP)
     else:
         activation = (ledger.EXPERT_GATE, ledger.EXPERT_UP, ledger.EXPERT_SILU_OUT, EXPERT_UP_COPY)
-    experts = (ledger.EXPERT_IN, *activation, EXPERT_ACT_OUT, EXPERT_PROBS, ledger.EXPERT_FC2_IN)
+    product = () if knobs.mlp == "swiglu" and knobs.bias_activation_fusion else (EXPERT_ACT_OUT,)
+    experts = (ledger.EXPERT_IN, *activation, *product, EXPERT_PROBS, ledger.EXPERT_FC2_IN)
     mask = (ledger.MLP_DROPOUT_MASK,) if knobs.has_dropout else ()
     return (*router, *experts, *shared_experts(knobs), *mask)
 

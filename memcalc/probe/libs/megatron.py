@@ -486,10 +486,10 @@ def _moe_rules(config: ModelConfig, t: int) -> tuple[Rule, ...]:
         *_dispatch_rules(config),
         Rule("*mlp.experts", "forward", ledger.EXPERT_IN, arg=0),
         Rule("*mlp.experts", "forward", rules.EXPERT_PROBS, arg=2),
-        *_expert_activation_rules(expert, swiglu, lambda x: x),
-        Rule(expert, "mul", rules.EXPERT_ACT_OUT, nth=1 if swiglu else 0, arg=0),  # activation * probs
+        *_expert_activation_rules(expert, swiglu, lambda x: x, fused=config.bias_activation_fusion),
+        Rule(expert, "mul", rules.EXPERT_ACT_OUT, nth=1 if swiglu else 0, arg=0),  # activation * probs, unfused
         Rule(f"{expert}.linear_fc2", "forward", ledger.EXPERT_FC2_IN, arg=0),
-        *(_shared_rules(swiglu) if config.moe_shared_expert_intermediate_size else ()),
+        *(_shared_rules(swiglu, config.bias_activation_fusion) if config.moe_shared_expert_intermediate_size else ()),
     )
 
 
@@ -553,11 +553,15 @@ def _dispatch_rules(config: ModelConfig) -> tuple[Rule, ...]:
     )
 
 
-def _expert_activation_rules(module: str, swiglu: bool, view: Any, shared: bool = False) -> tuple[Rule, ...]:
+def _expert_activation_rules(module: str, swiglu: bool, view: Any, shared: bool = False, fused: bool = False
+                             ) -> tuple[Rule, ...]:
     """An expert's (or the shared experts') activation: GELU's input; or SwiGLU's fc1 output (gate and up,
-    chunked), SiLU's output and glu's `up + offset` copy (no biases: the first add)."""
+    chunked), SiLU's output and glu's `up + offset` copy (no biases: the first add); fused, fc1's output, which
+    (Weighted)SwiGLUFunction keeps."""
     if not swiglu:
         return (Rule(module, "gelu", ledger.SHARED_GELU_IN if shared else ledger.EXPERT_GELU_IN, arg=0, view=view),)
+    if fused:
+        return (Rule(f"{module}.linear_fc1", "forward", _SHARED_FC1_OUT if shared else _EXPERT_FC1_OUT, view=view),)
     return (
         Rule(module, "chunk", _SHARED_FC1_OUT if shared else _EXPERT_FC1_OUT, arg=0, view=view),
         Rule(module, "silu", ledger.SHARED_SILU_OUT if shared else ledger.EXPERT_SILU_OUT, view=view),
@@ -565,10 +569,10 @@ def _expert_activation_rules(module: str, swiglu: bool, view: Any, shared: bool 
     )
 
 
-def _shared_rules(swiglu: bool) -> tuple[Rule, ...]:
+def _shared_rules(swiglu: bool, fused: bool) -> tuple[Rule, ...]:
     """SharedExpertMLP, a dense MLP of width u (its fc1 reads the router's input: no rule of its own)."""
     return (
-        *_expert_activation_rules("*shared_experts", swiglu, batch_first, shared=True),
+        *_expert_activation_rules("*shared_experts", swiglu, batch_first, shared=True, fused=fused),
         Rule("*shared_experts.linear_fc2", "forward", ledger.SHARED_FC2_IN, arg=0, view=batch_first),
     )
 

@@ -38,6 +38,10 @@ CASES = {
     "swiglu experts: the expert's up copy and SiLU output": ("none", 1, SWIGLU),
     "shared gelu experts with dropout": ("none", 1, SHARED | {"dropout": 0.1}),
     "shared swiglu experts: the shared up copy too": ("none", 1, SWIGLU | SHARED),
+    "fused swiglu experts: WeightedSwiGLUFunction keeps fc1's output and the probabilities, no product":
+        ("none", 1, SWIGLU | SHARED | {"bias_activation_fusion": True}),
+    "fused swiglu experts, tp-sp t=2 in fp32": ("tp-sp", 2, SWIGLU | SHARED | {"bias_activation_fusion": True,
+                                                                              "dtype": "fp32"}),
     "the aux loss: all experts' scores, the token counts, the loss": ("none", 1, {"moe_aux_loss": True}),
     "pre-softmax: every expert's probability": ("none", 1, {"moe_router_pre_softmax": True}),
     "tp-sp t=2, etp = t: the experts gather the tokens of the tensor-parallel group": ("tp-sp", 2, SWIGLU | SHARED),
