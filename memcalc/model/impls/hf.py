@@ -15,8 +15,9 @@ from typing import Any, NamedTuple
 from memcalc.model.families import FAMILIES, family_of
 from memcalc.errors import ConfigError
 from memcalc.model import ledger
-from memcalc.model.impls.base import Implementation, Refusal, SizeCondition, SizeRule, always, drop_small
-from memcalc.model.knobs import DTYPE_BYTES, Accounting
+from memcalc.model.impls.base import (Implementation, Refusal, SizeCondition, SizeRule, always,
+                                      check_grouped_mm, drop_small)
+from memcalc.model.knobs import Accounting
 from memcalc.model.ledger import Dim, Kind, Region, RMSNormTensors, SavedTensor
 
 _BSH = (Dim.B, Dim.S, Dim.H)
@@ -1094,21 +1095,14 @@ def _check_gemma2(knobs: Any) -> None:
 
 
 def check_sizes(config: Any) -> None:
-    """torch._grouped_mm, transformers' default experts path, takes only strides of whole 16-byte runs (aten's
-    GroupedMMUtils.h, check_valid_strides_and_return_transposed, on the CPU and CUDA alike): h and each rank's
-    expert width e/t must be multiples of 16 bytes' worth of elements. RoPE rotates channel pairs (`_check_rotary`);
-    some config classes want a | h whatever head_dim (`_check_whole_heads`)."""
+    """torch._grouped_mm, transformers' default experts path, takes only whole 16-byte strides (`check_grouped_mm`).
+    RoPE rotates channel pairs (`_check_rotary`); some config classes want a | h whatever head_dim
+    (`_check_whole_heads`)."""
     _check_rotary(config)
     _check_whole_heads(config)
-    if not config.moe or config.experts_implementation != "grouped_mm":
-        return
-    run = 16 // DTYPE_BYTES[config.dtype]
-    for name, value in (("h", config.h), (f"moe_ffn_hidden_size/t={config.expert_ffn}/{config.t}",
-                                          config.expert_ffn // config.t)):
-        if value % run:
-            raise ConfigError(f"impl hf: {name}={value} is not a multiple of {run}: torch._grouped_mm (transformers'"
-                              f" default experts_implementation) needs strides of whole 16-byte runs in"
-                              f" {config.dtype}; use --experts-implementation eager")
+    if config.moe and config.experts_implementation == "grouped_mm":
+        check_grouped_mm(config, "hf", "transformers' default experts_implementation",
+                         "; use --experts-implementation eager")
 
 
 # The families whose config class's validate_architecture refuses h % a != 0 even beside head_dim (transformers 5:

@@ -12,7 +12,7 @@ from typing import Any
 
 from memcalc.errors import ConfigError
 from memcalc.model import ledger
-from memcalc.model.impls.base import Implementation, Refusal, SizeCondition, drop_small
+from memcalc.model.impls.base import Implementation, Refusal, SizeCondition, check_grouped_mm, drop_small
 from memcalc.model.knobs import Accounting
 from memcalc.model.ledger import Dim, Kind, Region, RMSNormTensors, SavedTensor
 
@@ -298,6 +298,7 @@ IMPLEMENTATION = Implementation(
              MOE_TOPK_VALUES),
     size_conditions=CONDITIONS,
     check=check,
+    check_sizes=lambda config: check_grouped_mm(config, "torchtitan", "GroupedExperts") if config.moe else None,
     refuses=MOE_NOT_SHARDED,
     # Llama3's block, and the trainer's default activation_checkpoint (SelectiveAC); attention: flex, a fused kernel.
     defaults={"norm": "rmsnorm", "mlp": "swiglu", "dropout": 0.0, "attention": "flash", "recompute": "op"},
