@@ -15,6 +15,7 @@ from memcalc.errors import ConfigError
 from memcalc.model import ledger
 from memcalc.model.impls.base import Implementation, Refusal, SizeCondition, SizeRule, drop_small
 from memcalc.model.knobs import Accounting
+from memcalc.model.rules import divides
 from memcalc.model.ledger import Dim, Kind, Region, SavedTensor
 
 _BASD = (Dim.B, Dim.A, Dim.S, Dim.D)
@@ -503,6 +504,18 @@ MOE_WITHOUT_SP = Refusal(
     " refused at any t, as tp at t=1 is none",
 )
 
+def check_sizes(config: Any) -> None:
+    """Expert tensor parallelism (etp = t) cuts each expert's MLP, and TP the shared experts', into t column shards:
+    megatron-core's ColumnParallelLinear asserts that t divides their widths."""
+    if not config.moe:
+        return
+    divides(config.t, "t", config.expert_ffn, "moe_ffn_hidden_size", "expert tensor parallelism, etp = t, splits"
+            " each expert's MLP into t column shards")
+    if config.moe_shared_expert_intermediate_size:
+        divides(config.t, "t", config.moe_shared_expert_intermediate_size, "moe_shared_expert_intermediate_size",
+                "the shared experts' MLP is split into t column shards")
+
+
 IMPLEMENTATION = Implementation(
     name="megatron",
     title="Megatron-core",
@@ -511,6 +524,7 @@ IMPLEMENTATION = Implementation(
     sequence_parallel_forms=sequence_parallel_forms,
     tensors=TENSORS,
     check=check,
+    check_sizes=check_sizes,
     size_rule=FUSED_SOFTMAX,
     size_conditions=CONDITIONS,
     refuses=(MOE_WITHOUT_SP,),
