@@ -1151,7 +1151,9 @@ def _check_qwen3(knobs: Any) -> None:
     Qwen3MoeDecoderLayer, whose sparse block has no shared experts)."""
     if not is_llama(knobs) and (knobs.head_dim_set or knobs.qk_layernorm):
         what = "kv_channels (head_dim)" if knobs.head_dim_set else "qk_layernorm"
-        raise ConfigError(f"impl hf: GPT2Block has no {what}; Llama-family layers (norm rmsnorm, mlp swiglu) do")
+        family = family_of(knobs)
+        raise ConfigError(f"impl hf: {family.layer if family else 'GPT2Block'} has no {what}; Llama-family layers"
+                          " (norm rmsnorm, mlp swiglu) do")
     if knobs.qk_layernorm and knobs.moe_shared_expert_intermediate_size and not knobs.mla:
         raise ConfigError("impl hf: qk_layernorm with experts is Qwen3MoeDecoderLayer, whose sparse block has no"
                           " shared experts (Qwen2-MoE's has them, without a QK norm); leave"
