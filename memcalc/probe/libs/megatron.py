@@ -36,7 +36,7 @@ from __future__ import annotations
 import warnings
 from contextlib import contextmanager, nullcontext
 from functools import partial
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ProbeError
@@ -377,7 +377,7 @@ def _query_views_qkv(config: ModelConfig, t: int) -> bool:
 def _latent_rules(config: ModelConfig, t: int) -> list[Rule]:
     """MLASelfAttention: x, the up projections' inputs, RoPE's four cast tables, the contiguous Q, K, V, the
     projection input (the latent norms label themselves: SequenceParallelNorm)."""
-    heads, core = config.a // t, _CoreInputs()
+    heads, core = config.a // t, _core_inputs(config)
     rope = [Rule("*self_attention", "to", table, nth=i, view=lambda x: x.flatten(1)) for i, table in
             enumerate(rules.MLA_ROPE)]  # cos_, sin_ of the query's RoPE part, then of the key's: (s, 1, 1, d_r)
     return [
@@ -385,39 +385,31 @@ def _latent_rules(config: ModelConfig, t: int) -> list[Rule]:
         Rule("*linear_q_up_proj", "forward", ledger.MLA_Q_UP_IN, arg=0, view=batch_first),
         Rule("*linear_kv_up_proj", "forward", ledger.MLA_KV_UP_IN, arg=0, view=batch_first),
         *rope,
-        *(core.rule(config, i, x, view=_heads_first)  # the contiguous query, key, value
-          for i, x in enumerate((ledger.MLA_Q, ledger.MLA_K))),
-        core.rule(config, 2, ledger.MLA_V,  # a copy unless contiguous() left it a view
-                  view=lambda v: _heads_first(v) if v._base is None else None),
-        core.rule(config, 2, ledger.MLA_KV_UP_OUT,  # what V, left a view, keeps
-                  view=lambda v: None if v._base is None else batch_first(v._base.view(*v.shape[:3], -1))),
+        *(core(i, x, _heads_first) for i, x in enumerate((ledger.MLA_Q, ledger.MLA_K))),  # contiguous q, k
+        core(2, ledger.MLA_V, lambda v: _heads_first(v) if v._base is None else None),  # a copy unless a view
+        core(2, ledger.MLA_KV_UP_OUT,  # what V, left a view by contiguous(), keeps
+             lambda v: None if v._base is None else batch_first(v._base.view(*v.shape[:3], -1))),
         Rule("*linear_proj", "forward", ledger.MLA_PROJ_IN, arg=0,
              view=lambda x: batch_first(x).unflatten(-1, (heads, -1))),
     ]
 
 
-class _CoreInputs:
-    """The latent core's inputs (query, key, value) where MLASelfAttention makes them: under selective recomputation
-    the core runs inside megatron's checkpoint without grad, where labels are ignored. They are the first three
-    distinct 4-D tensors its contiguous() calls return (the down projections' gathers before them are 3-D, and
-    forward's own contiguous() hands the same three back): one per layer run, as it counts what it sees."""
+def _core_inputs(config: ModelConfig) -> Callable[[int, SavedTensor, Any], Rule]:
+    """A rule naming the latent core's i-th input (query, key, value) as the core gets it; under selective
+    recomputation, where MLASelfAttention makes it (the core then runs in megatron's checkpoint without grad, where
+    labels are ignored): the i-th distinct 4-D tensor its contiguous() calls return (the gathers before are 3-D,
+    forward's own contiguous() hands the same three back)."""
+    if config.recompute != "selective":
+        return lambda i, tensor, view: Rule("*core_attention", "forward", tensor, arg=i, view=view)
+    seen: list[int] = []  # one rule set per layer run
 
-    def __init__(self) -> None:
-        self._seen: list[int] = []
+    def nth(x: Any) -> int | None:
+        if x.dim() == 4 and id(x) not in seen:
+            seen.append(id(x))
+        return seen.index(id(x)) if id(x) in seen else None
 
-    def rule(self, config: ModelConfig, i: int, tensor: SavedTensor, view: Any) -> Rule:
-        """The core's i-th input named `tensor` (through `view`), as the core gets it or, selective, as it is made."""
-        if config.recompute != "selective":
-            return Rule("*core_attention", "forward", tensor, arg=i, view=view)
-        return Rule("*self_attention", "contiguous", tensor, nth=None,
-                    view=lambda x: view(x) if self._nth(x) == i else None)
-
-    def _nth(self, x: Any) -> int | None:
-        if x.dim() != 4:
-            return None
-        if id(x) not in self._seen:
-            self._seen.append(id(x))
-        return self._seen.index(id(x))
+    return lambda i, tensor, view: Rule("*self_attention", "contiguous", tensor, nth=None,
+                                        view=lambda x: view(x) if nth(x) == i else None)
 
 
 def _attention_rules(config: ModelConfig, t: int) -> tuple[Rule, ...]:
