@@ -29,13 +29,13 @@ def _accept_all(knobs: Any) -> None:
     """Every knob value runs."""
 
 
-def check_grouped_mm(config: Any, impl: str, whose: str, advice: str = "") -> None:
+def check_grouped_mm(config: Any, impl: str, whose: str, advice: str = "", t: int | None = None) -> None:
     """torch._grouped_mm takes only strides of whole 16-byte runs (aten's GroupedMMUtils.h,
     check_valid_strides_and_return_transposed, on the CPU and CUDA alike): h and each rank's expert width e/t must be
-    multiples of 16 bytes' worth of elements. `whose`: the library's path that runs it; `advice`: a way out."""
-    run = 16 // DTYPE_BYTES[config.dtype]
-    for name, value in (("h", config.h), (f"moe_ffn_hidden_size/t={config.expert_ffn}/{config.t}",
-                                          config.expert_ffn // config.t)):
+    multiples of 16 bytes' worth of elements. `whose`: the library's path that runs it; `advice`: a way out; `t`: the
+    split of the expert width (config.t unless given)."""
+    run, t = 16 // DTYPE_BYTES[config.dtype], config.t if t is None else t
+    for name, value in (("h", config.h), (f"moe_ffn_hidden_size/t={config.expert_ffn}/{t}", config.expert_ffn // t)):
         if value % run:
             raise ConfigError(f"impl {impl}: {name}={value} is not a multiple of {run}: torch._grouped_mm ({whose})"
                               f" needs strides of whole 16-byte runs in {config.dtype}{advice}")

@@ -298,7 +298,8 @@ IMPLEMENTATION = Implementation(
              MOE_TOPK_VALUES),
     size_conditions=CONDITIONS,
     check=check,
-    check_sizes=lambda config: check_grouped_mm(config, "torchtitan", "GroupedExperts") if config.moe else None,
+    # its experts run whole (t = 1: its MoE TP plan is refused by name, `MOE_NOT_SHARDED`)
+    check_sizes=lambda config: check_grouped_mm(config, "torchtitan", "GroupedExperts", t=1) if config.moe else None,
     refuses=MOE_NOT_SHARDED,
     # Llama3's block, and the trainer's default activation_checkpoint (SelectiveAC); attention: flex, a fused kernel.
     defaults={"norm": "rmsnorm", "mlp": "swiglu", "dropout": 0.0, "attention": "flash", "recompute": "op"},
