@@ -505,8 +505,15 @@ MOE_WITHOUT_SP = Refusal(
 )
 
 def check_sizes(config: Any) -> None:
-    """Expert tensor parallelism (etp = t) cuts each expert's MLP, and TP the shared experts', into t column shards:
-    megatron-core's ColumnParallelLinear asserts that t divides their widths."""
+    """Expert tensor parallelism (etp = t) cuts each expert's MLP, and TP the shared experts' and latent attention's
+    down projections, into t column shards: megatron-core's ColumnParallelLinear asserts that t divides their widths."""
+    if config.mla:
+        width = config.kv_lora_rank + config.qk_rope_head_dim
+        divides(config.t, "t", width, f"kv_lora_rank+qk_rope_head_dim={config.kv_lora_rank}+"
+                f"{config.qk_rope_head_dim}", "linear_kv_down_proj is column-parallel, gathered over t")
+        if config.q_lora_rank is not None:
+            divides(config.t, "t", config.q_lora_rank, "q_lora_rank", "linear_q_down_proj is column-parallel,"
+                    " gathered over t")
     if not config.moe:
         return
     divides(config.t, "t", config.expert_ffn, "moe_ffn_hidden_size", "expert tensor parallelism, etp = t, splits"
