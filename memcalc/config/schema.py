@@ -421,8 +421,10 @@ def check_experts(config: ModelConfig) -> None:
             raise ConfigError(f"ep={c.ep}, etp={c.etp} need num_experts (a dense MLP has no experts to split)")
         return
     EXPERT_RULES[0].check(c)  # the top-k limit is the knobs' own (rules.check_moe)
-    if (c.moe_first_dense_layers or 0) >= c.L:
-        raise ConfigError(f"moe_first_dense_layers={c.moe_first_dense_layers} leaves none of the L={c.L} layers a MoE"
+    if c.moe_layers == 0:  # layer i is MoE when i >= moe_first_dense_layers and i % moe_layer_freq == 0
+        first = f"moe_first_dense_layers={c.moe_first_dense_layers}" if c.moe_first_dense_layers else ""
+        freq = f"moe_layer_freq={c.moe_layer_freq}" if c.moe_layer_freq > 1 else ""
+        raise ConfigError(f"{' with '.join(x for x in (first, freq) if x)} leaves none of the L={c.L} layers a MoE"
                           " layer (drop num_experts for a dense model)")
     if c.etp is not None and c.etp != c.t:
         raise ConfigError(f"etp={c.etp} is not t={c.t}: memcalc models expert tensor parallelism equal to t"

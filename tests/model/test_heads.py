@@ -102,3 +102,43 @@ def test_q_k_v_and_the_projection_are_a_d_wide_and_the_qk_norms_d_wide_per_layer
 def test_what_an_implementation_does_not_model_is_refused_by_name(impl, knobs, words):
     with pytest.raises(ConfigError, match=words):
         build_config(SIZES | {"impl": impl} | knobs)
+
+
+@pytest.mark.parametrize("knobs", [{"kv_channels": 5}, {"kv_channels": 3}, {"kv_channels": 1}, {"h": 20, "kv_channels": None}])
+def test_transformers_rope_on_whole_heads_of_odd_width_is_refused(knobs):
+    """transformers refuses d = 5 (its RoPE validation), fails at d = 3 and rotates a wider table at d = 1."""
+    with pytest.raises(ConfigError, match=r"RoPE on whole heads needs an even head width: d = \d+ is odd"):
+        build_config(SIZES | QWEN3 | {"impl": "hf", "num_query_groups": None} | knobs)
+
+
+def test_transformers_rope_on_a_share_of_an_odd_rotary_width_is_accepted():
+    """GLM rotates int(6 * 0.5) = 3 channels of each head, rounded up within it (measured to the byte)."""
+    config = build_config(SIZES | {"impl": "hf", "norm": "rmsnorm", "mlp": "swiglu", "rotary_percent": 0.5,
+                                   "kv_channels": 6})
+    assert config.head_dim == 6
+
+
+def test_the_families_said_to_want_a_dividing_h_are_those_whose_config_class_refuses_it():
+    """`_A_DIVIDES_H` against transformers itself: each family the probe builds, at h = 12 and a = 8."""
+    transformers = pytest.importorskip("transformers")
+    from huggingface_hub.errors import StrictDataclassClassValidationError
+
+    from memcalc.model.families import FAMILIES
+    from memcalc.model.impls.hf import _A_DIVIDES_H
+
+    def refuses(family):
+        try:
+            getattr(transformers, family.config_class)(hidden_size=12, num_attention_heads=8)
+        except StrictDataclassClassValidationError:
+            return True
+        return False
+
+    built = [family for family in FAMILIES.values() if family.when is not None]
+    assert [family.name for family in built if refuses(family)] == list(_A_DIVIDES_H)
+
+
+def test_heads_of_kv_channels_that_do_not_tile_h_are_refused_where_the_config_class_refuses_them():
+    llama = SIZES | {"impl": "hf", "norm": "rmsnorm", "mlp": "swiglu", "h": 50, "kv_channels": 12, "dropout": 0.0}
+    with pytest.raises(ConfigError, match="LlamaConfig wants h divisible by a whatever head_dim: h=50 is not"):
+        build_config(llama)
+    assert build_config(llama | {"qk_layernorm": True}).head_dim == 12  # Qwen3Config takes them

@@ -116,3 +116,13 @@ def test_formula_writes_the_latent_terms_in_their_own_symbols():
     text = F.to_text(F.layer_formula(STRATEGIES["tp-sp"], knobs, Accounting()).total)
     assert "2r_kv/(ht)" not in text and "4r_kv/(ht)" in text and "4a*d_v/(ht)" in text
     assert "r_{kv}" in F.to_latex(F.layer_formula(STRATEGIES["tp-sp"], knobs, Accounting()).total)
+
+
+@pytest.mark.parametrize("knobs, words", [
+    ({"kv_lora_rank": 25}, r"kv_lora_rank\+qk_rope_head_dim=25\+8=33 is not divisible by t=2"),
+    ({"q_lora_rank": 15}, "q_lora_rank=15 is not divisible by t=2"),
+])
+def test_megatron_latent_widths_its_column_parallel_down_projections_cannot_split_are_refused(knobs, words):
+    """Found by the random audit: megatron-core's ColumnParallelLinear asserted (exit 70) at t = 3, r_kv + d_r = 16."""
+    with pytest.raises(ConfigError, match=words):
+        build_config(MLA | {"impl": "megatron", "t": 2} | knobs)

@@ -66,7 +66,8 @@ _MEGATRON = _knobs(
     bias_activation_fusion=st.booleans(), qk_layernorm=st.booleans(), add_bias_linear=st.booleans(),
 )
 _MEGATRON_MLA = _knobs(norm=st.sampled_from(("layernorm", "rmsnorm")), mlp=st.sampled_from(("gelu", "swiglu")),
-                      dropout=DROPOUT, dtype=DTYPES, q_lora_rank=st.sampled_from((None, 8)))
+                      dropout=DROPOUT, dtype=DTYPES, q_lora_rank=st.sampled_from((None, 8)),
+                      recompute=st.sampled_from(("none", "selective")))
 # megatron-core refuses top-1 softmax routing without moe_router_pre_softmax (TransformerConfig; memcalc does not
 # refuse it yet: docs/limitations.md)
 MEGATRON_ROUTER = st.sampled_from(({"moe_router_topk": 1, "moe_router_pre_softmax": True}, {"moe_router_topk": 2},
@@ -78,7 +79,8 @@ def routed(knobs: st.SearchStrategy[dict[str, Any]]) -> st.SearchStrategy[dict[s
     return st.tuples(knobs, MEGATRON_ROUTER).map(lambda pair: pair[0] | pair[1])
 
 
-_MEGATRON_MOE = routed(_knobs(dtype=DTYPES, moe_token_dispatcher_type=st.sampled_from(("alltoall", "allgather"))))
+_MEGATRON_MOE = routed(_knobs(dtype=DTYPES, moe_token_dispatcher_type=st.sampled_from(("alltoall", "allgather")),
+                              bias_activation_fusion=st.booleans()))
 _TORCHTITAN = _knobs(dtype=DTYPES, recompute=st.sampled_from(("none", "op", "full")))
 _TORCHTITAN_MOE = _knobs(dtype=DTYPES, moe_router_topk=st.sampled_from((1, 2)))
 _HF_LLAMA = _knobs(attention=st.sampled_from(("eager", "flash")), dropout=DROPOUT, dtype=DTYPES,

@@ -208,6 +208,9 @@ def test_the_first_k_dense_layers_hold_a_dense_mlp_and_the_rest_experts():
 def test_first_dense_layers_that_cover_the_model_or_a_pipeline_are_refused():
     with pytest.raises(ConfigError, match="moe_first_dense_layers=6 leaves none of the L=6 layers a MoE layer"):
         build_config(MOE | dict(L=6, moe_first_dense_layers=6))
+    # found by the random audit: layer 0 dense, layer 1 not a multiple of 2 (the probe said "every layer is MoE")
+    with pytest.raises(ConfigError, match="moe_first_dense_layers=1 with moe_layer_freq=2 leaves none of the L=2"):
+        build_config(MOE | dict(L=2, moe_layer_freq=2, moe_first_dense_layers=1))
     config = build_config(MOE | dict(L=4, pp=2, moe_first_dense_layers=1))
     with pytest.raises(ConfigError, match="moe_first_dense_layers=1 with pp=2"):
         group_params(config, stages(config.L, 2, None)[0], 1)

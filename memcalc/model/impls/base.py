@@ -17,8 +17,9 @@ from __future__ import annotations
 from dataclasses import field
 from typing import Any, Callable, Iterable
 
+from memcalc.errors import ConfigError
 from memcalc.model import ledger
-from memcalc.model.knobs import BY_NAME as KNOB_NAMES, Accounting
+from memcalc.model.knobs import BY_NAME as KNOB_NAMES, DTYPE_BYTES, Accounting
 from memcalc.model.ledger import SavedTensor
 from memcalc.model.tp_plan import TPPlan
 from memcalc.records import record
@@ -26,6 +27,18 @@ from memcalc.records import record
 
 def _accept_all(knobs: Any) -> None:
     """Every knob value runs."""
+
+
+def check_grouped_mm(config: Any, impl: str, whose: str, advice: str = "", t: int | None = None) -> None:
+    """torch._grouped_mm takes only strides of whole 16-byte runs (aten's GroupedMMUtils.h,
+    check_valid_strides_and_return_transposed, on the CPU and CUDA alike): h and each rank's expert width e/t must be
+    multiples of 16 bytes' worth of elements. `whose`: the library's path that runs it; `advice`: a way out; `t`: the
+    split of the expert width (config.t unless given)."""
+    run, t = 16 // DTYPE_BYTES[config.dtype], config.t if t is None else t
+    for name, value in (("h", config.h), (f"moe_ffn_hidden_size/t={config.expert_ffn}/{t}", config.expert_ffn // t)):
+        if value % run:
+            raise ConfigError(f"impl {impl}: {name}={value} is not a multiple of {run}: torch._grouped_mm ({whose})"
+                              f" needs strides of whole 16-byte runs in {config.dtype}{advice}")
 
 
 @record

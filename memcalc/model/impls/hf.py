@@ -16,8 +16,9 @@ from typing import Any, Callable, NamedTuple
 from memcalc.model.families import FAMILIES, check_family, layer_family
 from memcalc.errors import ConfigError
 from memcalc.model import ledger
-from memcalc.model.impls.base import Implementation, Refusal, Rerun, SizeCondition, SizeRule, always, drop_small
-from memcalc.model.knobs import DTYPE_BYTES, Accounting
+from memcalc.model.impls.base import (Implementation, Refusal, Rerun, SizeCondition, SizeRule, always,
+                                      check_grouped_mm, drop_small)
+from memcalc.model.knobs import Accounting
 from memcalc.model.ledger import Dim, Kind, Region, RMSNormTensors, SavedTensor
 from memcalc.model.tp_plan import ATTENTION, MLP, Pair, Rule, Style, TPPlan, pair
 
@@ -979,31 +980,46 @@ def _check_gemma2(knobs: Any) -> None:
 
 
 def check_sizes(config: Any) -> None:
-    """torch._grouped_mm, transformers' default experts path, takes only strides of whole 16-byte runs (aten's
-    GroupedMMUtils.h, check_valid_strides_and_return_transposed, on the CPU and CUDA alike): h and each rank's
-    expert width e/t must be multiples of 16 bytes' worth of elements. GPT-J's interleaved RoPE pairs channels:
-    its rotary_dim, d_r = int(d * rotary_percent), must be even and not 0. A MoE family's model has its experts."""
+    """torch._grouped_mm, transformers' default experts path, takes only whole 16-byte strides (`check_grouped_mm`).
+    RoPE rotates channel pairs (`_check_rotary`); some config classes want a | h whatever head_dim
+    (`_check_whole_heads`). A MoE family's model has its experts."""
     check_family(config, model=True)
-    if is_gptj(config):
-        _check_rotary_pairs(config)
-    if not config.moe or config.experts_implementation != "grouped_mm":
+    _check_rotary(config)
+    _check_whole_heads(config)
+    if config.moe and config.experts_implementation == "grouped_mm":
+        check_grouped_mm(config, "hf", "transformers' default experts_implementation",
+                         "; use --experts-implementation eager")
+
+
+# The families whose config class's validate_architecture refuses h % a != 0 even beside head_dim (transformers 5:
+# LlamaConfig, Gemma2Config, Gemma3TextConfig, GPTNeoXConfig); the others take heads of head_dim whatever h is.
+_A_DIVIDES_H = ("llama", "gemma2", "gemma3_text", "gpt_neox")
+
+
+def _check_whole_heads(config: Any) -> None:
+    """A family whose config class wants a | h (`_A_DIVIDES_H`) refuses heads of kv_channels that do not tile h."""
+    family = layer_family(config)
+    if family.name in _A_DIVIDES_H and config.h % config.a:
+        raise ConfigError(f"impl hf: {family.config_class} wants h divisible by a whatever head_dim: h={config.h} is"
+                          f" not divisible by a={config.a} (its validate_architecture)")
+
+
+def _check_rotary(config: Any) -> None:
+    """RoPE rotates channel pairs of d_r = int(d * rotary_percent) channels. GPT-J's rotate_every_two stacks the even
+    and the odd ones: an even count, at least 2. The other families rotate halves (rotate_half), and a whole head of
+    odd width runs nowhere alike: transformers' RoPE validation refuses it (d > 4), apply_rotary_pos_emb fails (d = 3)
+    or the tables round up past the head (d = 1); a share of a head rounds its odd d_r up within it (measured)."""
+    if config.mla or not _rope(config):
         return
-    run = 16 // DTYPE_BYTES[config.dtype]
-    for name, value in (("h", config.h), (f"moe_ffn_hidden_size/t={config.expert_ffn}/{config.t}",
-                                          config.expert_ffn // config.t)):
-        if value % run:
-            raise ConfigError(f"impl hf: {name}={value} is not a multiple of {run}: torch._grouped_mm (transformers'"
-                              f" default experts_implementation) needs strides of whole 16-byte runs in"
-                              f" {config.dtype}; use --experts-implementation eager")
-
-
-def _check_rotary_pairs(config: Any) -> None:
-    """GPTJAttention's rotate_every_two stacks the even and the odd channels of its rotary_dim: an even count."""
-    d_r = int(config.head_dim * config.rotary_percent)
-    if d_r < 2 or d_r % 2:
+    share = 1 if config.rotary_percent is None else config.rotary_percent
+    d_r = int(config.head_dim * share)
+    if is_gptj(config) and (d_r < 2 or d_r % 2):
         raise ConfigError(f"impl hf: GPT-J's rotary_dim d_r = int(d * rotary_percent) = int({config.head_dim} *"
                           f" {config.rotary_percent:g}) = {d_r} must be even and at least 2 (its RoPE rotates"
                           " channel pairs)")
+    if d_r == config.head_dim and d_r % 2:
+        raise ConfigError(f"impl hf: RoPE on whole heads needs an even head width: d = {config.head_dim} is odd"
+                          " (transformers' rotate_half rotates channel pairs)")
 
 
 def _check_mixtral(knobs: Any) -> None:

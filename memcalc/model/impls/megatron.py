@@ -15,6 +15,7 @@ from memcalc.errors import ConfigError
 from memcalc.model import ledger
 from memcalc.model.impls.base import Implementation, Refusal, SizeCondition, SizeRule, drop_small
 from memcalc.model.knobs import Accounting
+from memcalc.model.rules import divides
 from memcalc.model.ledger import Dim, Kind, Region, SavedTensor
 from memcalc.model.tp_plan import ATTENTION, MLP, SHARED, Rule, Style, TPPlan, pair
 
@@ -348,12 +349,14 @@ def moe_block(knobs: Any) -> tuple[SavedTensor, ...]:
     """MoELayer: the router, the permutation, each local expert's MLP on its slots, shared experts, the dropout mask.
 
     The experts apply the routing probabilities inside the MLP (activation(fc1) * probs), so the product keeps
-    the activation's output and the probabilities; unpermute's scatter_add_ keeps only the permutation indices.
+    the activation's output and the probabilities; fused (bias_activation_fusion), WeightedSwiGLUFunction keeps
+    fc1's output and the probabilities alone. unpermute's scatter_add_ keeps only the permutation indices.
     """
     capacity = (CAPACITY_MASK,) if knobs.moe_expert_capacity_factor is not None else ()
     router = (ledger.MOE_IN, *router_scores(knobs), ledger.ROUTER_TOPK_INDICES, *capacity, *aux_loss(knobs),
               *dispatch(knobs))
-    experts = (ledger.EXPERT_IN, *activation(knobs, _EXPERT), EXPERT_ACT_OUT, EXPERT_PROBS, ledger.EXPERT_FC2_IN)
+    product = () if knobs.mlp == "swiglu" and knobs.bias_activation_fusion else (EXPERT_ACT_OUT,)
+    experts = (ledger.EXPERT_IN, *activation(knobs, _EXPERT), *product, EXPERT_PROBS, ledger.EXPERT_FC2_IN)
     mask = (ledger.MLP_DROPOUT_MASK,) if knobs.has_dropout else ()
     return (*router, *experts, *shared_experts(knobs), *mask)
 
@@ -520,9 +523,29 @@ def tp_plan(knobs: Any) -> TPPlan:
                    Rule("pre_mlp_layernorm", Style.SEQUENCE), *mlp))
 
 
+def check_sizes(config: Any) -> None:
+    """Expert tensor parallelism (etp = t) cuts each expert's MLP, and TP the shared experts' and latent attention's
+    down projections, into t column shards: megatron-core's ColumnParallelLinear asserts that t divides their widths."""
+    if config.mla:
+        width = config.kv_lora_rank + config.qk_rope_head_dim
+        divides(config.t, "t", width, f"kv_lora_rank+qk_rope_head_dim={config.kv_lora_rank}+"
+                f"{config.qk_rope_head_dim}", "linear_kv_down_proj is column-parallel, gathered over t")
+        if config.q_lora_rank is not None:
+            divides(config.t, "t", config.q_lora_rank, "q_lora_rank", "linear_q_down_proj is column-parallel,"
+                    " gathered over t")
+    if not config.moe:
+        return
+    divides(config.t, "t", config.expert_ffn, "moe_ffn_hidden_size", "expert tensor parallelism, etp = t, splits"
+            " each expert's MLP into t column shards")
+    if config.moe_shared_expert_intermediate_size:
+        divides(config.t, "t", config.moe_shared_expert_intermediate_size, "moe_shared_expert_intermediate_size",
+                "the shared experts' MLP is split into t column shards")
+
+
 IMPLEMENTATION = Implementation(
     name="megatron", title="Megatron-core",
     measured_on="megatron-core 0.16.1 TransformerLayer and TransformerBlock (full recompute), local spec, on CPU",
     layer_tensors=layer_tensors, tp_plan=tp_plan, sequence_parallel_forms=sequence_parallel_forms, tensors=TENSORS,
-    check=check, size_rule=FUSED_SOFTMAX, size_conditions=CONDITIONS, refuses=(MOE_WITHOUT_SP,),
+    check=check, check_sizes=check_sizes, size_rule=FUSED_SOFTMAX, size_conditions=CONDITIONS,
+    refuses=(MOE_WITHOUT_SP,),
 )

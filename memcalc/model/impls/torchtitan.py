@@ -12,7 +12,7 @@ from typing import Any
 
 from memcalc.errors import ConfigError
 from memcalc.model import ledger
-from memcalc.model.impls.base import Implementation, Refusal, Rerun, SizeCondition, drop_small
+from memcalc.model.impls.base import Implementation, Refusal, Rerun, SizeCondition, check_grouped_mm, drop_small
 from memcalc.model.knobs import Accounting
 from memcalc.model.ledger import Dim, Kind, Region, RMSNormTensors, SavedTensor
 from memcalc.model.tp_plan import ATTENTION, MLP, MOE, Rule, Style, TPPlan, pair
@@ -314,16 +314,10 @@ EP_WITHOUT_TP = Refusal(
 
 
 def check_sizes(config: Any) -> None:
-    """torch._grouped_mm takes only strides of whole 16-byte runs (aten's GroupedMMUtils.h, on the CPU and CUDA
-    alike): h and each rank's expert width (e/t under TP at ep = 1; whole under ep = t) multiples of 8 in bf16."""
-    if not config.moe:
-        return
-    shards = config.t if _ep(config) == 1 else 1
-    for name, value in (("h", config.h), (f"moe_ffn_hidden_size/t={config.expert_ffn}/{shards}",
-                                          config.expert_ffn // shards)):
-        if value % 8:
-            raise ConfigError(f"impl torchtitan: {name}={value} is not a multiple of 8: torch._grouped_mm (its"
-                              " GroupedExperts) needs strides of whole 16-byte runs in bf16")
+    """torch._grouped_mm's whole 16-byte strides (`check_grouped_mm`) for each rank's expert width: e/t under TP at
+    ep = 1, whole under ep = t."""
+    if config.moe:
+        check_grouped_mm(config, "torchtitan", "its GroupedExperts", t=config.t if _ep(config) == 1 else 1)
 
 # Found by the differential test (tests/probe/test_differential.py) at b = s = 1.
 V_IN_QKV_OUT = SavedTensor(

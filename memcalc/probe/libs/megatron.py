@@ -9,7 +9,7 @@ from __future__ import annotations
 import warnings
 from contextlib import contextmanager, nullcontext
 from functools import partial
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ProbeError
@@ -350,7 +350,7 @@ def _query_views_qkv(config: ModelConfig, t: int) -> bool:
 def _latent_rules(config: ModelConfig, t: int) -> list[Rule]:
     """MLASelfAttention: x, the up projections' inputs, RoPE's four cast tables, the contiguous Q, K, V, the
     projection input (the latent norms label themselves: SequenceParallelNorm)."""
-    heads = config.a // t
+    heads, core = config.a // t, _core_inputs(config)
     rope = [Rule("*self_attention", "to", table, nth=i, view=lambda x: x.flatten(1)) for i, table in
             enumerate(rules.MLA_ROPE)]  # cos_, sin_ of the query's RoPE part, then of the key's: (s, 1, 1, d_r)
     return [
@@ -358,15 +358,31 @@ def _latent_rules(config: ModelConfig, t: int) -> list[Rule]:
         Rule("*linear_q_up_proj", "forward", ledger.MLA_Q_UP_IN, arg=0, view=batch_first),
         Rule("*linear_kv_up_proj", "forward", ledger.MLA_KV_UP_IN, arg=0, view=batch_first),
         *rope,
-        *(Rule("*core_attention", "forward", x, arg=i, view=_heads_first)  # the contiguous query, key, value
-          for i, x in enumerate((ledger.MLA_Q, ledger.MLA_K))),
-        Rule("*core_attention", "forward", ledger.MLA_V, arg=2,  # a copy unless contiguous() left it a view
-             view=lambda v: _heads_first(v) if v._base is None else None),
-        Rule("*core_attention", "forward", ledger.MLA_KV_UP_OUT, arg=2,  # what V, left a view, keeps
-             view=lambda v: None if v._base is None else batch_first(v._base.view(*v.shape[:3], -1))),
+        *(core(i, x, _heads_first) for i, x in enumerate((ledger.MLA_Q, ledger.MLA_K))),  # contiguous q, k
+        core(2, ledger.MLA_V, lambda v: _heads_first(v) if v._base is None else None),  # a copy unless a view
+        core(2, ledger.MLA_KV_UP_OUT,  # what V, left a view by contiguous(), keeps
+             lambda v: None if v._base is None else batch_first(v._base.view(*v.shape[:3], -1))),
         Rule("*linear_proj", "forward", ledger.MLA_PROJ_IN, arg=0,
              view=lambda x: batch_first(x).unflatten(-1, (heads, -1))),
     ]
+
+
+def _core_inputs(config: ModelConfig) -> Callable[[int, SavedTensor, Any], Rule]:
+    """A rule naming the latent core's i-th input (query, key, value) as the core gets it; under selective
+    recomputation, where MLASelfAttention makes it (the core then runs in megatron's checkpoint without grad, where
+    labels are ignored): the i-th distinct 4-D tensor its contiguous() calls return (the gathers before are 3-D,
+    forward's own contiguous() hands the same three back)."""
+    if config.recompute != "selective":
+        return lambda i, tensor, view: Rule("*core_attention", "forward", tensor, arg=i, view=view)
+    seen: list[int] = []  # one rule set per layer run
+
+    def nth(x: Any) -> int | None:
+        if x.dim() == 4 and id(x) not in seen:
+            seen.append(id(x))
+        return seen.index(id(x)) if id(x) in seen else None
+
+    return lambda i, tensor, view: Rule("*self_attention", "contiguous", tensor, nth=None,
+                                        view=lambda x: view(x) if nth(x) == i else None)
 
 
 def _attention_rules(config: ModelConfig, t: int) -> tuple[Rule, ...]:
@@ -459,10 +475,10 @@ def _moe_rules(config: ModelConfig, t: int) -> tuple[Rule, ...]:
         *_dispatch_rules(config),
         Rule("*mlp.experts", "forward", ledger.EXPERT_IN, arg=0),
         Rule("*mlp.experts", "forward", rules.EXPERT_PROBS, arg=2),
-        *_expert_activation_rules(expert, swiglu, lambda x: x),
-        Rule(expert, "mul", rules.EXPERT_ACT_OUT, nth=1 if swiglu else 0, arg=0),  # activation * probs
+        *_expert_activation_rules(expert, swiglu, lambda x: x, fused=config.bias_activation_fusion),
+        Rule(expert, "mul", rules.EXPERT_ACT_OUT, nth=1 if swiglu else 0, arg=0),  # activation * probs, unfused
         Rule(f"{expert}.linear_fc2", "forward", ledger.EXPERT_FC2_IN, arg=0),
-        *(_shared_rules(swiglu) if config.moe_shared_expert_intermediate_size else ()),
+        *(_shared_rules(swiglu, config.bias_activation_fusion) if config.moe_shared_expert_intermediate_size else ()),
     )
 
 
@@ -526,11 +542,15 @@ def _dispatch_rules(config: ModelConfig) -> tuple[Rule, ...]:
     )
 
 
-def _expert_activation_rules(module: str, swiglu: bool, view: Any, shared: bool = False) -> tuple[Rule, ...]:
+def _expert_activation_rules(module: str, swiglu: bool, view: Any, shared: bool = False, fused: bool = False
+                             ) -> tuple[Rule, ...]:
     """An expert's (or the shared experts') activation: GELU's input; or SwiGLU's fc1 output (gate and up,
-    chunked), SiLU's output and glu's `up + offset` copy (no biases: the first add)."""
+    chunked), SiLU's output and glu's `up + offset` copy (no biases: the first add); fused, fc1's output, which
+    (Weighted)SwiGLUFunction keeps."""
     if not swiglu:
         return (Rule(module, "gelu", ledger.SHARED_GELU_IN if shared else ledger.EXPERT_GELU_IN, arg=0, view=view),)
+    if fused:
+        return (Rule(f"{module}.linear_fc1", "forward", _SHARED_FC1_OUT if shared else _EXPERT_FC1_OUT, view=view),)
     return (
         Rule(module, "chunk", _SHARED_FC1_OUT if shared else _EXPERT_FC1_OUT, arg=0, view=view),
         Rule(module, "silu", ledger.SHARED_SILU_OUT if shared else ledger.EXPERT_SILU_OUT, view=view),
@@ -538,10 +558,10 @@ def _expert_activation_rules(module: str, swiglu: bool, view: Any, shared: bool 
     )
 
 
-def _shared_rules(swiglu: bool) -> tuple[Rule, ...]:
+def _shared_rules(swiglu: bool, fused: bool) -> tuple[Rule, ...]:
     """SharedExpertMLP, a dense MLP of width u (its fc1 reads the router's input: no rule of its own)."""
     return (
-        *_expert_activation_rules("*shared_experts", swiglu, batch_first, shared=True),
+        *_expert_activation_rules("*shared_experts", swiglu, batch_first, shared=True, fused=fused),
         Rule("*shared_experts.linear_fc2", "forward", ledger.SHARED_FC2_IN, arg=0, view=batch_first),
     )
 

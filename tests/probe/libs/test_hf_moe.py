@@ -222,7 +222,7 @@ def test_two_gloo_ranks_route_alike_and_each_keep_what_rank_zero_of_the_fake_gro
     (DEEPSEEK_V3 | {"qk_layernorm": True}, "qk_layernorm with kv_lora_rank"),
     (MIXTRAL | {"t": 2, "moe_ffn_hidden_size": 24}, "moe_ffn_hidden_size/t=24/2=12 is not a multiple of 8:"
                                                    " torch._grouped_mm"),
-    (MIXTRAL | {"h": 36, "a": 4}, "h=36 is not a multiple of 8"),
+    (MIXTRAL | {"h": 36, "a": 6}, "h=36 is not a multiple of 8"),
     (MIXTRAL | {"dtype": "fp32", "moe_ffn_hidden_size": 18}, "moe_ffn_hidden_size/t=18/1=18 is not a multiple of 4"),
 ])
 def test_moe_knobs_no_transformers_block_has_are_refused(knobs, words):

@@ -64,6 +64,12 @@ CASES = {
         "tp-sp", 2, QK | {"num_query_groups": 2, "dropout": 0.1}),
     "latent attention at b = s = 1, one head per rank: V is a view of the kv up projection's output": (
         "tp", 2, MLA | {"b": 1, "s": 1, "a": 2, "dropout": 0.0}),
+    # found by the random audit: the checkpointed core runs without grad, so its inputs are named where made
+    "latent attention selective, b = 3, s = 6: the checkpoint keeps the contiguous q, k, v": (
+        "none", 1, MLA | {"b": 3, "s": 6, "a": 2, "recompute": "selective", "dropout": 0.0}),
+    "latent attention selective tp-sp": ("tp-sp", 2, MLA | {"recompute": "selective"}),
+    "latent attention selective at b = s = 1, one head per rank: V a view": (
+        "tp", 2, MLA | {"b": 1, "s": 1, "a": 2, "recompute": "selective", "dropout": 0.0}),
 }
 
 

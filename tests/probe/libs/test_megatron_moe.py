@@ -17,7 +17,7 @@ pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
 from memcalc.config.schema import build_config  # noqa: E402
-from memcalc.errors import ProbeError  # noqa: E402
+from memcalc.errors import ConfigError, ProbeError  # noqa: E402
 from memcalc.model.evaluate import estimate  # noqa: E402
 from memcalc.model.knobs import Accounting  # noqa: E402
 from memcalc.model.strategy import STRATEGIES  # noqa: E402
@@ -38,6 +38,10 @@ CASES = {
     "swiglu experts: the expert's up copy and SiLU output": ("none", 1, SWIGLU),
     "shared gelu experts with dropout": ("none", 1, SHARED | {"dropout": 0.1}),
     "shared swiglu experts: the shared up copy too": ("none", 1, SWIGLU | SHARED),
+    "fused swiglu experts: WeightedSwiGLUFunction keeps fc1's output and the probabilities, no product":
+        ("none", 1, SWIGLU | SHARED | {"bias_activation_fusion": True}),
+    "fused swiglu experts, tp-sp t=2 in fp32": ("tp-sp", 2, SWIGLU | SHARED | {"bias_activation_fusion": True,
+                                                                              "dtype": "fp32"}),
     "the aux loss: all experts' scores, the token counts, the loss": ("none", 1, {"moe_aux_loss": True}),
     "pre-softmax: every expert's probability": ("none", 1, {"moe_router_pre_softmax": True}),
     "tp-sp t=2, etp = t: the experts gather the tokens of the tensor-parallel group": ("tp-sp", 2, SWIGLU | SHARED),
@@ -179,3 +183,13 @@ def test_all_to_one_drops_the_tokens_past_capacity_and_stays_within_the_capacity
     capacity = 16  # ceil(k*b*s/E * c) = ceil(2*64/4 * 0.5): experts 0 and 1 keep 16 of their 64 tokens each
     assert rows["moe/expert_in"].measured_shape == (2 * capacity, SIZES["h"])
     assert rows["moe/expert_in"].predicted_shape == (4 * capacity, SIZES["h"])  # every expert at capacity
+
+
+@pytest.mark.parametrize("knobs, words", [
+    ({"moe_ffn_hidden_size": 20}, "moe_ffn_hidden_size=20 is not divisible by t=3"),
+    ({"moe_shared_expert_intermediate_size": 8}, "moe_shared_expert_intermediate_size=8 is not divisible by t=3"),
+])
+def test_expert_widths_t_does_not_divide_are_refused_in_one_line(knobs, words):
+    """Found by the random audit: megatron-core's ColumnParallelLinear asserted (exit 70) at t = 3."""
+    with pytest.raises(ConfigError, match=words):
+        build_config(SIZES | {"h": 48, "a": 6, "t": 3, "moe_ffn_hidden_size": 24, "ffn_hidden_size": 96} | knobs)
