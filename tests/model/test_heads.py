@@ -108,13 +108,13 @@ def test_what_an_implementation_does_not_model_is_refused_by_name(impl, knobs, w
 def test_transformers_rope_on_whole_heads_of_odd_width_is_refused(knobs):
     """transformers refuses d = 5 (its RoPE validation), fails at d = 3 and rotates a wider table at d = 1."""
     with pytest.raises(ConfigError, match=r"RoPE on whole heads needs an even head width: d = \d+ is odd"):
-        build_config(SIZES | QWEN3 | {"impl": "hf", "num_query_groups": None} | knobs)
+        build_config(SIZES | QWEN3 | {"impl": "hf", "family": "qwen3", "num_query_groups": None} | knobs)
 
 
 def test_transformers_rope_on_a_share_of_an_odd_rotary_width_is_accepted():
     """GLM rotates int(6 * 0.5) = 3 channels of each head, rounded up within it (measured to the byte)."""
-    config = build_config(SIZES | {"impl": "hf", "norm": "rmsnorm", "mlp": "swiglu", "rotary_percent": 0.5,
-                                   "kv_channels": 6})
+    config = build_config(SIZES | {"impl": "hf", "family": "glm", "norm": "rmsnorm", "mlp": "swiglu",
+                                   "rotary_percent": 0.5, "kv_channels": 6})
     assert config.head_dim == 6
 
 
@@ -141,4 +141,4 @@ def test_heads_of_kv_channels_that_do_not_tile_h_are_refused_where_the_config_cl
     llama = SIZES | {"impl": "hf", "norm": "rmsnorm", "mlp": "swiglu", "h": 50, "kv_channels": 12, "dropout": 0.0}
     with pytest.raises(ConfigError, match="LlamaConfig wants h divisible by a whatever head_dim: h=50 is not"):
         build_config(llama)
-    assert build_config(llama | {"qk_layernorm": True}).head_dim == 12  # Qwen3Config takes them
+    assert build_config(llama | {"qk_layernorm": True, "family": "qwen3"}).head_dim == 12  # Qwen3Config takes them

@@ -992,8 +992,9 @@ def check_sizes(config: Any) -> None:
 
 
 # The families whose config class's validate_architecture refuses h % a != 0 even beside head_dim (transformers 5:
-# LlamaConfig, Gemma2Config, Gemma3TextConfig, GPTNeoXConfig); the others take heads of head_dim whatever h is.
-_A_DIVIDES_H = ("llama", "gemma2", "gemma3_text", "gpt_neox")
+# LlamaConfig, Gemma2Config, Gemma3TextConfig, GPTNeoXConfig, DeepseekV2Config); the others take heads of head_dim
+# whatever h is.
+_A_DIVIDES_H = ("llama", "gemma2", "gemma3_text", "gpt_neox", "deepseek_v2")
 
 
 def _check_whole_heads(config: Any) -> None:

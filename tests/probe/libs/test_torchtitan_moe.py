@@ -95,7 +95,7 @@ def test_with_the_real_router_each_tensor_lies_within_the_balanced_and_worst_bou
     ({"t": 2}, "moe_ffn_hidden_size/t=24/2=12 is not a multiple of 8"),
     ({"dtype": "fp32"}, "GroupedExperts computes in bf16"),
     # found by the random audit (a traceback from torch._grouped_mm before)
-    ({"h": 12, "a": 2, "num_query_groups": 1}, r"h=12 is not a multiple of 8: torch._grouped_mm \(GroupedExperts\)"),
+    ({"h": 12, "a": 2, "num_query_groups": 1}, r"h=12 is not a multiple of 8: torch._grouped_mm \(its GroupedExperts\)"),
     ({"moe_ffn_hidden_size": 20}, "moe_ffn_hidden_size/t=20/1=20 is not a multiple of 8"),
 ])
 def test_moe_knobs_the_measured_block_does_not_run_are_refused_in_one_line(knobs, words):
