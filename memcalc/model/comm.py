@@ -186,8 +186,8 @@ def layer_collectives(
 def _dense(
     p: Pair, ends: tuple[tuple[Rule, ...], tuple[Rule, ...]], sp: bool, overlap: frozenset[str], t: int, splits: int,
 ) -> tuple[list[Collective], list[Collective]]:
-    """A column/row-parallel pair's collectives from its modules before the rowwise one and the rowwise one
-    ones (`ends`): (forward, as the overlap method cuts them; backward, with SP's re-gather where the colwise module keeps
+    """A column/row-parallel pair's collectives from its modules before the rowwise ones and the rowwise ones
+    (`ends`): (forward, as the overlap method cuts them; backward, with SP's re-gather where the colwise module keeps
     only its input's shard). A colwise module that wraps its own input has its own f, a norm between them whose
     weight is replicated its weight gradient's all-reduce; a gathered block adds DTensor's all-gathers."""
     entering, leaving = ends

@@ -277,8 +277,8 @@ def test_the_shim_makes_cpu_dropout_keep_a_bool_mask_and_undoes_itself():
     (GPT2 | {"num_query_groups": 2}, "GPT2Block has no grouped-query attention"),
     (GPT2 | {"qk_layernorm": True}, "GPT2Block, which has no qk_layernorm"),
     (GPT2 | {"kv_channels": 16}, "GPT2Block has no kv_channels"),
-    (GPT2 | {"kv_channels": 16, "parallel_residual": True, "single_norm": True, "attention": "eager"},  # Falcon's, named so
-     "FalconDecoderLayer has no kv_channels"),
+    (GPT2 | {"family": "falcon", "kv_channels": 16, "parallel_residual": True, "single_norm": True,
+             "attention": "eager"}, "FalconDecoderLayer has no kv_channels"),  # the family's own layer, named so
     (NEOX | {"attention": "flash"}, "GPTNeoXLayer under sdpa is not modelled"),
     (GEMMA2 | {"attention": "flash"}, "attn_logit_softcapping runs in eager attention only"),
     (GEMMA | {"attn_logit_softcapping": 30.0, "attention": "eager"}, "attn_logit_softcapping is Gemma 2's"),
