@@ -83,12 +83,15 @@ EXPERT_RULES = (
     Limit("num_experts", "moe_router_topk", "each token picks k distinct experts"),
 )
 
+# The knobs each check reads, chosen once: `estimate` checks every config it is given, and sweeps call it in loops.
+_MOE_KNOBS = tuple(k for k in KNOBS if is_moe(k))
+_IMPL_KNOBS = tuple(k for k in KNOBS if k.impls)
 
 
 def check_moe(knobs: Any) -> None:
     """ConfigError for MoE knobs that say nothing without experts, or ask for what cannot be."""
     if knobs.num_experts is None:
-        stray = [k.name for k in KNOBS if is_moe(k) and getattr(knobs, k.name) != k.default]
+        stray = [k.name for k in _MOE_KNOBS if getattr(knobs, k.name) != k.default]
         if stray:
             raise ConfigError(f"{stray[0]} is set but num_experts is not (a dense MLP has no experts)")
         return
@@ -111,9 +114,9 @@ def check_moe(knobs: Any) -> None:
 def check_settings(knobs: Any) -> None:
     """ConfigError for a knob that only some implementations have (`Knob.impls`), set away from its default under
     another: the library asked for has no such setting, so the value would change nothing."""
-    for knob in KNOBS:
+    for knob in _IMPL_KNOBS:
         value = getattr(knobs, knob.name)
-        if knob.impls and knobs.impl not in knob.impls and value != knob.default:
+        if knobs.impl not in knob.impls and value != knob.default:
             raise ConfigError(f"{knob.name}={value} is a setting of impl {', '.join(knob.impls)} only; impl {knobs.impl}"
                               f" has none (leave it at {knob.default})")
 
