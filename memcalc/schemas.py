@@ -4,13 +4,16 @@ its command).
 Scripts read `--json` output by key, so a renamed or dropped key breaks them silently: each document carries a
 `schema_version` (bumped when a key changes meaning or goes away), tests validate every command's output against
 its schema here, and top-level objects forbid unnamed keys, so a key added in code and not here fails a test.
-This module is data alone (the CLI imports it for SCHEMA_VERSION on every `--json` run).
 """
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any
 
+from memcalc.config.schema import SIZES, ModelConfig, class_schema
+from memcalc.model.knobs import Knobs
+from memcalc.model.rules import AS_USED
 from memcalc.sizing.verdict import PEAK, SAVED
 
 SCHEMA_VERSION = 1
@@ -54,86 +57,35 @@ def _document(properties: dict[str, Schema], title: str, optional: tuple[str, ..
     return {"$schema": DIALECT, "title": title, **body}
 
 
-_MLA = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")  # knobs.MLA_KNOBS
+_JSON_TYPES = {"int": "integer", "float": "number", "bool": "boolean", "str": "string"}
+_JSON_BOUNDS = {"gt": "exclusiveMinimum", "ge": "minimum", "lt": "exclusiveMaximum", "le": "maximum"}
+
+
+def _json(schema: Schema, null: bool) -> Schema:
+    """A field's validation rule (memcalc.config.core's pydantic-core schema) in JSON Schema: what a valid config
+    prints. `null`: an unset field is printed as null (else it is left out)."""
+    kind = schema["type"]
+    if kind == "nullable":
+        return _nullable(_json(schema["schema"], null)) if null else _json(schema["schema"], null)
+    if kind == "function-after":
+        return _json(schema["schema"], null)
+    if kind == "literal":
+        return {"enum": schema["expected"]}
+    return {"type": _JSON_TYPES[kind], **{word: schema[b] for b, word in _JSON_BOUNDS.items() if b in schema}}
+
+
+def _fields(cls: type, null: bool) -> dict[str, Schema]:
+    return {name: _json(f["schema"], null) for name, f in class_schema(cls)["fields"].items()}
+
 
 # The model's knobs, as `formula` prints them (size knobs null unless set) and as a config carries them.
-KNOBS: Schema = _object({
-    "impl": {"enum": ["megatron", "torchtitan", "hf", "paper"]},
-    "family": _nullable(TEXT),  # a transformers family (memcalc.model.families.FAMILIES), null when unnamed
-    "mlp": TEXT,
-    "ffn_hidden_size": _nullable(POSITIVE),
-    "attention": TEXT,
-    "num_query_groups": _nullable(POSITIVE),
-    "kv_channels": _nullable(POSITIVE),  # null: heads of h/a
-    "qk_layernorm": FLAG,
-    "norm": TEXT,
-    "dropout": {"type": "number", "minimum": 0, "maximum": 1},
-    "recompute": {"enum": ["none", "selective", "full"]},
-    "dtype": TEXT,
-    "bias_activation_fusion": FLAG,
-    "attention_softmax_in_fp32": FLAG,
-    "masked_softmax_fusion": FLAG,
-    "num_experts": _nullable(POSITIVE),
-    "moe_router_topk": POSITIVE,
-    "moe_ffn_hidden_size": _nullable(POSITIVE),
-    "moe_shared_expert_intermediate_size": _nullable(POSITIVE),
-    "moe_expert_capacity_factor": _nullable({"type": "number", "exclusiveMinimum": 0}),
-    "moe_pad_expert_input_to_capacity": FLAG,
-    "moe_token_dispatcher_type": {"enum": ["alltoall", "allgather"]},
-    "moe_layer_freq": POSITIVE,
-    "moe_first_dense_layers": _nullable(POSITIVE),
-    "moe_router_score_function": {"enum": ["softmax", "sigmoid"]},
-    "moe_router_enable_expert_bias": FLAG,
-    "moe_tokens": {"enum": ["balanced", "capacity", "worst"]},
-    "moe_aux_loss": FLAG,
-    "moe_router_pre_softmax": FLAG,
-    "experts_implementation": {"enum": ["grouped_mm", "eager"]},  # transformers' (--impl hf)
-    **{name: _nullable(POSITIVE) for name in _MLA},  # latent attention's widths, null without it
-    "sliding_window": _nullable(POSITIVE),
-    "sandwich_norm": FLAG,
-    "attn_logit_softcapping": _nullable({"type": "number", "exclusiveMinimum": 0}),
-    "final_logit_softcapping": _nullable({"type": "number", "exclusiveMinimum": 0}),
-    "parallel_residual": FLAG,
-    "rotary_percent": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
-    "post_norm": FLAG,
-    "fused_qkv": FLAG,
-    "alibi": FLAG,
-    "single_norm": FLAG,
-    "attention_sinks": FLAG,
-})
+KNOBS: Schema = _object(_fields(Knobs, null=True))
 
-# The config a command ran: every ModelConfig field (unset optional ones left out), with the MLP
-# width and K/V groups as used. A test checks these keys against ModelConfig's fields.
+# The config a command ran: every ModelConfig field, the fields whose default is None left out unless set, with the
+# MLP width and K/V groups as used.
 CONFIG: Schema = _object(
-    {
-        **KNOBS["properties"],
-        "family": TEXT,
-        "ffn_hidden_size": POSITIVE,
-        "num_query_groups": POSITIVE,
-        "name": TEXT,
-        "description": TEXT,
-        "b": POSITIVE, "s": POSITIVE, "h": POSITIVE, "a": POSITIVE, "t": POSITIVE, "L": POSITIVE,
-        "vocab_size": POSITIVE,
-        "make_vocab_size_divisible_by": POSITIVE,
-        "tie_embeddings": FLAG,
-        "position_embedding_type": {"enum": ["learned_absolute", "rope", "alibi"]},
-        "max_position_embeddings": POSITIVE,
-        "add_bias_linear": FLAG,
-        "add_qkv_bias": FLAG,
-        "pp": POSITIVE, "vpp": {"type": "integer", "minimum": 2}, "dp": POSITIVE, "cp": POSITIVE,
-        "ep": POSITIVE, "etp": POSITIVE,
-        "distributed_optimizer": FLAG,
-        "dp_shard": POSITIVE, "dp_replicate": POSITIVE, "reshard_after_forward": FLAG,
-        "reduce_dtype": {"enum": ["fp32", "bf16"]}, "zero_stage": {"type": "integer", "minimum": 0, "maximum": 3},
-        "gpus": POSITIVE,
-        "num_microbatches": POSITIVE,
-        "global_batch_size": POSITIVE,
-    },
-    # The fields whose default is None, left out unless set.
-    optional=("name", "description", "family", "max_position_embeddings", "vpp", "gpus", "num_microbatches", "global_batch_size",
-              "etp", "dp_shard", "dp_replicate", "zero_stage", "num_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_first_dense_layers",
-              "moe_expert_capacity_factor", "kv_channels", *_MLA, "sliding_window", "rotary_percent",
-              "attn_logit_softcapping", "final_logit_softcapping"),
+    _fields(ModelConfig, null=False),
+    optional=tuple(f.name for f in fields(ModelConfig) if f.default is None and f.name not in AS_USED),
 )
 
 ACCOUNTING: Schema = _object({"exact": FLAG, "device": {"enum": ["cuda", "cpu"]}})
@@ -349,7 +301,7 @@ FIT: Schema = _document(
 )
 
 # One list per column, all of length `rows` (JSON Schema cannot say "equal lengths"; the tests do).
-_SWEEP_COLUMNS = {name: {"type": "array", "items": POSITIVE} for name in ("b", "s", "h", "a", "t", "L")}
+_SWEEP_COLUMNS = {name: {"type": "array", "items": POSITIVE} for name in SIZES}
 _EXPERT_AXES = ("num_experts", "moe_router_topk", "ep")  # columns of a sweep whose model has experts
 SWEEP: Schema = _document(
     {
