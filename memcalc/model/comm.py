@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 from memcalc.errors import ConfigError
 from memcalc.model.evaluate import check_strategy, dim_sizes
 from memcalc.model.impls import implementation, plan
-from memcalc.model.knobs import DTYPE_BYTES, Knobs
+from memcalc.model.knobs import DTYPE_BYTES, FIXED_BYTES, Knobs
 from memcalc.model.ledger import Dim, Kind
 from memcalc.model.strategy import Strategy
 from memcalc.model.tp_plan import SHARED, Pair, Rule, Style
@@ -49,7 +49,6 @@ if TYPE_CHECKING:
     from memcalc.config.schema import ModelConfig
 
 _BSH = (Dim.B, Dim.S, Dim.H)
-_FIXED_WIDTHS = {Kind.INT64: 8}  # elements whose width is not the activation dtype's
 
 
 class Op(Enum):
@@ -343,7 +342,7 @@ def sent_bytes(c: Collective, sizes: dict[Dim, int], t: int, width: int, ep: int
     """Bytes one rank moves for `c` (a receive: what arrives) over its group of t, ep or t*ep ranks; exact,
     since t divides h (t | a | h) and s (a shard of routed slots, under SP)."""
     ranks = c.group.size(t, ep)
-    element = _FIXED_WIDTHS.get(c.kind, width)
+    element = FIXED_BYTES.get(c.kind, width)
     return int(c.op.share(ranks) * c.piece * c.count.factor(t, ranks) * element * prod(sizes[d] for d in c.shape))
 
 
@@ -420,7 +419,7 @@ def formula(knobs: Any, strategy: Strategy, width: int, ep: int = 1) -> tuple[st
     for c in layer_collectives(knobs, strategy, ep=ep):
         key = (factors[(c.group, c.count)], c.shape)
         ring_units = 2 if c.op is Op.ALL_REDUCE else 1  # the tensor's bytes x (t-1)/t each rank sends, this often
-        terms[key] = terms.get(key, 0) + ring_units * _FIXED_WIDTHS.get(c.kind, width)
+        terms[key] = terms.get(key, 0) + ring_units * FIXED_BYTES.get(c.kind, width)
     if not terms:
         return "0", "0"
     text = " + ".join(f"{n}{_symbols(shape)}{share}" for ((share, _), shape), n in terms.items())

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import field, replace
 from enum import Enum
+from functools import partial
 from typing import Any, Callable
 
 from memcalc.model.ledger import Kind
@@ -156,10 +157,6 @@ def _ffn(k: Any) -> str:
     return str(getattr(k, "ffn", None) or k.ffn_hidden_size or "4h")
 
 
-def _groups(k: Any) -> str:
-    return str(getattr(k, "groups", None) or k.num_query_groups or "a")
-
-
 def _moe(k: Any) -> str | None:
     """'MoE 8 experts top-2 (expert ffn 14336, shared 5632), capacity 1.25, every 2nd layer, tokens balanced'."""
     if k.num_experts is None:
@@ -189,21 +186,22 @@ def _moe(k: Any) -> str | None:
     return ", ".join([*parts, f"tokens {k.moe_tokens}"])
 
 
-def _moe_knob(name: str) -> Callable[[Any], str | None]:
-    """A MoE knob set without experts: said, so that a description never hides it (the check refuses it)."""
+def _said_alone(owner: str, name: str) -> Callable[[Any], str | None]:
+    """A knob that means something only with `owner` (num_experts, kv_lora_rank), set without it: said, so that a
+    description never hides it (the checks refuse it)."""
+    return lambda k: (None if getattr(k, owner) is not None or getattr(k, name) == BY_NAME[name].default
+                      else f"{name} {getattr(k, name)}")
 
-    def words(k: Any) -> str | None:
-        value = getattr(k, name)
-        return None if k.num_experts is not None or value == BY_NAME[name].default else f"{name} {value}"
 
-    return words
+_moe_knob, _mla_knob = partial(_said_alone, "num_experts"), partial(_said_alone, "kv_lora_rank")
 
 
 def _heads(k: Any) -> str:
     """What attention's heads are: '8 K/V groups', or with latent attention its widths in place of K/V groups,
     'MLA: q latent 1536, kv latent 512, heads 128+64, v 128'."""
     if k.kv_lora_rank is None:
-        return f"{_groups(k)} K/V groups" + (f", heads of {k.kv_channels}" if head_dim_set(k) else "")
+        groups = getattr(k, "groups", None) or k.num_query_groups or "a"
+        return f"{groups} K/V groups" + (f", heads of {k.kv_channels}" if head_dim_set(k) else "")
     query = f"q latent {k.q_lora_rank}" if k.q_lora_rank is not None else "no q latent"
     return (f"MLA: {query}, kv latent {k.kv_lora_rank}, heads {k.qk_nope_head_dim}+{k.qk_rope_head_dim},"
             f" v {k.v_head_dim}")
@@ -215,9 +213,9 @@ def head_dim_set(k: Any) -> bool:
     return k.kv_channels is not None and not (h is not None and a is not None and k.kv_channels * a == h)
 
 
-def _mla_knob(name: str) -> Callable[[Any], str | None]:
-    """A latent-attention width set without kv_lora_rank: said, so that a description never hides it."""
-    return lambda k: None if k.kv_lora_rank is not None or getattr(k, name) is None else f"{name} {getattr(k, name)}"
+def _hf(family: str, norm: Norm, mlp: Mlp = Mlp.GELU, **knobs: Any) -> dict[str, Any]:
+    """A transformers family's layer, eager, as knob values (docs/model.md's variants)."""
+    return {"impl": Impl.HF, "family": family, "norm": norm, "mlp": mlp, "attention": Attention.EAGER, **knobs}
 
 
 # The knob values that turn latent attention on, in symbols (docs/model.md's variants).
@@ -267,8 +265,8 @@ KNOBS: tuple[Knob, ...] = (
         lambda k: "QK norm" if k.qk_layernorm else None,
         effects=((True, "A norm on each query head and each key head (Qwen3's q_norm, k_norm) keeps its input, a"
                   " second copy of Q and K, and each head's statistics."),
-                 ({"impl": Impl.HF, "family": "cohere", "norm": Norm.LAYERNORM_NB, "mlp": Mlp.SWIGLU,
-                   "attention": Attention.EAGER, "parallel_residual": True, "single_norm": True, "qk_layernorm": True},
+                 (_hf("cohere", Norm.LAYERNORM_NB, Mlp.SWIGLU, parallel_residual=True, single_norm=True,
+                      qk_layernorm=True),
                   "Cohere's use_qk_norm (Command R+): a CohereLayerNorm on each query and key head, keeping per head"
                   " what the layer's norm keeps (x - mean twice, rstd, the normalised input, all fp32), and its"
                   " (heads, d) weight's fp32 copy. Under tp transformers' plan leaves that weight whole and fails."),),
@@ -453,8 +451,8 @@ KNOBS: tuple[Knob, ...] = (
         "hf: how transformers runs the experts (config.json's experts_implementation): grouped_mm (its default, on"
         " CPU and CUDA alike: the slots sorted by expert, one grouped matmul per projection) or eager (a loop over"
         " the experts)", _moe_knob("experts_implementation"), ExpertsImplementation,
-        effects=(({"impl": Impl.HF, "family": "mixtral", "norm": Norm.RMSNORM, "mlp": Mlp.SWIGLU, "num_experts": 8,
-                   "experts_implementation": ExpertsImplementation.EAGER},
+        effects=((_hf("mixtral", Norm.RMSNORM, Mlp.SWIGLU, num_experts=8,
+                      experts_implementation=ExpertsImplementation.EAGER),
                   "transformers' eager experts loop over the experts one at a time: each keeps its slots' (token,"
                   " top-k slot) pairs and index_add_'s source, a second (r, h) copy of the weighted output, where"
                   " the default grouped_mm keeps three int64 permutations of the r slots and E int32 offsets"
@@ -494,8 +492,7 @@ KNOBS: tuple[Knob, ...] = (
         "sandwich_norm", "flag", False, "hf: a norm also on the attention's and the MLP's output, before each residual"
         " add (Gemma 2/3's post_attention_layernorm and post_feedforward_layernorm)",
         lambda k: "sandwich norms" if k.sandwich_norm else None,
-        effects=(({"impl": Impl.HF, "family": "gemma2", "norm": Norm.RMSNORM_1P, "mlp": Mlp.GEGLU_TANH,
-                   "attention": Attention.EAGER, "sandwich_norm": True},
+        effects=((_hf("gemma2", Norm.RMSNORM_1P, Mlp.GEGLU_TANH, sandwich_norm=True),
                   "Four norms a layer: the two output norms keep what the input norms keep, on the attention's and"
                   " the MLP's (b, s, h) outputs."),),
     ),
@@ -503,16 +500,14 @@ KNOBS: tuple[Knob, ...] = (
         "attn_logit_softcapping", "factor", None, "hf: attention scores become c * tanh(scores / c) before the softmax"
         " (Gemma 2's attn_logit_softcapping; eager only)",
         lambda k: None if k.attn_logit_softcapping is None else f"softcap {k.attn_logit_softcapping:g}",
-        effects=(({"impl": Impl.HF, "family": "gemma2", "norm": Norm.RMSNORM_1P, "mlp": Mlp.GEGLU_TANH,
-                   "attention": Attention.EAGER, "sandwich_norm": True, "attn_logit_softcapping": 50.0},
+        effects=((_hf("gemma2", Norm.RMSNORM_1P, Mlp.GEGLU_TANH, sandwich_norm=True, attn_logit_softcapping=50.0),
                   "Soft-capping keeps tanh's (b, a, s, s) output, whose derivative 1 - tanh^2 backward reads."),),
     ),
     Knob(
         "final_logit_softcapping", "factor", None, "hf: the logits become c * tanh(logits / c) before the loss (Gemma"
         " 2's final_logit_softcapping): tanh keeps its (b, s, v) output beside the loss's, outside the layers",
         lambda k: None if k.final_logit_softcapping is None else f"logits softcap {k.final_logit_softcapping:g}",
-        effects=(({"impl": Impl.HF, "family": "gemma2", "norm": Norm.RMSNORM_1P, "mlp": Mlp.GEGLU_TANH,
-                   "attention": Attention.EAGER, "sandwich_norm": True, "final_logit_softcapping": 30.0},
+        effects=((_hf("gemma2", Norm.RMSNORM_1P, Mlp.GEGLU_TANH, sandwich_norm=True, final_logit_softcapping=30.0),
                   "The layer keeps what Gemma 2's keeps: the logits are soft-capped after lm_head, where the output"
                   " end keeps tanh's (b, s, v) output in the activation dtype beside the loss's logits (--totals)."),),
     ),
@@ -520,12 +515,11 @@ KNOBS: tuple[Knob, ...] = (
         "parallel_residual", "flag", False, "hf: attention and MLP both read the layer's input: each through its own"
         " norm with rotary_percent (GPT-NeoX's use_parallel_residual), without it Falcon's parallel_attn (RoPE on"
         " whole heads) through one norm (single_norm, Falcon-7B's) or ln_attn and ln_mlp (new_decoder_architecture)", lambda k: "parallel residual" if k.parallel_residual else None,
-        effects=(({"impl": Impl.HF, "family": "gpt_neox", "norm": Norm.LAYERNORM, "attention": Attention.EAGER,
-                   "rotary_percent": 0.25, "fused_qkv": True, "parallel_residual": True},
+        effects=((_hf("gpt_neox", Norm.LAYERNORM, rotary_percent=0.25, fused_qkv=True, parallel_residual=True),
                   "Both norms read the layer's input: the second norm keeps no input of its own (the first's is the"
                   " same storage), only its statistics."),
-                 ({"impl": Impl.HF, "family": "falcon", "norm": Norm.LAYERNORM, "attention": Attention.EAGER,
-                   "dropout": 0.0, "parallel_residual": True, "single_norm": True, "num_query_groups": 1},
+                 (_hf("falcon", Norm.LAYERNORM, dropout=0.0, parallel_residual=True, single_norm=True,
+                      num_query_groups=1),
                   "FalconDecoderLayer (multi_query): one norm, whose output both the attention and the MLP read (no"
                   " second norm, no MLP input of its own); matmul broadcasts the one K/V head to every query head, a"
                   " copy each, and indexing keeps the two one-element indices that picked them; the softmax stays in"
@@ -535,12 +529,10 @@ KNOBS: tuple[Knob, ...] = (
         "rotary_percent", "factor", None, "hf: RoPE on this fraction of each head's channels (GPT-NeoX's rotary_pct,"
         " StarCoder 2's 1; default: RoPE on all of them, or none in a LayerNorm layer, GPT-2's)",
         lambda k: None if k.rotary_percent is None else f"rotary {k.rotary_percent:g}", symbol="d_r",
-        effects=(({"impl": Impl.HF, "family": "gpt_neox", "norm": Norm.LAYERNORM, "attention": Attention.EAGER,
-                   "rotary_percent": 0.25, "fused_qkv": True},
+        effects=((_hf("gpt_neox", Norm.LAYERNORM, rotary_percent=0.25, fused_qkv=True),
                   "GPTNeoXLayer: RoPE's cos and sin tables are d_r = d * rotary_pct channels wide, Llama's fp32"
                   " softmax is kept, and Q, K (rotated and concatenated) and V are the core's."),
-                 ({"impl": Impl.HF, "family": "starcoder2", "norm": Norm.LAYERNORM, "attention": Attention.EAGER,
-                   "rotary_percent": 1.0, "num_query_groups": 2},
+                 (_hf("starcoder2", Norm.LAYERNORM, rotary_percent=1.0, num_query_groups=2),
                   "Starcoder2DecoderLayer: a LayerNorm layer whose separate q, k and v (under GQA too) are rotated"
                   " whole (s, d) tables; Llama's fp32 softmax and its cast, and the attention's and the MLP's"
                   " outputs dropped out with dropout > 0. Its tp plan is the paper's: LayerNorms whole, the rest"
@@ -550,8 +542,7 @@ KNOBS: tuple[Knob, ...] = (
         "post_norm", "flag", False, "hf: the norms on the attention's and the MLP's outputs only, before each residual"
         " add, none on their inputs (OLMo 2's post_attention_layernorm and post_feedforward_layernorm)",
         lambda k: "post-norms" if k.post_norm else None,
-        effects=(({"impl": Impl.HF, "family": "olmo2", "norm": Norm.RMSNORM_FP32W, "mlp": Mlp.SWIGLU,
-                   "attention": Attention.EAGER, "qk_layernorm": True, "post_norm": True},
+        effects=((_hf("olmo2", Norm.RMSNORM_FP32W, Mlp.SWIGLU, qk_layernorm=True, post_norm=True),
                   "Olmo2DecoderLayer: no norm before the attention or the MLP (q, k, v and gate, up read the residual"
                   " stream itself); its two norms keep an fp32 copy of the attention's and the MLP's outputs, the"
                   " fp32 rstd and the fp32 normalised output; q_norm and k_norm run over the whole projection width"
@@ -565,15 +556,14 @@ KNOBS: tuple[Knob, ...] = (
         " heads, one key, one value)",
         lambda k: None if not k.fused_qkv else "fused qkv_proj and gate_up_proj" if k.mlp == "swiglu"
         else "fused query_key_value",
-        effects=(({"impl": Impl.HF, "family": "phi3", "norm": Norm.RMSNORM, "mlp": Mlp.SWIGLU,
-                   "attention": Attention.EAGER, "fused_qkv": True},
+        effects=((_hf("phi3", Norm.RMSNORM, Mlp.SWIGLU, fused_qkv=True),
                   "Q, K and V are views of one (b, s, (a+2g)d) output: where eager attention's matmul takes V as it"
                   " is (b = 1, one K/V group) it keeps that whole output; gate and up are two halves of one storage."
                   " Under tp transformers' Phi-3 plan gathers both fused outputs (colwise_gather_output), so every"
                   " rank keeps all heads' attention and the whole gate, up and SiLU; only o_proj's and down_proj's"
                   " inputs are split (rowwise_split_input)."),
-                 ({"impl": Impl.HF, "family": "falcon", "norm": Norm.LAYERNORM, "attention": Attention.EAGER,
-                   "dropout": 0.0, "parallel_residual": True, "fused_qkv": True, "num_query_groups": 2},
+                 (_hf("falcon", Norm.LAYERNORM, dropout=0.0, parallel_residual=True, fused_qkv=True,
+                      num_query_groups=2),
                   "FalconDecoderLayer with new_decoder_architecture (Falcon-40B/180B): ln_attn and ln_mlp both read"
                   " the layer's input (the second keeps only its statistics, and dense_h_to_4h its own output);"
                   " _split_heads indexes each group's key and value (two one-element indices kept) and broadcasts"
@@ -585,8 +575,7 @@ KNOBS: tuple[Knob, ...] = (
         "alibi", "flag", False, "hf: ALiBi: a per-head linear bias on the attention scores in place of position"
         " embeddings (BLOOM's; the bias is built once per model and keeps nothing in a layer)",
         lambda k: "ALiBi" if k.alibi else None,
-        effects=(({"impl": Impl.HF, "family": "bloom", "norm": Norm.LAYERNORM, "mlp": Mlp.GELU_TANH,
-                   "attention": Attention.EAGER, "alibi": True},
+        effects=((_hf("bloom", Norm.LAYERNORM, Mlp.GELU_TANH, alibi=True),
                   "BloomBlock: baddbmm adds the bias to QK^T and keeps only Q and K^T (the bias needs no gradient);"
                   " the softmax runs in fp32 and is cast back, as Llama's eager core; BLOOM's tanh GELU, a custom"
                   " autograd function, keeps its input alone."),),
@@ -596,14 +585,12 @@ KNOBS: tuple[Knob, ...] = (
         " whose output both read (GPT-J's ln_1, Cohere's and Falcon's input_layernorm: Falcon-7B's always,"
         " new_decoder_architecture's with num_ln_in_parallel_attn 1)",
         lambda k: "one norm" if k.single_norm else None,
-        effects=(({"impl": Impl.HF, "family": "gptj", "norm": Norm.LAYERNORM, "mlp": Mlp.GELU_TANH,
-                   "attention": Attention.EAGER, "rotary_percent": 0.25, "parallel_residual": True,
-                   "single_norm": True},
+        effects=((_hf("gptj", Norm.LAYERNORM, Mlp.GELU_TANH, rotary_percent=0.25, parallel_residual=True,
+                      single_norm=True),
                   "GPTJBlock: one LayerNorm, whose output q, k, v and fc_in all read (kept once); the eager core"
                   " upcasts Q and K to fp32 before QK^T (matmul keeps both fp32), and RoPE's interleaved tables are"
                   " repeated for Q and for K, four (s, d_r) tables kept a layer."),
-                 ({"impl": Impl.HF, "family": "cohere", "norm": Norm.LAYERNORM_NB, "mlp": Mlp.SWIGLU,
-                   "attention": Attention.EAGER, "parallel_residual": True, "single_norm": True},
+                 (_hf("cohere", Norm.LAYERNORM_NB, Mlp.SWIGLU, parallel_residual=True, single_norm=True),
                   "CohereDecoderLayer: one CohereLayerNorm (LayerNorm without bias, written out in fp32), whose output"
                   " q, k, v, gate and up all read (kept once); it keeps x - mean twice in fp32 (pow(2) and the"
                   " product by rstd each compute it), the fp32 rstd, the fp32 weight and the fp32 normalised input."
@@ -613,8 +600,8 @@ KNOBS: tuple[Knob, ...] = (
         "attention_sinks", "flag", False, "hf: a learned logit per head joined to each query's scores before the"
         " softmax and dropped after it (gpt-oss's sinks; eager only)",
         lambda k: "attention sinks" if k.attention_sinks else None,
-        effects=(({"impl": Impl.HF, "family": "gpt_oss", "norm": Norm.RMSNORM_FP32W, "mlp": Mlp.SWIGLU_CLAMPED,
-                   "attention": Attention.EAGER, "dropout": 0.0, "num_experts": 8, "attention_sinks": True},
+        effects=((_hf("gpt_oss", Norm.RMSNORM_FP32W, Mlp.SWIGLU_CLAMPED, dropout=0.0, num_experts=8,
+                      attention_sinks=True),
                   "GptOssDecoderLayer: the sink column widens the scores to s + 1 keys; max's int64 indices (the"
                   " logits less their row maximum) and the softmax's (b, a, s, s + 1) output in the activation dtype"
                   " are kept, and weights x V reads the first s columns of that output as a view, so no fp32 softmax"
@@ -663,17 +650,12 @@ def _knobs_namespace() -> dict[str, Any]:
     }
 
 
-def knob_field(knob: Knob) -> Any:
-    """A dataclass field for a knob; its metadata carries the knob, for the config schema."""
-    return field(default=knob.default, metadata={"knob": knob, "help": knob.help})
-
-
 _TYPES = {"choice": str, "name": "str | None", "size": "int | None", "probability": float, "factor": "float | None",
           "flag": bool}
 
 Knobs = record(type("Knobs", (), _knobs_namespace() | {  # __module__: for pickling across the probe's processes
     "__module__": __name__, "__annotations__": {k.name: k.choices or _TYPES[k.kind] for k in KNOBS},
-    **{k.name: knob_field(k) for k in KNOBS},
+    **{k.name: field(default=k.default, metadata={"knob": k, "help": k.help}) for k in KNOBS},  # for the config schema
 }), kw_only=True)
 
 
@@ -690,14 +672,11 @@ class Accounting:
     device: str = "cuda"
 
 
+FIXED_BYTES = {Kind.MASK: 1, Kind.INT64: 8, Kind.INDEX_PAIR: 16, Kind.FP32: 4, Kind.INT32: 4}  # not the dtype's width
+
+
 def element_bytes(kind: Kind, knobs: Any, accounting: Accounting) -> int:
     """Bytes per element of a tensor of this kind."""
-    if kind is Kind.MASK:
-        return 1
-    if kind is Kind.INT64:
-        return 8
-    if kind is Kind.INDEX_PAIR:
-        return 16
-    if kind in (Kind.FP32, Kind.INT32) or (kind is Kind.NORM_STATS and accounting.device == "cuda"):
+    if kind is Kind.NORM_STATS and accounting.device == "cuda":
         return 4
-    return DTYPE_BYTES[knobs.dtype]
+    return FIXED_BYTES.get(kind) or DTYPE_BYTES[knobs.dtype]
