@@ -135,17 +135,22 @@ WHY_DROPOUT_MASK = "dropout's backward multiplies the gradient by the same mask"
 WHY_GATHERED_INPUT = "dW = X^T dY needs the input; under SP only its sequence shard is kept and re-gathered"
 
 
+def _norm_tensors(stem: str, by: str, rows: tuple[Dim, ...], width: Dim, region: Region) -> NormTensors:
+    """A norm's input, `rows` of `width` channels, and a mean and an rstd a row; every norm differs only in these."""
+    return NormTensors(
+        SavedTensor(f"{stem}input", by, (*rows, width), Kind.ACTIVATION, region, WHY_NORM_INPUT),
+        SavedTensor(f"{stem}mean", by, rows, Kind.NORM_STATS, region, WHY_NORM_MEAN, paper=False),
+        SavedTensor(f"{stem}rstd", by, rows, Kind.NORM_STATS, region, WHY_NORM_RSTD, paper=False),
+    )
+
+
 def _norm(prefix: str, before: str, width: Dim = Dim.H) -> NormTensors:
-    """The tensors of the norm in front of `before` over `width` channels; the layer's norms differ only in name.
+    """The tensors of the norm in front of `before` over `width` channels, one row a token.
 
     `prefix` is a block ("ln1": ln1/input) or a block and a stem ("mla/q_norm_": mla/q_norm_input).
     """
-    by, stem = f"norm before {before}", prefix if "/" in prefix else f"{prefix}/"
-    return NormTensors(
-        SavedTensor(f"{stem}input", by, (Dim.B, Dim.S, width), Kind.ACTIVATION, Region.SEQUENCE, WHY_NORM_INPUT),
-        SavedTensor(f"{stem}mean", by, (Dim.B, Dim.S), Kind.NORM_STATS, Region.SEQUENCE, WHY_NORM_MEAN, paper=False),
-        SavedTensor(f"{stem}rstd", by, (Dim.B, Dim.S), Kind.NORM_STATS, Region.SEQUENCE, WHY_NORM_RSTD, paper=False),
-    )
+    stem = prefix if "/" in prefix else f"{prefix}/"
+    return _norm_tensors(stem, f"norm before {before}", (Dim.B, Dim.S), width, Region.SEQUENCE)
 
 
 _BSH = (Dim.B, Dim.S, Dim.H)
@@ -165,12 +170,7 @@ def _head_norm(which: str, heads: Dim) -> NormTensors:
     """A QK norm's tensors (qk_layernorm): one norm over each of `heads` heads' d channels, before QK^T, inside the
     column/row-parallel pair (TP splits its heads); `which` is "q" or "k". Its output is the core's Q (or K)."""
     by = f"{which.upper()} norm (qk_layernorm), over each {'query' if which == 'q' else 'key'} head's d channels"
-    per_head, stem = (Dim.B, heads, Dim.S), f"attention/{which}_norm_"
-    return NormTensors(
-        SavedTensor(f"{stem}input", by, (*per_head, Dim.D), Kind.ACTIVATION, Region.TENSOR, WHY_NORM_INPUT),
-        SavedTensor(f"{stem}mean", by, per_head, Kind.NORM_STATS, Region.TENSOR, WHY_NORM_MEAN, paper=False),
-        SavedTensor(f"{stem}rstd", by, per_head, Kind.NORM_STATS, Region.TENSOR, WHY_NORM_RSTD, paper=False),
-    )
+    return _norm_tensors(f"attention/{which}_norm_", by, (Dim.B, heads, Dim.S), Dim.D, Region.TENSOR)
 
 
 QKV_IN = SavedTensor(
@@ -261,25 +261,22 @@ EXPERT_IN = SavedTensor(
 )
 
 
-def _for_each_expert(dense: SavedTensor, name: str) -> SavedTensor:
-    """The dense MLP's tensor `dense` as each expert keeps it: for the r token slots its experts receive, of the
-    expert width e, split as experts are (memcalc.model.strategy)."""
-    return replace(dense, name=name, saved_by=f"each expert's {dense.saved_by.split(' (')[0]}", shape=_RE,
-                   region=Region.EXPERT, why=f"{dense.why}, for each token an expert received")
+_MLP_TENSORS = (GELU_IN, SWIGLU_GATE, SWIGLU_UP, SWIGLU_SILU_OUT, FC2_IN)  # each expert's and the shared experts' too
 
 
-EXPERT_GELU_IN = _for_each_expert(GELU_IN, "moe/expert_gelu_in")
-EXPERT_GATE = _for_each_expert(SWIGLU_GATE, "moe/expert_gate")
-EXPERT_UP = _for_each_expert(SWIGLU_UP, "moe/expert_up")
-EXPERT_SILU_OUT = _for_each_expert(SWIGLU_SILU_OUT, "moe/expert_silu_out")
-EXPERT_FC2_IN = _for_each_expert(FC2_IN, "moe/expert_fc2_in")
-SHARED_GELU_IN = replace(GELU_IN, name="moe/shared_gelu_in", saved_by="shared experts' GELU", shape=_BSU)
-SHARED_GATE = replace(SWIGLU_GATE, name="moe/shared_gate", saved_by="shared experts' SiLU", shape=_BSU)
-SHARED_UP = replace(SWIGLU_UP, name="moe/shared_up", saved_by="shared experts' SiLU(gate) * up", shape=_BSU)
-SHARED_SILU_OUT = replace(
-    SWIGLU_SILU_OUT, name="moe/shared_silu_out", saved_by="shared experts' SiLU(gate) * up", shape=_BSU,
+def _for_each_expert(dense: SavedTensor) -> SavedTensor:
+    """The dense MLP's tensor `dense` as each expert keeps it (mlp/gate as moe/expert_gate): for the r token slots
+    its experts receive, of the expert width e, split as experts are (memcalc.model.strategy)."""
+    return replace(dense, name=f"moe/expert_{dense.name.split('/')[1]}", shape=_RE, region=Region.EXPERT,
+                   saved_by=f"each expert's {dense.saved_by.split(' (')[0]}",
+                   why=f"{dense.why}, for each token an expert received")
+
+
+EXPERT_GELU_IN, EXPERT_GATE, EXPERT_UP, EXPERT_SILU_OUT, EXPERT_FC2_IN = map(_for_each_expert, _MLP_TENSORS)
+SHARED_GELU_IN, SHARED_GATE, SHARED_UP, SHARED_SILU_OUT, SHARED_FC2_IN = (  # mlp/gate as moe/shared_gate, u wide
+    replace(x, name=f"moe/shared_{x.name.split('/')[1]}", saved_by=f"shared experts' {x.saved_by}", shape=_BSU)
+    for x in _MLP_TENSORS
 )
-SHARED_FC2_IN = replace(FC2_IN, name="moe/shared_fc2_in", saved_by="shared experts' fc2 (row-parallel)", shape=_BSU)
 
 MOE_TENSORS: tuple[SavedTensor, ...] = (
     MOE_IN, ROUTER_TOPK_INDICES, EXPERT_IN, EXPERT_GELU_IN, EXPERT_GATE, EXPERT_UP, EXPERT_SILU_OUT, EXPERT_FC2_IN,
@@ -354,10 +351,7 @@ EMBEDDING_DROPOUT_MASK = SavedTensor(
     "embedding/dropout_mask", "dropout after the embedding", _BSH, Kind.MASK, Region.SEQUENCE, WHY_DROPOUT_MASK,
     stage="first",
 )
-FINAL_NORM = NormTensors(*(
-    replace(x, stage="last")
-    for x in _norm("final_norm", "the output layer")
-))
+FINAL_NORM = NormTensors(*(replace(x, stage="last") for x in _norm("final_norm", "the output layer")))
 OUTPUT_INPUT = SavedTensor(
     "output/input", "output layer (column-parallel over the vocabulary)", _BSH, Kind.ACTIVATION, Region.SEQUENCE,
     WHY_GATHERED_INPUT, stage="last",
