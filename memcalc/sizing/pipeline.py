@@ -43,25 +43,15 @@ def stages(L: int, pp: int, vpp: int | None, microbatches: int | None = None) ->
     output = 1  # the last rank's output chunk is never all warm-up: p | m, so m*vpp > (vpp - 1)p
     why = f" (a step of only {m}: all forwards before any backward)" if short else ""
     if vpp is None:
-        return (
-            Stage(
-                "first", chunk, chunk * first, embedding, 0,
-                f"1F1B keeps {first} micro-batch{'es' if first > 1 else ''} of {chunk} layers{why}", first,
-            ),
-            Stage("last", chunk, chunk * last, 0, output, f"1F1B keeps 1 micro-batch of {chunk} layers", last),
-        )
-    return (
-        Stage(
-            "first", chunk * vpp, chunk * first, embedding, 0,
-            f"interleaved 1F1B keeps {first} chunk-micro-batches of {chunk} layers,"
-            f" {embedding} of them the embedding's chunk{why}", first,
-        ),
-        Stage(
-            "last", chunk * vpp, chunk * last, 0, output,
-            f"interleaved 1F1B keeps {last} chunk-micro-batches of {chunk} layers,"
-            f" {output} of them the output layer's chunk", last,
-        ),
-    )
+        says = (f"1F1B keeps {first} micro-batch{'es' if first > 1 else ''} of {chunk} layers{why}",
+                f"1F1B keeps 1 micro-batch of {chunk} layers")
+    else:
+        says = (f"interleaved 1F1B keeps {first} chunk-micro-batches of {chunk} layers, {embedding} of them the"
+                f" embedding's chunk{why}", f"interleaved 1F1B keeps {last} chunk-micro-batches of {chunk} layers,"
+                f" {output} of them the output layer's chunk")
+    held = chunk * chunks
+    return (Stage("first", held, chunk * first, embedding, 0, says[0], first),
+            Stage("last", held, chunk * last, 0, output, says[1], last))
 
 
 def warmup(pp: int, vpp: int | None, rank: int, microbatches: int | None) -> int:

@@ -62,7 +62,7 @@ def line_figure(
     logarithmic where its values span a factor of 8 (x, base 2) or 100 (y), so small strategies do not flatten."""
     import numpy as np
 
-    fig, ax = _figure(titles, LINE_SIZE)
+    fig, (ax,) = _panels(titles, LINE_SIZE, 1)
     marker = "o" if len(x) <= 40 else None
     for label, y in lines.items():
         ax.plot(x, np.asarray(y, dtype=float) / GIB, marker=marker, markersize=4, label=label)
@@ -92,7 +92,7 @@ def breakdown_figure(
 ) -> Figure:
     """One stacked bar per strategy: a segment per ledger tensor (or per block), bottom to
     top in forward order, each bar's total above it. `layers` multiplies one layer's bytes."""
-    fig, ax = _figure(titles, BREAKDOWN_SIZE)
+    fig, (ax,) = _panels(titles, BREAKDOWN_SIZE, 1)
     names = [r.strategy.name for r in estimates]
     segments = _segments(estimates, by_block, layers)
     bottoms = [0.0] * len(estimates)
@@ -196,14 +196,9 @@ def _colours(labels: list[str]) -> list[Any]:
     return colours
 
 
-def _figure(titles: Titles, size: tuple[float, float]) -> tuple[Figure, Axes]:
-    """A figure on an Agg canvas, laid out so that nothing is clipped at a fixed size."""
-    fig, (ax,) = _panels(titles, size, 1)
-    return fig, ax
-
-
 def _panels(titles: Titles, size: tuple[float, float], n: int) -> tuple[Figure, list[Axes]]:
-    """A figure of `n` panels side by side sharing the y axis; the details line under the title."""
+    """A figure of `n` panels side by side sharing the y axis, on an Agg canvas, laid out so that nothing is clipped
+    at a fixed size; the details line under the title."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure

@@ -264,15 +264,14 @@ _ADAM_M, _ADAM_V = ("Adam's first moment (running mean of gradients), fp32",
                     "Adam's second moment (running mean of squared gradients), fp32")
 
 # Each stack's per-parameter states (`sharding` picks one): bytes per parameter and what shards them.
-MEGATRON_STATES: tuple[StateTerm, ...] = (
+STATE_LAYOUTS: dict[str, tuple[StateTerm, ...]] = {"megatron": (
     StateTerm("states/weights", _width, WHOLE, "forward and backward compute with them"),
     StateTerm("states/grads", lambda c: 4, WHOLE,
               "gradients accumulate in fp32 over the micro-batches of a step (Megatron-LM's main_grad buffer)"),
     StateTerm("states/master_weights", lambda c: 0 if c.dtype == "fp32" else 4, DISTRIBUTED_OPTIMIZER, _MASTER),
     StateTerm("states/adam_m", lambda c: 4, DISTRIBUTED_OPTIMIZER, _ADAM_M),
     StateTerm("states/adam_v", lambda c: 4, DISTRIBUTED_OPTIMIZER, _ADAM_V),
-)
-FSDP2_STATES: tuple[StateTerm, ...] = (
+), "fsdp2": (
     StateTerm("states/weights", lambda c: 4, FSDP_SHARDS,
               "fully_shard keeps each parameter as an fp32 DTensor sharded on dim 0: the optimizer's copy itself;"
               " forward and backward compute with param_dtype copies all-gathered block by block (transients)"),
@@ -281,21 +280,20 @@ FSDP2_STATES: tuple[StateTerm, ...] = (
               " fp32"),
     StateTerm("states/adam_m", lambda c: 4, FSDP_SHARDS, _ADAM_M),
     StateTerm("states/adam_v", lambda c: 4, FSDP_SHARDS, _ADAM_V),
-)
-# DeepSpeed's layout with bf16, as its estimators (estimate_zero2/3_model_states_mem_needs) count it: bf16 weights and
-# gradients, and per parameter 16 bytes of fp32 state (a gradient partition, master weights, m and v). Stage 1
-# partitions those 16 over dp, stage 2 the bf16 gradients too (2 + 18/dp), stage 3 the weights as well (18/dp, beside
-# the largest module's weights gathered and their gradients, `zero3_largest_layer`).
-ZERO_STATES: tuple[StateTerm, ...] = (
+), "zero": (
+    # DeepSpeed's layout with bf16, as its estimators (estimate_zero2/3_model_states_mem_needs) count it: bf16 weights
+    # and gradients, and per parameter 16 bytes of fp32 state (a gradient partition, master weights, m and v). Stage 1
+    # partitions those 16 over dp, stage 2 the bf16 gradients too (2 + 18/dp), stage 3 the weights as well (18/dp,
+    # beside the largest module's weights gathered and their gradients, `zero3_largest_layer`).
     StateTerm("states/weights", _width, _zero(3), "bf16 weights, partitioned over dp at stage 3"),
-    StateTerm("states/grads", lambda c: 0 if (c.zero_stage or 0) >= 3 else DTYPE_BYTES[c.dtype], _zero(2),
+    StateTerm("states/grads", lambda c: 0 if (c.zero_stage or 0) >= 3 else _width(c), _zero(2),
               "bf16 gradients, partitioned over dp at stage 2 (at stage 3 only the gathered module's, in"
               " zero3/largest_layer)"),
     StateTerm("states/fp32_grads", lambda c: 4, _zero(1), "the fp32 gradient partition the optimizer reads"),
     StateTerm("states/master_weights", lambda c: 4, _zero(1), _MASTER),
     StateTerm("states/adam_m", lambda c: 4, _zero(1), _ADAM_M),
     StateTerm("states/adam_v", lambda c: 4, _zero(1), _ADAM_V),
-)
+)}
 
 
 def sharding(config: ModelConfig) -> str:
@@ -316,11 +314,6 @@ def describe_sharding(config: ModelConfig) -> str:
     if c.zero_stage is not None:
         return f"DeepSpeed ZeRO-{c.zero_stage} over dp={c.dp}"
     return f"distributed optimizer over dp*cp={c.dp * c.cp}" if c.distributed_optimizer else "optimizer unsharded"
-
-
-STATE_LAYOUTS: dict[str, tuple[StateTerm, ...]] = {
-    "megatron": MEGATRON_STATES, "fsdp2": FSDP2_STATES, "zero": ZERO_STATES,
-}
 
 
 def state_bytes(config: ModelConfig, params: int, experts: int = 0) -> dict[str, int]:

@@ -22,7 +22,8 @@ from memcalc.errors import ConfigError
 from memcalc.text import short_repr, whole_number
 from memcalc.model.evaluate import dim_sizes, rank_shape
 from memcalc.model.impls import implementation, layer_tensors, plan, size_rule, strategies_of
-from memcalc.model.knobs import MLA_KNOBS, Accounting, Knobs, element_bytes
+from memcalc.model.knobs import BY_NAME as KNOB_NAMES
+from memcalc.model.knobs import Accounting, Knobs, element_bytes
 from memcalc.model.rules import AS_USED, DIVISIBILITY, EXPERT_RULES, SEQUENCE_SPLIT, Rule
 from memcalc.model.ledger import SavedTensor
 from memcalc.model.strategy import STRATEGIES, Strategy
@@ -116,10 +117,12 @@ def make_sweep(
     """A checked sweep: `ranges` give swept sizes, `fields` (a config's keys) the rest; `strategies` None is every
     layout the implementation runs for the knobs. Rules between sizes are left to `evaluate_sweep`, per point;
     cp > 1 is refused (each rank would keep s/cp tokens)."""
-    # Knobs, and unknown keys so that validation names them; sizes and layout fields are not knobs.
-    knobs = build_knobs({
-        k: v for k, v in fields.items() if k in field_names(Knobs) or k not in field_names()
-    } | _expert_knobs(ranges))
+    # Knobs, and unknown keys so that validation names them; sizes and layout fields are not knobs. Swept E and k
+    # as knob values that pass the knobs' own checks (k <= E): the most experts, the fewest picks (the grid holds
+    # every value; `per_layer_bytes` takes each k's tensor set).
+    swept = {name: pick(ranges[name]) for name, pick in (("num_experts", max), ("moe_router_topk", min))
+             if name in ranges}
+    knobs = build_knobs({k: v for k, v in fields.items() if k in field_names(Knobs) or k not in field_names()} | swept)
     if fields.get("cp", 1) != 1:
         raise ConfigError(f"sweeps do not model context parallelism (cp={fields['cp']}); use memcalc estimate for it")
     axes = AXES if knobs.moe else SIZES
@@ -141,17 +144,6 @@ def make_sweep(
         )
     _check_layout(fields, values)  # after the row cap, which bounds how many values of L it reads
     return sweep
-
-
-def _expert_knobs(ranges: dict[str, Sequence[int]]) -> dict[str, int]:
-    """Swept E and k as knob values that pass the knobs' own checks (k <= E): the most experts, the fewest picks
-    (the grid holds every value; `per_layer_bytes` takes each k's tensor set)."""
-    knobs = {}
-    if "num_experts" in ranges:
-        knobs["num_experts"] = max(ranges["num_experts"])
-    if "moe_router_topk" in ranges:
-        knobs["moe_router_topk"] = min(ranges["moe_router_topk"])
-    return knobs
 
 
 def _check_experts(
@@ -214,9 +206,7 @@ class GridSizes:
     a: np.ndarray
     t: np.ndarray
     L: np.ndarray
-    ffn_hidden_size: int | None
-    num_query_groups: int | None
-    knobs: Knobs  # the other MoE knobs (widths, the token bound, ...) are read from these
+    knobs: Knobs  # every other knob (widths, the token bound, ...) is read from these
     num_experts: np.ndarray | None = None  # axes of their own with experts (EXPERT_AXES); None without
     moe_router_topk: np.ndarray | int = 2
     ep: np.ndarray | int = 1
@@ -232,8 +222,8 @@ class GridSizes:
     moe_layers = property(ModelConfig.moe_layers.fget)
 
     def __getattr__(self, name: str) -> Any:
-        """A MoE knob (moe_*), a latent-attention width, kv_channels or rotary_percent, as the sweep's knobs set it."""
-        if name in ("kv_channels", "rotary_percent") or name.startswith("moe_") or name in MLA_KNOBS:
+        """A knob that is not an axis of the grid, as the sweep's knobs set it."""
+        if name in KNOB_NAMES:
             return getattr(self.knobs, name)
         raise AttributeError(name)
 
@@ -247,8 +237,7 @@ class GridSizes:
             axes[name] = _array(values).reshape(shape)  # (1, .., n_i, .., 1)
         if "num_experts" not in axes:
             axes |= {"num_experts": sweep.knobs.num_experts, "moe_router_topk": sweep.knobs.moe_router_topk}
-        return cls(**axes, ffn_hidden_size=sweep.knobs.ffn_hidden_size, num_query_groups=sweep.knobs.num_query_groups,
-                   knobs=sweep.knobs, names=sweep.axes)
+        return cls(**axes, knobs=sweep.knobs, names=sweep.axes)
 
     @property
     def shape(self) -> tuple[int, ...]:
