@@ -1,16 +1,9 @@
-"""Hugging Face `config.json` files, read into memcalc's fields.
+"""Hugging Face `config.json` files, read into memcalc's fields by each family's table (memcalc.model.families).
 
-Each family is a short table: a memcalc field, the config.json fields that give
-it (first present wins, or all of them combined), and how a value is turned
-into memcalc's. Whatever config.json does not say keeps memcalc's default
-(e.g. attention: eager, since config.json does not record the kernel), and
-flags given beside --hf-config override the result. `HfConfig.used` says
-which field gave which value, so the CLI can show it.
-
-Field names are those of the public `transformers` configuration classes, each family's
-named once in `FAMILIES` (with the decoder layer memcalc measured it on); an alias in the
-class's `attribute_map` is read as the field it stands for, and where a field is absent,
-the class's own default applies (noted per row).
+Whatever config.json does not say keeps memcalc's default (e.g. attention: eager, since config.json does not record
+the kernel), and flags given beside --hf-config override the result. `HfConfig.used` says which field gave which
+value, so the CLI can show it. An alias in the config class's `attribute_map` is read as the field it stands for,
+and where a field is absent, the class's own default applies (noted per row).
 """
 
 from __future__ import annotations
@@ -116,9 +109,9 @@ def _load_json(path: Path) -> dict[str, Any]:
     return data
 
 
-# config.json fields of layers memcalc does not model, and what they mean. Any of them set means the
-# model's layers are not the dense ones the ledger describes: refused, never silently dropped.
-UNMODELLED = {  # each refused unless the family reads it (FAMILIES' rows)
+# config.json fields of layers memcalc does not model, and what they mean: each refused unless the family reads it
+# (FAMILIES' rows), never silently dropped.
+UNMODELLED = {
     "num_local_experts": "mixture of experts",
     "n_routed_experts": "mixture of experts",
     "num_experts": "mixture of experts",

@@ -9,10 +9,8 @@ values. Everything raises `ConfigError` with a one-line message.
 
 Why pydantic-core and not a `pydantic.BaseModel`: `memcalc estimate` runs in
 loops, and importing pydantic's model layer and building the models costs about
-0.3 s of CPU per process here, half the start-up budget; pydantic-core alone
-costs a third of that and validates the same way. Even that is imported only
-when a value is not plainly valid (`memcalc.config.core`): the schemas are
-written as the dicts pydantic-core reads, and the common case checked directly.
+0.3 s of CPU per process here, half the start-up budget; pydantic-core alone a
+third of that, and only when a value is not plainly valid (`memcalc.config.core`).
 """
 
 from __future__ import annotations
@@ -28,7 +26,7 @@ from memcalc.config.shipped import locate, shipped_names
 from memcalc.errors import ConfigError, in_file
 from memcalc.model.impls import IMPLEMENTATIONS, implementation
 from memcalc.model.knobs import BY_NAME as KNOBS_BY_NAME
-from memcalc.model.knobs import Knob, Knobs
+from memcalc.model.knobs import Knobs
 from memcalc.model.rules import DIVISIBILITY, EXPERT_RULES, divides
 from memcalc.records import record
 from memcalc.text import printable, short_repr
@@ -64,25 +62,24 @@ def _choice(default: str, *values: str, help: str) -> Any:
     return _field(cs.literal_schema([default, *values]), default, help)
 
 
-def knob_schema(knob: Knob) -> cs.Schema:
-    """A knob's validation rule, from its kind in the knob table."""
-    if knob.kind == "choice":
-        return cs.after_schema(knob.choices, cs.literal_schema(list(knob.values)))
-    if knob.kind == "name":  # which names: memcalc.model.families, checked with the knobs (impls.implementation)
-        return cs.nullable_schema(cs.str_schema())
-    if knob.kind == "size":
-        return cs.nullable_schema(cs.int_schema(gt=0, lt=_SIZE_LIMIT))
-    if knob.kind == "probability":
-        return cs.float_schema(strict=True, ge=0.0, lt=1.0)
-    if knob.kind == "factor":
-        return cs.nullable_schema(cs.float_schema(gt=0.0, le=_FACTOR_LIMIT, allow_inf_nan=False))
-    return cs.bool_schema()
+# Each kind of knob's validation rule but a choice's (its values); a name's are memcalc.model.families', checked
+# with the knobs (impls.implementation).
+_KNOB_SCHEMAS = {
+    "name": cs.nullable_schema(cs.str_schema()), "size": cs.nullable_schema(cs.int_schema(gt=0, lt=_SIZE_LIMIT)),
+    "probability": cs.float_schema(strict=True, ge=0.0, lt=1.0),
+    "factor": cs.nullable_schema(cs.float_schema(gt=0.0, le=_FACTOR_LIMIT, allow_inf_nan=False)),
+    "flag": cs.bool_schema(),
+}
 
 
 def _schema(f: Any) -> cs.Schema:
-    """A field's schema: a knob's from the knob table, any other field's from its metadata."""
+    """A field's schema: a knob's from its kind in the knob table, any other field's from its metadata."""
     knob = f.metadata.get("knob")
-    return knob_schema(knob) if knob is not None else f.metadata["schema"]
+    if knob is None:
+        return f.metadata["schema"]
+    if knob.kind == "choice":
+        return cs.after_schema(knob.choices, cs.literal_schema(list(knob.values)))
+    return _KNOB_SCHEMAS[knob.kind]
 
 
 def _flag(default: bool, help: str) -> Any:

@@ -145,8 +145,7 @@ def to_text(expr: sympy.Expr) -> str:
     """'sbh(34/t + 5as/(ht))': the seed's grouped, implicit-product notation."""
     parts = []
     for coeff, num, den in _monomials(expr):
-        top = _text_factor(coeff.p, num)
-        bottom = _text_factor(coeff.q, den)
+        top, bottom = _text_factor(coeff.p, num), _text_factor(coeff.q, den)
         if bottom == "1":
             parts.append(top)
         else:
@@ -170,8 +169,7 @@ def to_latex(expr: sympy.Expr) -> str:
     """The same grouping as `to_text`, as LaTeX math: s b h \\left(... \\right)."""
     parts = []
     for coeff, num, den in _monomials(expr):
-        top = _latex_factor(coeff.p, num)
-        bottom = _latex_factor(coeff.q, den)
+        top, bottom = _latex_factor(coeff.p, num), _latex_factor(coeff.q, den)
         parts.append(top if bottom == "1" else f"\\frac{{{top}}}{{{bottom}}}")
     return f"s b h \\cdot \\left({' + '.join(parts)}\\right)"
 

@@ -166,21 +166,14 @@ def buffer_bytes(config: ModelConfig, methods: frozenset[str], t: int) -> dict[s
     """Userbuffers for the whole model, one per overlapped GEMM name (outside PyTorch's allocator)."""
     sizes = dim_sizes(config)
     whole = sizes[Dim.B] * sizes[Dim.S] * sizes[Dim.H] * DTYPE_BYTES[config.dtype]
-    out = {}
-    for _, _, _, gemm, options in PAIRS:
-        method = chosen(options, methods)
-        if method is None:
-            continue
-        share = Fraction(2 * t - 1, t) if method == "ring-rs" else Fraction(1)
-        out[gemm] = int(share * whole)
-    return out
+    used = {gemm: chosen(options, methods) for *_, gemm, options in PAIRS}
+    return {gemm: int((Fraction(2 * t - 1, t) if method == "ring-rs" else 1) * whole)
+            for gemm, method in used.items() if method is not None}
 
 
 def resolve(names: Any) -> frozenset[str]:
     """A comma list of methods ('default' is tp_comm_overlap's own set) as a checked set."""
-    chosen_names: set[str] = set()
-    for name in names:
-        chosen_names |= set(DEFAULT) if name == "default" else {name}
+    chosen_names = {m for name in names for m in (DEFAULT if name == "default" else (name,))}
     unknown = sorted(chosen_names - set(METHODS))
     if unknown:
         raise ConfigError(f"unknown overlap method {unknown[0]!r} (known: {', '.join(METHODS)}, or 'default')")
