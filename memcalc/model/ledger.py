@@ -302,18 +302,12 @@ MLA_KV_UP_IN = SavedTensor(
     "mla/kv_up_in", "key/value up projection (column-parallel), on the normalised KV latent", _BSKVR,
     Kind.ACTIVATION, Region.SEQUENCE, WHY_GATHERED_INPUT,
 )
-MLA_Q = SavedTensor(
-    "mla/q", "core attention (QK^T or flash kernel): [q_nope | RoPE(q_rope)] per head", (Dim.B, Dim.A, Dim.S, Dim.QK),
-    Kind.ACTIVATION, Region.TENSOR, "the gradient of K in QK^T is dScores^T Q",
-)
-MLA_K = SavedTensor(
-    "mla/k", "core attention (QK^T or flash kernel): [k_nope | RoPE(k_rope) copied to every head]",
-    (Dim.B, Dim.A, Dim.S, Dim.QK), Kind.ACTIVATION, Region.TENSOR, "the gradient of Q in QK^T is dScores K",
-)
-MLA_V = SavedTensor(
-    "mla/v", "core attention (weights x V or flash kernel): values up-projected from the latent",
-    (Dim.B, Dim.A, Dim.S, Dim.DV), Kind.ACTIVATION, Region.TENSOR, "the gradient of the attention weights is dOut V^T",
-)
+MLA_Q = replace(Q, name="mla/q", saved_by=f"{Q.saved_by}: [q_nope | RoPE(q_rope)] per head",
+                shape=(Dim.B, Dim.A, Dim.S, Dim.QK))
+MLA_K = replace(K, name="mla/k", saved_by=f"{K.saved_by}: [k_nope | RoPE(k_rope) copied to every head]",
+                shape=(Dim.B, Dim.A, Dim.S, Dim.QK))
+MLA_V = replace(V, name="mla/v", saved_by=f"{V.saved_by}: values up-projected from the latent",
+                shape=(Dim.B, Dim.A, Dim.S, Dim.DV))
 # V is a d_v-wide split of each head of the key/value up projection's output: where the core keeps it as that view (a
 # size condition of the implementation's says where), the whole output is kept in V's place.
 MLA_KV_UP_OUT = SavedTensor(
@@ -321,10 +315,8 @@ MLA_KV_UP_OUT = SavedTensor(
     (Dim.B, Dim.S, Dim.A, Dim.NV), Kind.ACTIVATION, Region.TENSOR,
     "the gradient of the attention weights is dOut V^T: V is read from the output it views",
 )
-MLA_PROJ_IN = SavedTensor(
-    "mla/proj_in", "output projection (row-parallel), on a heads of d_v", (Dim.B, Dim.S, Dim.A, Dim.DV),
-    Kind.ACTIVATION, Region.TENSOR, PROJ_IN.why,
-)
+MLA_PROJ_IN = replace(PROJ_IN, name="mla/proj_in", saved_by="output projection (row-parallel), on a heads of d_v",
+                      shape=(Dim.B, Dim.S, Dim.A, Dim.DV))
 MLA_TENSORS: tuple[SavedTensor, ...] = (
     *MLA_Q_NORM, MLA_Q_UP_IN, *MLA_KV_NORM, MLA_KV_UP_IN, MLA_Q, MLA_K, MLA_V, MLA_PROJ_IN,
 )
