@@ -162,8 +162,7 @@ class ModelConfig(Knobs):
 
     @property
     def moe_layers(self) -> int:
-        """Layers with a MoE MLP: layer i is one when i % moe_layer_freq == 0 (Megatron-LM's rule) and i is past
-        the first moe_first_dense_layers (DeepSeek's first_k_dense_replace); 0 if dense."""
+        """Layers with a MoE MLP, as `is_moe_layer` picks them; 0 if dense."""
         if self.num_experts is None:
             return 0
         every, first = self.moe_layer_freq, minimum(self.moe_first_dense_layers or 0, self.L)  # L: or a sweep's array

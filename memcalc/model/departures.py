@@ -70,8 +70,10 @@ def departures(
     theirs = {x.tensor.name: x.bytes for x in paper.tensors}
     names = [*mine, *(n for n in theirs if n not in mine)]
     differing = [(n, mine.get(n, 0) - theirs.get(n, 0)) for n in names if mine.get(n, 0) != theirs.get(n, 0)]
+    knobs, t = Knobs.of(config), result.strategy.weight_shards(config.t)
+    sizes = dim_sizes(config, config.t if result.strategy.sequence_parallel else 1)
     out, claimed = [], set()
-    for rule, moved in (_window(config, result, accounting), *_settings(config, result, accounting)):
+    for rule, moved in (_window(knobs, sizes, t, accounting), *_settings(knobs, sizes, t, accounting)):
         by_rule = tuple((n, d) for n, d in differing if n in moved and n not in claimed)
         claimed |= {n for n, _ in by_rule}
         out += [Departure(rule, by_rule)] if by_rule else []
@@ -83,11 +85,10 @@ def departures(
     return tuple(out)
 
 
-def _settings(config: ModelConfig, result: LayerEstimate, accounting: Accounting) -> list[tuple[str, frozenset[str]]]:
+def _settings(knobs: Knobs, sizes: dict, t: int, accounting: Accounting) -> list[tuple[str, frozenset[str]]]:
     """Each knob the paper does not have (`Knob.impls`) set away from its default, in its own words (the effect
-    docs/model.md shows for it), and the tensors this layout keeps otherwise than at the default."""
-    knobs, t = Knobs.of(config), result.strategy.weight_shards(config.t)
-    sizes = dim_sizes(config, config.t if result.strategy.sequence_parallel else 1)
+    docs/model.md shows for it), and the tensors the layout (at per-rank `sizes` on t ranks) keeps otherwise than
+    at the default."""
     kept = set(tensors_at(knobs, accounting, sizes, t))
     out = []
     for knob in KNOBS:
@@ -101,12 +102,9 @@ def _settings(config: ModelConfig, result: LayerEstimate, accounting: Accounting
     return out
 
 
-def _window(config: ModelConfig, result: LayerEstimate, accounting: Accounting) -> tuple[str, frozenset[str]]:
-    """The size rule that moved this layout outside its kernel's window, in words, and the tensors it moved."""
-    knobs = Knobs.of(config)
+def _window(knobs: Knobs, sizes: dict, t: int, accounting: Accounting) -> tuple[str, frozenset[str]]:
+    """The size rule that moved the layout outside its kernel's window, in words, and the tensors it moved."""
     rule = size_rule(knobs)
-    t = result.strategy.weight_shards(config.t)
-    sizes = dim_sizes(config, config.t if result.strategy.sequence_parallel else 1)
     if rule is None or rule.runs_at(knobs, sizes, t):
         return "", frozenset()
     inside, outside = set(layer_tensors(knobs, accounting)), set(rule.outside(knobs, accounting))
