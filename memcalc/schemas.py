@@ -14,6 +14,7 @@ from typing import Any
 from memcalc.config.schema import SIZES, ModelConfig, class_schema
 from memcalc.model.knobs import Knobs
 from memcalc.model.rules import AS_USED
+from memcalc.model.strategy import STRATEGIES
 from memcalc.sizing.verdict import PEAK, SAVED
 
 SCHEMA_VERSION = 1
@@ -28,7 +29,7 @@ POSITIVE: Schema = {"type": "integer", "minimum": 1}
 NUMBER: Schema = {"type": "number"}
 TEXT: Schema = {"type": "string"}
 FLAG: Schema = {"type": "boolean"}
-STRATEGY: Schema = {"enum": ["none", "tp", "tp-sp"]}
+STRATEGY: Schema = {"enum": list(STRATEGIES)}
 SHAPE: Schema = {"type": "array", "items": COUNT}
 
 
@@ -291,7 +292,7 @@ FIT: Schema = _document(
         "budget_bytes": COUNT,
         "results": {"type": "array", "items": _object({
             "strategy": STRATEGY,
-            "recompute": {"enum": ["none", "selective", "full"]},
+            "recompute": KNOBS["properties"]["recompute"],
             "answer": _CANDIDATE,
             "left_over_bytes": _nullable(COUNT),
             "beyond": _CANDIDATE,
