@@ -531,8 +531,7 @@ def rope_pairs(knobs: Any, layers: Any) -> Any:
 
 def _rope(knobs: Any) -> tuple[SavedTensor, ...]:
     """The (s, d) cos and sin tables RoPE's products keep: OLMo's fp32, GLM's interleaved, the first d_r channels'
-    (rotary_percent),
-    a whole head's, or none (GPT-2's learned positions live in the embedding)."""
+    (rotary_percent), a whole head's, or none (GPT-2's learned positions live in the embedding)."""
     if is_gptj(knobs):
         return GPTJ_ROPE
     if is_gpt_oss(knobs):
@@ -810,7 +809,9 @@ def check(knobs: Any) -> None:
             and not is_gpt_oss(knobs):
         _check_mixtral(knobs)
     _check_gpt_oss(knobs)
-    _check_head_dim(knobs)
+    if not is_llama(knobs) and knobs.head_dim_set:  # heads of h/a in the LayerNorm layers
+        raise ConfigError(f"impl hf: {layer_family(knobs).layer} has no kv_channels (head_dim); Llama-family layers"
+                          " (norm rmsnorm, mlp swiglu) do")
     check_latent(knobs)
 
 
@@ -936,13 +937,6 @@ def _check_mixtral(knobs: Any) -> None:
                           " block with shared experts); every MixtralDecoderLayer is a MoE layer")
 
 
-def _check_head_dim(knobs: Any) -> None:
-    """Heads of kv_channels run in the Llama family (head_dim), not in the LayerNorm layers' heads of h/a."""
-    if not is_llama(knobs) and knobs.head_dim_set:
-        raise ConfigError(f"impl hf: {layer_family(knobs).layer} has no kv_channels (head_dim); Llama-family layers"
-                          " (norm rmsnorm, mlp swiglu) do")
-
-
 def check_latent(knobs: Any) -> None:
     """DeepseekV3DecoderLayer's MoE block as modelled; its SDPA path is not (see the errors)."""
     if not knobs.mla:
@@ -970,7 +964,7 @@ def _check_deepseek_moe(knobs: Any) -> None:
                           " sparse at every layer past first_k_dense_replace (moe_first_dense_layers)")
 
 
-_TP_SOURCE = "transformers 5.24"
+_TP_SOURCE, _OWN_LIMIT = "transformers 5.24", "memcalc's own limit, not the library's"
 NO_SEQUENCE_PARALLEL = Refusal(
     "tp-sp", always, "in any model",
     "transformers has no sequence parallelism: DistributedConfig.enable_sequence_parallel is 'reserved ... not"
@@ -996,8 +990,7 @@ FALCON_NO_TP_PLAN = _no_tp_plan(is_falcon, "for Falcon (norm layernorm with para
 NEOX_TP_NOT_MODELLED = Refusal(
     "tp", is_neox, "for GPT-NeoX (norm layernorm with rotary_percent and fused_qkv)",
     "memcalc has not measured GPTNeoXConfig's base_model_tp_plan yet (query_key_value and dense_h_to_4h colwise,"
-    " dense and dense_4h_to_h rowwise)",
-    f"{_TP_SOURCE}, GPTNeoXConfig.base_model_tp_plan; memcalc's own limit, not the library's")
+    " dense and dense_4h_to_h rowwise)", f"{_TP_SOURCE}, GPTNeoXConfig.base_model_tp_plan; {_OWN_LIMIT}")
 COHERE_QK_NORM_NO_TP = Refusal(
     "tp", lambda knobs: is_cohere(knobs) and knobs.qk_layernorm, "for Cohere with use_qk_norm (qk_layernorm)",
     "CohereConfig's base_model_tp_plan splits q_proj's and k_proj's heads (colwise) but names no rule for q_norm and"
@@ -1012,10 +1005,9 @@ GPT_OSS_NO_LAYER_TP_PLAN = Refusal(
     f"{_TP_SOURCE}, transformers/models/gpt_oss/configuration_gpt_oss.py (GptOssConfig.base_model_tp_plan); its"
     " base_model_ep_plan shards the experts, which memcalc has not measured either")
 LATENT_TP_NOT_MODELLED = Refusal(
-    "tp", lambda knobs: knobs.mla, "with latent attention (kv_lora_rank)",
-    "memcalc has not measured DeepSeek-V3's plan yet: it shards no attention, only the experts, the shared experts"
-    " and the dense MLP",
-    f"{_TP_SOURCE}, DeepseekV3Config.base_model_tp_plan; memcalc's own limit, not the library's")
+    "tp", lambda knobs: knobs.mla, "with latent attention (kv_lora_rank)", "memcalc has not measured DeepSeek-V3's"
+    " plan yet: it shards no attention, only the experts, the shared experts and the dense MLP",
+    f"{_TP_SOURCE}, DeepseekV3Config.base_model_tp_plan; {_OWN_LIMIT}")
 
 
 def tp_plan(knobs: Any) -> TPPlan:
@@ -1084,25 +1076,23 @@ IMPLEMENTATION = Implementation(
     measured_on="transformers 5.24.0 (torch 2.13.0, CPU, bf16): LlamaDecoderLayer, Qwen2DecoderLayer,"
     " MistralDecoderLayer and GPT2Block, attn_implementation eager and sdpa; MixtralDecoderLayer and"
     " Qwen2MoeDecoderLayer, their experts by grouped_mm (torch._grouped_mm's CPU kernel) and the eager loop;"
-    " DeepseekV3DecoderLayer (dense MLP and DeepseekV3MoE), eager; Qwen3DecoderLayer and"
-    " Qwen3MoeDecoderLayer (head_dim, q_norm and k_norm), eager and sdpa; the Llama family and Qwen3 under"
-    " transformers' own tp_plan (apply_tensor_parallelism, DTensor) at t = 2 and 4, the MoE layers of Mixtral,"
-    " Qwen2-MoE and Qwen3-MoE too (forced routers); GemmaDecoderLayer, Gemma2DecoderLayer (sandwich norms,"
-    " soft-capping), Gemma3DecoderLayer (and its q/k norms) and OlmoDecoderLayer, eager and sdpa (Gemma 2: eager),"
-    " at t = 1 and 2; GPTNeoXLayer (parallel or sequential residual, partial RoPE), eager, t = 1;"
-    " Phi3DecoderLayer (fused qkv_proj and gate_up_proj, partial RoPE), eager, at t = 1 and 2; Olmo2DecoderLayer"
-    " (post-norms, whole-width q/k norms), eager and sdpa, at t = 1 and 2; Starcoder2DecoderLayer (LayerNorm, RoPE,"
-    " GQA, residual dropouts), eager and sdpa, at t = 1 and 2; GPTJBlock (one LayerNorm read side by side, fp32 Q"
-    " and K, interleaved partial RoPE), eager and sdpa, at t = 1 and 2; GlmDecoderLayer and"
-    " Glm4DecoderLayer (interleaved partial RoPE, one gate_up_proj gathered under tp, GLM-4's sandwich norms), eager"
-    " and sdpa, at t = 1 and 2; FalconDecoderLayer (parallel_attn, multi_query or multi-head, RoPE), eager, t = 1;"
-    " FalconDecoderLayer with new_decoder_architecture (grouped query_key_value, ln_attn and ln_mlp), eager and"
-    " sdpa, t = 1"
-    "; BloomBlock (ALiBi, fp32 softmax, BLOOM's GELU), eager, t = 1; CohereDecoderLayer (one fp32 LayerNorm read"
-    " side by side, per-head q/k norms), eager and sdpa, at t = 1 and 2 (use_qk_norm: t = 1); GptOssDecoderLayer"
-    " (attention sinks, sliding and full layers, half-head RoPE tables, its router and clamped-GLU experts by"
-    " grouped_mm and the eager loop), eager, t = 1"
-    " (the families `memcalc hf-families` lists, each from a config.json its transformers class wrote)",
+    " DeepseekV3DecoderLayer (dense MLP and DeepseekV3MoE), eager; Qwen3DecoderLayer and Qwen3MoeDecoderLayer"
+    " (head_dim, q_norm and k_norm), eager and sdpa; the Llama family and Qwen3 under transformers' own tp_plan"
+    " (apply_tensor_parallelism, DTensor) at t = 2 and 4, the MoE layers of Mixtral, Qwen2-MoE and Qwen3-MoE too"
+    " (forced routers); GemmaDecoderLayer, Gemma2DecoderLayer (sandwich norms, soft-capping), Gemma3DecoderLayer (and"
+    " its q/k norms) and OlmoDecoderLayer, eager and sdpa (Gemma 2: eager), at t = 1 and 2; GPTNeoXLayer (parallel or"
+    " sequential residual, partial RoPE), eager, t = 1; Phi3DecoderLayer (fused qkv_proj and gate_up_proj, partial"
+    " RoPE), eager, at t = 1 and 2; Olmo2DecoderLayer (post-norms, whole-width q/k norms), eager and sdpa, at t = 1"
+    " and 2; Starcoder2DecoderLayer (LayerNorm, RoPE, GQA, residual dropouts), eager and sdpa, at t = 1 and 2;"
+    " GPTJBlock (one LayerNorm read side by side, fp32 Q and K, interleaved partial RoPE), eager and sdpa, at t = 1"
+    " and 2; GlmDecoderLayer and Glm4DecoderLayer (interleaved partial RoPE, one gate_up_proj gathered under tp,"
+    " GLM-4's sandwich norms), eager and sdpa, at t = 1 and 2; FalconDecoderLayer (parallel_attn, multi_query or"
+    " multi-head, RoPE), eager, t = 1; FalconDecoderLayer with new_decoder_architecture (grouped query_key_value,"
+    " ln_attn and ln_mlp), eager and sdpa, t = 1; BloomBlock (ALiBi, fp32 softmax, BLOOM's GELU), eager, t = 1;"
+    " CohereDecoderLayer (one fp32 LayerNorm read side by side, per-head q/k norms), eager and sdpa, at t = 1 and 2"
+    " (use_qk_norm: t = 1); GptOssDecoderLayer (attention sinks, sliding and full layers, half-head RoPE tables, its"
+    " router and clamped-GLU experts by grouped_mm and the eager loop), eager, t = 1 (the families `memcalc"
+    " hf-families` lists, each from a config.json its transformers class wrote)",
     layer_tensors=layer_tensors,
     refuses=(NO_SEQUENCE_PARALLEL, GPT2_NO_TP_PLAN, NEOX_TP_NOT_MODELLED, LATENT_TP_NOT_MODELLED, FALCON_NO_TP_PLAN,
              BLOOM_NO_TP_PLAN, COHERE_QK_NORM_NO_TP, GPT_OSS_NO_LAYER_TP_PLAN),
