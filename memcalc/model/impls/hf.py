@@ -339,16 +339,8 @@ ONE_PLUS_TANH = SavedTensor(
     Kind.ACTIVATION, _TEN, "the gradient of 0.5x in 0.5x * (1 + tanh(.)) is dY * (1 + tanh(.))")
 
 
-# MixtralSparseMoeBlock (Qwen2MoeSparseMoeBlock adds a gated shared expert): the router in fp32, then MixtralExperts
-# by its config's experts_implementation (transformers/integrations/moe.py, use_experts_implementation). A model
-# built by transformers runs "grouped_mm" unless told otherwise (PreTrainedModel.get_correct_experts_implementation,
-# whatever the device): the k*b*s slots sorted by expert (torch.sort), each slot's token gathered, two
-# torch._grouped_mm cut at int32 offsets, the weighted rows put back in slot order and summed over k per token.
-# "eager" loops over the experts hit, each on the tokens it received, index_add_-ing its weighted rows into the
-# output. memcalc runs Qwen2-MoE's block when the config has shared experts, Mixtral's otherwise. Mixtral's router
-# always renormalises the top-k probabilities and keeps them in fp32; Qwen2-MoE's renormalises only with
-# norm_topk_prob (memcalc: moe_router_pre_softmax false) and casts them to the activation dtype before the experts
-# use them.
+# MixtralSparseMoeBlock and Qwen2MoeSparseMoeBlock, their routers and both experts_implementation paths:
+# docs/impl-notes/hf.md.
 _MIXTRAL = "MixtralTopKRouter"
 _EXPERTS = "MixtralExperts (eager loop)"
 _GROUPED = "MixtralExperts (grouped_mm)"
@@ -416,12 +408,7 @@ SHARED_GATE_SIGMOID = SavedTensor(
 SHARED_OUT = SavedTensor(
     "moe/shared_out", "Qwen2MoeSparseMoeBlock: sigmoid(gate) * shared_expert(x)", _BSH, Kind.ACTIVATION, _SEQ,
     "the gate's gradient is sum(dY * shared expert output)")
-# GptOssDecoderLayer (models/gpt_oss): GptOssRMSNorm is Olmo2RMSNorm's code, before the attention and the MLP; RoPE's
-# _apply_rotary_emb multiplies each half of a head by (1, s, d/2) tables; eager_attention_forward joins each head's sink
-# logit to the scores as an (s + 1)-th column, subtracts the rows' maximum (max keeps its indices), softmaxes in the
-# activation dtype and drops the sink column by slicing, so weights x V keeps a view of the softmax's own output.
-# GptOssTopKRouter softmaxes the k chosen logits (in the activation dtype); GptOssExperts adds biases (grouped_mm gathers
-# each sorted slot's bias by expert id) and runs the clamped GLU on gate_up's interleaved columns.
+# GptOssDecoderLayer (models/gpt_oss), op by op: docs/impl-notes/hf.md.
 GPT_OSS_LN1 = _olmo2_norm("ln1", "gpt-oss's GptOssRMSNorm input_layernorm")
 GPT_OSS_LN2 = _olmo2_norm("ln2", "gpt-oss's GptOssRMSNorm post_attention_layernorm")
 _OAI = "gpt-oss"
@@ -714,7 +701,7 @@ def moe_block(knobs: Any) -> tuple[SavedTensor, ...]:
     One (r, 2e) storage holds each expert's gate and up (`gate_up_proj`, chunked): the ledger's two rows, half
     its bytes each, as Megatron's fc1 output. With latent attention the block is DeepseekV3MoE (a sigmoid router,
     Mixtral's experts, an ungated shared MLP that keeps the block's input); else shared experts mean Qwen2-MoE's
-    block (see MOE_TENSORS' comment), and a QK norm Qwen3-MoE's, Qwen2-MoE's router and experts without them.
+    block (docs/impl-notes/hf.md), and a QK norm Qwen3-MoE's, Qwen2-MoE's router and experts without them.
     """
     if is_gpt_oss(knobs):  # GptOssTopKRouter: the k chosen logits' softmax, in the activation dtype
         return (ledger.MOE_IN, ledger.ROUTER_TOPK_INDICES, ROUTER_TOPK_SOFTMAX, *expert_block(knobs, EXPERT_WEIGHT_CAST))
