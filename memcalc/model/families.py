@@ -37,11 +37,15 @@ def _gemma_gated(act: Any) -> str:
                       " gelu_pytorch_tanh, and gelu, which GemmaConfig reads as it)")
 
 
-def _no_clip(value: Any) -> Any:
-    """OLMo's clip_qkv clamps Q, K and V in place, which keeps what memcalc has not measured."""
-    if value is not None:
-        raise ConfigError(f"clip_qkv={short_repr(value)} is not modelled (OLMo's in-place clamp of Q, K and V)")
-    return value
+def _only(name: str, modelled: tuple[Any, ...], why: str) -> Callable[[Any], Any]:
+    """config.json's `name` at a value other than `modelled` asks for what memcalc has not measured (`why`)."""
+
+    def convert(value: Any) -> Any:
+        if value not in modelled:
+            raise ConfigError(f"{name}={short_repr(value)} is not modelled ({why})")
+        return value
+
+    return convert
 
 
 def _plain(act: Any) -> Mlp:
@@ -224,7 +228,8 @@ _GEMMA2_ONLY = (
 )
 # OlmoConfig: a Llama layer whose two norms are OlmoLayerNorm, LayerNorm without weight or bias run in fp32.
 _OLMO = (*_like(_LLAMA, Row("norm", (), default="layernorm_np")), _head_dim_row(),
-         _kept_nothing("clip_qkv", _no_clip, "no clamp of Q, K and V"))
+         _kept_nothing("clip_qkv", _only("clip_qkv", (None,), "OLMo's in-place clamp of Q, K and V"),
+                       "no clamp of Q, K and V"))
 # GemmaConfig: a Llama layer whose norms scale by (1 + w) in fp32 (GemmaRMSNorm) and whose gated MLP is tanh GeGLU;
 # heads of head_dim (256 by default), embeddings tied; the embedding's scaling by sqrt(h) lies outside the layers.
 _GEMMA = (*_like(_LLAMA, Row("mlp", ("hidden_act",), _gemma_gated, default="geglu_tanh"),
@@ -280,18 +285,11 @@ def _pre_softmax(norm_topk_prob: Any) -> bool:
     return not norm_topk_prob
 
 
-def _experts_implementation(value: Any) -> str:
-    """transformers' experts_implementation: grouped_mm (its default when unset) or eager; its kernels' others
-    (batched_mm, deepgemm, sonicmoe) keep what memcalc has not measured."""
-    if value not in ("grouped_mm", "eager"):
-        raise ConfigError(f"experts_implementation={short_repr(value)} is not modelled (memcalc models transformers'"
-                          " grouped_mm, its default, and eager)")
-    return value
-
-
 # Every MoE family's experts run by transformers' use_experts_implementation; absent: memcalc's default, grouped_mm.
-_EXPERTS_IMPLEMENTATION = Row("experts_implementation", ("experts_implementation",), _experts_implementation,
-                              default=None)
+# Its kernels' others (batched_mm, deepgemm, sonicmoe) keep what memcalc has not measured.
+_EXPERTS_IMPLEMENTATION = Row("experts_implementation", ("experts_implementation",), _only(
+    "experts_implementation", ("grouped_mm", "eager"), "memcalc models transformers' grouped_mm, its default, and"
+    " eager"), default=None)
 _AUX_LOSS = Row("moe_aux_loss", ("output_router_logits", "router_aux_loss_coef"), default=None, combine=_aux_loss)
 # MixtralConfig: every layer a sparse MoE block of num_local_experts experts as wide as intermediate_size.
 _MIXTRAL = (
@@ -326,19 +324,12 @@ _QWEN3_MOE = (
     _kept_nothing("mlp_only_layers", lambda v: v, "no layer made dense by index"),  # _check_sparse_layers refuses any
     _EXPERTS_IMPLEMENTATION, _AUX_LOSS,
 )
-def _causal(value: Any) -> Any:
-    """Gemma 3's use_bidirectional_attention: its bidirectional mask and halved window are not modelled."""
-    if value not in (False, None):
-        raise ConfigError(f"use_bidirectional_attention={short_repr(value)} is not modelled (memcalc counts causal"
-                          " decoder layers)")
-    return value
-
-
 # Gemma3TextConfig: Gemma 2's layer with a GemmaRMSNorm on each query and key head (q_norm, k_norm) and no
 # soft-capping by default; five sliding-window layers to a global one (layer_types), each kind its own RoPE base.
 _GEMMA3 = (
     *_like(_GEMMA, drop=("mlp",)), *_GEMMA2_ONLY,
-    _kept_nothing("use_bidirectional_attention", _causal, "causal attention"),
+    _kept_nothing("use_bidirectional_attention", _only("use_bidirectional_attention", (False, None), "memcalc counts"
+                                                       " causal decoder layers"), "causal attention"),
     _kept_nothing("rope_local_base_freq", lambda v: v, "a RoPE base: the same tables"),
 )
 _NOTHING_KEPT = "changes nothing kept"
@@ -614,11 +605,11 @@ def _dequantized_mxfp4(value: Any) -> Any:
     return method
 
 
-# GptOssConfig: a layer of GQA heads of head_dim whose norms are GptOssRMSNorm (Olmo2RMSNorm's code: the weight times the
-# fp32 normalised input), whose attention carries biases on q, k, v and o (attention_bias) and a learned sink logit per
-# head, every other layer a sliding window (layer_types), RoPE with YaRN scaling (cos and sin scaled: the same tables);
-# every layer's MLP sparse: GptOssTopKRouter (a linear with bias, top-k, a softmax over the k chosen logits) and
-# GptOssExperts, num_local_experts experts of intermediate_size with biases and the clamped GLU (swiglu_limit,
+# GptOssConfig: a layer of GQA heads of head_dim whose norms are GptOssRMSNorm (Olmo2RMSNorm's code: the weight times
+# the fp32 normalised input), whose attention carries biases on q, k, v and o (attention_bias) and a learned sink logit
+# per head, every other layer a sliding window (layer_types), RoPE with YaRN scaling (cos and sin scaled: the same
+# tables); every layer's MLP sparse: GptOssTopKRouter (a linear with bias, top-k, a softmax over the k chosen logits)
+# and GptOssExperts, num_local_experts experts of intermediate_size with biases and the clamped GLU (swiglu_limit,
 # swiglu_alpha: a bound and a gain, keeping nothing of their own). hidden_act is unused (the experts' GLU is their own).
 # transformers runs it eager: GptOssPreTrainedModel has _supports_sdpa False, and its flash path needs hub kernels.
 _GPT_OSS = (
