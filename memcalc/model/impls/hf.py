@@ -239,7 +239,8 @@ GLM_SDPA_OUT = SavedTensor(
     "attention/sdpa_out_bhsd", "SDPA flash kernel: its output, laid out as GLM's contiguous (b, a, s, d) query", _BASD,
     Kind.ACTIVATION, _TEN, "flash attention's backward reads its output (for the softmax's gradient)")
 # FalconAttention under multi_query picks its one key and one value head by a list index (fused_qkv[..., [-2], :]),
-# under new_decoder_architecture each group's (qkv[:, :, :, [-2]]): indexing keeps the index, a one-element int64 tensor, for its backward.
+# under new_decoder_architecture each group's (qkv[:, :, :, [-2]]): indexing keeps the index, a one-element int64
+# tensor, for its backward.
 FALCON_K_INDEX = SavedTensor(
     "attention/mqa_key_index", "FalconAttention._split_heads (multi_query): fused_qkv[..., [-2], :]'s index", (),
     Kind.INT64, Region.REPLICATED, "indexing's backward scatters the key's gradient back at the index", paper=False)
@@ -585,7 +586,7 @@ def _eager(knobs: Any) -> tuple[SavedTensor, ...]:
         k = FALCON_K_HEADS
     if is_gpt_oss(knobs):  # the sink column joined, the rows' maximum subtracted, softmax in the activation dtype
         softmax: tuple[SavedTensor, ...] = (SINK_MAX_INDICES, SINK_SOFTMAX)
-    elif is_gpt2(knobs) or is_falcon(knobs):  # GPT-2's and Falcon's softmax run in the activation dtype: the paper's core
+    elif is_gpt2(knobs) or is_falcon(knobs):  # GPT-2's and Falcon's in the activation dtype: the paper's core
         softmax = (ledger.SOFTMAX_OUT,)
     elif knobs.dtype == "fp32" or knobs.has_dropout:  # no separate cast: .to() is a no-op or dropout keeps a mask
         softmax = (SOFTMAX_FP32,)
@@ -642,10 +643,11 @@ REPEAT_KV = SizeRule(
     "eager attention under GQA keeps repeat_kv's copies of K and V at a/t heads, except when b = 1 and one K/V group"
     " is on the rank: expand and reshape are then views with a zero stride, and matmul keeps K and V themselves;"
     " GPT-NeoX's, multi-head Falcon's and Phi-3's keep a copy of V, a view of the fused query_key_value (qkv_proj)"
-    " output, except when b = 1 (NeoX and Falcon: or one head, or one token; Phi-3 under GQA: and one K/V group):"
-    " then they keep that whole output; multi-query Falcon's matmul broadcasts its one K/V head as repeat_kv expands"
-    " it, and new_decoder_architecture's V is such a copy (its K, rotated at every head, is always whole). Where the tp plan gathers the attention's projections (Phi-3's, OLMo 2's) every rank holds all g groups,"
-    " so one K/V group means g = 1",
+    " output, except when b = 1 (NeoX and Falcon: or one head, or one token; Phi-3 under GQA: and one K/V group): then"
+    " they keep that whole output; multi-query Falcon's matmul broadcasts its one K/V head as repeat_kv expands it,"
+    " and new_decoder_architecture's V is such a copy (its K, rotated at every head, is always whole). Where the tp"
+    " plan gathers the attention's projections (Phi-3's, OLMo 2's) every rank holds all g groups, so one K/V group"
+    " means g = 1",
     applies=lambda knobs: ((knobs.gqa or has_fused_v_view(knobs)) and knobs.attention == "eager"
                            and knobs.recompute != "full"),
     runs=repeat_kv_copies,
@@ -704,7 +706,8 @@ def moe_block(knobs: Any) -> tuple[SavedTensor, ...]:
     block (docs/impl-notes/hf.md), and a QK norm Qwen3-MoE's, Qwen2-MoE's router and experts without them.
     """
     if is_gpt_oss(knobs):  # GptOssTopKRouter: the k chosen logits' softmax, in the activation dtype
-        return (ledger.MOE_IN, ledger.ROUTER_TOPK_INDICES, ROUTER_TOPK_SOFTMAX, *expert_block(knobs, EXPERT_WEIGHT_CAST))
+        return (ledger.MOE_IN, ledger.ROUTER_TOPK_INDICES, ROUTER_TOPK_SOFTMAX,
+                *expert_block(knobs, EXPERT_WEIGHT_CAST))
     qwen = bool(knobs.moe_shared_expert_intermediate_size or knobs.qk_layernorm) and not knobs.mla  # bf16 weights
     norm = () if knobs.moe_router_pre_softmax else (TOPK_SUM, TOPK_WEIGHTS)
     if knobs.mla:
