@@ -1,13 +1,8 @@
-"""transformers' decoder families, each declared once: how memcalc reads its config.json and which of transformers'
-decoder layers its rules were measured on.
-
-Each family is a short table of `Row`s: a memcalc field, the config.json fields that give it (first present wins, or
-all of them combined), and how a value is turned into memcalc's. `FAMILIES` names each family once (model_type,
-config class, decoder layer); `UNREAD` the model types transformers builds whose layers memcalc refuses, with what
-they lack. A config names its family (the `family` knob: config.json's model_type, a YAML's `family:`, --family);
-`layer_family` is the family whose layer runs it, a config that names none given its default here, and
-`check_family` refuses knobs that are not that layer's. The reader of config.json files is `memcalc.config.hf`; the
-hf ledger (`memcalc.model.impls.hf`) and the probe read the table from here, one floor below the config.
+"""transformers' decoder families, each declared once: how memcalc reads its config.json (a table of `Row`s) and which
+of transformers' decoder layers its rules were measured on (`FAMILIES`; `UNREAD`: model types refused, with what they
+lack). A config names its family (the `family` knob); `layer_family` is the family whose layer runs it (a config that
+names none given its default here), and `check_family` refuses knobs that are not that layer's. One floor below the
+config: the config.json reader (`memcalc.config.hf`), the hf ledger and the probe read the table from here.
 """
 
 from __future__ import annotations
@@ -42,11 +37,15 @@ def _gemma_gated(act: Any) -> str:
                       " gelu_pytorch_tanh, and gelu, which GemmaConfig reads as it)")
 
 
-def _no_clip(value: Any) -> Any:
-    """OLMo's clip_qkv clamps Q, K and V in place, which keeps what memcalc has not measured."""
-    if value is not None:
-        raise ConfigError(f"clip_qkv={short_repr(value)} is not modelled (OLMo's in-place clamp of Q, K and V)")
-    return value
+def _only(name: str, modelled: tuple[Any, ...], why: str) -> Callable[[Any], Any]:
+    """config.json's `name` at a value other than `modelled` asks for what memcalc has not measured (`why`)."""
+
+    def convert(value: Any) -> Any:
+        if value not in modelled:
+            raise ConfigError(f"{name}={short_repr(value)} is not modelled ({why})")
+        return value
+
+    return convert
 
 
 def _plain(act: Any) -> Mlp:
@@ -118,21 +117,46 @@ def _kept_nothing(source: str, convert: Callable[[Any], Any], note: str) -> Row:
     return Row(None, (source,), convert, default=None, note=note)
 
 
-def _sizes(h: str, a: str, layers: str, vocab: str) -> tuple[Row, ...]:
-    return (Row("h", (h,)), Row("a", (a,)), Row("L", (layers,)), Row("vocab_size", (vocab,)))
+def _sizes(h: str = "hidden_size", a: str = "num_attention_heads",
+           layers: str = "num_hidden_layers") -> tuple[Row, ...]:
+    return (Row("h", (h,)), Row("a", (a,)), Row("L", (layers,)), Row("vocab_size", ("vocab_size",)))
 
 
-def _head_dim(value: Any) -> int:
-    """head_dim, memcalc's kv_channels: the channels of each attention head (h/a when config.json has none)."""
-    if type(value) is not int or value < 1:
-        raise ConfigError(f"head_dim must be a positive whole number, got {short_repr(value)}")
-    return value
+def _norm_row(source: str, norm: str) -> Row:
+    """The family's one norm, whatever its epsilon (config.json's `source`) says."""
+    return Row("norm", (source,), lambda eps: norm, default=norm)
+
+
+def _tied(default: bool) -> Row:
+    return Row("tie_embeddings", ("tie_word_embeddings",), default=default)
+
+
+def _like(rows: tuple[Row, ...], *changed: Row, drop: tuple[str, ...] = ()) -> tuple[Row, ...]:
+    """Another family's `rows`, each of `changed` in place of the row of its target, those of `drop` left out."""
+    new = {row.target: row for row in changed}
+    return tuple(new.get(row.target, row) for row in rows if row.target not in drop)
+
+
+def _positive_whole(name: str, null: str = "") -> Callable[[Any], int]:
+    """A count of config.json's (`null`: " or null" where a null means none)."""
+
+    def convert(value: Any) -> int:
+        if type(value) is not int or value < 1:
+            raise ConfigError(f"{name} must be a positive whole number{null}, got {short_repr(value)}")
+        return value
+
+    return convert
 
 
 def _head_dim_row(default: Any = None) -> Row:
-    """The Llama family's head_dim (absent: h/a; Qwen3Config's own default is 128). DeepSeek's head_dim is its
-    RoPE part, read as qk_rope_head_dim instead."""
-    return Row("kv_channels", ("head_dim",), _head_dim, default=default)
+    """The Llama family's head_dim, memcalc's kv_channels (absent: h/a; Qwen3Config's own default is 128). DeepSeek's
+    head_dim is its RoPE part, read as qk_rope_head_dim instead."""
+    return Row("kv_channels", ("head_dim",), _positive_whole("head_dim"), default=default)
+
+
+def _window(default: int | None) -> Row:
+    """sliding_window: each query sees the last W keys (W a positive whole number; null: full causal attention)."""
+    return Row("sliding_window", ("sliding_window",), _positive_whole("sliding_window", " or null"), default=default)
 
 
 def _no_sliding_window(value: Any) -> Any:
@@ -144,25 +168,17 @@ def _no_sliding_window(value: Any) -> Any:
 
 
 _LLAMA = (
-    *_sizes("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size"),
+    *_sizes(),
     Row("num_query_groups", ("num_key_value_heads",), default=None),  # absent: multi-head (Llama 1)
     Row("ffn_hidden_size", ("intermediate_size",)),
     Row("mlp", ("hidden_act",), _gated, default="swiglu"),
-    Row("norm", ("rms_norm_eps",), lambda eps: "rmsnorm", default="rmsnorm"),
+    _norm_row("rms_norm_eps", "rmsnorm"),
     Row("s", ("max_position_embeddings",), default=None),
     Row("dropout", ("attention_dropout",), default=0.0),
-    Row("tie_embeddings", ("tie_word_embeddings",), default=False),
+    _tied(False),
     Row("add_bias_linear", ("attention_bias", "mlp_bias"), default=False, combine=_both_or_neither),
 )
 _LLAMA_HEADS = (*_LLAMA, _head_dim_row())
-# GemmaConfig: a Llama layer whose norms scale by (1 + w) in fp32 (GemmaRMSNorm) and whose gated MLP is tanh GeGLU;
-# heads of head_dim (256 by default), embeddings tied; the embedding's scaling by sqrt(h) lies outside the layers.
-# OlmoConfig: a Llama layer whose two norms are OlmoLayerNorm, LayerNorm without weight or bias run in fp32.
-def _sliding_window(value: Any) -> int:
-    """Mistral's sliding_window: each query sees the last W keys (W a positive whole number)."""
-    if type(value) is not int or value < 1:
-        raise ConfigError(f"sliding_window must be a positive whole number or null, got {short_repr(value)}")
-    return value
 
 
 def _positive_number(name: str) -> Callable[[Any], Any]:
@@ -204,21 +220,20 @@ _GEMMA2_ONLY = (
     Row("mlp", ("hidden_activation",), _gemma_gated, default="geglu_tanh"),
     Row("attn_logit_softcapping", ("attn_logit_softcapping",), _positive_or_null("attn_logit_softcapping"),
         default=None),
-    Row("sliding_window", ("sliding_window",), _sliding_window, default=4096),
+    _window(4096),
     Row("final_logit_softcapping", ("final_logit_softcapping",), _positive_or_null("final_logit_softcapping"),
         default=None),
     _kept_nothing("query_pre_attn_scalar", lambda v: v, "a scale: keeps nothing"),
     _LAYER_TYPES,
 )
-_OLMO = tuple(
-    Row("norm", (), default="layernorm_np") if row.target == "norm" else row for row in _LLAMA
-) + (_head_dim_row(), _kept_nothing("clip_qkv", _no_clip, "no clamp of Q, K and V"))
-_GEMMA = tuple(
-    {"mlp": Row("mlp", ("hidden_act",), _gemma_gated, default="geglu_tanh"),
-     "norm": Row("norm", ("rms_norm_eps",), lambda eps: "rmsnorm_1p", default="rmsnorm_1p"),
-     "tie_embeddings": Row("tie_embeddings", ("tie_word_embeddings",), default=True)}.get(row.target, row)
-    for row in _LLAMA
-) + (_head_dim_row(256),)
+# OlmoConfig: a Llama layer whose two norms are OlmoLayerNorm, LayerNorm without weight or bias run in fp32.
+_OLMO = (*_like(_LLAMA, Row("norm", (), default="layernorm_np")), _head_dim_row(),
+         _kept_nothing("clip_qkv", _only("clip_qkv", (None,), "OLMo's in-place clamp of Q, K and V"),
+                       "no clamp of Q, K and V"))
+# GemmaConfig: a Llama layer whose norms scale by (1 + w) in fp32 (GemmaRMSNorm) and whose gated MLP is tanh GeGLU;
+# heads of head_dim (256 by default), embeddings tied; the embedding's scaling by sqrt(h) lies outside the layers.
+_GEMMA = (*_like(_LLAMA, Row("mlp", ("hidden_act",), _gemma_gated, default="geglu_tanh"),
+                 _norm_row("rms_norm_eps", "rmsnorm_1p"), _tied(True)), _head_dim_row(256))
 # Qwen3Config: a Llama layer whose heads are head_dim wide (128 by default, whatever h/a is) and whose queries and
 # keys are RMS-normalised per head (q_norm, k_norm) before RoPE; no sliding window.
 _FULL_CAUSAL = _kept_nothing("use_sliding_window", _no_sliding_window, "full causal attention in every layer")
@@ -270,18 +285,11 @@ def _pre_softmax(norm_topk_prob: Any) -> bool:
     return not norm_topk_prob
 
 
-def _experts_implementation(value: Any) -> str:
-    """transformers' experts_implementation: grouped_mm (its default when unset) or eager; its kernels' others
-    (batched_mm, deepgemm, sonicmoe) keep what memcalc has not measured."""
-    if value not in ("grouped_mm", "eager"):
-        raise ConfigError(f"experts_implementation={short_repr(value)} is not modelled (memcalc models transformers'"
-                          " grouped_mm, its default, and eager)")
-    return value
-
-
 # Every MoE family's experts run by transformers' use_experts_implementation; absent: memcalc's default, grouped_mm.
-_EXPERTS_IMPLEMENTATION = Row("experts_implementation", ("experts_implementation",), _experts_implementation,
-                              default=None)
+# Its kernels' others (batched_mm, deepgemm, sonicmoe) keep what memcalc has not measured.
+_EXPERTS_IMPLEMENTATION = Row("experts_implementation", ("experts_implementation",), _only(
+    "experts_implementation", ("grouped_mm", "eager"), "memcalc models transformers' grouped_mm, its default, and"
+    " eager"), default=None)
 _AUX_LOSS = Row("moe_aux_loss", ("output_router_logits", "router_aux_loss_coef"), default=None, combine=_aux_loss)
 # MixtralConfig: every layer a sparse MoE block of num_local_experts experts as wide as intermediate_size.
 _MIXTRAL = (
@@ -316,19 +324,12 @@ _QWEN3_MOE = (
     _kept_nothing("mlp_only_layers", lambda v: v, "no layer made dense by index"),  # _check_sparse_layers refuses any
     _EXPERTS_IMPLEMENTATION, _AUX_LOSS,
 )
-def _causal(value: Any) -> Any:
-    """Gemma 3's use_bidirectional_attention: its bidirectional mask and halved window are not modelled."""
-    if value not in (False, None):
-        raise ConfigError(f"use_bidirectional_attention={short_repr(value)} is not modelled (memcalc counts causal"
-                          " decoder layers)")
-    return value
-
-
 # Gemma3TextConfig: Gemma 2's layer with a GemmaRMSNorm on each query and key head (q_norm, k_norm) and no
 # soft-capping by default; five sliding-window layers to a global one (layer_types), each kind its own RoPE base.
 _GEMMA3 = (
-    *(r for r in _GEMMA if r.target != "mlp"), *_GEMMA2_ONLY,
-    _kept_nothing("use_bidirectional_attention", _causal, "causal attention"),
+    *_like(_GEMMA, drop=("mlp",)), *_GEMMA2_ONLY,
+    _kept_nothing("use_bidirectional_attention", _only("use_bidirectional_attention", (False, None), "memcalc counts"
+                                                       " causal decoder layers"), "causal attention"),
     _kept_nothing("rope_local_base_freq", lambda v: v, "a RoPE base: the same tables"),
 )
 _NOTHING_KEPT = "changes nothing kept"
@@ -359,23 +360,23 @@ _DEEPSEEK_V3 = (
                   "not counted: the multi-token prediction module, which transformers does not build"),
 )
 _GPT2 = (
-    *_sizes("n_embd", "n_head", "n_layer", "vocab_size"),
+    *_sizes("n_embd", "n_head", "n_layer"),
     Row("ffn_hidden_size", ("n_inner",), default=None),  # null or absent: 4h
     Row("mlp", ("activation_function",), _plain, default=_plain("gelu_new")),  # GPT2Config's default
-    Row("norm", ("layer_norm_epsilon",), lambda eps: "layernorm", default="layernorm"),
+    _norm_row("layer_norm_epsilon", "layernorm"),
     Row("s", ("n_positions",)),
     Row("max_position_embeddings", ("n_positions",)),
     Row("dropout", ("resid_pdrop", "embd_pdrop", "attn_pdrop"), default=0.1, combine=_largest_dropout),
-    Row("tie_embeddings", ("tie_word_embeddings",), default=True),
+    _tied(True),
 )
 _GPT_NEOX = (
-    *_sizes("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size"),
+    *_sizes(),
     Row("ffn_hidden_size", ("intermediate_size",)),
     Row("mlp", ("hidden_act",), _plain, default="gelu"),
-    Row("norm", ("layer_norm_eps",), lambda eps: "layernorm", default="layernorm"),
+    _norm_row("layer_norm_eps", "layernorm"),
     Row("s", ("max_position_embeddings",), default=None),
     Row("dropout", ("attention_dropout", "hidden_dropout"), default=0.0, combine=_largest_dropout),
-    Row("tie_embeddings", ("tie_word_embeddings",), default=False),
+    _tied(False),
     Row("add_bias_linear", ("attention_bias",), default=True),
     Row("parallel_residual", ("use_parallel_residual",), lambda v: _flag("use_parallel_residual", v), default=True),
     Row("rotary_percent", ("rope_parameters", "rotary_pct"), default=0.25, combine=_rotary_fraction),
@@ -386,17 +387,17 @@ _GPT_NEOX = (
 # q, k and v (with GQA), biases on every linear (use_bias), the attention's and the MLP's outputs dropped out
 # (residual_dropout), an MLP c_fc -> hidden_act -> c_proj, and each query attending to the last sliding_window keys.
 _STARCODER2 = (
-    *_sizes("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size"),
+    *_sizes(),
     Row("num_query_groups", ("num_key_value_heads",), default=2),  # Starcoder2Config's default
     Row("ffn_hidden_size", ("intermediate_size",)),
     Row("mlp", ("hidden_act",), _kernel_gelu, default=Mlp.GELU),  # gelu_pytorch_tanh, Starcoder2Config's default
-    Row("norm", ("norm_epsilon",), lambda eps: "layernorm", default="layernorm"),
+    _norm_row("norm_epsilon", "layernorm"),
     Row("s", ("max_position_embeddings",), default=None),
     Row("dropout", ("attention_dropout", "residual_dropout", "embedding_dropout"), default=0.0,
         combine=_largest_dropout),
-    Row("tie_embeddings", ("tie_word_embeddings",), default=True),
+    _tied(True),
     Row("add_bias_linear", ("use_bias",), lambda v: _flag("use_bias", v), default=True),
-    Row("sliding_window", ("sliding_window",), _sliding_window, default=None),
+    _window(None),
 )
 
 
@@ -412,23 +413,17 @@ def _rotary_dim_share(values: list[Any]) -> float:
 
 # GPTJConfig: one LayerNorm (ln_1) whose output both the attention and the MLP read, added to the residual together;
 # q, k, v and out_proj without biases, fc_in and fc_out with them (biases keep nothing: memcalc's add_bias_linear is
-# left unset); RoPE interleaved on the first rotary_dim channels of each head.
+# left unset); RoPE interleaved on the first rotary_dim channels of each head. GPT-2's fields, GPTJConfig's defaults.
 _GPTJ = (
-    *_sizes("n_embd", "n_head", "n_layer", "vocab_size"),
-    Row("ffn_hidden_size", ("n_inner",), default=None),  # null or absent: 4h
-    Row("mlp", ("activation_function",), _plain, default=_plain("gelu_new")),  # GPTJConfig's default
-    Row("norm", ("layer_norm_epsilon",), lambda eps: "layernorm", default="layernorm"),
-    Row("s", ("n_positions",)),
-    Row("max_position_embeddings", ("n_positions",)),
-    Row("dropout", ("resid_pdrop", "embd_pdrop", "attn_pdrop"), default=0.0, combine=_largest_dropout),
-    Row("tie_embeddings", ("tie_word_embeddings",), default=False),
+    *_like(_GPT2, Row("dropout", ("resid_pdrop", "embd_pdrop", "attn_pdrop"), default=0.0, combine=_largest_dropout),
+           _tied(False)),
     Row("rotary_percent", ("rotary_dim", "n_embd", "n_head"), default=None, combine=_rotary_dim_share),
 )
 
 
 # MistralConfig: Llama's layer, each query attending to the last sliding_window keys (the class's default, 4096, when
 # config.json has none; null: full causal attention, Mistral v0.2 on).
-_MISTRAL = (*_LLAMA_HEADS, Row("sliding_window", ("sliding_window",), _sliding_window, default=4096))
+_MISTRAL = (*_LLAMA_HEADS, _window(4096))
 
 
 def _whole_heads_or_share(values: list[Any]) -> float | None:
@@ -444,11 +439,11 @@ def _whole_heads_or_share(values: list[Any]) -> float | None:
 # Phi3Config (Phi-3, Phi-3.5, Phi-4): a Llama layer whose q, k and v are one qkv_proj and gate and up one gate_up_proj,
 # whose attention's and MLP's outputs are dropped out (resid_pdrop), and whose RoPE may rotate part of each head.
 _PHI3 = (
-    *(r for r in _LLAMA if r.target not in ("dropout", "add_bias_linear")),
+    *_like(_LLAMA, drop=("dropout", "add_bias_linear")),
     _head_dim_row(),
     Row("dropout", ("attention_dropout", "resid_pdrop", "embd_pdrop"), default=0.0, combine=_largest_dropout),
     Row("rotary_percent", ("rope_parameters", "partial_rotary_factor"), default=None, combine=_whole_heads_or_share),
-    Row("sliding_window", ("sliding_window",), _sliding_window, default=None),  # Phi3Config's default: none
+    _window(None),  # Phi3Config's default: none
     _kept_nothing("original_max_position_embeddings", lambda v: v, "LongRoPE's scaling: the same cos and sin tables"),
 )
 
@@ -457,8 +452,7 @@ _PHI3 = (
 # attention's and on the MLP's outputs, and on q_proj's and k_proj's whole outputs (q_norm, k_norm); the MLP has no
 # biases whatever attention_bias says.
 _OLMO2 = (
-    *({"norm": Row("norm", ("rms_norm_eps",), lambda eps: "rmsnorm_fp32w", default="rmsnorm_fp32w")}.get(r.target, r)
-      for r in _LLAMA if r.target != "add_bias_linear"),
+    *_like(_LLAMA, _norm_row("rms_norm_eps", "rmsnorm_fp32w"), drop=("add_bias_linear",)),
     _head_dim_row(),
     _kept_nothing("attention_bias", lambda v: _flag("attention_bias", v), "q, k, v and o biases keep nothing"),
 )
@@ -479,7 +473,7 @@ def _partial_rotary(default: float) -> Callable[[Any], float]:
 # head (partial_rotary_factor, 0.5 unless said), its tables interleaved; heads of head_dim (128 by default).
 # Glm4Config: the same layer with sandwich norms (post_self_attn_layernorm and post_mlp_layernorm).
 _GLM = (
-    *(r for r in _LLAMA if r.target != "add_bias_linear"), _head_dim_row(128),
+    *_like(_LLAMA, drop=("add_bias_linear",)), _head_dim_row(128),
     Row("add_qkv_bias", ("attention_bias",), lambda v: _flag("attention_bias", v), default=True),
     Row("rotary_percent", ("rope_parameters",), _partial_rotary(0.5), default=0.5),
 )
@@ -532,13 +526,13 @@ def _falcon_single_norm(values: list[Any]) -> bool:
 # num_ln_in_parallel_attn is 1). Without ALiBi the attention drops nothing out, so hidden_dropout (on the summed
 # output) is memcalc's dropout.
 _FALCON = (
-    *_sizes("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size"),
+    *_sizes(),
     Row("ffn_hidden_size", ("ffn_hidden_size",), default=None),
     Row("mlp", ("activation",), _plain, default="gelu"),
-    Row("norm", ("layer_norm_epsilon",), lambda eps: "layernorm", default="layernorm"),
+    _norm_row("layer_norm_epsilon", "layernorm"),
     Row("s", ("max_position_embeddings",), default=None),
     Row("dropout", ("hidden_dropout",), default=0.0, combine=_largest_dropout),
-    Row("tie_embeddings", ("tie_word_embeddings",), default=True),
+    _tied(True),
     Row("add_bias_linear", ("bias",), lambda v: _flag("bias", v), default=False),
     Row("num_query_groups", ("new_decoder_architecture", "multi_query", "num_kv_heads", "num_attention_heads"),
         default=None, combine=_falcon_groups),
@@ -571,9 +565,9 @@ def _bloom_dropout(values: list[Any]) -> float:
 _BLOOM = (
     Row("h", ("hidden_size", "n_embed")), Row("a", ("n_head",)), Row("L", ("n_layer",)),
     Row("vocab_size", ("vocab_size",)),
-    Row("norm", ("layer_norm_epsilon",), lambda eps: "layernorm", default="layernorm"),
+    _norm_row("layer_norm_epsilon", "layernorm"),
     Row("dropout", ("attention_dropout", "hidden_dropout"), default=0.0, combine=_bloom_dropout),
-    Row("tie_embeddings", ("tie_word_embeddings",), default=True),
+    _tied(True),
     _kept_nothing("apply_residual_connection_post_layernorm",
                   lambda v: _flag("apply_residual_connection_post_layernorm", v), "which tensor the residual adds"),
     _kept_nothing("slow_but_exact", _refused_if("slow_but_exact", True, "BLOOM's sliced dense layers under"
@@ -592,9 +586,7 @@ def _logit_scale(value: Any) -> Any:
 # SwiGLU, side by side on one CohereLayerNorm (LayerNorm without bias, in fp32) whose output both read, summed into the
 # residual together; use_qk_norm (Command R+) adds a CohereLayerNorm on each query and key head; embeddings tied.
 _COHERE = (
-    *({"norm": Row("norm", ("layer_norm_eps",), lambda eps: "layernorm_nb", default="layernorm_nb"),
-       "tie_embeddings": Row("tie_embeddings", ("tie_word_embeddings",), default=True)}.get(r.target, r)
-      for r in _LLAMA if r.target != "add_bias_linear"),
+    *_like(_LLAMA, _norm_row("layer_norm_eps", "layernorm_nb"), _tied(True), drop=("add_bias_linear",)),
     _head_dim_row(),
     Row("qk_layernorm", ("use_qk_norm",), lambda v: _flag("use_qk_norm", v), default=False),
     _kept_nothing("attention_bias", lambda v: _flag("attention_bias", v), "q, k, v and o biases keep nothing"),
@@ -613,26 +605,26 @@ def _dequantized_mxfp4(value: Any) -> Any:
     return method
 
 
-# GptOssConfig: a layer of GQA heads of head_dim whose norms are GptOssRMSNorm (Olmo2RMSNorm's code: the weight times the
-# fp32 normalised input), whose attention carries biases on q, k, v and o (attention_bias) and a learned sink logit per
-# head, every other layer a sliding window (layer_types), RoPE with YaRN scaling (cos and sin scaled: the same tables);
-# every layer's MLP sparse: GptOssTopKRouter (a linear with bias, top-k, a softmax over the k chosen logits) and
-# GptOssExperts, num_local_experts experts of intermediate_size with biases and the clamped GLU (swiglu_limit,
+# GptOssConfig: a layer of GQA heads of head_dim whose norms are GptOssRMSNorm (Olmo2RMSNorm's code: the weight times
+# the fp32 normalised input), whose attention carries biases on q, k, v and o (attention_bias) and a learned sink logit
+# per head, every other layer a sliding window (layer_types), RoPE with YaRN scaling (cos and sin scaled: the same
+# tables); every layer's MLP sparse: GptOssTopKRouter (a linear with bias, top-k, a softmax over the k chosen logits)
+# and GptOssExperts, num_local_experts experts of intermediate_size with biases and the clamped GLU (swiglu_limit,
 # swiglu_alpha: a bound and a gain, keeping nothing of their own). hidden_act is unused (the experts' GLU is their own).
 # transformers runs it eager: GptOssPreTrainedModel has _supports_sdpa False, and its flash path needs hub kernels.
 _GPT_OSS = (
-    *_sizes("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size"),
+    *_sizes(),
     Row("num_query_groups", ("num_key_value_heads",), default=8),  # GptOssConfig's defaults, gpt-oss-120b's
     _head_dim_row(64),
     Row("ffn_hidden_size", ("intermediate_size",), default=2880),
     Row("num_experts", ("num_local_experts",), default=128),
     Row("moe_router_topk", ("num_experts_per_tok",), default=4),
-    Row("norm", ("rms_norm_eps",), lambda eps: "rmsnorm_fp32w", default="rmsnorm_fp32w"),
+    _norm_row("rms_norm_eps", "rmsnorm_fp32w"),
     Row("s", ("max_position_embeddings",), default=None),
     Row("dropout", ("attention_dropout",), default=0.0),
-    Row("tie_embeddings", ("tie_word_embeddings",), default=False),
+    _tied(False),
     Row("add_bias_linear", ("attention_bias",), lambda v: _flag("attention_bias", v), default=True),
-    Row("sliding_window", ("sliding_window",), _sliding_window, default=128),
+    _window(128),
     _LAYER_TYPES, _EXPERTS_IMPLEMENTATION, _AUX_LOSS,
     _kept_nothing("swiglu_limit", _positive_number("swiglu_limit"), "the GLU's clamp bound: the same tensors"),
     _kept_nothing("swiglu_alpha", _positive_number("swiglu_alpha"), "the sigmoid's gain: a scale"),
@@ -707,7 +699,7 @@ FAMILIES: dict[str, Family] = {
         Family("gemma", "GemmaConfig", "GemmaDecoderLayer", ("GemmaForCausalLM",), _GEMMA, _ROPE,
                norm="rmsnorm_1p", mlps=("geglu_tanh",)),
         Family("gemma2", "Gemma2Config", "Gemma2DecoderLayer", ("Gemma2ForCausalLM",),
-               (*(r for r in _GEMMA if r.target != "mlp"), *_GEMMA2_ONLY), _ROPE | {"sandwich_norm": True},
+               (*_like(_GEMMA, drop=("mlp",)), *_GEMMA2_ONLY), _ROPE | {"sandwich_norm": True},
                norm="rmsnorm_1p", mlps=("geglu_tanh",)),
         Family("gemma3_text", "Gemma3TextConfig", "Gemma3DecoderLayer", ("Gemma3ForCausalLM",), _GEMMA3,
                _ROPE | {"sandwich_norm": True, "qk_layernorm": True}, norm="rmsnorm_1p", mlps=("geglu_tanh",),

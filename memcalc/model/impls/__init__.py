@@ -83,13 +83,14 @@ def _check_hf_only(knobs: Any) -> None:
 
         named = FAMILIES[knobs.family].layer if knobs.family else None
         layers = named or " or ".join(dict.fromkeys(_HF_ONLY[name] for name in given))
+        names = ", ".join(given[:-1]) + " and " * (len(given) > 1) + given[-1]
         verb = "is" if len(given) == 1 else "are"
-        raise ConfigError(f"{', '.join(given[:-1]) + ' and ' * (len(given) > 1) + given[-1]} (of transformers' {layers}) {verb} modelled under --impl hf only;"
-                          f" impl {knobs.impl}'s layer has no such choice")
+        raise ConfigError(f"{names} (of transformers' {layers}) {verb} modelled under --impl hf only; impl"
+                          f" {knobs.impl}'s layer has no such choice")
     for name, values in _HF_ONLY_CHOICES.items():
         if getattr(knobs, name) in values:
-            raise ConfigError(f"{name} {getattr(knobs, name)} (a transformers family's) is modelled under --impl hf only; impl"
-                              f" {knobs.impl}'s layer has no such choice")
+            raise ConfigError(f"{name} {getattr(knobs, name)} (a transformers family's) is modelled under --impl hf"
+                              f" only; impl {knobs.impl}'s layer has no such choice")
 
 
 def plan(knobs: Any, strategy: Strategy) -> Strategy:

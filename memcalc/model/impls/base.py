@@ -1,15 +1,10 @@
 """What an implementation is: the rules one library's code follows when it keeps tensors for backward.
 
-The paper's ledger says what backward *needs*; a library decides what it
-*keeps*: an fp32 copy here, K and V expanded to every head there, a gathered
-input where Megatron keeps a shard. An implementation is one module under
-`memcalc.model.impls` that declares the tensors only its library keeps and the
-function that lists, for a knob set, every tensor one layer keeps, in forward
-order, and its TP plan (`memcalc.model.tp_plan`). How a layout splits each
-tensor stays with the layout (`memcalc.model.strategy`); the plan says which
-tensors it keeps whole (torchtitan's gathered inputs, a module transformers'
-plan does not name), and the implementation which it keeps in another form
-under SP, as megatron's latent attention does.
+The paper's ledger says what backward *needs*; a library decides what it *keeps*: an fp32 copy here, K and V
+expanded to every head there, a gathered input where Megatron keeps a shard. Each module under `memcalc.model.impls`
+declares the tensors only its library keeps, the function that lists every tensor one layer keeps in forward order,
+and its TP plan (`memcalc.model.tp_plan`); how a layout splits each tensor stays with the layout
+(`memcalc.model.strategy`).
 """
 
 from __future__ import annotations

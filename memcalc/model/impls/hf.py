@@ -1,11 +1,8 @@
 """Hugging Face transformers: what its decoder layers keep for backward, op by op.
 
-A config names its transformers family (the `family` knob; memcalc.model.families.layer_family gives the layer, and
-a config that names none Llama's or GPT-2's), and the knobs say what that layer keeps (Llama's, GPT-2's, GPT-NeoX's,
-Cohere's, gpt-oss's and the rest). Where transformers' Python differs from Megatron's fused kernels it keeps more
-(upcasting norms, RoPE's tables, matmul's contiguous copies, written-out GELUs). Each family and each of those
-differences, with the measurements behind them (memcalc/probe/libs/hf.py): docs/impl-notes/hf.md, rendered into
-docs/impl-hf.md.
+A config's family (memcalc.model.families.layer_family) picks the layer, and the knobs say what it keeps. Where
+transformers' Python keeps more than Megatron's fused kernels, family by family, with the measurements behind it
+(memcalc/probe/libs/hf.py): docs/impl-notes/hf.md, rendered into docs/impl-hf.md.
 """
 
 from __future__ import annotations
@@ -27,28 +24,33 @@ _BSF = (Dim.B, Dim.S, Dim.F)
 _BASS = (Dim.B, Dim.A, Dim.S, Dim.S)
 _BASD = (Dim.B, Dim.A, Dim.S, Dim.D)
 _SEQ, _TEN = Region.SEQUENCE, Region.TENSOR
+Shape = tuple[Dim, ...]
 
 
-def _rms_norm(prefix: str, module: str, width: Dim = Dim.H, heads: Dim | None = None) -> RMSNormTensors:
-    """What one LlamaRMSNorm over `width` keeps; `prefix` as ledger._norm's ("ln1", or "mla/q_norm_"). With `heads`
-    it runs on each head's d channels (Qwen3's q_norm and k_norm): per head, inside the pair TP splits."""
-    by, stem = f"LlamaRMSNorm ({module})", prefix if "/" in prefix else f"{prefix}/"
+def _layout(prefix: str, width: Dim = Dim.H, heads: Dim | None = None) -> tuple[str, Shape, Region, Shape]:
+    """A norm's name stem (`prefix` as ledger._norm's: "ln1", or "mla/q_norm_"), its rows (one rstd each), their region
+    and the normalised shape: per token over `width`, or with `heads` per head, inside the pair TP splits."""
     rows, region = ((Dim.B, heads, Dim.S), _TEN) if heads is not None else ((Dim.B, Dim.S), _SEQ)
-    shape = (*rows, width)
+    return prefix if "/" in prefix else f"{prefix}/", rows, region, (*rows, width)
+
+
+_WHY_NORMED = "the weight's gradient is dY times the normalised input"
+_WHY_NORMED_FP32 = f"{_WHY_NORMED}, here the fp32 one"
+
+
+def _rms_norm(prefix: str, module: str, width: Dim = Dim.H, heads: Dim | None = None,
+              cls: str = "LlamaRMSNorm") -> RMSNormTensors:
+    """What one LlamaRMSNorm over `width` keeps (`cls`: a norm that runs its code first). With `heads` it runs on each
+    head's d channels (Qwen3's q_norm and k_norm)."""
+    by, (stem, rows, region, shape) = f"{cls} ({module})", _layout(prefix, width, heads)
     return RMSNormTensors(
-        input_fp32=SavedTensor(
-            f"{stem}input_fp32", f"{by}: hidden_states.to(float32), kept by pow(2) and by x * rsqrt(.)", shape,
-            Kind.FP32, region, "the gradients of pow(2) and of x * rsqrt(.) read the fp32 input",
-        ),
-        rstd=SavedTensor(
-            f"{stem}rstd_fp32", f"{by}: rsqrt(variance + eps), kept by rsqrt and by x * rsqrt(.)", rows,
-            Kind.FP32, region, ledger.WHY_NORM_RSTD, paper=False,
-        ),
-        normed=SavedTensor(
-            f"{stem}normed", f"{by}: the normalised input cast back, kept by weight * (.)", shape,
-            Kind.ACTIVATION, region, "the weight's gradient is dY times the normalised input",
-        ),
-    )
+        input_fp32=SavedTensor(f"{stem}input_fp32", f"{by}: hidden_states.to(float32), kept by pow(2) and by"
+                               " x * rsqrt(.)", shape, Kind.FP32, region,
+                               "the gradients of pow(2) and of x * rsqrt(.) read the fp32 input"),
+        rstd=SavedTensor(f"{stem}rstd_fp32", f"{by}: rsqrt(variance + eps), kept by rsqrt and by x * rsqrt(.)", rows,
+                         Kind.FP32, region, ledger.WHY_NORM_RSTD, paper=False),
+        normed=SavedTensor(f"{stem}normed", f"{by}: the normalised input cast back, kept by weight * (.)", shape,
+                           Kind.ACTIVATION, region, _WHY_NORMED))
 
 
 def _gemma_norm(prefix: str, module: str, width: Dim = Dim.H, heads: Dim | None = None) -> RMSNormTensors:
@@ -56,21 +58,16 @@ def _gemma_norm(prefix: str, module: str, width: Dim = Dim.H, heads: Dim | None 
 
     Llama's upcast and rstd; the product by (1 + w.float()) keeps both factors in fp32, and the
     cast back (type_as) keeps nothing. With `heads`, Gemma 3's q_norm or k_norm on each head's d channels."""
-    llama, by = _rms_norm(prefix, module, width, heads), f"GemmaRMSNorm ({module})"
-    stem = prefix if "/" in prefix else f"{prefix}/"
+    llama, by = _rms_norm(prefix, module, width, heads, "GemmaRMSNorm"), f"GemmaRMSNorm ({module})"
+    stem = _layout(prefix, width, heads)[0]
     return RMSNormTensors(
         input_fp32=replace(llama.input_fp32, saved_by=f"{by}: x.float(), kept by pow(2) and by x * rsqrt(.)"),
-        rstd=replace(llama.rstd, saved_by=f"{by}: rsqrt(variance + eps), kept by rsqrt and by x * rsqrt(.)"),
+        rstd=llama.rstd,
         weight_plus_one=SavedTensor(
             f"{stem}weight_plus_one_fp32", f"{by}: 1.0 + weight.float(), kept by output * (.)", (width,),
-            Kind.FP32, Region.REPLICATED, "the gradient of the normalised input is dY * (1 + w)", paper=False,
-        ),
-        normed_fp32=SavedTensor(
-            f"{stem}normed_fp32", f"{by}: x * rsqrt(.) in fp32, kept by output * (1 + w)", llama.input_fp32.shape,
-            Kind.FP32, llama.input_fp32.region,
-            "the weight's gradient is dY times the normalised input, here the fp32 one",
-        ),
-    )
+            Kind.FP32, Region.REPLICATED, "the gradient of the normalised input is dY * (1 + w)", paper=False),
+        normed_fp32=SavedTensor(f"{stem}normed_fp32", f"{by}: x * rsqrt(.) in fp32, kept by output * (1 + w)",
+                                llama.input_fp32.shape, Kind.FP32, llama.input_fp32.region, _WHY_NORMED_FP32))
 
 
 def _olmo_norm(prefix: str, module: str) -> ledger.NormTensors:
@@ -80,29 +77,20 @@ def _olmo_norm(prefix: str, module: str) -> ledger.NormTensors:
     return ledger.NormTensors(
         SavedTensor(f"{prefix}/input_fp32", f"{by}: hidden_states.to(float32), kept by F.layer_norm", _BSH, Kind.FP32,
                     _SEQ, "LayerNorm's backward reads its (fp32) input"),
-        SavedTensor(f"{prefix}/mean_fp32", f"{by}: F.layer_norm's mean", (Dim.B, Dim.S), Kind.FP32, _SEQ,
-                    ledger.WHY_NORM_RSTD, paper=False),
-        SavedTensor(f"{prefix}/rstd_fp32", f"{by}: F.layer_norm's rstd", (Dim.B, Dim.S), Kind.FP32, _SEQ,
-                    ledger.WHY_NORM_RSTD, paper=False),
-    )
+        *(SavedTensor(f"{prefix}/{stat}_fp32", f"{by}: F.layer_norm's {stat}", (Dim.B, Dim.S), Kind.FP32, _SEQ,
+                      ledger.WHY_NORM_RSTD, paper=False) for stat in ("mean", "rstd")))
 
 
 def _olmo2_norm(prefix: str, module: str, width: tuple[Dim, ...] = (Dim.H,)) -> RMSNormTensors:
     """Olmo2RMSNorm: Llama's upcast and rstd, then weight * (.) in fp32 (the weight promoted), which keeps the fp32
     normalised input; the cast back keeps nothing. `width` the normalised channels: h, or a whole projection's
     heads (q_norm over a*d, k_norm over g*d, one rstd a token)."""
-    llama, by = _rms_norm(prefix, module), f"Olmo2RMSNorm ({module})"
-    stem, shape = prefix if "/" in prefix else f"{prefix}/", (Dim.B, Dim.S, *width)
-    region = _TEN if Dim.H not in width else _SEQ
+    llama, by = _rms_norm(prefix, module, cls="Olmo2RMSNorm"), f"Olmo2RMSNorm ({module})"
+    shape, region = (Dim.B, Dim.S, *width), _TEN if Dim.H not in width else _SEQ
     return RMSNormTensors(
-        input_fp32=replace(llama.input_fp32, shape=shape, region=region,
-                           saved_by=f"{by}: hidden_states.to(float32), kept by pow(2) and by x * rsqrt(.)"),
-        rstd=replace(llama.rstd, saved_by=f"{by}: rsqrt(variance + eps), kept by rsqrt and by x * rsqrt(.)"),
-        normed_fp32=SavedTensor(
-            f"{stem}normed_fp32", f"{by}: x * rsqrt(.) in fp32, kept by weight * (.) (promoted to fp32)", shape,
-            Kind.FP32, region, "the weight's gradient is dY times the normalised input, here the fp32 one",
-        ),
-    )
+        input_fp32=replace(llama.input_fp32, shape=shape, region=region), rstd=llama.rstd,
+        normed_fp32=SavedTensor(f"{_layout(prefix)[0]}normed_fp32", f"{by}: x * rsqrt(.) in fp32, kept by"
+                                " weight * (.) (promoted to fp32)", shape, Kind.FP32, region, _WHY_NORMED_FP32))
 
 
 class CohereNormTensors(NamedTuple):
@@ -123,32 +111,22 @@ def _cohere_norm(prefix: str, module: str, width: Dim = Dim.H, heads: Dim | None
     weight.to(float32) keeps that fp32 weight (a copy under bf16; under fp32 the parameter itself) and the fp32
     normalised input. With `heads` it runs on each head's d channels (use_qk_norm's q_norm and k_norm, whose weight
     is (heads, d))."""
-    by, stem = f"CohereLayerNorm ({module})", prefix if "/" in prefix else f"{prefix}/"
-    rows, region = ((Dim.B, heads, Dim.S), _TEN) if heads is not None else ((Dim.B, Dim.S), _SEQ)
-    shape = (*rows, width)
+    by, (stem, rows, region, shape) = f"CohereLayerNorm ({module})", _layout(prefix, width, heads)
     weight = ((heads, width), _TEN) if heads is not None else ((width,), Region.REPLICATED)
     return CohereNormTensors(
-        centred_pow=SavedTensor(
-            f"{stem}centred_pow_fp32", f"{by}: x.to(float32) - mean, kept by pow(2)", shape, Kind.FP32, region,
-            "the variance's gradient, through (x - mean)^2, is read at x - mean",
-        ),
+        centred_pow=SavedTensor(f"{stem}centred_pow_fp32", f"{by}: x.to(float32) - mean, kept by pow(2)", shape,
+                                Kind.FP32, region, "the variance's gradient, through (x - mean)^2, is read at x -"
+                                " mean"),
         centred_mul=SavedTensor(
             f"{stem}centred_mul_fp32", f"{by}: x.to(float32) - mean again, kept by (.) * rsqrt(var + eps)", shape,
-            Kind.FP32, region, "the gradient of rsqrt(.) in the product is dY * (x - mean), this second copy",
-        ),
-        rstd=SavedTensor(
-            f"{stem}rstd_fp32", f"{by}: rsqrt(variance + eps), kept by rsqrt and by (x - mean) * (.)", rows,
-            Kind.FP32, region, ledger.WHY_NORM_RSTD, paper=False,
-        ),
+            Kind.FP32, region, "the gradient of rsqrt(.) in the product is dY * (x - mean), this second copy"),
+        rstd=SavedTensor(f"{stem}rstd_fp32", f"{by}: rsqrt(variance + eps), kept by rsqrt and by (x - mean) * (.)",
+                         rows, Kind.FP32, region, ledger.WHY_NORM_RSTD, paper=False),
         weight_fp32=SavedTensor(
             f"{stem}weight_fp32", f"{by}: weight.to(float32) (bf16 and fp16 only), kept by weight * (.)", weight[0],
-            Kind.FP32, weight[1], "the gradient of the normalised input is dY * w, here the fp32 copy", paper=False,
-        ),
-        normed_fp32=SavedTensor(
-            f"{stem}normed_fp32", f"{by}: (x - mean) * rsqrt(.) in fp32, kept by weight * (.)", shape, Kind.FP32,
-            region, "the weight's gradient is dY times the normalised input, here the fp32 one",
-        ),
-    )
+            Kind.FP32, weight[1], "the gradient of the normalised input is dY * w, here the fp32 copy", paper=False),
+        normed_fp32=SavedTensor(f"{stem}normed_fp32", f"{by}: (x - mean) * rsqrt(.) in fp32, kept by weight * (.)",
+                                shape, Kind.FP32, region, _WHY_NORMED_FP32))
 
 
 # Cohere's one norm (its output q, k, v, gate and up all read), and use_qk_norm's per-head q_norm and k_norm.
@@ -179,8 +157,7 @@ GEMMA_POST_ATTN = _gemma_norm("ln_post_attn", "Gemma 2's post_attention_layernor
 GEMMA_POST_MLP = _gemma_norm("ln_post_mlp", "Gemma 2's post_feedforward_layernorm, on the MLP's output")
 SOFTCAP_TANH = SavedTensor(
     "attention/softcap_tanh", "eager_attention_forward (softcap): torch.tanh(scores / softcap)", _BASS,
-    Kind.ACTIVATION, _TEN, "tanh's derivative, 1 - tanh^2, is read from its output",
-)
+    Kind.ACTIVATION, _TEN, "tanh's derivative, 1 - tanh^2, is read from its output")
 # GemmaMLP: gelu_pytorch_tanh(gate_proj(x)) * up_proj(x), torch's tanh GELU kernel keeping its input.
 GEGLU_GATE = replace(ledger.SWIGLU_GATE, name="mlp/geglu_gate", saved_by="gelu_pytorch_tanh (torch's tanh GELU kernel)",
                      why="GELU's derivative is evaluated at its input, the gate projection")
@@ -211,67 +188,62 @@ MLA_KV_NORM_VIEW = replace(
     MLA_KV_RMS.input_fp32, saved_by="DeepseekV3RMSNorm kv_a_layernorm in fp32: its input, a view of"
     " kv_a_proj_with_mqa's output (.to(float32) is a no-op)", shape=(Dim.B, Dim.S, Dim.KVD),
     why="pow(2) and x * rsqrt(.) read the input, a view that keeps the whole output (the latent and the keys' RoPE"
-    " part) alive",
-)
-MLA_ROPE_COS = SavedTensor(
-    "mla/rope_cos", "apply_rotary_pos_emb(_interleave): q_rot * cos and k_rot * cos", (Dim.S, Dim.DR),
-    Kind.ACTIVATION, _SEQ, "the gradient of x in x * cos is dY * cos (one (1, s, d_r) table from the model's rotary"
-    " embedding; cos needs no gradient, so x is not kept)", paper=False, stage="model",
-)
-MLA_ROPE_SIN = SavedTensor(
-    "mla/rope_sin", "apply_rotary_pos_emb(_interleave): rotate_half(x) * sin", (Dim.S, Dim.DR), Kind.ACTIVATION,
-    _SEQ, "the gradient of rotate_half(x) in rotate_half(x) * sin is dY * sin", paper=False, stage="model",
-)
+    " part) alive")
+
+
+def _tables(name: str, width: Dim, cos: tuple[str, str], sin: tuple[str, str],
+            stage: str = "model") -> tuple[SavedTensor, ...]:
+    """RoPE's (s, width) cos and sin tables, `name` formatted with "cos" and "sin", each with its (saved_by, why)."""
+    return tuple(SavedTensor(name.format(table), by, (Dim.S, width), Kind.ACTIVATION, _SEQ, why, paper=False,
+                             stage=stage) for table, (by, why) in (("cos", cos), ("sin", sin)))
+
+
+_WHY_SIN_ROT = "the gradient of rotate_half(q_rot) in rotate_half(q_rot) * sin is dY * sin"
+
+
+MLA_ROPE_COS, MLA_ROPE_SIN = _tables(
+    "mla/rope_{}", Dim.DR, ("apply_rotary_pos_emb(_interleave): q_rot * cos and k_rot * cos", "the gradient of x in"
+                            " x * cos is dY * cos (one (1, s, d_r) table from the model's rotary embedding; cos needs"
+                            " no gradient, so x is not kept)"),
+    ("apply_rotary_pos_emb(_interleave): rotate_half(x) * sin",
+     "the gradient of rotate_half(x) in rotate_half(x) * sin is dY * sin"))
 
 # GPTNeoXAttention (and Phi3Attention, partial_rotary_factor < 1): RoPE on the first d_r = d * rotary_pct channels of
 # each query and key head (q[..., :d_r] * cos, rotate_half(.) * sin, then concatenated with the rest): the model's
 # (1, s, d_r) tables, which every layer keeps. Starcoder2Attention's are whole heads' (rotary_percent 1: d_r = d).
-NEOX_ROPE_COS = SavedTensor(
-    "attention/rope_cos_partial", "apply_rotary_pos_emb (GPT-NeoX, Phi-3, StarCoder 2): q_rot * cos and k_rot * cos",
-    (Dim.S, Dim.DR),
-    Kind.ACTIVATION, _SEQ, "the gradient of q_rot in q_rot * cos is dY * cos (the (1, s, d_r) table)", paper=False,
-    stage="model",
-)
-NEOX_ROPE_SIN = SavedTensor(
-    "attention/rope_sin_partial", "apply_rotary_pos_emb (GPT-NeoX, Phi-3, StarCoder 2): rotate_half(q_rot) * sin",
-    (Dim.S, Dim.DR),
-    Kind.ACTIVATION, _SEQ, "the gradient of rotate_half(q_rot) in rotate_half(q_rot) * sin is dY * sin", paper=False,
-    stage="model",
-)
+NEOX_ROPE_COS, NEOX_ROPE_SIN = _tables(
+    "attention/rope_{}_partial", Dim.DR,
+    ("apply_rotary_pos_emb (GPT-NeoX, Phi-3, StarCoder 2): q_rot * cos and k_rot * cos",
+     "the gradient of q_rot in q_rot * cos is dY * cos (the (1, s, d_r) table)"),
+    ("apply_rotary_pos_emb (GPT-NeoX, Phi-3, StarCoder 2): rotate_half(q_rot) * sin", _WHY_SIN_ROT))
 # GPT-NeoX's V is a view of query_key_value's (b, s, a, 3d) output, Phi-3's of qkv_proj's (b, s, (a+2g)d); at b = 1
 # eager matmul folds it into a bmm batch without a copy and keeps that whole storage (see REPEAT_KV): Q, K and V's
 # heads side by side.
 NEOX_QKV_OUT = SavedTensor(
     "attention/qkv_out", "GPT-NeoX's and Phi-3's eager at b = 1: matmul(weights, v) keeps the fused query_key_value"
     " (qkv_proj) output, of which v is a view", (Dim.B, Dim.S, Dim.QKV, Dim.D), Kind.ACTIVATION, _TEN,
-    "the gradient of the attention weights is dOut V^T: V is read from the fused output it views",
-)
+    "the gradient of the attention weights is dOut V^T: V is read from the fused output it views")
 # GLM's apply_rotary_pos_emb interleaves the model's (1, s, d_r) tables (cos[..., :d_r/2].repeat_interleave(2)): the
 # new (s, d_r) tables are what q_rot * cos and rotate_half(q_rot) * sin keep, once per layer.
-GLM_ROPE_COS = SavedTensor(
-    "attention/rope_cos_interleaved", "GLM apply_rotary_pos_emb: cos[..., :d_r/2].repeat_interleave(2), kept by"
-    " q_rot * cos", (Dim.S, Dim.DR), Kind.ACTIVATION, _SEQ,
-    "the gradient of q_rot in q_rot * cos is dY * cos (the interleaved table, a tensor of its own)", paper=False,
-)
-GLM_ROPE_SIN = SavedTensor(
-    "attention/rope_sin_interleaved", "GLM apply_rotary_pos_emb: sin[..., :d_r/2].repeat_interleave(2), kept by"
-    " rotate_half(q_rot) * sin", (Dim.S, Dim.DR), Kind.ACTIVATION, _SEQ,
-    "the gradient of rotate_half(q_rot) in rotate_half(q_rot) * sin is dY * sin", paper=False,
-)
+GLM_ROPE_COS, GLM_ROPE_SIN = _tables(
+    "attention/rope_{}_interleaved", Dim.DR,
+    ("GLM apply_rotary_pos_emb: cos[..., :d_r/2].repeat_interleave(2), kept by q_rot * cos",
+     "the gradient of q_rot in q_rot * cos is dY * cos (the interleaved table, a tensor of its own)"),
+    ("GLM apply_rotary_pos_emb: sin[..., :d_r/2].repeat_interleave(2), kept by rotate_half(q_rot) * sin", _WHY_SIN_ROT),
+    stage="layer")
 # torch's flash kernel lays its output out as the query is laid out (CPU: measured; CUDA's mha_fwd: empty_like(q), read
 # from code). Llama's query is a view of q_proj's (b, s, a, d) output, so o_proj reads the output itself; GLM's is the
 # contiguous (b, a, s, d) torch.cat of its rotated and passed channels, so transformers' transpose(1, 2).contiguous()
 # copies the output for o_proj, and the kernel keeps the output of its own.
 GLM_SDPA_OUT = SavedTensor(
     "attention/sdpa_out_bhsd", "SDPA flash kernel: its output, laid out as GLM's contiguous (b, a, s, d) query", _BASD,
-    Kind.ACTIVATION, _TEN, "flash attention's backward reads its output (for the softmax's gradient)",
-)
+    Kind.ACTIVATION, _TEN, "flash attention's backward reads its output (for the softmax's gradient)")
 # FalconAttention under multi_query picks its one key and one value head by a list index (fused_qkv[..., [-2], :]),
-# under new_decoder_architecture each group's (qkv[:, :, :, [-2]]): indexing keeps the index, a one-element int64 tensor, for its backward.
+# under new_decoder_architecture each group's (qkv[:, :, :, [-2]]): indexing keeps the index, a one-element int64
+# tensor, for its backward.
 FALCON_K_INDEX = SavedTensor(
     "attention/mqa_key_index", "FalconAttention._split_heads (multi_query): fused_qkv[..., [-2], :]'s index", (),
-    Kind.INT64, Region.REPLICATED, "indexing's backward scatters the key's gradient back at the index", paper=False,
-)
+    Kind.INT64, Region.REPLICATED, "indexing's backward scatters the key's gradient back at the index", paper=False)
 FALCON_V_INDEX = replace(FALCON_K_INDEX, name="attention/mqa_value_index",
                          saved_by="FalconAttention._split_heads (multi_query): fused_qkv[..., [-1], :]'s index",
                          why="indexing's backward scatters the value's gradient back at the index")
@@ -281,264 +253,193 @@ FALCON_V_INDEX = replace(FALCON_K_INDEX, name="attention/mqa_value_index",
 # (b, s, 1, 1, d) index's output it views with stride 0 (the ledger's V at g = 1).
 FALCON_K_HEADS = SavedTensor(
     "attention/k_broadcast", "apply_rotary_pos_emb (new_decoder_architecture): K broadcast to every head, rotated;"
-    " kept by QK^T (eager) or SDPA", _BASD, Kind.ACTIVATION, _TEN, "the gradient of Q in QK^T is dScores K",
-)
+    " kept by QK^T (eager) or SDPA", _BASD, Kind.ACTIVATION, _TEN, "the gradient of Q in QK^T is dScores K")
 FALCON_V_HEADS = SavedTensor(
     "attention/v_broadcast", "FalconAttention._split_heads (new_decoder_architecture): V broadcast to every head of its"
     " group and flattened, a copy; kept by SDPA", _BASD, Kind.ACTIVATION, _TEN,
-    "the gradient of the attention weights is dOut V^T",
-)
+    "the gradient of the attention weights is dOut V^T")
 # GLM-4's sandwich norms: LlamaRMSNorm's code (Glm4RMSNorm) on the attention's output and on the MLP's output.
 GLM_POST_ATTN = _rms_norm("ln_post_attn_rms", "GLM-4's post_self_attn_layernorm, on the attention's output")
 GLM_POST_MLP = _rms_norm("ln_post_mlp_rms", "GLM-4's post_mlp_layernorm, on the MLP's output")
 # GPTJAttention: apply_rotary_pos_emb repeats the model's (1, s, d_r/2) sin and cos tables to d_r interleaved channels
 # (repeat_interleave) on each call, once for the keys and once for the queries: four (s, d_r) copies, each kept by
 # its product. Its eager core upcasts Q and K to fp32 before QK^T, so matmul keeps fp32 ones.
-def _gptj_table(name: str, which: str, product: str) -> SavedTensor:
-    return SavedTensor(
-        f"attention/rope_{name}", f"GPT-J apply_rotary_pos_emb ({which}): repeat_interleave(.), kept by {product}",
-        (Dim.S, Dim.DR), Kind.ACTIVATION, _SEQ, f"the gradient of the rotated channels in {product} is dY times the"
-        " table, this call's own interleaved copy", paper=False,
-    )
-
-
-GPTJ_ROPE = (_gptj_table("k_sin", "keys", "rotate_every_two(k_rot) * sin"), _gptj_table("k_cos", "keys", "k_rot * cos"),
-             _gptj_table("q_sin", "queries", "rotate_every_two(q_rot) * sin"),
-             _gptj_table("q_cos", "queries", "q_rot * cos"))
+GPTJ_ROPE = tuple(
+    SavedTensor(f"attention/rope_{which[0]}_{table}", f"GPT-J apply_rotary_pos_emb ({which}): repeat_interleave(.),"
+                f" kept by {product}", (Dim.S, Dim.DR), Kind.ACTIVATION, _SEQ, f"the gradient of the rotated channels"
+                f" in {product} is dY times the table, this call's own interleaved copy", paper=False)
+    for which in ("keys", "queries")
+    for table, product in (("sin", f"rotate_every_two({which[0]}_rot) * sin"), ("cos", f"{which[0]}_rot * cos")))
 GPTJ_Q = replace(ledger.Q, name="attention/q_fp32", kind=Kind.FP32,
                  saved_by="GPT-J eager_attention_forward: query.to(float32), kept by matmul")
 GPTJ_K = replace(ledger.K, name="attention/k_fp32", kind=Kind.FP32,
                  saved_by="GPT-J eager_attention_forward: key.to(float32).transpose(2, 3), kept by matmul")
-ROPE_COS = SavedTensor(
-    "attention/rope_cos", "apply_rotary_pos_emb: q * cos and k * cos", (Dim.S, Dim.D), Kind.ACTIVATION, _SEQ,
-    "the gradient of q in q * cos is dY * cos (one (1, s, d) table from the model's rotary embedding)", paper=False,
-    stage="model",
-)
-ROPE_SIN = SavedTensor(
-    "attention/rope_sin", "apply_rotary_pos_emb: rotate_half(q) * sin", (Dim.S, Dim.D), Kind.ACTIVATION, _SEQ,
-    "the gradient of rotate_half(q) in rotate_half(q) * sin is dY * sin", paper=False, stage="model",
-)
+ROPE_COS, ROPE_SIN = _tables(
+    "attention/rope_{}", Dim.D, ("apply_rotary_pos_emb: q * cos and k * cos", "the gradient of q in q * cos is dY *"
+                                 " cos (one (1, s, d) table from the model's rotary embedding)"),
+    ("apply_rotary_pos_emb: rotate_half(q) * sin",
+     "the gradient of rotate_half(q) in rotate_half(q) * sin is dY * sin"))
 # OlmoRotaryEmbedding returns fp32 tables (no cast to x's dtype), so q * cos runs in fp32 and keeps them fp32;
 # apply_rotary_pos_emb casts q and k back after.
 OLMO_ROPE_COS = replace(ROPE_COS, name="attention/rope_cos_fp32", kind=Kind.FP32,
                         saved_by="OLMo apply_rotary_pos_emb: q * cos, cos fp32 (OlmoRotaryEmbedding casts nothing)")
 OLMO_ROPE_SIN = replace(ROPE_SIN, name="attention/rope_sin_fp32", kind=Kind.FP32,
                         saved_by="OLMo apply_rotary_pos_emb: rotate_half(q) * sin, sin fp32")
-K_EXPANDED = SavedTensor(
-    "attention/k_expanded", "repeat_kv, kept by matmul(q, k^T)", _BASD, Kind.ACTIVATION, _TEN,
-    "eager attention copies each K group to its a/g heads; QK^T's backward reads the copy",
-)
-V_EXPANDED = SavedTensor(
-    "attention/v_expanded", "repeat_kv, kept by matmul(weights, v)", _BASD, Kind.ACTIVATION, _TEN,
-    "eager attention copies each V group to its a/g heads; the weights' gradient reads the copy",
-)
+K_EXPANDED = SavedTensor("attention/k_expanded", "repeat_kv, kept by matmul(q, k^T)", _BASD, Kind.ACTIVATION, _TEN,
+                         "eager attention copies each K group to its a/g heads; QK^T's backward reads the copy")
+V_EXPANDED = SavedTensor("attention/v_expanded", "repeat_kv, kept by matmul(weights, v)", _BASD, Kind.ACTIVATION, _TEN,
+                         "eager attention copies each V group to its a/g heads; the weights' gradient reads the copy")
 SOFTMAX_FP32 = SavedTensor(
     "attention/softmax_fp32", "eager_attention_forward: softmax(dtype=float32)", _BASS, Kind.FP32, _TEN,
-    "softmax backward needs its output, here the fp32 one",
-)
+    "softmax backward needs its output, here the fp32 one")
 WEIGHTS = SavedTensor(
     "attention/weights", "eager_attention_forward: softmax output .to(query.dtype), kept by matmul(weights, v)",
-    _BASS, Kind.ACTIVATION, _TEN, "the gradient of V is weights^T dOut",
-)
-# torch's CPU math kernel (aten _scaled_dot_product_attention_math), run when dropout > 0 on a CPU
-_MATH = "SDPA math kernel (CPU, dropout > 0)"
-MATH_Q = SavedTensor(
-    "attention/math_q_fp32", f"{_MATH}: q * sqrt(scale) in fp32, kept by matmul", _BASD, Kind.FP32, _TEN,
-    "the gradient of K in QK^T is dScores^T Q",
-)
-MATH_K = SavedTensor(
-    "attention/math_k_fp32", f"{_MATH}: k^T * sqrt(scale) in fp32 (a heads under GQA), kept by matmul", _BASD,
-    Kind.FP32, _TEN, "the gradient of Q in QK^T is dScores K",
-)
-MATH_SOFTMAX = SavedTensor(
-    "attention/math_softmax_fp32", f"{_MATH}: _safe_softmax", _BASS, Kind.FP32, _TEN,
-    "softmax backward needs its output",
-)
-MATH_DROPOUT_MASK = SavedTensor(
-    "attention/math_dropout_mask_fp32", f"{_MATH}: at::dropout's scaled fp32 mask", _BASS, Kind.FP32, _TEN,
-    ledger.WHY_DROPOUT_MASK,
-)
-MATH_DROPOUT_OUT = SavedTensor(
-    "attention/math_dropout_out_fp32", f"{_MATH}: dropped-out weights, kept by matmul", _BASS, Kind.FP32, _TEN,
-    "the gradient of V is (dropped-out weights)^T dOut",
-)
-MATH_V = SavedTensor(
-    "attention/math_v_fp32", f"{_MATH}: v in fp32 (a heads under GQA), kept by matmul", _BASD, Kind.FP32, _TEN,
-    "the gradient of the attention weights is dOut V^T",
-)
+    _BASS, Kind.ACTIVATION, _TEN, "the gradient of V is weights^T dOut")
+# torch's CPU math kernel (aten _scaled_dot_product_attention_math), run when dropout > 0 on a CPU: all of it fp32
 
-SDPA_MATH = (MATH_Q, MATH_K, MATH_SOFTMAX, MATH_DROPOUT_MASK, MATH_DROPOUT_OUT, MATH_V)
+
+def _math(name: str, saved_by: str, shape: Shape, why: str) -> SavedTensor:
+    return SavedTensor(f"attention/math_{name}_fp32", f"SDPA math kernel (CPU, dropout > 0): {saved_by}", shape,
+                       Kind.FP32, _TEN, why)
+
+
+SDPA_MATH = MATH_Q, MATH_K, MATH_SOFTMAX, MATH_DROPOUT_MASK, MATH_DROPOUT_OUT, MATH_V = (
+    _math("q", "q * sqrt(scale) in fp32, kept by matmul", _BASD, "the gradient of K in QK^T is dScores^T Q"),
+    _math("k", "k^T * sqrt(scale) in fp32 (a heads under GQA), kept by matmul", _BASD,
+          "the gradient of Q in QK^T is dScores K"),
+    _math("softmax", "_safe_softmax", _BASS, "softmax backward needs its output"),
+    _math("dropout_mask", "at::dropout's scaled fp32 mask", _BASS, ledger.WHY_DROPOUT_MASK),
+    _math("dropout_out", "dropped-out weights, kept by matmul", _BASS,
+          "the gradient of V is (dropped-out weights)^T dOut"),
+    _math("v", "v in fp32 (a heads under GQA), kept by matmul", _BASD,
+          "the gradient of the attention weights is dOut V^T"),
+)
 
 FLASH_DROPOUT_LSE = replace(
     ledger.SOFTMAX_LSE,
     saved_by="SDPA flash kernel with dropout on CUDA: same as without, the mask is regenerated from its RNG state"
-    " (read from torch's code, aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp: mha_fwd; not measured)",
-)
+    " (read from torch's code, aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp: mha_fwd; not measured)")
 
 # Where the tp plan gathers the attention (OLMo 2's), o_proj's input is a split copy of the attention's output
 # (rowwise_split_input), so the flash kernel's own saved output is a storage of its own, every head's.
 SDPA_OUT = SavedTensor(
     "attention/sdpa_out", "SDPA flash kernel: its output, which o_proj's input (rowwise_split_input under tp) no longer"
-    " shares", _BASD, Kind.ACTIVATION, _TEN, "flash attention's backward reads its output (the rows' dO . O sums)",
-)
+    " shares", _BASD, Kind.ACTIVATION, _TEN, "flash attention's backward reads its output (the rows' dO . O sums)")
 # At t = 1 the plan lays out nothing: o_proj's input is the flash kernel's output, one storage.
 SPLIT_PROJ_INPUT = SizeCondition(
     SDPA_OUT, "only under tp (t > 1) does transformers' rowwise_split_input copy o_proj's input out of the flash"
-    " kernel's output; at t = 1 they are one storage", kept=lambda sizes, t: t != 1,
-)
+    " kernel's output; at t = 1 they are one storage", kept=lambda sizes, t: t != 1)
 
-TANH_OUT = SavedTensor(
-    "mlp/tanh_out", "NewGELUActivation (gelu_new): torch.tanh", _BSF, Kind.ACTIVATION, _TEN,
-    "tanh's derivative, 1 - tanh^2, is read from its output",
-)
+TANH_OUT = SavedTensor("mlp/tanh_out", "NewGELUActivation (gelu_new): torch.tanh", _BSF, Kind.ACTIVATION, _TEN,
+                       "tanh's derivative, 1 - tanh^2, is read from its output")
 HALF_X = SavedTensor(
     "mlp/half_x", "NewGELUActivation (gelu_new): 0.5 * x, kept by the final product", _BSF, Kind.ACTIVATION, _TEN,
-    "the gradient of (1 + tanh(.)) in 0.5x * (1 + tanh(.)) is dY * 0.5x",
-)
+    "the gradient of (1 + tanh(.)) in 0.5x * (1 + tanh(.)) is dY * 0.5x")
 ONE_PLUS_TANH = SavedTensor(
     "mlp/one_plus_tanh", "NewGELUActivation (gelu_new): 1 + tanh(.), kept by the final product", _BSF,
-    Kind.ACTIVATION, _TEN, "the gradient of 0.5x in 0.5x * (1 + tanh(.)) is dY * (1 + tanh(.))",
-)
+    Kind.ACTIVATION, _TEN, "the gradient of 0.5x in 0.5x * (1 + tanh(.)) is dY * (1 + tanh(.))")
 
 
-# MixtralSparseMoeBlock (Qwen2MoeSparseMoeBlock adds a gated shared expert): the router in fp32, then MixtralExperts
-# by its config's experts_implementation (transformers/integrations/moe.py, use_experts_implementation). A model
-# built by transformers runs "grouped_mm" unless told otherwise (PreTrainedModel.get_correct_experts_implementation,
-# whatever the device): the k*b*s slots sorted by expert (torch.sort), each slot's token gathered, two
-# torch._grouped_mm cut at int32 offsets, the weighted rows put back in slot order and summed over k per token.
-# "eager" loops over the experts hit, each on the tokens it received, index_add_-ing its weighted rows into the
-# output. memcalc runs Qwen2-MoE's block when the config has shared experts, Mixtral's otherwise. Mixtral's router
-# always renormalises the top-k probabilities and keeps them in fp32; Qwen2-MoE's renormalises only with
-# norm_topk_prob (memcalc: moe_router_pre_softmax false) and casts them to the activation dtype before the experts
-# use them.
+# MixtralSparseMoeBlock and Qwen2MoeSparseMoeBlock, their routers and both experts_implementation paths:
+# docs/impl-notes/hf.md.
 _MIXTRAL = "MixtralTopKRouter"
 _EXPERTS = "MixtralExperts (eager loop)"
 _GROUPED = "MixtralExperts (grouped_mm)"
 _BOTH = "MixtralExperts (eager loop and grouped_mm)"
+
+
+def _per_slot(name: str, saved_by: str, kind: Kind, why: str) -> SavedTensor:
+    """One small value for each of the r routed (token, expert) slots, on the experts' ranks."""
+    return SavedTensor(f"moe/{name}", saved_by, (Dim.R,), kind, Region.EXPERT, why, paper=False)
+
+
 ROUTER_PROBS = SavedTensor(
     "moe/router_probs_fp32", f"{_MIXTRAL}: softmax(router_logits.float())", (Dim.B, Dim.S, Dim.E), Kind.FP32, _SEQ,
-    "softmax backward needs its output; top-k reads the probabilities of the chosen experts from it",
-)
+    "softmax backward needs its output; top-k reads the probabilities of the chosen experts from it")
 _DEEPSEEK = "DeepseekV3TopkRouter"
-TOPK_SUM = SavedTensor(
-    "moe/topk_sum_fp32", f"{_MIXTRAL} (and {_DEEPSEEK}, norm_topk_prob): top-k values /= their sum", (Dim.B, Dim.S), Kind.FP32, _SEQ,
-    "the in-place division's backward reads its divisor", paper=False,
-)
-TOPK_WEIGHTS = SavedTensor(
-    "moe/topk_weights_fp32", f"{_MIXTRAL} (and {_DEEPSEEK}, norm_topk_prob): top-k values /= their sum", (Dim.B, Dim.S, Dim.K), Kind.FP32, _SEQ,
-    "the division's gradient for the divisor reads the normalised weights", paper=False,
-)
+_NORM_TOPK = f"{_MIXTRAL} (and {_DEEPSEEK}, norm_topk_prob): top-k values /= their sum"
+TOPK_SUM = SavedTensor("moe/topk_sum_fp32", _NORM_TOPK, (Dim.B, Dim.S), Kind.FP32, _SEQ,
+                       "the in-place division's backward reads its divisor", paper=False)
+TOPK_WEIGHTS = SavedTensor("moe/topk_weights_fp32", _NORM_TOPK, (Dim.B, Dim.S, Dim.K), Kind.FP32, _SEQ,
+                           "the division's gradient for the divisor reads the normalised weights", paper=False)
 # DeepseekV3TopkRouter (DeepSeek-V3's noaux_tc): fp32 logits from an fp32 copy of the input (its weight is kept fp32,
 # _keep_in_fp32_modules_strict), each expert's sigmoid; the e_score_correction_bias picks the experts among the
 # topk_group best of n_group groups, and the chosen scores are gathered, renormalised and scaled. The group choice's
 # top-ks and mask are saved by ops whose values nobody reads: freed when the router returns, never kept.
 ROUTER_IN_FP32 = SavedTensor(
     "moe/router_in_fp32", f"{_DEEPSEEK}: hidden_states.type(float32), kept by F.linear", (Dim.B, Dim.S, Dim.H),
-    Kind.FP32, _SEQ, "the router's weight gradient dW = dLogits^T X reads its fp32 input",
-)
+    Kind.FP32, _SEQ, "the router's weight gradient dW = dLogits^T X reads its fp32 input")
 ROUTER_SCORES = SavedTensor(
     "moe/router_scores_fp32", f"{_DEEPSEEK}: router_logits.sigmoid()", (Dim.B, Dim.S, Dim.E), Kind.FP32, _SEQ,
-    "sigmoid's derivative is read from its output, every expert's score (gather reads the chosen ones' from it)",
-)
-TOKEN_SLOTS = SavedTensor(
-    "moe/token_slots", f"{_EXPERTS}: torch.where(expert_mask[e]), kept by indexing and index_add_", (Dim.R,),
-    Kind.INDEX_PAIR, Region.EXPERT,
-    "each expert's (token, top-k slot) pairs route the gradient back to the rows it gathered", paper=False,
-)
-EXPERT_WEIGHT = SavedTensor(
-    "moe/expert_weight_fp32", f"{_BOTH}: expert output * its slot's routing weight", (Dim.R,), Kind.FP32,
-    Region.EXPERT, "the gradient of the expert's output in the product is dY * weight", paper=False,
-)
+    "sigmoid's derivative is read from its output, every expert's score (gather reads the chosen ones' from it)")
+TOKEN_SLOTS = _per_slot("token_slots", f"{_EXPERTS}: torch.where(expert_mask[e]), kept by indexing and index_add_",
+                        Kind.INDEX_PAIR, "each expert's (token, top-k slot) pairs route the gradient back to the rows"
+                        " it gathered")
+EXPERT_WEIGHT = _per_slot("expert_weight_fp32", f"{_BOTH}: expert output * its slot's routing weight", Kind.FP32,
+                          "the gradient of the expert's output in the product is dY * weight")
 EXPERT_WEIGHT_CAST = replace(
     EXPERT_WEIGHT, name="moe/expert_weight", kind=Kind.ACTIVATION,
     saved_by="Qwen2MoeExperts (eager loop and grouped_mm): expert output * its slot's routing weight, cast to the"
-    " activation dtype",
-)
+    " activation dtype")
 EXPERT_OUT = SavedTensor(
     "moe/expert_out", f"{_BOTH}: expert output * its slot's routing weight", (Dim.R, Dim.H), Kind.ACTIVATION,
-    Region.EXPERT, "the routing weight's gradient is sum(dY * expert output)",
-)
+    Region.EXPERT, "the routing weight's gradient is sum(dY * expert output)")
 # grouped_mm: three int64 (r,) permutations of the slots and the experts' int32 offsets, in place of the eager loop's
 # (token, slot) pairs and index_add_'s source (its weighted rows, fp32 in Mixtral's block, are gathered back in slot
 # order and summed over k: indexing and sum keep no values).
-TOKEN_INDICES = SavedTensor(
-    "moe/token_indices", f"{_GROUPED}: perm // k, each sorted slot's token, kept by hidden_states[perm // k]",
-    (Dim.R,), Kind.INT64, Region.EXPERT, "indexing's backward puts the sorted rows' gradient back at their tokens",
-    paper=False,
-)
-SORTED_SLOTS = SavedTensor(
-    "moe/sorted_slots", f"{_GROUPED}: torch.sort(expert_ids)'s permutation, kept by sample_weights[perm]", (Dim.R,),
-    Kind.INT64, Region.EXPERT, "indexing's backward scatters the sorted weights' gradient back to their slots",
-    paper=False,
-)
-UNSORTED_SLOTS = SavedTensor(
-    "moe/unsorted_slots", f"{_GROUPED}: inv_perm, the permutation's inverse, kept by weighted_out[inv_perm]",
-    (Dim.R,), Kind.INT64, Region.EXPERT, "indexing's backward puts each slot's gradient back in expert order",
-    paper=False,
-)
+TOKEN_INDICES = _per_slot("token_indices", f"{_GROUPED}: perm // k, each sorted slot's token, kept by"
+                          " hidden_states[perm // k]", Kind.INT64,
+                          "indexing's backward puts the sorted rows' gradient back at their tokens")
+SORTED_SLOTS = _per_slot("sorted_slots", f"{_GROUPED}: torch.sort(expert_ids)'s permutation, kept by"
+                         " sample_weights[perm]", Kind.INT64,
+                         "indexing's backward scatters the sorted weights' gradient back to their slots")
+UNSORTED_SLOTS = _per_slot("unsorted_slots", f"{_GROUPED}: inv_perm, the permutation's inverse, kept by"
+                           " weighted_out[inv_perm]", Kind.INT64,
+                           "indexing's backward puts each slot's gradient back in expert order")
 EXPERT_OFFSETS = SavedTensor(
     "moe/expert_offsets", f"{_GROUPED}: cumsum of histc's slots per expert, int32, kept by both torch._grouped_mm",
     (Dim.E,), Kind.INT32, Region.REPLICATED, "a grouped matmul's backward cuts dY at the same expert boundaries",
-    paper=False,
-)
+    paper=False)
 COMBINE_IN = SavedTensor(
     "moe/combine_in", f"{_EXPERTS}: final_hidden_states.index_add_(token_idx, weighted output)", (Dim.R, Dim.H),
-    Kind.ACTIVATION, Region.EXPERT, "index_add_'s derivative keeps its source (expand_as(source))",
-)
+    Kind.ACTIVATION, Region.EXPERT, "index_add_'s derivative keeps its source (expand_as(source))")
 SHARED_GATE_SIGMOID = SavedTensor(
     "moe/shared_gate_sigmoid", "Qwen2MoeSparseMoeBlock: sigmoid(shared_expert_gate(x))", (Dim.B, Dim.S),
-    Kind.ACTIVATION, _SEQ, "sigmoid's derivative and the product's gradient read the gate's value", paper=False,
-)
+    Kind.ACTIVATION, _SEQ, "sigmoid's derivative and the product's gradient read the gate's value", paper=False)
 SHARED_OUT = SavedTensor(
     "moe/shared_out", "Qwen2MoeSparseMoeBlock: sigmoid(gate) * shared_expert(x)", _BSH, Kind.ACTIVATION, _SEQ,
-    "the gate's gradient is sum(dY * shared expert output)",
-)
-# GptOssDecoderLayer (models/gpt_oss): GptOssRMSNorm is Olmo2RMSNorm's code, before the attention and the MLP; RoPE's
-# _apply_rotary_emb multiplies each half of a head by (1, s, d/2) tables; eager_attention_forward joins each head's sink
-# logit to the scores as an (s + 1)-th column, subtracts the rows' maximum (max keeps its indices), softmaxes in the
-# activation dtype and drops the sink column by slicing, so weights x V keeps a view of the softmax's own output.
-# GptOssTopKRouter softmaxes the k chosen logits (in the activation dtype); GptOssExperts adds biases (grouped_mm gathers
-# each sorted slot's bias by expert id) and runs the clamped GLU on gate_up's interleaved columns.
+    "the gate's gradient is sum(dY * shared expert output)")
+# GptOssDecoderLayer (models/gpt_oss), op by op: docs/impl-notes/hf.md.
 GPT_OSS_LN1 = _olmo2_norm("ln1", "gpt-oss's GptOssRMSNorm input_layernorm")
 GPT_OSS_LN2 = _olmo2_norm("ln2", "gpt-oss's GptOssRMSNorm post_attention_layernorm")
 _OAI = "gpt-oss"
-HALF_ROPE_COS = SavedTensor(
-    "attention/rope_cos_half", f"{_OAI} _apply_rotary_emb: first_half * cos and second_half * cos", (Dim.S, Dim.HALF_D),
-    Kind.ACTIVATION, _SEQ, "the gradient of each half in half * cos is dY * cos (the model's (1, s, d/2) table)",
-    paper=False, stage="model",
-)
-HALF_ROPE_SIN = SavedTensor(
-    "attention/rope_sin_half", f"{_OAI} _apply_rotary_emb: second_half * sin and first_half * sin", (Dim.S, Dim.HALF_D),
-    Kind.ACTIVATION, _SEQ, "the gradient of each half in half * sin is dY * sin", paper=False, stage="model",
-)
+HALF_ROPE_COS, HALF_ROPE_SIN = _tables(
+    "attention/rope_{}_half", Dim.HALF_D,
+    (f"{_OAI} _apply_rotary_emb: first_half * cos and second_half * cos",
+     "the gradient of each half in half * cos is dY * cos (the model's (1, s, d/2) table)"),
+    (f"{_OAI} _apply_rotary_emb: second_half * sin and first_half * sin", "the gradient of each half in half * sin is"
+     " dY * sin"))
 SINK_MAX_INDICES = SavedTensor(
     "attention/sink_max_indices", f"{_OAI} eager_attention_forward: combined_logits.max(dim=-1, keepdim=True)",
     (Dim.B, Dim.A, Dim.S), Kind.INT64, _TEN, "max's backward puts each row maximum's gradient back at its index",
-    paper=False,
-)
+    paper=False)
 SINK_SOFTMAX = SavedTensor(
     "attention/sink_softmax", f"{_OAI} eager_attention_forward: softmax over the scores and the sink column, in the"
     " activation dtype; matmul(weights, v) keeps probs[..., :-1], a view of it", (Dim.B, Dim.A, Dim.S, Dim.S1),
-    Kind.ACTIVATION, _TEN, "softmax backward needs its output; the gradient of V reads the same storage",
-)
+    Kind.ACTIVATION, _TEN, "softmax backward needs its output; the gradient of V reads the same storage")
 ROUTER_TOPK_SOFTMAX = SavedTensor(
     "moe/router_topk_softmax", f"{_OAI} GptOssTopKRouter: softmax(router_top_value), in the activation dtype",
-    (Dim.B, Dim.S, Dim.K), Kind.ACTIVATION, _SEQ, "softmax backward needs its output", paper=False,
-)
-SORTED_EXPERT_IDS = SavedTensor(
-    "moe/sorted_expert_ids", f"{_OAI} experts (grouped_mm): torch.sort's expert ids, kept by gate_up_proj_bias[ids] and"
-    " down_proj_bias[ids]", (Dim.R,), Kind.INT64, Region.EXPERT,
-    "indexing's backward scatters each slot's bias gradient back to its expert", paper=False,
-)
+    (Dim.B, Dim.S, Dim.K), Kind.ACTIVATION, _SEQ, "softmax backward needs its output", paper=False)
+SORTED_EXPERT_IDS = _per_slot("sorted_expert_ids", f"{_OAI} experts (grouped_mm): torch.sort's expert ids, kept by"
+                              " gate_up_proj_bias[ids] and down_proj_bias[ids]", Kind.INT64,
+                              "indexing's backward scatters each slot's bias gradient back to its expert")
 _GLU = f"{_OAI} GptOssExperts._apply_gate"
 GLU_GATE_IN = replace(
     ledger.EXPERT_GATE, name="moe/glu_gate_in", saved_by=f"{_GLU}: gate_up[..., ::2], kept by gate.clamp(max=limit)",
-    why="clamp's gradient passes where its input lay within the bound: it reads the input, a view of gate_up's output",
-)
+    why="clamp's gradient passes where its input lay within the bound: it reads the input, a view of gate_up's output")
 GLU_UP_IN = replace(
     ledger.EXPERT_UP, name="moe/glu_up_in", saved_by=f"{_GLU}: gate_up[..., 1::2], kept by up.clamp(-limit, limit)",
-    why="clamp's gradient passes where its input lay within the bounds: it reads the input, a view of gate_up's output",
-)
+    why="clamp's gradient passes where its input lay within the bounds: it reads the input, a view of gate_up's output")
 
 
 def _glu_term(name: str, saved_by: str, why: str) -> SavedTensor:
@@ -557,8 +458,8 @@ GLU_OUT = _glu_term("glu_out", "gate * sigmoid(gate * alpha), kept by (up + 1) *
 CLAMPED_GLU = (GLU_GATE_IN, GLU_UP_IN, GLU_GATE, GLU_SIGMOID, GLU_UP_PLUS_ONE, GLU_OUT)
 GPT_OSS_TENSORS = (*GPT_OSS_LN1, *GPT_OSS_LN2, HALF_ROPE_COS, HALF_ROPE_SIN, SINK_MAX_INDICES, SINK_SOFTMAX,
                    ROUTER_TOPK_SOFTMAX, SORTED_EXPERT_IDS, *CLAMPED_GLU)
-MOE_TENSORS = (ROUTER_PROBS, TOPK_SUM, TOPK_WEIGHTS, ROUTER_IN_FP32, ROUTER_SCORES, TOKEN_SLOTS, EXPERT_WEIGHT, EXPERT_WEIGHT_CAST, EXPERT_OUT,
-               COMBINE_IN, TOKEN_INDICES, SORTED_SLOTS, UNSORTED_SLOTS, EXPERT_OFFSETS,
+MOE_TENSORS = (ROUTER_PROBS, TOPK_SUM, TOPK_WEIGHTS, ROUTER_IN_FP32, ROUTER_SCORES, TOKEN_SLOTS, EXPERT_WEIGHT,
+               EXPERT_WEIGHT_CAST, EXPERT_OUT, COMBINE_IN, TOKEN_INDICES, SORTED_SLOTS, UNSORTED_SLOTS, EXPERT_OFFSETS,
                SHARED_GATE_SIGMOID, SHARED_OUT)
 
 
@@ -618,8 +519,7 @@ def rope_pairs(knobs: Any, layers: Any) -> Any:
 
 def _rope(knobs: Any) -> tuple[SavedTensor, ...]:
     """The (s, d) cos and sin tables RoPE's products keep: OLMo's fp32, GLM's interleaved, the first d_r channels'
-    (rotary_percent),
-    a whole head's, or none (GPT-2's learned positions live in the embedding)."""
+    (rotary_percent), a whole head's, or none (GPT-2's learned positions live in the embedding)."""
     if is_gptj(knobs):
         return GPTJ_ROPE
     if is_gpt_oss(knobs):
@@ -633,6 +533,10 @@ def _rope(knobs: Any) -> tuple[SavedTensor, ...]:
     return (ROPE_COS, ROPE_SIN) if is_llama(knobs) or is_falcon(knobs) else ()
 
 
+# The two norms of a Llama-shaped layer by memcalc's norm (rmsnorm_fp32w: gpt-oss's; OLMo 2 has post-norms only).
+_PRE_NORMS = RMS_NORMS | {"layernorm_np": (OLMO_LN1, OLMO_LN2), "rmsnorm_fp32w": (GPT_OSS_LN1, GPT_OSS_LN2)}
+
+
 def norm_block(which: int, knobs: Any) -> tuple[SavedTensor, ...]:
     """LlamaRMSNorm's fp32 upcast, fp32 rstd and cast-back; GPT-2's nn.LayerNorm keeps input, mean, rstd. GPT-NeoX's
     parallel residual feeds both LayerNorms the layer's input: one storage, kept once (the first norm's). GPT-J's and
@@ -642,14 +546,8 @@ def norm_block(which: int, knobs: Any) -> tuple[SavedTensor, ...]:
         return ()
     if is_cohere(knobs):
         return _cohere_kept(COHERE_LN1, knobs)
-    if knobs.norm == "rmsnorm_1p":
-        return tuple(RMS_NORMS["rmsnorm_1p"][which])
-    if knobs.norm == "layernorm_np":
-        return tuple((OLMO_LN1, OLMO_LN2)[which])
-    if knobs.norm == "rmsnorm_fp32w":  # gpt-oss's (OLMo 2 has post-norms only)
-        return tuple((GPT_OSS_LN1, GPT_OSS_LN2)[which])
     if is_llama(knobs):
-        return tuple(RMS_NORMS["rmsnorm"][which])
+        return tuple(_PRE_NORMS.get(knobs.norm, RMS_NORMS["rmsnorm"])[which])
     if which == 1 and knobs.parallel_residual:
         return (ledger.LN2.mean, ledger.LN2.rstd)
     return tuple((ledger.LN1, ledger.LN2)[which])
@@ -679,14 +577,16 @@ def attention_gathered(knobs: Any) -> bool:
 
 def _eager(knobs: Any) -> tuple[SavedTensor, ...]:
     """eager_attention_forward: matmul's copies of Q and K^T, the softmax, dropout, matmul's copy of V."""
-    q, k, v = (ledger.MLA_Q, ledger.MLA_K, ledger.MLA_V) if knobs.mla else (ledger.Q, *_key_value(knobs))
+    # K and V as matmul keeps them: repeat_kv's copies to all a heads under GQA (but see REPEAT_KV)
+    key_value = (K_EXPANDED, V_EXPANDED) if knobs.gqa else (ledger.K, ledger.V)
+    q, k, v = (ledger.MLA_Q, ledger.MLA_K, ledger.MLA_V) if knobs.mla else (ledger.Q, *key_value)
     if is_gptj(knobs):
         q, k = GPTJ_Q, GPTJ_K
     if is_falcon_grouped(knobs):  # RoPE's product is K at every head: no copy of matmul's own, whatever b and g
         k = FALCON_K_HEADS
     if is_gpt_oss(knobs):  # the sink column joined, the rows' maximum subtracted, softmax in the activation dtype
         softmax: tuple[SavedTensor, ...] = (SINK_MAX_INDICES, SINK_SOFTMAX)
-    elif is_gpt2(knobs) or is_falcon(knobs):  # GPT-2's and Falcon's softmax run in the activation dtype: the paper's core
+    elif is_gpt2(knobs) or is_falcon(knobs):  # GPT-2's and Falcon's in the activation dtype: the paper's core
         softmax = (ledger.SOFTMAX_OUT,)
     elif knobs.dtype == "fp32" or knobs.has_dropout:  # no separate cast: .to() is a no-op or dropout keeps a mask
         softmax = (SOFTMAX_FP32,)
@@ -695,11 +595,6 @@ def _eager(knobs: Any) -> tuple[SavedTensor, ...]:
     dropout = (ledger.ATTN_DROPOUT_MASK, ledger.ATTN_DROPOUT_OUT) if knobs.has_dropout else ()
     softcap = (SOFTCAP_TANH,) if knobs.attn_logit_softcapping is not None else ()
     return (q, k, *softcap, *softmax, *dropout, v)
-
-
-def _key_value(knobs: Any) -> tuple[SavedTensor, SavedTensor]:
-    """K and V as matmul keeps them: repeat_kv's copies to all a heads under GQA (but see REPEAT_KV)."""
-    return (K_EXPANDED, V_EXPANDED) if knobs.gqa else (ledger.K, ledger.V)
 
 
 def repeat_kv_copies(sizes: dict[Any, Any], t: Any) -> Any:
@@ -748,17 +643,17 @@ REPEAT_KV = SizeRule(
     "eager attention under GQA keeps repeat_kv's copies of K and V at a/t heads, except when b = 1 and one K/V group"
     " is on the rank: expand and reshape are then views with a zero stride, and matmul keeps K and V themselves;"
     " GPT-NeoX's, multi-head Falcon's and Phi-3's keep a copy of V, a view of the fused query_key_value (qkv_proj)"
-    " output, except when b = 1 (NeoX and Falcon: or one head, or one token; Phi-3 under GQA: and one K/V group):"
-    " then they keep that whole output; multi-query Falcon's matmul broadcasts its one K/V head as repeat_kv expands"
-    " it, and new_decoder_architecture's V is such a copy (its K, rotated at every head, is always whole). Where the tp plan gathers the attention's projections (Phi-3's, OLMo 2's) every rank holds all g groups,"
-    " so one K/V group means g = 1",
+    " output, except when b = 1 (NeoX and Falcon: or one head, or one token; Phi-3 under GQA: and one K/V group): then"
+    " they keep that whole output; multi-query Falcon's matmul broadcasts its one K/V head as repeat_kv expands it,"
+    " and new_decoder_architecture's V is such a copy (its K, rotated at every head, is always whole). Where the tp"
+    " plan gathers the attention's projections (Phi-3's, OLMo 2's) every rank holds all g groups, so one K/V group"
+    " means g = 1",
     applies=lambda knobs: ((knobs.gqa or has_fused_v_view(knobs)) and knobs.attention == "eager"
                            and knobs.recompute != "full"),
     runs=repeat_kv_copies,
     outside=_at_batch_of_one,
     shown_with={"num_query_groups": 1},
-    runs_for=_copies,
-)
+    runs_for=_copies)
 
 
 def latent_attention(knobs: Any) -> tuple[SavedTensor, ...]:
@@ -808,10 +703,11 @@ def moe_block(knobs: Any) -> tuple[SavedTensor, ...]:
     One (r, 2e) storage holds each expert's gate and up (`gate_up_proj`, chunked): the ledger's two rows, half
     its bytes each, as Megatron's fc1 output. With latent attention the block is DeepseekV3MoE (a sigmoid router,
     Mixtral's experts, an ungated shared MLP that keeps the block's input); else shared experts mean Qwen2-MoE's
-    block (see MOE_TENSORS' comment), and a QK norm Qwen3-MoE's, Qwen2-MoE's router and experts without them.
+    block (docs/impl-notes/hf.md), and a QK norm Qwen3-MoE's, Qwen2-MoE's router and experts without them.
     """
     if is_gpt_oss(knobs):  # GptOssTopKRouter: the k chosen logits' softmax, in the activation dtype
-        return (ledger.MOE_IN, ledger.ROUTER_TOPK_INDICES, ROUTER_TOPK_SOFTMAX, *expert_block(knobs, EXPERT_WEIGHT_CAST))
+        return (ledger.MOE_IN, ledger.ROUTER_TOPK_INDICES, ROUTER_TOPK_SOFTMAX,
+                *expert_block(knobs, EXPERT_WEIGHT_CAST))
     qwen = bool(knobs.moe_shared_expert_intermediate_size or knobs.qk_layernorm) and not knobs.mla  # bf16 weights
     norm = () if knobs.moe_router_pre_softmax else (TOPK_SUM, TOPK_WEIGHTS)
     if knobs.mla:
@@ -903,7 +799,9 @@ def check(knobs: Any) -> None:
             and not is_gpt_oss(knobs):
         _check_mixtral(knobs)
     _check_gpt_oss(knobs)
-    _check_head_dim(knobs)
+    if not is_llama(knobs) and knobs.head_dim_set:  # heads of h/a in the LayerNorm layers
+        raise ConfigError(f"impl hf: {layer_family(knobs).layer} has no kv_channels (head_dim); Llama-family layers"
+                          " (norm rmsnorm, mlp swiglu) do")
     check_latent(knobs)
 
 
@@ -911,14 +809,10 @@ def _check_neox(knobs: Any) -> None:
     """A rotary share in (0, 1]; GPT-NeoX's and Phi-3's fused outputs are measured under eager attention only."""
     if knobs.rotary_percent is not None and not 0 < knobs.rotary_percent <= 1:
         raise ConfigError(f"impl hf: rotary_percent={knobs.rotary_percent} must be in (0, 1] (a share of each head)")
-    if is_neox(knobs) and knobs.attention == "flash":
-        raise ConfigError("impl hf: GPTNeoXLayer under sdpa is not modelled: SDPA keeps V as the fused query_key_value"
-                          " output it views, and where its output lies depends on the device's kernel (measured on"
-                          " a CPU only); use attention eager")
-    if is_phi3(knobs) and knobs.attention == "flash":
-        raise ConfigError("impl hf: Phi3DecoderLayer under sdpa is not modelled: SDPA keeps V as the fused qkv_proj"
-                          " output it views, and where its output lies depends on the device's kernel (measured on a"
-                          " CPU only); use attention eager")
+    if (is_neox(knobs) or is_phi3(knobs)) and knobs.attention == "flash":
+        raise ConfigError(f"impl hf: {layer_family(knobs).layer} under sdpa is not modelled: SDPA keeps V as the fused"
+                          f" {'query_key_value' if is_neox(knobs) else 'qkv_proj'} output it views, and where its"
+                          " output lies depends on the device's kernel (measured on a CPU only); use attention eager")
 
 
 def _check_gpt_oss(knobs: Any) -> None:
@@ -1033,13 +927,6 @@ def _check_mixtral(knobs: Any) -> None:
                           " block with shared experts); every MixtralDecoderLayer is a MoE layer")
 
 
-def _check_head_dim(knobs: Any) -> None:
-    """Heads of kv_channels run in the Llama family (head_dim), not in the LayerNorm layers' heads of h/a."""
-    if not is_llama(knobs) and knobs.head_dim_set:
-        raise ConfigError(f"impl hf: {layer_family(knobs).layer} has no kv_channels (head_dim); Llama-family layers"
-                          " (norm rmsnorm, mlp swiglu) do")
-
-
 def check_latent(knobs: Any) -> None:
     """DeepseekV3DecoderLayer's MoE block as modelled; its SDPA path is not (see the errors)."""
     if not knobs.mla:
@@ -1067,15 +954,14 @@ def _check_deepseek_moe(knobs: Any) -> None:
                           " sparse at every layer past first_k_dense_replace (moe_first_dense_layers)")
 
 
-_TP_SOURCE = "transformers 5.24"
+_TP_SOURCE, _OWN_LIMIT = "transformers 5.24", "memcalc's own limit, not the library's"
 NO_SEQUENCE_PARALLEL = Refusal(
     "tp-sp", always, "in any model",
     "transformers has no sequence parallelism: DistributedConfig.enable_sequence_parallel is 'reserved ... not"
     " wired up yet', no model's tp_plan names its \"sequence_parallel\" style, and that style hands the next"
     " \"colwise\" linear a local sequence shard, which colwise wraps as Replicate without gathering it",
     f"{_TP_SOURCE}, transformers/distributed/configuration_utils.py (DistributedConfig) and tensor_parallel.py"
-    " (SequenceParallel, registered with use_local_output=True; ColwiseParallel.transform_inputs_pre_forward)",
-)
+    " (SequenceParallel, registered with use_local_output=True; ColwiseParallel.transform_inputs_pre_forward)")
 
 
 def _no_tp_plan(when: Callable[[Any], bool], condition: str, family: str) -> Refusal:
@@ -1085,8 +971,7 @@ def _no_tp_plan(when: Callable[[Any], bool], condition: str, family: str) -> Ref
         f"{FAMILIES[family].config_class} has no base_model_tp_plan, so from_pretrained(tp_plan=\"auto\") has"
         " nothing to apply",
         f"{_TP_SOURCE}, transformers/models/{family}/configuration_{family}.py; distributed/mixin.py"
-        " _resolve_parallel_plans raises ValueError for tp_size > 1 without a plan",
-    )
+        " _resolve_parallel_plans raises ValueError for tp_size > 1 without a plan")
 
 
 GPT2_NO_TP_PLAN = _no_tp_plan(is_gpt2, "for GPT-2 (norm layernorm, no RoPE)", "gpt2")
@@ -1095,30 +980,24 @@ FALCON_NO_TP_PLAN = _no_tp_plan(is_falcon, "for Falcon (norm layernorm with para
 NEOX_TP_NOT_MODELLED = Refusal(
     "tp", is_neox, "for GPT-NeoX (norm layernorm with rotary_percent and fused_qkv)",
     "memcalc has not measured GPTNeoXConfig's base_model_tp_plan yet (query_key_value and dense_h_to_4h colwise,"
-    " dense and dense_4h_to_h rowwise)",
-    f"{_TP_SOURCE}, GPTNeoXConfig.base_model_tp_plan; memcalc's own limit, not the library's",
-)
+    " dense and dense_4h_to_h rowwise)", f"{_TP_SOURCE}, GPTNeoXConfig.base_model_tp_plan; {_OWN_LIMIT}")
 COHERE_QK_NORM_NO_TP = Refusal(
     "tp", lambda knobs: is_cohere(knobs) and knobs.qk_layernorm, "for Cohere with use_qk_norm (qk_layernorm)",
     "CohereConfig's base_model_tp_plan splits q_proj's and k_proj's heads (colwise) but names no rule for q_norm and"
     " k_norm, whose (heads, head_dim) weights stay whole: their product with a rank's a/t heads does not broadcast,"
     " and the layer's forward raises (RuntimeError in CohereLayerNorm, measured at t = 2)",
     f"{_TP_SOURCE}, CohereConfig.base_model_tp_plan; models/cohere/modeling_cohere.py CohereAttention (its own comment:"
-    " 'need to be careful to use n_local_heads')",
-)
+    " 'need to be careful to use n_local_heads')")
 GPT_OSS_NO_LAYER_TP_PLAN = Refusal(
     "tp", is_gpt_oss, "for gpt-oss (attention_sinks)",
     "GptOssConfig's base_model_tp_plan names only embed_tokens (embedding_rowwise): no rule shards a decoder layer,"
     " and memcalc has not measured whole layers on every rank",
     f"{_TP_SOURCE}, transformers/models/gpt_oss/configuration_gpt_oss.py (GptOssConfig.base_model_tp_plan); its"
-    " base_model_ep_plan shards the experts, which memcalc has not measured either",
-)
+    " base_model_ep_plan shards the experts, which memcalc has not measured either")
 LATENT_TP_NOT_MODELLED = Refusal(
-    "tp", lambda knobs: knobs.mla, "with latent attention (kv_lora_rank)",
-    "memcalc has not measured DeepSeek-V3's plan yet: it shards no attention, only the experts, the shared experts"
-    " and the dense MLP",
-    f"{_TP_SOURCE}, DeepseekV3Config.base_model_tp_plan; memcalc's own limit, not the library's",
-)
+    "tp", lambda knobs: knobs.mla, "with latent attention (kv_lora_rank)", "memcalc has not measured DeepSeek-V3's"
+    " plan yet: it shards no attention, only the experts, the shared experts and the dense MLP",
+    f"{_TP_SOURCE}, DeepseekV3Config.base_model_tp_plan; {_OWN_LIMIT}")
 
 
 def tp_plan(knobs: Any) -> TPPlan:
@@ -1187,25 +1066,23 @@ IMPLEMENTATION = Implementation(
     measured_on="transformers 5.24.0 (torch 2.13.0, CPU, bf16): LlamaDecoderLayer, Qwen2DecoderLayer,"
     " MistralDecoderLayer and GPT2Block, attn_implementation eager and sdpa; MixtralDecoderLayer and"
     " Qwen2MoeDecoderLayer, their experts by grouped_mm (torch._grouped_mm's CPU kernel) and the eager loop;"
-    " DeepseekV3DecoderLayer (dense MLP and DeepseekV3MoE), eager; Qwen3DecoderLayer and"
-    " Qwen3MoeDecoderLayer (head_dim, q_norm and k_norm), eager and sdpa; the Llama family and Qwen3 under"
-    " transformers' own tp_plan (apply_tensor_parallelism, DTensor) at t = 2 and 4, the MoE layers of Mixtral,"
-    " Qwen2-MoE and Qwen3-MoE too (forced routers); GemmaDecoderLayer, Gemma2DecoderLayer (sandwich norms,"
-    " soft-capping), Gemma3DecoderLayer (and its q/k norms) and OlmoDecoderLayer, eager and sdpa (Gemma 2: eager),"
-    " at t = 1 and 2; GPTNeoXLayer (parallel or sequential residual, partial RoPE), eager, t = 1;"
-    " Phi3DecoderLayer (fused qkv_proj and gate_up_proj, partial RoPE), eager, at t = 1 and 2; Olmo2DecoderLayer"
-    " (post-norms, whole-width q/k norms), eager and sdpa, at t = 1 and 2; Starcoder2DecoderLayer (LayerNorm, RoPE,"
-    " GQA, residual dropouts), eager and sdpa, at t = 1 and 2; GPTJBlock (one LayerNorm read side by side, fp32 Q"
-    " and K, interleaved partial RoPE), eager and sdpa, at t = 1 and 2; GlmDecoderLayer and"
-    " Glm4DecoderLayer (interleaved partial RoPE, one gate_up_proj gathered under tp, GLM-4's sandwich norms), eager"
-    " and sdpa, at t = 1 and 2; FalconDecoderLayer (parallel_attn, multi_query or multi-head, RoPE), eager, t = 1;"
-    " FalconDecoderLayer with new_decoder_architecture (grouped query_key_value, ln_attn and ln_mlp), eager and"
-    " sdpa, t = 1"
-    "; BloomBlock (ALiBi, fp32 softmax, BLOOM's GELU), eager, t = 1; CohereDecoderLayer (one fp32 LayerNorm read"
-    " side by side, per-head q/k norms), eager and sdpa, at t = 1 and 2 (use_qk_norm: t = 1); GptOssDecoderLayer"
-    " (attention sinks, sliding and full layers, half-head RoPE tables, its router and clamped-GLU experts by"
-    " grouped_mm and the eager loop), eager, t = 1"
-    " (the families `memcalc hf-families` lists, each from a config.json its transformers class wrote)",
+    " DeepseekV3DecoderLayer (dense MLP and DeepseekV3MoE), eager; Qwen3DecoderLayer and Qwen3MoeDecoderLayer"
+    " (head_dim, q_norm and k_norm), eager and sdpa; the Llama family and Qwen3 under transformers' own tp_plan"
+    " (apply_tensor_parallelism, DTensor) at t = 2 and 4, the MoE layers of Mixtral, Qwen2-MoE and Qwen3-MoE too"
+    " (forced routers); GemmaDecoderLayer, Gemma2DecoderLayer (sandwich norms, soft-capping), Gemma3DecoderLayer (and"
+    " its q/k norms) and OlmoDecoderLayer, eager and sdpa (Gemma 2: eager), at t = 1 and 2; GPTNeoXLayer (parallel or"
+    " sequential residual, partial RoPE), eager, t = 1; Phi3DecoderLayer (fused qkv_proj and gate_up_proj, partial"
+    " RoPE), eager, at t = 1 and 2; Olmo2DecoderLayer (post-norms, whole-width q/k norms), eager and sdpa, at t = 1"
+    " and 2; Starcoder2DecoderLayer (LayerNorm, RoPE, GQA, residual dropouts), eager and sdpa, at t = 1 and 2;"
+    " GPTJBlock (one LayerNorm read side by side, fp32 Q and K, interleaved partial RoPE), eager and sdpa, at t = 1"
+    " and 2; GlmDecoderLayer and Glm4DecoderLayer (interleaved partial RoPE, one gate_up_proj gathered under tp,"
+    " GLM-4's sandwich norms), eager and sdpa, at t = 1 and 2; FalconDecoderLayer (parallel_attn, multi_query or"
+    " multi-head, RoPE), eager, t = 1; FalconDecoderLayer with new_decoder_architecture (grouped query_key_value,"
+    " ln_attn and ln_mlp), eager and sdpa, t = 1; BloomBlock (ALiBi, fp32 softmax, BLOOM's GELU), eager, t = 1;"
+    " CohereDecoderLayer (one fp32 LayerNorm read side by side, per-head q/k norms), eager and sdpa, at t = 1 and 2"
+    " (use_qk_norm: t = 1); GptOssDecoderLayer (attention sinks, sliding and full layers, half-head RoPE tables, its"
+    " router and clamped-GLU experts by grouped_mm and the eager loop), eager, t = 1 (the families `memcalc"
+    " hf-families` lists, each from a config.json its transformers class wrote)",
     layer_tensors=layer_tensors,
     refuses=(NO_SEQUENCE_PARALLEL, GPT2_NO_TP_PLAN, NEOX_TP_NOT_MODELLED, LATENT_TP_NOT_MODELLED, FALCON_NO_TP_PLAN,
              BLOOM_NO_TP_PLAN, COHERE_QK_NORM_NO_TP, GPT_OSS_NO_LAYER_TP_PLAN),
@@ -1228,21 +1105,19 @@ IMPLEMENTATION = Implementation(
             kept=batched, instead=ledger.MLA_KV_UP_OUT,  # found by the differential test
         ),
     ),
+    # FLASH_DROPOUT_LSE is the ledger's LSE, described as read from code
     tensors=(
-        *LN1_RMS, *LN2_RMS, *Q_NORM_RMS, *K_NORM_RMS,
-        ROPE_COS, ROPE_SIN, *MLA_Q_RMS, *MLA_KV_RMS, MLA_ROPE_COS, MLA_ROPE_SIN, ledger.MLA_KV_UP_OUT, K_EXPANDED, V_EXPANDED, SOFTMAX_FP32, WEIGHTS, *SDPA_MATH,
-        HALF_X, TANH_OUT, ONE_PLUS_TANH, *MOE_TENSORS, NEOX_ROPE_COS, NEOX_ROPE_SIN, NEOX_QKV_OUT, *GPTJ_ROPE, GPTJ_Q,
-        GPTJ_K,
-    *OLMO2_ATTN_OUT, *OLMO2_MLP_OUT, *OLMO2_Q_NORM, *OLMO2_K_NORM, SDPA_OUT,
-    *GEMMA_LN1, *GEMMA_LN2, *GEMMA_Q_NORM, *GEMMA_K_NORM, *GEMMA_POST_ATTN, *GEMMA_POST_MLP, SOFTCAP_TANH, GEGLU_GATE, GEGLU_UP, GEGLU_GELU_OUT, *OLMO_LN1, *OLMO_LN2, OLMO_ROPE_COS, OLMO_ROPE_SIN,  # FLASH_DROPOUT_LSE is the ledger's LSE, described as read from code
-        GLM_ROPE_COS, GLM_ROPE_SIN, GLM_SDPA_OUT, *GLM_POST_ATTN, *GLM_POST_MLP, FALCON_K_INDEX, FALCON_V_INDEX,
-        *COHERE_LN1, *COHERE_Q_NORM, *COHERE_K_NORM,
-        *GPT_OSS_TENSORS,
+        *LN1_RMS, *LN2_RMS, *Q_NORM_RMS, *K_NORM_RMS, ROPE_COS, ROPE_SIN, *MLA_Q_RMS, *MLA_KV_RMS, MLA_ROPE_COS,
+        MLA_ROPE_SIN, ledger.MLA_KV_UP_OUT, K_EXPANDED, V_EXPANDED, SOFTMAX_FP32, WEIGHTS, *SDPA_MATH, HALF_X, TANH_OUT,
+        ONE_PLUS_TANH, *MOE_TENSORS, NEOX_ROPE_COS, NEOX_ROPE_SIN, NEOX_QKV_OUT, *GPTJ_ROPE, GPTJ_Q, GPTJ_K,
+        *OLMO2_ATTN_OUT, *OLMO2_MLP_OUT, *OLMO2_Q_NORM, *OLMO2_K_NORM, SDPA_OUT, *GEMMA_LN1, *GEMMA_LN2, *GEMMA_Q_NORM,
+        *GEMMA_K_NORM, *GEMMA_POST_ATTN, *GEMMA_POST_MLP, SOFTCAP_TANH, GEGLU_GATE, GEGLU_UP, GEGLU_GELU_OUT, *OLMO_LN1,
+        *OLMO_LN2, OLMO_ROPE_COS, OLMO_ROPE_SIN, GLM_ROPE_COS, GLM_ROPE_SIN, GLM_SDPA_OUT, *GLM_POST_ATTN,
+        *GLM_POST_MLP, FALCON_K_INDEX, FALCON_V_INDEX, *COHERE_LN1, *COHERE_Q_NORM, *COHERE_K_NORM, *GPT_OSS_TENSORS,
         FALCON_K_HEADS, FALCON_V_HEADS,
     ),
     # LlamaConfig's own: RMSNorm, SwiGLU, attention_dropout 0, attn_implementation "sdpa" (memcalc's flash).
     defaults={
         "norm": "rmsnorm", "mlp": "swiglu", "dropout": 0.0, "attention": "flash",
         "add_bias_linear": False, "position_embedding_type": "rope",  # transformers' Llama: no biases, RoPE
-    },
-)
+    })
