@@ -10,12 +10,12 @@ from typing import Any, Callable
 import click
 
 from memcalc.config.gpus import DEFAULT_GPU, DEFAULT_RESERVE, GPUS
-from memcalc.config.schema import SIZES, ModelConfig, load_config, load_yaml
+from memcalc.config.schema import SIZES, ModelConfig, build_knobs, load_config, load_yaml
 from memcalc.cli.types import INTEGER, Integer, Real
 from memcalc.errors import ConfigError
 from memcalc.model.impls import left_out, strategies_of
 from memcalc.model.strategy import STRATEGIES
-from memcalc.model.knobs import KNOBS, Knob, is_moe
+from memcalc.model.knobs import KNOBS, Knob, Knobs, is_moe
 from memcalc.units import human_bytes, parse_bytes
 
 SIZE_FLAGS = SIZES
@@ -189,6 +189,14 @@ def _defaulted_knobs(config: ModelConfig, fields: dict[str, Any], overrides: dic
         and (not k.impls or config.impl in k.impls)  # another library's setting: this one has none
     ]
     return f"; defaults (impl {config.impl}'s, else the seed's): {', '.join(taken)}" if taken else ""
+
+
+def knobs_from(params: dict[str, Any]) -> Knobs:
+    """For the commands that need no sizes (formula, explain): the knobs of --config (whose sizes are then validated
+    too) with the knob flags laid over, else of the flags alone."""
+    if params.get("config_path") is not None:
+        return Knobs.of(model_from(params))
+    return Knobs.of(build_knobs({k: params[k] for k in KNOB_FLAGS if params.get(k) is not None}))
 
 
 def file_fields(params: dict[str, Any]) -> tuple[dict[str, Any], Path | None, str | None]:
