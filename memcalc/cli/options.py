@@ -52,18 +52,14 @@ def _int(flag: str, help: str, name: str | None = None) -> Callable:
     return click.option(flag, *([name] if name else []), type=INTEGER, help=help)
 
 
-expert_options = _stack(  # EXPERT_FLAGS
-    _int("--ep", "Expert-parallel size: each rank holds num_experts/ep experts [default: 1]."),
-    _int("--etp", "Expert tensor-parallel size (memcalc models etp = t) [default: t]."),
-)
-
 size_options = _stack(
     _int("--b", "Micro-batch size [default: 1]."),
     _int("--s", "Sequence length."),
     _int("--h", "Hidden size."),
     _int("--a", "Attention heads."),
     _int("--t", "Tensor-parallel size [default: 1]."),
-    expert_options,
+    _int("--ep", "Expert-parallel size: each rank holds num_experts/ep experts [default: 1]."),  # EXPERT_FLAGS
+    _int("--etp", "Expert tensor-parallel size (memcalc models etp = t) [default: t]."),
     _int("--L", "Number of layers [default: 1].", name="L"),
 )
 
