@@ -1,11 +1,4 @@
-"""memcalc from Python: the CLI's four questions as functions, for notebooks and scripts.
-
-    import memcalc
-    memcalc.load("gpt3-175b", t=4)                           # the checked ModelConfig
-    memcalc.estimate("gpt3-175b", strategy="tp-sp")         # one layer, and all L, on one GPU
-    memcalc.per_gpu("gpt3-175b", strategy="tp-sp", pp=8)     # everything one GPU holds
-    memcalc.fit("gpt3-175b", budget="80GiB", solve="b")      # the largest b that fits
-    memcalc.sweep("gpt3-175b", s=[2048, 4096], t="1:8")      # every combination, as arrays
+"""memcalc from Python: the CLI's four questions as functions, for notebooks and scripts (docs/api.md, with examples).
 
 Each takes an optional config (a shipped name or a YAML path) and its fields as keyword overrides, with the CLI's
 rules and one-line ConfigError, and returns the typed result the CLI prints from. `import memcalc` stays cheap:

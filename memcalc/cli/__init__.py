@@ -103,8 +103,7 @@ class LazyGroup(click.Group):
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         if name not in COMMANDS:
             return None
-        module = importlib.import_module(f"memcalc.cli.{COMMANDS[name][0]}")
-        return module.command
+        return importlib.import_module(f"memcalc.cli.{COMMANDS[name][0]}").command
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         # List commands from the table, so --help imports none of them.
@@ -117,12 +116,10 @@ class LazyGroup(click.Group):
 def cli() -> None:
     """How much activation memory each GPU keeps for backward, and why.
 
-    Strategies: none (no parallelism), tp (tensor parallel) and tp-sp (tensor +
-    sequence parallel), as in Megatron-LM (Korthikanti et al. 2022).
-    Exit codes: 0 ok (also when a reader such as head stops early), 1 a
-    measurement disagreed, a worker failed or stdout could not be written,
-    2 bad input, 3 nothing fits (estimate --totals, fit), 130 Ctrl-C.
-    Set MEMCALC_DEBUG=1 to see tracebacks.
+    Strategies: none (no parallelism), tp (tensor parallel) and tp-sp (tensor + sequence parallel), as in Megatron-LM
+    (Korthikanti et al. 2022). Exit codes: 0 ok (also when a reader such as head stops early), 1 a measurement
+    disagreed, a worker failed or stdout could not be written, 2 bad input, 3 nothing fits (estimate --totals, fit), 130
+    Ctrl-C. Set MEMCALC_DEBUG=1 to see tracebacks.
     """
 
 

@@ -1,6 +1,5 @@
-"""What `memcalc measure` and `memcalc measure --step` print alike: each strategy's prediction next to its
-measurement (a result with `strategy`, `matches` and `differences()`), as JSON or tables, and exit 1 where they
-differ.
+"""What `memcalc measure` and `memcalc measure --step` print alike: each strategy's prediction next to its measurement
+(a result with `strategy`, `matches` and `differences()`), as JSON or tables, and exit 1 where they differ.
 """
 
 from __future__ import annotations

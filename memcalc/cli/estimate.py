@@ -9,7 +9,8 @@ import click
 
 from memcalc.cli import echo_json
 from memcalc.cli.options import (
-    SHARDING_FLAGS, accounting_options, device_options, layout_options, model_from, model_options, strategy_names, strategy_option,
+    LAYOUT_FLAGS, accounting_options, device_options, layout_options, model_from, model_options, strategy_names,
+    strategy_option,
 )
 from memcalc.config.gpus import Budget, budget_for
 from memcalc.config.schema import ModelConfig, config_record
@@ -25,11 +26,8 @@ if TYPE_CHECKING:  # per-GPU totals, the timeline and the verdict load only when
     from memcalc.sizing.totals import PerGpu
     from memcalc.sizing.verdict import Need
 
-# Flags that matter only for per-GPU totals, so giving one asks for them.
-TOTALS_FLAGS = (
-    "pp", "vpp", "dp", "distributed_optimizer", *SHARDING_FLAGS, "vocab_size", "tie_embeddings", "gpus", "num_microbatches",
-    "global_batch_size", "make_vocab_size_divisible_by", "gpu", "device_memory", "reserve",
-)
+# Flags that matter only for per-GPU totals, so giving one asks for them (cp splits the layer's activations too).
+TOTALS_FLAGS = (*(flag for flag in LAYOUT_FLAGS if flag != "cp"), "gpu", "device_memory", "reserve")
 
 
 @click.command("estimate")

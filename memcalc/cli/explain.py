@@ -6,8 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from memcalc.cli.knobs import knobs_from
-from memcalc.cli.options import accounting_options, config_option, knob_options, note_left_out
+from memcalc.cli.options import accounting_options, config_option, knob_options, knobs_from, note_left_out
 from memcalc.model.impls import layer_tensors, plan, strategies_of
 from memcalc.model.knobs import Accounting, element_bytes
 from memcalc.model.ledger import SavedTensor

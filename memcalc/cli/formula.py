@@ -7,8 +7,9 @@ from typing import Any
 import click
 
 from memcalc.cli import echo_json
-from memcalc.cli.knobs import knobs_from
-from memcalc.cli.options import accounting_options, config_option, knob_options, strategy_names, strategy_option
+from memcalc.cli.options import (
+    accounting_options, config_option, knob_options, knobs_from, strategy_names, strategy_option,
+)
 from memcalc.cli.types import Integer
 from memcalc.model.knobs import Accounting, Knobs
 from memcalc.errors import ConfigError

@@ -12,7 +12,7 @@ from memcalc.cli.options import model_from, model_options, sharding_options, str
 from memcalc.cli.types import POSITIVE, Real
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError, ProbeError
-from memcalc.probe import ROUTES, routing_fixed
+from memcalc.probe import LAYERS, ROUTES, routing_fixed
 
 if TYPE_CHECKING:  # torch: only when the command runs
     from rich.table import Table
@@ -21,7 +21,6 @@ if TYPE_CHECKING:  # torch: only when the command runs
 
 # memcalc.probe.launch.Mode's values, plus auto; spelled out so --help needs no torch.
 LAUNCHES = ("auto", "single", "spawn", "fake", "torchrun")
-LAYERS = ("library", "memcalc")  # memcalc.probe.measure.LAYERS, spelled out so --help needs no torch
 
 
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: torch's timedelta and any real run stay far inside it
@@ -72,16 +71,13 @@ MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: torch's timedelta and any real run st
     help="Run one whole training step per strategy instead (memcalc's own small GPT, or with --impl hf"
     " transformers' LlamaForCausalLM, tp under its own tp_plan, sharded by torch's fully_shard with --dp-shard (under"
     " FSDPMemTracker), or MixtralForCausalLM with --route balanced; with --impl torchtitan its Llama3Model, tp under"
-    " its own plan;"
-    " AdamW on fp32 master weights) under torch's MemTracker on the CPU, and compare its peak, each category and the"
-    " moment with the"
-    " step timeline; exits 1 beyond 1%.",
+    " its own plan; AdamW on fp32 master weights) under torch's MemTracker on the CPU, and compare its peak, each"
+    " category and the moment with the step timeline; exits 1 beyond 1%.",
 )
 @click.option(
     "--route", type=click.Choice(ROUTES), default=None,
-    help="Force the library's MoE router (--impl hf, megatron or torchtitan, with num_experts) so each expert's tokens are known:"
-    " balanced"
-    " (kbs/E slots each) or all-to-one (every token to experts 0..k-1) [default: the real router].",
+    help="Force the library's MoE router (--impl hf, megatron or torchtitan, with num_experts) so each expert's tokens"
+    " are known: balanced (kbs/E slots each) or all-to-one (every token to experts 0..k-1) [default: the real router].",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of tables.")
 def command(strategy: str, device: str, backend: str | None, launch: str, timeout_s: float, layer: str | None,

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import click
-
 from memcalc.cli.compare import add_total, comparison_table, document, print_header, report, verdict
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError

@@ -10,12 +10,12 @@ from typing import Any, Callable
 import click
 
 from memcalc.config.gpus import DEFAULT_GPU, DEFAULT_RESERVE, GPUS
-from memcalc.config.schema import SIZES, ModelConfig, load_config, load_yaml
+from memcalc.config.schema import SIZES, ModelConfig, build_knobs, load_config, load_yaml
 from memcalc.cli.types import INTEGER, Integer, Real
 from memcalc.errors import ConfigError
 from memcalc.model.impls import left_out, strategies_of
 from memcalc.model.strategy import STRATEGIES
-from memcalc.model.knobs import KNOBS, Knob, is_moe
+from memcalc.model.knobs import KNOBS, Knob, Knobs, is_moe
 from memcalc.units import human_bytes, parse_bytes
 
 SIZE_FLAGS = SIZES
@@ -52,18 +52,14 @@ def _int(flag: str, help: str, name: str | None = None) -> Callable:
     return click.option(flag, *([name] if name else []), type=INTEGER, help=help)
 
 
-expert_options = _stack(  # EXPERT_FLAGS
-    _int("--ep", "Expert-parallel size: each rank holds num_experts/ep experts [default: 1]."),
-    _int("--etp", "Expert tensor-parallel size (memcalc models etp = t) [default: t]."),
-)
-
 size_options = _stack(
     _int("--b", "Micro-batch size [default: 1]."),
     _int("--s", "Sequence length."),
     _int("--h", "Hidden size."),
     _int("--a", "Attention heads."),
     _int("--t", "Tensor-parallel size [default: 1]."),
-    expert_options,
+    _int("--ep", "Expert-parallel size: each rank holds num_experts/ep experts [default: 1]."),  # EXPERT_FLAGS
+    _int("--etp", "Expert tensor-parallel size (memcalc models etp = t) [default: t]."),
     _int("--L", "Number of layers [default: 1].", name="L"),
 )
 
@@ -189,6 +185,14 @@ def _defaulted_knobs(config: ModelConfig, fields: dict[str, Any], overrides: dic
         and (not k.impls or config.impl in k.impls)  # another library's setting: this one has none
     ]
     return f"; defaults (impl {config.impl}'s, else the seed's): {', '.join(taken)}" if taken else ""
+
+
+def knobs_from(params: dict[str, Any]) -> Knobs:
+    """For the commands that need no sizes (formula, explain): the knobs of --config (whose sizes are then validated
+    too) with the knob flags laid over, else of the flags alone."""
+    if params.get("config_path") is not None:
+        return Knobs.of(model_from(params))
+    return Knobs.of(build_knobs({k: params[k] for k in KNOB_FLAGS if params.get(k) is not None}))
 
 
 def file_fields(params: dict[str, Any]) -> tuple[dict[str, Any], Path | None, str | None]:

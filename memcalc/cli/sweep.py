@@ -69,11 +69,10 @@ def check_out(ctx: click.Context, param: click.Parameter, out: Path | None) -> P
         return None
     from memcalc.output import OutputError, check_writable
 
-    parent = out.parent if str(out.parent) else Path(".")
     if out.is_dir():
         raise click.BadParameter(f"'{out}' is a directory", ctx, param)
-    if not parent.is_dir():
-        raise click.BadParameter(f"directory '{parent}' does not exist", ctx, param)
+    if not out.parent.is_dir():
+        raise click.BadParameter(f"directory '{out.parent}' does not exist", ctx, param)
     try:
         check_writable(out)
     except OutputError as exc:

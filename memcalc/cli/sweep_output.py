@@ -19,9 +19,8 @@ from memcalc.model.knobs import KNOBS, Accounting
 from memcalc.schemas import SCHEMA_VERSION
 from memcalc.sizing.sweep import EXPERT_AXES, SIZES, SweepResult
 
-# A row's text is built as a (rows, width) byte matrix, one slice per field,
-# each field NUL-padded to its widest value; dropping the NULs leaves the lines.
-# Fields that are the same on every row are merged into one constant slice.
+# A row's text is built as a (rows, width) byte matrix, one slice per field, each field NUL-padded to its widest value;
+# dropping the NULs leaves the lines. Fields that are the same on every row are merged into one constant slice.
 
 CSV_COLUMNS = (*SIZES, "strategy", "per_layer_bytes", "total_bytes")
 # Every knob, from the knob table. The size knobs (4h and a unless set) come first and are written as used,
@@ -30,9 +29,8 @@ SIZE_KNOBS_AS_USED = {"ffn_hidden_size": ("ffn", "h"), "num_query_groups": ("gro
 KNOB_COLUMNS = (*SIZE_KNOBS_AS_USED, *(k.name for k in KNOBS if k.name not in SIZE_KNOBS_AS_USED))
 CHUNK_ROWS = 1 << 16
 
-# Four-digit groups as text, four bytes each: zero-padded for a group with digits
-# to its left, NUL-padded for the leading group (all NUL above it); then zero
-# itself, then the separator that ends every field.
+# Four-digit groups as text, four bytes each: zero-padded for a group with digits to its left, NUL-padded for the
+# leading group (all NUL above it); then zero itself, then the separator that ends every field.
 _GROUPS = np.array(
     [f"{i:04d}".encode() for i in range(10_000)]
     + [str(i).encode().rjust(4, b"\0") if i else b"" for i in range(10_000)]
@@ -51,8 +49,7 @@ def _digits(values: np.ndarray) -> np.ndarray:
     rest = values
     for k in reversed(range(groups)):
         rest, codes[:, k] = np.divmod(rest, 10_000)
-    # Group j (from the left) leads, or stands above the leading group, while the
-    # value is below 10^(4 * (groups - j)).
+    # Group j (from the left) leads, or stands above the leading group, while the value is below 10^(4 * (groups - j)).
     below = np.array([min(10_000 ** (groups - j), 2**63) - 1 for j in range(groups)], dtype=np.int64)
     codes[:, :groups] += _LEADING * (values[:, None] <= below)
     codes[values == 0, groups - 1] = _ZERO

@@ -1,4 +1,5 @@
-"""Reference pages rendered from the code: docs/model.md, docs/comm.md, docs/sharding.md and docs/impl-<name>.md.
+"""Reference pages rendered from the code: docs/model.md, docs/comm.md, docs/sharding.md and docs/impl-<name>.md;
+their hand-written prose is in docs/templates/ and docs/impl-notes/.
 
     python -m memcalc.docgen          # print them
     python -m memcalc.docgen --write  # update the files

@@ -1,9 +1,8 @@
 """The probe: a real transformer layer run under torch, to check the ledger's bytes.
 
-Everything torch-related in memcalc lives in this package, and even here torch is
-imported only when a submodule is loaded: importing `memcalc.probe` itself stays
-cheap. Each submodule begins with `torch = require_torch()`, so a missing torch
-surfaces as a one-line `ProbeError` saying how to install it, not an ImportError.
+Everything torch-related in memcalc lives in this package, and even here torch is imported only when a submodule is
+loaded: importing `memcalc.probe` itself stays cheap. Each submodule begins with `torch = require_torch()`, so a missing
+torch surfaces as a one-line `ProbeError` saying how to install it, not an ImportError.
 """
 
 from __future__ import annotations
@@ -14,8 +13,10 @@ from typing import Any
 
 from memcalc.errors import ProbeError
 
-# The assignments `memcalc measure --route` forces a MoE router to (memcalc.probe.libs.hf_shim), named here so
-# the CLI offers them without importing torch.
+# Named here so that the CLI offers them without importing torch: which code builds the layer `memcalc measure` runs
+# (the implementation's own library, or memcalc's own Megatron-style layer), and the assignments `--route` forces a
+# MoE router to (memcalc.probe.libs.hf_shim).
+LAYERS = ("library", "memcalc")
 ROUTES = ("balanced", "all-to-one")
 
 

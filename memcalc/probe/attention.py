@@ -47,9 +47,7 @@ class SelfAttention(nn.Module):
         self.flash = config.attention == "flash"
         self.recompute = config.recompute == "selective"
         self.softmax = Softmax.of(config)
-        linear = {
-            "tp": tp, "sequence_parallel": sequence_parallel, "dtype": dtype, "device": tp.device, "overlap": overlap,
-        }
+        linear = {"tp": tp, "sequence_parallel": sequence_parallel, "dtype": dtype, "overlap": overlap}
         qkv_width = (config.a + 2 * config.groups) * self.head_dim
         qkv_bias = config.add_bias_linear or config.add_qkv_bias
         self.qkv = ColumnParallelLinear(config.h, qkv_width, bias=qkv_bias, seed=1, **linear)
@@ -175,10 +173,8 @@ class Softmax:
 
     def fused(self, b: int, heads: int, s: int, dtype: torch.dtype) -> bool:
         """Whether the fused kernel runs for this rank's (b, a/t, s, s) scores: it takes fp16 and bf16 only."""
-        if dtype not in (torch.bfloat16, torch.float16):
-            return False
-        return self.fused_everywhere or (self.fusion and bool(megatron.fused_softmax_runs({Dim.B: b, Dim.A: heads,
-                                                                                           Dim.S: s}, 1)))
+        in_window = self.fusion and bool(megatron.fused_softmax_runs({Dim.B: b, Dim.A: heads, Dim.S: s}, 1))
+        return dtype in (torch.bfloat16, torch.float16) and (self.fused_everywhere or in_window)
 
 
 def eager_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, softmax: Softmax) -> torch.Tensor:
@@ -214,14 +210,11 @@ def eager_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, soft
 
 
 class FusedCausalSoftmax(torch.autograd.Function):
-    """softmax(scale * scores + causal mask) as one fused kernel (Apex's scaled_upper_triang_masked_softmax).
+    """softmax(scale * scores + causal mask) as one fused kernel (Apex's scaled_upper_triang_masked_softmax), each
+    direction one op (docs/probe.md, "Fused kernels as one op"), keeping its 16-bit output alone, as the paper counts.
 
     forward:  scores (b*a/t, s, s) in fp16/bf16 -> probabilities, the same dtype; computed in fp32 inside
     backward: dScores = scale * P * (dP - rowsum(dP * P)), from the output alone
-
-    It keeps its 16-bit output and nothing else, which is what the paper counts for the softmax (2as^2 b). Each
-    direction is one op (`memcalc::fused_causal_softmax`, `memcalc::fused_causal_softmax_backward`), as the kernel
-    is: what memory tools see is its output alone, not the fp32 temporaries inside.
     """
 
     @staticmethod
@@ -247,13 +240,11 @@ def flash_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> t
 
 
 class FlashAttention(torch.autograd.Function):
-    """softmax(q k^T / sqrt(d) + causal mask) v as a flash kernel keeps it for backward.
+    """softmax(q k^T / sqrt(d) + causal mask) v as a flash kernel keeps it for backward, each direction one op as the
+    kernel is (docs/probe.md, "Fused kernels as one op"; why not torch's CPU kernel: "The layer").
 
     forward:  q (b, a/t, s, d), k, v (b, g/t, s, d) -> out (s, b, a/t, d), lse (b, a/t, s) fp32
     backward: rebuilds the softmax from q, k and lse, and the dropout mask from the seed
-
-    Each direction is one op (`memcalc::flash_attention`, `memcalc::flash_attention_backward`), as the kernel is:
-    memory tools see only its outputs. Why not torch's CPU kernel: docs/probe.md, "The layer".
     """
 
     @staticmethod
@@ -299,7 +290,8 @@ def _flash_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     d = q.shape[-1]
     q3, k3, v3 = _grouped(wide(q), wide(k), wide(v))
-    grad_o, o = (_grouped_rows(x, k.shape[1]) for x in (grad_out, out))  # (b*g, a/g*s, d)
+    # (s, b, a/t, d) -> (b*g, a/g*s, d), the grouped layout, in at least fp32
+    grad_o, o = (wide(x.permute(1, 2, 0, 3).reshape(k.shape[0] * k.shape[1], -1, d)) for x in (grad_out, out))
     weights = torch.exp(_scores(q3, k3) - lse.view(*q3.shape[:2], 1))  # the softmax, rebuilt
     dropped = _dropped(weights, p, seed)
     grad_v = dropped.transpose(1, 2) @ grad_o  # sums over the group's heads: (b*g, s, d)
@@ -313,12 +305,6 @@ def _flash_backward(
 @_flash_backward.register_fake
 def _(grad_out, q, k, v, out, lse, p, seed):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
-def _grouped_rows(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """A sequence-first (s, b, a/t, d) tensor as (b*g, a/g*s, d) in at least fp32, the grouped layout."""
-    s, b, heads, d = x.shape
-    return wide(x.permute(1, 2, 0, 3).reshape(b * groups, -1, d))
 
 
 def _dropped(weights: torch.Tensor, p: float, seed: int) -> torch.Tensor:

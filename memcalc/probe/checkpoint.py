@@ -3,9 +3,8 @@
     forward:  run f without autograd; keep only f's inputs (and the RNG state)
     backward: restore the RNG state, run f again with autograd, backprop through it
 
-The inputs are kept with `ctx.save_for_backward`, so the recorder sees what a checkpoint costs (torch's
-non-reentrant checkpoint hides them behind saved-tensor hooks of its own); the RNG state makes the rerun draw the
-same dropout masks.
+The inputs are kept with `ctx.save_for_backward`, so the recorder sees what a checkpoint costs (torch's non-reentrant
+checkpoint hides them behind saved-tensor hooks of its own); the RNG state makes the rerun draw the same dropout masks.
 """
 
 from __future__ import annotations

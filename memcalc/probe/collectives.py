@@ -1,19 +1,20 @@
 """Count the collectives a layer really issues, at the process-group API, not in the model.
 
 While a `CollectiveLog` is active, torch.distributed's all_reduce, all_gather_single and reduce_scatter_single are
-wrapped: each call is logged with its kind, pass (`log.phase`) and the bytes of the whole tensor it collects (the
-ring's per-rank share follows, memcalc.model.comm.Op.share). Point-to-point calls are logged one message each,
-"send" or "recv", wrapped in torch.distributed's own module too because batch_isend_irecv looks them up there.
-torch's functional collectives, which DTensor's redistributions run (transformers' TP styles), are logged below
-the API, as aten ops.
+wrapped: each call is logged with its kind, pass (`log.phase`) and the bytes of the whole tensor it collects (the ring's
+per-rank share follows, memcalc.model.comm.Op.share). Point-to-point calls are logged one message each, "send" or
+"recv", wrapped in torch.distributed's own module too because batch_isend_irecv looks them up there. torch's functional
+collectives, which DTensor's redistributions run (transformers' TP styles), are logged below the API, as aten ops.
 """
 
 from __future__ import annotations
 
 import inspect
+from contextlib import ExitStack
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable
+from unittest.mock import patch
 
 from memcalc.model.comm import Collective, Op, sent_bytes
 from memcalc.model.ledger import Dim
@@ -75,43 +76,26 @@ class CollectiveLog:
 
     def __init__(self, aliases: tuple[ModuleType, ...] = ()) -> None:
         self.phase = "forward"
-        self._functional = _FunctionalLog(self)
         self.calls: list[LoggedCollective] = []
-        self._originals: dict[str, Callable] = {}
         self._aliases = aliases
-        self._rebound: list[tuple[ModuleType, str, Callable]] = []
 
     def __enter__(self) -> CollectiveLog:
+        self._patches = ExitStack()
         for name, (op, arg) in _CALLS.items():
-            self._originals[name] = getattr(dist, name)
-            setattr(dist, name, self._wrapped(self._originals[name], op.value, arg))
-            self._rebind(self._originals[name], getattr(dist, name))
+            original = getattr(dist, name)
+            wrapped = self._wrapped(original, op.value, arg)
+            aliases = [(m, alias) for m in self._aliases for alias, value in vars(m).items() if value is original]
+            for module, alias in [(dist, name), *aliases]:
+                self._patches.enter_context(patch.object(module, alias, wrapped))
         for name, kind in _P2P_CALLS.items():
-            self._originals[name] = getattr(dist, name)
-            wrapped = self._wrapped(self._originals[name], kind, 0)
-            setattr(dist, name, wrapped)
-            setattr(c10d, name, wrapped)
-        self._functional.__enter__()
+            wrapped = self._wrapped(getattr(dist, name), kind, 0)
+            for module in (dist, c10d):
+                self._patches.enter_context(patch.object(module, name, wrapped))
+        self._patches.enter_context(_FunctionalLog(self))
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self._functional.__exit__(*exc_info)
-        for name, original in self._originals.items():
-            setattr(dist, name, original)
-            if name in _P2P_CALLS:
-                setattr(c10d, name, original)
-        for module, name, original in self._rebound:
-            setattr(module, name, original)
-        self._originals.clear()
-        self._rebound.clear()
-
-    def _rebind(self, original: Callable, wrapped: Callable) -> None:
-        """Wrap each alias of `original` in the `aliases` modules."""
-        for module in self._aliases:
-            for name, value in list(vars(module).items()):
-                if value is original:
-                    self._rebound.append((module, name, original))
-                    setattr(module, name, wrapped)
+        self._patches.__exit__(*exc_info)  # the functional log first, then every attribute back as it was
 
     def _wrapped(self, original: Callable, op: str, arg: int) -> Callable:
         signature = inspect.signature(original)

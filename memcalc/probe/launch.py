@@ -261,12 +261,10 @@ FORKSERVER_PRELOAD = ["__main__", "torch", "torch.fx.experimental.symbolic_shape
 
 
 def _spawned_rank(
-    rank: int, pickled_job: bytes, store_port: int, sender: connection.Connection,
-    owner: connection.Connection | None = None,
+    rank: int, pickled_job: bytes, store_port: int, sender: connection.Connection, owner: connection.Connection,
 ) -> None:
     """One worker: join the group, run fn, send home its result or its error, leave (and die with `owner`)."""
-    if owner is not None:
-        _die_with(owner)
+    _die_with(owner)
     status = "failed"  # what an error at this point means to the parent; "unjoined" is tried again
     try:
         job: _Job = pickle.loads(pickled_job)  # here, so that a module fn cannot be imported from is reported
@@ -323,8 +321,7 @@ def _collect(workers: list, job: _Job, deadline: float) -> list[Any]:
     results: dict[int, Any] = {}
     while len(results) < job.t:
         waiting = {rank: worker for rank, worker in enumerate(workers) if rank not in results}
-        receivers = [receiver for _, receiver in waiting.values()]
-        ready = connection.wait(receivers, timeout=max(0.0, deadline - time.monotonic()))
+        ready = connection.wait([r for _, r in waiting.values()], timeout=max(0.0, deadline - time.monotonic()))
         if not ready:
             late = ", ".join(str(rank) for rank in waiting)
             raise ProbeError(

@@ -1,9 +1,8 @@
 """One transformer layer on one tensor-parallel rank, built to save what the ledger says.
 
-Megatron's pre-norm block, sequence-first, every knob of `memcalc estimate` a constructor choice; every tensor it
-makes that the ledger lists is labelled with the ledger's name (`recorder.label`), so a recorded run reads as the
-ledger does. Its diagram, and where it departs from Megatron's code in layout but not in bytes: docs/probe.md,
-"The layer".
+Megatron's pre-norm block, sequence-first, every knob of `memcalc estimate` a constructor choice; every tensor it makes
+that the ledger lists is labelled with the ledger's name (`recorder.label`), so a recorded run reads as the ledger does.
+Its diagram, and where it departs from Megatron's code in layout but not in bytes: docs/probe.md, "The layer".
 """
 
 from __future__ import annotations

@@ -86,23 +86,17 @@ class _ParallelLinear(nn.Module):
     bias_is_split: bool  # column: each rank owns its outputs' bias; row: the whole bias, added after the sum
 
     def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        tp: TensorParallelGroup,
-        sequence_parallel: bool,
-        bias: bool = True,
-        dtype: torch.dtype | None = None,
-        device: str | torch.device | None = None,
-        seed: int = 0,
-        overlap: Overlap = NO_OVERLAP,
+        self, in_features: int, out_features: int, tp: TensorParallelGroup, sequence_parallel: bool, bias: bool = True,
+        dtype: torch.dtype | None = None, seed: int = 0, overlap: Overlap = NO_OVERLAP,
     ) -> None:
         super().__init__()
         check_overlap(overlap, sequence_parallel)
         self.in_features, self.out_features = in_features, out_features
         self.tp, self.sequence_parallel, self.overlap = tp, sequence_parallel, overlap
-        factory = {"dtype": dtype, "device": tp.device if device is None else device}
-        self.weight = nn.Parameter(torch.empty(self._shard_shape((out_features, in_features)), **factory))
+        factory = {"dtype": dtype, "device": tp.device}
+        shape = [out_features, in_features]
+        shape[self.shard_dim] = tp.divide(shape[self.shard_dim], ("out_features", "in_features")[self.shard_dim])
+        self.weight = nn.Parameter(torch.empty(shape, **factory))
         self.bias = None
         if bias:
             bias_features = tp.divide(out_features, "out_features") if self.bias_is_split else out_features
@@ -111,12 +105,6 @@ class _ParallelLinear(nn.Module):
             # parameters so that their gradients are summed across ranks before an optimizer step.
             self.bias.sequence_parallel = sequence_parallel and not self.bias_is_split
         self.load_shard_of(*self.seeded_full_weights(seed))
-
-    def _shard_shape(self, full: tuple[int, int]) -> list[int]:
-        shape = list(full)
-        what = ("out_features", "in_features")[self.shard_dim]
-        shape[self.shard_dim] = self.tp.divide(full[self.shard_dim], what)
-        return shape
 
     def seeded_full_weights(self, seed: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """nn.Linear's uniform(+-1/sqrt(in)) init of the whole unsharded layer, drawn from `seed`; empty on device
@@ -167,9 +155,8 @@ class ColumnParallelLinear(_ParallelLinear):
 class RowParallelLinear(_ParallelLinear):
     """y = (sum over ranks of x_r W_r^T) + b: (s, b, in/t) -> (s, b, out), or (s/t, b, out) under SP.
 
-    The bias is whole on every rank and added after the reduction. Under SP each
-    rank adds it to its own sequence shard only, so its gradient here is a
-    partial sum over that shard, and the bias is marked `sequence_parallel`.
+    The bias is whole on every rank and added after the reduction. Under SP each rank adds it to its own sequence shard
+    only, so its gradient here is a partial sum over that shard, and the bias is marked `sequence_parallel`.
     """
 
     shard_dim = 1

@@ -1,23 +1,20 @@
 """Megatron's region operators f, f*, g, g* (seed, section 4) as autograd functions.
 
-A tensor-parallel layer enters and leaves the region where h is split (inside
-the column/row-parallel pair) through one of two conjugate pairs, each op's
-backward being its partner's forward:
+A tensor-parallel layer enters and leaves the region where h is split (inside the column/row-parallel pair) through one
+of two conjugate pairs, each op's backward being its partner's forward:
 
     f  (enter TP, no SP)     forward identity             backward all-reduce
     f* (leave TP, no SP)     forward all-reduce           backward identity
     g  (enter TP from SP)    forward all-gather along s   backward reduce-scatter along s
     g* (leave TP into SP)    forward reduce-scatter on s  backward all-gather along s
 
-Layout is sequence-first, as in Megatron: hidden states are (s, b, h), so "along
-s" means dim 0 and a rank's sequence shard is one contiguous block of rows.
+Layout is sequence-first, as in Megatron: hidden states are (s, b, h), so "along s" means dim 0 and a rank's sequence
+shard is one contiguous block of rows.
 
-Read top-down like Megatron's core/tensor_parallel/mappings.py: collective
-primitives, then one autograd class per operator, then the public wrappers,
-which are identities when t = 1. Collectives use the `*_single` names: torch
-2.13 deprecates `all_gather_into_tensor` and `reduce_scatter_tensor` in their
-favour (same semantics), and gloo supports all three collectives used here
-natively, so no emulation is needed.
+Read top-down like Megatron's core/tensor_parallel/mappings.py: collective primitives, then one autograd class per
+operator, then the public wrappers, which are identities when t = 1. Collectives use the `*_single` names: torch 2.13
+deprecates `all_gather_into_tensor` and `reduce_scatter_tensor` in their favour (same semantics), and gloo supports all
+three collectives used here natively, so no emulation is needed.
 """
 
 from __future__ import annotations

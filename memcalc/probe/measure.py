@@ -67,8 +67,6 @@ class RankResult:
     collectives: tuple[LoggedCollective, ...] = ()  # every collective the layer issued
 
 
-# Which code builds the layer: the implementation's own library, or memcalc's own Megatron-style layer.
-LAYERS = ("library", "memcalc")
 # The runner module of each implementation's library (each imports its library only when loaded).
 # The install extra is the implementation's name: memcalc[megatron], memcalc[torchtitan], memcalc[hf].
 RUNNERS = {
@@ -227,7 +225,16 @@ class Launch:
 def choose_launch(t: int, device: str, backend: str | None, launch: str = "auto") -> Launch:
     """The launch for t ranks (see the module docstring), or ConfigError if the flags cannot work here."""
     _check_device(device, backend)
-    mode = _auto_mode(t, device, backend) if launch == "auto" else Mode(launch)
+    if launch != "auto":
+        mode = Mode(launch)
+    elif under_torchrun():
+        mode = Mode.TORCHRUN
+    elif t == 1:
+        mode = Mode.SINGLE
+    elif backend is not None or (device == "cuda" and torch.cuda.device_count() >= t):
+        mode = Mode.SPAWN
+    else:
+        mode = Mode.FAKE
     if device == "meta" and mode in (Mode.SPAWN, Mode.TORCHRUN):
         raise ConfigError(
             f"--device meta holds no data, so there is nothing for {mode.value} ranks to exchange;"
@@ -246,16 +253,6 @@ def choose_launch(t: int, device: str, backend: str | None, launch: str = "auto"
     elif backend is not None and mode is not Mode.TORCHRUN:
         raise ConfigError(f"--backend {backend} applies to spawned ranks, but this run is {mode.value}")
     return Launch(mode, t, device, backend)
-
-
-def _auto_mode(t: int, device: str, backend: str | None) -> Mode:
-    if under_torchrun():
-        return Mode.TORCHRUN
-    if t == 1:
-        return Mode.SINGLE
-    if backend is not None or (device == "cuda" and torch.cuda.device_count() >= t):
-        return Mode.SPAWN
-    return Mode.FAKE
 
 
 def _check_device(device: str, backend: str | None) -> None:
@@ -298,20 +295,18 @@ class StrategyMeasurement:
 
     def how(self) -> str:
         """Which way the ranks ran, in words, for output."""
-        return self._how() + (META_NOTE if self.ranks[0].device == "meta" else "")
-
-    def _how(self) -> str:
-        t, group, device = self.launch.t, self.ranks[0].group, self.ranks[0].device
-        if self.world is not None and self.launch.mode in (Mode.SINGLE, Mode.FAKE):
-            return f"one process as rank 0 of {self.world} through torch's fake process group on {device} (no data moves)"
-        if self.launch.mode is Mode.SINGLE:
-            return f"one process (t=1) on {device}"
-        if self.launch.mode is Mode.FAKE:
-            return f"one process as rank 0 of t={t} through torch's fake process group on {device} (no data moves)"
-        if self.launch.mode is Mode.SPAWN:
+        mode, t, group, device = self.launch.mode, self.launch.t, self.ranks[0].group, self.ranks[0].device
+        if mode is Mode.FAKE or mode is Mode.SINGLE and self.world is not None:
+            world = self.world or f"t={t}"
+            how = f"one process as rank 0 of {world} through torch's fake process group on {device} (no data moves)"
+        elif mode is Mode.SINGLE:
+            how = f"one process (t=1) on {device}"
+        elif mode is Mode.SPAWN:
             ranks = "1 process" if t == 1 else f"{t} processes"
-            return f"{ranks} started here, real {group} collectives on {device}; every rank compared"
-        return f"torchrun: t={t} ranks, real {group} collectives on {device}; rank 0 compared"
+            how = f"{ranks} started here, real {group} collectives on {device}; every rank compared"
+        else:
+            how = f"torchrun: t={t} ranks, real {group} collectives on {device}; rank 0 compared"
+        return how + (META_NOTE if device == "meta" else "")
 
     def differences(self) -> list[str]:
         """Each tensor (or collective) that differs, prefixed with its rank when it is not rank 0."""
@@ -328,7 +323,7 @@ def measure(
     config: ModelConfig, strategies: list[str], device: str, backend: str | None, launch: str, timeout_s: float,
     layer: str = "library", overlap: Overlap = NO_OVERLAP, route: str | None = None,
 ) -> list[StrategyMeasurement]:
-    """Measure each strategy on `layer` (see LAYERS), everything checked before any rank starts; `route`
+    """Measure each strategy on `layer` (memcalc.probe.LAYERS), everything checked before any rank starts; `route`
     forces a ROUTED library's MoE router. Returns nothing on a torchrun rank other than 0."""
     if config.cp != 1:
         raise ConfigError(f"cp={config.cp}: the probe runs one layer without context parallelism; measure with cp=1")
@@ -363,12 +358,9 @@ def measure(
     for plan in sorted(by_launch, key=lambda p: p.mode is not Mode.TORCHRUN):
         if plan.mode is Mode.SINGLE and under_torchrun() and int(os.environ["RANK"]) != 0:
             return []
-        per_rank = run(
-            measure_on_rank, (tuple((config, name, layer, overlap, route) for name in by_launch[plan]),),
-            mode=plan.mode,
-            t=plan.t,
-            backend=plan.backend or "gloo", device=device, timeout_s=timeout_s,
-        )
+        cases = tuple((config, name, layer, overlap, route) for name in by_launch[plan])
+        per_rank = run(measure_on_rank, (cases,), mode=plan.mode, t=plan.t, backend=plan.backend or "gloo",
+                       device=device, timeout_s=timeout_s)
         if not per_rank:  # a torchrun rank other than 0
             return []
         for index, name in enumerate(by_launch[plan]):

@@ -31,10 +31,8 @@ class MLP(nn.Module):
         overlap: Overlap = NO_OVERLAP,
     ) -> None:
         super().__init__()
-        linear = {
-            "tp": tp, "sequence_parallel": sequence_parallel, "bias": config.add_bias_linear, "dtype": dtype,
-            "device": tp.device, "overlap": overlap,
-        }
+        linear = {"tp": tp, "sequence_parallel": sequence_parallel, "bias": config.add_bias_linear, "dtype": dtype,
+                  "overlap": overlap}
         self.swiglu = config.mlp == "swiglu"
         self.fused = config.bias_activation_fusion
         # Under SwiGLU fc1 is Megatron's one GEMM of width 2f: one input kept, one f/g collective.

@@ -1,11 +1,6 @@
-"""Every place the probe changes what a library does, and why: one record each (docs/probe.md's table).
-
-The probe runs each library's own layer, on a CPU unless asked otherwise, through a small shim
-module per library (`memcalc.probe.libs.*_shim`, and the runners' own config choices). A shim
-is allowed for one of the reasons in `Kind`; a patch that would pick a path the library does
-not take by default, without a knob to ask for it, is a forced path, and has no place here.
-`memcalc measure` prints each record of the library it runs (`notes`), kind first, so that a
-device emulation is named as one where the measurement is shown.
+"""Every place the probe changes what a library does, and why: one record each, each for one of the reasons in `Kind`
+(docs/probe.md, "What the shims change": the rule, and the table `markdown` renders). `memcalc measure` prints each
+record of the library it runs (`notes`), kind first, so that a device emulation is named where the measurement is shown.
 
 Torch-free: the docs and the CLI read this table without importing any library.
 """

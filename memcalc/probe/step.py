@@ -185,9 +185,8 @@ class GPT(nn.Module):
         for param in self.final_norm.parameters():
             param.sequence_parallel = sp
         padded = self.embedding.rows * tp.size
-        self.output_layer = ColumnParallelLinear(
-            config.h, padded, tp, sp, bias=False, dtype=dtype, device=tp.device, seed=WEIGHT_SEED + 1,
-        )
+        self.output_layer = ColumnParallelLinear(config.h, padded, tp, sp, bias=False, dtype=dtype,
+                                                 seed=WEIGHT_SEED + 1)
         if config.tie_embeddings:
             self.output_layer.weight = self.embedding.word  # one parameter, two uses (pp = 1)
         self.loss = CrossEntropy(tp)
@@ -212,10 +211,8 @@ class MainGrads:
     def __init__(self, params: list[nn.Parameter]) -> None:
         shards = [local(p) for p in params]
         self.buffer = torch.zeros(sum(x.numel() for x in shards), dtype=torch.float32, device=shards[0].device)
-        offset = 0
-        for p, x in zip(params, shards):
-            p.main_grad = self.buffer[offset:offset + x.numel()].view_as(x)
-            offset += x.numel()
+        for p, x, piece in zip(params, shards, self.buffer.split([x.numel() for x in shards])):
+            p.main_grad = piece.view_as(x)
         # The accumulators must outlive this call: autograd holds them only weakly (as Megatron keeps grad_accs).
         self._accumulators = []
         for p in params:
@@ -233,21 +230,18 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _laid_out_as(grad: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
-    """A DTensor gradient in its parameter's placements: this rank's rows of a Replicate gradient of a Shard(0)
-    weight (DTensor's embedding backward gives a vocabulary-parallel table a whole-table gradient)."""
-    if isinstance(grad, DTensor) and grad.placements != param.placements:
-        return grad.redistribute(param.device_mesh, param.placements)
-    return grad
-
-
 def _add_into_main_grad(param: nn.Parameter):
-    """Megatron's backward post-hook: main_grad += grad, then the bf16 gradient is dropped."""
+    """Megatron's backward post-hook: main_grad += grad, then the bf16 gradient is dropped. A DTensor gradient is
+    first laid out as its parameter (DTensor's embedding backward gives a vocabulary-parallel table a Replicate one)."""
 
     def hook(*_unused):
-        if param.grad is not None:
-            param.main_grad.add_(local(_laid_out_as(param.grad, param)))
-            param.grad = None
+        grad = param.grad
+        if grad is None:
+            return
+        if isinstance(grad, DTensor) and grad.placements != param.placements:
+            grad = grad.redistribute(param.device_mesh, param.placements)
+        param.main_grad.add_(local(grad))
+        param.grad = None
 
     return hook
 
@@ -262,10 +256,8 @@ class MixedPrecisionAdamW(torch.optim.Optimizer):
         with torch.no_grad():
             self.main_params = torch.cat([x.detach().float().reshape(-1) for x in shards])
         self.main_params.grad = main_grads.buffer
-        offset = 0
-        for p, x in zip(params, shards):
-            self.state[p]["main_param"] = self.main_params[offset:offset + x.numel()].view_as(x)
-            offset += x.numel()
+        for p, x, piece in zip(params, shards, self.main_params.split([x.numel() for x in shards])):
+            self.state[p]["main_param"] = piece.view_as(x)
         self.adamw = torch.optim.AdamW([self.main_params], lr=lr, fused=True)
 
     @torch.no_grad()
@@ -358,10 +350,8 @@ def measure_trainer(trainer: Trainer, tp: TensorParallelGroup, strategy: Strateg
     steady = categories(tracker.get_tracker_snapshot("current"))
     with tracker:
         trainer.step()
-    snapshot = tracker.get_tracker_snapshot("peak")
-    peak = categories(snapshot)
-    total = sum(peak.values())
-    return StepMeasurement(strategy.name, tp.size, tp.mode, steady, peak, total, tracker.moment)
+    peak = categories(tracker.get_tracker_snapshot("peak"))
+    return StepMeasurement(strategy.name, tp.size, tp.mode, steady, peak, sum(peak.values()), tracker.moment)
 
 
 def categories(snapshot: dict) -> dict[str, int]:
@@ -376,24 +366,15 @@ def categories(snapshot: dict) -> dict[str, int]:
         if torch.device(device).type == "meta":
             continue
         for key, nbytes in device_snapshot.items():
-            name = getattr(key, "value", key)
-            if name in MEASURED_CATEGORIES:
-                category = MEASURED_CATEGORIES[name]
+            if (category := MEASURED_CATEGORIES.get(getattr(key, "value", key))) is not None:
                 out[category] = out.get(category, 0) + nbytes
     return out
 
 
 class MomentTracker(MemTracker):
-    """A MemTracker that also notes where it first reached its peak: the phase and the innermost active module.
-
-    MemTracker's module tracker keeps a set of active modules, not their nesting, and in
-    backward a module stays active until the gradient of its positional inputs is complete:
-    q, k and v projections that share one input are active together, and a module called
-    with keyword inputs only (transformers' attention) stays active to the end of backward.
-    So the hooks here keep the active modules in the order they were entered, and the
-    innermost is the last entered of those with no active submodule (a parent and its
-    child enter backward on the same gradient, in either order).
-    """
+    """A MemTracker that also notes where it first reached its peak: the phase and the innermost active module, the
+    last entered of those with no active submodule (MemTracker's own set of active modules does not say which:
+    docs/probe.md, "One whole step")."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -446,9 +427,6 @@ class MomentTracker(MemTracker):
 
 STEP_MODELS = {  # what --step runs, by --impl
     "megatron": "memcalc's own GPT", "hf": "transformers' LlamaForCausalLM", "torchtitan": "torchtitan's Llama3Model",
-    "megatron latent attention": "memcalc's own GPT with megatron-core's MLASelfAttention",
-    "megatron experts": "memcalc's own GPT with megatron-core's MoELayer",
-    "megatron latent attention and experts": "memcalc's own GPT with megatron-core's MLASelfAttention and MoELayer",
 }
 TOLERANCE = 0.01  # issue 8's bound: the peak and each of its categories within 1% of what MemTracker measured
 
@@ -493,9 +471,7 @@ class StepComparison:
 
     def rows(self, at: str = "peak") -> tuple[CategoryRow, ...]:
         """Each category and the total, at the peak ("peak") or before the step ("steady")."""
-        moment = self.predicted.peak if at == "peak" else self.predicted.steady
-        measured = self.measured.peak if at == "peak" else self.measured.steady
-        predicted = moment.by_category()
+        predicted, measured = getattr(self.predicted, at).by_category(), getattr(self.measured, at)
         rows = [CategoryRow(c, predicted[c], measured.get(c, 0)) for c in CATEGORIES]
         return (*rows, CategoryRow("total", sum(predicted.values()), sum(measured.values())))
 
@@ -526,7 +502,7 @@ def measure_step(config: ModelConfig, strategies: list[str], route: str | None =
     Every strategy's timeline is made before any step runs, so an unmodelled knob is named at once. `route`
     forces a mixture of experts' router (transformers' Mixtral and Qwen2-MoE, megatron-core's MoELayer): the timeline
     walks the balanced bound, which only the balanced route pins, or megatron's worst, which all-to-one pins
-    (transformers' grouped_mm experts: any forced route, `_any_route_pinned`).
+    (transformers' grouped_mm experts: any forced route, `_route_pins_bound`).
     """
     if config.impl not in STEP_MODELS:
         raise ConfigError(f"--step runs memcalc's own Megatron-style model, transformers' LlamaForCausalLM with"
@@ -539,14 +515,14 @@ def measure_step(config: ModelConfig, strategies: list[str], route: str | None =
     accounting = Accounting(exact=True, device=device)
     planned = [(STRATEGIES[name], timeline(config, check_strategy(config, STRATEGIES[name]), accounting))
                for name in strategies]
-    if config.moe and not (routing_fixed(config, route) or _pins_worst(config, route)
-                           or _any_route_pinned(config, route)):
+    if config.moe and not _route_pins_bound(config, route):
         raise ConfigError(f"--step on a mixture of experts needs --route balanced with moe_tokens balanced (or, with"
                           f" --impl megatron, --route all-to-one with moe_tokens worst; not"
                           f" {route or 'the real router'}, {config.moe_tokens}; transformers' grouped_mm experts: any"
                           " forced route): the step timeline walks the bound, which only the forced route pins")
     model = _model(config, route)
     _check_fits(planned)
+    trainer = _trainer(config)
     out = []
     for strategy, predicted in planned:
         mode = Mode.FAKE if strategy.tensor_parallel and config.t > 1 or config.dp_shard else Mode.SINGLE
@@ -555,56 +531,51 @@ def measure_step(config: ModelConfig, strategies: list[str], route: str | None =
         t = (config.dp_replicate or 1) * (config.dp_shard or 1) * tp if mode is Mode.FAKE else 1
         routed = (route,) if config.moe else ()  # only the MoE runners take one
         routed = (route, device) if device != "cpu" else routed  # torchtitan's runner takes the device after it
-        (measured,) = run(_step_runner(_trained(config), config.dp_shard is not None), (config, strategy, *routed),
-                          mode=mode, t=t)
+        (measured,) = run(trainer, (config, strategy, *routed), mode=mode, t=t)
         out.append(StepComparison(strategy, mode, predicted, measured, model, device))
     return out
 
 
-def _pins_worst(config: ModelConfig, route: str | None) -> bool:
-    """Whether the forced all-to-one route pins the worst bound the MoE walk takes: every rank's tokens' k slots on the
-    same k experts (megatron's walk, memcalc.sizing.timeline.megatron_moe.expert_slots; torchtitan's at ep > 1)."""
+def _route_pins_bound(config: ModelConfig, route: str | None) -> bool:
+    """Whether the forced route pins the bound the MoE walk takes: balanced the balanced bound (`routing_fixed`);
+    all-to-one the worst, where every rank's tokens' k slots land on the same k experts (megatron's walk,
+    memcalc.sizing.timeline.megatron_moe.expert_slots; torchtitan's at ep > 1); any forced route the balanced bound
+    where all k*b*s slots sit in one storage a tensor, whatever each expert's count (transformers' grouped_mm experts,
+    torchtitan's GroupedExperts at ep = 1: memcalc.sizing.timeline.hf_moe, torchtitan_moe)."""
     experts_apart = config.impl == "megatron" or config.impl == "torchtitan" and config.ep > 1
-    return experts_apart and route == "all-to-one" and config.moe_tokens == "worst"
-
-
-def _any_route_pinned(config: ModelConfig, route: str | None) -> bool:
-    """Whether a forced route other than balanced pins the step too: transformers' grouped_mm experts, and
-    torchtitan's GroupedExperts at ep = 1, keep all k*b*s slots in one storage a tensor, whatever each expert's count
-    (memcalc.sizing.timeline.hf_moe, torchtitan_moe)."""
     grouped = config.impl == "hf" and config.experts_implementation == "grouped_mm" or \
         config.impl == "torchtitan" and config.ep == 1
-    return grouped and route is not None and config.moe_tokens == "balanced"
+    return (routing_fixed(config, route) or experts_apart and route == "all-to-one" and config.moe_tokens == "worst"
+            or grouped and route is not None and config.moe_tokens == "balanced")
 
 
-# The step trainers of the libraries' own models, by (the model `_trained` names, under FSDP2): module and function,
-# imported only when a step runs (each imports its library: an optional extra). Every other case trains memcalc's own
-# GPT.
+# The step trainers of the libraries' own models, by (--impl, under FSDP2): module and function, imported only when a
+# step runs (each imports its library: an optional extra). megatron's trains memcalc's GPT with megatron-core's
+# modules (`_megatron_modules`); every other case trains memcalc's own GPT.
 STEP_TRAINERS = {
     ("hf", False): ("memcalc.probe.libs.hf_step", "measure_hf_step_on_rank"),
     ("hf", True): ("memcalc.probe.libs.hf_fsdp", "measure_hf_fsdp_step_on_rank"),
     ("torchtitan", False): ("memcalc.probe.libs.torchtitan_step", "measure_torchtitan_step_on_rank"),
     ("torchtitan", True): ("memcalc.probe.libs.torchtitan_step", "measure_torchtitan_fsdp_step_on_rank"),
-    **{(megatron, False): ("memcalc.probe.libs.megatron_step", "measure_megatron_step_on_rank") for megatron in (
-        "megatron latent attention", "megatron experts", "megatron latent attention and experts")},
+    ("megatron", False): ("memcalc.probe.libs.megatron_step", "measure_megatron_step_on_rank"),
 }
 
 
-def _trained(config: ModelConfig) -> str:
-    """The STEP_TRAINERS key's model: --impl, or for megatron megatron-core's latent attention (kv_lora_rank), its
-    mixture of experts (num_experts) or both in memcalc's GPT."""
-    modules = [x for x, used in (("latent attention", config.mla), ("experts", config.moe)) if used]
-    return " ".join(("megatron", " and ".join(modules))) if config.impl == "megatron" and modules else config.impl
+def _megatron_modules(config: ModelConfig) -> list[str]:
+    """megatron-core's modules memcalc's GPT takes under --impl megatron: for latent attention (kv_lora_rank), for a
+    mixture of experts (num_experts), or both."""
+    used = (("MLASelfAttention", config.mla), ("MoELayer", config.moe)) if config.impl == "megatron" else ()
+    return [module for module, uses in used if uses]
 
 
-def _step_runner(impl: str, sharded: bool = False) -> Callable[..., StepMeasurement]:
-    """memcalc's own GPT, or the model from `STEP_TRAINERS` (impl hf: transformers' own; `sharded`: under FSDP2; impl
-    torchtitan: its Llama3Model; megatron's latent attention or experts: memcalc's GPT with megatron-core's module),
-    imported only then; the MoE runners take the route too."""
-    if (impl, sharded) not in STEP_TRAINERS:
+def _trainer(config: ModelConfig) -> Callable[..., StepMeasurement]:
+    """memcalc's own GPT's step, or the one `STEP_TRAINERS` names, imported only then; the MoE runners take the
+    route too."""
+    key = (config.impl, config.dp_shard is not None)
+    if key not in STEP_TRAINERS or config.impl == "megatron" and not _megatron_modules(config):
         return measure_step_on_rank
-    runner(impl.split()[0])  # ProbeError naming the extra to install when the library is missing
-    module, function = STEP_TRAINERS[impl, sharded]
+    runner(config.impl)  # ProbeError naming the extra to install when the library is missing
+    module, function = STEP_TRAINERS[key]
     return getattr(importlib.import_module(module), function)
 
 
@@ -616,7 +587,8 @@ def _model(config: ModelConfig, route: str | None) -> str:
         return f"{STEP_MODELS[config.impl]} with its Qwen3 MoE layers{forced}"
     if config.impl == "hf":
         return f"transformers' {layer_family(config).architectures[0]}{forced}"
-    return STEP_MODELS[_trained(config)] + forced
+    modules = " and ".join(_megatron_modules(config))
+    return STEP_MODELS[config.impl] + (f" with megatron-core's {modules}" if modules else "") + forced
 
 
 def _check_fits(planned: list[tuple[Strategy, Timeline]]) -> None:
