@@ -6,6 +6,7 @@ block".
 
 from __future__ import annotations
 
+import functools
 import warnings
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
@@ -143,32 +144,42 @@ def build_block(config: ModelConfig, tp: TensorParallelGroup, strategy: Strategy
             block.parallelize(dims)
         torch.manual_seed(WEIGHT_SEED)  # every rank draws the same full weights and keeps its shard of them
         block.init_states()
-    if config.recompute == "full":
-        return activation_checkpoint.FullAC.Config().build()._wrap_block(block)
-    if config.recompute == "op":
-        return activation_checkpoint.SelectiveAC.Config().build()._wrap_block(block)
-    return block
+    policy = ac_config(config)
+    return block if policy is None else policy.build()._wrap_block(block)
+
+
+def ac_config(config: ModelConfig) -> Any:
+    """torchtitan's activation checkpointing config object for `recompute` (its trainer's activation_checkpoint):
+    full, FullAC's; op, SelectiveAC's; none, None."""
+    policies = {"full": activation_checkpoint.FullAC.Config, "op": activation_checkpoint.SelectiveAC.Config,
+                "none": lambda: None}
+    if config.recompute not in policies:
+        raise ProbeError(f"impl torchtitan: recompute {config.recompute} is not torchtitan's; use none, op or full")
+    return policies[config.recompute]()
 
 
 @contextmanager
 def tensor_parallel(tp: TensorParallelGroup, ep: int = 1) -> Iterator[ParallelDims | None]:
     """torchtitan's TP runtime over the probe's group (the whole world), its experts over `ep` of its ranks (the TP
-    ranks, as torchtitan borrows them): None for t = 1, which has no plan."""
-    if tp.size == 1:
-        yield None
-        return
-    dist_utils.set_spmd_backend(SPMD_BACKEND)
-    dims = ParallelDims(
-        dp_replicate=1, dp_shard=1, cp=1, tp=tp.size, pp=1, ep=ep, world_size=tp.size, spmd_backend=SPMD_BACKEND
-    )
-    with shim.mesh_device(tp.device.type):
-        dims.build_mesh()
-    set_spmd_meshes(dense_mesh=dims.spmd_dense_mesh(), sparse_mesh=dims.spmd_sparse_mesh())
-    try:
-        with set_current_spmd_mesh(dims.spmd_dense_mesh()), shim.every_rank_routes_alike():
-            yield dims
-    finally:
-        set_spmd_meshes(dense_mesh=None, sparse_mesh=None)
+    ranks, as torchtitan borrows them), its collectives' deprecation warnings and the CPU's refusal of the MoE
+    router's autocast(float32) (the shim runs it) silenced: None for t = 1, which has no plan."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", DEPRECATED_COLLECTIVES, FutureWarning)
+        warnings.filterwarnings("ignore", CPU_AUTOCAST_FP32, UserWarning)
+        if tp.size == 1:
+            yield None
+            return
+        dist_utils.set_spmd_backend(SPMD_BACKEND)
+        dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=tp.size, pp=1, ep=ep, world_size=tp.size,
+                            spmd_backend=SPMD_BACKEND)
+        with shim.mesh_device(tp.device.type):
+            dims.build_mesh()
+        set_spmd_meshes(dense_mesh=dims.spmd_dense_mesh(), sparse_mesh=dims.spmd_sparse_mesh())
+        try:
+            with set_current_spmd_mesh(dims.spmd_dense_mesh()), shim.every_rank_routes_alike():
+                yield dims
+        finally:
+            set_spmd_meshes(dense_mesh=None, sparse_mesh=None)
 
 
 def block_input(config: ModelConfig, tp: TensorParallelGroup, strategy: Strategy) -> torch.Tensor:
@@ -316,7 +327,7 @@ class AtenLabels(TorchDispatchMode):
 
     def __enter__(self) -> AtenLabels:
         for name, module in self._root.named_modules():
-            self._handles.append(module.register_forward_pre_hook(self._entered(name)))
+            self._handles.append(module.register_forward_pre_hook(functools.partial(self._entered, name)))
             self._handles.append(module.register_forward_hook(self._left))
         return super().__enter__()
 
@@ -325,10 +336,8 @@ class AtenLabels(TorchDispatchMode):
         for handle in self._handles:
             handle.remove()
 
-    def _entered(self, name: str) -> Callable:
-        def hook(module: torch.nn.Module, args: tuple) -> None:
-            self._stack.append((name, {}))
-        return hook
+    def _entered(self, name: str, module: torch.nn.Module, args: tuple) -> None:
+        self._stack.append((name, {}))
 
     def _left(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
         self._stack.pop()
@@ -342,13 +351,12 @@ class AtenLabels(TorchDispatchMode):
             calls[op] = nth + 1
             for rule in self._rules:
                 if rule.op == op and rule.nth == nth and fnmatchcase(name, rule.module):
-                    target = args[rule.arg] if rule.output is None else _output(result, rule.output)
+                    if rule.output is None:
+                        target = args[rule.arg]
+                    else:
+                        target = result[rule.output] if isinstance(result, (tuple, list)) else result
                     label(rule.view(target) if rule.view else target, rule.tensor)
         return result
-
-
-def _output(result: Any, index: int) -> torch.Tensor:
-    return result[index] if isinstance(result, (tuple, list)) else result
 
 
 class _KeptUntilBackward(torch.autograd.Function):
@@ -362,12 +370,6 @@ class _KeptUntilBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         return (grad, *(None for _ in ctx.saved_tensors))
-
-
-def _hand_to_recorder(kept: list[torch.Tensor]) -> None:
-    """The op outputs SelectiveAC caches (kept until backward's recompute) reach the active recorder's pack hook."""
-    if kept:
-        _KeptUntilBackward.apply(torch.zeros(0, requires_grad=True), *kept)
 
 
 # -- the runner ---------------------------------------------------------------------
@@ -387,9 +389,6 @@ def run_layer(
     if route is not None and not config.moe:
         raise ProbeError(f"--route {route} forces a MoE router: the config has no experts (set num_experts)")
     with ExitStack() as stack:
-        stack.enter_context(warnings.catch_warnings())
-        warnings.filterwarnings("ignore", DEPRECATED_COLLECTIVES, FutureWarning)
-        warnings.filterwarnings("ignore", CPU_AUTOCAST_FP32, UserWarning)
         dims = stack.enter_context(tensor_parallel(tp, config.ep))
         stack.enter_context(shim.cuda_like_op_checkpointing())
         caches = stack.enter_context(shim.op_checkpoint_caches())
@@ -401,7 +400,9 @@ def run_layer(
         with SavedTensorRecorder(state) as recorder:
             with Labels(block, library_rules(config, tp.size)), AtenLabels(block, aten_rules()):
                 y = block(x, None, None)
-            _hand_to_recorder(shim.cached_tensors(caches))
+            cached = shim.cached_tensors(caches)  # the op outputs SelectiveAC keeps until backward's recompute
+            if cached:
+                _KeptUntilBackward.apply(torch.zeros(0, requires_grad=True), *cached)
         log.phase = "backward"
         y.backward(torch.ones_like(y))
     if collectives is not None:
