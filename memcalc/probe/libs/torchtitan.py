@@ -71,7 +71,8 @@ def model_config(config: ModelConfig, sequence_parallel: bool, layers: int, voca
                  flex: bool = False) -> Any:
     """torchtitan's Llama3Model config at memcalc's sizes (as its flavours build it, untied), TP plan filled in;
     with experts the layers `is_moe_layer` picks are its Qwen3 MoE decoder layers (`moe_block_config`). `flex`: its
-    own attention, flex (CUDA's), else the SDPA stand-in."""
+    own attention, flex (CUDA's), which the shim runs on a CPU (flex_on_cpu); else the SDPA stand-in (flex has no
+    CPU backward)."""
     model = _llama3_config(config, sequence_parallel, layers, vocab_size, flex)
     model.layers = [moe_block_config(config, block, sequence_parallel) if config.is_moe_layer(i) else block
                     for i, block in enumerate(model.layers)]
@@ -80,11 +81,8 @@ def model_config(config: ModelConfig, sequence_parallel: bool, layers: int, voca
 
 def _llama3_config(config: ModelConfig, sequence_parallel: bool, layers: int, vocab_size: int,
                    flex: bool = False) -> Any:
-    """torchtitan's Llama3Model config, every block Llama3's, TP plan filled in.
-
-    Each block's attention is torchtitan's ScaledDotProductAttention (flex has no CPU backward), or with `flex` its
-    default FlexAttention, which the shim runs on a CPU (flex_on_cpu).
-    """
+    """torchtitan's Llama3Model config, every block Llama3's (its attention as `model_config` says), TP plan
+    filled in."""
     blocks = _build_llama3_layers(
         n_layers=layers, dim=config.h, n_heads=config.a, n_kv_heads=config.groups, hidden_dim=config.ffn,
         rope=_rope(config), fuse_qkv=True, attn_backend="flex",
@@ -104,13 +102,9 @@ def _llama3_config(config: ModelConfig, sequence_parallel: bool, layers: int, vo
 
 
 def moe_block_config(config: ModelConfig, llama3: Any, sequence_parallel: bool) -> Any:
-    """torchtitan's Qwen3 MoE decoder layer from its own builder, with the Llama3 block's attention and norms.
-
-    The builder makes Qwen3TransformerBlock with its MoE (the "standard" dispatcher, local at EP=1, and
-    GroupedExperts); its Qwen3 attention's QK norm and head_dim are not modelled, so the block takes the
-    Llama3 attention measured above. The knobs pick the rest: the router's score function, route_norm
-    (moe_router_pre_softmax false) and shared experts, a FeedForward of width u initialised as Llama3's.
-    """
+    """torchtitan's Qwen3 MoE decoder layer from its own builder (its MoE: the "standard" dispatcher, local at EP=1,
+    and GroupedExperts), with the Llama3 block's attention and norms: its Qwen3 attention's QK norm and head_dim are
+    not modelled. The knobs pick the router and the shared experts, a FeedForward initialised as Llama3's."""
     layer = _build_qwen3_moe_layers(
         n_layers=1, dim=config.h, n_heads=config.a, n_kv_heads=config.groups, head_dim=config.h // config.a,
         moe_hidden_dim=config.expert_ffn, num_experts=config.num_experts, top_k=config.moe_router_topk,

@@ -194,9 +194,8 @@ def _end_bytes(config: ModelConfig, strategy: Strategy, accounting: Accounting) 
     """The bytes of what the model's ends keep on this rank: the final norm's (named in
     memcalc.model.impls.torchtitan as the block's norms are) and lm_head's input."""
     sizes = end_sizes(config, strategy)
-    norm = rules.norm_block(rules.FINAL_NORM, accounting)
     out = {x.name: element_bytes(x.kind, config, accounting) * prod(rank_shape(x, strategy, sizes, config.t))
-           for x in norm}
+           for x in rules.norm_block(rules.FINAL_NORM, accounting)}
     # lm_head keeps its input all-gathered along s (its plan declares it Replicate), as the blocks' linears do
     return out | {ledger.OUTPUT_INPUT.name: DTYPE_BYTES[config.dtype] * config.b * config.s * config.h}
 
