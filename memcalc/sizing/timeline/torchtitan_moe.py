@@ -193,7 +193,8 @@ def _dispatch(p: str, z: Sizes, config: ModelConfig, shared: bool) -> tuple[Op, 
 
 def _exchange(p: str, z: Sizes, config: ModelConfig, sizes: Slots) -> tuple[Op, ...]:
     """AllToAllTokenDispatcher (ep > 1): the counts and the rows all-to-all'd, then _permute's rank- to expert-major
-    reorder (docs/timeline.md, "torchtitan's MoE"); in backward the index's gradient put back, the all-to-all reversed."""
+    reorder (docs/timeline.md, "torchtitan's MoE"); in backward the index's gradient put back, the all-to-all
+    reversed."""
     n, g, e, ep = f"{p}/moe", f"grad/{p}/moe", config.num_experts, config.ep
     r = 8 * sizes.received  # an int64 (r/t,) index
     received, rows = z.act * sizes.received * z.h, z.act * sizes.sent * z.h
