@@ -38,10 +38,9 @@ def _rmsnorm(prefix: str, before: str) -> RMSNormTensors:
             (Dim.B, Dim.S), Kind.FP32, _SEQ, ledger.WHY_NORM_RSTD + ", in fp32 (opmath) for a bf16 input", paper=False,
         ),
         input_fp32=SavedTensor(
-            f"{prefix}/input_fp32",
-            f"{by} {_COMPOSITE}: input.to(float32) (in fp32 the input itself), kept by pow and x * rstd",
-            _BSH,
-            Kind.FP32, _SEQ, "d(x * rstd) and d(mean(x^2)) need x; the composite keeps its fp32 upcast, not x",
+            f"{prefix}/input_fp32", f"{by} {_COMPOSITE}: input.to(float32) (in fp32 the input itself), kept by pow and"
+            " x * rstd", _BSH, Kind.FP32, _SEQ,
+            "d(x * rstd) and d(mean(x^2)) need x; the composite keeps its fp32 upcast, not x",
         ),
         normed_fp32=SavedTensor(
             f"{prefix}/normed_fp32", f"{by} {_COMPOSITE}: x * rstd, kept by the multiply with the weight", _BSH,
@@ -196,11 +195,6 @@ def attention_block(accounting: Accounting) -> tuple[SavedTensor, ...]:
     return (QKV_IN, *rope, ledger.Q, ledger.K, ledger.V, ledger.SOFTMAX_LSE, ledger.PROJ_IN)
 
 
-def mlp_block() -> tuple[SavedTensor, ...]:
-    """The gathered w1/w3 input, SiLU's input, both factors of the product, w2's input."""
-    return (FC1_IN, ledger.SWIGLU_GATE, ledger.SWIGLU_UP, ledger.SWIGLU_SILU_OUT, ledger.FC2_IN)
-
-
 def op_checkpoint(knobs: Any, moe: bool | None = None) -> tuple[SavedTensor, ...]:
     """SelectiveAC's saved op outputs, and the block's input: wqkv's matmul (the first), the attention kernel's,
     then a FeedForward's w1 and w2 (the third and fifth matmuls; wo's and w3's, the even ones, are recomputed). In a
@@ -232,7 +226,9 @@ def layer_tensors(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]
         return (ledger.LAYER_INPUT,)
     if knobs.recompute == "op":
         return drop_small(op_checkpoint(knobs), accounting)
-    mlp = moe_block(knobs) if knobs.moe else mlp_block()
+    # a FeedForward: the gathered w1/w3 input, SiLU's input, both factors of the product, w2's input
+    mlp = moe_block(knobs) if knobs.moe else (FC1_IN, ledger.SWIGLU_GATE, ledger.SWIGLU_UP, ledger.SWIGLU_SILU_OUT,
+                                              ledger.FC2_IN)
     blocks = norm_block(LN1, accounting) + attention_block(accounting) + norm_block(LN2, accounting) + mlp
     return drop_small(blocks, accounting)
 

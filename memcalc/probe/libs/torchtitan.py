@@ -6,6 +6,7 @@ block".
 
 from __future__ import annotations
 
+import functools
 import warnings
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
@@ -70,7 +71,8 @@ def model_config(config: ModelConfig, sequence_parallel: bool, layers: int, voca
                  flex: bool = False) -> Any:
     """torchtitan's Llama3Model config at memcalc's sizes (as its flavours build it, untied), TP plan filled in;
     with experts the layers `is_moe_layer` picks are its Qwen3 MoE decoder layers (`moe_block_config`). `flex`: its
-    own attention, flex (CUDA's), else the SDPA stand-in."""
+    own attention, flex (CUDA's), which the shim runs on a CPU (flex_on_cpu); else the SDPA stand-in (flex has no
+    CPU backward)."""
     model = _llama3_config(config, sequence_parallel, layers, vocab_size, flex)
     model.layers = [moe_block_config(config, block, sequence_parallel) if config.is_moe_layer(i) else block
                     for i, block in enumerate(model.layers)]
@@ -79,11 +81,8 @@ def model_config(config: ModelConfig, sequence_parallel: bool, layers: int, voca
 
 def _llama3_config(config: ModelConfig, sequence_parallel: bool, layers: int, vocab_size: int,
                    flex: bool = False) -> Any:
-    """torchtitan's Llama3Model config, every block Llama3's, TP plan filled in.
-
-    Each block's attention is torchtitan's ScaledDotProductAttention (flex has no CPU backward), or with `flex` its
-    default FlexAttention, which the shim runs on a CPU (flex_on_cpu).
-    """
+    """torchtitan's Llama3Model config, every block Llama3's (its attention as `model_config` says), TP plan
+    filled in."""
     blocks = _build_llama3_layers(
         n_layers=layers, dim=config.h, n_heads=config.a, n_kv_heads=config.groups, hidden_dim=config.ffn,
         rope=_rope(config), fuse_qkv=True, attn_backend="flex",
@@ -103,13 +102,9 @@ def _llama3_config(config: ModelConfig, sequence_parallel: bool, layers: int, vo
 
 
 def moe_block_config(config: ModelConfig, llama3: Any, sequence_parallel: bool) -> Any:
-    """torchtitan's Qwen3 MoE decoder layer from its own builder, with the Llama3 block's attention and norms.
-
-    The builder makes Qwen3TransformerBlock with its MoE (the "standard" dispatcher, local at EP=1, and
-    GroupedExperts); its Qwen3 attention's QK norm and head_dim are not modelled, so the block takes the
-    Llama3 attention measured above. The knobs pick the rest: the router's score function, route_norm
-    (moe_router_pre_softmax false) and shared experts, a FeedForward of width u initialised as Llama3's.
-    """
+    """torchtitan's Qwen3 MoE decoder layer from its own builder (its MoE: the "standard" dispatcher, local at EP=1,
+    and GroupedExperts), with the Llama3 block's attention and norms: its Qwen3 attention's QK norm and head_dim are
+    not modelled. The knobs pick the router and the shared experts, a FeedForward initialised as Llama3's."""
     layer = _build_qwen3_moe_layers(
         n_layers=1, dim=config.h, n_heads=config.a, n_kv_heads=config.groups, head_dim=config.h // config.a,
         moe_hidden_dim=config.expert_ffn, num_experts=config.num_experts, top_k=config.moe_router_topk,
@@ -143,32 +138,42 @@ def build_block(config: ModelConfig, tp: TensorParallelGroup, strategy: Strategy
             block.parallelize(dims)
         torch.manual_seed(WEIGHT_SEED)  # every rank draws the same full weights and keeps its shard of them
         block.init_states()
-    if config.recompute == "full":
-        return activation_checkpoint.FullAC.Config().build()._wrap_block(block)
-    if config.recompute == "op":
-        return activation_checkpoint.SelectiveAC.Config().build()._wrap_block(block)
-    return block
+    policy = ac_config(config)
+    return block if policy is None else policy.build()._wrap_block(block)
+
+
+def ac_config(config: ModelConfig) -> Any:
+    """torchtitan's activation checkpointing config object for `recompute` (its trainer's activation_checkpoint):
+    full, FullAC's; op, SelectiveAC's; none, None."""
+    policies = {"full": activation_checkpoint.FullAC.Config, "op": activation_checkpoint.SelectiveAC.Config,
+                "none": lambda: None}
+    if config.recompute not in policies:
+        raise ProbeError(f"impl torchtitan: recompute {config.recompute} is not torchtitan's; use none, op or full")
+    return policies[config.recompute]()
 
 
 @contextmanager
 def tensor_parallel(tp: TensorParallelGroup, ep: int = 1) -> Iterator[ParallelDims | None]:
     """torchtitan's TP runtime over the probe's group (the whole world), its experts over `ep` of its ranks (the TP
-    ranks, as torchtitan borrows them): None for t = 1, which has no plan."""
-    if tp.size == 1:
-        yield None
-        return
-    dist_utils.set_spmd_backend(SPMD_BACKEND)
-    dims = ParallelDims(
-        dp_replicate=1, dp_shard=1, cp=1, tp=tp.size, pp=1, ep=ep, world_size=tp.size, spmd_backend=SPMD_BACKEND
-    )
-    with shim.mesh_device(tp.device.type):
-        dims.build_mesh()
-    set_spmd_meshes(dense_mesh=dims.spmd_dense_mesh(), sparse_mesh=dims.spmd_sparse_mesh())
-    try:
-        with set_current_spmd_mesh(dims.spmd_dense_mesh()), shim.every_rank_routes_alike():
-            yield dims
-    finally:
-        set_spmd_meshes(dense_mesh=None, sparse_mesh=None)
+    ranks, as torchtitan borrows them), its collectives' deprecation warnings and the CPU's refusal of the MoE
+    router's autocast(float32) (the shim runs it) silenced: None for t = 1, which has no plan."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", DEPRECATED_COLLECTIVES, FutureWarning)
+        warnings.filterwarnings("ignore", CPU_AUTOCAST_FP32, UserWarning)
+        if tp.size == 1:
+            yield None
+            return
+        dist_utils.set_spmd_backend(SPMD_BACKEND)
+        dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=tp.size, pp=1, ep=ep, world_size=tp.size,
+                            spmd_backend=SPMD_BACKEND)
+        with shim.mesh_device(tp.device.type):
+            dims.build_mesh()
+        set_spmd_meshes(dense_mesh=dims.spmd_dense_mesh(), sparse_mesh=dims.spmd_sparse_mesh())
+        try:
+            with set_current_spmd_mesh(dims.spmd_dense_mesh()), shim.every_rank_routes_alike():
+                yield dims
+        finally:
+            set_spmd_meshes(dense_mesh=None, sparse_mesh=None)
 
 
 def block_input(config: ModelConfig, tp: TensorParallelGroup, strategy: Strategy) -> torch.Tensor:
@@ -316,7 +321,7 @@ class AtenLabels(TorchDispatchMode):
 
     def __enter__(self) -> AtenLabels:
         for name, module in self._root.named_modules():
-            self._handles.append(module.register_forward_pre_hook(self._entered(name)))
+            self._handles.append(module.register_forward_pre_hook(functools.partial(self._entered, name)))
             self._handles.append(module.register_forward_hook(self._left))
         return super().__enter__()
 
@@ -325,10 +330,8 @@ class AtenLabels(TorchDispatchMode):
         for handle in self._handles:
             handle.remove()
 
-    def _entered(self, name: str) -> Callable:
-        def hook(module: torch.nn.Module, args: tuple) -> None:
-            self._stack.append((name, {}))
-        return hook
+    def _entered(self, name: str, module: torch.nn.Module, args: tuple) -> None:
+        self._stack.append((name, {}))
 
     def _left(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
         self._stack.pop()
@@ -342,13 +345,12 @@ class AtenLabels(TorchDispatchMode):
             calls[op] = nth + 1
             for rule in self._rules:
                 if rule.op == op and rule.nth == nth and fnmatchcase(name, rule.module):
-                    target = args[rule.arg] if rule.output is None else _output(result, rule.output)
+                    if rule.output is None:
+                        target = args[rule.arg]
+                    else:
+                        target = result[rule.output] if isinstance(result, (tuple, list)) else result
                     label(rule.view(target) if rule.view else target, rule.tensor)
         return result
-
-
-def _output(result: Any, index: int) -> torch.Tensor:
-    return result[index] if isinstance(result, (tuple, list)) else result
 
 
 class _KeptUntilBackward(torch.autograd.Function):
@@ -362,12 +364,6 @@ class _KeptUntilBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         return (grad, *(None for _ in ctx.saved_tensors))
-
-
-def _hand_to_recorder(kept: list[torch.Tensor]) -> None:
-    """The op outputs SelectiveAC caches (kept until backward's recompute) reach the active recorder's pack hook."""
-    if kept:
-        _KeptUntilBackward.apply(torch.zeros(0, requires_grad=True), *kept)
 
 
 # -- the runner ---------------------------------------------------------------------
@@ -387,9 +383,6 @@ def run_layer(
     if route is not None and not config.moe:
         raise ProbeError(f"--route {route} forces a MoE router: the config has no experts (set num_experts)")
     with ExitStack() as stack:
-        stack.enter_context(warnings.catch_warnings())
-        warnings.filterwarnings("ignore", DEPRECATED_COLLECTIVES, FutureWarning)
-        warnings.filterwarnings("ignore", CPU_AUTOCAST_FP32, UserWarning)
         dims = stack.enter_context(tensor_parallel(tp, config.ep))
         stack.enter_context(shim.cuda_like_op_checkpointing())
         caches = stack.enter_context(shim.op_checkpoint_caches())
@@ -401,7 +394,9 @@ def run_layer(
         with SavedTensorRecorder(state) as recorder:
             with Labels(block, library_rules(config, tp.size)), AtenLabels(block, aten_rules()):
                 y = block(x, None, None)
-            _hand_to_recorder(shim.cached_tensors(caches))
+            cached = shim.cached_tensors(caches)  # the op outputs SelectiveAC keeps until backward's recompute
+            if cached:
+                _KeptUntilBackward.apply(torch.zeros(0, requires_grad=True), *cached)
         log.phase = "backward"
         y.backward(torch.ones_like(y))
     if collectives is not None:

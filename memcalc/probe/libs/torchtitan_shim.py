@@ -13,6 +13,7 @@ import sys
 import types
 from contextlib import contextmanager
 from typing import Any, Iterator
+from unittest import mock
 
 from memcalc.probe import require_torch, shims
 from memcalc.probe.libs.hf_shim import lead, route_lead
@@ -43,17 +44,11 @@ def stub_triton_kernels() -> None:
     sys.modules[_KERNELS] = stub
 
 
-@contextmanager
-def mesh_device(device_type: str) -> Iterator[None]:
+def mesh_device(device_type: str) -> Any:
     """While building a mesh: torchtitan's device type is the rank's, not its "cuda" fallback."""
     from torchtitan.distributed import parallel_dims
 
-    original = parallel_dims.device_type
-    parallel_dims.device_type = device_type
-    try:
-        yield
-    finally:
-        parallel_dims.device_type = original
+    return mock.patch.object(parallel_dims, "device_type", device_type)
 
 
 @contextmanager
@@ -94,12 +89,9 @@ def flex_on_cpu() -> Iterator[None]:
     are one document a row, so its block mask says the same), and its compiled create_block_mask runs as one op."""
     from torchtitan.models.common import attention, decoder
 
-    original = attention.FlexAttention.compiled_flex_attn, decoder.create_attention_mask
-    attention.FlexAttention.compiled_flex_attn, decoder.create_attention_mask = staticmethod(_flash), _block_mask
-    try:
-        yield
-    finally:
-        attention.FlexAttention.compiled_flex_attn, decoder.create_attention_mask = original
+    with mock.patch.object(attention.FlexAttention, "compiled_flex_attn", staticmethod(_flash)):
+        with mock.patch.object(decoder, "create_attention_mask", _block_mask):
+            yield
 
 
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None, enable_gqa: bool,
@@ -164,21 +156,13 @@ def _fused(norm: torch.nn.RMSNorm, kernel: Any) -> Any:
     return forward
 
 
-@contextmanager
-def cuda_like_op_checkpointing() -> Iterator[None]:
+def cuda_like_op_checkpointing() -> Any:
     """SelectiveAC saves the CPU flash-attention kernel's outputs too, as it saves its CUDA twins'."""
     from torchtitan.distributed import activation_checkpoint
 
     original = activation_checkpoint._get_default_save_ops
-
-    def save_ops() -> set:
-        return original() | {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
-
-    activation_checkpoint._get_default_save_ops = save_ops
-    try:
-        yield
-    finally:
-        activation_checkpoint._get_default_save_ops = original
+    cpu_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    return mock.patch.object(activation_checkpoint, "_get_default_save_ops", lambda: original() | {cpu_flash})
 
 
 @contextmanager
@@ -194,22 +178,13 @@ def op_checkpoint_caches() -> Iterator[list[dict]]:
         caches.append(contexts[0].storage)  # the caching mode's storage: {op: {call index: outputs}}
         return contexts
 
-    activation_checkpoint.create_selective_checkpoint_contexts = recording
-    try:
+    with mock.patch.object(activation_checkpoint, "create_selective_checkpoint_contexts", recording):
         yield caches
-    finally:
-        activation_checkpoint.create_selective_checkpoint_contexts = original
 
 
 def cached_tensors(caches: list[dict]) -> list[torch.Tensor]:
     """Every tensor the caches hold (outputs torch.utils.checkpoint keeps until the recompute in backward)."""
-    leaves = [
-        leaf
-        for cache in caches
-        for calls in cache.values()
-        for outputs in calls.values()
-        for leaf in torch.utils._pytree.tree_leaves(outputs)
-    ]
+    leaves = torch.utils._pytree.tree_leaves([calls for cache in caches for calls in cache.values()])
     values = [getattr(leaf, "val", None) for leaf in leaves]  # each output is wrapped to catch mutation
     return [v for v in values if isinstance(v, torch.Tensor)]
 
@@ -233,18 +208,14 @@ def route_gates(block: torch.nn.Module, route: str | None, k: int) -> None:
             torch.set_autocast_enabled("cpu", True)
 
     def restored(module: torch.nn.Module, args: tuple, logits: torch.Tensor) -> torch.Tensor:
-        if found:
-            _restore_cpu_autocast(*found.pop())
+        if found:  # the CPU autocast state as it was; off, its cache of casts (the gate's fp32 weight) goes too
+            enabled, dtype = found.pop()
+            torch.set_autocast_enabled("cpu", enabled)
+            torch.set_autocast_dtype("cpu", dtype)
+            if not enabled:
+                torch.clear_autocast_cache()
         return logits if route is None else logits + lead(logits.flatten(0, -2), route, k).view_as(logits)
 
     for gate in [m.gate for m in block.modules() if isinstance(m, TokenChoiceTopKRouter)]:
         gate.register_forward_pre_hook(fp32_on_cpu)
         gate.register_forward_hook(restored)
-
-
-def _restore_cpu_autocast(enabled: bool, dtype: Any) -> None:
-    """The CPU autocast state as it was; off, its cache of casts (the gate's fp32 weight) is dropped too."""
-    torch.set_autocast_enabled("cpu", enabled)
-    torch.set_autocast_dtype("cpu", dtype)
-    if not enabled:
-        torch.clear_autocast_cache()

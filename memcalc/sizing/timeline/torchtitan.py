@@ -51,7 +51,8 @@ def torchtitan_timeline(config: ModelConfig, strategy: Strategy, accounting: Acc
     tape.mark("steady", "", "model states between steps")
     saved = {x.tensor.name: x.bytes for x in (*every.tensors, *every.dense)}  # a MoE layer's, and a dense one's
     end = _end_bytes(unpadded, strategy, accounting)
-    hand_over = _hand_over(tape) if fsdp is None else _keep_grad(tape, fsdp)
+    # without FSDP2 a weight's bf16 gradient is added into the fp32 buffer and dropped as autograd hands it over
+    hand_over = (lambda where, name, nbytes: tape.drop(name)) if fsdp is None else _keep_grad(tape, fsdp)
     count, lookup = embedding_ops(z)
     *norm, lm_head, loss = output_ops(z, config)
     segments = [
@@ -189,18 +190,12 @@ def _keep_grad(tape: Tape, fsdp: Fsdp):
     return keep
 
 
-def _hand_over(tape: Tape):
-    """A weight's bf16 gradient, added into the fp32 buffer and dropped as soon as autograd hands it over."""
-    return lambda where, name, nbytes: tape.drop(name)
-
-
 def _end_bytes(config: ModelConfig, strategy: Strategy, accounting: Accounting) -> dict[str, int]:
     """The bytes of what the model's ends keep on this rank: the final norm's (named in
     memcalc.model.impls.torchtitan as the block's norms are) and lm_head's input."""
     sizes = end_sizes(config, strategy)
-    norm = rules.norm_block(rules.FINAL_NORM, accounting)
     out = {x.name: element_bytes(x.kind, config, accounting) * prod(rank_shape(x, strategy, sizes, config.t))
-           for x in norm}
+           for x in rules.norm_block(rules.FINAL_NORM, accounting)}
     # lm_head keeps its input all-gathered along s (its plan declares it Replicate), as the blocks' linears do
     return out | {ledger.OUTPUT_INPUT.name: DTYPE_BYTES[config.dtype] * config.b * config.s * config.h}
 
@@ -225,13 +220,16 @@ def linear(where: str, x: SavedTensor | None, out: Made, weight: int, dx: str, d
     return Op(where, forward=(Step("the GEMM", (out,)),), backward=(gemms, *summed), saves=(x,) if x else ())
 
 
-def rms_norm(where: str, z: Sizes, norm: rules.RMSNormTensors, p: str, out: Made, grad: str, dx: str,
-             frees: tuple[str, ...] = ()) -> Op:
-    """nn.RMSNorm on a CPU: torch's rms_norm_composite, op by op, and its backward through autograd.
+def norm(where: str, z: Sizes, norm: rules.RMSNormTensors, p: str, out: Made, grad: str, dx: str, x: str,
+         frees: tuple[str, ...] = ()) -> Op:
+    """nn.RMSNorm: on CUDA torch's fused kernel (`fused_rms_norm`, keeping its input `x` itself), on a CPU torch's
+    rms_norm_composite, op by op, and its backward through autograd.
 
-    Forward keeps the fp32 input, the rstd and x * rstd (the ledger's); `frees` go once the output is made. Backward
-    ends with dX cast back to bf16 (`dx`).
+    The composite's forward keeps the fp32 input, the rstd and x * rstd (the ledger's); `frees` go once the output
+    is made. Backward ends with dX cast back to bf16 (`dx`).
     """
+    if z.cuda:
+        return fused_rms_norm(where, z, norm, p, out, grad, dx, x)
     tokens = z.b * z.s_seq  # under SP the norm runs on this rank's sequence shard
     n, full, row = f"{p}/{where}" if p else where, 4 * tokens * z.h, 4 * tokens
     fp32, rstd, normed = kept_names(p, norm.input_fp32, norm.rstd, norm.normed_fp32)
@@ -285,15 +283,6 @@ def rms_norm(where: str, z: Sizes, norm: rules.RMSNormTensors, p: str, out: Made
              frees=(f"{g}/dx fp32",)),
     )
     return Op(where, forward, backward, saves=(norm.input_fp32, norm.rstd, norm.normed_fp32))
-
-
-def norm(where: str, z: Sizes, tensors: rules.RMSNormTensors, p: str, out: Made, grad: str, dx: str, x: str,
-         frees: tuple[str, ...] = ()) -> Op:
-    """nn.RMSNorm on the walk's device: on CUDA torch's fused kernel (`fused_rms_norm`), keeping its input `x` itself,
-    else the CPU composite (`rms_norm`)."""
-    if not z.cuda:
-        return rms_norm(where, z, tensors, p, out, grad, dx, frees)
-    return fused_rms_norm(where, z, tensors, p, out, grad, dx, x)
 
 
 def fused_rms_norm(where: str, z: Sizes, tensors: rules.RMSNormTensors, p: str, out: Made, grad: str, dx: str,
@@ -391,7 +380,8 @@ def block_ops(i: int, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     x, out, mid = f"{p}/input", f"layers.{i + 1}/input", kept_name(p, rules.LN2.input) if z.cuda else f"{p}/mid"
     gx, gout, gmid = f"grad/{p}/input", f"grad/layers.{i + 1}/input", f"grad/{p}/mid"
     h, q, kv = z.seq(z.h), z.tokens(z.act * z.a_t * z.d), z.tokens(z.act * z.g_t * z.d)
-    f = z.tokens(z.act * z.f_t)
+    attention = (*attention_ops(p, z, mid, gmid, gx, h, q, kv),
+                 residual(p, "ffn_norm", f"grad/{p}/ffn_norm dx", gout, gmid, h, z.cuda))
     if config.is_moe_layer(i):
         shared = bool(config.moe_shared_expert_intermediate_size)
         # the MoE's input: the norm's output, under SP at ep = 1 gathered at the MoE's entry (kept by the shared
@@ -401,22 +391,19 @@ def block_ops(i: int, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
         if not gathered:
             moe_in = Made(f"{p}/ffn_norm out", h, "bf16, the MoE's input") if z.sp else moe_in
         return (
-            *attention_ops(p, z, mid, gmid, gx, h, q, kv),
-            residual(p, "ffn_norm", f"grad/{p}/ffn_norm dx", gout, gmid, h, z.cuda),
+            *attention,
             norm("ffn_norm", z, rules.LN2, p, Made(f"{p}/ffn_norm out", h, "bf16") if z.sp else moe_in,
                  f"grad/{p}/ffn_norm dy" if gathered else f"grad/{p}/ffn_norm out", f"grad/{p}/ffn_norm dx", mid),
             *(gather("moe", z, p, moe_in, f"grad/{p}/ffn_norm out", f"grad/{p}/ffn_norm dy") if gathered else ()),
-            *moe_ops(p, z, config, moe_in.name,
-                     shared_experts_ops(p, z, config) if shared else (), reduce_scatter),
+            *moe_ops(p, z, config, moe_in.name, shared_experts_ops(p, z, config) if shared else (), reduce_scatter),
             _second_residual(p, x, mid, out, f"{p}/ffn out", h, z.cuda),
         )
     return (
-        *attention_ops(p, z, mid, gmid, gx, h, q, kv),
-        residual(p, "ffn_norm", f"grad/{p}/ffn_norm dx", gout, gmid, h, z.cuda),
+        *attention,
         norm("ffn_norm", z, rules.LN2, p, _norm_out(z, p, "ffn_norm", rules.FC1_IN),
              f"grad/{p}/ffn_norm dy" if z.t > 1 else f"grad/{p}/ffn_norm out", f"grad/{p}/ffn_norm dx", mid),
         *gather("feed_forward", z, p, kept(p, rules.FC1_IN), f"grad/{p}/ffn_norm out", f"grad/{p}/ffn_norm dy"),
-        *feed_forward_ops(p, z, x, mid, out, h, f),
+        *feed_forward_ops(p, z, x, mid, out, h),
     )
 
 
@@ -516,9 +503,9 @@ def rope_ops(p: str, z: Sizes, q: int, kv: int) -> Op:
         saves=(rules.ROPE_CACHE,) if z.cuda else ())
 
 
-def feed_forward_ops(p: str, z: Sizes, x: str, mid: str, out: str, h: int, f: int) -> tuple[Op, ...]:
+def feed_forward_ops(p: str, z: Sizes, x: str, mid: str, out: str, h: int) -> tuple[Op, ...]:
     """w1, SiLU, w3, the product, w2 and the second residual sum (the block's output)."""
-    m, g, w = "feed_forward", f"grad/{p}/feed_forward", z.act * z.f_t * z.h
+    m, g, w, f = "feed_forward", f"grad/{p}/feed_forward", z.act * z.f_t * z.h, z.tokens(z.act * z.f_t)
     full, dy = z.full(z.h), f"{g}/dY whole"  # w2's dY, all-gathered under SP
     w2_out = kept_name(p, rules.FC2_OUT)  # its partial sum under tp
     ffn_out = f"{p}/ffn out" if z.t > 1 else w2_out
@@ -715,10 +702,10 @@ def _loss_parallel(z: Sizes) -> Op:
     n, fp32, l, g = z.tokens(1), z.tokens(4 * z.v_t), "loss", "grad/loss"
     row, ids = z.tokens(4), z.tokens(8)
 
-    def labels(p: str, frees: tuple[str, ...] = ()) -> tuple[Step, ...]:
+    def labels(p: str) -> tuple[Step, ...]:
         """labels != IGNORE_INDEX, the safe labels, this rank's range and the local labels (forward and backward)."""
         return (
-            Step("labels != IGNORE_INDEX", (Made(f"{p}/valid", n, "bool"),), frees=frees),
+            Step("labels != IGNORE_INDEX", (Made(f"{p}/valid", n, "bool"),)),
             Step("0 as a tensor", (Made(f"{p}/zero", 8, "0-d int64"),)),
             Step("where: the safe labels", (Made(f"{p}/safe labels", ids, "int64"),), frees=(f"{p}/valid", f"{p}/zero")),
             Step("labels < the rank's first column", (Made(f"{p}/lt", n, "bool"),)),

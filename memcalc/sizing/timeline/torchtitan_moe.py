@@ -47,17 +47,14 @@ class Slots:
 GROUPED_WEIGHTS = {"w1": "w1_EFD", "w2": "w2_EDF", "w3": "w3_EFD"}
 
 
-def moe_ops(p: str, z: Sizes, config: ModelConfig, x: str, shared: tuple[Op, ...] = (),
-            reduce_scatter: Callable[..., tuple[Op, ...]] | None = None) -> tuple[Op, ...]:
+def moe_ops(p: str, z: Sizes, config: ModelConfig, x: str, shared: tuple[Op, ...],
+            reduce_scatter: Callable[..., tuple[Op, ...]]) -> tuple[Op, ...]:
     """The MoE on ffn_norm's output `x` (under SP gathered at its entry), its output f"{p}/ffn out"; in backward its
     input's gradient is f"grad/{p}/ffn_norm out". `shared`: the shared experts' ops (memcalc.sizing.timeline
     .torchtitan.shared_experts_ops: output f"{p}/moe/shared out" under SP, else the ledger's SHARED_FC2_OUT, input
     gradient f"grad/{p}/moe/shared dX"), which keep `x`; without them `x` goes as the MoE returns. `reduce_scatter`: the
-    block's (memcalc.sizing.timeline.torchtitan.reduce_scatter: SP's, or tp's f*), under TP.
-
-    Under its TP plan at ep = 1 (set_moe_sharding_config) every rank runs every token through its e/t-wide share of
-    each expert: the routed output a partial sum, under SP reduce-scattered as routed_experts returns (and the shared
-    experts' as their w2 does), under tp summed with the shared experts' and all-reduced as the MoE returns."""
+    block's (memcalc.sizing.timeline.torchtitan.reduce_scatter: SP's, or tp's f*), under TP: where each partial sum
+    goes under its TP plan is docs/timeline.md's, "torchtitan's MoE"."""
     n, split = f"{p}/moe", config.ep == 1  # the experts split in width (at t = 1: whole)
     all_reduced, scattered = split and z.t > 1 and not z.sp, split and z.sp
     final = f"{n}/partial" if all_reduced else f"{p}/ffn out"
@@ -195,10 +192,9 @@ def _dispatch(p: str, z: Sizes, config: ModelConfig, shared: bool) -> tuple[Op, 
 
 
 def _exchange(p: str, z: Sizes, config: ModelConfig, sizes: Slots) -> tuple[Op, ...]:
-    """AllToAllTokenDispatcher (ep > 1): the token counts exchanged and summed into the splits, the rows all-to-all
-    (output chunks, concatenated), then _permute's rank- to expert-major reorder: its int64 (E,) starts and lengths,
-    each received slot's segment and row (the index it keeps), the rows indexed: the experts' input. In backward the
-    index's gradient put back, then the all-to-all reversed."""
+    """AllToAllTokenDispatcher (ep > 1): the counts and the rows all-to-all'd, then _permute's rank- to expert-major
+    reorder (docs/timeline.md, "torchtitan's MoE"); in backward the index's gradient put back, the all-to-all
+    reversed."""
     n, g, e, ep = f"{p}/moe", f"grad/{p}/moe", config.num_experts, config.ep
     r = 8 * sizes.received  # an int64 (r/t,) index
     received, rows = z.act * sizes.received * z.h, z.act * sizes.sent * z.h
