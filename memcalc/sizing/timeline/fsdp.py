@@ -45,7 +45,7 @@ from dataclasses import dataclass, replace
 
 from memcalc.config.schema import ModelConfig
 from memcalc.model.knobs import DTYPE_BYTES
-from memcalc.sizing.timeline.tape import ACTIVATIONS, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, Tape
+from memcalc.sizing.timeline.tape import ACTIVATIONS, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, Tape, prod
 from memcalc.sizing.timeline.torchtitan_moe import GROUPED_WEIGHTS as W
 
 ROOT = "root"
@@ -55,10 +55,7 @@ OUTPUT = "norm+lm_head"  # torchtitan's last unit
 def _padded(shape: tuple[int, ...], shards: int, dim1: bool = False) -> int:
     """Elements of one parameter as FSDP2 stores it: dim 0 padded up to a multiple of `shards` (sharded on dim 1,
     which FSDP2 requires even, none)."""
-    rest = 1
-    for n in shape[1:]:
-        rest *= n
-    return shape[0] * rest if dim1 else -(-shape[0] // shards) * shards * rest
+    return prod(shape) if dim1 else -(-shape[0] // shards) * shards * prod(shape[1:])
 
 
 Param = tuple[str, tuple[int, ...]]  # a parameter's module path and its shape on this rank before FSDP2 shards it
@@ -207,23 +204,17 @@ class Fsdp:
     def unit(self, block: str) -> Unit:
         return next(u for u in self.units if u.name == block)
 
-    def shapes(self, block: str) -> tuple[tuple[int, ...], ...]:
-        return self.unit(block).shapes
-
     def unsharded(self, block: str, modules: Collection[str] | None = None) -> int:
         """Elements of a block gathered whole (each parameter padded), or of those of its parameters in `modules`."""
         return sum(_padded(shape, self.shards, m in self.dim1) for m, shape in self.unit(block).params
                    if modules is None or m in modules)
 
-    def blocks(self) -> tuple[str, ...]:
-        return tuple(u.name for u in self.units)
-
     # -- steady state -------------------------------------------------------------------------------
 
     def states(self, tape: Tape) -> None:
         """fp32 shards of every parameter, AdamW's m and v of them, and one 0-d step per parameter."""
-        shard = sum(self.unsharded(b) for b in self.blocks()) // self.shards
-        count = sum(len(self.shapes(b)) for b in self.blocks())
+        shard = sum(self.unsharded(u.name) for u in self.units) // self.shards
+        count = sum(len(u.params) for u in self.units)
         tape.add("states/weights", PARAMETERS, 4 * shard, f"fp32 DTensor shards (1/{self.shards} of each"
                  " parameter, dim 0 padded): the optimizer's copy itself")
         tape.add("states/adam_m", OPTIMIZER, 4 * shard, "AdamW's first moment of this rank's shards, fp32")
@@ -261,18 +252,14 @@ class Fsdp:
         # FSDP2 frees and regrows the same storages (resize_): gathered first in the step's forward, FSDPMemTracker
         # files them as an op's output (an activation) until FSDP2's pre-forward hook has run, then as the
         # unsharded parameters; gathered again in backward, they are known as such at once
-        made = ACTIVATIONS if phase == "forward" else PARAMETERS
-        unsharded = (name, made, self.act * self.unsharded(block), "the block's parameters gathered whole, in"
-                     " param_dtype, while it runs")
+        tape.add(name, ACTIVATIONS if phase == "forward" else PARAMETERS, self.act * self.unsharded(block),
+                 "the block's parameters gathered whole, in param_dtype, while it runs")
         dim1 = self.act * self.unsharded(block, self.dim1)
         if dim1:  # Shard(1) parameters are copied out into temporaries first, then chunk-cat into their own
-            tape.add(*unsharded)
             tape.add(f"fsdp/{block} chunk-cat", ACTIVATIONS if phase == "forward" else TEMPORARIES, dim1,
                      "the Shard(1) parameters' all-gather outputs, rank by rank: chunk-cat into their storage")
             tape.mark(phase, where, f"FSDP2 chunk-cats {block}'s Shard(1) parameters out of temporaries")
             tape.drop(f"fsdp/{block} chunk-cat")
-        if not dim1:
-            tape.add(*unsharded)
         tape.mark(phase, where, f"FSDP2 copies the gathered {block} out of its all-gather buffer")
         if phase == "forward":
             self.forward_done(tape, keep=block)
@@ -291,13 +278,10 @@ class Fsdp:
         parts = where.split(".")
         return f"layers.{parts[2]}" if where.startswith("model.layers.") else ROOT
 
-    def reshard(self, tape: Tape, block: str) -> None:
-        tape.drop(f"fsdp/{block} unsharded")
-
     def post_forward(self, tape: Tape, block: str) -> None:
         """reshard_after_forward frees a unit's unsharded parameters (the hf root's stay for backward)."""
         if self.unit(block).reshard_after_forward:
-            self.reshard(tape, block)
+            tape.drop(f"fsdp/{block} unsharded")
 
     def pre_backward(self, tape: Tape, block: str, where: str, prefetch: str | None) -> None:
         """The block unsharded (copied out if resharded), then the next block's all-gather issued."""
@@ -315,8 +299,7 @@ class Fsdp:
         Replicate gradient): FSDP2 lays it out as the weight (redistribute), this rank's v/t rows, and the table
         goes."""
         whole, rows = f"fsdp/{ROOT} grad model.embed_tokens", f"fsdp/{ROOT} grad model.embed_tokens (rows)"
-        embedding = self.shapes(ROOT)[0]
-        tape.add(rows, TEMPORARIES, self.act * embedding[0] * embedding[1], "this rank's rows of the embedding's"
+        tape.add(rows, TEMPORARIES, self.act * prod(self.unit(ROOT).shapes[0]), "this rank's rows of the embedding's"
                  " gradient, laid out as its weight (DTensor's redistribute) for the reduce-scatter")
         tape.mark("backward", where, "this rank's rows of the embedding's Replicate gradient")
         tape.drop(whole)
@@ -332,14 +315,6 @@ class Fsdp:
     def finalize_backward(tape: Tape) -> None:
         """FSDP2's final callback: the all-reduce inputs HSDP still holds (each unit's last) go."""
         tape.drop(*[n for n in tape.live if n.startswith("fsdp/") and n.endswith(" all-reduce")])
-
-    def _partial_grads(self, block: str) -> list[str]:
-        """The tape names of a block's Partial gradients, in registration order (FSDP2's loop over its parameters)."""
-        return [f"fsdp/{block} grad {m}" for m, _ in self.unit(block).params if m in self.partial]
-
-    def _reduced_name(self, block: str, module: str) -> str:
-        """The gradient of `module` that FSDP2 reduce-scatters: under tp a Partial one's all-reduced copy."""
-        return f"fsdp/{block} grad {module}" + (" (all-reduced)" if module in self.partial else "")
 
     def all_reduced(self, tape: Tape, block: str, where: str, name: str) -> str:
         """FSDP2 lays a Partial gradient out as its Replicate weight (DTensor's redistribute: an all-reduce over t
@@ -378,9 +353,10 @@ class Fsdp:
             tape.live[name] = replace(tape.live[name], category=GRADIENTS)
         if block == ROOT and self.tp:
             grads.append(self.embedding_rows(tape, where))
-        reduced = {n: self.all_reduced(tape, block, where, n) for n in self._partial_grads(block) if n in grads}
+        partial = [f"fsdp/{block} grad {m}" for m, _ in self.unit(block).params if m in self.partial]  # in order
+        reduced = {n: self.all_reduced(tape, block, where, n) for n in partial if n in grads}
         grads = [reduced.get(n, n) for n in grads]
-        self.reshard(tape, block)
+        tape.drop(f"fsdp/{block} unsharded")
         for name in [n for n in tape.live if n.startswith("fsdp/") and n.endswith(" reduce-scatter")]:
             tape.drop(name)  # the previous block's, waited on now
         tape.drop(f"fsdp/{block} all-reduce")  # this unit's last, under HSDP (_wait_for_post_backward)
@@ -390,7 +366,7 @@ class Fsdp:
         tape.add(rs, TEMPORARIES, self.reduce * whole,
                  "FSDP2's reduce-scatter input: the block's gradients in reduce_dtype, one flat buffer")
         tape.mark("backward", where, f"FSDP2's reduce-scatter buffer for {block}'s gradients")
-        last = self._reduced_name(block, self.last_parameter(block, modules))
+        last = reduced.get(n := f"fsdp/{block} grad {self.last_parameter(block, modules)}", n)
         held = (last, *dim1[-1:])  # the last Shard(1) one: foreach_reduce's first loop variable
         tape.drop(*(n for n in grads if n not in held), *(f"{n} (dim 0)" for n in dim1))
         out = f"fsdp/{block} sharded grads"

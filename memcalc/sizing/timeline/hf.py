@@ -340,34 +340,22 @@ def _embedding(z: Sizes, config: ModelConfig, sharded: bool) -> tuple[Op, ...]:
                  " inputs_embeds, live until it returns")
     looked_up = (Step("the embedding lookup" + (", all-reduced" if tp else ""), (*lookup, first),
                       frees=("embedding/partial",)),)
-    if scaled_embedding(config):
-        looked_up = _scaled(z, replace(looked_up[0], makes=(*lookup, Made("embedding/lookup", z.full(z.h), "the"
-                                                                          " lookup, before its scale")), moment=False),
-                            first)
+    scaled: tuple[Step, ...] = ()
+    if scaled_embedding(config):  # lookup * embed_scale (the buffer itself, kept by the product for its backward)
+        looked_up = (replace(looked_up[0], makes=(*lookup, Made("embedding/lookup", z.full(z.h), "the lookup, before"
+                                                                " its scale")), moment=False),
+                     Step("the lookup scaled by sqrt(h)", (first,), frees=("embedding/lookup",)))
+        scaled = (Step("the scale's backward", (Made("grad/embedding (scaled)", z.full(z.h), "dY * scale, the lookup's"
+                                                     " gradient"),), frees=("grad/embedding output",), moment=False),)
     return (batch, Op("model.embed_tokens", forward=(
         *looked_up, Step("what LlamaModel makes once for all layers", model, moment=False),
-    ), backward=(*_scaled_backward(z, config), *_embedding_backward(z, config, tp, sharded))))
+    ), backward=(*scaled, *_embedding_backward(z, config, tp, sharded))))
 
 
 def scaled_embedding(config: ModelConfig) -> bool:
     """Gemma's models (GemmaRMSNorm's, norm rmsnorm_1p) scale the embedding by sqrt(h):
     GemmaTextScaledWordEmbedding multiplies the lookup by its embed_scale buffer."""
     return config.norm == "rmsnorm_1p"
-
-
-def _scaled(z: Sizes, lookup: Step, first: Made) -> tuple[Step, ...]:
-    """GemmaTextScaledWordEmbedding's forward: the lookup, then lookup * embed_scale (the buffer itself, kept by the
-    product for its backward); the lookup goes as the module returns."""
-    return (lookup, Step("the lookup scaled by sqrt(h)", (first,), frees=("embedding/lookup",)))
-
-
-def _scaled_backward(z: Sizes, config: ModelConfig) -> tuple[Step, ...]:
-    """The scale's backward (GemmaTextScaledWordEmbedding): dY * scale, the lookup's gradient."""
-    if not scaled_embedding(config):
-        return ()
-    return (Step("the scale's backward", (Made("grad/embedding (scaled)", z.full(z.h), "dY * scale, the lookup's"
-                                                " gradient"),), frees=("grad/embedding output",),
-                 moment=False),)
 
 
 def _embedding_backward(z: Sizes, config: ModelConfig, tp: bool, sharded: bool) -> tuple[Step, ...]:

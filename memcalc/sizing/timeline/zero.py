@@ -69,10 +69,9 @@ class Zero:
     """DeepSpeed ZeRO on one rank of dp: the calls the hf walk makes around each block (those of `Fsdp`)."""
 
     def __init__(self, config: ModelConfig) -> None:
-        h = self.h = config.h
-        self.layers = config.L
+        h = config.h
         self.layer, self.root = hf_layer(config, 1, 0, False).shapes, hf_root(config, 1).shapes
-        threshold = DEEPSPEED_AUTO["stage3_param_persistence_threshold"](h)
+        self.threshold = threshold = DEEPSPEED_AUTO["stage3_param_persistence_threshold"](h)
         shapes = [*self.layer] * config.L + [*self.root]
         self.z = _Sizes(
             stage=config.zero_stage, dp=config.dp, act=DTYPE_BYTES[config.dtype],
@@ -81,7 +80,6 @@ class Zero:
             bucket=DEEPSPEED_AUTO["reduce_bucket_size"](h), prefetch=DEEPSPEED_AUTO["stage3_prefetch_bucket_size"](h),
         )
         self.filled = 0  # elements in the reduce bucket
-        self.reduced: set[str] = set()
 
     block_of = staticmethod(Fsdp.block_of)
 
@@ -111,14 +109,10 @@ class Zero:
 
     # -- forward: stage 3 gathers ---------------------------------------------------------------------
 
-    def _shapes(self, block: str) -> tuple[tuple[int, ...], ...]:
-        return self.root if block == ROOT else self.layer
-
     def gathered(self, block: str) -> int:
         """Stage 3's gathered elements while `block` runs: its widest partitioned module and the prefetch bucket
         ahead of it (a bound)."""
-        threshold = DEEPSPEED_AUTO["stage3_param_persistence_threshold"](self.h)
-        widest = max(prod(x) for x in self._shapes(block) if prod(x) >= threshold)
+        widest = max(prod(x) for x in (self.root if block == ROOT else self.layer) if prod(x) >= self.threshold)
         return widest + self.z.prefetch
 
     def copy_out(self, tape: Tape, block: str, phase: str, where: str) -> None:
