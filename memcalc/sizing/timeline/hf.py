@@ -120,8 +120,7 @@ def _checkpoint(i: int, config: ModelConfig) -> Checkpoint | None:
 
 
 def _forward(tape: Tape, sharding: Fsdp | Zero | None, inputs: Walked, layers: list[Walked], outputs: Walked) -> None:
-    """The batch; the embedding and LlamaModel's shared tensors; each layer, gathered around it under FSDP2 or ZeRO-3;
-    the final norm, lm_head and the loss."""
+    """Forward, each layer gathered around it under FSDP2 or ZeRO-3."""
     (front, (batch, *embedding)), (back, out) = inputs, outputs
     front.forward((batch,))
     if sharding is not None:  # the root's pre-forward: embedding, final norm and lm_head gathered
@@ -142,8 +141,7 @@ def _mask(config: ModelConfig, i: int) -> str:
 
 
 def _backward(tape: Tape, sharding: Fsdp | Zero | None, inputs: Walked, layers: list[Walked], outputs: Walked) -> None:
-    """loss.backward(): the loss, lm_head, the final norm, the layers in reverse (each gathered again under FSDP2, its
-    gradients reduce-scattered after it), the embedding; under sharding the root's post-backward at the end."""
+    """loss.backward(), each layer gathered again under FSDP2 and its gradients reduce-scattered after it."""
     (front, (_, *embedding)), (back, out) = inputs, outputs
     if sharding is not None:  # the root's post-forward, then its pre-backward: the last layer's all-gather
         sharding.forward_done(tape)
@@ -203,9 +201,7 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
 
 
 def _recompute_missing(config: ModelConfig) -> list[tuple[bool, str]]:
-    """What the walk under gradient checkpointing (each layer's forward op by op, and its early-stopped rerun in
-    backward) leaves out: it walks Llama's layer (LlamaRMSNorm, q, k, v, RoPE, eager or SDPA, LlamaMLP; Qwen2's q, k,
-    v biases, Qwen3's q_norm and k_norm; Gemma's, Gemma 2's and Phi-3's) at t = 1, under the tp_plan and FSDP2."""
+    """What the walk under gradient checkpointing (each layer's forward op by op, rerun in backward) leaves out."""
     if config.recompute == "none":
         return []
     what = f"recompute {config.recompute} (gradient checkpointing) with"
@@ -218,8 +214,7 @@ def _recompute_missing(config: ModelConfig) -> list[tuple[bool, str]]:
 
 
 def _sharding_missing(config: ModelConfig, strategy: Strategy) -> list[tuple[bool, str]]:
-    """What the FSDP2 walk (memcalc.sizing.timeline.fsdp) and the ZeRO one (memcalc.sizing.timeline.zero) leave
-    out."""
+    """What the FSDP2 walk and the ZeRO one leave out."""
     sharded = config.dp_shard is not None or config.zero_stage is not None
     return [
         (config.zero_stage == 0, "zero_stage=0 (DeepSpeed's bf16 optimizer without ZeRO; --totals counts its model"
@@ -233,10 +228,8 @@ def _sharding_missing(config: ModelConfig, strategy: Strategy) -> list[tuple[boo
 
 
 def _experts_missing(config: ModelConfig, strategy: Strategy) -> list[tuple[bool, str]]:
-    """What the walk of Mixtral's, Qwen2-MoE's and Qwen3-MoE's blocks (memcalc.sizing.timeline.hf_moe) leaves out:
-    L that decoder_sparse_step does not divide, the eager loop under tp, ep, and any count of tokens per expert but
-    the balanced one, kbs/E each (grouped_mm's tensors hold all k*b*s slots whatever the counts; the eager loop's
-    are per expert). (Latent attention is refused before.)"""
+    """What the walk of the sparse MoE blocks (memcalc.sizing.timeline.hf_moe) leaves out: grouped_mm's tensors hold
+    all k*b*s slots whatever the counts, the eager loop's are per expert."""
     if not config.moe:
         return []
     slots = config.moe_router_topk * config.b * config.s
@@ -267,9 +260,8 @@ def _hand_over(tape: Tape, sharding: Fsdp | Zero | None) -> HandOver:
 
 def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: Step, block: tuple[Op, ...]
            ) -> tuple[Op, ...]:
-    """Decoder layer i as ops, in forward order (memcalc.sizing.timeline.hf_layer), its MLP LlamaMLP or a sparse
-    `block` (memcalc.sizing.timeline.hf_moe: every layer's one description). Under a checkpoint its forward runs op
-    by op; without, it is one moment (`made`, every kept tensor at once, at the second residual sum)."""
+    """Decoder layer i as ops, its MLP LlamaMLP or a sparse `block`. Under a checkpoint its forward runs op by op;
+    without, it is one moment (`made`, every kept tensor at once)."""
     p, tp, checkpointed = f"layers.{i}", z.t > 1, config.recompute == "full"
     out = f"grad/layers.{i - 1}/output" if i else "grad/embedding output"
     mlp = moe.OUTPUT_GRAD if block else f"grad/{p}/ln2 output"
@@ -315,8 +307,8 @@ PHI3_SHADOWED = {"self_attn": "resid_attn_dropout", "self_attn.o_proj": "resid_a
 
 
 def _embedding(z: Sizes, config: ModelConfig, sharded: bool) -> tuple[Op, ...]:
-    """The batch; the embedding (`embedding_rowwise` under tp: this rank's rows looked up, the Partial sum
-    all-reduced) and what LlamaModel makes once for all layers; in backward the embedding's gradient."""
+    """The batch; the embedding (`embedding_rowwise` under tp: this rank's rows, the Partial sum all-reduced) and what
+    LlamaModel makes once for all layers."""
     tp = z.t > 1
     batch = Op("", forward=(Step("the batch", (
         Made(ledger.EMBEDDING_INPUT_IDS.name, z.tokens(8), "the micro-batch's token ids (int64), live for the whole"
@@ -414,9 +406,7 @@ def _output(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
 
 
 def _softcap(config: ModelConfig, logits: int) -> tuple[Op, ...]:
-    """Gemma2ForCausalLM's final logit soft-capping, in its forward after lm_head: logits / c, tanh (which keeps its
-    output), then * c, the logits the loss reads; each op's output replaces the one before. In backward dY * c, tanh's
-    backward (its output then goes), / c: lm_head's gradient."""
+    """Gemma2ForCausalLM's final logit soft-capping after lm_head, each op's output replacing the one before."""
     if config.final_logit_softcapping is None:
         return ()
     tanh = ledger.LOGITS_SOFTCAP_TANH
@@ -437,8 +427,7 @@ def _softcap(config: ModelConfig, logits: int) -> tuple[Op, ...]:
 
 
 def _loss(z: Sizes, logits: int) -> Op:
-    """ForCausalLMLoss: the logits upcast, the labels padded and shifted, the fp32 log-softmax and nll_loss; in backward
-    three fp32 (b*s, v) tensors at once."""
+    """ForCausalLMLoss; in backward three fp32 (b*s, v) tensors at once."""
     shifted = (Made("loss/shift_labels", z.tokens(8), "labels[..., 1:].contiguous(): nll_loss keeps it as its target"),)
     return Op("", forward=(
         Step("the loss: bf16 and fp32 logits and the fp32 log-softmax", (

@@ -11,6 +11,7 @@ import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from math import prod as prod  # the walks' element counts, imported from here
 
 from memcalc.config.schema import ModelConfig
 from memcalc.model.knobs import DTYPE_BYTES
@@ -215,13 +216,3 @@ def bulk() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
-
-
-# -- the step ------------------------------------------------------------------------------------------
-
-
-def prod(shape: tuple[int, ...]) -> int:
-    out = 1
-    for n in shape:
-        out *= n
-    return out
