@@ -45,6 +45,7 @@ from dataclasses import dataclass, replace
 
 from memcalc.config.schema import ModelConfig
 from memcalc.model.knobs import DTYPE_BYTES
+from memcalc.sizing.timeline.hf_moe import sparse
 from memcalc.sizing.timeline.tape import ACTIVATIONS, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, Tape, prod
 from memcalc.sizing.timeline.torchtitan_moe import GROUPED_WEIGHTS as W
 
@@ -76,14 +77,12 @@ class Unit:
 
 
 def hf_layer(c: ModelConfig, t: int, i: int, reshard: bool) -> Unit:
-    """LlamaDecoderLayer's parameters as this rank of t holds them before FSDP2 shards them (transformers' tp_plan:
-    q, k, v, gate, up colwise, o and down rowwise, the norms whole): q, k, v, o (Qwen3's: then q_norm, k_norm); gate,
-    up, down (a sparse MoE block's own, `hf_moe_parameters`); the two norms."""
+    """LlamaDecoderLayer's parameters in registration order, as this rank of t holds them before FSDP2 shards them
+    (transformers' tp_plan: q, k, v, gate, up colwise, o and down rowwise, the norms whole)."""
     q, kv, f = c.a * c.head_dim // t, c.groups * c.head_dim // t, c.ffn // t
     m = f"model.layers.{i}"
     qk = ((f"{m}.self_attn.q_norm", (c.head_dim,)), (f"{m}.self_attn.k_norm", (c.head_dim,))) if c.qk_layernorm else ()
-    sparse = c.moe and (i + 1) % c.moe_layer_freq == 0  # transformers' decoder_sparse_step
-    mlp = hf_moe_parameters(c, f"{m}.mlp") if sparse else (
+    mlp = hf_moe_parameters(c, f"{m}.mlp") if sparse(c, i) else (
         (f"{m}.mlp.gate_proj", (f, c.h)), (f"{m}.mlp.up_proj", (f, c.h)), (f"{m}.mlp.down_proj", (c.h, f)))
     return Unit(f"layers.{i}", (
         (f"{m}.self_attn.q_proj", (q, c.h)), (f"{m}.self_attn.k_proj", (kv, c.h)),
@@ -92,10 +91,8 @@ def hf_layer(c: ModelConfig, t: int, i: int, reshard: bool) -> Unit:
 
 
 def hf_moe_parameters(c: ModelConfig, m: str) -> tuple[Param, ...]:
-    """A sparse MoE block's parameters in registration order (t = 1): the router's (E, h) weight and the experts'
-    (E, 2e, h) gate_up_proj and (E, h, e) down_proj (Qwen3-MoE registers its experts first), then Qwen2-MoE's shared
-    expert (gate, up, down) and its (1, h) gate. The experts' two weights are one module's: each is named by its own
-    path (memcalc.sizing.timeline.hf_moe.weight_of)."""
+    """A sparse MoE block's parameters in registration order (t = 1; Qwen3-MoE registers its experts first). The
+    experts' two weights are one module's: each is named by its own path (memcalc.sizing.timeline.hf_moe.weight_of)."""
     router = ((f"{m}.gate", (c.num_experts, c.h)),)
     experts = ((f"{m}.experts.gate_up_proj", (c.num_experts, 2 * c.expert_ffn, c.h)),
                (f"{m}.experts.down_proj", (c.num_experts, c.h, c.expert_ffn)))
@@ -120,12 +117,9 @@ def torchtitan_block(i: int, c: ModelConfig) -> str:
 
 
 def torchtitan_units(c: ModelConfig, reshard: bool, t: int = 1) -> tuple[Unit, ...]:
-    """torchtitan's apply_fsdp_to_decoder on its untied Llama3Model: tok_embeddings, then each block (both resharded
-    after forward under its "default" policy, `reshard`; under AC the checkpoint_wrapper around it), then norm and
-    lm_head as one unit, never resharded after forward ("as an optimization": FSDP2 would prefetch them at once); the
-    model's own call holds no parameter. Each parameter as this rank of t holds it under torchtitan's TP plan
-    (set_llama3_sharding_config): wqkv, w1, w3, the embedding's and lm_head's vocabulary rows split on dim 0, wo and
-    w2 on dim 1, the norms whole."""
+    """torchtitan's apply_fsdp_to_decoder on its untied Llama3Model; norm and lm_head never resharded after forward
+    ("as an optimization": FSDP2 would prefetch them at once). Each parameter as this rank of t holds it under
+    torchtitan's TP plan (set_llama3_sharding_config): wo and w2 split on dim 1, the norms whole, the rest on dim 0."""
     qkv, f, v = (c.a + 2 * c.groups) * c.head_dim // t, c.ffn // t, c.vocab_size // t
 
     def block(i: int) -> Unit:
@@ -141,9 +135,8 @@ def torchtitan_units(c: ModelConfig, reshard: bool, t: int = 1) -> tuple[Unit, .
 
 
 def torchtitan_moe_parameters(c: ModelConfig, m: str) -> tuple[Param, ...]:
-    """torchtitan's MoE's parameters in registration order (t = 1, ep = 1): GroupedExperts' (E, f, h) w1, (E, h, f)
-    w2 and (E, f, h) w3 (one module's, each named by its own path), the router's (E, h) gate, then the shared
-    experts' FeedForward (w1, w2, w3). The grouped ones sharded on dim 0, or on dim 1 (`expert_dim1`)."""
+    """torchtitan's MoE's parameters in registration order (t = 1, ep = 1), GroupedExperts' three one module's, each
+    named by its own path."""
     e, f, u, experts = c.num_experts, c.expert_ffn, c.moe_shared_expert_intermediate_size, f"{m}.routed_experts"
     shared = ((f"{m}.shared_experts.w1", (u, c.h)), (f"{m}.shared_experts.w2", (c.h, u)),
               (f"{m}.shared_experts.w3", (u, c.h))) if u else ()
@@ -341,13 +334,9 @@ class Fsdp:
         return dim1
 
     def post_backward(self, tape: Tape, block: str, where: str, modules: tuple[str, ...] | None = None) -> None:
-        """FSDP2's post-backward, as FSDPMemTracker files each step: the block's gradients (the unsharded parameters'
-        .grad) become its gradients; under tp its Partial ones all-reduced; the block resharded; foreach_reduce's
-        flat reduce_dtype input made (a temporary until the reduce-scatter runs on it) and the gradients copied in and
-        freed, but for the last parameter's, which foreach_reduce's loop variable keeps until it returns; this rank's
-        output shard made (fp32, the sharded gradients, or under `accumulate` added into them and freed); the previous
-        block's input, waited on, freed. `modules`: the parameters with a gradient (foreach_reduce takes only those), all by
-        default."""
+        """FSDP2's post-backward, as FSDPMemTracker files each step (the module's docstring). The last parameter's
+        gradient lives on in foreach_reduce's loop variable until it returns. `modules`: the parameters with a gradient
+        (foreach_reduce takes only those), all by default."""
         grads = [n for n in tape.live if n.startswith(f"fsdp/{block} grad ")]
         for name in grads:
             tape.live[name] = replace(tape.live[name], category=GRADIENTS)

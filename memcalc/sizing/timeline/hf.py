@@ -165,7 +165,9 @@ WALKED = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_m
 
 def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
     """ConfigError naming the first thing the hf step timeline does not model yet."""
-    family = layer_family(config).name
+    family, tp = layer_family(config).name, strategy.tensor_parallel and config.t > 1
+    sharded = config.dp_shard is not None or config.zero_stage is not None
+    rerun = f"recompute {config.recompute} (gradient checkpointing) with"
     missing = [
         (family not in WALKED, f"{family}'s model (it walks {', '.join(WALKED)})"),
         (config.sliding_window is not None and not config.sandwich_norm,
@@ -176,7 +178,7 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
         (strategy.tensor_parallel and config.vocab_size % config.t != 0,
          f"vocab_size={config.vocab_size} that t={config.t} does not divide (DTensor pads uneven shards to gather"
          " the logits)"),
-        (strategy.tensor_parallel and config.t > 1 and config.tie_embeddings,
+        (tp and config.tie_embeddings,
          "tied embeddings under tp (transformers' apply_tensor_parallelism looks lm_head.weight up among"
          " named_parameters(), which names a tied weight once: KeyError)"),
         (config.pp != 1, f"pp={config.pp}"),
@@ -184,50 +186,34 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
         (config.has_dropout and config.attention != "eager", f"dropout {config.dropout} with SDPA (a CPU runs its"
                                                              " math kernel, CUDA the flash kernel's own dropout)"),
         (config.add_bias_linear, "add_bias_linear (biases on every linear; Qwen2's q, k, v biases are add_qkv_bias)"),
-        ((scaled_embedding(config) or config.fused_qkv) and (strategy.tensor_parallel and config.t > 1
-                                                             or config.dp_shard is not None
-                                                             or config.zero_stage is not None or config.has_dropout),
+        ((scaled_embedding(config) or config.fused_qkv) and (tp or sharded or config.has_dropout),
          "Gemma's or Phi-3's model under tp, dp_shard or zero_stage, or with dropout (unmeasured: t = 1 without"
          " sharding or dropout only)"),
         (config.position_embedding_type != "rope", f"position_embedding_type {config.position_embedding_type}"),
         (config.dtype == "fp32", "dtype fp32 (no master weights)"),
-        *_experts_missing(config, strategy),
-        *_sharding_missing(config, strategy),
-        *_recompute_missing(config),
+        *_experts_missing(config, tp),
+        # the FSDP2 and ZeRO walks
+        (config.zero_stage == 0, "zero_stage=0 (DeepSpeed's bf16 optimizer without ZeRO; --totals counts its model"
+                                 " states)"),
+        (config.zero_stage is not None and tp,
+         f"zero_stage={config.zero_stage} under tp (t={config.t}): the Trainer runs DeepSpeed over data parallelism"),
+        (config.zero_stage is not None and config.moe, "zero_stage with experts"),
+        (sharded and config.add_qkv_bias, "dp_shard or zero_stage with add_qkv_bias (its walks lay out one gradient a"
+                                          " module, the weight's)"),
+        # gradient checkpointing: each layer's forward op by op, rerun in backward
+        (config.recompute != "none" and config.moe, f"{rerun} experts (the sparse block's forward, its router and"
+                                                    " grouped_mm's sorts, gathers and permutations, is not walked op by"
+                                                    " op)"),
+        (config.recompute != "none" and config.has_dropout, f"{rerun} dropout (the probe's CUDA-like dropout shim is"
+                                                            " not active in the rerun)"),
+        (config.recompute != "none" and config.zero_stage is not None, f"{rerun} zero_stage"),
     ]
     for absent, what in missing:
         if absent:
             raise ConfigError(f"the step timeline for impl hf does not model {what} yet")
 
 
-def _recompute_missing(config: ModelConfig) -> list[tuple[bool, str]]:
-    """What the walk under gradient checkpointing (each layer's forward op by op, rerun in backward) leaves out."""
-    if config.recompute == "none":
-        return []
-    what = f"recompute {config.recompute} (gradient checkpointing) with"
-    return [
-        (config.moe, f"{what} experts (the sparse block's forward, its router and grouped_mm's sorts, gathers and"
-                     " permutations, is not walked op by op)"),
-        (config.has_dropout, f"{what} dropout (the probe's CUDA-like dropout shim is not active in the rerun)"),
-        (config.zero_stage is not None, f"{what} zero_stage"),
-    ]
-
-
-def _sharding_missing(config: ModelConfig, strategy: Strategy) -> list[tuple[bool, str]]:
-    """What the FSDP2 walk and the ZeRO one leave out."""
-    sharded = config.dp_shard is not None or config.zero_stage is not None
-    return [
-        (config.zero_stage == 0, "zero_stage=0 (DeepSpeed's bf16 optimizer without ZeRO; --totals counts its model"
-                                 " states)"),
-        (config.zero_stage is not None and strategy.tensor_parallel and config.t > 1,
-         f"zero_stage={config.zero_stage} under tp (t={config.t}): the Trainer runs DeepSpeed over data parallelism"),
-        (config.zero_stage is not None and config.moe, "zero_stage with experts"),
-        (sharded and config.add_qkv_bias, "dp_shard or zero_stage with add_qkv_bias (its walks lay out one gradient a"
-                                          " module, the weight's)"),
-    ]
-
-
-def _experts_missing(config: ModelConfig, strategy: Strategy) -> list[tuple[bool, str]]:
+def _experts_missing(config: ModelConfig, tp: bool) -> list[tuple[bool, str]]:
     """What the walk of the sparse MoE blocks (memcalc.sizing.timeline.hf_moe) leaves out: grouped_mm's tensors hold
     all k*b*s slots whatever the counts, the eager loop's are per expert."""
     if not config.moe:
@@ -237,8 +223,7 @@ def _experts_missing(config: ModelConfig, strategy: Strategy) -> list[tuple[bool
         (config.L % config.moe_layer_freq != 0, f"L={config.L} layers that moe_layer_freq={config.moe_layer_freq}"
                                                  " does not divide (transformers' decoder_sparse_step makes layer i"
                                                  " sparse when freq divides i + 1; the model states count Megatron's)"),
-        (strategy.tensor_parallel and config.t > 1 and not moe.grouped(config),
-         f"the eager loop's experts under tp (t={config.t})"),
+        (tp and not moe.grouped(config), f"the eager loop's experts under tp (t={config.t})"),
         (config.ep != 1, f"ep={config.ep}"),
         (config.moe_tokens != "balanced", f"moe_tokens {config.moe_tokens} (it walks the balanced bound, kbs/E slots"
                                           " an expert, which the forced balanced router gives)"),

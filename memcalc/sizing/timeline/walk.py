@@ -61,11 +61,8 @@ class Step:
 class Op:
     """One op of a layer: where it runs (the probe's module path below the layer's), its forward and backward steps,
     and the ledger's records it keeps for backward (`saves`: freed when its autograd node returns, unless an op before
-    it, whose backward runs later, keeps them too).
-
-    A collective is a step like any other (its output buffer is what it makes). Not a field yet, for want of a walk
-    that needs it: a TP style. A recomputation region is the walk's (`Checkpoint`), around all of its ops.
-    """
+    it, whose backward runs later, keeps them too). A collective is a step like any other (its output buffer is what
+    it makes); a recomputation region is the walk's (`Checkpoint`), around all of its ops."""
 
     where: str
     forward: tuple[Step, ...]
@@ -140,9 +137,8 @@ class Walk:
                 self._kept_by.setdefault(x.name, i)
 
     def backward(self, ops: tuple[Op, ...]) -> None:
-        """The ops' backward, last op first. Without a forward walked first (a layer rerun inside backward by full
-        recomputation), the first op that keeps each saved tensor is found here. One walk serves several layers of
-        the same ops (`module` set to each in turn): that is found once."""
+        """The ops' backward, last op first (without a forward walked first, a layer rerun inside backward by full
+        recomputation, each saved tensor's first keeper is found here; once for every layer the walk serves)."""
         if not self._kept_by:
             self._first_keepers(ops)
         for i in reversed(range(len(ops))):
