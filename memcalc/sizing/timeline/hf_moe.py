@@ -43,8 +43,7 @@ def expert_bytes(saved: dict[str, int], config: ModelConfig) -> dict[str, int]:
 
 
 def sparse(config: ModelConfig, i: int) -> bool:
-    """Whether layer i has the sparse block: every layer of Mixtral's model; Qwen2-MoE's and Qwen3-MoE's when
-    decoder_sparse_step (moe_layer_freq) divides i + 1."""
+    """Whether layer i has the sparse block: decoder_sparse_step (moe_layer_freq; Mixtral's 1) divides i + 1."""
     return config.moe and (i + 1) % config.moe_layer_freq == 0
 
 
@@ -54,8 +53,7 @@ def grouped(config: ModelConfig) -> bool:
 
 
 def kept_in_forward(tensors: tuple[SavedTensor, ...], config: ModelConfig) -> Step:
-    """The block's kept tensors, the eager loop's per-expert rows one storage per expert; the shared expert's gate
-    comes after the experts (`block_forward`)."""
+    """The block's kept tensors, the eager loop's one storage per expert; the shared gate's is `block_forward`'s."""
     made: list[Made] = []
     loop = not grouped(config)
     for x in tensors:
@@ -126,8 +124,7 @@ def _loop_forward(m: str, out: str, z: Sizes, config: ModelConfig, routed: tuple
 
 
 def _grouped_forward(m: str, out: str, z: Sizes, config: ModelConfig, routed: tuple[Made, ...]) -> Op:
-    """grouped_mm's widest moments, every kept tensor made (the arange that inverted the permutation is gone by
-    then)."""
+    """grouped_mm's widest moments, every kept tensor made, the arange that inverted the permutation gone."""
     r, width, bf16 = config.moe_router_topk * z.b * z.s, _width(z, config), _bf16(config)
     temporaries = (f"{m}/slot order", f"{m}/sorted expert ids", f"{m}/histc input", f"{m}/tokens per expert")
     summed = out if bf16 else f"{m}/summed fp32"
@@ -204,8 +201,8 @@ def _expert(z: Sizes, config: ModelConfig, e: int, sums: _Sums) -> list[Op]:
     last = e == 0
 
     def gemms(proj: str, dy: str, dx: Made, dw: int, whole: int, saves: tuple[SavedTensor, ...]) -> Op:
-        """proj[e]'s dW^T and dX, then select's backward: dW in a zero (E, ...) tensor, summed with the experts'
-        before (the sum, its two inputs: a moment); the last expert's sum is handed to the parameter."""
+        """proj[e]'s GEMMs; select's backward puts dW in a zero (E, ...) tensor, summed with the experts' before; the
+        last expert's sum is handed to the parameter."""
         sel = f"{g}/{proj} select"
         made = Step(f"{proj}[e]'s GEMMs and select's backward", (
             Made(f"{g}/{proj} dW", dw, "dW^T = x^T dY"), dx, Made(sel, whole, "the expert's dW in a zero (E, ...)"
@@ -325,13 +322,9 @@ def _router(z: Sizes, config: ModelConfig, sums: _Sums, final: bool) -> list[Op]
         Made(f"{g}/weight", z.act * experts * z.h, "dW = dLogits^T X, (E, h)"),
         Made(f"{g}/input", z.full(z.h), "dX = dLogits W, (b*s, h)")), frees=(f"{g}/logits",),
         hands_over=(f"{g}/weight",), returns=True),
-        _summed(sums, f"{g}/input", z, "the router's input gradient summed with the block's others", final))
+        sums.add("block input", f"{g}/input", z.full(z.h), "the router's input gradient summed with the block's others",
+                 OUTPUT_GRAD if final else ""))
     return [topk, softmax, linear]
-
-
-def _summed(sums: _Sums, dx: str, z: Sizes, what: str, final: bool) -> tuple[Step, ...]:
-    """One more path's dX added into the block input's gradient, a new tensor: the last is ln2's output gradient."""
-    return sums.add("block input", dx, z.full(z.h), what, OUTPUT_GRAD if final else "")
 
 
 # -- Qwen2-MoE's shared expert: an MLP of width u on every token, gated by sigmoid(shared_expert_gate(x)) --------------
@@ -364,7 +357,8 @@ def _shared_expert(z: Sizes, config: ModelConfig, sums: _Sums) -> list[Op]:
         dx, weight = f"{g}/{proj} dX", f"{g}/{proj} weight"
         return _op(f"{s}.{proj}_proj", saves, Step("GEMMs", (Made(weight, w, WHY_WGRAD), Made(dx, z.full(z.h), "dY W")),
                                                  frees=(dy,), moment=False, returns=True),
-                   _summed(sums, dx, z, f"the shared expert's {proj}_proj dX summed into the block's", final),
+                   sums.add("block input", dx, z.full(z.h), f"the shared expert's {proj}_proj dX summed into the"
+                            " block's", OUTPUT_GRAD if final else ""),
                    Step("", hands_over=(weight,)))
     return [
         _op(f"{s}.down_proj", (ledger.SHARED_FC2_IN,), Step("the shared expert's down_proj: dW and dX", (
