@@ -49,7 +49,10 @@ def timeline(
         return hf_timeline(config, strategy, accounting)
     if config.impl == "torchtitan":  # torchtitan's Llama3Model, described as ops for the generic walk
         return torchtitan_timeline(config, strategy, accounting)
-    _refuse_other_moe(config, strategy)
+    missing = megatron_moe.unmodelled(config, Sizes.of(config, strategy)) if config.moe else None
+    if missing:
+        raise ConfigError(f"the step timeline does not model {missing} yet: it walks megatron-core's MoELayer"
+                          " with the all-to-all dispatcher")
     layer = estimate(config, strategy, accounting)
     z = Sizes.of(config, strategy)
     # under recomputation the layer rerun in backward keeps what it keeps without
@@ -192,15 +195,6 @@ def _refuse_other_layers(config: ModelConfig) -> None:
     if config.mla and config.impl != "megatron":
         raise ConfigError(f"the step timeline models latent attention (kv_lora_rank) as megatron-core's"
                           f" MLASelfAttention (impl megatron), not impl {config.impl}")
-
-
-def _refuse_other_moe(config: ModelConfig, strategy: Strategy) -> None:
-    """ConfigError naming what of megatron-core's MoELayer the walk does not model yet
-    (memcalc.sizing.timeline.megatron_moe)."""
-    missing = megatron_moe.unmodelled(config, Sizes.of(config, strategy)) if config.moe else None
-    if missing:
-        raise ConfigError(f"the step timeline does not model {missing} yet: it walks megatron-core's MoELayer"
-                          " with the all-to-all dispatcher")
 
 
 def _check_modelled(config: ModelConfig, kept: tuple[SavedTensor, ...], ops: tuple[Op, ...]) -> None:

@@ -298,12 +298,6 @@ class Fsdp:
         tape.drop(whole)
         return rows
 
-    def last_parameter(self, block: str, modules: tuple[str, ...] | None = None) -> str:
-        """The module of a block's last parameter in registration order (of those in `modules`, the ones with a
-        gradient): a decoder layer's post_attention_layernorm, the hf root's lm_head (tied, the final norm: lm_head's
-        weight is the embedding's, registered once)."""
-        return [m for m, _ in self.unit(block).params if modules is None or m in modules][-1]
-
     @staticmethod
     def finalize_backward(tape: Tape) -> None:
         """FSDP2's final callback: the all-reduce inputs HSDP still holds (each unit's last) go."""
@@ -355,7 +349,9 @@ class Fsdp:
         tape.add(rs, TEMPORARIES, self.reduce * whole,
                  "FSDP2's reduce-scatter input: the block's gradients in reduce_dtype, one flat buffer")
         tape.mark("backward", where, f"FSDP2's reduce-scatter buffer for {block}'s gradients")
-        last = reduced.get(n := f"fsdp/{block} grad {self.last_parameter(block, modules)}", n)
+        # the last parameter in registration order with a gradient (tied, the hf root's is the final norm)
+        module = [m for m, _ in self.unit(block).params if modules is None or m in modules][-1]
+        last = reduced.get(f"fsdp/{block} grad {module}", f"fsdp/{block} grad {module}")
         held = (last, *dim1[-1:])  # the last Shard(1) one: foreach_reduce's first loop variable
         tape.drop(*(n for n in grads if n not in held), *(f"{n} (dim 0)" for n in dim1))
         out = f"fsdp/{block} sharded grads"

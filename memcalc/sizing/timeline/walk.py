@@ -119,10 +119,6 @@ class Walk:
     _rerun_kept: set[str] = field(default_factory=set)  # under a checkpoint: what the rerun made that ops keep
     _releases: dict[int, tuple[str, ...]] = field(default_factory=dict)  # op index -> the tape names it frees
 
-    def kept(self, tensor: SavedTensor) -> str:
-        """A saved tensor's tape name."""
-        return kept_name(self.prefix, tensor)
-
     def forward(self, ops: tuple[Op, ...]) -> None:
         if not self._kept_by:
             self._first_keepers(ops)
@@ -189,7 +185,7 @@ class Walk:
         """What op i saves goes, unless an op before it (whose backward runs later) keeps it too (found once per op:
         one walk serves every layer, and a MoE layer has thousands of ops)."""
         if i not in self._releases:
-            self._releases[i] = tuple(self.kept(x) for x in op.saves if self._kept_by.get(x.name) == i)
+            self._releases[i] = tuple(kept_name(self.prefix, x) for x in op.saves if self._kept_by.get(x.name) == i)
         self.tape.drop(*self._releases[i])
 
     def _step(self, step: Step, op: Op, phase: str, returns: int | None = None) -> None:
@@ -224,7 +220,7 @@ class Walk:
             if x.keeps is None:
                 tape.add(x.name, x.category or category, x.bytes, x.why)
             elif x.keeps.name in self.saved:  # else not kept under these sizes (the ledger's size rules)
-                tape.add(x.name or self.kept(x.keeps), x.category or category, self.saved[x.keeps.name], x.why)
+                tape.add(x.name or kept_name(self.prefix, x.keeps), x.category or category, self.saved[x.keeps.name], x.why)
 
 
 def _ancestor(module: str, of: str) -> bool:
