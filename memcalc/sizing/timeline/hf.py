@@ -90,8 +90,7 @@ def _moments(config: ModelConfig, z: Sizes, kept: tuple[tuple[ledger.SavedTensor
     inputs = (Walk(tape, "", "", ends, hand_over), _embedding(z, config, sharding is not None))
     outputs = (Walk(tape, "", "", ends, hand_over), _output(z, config))
     with bulk():  # an eager MoE walk puts some hundred thousand tensors on the tape
-        _forward(tape, sharding, inputs, layers, outputs)
-        _backward(tape, sharding, inputs, layers, outputs)
+        _step(tape, sharding, inputs, layers, outputs)
     if isinstance(sharding, Zero):  # DeepSpeed's step makes the fp32 gradient partition first
         sharding.optimizer_step(tape)
     else:
@@ -112,15 +111,17 @@ def _checkpoint(i: int, config: ModelConfig) -> Checkpoint | None:
     residual sums, rerun outside any module's forward: MemTracker's temporaries."""
     if config.recompute != "full":
         return None
-    masks = [_mask(config, j) for j in range(i + 1)]
+    # the mask LlamaModel passes each layer: Gemma 2's even layers slide (layer_types), the rest attend causally
+    masks = ["model/sliding_mask" if config.sandwich_norm and j % 2 == 0 else "model/causal_mask" for j in range(i + 1)]
     shared = (*(("model/position_ids", *(x.name for x in layer.ROPE)) if i == 0 else ()),
               *((masks[i],) if masks.index(masks[i]) == i else ()))
     rerun = ACTIVATIONS if config.dp_shard is None else TEMPORARIES  # FSDPMemTracker's: in backward, no unit's forward
     return Checkpoint(f"layers.{i}/input", rerun=rerun, early_stop=True, own=TEMPORARIES, frame=shared)
 
 
-def _forward(tape: Tape, sharding: Fsdp | Zero | None, inputs: Walked, layers: list[Walked], outputs: Walked) -> None:
-    """Forward, each layer gathered around it under FSDP2 or ZeRO-3."""
+def _step(tape: Tape, sharding: Fsdp | Zero | None, inputs: Walked, layers: list[Walked], outputs: Walked) -> None:
+    """Forward, each layer gathered around it under FSDP2 or ZeRO-3; loss.backward(), each layer gathered again under
+    FSDP2 and its gradients reduce-scattered after it."""
     (front, (batch, *embedding)), (back, out) = inputs, outputs
     front.forward((batch,))
     if sharding is not None:  # the root's pre-forward: embedding, final norm and lm_head gathered
@@ -133,16 +134,6 @@ def _forward(tape: Tape, sharding: Fsdp | Zero | None, inputs: Walked, layers: l
         if sharding is not None:
             sharding.post_forward(tape, f"layers.{i}")
     back.forward(out)
-
-
-def _mask(config: ModelConfig, i: int) -> str:
-    """The mask LlamaModel passes layer i: Gemma 2's even layers slide (layer_types), the rest attend causally."""
-    return "model/sliding_mask" if config.sandwich_norm and i % 2 == 0 else "model/causal_mask"
-
-
-def _backward(tape: Tape, sharding: Fsdp | Zero | None, inputs: Walked, layers: list[Walked], outputs: Walked) -> None:
-    """loss.backward(), each layer gathered again under FSDP2 and its gradients reduce-scattered after it."""
-    (front, (_, *embedding)), (back, out) = inputs, outputs
     if sharding is not None:  # the root's post-forward, then its pre-backward: the last layer's all-gather
         sharding.forward_done(tape)
         sharding.pre_backward(tape, ROOT, "", f"layers.{len(layers) - 1}")

@@ -120,23 +120,21 @@ class Walk:
     _releases: dict[int, tuple[str, ...]] = field(default_factory=dict)  # op index -> the tape names it frees
 
     def forward(self, ops: tuple[Op, ...]) -> None:
-        if not self._kept_by:
-            self._first_keepers(ops)
+        self._first_keepers(ops)
         for op in ops:
             for step in op.forward:
                 self._step(step, op, "forward")
 
     def _first_keepers(self, ops: tuple[Op, ...]) -> None:
-        """Each saved tensor's first keeper: its backward runs last, and the tensor goes when it returns."""
-        for i, op in enumerate(ops):
+        """Each saved tensor's first keeper (its backward runs last, the tensor going as it returns), found once."""
+        for i, op in enumerate(ops if not self._kept_by else ()):
             for x in op.saves:
                 self._kept_by.setdefault(x.name, i)
 
     def backward(self, ops: tuple[Op, ...]) -> None:
         """The ops' backward, last op first (without a forward walked first, a layer rerun inside backward by full
         recomputation, each saved tensor's first keeper is found here; once for every layer the walk serves)."""
-        if not self._kept_by:
-            self._first_keepers(ops)
+        self._first_keepers(ops)
         for i in reversed(range(len(ops))):
             op = ops[i]
             if self.checkpoint is not None and op.saves and not self._rerun_kept:
@@ -155,7 +153,8 @@ class Walk:
         backward, a rerun module that is an ancestor of the trigger's (its own ops, the block's residual sums) at the
         trigger, which is still active."""
         made: list[str] = []
-        pending = self._kept_made(ops) if checkpoint.early_stop else None
+        pending = {x.name for op in ops for step in op.forward for x in step.makes  # early stop waits for the last
+                   if x.keeps is not None and x.keeps.name in self.saved} if checkpoint.early_stop else None
         for op, step in ((op, step) for op in ops for step in op.forward):
             where = (trigger.shadow or trigger.where) if _ancestor(op.where, trigger.where) else op.where
             new = tuple(x for x in step.makes if x.name not in checkpoint.cached)
@@ -169,11 +168,6 @@ class Walk:
             if pending is not None and not (pending := pending - kept):
                 break  # early stop: the last saved tensor is made again; the forward's frame unwinds
         self.tape.drop(*made)
-
-    def _kept_made(self, ops: tuple[Op, ...]) -> set[str]:
-        """The saved tensors the ops' forward makes on this rank (sized here): early stop waits for the last."""
-        return {x.name for op in ops for step in op.forward for x in step.makes
-                if x.keeps is not None and x.keeps.name in self.saved}
 
     def _release_frame(self) -> None:
         """Under a checkpoint: its frame, and with it the region's input, goes when the last tensor the rerun kept
@@ -220,7 +214,8 @@ class Walk:
             if x.keeps is None:
                 tape.add(x.name, x.category or category, x.bytes, x.why)
             elif x.keeps.name in self.saved:  # else not kept under these sizes (the ledger's size rules)
-                tape.add(x.name or kept_name(self.prefix, x.keeps), x.category or category, self.saved[x.keeps.name], x.why)
+                name = x.name or kept_name(self.prefix, x.keeps)
+                tape.add(name, x.category or category, self.saved[x.keeps.name], x.why)
 
 
 def _ancestor(module: str, of: str) -> bool:
