@@ -35,14 +35,9 @@ __all__ = [
 def timeline(
     config: ModelConfig, strategy: Strategy, accounting: Accounting = Accounting(exact=True), stage: str | None = None,
 ) -> Timeline:
-    """The moments of one training step of `config` under `strategy`, on one rank of a pipeline stage.
-
-    `stage` is one of `memcalc.sizing.pipeline.stages`: "only" without pipelining, "first" or "last" (the
-    stages that bound memory) with pp > 1; the first by default. Under 1F1B the stage walks one micro-batch
-    while the others in flight keep their saved tensors: the moment the first stage's backward begins.
-    Interleaved, it walks one model chunk (the first stage's with the embedding, the last's with the loss)
-    beside the chunk-micro-batches the schedule keeps.
-    """
+    """The moments of one training step of `config` under `strategy`, on one rank of a pipeline stage (one of
+    `memcalc.sizing.pipeline.stages`, the first by default): under 1F1B one micro-batch (interleaved, one model chunk)
+    beside those the schedule keeps in flight."""
     accounting = replace(accounting, exact=True)  # a timeline counts every byte
     _refuse_other_layers(config)
     if config.impl == "hf":  # transformers' LlamaForCausalLM, op by op: its own walk
@@ -128,9 +123,8 @@ def _others_in_flight(tape: Tape, st: Stage, walked: int, walked_bytes: int, emb
 
 @record
 class _Kind:
-    """One kind of layer as the walk runs it (a MoE layer, or a dense one among MoE layers): its config, what its
-    forward keeps (each expert's storages as pieces of the ledger's rows), those tensors' bytes by name, every
-    tensor's its ops make or keep (under recomputation the rerun's too), and its ops."""
+    """One kind of layer as the walk runs it (a MoE layer, or a dense one among MoE layers): what its forward keeps
+    (each expert's storages as pieces of the ledger's rows) and every tensor its ops make or keep, by name."""
 
     config: ModelConfig
     kept: tuple[SavedTensor, ...]
