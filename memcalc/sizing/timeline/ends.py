@@ -56,9 +56,6 @@ def model_states(tape: Tape, config: ModelConfig, stage: Stage, z: Sizes) -> Non
         tape.add("states/router buffers", PARAMETERS, router_buffer_bytes(config, stage), ROUTER_BUFFERS_WHY)
 
 
-# -- the model's two ends ---------------------------------------------------------------------------------
-
-
 class Ends:
     """Embedding, final norm, output layer and loss: their saved tensors (ledger) and their gradients."""
 

@@ -202,8 +202,6 @@ class Fsdp:
         return sum(_padded(shape, self.shards, m in self.dim1) for m, shape in self.unit(block).params
                    if modules is None or m in modules)
 
-    # -- steady state -------------------------------------------------------------------------------
-
     def states(self, tape: Tape) -> None:
         """fp32 shards of every parameter, AdamW's m and v of them, and one 0-d step per parameter."""
         shard = sum(self.unsharded(u.name) for u in self.units) // self.shards
@@ -215,8 +213,6 @@ class Fsdp:
         tape.add("optimizer/step", OPTIMIZER, 4 * count, "AdamW counts steps in a 0-d fp32 tensor per parameter")
         if self.accumulate:
             tape.add("states/grads", GRADIENTS, 4 * shard, "the sharded fp32 gradients, zeroed in place between steps")
-
-    # -- the ops around a block -----------------------------------------------------------------------
 
     def all_gather(self, tape: Tape, block: str, phase: str, where: str) -> None:
         """foreach_all_gather: this rank's shards cast to param_dtype, then the block's flat buffer of every

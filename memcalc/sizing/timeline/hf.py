@@ -279,9 +279,6 @@ PHI3_SHADOWED = {"self_attn": "resid_attn_dropout", "self_attn.o_proj": "resid_a
                  "mlp": "resid_mlp_dropout", "mlp.down_proj": "resid_mlp_dropout"}
 
 
-# -- the model's two ends -----------------------------------------------------------------------------------------
-
-
 def _embedding(z: Sizes, config: ModelConfig, sharded: bool) -> tuple[Op, ...]:
     """The batch; the embedding (`embedding_rowwise` under tp: this rank's rows, the Partial sum all-reduced) and what
     LlamaModel makes once for all layers."""

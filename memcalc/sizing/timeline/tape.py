@@ -90,9 +90,6 @@ class Timeline:
         return max(self.moments, key=lambda m: m.bytes)
 
 
-# -- per-rank sizes ------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Sizes:
     """Element counts one rank works with, and the widths of its tensors."""
@@ -141,9 +138,6 @@ class Sizes:
     def tokens(self, width: int) -> int:
         """Bytes of one `width`-byte value per token of the micro-batch, (b, s)."""
         return width * self.b * self.s
-
-
-# -- the tape: live tensors, and the moments they make --------------------------------------------------
 
 
 class _Live(dict):

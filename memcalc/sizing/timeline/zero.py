@@ -69,8 +69,6 @@ class Zero:
 
     block_of = staticmethod(Fsdp.block_of)
 
-    # -- steady state -------------------------------------------------------------------------------
-
     def states(self, tape: Tape) -> None:
         """bf16 weights (partitioned at stage 3), the fp32 partition of master weights and moments, and at stage 3
         the buffers DeepSpeed allocates once."""
@@ -93,8 +91,6 @@ class Zero:
             tape.add(PARTITION, GRADIENTS, self.act * part, "stage 3's grad_partitions_flat_buffer: this rank's bf16"
                      " gradient partition, allocated once")
 
-    # -- forward: stage 3 gathers ---------------------------------------------------------------------
-
     def copy_out(self, tape: Tape, block: str, phase: str, where: str) -> None:
         """Stage 3: the block's modules gathered as it runs, in place of the previous block's: its widest partitioned
         module and the prefetch bucket ahead of it (a bound)."""
@@ -113,8 +109,6 @@ class Zero:
 
     def pre_backward(self, tape: Tape, block: str, where: str, prefetch: str | None) -> None:
         self.copy_out(tape, block, "backward", where)
-
-    # -- backward: gradients into the reduce bucket -----------------------------------------------------
 
     def keep_grad(self, tape: Tape, block: str, name: str, nbytes: int) -> None:
         """A weight's bf16 gradient, as autograd hands it over: kept whole at stage 1; copied into the reduce bucket
