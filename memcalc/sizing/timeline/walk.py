@@ -189,7 +189,12 @@ class Walk:
         self._make(makes, ACTIVATIONS if phase == "forward" else TEMPORARIES)
         if step.makes and step.moment:
             self.tape.mark(phase, self._where(op, phase), step.what)
-        self.tape.drop(*self._frees(step, frees, phase))
+        if self.checkpoint is not None:
+            # also the kept tensors it reads last: in forward nothing keeps them (but the region's input and the cached
+            # op outputs), in backward the rerun's are the node's locals
+            held = {self.checkpoint.holds, *self.checkpoint.cached} if phase == "forward" else set()
+            frees = tuple(x for x in (*frees, *step.reads_last) if x not in held)
+        self.tape.drop(*frees)
         if returns is not None:
             self._release(op, returns)
         for name in step.hands_over:
@@ -200,13 +205,6 @@ class Walk:
         where = op.shadow if phase == "backward" and op.shadow else op.where
         return f"{self.module}.{where}" if self.module and where else self.module or where
 
-    def _frees(self, step: Step, frees: tuple[str, ...], phase: str) -> tuple[str, ...]:
-        """What goes after a step: under a checkpoint also the kept tensors it reads last: in forward nothing keeps
-        them (but the region's input and the cached op outputs), in backward the rerun's are the node's locals."""
-        if self.checkpoint is None:
-            return frees
-        held = {self.checkpoint.holds, *self.checkpoint.cached} if phase == "forward" else set()
-        return tuple(x for x in (*frees, *step.reads_last) if x not in held)
 
     def _make(self, makes: tuple[Made, ...], category: str) -> None:
         tape = self.tape
