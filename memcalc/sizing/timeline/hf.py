@@ -1,9 +1,7 @@
 """One training step of transformers' own `LlamaForCausalLM` on one rank (`--impl hf`), described once as ops.
 
-The decoder layer is memcalc.sizing.timeline.hf_layer's ops (a sparse MoE block hf_moe's), its saved tensors the hf
-ledger's; this module adds the model's ends for the generic walk (memcalc.sizing.timeline.walk) and the sharding's
-hooks between the layers. Each phase, the families, tp, FSDP2 and ZeRO, and where it is exact:
-docs/timeline.md, "transformers' models".
+The model's ends and the sharding's hooks around hf_layer's and hf_moe's layers: docs/timeline.md, "transformers'
+models".
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """transformers' sparse MoE blocks (Mixtral's, Qwen2-MoE's, Qwen3-MoE's) as ops for the hf step walk (`--impl hf`).
 
-The router, the shared expert and its gate are one description; the experts run by the config's
-experts_implementation (grouped_mm or the eager loop), both keeping the hf ledger's tensors
-(memcalc.model.impls.hf.moe_block). Each path's backward, as autograd orders it: docs/timeline.md, "transformers'
-MoE blocks".
+The experts by experts_implementation (grouped_mm or the eager loop), each path's backward as autograd orders it:
+docs/timeline.md, "transformers' MoE blocks".
 """
 
 from __future__ import annotations
