@@ -10,7 +10,7 @@ from dataclasses import replace
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError
 from memcalc.model import ledger
-from memcalc.model.evaluate import LayerEstimate, TensorBytes, estimate
+from memcalc.model.evaluate import TensorBytes, estimate
 from memcalc.model.knobs import Accounting
 from memcalc.model.ledger import SavedTensor
 from memcalc.model.strategy import Strategy
@@ -35,24 +35,23 @@ __all__ = [
 def timeline(
     config: ModelConfig, strategy: Strategy, accounting: Accounting = Accounting(exact=True), stage: str | None = None,
 ) -> Timeline:
-    """The moments of one training step of `config` under `strategy`, on one rank of a pipeline stage.
-
-    `stage` is one of `memcalc.sizing.pipeline.stages`: "only" without pipelining, "first" or "last" (the
-    stages that bound memory) with pp > 1; the first by default. Under 1F1B the stage walks one micro-batch
-    while the others in flight keep their saved tensors: the moment the first stage's backward begins.
-    Interleaved, it walks one model chunk (the first stage's with the embedding, the last's with the loss)
-    beside the chunk-micro-batches the schedule keeps.
-    """
+    """The moments of one training step of `config` under `strategy`, on one rank of a pipeline stage (one of
+    `memcalc.sizing.pipeline.stages`, the first by default): under 1F1B one micro-batch (interleaved, one model chunk)
+    beside those the schedule keeps in flight."""
     accounting = replace(accounting, exact=True)  # a timeline counts every byte
     _refuse_other_layers(config)
     if config.impl == "hf":  # transformers' LlamaForCausalLM, op by op: its own walk
         return hf_timeline(config, strategy, accounting)
     if config.impl == "torchtitan":  # torchtitan's Llama3Model, described as ops for the generic walk
         return torchtitan_timeline(config, strategy, accounting)
-    _refuse_other_moe(config, strategy)
+    missing = megatron_moe.unmodelled(config, Sizes.of(config, strategy)) if config.moe else None
+    if missing:
+        raise ConfigError(f"the step timeline does not model {missing} yet: it walks megatron-core's MoELayer"
+                          " with the all-to-all dispatcher")
     layer = estimate(config, strategy, accounting)
     z = Sizes.of(config, strategy)
-    rerun = _rerun(config, strategy, accounting) if config.recompute != "none" else None
+    # under recomputation the layer rerun in backward keeps what it keeps without
+    rerun = estimate(replace(config, recompute="none"), strategy, accounting) if config.recompute != "none" else None
     kinds = {False: _Kind.of(config, z, accounting, layer.tensors, rerun and rerun.tensors)}  # by `dense` below
     if layer.dense_layers:  # dense layers among MoE ones: a dense MLP, each tensor at the dense layer's bytes
         kinds[True] = _Kind.of(config.dense, z, accounting, layer.dense, rerun and rerun.dense)
@@ -66,7 +65,7 @@ def timeline(
     layers = range(first, first + walked)
     dense = [config.moe and not config.is_moe_layer(i) for i in layers]  # each layer's kind
     # every chunk of a stage holds the same kinds of layers (memcalc.sizing.states.check_expert_states)
-    _others_in_flight(tape, st, walked, sum(kinds[is_dense].saved_bytes for is_dense in dense), ends.embedding_bytes())
+    _others_in_flight(tape, st, walked, sum(sum(kinds[x].saved.values()) for x in dense), ends.embedding_bytes())
     ends.forward_in(tape)
     # a weight's gradient handed over by autograd is added into the fp32 buffer at once
     walks = {is_dense: Walk(tape, "", "", kind.sizes, lambda where, name, nbytes: tape.drop(name))
@@ -79,7 +78,11 @@ def timeline(
         if kind.config.moe:
             megatron_moe.beside_the_ledger(tape, config, z)
         walk.forward(kind.ops)
-        _fold(tape, i, kind.folded)
+        # its saved tensors one term until its backward (a moment's cost grows with the tensors live, and every
+        # layer's have the same names); its output is the next layer's input
+        held = sum(tape.live.pop(name).bytes for name in kind.folded)
+        tape.add(f"layers.{i}/saved", ACTIVATIONS, held, "what the layer keeps for backward (the ledger)")
+        tape.rename(OUTPUT, INPUT)
         if kind.config.moe:  # held by the layer's dispatcher beyond the step: one term
             tape.add(f"layers.{i}/moe dispatcher", ACTIVATIONS, sum(tape.live.pop(x).bytes for x in megatron_moe.HELD
                                                                 if x in tape.live),
@@ -88,42 +91,24 @@ def timeline(
     ends.backward_out(tape)
     for i, is_dense in reversed(list(zip(layers, dense))):
         kind, walk = kinds[is_dense], walks[is_dense]
-        _unfold(tape, i, kind)
+        tape.drop(f"layers.{i}/saved")  # one by one again, as its ops free them
+        for x in kind.kept:
+            tape.add(x.name, ACTIVATIONS, kind.saved[x.name], "kept for backward (the ledger)")
         walk.module = f"layers.{i}"
         walk.backward(kind.ops)
         if kind.config.moe and config.recompute == "full":
-            _held_by_the_rerun(tape, i, kind.saved[ledger.LAYER_INPUT.name])
+            # the dispatcher's probabilities, made by the rerun with autograd on, keep its graph to the next forward,
+            # and with it the checkpoint's detached input (AccumulateGrad's variable) and that input's .grad, the
+            # gradient handed on (the layer below frees its output's gradient by a name no longer live)
+            tape.add(f"layers.{i}/rerun input", ACTIVATIONS, kind.saved[ledger.LAYER_INPUT.name],
+                     "the rerun's detached input, held by its graph")
+            tape.rename(INPUT_GRAD, f"layers.{i}/rerun input grad")
         elif i > first:
             tape.rename(INPUT_GRAD, OUTPUT_GRAD)
     ends.backward_in(tape)
     tape.drop("pipeline/other micro-batches")  # the cool-down runs their backwards, as this one's
     tape.mark("optimizer", "", "fused AdamW on the fp32 master weights, in place")
     return Timeline(layer.strategy, tuple(tape.moments), st.name)
-
-
-def _fold(tape: Tape, i: int, names: tuple[str, ...]) -> None:
-    """After its forward, layer i's saved tensors (`names`, its input's first) as one term until its backward: the
-    moments' cost grows with the tensors live, and every layer's tensors have the same names; its output is the
-    next layer's input."""
-    held = sum(tape.live.pop(name).bytes for name in names)
-    tape.add(f"layers.{i}/saved", ACTIVATIONS, held, "what the layer keeps for backward (the ledger)")
-    tape.rename(OUTPUT, INPUT)
-
-
-def _held_by_the_rerun(tape: Tape, i: int, nbytes: int) -> None:
-    """Full recomputation with experts: the dispatcher's probabilities, made by layer i's rerun with autograd on,
-    keep its graph to the next forward, and with it the checkpoint's detached input (AccumulateGrad's variable) and
-    that input's .grad, the gradient handed on (the layer below frees its output's gradient by a name no longer
-    live)."""
-    tape.add(f"layers.{i}/rerun input", ACTIVATIONS, nbytes, "the rerun's detached input, held by its graph")
-    tape.rename(INPUT_GRAD, f"layers.{i}/rerun input grad")
-
-
-def _unfold(tape: Tape, i: int, kind: _Kind) -> None:
-    """Before its backward, layer i's saved tensors one by one again, as its ops free them."""
-    tape.drop(f"layers.{i}/saved")
-    for x in kind.kept:
-        tape.add(x.name, ACTIVATIONS, kind.saved[x.name], "kept for backward (the ledger)")
 
 
 def _others_in_flight(tape: Tape, st: Stage, walked: int, walked_bytes: int, embedding: int) -> None:
@@ -138,9 +123,8 @@ def _others_in_flight(tape: Tape, st: Stage, walked: int, walked_bytes: int, emb
 
 @record
 class _Kind:
-    """One kind of layer as the walk runs it (a MoE layer, or a dense one among MoE layers): its config, what its
-    forward keeps (each expert's storages as pieces of the ledger's rows), those tensors' bytes by name, every
-    tensor's its ops make or keep (under recomputation the rerun's too), and its ops."""
+    """One kind of layer as the walk runs it (a MoE layer, or a dense one among MoE layers): what its forward keeps
+    (each expert's storages as pieces of the ledger's rows) and every tensor its ops make or keep, by name."""
 
     config: ModelConfig
     kept: tuple[SavedTensor, ...]
@@ -171,36 +155,22 @@ class _Kind:
 
     @property
     def folded(self) -> tuple[str, ...]:
-        """What `_fold` sums after the layer's forward: its input first, then what it made."""
+        """What the walk sums after the layer's forward: its input first, then what it made."""
         return (INPUT, *(x.name for x in self.kept if x.name not in (INPUT, ledger.LAYER_INPUT.name)))
 
-    @property
-    def saved_bytes(self) -> int:
-        return sum(self.saved.values())
 
-
-def _rerun(config: ModelConfig, strategy: Strategy, accounting: Accounting) -> LayerEstimate:
-    """What a layer keeps when recomputation reruns it (or its attention core) in backward: the layer without
-    recomputation."""
-    return estimate(replace(config, recompute="none"), strategy, accounting)
-
-
-def timelines(config: ModelConfig, strategy: Strategy, accounting: Accounting = Accounting(exact=True)) -> tuple[
-        Timeline, ...]:
+def timelines(config: ModelConfig, strategy: Strategy, accounting: Accounting = Accounting(exact=True)
+              ) -> tuple[Timeline, ...]:
     """One timeline per stage that bounds memory (`memcalc.sizing.pipeline.stages`)."""
-    return tuple(
-        timeline(config, strategy, accounting, x.name)
-        for x in stages(config.L, config.pp, config.vpp, config.microbatches)
-    )
+    return tuple(timeline(config, strategy, accounting, x.name)
+                 for x in stages(config.L, config.pp, config.vpp, config.microbatches))
 
 
 def _stage(config: ModelConfig, name: str | None) -> Stage:
     found = stages(config.L, config.pp, config.vpp, config.microbatches)
-    if name is None:
-        return found[0]
-    for x in found:
-        if x.name == name:
-            return x
+    chosen = next((x for x in found if name in (None, x.name)), None)
+    if chosen is not None:
+        return chosen
     raise ConfigError(f"no {name} pipeline stage with pp={config.pp}: {', '.join(x.name for x in found)}")
 
 
@@ -219,15 +189,6 @@ def _refuse_other_layers(config: ModelConfig) -> None:
     if config.mla and config.impl != "megatron":
         raise ConfigError(f"the step timeline models latent attention (kv_lora_rank) as megatron-core's"
                           f" MLASelfAttention (impl megatron), not impl {config.impl}")
-
-
-def _refuse_other_moe(config: ModelConfig, strategy: Strategy) -> None:
-    """ConfigError naming what of megatron-core's MoELayer the walk does not model yet
-    (memcalc.sizing.timeline.megatron_moe)."""
-    missing = megatron_moe.unmodelled(config, Sizes.of(config, strategy)) if config.moe else None
-    if missing:
-        raise ConfigError(f"the step timeline does not model {missing} yet: it walks megatron-core's MoELayer"
-                          " with the all-to-all dispatcher")
 
 
 def _check_modelled(config: ModelConfig, kept: tuple[SavedTensor, ...], ops: tuple[Op, ...]) -> None:

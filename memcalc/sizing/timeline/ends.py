@@ -56,9 +56,6 @@ def model_states(tape: Tape, config: ModelConfig, stage: Stage, z: Sizes) -> Non
         tape.add("states/router buffers", PARAMETERS, router_buffer_bytes(config, stage), ROUTER_BUFFERS_WHY)
 
 
-# -- the model's two ends ---------------------------------------------------------------------------------
-
-
 class Ends:
     """Embedding, final norm, output layer and loss: their saved tensors (ledger) and their gradients."""
 
@@ -87,17 +84,6 @@ class Ends:
             if x.name in self.saved:
                 tape.add(x.name, ACTIVATIONS, self.saved[x.name], self.why[x.name])
 
-    def forward_embedding(self, tape: Tape) -> None:
-        z = self.z
-        tokens = ledger.EMBEDDING_INPUT_IDS.name if self.ids_are_tokens else "batch/tokens"
-        tape.add(tokens, ACTIVATIONS, z.tokens(8), "the micro-batch's token ids (int64), live for the whole step")
-        self._labels(tape)
-        if not self.ids_are_tokens:
-            self._saved(tape, ledger.EMBEDDING_INPUT_IDS, VOCAB_MASK)
-        self._saved(tape, POSITION_IDS, ledger.EMBEDDING_DROPOUT_MASK)
-        tape.add(INPUT, ACTIVATIONS, z.seq(z.h), ledger.WHY_NORM_INPUT)
-        tape.mark("forward", "embedding", "word and position embeddings, dropout")
-
     def _labels(self, tape: Tape) -> None:
         """Only the stage that computes the loss loads the labels."""
         if self.stage.has_output:
@@ -113,46 +99,34 @@ class Ends:
 
     def forward_in(self, tape: Tape) -> None:
         """The embedding, or the previous stage's output received as this stage's input."""
-        if self.stage.has_embedding:
-            self.forward_embedding(tape)
+        z = self.z
+        if not self.stage.has_embedding:
+            self._labels(tape)
+            tape.add(INPUT, ACTIVATIONS, z.seq(z.h),
+                     "the previous stage's output, received (p2p) as this stage's input; the first layer keeps it")
+            tape.mark("forward", "", "the input received from the previous stage")
             return
+        tokens = ledger.EMBEDDING_INPUT_IDS.name if self.ids_are_tokens else "batch/tokens"
+        tape.add(tokens, ACTIVATIONS, z.tokens(8), "the micro-batch's token ids (int64), live for the whole step")
         self._labels(tape)
-        tape.add(INPUT, ACTIVATIONS, self.z.seq(self.z.h),
-                 "the previous stage's output, received (p2p) as this stage's input; the first layer keeps it")
-        tape.mark("forward", "", "the input received from the previous stage")
+        if not self.ids_are_tokens:
+            self._saved(tape, ledger.EMBEDDING_INPUT_IDS, VOCAB_MASK)
+        self._saved(tape, POSITION_IDS, ledger.EMBEDDING_DROPOUT_MASK)
+        tape.add(INPUT, ACTIVATIONS, z.seq(z.h), ledger.WHY_NORM_INPUT)
+        tape.mark("forward", "embedding", "word and position embeddings, dropout")
 
     def forward_out(self, tape: Tape) -> None:
         """The final norm, output layer and loss, or the output sent to the next stage."""
-        if self.stage.has_output:
-            self.forward_output_and_loss(tape)
+        if not self.stage.has_output:
+            # Megatron frees the sent output's data at once (deallocate_pipeline_outputs): the next stage keeps it.
+            tape.drop(INPUT)
             return
-        # Megatron frees the sent output's data at once (deallocate_pipeline_outputs): the next stage keeps it.
-        tape.drop(INPUT)
-
-    def backward_out(self, tape: Tape) -> None:
-        """The loss and output layer's backward, or the output's gradient received from the next stage."""
-        if self.stage.has_output:
-            self.backward_loss_and_output(tape)
-            return
-        tape.add(OUTPUT_GRAD, TEMPORARIES, self.z.seq(self.z.h),
-                 "the gradient of this stage's output, received (p2p) from the next stage")
-        tape.mark("backward", "", "the output's gradient received from the next stage")
-
-    def backward_in(self, tape: Tape) -> None:
-        """The embedding's backward, or the input's gradient sent to the previous stage."""
-        if self.stage.has_embedding:
-            self.backward_embedding(tape)
-            return
-        tape.drop(INPUT_GRAD)  # sent: the previous stage receives it
-
-    def forward_output_and_loss(self, tape: Tape) -> None:
         z = self.z
-        tape.add(ledger.FINAL_NORM.input.name, ACTIVATIONS, tape.live.pop(INPUT).bytes,
-                 ledger.WHY_NORM_INPUT)
+        tape.add(ledger.FINAL_NORM.input.name, ACTIVATIONS, tape.live.pop(INPUT).bytes, ledger.WHY_NORM_INPUT)
         self._saved(tape, ledger.FINAL_NORM.mean, ledger.FINAL_NORM.rstd, ledger.OUTPUT_INPUT)
         tape.mark("forward", "final_norm", "the norm before the output layer")
-        logits = z.act * z.s * z.b * z.v_t
-        tape.add("output/logits", ACTIVATIONS, logits, "the output layer's logits (s, b, v/t) in the training dtype")
+        tape.add("output/logits", ACTIVATIONS, z.act * z.s * z.b * z.v_t,
+                 "the output layer's logits (s, b, v/t) in the training dtype")
         # Megatron's _VocabParallelCrossEntropy.forward, at its widest: right after the per-token loss.
         self._saved(tape, ledger.LOSS_LOGITS, TARGET_MASK, MASKED_TARGET)
         for name, width, why in LOSS_WORKING_SET:
@@ -162,46 +136,64 @@ class Ends:
         tape.drop("output/logits", *(name for name, _, _ in LOSS_WORKING_SET))
         tape.add("loss/value", ACTIVATIONS, 4, "the mean loss (a 0-d fp32 tensor) lives to the step's end")
 
-    def backward_loss_and_output(self, tape: Tape) -> None:
+    def backward_out(self, tape: Tape) -> None:
+        """The loss and output layer's backward, or the output's gradient received from the next stage."""
         z = self.z
+        if not self.stage.has_output:
+            tape.add(OUTPUT_GRAD, TEMPORARIES, z.seq(z.h),
+                     "the gradient of this stage's output, received (p2p) from the next stage")
+            tape.mark("backward", "", "the output's gradient received from the next stage")
+            return
         tape.add("loss/grad seed", ACTIVATIONS, 4,
                  "loss.backward() starts from a 0-d ones tensor, made before autograd runs")
-        dlogits = z.act * z.s * z.b * z.v_t
-        tape.add("grad/logits", TEMPORARIES, dlogits,
+        tape.add("grad/logits", TEMPORARIES, z.act * z.s * z.b * z.v_t,
                  "the loss's fp32 gradient is the saved softmax, changed in place; autograd casts it to bf16")
         tape.mark("backward", "loss", "the logits' gradient cast to the training dtype")
         tape.drop(ledger.LOSS_LOGITS.name, TARGET_MASK.name, MASKED_TARGET.name)
-        weight = z.act * z.v_t * z.h
+        weight, dx = z.act * z.v_t * z.h, "grad/output input"
         embedding_grad = "grad/embedding (output layer)" if self.tied else "grad/output weight"
         why = ("the tied embedding's gradient from the output layer waits in autograd's input buffer until the"
                " embedding's own gradient is added to it" if self.tied else "the output layer's bf16 weight gradient")
-        dx = "grad/output input"
-        if z.sp:
-            gathered_linear_backward(tape, z, "output_layer", "grad/logits", embedding_grad, weight, why, dx)
+        handed = () if self.tied else (embedding_grad,)  # autograd hands it to the weight, the hook adds it in
+        if z.sp:  # memcalc.probe.linear._GatheredInputLinear: X gathered again, dX reduce-scattered, then dW
+            gathered, partial = "grad/output_layer input gathered", "grad/output_layer partial dX"
+            tape.add(gathered, TEMPORARIES, z.full(z.h), "forward kept only the input's shard: backward all-gathers it")
+            tape.add(partial, TEMPORARIES, z.full(z.h), "dX = dY W on the whole sequence, this rank's partial sum")
+            tape.add(dx, TEMPORARIES, z.seq(z.h), "the reduce-scatter's output: this rank's shard of dX")
+            tape.mark("backward", "output_layer", "re-gathered input, partial dX and its reduce-scatter")
+            tape.drop(partial)
+            tape.add(embedding_grad, TEMPORARIES, weight, why)
+            tape.mark("backward", "output_layer", "dW and the bias's gradient beside the re-gathered input")
+            tape.drop(gathered, "grad/logits", ledger.OUTPUT_INPUT.name, *handed)
         else:
             tape.add(embedding_grad, TEMPORARIES, weight, why)
             tape.add(dx, TEMPORARIES, z.full(z.h), "dX of the output layer, (s, b, h)")
             tape.mark("backward", "output_layer", "GEMMs: dW and dX")
-            tape.drop("grad/logits", ledger.OUTPUT_INPUT.name)
-            if not self.tied:  # autograd hands it to the weight at once, and the hook adds it into the buffer
-                tape.drop(embedding_grad)
-            enter_tp_backward(tape, z, "output_layer", dx)
-        tape.drop(ledger.OUTPUT_INPUT.name)
-        if not self.tied:
-            tape.drop(embedding_grad)
-        norm_backward(tape, z, "final_norm", dx, ledger.FINAL_NORM, OUTPUT_GRAD)
-        tape.drop("grad/final_norm weights")
+            tape.drop("grad/logits", ledger.OUTPUT_INPUT.name, *handed)
+        if z.t > 1 and not z.sp:  # f's backward: dX all-reduced into a copy (an autograd op's input is never changed)
+            tape.add(f"{dx} (all-reduced)", TEMPORARIES, z.full(z.h), "f's backward all-reduces dX into a copy")
+            tape.mark("backward", "output_layer", "all-reduce of dX (f's backward)")
+            tape.drop(dx)
+            tape.rename(f"{dx} (all-reduced)", dx)
+        # the final norm's backward, one kernel: dX and its weight's (and LayerNorm's bias's) gradients beside dY
+        tape.add(OUTPUT_GRAD, TEMPORARIES, z.seq(z.h), "the norm's dX")
+        tape.add("grad/final_norm weights", TEMPORARIES, z.norm_vectors * z.act * z.h,
+                 "the norm's weight (and bias) gradients")
+        tape.mark("backward", "final_norm", "the norm: dX, dweight" + (", dbias" if z.norm_vectors == 2 else ""))
+        tape.drop(*(x.name for x in ledger.FINAL_NORM), dx, "grad/final_norm weights")
 
-    def backward_embedding(self, tape: Tape) -> None:
+    def backward_in(self, tape: Tape) -> None:
+        """The embedding's backward, or the input's gradient sent to the previous stage."""
+        if not self.stage.has_embedding:
+            tape.drop(INPUT_GRAD)  # sent: the previous stage receives it
+            return
         z = self.z
-        incoming = INPUT_GRAD
-        dropout = ledger.EMBEDDING_DROPOUT_MASK.name in self.saved
-        grad = incoming
-        if dropout:
+        grad = INPUT_GRAD
+        if ledger.EMBEDDING_DROPOUT_MASK.name in self.saved:
             grad = "grad/embedding dropout"
             tape.add(grad, TEMPORARIES, z.seq(z.h), "dropout's backward: dY times the mask, a new tensor")
             tape.mark("backward", "embedding", "dropout")
-            tape.drop(ledger.EMBEDDING_DROPOUT_MASK.name, incoming)
+            tape.drop(ledger.EMBEDDING_DROPOUT_MASK.name, INPUT_GRAD)
         if z.sp:
             tape.add("grad/embedding gathered", TEMPORARIES, z.full(z.h),
                      "the split into sequence shards: backward all-gathers the gradient, (s, b, h)")
@@ -224,56 +216,13 @@ class Ends:
         tape.add("grad/embedding (lookup)", TEMPORARIES, z.act * z.v_t * z.h,
                  "the embedding's bf16 gradient, dY added into the rows the ids picked")
         tape.mark("backward", "embedding", "the embedding's gradient")
-        tape.drop(grad)
-        if not self.ids_are_tokens:
-            tape.drop(ledger.EMBEDDING_INPUT_IDS.name)
+        tape.drop(grad, *(() if self.ids_are_tokens else (ledger.EMBEDDING_INPUT_IDS.name,)))
         if self.tied:
             tape.add("grad/embedding (sum)", TEMPORARIES, z.act * z.v_t * z.h,
                      "autograd sums the tied weight's two gradients into a new tensor")
             tape.mark("backward", "embedding", "the tied weight's two gradients summed")
         tape.drop("grad/embedding (output layer)", "grad/embedding (lookup)", "grad/embedding (sum)")
         tape.drop("loss/grad seed")  # backward is over
-
-
-# -- the backward of the linears and the norm at the model's ends ---------------------------------------------
-
-
-def gathered_linear_backward(tape: Tape, z: Sizes, where: str, grad: str, weight: str, nbytes: int, why: str,
-                             dx: str) -> None:
-    """The output layer under SP (memcalc.probe.linear._GatheredInputLinear): gather X again, dX as a partial
-    (s, b, h) reduce-scattered to (s/t, b, h), then dW."""
-    gathered = f"grad/{where} input gathered"
-    partial = f"grad/{where} partial dX"
-    tape.add(gathered, TEMPORARIES, z.full(z.h), "forward kept only the input's shard: backward all-gathers it")
-    tape.add(partial, TEMPORARIES, z.full(z.h), "dX = dY W on the whole sequence, this rank's partial sum")
-    tape.add(dx, TEMPORARIES, z.seq(z.h), "the reduce-scatter's output: this rank's shard of dX")
-    tape.mark("backward", where, "re-gathered input, partial dX and its reduce-scatter")
-    tape.drop(partial)
-    tape.add(weight, TEMPORARIES, nbytes, why)
-    tape.mark("backward", where, "dW and the bias's gradient beside the re-gathered input")
-    tape.drop(gathered, grad)
-
-
-def enter_tp_backward(tape: Tape, z: Sizes, where: str, dx: str) -> None:
-    """f's backward under TP: all-reduce dX into a new tensor (the input of an autograd op is never changed)."""
-    if z.t == 1:
-        return
-    reduced = f"{dx} (all-reduced)"
-    tape.add(reduced, TEMPORARIES, z.full(z.h), "f's backward all-reduces dX into a copy")
-    tape.mark("backward", where, "all-reduce of dX (f's backward)")
-    tape.drop(dx)
-    tape.rename(reduced, dx)
-
-
-def norm_backward(tape: Tape, z: Sizes, where: str, grad: str, norm: ledger.NormTensors, dx: str) -> None:
-    """The norm's backward, one kernel: dX and its weight's (and LayerNorm's bias's) gradients beside dY; then its
-    saved tensors go."""
-    tape.add(dx, TEMPORARIES, z.seq(z.h), "the norm's dX")
-    tape.add(f"grad/{where} weights", TEMPORARIES, z.norm_vectors * z.act * z.h,
-             "the norm's weight (and bias) gradients")
-    tape.mark("backward", where, "the norm: dX, dweight" + (", dbias" if z.norm_vectors == 2 else ""))
-    tape.drop(*(x.name for x in norm))
-    tape.drop(grad)
 
 
 # Megatron's cross-entropy at its widest (core/tensor_parallel/cross_entropy.py): per-token vectors beside the

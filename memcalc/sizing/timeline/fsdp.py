@@ -45,7 +45,8 @@ from dataclasses import dataclass, replace
 
 from memcalc.config.schema import ModelConfig
 from memcalc.model.knobs import DTYPE_BYTES
-from memcalc.sizing.timeline.tape import ACTIVATIONS, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, Tape
+from memcalc.sizing.timeline.hf_moe import sparse
+from memcalc.sizing.timeline.tape import ACTIVATIONS, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, Tape, prod
 from memcalc.sizing.timeline.torchtitan_moe import GROUPED_WEIGHTS as W
 
 ROOT = "root"
@@ -55,10 +56,7 @@ OUTPUT = "norm+lm_head"  # torchtitan's last unit
 def _padded(shape: tuple[int, ...], shards: int, dim1: bool = False) -> int:
     """Elements of one parameter as FSDP2 stores it: dim 0 padded up to a multiple of `shards` (sharded on dim 1,
     which FSDP2 requires even, none)."""
-    rest = 1
-    for n in shape[1:]:
-        rest *= n
-    return shape[0] * rest if dim1 else -(-shape[0] // shards) * shards * rest
+    return prod(shape) if dim1 else -(-shape[0] // shards) * shards * prod(shape[1:])
 
 
 Param = tuple[str, tuple[int, ...]]  # a parameter's module path and its shape on this rank before FSDP2 shards it
@@ -79,14 +77,12 @@ class Unit:
 
 
 def hf_layer(c: ModelConfig, t: int, i: int, reshard: bool) -> Unit:
-    """LlamaDecoderLayer's parameters as this rank of t holds them before FSDP2 shards them (transformers' tp_plan:
-    q, k, v, gate, up colwise, o and down rowwise, the norms whole): q, k, v, o (Qwen3's: then q_norm, k_norm); gate,
-    up, down (a sparse MoE block's own, `hf_moe_parameters`); the two norms."""
+    """LlamaDecoderLayer's parameters in registration order, as this rank of t holds them before FSDP2 shards them
+    (transformers' tp_plan: q, k, v, gate, up colwise, o and down rowwise, the norms whole)."""
     q, kv, f = c.a * c.head_dim // t, c.groups * c.head_dim // t, c.ffn // t
     m = f"model.layers.{i}"
     qk = ((f"{m}.self_attn.q_norm", (c.head_dim,)), (f"{m}.self_attn.k_norm", (c.head_dim,))) if c.qk_layernorm else ()
-    sparse = c.moe and (i + 1) % c.moe_layer_freq == 0  # transformers' decoder_sparse_step
-    mlp = hf_moe_parameters(c, f"{m}.mlp") if sparse else (
+    mlp = hf_moe_parameters(c, f"{m}.mlp") if sparse(c, i) else (
         (f"{m}.mlp.gate_proj", (f, c.h)), (f"{m}.mlp.up_proj", (f, c.h)), (f"{m}.mlp.down_proj", (c.h, f)))
     return Unit(f"layers.{i}", (
         (f"{m}.self_attn.q_proj", (q, c.h)), (f"{m}.self_attn.k_proj", (kv, c.h)),
@@ -95,10 +91,8 @@ def hf_layer(c: ModelConfig, t: int, i: int, reshard: bool) -> Unit:
 
 
 def hf_moe_parameters(c: ModelConfig, m: str) -> tuple[Param, ...]:
-    """A sparse MoE block's parameters in registration order (t = 1): the router's (E, h) weight and the experts'
-    (E, 2e, h) gate_up_proj and (E, h, e) down_proj (Qwen3-MoE registers its experts first), then Qwen2-MoE's shared
-    expert (gate, up, down) and its (1, h) gate. The experts' two weights are one module's: each is named by its own
-    path (memcalc.sizing.timeline.hf_moe.weight_of)."""
+    """A sparse MoE block's parameters in registration order (t = 1; Qwen3-MoE registers its experts first). The
+    experts' two weights are one module's: each is named by its own path (memcalc.sizing.timeline.hf_moe.weight_of)."""
     router = ((f"{m}.gate", (c.num_experts, c.h)),)
     experts = ((f"{m}.experts.gate_up_proj", (c.num_experts, 2 * c.expert_ffn, c.h)),
                (f"{m}.experts.down_proj", (c.num_experts, c.h, c.expert_ffn)))
@@ -123,12 +117,9 @@ def torchtitan_block(i: int, c: ModelConfig) -> str:
 
 
 def torchtitan_units(c: ModelConfig, reshard: bool, t: int = 1) -> tuple[Unit, ...]:
-    """torchtitan's apply_fsdp_to_decoder on its untied Llama3Model: tok_embeddings, then each block (both resharded
-    after forward under its "default" policy, `reshard`; under AC the checkpoint_wrapper around it), then norm and
-    lm_head as one unit, never resharded after forward ("as an optimization": FSDP2 would prefetch them at once); the
-    model's own call holds no parameter. Each parameter as this rank of t holds it under torchtitan's TP plan
-    (set_llama3_sharding_config): wqkv, w1, w3, the embedding's and lm_head's vocabulary rows split on dim 0, wo and
-    w2 on dim 1, the norms whole."""
+    """torchtitan's apply_fsdp_to_decoder on its untied Llama3Model; norm and lm_head never resharded after forward
+    ("as an optimization": FSDP2 would prefetch them at once). Each parameter as this rank of t holds it under
+    torchtitan's TP plan (set_llama3_sharding_config): wo and w2 split on dim 1, the norms whole, the rest on dim 0."""
     qkv, f, v = (c.a + 2 * c.groups) * c.head_dim // t, c.ffn // t, c.vocab_size // t
 
     def block(i: int) -> Unit:
@@ -144,9 +135,8 @@ def torchtitan_units(c: ModelConfig, reshard: bool, t: int = 1) -> tuple[Unit, .
 
 
 def torchtitan_moe_parameters(c: ModelConfig, m: str) -> tuple[Param, ...]:
-    """torchtitan's MoE's parameters in registration order (t = 1, ep = 1): GroupedExperts' (E, f, h) w1, (E, h, f)
-    w2 and (E, f, h) w3 (one module's, each named by its own path), the router's (E, h) gate, then the shared
-    experts' FeedForward (w1, w2, w3). The grouped ones sharded on dim 0, or on dim 1 (`expert_dim1`)."""
+    """torchtitan's MoE's parameters in registration order (t = 1, ep = 1), GroupedExperts' three one module's, each
+    named by its own path."""
     e, f, u, experts = c.num_experts, c.expert_ffn, c.moe_shared_expert_intermediate_size, f"{m}.routed_experts"
     shared = ((f"{m}.shared_experts.w1", (u, c.h)), (f"{m}.shared_experts.w2", (c.h, u)),
               (f"{m}.shared_experts.w3", (u, c.h))) if u else ()
@@ -207,23 +197,15 @@ class Fsdp:
     def unit(self, block: str) -> Unit:
         return next(u for u in self.units if u.name == block)
 
-    def shapes(self, block: str) -> tuple[tuple[int, ...], ...]:
-        return self.unit(block).shapes
-
     def unsharded(self, block: str, modules: Collection[str] | None = None) -> int:
         """Elements of a block gathered whole (each parameter padded), or of those of its parameters in `modules`."""
         return sum(_padded(shape, self.shards, m in self.dim1) for m, shape in self.unit(block).params
                    if modules is None or m in modules)
 
-    def blocks(self) -> tuple[str, ...]:
-        return tuple(u.name for u in self.units)
-
-    # -- steady state -------------------------------------------------------------------------------
-
     def states(self, tape: Tape) -> None:
         """fp32 shards of every parameter, AdamW's m and v of them, and one 0-d step per parameter."""
-        shard = sum(self.unsharded(b) for b in self.blocks()) // self.shards
-        count = sum(len(self.shapes(b)) for b in self.blocks())
+        shard = sum(self.unsharded(u.name) for u in self.units) // self.shards
+        count = sum(len(u.params) for u in self.units)
         tape.add("states/weights", PARAMETERS, 4 * shard, f"fp32 DTensor shards (1/{self.shards} of each"
                  " parameter, dim 0 padded): the optimizer's copy itself")
         tape.add("states/adam_m", OPTIMIZER, 4 * shard, "AdamW's first moment of this rank's shards, fp32")
@@ -231,8 +213,6 @@ class Fsdp:
         tape.add("optimizer/step", OPTIMIZER, 4 * count, "AdamW counts steps in a 0-d fp32 tensor per parameter")
         if self.accumulate:
             tape.add("states/grads", GRADIENTS, 4 * shard, "the sharded fp32 gradients, zeroed in place between steps")
-
-    # -- the ops around a block -----------------------------------------------------------------------
 
     def all_gather(self, tape: Tape, block: str, phase: str, where: str) -> None:
         """foreach_all_gather: this rank's shards cast to param_dtype, then the block's flat buffer of every
@@ -261,18 +241,14 @@ class Fsdp:
         # FSDP2 frees and regrows the same storages (resize_): gathered first in the step's forward, FSDPMemTracker
         # files them as an op's output (an activation) until FSDP2's pre-forward hook has run, then as the
         # unsharded parameters; gathered again in backward, they are known as such at once
-        made = ACTIVATIONS if phase == "forward" else PARAMETERS
-        unsharded = (name, made, self.act * self.unsharded(block), "the block's parameters gathered whole, in"
-                     " param_dtype, while it runs")
+        tape.add(name, ACTIVATIONS if phase == "forward" else PARAMETERS, self.act * self.unsharded(block),
+                 "the block's parameters gathered whole, in param_dtype, while it runs")
         dim1 = self.act * self.unsharded(block, self.dim1)
         if dim1:  # Shard(1) parameters are copied out into temporaries first, then chunk-cat into their own
-            tape.add(*unsharded)
             tape.add(f"fsdp/{block} chunk-cat", ACTIVATIONS if phase == "forward" else TEMPORARIES, dim1,
                      "the Shard(1) parameters' all-gather outputs, rank by rank: chunk-cat into their storage")
             tape.mark(phase, where, f"FSDP2 chunk-cats {block}'s Shard(1) parameters out of temporaries")
             tape.drop(f"fsdp/{block} chunk-cat")
-        if not dim1:
-            tape.add(*unsharded)
         tape.mark(phase, where, f"FSDP2 copies the gathered {block} out of its all-gather buffer")
         if phase == "forward":
             self.forward_done(tape, keep=block)
@@ -291,13 +267,10 @@ class Fsdp:
         parts = where.split(".")
         return f"layers.{parts[2]}" if where.startswith("model.layers.") else ROOT
 
-    def reshard(self, tape: Tape, block: str) -> None:
-        tape.drop(f"fsdp/{block} unsharded")
-
     def post_forward(self, tape: Tape, block: str) -> None:
         """reshard_after_forward frees a unit's unsharded parameters (the hf root's stay for backward)."""
         if self.unit(block).reshard_after_forward:
-            self.reshard(tape, block)
+            tape.drop(f"fsdp/{block} unsharded")
 
     def pre_backward(self, tape: Tape, block: str, where: str, prefetch: str | None) -> None:
         """The block unsharded (copied out if resharded), then the next block's all-gather issued."""
@@ -315,31 +288,16 @@ class Fsdp:
         Replicate gradient): FSDP2 lays it out as the weight (redistribute), this rank's v/t rows, and the table
         goes."""
         whole, rows = f"fsdp/{ROOT} grad model.embed_tokens", f"fsdp/{ROOT} grad model.embed_tokens (rows)"
-        embedding = self.shapes(ROOT)[0]
-        tape.add(rows, TEMPORARIES, self.act * embedding[0] * embedding[1], "this rank's rows of the embedding's"
+        tape.add(rows, TEMPORARIES, self.act * prod(self.unit(ROOT).shapes[0]), "this rank's rows of the embedding's"
                  " gradient, laid out as its weight (DTensor's redistribute) for the reduce-scatter")
         tape.mark("backward", where, "this rank's rows of the embedding's Replicate gradient")
         tape.drop(whole)
         return rows
 
-    def last_parameter(self, block: str, modules: tuple[str, ...] | None = None) -> str:
-        """The module of a block's last parameter in registration order (of those in `modules`, the ones with a
-        gradient): a decoder layer's post_attention_layernorm, the hf root's lm_head (tied, the final norm: lm_head's
-        weight is the embedding's, registered once)."""
-        return [m for m, _ in self.unit(block).params if modules is None or m in modules][-1]
-
     @staticmethod
     def finalize_backward(tape: Tape) -> None:
         """FSDP2's final callback: the all-reduce inputs HSDP still holds (each unit's last) go."""
         tape.drop(*[n for n in tape.live if n.startswith("fsdp/") and n.endswith(" all-reduce")])
-
-    def _partial_grads(self, block: str) -> list[str]:
-        """The tape names of a block's Partial gradients, in registration order (FSDP2's loop over its parameters)."""
-        return [f"fsdp/{block} grad {m}" for m, _ in self.unit(block).params if m in self.partial]
-
-    def _reduced_name(self, block: str, module: str) -> str:
-        """The gradient of `module` that FSDP2 reduce-scatters: under tp a Partial one's all-reduced copy."""
-        return f"fsdp/{block} grad {module}" + (" (all-reduced)" if module in self.partial else "")
 
     def all_reduced(self, tape: Tape, block: str, where: str, name: str) -> str:
         """FSDP2 lays a Partial gradient out as its Replicate weight (DTensor's redistribute: an all-reduce over t
@@ -366,21 +324,18 @@ class Fsdp:
         return dim1
 
     def post_backward(self, tape: Tape, block: str, where: str, modules: tuple[str, ...] | None = None) -> None:
-        """FSDP2's post-backward, as FSDPMemTracker files each step: the block's gradients (the unsharded parameters'
-        .grad) become its gradients; under tp its Partial ones all-reduced; the block resharded; foreach_reduce's
-        flat reduce_dtype input made (a temporary until the reduce-scatter runs on it) and the gradients copied in and
-        freed, but for the last parameter's, which foreach_reduce's loop variable keeps until it returns; this rank's
-        output shard made (fp32, the sharded gradients, or under `accumulate` added into them and freed); the previous
-        block's input, waited on, freed. `modules`: the parameters with a gradient (foreach_reduce takes only those), all by
-        default."""
+        """FSDP2's post-backward, as FSDPMemTracker files each step (the module's docstring). The last parameter's
+        gradient lives on in foreach_reduce's loop variable until it returns. `modules`: the parameters with a gradient
+        (foreach_reduce takes only those), all by default."""
         grads = [n for n in tape.live if n.startswith(f"fsdp/{block} grad ")]
         for name in grads:
             tape.live[name] = replace(tape.live[name], category=GRADIENTS)
         if block == ROOT and self.tp:
             grads.append(self.embedding_rows(tape, where))
-        reduced = {n: self.all_reduced(tape, block, where, n) for n in self._partial_grads(block) if n in grads}
+        partial = [f"fsdp/{block} grad {m}" for m, _ in self.unit(block).params if m in self.partial]  # in order
+        reduced = {n: self.all_reduced(tape, block, where, n) for n in partial if n in grads}
         grads = [reduced.get(n, n) for n in grads]
-        self.reshard(tape, block)
+        tape.drop(f"fsdp/{block} unsharded")
         for name in [n for n in tape.live if n.startswith("fsdp/") and n.endswith(" reduce-scatter")]:
             tape.drop(name)  # the previous block's, waited on now
         tape.drop(f"fsdp/{block} all-reduce")  # this unit's last, under HSDP (_wait_for_post_backward)
@@ -390,7 +345,9 @@ class Fsdp:
         tape.add(rs, TEMPORARIES, self.reduce * whole,
                  "FSDP2's reduce-scatter input: the block's gradients in reduce_dtype, one flat buffer")
         tape.mark("backward", where, f"FSDP2's reduce-scatter buffer for {block}'s gradients")
-        last = self._reduced_name(block, self.last_parameter(block, modules))
+        # the last parameter in registration order with a gradient (tied, the hf root's is the final norm)
+        module = [m for m, _ in self.unit(block).params if modules is None or m in modules][-1]
+        last = reduced.get(f"fsdp/{block} grad {module}", f"fsdp/{block} grad {module}")
         held = (last, *dim1[-1:])  # the last Shard(1) one: foreach_reduce's first loop variable
         tape.drop(*(n for n in grads if n not in held), *(f"{n} (dim 0)" for n in dim1))
         out = f"fsdp/{block} sharded grads"

@@ -1,9 +1,7 @@
 """One training step of transformers' own `LlamaForCausalLM` on one rank (`--impl hf`), described once as ops.
 
-The decoder layer is memcalc.sizing.timeline.hf_layer's ops (a sparse MoE block hf_moe's), its saved tensors the hf
-ledger's; this module adds the model's ends for the generic walk (memcalc.sizing.timeline.walk) and the sharding's
-hooks between the layers. Each phase, the families, tp, FSDP2 and ZeRO, and where it is exact:
-docs/timeline.md, "transformers' models".
+The model's ends and the sharding's hooks around hf_layer's and hf_moe's layers: docs/timeline.md, "transformers'
+models".
 """
 
 from __future__ import annotations
@@ -90,8 +88,7 @@ def _moments(config: ModelConfig, z: Sizes, kept: tuple[tuple[ledger.SavedTensor
     inputs = (Walk(tape, "", "", ends, hand_over), _embedding(z, config, sharding is not None))
     outputs = (Walk(tape, "", "", ends, hand_over), _output(z, config))
     with bulk():  # an eager MoE walk puts some hundred thousand tensors on the tape
-        _forward(tape, sharding, inputs, layers, outputs)
-        _backward(tape, sharding, inputs, layers, outputs)
+        _step(tape, sharding, inputs, layers, outputs)
     if isinstance(sharding, Zero):  # DeepSpeed's step makes the fp32 gradient partition first
         sharding.optimizer_step(tape)
     else:
@@ -112,16 +109,17 @@ def _checkpoint(i: int, config: ModelConfig) -> Checkpoint | None:
     residual sums, rerun outside any module's forward: MemTracker's temporaries."""
     if config.recompute != "full":
         return None
-    masks = [_mask(config, j) for j in range(i + 1)]
+    # the mask LlamaModel passes each layer: Gemma 2's even layers slide (layer_types), the rest attend causally
+    masks = ["model/sliding_mask" if config.sandwich_norm and j % 2 == 0 else "model/causal_mask" for j in range(i + 1)]
     shared = (*(("model/position_ids", *(x.name for x in layer.ROPE)) if i == 0 else ()),
               *((masks[i],) if masks.index(masks[i]) == i else ()))
     rerun = ACTIVATIONS if config.dp_shard is None else TEMPORARIES  # FSDPMemTracker's: in backward, no unit's forward
     return Checkpoint(f"layers.{i}/input", rerun=rerun, early_stop=True, own=TEMPORARIES, frame=shared)
 
 
-def _forward(tape: Tape, sharding: Fsdp | Zero | None, inputs: Walked, layers: list[Walked], outputs: Walked) -> None:
-    """The batch; the embedding and LlamaModel's shared tensors; each layer, gathered around it under FSDP2 or ZeRO-3;
-    the final norm, lm_head and the loss."""
+def _step(tape: Tape, sharding: Fsdp | Zero | None, inputs: Walked, layers: list[Walked], outputs: Walked) -> None:
+    """Forward, each layer gathered around it under FSDP2 or ZeRO-3; loss.backward(), each layer gathered again under
+    FSDP2 and its gradients reduce-scattered after it."""
     (front, (batch, *embedding)), (back, out) = inputs, outputs
     front.forward((batch,))
     if sharding is not None:  # the root's pre-forward: embedding, final norm and lm_head gathered
@@ -134,17 +132,6 @@ def _forward(tape: Tape, sharding: Fsdp | Zero | None, inputs: Walked, layers: l
         if sharding is not None:
             sharding.post_forward(tape, f"layers.{i}")
     back.forward(out)
-
-
-def _mask(config: ModelConfig, i: int) -> str:
-    """The mask LlamaModel passes layer i: Gemma 2's even layers slide (layer_types), the rest attend causally."""
-    return "model/sliding_mask" if config.sandwich_norm and i % 2 == 0 else "model/causal_mask"
-
-
-def _backward(tape: Tape, sharding: Fsdp | Zero | None, inputs: Walked, layers: list[Walked], outputs: Walked) -> None:
-    """loss.backward(): the loss, lm_head, the final norm, the layers in reverse (each gathered again under FSDP2, its
-    gradients reduce-scattered after it), the embedding; under sharding the root's post-backward at the end."""
-    (front, (_, *embedding)), (back, out) = inputs, outputs
     if sharding is not None:  # the root's post-forward, then its pre-backward: the last layer's all-gather
         sharding.forward_done(tape)
         sharding.pre_backward(tape, ROOT, "", f"layers.{len(layers) - 1}")
@@ -167,7 +154,9 @@ WALKED = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_m
 
 def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
     """ConfigError naming the first thing the hf step timeline does not model yet."""
-    family = layer_family(config).name
+    family, tp = layer_family(config).name, strategy.tensor_parallel and config.t > 1
+    sharded = config.dp_shard is not None or config.zero_stage is not None
+    rerun = f"recompute {config.recompute} (gradient checkpointing) with"
     missing = [
         (family not in WALKED, f"{family}'s model (it walks {', '.join(WALKED)})"),
         (config.sliding_window is not None and not config.sandwich_norm,
@@ -178,7 +167,7 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
         (strategy.tensor_parallel and config.vocab_size % config.t != 0,
          f"vocab_size={config.vocab_size} that t={config.t} does not divide (DTensor pads uneven shards to gather"
          " the logits)"),
-        (strategy.tensor_parallel and config.t > 1 and config.tie_embeddings,
+        (tp and config.tie_embeddings,
          "tied embeddings under tp (transformers' apply_tensor_parallelism looks lm_head.weight up among"
          " named_parameters(), which names a tied weight once: KeyError)"),
         (config.pp != 1, f"pp={config.pp}"),
@@ -186,57 +175,36 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
         (config.has_dropout and config.attention != "eager", f"dropout {config.dropout} with SDPA (a CPU runs its"
                                                              " math kernel, CUDA the flash kernel's own dropout)"),
         (config.add_bias_linear, "add_bias_linear (biases on every linear; Qwen2's q, k, v biases are add_qkv_bias)"),
-        ((scaled_embedding(config) or config.fused_qkv) and (strategy.tensor_parallel and config.t > 1
-                                                             or config.dp_shard is not None
-                                                             or config.zero_stage is not None or config.has_dropout),
+        ((scaled_embedding(config) or config.fused_qkv) and (tp or sharded or config.has_dropout),
          "Gemma's or Phi-3's model under tp, dp_shard or zero_stage, or with dropout (unmeasured: t = 1 without"
          " sharding or dropout only)"),
         (config.position_embedding_type != "rope", f"position_embedding_type {config.position_embedding_type}"),
         (config.dtype == "fp32", "dtype fp32 (no master weights)"),
-        *_experts_missing(config, strategy),
-        *_sharding_missing(config, strategy),
-        *_recompute_missing(config),
+        *_experts_missing(config, tp),
+        # the FSDP2 and ZeRO walks
+        (config.zero_stage == 0, "zero_stage=0 (DeepSpeed's bf16 optimizer without ZeRO; --totals counts its model"
+                                 " states)"),
+        (config.zero_stage is not None and tp,
+         f"zero_stage={config.zero_stage} under tp (t={config.t}): the Trainer runs DeepSpeed over data parallelism"),
+        (config.zero_stage is not None and config.moe, "zero_stage with experts"),
+        (sharded and config.add_qkv_bias, "dp_shard or zero_stage with add_qkv_bias (its walks lay out one gradient a"
+                                          " module, the weight's)"),
+        # gradient checkpointing: each layer's forward op by op, rerun in backward
+        (config.recompute != "none" and config.moe, f"{rerun} experts (the sparse block's forward, its router and"
+                                                    " grouped_mm's sorts, gathers and permutations, is not walked op by"
+                                                    " op)"),
+        (config.recompute != "none" and config.has_dropout, f"{rerun} dropout (the probe's CUDA-like dropout shim is"
+                                                            " not active in the rerun)"),
+        (config.recompute != "none" and config.zero_stage is not None, f"{rerun} zero_stage"),
     ]
     for absent, what in missing:
         if absent:
             raise ConfigError(f"the step timeline for impl hf does not model {what} yet")
 
 
-def _recompute_missing(config: ModelConfig) -> list[tuple[bool, str]]:
-    """What the walk under gradient checkpointing (each layer's forward op by op, and its early-stopped rerun in
-    backward) leaves out: it walks Llama's layer (LlamaRMSNorm, q, k, v, RoPE, eager or SDPA, LlamaMLP; Qwen2's q, k,
-    v biases, Qwen3's q_norm and k_norm; Gemma's, Gemma 2's and Phi-3's) at t = 1, under the tp_plan and FSDP2."""
-    if config.recompute == "none":
-        return []
-    what = f"recompute {config.recompute} (gradient checkpointing) with"
-    return [
-        (config.moe, f"{what} experts (the sparse block's forward, its router and grouped_mm's sorts, gathers and"
-                     " permutations, is not walked op by op)"),
-        (config.has_dropout, f"{what} dropout (the probe's CUDA-like dropout shim is not active in the rerun)"),
-        (config.zero_stage is not None, f"{what} zero_stage"),
-    ]
-
-
-def _sharding_missing(config: ModelConfig, strategy: Strategy) -> list[tuple[bool, str]]:
-    """What the FSDP2 walk (memcalc.sizing.timeline.fsdp) and the ZeRO one (memcalc.sizing.timeline.zero) leave
-    out."""
-    sharded = config.dp_shard is not None or config.zero_stage is not None
-    return [
-        (config.zero_stage == 0, "zero_stage=0 (DeepSpeed's bf16 optimizer without ZeRO; --totals counts its model"
-                                 " states)"),
-        (config.zero_stage is not None and strategy.tensor_parallel and config.t > 1,
-         f"zero_stage={config.zero_stage} under tp (t={config.t}): the Trainer runs DeepSpeed over data parallelism"),
-        (config.zero_stage is not None and config.moe, "zero_stage with experts"),
-        (sharded and config.add_qkv_bias, "dp_shard or zero_stage with add_qkv_bias (its walks lay out one gradient a"
-                                          " module, the weight's)"),
-    ]
-
-
-def _experts_missing(config: ModelConfig, strategy: Strategy) -> list[tuple[bool, str]]:
-    """What the walk of Mixtral's, Qwen2-MoE's and Qwen3-MoE's blocks (memcalc.sizing.timeline.hf_moe) leaves out:
-    L that decoder_sparse_step does not divide, the eager loop under tp, ep, and any count of tokens per expert but
-    the balanced one, kbs/E each (grouped_mm's tensors hold all k*b*s slots whatever the counts; the eager loop's
-    are per expert). (Latent attention is refused before.)"""
+def _experts_missing(config: ModelConfig, tp: bool) -> list[tuple[bool, str]]:
+    """What the walk of the sparse MoE blocks (memcalc.sizing.timeline.hf_moe) leaves out: grouped_mm's tensors hold
+    all k*b*s slots whatever the counts, the eager loop's are per expert."""
     if not config.moe:
         return []
     slots = config.moe_router_topk * config.b * config.s
@@ -244,8 +212,7 @@ def _experts_missing(config: ModelConfig, strategy: Strategy) -> list[tuple[bool
         (config.L % config.moe_layer_freq != 0, f"L={config.L} layers that moe_layer_freq={config.moe_layer_freq}"
                                                  " does not divide (transformers' decoder_sparse_step makes layer i"
                                                  " sparse when freq divides i + 1; the model states count Megatron's)"),
-        (strategy.tensor_parallel and config.t > 1 and not moe.grouped(config),
-         f"the eager loop's experts under tp (t={config.t})"),
+        (tp and not moe.grouped(config), f"the eager loop's experts under tp (t={config.t})"),
         (config.ep != 1, f"ep={config.ep}"),
         (config.moe_tokens != "balanced", f"moe_tokens {config.moe_tokens} (it walks the balanced bound, kbs/E slots"
                                           " an expert, which the forced balanced router gives)"),
@@ -267,9 +234,8 @@ def _hand_over(tape: Tape, sharding: Fsdp | Zero | None) -> HandOver:
 
 def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: Step, block: tuple[Op, ...]
            ) -> tuple[Op, ...]:
-    """Decoder layer i as ops, in forward order (memcalc.sizing.timeline.hf_layer), its MLP LlamaMLP or a sparse
-    `block` (memcalc.sizing.timeline.hf_moe: every layer's one description). Under a checkpoint its forward runs op
-    by op; without, it is one moment (`made`, every kept tensor at once, at the second residual sum)."""
+    """Decoder layer i as ops, its MLP LlamaMLP or a sparse `block`. Under a checkpoint its forward runs op by op;
+    without, it is one moment (`made`, every kept tensor at once)."""
     p, tp, checkpointed = f"layers.{i}", z.t > 1, config.recompute == "full"
     out = f"grad/layers.{i - 1}/output" if i else "grad/embedding output"
     mlp = moe.OUTPUT_GRAD if block else f"grad/{p}/ln2 output"
@@ -311,12 +277,9 @@ PHI3_SHADOWED = {"self_attn": "resid_attn_dropout", "self_attn.o_proj": "resid_a
                  "mlp": "resid_mlp_dropout", "mlp.down_proj": "resid_mlp_dropout"}
 
 
-# -- the model's two ends -----------------------------------------------------------------------------------------
-
-
 def _embedding(z: Sizes, config: ModelConfig, sharded: bool) -> tuple[Op, ...]:
-    """The batch; the embedding (`embedding_rowwise` under tp: this rank's rows looked up, the Partial sum
-    all-reduced) and what LlamaModel makes once for all layers; in backward the embedding's gradient."""
+    """The batch; the embedding (`embedding_rowwise` under tp: this rank's rows, the Partial sum all-reduced) and what
+    LlamaModel makes once for all layers."""
     tp = z.t > 1
     batch = Op("", forward=(Step("the batch", (
         Made(ledger.EMBEDDING_INPUT_IDS.name, z.tokens(8), "the micro-batch's token ids (int64), live for the whole"
@@ -340,34 +303,22 @@ def _embedding(z: Sizes, config: ModelConfig, sharded: bool) -> tuple[Op, ...]:
                  " inputs_embeds, live until it returns")
     looked_up = (Step("the embedding lookup" + (", all-reduced" if tp else ""), (*lookup, first),
                       frees=("embedding/partial",)),)
-    if scaled_embedding(config):
-        looked_up = _scaled(z, replace(looked_up[0], makes=(*lookup, Made("embedding/lookup", z.full(z.h), "the"
-                                                                          " lookup, before its scale")), moment=False),
-                            first)
+    scaled: tuple[Step, ...] = ()
+    if scaled_embedding(config):  # lookup * embed_scale (the buffer itself, kept by the product for its backward)
+        looked_up = (replace(looked_up[0], makes=(*lookup, Made("embedding/lookup", z.full(z.h), "the lookup, before"
+                                                                " its scale")), moment=False),
+                     Step("the lookup scaled by sqrt(h)", (first,), frees=("embedding/lookup",)))
+        scaled = (Step("the scale's backward", (Made("grad/embedding (scaled)", z.full(z.h), "dY * scale, the lookup's"
+                                                     " gradient"),), frees=("grad/embedding output",), moment=False),)
     return (batch, Op("model.embed_tokens", forward=(
         *looked_up, Step("what LlamaModel makes once for all layers", model, moment=False),
-    ), backward=(*_scaled_backward(z, config), *_embedding_backward(z, config, tp, sharded))))
+    ), backward=(*scaled, *_embedding_backward(z, config, tp, sharded))))
 
 
 def scaled_embedding(config: ModelConfig) -> bool:
     """Gemma's models (GemmaRMSNorm's, norm rmsnorm_1p) scale the embedding by sqrt(h):
     GemmaTextScaledWordEmbedding multiplies the lookup by its embed_scale buffer."""
     return config.norm == "rmsnorm_1p"
-
-
-def _scaled(z: Sizes, lookup: Step, first: Made) -> tuple[Step, ...]:
-    """GemmaTextScaledWordEmbedding's forward: the lookup, then lookup * embed_scale (the buffer itself, kept by the
-    product for its backward); the lookup goes as the module returns."""
-    return (lookup, Step("the lookup scaled by sqrt(h)", (first,), frees=("embedding/lookup",)))
-
-
-def _scaled_backward(z: Sizes, config: ModelConfig) -> tuple[Step, ...]:
-    """The scale's backward (GemmaTextScaledWordEmbedding): dY * scale, the lookup's gradient."""
-    if not scaled_embedding(config):
-        return ()
-    return (Step("the scale's backward", (Made("grad/embedding (scaled)", z.full(z.h), "dY * scale, the lookup's"
-                                                " gradient"),), frees=("grad/embedding output",),
-                 moment=False),)
 
 
 def _embedding_backward(z: Sizes, config: ModelConfig, tp: bool, sharded: bool) -> tuple[Step, ...]:
@@ -426,9 +377,7 @@ def _output(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
 
 
 def _softcap(config: ModelConfig, logits: int) -> tuple[Op, ...]:
-    """Gemma2ForCausalLM's final logit soft-capping, in its forward after lm_head: logits / c, tanh (which keeps its
-    output), then * c, the logits the loss reads; each op's output replaces the one before. In backward dY * c, tanh's
-    backward (its output then goes), / c: lm_head's gradient."""
+    """Gemma2ForCausalLM's final logit soft-capping after lm_head, each op's output replacing the one before."""
     if config.final_logit_softcapping is None:
         return ()
     tanh = ledger.LOGITS_SOFTCAP_TANH
@@ -449,8 +398,7 @@ def _softcap(config: ModelConfig, logits: int) -> tuple[Op, ...]:
 
 
 def _loss(z: Sizes, logits: int) -> Op:
-    """ForCausalLMLoss: the logits upcast, the labels padded and shifted, the fp32 log-softmax and nll_loss; in backward
-    three fp32 (b*s, v) tensors at once."""
+    """ForCausalLMLoss; in backward three fp32 (b*s, v) tensors at once."""
     shifted = (Made("loss/shift_labels", z.tokens(8), "labels[..., 1:].contiguous(): nll_loss keeps it as its target"),)
     return Op("", forward=(
         Step("the loss: bf16 and fp32 logits and the fp32 log-softmax", (

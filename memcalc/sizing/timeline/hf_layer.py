@@ -22,16 +22,11 @@ ROPE = (rules.ROPE_COS, rules.ROPE_SIN)  # made once per forward by LlamaRotaryE
 
 def linear(where: str, p: str, weight: int, dy: str | None, dx: str, dx_bytes: int, saves: tuple[SavedTensor, ...] = (),
            reduced: bool = False, dw: str = "", waits: bool = False, bias: int = 0) -> Op:
-    """nn.Linear's backward: dW = dY^T X and dX = dY W beside dY; then dY goes (unless the residual stream still needs
-    it: `dy` None) with what the op saves, and dW is handed over (unless it `waits` in autograd's buffer, tied).
-
-    `bias`: the bias's bytes, when the linear has one (Qwen2's q, k and v): F.linear runs a contiguous (b, s, h) input
-    as one addmm, whose node passes dY on as the bias's gradient and autograd sums it to the bias's shape (sum_to, a
-    new tensor, `Step.reduced`) after the node returned, while dY still lives; it is handed over with dW.
-
-    `reduced`: a "colwise" linear under tp, whose dX is a Partial sum that the backward of DTensor.from_local
-    all-reduces into a new tensor (the paper's f); the partial one goes when the next op runs.
-    """
+    """nn.Linear's backward: dW = dY^T X and dX = dY W beside dY; then dY goes (`dy` None: the residual stream's, which
+    lives on) with what the op saves, and dW is handed over (unless it `waits` in autograd's buffer, tied). `bias`
+    (Qwen2's q, k, v): addmm's node passes dY on as the bias's gradient, summed to its shape after the node returned
+    (`Step.reduced`) while dY lives. `reduced`: a colwise linear under tp, whose Partial dX DTensor.from_local's
+    backward all-reduces into a new tensor (the paper's f)."""
     dw, db = dw or f"{_grad(p, where)} weight", f"{_grad(p, where)} bias"
     biased = (Made(db, bias, WHY_BGRAD),) if bias else ()
     partial = f"{dx} (partial)" if reduced else dx
@@ -51,15 +46,11 @@ def linear(where: str, p: str, weight: int, dy: str | None, dx: str, dx_bytes: i
 def rms_norm(where: str, p: str, norm: RMSNormTensors, z: Sizes, dy: str | None, out: str, residual: str | None = None,
              forward: tuple[Step, ...] = (), width: int = 0, heads: int = 1, output: Made | None = None,
              gone: tuple[str, ...] = ()) -> tuple[Op, ...]:
-    """LlamaRMSNorm's backward as autograd runs its eager ops, in forward order: the cast back from fp32, pow (keeps
-    the fp32 input), rsqrt and x * r (keep the rstd), weight * y (keeps y). Its widest moment is pow's backward: five
-    fp32 (b, s, h) tensors. With a residual, the norm's dX and the stream's gradient are summed into `out`. `forward`:
-    the final norm's forward; `width` and `heads`: Qwen3's q_norm and k_norm, on each head (width channels in all);
-    `dy` None: the output's gradient is the residual stream's too, which lives on (Gemma 2's sandwich norms).
-    `output`: the norm's output, made by its forward op by op (`_norm_forward`), as a checkpoint's walk needs it;
-    `gone`: what goes as the norm returns (Qwen3's q_norm's and k_norm's input, a temporary).
-    A norm that keeps (1 + w) (`norm.weight_plus_one`, GemmaRMSNorm) multiplies in fp32 and casts back last: its
-    last ops are `_gemma_weight`'s, and x * r's backward takes their fp32 gradient as it comes."""
+    """LlamaRMSNorm's backward as autograd runs its eager ops, widest at pow's (five fp32 (b, s, h) tensors); with a
+    `residual` the norm's dX and the stream's gradient summed into `out`. `forward`: the final norm's; `width`, `heads`:
+    Qwen3's q_norm and k_norm, per head; `dy` None: the residual stream's too (Gemma 2's sandwich norms); `output`,
+    `gone`: the forward op by op, for a checkpoint's walk. GemmaRMSNorm (`norm.weight_plus_one`) multiplies in fp32 and
+    casts back last (`_gemma_weight`)."""
     width = width or z.h
     g, fp32, row = _grad(p, where), z.tokens(4 * width), z.tokens(4 * heads)
     act = z.full(width)
@@ -104,9 +95,8 @@ def rms_norm(where: str, p: str, norm: RMSNormTensors, z: Sizes, dy: str | None,
 
 def _norm_forward(n: str, p: str, norm: RMSNormTensors, fp32: int, row: int, output: Made, gone: tuple[str, ...]
                   ) -> tuple[Step, ...]:
-    """LlamaRMSNorm's forward op by op: x.to(float32), pow(2), mean (the variance, a local to the return), + eps,
-    rsqrt, x * rstd (its fp32 input and the rstd go unless saved), the cast back, weight * y (`output`; then `gone`
-    goes too). `fp32`: an fp32 copy's bytes, `row`: the statistics'."""
+    """LlamaRMSNorm's forward op by op (the variance a local to the return). `fp32`: an fp32 copy's bytes, `row`: the
+    statistics'."""
     return (
         Step("x.to(float32)", (kept(p, norm.input_fp32),)),
         Step("pow(2)", (Made(f"{n}/pow", fp32, "x^2, a temporary"),)),
@@ -124,9 +114,8 @@ def _norm_forward(n: str, p: str, norm: RMSNormTensors, fp32: int, row: int, out
 
 def _gemma_norm_forward(n: str, p: str, norm: RMSNormTensors, fp32: int, row: int, output: Made,
                         gone: tuple[str, ...]) -> tuple[Step, ...]:
-    """GemmaRMSNorm's forward op by op: x.float(), pow(2), mean, + eps, rsqrt, x * rstd (the fp32 input and the rstd
-    go unless saved: `_norm` returns), weight.float() (an (h,) fp32 copy), 1.0 + it, the fp32 product, type_as(x)
-    (`output`). `fp32`: an fp32 copy's bytes, `row`: the statistics'."""
+    """GemmaRMSNorm's forward op by op (its `_norm` returns after x * rstd: the fp32 input and the rstd go unless
+    saved). `fp32`: an fp32 copy's bytes, `row`: the statistics'."""
     channels = fp32 // row  # the channels each statistic covers: the weight's
     return (
         Step("x.float()", (kept(p, norm.input_fp32),)),
@@ -147,9 +136,7 @@ def _gemma_norm_forward(n: str, p: str, norm: RMSNormTensors, fp32: int, row: in
 
 def _gemma_weight(where: str, g: str, norm: RMSNormTensors, z: Sizes, dy: str | None, fp32: int, channels: int
                   ) -> tuple[Op, Op]:
-    """GemmaRMSNorm's last two ops, in forward order: (x * r) * (1.0 + weight.float()) in fp32 (keeps both factors),
-    then type_as(x). Backward: dY cast up; the product's two fp32 gradients, (1 + w)'s summed over the tokens; through
-    1.0 + (.) unchanged, cast back to the weight's dtype by weight.float()'s backward."""
+    """GemmaRMSNorm's last two ops: (x * r) * (1.0 + weight.float()) in fp32, keeping both factors, then type_as(x)."""
     product = Op(where, forward=(), backward=(
         Step("(x * r) * (1 + w)'s backward: its two fp32 gradients", (
             Made(f"{g}/dw+1 full", fp32, "dY * (x * r), fp32"),
@@ -167,9 +154,8 @@ def _gemma_weight(where: str, g: str, norm: RMSNormTensors, z: Sizes, dy: str | 
 
 
 def layer_forward(i: int, z: Sizes, kept: Step, mlp: tuple[Op, ...] = ()) -> tuple[Op, ...]:
-    """Layer i's forward: its kept tensors (`kept`, every layer's one step) and the residual stream after attention,
-    the MLP's forward moments (`mlp`, a sparse block's, which makes the MLP's output), the output; at the second
-    residual sum, the layer's moment."""
+    """Layer i's forward, one moment at its second residual sum: its kept tensors (`kept`, every layer's one step),
+    the residual stream, and a sparse block's own moments (`mlp`, which makes the MLP's output)."""
     p, full = f"layers.{i}", z.full(z.h)
     made = Op("", forward=(kept, Step("the residual stream", (Made(
         f"{p}/mid", full, "the residual stream after attention: ln2's input and the MLP's residual"),), moment=False)),
@@ -183,10 +169,8 @@ def layer_forward(i: int, z: Sizes, kept: Step, mlp: tuple[Op, ...] = ()) -> tup
 
 
 def residuals(i: int, z: Sizes, eager: bool) -> tuple[Op, Op]:
-    """Layer i's two residual sums, in forward: after attention (the stream's `mid`, o_proj's output, or Gemma 2's
-    norm of it, gone) and after the MLP (the next layer's input); as the layer returns its locals go: the stream, the
-    MLP's output (or its norm), eager's
-    attention weights (`hidden_states, _ = self.self_attn(...)` holds them), and the input the caller rebinds."""
+    """Layer i's two residual sums; as the layer returns its locals go: the stream, the MLP's output (or its norm),
+    eager's attention weights (`hidden_states, _ = self.self_attn(...)` holds them), the input the caller rebinds."""
     p, full = f"layers.{i}", z.full(z.h)
     mid = Op("", (Step("x + attention", (Made(f"{p}/mid", full, "the residual stream after attention: ln2's input and"
                                               " the MLP's residual"),), frees=(f"{p}/attn output", f"{p}/attn normed")
@@ -200,12 +184,9 @@ def residuals(i: int, z: Sizes, eager: bool) -> tuple[Op, Op]:
 def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, tp: bool, first: bool,
               qk_norm: bool = False, qkv_bias: bool = False, dropout: bool = False, softcap: bool = False,
               dy: str | None = None, fused: bool = False) -> tuple[Op, ...]:
-    """input_layernorm's output into q, k, v (their dX summed as they come; with `qk_norm` q's and k's heads each
-    RMS-normalised, Qwen3's q_norm and k_norm; with `qkv_bias` each with a bias, Qwen2's; `fused`: Phi-3's one
-    qkv_proj, `_fused_qkv`), RoPE, the core (eager: with `dropout` its attention_dropout, with `softcap` Gemma 2's
-    soft-capped scores), o_proj (`dy`: its output's gradient, freed by its backward; None: the residual stream's,
-    which lives on). Forward op by op (Llama's): q, k and v projected, RoPE's, the core's, o_proj's, the heads and
-    the norm's output going as the module returns."""
+    """q, k, v (their dX summed as they come; `qk_norm`: Qwen3's q_norm and k_norm; `qkv_bias`: Qwen2's biases;
+    `fused`: Phi-3's one qkv_proj), RoPE, the core (eager with `dropout` or Gemma 2's `softcap`, or SDPA), o_proj (`dy`
+    its output's gradient; None: the residual stream's, which lives on); the heads go as the module returns."""
     g, q, kv, full = f"grad/{p}", z.a_t * z.d, z.g_t * z.d, z.full(z.h)
     # the projections' outputs and RoPE's, each the core's saved tensor or a local of the attention
     q_copied, k_copied, v_copied = _bmm_copies(z, saved, fused)
@@ -254,8 +235,8 @@ def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, t
 
 def _kept_or_local(p: str, tensor: SavedTensor, saved: dict[str, int], name: str, nbytes: int, copied: bool = False
                    ) -> Made:
-    """A tensor the core keeps when the ledger says so (SDPA's K and V; eager's without repeat_kv's copies), else
-    (or when eager's matmul keeps a contiguous copy of it, `copied`) a local of the attention."""
+    """A tensor the core keeps when the ledger says so, else (or when eager's matmul keeps a contiguous copy of it,
+    `copied`) a local of the attention."""
     if tensor.name in saved and not copied:
         return kept(p, tensor)
     return Made(f"{p}/{name}", nbytes, "a local of the attention")
@@ -276,9 +257,8 @@ def _bmm_copies(z: Sizes, saved: dict[str, int], fused: bool = False) -> tuple[b
 
 
 def _fused_qkv(p: str, z: Sizes, q: int, kv: int, tp: bool, qkv: Made) -> tuple[Op, ...]:
-    """Phi-3's qkv_proj, in forward order: one GEMM whose output q, k and v slice and view as heads. Backward: each
-    head view's gradient made (b, s, heads * d) again (v's, k's, q's, as autograd reaches their views), then each
-    slice's backward places it in a zero (b, s, (a + 2g) d) tensor, summed in autograd's buffer as they come."""
+    """Phi-3's qkv_proj: one GEMM that q, k and v slice and view as heads; in backward each slice's gradient is placed
+    in a zero (b, s, (a + 2g) d) tensor, summed in autograd's buffer as they come."""
     g, width = f"grad/{p}", q + 2 * kv
     views = []
     for name, w in (("v", kv), ("k", kv), ("q", q)):
@@ -305,9 +285,8 @@ def _fused_qkv(p: str, z: Sizes, q: int, kv: int, tp: bool, qkv: Made) -> tuple[
 
 def _rope_forward(p: str, name: str, width: int, out: Made, last: bool, passthrough: bool = False
                   ) -> tuple[Step, ...]:
-    """apply_rotary_pos_emb for q or k: x * cos, rotate_half (-x2, then the halves concatenated), times sin, the sum
-    (`out`); after k's (`last`) the projections' outputs go, rebound to RoPE's. `passthrough`: Phi-3's, whose sum is
-    concatenated with the unrotated rest (none, at its full rotary dimension): a copy, `out`."""
+    """apply_rotary_pos_emb for q or k (`out` its result); after k's (`last`) the projections' outputs go, rebound to
+    RoPE's. `passthrough`: Phi-3's, whose sum is concatenated with the empty unrotated rest: a copy, `out`."""
     x = f"{p}/{name}"
     if passthrough:
         summed = Made(f"{x} embed", width, "the rotated part, a temporary")
@@ -326,8 +305,7 @@ def _rope_forward(p: str, name: str, width: int, out: Made, last: bool, passthro
 
 
 def _rope_backward(g: str, name: str, width: int, last: bool) -> tuple[Step, ...]:
-    """apply_rotary_pos_emb's backward for q or k: dY * cos plus rotate_half's backward of dY * sin; the last layer
-    to run it (layers.0, q) frees the model's tables."""
+    """apply_rotary_pos_emb's backward for q or k; the last to run it (layers.0, q) frees the model's tables."""
     x = f"{g}/{name}"
     tables = tuple(t.name for t in ROPE) if last else ()
     return (
@@ -346,11 +324,8 @@ def _rope_backward(g: str, name: str, width: int, last: bool) -> tuple[Step, ...
 
 def _eager(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool = False, softcap: bool = False,
            fused: bool = False) -> tuple[Op, ...]:
-    """eager_attention_forward, in forward order: QK^T (keeps Q and K, or repeat_kv's copy), the scale, with `softcap`
-    Gemma 2's tanh(scores / cap) * cap (tanh keeps its output), the cast to fp32 and softmax (keeps its fp32 output),
-    the cast back, with `dropout` native_dropout (keeps its bool mask; the probe's shim runs CUDA's op on a CPU,
-    memcalc.probe.libs.hf_shim), weights x V (keeps the weights, or the dropped out ones, and V); repeat_kv's sums over
-    each group's heads (GQA) end its backward."""
+    """eager_attention_forward; `dropout`: native_dropout keeps its bool mask (the probe's shim runs CUDA's op on a
+    CPU, memcalc.probe.libs.hf_shim); repeat_kv's sums over each group's heads (GQA) end its backward."""
     g, q = f"grad/{p}", z.full(z.a_t * z.d)
     scores = z.b * z.a_t * z.s * z.s
     expanded = rules.K_EXPANDED.name in saved  # repeat_kv's copies (memcalc.model.impls.hf.REPEAT_KV)
@@ -421,8 +396,8 @@ def _eager(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool = F
 
 
 def _context(p: str, z: Sizes, q: int, read: tuple[str, ...], gone: tuple[str, ...]) -> tuple[Step, ...]:
-    """weights x V (`read` last there), then transpose(1, 2).contiguous(): o_proj's input, a copy but for one token or
-    one head a rank ((b, a, 1, d) transposed is contiguous already); `gone` goes as the core returns."""
+    """weights x V (`read` last there), then transpose(1, 2).contiguous(): a copy but for one token or one head a rank
+    ((b, a, 1, d) transposed is contiguous already); `gone` goes as the core returns."""
     if z.s == 1 or z.a_t == 1:
         return (Step("weights x V: o_proj's input", (kept(p, ledger.PROJ_IN),), reads_last=(*read, *gone)),)
     return (Step("weights x V", (Made(f"{p}/context", q, "bmm's output, (b, a, s, d)"),), reads_last=read),
@@ -431,16 +406,15 @@ def _context(p: str, z: Sizes, q: int, read: tuple[str, ...], gone: tuple[str, .
 
 
 def _softcap_backward(g: str, scores: int) -> tuple[Step, ...]:
-    """Gemma 2's soft-capping undone in reverse: (.) * cap, tanh (at its kept output), (.) / cap: each a new
-    (b, a, s, s) gradient in place of the last; the scale's backward takes the last as "scores"."""
+    """Gemma 2's soft-capping undone, each a new (b, a, s, s) gradient in place of the last; the scale's backward
+    takes the last as "scores"."""
     names = (f"{g}/scores", f"{g}/capped", f"{g}/tanh")
     return tuple(Step(f"{what}'s backward", (Made(new, scores, f"{what}'s gradient"),), frees=(old,), moment=False)
                  for what, old, new in zip(("(.) * softcap", "tanh", "(.) / softcap"), names, (*names[1:], names[0])))
 
 
 def _sdpa(p: str, z: Sizes) -> tuple[Op, ...]:
-    """SDPA's flash kernel: dQ, dK and dV (at g heads) from one kernel; it keeps Q, K, V, the log-sum-exp and its
-    output (o_proj's input)."""
+    """SDPA's flash kernel, one kernel each way."""
     g, kv = f"grad/{p}", z.full(z.g_t * z.d)
     return (Op("self_attn", (Step("SDPA's flash kernel: its output and log-sum-exp", (
         kept(p, ledger.PROJ_IN), kept(p, ledger.SOFTMAX_LSE)), reads_last=(kept_name(p, ledger.SOFTMAX_LSE),)),), (
@@ -452,12 +426,9 @@ def _sdpa(p: str, z: Sizes) -> tuple[Op, ...]:
 
 def mlp(p: str, z: Sizes, tp: bool, gated: tuple[SavedTensor, SavedTensor, SavedTensor], dy: str | None = None,
         fused: bool = False) -> tuple[Op, ...]:
-    """LlamaMLP, in forward order: gate_proj, up_proj (their dX summed into ln2's output gradient), SiLU (keeps its
-    input), SiLU(gate) * up (keeps both factors), down_proj (keeps its input); down_proj's dY is the layer's output
-    gradient, which ln2's residual sum still needs. `gated`: what the activation and the product keep (the ledger's
-    gate, up and activation output: GemmaMLP's tanh GELU keeps as SiLU does, its input, with one gradient); `dy`:
-    down_proj's output gradient when it is not the layer's (Gemma 2's post_feedforward_layernorm's dX), freed there;
-    `fused`: Phi-3's one gate_up_proj, chunked in two, whose backward concatenates the two gradients."""
+    """LlamaMLP; down_proj's dY is the layer's output gradient, which ln2's residual sum still needs. `gated`: what the
+    activation and the product keep (GemmaMLP's tanh GELU keeps as SiLU does); `dy`: down_proj's output gradient when
+    it is not the layer's (Gemma 2's post_feedforward_layernorm's dX); `fused`: Phi-3's one gate_up_proj, chunked."""
     g, f = f"grad/{p}", z.f_t
     gate_in, up, act_out = gated
     w, full = z.act * f * z.h, z.full(z.h)

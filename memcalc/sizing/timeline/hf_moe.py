@@ -1,9 +1,7 @@
 """transformers' sparse MoE blocks (Mixtral's, Qwen2-MoE's, Qwen3-MoE's) as ops for the hf step walk (`--impl hf`).
 
-The router, the shared expert and its gate are one description; the experts run by the config's
-experts_implementation (grouped_mm or the eager loop), both keeping the hf ledger's tensors
-(memcalc.model.impls.hf.moe_block). Each path's backward, as autograd orders it: docs/timeline.md, "transformers'
-MoE blocks".
+The experts by experts_implementation (grouped_mm or the eager loop), each path's backward as autograd orders it:
+docs/timeline.md, "transformers' MoE blocks".
 """
 
 from __future__ import annotations
@@ -43,8 +41,7 @@ def expert_bytes(saved: dict[str, int], config: ModelConfig) -> dict[str, int]:
 
 
 def sparse(config: ModelConfig, i: int) -> bool:
-    """Whether layer i has the sparse block: every layer of Mixtral's model; Qwen2-MoE's and Qwen3-MoE's when
-    decoder_sparse_step (moe_layer_freq) divides i + 1."""
+    """Whether layer i has the sparse block: decoder_sparse_step (moe_layer_freq; Mixtral's 1) divides i + 1."""
     return config.moe and (i + 1) % config.moe_layer_freq == 0
 
 
@@ -54,9 +51,7 @@ def grouped(config: ModelConfig) -> bool:
 
 
 def kept_in_forward(tensors: tuple[SavedTensor, ...], config: ModelConfig) -> Step:
-    """The block's kept tensors beside the layer's others, the eager loop's per-expert rows one storage per expert
-    (grouped_mm keeps one of each); the shared expert's gate comes after the experts (`block_forward`). Named by each
-    layer's walk."""
+    """The block's kept tensors, the eager loop's one storage per expert; the shared gate's is `block_forward`'s."""
     made: list[Made] = []
     loop = not grouped(config)
     for x in tensors:
@@ -71,17 +66,15 @@ STEM = "grad/moe"  # the block's gradients, named for no layer (one block's back
 
 
 def weight_of(where: str, gradient: str) -> str:
-    """The path of the weight whose gradient (`gradient`, the tape's name) a module hands over: the module's, but
-    for the experts' two weights, which one module (MixtralExperts) hands over, each by its own path
-    (memcalc.sizing.timeline.fsdp keeps each as its unsharded .grad)."""
+    """The path of the weight whose gradient (the tape's name) a module hands over: the module's, but for the experts'
+    two weights, one module's (MixtralExperts), each by its own path (FSDP2 keeps each as its unsharded .grad)."""
     if not where.endswith(".mlp.experts"):
         return where
     return f"{where}.{'gate_up_proj' if '/gate_up ' in gradient else 'down_proj'}"
 
 
 def _bf16(config: ModelConfig) -> bool:
-    """Whether the experts read routing weights cast to bf16 (Qwen2-MoE's and Qwen3-MoE's router), as the ledger
-    says, or Mixtral's fp32 ones (whose weighted output is then cast back to bf16 for index_add_)."""
+    """Whether the experts read routing weights cast to bf16 (Qwen's), as the ledger says, or Mixtral's fp32 ones."""
     return rules.EXPERT_WEIGHT_CAST in rules.moe_block(config)
 
 
@@ -96,16 +89,14 @@ def _slots(config: ModelConfig) -> int:
 
 
 def block_forward(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
-    """The block's widest forward moments, with `{p}/mlp output` (what the block returns) live after them: the experts'
-    (`_loop_forward` or `_grouped_forward`), the router's logits and top-k weights beside them; with a shared expert,
-    then the block's sum."""
+    """The block's widest forward moments, `{p}/mlp output` (what it returns) live after them."""
     shared = bool(config.moe_shared_expert_intermediate_size)
     full, m = z.full(z.h), f"{p}/moe"
     out = f"{m}/experts output" if shared else f"{p}/mlp output"
     routed = (
         Made(f"{m}/router_logits", z.act * z.b * z.s * config.num_experts, "F.linear's (b*s, E) logits: the block's"
              " `_` holds them"),
-        Made(f"{m}/top_k_weights", (z.act if _bf16(config) else 4) * z.b * z.s * config.moe_router_topk,
+        Made(f"{m}/top_k_weights", _width(z, config) * z.b * z.s * config.moe_router_topk,
              "the top-k weights the experts read"))
     experts = (_grouped_forward if grouped(config) else _loop_forward)(m, out, z, config, routed)
     summed = Op("mlp", forward=(Step("the experts' and the gated shared expert's outputs summed", (
@@ -117,9 +108,8 @@ def block_forward(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
 
 
 def _loop_forward(m: str, out: str, z: Sizes, config: ModelConfig, routed: tuple[Made, ...]) -> Op:
-    """The eager loop's widest moment, the last expert's weighted output: every expert's kept tensors beside the
-    router's outputs, the loop's routing mask and experts hit, in Mixtral's its fp32 product (an earlier expert's
-    moments hold fewer, each expert after it keeping 4 r_e h bytes, as much as that product)."""
+    """The eager loop's widest moment, the last expert's weighted output (an earlier expert's moments hold fewer, each
+    expert after it keeping 4 r_e h bytes, as much as Mixtral's fp32 product)."""
     tokens, k, experts, bf16 = z.b * z.s, config.moe_router_topk, config.num_experts, _bf16(config)
     return Op("mlp.experts", forward=(Step("the last expert's weighted output" + ("" if bf16 else " cast to bf16"), (
         Made(out, z.full(z.h), "zeros_like(x), the experts' index_add_ target"), *routed,
@@ -132,9 +122,7 @@ def _loop_forward(m: str, out: str, z: Sizes, config: ModelConfig, routed: tuple
 
 
 def _grouped_forward(m: str, out: str, z: Sizes, config: ModelConfig, routed: tuple[Made, ...]) -> Op:
-    """grouped_mm's widest moments, every kept tensor made: the weighted rows put back in slot order (beside the
-    router's outputs, the sort's values, histc's input and counts and the weighted rows in expert order; the arange that
-    inverted the permutation is gone), then their sum over each token's k slots, in Mixtral's fp32 then cast to bf16."""
+    """grouped_mm's widest moments, every kept tensor made, the arange that inverted the permutation gone."""
     r, width, bf16 = config.moe_router_topk * z.b * z.s, _width(z, config), _bf16(config)
     temporaries = (f"{m}/slot order", f"{m}/sorted expert ids", f"{m}/histc input", f"{m}/tokens per expert")
     summed = out if bf16 else f"{m}/summed fp32"
@@ -180,9 +168,8 @@ OUTPUT_GRAD = f"{STEM}/ln2 output"  # the block input's gradient, every path's s
 
 
 def block_backward(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
-    """The block's ops in forward order, one description for every layer (their gradients are named for no layer: one
-    block's backward runs at a time). Autograd runs them in reverse: the shared expert's gate, each expert, the last
-    first, the router, the shared expert; `OUTPUT_GRAD` is every path's input gradient summed."""
+    """The block's ops in forward order, one description for every layer (one block's backward runs at a time);
+    `OUTPUT_GRAD` is every path's input gradient summed."""
     shared, sums = bool(config.moe_shared_expert_intermediate_size), _Sums(STEM)
     ran = [*(_shared_gate(z, sums) if shared else ())]  # in the order autograd runs them
     if grouped(config):
@@ -205,17 +192,15 @@ def _op(where: str, saves: tuple[SavedTensor, ...], *steps: Step | tuple[Step, .
 
 
 def _expert(z: Sizes, config: ModelConfig, e: int, sums: _Sums) -> list[Op]:
-    """Expert e's ops, as autograd runs them: the combine, the product, down_proj, SwiGLU, gate_up, the gather. What
-    autograd makes and frees between two moments is one step (the walk leaves out what the step frees again)."""
+    """Expert e's ops, as autograd runs them; what autograd makes and frees between two moments is one step."""
     g, f, r, experts = f"{sums.stem}/expert {e}", config.expert_ffn, _slots(config), config.num_experts
-    bf16, tokens, k, act = _bf16(config), z.b * z.s, config.moe_router_topk, z.act
-    width = act if bf16 else 4  # the routing weights' dtype, and so the product's
+    bf16, tokens, k, act, width = _bf16(config), z.b * z.s, config.moe_router_topk, z.act, _width(z, config)
     mine = per_expert(e)
     last = e == 0
 
     def gemms(proj: str, dy: str, dx: Made, dw: int, whole: int, saves: tuple[SavedTensor, ...]) -> Op:
-        """proj[e]'s dW^T and dX, then select's backward: dW in a zero (E, ...) tensor, summed with the experts'
-        before (the sum, its two inputs: a moment); the last expert's sum is handed to the parameter."""
+        """proj[e]'s GEMMs; select's backward puts dW in a zero (E, ...) tensor, summed with the experts' before; the
+        last expert's sum is handed to the parameter."""
         sel = f"{g}/{proj} select"
         made = Step(f"{proj}[e]'s GEMMs and select's backward", (
             Made(f"{g}/{proj} dW", dw, "dW^T = x^T dY"), dx, Made(sel, whole, "the expert's dW in a zero (E, ...)"
@@ -263,10 +248,7 @@ def _expert(z: Sizes, config: ModelConfig, e: int, sums: _Sums) -> list[Op]:
 
 
 def _grouped(z: Sizes, config: ModelConfig, sums: _Sums) -> list[Op]:
-    """grouped_mm's ops, as autograd runs them: the sum over k (in Mixtral's after the cast's), the unpermuting
-    index, the routing weight's product, down_proj's grouped GEMMs (torch._grouped_mm's backward: dW, then dX),
-    SwiGLU, gate_up_proj's, then the two gathers' index_put: the sorted weights' gradient back at their slots, the
-    rows' dX summed at their tokens."""
+    """grouped_mm's ops, as autograd runs them."""
     g, f, experts = f"{sums.stem}/experts", config.expert_ffn // z.t, config.num_experts
     r = config.moe_router_topk * z.b * z.s
     act, width, bf16, h = z.act, _width(z, config), _bf16(config), z.h
@@ -326,9 +308,8 @@ def _grouped(z: Sizes, config: ModelConfig, sums: _Sums) -> list[Op]:
 
 
 def _router(z: Sizes, config: ModelConfig, sums: _Sums, final: bool) -> list[Op]:
-    """The router's backward: top-k (the division's and top-k's small fp32 gradients come and go: no moment), the fp32
-    softmax, the cast, F.linear; then dX summed with the block input's other gradients (into ln2's output gradient in
-    Mixtral's block, whose router runs last)."""
+    """The router's backward (the division's and top-k's small fp32 gradients come and go: no moment); its dX summed
+    into ln2's output gradient when it runs last (`final`)."""
     g, tokens, experts = f"{sums.stem}/router", z.b * z.s, config.num_experts
     topk = _op("mlp.gate", (rules.TOPK_SUM, rules.TOPK_WEIGHTS, ledger.ROUTER_TOPK_INDICES))
     softmax = _op("mlp.gate", (rules.ROUTER_PROBS,), Step("top-k's and softmax's backward", (
@@ -339,21 +320,16 @@ def _router(z: Sizes, config: ModelConfig, sums: _Sums, final: bool) -> list[Op]
         Made(f"{g}/weight", z.act * experts * z.h, "dW = dLogits^T X, (E, h)"),
         Made(f"{g}/input", z.full(z.h), "dX = dLogits W, (b*s, h)")), frees=(f"{g}/logits",),
         hands_over=(f"{g}/weight",), returns=True),
-        _summed(sums, f"{g}/input", z, "the router's input gradient summed with the block's others", final))
+        sums.add("block input", f"{g}/input", z.full(z.h), "the router's input gradient summed with the block's others",
+                 OUTPUT_GRAD if final else ""))
     return [topk, softmax, linear]
-
-
-def _summed(sums: _Sums, dx: str, z: Sizes, what: str, final: bool) -> tuple[Step, ...]:
-    """One more path's dX added into the block input's gradient, a new tensor: the last is ln2's output gradient."""
-    return sums.add("block input", dx, z.full(z.h), what, OUTPUT_GRAD if final else "")
 
 
 # -- Qwen2-MoE's shared expert: an MLP of width u on every token, gated by sigmoid(shared_expert_gate(x)) --------------
 
 
 def _shared_gate(z: Sizes, sums: _Sums) -> list[Op]:
-    """The gate's product, its sigmoid and its (1, h) linear, autograd's first ops in the block: the gate's dX starts
-    the block input's gradient."""
+    """The shared expert's gate, autograd's first ops in the block: its dX starts the block input's gradient."""
     g, tokens = f"{sums.stem}/shared", z.b * z.s
     product = _op("mlp", (rules.SHARED_OUT,), Step("(sigmoid * out)'s backward", (
         Made(f"{g}/gate full", z.full(z.h), "dY * out, before the sum"), Made(f"{g}/out", z.full(z.h), "dY * sigmoid"),
@@ -370,8 +346,7 @@ def _shared_gate(z: Sizes, sums: _Sums) -> list[Op]:
 
 
 def _shared_expert(z: Sizes, config: ModelConfig, sums: _Sums) -> list[Op]:
-    """Qwen2MoeMLP's backward, autograd's last in the block: down_proj, SiLU(gate) * up, up_proj, SiLU, gate_proj;
-    up_proj's and gate_proj's dX summed into the block input's gradient, the last into ln2's."""
+    """Qwen2MoeMLP's backward, autograd's last in the block: its dX summed into the block input's gradient."""
     g, s, u = f"{sums.stem}/shared", "mlp.shared_expert", config.moe_shared_expert_intermediate_size
     w = z.act * z.h * u
 
@@ -380,7 +355,8 @@ def _shared_expert(z: Sizes, config: ModelConfig, sums: _Sums) -> list[Op]:
         dx, weight = f"{g}/{proj} dX", f"{g}/{proj} weight"
         return _op(f"{s}.{proj}_proj", saves, Step("GEMMs", (Made(weight, w, WHY_WGRAD), Made(dx, z.full(z.h), "dY W")),
                                                  frees=(dy,), moment=False, returns=True),
-                   _summed(sums, dx, z, f"the shared expert's {proj}_proj dX summed into the block's", final),
+                   sums.add("block input", dx, z.full(z.h), f"the shared expert's {proj}_proj dX summed into the"
+                            " block's", OUTPUT_GRAD if final else ""),
                    Step("", hands_over=(weight,)))
     return [
         _op(f"{s}.down_proj", (ledger.SHARED_FC2_IN,), Step("the shared expert's down_proj: dW and dX", (

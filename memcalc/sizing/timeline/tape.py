@@ -11,6 +11,7 @@ import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from math import prod as prod  # the walks' element counts, imported from here
 
 from memcalc.config.schema import ModelConfig
 from memcalc.model.knobs import DTYPE_BYTES
@@ -89,9 +90,6 @@ class Timeline:
         return max(self.moments, key=lambda m: m.bytes)
 
 
-# -- per-rank sizes ------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Sizes:
     """Element counts one rank works with, and the widths of its tensors."""
@@ -140,9 +138,6 @@ class Sizes:
     def tokens(self, width: int) -> int:
         """Bytes of one `width`-byte value per token of the micro-batch, (b, s)."""
         return width * self.b * self.s
-
-
-# -- the tape: live tensors, and the moments they make --------------------------------------------------
 
 
 class _Live(dict):
@@ -215,13 +210,3 @@ def bulk() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
-
-
-# -- the step ------------------------------------------------------------------------------------------
-
-
-def prod(shape: tuple[int, ...]) -> int:
-    out = 1
-    for n in shape:
-        out *= n
-    return out

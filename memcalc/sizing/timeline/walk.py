@@ -61,11 +61,8 @@ class Step:
 class Op:
     """One op of a layer: where it runs (the probe's module path below the layer's), its forward and backward steps,
     and the ledger's records it keeps for backward (`saves`: freed when its autograd node returns, unless an op before
-    it, whose backward runs later, keeps them too).
-
-    A collective is a step like any other (its output buffer is what it makes). Not a field yet, for want of a walk
-    that needs it: a TP style. A recomputation region is the walk's (`Checkpoint`), around all of its ops.
-    """
+    it, whose backward runs later, keeps them too). A collective is a step like any other (its output buffer is what
+    it makes); a recomputation region is the walk's (`Checkpoint`), around all of its ops."""
 
     where: str
     forward: tuple[Step, ...]
@@ -122,29 +119,22 @@ class Walk:
     _rerun_kept: set[str] = field(default_factory=set)  # under a checkpoint: what the rerun made that ops keep
     _releases: dict[int, tuple[str, ...]] = field(default_factory=dict)  # op index -> the tape names it frees
 
-    def kept(self, tensor: SavedTensor) -> str:
-        """A saved tensor's tape name."""
-        return kept_name(self.prefix, tensor)
-
     def forward(self, ops: tuple[Op, ...]) -> None:
-        if not self._kept_by:
-            self._first_keepers(ops)
+        self._first_keepers(ops)
         for op in ops:
             for step in op.forward:
                 self._step(step, op, "forward")
 
     def _first_keepers(self, ops: tuple[Op, ...]) -> None:
-        """Each saved tensor's first keeper: its backward runs last, and the tensor goes when it returns."""
-        for i, op in enumerate(ops):
+        """Each saved tensor's first keeper (its backward runs last, the tensor going as it returns), found once."""
+        for i, op in enumerate(ops if not self._kept_by else ()):
             for x in op.saves:
                 self._kept_by.setdefault(x.name, i)
 
     def backward(self, ops: tuple[Op, ...]) -> None:
-        """The ops' backward, last op first. Without a forward walked first (a layer rerun inside backward by full
-        recomputation), the first op that keeps each saved tensor is found here. One walk serves several layers of
-        the same ops (`module` set to each in turn): that is found once."""
-        if not self._kept_by:
-            self._first_keepers(ops)
+        """The ops' backward, last op first (without a forward walked first, a layer rerun inside backward by full
+        recomputation, each saved tensor's first keeper is found here; once for every layer the walk serves)."""
+        self._first_keepers(ops)
         for i in reversed(range(len(ops))):
             op = ops[i]
             if self.checkpoint is not None and op.saves and not self._rerun_kept:
@@ -163,7 +153,8 @@ class Walk:
         backward, a rerun module that is an ancestor of the trigger's (its own ops, the block's residual sums) at the
         trigger, which is still active."""
         made: list[str] = []
-        pending = self._kept_made(ops) if checkpoint.early_stop else None
+        pending = {x.name for op in ops for step in op.forward for x in step.makes  # early stop waits for the last
+                   if x.keeps is not None and x.keeps.name in self.saved} if checkpoint.early_stop else None
         for op, step in ((op, step) for op in ops for step in op.forward):
             where = (trigger.shadow or trigger.where) if _ancestor(op.where, trigger.where) else op.where
             new = tuple(x for x in step.makes if x.name not in checkpoint.cached)
@@ -178,11 +169,6 @@ class Walk:
                 break  # early stop: the last saved tensor is made again; the forward's frame unwinds
         self.tape.drop(*made)
 
-    def _kept_made(self, ops: tuple[Op, ...]) -> set[str]:
-        """The saved tensors the ops' forward makes on this rank (sized here): early stop waits for the last."""
-        return {x.name for op in ops for step in op.forward for x in step.makes
-                if x.keeps is not None and x.keeps.name in self.saved}
-
     def _release_frame(self) -> None:
         """Under a checkpoint: its frame, and with it the region's input, goes when the last tensor the rerun kept
         does (the last saved-tensor hook that refers to it)."""
@@ -193,7 +179,7 @@ class Walk:
         """What op i saves goes, unless an op before it (whose backward runs later) keeps it too (found once per op:
         one walk serves every layer, and a MoE layer has thousands of ops)."""
         if i not in self._releases:
-            self._releases[i] = tuple(self.kept(x) for x in op.saves if self._kept_by.get(x.name) == i)
+            self._releases[i] = tuple(kept_name(self.prefix, x) for x in op.saves if self._kept_by.get(x.name) == i)
         self.tape.drop(*self._releases[i])
 
     def _step(self, step: Step, op: Op, phase: str, returns: int | None = None) -> None:
@@ -203,7 +189,12 @@ class Walk:
         self._make(makes, ACTIVATIONS if phase == "forward" else TEMPORARIES)
         if step.makes and step.moment:
             self.tape.mark(phase, self._where(op, phase), step.what)
-        self.tape.drop(*self._frees(step, frees, phase))
+        if self.checkpoint is not None:
+            # also the kept tensors it reads last: in forward nothing keeps them (but the region's input and the cached
+            # op outputs), in backward the rerun's are the node's locals
+            held = {self.checkpoint.holds, *self.checkpoint.cached} if phase == "forward" else set()
+            frees = tuple(x for x in (*frees, *step.reads_last) if x not in held)
+        self.tape.drop(*frees)
         if returns is not None:
             self._release(op, returns)
         for name in step.hands_over:
@@ -214,13 +205,6 @@ class Walk:
         where = op.shadow if phase == "backward" and op.shadow else op.where
         return f"{self.module}.{where}" if self.module and where else self.module or where
 
-    def _frees(self, step: Step, frees: tuple[str, ...], phase: str) -> tuple[str, ...]:
-        """What goes after a step: under a checkpoint also the kept tensors it reads last: in forward nothing keeps
-        them (but the region's input and the cached op outputs), in backward the rerun's are the node's locals."""
-        if self.checkpoint is None:
-            return frees
-        held = {self.checkpoint.holds, *self.checkpoint.cached} if phase == "forward" else set()
-        return tuple(x for x in (*frees, *step.reads_last) if x not in held)
 
     def _make(self, makes: tuple[Made, ...], category: str) -> None:
         tape = self.tape
@@ -228,7 +212,8 @@ class Walk:
             if x.keeps is None:
                 tape.add(x.name, x.category or category, x.bytes, x.why)
             elif x.keeps.name in self.saved:  # else not kept under these sizes (the ledger's size rules)
-                tape.add(x.name or self.kept(x.keeps), x.category or category, self.saved[x.keeps.name], x.why)
+                name = x.name or kept_name(self.prefix, x.keeps)
+                tape.add(name, x.category or category, self.saved[x.keeps.name], x.why)
 
 
 def _ancestor(module: str, of: str) -> bool:

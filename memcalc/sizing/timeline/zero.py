@@ -30,8 +30,6 @@ the Trainer fills for a config's "auto" (`DEEPSPEED_AUTO`). What the tape holds:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from memcalc.config.schema import ModelConfig
 from memcalc.model.knobs import DTYPE_BYTES
 from memcalc.sizing.timeline.fsdp import ROOT, Fsdp, hf_layer, hf_root
@@ -48,85 +46,59 @@ DEEPSPEED_AUTO = {
 BUCKET, PARTITION, GATHERED = "zero/reduce bucket", "zero/bf16 grad partition", "zero/gathered"
 
 
-@dataclass(frozen=True)
-class _Sizes:
-    """The element counts ZeRO works with on one rank of dp."""
+class Zero:
+    """DeepSpeed ZeRO on one rank of dp: the calls the hf walk makes around each block (those of `Fsdp`), and the
+    element counts it works with."""
 
-    stage: int
-    dp: int
-    act: int  # the bf16 weights' and gradients' bytes
-    params: int  # every parameter of the model
-    persistent: int  # stage 3: parameters under the persistence threshold, kept whole
-    bucket: int  # reduce_bucket_size
-    prefetch: int  # stage3_prefetch_bucket_size
+    def __init__(self, config: ModelConfig) -> None:
+        h = config.h
+        self.layer, self.root = hf_layer(config, 1, 0, False).shapes, hf_root(config, 1).shapes
+        self.threshold = threshold = DEEPSPEED_AUTO["stage3_param_persistence_threshold"](h)
+        shapes = [*self.layer] * config.L + [*self.root]
+        self.stage, self.dp, self.act = config.zero_stage, config.dp, DTYPE_BYTES[config.dtype]  # act: bf16's bytes
+        self.params = sum(prod(x) for x in shapes)  # every parameter of the model
+        # stage 3: parameters under the persistence threshold, kept whole
+        self.persistent = sum(prod(x) for x in shapes if prod(x) < threshold) if config.zero_stage == 3 else 0
+        self.bucket = DEEPSPEED_AUTO["reduce_bucket_size"](h)
+        self.prefetch = DEEPSPEED_AUTO["stage3_prefetch_bucket_size"](h)
+        self.filled = 0  # elements in the reduce bucket
 
     def partition(self, elements: int) -> int:
         """This rank's share of `elements`, as DeepSpeed pads a partition: ceil(n/dp)."""
         return -(-elements // self.dp)
 
-
-class Zero:
-    """DeepSpeed ZeRO on one rank of dp: the calls the hf walk makes around each block (those of `Fsdp`)."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        h = self.h = config.h
-        self.layers = config.L
-        self.layer, self.root = hf_layer(config, 1, 0, False).shapes, hf_root(config, 1).shapes
-        threshold = DEEPSPEED_AUTO["stage3_param_persistence_threshold"](h)
-        shapes = [*self.layer] * config.L + [*self.root]
-        self.z = _Sizes(
-            stage=config.zero_stage, dp=config.dp, act=DTYPE_BYTES[config.dtype],
-            params=sum(prod(x) for x in shapes),
-            persistent=sum(prod(x) for x in shapes if prod(x) < threshold) if config.zero_stage == 3 else 0,
-            bucket=DEEPSPEED_AUTO["reduce_bucket_size"](h), prefetch=DEEPSPEED_AUTO["stage3_prefetch_bucket_size"](h),
-        )
-        self.filled = 0  # elements in the reduce bucket
-        self.reduced: set[str] = set()
-
     block_of = staticmethod(Fsdp.block_of)
-
-    # -- steady state -------------------------------------------------------------------------------
 
     def states(self, tape: Tape) -> None:
         """bf16 weights (partitioned at stage 3), the fp32 partition of master weights and moments, and at stage 3
         the buffers DeepSpeed allocates once."""
-        z = self.z
-        part = z.partition(z.params)
-        if z.stage == 3:
-            tape.add("states/weights", PARAMETERS, z.act * (z.partition(z.params - z.persistent) + z.persistent),
+        part = self.partition(self.params)
+        if self.stage == 3:
+            whole = self.persistent
+            tape.add("states/weights", PARAMETERS, self.act * (self.partition(self.params - whole) + whole),
                      "this rank's bf16 partition of each parameter, and those under"
                      " stage3_param_persistence_threshold (10h: the norms) whole")
         else:
-            tape.add("states/weights", PARAMETERS, z.act * z.params, "bf16 weights, whole on every rank")
+            tape.add("states/weights", PARAMETERS, self.act * self.params, "bf16 weights, whole on every rank")
         tape.add("states/master_weights", OPTIMIZER, 4 * part, "this rank's fp32 partition of the weights")
         tape.add("states/adam_m", OPTIMIZER, 4 * part, "AdamW's first moment of the partition, fp32")
         tape.add("states/adam_v", OPTIMIZER, 4 * part, "AdamW's second moment of the partition, fp32")
         tape.add("optimizer/step", OPTIMIZER, 4 * 2, "AdamW's 0-d fp32 step of each of the Trainer's two parameter"
                  " groups (with and without weight decay), each one flat partition")
-        if z.stage == 3:
-            tape.add(BUCKET, GRADIENTS, z.act * z.bucket, "stage 3's reduce bucket, reduce_bucket_size bf16"
+        if self.stage == 3:
+            tape.add(BUCKET, GRADIENTS, self.act * self.bucket, "stage 3's reduce bucket, reduce_bucket_size bf16"
                      " elements, allocated once")
-            tape.add(PARTITION, GRADIENTS, z.act * part, "stage 3's grad_partitions_flat_buffer: this rank's bf16"
+            tape.add(PARTITION, GRADIENTS, self.act * part, "stage 3's grad_partitions_flat_buffer: this rank's bf16"
                      " gradient partition, allocated once")
 
-    # -- forward: stage 3 gathers ---------------------------------------------------------------------
-
-    def _shapes(self, block: str) -> tuple[tuple[int, ...], ...]:
-        return self.root if block == ROOT else self.layer
-
-    def gathered(self, block: str) -> int:
-        """Stage 3's gathered elements while `block` runs: its widest partitioned module and the prefetch bucket
-        ahead of it (a bound)."""
-        threshold = DEEPSPEED_AUTO["stage3_param_persistence_threshold"](self.h)
-        widest = max(prod(x) for x in self._shapes(block) if prod(x) >= threshold)
-        return widest + self.z.prefetch
-
     def copy_out(self, tape: Tape, block: str, phase: str, where: str) -> None:
-        """Stage 3: the block's modules gathered as it runs (`gathered`), in place of the previous block's."""
-        if self.z.stage != 3:
+        """Stage 3: the block's modules gathered as it runs, in place of the previous block's: its widest partitioned
+        module and the prefetch bucket ahead of it (a bound)."""
+        if self.stage != 3:
             return
         tape.drop(*[n for n in tape.live if n.startswith(f"{GATHERED} ")])
-        tape.add(f"{GATHERED} {block}", PARAMETERS, self.z.act * self.gathered(block),
+        widest = max(prod(x) for x in (self.root if block == ROOT else self.layer) if prod(x) >= self.threshold)
+        tape.add(f"{GATHERED} {block}", PARAMETERS, self.act * (widest + self.prefetch),
                  f"ZeRO-3: {block}'s widest module gathered whole in bf16, and the prefetch bucket's elements ahead")
 
     def forward_done(self, tape: Tape, keep: str | None = None) -> None:
@@ -138,25 +110,23 @@ class Zero:
     def pre_backward(self, tape: Tape, block: str, where: str, prefetch: str | None) -> None:
         self.copy_out(tape, block, "backward", where)
 
-    # -- backward: gradients into the reduce bucket -----------------------------------------------------
-
     def keep_grad(self, tape: Tape, block: str, name: str, nbytes: int) -> None:
         """A weight's bf16 gradient, as autograd hands it over: kept whole at stage 1; copied into the reduce bucket
         at stages 2 and 3 (reduced first if it would overflow), or reduced on its own if wider than the bucket."""
-        z, elements = self.z, nbytes // self.z.act
-        if z.stage == 1:
+        elements = nbytes // self.act
+        if self.stage == 1:
             tape.add(f"zero/grad {name}", GRADIENTS, nbytes, "the weight's bf16 .grad, kept whole to the end of"
                      " backward (stage 1 reduces after it)")
             return
         if BUCKET not in tape.live:
-            tape.add(BUCKET, GRADIENTS, z.act * z.bucket, "the reduce bucket, reduce_bucket_size bf16 elements,"
+            tape.add(BUCKET, GRADIENTS, self.act * self.bucket, "the reduce bucket, reduce_bucket_size bf16 elements,"
                      " allocated at backward's first gradient")
-        if elements > z.bucket:  # reduced in place on its own .grad, then this rank's part copied out
+        if elements > self.bucket:  # reduced in place on its own .grad, then this rank's part copied out
             tape.add(f"zero/grad {name}", GRADIENTS, nbytes, "a gradient wider than the bucket, reduced on its own")
             self._to_partition(tape, name, f"{name}'s gradient, wider than the bucket, reduced on its own")
             tape.drop(f"zero/grad {name}")
             return
-        if self.filled + elements > z.bucket:
+        if self.filled + elements > self.bucket:
             self._to_partition(tape, name, f"the reduce bucket reduced before {name}'s gradient would overflow it")
             self.filled = 0
         self.filled += elements
@@ -164,7 +134,7 @@ class Zero:
     def _to_partition(self, tape: Tape, where: str, what: str) -> None:
         """This rank's part of a reduction copied into the bf16 gradient partition (allocated at the first)."""
         if PARTITION not in tape.live:
-            tape.add(PARTITION, GRADIENTS, self.z.act * self.z.partition(self.z.params),
+            tape.add(PARTITION, GRADIENTS, self.act * self.partition(self.params),
                      "this rank's bf16 gradient partition (grads_in_partition), allocated at the first reduction")
         tape.mark("backward", where, what)
 
@@ -174,14 +144,14 @@ class Zero:
         per step released, the gradient partition kept for the optimizer."""
         if block != ROOT:
             return
-        z = self.z
-        if z.stage == 1:
-            tape.add(BUCKET, GRADIENTS, z.act * z.bucket, "the reduce bucket, allocated when the reduction starts")
+        if self.stage == 1:
+            tape.add(BUCKET, GRADIENTS, self.act * self.bucket,
+                     "the reduce bucket, allocated when the reduction starts")
             self._to_partition(tape, "", "stage 1 reduces every gradient after backward, bucket by bucket")
             tape.drop(*[n for n in tape.live if n.startswith("zero/grad ")])
         else:
             self._to_partition(tape, "", "the last reduce bucket reduced at the end of backward")
-        if z.stage != 3:
+        if self.stage != 3:
             tape.drop(BUCKET)
         tape.drop(*[n for n in tape.live if n.startswith(f"{GATHERED} ")])
         self.filled = 0
@@ -189,14 +159,13 @@ class Zero:
     def optimizer_step(self, tape: Tape) -> None:
         """The partition's bf16 gradients flattened into a new tensor and cast to fp32 beside them, the gradients
         freed (at stage 3 the partition buffer stays), AdamW in place."""
-        z = self.z
-        part = z.partition(z.params)
-        tape.add("zero/flat grad partition", TEMPORARIES, z.act * part, "the partition's bf16 gradients flattened")
+        part = self.partition(self.params)
+        tape.add("zero/flat grad partition", TEMPORARIES, self.act * part, "the partition's bf16 gradients flattened")
         tape.add("zero/fp32 grad partition", TEMPORARIES, 4 * part, "the flat partition cast to fp32: the gradient"
                  " the optimizer reads")
         tape.mark("optimizer", "", "ZeRO's fp32 gradient partition made from the flattened bf16 one")
         tape.drop("zero/flat grad partition")
-        if z.stage != 3:
+        if self.stage != 3:
             tape.drop(PARTITION)
         tape.mark("optimizer", "", "AdamW on the fp32 partition, in place")
         tape.drop("zero/fp32 grad partition")
