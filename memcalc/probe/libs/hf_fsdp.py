@@ -1,7 +1,7 @@
 """One training step of transformers' `LlamaForCausalLM` sharded by torch's own FSDP2, under FSDPMemTracker
 (`memcalc measure --step --impl hf --dp-shard N`).
 
-The model is built as `memcalc.probe.libs.hf_step` builds it (`llama_config`, `use_cache` off, nothing
+The model is built as `memcalc.probe.libs.hf_step` builds it (`transformers_config`, `use_cache` off, nothing
 downloaded), but in fp32, as accelerate and torchtitan hold a model they shard, and laid out as both lay it
 out: `fully_shard` on every decoder layer, then on the whole model, over dp_shard ranks of the fake process
 group (this process is rank 0; under tp, the outer dimensions of a (dp_replicate, dp_shard, t) mesh whose inner one
@@ -27,7 +27,7 @@ from memcalc.probe import require_torch
 from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.layer import DTYPES
 from memcalc.probe.libs import hf_tp
-from memcalc.probe.libs.hf import llama_config
+from memcalc.probe.libs.hf import transformers_config
 from memcalc.probe.libs.hf_step import checkpointed, model_loss
 from memcalc.probe.step import BATCH_SEED, MomentTracker, StepMeasurement, batch
 from memcalc.sizing.timeline import ACTIVATIONS, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES
@@ -138,7 +138,7 @@ def warmed_up_sharded(tp: TensorParallelGroup, config: ModelConfig, route: str |
     family = layer_family(config).name
     if config.moe and route is None:
         raise ProbeError("impl hf: --step on experts forces the router (--route balanced or all-to-one)")
-    hf_config = llama_config(config, family)
+    hf_config = transformers_config(config, family)
     hf_config.use_cache = False
     model = getattr(transformers, FAMILIES[family].architectures[0])._from_config(hf_config, dtype=torch.float32)
     model = model.to(tp.device).train()

@@ -18,7 +18,7 @@ from memcalc.probe import require_torch
 from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.layer import DTYPES
 from memcalc.probe.libs import hf_tp
-from memcalc.probe.libs.hf import llama_config, routing
+from memcalc.probe.libs.hf import routing, transformers_config
 from memcalc.probe.libs.hf_shim import cuda_like_dropout
 from memcalc.probe.step import BATCH_SEED, StepMeasurement, Trainer, measure_trainer
 
@@ -45,7 +45,7 @@ def warmed_up(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, 
     family = layer_family(config).name  # one the step timeline walks (timeline.hf.WALKED refuses the rest before)
     if config.moe and route is None:
         raise ProbeError("impl hf: --step on experts forces the router (--route balanced or all-to-one)")
-    hf_config = llama_config(config, family)
+    hf_config = transformers_config(config, family)
     hf_config.use_cache = False  # as transformers' Trainer sets it (TrainingArguments.use_cache: False)
     torch.manual_seed(BATCH_SEED)  # the weights, as the model initialises them
     model = getattr(transformers, FAMILIES[family].architectures[0])._from_config(hf_config, dtype=DTYPES[config.dtype])
