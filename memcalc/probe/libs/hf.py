@@ -619,7 +619,7 @@ def _core_rules(
 ) -> tuple[Rule, ...]:
     """Eager, SDPA (flash kernel) and SDPA's CPU math kernel: the tensors inside `attention`; `qkv` names the
     eager core's Q, K and V (latent attention's own); with `copies_only`, only where matmul made them copies of
-    their own (GPT-2's views of c_attn's output are named by `_gpt2_attention_rules`).
+    their own (GPT-2's views of c_attn's output are named by `_gpt2_rules`).
 
     SDPA's q, k and v are the arguments it is passed: `_sdpa_inputs`.
     """
@@ -893,9 +893,16 @@ def _moe_rules(config: ModelConfig) -> tuple[Rule, ...]:
         return x.unflatten(0, (config.b, -1)).squeeze(-1)
 
     experts = "mlp.experts"
-    if config.mla:
-        return (*_deepseek_router_rules(flat, per_token), *_expert_rules(experts),
-                *_shared_rules("mlp.shared_experts", lambda x: x))
+    if config.mla:  # DeepseekV3TopkRouter: F.linear on an fp32 copy of x, the sigmoid, gather by the chosen
+        # indices, and the in-place renormalisation (its divisor is sum + 1e-20)
+        return (
+            Rule("mlp.gate", "linear", rules.ROUTER_IN_FP32, arg=0, view=flat),
+            Rule("mlp.gate", "sigmoid", rules.ROUTER_SCORES, view=flat),
+            Rule("mlp.gate", "gather", ledger.ROUTER_TOPK_INDICES, arg=2, view=flat),
+            Rule("mlp.gate", "div_", rules.TOPK_SUM, view=_kept("DivBackward0", "_saved_other", then=per_token)),
+            Rule("mlp.gate", "div_", rules.TOPK_WEIGHTS, view=_kept("DivBackward0", "_saved_self", then=flat)),
+            *_expert_rules(experts), *_shared_rules("mlp.shared_experts", lambda x: x),
+        )
     return (
         Rule("mlp.gate", "linear", ledger.MOE_IN, arg=0, view=flat),
         Rule("mlp.gate", "softmax", rules.ROUTER_PROBS, view=flat),
@@ -905,18 +912,6 @@ def _moe_rules(config: ModelConfig) -> tuple[Rule, ...]:
         *_expert_rules(experts), *_shared_rules("mlp.shared_expert", flat),
         Rule("mlp.shared_expert.down_proj", "linear", rules.SHARED_OUT, view=flat),
         Rule("mlp", "sigmoid", rules.SHARED_GATE_SIGMOID, view=per_token),
-    )
-
-
-def _deepseek_router_rules(flat: Callable[[Any], Any], per_token: Callable[[Any], Any]) -> tuple[Rule, ...]:
-    """DeepseekV3TopkRouter: F.linear on the fp32 copy of x, the sigmoid, gather by the chosen indices, and the
-    in-place renormalisation (its divisor is sum + 1e-20)."""
-    return (
-        Rule("mlp.gate", "linear", rules.ROUTER_IN_FP32, arg=0, view=flat),
-        Rule("mlp.gate", "sigmoid", rules.ROUTER_SCORES, view=flat),
-        Rule("mlp.gate", "gather", ledger.ROUTER_TOPK_INDICES, arg=2, view=flat),
-        Rule("mlp.gate", "div_", rules.TOPK_SUM, view=_kept("DivBackward0", "_saved_other", then=per_token)),
-        Rule("mlp.gate", "div_", rules.TOPK_WEIGHTS, view=_kept("DivBackward0", "_saved_self", then=flat)),
     )
 
 
