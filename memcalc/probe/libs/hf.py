@@ -52,7 +52,6 @@ _QKV_PARTS = (ledger.Q, ledger.K, ledger.V)  # each h columns wide (GPT-2 has no
 # An expert's gate_up_proj output, (r_e, 2e): its gate and up halves.
 _GATE_UP = SavedTensor("moe/expert_gate_up", "MixtralExperts gate_up_proj", (), Kind.ACTIVATION, Region.EXPERT,
                        "chunked into gate and up")
-_GATE_UP_PARTS = (ledger.EXPERT_GATE, ledger.EXPERT_UP)
 # Phi-3's and GLM's gate_up_proj output, (b, s, 2f): chunked into the gate (SiLU keeps it) and up (the product keeps
 # it).
 _DENSE_GATE_UP = SavedTensor("mlp/gate_up", "Phi3MLP's or GlmMLP's gate_up_proj", (), Kind.ACTIVATION, Region.TENSOR,
@@ -60,7 +59,8 @@ _DENSE_GATE_UP = SavedTensor("mlp/gate_up", "Phi3MLP's or GlmMLP's gate_up_proj"
 # gpt-oss's expert gate_up output, (r_e, 2e): its interleaved gate ([..., ::2]) and up ([..., 1::2]) columns.
 _GLU_GATE_UP = SavedTensor("moe/glu_gate_up", "GptOssExperts gate_up_proj", (), Kind.ACTIVATION, Region.EXPERT,
                            "sliced into gate and up")
-_HALVES = {_GATE_UP.name: _GATE_UP_PARTS, _DENSE_GATE_UP.name: (ledger.SWIGLU_GATE, ledger.SWIGLU_UP),
+_HALVES = {_GATE_UP.name: (ledger.EXPERT_GATE, ledger.EXPERT_UP),
+           _DENSE_GATE_UP.name: (ledger.SWIGLU_GATE, ledger.SWIGLU_UP),
            _GLU_GATE_UP.name: (rules.GLU_GATE_IN, rules.GLU_UP_IN)}
 _MARKERS = (_QKV_OUT, _GATE_UP, _DENSE_GATE_UP, _GLU_GATE_UP)
 
@@ -93,7 +93,8 @@ def record_layer(
         y.backward(torch.ones_like(y))  # inside the shim: a checkpoint's recompute must drop out alike
     if collectives is not None:
         collectives.extend(log.calls)
-    return _merged_experts(_attributed(recorder.saved, config))
+    experts = frozenset(name for name, x in rules.IMPLEMENTATION.by_name().items() if x.region is Region.EXPERT)
+    return merged_rows(_attributed(recorder.saved, config), experts)  # each expert's storages of a name as one row
 
 
 run_layer = record_layer  # the name memcalc.probe.measure calls each library's runner by
@@ -126,8 +127,8 @@ def _build(config: ModelConfig, family: str, device: torch.device, dense: bool =
     _, module = _classes(family)
     hf_config = transformers_config(config, family, layer_type)
     stem = FAMILIES[family].layer.removesuffix("DecoderLayer").removesuffix("Layer").removesuffix("Block")
-    rotary = getattr(module, f"{stem}RotaryEmbedding", None)  # None: GPT-2's learned positions, BLOOM's ALiBi
-    rotary = rotary(hf_config) if rotary else None
+    rotary_class = getattr(module, f"{stem}RotaryEmbedding", None)  # None: GPT-2's learned positions, BLOOM's ALiBi
+    rotary = rotary_class(hf_config) if rotary_class else None
     torch.manual_seed(INPUT_SEED)  # the weights, as the layer initialises them
     layer = getattr(module, FAMILIES[family].layer)(hf_config, layer_idx=_layer_index(config, family, dense))
     layer = layer.to(device=device, dtype=DTYPES[config.dtype]).train()
@@ -713,11 +714,7 @@ def _neox_rules(config: ModelConfig) -> tuple[Rule, ...]:
     and the MLP."""
     return (
         *_layer_norm_rules("input_layernorm", ledger.LN1),
-        Rule("attention.query_key_value", "linear", ledger.QKV_IN, arg=0),
-        *_core_rules("attention", config),
-        _fused_v("attention", config),
-        Rule("attention.dense", "linear", ledger.PROJ_IN, arg=0, view=_head_columns(config.head_dim)),
-        _dropout_mask("post_attention_dropout", ledger.ATTN_OUT_DROPOUT_MASK),
+        *_fused_attention(config, "attention", "query_key_value", "dense", "post_attention_dropout"),
         *_layer_norm_rules("post_attention_layernorm", ledger.LN2),
         Rule("mlp.dense_h_to_4h", "linear", ledger.FC1_IN, arg=0),
         *_GELU,
@@ -824,11 +821,7 @@ def _phi3_rules(config: ModelConfig) -> tuple[Rule, ...]:
     first, second = _llama_norm_rules(config)
     return (
         *first,
-        Rule("self_attn.qkv_proj", "linear", ledger.QKV_IN, arg=0),
-        *_core_rules("self_attn", config),
-        _fused_v("self_attn", config),
-        Rule("self_attn.o_proj", "linear", ledger.PROJ_IN, arg=0, view=_head_columns(config.head_dim)),
-        _dropout_mask("resid_attn_dropout", ledger.ATTN_OUT_DROPOUT_MASK),
+        *_fused_attention(config, "self_attn", "qkv_proj", "o_proj", "resid_attn_dropout"),
         *second,
         Rule("mlp.gate_up_proj", "linear", ledger.FC1_IN, arg=0),
         Rule("mlp.activation_fn", "silu", _DENSE_GATE_UP, arg=0, view=_whole),
@@ -840,6 +833,17 @@ def _phi3_rules(config: ModelConfig) -> tuple[Rule, ...]:
 
 _LAYER_RULES = {"gpt2": _gpt2_rules, "gpt_neox": _neox_rules, "bloom": _bloom_rules, "falcon": _falcon_rules,
                 "gptj": _gptj_rules, "starcoder2": _starcoder2_rules, "phi3": _phi3_rules, "gpt_oss": _gpt_oss_rules}
+
+
+def _fused_attention(config: ModelConfig, attention: str, qkv: str, proj: str, dropout: str) -> tuple[Rule, ...]:
+    """NeoX's or Phi-3's attention over one fused qkv output, then the dropout of the attention's output."""
+    return (
+        Rule(f"{attention}.{qkv}", "linear", ledger.QKV_IN, arg=0),
+        *_core_rules(attention, config),
+        _fused_v(attention, config),
+        Rule(f"{attention}.{proj}", "linear", ledger.PROJ_IN, arg=0, view=_head_columns(config.head_dim)),
+        _dropout_mask(dropout, ledger.ATTN_OUT_DROPOUT_MASK),
+    )
 
 
 def _fused_v(attention: str, config: ModelConfig) -> Rule:
@@ -971,10 +975,3 @@ def _attributed(saved: tuple[SavedStorage, ...], config: ModelConfig) -> tuple[S
         else:
             rows.append(storage)
     return tuple(rows)
-
-
-def _merged_experts(saved: tuple[SavedStorage, ...]) -> tuple[SavedStorage, ...]:
-    """Each expert-region name's storages (one an expert) as one row of r = the sum of their rows, where the first
-    is."""
-    expert = frozenset(name for name, x in rules.IMPLEMENTATION.by_name().items() if x.region is Region.EXPERT)
-    return merged_rows(saved, expert)
