@@ -83,7 +83,9 @@ def record_layer(
     predicted = tensors_at(knobs, accounting, dim_sizes(config), tp.size)  # at these sizes
     expected = {t.name for t in predicted}
     label_rules = tuple(r for r in label_rules_for(config) if r.tensor.name in expected or r.tensor in _MARKERS)
-    x = _layer_input(config, tp.device)
+    generator = torch.Generator().manual_seed(INPUT_SEED)  # batch-first (b, s, h), requiring grad as past the embedding
+    x = torch.randn(config.b, config.s, config.h, generator=generator).to(DTYPES[config.dtype])
+    x = x.to(tp.device).requires_grad_()
     rope = tuple(t for t in predicted if t.model_wide) or None  # the (cos, sin) the model passes its layers
     with cuda_like_dropout(), routing(family, route, config.moe_router_topk), CollectiveLog() as log:
         with SavedTensorRecorder(layer.parameters(), kept_only=True) as recorder, Labels(layer, label_rules):
@@ -109,13 +111,6 @@ def routing(family: str, route: str | None, k: int) -> Any:
         raise ProbeError(f"--route {route} forces a MoE router: the config has no experts (set num_experts)")
     _, module = _classes(family)
     return forced_routing((getattr(module, router),), route, k)
-
-
-def _layer_input(config: ModelConfig, device: torch.device) -> torch.Tensor:
-    """The probe's seeded input, batch-first (b, s, h), requiring grad as a layer's input past the embedding does."""
-    generator = torch.Generator().manual_seed(INPUT_SEED)
-    x = torch.randn(config.b, config.s, config.h, generator=generator).to(DTYPES[config.dtype])
-    return x.to(device).requires_grad_()
 
 
 # -- building the layer -----------------------------------------------------------------
