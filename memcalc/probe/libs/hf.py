@@ -344,11 +344,8 @@ def _inputs(hf_config: Any, rotary: Any, x: torch.Tensor, rope: tuple[SavedTenso
 
 
 def _kept(node: str, saved: str, newest: int = 0, then: Callable[[Any], Any] | None = None) -> Callable[[Any], Any]:
-    """A rule's view: the tensor autograd node `node` (fnmatch) saved as `saved`, for a call's result.
-
-    The node is the `newest`-th newest of that name among the nodes the result's
-    graph reaches (0: the one made last); `then` turns it into the ledger's axes.
-    """
+    """A rule's view: the tensor saved as `saved` by the `newest`-th newest (0: the last made) autograd node named
+    `node` (fnmatch) that a call's result's graph reaches; `then` turns it into the ledger's axes."""
 
     def view(result: Any) -> Any:
         nodes = [n for n in _graph(result.grad_fn) if fnmatchcase(type(n).__name__, node)]
@@ -440,7 +437,7 @@ def _llama_rules(config: ModelConfig) -> tuple[Rule, ...]:
     first, second = _llama_norm_rules(config)
     if rules.is_glm(config):
         return (*first, *attention, *_glm_rules(config), *second)
-    return (*first, *attention, *second, *_llama_mlp_rules(), *_moe_rules(config))
+    return (*first, *attention, *second, *_SWIGLU, *_moe_rules(config))
 
 
 def _gpt_oss_rules(config: ModelConfig) -> tuple[Rule, ...]:
@@ -613,12 +610,9 @@ def _layer_norm_rules(module: str, norm: ledger.NormTensors) -> tuple[Rule, ...]
 def _core_rules(
     attention: str, config: ModelConfig, qkv: tuple[SavedTensor, ...] = _QKV_PARTS, copies_only: bool = False,
 ) -> tuple[Rule, ...]:
-    """Eager, SDPA (flash kernel) and SDPA's CPU math kernel: the tensors inside `attention`; `qkv` names the
-    eager core's Q, K and V (latent attention's own); with `copies_only`, only where matmul made them copies of
-    their own (GPT-2's views of c_attn's output are named by `_gpt2_rules`).
-
-    SDPA's q, k and v are the arguments it is passed: `_sdpa_inputs`.
-    """
+    """Eager, SDPA (flash kernel) and SDPA's CPU math kernel: the tensors inside `attention` (SDPA's q, k and v,
+    its arguments, by `_sdpa_inputs`); `qkv` names the eager core's Q, K and V (latent attention's own); with
+    `copies_only`, only where matmul made them copies of their own (GPT-2's views of c_attn's output: `_gpt2_rules`)."""
     b = config.b
     sdpa = "scaled_dot_product_attention"
     q, k, v = qkv
@@ -672,6 +666,17 @@ def _llama_attention_rules(config: ModelConfig) -> tuple[Rule, ...]:
         Rule("self_attn.o_proj", "linear", ledger.PROJ_IN, arg=0, view=_head_columns(config.head_dim)),
     )
 
+
+_SWIGLU = (  # LlamaMLP's, or Gemma's tanh GeGLU
+    Rule("mlp.gate_proj", "linear", ledger.FC1_IN, arg=0),
+    Rule("mlp.gate_proj", "linear", ledger.SWIGLU_GATE),
+    Rule("mlp.up_proj", "linear", ledger.SWIGLU_UP),
+    Rule("mlp.act_fn", "silu", ledger.SWIGLU_SILU_OUT),
+    Rule("mlp.gate_proj", "linear", rules.GEGLU_GATE),
+    Rule("mlp.up_proj", "linear", rules.GEGLU_UP),
+    Rule("mlp.act_fn", "gelu", rules.GEGLU_GELU_OUT),
+    Rule("mlp.down_proj", "linear", ledger.FC2_IN, arg=0),
+)
 
 # transformers' GELU modules, each as mlp.act: torch's kernel keeps its input; gelu_new, written out, keeps four
 _GELU = (
@@ -867,19 +872,6 @@ def _latent_attention_rules(config: ModelConfig) -> tuple[Rule, ...]:
         Rule("self_attn", "matmul", ledger.MLA_KV_UP_OUT, nth=1, arg=1,  # where matmul keeps V as a view of it
              view=lambda v: v._base.view(config.b, config.s, config.a, -1)),
         Rule("self_attn.o_proj", "linear", ledger.MLA_PROJ_IN, arg=0, view=lambda x: x.unflatten(-1, (config.a, -1))),
-    )
-
-
-def _llama_mlp_rules() -> tuple[Rule, ...]:
-    return (
-        Rule("mlp.gate_proj", "linear", ledger.FC1_IN, arg=0),
-        Rule("mlp.gate_proj", "linear", ledger.SWIGLU_GATE),
-        Rule("mlp.up_proj", "linear", ledger.SWIGLU_UP),
-        Rule("mlp.act_fn", "silu", ledger.SWIGLU_SILU_OUT),
-        Rule("mlp.gate_proj", "linear", rules.GEGLU_GATE),  # Gemma's tanh GeGLU
-        Rule("mlp.up_proj", "linear", rules.GEGLU_UP),
-        Rule("mlp.act_fn", "gelu", rules.GEGLU_GELU_OUT),
-        Rule("mlp.down_proj", "linear", ledger.FC2_IN, arg=0),
     )
 
 
