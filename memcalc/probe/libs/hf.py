@@ -31,9 +31,9 @@ from memcalc.probe.collectives import CollectiveLog, LoggedCollective
 from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.layer import DTYPES
 from memcalc.probe.libs import hf_tp
-from memcalc.probe.libs.hf_shim import NOTES as SHIM_NOTES
+from memcalc.probe.libs.hf_shim import NOTES as NOTES  # measure prints them, and route_note's line for --route
 from memcalc.probe.libs.hf_shim import cuda_like_dropout, forced_routing
-from memcalc.probe.libs.hf_shim import route_note as route_note  # measure prints it for --route
+from memcalc.probe.libs.hf_shim import route_note as route_note
 from memcalc.probe.libs.labels import Labels, Rule, merged_rows
 from memcalc.probe.measure import INPUT_SEED
 from memcalc.probe.recorder import SavedStorage, SavedTensorRecorder, label
@@ -42,8 +42,6 @@ torch = require_torch()
 import transformers  # noqa: E402  (memcalc[hf]; measure.runner names it when missing)
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask  # noqa: E402
-
-NOTES: tuple[str, ...] = SHIM_NOTES
 
 # A storage holding three ledger tensors side by side; never reported under this name.
 _QKV_OUT = SavedTensor("attention/c_attn_out", "GPT2Attention.c_attn", (), Kind.ACTIVATION, Region.TENSOR,
