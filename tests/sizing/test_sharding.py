@@ -74,10 +74,10 @@ def test_zero2_and_zero3_are_deepspeeds_own_estimates(n):
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs, model_to_params
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-    from memcalc.probe.libs.hf import llama_config
+    from memcalc.probe.libs.hf import transformers_config
 
     config = build_config(LLAMA | {"dp": n})
-    model = transformers.LlamaForCausalLM(llama_config(config, "llama"))
+    model = transformers.LlamaForCausalLM(transformers_config(config, "llama"))
     params, largest = model_to_params(model)
     assert params == total_params(config)
     _, zero2 = estimate_zero2_model_states_mem_needs(params, n, 1, cpu_offload=False)

@@ -31,9 +31,9 @@ from memcalc.probe.collectives import CollectiveLog, LoggedCollective
 from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.layer import DTYPES
 from memcalc.probe.libs import hf_tp
-from memcalc.probe.libs.hf_shim import NOTES as SHIM_NOTES
+from memcalc.probe.libs.hf_shim import NOTES as NOTES  # measure prints them, and route_note's line for --route
 from memcalc.probe.libs.hf_shim import cuda_like_dropout, forced_routing
-from memcalc.probe.libs.hf_shim import route_note as route_note  # measure prints it for --route
+from memcalc.probe.libs.hf_shim import route_note as route_note
 from memcalc.probe.libs.labels import Labels, Rule, merged_rows
 from memcalc.probe.measure import INPUT_SEED
 from memcalc.probe.recorder import SavedStorage, SavedTensorRecorder, label
@@ -43,8 +43,6 @@ import transformers  # noqa: E402  (memcalc[hf]; measure.runner names it when mi
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask  # noqa: E402
 
-NOTES: tuple[str, ...] = SHIM_NOTES
-
 # A storage holding three ledger tensors side by side; never reported under this name.
 _QKV_OUT = SavedTensor("attention/c_attn_out", "GPT2Attention.c_attn", (), Kind.ACTIVATION, Region.TENSOR,
                        "split into q, k, v")
@@ -52,7 +50,6 @@ _QKV_PARTS = (ledger.Q, ledger.K, ledger.V)  # each h columns wide (GPT-2 has no
 # An expert's gate_up_proj output, (r_e, 2e): its gate and up halves.
 _GATE_UP = SavedTensor("moe/expert_gate_up", "MixtralExperts gate_up_proj", (), Kind.ACTIVATION, Region.EXPERT,
                        "chunked into gate and up")
-_GATE_UP_PARTS = (ledger.EXPERT_GATE, ledger.EXPERT_UP)
 # Phi-3's and GLM's gate_up_proj output, (b, s, 2f): chunked into the gate (SiLU keeps it) and up (the product keeps
 # it).
 _DENSE_GATE_UP = SavedTensor("mlp/gate_up", "Phi3MLP's or GlmMLP's gate_up_proj", (), Kind.ACTIVATION, Region.TENSOR,
@@ -60,26 +57,20 @@ _DENSE_GATE_UP = SavedTensor("mlp/gate_up", "Phi3MLP's or GlmMLP's gate_up_proj"
 # gpt-oss's expert gate_up output, (r_e, 2e): its interleaved gate ([..., ::2]) and up ([..., 1::2]) columns.
 _GLU_GATE_UP = SavedTensor("moe/glu_gate_up", "GptOssExperts gate_up_proj", (), Kind.ACTIVATION, Region.EXPERT,
                            "sliced into gate and up")
-_HALVES = {_GATE_UP.name: _GATE_UP_PARTS, _DENSE_GATE_UP.name: (ledger.SWIGLU_GATE, ledger.SWIGLU_UP),
+_HALVES = {_GATE_UP.name: (ledger.EXPERT_GATE, ledger.EXPERT_UP),
+           _DENSE_GATE_UP.name: (ledger.SWIGLU_GATE, ledger.SWIGLU_UP),
            _GLU_GATE_UP.name: (rules.GLU_GATE_IN, rules.GLU_UP_IN)}
 _MARKERS = (_QKV_OUT, _GATE_UP, _DENSE_GATE_UP, _GLU_GATE_UP)
-
-
-def run_layer(
-    tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, route: str | None = None,
-    collectives: list[LoggedCollective] | None = None,
-) -> tuple[SavedStorage, ...]:
-    """Build the layer, record one forward pass under ledger names, run backward once; `route` forces the router;
-    `collectives` gets every collective forward and backward issue (memcalc.probe.collectives)."""
-    return record_layer(tp, config, strategy, route=route, collectives=collectives)
 
 
 def record_layer(
     tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, route: str | None = None, dense: bool = False,
     layer_type: str | None = None, collectives: list[LoggedCollective] | None = None,
 ) -> tuple[SavedStorage, ...]:
-    """`run_layer`, with `dense` a MoE model's dense layer (Qwen2-MoE's layer 0 when moe_layer_freq > 1), and with
-    `layer_type` the kind of gpt-oss's layer 0 ("sliding_attention", its config class's, or "full_attention")."""
+    """Build the layer, record one forward pass under ledger names, run backward once; `route` forces the router,
+    `dense` builds a MoE model's dense layer (Qwen2-MoE's layer 0 when moe_layer_freq > 1), `layer_type` the kind of
+    gpt-oss's layer 0 ("sliding_attention", its config class's, or "full_attention"); `collectives` gets every
+    collective forward and backward issue (memcalc.probe.collectives)."""
     rules.check(config)
     family = layer_family(config).name
     layer, extra = _build(config, family, tp.device, dense, layer_type)
@@ -90,7 +81,9 @@ def record_layer(
     predicted = tensors_at(knobs, accounting, dim_sizes(config), tp.size)  # at these sizes
     expected = {t.name for t in predicted}
     label_rules = tuple(r for r in label_rules_for(config) if r.tensor.name in expected or r.tensor in _MARKERS)
-    x = _layer_input(config, tp.device)
+    generator = torch.Generator().manual_seed(INPUT_SEED)  # batch-first (b, s, h), requiring grad as past the embedding
+    x = torch.randn(config.b, config.s, config.h, generator=generator).to(DTYPES[config.dtype])
+    x = x.to(tp.device).requires_grad_()
     rope = tuple(t for t in predicted if t.model_wide) or None  # the (cos, sin) the model passes its layers
     with cuda_like_dropout(), routing(family, route, config.moe_router_topk), CollectiveLog() as log:
         with SavedTensorRecorder(layer.parameters(), kept_only=True) as recorder, Labels(layer, label_rules):
@@ -100,7 +93,11 @@ def record_layer(
         y.backward(torch.ones_like(y))  # inside the shim: a checkpoint's recompute must drop out alike
     if collectives is not None:
         collectives.extend(log.calls)
-    return _merged_experts(_attributed(recorder.saved, config))
+    experts = frozenset(name for name, x in rules.IMPLEMENTATION.by_name().items() if x.region is Region.EXPERT)
+    return merged_rows(_attributed(recorder.saved, config), experts)  # each expert's storages of a name as one row
+
+
+run_layer = record_layer  # the name memcalc.probe.measure calls each library's runner by
 
 
 def routing(family: str, route: str | None, k: int) -> Any:
@@ -114,52 +111,25 @@ def routing(family: str, route: str | None, k: int) -> Any:
     return forced_routing((getattr(module, router),), route, k)
 
 
-def _layer_input(config: ModelConfig, device: torch.device) -> torch.Tensor:
-    """The probe's seeded input, batch-first (b, s, h), requiring grad as a layer's input past the embedding does."""
-    generator = torch.Generator().manual_seed(INPUT_SEED)
-    x = torch.randn(config.b, config.s, config.h, generator=generator).to(DTYPES[config.dtype])
-    return x.to(device).requires_grad_()
-
-
 # -- building the layer -----------------------------------------------------------------
 
 
 def _build(config: ModelConfig, family: str, device: torch.device, dense: bool = False, layer_type: str | None = None
            ) -> tuple[Any, Callable[..., dict]]:
     """The layer in training mode, and a function giving its keyword inputs for an input x."""
-    if family == "bloom":
-        hf_config = transformers.BloomConfig(
-            hidden_size=config.h, n_head=config.a, n_layer=config.L, vocab_size=config.vocab_size,
-            attention_dropout=config.dropout, hidden_dropout=config.dropout,
-            attn_implementation=attention_implementation(config),
-        )
-        module = transformers.models.bloom.modeling_bloom
-        layer_class, rotary = module.BloomBlock, None
-    elif family == "gpt2":
-        hf_config = transformers.GPT2Config(
-            n_embd=config.h, n_head=config.a, n_inner=config.ffn, n_layer=1, n_positions=config.s,
-            vocab_size=config.vocab_size, attn_pdrop=config.dropout, resid_pdrop=config.dropout,
-            embd_pdrop=config.dropout, activation_function="gelu_new" if config.mlp == "gelu_tanh" else "gelu",
-            attn_implementation=attention_implementation(config),
-        )
-        module = transformers.models.gpt2.modeling_gpt2
-        layer_class, rotary = module.GPT2Block, None
-    else:
-        _, module = _classes(family)
-        build = {"gpt_neox": neox_config, "falcon": falcon_config, "starcoder2": starcoder2_config,
-                 "gptj": gptj_config, "gpt_oss": partial(gpt_oss_config, layer_type=layer_type),
-                 }.get(family, partial(llama_config, family=family))
-        hf_config = build(config)
-        layer_class = getattr(module, FAMILIES[family].layer)
-        stem = FAMILIES[family].layer.removesuffix("DecoderLayer").removesuffix("Layer").removesuffix("Block")
-        rotary = getattr(module, f"{stem}RotaryEmbedding")(hf_config)
+    _, module = _classes(family)
+    hf_config = transformers_config(config, family, layer_type)
+    stem = FAMILIES[family].layer.removesuffix("DecoderLayer").removesuffix("Layer").removesuffix("Block")
+    rotary_class = getattr(module, f"{stem}RotaryEmbedding", None)  # None: GPT-2's learned positions, BLOOM's ALiBi
+    rotary = rotary_class(hf_config) if rotary_class else None
     torch.manual_seed(INPUT_SEED)  # the weights, as the layer initialises them
-    layer = layer_class(hf_config, layer_idx=_layer_index(config, family, dense))
+    layer = getattr(module, FAMILIES[family].layer)(hf_config, layer_idx=_layer_index(config, family, dense))
     layer = layer.to(device=device, dtype=DTYPES[config.dtype]).train()
     _keep_fp32(layer, module)
     _init_experts(layer, hf_config)
-    if config.recompute == "full":
-        _checkpointing(layer)
+    if config.recompute == "full":  # as activation_checkpointing_enable() sets it up (non-reentrant by default)
+        enable = transformers.PreTrainedModel._set_gradient_checkpointing
+        enable(layer, enable=True, gradient_checkpointing_func=partial(checkpoint, use_reentrant=False))
     inputs = partial(_inputs, hf_config, rotary)
     if family == "falcon":  # FalconDecoderLayer takes alibi (None: RoPE) before the mask
         return layer, lambda x, rope: inputs(x, rope) | {"alibi": None}
@@ -191,60 +161,137 @@ def _keep_fp32(layer: Any, module: Any) -> None:
             tensor.data = tensor.data.float()
 
 
-def llama_config(config: ModelConfig, family: str = "llama") -> Any:
-    """A Llama-family config object sized from memcalc's: L layers, GQA, SwiGLU, RMSNorm, RoPE, tied or not.
-
-    The attention implementation is memcalc's knob: "sdpa" for flash, "eager" for eager.
-    """
+def transformers_config(config: ModelConfig, family: str, layer_type: str | None = None) -> Any:
+    """The family's config object sized from memcalc's: the fields every class names alike (GPT-2's, BLOOM's and
+    GPT-J's through their attribute_map), then its own. The attention implementation is memcalc's knob: "sdpa" for
+    flash, "eager" for eager."""
     config_class, _ = _classes(family)
-    return config_class(**dict(
-        hidden_size=config.h, num_attention_heads=config.a, num_key_value_heads=config.groups,
-        intermediate_size=config.ffn, hidden_act="gelu_pytorch_tanh" if config.mlp == "geglu_tanh" else "silu",
-        attention_dropout=config.dropout, num_hidden_layers=config.L,
-        max_position_embeddings=config.s, vocab_size=config.vocab_size, tie_word_embeddings=config.tie_embeddings,
-        attn_implementation=attention_implementation(config),
-    ) | _moe_fields(config, family) | _latent_fields(config, family) | _head_fields(config, family)
-      | _window_fields(config, family) | _phi3_fields(config, family) | _glm_fields(config, family)
-      | _cohere_fields(config, family))
+    common = {"hidden_size": config.h, "num_attention_heads": config.a, "num_hidden_layers": config.L,
+              "vocab_size": config.vocab_size,
+              "attn_implementation": "sdpa" if config.attention == "flash" else "eager"}
+    return config_class(**common | _own_fields(config, family, layer_type))
 
 
-def _cohere_fields(config: ModelConfig, family: str) -> dict[str, Any]:
-    """CohereConfig's use_qk_norm (memcalc's qk_layernorm); no token ids past a small vocabulary."""
-    if family != "cohere":
-        return {}
-    return {"use_qk_norm": config.qk_layernorm, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+def _own_fields(config: ModelConfig, family: str, layer_type: str | None) -> dict[str, Any]:
+    """The fields of the family's class past the common ones, each dropout at memcalc's one probability."""
+    gelu, dropout = _gelu(config), config.dropout
+    no_ids = {"bos_token_id": None, "eos_token_id": None}  # no token ids past the probe's small vocabulary
+    gpt = {"n_inner": config.ffn, "max_position_embeddings": config.s, "activation_function": gelu,
+           "attn_pdrop": dropout, "resid_pdrop": dropout, "embd_pdrop": dropout}  # GPT-2's and GPT-J's
+    grouped = {"num_key_value_heads": config.groups, "head_dim": config.head_dim, "attention_dropout": dropout,
+               "tie_word_embeddings": config.tie_embeddings}
+    if family == "bloom":
+        return {"attention_dropout": dropout, "hidden_dropout": dropout}
+    if family == "gpt2":
+        return gpt | {"num_hidden_layers": 1}
+    if family == "gptj":  # rotary_dim: the rotated channels of each head
+        return gpt | {"rotary_dim": int(config.head_dim * config.rotary_percent),
+                      "tie_word_embeddings": config.tie_embeddings} | no_ids
+    if family == "gpt_neox":  # fused QKV with biases (add_bias_linear), partial RoPE
+        return {"intermediate_size": config.ffn, "hidden_act": gelu, "max_position_embeddings": config.s,
+                "attention_dropout": dropout, "hidden_dropout": dropout, "attention_bias": config.add_bias_linear,
+                "use_parallel_residual": config.parallel_residual, "rope_parameters": _rope(config.rotary_percent)}
+    if family == "falcon":  # parallel_attn, RoPE; see _falcon_fields
+        return _falcon_fields(config) | {"activation": gelu, "hidden_dropout": dropout, "attention_dropout": dropout}
+    if family == "starcoder2":  # its class's gelu_pytorch_tanh for memcalc's gelu: torch's kernel keeps its input alone
+        return grouped | no_ids | {
+            "intermediate_size": config.ffn, "max_position_embeddings": config.s, "residual_dropout": dropout,
+            "hidden_act": _gelu(config, "gelu_pytorch_tanh"), "embedding_dropout": dropout,
+            "use_bias": config.add_bias_linear, "sliding_window": config.sliding_window}
+    if family == "gpt_oss":
+        return grouped | _gpt_oss_fields(config, layer_type)
+    return _llama_fields(config, family)
 
 
-def _phi3_fields(config: ModelConfig, family: str) -> dict[str, Any]:
-    """Phi3Config's: the residual dropouts (resid_pdrop) at memcalc's one probability, RoPE on rotary_percent of each
-    head (partial_rotary_factor, 1 when unset), its sliding window; no token ids past a small vocabulary."""
-    if family != "phi3":
-        return {}
-    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": config.rotary_percent or 1.0}
-    return {"resid_pdrop": config.dropout, "embd_pdrop": config.dropout, "rope_parameters": rope,
-            "sliding_window": config.sliding_window, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+def _gelu(config: ModelConfig, plain: str = "gelu") -> str:
+    """transformers' activation for memcalc's GELU: gelu_new for its tanh form."""
+    return "gelu_new" if config.mlp == "gelu_tanh" else plain
 
 
-def _glm_fields(config: ModelConfig, family: str) -> dict[str, Any]:
-    """GLM's rotary share (rope_parameters' partial_rotary_factor) and its Q, K, V biases (attention_bias)."""
-    if family not in ("glm", "glm4"):
-        return {}
-    return {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
-                                "partial_rotary_factor": config.rotary_percent},
-            "attention_bias": config.add_qkv_bias}
+def _rope(share: float) -> dict[str, Any]:
+    """rope_parameters rotating `share` of each head's channels, transformers' default RoPE otherwise."""
+    return {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": share}
 
 
-def neox_config(config: ModelConfig) -> Any:
-    """A GPTNeoXConfig sized from memcalc's: fused QKV with biases (add_bias_linear), partial RoPE, parallel residual
-    or not, one dropout probability for attention and the two hidden dropouts."""
-    return transformers.GPTNeoXConfig(
-        hidden_size=config.h, num_attention_heads=config.a, intermediate_size=config.ffn, num_hidden_layers=config.L,
-        hidden_act="gelu_new" if config.mlp == "gelu_tanh" else "gelu", max_position_embeddings=config.s,
-        vocab_size=config.vocab_size, attention_dropout=config.dropout, hidden_dropout=config.dropout,
-        use_parallel_residual=config.parallel_residual, attention_bias=config.add_bias_linear,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": config.rotary_percent},
-        attn_implementation=attention_implementation(config),
-    )
+def _falcon_fields(config: ModelConfig) -> dict[str, Any]:
+    """FalconConfig's layout: biases on every linear or none, no ALiBi; the first decoder layout (one input_layernorm,
+    multi_query for one K/V group, else multi-head) or with fused_qkv new_decoder_architecture (num_kv_heads groups;
+    ln_attn and ln_mlp, or one norm with single_norm)."""
+    return {"ffn_hidden_size": config.ffn, "max_position_embeddings": config.s, "parallel_attn": True, "alibi": False,
+            "multi_query": config.groups == 1 < config.a, "new_decoder_architecture": config.fused_qkv,
+            "num_kv_heads": config.groups, "bias": config.add_bias_linear,
+            "num_ln_in_parallel_attn": (1 if config.single_norm else 2) if config.fused_qkv else None}
+
+
+def _gpt_oss_fields(config: ModelConfig, layer_type: str | None) -> dict[str, Any]:
+    """GptOssConfig's experts of the expert width with biases, q, k, v and o biases (attention_bias); its YaRN RoPE and
+    position limit the class's own (YaRN's scale changes no table's size). Layer 0 is `layer_type`, else the class's
+    (sliding) when there is a window, else full."""
+    window = config.sliding_window
+    first = layer_type or ("sliding_attention" if window is not None else "full_attention")
+    return {"intermediate_size": config.expert_ffn, "num_local_experts": config.num_experts,
+            "num_experts_per_tok": config.moe_router_topk, "sliding_window": window if window is not None else 128,
+            "attention_bias": config.add_bias_linear, "layer_types": [first] + ["full_attention"] * (config.L - 1),
+            "experts_implementation": str(config.experts_implementation)}
+
+
+def _llama_fields(config: ModelConfig, family: str) -> dict[str, Any]:
+    """A Llama-family class's: GQA, SwiGLU (or the tanh GeGLU), RMSNorm, RoPE, tied or not; then its family's own."""
+    return {"num_key_value_heads": config.groups, "intermediate_size": config.ffn, "attention_dropout": config.dropout,
+            "hidden_act": "gelu_pytorch_tanh" if config.mlp == "geglu_tanh" else "silu",
+            "max_position_embeddings": config.s, "tie_word_embeddings": config.tie_embeddings,
+            } | _moe_fields(config, family) | _family_fields(config, family)
+
+
+def _family_fields(config: ModelConfig, family: str) -> dict[str, Any]:
+    """What one Llama family's class names past Llama's. head_dim is memcalc's kv_channels (h/a unless set):
+    Qwen3Config's own default is 128, whatever h/a is; DeepseekV3Config's is the RoPE part's."""
+    head = {"head_dim": config.head_dim}
+    no_ids = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}  # none past a small vocabulary
+    if family == "deepseek_v3":  # plain RoPE (YaRN scales cos and sin, the same tensors), interleaved (its default)
+        dense = {} if config.moe else {"first_k_dense_replace": config.L}  # with experts `_moe_fields` places them
+        return {"q_lora_rank": config.q_lora_rank, "kv_lora_rank": config.kv_lora_rank,
+                "qk_rope_head_dim": config.qk_rope_head_dim, "qk_nope_head_dim": config.qk_nope_head_dim,
+                "v_head_dim": config.v_head_dim, "rope_interleave": True} | dense
+    if family == "mistral":  # MistralConfig's default window is 4096: None, memcalc's full causal, is said
+        return head | {"sliding_window": config.sliding_window}
+    if family in ("gemma2", "gemma3_text"):  # soft-capping (the scores' and the logits'), the tanh GeGLU's field
+        window = {"sliding_window": config.sliding_window} if config.sliding_window is not None else {}
+        return head | window | {"attn_logit_softcapping": config.attn_logit_softcapping,
+                                "final_logit_softcapping": config.final_logit_softcapping,
+                                "hidden_activation": "gelu_pytorch_tanh"}
+    if family == "phi3":  # RoPE on rotary_percent of each head (1 when unset), the residual dropouts, its window
+        return head | no_ids | {"resid_pdrop": config.dropout, "embd_pdrop": config.dropout,
+                                "rope_parameters": _rope(config.rotary_percent or 1.0),
+                                "sliding_window": config.sliding_window}
+    if family in ("glm", "glm4"):  # its rotary share, its Q, K, V biases
+        return head | {"rope_parameters": _rope(config.rotary_percent), "attention_bias": config.add_qkv_bias}
+    if family == "cohere":
+        return head | no_ids | {"use_qk_norm": config.qk_layernorm}
+    return head
+
+
+def _moe_fields(config: ModelConfig, family: str) -> dict[str, Any]:
+    """A MoE class's fields (Mixtral's experts' width is its intermediate_size), the experts' implementation (memcalc's
+    knob), no router jitter; the probe's MoE layer is Qwen's freq - 1, DeepSeek's first past first_k_dense_replace."""
+    experts = {"num_experts_per_tok": config.moe_router_topk,
+               "experts_implementation": str(config.experts_implementation)}
+    routed = experts | {"moe_intermediate_size": config.expert_ffn, "norm_topk_prob": not config.moe_router_pre_softmax}
+    if family == "mixtral":
+        return experts | {"num_local_experts": config.num_experts, "intermediate_size": config.expert_ffn,
+                          "router_jitter_noise": 0.0}
+    if family in ("qwen2_moe", "qwen3_moe"):  # Qwen3-MoE: Qwen2-MoE's router and experts, no shared expert
+        shared = {"shared_expert_intermediate_size": config.moe_shared_expert_intermediate_size,
+                  "qkv_bias": config.add_qkv_bias} if family == "qwen2_moe" else {}
+        return routed | shared | {"num_experts": config.num_experts, "decoder_sparse_step": config.moe_layer_freq,
+                                  "mlp_only_layers": [], "num_hidden_layers": max(config.L, config.moe_layer_freq)}
+    if family == "deepseek_v3" and config.moe:
+        first_dense = config.moe_first_dense_layers or 0
+        return routed | {"n_routed_experts": config.num_experts, "first_k_dense_replace": first_dense,
+                         "n_shared_experts": config.moe_shared_expert_intermediate_size // config.expert_ffn,
+                         "n_group": 2 if config.moe_router_topk <= config.num_experts // 2 else 1,  # a real choice
+                         "topk_group": 1, "num_hidden_layers": max(config.L, first_dense + 1)}
+    return {}
 
 
 def _alibi(hf_config: Any, module: Any, x: torch.Tensor) -> torch.Tensor:
@@ -253,125 +300,6 @@ def _alibi(hf_config: Any, module: Any, x: torch.Tensor) -> torch.Tensor:
     slopes = module._get_alibi_slopes(hf_config.n_head, x.device)
     alibi = slopes[:, None, None] * torch.arange(x.shape[1], device=x.device)
     return alibi.repeat(x.shape[0], 1, 1).to(x.dtype)
-
-
-def falcon_config(config: ModelConfig) -> Any:
-    """A FalconConfig sized from memcalc's: parallel_attn, RoPE, biases on every linear or none, no ALiBi; the first
-    decoder layout (one input_layernorm, multi_query for one K/V group, else multi-head) or with fused_qkv
-    new_decoder_architecture (num_kv_heads groups; ln_attn and ln_mlp, or one norm with single_norm)."""
-    return transformers.FalconConfig(
-        hidden_size=config.h, num_attention_heads=config.a, num_hidden_layers=config.L, ffn_hidden_size=config.ffn,
-        vocab_size=config.vocab_size, max_position_embeddings=config.s, multi_query=config.groups == 1 < config.a,
-        new_decoder_architecture=config.fused_qkv, num_kv_heads=config.groups,
-        num_ln_in_parallel_attn=(1 if config.single_norm else 2) if config.fused_qkv else None,
-        parallel_attn=True, alibi=False, bias=config.add_bias_linear,
-        activation="gelu_new" if config.mlp == "gelu_tanh" else "gelu", hidden_dropout=config.dropout,
-        attention_dropout=config.dropout, attn_implementation=attention_implementation(config),
-    )
-
-
-def starcoder2_config(config: ModelConfig) -> Any:
-    """A Starcoder2Config sized from memcalc's: GQA, biases (use_bias, add_bias_linear), one dropout probability for
-    the attention weights and the residual dropouts, its class's gelu_pytorch_tanh for memcalc's gelu (torch's
-    kernel keeps its input alone either way) or gelu_new, its sliding window."""
-    return transformers.Starcoder2Config(
-        hidden_size=config.h, num_attention_heads=config.a, num_key_value_heads=config.groups,
-        intermediate_size=config.ffn, num_hidden_layers=config.L, max_position_embeddings=config.s,
-        hidden_act="gelu_new" if config.mlp == "gelu_tanh" else "gelu_pytorch_tanh", vocab_size=config.vocab_size,
-        attention_dropout=config.dropout, residual_dropout=config.dropout, embedding_dropout=config.dropout,
-        use_bias=config.add_bias_linear, sliding_window=config.sliding_window, head_dim=config.head_dim,
-        tie_word_embeddings=config.tie_embeddings, attn_implementation=attention_implementation(config),
-        bos_token_id=None, eos_token_id=None,  # no token ids past the probe's small vocabulary
-    )
-
-
-def gptj_config(config: ModelConfig) -> Any:
-    """A GPTJConfig sized from memcalc's: rotary_dim the rotated channels of each head (all of them: d), one dropout
-    probability for attn_pdrop, resid_pdrop and embd_pdrop, gelu_new or torch's gelu."""
-    rotary_dim = int(config.head_dim * config.rotary_percent)
-    return transformers.GPTJConfig(
-        n_embd=config.h, n_head=config.a, n_layer=config.L, n_inner=config.ffn, n_positions=config.s,
-        rotary_dim=rotary_dim, activation_function="gelu_new" if config.mlp == "gelu_tanh" else "gelu",
-        attn_pdrop=config.dropout, resid_pdrop=config.dropout, embd_pdrop=config.dropout,
-        vocab_size=config.vocab_size, tie_word_embeddings=config.tie_embeddings,
-        attn_implementation=attention_implementation(config), bos_token_id=None, eos_token_id=None,
-    )
-
-
-def gpt_oss_config(config: ModelConfig, layer_type: str | None = None) -> Any:
-    """A GptOssConfig sized from memcalc's: GQA heads of head_dim, experts of the expert width with biases, q, k, v and
-    o biases (attention_bias), eager attention; its YaRN RoPE and position limit the class's own (YaRN's scale changes no
-    table's size). Layer 0 is `layer_type`, else the class's (sliding) when there is a window, else full."""
-    window = config.sliding_window
-    first = layer_type or ("sliding_attention" if window is not None else "full_attention")
-    return transformers.GptOssConfig(
-        hidden_size=config.h, num_attention_heads=config.a, num_key_value_heads=config.groups,
-        head_dim=config.head_dim, intermediate_size=config.expert_ffn, num_local_experts=config.num_experts,
-        num_experts_per_tok=config.moe_router_topk, num_hidden_layers=config.L, vocab_size=config.vocab_size,
-        sliding_window=window if window is not None else 128, attention_bias=config.add_bias_linear,
-        attention_dropout=config.dropout, tie_word_embeddings=config.tie_embeddings,
-        layer_types=[first] + ["full_attention"] * (config.L - 1),
-        experts_implementation=str(config.experts_implementation), attn_implementation=attention_implementation(config),
-    )
-
-
-def _window_fields(config: ModelConfig, family: str) -> dict[str, Any]:
-    """Mistral's sliding window (MistralConfig's default is 4096: None, memcalc's full causal, is said); Gemma 2's,
-    with its soft-capping (the scores' and the logits') and the tanh GeGLU (its field is hidden_activation)."""
-    if family == "mistral":
-        return {"sliding_window": config.sliding_window}
-    if family in ("gemma2", "gemma3_text"):
-        window = {"sliding_window": config.sliding_window} if config.sliding_window is not None else {}
-        return {"attn_logit_softcapping": config.attn_logit_softcapping, "hidden_activation": "gelu_pytorch_tanh",
-                "final_logit_softcapping": config.final_logit_softcapping} | window
-    return {}
-
-
-def _head_fields(config: ModelConfig, family: str) -> dict[str, Any]:
-    """head_dim, memcalc's kv_channels (h/a unless set): Qwen3Config's own default is 128, whatever h/a is.
-    DeepseekV3Config's head_dim is the RoPE part's (`_latent_fields`)."""
-    return {} if family == "deepseek_v3" else {"head_dim": config.head_dim}
-
-
-def _moe_fields(config: ModelConfig, family: str) -> dict[str, Any]:
-    """The MoE config fields of Mixtral's or Qwen2-MoE's config (Mixtral's experts' width is its
-    intermediate_size), the experts' implementation (memcalc's knob), no router jitter."""
-    if family == "mixtral":
-        return {"num_local_experts": config.num_experts, "num_experts_per_tok": config.moe_router_topk,
-                "intermediate_size": config.expert_ffn, "router_jitter_noise": 0.0, "experts_implementation": str(config.experts_implementation)}
-    if family == "qwen2_moe":
-        return {"num_experts": config.num_experts, "num_experts_per_tok": config.moe_router_topk,
-                "moe_intermediate_size": config.expert_ffn,
-                "shared_expert_intermediate_size": config.moe_shared_expert_intermediate_size,
-                "norm_topk_prob": not config.moe_router_pre_softmax, "decoder_sparse_step": config.moe_layer_freq,
-                "mlp_only_layers": [], "qkv_bias": config.add_qkv_bias, "experts_implementation": str(config.experts_implementation),
-                "num_hidden_layers": max(config.L, config.moe_layer_freq)}  # the probe's MoE layer is freq - 1
-    if family == "qwen3_moe":  # Qwen2-MoE's router and experts, no shared expert
-        return {"num_experts": config.num_experts, "num_experts_per_tok": config.moe_router_topk,
-                "moe_intermediate_size": config.expert_ffn, "norm_topk_prob": not config.moe_router_pre_softmax,
-                "decoder_sparse_step": config.moe_layer_freq, "mlp_only_layers": [],
-                "experts_implementation": str(config.experts_implementation), "num_hidden_layers": max(config.L, config.moe_layer_freq)}
-    if family == "deepseek_v3" and config.moe:
-        groups = 2 if config.moe_router_topk <= config.num_experts // 2 else 1  # the group choice, for real
-        return {"n_routed_experts": config.num_experts, "num_experts_per_tok": config.moe_router_topk,
-                "moe_intermediate_size": config.expert_ffn,
-                "n_shared_experts": config.moe_shared_expert_intermediate_size // config.expert_ffn,
-                "norm_topk_prob": not config.moe_router_pre_softmax, "n_group": groups, "topk_group": 1,
-                "first_k_dense_replace": config.moe_first_dense_layers or 0, "experts_implementation": str(config.experts_implementation),
-                "num_hidden_layers": max(config.L, (config.moe_first_dense_layers or 0) + 1)}
-    return {}
-
-
-def _latent_fields(config: ModelConfig, family: str) -> dict[str, Any]:
-    """DeepseekV3Config's latent attention widths, plain RoPE (no YaRN scaling: it scales cos and sin, the same
-    tensors), DeepSeek's interleaved RoPE layout (its default); without experts every layer dense
-    (first_k_dense_replace L; with them `_moe_fields` places the MoE layers)."""
-    if family != "deepseek_v3":
-        return {}
-    dense = {} if config.moe else {"first_k_dense_replace": config.L}
-    return {"q_lora_rank": config.q_lora_rank, "kv_lora_rank": config.kv_lora_rank,
-            "qk_rope_head_dim": config.qk_rope_head_dim, "qk_nope_head_dim": config.qk_nope_head_dim,
-            "v_head_dim": config.v_head_dim, "rope_interleave": True} | dense
 
 
 def _init_experts(layer: Any, hf_config: Any) -> None:
@@ -383,22 +311,11 @@ def _init_experts(layer: Any, hf_config: Any) -> None:
             torch.nn.init.normal_(parameter, std=hf_config.initializer_range)
 
 
-def attention_implementation(config: ModelConfig) -> str:
-    """transformers' `attn_implementation` for memcalc's attention knob."""
-    return "sdpa" if config.attention == "flash" else "eager"
-
-
 def _classes(family: str) -> tuple[type, Any]:
     """A family's transformers config class and modeling module (transformers/models/<name>/modeling_<name>.py)."""
     entry = FAMILIES[family]
     module = importlib.import_module(entry.modeling)
     return getattr(transformers, entry.config_class), module
-
-
-def _checkpointing(layer: Any) -> None:
-    """Gradient checkpointing as `activation_checkpointing_enable()` sets it up (non-reentrant by default)."""
-    enable = transformers.PreTrainedModel._set_gradient_checkpointing
-    enable(layer, enable=True, gradient_checkpointing_func=partial(checkpoint, use_reentrant=False))
 
 
 def _inputs(hf_config: Any, rotary: Any, x: torch.Tensor, rope: tuple[SavedTensor, SavedTensor] | None) -> dict:
@@ -425,11 +342,8 @@ def _inputs(hf_config: Any, rotary: Any, x: torch.Tensor, rope: tuple[SavedTenso
 
 
 def _kept(node: str, saved: str, newest: int = 0, then: Callable[[Any], Any] | None = None) -> Callable[[Any], Any]:
-    """A rule's view: the tensor autograd node `node` (fnmatch) saved as `saved`, for a call's result.
-
-    The node is the `newest`-th newest of that name among the nodes the result's
-    graph reaches (0: the one made last); `then` turns it into the ledger's axes.
-    """
+    """A rule's view: the tensor saved as `saved` by the `newest`-th newest (0: the last made) autograd node named
+    `node` (fnmatch) that a call's result's graph reaches; `then` turns it into the ledger's axes."""
 
     def view(result: Any) -> Any:
         nodes = [n for n in _graph(result.grad_fn) if fnmatchcase(type(n).__name__, node)]
@@ -454,8 +368,8 @@ def _graph(root: Any) -> list[Any]:
     return list(seen.values())
 
 
-def _heads(b: int) -> Callable[[Any], Any]:
-    """(b * heads, s, d) as (b, heads, s, d)."""
+def _batch(b: int) -> Callable[[Any], Any]:
+    """(b * n, ...) as (b, n, ...): a bmm's (b * heads, s, d) batch, a Conv1D's flattened (b * s, h) input."""
     return lambda x: x.unflatten(0, (b, -1))
 
 
@@ -503,11 +417,6 @@ def _fills_storage(x: Any) -> bool:
     return x.untyped_storage().nbytes() == x.numel() * x.element_size()
 
 
-def _tokens(b: int) -> Callable[[Any], Any]:
-    """(b * s, h), a Conv1D's flattened input, as (b, s, h)."""
-    return lambda x: x.unflatten(0, (b, -1))
-
-
 def _stats(x: Any) -> Any:
     """(b, s, 1) per-token statistics as (b, s)."""
     return x.squeeze(-1)
@@ -517,42 +426,23 @@ def label_rules_for(config: ModelConfig) -> tuple[Rule, ...]:
     """Where each tensor the layer may keep is made in transformers' code."""
     if config.recompute == "full":
         return (Rule("", "forward", ledger.LAYER_INPUT, arg=0),)
-    if config.fused_qkv and rules.is_llama(config):
-        first, second = _llama_norm_rules(config)
-        return (*first, *_phi3_attention_rules(config), *second, *_phi3_mlp_rules())
-    if rules.is_gpt_oss(config):
-        return _gpt_oss_rules(config)
-    if rules.is_llama(config):
-        attention = _latent_attention_rules(config) if config.mla else _llama_attention_rules(config)
-        first, second = _llama_norm_rules(config)
-        if rules.is_glm(config):
-            return (*first, *attention, *_glm_rules(config), *second)
-        return (*first, *attention, *second, *_llama_mlp_rules(), *_moe_rules(config))
-    if config.alibi:
-        return (*_layer_norm_rules("input_layernorm", ledger.LN1), *_bloom_attention_rules(config),
-                *_layer_norm_rules("post_attention_layernorm", ledger.LN2), *_bloom_mlp_rules())
-    if rules.is_falcon(config) and not config.single_norm:  # new_decoder_architecture's ln_attn and ln_mlp
-        return (*_layer_norm_rules("ln_attn", ledger.LN1), *_layer_norm_rules("ln_mlp", ledger.LN2),
-                Rule("mlp.dense_h_to_4h", "forward", ledger.FC1_IN, arg=0), *_falcon_rules(config))
-    if rules.is_falcon(config):
-        return (*_layer_norm_rules("input_layernorm", ledger.LN1), *_falcon_rules(config))
-    if rules.is_neox(config):
-        return (*_layer_norm_rules("input_layernorm", ledger.LN1), *_neox_attention_rules(config),
-                *_layer_norm_rules("post_attention_layernorm", ledger.LN2), *_neox_mlp_rules(config))
-    if rules.is_gptj(config):
-        return (*_layer_norm_rules("ln_1", ledger.LN1), *_gptj_attention_rules(config), *_gptj_mlp_rules(config))
-    if rules.is_starcoder2(config):
-        return (*_layer_norm_rules("input_layernorm", ledger.LN1), *_starcoder2_attention_rules(config),
-                *_layer_norm_rules("post_attention_layernorm", ledger.LN2), *_starcoder2_mlp_rules(config))
-    return (*_layer_norm_rules("ln_1", ledger.LN1), *_gpt2_attention_rules(config),
-            *_layer_norm_rules("ln_2", ledger.LN2), *_gpt2_mlp_rules(config))
+    return _LAYER_RULES.get(layer_family(config).name, _llama_rules)(config)
+
+
+def _llama_rules(config: ModelConfig) -> tuple[Rule, ...]:
+    """A Llama-family layer: its norms, attention (latent with kv_lora_rank) and MLP, GLM's or dense or sparse."""
+    attention = _latent_attention_rules(config) if config.mla else _llama_attention_rules(config)
+    first, second = _llama_norm_rules(config)
+    if rules.is_glm(config):
+        return (*first, *attention, *_glm_rules(config), *second)
+    return (*first, *attention, *second, *_SWIGLU, *_moe_rules(config))
 
 
 def _gpt_oss_rules(config: ModelConfig) -> tuple[Rule, ...]:
     """GptOssDecoderLayer: GptOssRMSNorm (Olmo2RMSNorm's code) before the attention and the MLP; Llama's projections
     and eager matmuls, the sinks' max and softmax; GptOssTopKRouter's input, top-k and softmax over the chosen
     logits; the experts' clamped GLU."""
-    flat = _tokens(config.b)
+    flat = _batch(config.b)
     return (
         *_olmo2_norm_rules("input_layernorm", rules.GPT_OSS_LN1),
         *_llama_attention_rules(config),
@@ -718,26 +608,23 @@ def _layer_norm_rules(module: str, norm: ledger.NormTensors) -> tuple[Rule, ...]
 def _core_rules(
     attention: str, config: ModelConfig, qkv: tuple[SavedTensor, ...] = _QKV_PARTS, copies_only: bool = False,
 ) -> tuple[Rule, ...]:
-    """Eager, SDPA (flash kernel) and SDPA's CPU math kernel: the tensors inside `attention`; `qkv` names the
-    eager core's Q, K and V (latent attention's own); with `copies_only`, only where matmul made them copies of
-    their own (GPT-2's views of c_attn's output are named by `_gpt2_attention_rules`).
-
-    SDPA's q, k and v are the arguments it is passed: `_sdpa_inputs`.
-    """
+    """Eager, SDPA (flash kernel) and SDPA's CPU math kernel: the tensors inside `attention` (SDPA's q, k and v,
+    its arguments, by `_sdpa_inputs`); `qkv` names the eager core's Q, K and V (latent attention's own); with
+    `copies_only`, only where matmul made them copies of their own (GPT-2's views of c_attn's output: `_gpt2_rules`)."""
     b = config.b
     sdpa = "scaled_dot_product_attention"
     q, k, v = qkv
     own = _copy if copies_only else (lambda axes: axes)
     return (
         # eager: matmul copies q, k^T (k after repeat_kv) and v into contiguous storages and keeps those
-        Rule(attention, "matmul", q, nth=0, view=_kept("BmmBackward0", "_saved_self", then=own(_heads(b)))),
+        Rule(attention, "matmul", q, nth=0, view=_kept("BmmBackward0", "_saved_self", then=own(_batch(b)))),
         Rule(attention, "matmul", k, nth=0,
              view=_kept("BmmBackward0", "_saved_mat2", then=own(_stored(_heads_t(b))))),
         Rule(attention, "matmul", rules.K_EXPANDED, nth=0,
              view=_kept("BmmBackward0", "_saved_mat2", then=_heads_t(b))),
-        Rule(attention, "matmul", v, nth=1, view=_kept("BmmBackward0", "_saved_mat2", then=own(_stored(_heads(b))))),
+        Rule(attention, "matmul", v, nth=1, view=_kept("BmmBackward0", "_saved_mat2", then=own(_stored(_batch(b))))),
         Rule(attention, "matmul", rules.V_EXPANDED, nth=1,
-             view=_kept("BmmBackward0", "_saved_mat2", then=_heads(b))),
+             view=_kept("BmmBackward0", "_saved_mat2", then=_batch(b))),
         Rule(attention, "tanh", rules.SOFTCAP_TANH),  # Gemma 2's soft-capping
         Rule(attention, "softmax", ledger.SOFTMAX_OUT),
         Rule(attention, "softmax", rules.SOFTMAX_FP32),
@@ -747,18 +634,17 @@ def _core_rules(
              nth=2 if config.norm in ("layernorm_np", "rmsnorm_fp32w", "layernorm_nb") or rules.is_gptj(config)
              else 0),
         Rule(attention, "native_dropout", ledger.ATTN_DROPOUT_OUT),  # the shim's dropout
-        Rule(attention, "native_dropout", ledger.ATTN_DROPOUT_MASK,
-             view=_kept("NativeDropoutBackward0", "_saved_result1")),
+        _dropout_mask(attention, ledger.ATTN_DROPOUT_MASK),
         # SDPA, flash kernel: the log-sum-exp (and q, k, v as passed)
         Rule(attention, sdpa, ledger.SOFTMAX_LSE, view=_kept("ScaledDotProduct*Backward0", "_saved_logsumexp")),
         Rule(attention, sdpa, rules.SDPA_OUT),  # OLMo 2 under tp: o_proj's input is a split copy of it
         # SDPA, CPU math kernel (dropout): fp32 copies, two bmm, the softmax, dropout's mask
-        Rule(attention, sdpa, rules.MATH_Q, view=_kept("BmmBackward0", "_saved_self", newest=1, then=_heads(b))),
+        Rule(attention, sdpa, rules.MATH_Q, view=_kept("BmmBackward0", "_saved_self", newest=1, then=_batch(b))),
         Rule(attention, sdpa, rules.MATH_K, view=_kept("BmmBackward0", "_saved_mat2", newest=1, then=_heads_t(b))),
         Rule(attention, sdpa, rules.MATH_SOFTMAX, view=_kept("SafeSoftmaxBackward0", "_saved_result")),
         Rule(attention, sdpa, rules.MATH_DROPOUT_MASK, view=_kept("MulBackward0", "_saved_other")),
-        Rule(attention, sdpa, rules.MATH_DROPOUT_OUT, view=_kept("BmmBackward0", "_saved_self", then=_heads(b))),
-        Rule(attention, sdpa, rules.MATH_V, view=_kept("BmmBackward0", "_saved_mat2", then=_heads(b))),
+        Rule(attention, sdpa, rules.MATH_DROPOUT_OUT, view=_kept("BmmBackward0", "_saved_self", then=_batch(b))),
+        Rule(attention, sdpa, rules.MATH_V, view=_kept("BmmBackward0", "_saved_mat2", then=_batch(b))),
     )
 
 
@@ -779,27 +665,182 @@ def _llama_attention_rules(config: ModelConfig) -> tuple[Rule, ...]:
     )
 
 
-def _phi3_attention_rules(config: ModelConfig) -> tuple[Rule, ...]:
-    """Phi3Attention: qkv_proj's input, the eager core (V, a view of qkv_proj's output, kept whole where matmul takes
-    it as it is), o_proj's input, and the layer's dropout of the attention's output (resid_attn_dropout)."""
+_SWIGLU = (  # LlamaMLP's, or Gemma's tanh GeGLU
+    Rule("mlp.gate_proj", "linear", ledger.FC1_IN, arg=0),
+    Rule("mlp.gate_proj", "linear", ledger.SWIGLU_GATE),
+    Rule("mlp.up_proj", "linear", ledger.SWIGLU_UP),
+    Rule("mlp.act_fn", "silu", ledger.SWIGLU_SILU_OUT),
+    Rule("mlp.gate_proj", "linear", rules.GEGLU_GATE),
+    Rule("mlp.up_proj", "linear", rules.GEGLU_UP),
+    Rule("mlp.act_fn", "gelu", rules.GEGLU_GELU_OUT),
+    Rule("mlp.down_proj", "linear", ledger.FC2_IN, arg=0),
+)
+
+# transformers' GELU modules, each as mlp.act: torch's kernel keeps its input; gelu_new, written out, keeps four
+_GELU = (
+    Rule("mlp.act", "gelu", ledger.GELU_IN, arg=0),  # torch's GELU kernel
+    Rule("mlp.act", "pow", ledger.GELU_IN, arg=0),  # gelu_new: torch.pow(x, 3.0)
+    Rule("mlp.act", "mul", rules.HALF_X, nth=0),  # gelu_new: 0.5 * x (a scalar product reads as mul)
+    Rule("mlp.act", "tanh", rules.TANH_OUT),
+    Rule("mlp.act", "add", rules.ONE_PLUS_TANH, nth=1),  # gelu_new: 1.0 + tanh(.), after x + 0.044715 x^3
+)
+
+
+def _gpt2_rules(config: ModelConfig) -> tuple[Rule, ...]:
+    """GPT2Block: its Conv1Ds are addmm on (b * s, h) tokens."""
+    flat = _batch(config.b)
     return (
-        Rule("self_attn.qkv_proj", "linear", ledger.QKV_IN, arg=0),
-        *_core_rules("self_attn", config),
-        _fused_v("self_attn", config),
-        Rule("self_attn.o_proj", "linear", ledger.PROJ_IN, arg=0, view=_head_columns(config.head_dim)),
-        _dropout_mask("resid_attn_dropout", ledger.ATTN_OUT_DROPOUT_MASK),
+        *_layer_norm_rules("ln_1", ledger.LN1),
+        Rule("attn.c_attn", "addmm", ledger.QKV_IN, arg=1, view=flat),
+        *_core_rules("attn", config, copies_only=True),
+        # q, k, v are views of c_attn's output (b * s, 3h): its whole storage, split by _attributed. Under SDPA
+        # always; under eager where bmm takes them as they are (b = 1 or a = 1: the (b, a) batch flattens as a view)
+        Rule("attn", "scaled_dot_product_attention", _QKV_OUT, arg=0, view=lambda q: q._base),
+        Rule("attn", "matmul", _QKV_OUT, nth=0, view=_kept("BmmBackward0", "_saved_self", then=_in_larger)),
+        Rule("attn.c_proj", "addmm", ledger.PROJ_IN, arg=1, view=lambda x: _head_columns(config.head_dim)(flat(x))),
+        _dropout_mask("attn.resid_dropout", ledger.ATTN_OUT_DROPOUT_MASK),
+        *_layer_norm_rules("ln_2", ledger.LN2),
+        Rule("mlp.c_fc", "addmm", ledger.FC1_IN, arg=1, view=flat),
+        *_GELU,
+        Rule("mlp.c_proj", "addmm", ledger.FC2_IN, arg=1, view=flat),
+        _dropout_mask("mlp.dropout", ledger.MLP_DROPOUT_MASK),
     )
 
 
-def _phi3_mlp_rules() -> tuple[Rule, ...]:
-    """Phi3MLP: gate_up_proj's input, its (b, s, 2f) output that gate and up are halves of (SiLU keeps gate, the
-    product up), SiLU's output, down_proj's input, and the MLP output's dropout (resid_mlp_dropout)."""
+def _neox_rules(config: ModelConfig) -> tuple[Rule, ...]:
+    """GPTNeoXLayer: the eager core (at b = 1 V is kept as the fused output it views), dropouts after the attention
+    and the MLP."""
     return (
+        *_layer_norm_rules("input_layernorm", ledger.LN1),
+        *_fused_attention(config, "attention", "query_key_value", "dense", "post_attention_dropout"),
+        *_layer_norm_rules("post_attention_layernorm", ledger.LN2),
+        Rule("mlp.dense_h_to_4h", "linear", ledger.FC1_IN, arg=0),
+        *_GELU,
+        Rule("mlp.dense_4h_to_h", "linear", ledger.FC2_IN, arg=0),
+        _dropout_mask("post_mlp_dropout", ledger.MLP_DROPOUT_MASK),
+    )
+
+
+def _bloom_rules(config: ModelConfig) -> tuple[Rule, ...]:
+    """BloomBlock: baddbmm's Q and K^T and bmm's V (copies, or at b = 1 views of the fused output, whose storage is
+    split into Q, K and V by `_attributed`); the fp32 softmax and its cast; dropout_add's masks; BloomMLP's
+    GeLUFunction keeps its input, dense_h_to_4h's output."""
+    b, attention = config.b, "self_attention"
+    scores, context = _kept("BaddbmmBackward0", "_saved_batch1"), _kept("BmmBackward0", "_saved_mat2")
+    key = _kept("BaddbmmBackward0", "_saved_batch2")
+    dropout = f"{attention}.attention_dropout"
+    return (
+        *_layer_norm_rules("input_layernorm", ledger.LN1),
+        Rule(f"{attention}.query_key_value", "linear", ledger.QKV_IN, arg=0),
+        Rule(attention, "baddbmm", ledger.Q, view=lambda r: _copy(_batch(b))(scores(r))),
+        Rule(attention, "baddbmm", ledger.K, view=lambda r: _copy(_heads_t(b))(key(r))),
+        Rule(attention, "baddbmm", _QKV_OUT, view=lambda r: _in_larger(scores(r))),
+        Rule(attention, "softmax", rules.SOFTMAX_FP32),
+        Rule(attention, "to", rules.WEIGHTS),
+        Rule(dropout, "native_dropout", ledger.ATTN_DROPOUT_OUT),
+        _dropout_mask(dropout, ledger.ATTN_DROPOUT_MASK),
+        Rule(attention, "bmm", ledger.V, view=lambda r: _copy(_batch(b))(context(r))),
+        Rule(attention, "bmm", _QKV_OUT, view=lambda r: _in_larger(context(r))),
+        Rule(f"{attention}.dense", "linear", ledger.PROJ_IN, arg=0, view=_head_columns(config.head_dim)),
+        _dropout_mask(attention, ledger.ATTN_OUT_DROPOUT_MASK),
+        *_layer_norm_rules("post_attention_layernorm", ledger.LN2),
+        Rule("mlp.dense_h_to_4h", "linear", ledger.FC1_IN, arg=0),
+        Rule("mlp.dense_h_to_4h", "linear", ledger.GELU_IN),
+        Rule("mlp.dense_4h_to_h", "linear", ledger.FC2_IN, arg=0),
+        _dropout_mask("mlp", ledger.MLP_DROPOUT_MASK),
+    )
+
+
+def _falcon_rules(config: ModelConfig) -> tuple[Rule, ...]:
+    """FalconDecoderLayer: one norm, read by the attention and the MLP, or ln_attn and ln_mlp; multi_query's or
+    new_decoder_architecture's two list indices, the eager core (as NeoX's: at b = 1 multi-head V is the fused output
+    it views) or SDPA (new_decoder_architecture: K rotated at every head, V broadcast to them or, with one group, the
+    index output its stride-0 view reads). FalconLinear is `input @ weight.T`: a module's input is its linear's."""
+    attention = "self_attention"
+    index = lambda x: x.grad_fn._saved_indices[-1][0]  # noqa: E731  (the (1,) index of [..., [-2], :], as ())
+    key = rules.FALCON_K_HEADS if config.fused_qkv else ledger.K  # new_decoder_architecture: rotated at every head
+    norms = _layer_norm_rules("input_layernorm", ledger.LN1) if config.single_norm else (
+        *_layer_norm_rules("ln_attn", ledger.LN1), *_layer_norm_rules("ln_mlp", ledger.LN2),
+        Rule("mlp.dense_h_to_4h", "forward", ledger.FC1_IN, arg=0))
+    return (
+        *norms,
+        Rule(f"{attention}.query_key_value", "forward", ledger.QKV_IN, arg=0),
+        Rule(attention, "__getitem__", rules.FALCON_K_INDEX, nth=1, view=index),
+        Rule(attention, "__getitem__", rules.FALCON_V_INDEX, nth=2, view=index),
+        *_core_rules(attention, config, qkv=(ledger.Q, key, ledger.V)),
+        *_sdpa_inputs(attention),
+        Rule(attention, "scaled_dot_product_attention", rules.FALCON_K_HEADS, arg=1),
+        Rule(attention, "scaled_dot_product_attention", ledger.V, arg=2, view=_stored(lambda v: v)),
+        Rule(attention, "scaled_dot_product_attention", rules.FALCON_V_HEADS, arg=2),
+        _fused_v(attention, config),
+        Rule(f"{attention}.dense", "forward", ledger.PROJ_IN, arg=0, view=_head_columns(config.head_dim)),
+        *_GELU,
+        Rule("mlp.dense_4h_to_h", "forward", ledger.FC2_IN, arg=0),
+    )
+
+
+def _gptj_rules(config: ModelConfig) -> tuple[Rule, ...]:
+    """GPTJBlock: one LayerNorm (ln_1), which q_proj and fc_in both read; the four interleaved RoPE tables (keys' sin
+    and cos, then the queries'), the eager core over fp32 Q and K."""
+    tables = tuple(Rule("attn", "repeat_interleave", table, nth=n, view=lambda x: x[0, :, 0])
+                   for n, table in enumerate(rules.GPTJ_ROPE))
+    return (
+        *_layer_norm_rules("ln_1", ledger.LN1),
+        Rule("attn.q_proj", "linear", ledger.QKV_IN, arg=0), *tables,
+        *_core_rules("attn", config, (rules.GPTJ_Q, rules.GPTJ_K, ledger.V)), *_sdpa_inputs("attn"),
+        Rule("attn.out_proj", "linear", ledger.PROJ_IN, arg=0, view=_head_columns(config.head_dim)),
+        _dropout_mask("attn.resid_dropout", ledger.ATTN_OUT_DROPOUT_MASK),
+        *_GELU,
+        _dropout_mask("mlp.dropout", ledger.MLP_DROPOUT_MASK),
+        Rule("mlp.fc_out", "linear", ledger.FC2_IN, arg=0),
+    )
+
+
+def _starcoder2_rules(config: ModelConfig) -> tuple[Rule, ...]:
+    """Starcoder2DecoderLayer: Llama's projections and core, then F.dropout of o_proj's output in the same module
+    (residual_dropout): under eager the second dropout there (the first drops the attention weights out), under SDPA
+    the first (the kernel drops out inside); Starcoder2MLP's F.dropout of its output in its own forward."""
+    return (
+        *_layer_norm_rules("input_layernorm", ledger.LN1),
+        *_llama_attention_rules(config),
+        _dropout_mask("self_attn", ledger.ATTN_OUT_DROPOUT_MASK, nth=1 if config.attention == "eager" else 0),
+        *_layer_norm_rules("post_attention_layernorm", ledger.LN2),
+        Rule("mlp.c_fc", "linear", ledger.FC1_IN, arg=0),
+        *_GELU,
+        Rule("mlp.c_proj", "linear", ledger.FC2_IN, arg=0),
+        _dropout_mask("mlp", ledger.MLP_DROPOUT_MASK),
+    )
+
+
+def _phi3_rules(config: ModelConfig) -> tuple[Rule, ...]:
+    """Phi3DecoderLayer: the eager core (V, a view of qkv_proj's output, kept whole where matmul takes it as it is),
+    the dropouts of the attention's and the MLP's outputs; Phi3MLP's (b, s, 2f) gate_up_proj output that gate and up
+    are halves of (SiLU keeps gate, the product up)."""
+    first, second = _llama_norm_rules(config)
+    return (
+        *first,
+        *_fused_attention(config, "self_attn", "qkv_proj", "o_proj", "resid_attn_dropout"),
+        *second,
         Rule("mlp.gate_up_proj", "linear", ledger.FC1_IN, arg=0),
         Rule("mlp.activation_fn", "silu", _DENSE_GATE_UP, arg=0, view=_whole),
         Rule("mlp.activation_fn", "silu", ledger.SWIGLU_SILU_OUT),
         Rule("mlp.down_proj", "linear", ledger.FC2_IN, arg=0),
         _dropout_mask("resid_mlp_dropout", ledger.MLP_DROPOUT_MASK),
+    )
+
+
+_LAYER_RULES = {"gpt2": _gpt2_rules, "gpt_neox": _neox_rules, "bloom": _bloom_rules, "falcon": _falcon_rules,
+                "gptj": _gptj_rules, "starcoder2": _starcoder2_rules, "phi3": _phi3_rules, "gpt_oss": _gpt_oss_rules}
+
+
+def _fused_attention(config: ModelConfig, attention: str, qkv: str, proj: str, dropout: str) -> tuple[Rule, ...]:
+    """NeoX's or Phi-3's attention over one fused qkv output, then the dropout of the attention's output."""
+    return (
+        Rule(f"{attention}.{qkv}", "linear", ledger.QKV_IN, arg=0),
+        *_core_rules(attention, config),
+        _fused_v(attention, config),
+        Rule(f"{attention}.{proj}", "linear", ledger.PROJ_IN, arg=0, view=_head_columns(config.head_dim)),
+        _dropout_mask(dropout, ledger.ATTN_OUT_DROPOUT_MASK),
     )
 
 
@@ -810,9 +851,9 @@ def _fused_v(attention: str, config: ModelConfig) -> Rule:
                 view=lambda v: v._base.view(config.b, config.s, -1, d))
 
 
-def _dropout_mask(module: str, mask: SavedTensor) -> Rule:
-    """The bool mask an nn.Dropout module's (CUDA-like) dropout keeps."""
-    return Rule(module, "native_dropout", mask, view=_kept("NativeDropoutBackward0", "_saved_result1"))
+def _dropout_mask(module: str, mask: SavedTensor, nth: int = 0) -> Rule:
+    """The bool mask the `nth` (CUDA-like) dropout in `module` keeps."""
+    return Rule(module, "native_dropout", mask, nth=nth, view=_kept("NativeDropoutBackward0", "_saved_result1"))
 
 
 def _latent_attention_rules(config: ModelConfig) -> tuple[Rule, ...]:
@@ -832,31 +873,25 @@ def _latent_attention_rules(config: ModelConfig) -> tuple[Rule, ...]:
     )
 
 
-def _llama_mlp_rules() -> tuple[Rule, ...]:
-    return (
-        Rule("mlp.gate_proj", "linear", ledger.FC1_IN, arg=0),
-        Rule("mlp.gate_proj", "linear", ledger.SWIGLU_GATE),
-        Rule("mlp.up_proj", "linear", ledger.SWIGLU_UP),
-        Rule("mlp.act_fn", "silu", ledger.SWIGLU_SILU_OUT),
-        Rule("mlp.gate_proj", "linear", rules.GEGLU_GATE),  # Gemma's tanh GeGLU
-        Rule("mlp.up_proj", "linear", rules.GEGLU_UP),
-        Rule("mlp.act_fn", "gelu", rules.GEGLU_GELU_OUT),
-        Rule("mlp.down_proj", "linear", ledger.FC2_IN, arg=0),
-    )
-
-
 def _moe_rules(config: ModelConfig) -> tuple[Rule, ...]:
     """The sparse MoE block: its router (mlp.gate), the experts (grouped_mm or the eager loop),
     and Qwen2-MoE's gated shared expert. Views give (b*s, ...) tensors the ledger's (b, s, ...) axes."""
-    flat = _tokens(config.b)
+    flat = _batch(config.b)
 
     def per_token(x: Any) -> Any:  # (b*s, 1) as (b, s)
         return x.unflatten(0, (config.b, -1)).squeeze(-1)
 
     experts = "mlp.experts"
-    if config.mla:
-        return (*_deepseek_router_rules(flat, per_token), *_expert_rules(experts),
-                *_shared_rules("mlp.shared_experts", lambda x: x))
+    if config.mla:  # DeepseekV3TopkRouter: F.linear on an fp32 copy of x, the sigmoid, gather by the chosen
+        # indices, and the in-place renormalisation (its divisor is sum + 1e-20)
+        return (
+            Rule("mlp.gate", "linear", rules.ROUTER_IN_FP32, arg=0, view=flat),
+            Rule("mlp.gate", "sigmoid", rules.ROUTER_SCORES, view=flat),
+            Rule("mlp.gate", "gather", ledger.ROUTER_TOPK_INDICES, arg=2, view=flat),
+            Rule("mlp.gate", "div_", rules.TOPK_SUM, view=_kept("DivBackward0", "_saved_other", then=per_token)),
+            Rule("mlp.gate", "div_", rules.TOPK_WEIGHTS, view=_kept("DivBackward0", "_saved_self", then=flat)),
+            *_expert_rules(experts), *_shared_rules("mlp.shared_experts", lambda x: x),
+        )
     return (
         Rule("mlp.gate", "linear", ledger.MOE_IN, arg=0, view=flat),
         Rule("mlp.gate", "softmax", rules.ROUTER_PROBS, view=flat),
@@ -866,18 +901,6 @@ def _moe_rules(config: ModelConfig) -> tuple[Rule, ...]:
         *_expert_rules(experts), *_shared_rules("mlp.shared_expert", flat),
         Rule("mlp.shared_expert.down_proj", "linear", rules.SHARED_OUT, view=flat),
         Rule("mlp", "sigmoid", rules.SHARED_GATE_SIGMOID, view=per_token),
-    )
-
-
-def _deepseek_router_rules(flat: Callable[[Any], Any], per_token: Callable[[Any], Any]) -> tuple[Rule, ...]:
-    """DeepseekV3TopkRouter: F.linear on the fp32 copy of x, the sigmoid, gather by the chosen indices, and the
-    in-place renormalisation (its divisor is sum + 1e-20)."""
-    return (
-        Rule("mlp.gate", "linear", rules.ROUTER_IN_FP32, arg=0, view=flat),
-        Rule("mlp.gate", "sigmoid", rules.ROUTER_SCORES, view=flat),
-        Rule("mlp.gate", "gather", ledger.ROUTER_TOPK_INDICES, arg=2, view=flat),
-        Rule("mlp.gate", "div_", rules.TOPK_SUM, view=_kept("DivBackward0", "_saved_other", then=per_token)),
-        Rule("mlp.gate", "div_", rules.TOPK_WEIGHTS, view=_kept("DivBackward0", "_saved_self", then=flat)),
     )
 
 
@@ -920,165 +943,6 @@ def _shared_rules(shared: str, view: Callable[[Any], Any]) -> tuple[Rule, ...]:
     )
 
 
-def _gpt2_attention_rules(config: ModelConfig) -> tuple[Rule, ...]:
-    flat = _tokens(config.b)
-    return (
-        Rule("attn.c_attn", "addmm", ledger.QKV_IN, arg=1, view=flat),
-        *_core_rules("attn", config, copies_only=True),
-        # q, k, v are views of c_attn's output (b * s, 3h): its whole storage, split by _attributed. Under SDPA
-        # always; under eager where bmm takes them as they are (b = 1 or a = 1: the (b, a) batch flattens as a view)
-        Rule("attn", "scaled_dot_product_attention", _QKV_OUT, arg=0, view=lambda q: q._base),
-        Rule("attn", "matmul", _QKV_OUT, nth=0, view=_kept("BmmBackward0", "_saved_self", then=_in_larger)),
-        Rule("attn.c_proj", "addmm", ledger.PROJ_IN, arg=1, view=lambda x: _head_columns(config.head_dim)(flat(x))),
-        Rule("attn.resid_dropout", "native_dropout", ledger.ATTN_OUT_DROPOUT_MASK,
-             view=_kept("NativeDropoutBackward0", "_saved_result1")),
-    )
-
-
-def _neox_attention_rules(config: ModelConfig) -> tuple[Rule, ...]:
-    """GPTNeoXAttention: query_key_value's input, the eager core (at b = 1 V is kept as the fused output it views),
-    dense's input, and the post-attention dropout's mask."""
-    d = config.head_dim
-    return (
-        Rule("attention.query_key_value", "linear", ledger.QKV_IN, arg=0),
-        *_core_rules("attention", config),
-        Rule("attention", "matmul", rules.NEOX_QKV_OUT, nth=1, arg=1, view=lambda v: v._base.view(config.b, config.s, -1, d)),
-        Rule("attention.dense", "linear", ledger.PROJ_IN, arg=0, view=_head_columns(d)),
-        Rule("post_attention_dropout", "native_dropout", ledger.ATTN_OUT_DROPOUT_MASK,
-             view=_kept("NativeDropoutBackward0", "_saved_result1")),
-    )
-
-
-def _bloom_attention_rules(config: ModelConfig) -> tuple[Rule, ...]:
-    """BloomAttention: query_key_value's input; baddbmm's Q and K^T and bmm's V (copies, or at b = 1 views of the
-    fused output, whose storage is split into Q, K and V by `_attributed`); the fp32 softmax and its cast, the
-    probabilities' dropout, dense's input, and dropout_add's mask."""
-    b, d, attention = config.b, config.head_dim, "self_attention"
-    scores, context = _kept("BaddbmmBackward0", "_saved_batch1"), _kept("BmmBackward0", "_saved_mat2")
-    key = _kept("BaddbmmBackward0", "_saved_batch2")
-    dropout = f"{attention}.attention_dropout"
-    return (
-        Rule(f"{attention}.query_key_value", "linear", ledger.QKV_IN, arg=0),
-        Rule(attention, "baddbmm", ledger.Q, view=lambda r: _copy(_heads(b))(scores(r))),
-        Rule(attention, "baddbmm", ledger.K, view=lambda r: _copy(_heads_t(b))(key(r))),
-        Rule(attention, "baddbmm", _QKV_OUT, view=lambda r: _in_larger(scores(r))),
-        Rule(attention, "softmax", rules.SOFTMAX_FP32),
-        Rule(attention, "to", rules.WEIGHTS),
-        Rule(dropout, "native_dropout", ledger.ATTN_DROPOUT_OUT),
-        Rule(dropout, "native_dropout", ledger.ATTN_DROPOUT_MASK,
-             view=_kept("NativeDropoutBackward0", "_saved_result1")),
-        Rule(attention, "bmm", ledger.V, view=lambda r: _copy(_heads(b))(context(r))),
-        Rule(attention, "bmm", _QKV_OUT, view=lambda r: _in_larger(context(r))),
-        Rule(f"{attention}.dense", "linear", ledger.PROJ_IN, arg=0, view=_head_columns(d)),
-        Rule(attention, "native_dropout", ledger.ATTN_OUT_DROPOUT_MASK,
-             view=_kept("NativeDropoutBackward0", "_saved_result1")),
-    )
-
-
-def _bloom_mlp_rules() -> tuple[Rule, ...]:
-    """BloomMLP: dense_h_to_4h's input and output (GeLUFunction keeps its input), dense_4h_to_h's input, and
-    dropout_add's mask."""
-    return (
-        Rule("mlp.dense_h_to_4h", "linear", ledger.FC1_IN, arg=0),
-        Rule("mlp.dense_h_to_4h", "linear", ledger.GELU_IN),
-        Rule("mlp.dense_4h_to_h", "linear", ledger.FC2_IN, arg=0),
-        Rule("mlp", "native_dropout", ledger.MLP_DROPOUT_MASK, view=_kept("NativeDropoutBackward0", "_saved_result1")),
-    )
-
-
-def _falcon_rules(config: ModelConfig) -> tuple[Rule, ...]:
-    """FalconDecoderLayer: query_key_value's input (the one norm's output, which the MLP reads too, or ln_attn's),
-    multi_query's or new_decoder_architecture's two list indices, the eager core (as NeoX's: at b = 1 multi-head V is
-    the fused output it views) or SDPA (new_decoder_architecture: K rotated at every head, V broadcast to them or,
-    with one group, the index output its stride-0 view reads), dense's input, and FalconMLP's (GELU's input,
-    dense_4h_to_h's). FalconLinear is `input @ weight.T`: a module's input is its linear's."""
-    d, attention = config.head_dim, "self_attention"
-    index = lambda x: x.grad_fn._saved_indices[-1][0]  # noqa: E731  (the (1,) index of [..., [-2], :], as ())
-    key = rules.FALCON_K_HEADS if config.fused_qkv else ledger.K  # new_decoder_architecture: rotated at every head
-    return (
-        Rule(f"{attention}.query_key_value", "forward", ledger.QKV_IN, arg=0),
-        Rule(attention, "__getitem__", rules.FALCON_K_INDEX, nth=1, view=index),
-        Rule(attention, "__getitem__", rules.FALCON_V_INDEX, nth=2, view=index),
-        *_core_rules(attention, config, qkv=(ledger.Q, key, ledger.V)),
-        *_sdpa_inputs(attention),
-        Rule(attention, "scaled_dot_product_attention", rules.FALCON_K_HEADS, arg=1),
-        Rule(attention, "scaled_dot_product_attention", ledger.V, arg=2, view=_stored(lambda v: v)),
-        Rule(attention, "scaled_dot_product_attention", rules.FALCON_V_HEADS, arg=2),
-        Rule(attention, "matmul", rules.NEOX_QKV_OUT, nth=1, arg=1,
-             view=lambda v: v._base.view(config.b, config.s, -1, d)),
-        Rule(f"{attention}.dense", "forward", ledger.PROJ_IN, arg=0, view=_head_columns(d)),
-        *(r for r in _gpt2_mlp_rules(config) if r.module == "mlp.act"),
-        Rule("mlp.dense_4h_to_h", "forward", ledger.FC2_IN, arg=0),
-    )
-
-
-def _neox_mlp_rules(config: ModelConfig) -> tuple[Rule, ...]:
-    """GPTNeoXMLP: dense_h_to_4h's input, the activation (GPT-2's rules), dense_4h_to_h's input, post_mlp_dropout."""
-    return (
-        Rule("mlp.dense_h_to_4h", "linear", ledger.FC1_IN, arg=0),
-        *(r for r in _gpt2_mlp_rules(config) if r.module == "mlp.act"),
-        Rule("mlp.dense_4h_to_h", "linear", ledger.FC2_IN, arg=0),
-        Rule("post_mlp_dropout", "native_dropout", ledger.MLP_DROPOUT_MASK,
-             view=_kept("NativeDropoutBackward0", "_saved_result1")),
-    )
-
-
-def _gptj_attention_rules(config: ModelConfig) -> tuple[Rule, ...]:
-    """GPTJAttention: q_proj's input (ln_1's output, which fc_in reads too), the four interleaved RoPE tables (keys'
-    sin and cos, then the queries'), the eager core over fp32 Q and K, out_proj's input, resid_dropout's mask."""
-    tables = tuple(Rule("attn", "repeat_interleave", table, nth=n, view=lambda x: x[0, :, 0])
-                   for n, table in enumerate(rules.GPTJ_ROPE))
-    return (
-        Rule("attn.q_proj", "linear", ledger.QKV_IN, arg=0), *tables,
-        *_core_rules("attn", config, (rules.GPTJ_Q, rules.GPTJ_K, ledger.V)), *_sdpa_inputs("attn"),
-        Rule("attn.out_proj", "linear", ledger.PROJ_IN, arg=0, view=_head_columns(config.head_dim)),
-        _dropout_mask("attn.resid_dropout", ledger.ATTN_OUT_DROPOUT_MASK),
-    )
-
-
-def _gptj_mlp_rules(config: ModelConfig) -> tuple[Rule, ...]:
-    """GPTJMLP: the activation (GPT-2's rules), fc_out's input and the dropout's mask; fc_in's input is q_proj's."""
-    return (
-        *(r for r in _gpt2_mlp_rules(config) if r.module in ("mlp.act", "mlp.dropout")),
-        Rule("mlp.fc_out", "linear", ledger.FC2_IN, arg=0),
-    )
-
-
-def _starcoder2_attention_rules(config: ModelConfig) -> tuple[Rule, ...]:
-    """Starcoder2Attention: Llama's projections and core, then F.dropout of o_proj's output in the same module
-    (residual_dropout): under eager the second dropout there (the first drops the attention weights out), under SDPA
-    the first (the kernel drops out inside)."""
-    residual = replace(_dropout_mask("self_attn", ledger.ATTN_OUT_DROPOUT_MASK),
-                       nth=1 if config.attention == "eager" else 0)
-    return (*_llama_attention_rules(config), residual)
-
-
-def _starcoder2_mlp_rules(config: ModelConfig) -> tuple[Rule, ...]:
-    """Starcoder2MLP: c_fc's input, the activation (GPT-2's rules: torch's kernel, or gelu_new written out), c_proj's
-    input, and F.dropout of its output (residual_dropout) in the MLP's own forward."""
-    return (
-        Rule("mlp.c_fc", "linear", ledger.FC1_IN, arg=0),
-        *(r for r in _gpt2_mlp_rules(config) if r.module == "mlp.act"),
-        Rule("mlp.c_proj", "linear", ledger.FC2_IN, arg=0),
-        _dropout_mask("mlp", ledger.MLP_DROPOUT_MASK),
-    )
-
-
-def _gpt2_mlp_rules(config: ModelConfig) -> tuple[Rule, ...]:
-    flat = _tokens(config.b)
-    return (
-        Rule("mlp.c_fc", "addmm", ledger.FC1_IN, arg=1, view=flat),
-        Rule("mlp.act", "gelu", ledger.GELU_IN, arg=0),  # torch's GELU kernel
-        Rule("mlp.act", "pow", ledger.GELU_IN, arg=0),  # gelu_new: torch.pow(x, 3.0)
-        Rule("mlp.act", "mul", rules.HALF_X, nth=0),  # gelu_new: 0.5 * x (a scalar product reads as mul)
-        Rule("mlp.act", "tanh", rules.TANH_OUT),
-        Rule("mlp.act", "add", rules.ONE_PLUS_TANH, nth=1),  # gelu_new: 1.0 + tanh(.), after x + 0.044715 x^3
-        Rule("mlp.c_proj", "addmm", ledger.FC2_IN, arg=1, view=flat),
-        Rule("mlp.dropout", "native_dropout", ledger.MLP_DROPOUT_MASK,
-             view=_kept("NativeDropoutBackward0", "_saved_result1")),
-    )
-
-
 # -- one storage, several ledger rows; several storages, one ledger row ---------------------------
 
 
@@ -1096,10 +960,3 @@ def _attributed(saved: tuple[SavedStorage, ...], config: ModelConfig) -> tuple[S
         else:
             rows.append(storage)
     return tuple(rows)
-
-
-def _merged_experts(saved: tuple[SavedStorage, ...]) -> tuple[SavedStorage, ...]:
-    """Each expert-region name's storages (one an expert) as one row of r = the sum of their rows, where the first
-    is."""
-    expert = frozenset(name for name, x in rules.IMPLEMENTATION.by_name().items() if x.region is Region.EXPERT)
-    return merged_rows(saved, expert)

@@ -1,16 +1,7 @@
 """One training step of transformers' `LlamaForCausalLM` sharded by torch's own FSDP2, under FSDPMemTracker
 (`memcalc measure --step --impl hf --dp-shard N`).
 
-The model is built as `memcalc.probe.libs.hf_step` builds it (`llama_config`, `use_cache` off, nothing
-downloaded), but in fp32, as accelerate and torchtitan hold a model they shard, and laid out as both lay it
-out: `fully_shard` on every decoder layer, then on the whole model, over dp_shard ranks of the fake process
-group (this process is rank 0; under tp, the outer dimensions of a (dp_replicate, dp_shard, t) mesh whose inner one
-takes transformers' own tp_plan first, as torchtitan lays out its mesh; HSDP over (dp_replicate, dp_shard)), with `MixedPrecisionPolicy(param_dtype=dtype,
-reduce_dtype=reduce_dtype)` and the config's reshard_after_forward. It is trained as both train it: AdamW
-(fused) over the sharded parameters, `zero_grad(set_to_none=True)` after each step, one warm-up step, then one
-step measured by torch's `FSDPMemTracker`, which files each storage as FSDP2 knows it (sharded and unsharded
-parameters and gradients, all-gather and reduce-scatter buffers, optimizer states, activations, temporaries,
-the tracked inputs); `FSDP_CATEGORIES` reads those as the timeline's categories.
+How it is built, laid out and trained: docs/probe.md, "transformers' model under FSDP2 (hf_fsdp)".
 """
 
 from __future__ import annotations
@@ -19,7 +10,6 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Callable
 
-from memcalc.model.families import FAMILIES, layer_family
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ProbeError
 from memcalc.model.strategy import Strategy
@@ -27,13 +17,11 @@ from memcalc.probe import require_torch
 from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.layer import DTYPES
 from memcalc.probe.libs import hf_tp
-from memcalc.probe.libs.hf import llama_config
-from memcalc.probe.libs.hf_step import checkpointed, model_loss
+from memcalc.probe.libs.hf_step import causal_lm, checkpointed
 from memcalc.probe.step import BATCH_SEED, MomentTracker, StepMeasurement, batch
 from memcalc.sizing.timeline import ACTIVATIONS, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES
 
 torch = require_torch()
-import transformers  # noqa: E402  (memcalc[hf])
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch import nn  # noqa: E402
@@ -42,17 +30,9 @@ from transformers.distributed.tensor_parallel import apply_tensor_parallelism  #
 
 # FSDPMemTracker's categories (its _FSDPRefType values) as the timeline's.
 FSDP_CATEGORIES = {
-    "Sharded Param": PARAMETERS,
-    "Unsharded Param": PARAMETERS,
-    "Buffer": PARAMETERS,
-    "All Gather": PARAMETERS,
-    "Sharded Grad": GRADIENTS,
-    "Unsharded Grad": GRADIENTS,
-    "Reduce Scatter": GRADIENTS,
-    "OptState": OPTIMIZER,
-    "Activation": ACTIVATIONS,
-    "Inputs": ACTIVATIONS,
-    "Temp": TEMPORARIES,
+    **dict.fromkeys(("Sharded Param", "Unsharded Param", "Buffer", "All Gather"), PARAMETERS),
+    **dict.fromkeys(("Sharded Grad", "Unsharded Grad", "Reduce Scatter"), GRADIENTS),
+    "OptState": OPTIMIZER, "Activation": ACTIVATIONS, "Inputs": ACTIVATIONS, "Temp": TEMPORARIES,
 }
 
 
@@ -135,13 +115,7 @@ def warmed_up_sharded(tp: TensorParallelGroup, config: ModelConfig, route: str |
         raise ProbeError(f"the fake group has {tp.size} ranks, not dp_replicate*dp_shard*t={replicas}*{shards}*"
                          f"{config.t}")
     torch.manual_seed(BATCH_SEED)
-    family = layer_family(config).name
-    if config.moe and route is None:
-        raise ProbeError("impl hf: --step on experts forces the router (--route balanced or all-to-one)")
-    hf_config = llama_config(config, family)
-    hf_config.use_cache = False
-    model = getattr(transformers, FAMILIES[family].architectures[0])._from_config(hf_config, dtype=torch.float32)
-    model = model.to(tp.device).train()
+    model, loss = causal_lm(config, route, torch.float32, tp.device)
     mesh = init_device_mesh(tp.device.type, (replicas, shards, t), mesh_dim_names=("replicate", "shard", "tp"))
     if t > 1:  # transformers' own plan over the mesh's inner dimension, then FSDP2 (HSDP) over the outer ones
         apply_tensor_parallelism(model, mesh["tp"], hf_tp.model_plan(model, t))
@@ -151,9 +125,7 @@ def warmed_up_sharded(tp: TensorParallelGroup, config: ModelConfig, route: str |
     for layer in model.model.layers:
         fully_shard(layer, mesh=dp, mp_policy=policy, reshard_after_forward=config.reshard_after_forward)
     fully_shard(model, mesh=dp, mp_policy=policy, reshard_after_forward=config.reshard_after_forward)
-    trainer = ShardedTrainer(config, model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True),
-                             lambda tokens, labels: model_loss(model, tokens, labels, family, route,
-                                                               config.moe_router_topk if config.moe else 0))
+    trainer = ShardedTrainer(config, model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True), loss)
     trainer.step()
     return trainer
 

@@ -1,33 +1,7 @@
 """What transformers' layers need to keep on a CPU what they keep on CUDA (dropout), and a forced router.
 
-`torch.nn.functional.dropout` on CUDA runs `native_dropout`, whose backward keeps
-a 1-byte bool mask. On a CPU, torch's `at::dropout` takes its unfused path
-(`is_fused_kernel_acceptable` accepts CUDA, XPU and a few others, not the CPU):
-it draws the mask in the activation dtype, scales it by 1/(1-p) and keeps that,
-2 bytes per element in bf16. `cuda_like_dropout()` routes the CPU call through
-`torch.native_dropout` while a layer runs, so the bool mask is what the probe
-sees. HF's eager attention (`nn.functional.dropout`) and `nn.Dropout` modules
-(GPT-2's resid and MLP dropouts) both look the function up at call time, so
-patching the attribute reaches them. No file of transformers is edited.
-
-Not patched, because nothing on a CPU is CUDA's twin: SDPA with dropout.
-torch's CPU flash kernel refuses dropout, so the call falls back to the math
-kernel, which upcasts to fp32 and drops out inside C++ (`at::dropout`); the
-rules model that per device (memcalc.model.impls.hf).
-
-`forced_routing(router_classes, route, k)` (`memcalc measure --route`) makes a
-sparse-MoE router pick known experts, so the tokens each expert receives, which
-the data decides, are known and the probe can be checked to the byte: while a
-router's forward runs, the logits its `F.linear` returns get a constant lead of
-+100 on the experts `route` assigns each token. Its softmax, top-k and
-renormalisation then run as written and keep what they always keep (adding a
-constant keeps nothing). balanced: token i's k slots go to experts (ik + j) mod
-E, so each expert gets kbs/E slots when E divides kbs (over ep ranks, megatron's,
-slot m = ik + j goes to rank m mod ep's expert (m div ep) mod E/ep: every rank
-then receives kbs/ep slots of each when ep divides kbs); all-to-one: every token's
-k slots go to experts 0..k-1. DeepSeek-V3's sigmoid router scores the led experts
-1.0 (sigmoid(100) in fp32) and the rest about 0.5, so its group choice keeps them
-when the k led experts lie within topk_group groups, as the probe's layer has them.
+Why each patch, and how a forced route assigns the experts: docs/probe.md, "Dropout and forced routing
+(hf_shim)".
 """
 
 from __future__ import annotations
@@ -76,7 +50,7 @@ def route_lead(route: str) -> str:
 
 @contextmanager
 def forced_routing(router_classes: tuple[type, ...], route: str, k: int) -> Iterator[None]:
-    """While inside, each router class's forward picks the experts `route` assigns (see the module docstring)."""
+    """While inside, each router class's forward picks the experts `route` assigns (`lead`)."""
     originals = {cls: cls.forward for cls in router_classes}
     for cls, original in originals.items():
         cls.forward = _leading(original, route, k)

@@ -8,7 +8,7 @@ family's model it builds, and why `use_cache` is off: docs/probe.md, "transforme
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from memcalc.model.families import FAMILIES, layer_family
 from memcalc.config.schema import ModelConfig
@@ -18,7 +18,7 @@ from memcalc.probe import require_torch
 from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.layer import DTYPES
 from memcalc.probe.libs import hf_tp
-from memcalc.probe.libs.hf import llama_config, routing
+from memcalc.probe.libs.hf import routing, transformers_config
 from memcalc.probe.libs.hf_shim import cuda_like_dropout
 from memcalc.probe.step import BATCH_SEED, StepMeasurement, Trainer, measure_trainer
 
@@ -42,19 +42,33 @@ def warmed_up(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, 
     if tp.size > 1 and config.tie_embeddings:
         raise ProbeError("impl hf: transformers' apply_tensor_parallelism cannot lay out tied embeddings (it looks"
                          " lm_head.weight up among named_parameters(), which name a tied weight once); untie them")
-    family = layer_family(config).name  # one the step timeline walks (timeline.hf.WALKED refuses the rest before)
-    if config.moe and route is None:
-        raise ProbeError("impl hf: --step on experts forces the router (--route balanced or all-to-one)")
-    hf_config = llama_config(config, family)
-    hf_config.use_cache = False  # as transformers' Trainer sets it (TrainingArguments.use_cache: False)
     torch.manual_seed(BATCH_SEED)  # the weights, as the model initialises them
-    model = getattr(transformers, FAMILIES[family].architectures[0])._from_config(hf_config, dtype=DTYPES[config.dtype])
-    model = model.to(tp.device).train()
+    model, loss = causal_lm(config, route, DTYPES[config.dtype], tp.device)
     if tp.size > 1:  # the plan from_pretrained(tp_plan="auto") applies, by the function it applies it with
         hf_tp.apply(model, hf_tp.model_plan(model, tp.size), tp)
     checkpointed(model, config)
+    return Trainer.around(config, model, loss)
+
+
+def causal_lm(config: ModelConfig, route: str | None, dtype: torch.dtype, device: torch.device
+              ) -> tuple[Any, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
+    """The family's causal-LM model (one the step timeline walks: timeline.hf.WALKED refuses the rest before) in
+    `dtype`, in training mode, `use_cache` off as transformers' Trainer sets it (TrainingArguments.use_cache: False);
+    and its loss, (tokens, labels) -> transformers' own, the router forced to `route` and dropout keeping CUDA's bool
+    mask while forward runs. The output object (and the bf16 logits in it) goes as the loss returns."""
+    family = layer_family(config).name
+    if config.moe and route is None:
+        raise ProbeError("impl hf: --step on experts forces the router (--route balanced or all-to-one)")
+    hf_config = transformers_config(config, family)
+    hf_config.use_cache = False
+    model = getattr(transformers, FAMILIES[family].architectures[0])._from_config(hf_config, dtype=dtype)
     k = config.moe_router_topk if config.moe else 0
-    return Trainer.around(config, model, lambda tokens, labels: model_loss(model, tokens, labels, family, route, k))
+
+    def loss(tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        with routing(family, route, k), cuda_like_dropout():
+            return model(input_ids=tokens, labels=labels).loss
+
+    return model.to(device).train(), loss
 
 
 def checkpointed(model: Any, config: ModelConfig) -> None:
@@ -63,11 +77,3 @@ def checkpointed(model: Any, config: ModelConfig) -> None:
     calls the same), a non-reentrant torch.utils.checkpoint around each decoder layer's forward, early stop on."""
     if config.recompute == "full":
         model.activation_checkpointing_enable()
-
-
-def model_loss(model: Any, tokens: torch.Tensor, labels: torch.Tensor, family: str, route: str | None = None,
-               k: int = 0) -> torch.Tensor:
-    """transformers' own loss, the router forced while forward runs and dropout keeping CUDA's bool mask; the output
-    object (and the bf16 logits in it) goes as this returns."""
-    with routing(family, route, k), cuda_like_dropout():
-        return model(input_ids=tokens, labels=labels).loss

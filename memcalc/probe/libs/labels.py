@@ -91,7 +91,8 @@ class Labels(TorchFunctionMode):
         for rule in self._rules:
             if rule.function != function or not fnmatchcase(frame.name, rule.module):
                 continue
-            if rule.nth is not None and rule.nth != _position(nth if output is None else 0, rule.every):
+            position = nth if output is None else 0  # in a loop's body of `every` calls, the nth in the body
+            if rule.nth is not None and rule.nth != (position % rule.every if rule.every else position):
                 continue
             if output is not None and output != (rule.arg is None):
                 continue  # a forward's input rules apply on entry, its output rules on exit
@@ -99,11 +100,6 @@ class Labels(TorchFunctionMode):
             named = rule.view(target) if rule.view and isinstance(target, torch.Tensor) else target
             if isinstance(named, torch.Tensor):  # a view may find nothing to name (None)
                 label(named, rule.tensor)
-
-
-def _position(nth: int, every: int | None) -> int:
-    """Which call this is: the nth in the forward, or, in a loop's body of `every` calls, the nth in the body."""
-    return nth % every if every else nth
 
 
 def _pick(result: Any, args: tuple, kwargs: dict, arg: int | str | None) -> Any:

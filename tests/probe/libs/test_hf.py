@@ -1,7 +1,5 @@
 """transformers' own layers keep, tensor by tensor, what memcalc's hf rules predict (bytes and shape)."""
 
-from functools import partial
-
 import pytest
 
 pytest.importorskip("torch")
@@ -207,9 +205,7 @@ def _layers_saved(knobs: dict) -> tuple[int, int]:
     the first layer's start to the last one's end, the rotary embedding's tables included), and the ledger's."""
     config = build_config(SIZES | knobs)
     family = layer_family(config).name
-    builders = {"gpt_neox": runner.neox_config, "falcon": runner.falcon_config, "gptj": runner.gptj_config,
-                "starcoder2": runner.starcoder2_config}
-    hf_config = builders.get(family, partial(runner.llama_config, family=family))(config)
+    hf_config = runner.transformers_config(config, family)
     hf_config.pad_token_id = None  # GLM's lies past a small vocabulary; the embedding is not run
     torch.manual_seed(0)
     model = transformers.AutoModel.from_config(hf_config).to(torch.bfloat16).train()
