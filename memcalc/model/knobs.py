@@ -348,7 +348,7 @@ KNOBS: tuple[Knob, ...] = (
     Knob(
         "moe_router_topk", "size", 2, "experts each token is routed to (top-k)", _moe_knob("moe_router_topk"),
         symbol="k",
-        effects=(({"num_experts": 8, "moe_router_topk": 1}, "k experts per token: r = kbs token slots when balanced."),),
+        effects=(({"num_experts": 8, "moe_router_topk": 4}, "k experts per token: r = kbs token slots when balanced."),),
     ),
     Knob(
         "moe_ffn_hidden_size", "size", None, "one expert's MLP hidden size (default: the MLP's, f or 4h)",

@@ -65,6 +65,26 @@ class Limit(Rule):
         return f"{self.value} may not exceed {self.divisor}"
 
 
+@record
+class SoftmaxOfOne(Rule):
+    """`value` (the top-k) may not be 1 where megatron's router takes the softmax of the k chosen logits, and why
+    (`divisor` is not read): megatron-core's TransformerConfig refuses it."""
+
+    def applies(self, knobs: Any) -> bool:
+        return (knobs.impl == "megatron" and knobs.moe_router_score_function == "softmax"
+                and not knobs.moe_router_pre_softmax)
+
+    def fails(self, _: Any, value: Any) -> Any:
+        return value == 1
+
+    def message(self, _: int, value: int) -> str:
+        return f"{self.value}={value} needs moe_router_pre_softmax under impl megatron ({self.why})"
+
+    @property
+    def text(self) -> str:
+        return f"{self.value} may not be 1 under impl megatron's softmax router without moe_router_pre_softmax"
+
+
 # Fields whose value as used can come from a default that depends on others (4h, a).
 AS_USED = {"ffn_hidden_size": "ffn", "num_query_groups": "groups"}
 
@@ -81,6 +101,7 @@ SEQUENCE_SPLIT = Rule("t", "s", "sequence parallelism splits the sequence across
 EXPERT_RULES = (
     Rule("ep", "num_experts", "each expert-parallel rank holds num_experts/ep experts"),
     Limit("num_experts", "moe_router_topk", "each token picks k distinct experts"),
+    SoftmaxOfOne("num_experts", "moe_router_topk", "a softmax over one logit has no gradient"),
 )
 
 # The knobs each check reads, chosen once: `estimate` checks every config it is given, and sweeps call it in loops.
@@ -95,7 +116,8 @@ def check_moe(knobs: Any) -> None:
         if stray:
             raise ConfigError(f"{stray[0]} is set but num_experts is not (a dense MLP has no experts)")
         return
-    EXPERT_RULES[1].check(knobs)  # k distinct experts of E
+    for rule in EXPERT_RULES[1:]:  # k distinct experts of E; megatron's softmax over more than one
+        rule.check(knobs)
     if knobs.moe_tokens == "capacity" and knobs.moe_expert_capacity_factor is None:
         raise ConfigError("moe_tokens capacity needs moe_expert_capacity_factor (without it no expert drops tokens:"
                           " use balanced or worst)")

@@ -9,6 +9,7 @@ that could pass 2^63 is refused before anything is computed.
 from __future__ import annotations
 
 from collections import Counter
+from itertools import takewhile
 from dataclasses import dataclass, replace
 from math import prod
 from typing import Any, Callable, Iterator, Sequence
@@ -117,19 +118,17 @@ def make_sweep(
     """A checked sweep: `ranges` give swept sizes, `fields` (a config's keys) the rest; `strategies` None is every
     layout the implementation runs for the knobs. Rules between sizes are left to `evaluate_sweep`, per point;
     cp > 1 is refused (each rank would keep s/cp tokens)."""
-    # Knobs, and unknown keys so that validation names them; sizes and layout fields are not knobs. Swept E and k
-    # as knob values that pass the knobs' own checks (k <= E): the most experts, the fewest picks (the grid holds
-    # every value; `per_layer_bytes` takes each k's tensor set).
-    swept = {name: pick(ranges[name]) for name, pick in (("num_experts", max), ("moe_router_topk", min))
-             if name in ranges}
-    knobs = build_knobs({k: v for k, v in fields.items() if k in field_names(Knobs) or k not in field_names()} | swept)
+    # Knobs, and unknown keys so that validation names them; sizes and layout fields are not knobs.
+    knobs = build_knobs({
+        k: v for k, v in fields.items() if k in field_names(Knobs) or k not in field_names()
+    } | _expert_knobs(ranges, fields))
     if fields.get("cp", 1) != 1:
         raise ConfigError(f"sweeps do not model context parallelism (cp={fields['cp']}); use memcalc estimate for it")
     axes = AXES if knobs.moe else SIZES
     values = {name: ranges[name] if name in ranges else (_fixed(name, fields),) for name in axes}
     _check_experts(fields, ranges, knobs, values)
     # Sizes first: a range past MAX_SIZE may be too long for len() to count.
-    largest = {n: v[-1] if isinstance(v, range) else max(v) for n, v in values.items()}  # a range is increasing
+    largest = {n: _largest(v) for n, v in values.items()}
     largest |= {"ffn_hidden_size": knobs.ffn_hidden_size, "num_query_groups": knobs.num_query_groups,
                 "kv_channels": knobs.kv_channels}
     for name, value in largest.items():
@@ -144,6 +143,24 @@ def make_sweep(
         )
     _check_layout(fields, values)  # after the row cap, which bounds how many values of L it reads
     return sweep
+
+
+def _expert_knobs(ranges: dict[str, Sequence[int]], fields: dict[str, Any]) -> dict[str, int]:
+    """Swept E and k as knob values that pass the knobs' own checks: the most experts, and the fewest picks they
+    hold above one (megatron's softmax router refuses k = 1; the grid holds every value, and `per_layer_bytes` takes
+    each k's tensor set)."""
+    experts = _largest(ranges["num_experts"]) if "num_experts" in ranges else fields.get("num_experts") or 0
+    knobs = {"num_experts": experts} if "num_experts" in ranges else {}
+    if "moe_router_topk" in ranges:
+        ks = ranges["moe_router_topk"]
+        ordered = ks if isinstance(ks, range) else sorted(ks)
+        knobs["moe_router_topk"] = next((k for k in takewhile(lambda k: k <= experts, ordered) if k > 1), ordered[0])
+    return knobs
+
+
+def _largest(values: Sequence[int]) -> int:
+    """The largest value, without walking a range (a swept range may be too long to)."""
+    return values[-1] if isinstance(values, range) else max(values)
 
 
 def _check_experts(
@@ -169,9 +186,9 @@ def _check_layout(fields: dict[str, Any], values: dict[str, Sequence[int]]) -> N
     the sweep: the first values, but s at its largest (a position table must hold it) and an L that breaks the
     pipeline rule if any does."""
     point = {name: v[0] for name, v in values.items()}
-    point["s"] = max(values["s"]) if not isinstance(values["s"], range) else values["s"][-1]
+    point["s"] = _largest(values["s"])
     if "num_experts" in point:  # a point the expert rules (applied per point) let through
-        point |= {"num_experts": max(values["num_experts"]), "moe_router_topk": min(values["moe_router_topk"]), "ep": 1}
+        point |= _expert_knobs(values, fields) | {"ep": 1}
     config = validate_fields(fields | point)
     chunks = config.pp * (config.vpp or 1)
     if chunks > 1:
@@ -265,16 +282,17 @@ def _array(values: Sequence[int]) -> np.ndarray:
 
 def per_layer_bytes(grid: GridSizes, strategy: Strategy, knobs: Knobs, accounting: Accounting) -> np.ndarray:
     """One rank's bytes for one layer at every point of the grid (broadcastable, L-free); where a swept top-k
-    changes which tensors a layer keeps, each k's slice is evaluated with its own set."""
+    changes which tensors a layer keeps, each k's slice is evaluated with its own set (zeros for a k an expert rule
+    refuses: its points are skipped)."""
     variants = _topk_variants(grid, knobs)
-    if len({tuple(x.name for s in _kept_sets(k, accounting) for x in s) for k in variants}) == 1:
+    if len({tuple(x.name for s in _kept_sets(k, accounting) for x in s) for k in variants if k}) == 1:
         return _same_set_bytes(grid, strategy, knobs, accounting)
     shape = grid.shape[:-1] + (1,)
     axis = grid.axis("moe_router_topk")
+    one_k = shape[:axis] + (1,) + shape[axis + 1:]
     slices = [
-        np.broadcast_to(_same_set_bytes(grid.at("moe_router_topk", k.moe_router_topk), strategy, k, accounting),
-                        shape[:axis] + (1,) + shape[axis + 1:])
-        for k in variants
+        np.broadcast_to(_same_set_bytes(grid.at("moe_router_topk", k.moe_router_topk), strategy, k, accounting), one_k)
+        if k else np.zeros(one_k, dtype=np.int64) for k in variants
     ]
     return np.concatenate(slices, axis=axis)
 
@@ -286,11 +304,14 @@ def model_wide_bytes(grid: GridSizes, strategy: Strategy, knobs: Knobs, accounti
     return _tensor_bytes(shared, strategy, sizes, grid.t, knobs, accounting)
 
 
-def _topk_variants(grid: GridSizes, knobs: Knobs) -> list[Knobs]:
-    """The knobs at each value of a swept top-k, in the axis's order; else (or for a dense layer) the knobs alone."""
+def _topk_variants(grid: GridSizes, knobs: Knobs) -> list[Knobs | None]:
+    """The knobs at each value of a swept top-k, in the axis's order, None where an expert rule refuses that k at
+    every E (megatron's softmax router at k = 1); else (or for a dense layer) the knobs alone."""
     if "moe_router_topk" not in grid.names or not knobs.moe:
         return [knobs]
-    return [replace(knobs, moe_router_topk=int(k)) for k in grid.moe_router_topk.ravel()]
+    rules = [r for r in EXPERT_RULES[1:] if r.applies(knobs)]
+    return [None if any(r.fails(knobs.num_experts, int(k)) for r in rules) else replace(knobs, moe_router_topk=int(k))
+            for k in grid.moe_router_topk.ravel()]
 
 
 def _same_set_bytes(grid: GridSizes, strategy: Strategy, knobs: Knobs, accounting: Accounting) -> np.ndarray:
@@ -353,7 +374,7 @@ def _check_int64(grid: GridSizes, sweep: Sweep, knobs: Knobs) -> None:
     dimensions' largest values with the smallest t, bounded in Python integers."""
     largest = {d: int(np.max(v)) for d, v in dim_sizes(grid).items() if v is not None}
     t, layers = int(np.min(grid.t)), int(np.max(grid.L))
-    sets = [kept for k in _topk_variants(grid, knobs) for kept in _kept_sets(k, sweep.accounting)]
+    sets = [kept for k in _topk_variants(grid, knobs) if k for kept in _kept_sets(k, sweep.accounting)]
     bound = layers * max(
         sum(element_bytes(x.kind, knobs, sweep.accounting) * prod(rank_shape(x, st, largest, t)) for x in kept)
         for st in sweep.strategies for kept in sets

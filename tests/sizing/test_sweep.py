@@ -156,15 +156,28 @@ def test_experts_top_k_and_ep_sweep_as_axes_and_each_row_is_what_estimate_says(m
         expected = estimate(build_config(MOE | moe | point), STRATEGIES[row["strategy"]], accounting)
         assert (row["per_layer_bytes"], row["total_bytes"]) == (expected.per_layer_bytes, expected.total_bytes)
         seen.add(tuple(point.values()))
-    valid = {(e, k, ep) for e in (2, 4, 8) for k in (1, 2, 3) for ep in (1, 2, 4) if k <= e and e % ep == 0}
+    top_one = (MOE | moe).get("impl", "megatron") == "megatron" and "moe_router_score_function" not in moe
+    valid = {(e, k, ep) for e in (2, 4, 8) for k in (1, 2, 3) for ep in (1, 2, 4)
+             if k <= e and e % ep == 0 and not (top_one and k == 1)}
+    refused_k1 = {"moe_router_topk may not be 1 under impl megatron's softmax router without moe_router_pre_softmax"}
     assert seen == valid and {s.rule.text for s in result.skipped} == {
-        "ep must divide num_experts", "moe_router_topk may not exceed num_experts"}
+        "ep must divide num_experts", "moe_router_topk may not exceed num_experts"} | (refused_k1 if top_one else set())
 
 
 def test_a_csv_row_of_an_expert_sweep_names_its_own_experts_top_k_and_ep():
-    rows = _csv(_sweep(MOE, [TP_SP], num_experts="4,8", moe_router_topk="1,2", ep="2"))
+    rows = _csv(_sweep(MOE, [TP_SP], num_experts="4,8", moe_router_topk="2,3", ep="2"))
     assert [(r["num_experts"], r["moe_router_topk"], r["ep"]) for r in rows] == [
-        ("4", "1", "2"), ("4", "2", "2"), ("8", "1", "2"), ("8", "2", "2")]
+        ("4", "2", "2"), ("4", "3", "2"), ("8", "2", "2"), ("8", "3", "2")]
+
+
+def test_a_swept_top_one_under_megatrons_softmax_router_is_skipped_as_megatron_core_refuses_it():
+    result = _sweep(MOE, [TP_SP], num_experts="4", moe_router_topk="1,2")
+    assert [result.row(i)["moe_router_topk"] for i in range(result.rows)] == [2]
+    assert "needs moe_router_pre_softmax under impl megatron" in result.skipped[0].example
+    with_pre_softmax = _sweep(MOE | {"moe_router_pre_softmax": True}, [TP_SP], num_experts="4", moe_router_topk="1,2")
+    assert with_pre_softmax.rows == 2 and not with_pre_softmax.skipped
+    with pytest.raises(ConfigError, match="moe_router_topk=1 needs moe_router_pre_softmax under impl megatron"):
+        build_config(MOE | {"moe_router_topk": 1})
 
 
 def test_experts_swept_without_a_mixture_of_experts_are_refused():
