@@ -128,10 +128,11 @@ SHIMS: tuple[Shim, ...] = (
     Shim("torchtitan", "activation_checkpoint.create_selective_checkpoint_contexts",
          "the op outputs SelectiveAC caches are handed to the recorder",
          "torch.utils.checkpoint keeps them in a cache of its own, not as saved tensors", Kind.MEASURES),
-    Shim("torchtitan", "AllToAllTokenDispatcher._token_count_exchange",
-         "on the fake group every rank routes as rank 0: the exchanged token counts are its own",
-         "nothing moves on torch's fake group: the counts the all-to-all received would be uninitialised memory",
-         Kind.MEASURES),
+    Shim("torchtitan", "AllToAllTokenDispatcher._token_count_exchange, torch.distributed.all_to_all",
+         "on the fake group every rank routes as rank 0: the exchanged token counts are its own, and the uneven"
+         " all-to-all zeroes what it receives",
+         "nothing moves on torch's fake group: the counts and tokens an all-to-all received would be uninitialised"
+         " memory (NaNs in the warm-up's weights, and so in the route)", Kind.MEASURES),
     Shim("torchtitan", "TokenChoiceTopKRouter.gate's logits (--route)",
          "--route: the gate's logits lead on known experts; scores, top-k and route_norm run as written",
          "the tokens each expert receives become known, so bytes can be exact", Kind.KNOB, route=True),

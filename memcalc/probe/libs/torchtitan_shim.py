@@ -76,11 +76,9 @@ def every_rank_routes_alike() -> Iterator[None]:
         received.copy_(mine.expand(ep, -1))
         return received
 
-    AllToAllTokenDispatcher._token_count_exchange, torch.distributed.all_to_all = exchanged, uneven
-    try:
+    with (mock.patch.object(AllToAllTokenDispatcher, "_token_count_exchange", exchanged),
+          mock.patch.object(torch.distributed, "all_to_all", uneven)):
         yield
-    finally:
-        AllToAllTokenDispatcher._token_count_exchange, torch.distributed.all_to_all = original, all_to_all
 
 
 @contextmanager
