@@ -14,9 +14,15 @@ SHIM_MODULES = {"megatron": "megatron_shim.py", "torchtitan": "torchtitan_shim.p
 PATCHED = re.compile(r'mock\.patch\.object\([\w.]+, "(\w+)"|^\s*(?!self\.|param\.|stub\.|module\.)\w+\.(\w+) = ', re.M)
 
 
+# `a.x, b.y = ...`: several attributes patched at once
+PATCHED_TOGETHER = re.compile(r"^\s*(\w+\.\w+(?:,\s*[\w.]+)+) = ", re.M)
+
+
 def _patched_names(library: str) -> set[str]:
     source = (ROOT / "memcalc" / "probe" / "libs" / SHIM_MODULES[library]).read_text()
-    return {a or b for a, b in PATCHED.findall(source)}
+    together = {target.rsplit(".", 1)[-1] for targets in PATCHED_TOGETHER.findall(source)
+                for target in targets.split(",") if "." in target}
+    return {a or b for a, b in PATCHED.findall(source)} | together
 
 
 @pytest.mark.parametrize("library", SHIM_MODULES)
