@@ -63,7 +63,7 @@ def fit(
 ) -> Fit:
     """The largest b or s, or the smallest t (`solve`), whose per-GPU bytes (`count`: "peak", "total" or
     "activations") fit `budget` (bytes, or text such as "80GiB"), for the config's recompute choice."""
-    from memcalc.sizing.fit import COUNTS, SOLVES
+    from memcalc.sizing.verdict import COUNTS, SOLVES
     from memcalc.sizing.fit import fit as solve_fit
 
     _one_of("solve", solve, SOLVES)

@@ -15,7 +15,7 @@ from memcalc.config.schema import SIZES, ModelConfig, class_schema
 from memcalc.model.knobs import Knobs
 from memcalc.model.rules import AS_USED
 from memcalc.model.strategy import STRATEGIES
-from memcalc.sizing.verdict import PEAK, SAVED
+from memcalc.sizing.verdict import COUNTS, PEAK, SAVED, SOLVES
 
 SCHEMA_VERSION = 1
 DIALECT = "https://json-schema.org/draft/2020-12/schema"
@@ -287,8 +287,8 @@ _CANDIDATE: Schema = _nullable(_object({
 FIT: Schema = _document(
     {
         "config": CONFIG,
-        "solve": {"enum": ["b", "s", "t"]},
-        "count": {"enum": ["peak", "total", "activations"]},
+        "solve": {"enum": list(SOLVES)},
+        "count": {"enum": list(COUNTS)},
         "budget_bytes": COUNT,
         "results": {"type": "array", "items": _object({
             "strategy": STRATEGY,

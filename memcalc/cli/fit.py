@@ -14,7 +14,8 @@ from memcalc.cli.options import (
 from memcalc.config.gpus import budget_for
 from memcalc.config.schema import ModelConfig, build_config, choices, config_record
 from memcalc.errors import ConfigError, DoesNotFit
-from memcalc.sizing.fit import COUNTS, SOLVES, Candidate, Fit, fit
+from memcalc.sizing.fit import Candidate, Fit, fit
+from memcalc.sizing.verdict import COUNTS, SOLVES
 from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import STRATEGIES
 from memcalc.schemas import SCHEMA_VERSION

@@ -22,8 +22,6 @@ from memcalc.sizing.totals import per_gpu
 from memcalc.sizing.verdict import need
 from memcalc.units import human_bytes
 
-SOLVES = ("b", "s", "t", "pp", "cp", "ep", "dp_shard")
-COUNTS = ("peak", "total", "activations")  # peak: the step's, where the timeline models it (memcalc.sizing.verdict)
 _SEARCH_LIMIT = 2**48  # a guard: no real budget fits this many tokens or micro-batches
 
 

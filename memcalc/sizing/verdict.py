@@ -13,6 +13,9 @@ if TYPE_CHECKING:
     from memcalc.sizing.totals import PerGpu
 
 PEAK, SAVED = "the step's peak", "states + saved activations"
+# What `fit` solves for, and what it counts against the budget (peak: the step's, where the timeline models it).
+SOLVES = ("b", "s", "t", "pp", "cp", "ep", "dp_shard")
+COUNTS = ("peak", "total", "activations")
 
 
 @record

@@ -32,6 +32,7 @@ OUTPUTS = [
     ("fit", ["fit", "--config", "gpt3-175b", "--budget", "80GiB", "--json"]),
     ("fit", ["fit", "--config", "gpt3-175b", "--budget", "80GiB", "--solve", "t", "--json"]),
     ("fit", ["fit", "--config", "gpt3-175b", "--budget", "80GiB", "--count", "total", "--json"]),
+    ("fit", ["fit", "--config", "llama3-70b", "--gpu", "h100-80gb", "--solve", "pp", "--json"]),  # a layout's size
     ("sweep", ["sweep", "--config", "tiny", "--t", "1,2,3", "--format", "json"]),
 ]
 
