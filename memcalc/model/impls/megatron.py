@@ -323,9 +323,9 @@ def latent_attention(knobs: Any) -> tuple[SavedTensor, ...]:
 
 # What an MLP's activation keeps, by MLP (the dense one, each expert, the shared experts): GELU's input; SwiGLU's gate,
 # up, SiLU's output and the copy of up.
-_DENSE = (ledger.GELU_IN, ledger.SWIGLU_GATE, ledger.SWIGLU_UP, ledger.SWIGLU_SILU_OUT, SWIGLU_UP_COPY)
-_EXPERT = (ledger.EXPERT_GELU_IN, ledger.EXPERT_GATE, ledger.EXPERT_UP, ledger.EXPERT_SILU_OUT, EXPERT_UP_COPY)
-_SHARED = (ledger.SHARED_GELU_IN, ledger.SHARED_GATE, ledger.SHARED_UP, ledger.SHARED_SILU_OUT, SHARED_UP_COPY)
+DENSE_ACT = (ledger.GELU_IN, ledger.SWIGLU_GATE, ledger.SWIGLU_UP, ledger.SWIGLU_SILU_OUT, SWIGLU_UP_COPY)
+EXPERT_ACT = (ledger.EXPERT_GELU_IN, ledger.EXPERT_GATE, ledger.EXPERT_UP, ledger.EXPERT_SILU_OUT, EXPERT_UP_COPY)
+SHARED_ACT = (ledger.SHARED_GELU_IN, ledger.SHARED_GATE, ledger.SHARED_UP, ledger.SHARED_SILU_OUT, SHARED_UP_COPY)
 
 
 def activation(knobs: Any, mlp: tuple[SavedTensor, ...]) -> tuple[SavedTensor, ...]:
@@ -342,7 +342,7 @@ def activation(knobs: Any, mlp: tuple[SavedTensor, ...]) -> tuple[SavedTensor, .
 def mlp_block(knobs: Any) -> tuple[SavedTensor, ...]:
     """fc1 input, the activation's terms, fc2 input, the output mask."""
     mask = (ledger.MLP_DROPOUT_MASK,) if knobs.has_dropout else ()
-    return (ledger.FC1_IN, *activation(knobs, _DENSE), ledger.FC2_IN, *mask)
+    return (ledger.FC1_IN, *activation(knobs, DENSE_ACT), ledger.FC2_IN, *mask)
 
 
 def moe_block(knobs: Any) -> tuple[SavedTensor, ...]:
@@ -356,7 +356,7 @@ def moe_block(knobs: Any) -> tuple[SavedTensor, ...]:
     router = (ledger.MOE_IN, *router_scores(knobs), ledger.ROUTER_TOPK_INDICES, *capacity, *aux_loss(knobs),
               *dispatch(knobs))
     product = () if knobs.mlp == "swiglu" and knobs.bias_activation_fusion else (EXPERT_ACT_OUT,)
-    experts = (ledger.EXPERT_IN, *activation(knobs, _EXPERT), *product, EXPERT_PROBS, ledger.EXPERT_FC2_IN)
+    experts = (ledger.EXPERT_IN, *activation(knobs, EXPERT_ACT), *product, EXPERT_PROBS, ledger.EXPERT_FC2_IN)
     mask = (ledger.MLP_DROPOUT_MASK,) if knobs.has_dropout else ()
     return (*router, *experts, *shared_experts(knobs), *mask)
 
@@ -395,7 +395,7 @@ def shared_experts(knobs: Any) -> tuple[SavedTensor, ...]:
     """SharedExpertMLP: a dense MLP of width u on every token; its fc1 reads the router's input (one storage)."""
     if not knobs.moe_shared_expert_intermediate_size:
         return ()
-    return (*activation(knobs, _SHARED), ledger.SHARED_FC2_IN)
+    return (*activation(knobs, SHARED_ACT), ledger.SHARED_FC2_IN)
 
 
 def layer_tensors(knobs: Any, accounting: Accounting, fused_softmax: bool = True) -> tuple[SavedTensor, ...]:
