@@ -72,10 +72,9 @@ SOFTMAX_FP32 = SavedTensor(
 # over the slots its experts receive in the expert region.
 _BSK = (Dim.B, Dim.S, Dim.K)
 TOPK_PROBS = SavedTensor(
-    
-    "moe/topk_probs_fp32", "router: torch.softmax(top-k logits, dtype=float32) (moe_utils.topk_routing_with_score_function)",
-    _BSK, Kind.FP32, Region.SEQUENCE, "softmax backward needs its output: the k chosen experts' probabilities",
-    paper=False,
+    "moe/topk_probs_fp32", "router: torch.softmax(top-k logits, dtype=float32)"
+    " (moe_utils.topk_routing_with_score_function)", _BSK, Kind.FP32, Region.SEQUENCE,
+    "softmax backward needs its output: the k chosen experts' probabilities", paper=False,
 )
 ALL_PROBS = SavedTensor(
     "moe/probs_fp32", "router: torch.softmax(logits, dtype=float32) before top-k (moe_router_pre_softmax)",
@@ -95,10 +94,8 @@ TOPK_SCORES = SavedTensor(
     "moe/topk_scores", "router: the k chosen sigmoid scores / (their sum + 1e-20), k > 1", _BSK, Kind.ACTIVATION,
     Region.SEQUENCE, "the division's gradient for its divisor reads the dividend", paper=False,
 )
-TOPK_DENOMINATOR = SavedTensor(
-    "moe/topk_denominator", "router: the k chosen sigmoid scores / (their sum + 1e-20), k > 1", (Dim.B, Dim.S),
-    Kind.ACTIVATION, Region.SEQUENCE, "the division's backward reads its divisor", paper=False,
-)
+TOPK_DENOMINATOR = replace(TOPK_SCORES, name="moe/topk_denominator", shape=(Dim.B, Dim.S),
+                           why="the division's backward reads its divisor")
 BIASED_CHOICE_SCORES = SavedTensor(
     "moe/expert_bias_scores", "router: torch.gather(scores, 1, top-k of scores + expert_bias)"
     " (moe_router_enable_expert_bias)", (Dim.B, Dim.S, Dim.E), Kind.ACTIVATION, Region.SEQUENCE,
@@ -113,16 +110,13 @@ AUX_SCORES = SavedTensor(
 # With the sigmoid router the aux loss's scores are every expert's sigmoid in the activation dtype (not fp32),
 # normalised over the E experts; the loss, a sum over them, has that dtype too.
 AUX_SIGMOID_SCORES = SavedTensor(
-    
-    "moe/aux_sigmoid_scores", "router: sigmoid(logits) / (its sum over E + 1e-20) (compute_routing_scores_for_aux_loss)",
-    (Dim.B, Dim.S, Dim.E), Kind.ACTIVATION, Region.SEQUENCE,
+    "moe/aux_sigmoid_scores", "router: sigmoid(logits) / (its sum over E + 1e-20)"
+    " (compute_routing_scores_for_aux_loss)", (Dim.B, Dim.S, Dim.E), Kind.ACTIVATION, Region.SEQUENCE,
     "the load-balancing loss's gradient flows through the sigmoid, whose derivative is read from its output, and"
     " the normalisation's division, which reads it as dividend",
 )
-AUX_SIGMOID_DENOMINATOR = SavedTensor(
-    "moe/aux_denominator", "router: sigmoid(logits) / (its sum over E + 1e-20) (compute_routing_scores_for_aux_loss)",
-    (Dim.B, Dim.S), Kind.ACTIVATION, Region.SEQUENCE, "the division's backward reads its divisor", paper=False,
-)
+AUX_SIGMOID_DENOMINATOR = replace(AUX_SIGMOID_SCORES, name="moe/aux_denominator", shape=(Dim.B, Dim.S),
+                                  why="the division's backward reads its divisor", paper=False)
 AUX_TOKENS_PER_EXPERT = SavedTensor(
     "moe/aux_tokens_per_expert", "switch_load_balancing_loss_func: sum(scores, dim=0) * tokens_per_expert", (Dim.E,),
     Kind.INT64, Region.REPLICATED, "the product's gradient for the summed scores is each expert's token count"

@@ -558,11 +558,10 @@ def _attributed(saved: tuple[SavedStorage, ...], config: ModelConfig, t: int) ->
     for storage in saved:
         if storage.name in (_HOST.name, _FREED.name):
             continue
+        parts = splits.get(storage.name or "")
         if storage.name in _HALVES:  # gate and up: the first and second half of each row
             half = (*storage.shape[:-1], storage.shape[-1] // 2)
-            rows += [SavedStorage(x.name, storage.nbytes // 2, half, storage.dtype) for x in _HALVES[storage.name]]
-            continue
-        parts = splits.get(storage.name or "")
+            parts = tuple((x, 1, half) for x in _HALVES[storage.name])
         if parts is None:
             rows.append(storage)
             continue
