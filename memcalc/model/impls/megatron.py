@@ -3,7 +3,8 @@
 Which ledger tensors the layer keeps, given its knobs; with GELU and multi-head attention exactly the seed's
 sbh(34 + 5as/h) and its TP and TP+SP forms. Why GELU's tanh forms keep their input alone, and the places where
 megatron-core 0.16.1 keeps other storages than the paper's layer (SwiGLU, grouped-query attention, QK norms, the
-softmax outside its fused kernel's sizes): docs/impl-notes/megatron.md, rendered into docs/impl-megatron.md.
+softmax outside its fused kernel's sizes), and what MoELayer and MLASelfAttention keep, as measured:
+docs/impl-notes/megatron.md, rendered into docs/impl-megatron.md.
 """
 
 from __future__ import annotations
@@ -34,10 +35,6 @@ QKV_QUERY_COLUMNS = SavedTensor(
     Kind.ACTIVATION, Region.TENSOR,
     "K and V are kept as views of the fused QKV output, which keeps its query columns alive beside the query copy",
 )
-# DotProductAttention (local) folds the query to (sq, b*np, hn) for QK^T. Under GQA get_query_key_value_tensors'
-# query is the fused QKV output's query columns: a copy with several K/V groups per rank, else (g = t) a view whose
-# heads are d apart and whose tokens (b) are a/t+2 heads apart. Folding b into the heads copies that view; at b = 1
-# it stays a view, and QK^T keeps the whole fused output, K's and V's columns too: CONDITIONS.
 QUERY_COPY = SavedTensor(
     "attention/q_copy", "QK^T under GQA: the query heads' copy (get_query_key_value_tensors' query.reshape with"
     " several K/V groups per rank, else DotProductAttention's query.reshape(sq, b*np, hn))", _BASD,
@@ -66,10 +63,6 @@ SOFTMAX_FP32 = SavedTensor(
     " output",
 )
 
-# MoELayer (megatron/core/transformer/moe/, 0.16.1): TopKRouter, the all-to-all and all-gather token dispatchers
-# and SequentialMLP, measured under a forced router (none, tp-sp; ep 1, 2, 4 on the fake group). Tensors over the
-# tokens a rank routes live in the sequence region (the token-expert slots they keep, r_s, split as s is); those
-# over the slots its experts receive in the expert region.
 _BSK = (Dim.B, Dim.S, Dim.K)
 TOPK_PROBS = SavedTensor(
     "moe/topk_probs_fp32", "router: torch.softmax(top-k logits, dtype=float32)"
@@ -81,11 +74,6 @@ ALL_PROBS = SavedTensor(
     (Dim.B, Dim.S, Dim.E), Kind.FP32, Region.SEQUENCE,
     "softmax backward needs its output: every expert's probability, of which top-k keeps k", paper=False,
 )
-# score_function "sigmoid" (DeepSeek-V3), measured: torch.sigmoid(logits.float()) keeps its fp32 output; it is cast
-# back to the logits' dtype; the chosen scores (topk's values, or with the expert bias gather's, by the biased
-# top-k's indices: gather keeps its whole input) are, for k > 1, divided by their sum + 1e-20, a division that keeps
-# both. Group-limited routing's top-ks and mask are saved by ops whose values nobody reads, freed when routing
-# returns (not measured here); the scaling factor is a product by a number.
 SIGMOID_SCORES = SavedTensor(
     "moe/sigmoid_scores_fp32", "router: torch.sigmoid(logits.float()) (score_function sigmoid)", (Dim.B, Dim.S, Dim.E),
     Kind.FP32, Region.SEQUENCE, "sigmoid's derivative is read from its output: every expert's score", paper=False,
@@ -107,8 +95,6 @@ AUX_SCORES = SavedTensor(
     (Dim.B, Dim.S, Dim.E), Kind.FP32, Region.SEQUENCE,
     "the load-balancing loss's gradient flows through the softmax over every expert's score",
 )
-# With the sigmoid router the aux loss's scores are every expert's sigmoid in the activation dtype (not fp32),
-# normalised over the E experts; the loss, a sum over them, has that dtype too.
 AUX_SIGMOID_SCORES = SavedTensor(
     "moe/aux_sigmoid_scores", "router: sigmoid(logits) / (its sum over E + 1e-20)"
     " (compute_routing_scores_for_aux_loss)", (Dim.B, Dim.S, Dim.E), Kind.ACTIVATION, Region.SEQUENCE,
@@ -132,9 +118,6 @@ AUX_LOSS_SIGMOID = SavedTensor(
     Kind.ACTIVATION, Region.REPLICATED, "the loss over the activation-dtype sigmoid scores (one number in that dtype)"
     " is kept so that backward can start its gradient", paper=False,
 )
-# moe_expert_capacity_factor (apply_router_token_dropping, measured): each expert keeps its top ceil(k*n/E * c)
-# tokens by probability of the n its router sees; the probabilities are multiplied by the kept map, which the product
-# keeps. The top-k over the tokens saves indices for values nobody reads, freed when routing returns.
 CAPACITY_MASK = SavedTensor(
     "moe/capacity_mask", "router: probs * kept map (apply_router_token_dropping)", (Dim.B, Dim.S, Dim.E), Kind.MASK,
     Region.SEQUENCE, "the product's gradient for the probabilities is dY times the map of the slots within capacity",
@@ -154,16 +137,11 @@ PERMUTE_INDICES = SavedTensor(
     Kind.INT64, Region.SEQUENCE, "both the permutation's and the combine's backward move gradients by these indices"
     " (one a token-expert slot the rank's tokens keep: kbs/t, fewer where a capacity drops)", paper=False,
 )
-# Padded to capacity (moe_pad_expert_input_to_capacity, measured): permute sorts each expert's row of the map
-# (argsort) and takes its first `capacity` tokens, and gathers the probabilities by index, not by mask.
 PAD_PROBS_INDICES = SavedTensor(
     "moe/pad_probs_indices", "permute (drop and pad): probs.T.view(-1).index_select(0, expert * n + kept token)",
     (Dim.RS,), Kind.INT64, Region.SEQUENCE, "index_select's backward scatters the gradient back by its indices",
     paper=False,
 )
-# The all-gather dispatcher (moe_token_dispatcher_type allgather, measured): every rank gathers the routing map and
-# probabilities of the tp*ep group's tokens (ep*b*s) and keeps its E/ep local experts' columns: b*s*E elements,
-# whole under SP; permute then runs on the gathered tokens, its indices one per slot this rank's experts receive.
 GATHERED_ROUTING_MAP = SavedTensor(
     "moe/allgather_map", "all-gather dispatcher: local probs.T.masked_select(local map)", (Dim.B, Dim.S, Dim.E),
     Kind.MASK, Region.REPLICATED, "masked_select's backward scatters the gradient back through the same map: the"
@@ -190,11 +168,6 @@ EXPERT_PROBS = SavedTensor(
     Region.EXPERT, "the gradient of the activation in the product is dY * probs", paper=False,
 )
 
-# MLASelfAttention (transformer/multi_latent_attention.py, 0.16.1, local spec with qk_layernorm), measured:
-# apply_rotary_pos_emb runs once for the query's RoPE part and once for the key's, each casting cos and sin
-# of the (s, d_r) frequencies to the activation dtype, and the products keep those casts (RoPE'd tensors
-# need no cos/sin gradient, so neither operand x is kept). The down projections' outputs are gathered over
-# t, so RoPE runs on the whole sequence on every rank, under SP too: the tables are never split.
 _ROPE = "MLASelfAttention: apply_rotary_pos_emb"
 _WHY_ROPE = ("RoPE's x * cos + rotate_half(x) * sin has gradient dY * cos + rotate_half^T(dY * sin): it keeps the"
              " cast tables; {part}")
@@ -214,12 +187,6 @@ MLA_ROPE = (
     _rope_table("k", "sin", "computed again for the key, a second copy"),
 )
 
-# The latent norms' inputs are views (get_query_key_value_tensors, measured). The KV latent is
-# torch.split(kv_combined)[0], a view of the down projection's whole [latent | k_rope] output, gathered over t
-# under TP: the norm keeps all r_kv + d_r columns. Under SP, scatter_to_sequence_parallel_region copies the
-# non-contiguous latent's sequence shard (the ledger's mla/kv_norm_input), so the layout keeps that form. The
-# query latent is gathered over t and, under SP, scattered back: the dim-0 chunk is contiguous, `.contiguous()`
-# returns the view, and the norm keeps the whole sequence under every layout.
 MLA_KV_DOWN_VIEW = replace(
     ledger.MLA_KV_NORM.input, saved_by="kv_layernorm, on torch.split(kv_down output)[0]: a view of the whole output",
     shape=(Dim.B, Dim.S, Dim.KVD),

@@ -545,14 +545,8 @@ def _splits(config: ModelConfig, t: int) -> dict[str, tuple[tuple[SavedTensor, i
 
 
 def _attributed(saved: tuple[SavedStorage, ...], config: ModelConfig, t: int) -> tuple[SavedStorage, ...]:
-    """The storages as ledger rows: markers split into their tensors; host scalars and freed masks left out.
-
-    Under full recomputation TransformerLayer runs bias-dropout-add under torch.enable_grad
-    (its `bias_dropout_add_exec_handler`), even inside CheckpointFunction's no-grad forward,
-    so autograd packs the two dropout masks; but the graph holding them hangs only from the
-    checkpoint's inner output, whose history CheckpointFunction replaces when forward
-    returns, and they are freed there (checked with weak references): not kept for backward.
-    """
+    """The storages as ledger rows: markers split into their tensors; host scalars and masks freed under full
+    recomputation (docs/probe.md, "megatron-core's own layer") left out."""
     splits = _splits(config, t)
     rows: list[SavedStorage] = []
     for storage in saved:
