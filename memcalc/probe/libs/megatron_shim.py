@@ -124,10 +124,8 @@ def _cpu_dtoh(self: Any, point: str, tokens_per_expert: Any = None) -> Any:
 
 
 def _every_rank_like_this_one(gather: Any) -> Any:
-    """The dispatchers' all-gather, which on the fake group gathers this rank's tensor from every rank.
-
-    The gather itself still runs (its collective is issued, and backward's reduce-scatter with it, as a
-    CollectiveLog counts them); only the values it leaves, uninitialised on the fake group, are overwritten."""
+    """The dispatchers' all-gather, which on the fake group gathers this rank's tensor from every rank: it still runs
+    (its collectives are issued, as a CollectiveLog counts them), only the values it leaves there are overwritten."""
 
     def gathered(input_: torch.Tensor, *args: Any, group: Any = None, **kwargs: Any) -> torch.Tensor:
         out = gather(input_, *args, group=group, **kwargs)

@@ -34,13 +34,12 @@ HELD = ("moe/dispatcher probs", "moe/dispatcher routing map", "moe/dispatcher to
 def unmodelled(config: ModelConfig, z: Sizes) -> str | None:
     """The first thing of a MoE layer on this rank (`z`) the walk does not model yet, in words; None when it models
     the layer."""
-    t = z.t
     missing = [
         (config.num_experts == 1, "a single routed expert (num_experts 1)"),
         (config.moe_tokens == "balanced" and config.moe_router_topk * z.b * z.s_seq % config.ep != 0,
          f"a rank's k*b*s={config.moe_router_topk * z.b * z.s_seq} slots that ep={config.ep} does not divide under the"
          " balanced bound (each rank would receive other than kbs; --moe-tokens worst is walked)"),
-        (t > 1 and not z.sp, f"t={t} without sequence parallelism with experts"),
+        (z.t > 1 and not z.sp, f"t={z.t} without sequence parallelism with experts"),
         (config.moe_token_dispatcher_type != "alltoall",
          f"the {config.moe_token_dispatcher_type} token dispatcher (it walks the all-to-all one)"),
         (config.moe_expert_capacity_factor is not None, "a capacity factor (moe_expert_capacity_factor)"),

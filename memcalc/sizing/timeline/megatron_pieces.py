@@ -129,7 +129,7 @@ def softmax(ops: list[Op], config: ModelConfig, z: Sizes, where: str, grad: str,
             scale: tuple[SavedTensor, ...] = ()) -> None:
     """From the softmax output's (or with dropout, its dropout's) gradient `grad` to the scores' ("grad/scores"):
     attention dropout's backward, then Megatron's fused kernel's, which keeps its 16-bit output (and `scale`), or
-    torch's (`torch_softmax`)."""
+    torch's (`_torch_softmax`)."""
     bass = z.b * z.a_t * z.s * z.s
     if has(ledger.ATTN_DROPOUT_MASK.name):
         ops.append(one(where, "attention dropout", Made(
