@@ -3,7 +3,8 @@
 Which ledger tensors the layer keeps, given its knobs; with GELU and multi-head attention exactly the seed's
 sbh(34 + 5as/h) and its TP and TP+SP forms. Why GELU's tanh forms keep their input alone, and the places where
 megatron-core 0.16.1 keeps other storages than the paper's layer (SwiGLU, grouped-query attention, QK norms, the
-softmax outside its fused kernel's sizes): docs/impl-notes/megatron.md, rendered into docs/impl-megatron.md.
+softmax outside its fused kernel's sizes), and what MoELayer and MLASelfAttention keep, as measured:
+docs/impl-notes/megatron.md, rendered into docs/impl-megatron.md.
 """
 
 from __future__ import annotations
@@ -34,10 +35,6 @@ QKV_QUERY_COLUMNS = SavedTensor(
     Kind.ACTIVATION, Region.TENSOR,
     "K and V are kept as views of the fused QKV output, which keeps its query columns alive beside the query copy",
 )
-# DotProductAttention (local) folds the query to (sq, b*np, hn) for QK^T. Under GQA get_query_key_value_tensors'
-# query is the fused QKV output's query columns: a copy with several K/V groups per rank, else (g = t) a view whose
-# heads are d apart and whose tokens (b) are a/t+2 heads apart. Folding b into the heads copies that view; at b = 1
-# it stays a view, and QK^T keeps the whole fused output, K's and V's columns too: CONDITIONS.
 QUERY_COPY = SavedTensor(
     "attention/q_copy", "QK^T under GQA: the query heads' copy (get_query_key_value_tensors' query.reshape with"
     " several K/V groups per rank, else DotProductAttention's query.reshape(sq, b*np, hn))", _BASD,
@@ -66,27 +63,17 @@ SOFTMAX_FP32 = SavedTensor(
     " output",
 )
 
-# MoELayer (megatron/core/transformer/moe/, 0.16.1): TopKRouter, the all-to-all and all-gather token dispatchers
-# and SequentialMLP, measured under a forced router (none, tp-sp; ep 1, 2, 4 on the fake group). Tensors over the
-# tokens a rank routes live in the sequence region (the token-expert slots they keep, r_s, split as s is); those
-# over the slots its experts receive in the expert region.
 _BSK = (Dim.B, Dim.S, Dim.K)
 TOPK_PROBS = SavedTensor(
-    
-    "moe/topk_probs_fp32", "router: torch.softmax(top-k logits, dtype=float32) (moe_utils.topk_routing_with_score_function)",
-    _BSK, Kind.FP32, Region.SEQUENCE, "softmax backward needs its output: the k chosen experts' probabilities",
-    paper=False,
+    "moe/topk_probs_fp32", "router: torch.softmax(top-k logits, dtype=float32)"
+    " (moe_utils.topk_routing_with_score_function)", _BSK, Kind.FP32, Region.SEQUENCE,
+    "softmax backward needs its output: the k chosen experts' probabilities", paper=False,
 )
 ALL_PROBS = SavedTensor(
     "moe/probs_fp32", "router: torch.softmax(logits, dtype=float32) before top-k (moe_router_pre_softmax)",
     (Dim.B, Dim.S, Dim.E), Kind.FP32, Region.SEQUENCE,
     "softmax backward needs its output: every expert's probability, of which top-k keeps k", paper=False,
 )
-# score_function "sigmoid" (DeepSeek-V3), measured: torch.sigmoid(logits.float()) keeps its fp32 output; it is cast
-# back to the logits' dtype; the chosen scores (topk's values, or with the expert bias gather's, by the biased
-# top-k's indices: gather keeps its whole input) are, for k > 1, divided by their sum + 1e-20, a division that keeps
-# both. Group-limited routing's top-ks and mask are saved by ops whose values nobody reads, freed when routing
-# returns (not measured here); the scaling factor is a product by a number.
 SIGMOID_SCORES = SavedTensor(
     "moe/sigmoid_scores_fp32", "router: torch.sigmoid(logits.float()) (score_function sigmoid)", (Dim.B, Dim.S, Dim.E),
     Kind.FP32, Region.SEQUENCE, "sigmoid's derivative is read from its output: every expert's score", paper=False,
@@ -95,10 +82,8 @@ TOPK_SCORES = SavedTensor(
     "moe/topk_scores", "router: the k chosen sigmoid scores / (their sum + 1e-20), k > 1", _BSK, Kind.ACTIVATION,
     Region.SEQUENCE, "the division's gradient for its divisor reads the dividend", paper=False,
 )
-TOPK_DENOMINATOR = SavedTensor(
-    "moe/topk_denominator", "router: the k chosen sigmoid scores / (their sum + 1e-20), k > 1", (Dim.B, Dim.S),
-    Kind.ACTIVATION, Region.SEQUENCE, "the division's backward reads its divisor", paper=False,
-)
+TOPK_DENOMINATOR = replace(TOPK_SCORES, name="moe/topk_denominator", shape=(Dim.B, Dim.S),
+                           why="the division's backward reads its divisor")
 BIASED_CHOICE_SCORES = SavedTensor(
     "moe/expert_bias_scores", "router: torch.gather(scores, 1, top-k of scores + expert_bias)"
     " (moe_router_enable_expert_bias)", (Dim.B, Dim.S, Dim.E), Kind.ACTIVATION, Region.SEQUENCE,
@@ -110,19 +95,14 @@ AUX_SCORES = SavedTensor(
     (Dim.B, Dim.S, Dim.E), Kind.FP32, Region.SEQUENCE,
     "the load-balancing loss's gradient flows through the softmax over every expert's score",
 )
-# With the sigmoid router the aux loss's scores are every expert's sigmoid in the activation dtype (not fp32),
-# normalised over the E experts; the loss, a sum over them, has that dtype too.
 AUX_SIGMOID_SCORES = SavedTensor(
-    
-    "moe/aux_sigmoid_scores", "router: sigmoid(logits) / (its sum over E + 1e-20) (compute_routing_scores_for_aux_loss)",
-    (Dim.B, Dim.S, Dim.E), Kind.ACTIVATION, Region.SEQUENCE,
+    "moe/aux_sigmoid_scores", "router: sigmoid(logits) / (its sum over E + 1e-20)"
+    " (compute_routing_scores_for_aux_loss)", (Dim.B, Dim.S, Dim.E), Kind.ACTIVATION, Region.SEQUENCE,
     "the load-balancing loss's gradient flows through the sigmoid, whose derivative is read from its output, and"
     " the normalisation's division, which reads it as dividend",
 )
-AUX_SIGMOID_DENOMINATOR = SavedTensor(
-    "moe/aux_denominator", "router: sigmoid(logits) / (its sum over E + 1e-20) (compute_routing_scores_for_aux_loss)",
-    (Dim.B, Dim.S), Kind.ACTIVATION, Region.SEQUENCE, "the division's backward reads its divisor", paper=False,
-)
+AUX_SIGMOID_DENOMINATOR = replace(AUX_SIGMOID_SCORES, name="moe/aux_denominator", shape=(Dim.B, Dim.S),
+                                  why="the division's backward reads its divisor", paper=False)
 AUX_TOKENS_PER_EXPERT = SavedTensor(
     "moe/aux_tokens_per_expert", "switch_load_balancing_loss_func: sum(scores, dim=0) * tokens_per_expert", (Dim.E,),
     Kind.INT64, Region.REPLICATED, "the product's gradient for the summed scores is each expert's token count"
@@ -138,9 +118,6 @@ AUX_LOSS_SIGMOID = SavedTensor(
     Kind.ACTIVATION, Region.REPLICATED, "the loss over the activation-dtype sigmoid scores (one number in that dtype)"
     " is kept so that backward can start its gradient", paper=False,
 )
-# moe_expert_capacity_factor (apply_router_token_dropping, measured): each expert keeps its top ceil(k*n/E * c)
-# tokens by probability of the n its router sees; the probabilities are multiplied by the kept map, which the product
-# keeps. The top-k over the tokens saves indices for values nobody reads, freed when routing returns.
 CAPACITY_MASK = SavedTensor(
     "moe/capacity_mask", "router: probs * kept map (apply_router_token_dropping)", (Dim.B, Dim.S, Dim.E), Kind.MASK,
     Region.SEQUENCE, "the product's gradient for the probabilities is dY times the map of the slots within capacity",
@@ -160,16 +137,11 @@ PERMUTE_INDICES = SavedTensor(
     Kind.INT64, Region.SEQUENCE, "both the permutation's and the combine's backward move gradients by these indices"
     " (one a token-expert slot the rank's tokens keep: kbs/t, fewer where a capacity drops)", paper=False,
 )
-# Padded to capacity (moe_pad_expert_input_to_capacity, measured): permute sorts each expert's row of the map
-# (argsort) and takes its first `capacity` tokens, and gathers the probabilities by index, not by mask.
 PAD_PROBS_INDICES = SavedTensor(
     "moe/pad_probs_indices", "permute (drop and pad): probs.T.view(-1).index_select(0, expert * n + kept token)",
     (Dim.RS,), Kind.INT64, Region.SEQUENCE, "index_select's backward scatters the gradient back by its indices",
     paper=False,
 )
-# The all-gather dispatcher (moe_token_dispatcher_type allgather, measured): every rank gathers the routing map and
-# probabilities of the tp*ep group's tokens (ep*b*s) and keeps its E/ep local experts' columns: b*s*E elements,
-# whole under SP; permute then runs on the gathered tokens, its indices one per slot this rank's experts receive.
 GATHERED_ROUTING_MAP = SavedTensor(
     "moe/allgather_map", "all-gather dispatcher: local probs.T.masked_select(local map)", (Dim.B, Dim.S, Dim.E),
     Kind.MASK, Region.REPLICATED, "masked_select's backward scatters the gradient back through the same map: the"
@@ -196,11 +168,6 @@ EXPERT_PROBS = SavedTensor(
     Region.EXPERT, "the gradient of the activation in the product is dY * probs", paper=False,
 )
 
-# MLASelfAttention (transformer/multi_latent_attention.py, 0.16.1, local spec with qk_layernorm), measured:
-# apply_rotary_pos_emb runs once for the query's RoPE part and once for the key's, each casting cos and sin
-# of the (s, d_r) frequencies to the activation dtype, and the products keep those casts (RoPE'd tensors
-# need no cos/sin gradient, so neither operand x is kept). The down projections' outputs are gathered over
-# t, so RoPE runs on the whole sequence on every rank, under SP too: the tables are never split.
 _ROPE = "MLASelfAttention: apply_rotary_pos_emb"
 _WHY_ROPE = ("RoPE's x * cos + rotate_half(x) * sin has gradient dY * cos + rotate_half^T(dY * sin): it keeps the"
              " cast tables; {part}")
@@ -220,12 +187,6 @@ MLA_ROPE = (
     _rope_table("k", "sin", "computed again for the key, a second copy"),
 )
 
-# The latent norms' inputs are views (get_query_key_value_tensors, measured). The KV latent is
-# torch.split(kv_combined)[0], a view of the down projection's whole [latent | k_rope] output, gathered over t
-# under TP: the norm keeps all r_kv + d_r columns. Under SP, scatter_to_sequence_parallel_region copies the
-# non-contiguous latent's sequence shard (the ledger's mla/kv_norm_input), so the layout keeps that form. The
-# query latent is gathered over t and, under SP, scattered back: the dim-0 chunk is contiguous, `.contiguous()`
-# returns the view, and the norm keeps the whole sequence under every layout.
 MLA_KV_DOWN_VIEW = replace(
     ledger.MLA_KV_NORM.input, saved_by="kv_layernorm, on torch.split(kv_down output)[0]: a view of the whole output",
     shape=(Dim.B, Dim.S, Dim.KVD),
@@ -323,9 +284,9 @@ def latent_attention(knobs: Any) -> tuple[SavedTensor, ...]:
 
 # What an MLP's activation keeps, by MLP (the dense one, each expert, the shared experts): GELU's input; SwiGLU's gate,
 # up, SiLU's output and the copy of up.
-_DENSE = (ledger.GELU_IN, ledger.SWIGLU_GATE, ledger.SWIGLU_UP, ledger.SWIGLU_SILU_OUT, SWIGLU_UP_COPY)
-_EXPERT = (ledger.EXPERT_GELU_IN, ledger.EXPERT_GATE, ledger.EXPERT_UP, ledger.EXPERT_SILU_OUT, EXPERT_UP_COPY)
-_SHARED = (ledger.SHARED_GELU_IN, ledger.SHARED_GATE, ledger.SHARED_UP, ledger.SHARED_SILU_OUT, SHARED_UP_COPY)
+DENSE_ACT = (ledger.GELU_IN, ledger.SWIGLU_GATE, ledger.SWIGLU_UP, ledger.SWIGLU_SILU_OUT, SWIGLU_UP_COPY)
+EXPERT_ACT = (ledger.EXPERT_GELU_IN, ledger.EXPERT_GATE, ledger.EXPERT_UP, ledger.EXPERT_SILU_OUT, EXPERT_UP_COPY)
+SHARED_ACT = (ledger.SHARED_GELU_IN, ledger.SHARED_GATE, ledger.SHARED_UP, ledger.SHARED_SILU_OUT, SHARED_UP_COPY)
 
 
 def activation(knobs: Any, mlp: tuple[SavedTensor, ...]) -> tuple[SavedTensor, ...]:
@@ -342,7 +303,7 @@ def activation(knobs: Any, mlp: tuple[SavedTensor, ...]) -> tuple[SavedTensor, .
 def mlp_block(knobs: Any) -> tuple[SavedTensor, ...]:
     """fc1 input, the activation's terms, fc2 input, the output mask."""
     mask = (ledger.MLP_DROPOUT_MASK,) if knobs.has_dropout else ()
-    return (ledger.FC1_IN, *activation(knobs, _DENSE), ledger.FC2_IN, *mask)
+    return (ledger.FC1_IN, *activation(knobs, DENSE_ACT), ledger.FC2_IN, *mask)
 
 
 def moe_block(knobs: Any) -> tuple[SavedTensor, ...]:
@@ -356,7 +317,7 @@ def moe_block(knobs: Any) -> tuple[SavedTensor, ...]:
     router = (ledger.MOE_IN, *router_scores(knobs), ledger.ROUTER_TOPK_INDICES, *capacity, *aux_loss(knobs),
               *dispatch(knobs))
     product = () if knobs.mlp == "swiglu" and knobs.bias_activation_fusion else (EXPERT_ACT_OUT,)
-    experts = (ledger.EXPERT_IN, *activation(knobs, _EXPERT), *product, EXPERT_PROBS, ledger.EXPERT_FC2_IN)
+    experts = (ledger.EXPERT_IN, *activation(knobs, EXPERT_ACT), *product, EXPERT_PROBS, ledger.EXPERT_FC2_IN)
     mask = (ledger.MLP_DROPOUT_MASK,) if knobs.has_dropout else ()
     return (*router, *experts, *shared_experts(knobs), *mask)
 
@@ -395,7 +356,7 @@ def shared_experts(knobs: Any) -> tuple[SavedTensor, ...]:
     """SharedExpertMLP: a dense MLP of width u on every token; its fc1 reads the router's input (one storage)."""
     if not knobs.moe_shared_expert_intermediate_size:
         return ()
-    return (*activation(knobs, _SHARED), ledger.SHARED_FC2_IN)
+    return (*activation(knobs, SHARED_ACT), ledger.SHARED_FC2_IN)
 
 
 def layer_tensors(knobs: Any, accounting: Accounting, fused_softmax: bool = True) -> tuple[SavedTensor, ...]:

@@ -43,16 +43,14 @@ NOTES: tuple[str, ...] = (
 
 # Markers for storages that hold several ledger tensors; never reported under these names.
 _QKV_OUT = SavedTensor("attention/qkv_out", "linear_qkv", (), Kind.ACTIVATION, Region.TENSOR, "split into q, k, v")
-_FC1_OUT = SavedTensor("mlp/fc1_out", "linear_fc1", (), Kind.ACTIVATION, Region.TENSOR, "split into gate, up")
 _HOST = SavedTensor("host/scalar", "torch.tensor([...])", (), Kind.FP32, Region.TENSOR, "host memory, not on the GPU")
 _FREED = SavedTensor("layer/freed_mask", "bias-dropout-add", (), Kind.MASK, Region.SEQUENCE, "freed after forward")
-# An expert's (or the shared experts') fc1 output under SwiGLU: gate and up side by side, halves of its columns.
+# An MLP's fc1 output under SwiGLU (the dense one's, an expert's, the shared experts'): gate and up side by side.
+_FC1_OUT = SavedTensor("mlp/fc1_out", "linear_fc1", (), Kind.ACTIVATION, Region.TENSOR, "split into gate, up")
 _EXPERT_FC1_OUT = SavedTensor("moe/expert_fc1_out", "linear_fc1", (), Kind.ACTIVATION, Region.EXPERT, "gate, up")
 _SHARED_FC1_OUT = SavedTensor("moe/shared_fc1_out", "linear_fc1", (), Kind.ACTIVATION, Region.TENSOR, "gate, up")
-_HALVES = {
-    _EXPERT_FC1_OUT.name: (ledger.EXPERT_GATE, ledger.EXPERT_UP),
-    _SHARED_FC1_OUT.name: (ledger.SHARED_GATE, ledger.SHARED_UP),
-}
+_HALVES = {out.name: keeps[1:3] for out, keeps in (  # gate, up
+    (_FC1_OUT, rules.DENSE_ACT), (_EXPERT_FC1_OUT, rules.EXPERT_ACT), (_SHARED_FC1_OUT, rules.SHARED_ACT))}
 # Each expert keeps these for its own tokens, a storage per expert: one ledger row of r rows in all.
 _EXPERT_ROWS = frozenset(x.name for x in rules.IMPLEMENTATION.by_name().values() if x.region is Region.EXPERT)
 
@@ -61,49 +59,38 @@ def run_layer(
     tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, route: str | None = None, dense: bool = False,
     collectives: list[LoggedCollective] | None = None,
 ) -> tuple[SavedStorage, ...]:
-    """Build megatron's layer for this rank, record one forward, run backward once; what it saved.
+    """Build megatron's layer for this rank, record one forward under labels, run backward once; what it saved.
 
     `route` forces a MoE router's assignment (megatron_shim.forced_routing). A MoE model's layer is its first
     MoE layer as megatron's decoder block spec places them; `dense`: its first dense layer (`layer_index`).
-    `collectives`: a list that gets every collective forward and backward issue (memcalc.probe.collectives)."""
+    `collectives`: a list that gets every collective forward and backward issue (memcalc.probe.collectives). A MoE
+    layer counts only what a live node still holds (kept_only): the aux loss's top-k saves indices for values nobody
+    reads, freed as the router returns."""
     _check(config, tp, strategy, route)
-    with warnings.catch_warnings():
-        _quiet()  # before the shim imports megatron, which warns as it is imported
-        return _recorded(tp, config, strategy, route, dense, collectives)
-
-
-def _recorded(
-    tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, route: str | None, dense: bool,
-    collectives: list[LoggedCollective] | None = None,
-) -> tuple[SavedStorage, ...]:
-    """One forward under labels, then backward. A MoE layer counts only what a live node still holds
-    (kept_only): the aux loss's top-k saves indices for values nobody reads, freed as the router returns."""
     routing = forced_routing(route, config.moe_router_topk, config.ep) if route else nullcontext()
     layer = config.dense if dense else config  # the knobs the built layer has: a mix's dense layer, no experts
     # megatron-core refuses sequence parallelism without tensor parallelism; at t = 1 it splits nothing anyway
     sequence_parallel = strategy.sequence_parallel and tp.size > 1
-    with cpu_megatron(), _model_parallel(tp, config.ep), routing:
-        torch.manual_seed(WEIGHT_SEED)
-        root = _build(config, tp, sequence_parallel, dense)
-        seed_rng_tracker(INPUT_SEED, tp.rank)
-        x = _layer_input(config, tp, sequence_parallel)
-        recorder = SavedTensorRecorder(root.parameters(), kept_only=config.moe)
-        with _logged() as log:
-            with recorder, Labels(root, label_rules(layer, tp.size)):
-                y, _ = _forward(root, x)
-            log.phase = "backward"
-            y.backward(torch.ones_like(y))
+    with warnings.catch_warnings():
+        _quiet()  # before the shim imports megatron, which warns as it is imported
+        with cpu_megatron(), _model_parallel(tp, config.ep), routing:
+            torch.manual_seed(WEIGHT_SEED)
+            root = _build(config, tp, sequence_parallel, dense)
+            seed_rng_tracker(INPUT_SEED, tp.rank)
+            x = _layer_input(config, tp, sequence_parallel)
+            recorder = SavedTensorRecorder(root.parameters(), kept_only=config.moe)
+            from megatron.core.tensor_parallel import layers, mappings
+
+            # megatron's mappings and linears bind all_gather_into_tensor and reduce_scatter_tensor as they are imported
+            with CollectiveLog(aliases=(mappings, layers)) as log:
+                with recorder, Labels(root, label_rules(layer, tp.size)):
+                    y = root(hidden_states=x, attention_mask=None)
+                y = y[0] if isinstance(y, tuple) else y  # a block returns its output alone
+                log.phase = "backward"
+                y.backward(torch.ones_like(y))
     if collectives is not None:
         collectives.extend(log.calls)
     return merged_rows(_attributed(recorder.saved, layer, tp.size), _EXPERT_ROWS)
-
-
-def _logged() -> CollectiveLog:
-    """A CollectiveLog that also sees megatron's own names for torch.distributed's calls: its tensor-parallel
-    mappings and linears bind all_gather_into_tensor and reduce_scatter_tensor as they are imported."""
-    from megatron.core.tensor_parallel import layers, mappings
-
-    return CollectiveLog(aliases=(mappings, layers))
 
 
 def _quiet() -> None:
@@ -188,13 +175,13 @@ def transformer_config(config: ModelConfig, t: int, sequence_parallel: bool) -> 
     """megatron's TransformerConfig (MLATransformerConfig with kv_lora_rank) for memcalc's config on t ranks."""
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-    swiglu = config.mlp == "swiglu"
     recompute = {"none": {}, "selective": {"recompute_granularity": "selective"}}.get(
         config.recompute, {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
     )
     return (MLATransformerConfig if config.mla else TransformerConfig)(
-        **_latent(config), num_layers=config.L if config.moe else 1, hidden_size=config.h, num_attention_heads=config.a, num_query_groups=config.groups,
-        ffn_hidden_size=config.ffn, gated_linear_unit=swiglu, activation_func=_activation(config),
+        **_heads(config), num_layers=config.L if config.moe else 1, hidden_size=config.h,
+        num_attention_heads=config.a, num_query_groups=config.groups, ffn_hidden_size=config.ffn,
+        gated_linear_unit=config.mlp == "swiglu", activation_func=_activation(config),
         normalization="RMSNorm" if config.norm == "rmsnorm" else "LayerNorm",
         add_bias_linear=config.add_bias_linear, add_qkv_bias=config.add_qkv_bias,
         hidden_dropout=config.dropout, attention_dropout=config.dropout,
@@ -202,7 +189,7 @@ def transformer_config(config: ModelConfig, t: int, sequence_parallel: bool) -> 
         attention_softmax_in_fp32=config.attention_softmax_in_fp32,
         tensor_model_parallel_size=t, sequence_parallel=sequence_parallel,
         params_dtype=DTYPES[config.dtype], bf16=config.dtype == "bf16", fp16=config.dtype == "fp16",
-        use_cpu_initialization=True, **recompute, **_experts(config, t), **_heads(config),
+        use_cpu_initialization=True, **recompute, **_experts(config, t),
     )
 
 
@@ -213,8 +200,8 @@ def _experts(config: ModelConfig, t: int) -> dict[str, Any]:
     if not config.moe:
         return {}
     return dict(
-        num_moe_experts=config.num_experts, moe_layer_freq=moe_layer_pattern(config), moe_router_topk=config.moe_router_topk,
-        moe_ffn_hidden_size=config.expert_ffn,
+        num_moe_experts=config.num_experts, moe_layer_freq=moe_layer_pattern(config),
+        moe_router_topk=config.moe_router_topk, moe_ffn_hidden_size=config.expert_ffn,
         moe_shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size,
         moe_expert_capacity_factor=config.moe_expert_capacity_factor,
         moe_pad_expert_input_to_capacity=config.moe_pad_expert_input_to_capacity,
@@ -260,15 +247,10 @@ def built_layer(config: ModelConfig) -> str | None:
 
 
 def _heads(config: ModelConfig) -> dict[str, Any]:
-    """Plain attention's head width (kv_channels, h/a unless set) and QK norm; latent attention sizes its own heads
-    and always norms its latents (`_latent`)."""
-    return {} if config.mla else {"kv_channels": config.head_dim, "qk_layernorm": config.qk_layernorm}
-
-
-def _latent(config: ModelConfig) -> dict[str, Any]:
-    """MLATransformerConfig's widths; plain RoPE (DeepSeek's YaRN scales cos and sin, which keeps the same tensors)."""
+    """Plain attention's head width (kv_channels, h/a unless set) and QK norm; or MLATransformerConfig's widths, which
+    always norms its latents, with plain RoPE (DeepSeek's YaRN scales cos and sin, which keeps the same tensors)."""
     if not config.mla:
-        return {}
+        return {"kv_channels": config.head_dim, "qk_layernorm": config.qk_layernorm}
     return dict(q_lora_rank=config.q_lora_rank, kv_lora_rank=config.kv_lora_rank, qk_head_dim=config.qk_nope_head_dim,
                 qk_pos_emb_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim, rope_type="rope",
                 qk_layernorm=True)
@@ -299,12 +281,6 @@ def _build(config: ModelConfig, tp: TensorParallelGroup, sequence_parallel: bool
     else:
         root = TransformerLayer(megatron_config, spec.submodules, layer_number=index + 1)
     return root.to(tp.device)
-
-
-def _forward(root: Any, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
-    """(output, context): a block returns its output alone."""
-    out = root(hidden_states=x, attention_mask=None)
-    return out if isinstance(out, tuple) else (out, None)
 
 
 # -- the labels -------------------------------------------------------------------
@@ -437,24 +413,9 @@ def _fp32_softmax(config: ModelConfig, t: int) -> bool:
 
 
 def _mlp_rules(config: ModelConfig) -> tuple[Rule, ...]:
-    fused = config.bias_activation_fusion
-    rules_ = [
-        Rule("*linear_fc1", "forward", ledger.FC1_IN, arg=0, view=batch_first),
-        Rule("*linear_fc2", "forward", ledger.FC2_IN, arg=0, view=batch_first),
-    ]
-    if config.mlp != "swiglu":
-        if fused:  # bias_gelu keeps fc1's output, before its bias
-            return (*rules_, Rule("*linear_fc1", "forward", ledger.GELU_IN, view=batch_first))
-        return (*rules_, Rule("*mlp", "gelu", ledger.GELU_IN, arg=0, view=batch_first))
-    if fused:  # BiasSwiGLUFunction keeps fc1's output, before its bias
-        return (*rules_, Rule("*linear_fc1", "forward", _FC1_OUT))
-    offset_add = 1 if config.add_bias_linear else 0  # after `fc1 + bias`, glu's `up + offset`
-    return (
-        *rules_,
-        Rule("*mlp", "chunk", _FC1_OUT, arg=0),  # SiLU keeps the gate, a view of the whole fc1 output
-        Rule("*mlp", "silu", ledger.SWIGLU_SILU_OUT, view=batch_first),
-        Rule("*mlp", "add", rules.SWIGLU_UP_COPY, nth=offset_add, view=batch_first),
-    )
+    return (Rule("*linear_fc1", "forward", ledger.FC1_IN, arg=0, view=batch_first),
+            Rule("*linear_fc2", "forward", ledger.FC2_IN, arg=0, view=batch_first),
+            *_activation_rules(config, "*mlp", rules.DENSE_ACT, _FC1_OUT, batch_first))
 
 
 def _tokens(b: int) -> Any:
@@ -475,10 +436,13 @@ def _moe_rules(config: ModelConfig, t: int) -> tuple[Rule, ...]:
         *_dispatch_rules(config),
         Rule("*mlp.experts", "forward", ledger.EXPERT_IN, arg=0),
         Rule("*mlp.experts", "forward", rules.EXPERT_PROBS, arg=2),
-        *_expert_activation_rules(expert, swiglu, lambda x: x, fused=config.bias_activation_fusion),
+        *_activation_rules(config, expert, rules.EXPERT_ACT, _EXPERT_FC1_OUT, lambda x: x),
         Rule(expert, "mul", rules.EXPERT_ACT_OUT, nth=1 if swiglu else 0, arg=0),  # activation * probs, unfused
         Rule(f"{expert}.linear_fc2", "forward", ledger.EXPERT_FC2_IN, arg=0),
-        *(_shared_rules(swiglu, config.bias_activation_fusion) if config.moe_shared_expert_intermediate_size else ()),
+        # SharedExpertMLP, a dense MLP of width u (its fc1 reads the router's input: no rule of its own)
+        *((*_activation_rules(config, "*shared_experts", rules.SHARED_ACT, _SHARED_FC1_OUT, batch_first),
+           Rule("*shared_experts.linear_fc2", "forward", ledger.SHARED_FC2_IN, arg=0, view=batch_first))
+          if config.moe_shared_expert_intermediate_size else ()),
     )
 
 
@@ -542,28 +506,21 @@ def _dispatch_rules(config: ModelConfig) -> tuple[Rule, ...]:
     )
 
 
-def _expert_activation_rules(module: str, swiglu: bool, view: Any, shared: bool = False, fused: bool = False
-                             ) -> tuple[Rule, ...]:
-    """An expert's (or the shared experts') activation: GELU's input; or SwiGLU's fc1 output (gate and up,
-    chunked), SiLU's output and glu's `up + offset` copy (no biases: the first add); fused, fc1's output, which
-    (Weighted)SwiGLUFunction keeps."""
-    if not swiglu:
-        return (Rule(module, "gelu", ledger.SHARED_GELU_IN if shared else ledger.EXPERT_GELU_IN, arg=0, view=view),)
+def _activation_rules(config: ModelConfig, module: str, keeps: tuple[SavedTensor, ...], fc1_out: SavedTensor,
+                      view: Any) -> tuple[Rule, ...]:
+    """An MLP's activation (the dense one's, an expert's or the shared experts'), `keeps` as rules.activation reads
+    them: GELU's input (fused, bias_gelu's: fc1's output before its bias); or SwiGLU's fc1 output (gate and up,
+    chunked), SiLU's output and glu's `up + offset` copy (the add after `fc1 + bias`, if any); fused, fc1's output
+    before its bias, which (Bias|Weighted)SwiGLUFunction keeps."""
+    gelu_in, _, _, silu_out, up_copy = keeps
+    fused = config.bias_activation_fusion  # experts never: their GELU has no bias (`_check_experts`)
+    if config.mlp != "swiglu":
+        return (Rule(f"{module}.linear_fc1", "forward", gelu_in, view=view) if fused else
+                Rule(module, "gelu", gelu_in, arg=0, view=view),)
     if fused:
-        return (Rule(f"{module}.linear_fc1", "forward", _SHARED_FC1_OUT if shared else _EXPERT_FC1_OUT, view=view),)
-    return (
-        Rule(module, "chunk", _SHARED_FC1_OUT if shared else _EXPERT_FC1_OUT, arg=0, view=view),
-        Rule(module, "silu", ledger.SHARED_SILU_OUT if shared else ledger.EXPERT_SILU_OUT, view=view),
-        Rule(module, "add", rules.SHARED_UP_COPY if shared else rules.EXPERT_UP_COPY, nth=0, view=view),
-    )
-
-
-def _shared_rules(swiglu: bool, fused: bool) -> tuple[Rule, ...]:
-    """SharedExpertMLP, a dense MLP of width u (its fc1 reads the router's input: no rule of its own)."""
-    return (
-        *_expert_activation_rules("*shared_experts", swiglu, batch_first, shared=True, fused=fused),
-        Rule("*shared_experts.linear_fc2", "forward", ledger.SHARED_FC2_IN, arg=0, view=batch_first),
-    )
+        return (Rule(f"{module}.linear_fc1", "forward", fc1_out, view=view),)
+    return (Rule(module, "chunk", fc1_out, arg=0, view=view), Rule(module, "silu", silu_out, view=view),
+            Rule(module, "add", up_copy, nth=int(config.add_bias_linear), view=view))
 
 
 # -- one storage, several ledger rows ---------------------------------------------------------
@@ -572,7 +529,7 @@ def _shared_rules(swiglu: bool, fused: bool) -> tuple[Rule, ...]:
 def _splits(config: ModelConfig, t: int) -> dict[str, tuple[tuple[SavedTensor, int, tuple[int, ...]], ...]]:
     """For each marker: (ledger tensor, its share of the storage's columns, its per-rank shape)."""
     b, s, d = config.b, config.s, config.head_dim
-    heads, groups, ffn = config.a // t, config.groups // t, config.ffn // t
+    heads, groups = config.a // t, config.groups // t
     copied = (config.recompute == "selective" or config.qk_layernorm) and _query_copied(config, t)
     normed = config.qk_layernorm and not config.mla  # the norms' inputs are views of the QKV output
     # the query columns: the copy's (Q, or q_layernorm's input) dead source, or Q itself (q_layernorm's input)
@@ -584,29 +541,21 @@ def _splits(config: ModelConfig, t: int) -> dict[str, tuple[tuple[SavedTensor, i
         if _query_views_qkv(config, t) else (
             (query, heads, per_head), (key, groups, (b, groups, s, d)), (ledger.V, groups, (b, groups, s, d)),
         ),
-        _FC1_OUT.name: ((ledger.SWIGLU_GATE, 1, (b, s, ffn)), (ledger.SWIGLU_UP, 1, (b, s, ffn))),
     }
 
 
 def _attributed(saved: tuple[SavedStorage, ...], config: ModelConfig, t: int) -> tuple[SavedStorage, ...]:
-    """The storages as ledger rows: markers split into their tensors; host scalars and freed masks left out.
-
-    Under full recomputation TransformerLayer runs bias-dropout-add under torch.enable_grad
-    (its `bias_dropout_add_exec_handler`), even inside CheckpointFunction's no-grad forward,
-    so autograd packs the two dropout masks; but the graph holding them hangs only from the
-    checkpoint's inner output, whose history CheckpointFunction replaces when forward
-    returns, and they are freed there (checked with weak references): not kept for backward.
-    """
+    """The storages as ledger rows: markers split into their tensors; host scalars and masks freed under full
+    recomputation (docs/probe.md, "megatron-core's own layer") left out."""
     splits = _splits(config, t)
     rows: list[SavedStorage] = []
     for storage in saved:
         if storage.name in (_HOST.name, _FREED.name):
             continue
+        parts = splits.get(storage.name or "")
         if storage.name in _HALVES:  # gate and up: the first and second half of each row
             half = (*storage.shape[:-1], storage.shape[-1] // 2)
-            rows += [SavedStorage(x.name, storage.nbytes // 2, half, storage.dtype) for x in _HALVES[storage.name]]
-            continue
-        parts = splits.get(storage.name or "")
+            parts = tuple((x, 1, half) for x in _HALVES[storage.name])
         if parts is None:
             rows.append(storage)
             continue

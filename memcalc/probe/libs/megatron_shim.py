@@ -124,10 +124,8 @@ def _cpu_dtoh(self: Any, point: str, tokens_per_expert: Any = None) -> Any:
 
 
 def _every_rank_like_this_one(gather: Any) -> Any:
-    """The dispatchers' all-gather, which on the fake group gathers this rank's tensor from every rank.
-
-    The gather itself still runs (its collective is issued, and backward's reduce-scatter with it, as a
-    CollectiveLog counts them); only the values it leaves, uninitialised on the fake group, are overwritten."""
+    """The dispatchers' all-gather, which on the fake group gathers this rank's tensor from every rank: it still runs
+    (its collectives are issued, as a CollectiveLog counts them), only the values it leaves there are overwritten."""
 
     def gathered(input_: torch.Tensor, *args: Any, group: Any = None, **kwargs: Any) -> torch.Tensor:
         out = gather(input_, *args, group=group, **kwargs)
@@ -242,31 +240,23 @@ class SequenceParallelNorm(nn.Module):
 def layer_spec(config: Any, index: int) -> Any:
     """The spec megatron's GPT decoder block gives its layer `index` (0-based) of config.num_layers, without
     Transformer Engine (`get_gpt_decoder_layer_specs`: a dense or a MoE layer as config.moe_layer_freq places
-    them, SequentialMLP experts), its norms swapped for SequenceParallelNorm. With multi_latent_attention:
-    MLASelfAttention with its two latent norms (qk_layernorm, as DeepSeek's q_a/kv_a norms) and
-    `MlaDotProductAttention` for the core."""
+    them, SequentialMLP experts), its norms swapped for SequenceParallelNorm: with qk_layernorm the query's and key's
+    norms over each head; with multi_latent_attention, MLASelfAttention's two latent norms (qk_layernorm, as
+    DeepSeek's q_a/kv_a norms), and `MlaDotProductAttention` for the core."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_layer_specs
-
-    specs = get_gpt_decoder_layer_specs(config, use_transformer_engine=False, normalization=config.normalization)
-    return _cpu_norms(specs[index], latent=config.multi_latent_attention, qk=config.qk_layernorm)
-
-
-def _cpu_norms(spec: Any, latent: bool, qk: bool = False) -> Any:
-    """A layer spec with SequenceParallelNorm for its norms (and the latent norms, with MLA's core attention; or
-    with qk_layernorm, the query's and key's norms over each head)."""
     from megatron.core.transformer.spec_utils import ModuleSpec
 
+    spec = get_gpt_decoder_layer_specs(config, use_transformer_engine=False, normalization=config.normalization)[index]
     spec.submodules.input_layernorm = ModuleSpec(module=SequenceParallelNorm, params={"names": ledger.LN1})
     spec.submodules.pre_mlp_layernorm = ModuleSpec(module=SequenceParallelNorm, params={"names": ledger.LN2})
-    if qk and not latent:
-        attention = spec.submodules.self_attention.submodules
-        for name, names in (("q_layernorm", ledger.Q_NORM), ("k_layernorm", ledger.K_NORM)):
-            setattr(attention, name, ModuleSpec(module=SequenceParallelNorm, params={"names": names, "heads": True}))
-    if latent:
-        attention = spec.submodules.self_attention.submodules
+    attention = spec.submodules.self_attention.submodules
+    if config.multi_latent_attention:
         attention.q_layernorm = ModuleSpec(module=SequenceParallelNorm, params={"names": ledger.MLA_Q_NORM})
         attention.kv_layernorm = ModuleSpec(module=SequenceParallelNorm, params={"names": ledger.MLA_KV_NORM})
         attention.core_attention = _mla_core_attention()
+    elif config.qk_layernorm:
+        for name, names in (("q_layernorm", ledger.Q_NORM), ("k_layernorm", ledger.K_NORM)):
+            setattr(attention, name, ModuleSpec(module=SequenceParallelNorm, params={"names": names, "heads": True}))
     return spec
 
 

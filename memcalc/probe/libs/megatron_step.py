@@ -65,47 +65,36 @@ def warmed_up(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy) 
 
 
 def _moe_layer(config: ModelConfig, megatron_config: Any, device: torch.device, i: int) -> nn.Module | None:
-    """Layer i's MLP: the MoELayer its spec gives a MoE layer, returning its output alone; None for a dense one
-    (the probe's own MLP)."""
+    """Layer i's MLP: the MoELayer its spec gives a MoE layer, returning its output alone (the probe's layer adds it;
+    the bias is None without biases); None for a dense one (the probe's own MLP)."""
     from megatron.core.transformer.spec_utils import build_module
 
     if not config.is_moe_layer(i):
         return None
     spec = layer_spec(megatron_config, i).submodules.mlp
-    return build_module(replace(spec, module=_output_only(spec.module)), config=megatron_config,
-                        layer_number=i + 1).to(device)
 
-
-def latent_attention(megatron_config: Any, device: torch.device) -> nn.Module:
-    """megatron-core's MLASelfAttention from the latent layer's spec, called as the probe's layer calls its
-    attention: (s, b, h) in, its output out (no bias: see above), with no attention mask (the core's is causal)."""
-    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
-
-    spec = layer_spec(megatron_config, 0).submodules.self_attention
-    mla = build_module(ModuleSpec(module=_called_as_the_probe_calls(spec.module), params=spec.params,
-                                  submodules=spec.submodules), config=megatron_config, layer_number=1)
-    return mla.to(device)
-
-
-def _called_as_the_probe_calls(attention: type) -> type:
-    """`attention` (MLASelfAttention) taking the hidden states alone and returning its output alone: its module
-    names stay megatron's (attention.linear_kv_down_proj), as MemTracker reports them."""
-
-    class LatentAttention(attention):
-        def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-            output, _ = super().forward(hidden_states, None)
-            return output
-
-    return LatentAttention
-
-
-def _output_only(moe_layer: type) -> type:
-    """MoELayer returns (output, bias): the probe's layer adds the output alone (the bias is None without biases)."""
-
-    class OutputOnly(moe_layer):
+    class OutputOnly(spec.module):
         def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
             output, bias = super().forward(hidden_states)
             assert bias is None, "MoELayer's experts have no biases here (megatron._check_experts)"
             return output
 
-    return OutputOnly
+    return build_module(replace(spec, module=OutputOnly), config=megatron_config, layer_number=i + 1).to(device)
+
+
+def latent_attention(megatron_config: Any, device: torch.device) -> nn.Module:
+    """megatron-core's MLASelfAttention from the latent layer's spec, called as the probe's layer calls its
+    attention: (s, b, h) in, its output out (no bias: see above), with no attention mask (the core's is causal). Its
+    module names stay megatron's (attention.linear_kv_down_proj), as MemTracker reports them."""
+    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+    spec = layer_spec(megatron_config, 0).submodules.self_attention
+
+    class LatentAttention(spec.module):
+        def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+            output, _ = super().forward(hidden_states, None)
+            return output
+
+    mla = build_module(ModuleSpec(module=LatentAttention, params=spec.params, submodules=spec.submodules),
+                       config=megatron_config, layer_number=1)
+    return mla.to(device)

@@ -6,15 +6,13 @@ Its ops in order, what the forward moment holds and full recomputation: docs/tim
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
-
 from memcalc.config.schema import ModelConfig
 from memcalc.model import ledger
 from memcalc.model.impls import megatron
 from memcalc.model.ledger import NormTensors, SavedTensor
 from memcalc.sizing.timeline import megatron_mla, megatron_moe
 from memcalc.sizing.timeline.megatron_pieces import (
-    SOFTMAX, WGRAD, Has, backward_only, fused_softmax, one, row_parallel, torch_softmax,
+    WGRAD, Has, activation, backward_only, norm_kernel, one, row_parallel, softmax,
 )
 from memcalc.sizing.timeline.tape import ACTIVATIONS, TEMPORARIES, Sizes
 from memcalc.sizing.timeline.walk import Made, Op, Step
@@ -45,7 +43,8 @@ def layer_ops(
         grad = megatron_moe.moe_ops(backward, config, z, grad, OUTPUT_GRAD)
     else:
         backward.append(row_parallel(z, "mlp.fc2", ledger.FC2_IN, grad, OUTPUT_GRAD, z.f_t, "grad/fc2 input"))
-        grad, width = _activation(backward, config, z, "grad/fc2 input")
+        grad, width = activation(backward, config, z, "mlp", "...", megatron.DENSE_ACT, z.b * z.s, z.f_t,
+                                 "grad/fc2 input", "grad/gelu input")
         grad = _column_parallel(backward, z, "mlp.fc1", ledger.FC1_IN, grad, width,
                                 width if config.add_bias_linear else 0, "grad/fc1 input")
     mid = "grad/ln2 input"  # the residual stream's gradient between the two halves
@@ -175,49 +174,11 @@ def _norm(z: Sizes, where: str, norm: NormTensors, grad: str, residual: tuple[st
     dx, dw = f"grad/{where} input (norm)", f"grad/{where} weights"
     return backward_only(
         where,
-        _norm_kernel(z, grad, dx, z.seq(z.h), dw, z.h, returns=True),
+        norm_kernel(z, grad, dx, z.seq(z.h), dw, z.h, returns=True),
         Step("the residual stream's gradients summed", (
             Made(out, z.seq(z.h), "the residual stream's gradient: the two paths' gradients summed"),),
             frees=(*residual, dx), hands_over=(dw,)),
         saves=tuple(norm))
-
-
-def _norm_kernel(z: Sizes, grad: str, dx: str, dx_bytes: int, dw: str, width: int, **step: Any) -> Step:
-    """A norm's backward, one kernel: dX and the `width`-wide weight's (and LayerNorm's bias's) gradients beside
-    dY, which then goes."""
-    return Step("the norm: dX, dweight" + (", dbias" if z.norm_vectors == 2 else ""), (
-        Made(dx, dx_bytes, "the norm's dX"),
-        Made(dw, z.norm_vectors * z.act * width, "the norm's weight (and bias) gradients")), frees=(grad,), **step)
-
-
-def _activation(ops: list[Op], config: ModelConfig, z: Sizes, grad: str) -> tuple[str, int]:
-    """GELU's or SwiGLU's backward to fc1's output gradient; returns its name and fc1's output width.
-
-    Fused SwiGLU (BiasSwiGLUFunction): one kernel writes the 2f-wide gradient. Unfused: the product's backward makes
-    both factors' gradients, SiLU's backward the gate's, and the split of fc1's output concatenates the two.
-    """
-    full = z.full(z.f_t)
-    if config.mlp != "swiglu":
-        ops.append(one("mlp", "GELU", Made("grad/gelu input", full, "GELU's backward: dY times GELU'(x)"), (grad,),
-                        saves=(ledger.GELU_IN,)))
-        return "grad/gelu input", z.f_t
-    out = "grad/fc1 output"
-    if config.bias_activation_fusion:
-        ops.append(one("mlp", "fused SwiGLU", Made(out, 2 * full, "the fused SwiGLU's backward: d[gate; up] at once"),
-                        (grad,), saves=(ledger.SWIGLU_GATE, ledger.SWIGLU_UP)))
-        return out, 2 * z.f_t
-    ops.extend((
-        backward_only("mlp", Step("SiLU(gate) * up: both factors' gradients", (
-            Made("grad/up", full, "the product's backward: d(up) = dY * SiLU(gate)"),
-            Made("grad/silu output", full, "the product's backward: d(SiLU) = dY * up")), frees=(grad,)),
-            saves=(ledger.SWIGLU_SILU_OUT, megatron.SWIGLU_UP_COPY)),
-        one("mlp", "SiLU", Made("grad/gate", full, "SiLU's backward: d(gate) = d(SiLU) * SiLU'(gate)"),
-             ("grad/silu output",), saves=(ledger.SWIGLU_GATE, ledger.SWIGLU_UP)),
-        one("mlp", "d(gate) and d(up) concatenated into fc1's output gradient", Made(
-            out, 2 * full, "gate and up were split from fc1's output: their gradients concatenated"),
-            ("grad/gate", "grad/up")),
-    ))
-    return out, 2 * z.f_t
 
 
 # -- attention ----------------------------------------------------------------------------------------------------
@@ -237,7 +198,7 @@ def _attention(ops: list[Op], config: ModelConfig, z: Sizes, dcontext: str, has:
     if config.attention == "flash":
         k, v = _flash(core, z, () if selective else (dcontext,), selective)
     else:
-        k, v = _eager(core, z, () if selective else (dcontext,), has, fused_softmax(config, z), (*query, ledger.Q))
+        k, v = _eager(core, config, z, () if selective else (dcontext,), has, (*query, ledger.Q))
     if selective:
         checkpoint = (ledger.Q, ledger.K, ledger.V, megatron.QKV_QUERY_COLUMNS)
         held = {x.name for x in (*checkpoint, *query)}  # the rerun's query: a view of the checkpoint's q
@@ -270,7 +231,7 @@ def _head_norms(ops: list[Op], z: Sizes, dq: str, dk: str) -> tuple[str, str]:
     dx = {which: f"grad/{which} norm input" for which in "qk"}
     for which, norm, grad, heads in (("k", ledger.K_NORM, dk, z.g_t), ("q", ledger.Q_NORM, dq, z.a_t)):
         dw = f"grad/{which} norm weights"
-        ops.append(backward_only(f"attention.{which}_norm", _norm_kernel(
+        ops.append(backward_only(f"attention.{which}_norm", norm_kernel(
             z, grad, dx[which], z.act * z.b * heads * z.s * z.d, dw, z.d, hands_over=(dw,)), saves=tuple(norm)))
         if (which == "k") == copied:
             ops.append(fused)
@@ -290,7 +251,7 @@ def _flash(ops: list[Op], z: Sizes, frees: tuple[str, ...], selective: bool) -> 
     return "grad/k", "grad/v"
 
 
-def _eager(ops: list[Op], z: Sizes, frees: tuple[str, ...], has: Has, fused_softmax: bool,
+def _eager(ops: list[Op], config: ModelConfig, z: Sizes, frees: tuple[str, ...], has: Has,
            query: tuple[SavedTensor, ...]) -> tuple[str, str]:
     """softmax(QK^T / sqrt(d)) V backward, op by op (memcalc.probe.attention.eager_core), in backward order; `frees`:
     what weights x V's backward frees (dY, unless a checkpoint holds it); `query`: what QK^T keeps of the query
@@ -299,22 +260,11 @@ def _eager(ops: list[Op], z: Sizes, frees: tuple[str, ...], has: Has, fused_soft
     basd = z.act * z.b * z.a_t * z.s * z.d  # (b, a/t, s, d) bytes
     expanded = has(megatron.K_EXPANDED.name)  # K and V copied to every head (grouped-query attention)
     k, v = (megatron.K_EXPANDED, megatron.V_EXPANDED) if expanded else (ledger.K, ledger.V)
-    dropout = has(ledger.ATTN_DROPOUT_MASK.name)
     ops.append(backward_only("attention", Step("weights x V: dV and dWeights", (
         Made("grad/v", basd, "weights x V's backward: dV = weights^T dY"),
         Made("grad/attention weights", z.act * bass, "weights x V's backward: dWeights = dY V^T")), frees=frees),
-        saves=(v, ledger.ATTN_DROPOUT_OUT if dropout else ledger.SOFTMAX_OUT)))
-    weights = "grad/attention weights"
-    if dropout:
-        ops.append(one("attention", "attention dropout", Made(
-            "grad/softmax output", z.act * bass, "attention dropout's backward: dY times the mask"), (weights,),
-            saves=(ledger.ATTN_DROPOUT_MASK,)))
-        weights = "grad/softmax output"
-    if not fused_softmax:
-        torch_softmax(ops, z, weights, has)
-    else:  # Megatron's fused kernel: keeps its 16-bit output alone
-        ops.append(one("attention", "softmax", Made("grad/scores", z.act * bass, SOFTMAX), (weights,),
-                        saves=(ledger.SOFTMAX_OUT,)))
+        saves=(v, ledger.ATTN_DROPOUT_OUT if has(ledger.ATTN_DROPOUT_MASK.name) else ledger.SOFTMAX_OUT)))
+    softmax(ops, config, z, "attention", "grad/attention weights", has)
     ops.append(backward_only("attention", Step("QK^T: dQ and dK", (
         Made("grad/q", basd, "QK^T's backward: dQ = dScores K, then scaled (a new tensor)"),
         Made("grad/k unscaled", basd, "QK^T's backward: dK = dScores^T Q"),

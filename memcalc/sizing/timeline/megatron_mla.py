@@ -14,7 +14,7 @@ from memcalc.model.impls import megatron
 from memcalc.model.knobs import Accounting
 from memcalc.model.ledger import Kind, Region, SavedTensor
 from memcalc.sizing.timeline.megatron_pieces import (
-    GLOBAL_MEMORY_BUFFER, SOFTMAX, Has, backward_only, fused_softmax, linear, one, row_parallel, torch_softmax,
+    GLOBAL_MEMORY_BUFFER, Has, backward_only, fused_softmax, linear, norm_kernel, one, row_parallel, softmax,
 )
 from memcalc.sizing.timeline.tape import ACTIVATIONS, Sizes, Tape
 from memcalc.sizing.timeline.walk import Made, Op, Step
@@ -38,11 +38,8 @@ ATTN_MASK_TYPE = SavedTensor(
 
 @dataclass(frozen=True)
 class Widths:
-    """Bytes of the latent attention's tensors on one rank: per token of the whole sequence (`tokens` = b*s)."""
+    """The latent attention's widths (per head, or of a latent)."""
 
-    tokens: int
-    act: int
-    heads: int  # a/t
     nope: int  # d_n
     rope: int  # d_r
     v: int  # d_v
@@ -50,13 +47,9 @@ class Widths:
     kv_latent: int  # r_kv
 
     @classmethod
-    def of(cls, config: ModelConfig, z: Sizes) -> Widths:
-        return cls(z.b * z.s, z.act, z.a_t, config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim,
-                   config.q_lora_rank, config.kv_lora_rank)
-
-    def per_token(self, width: int) -> int:
-        """Bytes of an activation-dtype (s, b, width) tensor."""
-        return self.act * self.tokens * width
+    def of(cls, config: ModelConfig) -> Widths:
+        return cls(config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim, config.q_lora_rank,
+                   config.kv_lora_rank)
 
     @property
     def qk(self) -> int:
@@ -70,12 +63,12 @@ def attention(ops: list[Op], config: ModelConfig, z: Sizes, grad: str, residual:
         raise ConfigError("the step timeline does not model latent attention with flash attention yet: megatron's"
                           " flash core is Transformer Engine's (CUDA only, not measured); it walks the local"
                           " DotProductAttention (--attention eager)")
-    w = Widths.of(config, z)
-    ops.append(row_parallel(z, "attention.linear_proj", ledger.MLA_PROJ_IN, grad, residual, w.heads * w.v,
+    w = Widths.of(config)
+    ops.append(row_parallel(z, "attention.linear_proj", ledger.MLA_PROJ_IN, grad, residual, z.a_t * w.v,
                              "grad/proj input"))
     _core(ops, config, z, w, "grad/proj input", has)
-    _rope(ops, w, "key", w.per_token(w.rope), expanded=True)
-    _rope(ops, w, "query", w.per_token(w.heads * w.rope), expanded=False)
+    _rope(ops, "key", z.full(w.rope), expanded=True)
+    _rope(ops, "query", z.full(z.a_t * w.rope), expanded=False)
     _up(ops, z, w)
     return _down(ops, z, w)
 
@@ -84,33 +77,34 @@ def _up(ops: list[Op], z: Sizes, w: Widths) -> None:
     """From the core's dQ, dK, dV and the RoPE parts' input gradients to the latent norms' dX: the splits'
     concatenations, the up projections (or q_proj), the norms."""
     ops.append(one("attention", "d[k_nope | v] concatenated: kv_up_proj's output gradient", Made(
-        "grad/kv up output", w.per_token(w.heads * (w.nope + w.v)), "k_nope and v were split from kv_up_proj's"
+        "grad/kv up output", z.full(z.a_t * (w.nope + w.v)), "k_nope and v were split from kv_up_proj's"
         " output: their gradients concatenated"), ("grad/k", "grad/v")))
     ops.append(one("attention", "d[q_nope | q_rope] concatenated: the query projection's output gradient", Made(
-        "grad/q up output", w.per_token(w.heads * w.qk), "q_nope and q_rope were split from the query projection's"
+        "grad/q up output", z.full(z.a_t * w.qk), "q_nope and q_rope were split from the query projection's"
         " output: their gradients concatenated"), ("grad/q", "grad/query rope")))
     ops.append(linear(z, "attention.linear_kv_up_proj", ledger.MLA_KV_UP_IN, "grad/kv up output", w.kv_latent,
-                       w.heads * (w.nope + w.v), "grad/kv up input"))
+                       z.a_t * (w.nope + w.v), "grad/kv up input"))
     if w.q_latent is not None:
         ops.append(linear(z, "attention.linear_q_up_proj", ledger.MLA_Q_UP_IN, "grad/q up output", w.q_latent,
-                           w.heads * w.qk, "grad/q up input"))
+                           z.a_t * w.qk, "grad/q up input"))
     else:  # q_proj runs where q_up_proj would, on x
-        ops.append(linear(z, "attention.linear_q_proj", ledger.QKV_IN, "grad/q up output", z.h, w.heads * w.qk,
+        ops.append(linear(z, "attention.linear_q_proj", ledger.QKV_IN, "grad/q up output", z.h, z.a_t * w.qk,
                            "grad/q input"))
-    ops.append(_norm(z, w, "attention.kv_layernorm.norm", megatron.MLA_KV_NORM, "grad/kv up input", w.kv_latent,
-                     "grad/kv latent"))
-    if w.q_latent is not None:
-        ops.append(_norm(z, w, "attention.q_layernorm.norm", megatron.MLA_Q_NORM, "grad/q up input", w.q_latent,
-                         "grad/q latent"))
+    for x, norm, width in (("kv", megatron.MLA_KV_NORM, w.kv_latent), ("q", megatron.MLA_Q_NORM, w.q_latent)):
+        if width is not None:  # the probe's norm inside megatron's spec
+            where = f"attention.{x}_layernorm.norm"
+            dw = f"grad/{where} weights"
+            ops.append(backward_only(where, norm_kernel(z, f"grad/{x} up input", f"grad/{x} latent", z.seq(width), dw,
+                                                        width, hands_over=(dw,)), saves=tuple(norm)))
 
 
 def _down(ops: list[Op], z: Sizes, w: Widths) -> str:
     """From the latent norms' dX to the attention's input gradient: the kv down output's concatenation, the down
     projections (under tp on this rank's columns of dY, under SP gathered along s first), x's two gradients summed.
     Returns the sum's name."""
-    latent = _whole_sequence(ops, z, w, "grad/kv latent", w.kv_latent)  # under SP a shard: scattered
+    latent = _whole_sequence(ops, z, "grad/kv latent", w.kv_latent)  # under SP a shard: scattered
     ops.append(one("attention", "d[latent | k_rope] concatenated: kv_down_proj's output gradient", Made(
-        "grad/kv down output", w.per_token(w.kv_latent + w.rope), "the latent and the key's RoPE part were split"
+        "grad/kv down output", z.full(w.kv_latent + w.rope), "the latent and the key's RoPE part were split"
         " from kv_down_proj's output: their gradients concatenated"), (latent, "grad/key rope")))
     down = (("attention.linear_kv_down_proj", "grad/kv down output", w.kv_latent + w.rope, "grad/kv down input"),
             *((("attention.linear_q_down_proj", "grad/q latent", w.q_latent, "grad/q input"),) if w.q_latent else ()))
@@ -119,44 +113,34 @@ def _down(ops: list[Op], z: Sizes, w: Widths) -> str:
         " summed"),), frees=("grad/kv down input", "grad/q input"))
     for i, (where, grad, width, dx) in enumerate(down):
         last = i == len(down) - 1
-        whole = grad if i == 0 else _whole_sequence(ops, z, w, grad, width)  # the query latent, scattered back
-        ops.append(linear(z, where, ledger.QKV_IN, _this_ranks_columns(ops, z, w, whole, width), z.h,
+        whole = grad if i == 0 else _whole_sequence(ops, z, grad, width)  # the query latent, scattered back
+        ops.append(linear(z, where, ledger.QKV_IN, _this_ranks_columns(ops, z, whole, width), z.h,
                            width // z.t, dx, then=summed if last and z.t > 1 else None))
     if z.t == 1:  # ColumnParallelLinear's copy_to_tensor_model_parallel_region: x's gradients meet after it
         ops.append(backward_only(where, summed))
     return "grad/attention input"
 
 
-def _whole_sequence(ops: list[Op], z: Sizes, w: Widths, grad: str, width: int) -> str:
+def _whole_sequence(ops: list[Op], z: Sizes, grad: str, width: int) -> str:
     """Under SP a latent's sequence shard is scattered out of the gathered one (scatter_to_sequence_parallel_region):
     the scatter's backward all-gathers dY along s, a new tensor."""
     if not z.sp:
         return grad
     ops.append(one("attention", "the scatter's backward: dY all-gathered along s", Made(
-        f"{grad} gathered", w.per_token(width), "the scatter's backward all-gathers dY along s: (s, b, width)"),
+        f"{grad} gathered", z.full(width), "the scatter's backward all-gathers dY along s: (s, b, width)"),
         (grad,)))
     return f"{grad} gathered"
 
 
-def _this_ranks_columns(ops: list[Op], z: Sizes, w: Widths, grad: str, width: int) -> str:
+def _this_ranks_columns(ops: list[Op], z: Sizes, grad: str, width: int) -> str:
     """Under tp a down projection is column-parallel and its output gathered over t
     (gather_from_tensor_model_parallel_region): the gather's backward keeps this rank's columns of dY, a copy."""
     if z.t == 1:
         return grad
     ops.append(one("attention", "the gather's backward: this rank's columns", Made(
-        f"{grad} columns", w.per_token(width // z.t), "the all-gather's backward: this rank's columns of dY, copied"),
+        f"{grad} columns", z.full(width // z.t), "the all-gather's backward: this rank's columns of dY, copied"),
         (grad,)))
     return f"{grad} columns"
-
-
-def _norm(z: Sizes, w: Widths, where: str, norm: ledger.NormTensors, grad: str, width: int, dx: str) -> Op:
-    """A latent's norm (the probe's norm inside megatron's spec): dX and the weight's (and LayerNorm's bias's)
-    gradient in one kernel; dY and what it keeps go, the weight's gradient is handed over."""
-    dw = f"grad/{where} weights"
-    return backward_only(where, Step("the norm: dX, dweight", (
-        Made(dx, z.seq(width), "the norm's dX"),
-        Made(dw, z.norm_vectors * w.act * width, "the norm's weight (and bias) gradients")),
-        frees=(grad,), hands_over=(dw,)), saves=tuple(norm))
 
 
 def _core(ops: list[Op], config: ModelConfig, z: Sizes, w: Widths, dcontext: str, has: Has) -> None:
@@ -175,14 +159,14 @@ def _core(ops: list[Op], config: ModelConfig, z: Sizes, w: Widths, dcontext: str
     again = {x.name: x for op in core for x in op.saves if x.name not in held}.values()
     # the rerun runs the core module's forward (MemTracker files what it makes as activations, inside the core); its
     # backward then runs inside the checkpoint's, where ModTracker hooks no module: MemTracker reads the attention's
-    scores = Made("attention/recomputed scores", w.act * z.b * w.heads * z.s * z.s,
+    scores = Made("attention/recomputed scores", z.act * z.b * z.a_t * z.s * z.s,
                   "the rerun's baddbmm output: a local of the core's forward until it returns", category=ACTIVATIONS)
     ops.append(backward_only("attention.core_attention", Step("selective recomputation: the core's forward again", (
         scores, *(Made(x.name, 0, "made again by selective recomputation's rerun of the core", keeps=x,
                        category=ACTIVATIONS) for x in again),
-        Made("attention/recomputed context", w.per_token(w.heads * w.v), "the rerun's bmm output, before its copy",
+        Made("attention/recomputed context", z.full(z.a_t * w.v), "the rerun's bmm output, before its copy",
              category=ACTIVATIONS),
-        Made("attention/recomputed output", w.per_token(w.heads * w.v),
+        Made("attention/recomputed output", z.full(z.a_t * w.v),
              "the rerun's output: the checkpoint holds it while autograd runs the core's backward",
              category=ACTIVATIONS)),
         frees=(scores.name, "attention/recomputed context"))))
@@ -196,26 +180,15 @@ def _core_backward(ops: list[Op], config: ModelConfig, z: Sizes, w: Widths, free
     """The core's own backward; `frees`: what the bmm's backward frees (dY, unless the checkpoint holds it). Under
     selective recomputation each of dQ, dK, dV is then copied into its checkpoint input's layout (AccumulateGrad
     on the detached input: new_empty_strided)."""
-    weights_bytes = w.act * z.b * w.heads * z.s * z.s  # (b*a/t, s, s)
-    dropout = has(ledger.ATTN_DROPOUT_MASK.name)
     copied = " raw" if selective else ""  # under selective recomputation, before its copy into the input's layout
     ops.append(backward_only("attention.core_attention", Step("weights x V: dV and dWeights", (
-        Made(f"grad/v{copied}", w.per_token(w.heads * w.v), "bmm's backward: dV = weights^T dY"),
-        Made("grad/attention weights", weights_bytes, "bmm's backward: dWeights = dY V^T")), frees=frees),
-        saves=(ledger.MLA_V, ledger.ATTN_DROPOUT_OUT if dropout else ledger.SOFTMAX_OUT)))
-    ops.extend(_copied("v", w.per_token(w.heads * w.v), selective))
-    weights = "grad/attention weights"
-    if dropout:
-        ops.append(one("attention.core_attention", "attention dropout", Made(
-            "grad/softmax output", weights_bytes, "attention dropout's backward: dY times the mask"), (weights,),
-            saves=(ledger.ATTN_DROPOUT_MASK,)))
-        weights = "grad/softmax output"
-    if fused_softmax(config, z):  # the kernel keeps its 16-bit output, and its scale (SOFTMAX_SCALE)
-        ops.append(one("attention.core_attention", "softmax", Made("grad/scores", weights_bytes, SOFTMAX),
-                        (weights,), saves=(ledger.SOFTMAX_OUT, SOFTMAX_SCALE)))
-    else:
-        torch_softmax(ops, z, weights, has)
-    qk = w.per_token(w.heads * w.qk)
+        Made(f"grad/v{copied}", z.full(z.a_t * w.v), "bmm's backward: dV = weights^T dY"),
+        Made("grad/attention weights", z.act * z.b * z.a_t * z.s * z.s, "bmm's backward: dWeights = dY V^T")),
+        frees=frees), saves=(ledger.MLA_V, ledger.ATTN_DROPOUT_OUT if has(ledger.ATTN_DROPOUT_MASK.name) else
+                             ledger.SOFTMAX_OUT)))
+    ops.extend(_copied("v", z.full(z.a_t * w.v), selective))
+    softmax(ops, config, z, "attention.core_attention", "grad/attention weights", has, scale=(SOFTMAX_SCALE,))
+    qk = z.full(z.a_t * w.qk)
     ops.append(backward_only("attention.core_attention", *(
         step for x, other in (("q", "K"), ("k", "Q")) for step in (
             Step(f"baddbmm's backward: d{x.upper()} = dScores {other}", (
@@ -236,7 +209,7 @@ def _copied(x: str, nbytes: int, selective: bool) -> tuple[Op, ...]:
         (f"grad/{x} raw",)),)
 
 
-def _rope(ops: list[Op], w: Widths, part: str, width: int, expanded: bool) -> None:
+def _rope(ops: list[Op], part: str, width: int, expanded: bool) -> None:
     """apply_rotary_pos_emb's backward on the key's (one head, expanded to every head: the expand's backward sums
     dK's RoPE part first) or the query's RoPE part of `width` bytes. Forward ran t[..., :d_r], MLA's even/odd
     interleave (cat of t[..., 0::2] and t[..., 1::2]), then t * cos + rotate_half(t) * sin, each product keeping

@@ -7,21 +7,20 @@ forward, its backward op by op, tp-sp, ep and full recomputation: docs/timeline.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from memcalc.config.schema import ModelConfig
 from memcalc.model import ledger
 from memcalc.model.impls import megatron
 from memcalc.model.ledger import SavedTensor
 from memcalc.sizing.timeline.megatron_pieces import (
-    GLOBAL_MEMORY_BUFFER, backward_only as _backward, linear, one as _one, row_parallel,
+    GLOBAL_MEMORY_BUFFER, activation, backward_only as _backward, linear, named, one as _one, row_parallel,
 )
 from memcalc.sizing.timeline.tape import ACTIVATIONS, Sizes, Tape
 from memcalc.sizing.timeline.walk import Made, Op, Step
 
 # The ledger's rows an expert keeps in a storage of its own (SequentialMLP runs each expert's MLP on its slots).
-PER_EXPERT = (ledger.EXPERT_GATE, ledger.EXPERT_UP, ledger.EXPERT_SILU_OUT, megatron.EXPERT_UP_COPY,
-              ledger.EXPERT_GELU_IN, megatron.EXPERT_ACT_OUT, ledger.EXPERT_FC2_IN)
+PER_EXPERT = (*megatron.EXPERT_ACT, megatron.EXPERT_ACT_OUT, ledger.EXPERT_FC2_IN)
 _PER_EXPERT = frozenset(x.name for x in PER_EXPERT)
 _WGRAD = "the expert weight's bf16 gradient, dW = dY^T X"
 
@@ -35,13 +34,12 @@ HELD = ("moe/dispatcher probs", "moe/dispatcher routing map", "moe/dispatcher to
 def unmodelled(config: ModelConfig, z: Sizes) -> str | None:
     """The first thing of a MoE layer on this rank (`z`) the walk does not model yet, in words; None when it models
     the layer."""
-    t = z.t
     missing = [
         (config.num_experts == 1, "a single routed expert (num_experts 1)"),
         (config.moe_tokens == "balanced" and config.moe_router_topk * z.b * z.s_seq % config.ep != 0,
          f"a rank's k*b*s={config.moe_router_topk * z.b * z.s_seq} slots that ep={config.ep} does not divide under the"
          " balanced bound (each rank would receive other than kbs; --moe-tokens worst is walked)"),
-        (t > 1 and not z.sp, f"t={t} without sequence parallelism with experts"),
+        (z.t > 1 and not z.sp, f"t={z.t} without sequence parallelism with experts"),
         (config.moe_token_dispatcher_type != "alltoall",
          f"the {config.moe_token_dispatcher_type} token dispatcher (it walks the all-to-all one)"),
         (config.moe_expert_capacity_factor is not None, "a capacity factor (moe_expert_capacity_factor)"),
@@ -260,11 +258,9 @@ def moe_ops(ops: list[Op], config: ModelConfig, z: Sizes, grad: str, residual: s
                 frees=(tokens,))))
         probs, tokens = f"{probs} {how}", f"{tokens} {how}"
     _permute(ops, z, n, config.num_experts, tokens, probs)
-    if not shared:
-        _router(ops, config, z, n, "grad/moe input")
-        return "grad/moe input"
-    _router(ops, config, z, n, "grad/moe routed input")
-    _shared(ops, config, z, grad, residual)
+    _router(ops, config, z, n, "grad/moe routed input" if shared else "grad/moe input")
+    if shared:
+        _shared(ops, config, z, grad, residual)
     return "grad/moe input"
 
 
@@ -298,46 +294,28 @@ def _experts(ops: list[Op], config: ModelConfig, z: Sizes, grad: str, slots: int
     ))
 
 
-@dataclass(frozen=True)
-class _Mlp:
-    """One of the MoE's MLPs in backward: where it runs, its tape names' tag, its rows and width, and the ledger's
-    records its fc2, product, SiLU (or GELU) and fc1 keep."""
-
-    where: str
-    tag: str  # "expert ...[e]" names read f"grad/expert fc2 input[e]"; the shared experts' "shared ..."
-    rows: int
-    width: int
-    fc2_in: SavedTensor
-    product: tuple[SavedTensor, ...]  # SiLU(gate) * up's: SiLU's output and glu's up copy
-    silu: tuple[SavedTensor, ...]  # SiLU's: the gate and up (one storage)
-    gelu_in: SavedTensor
-    fc1_in: SavedTensor
-
-    def name(self, what: str) -> str:
-        return f"grad/{self.tag.replace('...', what)}"
-
-
 def _expert(ops: list[Op], config: ModelConfig, z: Sizes, e: int, r: int, grad: str) -> None:
-    """Expert e's backward on its r slots of the output gradient `grad` (freed by the last, expert 0): fc2, the
-    probability's product, the activation, fc1."""
-    mlp = _Mlp(
-        f"mlp.experts.local_experts.{e}", f"expert ...[{e}]", r, config.expert_ffn // z.t,
-        piece(ledger.EXPERT_FC2_IN, e),
-        (piece(ledger.EXPERT_SILU_OUT, e), piece(megatron.EXPERT_UP_COPY, e)),
-        (piece(ledger.EXPERT_GATE, e), piece(ledger.EXPERT_UP, e)), piece(ledger.EXPERT_GELU_IN, e), ledger.EXPERT_IN,
-    )
-    dx2 = _fc2(ops, z, mlp, (grad,) if e == 0 else ())
-    act, fe = z.act, config.expert_ffn // z.t
-    dact, product = mlp.name("act"), mlp.name("probs product")
+    """Expert e's backward on its r slots of the output gradient `grad` (freed by the last, expert 0): fc2's GEMMs,
+    the probability's product, the activation, fc1's GEMMs."""
+    where, tag, act, fe = f"mlp.experts.local_experts.{e}", f"expert ...[{e}]", z.act, config.expert_ffn // z.t
+    dx2, dw2, dact, product = (named(tag, x) for x in ("fc2 input", "fc2 weight", "act", "probs product"))
+    ops.append(_backward(f"{where}.linear_fc2", Step("GEMMs: dX and dW", (
+        Made(dx2, act * r * fe, "dX = dY W, fc2's input gradient"), Made(dw2, act * z.h * fe, _WGRAD)),
+        frees=(grad,) if e == 0 else (), hands_over=(dw2,)), saves=(piece(ledger.EXPERT_FC2_IN, e),)))
     ops.append(_backward(
-        mlp.where,
+        where,
         Step("activation * probs: dY * probs", (Made(dact, act * r * fe, "the product's gradient: dY * probs"),)),
         Step("activation * probs: dY * activation", (Made(product, act * r * fe, "dY * activation, (r, f_e)"),)),
         Step("summed over the columns: the probability's gradient", (Made(
             f"grad/expert probs[{e}]", act * r, "the probability's gradient: dY * activation summed, (r, 1)"),),
             frees=(product, dx2)),
         saves=(piece(megatron.EXPERT_ACT_OUT, e), megatron.EXPERT_PROBS)))
-    _activation_and_fc1(ops, config, z, mlp, dact)
+    out, fc1 = activation(ops, config, z, where, tag, tuple(piece(x, e) for x in megatron.EXPERT_ACT), r, fe, dact)
+    dw1 = named(tag, "fc1 weight")
+    ops.append(_backward(f"{where}.linear_fc1", Step("GEMMs: dX and dW", (
+        Made(named(tag, "input"), act * r * z.h, "dX = dY W, the input's gradient"),
+        Made(dw1, act * fc1 * z.h, _WGRAD)),
+        frees=(out,), hands_over=(dw1,)), saves=(ledger.EXPERT_IN,)))
 
 
 def _between(z: Sizes, e: int, r: int) -> Op:
@@ -356,66 +334,17 @@ def _shared(ops: list[Op], config: ModelConfig, z: Sizes, grad: str, residual: s
     `grad` (under SP all-gathered first; freed unless the residual stream's, `residual`), the activation, its
     column-parallel fc1 (under SP on the gathered MoE input, dX reduce-scattered), and the sum of its dX with the
     routed path's into "grad/moe input" (under tp inside fc1's node, before its weight's gradient is handed over)."""
-    width = config.moe_shared_expert_intermediate_size // z.t
-    mlp = _Mlp(
-        "mlp.shared_experts", "shared ...", z.b * z.s, width, ledger.SHARED_FC2_IN,
-        (ledger.SHARED_SILU_OUT, megatron.SHARED_UP_COPY), (ledger.SHARED_GATE, ledger.SHARED_UP),
-        ledger.SHARED_GELU_IN, ledger.MOE_IN,
-    )
-    ops.append(row_parallel(z, f"{mlp.where}.linear_fc2", mlp.fc2_in, grad, residual, width, mlp.name("fc2 input")))
-    out, fc1_width = _activation(ops, config, z, mlp, mlp.name("fc2 input"))
+    width, where, tag = config.moe_shared_expert_intermediate_size // z.t, "mlp.shared_experts", "shared ..."
+    dx2, dx = named(tag, "fc2 input"), named(tag, "input")
+    ops.append(row_parallel(z, f"{where}.linear_fc2", ledger.SHARED_FC2_IN, grad, residual, width, dx2))
+    out, fc1_width = activation(ops, config, z, where, tag, megatron.SHARED_ACT, z.b * z.s, width, dx2)
     summed = Step("the routed and the shared experts' input gradients summed", (Made(
         "grad/moe input", z.seq(z.h), "the MoE input feeds the router, the permute and the shared experts: gradients"
-        " summed"),), frees=("grad/moe routed input", mlp.name("input")))
-    where = f"{mlp.where}.linear_fc1"
-    ops.append(linear(z, where, mlp.fc1_in, out, z.h, fc1_width, mlp.name("input"), then=summed if z.t > 1 else None))
+        " summed"),), frees=("grad/moe routed input", dx))
+    ops.append(linear(z, f"{where}.linear_fc1", ledger.MOE_IN, out, z.h, fc1_width, dx,
+                      then=summed if z.t > 1 else None))
     if z.t == 1:  # the two gradients meet after fc1's node and its weight's gradient
-        ops.append(_backward(where, summed))
-
-
-def _fc2(ops: list[Op], z: Sizes, mlp: _Mlp, frees: tuple[str, ...]) -> str:
-    """fc2's GEMMs: dX and dW (handed over); then `frees`. Returns dX's name."""
-    dx, dw = mlp.name("fc2 input"), mlp.name("fc2 weight")
-    ops.append(_backward(f"{mlp.where}.linear_fc2", Step("GEMMs: dX and dW", (
-        Made(dx, z.act * mlp.rows * mlp.width, "dX = dY W, fc2's input gradient"),
-        Made(dw, z.act * z.h * mlp.width, _WGRAD)), frees=frees, hands_over=(dw,)), saves=(mlp.fc2_in,)))
-    return dx
-
-
-def _activation_and_fc1(ops: list[Op], config: ModelConfig, z: Sizes, mlp: _Mlp, grad: str) -> None:
-    """An expert's activation's backward from `grad` (`_activation`), then fc1's GEMMs: dX (named mlp.name("input"))
-    and dW."""
-    out, fc1_width = _activation(ops, config, z, mlp, grad)
-    dw = mlp.name("fc1 weight")
-    ops.append(_backward(f"{mlp.where}.linear_fc1", Step("GEMMs: dX and dW", (
-        Made(mlp.name("input"), z.act * mlp.rows * z.h, "dX = dY W, the input's gradient"),
-        Made(dw, z.act * fc1_width * z.h, _WGRAD)), frees=(out,), hands_over=(dw,)), saves=(mlp.fc1_in,)))
-
-
-def _activation(ops: list[Op], config: ModelConfig, z: Sizes, mlp: _Mlp, grad: str) -> tuple[str, int]:
-    """SwiGLU's (the product's two gradients, SiLU's, their concatenation) or GELU's backward from `grad`; returns
-    fc1's output gradient's name and fc1's output width."""
-    act, rows, width = z.act, mlp.rows, mlp.width
-    out = mlp.name("fc1 output")
-    if config.mlp == "swiglu":
-        silu, up, gate = mlp.name("silu output"), mlp.name("up"), mlp.name("gate")
-        ops.extend((
-            _backward(mlp.where, Step("SiLU(gate) * up: both factors' gradients", (
-                Made(silu, act * rows * width, "the product's backward: d(SiLU) = dY * up"),
-                Made(up, act * rows * width, "the product's backward: d(up) = dY * SiLU(gate)")), frees=(grad,)),
-                saves=mlp.product),
-            _one(mlp.where, "SiLU", Made(gate, act * rows * width, "SiLU's backward: d(gate) = d(SiLU) * SiLU'(gate)"),
-                 (silu,), saves=mlp.silu),
-            _one(mlp.where, "d(gate) and d(up) concatenated", Made(
-                out, 2 * act * rows * width, "gate and up were split from fc1's output: their gradients concatenated"),
-                (gate, up)),
-        ))
-        fc1_width = 2 * width
-    else:
-        ops.append(_one(mlp.where, "GELU", Made(out, act * rows * width, "GELU's backward: dY times GELU'(x)"), (grad,),
-                        saves=(mlp.gelu_in,)))
-        fc1_width = width
-    return out, fc1_width
+        ops.append(_backward(f"{where}.linear_fc1", summed))
 
 
 def _permute(ops: list[Op], z: Sizes, n: int, experts: int, tokens: str, probs: str) -> None:

@@ -1,11 +1,11 @@
 """The pieces Megatron's layer ops are built of (memcalc.sizing.timeline.megatron) that its latent attention and
 experts (memcalc.sizing.timeline.megatron_mla, megatron_moe) share: an op known by its backward alone, megatron's
-row- and column-parallel linears' backward, and the softmax's backward, fused or torch's."""
+row- and column-parallel linears' backward, a norm's, an MLP's activation's, and the softmax's, fused or torch's."""
 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable
+from typing import Any, Callable
 
 from memcalc.config.schema import ModelConfig
 from memcalc.model import ledger
@@ -71,6 +71,53 @@ def linear(z: Sizes, where: str, x: SavedTensor, grad: str, width: int, out: int
     return backward_only(where, *steps, saves=(x,))
 
 
+def norm_kernel(z: Sizes, grad: str, dx: str, dx_bytes: int, dw: str, width: int, **step: Any) -> Step:
+    """A norm's backward, one kernel: dX and the `width`-wide weight's (and LayerNorm's bias's) gradients beside
+    dY, which then goes."""
+    return Step("the norm: dX, dweight" + (", dbias" if z.norm_vectors == 2 else ""), (
+        Made(dx, dx_bytes, "the norm's dX"),
+        Made(dw, z.norm_vectors * z.act * width, "the norm's weight (and bias) gradients")), frees=(grad,), **step)
+
+
+def named(tag: str, what: str) -> str:
+    """A gradient's tape name in one of the layer's MLPs: `tag` "..." names the dense MLP's f"grad/{what}", "expert
+    ...[e]" expert e's f"grad/expert {what}[e]"."""
+    return f"grad/{tag.replace('...', what)}"
+
+
+def activation(ops: list[Op], config: ModelConfig, z: Sizes, where: str, tag: str, keeps: tuple[SavedTensor, ...],
+               rows: int, width: int, grad: str, gelu: str = "") -> tuple[str, int]:
+    """An MLP's GELU or SwiGLU backward on `rows` tokens of `width` from `grad` to fc1's output gradient (under GELU
+    named `gelu`, if given); `keeps`: the ledger's records, as memcalc.model.impls.megatron.activation reads them.
+    Returns fc1's output gradient's name and fc1's output width.
+
+    Fused SwiGLU (BiasSwiGLUFunction): one kernel writes the 2f-wide gradient. Unfused: the product's backward makes
+    both factors' gradients, SiLU's backward the gate's, and the split of fc1's output concatenates the two.
+    """
+    gelu_in, gate, up, silu_out, up_copy = keeps
+    out, nbytes = named(tag, "fc1 output"), z.act * rows * width
+    if config.mlp != "swiglu":
+        ops.append(one(where, "GELU", Made(gelu or out, nbytes, "GELU's backward: dY times GELU'(x)"), (grad,),
+                       saves=(gelu_in,)))
+        return gelu or out, width
+    if config.bias_activation_fusion:
+        ops.append(one(where, "fused SwiGLU", Made(out, 2 * nbytes, "the fused SwiGLU's backward: d[gate; up] at"
+                                                   " once"), (grad,), saves=(gate, up)))
+        return out, 2 * width
+    dup, dsilu, dgate = (named(tag, x) for x in ("up", "silu output", "gate"))
+    ops.extend((
+        backward_only(where, Step("SiLU(gate) * up: both factors' gradients", (
+            Made(dup, nbytes, "the product's backward: d(up) = dY * SiLU(gate)"),
+            Made(dsilu, nbytes, "the product's backward: d(SiLU) = dY * up")), frees=(grad,)),
+            saves=(silu_out, up_copy)),
+        one(where, "SiLU", Made(dgate, nbytes, "SiLU's backward: d(gate) = d(SiLU) * SiLU'(gate)"), (dsilu,),
+            saves=(gate, up)),
+        one(where, "d(gate) and d(up) concatenated into fc1's output gradient", Made(
+            out, 2 * nbytes, "gate and up were split from fc1's output: their gradients concatenated"), (dgate, dup)),
+    ))
+    return out, 2 * width
+
+
 def fused_softmax(config: ModelConfig, z: Sizes) -> bool:
     """Whether Megatron's fused causal softmax kernel runs on this rank's scores (memcalc.model.impls.megatron's
     FUSED_SOFTMAX window); the paper's layer runs it at every size."""
@@ -78,7 +125,25 @@ def fused_softmax(config: ModelConfig, z: Sizes) -> bool:
     return config.impl == "paper" or (config.masked_softmax_fusion and bool(window))
 
 
-def torch_softmax(ops: list[Op], z: Sizes, grad: str, has: Has) -> None:
+def softmax(ops: list[Op], config: ModelConfig, z: Sizes, where: str, grad: str, has: Has,
+            scale: tuple[SavedTensor, ...] = ()) -> None:
+    """From the softmax output's (or with dropout, its dropout's) gradient `grad` to the scores' ("grad/scores"):
+    attention dropout's backward, then Megatron's fused kernel's, which keeps its 16-bit output (and `scale`), or
+    torch's (`_torch_softmax`)."""
+    bass = z.b * z.a_t * z.s * z.s
+    if has(ledger.ATTN_DROPOUT_MASK.name):
+        ops.append(one(where, "attention dropout", Made(
+            "grad/softmax output", z.act * bass, "attention dropout's backward: dY times the mask"), (grad,),
+            saves=(ledger.ATTN_DROPOUT_MASK,)))
+        grad = "grad/softmax output"
+    if fused_softmax(config, z):
+        ops.append(one(where, "softmax", Made("grad/scores", z.act * bass, SOFTMAX), (grad,),
+                       saves=(ledger.SOFTMAX_OUT, *scale)))
+    else:
+        _torch_softmax(ops, z, grad, has)
+
+
+def _torch_softmax(ops: list[Op], z: Sizes, grad: str, has: Has) -> None:
     """Megatron's forward_torch_softmax backward (outside the fused kernel's sizes, or in fp32), in backward order:
     the gradient cast up to fp32, softmax's backward, masked_fill's (a new tensor; with one query, s = 1, Megatron
     masks nothing), the cast back down."""
