@@ -66,10 +66,11 @@ def timeline(
     dense = [config.moe and not config.is_moe_layer(i) for i in layers]  # each layer's kind
     # every chunk of a stage holds the same kinds of layers (memcalc.sizing.states.check_expert_states)
     _others_in_flight(tape, st, walked, sum(sum(kinds[x].saved.values()) for x in dense), ends.embedding_bytes())
-    ends.forward_in(tape)
     # a weight's gradient handed over by autograd is added into the fp32 buffer at once
     walks = {is_dense: Walk(tape, "", "", kind.sizes, lambda where, name, nbytes: tape.drop(name))
              for is_dense, kind in kinds.items()}
+    front, back = (Walk(tape, "", "", ends.saved, walks[False].hand_over) for _ in range(2))  # the model's ends
+    front.forward(ends.inputs)
     for i, is_dense in zip(layers, dense):
         kind, walk = kinds[is_dense], walks[is_dense]
         walk.module = f"layers.{i}"
@@ -87,8 +88,8 @@ def timeline(
             tape.add(f"layers.{i}/moe dispatcher", ACTIVATIONS, sum(tape.live.pop(x).bytes for x in megatron_moe.HELD
                                                                 if x in tape.live),
                      "what MoELayer's token dispatcher holds as attributes until the next forward")
-    ends.forward_out(tape)
-    ends.backward_out(tape)
+    back.forward(ends.outputs)
+    back.backward(ends.outputs)
     for i, is_dense in reversed(list(zip(layers, dense))):
         kind, walk = kinds[is_dense], walks[is_dense]
         tape.drop(f"layers.{i}/saved")  # one by one again, as its ops free them
@@ -105,7 +106,7 @@ def timeline(
             tape.rename(INPUT_GRAD, f"layers.{i}/rerun input grad")
         elif i > first:
             tape.rename(INPUT_GRAD, OUTPUT_GRAD)
-    ends.backward_in(tape)
+    front.backward(ends.inputs)
     tape.drop("pipeline/other micro-batches")  # the cool-down runs their backwards, as this one's
     tape.mark("optimizer", "", "fused AdamW on the fp32 master weights, in place")
     return Timeline(layer.strategy, tuple(tape.moments), st.name)

@@ -10,10 +10,10 @@ from memcalc.model.ledger import Dim, Kind, Region, SavedTensor
 from memcalc.model.strategy import Strategy
 from memcalc.sizing.pipeline import Stage
 from memcalc.sizing.states import ROUTER_BUFFERS_WHY, group_params, router_buffer_bytes, state_bytes
-from memcalc.sizing.timeline.megatron import INPUT, INPUT_GRAD, OUTPUT_GRAD
-from memcalc.sizing.timeline.tape import (
-    ACTIVATIONS, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, Sizes, Tape, prod,
-)
+from memcalc.sizing.timeline.megatron import INPUT, INPUT_GRAD, OUTPUT_GRAD, column_parallel
+from memcalc.sizing.timeline.megatron_pieces import norm_kernel
+from memcalc.sizing.timeline.tape import ACTIVATIONS, GRADIENTS, OPTIMIZER, PARAMETERS, Sizes, Tape, prod
+from memcalc.sizing.timeline.walk import Made, Op, Step, kept
 from memcalc.sizing.totals import end_sizes, end_tensors
 
 # -- tensors the model's ends keep that the ledger's END_TENSORS does not list ----------------------
@@ -57,38 +57,33 @@ def model_states(tape: Tape, config: ModelConfig, stage: Stage, z: Sizes) -> Non
 
 
 class Ends:
-    """Embedding, final norm, output layer and loss: their saved tensors (ledger) and their gradients."""
+    """Embedding, final norm, output layer and loss as ops for the generic walk (memcalc.sizing.timeline.walk):
+    their saved tensors (ledger) and their gradients; on a middle stage, the input received and the output sent."""
 
     def __init__(self, config: ModelConfig, strategy: Strategy, accounting: Accounting, z: Sizes, stage: Stage) -> None:
         self.z, self.stage = z, stage
         # With pp > 1 the last stage's output layer holds its own copy of a tied embedding: untied in backward.
         self.tied = config.tie_embeddings and stage.has_embedding and stage.has_output
         sizes = end_sizes(config, strategy)
-        tp = z.t > 1
-        extra = (
-            *((VOCAB_MASK,) if tp else ()),
-            *((POSITION_IDS,) if z.positions else ()),
-            TARGET_MASK, MASKED_TARGET,
-        )
+        extra = (*((VOCAB_MASK,) if z.t > 1 else ()), *((POSITION_IDS,) if z.positions else ()),
+                 TARGET_MASK, MASKED_TARGET)
         kept = (*end_tensors(config, accounting, "first"), *end_tensors(config, accounting, "last"), *extra)
         self.saved = {
             x.name: element_bytes(x.kind, config, accounting) * prod(rank_shape(x, strategy, sizes, config.t))
             for x in kept
         }
-        self.why = {x.name: x.why for x in kept}
-        # At t = 1 the embedding keeps the batch's token ids themselves; under TP it keeps a shifted copy.
-        self.ids_are_tokens = not tp
-
-    def _saved(self, tape: Tape, *tensors: SavedTensor) -> None:
-        for x in tensors:
-            if x.name in self.saved:
-                tape.add(x.name, ACTIVATIONS, self.saved[x.name], self.why[x.name])
-
-    def _labels(self, tape: Tape) -> None:
-        """Only the stage that computes the loss loads the labels."""
-        if self.stage.has_output:
-            tape.add("batch/labels", ACTIVATIONS, self.z.tokens(8),
-                     "the micro-batch's labels (int64), live for the whole step")
+        labels = (Made("batch/labels", z.tokens(8), "the micro-batch's labels (int64), live for the whole step"),
+                  ) if stage.has_output else ()  # only the stage that computes the loss loads them
+        self.inputs = self._embedding(labels) if stage.has_embedding else (Op("", forward=(Step(
+            "the input received from the previous stage", (*labels, Made(INPUT, z.seq(z.h), "the previous stage's"
+                                                           " output, received (p2p) as this stage's input; the first"
+                                                           " layer keeps it"))),),
+            backward=(Step("", frees=(INPUT_GRAD,)),)),)  # sent: the previous stage receives it
+        # Megatron frees the sent output's data at once (deallocate_pipeline_outputs): the next stage keeps it.
+        self.outputs = self._head() if stage.has_output else (Op("", forward=(Step("", frees=(INPUT,)),), backward=(
+            Step("the output's gradient received from the next stage", (Made(
+                OUTPUT_GRAD, z.seq(z.h), "the gradient of this stage's output, received (p2p) from the next stage"),)),
+        )),)
 
     def embedding_bytes(self) -> int:
         """What one micro-batch's embedding keeps until its backward (none on a stage without the embedding)."""
@@ -97,132 +92,83 @@ class Ends:
         kept = (ledger.EMBEDDING_INPUT_IDS, VOCAB_MASK, POSITION_IDS, ledger.EMBEDDING_DROPOUT_MASK)
         return sum(self.saved.get(x.name, 0) for x in kept)
 
-    def forward_in(self, tape: Tape) -> None:
-        """The embedding, or the previous stage's output received as this stage's input."""
-        z = self.z
-        if not self.stage.has_embedding:
-            self._labels(tape)
-            tape.add(INPUT, ACTIVATIONS, z.seq(z.h),
-                     "the previous stage's output, received (p2p) as this stage's input; the first layer keeps it")
-            tape.mark("forward", "", "the input received from the previous stage")
-            return
-        tokens = ledger.EMBEDDING_INPUT_IDS.name if self.ids_are_tokens else "batch/tokens"
-        tape.add(tokens, ACTIVATIONS, z.tokens(8), "the micro-batch's token ids (int64), live for the whole step")
-        self._labels(tape)
-        if not self.ids_are_tokens:
-            self._saved(tape, ledger.EMBEDDING_INPUT_IDS, VOCAB_MASK)
-        self._saved(tape, POSITION_IDS, ledger.EMBEDDING_DROPOUT_MASK)
-        tape.add(INPUT, ACTIVATIONS, z.seq(z.h), ledger.WHY_NORM_INPUT)
-        tape.mark("forward", "embedding", "word and position embeddings, dropout")
-
-    def forward_out(self, tape: Tape) -> None:
-        """The final norm, output layer and loss, or the output sent to the next stage."""
-        if not self.stage.has_output:
-            # Megatron frees the sent output's data at once (deallocate_pipeline_outputs): the next stage keeps it.
-            tape.drop(INPUT)
-            return
-        z = self.z
-        tape.add(ledger.FINAL_NORM.input.name, ACTIVATIONS, tape.live.pop(INPUT).bytes, ledger.WHY_NORM_INPUT)
-        self._saved(tape, ledger.FINAL_NORM.mean, ledger.FINAL_NORM.rstd, ledger.OUTPUT_INPUT)
-        tape.mark("forward", "final_norm", "the norm before the output layer")
-        tape.add("output/logits", ACTIVATIONS, z.act * z.s * z.b * z.v_t,
-                 "the output layer's logits (s, b, v/t) in the training dtype")
-        # Megatron's _VocabParallelCrossEntropy.forward, at its widest: right after the per-token loss.
-        self._saved(tape, ledger.LOSS_LOGITS, TARGET_MASK, MASKED_TARGET)
-        for name, width, why in LOSS_WORKING_SET:
-            if name != "loss/target" or min(z.b, z.s) > 1:  # b = 1 or s = 1: the transposed labels are contiguous
-                tape.add(name, ACTIVATIONS, z.tokens(width), why)
-        tape.mark("forward", "loss", "fp32 logits and the per-token vectors of the cross-entropy")
-        tape.drop("output/logits", *(name for name, _, _ in LOSS_WORKING_SET))
-        tape.add("loss/value", ACTIVATIONS, 4, "the mean loss (a 0-d fp32 tensor) lives to the step's end")
-
-    def backward_out(self, tape: Tape) -> None:
-        """The loss and output layer's backward, or the output's gradient received from the next stage."""
-        z = self.z
-        if not self.stage.has_output:
-            tape.add(OUTPUT_GRAD, TEMPORARIES, z.seq(z.h),
-                     "the gradient of this stage's output, received (p2p) from the next stage")
-            tape.mark("backward", "", "the output's gradient received from the next stage")
-            return
-        tape.add("loss/grad seed", ACTIVATIONS, 4,
-                 "loss.backward() starts from a 0-d ones tensor, made before autograd runs")
-        tape.add("grad/logits", TEMPORARIES, z.act * z.s * z.b * z.v_t,
-                 "the loss's fp32 gradient is the saved softmax, changed in place; autograd casts it to bf16")
-        tape.mark("backward", "loss", "the logits' gradient cast to the training dtype")
-        tape.drop(ledger.LOSS_LOGITS.name, TARGET_MASK.name, MASKED_TARGET.name)
-        weight, dx = z.act * z.v_t * z.h, "grad/output input"
-        embedding_grad = "grad/embedding (output layer)" if self.tied else "grad/output weight"
-        why = ("the tied embedding's gradient from the output layer waits in autograd's input buffer until the"
-               " embedding's own gradient is added to it" if self.tied else "the output layer's bf16 weight gradient")
-        handed = () if self.tied else (embedding_grad,)  # autograd hands it to the weight, the hook adds it in
-        if z.sp:  # memcalc.probe.linear._GatheredInputLinear: X gathered again, dX reduce-scattered, then dW
-            gathered, partial = "grad/output_layer input gathered", "grad/output_layer partial dX"
-            tape.add(gathered, TEMPORARIES, z.full(z.h), "forward kept only the input's shard: backward all-gathers it")
-            tape.add(partial, TEMPORARIES, z.full(z.h), "dX = dY W on the whole sequence, this rank's partial sum")
-            tape.add(dx, TEMPORARIES, z.seq(z.h), "the reduce-scatter's output: this rank's shard of dX")
-            tape.mark("backward", "output_layer", "re-gathered input, partial dX and its reduce-scatter")
-            tape.drop(partial)
-            tape.add(embedding_grad, TEMPORARIES, weight, why)
-            tape.mark("backward", "output_layer", "dW and the bias's gradient beside the re-gathered input")
-            tape.drop(gathered, "grad/logits", ledger.OUTPUT_INPUT.name, *handed)
-        else:
-            tape.add(embedding_grad, TEMPORARIES, weight, why)
-            tape.add(dx, TEMPORARIES, z.full(z.h), "dX of the output layer, (s, b, h)")
-            tape.mark("backward", "output_layer", "GEMMs: dW and dX")
-            tape.drop("grad/logits", ledger.OUTPUT_INPUT.name, *handed)
-        if z.t > 1 and not z.sp:  # f's backward: dX all-reduced into a copy (an autograd op's input is never changed)
-            tape.add(f"{dx} (all-reduced)", TEMPORARIES, z.full(z.h), "f's backward all-reduces dX into a copy")
-            tape.mark("backward", "output_layer", "all-reduce of dX (f's backward)")
-            tape.drop(dx)
-            tape.rename(f"{dx} (all-reduced)", dx)
-        # the final norm's backward, one kernel: dX and its weight's (and LayerNorm's bias's) gradients beside dY
-        tape.add(OUTPUT_GRAD, TEMPORARIES, z.seq(z.h), "the norm's dX")
-        tape.add("grad/final_norm weights", TEMPORARIES, z.norm_vectors * z.act * z.h,
-                 "the norm's weight (and bias) gradients")
-        tape.mark("backward", "final_norm", "the norm: dX, dweight" + (", dbias" if z.norm_vectors == 2 else ""))
-        tape.drop(*(x.name for x in ledger.FINAL_NORM), dx, "grad/final_norm weights")
-
-    def backward_in(self, tape: Tape) -> None:
-        """The embedding's backward, or the input's gradient sent to the previous stage."""
-        if not self.stage.has_embedding:
-            tape.drop(INPUT_GRAD)  # sent: the previous stage receives it
-            return
-        z = self.z
-        grad = INPUT_GRAD
+    def _embedding(self, labels: tuple[Made, ...]) -> tuple[Op, ...]:
+        """Word and position embeddings and dropout; in backward dropout's, the split's all-gather (SP), the position
+        table's gradient, the vocabulary mask (TP) and the table's gradient, summed with the output layer's if tied."""
+        z, tp = self.z, self.z.t > 1
+        # At t = 1 the embedding keeps the batch's token ids themselves; under TP it keeps a shifted copy.
+        ids = (ledger.EMBEDDING_INPUT_IDS, VOCAB_MASK) if tp else ()
+        forward = Step("word and position embeddings, dropout", (
+            Made("batch/tokens" if tp else ledger.EMBEDDING_INPUT_IDS.name, z.tokens(8),
+                 "the micro-batch's token ids (int64), live for the whole step"), *labels,
+            *(kept("", x, x.why) for x in (*ids, POSITION_IDS, ledger.EMBEDDING_DROPOUT_MASK)),
+            Made(INPUT, z.seq(z.h), ledger.WHY_NORM_INPUT)))
+        backward, grad = [], INPUT_GRAD
         if ledger.EMBEDDING_DROPOUT_MASK.name in self.saved:
+            backward.append(Step("dropout", (Made("grad/embedding dropout", z.seq(z.h), "dropout's backward: dY times"
+                                                  " the mask, a new tensor"),),
+                                 frees=(ledger.EMBEDDING_DROPOUT_MASK.name, grad)))
             grad = "grad/embedding dropout"
-            tape.add(grad, TEMPORARIES, z.seq(z.h), "dropout's backward: dY times the mask, a new tensor")
-            tape.mark("backward", "embedding", "dropout")
-            tape.drop(ledger.EMBEDDING_DROPOUT_MASK.name, INPUT_GRAD)
         if z.sp:
-            tape.add("grad/embedding gathered", TEMPORARIES, z.full(z.h),
-                     "the split into sequence shards: backward all-gathers the gradient, (s, b, h)")
-            tape.mark("backward", "embedding", "all-gather of the gradient (split's backward)")
-            tape.drop(grad)
+            backward.append(Step("all-gather of the gradient (split's backward)", (Made(
+                "grad/embedding gathered", z.full(z.h), "the split into sequence shards: backward all-gathers the"
+                " gradient, (s, b, h)"),), frees=(grad,)))
             grad = "grad/embedding gathered"
         if z.positions:
-            tape.add("grad/positions (s, h)", TEMPORARIES, z.act * z.s * z.h,
-                     "the positions were added to every sequence of the batch: their gradient is summed over b")
-            tape.add("grad/position table", TEMPORARIES, z.act * z.positions * z.h,
-                     "the position table's bf16 gradient")
-            tape.mark("backward", "embedding", "the position table's gradient")
-            tape.drop(POSITION_IDS.name, "grad/positions (s, h)", "grad/position table")
-        if not self.ids_are_tokens:
-            tape.add("grad/embedding masked", TEMPORARIES, z.full(z.h),
-                     "rows outside this rank's vocabulary get no gradient: dY masked, a new tensor")
-            tape.mark("backward", "embedding", "the vocabulary mask")
-            tape.drop(VOCAB_MASK.name, grad)
+            backward.append(Step("the position table's gradient", (
+                Made("grad/positions (s, h)", z.act * z.s * z.h, "the positions were added to every sequence of the"
+                     " batch: their gradient is summed over b"),
+                Made("grad/position table", z.act * z.positions * z.h, "the position table's bf16 gradient")),
+                frees=(POSITION_IDS.name, "grad/positions (s, h)", "grad/position table")))
+        if tp:
+            backward.append(Step("the vocabulary mask", (Made("grad/embedding masked", z.full(z.h), "rows outside"
+                                                              " this rank's vocabulary get no gradient: dY masked, a"
+                                                              " new tensor"),), frees=(VOCAB_MASK.name, grad)))
             grad = "grad/embedding masked"
-        tape.add("grad/embedding (lookup)", TEMPORARIES, z.act * z.v_t * z.h,
-                 "the embedding's bf16 gradient, dY added into the rows the ids picked")
-        tape.mark("backward", "embedding", "the embedding's gradient")
-        tape.drop(grad, *(() if self.ids_are_tokens else (ledger.EMBEDDING_INPUT_IDS.name,)))
+        table = z.act * z.v_t * z.h
+        backward.append(Step("the embedding's gradient", (Made("grad/embedding (lookup)", table, "the embedding's bf16"
+                                                               " gradient, dY added into the rows the ids picked"),),
+                             frees=(grad, *((ledger.EMBEDDING_INPUT_IDS.name,) if tp else ()))))
         if self.tied:
-            tape.add("grad/embedding (sum)", TEMPORARIES, z.act * z.v_t * z.h,
-                     "autograd sums the tied weight's two gradients into a new tensor")
-            tape.mark("backward", "embedding", "the tied weight's two gradients summed")
-        tape.drop("grad/embedding (output layer)", "grad/embedding (lookup)", "grad/embedding (sum)")
-        tape.drop("loss/grad seed")  # backward is over
+            backward.append(Step("the tied weight's two gradients summed", (Made(
+                "grad/embedding (sum)", table, "autograd sums the tied weight's two gradients into a new tensor"),)))
+        backward.append(Step("", frees=("grad/embedding (output layer)", "grad/embedding (lookup)",
+                                        "grad/embedding (sum)", "loss/grad seed")))  # backward is over
+        return (Op("embedding", forward=(forward,), backward=tuple(backward)),)
+
+    def _head(self) -> tuple[Op, ...]:
+        """The final norm, the output layer (column-parallel, as megatron's layer's) and the loss."""
+        z, norm = self.z, ledger.FINAL_NORM
+        logits = z.act * z.s * z.b * z.v_t
+        output_layer: list[Op] = []
+        tied = Made("grad/embedding (output layer)", z.act * z.v_t * z.h, "the tied embedding's gradient from the"
+                    " output layer waits in autograd's input buffer until the embedding's own gradient is added to it")
+        dx = column_parallel(output_layer, z, "output_layer", ledger.OUTPUT_INPUT, "grad/logits", z.v_t, 0,
+                             "grad/output input", tied if self.tied else None)
+        dw = "grad/final_norm weights"
+        final_norm = Op("final_norm", forward=(
+            Step("", (Made(norm.input.name, z.seq(z.h), ledger.WHY_NORM_INPUT),), frees=(INPUT,), moment=False),
+            Step("the norm before the output layer",
+                 tuple(kept("", x, x.why) for x in (norm.mean, norm.rstd, ledger.OUTPUT_INPUT)))),
+            backward=(norm_kernel(z, dx, OUTPUT_GRAD, z.seq(z.h), dw, z.h, hands_over=(dw,)),), saves=tuple(norm))
+        # Megatron's _VocabParallelCrossEntropy.forward, at its widest: right after the per-token loss.
+        working = tuple(Made(name, z.tokens(width), why) for name, width, why in LOSS_WORKING_SET
+                        if name != "loss/target" or min(z.b, z.s) > 1)  # b = 1 or s = 1: contiguous already
+        loss_kept = (ledger.LOSS_LOGITS, TARGET_MASK, MASKED_TARGET)
+        loss = Op("loss", forward=(
+            Step("fp32 logits and the per-token vectors of the cross-entropy", (
+                Made("output/logits", logits, "the output layer's logits (s, b, v/t) in the training dtype"),
+                *(kept("", x, x.why) for x in loss_kept), *working),
+                frees=("output/logits", *(x.name for x in working))),
+            Step("", (Made("loss/value", 4, "the mean loss (a 0-d fp32 tensor) lives to the step's end"),),
+                 moment=False)),
+            backward=(Step("the logits' gradient cast to the training dtype", (
+                Made("loss/grad seed", 4, "loss.backward() starts from a 0-d ones tensor, made before autograd runs",
+                     category=ACTIVATIONS),
+                Made("grad/logits", logits, "the loss's fp32 gradient is the saved softmax, changed in place; autograd"
+                     " casts it to bf16"))),),
+            saves=loss_kept)
+        return (final_norm, *output_layer, loss)
 
 
 # Megatron's cross-entropy at its widest (core/tensor_parallel/cross_entropy.py): per-token vectors beside the

@@ -45,7 +45,7 @@ def layer_ops(
         backward.append(row_parallel(z, "mlp.fc2", ledger.FC2_IN, grad, OUTPUT_GRAD, z.f_t, "grad/fc2 input"))
         grad, width = activation(backward, config, z, "mlp", "...", megatron.DENSE_ACT, z.b * z.s, z.f_t,
                                  "grad/fc2 input", "grad/gelu input")
-        grad = _column_parallel(backward, z, "mlp.fc1", ledger.FC1_IN, grad, width,
+        grad = column_parallel(backward, z, "mlp.fc1", ledger.FC1_IN, grad, width,
                                 width if config.add_bias_linear else 0, "grad/fc1 input")
     mid = "grad/ln2 input"  # the residual stream's gradient between the two halves
     backward.append(_norm(z, "ln2", ledger.LN2, grad, () if full else (OUTPUT_GRAD,), mid))
@@ -56,7 +56,7 @@ def layer_ops(
         backward.append(row_parallel(z, "attention.proj", ledger.PROJ_IN, grad, mid, z.h_t, "grad/proj input"))
         _attention(backward, config, z, "grad/proj input", has)
         qkv_bias = z.qkv_t if config.add_bias_linear or config.add_qkv_bias else 0
-        grad = _column_parallel(backward, z, "attention.qkv", ledger.QKV_IN, "grad/qkv output", z.qkv_t, qkv_bias,
+        grad = column_parallel(backward, z, "attention.qkv", ledger.QKV_IN, "grad/qkv output", z.qkv_t, qkv_bias,
                                 "grad/qkv input")
     backward.append(_norm(z, "ln1", ledger.LN1, grad, (mid,), INPUT_GRAD))
     if config.moe:  # the experts' widest forward moment first, then the layer's end
@@ -134,15 +134,16 @@ def _dropout(ops: list[Op], z: Sizes, mask: SavedTensor, what: str, grad: str, h
     return branch
 
 
-def _column_parallel(ops: list[Op], z: Sizes, where: str, x: SavedTensor, grad: str, width: int, bias: int,
-                     dx: str) -> str:
-    """QKV or fc1 (`width` outputs): dX, dW and the bias's gradient beside dY, then the saved input goes; under SP
-    the input is all-gathered again and dX reduce-scattered; under TP without SP, f's backward all-reduces dX into a
-    copy (the input of an autograd op is never changed). Returns dX's name."""
-    dw, db = f"grad/{where} weight", f"grad/{where} bias"
-    weights = (Made(dw, z.act * width * z.h, WGRAD),
-               *((Made(db, z.act * bias, "the bias's gradient, dY summed over tokens"),) if bias else ()))
-    handed = tuple(x.name for x in weights)
+def column_parallel(ops: list[Op], z: Sizes, where: str, x: SavedTensor, grad: str, width: int, bias: int,
+                    dx: str, tied: Made | None = None) -> str:
+    """QKV, fc1 or the output layer (`width` outputs): dX, dW and the bias's gradient beside dY, then the saved input
+    goes; under SP the input is all-gathered again and dX reduce-scattered; under TP without SP, f's backward
+    all-reduces dX into a copy (the input of an autograd op is never changed). `tied`: the gradient of a weight
+    shared with the embedding, which autograd keeps (not handed over) until the other use's is added. Returns dX's
+    name."""
+    bias_grad = Made(f"grad/{where} bias", z.act * bias, "the bias's gradient, dY summed over tokens")
+    weights = (tied or Made(f"grad/{where} weight", z.act * width * z.h, WGRAD), *((bias_grad,) if bias else ()))
+    handed = tuple(x.name for x in weights if x is not tied)
     if z.sp:  # memcalc.probe.linear._GatheredInputLinear
         gathered, partial = f"grad/{where} input gathered", f"grad/{where} partial dX"
         ops.append(backward_only(
