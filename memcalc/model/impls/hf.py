@@ -760,117 +760,119 @@ def sandwich_norms(knobs: Any) -> tuple[tuple[SavedTensor, ...], tuple[SavedTens
 
 
 def check(knobs: Any) -> None:
-    """The knob values transformers' layers (memcalc.model.families.FAMILIES) run; ConfigError for the rest."""
+    """The knob values transformers' layers (memcalc.model.families.FAMILIES) run; ConfigError for the rest: the
+    family's own (`check_family`), then `_REFUSED`'s in order."""
     layers = [f for f in FAMILIES.values() if f.runs_as is None]
     if not any(f.norm == knobs.norm and knobs.mlp in f.mlps for f in layers):
         runs = ", ".join(f"{f.norm} + {'/'.join(f.mlps)} ({f.layer})" for f in layers)
         raise ConfigError(f"impl hf: no transformers layer has norm {knobs.norm} with mlp {knobs.mlp}; it runs {runs}")
     check_family(knobs)
-    _check_neox(knobs)
-    _check_gemma2(knobs)
-    if knobs.recompute not in ("none", "full"):
-        raise ConfigError(f"impl hf: transformers has no {knobs.recompute} recomputation; use recompute none or full"
-                          " (its gradient checkpointing)")
-    if knobs.gqa and not is_llama(knobs) and not is_starcoder2(knobs) \
-            and not (is_falcon(knobs) and (knobs.num_query_groups == 1 or knobs.fused_qkv)):
-        raise ConfigError(f"impl hf: {layer_family(knobs).layer} has no grouped-query attention (FalconDecoderLayer:"
-                          " multi_query, num_query_groups 1, or new_decoder_architecture's groups with fused_qkv);"
-                          " leave num_query_groups unset")
-    _check_falcon(knobs)
-    _check_bloom(knobs)
-    if knobs.bias_activation_fusion:
-        raise ConfigError("impl hf: bias_activation_fusion is Megatron's fused kernel; transformers has none")
-    if knobs.moe_expert_capacity_factor is not None:
-        raise ConfigError("impl hf: transformers' Mixtral and Qwen MoE blocks drop no tokens; leave"
-                          " moe_expert_capacity_factor unset")
-    if knobs.moe_token_dispatcher_type != "alltoall":
-        raise ConfigError(f"impl hf: moe_token_dispatcher_type {knobs.moe_token_dispatcher_type} is Megatron's;"
-                          " transformers' MoE blocks loop over their experts on one rank (leave it alltoall)")
-    if knobs.moe_aux_loss:
-        raise ConfigError("impl hf: the load-balancing loss is computed outside the decoder layer, from every layer's"
-                          " router logits; moe_aux_loss is not modelled for hf")
-    if knobs.moe_router_score_function == "sigmoid" and not knobs.mla:
-        raise ConfigError("impl hf: the sigmoid router is DeepseekV3MoE's, which transformers builds with latent"
-                          " attention (kv_lora_rank); Mixtral's and Qwen2-MoE's routers use softmax")
-    if knobs.moe_first_dense_layers and not knobs.mla:
-        raise ConfigError("impl hf: moe_first_dense_layers is DeepSeek-V3's first_k_dense_replace (with"
-                          " kv_lora_rank); Mixtral's and Qwen2-MoE's layers have no such field")
-    if knobs.moe and not knobs.moe_shared_expert_intermediate_size and not knobs.mla and not knobs.qk_layernorm \
-            and not is_gpt_oss(knobs):
-        _check_mixtral(knobs)
-    _check_gpt_oss(knobs)
-    if not is_llama(knobs) and knobs.head_dim_set:  # heads of h/a in the LayerNorm layers
-        raise ConfigError(f"impl hf: {layer_family(knobs).layer} has no kv_channels (head_dim); Llama-family layers"
-                          " (norm rmsnorm, mlp swiglu) do")
-    check_latent(knobs)
+    for refused, message in _REFUSED:
+        if refused(knobs):
+            raise ConfigError(f"impl hf: {message(knobs) if callable(message) else message}")
 
 
-def _check_neox(knobs: Any) -> None:
-    """A rotary share in (0, 1]; GPT-NeoX's and Phi-3's fused outputs are measured under eager attention only."""
-    if knobs.rotary_percent is not None and not 0 < knobs.rotary_percent <= 1:
-        raise ConfigError(f"impl hf: rotary_percent={knobs.rotary_percent} must be in (0, 1] (a share of each head)")
-    if (is_neox(knobs) or is_phi3(knobs)) and knobs.attention == "flash":
-        raise ConfigError(f"impl hf: {layer_family(knobs).layer} under sdpa is not modelled: SDPA keeps V as the fused"
-                          f" {'query_key_value' if is_neox(knobs) else 'qkv_proj'} output it views, and where its"
-                          " output lies depends on the device's kernel (measured on a CPU only); use attention eager")
+def _is_mixtral(knobs: Any) -> bool:
+    """Without shared experts, latent attention or q/k norms a MoE layer is MixtralDecoderLayer (gpt-oss's aside)."""
+    return knobs.moe and not knobs.moe_shared_expert_intermediate_size and not knobs.mla and not knobs.qk_layernorm \
+        and not is_gpt_oss(knobs)
 
 
-def _check_gpt_oss(knobs: Any) -> None:
-    """attention_sinks and mlp swiglu_clamped are GptOssDecoderLayer's: GptOssRMSNorm (norm rmsnorm_fp32w) before the
-    attention and the MLP, every layer sparse with GptOssTopKRouter's softmax over the k chosen logits, eager
-    attention (its dropout drops the first s columns of the softmax's output out: the paper's mask and output)."""
-    if not is_gpt_oss(knobs):
-        return
-    if not knobs.moe:
-        raise ConfigError("impl hf: every GptOssDecoderLayer is sparse: set num_experts")
-    if knobs.attention != "eager":
-        raise ConfigError("impl hf: GptOssDecoderLayer runs eager attention only: GptOssPreTrainedModel has"
-                          " _supports_sdpa False (transformers refuses sdpa), and its flash path needs hub kernels that"
-                          " take the sinks (vllm-flash-attn3), which memcalc has not measured; use attention eager")
-    if knobs.moe_router_pre_softmax or knobs.moe_layer_freq != 1:
-        raise ConfigError("impl hf: GptOssTopKRouter softmaxes the k chosen logits (the top k renormalised: leave"
-                          " moe_router_pre_softmax unset) and every GptOssDecoderLayer is sparse (moe_layer_freq 1)")
-
-
-def _check_falcon(knobs: Any) -> None:
-    """FalconDecoderLayer (parallel_attn, no ALiBi) as measured: the first layout (Falcon-7B's) with its one norm,
-    eager; new_decoder_architecture (fused_qkv) eager and sdpa; no dropout."""
-    if not is_falcon(knobs):
-        return
-    if not knobs.single_norm and not knobs.fused_qkv:
-        raise ConfigError("impl hf: FalconDecoderLayer's first layout (Falcon-7B's) has one input_layernorm: set"
-                          " single_norm (ln_attn and ln_mlp are new_decoder_architecture's: set fused_qkv)")
-    if knobs.attention == "flash" and not knobs.fused_qkv:
-        raise ConfigError("impl hf: FalconDecoderLayer's first layout under sdpa is not modelled (memcalc has"
-                          " measured its eager path only); use attention eager")
-    if knobs.has_dropout:
-        raise ConfigError(f"impl hf: dropout {knobs.dropout} in FalconDecoderLayer is not modelled (hidden_dropout on"
-                          " the summed output; the rotary attention drops nothing out); use dropout 0")
-
-
-def _check_bloom(knobs: Any) -> None:
-    """ALiBi is BloomBlock's: GPT-2's LayerNorm block with tanh GELU, no RoPE, eager (BloomAttention has one path)."""
-    if not knobs.alibi:
-        return
-    h = getattr(knobs, "h", None)  # a config's (a knob set alone has no sizes)
-    if knobs.ffn_hidden_size is not None and h is not None and knobs.ffn_hidden_size != 4 * h:
-        raise ConfigError(f"impl hf: BloomMLP is 4h wide (4 * {h}); ffn_hidden_size={knobs.ffn_hidden_size} is not"
-                          " BLOOM's")
-    if knobs.attention == "flash":
-        raise ConfigError("impl hf: BloomAttention has no sdpa path (baddbmm with the ALiBi bias, an fp32 softmax);"
-                          " use attention eager")
-
-
-def _check_gemma2(knobs: Any) -> None:
-    """Gemma 2's sandwich norms are GemmaRMSNorm's (norm rmsnorm_1p); its soft-capping runs in eager attention only
-    (SDPA's kernels take no softcap)."""
-    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if getattr(knobs, name) is not None and (not knobs.sandwich_norm or knobs.norm != "rmsnorm_1p"):
-            raise ConfigError(f"impl hf: {name} is Gemma 2's (Gemma2ForCausalLM: set sandwich_norm and norm"
-                              " rmsnorm_1p)")
-    if knobs.attn_logit_softcapping is not None and knobs.attention != "eager":
-        raise ConfigError("impl hf: attn_logit_softcapping runs in eager attention only (SDPA takes no softcap); use"
-                          " attention eager")
+# (refused, message) for `check`, in order; a message that names knob values is a function of the knobs.
+_REFUSED: tuple[tuple[Callable[[Any], bool], str | Callable[[Any], str]], ...] = (
+    # a rotary share in (0, 1]; GPT-NeoX's and Phi-3's fused outputs are measured under eager attention only
+    (lambda k: k.rotary_percent is not None and not 0 < k.rotary_percent <= 1,
+     lambda k: f"rotary_percent={k.rotary_percent} must be in (0, 1] (a share of each head)"),
+    (lambda k: (is_neox(k) or is_phi3(k)) and k.attention == "flash",
+     lambda k: f"{layer_family(k).layer} under sdpa is not modelled: SDPA keeps V as the fused"
+               f" {'query_key_value' if is_neox(k) else 'qkv_proj'} output it views, and where its"
+               " output lies depends on the device's kernel (measured on a CPU only); use attention eager"),
+    # Gemma 2's sandwich norms are GemmaRMSNorm's (norm rmsnorm_1p); its soft-capping runs in eager attention only
+    # (SDPA's kernels take no softcap)
+    *((lambda k, name=name: getattr(k, name) is not None and (not k.sandwich_norm or k.norm != "rmsnorm_1p"),
+       f"{name} is Gemma 2's (Gemma2ForCausalLM: set sandwich_norm and norm rmsnorm_1p)")
+      for name in ("attn_logit_softcapping", "final_logit_softcapping")),
+    (lambda k: k.attn_logit_softcapping is not None and k.attention != "eager",
+     "attn_logit_softcapping runs in eager attention only (SDPA takes no softcap); use attention eager"),
+    (lambda k: k.recompute not in ("none", "full"),
+     lambda k: f"transformers has no {k.recompute} recomputation; use recompute none or full (its gradient"
+               " checkpointing)"),
+    (lambda k: k.gqa and not is_llama(k) and not is_starcoder2(k)
+     and not (is_falcon(k) and (k.num_query_groups == 1 or k.fused_qkv)),
+     lambda k: f"{layer_family(k).layer} has no grouped-query attention (FalconDecoderLayer: multi_query,"
+               " num_query_groups 1, or new_decoder_architecture's groups with fused_qkv); leave num_query_groups"
+               " unset"),
+    # FalconDecoderLayer (parallel_attn, no ALiBi) as measured: the first layout (Falcon-7B's) with its one norm,
+    # eager; new_decoder_architecture (fused_qkv) eager and sdpa; no dropout
+    (lambda k: is_falcon(k) and not k.single_norm and not k.fused_qkv,
+     "FalconDecoderLayer's first layout (Falcon-7B's) has one input_layernorm: set single_norm (ln_attn and ln_mlp are"
+     " new_decoder_architecture's: set fused_qkv)"),
+    (lambda k: is_falcon(k) and k.attention == "flash" and not k.fused_qkv,
+     "FalconDecoderLayer's first layout under sdpa is not modelled (memcalc has measured its eager path only); use"
+     " attention eager"),
+    (lambda k: is_falcon(k) and k.has_dropout,
+     lambda k: f"dropout {k.dropout} in FalconDecoderLayer is not modelled (hidden_dropout on the summed output; the"
+               " rotary attention drops nothing out); use dropout 0"),
+    # ALiBi is BloomBlock's: GPT-2's LayerNorm block with tanh GELU, no RoPE, eager (BloomAttention has one path); a
+    # config's h (a knob set alone has no sizes)
+    (lambda k: k.alibi and k.ffn_hidden_size is not None and getattr(k, "h", None) is not None
+     and k.ffn_hidden_size != 4 * k.h,
+     lambda k: f"BloomMLP is 4h wide (4 * {k.h}); ffn_hidden_size={k.ffn_hidden_size} is not BLOOM's"),
+    (lambda k: k.alibi and k.attention == "flash",
+     "BloomAttention has no sdpa path (baddbmm with the ALiBi bias, an fp32 softmax); use attention eager"),
+    (lambda k: k.bias_activation_fusion, "bias_activation_fusion is Megatron's fused kernel; transformers has none"),
+    (lambda k: k.moe_expert_capacity_factor is not None,
+     "transformers' Mixtral and Qwen MoE blocks drop no tokens; leave moe_expert_capacity_factor unset"),
+    (lambda k: k.moe_token_dispatcher_type != "alltoall",
+     lambda k: f"moe_token_dispatcher_type {k.moe_token_dispatcher_type} is Megatron's; transformers' MoE blocks loop"
+               " over their experts on one rank (leave it alltoall)"),
+    (lambda k: k.moe_aux_loss,
+     "the load-balancing loss is computed outside the decoder layer, from every layer's router logits; moe_aux_loss is"
+     " not modelled for hf"),
+    (lambda k: k.moe_router_score_function == "sigmoid" and not k.mla,
+     "the sigmoid router is DeepseekV3MoE's, which transformers builds with latent attention (kv_lora_rank); Mixtral's"
+     " and Qwen2-MoE's routers use softmax"),
+    (lambda k: k.moe_first_dense_layers and not k.mla,
+     "moe_first_dense_layers is DeepSeek-V3's first_k_dense_replace (with kv_lora_rank); Mixtral's and Qwen2-MoE's"
+     " layers have no such field"),
+    # MixtralDecoderLayer: every layer MoE, the top k renormalised
+    (lambda k: _is_mixtral(k) and k.moe_router_pre_softmax,
+     "MixtralSparseMoeBlock always renormalises the top-k probabilities; moe_router_pre_softmax is Qwen2-MoE's"
+     " norm_topk_prob false (a block with shared experts)"),
+    (lambda k: _is_mixtral(k) and k.moe_layer_freq != 1,
+     lambda k: f"moe_layer_freq={k.moe_layer_freq} is Qwen2-MoE's decoder_sparse_step (a block with shared experts);"
+               " every MixtralDecoderLayer is a MoE layer"),
+    # attention_sinks and mlp swiglu_clamped are GptOssDecoderLayer's: GptOssRMSNorm (norm rmsnorm_fp32w) before the
+    # attention and the MLP, every layer sparse with GptOssTopKRouter's softmax over the k chosen logits, eager
+    # attention (its dropout drops the first s columns of the softmax's output out: the paper's mask and output)
+    (lambda k: is_gpt_oss(k) and not k.moe, "every GptOssDecoderLayer is sparse: set num_experts"),
+    (lambda k: is_gpt_oss(k) and k.attention != "eager",
+     "GptOssDecoderLayer runs eager attention only: GptOssPreTrainedModel has _supports_sdpa False (transformers"
+     " refuses sdpa), and its flash path needs hub kernels that take the sinks (vllm-flash-attn3), which memcalc has"
+     " not measured; use attention eager"),
+    (lambda k: is_gpt_oss(k) and (k.moe_router_pre_softmax or k.moe_layer_freq != 1),
+     "GptOssTopKRouter softmaxes the k chosen logits (the top k renormalised: leave moe_router_pre_softmax unset) and"
+     " every GptOssDecoderLayer is sparse (moe_layer_freq 1)"),
+    (lambda k: not is_llama(k) and k.head_dim_set,  # heads of h/a in the LayerNorm layers
+     lambda k: f"{layer_family(k).layer} has no kv_channels (head_dim); Llama-family layers (norm rmsnorm, mlp swiglu)"
+               " do"),
+    # DeepseekV3MoE: a sigmoid router, n_shared_experts shared experts of the experts' width, every layer past
+    # first_k_dense_replace sparse; its SDPA path is not modelled (see the error)
+    (lambda k: k.mla and k.moe and k.moe_router_score_function != "sigmoid",
+     "DeepseekV3TopkRouter scores with sigmoid; set moe_router_score_function sigmoid"),
+    (lambda k: k.mla and k.moe and (not k.moe_shared_expert_intermediate_size or k.moe_ffn_hidden_size is None
+                                    or k.moe_shared_expert_intermediate_size % k.moe_ffn_hidden_size),
+     lambda k: f"DeepseekV3MoE's shared experts are n_shared_experts of moe_intermediate_size:"
+               f" moe_shared_expert_intermediate_size={k.moe_shared_expert_intermediate_size} must be a multiple of"
+               f" moe_ffn_hidden_size={k.moe_ffn_hidden_size}"),
+    (lambda k: k.mla and k.moe and k.moe_layer_freq != 1,
+     lambda k: f"moe_layer_freq={k.moe_layer_freq}: transformers' DeepseekV3DecoderLayer is sparse at every layer past"
+               " first_k_dense_replace (moe_first_dense_layers)"),
+    (lambda k: k.mla and k.attention == "flash",
+     "with kv_lora_rank, SDPA gets query/key heads of qk_nope+qk_rope channels and values of v_head_dim, so its flash"
+     " kernel does not run (CPU: the fp32 math kernel, CUDA: memory-efficient attention), which memcalc does not"
+     " model; use attention eager"),
+)
 
 
 def check_sizes(config: Any) -> None:
@@ -915,43 +917,6 @@ def _check_rotary(config: Any) -> None:
     if d_r == config.head_dim and d_r % 2:
         raise ConfigError(f"impl hf: RoPE on whole heads needs an even head width: d = {config.head_dim} is odd"
                           " (transformers' rotate_half rotates channel pairs)")
-
-
-def _check_mixtral(knobs: Any) -> None:
-    """Without shared experts the layer is MixtralDecoderLayer: every layer MoE, the top k renormalised."""
-    if knobs.moe_router_pre_softmax:
-        raise ConfigError("impl hf: MixtralSparseMoeBlock always renormalises the top-k probabilities;"
-                          " moe_router_pre_softmax is Qwen2-MoE's norm_topk_prob false (a block with shared experts)")
-    if knobs.moe_layer_freq != 1:
-        raise ConfigError(f"impl hf: moe_layer_freq={knobs.moe_layer_freq} is Qwen2-MoE's decoder_sparse_step (a"
-                          " block with shared experts); every MixtralDecoderLayer is a MoE layer")
-
-
-def check_latent(knobs: Any) -> None:
-    """DeepseekV3DecoderLayer's MoE block as modelled; its SDPA path is not (see the errors)."""
-    if not knobs.mla:
-        return
-    if knobs.moe:
-        _check_deepseek_moe(knobs)
-    if knobs.attention == "flash":
-        raise ConfigError("impl hf: with kv_lora_rank, SDPA gets query/key heads of qk_nope+qk_rope channels and"
-                          " values of v_head_dim, so its flash kernel does not run (CPU: the fp32 math kernel,"
-                          " CUDA: memory-efficient attention), which memcalc does not model; use attention eager")
-
-
-def _check_deepseek_moe(knobs: Any) -> None:
-    """DeepseekV3MoE: a sigmoid router, n_shared_experts shared experts of the experts' width, every layer past
-    first_k_dense_replace sparse."""
-    if knobs.moe_router_score_function != "sigmoid":
-        raise ConfigError("impl hf: DeepseekV3TopkRouter scores with sigmoid; set moe_router_score_function sigmoid")
-    width, shared = knobs.moe_ffn_hidden_size, knobs.moe_shared_expert_intermediate_size
-    if not shared or width is None or shared % width:
-        raise ConfigError(f"impl hf: DeepseekV3MoE's shared experts are n_shared_experts of moe_intermediate_size:"
-                          f" moe_shared_expert_intermediate_size={shared} must be a multiple of moe_ffn_hidden_size"
-                          f"={width}")
-    if knobs.moe_layer_freq != 1:
-        raise ConfigError(f"impl hf: moe_layer_freq={knobs.moe_layer_freq}: transformers' DeepseekV3DecoderLayer is"
-                          " sparse at every layer past first_k_dense_replace (moe_first_dense_layers)")
 
 
 _TP_SOURCE, _OWN_LIMIT = "transformers 5.24", "memcalc's own limit, not the library's"

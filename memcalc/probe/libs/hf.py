@@ -444,11 +444,11 @@ def _gpt_oss_rules(config: ModelConfig) -> tuple[Rule, ...]:
     logits; the experts' clamped GLU."""
     flat = _batch(config.b)
     return (
-        *_olmo2_norm_rules("input_layernorm", rules.GPT_OSS_LN1),
+        *_norm_rules("rmsnorm_fp32w", "input_layernorm", rules.GPT_OSS_LN1),
         *_llama_attention_rules(config),
         Rule("self_attn", "max", rules.SINK_MAX_INDICES, view=_kept("MaxBackward0", "_saved_indices", then=_stats)),
         Rule("self_attn", "softmax", rules.SINK_SOFTMAX),
-        *_olmo2_norm_rules("post_attention_layernorm", rules.GPT_OSS_LN2),
+        *_norm_rules("rmsnorm_fp32w", "post_attention_layernorm", rules.GPT_OSS_LN2),
         Rule("mlp.router", "linear", ledger.MOE_IN, arg=0, view=flat),
         Rule("mlp.router", "topk", ledger.ROUTER_TOPK_INDICES,
              view=_kept("TopkBackward0", "_saved_indices", then=flat)),
@@ -498,111 +498,82 @@ def _glm_rules(config: ModelConfig) -> tuple[Rule, ...]:
         Rule("mlp.gate_up_proj", "forward", _DENSE_GATE_UP),  # under tp the gathered output (colwise_gather_output)
         Rule("mlp.activation_fn", "silu", ledger.SWIGLU_SILU_OUT),
         Rule("mlp.down_proj", "linear", ledger.FC2_IN, arg=0),
-        *_rms_rules("post_self_attn_layernorm", rules.GLM_POST_ATTN),
-        *_rms_rules("post_mlp_layernorm", rules.GLM_POST_MLP),
+        *_norm_rules("rmsnorm", "post_self_attn_layernorm", rules.GLM_POST_ATTN),
+        *_norm_rules("rmsnorm", "post_mlp_layernorm", rules.GLM_POST_MLP),
     )
 
 
-def _rms_rules(module: str, norm: ledger.RMSNormTensors, view: Callable[[Any], Any] | None = None) -> tuple[Rule, ...]:
-    """LlamaRMSNorm's three; `view` the per-head one's axes (b, s, heads, ...) as the ledger's (b, heads, s, ...)."""
-    return (
-        Rule(module, "to", norm.input_fp32, nth=0, view=view),  # hidden_states.to(torch.float32)
-        Rule(module, "rsqrt", norm.rstd, view=lambda x: view(_stats(x)) if view else _stats(x)),
-        Rule(module, "to", norm.normed, nth=1, view=view),  # hidden_states.to(input_dtype)
-    )
+_LAYER_NORM = (("layer_norm", 0, "input", None), ("layer_norm", 0, "mean", "mean"), ("layer_norm", 0, "rstd", "rstd"))
+# What each norm's code keeps, by memcalc's norm kind: (function, nth, the norm's field, view), the view "axes" a
+# per-head norm's (b, s, heads, ...) as the ledger's axes, "stats" (b, s, 1) statistics as (b, s).
+_NORM_CODE = {
+    # LlamaRMSNorm: hidden_states.to(torch.float32), rsqrt's output, hidden_states.to(input_dtype)
+    "rmsnorm": (("to", 0, "input_fp32", "axes"), ("rsqrt", 0, "rstd", "stats, axes"), ("to", 1, "normed", "axes")),
+    # Olmo2RMSNorm: x * rsqrt(.), the first product, which the fp32 weight * (.) keeps; a token's one statistic also
+    # where its q and k norms span the whole (b, s, heads * d)
+    "rmsnorm_fp32w": (("to", 0, "input_fp32", "axes"), ("rsqrt", 0, "rstd", "stats"),
+                      ("mul", 0, "normed_fp32", "axes")),
+    # GemmaRMSNorm: x.float(), 1.0 + weight.float() (the second add, after + eps), the fp32 product x * rsqrt(.)
+    "rmsnorm_1p": (("float", 0, "input_fp32", None), ("rsqrt", 0, "rstd", "stats"), ("add", 1, "weight_plus_one", None),
+                   ("mul", 0, "normed_fp32", None)),
+    # CohereLayerNorm: the two x - mean (pow(2)'s, then the product's), weight.to(float32) (the second .to, after
+    # x's), and (x - mean) * rsqrt(.), which weight * (.) keeps
+    "layernorm_nb": (("sub", 0, "centred_pow", "axes"), ("sub", 1, "centred_mul", "axes"),
+                     ("rsqrt", 0, "rstd", "stats, axes"), ("to", 1, "weight_fp32", None),
+                     ("mul", 0, "normed_fp32", "axes")),
+    "layernorm": _LAYER_NORM, "layernorm_np": _LAYER_NORM,  # torch's layer_norm (OLMo's weightless one too)
+}
+# A Llama-family layer's norms by kind: (module, tensors) before its attention and after it, and its q_norm's and
+# k_norm's tensors (Qwen3's kind where the kind has none of its own)
+_LLAMA_NORMS = {
+    "rmsnorm": ((("input_layernorm", rules.LN1_RMS),), (("post_attention_layernorm", rules.LN2_RMS),),
+                (rules.Q_NORM_RMS, rules.K_NORM_RMS)),
+    "rmsnorm_1p": ((("input_layernorm", rules.GEMMA_LN1),), (("post_attention_layernorm", rules.GEMMA_LN2),),
+                   (rules.GEMMA_Q_NORM, rules.GEMMA_K_NORM)),
+    # OLMo 2: no norm before the attention or the MLP, one after each
+    "rmsnorm_fp32w": ((), (("post_attention_layernorm", rules.OLMO2_ATTN_OUT),
+                           ("post_feedforward_layernorm", rules.OLMO2_MLP_OUT)),
+                      (rules.OLMO2_Q_NORM, rules.OLMO2_K_NORM)),
+    # Cohere: one norm, read by the attention and the MLP
+    "layernorm_nb": ((("input_layernorm", rules.COHERE_LN1),), (), (rules.COHERE_Q_NORM, rules.COHERE_K_NORM)),
+    "layernorm_np": ((("input_layernorm", rules.OLMO_LN1),), (("post_attention_layernorm", rules.OLMO_LN2),), None),
+}
+# Gemma 2's sandwich: post_attention_layernorm on the attention's output, pre_feedforward_layernorm before the MLP,
+# post_feedforward_layernorm after it
+_GEMMA2_AFTER = (("post_attention_layernorm", rules.GEMMA_POST_ATTN), ("pre_feedforward_layernorm", rules.GEMMA_LN2),
+                 ("post_feedforward_layernorm", rules.GEMMA_POST_MLP))
+
+
+def _norm_rules(kind: str, module: str, norm: Any, axes: Callable[[Any], Any] | None = None) -> tuple[Rule, ...]:
+    """What a norm of `kind` in `module` keeps (_NORM_CODE): `norm`'s tensors, a LayerNorm's input its argument."""
+    views = {None: None, "axes": axes, "stats": _stats, "stats, axes": (lambda x: axes(_stats(x))) if axes else _stats,
+             "mean": _kept("NativeLayerNormBackward0", "_saved_result1", then=_stats),
+             "rstd": _kept("NativeLayerNormBackward0", "_saved_result2", then=_stats)}
+    return tuple(Rule(module, function, getattr(norm, field), nth=nth, arg=0 if field == "input" else None,
+                      view=views[view]) for function, nth, field, view in _NORM_CODE[kind])
 
 
 def _llama_norm_rules(config: ModelConfig) -> tuple[tuple[Rule, ...], tuple[Rule, ...]]:
-    """A Llama-family layer's norms before and after its attention: LlamaRMSNorm's, Gemma's or OLMo's."""
-    if config.norm == "rmsnorm_1p":
-        return _gemma_norm_rules("input_layernorm", rules.GEMMA_LN1), _gemma_rules(config)
-    if config.norm == "rmsnorm_fp32w":  # OLMo 2: no norm before the attention or the MLP, one after each
-        return (), (*_olmo2_norm_rules("post_attention_layernorm", rules.OLMO2_ATTN_OUT),
-                    *_olmo2_norm_rules("post_feedforward_layernorm", rules.OLMO2_MLP_OUT))
-    if rules.is_cohere(config):  # one norm, read by the attention and the MLP
-        return _cohere_norm_rules("input_layernorm", rules.COHERE_LN1), ()
-    if config.norm == "layernorm_np":
-        return (_layer_norm_rules("input_layernorm", rules.OLMO_LN1),
-                _layer_norm_rules("post_attention_layernorm", rules.OLMO_LN2))
-    return _rms_rules("input_layernorm", rules.LN1_RMS), _rms_rules("post_attention_layernorm", rules.LN2_RMS)
+    """A Llama-family layer's norms before and after its attention (_LLAMA_NORMS), Gemma 2's sandwich after it."""
+    before, after, _ = _LLAMA_NORMS[config.norm]
+    if config.norm == "rmsnorm_1p" and config.sandwich_norm:
+        after = _GEMMA2_AFTER
+    return tuple(tuple(r for module, norm in norms for r in _norm_rules(config.norm, module, norm))
+                 for norms in (before, after))
 
 
 def _qk_norm_rules(config: ModelConfig) -> tuple[Rule, ...]:
-    """Qwen3's q_norm and k_norm (LlamaRMSNorm's code on (b, s, heads, d)), or Gemma 3's (GemmaRMSNorm's code on
-    each head of the transposed (b, heads, s, d) q and k)."""
-    if config.norm == "rmsnorm_fp32w":  # OLMo 2's, over q_proj's and k_proj's whole (b, s, heads * d) outputs
-        heads = _head_columns(config.head_dim)
-        return (*_olmo2_norm_rules("self_attn.q_norm", rules.OLMO2_Q_NORM, heads),
-                *_olmo2_norm_rules("self_attn.k_norm", rules.OLMO2_K_NORM, heads))
-    if rules.is_cohere(config):  # use_qk_norm: CohereLayerNorm on (b, s, heads, d)
-        return (*_cohere_norm_rules("self_attn.q_norm", rules.COHERE_Q_NORM, _per_head),
-                *_cohere_norm_rules("self_attn.k_norm", rules.COHERE_K_NORM, _per_head))
-    if config.norm == "rmsnorm_1p":
-        return (*_gemma_norm_rules("self_attn.q_norm", rules.GEMMA_Q_NORM),
-                *_gemma_norm_rules("self_attn.k_norm", rules.GEMMA_K_NORM))
-    return (*_rms_rules("self_attn.q_norm", rules.Q_NORM_RMS, _per_head),
-            *_rms_rules("self_attn.k_norm", rules.K_NORM_RMS, _per_head))
-
-
-def _gemma_rules(config: ModelConfig) -> tuple[Rule, ...]:
-    """Gemma's norm before the MLP (post_attention_layernorm), or Gemma 2's sandwich: post_attention_layernorm on
-    the attention's output, pre_feedforward_layernorm before the MLP, post_feedforward_layernorm after it."""
-    if not config.sandwich_norm:
-        return _gemma_norm_rules("post_attention_layernorm", rules.GEMMA_LN2)
-    return (*_gemma_norm_rules("post_attention_layernorm", rules.GEMMA_POST_ATTN),
-            *_gemma_norm_rules("pre_feedforward_layernorm", rules.GEMMA_LN2),
-            *_gemma_norm_rules("post_feedforward_layernorm", rules.GEMMA_POST_MLP))
-
-
-def _olmo2_norm_rules(module: str, norm: ledger.RMSNormTensors, view: Callable[[Any], Any] | None = None
-                      ) -> tuple[Rule, ...]:
-    """Olmo2RMSNorm's three: x.to(float32), rsqrt's output, and x * rsqrt(.) (the first product), which the fp32
-    weight * (.) keeps; `view` the whole-width q/k norm's (b, s, heads * d) as (b, s, heads, d)."""
-    then = view or (lambda x: x)
-    return (
-        Rule(module, "to", norm.input_fp32, nth=0, view=then),
-        Rule(module, "rsqrt", norm.rstd, view=_stats),
-        Rule(module, "mul", norm.normed_fp32, nth=0, view=then),
-    )
-
-
-def _cohere_norm_rules(module: str, norm: rules.CohereNormTensors, view: Callable[[Any], Any] | None = None
-                       ) -> tuple[Rule, ...]:
-    """CohereLayerNorm's five: the two x - mean (pow(2)'s, then the product's), rsqrt's output, weight.to(float32)
-    (the second .to, after x's), and (x - mean) * rsqrt(.), which weight * (.) keeps; `view` the per-head norm's
-    (b, s, heads, ...) as (b, heads, s, ...)."""
-    then = view or (lambda x: x)
-    return (
-        Rule(module, "sub", norm.centred_pow, nth=0, view=then),
-        Rule(module, "sub", norm.centred_mul, nth=1, view=then),
-        Rule(module, "rsqrt", norm.rstd, view=lambda x: then(_stats(x))),
-        Rule(module, "to", norm.weight_fp32, nth=1),
-        Rule(module, "mul", norm.normed_fp32, nth=0, view=then),
-    )
-
-
-def _gemma_norm_rules(module: str, norm: ledger.RMSNormTensors) -> tuple[Rule, ...]:
-    """GemmaRMSNorm's four: x.float(), rsqrt's output, 1.0 + weight.float() (the second add, after + eps), and the
-    fp32 product x * rsqrt(.)."""
-    return (
-        Rule(module, "float", norm.input_fp32, nth=0),
-        Rule(module, "rsqrt", norm.rstd, view=_stats),
-        Rule(module, "add", norm.weight_plus_one, nth=1),
-        Rule(module, "mul", norm.normed_fp32, nth=0),
-    )
+    """q_norm and k_norm: Qwen3's and Cohere's on (b, s, heads, d), OLMo 2's over q_proj's and k_proj's whole
+    (b, s, heads * d) outputs, Gemma 3's on each head of the transposed (b, heads, s, d) q and k."""
+    kind = config.norm if _LLAMA_NORMS.get(config.norm, (0, 0, None))[2] else "rmsnorm"
+    axes = {"rmsnorm_fp32w": _head_columns(config.head_dim), "rmsnorm_1p": None}.get(kind, _per_head)
+    q, k = _LLAMA_NORMS[kind][2]
+    return (*_norm_rules(kind, "self_attn.q_norm", q, axes), *_norm_rules(kind, "self_attn.k_norm", k, axes))
 
 
 def _per_head(x: Any) -> Any:
     """(b, s, heads, ...) as (b, heads, s, ...)."""
     return x.transpose(1, 2)
-
-
-def _layer_norm_rules(module: str, norm: ledger.NormTensors) -> tuple[Rule, ...]:
-    return (
-        Rule(module, "layer_norm", norm.input, arg=0),
-        Rule(module, "layer_norm", norm.mean, view=_kept("NativeLayerNormBackward0", "_saved_result1", then=_stats)),
-        Rule(module, "layer_norm", norm.rstd, view=_kept("NativeLayerNormBackward0", "_saved_result2", then=_stats)),
-    )
 
 
 def _core_rules(
@@ -690,7 +661,7 @@ def _gpt2_rules(config: ModelConfig) -> tuple[Rule, ...]:
     """GPT2Block: its Conv1Ds are addmm on (b * s, h) tokens."""
     flat = _batch(config.b)
     return (
-        *_layer_norm_rules("ln_1", ledger.LN1),
+        *_norm_rules("layernorm", "ln_1", ledger.LN1),
         Rule("attn.c_attn", "addmm", ledger.QKV_IN, arg=1, view=flat),
         *_core_rules("attn", config, copies_only=True),
         # q, k, v are views of c_attn's output (b * s, 3h): its whole storage, split by _attributed. Under SDPA
@@ -699,7 +670,7 @@ def _gpt2_rules(config: ModelConfig) -> tuple[Rule, ...]:
         Rule("attn", "matmul", _QKV_OUT, nth=0, view=_kept("BmmBackward0", "_saved_self", then=_in_larger)),
         Rule("attn.c_proj", "addmm", ledger.PROJ_IN, arg=1, view=lambda x: _head_columns(config.head_dim)(flat(x))),
         _dropout_mask("attn.resid_dropout", ledger.ATTN_OUT_DROPOUT_MASK),
-        *_layer_norm_rules("ln_2", ledger.LN2),
+        *_norm_rules("layernorm", "ln_2", ledger.LN2),
         Rule("mlp.c_fc", "addmm", ledger.FC1_IN, arg=1, view=flat),
         *_GELU,
         Rule("mlp.c_proj", "addmm", ledger.FC2_IN, arg=1, view=flat),
@@ -711,9 +682,9 @@ def _neox_rules(config: ModelConfig) -> tuple[Rule, ...]:
     """GPTNeoXLayer: the eager core (at b = 1 V is kept as the fused output it views), dropouts after the attention
     and the MLP."""
     return (
-        *_layer_norm_rules("input_layernorm", ledger.LN1),
+        *_norm_rules("layernorm", "input_layernorm", ledger.LN1),
         *_fused_attention(config, "attention", "query_key_value", "dense", "post_attention_dropout"),
-        *_layer_norm_rules("post_attention_layernorm", ledger.LN2),
+        *_norm_rules("layernorm", "post_attention_layernorm", ledger.LN2),
         Rule("mlp.dense_h_to_4h", "linear", ledger.FC1_IN, arg=0),
         *_GELU,
         Rule("mlp.dense_4h_to_h", "linear", ledger.FC2_IN, arg=0),
@@ -730,7 +701,7 @@ def _bloom_rules(config: ModelConfig) -> tuple[Rule, ...]:
     key = _kept("BaddbmmBackward0", "_saved_batch2")
     dropout = f"{attention}.attention_dropout"
     return (
-        *_layer_norm_rules("input_layernorm", ledger.LN1),
+        *_norm_rules("layernorm", "input_layernorm", ledger.LN1),
         Rule(f"{attention}.query_key_value", "linear", ledger.QKV_IN, arg=0),
         Rule(attention, "baddbmm", ledger.Q, view=lambda r: _copy(_batch(b))(scores(r))),
         Rule(attention, "baddbmm", ledger.K, view=lambda r: _copy(_heads_t(b))(key(r))),
@@ -743,7 +714,7 @@ def _bloom_rules(config: ModelConfig) -> tuple[Rule, ...]:
         Rule(attention, "bmm", _QKV_OUT, view=lambda r: _in_larger(context(r))),
         Rule(f"{attention}.dense", "linear", ledger.PROJ_IN, arg=0, view=_head_columns(config.head_dim)),
         _dropout_mask(attention, ledger.ATTN_OUT_DROPOUT_MASK),
-        *_layer_norm_rules("post_attention_layernorm", ledger.LN2),
+        *_norm_rules("layernorm", "post_attention_layernorm", ledger.LN2),
         Rule("mlp.dense_h_to_4h", "linear", ledger.FC1_IN, arg=0),
         Rule("mlp.dense_h_to_4h", "linear", ledger.GELU_IN),
         Rule("mlp.dense_4h_to_h", "linear", ledger.FC2_IN, arg=0),
@@ -759,8 +730,8 @@ def _falcon_rules(config: ModelConfig) -> tuple[Rule, ...]:
     attention = "self_attention"
     index = lambda x: x.grad_fn._saved_indices[-1][0]  # noqa: E731  (the (1,) index of [..., [-2], :], as ())
     key = rules.FALCON_K_HEADS if config.fused_qkv else ledger.K  # new_decoder_architecture: rotated at every head
-    norms = _layer_norm_rules("input_layernorm", ledger.LN1) if config.single_norm else (
-        *_layer_norm_rules("ln_attn", ledger.LN1), *_layer_norm_rules("ln_mlp", ledger.LN2),
+    norms = _norm_rules("layernorm", "input_layernorm", ledger.LN1) if config.single_norm else (
+        *_norm_rules("layernorm", "ln_attn", ledger.LN1), *_norm_rules("layernorm", "ln_mlp", ledger.LN2),
         Rule("mlp.dense_h_to_4h", "forward", ledger.FC1_IN, arg=0))
     return (
         *norms,
@@ -785,7 +756,7 @@ def _gptj_rules(config: ModelConfig) -> tuple[Rule, ...]:
     tables = tuple(Rule("attn", "repeat_interleave", table, nth=n, view=lambda x: x[0, :, 0])
                    for n, table in enumerate(rules.GPTJ_ROPE))
     return (
-        *_layer_norm_rules("ln_1", ledger.LN1),
+        *_norm_rules("layernorm", "ln_1", ledger.LN1),
         Rule("attn.q_proj", "linear", ledger.QKV_IN, arg=0), *tables,
         *_core_rules("attn", config, (rules.GPTJ_Q, rules.GPTJ_K, ledger.V)), *_sdpa_inputs("attn"),
         Rule("attn.out_proj", "linear", ledger.PROJ_IN, arg=0, view=_head_columns(config.head_dim)),
@@ -801,10 +772,10 @@ def _starcoder2_rules(config: ModelConfig) -> tuple[Rule, ...]:
     (residual_dropout): under eager the second dropout there (the first drops the attention weights out), under SDPA
     the first (the kernel drops out inside); Starcoder2MLP's F.dropout of its output in its own forward."""
     return (
-        *_layer_norm_rules("input_layernorm", ledger.LN1),
+        *_norm_rules("layernorm", "input_layernorm", ledger.LN1),
         *_llama_attention_rules(config),
         _dropout_mask("self_attn", ledger.ATTN_OUT_DROPOUT_MASK, nth=1 if config.attention == "eager" else 0),
-        *_layer_norm_rules("post_attention_layernorm", ledger.LN2),
+        *_norm_rules("layernorm", "post_attention_layernorm", ledger.LN2),
         Rule("mlp.c_fc", "linear", ledger.FC1_IN, arg=0),
         *_GELU,
         Rule("mlp.c_proj", "linear", ledger.FC2_IN, arg=0),
@@ -861,10 +832,10 @@ def _latent_attention_rules(config: ModelConfig) -> tuple[Rule, ...]:
     up projections' inputs, the eager core over Q, K of d_n + d_r and V of d_v, o_proj's input (b, s, a*d_v)."""
     return (
         Rule("self_attn.kv_a_proj_with_mqa", "linear", ledger.QKV_IN, arg=0),
-        *_rms_rules("self_attn.q_a_layernorm", rules.MLA_Q_RMS),
+        *_norm_rules("rmsnorm", "self_attn.q_a_layernorm", rules.MLA_Q_RMS),
         Rule("self_attn.q_b_proj", "linear", ledger.MLA_Q_UP_IN, arg=0),
         *(replace(r, view=_whole) if r.tensor is rules.MLA_KV_RMS.input_fp32 else r
-          for r in _rms_rules("self_attn.kv_a_layernorm", rules.MLA_KV_RMS)),  # in fp32, a view of kv_a's output
+          for r in _norm_rules("rmsnorm", "self_attn.kv_a_layernorm", rules.MLA_KV_RMS)),  # a view of kv_a's output
         Rule("self_attn.kv_b_proj", "linear", ledger.MLA_KV_UP_IN, arg=0, view=lambda x: x.flatten(1, 2)),  # (b, 1, s, r)
         *_core_rules("self_attn", config, (ledger.MLA_Q, ledger.MLA_K, ledger.MLA_V)),
         Rule("self_attn", "matmul", ledger.MLA_KV_UP_OUT, nth=1, arg=1,  # where matmul keeps V as a view of it

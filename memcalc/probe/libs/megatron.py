@@ -427,12 +427,11 @@ def _moe_rules(config: ModelConfig, t: int) -> tuple[Rule, ...]:
     """MoELayer: the router (module mlp.router), the permutation (the dispatcher runs in mlp's frame), the
     experts' input and probabilities as SequentialMLP receives them, each expert's MLP, the shared experts."""
     swiglu = config.mlp == "swiglu"
-    tokens = _tokens(config.b)
     expert = "*local_experts.*"
     return (
-        Rule("*mlp.router", "forward", ledger.MOE_IN, arg=0, view=batch_first),
+        _ROUTER("forward", ledger.MOE_IN, arg=0, view=batch_first),
         *_router_rules(config),
-        Rule("*mlp.router", "scatter", ledger.ROUTER_TOPK_INDICES, nth=0, arg=2, view=tokens),  # zeros.scatter(1, i, p)
+        _ROUTER("scatter", ledger.ROUTER_TOPK_INDICES, nth=0, arg=2, view=_tokens(config.b)),  # zeros.scatter(1, i, p)
         *_dispatch_rules(config),
         Rule("*mlp.experts", "forward", ledger.EXPERT_IN, arg=0),
         Rule("*mlp.experts", "forward", rules.EXPERT_PROBS, arg=2),
@@ -446,39 +445,41 @@ def _moe_rules(config: ModelConfig, t: int) -> tuple[Rule, ...]:
     )
 
 
+_ROUTER = partial(Rule, "*mlp.router")  # a rule for a tensor TopKRouter makes
+
+
 def _router_rules(config: ModelConfig) -> tuple[Rule, ...]:
     """TopKRouter.routing: the scores (softmax, or sigmoid with the expert bias's gather and the top k's
     renormalisation), the capacity's kept map (`probs * map`), the aux loss (its scores; then
     switch_load_balancing_loss_func's sum(scores, 0) * tokens_per_expert and that sum * a number)."""
     tokens = _tokens(config.b)
+    per_token = lambda x: tokens(x).squeeze(-1)  # noqa: E731  (a (s*b, 1) denominator as (b, s))
     rules_: list[Rule] = []
     sigmoid = config.moe_router_score_function == "sigmoid"
     if sigmoid:  # torch.sigmoid(logits.float()); gather(scores, 1, biased top-k); top-k scores / (sum + 1e-20)
-        rules_.append(Rule("*mlp.router", "sigmoid", rules.SIGMOID_SCORES, nth=0, view=tokens))
+        rules_.append(_ROUTER("sigmoid", rules.SIGMOID_SCORES, nth=0, view=tokens))
         if config.moe_router_enable_expert_bias:
-            rules_.append(Rule("*mlp.router", "gather", rules.BIASED_CHOICE_SCORES, nth=0, arg=0, view=tokens))
+            rules_.append(_ROUTER("gather", rules.BIASED_CHOICE_SCORES, nth=0, arg=0, view=tokens))
         if config.moe_router_topk > 1:
-            rules_ += [Rule("*mlp.router", "div", rules.TOPK_SCORES, nth=0, arg=0, view=tokens),
-                       Rule("*mlp.router", "div", rules.TOPK_DENOMINATOR, nth=0, arg=1,
-                            view=lambda x: tokens(x).squeeze(-1))]
+            rules_ += [_ROUTER("div", rules.TOPK_SCORES, nth=0, arg=0, view=tokens),
+                       _ROUTER("div", rules.TOPK_DENOMINATOR, nth=0, arg=1, view=per_token)]
     else:
         probs = rules.ALL_PROBS if config.moe_router_pre_softmax else rules.TOPK_PROBS
-        rules_.append(Rule("*mlp.router", "softmax", probs, nth=0, view=tokens))
+        rules_.append(_ROUTER("softmax", probs, nth=0, view=tokens))
     capacity = config.moe_expert_capacity_factor is not None
     if capacity:  # apply_router_token_dropping: probs * kept map, the router's first product
-        rules_.append(Rule("*mlp.router", "mul", rules.CAPACITY_MASK, nth=0, arg=1, view=tokens))
+        rules_.append(_ROUTER("mul", rules.CAPACITY_MASK, nth=0, arg=1, view=tokens))
     if not config.moe_aux_loss:
         return tuple(rules_)
     if sigmoid:  # sigmoid(logits) / (sum + 1e-20): the second sigmoid, and the division after the top k's
-        divisions = 1 if config.moe_router_topk > 1 else 0
-        rules_ += [Rule("*mlp.router", "sigmoid", rules.AUX_SIGMOID_SCORES, nth=1, view=tokens),
-                   Rule("*mlp.router", "div", rules.AUX_SIGMOID_DENOMINATOR, nth=divisions, arg=1,
-                        view=lambda x: tokens(x).squeeze(-1))]
+        rules_ += [_ROUTER("sigmoid", rules.AUX_SIGMOID_SCORES, nth=1, view=tokens),
+                   _ROUTER("div", rules.AUX_SIGMOID_DENOMINATOR, nth=int(config.moe_router_topk > 1), arg=1,
+                           view=per_token)]
     else:
-        rules_.append(Rule("*mlp.router", "softmax", rules.AUX_SCORES, nth=1, view=tokens))
+        rules_.append(_ROUTER("softmax", rules.AUX_SCORES, nth=1, view=tokens))
     loss = rules.AUX_LOSS_SIGMOID if sigmoid else rules.AUX_LOSS
-    return (*rules_, Rule("*mlp.router", "mul", rules.AUX_TOKENS_PER_EXPERT, nth=capacity, arg=1),
-            Rule("*mlp.router", "mul", loss, nth=capacity + 1))
+    return (*rules_, _ROUTER("mul", rules.AUX_TOKENS_PER_EXPERT, nth=capacity, arg=1),
+            _ROUTER("mul", loss, nth=capacity + 1))
 
 
 def _dispatch_rules(config: ModelConfig) -> tuple[Rule, ...]:
