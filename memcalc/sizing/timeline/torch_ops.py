@@ -1,0 +1,63 @@
+"""torch ops that more than one library's step walk runs alike, described once: nn.Linear without a bias and a
+SwiGLU FeedForward up to its down projection (torchtitan's dense FeedForward, its MoE's shared and grouped experts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from memcalc.model.ledger import SavedTensor
+from memcalc.sizing.timeline.walk import Made, Op, Step, kept, kept_name, kept_names
+
+WHY_WGRAD = "the weight's bf16 gradient, added into the fp32 buffer when autograd hands it over"
+
+
+def linear(where: str, x: SavedTensor | None, out: Made, weight: int, dx: str, dx_bytes: int, p: str,
+           frees: tuple[str, ...] = (), sums: tuple[str, str, int] | None = None, dw: str = "") -> Op:
+    """nn.Linear without a bias (F.linear: one mm; or torch._grouped_mm over every expert): its output; in backward
+    dW and dX beside dY, then `frees`. `dw`: the weight's gradient's name, by default the module's.
+
+    `sums` (the other gradient, the sum's name, its bytes): the input has a gradient already, and autograd sums dX
+    into it at once, before it reaches the weight's accumulator.
+    """
+    dw = dw or (f"grad/{p}/{where} weight" if p else f"grad/{where} weight")
+    gemms = Step("GEMMs: dW and dX", (Made(dw, weight, WHY_WGRAD), Made(dx, dx_bytes, "dX = dY W")), frees,
+                 () if sums else (dw,), returns=True)
+    summed = () if sums is None else (Step("autograd sums the input's two gradients", (
+        Made(sums[1], sums[2], "the input's gradient: both uses' summed"),), frees=(dx, sums[0]), hands_over=(dw,)),)
+    return Op(where, forward=(Step("the GEMM", (out,)),), backward=(gemms, *summed), saves=(x,) if x else ())
+
+
+def swiglu_ops(p: str, m: str, tensors: tuple[SavedTensor, ...], w: int, f: int, x: int, dx: str,
+               grouped: dict[str, str] | None = None) -> tuple[Op, ...]:
+    """A SwiGLU FeedForward `m` up to w2: w1, SiLU, w3 and the product, keeping `tensors` (its input, SiLU's input
+    and output, w3's output, the product); w1's and w3's dX summed into `dx`. `w`: a weight's bytes, `f`: a (b, s, f)
+    tensor's, `x`: the input's. `grouped`: GroupedExperts' parameters by weight (w1 -> w1_EFD), one module whose
+    grouped GEMMs run every expert, each weight's gradient named by its parameter."""
+    x_in, gate, silu, up, product = tensors
+    g = f"grad/{p}/{m}"
+    where = {n: m if grouped else f"{m}.{n}" for n in ("w1", "w3")}
+    dw = {n: f"{g}/{grouped[n]}" if grouped else "" for n in ("w1", "w3")}
+    return (
+        linear(where["w1"], x_in, kept(p, gate), w, f"{g}/dx1", x, p, frees=(f"{g}/dgate",),
+               sums=(f"{g}/dx3", dx, x), dw=dw["w1"]),
+        # SiLU runs inside the FeedForward; its backward while MemTracker still has w3 active (w1 x and w3 x share an
+        # input, whose gradient is not complete until w1's backward)
+        Op(where["w3"], forward=(Step("SiLU", (kept(p, silu),), reads_last=(kept_name(p, gate),)),),
+           backward=(Step("SiLU's backward", (Made(f"{g}/dgate", f, "bf16"),), frees=(f"{g}/dsilu",)),),
+           saves=(gate,)),
+        linear(where["w3"], x_in, kept(p, up), w, f"{g}/dx3", x, p, frees=(f"{g}/dup",), dw=dw["w3"]),
+        Op(m, forward=(Step("SiLU(w1 x) * w3 x", (kept(p, product),),
+                            reads_last=kept_names(p, silu, up)),),
+           backward=(Step("the product's backward: dY * up", (Made(f"{g}/dsilu", f, "bf16"),)),
+                     Step("the product's backward: dY * SiLU", (Made(f"{g}/dup", f, "bf16"),), frees=(f"{g}/dfc2",))),
+           saves=(up, silu)),
+    )
+
+
+def module_returns(ops: tuple[Op, ...], *names: str) -> tuple[Op, ...]:
+    """`ops`, the last of a module's, with `names` (kept tensors its frame holds: its input, locals) read last by
+    their final forward step, where the module returns."""
+    *before, last = ops
+    *steps, final = last.forward
+    return (*before, replace(last, forward=(*steps, replace(final, reads_last=final.reads_last + names))))
