@@ -26,6 +26,7 @@ from memcalc.sizing.timeline.fsdp import ROOT, Fsdp
 from memcalc.sizing.timeline.tape import (
     ACTIVATIONS, GRADIENTS, PARAMETERS, TEMPORARIES, Moment, Sizes, Tape, Timeline, bulk,
 )
+from memcalc.sizing.timeline.torch_ops import linear
 from memcalc.sizing.timeline.walk import Checkpoint, HandOver, Made, Op, Step, Walk, kept
 from memcalc.sizing.timeline.zero import Zero
 
@@ -365,9 +366,9 @@ def _output(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
                                      *(MODEL_LOCALS if config.recompute != "full" else ()))),))
     gather = (Made("lm_head/local logits", local, "this rank's columns of the logits (Shard(-1))"),
               Made("lm_head/gathered", z.t * local, "all_gather_into_tensor's (t*b, s, v/t) buffer")) if tp else ()
-    head = layer.linear("lm_head", "", z.act * z.v_t * z.h, "grad/lm_head local logits" if tp else "grad/logits",
-                        "grad/lm_head input", z.full(z.h), (ledger.OUTPUT_INPUT,), tp,
-                        "grad/embedding (lm_head)" if config.tie_embeddings else "", config.tie_embeddings)
+    head = linear("lm_head", ledger.OUTPUT_INPUT, None, z.act * z.v_t * z.h, "grad/lm_head input", z.full(z.h), "",
+                  ("grad/lm_head local logits" if tp else "grad/logits",), reduced=tp,
+                  dw="grad/embedding (lm_head)" if config.tie_embeddings else "", waits=config.tie_embeddings)
     columns = (Step("this rank's columns of the logits' gradient", (Made(
         "grad/lm_head local logits", local, "made contiguous"),), frees=("grad/logits",)),) if tp else ()
     lm_head = replace(head, forward=(Step("the gathered logits: this rank's columns, the gather's buffer, all", (

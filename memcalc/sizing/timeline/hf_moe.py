@@ -13,8 +13,9 @@ from memcalc.config.schema import ModelConfig
 from memcalc.model import ledger
 from memcalc.model.impls import hf as rules
 from memcalc.model.ledger import SavedTensor
-from memcalc.sizing.timeline.hf_layer import WHY_SAVED, WHY_WGRAD, linear
+from memcalc.sizing.timeline.hf_layer import WHY_SAVED, WHY_WGRAD
 from memcalc.sizing.timeline.tape import Sizes
+from memcalc.sizing.timeline.torch_ops import linear
 from memcalc.sizing.timeline.walk import Made, Op, Step, kept
 
 # The block's tensors kept one storage per expert: the ledger's row is E of them (memcalc.probe.libs.hf merges them the
@@ -316,8 +317,8 @@ def _router(z: Sizes, config: ModelConfig, sums: _Sums, final: bool) -> list[Op]
         Made(f"{g}/logits fp32", 4 * tokens * experts, "(b*s, E) fp32"),), moment=False), Step(
         "the fp32 softmax's backward", (Made(f"{g}/logits", z.act * tokens * experts, "back to bf16"),),
         frees=(f"{g}/logits fp32",), moment=False))
-    gate = linear("mlp.gate", "", z.act * experts * z.h, f"{g}/logits", f"{g}/input", z.full(z.h),
-                  (ledger.MOE_IN,) if final else (), dw=f"{g}/weight")
+    gate = linear("mlp.gate", ledger.MOE_IN if final else None, None, z.act * experts * z.h, f"{g}/input",
+                  z.full(z.h), "", (f"{g}/logits",), dw=f"{g}/weight")
     return [topk, softmax, replace(gate, backward=(*gate.backward, *sums.add(
         "block input", f"{g}/input", z.full(z.h), "the router's input gradient summed with the block's others",
         OUTPUT_GRAD if final else "")))]
@@ -336,8 +337,8 @@ def _shared_gate(z: Sizes, sums: _Sums) -> list[Op]:
     sigmoid = _op("mlp", (rules.SHARED_GATE_SIGMOID,), Step("sigmoid's backward", (
         Made(f"{g}/gate logits", z.act * tokens, "from its kept output"),), frees=(f"{g}/gate",), moment=False))
     sums.add("block input", f"{g}/gate dX", z.full(z.h))  # its first gradient: no sum
-    return [product, sigmoid, linear("mlp.shared_expert_gate", "", z.act * z.h, f"{g}/gate logits", f"{g}/gate dX",
-                                     z.full(z.h), dw=f"{g}/gate weight")]
+    return [product, sigmoid, linear("mlp.shared_expert_gate", None, None, z.act * z.h, f"{g}/gate dX", z.full(z.h),
+                                     "", (f"{g}/gate logits",), dw=f"{g}/gate weight")]
 
 
 def _shared_expert(z: Sizes, config: ModelConfig, sums: _Sums) -> list[Op]:
@@ -354,7 +355,7 @@ def _shared_expert(z: Sizes, config: ModelConfig, sums: _Sums) -> list[Op]:
                             " block's", OUTPUT_GRAD if final else ""),
                    Step("", hands_over=(weight,)))
     return [
-        linear(f"{s}.down_proj", "", w, f"{g}/out", f"{g}/down dX", z.full(u), (ledger.SHARED_FC2_IN,),
+        linear(f"{s}.down_proj", ledger.SHARED_FC2_IN, None, w, f"{g}/down dX", z.full(u), "", (f"{g}/out",),
                dw=f"{g}/down weight"),
         _op("mlp", (ledger.SHARED_UP, ledger.SHARED_SILU_OUT), Step("SiLU(gate) * up's backward", (
             Made(f"{g}/up", z.full(u), "dY * SiLU(gate)"), Made(f"{g}/silu", z.full(u), "dY * up")),

@@ -1,5 +1,6 @@
-"""torch ops that more than one library's step walk runs alike, described once: nn.Linear without a bias and a
-SwiGLU FeedForward up to its down projection (torchtitan's dense FeedForward, its MoE's shared and grouped experts).
+"""torch ops that more than one library's step walk runs alike, described once: nn.Linear (transformers' and
+torchtitan's) and a SwiGLU FeedForward up to its down projection (torchtitan's dense FeedForward, its MoE's shared and
+grouped experts).
 """
 
 from __future__ import annotations
@@ -10,22 +11,41 @@ from memcalc.model.ledger import SavedTensor
 from memcalc.sizing.timeline.walk import Made, Op, Step, kept, kept_name, kept_names
 
 WHY_WGRAD = "the weight's bf16 gradient, added into the fp32 buffer when autograd hands it over"
+WHY_BGRAD = "the bias's bf16 gradient, dY summed over the tokens (sum_to), handed over with the weight's"
 
 
-def linear(where: str, x: SavedTensor | None, out: Made, weight: int, dx: str, dx_bytes: int, p: str,
-           frees: tuple[str, ...] = (), sums: tuple[str, str, int] | None = None, dw: str = "") -> Op:
-    """nn.Linear without a bias (F.linear: one mm; or torch._grouped_mm over every expert): its output; in backward
-    dW and dX beside dY, then `frees`. `dw`: the weight's gradient's name, by default the module's.
+def linear(where: str, x: SavedTensor | None, out: Made | None, weight: int, dx: str, dx_bytes: int, p: str,
+           frees: tuple[str, ...] = (), sums: tuple[str, str, int] | None = None, dw: str = "", reduced: bool = False,
+           waits: bool = False, bias: int = 0) -> Op:
+    """nn.Linear (F.linear: one mm; or torch._grouped_mm over every expert): its output `out` (None: the caller's
+    forward); in backward dW = dY^T X and dX = dY W beside dY, then `frees` (dY, unless it lives on) with what the op
+    saves, and dW is handed over (unless it `waits` in autograd's buffer, tied). `dw`: the weight's gradient's name,
+    by default the module's.
 
     `sums` (the other gradient, the sum's name, its bytes): the input has a gradient already, and autograd sums dX
-    into it at once, before it reaches the weight's accumulator.
+    into it at once, before it reaches the weight's accumulator. `bias` (Qwen2's q, k, v): addmm's node passes dY on
+    as the bias's gradient, summed to its shape after the node returned (`Step.reduced`) while dY lives. `reduced`: a
+    colwise linear under tp, whose Partial dX DTensor.from_local's backward all-reduces into a new tensor (the
+    paper's f).
     """
-    dw = dw or (f"grad/{p}/{where} weight" if p else f"grad/{where} weight")
-    gemms = Step("GEMMs: dW and dX", (Made(dw, weight, WHY_WGRAD), Made(dx, dx_bytes, "dX = dY W")), frees,
-                 () if sums else (dw,), returns=True)
-    summed = () if sums is None else (Step("autograd sums the input's two gradients", (
-        Made(sums[1], sums[2], "the input's gradient: both uses' summed"),), frees=(dx, sums[0]), hands_over=(dw,)),)
-    return Op(where, forward=(Step("the GEMM", (out,)),), backward=(gemms, *summed), saves=(x,) if x else ())
+    stem = "/".join(n for n in ("grad", p, where) if n)
+    dw = dw or f"{stem} weight"
+    biased = (Made(f"{stem} bias", bias, WHY_BGRAD),) if bias else ()
+    handed = (*(() if waits or sums else (dw,)), *(n.name for n in biased))
+    partial = f"{dx} (partial)" if reduced else dx
+    gemms = Step("GEMMs: dW and dX", (
+        Made(dw, weight, "the tied weight's gradient, waiting in autograd's input buffer" if waits else WHY_WGRAD),
+        Made(partial, dx_bytes, "dX = dY W" + (", this rank's partial sum" if reduced else ""))),
+        () if bias else frees, () if bias else handed, returns=True, moment=not bias)
+    after = (Step("the bias's gradient: dY summed over the tokens", biased, frees, handed, reduced=True),
+             ) if bias else ()
+    if sums:
+        after += (Step("autograd sums the input's two gradients", (Made(
+            sums[1], sums[2], "the input's gradient: both uses' summed"),), frees=(dx, sums[0]), hands_over=(dw,)),)
+    if reduced:
+        after += (Step("dX all-reduced", (Made(dx, dx_bytes, "the input's gradient all-reduced over the ranks (DTensor:"
+                                                             " Partial -> Replicate)"),), frees=(partial,)),)
+    return Op(where, (Step("the GEMM", (out,)),) if out else (), (gemms, *after), saves=(x,) if x else ())
 
 
 def swiglu_ops(p: str, m: str, tensors: tuple[SavedTensor, ...], w: int, f: int, x: int, dx: str,
