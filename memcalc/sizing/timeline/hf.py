@@ -79,10 +79,9 @@ def _moments(config: ModelConfig, z: Sizes, kept: tuple[tuple[ledger.SavedTensor
         y.name: saved[x.name] for x, y in zip(ln1, final) if x.name in saved} | {
         ledger.LOGITS_SOFTCAP_TANH.name: z.act * z.b * z.s * config.vocab_size}
     tensors = tuple(x for x, _ in kept if x not in layer.ROPE)  # every layer shares one description of these
-    made, block = (moe.kept_in_forward(tensors, config), moe.block_backward(z, config)) if config.moe \
-        else (layer.kept_tensors(tensors), ())
+    made, block = moe.kept_in_forward(tensors, config), moe.block_backward(z, config) if config.moe else ()
     saved |= moe.expert_bytes(saved, config) if config.moe else {}
-    plain = layer.kept_tensors(tuple(x for x, _ in dense if x not in layer.ROPE))  # a dense layer's among MoE ones
+    plain = moe.kept_in_forward(tuple(x for x, _ in dense if x not in layer.ROPE), config)  # a dense one's among MoE
     layers = [(Walk(tape, f"layers.{i}", f"model.layers.{i}", saved, hand_over, _checkpoint(i, config)),
                _layer(i, z, config, saved, made, block) if not config.moe or moe.sparse(config, i) else
                _layer(i, z, config, saved, plain, ())) for i in range(config.L)]

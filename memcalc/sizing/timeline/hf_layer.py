@@ -446,8 +446,3 @@ def mlp(p: str, z: Sizes, tp: bool, gated: tuple[SavedTensor, SavedTensor, Saved
 def _grad(p: str, where: str) -> str:
     """The name stem of an op's gradients: "grad/layers.0/mlp.up_proj", "grad/model.norm" at the model's end."""
     return "/".join(x for x in ("grad", p, where) if x)
-
-
-def kept_tensors(tensors: tuple[SavedTensor, ...]) -> Step:
-    """The layer's kept tensors as its forward makes them, sized by the ledger and named by each layer's walk."""
-    return Step("the layer's saved tensors", tuple(Made("", 0, WHY_SAVED, keeps=x) for x in tensors), moment=False)

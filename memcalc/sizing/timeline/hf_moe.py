@@ -52,7 +52,8 @@ def grouped(config: ModelConfig) -> bool:
 
 
 def kept_in_forward(tensors: tuple[SavedTensor, ...], config: ModelConfig) -> Step:
-    """The block's kept tensors, the eager loop's one storage per expert; the shared gate's is `block_forward`'s."""
+    """A layer's kept tensors as its forward makes them, sized by the ledger and named by each layer's walk: a sparse
+    block's eager loop keeps one storage per expert; the shared gate's is `block_forward`'s."""
     made: list[Made] = []
     loop = not grouped(config)
     for x in tensors:
