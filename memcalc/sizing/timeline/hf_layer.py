@@ -12,10 +12,9 @@ from memcalc.model import ledger
 from memcalc.model.impls import hf as rules
 from memcalc.model.ledger import RMSNormTensors, SavedTensor
 from memcalc.sizing.timeline.tape import Sizes
-from memcalc.sizing.timeline.torch_ops import linear
+from memcalc.sizing.timeline.torch_ops import WHY_WGRAD, linear
 from memcalc.sizing.timeline.walk import Made, Op, Step, kept, kept_name
 
-WHY_WGRAD = "the weight's bf16 gradient, added into the fp32 buffer and dropped when autograd hands it over"
 WHY_SAVED = "kept for backward (the hf ledger); freed when the op that keeps it has run backward"
 ROPE = (rules.ROPE_COS, rules.ROPE_SIN)  # made once per forward by LlamaRotaryEmbedding, kept by every layer
 

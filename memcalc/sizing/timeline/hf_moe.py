@@ -13,9 +13,9 @@ from memcalc.config.schema import ModelConfig
 from memcalc.model import ledger
 from memcalc.model.impls import hf as rules
 from memcalc.model.ledger import SavedTensor
-from memcalc.sizing.timeline.hf_layer import WHY_SAVED, WHY_WGRAD
+from memcalc.sizing.timeline.hf_layer import WHY_SAVED
 from memcalc.sizing.timeline.tape import Sizes
-from memcalc.sizing.timeline.torch_ops import linear
+from memcalc.sizing.timeline.torch_ops import WHY_WGRAD, linear
 from memcalc.sizing.timeline.walk import Made, Op, Step, kept
 
 # The block's tensors kept one storage per expert: the ledger's row is E of them (memcalc.probe.libs.hf merges them the
