@@ -16,7 +16,7 @@ WHY_BGRAD = "the bias's bf16 gradient, dY summed over the tokens (sum_to), hande
 
 def linear(where: str, x: SavedTensor | None, out: Made | None, weight: int, dx: str, dx_bytes: int, p: str,
            frees: tuple[str, ...] = (), sums: tuple[str, str, int] | None = None, dw: str = "", reduced: bool = False,
-           waits: bool = False, bias: int = 0) -> Op:
+           waits: bool = False, bias: int = 0, label: str = "") -> Op:
     """nn.Linear (F.linear: one mm; or torch._grouped_mm over every expert): its output `out` (None: the caller's
     forward); in backward dW = dY^T X and dX = dY W beside dY, then `frees` (dY, unless it lives on) with what the op
     saves, and dW is handed over (unless it `waits` in autograd's buffer, tied). `dw`: the weight's gradient's name,
@@ -26,14 +26,14 @@ def linear(where: str, x: SavedTensor | None, out: Made | None, weight: int, dx:
     into it at once, before it reaches the weight's accumulator. `bias` (Qwen2's q, k, v): addmm's node passes dY on
     as the bias's gradient, summed to its shape after the node returned (`Step.reduced`) while dY lives. `reduced`: a
     colwise linear under tp, whose Partial dX DTensor.from_local's backward all-reduces into a new tensor (the
-    paper's f).
+    paper's f). `label`: what names the GEMMs where one module runs several (GroupedExperts: "w1's grouped ").
     """
     stem = "/".join(n for n in ("grad", p, where) if n)
     dw = dw or f"{stem} weight"
     biased = (Made(f"{stem} bias", bias, WHY_BGRAD),) if bias else ()
     handed = (*(() if waits or sums else (dw,)), *(n.name for n in biased))
     partial = f"{dx} (partial)" if reduced else dx
-    gemms = Step("GEMMs: dW and dX", (
+    gemms = Step(f"{label}GEMMs: dW and dX", (
         Made(dw, weight, "the tied weight's gradient, waiting in autograd's input buffer" if waits else WHY_WGRAD),
         Made(partial, dx_bytes, "dX = dY W" + (", this rank's partial sum" if reduced else ""))),
         () if bias else frees, () if bias else handed, returns=True, moment=not bias)
@@ -45,7 +45,8 @@ def linear(where: str, x: SavedTensor | None, out: Made | None, weight: int, dx:
     if reduced:
         after += (Step("dX all-reduced", (Made(dx, dx_bytes, "the input's gradient all-reduced over the ranks (DTensor:"
                                                              " Partial -> Replicate)"),), frees=(partial,)),)
-    return Op(where, (Step("the GEMM", (out,)),) if out else (), (gemms, *after), saves=(x,) if x else ())
+    return Op(where, (Step(f"{label}GEMM" if label else "the GEMM", (out,)),) if out else (), (gemms, *after),
+              saves=(x,) if x else ())
 
 
 def swiglu_ops(p: str, m: str, tensors: tuple[SavedTensor, ...], w: int, f: int, x: int, dx: str,
@@ -58,15 +59,17 @@ def swiglu_ops(p: str, m: str, tensors: tuple[SavedTensor, ...], w: int, f: int,
     g = f"grad/{p}/{m}"
     where = {n: m if grouped else f"{m}.{n}" for n in ("w1", "w3")}
     dw = {n: f"{g}/{grouped[n]}" if grouped else "" for n in ("w1", "w3")}
+    label = {n: f"{n}'s grouped " if grouped else "" for n in ("w1", "w3")}
     return (
         linear(where["w1"], x_in, kept(p, gate), w, f"{g}/dx1", x, p, frees=(f"{g}/dgate",),
-               sums=(f"{g}/dx3", dx, x), dw=dw["w1"]),
+               sums=(f"{g}/dx3", dx, x), dw=dw["w1"], label=label["w1"]),
         # SiLU runs inside the FeedForward; its backward while MemTracker still has w3 active (w1 x and w3 x share an
         # input, whose gradient is not complete until w1's backward)
         Op(where["w3"], forward=(Step("SiLU", (kept(p, silu),), reads_last=(kept_name(p, gate),)),),
            backward=(Step("SiLU's backward", (Made(f"{g}/dgate", f, "bf16"),), frees=(f"{g}/dsilu",)),),
            saves=(gate,)),
-        linear(where["w3"], x_in, kept(p, up), w, f"{g}/dx3", x, p, frees=(f"{g}/dup",), dw=dw["w3"]),
+        linear(where["w3"], x_in, kept(p, up), w, f"{g}/dx3", x, p, frees=(f"{g}/dup",), dw=dw["w3"],
+               label=label["w3"]),
         Op(m, forward=(Step("SiLU(w1 x) * w3 x", (kept(p, product),),
                             reads_last=kept_names(p, silu, up)),),
            backward=(Step("the product's backward: dY * up", (Made(f"{g}/dsilu", f, "bf16"),)),

@@ -253,7 +253,7 @@ def _experts(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     offsets = Step("cumsum of the counts: the offsets", (kept(p, rules.MOE_OFFSETS),))
     w2 = linear(m, ledger.EXPERT_FC2_IN, Made(f"{p}/moe/experts/output", rows_h, "(r, h) bf16"), weight,
                 f"grad/{p}/{m}/dfc2", rows_f, p, frees=(f"grad/{p}/moe/experts/output",),
-                dw=f"grad/{p}/{m}/{GROUPED_WEIGHTS['w2']}")
+                dw=f"grad/{p}/{m}/{GROUPED_WEIGHTS['w2']}", label="w2's grouped ")
     return (replace(w1, forward=(offsets, *w1.forward), saves=(rules.MOE_OFFSETS, *w1.saves)), *swiglu,
             *module_returns((w2,), *kept_names(p, ledger.EXPERT_FC2_IN, rules.MOE_OFFSETS)))  # inner_experts returns
 
