@@ -26,6 +26,7 @@ from memcalc.sizing.timeline.fsdp import ROOT, Fsdp
 from memcalc.sizing.timeline.tape import (
     ACTIVATIONS, GRADIENTS, PARAMETERS, TEMPORARIES, Moment, Sizes, Tape, Timeline, bulk,
 )
+from memcalc.sizing.timeline.torch_ops import linear
 from memcalc.sizing.timeline.walk import Checkpoint, HandOver, Made, Op, Step, Walk, kept
 from memcalc.sizing.timeline.zero import Zero
 
@@ -78,10 +79,9 @@ def _moments(config: ModelConfig, z: Sizes, kept: tuple[tuple[ledger.SavedTensor
         y.name: saved[x.name] for x, y in zip(ln1, final) if x.name in saved} | {
         ledger.LOGITS_SOFTCAP_TANH.name: z.act * z.b * z.s * config.vocab_size}
     tensors = tuple(x for x, _ in kept if x not in layer.ROPE)  # every layer shares one description of these
-    made, block = (moe.kept_in_forward(tensors, config), moe.block_backward(z, config)) if config.moe \
-        else (layer.kept_tensors(tensors), ())
+    made, block = moe.kept_in_forward(tensors, config), moe.block_backward(z, config) if config.moe else ()
     saved |= moe.expert_bytes(saved, config) if config.moe else {}
-    plain = layer.kept_tensors(tuple(x for x, _ in dense if x not in layer.ROPE))  # a dense layer's among MoE ones
+    plain = moe.kept_in_forward(tuple(x for x, _ in dense if x not in layer.ROPE), config)  # a dense one's among MoE
     layers = [(Walk(tape, f"layers.{i}", f"model.layers.{i}", saved, hand_over, _checkpoint(i, config)),
                _layer(i, z, config, saved, made, block) if not config.moe or moe.sparse(config, i) else
                _layer(i, z, config, saved, plain, ())) for i in range(config.L)]
@@ -365,9 +365,9 @@ def _output(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
                                      *(MODEL_LOCALS if config.recompute != "full" else ()))),))
     gather = (Made("lm_head/local logits", local, "this rank's columns of the logits (Shard(-1))"),
               Made("lm_head/gathered", z.t * local, "all_gather_into_tensor's (t*b, s, v/t) buffer")) if tp else ()
-    head = layer.linear("lm_head", "", z.act * z.v_t * z.h, "grad/lm_head local logits" if tp else "grad/logits",
-                        "grad/lm_head input", z.full(z.h), (ledger.OUTPUT_INPUT,), tp,
-                        "grad/embedding (lm_head)" if config.tie_embeddings else "", config.tie_embeddings)
+    head = linear("lm_head", ledger.OUTPUT_INPUT, None, z.act * z.v_t * z.h, "grad/lm_head input", z.full(z.h), "",
+                  ("grad/lm_head local logits" if tp else "grad/logits",), reduced=tp,
+                  dw="grad/embedding (lm_head)" if config.tie_embeddings else "", waits=config.tie_embeddings)
     columns = (Step("this rank's columns of the logits' gradient", (Made(
         "grad/lm_head local logits", local, "made contiguous"),), frees=("grad/logits",)),) if tp else ()
     lm_head = replace(head, forward=(Step("the gathered logits: this rank's columns, the gather's buffer, all", (

@@ -12,35 +12,11 @@ from memcalc.model import ledger
 from memcalc.model.impls import hf as rules
 from memcalc.model.ledger import RMSNormTensors, SavedTensor
 from memcalc.sizing.timeline.tape import Sizes
+from memcalc.sizing.timeline.torch_ops import WHY_WGRAD, linear
 from memcalc.sizing.timeline.walk import Made, Op, Step, kept, kept_name
 
-WHY_WGRAD = "the weight's bf16 gradient, added into the fp32 buffer and dropped when autograd hands it over"
-WHY_BGRAD = "the bias's bf16 gradient, dY summed over the tokens (sum_to), handed over with the weight's"
 WHY_SAVED = "kept for backward (the hf ledger); freed when the op that keeps it has run backward"
 ROPE = (rules.ROPE_COS, rules.ROPE_SIN)  # made once per forward by LlamaRotaryEmbedding, kept by every layer
-
-
-def linear(where: str, p: str, weight: int, dy: str | None, dx: str, dx_bytes: int, saves: tuple[SavedTensor, ...] = (),
-           reduced: bool = False, dw: str = "", waits: bool = False, bias: int = 0) -> Op:
-    """nn.Linear's backward: dW = dY^T X and dX = dY W beside dY; then dY goes (`dy` None: the residual stream's, which
-    lives on) with what the op saves, and dW is handed over (unless it `waits` in autograd's buffer, tied). `bias`
-    (Qwen2's q, k, v): addmm's node passes dY on as the bias's gradient, summed to its shape after the node returned
-    (`Step.reduced`) while dY lives. `reduced`: a colwise linear under tp, whose Partial dX DTensor.from_local's
-    backward all-reduces into a new tensor (the paper's f)."""
-    dw, db = dw or f"{_grad(p, where)} weight", f"{_grad(p, where)} bias"
-    biased = (Made(db, bias, WHY_BGRAD),) if bias else ()
-    partial = f"{dx} (partial)" if reduced else dx
-    why = "dX = dY W, the input's gradient" + (", this rank's partial sum" if reduced else "")
-    handed = (*(() if waits else (dw,)), *(x.name for x in biased))
-    gemms = Step("GEMMs: dW and dX", (Made(dw, weight, "the tied weight's gradient, waiting in autograd's input"
-                                                    " buffer" if waits else WHY_WGRAD), Made(partial, dx_bytes, why)),
-                 frees=() if bias or not dy else (dy,), hands_over=() if bias else handed, returns=True,
-                 moment=not bias)
-    summed_bias = (Step("the bias's gradient: dY summed over the tokens", biased, frees=(dy,) if dy else (),
-                        hands_over=handed, reduced=True),) if bias else ()
-    summed = (Step("dX all-reduced", (Made(dx, dx_bytes, "the input's gradient all-reduced over the ranks (DTensor:"
-                                                         " Partial -> Replicate)"),), frees=(partial,)),)
-    return Op(where, forward=(), backward=(gemms, *summed_bias, *(summed if reduced else ())), saves=saves)
 
 
 def rms_norm(where: str, p: str, norm: RMSNormTensors, z: Sizes, dy: str | None, out: str, residual: str | None = None,
@@ -209,9 +185,9 @@ def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, t
         copy = width != z.d and z.s != 1  # one head: (b, 1, s, d) transposed is (b, s, 1, d) already, no copy
         tokens, dx = f"{g}/{name} tokens" if copy else heads, f"{g}/{name}_proj input"
         out = f"{g}/ln1 output" if name == "q" else f"{dx} + {summed}"
-        lin = linear(f"self_attn.{name}_proj", p, z.act * width * z.h, tokens, dx, full, (ledger.QKV_IN,), tp,
-                     bias=z.act * width if qkv_bias else 0)
-        ran.append(replace(lin, forward=(Step("the GEMM", (projected,)),), backward=(
+        lin = linear(f"self_attn.{name}_proj", ledger.QKV_IN, projected, z.act * width * z.h, dx, full, p, (tokens,),
+                     reduced=tp, bias=z.act * width if qkv_bias else 0)
+        ran.append(replace(lin, backward=(
             *((Step("transpose's backward", (Made(tokens, z.full(width), f"{name}'s gradient made (b, s, heads * d)"
                                                   " again, contiguous for the GEMM"),), frees=(heads,), moment=False),)
               if copy else ()), *lin.backward,
@@ -224,8 +200,8 @@ def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, t
                     _rope_backward(g, name, z.full(w), first and name == "q")) for name, w in
                  (("q", q), ("k", kv)))  # forward order: q's, then k's
     core = _eager(p, z, saved, gqa, dropout, softcap, fused) if eager else _sdpa(p, z)
-    o_proj = linear("self_attn.o_proj", p, z.act * q * z.h, dy, f"{g}/o_proj input", z.full(q),
-                    saves=(ledger.PROJ_IN,) if eager else ())
+    o_proj = linear("self_attn.o_proj", ledger.PROJ_IN if eager else None, None, z.act * q * z.h, f"{g}/o_proj input",
+                    z.full(q), p, (dy,) if dy else ())
     gone = (made["v"], *rotated.values(), kept(p, ledger.QKV_IN), kept(p, ledger.PROJ_IN))  # at the module's return
     o_proj = replace(o_proj, forward=(Step("the GEMM", (Made(f"{p}/attn output", full, "o_proj's output"),),
                                            frees=tuple(x.name for x in gone if x.keeps is None),
@@ -278,9 +254,9 @@ def _fused_qkv(p: str, z: Sizes, q: int, kv: int, tp: bool, qkv: Made) -> tuple[
             slices.append(Step("autograd sums the slices' gradients", (Made(out, z.full(width), "summed"),),
                                frees=(summed, f"{g}/qkv {name}"), moment=False))
         summed = out
-    lin = linear("self_attn.qkv_proj", p, z.act * width * z.h, summed, f"{g}/ln1 output", z.full(z.h),
-                 (ledger.QKV_IN,), tp)
-    return (replace(lin, forward=(Step("the GEMM", (qkv,)),)), Op("self_attn", (), tuple(slices)), view)
+    lin = linear("self_attn.qkv_proj", ledger.QKV_IN, qkv, z.act * width * z.h, f"{g}/ln1 output", z.full(z.h), p,
+                 (summed,), reduced=tp)
+    return (lin, Op("self_attn", (), tuple(slices)), view)
 
 
 def _rope_forward(p: str, name: str, width: int, out: Made, last: bool, passthrough: bool = False
@@ -432,8 +408,8 @@ def mlp(p: str, z: Sizes, tp: bool, gated: tuple[SavedTensor, SavedTensor, Saved
     g, f = f"grad/{p}", z.f_t
     gate_in, up, act_out = gated
     w, full = z.act * f * z.h, z.full(z.h)
-    gate = replace(linear("mlp.gate_proj", p, w, f"{g}/gate", f"{g}/gate_proj input", full, (ledger.FC1_IN,), tp),
-                   forward=(Step("the GEMM", (kept(p, gate_in),)),))
+    gate = linear("mlp.gate_proj", ledger.FC1_IN, kept(p, gate_in), w, f"{g}/gate_proj input", full, p, (f"{g}/gate",),
+                  reduced=tp)
     silu = Op("mlp.act_fn", (Step("the activation", (kept(p, act_out),), reads_last=(kept_name(p, gate_in),)),), (
         Step("SiLU's backward, at its kept input", (Made(f"{g}/gate", z.full(f), "dSiLU"),), frees=(f"{g}/silu",),
              moment=False),), saves=(gate_in,))
@@ -442,14 +418,16 @@ def mlp(p: str, z: Sizes, tp: bool, gated: tuple[SavedTensor, SavedTensor, Saved
         Step("SiLU(gate) * up: its two gradients", (
         Made(f"{g}/up", z.full(f), "dY * SiLU(gate)"), Made(f"{g}/silu", z.full(f), "dY * up")),
         frees=(f"{g}/down_proj input",)),), saves=(up, act_out))
-    down = replace(linear("mlp.down_proj", p, w, dy, f"{g}/down_proj input", z.full(f), (ledger.FC2_IN,)),
+    down = replace(linear("mlp.down_proj", ledger.FC2_IN, None, w, f"{g}/down_proj input", z.full(f), p,
+                          (dy,) if dy else ()),
                    forward=(Step("the GEMM", (Made(f"{p}/mlp output", z.full(z.h), "down_proj's output"),),
                                  reads_last=(kept_name(p, ledger.FC2_IN), kept_name(p, ledger.FC1_IN))),))
     if fused:
         chunk = Op("mlp", (), (Step("chunk's backward: the two gradients concatenated", (
             Made(f"{g}/gate_up", z.full(2 * f), "(b, s, 2f), gate's and up's"),), frees=(f"{g}/gate", f"{g}/up"),
             moment=False),))
-        gate_up = linear("mlp.gate_up_proj", p, 2 * w, f"{g}/gate_up", f"{g}/ln2 output", full, (ledger.FC1_IN,), tp)
+        gate_up = linear("mlp.gate_up_proj", ledger.FC1_IN, None, 2 * w, f"{g}/ln2 output", full, p, (f"{g}/gate_up",),
+                         reduced=tp)
         halves = tuple(kept_name(p, x) for x in (gate_in, up))  # one storage, gone as the MLP returns
         return (replace(gate_up, forward=(Step("the GEMM: gate and up, chunked", (kept(p, gate_in), kept(p, up))),)),
                 chunk, replace(silu, where="mlp.activation_fn", forward=(replace(silu.forward[0], reads_last=()),)),
@@ -459,16 +437,11 @@ def mlp(p: str, z: Sizes, tp: bool, gated: tuple[SavedTensor, SavedTensor, Saved
         replace(gate, backward=(*gate.backward, Step("autograd sums gate_proj's and up_proj's input gradients", (
             Made(f"{g}/ln2 output", full, "the MLP input's gradient"),), frees=(f"{g}/up_proj input",
                                                                               f"{g}/gate_proj input"), moment=False))),
-        silu, replace(linear("mlp.up_proj", p, w, f"{g}/up", f"{g}/up_proj input", full, (ledger.FC1_IN,), tp),
-                      forward=(Step("the GEMM", (kept(p, up),)),)), product, down,
+        silu, linear("mlp.up_proj", ledger.FC1_IN, kept(p, up), w, f"{g}/up_proj input", full, p, (f"{g}/up",),
+                     reduced=tp), product, down,
     )
 
 
 def _grad(p: str, where: str) -> str:
     """The name stem of an op's gradients: "grad/layers.0/mlp.up_proj", "grad/model.norm" at the model's end."""
     return "/".join(x for x in ("grad", p, where) if x)
-
-
-def kept_tensors(tensors: tuple[SavedTensor, ...]) -> Step:
-    """The layer's kept tensors as its forward makes them, sized by the ledger and named by each layer's walk."""
-    return Step("the layer's saved tensors", tuple(Made("", 0, WHY_SAVED, keeps=x) for x in tensors), moment=False)

@@ -13,8 +13,9 @@ from memcalc.config.schema import ModelConfig
 from memcalc.model import ledger
 from memcalc.model.impls import hf as rules
 from memcalc.model.ledger import SavedTensor
-from memcalc.sizing.timeline.hf_layer import WHY_SAVED, WHY_WGRAD
+from memcalc.sizing.timeline.hf_layer import WHY_SAVED
 from memcalc.sizing.timeline.tape import Sizes
+from memcalc.sizing.timeline.torch_ops import WHY_WGRAD, linear
 from memcalc.sizing.timeline.walk import Made, Op, Step, kept
 
 # The block's tensors kept one storage per expert: the ledger's row is E of them (memcalc.probe.libs.hf merges them the
@@ -51,7 +52,8 @@ def grouped(config: ModelConfig) -> bool:
 
 
 def kept_in_forward(tensors: tuple[SavedTensor, ...], config: ModelConfig) -> Step:
-    """The block's kept tensors, the eager loop's one storage per expert; the shared gate's is `block_forward`'s."""
+    """A layer's kept tensors as its forward makes them, sized by the ledger and named by each layer's walk: a sparse
+    block's eager loop keeps one storage per expert; the shared gate's is `block_forward`'s."""
     made: list[Made] = []
     loop = not grouped(config)
     for x in tensors:
@@ -316,13 +318,11 @@ def _router(z: Sizes, config: ModelConfig, sums: _Sums, final: bool) -> list[Op]
         Made(f"{g}/logits fp32", 4 * tokens * experts, "(b*s, E) fp32"),), moment=False), Step(
         "the fp32 softmax's backward", (Made(f"{g}/logits", z.act * tokens * experts, "back to bf16"),),
         frees=(f"{g}/logits fp32",), moment=False))
-    linear = _op("mlp.gate", (ledger.MOE_IN,) if final else (), Step("the router's GEMMs: dW and dX", (
-        Made(f"{g}/weight", z.act * experts * z.h, "dW = dLogits^T X, (E, h)"),
-        Made(f"{g}/input", z.full(z.h), "dX = dLogits W, (b*s, h)")), frees=(f"{g}/logits",),
-        hands_over=(f"{g}/weight",), returns=True),
-        sums.add("block input", f"{g}/input", z.full(z.h), "the router's input gradient summed with the block's others",
-                 OUTPUT_GRAD if final else ""))
-    return [topk, softmax, linear]
+    gate = linear("mlp.gate", ledger.MOE_IN if final else None, None, z.act * experts * z.h, f"{g}/input",
+                  z.full(z.h), "", (f"{g}/logits",), dw=f"{g}/weight")
+    return [topk, softmax, replace(gate, backward=(*gate.backward, *sums.add(
+        "block input", f"{g}/input", z.full(z.h), "the router's input gradient summed with the block's others",
+        OUTPUT_GRAD if final else "")))]
 
 
 # -- Qwen2-MoE's shared expert: an MLP of width u on every token, gated by sigmoid(shared_expert_gate(x)) --------------
@@ -337,12 +337,9 @@ def _shared_gate(z: Sizes, sums: _Sums) -> list[Op]:
         moment=False))
     sigmoid = _op("mlp", (rules.SHARED_GATE_SIGMOID,), Step("sigmoid's backward", (
         Made(f"{g}/gate logits", z.act * tokens, "from its kept output"),), frees=(f"{g}/gate",), moment=False))
-    dx = f"{g}/gate dX"
-    linear = _op("mlp.shared_expert_gate", (), Step("the shared expert gate's GEMMs: dW and dX", (
-        Made(f"{g}/gate weight", z.act * z.h, "dW, (1, h)"), Made(dx, z.full(z.h), "dX: the block input's first"
-                                                                  " gradient")),
-        frees=(f"{g}/gate logits",), hands_over=(f"{g}/gate weight",)), sums.add("block input", dx, z.full(z.h)))
-    return [product, sigmoid, linear]
+    sums.add("block input", f"{g}/gate dX", z.full(z.h))  # its first gradient: no sum
+    return [product, sigmoid, linear("mlp.shared_expert_gate", None, None, z.act * z.h, f"{g}/gate dX", z.full(z.h),
+                                     "", (f"{g}/gate logits",), dw=f"{g}/gate weight")]
 
 
 def _shared_expert(z: Sizes, config: ModelConfig, sums: _Sums) -> list[Op]:
@@ -350,7 +347,7 @@ def _shared_expert(z: Sizes, config: ModelConfig, sums: _Sums) -> list[Op]:
     g, s, u = f"{sums.stem}/shared", "mlp.shared_expert", config.moe_shared_expert_intermediate_size
     w = z.act * z.h * u
 
-    def linear(proj: str, dy: str, saves: tuple[SavedTensor, ...], final: bool) -> Op:
+    def gemms(proj: str, dy: str, saves: tuple[SavedTensor, ...], final: bool) -> Op:
         """up_proj or gate_proj: dW and dX (no moment), then dX summed into the block input's gradient."""
         dx, weight = f"{g}/{proj} dX", f"{g}/{proj} weight"
         return _op(f"{s}.{proj}_proj", saves, Step("GEMMs", (Made(weight, w, WHY_WGRAD), Made(dx, z.full(z.h), "dY W")),
@@ -359,14 +356,13 @@ def _shared_expert(z: Sizes, config: ModelConfig, sums: _Sums) -> list[Op]:
                             " block's", OUTPUT_GRAD if final else ""),
                    Step("", hands_over=(weight,)))
     return [
-        _op(f"{s}.down_proj", (ledger.SHARED_FC2_IN,), Step("the shared expert's down_proj: dW and dX", (
-            Made(f"{g}/down weight", w, WHY_WGRAD), Made(f"{g}/down dX", z.full(u), "dY W, (b*s, u)")),
-            frees=(f"{g}/out",), hands_over=(f"{g}/down weight",))),
+        linear(f"{s}.down_proj", ledger.SHARED_FC2_IN, None, w, f"{g}/down dX", z.full(u), "", (f"{g}/out",),
+               dw=f"{g}/down weight"),
         _op("mlp", (ledger.SHARED_UP, ledger.SHARED_SILU_OUT), Step("SiLU(gate) * up's backward", (
             Made(f"{g}/up", z.full(u), "dY * SiLU(gate)"), Made(f"{g}/silu", z.full(u), "dY * up")),
             frees=(f"{g}/down dX",), moment=False)),
-        linear("up", f"{g}/up", (), False),
+        gemms("up", f"{g}/up", (), False),
         _op("mlp", (ledger.SHARED_GATE,), Step("SiLU's backward", (Made(f"{g}/gate", z.full(u), "at its kept input"),),
                                                 frees=(f"{g}/silu",), moment=False)),
-        linear("gate", f"{g}/gate", (ledger.MOE_IN,), True),
+        gemms("gate", f"{g}/gate", (ledger.MOE_IN,), True),
     ]

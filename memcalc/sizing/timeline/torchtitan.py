@@ -22,6 +22,7 @@ from memcalc.sizing.pipeline import stages
 from memcalc.sizing.timeline.ends import model_states
 from memcalc.sizing.timeline.fsdp import OUTPUT, Fsdp, expert_dim1, torchtitan_block
 from memcalc.sizing.timeline.tape import ACTIVATIONS, PARAMETERS, TEMPORARIES, Sizes, Tape, Timeline, prod
+from memcalc.sizing.timeline.torch_ops import WHY_WGRAD, linear, module_returns, swiglu_ops
 from memcalc.sizing.timeline.torchtitan_moe import moe_ops
 from memcalc.sizing.timeline.walk import Checkpoint, Made, Op, Step, Walk, kept, kept_name, kept_names
 from memcalc.sizing.totals import end_sizes
@@ -125,14 +126,6 @@ def block_checkpoint(i: int, config: ModelConfig, accounting: Accounting, z: Siz
                       ACTIVATIONS if config.dp_shard is None else TEMPORARIES)
 
 
-def module_returns(ops: tuple[Op, ...], *names: str) -> tuple[Op, ...]:
-    """`ops`, the last of a module's, with `names` (kept tensors its frame holds: its input, locals) read last by
-    their final forward step, where the module returns."""
-    *before, last = ops
-    *steps, final = last.forward
-    return (*before, replace(last, forward=(*steps, replace(final, reads_last=final.reads_last + names))))
-
-
 @dataclass(frozen=True)
 class Segment:
     """Ops of one FSDP2 unit (or of none) walked together: FSDP2's hooks run at a segment's edges. `where`: the
@@ -202,23 +195,6 @@ def _end_bytes(config: ModelConfig, strategy: Strategy, accounting: Accounting) 
 
 # -- the ops ----------------------------------------------------------------------------------------------------
 
-_WGRAD = "the weight's bf16 gradient, added into the fp32 buffer when autograd hands it over"
-
-
-def linear(where: str, x: SavedTensor | None, out: Made, weight: int, dx: str, dx_bytes: int, p: str,
-           frees: tuple[str, ...] = (), sums: tuple[str, str, int] | None = None) -> Op:
-    """nn.Linear without a bias (F.linear: one mm): its output; in backward dW and dX beside dY, then `frees`.
-
-    `sums` (the other gradient, the sum's name, its bytes): the input has a gradient already, and autograd sums dX
-    into it at once, before it reaches the weight's accumulator.
-    """
-    dw = f"grad/{p}/{where} weight" if p else f"grad/{where} weight"
-    gemms = Step("GEMMs: dW and dX", (Made(dw, weight, _WGRAD), Made(dx, dx_bytes, "dX = dY W")), frees,
-                 () if sums else (dw,), returns=True)
-    summed = () if sums is None else (Step("autograd sums the input's two gradients", (
-        Made(sums[1], sums[2], "the input's gradient: both uses' summed"),), frees=(dx, sums[0]), hands_over=(dw,)),)
-    return Op(where, forward=(Step("the GEMM", (out,)),), backward=(gemms, *summed), saves=(x,) if x else ())
-
 
 def norm(where: str, z: Sizes, norm: rules.RMSNormTensors, p: str, out: Made, grad: str, dx: str, x: str,
          frees: tuple[str, ...] = ()) -> Op:
@@ -261,7 +237,7 @@ def norm(where: str, z: Sizes, norm: rules.RMSNormTensors, p: str, out: Made, gr
              reads_last=(normed,)),
         Step("summed over tokens", (Made(f"{g}/dw fp32", 4 * z.h, "the weight's fp32 gradient"),),
              frees=(f"{g}/dw full",)),
-        Step("cast to bf16: the weight's gradient", (Made(f"{g}/dweight", z.act * z.h, _WGRAD),),
+        Step("cast to bf16: the weight's gradient", (Made(f"{g}/dweight", z.act * z.h, WHY_WGRAD),),
              frees=(f"{g}/dy", f"{g}/dw fp32", normed), hands_over=(f"{g}/dweight",)),
         Step("x * rstd's backward: dnormed * rstd", (Made(f"{g}/dx (x * r)", full, "x's first fp32 gradient"),)),
         Step("x * rstd's backward: dnormed * x", (Made(f"{g}/dr full", full, "per element, before the sum"),)),
@@ -297,7 +273,7 @@ def fused_rms_norm(where: str, z: Sizes, tensors: rules.RMSNormTensors, p: str, 
         Step("_fused_rms_norm: the output and rstd", (out, kept(p, tensors.rstd)), reads_last=(rstd,)),
     ), backward=(
         Step("_fused_rms_norm_backward: dX and the weight's gradient", (
-            Made(dx, z.act * z.b * z.s_seq * z.h, "the norm's dX"), Made(dweight, z.act * z.h, _WGRAD)),
+            Made(dx, z.act * z.b * z.s_seq * z.h, "the norm's dX"), Made(dweight, z.act * z.h, WHY_WGRAD)),
             frees=(grad, x), hands_over=(dweight,)),
     ), saves=(tensors.rstd,))
 
@@ -510,7 +486,7 @@ def feed_forward_ops(p: str, z: Sizes, x: str, mid: str, out: str, h: int) -> tu
     w2_out = kept_name(p, rules.FC2_OUT)  # its partial sum under tp
     ffn_out = f"{p}/ffn out" if z.t > 1 else w2_out
     return (
-        *swiglu_ops(p, z, m, DENSE_SWIGLU, w, f, f"grad/{p}/ffn_norm out"),
+        *swiglu_ops(p, m, DENSE_SWIGLU, w, f, full, f"grad/{p}/ffn_norm out"),
         *module_returns((
             linear(f"{m}.w2", ledger.FC2_IN, Made(w2_out, full, "w2's output"), w, f"{g}/dfc2", f, p,
                    frees=(dy,) if z.sp else ()),
@@ -526,30 +502,6 @@ SHARED_SWIGLU = (rules.MOE_SHARED_IN, ledger.SHARED_GATE, ledger.SHARED_SILU_OUT
                  ledger.SHARED_FC2_IN)
 
 
-def swiglu_ops(p: str, z: Sizes, m: str, tensors: tuple[SavedTensor, ...], w: int, f: int,
-               dx: str) -> tuple[Op, ...]:
-    """A FeedForward `m` (Llama3's, or the MoE's shared experts) up to w2: w1, SiLU, w3 and the product, keeping
-    `tensors` (DENSE_SWIGLU's roles); w1's and w3's dX summed into `dx`. `w`: a weight's bytes, `f`: a (b, s, f)
-    tensor's."""
-    x_in, gate, silu, up, product = tensors
-    g, full = f"grad/{p}/{m}", z.full(z.h)
-    return (
-        linear(f"{m}.w1", x_in, kept(p, gate), w, f"{g}/dx1", full, p, frees=(f"{g}/dgate",),
-               sums=(f"{g}/dx3", dx, full)),
-        # SiLU runs inside the FeedForward; its backward while MemTracker still has w3 active (w1 x and w3 x share an
-        # input, whose gradient is not complete until w1's backward)
-        Op(f"{m}.w3", forward=(Step("SiLU", (kept(p, silu),), reads_last=(kept_name(p, gate),)),),
-           backward=(Step("SiLU's backward", (Made(f"{g}/dgate", f, "bf16"),), frees=(f"{g}/dsilu",)),),
-           saves=(gate,)),
-        linear(f"{m}.w3", x_in, kept(p, up), w, f"{g}/dx3", full, p, frees=(f"{g}/dup",)),
-        Op(m, forward=(Step("SiLU(w1 x) * w3 x", (kept(p, product),),
-                            reads_last=kept_names(p, silu, up)),),
-           backward=(Step("the product's backward: dY * up", (Made(f"{g}/dsilu", f, "bf16"),)),
-                     Step("the product's backward: dY * SiLU", (Made(f"{g}/dup", f, "bf16"),), frees=(f"{g}/dfc2",))),
-           saves=(up, silu)),
-    )
-
-
 def shared_experts_ops(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     """The MoE's shared experts (a FeedForward of width u/t on its input): their output, under SP w2's partial sum
     (the ledger's SHARED_FC2_OUT, which SelectiveAC caches) reduce-scattered into f"{p}/moe/shared out"; in backward
@@ -560,7 +512,7 @@ def shared_experts_ops(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     gathered = config.ep > 1 and z.sp  # at ep > 1 the MoE's input is this rank's shard: gathered at their entry
     return module_returns((
         *(gather(m, z, p, kept(p, rules.MOE_SHARED_IN), f"{dx} whole", dx) if gathered else ()),
-        *swiglu_ops(p, z, m, SHARED_SWIGLU, w, f, f"{dx} whole" if gathered else dx),
+        *swiglu_ops(p, m, SHARED_SWIGLU, w, f, z.full(z.h), f"{dx} whole" if gathered else dx),
         linear(f"{m}.w2", ledger.SHARED_FC2_IN, Made(fc2_out, z.full(z.h), "the shared experts' output"),
                w, f"grad/{p}/{m}/dfc2", f, p, frees=(dy,) if z.sp else ()),
         *(reduce_scatter(f"{m}.w2", z, p, fc2_out, f"{p}/moe/shared out", dy, ()) if z.sp else ()),
@@ -595,7 +547,7 @@ def embedding_ops(z: Sizes) -> tuple[Op, ...]:
     lookup = Op("tok_embeddings", forward=(
         Step("the embedding lookup", (Made("layers.0/input", z.tokens(z.act * z.h), "the first block's input"),)),
     ), backward=(
-        Step("the embedding's gradient", (Made("grad/embedding", z.act * z.v_t * z.h, _WGRAD),),
+        Step("the embedding's gradient", (Made("grad/embedding", z.act * z.v_t * z.h, WHY_WGRAD),),
              frees=("grad/layers.0/input",), hands_over=("grad/embedding",)),
     ))
     return (count, lookup)
@@ -641,7 +593,7 @@ def _vocab_parallel_lookup(z: Sizes) -> Op:
     masked = (
         Step("dY times the mask", (Made(f"grad/{e} masked", full, "bf16"),),
              frees=(f"grad/{e} gathered" if z.sp else "grad/layers.0/input", f"{e}/mask bf16")),
-        Step("the embedding's gradient: this rank's rows", (Made("grad/embedding", z.act * z.v_t * z.h, _WGRAD),),
+        Step("the embedding's gradient: this rank's rows", (Made("grad/embedding", z.act * z.v_t * z.h, WHY_WGRAD),),
              frees=(f"grad/{e} masked", f"{e}/ids"), hands_over=("grad/embedding",)),
     )
     if not z.sp:

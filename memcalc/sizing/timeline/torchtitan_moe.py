@@ -8,15 +8,15 @@ without a reason from the source: docs/timeline.md, "torchtitan's MoE".
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from memcalc.config.schema import ModelConfig
 from memcalc.model import ledger
 from memcalc.model.evaluate import routed_slots
 from memcalc.model.impls import torchtitan as rules
-from memcalc.sizing.timeline.hf_layer import WHY_WGRAD
 from memcalc.sizing.timeline.tape import Sizes
+from memcalc.sizing.timeline.torch_ops import WHY_WGRAD, linear, module_returns, swiglu_ops
 from memcalc.sizing.timeline.walk import Made, Op, Step, kept, kept_name, kept_names
 
 @dataclass(frozen=True)
@@ -45,6 +45,7 @@ class Slots:
 # GroupedExperts' three (E, ...) parameters, one module's: each weight's gradient is named by its parameter, so that
 # FSDP2's walk keeps each as that parameter's unsharded .grad (memcalc.sizing.timeline.torchtitan._keep_grad)
 GROUPED_WEIGHTS = {"w1": "w1_EFD", "w2": "w2_EDF", "w3": "w3_EFD"}
+EXPERT_SWIGLU = (ledger.EXPERT_IN, ledger.EXPERT_GATE, ledger.EXPERT_SILU_OUT, ledger.EXPERT_UP, ledger.EXPERT_FC2_IN)
 
 
 def moe_ops(p: str, z: Sizes, config: ModelConfig, x: str, shared: tuple[Op, ...],
@@ -244,50 +245,17 @@ def _exchange(p: str, z: Sizes, config: ModelConfig, sizes: Slots) -> tuple[Op, 
 def _experts(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     """GroupedExperts: the offsets, then SwiGLU on torch._grouped_mm for every expert at once (each e/t wide under
     TP at ep = 1)."""
-    n, g, sizes = f"{p}/moe/experts", f"grad/{p}/moe/experts", Slots.of(z, config)
+    m, sizes = "moe.routed_experts.inner_experts", Slots.of(z, config)
     r, f = sizes.received, sizes.width
     rows_f, rows_h, weight = z.act * r * f, z.act * r * z.h, z.act * sizes.experts * f * z.h
-
-    def gemms(w: str, dy: str, dx: str, dx_bytes: int, frees: tuple[str, ...] = ()) -> Step:
-        return Step(f"{w}'s grouped GEMMs: dW and dX", (Made(f"{g}/{GROUPED_WEIGHTS[w]}", weight, WHY_WGRAD),
-                                                         Made(dx, dx_bytes, "dX = dY W, per expert")),
-                    frees=frees, returns=True)
-
-    return (
-        Op("moe.routed_experts.inner_experts", forward=(
-            Step("cumsum of the counts: the offsets", (kept(p, rules.MOE_OFFSETS),)),
-            Step("w1's grouped GEMM", (kept(p, ledger.EXPERT_GATE),)),
-        ), backward=(
-            gemms("w1", f"{g}/gate", f"{g}/dx1", rows_h, frees=(f"{g}/gate",)),
-            Step("w1's and w3's dX summed", (Made(f"grad/{p}/moe/experts input", rows_h, "bf16"),),
-                 frees=(f"{g}/dx1", f"{g}/dx3"), hands_over=(f"{g}/{GROUPED_WEIGHTS['w1']}",)),
-        ), saves=(rules.MOE_OFFSETS, ledger.EXPERT_IN)),
-        Op("moe.routed_experts.inner_experts", forward=(
-            Step("SiLU", (kept(p, ledger.EXPERT_SILU_OUT),), reads_last=kept_names(p, ledger.EXPERT_GATE)),
-        ), backward=(
-            Step("SiLU's backward", (Made(f"{g}/gate", rows_f, "bf16"),), frees=(f"{g}/silu",)),
-        ), saves=(ledger.EXPERT_GATE,)),
-        Op("moe.routed_experts.inner_experts", forward=(
-            Step("w3's grouped GEMM", (kept(p, ledger.EXPERT_UP),)),
-        ), backward=(
-            gemms("w3", f"{g}/up", f"{g}/dx3", rows_h, frees=(f"{g}/up",)),
-            Step("", hands_over=(f"{g}/{GROUPED_WEIGHTS['w3']}",)),
-        )),
-        Op("moe.routed_experts.inner_experts", forward=(
-            Step("SiLU(w1 x) * w3 x", (kept(p, ledger.EXPERT_FC2_IN),),
-                 reads_last=kept_names(p, ledger.EXPERT_SILU_OUT, ledger.EXPERT_UP)),
-        ), backward=(
-            Step("the product's backward: dY * up", (Made(f"{g}/silu", rows_f, "bf16"),)),
-            Step("the product's backward: dY * SiLU", (Made(f"{g}/up", rows_f, "bf16"),), frees=(f"{g}/dh",)),
-        ), saves=(ledger.EXPERT_UP, ledger.EXPERT_SILU_OUT)),
-        Op("moe.routed_experts.inner_experts", forward=(
-            Step("w2's grouped GEMM", (Made(f"{n}/output", rows_h, "(r, h) bf16"),),  # inner_experts returns
-                 reads_last=kept_names(p, ledger.EXPERT_FC2_IN, rules.MOE_OFFSETS)),
-        ), backward=(
-            gemms("w2", f"{g}/output", f"{g}/dh", rows_f, frees=(f"{g}/output",)),
-            Step("", hands_over=(f"{g}/{GROUPED_WEIGHTS['w2']}",)),
-        ), saves=(ledger.EXPERT_FC2_IN,)),
-    )
+    w1, *swiglu = swiglu_ops(p, m, EXPERT_SWIGLU, weight, rows_f, rows_h, f"grad/{p}/moe/experts input",
+                             GROUPED_WEIGHTS)
+    offsets = Step("cumsum of the counts: the offsets", (kept(p, rules.MOE_OFFSETS),))
+    w2 = linear(m, ledger.EXPERT_FC2_IN, Made(f"{p}/moe/experts/output", rows_h, "(r, h) bf16"), weight,
+                f"grad/{p}/{m}/dfc2", rows_f, p, frees=(f"grad/{p}/moe/experts/output",),
+                dw=f"grad/{p}/{m}/{GROUPED_WEIGHTS['w2']}", label="w2's grouped ")
+    return (replace(w1, forward=(offsets, *w1.forward), saves=(rules.MOE_OFFSETS, *w1.saves)), *swiglu,
+            *module_returns((w2,), *kept_names(p, ledger.EXPERT_FC2_IN, rules.MOE_OFFSETS)))  # inner_experts returns
 
 
 def _returned(p: str, z: Sizes, sizes: Slots) -> Op:

@@ -1,0 +1,86 @@
+"""torch ops that more than one library's step walk runs alike, described once: nn.Linear (transformers' and
+torchtitan's) and a SwiGLU FeedForward up to its down projection (torchtitan's dense FeedForward, its MoE's shared and
+grouped experts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from memcalc.model.ledger import SavedTensor
+from memcalc.sizing.timeline.walk import Made, Op, Step, kept, kept_name, kept_names
+
+WHY_WGRAD = "the weight's bf16 gradient, added into the fp32 buffer when autograd hands it over"
+WHY_BGRAD = "the bias's bf16 gradient, dY summed over the tokens (sum_to), handed over with the weight's"
+
+
+def linear(where: str, x: SavedTensor | None, out: Made | None, weight: int, dx: str, dx_bytes: int, p: str,
+           frees: tuple[str, ...] = (), sums: tuple[str, str, int] | None = None, dw: str = "", reduced: bool = False,
+           waits: bool = False, bias: int = 0, label: str = "") -> Op:
+    """nn.Linear (F.linear: one mm; or torch._grouped_mm over every expert): its output `out` (None: the caller's
+    forward); in backward dW = dY^T X and dX = dY W beside dY, then `frees` (dY, unless it lives on) with what the op
+    saves, and dW is handed over (unless it `waits` in autograd's buffer, tied). `dw`: the weight's gradient's name,
+    by default the module's.
+
+    `sums` (the other gradient, the sum's name, its bytes): the input has a gradient already, and autograd sums dX
+    into it at once, before it reaches the weight's accumulator. `bias` (Qwen2's q, k, v): addmm's node passes dY on
+    as the bias's gradient, summed to its shape after the node returned (`Step.reduced`) while dY lives. `reduced`: a
+    colwise linear under tp, whose Partial dX DTensor.from_local's backward all-reduces into a new tensor (the
+    paper's f). `label`: what names the GEMMs where one module runs several (GroupedExperts: "w1's grouped ").
+    """
+    stem = "/".join(n for n in ("grad", p, where) if n)
+    dw = dw or f"{stem} weight"
+    biased = (Made(f"{stem} bias", bias, WHY_BGRAD),) if bias else ()
+    handed = (*(() if waits or sums else (dw,)), *(n.name for n in biased))
+    partial = f"{dx} (partial)" if reduced else dx
+    gemms = Step(f"{label}GEMMs: dW and dX", (
+        Made(dw, weight, "the tied weight's gradient, waiting in autograd's input buffer" if waits else WHY_WGRAD),
+        Made(partial, dx_bytes, "dX = dY W" + (", this rank's partial sum" if reduced else ""))),
+        () if bias else frees, () if bias else handed, returns=True, moment=not bias)
+    after = (Step("the bias's gradient: dY summed over the tokens", biased, frees, handed, reduced=True),
+             ) if bias else ()
+    if sums:
+        after += (Step("autograd sums the input's two gradients", (Made(
+            sums[1], sums[2], "the input's gradient: both uses' summed"),), frees=(dx, sums[0]), hands_over=(dw,)),)
+    if reduced:
+        after += (Step("dX all-reduced", (Made(dx, dx_bytes, "the input's gradient all-reduced over the ranks (DTensor:"
+                                                             " Partial -> Replicate)"),), frees=(partial,)),)
+    return Op(where, (Step(f"{label}GEMM" if label else "the GEMM", (out,)),) if out else (), (gemms, *after),
+              saves=(x,) if x else ())
+
+
+def swiglu_ops(p: str, m: str, tensors: tuple[SavedTensor, ...], w: int, f: int, x: int, dx: str,
+               grouped: dict[str, str] | None = None) -> tuple[Op, ...]:
+    """A SwiGLU FeedForward `m` up to w2: w1, SiLU, w3 and the product, keeping `tensors` (its input, SiLU's input
+    and output, w3's output, the product); w1's and w3's dX summed into `dx`. `w`: a weight's bytes, `f`: a (b, s, f)
+    tensor's, `x`: the input's. `grouped`: GroupedExperts' parameters by weight (w1 -> w1_EFD), one module whose
+    grouped GEMMs run every expert, each weight's gradient named by its parameter."""
+    x_in, gate, silu, up, product = tensors
+    g = f"grad/{p}/{m}"
+    where = {n: m if grouped else f"{m}.{n}" for n in ("w1", "w3")}
+    dw = {n: f"{g}/{grouped[n]}" if grouped else "" for n in ("w1", "w3")}
+    label = {n: f"{n}'s grouped " if grouped else "" for n in ("w1", "w3")}
+    return (
+        linear(where["w1"], x_in, kept(p, gate), w, f"{g}/dx1", x, p, frees=(f"{g}/dgate",),
+               sums=(f"{g}/dx3", dx, x), dw=dw["w1"], label=label["w1"]),
+        # SiLU runs inside the FeedForward; its backward while MemTracker still has w3 active (w1 x and w3 x share an
+        # input, whose gradient is not complete until w1's backward)
+        Op(where["w3"], forward=(Step("SiLU", (kept(p, silu),), reads_last=(kept_name(p, gate),)),),
+           backward=(Step("SiLU's backward", (Made(f"{g}/dgate", f, "bf16"),), frees=(f"{g}/dsilu",)),),
+           saves=(gate,)),
+        linear(where["w3"], x_in, kept(p, up), w, f"{g}/dx3", x, p, frees=(f"{g}/dup",), dw=dw["w3"],
+               label=label["w3"]),
+        Op(m, forward=(Step("SiLU(w1 x) * w3 x", (kept(p, product),),
+                            reads_last=kept_names(p, silu, up)),),
+           backward=(Step("the product's backward: dY * up", (Made(f"{g}/dsilu", f, "bf16"),)),
+                     Step("the product's backward: dY * SiLU", (Made(f"{g}/dup", f, "bf16"),), frees=(f"{g}/dfc2",))),
+           saves=(up, silu)),
+    )
+
+
+def module_returns(ops: tuple[Op, ...], *names: str) -> tuple[Op, ...]:
+    """`ops`, the last of a module's, with `names` (kept tensors its frame holds: its input, locals) read last by
+    their final forward step, where the module returns."""
+    *before, last = ops
+    *steps, final = last.forward
+    return (*before, replace(last, forward=(*steps, replace(final, reads_last=final.reads_last + names))))
