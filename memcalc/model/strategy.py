@@ -68,9 +68,10 @@ class Strategy:
         return next(d for d in tensor.shape if d in _TP_SPLIT_DIMS)
 
     def kept(self, tensors: Iterable[SavedTensor]) -> tuple[SavedTensor, ...]:
-        """`tensors` as this layout keeps them: a form the plan names takes its namesake's place."""
+        """`tensors` as this layout keeps them: a form the plan names takes its namesake's place in its region (a
+        size condition's whole copy of the namesake, replicated, keeps its own form)."""
         forms = {x.name: x for x in self.forms}
-        return tuple(forms.get(x.name, x) for x in tensors)
+        return tuple(f if (f := forms.get(x.name)) is not None and f.region is x.region else x for x in tensors)
 
     def planned(self, impl: Implementation, knobs: Any) -> Strategy:
         """This layout as `impl` runs `knobs`: under TP, the tensors its TP plan leaves unsharded stay whole and those

@@ -193,6 +193,11 @@ MLA_KV_DOWN_VIEW = replace(
     why="the norm's backward reads its input, a view that keeps the key/value down projection's whole output"
     " (latent and the keys' RoPE part) alive; under SP the latent's sequence shard is a copy (r_kv wide)",
 )
+MLA_KV_DOWN_GATHERED = replace(
+    MLA_KV_DOWN_VIEW, region=Region.REPLICATED,
+    why="the norm's backward reads its input, a view that keeps the key/value down projection's whole output alive:"
+    " under SP with one token a rank the latent's sequence shard is contiguous, scattering it is a view too",
+)
 MLA_Q_LATENT_GATHERED = replace(
     ledger.MLA_Q_NORM.input, saved_by="q_layernorm, on the query latent gathered over t (and under SP scattered"
     " back as a view)", region=Region.REPLICATED,
@@ -445,6 +450,12 @@ CONDITIONS = (
         " core keeps that view, with the whole output",
         kept=lambda sizes, t: (sizes[Dim.B] > 1) | (sizes[Dim.S] > 1) | (sizes[Dim.A] // t > 1),
         instead=ledger.MLA_KV_UP_OUT,  # found by the differential test
+    ),
+    SizeCondition(
+        MLA_KV_DOWN_VIEW, "with one token a rank (b s/t = 1), scatter_to_sequence_parallel_region's chunk of the KV"
+        " latent is contiguous as it is, so `.contiguous()` returns a view and kv_layernorm keeps the gathered down"
+        " projection's whole (b, s, r_kv + d_r) output, not the (b, s/t, r_kv) copy SP keeps elsewhere",
+        kept=lambda sizes, t: sizes[Dim.B] * sizes[Dim.S] // t > 1, instead=MLA_KV_DOWN_GATHERED,
     ),
     SizeCondition(
         QUERY_COPY, "with one K/V group per rank (g = t) and b = 1, DotProductAttention's query.reshape(sq, b*np, hn)"

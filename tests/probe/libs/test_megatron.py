@@ -62,6 +62,8 @@ CASES = {
         "tp", 2, {"num_query_groups": 2, "recompute": "selective", "dropout": 0.1}),
     "qk_layernorm gqa with one K/V group per rank: the query is a view": (
         "tp-sp", 2, QK | {"num_query_groups": 2, "dropout": 0.1}),
+    "latent attention tp-sp at b = 1, s = t: one token a rank, the scattered kv latent a view of the whole output": (
+        "tp-sp", 2, MLA | {"b": 1, "s": 2, "dropout": 0.0}),
     "latent attention at b = s = 1, one head per rank: V is a view of the kv up projection's output": (
         "tp", 2, MLA | {"b": 1, "s": 1, "a": 2, "dropout": 0.0}),
     # found by the random audit: the checkpointed core runs without grad, so its inputs are named where made
