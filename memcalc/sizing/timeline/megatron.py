@@ -136,14 +136,15 @@ def _dropout(ops: list[Op], z: Sizes, mask: SavedTensor, what: str, grad: str, h
 
 def column_parallel(ops: list[Op], z: Sizes, where: str, x: SavedTensor, grad: str, width: int, bias: int,
                     dx: str, tied: Made | None = None) -> str:
-    """QKV, fc1 or the output layer (`width` outputs): dX, dW and the bias's gradient beside dY, then the saved input
-    goes; under SP the input is all-gathered again and dX reduce-scattered; under TP without SP, f's backward
-    all-reduces dX into a copy (the input of an autograd op is never changed). `tied`: the gradient of a weight
+    """QKV, fc1 or the output layer (`width` outputs): dX, dW and the bias's gradient (if any) beside dY, then the
+    saved input goes; under SP the input is all-gathered again and dX reduce-scattered; under TP without SP, f's
+    backward all-reduces dX into a copy (the input of an autograd op is never changed). `tied`: the gradient of a weight
     shared with the embedding, which autograd keeps (not handed over) until the other use's is added. Returns dX's
     name."""
     bias_grad = Made(f"grad/{where} bias", z.act * bias, "the bias's gradient, dY summed over tokens")
     weights = (tied or Made(f"grad/{where} weight", z.act * width * z.h, WGRAD), *((bias_grad,) if bias else ()))
     handed = tuple(x.name for x in weights if x is not tied)
+    dw = "dW and the bias's gradient" if bias else "dW"
     if z.sp:  # memcalc.probe.linear._GatheredInputLinear
         gathered, partial = f"grad/{where} input gathered", f"grad/{where} partial dX"
         ops.append(backward_only(
@@ -152,12 +153,12 @@ def column_parallel(ops: list[Op], z: Sizes, where: str, x: SavedTensor, grad: s
                 Made(gathered, z.full(z.h), "forward kept only the input's shard: backward all-gathers it"),
                 Made(partial, z.full(z.h), "dX = dY W on the whole sequence, this rank's partial sum"),
                 Made(dx, z.seq(z.h), "the reduce-scatter's output: this rank's shard of dX")), frees=(partial,)),
-            Step("dW and the bias's gradient beside the re-gathered input", weights, frees=(gathered, grad),
+            Step(f"{dw} beside the re-gathered input", weights, frees=(gathered, grad),
                  hands_over=handed),
             saves=(x,)))
         return dx
-    gemms = Step("GEMMs: dX, dW and the bias's gradient", (Made(dx, z.full(z.h), "dX = dY W, the input's gradient"),
-                                                            *weights), frees=(grad,), hands_over=handed, returns=True)
+    gemms = Step(f"GEMMs: dX and {dw}", (Made(dx, z.full(z.h), "dX = dY W, the input's gradient"), *weights),
+                 frees=(grad,), hands_over=handed, returns=True)
     if z.t == 1:
         ops.append(backward_only(where, gemms, saves=(x,)))
         return dx
