@@ -117,8 +117,9 @@ def _size_conditions(impl: Implementation) -> str:
     """The single tensors kept as written only at some sizes (`SizeCondition`), one line each."""
     lines = ["Single tensors kept as written only at some sizes (numbers follow them point by point):", ""]
     for c in impl.size_conditions:
-        instead = "" if c.instead is None else " (in another form)" if c.instead.name == c.tensor.name \
-            else f" (`{c.instead.name}` in its place)"
+        names = [x.name for x in c.instead]
+        instead = "" if not names else " (in another form)" if names == [c.tensor.name] \
+            else f" ({', '.join(f'`{x}`' for x in names)} in its place)"
         lines.append(f"- `{c.tensor.name}`{instead}: {c.what[:1].upper()}{c.what[1:]}.")
     return "\n".join(lines)
 

@@ -352,7 +352,7 @@ def _tensor_bytes(
         condition = conditions.get(x.name)
         if condition is None:
             return one(x)
-        other = one(strategy.kept((condition.instead,))[0]) if condition.instead is not None else 0
+        other = sum(one(y) for y in strategy.kept(condition.instead))
         return np.where(condition.kept(sizes, split), one(x), other)
 
     return np.asarray(sum(term(x) for x in strategy.kept(tensors)))

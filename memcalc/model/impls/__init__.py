@@ -140,5 +140,4 @@ def tensors_at(knobs: Any, accounting: Accounting, sizes: dict[Any, Any], t: int
     kept = rule.outside(knobs, accounting) if rule is not None and not rule.runs_at(knobs, sizes, t) else \
         layer_tensors(knobs, accounting)
     changed = {c.tensor.name: c.instead for c in implementation(knobs).size_conditions if not c.kept(sizes, t)}
-    in_place = (changed[x.name] if x.name in changed else x for x in kept)
-    return tuple(x for x in in_place if x is not None)
+    return tuple(y for x in kept for y in changed.get(x.name, (x,)))

@@ -61,7 +61,7 @@ class SizeRule:
 
 @record
 class SizeCondition:
-    """One tensor a layer keeps as written only at some sizes; elsewhere `instead` in its place, or nothing.
+    """One tensor a layer keeps as written only at some sizes; elsewhere `instead` in its place (nothing if empty).
 
     Where a `SizeRule` swaps the set a kernel keeps, a condition touches one tensor: an edge of the
     sizes at which the library's own code takes another branch (no causal mask for one query) or
@@ -71,7 +71,7 @@ class SizeCondition:
     tensor: SavedTensor
     what: str
     kept: Callable[[dict[Any, Any], Any], Any]  # (sizes by Dim, t: the layout's split) -> bool or bool array
-    instead: SavedTensor | None = None
+    instead: tuple[SavedTensor, ...] = ()
 
 
 def always(knobs: Any) -> bool:

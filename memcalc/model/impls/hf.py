@@ -315,6 +315,16 @@ SDPA_MATH = MATH_Q, MATH_K, MATH_SOFTMAX, MATH_DROPOUT_MASK, MATH_DROPOUT_OUT, M
           "the gradient of the attention weights is dOut V^T"),
 )
 
+# GPT-2 in fp32: v's cast is a no-op, so bmm takes v as a (b, a, s, d) view of c_attn's (b, s, 3h) output; the batch's
+# reshape to (b * a, s, d) copies it, except where b = 1 or one head lets it stand as a view: then bmm keeps c_attn's
+# whole output, Q's, K's and V's columns (found by the differential test).
+GPT2_MATH_V = replace(MATH_V, name="attention/math_v", saved_by="SDPA math kernel (CPU, dropout > 0) in fp32: v, its"
+                      " cast a no-op, copied by the batch's reshape, kept by matmul")
+GPT2_VIEWED_V = SizeCondition(
+    GPT2_MATH_V, "GPT-2 in fp32, SDPA's CPU math kernel: at b = 1 or one head the batch's reshape leaves v a view of"
+    " c_attn's output, and matmul keeps that whole output (q, k and v side by side)",
+    kept=lambda sizes, t: (sizes[Dim.B] != 1) & (sizes[Dim.A] // t != 1), instead=(ledger.Q, ledger.K, ledger.V))
+
 FLASH_DROPOUT_LSE = replace(
     ledger.SOFTMAX_LSE,
     saved_by="SDPA flash kernel with dropout on CUDA: same as without, the mask is regenerated from its RNG state"
@@ -566,7 +576,7 @@ def _sdpa(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]:
     if not knobs.has_dropout:
         return (ledger.Q, ledger.K, ledger.V, ledger.SOFTMAX_LSE, *out)
     if accounting.device == "cpu":
-        return SDPA_MATH
+        return (*SDPA_MATH[:-1], GPT2_MATH_V) if is_gpt2(knobs) and knobs.dtype == "fp32" else SDPA_MATH
     return (ledger.Q, ledger.K, ledger.V, FLASH_DROPOUT_LSE, *out)
 
 
@@ -1059,6 +1069,7 @@ IMPLEMENTATION = Implementation(
     model_wide_copies=rope_pairs,
     size_conditions=(
         SPLIT_PROJ_INPUT,
+        GPT2_VIEWED_V,
         SizeCondition(
             GLM_SDPA_OUT, "GLM's SDPA output, laid out (b, a, s, d), is o_proj's input itself where transpose(1, 2)"
             " leaves it contiguous: one head on the rank, or one token",
@@ -1067,13 +1078,13 @@ IMPLEMENTATION = Implementation(
         SizeCondition(
             ledger.MLA_V, "DeepSeek's eager matmul copies V, a (b, a, s, d_v) view of kv_b_proj's output, unless b = 1,"
             " one head or one token: then b and a merge into a bmm batch as a view and it keeps the whole output",
-            kept=batched, instead=ledger.MLA_KV_UP_OUT,  # found by the differential test
+            kept=batched, instead=(ledger.MLA_KV_UP_OUT,),  # found by the differential test
         ),
     ),
     # FLASH_DROPOUT_LSE is the ledger's LSE, described as read from code
     tensors=(
         *LN1_RMS, *LN2_RMS, *Q_NORM_RMS, *K_NORM_RMS, ROPE_COS, ROPE_SIN, *MLA_Q_RMS, *MLA_KV_RMS, MLA_ROPE_COS,
-        MLA_ROPE_SIN, ledger.MLA_KV_UP_OUT, K_EXPANDED, V_EXPANDED, SOFTMAX_FP32, WEIGHTS, *SDPA_MATH, HALF_X, TANH_OUT,
+        MLA_ROPE_SIN, ledger.MLA_KV_UP_OUT, K_EXPANDED, V_EXPANDED, SOFTMAX_FP32, WEIGHTS, *SDPA_MATH, GPT2_MATH_V, HALF_X, TANH_OUT,
         ONE_PLUS_TANH, *MOE_TENSORS, NEOX_ROPE_COS, NEOX_ROPE_SIN, NEOX_QKV_OUT, *GPTJ_ROPE, GPTJ_Q, GPTJ_K,
         *OLMO2_ATTN_OUT, *OLMO2_MLP_OUT, *OLMO2_Q_NORM, *OLMO2_K_NORM, SDPA_OUT, *GEMMA_LN1, *GEMMA_LN2, *GEMMA_Q_NORM,
         *GEMMA_K_NORM, *GEMMA_POST_ATTN, *GEMMA_POST_MLP, SOFTCAP_TANH, GEGLU_GATE, GEGLU_UP, GEGLU_GELU_OUT, *OLMO_LN1,

@@ -449,19 +449,19 @@ CONDITIONS = (
         " a/t, d_n + d_v) output, unless b = s = 1 with one head on the rank: V is then contiguous as it is, and the"
         " core keeps that view, with the whole output",
         kept=lambda sizes, t: (sizes[Dim.B] > 1) | (sizes[Dim.S] > 1) | (sizes[Dim.A] // t > 1),
-        instead=ledger.MLA_KV_UP_OUT,  # found by the differential test
+        instead=(ledger.MLA_KV_UP_OUT,),  # found by the differential test
     ),
     SizeCondition(
         MLA_KV_DOWN_VIEW, "with one token a rank (b s/t = 1), scatter_to_sequence_parallel_region's chunk of the KV"
         " latent is contiguous as it is, so `.contiguous()` returns a view and kv_layernorm keeps the gathered down"
         " projection's whole (b, s, r_kv + d_r) output, not the (b, s/t, r_kv) copy SP keeps elsewhere",
-        kept=lambda sizes, t: sizes[Dim.B] * sizes[Dim.S] // t > 1, instead=MLA_KV_DOWN_GATHERED,
+        kept=lambda sizes, t: sizes[Dim.B] * sizes[Dim.S] // t > 1, instead=(MLA_KV_DOWN_GATHERED,),
     ),
     SizeCondition(
         QUERY_COPY, "with one K/V group per rank (g = t) and b = 1, DotProductAttention's query.reshape(sq, b*np, hn)"
         " of that query view is a view too (only b's stride stood in the way): QK^T keeps the whole fused QKV output"
         " in the query copy's place",
-        kept=lambda sizes, t: (sizes[Dim.B] > 1) | (sizes[Dim.G] // t > 1), instead=QKV_OUT,
+        kept=lambda sizes, t: (sizes[Dim.B] > 1) | (sizes[Dim.G] // t > 1), instead=(QKV_OUT,),
     ),
 )
 

@@ -326,7 +326,7 @@ CONDITIONS = (
         ledger.V, "FusedQKVLinear splits the (b, s, g, a/g + 2, d) wqkv output and calls .contiguous() on V's"
         " (b, s, g, d) view, which copies unless the view is already contiguous: at b = s = 1 with one K/V group per"
         " rank (g = t) it is, so SDPA keeps the view, and with it the whole fused output",
-        kept=lambda sizes, t: (sizes[Dim.B] * sizes[Dim.S] > 1) | (sizes[Dim.G] // t > 1), instead=V_IN_QKV_OUT,
+        kept=lambda sizes, t: (sizes[Dim.B] * sizes[Dim.S] > 1) | (sizes[Dim.G] // t > 1), instead=(V_IN_QKV_OUT,),
     ),
     SizeCondition(
         MOE_PERMUTED_INDICES, "AllToAllTokenDispatcher reorders the slots it receives only with experts on other"

@@ -615,7 +615,8 @@ def _core_rules(
         Rule(attention, sdpa, rules.MATH_SOFTMAX, view=_kept("SafeSoftmaxBackward0", "_saved_result")),
         Rule(attention, sdpa, rules.MATH_DROPOUT_MASK, view=_kept("MulBackward0", "_saved_other")),
         Rule(attention, sdpa, rules.MATH_DROPOUT_OUT, view=_kept("BmmBackward0", "_saved_self", then=_batch(b))),
-        Rule(attention, sdpa, rules.MATH_V, view=_kept("BmmBackward0", "_saved_mat2", then=_batch(b))),
+        Rule(attention, sdpa, rules.GPT2_MATH_V if copies_only and config.dtype == "fp32" else rules.MATH_V,
+             view=_kept("BmmBackward0", "_saved_mat2", then=own(_batch(b)))),
     )
 
 

@@ -116,6 +116,13 @@ CASES = {
         (LLAMA | MLA | {"attention": "eager", "dtype": "fp32", "dropout": 0.0}, None),
     "gpt2 eager at b=1: the (b, a) batch flattens as a view": (GPT2 | {"attention": "eager", "dropout": 0.1, "b": 1},
                                                                None),
+    # found by tests/probe/test_differential.py: in fp32 the math kernel's cast of v is a no-op
+    "gpt2 fp32 sdpa with dropout at b=1: the math kernel's bmm keeps c_attn's whole output":
+        (GPT2 | {"attention": "flash", "dropout": 0.1, "dtype": "fp32", "b": 1}, None),
+    "gpt2 fp32 sdpa with dropout, one head: the math kernel's bmm keeps c_attn's whole output":
+        (GPT2 | {"attention": "flash", "dropout": 0.1, "dtype": "fp32", "a": 1}, None),
+    "gpt2 fp32 sdpa with dropout: the batch's reshape copies v":
+        (GPT2 | {"attention": "flash", "dropout": 0.1, "dtype": "fp32", "b": 2}, None),
     "phi3 gqa: q, k, v sliced from qkv_proj, gate and up two halves of gate_up_proj's one storage":
         (PHI3 | {"dropout": 0.0, "num_query_groups": 2}, None),
     "phi3 with dropout: the attention's and the mlp's outputs dropped out too; (s, 3d/4) rope tables":
