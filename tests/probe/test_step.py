@@ -169,6 +169,17 @@ def test_with_wide_normed_heads_the_step_peaks_in_the_attention_to_the_byte():
     assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
 
 
+def test_under_full_recomputation_with_a_narrow_mlp_the_step_peaks_at_the_reruns_fc2_to_the_byte():
+    """fc2's forward in a layer's rerun holds its GEMM's share of the sum, f*'s all-reduced copy and the bias added
+    to it at once: beside the output's gradient the checkpoint holds, two (s, b, h) more than the rerun's end (found by
+    the step differential at b = 3, s = 7, h = 40, L = 2: 16 B above the tied embedding's summed gradients)."""
+    config = build_config(dict(b=2, s=12, h=36, a=6, t=2, L=1, vocab_size=4, ffn_hidden_size=2, recompute="full",
+                               dropout=0.0, position_embedding_type="rope"))
+    (r,) = measure_step(config, ["tp"])
+    assert r.measured.moment == r.predicted_moment == "backward layers.0.mlp.fc2"
+    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+
+
 def test_a_category_off_by_more_than_one_percent_is_reported(measured):
     r = measured["gpt", "tp"]
     off = int(r.measured.peak[ACTIVATIONS] * (1 + 2 * TOLERANCE))

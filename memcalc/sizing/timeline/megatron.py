@@ -94,30 +94,48 @@ def _layer(z: Sizes, made: tuple[SavedTensor, ...], full: bool) -> Op:
 def _rerun_layer(config: ModelConfig, z: Sizes, rerun: tuple[SavedTensor, ...], has: Has) -> tuple[Op, ...]:
     """Full recomputation: the checkpoint runs the layer's forward again, to its last residual add, inside backward,
     making again what the layer keeps without recomputation (the input is the checkpoint's), filed as MemTracker files
-    it; with experts, their widest moments first."""
+    it; with experts, their widest moments first, else fc2's forward, whose transients can outweigh the rerun's end."""
     again = tuple(
         Made(x.name, 0, "kept by the layer's rerun under full recomputation", keeps=x,
              category="" if x.name in _MADE_BY_THE_BLOCK else ACTIVATIONS)
         for x in rerun if x.name != INPUT
     )
-    later = tuple(x for x in again if x.name == ledger.MLP_DROPOUT_MASK.name) if config.moe else again
-    experts = megatron_moe.experts_forward(config, z, tuple(x for x in again if x not in later), rerun=True) \
-        if config.moe else ()
+    later = tuple(x for x in again if x.name == ledger.MLP_DROPOUT_MASK.name)  # the block's, after the MLP
+    before = tuple(x for x in again if x not in later)
     mlp = Made("layer/recomputed MLP output", z.seq(z.h), "the MLP's output (a submodule's forward's)",
                category=ACTIVATIONS)
+    if config.moe:
+        first, made = megatron_moe.experts_forward(config, z, before, rerun=True), (mlp,)
+    else:
+        first, made = (_fc2_rerun(config, z, before, mlp),), ()
     output = Made("layer/recomputed output", z.seq(z.h),
                   "the rerun's output: the checkpoint holds it while autograd runs the layer's backward")
     to = "full recomputation: the layer's forward again, to"
     if not has(ledger.MLP_DROPOUT_MASK.name):  # the MLP's output is the last residual add's other operand
-        return (*experts, backward_only("", Step(f"{to} its last residual add", (*later, output, mlp),
-                                                 frees=(mlp.name,))))
+        return (*first, backward_only("", Step(f"{to} its last residual add", (*later, output, *made),
+                                               frees=(mlp.name,))))
     # with dropout the MLP's output goes once the dropout's (the block's, a temporary) is made: a moment before the
     # residual add makes as many bytes again, so that MemTracker reads a tie there first
     dropped = Made("layer/recomputed MLP dropout", z.seq(z.h), "the MLP's dropout, the last residual add's other"
                    " operand", category=TEMPORARIES)
-    return (*experts, backward_only(
-        "", Step(f"{to} the MLP's dropout", (*later, mlp, dropped), frees=(mlp.name,)),
+    return (*first, backward_only(
+        "", Step(f"{to} the MLP's dropout", (*later, *made, dropped), frees=(mlp.name,)),
         Step("the rerun's last residual add", (output,), frees=(dropped.name,))))
+
+
+def _fc2_rerun(config: ModelConfig, z: Sizes, before: tuple[Made, ...], mlp: Made) -> Op:
+    """The rerun to fc2's output (memcalc.probe.linear.RowParallelLinear's forward), read in fc2 as its forward runs:
+    what the rerun made before it (`before`), and its GEMM's share of the sum on the whole sequence, f*'s all-reduced
+    copy (g*'s reduce-scatter under SP) and the bias added to it, each a new tensor; the first two go as fc2 returns,
+    its output (`mlp`) stays. At t = 1 the sum is the GEMM's output itself; without a bias the output is the sum."""
+    bias, split = config.add_bias_linear, z.t > 1
+    partial = Made("layer/recomputed fc2 partial", z.full(z.h), "fc2's GEMM: this rank's share of the sum",
+                   category=ACTIVATIONS)
+    summed = Made("layer/recomputed fc2 sum", z.seq(z.h), "f*'s all-reduce into a copy (g*'s reduce-scatter under"
+                  " SP): the sum, before the bias", category=ACTIVATIONS)
+    passing = (partial,) * (bias or split) + (summed,) * (bias and split)
+    return backward_only("mlp.fc2", Step("full recomputation: the layer's forward again, to fc2's output",
+                                         (*before, *passing, mlp), frees=tuple(x.name for x in passing)))
 
 
 # -- the pieces every layer is built from ---------------------------------------------------------------------
