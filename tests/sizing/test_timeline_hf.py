@@ -29,7 +29,8 @@ def _timeline(strategy=NONE, **changes):
 @pytest.mark.parametrize("attention", ["eager", "flash"])
 def test_each_layer_adds_the_hf_ledgers_saved_tensors_less_the_shared_rope_tables(attention, strategy):
     config, steps = _timeline(strategy, attention=attention, t=2)
-    ends = [m.by_category()[ACTIVATIONS] for m in steps.moments if m.phase == "forward" and ".layers." in f".{m.where}"]
+    ends = [m.by_category()[ACTIVATIONS] for m in steps.moments  # the layers' own moments (not down_proj's, under tp)
+            if m.phase == "forward" and ".layers." in f".{m.where}" and m.where.rpartition(".")[2].isdigit()]
     ledger = {x.tensor.name: x.bytes for x in estimate(config, strategy, CPU).tensors}
     shared = ledger[rules.ROPE_COS.name] + ledger[rules.ROPE_SIN.name]
     # After the first layer (whose input is LlamaModel's inputs_embeds too, live to the end of forward), each
@@ -228,7 +229,8 @@ GEMMA2 = GEMMA | {"family": "gemma2", "sandwich_norm": True}
 
 def test_gemmas_layers_add_the_hf_ledgers_gemma_tensors_less_the_shared_rope_tables():
     config, steps = _timeline(**GEMMA)
-    ends = [m.by_category()[ACTIVATIONS] for m in steps.moments if m.phase == "forward" and ".layers." in f".{m.where}"]
+    ends = [m.by_category()[ACTIVATIONS] for m in steps.moments  # the layers' own moments (not down_proj's, under tp)
+            if m.phase == "forward" and ".layers." in f".{m.where}" and m.where.rpartition(".")[2].isdigit()]
     ledger = {x.tensor.name: x.bytes for x in estimate(config, NONE, CPU).tensors}
     assert rules.GEMMA_LN1.weight_plus_one.name in ledger and rules.GEGLU_GATE.name in ledger
     shared = ledger[rules.ROPE_COS.name] + ledger[rules.ROPE_SIN.name]
@@ -269,7 +271,8 @@ def test_gemma_2s_final_logit_softcapping_keeps_tanhs_bsv_output_from_its_forwar
 
 def test_gemma_2s_layers_add_its_sandwich_norms_and_soft_capping_as_the_ledger_keeps_them():
     config, steps = _timeline(**GEMMA2, attn_logit_softcapping=50.0, attention="eager")
-    ends = [m.by_category()[ACTIVATIONS] for m in steps.moments if m.phase == "forward" and ".layers." in f".{m.where}"]
+    ends = [m.by_category()[ACTIVATIONS] for m in steps.moments  # the layers' own moments (not down_proj's, under tp)
+            if m.phase == "forward" and ".layers." in f".{m.where}" and m.where.rpartition(".")[2].isdigit()]
     ledger = {x.tensor.name: x.bytes for x in estimate(config, NONE, CPU).tensors}
     assert {rules.GEMMA_POST_MLP.normed_fp32.name, rules.SOFTCAP_TANH.name} <= ledger.keys()
     shared = ledger[rules.ROPE_COS.name] + ledger[rules.ROPE_SIN.name]

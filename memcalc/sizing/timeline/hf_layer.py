@@ -131,17 +131,22 @@ def _gemma_weight(where: str, g: str, norm: RMSNormTensors, z: Sizes, dy: str | 
 
 def layer_forward(i: int, z: Sizes, kept: Step, mlp: tuple[Op, ...] = ()) -> tuple[Op, ...]:
     """Layer i's forward, one moment at its second residual sum: its kept tensors (`kept`, every layer's one step),
-    the residual stream, and a sparse block's own moments (`mlp`, which makes the MLP's output)."""
+    the residual stream, and a sparse block's own moments (`mlp`, which makes the MLP's output). Under tp a dense
+    MLP's down_proj (RowwiseParallel) all-reduces its GEMM's partial sum into a new tensor: a moment before the sum,
+    as many bytes as it (the partial goes as the sum is made), which MemTracker reads first."""
     p, full = f"layers.{i}", z.full(z.h)
     made = Op("", forward=(kept, Step("the residual stream", (Made(
         f"{p}/mid", full, "the residual stream after attention: ln2's input and the MLP's residual"),), moment=False)),
               backward=())
+    output = () if mlp else (Made(f"{p}/mlp output", full, "down_proj's output, summed into the residual stream"),)
+    down = (Op("mlp.down_proj", forward=(Step("down_proj's partial sum all-reduced", (
+        Made(f"{p}/mlp partial", full, "down_proj's GEMM: this rank's share of the sum, a local of its forward"),
+        *output), frees=(f"{p}/mlp partial",)),), backward=()),) if output and z.t > 1 else ()
     out = Op("", forward=(Step("the layer's saved tensors, at its second residual sum", (
-        *(() if mlp else (Made(f"{p}/mlp output", full, "down_proj's output, summed into the residual stream"),)),
-        Made(f"layers.{i + 1}/input", full, "the layer's output, the next layer's input")),
+        *(() if down else output), Made(f"layers.{i + 1}/input", full, "the layer's output, the next layer's input")),
         # the caller rebinds its hidden_states; the first layer's input is inputs_embeds too
         frees=(f"{p}/mid", f"{p}/mlp output", *((f"{p}/input",) if i else ()))),), backward=())
-    return (made, *mlp, out)
+    return (made, *mlp, *down, out)
 
 
 def residuals(i: int, z: Sizes, eager: bool) -> tuple[Op, Op]:

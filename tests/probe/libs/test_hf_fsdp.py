@@ -180,6 +180,17 @@ def test_attention_dropout_under_fsdp2_happens_in_order_and_peaks_where_the_walk
     assert r.matches and r.measured.moment == r.predicted_moment, r.differences()
 
 
+def test_under_tp_a_layers_forward_peaks_at_down_projs_all_reduce_beside_its_partial_sum(one_thread):
+    """RowwiseParallel's down_proj all-reduces its GEMM's partial sum into a new tensor: as many bytes live as at the
+    residual sum after it, reached first (found by the step differential: one layer, a vocabulary of 4, the layer's
+    forward the peak)."""
+    config = make_config(LLAMA_HF, b=1, s=2, h=8, a=4, num_query_groups=2, t=2, L=1, ffn_hidden_size=2, vocab_size=4,
+                         attention="eager", dp_shard=2, reshard_after_forward=True)
+    (r,) = measure_step(config, ["tp"])
+    assert r.measured.moment == r.predicted_moment == "forward model.layers.0.mlp.down_proj"
+    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+
+
 # -- transformers' MoE models (grouped_mm, its default experts, and the loop), each layer's unit holding them all ----
 
 MOE = {"family": "mixtral", "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 48,
