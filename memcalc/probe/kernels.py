@@ -15,6 +15,21 @@ def wide(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
+@torch.library.custom_op("memcalc::probe_rms_norm", mutates_args=())
+def probe_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """y = x * rstd * weight (x's dtype, x's layout: a norm over each head of a permuted view returns its own
+    permutation) and rstd (fp32, x's shape with a 1 for the normalised dim): the forward Apex's and Transformer
+    Engine's RMSNorm kernels run, beside `rms_norm_backward`."""
+    x_wide = wide(x)
+    rstd = torch.rsqrt(x_wide.pow(2).mean(-1, keepdim=True) + eps)
+    return (x_wide * rstd).to(x.dtype) * weight, rstd
+
+
+@probe_rms_norm.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x), x.new_empty((*x.shape[:-1], 1), dtype=torch.promote_types(x.dtype, torch.float32))
+
+
 @torch.library.custom_op("memcalc::rms_norm_backward", mutates_args=())
 def rms_norm_backward(
     grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,

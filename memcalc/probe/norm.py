@@ -10,7 +10,7 @@ from functools import lru_cache
 
 from memcalc.model.ledger import NormTensors
 from memcalc.probe import require_torch
-from memcalc.probe.kernels import rms_norm_backward, wide
+from memcalc.probe.kernels import probe_rms_norm, rms_norm_backward
 from memcalc.probe.recorder import batch_first, label
 
 torch = require_torch()
@@ -51,14 +51,13 @@ class Norm(nn.Module):
 
 
 class _RMSNorm(torch.autograd.Function):
-    """y = x / rms(x) * weight, keeping x and rstd = 1/rms(x) (s, b, 1), or (s, b, heads, 1), for backward."""
+    """y = x / rms(x) * weight, keeping x and rstd = 1/rms(x) (s, b, 1), or (s, b, heads, 1), for backward; one op
+    each way, as the fused kernel (a layer's rerun inside backward would otherwise peak at its fp32 temporaries)."""
 
     @staticmethod
     def forward(ctx, x, weight):
-        x_wide = wide(x)
-        rstd = torch.rsqrt(x_wide.pow(2).mean(-1, keepdim=True) + EPS)  # (s, b, 1)
-        y = (x_wide * rstd).to(x.dtype) * weight
-        rstd = rstd.to(_stats_dtype(x.device.type, x.dtype))
+        y, rstd = probe_rms_norm(x, weight, EPS)  # one op, as the fused kernel: no fp32 temporaries seen
+        rstd = rstd.to(_stats_dtype(x.device.type, x.dtype))  # (s, b, 1)
         ctx.save_for_backward(x, weight, rstd)
         ctx.mark_non_differentiable(rstd)
         ctx.set_materialize_grads(False)  # no zeros made for rstd's (absent) gradient

@@ -180,6 +180,17 @@ def test_under_full_recomputation_with_a_narrow_mlp_the_step_peaks_at_the_reruns
     assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
 
 
+def test_under_full_recomputation_rmsnorms_rerun_makes_no_fp32_temporaries_the_fused_kernel_does_not():
+    """The probe's RMSNorm runs its forward as one op, as Apex's and Transformer Engine's kernel: its fp32 input copy
+    and products are never seen (found by the step differential at b = 1, s = 14, h = 24, L = 2, ffn 2: op by op,
+    the second layer's rerun peaked inside ln2, 130 B above the tied embedding's summed gradients)."""
+    config = build_config(dict(b=1, s=14, h=24, a=6, num_query_groups=2, t=2, L=2, vocab_size=4, ffn_hidden_size=2,
+                               norm="rmsnorm", recompute="full", add_bias_linear=False))
+    (r,) = measure_step(config, ["tp"])
+    assert r.measured.moment == r.predicted_moment == "backward embedding"
+    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+
+
 def test_a_category_off_by_more_than_one_percent_is_reported(measured):
     r = measured["gpt", "tp"]
     off = int(r.measured.peak[ACTIVATIONS] * (1 + 2 * TOLERANCE))
