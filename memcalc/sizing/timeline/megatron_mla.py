@@ -187,7 +187,8 @@ def _core_backward(ops: list[Op], config: ModelConfig, z: Sizes, w: Widths, free
         frees=frees), saves=(ledger.MLA_V, ledger.ATTN_DROPOUT_OUT if has(ledger.ATTN_DROPOUT_MASK.name) else
                              ledger.SOFTMAX_OUT)))
     ops.extend(_copied("v", z.full(z.a_t * w.v), selective))
-    softmax(ops, config, z, "attention.core_attention", "grad/attention weights", has, scale=(SOFTMAX_SCALE,))
+    softmax(ops, config, z, "attention.core_attention", "grad/attention weights", has, scale=(SOFTMAX_SCALE,),
+            masks_a_view=True)
     qk = z.full(z.a_t * w.qk)
     ops.append(backward_only("attention.core_attention", *(
         step for x, other in (("q", "K"), ("k", "Q")) for step in (

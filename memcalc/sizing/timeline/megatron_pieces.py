@@ -126,10 +126,11 @@ def fused_softmax(config: ModelConfig, z: Sizes) -> bool:
 
 
 def softmax(ops: list[Op], config: ModelConfig, z: Sizes, where: str, grad: str, has: Has,
-            scale: tuple[SavedTensor, ...] = ()) -> None:
+            scale: tuple[SavedTensor, ...] = (), masks_a_view: bool = False) -> None:
     """From the softmax output's (or with dropout, its dropout's) gradient `grad` to the scores' ("grad/scores"):
     attention dropout's backward, then Megatron's fused kernel's, which keeps its 16-bit output (and `scale`), or
-    torch's (`_torch_softmax`)."""
+    torch's (`_torch_softmax`; `masks_a_view`: megatron-core's DotProductAttention, whose torch softmax masks a view of
+    baddbmm's output in place)."""
     bass = z.b * z.a_t * z.s * z.s
     if has(ledger.ATTN_DROPOUT_MASK.name):
         ops.append(one(where, "attention dropout", Made(
@@ -140,13 +141,13 @@ def softmax(ops: list[Op], config: ModelConfig, z: Sizes, where: str, grad: str,
         ops.append(one(where, "softmax", Made("grad/scores", z.act * bass, SOFTMAX), (grad,),
                        saves=(ledger.SOFTMAX_OUT, *scale)))
     else:
-        _torch_softmax(ops, z, grad, has)
+        _torch_softmax(ops, z, grad, has, masks_a_view)
 
 
-def _torch_softmax(ops: list[Op], z: Sizes, grad: str, has: Has) -> None:
+def _torch_softmax(ops: list[Op], z: Sizes, grad: str, has: Has, masks_a_view: bool = False) -> None:
     """Megatron's forward_torch_softmax backward (outside the fused kernel's sizes, or in fp32), in backward order:
     the gradient cast up to fp32, softmax's backward, masked_fill's (a new tensor; with one query, s = 1, Megatron
-    masks nothing), the cast back down."""
+    masks nothing; `masks_a_view` and no cast: `_masked_view`), the cast back down."""
     bass = z.b * z.a_t * z.s * z.s
     sixteen_bit = has(megatron.SOFTMAX_FP32.name)  # an fp32 softmax of 16-bit scores, its output cast back
     width = 4 if sixteen_bit else z.act
@@ -158,10 +159,27 @@ def _torch_softmax(ops: list[Op], z: Sizes, grad: str, has: Has) -> None:
     masked = "grad/masked scores" if has(megatron.CAUSAL_MASK.name) else scores
     ops.append(one("attention", "softmax", Made(masked, width * bass, SOFTMAX), (grad,),
                     saves=(megatron.SOFTMAX_FP32 if sixteen_bit else ledger.SOFTMAX_OUT,)))
-    if masked != scores:
+    if masked != scores and masks_a_view and not sixteen_bit:
+        ops.append(_masked_view(width * bass, masked, scores))
+    elif masked != scores:
         ops.append(one("attention", "the causal mask", Made(
             scores, width * bass, "masked_fill's backward: the masked gradient zeroed"), (masked,),
             saves=(megatron.CAUSAL_MASK,)))
     if sixteen_bit:
         ops.append(one("attention", "the scores' cast", Made(
             "grad/scores", z.act * bass, "the scores' cast to fp32: its backward casts back"), (scores,)))
+
+
+def _masked_view(nbytes: int, masked: str, scores: str) -> Op:
+    """attention_mask_func's masked_fill_ on a view of baddbmm's output, backward: the view's node puts dY into zeros
+    of the base's shape; CopySlices copies that into a new base-shaped gradient and runs masked_fill's backward on a
+    clone of its slice (a new tensor), copied back: four scores-sized tensors live at once, dY gone."""
+    zeros = f"{scores} (the view's)"
+    return backward_only("attention", Step("the causal mask's view: dY into zeros of the scores' shape", (
+        Made(zeros, nbytes, "as_strided's backward: new_zeros of the base, dY copied in"),), frees=(masked,)),
+        Step("the causal mask: CopySlices, masked_fill's backward on a clone of the slice", (
+            Made(scores, nbytes, "CopySlices: the base's gradient, a new tensor"),
+            Made(f"{scores} (the slice's clone)", nbytes, "CopySlices clones the slice for masked_fill's backward"),
+            Made(f"{scores} (masked)", nbytes, "masked_fill's backward: the masked gradient zeroed, copied back")),
+            frees=(zeros, f"{scores} (the slice's clone)", f"{scores} (masked)")),
+        saves=(megatron.CAUSAL_MASK,))

@@ -92,3 +92,16 @@ def test_the_peak_each_category_at_it_and_the_steady_state_are_memtrackers_to_th
     (r,) = measure_step(build_config(MLA | changes), [layout])
     assert r.matches, r.differences()
     assert r.rows("peak")[-1].difference == 0 and r.rows("steady")[-1].difference == 0
+
+
+def test_torchs_softmax_masks_a_view_of_the_scores_and_its_backward_peaks_with_four_of_them_live():
+    """DotProductAttention's unfused softmax masks a view of baddbmm's output in place: backward puts dY into zeros of
+    the scores' shape (the view's node), then CopySlices copies it into a new gradient and runs masked_fill's backward
+    on a clone of the slice: four (b, a, s, s) tensors at once (found by the step differential at b = 1, s = 15, one
+    layer under selective recomputation: 48 B above the forward loss, where the walk had put the peak)."""
+    config = build_config(dict(b=1, s=15, h=10, a=5, L=1, vocab_size=2, kv_lora_rank=12, qk_rope_head_dim=4,
+                               qk_nope_head_dim=6, v_head_dim=5, norm="layernorm", dropout=0.0, mlp="swiglu",
+                               ffn_hidden_size=1, add_bias_linear=False, recompute="selective"))
+    (r,) = measure_step(config, ["none"])
+    assert r.measured.moment == r.predicted_moment == "backward layers.0.attention"
+    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
