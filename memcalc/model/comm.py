@@ -43,7 +43,7 @@ from memcalc.model.impls import implementation, plan
 from memcalc.model.knobs import DTYPE_BYTES, FIXED_BYTES, Knobs
 from memcalc.model.ledger import Dim, Kind
 from memcalc.model.strategy import Strategy
-from memcalc.model.tp_plan import SHARED, Pair, Rule, Style
+from memcalc.model.tp_plan import ATTENTION, SHARED, Pair, Rule, Style, TPPlan
 
 if TYPE_CHECKING:
     from memcalc.config.schema import ModelConfig
@@ -132,10 +132,11 @@ _OPERATORS: dict[tuple[str, bool], tuple[str, tuple[tuple[Op, str, str, str], ..
 _LEAVES = ("f*", "g*")  # the operators at a pair's exit
 
 
-def _operator(block: str, end: str, sequence_parallel: bool, what: str) -> list[Collective]:
-    """The collectives of the operator at one end of a pair (`_OPERATORS`), moving `what`."""
+def _operator(block: str, end: str, sequence_parallel: bool, what: str,
+              shape: tuple[Dim, ...] = _BSH) -> list[Collective]:
+    """The collectives of the operator at one end of a pair (`_OPERATORS`), moving `what` of `shape`."""
     name, calls = _OPERATORS[end, sequence_parallel]
-    return [Collective(f"{block}/{name}", name, op, phase, moves.format(what), _BSH, why)
+    return [Collective(f"{block}/{name}", name, op, phase, moves.format(what), shape, why)
             for op, phase, moves, why in calls]
 
 
@@ -157,13 +158,13 @@ def layer_collectives(
     tp_plan, sp = implementation(knobs).tp_plan(knobs), strategy.sequence_parallel
     if knobs.moe and ep > 1 and not any(r.style is Style.EXPERTS for r in tp_plan.rules):
         raise ConfigError(f"impl {knobs.impl}: ep={ep}: its all-to-all dispatcher's collectives are not modelled yet")
-    if knobs.mla:
-        raise ConfigError(f"kv_lora_rank={knobs.kv_lora_rank}: latent attention's collectives (the down projections'"
-                          " outputs gathered over t, SP's scatter of the latents) are not modelled yet")
+    if knobs.mla and overlap:
+        raise ConfigError(f"kv_lora_rank={knobs.kv_lora_rank}: tp_comm_overlap with latent attention is not modelled")
     pairs = tp_plan.pairs() if strategy.tensor_parallel else {}
     shared_style = pairs.pop(SHARED, None)  # MoELayer's shared experts: issued inside its block, not cut by overlap
     shared = _dense(SHARED, tp_plan.ends(SHARED), sp, frozenset(), 1, 1) if shared_style else ([], [])
-    blocks = [_dense(p, tp_plan.ends(p), sp, overlap, t, splits) for p in pairs]
+    blocks = [_latent(tp_plan, sp) if knobs.mla and p == ATTENTION else
+              _dense(p, tp_plan.ends(p), sp, overlap, t, splits) for p in pairs]
     if any(r.style is Style.EXPERTS for r in tp_plan.rules):
         blocks.append(_experts(knobs, strategy, ep, shared))
     forward = [c for block, _ in blocks for c in block]
@@ -205,6 +206,50 @@ def _dense(
                    ([_weight_gradient(p, r)] if r.style is Style.REPLICATED_GRAD_ALLREDUCE else entered)]
     backward = [*(c for c in leave if c.phase == "backward"), *split, *regather, *entered]
     return [piece for c in forward for piece in _pieces(c, overlap, t, splits)], backward
+
+
+# megatron-core's MLASelfAttention, module by module: the input its f or g moves and, for a down projection, its output
+# gathered over t (gather_from_tensor_model_parallel_region) and the latent SP scatters back to sequence shards
+# (scatter_to_sequence_parallel_region; the keys' RoPE part stays whole).
+_LATENT_MODULES: dict[str, tuple[tuple[Dim, ...], ...]] = {
+    "self_attention.linear_q_down_proj": (_BSH, (Dim.B, Dim.S, Dim.QR), (Dim.B, Dim.S, Dim.QR)),
+    "self_attention.linear_kv_down_proj": (_BSH, (Dim.B, Dim.S, Dim.KVD), (Dim.B, Dim.S, Dim.KVR)),
+    "self_attention.linear_q_up_proj": ((Dim.B, Dim.S, Dim.QR),),
+    "self_attention.linear_q_proj": (_BSH,),
+    "self_attention.linear_kv_up_proj": ((Dim.B, Dim.S, Dim.KVR),),
+}
+
+
+def _latent(tp_plan: TPPlan, sp: bool) -> tuple[list[Collective], list[Collective]]:
+    """Latent attention's collectives: each down projection enters through its own f or g on x and gathers its
+    output over t (scattering the latent back under SP), each up projection enters through its own f or g on its
+    latent (the query's on x without a query latent), linear_proj leaves through f* or g*; backward meets them in
+    reverse (forward's gather is a split there, SP's scatter a gather). Every module is a ColumnParallelLinear of its
+    own, so each re-gathers its input under SP."""
+    downs = [r.module for r in tp_plan.rules if r.style is Style.COLWISE_GATHER_OUTPUT and r.pair is None]
+    ups = [r.module for r in tp_plan.ends(ATTENTION)[0]]
+    forward: list[Collective] = []
+    backward: list[Collective] = []
+    for module in (*downs, *ups):
+        reads, *gathered = _LATENT_MODULES[module]
+        name = module.rsplit(".", 1)[-1]
+        enter = _operator(f"attention/{name}", "enter", sp, f"{name}'s input", reads)
+        regather = _operator(f"attention/{name}", "regather", sp, f"{name}'s input", reads) if sp else []
+        forward += [c for c in enter if c.phase == "forward"]
+        entered = [*regather, *(c for c in enter if c.phase == "backward")]
+        if gathered:
+            output, latent = gathered
+            forward.append(Collective(f"attention/{name}/gather", "gather", Op.ALL_GATHER, "forward", f"{name}'s output",
+                                      output, "the down projection's columns are split over t: every rank needs"
+                                      " the whole latent"))
+            entered = [*([Collective(f"attention/{name}/scatter", "scatter", Op.ALL_GATHER, "backward",
+                                     f"the gradient of {name}'s latent", latent, "SP scattered the gathered latent"
+                                     " back to sequence shards: backward gathers its gradient")] if sp else []),
+                       *entered]
+        backward = entered + backward
+    leave = _operator(ATTENTION.name, "leave", sp, ATTENTION.leaving)
+    return [*forward, *(c for c in leave if c.phase == "forward")], [*(c for c in leave if c.phase == "backward"),
+                                                                     *backward]
 
 
 def _weight_gradient(p: Pair, r: Rule) -> Collective:
@@ -263,6 +308,11 @@ def _experts(
     ]
     backward = [b for b in map(_conjugate, reversed(routed)) if b is not None]
     return [*shared[0], *routed], [*backward, *shared[1]]
+
+
+def latent_doc() -> str:
+    """What the latent attention block models, for the docs: `_latent`'s own docstring, one paragraph."""
+    return " ".join((_latent.__doc__ or "").split())
 
 
 def experts_doc() -> str:
@@ -429,4 +479,4 @@ def formula(knobs: Any, strategy: Strategy, width: int, ep: int = 1) -> tuple[st
 
 def _symbols(shape: tuple[Dim, ...]) -> str:
     """A shape's symbols, the paper's sbh for (b, s, h)."""
-    return "sbh" if shape == _BSH else "".join(d.value for d in shape)
+    return "sbh" if shape == _BSH else "".join(f"({d.value})" if "+" in d.value else d.value for d in shape)
