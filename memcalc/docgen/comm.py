@@ -10,7 +10,7 @@ from memcalc.config.gpus import GPUS
 from memcalc.docgen.template import filled
 from memcalc.units import human_bytes
 from memcalc.model import overlap
-from memcalc.model.comm import experts_doc, formula, latent_doc, layer_collectives
+from memcalc.model.comm import block_docs, formula, layer_collectives
 from memcalc.model.knobs import Knobs
 from memcalc.model.strategy import STRATEGIES
 
@@ -35,9 +35,10 @@ def render() -> str:
         filled(
             "comm.md",
             collectives=_collectives(),
-            experts_doc=experts_doc(),
+            experts_doc=block_docs()["experts"],
+            summed_experts_doc=block_docs()["summed_experts"],
             experts=_experts(),
-            latent_doc=latent_doc(),
+            latent_doc=block_docs()["latent"],
             latent=_latent(),
             overlap_doc=(overlap.__doc__ or "").split("\n\n", 1)[1].strip(),
             methods="\n".join(f"| `{m.name}` | `{m.flag}` | {m.kind} | {m.what} |" for m in overlap.METHODS.values()),

@@ -43,7 +43,7 @@ from memcalc.model.impls import implementation, plan
 from memcalc.model.knobs import DTYPE_BYTES, FIXED_BYTES, Knobs
 from memcalc.model.ledger import Dim, Kind
 from memcalc.model.strategy import Strategy
-from memcalc.model.tp_plan import ATTENTION, SHARED, Pair, Rule, Style, TPPlan
+from memcalc.model.tp_plan import ATTENTION, MOE, SHARED, Pair, Rule, Style, TPPlan
 
 if TYPE_CHECKING:
     from memcalc.config.schema import ModelConfig
@@ -166,7 +166,8 @@ def layer_collectives(
     blocks = [_latent(tp_plan, sp) if knobs.mla and p == ATTENTION else
               _dense(p, tp_plan.ends(p), sp, overlap, t, splits) for p in pairs]
     if any(r.style is Style.EXPERTS for r in tp_plan.rules):
-        blocks.append(_experts(knobs, strategy, ep, shared))
+        blocks.append(_summed_experts(knobs, ep) if implementation(knobs).name == "hf" else
+                      _experts(knobs, strategy, ep, shared))
     forward = [c for block, _ in blocks for c in block]
     backward = [c for _, block in reversed(blocks) for c in block]  # each block from its output
     rerun = implementation(knobs).rerun
@@ -176,8 +177,10 @@ def layer_collectives(
             raise ConfigError(f"impl {knobs.impl}: recompute {knobs.recompute} with shared experts under tp-sp: where"
                               " the rerun of a block that leaves through two reduce-scatters starts is not measured")
         first = [c for c in backward[:len(output)] if c.operator in _LEAVES] if rerun.after_output else []
-        # the rerun stops at the last saved tensor: before the exit, unless a norm after it keeps its input
-        stops = rerun.early_stop and not (knobs.post_norm or knobs.sandwich_norm)
+        # the rerun stops at the last saved tensor: before the exit, unless a norm after it keeps its input, or the
+        # shared expert Qwen2-MoE's block runs after its experts' output
+        stops = rerun.early_stop and not (knobs.post_norm or knobs.sandwich_norm
+                                          or (knobs.moe and knobs.moe_shared_expert_intermediate_size))
         again = forward[:len(forward) - len(output)] if stops else forward
         backward = [*first, *(_rerun(c) for c in again), *backward[len(first):]]
     return (*forward, *backward)
@@ -310,14 +313,29 @@ def _experts(
     return [*shared[0], *routed], [*backward, *shared[1]]
 
 
-def latent_doc() -> str:
-    """What the latent attention block models, for the docs: `_latent`'s own docstring, one paragraph."""
-    return " ".join((_latent.__doc__ or "").split())
+def _summed_experts(knobs: Any, ep: int) -> tuple[list[Collective], list[Collective]]:
+    """transformers' moe_tp_experts (MoeExpertsParallel): every rank runs each expert on its 1/t of the expert's
+    width, on the whole replicated input, and the block's output, the ranks' partial sums, is all-reduced in forward
+    (an f*); backward all-reduces the gradients of the experts' two inputs, the routing weights (fp32) and then the
+    hidden states (an f each). The router and any shared expert run whole on every rank."""
+    from memcalc.model.impls.hf import routing_weights_kind  # transformers' own: its router decides the width
+
+    if ep > 1:
+        raise ConfigError(f"impl {knobs.impl}: ep={ep}: transformers' expert-parallel plan (ep_dispatch_experts) is"
+                          " not modelled")
+    leave = _operator(MOE.name, "leave", False, MOE.leaving)
+    weights = Collective(f"{MOE.name}/f", "f", Op.ALL_REDUCE, "backward", "the gradient of the top-k routing weights",
+                         (Dim.B, Dim.S, Dim.K), "each rank's experts computed it from their own columns: the partial"
+                         " sums are added", kind=routing_weights_kind(knobs))
+    return leave, [weights, *_operator(MOE.name, "enter", False, MOE.entering)]
 
 
-def experts_doc() -> str:
-    """What the MoE block models, for the docs: `_experts`'s own docstring, one paragraph."""
-    return " ".join((_experts.__doc__ or "").split())
+def block_docs() -> dict[str, str]:
+    """What each block of its own models, for the docs: megatron-core's MoE layer (`experts`), transformers' experts
+    (`summed_experts`) and megatron-core's latent attention (`latent`), each its function's docstring in one
+    paragraph."""
+    blocks = {"experts": _experts, "summed_experts": _summed_experts, "latent": _latent}
+    return {name: " ".join((f.__doc__ or "").split()) for name, f in blocks.items()}
 
 
 _COUNTS = Collective("moe/counts", "g", Op.ALL_GATHER, "forward", "each rank's token count per expert (int64)",

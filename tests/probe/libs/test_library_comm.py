@@ -89,3 +89,34 @@ def test_measure_comm_lists_transformers_own_collectives_beside_the_ledgers():
     rows = [line for line in run.out.splitlines() if "all-reduce backward" in line]
     assert len(rows) == 5 and all(line.count("all-reduce backward") == 2 for line in rows)  # ledger's, issued
     assert "transformers' own layer" in run.out and "match: every tensor agrees to the byte" in run.out
+
+
+HF_MOE = {"num_query_groups": 4, "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32, "a": 4}
+HF_EXPERTS = {
+    "mixtral: fp32 routing weights": {"family": "mixtral"},
+    "mixtral's eager loop, top-3 of 8, b=2": {"family": "mixtral", "experts_implementation": "eager", "num_experts": 8,
+                                                "moe_router_topk": 3, "b": 2, "s": 7},
+    "qwen2-moe: weights in the activation dtype, a shared expert after the experts":
+        {"family": "qwen2_moe", "moe_shared_expert_intermediate_size": 24},
+    "qwen3-moe, qk norms, multi-head": {"family": "qwen3_moe", "qk_layernorm": True, "num_query_groups": None},
+}
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+@pytest.mark.parametrize("t", [2, 4])
+@pytest.mark.parametrize("family", HF_EXPERTS.values(), ids=HF_EXPERTS.keys())
+def test_transformers_experts_issue_the_ledgers_collectives_in_order(family, t, recompute):
+    """moe_tp_experts: the experts' output all-reduced in forward, their inputs' gradients (the routing weights', then
+    the hidden states') in backward; under checkpointing the rerun stops before the experts' all-reduce unless
+    Qwen2-MoE's shared expert runs after it."""
+    pytest.importorskip("transformers")
+    config = build_config(HF | HF_MOE | family | {"t": t, "recompute": recompute})
+    rows = _rows(config, "tp")
+    assert rows and all(row.matches for row in rows), [r for r in rows if not r.matches]
+    assert any(r.name == "moe/f*" for r in rows)
+
+
+def test_transformers_expert_parallel_plan_is_refused_naming_ep():
+    config = build_config(HF | HF_MOE | {"family": "mixtral", "t": 2, "ep": 2})
+    with pytest.raises(ConfigError, match="^impl hf: ep=2: transformers' expert-parallel plan"):
+        layer_collectives(config, STRATEGIES["tp"], ep=2)
