@@ -173,10 +173,9 @@ def layer_collectives(
     rerun = implementation(knobs).rerun
     if knobs.recompute in rerun.regions and blocks:
         output = [c for c in blocks[-1][0] if c.operator in _LEAVES]  # the last pair's exit
-        if rerun.after_output and len(output) > 1:
-            raise ConfigError(f"impl {knobs.impl}: recompute {knobs.recompute} with shared experts under tp-sp: where"
-                              " the rerun of a block that leaves through two reduce-scatters starts is not measured")
-        first = [c for c in backward[:len(output)] if c.operator in _LEAVES] if rerun.after_output else []
+        # the rerun starts as the first node that keeps a saved tensor runs: after the output's gradient crossed the
+        # exit it meets first (of a MoE's two reduce-scatters under SP, the shared experts', made last)
+        first = [c for c in backward[:1] if c.operator in _LEAVES] if rerun.after_output else []
         # the rerun stops at the last saved tensor: before the exit, unless a norm after it keeps its input, or the
         # shared expert Qwen2-MoE's block runs after its experts' output
         stops = rerun.early_stop and not (knobs.post_norm or knobs.sandwich_norm
