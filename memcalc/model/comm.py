@@ -22,6 +22,9 @@ A MoE layer (megatron-core's MoELayer, the all-to-all token dispatcher) keeps
 attention's collectives and trades the MLP's for the dispatcher's (`_experts`):
 int64 token counts, and the routed slots (r, the ledger's bound) exchanged over
 the ep ranks of the expert-parallel group, gathered and reduce-scattered over t.
+transformers' experts sum the ranks' partial outputs instead (`_summed_experts`),
+and megatron-core's latent attention gives each projection its own collectives,
+moving its latent's width (`_latent`).
 
 Bytes one rank sends under the ring algorithm, for a tensor of n bytes over a
 group of t ranks: all-reduce 2(t-1)/t * n, all-gather and reduce-scatter
