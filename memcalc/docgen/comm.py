@@ -37,6 +37,7 @@ def render() -> str:
             collectives=_collectives(),
             experts_doc=block_docs()["experts"],
             summed_experts_doc=block_docs()["summed_experts"],
+            routed_shards_doc=block_docs()["routed_shards"],
             experts=_experts(),
             latent_doc=block_docs()["latent"],
             latent=_latent(),

@@ -159,14 +159,17 @@ def layer_collectives(
         return ()
     plan(knobs, strategy)  # refuses a layout the implementation does not run
     tp_plan, sp = implementation(knobs).tp_plan(knobs), strategy.sequence_parallel
-    if knobs.moe and ep > 1 and not any(r.style is Style.EXPERTS for r in tp_plan.rules):
-        raise ConfigError(f"impl {knobs.impl}: ep={ep}: its all-to-all dispatcher's collectives are not modelled yet")
+    routes_shards = knobs.moe and ep > 1 and not any(r.style is Style.EXPERTS for r in tp_plan.rules)
+    if routes_shards and not sp:
+        raise ConfigError(f"impl {knobs.impl}: ep={ep} under {strategy.name}: its MoE slices the replicated input"
+                          " there, whose collectives are not measured (tp-sp, ep = t is)")
     if knobs.mla and overlap:
         raise ConfigError(f"kv_lora_rank={knobs.kv_lora_rank}: tp_comm_overlap with latent attention is not modelled")
     pairs = tp_plan.pairs() if strategy.tensor_parallel else {}
     shared_style = pairs.pop(SHARED, None)  # MoELayer's shared experts: issued inside its block, not cut by overlap
     shared = _dense(SHARED, tp_plan.ends(SHARED), sp, frozenset(), 1, 1) if shared_style else ([], [])
     blocks = [_latent(tp_plan, sp) if knobs.mla and p == ATTENTION else
+              _routed_shards(knobs, tp_plan) if routes_shards and p == MOE else
               _dense(p, tp_plan.ends(p), sp, overlap, t, splits) for p in pairs]
     if any(r.style is Style.EXPERTS for r in tp_plan.rules):
         blocks.append(_summed_experts(knobs, ep) if implementation(knobs).name == "hf" else
@@ -315,6 +318,25 @@ def _experts(
     return [*shared[0], *routed], [*backward, *shared[1]]
 
 
+def _routed_shards(knobs: Any, tp_plan: TPPlan) -> tuple[list[Collective], list[Collective]]:
+    """torchtitan's MoE at ep = t under SP: each rank routes its own sequence shard, nothing gathered at the block's
+    entry; spmd_types' all_to_all exchanges the token counts (int64) and then the routed slots over ep and returns
+    the experts' output (the routing scores stay on the rank: combine scales by them there). Shared experts, a
+    FeedForward of their own, then enter through g and leave through g*. Backward meets the shared experts first,
+    then each exchange reversed."""
+    bound = _BOUND[str(knobs.moe_tokens)]
+    counts = Collective("moe/counts", "all-to-all", Op.ALL_TO_ALL, "forward", "each rank's token count per expert"
+                        " (int64)", (Dim.E,), "the exchange's split sizes: how many slots each rank sends to each"
+                        " expert", group=Group.EP, kind=Kind.INT64)
+    routed = [counts, *(c for c in _all_to_alls(bound) if c.shape == _R_H)]  # the tokens, not the probabilities
+    shared = [c for r in tp_plan.ends(MOE)[1] if r.module.startswith("moe.shared_experts")
+              for end, moves in (("enter", SHARED.entering), ("leave", SHARED.leaving))
+              for c in _operator(SHARED.name, end, True, moves)]
+    backward = [b for b in map(_conjugate, reversed(routed)) if b is not None]
+    return [*routed, *(c for c in shared if c.phase == "forward")], \
+        [*(c for c in reversed(shared) if c.phase == "backward"), *backward]
+
+
 def _summed_experts(knobs: Any, ep: int) -> tuple[list[Collective], list[Collective]]:
     """transformers' moe_tp_experts (MoeExpertsParallel): every rank runs each expert on its 1/t of the expert's
     width, on the whole replicated input, and the block's output, the ranks' partial sums, is all-reduced in forward
@@ -334,9 +356,10 @@ def _summed_experts(knobs: Any, ep: int) -> tuple[list[Collective], list[Collect
 
 def block_docs() -> dict[str, str]:
     """What each block of its own models, for the docs: megatron-core's MoE layer (`experts`), transformers' experts
-    (`summed_experts`) and megatron-core's latent attention (`latent`), each its function's docstring in one
-    paragraph."""
-    blocks = {"experts": _experts, "summed_experts": _summed_experts, "latent": _latent}
+    (`summed_experts`), torchtitan's at ep = t (`routed_shards`) and megatron-core's latent attention (`latent`), each
+    its function's docstring in one paragraph."""
+    blocks = {"experts": _experts, "summed_experts": _summed_experts, "routed_shards": _routed_shards,
+              "latent": _latent}
     return {name: " ".join((f.__doc__ or "").split()) for name, f in blocks.items()}
 
 
@@ -476,6 +499,7 @@ def stage_layers(config: ModelConfig) -> tuple[int, int]:
 _FACTORS = {
     (Group.TP, Count.WHOLE): ("(t-1)/t", "\\frac{t-1}{t}"),
     (Group.EP, Count.SHARD): ("(ep-1)/(ep*t)", "\\frac{ep-1}{ep \\, t}"),
+    (Group.EP, Count.WHOLE): ("(ep-1)/ep", "\\frac{ep-1}{ep}"),
     (Group.TP_EP, Count.EACH): ("(t*ep-1)", "(t \\, ep-1)"),
 }
 _FACTORS_T1 = {(Group.EP, Count.SHARD): ("(ep-1)/ep", "\\frac{ep-1}{ep}"), (Group.TP_EP, Count.EACH): ("(ep-1)", "(ep-1)")}

@@ -46,11 +46,20 @@ def _logged(tp, config, strategy):
     return tuple(calls)
 
 
+def _routed(tp, config, strategy):
+    import importlib
+
+    calls = []
+    importlib.import_module(f"memcalc.probe.libs.{config.impl}").run_layer(
+        tp, config, STRATEGIES[strategy], route="balanced" if config.moe else None, collectives=calls)
+    return tuple(calls)
+
+
 def _rows(config, strategy):
-    """Rank 0's collectives against the ledger's, in order."""
-    calls = run(_logged, (config, strategy), mode="fake", t=config.t, backend="gloo", timeout_s=240)[0]
-    predicted = layer_collectives(config, STRATEGIES[strategy], t=config.t)
-    return compare_collectives(predicted, dim_sizes(config), config.t, DTYPE_BYTES[config.dtype], calls)
+    """Rank 0's collectives against the ledger's, in order (experts routed balanced)."""
+    calls = run(_routed, (config, strategy), mode="fake", t=config.t, backend="gloo", timeout_s=240)[0]
+    predicted = layer_collectives(config, STRATEGIES[strategy], t=config.t, ep=config.ep)
+    return compare_collectives(predicted, dim_sizes(config), config.t, DTYPE_BYTES[config.dtype], calls, config.ep)
 
 
 MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32, "h": 64, "a": 4, "num_query_groups": 2}
@@ -115,4 +124,24 @@ def test_transformers_experts_issue_the_ledgers_collectives_in_order(family, t, 
 def test_transformers_expert_parallel_plan_is_refused_naming_ep():
     config = build_config(HF | HF_MOE | {"family": "mixtral", "t": 2, "ep": 2})
     with pytest.raises(ConfigError, match="^impl hf: ep=2: transformers' expert-parallel plan"):
+        layer_collectives(config, STRATEGIES["tp"], ep=2)
+
+
+@pytest.mark.parametrize("recompute", ["none", "op", "full"])
+@pytest.mark.parametrize("block", [MOE, SHARED], ids=["experts", "shared experts too"])
+@pytest.mark.parametrize("t", [2, 4])
+def test_torchtitans_moe_at_ep_t_exchanges_each_ranks_own_slots_in_order(t, block, recompute):
+    """ep = t under tp-sp: each rank routes its own sequence shard, the counts and the slots exchanged over ep by
+    spmd_types' all_to_all; the shared experts enter and leave through their own g and g*."""
+    pytest.importorskip("torchtitan")
+    config = build_config(TORCHTITAN | block | {"t": t, "ep": t, "s": 16, "num_experts": 8, "num_query_groups": 4,
+                                                "recompute": recompute})
+    rows = _rows(config, "tp-sp")
+    assert rows and all(row.matches for row in rows), [r for r in rows if not r.matches]
+    assert [r.name for r in rows if r.name.startswith("moe/")][:3] == ["moe/counts", "moe/dispatch", "moe/combine"]
+
+
+def test_torchtitans_moe_at_ep_under_tp_without_sp_is_refused_naming_the_layout():
+    config = build_config(TORCHTITAN | MOE | {"t": 2, "ep": 2, "s": 16})
+    with pytest.raises(ConfigError, match="^impl torchtitan: ep=2 under tp: its MoE slices the replicated input"):
         layer_collectives(config, STRATEGIES["tp"], ep=2)
