@@ -83,7 +83,8 @@ _TORCHTITAN = _knobs(recompute=st.sampled_from(("none", "full", "op")))
 _TORCHTITAN_MOE = _knobs(num_experts=st.integers(2, 6), moe_router_topk=st.integers(1, 3),
                          moe_router_score_function=st.sampled_from(("softmax", "sigmoid")),
                          moe_router_pre_softmax=st.booleans(),
-                         moe_shared_expert_intermediate_size=st.sampled_from((None, 8, 48)))
+                         moe_shared_expert_intermediate_size=st.sampled_from((None, 8, 48)),
+                         recompute=st.sampled_from(("none", "full", "op")))
 _HF = _knobs(attention=ATTENTION, dropout=DROPOUT, dtype=DTYPES, tie_embeddings=TIED)
 _HF_MIXTRAL = _knobs(attention=ATTENTION, num_experts=st.integers(2, 6), moe_router_topk=st.integers(1, 3),
                      tie_embeddings=TIED)
@@ -107,7 +108,7 @@ SUBJECTS = (
     Subject("megatron experts", "megatron.core", {"impl": "megatron", "add_bias_linear": False}, _MEGATRON_MOE,
             routes=ROUTES[:2]),
     Subject("torchtitan dense", "torchtitan", TORCHTITAN, _TORCHTITAN),
-    Subject("torchtitan moe", "torchtitan", TORCHTITAN | {"recompute": "none"}, _TORCHTITAN_MOE,
+    Subject("torchtitan moe", "torchtitan", TORCHTITAN, _TORCHTITAN_MOE,
             routes=(BALANCED,), align=8),
     Subject("hf llama", "transformers", {"impl": "hf"} | LLAMA, _HF),
     Subject("hf qwen3", "transformers", {"impl": "hf", "family": "qwen3", "qk_layernorm": True} | LLAMA, _HF),
