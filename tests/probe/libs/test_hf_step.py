@@ -19,7 +19,7 @@ from memcalc.probe.libs.hf_step import warmed_up  # noqa: E402
 from memcalc.probe.step import measure_step  # noqa: E402
 from memcalc.sizing.timeline import ACTIVATIONS, PARAMETERS, TEMPORARIES, timeline  # noqa: E402
 
-from tests.helpers import LLAMA_HF as LLAMA, make_config  # noqa: E402
+from tests.helpers import GPT2_HF, LLAMA_HF as LLAMA, make_config  # noqa: E402
 
 from ..step_readings import assert_moments_in_order, readings_after_every_op  # noqa: E402
 
@@ -506,6 +506,46 @@ def test_each_familys_step_happens_in_order_and_peaks_where_the_timeline_says_to
                                                                                            attention, changes):
     r = _exact_step(make_config(LLAMA, attention=attention, **changes), "none")
     assert r.model.startswith(f"transformers' {FAMILIES[family].architectures[0]}")
+
+
+# -- GPT2LMHeadModel: its own walk (memcalc.sizing.timeline.hf_gpt2), forward op by op ---------------------------------
+
+GPT2_STEPS = [
+    {},  # the loss's backward
+    {"b": 1, "s": 13, "h": 24, "a": 3, "vocab_size": 40},  # b = 1: bmm keeps c_attn's output whole, not copies
+    {"b": 3, "s": 7, "h": 48, "a": 6, "tie_embeddings": False},
+    {"b": 2, "s": 9, "a": 1},  # one head: q's and v's gradients are (b, s, h) views
+    {"b": 1, "s": 7, "a": 1},
+    {"b": 3, "s": 1, "h": 24, "a": 4},  # one token: the last c_attn's gradients
+    {"b": 1, "s": 1, "h": 24, "a": 3, "L": 3},
+    {"mlp": "gelu", "b": 3, "s": 7},  # torch's GELU kernel keeps its input alone
+    {"h": 32, "ffn_hidden_size": 512, "vocab_size": 40},  # the last c_proj's gradients
+    {"s": 95, "h": 16, "ffn_hidden_size": 16, "vocab_size": 20, "max_position_embeddings": 100},  # the softmax's
+]
+
+
+def test_gpt2s_sizes_put_the_peak_in_five_different_places():
+    peaks = {timeline(make_config(GPT2_HF, **c), STRATEGIES["none"], CPU).peak.label() for c in GPT2_STEPS}
+    assert len(peaks) == 5, peaks
+
+
+@pytest.mark.parametrize("changes", GPT2_STEPS, ids=str)
+def test_gpt2s_step_happens_in_order_and_peaks_where_the_timeline_says_to_the_byte(one_thread, changes):
+    """LayerNorm's one kernel each way, Conv1D's addmm and its bias's sum, c_attn's output split into q, k and v
+    (copied for bmm unless b or a is 1), the softmax in bf16, gelu_new's eight ops, the learned positions' gradient."""
+    r = _exact_step(make_config(GPT2_HF, **changes), "none")
+    assert r.model == "transformers' GPT2LMHeadModel"
+
+
+@pytest.mark.parametrize("changes, named", [
+    ({"dropout": 0.1}, "dropout 0.1 in GPT-2's model"),
+    ({"attention": "flash"}, "attention flash in GPT-2's model"),
+    ({"recompute": "full"}, "recompute full \\(gradient checkpointing\\) in GPT-2's model"),
+    ({"add_bias_linear": False}, "GPT-2 without add_bias_linear"),
+])
+def test_what_the_gpt2_walk_does_not_model_is_refused_by_name(changes, named):
+    with pytest.raises(ConfigError, match=named):
+        timeline(make_config(GPT2_HF, **changes), STRATEGIES["none"], CPU)
 
 
 # -- gradient checkpointing (activation_checkpointing_enable's defaults: non-reentrant, early stop) -------------------

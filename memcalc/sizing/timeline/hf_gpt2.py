@@ -1,0 +1,229 @@
+"""transformers' GPT2LMHeadModel described once as ops, for the hf step walk: GPT2Block (nn.LayerNorm, Conv1D's addmm
+on (b*s, h) tokens, c_attn's output split into q, k and v, eager attention's softmax in the activation dtype, gelu_new
+written out, the block's locals), and GPT2Model's front (learned positions added to the lookup) and its ln_f.
+
+Its forward is walked op by op; what differs from Llama's walk: docs/timeline.md, "transformers' GPT-2".
+"""
+
+from __future__ import annotations
+
+from memcalc.config.schema import ModelConfig
+from memcalc.model import ledger
+from memcalc.model.impls import hf as rules
+from memcalc.model.ledger import NormTensors
+from memcalc.sizing.timeline.hf_layer import context
+from memcalc.sizing.timeline.tape import Sizes
+from memcalc.sizing.timeline.torch_ops import WHY_WGRAD, linear
+from memcalc.sizing.timeline.walk import Made, Op, Step, kept
+
+WHY_NORM_GRADS = "the norm's weight and bias gradients, handed over as the node returns"
+# GPT2Model's locals, live until it returns (ln_f has run): the lookup, the position rows, the eager mask
+MODEL_LOCALS = ("model/inputs_embeds", "model/position_embeds", "model/causal_mask")
+
+
+def layer_norm(where: str, p: str, norm: NormTensors, z: Sizes, output: Made, dy: str, out: str,
+               residual: str | None = None, gone: tuple[str, ...] = ()) -> Op:
+    """nn.LayerNorm, one kernel each way. Forward: its output and each token's mean and rstd (its input, which it
+    keeps too, is whoever made it); `gone`: what goes as it returns. Backward: dX, dweight and dbias beside dY, which
+    then goes; with a `residual`, dX and the stream's gradient summed into `out` after the node returned (its saved
+    tensors gone), the weights' gradients handed over after that."""
+    g = "/".join(x for x in ("grad", p, where) if x)
+    dw, db, dx = f"{g} weight", f"{g} bias", f"{g}/dx" if residual else out
+    kernel = Step("native_layer_norm_backward: dX, dweight, dbias", (
+        Made(dx, z.full(z.h), "the norm's dX"), Made(dw, z.act * z.h, WHY_NORM_GRADS),
+        Made(db, z.act * z.h, WHY_NORM_GRADS)), frees=(dy,), hands_over=() if residual else (dw, db), returns=True)
+    summed = (Step("the residual's sum", (Made(out, z.full(z.h), "the residual stream's gradient: the norm's dX and"
+                                               " the residual's summed"),), frees=(dx, residual), hands_over=(dw, db)),
+              ) if residual else ()
+    return Op(where, (Step("native_layer_norm: output, mean, rstd", (output, kept(p, norm.mean), kept(p, norm.rstd)),
+                           frees=gone),), (kernel, *summed), saves=tuple(norm))
+
+
+def block(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int]) -> tuple[Op, ...]:
+    """GPT2Block i, op by op. Its locals live to its return: the residual (ln_2's input, which it keeps), attn_output
+    and the MLP's output; its output is the next norm's input (ln_1's, or ln_f's after the last block)."""
+    p, g, full = f"layers.{i}", f"grad/layers.{i}", z.full(z.h)
+    below = f"grad/layers.{i - 1}/output" if i else "grad/embedding output"
+    output = Made(f"layers.{i + 1}/{ledger.LN1.input.name}" if i + 1 < config.L else ledger.FINAL_NORM.input.name,
+                  full, "the block's output, the next norm's input, which it keeps")
+    return (
+        layer_norm("ln_1", p, ledger.LN1, z, kept(p, ledger.QKV_IN), f"{g}/ln1 output", below, f"{g}/mid"),
+        *attention(p, z, config, saved),
+        Op("", (Step("attn_output + residual", (kept(p, ledger.LN2.input),)),), ()),
+        layer_norm("ln_2", p, ledger.LN2, z, kept(p, ledger.FC1_IN), f"{g}/ln2 output", f"{g}/mid", f"{g}/output"),
+        *mlp(p, z, config),
+        Op("", (Step("the residual's sum: the block's output", (output,),
+                     frees=(f"{p}/attn output", f"{p}/mlp output")),), ()),
+    )
+
+
+def attention(p: str, z: Sizes, config: ModelConfig, saved: dict[str, int]) -> tuple[Op, ...]:
+    """GPT2Attention: c_attn, whose (b, s, 3h) output q, k and v view; the eager core; c_proj. bmm batches (b, a) of
+    a view only when b or a is 1: else matmul copies q, k^T and v (the copies are what it keeps, and c_attn's output
+    goes as the attention returns); at b = 1 or one head it keeps the views, c_attn's output whole (the ledger's Q,
+    K and V bytes) until QK^T's backward."""
+    g, full, h = f"grad/{p}", z.full(z.h), z.h
+    copies = z.b > 1 and z.a_t > 1
+    qkv = Made(f"{p}/c_attn output", z.full(3 * h) if copies else sum(saved[x.name] for x in (ledger.Q, ledger.K,
+                                                                                            ledger.V)),
+               "c_attn's (b, s, 3h) output, which q, k and v view" + ("" if copies else ", kept by bmm whole"))
+    c_attn = linear("attn.c_attn", ledger.QKV_IN, qkv, z.act * h * 3 * h, f"{g}/ln1 output", full, p, (f"{g}/qkv",),
+                    bias=z.act * 3 * h)
+    core = _eager(p, z, copies, () if copies else (qkv.name,))
+    c_proj = linear("attn.c_proj", ledger.PROJ_IN, None, z.act * h * h, f"{g}/c_proj input", full, p, bias=z.act * h)
+    c_proj = Op(c_proj.where, (Step("the GEMM", (Made(f"{p}/attn output", full, "c_proj's output: GPT2Block's"
+                                                      " attn_output, a local to its return"),),
+                                    frees=(qkv.name,) if copies else ()),), c_proj.backward, c_proj.saves)
+    return tuple(_shadowed(x, "attn.resid_dropout", config) for x in (c_attn, _split(g, z), *core, c_proj))
+
+
+def _split(g: str, z: Sizes) -> Op:
+    """The head views' backward: q's and v's (b, a, s, d) gradients made (b, s, h) by a copy unless one head or one
+    token (k's, the transposed bmm's, is a view); split's concatenates the three."""
+    copy = z.a_t > 1 and z.s > 1
+    tokens = {n: f"{g}/{n} tokens" if copy and n != "k" else f"{g}/{n} heads" for n in "qkv"}
+    return Op("attn", (), (
+        *(Step(f"{n}'s gradient made (b, s, h)", (Made(tokens[n], z.full(z.h), "the head view's backward: a"
+                                                     " copy"),), frees=(f"{g}/{n} heads",), moment=False)
+          for n in "vq" if copy),
+        Step("split's backward: the three gradients concatenated", (Made(f"{g}/qkv", z.full(3 * z.h), "c_attn's"
+                                                                          " output gradient, (b, s, 3h)"),),
+             frees=tuple(tokens.values())),
+    ))
+
+
+def _eager(p: str, z: Sizes, copies: bool, views: tuple[str, ...]) -> tuple[Op, ...]:
+    """eager_attention_forward (GPT-2's): QK^T times the scale, plus the mask, softmax in the activation dtype,
+    weights x V, the context made (b, s, h); `views`: c_attn's output, freed with Q and K when bmm keeps it whole."""
+    g, q = f"grad/{p}", z.full(z.h)
+    sc, x = z.act * z.b * z.a_t * z.s * z.s, f"{p}/scores"
+    heads = copies and z.s > 1  # dY (b, s, a, d) folds into a (b * a) batch as a view only when b, a or s is 1
+    dy = f"{g}/attn heads" if heads else f"{g}/c_proj input"
+    return (
+        Op("attn", (
+            *(Step(f"{n} copied for bmm", (kept(p, t),)) for n, t in (("q", ledger.Q), ("k^T", ledger.K)) if copies),
+            Step("QK^T", (Made(x, sc, "bmm's output"),)),
+            Step("times the scale", (Made(f"{x} scaled", sc, "a temporary"),), frees=(x,)),
+        ), (
+            Step("QK^T's backward: dQ and dK", (Made(f"{g}/q heads", q, "dQ = dScores K"), Made(
+                f"{g}/k heads", q, "dK = dScores^T Q")), frees=(f"{g}/scaled scores", *views)),
+        ), saves=(ledger.Q, ledger.K)),
+        Op("attn", (
+            Step("plus the mask", (Made(f"{x} masked", sc, "a temporary"),), frees=(f"{x} scaled",)),
+            Step("softmax", (kept(p, ledger.SOFTMAX_OUT),), frees=(f"{x} masked",)),
+        ), (
+            Step("softmax's backward", (Made(f"{g}/scores", sc, "softmax's backward"),), frees=(f"{g}/weights",),
+                 returns=True),
+            Step("the scale's backward", (Made(f"{g}/scaled scores", sc, "dY * scale"),), frees=(f"{g}/scores",)),
+        ), saves=(ledger.SOFTMAX_OUT,)),
+        Op("attn", (
+            *((Step("v copied for bmm", (kept(p, ledger.V),)),) if copies else ()),
+            *context(p, z, q, (), ()),
+        ), (
+            *((Step("the context's gradient made (b, a, s, d)", (Made(dy, q, "contiguous for bmm"),),
+                    frees=(f"{g}/c_proj input",), moment=False),) if heads else ()),
+            Step("weights x V's backward: dV and dWeights", (Made(f"{g}/v heads", q, "dV = weights^T dY"), Made(
+                f"{g}/weights", sc, "dWeights = dY V^T")), frees=(dy,)),
+        ), saves=(ledger.SOFTMAX_OUT, ledger.V)),
+    )
+
+
+def mlp(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
+    """GPT2MLP: c_fc, the activation (gelu_new written out, or torch's GELU), c_proj."""
+    g, full, f = f"grad/{p}", z.full(z.h), z.f_t
+    c_fc = linear("mlp.c_fc", ledger.FC1_IN, kept(p, ledger.GELU_IN), z.act * z.h * f, f"{g}/ln2 output", full, p,
+                  (f"{g}/gelu_in",), bias=z.act * f)
+    act = _gelu_new(p, z) if config.mlp == "gelu_tanh" else (Op("mlp.act", (
+        Step("GELU", (kept(p, ledger.FC2_IN),)),), (
+        Step("GELU's backward", (Made(f"{g}/gelu_in", z.full(f), "dY * GELU'(x)"),), frees=(f"{g}/act output",)),),
+        saves=(ledger.GELU_IN,)),)
+    c_proj = linear("mlp.c_proj", ledger.FC2_IN, Made(f"{p}/mlp output", full, "c_proj's output, a local of the"
+                                                      " block to its return"),
+                    z.act * f * z.h, f"{g}/act output", z.full(f), p, bias=z.act * z.h)
+    return (c_fc, *act, _shadowed(c_proj, "mlp.dropout", config))
+
+
+def _gelu_new(p: str, z: Sizes) -> tuple[Op, ...]:
+    """NewGELUActivation: 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3))), each product and sum a new
+    (b, s, f) tensor; in backward x's three gradients (the sum's, pow's, 0.5 * x's) are summed as they come."""
+    n, g, f = f"{p}/mlp.act", f"grad/{p}/mlp.act", z.full(z.f_t)
+
+    def made(name: str, why: str) -> Made:
+        return Made(f"{n}/{name}" if not name.startswith("d") else f"{g}/{name}", f, why)
+
+    return (
+        Op("mlp.act", (Step("0.5 * x", (kept(p, rules.HALF_X),)),), (
+            Step("0.5 * x's backward", (made("dx (half)", "0.5 * dY"),), frees=(f"{g}/dhalf_x",)),
+            Step("autograd sums x's gradients", (Made(f"grad/{p}/gelu_in", f, "x's gradient: its three uses'"
+                                                     " summed"),), frees=(f"{g}/dx (sum)", f"{g}/dx (half)")),
+        )),
+        Op("mlp.act", (Step("pow(x, 3)", (made("x^3", "a temporary"),)),), (
+            Step("pow's backward: 3 x^2 dY", (made("x^2", "a temporary"), made("3x^2", "a temporary"),
+                                             made("dx (pow)", "dY * 3x^2")),
+                 frees=(f"{n}/x^2", f"{n}/3x^2", f"{g}/dx^3"), returns=True),
+            Step("autograd sums x's gradients", (made("dx (sum)", "the sum's and pow's summed"),),
+                 frees=(f"{g}/dinner", f"{g}/dx (pow)")),
+        ), saves=(ledger.GELU_IN,)),
+        Op("mlp.act", (Step("0.044715 * x^3", (made("cubic", "a temporary"),), frees=(f"{n}/x^3",)),), (
+            Step("0.044715 * (.)'s backward", (made("dx^3", "0.044715 * dY"),)),)),
+        Op("mlp.act", (Step("x + 0.044715 x^3", (made("inner", "a temporary"),), frees=(f"{n}/cubic",)),), ()),
+        Op("mlp.act", (Step("sqrt(2/pi) * (.)", (made("tanh input", "a temporary"),), frees=(f"{n}/inner",)),), (
+            Step("sqrt(2/pi) * (.)'s backward", (made("dinner", "sqrt(2/pi) * dY"),), frees=(f"{g}/dtanh input",)),)),
+        Op("mlp.act", (Step("tanh", (kept(p, rules.TANH_OUT),), frees=(f"{n}/tanh input",)),), (
+            Step("tanh's backward", (made("dtanh input", "dY * (1 - tanh^2)"),), frees=(f"{g}/done_plus_tanh",)),),
+           saves=(rules.TANH_OUT,)),
+        Op("mlp.act", (Step("1 + tanh", (kept(p, rules.ONE_PLUS_TANH),)),), ()),
+        Op("mlp.act", (Step("0.5x * (1 + tanh): the activation", (kept(p, ledger.FC2_IN),)),), (
+            Step("the product's backward", (made("dhalf_x", "dY * (1 + tanh)"), made("done_plus_tanh", "dY * 0.5x")),
+                 frees=(f"grad/{p}/act output",)),), saves=(rules.HALF_X, rules.ONE_PLUS_TANH)),
+    )
+
+
+def _shadowed(op: Op, dropout: str, config: ModelConfig) -> Op:
+    """Without dropout nn.Dropout returns its input: MemTracker reads the backward of the ops before it (but those
+    that make outputs of their own: c_attn) inside the dropout module, which returns their output as its own."""
+    if config.has_dropout or op.where == "attn.c_attn":
+        return op
+    return Op(op.where, op.forward, op.backward, op.saves, shadow=dropout)
+
+
+def embedding(z: Sizes, config: ModelConfig, lookup_backward: tuple[Step, ...]) -> tuple[Op, ...]:
+    """GPT2Model's front: wte's lookup, the position ids, wpe's lookup, their sum (the first block's input), the
+    eager mask. In backward the positions' gradient (summed over the batch when b > 1, else the sum's gradient
+    itself) goes into wpe's table, then the lookup's (`lookup_backward`, Llama's) into wte's."""
+    positions = z.act * z.s * z.h
+    summed = "grad/position embeds" if z.b > 1 else "grad/embedding output"
+    first = Made(f"layers.0/{ledger.LN1.input.name}", z.full(z.h), "the first block's input, which its ln_1 keeps")
+    mask = (Step("create_causal_mask", (Made("model/causal_mask", z.act * z.b * z.s * z.s, "the additive (b, 1, s, s)"
+                                             " mask, live until GPT2Model returns"),), moment=False),
+            ) if config.attention == "eager" else ()
+    add = Op("transformer", (Step("inputs_embeds + position_embeds", (first,)), *mask), (Step(
+        "the positions' gradient summed over the batch", (Made(summed, positions, "sum_to (1, s, h)"),)),
+        ) if z.b > 1 else ())
+    return (
+        Op("transformer.wte", (Step("the token lookup", (Made(MODEL_LOCALS[0], z.full(z.h), "wte's lookup:"
+                                                              " inputs_embeds, live until GPT2Model returns"),)),),
+           lookup_backward),
+        Op("transformer", (
+            Step("arange(s)", (Made("model/arange", 8 * z.s, "int64"),), moment=False),
+            Step("+ past_seen_tokens: the position ids", (Made("model/position_ids", 8 * z.s, "int64 (1, s); wpe's"
+                                                               " backward keeps them"),), frees=("model/arange",),
+                 moment=False)), ()),
+        Op("transformer.wpe", (Step("the position lookup", (Made(MODEL_LOCALS[1], positions, "wpe's (1, s, h) rows,"
+                                                                 " live until GPT2Model returns"),)),), (
+            Step("the position table's gradient", (Made("grad/wpe weight", z.act * z.positions * z.h, WHY_WGRAD),),
+                 frees=((summed,) if z.b > 1 else ()) + ("model/position_ids",), hands_over=("grad/wpe weight",)),)),
+        _shadowed(add, "transformer.drop", config),
+    )
+
+
+def final_norm(z: Sizes, config: ModelConfig) -> Op:
+    """ln_f: its output is lm_head's input; GPT2Model's locals go as it returns."""
+    return layer_norm("transformer.ln_f", "", ledger.FINAL_NORM, z, kept("", ledger.OUTPUT_INPUT),
+                      "grad/lm_head input", f"grad/layers.{config.L - 1}/output", gone=MODEL_LOCALS)
+
+
+def ends(z: Sizes, saved: dict[str, int]) -> dict[str, int]:
+    """The bytes of what the model's ends keep: ln_f's tensors are a block's ln_1's sizes; lm_head's input."""
+    norm = {y.name: saved[x.name] for x, y in zip(ledger.LN1, ledger.FINAL_NORM)}
+    return norm | {ledger.OUTPUT_INPUT.name: z.full(z.h)}
