@@ -238,7 +238,6 @@ def _gpt2_missing(config: ModelConfig, family: str) -> list[tuple[bool, str]]:
         return []
     return [
         (not config.add_bias_linear, "GPT-2 without add_bias_linear (its Conv1Ds always have biases)"),
-        (config.has_dropout, f"dropout {config.dropout} in GPT-2's model"),
         (config.attention != "eager", f"attention {config.attention} in GPT-2's model"),
         (config.recompute != "none", f"recompute {config.recompute} (gradient checkpointing) in GPT-2's model"),
         (config.dp_shard is not None or config.zero_stage is not None, "GPT-2's model under dp_shard or zero_stage"),

@@ -10,7 +10,7 @@ from __future__ import annotations
 from memcalc.config.schema import ModelConfig
 from memcalc.model import ledger
 from memcalc.model.impls import hf as rules
-from memcalc.model.ledger import NormTensors
+from memcalc.model.ledger import NormTensors, SavedTensor
 from memcalc.sizing.timeline.hf_layer import context
 from memcalc.sizing.timeline.tape import Sizes
 from memcalc.sizing.timeline.torch_ops import WHY_WGRAD, linear
@@ -19,6 +19,7 @@ from memcalc.sizing.timeline.walk import Made, Op, Step, kept
 WHY_NORM_GRADS = "the norm's weight and bias gradients, handed over as the node returns"
 # GPT2Model's locals, live until it returns (ln_f has run): the lookup, the position rows, the eager mask
 MODEL_LOCALS = ("model/inputs_embeds", "model/position_embeds", "model/causal_mask")
+FIRST_GRAD = "grad/embedding dropout output"  # the first block's input gradient, where the embedding drops out
 
 
 def layer_norm(where: str, p: str, norm: NormTensors, z: Sizes, output: Made, dy: str, out: str,
@@ -39,11 +40,21 @@ def layer_norm(where: str, p: str, norm: NormTensors, z: Sizes, output: Made, dy
                            frees=gone),), (kernel, *summed), saves=tuple(norm))
 
 
+def dropout(where: str, p: str, mask: SavedTensor, output: Made, dy: str, dx: str, dx_bytes: int,
+            gone: tuple[str, ...] = (), frees: tuple[str, ...] = ()) -> Op:
+    """nn.Dropout (and F.dropout) in training: the probe's shim runs CUDA's native_dropout, its output and a bool
+    mask, which backward multiplies dY by (scaled) into a new `dx`; `gone`: the input, rebound as it returns; `frees`:
+    dY, unless it lives on (the residual stream's)."""
+    return Op(where, (Step("native_dropout: its output and bool mask", (output, kept(p, mask)), frees=gone),), (
+        Step("native_dropout_backward: dY * mask * scale", (Made(dx, dx_bytes, "dropout's backward"),),
+             frees=frees),), saves=(mask,))
+
+
 def block(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int]) -> tuple[Op, ...]:
     """GPT2Block i, op by op. Its locals live to its return: the residual (ln_2's input, which it keeps), attn_output
     and the MLP's output; its output is the next norm's input (ln_1's, or ln_f's after the last block)."""
     p, g, full = f"layers.{i}", f"grad/layers.{i}", z.full(z.h)
-    below = f"grad/layers.{i - 1}/output" if i else "grad/embedding output"
+    below = f"grad/layers.{i - 1}/output" if i else FIRST_GRAD if config.has_dropout else "grad/embedding output"
     output = Made(f"layers.{i + 1}/{ledger.LN1.input.name}" if i + 1 < config.L else ledger.FINAL_NORM.input.name,
                   full, "the block's output, the next norm's input, which it keeps")
     return (
@@ -69,12 +80,18 @@ def attention(p: str, z: Sizes, config: ModelConfig, saved: dict[str, int]) -> t
                "c_attn's (b, s, 3h) output, which q, k and v view" + ("" if copies else ", kept by bmm whole"))
     c_attn = linear("attn.c_attn", ledger.QKV_IN, qkv, z.act * h * 3 * h, f"{g}/ln1 output", full, p, (f"{g}/qkv",),
                     bias=z.act * 3 * h)
-    core = _eager(p, z, copies, () if copies else (qkv.name,))
-    c_proj = linear("attn.c_proj", ledger.PROJ_IN, None, z.act * h * h, f"{g}/c_proj input", full, p, bias=z.act * h)
-    c_proj = Op(c_proj.where, (Step("the GEMM", (Made(f"{p}/attn output", full, "c_proj's output: GPT2Block's"
-                                                      " attn_output, a local to its return"),),
-                                    frees=(qkv.name,) if copies else ()),), c_proj.backward, c_proj.saves)
-    return tuple(_shadowed(x, "attn.resid_dropout", config) for x in (c_attn, _split(g, z), *core, c_proj))
+    core = _eager(p, z, copies, () if copies else (qkv.name,), config.has_dropout)
+    dropped = config.has_dropout
+    out = Made(f"{p}/attn output", full, "GPT2Block's attn_output, a local to its return")
+    proj = Made(f"{p}/attn proj", full, "c_proj's output, resid_dropout's input") if dropped else out
+    c_proj = linear("attn.c_proj", ledger.PROJ_IN, None, z.act * h * h, f"{g}/c_proj input", full, p,
+                    (f"{g}/attn dropped",) if dropped else (), bias=z.act * h)
+    returns = (qkv.name,) if copies else ()  # the attention returns: q, k and v, views of c_attn's output, go
+    c_proj = Op(c_proj.where, (Step("the GEMM", (proj,), frees=() if dropped else returns),), c_proj.backward,
+                c_proj.saves)
+    resid = (dropout("attn.resid_dropout", p, ledger.ATTN_OUT_DROPOUT_MASK, out, f"{g}/mid", f"{g}/attn dropped",
+                     full, gone=(proj.name, *returns)),) if dropped else ()
+    return tuple(_shadowed(x, "attn.resid_dropout", config) for x in (c_attn, _split(g, z), *core, c_proj, *resid))
 
 
 def _split(g: str, z: Sizes) -> Op:
@@ -92,13 +109,18 @@ def _split(g: str, z: Sizes) -> Op:
     ))
 
 
-def _eager(p: str, z: Sizes, copies: bool, views: tuple[str, ...]) -> tuple[Op, ...]:
+def _eager(p: str, z: Sizes, copies: bool, views: tuple[str, ...], dropped: bool) -> tuple[Op, ...]:
     """eager_attention_forward (GPT-2's): QK^T times the scale, plus the mask, softmax in the activation dtype,
-    weights x V, the context made (b, s, h); `views`: c_attn's output, freed with Q and K when bmm keeps it whole."""
+    (`dropped`: dropout on the weights,) weights x V, the context made (b, s, h); `views`: c_attn's output, freed with
+    Q and K when bmm keeps it whole."""
     g, q = f"grad/{p}", z.full(z.h)
     sc, x = z.act * z.b * z.a_t * z.s * z.s, f"{p}/scores"
     heads = copies and z.s > 1  # dY (b, s, a, d) folds into a (b * a) batch as a view only when b, a or s is 1
     dy = f"{g}/attn heads" if heads else f"{g}/c_proj input"
+    weights = ledger.ATTN_DROPOUT_OUT if dropped else ledger.SOFTMAX_OUT
+    dweights = f"{g}/dropped" if dropped else f"{g}/weights"
+    drop = (dropout("attn", p, ledger.ATTN_DROPOUT_MASK, kept(p, ledger.ATTN_DROPOUT_OUT), dweights, f"{g}/weights",
+                    sc, frees=(dweights,)),) if dropped else ()
     return (
         Op("attn", (
             *(Step(f"{n} copied for bmm", (kept(p, t),)) for n, t in (("q", ledger.Q), ("k^T", ledger.K)) if copies),
@@ -116,6 +138,7 @@ def _eager(p: str, z: Sizes, copies: bool, views: tuple[str, ...]) -> tuple[Op, 
                  returns=True),
             Step("the scale's backward", (Made(f"{g}/scaled scores", sc, "dY * scale"),), frees=(f"{g}/scores",)),
         ), saves=(ledger.SOFTMAX_OUT,)),
+        *drop,
         Op("attn", (
             *((Step("v copied for bmm", (kept(p, ledger.V),)),) if copies else ()),
             *context(p, z, q, (), ()),
@@ -123,8 +146,8 @@ def _eager(p: str, z: Sizes, copies: bool, views: tuple[str, ...]) -> tuple[Op, 
             *((Step("the context's gradient made (b, a, s, d)", (Made(dy, q, "contiguous for bmm"),),
                     frees=(f"{g}/c_proj input",), moment=False),) if heads else ()),
             Step("weights x V's backward: dV and dWeights", (Made(f"{g}/v heads", q, "dV = weights^T dY"), Made(
-                f"{g}/weights", sc, "dWeights = dY V^T")), frees=(dy,)),
-        ), saves=(ledger.SOFTMAX_OUT, ledger.V)),
+                dweights, sc, "dWeights = dY V^T")), frees=(dy,)),
+        ), saves=(weights, ledger.V)),
     )
 
 
@@ -137,10 +160,14 @@ def mlp(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
         Step("GELU", (kept(p, ledger.FC2_IN),)),), (
         Step("GELU's backward", (Made(f"{g}/gelu_in", z.full(f), "dY * GELU'(x)"),), frees=(f"{g}/act output",)),),
         saves=(ledger.GELU_IN,)),)
-    c_proj = linear("mlp.c_proj", ledger.FC2_IN, Made(f"{p}/mlp output", full, "c_proj's output, a local of the"
-                                                      " block to its return"),
-                    z.act * f * z.h, f"{g}/act output", z.full(f), p, bias=z.act * z.h)
-    return (c_fc, *act, _shadowed(c_proj, "mlp.dropout", config))
+    dropped = config.has_dropout
+    out = Made(f"{p}/mlp output", full, "the MLP's output, a local of the block to its return")
+    proj = Made(f"{p}/mlp proj", full, "c_proj's output, the dropout's input") if dropped else out
+    c_proj = linear("mlp.c_proj", ledger.FC2_IN, proj, z.act * f * z.h, f"{g}/act output", z.full(f), p,
+                    (f"{g}/mlp dropped",) if dropped else (), bias=z.act * z.h)
+    resid = (dropout("mlp.dropout", p, ledger.MLP_DROPOUT_MASK, out, f"{g}/output", f"{g}/mlp dropped", full,
+                     gone=(proj.name,)),) if dropped else ()
+    return (c_fc, *act, _shadowed(c_proj, "mlp.dropout", config), *resid)
 
 
 def _gelu_new(p: str, z: Sizes) -> tuple[Op, ...]:
@@ -194,10 +221,13 @@ def embedding(z: Sizes, config: ModelConfig, lookup_backward: tuple[Step, ...]) 
     positions = z.act * z.s * z.h
     summed = "grad/position embeds" if z.b > 1 else "grad/embedding output"
     first = Made(f"layers.0/{ledger.LN1.input.name}", z.full(z.h), "the first block's input, which its ln_1 keeps")
+    dropped = config.has_dropout
+    embeds = Made("model/embeds", z.full(z.h), "inputs_embeds + position_embeds, the dropout's input") if dropped \
+        else first
     mask = (Step("create_causal_mask", (Made("model/causal_mask", z.act * z.b * z.s * z.s, "the additive (b, 1, s, s)"
                                              " mask, live until GPT2Model returns"),), moment=False),
             ) if config.attention == "eager" else ()
-    add = Op("transformer", (Step("inputs_embeds + position_embeds", (first,)), *mask), (Step(
+    add = Op("transformer", (Step("inputs_embeds + position_embeds", (embeds,)), *mask), (Step(
         "the positions' gradient summed over the batch", (Made(summed, positions, "sum_to (1, s, h)"),)),
         ) if z.b > 1 else ())
     return (
@@ -214,6 +244,8 @@ def embedding(z: Sizes, config: ModelConfig, lookup_backward: tuple[Step, ...]) 
             Step("the position table's gradient", (Made("grad/wpe weight", z.act * z.positions * z.h, WHY_WGRAD),),
                  frees=((summed,) if z.b > 1 else ()) + ("model/position_ids",), hands_over=("grad/wpe weight",)),)),
         _shadowed(add, "transformer.drop", config),
+        *((dropout("transformer.drop", "", ledger.EMBEDDING_DROPOUT_MASK, first, FIRST_GRAD, "grad/embedding output",
+                   z.full(z.h), gone=(embeds.name,), frees=(FIRST_GRAD,)),) if dropped else ()),
     )
 
 
@@ -224,6 +256,9 @@ def final_norm(z: Sizes, config: ModelConfig) -> Op:
 
 
 def ends(z: Sizes, saved: dict[str, int]) -> dict[str, int]:
-    """The bytes of what the model's ends keep: ln_f's tensors are a block's ln_1's sizes; lm_head's input."""
+    """The bytes of what the model's ends keep: ln_f's tensors are a block's ln_1's sizes; lm_head's input; the
+    embedding dropout's mask is a block's MLP dropout's."""
     norm = {y.name: saved[x.name] for x, y in zip(ledger.LN1, ledger.FINAL_NORM)}
-    return norm | {ledger.OUTPUT_INPUT.name: z.full(z.h)}
+    mask = {ledger.EMBEDDING_DROPOUT_MASK.name: saved[ledger.MLP_DROPOUT_MASK.name]} \
+        if ledger.MLP_DROPOUT_MASK.name in saved else {}
+    return norm | mask | {ledger.OUTPUT_INPUT.name: z.full(z.h)}

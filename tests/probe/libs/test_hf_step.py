@@ -529,16 +529,24 @@ def test_gpt2s_sizes_put_the_peak_in_five_different_places():
     assert len(peaks) == 5, peaks
 
 
-@pytest.mark.parametrize("changes", GPT2_STEPS, ids=str)
-def test_gpt2s_step_happens_in_order_and_peaks_where_the_timeline_says_to_the_byte(one_thread, changes):
+def test_with_dropout_gpt2s_sizes_put_the_peak_in_five_different_places_one_in_forward():
+    peaks = {timeline(make_config(GPT2_HF, dropout=0.1, **c), STRATEGIES["none"], CPU).peak.label()
+             for c in GPT2_STEPS}
+    assert len(peaks) == 5 and any(x.startswith("forward") for x in peaks), peaks
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])  # GPT2Config's default: 0.1 after the embedding, on the attention's
+@pytest.mark.parametrize("changes", GPT2_STEPS, ids=str)  # weights, after c_proj and after the MLP
+def test_gpt2s_step_happens_in_order_and_peaks_where_the_timeline_says_to_the_byte(one_thread, changes, dropout):
     """LayerNorm's one kernel each way, Conv1D's addmm and its bias's sum, c_attn's output split into q, k and v
-    (copied for bmm unless b or a is 1), the softmax in bf16, gelu_new's eight ops, the learned positions' gradient."""
-    r = _exact_step(make_config(GPT2_HF, **changes), "none")
+    (copied for bmm unless b or a is 1), the softmax in bf16, gelu_new's eight ops, the learned positions' gradient;
+    with dropout, each dropout's bool mask (the probe's CUDA-like shim) and its input gone as it returns (c_attn's
+    output at the attention's return, after resid_dropout)."""
+    r = _exact_step(make_config(GPT2_HF, dropout=dropout, **changes), "none")
     assert r.model == "transformers' GPT2LMHeadModel"
 
 
 @pytest.mark.parametrize("changes, named", [
-    ({"dropout": 0.1}, "dropout 0.1 in GPT-2's model"),
     ({"attention": "flash"}, "attention flash in GPT-2's model"),
     ({"recompute": "full"}, "recompute full \\(gradient checkpointing\\) in GPT-2's model"),
     ({"add_bias_linear": False}, "GPT-2 without add_bias_linear"),
