@@ -186,6 +186,7 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
     rerun = f"recompute {config.recompute} (gradient checkpointing) with"
     missing = [
         (family not in WALKED, f"{family}'s model (it walks {', '.join(WALKED)})"),
+        *_gpt2_missing(config, family),
         (config.sliding_window is not None and not config.sandwich_norm,
          f"sliding_window={config.sliding_window} outside Gemma 2 (it walks a window in Gemma 2's model only)"),
         (config.sandwich_norm and config.attention != "eager",
@@ -208,7 +209,6 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
          " sharding or dropout only)"),
         (config.position_embedding_type != "rope" and family != "gpt2",
          f"position_embedding_type {config.position_embedding_type}"),
-        *_gpt2_missing(config, family),
         (config.dtype == "fp32", "dtype fp32 (no master weights)"),
         *_experts_missing(config, tp),
         # the FSDP2 and ZeRO walks
@@ -238,7 +238,8 @@ def _gpt2_missing(config: ModelConfig, family: str) -> list[tuple[bool, str]]:
         return []
     return [
         (not config.add_bias_linear, "GPT-2 without add_bias_linear (its Conv1Ds always have biases)"),
-        (config.attention != "eager", f"attention {config.attention} in GPT-2's model"),
+        (config.attention != "eager" and config.has_dropout, f"dropout {config.dropout} with SDPA in GPT-2's model"
+                                                             " (a CPU runs its math kernel)"),
         (config.recompute != "none", f"recompute {config.recompute} (gradient checkpointing) in GPT-2's model"),
         (config.dp_shard is not None or config.zero_stage is not None, "GPT-2's model under dp_shard or zero_stage"),
     ]

@@ -74,13 +74,15 @@ def attention(p: str, z: Sizes, config: ModelConfig, saved: dict[str, int]) -> t
     goes as the attention returns); at b = 1 or one head it keeps the views, c_attn's output whole (the ledger's Q,
     K and V bytes) until QK^T's backward."""
     g, full, h = f"grad/{p}", z.full(z.h), z.h
-    copies = z.b > 1 and z.a_t > 1
+    eager = config.attention == "eager"
+    copies = eager and z.b > 1 and z.a_t > 1
     qkv = Made(f"{p}/c_attn output", z.full(3 * h) if copies else sum(saved[x.name] for x in (ledger.Q, ledger.K,
                                                                                             ledger.V)),
                "c_attn's (b, s, 3h) output, which q, k and v view" + ("" if copies else ", kept by bmm whole"))
     c_attn = linear("attn.c_attn", ledger.QKV_IN, qkv, z.act * h * 3 * h, f"{g}/ln1 output", full, p, (f"{g}/qkv",),
                     bias=z.act * 3 * h)
-    core = _eager(p, z, copies, () if copies else (qkv.name,), config.has_dropout)
+    views = () if copies else (qkv.name,)
+    core = _eager(p, z, copies, views, config.has_dropout) if eager else _sdpa(p, z, views)
     dropped = config.has_dropout
     out = Made(f"{p}/attn output", full, "GPT2Block's attn_output, a local to its return")
     proj = Made(f"{p}/attn proj", full, "c_proj's output, resid_dropout's input") if dropped else out
@@ -91,13 +93,15 @@ def attention(p: str, z: Sizes, config: ModelConfig, saved: dict[str, int]) -> t
                 c_proj.saves)
     resid = (dropout("attn.resid_dropout", p, ledger.ATTN_OUT_DROPOUT_MASK, out, f"{g}/mid", f"{g}/attn dropped",
                      full, gone=(proj.name, *returns)),) if dropped else ()
-    return tuple(_shadowed(x, "attn.resid_dropout", config) for x in (c_attn, _split(g, z), *core, c_proj, *resid))
+    split = _split(g, z, eager)
+    return tuple(_shadowed(x, "attn.resid_dropout", config) for x in (c_attn, split, *core, c_proj, *resid))
 
 
-def _split(g: str, z: Sizes) -> Op:
-    """The head views' backward: q's and v's (b, a, s, d) gradients made (b, s, h) by a copy unless one head or one
-    token (k's, the transposed bmm's, is a view); split's concatenates the three."""
-    copy = z.a_t > 1 and z.s > 1
+def _split(g: str, z: Sizes, eager: bool) -> Op:
+    """The head views' backward: eager's q's and v's (b, a, s, d) gradients made (b, s, h) by a copy unless one head
+    or one token (k's, the transposed bmm's, is a view; SDPA's kernel writes all three (b, s, a, d)); split's
+    concatenates the three."""
+    copy = eager and z.a_t > 1 and z.s > 1
     tokens = {n: f"{g}/{n} tokens" if copy and n != "k" else f"{g}/{n} heads" for n in "qkv"}
     return Op("attn", (), (
         *(Step(f"{n}'s gradient made (b, s, h)", (Made(tokens[n], z.full(z.h), "the head view's backward: a"
@@ -149,6 +153,18 @@ def _eager(p: str, z: Sizes, copies: bool, views: tuple[str, ...], dropped: bool
                 dweights, sc, "dWeights = dY V^T")), frees=(dy,)),
         ), saves=(weights, ledger.V)),
     )
+
+
+def _sdpa(p: str, z: Sizes, views: tuple[str, ...]) -> tuple[Op, ...]:
+    """SDPA's flash kernel (CPU's, no dropout), one kernel each way, on q, k and v as views of c_attn's output: it
+    keeps them (the storage whole), its output (c_proj's input) and the log-sum-exp."""
+    g, q = f"grad/{p}", z.full(z.h)
+    return (Op("attn", (Step("SDPA's flash kernel: its output and log-sum-exp", (
+        kept(p, ledger.PROJ_IN), kept(p, ledger.SOFTMAX_LSE))),), (
+        Step("the SDPA kernel's backward: dQ, dK, dV", (
+            Made(f"{g}/q heads", q, "dQ"), Made(f"{g}/k heads", q, "dK"), Made(f"{g}/v heads", q, "dV")),
+            frees=(f"{g}/c_proj input", *views)),),
+        saves=(ledger.Q, ledger.K, ledger.V, ledger.SOFTMAX_LSE, ledger.PROJ_IN)),)
 
 
 def mlp(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
