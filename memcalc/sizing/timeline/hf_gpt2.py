@@ -14,12 +14,13 @@ from memcalc.model.ledger import NormTensors, SavedTensor
 from memcalc.sizing.timeline.hf_layer import context
 from memcalc.sizing.timeline.tape import Sizes
 from memcalc.sizing.timeline.torch_ops import WHY_WGRAD, linear
-from memcalc.sizing.timeline.walk import Made, Op, Step, kept
+from memcalc.sizing.timeline.walk import Made, Op, Step, kept, kept_names
 
 WHY_NORM_GRADS = "the norm's weight and bias gradients, handed over as the node returns"
 # GPT2Model's locals, live until it returns (ln_f has run): the lookup, the position rows, the eager mask
 MODEL_LOCALS = ("model/inputs_embeds", "model/position_embeds", "model/causal_mask")
-FIRST_GRAD = "grad/embedding dropout output"  # the first block's input gradient, where the embedding drops out
+FIRST_GRAD = "grad/embedding dropout output"
+QKV = (ledger.Q, ledger.K, ledger.V)  # the first block's input gradient, where the embedding drops out
 
 
 def layer_norm(where: str, p: str, norm: NormTensors, z: Sizes, output: Made, dy: str, out: str,
@@ -27,7 +28,8 @@ def layer_norm(where: str, p: str, norm: NormTensors, z: Sizes, output: Made, dy
     """nn.LayerNorm, one kernel each way. Forward: its output and each token's mean and rstd (its input, which it
     keeps too, is whoever made it); `gone`: what goes as it returns. Backward: dX, dweight and dbias beside dY, which
     then goes; with a `residual`, dX and the stream's gradient summed into `out` after the node returned (its saved
-    tensors gone), the weights' gradients handed over after that."""
+    tensors gone), the weights' gradients handed over after that. F.layer_norm returns the output alone: under a
+    checkpoint the mean and rstd go at once."""
     g = "/".join(x for x in ("grad", p, where) if x)
     dw, db, dx = f"{g} weight", f"{g} bias", f"{g}/dx" if residual else out
     kernel = Step("native_layer_norm_backward: dX, dweight, dbias", (
@@ -37,22 +39,26 @@ def layer_norm(where: str, p: str, norm: NormTensors, z: Sizes, output: Made, dy
                                                " the residual's summed"),), frees=(dx, residual), hands_over=(dw, db)),
               ) if residual else ()
     return Op(where, (Step("native_layer_norm: output, mean, rstd", (output, kept(p, norm.mean), kept(p, norm.rstd)),
-                           frees=gone),), (kernel, *summed), saves=tuple(norm))
+                           frees=gone, reads_last=kept_names(p, norm.mean, norm.rstd)),), (kernel, *summed),
+              saves=tuple(norm))
 
 
 def dropout(where: str, p: str, mask: SavedTensor, output: Made, dy: str, dx: str, dx_bytes: int,
-            gone: tuple[str, ...] = (), frees: tuple[str, ...] = ()) -> Op:
+            gone: tuple[str, ...] = (), frees: tuple[str, ...] = (), then: Step | None = None) -> Op:
     """nn.Dropout (and F.dropout) in training: the probe's shim runs CUDA's native_dropout, its output and a bool
     mask, which backward multiplies dY by (scaled) into a new `dx`; `gone`: the input, rebound as it returns; `frees`:
-    dY, unless it lives on (the residual stream's)."""
-    return Op(where, (Step("native_dropout: its output and bool mask", (output, kept(p, mask)), frees=gone),), (
+    dY, unless it lives on (the residual stream's); `then`: what goes after it (the module around it returns)."""
+    return Op(where, (Step("native_dropout: its output and bool mask", (output, kept(p, mask)), frees=gone),
+                      *((then,) if then else ())), (
         Step("native_dropout_backward: dY * mask * scale", (Made(dx, dx_bytes, "dropout's backward"),),
              frees=frees),), saves=(mask,))
 
 
 def block(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int]) -> tuple[Op, ...]:
-    """GPT2Block i, op by op. Its locals live to its return: the residual (ln_2's input, which it keeps), attn_output
-    and the MLP's output; its output is the next norm's input (ln_1's, or ln_f's after the last block)."""
+    """GPT2Block i, op by op. Its locals live to its return: the residual (ln_2's input, which it keeps), ln_2's
+    output, attn_output and the attention weights it returns, the MLP's output; its output is the next norm's input
+    (ln_1's, or ln_f's after the last block). Each kept tensor's last read in forward (`Step.reads_last`) is where it
+    goes under a checkpoint."""
     p, g, full = f"layers.{i}", f"grad/layers.{i}", z.full(z.h)
     below = f"grad/layers.{i - 1}/output" if i else FIRST_GRAD if config.has_dropout else "grad/embedding output"
     output = Made(f"layers.{i + 1}/{ledger.LN1.input.name}" if i + 1 < config.L else ledger.FINAL_NORM.input.name,
@@ -60,39 +66,45 @@ def block(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int]) -> tuple
     return (
         layer_norm("ln_1", p, ledger.LN1, z, kept(p, ledger.QKV_IN), f"{g}/ln1 output", below, f"{g}/mid"),
         *attention(p, z, config, saved),
-        Op("", (Step("attn_output + residual", (kept(p, ledger.LN2.input),)),), ()),
+        Op("", (Step("attn_output + residual", (kept(p, ledger.LN2.input),),
+                     reads_last=kept_names(p, ledger.QKV_IN)),), ()),
         layer_norm("ln_2", p, ledger.LN2, z, kept(p, ledger.FC1_IN), f"{g}/ln2 output", f"{g}/mid", f"{g}/output"),
         *mlp(p, z, config),
         Op("", (Step("the residual's sum: the block's output", (output,),
-                     frees=(f"{p}/attn output", f"{p}/mlp output")),), ()),
+                     frees=(f"{p}/attn output", f"{p}/mlp output"),
+                     reads_last=kept_names(p, ledger.LN2.input, ledger.FC1_IN,
+                                           *((ledger.SOFTMAX_OUT,) if config.attention == "eager" else ()))),), ()),
     )
 
 
 def attention(p: str, z: Sizes, config: ModelConfig, saved: dict[str, int]) -> tuple[Op, ...]:
-    """GPT2Attention: c_attn, whose (b, s, 3h) output q, k and v view; the eager core; c_proj. bmm batches (b, a) of
-    a view only when b or a is 1: else matmul copies q, k^T and v (the copies are what it keeps, and c_attn's output
-    goes as the attention returns); at b = 1 or one head it keeps the views, c_attn's output whole (the ledger's Q,
-    K and V bytes) until QK^T's backward."""
+    """GPT2Attention: c_attn, whose (b, s, 3h) output q, k and v view; the eager core or SDPA's; c_proj (and
+    resid_dropout). Eager's bmm batches (b, a) of a view only when b or a is 1: else matmul copies q, k^T and v (the
+    copies are what it keeps, and c_attn's output goes as the attention returns); at b = 1 or one head, and under
+    SDPA, the core keeps the views, c_attn's output whole (the ledger's Q, K and V, its columns) until QK^T's (the
+    kernel's) backward."""
     g, full, h = f"grad/{p}", z.full(z.h), z.h
     eager = config.attention == "eager"
     copies = eager and z.b > 1 and z.a_t > 1
-    qkv = Made(f"{p}/c_attn output", z.full(3 * h) if copies else sum(saved[x.name] for x in (ledger.Q, ledger.K,
-                                                                                            ledger.V)),
-               "c_attn's (b, s, 3h) output, which q, k and v view" + ("" if copies else ", kept by bmm whole"))
-    c_attn = linear("attn.c_attn", ledger.QKV_IN, qkv, z.act * h * 3 * h, f"{g}/ln1 output", full, p, (f"{g}/qkv",),
+    qkv = (Made(f"{p}/c_attn output", z.full(3 * h), "c_attn's (b, s, 3h) output, which q, k and v view"),) if copies \
+        else tuple(kept(p, x, "c_attn's output, q's, k's or v's columns: the core keeps the views, the storage"
+                              " whole") for x in QKV)
+    c_attn = linear("attn.c_attn", ledger.QKV_IN, None, z.act * h * 3 * h, f"{g}/ln1 output", full, p, (f"{g}/qkv",),
                     bias=z.act * 3 * h)
-    views = () if copies else (qkv.name,)
-    core = _eager(p, z, copies, views, config.has_dropout) if eager else _sdpa(p, z, views)
+    c_attn = Op(c_attn.where, (Step("the GEMM", qkv),), c_attn.backward, c_attn.saves)
+    core = _eager(p, z, copies, config.has_dropout) if eager else _sdpa(p, z)
     dropped = config.has_dropout
     out = Made(f"{p}/attn output", full, "GPT2Block's attn_output, a local to its return")
     proj = Made(f"{p}/attn proj", full, "c_proj's output, resid_dropout's input") if dropped else out
     c_proj = linear("attn.c_proj", ledger.PROJ_IN, None, z.act * h * h, f"{g}/c_proj input", full, p,
                     (f"{g}/attn dropped",) if dropped else (), bias=z.act * h)
-    returns = (qkv.name,) if copies else ()  # the attention returns: q, k and v, views of c_attn's output, go
-    c_proj = Op(c_proj.where, (Step("the GEMM", (proj,), frees=() if dropped else returns),), c_proj.backward,
-                c_proj.saves)
+    # the attention returns: q, k and v, views of c_attn's output, go (kept by the core unless under a checkpoint)
+    returns = Step("", frees=tuple(x.name for x in qkv if x.keeps is None),
+                   reads_last=tuple(x.name for x in qkv if x.keeps is not None))
+    c_proj = Op(c_proj.where, (Step("the GEMM", (proj,), reads_last=kept_names(p, ledger.PROJ_IN)),
+                               *(() if dropped else (returns,))), c_proj.backward, c_proj.saves)
     resid = (dropout("attn.resid_dropout", p, ledger.ATTN_OUT_DROPOUT_MASK, out, f"{g}/mid", f"{g}/attn dropped",
-                     full, gone=(proj.name, *returns)),) if dropped else ()
+                     full, gone=(proj.name,), then=returns),) if dropped else ()
     split = _split(g, z, eager)
     return tuple(_shadowed(x, "attn.resid_dropout", config) for x in (c_attn, split, *core, c_proj, *resid))
 
@@ -113,10 +125,10 @@ def _split(g: str, z: Sizes, eager: bool) -> Op:
     ))
 
 
-def _eager(p: str, z: Sizes, copies: bool, views: tuple[str, ...], dropped: bool) -> tuple[Op, ...]:
+def _eager(p: str, z: Sizes, copies: bool, dropped: bool) -> tuple[Op, ...]:
     """eager_attention_forward (GPT-2's): QK^T times the scale, plus the mask, softmax in the activation dtype,
-    (`dropped`: dropout on the weights,) weights x V, the context made (b, s, h); `views`: c_attn's output, freed with
-    Q and K when bmm keeps it whole."""
+    (`dropped`: dropout on the weights,) weights x V, the context made (b, s, h). Without `copies` bmm keeps the views
+    of c_attn's output: Q, K and V go together, at QK^T's backward."""
     g, q = f"grad/{p}", z.full(z.h)
     sc, x = z.act * z.b * z.a_t * z.s * z.s, f"{p}/scores"
     heads = copies and z.s > 1  # dY (b, s, a, d) folds into a (b * a) batch as a view only when b, a or s is 1
@@ -128,12 +140,13 @@ def _eager(p: str, z: Sizes, copies: bool, views: tuple[str, ...], dropped: bool
     return (
         Op("attn", (
             *(Step(f"{n} copied for bmm", (kept(p, t),)) for n, t in (("q", ledger.Q), ("k^T", ledger.K)) if copies),
-            Step("QK^T", (Made(x, sc, "bmm's output"),)),
+            Step("QK^T", (Made(x, sc, "bmm's output"),), reads_last=kept_names(p, ledger.Q, ledger.K) if copies
+                 else ()),
             Step("times the scale", (Made(f"{x} scaled", sc, "a temporary"),), frees=(x,)),
         ), (
             Step("QK^T's backward: dQ and dK", (Made(f"{g}/q heads", q, "dQ = dScores K"), Made(
-                f"{g}/k heads", q, "dK = dScores^T Q")), frees=(f"{g}/scaled scores", *views)),
-        ), saves=(ledger.Q, ledger.K)),
+                f"{g}/k heads", q, "dK = dScores^T Q")), frees=(f"{g}/scaled scores",)),
+        ), saves=(ledger.Q, ledger.K) if copies else QKV),
         Op("attn", (
             Step("plus the mask", (Made(f"{x} masked", sc, "a temporary"),), frees=(f"{x} scaled",)),
             Step("softmax", (kept(p, ledger.SOFTMAX_OUT),), frees=(f"{x} masked",)),
@@ -145,7 +158,7 @@ def _eager(p: str, z: Sizes, copies: bool, views: tuple[str, ...], dropped: bool
         *drop,
         Op("attn", (
             *((Step("v copied for bmm", (kept(p, ledger.V),)),) if copies else ()),
-            *context(p, z, q, (), ()),
+            *context(p, z, q, kept_names(p, ledger.V) if copies else (), ()),
         ), (
             *((Step("the context's gradient made (b, a, s, d)", (Made(dy, q, "contiguous for bmm"),),
                     frees=(f"{g}/c_proj input",), moment=False),) if heads else ()),
@@ -155,7 +168,7 @@ def _eager(p: str, z: Sizes, copies: bool, views: tuple[str, ...], dropped: bool
     )
 
 
-def _sdpa(p: str, z: Sizes, views: tuple[str, ...]) -> tuple[Op, ...]:
+def _sdpa(p: str, z: Sizes) -> tuple[Op, ...]:
     """SDPA's flash kernel (CPU's, no dropout), one kernel each way, on q, k and v as views of c_attn's output: it
     keeps them (the storage whole), its output (c_proj's input) and the log-sum-exp."""
     g, q = f"grad/{p}", z.full(z.h)
@@ -163,7 +176,7 @@ def _sdpa(p: str, z: Sizes, views: tuple[str, ...]) -> tuple[Op, ...]:
         kept(p, ledger.PROJ_IN), kept(p, ledger.SOFTMAX_LSE))),), (
         Step("the SDPA kernel's backward: dQ, dK, dV", (
             Made(f"{g}/q heads", q, "dQ"), Made(f"{g}/k heads", q, "dK"), Made(f"{g}/v heads", q, "dV")),
-            frees=(f"{g}/c_proj input", *views)),),
+            frees=(f"{g}/c_proj input",)),),
         saves=(ledger.Q, ledger.K, ledger.V, ledger.SOFTMAX_LSE, ledger.PROJ_IN)),)
 
 
@@ -173,14 +186,16 @@ def mlp(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     c_fc = linear("mlp.c_fc", ledger.FC1_IN, kept(p, ledger.GELU_IN), z.act * z.h * f, f"{g}/ln2 output", full, p,
                   (f"{g}/gelu_in",), bias=z.act * f)
     act = _gelu_new(p, z) if config.mlp == "gelu_tanh" else (Op("mlp.act", (
-        Step("GELU", (kept(p, ledger.FC2_IN),)),), (
+        Step("GELU", (kept(p, ledger.FC2_IN),), reads_last=kept_names(p, ledger.GELU_IN)),), (
         Step("GELU's backward", (Made(f"{g}/gelu_in", z.full(f), "dY * GELU'(x)"),), frees=(f"{g}/act output",)),),
         saves=(ledger.GELU_IN,)),)
     dropped = config.has_dropout
     out = Made(f"{p}/mlp output", full, "the MLP's output, a local of the block to its return")
     proj = Made(f"{p}/mlp proj", full, "c_proj's output, the dropout's input") if dropped else out
-    c_proj = linear("mlp.c_proj", ledger.FC2_IN, proj, z.act * f * z.h, f"{g}/act output", z.full(f), p,
+    c_proj = linear("mlp.c_proj", ledger.FC2_IN, None, z.act * f * z.h, f"{g}/act output", z.full(f), p,
                     (f"{g}/mlp dropped",) if dropped else (), bias=z.act * z.h)
+    c_proj = Op(c_proj.where, (Step("the GEMM", (proj,), reads_last=kept_names(p, ledger.FC2_IN)),),
+                c_proj.backward, c_proj.saves)
     resid = (dropout("mlp.dropout", p, ledger.MLP_DROPOUT_MASK, out, f"{g}/output", f"{g}/mlp dropped", full,
                      gone=(proj.name,)),) if dropped else ()
     return (c_fc, *act, _shadowed(c_proj, "mlp.dropout", config), *resid)
@@ -215,8 +230,10 @@ def _gelu_new(p: str, z: Sizes) -> tuple[Op, ...]:
         Op("mlp.act", (Step("tanh", (kept(p, rules.TANH_OUT),), frees=(f"{n}/tanh input",)),), (
             Step("tanh's backward", (made("dtanh input", "dY * (1 - tanh^2)"),), frees=(f"{g}/done_plus_tanh",)),),
            saves=(rules.TANH_OUT,)),
-        Op("mlp.act", (Step("1 + tanh", (kept(p, rules.ONE_PLUS_TANH),)),), ()),
-        Op("mlp.act", (Step("0.5x * (1 + tanh): the activation", (kept(p, ledger.FC2_IN),)),), (
+        Op("mlp.act", (Step("1 + tanh", (kept(p, rules.ONE_PLUS_TANH),), reads_last=kept_names(p, rules.TANH_OUT)),),
+           ()),
+        Op("mlp.act", (Step("0.5x * (1 + tanh): the activation", (kept(p, ledger.FC2_IN),),
+                            reads_last=kept_names(p, ledger.GELU_IN, rules.HALF_X, rules.ONE_PLUS_TANH)),), (
             Step("the product's backward", (made("dhalf_x", "dY * (1 + tanh)"), made("done_plus_tanh", "dY * 0.5x")),
                  frees=(f"grad/{p}/act output",)),), saves=(rules.HALF_X, rules.ONE_PLUS_TANH)),
     )
