@@ -121,8 +121,8 @@ def _gpt2(tape: Tape, config: ModelConfig, z: Sizes, saved: dict[str, int], hand
     """GPT2LMHeadModel's front, blocks and ln_f (memcalc.sizing.timeline.hf_gpt2); its lm_head, loss and embedding's
     gradient are Llama's (one rank, unsharded)."""
     ends = gpt2.ends(z, saved)
-    layers = [(Walk(tape, f"layers.{i}", f"transformer.h.{i}", saved, hand_over), gpt2.block(i, z, config, saved))
-              for i in range(config.L)]
+    layers = [(Walk(tape, f"layers.{i}", f"transformer.h.{i}", saved, hand_over, gpt2.checkpoint(i, config)),
+               gpt2.block(i, z, config, saved)) for i in range(config.L)]
     inputs = (Walk(tape, "", "", ends, hand_over),
               (_batch(z), *gpt2.embedding(z, config, _embedding_backward(z, config, False, False))))
     outputs = (Walk(tape, "", "", ends, hand_over), (gpt2.final_norm(z, config), *_head(z, config)))
@@ -240,7 +240,9 @@ def _gpt2_missing(config: ModelConfig, family: str) -> list[tuple[bool, str]]:
         (not config.add_bias_linear, "GPT-2 without add_bias_linear (its Conv1Ds always have biases)"),
         (config.attention != "eager" and config.has_dropout, f"dropout {config.dropout} with SDPA in GPT-2's model"
                                                              " (a CPU runs its math kernel)"),
-        (config.recompute != "none", f"recompute {config.recompute} (gradient checkpointing) in GPT-2's model"),
+        (config.recompute == "full" and config.has_dropout, f"recompute full (gradient checkpointing) with dropout in"
+                                                            " GPT-2's model (the probe's CUDA-like dropout shim is not"
+                                                            " active in the rerun)"),
         (config.dp_shard is not None or config.zero_stage is not None, "GPT-2's model under dp_shard or zero_stage"),
     ]
 

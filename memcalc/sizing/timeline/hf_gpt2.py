@@ -7,14 +7,16 @@ Its forward is walked op by op; what differs from Llama's walk: docs/timeline.md
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from memcalc.config.schema import ModelConfig
 from memcalc.model import ledger
 from memcalc.model.impls import hf as rules
 from memcalc.model.ledger import NormTensors, SavedTensor
 from memcalc.sizing.timeline.hf_layer import context
-from memcalc.sizing.timeline.tape import Sizes
+from memcalc.sizing.timeline.tape import TEMPORARIES, Sizes
 from memcalc.sizing.timeline.torch_ops import WHY_WGRAD, linear
-from memcalc.sizing.timeline.walk import Made, Op, Step, kept, kept_names
+from memcalc.sizing.timeline.walk import Checkpoint, Made, Op, Step, kept, kept_names
 
 WHY_NORM_GRADS = "the norm's weight and bias gradients, handed over as the node returns"
 # GPT2Model's locals, live until it returns (ln_f has run): the lookup, the position rows, the eager mask
@@ -41,6 +43,15 @@ def layer_norm(where: str, p: str, norm: NormTensors, z: Sizes, output: Made, dy
     return Op(where, (Step("native_layer_norm: output, mean, rstd", (output, kept(p, norm.mean), kept(p, norm.rstd)),
                            frees=gone, reads_last=kept_names(p, norm.mean, norm.rstd)),), (kernel, *summed),
               saves=tuple(norm))
+
+
+def conv1d(where: str, p: str, x: SavedTensor, gemm: Step, inputs: int, outputs: int, z: Sizes, dx: str,
+           frees: tuple[str, ...] = ()) -> Op:
+    """transformers' Conv1D: addmm(bias, x viewed (b * s, inputs), weight (inputs, outputs)), `gemm` its forward; in
+    backward nn.Linear's GEMMs and its bias's sum (memcalc.sizing.timeline.torch_ops.linear), the GEMMs a moment of
+    their own: under a checkpoint the node's saved tensors, the rerun's, go before the sum."""
+    op = linear(where, x, None, z.act * inputs * outputs, dx, z.full(inputs), p, frees, bias=z.act * outputs)
+    return Op(where, (gemm,), (replace(op.backward[0], moment=True), *op.backward[1:]), op.saves)
 
 
 def dropout(where: str, p: str, mask: SavedTensor, output: Made, dy: str, dx: str, dx_bytes: int,
@@ -89,20 +100,18 @@ def attention(p: str, z: Sizes, config: ModelConfig, saved: dict[str, int]) -> t
     qkv = (Made(f"{p}/c_attn output", z.full(3 * h), "c_attn's (b, s, 3h) output, which q, k and v view"),) if copies \
         else tuple(kept(p, x, "c_attn's output, q's, k's or v's columns: the core keeps the views, the storage"
                               " whole") for x in QKV)
-    c_attn = linear("attn.c_attn", ledger.QKV_IN, None, z.act * h * 3 * h, f"{g}/ln1 output", full, p, (f"{g}/qkv",),
-                    bias=z.act * 3 * h)
-    c_attn = Op(c_attn.where, (Step("the GEMM", qkv),), c_attn.backward, c_attn.saves)
+    c_attn = conv1d("attn.c_attn", p, ledger.QKV_IN, Step("the GEMM", qkv), h, 3 * h, z, f"{g}/ln1 output",
+                    (f"{g}/qkv",))
     core = _eager(p, z, copies, config.has_dropout) if eager else _sdpa(p, z)
     dropped = config.has_dropout
     out = Made(f"{p}/attn output", full, "GPT2Block's attn_output, a local to its return")
     proj = Made(f"{p}/attn proj", full, "c_proj's output, resid_dropout's input") if dropped else out
-    c_proj = linear("attn.c_proj", ledger.PROJ_IN, None, z.act * h * h, f"{g}/c_proj input", full, p,
-                    (f"{g}/attn dropped",) if dropped else (), bias=z.act * h)
     # the attention returns: q, k and v, views of c_attn's output, go (kept by the core unless under a checkpoint)
     returns = Step("", frees=tuple(x.name for x in qkv if x.keeps is None),
                    reads_last=tuple(x.name for x in qkv if x.keeps is not None))
-    c_proj = Op(c_proj.where, (Step("the GEMM", (proj,), reads_last=kept_names(p, ledger.PROJ_IN)),
-                               *(() if dropped else (returns,))), c_proj.backward, c_proj.saves)
+    c_proj = conv1d("attn.c_proj", p, ledger.PROJ_IN, Step("the GEMM", (proj,), reads_last=kept_names(
+        p, ledger.PROJ_IN)), h, h, z, f"{g}/c_proj input", (f"{g}/attn dropped",) if dropped else ())
+    c_proj = replace(c_proj, forward=(*c_proj.forward, *(() if dropped else (returns,))))
     resid = (dropout("attn.resid_dropout", p, ledger.ATTN_OUT_DROPOUT_MASK, out, f"{g}/mid", f"{g}/attn dropped",
                      full, gone=(proj.name,), then=returns),) if dropped else ()
     split = _split(g, z, eager)
@@ -170,10 +179,11 @@ def _eager(p: str, z: Sizes, copies: bool, dropped: bool) -> tuple[Op, ...]:
 
 def _sdpa(p: str, z: Sizes) -> tuple[Op, ...]:
     """SDPA's flash kernel (CPU's, no dropout), one kernel each way, on q, k and v as views of c_attn's output: it
-    keeps them (the storage whole), its output (c_proj's input) and the log-sum-exp."""
+    keeps them (the storage whole), its output (c_proj's input) and the log-sum-exp, which F.scaled_dot_product_attention
+    does not return."""
     g, q = f"grad/{p}", z.full(z.h)
     return (Op("attn", (Step("SDPA's flash kernel: its output and log-sum-exp", (
-        kept(p, ledger.PROJ_IN), kept(p, ledger.SOFTMAX_LSE))),), (
+        kept(p, ledger.PROJ_IN), kept(p, ledger.SOFTMAX_LSE)), reads_last=kept_names(p, ledger.SOFTMAX_LSE)),), (
         Step("the SDPA kernel's backward: dQ, dK, dV", (
             Made(f"{g}/q heads", q, "dQ"), Made(f"{g}/k heads", q, "dK"), Made(f"{g}/v heads", q, "dV")),
             frees=(f"{g}/c_proj input",)),),
@@ -183,8 +193,8 @@ def _sdpa(p: str, z: Sizes) -> tuple[Op, ...]:
 def mlp(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     """GPT2MLP: c_fc, the activation (gelu_new written out, or torch's GELU), c_proj."""
     g, full, f = f"grad/{p}", z.full(z.h), z.f_t
-    c_fc = linear("mlp.c_fc", ledger.FC1_IN, kept(p, ledger.GELU_IN), z.act * z.h * f, f"{g}/ln2 output", full, p,
-                  (f"{g}/gelu_in",), bias=z.act * f)
+    c_fc = conv1d("mlp.c_fc", p, ledger.FC1_IN, Step("the GEMM", (kept(p, ledger.GELU_IN),)), z.h, f, z,
+                  f"{g}/ln2 output", (f"{g}/gelu_in",))
     act = _gelu_new(p, z) if config.mlp == "gelu_tanh" else (Op("mlp.act", (
         Step("GELU", (kept(p, ledger.FC2_IN),), reads_last=kept_names(p, ledger.GELU_IN)),), (
         Step("GELU's backward", (Made(f"{g}/gelu_in", z.full(f), "dY * GELU'(x)"),), frees=(f"{g}/act output",)),),
@@ -192,10 +202,8 @@ def mlp(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     dropped = config.has_dropout
     out = Made(f"{p}/mlp output", full, "the MLP's output, a local of the block to its return")
     proj = Made(f"{p}/mlp proj", full, "c_proj's output, the dropout's input") if dropped else out
-    c_proj = linear("mlp.c_proj", ledger.FC2_IN, None, z.act * f * z.h, f"{g}/act output", z.full(f), p,
-                    (f"{g}/mlp dropped",) if dropped else (), bias=z.act * z.h)
-    c_proj = Op(c_proj.where, (Step("the GEMM", (proj,), reads_last=kept_names(p, ledger.FC2_IN)),),
-                c_proj.backward, c_proj.saves)
+    c_proj = conv1d("mlp.c_proj", p, ledger.FC2_IN, Step("the GEMM", (proj,), reads_last=kept_names(
+        p, ledger.FC2_IN)), f, z.h, z, f"{g}/act output", (f"{g}/mlp dropped",) if dropped else ())
     resid = (dropout("mlp.dropout", p, ledger.MLP_DROPOUT_MASK, out, f"{g}/output", f"{g}/mlp dropped", full,
                      gone=(proj.name,)),) if dropped else ()
     return (c_fc, *act, _shadowed(c_proj, "mlp.dropout", config), *resid)
@@ -283,9 +291,22 @@ def embedding(z: Sizes, config: ModelConfig, lookup_backward: tuple[Step, ...]) 
 
 
 def final_norm(z: Sizes, config: ModelConfig) -> Op:
-    """ln_f: its output is lm_head's input; GPT2Model's locals go as it returns."""
+    """ln_f: its output is lm_head's input; GPT2Model's locals go as it returns (the mask, under a checkpoint, when
+    the first block's frame lets it go)."""
+    gone = MODEL_LOCALS[:2] if config.recompute == "full" else MODEL_LOCALS
     return layer_norm("transformer.ln_f", "", ledger.FINAL_NORM, z, kept("", ledger.OUTPUT_INPUT),
-                      "grad/lm_head input", f"grad/layers.{config.L - 1}/output", gone=MODEL_LOCALS)
+                      "grad/lm_head input", f"grad/layers.{config.L - 1}/output", gone=gone)
+
+
+def checkpoint(i: int, config: ModelConfig) -> Checkpoint | None:
+    """gradient_checkpointing_enable's non-reentrant checkpoint around block i's forward (GradientCheckpointingLayer,
+    early stop on): its frame holds the block's input and the mask GPT2Model passes, which the first block's frame is
+    the last to let go (the position ids wpe keeps anyway). The block's own ops, its residual sums, rerun outside any
+    module's forward: MemTracker's temporaries."""
+    if config.recompute != "full":
+        return None
+    mask = ("model/causal_mask",) if i == 0 and config.attention == "eager" else ()
+    return Checkpoint(f"layers.{i}/{ledger.LN1.input.name}", early_stop=True, own=TEMPORARIES, frame=mask)
 
 
 def ends(z: Sizes, saved: dict[str, int]) -> dict[str, int]:

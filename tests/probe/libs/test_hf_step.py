@@ -535,24 +535,33 @@ def test_with_dropout_gpt2s_sizes_put_the_peak_in_five_different_places_one_in_f
     assert len(peaks) == 5 and any(x.startswith("forward") for x in peaks), peaks
 
 
+def test_under_recomputation_gpt2s_sizes_put_the_peak_in_five_different_places():
+    peaks = {timeline(make_config(GPT2_HF, recompute="full", **c), STRATEGIES["none"], CPU).peak.label()
+             for c in GPT2_STEPS}
+    assert len(peaks) == 5, peaks
+
+
 # GPT2Config's default dropout, 0.1, after the embedding, on the attention's weights, after c_proj and after the MLP;
-# SDPA (its CPU flash kernel) without dropout
-@pytest.mark.parametrize("attention, dropout", [("eager", 0.0), ("eager", 0.1), ("flash", 0.0)])
+# SDPA (its CPU flash kernel) without dropout; gradient checkpointing (each block's early-stopped rerun)
+@pytest.mark.parametrize("attention, dropout, recompute", [
+    ("eager", 0.0, "none"), ("eager", 0.1, "none"), ("flash", 0.0, "none"), ("eager", 0.0, "full"),
+    ("flash", 0.0, "full")])
 @pytest.mark.parametrize("changes", GPT2_STEPS, ids=str)
 def test_gpt2s_step_happens_in_order_and_peaks_where_the_timeline_says_to_the_byte(one_thread, changes, attention,
-                                                                                    dropout):
+                                                                                    dropout, recompute):
     """LayerNorm's one kernel each way, Conv1D's addmm and its bias's sum, c_attn's output split into q, k and v
     (eager: copied for bmm unless b or a is 1; SDPA keeps the views, c_attn's output whole), the softmax in bf16,
     gelu_new's eight ops, the learned positions' gradient; with dropout, each dropout's bool mask (the probe's
     CUDA-like shim) and its input gone as it returns (c_attn's output at the attention's return, after
-    resid_dropout)."""
-    r = _exact_step(make_config(GPT2_HF, attention=attention, dropout=dropout, **changes), "none")
+    resid_dropout). Under a checkpoint each kept tensor goes at its last read in forward, and each block reruns up
+    to gelu_new's product, the last saved tensor."""
+    r = _exact_step(make_config(GPT2_HF, attention=attention, dropout=dropout, recompute=recompute, **changes), "none")
     assert r.model == "transformers' GPT2LMHeadModel"
 
 
 @pytest.mark.parametrize("changes, named", [
     ({"attention": "flash", "dropout": 0.1}, "dropout 0.1 with SDPA in GPT-2's model"),
-    ({"recompute": "full"}, "recompute full \\(gradient checkpointing\\) in GPT-2's model"),
+    ({"recompute": "full", "dropout": 0.1}, "recompute full \\(gradient checkpointing\\) with dropout in GPT-2's"),
     ({"add_bias_linear": False}, "GPT-2 without add_bias_linear"),
 ])
 def test_what_the_gpt2_walk_does_not_model_is_refused_by_name(changes, named):
