@@ -519,6 +519,7 @@ GPT2_STEPS = [
     {"b": 3, "s": 1, "h": 24, "a": 4},  # one token: the last c_attn's gradients
     {"b": 1, "s": 1, "h": 24, "a": 3, "L": 3},
     {"mlp": "gelu", "b": 3, "s": 7},  # torch's GELU kernel keeps its input alone
+    {"dtype": "fp16", "b": 3, "s": 7, "h": 24, "a": 3},
     {"h": 32, "ffn_hidden_size": 512, "vocab_size": 40},  # the last c_proj's gradients
     {"s": 95, "h": 16, "ffn_hidden_size": 16, "vocab_size": 20, "max_position_embeddings": 100},  # the softmax's
 ]
