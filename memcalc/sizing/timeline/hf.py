@@ -238,6 +238,9 @@ def _gpt2_missing(config: ModelConfig, family: str) -> list[tuple[bool, str]]:
         return []
     return [
         (not config.add_bias_linear, "GPT-2 without add_bias_linear (its Conv1Ds always have biases)"),
+        (config.position_embedding_type != "learned_absolute", f"GPT-2 with position_embedding_type"
+                                                                f" {config.position_embedding_type} (GPT2Model learns"
+                                                                " its positions: wpe)"),
         (config.attention != "eager" and config.has_dropout, f"dropout {config.dropout} with SDPA in GPT-2's model"
                                                              " (a CPU runs its math kernel)"),
         (config.recompute == "full" and config.has_dropout, f"recompute full (gradient checkpointing) with dropout in"

@@ -564,6 +564,7 @@ def test_gpt2s_step_happens_in_order_and_peaks_where_the_timeline_says_to_the_by
     ({"attention": "flash", "dropout": 0.1}, "dropout 0.1 with SDPA in GPT-2's model"),
     ({"recompute": "full", "dropout": 0.1}, "recompute full \\(gradient checkpointing\\) with dropout in GPT-2's"),
     ({"add_bias_linear": False}, "GPT-2 without add_bias_linear"),
+    ({"position_embedding_type": "rope"}, "GPT-2 with position_embedding_type rope"),
 ])
 def test_what_the_gpt2_walk_does_not_model_is_refused_by_name(changes, named):
     with pytest.raises(ConfigError, match=named):
