@@ -165,7 +165,8 @@ def test_a_named_transformers_family_fixes_its_positions_and_biases_where_the_co
     """--family gpt2 builds GPT2LMHeadModel, whose Conv1Ds have biases and whose positions are wpe's, whatever impl
     hf's Llama defaults say; a config's own value still wins (and the walk refuses it)."""
     gpt2 = {"b": 2, "s": 16, "h": 64, "a": 8, "impl": "hf", "family": "gpt2", "norm": "layernorm", "mlp": "gelu_tanh"}
-    assert (build_config(gpt2).position_embedding_type, build_config(gpt2).add_bias_linear) == ("learned_absolute", True)
+    built = build_config(gpt2)
+    assert (built.position_embedding_type, built.add_bias_linear) == ("learned_absolute", True)
     assert build_config(gpt2 | {"add_bias_linear": False}).add_bias_linear is False
     llama = build_config({"b": 2, "s": 16, "h": 64, "a": 8, "impl": "hf"})
     assert (llama.position_embedding_type, llama.add_bias_linear) == ("rope", False)

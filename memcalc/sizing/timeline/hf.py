@@ -122,7 +122,7 @@ def _gpt2(tape: Tape, config: ModelConfig, z: Sizes, saved: dict[str, int], hand
     gradient are Llama's (one rank, unsharded)."""
     ends = gpt2.ends(z, saved)
     layers = [(Walk(tape, f"layers.{i}", f"transformer.h.{i}", saved, hand_over, gpt2.checkpoint(i, config)),
-               gpt2.block(i, z, config, saved)) for i in range(config.L)]
+               gpt2.block(i, z, config)) for i in range(config.L)]
     inputs = (Walk(tape, "", "", ends, hand_over),
               (_batch(z), *gpt2.embedding(z, config, _embedding_backward(z, config, False, False))))
     outputs = (Walk(tape, "", "", ends, hand_over), (gpt2.final_norm(z, config), *_head(z, config)))

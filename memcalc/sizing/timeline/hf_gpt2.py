@@ -21,8 +21,8 @@ from memcalc.sizing.timeline.walk import Checkpoint, Made, Op, Step, kept, kept_
 WHY_NORM_GRADS = "the norm's weight and bias gradients, handed over as the node returns"
 # GPT2Model's locals, live until it returns (ln_f has run): the lookup, the position rows, the eager mask
 MODEL_LOCALS = ("model/inputs_embeds", "model/position_embeds", "model/causal_mask")
-FIRST_GRAD = "grad/embedding dropout output"
-QKV = (ledger.Q, ledger.K, ledger.V)  # the first block's input gradient, where the embedding drops out
+FIRST_GRAD = "grad/embedding dropout output"  # the first block's input gradient, where the embedding drops out
+QKV = (ledger.Q, ledger.K, ledger.V)
 
 
 def layer_norm(where: str, p: str, norm: NormTensors, z: Sizes, output: Made, dy: str, out: str,
@@ -65,7 +65,7 @@ def dropout(where: str, p: str, mask: SavedTensor, output: Made, dy: str, dx: st
              frees=frees),), saves=(mask,))
 
 
-def block(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int]) -> tuple[Op, ...]:
+def block(i: int, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     """GPT2Block i, op by op. Its locals live to its return: the residual (ln_2's input, which it keeps), ln_2's
     output, attn_output and the attention weights it returns, the MLP's output; its output is the next norm's input
     (ln_1's, or ln_f's after the last block). Each kept tensor's last read in forward (`Step.reads_last`) is where it
@@ -76,7 +76,7 @@ def block(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int]) -> tuple
                   full, "the block's output, the next norm's input, which it keeps")
     return (
         layer_norm("ln_1", p, ledger.LN1, z, kept(p, ledger.QKV_IN), f"{g}/ln1 output", below, f"{g}/mid"),
-        *attention(p, z, config, saved),
+        *attention(p, z, config),
         Op("", (Step("attn_output + residual", (kept(p, ledger.LN2.input),),
                      reads_last=kept_names(p, ledger.QKV_IN)),), ()),
         layer_norm("ln_2", p, ledger.LN2, z, kept(p, ledger.FC1_IN), f"{g}/ln2 output", f"{g}/mid", f"{g}/output"),
@@ -88,7 +88,7 @@ def block(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int]) -> tuple
     )
 
 
-def attention(p: str, z: Sizes, config: ModelConfig, saved: dict[str, int]) -> tuple[Op, ...]:
+def attention(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     """GPT2Attention: c_attn, whose (b, s, 3h) output q, k and v view; the eager core or SDPA's; c_proj (and
     resid_dropout). Eager's bmm batches (b, a) of a view only when b or a is 1: else matmul copies q, k^T and v (the
     copies are what it keeps, and c_attn's output goes as the attention returns); at b = 1 or one head, and under
@@ -179,8 +179,8 @@ def _eager(p: str, z: Sizes, copies: bool, dropped: bool) -> tuple[Op, ...]:
 
 def _sdpa(p: str, z: Sizes) -> tuple[Op, ...]:
     """SDPA's flash kernel (CPU's, no dropout), one kernel each way, on q, k and v as views of c_attn's output: it
-    keeps them (the storage whole), its output (c_proj's input) and the log-sum-exp, which F.scaled_dot_product_attention
-    does not return."""
+    keeps them (the storage whole), its output (c_proj's input) and the log-sum-exp, which
+    F.scaled_dot_product_attention does not return."""
     g, q = f"grad/{p}", z.full(z.h)
     return (Op("attn", (Step("SDPA's flash kernel: its output and log-sum-exp", (
         kept(p, ledger.PROJ_IN), kept(p, ledger.SOFTMAX_LSE)), reads_last=kept_names(p, ledger.SOFTMAX_LSE)),), (
@@ -214,35 +214,37 @@ def _gelu_new(p: str, z: Sizes) -> tuple[Op, ...]:
     (b, s, f) tensor; in backward x's three gradients (the sum's, pow's, 0.5 * x's) are summed as they come."""
     n, g, f = f"{p}/mlp.act", f"grad/{p}/mlp.act", z.full(z.f_t)
 
-    def made(name: str, why: str) -> Made:
-        return Made(f"{n}/{name}" if not name.startswith("d") else f"{g}/{name}", f, why)
+    def local(name: str) -> Made:  # a temporary of the expression, forward's or a backward formula's
+        return Made(f"{n}/{name}", f, "a temporary")
+
+    def grad(name: str, why: str) -> Made:
+        return Made(f"{g}/{name}", f, why)
 
     return (
         Op("mlp.act", (Step("0.5 * x", (kept(p, rules.HALF_X),)),), (
-            Step("0.5 * x's backward", (made("dx (half)", "0.5 * dY"),), frees=(f"{g}/dhalf_x",)),
+            Step("0.5 * x's backward", (grad("dx (half)", "0.5 * dY"),), frees=(f"{g}/dhalf_x",)),
             Step("autograd sums x's gradients", (Made(f"grad/{p}/gelu_in", f, "x's gradient: its three uses'"
                                                      " summed"),), frees=(f"{g}/dx (sum)", f"{g}/dx (half)")),
         )),
-        Op("mlp.act", (Step("pow(x, 3)", (made("x^3", "a temporary"),)),), (
-            Step("pow's backward: 3 x^2 dY", (made("x^2", "a temporary"), made("3x^2", "a temporary"),
-                                             made("dx (pow)", "dY * 3x^2")),
+        Op("mlp.act", (Step("pow(x, 3)", (local("x^3"),)),), (
+            Step("pow's backward: 3 x^2 dY", (local("x^2"), local("3x^2"), grad("dx (pow)", "dY * 3x^2")),
                  frees=(f"{n}/x^2", f"{n}/3x^2", f"{g}/dx^3"), returns=True),
-            Step("autograd sums x's gradients", (made("dx (sum)", "the sum's and pow's summed"),),
+            Step("autograd sums x's gradients", (grad("dx (sum)", "the sum's and pow's summed"),),
                  frees=(f"{g}/dinner", f"{g}/dx (pow)")),
         ), saves=(ledger.GELU_IN,)),
-        Op("mlp.act", (Step("0.044715 * x^3", (made("cubic", "a temporary"),), frees=(f"{n}/x^3",)),), (
-            Step("0.044715 * (.)'s backward", (made("dx^3", "0.044715 * dY"),)),)),
-        Op("mlp.act", (Step("x + 0.044715 x^3", (made("inner", "a temporary"),), frees=(f"{n}/cubic",)),), ()),
-        Op("mlp.act", (Step("sqrt(2/pi) * (.)", (made("tanh input", "a temporary"),), frees=(f"{n}/inner",)),), (
-            Step("sqrt(2/pi) * (.)'s backward", (made("dinner", "sqrt(2/pi) * dY"),), frees=(f"{g}/dtanh input",)),)),
+        Op("mlp.act", (Step("0.044715 * x^3", (local("cubic"),), frees=(f"{n}/x^3",)),), (
+            Step("0.044715 * (.)'s backward", (grad("dx^3", "0.044715 * dY"),)),)),
+        Op("mlp.act", (Step("x + 0.044715 x^3", (local("inner"),), frees=(f"{n}/cubic",)),), ()),
+        Op("mlp.act", (Step("sqrt(2/pi) * (.)", (local("tanh input"),), frees=(f"{n}/inner",)),), (
+            Step("sqrt(2/pi) * (.)'s backward", (grad("dinner", "sqrt(2/pi) * dY"),), frees=(f"{g}/dtanh input",)),)),
         Op("mlp.act", (Step("tanh", (kept(p, rules.TANH_OUT),), frees=(f"{n}/tanh input",)),), (
-            Step("tanh's backward", (made("dtanh input", "dY * (1 - tanh^2)"),), frees=(f"{g}/done_plus_tanh",)),),
+            Step("tanh's backward", (grad("dtanh input", "dY * (1 - tanh^2)"),), frees=(f"{g}/done_plus_tanh",)),),
            saves=(rules.TANH_OUT,)),
         Op("mlp.act", (Step("1 + tanh", (kept(p, rules.ONE_PLUS_TANH),), reads_last=kept_names(p, rules.TANH_OUT)),),
            ()),
         Op("mlp.act", (Step("0.5x * (1 + tanh): the activation", (kept(p, ledger.FC2_IN),),
                             reads_last=kept_names(p, ledger.GELU_IN, rules.HALF_X, rules.ONE_PLUS_TANH)),), (
-            Step("the product's backward", (made("dhalf_x", "dY * (1 + tanh)"), made("done_plus_tanh", "dY * 0.5x")),
+            Step("the product's backward", (grad("dhalf_x", "dY * (1 + tanh)"), grad("done_plus_tanh", "dY * 0.5x")),
                  frees=(f"grad/{p}/act output",)),), saves=(rules.HALF_X, rules.ONE_PLUS_TANH)),
     )
 
