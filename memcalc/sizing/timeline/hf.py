@@ -186,7 +186,7 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
     rerun = f"recompute {config.recompute} (gradient checkpointing) with"
     missing = [
         (family not in WALKED, f"{family}'s model (it walks {', '.join(WALKED)})"),
-        *_gpt2_missing(config, family),
+        *_gpt2_missing(config, family, tp),
         (config.sliding_window is not None and not config.sandwich_norm,
          f"sliding_window={config.sliding_window} outside Gemma 2 (it walks a window in Gemma 2's model only)"),
         (config.sandwich_norm and config.attention != "eager",
@@ -232,11 +232,12 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
             raise ConfigError(f"the step timeline for impl hf does not model {what} yet")
 
 
-def _gpt2_missing(config: ModelConfig, family: str) -> list[tuple[bool, str]]:
+def _gpt2_missing(config: ModelConfig, family: str, tp: bool) -> list[tuple[bool, str]]:
     """What the walk of GPT2LMHeadModel (memcalc.sizing.timeline.hf_gpt2) leaves out."""
     if family != "gpt2":
         return []
     return [
+        (tp, f"GPT-2's model under tp (t={config.t}): GPT2Config has no base_model_tp_plan"),
         (not config.add_bias_linear, "GPT-2 without add_bias_linear (its Conv1Ds always have biases)"),
         (config.position_embedding_type != "learned_absolute", f"GPT-2 with position_embedding_type"
                                                                 f" {config.position_embedding_type} (GPT2Model learns"

@@ -565,10 +565,13 @@ def test_gpt2s_step_happens_in_order_and_peaks_where_the_timeline_says_to_the_by
     ({"recompute": "full", "dropout": 0.1}, "recompute full \\(gradient checkpointing\\) with dropout in GPT-2's"),
     ({"add_bias_linear": False}, "GPT-2 without add_bias_linear"),
     ({"position_embedding_type": "rope"}, "GPT-2 with position_embedding_type rope"),
+    ({"t": 2, "tie_embeddings": False}, "GPT-2's model under tp \\(t=2\\): GPT2Config has no base_model_tp_plan"),
+    ({"dp_shard": 2}, "GPT-2's model under dp_shard or zero_stage"),
 ])
 def test_what_the_gpt2_walk_does_not_model_is_refused_by_name(changes, named):
+    layout = "tp" if changes.get("t", 1) > 1 else "none"
     with pytest.raises(ConfigError, match=named):
-        timeline(make_config(GPT2_HF, **changes), STRATEGIES["none"], CPU)
+        timeline(make_config(GPT2_HF, **changes), STRATEGIES[layout], CPU)
 
 
 # -- gradient checkpointing (activation_checkpointing_enable's defaults: non-reentrant, early stop) -------------------
