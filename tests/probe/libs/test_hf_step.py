@@ -561,7 +561,7 @@ def test_gpt2s_step_happens_in_order_and_peaks_where_the_timeline_says_to_the_by
 
 
 @pytest.mark.parametrize("changes, named", [
-    ({"attention": "flash", "dropout": 0.1}, "dropout 0.1 with SDPA in GPT-2's model"),
+    ({"attention": "flash", "dropout": 0.1}, "dropout 0.1 with SDPA in GPT-2's model on a CPU"),
     ({"recompute": "full", "dropout": 0.1}, "recompute full \\(gradient checkpointing\\) with dropout in GPT-2's"),
     ({"add_bias_linear": False}, "GPT-2 without add_bias_linear"),
     ({"position_embedding_type": "rope"}, "GPT-2 with position_embedding_type rope"),
@@ -572,6 +572,22 @@ def test_what_the_gpt2_walk_does_not_model_is_refused_by_name(changes, named):
     layout = "tp" if changes.get("t", 1) > 1 else "none"
     with pytest.raises(ConfigError, match=named):
         timeline(make_config(GPT2_HF, **changes), STRATEGIES[layout], CPU)
+
+
+def test_on_cuda_gpt2s_sdpa_with_dropout_is_the_flash_kernels_walk_beside_the_measured_dropouts():
+    """On CUDA the flash kernel drops out inside and keeps what it keeps without dropout (the ledger's
+    FLASH_DROPOUT_LSE, read from torch's flash_api.cpp, not measured): GPT-2's SDPA walk, measured without dropout,
+    with the embedding's, resid_dropout's and the MLP's dropouts, measured under eager."""
+    config = make_config(GPT2_HF, attention="flash", dropout=0.1)
+    steps = timeline(config, STRATEGIES["none"], Accounting(exact=True, device="cuda"))
+    labels = {m.label() for m in steps.moments}
+    for label in ("forward transformer.h.1.attn (SDPA's flash kernel: its output and log-sum-exp)",
+                  "forward transformer.h.1.attn.resid_dropout (native_dropout: its output and bool mask)",
+                  "backward transformer.h.1.attn (the SDPA kernel's backward: dQ, dK, dV)"):
+        assert label in labels, label
+    kept = {x.name.partition("/")[2] for x in steps.peak.live if x.name.startswith("layers.1/")}
+    assert {"attention/out_dropout_mask", "mlp/dropout_mask", "attention/softmax_lse"} <= kept, kept
+    assert not any(x.startswith("attention/math") or x == "attention/dropout_mask" for x in kept), kept
 
 
 # -- gradient checkpointing (activation_checkpointing_enable's defaults: non-reentrant, early stop) -------------------
