@@ -200,8 +200,8 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
          " named_parameters(), which names a tied weight once: KeyError)"),
         (config.pp != 1, f"pp={config.pp}"),
         (config.cp != 1, f"cp={config.cp}"),
-        (config.has_dropout and config.attention != "eager" and family != "gpt2", f"dropout {config.dropout} with SDPA (a CPU runs its"
-                                                             " math kernel, CUDA the flash kernel's own dropout)"),
+        (config.has_dropout and config.attention != "eager" and family != "gpt2",
+         f"dropout {config.dropout} with SDPA (a CPU runs its math kernel, CUDA the flash kernel's own dropout)"),
         (config.add_bias_linear and family != "gpt2",
          "add_bias_linear (biases on every linear; Qwen2's q, k, v biases are add_qkv_bias)"),
         ((scaled_embedding(config) or config.fused_qkv) and (tp or sharded or config.has_dropout),
