@@ -85,6 +85,17 @@ def test_impl_hf_runs_transformers_llama_for_causal_lm_and_exits_0(tmp_path):
         assert words in run.out, (words, run.out)
 
 
+def test_impl_hf_family_gpt2_from_flags_alone_runs_gpt2_lm_head_model_exactly_and_exits_0(config):
+    """--family gpt2 fixes GPT-2's biases and learned positions over impl hf's Llama defaults."""
+    pytest.importorskip("transformers")
+    run = memcalc_cli("measure", "--config", config, "--step", "--impl", "hf", "--family", "gpt2", "--t", "1",
+                      "--norm", "layernorm", "--mlp", "gelu_tanh", "--attention", "eager", "--dropout", "0.1")
+    assert run.code == 0, run.err
+    for words in ("ran as: transformers' GPT2LMHeadModel, one process (t=1) on cpu", "(same moment)",
+                  "match: the peak and every category within 1%"):
+        assert words in run.out, (words, run.out)
+
+
 def test_impl_hf_under_its_own_tp_plan_runs_rank_zero_of_t_and_exits_0(tmp_path):
     pytest.importorskip("transformers")
     path = tmp_path / "llama.yaml"

@@ -59,7 +59,7 @@ def test_backward_leaves_only_the_batch_and_the_loss_behind():
     ({"recompute": "full", "zero_stage": 2}, "recompute full \\(gradient checkpointing\\) with zero_stage"),
     ({"add_bias_linear": True}, "add_bias_linear"),
     ({"family": "qwen2", "add_qkv_bias": True, "dp_shard": 2}, "dp_shard or zero_stage with add_qkv_bias"),
-    ({"norm": "layernorm", "mlp": "gelu", "num_query_groups": None}, "gpt2's model"),
+    ({"family": "olmo", "norm": "layernorm_np"}, "olmo's model"),
     ({"position_embedding_type": "learned_absolute"}, "position_embedding_type learned_absolute"),
     ({"dtype": "fp32"}, "dtype fp32"),
 ])

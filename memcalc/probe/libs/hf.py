@@ -182,8 +182,9 @@ def _own_fields(config: ModelConfig, family: str, layer_type: str | None) -> dic
                "tie_word_embeddings": config.tie_embeddings}
     if family == "bloom":
         return {"attention_dropout": dropout, "hidden_dropout": dropout}
-    if family == "gpt2":
-        return gpt | {"num_hidden_layers": 1}
+    if family == "gpt2":  # wpe's rows; GPT2LMHeadModel's lm_head tied to wte unless the config unties it
+        return gpt | no_ids | {"max_position_embeddings": config.positions,
+                               "tie_word_embeddings": config.tie_embeddings}
     if family == "gptj":  # rotary_dim: the rotated channels of each head
         return gpt | {"rotary_dim": int(config.head_dim * config.rotary_percent),
                       "tie_word_embeddings": config.tie_embeddings} | no_ids

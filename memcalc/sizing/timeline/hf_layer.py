@@ -360,7 +360,7 @@ def _eager(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool = F
         *dropped,
         Op("self_attn", (
             *((Step("V made contiguous for bmm", (kept(p, v),)),) if v_copied else ()),
-            *_context(p, z, q, (kept_name(p, v),) if v_copied else (),
+            *context(p, z, q, (kept_name(p, v),) if v_copied else (),
                       tuple(kept_name(p, t) for t in (k, v)) if repeated else ()),
         ), (
             Step("the context made (b, a, s, d)", (Made(f"{g}/attn heads", q, "contiguous for bmm"),),
@@ -371,7 +371,7 @@ def _eager(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool = F
     )
 
 
-def _context(p: str, z: Sizes, q: int, read: tuple[str, ...], gone: tuple[str, ...]) -> tuple[Step, ...]:
+def context(p: str, z: Sizes, q: int, read: tuple[str, ...], gone: tuple[str, ...]) -> tuple[Step, ...]:
     """weights x V (`read` last there), then transpose(1, 2).contiguous(): a copy but for one token or one head a rank
     ((b, a, 1, d) transposed is contiguous already); `gone` goes as the core returns."""
     if z.s == 1 or z.a_t == 1:

@@ -19,7 +19,7 @@ from memcalc.probe.libs.hf_step import warmed_up  # noqa: E402
 from memcalc.probe.step import measure_step  # noqa: E402
 from memcalc.sizing.timeline import ACTIVATIONS, PARAMETERS, TEMPORARIES, timeline  # noqa: E402
 
-from tests.helpers import LLAMA_HF as LLAMA, make_config  # noqa: E402
+from tests.helpers import GPT2_HF, LLAMA_HF as LLAMA, make_config  # noqa: E402
 
 from ..step_readings import assert_moments_in_order, readings_after_every_op  # noqa: E402
 
@@ -506,6 +506,88 @@ def test_each_familys_step_happens_in_order_and_peaks_where_the_timeline_says_to
                                                                                            attention, changes):
     r = _exact_step(make_config(LLAMA, attention=attention, **changes), "none")
     assert r.model.startswith(f"transformers' {FAMILIES[family].architectures[0]}")
+
+
+# -- GPT2LMHeadModel: its own walk (memcalc.sizing.timeline.hf_gpt2), forward op by op ---------------------------------
+
+GPT2_STEPS = [
+    {},  # the loss's backward
+    {"b": 1, "s": 13, "h": 24, "a": 3, "vocab_size": 40},  # b = 1: bmm keeps c_attn's output whole, not copies
+    {"b": 3, "s": 7, "h": 48, "a": 6, "tie_embeddings": False},
+    {"b": 2, "s": 9, "a": 1},  # one head: q's and v's gradients are (b, s, h) views
+    {"b": 1, "s": 7, "a": 1},
+    {"b": 3, "s": 1, "h": 24, "a": 4},  # one token: the last c_attn's gradients
+    {"b": 1, "s": 1, "h": 24, "a": 3, "L": 3},
+    {"mlp": "gelu", "b": 3, "s": 7},  # torch's GELU kernel keeps its input alone
+    {"dtype": "fp16", "b": 3, "s": 7, "h": 24, "a": 3},
+    {"h": 32, "ffn_hidden_size": 512, "vocab_size": 40},  # the last c_proj's gradients
+    {"s": 95, "h": 16, "ffn_hidden_size": 16, "vocab_size": 20, "max_position_embeddings": 100},  # the softmax's
+]
+
+
+def test_gpt2s_sizes_put_the_peak_in_five_different_places():
+    peaks = {timeline(make_config(GPT2_HF, **c), STRATEGIES["none"], CPU).peak.label() for c in GPT2_STEPS}
+    assert len(peaks) == 5, peaks
+
+
+def test_with_dropout_gpt2s_sizes_put_the_peak_in_five_different_places_one_in_forward():
+    peaks = {timeline(make_config(GPT2_HF, dropout=0.1, **c), STRATEGIES["none"], CPU).peak.label()
+             for c in GPT2_STEPS}
+    assert len(peaks) == 5 and any(x.startswith("forward") for x in peaks), peaks
+
+
+def test_under_recomputation_gpt2s_sizes_put_the_peak_in_five_different_places():
+    peaks = {timeline(make_config(GPT2_HF, recompute="full", **c), STRATEGIES["none"], CPU).peak.label()
+             for c in GPT2_STEPS}
+    assert len(peaks) == 5, peaks
+
+
+# GPT2Config's default dropout, 0.1, after the embedding, on the attention's weights, after c_proj and after the MLP;
+# SDPA (its CPU flash kernel) without dropout; gradient checkpointing (each block's early-stopped rerun)
+@pytest.mark.parametrize("attention, dropout, recompute", [
+    ("eager", 0.0, "none"), ("eager", 0.1, "none"), ("flash", 0.0, "none"), ("eager", 0.0, "full"),
+    ("flash", 0.0, "full")])
+@pytest.mark.parametrize("changes", GPT2_STEPS, ids=str)
+def test_gpt2s_step_happens_in_order_and_peaks_where_the_timeline_says_to_the_byte(one_thread, changes, attention,
+                                                                                    dropout, recompute):
+    """LayerNorm's one kernel each way, Conv1D's addmm and its bias's sum, c_attn's output split into q, k and v
+    (eager: copied for bmm unless b or a is 1; SDPA keeps the views, c_attn's output whole), the softmax in bf16,
+    gelu_new's eight ops, the learned positions' gradient; with dropout, each dropout's bool mask (the probe's
+    CUDA-like shim) and its input gone as it returns (c_attn's output at the attention's return, after
+    resid_dropout). Under a checkpoint each kept tensor goes at its last read in forward, and each block reruns up
+    to gelu_new's product, the last saved tensor."""
+    r = _exact_step(make_config(GPT2_HF, attention=attention, dropout=dropout, recompute=recompute, **changes), "none")
+    assert r.model == "transformers' GPT2LMHeadModel"
+
+
+@pytest.mark.parametrize("changes, named", [
+    ({"attention": "flash", "dropout": 0.1}, "dropout 0.1 with SDPA in GPT-2's model on a CPU"),
+    ({"recompute": "full", "dropout": 0.1}, "recompute full \\(gradient checkpointing\\) with dropout in GPT-2's"),
+    ({"add_bias_linear": False}, "GPT-2 without add_bias_linear"),
+    ({"position_embedding_type": "rope"}, "GPT-2 with position_embedding_type rope"),
+    ({"t": 2, "tie_embeddings": False}, "GPT-2's model under tp \\(t=2\\): GPT2Config has no base_model_tp_plan"),
+    ({"dp_shard": 2}, "GPT-2's model under dp_shard or zero_stage"),
+])
+def test_what_the_gpt2_walk_does_not_model_is_refused_by_name(changes, named):
+    layout = "tp" if changes.get("t", 1) > 1 else "none"
+    with pytest.raises(ConfigError, match=named):
+        timeline(make_config(GPT2_HF, **changes), STRATEGIES[layout], CPU)
+
+
+def test_on_cuda_gpt2s_sdpa_with_dropout_is_the_flash_kernels_walk_beside_the_measured_dropouts():
+    """On CUDA the flash kernel drops out inside and keeps what it keeps without dropout (the ledger's
+    FLASH_DROPOUT_LSE, read from torch's flash_api.cpp, not measured): GPT-2's SDPA walk, measured without dropout,
+    with the embedding's, resid_dropout's and the MLP's dropouts, measured under eager."""
+    config = make_config(GPT2_HF, attention="flash", dropout=0.1)
+    steps = timeline(config, STRATEGIES["none"], Accounting(exact=True, device="cuda"))
+    labels = {m.label() for m in steps.moments}
+    for label in ("forward transformer.h.1.attn (SDPA's flash kernel: its output and log-sum-exp)",
+                  "forward transformer.h.1.attn.resid_dropout (native_dropout: its output and bool mask)",
+                  "backward transformer.h.1.attn (the SDPA kernel's backward: dQ, dK, dV)"):
+        assert label in labels, label
+    kept = {x.name.partition("/")[2] for x in steps.peak.live if x.name.startswith("layers.1/")}
+    assert {"attention/out_dropout_mask", "mlp/dropout_mask", "attention/softmax_lse"} <= kept, kept
+    assert not any(x.startswith("attention/math") or x == "attention/dropout_mask" for x in kept), kept
 
 
 # -- gradient checkpointing (activation_checkpointing_enable's defaults: non-reentrant, early stop) -------------------
