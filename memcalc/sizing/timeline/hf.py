@@ -172,8 +172,6 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
          " named_parameters(), which names a tied weight once: KeyError)"),
         (config.pp != 1, f"pp={config.pp}"),
         (config.cp != 1, f"cp={config.cp}"),
-        (config.has_dropout and config.attention != "eager", f"dropout {config.dropout} with SDPA (a CPU runs its"
-                                                             " math kernel, CUDA the flash kernel's own dropout)"),
         (config.add_bias_linear, "add_bias_linear (biases on every linear; Qwen2's q, k, v biases are add_qkv_bias)"),
         ((scaled_embedding(config) or config.fused_qkv) and (tp or sharded or config.has_dropout),
          "Gemma's or Phi-3's model under tp, dp_shard or zero_stage, or with dropout (unmeasured: t = 1 without"
@@ -265,7 +263,8 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
         *((output,) if checkpointed else ()),
     )
     if not checkpointed:
-        ops = (*layer.layer_forward(i, z, made, moe.block_forward(p, z, config) if block else ()),
+        ops = (*layer.layer_forward(i, z, made, moe.block_forward(p, z, config) if block else (),
+                                    layer.sdpa_math_forward(p, z, saved, config.groups != config.a)),
                *(replace(x, forward=()) for x in ops))
     return tuple(replace(x, shadow=PHI3_SHADOWED.get(x.where, "")) for x in ops) if config.fused_qkv else ops
 

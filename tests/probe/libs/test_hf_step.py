@@ -439,6 +439,41 @@ def test_attention_dropout_keeps_its_mask_to_its_backward_and_the_peak_is_memtra
     _exact_step(config, layout, route)
 
 
+# SDPA with dropout on a CPU: torch's math kernel (aten _scaled_dot_product_attention_math), fp32 throughout
+SDPA_DROPOUT_STEPS = [
+    ("none", {"s": 13}, None),  # a/g = 4: K and V repeated (enable_gqa); the loss's backward
+    ("none", {"b": 1, "s": 11, "num_query_groups": 8} | QWEN2, None),  # a/g = 1, b = 1: no copies to fold (b, a)
+    ("none", {"b": 1, "s": 96, "h": 16, "ffn_hidden_size": 16, "vocab_size": 20}, None),  # dropped x V's backward
+    # forward, the kernel's output cast back with every local live: GQA with bmm's copies, then multi-head
+    ("none", {"b": 3, "s": 33, "h": 16, "a": 8, "ffn_hidden_size": 16, "vocab_size": 20, "kv_channels": 4}, None),
+    ("none", {"b": 2, "s": 64, "h": 16, "a": 2, "num_query_groups": 2, "ffn_hidden_size": 16, "vocab_size": 20,
+              "family": "mistral"}, None),
+    ("none", {"b": 3, "s": 17, "h": 48, "a": 6, "num_query_groups": 3, "vocab_size": 20} | QWEN3, None),
+    ("none", {"b": 2, "s": 1}, None),  # one token: no causal mask
+    ("tp", {"t": 2, "s": 9}, None),
+    ("tp", {"t": 4, "b": 3, "s": 7, "num_query_groups": 4, "vocab_size": 252}, None),  # one K/V group a rank
+    ("none", MIXTRAL | {"b": 1, "s": 96, "h": 16, "a": 2, "num_query_groups": 1}, "balanced"),  # top-2
+    ("none", QWEN3_MOE | {"b": 3, "s": 7, "h": 48, "a": 6, "num_query_groups": 3, "num_experts": 3,
+                          "moe_router_topk": 1, "moe_ffn_hidden_size": 24}, "balanced"),  # top-1
+]
+
+
+def test_sdpa_dropout_sizes_put_the_peak_in_six_different_places():
+    """What gives the next test its meaning: forward inside the math kernel, its backward, and four outside."""
+    peaks = {timeline(make_config(LLAMA, attention="flash", dropout=0.1, **c), STRATEGIES[layout], CPU).peak.label()
+             for layout, c, _ in SDPA_DROPOUT_STEPS}
+    assert len(peaks) >= 6, peaks
+    assert any(p.startswith("forward") and "math kernel" in p for p in peaks), peaks
+
+
+@pytest.mark.parametrize("layout, changes, route", SDPA_DROPOUT_STEPS, ids=str)
+def test_sdpa_with_dropout_runs_the_math_kernel_on_a_cpu_and_the_step_is_memtrackers_to_the_byte(one_thread, layout,
+                                                                                                changes, route):
+    """The math kernel keeps the ledger's fp32 q, k^T, softmax, dropout mask, dropped-out weights and v; its C++ locals
+    live to its return (its widest forward moment); its backward runs each op's, the fp32 gradients cast back last."""
+    _exact_step(make_config(LLAMA, attention="flash", dropout=0.1, **changes), layout, route)
+
+
 # -- other families' own *ForCausalLM: the Llama walk with each family's declared variations -------------------------
 
 # GemmaForCausalLM: (1 + w) RMSNorm, tanh GeGLU, scaled embedding
