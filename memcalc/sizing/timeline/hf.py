@@ -188,9 +188,10 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
         (sharded and config.add_qkv_bias, "dp_shard or zero_stage with add_qkv_bias (its walks lay out one gradient a"
                                           " module, the weight's)"),
         # gradient checkpointing: each layer's forward op by op, rerun in backward
-        (config.recompute != "none" and config.moe, f"{rerun} experts (the sparse block's forward, its router and"
-                                                    " grouped_mm's sorts, gathers and permutations, is not walked op by"
-                                                    " op)"),
+        (config.recompute != "none" and config.moe and not moe.grouped(config),
+         f"{rerun} the eager loop's experts (it walks grouped_mm's forward op by op)"),
+        (config.recompute != "none" and bool(config.moe_shared_expert_intermediate_size),
+         f"{rerun} a shared expert (it walks Mixtral's and Qwen3-MoE's blocks op by op)"),
         (config.recompute != "none" and config.has_dropout, f"{rerun} dropout (the probe's CUDA-like dropout shim is"
                                                             " not active in the rerun)"),
         (config.recompute != "none" and config.zero_stage is not None, f"{rerun} zero_stage"),
@@ -257,7 +258,9 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
         *post_attn,
         *((mid,) if checkpointed else ()),
         *layer.rms_norm("pre_feedforward_layernorm" if config.sandwich_norm else "post_attention_layernorm", p, ln2,
-                        z, mlp, f"grad/{p}/mid", f"grad/{p}/output", output=kept(p, ledger.FC1_IN)),
+                        z, mlp, f"grad/{p}/mid", f"grad/{p}/output",
+                        output=kept(p, ledger.MOE_IN if block else ledger.FC1_IN)),
+        *(moe.checkpointed_forward(p, z, config) if block and checkpointed else ()),
         *(block or layer.mlp(p, z, tp, rules.GATED[config.mlp], mlp_out, config.fused_qkv)),
         *post_mlp,
         *((output,) if checkpointed else ()),

@@ -16,7 +16,7 @@ from memcalc.model.ledger import SavedTensor
 from memcalc.sizing.timeline.hf_layer import WHY_SAVED
 from memcalc.sizing.timeline.tape import Sizes
 from memcalc.sizing.timeline.torch_ops import WHY_WGRAD, linear
-from memcalc.sizing.timeline.walk import Made, Op, Step, kept
+from memcalc.sizing.timeline.walk import Made, Op, Step, kept, kept_names
 
 # The block's tensors kept one storage per expert: the ledger's row is E of them (memcalc.probe.libs.hf merges them the
 # same way).
@@ -144,6 +144,66 @@ def _grouped_forward(m: str, out: str, z: Sizes, config: ModelConfig, routed: tu
     ), backward=())
 
 
+def checkpointed_forward(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
+    """The block's forward op by op, for gradient checkpointing (its forward, which keeps nothing, and its rerun in
+    backward, which keeps the ledger's tensors and stops early at grouped_mm's inv_perm): the router, then
+    grouped_mm_experts_forward, whose locals live to its return, the block's (the router's outputs, its input) to
+    the block's."""
+    m, tokens, k, experts = f"{p}/moe", z.b * z.s, config.moe_router_topk, config.num_experts
+    r, width, bf16, act = k * tokens, _width(z, config), _bf16(config), z.act
+    weights = f"{m}/top_k_weights"
+    norm = (
+        Step("the top-k values' sum", (kept(p, rules.TOPK_SUM),)),
+        Step("the values divided by it, in place: autograd keeps them as they were", (kept(p, rules.TOPK_WEIGHTS),),
+             reads_last=kept_names(p, rules.TOPK_SUM, rules.TOPK_WEIGHTS)),
+    ) if rules.TOPK_SUM in rules.moe_block(config) else ()
+    cast = (Step("the top-k weights cast to bf16", (Made(weights, act * tokens * k, "the weights the experts read"),),
+                 frees=(f"{m}/top values",)),) if bf16 else ()
+    *routed, last = (
+        Step("the router's logits", (Made(f"{m}/router_logits", act * tokens * experts, "F.linear's (b*s, E) logits:"
+                                          " the block's `_` holds them"),)),
+        Step("the logits cast to fp32", (Made(f"{m}/logits fp32", 4 * tokens * experts, "softmax's input"),)),
+        Step("the fp32 softmax", (kept(p, rules.ROUTER_PROBS),), frees=(f"{m}/logits fp32",)),
+        Step("top-k", (Made(f"{m}/top values" if bf16 else weights, 4 * tokens * k, "the k largest probabilities"),
+                       kept(p, ledger.ROUTER_TOPK_INDICES))),
+        *norm, *cast)
+    router = Op("mlp.gate", (*routed, replace(last, reads_last=last.reads_last + kept_names(p, rules.ROUTER_PROBS))),
+                ())
+    weight = rules.EXPERT_WEIGHT_CAST if bf16 else rules.EXPERT_WEIGHT
+    locals_ = (f"{m}/sorted expert ids", f"{m}/histc input", f"{m}/tokens per expert", f"{m}/slot order",
+               f"{m}/summed fp32", f"{m}/router_logits", weights)
+    held = kept_names(p, rules.SORTED_SLOTS, ledger.EXPERT_IN, weight, rules.EXPERT_OFFSETS, rules.EXPERT_OUT,
+                      rules.UNSORTED_SLOTS, ledger.ROUTER_TOPK_INDICES, ledger.MOE_IN)
+    summed = f"{p}/mlp output" if bf16 else f"{m}/summed fp32"  # Qwen's sum is bf16: its cast a no-op
+    experts_ = Op("mlp.experts", (
+        Step("sort: the slots by expert", (Made(f"{m}/sorted expert ids", 8 * r, "torch.sort's values"),
+                                           kept(p, rules.SORTED_SLOTS))),
+        Step("perm // k: each sorted slot's token", (kept(p, rules.TOKEN_INDICES),)),
+        Step("the tokens' rows in expert order", (kept(p, ledger.EXPERT_IN),),
+             reads_last=kept_names(p, rules.TOKEN_INDICES)),
+        Step("the routing weights in expert order", (kept(p, weight),)),
+        Step("the sorted ids as fp32", (Made(f"{m}/histc input", 4 * r, "histc takes no integers on the CPU"),)),
+        Step("histc: the tokens per expert", (Made(f"{m}/tokens per expert", 4 * experts, "(E,) fp32 counts"),)),
+        Step("cumsum: the offsets", (kept(p, rules.EXPERT_OFFSETS),)),
+        Step("gate_up_proj's grouped GEMM", (kept(p, ledger.EXPERT_GATE), kept(p, ledger.EXPERT_UP))),
+    ), ())
+    silu = Op("mlp.experts.act_fn", (Step("SiLU", (kept(p, ledger.EXPERT_SILU_OUT),)),), ())
+    combined = Op("mlp.experts", (
+        Step("SiLU(gate) * up", (kept(p, ledger.EXPERT_FC2_IN),),
+             reads_last=kept_names(p, ledger.EXPERT_GATE, ledger.EXPERT_UP, ledger.EXPERT_SILU_OUT)),
+        Step("down_proj's grouped GEMM", (kept(p, rules.EXPERT_OUT),), reads_last=kept_names(p, ledger.EXPERT_FC2_IN)),
+        Step("the rows times their routing weights", (Made(f"{m}/weighted", width * r * z.h, "in expert order"),)),
+        Step("inv_perm[perm] = arange", (kept(p, rules.UNSORTED_SLOTS), Made(f"{m}/arange", 8 * r, "a temporary")),
+             frees=(f"{m}/arange",)),
+        Step("the rows in slot order", (Made(f"{m}/slot order", width * r * z.h, "weighted_out[inv_perm]"),),
+             frees=(f"{m}/weighted",)),
+        Step("summed over each token's k slots", (Made(summed, width * tokens * z.h, "view(b*s, k, h).sum(1)"),)),
+        *(() if bf16 else (Step("the sum cast to bf16", (Made(f"{p}/mlp output", z.full(z.h), "the block's output"),)),)),
+        Step("", frees=locals_, reads_last=held),
+    ), ())
+    return (router, experts_, silu, combined)
+
+
 @dataclass
 class _Sums:
     """Autograd's running sums of one tensor's gradients (the block input's, the routing weights', each expert
@@ -255,11 +315,13 @@ def _grouped(z: Sizes, config: ModelConfig, sums: _Sums) -> list[Op]:
     r = config.moe_router_topk * z.b * z.s
     act, width, bf16, h = z.act, _width(z, config), _bf16(config), z.h
     tp = z.t > 1  # this rank's e/t of each expert, local tensors: the weights' gradients handed over at the end
+    copied = config.moe_router_topk > 1  # one slot a token: dY expanded to (b*s, 1, h) is the rows already, a view
     combine = _op("mlp.experts", (), *(() if bf16 else (Step("the cast's backward: dY in fp32", (
-        Made(f"{g}/dY fp32", z.tokens(4 * h), "the block's dY cast to the sum's fp32"),)),)),
-        Step("sum's and view's backward: dY repeated at each token's k slots", (
+        Made(f"{g}/dY fp32" if copied else f"{g}/slot rows", z.tokens(4 * h), "the block's dY cast to the sum's"
+             " fp32"),)),)),
+        *((Step("sum's and view's backward: dY repeated at each token's k slots", (
             Made(f"{g}/slot rows", width * r * h, "the expanded dY made contiguous, (k*b*s, h)"),),
-            frees=(f"{g}/dY fp32",)))
+            frees=(f"{g}/dY fp32",)),) if copied else ()))
     unsort = _op("mlp.experts", (rules.UNSORTED_SLOTS,), Step("indexing's backward: the rows back in expert order", (
         Made(f"{g}/rows zeros", width * r * h, "a zero (k*b*s, h) tensor"),
         Made(f"{g}/sorted rows", width * r * h, "index_put's: the rows at the permutation")),
@@ -269,11 +331,12 @@ def _grouped(z: Sizes, config: ModelConfig, sums: _Sums) -> list[Op]:
         Step("the routing weight's product: dY * w", (Made(down_dy if bf16 else f"{g}/down dY fp32", width * r * h,
                                                            "dY * w, down_proj's output gradient"),)),
         Step("the routing weight's product: dY * out", (Made(f"{g}/weights dw rows", width * r * h,
-                                                             "dY * out, before the sum over h"),)),
+                                                             "dY * out, before the sum over h"),), returns=True),
+        # autograd's validate_outputs: dY * w cast to its input's dtype, dY * out summed to the weights' shape
         *(() if bf16 else (Step("dY * w cast to bf16", (Made(down_dy, act * r * h, "down_proj's output gradient"),),
-                                frees=(f"{g}/down dY fp32",)),)),
+                                frees=(f"{g}/down dY fp32",), reduced=True),)),
         Step("dY * out summed over h", (Made(f"{g}/weights dw", width * r, "one value per slot, (k*b*s, 1)"),),
-             frees=(f"{g}/sorted rows", f"{g}/weights dw rows")))
+             frees=(f"{g}/sorted rows", f"{g}/weights dw rows"), reduced=True))
     down = _op("mlp.experts", (ledger.EXPERT_FC2_IN,), Step("down_proj's grouped GEMMs: dW, then dX", (
         Made(f"{g}/down dW", act * experts * f * h, WHY_WGRAD), Made(f"{g}/down dX", act * r * f, "(k*b*s, e)")),
         frees=(down_dy,), hands_over=() if tp else (f"{g}/down dW",)))

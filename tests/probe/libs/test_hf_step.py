@@ -592,9 +592,49 @@ def test_under_gradient_checkpointing_each_layer_and_its_early_stopped_rerun_hap
     _exact_step(make_config(LLAMA, attention=attention, recompute="full", **changes), layout)
 
 
+# grouped_mm's experts checkpointed: the block's forward op by op, its rerun stopped early at inv_perm
+RECOMPUTE_MOE_STEPS = [
+    ("none", "flash", GROUPED, "balanced"),  # the last layer's rows back in expert order
+    ("none", "eager", GROUPED | {"moe_router_topk": 1, "b": 1, "s": 13}, "balanced"),  # top-1: dY's rows a view
+    ("none", "flash", GROUPED | {"moe_ffn_hidden_size": 256, "moe_router_topk": 4}, "all-to-one"),  # down_proj's
+    ("none", "flash", GROUPED | {"num_experts": 16, "moe_router_topk": 4, "moe_ffn_hidden_size": 16, "s": 96, "h": 16,
+                                 "a": 2, "num_query_groups": 1, "vocab_size": 20}, "balanced"),
+    ("none", "flash", QWEN3_MOE_GROUPED | {"b": 3, "s": 5, "num_experts": 8, "moe_router_topk": 3,
+                                           "moe_ffn_hidden_size": 16, "kv_channels": 12}, "balanced"),
+    ("none", "flash", QWEN3_MOE_GROUPED | {"moe_router_topk": 1, "b": 3, "s": 7, "num_query_groups": 1}, "balanced"),
+    ("none", "eager", QWEN3_MOE_GROUPED | {"moe_router_pre_softmax": True, "b": 1, "s": 12}, "balanced"),
+    # the rerun's widest moment, its early stop at inv_perm
+    ("none", "eager", QWEN3_MOE_GROUPED | {"num_experts": 16, "moe_router_topk": 4, "moe_ffn_hidden_size": 16,
+                                           "s": 95, "h": 16, "a": 2, "num_query_groups": 1, "vocab_size": 20,
+                                           "b": 1}, "all-to-one"),
+    ("none", "eager", QWEN3_MOE_GROUPED | {"moe_layer_freq": 2, "L": 4, "b": 1, "s": 13}, "all-to-one"),  # dense too
+    ("tp", "flash", QWEN3_MOE_GROUPED | {"t": 2, "b": 3, "s": 5, "num_experts": 8, "moe_router_topk": 3,
+                                         "moe_ffn_hidden_size": 16, "kv_channels": 12}, "balanced"),
+    ("tp", "eager", GROUPED | {"t": 4, "num_query_groups": 4, "moe_router_topk": 1, "moe_ffn_hidden_size": 256,
+                               "b": 1, "s": 9, "vocab_size": 252}, "balanced"),
+]
+
+
+def test_checkpointed_grouped_mm_sizes_put_the_peak_in_five_different_places():
+    peaks = {timeline(make_config(LLAMA, attention=a, recompute="full", **c), STRATEGIES[layout], CPU).peak.label()
+             for layout, a, c, _ in RECOMPUTE_MOE_STEPS}
+    assert len(peaks) >= 5 and any("inv_perm" in p for p in peaks), peaks
+
+
+@pytest.mark.parametrize("layout, attention, changes, route", RECOMPUTE_MOE_STEPS, ids=str)
+def test_checkpointed_grouped_mm_experts_run_op_by_op_and_rerun_to_inv_perm_to_the_byte(one_thread, layout, attention,
+                                                                                       changes, route):
+    """The router and grouped_mm_experts_forward op by op (their locals to their returns), keeping nothing in forward;
+    in backward, once the block's first node that saves reads it, the layer's rerun up to inv_perm, the last tensor
+    saved; the routing weight's product releases its rerun's tensors before autograd casts and sums its gradients."""
+    _exact_step(make_config(LLAMA, attention=attention, recompute="full", **changes), layout, route)
+
+
 @pytest.mark.parametrize("changes, named", [
     ({"dropout": 0.1}, "recompute full \\(gradient checkpointing\\) with dropout"),
-    (MIXTRAL, "recompute full \\(gradient checkpointing\\) with experts"),
+    (MIXTRAL, "recompute full \\(gradient checkpointing\\) with the eager loop's experts"),
+    (QWEN2_MOE_GROUPED | {"moe_shared_expert_intermediate_size": 8}, "recompute full \\(gradient checkpointing\\)"
+                                                                     " with a shared expert"),
 ])
 def test_under_gradient_checkpointing_what_the_walk_does_not_model_is_refused_by_name(changes, named):
     with pytest.raises(ConfigError, match=named):
