@@ -102,6 +102,12 @@ Walked = tuple[Walk, tuple[Op, ...]]  # ops and the walk that puts them on the t
 MODEL_LOCALS = ("layers.0/input", "model/position_ids", "model/causal_mask", "model/sliding_mask")
 
 
+def _unheld_masks(config: ModelConfig) -> tuple[str, ...]:
+    """Under gradient checkpointing, LlamaModel's locals no layer's frame holds, gone as it returns: Qwen2-MoE's
+    sliding-window mask, which no layer is given (Gemma 2's sliding layers are)."""
+    return () if config.sandwich_norm else ("model/sliding_mask",)
+
+
 def _checkpoint(i: int, config: ModelConfig) -> Checkpoint | None:
     """gradient_checkpointing_enable's non-reentrant checkpoint around layer i's forward, torch's early stop on. Its
     frame holds the layer's input and the keyword arguments LlamaModel passes (the position ids and RoPE's tables,
@@ -189,9 +195,8 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
                                           " module, the weight's)"),
         # gradient checkpointing: each layer's forward op by op, rerun in backward
         (config.recompute != "none" and config.moe and not moe.grouped(config),
-         f"{rerun} the eager loop's experts (it walks grouped_mm's forward op by op)"),
-        (config.recompute != "none" and bool(config.moe_shared_expert_intermediate_size),
-         f"{rerun} a shared expert (it walks Mixtral's and Qwen3-MoE's blocks op by op)"),
+         f"{rerun} the eager loop's experts (their shapes follow the route, which the probe forces in forward alone,"
+         " not in the rerun: unmeasured; it walks grouped_mm's, whose shapes do not)"),
         (config.recompute != "none" and config.has_dropout, f"{rerun} dropout (the probe's CUDA-like dropout shim is"
                                                             " not active in the rerun)"),
         (config.recompute != "none" and config.zero_stage is not None, f"{rerun} zero_stage"),
@@ -364,7 +369,7 @@ def _output(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
                               *(kept("", x) for x in final), *temps,
                               kept("", ledger.OUTPUT_INPUT, "the cast back: lm_head's input, which it keeps")),
                               frees=(*(x.name for x in temps), last,  # the first layer's frame holds the rest
-                                     *(MODEL_LOCALS if config.recompute != "full" else ()))),))
+                                     *(MODEL_LOCALS if config.recompute != "full" else _unheld_masks(config)))),))
     gather = (Made("lm_head/local logits", local, "this rank's columns of the logits (Shard(-1))"),
               Made("lm_head/gathered", z.t * local, "all_gather_into_tensor's (t*b, s, v/t) buffer")) if tp else ()
     head = linear("lm_head", ledger.OUTPUT_INPUT, None, z.act * z.v_t * z.h, "grad/lm_head input", z.full(z.h), "",

@@ -146,36 +146,49 @@ def _grouped_forward(m: str, out: str, z: Sizes, config: ModelConfig, routed: tu
 
 def checkpointed_forward(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     """The block's forward op by op, for gradient checkpointing (its forward, which keeps nothing, and its rerun in
-    backward, which keeps the ledger's tensors and stops early at grouped_mm's inv_perm): the router, then
-    grouped_mm_experts_forward, whose locals live to its return, the block's (the router's outputs, its input) to
-    the block's."""
-    m, tokens, k, experts = f"{p}/moe", z.b * z.s, config.moe_router_topk, config.num_experts
-    r, width, bf16, act = k * tokens, _width(z, config), _bf16(config), z.act
+    backward, which keeps the ledger's tensors and stops early at the last one the layer saves): Qwen2-MoE's shared
+    expert first, the router, grouped_mm_experts_forward (its locals live to its return), then the shared expert's
+    gate; the block's locals (the router's outputs, its input) live to its return."""
+    m, shared = f"{p}/moe", bool(config.moe_shared_expert_intermediate_size)
+    out = f"{m}/experts output" if shared else f"{p}/mlp output"
+    block = (*(_shared_forward(p, z, config) if shared else ()), _router_forward(p, z, config),
+             *_grouped_experts_forward(p, z, config, out), *(_shared_gated(p, z, out) if shared else ()))
+    return (*block, Op("mlp", (Step("", frees=(f"{m}/router_logits", f"{m}/top_k_weights"),
+                                    reads_last=kept_names(p, ledger.ROUTER_TOPK_INDICES, ledger.MOE_IN)),), ()))
+
+
+def _router_forward(p: str, z: Sizes, config: ModelConfig) -> Op:
+    """The router: logits, their fp32 softmax (a local to its return), top-k, the sum and the in-place division (whose
+    clone autograd keeps), Qwen's cast to bf16."""
+    m, tokens, k, experts, bf16 = f"{p}/moe", z.b * z.s, config.moe_router_topk, config.num_experts, _bf16(config)
     weights = f"{m}/top_k_weights"
     norm = (
         Step("the top-k values' sum", (kept(p, rules.TOPK_SUM),)),
         Step("the values divided by it, in place: autograd keeps them as they were", (kept(p, rules.TOPK_WEIGHTS),),
              reads_last=kept_names(p, rules.TOPK_SUM, rules.TOPK_WEIGHTS)),
     ) if rules.TOPK_SUM in rules.moe_block(config) else ()
-    cast = (Step("the top-k weights cast to bf16", (Made(weights, act * tokens * k, "the weights the experts read"),),
+    cast = (Step("the top-k weights cast to bf16", (Made(weights, z.act * tokens * k, "the weights the experts read"),),
                  frees=(f"{m}/top values",)),) if bf16 else ()
     *routed, last = (
-        Step("the router's logits", (Made(f"{m}/router_logits", act * tokens * experts, "F.linear's (b*s, E) logits:"
+        Step("the router's logits", (Made(f"{m}/router_logits", z.act * tokens * experts, "F.linear's (b*s, E) logits:"
                                           " the block's `_` holds them"),)),
         Step("the logits cast to fp32", (Made(f"{m}/logits fp32", 4 * tokens * experts, "softmax's input"),)),
         Step("the fp32 softmax", (kept(p, rules.ROUTER_PROBS),), frees=(f"{m}/logits fp32",)),
         Step("top-k", (Made(f"{m}/top values" if bf16 else weights, 4 * tokens * k, "the k largest probabilities"),
                        kept(p, ledger.ROUTER_TOPK_INDICES))),
         *norm, *cast)
-    router = Op("mlp.gate", (*routed, replace(last, reads_last=last.reads_last + kept_names(p, rules.ROUTER_PROBS))),
-                ())
+    return Op("mlp.gate", (*routed, replace(last, reads_last=last.reads_last + kept_names(p, rules.ROUTER_PROBS))), ())
+
+
+def _grouped_experts_forward(p: str, z: Sizes, config: ModelConfig, out: str) -> tuple[Op, ...]:
+    """grouped_mm_experts_forward op by op, its locals to its return (`out`, what it returns)."""
+    m, tokens, k, experts = f"{p}/moe", z.b * z.s, config.moe_router_topk, config.num_experts
+    r, width, bf16 = k * tokens, _width(z, config), _bf16(config)
     weight = rules.EXPERT_WEIGHT_CAST if bf16 else rules.EXPERT_WEIGHT
-    locals_ = (f"{m}/sorted expert ids", f"{m}/histc input", f"{m}/tokens per expert", f"{m}/slot order",
-               f"{m}/summed fp32", f"{m}/router_logits", weights)
+    summed = out if bf16 else f"{m}/summed fp32"  # Qwen's sum is bf16: its cast a no-op
     held = kept_names(p, rules.SORTED_SLOTS, ledger.EXPERT_IN, weight, rules.EXPERT_OFFSETS, rules.EXPERT_OUT,
-                      rules.UNSORTED_SLOTS, ledger.ROUTER_TOPK_INDICES, ledger.MOE_IN)
-    summed = f"{p}/mlp output" if bf16 else f"{m}/summed fp32"  # Qwen's sum is bf16: its cast a no-op
-    experts_ = Op("mlp.experts", (
+                      rules.UNSORTED_SLOTS)
+    sorted_ = Op("mlp.experts", (
         Step("sort: the slots by expert", (Made(f"{m}/sorted expert ids", 8 * r, "torch.sort's values"),
                                            kept(p, rules.SORTED_SLOTS))),
         Step("perm // k: each sorted slot's token", (kept(p, rules.TOKEN_INDICES),)),
@@ -198,10 +211,43 @@ def checkpointed_forward(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...
         Step("the rows in slot order", (Made(f"{m}/slot order", width * r * z.h, "weighted_out[inv_perm]"),),
              frees=(f"{m}/weighted",)),
         Step("summed over each token's k slots", (Made(summed, width * tokens * z.h, "view(b*s, k, h).sum(1)"),)),
-        *(() if bf16 else (Step("the sum cast to bf16", (Made(f"{p}/mlp output", z.full(z.h), "the block's output"),)),)),
-        Step("", frees=locals_, reads_last=held),
+        *(() if bf16 else (Step("the sum cast to bf16", (Made(out, z.full(z.h), "the experts' output"),)),)),
+        Step("", frees=(f"{m}/sorted expert ids", f"{m}/histc input", f"{m}/tokens per expert", f"{m}/slot order",
+                        f"{m}/summed fp32"), reads_last=held),
     ), ())
-    return (router, experts_, silu, combined)
+    return (sorted_, silu, combined)
+
+
+def _shared_forward(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
+    """Qwen2MoeMLP on every token, the block's first: down_proj(act_fn(gate_proj(x)) * up_proj(x)), each operand
+    gone once read (its output kept by the gated product)."""
+    s, u = "mlp.shared_expert", config.moe_shared_expert_intermediate_size
+    return (
+        Op(f"{s}.gate_proj", (Step("the GEMM", (kept(p, ledger.SHARED_GATE),)),), ()),
+        Op(f"{s}.act_fn", (Step("SiLU", (kept(p, ledger.SHARED_SILU_OUT),),
+                                reads_last=kept_names(p, ledger.SHARED_GATE)),), ()),
+        Op(f"{s}.up_proj", (Step("the GEMM", (kept(p, ledger.SHARED_UP),)),), ()),
+        Op(s, (Step("act(gate) * up", (kept(p, ledger.SHARED_FC2_IN),),
+                    reads_last=kept_names(p, ledger.SHARED_SILU_OUT, ledger.SHARED_UP)),), ()),
+        Op(f"{s}.down_proj", (Step("the GEMM", (kept(p, rules.SHARED_OUT),),
+                                   reads_last=kept_names(p, ledger.SHARED_FC2_IN)),), ()),
+    ) if u else ()
+
+
+def _shared_gated(p: str, z: Sizes, experts: str) -> tuple[Op, ...]:
+    """sigmoid(shared_expert_gate(x)) * the shared expert's output, added to the experts' (`experts`)."""
+    m = f"{p}/moe"
+    return (
+        Op("mlp.shared_expert_gate", (Step("the GEMM", (Made(f"{m}/shared gate logits", z.act * z.b * z.s,
+                                                             "(b*s, 1)"),)),), ()),
+        Op("mlp", (
+            Step("sigmoid", (kept(p, rules.SHARED_GATE_SIGMOID),), frees=(f"{m}/shared gate logits",)),
+            Step("sigmoid(gate(x)) * shared_expert(x)", (Made(f"{m}/shared gated", z.full(z.h), "the gated output"),),
+                 reads_last=kept_names(p, rules.SHARED_GATE_SIGMOID, rules.SHARED_OUT)),
+            Step("the experts' and the gated shared expert's outputs summed", (
+                Made(f"{p}/mlp output", z.full(z.h), "the block's output"),), frees=(experts, f"{m}/shared gated")),
+        ), ()),
+    )
 
 
 @dataclass

@@ -612,29 +612,38 @@ RECOMPUTE_MOE_STEPS = [
                                          "moe_ffn_hidden_size": 16, "kv_channels": 12}, "balanced"),
     ("tp", "eager", GROUPED | {"t": 4, "num_query_groups": 4, "moe_router_topk": 1, "moe_ffn_hidden_size": 256,
                                "b": 1, "s": 9, "vocab_size": 252}, "balanced"),
+    # Qwen2-MoE: the shared expert first, its gate after the experts; the rerun stops at the gate's sigmoid
+    ("none", "flash", QWEN2_MOE_GROUPED | {"moe_shared_expert_intermediate_size": 40}, "balanced"),
+    ("none", "eager", QWEN2_MOE_GROUPED | {"moe_shared_expert_intermediate_size": 40, "num_experts": 3,
+                                           "moe_ffn_hidden_size": 24, "b": 1, "s": 7}, "all-to-one"),
+    ("none", "flash", QWEN2_MOE_GROUPED | {"moe_shared_expert_intermediate_size": 1024, "num_experts": 2,
+                                           "moe_router_topk": 1, "moe_ffn_hidden_size": 16}, "balanced"),
+    ("none", "eager", QWEN2_MOE_GROUPED | {"moe_shared_expert_intermediate_size": 40, "moe_router_pre_softmax": True,
+                                           "b": 3, "s": 5, "kv_channels": 12}, "balanced"),
+    ("tp", "eager", QWEN2_MOE_GROUPED | {"moe_shared_expert_intermediate_size": 40, "t": 2, "b": 1, "s": 13},
+     "all-to-one"),
 ]
 
 
-def test_checkpointed_grouped_mm_sizes_put_the_peak_in_five_different_places():
+def test_checkpointed_grouped_mm_sizes_put_the_peak_in_six_different_places():
     peaks = {timeline(make_config(LLAMA, attention=a, recompute="full", **c), STRATEGIES[layout], CPU).peak.label()
              for layout, a, c, _ in RECOMPUTE_MOE_STEPS}
-    assert len(peaks) >= 5 and any("inv_perm" in p for p in peaks), peaks
+    assert len(peaks) >= 6 and any("inv_perm" in p for p in peaks), peaks
 
 
 @pytest.mark.parametrize("layout, attention, changes, route", RECOMPUTE_MOE_STEPS, ids=str)
 def test_checkpointed_grouped_mm_experts_run_op_by_op_and_rerun_to_inv_perm_to_the_byte(one_thread, layout, attention,
                                                                                        changes, route):
-    """The router and grouped_mm_experts_forward op by op (their locals to their returns), keeping nothing in forward;
-    in backward, once the block's first node that saves reads it, the layer's rerun up to inv_perm, the last tensor
-    saved; the routing weight's product releases its rerun's tensors before autograd casts and sums its gradients."""
+    """The router and grouped_mm_experts_forward op by op (their locals to their returns; Qwen2-MoE's shared expert
+    before, its gate after), keeping nothing in forward; in backward, once the block's first node that saves reads it,
+    the layer's rerun up to the last tensor saved (inv_perm, or the shared gate's sigmoid); the routing weight's
+    product releases its rerun's tensors before autograd casts and sums its gradients."""
     _exact_step(make_config(LLAMA, attention=attention, recompute="full", **changes), layout, route)
 
 
 @pytest.mark.parametrize("changes, named", [
     ({"dropout": 0.1}, "recompute full \\(gradient checkpointing\\) with dropout"),
     (MIXTRAL, "recompute full \\(gradient checkpointing\\) with the eager loop's experts"),
-    (QWEN2_MOE_GROUPED | {"moe_shared_expert_intermediate_size": 8}, "recompute full \\(gradient checkpointing\\)"
-                                                                     " with a shared expert"),
 ])
 def test_under_gradient_checkpointing_what_the_walk_does_not_model_is_refused_by_name(changes, named):
     with pytest.raises(ConfigError, match=named):
