@@ -151,7 +151,7 @@ def checkpointed_forward(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...
     gate; the block's locals (the router's outputs, its input) live to its return."""
     m, shared = f"{p}/moe", bool(config.moe_shared_expert_intermediate_size)
     out = f"{m}/experts output" if shared else f"{p}/mlp output"
-    block = (*(_shared_forward(p, z, config) if shared else ()), _router_forward(p, z, config),
+    block = (*(_shared_forward(p) if shared else ()), _router_forward(p, z, config),
              *_grouped_experts_forward(p, z, config, out), *(_shared_gated(p, z, out) if shared else ()))
     return (*block, Op("mlp", (Step("", frees=(f"{m}/router_logits", f"{m}/top_k_weights"),
                                     reads_last=kept_names(p, ledger.ROUTER_TOPK_INDICES, ledger.MOE_IN)),), ()))
@@ -218,10 +218,10 @@ def _grouped_experts_forward(p: str, z: Sizes, config: ModelConfig, out: str) ->
     return (sorted_, silu, combined)
 
 
-def _shared_forward(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
+def _shared_forward(p: str) -> tuple[Op, ...]:
     """Qwen2MoeMLP on every token, the block's first: down_proj(act_fn(gate_proj(x)) * up_proj(x)), each operand
     gone once read (its output kept by the gated product)."""
-    s, u = "mlp.shared_expert", config.moe_shared_expert_intermediate_size
+    s = "mlp.shared_expert"
     return (
         Op(f"{s}.gate_proj", (Step("the GEMM", (kept(p, ledger.SHARED_GATE),)),), ()),
         Op(f"{s}.act_fn", (Step("SiLU", (kept(p, ledger.SHARED_SILU_OUT),),
@@ -231,7 +231,7 @@ def _shared_forward(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
                     reads_last=kept_names(p, ledger.SHARED_SILU_OUT, ledger.SHARED_UP)),), ()),
         Op(f"{s}.down_proj", (Step("the GEMM", (kept(p, rules.SHARED_OUT),),
                                    reads_last=kept_names(p, ledger.SHARED_FC2_IN)),), ()),
-    ) if u else ()
+    )
 
 
 def _shared_gated(p: str, z: Sizes, experts: str) -> tuple[Op, ...]:
