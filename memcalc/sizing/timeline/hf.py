@@ -194,9 +194,6 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
         (sharded and config.add_qkv_bias, "dp_shard or zero_stage with add_qkv_bias (its walks lay out one gradient a"
                                           " module, the weight's)"),
         # gradient checkpointing: each layer's forward op by op, rerun in backward
-        (config.recompute != "none" and config.moe and not moe.grouped(config),
-         f"{rerun} the eager loop's experts (their shapes follow the route, which the probe forces in forward alone,"
-         " not in the rerun: unmeasured; it walks grouped_mm's, whose shapes do not)"),
         (config.recompute != "none" and config.has_dropout, f"{rerun} dropout (the probe's CUDA-like dropout shim is"
                                                             " not active in the rerun)"),
         (config.recompute != "none" and config.zero_stage is not None, f"{rerun} zero_stage"),

@@ -16,7 +16,7 @@ from memcalc.model.ledger import SavedTensor
 from memcalc.sizing.timeline.hf_layer import WHY_SAVED
 from memcalc.sizing.timeline.tape import Sizes
 from memcalc.sizing.timeline.torch_ops import WHY_WGRAD, linear
-from memcalc.sizing.timeline.walk import Made, Op, Step, kept, kept_names
+from memcalc.sizing.timeline.walk import Made, Op, Step, kept, kept_name, kept_names
 
 # The block's tensors kept one storage per expert: the ledger's row is E of them (memcalc.probe.libs.hf merges them the
 # same way).
@@ -151,8 +151,9 @@ def checkpointed_forward(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...
     gate; the block's locals (the router's outputs, its input) live to its return."""
     m, shared = f"{p}/moe", bool(config.moe_shared_expert_intermediate_size)
     out = f"{m}/experts output" if shared else f"{p}/mlp output"
+    experts = _grouped_experts_forward if grouped(config) else _loop_experts_forward
     block = (*(_shared_forward(p) if shared else ()), _router_forward(p, z, config),
-             *_grouped_experts_forward(p, z, config, out), *(_shared_gated(p, z, out) if shared else ()))
+             *experts(p, z, config, out), *(_shared_gated(p, z, out) if shared else ()))
     return (*block, Op("mlp", (Step("", frees=(f"{m}/router_logits", f"{m}/top_k_weights"),
                                     reads_last=kept_names(p, ledger.ROUTER_TOPK_INDICES, ledger.MOE_IN)),), ()))
 
@@ -216,6 +217,69 @@ def _grouped_experts_forward(p: str, z: Sizes, config: ModelConfig, out: str) ->
                         f"{m}/summed fp32"), reads_last=held),
     ), ())
     return (sorted_, silu, combined)
+
+
+def _loop_experts_forward(p: str, z: Sizes, config: ModelConfig, out: str) -> tuple[Op, ...]:
+    """The eager loop op by op (`out`, the index_add_ target it returns): the one-hot mask and the experts hit, then
+    each expert's (token, slot) pairs, rows, SwiGLU, down projection and weighted output added in; the loop's
+    variables hold the last expert's tensors until the next expert rebinds them (and the last's to the return)."""
+    m, tokens, k, experts, bf16 = f"{p}/moe", z.b * z.s, config.moe_router_topk, config.num_experts, _bf16(config)
+    r = _slots(config)
+    names = [{x: kept_name(p, per_expert(e)[x.name]) for x in EXPERT_TENSORS} for e in range(experts)]
+
+    def held(e: int) -> tuple[str, ...]:
+        """Expert e's tensors its loop variables hold: its pairs, rows, gate_up's output, its weighted output."""
+        if e < 0:
+            return ()
+        mine = names[e]
+        weighted = (mine[rules.COMBINE_IN],) if bf16 else ()
+        return (mine[rules.TOKEN_SLOTS], mine[ledger.EXPERT_IN], mine[ledger.EXPERT_GATE], mine[ledger.EXPERT_UP],
+                *weighted)
+
+    def expert(e: int) -> tuple[Op, ...]:
+        mine, before = per_expert(e), held(e - 1)
+        product = f"{m}/weighted fp32 {e}"
+        weight = rules.EXPERT_WEIGHT_CAST if bf16 else rules.EXPERT_WEIGHT
+        gone = (*before[4:], *(() if bf16 or not e else (f"{m}/weighted fp32 {e - 1}",)))  # the last weighted output
+        return (
+            Op("mlp.experts", (
+                Step(f"expert {e}: its (token, slot) pairs", (kept(p, mine[rules.TOKEN_SLOTS.name]),),
+                     reads_last=before[:1]),
+                Step("its rows", (kept(p, mine[ledger.EXPERT_IN.name]),), reads_last=before[1:2]),
+                Step("gate_up's GEMM", (kept(p, mine[ledger.EXPERT_GATE.name]), kept(p, mine[ledger.EXPERT_UP.name])),
+                     reads_last=before[2:4]),
+            ), ()),
+            Op("mlp.experts.act_fn", (Step("SiLU", (kept(p, mine[ledger.EXPERT_SILU_OUT.name]),)),), ()),
+            Op("mlp.experts", (
+                Step("SiLU(gate) * up", (kept(p, mine[ledger.EXPERT_FC2_IN.name]),),
+                     frees=gone if not bf16 else (), reads_last=(names[e][ledger.EXPERT_SILU_OUT], *(gone if bf16 else
+                                                                                                      ()))),
+                Step("down_proj's GEMM", (kept(p, mine[rules.EXPERT_OUT.name]),),
+                     reads_last=(names[e][ledger.EXPERT_FC2_IN],)),
+                Step("its routing weights", (kept(p, mine[weight.name]),)),
+                Step("the output times its routing weights", (
+                    kept(p, mine[rules.COMBINE_IN.name]) if bf16 else Made(product, 4 * r * z.h, "fp32: the loop's"
+                                                                          " variable holds it"),),
+                     reads_last=(names[e][weight], names[e][rules.EXPERT_OUT])),
+                *(() if bf16 else (Step("cast to bf16: index_add_'s source", (kept(p, mine[rules.COMBINE_IN.name]),)),)),
+                Step("", reads_last=() if bf16 else (names[e][rules.COMBINE_IN],)),
+            ), ()),
+        )
+
+    last = held(experts - 1)
+    return (
+        Op("mlp.experts", (
+            Step("zeros_like(x): index_add_'s target", (Made(out, z.full(z.h), "the experts' output"),)),
+            Step("one_hot(top_k_index, E + 1)", (Made(f"{m}/expert_mask", 8 * tokens * k * (experts + 1),
+                                                      "(b*s, k, E + 1) int64, a local to the return"),)),
+            Step("the experts hit", (Made(f"{m}/expert_hit", 8 * experts, "nonzero(the mask's sums): (E, 1)"
+                                          " int64"),)),
+        ), ()),
+        *(op for e in range(experts) for op in expert(e)),
+        Op("mlp.experts", (Step("", frees=(f"{m}/expert_mask", f"{m}/expert_hit",
+                                           *(() if bf16 else (f"{m}/weighted fp32 {experts - 1}",))),
+                                reads_last=last),), ()),
+    )
 
 
 def _shared_forward(p: str) -> tuple[Op, ...]:
@@ -325,16 +389,18 @@ def _expert(z: Sizes, config: ModelConfig, e: int, sums: _Sums) -> list[Op]:
     product = _op("mlp.experts", tuple(mine[x.name] for x in (rules.EXPERT_OUT, rules.EXPERT_WEIGHT,
                                                                rules.EXPERT_WEIGHT_CAST)),
         Step(f"expert {e}: the routing weight's product, its gradients", (
-            *(() if bf16 else (Made(f"{g}/combine dY fp32", 4 * r * z.h, "dY * w, fp32"),)),
-            Made(f"{g}/combine dw rows", width * r * z.h, "dY * out, before the sum"),
-            Made(f"{g}/combine dY bf16", act * r * z.h, "dY * w" + ("" if bf16 else " cast to bf16"))),
-            frees=() if bf16 else (f"{g}/combine dw rows",)),
+            Made(f"{g}/combine dY fp32" if not bf16 else f"{g}/combine dY bf16", width * r * z.h, "dY * w"),
+            Made(f"{g}/combine dw rows", width * r * z.h, "dY * out, before the sum")), returns=True),
+        # autograd's validate_outputs: Mixtral's dY * w cast to the output's bf16, dY * out summed to (r_e, 1)
+        *(() if bf16 else (Step("dY * w cast to bf16", (Made(f"{g}/combine dY bf16", act * r * z.h, "down_proj's"
+                                                             " output gradient"),),
+                                frees=(f"{g}/combine dw rows",), reduced=True),)),
         Step("dY * out summed over h, and index's backward", (
             Made(f"{g}/combine dw", width * r, "one value per slot"),
             Made(f"{g}/weights zeros", width * tokens * k, "a (b*s, k) zero tensor"),
             Made(f"{g}/weights put", width * tokens * k, "the slots' gradients in place")),
             frees=(f"{g}/combine dY fp32", f"{g}/combine rows fp32", f"{g}/combine rows", f"{g}/combine dw rows",
-                   f"{g}/weights zeros", f"{g}/combine dw"), moment=False, returns=True),
+                   f"{g}/weights zeros", f"{g}/combine dw"), moment=False, reduced=True),
         sums.add("routing weights", f"{g}/weights put", width * tokens * k))
     down = gemms("down", f"{g}/combine dY bf16", Made(f"{g}/down dX", act * r * f, "dY W, (r_e, e)"),
                  act * f * z.h, act * experts * z.h * f, (mine[ledger.EXPERT_FC2_IN.name],))

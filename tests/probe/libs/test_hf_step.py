@@ -592,7 +592,7 @@ def test_under_gradient_checkpointing_each_layer_and_its_early_stopped_rerun_hap
     _exact_step(make_config(LLAMA, attention=attention, recompute="full", **changes), layout)
 
 
-# grouped_mm's experts checkpointed: the block's forward op by op, its rerun stopped early at inv_perm
+# experts checkpointed: the block's forward op by op, its rerun stopped early at the last tensor the layer saves
 RECOMPUTE_MOE_STEPS = [
     ("none", "flash", GROUPED, "balanced"),  # the last layer's rows back in expert order
     ("none", "eager", GROUPED | {"moe_router_topk": 1, "b": 1, "s": 13}, "balanced"),  # top-1: dY's rows a view
@@ -622,28 +622,39 @@ RECOMPUTE_MOE_STEPS = [
                                            "b": 3, "s": 5, "kv_channels": 12}, "balanced"),
     ("tp", "eager", QWEN2_MOE_GROUPED | {"moe_shared_expert_intermediate_size": 40, "t": 2, "b": 1, "s": 13},
      "all-to-one"),
+    # the eager loop: each expert's tensors held by the loop's variables until the next expert rebinds them; the rerun
+    # stops at the last expert's index_add_ source (the probe forces the route in the rerun too)
+    ("none", "flash", MIXTRAL, "balanced"),
+    ("none", "eager", MIXTRAL | {"num_experts": 2, "moe_router_topk": 1}, "balanced"),
+    ("none", "flash", MIXTRAL | {"num_experts": 16, "moe_router_topk": 4, "moe_ffn_hidden_size": 8, "s": 96, "h": 16,
+                                 "a": 2, "num_query_groups": 1, "vocab_size": 20}, "balanced"),
+    ("none", "eager", QWEN3_MOE | {"b": 3, "s": 7, "h": 48, "a": 6, "num_query_groups": 3, "num_experts": 3,
+                                   "moe_router_topk": 1, "moe_ffn_hidden_size": 24}, "balanced"),
+    ("none", "flash", QWEN3_MOE | {"moe_router_pre_softmax": True, "b": 1, "s": 12}, "balanced"),
+    ("none", "eager", QWEN2_MOE | {"moe_shared_expert_intermediate_size": 40, "b": 3, "s": 5, "num_experts": 3,
+                                   "moe_router_topk": 3, "moe_ffn_hidden_size": 24, "kv_channels": 12}, "balanced"),
 ]
 
 
-def test_checkpointed_grouped_mm_sizes_put_the_peak_in_six_different_places():
+def test_checkpointed_experts_sizes_put_the_peak_in_seven_different_places():
     peaks = {timeline(make_config(LLAMA, attention=a, recompute="full", **c), STRATEGIES[layout], CPU).peak.label()
              for layout, a, c, _ in RECOMPUTE_MOE_STEPS}
-    assert len(peaks) >= 6 and any("inv_perm" in p for p in peaks), peaks
+    assert len(peaks) >= 7 and any("inv_perm" in p for p in peaks) and any("source" in p for p in peaks), peaks
 
 
 @pytest.mark.parametrize("layout, attention, changes, route", RECOMPUTE_MOE_STEPS, ids=str)
-def test_checkpointed_grouped_mm_experts_run_op_by_op_and_rerun_to_inv_perm_to_the_byte(one_thread, layout, attention,
+def test_checkpointed_experts_run_op_by_op_and_rerun_to_the_last_saved_tensor_to_the_byte(one_thread, layout, attention,
                                                                                        changes, route):
-    """The router and grouped_mm_experts_forward op by op (their locals to their returns; Qwen2-MoE's shared expert
-    before, its gate after), keeping nothing in forward; in backward, once the block's first node that saves reads it,
-    the layer's rerun up to the last tensor saved (inv_perm, or the shared gate's sigmoid); the routing weight's
-    product releases its rerun's tensors before autograd casts and sums its gradients."""
+    """The router and the experts op by op (grouped_mm's locals to its return, the loop's to the next expert; Qwen2-MoE's
+    shared expert before, its gate after), keeping nothing in forward; in backward, once the block's first node that
+    saves reads it, the layer's rerun up to the last tensor saved (inv_perm, the last expert's index_add_ source, or
+    the shared gate's sigmoid); the routing weight's product releases its rerun's tensors before autograd casts and
+    sums its gradients."""
     _exact_step(make_config(LLAMA, attention=attention, recompute="full", **changes), layout, route)
 
 
 @pytest.mark.parametrize("changes, named", [
     ({"dropout": 0.1}, "recompute full \\(gradient checkpointing\\) with dropout"),
-    (MIXTRAL, "recompute full \\(gradient checkpointing\\) with the eager loop's experts"),
 ])
 def test_under_gradient_checkpointing_what_the_walk_does_not_model_is_refused_by_name(changes, named):
     with pytest.raises(ConfigError, match=named):
