@@ -222,51 +222,51 @@ def _grouped_experts_forward(p: str, z: Sizes, config: ModelConfig, out: str) ->
 def _loop_experts_forward(p: str, z: Sizes, config: ModelConfig, out: str) -> tuple[Op, ...]:
     """The eager loop op by op (`out`, the index_add_ target it returns): the one-hot mask and the experts hit, then
     each expert's (token, slot) pairs, rows, SwiGLU, down projection and weighted output added in; the loop's
-    variables hold the last expert's tensors until the next expert rebinds them (and the last's to the return)."""
+    variables hold an expert's pairs, rows, gate_up output and weighted output until the next expert rebinds them
+    (the last expert's to the return)."""
     m, tokens, k, experts, bf16 = f"{p}/moe", z.b * z.s, config.moe_router_topk, config.num_experts, _bf16(config)
-    r = _slots(config)
+    weight = rules.EXPERT_WEIGHT_CAST if bf16 else rules.EXPERT_WEIGHT
     names = [{x: kept_name(p, per_expert(e)[x.name]) for x in EXPERT_TENSORS} for e in range(experts)]
 
-    def held(e: int) -> tuple[str, ...]:
-        """Expert e's tensors its loop variables hold: its pairs, rows, gate_up's output, its weighted output."""
+    def held(e: int) -> tuple[tuple[str, ...], Step]:
+        """Expert e's kept tensors the loop's variables hold (pairs, rows, gate_up's two halves), and the step that
+        lets its weighted output go: Qwen's is index_add_'s kept source, Mixtral's an fp32 local."""
         if e < 0:
-            return ()
+            return (), Step("")
         mine = names[e]
-        weighted = (mine[rules.COMBINE_IN],) if bf16 else ()
-        return (mine[rules.TOKEN_SLOTS], mine[ledger.EXPERT_IN], mine[ledger.EXPERT_GATE], mine[ledger.EXPERT_UP],
-                *weighted)
+        rows = (mine[rules.TOKEN_SLOTS], mine[ledger.EXPERT_IN], mine[ledger.EXPERT_GATE], mine[ledger.EXPERT_UP])
+        return rows, Step("", reads_last=(mine[rules.COMBINE_IN],)) if bf16 else Step("", frees=(
+            f"{m}/weighted fp32 {e}",))
 
     def expert(e: int) -> tuple[Op, ...]:
-        mine, before = per_expert(e), held(e - 1)
-        product = f"{m}/weighted fp32 {e}"
-        weight = rules.EXPERT_WEIGHT_CAST if bf16 else rules.EXPERT_WEIGHT
-        gone = (*before[4:], *(() if bf16 or not e else (f"{m}/weighted fp32 {e - 1}",)))  # the last weighted output
+        mine, name = per_expert(e), names[e]
+        before, weighted = held(e - 1)  # the previous expert's, let go as this one's rebind them
+        product = (kept(p, mine[rules.COMBINE_IN.name]) if bf16 else
+                   Made(f"{m}/weighted fp32 {e}", 4 * _slots(config) * z.h, "fp32: the loop's variable holds it"))
+        cast = () if bf16 else (Step("cast to bf16: index_add_'s source", (kept(p, mine[rules.COMBINE_IN.name]),)),
+                                Step("index_add_", reads_last=(name[rules.COMBINE_IN],)))
         return (
             Op("mlp.experts", (
                 Step(f"expert {e}: its (token, slot) pairs", (kept(p, mine[rules.TOKEN_SLOTS.name]),),
                      reads_last=before[:1]),
                 Step("its rows", (kept(p, mine[ledger.EXPERT_IN.name]),), reads_last=before[1:2]),
                 Step("gate_up's GEMM", (kept(p, mine[ledger.EXPERT_GATE.name]), kept(p, mine[ledger.EXPERT_UP.name])),
-                     reads_last=before[2:4]),
+                     reads_last=before[2:]),
             ), ()),
             Op("mlp.experts.act_fn", (Step("SiLU", (kept(p, mine[ledger.EXPERT_SILU_OUT.name]),)),), ()),
             Op("mlp.experts", (
-                Step("SiLU(gate) * up", (kept(p, mine[ledger.EXPERT_FC2_IN.name]),),
-                     frees=gone if not bf16 else (), reads_last=(names[e][ledger.EXPERT_SILU_OUT], *(gone if bf16 else
-                                                                                                      ()))),
+                Step("SiLU(gate) * up", (kept(p, mine[ledger.EXPERT_FC2_IN.name]),), frees=weighted.frees,
+                     reads_last=(name[ledger.EXPERT_SILU_OUT], *weighted.reads_last)),
                 Step("down_proj's GEMM", (kept(p, mine[rules.EXPERT_OUT.name]),),
-                     reads_last=(names[e][ledger.EXPERT_FC2_IN],)),
+                     reads_last=(name[ledger.EXPERT_FC2_IN],)),
                 Step("its routing weights", (kept(p, mine[weight.name]),)),
-                Step("the output times its routing weights", (
-                    kept(p, mine[rules.COMBINE_IN.name]) if bf16 else Made(product, 4 * r * z.h, "fp32: the loop's"
-                                                                          " variable holds it"),),
-                     reads_last=(names[e][weight], names[e][rules.EXPERT_OUT])),
-                *(() if bf16 else (Step("cast to bf16: index_add_'s source", (kept(p, mine[rules.COMBINE_IN.name]),)),)),
-                Step("", reads_last=() if bf16 else (names[e][rules.COMBINE_IN],)),
+                Step("the output times its routing weights", (product,),
+                     reads_last=(name[weight], name[rules.EXPERT_OUT])),
+                *cast,
             ), ()),
         )
 
-    last = held(experts - 1)
+    rows, weighted = held(experts - 1)
     return (
         Op("mlp.experts", (
             Step("zeros_like(x): index_add_'s target", (Made(out, z.full(z.h), "the experts' output"),)),
@@ -276,9 +276,8 @@ def _loop_experts_forward(p: str, z: Sizes, config: ModelConfig, out: str) -> tu
                                           " int64"),)),
         ), ()),
         *(op for e in range(experts) for op in expert(e)),
-        Op("mlp.experts", (Step("", frees=(f"{m}/expert_mask", f"{m}/expert_hit",
-                                           *(() if bf16 else (f"{m}/weighted fp32 {experts - 1}",))),
-                                reads_last=last),), ()),
+        Op("mlp.experts", (Step("", frees=(f"{m}/expert_mask", f"{m}/expert_hit", *weighted.frees),
+                                reads_last=(*rows, *weighted.reads_last)),), ()),
     )
 
 
