@@ -55,7 +55,8 @@ def causal_lm(config: ModelConfig, route: str | None, dtype: torch.dtype, device
     """The family's causal-LM model (one the step timeline walks: timeline.hf.WALKED refuses the rest before) in
     `dtype`, in training mode, `use_cache` off as transformers' Trainer sets it (TrainingArguments.use_cache: False);
     and its loss, (tokens, labels) -> transformers' own, dropout keeping CUDA's bool mask while forward runs; the
-    router forced to `route` for the model's life (a gradient checkpoint reruns it inside backward). The output object (and the bf16 logits in it) goes as the loss returns."""
+    router forced to `route` for the model's life (a gradient checkpoint reruns it inside backward). The output object
+    (and the bf16 logits in it) goes as the loss returns."""
     family = layer_family(config).name
     if config.moe and route is None:
         raise ProbeError("impl hf: --step on experts forces the router (--route balanced or all-to-one)")
