@@ -67,7 +67,8 @@ def test_a_step_beyond_one_percent_exits_1_naming_the_category(config, monkeypat
     (["--dtype", "fp32"], "does not model dtype fp32"),
     (["--impl", "paper"], "--step runs memcalc's own Megatron-style model, transformers' LlamaForCausalLM"),
     (["--impl", "torchtitan"], "the step timeline for impl torchtitan does not model tie_embeddings"),
-    (["--impl", "hf", "--dropout", "0.1"], "the step timeline for impl hf does not model dropout 0.1"),
+    (["--impl", "hf", "--t", "1", "--recompute", "full", "--dropout", "0.1"],
+     "the step timeline for impl hf does not model recompute full (gradient checkpointing) with dropout"),
 ])
 def test_what_does_not_apply_or_is_not_modelled_exits_2_before_running(config, flags, needle):
     _one_line_error(memcalc_cli("measure", "--config", config, "--step", *flags), 2, needle)

@@ -32,7 +32,7 @@ from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.layer import DTYPES
 from memcalc.probe.libs import hf_tp
 from memcalc.probe.libs.hf_shim import NOTES as NOTES  # measure prints them, and route_note's line for --route
-from memcalc.probe.libs.hf_shim import cuda_like_dropout, forced_routing
+from memcalc.probe.libs.hf_shim import cuda_like_dropout, force_routers, forced_routing
 from memcalc.probe.libs.hf_shim import route_note as route_note
 from memcalc.probe.libs.labels import Labels, Rule, merged_rows
 from memcalc.probe.measure import INPUT_SEED
@@ -104,11 +104,22 @@ def routing(family: str, route: str | None, k: int) -> Any:
     """The shim's forced router for a MoE family's router class, or nothing."""
     if route is None:
         return nullcontext()
+    return forced_routing(_router_class(family, route), route, k)
+
+
+def force_routes(model: Any, family: str, route: str | None, k: int) -> None:
+    """The shim's forced router on each router of `model` for its life (a checkpoint's rerun too), or nothing."""
+    if route is not None:
+        force_routers(model, _router_class(family, route), route, k)
+
+
+def _router_class(family: str, route: str) -> tuple[type]:
+    """The MoE family's router class, which `route` forces."""
     router = FAMILIES[family].router
     if router is None:
         raise ProbeError(f"--route {route} forces a MoE router: the config has no experts (set num_experts)")
     _, module = _classes(family)
-    return forced_routing((getattr(module, router),), route, k)
+    return (getattr(module, router),)
 
 
 # -- building the layer -----------------------------------------------------------------

@@ -129,6 +129,12 @@ def _gpt2(tape: Tape, config: ModelConfig, z: Sizes, saved: dict[str, int], hand
     return inputs, layers, outputs
 
 
+def _unheld_masks(config: ModelConfig) -> tuple[str, ...]:
+    """Under gradient checkpointing, LlamaModel's locals no layer's frame holds, gone as it returns: Qwen2-MoE's
+    sliding-window mask, which no layer is given (Gemma 2's sliding layers are)."""
+    return () if config.sandwich_norm else ("model/sliding_mask",)
+
+
 def _checkpoint(i: int, config: ModelConfig) -> Checkpoint | None:
     """gradient_checkpointing_enable's non-reentrant checkpoint around layer i's forward, torch's early stop on. Its
     frame holds the layer's input and the keyword arguments LlamaModel passes (the position ids and RoPE's tables,
@@ -200,8 +206,6 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
          " named_parameters(), which names a tied weight once: KeyError)"),
         (config.pp != 1, f"pp={config.pp}"),
         (config.cp != 1, f"cp={config.cp}"),
-        (config.has_dropout and config.attention != "eager" and family != "gpt2",
-         f"dropout {config.dropout} with SDPA (a CPU runs its math kernel, CUDA the flash kernel's own dropout)"),
         (config.add_bias_linear and family != "gpt2",
          "add_bias_linear (biases on every linear; Qwen2's q, k, v biases are add_qkv_bias)"),
         ((scaled_embedding(config) or config.fused_qkv) and (tp or sharded or config.has_dropout),
@@ -220,9 +224,6 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
         (sharded and config.add_qkv_bias, "dp_shard or zero_stage with add_qkv_bias (its walks lay out one gradient a"
                                           " module, the weight's)"),
         # gradient checkpointing: each layer's forward op by op, rerun in backward
-        (config.recompute != "none" and config.moe, f"{rerun} experts (the sparse block's forward, its router and"
-                                                    " grouped_mm's sorts, gathers and permutations, is not walked op by"
-                                                    " op)"),
         (config.recompute != "none" and config.has_dropout, f"{rerun} dropout (the probe's CUDA-like dropout shim is"
                                                             " not active in the rerun)"),
         (config.recompute != "none" and config.zero_stage is not None, f"{rerun} zero_stage"),
@@ -309,13 +310,16 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
         *post_attn,
         *((mid,) if checkpointed else ()),
         *layer.rms_norm("pre_feedforward_layernorm" if config.sandwich_norm else "post_attention_layernorm", p, ln2,
-                        z, mlp, f"grad/{p}/mid", f"grad/{p}/output", output=kept(p, ledger.FC1_IN)),
+                        z, mlp, f"grad/{p}/mid", f"grad/{p}/output",
+                        output=kept(p, ledger.MOE_IN if block else ledger.FC1_IN)),
+        *(moe.checkpointed_forward(p, z, config) if block and checkpointed else ()),
         *(block or layer.mlp(p, z, tp, rules.GATED[config.mlp], mlp_out, config.fused_qkv)),
         *post_mlp,
         *((output,) if checkpointed else ()),
     )
     if not checkpointed:
-        ops = (*layer.layer_forward(i, z, made, moe.block_forward(p, z, config) if block else ()),
+        ops = (*layer.layer_forward(i, z, made, moe.block_forward(p, z, config) if block else (),
+                                    layer.sdpa_math_forward(p, z, saved, config.groups != config.a)),
                *(replace(x, forward=()) for x in ops))
     return tuple(replace(x, shadow=PHI3_SHADOWED.get(x.where, "")) for x in ops) if config.fused_qkv else ops
 
@@ -413,7 +417,7 @@ def _output(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
                               *(kept("", x) for x in final), *temps,
                               kept("", ledger.OUTPUT_INPUT, "the cast back: lm_head's input, which it keeps")),
                               frees=(*(x.name for x in temps), last,  # the first layer's frame holds the rest
-                                     *(MODEL_LOCALS if config.recompute != "full" else ()))),))
+                                     *(MODEL_LOCALS if config.recompute != "full" else _unheld_masks(config)))),))
     return (*norm, *_head(z, config))
 
 

@@ -439,6 +439,41 @@ def test_attention_dropout_keeps_its_mask_to_its_backward_and_the_peak_is_memtra
     _exact_step(config, layout, route)
 
 
+# SDPA with dropout on a CPU: torch's math kernel (aten _scaled_dot_product_attention_math), fp32 throughout
+SDPA_DROPOUT_STEPS = [
+    ("none", {"s": 13}, None),  # a/g = 4: K and V repeated (enable_gqa); the loss's backward
+    ("none", {"b": 1, "s": 11, "num_query_groups": 8} | QWEN2, None),  # a/g = 1, b = 1: no copies to fold (b, a)
+    ("none", {"b": 1, "s": 96, "h": 16, "ffn_hidden_size": 16, "vocab_size": 20}, None),  # dropped x V's backward
+    # forward, the kernel's output cast back with every local live: GQA with bmm's copies, then multi-head
+    ("none", {"b": 3, "s": 33, "h": 16, "a": 8, "ffn_hidden_size": 16, "vocab_size": 20, "kv_channels": 4}, None),
+    ("none", {"b": 2, "s": 64, "h": 16, "a": 2, "num_query_groups": 2, "ffn_hidden_size": 16, "vocab_size": 20,
+              "family": "mistral"}, None),
+    ("none", {"b": 3, "s": 17, "h": 48, "a": 6, "num_query_groups": 3, "vocab_size": 20} | QWEN3, None),
+    ("none", {"b": 2, "s": 1}, None),  # one token: no causal mask
+    ("tp", {"t": 2, "s": 9}, None),
+    ("tp", {"t": 4, "b": 3, "s": 7, "num_query_groups": 4, "vocab_size": 252}, None),  # one K/V group a rank
+    ("none", MIXTRAL | {"b": 1, "s": 96, "h": 16, "a": 2, "num_query_groups": 1}, "balanced"),  # top-2
+    ("none", QWEN3_MOE | {"b": 3, "s": 7, "h": 48, "a": 6, "num_query_groups": 3, "num_experts": 3,
+                          "moe_router_topk": 1, "moe_ffn_hidden_size": 24}, "balanced"),  # top-1
+]
+
+
+def test_sdpa_dropout_sizes_put_the_peak_in_six_different_places():
+    """What gives the next test its meaning: forward inside the math kernel, its backward, and four outside."""
+    peaks = {timeline(make_config(LLAMA, attention="flash", dropout=0.1, **c), STRATEGIES[layout], CPU).peak.label()
+             for layout, c, _ in SDPA_DROPOUT_STEPS}
+    assert len(peaks) >= 6, peaks
+    assert any(p.startswith("forward") and "math kernel" in p for p in peaks), peaks
+
+
+@pytest.mark.parametrize("layout, changes, route", SDPA_DROPOUT_STEPS, ids=str)
+def test_sdpa_with_dropout_runs_the_math_kernel_on_a_cpu_and_the_step_is_memtrackers_to_the_byte(one_thread, layout,
+                                                                                                changes, route):
+    """The math kernel keeps the ledger's fp32 q, k^T, softmax, dropout mask, dropped-out weights and v; its C++ locals
+    live to its return (its widest forward moment); its backward runs each op's, the fp32 gradients cast back last."""
+    _exact_step(make_config(LLAMA, attention="flash", dropout=0.1, **changes), layout, route)
+
+
 # -- other families' own *ForCausalLM: the Llama walk with each family's declared variations -------------------------
 
 # GemmaForCausalLM: (1 + w) RMSNorm, tanh GeGLU, scaled embedding
@@ -639,9 +674,69 @@ def test_under_gradient_checkpointing_each_layer_and_its_early_stopped_rerun_hap
     _exact_step(make_config(LLAMA, attention=attention, recompute="full", **changes), layout)
 
 
+# experts checkpointed: the block's forward op by op, its rerun stopped early at the last tensor the layer saves
+RECOMPUTE_MOE_STEPS = [
+    ("none", "flash", GROUPED, "balanced"),  # the last layer's rows back in expert order
+    ("none", "eager", GROUPED | {"moe_router_topk": 1, "b": 1, "s": 13}, "balanced"),  # top-1: dY's rows a view
+    ("none", "flash", GROUPED | {"moe_ffn_hidden_size": 256, "moe_router_topk": 4}, "all-to-one"),  # down_proj's
+    ("none", "flash", GROUPED | {"num_experts": 16, "moe_router_topk": 4, "moe_ffn_hidden_size": 16, "s": 96, "h": 16,
+                                 "a": 2, "num_query_groups": 1, "vocab_size": 20}, "balanced"),
+    ("none", "flash", QWEN3_MOE_GROUPED | {"b": 3, "s": 5, "num_experts": 8, "moe_router_topk": 3,
+                                           "moe_ffn_hidden_size": 16, "kv_channels": 12}, "balanced"),
+    ("none", "flash", QWEN3_MOE_GROUPED | {"moe_router_topk": 1, "b": 3, "s": 7, "num_query_groups": 1}, "balanced"),
+    ("none", "eager", QWEN3_MOE_GROUPED | {"moe_router_pre_softmax": True, "b": 1, "s": 12}, "balanced"),
+    # the rerun's widest moment, its early stop at inv_perm
+    ("none", "eager", QWEN3_MOE_GROUPED | {"num_experts": 16, "moe_router_topk": 4, "moe_ffn_hidden_size": 16,
+                                           "s": 95, "h": 16, "a": 2, "num_query_groups": 1, "vocab_size": 20,
+                                           "b": 1}, "all-to-one"),
+    ("none", "eager", QWEN3_MOE_GROUPED | {"moe_layer_freq": 2, "L": 4, "b": 1, "s": 13}, "all-to-one"),  # dense too
+    ("tp", "flash", QWEN3_MOE_GROUPED | {"t": 2, "b": 3, "s": 5, "num_experts": 8, "moe_router_topk": 3,
+                                         "moe_ffn_hidden_size": 16, "kv_channels": 12}, "balanced"),
+    ("tp", "eager", GROUPED | {"t": 4, "num_query_groups": 4, "moe_router_topk": 1, "moe_ffn_hidden_size": 256,
+                               "b": 1, "s": 9, "vocab_size": 252}, "balanced"),
+    # Qwen2-MoE: the shared expert first, its gate after the experts; the rerun stops at the gate's sigmoid
+    ("none", "flash", QWEN2_MOE_GROUPED | {"moe_shared_expert_intermediate_size": 40}, "balanced"),
+    ("none", "eager", QWEN2_MOE_GROUPED | {"moe_shared_expert_intermediate_size": 40, "num_experts": 3,
+                                           "moe_ffn_hidden_size": 24, "b": 1, "s": 7}, "all-to-one"),
+    ("none", "flash", QWEN2_MOE_GROUPED | {"moe_shared_expert_intermediate_size": 1024, "num_experts": 2,
+                                           "moe_router_topk": 1, "moe_ffn_hidden_size": 16}, "balanced"),
+    ("none", "eager", QWEN2_MOE_GROUPED | {"moe_shared_expert_intermediate_size": 40, "moe_router_pre_softmax": True,
+                                           "b": 3, "s": 5, "kv_channels": 12}, "balanced"),
+    ("tp", "eager", QWEN2_MOE_GROUPED | {"moe_shared_expert_intermediate_size": 40, "t": 2, "b": 1, "s": 13},
+     "all-to-one"),
+    # the eager loop: each expert's tensors held by the loop's variables until the next expert rebinds them; the rerun
+    # stops at the last expert's index_add_ source (the probe forces the route in the rerun too)
+    ("none", "flash", MIXTRAL, "balanced"),
+    ("none", "eager", MIXTRAL | {"num_experts": 2, "moe_router_topk": 1}, "balanced"),
+    ("none", "flash", MIXTRAL | {"num_experts": 16, "moe_router_topk": 4, "moe_ffn_hidden_size": 8, "s": 96, "h": 16,
+                                 "a": 2, "num_query_groups": 1, "vocab_size": 20}, "balanced"),
+    ("none", "eager", QWEN3_MOE | {"b": 3, "s": 7, "h": 48, "a": 6, "num_query_groups": 3, "num_experts": 3,
+                                   "moe_router_topk": 1, "moe_ffn_hidden_size": 24}, "balanced"),
+    ("none", "flash", QWEN3_MOE | {"moe_router_pre_softmax": True, "b": 1, "s": 12}, "balanced"),
+    ("none", "eager", QWEN2_MOE | {"moe_shared_expert_intermediate_size": 40, "b": 3, "s": 5, "num_experts": 3,
+                                   "moe_router_topk": 3, "moe_ffn_hidden_size": 24, "kv_channels": 12}, "balanced"),
+]
+
+
+def test_checkpointed_experts_sizes_put_the_peak_in_seven_different_places():
+    peaks = {timeline(make_config(LLAMA, attention=a, recompute="full", **c), STRATEGIES[layout], CPU).peak.label()
+             for layout, a, c, _ in RECOMPUTE_MOE_STEPS}
+    assert len(peaks) >= 7 and any("inv_perm" in p for p in peaks) and any("source" in p for p in peaks), peaks
+
+
+@pytest.mark.parametrize("layout, attention, changes, route", RECOMPUTE_MOE_STEPS, ids=str)
+def test_checkpointed_experts_run_op_by_op_and_rerun_to_the_last_saved_tensor_to_the_byte(one_thread, layout, attention,
+                                                                                       changes, route):
+    """The router and the experts op by op (grouped_mm's locals to its return, the loop's to the next expert; Qwen2-MoE's
+    shared expert before, its gate after), keeping nothing in forward; in backward, once the block's first node that
+    saves reads it, the layer's rerun up to the last tensor saved (inv_perm, the last expert's index_add_ source, or
+    the shared gate's sigmoid); the routing weight's product releases its rerun's tensors before autograd casts and
+    sums its gradients."""
+    _exact_step(make_config(LLAMA, attention=attention, recompute="full", **changes), layout, route)
+
+
 @pytest.mark.parametrize("changes, named", [
     ({"dropout": 0.1}, "recompute full \\(gradient checkpointing\\) with dropout"),
-    (MIXTRAL, "recompute full \\(gradient checkpointing\\) with experts"),
 ])
 def test_under_gradient_checkpointing_what_the_walk_does_not_model_is_refused_by_name(changes, named):
     with pytest.raises(ConfigError, match=named):
