@@ -17,6 +17,14 @@ LLAMA_HF = dict(
     num_query_groups=2, position_embedding_type="rope", add_bias_linear=False, dropout=0.0, tie_embeddings=False,
 )
 
+# transformers' GPT2LMHeadModel as the hf step's tests build it: gelu_new (f = 2h), LayerNorm, biases, learned
+# positions, tied, eager, no dropout (GPT2Config's 0.1 is a case of its own).
+GPT2_HF = dict(
+    impl="hf", family="gpt2", b=2, s=5, h=16, a=2, L=2, vocab_size=50, mlp="gelu_tanh", ffn_hidden_size=32,
+    norm="layernorm", position_embedding_type="learned_absolute", add_bias_linear=True, dropout=0.0,
+    tie_embeddings=True, attention="eager",
+)
+
 
 # torchtitan's Llama3-style model as the step tests run it: SwiGLU (f = 176), RMSNorm, two K/V groups for eight heads,
 # RoPE, no biases, untied, no recomputation.

@@ -236,12 +236,24 @@ def _validator(cls: type[Knobs]) -> SchemaValidator:
 
 
 def with_library_defaults(fields: dict[str, Any], knobs_only: bool = False) -> dict[str, Any]:
-    """`fields` over the chosen implementation's own defaults (HF Llama has no dropout, say): every one, or
-    for a knob set only the knobs' (a library's bias or position default is a config field, not a knob)."""
+    """`fields` over the chosen implementation's own defaults (HF Llama has no dropout, say), and over a named
+    transformers family's fixed values (GPT-2's Conv1Ds have biases, its positions are learned): every one, or for a
+    knob set only the knobs' (a library's bias or position default is a config field, not a knob)."""
     impl = IMPLEMENTATIONS.get(fields.get("impl")) if isinstance(fields.get("impl"), str) else None
     if impl is None:
         return fields
-    return (impl.knob_defaults() if knobs_only else impl.defaults) | fields
+    defaults = impl.knob_defaults() if knobs_only else impl.defaults
+    return defaults | ({} if knobs_only else _family_fixed(fields)) | fields
+
+
+def _family_fixed(fields: dict[str, Any]) -> dict[str, Any]:
+    """The position and bias values a named transformers family fixes (families.Family.fixed), which its layer's code
+    has whatever the config says; its picks (fused_qkv, alibi, ...) stay the config's, checked by check_family."""
+    from memcalc.model.families import FAMILIES
+
+    family = FAMILIES.get(fields.get("family")) if isinstance(fields.get("family"), str) else None
+    fixed = family.fixed if family is not None and fields.get("impl") == "hf" else {}
+    return {k: v for k, v in fixed.items() if k in ("position_embedding_type", "add_bias_linear")}
 
 
 def build_config(fields: dict[str, Any]) -> ModelConfig:

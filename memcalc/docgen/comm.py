@@ -10,7 +10,7 @@ from memcalc.config.gpus import GPUS
 from memcalc.docgen.template import filled
 from memcalc.units import human_bytes
 from memcalc.model import overlap
-from memcalc.model.comm import experts_doc, formula, layer_collectives
+from memcalc.model.comm import block_docs, formula, layer_collectives
 from memcalc.model.knobs import Knobs
 from memcalc.model.strategy import STRATEGIES
 
@@ -18,6 +18,9 @@ DOCS = Path(__file__).resolve().parents[2] / "docs" / "comm.md"
 
 # The MoE layer the docs show: shared experts and the aux loss on, so that every collective appears once.
 _MOE = Knobs(num_experts=8, moe_router_topk=2, moe_shared_expert_intermediate_size=64, moe_aux_loss=True)
+# The latent attention the docs show: DeepSeek-V3's, with a query latent.
+_MLA = Knobs(mlp="swiglu", attention="eager", kv_lora_rank=512, q_lora_rank=1536,
+             qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
 
 
 def render() -> str:
@@ -32,8 +35,12 @@ def render() -> str:
         filled(
             "comm.md",
             collectives=_collectives(),
-            experts_doc=experts_doc(),
+            experts_doc=block_docs()["experts"],
+            summed_experts_doc=block_docs()["summed_experts"],
+            routed_shards_doc=block_docs()["routed_shards"],
             experts=_experts(),
+            latent_doc=block_docs()["latent"],
+            latent=_latent(),
             overlap_doc=(overlap.__doc__ or "").split("\n\n", 1)[1].strip(),
             methods="\n".join(f"| `{m.name}` | `{m.flag}` | {m.kind} | {m.what} |" for m in overlap.METHODS.values()),
             default=", ".join(f"`{m}`" for m in overlap.DEFAULT),
@@ -56,6 +63,16 @@ def _collectives() -> str:
             lines.append("No tensor-parallel collectives.")
             continue
         lines += ["| operator | collective | pass | moves | why |", "|---|---|---|---|---|"]
+        lines += [f"| `{c.name}` | {c.op.value} | {c.phase} | {c.moves} | {c.why} |" for c in rows]
+    return "\n".join(lines[1:])
+
+
+def _latent() -> str:
+    """Latent attention's collectives under tp and tp-sp (its MLP's are a dense layer's)."""
+    lines = []
+    for name in ("tp", "tp-sp"):
+        rows = [c for c in layer_collectives(_MLA, STRATEGIES[name]) if c.name.startswith("attention")]
+        lines += ["", f"### `{name}`", "", "| operator | collective | pass | moves | why |", "|---|---|---|---|---|"]
         lines += [f"| `{c.name}` | {c.op.value} | {c.phase} | {c.moves} | {c.why} |" for c in rows]
     return "\n".join(lines[1:])
 

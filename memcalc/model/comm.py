@@ -22,6 +22,9 @@ A MoE layer (megatron-core's MoELayer, the all-to-all token dispatcher) keeps
 attention's collectives and trades the MLP's for the dispatcher's (`_experts`):
 int64 token counts, and the routed slots (r, the ledger's bound) exchanged over
 the ep ranks of the expert-parallel group, gathered and reduce-scattered over t.
+transformers' experts sum the ranks' partial outputs instead (`_summed_experts`),
+and megatron-core's latent attention gives each projection its own collectives,
+moving its latent's width (`_latent`).
 
 Bytes one rank sends under the ring algorithm, for a tensor of n bytes over a
 group of t ranks: all-reduce 2(t-1)/t * n, all-gather and reduce-scatter
@@ -43,7 +46,7 @@ from memcalc.model.impls import implementation, plan
 from memcalc.model.knobs import DTYPE_BYTES, FIXED_BYTES, Knobs
 from memcalc.model.ledger import Dim, Kind
 from memcalc.model.strategy import Strategy
-from memcalc.model.tp_plan import SHARED, Pair, Rule, Style
+from memcalc.model.tp_plan import ATTENTION, MOE, SHARED, Pair, Rule, Style, TPPlan
 
 if TYPE_CHECKING:
     from memcalc.config.schema import ModelConfig
@@ -132,10 +135,11 @@ _OPERATORS: dict[tuple[str, bool], tuple[str, tuple[tuple[Op, str, str, str], ..
 _LEAVES = ("f*", "g*")  # the operators at a pair's exit
 
 
-def _operator(block: str, end: str, sequence_parallel: bool, what: str) -> list[Collective]:
-    """The collectives of the operator at one end of a pair (`_OPERATORS`), moving `what`."""
+def _operator(block: str, end: str, sequence_parallel: bool, what: str,
+              shape: tuple[Dim, ...] = _BSH) -> list[Collective]:
+    """The collectives of the operator at one end of a pair (`_OPERATORS`), moving `what` of `shape`."""
     name, calls = _OPERATORS[end, sequence_parallel]
-    return [Collective(f"{block}/{name}", name, op, phase, moves.format(what), _BSH, why)
+    return [Collective(f"{block}/{name}", name, op, phase, moves.format(what), shape, why)
             for op, phase, moves, why in calls]
 
 
@@ -155,28 +159,33 @@ def layer_collectives(
         return ()
     plan(knobs, strategy)  # refuses a layout the implementation does not run
     tp_plan, sp = implementation(knobs).tp_plan(knobs), strategy.sequence_parallel
-    if knobs.moe and ep > 1 and not any(r.style is Style.EXPERTS for r in tp_plan.rules):
-        raise ConfigError(f"impl {knobs.impl}: ep={ep}: its all-to-all dispatcher's collectives are not modelled yet")
-    if knobs.mla:
-        raise ConfigError(f"kv_lora_rank={knobs.kv_lora_rank}: latent attention's collectives (the down projections'"
-                          " outputs gathered over t, SP's scatter of the latents) are not modelled yet")
+    routes_shards = knobs.moe and ep > 1 and not any(r.style is Style.EXPERTS for r in tp_plan.rules)
+    if routes_shards and not sp:
+        raise ConfigError(f"impl {knobs.impl}: ep={ep} under {strategy.name}: its MoE slices the replicated input"
+                          " there, whose collectives are not measured (tp-sp, ep = t is)")
+    if knobs.mla and overlap:
+        raise ConfigError(f"kv_lora_rank={knobs.kv_lora_rank}: tp_comm_overlap with latent attention is not modelled")
     pairs = tp_plan.pairs() if strategy.tensor_parallel else {}
     shared_style = pairs.pop(SHARED, None)  # MoELayer's shared experts: issued inside its block, not cut by overlap
     shared = _dense(SHARED, tp_plan.ends(SHARED), sp, frozenset(), 1, 1) if shared_style else ([], [])
-    blocks = [_dense(p, tp_plan.ends(p), sp, overlap, t, splits) for p in pairs]
+    blocks = [_latent(tp_plan, sp) if knobs.mla and p == ATTENTION else
+              _routed_shards(knobs, tp_plan) if routes_shards and p == MOE else
+              _dense(p, tp_plan.ends(p), sp, overlap, t, splits) for p in pairs]
     if any(r.style is Style.EXPERTS for r in tp_plan.rules):
-        blocks.append(_experts(knobs, strategy, ep, shared))
+        blocks.append(_summed_experts(knobs, ep) if implementation(knobs).name == "hf" else
+                      _experts(knobs, strategy, ep, shared))
     forward = [c for block, _ in blocks for c in block]
     backward = [c for _, block in reversed(blocks) for c in block]  # each block from its output
     rerun = implementation(knobs).rerun
     if knobs.recompute in rerun.regions and blocks:
         output = [c for c in blocks[-1][0] if c.operator in _LEAVES]  # the last pair's exit
-        if rerun.after_output and len(output) > 1:
-            raise ConfigError(f"impl {knobs.impl}: recompute {knobs.recompute} with shared experts under tp-sp: where"
-                              " the rerun of a block that leaves through two reduce-scatters starts is not measured")
-        first = [c for c in backward[:len(output)] if c.operator in _LEAVES] if rerun.after_output else []
-        # the rerun stops at the last saved tensor: before the exit, unless a norm after it keeps its input
-        stops = rerun.early_stop and not (knobs.post_norm or knobs.sandwich_norm)
+        # the rerun starts as the first node that keeps a saved tensor runs: after the output's gradient crossed the
+        # exit it meets first (of a MoE's two reduce-scatters under SP, the shared experts', made last)
+        first = [c for c in backward[:1] if c.operator in _LEAVES] if rerun.after_output else []
+        # the rerun stops at the last saved tensor: before the exit, unless a norm after it keeps its input, or the
+        # shared expert Qwen2-MoE's block runs after its experts' output
+        stops = rerun.early_stop and not (knobs.post_norm or knobs.sandwich_norm
+                                          or (knobs.moe and knobs.moe_shared_expert_intermediate_size))
         again = forward[:len(forward) - len(output)] if stops else forward
         backward = [*first, *(_rerun(c) for c in again), *backward[len(first):]]
     return (*forward, *backward)
@@ -205,6 +214,50 @@ def _dense(
                    ([_weight_gradient(p, r)] if r.style is Style.REPLICATED_GRAD_ALLREDUCE else entered)]
     backward = [*(c for c in leave if c.phase == "backward"), *split, *regather, *entered]
     return [piece for c in forward for piece in _pieces(c, overlap, t, splits)], backward
+
+
+# megatron-core's MLASelfAttention, module by module: the input its f or g moves and, for a down projection, its output
+# gathered over t (gather_from_tensor_model_parallel_region) and the latent SP scatters back to sequence shards
+# (scatter_to_sequence_parallel_region; the keys' RoPE part stays whole).
+_LATENT_MODULES: dict[str, tuple[tuple[Dim, ...], ...]] = {
+    "self_attention.linear_q_down_proj": (_BSH, (Dim.B, Dim.S, Dim.QR), (Dim.B, Dim.S, Dim.QR)),
+    "self_attention.linear_kv_down_proj": (_BSH, (Dim.B, Dim.S, Dim.KVD), (Dim.B, Dim.S, Dim.KVR)),
+    "self_attention.linear_q_up_proj": ((Dim.B, Dim.S, Dim.QR),),
+    "self_attention.linear_q_proj": (_BSH,),
+    "self_attention.linear_kv_up_proj": ((Dim.B, Dim.S, Dim.KVR),),
+}
+
+
+def _latent(tp_plan: TPPlan, sp: bool) -> tuple[list[Collective], list[Collective]]:
+    """Latent attention's collectives: each down projection enters through its own f or g on x and gathers its
+    output over t (scattering the latent back under SP), each up projection enters through its own f or g on its
+    latent (the query's on x without a query latent), linear_proj leaves through f* or g*; backward meets them in
+    reverse (forward's gather is a split there, SP's scatter a gather). Every module is a ColumnParallelLinear of its
+    own, so each re-gathers its input under SP."""
+    downs = [r.module for r in tp_plan.rules if r.style is Style.COLWISE_GATHER_OUTPUT and r.pair is None]
+    ups = [r.module for r in tp_plan.ends(ATTENTION)[0]]
+    forward: list[Collective] = []
+    backward: list[Collective] = []
+    for module in (*downs, *ups):
+        reads, *gathered = _LATENT_MODULES[module]
+        name = module.rsplit(".", 1)[-1]
+        enter = _operator(f"attention/{name}", "enter", sp, f"{name}'s input", reads)
+        regather = _operator(f"attention/{name}", "regather", sp, f"{name}'s input", reads) if sp else []
+        forward += [c for c in enter if c.phase == "forward"]
+        entered = [*regather, *(c for c in enter if c.phase == "backward")]
+        if gathered:
+            output, latent = gathered
+            forward.append(Collective(f"attention/{name}/gather", "gather", Op.ALL_GATHER, "forward", f"{name}'s output",
+                                      output, "the down projection's columns are split over t: every rank needs"
+                                      " the whole latent"))
+            entered = [*([Collective(f"attention/{name}/scatter", "scatter", Op.ALL_GATHER, "backward",
+                                     f"the gradient of {name}'s latent", latent, "SP scattered the gathered latent"
+                                     " back to sequence shards: backward gathers its gradient")] if sp else []),
+                       *entered]
+        backward = entered + backward
+    leave = _operator(ATTENTION.name, "leave", sp, ATTENTION.leaving)
+    return [*forward, *(c for c in leave if c.phase == "forward")], [*(c for c in leave if c.phase == "backward"),
+                                                                     *backward]
 
 
 def _weight_gradient(p: Pair, r: Rule) -> Collective:
@@ -265,9 +318,49 @@ def _experts(
     return [*shared[0], *routed], [*backward, *shared[1]]
 
 
-def experts_doc() -> str:
-    """What the MoE block models, for the docs: `_experts`'s own docstring, one paragraph."""
-    return " ".join((_experts.__doc__ or "").split())
+def _routed_shards(knobs: Any, tp_plan: TPPlan) -> tuple[list[Collective], list[Collective]]:
+    """torchtitan's MoE at ep = t under SP: each rank routes its own sequence shard, nothing gathered at the block's
+    entry; spmd_types' all_to_all exchanges the token counts (int64) and then the routed slots over ep and returns
+    the experts' output (the routing scores stay on the rank: combine scales by them there). Shared experts, a
+    FeedForward of their own, then enter through g and leave through g*. Backward meets the shared experts first,
+    then each exchange reversed."""
+    bound = _BOUND[str(knobs.moe_tokens)]
+    counts = Collective("moe/counts", "all-to-all", Op.ALL_TO_ALL, "forward", "each rank's token count per expert"
+                        " (int64)", (Dim.E,), "the exchange's split sizes: how many slots each rank sends to each"
+                        " expert", group=Group.EP, kind=Kind.INT64)
+    routed = [counts, *(c for c in _all_to_alls(bound) if c.shape == _R_H)]  # the tokens, not the probabilities
+    shared = [c for r in tp_plan.ends(MOE)[1] if r.module.startswith("moe.shared_experts")
+              for end, moves in (("enter", SHARED.entering), ("leave", SHARED.leaving))
+              for c in _operator(SHARED.name, end, True, moves)]
+    backward = [b for b in map(_conjugate, reversed(routed)) if b is not None]
+    return [*routed, *(c for c in shared if c.phase == "forward")], \
+        [*(c for c in reversed(shared) if c.phase == "backward"), *backward]
+
+
+def _summed_experts(knobs: Any, ep: int) -> tuple[list[Collective], list[Collective]]:
+    """transformers' moe_tp_experts (MoeExpertsParallel): every rank runs each expert on its 1/t of the expert's
+    width, on the whole replicated input, and the block's output, the ranks' partial sums, is all-reduced in forward
+    (an f*); backward all-reduces the gradients of the experts' two inputs, the routing weights (fp32) and then the
+    hidden states (an f each). The router and any shared expert run whole on every rank."""
+    from memcalc.model.impls.hf import routing_weights_kind  # transformers' own: its router decides the width
+
+    if ep > 1:
+        raise ConfigError(f"impl {knobs.impl}: ep={ep}: transformers' expert-parallel plan (ep_dispatch_experts) is"
+                          " not modelled")
+    leave = _operator(MOE.name, "leave", False, MOE.leaving)
+    weights = Collective(f"{MOE.name}/f", "f", Op.ALL_REDUCE, "backward", "the gradient of the top-k routing weights",
+                         (Dim.B, Dim.S, Dim.K), "each rank's experts computed it from their own columns: the partial"
+                         " sums are added", kind=routing_weights_kind(knobs))
+    return leave, [weights, *_operator(MOE.name, "enter", False, MOE.entering)]
+
+
+def block_docs() -> dict[str, str]:
+    """What each block of its own models, for the docs: megatron-core's MoE layer (`experts`), transformers' experts
+    (`summed_experts`), torchtitan's at ep = t (`routed_shards`) and megatron-core's latent attention (`latent`), each
+    its function's docstring in one paragraph."""
+    blocks = {"experts": _experts, "summed_experts": _summed_experts, "routed_shards": _routed_shards,
+              "latent": _latent}
+    return {name: " ".join((f.__doc__ or "").split()) for name, f in blocks.items()}
 
 
 _COUNTS = Collective("moe/counts", "g", Op.ALL_GATHER, "forward", "each rank's token count per expert (int64)",
@@ -406,6 +499,7 @@ def stage_layers(config: ModelConfig) -> tuple[int, int]:
 _FACTORS = {
     (Group.TP, Count.WHOLE): ("(t-1)/t", "\\frac{t-1}{t}"),
     (Group.EP, Count.SHARD): ("(ep-1)/(ep*t)", "\\frac{ep-1}{ep \\, t}"),
+    (Group.EP, Count.WHOLE): ("(ep-1)/ep", "\\frac{ep-1}{ep}"),
     (Group.TP_EP, Count.EACH): ("(t*ep-1)", "(t \\, ep-1)"),
 }
 _FACTORS_T1 = {(Group.EP, Count.SHARD): ("(ep-1)/ep", "\\frac{ep-1}{ep}"), (Group.TP_EP, Count.EACH): ("(ep-1)", "(ep-1)")}
@@ -429,4 +523,4 @@ def formula(knobs: Any, strategy: Strategy, width: int, ep: int = 1) -> tuple[st
 
 def _symbols(shape: tuple[Dim, ...]) -> str:
     """A shape's symbols, the paper's sbh for (b, s, h)."""
-    return "sbh" if shape == _BSH else "".join(d.value for d in shape)
+    return "sbh" if shape == _BSH else "".join(f"({d.value})" if "+" in d.value else d.value for d in shape)

@@ -122,6 +122,9 @@ def pairings(config: ModelConfig, strategy: Strategy, gpu: Gpu) -> tuple[Pairing
         raise ConfigError(f"overlap hides tensor-parallel collectives, and t={config.t} issues none (it needs t >= 2)")
     if config.impl != "megatron":
         raise ConfigError(f"overlap is Megatron's and Transformer Engine's (tp_comm_overlap); impl {config.impl} has none")
+    if config.mla:
+        raise ConfigError(f"kv_lora_rank={config.kv_lora_rank}: overlap pairs the dense layer's GEMMs with its"
+                          " collectives; latent attention's are not paired")
     flops, sizes, width = gemm_flops(config), dim_sizes(config), DTYPE_BYTES[config.dtype]
     seen: dict[tuple[str, str], int] = {}
     found = {}

@@ -35,6 +35,7 @@ _CALLS: dict[str, tuple[Op, int]] = {
     "all_gather": (Op.ALL_GATHER, 0),  # (output pieces, input): megatron's gather of uneven token splits
     "reduce_scatter": (Op.REDUCE_SCATTER, 1),  # (output, input pieces)
     "all_to_all_single": (Op.ALL_TO_ALL, 1),  # (output, input, output_split_sizes, input_split_sizes)
+    "all_to_all": (Op.ALL_TO_ALL, 1),  # (output pieces, input pieces): spmd_types' exchanges (torchtitan's EP)
 }
 
 # torch's functional collectives (what DTensor's redistributions run: transformers' TP styles), by aten name: what each
@@ -141,7 +142,9 @@ def _nbytes(whole: Any) -> int:
 
 def _all_to_all_sent(bound: dict[str, Any], group: Any) -> int:
     """all_to_all_single: the bytes of the input's rows bound for the group's other ranks (even splits if unsaid)."""
-    x, ranks = bound["input"], dist.get_world_size(group)
+    x, ranks = list(bound.values())[1], dist.get_world_size(group)  # all_to_all_single's input, all_to_all's pieces
+    if isinstance(x, (list, tuple)):  # all_to_all: one piece for each rank
+        return sum(_nbytes(piece) for i, piece in enumerate(x) if i != dist.get_rank(group))
     splits = bound.get("input_split_sizes")
     rows = list(splits) if splits is not None and len(splits) else [x.shape[0] // ranks] * ranks
     row_bytes = x[0].numel() * x.element_size() if x.shape[0] else 0

@@ -402,7 +402,7 @@ def _compared(
 
 def comm_modelled(config: ModelConfig, strategy: Strategy, route: str | None) -> bool:
     """Whether a library layer's collectives can be compared with the ledger: it models them (not latent
-    attention's, not the allgather dispatcher's) and their bytes do not hang on the routing (`routing_fixed`)."""
+    the allgather dispatcher's, not transformers' ep plan) and their bytes do not hang on the routing (`routing_fixed`)."""
     try:
         layer_collectives(config, strategy, ep=config.ep)
     except ConfigError:

@@ -9,7 +9,7 @@ that could pass 2^63 is refused before anything is computed.
 from __future__ import annotations
 
 from collections import Counter
-from itertools import takewhile
+from itertools import product, takewhile
 from dataclasses import dataclass, replace
 from math import prod
 from typing import Any, Callable, Iterator, Sequence
@@ -195,6 +195,26 @@ def _check_layout(fields: dict[str, Any], values: dict[str, Sequence[int]]) -> N
         point["L"] = next((L for L in values["L"] if L % chunks), point["L"])
         config = replace(config, L=point["L"])
     check_layout(config)
+    _check_gate_shapes(config, values)
+
+
+# A sweep checks each combination of these sizes where SelectiveAC's forced recomputation of matmuls shaped like
+# torchtitan's router gate depends on them (memcalc.model.impls.torchtitan.check_sizes), at most this many.
+_GATE_AXES, _MAX_GATE_POINTS = ("h", "a", "t", "num_experts"), 100_000
+
+
+def _check_gate_shapes(config: Any, values: dict[str, Sequence[int]]) -> None:
+    """ConfigError at the first combination of swept h, a, t and E whose matmul shapes torchtitan's SelectiveAC
+    treats as the router gate's (the step, not the sweep, would have to model it)."""
+    if not (config.impl == "torchtitan" and config.moe and config.recompute == "op"):
+        return
+    axes = {n: values[n] for n in _GATE_AXES if n in values}
+    if prod(len(v) for v in axes.values()) > _MAX_GATE_POINTS:
+        raise ConfigError(f"a sweep of impl torchtitan's experts under recompute op checks each combination of"
+                          f" {', '.join(axes)} (SelectiveAC treats matmuls shaped like the router gate apart):"
+                          f" at most {_MAX_GATE_POINTS:,}; narrow them, or use recompute none or full")
+    for combo in product(*axes.values()):
+        implementation(config).check_sizes(replace(config, **dict(zip(axes, combo))))
 
 
 def _fixed(name: str, fields: dict[str, Any]) -> int:

@@ -67,7 +67,8 @@ def test_a_step_beyond_one_percent_exits_1_naming_the_category(config, monkeypat
     (["--dtype", "fp32"], "does not model dtype fp32"),
     (["--impl", "paper"], "--step runs memcalc's own Megatron-style model, transformers' LlamaForCausalLM"),
     (["--impl", "torchtitan"], "the step timeline for impl torchtitan does not model tie_embeddings"),
-    (["--impl", "hf", "--dropout", "0.1"], "the step timeline for impl hf does not model dropout 0.1"),
+    (["--impl", "hf", "--t", "1", "--recompute", "full", "--dropout", "0.1"],
+     "the step timeline for impl hf does not model recompute full (gradient checkpointing) with dropout"),
 ])
 def test_what_does_not_apply_or_is_not_modelled_exits_2_before_running(config, flags, needle):
     _one_line_error(memcalc_cli("measure", "--config", config, "--step", *flags), 2, needle)
@@ -81,6 +82,17 @@ def test_impl_hf_runs_transformers_llama_for_causal_lm_and_exits_0(tmp_path):
     run = memcalc_cli("measure", "--config", str(path), "--step", "--attention", "eager")
     assert (run.code, run.err) == (0, "")
     for words in ("ran as: transformers' LlamaForCausalLM, one process (t=1) on cpu", "(same moment)",
+                  "match: the peak and every category within 1%"):
+        assert words in run.out, (words, run.out)
+
+
+def test_impl_hf_family_gpt2_from_flags_alone_runs_gpt2_lm_head_model_exactly_and_exits_0(config):
+    """--family gpt2 fixes GPT-2's biases and learned positions over impl hf's Llama defaults."""
+    pytest.importorskip("transformers")
+    run = memcalc_cli("measure", "--config", config, "--step", "--impl", "hf", "--family", "gpt2", "--t", "1",
+                      "--norm", "layernorm", "--mlp", "gelu_tanh", "--attention", "eager", "--dropout", "0.1")
+    assert run.code == 0, run.err
+    for words in ("ran as: transformers' GPT2LMHeadModel, one process (t=1) on cpu", "(same moment)",
                   "match: the peak and every category within 1%"):
         assert words in run.out, (words, run.out)
 

@@ -159,3 +159,14 @@ def test_errors_in_a_file_are_prefixed_with_its_path(tmp_path):
 def test_errors_from_flags_alone_have_no_path_prefix():
     with pytest.raises(ConfigError, match=r"^h=60 is not divisible by a=8"):
         load_config(None, SIZES | {"h": 60})
+
+
+def test_a_named_transformers_family_fixes_its_positions_and_biases_where_the_config_does_not():
+    """--family gpt2 builds GPT2LMHeadModel, whose Conv1Ds have biases and whose positions are wpe's, whatever impl
+    hf's Llama defaults say; a config's own value still wins (and the walk refuses it)."""
+    gpt2 = {"b": 2, "s": 16, "h": 64, "a": 8, "impl": "hf", "family": "gpt2", "norm": "layernorm", "mlp": "gelu_tanh"}
+    built = build_config(gpt2)
+    assert (built.position_embedding_type, built.add_bias_linear) == ("learned_absolute", True)
+    assert build_config(gpt2 | {"add_bias_linear": False}).add_bias_linear is False
+    llama = build_config({"b": 2, "s": 16, "h": 64, "a": 8, "impl": "hf"})
+    assert (llama.position_embedding_type, llama.add_bias_linear) == ("rope", False)

@@ -121,8 +121,9 @@ def test_the_moe_formula_adds_the_dispatchers_terms_to_attentions():
 
 @pytest.mark.parametrize("knobs, message", [
     ({"impl": "megatron"}, "^impl megatron .* does not run tp .*MoELayer refuses tensor parallelism without sequence"),
-    ({"impl": "hf", "family": "mixtral", "ep": 2}, "^impl hf: a mixture of experts' collectives are modelled for megatron"),
-], ids=["tp without sp", "another library's experts"])
+    ({"impl": "hf", "family": "mixtral", "ep": 2},
+     "^impl hf: ep=2: transformers' expert-parallel plan \\(ep_dispatch_experts\\) is not"),
+], ids=["tp without sp", "transformers' expert-parallel plan"])
 def test_moe_collectives_megatron_does_not_run_or_memcalc_has_not_measured_are_refused_in_one_line(knobs, message):
     strategy = TP if knobs["impl"] == "megatron" else NONE
     with pytest.raises(ConfigError, match=message):

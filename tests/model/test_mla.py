@@ -73,11 +73,27 @@ def test_megatrons_sp_plan_keeps_the_kv_latents_shard_only_with_latent_attention
     assert tp_sp.planned(megatron, _knobs(MLA)).forms == (MLA_KV_NORM.input,)
 
 
-def test_comm_refuses_latent_attention_naming_kv_lora_rank():
+def test_comm_gives_each_latent_projection_its_own_collectives_in_megatrons_order():
     from memcalc.model.comm import layer_collectives
 
-    with pytest.raises(ConfigError, match="^kv_lora_rank=24: latent attention's collectives"):
-        layer_collectives(_knobs(MLA), STRATEGIES["tp-sp"])
+    rows = [(c.name, c.op.value, c.phase) for c in layer_collectives(_knobs(MLA), STRATEGIES["tp"])
+            if c.name.startswith("attention")]
+    assert rows == [
+        ("attention/linear_q_down_proj/gather", "all-gather", "forward"),
+        ("attention/linear_kv_down_proj/gather", "all-gather", "forward"),
+        ("attention/f*", "all-reduce", "forward"),
+        ("attention/linear_kv_up_proj/f", "all-reduce", "backward"),
+        ("attention/linear_q_up_proj/f", "all-reduce", "backward"),
+        ("attention/linear_kv_down_proj/f", "all-reduce", "backward"),
+        ("attention/linear_q_down_proj/f", "all-reduce", "backward"),
+    ]
+
+
+def test_comm_refuses_overlap_with_latent_attention_naming_kv_lora_rank():
+    from memcalc.model.comm import layer_collectives
+
+    with pytest.raises(ConfigError, match="^kv_lora_rank=24: tp_comm_overlap with latent attention"):
+        layer_collectives(_knobs(MLA), STRATEGIES["tp-sp"], frozenset({"ring-ag"}), t=2)
 
 
 def test_without_a_query_latent_the_query_keeps_no_norm_and_no_up_projection_input():

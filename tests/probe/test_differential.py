@@ -81,7 +81,9 @@ def routed(knobs: st.SearchStrategy[dict[str, Any]]) -> st.SearchStrategy[dict[s
 _MEGATRON_MOE = routed(_knobs(dtype=DTYPES, moe_token_dispatcher_type=st.sampled_from(("alltoall", "allgather")),
                               bias_activation_fusion=st.booleans()))
 _TORCHTITAN = _knobs(dtype=DTYPES, recompute=st.sampled_from(("none", "op", "full")))
-_TORCHTITAN_MOE = _knobs(dtype=DTYPES, moe_router_topk=st.sampled_from((1, 2)))
+_TORCHTITAN_MOE = _knobs(dtype=DTYPES, moe_router_topk=st.sampled_from((1, 2)),
+                         recompute=st.sampled_from(("none", "op", "full")),
+                         moe_shared_expert_intermediate_size=st.sampled_from((None, 16)))
 _HF_LLAMA = _knobs(attention=st.sampled_from(("eager", "flash")), dropout=DROPOUT, dtype=DTYPES,
                    recompute=st.sampled_from(("none", "full")))
 _HF_GPT2 = _knobs(attention=st.sampled_from(("eager", "flash")), dropout=DROPOUT, dtype=DTYPES,
@@ -104,7 +106,7 @@ SUBJECTS = (
     Subject("megatron moe", "megatron.core", {"impl": "megatron", "norm": "rmsnorm", "mlp": "swiglu", "dropout": 0.0,
                                               "num_experts": 4, "add_bias_linear": False}, _MEGATRON_MOE, moe=True),
     Subject("torchtitan", "torchtitan", {"impl": "torchtitan"}, _TORCHTITAN),
-    Subject("torchtitan moe", "torchtitan", {"impl": "torchtitan", "recompute": "none", "num_experts": 4},
+    Subject("torchtitan moe", "torchtitan", {"impl": "torchtitan", "num_experts": 4},
             _TORCHTITAN_MOE, moe=True, align=8),
     Subject("hf llama", "transformers", {"impl": "hf"} | LLAMA, _HF_LLAMA, family="llama"),
     Subject("hf mistral", "transformers", {"impl": "hf"} | LLAMA, _HF_LLAMA, family="mistral"),

@@ -83,17 +83,23 @@ _TORCHTITAN = _knobs(recompute=st.sampled_from(("none", "full", "op")))
 _TORCHTITAN_MOE = _knobs(num_experts=st.integers(2, 6), moe_router_topk=st.integers(1, 3),
                          moe_router_score_function=st.sampled_from(("softmax", "sigmoid")),
                          moe_router_pre_softmax=st.booleans(),
-                         moe_shared_expert_intermediate_size=st.sampled_from((None, 8, 48)))
+                         moe_shared_expert_intermediate_size=st.sampled_from((None, 8, 48)),
+                         recompute=st.sampled_from(("none", "full", "op")))
 _HF = _knobs(attention=ATTENTION, dropout=DROPOUT, dtype=DTYPES, tie_embeddings=TIED)
 _HF_MIXTRAL = _knobs(attention=ATTENTION, num_experts=st.integers(2, 6), moe_router_topk=st.integers(1, 3),
-                     tie_embeddings=TIED)
+                     tie_embeddings=TIED, dropout=DROPOUT, recompute=st.sampled_from(("none", "full")))
 _HF_GEMMA2 = _knobs(attn_logit_softcapping=st.sampled_from((None, 50.0)), sliding_window=st.sampled_from((None, 3, 8)),
                     tie_embeddings=TIED)
 _HF_PHI3 = _knobs(tie_embeddings=TIED)
+# GPT2LMHeadModel: LayerNorm, Conv1D with biases, learned positions; no tp plan (t = 1)
+GPT2 = {"impl": "hf", "family": "gpt2", "norm": "layernorm", "position_embedding_type": "learned_absolute",
+        "add_bias_linear": True}
+_HF_GPT2 = _knobs(attention=ATTENTION, dropout=DROPOUT, dtype=DTYPES, tie_embeddings=TIED,
+                  mlp=st.sampled_from(("gelu_tanh", "gelu")), recompute=st.sampled_from(("none", "full")))
 _FSDP = {"dp_shard": st.sampled_from((2, 3, 4)), "reshard_after_forward": st.booleans(),
          "dp_replicate": st.sampled_from((None, None, 2))}
 _TORCHTITAN_FSDP = _knobs(recompute=st.sampled_from(("none", "full", "op")), **_FSDP)
-_HF_FSDP = _knobs(attention=ATTENTION, tie_embeddings=TIED, **_FSDP)
+_HF_FSDP = _knobs(attention=ATTENTION, tie_embeddings=TIED, dropout=DROPOUT, **_FSDP)
 
 SUBJECTS = (
     Subject("megatron dense", "torch", {"impl": "megatron"},
@@ -107,17 +113,18 @@ SUBJECTS = (
     Subject("megatron experts", "megatron.core", {"impl": "megatron", "add_bias_linear": False}, _MEGATRON_MOE,
             routes=ROUTES[:2]),
     Subject("torchtitan dense", "torchtitan", TORCHTITAN, _TORCHTITAN),
-    Subject("torchtitan moe", "torchtitan", TORCHTITAN | {"recompute": "none"}, _TORCHTITAN_MOE,
+    Subject("torchtitan moe", "torchtitan", TORCHTITAN, _TORCHTITAN_MOE,
             routes=(BALANCED,), align=8),
     Subject("hf llama", "transformers", {"impl": "hf"} | LLAMA, _HF),
     Subject("hf qwen3", "transformers", {"impl": "hf", "family": "qwen3", "qk_layernorm": True} | LLAMA, _HF),
-    Subject("hf mixtral (grouped_mm)", "transformers", {"impl": "hf", "family": "mixtral", "dropout": 0.0} | LLAMA,
+    Subject("hf mixtral (grouped_mm)", "transformers", {"impl": "hf", "family": "mixtral"} | LLAMA,
             _HF_MIXTRAL, routes=(BALANCED, ROUTES[2]), align=8),
     Subject("hf gemma2", "transformers", GEMMA | {"family": "gemma2", "sandwich_norm": True}, _HF_GEMMA2),
     Subject("hf phi3", "transformers", {"impl": "hf", "family": "phi3", "fused_qkv": True, "attention": "eager",
                                        "dropout": 0.0} | LLAMA, _HF_PHI3),
+    Subject("hf gpt2", "transformers", GPT2, _HF_GPT2, gqa=False, ts=(1,)),
     Subject("torchtitan fsdp2", "torchtitan", TORCHTITAN, _TORCHTITAN_FSDP, ts=(1, 2)),
-    Subject("hf fsdp2", "transformers", {"impl": "hf", "dropout": 0.0} | LLAMA, _HF_FSDP, ts=(1, 2)),
+    Subject("hf fsdp2", "transformers", {"impl": "hf"} | LLAMA, _HF_FSDP, ts=(1, 2)),
 )
 
 

@@ -423,3 +423,14 @@ def test_sweep_rows_follow_megatrons_size_conditions_as_estimate_does(knobs):
         point = {k: r[k] for k in grid}
         assert r["per_layer_bytes"] == estimate(build_config(knobs | point), STRATEGIES[r["strategy"]],
                                                 accounting).per_layer_bytes
+
+
+def test_a_torchtitan_moe_sweep_under_selective_ac_is_refused_at_a_point_where_a_matmul_has_the_gate_s_shape():
+    """u/t = E at t = 4: the shared experts' w1 has the router gate's (h, E) weight there, which estimate refuses."""
+    fields = {"impl": "torchtitan", "s": 16, "h": 64, "a": 4, "ffn_hidden_size": 80, "mlp": "swiglu", "norm": "rmsnorm",
+              "position_embedding_type": "rope", "add_bias_linear": False, "tie_embeddings": False,
+              "num_experts": 8, "moe_router_topk": 2, "moe_ffn_hidden_size": 32,
+              "moe_shared_expert_intermediate_size": 32, "recompute": "op"}
+    with pytest.raises(ConfigError, match="w1 \\(and w3\\) at t=4 has a weight of the router gate's shape"):
+        make_sweep(fields, {"t": (1, 2, 4)}, ALL, Accounting())
+    assert make_sweep(fields, {"t": (1, 2)}, ALL, Accounting()).rows

@@ -56,17 +56,28 @@ def test_backward_leaves_only_the_batch_and_the_loss_behind():
 
 
 @pytest.mark.parametrize("changes, named", [
-    ({"dropout": 0.1, "attention": "flash"}, "dropout 0.1 with SDPA"),
     ({"recompute": "full", "zero_stage": 2}, "recompute full \\(gradient checkpointing\\) with zero_stage"),
     ({"add_bias_linear": True}, "add_bias_linear"),
     ({"family": "qwen2", "add_qkv_bias": True, "dp_shard": 2}, "dp_shard or zero_stage with add_qkv_bias"),
-    ({"norm": "layernorm", "mlp": "gelu", "num_query_groups": None}, "gpt2's model"),
+    ({"family": "olmo", "norm": "layernorm_np"}, "olmo's model"),
     ({"position_embedding_type": "learned_absolute"}, "position_embedding_type learned_absolute"),
     ({"dtype": "fp32"}, "dtype fp32"),
 ])
 def test_what_the_hf_walk_does_not_model_is_refused_by_name(changes, named):
     with pytest.raises(ConfigError, match=f"for impl hf does not model {named}"):
         _timeline(**changes)
+
+
+def test_sdpa_with_dropout_walks_the_math_kernel_on_a_cpu_and_the_flash_kernel_unchanged_on_cuda():
+    """A CPU runs torch's math kernel, its fp32 scores live in forward and backward; CUDA's flash kernel drops out
+    inside, regenerating its mask from the RNG state it allocates with or without dropout (read from torch's code)."""
+    cuda = Accounting(exact=True, device="cuda")
+    without, dropped = (build_config(LLAMA | {"attention": "flash", "dropout": p}) for p in (0.0, 0.1))
+    assert [(m.label(), m.bytes) for m in timeline(dropped, NONE, cuda).moments] == [
+        (m.label(), m.bytes) for m in timeline(without, NONE, cuda).moments]
+    on_cpu = timeline(dropped, NONE, CPU)
+    assert any("math kernel" in m.label() for m in on_cpu.moments)
+    assert on_cpu.peak.bytes > timeline(without, NONE, CPU).peak.bytes
 
 
 def test_under_tp_the_loss_sees_every_logit_and_the_embedding_gradient_is_the_whole_table():

@@ -707,6 +707,13 @@ def mlp_block(knobs: Any) -> tuple[SavedTensor, ...]:
 SHARED_MLP = (ledger.SHARED_GATE, ledger.SHARED_UP, ledger.SHARED_SILU_OUT, ledger.SHARED_FC2_IN)  # its SwiGLU
 
 
+def routing_weights_kind(knobs: Any) -> Kind:
+    """The width of the top-k routing weights the experts take: Qwen2-MoE's and Qwen3-MoE's routers (known by their
+    shared experts or QK norm) cast them to the activation dtype, Mixtral's and DeepSeek's keep the softmax's fp32."""
+    qwen = bool(knobs.moe_shared_expert_intermediate_size or knobs.qk_layernorm) and not knobs.mla
+    return Kind.ACTIVATION if qwen else Kind.FP32
+
+
 def moe_block(knobs: Any) -> tuple[SavedTensor, ...]:
     """The sparse MoE block: the fp32 router, each expert's SwiGLU on its slots, the weighted combine, shared experts.
 
@@ -718,7 +725,7 @@ def moe_block(knobs: Any) -> tuple[SavedTensor, ...]:
     if is_gpt_oss(knobs):  # GptOssTopKRouter: the k chosen logits' softmax, in the activation dtype
         return (ledger.MOE_IN, ledger.ROUTER_TOPK_INDICES, ROUTER_TOPK_SOFTMAX,
                 *expert_block(knobs, EXPERT_WEIGHT_CAST))
-    qwen = bool(knobs.moe_shared_expert_intermediate_size or knobs.qk_layernorm) and not knobs.mla  # bf16 weights
+    qwen = routing_weights_kind(knobs) is Kind.ACTIVATION
     norm = () if knobs.moe_router_pre_softmax else (TOPK_SUM, TOPK_WEIGHTS)
     if knobs.mla:
         router: tuple[SavedTensor, ...] = (ROUTER_IN_FP32, ROUTER_SCORES, ledger.ROUTER_TOPK_INDICES, *norm)

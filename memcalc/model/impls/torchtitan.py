@@ -98,7 +98,8 @@ def tp_plan(knobs: Any) -> TPPlan:
     keep what they keep (`MOE_GATHERED`), and the experts' output (and the shared experts') leaves through a g* of
     its own; at ep > 1 each rank routes its own shard (`splits`)."""
     keeps = Style.COLWISE_KEEPS_INPUT
-    shared = (Rule("moe.shared_experts.w2", Style.ROWWISE, MOE),) if knobs.moe_shared_expert_intermediate_size else ()
+    shared = (Rule("moe.shared_experts.w2", Style.ROWWISE, MOE, (SHARED_FC2_OUT.name,)),) \
+        if knobs.moe_shared_expert_intermediate_size else ()
     ffn = (Rule("moe", keeps, MOE, MOE_GATHERED), Rule("moe.experts", Style.ROWWISE, MOE), *shared) if knobs.moe else (
         Rule("feed_forward.w1", keeps, MLP, (FC1_IN.name,)), Rule("feed_forward.w3", keeps, MLP),
         Rule("feed_forward.w2", Style.ROWWISE, MLP, (FC2_OUT.name,)))
@@ -311,9 +312,29 @@ EP_WITHOUT_TP = Refusal(
 
 def check_sizes(config: Any) -> None:
     """torch._grouped_mm's whole 16-byte strides (`check_grouped_mm`) for each rank's expert width: e/t under TP at
-    ep = 1, whole under ep = t."""
+    ep = 1, whole under ep = t. Under SelectiveAC, no matmul of a MoE block with the router gate's (h, E) weight
+    (`_gate_shaped`)."""
     if config.moe:
         check_grouped_mm(config, "torchtitan", "its GroupedExperts", t=config.t if _ep(config) == 1 else 1)
+    gate_shaped = _gate_shaped(config) if config.moe and config.recompute == "op" else ()
+    if gate_shaped:
+        raise ConfigError(f"impl torchtitan, recompute op: {gate_shaped[0]} has a weight of the router gate's shape,"
+                          f" (h, E) = ({config.h}, {config.num_experts}), and SelectiveAC recomputes every matmul of"
+                          " that shape (force_recompute_mm_shapes_by_fqns), shifting which of the others it saves: not"
+                          " modelled; use recompute none or full")
+
+
+def _gate_shaped(config: Any) -> tuple[str, ...]:
+    """The block's matmuls whose weight on a rank, (in, out), is the router gate's (h, E), whole (the none layout) or
+    split over t: wqkv's (h, (a + 2g)d/t), wo's (ad/t, h), the shared experts' w1's and w3's (h, u/t) and w2's
+    (u/t, h). Found by the differential test (u/t = E)."""
+    h, e, u = config.h, config.num_experts, config.moe_shared_expert_intermediate_size or 0
+    weights = {"wqkv": lambda t: (h, (config.a + 2 * config.groups) * config.head_dim // t),
+               "wo": lambda t: (config.a * config.head_dim // t, h),
+               "the shared experts' w1 (and w3)": lambda t: (h, u // t), "the shared experts' w2": lambda t: (u // t, h)}
+    return tuple(f"{name} at {'t=1' if shape(1) == (h, e) else f't={config.t}'}" for name, shape in weights.items()
+                 if (h, e) in {shape(1), shape(config.t)})
+
 
 # Found by the differential test (tests/probe/test_differential.py) at b = s = 1.
 V_IN_QKV_OUT = SavedTensor(

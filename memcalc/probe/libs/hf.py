@@ -32,7 +32,7 @@ from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.layer import DTYPES
 from memcalc.probe.libs import hf_tp
 from memcalc.probe.libs.hf_shim import NOTES as NOTES  # measure prints them, and route_note's line for --route
-from memcalc.probe.libs.hf_shim import cuda_like_dropout, forced_routing
+from memcalc.probe.libs.hf_shim import cuda_like_dropout, force_routers, forced_routing
 from memcalc.probe.libs.hf_shim import route_note as route_note
 from memcalc.probe.libs.labels import Labels, Rule, merged_rows
 from memcalc.probe.measure import INPUT_SEED
@@ -104,11 +104,22 @@ def routing(family: str, route: str | None, k: int) -> Any:
     """The shim's forced router for a MoE family's router class, or nothing."""
     if route is None:
         return nullcontext()
+    return forced_routing(_router_class(family, route), route, k)
+
+
+def force_routes(model: Any, family: str, route: str | None, k: int) -> None:
+    """The shim's forced router on each router of `model` for its life (a checkpoint's rerun too), or nothing."""
+    if route is not None:
+        force_routers(model, _router_class(family, route), route, k)
+
+
+def _router_class(family: str, route: str) -> tuple[type]:
+    """The MoE family's router class, which `route` forces."""
     router = FAMILIES[family].router
     if router is None:
         raise ProbeError(f"--route {route} forces a MoE router: the config has no experts (set num_experts)")
     _, module = _classes(family)
-    return forced_routing((getattr(module, router),), route, k)
+    return (getattr(module, router),)
 
 
 # -- building the layer -----------------------------------------------------------------
@@ -182,8 +193,9 @@ def _own_fields(config: ModelConfig, family: str, layer_type: str | None) -> dic
                "tie_word_embeddings": config.tie_embeddings}
     if family == "bloom":
         return {"attention_dropout": dropout, "hidden_dropout": dropout}
-    if family == "gpt2":
-        return gpt | {"num_hidden_layers": 1}
+    if family == "gpt2":  # wpe's rows; GPT2LMHeadModel's lm_head tied to wte unless the config unties it
+        return gpt | no_ids | {"max_position_embeddings": config.positions,
+                               "tie_word_embeddings": config.tie_embeddings}
     if family == "gptj":  # rotary_dim: the rotated channels of each head
         return gpt | {"rotary_dim": int(config.head_dim * config.rotary_percent),
                       "tie_word_embeddings": config.tie_embeddings} | no_ids

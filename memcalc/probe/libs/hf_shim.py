@@ -7,6 +7,7 @@ Why each patch, and how a forced route assigns the experts: docs/probe.md, "Drop
 from __future__ import annotations
 
 from contextlib import contextmanager
+from types import MethodType
 from typing import Any, Iterator
 
 from memcalc.probe import require_torch, shims
@@ -59,6 +60,14 @@ def forced_routing(router_classes: tuple[type, ...], route: str, k: int) -> Iter
     finally:
         for cls, original in originals.items():
             cls.forward = original
+
+
+def force_routers(model: Any, router_classes: tuple[type, ...], route: str, k: int) -> None:
+    """Each router of `model` picks the experts `route` assigns for the model's life: its forward, and a gradient
+    checkpoint's rerun of it inside backward, which `forced_routing` (a context around the forward) misses."""
+    for module in model.modules():
+        if isinstance(module, router_classes):
+            module.forward = MethodType(_leading(type(module).forward, route, k), module)
 
 
 def _leading(original: Any, route: str, k: int) -> Any:

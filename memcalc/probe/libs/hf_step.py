@@ -18,7 +18,7 @@ from memcalc.probe import require_torch
 from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.layer import DTYPES
 from memcalc.probe.libs import hf_tp
-from memcalc.probe.libs.hf import routing, transformers_config
+from memcalc.probe.libs.hf import force_routes, transformers_config
 from memcalc.probe.libs.hf_shim import cuda_like_dropout
 from memcalc.probe.step import BATCH_SEED, StepMeasurement, Trainer, measure_trainer
 
@@ -54,8 +54,9 @@ def causal_lm(config: ModelConfig, route: str | None, dtype: torch.dtype, device
               ) -> tuple[Any, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
     """The family's causal-LM model (one the step timeline walks: timeline.hf.WALKED refuses the rest before) in
     `dtype`, in training mode, `use_cache` off as transformers' Trainer sets it (TrainingArguments.use_cache: False);
-    and its loss, (tokens, labels) -> transformers' own, the router forced to `route` and dropout keeping CUDA's bool
-    mask while forward runs. The output object (and the bf16 logits in it) goes as the loss returns."""
+    and its loss, (tokens, labels) -> transformers' own, dropout keeping CUDA's bool mask while forward runs; the
+    router forced to `route` for the model's life (a gradient checkpoint reruns it inside backward). The output object
+    (and the bf16 logits in it) goes as the loss returns."""
     family = layer_family(config).name
     if config.moe and route is None:
         raise ProbeError("impl hf: --step on experts forces the router (--route balanced or all-to-one)")
@@ -64,8 +65,10 @@ def causal_lm(config: ModelConfig, route: str | None, dtype: torch.dtype, device
     model = getattr(transformers, FAMILIES[family].architectures[0])._from_config(hf_config, dtype=dtype)
     k = config.moe_router_topk if config.moe else 0
 
+    force_routes(model, family, route, k)  # in forward and in a gradient checkpoint's rerun alike
+
     def loss(tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        with routing(family, route, k), cuda_like_dropout():
+        with cuda_like_dropout():
             return model(input_ids=tokens, labels=labels).loss
 
     return model.to(device).train(), loss

@@ -1,4 +1,5 @@
-"""One training step of transformers' own `LlamaForCausalLM` on one rank (`--impl hf`), described once as ops.
+"""One training step of transformers' own `LlamaForCausalLM` (and its kin; `GPT2LMHeadModel`'s blocks and ends in
+memcalc.sizing.timeline.hf_gpt2) on one rank (`--impl hf`), described once as ops.
 
 The model's ends and the sharding's hooks around hf_layer's and hf_moe's layers: docs/timeline.md, "transformers'
 models".
@@ -19,6 +20,7 @@ from memcalc.model.knobs import Accounting
 from memcalc.model.ledger import RMSNormTensors
 from memcalc.model.strategy import Strategy
 from memcalc.sizing.pipeline import stages
+from memcalc.sizing.timeline import hf_gpt2 as gpt2
 from memcalc.sizing.timeline import hf_layer as layer
 from memcalc.sizing.timeline import hf_moe as moe
 from memcalc.sizing.timeline.ends import model_states
@@ -40,7 +42,7 @@ def final_norm(config: ModelConfig) -> RMSNormTensors:
 
 def hf_timeline(config: ModelConfig, strategy: Strategy, accounting: Accounting) -> Timeline:
     """The moments of one training step of LlamaForCausalLM sized by `config`, on its one rank."""
-    check_modelled(config, strategy)
+    check_modelled(config, strategy, accounting)
     estimated = estimate(config, strategy, accounting)
     if config.recompute == "full":  # each layer's rerun keeps what a layer without it keeps: the walk sizes those
         estimated = replace(estimate(replace(config, recompute="none"), strategy, accounting),
@@ -65,28 +67,20 @@ def _moments(config: ModelConfig, z: Sizes, kept: tuple[tuple[ledger.SavedTensor
         sharding.states(tape)
     else:
         model_states(tape, config, stage, z)
-    for name in ("inv_freq", "original_inv_freq"):
-        tape.add(f"states/rotary_emb.{name}", PARAMETERS, 4 * (z.d // 2),
-                 "LlamaRotaryEmbedding's buffer, fp32 in a bf16 model (an explicit float arange)")
+    if not rules.is_gpt2(config):  # GPT-2's positions are a learned table (a parameter), no rotary buffers
+        for name in ("inv_freq", "original_inv_freq"):
+            tape.add(f"states/rotary_emb.{name}", PARAMETERS, 4 * (z.d // 2),
+                     "LlamaRotaryEmbedding's buffer, fp32 in a bf16 model (an explicit float arange)")
     if scaled_embedding(config):
         tape.add("states/embed_tokens.embed_scale", PARAMETERS, z.act, "GemmaTextScaledWordEmbedding's sqrt(h), a 0-d"
                  " buffer that _from_config casts to the weights' dtype (its .to(dtype) in forward is then a no-op)")
     tape.mark("steady", "", "model states between steps")
     saved = {x.name: nbytes for x, nbytes in (*dense, *kept)}
     hand_over = _hand_over(tape, sharding)
-    ln1, final = rules.RMS_NORMS[config.norm][0], final_norm(config)  # the final norm's tensors are ln1's sizes
-    ends = {x.name: saved[x.name] for x in layer.ROPE} | {ledger.OUTPUT_INPUT.name: z.full(z.h)} | {
-        y.name: saved[x.name] for x, y in zip(ln1, final) if x.name in saved} | {
-        ledger.LOGITS_SOFTCAP_TANH.name: z.act * z.b * z.s * config.vocab_size}
-    tensors = tuple(x for x, _ in kept if x not in layer.ROPE)  # every layer shares one description of these
-    made, block = moe.kept_in_forward(tensors, config), moe.block_backward(z, config) if config.moe else ()
-    saved |= moe.expert_bytes(saved, config) if config.moe else {}
-    plain = moe.kept_in_forward(tuple(x for x, _ in dense if x not in layer.ROPE), config)  # a dense one's among MoE
-    layers = [(Walk(tape, f"layers.{i}", f"model.layers.{i}", saved, hand_over, _checkpoint(i, config)),
-               _layer(i, z, config, saved, made, block) if not config.moe or moe.sparse(config, i) else
-               _layer(i, z, config, saved, plain, ())) for i in range(config.L)]
-    inputs = (Walk(tape, "", "", ends, hand_over), _embedding(z, config, sharding is not None))
-    outputs = (Walk(tape, "", "", ends, hand_over), _output(z, config))
+    if rules.is_gpt2(config):
+        inputs, layers, outputs = _gpt2(tape, config, z, saved, hand_over)
+    else:
+        inputs, layers, outputs = _llama(tape, config, z, saved, hand_over, kept, dense, sharding is not None)
     with bulk():  # an eager MoE walk puts some hundred thousand tensors on the tape
         _step(tape, sharding, inputs, layers, outputs)
     if isinstance(sharding, Zero):  # DeepSpeed's step makes the fp32 gradient partition first
@@ -100,6 +94,45 @@ Walked = tuple[Walk, tuple[Op, ...]]  # ops and the walk that puts them on the t
 
 # LlamaModel's locals, live until it returns: the first layer's input (inputs_embeds), the position ids and the masks
 MODEL_LOCALS = ("layers.0/input", "model/position_ids", "model/causal_mask", "model/sliding_mask")
+
+
+def _llama(tape: Tape, config: ModelConfig, z: Sizes, saved: dict[str, int], hand_over: HandOver,
+           kept: tuple[tuple[ledger.SavedTensor, int], ...], dense: tuple[tuple[ledger.SavedTensor, int], ...],
+           sharded: bool) -> tuple[Walked, list[Walked], Walked]:
+    """LlamaForCausalLM's (and its kin's) embedding, layers and output as walks and ops."""
+    ln1, final = rules.RMS_NORMS[config.norm][0], final_norm(config)  # the final norm's tensors are ln1's sizes
+    ends = {x.name: saved[x.name] for x in layer.ROPE} | {ledger.OUTPUT_INPUT.name: z.full(z.h)} | {
+        y.name: saved[x.name] for x, y in zip(ln1, final) if x.name in saved} | {
+        ledger.LOGITS_SOFTCAP_TANH.name: z.act * z.b * z.s * config.vocab_size}
+    tensors = tuple(x for x, _ in kept if x not in layer.ROPE)  # every layer shares one description of these
+    made, block = moe.kept_in_forward(tensors, config), moe.block_backward(z, config) if config.moe else ()
+    saved |= moe.expert_bytes(saved, config) if config.moe else {}
+    plain = moe.kept_in_forward(tuple(x for x, _ in dense if x not in layer.ROPE), config)  # a dense one's among MoE
+    layers = [(Walk(tape, f"layers.{i}", f"model.layers.{i}", saved, hand_over, _checkpoint(i, config)),
+               _layer(i, z, config, saved, made, block) if not config.moe or moe.sparse(config, i) else
+               _layer(i, z, config, saved, plain, ())) for i in range(config.L)]
+    inputs = (Walk(tape, "", "", ends, hand_over), _embedding(z, config, sharded))
+    outputs = (Walk(tape, "", "", ends, hand_over), _output(z, config))
+    return inputs, layers, outputs
+
+
+def _gpt2(tape: Tape, config: ModelConfig, z: Sizes, saved: dict[str, int], hand_over: HandOver
+          ) -> tuple[Walked, list[Walked], Walked]:
+    """GPT2LMHeadModel's front, blocks and ln_f (memcalc.sizing.timeline.hf_gpt2); its lm_head, loss and embedding's
+    gradient are Llama's (one rank, unsharded)."""
+    ends = gpt2.ends(z, saved)
+    layers = [(Walk(tape, f"layers.{i}", f"transformer.h.{i}", saved, hand_over, gpt2.checkpoint(i, config)),
+               gpt2.block(i, z, config)) for i in range(config.L)]
+    inputs = (Walk(tape, "", "", ends, hand_over),
+              (_batch(z), *gpt2.embedding(z, config, _embedding_backward(z, config, False, False))))
+    outputs = (Walk(tape, "", "", ends, hand_over), (gpt2.final_norm(z, config), *_head(z, config)))
+    return inputs, layers, outputs
+
+
+def _unheld_masks(config: ModelConfig) -> tuple[str, ...]:
+    """Under gradient checkpointing, LlamaModel's locals no layer's frame holds, gone as it returns: Qwen2-MoE's
+    sliding-window mask, which no layer is given (Gemma 2's sliding layers are)."""
+    return () if config.sandwich_norm else ("model/sliding_mask",)
 
 
 def _checkpoint(i: int, config: ModelConfig) -> Checkpoint | None:
@@ -149,16 +182,17 @@ def _step(tape: Tape, sharding: Fsdp | Zero | None, inputs: Walked, layers: list
 
 
 # The families whose model the walk follows, which --step builds (memcalc.probe.libs.hf_step).
-WALKED = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma", "gemma2", "phi3")
+WALKED = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma", "gemma2", "phi3", "gpt2")
 
 
-def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
+def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounting) -> None:
     """ConfigError naming the first thing the hf step timeline does not model yet."""
     family, tp = layer_family(config).name, strategy.tensor_parallel and config.t > 1
     sharded = config.dp_shard is not None or config.zero_stage is not None
     rerun = f"recompute {config.recompute} (gradient checkpointing) with"
     missing = [
         (family not in WALKED, f"{family}'s model (it walks {', '.join(WALKED)})"),
+        *_gpt2_missing(config, family, tp, accounting),
         (config.sliding_window is not None and not config.sandwich_norm,
          f"sliding_window={config.sliding_window} outside Gemma 2 (it walks a window in Gemma 2's model only)"),
         (config.sandwich_norm and config.attention != "eager",
@@ -172,13 +206,13 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
          " named_parameters(), which names a tied weight once: KeyError)"),
         (config.pp != 1, f"pp={config.pp}"),
         (config.cp != 1, f"cp={config.cp}"),
-        (config.has_dropout and config.attention != "eager", f"dropout {config.dropout} with SDPA (a CPU runs its"
-                                                             " math kernel, CUDA the flash kernel's own dropout)"),
-        (config.add_bias_linear, "add_bias_linear (biases on every linear; Qwen2's q, k, v biases are add_qkv_bias)"),
+        (config.add_bias_linear and family != "gpt2",
+         "add_bias_linear (biases on every linear; Qwen2's q, k, v biases are add_qkv_bias)"),
         ((scaled_embedding(config) or config.fused_qkv) and (tp or sharded or config.has_dropout),
          "Gemma's or Phi-3's model under tp, dp_shard or zero_stage, or with dropout (unmeasured: t = 1 without"
          " sharding or dropout only)"),
-        (config.position_embedding_type != "rope", f"position_embedding_type {config.position_embedding_type}"),
+        (config.position_embedding_type != "rope" and family != "gpt2",
+         f"position_embedding_type {config.position_embedding_type}"),
         (config.dtype == "fp32", "dtype fp32 (no master weights)"),
         *_experts_missing(config, tp),
         # the FSDP2 and ZeRO walks
@@ -190,9 +224,6 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
         (sharded and config.add_qkv_bias, "dp_shard or zero_stage with add_qkv_bias (its walks lay out one gradient a"
                                           " module, the weight's)"),
         # gradient checkpointing: each layer's forward op by op, rerun in backward
-        (config.recompute != "none" and config.moe, f"{rerun} experts (the sparse block's forward, its router and"
-                                                    " grouped_mm's sorts, gathers and permutations, is not walked op by"
-                                                    " op)"),
         (config.recompute != "none" and config.has_dropout, f"{rerun} dropout (the probe's CUDA-like dropout shim is"
                                                             " not active in the rerun)"),
         (config.recompute != "none" and config.zero_stage is not None, f"{rerun} zero_stage"),
@@ -200,6 +231,26 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
     for absent, what in missing:
         if absent:
             raise ConfigError(f"the step timeline for impl hf does not model {what} yet")
+
+
+def _gpt2_missing(config: ModelConfig, family: str, tp: bool, accounting: Accounting) -> list[tuple[bool, str]]:
+    """What the walk of GPT2LMHeadModel (memcalc.sizing.timeline.hf_gpt2) leaves out. SDPA with dropout is the
+    flash kernel's walk on CUDA, which drops out inside (the ledger's FLASH_DROPOUT_LSE, read from torch's code)."""
+    if family != "gpt2":
+        return []
+    return [
+        (tp, f"GPT-2's model under tp (t={config.t}): GPT2Config has no base_model_tp_plan"),
+        (not config.add_bias_linear, "GPT-2 without add_bias_linear (its Conv1Ds always have biases)"),
+        (config.position_embedding_type != "learned_absolute", f"GPT-2 with position_embedding_type"
+                                                                f" {config.position_embedding_type} (GPT2Model learns"
+                                                                " its positions: wpe)"),
+        (config.attention != "eager" and config.has_dropout and accounting.device == "cpu",
+         f"dropout {config.dropout} with SDPA in GPT-2's model on a CPU (torch's math kernel runs)"),
+        (config.recompute == "full" and config.has_dropout, f"recompute full (gradient checkpointing) with dropout in"
+                                                            " GPT-2's model (the probe's CUDA-like dropout shim is not"
+                                                            " active in the rerun)"),
+        (config.dp_shard is not None or config.zero_stage is not None, "GPT-2's model under dp_shard or zero_stage"),
+    ]
 
 
 def _experts_missing(config: ModelConfig, tp: bool) -> list[tuple[bool, str]]:
@@ -259,13 +310,16 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
         *post_attn,
         *((mid,) if checkpointed else ()),
         *layer.rms_norm("pre_feedforward_layernorm" if config.sandwich_norm else "post_attention_layernorm", p, ln2,
-                        z, mlp, f"grad/{p}/mid", f"grad/{p}/output", output=kept(p, ledger.FC1_IN)),
+                        z, mlp, f"grad/{p}/mid", f"grad/{p}/output",
+                        output=kept(p, ledger.MOE_IN if block else ledger.FC1_IN)),
+        *(moe.checkpointed_forward(p, z, config) if block and checkpointed else ()),
         *(block or layer.mlp(p, z, tp, rules.GATED[config.mlp], mlp_out, config.fused_qkv)),
         *post_mlp,
         *((output,) if checkpointed else ()),
     )
     if not checkpointed:
-        ops = (*layer.layer_forward(i, z, made, moe.block_forward(p, z, config) if block else ()),
+        ops = (*layer.layer_forward(i, z, made, moe.block_forward(p, z, config) if block else (),
+                                    layer.sdpa_math_forward(p, z, saved, config.groups != config.a)),
                *(replace(x, forward=()) for x in ops))
     return tuple(replace(x, shadow=PHI3_SHADOWED.get(x.where, "")) for x in ops) if config.fused_qkv else ops
 
@@ -281,11 +335,6 @@ def _embedding(z: Sizes, config: ModelConfig, sharded: bool) -> tuple[Op, ...]:
     """The batch; the embedding (`embedding_rowwise` under tp: this rank's rows, the Partial sum all-reduced) and what
     LlamaModel makes once for all layers."""
     tp = z.t > 1
-    batch = Op("", forward=(Step("the batch", (
-        Made(ledger.EMBEDDING_INPUT_IDS.name, z.tokens(8), "the micro-batch's token ids (int64), live for the whole"
-             " step; the embedding keeps them"),
-        Made("batch/labels", z.tokens(8), "the micro-batch's labels (int64), live for the whole step")),
-        moment=False),), backward=())
     lookup = (Made("embedding/partial", z.full(z.h), "this rank's rows looked up, the others' zeroed (DTensor's"
                    " MaskPartial), summed by all_reduce"),) if tp else ()
     eager, act, s = config.attention == "eager", z.act, z.s
@@ -310,9 +359,18 @@ def _embedding(z: Sizes, config: ModelConfig, sharded: bool) -> tuple[Op, ...]:
                      Step("the lookup scaled by sqrt(h)", (first,), frees=("embedding/lookup",)))
         scaled = (Step("the scale's backward", (Made("grad/embedding (scaled)", z.full(z.h), "dY * scale, the lookup's"
                                                      " gradient"),), frees=("grad/embedding output",), moment=False),)
-    return (batch, Op("model.embed_tokens", forward=(
+    return (_batch(z), Op("model.embed_tokens", forward=(
         *looked_up, Step("what LlamaModel makes once for all layers", model, moment=False),
     ), backward=(*scaled, *_embedding_backward(z, config, tp, sharded))))
+
+
+def _batch(z: Sizes) -> Op:
+    """The micro-batch's token ids and labels, loaded inside the step."""
+    return Op("", forward=(Step("the batch", (
+        Made(ledger.EMBEDDING_INPUT_IDS.name, z.tokens(8), "the micro-batch's token ids (int64), live for the whole"
+             " step; the embedding keeps them"),
+        Made("batch/labels", z.tokens(8), "the micro-batch's labels (int64), live for the whole step")),
+        moment=False),), backward=())
 
 
 def scaled_embedding(config: ModelConfig) -> bool:
@@ -347,10 +405,7 @@ def _embedding_backward(z: Sizes, config: ModelConfig, tp: bool, sharded: bool) 
 
 
 def _output(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
-    """model.norm, lm_head and ForCausalLMLoss."""
-    tp = z.t > 1
-    logits = z.act * z.b * z.s * config.vocab_size  # under tp gathered whole on every rank ("colwise_gather_output")
-    local = z.act * z.b * z.s * z.v_t
+    """model.norm, then lm_head and the loss."""
     last = f"layers.{config.L}/input"
     final = final_norm(config)
     # the locals alive at its widest: LlamaRMSNorm's variance and fp32 x * r; GemmaRMSNorm's fp32 product
@@ -362,7 +417,15 @@ def _output(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
                               *(kept("", x) for x in final), *temps,
                               kept("", ledger.OUTPUT_INPUT, "the cast back: lm_head's input, which it keeps")),
                               frees=(*(x.name for x in temps), last,  # the first layer's frame holds the rest
-                                     *(MODEL_LOCALS if config.recompute != "full" else ()))),))
+                                     *(MODEL_LOCALS if config.recompute != "full" else _unheld_masks(config)))),))
+    return (*norm, *_head(z, config))
+
+
+def _head(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
+    """lm_head (under tp its logits gathered), Gemma 2's soft-capping and ForCausalLMLoss, every family's."""
+    tp = z.t > 1
+    logits = z.act * z.b * z.s * config.vocab_size  # under tp gathered whole on every rank ("colwise_gather_output")
+    local = z.act * z.b * z.s * z.v_t
     gather = (Made("lm_head/local logits", local, "this rank's columns of the logits (Shard(-1))"),
               Made("lm_head/gathered", z.t * local, "all_gather_into_tensor's (t*b, s, v/t) buffer")) if tp else ()
     head = linear("lm_head", ledger.OUTPUT_INPUT, None, z.act * z.v_t * z.h, "grad/lm_head input", z.full(z.h), "",
@@ -373,7 +436,7 @@ def _output(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     lm_head = replace(head, forward=(Step("the gathered logits: this rank's columns, the gather's buffer, all", (
         *gather, Made("lm_head/logits", logits, "lm_head's bf16 logits; the output object holds them until it goes")),
         frees=("lm_head/local logits", "lm_head/gathered"), moment=tp),), backward=(*columns, *head.backward))
-    return (*norm, lm_head, *_softcap(config, logits), _loss(z, logits))
+    return (lm_head, *_softcap(config, logits), _loss(z, logits))
 
 
 def _softcap(config: ModelConfig, logits: int) -> tuple[Op, ...]:

@@ -129,12 +129,18 @@ def _gemma_weight(where: str, g: str, norm: RMSNormTensors, z: Sizes, dy: str | 
     return (product, cast)
 
 
-def layer_forward(i: int, z: Sizes, kept: Step, mlp: tuple[Op, ...] = ()) -> tuple[Op, ...]:
+def layer_forward(i: int, z: Sizes, kept: Step, mlp: tuple[Op, ...] = (), core: tuple[Op, ...] = ()
+                  ) -> tuple[Op, ...]:
     """Layer i's forward, one moment at its second residual sum: its kept tensors (`kept`, every layer's one step),
-    the residual stream, and a sparse block's own moments (`mlp`, which makes the MLP's output). Under tp a dense
-    MLP's down_proj (RowwiseParallel) all-reduces its GEMM's partial sum into a new tensor: a moment before the sum,
-    as many bytes as it (the partial goes as the sum is made), which MemTracker reads first."""
+    the residual stream, and a sparse block's own moments (`mlp`, which makes the MLP's output); with the attention
+    core's own moment (`core`), the tensors kept up to it (those before o_proj's input) are made before it. Under tp a
+    dense MLP's down_proj (RowwiseParallel) all-reduces its GEMM's partial sum into a new tensor: a moment before the
+    sum, as many bytes as it (the partial goes as the sum is made), which MemTracker reads first."""
     p, full = f"layers.{i}", z.full(z.h)
+    if core:
+        at = next(j for j, x in enumerate(kept.makes) if x.keeps == ledger.PROJ_IN)
+        core = (Op("", (replace(kept, makes=kept.makes[:at]),), ()), *core)
+        kept = replace(kept, makes=kept.makes[at:])
     made = Op("", forward=(kept, Step("the residual stream", (Made(
         f"{p}/mid", full, "the residual stream after attention: ln2's input and the MLP's residual"),), moment=False)),
               backward=())
@@ -146,7 +152,7 @@ def layer_forward(i: int, z: Sizes, kept: Step, mlp: tuple[Op, ...] = ()) -> tup
         *(() if down else output), Made(f"layers.{i + 1}/input", full, "the layer's output, the next layer's input")),
         # the caller rebinds its hidden_states; the first layer's input is inputs_embeds too
         frees=(f"{p}/mid", f"{p}/mlp output", *((f"{p}/input",) if i else ()))),), backward=())
-    return (made, *mlp, *down, out)
+    return (*core, made, *mlp, *down, out)
 
 
 def residuals(i: int, z: Sizes, eager: bool) -> tuple[Op, Op]:
@@ -204,9 +210,11 @@ def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, t
     rope = tuple(Op("self_attn", _rope_forward(p, name, z.full(w), rotated[name], name == "k" and not fused, fused),
                     _rope_backward(g, name, z.full(w), first and name == "q")) for name, w in
                  (("q", q), ("k", kv)))  # forward order: q's, then k's
-    core = _eager(p, z, saved, gqa, dropout, softcap, fused) if eager else _sdpa(p, z)
-    o_proj = linear("self_attn.o_proj", ledger.PROJ_IN if eager else None, None, z.act * q * z.h, f"{g}/o_proj input",
-                    z.full(q), p, (dy,) if dy else ())
+    math = rules.MATH_Q.name in saved  # SDPA with dropout on a CPU: the math kernel (the ledger's SDPA_MATH)
+    core = _eager(p, z, saved, gqa, dropout, softcap, fused) if eager else _sdpa_math(p, z, gqa) if math else \
+        _sdpa(p, z)
+    o_proj = linear("self_attn.o_proj", ledger.PROJ_IN if eager or math else None, None, z.act * q * z.h,
+                    f"{g}/o_proj input", z.full(q), p, (dy,) if dy else ())
     gone = (made["v"], *rotated.values(), kept(p, ledger.QKV_IN), kept(p, ledger.PROJ_IN))  # at the module's return
     o_proj = replace(o_proj, forward=(Step("the GEMM", (Made(f"{p}/attn output", full, "o_proj's output"),),
                                            frees=tuple(x.name for x in gone if x.keeps is None),
@@ -365,7 +373,7 @@ def _eager(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool = F
         *dropped,
         Op("self_attn", (
             *((Step("V made contiguous for bmm", (kept(p, v),)),) if v_copied else ()),
-            *_context(p, z, q, (kept_name(p, v),) if v_copied else (),
+            *context(p, z, q, (kept_name(p, v),) if v_copied else (),
                       tuple(kept_name(p, t) for t in (k, v)) if repeated else ()),
         ), (
             Step("the context made (b, a, s, d)", (Made(f"{g}/attn heads", q, "contiguous for bmm"),),
@@ -376,7 +384,7 @@ def _eager(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool = F
     )
 
 
-def _context(p: str, z: Sizes, q: int, read: tuple[str, ...], gone: tuple[str, ...]) -> tuple[Step, ...]:
+def context(p: str, z: Sizes, q: int, read: tuple[str, ...], gone: tuple[str, ...]) -> tuple[Step, ...]:
     """weights x V (`read` last there), then transpose(1, 2).contiguous(): a copy but for one token or one head a rank
     ((b, a, 1, d) transposed is contiguous already); `gone` goes as the core returns."""
     if z.s == 1 or z.a_t == 1:
@@ -395,7 +403,8 @@ def _softcap_backward(g: str, scores: int) -> tuple[Step, ...]:
 
 
 def _sdpa(p: str, z: Sizes) -> tuple[Op, ...]:
-    """SDPA's flash kernel, one kernel each way."""
+    """SDPA's flash kernel, one kernel each way; with dropout on CUDA too, which regenerates its mask in backward from
+    the RNG state mha_fwd allocates with or without dropout (torch's flash_api.cpp: read from code, not measured)."""
     g, kv = f"grad/{p}", z.full(z.g_t * z.d)
     return (Op("self_attn", (Step("SDPA's flash kernel: its output and log-sum-exp", (
         kept(p, ledger.PROJ_IN), kept(p, ledger.SOFTMAX_LSE)), reads_last=(kept_name(p, ledger.SOFTMAX_LSE),)),), (
@@ -403,6 +412,86 @@ def _sdpa(p: str, z: Sizes) -> tuple[Op, ...]:
         Made(f"{g}/q heads", z.full(z.a_t * z.d), "dQ"), Made(f"{g}/k heads", kv, "dK, at g heads"),
         Made(f"{g}/v heads", kv, "dV, at g heads")), frees=(f"{g}/o_proj input",)),),
         saves=(ledger.Q, ledger.K, ledger.V, ledger.SOFTMAX_LSE, ledger.PROJ_IN)),)
+
+
+def _sdpa_math(p: str, z: Sizes, gqa: bool) -> tuple[Op, ...]:
+    """SDPA with dropout on a CPU: torch's math kernel (aten _scaled_dot_product_attention_math), its ops recorded by
+    autograd one by one, all in fp32 (q, k and v cast up, q and k^T scaled, K and V repeated to every head under GQA
+    with enable_gqa, bmm, the causal mask added, _safe_softmax, dropout's scaled mask, bmm), its output cast back. Its
+    backward runs those ops' backward in autograd's order: the dropout branch, then k's scale, the repeats' sums (v's,
+    then k's), q's scale, the three casts down (v's, k's, q's)."""
+    g, (heads, groups, folded) = f"grad/{p}", _math_sizes(z)
+    scores = 4 * z.b * z.a_t * z.s * z.s
+    v_grad = f"{g}/math dv expanded" if gqa else f"{g}/math dv"
+    dropped = Op("self_attn", (), (
+        Step("the output's cast to bf16: its backward", (Made(f"{g}/math out", heads, "dO in fp32"),),
+             frees=(f"{g}/o_proj input",), moment=not folded),
+        *((Step("dO made contiguous to fold (b, a) for bmm", (Made(f"{g}/math out folded", heads, "a copy"),),
+                frees=(f"{g}/math out",)),) if folded else ()),
+        Step("dropped x V: dV and the dropped weights' gradient", (
+            Made(v_grad, heads, "dV = dropped^T dO, at a heads"),
+            Made(f"{g}/math dropped", scores, "dDropped = dO V^T, fp32 (b, a, s, s)")),
+            frees=(f"{g}/math out folded" if folded else f"{g}/math out",)),
+    ), saves=(rules.MATH_DROPOUT_OUT, rules.MATH_V))
+    mask = Op("self_attn", (), (
+        Step("dropout's backward: dY * mask", (Made(f"{g}/math softmax", scores, "the softmax's gradient"),),
+             frees=(f"{g}/math dropped",)),), saves=(rules.MATH_DROPOUT_MASK, rules.MATH_SOFTMAX))
+    softmax = Op("self_attn", (), (
+        Step("_safe_softmax's backward", (Made(f"{g}/math scores", scores, "the scores' gradient (the mask's add"
+                                               " passes it on)"),), frees=(f"{g}/math softmax",)),),
+                 saves=(rules.MATH_SOFTMAX,))
+    k_grad = f"{g}/math dk expanded" if gqa else f"{g}/math dk"
+    scaled = Op("self_attn", (), (
+        Step("QK^T: dK^T and dQ", (Made(f"{g}/math dk^T", heads, "dK^T = Q^T dScores"),
+                                   Made(f"{g}/math dq", heads, "dQ = dScores K")), frees=(f"{g}/math scores",),
+             returns=True),
+        Step("k^T * scale's backward", (Made(k_grad, heads, "dK^T * scale, transposed back"),),
+             frees=(f"{g}/math dk^T",)),
+        *(Step(f"repeating {n}'s backward: summed over each group's heads", (
+            Made(f"{g}/math d{n}", groups, f"d{n} at g heads, fp32"),), frees=(f"{g}/math d{n} expanded",))
+          for n in (("v", "k") if gqa else ())),
+        Step("q * scale's backward", (Made(f"{g}/math dq scaled", heads, "dQ * scale"),), frees=(f"{g}/math dq",)),
+        *(Step(f"{n}'s cast to fp32: its backward", (Made(f"{g}/{n} heads", z.full(w * z.d), f"d{n} cast back"),),
+               frees=(fp32,)) for n, w, fp32 in (("v", z.g_t, f"{g}/math dv"), ("k", z.g_t, f"{g}/math dk"),
+                                                 ("q", z.a_t, f"{g}/math dq scaled"))),
+    ), saves=(rules.MATH_Q, rules.MATH_K))
+    return (scaled, softmax, mask, dropped)
+
+
+def _math_sizes(z: Sizes) -> tuple[int, int, bool]:
+    """The math kernel's fp32 (b, a, s, d) and (b, g, s, d) bytes, and whether bmm copies a (b, a, s, d) view of a
+    (b, s, a, d) tensor (q, multi-head k and v, dO) to fold (b, a) into one batch: unless b, a or s is 1."""
+    return 4 * z.b * z.a_t * z.s * z.d, 4 * z.b * z.g_t * z.s * z.d, z.b > 1 and z.a_t > 1 and z.s > 1
+
+
+def sdpa_math_forward(p: str, z: Sizes, saved: dict[str, int], gqa: bool) -> tuple[Op, ...]:
+    """The math kernel's widest forward moment, as its output is cast back to bf16: its C++ locals all live to its
+    return (q, k and v cast to fp32, q scaled, the causal mask, K and V repeated under GQA, the dropped-out weights
+    cast to bf16 for the tuple it returns, bmm's fp32 output), beside what it keeps and the attention's bf16 locals
+    (RoPE's q and k, v). None without the math kernel (the ledger's SDPA_MATH)."""
+    if rules.MATH_Q.name not in saved:
+        return ()
+    heads, groups, folded = _math_sizes(z)
+    locals_ = (
+        Made(f"{p}/q heads", z.full(z.a_t * z.d), "RoPE's q, a local of the attention"),
+        Made(f"{p}/k heads", z.full(z.g_t * z.d), "RoPE's k, a local of the attention"),
+        Made(f"{p}/v heads", z.full(z.g_t * z.d), "v_proj's output as heads, a local of the attention"),
+        Made(f"{p}/math q", heads, "q.to(float32), a local"),
+        Made(f"{p}/math k", groups, "k.to(float32), a local"),
+        *((Made(f"{p}/math v", groups, "v.to(float32), a local (matmul copies it to fold (b, a))"),)
+          if gqa or folded else ()),  # else the kept MATH_V
+        *((Made(f"{p}/math q scaled", heads, "q * sqrt(scale), a local (matmul copies it to fold (b, a))"),)
+          if folded else ()),  # else the kept MATH_Q
+        *((Made(f"{p}/math mask", 4 * z.s * z.s, "the causal (s, s) fp32 mask, from a bool tril"),)
+          if z.s > 1 else ()),  # one token attends without a mask (is_causal false)
+        *((Made(f"{p}/math k expanded", heads, "K repeated to every head (enable_gqa), a local"),) if gqa else ()),
+        Made(f"{p}/math weights", z.act * z.b * z.a_t * z.s * z.s, "the dropped-out weights cast to bf16, returned"
+             " beside the output and dropped"),
+        Made(f"{p}/math context", heads, "bmm's fp32 output"),
+        Made(f"{p}/math output", z.full(z.a_t * z.d), "the output cast back to bf16"),
+    )
+    return (Op("self_attn", (Step("SDPA's math kernel at its widest: its output cast back to bf16", locals_,
+                                  frees=tuple(x.name for x in locals_)),), ()),)
 
 
 def mlp(p: str, z: Sizes, tp: bool, gated: tuple[SavedTensor, SavedTensor, SavedTensor], dy: str | None = None,

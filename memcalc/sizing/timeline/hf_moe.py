@@ -16,7 +16,7 @@ from memcalc.model.ledger import SavedTensor
 from memcalc.sizing.timeline.hf_layer import WHY_SAVED
 from memcalc.sizing.timeline.tape import Sizes
 from memcalc.sizing.timeline.torch_ops import WHY_WGRAD, linear
-from memcalc.sizing.timeline.walk import Made, Op, Step, kept
+from memcalc.sizing.timeline.walk import Made, Op, Step, kept, kept_name, kept_names
 
 # The block's tensors kept one storage per expert: the ledger's row is E of them (memcalc.probe.libs.hf merges them the
 # same way).
@@ -144,6 +144,175 @@ def _grouped_forward(m: str, out: str, z: Sizes, config: ModelConfig, routed: tu
     ), backward=())
 
 
+def checkpointed_forward(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
+    """The block's forward op by op, for gradient checkpointing (its forward, which keeps nothing, and its rerun in
+    backward, which keeps the ledger's tensors and stops early at the last one the layer saves): Qwen2-MoE's shared
+    expert first, the router, grouped_mm_experts_forward (its locals live to its return), then the shared expert's
+    gate; the block's locals (the router's outputs, its input) live to its return."""
+    m, shared = f"{p}/moe", bool(config.moe_shared_expert_intermediate_size)
+    out = f"{m}/experts output" if shared else f"{p}/mlp output"
+    experts = _grouped_experts_forward if grouped(config) else _loop_experts_forward
+    block = (*(_shared_forward(p) if shared else ()), _router_forward(p, z, config),
+             *experts(p, z, config, out), *(_shared_gated(p, z, out) if shared else ()))
+    return (*block, Op("mlp", (Step("", frees=(f"{m}/router_logits", f"{m}/top_k_weights"),
+                                    reads_last=kept_names(p, ledger.ROUTER_TOPK_INDICES, ledger.MOE_IN)),), ()))
+
+
+def _router_forward(p: str, z: Sizes, config: ModelConfig) -> Op:
+    """The router: logits, their fp32 softmax (a local to its return), top-k, the sum and the in-place division (whose
+    clone autograd keeps), Qwen's cast to bf16."""
+    m, tokens, k, experts, bf16 = f"{p}/moe", z.b * z.s, config.moe_router_topk, config.num_experts, _bf16(config)
+    weights = f"{m}/top_k_weights"
+    norm = (
+        Step("the top-k values' sum", (kept(p, rules.TOPK_SUM),)),
+        Step("the values divided by it, in place: autograd keeps them as they were", (kept(p, rules.TOPK_WEIGHTS),),
+             reads_last=kept_names(p, rules.TOPK_SUM, rules.TOPK_WEIGHTS)),
+    ) if rules.TOPK_SUM in rules.moe_block(config) else ()
+    cast = (Step("the top-k weights cast to bf16", (Made(weights, z.act * tokens * k, "the weights the experts read"),),
+                 frees=(f"{m}/top values",)),) if bf16 else ()
+    *routed, last = (
+        Step("the router's logits", (Made(f"{m}/router_logits", z.act * tokens * experts, "F.linear's (b*s, E) logits:"
+                                          " the block's `_` holds them"),)),
+        Step("the logits cast to fp32", (Made(f"{m}/logits fp32", 4 * tokens * experts, "softmax's input"),)),
+        Step("the fp32 softmax", (kept(p, rules.ROUTER_PROBS),), frees=(f"{m}/logits fp32",)),
+        Step("top-k", (Made(f"{m}/top values" if bf16 else weights, 4 * tokens * k, "the k largest probabilities"),
+                       kept(p, ledger.ROUTER_TOPK_INDICES))),
+        *norm, *cast)
+    return Op("mlp.gate", (*routed, replace(last, reads_last=last.reads_last + kept_names(p, rules.ROUTER_PROBS))), ())
+
+
+def _grouped_experts_forward(p: str, z: Sizes, config: ModelConfig, out: str) -> tuple[Op, ...]:
+    """grouped_mm_experts_forward op by op, its locals to its return (`out`, what it returns)."""
+    m, tokens, k, experts = f"{p}/moe", z.b * z.s, config.moe_router_topk, config.num_experts
+    r, width, bf16 = k * tokens, _width(z, config), _bf16(config)
+    weight = rules.EXPERT_WEIGHT_CAST if bf16 else rules.EXPERT_WEIGHT
+    summed = out if bf16 else f"{m}/summed fp32"  # Qwen's sum is bf16: its cast a no-op
+    held = kept_names(p, rules.SORTED_SLOTS, ledger.EXPERT_IN, weight, rules.EXPERT_OFFSETS, rules.EXPERT_OUT,
+                      rules.UNSORTED_SLOTS)
+    sorted_ = Op("mlp.experts", (
+        Step("sort: the slots by expert", (Made(f"{m}/sorted expert ids", 8 * r, "torch.sort's values"),
+                                           kept(p, rules.SORTED_SLOTS))),
+        Step("perm // k: each sorted slot's token", (kept(p, rules.TOKEN_INDICES),)),
+        Step("the tokens' rows in expert order", (kept(p, ledger.EXPERT_IN),),
+             reads_last=kept_names(p, rules.TOKEN_INDICES)),
+        Step("the routing weights in expert order", (kept(p, weight),)),
+        Step("the sorted ids as fp32", (Made(f"{m}/histc input", 4 * r, "histc takes no integers on the CPU"),)),
+        Step("histc: the tokens per expert", (Made(f"{m}/tokens per expert", 4 * experts, "(E,) fp32 counts"),)),
+        Step("cumsum: the offsets", (kept(p, rules.EXPERT_OFFSETS),)),
+        Step("gate_up_proj's grouped GEMM", (kept(p, ledger.EXPERT_GATE), kept(p, ledger.EXPERT_UP))),
+    ), ())
+    silu = Op("mlp.experts.act_fn", (Step("SiLU", (kept(p, ledger.EXPERT_SILU_OUT),)),), ())
+    combined = Op("mlp.experts", (
+        Step("SiLU(gate) * up", (kept(p, ledger.EXPERT_FC2_IN),),
+             reads_last=kept_names(p, ledger.EXPERT_GATE, ledger.EXPERT_UP, ledger.EXPERT_SILU_OUT)),
+        Step("down_proj's grouped GEMM", (kept(p, rules.EXPERT_OUT),), reads_last=kept_names(p, ledger.EXPERT_FC2_IN)),
+        Step("the rows times their routing weights", (Made(f"{m}/weighted", width * r * z.h, "in expert order"),)),
+        Step("inv_perm[perm] = arange", (kept(p, rules.UNSORTED_SLOTS), Made(f"{m}/arange", 8 * r, "a temporary")),
+             frees=(f"{m}/arange",)),
+        Step("the rows in slot order", (Made(f"{m}/slot order", width * r * z.h, "weighted_out[inv_perm]"),),
+             frees=(f"{m}/weighted",)),
+        Step("summed over each token's k slots", (Made(summed, width * tokens * z.h, "view(b*s, k, h).sum(1)"),)),
+        *(() if bf16 else (Step("the sum cast to bf16", (Made(out, z.full(z.h), "the experts' output"),)),)),
+        Step("", frees=(f"{m}/sorted expert ids", f"{m}/histc input", f"{m}/tokens per expert", f"{m}/slot order",
+                        f"{m}/summed fp32"), reads_last=held),
+    ), ())
+    return (sorted_, silu, combined)
+
+
+def _loop_experts_forward(p: str, z: Sizes, config: ModelConfig, out: str) -> tuple[Op, ...]:
+    """The eager loop op by op (`out`, the index_add_ target it returns): the one-hot mask and the experts hit, then
+    each expert's (token, slot) pairs, rows, SwiGLU, down projection and weighted output added in; the loop's
+    variables hold an expert's pairs, rows, gate_up output and weighted output until the next expert rebinds them
+    (the last expert's to the return)."""
+    m, tokens, k, experts, bf16 = f"{p}/moe", z.b * z.s, config.moe_router_topk, config.num_experts, _bf16(config)
+    weight = rules.EXPERT_WEIGHT_CAST if bf16 else rules.EXPERT_WEIGHT
+    names = [{x: kept_name(p, per_expert(e)[x.name]) for x in EXPERT_TENSORS} for e in range(experts)]
+
+    def held(e: int) -> tuple[tuple[str, ...], Step]:
+        """Expert e's kept tensors the loop's variables hold (pairs, rows, gate_up's two halves), and the step that
+        lets its weighted output go: Qwen's is index_add_'s kept source, Mixtral's an fp32 local."""
+        if e < 0:
+            return (), Step("")
+        mine = names[e]
+        rows = (mine[rules.TOKEN_SLOTS], mine[ledger.EXPERT_IN], mine[ledger.EXPERT_GATE], mine[ledger.EXPERT_UP])
+        return rows, Step("", reads_last=(mine[rules.COMBINE_IN],)) if bf16 else Step("", frees=(
+            f"{m}/weighted fp32 {e}",))
+
+    def expert(e: int) -> tuple[Op, ...]:
+        mine, name = per_expert(e), names[e]
+        before, weighted = held(e - 1)  # the previous expert's, let go as this one's rebind them
+        product = (kept(p, mine[rules.COMBINE_IN.name]) if bf16 else
+                   Made(f"{m}/weighted fp32 {e}", 4 * _slots(config) * z.h, "fp32: the loop's variable holds it"))
+        cast = () if bf16 else (Step("cast to bf16: index_add_'s source", (kept(p, mine[rules.COMBINE_IN.name]),)),
+                                Step("index_add_", reads_last=(name[rules.COMBINE_IN],)))
+        return (
+            Op("mlp.experts", (
+                Step(f"expert {e}: its (token, slot) pairs", (kept(p, mine[rules.TOKEN_SLOTS.name]),),
+                     reads_last=before[:1]),
+                Step("its rows", (kept(p, mine[ledger.EXPERT_IN.name]),), reads_last=before[1:2]),
+                Step("gate_up's GEMM", (kept(p, mine[ledger.EXPERT_GATE.name]), kept(p, mine[ledger.EXPERT_UP.name])),
+                     reads_last=before[2:]),
+            ), ()),
+            Op("mlp.experts.act_fn", (Step("SiLU", (kept(p, mine[ledger.EXPERT_SILU_OUT.name]),)),), ()),
+            Op("mlp.experts", (
+                Step("SiLU(gate) * up", (kept(p, mine[ledger.EXPERT_FC2_IN.name]),), frees=weighted.frees,
+                     reads_last=(name[ledger.EXPERT_SILU_OUT], *weighted.reads_last)),
+                Step("down_proj's GEMM", (kept(p, mine[rules.EXPERT_OUT.name]),),
+                     reads_last=(name[ledger.EXPERT_FC2_IN],)),
+                Step("its routing weights", (kept(p, mine[weight.name]),)),
+                Step("the output times its routing weights", (product,),
+                     reads_last=(name[weight], name[rules.EXPERT_OUT])),
+                *cast,
+            ), ()),
+        )
+
+    rows, weighted = held(experts - 1)
+    return (
+        Op("mlp.experts", (
+            Step("zeros_like(x): index_add_'s target", (Made(out, z.full(z.h), "the experts' output"),)),
+            Step("one_hot(top_k_index, E + 1)", (Made(f"{m}/expert_mask", 8 * tokens * k * (experts + 1),
+                                                      "(b*s, k, E + 1) int64, a local to the return"),)),
+            Step("the experts hit", (Made(f"{m}/expert_hit", 8 * experts, "nonzero(the mask's sums): (E, 1)"
+                                          " int64"),)),
+        ), ()),
+        *(op for e in range(experts) for op in expert(e)),
+        Op("mlp.experts", (Step("", frees=(f"{m}/expert_mask", f"{m}/expert_hit", *weighted.frees),
+                                reads_last=(*rows, *weighted.reads_last)),), ()),
+    )
+
+
+def _shared_forward(p: str) -> tuple[Op, ...]:
+    """Qwen2MoeMLP on every token, the block's first: down_proj(act_fn(gate_proj(x)) * up_proj(x)), each operand
+    gone once read (its output kept by the gated product)."""
+    s = "mlp.shared_expert"
+    return (
+        Op(f"{s}.gate_proj", (Step("the GEMM", (kept(p, ledger.SHARED_GATE),)),), ()),
+        Op(f"{s}.act_fn", (Step("SiLU", (kept(p, ledger.SHARED_SILU_OUT),),
+                                reads_last=kept_names(p, ledger.SHARED_GATE)),), ()),
+        Op(f"{s}.up_proj", (Step("the GEMM", (kept(p, ledger.SHARED_UP),)),), ()),
+        Op(s, (Step("act(gate) * up", (kept(p, ledger.SHARED_FC2_IN),),
+                    reads_last=kept_names(p, ledger.SHARED_SILU_OUT, ledger.SHARED_UP)),), ()),
+        Op(f"{s}.down_proj", (Step("the GEMM", (kept(p, rules.SHARED_OUT),),
+                                   reads_last=kept_names(p, ledger.SHARED_FC2_IN)),), ()),
+    )
+
+
+def _shared_gated(p: str, z: Sizes, experts: str) -> tuple[Op, ...]:
+    """sigmoid(shared_expert_gate(x)) * the shared expert's output, added to the experts' (`experts`)."""
+    m = f"{p}/moe"
+    return (
+        Op("mlp.shared_expert_gate", (Step("the GEMM", (Made(f"{m}/shared gate logits", z.act * z.b * z.s,
+                                                             "(b*s, 1)"),)),), ()),
+        Op("mlp", (
+            Step("sigmoid", (kept(p, rules.SHARED_GATE_SIGMOID),), frees=(f"{m}/shared gate logits",)),
+            Step("sigmoid(gate(x)) * shared_expert(x)", (Made(f"{m}/shared gated", z.full(z.h), "the gated output"),),
+                 reads_last=kept_names(p, rules.SHARED_GATE_SIGMOID, rules.SHARED_OUT)),
+            Step("the experts' and the gated shared expert's outputs summed", (
+                Made(f"{p}/mlp output", z.full(z.h), "the block's output"),), frees=(experts, f"{m}/shared gated")),
+        ), ()),
+    )
+
+
 @dataclass
 class _Sums:
     """Autograd's running sums of one tensor's gradients (the block input's, the routing weights', each expert
@@ -219,16 +388,18 @@ def _expert(z: Sizes, config: ModelConfig, e: int, sums: _Sums) -> list[Op]:
     product = _op("mlp.experts", tuple(mine[x.name] for x in (rules.EXPERT_OUT, rules.EXPERT_WEIGHT,
                                                                rules.EXPERT_WEIGHT_CAST)),
         Step(f"expert {e}: the routing weight's product, its gradients", (
-            *(() if bf16 else (Made(f"{g}/combine dY fp32", 4 * r * z.h, "dY * w, fp32"),)),
-            Made(f"{g}/combine dw rows", width * r * z.h, "dY * out, before the sum"),
-            Made(f"{g}/combine dY bf16", act * r * z.h, "dY * w" + ("" if bf16 else " cast to bf16"))),
-            frees=() if bf16 else (f"{g}/combine dw rows",)),
+            Made(f"{g}/combine dY fp32" if not bf16 else f"{g}/combine dY bf16", width * r * z.h, "dY * w"),
+            Made(f"{g}/combine dw rows", width * r * z.h, "dY * out, before the sum")), returns=True),
+        # autograd's validate_outputs: Mixtral's dY * w cast to the output's bf16, dY * out summed to (r_e, 1)
+        *(() if bf16 else (Step("dY * w cast to bf16", (Made(f"{g}/combine dY bf16", act * r * z.h, "down_proj's"
+                                                             " output gradient"),),
+                                frees=(f"{g}/combine dw rows",), reduced=True),)),
         Step("dY * out summed over h, and index's backward", (
             Made(f"{g}/combine dw", width * r, "one value per slot"),
             Made(f"{g}/weights zeros", width * tokens * k, "a (b*s, k) zero tensor"),
             Made(f"{g}/weights put", width * tokens * k, "the slots' gradients in place")),
             frees=(f"{g}/combine dY fp32", f"{g}/combine rows fp32", f"{g}/combine rows", f"{g}/combine dw rows",
-                   f"{g}/weights zeros", f"{g}/combine dw"), moment=False, returns=True),
+                   f"{g}/weights zeros", f"{g}/combine dw"), moment=False, reduced=True),
         sums.add("routing weights", f"{g}/weights put", width * tokens * k))
     down = gemms("down", f"{g}/combine dY bf16", Made(f"{g}/down dX", act * r * f, "dY W, (r_e, e)"),
                  act * f * z.h, act * experts * z.h * f, (mine[ledger.EXPERT_FC2_IN.name],))
@@ -255,11 +426,13 @@ def _grouped(z: Sizes, config: ModelConfig, sums: _Sums) -> list[Op]:
     r = config.moe_router_topk * z.b * z.s
     act, width, bf16, h = z.act, _width(z, config), _bf16(config), z.h
     tp = z.t > 1  # this rank's e/t of each expert, local tensors: the weights' gradients handed over at the end
+    copied = config.moe_router_topk > 1  # one slot a token: dY expanded to (b*s, 1, h) is the rows already, a view
     combine = _op("mlp.experts", (), *(() if bf16 else (Step("the cast's backward: dY in fp32", (
-        Made(f"{g}/dY fp32", z.tokens(4 * h), "the block's dY cast to the sum's fp32"),)),)),
-        Step("sum's and view's backward: dY repeated at each token's k slots", (
+        Made(f"{g}/dY fp32" if copied else f"{g}/slot rows", z.tokens(4 * h), "the block's dY cast to the sum's"
+             " fp32"),)),)),
+        *((Step("sum's and view's backward: dY repeated at each token's k slots", (
             Made(f"{g}/slot rows", width * r * h, "the expanded dY made contiguous, (k*b*s, h)"),),
-            frees=(f"{g}/dY fp32",)))
+            frees=(f"{g}/dY fp32",)),) if copied else ()))
     unsort = _op("mlp.experts", (rules.UNSORTED_SLOTS,), Step("indexing's backward: the rows back in expert order", (
         Made(f"{g}/rows zeros", width * r * h, "a zero (k*b*s, h) tensor"),
         Made(f"{g}/sorted rows", width * r * h, "index_put's: the rows at the permutation")),
@@ -269,11 +442,12 @@ def _grouped(z: Sizes, config: ModelConfig, sums: _Sums) -> list[Op]:
         Step("the routing weight's product: dY * w", (Made(down_dy if bf16 else f"{g}/down dY fp32", width * r * h,
                                                            "dY * w, down_proj's output gradient"),)),
         Step("the routing weight's product: dY * out", (Made(f"{g}/weights dw rows", width * r * h,
-                                                             "dY * out, before the sum over h"),)),
+                                                             "dY * out, before the sum over h"),), returns=True),
+        # autograd's validate_outputs: dY * w cast to its input's dtype, dY * out summed to the weights' shape
         *(() if bf16 else (Step("dY * w cast to bf16", (Made(down_dy, act * r * h, "down_proj's output gradient"),),
-                                frees=(f"{g}/down dY fp32",)),)),
+                                frees=(f"{g}/down dY fp32",), reduced=True),)),
         Step("dY * out summed over h", (Made(f"{g}/weights dw", width * r, "one value per slot, (k*b*s, 1)"),),
-             frees=(f"{g}/sorted rows", f"{g}/weights dw rows")))
+             frees=(f"{g}/sorted rows", f"{g}/weights dw rows"), reduced=True))
     down = _op("mlp.experts", (ledger.EXPERT_FC2_IN,), Step("down_proj's grouped GEMMs: dW, then dX", (
         Made(f"{g}/down dW", act * experts * f * h, WHY_WGRAD), Made(f"{g}/down dX", act * r * f, "(k*b*s, e)")),
         frees=(down_dy,), hands_over=() if tp else (f"{g}/down dW",)))

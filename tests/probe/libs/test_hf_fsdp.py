@@ -171,9 +171,16 @@ def test_qwen3_sharded_by_fsdp2_gathers_and_reduces_its_q_norm_and_k_norm_with_t
     assert r.matches and r.moment_matches, r.differences()
 
 
-def test_attention_dropout_under_fsdp2_happens_in_order_and_peaks_where_the_walk_says(one_thread):
-    """The step's loss runs under the probe's dropout shim sharded too: native_dropout's bool mask, as on CUDA."""
-    config = make_config(LLAMA, dp_shard=2, reshard_after_forward=True, attention="eager", dropout=0.1, b=1, s=13)
+@pytest.mark.parametrize("attention, changes", [
+    ("eager", {"reshard_after_forward": True, "b": 1, "s": 13}),
+    ("flash", {"reshard_after_forward": True, "b": 1, "s": 13}),  # SDPA's math kernel
+    ("flash", {"reshard_after_forward": False, "b": 3, "s": 33, "h": 16, "a": 8, "ffn_hidden_size": 16,
+               "vocab_size": 20, "kv_channels": 4}),  # the peak inside the math kernel's forward
+], ids=str)
+def test_attention_dropout_under_fsdp2_happens_in_order_and_peaks_where_the_walk_says(one_thread, attention, changes):
+    """The step's loss runs under the probe's dropout shim sharded too: native_dropout's bool mask, as on CUDA; SDPA
+    on a CPU runs its math kernel."""
+    config = make_config(LLAMA, dp_shard=2, attention=attention, dropout=0.1, **changes)
     predicted = timeline(config, STRATEGIES["none"], Accounting(exact=True, device="cpu"))
     assert_moments_in_order(predicted.moments[1:], _readings(config))
     (r,) = measure_step(config, ["none"])

@@ -19,7 +19,7 @@ from memcalc.probe.libs.hf_step import warmed_up  # noqa: E402
 from memcalc.probe.step import measure_step  # noqa: E402
 from memcalc.sizing.timeline import ACTIVATIONS, PARAMETERS, TEMPORARIES, timeline  # noqa: E402
 
-from tests.helpers import LLAMA_HF as LLAMA, make_config  # noqa: E402
+from tests.helpers import GPT2_HF, LLAMA_HF as LLAMA, make_config  # noqa: E402
 
 from ..step_readings import assert_moments_in_order, readings_after_every_op  # noqa: E402
 
@@ -439,6 +439,41 @@ def test_attention_dropout_keeps_its_mask_to_its_backward_and_the_peak_is_memtra
     _exact_step(config, layout, route)
 
 
+# SDPA with dropout on a CPU: torch's math kernel (aten _scaled_dot_product_attention_math), fp32 throughout
+SDPA_DROPOUT_STEPS = [
+    ("none", {"s": 13}, None),  # a/g = 4: K and V repeated (enable_gqa); the loss's backward
+    ("none", {"b": 1, "s": 11, "num_query_groups": 8} | QWEN2, None),  # a/g = 1, b = 1: no copies to fold (b, a)
+    ("none", {"b": 1, "s": 96, "h": 16, "ffn_hidden_size": 16, "vocab_size": 20}, None),  # dropped x V's backward
+    # forward, the kernel's output cast back with every local live: GQA with bmm's copies, then multi-head
+    ("none", {"b": 3, "s": 33, "h": 16, "a": 8, "ffn_hidden_size": 16, "vocab_size": 20, "kv_channels": 4}, None),
+    ("none", {"b": 2, "s": 64, "h": 16, "a": 2, "num_query_groups": 2, "ffn_hidden_size": 16, "vocab_size": 20,
+              "family": "mistral"}, None),
+    ("none", {"b": 3, "s": 17, "h": 48, "a": 6, "num_query_groups": 3, "vocab_size": 20} | QWEN3, None),
+    ("none", {"b": 2, "s": 1}, None),  # one token: no causal mask
+    ("tp", {"t": 2, "s": 9}, None),
+    ("tp", {"t": 4, "b": 3, "s": 7, "num_query_groups": 4, "vocab_size": 252}, None),  # one K/V group a rank
+    ("none", MIXTRAL | {"b": 1, "s": 96, "h": 16, "a": 2, "num_query_groups": 1}, "balanced"),  # top-2
+    ("none", QWEN3_MOE | {"b": 3, "s": 7, "h": 48, "a": 6, "num_query_groups": 3, "num_experts": 3,
+                          "moe_router_topk": 1, "moe_ffn_hidden_size": 24}, "balanced"),  # top-1
+]
+
+
+def test_sdpa_dropout_sizes_put_the_peak_in_six_different_places():
+    """What gives the next test its meaning: forward inside the math kernel, its backward, and four outside."""
+    peaks = {timeline(make_config(LLAMA, attention="flash", dropout=0.1, **c), STRATEGIES[layout], CPU).peak.label()
+             for layout, c, _ in SDPA_DROPOUT_STEPS}
+    assert len(peaks) >= 6, peaks
+    assert any(p.startswith("forward") and "math kernel" in p for p in peaks), peaks
+
+
+@pytest.mark.parametrize("layout, changes, route", SDPA_DROPOUT_STEPS, ids=str)
+def test_sdpa_with_dropout_runs_the_math_kernel_on_a_cpu_and_the_step_is_memtrackers_to_the_byte(one_thread, layout,
+                                                                                                changes, route):
+    """The math kernel keeps the ledger's fp32 q, k^T, softmax, dropout mask, dropped-out weights and v; its C++ locals
+    live to its return (its widest forward moment); its backward runs each op's, the fp32 gradients cast back last."""
+    _exact_step(make_config(LLAMA, attention="flash", dropout=0.1, **changes), layout, route)
+
+
 # -- other families' own *ForCausalLM: the Llama walk with each family's declared variations -------------------------
 
 # GemmaForCausalLM: (1 + w) RMSNorm, tanh GeGLU, scaled embedding
@@ -508,6 +543,88 @@ def test_each_familys_step_happens_in_order_and_peaks_where_the_timeline_says_to
     assert r.model.startswith(f"transformers' {FAMILIES[family].architectures[0]}")
 
 
+# -- GPT2LMHeadModel: its own walk (memcalc.sizing.timeline.hf_gpt2), forward op by op ---------------------------------
+
+GPT2_STEPS = [
+    {},  # the loss's backward
+    {"b": 1, "s": 13, "h": 24, "a": 3, "vocab_size": 40},  # b = 1: bmm keeps c_attn's output whole, not copies
+    {"b": 3, "s": 7, "h": 48, "a": 6, "tie_embeddings": False},
+    {"b": 2, "s": 9, "a": 1},  # one head: q's and v's gradients are (b, s, h) views
+    {"b": 1, "s": 7, "a": 1},
+    {"b": 3, "s": 1, "h": 24, "a": 4},  # one token: the last c_attn's gradients
+    {"b": 1, "s": 1, "h": 24, "a": 3, "L": 3},
+    {"mlp": "gelu", "b": 3, "s": 7},  # torch's GELU kernel keeps its input alone
+    {"dtype": "fp16", "b": 3, "s": 7, "h": 24, "a": 3},
+    {"h": 32, "ffn_hidden_size": 512, "vocab_size": 40},  # the last c_proj's gradients
+    {"s": 95, "h": 16, "ffn_hidden_size": 16, "vocab_size": 20, "max_position_embeddings": 100},  # the softmax's
+]
+
+
+def test_gpt2s_sizes_put_the_peak_in_five_different_places():
+    peaks = {timeline(make_config(GPT2_HF, **c), STRATEGIES["none"], CPU).peak.label() for c in GPT2_STEPS}
+    assert len(peaks) == 5, peaks
+
+
+def test_with_dropout_gpt2s_sizes_put_the_peak_in_five_different_places_one_in_forward():
+    peaks = {timeline(make_config(GPT2_HF, dropout=0.1, **c), STRATEGIES["none"], CPU).peak.label()
+             for c in GPT2_STEPS}
+    assert len(peaks) == 5 and any(x.startswith("forward") for x in peaks), peaks
+
+
+def test_under_recomputation_gpt2s_sizes_put_the_peak_in_five_different_places():
+    peaks = {timeline(make_config(GPT2_HF, recompute="full", **c), STRATEGIES["none"], CPU).peak.label()
+             for c in GPT2_STEPS}
+    assert len(peaks) == 5, peaks
+
+
+# GPT2Config's default dropout, 0.1, after the embedding, on the attention's weights, after c_proj and after the MLP;
+# SDPA (its CPU flash kernel) without dropout; gradient checkpointing (each block's early-stopped rerun)
+@pytest.mark.parametrize("attention, dropout, recompute", [
+    ("eager", 0.0, "none"), ("eager", 0.1, "none"), ("flash", 0.0, "none"), ("eager", 0.0, "full"),
+    ("flash", 0.0, "full")])
+@pytest.mark.parametrize("changes", GPT2_STEPS, ids=str)
+def test_gpt2s_step_happens_in_order_and_peaks_where_the_timeline_says_to_the_byte(one_thread, changes, attention,
+                                                                                    dropout, recompute):
+    """LayerNorm's one kernel each way, Conv1D's addmm and its bias's sum, c_attn's output split into q, k and v
+    (eager: copied for bmm unless b or a is 1; SDPA keeps the views, c_attn's output whole), the softmax in bf16,
+    gelu_new's eight ops, the learned positions' gradient; with dropout, each dropout's bool mask (the probe's
+    CUDA-like shim) and its input gone as it returns (c_attn's output at the attention's return, after
+    resid_dropout). Under a checkpoint each kept tensor goes at its last read in forward, and each block reruns up
+    to gelu_new's product, the last saved tensor."""
+    r = _exact_step(make_config(GPT2_HF, attention=attention, dropout=dropout, recompute=recompute, **changes), "none")
+    assert r.model == "transformers' GPT2LMHeadModel"
+
+
+@pytest.mark.parametrize("changes, named", [
+    ({"attention": "flash", "dropout": 0.1}, "dropout 0.1 with SDPA in GPT-2's model on a CPU"),
+    ({"recompute": "full", "dropout": 0.1}, "recompute full \\(gradient checkpointing\\) with dropout in GPT-2's"),
+    ({"add_bias_linear": False}, "GPT-2 without add_bias_linear"),
+    ({"position_embedding_type": "rope"}, "GPT-2 with position_embedding_type rope"),
+    ({"t": 2, "tie_embeddings": False}, "GPT-2's model under tp \\(t=2\\): GPT2Config has no base_model_tp_plan"),
+    ({"dp_shard": 2}, "GPT-2's model under dp_shard or zero_stage"),
+])
+def test_what_the_gpt2_walk_does_not_model_is_refused_by_name(changes, named):
+    layout = "tp" if changes.get("t", 1) > 1 else "none"
+    with pytest.raises(ConfigError, match=named):
+        timeline(make_config(GPT2_HF, **changes), STRATEGIES[layout], CPU)
+
+
+def test_on_cuda_gpt2s_sdpa_with_dropout_is_the_flash_kernels_walk_beside_the_measured_dropouts():
+    """On CUDA the flash kernel drops out inside and keeps what it keeps without dropout (the ledger's
+    FLASH_DROPOUT_LSE, read from torch's flash_api.cpp, not measured): GPT-2's SDPA walk, measured without dropout,
+    with the embedding's, resid_dropout's and the MLP's dropouts, measured under eager."""
+    config = make_config(GPT2_HF, attention="flash", dropout=0.1)
+    steps = timeline(config, STRATEGIES["none"], Accounting(exact=True, device="cuda"))
+    labels = {m.label() for m in steps.moments}
+    for label in ("forward transformer.h.1.attn (SDPA's flash kernel: its output and log-sum-exp)",
+                  "forward transformer.h.1.attn.resid_dropout (native_dropout: its output and bool mask)",
+                  "backward transformer.h.1.attn (the SDPA kernel's backward: dQ, dK, dV)"):
+        assert label in labels, label
+    kept = {x.name.partition("/")[2] for x in steps.peak.live if x.name.startswith("layers.1/")}
+    assert {"attention/out_dropout_mask", "mlp/dropout_mask", "attention/softmax_lse"} <= kept, kept
+    assert not any(x.startswith("attention/math") or x == "attention/dropout_mask" for x in kept), kept
+
+
 # -- gradient checkpointing (activation_checkpointing_enable's defaults: non-reentrant, early stop) -------------------
 
 RECOMPUTE_STEPS = [
@@ -557,9 +674,69 @@ def test_under_gradient_checkpointing_each_layer_and_its_early_stopped_rerun_hap
     _exact_step(make_config(LLAMA, attention=attention, recompute="full", **changes), layout)
 
 
+# experts checkpointed: the block's forward op by op, its rerun stopped early at the last tensor the layer saves
+RECOMPUTE_MOE_STEPS = [
+    ("none", "flash", GROUPED, "balanced"),  # the last layer's rows back in expert order
+    ("none", "eager", GROUPED | {"moe_router_topk": 1, "b": 1, "s": 13}, "balanced"),  # top-1: dY's rows a view
+    ("none", "flash", GROUPED | {"moe_ffn_hidden_size": 256, "moe_router_topk": 4}, "all-to-one"),  # down_proj's
+    ("none", "flash", GROUPED | {"num_experts": 16, "moe_router_topk": 4, "moe_ffn_hidden_size": 16, "s": 96, "h": 16,
+                                 "a": 2, "num_query_groups": 1, "vocab_size": 20}, "balanced"),
+    ("none", "flash", QWEN3_MOE_GROUPED | {"b": 3, "s": 5, "num_experts": 8, "moe_router_topk": 3,
+                                           "moe_ffn_hidden_size": 16, "kv_channels": 12}, "balanced"),
+    ("none", "flash", QWEN3_MOE_GROUPED | {"moe_router_topk": 1, "b": 3, "s": 7, "num_query_groups": 1}, "balanced"),
+    ("none", "eager", QWEN3_MOE_GROUPED | {"moe_router_pre_softmax": True, "b": 1, "s": 12}, "balanced"),
+    # the rerun's widest moment, its early stop at inv_perm
+    ("none", "eager", QWEN3_MOE_GROUPED | {"num_experts": 16, "moe_router_topk": 4, "moe_ffn_hidden_size": 16,
+                                           "s": 95, "h": 16, "a": 2, "num_query_groups": 1, "vocab_size": 20,
+                                           "b": 1}, "all-to-one"),
+    ("none", "eager", QWEN3_MOE_GROUPED | {"moe_layer_freq": 2, "L": 4, "b": 1, "s": 13}, "all-to-one"),  # dense too
+    ("tp", "flash", QWEN3_MOE_GROUPED | {"t": 2, "b": 3, "s": 5, "num_experts": 8, "moe_router_topk": 3,
+                                         "moe_ffn_hidden_size": 16, "kv_channels": 12}, "balanced"),
+    ("tp", "eager", GROUPED | {"t": 4, "num_query_groups": 4, "moe_router_topk": 1, "moe_ffn_hidden_size": 256,
+                               "b": 1, "s": 9, "vocab_size": 252}, "balanced"),
+    # Qwen2-MoE: the shared expert first, its gate after the experts; the rerun stops at the gate's sigmoid
+    ("none", "flash", QWEN2_MOE_GROUPED | {"moe_shared_expert_intermediate_size": 40}, "balanced"),
+    ("none", "eager", QWEN2_MOE_GROUPED | {"moe_shared_expert_intermediate_size": 40, "num_experts": 3,
+                                           "moe_ffn_hidden_size": 24, "b": 1, "s": 7}, "all-to-one"),
+    ("none", "flash", QWEN2_MOE_GROUPED | {"moe_shared_expert_intermediate_size": 1024, "num_experts": 2,
+                                           "moe_router_topk": 1, "moe_ffn_hidden_size": 16}, "balanced"),
+    ("none", "eager", QWEN2_MOE_GROUPED | {"moe_shared_expert_intermediate_size": 40, "moe_router_pre_softmax": True,
+                                           "b": 3, "s": 5, "kv_channels": 12}, "balanced"),
+    ("tp", "eager", QWEN2_MOE_GROUPED | {"moe_shared_expert_intermediate_size": 40, "t": 2, "b": 1, "s": 13},
+     "all-to-one"),
+    # the eager loop: each expert's tensors held by the loop's variables until the next expert rebinds them; the rerun
+    # stops at the last expert's index_add_ source (the probe forces the route in the rerun too)
+    ("none", "flash", MIXTRAL, "balanced"),
+    ("none", "eager", MIXTRAL | {"num_experts": 2, "moe_router_topk": 1}, "balanced"),
+    ("none", "flash", MIXTRAL | {"num_experts": 16, "moe_router_topk": 4, "moe_ffn_hidden_size": 8, "s": 96, "h": 16,
+                                 "a": 2, "num_query_groups": 1, "vocab_size": 20}, "balanced"),
+    ("none", "eager", QWEN3_MOE | {"b": 3, "s": 7, "h": 48, "a": 6, "num_query_groups": 3, "num_experts": 3,
+                                   "moe_router_topk": 1, "moe_ffn_hidden_size": 24}, "balanced"),
+    ("none", "flash", QWEN3_MOE | {"moe_router_pre_softmax": True, "b": 1, "s": 12}, "balanced"),
+    ("none", "eager", QWEN2_MOE | {"moe_shared_expert_intermediate_size": 40, "b": 3, "s": 5, "num_experts": 3,
+                                   "moe_router_topk": 3, "moe_ffn_hidden_size": 24, "kv_channels": 12}, "balanced"),
+]
+
+
+def test_checkpointed_experts_sizes_put_the_peak_in_seven_different_places():
+    peaks = {timeline(make_config(LLAMA, attention=a, recompute="full", **c), STRATEGIES[layout], CPU).peak.label()
+             for layout, a, c, _ in RECOMPUTE_MOE_STEPS}
+    assert len(peaks) >= 7 and any("inv_perm" in p for p in peaks) and any("source" in p for p in peaks), peaks
+
+
+@pytest.mark.parametrize("layout, attention, changes, route", RECOMPUTE_MOE_STEPS, ids=str)
+def test_checkpointed_experts_run_op_by_op_and_rerun_to_the_last_saved_tensor_to_the_byte(one_thread, layout, attention,
+                                                                                       changes, route):
+    """The router and the experts op by op (grouped_mm's locals to its return, the loop's to the next expert; Qwen2-MoE's
+    shared expert before, its gate after), keeping nothing in forward; in backward, once the block's first node that
+    saves reads it, the layer's rerun up to the last tensor saved (inv_perm, the last expert's index_add_ source, or
+    the shared gate's sigmoid); the routing weight's product releases its rerun's tensors before autograd casts and
+    sums its gradients."""
+    _exact_step(make_config(LLAMA, attention=attention, recompute="full", **changes), layout, route)
+
+
 @pytest.mark.parametrize("changes, named", [
     ({"dropout": 0.1}, "recompute full \\(gradient checkpointing\\) with dropout"),
-    (MIXTRAL, "recompute full \\(gradient checkpointing\\) with experts"),
 ])
 def test_under_gradient_checkpointing_what_the_walk_does_not_model_is_refused_by_name(changes, named):
     with pytest.raises(ConfigError, match=named):

@@ -46,11 +46,20 @@ def _logged(tp, config, strategy):
     return tuple(calls)
 
 
+def _routed(tp, config, strategy):
+    import importlib
+
+    calls = []
+    importlib.import_module(f"memcalc.probe.libs.{config.impl}").run_layer(
+        tp, config, STRATEGIES[strategy], route="balanced" if config.moe else None, collectives=calls)
+    return tuple(calls)
+
+
 def _rows(config, strategy):
-    """Rank 0's collectives against the ledger's, in order."""
-    calls = run(_logged, (config, strategy), mode="fake", t=config.t, backend="gloo", timeout_s=240)[0]
-    predicted = layer_collectives(config, STRATEGIES[strategy], t=config.t)
-    return compare_collectives(predicted, dim_sizes(config), config.t, DTYPE_BYTES[config.dtype], calls)
+    """Rank 0's collectives against the ledger's, in order (experts routed balanced)."""
+    calls = run(_routed, (config, strategy), mode="fake", t=config.t, backend="gloo", timeout_s=240)[0]
+    predicted = layer_collectives(config, STRATEGIES[strategy], t=config.t, ep=config.ep)
+    return compare_collectives(predicted, dim_sizes(config), config.t, DTYPE_BYTES[config.dtype], calls, config.ep)
 
 
 MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32, "h": 64, "a": 4, "num_query_groups": 2}
@@ -62,13 +71,9 @@ SHARED = MOE | {"moe_shared_expert_intermediate_size": 32}
 @pytest.mark.parametrize("block", [{}, MOE, SHARED], ids=["dense", "experts", "shared experts too"])
 def test_torchtitans_block_issues_the_ledgers_collectives_in_order(block, strategy, recompute):
     """Its MoE at ep = 1 enters like a dense block; the experts' and the shared experts' outputs leave summed under
-    tp, each through its own reduce-scatter under tp-sp."""
+    tp, each through its own reduce-scatter under tp-sp, and then the rerun starts after the first one's gather."""
     pytest.importorskip("torchtitan")
     config = build_config(TORCHTITAN | block | {"t": 2, "recompute": recompute})
-    if block is SHARED and strategy == "tp-sp" and recompute != "none":
-        with pytest.raises(ConfigError, match="two reduce-scatters"):
-            layer_collectives(config, STRATEGIES[strategy], t=2)
-        return
     rows = _rows(config, strategy)
     assert rows and all(row.matches for row in rows), [r for r in rows if not r.matches]
 
@@ -89,3 +94,54 @@ def test_measure_comm_lists_transformers_own_collectives_beside_the_ledgers():
     rows = [line for line in run.out.splitlines() if "all-reduce backward" in line]
     assert len(rows) == 5 and all(line.count("all-reduce backward") == 2 for line in rows)  # ledger's, issued
     assert "transformers' own layer" in run.out and "match: every tensor agrees to the byte" in run.out
+
+
+HF_MOE = {"num_query_groups": 4, "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32, "a": 4}
+HF_EXPERTS = {
+    "mixtral: fp32 routing weights": {"family": "mixtral"},
+    "mixtral's eager loop, top-3 of 8, b=2": {"family": "mixtral", "experts_implementation": "eager", "num_experts": 8,
+                                                "moe_router_topk": 3, "b": 2, "s": 7},
+    "qwen2-moe: weights in the activation dtype, a shared expert after the experts":
+        {"family": "qwen2_moe", "moe_shared_expert_intermediate_size": 24},
+    "qwen3-moe, qk norms, multi-head": {"family": "qwen3_moe", "qk_layernorm": True, "num_query_groups": None},
+}
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+@pytest.mark.parametrize("t", [2, 4])
+@pytest.mark.parametrize("family", HF_EXPERTS.values(), ids=HF_EXPERTS.keys())
+def test_transformers_experts_issue_the_ledgers_collectives_in_order(family, t, recompute):
+    """moe_tp_experts: the experts' output all-reduced in forward, their inputs' gradients (the routing weights', then
+    the hidden states') in backward; under checkpointing the rerun stops before the experts' all-reduce unless
+    Qwen2-MoE's shared expert runs after it."""
+    pytest.importorskip("transformers")
+    config = build_config(HF | HF_MOE | family | {"t": t, "recompute": recompute})
+    rows = _rows(config, "tp")
+    assert rows and all(row.matches for row in rows), [r for r in rows if not r.matches]
+    assert any(r.name == "moe/f*" for r in rows)
+
+
+def test_transformers_expert_parallel_plan_is_refused_naming_ep():
+    config = build_config(HF | HF_MOE | {"family": "mixtral", "t": 2, "ep": 2})
+    with pytest.raises(ConfigError, match="^impl hf: ep=2: transformers' expert-parallel plan"):
+        layer_collectives(config, STRATEGIES["tp"], ep=2)
+
+
+@pytest.mark.parametrize("recompute", ["none", "op", "full"])
+@pytest.mark.parametrize("block", [MOE, SHARED], ids=["experts", "shared experts too"])
+@pytest.mark.parametrize("t", [2, 4])
+def test_torchtitans_moe_at_ep_t_exchanges_each_ranks_own_slots_in_order(t, block, recompute):
+    """ep = t under tp-sp: each rank routes its own sequence shard, the counts and the slots exchanged over ep by
+    spmd_types' all_to_all; the shared experts enter and leave through their own g and g*."""
+    pytest.importorskip("torchtitan")
+    config = build_config(TORCHTITAN | block | {"t": t, "ep": t, "s": 16, "num_experts": 8, "num_query_groups": 4,
+                                                "recompute": recompute})
+    rows = _rows(config, "tp-sp")
+    assert rows and all(row.matches for row in rows), [r for r in rows if not r.matches]
+    assert [r.name for r in rows if r.name.startswith("moe/")][:3] == ["moe/counts", "moe/dispatch", "moe/combine"]
+
+
+def test_torchtitans_moe_at_ep_under_tp_without_sp_is_refused_naming_the_layout():
+    config = build_config(TORCHTITAN | MOE | {"t": 2, "ep": 2, "s": 16})
+    with pytest.raises(ConfigError, match="^impl torchtitan: ep=2 under tp: its MoE slices the replicated input"):
+        layer_collectives(config, STRATEGIES["tp"], ep=2)

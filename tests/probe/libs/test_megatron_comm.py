@@ -92,3 +92,24 @@ def test_measure_comm_refuses_a_moe_layer_whose_routing_the_ledger_does_not_fix_
     run = memcalc_cli("measure", "--config", str(config), "--strategy", "none", "--launch", "fake", "--layer",
                       "library", "--comm")
     one_line_error(run, "--comm", "--route balanced", "the real router")
+
+
+MLA = {"b": 2, "s": 8, "h": 32, "a": 4, "mlp": "swiglu", "attention": "eager", "add_bias_linear": False,
+       "dropout": 0.0, "norm": "rmsnorm", "kv_lora_rank": 12, "q_lora_rank": 8, "qk_rope_head_dim": 4,
+       "qk_nope_head_dim": 6, "v_head_dim": 5}
+
+
+@pytest.mark.parametrize("strategy, t, knobs", [
+    ("tp", 2, {}),
+    ("tp-sp", 2, {}),
+    ("tp", 2, {"q_lora_rank": None, "recompute": "full"}),
+    ("tp-sp", 2, {"q_lora_rank": None}),
+    ("tp-sp", 4, {"b": 1, "s": 12, "a": 8, "recompute": "selective", "dtype": "fp32"}),
+    ("tp-sp", 2, {"recompute": "full", "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 16,
+                  "moe_shared_expert_intermediate_size": 16}),
+], ids=["tp", "tp-sp", "tp, no query latent, full recomputation", "tp-sp, no query latent",
+        "tp-sp at t=4, b=1, fp32, selective", "tp-sp with experts, full recomputation"])
+def test_megatrons_latent_attention_issues_each_projections_collectives_in_order(strategy, t, knobs):
+    rows = _rows(strategy, t, knobs, base=MLA)
+    assert rows and all(row.matches for row in rows), [r for r in rows if not r.matches]
+    assert any(r.name.endswith("down_proj/gather") for r in rows)

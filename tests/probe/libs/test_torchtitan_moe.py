@@ -6,6 +6,8 @@ expert, so both routes keep the same bytes; with the real router the measured by
 balanced and worst bounds.
 """
 
+from dataclasses import replace
+
 import pytest
 
 pytest.importorskip("torch")
@@ -104,6 +106,18 @@ def test_moe_knobs_the_measured_block_does_not_run_are_refused_in_one_line(knobs
     assert "\n" not in str(caught.value)
 
 
+def test_selective_ac_recomputes_a_matmul_shaped_like_the_router_gate_so_that_shape_is_refused():
+    """force_recompute_mm_shapes_by_fqns: wqkv's weight, (h, (a+2g)d) = (32, 64), is the gate's (h, E) at E = 64, so
+    SelectiveAC recomputes wqkv's matmul rather than saving it (and counts the others' parity without it)."""
+    knobs = SIZES | {"num_experts": 64}
+    with pytest.raises(ConfigError, match="^impl torchtitan, recompute op: wqkv at t=1 has a weight of the router"):
+        build_config(knobs | {"recompute": "op"})
+    config = build_config(knobs)
+    config = replace(config, recompute=type(config.recompute)("op"))  # past the refusal: what the library keeps there
+    saved = {x.name for x in runner.run_layer(single("cpu"), config, NONE, route="balanced")}
+    assert "attention/qkv_out" not in saved and "attention/proj_in" in saved
+
+
 def test_expert_parallelism_without_tensor_parallelism_is_refused_naming_where_torchtitan_takes_its_ranks():
     with pytest.raises(ConfigError, match="dp_shard"):
         plan(build_config(SIZES | {"t": 2, "ep": 2, "moe_ffn_hidden_size": 32}), STRATEGIES["none"])
@@ -121,6 +135,9 @@ TP_CASES = {
         "b": 1, "s": 6, "num_experts": 6, "moe_router_topk": 2, "moe_ffn_hidden_size": 16},
     "one of eight, b = 8, s/t = 1": QWEN3_MOE | {
         "b": 8, "s": 2, "num_experts": 8, "moe_router_topk": 1, "moe_ffn_hidden_size": 48},
+    # found by `memcalc measure`: SelectiveAC keeps the shared experts' w2 output before its reduce-scatter, whole
+    "deepseek-v3 under SelectiveAC: the shared experts' w2 output is every token's": DEEPSEEK_V3 | {
+        "recompute": "op", "moe_ffn_hidden_size": 16},
 }
 
 
@@ -134,4 +151,4 @@ def test_under_its_tp_plan_and_ep_the_moe_layer_keeps_exactly_what_the_rules_pre
     layout = STRATEGIES[strategy]
     rows = compare(estimate(config, layout, CPU), run_fake(runner.run_layer, (config, layout, route), 2))
     assert_exact(rows)
-    assert ("moe/permuted_indices" in {row.name for row in rows}) == (ep > 1)
+    assert ("moe/permuted_indices" in {row.name for row in rows}) == (ep > 1 and config.recompute == "none")
