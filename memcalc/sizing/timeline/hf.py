@@ -21,7 +21,7 @@ from memcalc.model.strategy import Strategy
 from memcalc.sizing.pipeline import stages
 from memcalc.sizing.timeline import hf_layer as layer
 from memcalc.sizing.timeline import hf_moe as moe
-from memcalc.sizing.timeline.ends import model_states
+from memcalc.sizing.timeline.ends import model_states, optimizer_step
 from memcalc.sizing.timeline.fsdp import ROOT, Fsdp
 from memcalc.sizing.timeline.tape import (
     ACTIVATIONS, GRADIENTS, PARAMETERS, TEMPORARIES, Moment, Sizes, Tape, Timeline, bulk,
@@ -92,7 +92,7 @@ def _moments(config: ModelConfig, z: Sizes, kept: tuple[tuple[ledger.SavedTensor
     if isinstance(sharding, Zero):  # DeepSpeed's step makes the fp32 gradient partition first
         sharding.optimizer_step(tape)
     else:
-        tape.mark("optimizer", "", "fused AdamW on the fp32 master weights, in place")
+        optimizer_step(tape, config)
     return tuple(tape.moments)
 
 

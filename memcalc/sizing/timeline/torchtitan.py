@@ -19,7 +19,7 @@ from memcalc.model.knobs import DTYPE_BYTES, Accounting, element_bytes
 from memcalc.model.ledger import SavedTensor
 from memcalc.model.strategy import Strategy
 from memcalc.sizing.pipeline import stages
-from memcalc.sizing.timeline.ends import model_states
+from memcalc.sizing.timeline.ends import model_states, optimizer_step
 from memcalc.sizing.timeline.fsdp import OUTPUT, Fsdp, expert_dim1, torchtitan_block
 from memcalc.sizing.timeline.tape import ACTIVATIONS, PARAMETERS, TEMPORARIES, Sizes, Tape, Timeline, prod
 from memcalc.sizing.timeline.torch_ops import WHY_WGRAD, linear, module_returns, swiglu_ops
@@ -77,7 +77,7 @@ def torchtitan_timeline(config: ModelConfig, strategy: Strategy, accounting: Acc
         tape.drop("fsdp/tok_embeddings reduce-scatter")
         fsdp.finalize_backward(tape)
     tape.drop("loss/grad seed")  # backward() returns
-    tape.mark("optimizer", "", "fused AdamW on the fp32 master weights, in place")
+    optimizer_step(tape, config)
     return Timeline(layer.strategy, tuple(tape.moments), stage.name)
 
 
