@@ -276,8 +276,9 @@ class Fp32AdamW(torch.optim.Optimizer):
 
     def __init__(self, params: list[nn.Parameter], main_grads: MainGrads, lr: float = 1e-4) -> None:
         super().__init__(params, {})
-        with torch.no_grad():  # a DTensor's to_local() is its local tensor itself only without autograd
-            shards = [local(p) for p in params]
+        # a DTensor's own local tensor: to_local() of a Parameter is a view of it
+        shards = [p._local_tensor if isinstance(p, DTensor) else p for p in params]
+        with torch.no_grad():
             self.weights = torch.cat([x.reshape(-1) for x in shards])
             for x, piece in zip(shards, self.weights.split([x.numel() for x in shards])):
                 x.data = piece.view_as(x)  # the parameter's own storage is freed

@@ -86,14 +86,14 @@ _TORCHTITAN_MOE = _knobs(num_experts=st.integers(2, 6), moe_router_topk=st.integ
                          moe_shared_expert_intermediate_size=st.sampled_from((None, 8, 48)))
 _HF = _knobs(attention=ATTENTION, dropout=DROPOUT, dtype=DTYPES, tie_embeddings=TIED)
 _HF_MIXTRAL = _knobs(attention=ATTENTION, num_experts=st.integers(2, 6), moe_router_topk=st.integers(1, 3),
-                     tie_embeddings=TIED)
+                     tie_embeddings=TIED, dtype=DTYPES)
 _HF_GEMMA2 = _knobs(attn_logit_softcapping=st.sampled_from((None, 50.0)), sliding_window=st.sampled_from((None, 3, 8)),
-                    tie_embeddings=TIED)
-_HF_PHI3 = _knobs(tie_embeddings=TIED)
+                    tie_embeddings=TIED, dtype=DTYPES)
+_HF_PHI3 = _knobs(tie_embeddings=TIED, dtype=DTYPES)
 _FSDP = {"dp_shard": st.sampled_from((2, 3, 4)), "reshard_after_forward": st.booleans(),
          "dp_replicate": st.sampled_from((None, None, 2))}
 _TORCHTITAN_FSDP = _knobs(recompute=st.sampled_from(("none", "full", "op")), **_FSDP)
-_HF_FSDP = _knobs(attention=ATTENTION, tie_embeddings=TIED, **_FSDP)
+_HF_FSDP = _knobs(attention=ATTENTION, tie_embeddings=TIED, dtype=DTYPES, **_FSDP)
 
 SUBJECTS = (
     Subject("megatron dense", "torch", {"impl": "megatron"},
