@@ -79,7 +79,7 @@ _MEGATRON_MOE = routed(_knobs(mlp=st.sampled_from(("gelu", "swiglu")), norm=st.s
                               attention=ATTENTION, dropout=DROPOUT, num_experts=st.integers(3, 6),
                               moe_shared_expert_intermediate_size=st.sampled_from((None, 8, 24)), dtype=DTYPES,
                               ep=st.sampled_from((1, 2)), dp=st.just(2)))  # ep divides dp
-_TORCHTITAN = _knobs(recompute=st.sampled_from(("none", "full", "op")))
+_TORCHTITAN = _knobs(recompute=st.sampled_from(("none", "full", "op")), dtype=DTYPES)
 _TORCHTITAN_MOE = _knobs(num_experts=st.integers(2, 6), moe_router_topk=st.integers(1, 3),
                          moe_router_score_function=st.sampled_from(("softmax", "sigmoid")),
                          moe_router_pre_softmax=st.booleans(),
@@ -92,7 +92,7 @@ _HF_GEMMA2 = _knobs(attn_logit_softcapping=st.sampled_from((None, 50.0)), slidin
 _HF_PHI3 = _knobs(tie_embeddings=TIED, dtype=DTYPES)
 _FSDP = {"dp_shard": st.sampled_from((2, 3, 4)), "reshard_after_forward": st.booleans(),
          "dp_replicate": st.sampled_from((None, None, 2))}
-_TORCHTITAN_FSDP = _knobs(recompute=st.sampled_from(("none", "full", "op")), **_FSDP)
+_TORCHTITAN_FSDP = _knobs(recompute=st.sampled_from(("none", "full", "op")), dtype=DTYPES, **_FSDP)
 _HF_FSDP = _knobs(attention=ATTENTION, tie_embeddings=TIED, dtype=DTYPES, **_FSDP)
 
 SUBJECTS = (
