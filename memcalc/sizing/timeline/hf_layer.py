@@ -33,7 +33,7 @@ def rms_norm(where: str, p: str, norm: RMSNormTensors, z: Sizes, dy: str | None,
     dx = out if residual is None else f"{g}/dx"
     walked = _gemma_norm_forward if norm.weight_plus_one else _norm_forward
     forward = forward or (walked(f"{p}/{where}", p, norm, fp32, row, output, gone) if output else ())
-    if act == fp32:  # fp32: x.to(float32) is x, whose gradients autograd adds in place as they come (`_in_place`)
+    if act == fp32:  # fp32: x.to(float32) is x, whose gradients autograd sums as they come (`_summed_into_x`)
         cast = Op(where, forward=forward, backward=())
     else:
         cast = Op(where, forward=forward, backward=(
@@ -43,15 +43,15 @@ def rms_norm(where: str, p: str, norm: RMSNormTensors, z: Sizes, dy: str | None,
             *((Step("the residual's sum", (Made(out, act, "the residual stream's gradient: the norm's dX and the"
                                                 " residual's summed"),), frees=(dx, residual), moment=False),)
               if residual else ())))
-    summed, first = _in_place(g, act, residual) if act == fp32 else ((), ())
+    summed, first = _summed_into_x(g, act, residual) if act == fp32 else ((), "")
     power = Op(where, forward=(), backward=(
         Step("mean's backward", (Made(f"{g}/dpow", fp32, "dvariance spread over h and divided by h"),),
              frees=(f"{g}/dvariance",), moment=False),
         Step("RMSNorm's backward at its widest: five fp32 (b, s, h) temporaries", (
             Made(f"{g}/x^1", fp32, "pow(2)'s backward: x^1"), Made(f"{g}/2x", fp32, "pow(2)'s backward: 2 * x^1"),
             Made(f"{g}/dx (pow)", fp32, "pow(2)'s backward: dpow * 2x")), frees=(f"{g}/x^1", f"{g}/2x", f"{g}/dpow")),
-        *((Step("pow's gradient added into x's, in place", (Made(out, act, "x's gradient: the norm's dX (and the"
-                                                                 " residual's)"),), frees=(first, f"{g}/dx (pow)"),
+        *((Step("pow's gradient added to x's", (Made(out, act, "x's gradient: the norm's dX (and the residual's)"),),
+                frees=(first, f"{g}/dx (pow)"),
                 moment=False),) if act == fp32 else ()),
     ), saves=(norm.input_fp32,))
     upcast = Step("y.to(bf16)'s backward", (Made(f"{g}/dy fp32", fp32, "the gradient cast up to fp32"),),
@@ -81,13 +81,14 @@ def rms_norm(where: str, p: str, norm: RMSNormTensors, z: Sizes, dy: str | None,
     return (cast, power, rstd, weight)
 
 
-def _in_place(g: str, act: int, residual: str | None) -> tuple[tuple[Step, ...], str]:
-    """In fp32 the norm's input x is the residual stream's tensor itself, its gradients added in place as they come
-    (autograd's input buffer reuses a gradient no other node holds): the residual's, with x * r's (a step), then pow's.
-    Returns that step, if any, and the name of x's gradient before pow's is added."""
+def _summed_into_x(g: str, act: int, residual: str | None) -> tuple[tuple[Step, ...], str]:
+    """In fp32 the norm's input x is the residual stream's tensor itself, whose gradients autograd sums as they come,
+    each sum a new tensor made once the node that gives the gradient has freed its own locals (measured: no moment):
+    the residual's with x * r's (a step), then pow's. Returns that step, if any, and the name of x's gradient before
+    pow's is added."""
     if residual is None:
         return (), f"{g}/dx (x * r)"
-    return (Step("x * r's gradient added to the residual's, in place", (Made(
+    return (Step("x * r's gradient added to the residual's", (Made(
         f"{g}/dx (sum)", act, "x's gradient so far: the residual stream's and x * r's"),),
         frees=(f"{g}/dx (x * r)", residual), moment=False),), f"{g}/dx (sum)"
 
