@@ -427,7 +427,8 @@ def _loss(z: Sizes, logits: int) -> Op:
         Step("nll_loss's backward", (Made("grad/log_softmax", wide, "-1/N at each target, zero elsewhere"),),
              frees=("loss/shift_labels", "loss/padded labels", "loss/total_weight")),
         Step("log_softmax's backward: three fp32 (b*s, v) tensors", (Made(
-            "grad/logits fp32" if cast else "grad/logits", wide, "fp32"),), frees=("grad/log_softmax", "loss/log_softmax")),
+            "grad/logits fp32" if cast else "grad/logits", wide, "fp32"),),
+             frees=("grad/log_softmax", "loss/log_softmax")),
         *((Step("the upcast's backward", (Made("grad/logits", logits, "the gradient cast back to bf16"),),
                 frees=("grad/logits fp32",), moment=False),) if cast else ()),
     ))

@@ -241,7 +241,8 @@ def norm(where: str, z: Sizes, norm: rules.RMSNormTensors, p: str, out: Made, gr
                         frees=(dy, dw, normed), hands_over=(f"{g}/dweight",)),) if cast else (
         Step("", frees=(dy, normed), hands_over=(dw,)),)
     backward = (
-        *((Step("the cast's backward: dY up to fp32", (Made(dy, full, "dY in fp32"),), frees=(grad,)),) if cast else ()),
+        *((Step("the cast's backward: dY up to fp32", (Made(dy, full, "dY in fp32"),), frees=(grad,)),)
+          if cast else ()),
         Step("times the weight's backward: dY * weight", (Made(f"{g}/dnormed", full, "the gradient of x * rstd"),)),
         Step("its weight's: dY * (x * rstd)", (Made(f"{g}/dw full", full, "per token, before the sum"),),
              reads_last=(normed,)),
