@@ -102,9 +102,6 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
         (config.add_bias_linear or config.add_qkv_bias, "biases (Llama3 has none: set add_bias_linear false)"),
         (config.pp != 1, f"pp={config.pp}"),
         (config.cp != 1, f"cp={config.cp}"),
-        (config.dtype == "fp32" and config.recompute != "none",
-         f"recompute {config.recompute} with dtype fp32 (the norm's input.to(float32) is then the checkpoint's input"
-         " itself, which the rerun's walk does not alias)"),
         (config.b * config.s == 1, "b = s = 1 (V is then a view of the fused wqkv output)"),
     ]
     for absent, what in missing:
@@ -222,10 +219,11 @@ def norm(where: str, z: Sizes, norm: rules.RMSNormTensors, p: str, out: Made, gr
         weighted = (Step("times the weight, in fp32", times, reads_last=(normed,)),
                     Step("made contiguous", (Made(f"{n}/copy", full, "fp32, a local"),), frees=(f"{n}/weighted",),
                          reads_last=(fp32,)))
-    cast = z.act != 4  # in fp32 input.to(float32) is x itself, and the weighted product the output
+    cast = z.act != 4  # in fp32 input.to(float32) is x itself, kept by the norm, and the weighted product the output
+    if not cast:
+        fp32 = x
     head = (
-        Step("input.to(float32)", (kept(p, norm.input_fp32),)) if cast else
-        Step("input.to(float32): x itself", (kept(p, norm.input_fp32),), frees=(x,), moment=False),
+        *((Step("input.to(float32)", (kept(p, norm.input_fp32),)),) if cast else ()),
         Step("pow(2)", (Made(f"{n}/pow", full, "x^2, a local"),)),
         Step("mean over h", (Made(f"{n}/mean", row, "mean(x^2), a local"),)),
         Step("rsqrt(mean + eps)", (kept(p, norm.rstd),), frees=(f"{n}/pow", f"{n}/mean")),
@@ -233,7 +231,8 @@ def norm(where: str, z: Sizes, norm: rules.RMSNormTensors, p: str, out: Made, gr
     )
     forward = (*head, *weighted, Step("cast back to bf16: the norm's output", (out,),
                                       frees=(f"{n}/weighted", f"{n}/copy", *frees), reads_last=(rstd,))) if cast else (
-        *head, Step("times the weight: the norm's output", (out,), frees=frees, reads_last=(normed, fp32, rstd)))
+        *head, Step("times the weight: the norm's output", (out,), frees=tuple(f for f in frees if f != x),
+                    reads_last=(normed, rstd)))
     g = f"grad/{n}"
     # in fp32 dY is the output's gradient itself, the summed product the weight's gradient, and x's summed gradients dX
     dy, dw = (f"{g}/dy", f"{g}/dw fp32") if cast else (grad, f"{g}/dweight")
@@ -270,7 +269,7 @@ def norm(where: str, z: Sizes, norm: rules.RMSNormTensors, p: str, out: Made, gr
                                                                            " dX"),), frees=(f"{g}/dx fp32",)),)
           if cast else ()),
     )
-    return Op(where, forward, backward, saves=(norm.input_fp32, norm.rstd, norm.normed_fp32))
+    return Op(where, forward, backward, saves=(*((norm.input_fp32,) if cast else ()), norm.rstd, norm.normed_fp32))
 
 
 def fused_rms_norm(where: str, z: Sizes, tensors: rules.RMSNormTensors, p: str, out: Made, grad: str, dx: str,
@@ -365,7 +364,8 @@ def block_ops(i: int, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     the MoE layer (Qwen3TransformerBlock's: the same attention, its MoE as the feed-forward)."""
     p = f"layers.{i}"
     # on CUDA the residual stream after attention is ffn_norm's kept input (the ledger's ln2/input)
-    x, out, mid = f"{p}/input", f"layers.{i + 1}/input", kept_name(p, rules.LN2.input) if z.cuda else f"{p}/mid"
+    kept_mid = _stream_after_attention(z)
+    x, out, mid = f"{p}/input", f"layers.{i + 1}/input", kept_name(p, kept_mid) if kept_mid else f"{p}/mid"
     gx, gout, gmid = f"grad/{p}/input", f"grad/layers.{i + 1}/input", f"grad/{p}/mid"
     h, q, kv = z.seq(z.h), z.tokens(z.act * z.a_t * z.d), z.tokens(z.act * z.g_t * z.d)
     fp32 = _into_stream(z)
@@ -386,7 +386,7 @@ def block_ops(i: int, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
                  f"grad/{p}/ffn_norm dy" if gathered else f"grad/{p}/ffn_norm out", ffn_dx, mid, stream=ffn_stream),
             *(gather("moe", z, p, moe_in, f"grad/{p}/ffn_norm out", f"grad/{p}/ffn_norm dy") if gathered else ()),
             *moe_ops(p, z, config, moe_in.name, shared_experts_ops(p, z, config) if shared else (), reduce_scatter),
-            _second_residual(p, x, mid, out, f"{p}/ffn out", h, z.cuda),
+            _second_residual(p, x, mid, out, f"{p}/ffn out", h, _keeps_input(z)),
         )
     return (
         *attention,
@@ -402,6 +402,20 @@ def _norm_out(z: Sizes, p: str, norm: str, kept_input: SavedTensor) -> Made:
     if z.sp:
         return Made(f"{p}/{norm} out" if p else f"{norm} out", z.seq(z.h), "bf16, this rank's shard")
     return kept(p, kept_input)
+
+
+def _keeps_input(z: Sizes) -> bool:
+    """Whether the norms keep their input, the residual stream's tensor itself: CUDA's fused kernel, and the CPU
+    composite in fp32 (its input.to(float32) a no-op)."""
+    return z.cuda or z.act == 4
+
+
+def _stream_after_attention(z: Sizes) -> SavedTensor | None:
+    """The ledger's term for the residual stream after attention where ffn_norm keeps it (its input on CUDA, its fp32
+    input in fp32 on a CPU); None where it is a local of the block."""
+    if z.cuda:
+        return rules.LN2.input
+    return rules.LN2.input_fp32 if z.act == 4 else None
 
 
 def _into_stream(z: Sizes) -> bool:
@@ -427,7 +441,7 @@ def attention_ops(p: str, z: Sizes, mid: str, gmid: str, gx: str, h: int, q: int
     full, dy = z.full(z.h), f"{g}/dY whole"  # wo's dY, all-gathered under SP
     wo_out = f"{p}/wo partial" if z.t > 1 else f"{p}/attention out"
     kernel = "flex attention" if z.cuda else "SDPA's flash kernel"
-    fp32 = _into_stream(z)
+    fp32, kept_mid = _into_stream(z), _stream_after_attention(z)
     dx, stream = (gx, gmid) if fp32 else (f"grad/{p}/attention_norm dx", "")
     return (
         *(() if fp32 else (residual(p, "attention_norm", dx, gmid, gx, h, z.cuda),)),
@@ -459,8 +473,8 @@ def attention_ops(p: str, z: Sizes, mid: str, gmid: str, gx: str, h: int, q: int
                    f"{g}/dout", q, p, frees=(dy,) if z.sp else ()),
             *reduce_scatter(f"{a}.wo", z, p, wo_out, f"{p}/attention out", dy, (f"{p}/attention_norm out",)),
         ), *kept_names(p, rules.QKV_IN, ledger.Q, ledger.K, ledger.V, ledger.PROJ_IN)),
-        Op("", forward=(Step("x + attention", (kept(p, rules.LN2.input, "the residual stream after attention; on CUDA"
-                                                              " ffn_norm keeps it") if z.cuda else
+        Op("", forward=(Step("x + attention", (kept(p, kept_mid, "the residual stream after attention; ffn_norm keeps"
+                                                               " it") if kept_mid else
                                                Made(mid, h, "the residual stream after attention"),),
                              frees=(f"{p}/attention out",)),), backward=()),
     )
@@ -526,7 +540,7 @@ def feed_forward_ops(p: str, z: Sizes, x: str, mid: str, out: str, h: int) -> tu
                    frees=(dy,) if z.sp else ()),
             *reduce_scatter(f"{m}.w2", z, p, w2_out, f"{p}/ffn out", dy, (f"{p}/ffn_norm out",)),
         ), *kept_names(p, rules.FC1_IN, ledger.FC2_IN)),
-        _second_residual(p, x, mid, out, ffn_out, h, z.cuda),
+        _second_residual(p, x, mid, out, ffn_out, h, _keeps_input(z)),
     )
 
 
@@ -553,10 +567,10 @@ def shared_experts_ops(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     ), *kept_names(p, ledger.SHARED_FC2_IN, *((rules.MOE_SHARED_IN,) if gathered else ())))
 
 
-def _second_residual(p: str, x: str, mid: str, out: str, ffn_out: str, h: int, cuda: bool = False) -> Op:
-    """h + the feed-forward's output: the block's output; the block's input, h and that output go (on CUDA the norms
-    keep x and h: under a checkpoint h goes, which keeps nothing but x)."""
-    kept_inputs = (mid, x) if cuda else ()
+def _second_residual(p: str, x: str, mid: str, out: str, ffn_out: str, h: int, kept: bool = False) -> Op:
+    """h + the feed-forward's output: the block's output; the block's input, h and that output go (where the norms
+    keep x and h, `kept`: under a checkpoint h goes, which keeps nothing but x)."""
+    kept_inputs = (mid, x) if kept else ()
     return Op("", forward=(Step("h + feed-forward: the block's output", (Made(out, h, "the next block's input"),),
                                 frees=tuple(n for n in (ffn_out, mid, x) if n not in kept_inputs),
                                 reads_last=kept_inputs),), backward=())
@@ -676,7 +690,7 @@ def output_ops(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
              "grad/norm dy" if z.t > 1 else "grad/lm_head dx", f"grad/{last}", last,
              frees=() if z.sp else (last,)),
         *gather("norm", z, "", kept("", ledger.OUTPUT_INPUT), "grad/lm_head dx", "grad/norm dy",
-                frees=("norm out",) if z.cuda else ("norm out", last)),  # CUDA's fused norm keeps its input
+                frees=("norm out",) if _keeps_input(z) else ("norm out", last)),  # the norm keeps its input
         linear("lm_head", ledger.OUTPUT_INPUT, Made("lm_head/logits", logits, "bf16 logits: the trainer's pred"),
                z.act * z.v_t * z.h, "grad/lm_head dx", z.tokens(z.act * z.h), "", frees=("grad/logits",)),
         loss,

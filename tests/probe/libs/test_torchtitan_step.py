@@ -403,9 +403,11 @@ FP32_CASES = [
 ]
 
 
+@pytest.mark.parametrize("recompute", ["none", "full", "op"])
 @pytest.mark.parametrize("changes, strategy", FP32_CASES, ids=str)
-def test_in_fp32_every_moment_happens_in_order_and_the_peak_is_memtrackers(one_thread, changes, strategy):
-    config = make_config(LLAMA3, dtype="fp32", **changes)
+def test_in_fp32_every_moment_happens_in_order_and_the_peak_is_memtrackers(one_thread, changes, strategy, recompute):
+    """Under FullAC and SelectiveAC too: the norm keeps the checkpoint's input itself, until its pow's backward."""
+    config = make_config(LLAMA3, dtype="fp32", recompute=recompute, **changes)
 
     def readings(tp):
         with runtime(tp) as dims:
@@ -416,9 +418,3 @@ def test_in_fp32_every_moment_happens_in_order_and_the_peak_is_memtrackers(one_t
     (r,) = measure_step(config, [strategy])
     assert r.measured.moment == r.predicted_moment
     assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
-
-
-@pytest.mark.parametrize("recompute", ["full", "op"])
-def test_in_fp32_its_activation_checkpointing_is_refused_by_name(recompute):
-    with pytest.raises(ConfigError, match=f"recompute {recompute} with dtype fp32"):
-        timeline(make_config(LLAMA3, dtype="fp32", recompute=recompute), STRATEGIES["none"], CPU)
