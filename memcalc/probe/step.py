@@ -1,9 +1,9 @@
 """One whole training step of a small GPT on one rank, measured with torch's own MemTracker.
 
 The model is built from the probe's pieces as Megatron-LM's GPTModel lays them out, and trained as Megatron-LM
-trains it in mixed precision (an fp32 gradient buffer, fp32 master weights, fused AdamW), so that each moment of the
-step timeline (memcalc.sizing.timeline) has a measured twin. The model, the trainer, how MemTracker's categories
-are read, and the libraries' own models under `--step`: docs/probe.md, "One whole step".
+trains it in mixed precision (an fp32 gradient buffer, fp32 master weights, fused AdamW; in fp32 no master copy), so
+that each moment of the step timeline (memcalc.sizing.timeline) has a measured twin. The model, the trainer, how
+MemTracker's categories are read, and the libraries' own models under `--step`: docs/probe.md, "One whole step".
 """
 
 from __future__ import annotations
@@ -268,6 +268,28 @@ class MixedPrecisionAdamW(torch.optim.Optimizer):
                 local(p).copy_(self.state[p]["main_param"])
 
 
+class Fp32AdamW(torch.optim.Optimizer):
+    """AdamW on fp32 parameters themselves, as Megatron's FP32Optimizer steps them: no master copy (its prepare_grads
+    makes each parameter's main_grad its `.grad`). As `MixedPrecisionAdamW`'s master weights, the weights are one
+    flat buffer, each parameter (a DTensor's local shard) moved onto its view, so that one fused AdamW runs over it,
+    its `.grad` the gradient buffer, and updates the parameters in place."""
+
+    def __init__(self, params: list[nn.Parameter], main_grads: MainGrads, lr: float = 1e-4) -> None:
+        super().__init__(params, {})
+        # a DTensor's own local tensor: to_local() of a Parameter is a view of it
+        shards = [p._local_tensor if isinstance(p, DTensor) else p for p in params]
+        with torch.no_grad():
+            self.weights = torch.cat([x.reshape(-1) for x in shards])
+            for x, piece in zip(shards, self.weights.split([x.numel() for x in shards])):
+                x.data = piece.view_as(x)  # the parameter's own storage is freed
+        self.weights.grad = main_grads.buffer
+        self.adamw = torch.optim.AdamW([self.weights], lr=lr, fused=True)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.adamw.step()
+
+
 # -- one measured step ------------------------------------------------------------
 
 
@@ -303,7 +325,7 @@ class Trainer:
     config: ModelConfig
     model: nn.Module
     main_grads: MainGrads
-    optimizer: MixedPrecisionAdamW
+    optimizer: MixedPrecisionAdamW | Fp32AdamW
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
     @classmethod
@@ -320,7 +342,8 @@ class Trainer:
         first step on, so the next step is a steady one."""
         params = list(model.parameters())
         main_grads = MainGrads(params)
-        trainer = cls(config, model, main_grads, MixedPrecisionAdamW(params, main_grads), loss)
+        optimizer = (Fp32AdamW if config.dtype == "fp32" else MixedPrecisionAdamW)(params, main_grads)
+        trainer = cls(config, model, main_grads, optimizer, loss)
         trainer.step()
         return trainer
 

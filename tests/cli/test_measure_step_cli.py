@@ -64,7 +64,6 @@ def test_a_step_beyond_one_percent_exits_1_naming_the_category(config, monkeypat
     (["--device", "meta"], "--device meta is not supported"),
     (["--backend", "gloo"], "--backend does not apply"),
     (["--comm"], "--comm does not apply"),
-    (["--dtype", "fp32"], "does not model dtype fp32"),
     (["--impl", "paper"], "--step runs memcalc's own Megatron-style model, transformers' LlamaForCausalLM"),
     (["--impl", "torchtitan"], "the step timeline for impl torchtitan does not model tie_embeddings"),
     (["--impl", "hf", "--t", "1", "--recompute", "full", "--dropout", "0.1"],

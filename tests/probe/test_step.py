@@ -199,3 +199,20 @@ def test_a_category_off_by_more_than_one_percent_is_reported(measured):
     assert any(d.startswith("peak activations") for d in wrong.differences())
     assert CategoryRow("x", 101, 100).within and not CategoryRow("x", 102, 100).within
     assert not CategoryRow("x", 1, 0).within
+
+
+# fp32, as Megatron trains it without master weights (FP32Optimizer): fp32 weights and main_grad buffer, Adam's
+# moments, no master copy; the output layer's logits are the loss's fp32 copy itself and their gradient its softmax.
+FP32 = dict(dtype="fp32")
+
+
+@pytest.mark.parametrize("changes, strategy", [
+    (FP32, "tp-sp"),
+    (FP32 | {"vocab_size": 2000}, "none"),  # the loss's peak: the logits are the softmax, no copy
+    (FP32 | ODD, "tp"),  # b = 1, odd s, three query heads a K/V group
+    (FP32 | ODD | {"recompute": "selective", "mlp": "swiglu", "ffn_hidden_size": 176, "t": 1}, "none"),
+    (FP32 | {"recompute": "full", "b": 1, "s": 14, "num_query_groups": 2}, "tp-sp"),
+    (FP32 | LLAMA | {"b": 1, "s": 9, "attention": "flash", "t": 4, "a": 12, "h": 96, "num_query_groups": 4}, "tp"),
+], ids=lambda x: str(x))
+def test_in_fp32_every_moment_happens_in_order_with_its_bytes(changes, strategy):
+    _assert_every_moment_in_order(build_config(STEP | changes), strategy)

@@ -104,11 +104,23 @@ def test_a_larger_vocabulary_moves_the_peak_to_the_loss():
 
 @pytest.mark.parametrize("changes, named", [
     ({"cp": 2, "attention": "flash"}, "cp=2"),
-    ({"dtype": "fp32"}, "dtype fp32"),
 ])
 def test_what_is_not_modelled_yet_is_refused_by_name(changes, named):
     with pytest.raises(ConfigError, match=f"does not model {named}"):
         _timeline("tp", **changes)
+
+
+def test_in_fp32_the_step_keeps_no_master_copy_and_the_logits_are_the_losss_own():
+    """Megatron trains fp32 without master weights (FP32Optimizer); logits.float() is a no-op, so the loss's fp32
+    softmax is the output layer's logits, and in backward their gradient (no cast)."""
+    config, tl = _timeline("tp", dtype="fp32")
+    (only,) = totals.per_gpu(config, STRATEGIES["tp"], CPU).stages
+    steady = {x.name: x.bytes for x in tl.steady.live}
+    assert steady.get("states/master_weights", 0) == 0
+    assert steady["states/adam_m"] == steady["states/weights"] == steady["states/grads"]
+    assert tl.steady.bytes == only.bytes(totals.STATES) + steady["optimizer/step"]
+    names = {x.name for m in (_moment(tl, "forward", "loss"), _moment(tl, "backward", "loss")) for x in m.live}
+    assert "loss/logits_fp32" in names and not names & {"output/logits", "grad/logits"}
 
 
 LATENT = {"kv_lora_rank": 24, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 12, "v_head_dim": 10}

@@ -61,7 +61,7 @@ def test_backward_leaves_only_the_batch_and_the_loss_behind():
     ({"family": "qwen2", "add_qkv_bias": True, "dp_shard": 2}, "dp_shard or zero_stage with add_qkv_bias"),
     ({"family": "olmo", "norm": "layernorm_np"}, "olmo's model"),
     ({"position_embedding_type": "learned_absolute"}, "position_embedding_type learned_absolute"),
-    ({"dtype": "fp32"}, "dtype fp32"),
+    ({"dtype": "fp32", "recompute": "full"}, "recompute full \\(gradient checkpointing\\) with dtype fp32"),
 ])
 def test_what_the_hf_walk_does_not_model_is_refused_by_name(changes, named):
     with pytest.raises(ConfigError, match=f"for impl hf does not model {named}"):
@@ -78,6 +78,17 @@ def test_sdpa_with_dropout_walks_the_math_kernel_on_a_cpu_and_the_flash_kernel_u
     on_cpu = timeline(dropped, NONE, CPU)
     assert any("math kernel" in m.label() for m in on_cpu.moments)
     assert on_cpu.peak.bytes > timeline(without, NONE, CPU).peak.bytes
+
+
+def test_in_fp32_the_step_keeps_no_master_copy_and_the_loss_no_copy_of_the_logits():
+    """transformers trains fp32 weights as they are (no master copy); ForCausalLMLoss's logits.float() is a no-op,
+    and each norm's x.to(float32) is the residual stream's tensor itself."""
+    config, steps = _timeline(dtype="fp32")
+    steady = {x.name: x.bytes for x in steps.steady.live}
+    assert "states/master_weights" not in steady and steady["states/adam_m"] == steady["states/weights"]
+    names = {x.name for m in steps.moments for x in m.live}
+    assert "loss/logits fp32" not in names and "grad/logits fp32" not in names
+    assert "layers.0/mid" not in names  # the stream after attention is ln2's fp32 input, by the ledger's name
 
 
 def test_under_tp_the_loss_sees_every_logit_and_the_embedding_gradient_is_the_whole_table():

@@ -234,7 +234,7 @@ def core_attention(knobs: Any, fused_softmax: bool = True) -> tuple[SavedTensor,
     if knobs.attention == "flash":
         return (ledger.SOFTMAX_LSE,)  # the dropout mask is regenerated from the RNG seed
     dropout = (ledger.ATTN_DROPOUT_MASK, ledger.ATTN_DROPOUT_OUT) if knobs.has_dropout else ()
-    if fused_softmax and knobs.masked_softmax_fusion and knobs.dtype != "fp32":  # the kernel takes fp16/bf16 only
+    if fused_softmax and fused_softmax_kernel(knobs):
         return (ledger.SOFTMAX_OUT, *dropout)  # without dropout, weights x V saves the softmax output itself
     # forward_torch_softmax: masked_fill_ keeps the mask; an fp32 softmax of 16-bit scores is cast back, and what
     # follows keeps the cast (weights x V without dropout)
@@ -331,7 +331,8 @@ def router_scores(knobs: Any) -> tuple[SavedTensor, ...]:
     """topk_routing_with_score_function: the softmax over the top k (or, pre-softmax, over all E), or every
     expert's sigmoid (with the expert bias, gathered) and the chosen scores' renormalisation (k > 1)."""
     if knobs.moe_router_score_function == "sigmoid":
-        biased = (BIASED_CHOICE_SCORES,) if knobs.moe_router_enable_expert_bias else ()
+        # in fp32 the scores' cast to the activation dtype is a no-op: gather keeps the sigmoid's output itself
+        biased = (BIASED_CHOICE_SCORES,) if knobs.moe_router_enable_expert_bias and knobs.dtype != "fp32" else ()
         return (SIGMOID_SCORES, *biased, *((TOPK_SCORES, TOPK_DENOMINATOR) if knobs.moe_router_topk > 1 else ()))
     return (ALL_PROBS,) if knobs.moe_router_pre_softmax else (TOPK_PROBS,)
 
@@ -381,6 +382,12 @@ def sequence_parallel_forms(knobs: Any) -> tuple[SavedTensor, ...]:
     return (ledger.MLA_KV_NORM.input,) if knobs.mla else ()
 
 
+def fused_softmax_kernel(knobs: Any) -> bool:
+    """Whether FusedScaleMaskSoftmax may run its fused kernel at all (within its window of sizes, `fused_softmax_runs`):
+    masked_softmax_fusion on and 16-bit scores (is_kernel_available asks input_in_float16; fp32 runs torch's)."""
+    return knobs.masked_softmax_fusion and knobs.dtype != "fp32"
+
+
 def fused_softmax_runs(sizes: dict[Dim, Any], t: Any) -> Any:
     """FusedScaleMaskSoftmax.is_kernel_available for the causal kernel (fusions/fused_softmax.py), on numbers or arrays.
 
@@ -408,7 +415,7 @@ FUSED_SOFTMAX = SizeRule(
     " else of 4), the unfused softmax keeps the (s, s) causal mask and its output (fp32 with"
     " attention_softmax_in_fp32)",
     applies=lambda knobs: knobs.attention == "eager" and knobs.recompute not in ("selective", "full")
-    and knobs.dtype != "fp32" and knobs.masked_softmax_fusion, runs=fused_softmax_runs,
+    and fused_softmax_kernel(knobs), runs=fused_softmax_runs,
     outside=lambda knobs, accounting: layer_tensors(knobs, accounting, fused_softmax=False),
     misses=fused_softmax_misses,
 )

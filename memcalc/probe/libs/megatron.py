@@ -458,7 +458,7 @@ def _router_rules(config: ModelConfig) -> tuple[Rule, ...]:
     sigmoid = config.moe_router_score_function == "sigmoid"
     if sigmoid:  # torch.sigmoid(logits.float()); gather(scores, 1, biased top-k); top-k scores / (sum + 1e-20)
         rules_.append(_ROUTER("sigmoid", rules.SIGMOID_SCORES, nth=0, view=tokens))
-        if config.moe_router_enable_expert_bias:
+        if config.moe_router_enable_expert_bias and config.dtype != "fp32":  # fp32: the sigmoid's output, above
             rules_.append(_ROUTER("gather", rules.BIASED_CHOICE_SCORES, nth=0, arg=0, view=tokens))
         if config.moe_router_topk > 1:
             rules_ += [_ROUTER("div", rules.TOPK_SCORES, nth=0, arg=0, view=tokens),

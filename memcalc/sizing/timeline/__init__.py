@@ -18,7 +18,7 @@ from memcalc.records import record
 from memcalc.sizing.pipeline import Stage, stages
 from memcalc.sizing.timeline.hf import hf_timeline
 from memcalc.sizing.timeline.torchtitan import torchtitan_timeline
-from memcalc.sizing.timeline.ends import STEP_TENSORS, Ends, model_states
+from memcalc.sizing.timeline.ends import STEP_TENSORS, Ends, model_states, optimizer_step
 from memcalc.sizing.timeline import megatron_mla, megatron_moe
 from memcalc.sizing.timeline.megatron import INPUT, INPUT_GRAD, OUTPUT, OUTPUT_GRAD, layer_ops
 from memcalc.sizing.timeline.walk import Op, Walk
@@ -108,7 +108,7 @@ def timeline(
             tape.rename(INPUT_GRAD, OUTPUT_GRAD)
     front.backward(ends.inputs)
     tape.drop("pipeline/other micro-batches")  # the cool-down runs their backwards, as this one's
-    tape.mark("optimizer", "", "fused AdamW on the fp32 master weights, in place")
+    optimizer_step(tape, config)
     return Timeline(layer.strategy, tuple(tape.moments), st.name)
 
 
@@ -198,7 +198,6 @@ def _check_modelled(config: ModelConfig, kept: tuple[SavedTensor, ...], ops: tup
         # the paper's layer is Megatron's with the fused softmax at every size: the same walk, its own tensors
         (config.impl not in ("megatron", "paper"), f"impl {config.impl} (the timeline follows Megatron's layer)"),
         (config.cp != 1, f"cp={config.cp}"),
-        (config.dtype == "fp32", "dtype fp32 (Megatron trains fp32 without master weights)"),
     ]
     known = {x.name for op in ops for x in op.saves}  # what the layer's ops free: the tensors the walk knows
     unknown = dict.fromkeys(x.name for x in kept if x.name not in known)

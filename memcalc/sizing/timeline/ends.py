@@ -56,6 +56,13 @@ def model_states(tape: Tape, config: ModelConfig, stage: Stage, z: Sizes) -> Non
         tape.add("states/router buffers", PARAMETERS, router_buffer_bytes(config, stage), ROUTER_BUFFERS_WHY)
 
 
+def optimizer_step(tape: Tape, config: ModelConfig) -> None:
+    """The optimizer's moment: fused AdamW in place, on the master weights, or in fp32 on the weights themselves
+    (Megatron's FP32Optimizer: `memcalc.sizing.states` counts no master copy)."""
+    on = "the fp32 weights themselves (no master copy)" if config.dtype == "fp32" else "the fp32 master weights"
+    tape.mark("optimizer", "", f"fused AdamW on {on}, in place")
+
+
 class Ends:
     """Embedding, final norm, output layer and loss as ops for the generic walk (memcalc.sizing.timeline.walk):
     their saved tensors (ledger) and their gradients; on a middle stage, the input received and the output sent."""
@@ -143,7 +150,11 @@ class Ends:
         output_layer: list[Op] = []
         tied = Made("grad/embedding (output layer)", z.act * z.v_t * z.h, "the tied embedding's gradient from the"
                     " output layer waits in autograd's input buffer until the embedding's own gradient is added to it")
-        dx = column_parallel(output_layer, z, "output_layer", ledger.OUTPUT_INPUT, "grad/logits", z.v_t, 0,
+        # logits.float() copies 16-bit logits; fp32 ones are the loss's own, whose saved softmax (changed in place in
+        # backward) is the logits' gradient: autograd has no cast to make
+        cast = z.act != 4
+        grad = "grad/logits" if cast else ledger.LOSS_LOGITS.name
+        dx = column_parallel(output_layer, z, "output_layer", ledger.OUTPUT_INPUT, grad, z.v_t, 0,
                              "grad/output input", tied if self.tied else None)
         dw = "grad/final_norm weights"
         final_norm = Op("final_norm", forward=(
@@ -155,19 +166,21 @@ class Ends:
         working = tuple(Made(name, z.tokens(width), why) for name, width, why in LOSS_WORKING_SET
                         if name != "loss/target" or min(z.b, z.s) > 1)  # b = 1 or s = 1: contiguous already
         loss_kept = (ledger.LOSS_LOGITS, TARGET_MASK, MASKED_TARGET)
+        logits_made = (Made("output/logits", logits, "the output layer's logits (s, b, v/t) in the training dtype"),
+                       ) if cast else ()
+        seed = Made("loss/grad seed", 4, "loss.backward() starts from a 0-d ones tensor, made before autograd runs",
+                    category=ACTIVATIONS)
+        cast_back = (Made("grad/logits", logits, "the loss's fp32 gradient is the saved softmax, changed in place;"
+                          " autograd casts it to the training dtype"),) if cast else ()
         loss = Op("loss", forward=(
             Step("fp32 logits and the per-token vectors of the cross-entropy", (
-                Made("output/logits", logits, "the output layer's logits (s, b, v/t) in the training dtype"),
-                *(kept("", x, x.why) for x in loss_kept), *working),
-                frees=("output/logits", *(x.name for x in working))),
+                *logits_made, *(kept("", x, x.why) for x in loss_kept), *working),
+                frees=(*(x.name for x in logits_made), *(x.name for x in working))),
             Step("", (Made("loss/value", 4, "the mean loss (a 0-d fp32 tensor) lives to the step's end"),),
                  moment=False)),
-            backward=(Step("the logits' gradient cast to the training dtype", (
-                Made("loss/grad seed", 4, "loss.backward() starts from a 0-d ones tensor, made before autograd runs",
-                     category=ACTIVATIONS),
-                Made("grad/logits", logits, "the loss's fp32 gradient is the saved softmax, changed in place; autograd"
-                     " casts it to bf16"))),),
-            saves=loss_kept)
+            backward=(Step("the logits' gradient cast to the training dtype" if cast else "the loss's backward",
+                           (seed, *cast_back)),),
+            saves=loss_kept if cast else loss_kept[1:])  # fp32: the softmax lives on as the logits' gradient
         return (final_norm, *output_layer, loss)
 
 

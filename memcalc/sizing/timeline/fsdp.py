@@ -15,10 +15,10 @@ and so what the tape holds:
     steady          each parameter an fp32 DTensor sharded on dim 0 (dim 0 padded up to a multiple of
                     dp_shard); AdamW's m and v, the same shards, and a 0-d fp32 step per parameter; no
                     gradients (zero_grad sets them to None), or under torchtitan their fp32 shards
-    pre-forward     a unit's all-gather: this rank's shards cast to bf16, a flat bf16 buffer of the whole
-                    unit (foreach_all_gather), copied out into each parameter's unsharded bf16 storage
-                    (foreach_all_gather_copy_out; a Shard(1) parameter's rank by rank into a temporary, then
-                    chunk-cat into its own); the buffer is kept until the next unit's copy-out
+    pre-forward     a unit's all-gather: this rank's shards cast to bf16 (in fp32 not cast), a flat buffer of
+                    the whole unit in param_dtype (foreach_all_gather), copied out into each parameter's
+                    unsharded storage (foreach_all_gather_copy_out; a Shard(1) parameter's rank by rank into
+                    a temporary, then chunk-cat into its own); the buffer is kept until the next unit's copy-out
                     (implicit forward prefetch), the last until the root's forward returns
     post-forward    reshard_after_forward: the unit's unsharded parameters freed
     pre-backward    the unit's own gather copied out (again, if resharded), and the next unit's all-gather
@@ -216,10 +216,12 @@ class Fsdp:
 
     def all_gather(self, tape: Tape, block: str, phase: str, where: str) -> None:
         """foreach_all_gather: this rank's shards cast to param_dtype, then the block's flat buffer of every
-        rank's shards; the casts are freed once copied in."""
+        rank's shards; the casts are freed once copied in. In fp32 there is no cast (FSDP2 clamps a param_dtype equal
+        to the shards' to None): the shards are the all-gather's input."""
         whole, made = self.unsharded(block), ACTIVATIONS if phase == "forward" else TEMPORARIES
-        tape.add(f"fsdp/{block} cast", made, self.act * whole // self.shards,
-                 "this rank's shards cast to param_dtype, the all-gather's input")
+        if self.act != 4:
+            tape.add(f"fsdp/{block} cast", made, self.act * whole // self.shards,
+                     "this rank's shards cast to param_dtype, the all-gather's input")
         name = f"fsdp/{block} all-gather"
         # FSDPMemTracker files the buffer as the op's output first, as FSDP2's own once it is told of it
         tape.add(name, made, self.act * whole, "FSDP2's all-gather output: the whole block in param_dtype, one flat"

@@ -23,7 +23,7 @@ from memcalc.sizing.pipeline import stages
 from memcalc.sizing.timeline import hf_gpt2 as gpt2
 from memcalc.sizing.timeline import hf_layer as layer
 from memcalc.sizing.timeline import hf_moe as moe
-from memcalc.sizing.timeline.ends import model_states
+from memcalc.sizing.timeline.ends import model_states, optimizer_step
 from memcalc.sizing.timeline.fsdp import ROOT, Fsdp
 from memcalc.sizing.timeline.tape import (
     ACTIVATIONS, GRADIENTS, PARAMETERS, TEMPORARIES, Moment, Sizes, Tape, Timeline, bulk,
@@ -86,7 +86,7 @@ def _moments(config: ModelConfig, z: Sizes, kept: tuple[tuple[ledger.SavedTensor
     if isinstance(sharding, Zero):  # DeepSpeed's step makes the fp32 gradient partition first
         sharding.optimizer_step(tape)
     else:
-        tape.mark("optimizer", "", "fused AdamW on the fp32 master weights, in place")
+        optimizer_step(tape, config)
     return tuple(tape.moments)
 
 
@@ -213,7 +213,8 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
          " sharding or dropout only)"),
         (config.position_embedding_type != "rope" and family != "gpt2",
          f"position_embedding_type {config.position_embedding_type}"),
-        (config.dtype == "fp32", "dtype fp32 (no master weights)"),
+        (config.dtype == "fp32" and config.zero_stage is not None, "dtype fp32 with zero_stage (DeepSpeed's fp32"
+                                                                   " optimizer is not walked)"),
         *_experts_missing(config, tp),
         # the FSDP2 and ZeRO walks
         (config.zero_stage == 0, "zero_stage=0 (DeepSpeed's bf16 optimizer without ZeRO; --totals counts its model"
@@ -227,6 +228,9 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
         (config.recompute != "none" and config.has_dropout, f"{rerun} dropout (the probe's CUDA-like dropout shim is"
                                                             " not active in the rerun)"),
         (config.recompute != "none" and config.zero_stage is not None, f"{rerun} zero_stage"),
+        (config.recompute != "none" and config.dtype == "fp32", f"{rerun} dtype fp32 (the norms' x.to(float32) are the"
+                                                                " checkpoint's input and the residual stream"
+                                                                " themselves, which the rerun's walk does not alias)"),
     ]
     for absent, what in missing:
         if absent:
@@ -408,16 +412,21 @@ def _output(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     """model.norm, then lm_head and the loss."""
     last = f"layers.{config.L}/input"
     final = final_norm(config)
-    # the locals alive at its widest: LlamaRMSNorm's variance and fp32 x * r; GemmaRMSNorm's fp32 product
-    temps = (Made("final_norm/product fp32", z.tokens(4 * z.h), "(x * r) * (1 + w) in fp32: a local"),) \
-        if final.weight_plus_one else (Made("final_norm/variance", z.tokens(4), "pow(2).mean(-1): a local"),
-                                       Made("final_norm/normalised fp32", z.tokens(4 * z.h), "x * rsqrt(.): a local"))
+    # the locals alive at its widest: LlamaRMSNorm's variance and fp32 x * r; GemmaRMSNorm's fp32 product (in fp32 the
+    # casts are no-ops: x * r is the ledger's normed, the product lm_head's input)
+    fp32 = z.act == 4
+    temps = (() if fp32 else (Made("final_norm/product fp32", z.tokens(4 * z.h), "(x * r) * (1 + w) in fp32: a"
+                                   " local"),)) if final.weight_plus_one else (
+        Made("final_norm/variance", z.tokens(4), "pow(2).mean(-1): a local"),
+        *(() if fp32 else (Made("final_norm/normalised fp32", z.tokens(4 * z.h), "x * rsqrt(.): a local"),)))
+    widest = Step("RMSNorm at its widest: fp32 input and output, bf16 output", (
+        *(kept("", x) for x in final), *temps, kept("", ledger.OUTPUT_INPUT, "the cast back: lm_head's input, which it"
+                                                   " keeps")),
+        frees=(*(x.name for x in temps), last,  # the first layer's frame holds the rest
+               *(MODEL_LOCALS if config.recompute != "full" else _unheld_masks(config))))
+    # fp32: x.to(float32) is the last layer's output itself, which the norm keeps
     norm = layer.rms_norm("model.norm", "", final, z, "grad/lm_head input", f"grad/layers.{config.L - 1}/output",
-                          forward=(Step("RMSNorm at its widest: fp32 input and output, bf16 output", (
-                              *(kept("", x) for x in final), *temps,
-                              kept("", ledger.OUTPUT_INPUT, "the cast back: lm_head's input, which it keeps")),
-                              frees=(*(x.name for x in temps), last,  # the first layer's frame holds the rest
-                                     *(MODEL_LOCALS if config.recompute != "full" else _unheld_masks(config)))),))
+                          forward=((Step("", frees=(last,)),) if fp32 else ()) + (widest,))
     return (*norm, *_head(z, config))
 
 
@@ -461,23 +470,28 @@ def _softcap(config: ModelConfig, logits: int) -> tuple[Op, ...]:
 
 
 def _loss(z: Sizes, logits: int) -> Op:
-    """ForCausalLMLoss; in backward three fp32 (b*s, v) tensors at once."""
+    """ForCausalLMLoss; in backward three fp32 (b*s, v) tensors at once. In fp32 logits.float() is the logits
+    themselves, and log_softmax's backward makes their gradient (no cast back)."""
     shifted = (Made("loss/shift_labels", z.tokens(8), "labels[..., 1:].contiguous(): nll_loss keeps it as its target"),)
+    wide, cast = 4 * logits // z.act, z.act != 4
+    upcast = (Made("loss/logits fp32", wide, "logits.float(): the loss upcasts them"),) if cast else ()
     return Op("", forward=(
         Step("the loss: bf16 and fp32 logits and the fp32 log-softmax", (
-            Made("loss/logits fp32", 2 * logits, "logits.float(): the loss upcasts them"),
+            *upcast,
             Made("loss/padded labels", 8 * z.b * (z.s + 1), "labels padded by one ignore_index column, (b, s + 1)"),
             *(shifted if z.b > 1 else ()),  # with b = 1 the slice is contiguous already: a view
-            Made("loss/log_softmax", 2 * logits, "the fp32 log_softmax: its backward and nll_loss's keep it"),
+            Made("loss/log_softmax", wide, "the fp32 log_softmax: its backward and nll_loss's keep it"),
             Made("loss/value", 4, "the mean loss (a 0-d fp32 tensor) lives to the step's end"),
             Made("loss/total_weight", 4, "nll_loss's count of targets (0-d fp32), kept for its backward")),
              frees=("lm_head/logits", "loss/logits fp32", *(("loss/padded labels",) if z.b > 1 else ()))),
         Step("loss.backward() seeds autograd", (Made("loss/grad seed", 4, "a 0-d ones tensor"),), moment=False),
     ), backward=(
-        Step("nll_loss's backward", (Made("grad/log_softmax", 2 * logits, "-1/N at each target, zero elsewhere"),),
-             frees=("loss/shift_labels", "loss/padded labels", "loss/total_weight"), moment=False),
-        Step("log_softmax's backward: three fp32 (b*s, v) tensors", (Made("grad/logits fp32", 2 * logits, "fp32"),),
+        # a moment: in fp32 (no upcast copy in forward) at small sizes the step peaks here
+        Step("nll_loss's backward", (Made("grad/log_softmax", wide, "-1/N at each target, zero elsewhere"),),
+             frees=("loss/shift_labels", "loss/padded labels", "loss/total_weight")),
+        Step("log_softmax's backward: three fp32 (b*s, v) tensors", (Made(
+            "grad/logits fp32" if cast else "grad/logits", wide, "fp32"),),
              frees=("grad/log_softmax", "loss/log_softmax")),
-        Step("the upcast's backward", (Made("grad/logits", logits, "the gradient cast back to bf16"),),
-             frees=("grad/logits fp32",), moment=False),
+        *((Step("the upcast's backward", (Made("grad/logits", logits, "the gradient cast back to bf16"),),
+                frees=("grad/logits fp32",), moment=False),) if cast else ()),
     ))

@@ -33,27 +33,37 @@ def rms_norm(where: str, p: str, norm: RMSNormTensors, z: Sizes, dy: str | None,
     dx = out if residual is None else f"{g}/dx"
     walked = _gemma_norm_forward if norm.weight_plus_one else _norm_forward
     forward = forward or (walked(f"{p}/{where}", p, norm, fp32, row, output, gone) if output else ())
-    cast = Op(where, forward=forward, backward=(
-        Step("x.to(float32)'s backward", (Made(f"{g}/dx fp32", fp32, "autograd sums x's two fp32 gradients"),
-                                          Made(dx, act, "x.to(float32)'s backward: cast back to bf16")),
-             frees=(f"{g}/dx (x * r)", f"{g}/dx (pow)", f"{g}/dx fp32"), moment=False),
-        *((Step("the residual's sum", (Made(out, act, "the residual stream's gradient: the norm's dX and the"
-                                            " residual's summed"),), frees=(dx, residual), moment=False),)
-          if residual else ())))
+    if act == fp32:  # fp32: x.to(float32) is x, whose gradients autograd sums as they come (`_summed_into_x`)
+        cast = Op(where, forward=forward, backward=())
+    else:
+        cast = Op(where, forward=forward, backward=(
+            Step("x.to(float32)'s backward", (Made(f"{g}/dx fp32", fp32, "autograd sums x's two fp32 gradients"),
+                                              Made(dx, act, "x.to(float32)'s backward: cast back to bf16")),
+                 frees=(f"{g}/dx (x * r)", f"{g}/dx (pow)", f"{g}/dx fp32"), moment=False),
+            *((Step("the residual's sum", (Made(out, act, "the residual stream's gradient: the norm's dX and the"
+                                                " residual's summed"),), frees=(dx, residual), moment=False),)
+              if residual else ())))
+    summed, first = _summed_into_x(g, act, residual) if act == fp32 else ((), "")
     power = Op(where, forward=(), backward=(
         Step("mean's backward", (Made(f"{g}/dpow", fp32, "dvariance spread over h and divided by h"),),
              frees=(f"{g}/dvariance",), moment=False),
         Step("RMSNorm's backward at its widest: five fp32 (b, s, h) temporaries", (
             Made(f"{g}/x^1", fp32, "pow(2)'s backward: x^1"), Made(f"{g}/2x", fp32, "pow(2)'s backward: 2 * x^1"),
             Made(f"{g}/dx (pow)", fp32, "pow(2)'s backward: dpow * 2x")), frees=(f"{g}/x^1", f"{g}/2x", f"{g}/dpow")),
+        *((Step("pow's gradient added to x's", (Made(out, act, "x's gradient: the norm's dX (and the residual's)"),),
+                frees=(first, f"{g}/dx (pow)"),
+                moment=False),) if act == fp32 else ()),
     ), saves=(norm.input_fp32,))
     upcast = Step("y.to(bf16)'s backward", (Made(f"{g}/dy fp32", fp32, "the gradient cast up to fp32"),),
                   frees=(f"{g}/dY w",), moment=False)
+    cast_up = act != fp32 and not norm.weight_plus_one  # fp32: y is x * r itself, and dY w its gradient
     rstd = Op(where, forward=(), backward=(
-        *(() if norm.weight_plus_one else (upcast,)),
+        *((upcast,) if cast_up else ()),
         Step("x * r's backward", (Made(f"{g}/dx (x * r)", fp32, "dy * r"), Made(f"{g}/dr full", fp32, "dy * x"),
                                   Made(f"{g}/dr", row, "the rstd's gradient, (b, s, 1) fp32")),
-             frees=(f"{g}/dy fp32", f"{g}/dr full"), moment=False),
+             frees=(f"{g}/dy fp32" if cast_up or norm.weight_plus_one else f"{g}/dY w", f"{g}/dr full"),
+             moment=False),
+        *summed,
         Step("rsqrt's backward", (Made(f"{g}/r^3", row, "(b, s, 1) fp32"), Made(f"{g}/-r^3 / 2", row, "(b, s, 1) fp32"),
                                   Made(f"{g}/dvariance", row, "dr * -r^3 / 2")),
              frees=(f"{g}/r^3", f"{g}/-r^3 / 2", f"{g}/dr"), moment=False),
@@ -63,10 +73,24 @@ def rms_norm(where: str, p: str, norm: RMSNormTensors, z: Sizes, dy: str | None,
     weight = Op(where, forward=(), backward=(
         Step("weight * y's backward", (Made(f"{g}/dY w", act, "dY * weight"), Made(f"{g}/dY y", act, "dY * y"),
                                        Made(f"{g}/dweight", z.act * width // heads, WHY_WGRAD)),
-             frees=(f"{g}/dY y",), hands_over=(f"{g}/dweight",), moment=False),
+             # a moment in fp32, where a tiny model with tied weights peaks here (no fp32 copy of the logits above
+             # it); under gradient checkpointing (16-bit only) the rerun's locals go around it, untimed by the walk
+             frees=(f"{g}/dY y",), hands_over=(f"{g}/dweight",), moment=act == fp32),
         Step("", frees=(dy,) if dy else (), returns=True),
     ), saves=(norm.normed,))
     return (cast, power, rstd, weight)
+
+
+def _summed_into_x(g: str, act: int, residual: str | None) -> tuple[tuple[Step, ...], str]:
+    """In fp32 the norm's input x is the residual stream's tensor itself, whose gradients autograd sums as they come,
+    each sum a new tensor made once the node that gives the gradient has freed its own locals (measured: no moment):
+    the residual's with x * r's (a step), then pow's. Returns that step, if any, and the name of x's gradient before
+    pow's is added."""
+    if residual is None:
+        return (), f"{g}/dx (x * r)"
+    return (Step("x * r's gradient added to the residual's", (Made(
+        f"{g}/dx (sum)", act, "x's gradient so far: the residual stream's and x * r's"),),
+        frees=(f"{g}/dx (x * r)", residual), moment=False),), f"{g}/dx (sum)"
 
 
 def _norm_forward(n: str, p: str, norm: RMSNormTensors, fp32: int, row: int, output: Made, gone: tuple[str, ...]
@@ -112,21 +136,26 @@ def _gemma_norm_forward(n: str, p: str, norm: RMSNormTensors, fp32: int, row: in
 
 def _gemma_weight(where: str, g: str, norm: RMSNormTensors, z: Sizes, dy: str | None, fp32: int, channels: int
                   ) -> tuple[Op, Op]:
-    """GemmaRMSNorm's last two ops: (x * r) * (1.0 + weight.float()) in fp32, keeping both factors, then type_as(x)."""
+    """GemmaRMSNorm's last two ops: (x * r) * (1.0 + weight.float()) in fp32, keeping both factors, then type_as(x)
+    (in fp32 a no-op: the product's backward reads dY itself)."""
+    cast = z.act != 4
+    dy_fp32 = f"{g}/dY fp32" if cast else dy
     product = Op(where, forward=(), backward=(
         Step("(x * r) * (1 + w)'s backward: its two fp32 gradients", (
             Made(f"{g}/dw+1 full", fp32, "dY * (x * r), fp32"),
             Made(f"{g}/dy fp32", fp32, "dY * (1 + w): the normalised input's gradient, fp32")), returns=True),
         Step("(1 + w)'s gradient summed over the tokens (dY in fp32 still live)",
-             (Made(f"{g}/dw+1", 4 * channels, "(h,) fp32"),), frees=(f"{g}/dw+1 full", f"{g}/dY fp32"), reduced=True),
+             (Made(f"{g}/dw+1", 4 * channels, "(h,) fp32"),),
+             frees=(f"{g}/dw+1 full", *((dy_fp32,) if dy_fp32 else ())),
+             reduced=True),
         Step("weight.float()'s backward", (Made(f"{g}/dweight", z.act * channels, WHY_WGRAD),),
              frees=(f"{g}/dw+1",), hands_over=(f"{g}/dweight",), moment=False),
     ), saves=(norm.weight_plus_one, norm.normed_fp32))
-    cast = Op(where, forward=(), backward=(
+    up = Op(where, forward=(), backward=(
         Step("type_as(x)'s backward", (Made(f"{g}/dY fp32", fp32, "the gradient cast up to fp32"),),
              frees=(dy,) if dy else (),
-             moment=False),))
-    return (product, cast)
+             moment=False),) if cast else ())
+    return (product, up)
 
 
 def layer_forward(i: int, z: Sizes, kept: Step, mlp: tuple[Op, ...] = (), core: tuple[Op, ...] = ()
@@ -141,9 +170,10 @@ def layer_forward(i: int, z: Sizes, kept: Step, mlp: tuple[Op, ...] = (), core: 
         at = next(j for j, x in enumerate(kept.makes) if x.keeps == ledger.PROJ_IN)
         core = (Op("", (replace(kept, makes=kept.makes[:at]),), ()), *core)
         kept = replace(kept, makes=kept.makes[at:])
-    made = Op("", forward=(kept, Step("the residual stream", (Made(
-        f"{p}/mid", full, "the residual stream after attention: ln2's input and the MLP's residual"),), moment=False)),
-              backward=())
+    # fp32: the norms' x.to(float32) are no-ops, so the ledger's fp32 inputs are the layer's input and the stream
+    stream = (Step("", frees=(f"{p}/input",)),) if z.act == 4 else (Step("the residual stream", (Made(
+        f"{p}/mid", full, "the residual stream after attention: ln2's input and the MLP's residual"),), moment=False),)
+    made = Op("", forward=(kept, *stream), backward=())
     output = () if mlp else (Made(f"{p}/mlp output", full, "down_proj's output, summed into the residual stream"),)
     down = (Op("mlp.down_proj", forward=(Step("down_proj's partial sum all-reduced", (
         Made(f"{p}/mlp partial", full, "down_proj's GEMM: this rank's share of the sum, a local of its forward"),
@@ -338,7 +368,7 @@ def _eager(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool = F
         Step("dropout's backward: dY * mask * scale", (Made(f"{g}/weights", z.act * scores, "native_dropout_backward:"
                                                             " one kernel, the gradient through the mask"),),
              frees=(weights,)),), saves=(ledger.ATTN_DROPOUT_MASK,)),) if dropout else ()
-    sc, x = z.act * scores, f"{p}/scores"
+    sc, x, cast = z.act * scores, f"{p}/scores", z.act != 4  # fp32: softmax's casts are no-ops
     q_copied, k_copied, v_copied = _bmm_copies(z, saved, fused)
     repeated = expanded and not v_copied  # repeat_kv's copies, kept to the core's return; else matmul's, to bmm's
     copies = tuple(Step(f"repeat_kv({n})", (kept(p, t),)) for n, t in (("k", k), ("v", v))) if repeated else ()
@@ -357,10 +387,12 @@ def _eager(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool = F
         Op("self_attn", (
             Step("plus the mask", (Made(f"{x} masked", sc, "a local, rebound by the softmax"),),
                  frees=(f"{x} scaled", f"{x} capped")),
-            Step("the cast to fp32", (Made(f"{x} fp32", 2 * sc, "softmax's input, a temporary"),)),
-            Step("the fp32 softmax", (kept(p, rules.SOFTMAX_FP32),), frees=(f"{x} fp32",)),
-            Step("the cast back: the attention weights", (kept(p, rules.WEIGHTS),), frees=(f"{x} masked",),
-                 reads_last=(kept_name(p, rules.SOFTMAX_FP32),)),
+            *((Step("the cast to fp32", (Made(f"{x} fp32", 2 * sc, "softmax's input, a temporary"),)),
+               Step("the fp32 softmax", (kept(p, rules.SOFTMAX_FP32),), frees=(f"{x} fp32",)),
+               Step("the cast back: the attention weights", (kept(p, rules.WEIGHTS),), frees=(f"{x} masked",),
+                    reads_last=(kept_name(p, rules.SOFTMAX_FP32),))) if cast else
+              (Step("the fp32 softmax: the attention weights", (kept(p, rules.SOFTMAX_FP32),),
+                    frees=(f"{x} masked",)),)),
         ), (
             Step("the cast to bf16's backward", (Made(f"{g}/softmax fp32", 4 * scores, "the gradient up to fp32"),),
                  frees=(f"{g}/weights",), moment=False),
@@ -368,6 +400,10 @@ def _eager(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool = F
                  frees=(f"{g}/softmax fp32",), returns=True),
             Step("the cast to fp32's backward", (Made(f"{g}/scores", z.act * scores, "back to bf16"),),
                  frees=(f"{g}/scores fp32",), moment=False),
+            *(() if softcap else (scale,)),
+        ) if cast else (
+            Step("the fp32 softmax's backward", (Made(f"{g}/scores", 4 * scores, "softmax's backward"),),
+                 frees=(f"{g}/weights",), returns=True),
             *(() if softcap else (scale,)),
         ), saves=(rules.SOFTMAX_FP32,)),
         *dropped,

@@ -76,8 +76,9 @@ def weight_of(where: str, gradient: str) -> str:
 
 
 def _bf16(config: ModelConfig) -> bool:
-    """Whether the experts read routing weights cast to bf16 (Qwen's), as the ledger says, or Mixtral's fp32 ones."""
-    return rules.EXPERT_WEIGHT_CAST in rules.moe_block(config)
+    """Whether the experts read routing weights in the activation dtype (Qwen's cast them, as the ledger says; in fp32
+    every block's are) and so make no casts, or Mixtral's fp32 ones in a 16-bit model."""
+    return config.dtype == "fp32" or rules.EXPERT_WEIGHT_CAST in rules.moe_block(config)
 
 
 def _width(z: Sizes, config: ModelConfig) -> int:
@@ -438,7 +439,7 @@ def _grouped(z: Sizes, config: ModelConfig, sums: _Sums) -> list[Op]:
         Made(f"{g}/sorted rows", width * r * h, "index_put's: the rows at the permutation")),
         frees=(f"{g}/slot rows", f"{g}/rows zeros")))
     down_dy = f"{g}/down dY"
-    product = _op("mlp.experts", (rules.EXPERT_OUT, rules.EXPERT_WEIGHT_CAST if bf16 else rules.EXPERT_WEIGHT),
+    product = _op("mlp.experts", (rules.EXPERT_OUT, rules.EXPERT_WEIGHT, rules.EXPERT_WEIGHT_CAST),  # the ledger's
         Step("the routing weight's product: dY * w", (Made(down_dy if bf16 else f"{g}/down dY fp32", width * r * h,
                                                            "dY * w, down_proj's output gradient"),)),
         Step("the routing weight's product: dY * out", (Made(f"{g}/weights dw rows", width * r * h,
@@ -488,10 +489,11 @@ def _router(z: Sizes, config: ModelConfig, sums: _Sums, final: bool) -> list[Op]
     into ln2's output gradient when it runs last (`final`)."""
     g, tokens, experts = f"{sums.stem}/router", z.b * z.s, config.num_experts
     topk = _op("mlp.gate", (rules.TOPK_SUM, rules.TOPK_WEIGHTS, ledger.ROUTER_TOPK_INDICES))
+    cast = z.act != 4  # softmax(router_logits.float()): in fp32 no cast, nor its backward
     softmax = _op("mlp.gate", (rules.ROUTER_PROBS,), Step("top-k's and softmax's backward", (
-        Made(f"{g}/logits fp32", 4 * tokens * experts, "(b*s, E) fp32"),), moment=False), Step(
-        "the fp32 softmax's backward", (Made(f"{g}/logits", z.act * tokens * experts, "back to bf16"),),
-        frees=(f"{g}/logits fp32",), moment=False))
+        Made(f"{g}/logits fp32" if cast else f"{g}/logits", 4 * tokens * experts, "(b*s, E) fp32"),), moment=False),
+        *((Step("the fp32 softmax's backward", (Made(f"{g}/logits", z.act * tokens * experts, "back to bf16"),),
+                frees=(f"{g}/logits fp32",), moment=False),) if cast else ()))
     gate = linear("mlp.gate", ledger.MOE_IN if final else None, None, z.act * experts * z.h, f"{g}/input",
                   z.full(z.h), "", (f"{g}/logits",), dw=f"{g}/weight")
     return [topk, softmax, replace(gate, backward=(*gate.backward, *sums.add(

@@ -440,7 +440,9 @@ _SCORE_BACKWARD = {"softmax": "softmax's backward in fp32: S' * (dY - sum(dY * S
 
 def _casts(z: Sizes, elements: int, grad: str, out: str, what: str, keeps: SavedTensor) -> tuple[Op, ...]:
     """The scores' cast down, the fp32 softmax or sigmoid (`what`) and the logits' cast up, backward, over
-    `elements`."""
+    `elements`; in fp32 the casts are no-ops, and autograd has none to run."""
+    if z.act == 4:
+        return (_one("mlp.router", what, Made(out, 4 * elements, _SCORE_BACKWARD[what]), (grad,), saves=(keeps,)),)
     return (
         _one("mlp.router", "the cast down's backward", Made(
             f"{grad} fp32", 4 * elements, "the probabilities were cast from fp32: the gradient cast up"), (grad,)),

@@ -122,7 +122,7 @@ def fused_softmax(config: ModelConfig, z: Sizes) -> bool:
     """Whether Megatron's fused causal softmax kernel runs on this rank's scores (memcalc.model.impls.megatron's
     FUSED_SOFTMAX window); the paper's layer runs it at every size."""
     window = megatron.fused_softmax_runs({Dim.B: z.b, Dim.A: z.a_t, Dim.S: z.s}, 1)
-    return config.impl == "paper" or (config.masked_softmax_fusion and bool(window))
+    return config.impl == "paper" or (megatron.fused_softmax_kernel(config) and bool(window))
 
 
 def softmax(ops: list[Op], config: ModelConfig, z: Sizes, where: str, grad: str, has: Has,

@@ -19,7 +19,7 @@ from memcalc.model.knobs import DTYPE_BYTES, Accounting, element_bytes
 from memcalc.model.ledger import SavedTensor
 from memcalc.model.strategy import Strategy
 from memcalc.sizing.pipeline import stages
-from memcalc.sizing.timeline.ends import model_states
+from memcalc.sizing.timeline.ends import model_states, optimizer_step
 from memcalc.sizing.timeline.fsdp import OUTPUT, Fsdp, expert_dim1, torchtitan_block
 from memcalc.sizing.timeline.tape import ACTIVATIONS, PARAMETERS, TEMPORARIES, Sizes, Tape, Timeline, prod
 from memcalc.sizing.timeline.torch_ops import WHY_WGRAD, linear, module_returns, swiglu_ops
@@ -77,7 +77,7 @@ def torchtitan_timeline(config: ModelConfig, strategy: Strategy, accounting: Acc
         tape.drop("fsdp/tok_embeddings reduce-scatter")
         fsdp.finalize_backward(tape)
     tape.drop("loss/grad seed")  # backward() returns
-    tape.mark("optimizer", "", "fused AdamW on the fp32 master weights, in place")
+    optimizer_step(tape, config)
     return Timeline(layer.strategy, tuple(tape.moments), stage.name)
 
 
@@ -102,7 +102,6 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
         (config.add_bias_linear or config.add_qkv_bias, "biases (Llama3 has none: set add_bias_linear false)"),
         (config.pp != 1, f"pp={config.pp}"),
         (config.cp != 1, f"cp={config.cp}"),
-        (config.dtype != "bf16", f"dtype {config.dtype}"),
         (config.b * config.s == 1, "b = s = 1 (V is then a view of the fused wqkv output)"),
     ]
     for absent, what in missing:
@@ -197,12 +196,13 @@ def _end_bytes(config: ModelConfig, strategy: Strategy, accounting: Accounting) 
 
 
 def norm(where: str, z: Sizes, norm: rules.RMSNormTensors, p: str, out: Made, grad: str, dx: str, x: str,
-         frees: tuple[str, ...] = ()) -> Op:
+         frees: tuple[str, ...] = (), stream: str = "") -> Op:
     """nn.RMSNorm: on CUDA torch's fused kernel (`fused_rms_norm`, keeping its input `x` itself), on a CPU torch's
     rms_norm_composite, op by op, and its backward through autograd.
 
     The composite's forward keeps the fp32 input, the rstd and x * rstd (the ledger's); `frees` go once the output
-    is made. Backward ends with dX cast back to bf16 (`dx`).
+    is made. Backward ends with dX cast back to bf16 (`dx`). In fp32 the input is x itself, so autograd adds x's two
+    gradients into the residual stream's (`stream`, its gradient; `dx` then the sum) as each comes.
     """
     if z.cuda:
         return fused_rms_norm(where, z, norm, p, out, grad, dx, x)
@@ -219,30 +219,40 @@ def norm(where: str, z: Sizes, norm: rules.RMSNormTensors, p: str, out: Made, gr
         weighted = (Step("times the weight, in fp32", times, reads_last=(normed,)),
                     Step("made contiguous", (Made(f"{n}/copy", full, "fp32, a local"),), frees=(f"{n}/weighted",),
                          reads_last=(fp32,)))
-    forward = (
-        Step("input.to(float32)", (kept(p, norm.input_fp32),)),
+    cast = z.act != 4  # in fp32 input.to(float32) is x itself, kept by the norm, and the weighted product the output
+    if not cast:
+        fp32 = x
+    head = (
+        *((Step("input.to(float32)", (kept(p, norm.input_fp32),)),) if cast else ()),
         Step("pow(2)", (Made(f"{n}/pow", full, "x^2, a local"),)),
         Step("mean over h", (Made(f"{n}/mean", row, "mean(x^2), a local"),)),
         Step("rsqrt(mean + eps)", (kept(p, norm.rstd),), frees=(f"{n}/pow", f"{n}/mean")),
         Step("x * rstd", (kept(p, norm.normed_fp32),)),
-        *weighted,
-        Step("cast back to bf16: the norm's output", (out,), frees=(f"{n}/weighted", f"{n}/copy", *frees),
-             reads_last=(rstd,)),
     )
+    forward = (*head, *weighted, Step("cast back to bf16: the norm's output", (out,),
+                                      frees=(f"{n}/weighted", f"{n}/copy", *frees), reads_last=(rstd,))) if cast else (
+        *head, Step("times the weight: the norm's output", (out,), frees=tuple(f for f in frees if f != x),
+                    reads_last=(normed, rstd)))
     g = f"grad/{n}"
+    # in fp32 dY is the output's gradient itself, the summed product the weight's gradient, and x's summed gradients dX
+    dy, dw = (f"{g}/dy", f"{g}/dw fp32") if cast else (grad, f"{g}/dweight")
+    weight_grad = (Step("cast to bf16: the weight's gradient", (Made(f"{g}/dweight", z.act * z.h, WHY_WGRAD),),
+                        frees=(dy, dw, normed), hands_over=(f"{g}/dweight",)),) if cast else (
+        Step("", frees=(dy, normed), hands_over=(dw,)),)
     backward = (
-        Step("the cast's backward: dY up to fp32", (Made(f"{g}/dy", full, "dY in fp32"),), frees=(grad,)),
+        *((Step("the cast's backward: dY up to fp32", (Made(dy, full, "dY in fp32"),), frees=(grad,)),)
+          if cast else ()),
         Step("times the weight's backward: dY * weight", (Made(f"{g}/dnormed", full, "the gradient of x * rstd"),)),
         Step("its weight's: dY * (x * rstd)", (Made(f"{g}/dw full", full, "per token, before the sum"),),
              reads_last=(normed,)),
-        Step("summed over tokens", (Made(f"{g}/dw fp32", 4 * z.h, "the weight's fp32 gradient"),),
-             frees=(f"{g}/dw full",)),
-        Step("cast to bf16: the weight's gradient", (Made(f"{g}/dweight", z.act * z.h, WHY_WGRAD),),
-             frees=(f"{g}/dy", f"{g}/dw fp32", normed), hands_over=(f"{g}/dweight",)),
+        Step("summed over tokens", (Made(dw, 4 * z.h, "the weight's fp32 gradient"),), frees=(f"{g}/dw full",)),
+        *weight_grad,
         Step("x * rstd's backward: dnormed * rstd", (Made(f"{g}/dx (x * r)", full, "x's first fp32 gradient"),)),
         Step("x * rstd's backward: dnormed * x", (Made(f"{g}/dr full", full, "per element, before the sum"),)),
         Step("summed over h: rstd's gradient", (Made(f"{g}/dr", row, "(b, s, 1) fp32"),),
              frees=(f"{g}/dnormed", f"{g}/dr full")),
+        *((Step("x's first gradient added to the residual stream's", (Made(f"{g}/dx (sum)", full, "a new tensor"),),
+                frees=(f"{g}/dx (x * r)", stream)),) if stream else ()),
         Step("rsqrt's backward: rstd^3", (Made(f"{g}/r^3", row, "(b, s, 1) fp32"),)),
         Step("rsqrt's backward: -rstd^3 / 2", (Made(f"{g}/-r^3 / 2", row, "(b, s, 1) fp32"),)),
         Step("rsqrt's backward: times dr", (Made(f"{g}/dvariance", row, "(b, s, 1) fp32"),),
@@ -253,12 +263,13 @@ def norm(where: str, z: Sizes, norm: rules.RMSNormTensors, p: str, out: Made, gr
         Step("pow's backward: 2 x", (Made(f"{g}/2x", full, "fp32"),)),
         Step("pow's backward: dpow * 2x", (Made(f"{g}/dx (pow)", full, "x's second fp32 gradient"),),
              frees=(f"{g}/x^1", f"{g}/2x", f"{g}/dpow", fp32)),
-        Step("autograd sums x's two fp32 gradients", (Made(f"{g}/dx fp32", full, "fp32"),),
-             frees=(f"{g}/dx (x * r)", f"{g}/dx (pow)")),
-        Step("input.to(float32)'s backward: dX cast back to bf16", (Made(dx, z.act * tokens * z.h, "the norm's dX"),),
-             frees=(f"{g}/dx fp32",)),
+        Step("autograd sums x's two fp32 gradients", (Made(f"{g}/dx fp32" if cast else dx, full, "fp32"),),
+             frees=(f"{g}/dx (sum)" if stream else f"{g}/dx (x * r)", f"{g}/dx (pow)")),
+        *((Step("input.to(float32)'s backward: dX cast back to bf16", (Made(dx, z.act * tokens * z.h, "the norm's"
+                                                                           " dX"),), frees=(f"{g}/dx fp32",)),)
+          if cast else ()),
     )
-    return Op(where, forward, backward, saves=(norm.input_fp32, norm.rstd, norm.normed_fp32))
+    return Op(where, forward, backward, saves=(*((norm.input_fp32,) if cast else ()), norm.rstd, norm.normed_fp32))
 
 
 def fused_rms_norm(where: str, z: Sizes, tensors: rules.RMSNormTensors, p: str, out: Made, grad: str, dx: str,
@@ -353,11 +364,14 @@ def block_ops(i: int, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     the MoE layer (Qwen3TransformerBlock's: the same attention, its MoE as the feed-forward)."""
     p = f"layers.{i}"
     # on CUDA the residual stream after attention is ffn_norm's kept input (the ledger's ln2/input)
-    x, out, mid = f"{p}/input", f"layers.{i + 1}/input", kept_name(p, rules.LN2.input) if z.cuda else f"{p}/mid"
+    kept_mid = _stream_after_attention(z)
+    x, out, mid = f"{p}/input", f"layers.{i + 1}/input", kept_name(p, kept_mid) if kept_mid else f"{p}/mid"
     gx, gout, gmid = f"grad/{p}/input", f"grad/layers.{i + 1}/input", f"grad/{p}/mid"
     h, q, kv = z.seq(z.h), z.tokens(z.act * z.a_t * z.d), z.tokens(z.act * z.g_t * z.d)
+    fp32 = _into_stream(z)
+    ffn_dx, ffn_stream = (gmid, gout) if fp32 else (f"grad/{p}/ffn_norm dx", "")
     attention = (*attention_ops(p, z, mid, gmid, gx, h, q, kv),
-                 residual(p, "ffn_norm", f"grad/{p}/ffn_norm dx", gout, gmid, h, z.cuda))
+                 *(() if fp32 else (residual(p, "ffn_norm", ffn_dx, gout, gmid, h, z.cuda),)))
     if config.is_moe_layer(i):
         shared = bool(config.moe_shared_expert_intermediate_size)
         # the MoE's input: the norm's output, under SP at ep = 1 gathered at the MoE's entry (kept by the shared
@@ -369,15 +383,15 @@ def block_ops(i: int, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
         return (
             *attention,
             norm("ffn_norm", z, rules.LN2, p, Made(f"{p}/ffn_norm out", h, "bf16") if z.sp else moe_in,
-                 f"grad/{p}/ffn_norm dy" if gathered else f"grad/{p}/ffn_norm out", f"grad/{p}/ffn_norm dx", mid),
+                 f"grad/{p}/ffn_norm dy" if gathered else f"grad/{p}/ffn_norm out", ffn_dx, mid, stream=ffn_stream),
             *(gather("moe", z, p, moe_in, f"grad/{p}/ffn_norm out", f"grad/{p}/ffn_norm dy") if gathered else ()),
             *moe_ops(p, z, config, moe_in.name, shared_experts_ops(p, z, config) if shared else (), reduce_scatter),
-            _second_residual(p, x, mid, out, f"{p}/ffn out", h, z.cuda),
+            _second_residual(p, x, mid, out, f"{p}/ffn out", h, _keeps_input(z)),
         )
     return (
         *attention,
         norm("ffn_norm", z, rules.LN2, p, _norm_out(z, p, "ffn_norm", rules.FC1_IN),
-             f"grad/{p}/ffn_norm dy" if z.t > 1 else f"grad/{p}/ffn_norm out", f"grad/{p}/ffn_norm dx", mid),
+             f"grad/{p}/ffn_norm dy" if z.t > 1 else f"grad/{p}/ffn_norm out", ffn_dx, mid, stream=ffn_stream),
         *gather("feed_forward", z, p, kept(p, rules.FC1_IN), f"grad/{p}/ffn_norm out", f"grad/{p}/ffn_norm dy"),
         *feed_forward_ops(p, z, x, mid, out, h),
     )
@@ -388,6 +402,26 @@ def _norm_out(z: Sizes, p: str, norm: str, kept_input: SavedTensor) -> Made:
     if z.sp:
         return Made(f"{p}/{norm} out" if p else f"{norm} out", z.seq(z.h), "bf16, this rank's shard")
     return kept(p, kept_input)
+
+
+def _keeps_input(z: Sizes) -> bool:
+    """Whether the norms keep their input, the residual stream's tensor itself: CUDA's fused kernel, and the CPU
+    composite in fp32 (its input.to(float32) a no-op)."""
+    return z.cuda or z.act == 4
+
+
+def _stream_after_attention(z: Sizes) -> SavedTensor | None:
+    """The ledger's term for the residual stream after attention where ffn_norm keeps it (its input on CUDA, its fp32
+    input in fp32 on a CPU); None where it is a local of the block."""
+    if z.cuda:
+        return rules.LN2.input
+    return rules.LN2.input_fp32 if z.act == 4 else None
+
+
+def _into_stream(z: Sizes) -> bool:
+    """Whether a block's norms add x's gradients into the residual stream's themselves (`norm`'s `stream`), with no
+    `residual` sum of their own: the CPU composite in fp32, whose input is the stream's tensor itself."""
+    return z.act == 4 and not z.cuda
 
 
 def residual(p: str, norm: str, dx: str, grad: str, out: str, h: int, in_place: bool = False) -> Op:
@@ -407,11 +441,12 @@ def attention_ops(p: str, z: Sizes, mid: str, gmid: str, gx: str, h: int, q: int
     full, dy = z.full(z.h), f"{g}/dY whole"  # wo's dY, all-gathered under SP
     wo_out = f"{p}/wo partial" if z.t > 1 else f"{p}/attention out"
     kernel = "flex attention" if z.cuda else "SDPA's flash kernel"
+    fp32, kept_mid = _into_stream(z), _stream_after_attention(z)
+    dx, stream = (gx, gmid) if fp32 else (f"grad/{p}/attention_norm dx", "")
     return (
-        residual(p, "attention_norm", f"grad/{p}/attention_norm dx", gmid, gx, h, z.cuda),
+        *(() if fp32 else (residual(p, "attention_norm", dx, gmid, gx, h, z.cuda),)),
         norm("attention_norm", z, rules.LN1, p, _norm_out(z, p, "attention_norm", rules.QKV_IN),
-             f"grad/{p}/attention_norm dy" if z.t > 1 else f"grad/{p}/qkv dx", f"grad/{p}/attention_norm dx",
-             f"{p}/input"),
+             f"grad/{p}/attention_norm dy" if z.t > 1 else f"grad/{p}/qkv dx", dx, f"{p}/input", stream=stream),
         *gather(a, z, p, kept(p, rules.QKV_IN), f"grad/{p}/qkv dx", f"grad/{p}/attention_norm dy"),
         linear(f"{a}.qkv_linear.wqkv", rules.QKV_IN,
                Made(kept_name(p, rules.QKV_OUT), qkv, "the fused projection's output"),
@@ -438,8 +473,8 @@ def attention_ops(p: str, z: Sizes, mid: str, gmid: str, gx: str, h: int, q: int
                    f"{g}/dout", q, p, frees=(dy,) if z.sp else ()),
             *reduce_scatter(f"{a}.wo", z, p, wo_out, f"{p}/attention out", dy, (f"{p}/attention_norm out",)),
         ), *kept_names(p, rules.QKV_IN, ledger.Q, ledger.K, ledger.V, ledger.PROJ_IN)),
-        Op("", forward=(Step("x + attention", (kept(p, rules.LN2.input, "the residual stream after attention; on CUDA"
-                                                              " ffn_norm keeps it") if z.cuda else
+        Op("", forward=(Step("x + attention", (kept(p, kept_mid, "the residual stream after attention; ffn_norm keeps"
+                                                               " it") if kept_mid else
                                                Made(mid, h, "the residual stream after attention"),),
                              frees=(f"{p}/attention out",)),), backward=()),
     )
@@ -449,10 +484,23 @@ def rope_ops(p: str, z: Sizes, q: int, kv: int) -> Op:
     """ComplexRoPE: q and k in fp32 times the complex64 table, cast back (Q and K kept). On CUDA's flex path, given
     the batch's positions, the table is first gathered at them (kept by both products, until q's backward)."""
     g, gathered = f"grad/{p}/attention", kept_name(p, rules.ROPE_CACHE)
-    fp32q, fp32k = 2 * q, 2 * kv  # the fp32 copies and their complex64 products: twice the bf16 bytes
+    fp32q, fp32k = 4 * q // z.act, 4 * kv // z.act  # the fp32 copies and their complex64 products
     # the table's conjugate, materialised: the (1, s, 1, d/2) buffer's, or on CUDA the gathered (b, s, 1, d/2) one
     table = 8 * z.s * (z.d // 2) * (z.b if z.cuda else 1)
     gather = (Step("the table gathered at the positions", (kept(p, rules.ROPE_CACHE),)),) if z.cuda else ()
+    if z.act == 4:  # fp32: .float() and type_as are no-ops, the complex products Q and K themselves
+        return Op("attention.rope", forward=(
+            *gather,
+            Step("q times the table: Q", (kept(p, ledger.Q),)),
+            Step("k times the table: K", (kept(p, ledger.K),), frees=(f"{p}/q pre-rope", f"{p}/k pre-rope"),
+                 reads_last=(gathered,))),
+            backward=(
+            Step("the table's conjugate, for k", (Made(f"{g}/conj k", table, "complex64"),)),
+            Step("dK times it", (Made(f"{g}/dk pre-rope", fp32k, "complex64, seen as real"),), frees=(f"{g}/conj k",)),
+            Step("the table's conjugate, for q", (Made(f"{g}/conj q", table, "complex64"),)),
+            Step("dQ times it", (Made(f"{g}/dq pre-rope", fp32q, "complex64, seen as real"),),
+                 frees=(f"{g}/conj q", f"{g}/dq", f"{g}/dk"), returns=True)),
+            saves=(rules.ROPE_CACHE,) if z.cuda else ())
     return Op(
         "attention.rope",
         forward=(*gather,
@@ -492,7 +540,7 @@ def feed_forward_ops(p: str, z: Sizes, x: str, mid: str, out: str, h: int) -> tu
                    frees=(dy,) if z.sp else ()),
             *reduce_scatter(f"{m}.w2", z, p, w2_out, f"{p}/ffn out", dy, (f"{p}/ffn_norm out",)),
         ), *kept_names(p, rules.FC1_IN, ledger.FC2_IN)),
-        _second_residual(p, x, mid, out, ffn_out, h, z.cuda),
+        _second_residual(p, x, mid, out, ffn_out, h, _keeps_input(z)),
     )
 
 
@@ -519,10 +567,10 @@ def shared_experts_ops(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     ), *kept_names(p, ledger.SHARED_FC2_IN, *((rules.MOE_SHARED_IN,) if gathered else ())))
 
 
-def _second_residual(p: str, x: str, mid: str, out: str, ffn_out: str, h: int, cuda: bool = False) -> Op:
-    """h + the feed-forward's output: the block's output; the block's input, h and that output go (on CUDA the norms
-    keep x and h: under a checkpoint h goes, which keeps nothing but x)."""
-    kept_inputs = (mid, x) if cuda else ()
+def _second_residual(p: str, x: str, mid: str, out: str, ffn_out: str, h: int, kept: bool = False) -> Op:
+    """h + the feed-forward's output: the block's output; the block's input, h and that output go (where the norms
+    keep x and h, `kept`: under a checkpoint h goes, which keeps nothing but x)."""
+    kept_inputs = (mid, x) if kept else ()
     return Op("", forward=(Step("h + feed-forward: the block's output", (Made(out, h, "the next block's input"),),
                                 frees=tuple(n for n in (ffn_out, mid, x) if n not in kept_inputs),
                                 reads_last=kept_inputs),), backward=())
@@ -615,9 +663,10 @@ def _vocab_parallel_lookup(z: Sizes) -> Op:
 def output_ops(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     """The final norm, lm_head, and torchtitan's cross_entropy_loss divided by the valid tokens."""
     last = f"layers.{config.L}/input"
-    logits, fp32 = z.tokens(z.act * z.v_t), z.tokens(4 * z.v_t)
+    logits, fp32, cast = z.tokens(z.act * z.v_t), z.tokens(4 * z.v_t), z.act != 4  # fp32: .float() is a no-op
     loss = Op("", forward=(
-        Step("logits.float()", (Made("loss/logits fp32", fp32, "cross_entropy upcasts the flattened logits"),)),
+        *((Step("logits.float()", (Made("loss/logits fp32", fp32, "cross_entropy upcasts the flattened logits"),)),)
+          if cast else ()),
         Step("log_softmax", (Made("loss/log_softmax", fp32, "fp32; nll_loss's and its own backward keep it"),)),
         Step("nll_loss: the summed loss and its count", (Made("loss/sum", 4, "0-d fp32"),
                                                           Made("loss/total_weight", 4, "0-d fp32, kept")),
@@ -629,9 +678,10 @@ def output_ops(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
         Step("the division's backward", (Made("grad/loss sum", 4, "0-d fp32"),), frees=("loss/valid tokens",)),
         Step("nll_loss's backward", (Made("grad/log_softmax", fp32, "-1 at each target, fp32"),),
              frees=("grad/loss sum", "loss/total_weight")),
-        Step("log_softmax's backward", (Made("grad/logits fp32", fp32, "fp32"),),
+        Step("log_softmax's backward", (Made("grad/logits fp32" if cast else "grad/logits", fp32, "fp32"),),
              frees=("grad/log_softmax", "loss/log_softmax")),
-        Step("the upcast's backward: to bf16", (Made("grad/logits", logits, "bf16"),), frees=("grad/logits fp32",)),
+        *((Step("the upcast's backward: to bf16", (Made("grad/logits", logits, "bf16"),),
+                frees=("grad/logits fp32",)),) if cast else ()),
     ))
     if z.t > 1:
         loss = _loss_parallel(z)
@@ -640,7 +690,7 @@ def output_ops(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
              "grad/norm dy" if z.t > 1 else "grad/lm_head dx", f"grad/{last}", last,
              frees=() if z.sp else (last,)),
         *gather("norm", z, "", kept("", ledger.OUTPUT_INPUT), "grad/lm_head dx", "grad/norm dy",
-                frees=("norm out",) if z.cuda else ("norm out", last)),  # CUDA's fused norm keeps its input
+                frees=("norm out",) if _keeps_input(z) else ("norm out", last)),  # the norm keeps its input
         linear("lm_head", ledger.OUTPUT_INPUT, Made("lm_head/logits", logits, "bf16 logits: the trainer's pred"),
                z.act * z.v_t * z.h, "grad/lm_head dx", z.tokens(z.act * z.h), "", frees=("grad/logits",)),
         loss,
@@ -652,7 +702,7 @@ def _loss_parallel(z: Sizes) -> Op:
     sums of exp and each target's log-probability all-reduced (funcol: new tensors); it keeps the fp32
     log-probabilities; then divided by the valid tokens. Its backward builds the one-hot update and exp(log_probs)."""
     n, fp32, l, g = z.tokens(1), z.tokens(4 * z.v_t), "loss", "grad/loss"
-    row, ids = z.tokens(4), z.tokens(8)
+    row, ids, cast = z.tokens(4), z.tokens(8), z.act != 4  # fp32: .float() and the cast back are no-ops
 
     def labels(p: str) -> tuple[Step, ...]:
         """labels != IGNORE_INDEX, the safe labels, this rank's range and the local labels (forward and backward)."""
@@ -667,7 +717,7 @@ def _loss_parallel(z: Sizes) -> Op:
             Step("0 for index_put_", (Made(f"{p}/zero 2", 8, "0-d int64"),), frees=(f"{p}/zero 2",)),
         )
     forward = (
-        Step("logits.float()", (Made(f"{l}/logits fp32", fp32, "(b*s, v/t)"),)),
+        *((Step("logits.float()", (Made(f"{l}/logits fp32", fp32, "(b*s, v/t)"),)),) if cast else ()),
         Step("each row's local max", (Made(f"{l}/local max", row, "fp32"),)),
         Step("all-reduced: the max", (Made(f"{l}/max", row, "fp32"),), frees=(f"{l}/local max",)),
         Step("logits - max", (Made(f"{l}/shifted", fp32, "fp32"),)),
@@ -707,9 +757,10 @@ def _loss_parallel(z: Sizes) -> Op:
         Step("where: dY per row", (Made(f"{g}/dY", row, "fp32"),), frees=(f"{g}/valid 2", f"{g}/zero 4")),
         Step("exp(log_probs)", (Made(f"{g}/exp", fp32, "fp32"),)),
         Step("the one-hot update + exp", (Made(f"{g}/sum", fp32, "fp32"),), frees=(f"{g}/exp",)),
-        Step("times dY", (Made(f"{g}/logits fp32", fp32, "fp32"),), frees=(
+        Step("times dY", (Made(f"{g}/logits fp32" if cast else "grad/logits", fp32, "fp32"),), frees=(
             f"{g}/sum", f"{g}/one-hot", f"{g}/safe labels", f"{g}/out of range", f"{g}/local labels",
             f"{g}/arange", f"{g}/update", f"{g}/dY", f"{g} sum", f"{l}/log_probs")),
-        Step("cast to bf16", (Made("grad/logits", z.tokens(z.act * z.v_t), "bf16"),), frees=(f"{g}/logits fp32",)),
+        *((Step("cast to bf16", (Made("grad/logits", z.tokens(z.act * z.v_t), "bf16"),),
+                frees=(f"{g}/logits fp32",)),) if cast else ()),
     )
     return Op("", forward, backward)

@@ -117,6 +117,7 @@ class Walk:
     checkpoint: Checkpoint | None = None
     _kept_by: dict[str, int] = field(default_factory=dict)  # saved name -> index of the first op that keeps it
     _rerun_kept: set[str] = field(default_factory=set)  # under a checkpoint: what the rerun made that ops keep
+    _input_freed: bool = False  # under a checkpoint: whether an op's backward frees the region's input by name
     _releases: dict[int, tuple[str, ...]] = field(default_factory=dict)  # op index -> the tape names it frees
 
     def forward(self, ops: tuple[Op, ...]) -> None:
@@ -135,6 +136,9 @@ class Walk:
         """The ops' backward, last op first (without a forward walked first, a layer rerun inside backward by full
         recomputation, each saved tensor's first keeper is found here; once for every layer the walk serves)."""
         self._first_keepers(ops)
+        if self.checkpoint is not None:
+            holds = self.checkpoint.holds
+            self._input_freed = any(holds in step.frees for op in ops for step in op.backward)
         for i in reversed(range(len(ops))):
             op = ops[i]
             if self.checkpoint is not None and op.saves and not self._rerun_kept:
@@ -171,9 +175,10 @@ class Walk:
 
     def _release_frame(self) -> None:
         """Under a checkpoint: its frame, and with it the region's input, goes when the last tensor the rerun kept
-        does (the last saved-tensor hook that refers to it)."""
+        does (the last saved-tensor hook that refers to it); an input that an op keeps itself (a norm's, in fp32 its
+        upcast's) goes with that op's saved tensors, where its backward frees it."""
         if self.checkpoint is not None and self._rerun_kept and not self._rerun_kept & self.tape.live.keys():
-            self.tape.drop(self.checkpoint.holds, *self.checkpoint.frame)
+            self.tape.drop(*(() if self._input_freed else (self.checkpoint.holds,)), *self.checkpoint.frame)
 
     def _release(self, op: Op, i: int) -> None:
         """What op i saves goes, unless an op before it (whose backward runs later) keeps it too (found once per op:

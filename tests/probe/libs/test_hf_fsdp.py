@@ -262,3 +262,24 @@ def test_under_gradient_checkpointing_every_moment_happens_in_order_and_the_peak
     (r,) = measure_step(config, [layout])
     assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
     assert r.moment_matches, (r.predicted_moment, r.measured.moment)
+
+
+# fp32 (param_dtype fp32: FSDP2 clamps it to None, so no shard is cast before the all-gather), at odd shapes
+FP32_SHARDED = [
+    ({"dp_shard": 2, "b": 1, "s": 7}, "none"),
+    ({"dp_shard": 3, "reshard_after_forward": False, "attention": "eager", "b": 1, "s": 9, "num_query_groups": 4,
+      "a": 12, "h": 96}, "none"),
+    ({"dp_shard": 2, "t": 2, "b": 1, "s": 7, "attention": "eager"}, "tp"),  # on the 2-D mesh
+    ({"dp_shard": 2, "b": 1, "s": 1, "h": 2, "a": 1, "num_query_groups": 1, "L": 3, "ffn_hidden_size": 1,
+      "vocab_size": 2, "attention": "eager"}, "none"),  # tiny: the peak at q_proj's backward, no cast above it
+]
+
+
+@pytest.mark.parametrize("changes, layout", FP32_SHARDED, ids=str)
+def test_in_fp32_every_moment_happens_in_order_and_the_peak_is_fsdpmemtrackers(one_thread, changes, layout):
+    config = make_config(LLAMA, dtype="fp32", **changes)
+    assert_moments_in_order(timeline(config, STRATEGIES[layout], Accounting(exact=True, device="cpu")).moments[1:],
+                            _readings(config))
+    (r,) = measure_step(config, [layout])
+    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+    assert r.moment_matches, (r.predicted_moment, r.measured.moment)

@@ -741,3 +741,48 @@ def test_checkpointed_experts_run_op_by_op_and_rerun_to_the_last_saved_tensor_to
 def test_under_gradient_checkpointing_what_the_walk_does_not_model_is_refused_by_name(changes, named):
     with pytest.raises(ConfigError, match=named):
         timeline(make_config(LLAMA, attention="eager", recompute="full", **changes), STRATEGIES["none"], CPU)
+
+
+# fp32 (no master weights: the trainer's Fp32AdamW steps the weights themselves): every cast a no-op, so each norm's
+# fp32 input is the residual stream's tensor itself, its gradients added in place; the loss's log-softmax reads the
+# logits themselves; Mixtral's routing weights are the activation dtype's.
+FP32 = {"dtype": "fp32"}
+FP32_STEPS = [
+    ("none", "eager", FP32, None),  # the loss's backward
+    ("none", "flash", FP32 | {"b": 1, "s": 7, "a": 12, "h": 96, "num_query_groups": 4, "vocab_size": 40}, None),
+    ("none", "eager", FP32 | {"s": 96, "h": 16, "ffn_hidden_size": 16, "vocab_size": 20}, None),  # the softmax
+    ("tp", "eager", FP32 | {"t": 2, "b": 1, "s": 9, "a": 12, "h": 96, "num_query_groups": 4}, None),
+    ("tp", "flash", FP32 | {"t": 2}, None),
+    ("none", "eager", FP32 | {"dropout": 0.1, "b": 1, "s": 7, "tie_embeddings": True}, None),
+    ("none", "flash", FP32 | QWEN3 | {"b": 1, "s": 7, "kv_channels": 12, "num_query_groups": 4}, None),
+    ("none", "flash", FP32 | QWEN2 | {"b": 1, "s": 9}, None),
+    ("none", "eager", FP32 | GEMMA | {"b": 1, "s": 7}, None),
+    ("none", "eager", FP32 | GEMMA2 | CAPPED | {"b": 1, "s": 7, "sliding_window": 3}, None),  # sandwich norms
+    ("none", "eager", FP32 | PHI3 | {"b": 1, "s": 7}, None),
+    ("none", "eager", FP32 | MIXTRAL, "balanced"),
+    ("none", "flash", FP32 | GROUPED | {"b": 1, "s": 7}, "balanced"),
+    ("tp", "flash", FP32 | GROUPED | {"t": 2}, "balanced"),
+    ("none", "flash", FP32 | QWEN2_MOE | {"b": 1, "s": 10}, "balanced"),  # 5 slots an expert
+    # tiny: without the forward's fp32 copy of the logits the step peaks at nll_loss's backward (found by the step
+    # differential test)
+    ("none", "eager", FP32 | {"b": 1, "s": 1, "h": 2, "a": 1, "num_query_groups": 1, "L": 1, "ffn_hidden_size": 1,
+                              "vocab_size": 2}, None),
+    # tiny and tied: the peak at the final norm's weight * y backward, the tied weight's gradient waiting
+    ("none", "eager", FP32 | PHI3 | {"b": 1, "s": 1, "h": 2, "a": 1, "num_query_groups": 1, "L": 1,
+                                     "ffn_hidden_size": 1, "vocab_size": 2, "tie_embeddings": True}, None),
+]
+
+
+@pytest.mark.parametrize("layout, attention, changes, route", FP32_STEPS, ids=str)
+def test_in_fp32_every_moment_happens_in_order_and_the_peak_is_memtrackers(one_thread, layout, attention, changes,
+                                                                           route):
+    _exact_step(make_config(LLAMA, attention=attention, **changes), layout, route)
+
+
+@pytest.mark.parametrize("changes, named", [
+    ({"recompute": "full"}, "gradient checkpointing"),
+    ({"zero_stage": 2, "dp": 2}, "dtype fp32 with zero_stage"),
+])
+def test_in_fp32_what_the_walk_does_not_alias_is_refused_by_name(changes, named):
+    with pytest.raises(ConfigError, match=named):
+        timeline(make_config(LLAMA, **FP32, **changes), STRATEGIES["none"], CPU)

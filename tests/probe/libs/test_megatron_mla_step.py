@@ -61,6 +61,15 @@ CASES = {
         NO_QUERY_LATENT | {"recompute": "full", "t": 2, "s": 16, "norm": "layernorm",
                            "attention_softmax_in_fp32": True}, "tp-sp"),
 }
+# fp32, as Megatron trains it without master weights: torch's softmax (the fused kernel takes 16-bit scores only)
+CASES |= {
+    "fp32 at b = 1, odd s": ({"dtype": "fp32", "b": 1, "s": 7}, "none"),
+    "fp32 in the fused softmax's window: torch's softmax keeps the causal mask": ({"dtype": "fp32"}, "none"),
+    "fp32 tp-sp, no query latent, dropout": (NO_QUERY_LATENT | {"dtype": "fp32", "t": 2, "s": 14, "b": 1,
+                                                                "dropout": 0.1}, "tp-sp"),
+    "fp32 selective tp": ({"dtype": "fp32", "recompute": "selective", "t": 2, "b": 1, "s": 7}, "tp"),
+    "fp32 full": ({"dtype": "fp32", "recompute": "full", "b": 1, "s": 9}, "none"),
+}
 
 
 def _readings(tp, config, strategy):

@@ -52,6 +52,9 @@ CASES = {
     "sigmoid with the expert bias and its aux loss, ep=2 under tp-sp t=2: the gather's scores, bf16 aux scores":
         ("tp-sp", 2, SWIGLU | {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
                                "moe_aux_loss": True, "ep": 2}),
+    "sigmoid with the expert bias in fp32: the gather keeps the sigmoid's output itself (its cast is a no-op)":
+        ("none", 1, {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True, "dtype": "fp32",
+                     "moe_router_topk": 3, "num_experts": 6, "b": 1, "s": 7}),
     "sigmoid top-1 with the aux loss: no renormalisation": ("none", 1, {"moe_router_score_function": "sigmoid",
                                                                          "moe_router_topk": 1, "moe_aux_loss": True}),
     "padded to capacity 0.5: every expert exactly at capacity, probabilities gathered by index":

@@ -236,6 +236,26 @@ RECOMPUTE_SHAPES = [
 ]
 
 
+# fp32, as Megatron trains it without master weights: the router's casts are no-ops (autograd runs none), and with
+# the expert bias gather keeps the sigmoid's output itself.
+FP32_SHAPES = [
+    ("balanced", {"b": 1, "s": 7, "num_experts": 2}, "none"),
+    ("all-to-one", {"b": 1, "s": 7, "moe_router_topk": 4, "dropout": 0.1, "attention": "eager"}, "none"),
+    ("balanced", {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True, "b": 1, "s": 7,
+                  "num_experts": 6, "moe_router_topk": 3}, "none"),
+    ("balanced", {"num_experts": 5, "moe_router_pre_softmax": True, "recompute": "selective", "attention": "eager"},
+     "none"),
+    ("balanced", {"t": 2, "b": 1, "s": 14, "moe_shared_expert_intermediate_size": 24, "dropout": 0.1}, "tp-sp"),
+    ("balanced", {"ep": 2, "dp": 2, "b": 1, "s": 12, "num_experts": 6, "recompute": "full"}, "none"),
+]
+
+
+@pytest.mark.parametrize("route, changes, strategy", FP32_SHAPES, ids=str)
+def test_in_fp32_every_moment_of_a_megatron_moe_step_happens_in_order_with_its_bytes(
+        one_thread, route, changes, strategy):
+    _assert_every_moment_in_order(make_config(MOE, **ROUTES[route], **changes, dtype="fp32"), strategy, route)
+
+
 @pytest.mark.parametrize("route, changes, strategy", RECOMPUTE_SHAPES, ids=str)
 def test_under_recomputation_every_moment_of_a_megatron_moe_step_happens_in_order_with_its_bytes(
         one_thread, route, changes, strategy):

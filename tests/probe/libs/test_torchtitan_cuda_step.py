@@ -122,3 +122,18 @@ def test_measure_step_on_device_cuda_says_it_ran_as_cuda_runs_and_matches(tmp_pa
     assert (run.code, run.err) == (0, "")
     assert "fake process group on cpu, run as CUDA runs it" in run.out and "match: the peak" in run.out
     assert "shim: device emulation: each norm runs as torch's CUDA _fused_rms_norm" in run.out
+
+
+# fp32, torchtitan's default training.dtype: the fused norms keep the stream itself as in bf16; RoPE's products are Q
+# and K, the loss reads the logits themselves
+@pytest.mark.parametrize("recompute", ["none", "full", "op"])
+@pytest.mark.parametrize("changes, strategy", [CASES[0], CASES[1], CASES[4], CASES[7], ({"dp_shard": 2}, "none")],
+                         ids=str)
+def test_in_fp32_as_cuda_runs_it_memtracker_reaches_the_peak_to_the_byte(one_thread, changes, strategy, recompute):
+    config = make_config(LLAMA3, dtype="fp32", recompute=recompute, **changes)
+    if config.dp_shard is None:
+        assert_moments_in_order(timeline(config, STRATEGIES[strategy], CUDA).moments[1:-1],
+                                _readings(config, strategy))
+    (r,) = measure_step(config, [strategy], device="cuda")
+    assert r.measured.moment == r.predicted_moment
+    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()

@@ -143,3 +143,21 @@ def test_with_experts_every_moment_is_fsdpmemtrackers(one_thread, changes):
 def test_what_the_fsdp_walk_does_not_model_is_refused_by_name(changes, strategy, named):
     with pytest.raises(ConfigError, match=named):
         timeline(make_config(LLAMA3, **changes), STRATEGIES[strategy], CPU)
+
+
+# fp32: mixed_precision_param float32, which FSDP2 clamps to None: no shard is cast before its all-gather
+@pytest.mark.parametrize("changes, strategy", [
+    ({"dp_shard": 2, "b": 1, "s": 7}, "none"),
+    ({"dp_shard": 3, "reshard_after_forward": False, "b": 1, "s": 9, "num_query_groups": 8}, "none"),
+    ({"dp_shard": 2, "dp_replicate": 2}, "none"),  # HSDP
+    ({"dp_shard": 2, "t": 2, "b": 1, "s": 10}, "tp-sp"),  # its 2-D mesh
+    ({"dp_shard": 2, "recompute": "full", "b": 1, "s": 7}, "none"),  # FullAC inside each unit
+    ({"dp_shard": 2, "recompute": "op", "reshard_after_forward": False}, "none"),  # SelectiveAC
+], ids=str)
+def test_in_fp32_every_moment_happens_in_order_and_the_peak_is_fsdpmemtrackers(one_thread, changes, strategy):
+    config = make_config(LLAMA3, dtype="fp32", **changes)
+    assert_moments_in_order(timeline(config, STRATEGIES[strategy], CPU).moments[1:],
+                            torchtitan_fsdp_readings(config, strategy))
+    (r,) = measure_step(config, [strategy])
+    assert r.measured.moment == r.predicted_moment
+    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()

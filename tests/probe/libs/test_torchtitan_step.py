@@ -386,3 +386,35 @@ def test_with_experts_over_its_tp_ranks_every_moment_happens_in_order(one_thread
             return readings_after_every_op(warmed_up(tp, config, STRATEGIES["tp-sp"], dims, route))
 
     assert_moments_in_order(timeline(config, STRATEGIES["tp-sp"], CPU).moments[1:-1], run_fake(readings, (), 2))
+
+
+# fp32, torchtitan's default training.dtype (no FSDP: no mixed precision at all): every cast a no-op, so the
+# composite norm's fp32 input is the residual stream's tensor itself, whose gradients autograd adds into the stream's
+# as they come; RoPE's complex products are Q and K; the loss reads the logits themselves.
+FP32_CASES = [
+    ({}, "none"),  # the loss's backward
+    ({"b": 1, "s": 7, "num_query_groups": 8, "ffn_hidden_size": 100}, "none"),  # b = 1, odd s, no GQA
+    ({"vocab_size": 16, "s": 64, "a": 16, "num_query_groups": 16}, "none"),
+    ({"vocab_size": 16, "ffn_hidden_size": 512, "b": 1, "s": 9}, "none"),
+    ({"t": 2}, "tp-sp"),
+    ({"t": 2, "b": 1, "s": 10, "L": 1}, "tp-sp"),
+    ({"t": 2, "b": 1, "s": 8, "num_query_groups": 8}, "tp"),
+    ({"t": 4, "num_query_groups": 4, "b": 3, "s": 12, "L": 1}, "tp"),
+]
+
+
+@pytest.mark.parametrize("recompute", ["none", "full", "op"])
+@pytest.mark.parametrize("changes, strategy", FP32_CASES, ids=str)
+def test_in_fp32_every_moment_happens_in_order_and_the_peak_is_memtrackers(one_thread, changes, strategy, recompute):
+    """Under FullAC and SelectiveAC too: the norm keeps the checkpoint's input itself, until its pow's backward."""
+    config = make_config(LLAMA3, dtype="fp32", recompute=recompute, **changes)
+
+    def readings(tp):
+        with runtime(tp) as dims:
+            return readings_after_every_op(warmed_up(tp, config, STRATEGIES[strategy], dims))
+
+    assert_moments_in_order(timeline(config, STRATEGIES[strategy], CPU).moments[1:-1],
+                            run_fake(readings, (), config.t) if config.t > 1 else readings(single()))
+    (r,) = measure_step(config, [strategy])
+    assert r.measured.moment == r.predicted_moment
+    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
