@@ -104,6 +104,9 @@ def test_a_larger_vocabulary_moves_the_peak_to_the_loss():
 
 @pytest.mark.parametrize("changes, named", [
     ({"cp": 2, "attention": "flash"}, "cp=2"),
+    # found by the step differential (the rerun's core holds its fp32 scores, softmax and dropout together)
+    ({"recompute": "full", "dropout": 0.1, "attention_softmax_in_fp32": True, "masked_softmax_fusion": False},
+     "full recomputation of the eager core with its fp32 softmax and dropout"),
 ])
 def test_what_is_not_modelled_yet_is_refused_by_name(changes, named):
     with pytest.raises(ConfigError, match=f"does not model {named}"):

@@ -62,6 +62,8 @@ def test_backward_leaves_only_the_batch_and_the_loss_behind():
     ({"family": "olmo", "norm": "layernorm_np"}, "olmo's model"),
     ({"position_embedding_type": "learned_absolute"}, "position_embedding_type learned_absolute"),
     ({"dtype": "fp32", "recompute": "full"}, "recompute full \\(gradient checkpointing\\) with dtype fp32"),
+    # found by the step differential: the math kernel's casts are no-ops in fp32
+    ({"dtype": "fp32", "attention": "flash", "dropout": 0.1}, "dtype fp32 with SDPA's dropout on a CPU"),
 ])
 def test_what_the_hf_walk_does_not_model_is_refused_by_name(changes, named):
     with pytest.raises(ConfigError, match=f"for impl hf does not model {named}"):
