@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 from memcalc.errors import ConfigError
 from memcalc.model.evaluate import check_strategy, dim_sizes
 from memcalc.model.impls import implementation, plan
+from memcalc.model.impls.hf import routing_weights_kind
 from memcalc.model.knobs import DTYPE_BYTES, FIXED_BYTES, Knobs
 from memcalc.model.ledger import Dim, Kind
 from memcalc.model.strategy import Strategy
@@ -342,7 +343,6 @@ def _summed_experts(knobs: Any, ep: int) -> tuple[list[Collective], list[Collect
     width, on the whole replicated input, and the block's output, the ranks' partial sums, is all-reduced in forward
     (an f*); backward all-reduces the gradients of the experts' two inputs, the routing weights (fp32) and then the
     hidden states (an f each). The router and any shared expert run whole on every rank."""
-    from memcalc.model.impls.hf import routing_weights_kind  # transformers' own: its router decides the width
 
     if ep > 1:
         raise ConfigError(f"impl {knobs.impl}: ep={ep}: transformers' expert-parallel plan (ep_dispatch_experts) is"
