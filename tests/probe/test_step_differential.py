@@ -231,7 +231,7 @@ FINDINGS = [
              " named its module ('backward layers.0.attention', the fp32 softmax's backward); the walk now names a"
              " rerun's moments by the layer, as MemTracker reads them", fixed=True),
     _finding("torch", {"impl": "megatron", "mlp": "gelu", "norm": "layernorm", "dropout": 0.1, "recompute": "full",
-                       "attention_softmax_in_fp32": True, "tie_embeddings": False, "add_bias_linear": False, "L": 1,
+                       "tie_embeddings": False, "add_bias_linear": False, "L": 1,
                        "b": 3, "s": 9, "h": 30, "a": 5, "num_query_groups": 1, "ffn_hidden_size": 1,
                        "vocab_size": 2}, "none",
              "Full recomputation's rerun with dropout, one moment short: after the MLP's dropout fc2's output (2sbh,"

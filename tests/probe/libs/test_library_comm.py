@@ -134,7 +134,7 @@ def test_torchtitans_moe_at_ep_t_exchanges_each_ranks_own_slots_in_order(t, bloc
     """ep = t under tp-sp: each rank routes its own sequence shard, the counts and the slots exchanged over ep by
     spmd_types' all_to_all; the shared experts enter and leave through their own g and g*."""
     pytest.importorskip("torchtitan")
-    config = build_config(TORCHTITAN | block | {"t": t, "ep": t, "s": 16, "num_experts": 8, "num_query_groups": 4,
+    config = build_config(TORCHTITAN | block | {"t": t, "ep": t, "s": 16, "num_experts": 4, "num_query_groups": 4,
                                                 "recompute": recompute})
     rows = _rows(config, "tp-sp")
     assert rows and all(row.matches for row in rows), [r for r in rows if not r.matches]
