@@ -93,6 +93,7 @@ class Sweep:
     strategies: tuple[Strategy, ...]
     accounting: Accounting
     name: str | None = None
+    size_checks: SizeChecks | None = None  # the points the implementation's own size checks refuse
 
     @property
     def rows(self) -> int:
@@ -141,8 +142,8 @@ def make_sweep(
             f"the sweep has {sweep.rows:,} configurations; at most {MAX_ROWS:,} fit in memory at once "
             "(narrow the ranges, or split the sweep)"
         )
-    _check_layout(fields, values)  # after the row cap, which bounds how many values of L it reads
-    return sweep
+    config = _check_layout(fields, values)  # after the row cap, which bounds how many values of L it reads
+    return replace(sweep, size_checks=_size_checks(config, values))
 
 
 def _expert_knobs(ranges: dict[str, Sequence[int]], fields: dict[str, Any]) -> dict[str, int]:
@@ -195,26 +196,46 @@ def _check_layout(fields: dict[str, Any], values: dict[str, Sequence[int]]) -> N
         point["L"] = next((L for L in values["L"] if L % chunks), point["L"])
         config = replace(config, L=point["L"])
     check_layout(config)
-    _check_gate_shapes(config, values)
+    return config
 
 
-# A sweep checks each combination of these sizes where SelectiveAC's forced recomputation of matmuls shaped like
-# torchtitan's router gate depends on them (memcalc.model.impls.torchtitan.check_sizes), at most this many.
-_GATE_AXES, _MAX_GATE_POINTS = ("h", "a", "t", "num_experts"), 100_000
+# The axes an implementation's own size checks may read (its check_sizes: widths against t, kernels' strides,
+# SelectiveAC's gate-shaped matmuls), not b, s or L; a sweep runs them at every combination of these it sweeps.
+_CHECKED_AXES, _MAX_CHECKED = ("h", "a", "t", "num_experts", "moe_router_topk", "ep"), 100_000
 
 
-def _check_gate_shapes(config: Any, values: dict[str, Sequence[int]]) -> None:
-    """ConfigError at the first combination of swept h, a, t and E whose matmul shapes torchtitan's SelectiveAC
-    treats as the router gate's (the step, not the sweep, would have to model it)."""
-    if not (config.impl == "torchtitan" and config.moe and config.recompute == "op"):
-        return
-    axes = {n: values[n] for n in _GATE_AXES if n in values}
-    if prod(len(v) for v in axes.values()) > _MAX_GATE_POINTS:
-        raise ConfigError(f"a sweep of impl torchtitan's experts under recompute op checks each combination of"
-                          f" {', '.join(axes)} (SelectiveAC treats matmuls shaped like the router gate apart):"
-                          f" at most {_MAX_GATE_POINTS:,}; narrow them, or use recompute none or full")
-    for combo in product(*axes.values()):
-        implementation(config).check_sizes(replace(config, **dict(zip(axes, combo))))
+@dataclass(frozen=True)
+class SizeChecks:
+    """An implementation's own size checks as a sweep's rule: the points they refuse (a mask shaped as the grid, one
+    along the axes they do not read) and the first refusal's words."""
+
+    refused: np.ndarray
+    first: str
+    text = "the library's own size checks refuse it"
+    operands = ()
+
+    def message(self) -> str:
+        return self.first
+
+
+def _size_checks(config: ModelConfig, values: dict[str, Sequence[int]]) -> SizeChecks | None:
+    """The implementation's check_sizes at every combination of the swept axes it may read (`_CHECKED_AXES`; the
+    representative point passed `check_layout` already), None where it refuses none."""
+    axes = {n: values[n] for n in _CHECKED_AXES if n in values and len(values[n]) > 1}
+    if prod(len(v) for v in axes.values()) > _MAX_CHECKED:
+        raise ConfigError(f"a sweep runs the library's own size checks at each combination of {', '.join(axes)}: at"
+                          f" most {_MAX_CHECKED:,}; narrow them")
+    check, first = implementation(config).check_sizes, None
+    refused = np.zeros([len(values[n]) if n in axes else 1 for n in values], dtype=bool)
+    for index in np.ndindex(*(len(v) for v in axes.values())):
+        point = dict(zip(axes, (axes[n][i] for n, i in zip(axes, index))))
+        try:
+            check(replace(config, **point))
+        except ConfigError as exc:
+            at = iter(index)
+            refused[tuple(next(at) if n in axes else 0 for n in values)] = True
+            first = first or str(exc)
+    return SizeChecks(refused, first) if first else None
 
 
 def _fixed(name: str, fields: dict[str, Any]) -> int:
@@ -411,26 +432,30 @@ def _check_int64(grid: GridSizes, sweep: Sweep, knobs: Knobs) -> None:
 class Skip:
     """Configurations dropped because of one rule (the first each one breaks)."""
 
-    rule: Rule
+    rule: Rule | SizeChecks
     count: int
     example: str
 
 
-def _failures(grid: GridSizes, strategies: tuple[Strategy, ...]) -> Iterator[tuple[Rule, np.ndarray]]:
-    """Each rule with where it fails, shaped (*grid, strategy) for broadcasting."""
+def _failures(grid: GridSizes, strategies: tuple[Strategy, ...], size_checks: SizeChecks | None
+              ) -> Iterator[tuple[Rule | SizeChecks, np.ndarray]]:
+    """Each rule with where it fails, shaped (*grid, strategy) for broadcasting; the library's size checks last."""
     experts = EXPERT_RULES if "num_experts" in grid.names else ()
     for rule in (r for r in (*DIVISIBILITY, *experts) if r.applies(grid.knobs)):
         yield rule, np.asarray(rule.fails(*(grid.operand(n) for n in rule.operands)))[..., None]
     splits_s = np.array([st.sequence_parallel for st in strategies])
     yield SEQUENCE_SPLIT, (grid.s % grid.t != 0)[..., None] & splits_s
+    if size_checks is not None:
+        yield size_checks, size_checks.refused[..., None]
 
 
-def _apply_rules(grid: GridSizes, strategies: tuple[Strategy, ...]) -> tuple[np.ndarray, tuple[Skip, ...]]:
+def _apply_rules(grid: GridSizes, strategies: tuple[Strategy, ...], size_checks: SizeChecks | None = None
+                 ) -> tuple[np.ndarray, tuple[Skip, ...]]:
     """Which configurations keep their numbers, and what was dropped, rule by rule."""
     full = grid.shape + (len(strategies),)
     keep = np.ones(full, dtype=bool)
     skips = []
-    for rule, fails in _failures(grid, strategies):
+    for rule, fails in _failures(grid, strategies, size_checks):
         hit = keep & fails
         count = int(np.count_nonzero(hit))
         if count:
@@ -497,7 +522,7 @@ def evaluate_sweep(sweep: Sweep, advance: Callable[[int], None] = lambda rows: N
     knobs = Knobs.of(sweep.knobs)
     grid = GridSizes.of(sweep)
     _check_int64(grid, sweep, knobs)
-    keep, skipped = _apply_rules(grid, sweep.strategies)
+    keep, skipped = _apply_rules(grid, sweep.strategies, sweep.size_checks)
     if not keep.any():
         raise ConfigError(f"no configuration in the sweep passes the divisibility rules, e.g. {skipped[0].example}")
     index = np.nonzero(keep)

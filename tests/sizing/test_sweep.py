@@ -12,7 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from memcalc.config.files import parse_yaml
 from memcalc.config.schema import build_config
+from memcalc.config.shipped import shipped_dir
 from memcalc.errors import ConfigError
 from memcalc.model.evaluate import estimate
 from memcalc.model.knobs import Accounting
@@ -425,12 +427,23 @@ def test_sweep_rows_follow_megatrons_size_conditions_as_estimate_does(knobs):
                                                 accounting).per_layer_bytes
 
 
-def test_a_torchtitan_moe_sweep_under_selective_ac_is_refused_at_a_point_where_a_matmul_has_the_gate_s_shape():
+def test_a_sweep_skips_the_points_a_librarys_own_size_checks_refuse_as_estimate_does():
+    """DeepSeek-V3's 576-wide kv down projection is not split by t = 128 (megatron's check_sizes): that point is
+    skipped and counted, the others kept."""
+    fields = parse_yaml((shipped_dir() / "deepseek-v3.yaml").read_text())
+    result = evaluate_sweep(make_sweep(fields, {"t": (64, 128)}, [STRATEGIES["tp-sp"]], Accounting()))
+    assert [result.row(i)["t"] for i in range(result.rows)] == [64]
+    assert "576 is not divisible by t=128" in describe_skips(result)
+    with pytest.raises(ConfigError, match="576 is not divisible by t=128"):
+        build_config(fields | {"t": 128})
+
+
+def test_a_torchtitan_moe_sweep_under_selective_ac_skips_a_point_where_a_matmul_has_the_gate_s_shape():
     """u/t = E at t = 4: the shared experts' w1 has the router gate's (h, E) weight there, which estimate refuses."""
     fields = {"impl": "torchtitan", "s": 16, "h": 64, "a": 4, "ffn_hidden_size": 80, "mlp": "swiglu", "norm": "rmsnorm",
               "position_embedding_type": "rope", "add_bias_linear": False, "tie_embeddings": False,
               "num_experts": 8, "moe_router_topk": 2, "moe_ffn_hidden_size": 32,
               "moe_shared_expert_intermediate_size": 32, "recompute": "op"}
-    with pytest.raises(ConfigError, match="w1 \\(and w3\\) at t=4 has a weight of the router gate's shape"):
-        make_sweep(fields, {"t": (1, 2, 4)}, ALL, Accounting())
-    assert make_sweep(fields, {"t": (1, 2)}, ALL, Accounting()).rows
+    result = evaluate_sweep(make_sweep(fields, {"t": (1, 2, 4)}, ALL, Accounting()))
+    assert {result.row(i)["t"] for i in range(result.rows)} == {1, 2}
+    assert "w1 (and w3) at t=4 has a weight of the router gate's shape" in describe_skips(result)
