@@ -228,12 +228,11 @@ def _size_checks(config: ModelConfig, values: dict[str, Sequence[int]]) -> SizeC
     check, first = implementation(config).check_sizes, None
     refused = np.zeros([len(values[n]) if n in axes else 1 for n in values], dtype=bool)
     for index in np.ndindex(*(len(v) for v in axes.values())):
-        point = dict(zip(axes, (axes[n][i] for n, i in zip(axes, index))))
+        at = dict(zip(axes, index))  # the combination's place along each checked axis
         try:
-            check(replace(config, **point))
+            check(replace(config, **{n: axes[n][i] for n, i in at.items()}))
         except ConfigError as exc:
-            at = iter(index)
-            refused[tuple(next(at) if n in axes else 0 for n in values)] = True
+            refused[tuple(at.get(n, 0) for n in values)] = True
             first = first or str(exc)
     return SizeChecks(refused, first) if first else None
 
