@@ -17,7 +17,7 @@ from memcalc.model import ledger
 from memcalc.model.families import layer_family
 from memcalc.model.impls import hf as rules
 from memcalc.model.ledger import Kind, Region, SavedTensor
-from memcalc.probe.libs.labels import Rule
+from memcalc.probe.libs.labels import Rule, head_columns, split_rows, statistics
 from memcalc.probe.recorder import SavedStorage
 
 # A storage holding three ledger tensors side by side; never reported under this name.
@@ -77,11 +77,6 @@ def _heads_t(b: int) -> Callable[[Any], Any]:
     return lambda x: x.unflatten(0, (b, -1)).transpose(-1, -2)
 
 
-def _head_columns(d: int) -> Callable[[Any], Any]:
-    """(b, s, heads * d) as (b, s, heads, d): a heads, or under tp this rank's a/t."""
-    return lambda x: x.unflatten(-1, (-1, d))
-
-
 def _stored(axes: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """`axes`, then each dimension broadcast with stride 0 as the one entry it stores (repeat_kv's expand, which
     matmul keeps as it is when b = 1 and one K/V group is on the rank: memcalc.model.impls.hf.REPEAT_KV)."""
@@ -116,11 +111,6 @@ def _fills_storage(x: Any) -> bool:
     return x.untyped_storage().nbytes() == x.numel() * x.element_size()
 
 
-def _stats(x: Any) -> Any:
-    """(b, s, 1) per-token statistics as (b, s)."""
-    return x.squeeze(-1)
-
-
 def label_rules_for(config: ModelConfig) -> tuple[Rule, ...]:
     """Where each tensor the layer may keep is made in transformers' code."""
     if config.recompute == "full":
@@ -145,7 +135,7 @@ def _gpt_oss_rules(config: ModelConfig) -> tuple[Rule, ...]:
     return (
         *_norm_rules("rmsnorm_fp32w", "input_layernorm", rules.GPT_OSS_LN1),
         *_llama_attention_rules(config),
-        Rule("self_attn", "max", rules.SINK_MAX_INDICES, view=_kept("MaxBackward0", "_saved_indices", then=_stats)),
+        Rule("self_attn", "max", rules.SINK_MAX_INDICES, view=_kept("MaxBackward0", "_saved_indices", then=statistics)),
         Rule("self_attn", "softmax", rules.SINK_SOFTMAX),
         *_norm_rules("rmsnorm_fp32w", "post_attention_layernorm", rules.GPT_OSS_LN2),
         Rule("mlp.router", "linear", ledger.MOE_IN, arg=0, view=flat),
@@ -173,7 +163,7 @@ def _clamped_glu_expert_rules(experts: str) -> tuple[Rule, ...]:
         Rule(experts, "mul", rules.GLU_OUT, nth=1, every=4),
         Rule(experts, "mul", rules.GLU_UP_PLUS_ONE, nth=2, every=4, arg=0),
         Rule(experts, "mul", rules.EXPERT_OUT, nth=3, every=4, arg=0),
-        Rule(experts, "mul", rules.EXPERT_WEIGHT_CAST, nth=3, every=4, arg=1, view=_stats),
+        Rule(experts, "mul", rules.EXPERT_WEIGHT_CAST, nth=3, every=4, arg=1, view=statistics),
         Rule(experts, "index_add_", rules.COMBINE_IN, nth=None, arg=3),
         Rule(experts, "__getitem__", rules.TOKEN_INDICES, nth=0, arg=1),
         Rule(experts, "__getitem__", rules.SORTED_SLOTS, nth=1, arg=1),
@@ -245,9 +235,10 @@ _GEMMA2_AFTER = (("post_attention_layernorm", rules.GEMMA_POST_ATTN), ("pre_feed
 
 def _norm_rules(kind: str, module: str, norm: Any, axes: Callable[[Any], Any] | None = None) -> tuple[Rule, ...]:
     """What a norm of `kind` in `module` keeps (_NORM_CODE): `norm`'s tensors, a LayerNorm's input its argument."""
-    views = {None: None, "axes": axes, "stats": _stats, "stats, axes": (lambda x: axes(_stats(x))) if axes else _stats,
-             "mean": _kept("NativeLayerNormBackward0", "_saved_result1", then=_stats),
-             "rstd": _kept("NativeLayerNormBackward0", "_saved_result2", then=_stats)}
+    views = {None: None, "axes": axes, "stats": statistics,
+             "stats, axes": (lambda x: axes(statistics(x))) if axes else statistics,
+             "mean": _kept("NativeLayerNormBackward0", "_saved_result1", then=statistics),
+             "rstd": _kept("NativeLayerNormBackward0", "_saved_result2", then=statistics)}
     return tuple(Rule(module, function, getattr(norm, field), nth=nth, arg=0 if field == "input" else None,
                       view=views[view]) for function, nth, field, view in _NORM_CODE[kind])
 
@@ -265,7 +256,7 @@ def _qk_norm_rules(config: ModelConfig) -> tuple[Rule, ...]:
     """q_norm and k_norm: Qwen3's and Cohere's on (b, s, heads, d), OLMo 2's over q_proj's and k_proj's whole
     (b, s, heads * d) outputs, Gemma 3's on each head of the transposed (b, heads, s, d) q and k."""
     kind = config.norm if _LLAMA_NORMS.get(config.norm, (0, 0, None))[2] else "rmsnorm"
-    axes = {"rmsnorm_fp32w": _head_columns(config.head_dim), "rmsnorm_1p": None}.get(kind, _per_head)
+    axes = {"rmsnorm_fp32w": head_columns(config.head_dim), "rmsnorm_1p": None}.get(kind, _per_head)
     q, k = _LLAMA_NORMS[kind][2]
     return (*_norm_rules(kind, "self_attn.q_norm", q, axes), *_norm_rules(kind, "self_attn.k_norm", k, axes))
 
@@ -332,7 +323,7 @@ def _llama_attention_rules(config: ModelConfig) -> tuple[Rule, ...]:
         *_qk_norm_rules(config),
         *_core_rules("self_attn", config),
         *_sdpa_inputs("self_attn"),
-        Rule("self_attn.o_proj", "linear", ledger.PROJ_IN, arg=0, view=_head_columns(config.head_dim)),
+        Rule("self_attn.o_proj", "linear", ledger.PROJ_IN, arg=0, view=head_columns(config.head_dim)),
     )
 
 
@@ -368,7 +359,7 @@ def _gpt2_rules(config: ModelConfig) -> tuple[Rule, ...]:
         # always; under eager where bmm takes them as they are (b = 1 or a = 1: the (b, a) batch flattens as a view)
         Rule("attn", "scaled_dot_product_attention", _QKV_OUT, arg=0, view=lambda q: q._base),
         Rule("attn", "matmul", _QKV_OUT, nth=0, view=_kept("BmmBackward0", "_saved_self", then=_in_larger)),
-        Rule("attn.c_proj", "addmm", ledger.PROJ_IN, arg=1, view=lambda x: _head_columns(config.head_dim)(flat(x))),
+        Rule("attn.c_proj", "addmm", ledger.PROJ_IN, arg=1, view=lambda x: head_columns(config.head_dim)(flat(x))),
         _dropout_mask("attn.resid_dropout", ledger.ATTN_OUT_DROPOUT_MASK),
         *_norm_rules("layernorm", "ln_2", ledger.LN2),
         Rule("mlp.c_fc", "addmm", ledger.FC1_IN, arg=1, view=flat),
@@ -412,7 +403,7 @@ def _bloom_rules(config: ModelConfig) -> tuple[Rule, ...]:
         _dropout_mask(dropout, ledger.ATTN_DROPOUT_MASK),
         Rule(attention, "bmm", ledger.V, view=lambda r: _copy(_batch(b))(context(r))),
         Rule(attention, "bmm", _QKV_OUT, view=lambda r: _in_larger(context(r))),
-        Rule(f"{attention}.dense", "linear", ledger.PROJ_IN, arg=0, view=_head_columns(config.head_dim)),
+        Rule(f"{attention}.dense", "linear", ledger.PROJ_IN, arg=0, view=head_columns(config.head_dim)),
         _dropout_mask(attention, ledger.ATTN_OUT_DROPOUT_MASK),
         *_norm_rules("layernorm", "post_attention_layernorm", ledger.LN2),
         Rule("mlp.dense_h_to_4h", "linear", ledger.FC1_IN, arg=0),
@@ -444,7 +435,7 @@ def _falcon_rules(config: ModelConfig) -> tuple[Rule, ...]:
         Rule(attention, "scaled_dot_product_attention", ledger.V, arg=2, view=_stored(lambda v: v)),
         Rule(attention, "scaled_dot_product_attention", rules.FALCON_V_HEADS, arg=2),
         _fused_v(attention, config),
-        Rule(f"{attention}.dense", "forward", ledger.PROJ_IN, arg=0, view=_head_columns(config.head_dim)),
+        Rule(f"{attention}.dense", "forward", ledger.PROJ_IN, arg=0, view=head_columns(config.head_dim)),
         *_GELU,
         Rule("mlp.dense_4h_to_h", "forward", ledger.FC2_IN, arg=0),
     )
@@ -459,7 +450,7 @@ def _gptj_rules(config: ModelConfig) -> tuple[Rule, ...]:
         *_norm_rules("layernorm", "ln_1", ledger.LN1),
         Rule("attn.q_proj", "linear", ledger.QKV_IN, arg=0), *tables,
         *_core_rules("attn", config, (rules.GPTJ_Q, rules.GPTJ_K, ledger.V)), *_sdpa_inputs("attn"),
-        Rule("attn.out_proj", "linear", ledger.PROJ_IN, arg=0, view=_head_columns(config.head_dim)),
+        Rule("attn.out_proj", "linear", ledger.PROJ_IN, arg=0, view=head_columns(config.head_dim)),
         _dropout_mask("attn.resid_dropout", ledger.ATTN_OUT_DROPOUT_MASK),
         *_GELU,
         _dropout_mask("mlp.dropout", ledger.MLP_DROPOUT_MASK),
@@ -510,7 +501,7 @@ def _fused_attention(config: ModelConfig, attention: str, qkv: str, proj: str, d
         Rule(f"{attention}.{qkv}", "linear", ledger.QKV_IN, arg=0),
         *_core_rules(attention, config),
         _fused_v(attention, config),
-        Rule(f"{attention}.{proj}", "linear", ledger.PROJ_IN, arg=0, view=_head_columns(config.head_dim)),
+        Rule(f"{attention}.{proj}", "linear", ledger.PROJ_IN, arg=0, view=head_columns(config.head_dim)),
         _dropout_mask(dropout, ledger.ATTN_OUT_DROPOUT_MASK),
     )
 
@@ -587,8 +578,8 @@ def _expert_rules(experts: str) -> tuple[Rule, ...]:
         Rule(f"{experts}.act_fn", "silu", ledger.EXPERT_SILU_OUT),
         Rule(experts, "linear", ledger.EXPERT_FC2_IN, nth=1, every=2, arg=0),
         Rule(experts, "linear", rules.EXPERT_OUT, nth=1, every=2),
-        Rule(experts, "mul", rules.EXPERT_WEIGHT, nth=1, every=2, arg=1, view=_stats),
-        Rule(experts, "mul", rules.EXPERT_WEIGHT_CAST, nth=1, every=2, arg=1, view=_stats),
+        Rule(experts, "mul", rules.EXPERT_WEIGHT, nth=1, every=2, arg=1, view=statistics),
+        Rule(experts, "mul", rules.EXPERT_WEIGHT_CAST, nth=1, every=2, arg=1, view=statistics),
         Rule(experts, "index_add_", rules.COMBINE_IN, nth=None, arg=3),
         # grouped_mm: hidden_states[perm // k], sample_weights[perm], then weighted_out[inv_perm]
         Rule(experts, "__getitem__", rules.TOKEN_INDICES, nth=0, arg=1),
@@ -621,13 +612,4 @@ def attributed(saved: tuple[SavedStorage, ...], config: ModelConfig) -> tuple[Sa
     """The storages as ledger rows: GPT-2's c_attn output split into Q, K and V, a third of its bytes each, and
     each expert's (and GLM's MLP's) gate_up output into its gate and up, half each."""
     per_head = (config.b, config.a, config.s, config.h // config.a)
-    rows: list[SavedStorage] = []
-    for storage in saved:
-        if storage.name == _QKV_OUT.name:
-            rows += [SavedStorage(x.name, storage.nbytes // 3, per_head, storage.dtype) for x in _QKV_PARTS]
-        elif storage.name in _HALVES:
-            half = (*storage.shape[:-1], storage.shape[-1] // 2)
-            rows += [SavedStorage(x.name, storage.nbytes // 2, half, storage.dtype) for x in _HALVES[storage.name]]
-        else:
-            rows.append(storage)
-    return tuple(rows)
+    return split_rows(saved, {_QKV_OUT.name: tuple((x, 1, per_head) for x in _QKV_PARTS)}, _HALVES)

@@ -111,6 +111,17 @@ def _pick(result: Any, args: tuple, kwargs: dict, arg: int | str | None) -> Any:
     return kwargs.get(arg)
 
 
+def head_columns(d: int) -> Callable[[Any], Any]:
+    """A rule's view: (b, s, heads * d) as (b, s, heads, d), a heads or under tp this rank's a/t (a fused QKV output,
+    the output projection's input)."""
+    return lambda x: x.unflatten(-1, (-1, d))
+
+
+def statistics(x: Any) -> Any:
+    """A rule's view: (b, s, 1) per-token statistics (a norm's rstd, a routing weight) as (b, s)."""
+    return x.squeeze(-1)
+
+
 def merged_rows(saved: tuple[SavedStorage, ...], names: frozenset[str]) -> tuple[SavedStorage, ...]:
     """Each of `names`' storages (an expert's, one per expert) as one row, where the first is: the sum of their
     bytes and rows, so that a ledger row of r token slots reads as the experts' storages together."""
@@ -128,3 +139,25 @@ def merged_rows(saved: tuple[SavedStorage, ...], names: frozenset[str]) -> tuple
             shape = (known.shape[0] + storage.shape[0], *known.shape[1:])
             merged[storage.name] = SavedStorage(storage.name, known.nbytes + storage.nbytes, shape, storage.dtype)
     return tuple(merged[row] if isinstance(row, str) else row for row in rows)
+
+
+Part = tuple[SavedTensor, int, tuple[int, ...]]  # a ledger tensor, its share of a storage's columns, its shape
+
+
+def split_rows(saved: tuple[SavedStorage, ...], splits: dict[str, tuple[Part, ...]],
+               halves: dict[str, tuple[SavedTensor, SavedTensor]]) -> tuple[SavedStorage, ...]:
+    """The storages as ledger rows: a marker of `splits` as its tensors, each its share of the bytes; a marker of
+    `halves` (gate and up side by side) as its two tensors, the first and second half of each row."""
+    rows: list[SavedStorage] = []
+    for storage in saved:
+        parts = splits.get(storage.name or "")
+        if storage.name in halves:
+            half = (*storage.shape[:-1], storage.shape[-1] // 2)
+            parts = tuple((x, 1, half) for x in halves[storage.name])
+        if parts is None:
+            rows.append(storage)
+            continue
+        columns = sum(share for _, share, _ in parts)
+        rows += [SavedStorage(tensor.name, storage.nbytes * share // columns, shape, storage.dtype)
+                 for tensor, share, shape in parts]
+    return tuple(rows)

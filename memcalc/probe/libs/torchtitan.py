@@ -28,7 +28,7 @@ from memcalc.probe.collectives import CollectiveLog, LoggedCollective
 from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.layer import DTYPES
 from memcalc.probe.libs import torchtitan_shim as shim
-from memcalc.probe.libs.labels import Labels, Rule
+from memcalc.probe.libs.labels import Labels, Rule, head_columns, statistics
 from memcalc.probe.measure import INPUT_SEED
 from memcalc.probe.recorder import SavedStorage, SavedTensorRecorder, label
 
@@ -192,11 +192,6 @@ def block_input(config: ModelConfig, tp: TensorParallelGroup, strategy: Strategy
 # -- naming what it keeps -----------------------------------------------------------
 
 
-def _heads(d: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    """(b, s, heads * d) as (b, s, heads, d): the fused QKV output, or wo's input, in the ledger's axes."""
-    return lambda x: x.unflatten(-1, (-1, d))
-
-
 def library_rules(config: ModelConfig, t: int) -> tuple[Rule, ...]:
     """What torchtitan's Python passes to torch, named: the module it runs in, the call, the argument.
 
@@ -209,12 +204,13 @@ def library_rules(config: ModelConfig, t: int) -> tuple[Rule, ...]:
     predicted = tensors_at(Knobs.of(config), Accounting(exact=True), dim_sizes(config), t)
     v = Rule("*attention.inner_attention", "scaled_dot_product_attention", ledger.V, arg=2)
     if rules.V_IN_QKV_OUT in predicted:  # the view's base: wqkv's output, (b, s, (a+2g) d)
-        v = replace(v, tensor=rules.V_IN_QKV_OUT, view=lambda x: _heads(d)(x._base))
+        v = replace(v, tensor=rules.V_IN_QKV_OUT, view=lambda x: head_columns(d)(x._base))
     if config.recompute != "none":
         return (
             Rule("", "forward", ledger.LAYER_INPUT, arg=0),
-            Rule("*attention.qkv_linear.wqkv", "linear", rules.QKV_OUT, view=_heads(d)),
-            Rule("*attention.wo", "linear", ledger.PROJ_IN, arg=0, view=_heads(d)),  # the attention kernel's output
+            Rule("*attention.qkv_linear.wqkv", "linear", rules.QKV_OUT, view=head_columns(d)),
+            # wo's input: the attention kernel's output
+            Rule("*attention.wo", "linear", ledger.PROJ_IN, arg=0, view=head_columns(d)),
             Rule("*feed_forward", "silu", ledger.SWIGLU_GATE, arg=0),  # w1's output
             Rule("*feed_forward.w2", "linear", rules.FC2_OUT),
             Rule("*moe.router", "topk", rules.MOE_TOPK_VALUES),
@@ -229,7 +225,7 @@ def library_rules(config: ModelConfig, t: int) -> tuple[Rule, ...]:
         Rule("*attention.inner_attention", "scaled_dot_product_attention", ledger.Q, arg=0),
         Rule("*attention.inner_attention", "scaled_dot_product_attention", ledger.K, arg=1),
         v,
-        Rule("*attention.wo", "linear", ledger.PROJ_IN, arg=0, view=_heads(d)),
+        Rule("*attention.wo", "linear", ledger.PROJ_IN, arg=0, view=head_columns(d)),
         Rule("*feed_forward.w1", "linear", rules.FC1_IN, arg=0),
         Rule("*feed_forward", "silu", ledger.SWIGLU_GATE, arg=0),
         Rule("*feed_forward", "mul", ledger.SWIGLU_SILU_OUT, arg=0),
@@ -251,7 +247,7 @@ def moe_rules() -> tuple[Rule, ...]:
         Rule(router, "sigmoid", rules.MOE_ROUTER_SCORES),
         Rule(router, "gather", ledger.ROUTER_TOPK_INDICES, arg="index"),
         Rule(router, "div", rules.MOE_TOPK_SCORES, arg=0),
-        Rule(router, "div", rules.MOE_TOPK_SUM, arg=1, view=_squeeze),
+        Rule(router, "div", rules.MOE_TOPK_SUM, arg=1, view=statistics),
         Rule(routed, "argsort", rules.MOE_SORTED_SLOTS),
         Rule(routed, "__getitem__", rules.MOE_SORTED_SCORES),
         Rule(routed, "__floordiv__", rules.MOE_TOKEN_INDICES),
@@ -284,10 +280,6 @@ class AtenRule:
     view: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
-def _squeeze(x: torch.Tensor) -> torch.Tensor:
-    return x.squeeze(-1)
-
-
 _LSE_OPS = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
             "_scaled_dot_product_cudnn_attention")
 
@@ -299,10 +291,10 @@ def aten_rules() -> tuple[AtenRule, ...]:
     for module, norm in (("*attention_norm", rules.LN1), ("*ffn_norm", rules.LN2)):
         norms += [
             AtenRule(module, "_to_copy", norm.input_fp32),  # input.to(float32); the last _to_copy casts back
-            AtenRule(module, "rsqrt", norm.rstd, view=_squeeze),
+            AtenRule(module, "rsqrt", norm.rstd, view=statistics),
             AtenRule(module, "mul", norm.normed_fp32),  # x * rstd; the second mul is by the weight
             AtenRule(module, "_fused_rms_norm", norm.input, output=None),
-            AtenRule(module, "_fused_rms_norm", norm.rstd, output=1, view=_squeeze),
+            AtenRule(module, "_fused_rms_norm", norm.rstd, output=1, view=statistics),
         ]
     lse = [AtenRule("*attention.inner_attention", op, ledger.SOFTMAX_LSE, output=1) for op in _LSE_OPS]
     gate = [AtenRule("*moe.router.gate", "_to_copy", rules.MOE_ROUTER_WEIGHT),  # autocast casts the weight first
