@@ -355,7 +355,7 @@ def _gpt2_rules(config: ModelConfig) -> tuple[Rule, ...]:
         *_norm_rules("layernorm", "ln_1", ledger.LN1),
         Rule("attn.c_attn", "addmm", ledger.QKV_IN, arg=1, view=flat),
         *_core_rules("attn", config, copies_only=True),
-        # q, k, v are views of c_attn's output (b * s, 3h): its whole storage, split by _attributed. Under SDPA
+        # q, k, v are views of c_attn's output (b * s, 3h): its whole storage, split by `attributed`. Under SDPA
         # always; under eager where bmm takes them as they are (b = 1 or a = 1: the (b, a) batch flattens as a view)
         Rule("attn", "scaled_dot_product_attention", _QKV_OUT, arg=0, view=lambda q: q._base),
         Rule("attn", "matmul", _QKV_OUT, nth=0, view=_kept("BmmBackward0", "_saved_self", then=_in_larger)),
@@ -385,7 +385,7 @@ def _neox_rules(config: ModelConfig) -> tuple[Rule, ...]:
 
 def _bloom_rules(config: ModelConfig) -> tuple[Rule, ...]:
     """BloomBlock: baddbmm's Q and K^T and bmm's V (copies, or at b = 1 views of the fused output, whose storage is
-    split into Q, K and V by `_attributed`); the fp32 softmax and its cast; dropout_add's masks; BloomMLP's
+    split into Q, K and V by `attributed`); the fp32 softmax and its cast; dropout_add's masks; BloomMLP's
     GeLUFunction keeps its input, dense_h_to_4h's output."""
     b, attention = config.b, "self_attention"
     scores, context = _kept("BaddbmmBackward0", "_saved_batch1"), _kept("BmmBackward0", "_saved_mat2")
