@@ -39,16 +39,17 @@ class _Frame:
     calls: Counter = field(default_factory=Counter)
 
 
-class Labels(TorchFunctionMode):
-    """Context manager: label the tensors `rules` pick out while `root` (and its submodules) run."""
+class ModuleFrames:
+    """A torch mode's view of which of `root`'s modules run (a `_Frame` each, the innermost last), by hooks on each
+    while inside; `_entered` and `_left` are called as a module's forward starts and ends."""
 
-    def __init__(self, root: torch.nn.Module, rules: Sequence[Rule]) -> None:
+    def __init__(self, root: torch.nn.Module, rules: Sequence[Any]) -> None:
         super().__init__()
         self._root, self._rules = root, tuple(rules)
         self._stack: list[_Frame] = []
         self._handles: list[Any] = []
 
-    def __enter__(self) -> Labels:
+    def __enter__(self) -> Any:
         for name, module in self._root.named_modules():
             self._handles.append(module.register_forward_pre_hook(self._entered(name), with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._left(name), with_kwargs=True))
@@ -61,6 +62,20 @@ class Labels(TorchFunctionMode):
         self._handles.clear()
         self._stack.clear()
 
+    def _entered(self, name: str) -> Callable:
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            self._stack.append(_Frame(name))
+        return hook
+
+    def _left(self, name: str) -> Callable:
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            self._stack.pop()
+        return hook
+
+
+class Labels(ModuleFrames, TorchFunctionMode):
+    """Context manager: label the tensors `rules` pick out while `root` (and its submodules) run."""
+
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
@@ -70,15 +85,13 @@ class Labels(TorchFunctionMode):
 
     def _entered(self, name: str) -> Callable:
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-            frame = _Frame(name)
-            self._stack.append(frame)
+            self._stack.append(frame := _Frame(name))
             self._match(frame, "forward", args, kwargs, None, output=False)
         return hook
 
     def _left(self, name: str) -> Callable:
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            frame = self._stack.pop()
-            self._match(frame, "forward", args, kwargs, output, output=True)
+            self._match(self._stack.pop(), "forward", args, kwargs, output, output=True)
         return hook
 
     def _match(

@@ -6,7 +6,6 @@ block".
 
 from __future__ import annotations
 
-import functools
 import warnings
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
@@ -28,7 +27,7 @@ from memcalc.probe.collectives import CollectiveLog, LoggedCollective
 from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.layer import DTYPES
 from memcalc.probe.libs import torchtitan_shim as shim
-from memcalc.probe.libs.labels import Labels, Rule, head_columns, statistics
+from memcalc.probe.libs.labels import Labels, ModuleFrames, Rule, head_columns, statistics
 from memcalc.probe.measure import INPUT_SEED
 from memcalc.probe.recorder import SavedStorage, SavedTensorRecorder, label
 
@@ -302,41 +301,18 @@ def aten_rules() -> tuple[AtenRule, ...]:
     return (*norms, *lse, *gate)
 
 
-class AtenLabels(TorchDispatchMode):
+class AtenLabels(ModuleFrames, TorchDispatchMode):
     """Context manager: label tensors that aten ops make inside `root`'s modules, by `AtenRule`s."""
-
-    def __init__(self, root: torch.nn.Module, aten: tuple[AtenRule, ...]) -> None:
-        super().__init__()
-        self._root, self._rules = root, aten
-        self._stack: list[tuple[str, dict[str, int]]] = []  # running modules: name, calls of each op in it
-        self._handles: list[Any] = []
-
-    def __enter__(self) -> AtenLabels:
-        for name, module in self._root.named_modules():
-            self._handles.append(module.register_forward_pre_hook(functools.partial(self._entered, name)))
-            self._handles.append(module.register_forward_hook(self._left))
-        return super().__enter__()
-
-    def __exit__(self, *exc_info: object) -> None:
-        super().__exit__(*exc_info)
-        for handle in self._handles:
-            handle.remove()
-
-    def _entered(self, name: str, module: torch.nn.Module, args: tuple) -> None:
-        self._stack.append((name, {}))
-
-    def _left(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
-        self._stack.pop()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         result = func(*args, **(kwargs or {}))
         if self._stack:
-            name, calls = self._stack[-1]
+            frame = self._stack[-1]
             op = func.overloadpacket.__name__
-            nth = calls.get(op, 0)
-            calls[op] = nth + 1
+            nth = frame.calls[op]
+            frame.calls[op] += 1
             for rule in self._rules:
-                if rule.op == op and rule.nth == nth and fnmatchcase(name, rule.module):
+                if rule.op == op and rule.nth == nth and fnmatchcase(frame.name, rule.module):
                     if rule.output is None:
                         target = args[rule.arg]
                     else:
