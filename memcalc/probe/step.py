@@ -377,8 +377,9 @@ def measure_trainer(trainer: Trainer, tp: TensorParallelGroup, strategy: Strateg
     return StepMeasurement(strategy.name, tp.size, tp.mode, steady, peak, sum(peak.values()), tracker.moment)
 
 
-def categories(snapshot: dict) -> dict[str, int]:
-    """A MemTracker snapshot of this rank's one device as bytes per timeline category.
+def categories(snapshot: dict, kinds: dict[str, str] = MEASURED_CATEGORIES) -> dict[str, int]:
+    """A MemTracker snapshot of this rank's one device as bytes per timeline category (`kinds`: the tracker's
+    categories as the timeline's; FSDPMemTracker has its own).
 
     Meta tensors hold no memory, but MemTracker files their nominal bytes under a device of their own, with a peak
     of its own: transformers' rowwise style makes a (b, s, in_features) meta tensor only to read its strides
@@ -389,7 +390,7 @@ def categories(snapshot: dict) -> dict[str, int]:
         if torch.device(device).type == "meta":
             continue
         for key, nbytes in device_snapshot.items():
-            if (category := MEASURED_CATEGORIES.get(getattr(key, "value", key))) is not None:
+            if (category := kinds.get(getattr(key, "value", key))) is not None:
                 out[category] = out.get(category, 0) + nbytes
     return out
 

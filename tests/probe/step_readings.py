@@ -1,20 +1,22 @@
 """MemTracker's reading after every op of one training step, and the check that a step timeline's moments are
 among those readings, in order (tests/probe/test_step.py, tests/probe/libs/test_hf_step.py)."""
 
-from memcalc.probe.step import MomentTracker, Trainer, categories
+from memcalc.probe.step import MEASURED_CATEGORIES, MomentTracker, Trainer, categories
 from memcalc.sizing.timeline import Moment
 
 
-def reading_every_op(tracker: type[MomentTracker], read=categories) -> type[MomentTracker]:
-    """`tracker` that appends where it is and its bytes per category (`read` of its snapshot) to `readings` after
-    each op."""
+def reading_every_op(tracker: type[MomentTracker], kinds: dict[str, str] = MEASURED_CATEGORIES
+                     ) -> type[MomentTracker]:
+    """`tracker` that appends where it is and its bytes per category (its snapshot read with `kinds`, the tracker's
+    categories as the timeline's) to `readings` after each op."""
 
     class AfterEveryOp(tracker):
         readings: list[tuple[str, dict[str, int]]]
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = super().__torch_dispatch__(func, types, args, kwargs)
-            self.readings.append((self.where(), {c: n for c, n in read(self.get_tracker_snapshot()).items() if n}))
+            read = categories(self.get_tracker_snapshot(), kinds)
+            self.readings.append((self.where(), {c: n for c, n in read.items() if n}))
             return out
 
     return AfterEveryOp
@@ -25,7 +27,7 @@ def torchtitan_fsdp_readings(config, strategy: str, route: str | None = None) ->
     rank 0 of dp_replicate*dp_shard*t (torchtitan's own meshes); with experts the router forced to `route`."""
     from memcalc.model.strategy import STRATEGIES
     from memcalc.probe.launch import run_fake
-    from memcalc.probe.libs.hf_fsdp import FsdpMomentTracker, fsdp_categories
+    from memcalc.probe.libs.hf_fsdp import FSDP_CATEGORIES, FsdpMomentTracker
     from memcalc.probe.libs.torchtitan_step import data_parallel, warmed_up_sharded
 
     plan = STRATEGIES[strategy]
@@ -33,7 +35,7 @@ def torchtitan_fsdp_readings(config, strategy: str, route: str | None = None) ->
     def on_rank(tp):
         with data_parallel(tp, config, plan) as dims:
             trainer = warmed_up_sharded(tp, config, plan, dims, route)
-            tracker = reading_every_op(FsdpMomentTracker, fsdp_categories)(trainer.model, trainer.optimizer)
+            tracker = reading_every_op(FsdpMomentTracker, FSDP_CATEGORIES)(trainer.model, trainer.optimizer)
             tracker.readings = []
             with tracker:
                 trainer.step()

@@ -18,7 +18,7 @@ from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.layer import DTYPES
 from memcalc.probe.libs import hf_tp
 from memcalc.probe.libs.hf_step import causal_lm, checkpointed
-from memcalc.probe.step import BATCH_SEED, MomentTracker, StepMeasurement, batch
+from memcalc.probe.step import BATCH_SEED, MomentTracker, StepMeasurement, batch, categories
 from memcalc.sizing.timeline import ACTIVATIONS, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES
 
 torch = require_torch()
@@ -140,20 +140,8 @@ def measure_sharded(trainer: ShardedTrainer, tp: TensorParallelGroup, strategy: 
     """One step of a warmed-up sharded trainer under FSDPMemTracker."""
     tracker = FsdpMomentTracker(trainer.model, trainer.optimizer)
     with tracker:  # entering registers the sharded parameters and the optimizer's states
-        steady = fsdp_categories(tracker.get_tracker_snapshot("current"))
+        steady = categories(tracker.get_tracker_snapshot("current"), FSDP_CATEGORIES)
         trainer.step()
-    peak = fsdp_categories(tracker.get_tracker_snapshot("peak"))
+    peak = categories(tracker.get_tracker_snapshot("peak"), FSDP_CATEGORIES)
     return StepMeasurement(strategy.name, tp.size, tp.mode, steady, peak, sum(peak.values()), tracker.moment)
 
-
-def fsdp_categories(snapshot: dict) -> dict[str, int]:
-    """An FSDPMemTracker snapshot of this rank's device as bytes per timeline category."""
-    out: dict[str, int] = {}
-    for device, by_kind in snapshot.items():
-        if torch.device(device).type == "meta":
-            continue
-        for kind, nbytes in by_kind.items():
-            category = FSDP_CATEGORIES.get(getattr(kind, "value", kind))
-            if category is not None:
-                out[category] = out.get(category, 0) + nbytes
-    return out

@@ -39,16 +39,17 @@ class _Frame:
     calls: Counter = field(default_factory=Counter)
 
 
-class Labels(TorchFunctionMode):
-    """Context manager: label the tensors `rules` pick out while `root` (and its submodules) run."""
+class ModuleFrames:
+    """A torch mode's view of which of `root`'s modules run (a `_Frame` each, the innermost last), by hooks on each
+    while inside; `_entered` and `_left` are called as a module's forward starts and ends."""
 
-    def __init__(self, root: torch.nn.Module, rules: Sequence[Rule]) -> None:
+    def __init__(self, root: torch.nn.Module, rules: Sequence[Any]) -> None:
         super().__init__()
         self._root, self._rules = root, tuple(rules)
         self._stack: list[_Frame] = []
         self._handles: list[Any] = []
 
-    def __enter__(self) -> Labels:
+    def __enter__(self) -> Any:
         for name, module in self._root.named_modules():
             self._handles.append(module.register_forward_pre_hook(self._entered(name), with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._left(name), with_kwargs=True))
@@ -61,6 +62,20 @@ class Labels(TorchFunctionMode):
         self._handles.clear()
         self._stack.clear()
 
+    def _entered(self, name: str) -> Callable:
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            self._stack.append(_Frame(name))
+        return hook
+
+    def _left(self, name: str) -> Callable:
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            self._stack.pop()
+        return hook
+
+
+class Labels(ModuleFrames, TorchFunctionMode):
+    """Context manager: label the tensors `rules` pick out while `root` (and its submodules) run."""
+
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
@@ -70,15 +85,13 @@ class Labels(TorchFunctionMode):
 
     def _entered(self, name: str) -> Callable:
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-            frame = _Frame(name)
-            self._stack.append(frame)
+            self._stack.append(frame := _Frame(name))
             self._match(frame, "forward", args, kwargs, None, output=False)
         return hook
 
     def _left(self, name: str) -> Callable:
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            frame = self._stack.pop()
-            self._match(frame, "forward", args, kwargs, output, output=True)
+            self._match(self._stack.pop(), "forward", args, kwargs, output, output=True)
         return hook
 
     def _match(
@@ -111,6 +124,17 @@ def _pick(result: Any, args: tuple, kwargs: dict, arg: int | str | None) -> Any:
     return kwargs.get(arg)
 
 
+def head_columns(d: int) -> Callable[[Any], Any]:
+    """A rule's view: (b, s, heads * d) as (b, s, heads, d), a heads or under tp this rank's a/t (a fused QKV output,
+    the output projection's input)."""
+    return lambda x: x.unflatten(-1, (-1, d))
+
+
+def statistics(x: Any) -> Any:
+    """A rule's view: (b, s, 1) per-token statistics (a norm's rstd, a routing weight) as (b, s)."""
+    return x.squeeze(-1)
+
+
 def merged_rows(saved: tuple[SavedStorage, ...], names: frozenset[str]) -> tuple[SavedStorage, ...]:
     """Each of `names`' storages (an expert's, one per expert) as one row, where the first is: the sum of their
     bytes and rows, so that a ledger row of r token slots reads as the experts' storages together."""
@@ -128,3 +152,25 @@ def merged_rows(saved: tuple[SavedStorage, ...], names: frozenset[str]) -> tuple
             shape = (known.shape[0] + storage.shape[0], *known.shape[1:])
             merged[storage.name] = SavedStorage(storage.name, known.nbytes + storage.nbytes, shape, storage.dtype)
     return tuple(merged[row] if isinstance(row, str) else row for row in rows)
+
+
+Part = tuple[SavedTensor, int, tuple[int, ...]]  # a ledger tensor, its share of a storage's columns, its shape
+
+
+def split_rows(saved: tuple[SavedStorage, ...], splits: dict[str, tuple[Part, ...]],
+               halves: dict[str, tuple[SavedTensor, SavedTensor]]) -> tuple[SavedStorage, ...]:
+    """The storages as ledger rows: a marker of `splits` as its tensors, each its share of the bytes; a marker of
+    `halves` (gate and up side by side) as its two tensors, the first and second half of each row."""
+    rows: list[SavedStorage] = []
+    for storage in saved:
+        parts = splits.get(storage.name or "")
+        if storage.name in halves:
+            half = (*storage.shape[:-1], storage.shape[-1] // 2)
+            parts = tuple((x, 1, half) for x in halves[storage.name])
+        if parts is None:
+            rows.append(storage)
+            continue
+        columns = sum(share for _, share, _ in parts)
+        rows += [SavedStorage(tensor.name, storage.nbytes * share // columns, shape, storage.dtype)
+                 for tensor, share, shape in parts]
+    return tuple(rows)

@@ -22,7 +22,7 @@ from memcalc.probe import require_torch
 from memcalc.probe.collectives import CollectiveLog, LoggedCollective
 from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.layer import DTYPES
-from memcalc.probe.libs.labels import Labels, Rule, merged_rows
+from memcalc.probe.libs.labels import Labels, Part, Rule, merged_rows, split_rows
 from memcalc.probe.libs.megatron_shim import NOTES as SHIM_NOTES
 from memcalc.probe.libs.megatron_shim import cpu_megatron, forced_routing, layer_spec, seed_rng_tracker
 from memcalc.probe.libs.megatron_shim import route_note as route_note  # measure prints it for --route
@@ -527,7 +527,7 @@ def _activation_rules(config: ModelConfig, module: str, keeps: tuple[SavedTensor
 # -- one storage, several ledger rows ---------------------------------------------------------
 
 
-def _splits(config: ModelConfig, t: int) -> dict[str, tuple[tuple[SavedTensor, int, tuple[int, ...]], ...]]:
+def _splits(config: ModelConfig, t: int) -> dict[str, tuple[Part, ...]]:
     """For each marker: (ledger tensor, its share of the storage's columns, its per-rank shape)."""
     b, s, d = config.b, config.s, config.head_dim
     heads, groups = config.a // t, config.groups // t
@@ -548,21 +548,5 @@ def _splits(config: ModelConfig, t: int) -> dict[str, tuple[tuple[SavedTensor, i
 def _attributed(saved: tuple[SavedStorage, ...], config: ModelConfig, t: int) -> tuple[SavedStorage, ...]:
     """The storages as ledger rows: markers split into their tensors; host scalars and masks freed under full
     recomputation (docs/probe.md, "megatron-core's own layer") left out."""
-    splits = _splits(config, t)
-    rows: list[SavedStorage] = []
-    for storage in saved:
-        if storage.name in (_HOST.name, _FREED.name):
-            continue
-        parts = splits.get(storage.name or "")
-        if storage.name in _HALVES:  # gate and up: the first and second half of each row
-            half = (*storage.shape[:-1], storage.shape[-1] // 2)
-            parts = tuple((x, 1, half) for x in _HALVES[storage.name])
-        if parts is None:
-            rows.append(storage)
-            continue
-        columns = sum(share for _, share, _ in parts)
-        rows += [
-            SavedStorage(tensor.name, storage.nbytes * share // columns, shape, storage.dtype)
-            for tensor, share, shape in parts
-        ]
-    return tuple(rows)
+    kept = tuple(x for x in saved if x.name not in (_HOST.name, _FREED.name))
+    return split_rows(kept, _splits(config, t), _HALVES)

@@ -6,7 +6,6 @@ block".
 
 from __future__ import annotations
 
-import functools
 import warnings
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
@@ -28,7 +27,7 @@ from memcalc.probe.collectives import CollectiveLog, LoggedCollective
 from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.layer import DTYPES
 from memcalc.probe.libs import torchtitan_shim as shim
-from memcalc.probe.libs.labels import Labels, Rule
+from memcalc.probe.libs.labels import Labels, ModuleFrames, Rule, head_columns, statistics
 from memcalc.probe.measure import INPUT_SEED
 from memcalc.probe.recorder import SavedStorage, SavedTensorRecorder, label
 
@@ -192,11 +191,6 @@ def block_input(config: ModelConfig, tp: TensorParallelGroup, strategy: Strategy
 # -- naming what it keeps -----------------------------------------------------------
 
 
-def _heads(d: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    """(b, s, heads * d) as (b, s, heads, d): the fused QKV output, or wo's input, in the ledger's axes."""
-    return lambda x: x.unflatten(-1, (-1, d))
-
-
 def library_rules(config: ModelConfig, t: int) -> tuple[Rule, ...]:
     """What torchtitan's Python passes to torch, named: the module it runs in, the call, the argument.
 
@@ -209,12 +203,13 @@ def library_rules(config: ModelConfig, t: int) -> tuple[Rule, ...]:
     predicted = tensors_at(Knobs.of(config), Accounting(exact=True), dim_sizes(config), t)
     v = Rule("*attention.inner_attention", "scaled_dot_product_attention", ledger.V, arg=2)
     if rules.V_IN_QKV_OUT in predicted:  # the view's base: wqkv's output, (b, s, (a+2g) d)
-        v = replace(v, tensor=rules.V_IN_QKV_OUT, view=lambda x: _heads(d)(x._base))
+        v = replace(v, tensor=rules.V_IN_QKV_OUT, view=lambda x: head_columns(d)(x._base))
     if config.recompute != "none":
         return (
             Rule("", "forward", ledger.LAYER_INPUT, arg=0),
-            Rule("*attention.qkv_linear.wqkv", "linear", rules.QKV_OUT, view=_heads(d)),
-            Rule("*attention.wo", "linear", ledger.PROJ_IN, arg=0, view=_heads(d)),  # the attention kernel's output
+            Rule("*attention.qkv_linear.wqkv", "linear", rules.QKV_OUT, view=head_columns(d)),
+            # wo's input: the attention kernel's output
+            Rule("*attention.wo", "linear", ledger.PROJ_IN, arg=0, view=head_columns(d)),
             Rule("*feed_forward", "silu", ledger.SWIGLU_GATE, arg=0),  # w1's output
             Rule("*feed_forward.w2", "linear", rules.FC2_OUT),
             Rule("*moe.router", "topk", rules.MOE_TOPK_VALUES),
@@ -229,7 +224,7 @@ def library_rules(config: ModelConfig, t: int) -> tuple[Rule, ...]:
         Rule("*attention.inner_attention", "scaled_dot_product_attention", ledger.Q, arg=0),
         Rule("*attention.inner_attention", "scaled_dot_product_attention", ledger.K, arg=1),
         v,
-        Rule("*attention.wo", "linear", ledger.PROJ_IN, arg=0, view=_heads(d)),
+        Rule("*attention.wo", "linear", ledger.PROJ_IN, arg=0, view=head_columns(d)),
         Rule("*feed_forward.w1", "linear", rules.FC1_IN, arg=0),
         Rule("*feed_forward", "silu", ledger.SWIGLU_GATE, arg=0),
         Rule("*feed_forward", "mul", ledger.SWIGLU_SILU_OUT, arg=0),
@@ -251,7 +246,7 @@ def moe_rules() -> tuple[Rule, ...]:
         Rule(router, "sigmoid", rules.MOE_ROUTER_SCORES),
         Rule(router, "gather", ledger.ROUTER_TOPK_INDICES, arg="index"),
         Rule(router, "div", rules.MOE_TOPK_SCORES, arg=0),
-        Rule(router, "div", rules.MOE_TOPK_SUM, arg=1, view=_squeeze),
+        Rule(router, "div", rules.MOE_TOPK_SUM, arg=1, view=statistics),
         Rule(routed, "argsort", rules.MOE_SORTED_SLOTS),
         Rule(routed, "__getitem__", rules.MOE_SORTED_SCORES),
         Rule(routed, "__floordiv__", rules.MOE_TOKEN_INDICES),
@@ -284,10 +279,6 @@ class AtenRule:
     view: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
-def _squeeze(x: torch.Tensor) -> torch.Tensor:
-    return x.squeeze(-1)
-
-
 _LSE_OPS = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
             "_scaled_dot_product_cudnn_attention")
 
@@ -299,10 +290,10 @@ def aten_rules() -> tuple[AtenRule, ...]:
     for module, norm in (("*attention_norm", rules.LN1), ("*ffn_norm", rules.LN2)):
         norms += [
             AtenRule(module, "_to_copy", norm.input_fp32),  # input.to(float32); the last _to_copy casts back
-            AtenRule(module, "rsqrt", norm.rstd, view=_squeeze),
+            AtenRule(module, "rsqrt", norm.rstd, view=statistics),
             AtenRule(module, "mul", norm.normed_fp32),  # x * rstd; the second mul is by the weight
             AtenRule(module, "_fused_rms_norm", norm.input, output=None),
-            AtenRule(module, "_fused_rms_norm", norm.rstd, output=1, view=_squeeze),
+            AtenRule(module, "_fused_rms_norm", norm.rstd, output=1, view=statistics),
         ]
     lse = [AtenRule("*attention.inner_attention", op, ledger.SOFTMAX_LSE, output=1) for op in _LSE_OPS]
     gate = [AtenRule("*moe.router.gate", "_to_copy", rules.MOE_ROUTER_WEIGHT),  # autocast casts the weight first
@@ -310,41 +301,18 @@ def aten_rules() -> tuple[AtenRule, ...]:
     return (*norms, *lse, *gate)
 
 
-class AtenLabels(TorchDispatchMode):
+class AtenLabels(ModuleFrames, TorchDispatchMode):
     """Context manager: label tensors that aten ops make inside `root`'s modules, by `AtenRule`s."""
-
-    def __init__(self, root: torch.nn.Module, aten: tuple[AtenRule, ...]) -> None:
-        super().__init__()
-        self._root, self._rules = root, aten
-        self._stack: list[tuple[str, dict[str, int]]] = []  # running modules: name, calls of each op in it
-        self._handles: list[Any] = []
-
-    def __enter__(self) -> AtenLabels:
-        for name, module in self._root.named_modules():
-            self._handles.append(module.register_forward_pre_hook(functools.partial(self._entered, name)))
-            self._handles.append(module.register_forward_hook(self._left))
-        return super().__enter__()
-
-    def __exit__(self, *exc_info: object) -> None:
-        super().__exit__(*exc_info)
-        for handle in self._handles:
-            handle.remove()
-
-    def _entered(self, name: str, module: torch.nn.Module, args: tuple) -> None:
-        self._stack.append((name, {}))
-
-    def _left(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
-        self._stack.pop()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         result = func(*args, **(kwargs or {}))
         if self._stack:
-            name, calls = self._stack[-1]
+            frame = self._stack[-1]
             op = func.overloadpacket.__name__
-            nth = calls.get(op, 0)
-            calls[op] = nth + 1
+            nth = frame.calls[op]
+            frame.calls[op] += 1
             for rule in self._rules:
-                if rule.op == op and rule.nth == nth and fnmatchcase(name, rule.module):
+                if rule.op == op and rule.nth == nth and fnmatchcase(frame.name, rule.module):
                     if rule.output is None:
                         target = args[rule.arg]
                     else:

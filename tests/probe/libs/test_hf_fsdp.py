@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 from memcalc.model.knobs import Accounting  # noqa: E402
 from memcalc.model.strategy import STRATEGIES  # noqa: E402
 from memcalc.probe.launch import run_fake  # noqa: E402
-from memcalc.probe.libs.hf_fsdp import FsdpMomentTracker, fsdp_categories, warmed_up_sharded  # noqa: E402
+from memcalc.probe.libs.hf_fsdp import FSDP_CATEGORIES, FsdpMomentTracker, warmed_up_sharded  # noqa: E402
 from memcalc.probe.step import measure_step  # noqa: E402
 from memcalc.sizing.states import state_bytes, total_params  # noqa: E402
 from memcalc.sizing.timeline import OPTIMIZER, PARAMETERS, timeline  # noqa: E402
@@ -78,7 +78,7 @@ def _readings(config, route=None):
     router forced to `route`)."""
     def on_rank(tp):
         trainer = warmed_up_sharded(tp, config, route)
-        tracker = reading_every_op(FsdpMomentTracker, fsdp_categories)(trainer.model, trainer.optimizer)
+        tracker = reading_every_op(FsdpMomentTracker, FSDP_CATEGORIES)(trainer.model, trainer.optimizer)
         tracker.readings = []
         with tracker:
             trainer.step()
