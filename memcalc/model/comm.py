@@ -45,14 +45,12 @@ from memcalc.model.evaluate import check_strategy, dim_sizes
 from memcalc.model.impls import implementation, plan
 from memcalc.model.impls.hf import routing_weights_kind
 from memcalc.model.knobs import DTYPE_BYTES, FIXED_BYTES, Knobs
-from memcalc.model.ledger import Dim, Kind
+from memcalc.model.ledger import BSH, Dim, Kind
 from memcalc.model.strategy import Strategy
 from memcalc.model.tp_plan import ATTENTION, MOE, SHARED, Pair, Rule, Style, TPPlan
 
 if TYPE_CHECKING:
     from memcalc.config.schema import ModelConfig
-
-_BSH = (Dim.B, Dim.S, Dim.H)
 
 
 class Op(Enum):
@@ -137,7 +135,7 @@ _LEAVES = ("f*", "g*")  # the operators at a pair's exit
 
 
 def _operator(block: str, end: str, sequence_parallel: bool, what: str,
-              shape: tuple[Dim, ...] = _BSH) -> list[Collective]:
+              shape: tuple[Dim, ...] = BSH) -> list[Collective]:
     """The collectives of the operator at one end of a pair (`_OPERATORS`), moving `what` of `shape`."""
     name, calls = _OPERATORS[end, sequence_parallel]
     return [Collective(f"{block}/{name}", name, op, phase, moves.format(what), shape, why)
@@ -221,10 +219,10 @@ def _dense(
 # gathered over t (gather_from_tensor_model_parallel_region) and the latent SP scatters back to sequence shards
 # (scatter_to_sequence_parallel_region; the keys' RoPE part stays whole).
 _LATENT_MODULES: dict[str, tuple[tuple[Dim, ...], ...]] = {
-    "self_attention.linear_q_down_proj": (_BSH, (Dim.B, Dim.S, Dim.QR), (Dim.B, Dim.S, Dim.QR)),
-    "self_attention.linear_kv_down_proj": (_BSH, (Dim.B, Dim.S, Dim.KVD), (Dim.B, Dim.S, Dim.KVR)),
+    "self_attention.linear_q_down_proj": (BSH, (Dim.B, Dim.S, Dim.QR), (Dim.B, Dim.S, Dim.QR)),
+    "self_attention.linear_kv_down_proj": (BSH, (Dim.B, Dim.S, Dim.KVD), (Dim.B, Dim.S, Dim.KVR)),
     "self_attention.linear_q_up_proj": ((Dim.B, Dim.S, Dim.QR),),
-    "self_attention.linear_q_proj": (_BSH,),
+    "self_attention.linear_q_proj": (BSH,),
     "self_attention.linear_kv_up_proj": ((Dim.B, Dim.S, Dim.KVR),),
 }
 
@@ -523,4 +521,4 @@ def formula(knobs: Any, strategy: Strategy, width: int, ep: int = 1) -> tuple[st
 
 def _symbols(shape: tuple[Dim, ...]) -> str:
     """A shape's symbols, the paper's sbh for (b, s, h)."""
-    return "sbh" if shape == _BSH else "".join(f"({d.value})" if "+" in d.value else d.value for d in shape)
+    return "sbh" if shape == BSH else "".join(f"({d.value})" if "+" in d.value else d.value for d in shape)

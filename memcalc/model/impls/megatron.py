@@ -17,27 +17,25 @@ from memcalc.model import ledger
 from memcalc.model.impls.base import Implementation, Refusal, SizeCondition, SizeRule, drop_small
 from memcalc.model.knobs import Accounting
 from memcalc.model.rules import divides
-from memcalc.model.ledger import Dim, Kind, Region, SavedTensor
+from memcalc.model.ledger import BASD, BASS, BSF, Dim, Kind, Region, SavedTensor
 from memcalc.model.tp_plan import ATTENTION, MLP, SHARED, Rule, Style, TPPlan, pair
 
-_BASD = (Dim.B, Dim.A, Dim.S, Dim.D)
-
 K_EXPANDED = SavedTensor(
-    "attention/k_expanded", "DotProductAttention: key.repeat_interleave(a/g) before QK^T", _BASD,
+    "attention/k_expanded", "DotProductAttention: key.repeat_interleave(a/g) before QK^T", BASD,
     Kind.ACTIVATION, Region.TENSOR, "QK^T reads K copied to every head of its group; dQ = dScores K needs the copy",
 )
 V_EXPANDED = SavedTensor(
-    "attention/v_expanded", "DotProductAttention: value.repeat_interleave(a/g) before weights x V", _BASD,
+    "attention/v_expanded", "DotProductAttention: value.repeat_interleave(a/g) before weights x V", BASD,
     Kind.ACTIVATION, Region.TENSOR, "weights x V reads V copied to every head; dWeights = dOut V^T needs the copy",
 )
 QKV_QUERY_COLUMNS = SavedTensor(
-    "attention/qkv_q_columns", "checkpointed core attention (keeps K, V as views of the fused QKV output)", _BASD,
+    "attention/qkv_q_columns", "checkpointed core attention (keeps K, V as views of the fused QKV output)", BASD,
     Kind.ACTIVATION, Region.TENSOR,
     "K and V are kept as views of the fused QKV output, which keeps its query columns alive beside the query copy",
 )
 QUERY_COPY = SavedTensor(
     "attention/q_copy", "QK^T under GQA: the query heads' copy (get_query_key_value_tensors' query.reshape with"
-    " several K/V groups per rank, else DotProductAttention's query.reshape(sq, b*np, hn))", _BASD,
+    " several K/V groups per rank, else DotProductAttention's query.reshape(sq, b*np, hn))", BASD,
     Kind.ACTIVATION, Region.TENSOR, "the gradient of K in QK^T is dScores^T Q: the query heads, folded into a copy",
 )
 QKV_OUT = SavedTensor(
@@ -46,7 +44,7 @@ QKV_OUT = SavedTensor(
     "the gradient of K in QK^T is dScores^T Q: Q is read from the fused output it views, kept whole",
 )
 SWIGLU_UP_COPY = SavedTensor(
-    "mlp/up_plus_offset", "MLP glu(): SiLU(gate) * (up + glu_linear_offset)", (Dim.B, Dim.S, Dim.F),
+    "mlp/up_plus_offset", "MLP glu(): SiLU(gate) * (up + glu_linear_offset)", BSF,
     Kind.ACTIVATION, Region.TENSOR, "`up + offset` is a new tensor (even for offset 0); the product's dSiLU needs it",
 )
 CAUSAL_MASK = SavedTensor(
@@ -58,7 +56,7 @@ CAUSAL_MASK = SavedTensor(
 
 SOFTMAX_FP32 = SavedTensor(
     "attention/softmax_fp32", "FusedScaleMaskSoftmax.forward_torch_softmax: softmax of the fp32 scores",
-    (Dim.B, Dim.A, Dim.S, Dim.S), Kind.FP32, Region.TENSOR,
+    BASS, Kind.FP32, Region.TENSOR,
     "without the fused kernel the softmax runs in fp32 (attention_softmax_in_fp32) and its backward reads that"
     " output",
 )

@@ -14,10 +14,9 @@ from memcalc.errors import ConfigError
 from memcalc.model import ledger
 from memcalc.model.impls.base import Implementation, Refusal, Rerun, SizeCondition, check_grouped_mm, drop_small
 from memcalc.model.knobs import Accounting
-from memcalc.model.ledger import Dim, Kind, Region, RMSNormTensors, SavedTensor
+from memcalc.model.ledger import BSH, Dim, Kind, Region, RMSNormTensors, SavedTensor
 from memcalc.model.tp_plan import ATTENTION, MLP, MOE, Rule, Style, TPPlan, pair
 
-_BSH = (Dim.B, Dim.S, Dim.H)
 _SEQ = Region.SEQUENCE
 _FUSED = "aten::_fused_rms_norm (CUDA kernel; read from torch's derivatives.yaml)"
 _COMPOSITE = "rms_norm_composite (CPU; torch's layer_norm.cpp)"
@@ -32,18 +31,18 @@ def _rmsnorm(prefix: str, before: str) -> RMSNormTensors:
     composite `input_fp32`, `rstd` and `normed_fp32`."""
     by = f"nn.RMSNorm before {before}: torch.rms_norm ->"
     return RMSNormTensors(
-        input=SavedTensor(f"{prefix}/input", f"{by} {_FUSED}", _BSH, Kind.ACTIVATION, _SEQ, ledger.WHY_NORM_INPUT),
+        input=SavedTensor(f"{prefix}/input", f"{by} {_FUSED}", BSH, Kind.ACTIVATION, _SEQ, ledger.WHY_NORM_INPUT),
         rstd=SavedTensor(
             f"{prefix}/rstd_fp32", f"{by} _fused_rms_norm's rstd (CUDA) or the composite's rsqrt (CPU)",
             (Dim.B, Dim.S), Kind.FP32, _SEQ, ledger.WHY_NORM_RSTD + ", in fp32 (opmath) for a bf16 input", paper=False,
         ),
         input_fp32=SavedTensor(
             f"{prefix}/input_fp32", f"{by} {_COMPOSITE}: input.to(float32) (in fp32 the input itself), kept by pow and"
-            " x * rstd", _BSH, Kind.FP32, _SEQ,
+            " x * rstd", BSH, Kind.FP32, _SEQ,
             "d(x * rstd) and d(mean(x^2)) need x; the composite keeps its fp32 upcast, not x",
         ),
         normed_fp32=SavedTensor(
-            f"{prefix}/normed_fp32", f"{by} {_COMPOSITE}: x * rstd, kept by the multiply with the weight", _BSH,
+            f"{prefix}/normed_fp32", f"{by} {_COMPOSITE}: x * rstd, kept by the multiply with the weight", BSH,
             Kind.FP32, _SEQ, "the weight's gradient is sum(dY * x * rstd): the fp32 normalised input",
         ),
     )
@@ -54,11 +53,11 @@ LN2 = _rmsnorm("ln2", "the feed-forward")
 FINAL_NORM = _rmsnorm("final_norm", "lm_head")  # the model's end (memcalc.sizing.timeline.torchtitan)
 
 QKV_IN = SavedTensor(
-    "attention/qkv_in", "FusedQKVLinear.wqkv (column-parallel) input, gathered at GQAttention's entry", _BSH,
+    "attention/qkv_in", "FusedQKVLinear.wqkv (column-parallel) input, gathered at GQAttention's entry", BSH,
     Kind.ACTIVATION, _SEQ, _WHY_GATHERED,
 )
 FC1_IN = SavedTensor(
-    "mlp/fc1_in", "FeedForward.w1 and .w3 (column-parallel): one input, gathered at FeedForward's entry", _BSH,
+    "mlp/fc1_in", "FeedForward.w1 and .w3 (column-parallel): one input, gathered at FeedForward's entry", BSH,
     Kind.ACTIVATION, _SEQ, _WHY_GATHERED + "; w1 and w3 share it",
 )
 QKV_OUT = SavedTensor(
@@ -67,7 +66,7 @@ QKV_OUT = SavedTensor(
     "op-level checkpointing keeps this GEMM's output so the recompute in backward need not redo it",
 )
 FC2_OUT = SavedTensor(
-    "mlp/fc2_out", "SelectiveAC: MUST_SAVE of the w2 matmul, before its reduce-scatter (or all-reduce)", _BSH,
+    "mlp/fc2_out", "SelectiveAC: MUST_SAVE of the w2 matmul, before its reduce-scatter (or all-reduce)", BSH,
     Kind.ACTIVATION, _SEQ,
     "op-level checkpointing keeps this GEMM's output: partial sums over the whole sequence on every rank",
 )
@@ -125,7 +124,7 @@ MOE_ROUTER_WEIGHT = SavedTensor(
     " and micro-batch", paper=False,
 )
 MOE_ROUTER_IN = SavedTensor(
-    "moe/router_in_fp32", f"{_ROUTER}: gate under autocast(float32), its input cast to fp32", _BSH, Kind.FP32,
+    "moe/router_in_fp32", f"{_ROUTER}: gate under autocast(float32), its input cast to fp32", BSH, Kind.FP32,
     _SEQ, "the gate's weight gradient dW = dLogits^T X reads its fp32 input",
 )
 MOE_ROUTER_SCORES = SavedTensor(
