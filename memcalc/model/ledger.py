@@ -249,6 +249,13 @@ _RE = (Dim.R, Dim.FE)
 _BSU = (Dim.B, Dim.S, Dim.U)
 WHY_EXPERT_TOKENS = "the tokens an expert receives depend on the router: r is the bound named in the output"
 
+
+def small_moe(name: str, saved_by: str, shape: tuple[Dim, ...], kind: Kind, why: str,
+              region: Region = Region.SEQUENCE) -> SavedTensor:
+    """One of a MoE layer's small tensors (`moe/<name>`: routing scores, maps, indices), which the paper leaves out."""
+    return SavedTensor(f"moe/{name}", saved_by, shape, kind, region, why, paper=False)
+
+
 MOE_IN = SavedTensor(
     "moe/input", "router (gating linear)", BSH, Kind.ACTIVATION, Region.SEQUENCE,
     "the router's weight gradient dW = X^T dLogits needs its input; experts gather their tokens from it by index",

@@ -17,7 +17,7 @@ from memcalc.model import ledger
 from memcalc.model.impls.base import Implementation, Refusal, SizeCondition, SizeRule, drop_small
 from memcalc.model.knobs import Accounting
 from memcalc.model.rules import divides
-from memcalc.model.ledger import BASD, BASS, BSF, Dim, Kind, Region, SavedTensor
+from memcalc.model.ledger import BASD, BASS, BSF, Dim, Kind, Region, SavedTensor, small_moe
 from memcalc.model.tp_plan import ATTENTION, MLP, SHARED, Rule, Style, TPPlan, pair
 
 K_EXPANDED = SavedTensor(
@@ -62,30 +62,22 @@ SOFTMAX_FP32 = SavedTensor(
 )
 
 _BSK, _BSE = (Dim.B, Dim.S, Dim.K), (Dim.B, Dim.S, Dim.E)
-
-
-def _small(name: str, saved_by: str, shape: tuple[Dim, ...], kind: Kind, why: str,
-           region: Region = Region.SEQUENCE) -> SavedTensor:
-    """One of MoELayer's small tensors (`moe/<name>`: routing scores, maps, indices), which the paper leaves out."""
-    return SavedTensor(f"moe/{name}", saved_by, shape, kind, region, why, paper=False)
-
-
-TOPK_PROBS = _small(
+TOPK_PROBS = small_moe(
     "topk_probs_fp32", "router: torch.softmax(top-k logits, dtype=float32)"
     " (moe_utils.topk_routing_with_score_function)", _BSK, Kind.FP32,
     "softmax backward needs its output: the k chosen experts' probabilities")
-ALL_PROBS = _small(
+ALL_PROBS = small_moe(
     "probs_fp32", "router: torch.softmax(logits, dtype=float32) before top-k (moe_router_pre_softmax)", _BSE, Kind.FP32,
     "softmax backward needs its output: every expert's probability, of which top-k keeps k")
-SIGMOID_SCORES = _small(
+SIGMOID_SCORES = small_moe(
     "sigmoid_scores_fp32", "router: torch.sigmoid(logits.float()) (score_function sigmoid)", _BSE, Kind.FP32,
     "sigmoid's derivative is read from its output: every expert's score")
-TOPK_SCORES = _small(
+TOPK_SCORES = small_moe(
     "topk_scores", "router: the k chosen sigmoid scores / (their sum + 1e-20), k > 1", _BSK, Kind.ACTIVATION,
     "the division's gradient for its divisor reads the dividend")
 TOPK_DENOMINATOR = replace(TOPK_SCORES, name="moe/topk_denominator", shape=(Dim.B, Dim.S),
                            why="the division's backward reads its divisor")
-BIASED_CHOICE_SCORES = _small(
+BIASED_CHOICE_SCORES = small_moe(
     "expert_bias_scores", "router: torch.gather(scores, 1, top-k of scores + expert_bias)"
     " (moe_router_enable_expert_bias)", _BSE, Kind.ACTIVATION, "gather's backward keeps its whole input (every"
     " expert's score, cast to the activation dtype), not only the k it picks")
@@ -102,44 +94,44 @@ AUX_SIGMOID_SCORES = SavedTensor(
 )
 AUX_SIGMOID_DENOMINATOR = replace(AUX_SIGMOID_SCORES, name="moe/aux_denominator", shape=(Dim.B, Dim.S),
                                   why="the division's backward reads its divisor", paper=False)
-AUX_TOKENS_PER_EXPERT = _small(
+AUX_TOKENS_PER_EXPERT = small_moe(
     "aux_tokens_per_expert", "switch_load_balancing_loss_func: sum(scores, dim=0) * tokens_per_expert", (Dim.E,),
     Kind.INT64, "the product's gradient for the summed scores is each expert's token count (routing_map.sum(0),"
     " all-reduced over the tensor-parallel group)", Region.REPLICATED)
-AUX_LOSS = _small(
+AUX_LOSS = small_moe(
     "aux_loss", "MoEAuxLossAutoScaler.forward: ctx.save_for_backward(aux_loss)", (), Kind.FP32, "attached to the"
     " routing probabilities, the loss (one fp32 number) is kept so that backward can start its gradient",
     Region.REPLICATED)
-AUX_LOSS_SIGMOID = _small(
+AUX_LOSS_SIGMOID = small_moe(
     "aux_loss_sigmoid", "MoEAuxLossAutoScaler.forward: ctx.save_for_backward(aux_loss), over sigmoid scores", (),
     Kind.ACTIVATION, "the loss over the activation-dtype sigmoid scores (one number in that dtype) is kept so that"
     " backward can start its gradient", Region.REPLICATED)
-CAPACITY_MASK = _small(
+CAPACITY_MASK = small_moe(
     "capacity_mask", "router: probs * kept map (apply_router_token_dropping)", _BSE, Kind.MASK,
     "the product's gradient for the probabilities is dY times the map of the slots within capacity")
-ROUTING_MAP = _small(
+ROUTING_MAP = small_moe(
     "routing_map", "permute: probs.T.masked_select(routing_map)", _BSE, Kind.MASK,
     "masked_select's backward scatters the gradient back through the same map")
-PROBS_T = _small(
+PROBS_T = small_moe(
     "probs_t", "permute: probs.T.contiguous().masked_select(routing_map)", _BSE, Kind.ACTIVATION,
     "masked_select's backward reads its input (every expert's routing weight, zero where not chosen, in the"
     " activation dtype) to build the gradient in its shape")
-PERMUTE_INDICES = _small(
+PERMUTE_INDICES = small_moe(
     "permute_indices", "permute: tokens.index_select(sorted_indices); unpermute's scatter_add_", (Dim.RS,), Kind.INT64,
     "both the permutation's and the combine's backward move gradients by these indices (one a token-expert slot the"
     " rank's tokens keep: kbs/t, fewer where a capacity drops)")
-PAD_PROBS_INDICES = _small(
+PAD_PROBS_INDICES = small_moe(
     "pad_probs_indices", "permute (drop and pad): probs.T.view(-1).index_select(0, expert * n + kept token)",
     (Dim.RS,), Kind.INT64, "index_select's backward scatters the gradient back by its indices")
-GATHERED_ROUTING_MAP = _small(
+GATHERED_ROUTING_MAP = small_moe(
     "allgather_map", "all-gather dispatcher: local probs.T.masked_select(local map)", _BSE, Kind.MASK,
     "masked_select's backward scatters the gradient back through the same map: the local experts' E/ep columns of"
     " the ep*b*s tokens gathered over tp*ep", Region.REPLICATED)
-GATHERED_PROBS_T = _small(
+GATHERED_PROBS_T = small_moe(
     "allgather_probs_t", "all-gather dispatcher: local probs.T.contiguous().masked_select(local map)", _BSE,
     Kind.ACTIVATION, "masked_select's backward reads its input: the local experts' routing weights for the ep*b*s"
     " gathered tokens, in the activation dtype", Region.REPLICATED)
-GATHERED_PERMUTE_INDICES = _small(
+GATHERED_PERMUTE_INDICES = small_moe(
     "allgather_indices", "all-gather dispatcher: gathered tokens.index_select(sorted_indices); unpermute's"
     " scatter_add_", (Dim.R,), Kind.INT64, "both the permutation's and the combine's backward move gradients by these"
     " indices, one a slot this rank's experts receive", Region.EXPERT)
@@ -149,8 +141,8 @@ EXPERT_ACT_OUT = SavedTensor(
     "moe/expert_act_out", "MLP.activation_func_with_probs: activation(fc1) * probs", (Dim.R, Dim.FE),
     Kind.ACTIVATION, Region.EXPERT, "the gradient of the routing probability is sum(dY * activation)",
 )
-EXPERT_PROBS = _small("expert_probs", "MLP.activation_func_with_probs: activation(fc1) * probs", (Dim.R,),
-                      Kind.ACTIVATION, "the gradient of the activation in the product is dY * probs", Region.EXPERT)
+EXPERT_PROBS = small_moe("expert_probs", "MLP.activation_func_with_probs: activation(fc1) * probs", (Dim.R,),
+                         Kind.ACTIVATION, "the gradient of the activation in the product is dY * probs", Region.EXPERT)
 
 _ROPE = "MLASelfAttention: apply_rotary_pos_emb"
 _WHY_ROPE = ("RoPE's x * cos + rotate_half(x) * sin has gradient dY * cos + rotate_half^T(dY * sin): it keeps the"
