@@ -260,10 +260,9 @@ MOE_IN = SavedTensor(
     "moe/input", "router (gating linear)", BSH, Kind.ACTIVATION, Region.SEQUENCE,
     "the router's weight gradient dW = X^T dLogits needs its input; experts gather their tokens from it by index",
 )
-ROUTER_TOPK_INDICES = SavedTensor(
-    "moe/topk_indices", "router top-k", (Dim.B, Dim.S, Dim.K), Kind.INT64, Region.SEQUENCE,
-    "the gradient of the top-k values is scattered back to the experts each token chose", paper=False,
-)
+ROUTER_TOPK_INDICES = small_moe(
+    "topk_indices", "router top-k", (Dim.B, Dim.S, Dim.K), Kind.INT64,
+    "the gradient of the top-k values is scattered back to the experts each token chose")
 EXPERT_IN = SavedTensor(
     "moe/expert_in", "each expert's fc1", _RH, Kind.ACTIVATION, Region.EXPERT,
     "each expert's dW = X^T dY needs the tokens it received; " + WHY_EXPERT_TOKENS,

@@ -356,7 +356,7 @@ _BOTH = "MixtralExperts (eager loop and grouped_mm)"
 
 def _per_slot(name: str, saved_by: str, kind: Kind, why: str) -> SavedTensor:
     """One small value for each of the r routed (token, expert) slots, on the experts' ranks."""
-    return SavedTensor(f"moe/{name}", saved_by, (Dim.R,), kind, Region.EXPERT, why, paper=False)
+    return ledger.small_moe(name, saved_by, (Dim.R,), kind, why, Region.EXPERT)
 
 
 ROUTER_PROBS = SavedTensor(
@@ -364,10 +364,10 @@ ROUTER_PROBS = SavedTensor(
     "softmax backward needs its output; top-k reads the probabilities of the chosen experts from it")
 _DEEPSEEK = "DeepseekV3TopkRouter"
 _NORM_TOPK = f"{_MIXTRAL} (and {_DEEPSEEK}, norm_topk_prob): top-k values /= their sum"
-TOPK_SUM = SavedTensor("moe/topk_sum_fp32", _NORM_TOPK, (Dim.B, Dim.S), Kind.FP32, _SEQ,
-                       "the in-place division's backward reads its divisor", paper=False)
-TOPK_WEIGHTS = SavedTensor("moe/topk_weights_fp32", _NORM_TOPK, (Dim.B, Dim.S, Dim.K), Kind.FP32, _SEQ,
-                           "the division's gradient for the divisor reads the normalised weights", paper=False)
+TOPK_SUM = ledger.small_moe("topk_sum_fp32", _NORM_TOPK, (Dim.B, Dim.S), Kind.FP32,
+                            "the in-place division's backward reads its divisor")
+TOPK_WEIGHTS = ledger.small_moe("topk_weights_fp32", _NORM_TOPK, (Dim.B, Dim.S, Dim.K), Kind.FP32,
+                                "the division's gradient for the divisor reads the normalised weights")
 # DeepseekV3TopkRouter (DeepSeek-V3's noaux_tc): fp32 logits from an fp32 copy of the input (its weight is kept fp32,
 # _keep_in_fp32_modules_strict), each expert's sigmoid; the e_score_correction_bias picks the experts among the
 # topk_group best of n_group groups, and the chosen scores are gathered, renormalised and scaled. The group choice's
@@ -402,16 +402,15 @@ SORTED_SLOTS = _per_slot("sorted_slots", f"{_GROUPED}: torch.sort(expert_ids)'s 
 UNSORTED_SLOTS = _per_slot("unsorted_slots", f"{_GROUPED}: inv_perm, the permutation's inverse, kept by"
                            " weighted_out[inv_perm]", Kind.INT64,
                            "indexing's backward puts each slot's gradient back in expert order")
-EXPERT_OFFSETS = SavedTensor(
-    "moe/expert_offsets", f"{_GROUPED}: cumsum of histc's slots per expert, int32, kept by both torch._grouped_mm",
-    (Dim.E,), Kind.INT32, Region.REPLICATED, "a grouped matmul's backward cuts dY at the same expert boundaries",
-    paper=False)
+EXPERT_OFFSETS = ledger.small_moe(
+    "expert_offsets", f"{_GROUPED}: cumsum of histc's slots per expert, int32, kept by both torch._grouped_mm",
+    (Dim.E,), Kind.INT32, "a grouped matmul's backward cuts dY at the same expert boundaries", Region.REPLICATED)
 COMBINE_IN = SavedTensor(
     "moe/combine_in", f"{_EXPERTS}: final_hidden_states.index_add_(token_idx, weighted output)", (Dim.R, Dim.H),
     Kind.ACTIVATION, Region.EXPERT, "index_add_'s derivative keeps its source (expand_as(source))")
-SHARED_GATE_SIGMOID = SavedTensor(
-    "moe/shared_gate_sigmoid", "Qwen2MoeSparseMoeBlock: sigmoid(shared_expert_gate(x))", (Dim.B, Dim.S),
-    Kind.ACTIVATION, _SEQ, "sigmoid's derivative and the product's gradient read the gate's value", paper=False)
+SHARED_GATE_SIGMOID = ledger.small_moe(
+    "shared_gate_sigmoid", "Qwen2MoeSparseMoeBlock: sigmoid(shared_expert_gate(x))", (Dim.B, Dim.S),
+    Kind.ACTIVATION, "sigmoid's derivative and the product's gradient read the gate's value")
 SHARED_OUT = SavedTensor(
     "moe/shared_out", "Qwen2MoeSparseMoeBlock: sigmoid(gate) * shared_expert(x)", BSH, Kind.ACTIVATION, _SEQ,
     "the gate's gradient is sum(dY * shared expert output)")
@@ -433,9 +432,9 @@ SINK_SOFTMAX = SavedTensor(
     "attention/sink_softmax", f"{_OAI} eager_attention_forward: softmax over the scores and the sink column, in the"
     " activation dtype; matmul(weights, v) keeps probs[..., :-1], a view of it", (Dim.B, Dim.A, Dim.S, Dim.S1),
     Kind.ACTIVATION, _TEN, "softmax backward needs its output; the gradient of V reads the same storage")
-ROUTER_TOPK_SOFTMAX = SavedTensor(
-    "moe/router_topk_softmax", f"{_OAI} GptOssTopKRouter: softmax(router_top_value), in the activation dtype",
-    (Dim.B, Dim.S, Dim.K), Kind.ACTIVATION, _SEQ, "softmax backward needs its output", paper=False)
+ROUTER_TOPK_SOFTMAX = ledger.small_moe(
+    "router_topk_softmax", f"{_OAI} GptOssTopKRouter: softmax(router_top_value), in the activation dtype",
+    (Dim.B, Dim.S, Dim.K), Kind.ACTIVATION, "softmax backward needs its output")
 SORTED_EXPERT_IDS = _per_slot("sorted_expert_ids", f"{_OAI} experts (grouped_mm): torch.sort's expert ids, kept by"
                               " gate_up_proj_bias[ids] and down_proj_bias[ids]", Kind.INT64,
                               "indexing's backward scatters each slot's bias gradient back to its expert")
