@@ -265,7 +265,7 @@ def check_moe(knobs: Any) -> None:
         if refused(knobs):
             raise ConfigError(f"impl torchtitan with experts: {reason}")
     c = knobs  # a config: its layout too (a knob set alone has no ep)
-    if getattr(c, "ep", 1) > 1 and (c.ep != c.t or c.dp_shard is not None or c.s % c.t):
+    if _ep(c) > 1 and (c.ep != c.t or c.dp_shard is not None or c.s % c.t):
         raise ConfigError(f"impl torchtitan with experts: ep={c.ep} is measured as ep = t over the TP ranks, without"
                           f" dp_shard, t dividing s (its MoE splits the sequence over them), not at t={c.t},"
                           f" dp_shard={c.dp_shard}, s={c.s}; use ep 1 (or ep = t under tp or tp-sp)")
