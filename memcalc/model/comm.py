@@ -159,7 +159,8 @@ def layer_collectives(
     if not strategy.tensor_parallel and not (knobs.moe and ep > 1):
         return ()
     plan(knobs, strategy)  # refuses a layout the implementation does not run
-    tp_plan, sp = implementation(knobs).tp_plan(knobs), strategy.sequence_parallel
+    impl = implementation(knobs)
+    tp_plan, sp = impl.tp_plan(knobs), strategy.sequence_parallel
     routes_shards = knobs.moe and ep > 1 and not any(r.style is Style.EXPERTS for r in tp_plan.rules)
     if routes_shards and not sp:
         raise ConfigError(f"impl {knobs.impl}: ep={ep} under {strategy.name}: its MoE slices the replicated input"
@@ -173,11 +174,10 @@ def layer_collectives(
               _routed_shards(knobs, tp_plan) if routes_shards and p == MOE else
               _dense(p, tp_plan.ends(p), sp, overlap, t, splits) for p in pairs]
     if any(r.style is Style.EXPERTS for r in tp_plan.rules):
-        blocks.append(_summed_experts(knobs, ep) if implementation(knobs).name == "hf" else
-                      _experts(knobs, strategy, ep, shared))
+        blocks.append(_summed_experts(knobs, ep) if impl.name == "hf" else _experts(knobs, strategy, ep, shared))
     forward = [c for block, _ in blocks for c in block]
     backward = [c for _, block in reversed(blocks) for c in block]  # each block from its output
-    rerun = implementation(knobs).rerun
+    rerun = impl.rerun
     if knobs.recompute in rerun.regions and blocks:
         output = [c for c in blocks[-1][0] if c.operator in _LEAVES]  # the last pair's exit
         # the rerun starts as the first node that keeps a saved tensor runs: after the output's gradient crossed the
