@@ -35,12 +35,9 @@ def render() -> str:
         filled(
             "comm.md",
             collectives=_collectives(),
-            experts_doc=block_docs()["experts"],
-            summed_experts_doc=block_docs()["summed_experts"],
-            routed_shards_doc=block_docs()["routed_shards"],
             experts=_experts(),
-            latent_doc=block_docs()["latent"],
             latent=_latent(),
+            **{f"{block}_doc": doc for block, doc in block_docs().items()},  # experts_doc, latent_doc, ...
             overlap_doc=(overlap.__doc__ or "").split("\n\n", 1)[1].strip(),
             methods="\n".join(f"| `{m.name}` | `{m.flag}` | {m.kind} | {m.what} |" for m in overlap.METHODS.values()),
             default=", ".join(f"`{m}`" for m in overlap.DEFAULT),

@@ -98,7 +98,11 @@ def render() -> str:
         regions="\n".join(f"- **{r.value}** region: {REGION_PROSE[r]}." for r in Region),
         strategies="\n".join(f"| `{s.name}` | {s.title} | {_splits(s)} |" for s in STRATEGIES.values()),
         tensors=_tensors(),
-        formulas="\n\n".join([_default_formulas(), *map(_variant, VARIANTS)]),
+        formulas="\n\n".join([formula_section(
+            "## Formulas of the default layer",
+            "Bytes per GPU for one layer: the seed's model (GELU MLP of width 4h, multi-head eager attention,"
+            " LayerNorm, dropout, no recomputation, 16-bit activations), the paper's accounting.",
+            Knobs(), Accounting()), *map(_variant, VARIANTS)]),
     )
     return "\n".join([
         "# The memcalc model",
@@ -157,21 +161,12 @@ def _when(x: SavedTensor) -> str:
     return status
 
 
-def _default_formulas() -> str:
-    return formula_section(
-        "## Formulas of the default layer",
-        "Bytes per GPU for one layer: the seed's model (GELU MLP of width 4h, multi-head eager attention,"
-        " LayerNorm, dropout, no recomputation, 16-bit activations), the paper's accounting.",
-        Knobs(), Accounting(),
-    )
-
-
 def formula_section(
     title: str, intro: str, knobs: Knobs, accounting: Accounting, names: tuple[str, ...] = tuple(STRATEGIES),
 ) -> str:
     """Each named strategy's per-layer formula, then each tensor's term as a table and in LaTeX."""
-    formulas = [F.layer_formula(STRATEGIES[n], knobs, accounting) for n in names]
-    rows = list(terms_by_tensor(knobs, accounting, names).items())
+    formulas = _formulas(knobs, accounting, names)
+    rows = list(terms_by_tensor(formulas).items())
     return "\n".join([title, "", intro, "", totals(formulas), "", "Each tensor's term:", "", terms_table(rows, names),
                       "", terms_latex(rows, names)])
 
@@ -184,8 +179,8 @@ def _variant(v: Variant) -> str:
     refused = [r for n in impl.strategies if (r := impl.refusal(v.knobs, n)) is not None]
     left_out = [f"`{r.strategy}` is left out: `--impl {impl.name}` does not run it {r.condition}: {r.reason}"
                 f" ([impl-{impl.name}.md](impl-{impl.name}.md))." for r in refused]
-    formulas = [F.layer_formula(STRATEGIES[n], v.knobs, v.accounting) for n in names]
-    old, new = terms_by_tensor(Knobs(), Accounting(), names), terms_by_tensor(v.knobs, v.accounting, names)
+    formulas = _formulas(v.knobs, v.accounting, names)
+    old, new = terms_by_tensor(_formulas(Knobs(), Accounting(), names)), terms_by_tensor(formulas)
     added_or_changed = [(x, exprs) for x, exprs in new.items() if old.get(x) != exprs]
     removed = [(x, exprs) for x, exprs in old.items() if x not in new]
     parts = [f"## Variant `{v.flags}`", "", v.meaning, "", *(x for line in left_out for x in (line, "")),
@@ -198,9 +193,13 @@ def _variant(v: Variant) -> str:
     return "\n".join(parts)
 
 
-def terms_by_tensor(knobs: Knobs, accounting: Accounting, names: tuple[str, ...]) -> dict[SavedTensor, list]:
-    """Each tensor's term under every strategy named, in the ledger's order."""
-    formulas = [F.layer_formula(STRATEGIES[n], knobs, accounting) for n in names]
+def _formulas(knobs: Knobs, accounting: Accounting, names: tuple[str, ...]) -> list[F.LayerFormula]:
+    """Each named strategy's per-layer formula."""
+    return [F.layer_formula(STRATEGIES[n], knobs, accounting) for n in names]
+
+
+def terms_by_tensor(formulas: list[F.LayerFormula]) -> dict[SavedTensor, list]:
+    """Each tensor's term under each of `formulas`' strategies, in the ledger's order."""
     return {terms[0][0]: [e for _, e in terms] for terms in zip(*(lf.terms for lf in formulas))}
 
 

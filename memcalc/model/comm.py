@@ -45,14 +45,12 @@ from memcalc.model.evaluate import check_strategy, dim_sizes
 from memcalc.model.impls import implementation, plan
 from memcalc.model.impls.hf import routing_weights_kind
 from memcalc.model.knobs import DTYPE_BYTES, FIXED_BYTES, Knobs
-from memcalc.model.ledger import Dim, Kind
+from memcalc.model.ledger import BSH, Dim, Kind
 from memcalc.model.strategy import Strategy
 from memcalc.model.tp_plan import ATTENTION, MOE, SHARED, Pair, Rule, Style, TPPlan
 
 if TYPE_CHECKING:
     from memcalc.config.schema import ModelConfig
-
-_BSH = (Dim.B, Dim.S, Dim.H)
 
 
 class Op(Enum):
@@ -137,11 +135,13 @@ _LEAVES = ("f*", "g*")  # the operators at a pair's exit
 
 
 def _operator(block: str, end: str, sequence_parallel: bool, what: str,
-              shape: tuple[Dim, ...] = _BSH) -> list[Collective]:
-    """The collectives of the operator at one end of a pair (`_OPERATORS`), moving `what` of `shape`."""
+              shape: tuple[Dim, ...] = BSH) -> tuple[list[Collective], list[Collective]]:
+    """The collectives of the operator at one end of a pair (`_OPERATORS`), moving `what` of `shape`: (forward,
+    backward)."""
     name, calls = _OPERATORS[end, sequence_parallel]
-    return [Collective(f"{block}/{name}", name, op, phase, moves.format(what), shape, why)
+    made = [Collective(f"{block}/{name}", name, op, phase, moves.format(what), shape, why)
             for op, phase, moves, why in calls]
+    return [c for c in made if c.phase == "forward"], [c for c in made if c.phase == "backward"]
 
 
 def layer_collectives(
@@ -159,7 +159,8 @@ def layer_collectives(
     if not strategy.tensor_parallel and not (knobs.moe and ep > 1):
         return ()
     plan(knobs, strategy)  # refuses a layout the implementation does not run
-    tp_plan, sp = implementation(knobs).tp_plan(knobs), strategy.sequence_parallel
+    impl = implementation(knobs)
+    tp_plan, sp = impl.tp_plan(knobs), strategy.sequence_parallel
     routes_shards = knobs.moe and ep > 1 and not any(r.style is Style.EXPERTS for r in tp_plan.rules)
     if routes_shards and not sp:
         raise ConfigError(f"impl {knobs.impl}: ep={ep} under {strategy.name}: its MoE slices the replicated input"
@@ -173,11 +174,10 @@ def layer_collectives(
               _routed_shards(knobs, tp_plan) if routes_shards and p == MOE else
               _dense(p, tp_plan.ends(p), sp, overlap, t, splits) for p in pairs]
     if any(r.style is Style.EXPERTS for r in tp_plan.rules):
-        blocks.append(_summed_experts(knobs, ep) if implementation(knobs).name == "hf" else
-                      _experts(knobs, strategy, ep, shared))
+        blocks.append(_summed_experts(knobs, ep) if impl.name == "hf" else _experts(knobs, strategy, ep, shared))
     forward = [c for block, _ in blocks for c in block]
     backward = [c for _, block in reversed(blocks) for c in block]  # each block from its output
-    rerun = implementation(knobs).rerun
+    rerun = impl.rerun
     if knobs.recompute in rerun.regions and blocks:
         output = [c for c in blocks[-1][0] if c.operator in _LEAVES]  # the last pair's exit
         # the rerun starts as the first node that keeps a saved tensor runs: after the output's gradient crossed the
@@ -203,17 +203,16 @@ def _dense(
     style = entering[0].style
     # several rowwise modules (a MoE's experts and shared experts): under tp their partial sums are added before one
     # f*, under SP each is reduce-scattered on its own
-    enter, leave = _operator(p.name, "enter", sp, p.entering), _operator(p.name, "leave", sp, p.leaving)
-    leave = leave * len(leaving) if sp else leave
+    enter, entered = _operator(p.name, "enter", sp, p.entering)
+    leave, left = (x * (len(leaving) if sp else 1) for x in _operator(p.name, "leave", sp, p.leaving))
     gathered = [_gather(p, r, "forward") for r in entering if r.style is Style.COLWISE_GATHER_OUTPUT]
     split = [_gather(p, r, "backward") for r in leaving if r.style is Style.ROWWISE_SPLIT_INPUT]
-    forward = [*(c for c in enter if c.phase == "forward"), *gathered, *(c for c in leave if c.phase == "forward")]
-    regather = _operator(p.name, "regather", sp, p.entering) if sp and style is Style.COLWISE else []
-    entered = [c for c in enter if c.phase == "backward"]
+    forward = [*enter, *gathered, *leave]
+    regather = _operator(p.name, "regather", sp, p.entering)[1] if sp and style is Style.COLWISE else []
     if style is not Style.COLWISE_KEEPS_INPUT:  # each module's own, in reverse: a colwise input's f, a norm's weight
         entered = [c for r in reversed(entering) for c in
                    ([_weight_gradient(p, r)] if r.style is Style.REPLICATED_GRAD_ALLREDUCE else entered)]
-    backward = [*(c for c in leave if c.phase == "backward"), *split, *regather, *entered]
+    backward = [*left, *split, *regather, *entered]
     return [piece for c in forward for piece in _pieces(c, overlap, t, splits)], backward
 
 
@@ -221,10 +220,10 @@ def _dense(
 # gathered over t (gather_from_tensor_model_parallel_region) and the latent SP scatters back to sequence shards
 # (scatter_to_sequence_parallel_region; the keys' RoPE part stays whole).
 _LATENT_MODULES: dict[str, tuple[tuple[Dim, ...], ...]] = {
-    "self_attention.linear_q_down_proj": (_BSH, (Dim.B, Dim.S, Dim.QR), (Dim.B, Dim.S, Dim.QR)),
-    "self_attention.linear_kv_down_proj": (_BSH, (Dim.B, Dim.S, Dim.KVD), (Dim.B, Dim.S, Dim.KVR)),
+    "self_attention.linear_q_down_proj": (BSH, (Dim.B, Dim.S, Dim.QR), (Dim.B, Dim.S, Dim.QR)),
+    "self_attention.linear_kv_down_proj": (BSH, (Dim.B, Dim.S, Dim.KVD), (Dim.B, Dim.S, Dim.KVR)),
     "self_attention.linear_q_up_proj": ((Dim.B, Dim.S, Dim.QR),),
-    "self_attention.linear_q_proj": (_BSH,),
+    "self_attention.linear_q_proj": (BSH,),
     "self_attention.linear_kv_up_proj": ((Dim.B, Dim.S, Dim.KVR),),
 }
 
@@ -242,10 +241,10 @@ def _latent(tp_plan: TPPlan, sp: bool) -> tuple[list[Collective], list[Collectiv
     for module in (*downs, *ups):
         reads, *gathered = _LATENT_MODULES[module]
         name = module.rsplit(".", 1)[-1]
-        enter = _operator(f"attention/{name}", "enter", sp, f"{name}'s input", reads)
-        regather = _operator(f"attention/{name}", "regather", sp, f"{name}'s input", reads) if sp else []
-        forward += [c for c in enter if c.phase == "forward"]
-        entered = [*regather, *(c for c in enter if c.phase == "backward")]
+        enter, entered = _operator(f"attention/{name}", "enter", sp, f"{name}'s input", reads)
+        regather = _operator(f"attention/{name}", "regather", sp, f"{name}'s input", reads)[1] if sp else []
+        forward += enter
+        entered = [*regather, *entered]
         if gathered:
             output, latent = gathered
             forward.append(Collective(f"attention/{name}/gather", "gather", Op.ALL_GATHER, "forward", f"{name}'s output",
@@ -256,9 +255,8 @@ def _latent(tp_plan: TPPlan, sp: bool) -> tuple[list[Collective], list[Collectiv
                                      " back to sequence shards: backward gathers its gradient")] if sp else []),
                        *entered]
         backward = entered + backward
-    leave = _operator(ATTENTION.name, "leave", sp, ATTENTION.leaving)
-    return [*forward, *(c for c in leave if c.phase == "forward")], [*(c for c in leave if c.phase == "backward"),
-                                                                     *backward]
+    leave, left = _operator(ATTENTION.name, "leave", sp, ATTENTION.leaving)
+    return [*forward, *leave], [*left, *backward]
 
 
 def _weight_gradient(p: Pair, r: Rule) -> Collective:
@@ -332,7 +330,7 @@ def _routed_shards(knobs: Any, tp_plan: TPPlan) -> tuple[list[Collective], list[
     routed = [counts, *(c for c in _all_to_alls(bound) if c.shape == _R_H)]  # the tokens, not the probabilities
     shared = [c for r in tp_plan.ends(MOE)[1] if r.module.startswith("moe.shared_experts")
               for end, moves in (("enter", SHARED.entering), ("leave", SHARED.leaving))
-              for c in _operator(SHARED.name, end, True, moves)]
+              for half in _operator(SHARED.name, end, True, moves) for c in half]
     backward = [b for b in map(_conjugate, reversed(routed)) if b is not None]
     return [*routed, *(c for c in shared if c.phase == "forward")], \
         [*(c for c in reversed(shared) if c.phase == "backward"), *backward]
@@ -347,11 +345,11 @@ def _summed_experts(knobs: Any, ep: int) -> tuple[list[Collective], list[Collect
     if ep > 1:
         raise ConfigError(f"impl {knobs.impl}: ep={ep}: transformers' expert-parallel plan (ep_dispatch_experts) is"
                           " not modelled")
-    leave = _operator(MOE.name, "leave", False, MOE.leaving)
+    leave, _ = _operator(MOE.name, "leave", False, MOE.leaving)
     weights = Collective(f"{MOE.name}/f", "f", Op.ALL_REDUCE, "backward", "the gradient of the top-k routing weights",
                          (Dim.B, Dim.S, Dim.K), "each rank's experts computed it from their own columns: the partial"
                          " sums are added", kind=routing_weights_kind(knobs))
-    return leave, [weights, *_operator(MOE.name, "enter", False, MOE.entering)]
+    return leave, [weights, *_operator(MOE.name, "enter", False, MOE.entering)[1]]
 
 
 def block_docs() -> dict[str, str]:
@@ -523,4 +521,4 @@ def formula(knobs: Any, strategy: Strategy, width: int, ep: int = 1) -> tuple[st
 
 def _symbols(shape: tuple[Dim, ...]) -> str:
     """A shape's symbols, the paper's sbh for (b, s, h)."""
-    return "sbh" if shape == _BSH else "".join(f"({d.value})" if "+" in d.value else d.value for d in shape)
+    return "sbh" if shape == BSH else "".join(f"({d.value})" if "+" in d.value else d.value for d in shape)

@@ -8,6 +8,7 @@ config: the config.json reader (`memcalc.config.hf`), the hf ledger and the prob
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable
 
 from memcalc.errors import ConfigError
@@ -280,9 +281,7 @@ def _aux_loss(values: list[Any]) -> bool:
 
 def _pre_softmax(norm_topk_prob: Any) -> bool:
     """norm_topk_prob false: the top-k probabilities are used as the softmax over all experts gave them."""
-    if not isinstance(norm_topk_prob, bool):
-        raise ConfigError(f"norm_topk_prob must be true or false, got {short_repr(norm_topk_prob)}")
-    return not norm_topk_prob
+    return not _flag("norm_topk_prob", norm_topk_prob)
 
 
 # Every MoE family's experts run by transformers' use_experts_implementation; absent: memcalc's default, grouped_mm.
@@ -378,7 +377,7 @@ _GPT_NEOX = (
     Row("dropout", ("attention_dropout", "hidden_dropout"), default=0.0, combine=_largest_dropout),
     _tied(False),
     Row("add_bias_linear", ("attention_bias",), default=True),
-    Row("parallel_residual", ("use_parallel_residual",), lambda v: _flag("use_parallel_residual", v), default=True),
+    Row("parallel_residual", ("use_parallel_residual",), partial(_flag, "use_parallel_residual"), default=True),
     Row("rotary_percent", ("rope_parameters", "rotary_pct"), default=0.25, combine=_rotary_fraction),
 )
 
@@ -396,7 +395,7 @@ _STARCODER2 = (
     Row("dropout", ("attention_dropout", "residual_dropout", "embedding_dropout"), default=0.0,
         combine=_largest_dropout),
     _tied(True),
-    Row("add_bias_linear", ("use_bias",), lambda v: _flag("use_bias", v), default=True),
+    Row("add_bias_linear", ("use_bias",), partial(_flag, "use_bias"), default=True),
     _window(None),
 )
 
@@ -454,7 +453,7 @@ _PHI3 = (
 _OLMO2 = (
     *_like(_LLAMA, _norm_row("rms_norm_eps", "rmsnorm_fp32w"), drop=("add_bias_linear",)),
     _head_dim_row(),
-    _kept_nothing("attention_bias", lambda v: _flag("attention_bias", v), "q, k, v and o biases keep nothing"),
+    _kept_nothing("attention_bias", partial(_flag, "attention_bias"), "q, k, v and o biases keep nothing"),
 )
 
 
@@ -474,10 +473,9 @@ def _partial_rotary(default: float) -> Callable[[Any], float]:
 # Glm4Config: the same layer with sandwich norms (post_self_attn_layernorm and post_mlp_layernorm).
 _GLM = (
     *_like(_LLAMA, drop=("add_bias_linear",)), _head_dim_row(128),
-    Row("add_qkv_bias", ("attention_bias",), lambda v: _flag("attention_bias", v), default=True),
+    Row("add_qkv_bias", ("attention_bias",), partial(_flag, "attention_bias"), default=True),
     Row("rotary_percent", ("rope_parameters",), _partial_rotary(0.5), default=0.5),
 )
-
 
 
 def _refused_if(name: str, refused: Any, what: str) -> Callable[[Any], Any]:
@@ -533,7 +531,7 @@ _FALCON = (
     Row("s", ("max_position_embeddings",), default=None),
     Row("dropout", ("hidden_dropout",), default=0.0, combine=_largest_dropout),
     _tied(True),
-    Row("add_bias_linear", ("bias",), lambda v: _flag("bias", v), default=False),
+    Row("add_bias_linear", ("bias",), partial(_flag, "bias"), default=False),
     Row("num_query_groups", ("new_decoder_architecture", "multi_query", "num_kv_heads", "num_attention_heads"),
         default=None, combine=_falcon_groups),
     Row("parallel_residual", ("parallel_attn",),
@@ -542,12 +540,11 @@ _FALCON = (
     _kept_nothing("alibi", _refused_if("alibi", True, "ALiBi: FalconAttention adds its bias to fp32 scores and"
                                        " drops the probabilities out, which memcalc has not measured"),
                   "RoPE, no ALiBi"),
-    Row("fused_qkv", ("new_decoder_architecture",), lambda v: _flag("new_decoder_architecture", v), default=False),
+    Row("fused_qkv", ("new_decoder_architecture",), partial(_flag, "new_decoder_architecture"), default=False),
     Row("single_norm", ("new_decoder_architecture", "num_ln_in_parallel_attn"), default=None,
         combine=_falcon_single_norm),
     _kept_nothing("attention_dropout", lambda v: v, "without ALiBi no dropout on the attention"),
 )
-
 
 
 def _bloom_dropout(values: list[Any]) -> float:
@@ -569,7 +566,7 @@ _BLOOM = (
     Row("dropout", ("attention_dropout", "hidden_dropout"), default=0.0, combine=_bloom_dropout),
     _tied(True),
     _kept_nothing("apply_residual_connection_post_layernorm",
-                  lambda v: _flag("apply_residual_connection_post_layernorm", v), "which tensor the residual adds"),
+                  partial(_flag, "apply_residual_connection_post_layernorm"), "which tensor the residual adds"),
     _kept_nothing("slow_but_exact", _refused_if("slow_but_exact", True, "BLOOM's sliced dense layers under"
                                                 " pretraining_tp, which memcalc has not measured"), "no slicing"),
 )
@@ -588,8 +585,8 @@ def _logit_scale(value: Any) -> Any:
 _COHERE = (
     *_like(_LLAMA, _norm_row("layer_norm_eps", "layernorm_nb"), _tied(True), drop=("add_bias_linear",)),
     _head_dim_row(),
-    Row("qk_layernorm", ("use_qk_norm",), lambda v: _flag("use_qk_norm", v), default=False),
-    _kept_nothing("attention_bias", lambda v: _flag("attention_bias", v), "q, k, v and o biases keep nothing"),
+    Row("qk_layernorm", ("use_qk_norm",), partial(_flag, "use_qk_norm"), default=False),
+    _kept_nothing("attention_bias", partial(_flag, "attention_bias"), "q, k, v and o biases keep nothing"),
     _kept_nothing("logit_scale", _logit_scale, "outside the decoder layers: the logits times a number keep nothing"),
 )
 
@@ -623,7 +620,7 @@ _GPT_OSS = (
     Row("s", ("max_position_embeddings",), default=None),
     Row("dropout", ("attention_dropout",), default=0.0),
     _tied(False),
-    Row("add_bias_linear", ("attention_bias",), lambda v: _flag("attention_bias", v), default=True),
+    Row("add_bias_linear", ("attention_bias",), partial(_flag, "attention_bias"), default=True),
     _window(128),
     _LAYER_TYPES, _EXPERTS_IMPLEMENTATION, _AUX_LOSS,
     _kept_nothing("swiglu_limit", _positive_number("swiglu_limit"), "the GLU's clamp bound: the same tensors"),

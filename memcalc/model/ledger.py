@@ -153,12 +153,14 @@ def _norm(prefix: str, before: str, width: Dim = Dim.H) -> NormTensors:
     return _norm_tensors(stem, f"norm before {before}", (Dim.B, Dim.S), width, Region.SEQUENCE)
 
 
-_BSH = (Dim.B, Dim.S, Dim.H)
-_BSF = (Dim.B, Dim.S, Dim.F)
-_BASS = (Dim.B, Dim.A, Dim.S, Dim.S)
+# Shapes many tensors share, here and in each implementation's module.
+BSH = (Dim.B, Dim.S, Dim.H)
+BSF = (Dim.B, Dim.S, Dim.F)
+BASS = (Dim.B, Dim.A, Dim.S, Dim.S)
+BASD = (Dim.B, Dim.A, Dim.S, Dim.D)
 
 LAYER_INPUT = SavedTensor(
-    "layer/input", "full-layer checkpoint", _BSH, Kind.ACTIVATION, Region.SEQUENCE,
+    "layer/input", "full-layer checkpoint", BSH, Kind.ACTIVATION, Region.SEQUENCE,
     "full recomputation keeps only the layer's input and reruns its forward in backward",
 )
 
@@ -174,10 +176,10 @@ def _head_norm(which: str, heads: Dim) -> NormTensors:
 
 
 QKV_IN = SavedTensor(
-    "attention/qkv_in", "QKV linear (column-parallel)", _BSH, Kind.ACTIVATION, Region.SEQUENCE, WHY_GATHERED_INPUT,
+    "attention/qkv_in", "QKV linear (column-parallel)", BSH, Kind.ACTIVATION, Region.SEQUENCE, WHY_GATHERED_INPUT,
 )
 Q = SavedTensor(
-    "attention/q", "core attention (QK^T or flash kernel)", (Dim.B, Dim.A, Dim.S, Dim.D),
+    "attention/q", "core attention (QK^T or flash kernel)", BASD,
     Kind.ACTIVATION, Region.TENSOR, "the gradient of K in QK^T is dScores^T Q",
 )
 K = SavedTensor(
@@ -191,14 +193,14 @@ V = SavedTensor(
 Q_NORM = _head_norm("q", Dim.A)
 K_NORM = _head_norm("k", Dim.G)
 SOFTMAX_OUT = SavedTensor(
-    "attention/softmax_out", "softmax", _BASS, Kind.ACTIVATION, Region.TENSOR,
+    "attention/softmax_out", "softmax", BASS, Kind.ACTIVATION, Region.TENSOR,
     "softmax backward, diag(S') - S'S'^T, needs its output, not its input",
 )
 ATTN_DROPOUT_MASK = SavedTensor(
-    "attention/dropout_mask", "attention dropout", _BASS, Kind.MASK, Region.TENSOR, WHY_DROPOUT_MASK,
+    "attention/dropout_mask", "attention dropout", BASS, Kind.MASK, Region.TENSOR, WHY_DROPOUT_MASK,
 )
 ATTN_DROPOUT_OUT = SavedTensor(
-    "attention/dropout_out", "weights x V matmul", _BASS, Kind.ACTIVATION, Region.TENSOR,
+    "attention/dropout_out", "weights x V matmul", BASS, Kind.ACTIVATION, Region.TENSOR,
     "the gradient of V is (dropped-out weights)^T dOut",
 )
 SOFTMAX_LSE = SavedTensor(
@@ -211,30 +213,30 @@ PROJ_IN = SavedTensor(
     "dW = X^T dY needs the input (flash attention saves this same tensor as its output)",
 )
 ATTN_OUT_DROPOUT_MASK = SavedTensor(
-    "attention/out_dropout_mask", "dropout after attention", _BSH, Kind.MASK, Region.SEQUENCE, WHY_DROPOUT_MASK,
+    "attention/out_dropout_mask", "dropout after attention", BSH, Kind.MASK, Region.SEQUENCE, WHY_DROPOUT_MASK,
 )
 
-FC1_IN = SavedTensor("mlp/fc1_in", "fc1 (column-parallel)", _BSH, Kind.ACTIVATION, Region.SEQUENCE, WHY_GATHERED_INPUT)
+FC1_IN = SavedTensor("mlp/fc1_in", "fc1 (column-parallel)", BSH, Kind.ACTIVATION, Region.SEQUENCE, WHY_GATHERED_INPUT)
 GELU_IN = SavedTensor(
-    "mlp/gelu_in", "GELU", _BSF, Kind.ACTIVATION, Region.TENSOR, "GELU's derivative is evaluated at its input",
+    "mlp/gelu_in", "GELU", BSF, Kind.ACTIVATION, Region.TENSOR, "GELU's derivative is evaluated at its input",
 )
 SWIGLU_GATE = SavedTensor(
-    "mlp/gate", "SiLU", _BSF, Kind.ACTIVATION, Region.TENSOR,
+    "mlp/gate", "SiLU", BSF, Kind.ACTIVATION, Region.TENSOR,
     "SiLU's derivative is evaluated at its input, the gate projection",
 )
 SWIGLU_UP = SavedTensor(
-    "mlp/up", "SiLU(gate) * up", _BSF, Kind.ACTIVATION, Region.TENSOR,
+    "mlp/up", "SiLU(gate) * up", BSF, Kind.ACTIVATION, Region.TENSOR,
     "the gradient of SiLU(gate) in the product is dY * up",
 )
 SWIGLU_SILU_OUT = SavedTensor(
-    "mlp/silu_out", "SiLU(gate) * up", _BSF, Kind.ACTIVATION, Region.TENSOR,
+    "mlp/silu_out", "SiLU(gate) * up", BSF, Kind.ACTIVATION, Region.TENSOR,
     "the gradient of up in the product is dY * SiLU(gate)",
 )
 FC2_IN = SavedTensor(
-    "mlp/fc2_in", "fc2 (row-parallel)", _BSF, Kind.ACTIVATION, Region.TENSOR, "dW = X^T dY needs the input",
+    "mlp/fc2_in", "fc2 (row-parallel)", BSF, Kind.ACTIVATION, Region.TENSOR, "dW = X^T dY needs the input",
 )
 MLP_DROPOUT_MASK = SavedTensor(
-    "mlp/dropout_mask", "dropout after the MLP", _BSH, Kind.MASK, Region.SEQUENCE, WHY_DROPOUT_MASK,
+    "mlp/dropout_mask", "dropout after the MLP", BSH, Kind.MASK, Region.SEQUENCE, WHY_DROPOUT_MASK,
 )
 
 # -- A mixture-of-experts layer: its MLP is a router, E expert MLPs and (optionally) shared experts ----------------
@@ -247,14 +249,20 @@ _RE = (Dim.R, Dim.FE)
 _BSU = (Dim.B, Dim.S, Dim.U)
 WHY_EXPERT_TOKENS = "the tokens an expert receives depend on the router: r is the bound named in the output"
 
+
+def small_moe(name: str, saved_by: str, shape: tuple[Dim, ...], kind: Kind, why: str,
+              region: Region = Region.SEQUENCE) -> SavedTensor:
+    """One of a MoE layer's small tensors (`moe/<name>`: routing scores, maps, indices), which the paper leaves out."""
+    return SavedTensor(f"moe/{name}", saved_by, shape, kind, region, why, paper=False)
+
+
 MOE_IN = SavedTensor(
-    "moe/input", "router (gating linear)", _BSH, Kind.ACTIVATION, Region.SEQUENCE,
+    "moe/input", "router (gating linear)", BSH, Kind.ACTIVATION, Region.SEQUENCE,
     "the router's weight gradient dW = X^T dLogits needs its input; experts gather their tokens from it by index",
 )
-ROUTER_TOPK_INDICES = SavedTensor(
-    "moe/topk_indices", "router top-k", (Dim.B, Dim.S, Dim.K), Kind.INT64, Region.SEQUENCE,
-    "the gradient of the top-k values is scattered back to the experts each token chose", paper=False,
-)
+ROUTER_TOPK_INDICES = small_moe(
+    "topk_indices", "router top-k", (Dim.B, Dim.S, Dim.K), Kind.INT64,
+    "the gradient of the top-k values is scattered back to the experts each token chose")
 EXPERT_IN = SavedTensor(
     "moe/expert_in", "each expert's fc1", _RH, Kind.ACTIVATION, Region.EXPERT,
     "each expert's dW = X^T dY needs the tokens it received; " + WHY_EXPERT_TOKENS,
@@ -340,12 +348,12 @@ EMBEDDING_INPUT_IDS = SavedTensor(
     "the embedding's weight gradient adds dY into the rows the token ids picked", paper=False, stage="first",
 )
 EMBEDDING_DROPOUT_MASK = SavedTensor(
-    "embedding/dropout_mask", "dropout after the embedding", _BSH, Kind.MASK, Region.SEQUENCE, WHY_DROPOUT_MASK,
+    "embedding/dropout_mask", "dropout after the embedding", BSH, Kind.MASK, Region.SEQUENCE, WHY_DROPOUT_MASK,
     stage="first",
 )
 FINAL_NORM = NormTensors(*(replace(x, stage="last") for x in _norm("final_norm", "the output layer")))
 OUTPUT_INPUT = SavedTensor(
-    "output/input", "output layer (column-parallel over the vocabulary)", _BSH, Kind.ACTIVATION, Region.SEQUENCE,
+    "output/input", "output layer (column-parallel over the vocabulary)", BSH, Kind.ACTIVATION, Region.SEQUENCE,
     WHY_GATHERED_INPUT, stage="last",
 )
 LOSS_LOGITS = SavedTensor(

@@ -16,13 +16,9 @@ from memcalc.model import ledger
 from memcalc.model.impls.base import (Implementation, Refusal, Rerun, SizeCondition, SizeRule, always,
                                       check_grouped_mm, drop_small)
 from memcalc.model.knobs import Accounting
-from memcalc.model.ledger import Dim, Kind, Region, RMSNormTensors, SavedTensor
+from memcalc.model.ledger import BASD, BASS, BSF, BSH, Dim, Kind, Region, RMSNormTensors, SavedTensor
 from memcalc.model.tp_plan import ATTENTION, MLP, Pair, Rule, Style, TPPlan, pair
 
-_BSH = (Dim.B, Dim.S, Dim.H)
-_BSF = (Dim.B, Dim.S, Dim.F)
-_BASS = (Dim.B, Dim.A, Dim.S, Dim.S)
-_BASD = (Dim.B, Dim.A, Dim.S, Dim.D)
 _SEQ, _TEN = Region.SEQUENCE, Region.TENSOR
 Shape = tuple[Dim, ...]
 
@@ -75,7 +71,7 @@ def _olmo_norm(prefix: str, module: str) -> ledger.NormTensors:
     rstd (fp32 on every device: the input is fp32); the cast back keeps nothing."""
     by = f"OlmoLayerNorm ({module})"
     return ledger.NormTensors(
-        SavedTensor(f"{prefix}/input_fp32", f"{by}: hidden_states.to(float32), kept by F.layer_norm", _BSH, Kind.FP32,
+        SavedTensor(f"{prefix}/input_fp32", f"{by}: hidden_states.to(float32), kept by F.layer_norm", BSH, Kind.FP32,
                     _SEQ, "LayerNorm's backward reads its (fp32) input"),
         *(SavedTensor(f"{prefix}/{stat}_fp32", f"{by}: F.layer_norm's {stat}", (Dim.B, Dim.S), Kind.FP32, _SEQ,
                       ledger.WHY_NORM_RSTD, paper=False) for stat in ("mean", "rstd")))
@@ -156,7 +152,7 @@ GEMMA_LN2 = _gemma_norm("ln2", "the norm before the MLP: post_attention_layernor
 GEMMA_POST_ATTN = _gemma_norm("ln_post_attn", "Gemma 2's post_attention_layernorm, on the attention's output")
 GEMMA_POST_MLP = _gemma_norm("ln_post_mlp", "Gemma 2's post_feedforward_layernorm, on the MLP's output")
 SOFTCAP_TANH = SavedTensor(
-    "attention/softcap_tanh", "eager_attention_forward (softcap): torch.tanh(scores / softcap)", _BASS,
+    "attention/softcap_tanh", "eager_attention_forward (softcap): torch.tanh(scores / softcap)", BASS,
     Kind.ACTIVATION, _TEN, "tanh's derivative, 1 - tanh^2, is read from its output")
 # GemmaMLP: gelu_pytorch_tanh(gate_proj(x)) * up_proj(x), torch's tanh GELU kernel keeping its input.
 GEGLU_GATE = replace(ledger.SWIGLU_GATE, name="mlp/geglu_gate", saved_by="gelu_pytorch_tanh (torch's tanh GELU kernel)",
@@ -236,7 +232,7 @@ GLM_ROPE_COS, GLM_ROPE_SIN = _tables(
 # contiguous (b, a, s, d) torch.cat of its rotated and passed channels, so transformers' transpose(1, 2).contiguous()
 # copies the output for o_proj, and the kernel keeps the output of its own.
 GLM_SDPA_OUT = SavedTensor(
-    "attention/sdpa_out_bhsd", "SDPA flash kernel: its output, laid out as GLM's contiguous (b, a, s, d) query", _BASD,
+    "attention/sdpa_out_bhsd", "SDPA flash kernel: its output, laid out as GLM's contiguous (b, a, s, d) query", BASD,
     Kind.ACTIVATION, _TEN, "flash attention's backward reads its output (for the softmax's gradient)")
 # FalconAttention under multi_query picks its one key and one value head by a list index (fused_qkv[..., [-2], :]),
 # under new_decoder_architecture each group's (qkv[:, :, :, [-2]]): indexing keeps the index, a one-element int64
@@ -253,10 +249,10 @@ FALCON_V_INDEX = replace(FALCON_K_INDEX, name="attention/mqa_value_index",
 # (b, s, 1, 1, d) index's output it views with stride 0 (the ledger's V at g = 1).
 FALCON_K_HEADS = SavedTensor(
     "attention/k_broadcast", "apply_rotary_pos_emb (new_decoder_architecture): K broadcast to every head, rotated;"
-    " kept by QK^T (eager) or SDPA", _BASD, Kind.ACTIVATION, _TEN, "the gradient of Q in QK^T is dScores K")
+    " kept by QK^T (eager) or SDPA", BASD, Kind.ACTIVATION, _TEN, "the gradient of Q in QK^T is dScores K")
 FALCON_V_HEADS = SavedTensor(
     "attention/v_broadcast", "FalconAttention._split_heads (new_decoder_architecture): V broadcast to every head of its"
-    " group and flattened, a copy; kept by SDPA", _BASD, Kind.ACTIVATION, _TEN,
+    " group and flattened, a copy; kept by SDPA", BASD, Kind.ACTIVATION, _TEN,
     "the gradient of the attention weights is dOut V^T")
 # GLM-4's sandwich norms: LlamaRMSNorm's code (Glm4RMSNorm) on the attention's output and on the MLP's output.
 GLM_POST_ATTN = _rms_norm("ln_post_attn_rms", "GLM-4's post_self_attn_layernorm, on the attention's output")
@@ -285,16 +281,16 @@ OLMO_ROPE_COS = replace(ROPE_COS, name="attention/rope_cos_fp32", kind=Kind.FP32
                         saved_by="OLMo apply_rotary_pos_emb: q * cos, cos fp32 (OlmoRotaryEmbedding casts nothing)")
 OLMO_ROPE_SIN = replace(ROPE_SIN, name="attention/rope_sin_fp32", kind=Kind.FP32,
                         saved_by="OLMo apply_rotary_pos_emb: rotate_half(q) * sin, sin fp32")
-K_EXPANDED = SavedTensor("attention/k_expanded", "repeat_kv, kept by matmul(q, k^T)", _BASD, Kind.ACTIVATION, _TEN,
+K_EXPANDED = SavedTensor("attention/k_expanded", "repeat_kv, kept by matmul(q, k^T)", BASD, Kind.ACTIVATION, _TEN,
                          "eager attention copies each K group to its a/g heads; QK^T's backward reads the copy")
-V_EXPANDED = SavedTensor("attention/v_expanded", "repeat_kv, kept by matmul(weights, v)", _BASD, Kind.ACTIVATION, _TEN,
+V_EXPANDED = SavedTensor("attention/v_expanded", "repeat_kv, kept by matmul(weights, v)", BASD, Kind.ACTIVATION, _TEN,
                          "eager attention copies each V group to its a/g heads; the weights' gradient reads the copy")
 SOFTMAX_FP32 = SavedTensor(
-    "attention/softmax_fp32", "eager_attention_forward: softmax(dtype=float32)", _BASS, Kind.FP32, _TEN,
+    "attention/softmax_fp32", "eager_attention_forward: softmax(dtype=float32)", BASS, Kind.FP32, _TEN,
     "softmax backward needs its output, here the fp32 one")
 WEIGHTS = SavedTensor(
     "attention/weights", "eager_attention_forward: softmax output .to(query.dtype), kept by matmul(weights, v)",
-    _BASS, Kind.ACTIVATION, _TEN, "the gradient of V is weights^T dOut")
+    BASS, Kind.ACTIVATION, _TEN, "the gradient of V is weights^T dOut")
 # torch's CPU math kernel (aten _scaled_dot_product_attention_math), run when dropout > 0 on a CPU: all of it fp32
 
 
@@ -304,14 +300,14 @@ def _math(name: str, saved_by: str, shape: Shape, why: str) -> SavedTensor:
 
 
 SDPA_MATH = MATH_Q, MATH_K, MATH_SOFTMAX, MATH_DROPOUT_MASK, MATH_DROPOUT_OUT, MATH_V = (
-    _math("q", "q * sqrt(scale) in fp32, kept by matmul", _BASD, "the gradient of K in QK^T is dScores^T Q"),
-    _math("k", "k^T * sqrt(scale) in fp32 (a heads under GQA), kept by matmul", _BASD,
+    _math("q", "q * sqrt(scale) in fp32, kept by matmul", BASD, "the gradient of K in QK^T is dScores^T Q"),
+    _math("k", "k^T * sqrt(scale) in fp32 (a heads under GQA), kept by matmul", BASD,
           "the gradient of Q in QK^T is dScores K"),
-    _math("softmax", "_safe_softmax", _BASS, "softmax backward needs its output"),
-    _math("dropout_mask", "at::dropout's scaled fp32 mask", _BASS, ledger.WHY_DROPOUT_MASK),
-    _math("dropout_out", "dropped-out weights, kept by matmul", _BASS,
+    _math("softmax", "_safe_softmax", BASS, "softmax backward needs its output"),
+    _math("dropout_mask", "at::dropout's scaled fp32 mask", BASS, ledger.WHY_DROPOUT_MASK),
+    _math("dropout_out", "dropped-out weights, kept by matmul", BASS,
           "the gradient of V is (dropped-out weights)^T dOut"),
-    _math("v", "v in fp32 (a heads under GQA), kept by matmul", _BASD,
+    _math("v", "v in fp32 (a heads under GQA), kept by matmul", BASD,
           "the gradient of the attention weights is dOut V^T"),
 )
 
@@ -334,19 +330,19 @@ FLASH_DROPOUT_LSE = replace(
 # (rowwise_split_input), so the flash kernel's own saved output is a storage of its own, every head's.
 SDPA_OUT = SavedTensor(
     "attention/sdpa_out", "SDPA flash kernel: its output, which o_proj's input (rowwise_split_input under tp) no longer"
-    " shares", _BASD, Kind.ACTIVATION, _TEN, "flash attention's backward reads its output (the rows' dO . O sums)")
+    " shares", BASD, Kind.ACTIVATION, _TEN, "flash attention's backward reads its output (the rows' dO . O sums)")
 # At t = 1 the plan lays out nothing: o_proj's input is the flash kernel's output, one storage.
 SPLIT_PROJ_INPUT = SizeCondition(
     SDPA_OUT, "only under tp (t > 1) does transformers' rowwise_split_input copy o_proj's input out of the flash"
     " kernel's output; at t = 1 they are one storage", kept=lambda sizes, t: t != 1)
 
-TANH_OUT = SavedTensor("mlp/tanh_out", "NewGELUActivation (gelu_new): torch.tanh", _BSF, Kind.ACTIVATION, _TEN,
+TANH_OUT = SavedTensor("mlp/tanh_out", "NewGELUActivation (gelu_new): torch.tanh", BSF, Kind.ACTIVATION, _TEN,
                        "tanh's derivative, 1 - tanh^2, is read from its output")
 HALF_X = SavedTensor(
-    "mlp/half_x", "NewGELUActivation (gelu_new): 0.5 * x, kept by the final product", _BSF, Kind.ACTIVATION, _TEN,
+    "mlp/half_x", "NewGELUActivation (gelu_new): 0.5 * x, kept by the final product", BSF, Kind.ACTIVATION, _TEN,
     "the gradient of (1 + tanh(.)) in 0.5x * (1 + tanh(.)) is dY * 0.5x")
 ONE_PLUS_TANH = SavedTensor(
-    "mlp/one_plus_tanh", "NewGELUActivation (gelu_new): 1 + tanh(.), kept by the final product", _BSF,
+    "mlp/one_plus_tanh", "NewGELUActivation (gelu_new): 1 + tanh(.), kept by the final product", BSF,
     Kind.ACTIVATION, _TEN, "the gradient of 0.5x in 0.5x * (1 + tanh(.)) is dY * (1 + tanh(.))")
 
 
@@ -360,7 +356,7 @@ _BOTH = "MixtralExperts (eager loop and grouped_mm)"
 
 def _per_slot(name: str, saved_by: str, kind: Kind, why: str) -> SavedTensor:
     """One small value for each of the r routed (token, expert) slots, on the experts' ranks."""
-    return SavedTensor(f"moe/{name}", saved_by, (Dim.R,), kind, Region.EXPERT, why, paper=False)
+    return ledger.small_moe(name, saved_by, (Dim.R,), kind, why, Region.EXPERT)
 
 
 ROUTER_PROBS = SavedTensor(
@@ -368,16 +364,16 @@ ROUTER_PROBS = SavedTensor(
     "softmax backward needs its output; top-k reads the probabilities of the chosen experts from it")
 _DEEPSEEK = "DeepseekV3TopkRouter"
 _NORM_TOPK = f"{_MIXTRAL} (and {_DEEPSEEK}, norm_topk_prob): top-k values /= their sum"
-TOPK_SUM = SavedTensor("moe/topk_sum_fp32", _NORM_TOPK, (Dim.B, Dim.S), Kind.FP32, _SEQ,
-                       "the in-place division's backward reads its divisor", paper=False)
-TOPK_WEIGHTS = SavedTensor("moe/topk_weights_fp32", _NORM_TOPK, (Dim.B, Dim.S, Dim.K), Kind.FP32, _SEQ,
-                           "the division's gradient for the divisor reads the normalised weights", paper=False)
+TOPK_SUM = ledger.small_moe("topk_sum_fp32", _NORM_TOPK, (Dim.B, Dim.S), Kind.FP32,
+                            "the in-place division's backward reads its divisor")
+TOPK_WEIGHTS = ledger.small_moe("topk_weights_fp32", _NORM_TOPK, (Dim.B, Dim.S, Dim.K), Kind.FP32,
+                                "the division's gradient for the divisor reads the normalised weights")
 # DeepseekV3TopkRouter (DeepSeek-V3's noaux_tc): fp32 logits from an fp32 copy of the input (its weight is kept fp32,
 # _keep_in_fp32_modules_strict), each expert's sigmoid; the e_score_correction_bias picks the experts among the
 # topk_group best of n_group groups, and the chosen scores are gathered, renormalised and scaled. The group choice's
 # top-ks and mask are saved by ops whose values nobody reads: freed when the router returns, never kept.
 ROUTER_IN_FP32 = SavedTensor(
-    "moe/router_in_fp32", f"{_DEEPSEEK}: hidden_states.type(float32), kept by F.linear", (Dim.B, Dim.S, Dim.H),
+    "moe/router_in_fp32", f"{_DEEPSEEK}: hidden_states.type(float32), kept by F.linear", BSH,
     Kind.FP32, _SEQ, "the router's weight gradient dW = dLogits^T X reads its fp32 input")
 ROUTER_SCORES = SavedTensor(
     "moe/router_scores_fp32", f"{_DEEPSEEK}: router_logits.sigmoid()", (Dim.B, Dim.S, Dim.E), Kind.FP32, _SEQ,
@@ -406,18 +402,17 @@ SORTED_SLOTS = _per_slot("sorted_slots", f"{_GROUPED}: torch.sort(expert_ids)'s 
 UNSORTED_SLOTS = _per_slot("unsorted_slots", f"{_GROUPED}: inv_perm, the permutation's inverse, kept by"
                            " weighted_out[inv_perm]", Kind.INT64,
                            "indexing's backward puts each slot's gradient back in expert order")
-EXPERT_OFFSETS = SavedTensor(
-    "moe/expert_offsets", f"{_GROUPED}: cumsum of histc's slots per expert, int32, kept by both torch._grouped_mm",
-    (Dim.E,), Kind.INT32, Region.REPLICATED, "a grouped matmul's backward cuts dY at the same expert boundaries",
-    paper=False)
+EXPERT_OFFSETS = ledger.small_moe(
+    "expert_offsets", f"{_GROUPED}: cumsum of histc's slots per expert, int32, kept by both torch._grouped_mm",
+    (Dim.E,), Kind.INT32, "a grouped matmul's backward cuts dY at the same expert boundaries", Region.REPLICATED)
 COMBINE_IN = SavedTensor(
     "moe/combine_in", f"{_EXPERTS}: final_hidden_states.index_add_(token_idx, weighted output)", (Dim.R, Dim.H),
     Kind.ACTIVATION, Region.EXPERT, "index_add_'s derivative keeps its source (expand_as(source))")
-SHARED_GATE_SIGMOID = SavedTensor(
-    "moe/shared_gate_sigmoid", "Qwen2MoeSparseMoeBlock: sigmoid(shared_expert_gate(x))", (Dim.B, Dim.S),
-    Kind.ACTIVATION, _SEQ, "sigmoid's derivative and the product's gradient read the gate's value", paper=False)
+SHARED_GATE_SIGMOID = ledger.small_moe(
+    "shared_gate_sigmoid", "Qwen2MoeSparseMoeBlock: sigmoid(shared_expert_gate(x))", (Dim.B, Dim.S),
+    Kind.ACTIVATION, "sigmoid's derivative and the product's gradient read the gate's value")
 SHARED_OUT = SavedTensor(
-    "moe/shared_out", "Qwen2MoeSparseMoeBlock: sigmoid(gate) * shared_expert(x)", _BSH, Kind.ACTIVATION, _SEQ,
+    "moe/shared_out", "Qwen2MoeSparseMoeBlock: sigmoid(gate) * shared_expert(x)", BSH, Kind.ACTIVATION, _SEQ,
     "the gate's gradient is sum(dY * shared expert output)")
 # GptOssDecoderLayer (models/gpt_oss), op by op: docs/impl-notes/hf.md.
 GPT_OSS_LN1 = _olmo2_norm("ln1", "gpt-oss's GptOssRMSNorm input_layernorm")
@@ -437,9 +432,9 @@ SINK_SOFTMAX = SavedTensor(
     "attention/sink_softmax", f"{_OAI} eager_attention_forward: softmax over the scores and the sink column, in the"
     " activation dtype; matmul(weights, v) keeps probs[..., :-1], a view of it", (Dim.B, Dim.A, Dim.S, Dim.S1),
     Kind.ACTIVATION, _TEN, "softmax backward needs its output; the gradient of V reads the same storage")
-ROUTER_TOPK_SOFTMAX = SavedTensor(
-    "moe/router_topk_softmax", f"{_OAI} GptOssTopKRouter: softmax(router_top_value), in the activation dtype",
-    (Dim.B, Dim.S, Dim.K), Kind.ACTIVATION, _SEQ, "softmax backward needs its output", paper=False)
+ROUTER_TOPK_SOFTMAX = ledger.small_moe(
+    "router_topk_softmax", f"{_OAI} GptOssTopKRouter: softmax(router_top_value), in the activation dtype",
+    (Dim.B, Dim.S, Dim.K), Kind.ACTIVATION, "softmax backward needs its output")
 SORTED_EXPERT_IDS = _per_slot("sorted_expert_ids", f"{_OAI} experts (grouped_mm): torch.sort's expert ids, kept by"
                               " gate_up_proj_bias[ids] and down_proj_bias[ids]", Kind.INT64,
                               "indexing's backward scatters each slot's bias gradient back to its expert")
@@ -1038,8 +1033,8 @@ def _gathering(r: Rule) -> Rule:
 _HEADS = (Dim.B, Dim.S, Dim.A, Dim.D)
 _GATHERS = {"qkv_proj": ((Dim.B, Dim.S, Dim.QKV, Dim.D), 1), "q_proj": (_HEADS, 1),
             "k_proj": ((Dim.B, Dim.S, Dim.G, Dim.D), 1), "v_proj": ((Dim.B, Dim.S, Dim.G, Dim.D), 1),
-            "o_proj": (_HEADS, 1), "gate_up_proj": ((Dim.B, Dim.S, Dim.F), 2), "gate_proj": ((Dim.B, Dim.S, Dim.F), 1),
-            "up_proj": ((Dim.B, Dim.S, Dim.F), 1), "down_proj": ((Dim.B, Dim.S, Dim.F), 1)}
+            "o_proj": (_HEADS, 1), "gate_up_proj": (BSF, 2), "gate_proj": (BSF, 1),
+            "up_proj": (BSF, 1), "down_proj": (BSF, 1)}
 
 
 IMPLEMENTATION = Implementation(

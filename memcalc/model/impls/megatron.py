@@ -17,27 +17,25 @@ from memcalc.model import ledger
 from memcalc.model.impls.base import Implementation, Refusal, SizeCondition, SizeRule, drop_small
 from memcalc.model.knobs import Accounting
 from memcalc.model.rules import divides
-from memcalc.model.ledger import Dim, Kind, Region, SavedTensor
+from memcalc.model.ledger import BASD, BASS, BSF, Dim, Kind, Region, SavedTensor, small_moe
 from memcalc.model.tp_plan import ATTENTION, MLP, SHARED, Rule, Style, TPPlan, pair
 
-_BASD = (Dim.B, Dim.A, Dim.S, Dim.D)
-
 K_EXPANDED = SavedTensor(
-    "attention/k_expanded", "DotProductAttention: key.repeat_interleave(a/g) before QK^T", _BASD,
+    "attention/k_expanded", "DotProductAttention: key.repeat_interleave(a/g) before QK^T", BASD,
     Kind.ACTIVATION, Region.TENSOR, "QK^T reads K copied to every head of its group; dQ = dScores K needs the copy",
 )
 V_EXPANDED = SavedTensor(
-    "attention/v_expanded", "DotProductAttention: value.repeat_interleave(a/g) before weights x V", _BASD,
+    "attention/v_expanded", "DotProductAttention: value.repeat_interleave(a/g) before weights x V", BASD,
     Kind.ACTIVATION, Region.TENSOR, "weights x V reads V copied to every head; dWeights = dOut V^T needs the copy",
 )
 QKV_QUERY_COLUMNS = SavedTensor(
-    "attention/qkv_q_columns", "checkpointed core attention (keeps K, V as views of the fused QKV output)", _BASD,
+    "attention/qkv_q_columns", "checkpointed core attention (keeps K, V as views of the fused QKV output)", BASD,
     Kind.ACTIVATION, Region.TENSOR,
     "K and V are kept as views of the fused QKV output, which keeps its query columns alive beside the query copy",
 )
 QUERY_COPY = SavedTensor(
     "attention/q_copy", "QK^T under GQA: the query heads' copy (get_query_key_value_tensors' query.reshape with"
-    " several K/V groups per rank, else DotProductAttention's query.reshape(sq, b*np, hn))", _BASD,
+    " several K/V groups per rank, else DotProductAttention's query.reshape(sq, b*np, hn))", BASD,
     Kind.ACTIVATION, Region.TENSOR, "the gradient of K in QK^T is dScores^T Q: the query heads, folded into a copy",
 )
 QKV_OUT = SavedTensor(
@@ -46,7 +44,7 @@ QKV_OUT = SavedTensor(
     "the gradient of K in QK^T is dScores^T Q: Q is read from the fused output it views, kept whole",
 )
 SWIGLU_UP_COPY = SavedTensor(
-    "mlp/up_plus_offset", "MLP glu(): SiLU(gate) * (up + glu_linear_offset)", (Dim.B, Dim.S, Dim.F),
+    "mlp/up_plus_offset", "MLP glu(): SiLU(gate) * (up + glu_linear_offset)", BSF,
     Kind.ACTIVATION, Region.TENSOR, "`up + offset` is a new tensor (even for offset 0); the product's dSiLU needs it",
 )
 CAUSAL_MASK = SavedTensor(
@@ -58,115 +56,93 @@ CAUSAL_MASK = SavedTensor(
 
 SOFTMAX_FP32 = SavedTensor(
     "attention/softmax_fp32", "FusedScaleMaskSoftmax.forward_torch_softmax: softmax of the fp32 scores",
-    (Dim.B, Dim.A, Dim.S, Dim.S), Kind.FP32, Region.TENSOR,
+    BASS, Kind.FP32, Region.TENSOR,
     "without the fused kernel the softmax runs in fp32 (attention_softmax_in_fp32) and its backward reads that"
     " output",
 )
 
-_BSK = (Dim.B, Dim.S, Dim.K)
-TOPK_PROBS = SavedTensor(
-    "moe/topk_probs_fp32", "router: torch.softmax(top-k logits, dtype=float32)"
-    " (moe_utils.topk_routing_with_score_function)", _BSK, Kind.FP32, Region.SEQUENCE,
-    "softmax backward needs its output: the k chosen experts' probabilities", paper=False,
-)
-ALL_PROBS = SavedTensor(
-    "moe/probs_fp32", "router: torch.softmax(logits, dtype=float32) before top-k (moe_router_pre_softmax)",
-    (Dim.B, Dim.S, Dim.E), Kind.FP32, Region.SEQUENCE,
-    "softmax backward needs its output: every expert's probability, of which top-k keeps k", paper=False,
-)
-SIGMOID_SCORES = SavedTensor(
-    "moe/sigmoid_scores_fp32", "router: torch.sigmoid(logits.float()) (score_function sigmoid)", (Dim.B, Dim.S, Dim.E),
-    Kind.FP32, Region.SEQUENCE, "sigmoid's derivative is read from its output: every expert's score", paper=False,
-)
-TOPK_SCORES = SavedTensor(
-    "moe/topk_scores", "router: the k chosen sigmoid scores / (their sum + 1e-20), k > 1", _BSK, Kind.ACTIVATION,
-    Region.SEQUENCE, "the division's gradient for its divisor reads the dividend", paper=False,
-)
+_BSK, _BSE = (Dim.B, Dim.S, Dim.K), (Dim.B, Dim.S, Dim.E)
+TOPK_PROBS = small_moe(
+    "topk_probs_fp32", "router: torch.softmax(top-k logits, dtype=float32)"
+    " (moe_utils.topk_routing_with_score_function)", _BSK, Kind.FP32,
+    "softmax backward needs its output: the k chosen experts' probabilities")
+ALL_PROBS = small_moe(
+    "probs_fp32", "router: torch.softmax(logits, dtype=float32) before top-k (moe_router_pre_softmax)", _BSE, Kind.FP32,
+    "softmax backward needs its output: every expert's probability, of which top-k keeps k")
+SIGMOID_SCORES = small_moe(
+    "sigmoid_scores_fp32", "router: torch.sigmoid(logits.float()) (score_function sigmoid)", _BSE, Kind.FP32,
+    "sigmoid's derivative is read from its output: every expert's score")
+TOPK_SCORES = small_moe(
+    "topk_scores", "router: the k chosen sigmoid scores / (their sum + 1e-20), k > 1", _BSK, Kind.ACTIVATION,
+    "the division's gradient for its divisor reads the dividend")
 TOPK_DENOMINATOR = replace(TOPK_SCORES, name="moe/topk_denominator", shape=(Dim.B, Dim.S),
                            why="the division's backward reads its divisor")
-BIASED_CHOICE_SCORES = SavedTensor(
-    "moe/expert_bias_scores", "router: torch.gather(scores, 1, top-k of scores + expert_bias)"
-    " (moe_router_enable_expert_bias)", (Dim.B, Dim.S, Dim.E), Kind.ACTIVATION, Region.SEQUENCE,
-    "gather's backward keeps its whole input (every expert's score, cast to the activation dtype), not only the"
-    " k it picks", paper=False,
-)
+BIASED_CHOICE_SCORES = small_moe(
+    "expert_bias_scores", "router: torch.gather(scores, 1, top-k of scores + expert_bias)"
+    " (moe_router_enable_expert_bias)", _BSE, Kind.ACTIVATION, "gather's backward keeps its whole input (every"
+    " expert's score, cast to the activation dtype), not only the k it picks")
 AUX_SCORES = SavedTensor(
     "moe/aux_scores_fp32", "router: softmax over all E logits in fp32 (compute_routing_scores_for_aux_loss)",
-    (Dim.B, Dim.S, Dim.E), Kind.FP32, Region.SEQUENCE,
+    _BSE, Kind.FP32, Region.SEQUENCE,
     "the load-balancing loss's gradient flows through the softmax over every expert's score",
 )
 AUX_SIGMOID_SCORES = SavedTensor(
     "moe/aux_sigmoid_scores", "router: sigmoid(logits) / (its sum over E + 1e-20)"
-    " (compute_routing_scores_for_aux_loss)", (Dim.B, Dim.S, Dim.E), Kind.ACTIVATION, Region.SEQUENCE,
+    " (compute_routing_scores_for_aux_loss)", _BSE, Kind.ACTIVATION, Region.SEQUENCE,
     "the load-balancing loss's gradient flows through the sigmoid, whose derivative is read from its output, and"
     " the normalisation's division, which reads it as dividend",
 )
 AUX_SIGMOID_DENOMINATOR = replace(AUX_SIGMOID_SCORES, name="moe/aux_denominator", shape=(Dim.B, Dim.S),
                                   why="the division's backward reads its divisor", paper=False)
-AUX_TOKENS_PER_EXPERT = SavedTensor(
-    "moe/aux_tokens_per_expert", "switch_load_balancing_loss_func: sum(scores, dim=0) * tokens_per_expert", (Dim.E,),
-    Kind.INT64, Region.REPLICATED, "the product's gradient for the summed scores is each expert's token count"
-    " (routing_map.sum(0), all-reduced over the tensor-parallel group)", paper=False,
-)
-AUX_LOSS = SavedTensor(
-    "moe/aux_loss", "MoEAuxLossAutoScaler.forward: ctx.save_for_backward(aux_loss)", (), Kind.FP32,
-    Region.REPLICATED, "attached to the routing probabilities, the loss (one fp32 number) is kept so that backward"
-    " can start its gradient", paper=False,
-)
-AUX_LOSS_SIGMOID = SavedTensor(
-    "moe/aux_loss_sigmoid", "MoEAuxLossAutoScaler.forward: ctx.save_for_backward(aux_loss), over sigmoid scores", (),
-    Kind.ACTIVATION, Region.REPLICATED, "the loss over the activation-dtype sigmoid scores (one number in that dtype)"
-    " is kept so that backward can start its gradient", paper=False,
-)
-CAPACITY_MASK = SavedTensor(
-    "moe/capacity_mask", "router: probs * kept map (apply_router_token_dropping)", (Dim.B, Dim.S, Dim.E), Kind.MASK,
-    Region.SEQUENCE, "the product's gradient for the probabilities is dY times the map of the slots within capacity",
-    paper=False,
-)
-ROUTING_MAP = SavedTensor(
-    "moe/routing_map", "permute: probs.T.masked_select(routing_map)", (Dim.B, Dim.S, Dim.E), Kind.MASK,
-    Region.SEQUENCE, "masked_select's backward scatters the gradient back through the same map", paper=False,
-)
-PROBS_T = SavedTensor(
-    "moe/probs_t", "permute: probs.T.contiguous().masked_select(routing_map)", (Dim.B, Dim.S, Dim.E),
-    Kind.ACTIVATION, Region.SEQUENCE, "masked_select's backward reads its input (every expert's routing weight,"
-    " zero where not chosen, in the activation dtype) to build the gradient in its shape", paper=False,
-)
-PERMUTE_INDICES = SavedTensor(
-    "moe/permute_indices", "permute: tokens.index_select(sorted_indices); unpermute's scatter_add_", (Dim.RS,),
-    Kind.INT64, Region.SEQUENCE, "both the permutation's and the combine's backward move gradients by these indices"
-    " (one a token-expert slot the rank's tokens keep: kbs/t, fewer where a capacity drops)", paper=False,
-)
-PAD_PROBS_INDICES = SavedTensor(
-    "moe/pad_probs_indices", "permute (drop and pad): probs.T.view(-1).index_select(0, expert * n + kept token)",
-    (Dim.RS,), Kind.INT64, Region.SEQUENCE, "index_select's backward scatters the gradient back by its indices",
-    paper=False,
-)
-GATHERED_ROUTING_MAP = SavedTensor(
-    "moe/allgather_map", "all-gather dispatcher: local probs.T.masked_select(local map)", (Dim.B, Dim.S, Dim.E),
-    Kind.MASK, Region.REPLICATED, "masked_select's backward scatters the gradient back through the same map: the"
-    " local experts' E/ep columns of the ep*b*s tokens gathered over tp*ep", paper=False,
-)
-GATHERED_PROBS_T = SavedTensor(
-    "moe/allgather_probs_t", "all-gather dispatcher: local probs.T.contiguous().masked_select(local map)",
-    (Dim.B, Dim.S, Dim.E), Kind.ACTIVATION, Region.REPLICATED, "masked_select's backward reads its input: the local"
-    " experts' routing weights for the ep*b*s gathered tokens, in the activation dtype", paper=False,
-)
-GATHERED_PERMUTE_INDICES = SavedTensor(
-    "moe/allgather_indices", "all-gather dispatcher: gathered tokens.index_select(sorted_indices); unpermute's"
-    " scatter_add_", (Dim.R,), Kind.INT64, Region.EXPERT, "both the permutation's and the combine's backward move"
-    " gradients by these indices, one a slot this rank's experts receive", paper=False,
-)
+AUX_TOKENS_PER_EXPERT = small_moe(
+    "aux_tokens_per_expert", "switch_load_balancing_loss_func: sum(scores, dim=0) * tokens_per_expert", (Dim.E,),
+    Kind.INT64, "the product's gradient for the summed scores is each expert's token count (routing_map.sum(0),"
+    " all-reduced over the tensor-parallel group)", Region.REPLICATED)
+AUX_LOSS = small_moe(
+    "aux_loss", "MoEAuxLossAutoScaler.forward: ctx.save_for_backward(aux_loss)", (), Kind.FP32, "attached to the"
+    " routing probabilities, the loss (one fp32 number) is kept so that backward can start its gradient",
+    Region.REPLICATED)
+AUX_LOSS_SIGMOID = small_moe(
+    "aux_loss_sigmoid", "MoEAuxLossAutoScaler.forward: ctx.save_for_backward(aux_loss), over sigmoid scores", (),
+    Kind.ACTIVATION, "the loss over the activation-dtype sigmoid scores (one number in that dtype) is kept so that"
+    " backward can start its gradient", Region.REPLICATED)
+CAPACITY_MASK = small_moe(
+    "capacity_mask", "router: probs * kept map (apply_router_token_dropping)", _BSE, Kind.MASK,
+    "the product's gradient for the probabilities is dY times the map of the slots within capacity")
+ROUTING_MAP = small_moe(
+    "routing_map", "permute: probs.T.masked_select(routing_map)", _BSE, Kind.MASK,
+    "masked_select's backward scatters the gradient back through the same map")
+PROBS_T = small_moe(
+    "probs_t", "permute: probs.T.contiguous().masked_select(routing_map)", _BSE, Kind.ACTIVATION,
+    "masked_select's backward reads its input (every expert's routing weight, zero where not chosen, in the"
+    " activation dtype) to build the gradient in its shape")
+PERMUTE_INDICES = small_moe(
+    "permute_indices", "permute: tokens.index_select(sorted_indices); unpermute's scatter_add_", (Dim.RS,), Kind.INT64,
+    "both the permutation's and the combine's backward move gradients by these indices (one a token-expert slot the"
+    " rank's tokens keep: kbs/t, fewer where a capacity drops)")
+PAD_PROBS_INDICES = small_moe(
+    "pad_probs_indices", "permute (drop and pad): probs.T.view(-1).index_select(0, expert * n + kept token)",
+    (Dim.RS,), Kind.INT64, "index_select's backward scatters the gradient back by its indices")
+GATHERED_ROUTING_MAP = small_moe(
+    "allgather_map", "all-gather dispatcher: local probs.T.masked_select(local map)", _BSE, Kind.MASK,
+    "masked_select's backward scatters the gradient back through the same map: the local experts' E/ep columns of"
+    " the ep*b*s tokens gathered over tp*ep", Region.REPLICATED)
+GATHERED_PROBS_T = small_moe(
+    "allgather_probs_t", "all-gather dispatcher: local probs.T.contiguous().masked_select(local map)", _BSE,
+    Kind.ACTIVATION, "masked_select's backward reads its input: the local experts' routing weights for the ep*b*s"
+    " gathered tokens, in the activation dtype", Region.REPLICATED)
+GATHERED_PERMUTE_INDICES = small_moe(
+    "allgather_indices", "all-gather dispatcher: gathered tokens.index_select(sorted_indices); unpermute's"
+    " scatter_add_", (Dim.R,), Kind.INT64, "both the permutation's and the combine's backward move gradients by these"
+    " indices, one a slot this rank's experts receive", Region.EXPERT)
 EXPERT_UP_COPY = replace(SWIGLU_UP_COPY, name="moe/expert_up_plus_offset", shape=(Dim.R, Dim.FE), region=Region.EXPERT)
 SHARED_UP_COPY = replace(SWIGLU_UP_COPY, name="moe/shared_up_plus_offset", shape=(Dim.B, Dim.S, Dim.U))
 EXPERT_ACT_OUT = SavedTensor(
     "moe/expert_act_out", "MLP.activation_func_with_probs: activation(fc1) * probs", (Dim.R, Dim.FE),
     Kind.ACTIVATION, Region.EXPERT, "the gradient of the routing probability is sum(dY * activation)",
 )
-EXPERT_PROBS = SavedTensor(
-    "moe/expert_probs", "MLP.activation_func_with_probs: activation(fc1) * probs", (Dim.R,), Kind.ACTIVATION,
-    Region.EXPERT, "the gradient of the activation in the product is dY * probs", paper=False,
-)
+EXPERT_PROBS = small_moe("expert_probs", "MLP.activation_func_with_probs: activation(fc1) * probs", (Dim.R,),
+                         Kind.ACTIVATION, "the gradient of the activation in the product is dY * probs", Region.EXPERT)
 
 _ROPE = "MLASelfAttention: apply_rotary_pos_emb"
 _WHY_ROPE = ("RoPE's x * cos + rotate_half(x) * sin has gradient dY * cos + rotate_half^T(dY * sin): it keeps the"

@@ -14,10 +14,9 @@ from memcalc.errors import ConfigError
 from memcalc.model import ledger
 from memcalc.model.impls.base import Implementation, Refusal, Rerun, SizeCondition, check_grouped_mm, drop_small
 from memcalc.model.knobs import Accounting
-from memcalc.model.ledger import Dim, Kind, Region, RMSNormTensors, SavedTensor
+from memcalc.model.ledger import BSH, Dim, Kind, Region, RMSNormTensors, SavedTensor, small_moe
 from memcalc.model.tp_plan import ATTENTION, MLP, MOE, Rule, Style, TPPlan, pair
 
-_BSH = (Dim.B, Dim.S, Dim.H)
 _SEQ = Region.SEQUENCE
 _FUSED = "aten::_fused_rms_norm (CUDA kernel; read from torch's derivatives.yaml)"
 _COMPOSITE = "rms_norm_composite (CPU; torch's layer_norm.cpp)"
@@ -32,18 +31,18 @@ def _rmsnorm(prefix: str, before: str) -> RMSNormTensors:
     composite `input_fp32`, `rstd` and `normed_fp32`."""
     by = f"nn.RMSNorm before {before}: torch.rms_norm ->"
     return RMSNormTensors(
-        input=SavedTensor(f"{prefix}/input", f"{by} {_FUSED}", _BSH, Kind.ACTIVATION, _SEQ, ledger.WHY_NORM_INPUT),
+        input=SavedTensor(f"{prefix}/input", f"{by} {_FUSED}", BSH, Kind.ACTIVATION, _SEQ, ledger.WHY_NORM_INPUT),
         rstd=SavedTensor(
             f"{prefix}/rstd_fp32", f"{by} _fused_rms_norm's rstd (CUDA) or the composite's rsqrt (CPU)",
             (Dim.B, Dim.S), Kind.FP32, _SEQ, ledger.WHY_NORM_RSTD + ", in fp32 (opmath) for a bf16 input", paper=False,
         ),
         input_fp32=SavedTensor(
             f"{prefix}/input_fp32", f"{by} {_COMPOSITE}: input.to(float32) (in fp32 the input itself), kept by pow and"
-            " x * rstd", _BSH, Kind.FP32, _SEQ,
+            " x * rstd", BSH, Kind.FP32, _SEQ,
             "d(x * rstd) and d(mean(x^2)) need x; the composite keeps its fp32 upcast, not x",
         ),
         normed_fp32=SavedTensor(
-            f"{prefix}/normed_fp32", f"{by} {_COMPOSITE}: x * rstd, kept by the multiply with the weight", _BSH,
+            f"{prefix}/normed_fp32", f"{by} {_COMPOSITE}: x * rstd, kept by the multiply with the weight", BSH,
             Kind.FP32, _SEQ, "the weight's gradient is sum(dY * x * rstd): the fp32 normalised input",
         ),
     )
@@ -54,11 +53,11 @@ LN2 = _rmsnorm("ln2", "the feed-forward")
 FINAL_NORM = _rmsnorm("final_norm", "lm_head")  # the model's end (memcalc.sizing.timeline.torchtitan)
 
 QKV_IN = SavedTensor(
-    "attention/qkv_in", "FusedQKVLinear.wqkv (column-parallel) input, gathered at GQAttention's entry", _BSH,
+    "attention/qkv_in", "FusedQKVLinear.wqkv (column-parallel) input, gathered at GQAttention's entry", BSH,
     Kind.ACTIVATION, _SEQ, _WHY_GATHERED,
 )
 FC1_IN = SavedTensor(
-    "mlp/fc1_in", "FeedForward.w1 and .w3 (column-parallel): one input, gathered at FeedForward's entry", _BSH,
+    "mlp/fc1_in", "FeedForward.w1 and .w3 (column-parallel): one input, gathered at FeedForward's entry", BSH,
     Kind.ACTIVATION, _SEQ, _WHY_GATHERED + "; w1 and w3 share it",
 )
 QKV_OUT = SavedTensor(
@@ -67,7 +66,7 @@ QKV_OUT = SavedTensor(
     "op-level checkpointing keeps this GEMM's output so the recompute in backward need not redo it",
 )
 FC2_OUT = SavedTensor(
-    "mlp/fc2_out", "SelectiveAC: MUST_SAVE of the w2 matmul, before its reduce-scatter (or all-reduce)", _BSH,
+    "mlp/fc2_out", "SelectiveAC: MUST_SAVE of the w2 matmul, before its reduce-scatter (or all-reduce)", BSH,
     Kind.ACTIVATION, _SEQ,
     "op-level checkpointing keeps this GEMM's output: partial sums over the whole sequence on every rank",
 )
@@ -82,12 +81,10 @@ SHARED_FC2_OUT = replace(
     FC2_OUT, name="moe/shared_fc2_out", saved_by="SelectiveAC: MUST_SAVE of the shared experts' w2 matmul (the fifth)",
     why="op-level checkpointing keeps this GEMM's output so the recompute in backward need not redo it",
 )
-MOE_TOPK_VALUES = SavedTensor(
-    "moe/topk_values_fp32", "SelectiveAC: MUST_SAVE of the router's torch.topk (on its list, beside the ids)",
-    (Dim.B, Dim.S, Dim.K), Kind.FP32, _SEQ,
-    "op-level checkpointing keeps top-k's outputs so that the recompute routes each token as forward did; the"
-    " values are unused, the scores are gathered from the softmax", paper=False,
-)
+MOE_TOPK_VALUES = small_moe(
+    "topk_values_fp32", "SelectiveAC: MUST_SAVE of the router's torch.topk (on its list, beside the ids)",
+    (Dim.B, Dim.S, Dim.K), Kind.FP32, "op-level checkpointing keeps top-k's outputs so that the recompute routes each"
+    " token as forward did; the values are unused, the scores are gathered from the softmax")
 
 
 def tp_plan(knobs: Any) -> TPPlan:
@@ -118,56 +115,43 @@ _ROUTER = "TokenChoiceTopKRouter"
 _DISPATCH = "LocalTokenDispatcher (EP=1)"
 _GROUPED = "GroupedExperts (torch._grouped_mm)"
 _MOE = (Dim.B, Dim.S)
-MOE_ROUTER_WEIGHT = SavedTensor(
-    "moe/router_weight_fp32", f"{_ROUTER}: gate under autocast(float32), its weight cast to fp32", (Dim.E, Dim.H),
-    Kind.FP32, Region.REPLICATED,
-    "the gate's input gradient dX = dLogits W reads the weight it multiplied: autocast's fp32 copy, once per layer"
-    " and micro-batch", paper=False,
-)
+MOE_ROUTER_WEIGHT = small_moe(
+    "router_weight_fp32", f"{_ROUTER}: gate under autocast(float32), its weight cast to fp32", (Dim.E, Dim.H),
+    Kind.FP32, "the gate's input gradient dX = dLogits W reads the weight it multiplied: autocast's fp32 copy, once"
+    " per layer and micro-batch", Region.REPLICATED)
 MOE_ROUTER_IN = SavedTensor(
-    "moe/router_in_fp32", f"{_ROUTER}: gate under autocast(float32), its input cast to fp32", _BSH, Kind.FP32,
+    "moe/router_in_fp32", f"{_ROUTER}: gate under autocast(float32), its input cast to fp32", BSH, Kind.FP32,
     _SEQ, "the gate's weight gradient dW = dLogits^T X reads its fp32 input",
 )
 MOE_ROUTER_SCORES = SavedTensor(
     "moe/router_scores_fp32", f"{_ROUTER}: softmax or sigmoid of the fp32 logits", (*_MOE, Dim.E), Kind.FP32,
     _SEQ, "softmax's and sigmoid's derivatives are read from their output, every expert's score",
 )
-MOE_TOPK_SCORES = SavedTensor(
-    "moe/topk_weights_fp32", f"{_ROUTER} (route_norm): the gathered top-k scores / their sum", (*_MOE, Dim.K),
-    Kind.FP32, _SEQ, "the division's gradient for the divisor reads the numerator", paper=False,
-)
-MOE_TOPK_SUM = SavedTensor(
-    "moe/topk_sum_fp32", f"{_ROUTER} (route_norm): the top-k scores' sum + 1e-20, the divisor", _MOE, Kind.FP32,
-    _SEQ, "the division's gradients read its divisor", paper=False,
-)
-MOE_SORTED_SLOTS = SavedTensor(
-    "moe/sorted_slots", f"{_DISPATCH}: argsort of the expert ids, kept by indexing the scores with it", (Dim.RS,),
-    Kind.INT64, Region.EXPERT, "indexing's backward scatters the sorted scores' gradient back to their slots",
-    paper=False,
-)
-MOE_TOKEN_INDICES = SavedTensor(
-    "moe/token_indices", f"{_DISPATCH}: sorted slots // k, kept by x[indices] and combine's scatter_add", (Dim.RS,),
-    Kind.INT64, Region.EXPERT, "gathering rows and scatter-adding them route their gradients by the same indices",
-    paper=False,
-)
-MOE_SORTED_SCORES = SavedTensor(
-    "moe/sorted_scores_fp32", f"{_DISPATCH}: the top-k scores in expert order, kept by combine's multiply",
-    (Dim.RS,), Kind.FP32, Region.EXPERT, "the expert output's gradient in the product is dY * score", paper=False,
-)
-MOE_OFFSETS = SavedTensor(
-    "moe/expert_offsets", f"{_GROUPED}: cumsum of the tokens per local expert, kept by each grouped matmul", (Dim.EL,),
-    Kind.INT32, Region.REPLICATED, "a grouped matmul's backward cuts dY at the same expert boundaries", paper=False,
-)
+MOE_TOPK_SCORES = small_moe(
+    "topk_weights_fp32", f"{_ROUTER} (route_norm): the gathered top-k scores / their sum", (*_MOE, Dim.K), Kind.FP32,
+    "the division's gradient for the divisor reads the numerator")
+MOE_TOPK_SUM = small_moe(
+    "topk_sum_fp32", f"{_ROUTER} (route_norm): the top-k scores' sum + 1e-20, the divisor", _MOE, Kind.FP32,
+    "the division's gradients read its divisor")
+MOE_SORTED_SLOTS = small_moe(
+    "sorted_slots", f"{_DISPATCH}: argsort of the expert ids, kept by indexing the scores with it", (Dim.RS,),
+    Kind.INT64, "indexing's backward scatters the sorted scores' gradient back to their slots", Region.EXPERT)
+MOE_TOKEN_INDICES = small_moe(
+    "token_indices", f"{_DISPATCH}: sorted slots // k, kept by x[indices] and combine's scatter_add", (Dim.RS,),
+    Kind.INT64, "gathering rows and scatter-adding them route their gradients by the same indices", Region.EXPERT)
+MOE_SORTED_SCORES = small_moe(
+    "sorted_scores_fp32", f"{_DISPATCH}: the top-k scores in expert order, kept by combine's multiply", (Dim.RS,),
+    Kind.FP32, "the expert output's gradient in the product is dY * score", Region.EXPERT)
+MOE_OFFSETS = small_moe(
+    "expert_offsets", f"{_GROUPED}: cumsum of the tokens per local expert, kept by each grouped matmul", (Dim.EL,),
+    Kind.INT32, "a grouped matmul's backward cuts dY at the same expert boundaries", Region.REPLICATED)
 MOE_EXPERT_OUT = SavedTensor(
     "moe/expert_out_fp32", f"{_DISPATCH}: combine's routed_output.to(float32) * score", (Dim.RS, Dim.H), Kind.FP32,
     Region.EXPERT, "the score's gradient is sum(dY * expert output): the fp32 copy the multiply read",
 )
-MOE_PERMUTED_INDICES = SavedTensor(
-    "moe/permuted_indices",
-    "AllToAllTokenDispatcher (EP>1): _permute's row of each received slot, rank- to expert-major",
-    (Dim.R,), Kind.INT64, Region.EXPERT, "the rows' index backward puts each gradient back at the row it came from",
-    paper=False,
-)
+MOE_PERMUTED_INDICES = small_moe(
+    "permuted_indices", "AllToAllTokenDispatcher (EP>1): _permute's row of each received slot, rank- to expert-major",
+    (Dim.R,), Kind.INT64, "the rows' index backward puts each gradient back at the row it came from", Region.EXPERT)
 MOE_SHARED_IN = replace(
     ledger.MOE_IN, saved_by="shared experts' w1 and w3 (FeedForward), on the normalised input",
     why="the shared experts' dW = X^T dY needs their input (the gate keeps an fp32 copy of its own)",
@@ -281,7 +265,7 @@ def check_moe(knobs: Any) -> None:
         if refused(knobs):
             raise ConfigError(f"impl torchtitan with experts: {reason}")
     c = knobs  # a config: its layout too (a knob set alone has no ep)
-    if getattr(c, "ep", 1) > 1 and (c.ep != c.t or c.dp_shard is not None or c.s % c.t):
+    if _ep(c) > 1 and (c.ep != c.t or c.dp_shard is not None or c.s % c.t):
         raise ConfigError(f"impl torchtitan with experts: ep={c.ep} is measured as ep = t over the TP ranks, without"
                           f" dp_shard, t dividing s (its MoE splits the sequence over them), not at t={c.t},"
                           f" dp_shard={c.dp_shard}, s={c.s}; use ep 1 (or ep = t under tp or tp-sp)")
