@@ -14,6 +14,7 @@ from memcalc.cli.types import Integer
 from memcalc.model.knobs import Accounting, Knobs
 from memcalc.errors import ConfigError
 from memcalc.model.ledger import Dim
+from memcalc.model.rules import DIVISIBILITY, SEQUENCE_SPLIT
 from memcalc.model.strategy import STRATEGIES
 from memcalc.schemas import SCHEMA_VERSION
 
@@ -44,11 +45,11 @@ def command(
     holds; given --s and --a (and --b, --t), it prints the one that holds there.
     """
     knobs = knobs_from(params)  # bad input fails before the second that sympy takes to import
-    sizes = _sizes(knobs, b, s, a, t)
+    names = strategy_names(strategy, knobs)
+    sizes = _sizes(knobs, names, b, s, a, t)
     from memcalc.model import formula as F  # sympy: paid only here
 
     accounting = Accounting(exact=exact, device=device)
-    names = strategy_names(strategy, knobs)
     outside = [sizes is not None and F.outside_at(knobs, STRATEGIES[n], *sizes) for n in names]
     formulas = [F.layer_formula(STRATEGIES[n], knobs, accounting) if sizes is None else
                 F.formula_at(STRATEGIES[n], knobs, accounting, *sizes) for n in names]
@@ -66,14 +67,22 @@ def command(
         _print_window(F, names, knobs, accounting, sizes, outside)
 
 
-def _sizes(knobs: Knobs, b: int | None, s: int | None, a: int | None, t: int | None) -> tuple[dict, int] | None:
-    """The per-rank sizes a size rule reads (b, s, a, g) and t, when --s and --a are given; None when no size is."""
+def _sizes(
+    knobs: Knobs, names: list[str], b: int | None, s: int | None, a: int | None, t: int | None,
+) -> tuple[dict, int] | None:
+    """The per-rank sizes a size rule reads (b, s, a, g) and t, when --s and --a are given; None when no size is.
+    Sizes no layout runs (t not dividing a, or s under SP) are refused by estimate's rules, not shown a formula."""
     if (b, s, a, t) == (None,) * 4:
         return None
     if s is None or a is None:
         raise ConfigError("formula at given sizes needs --s and --a (and --b, --t: 1 unless given)")
-    groups = knobs.num_query_groups or a
-    return {Dim.B: b or 1, Dim.S: s, Dim.A: a, Dim.G: groups}, t or 1
+    given = {"s": s, "a": a, "t": t or 1, "num_query_groups": knobs.num_query_groups or a}
+    splits_s = any(STRATEGIES[n].sequence_parallel for n in names)
+    for rule in (*DIVISIBILITY, *([SEQUENCE_SPLIT] if splits_s else [])):
+        operands = [given.get(n) for n in rule.operands]
+        if None not in operands and rule.applies(knobs) and rule.fails(*operands):
+            raise ConfigError(rule.message(*operands))
+    return {Dim.B: b or 1, Dim.S: s, Dim.A: a, Dim.G: given["num_query_groups"]}, given["t"]
 
 
 def _print_window(F: Any, names: list[str], knobs: Knobs, accounting: Accounting, sizes: Any, outside: list) -> None:

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import sympy
 from sympy.parsing.latex import parse_latex
 
@@ -11,7 +12,7 @@ from memcalc.model.knobs import Accounting, Knobs
 
 from tests.helpers import SEED_TEXT, seed_bytes
 
-from . import memcalc_cli, shipped
+from . import memcalc_cli, one_line_error, shipped
 
 b, s, h, a, t = (SYMBOLS[n] for n in "bshat")
 SEED = {name: seed_bytes(name, b, s, h, a, t) for name in SEED_TEXT}
@@ -88,3 +89,18 @@ def test_exact_adds_the_per_token_norm_statistics():
     assert doc["strategies"]["none"]["formula"] == "sbh(34 + 16/h + 5as/h)"
     stats = [x for x in doc["strategies"]["none"]["terms"] if not x["paper"]]
     assert {x["name"] for x in stats} == {"ln1/mean", "ln1/rstd", "ln2/mean", "ln2/rstd"}
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--s", "128", "--a", "8", "--t", "3"], "a=8 is not divisible by t=3"),
+    (["--s", "127", "--a", "8", "--t", "2"], "s=127 is not divisible by t=2"),
+    (["--s", "128", "--a", "8", "--num-query-groups", "3"], "a=8 is not divisible by num_query_groups=3"),
+])
+def test_formula_at_sizes_no_layout_runs_is_refused_as_estimate_refuses_them(args, needle):
+    # at a=8 t=3 it printed "b*a/t=1*6/3=2": a formula for a = 6, never the sizes asked for
+    one_line_error(memcalc_cli("formula", *args), needle)
+    one_line_error(memcalc_cli("estimate", "--h", "64", *args), needle)
+
+
+def test_formula_at_sizes_takes_s_not_divisible_by_t_without_sequence_parallelism():
+    assert "At b=1 s=127 a=8 t=2, tp is outside" in _ok("--s", "127", "--a", "8", "--t", "2", "--strategy", "tp")
