@@ -143,7 +143,18 @@ def make_sweep(
             "(narrow the ranges, or split the sweep)"
         )
     config = _check_layout(fields, values)  # after the row cap, which bounds how many values of L it reads
+    _check_ep_layout(config, values, sweep.strategies)
     return replace(sweep, size_checks=_size_checks(config, values))
+
+
+def _check_ep_layout(config: ModelConfig, values: dict[str, Sequence[int]], planned: tuple[Strategy, ...]) -> None:
+    """A sweep lays each strategy out once, at ep = 1 (the knobs hold no ep). An implementation that lays its experts
+    out otherwise at ep > 1 (torchtitan's MoE routes each TP rank's own s/t tokens) is refused there, not priced as at
+    ep = 1."""
+    ep = next((e for e in values.get("ep", ()) if e > 1), None)
+    if ep is not None and any(plan(replace(config, ep=ep), STRATEGIES[st.name]) != st for st in planned):
+        raise ConfigError(f"impl {config.impl} lays its experts out differently at ep={ep} than at ep=1, and a sweep"
+                          " lays each strategy out once, at ep=1: sweep ep 1, or use memcalc estimate for ep > 1")
 
 
 def _expert_knobs(ranges: dict[str, Sequence[int]], fields: dict[str, Any]) -> dict[str, int]:

@@ -177,3 +177,17 @@ def test_ep_sets_the_experts_split_and_each_row_is_what_estimate_says_at_that_ep
         assert int(row["total_bytes"]) == estimate["strategies"]["tp-sp"]["total_bytes"]
     one = next(csv.DictReader(io.StringIO(invoke("sweep", *model, "--t", "1").stdout)))
     assert int(one["total_bytes"]) < int(rows[0]["total_bytes"])  # worst case: every ep rank may route here
+
+
+@pytest.mark.parametrize("ep, needle", [
+    ("4", "impl torchtitan lays its experts out differently at ep=4 than at ep=1"),
+    ("1,2,4", "ep=2 is measured as ep = t over the TP ranks"),
+])
+def test_an_ep_that_changes_torchtitans_expert_layout_is_refused_not_priced_as_ep_1(ep, needle):
+    # torchtitan's MoE routes each TP rank's own s/t tokens at ep = t > 1; the sweep laid it out at ep = 1 and printed
+    # 728,064 B where estimate says 726,336 B (--exact's top-k outputs whole), and priced ep=2 at t=4, which estimate
+    # refuses
+    model = ("--config", "qwen1.5-moe-a2.7b", "--impl", "torchtitan", "--dropout", "0", "--b", "3", "--s", "16",
+             "--t", "4", "--strategy", "tp", "--exact")
+    _one_line_error(invoke("sweep", *model, "--ep", ep), needle)
+    assert invoke("sweep", *model, "--ep", "1").exit_code == 0
