@@ -191,3 +191,12 @@ def test_an_ep_that_changes_torchtitans_expert_layout_is_refused_not_priced_as_e
              "--t", "4", "--strategy", "tp", "--exact")
     _one_line_error(invoke("sweep", *model, "--ep", ep), needle)
     assert invoke("sweep", *model, "--ep", "1").exit_code == 0
+
+
+def test_bad_input_under_hf_config_is_one_line_and_the_fields_note_waits_for_the_rows():
+    # the "read gpt2 config.json: ..." note went to stderr before the sweep found no configuration to evaluate
+    gpt2 = str(ROOT / "tests/data/hf/gpt2.json")
+    _one_line_error(invoke("sweep", "--hf-config", gpt2, "--s", "64", "--a", "7"), "h=768 is not divisible by a=7")
+    ok = invoke("sweep", "--hf-config", gpt2, "--s", "64", "--t", "1,5")
+    assert ok.exit_code == 0 and ok.stdout.startswith("b,s,")
+    assert [line.split(":")[1] for line in ok.stderr.splitlines()] == [" read gpt2 config.json", " note"]
