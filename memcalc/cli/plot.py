@@ -9,10 +9,9 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import click
 
+from memcalc.cli import note
 from memcalc.cli.options import SIZE_FLAGS, ByteSize, accounting_options, model_from, model_options, strategy_names
-from memcalc.cli.sweep import (
-    VALUES, SweptKnobs, build_sweep, chosen_strategies, check_out, note_sweep, strategies_option,
-)
+from memcalc.cli.sweep import VALUES, SweptKnobs, build_sweep, chosen_strategies, check_out, strategies_option
 from memcalc.model.knobs import Knobs
 from memcalc.errors import ConfigError
 from memcalc.model.knobs import Accounting
@@ -140,12 +139,14 @@ def _line(
 ) -> Figure:
     """Evaluate the one-size sweep and draw it."""
     from memcalc.sizing import plot
-    from memcalc.sizing.sweep import evaluate_sweep, parse_values
+    from memcalc.sizing.sweep import describe_skips, evaluate_sweep, parse_values
 
     values = x_values if x_values is not None else parse_values(DEFAULT_RANGES[x_name])
-    sweep, notes = build_sweep(params, {x_name: values}, strategies, accounting)
+    sweep = build_sweep(params, {x_name: values}, strategies, accounting)
     result = evaluate_sweep(sweep)
-    note_sweep(notes, result)
+    skipped = describe_skips(result)
+    if skipped:
+        note(f"memcalc: note: {skipped}")
     layers = 1 if per_layer else sweep.values["L"][0]
     lines = {f"{st.name} ({st.title})": y for st, y in result.along(x_name, per_layer).items()}
     sizes = " ".join(f"{n}={sweep.values[n][0]}" for n in SIZE_FLAGS if n != x_name)

@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import click
 
+from memcalc.cli import note
 from memcalc.cli.options import (
     EXPERT_FLAGS, KNOB_FLAGS, SIZE_FLAGS, STRATEGY_CHOICES, SWEPT_KNOBS, accounting_options, config_option,
-    file_fields, hf_config_option, single_knob_options,
+    file_fields, hf_config_option, note_left_out, single_knob_options,
 )
 from memcalc.cli.types import INTEGER
 from memcalc.config.schema import field_help
 from memcalc.errors import ConfigError, in_file
-from memcalc.model.impls import left_out
 from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import STRATEGIES, Strategy
 
@@ -97,21 +97,21 @@ def chosen_strategies(choices: Sequence[str]) -> list[Strategy] | None:
 def build_sweep(
     params: dict[str, Any], ranges: dict[str, Sequence[int]], strategies: Sequence[Strategy] | None,
     accounting: Accounting,
-) -> tuple[Sweep, list[str]]:
+) -> Sweep:
     """A checked `memcalc.sizing.sweep.Sweep`: the file's fields, the size and knob flags over them, `ranges`
-    over those, errors naming the file; and the notes for stderr (the fields --hf-config used, with `strategies`
-    None a layout left out), for the caller to print once the sweep is evaluated: bad input stays one line."""
+    over those, errors naming the file; with `strategies` None, a layout left out is named on stderr."""
     from memcalc.sizing.sweep import make_sweep
 
-    fields, path, note = file_fields(params)
+    fields, path, read = file_fields(params)
     fields.update({k: params[k] for k in SIZE_FLAGS + EXPERT_FLAGS + KNOB_FLAGS
                    if params.get(k) is not None and k not in ranges})
     with in_file(path):
         sweep = make_sweep(fields, ranges, strategies, accounting)
-    notes = [f"memcalc: {note}"] if note is not None else []
+    if read is not None:
+        note(f"memcalc: {read}")
     if strategies is None:
-        notes += [f"memcalc: note: {line}" for line in left_out(sweep.knobs)]
-    return sweep, notes
+        note_left_out(sweep.knobs)
+    return sweep
 
 
 @click.command("sweep")
@@ -153,10 +153,10 @@ def command(
              memcalc sweep --config gpt3-175b --b 1:100 --s 64:640000:64 --out runs.csv
     """
     fmt = _output_format(out, fmt)
-    from memcalc.sizing.sweep import evaluate_sweep
+    from memcalc.sizing.sweep import describe_skips, evaluate_sweep
 
     ranges = {name: params[name] for name in RANGE_FLAGS if params.get(name) is not None}
-    sweep, notes = build_sweep(params, ranges, chosen_strategies(strategy), Accounting(exact=exact, device=device))
+    sweep = build_sweep(params, ranges, chosen_strategies(strategy), Accounting(exact=exact, device=device))
     rows_to_terminal = out is None and fmt != "table" and sys.stdout.isatty()
     with _progress(sweep.rows, shown=not rows_to_terminal) as advance:
         result = evaluate_sweep(sweep, advance)
@@ -164,16 +164,9 @@ def command(
             _write(result, fmt, out, advance)
     if fmt == "table":
         _print_table(result)
-    note_sweep(notes, result)
-
-
-def note_sweep(notes: list[str], result: SweepResult) -> None:
-    """On stderr, after the rows: `build_sweep`'s notes, then how many configurations were skipped and why."""
-    from memcalc.sizing.sweep import describe_skips
-
     skipped = describe_skips(result)
-    for line in [*notes, *([f"memcalc: note: {skipped}"] if skipped else [])]:
-        click.echo(line, err=True)
+    if skipped:
+        note(f"memcalc: note: {skipped}")
 
 
 def _output_format(out: Path | None, fmt: str | None) -> str:
