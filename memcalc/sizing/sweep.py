@@ -120,9 +120,13 @@ def make_sweep(
     layout the implementation runs for the knobs. Rules between sizes are left to `evaluate_sweep`, per point;
     cp > 1 is refused (each rank would keep s/cp tokens)."""
     # Knobs, and unknown keys so that validation names them; sizes and layout fields are not knobs.
-    knobs = build_knobs({
-        k: v for k, v in fields.items() if k in field_names(Knobs) or k not in field_names()
-    } | _expert_knobs(ranges, fields))
+    knob_fields = {k: v for k, v in fields.items() if k in field_names(Knobs) or k not in field_names()}
+    mla = fields.get("kv_lora_rank") is not None
+    if mla and "a" not in ranges and fields.get("num_query_groups") == fields.get("a"):
+        # a group per head, as DeepSeek's config.json says (num_key_value_heads): multi-head, which latent attention
+        # is; check_mla lets a config say so, and the knobs alone, without a, cannot tell
+        del knob_fields["num_query_groups"]
+    knobs = build_knobs(knob_fields | _expert_knobs(ranges, fields))
     if fields.get("cp", 1) != 1:
         raise ConfigError(f"sweeps do not model context parallelism (cp={fields['cp']}); use memcalc estimate for it")
     axes = AXES if knobs.moe else SIZES

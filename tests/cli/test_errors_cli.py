@@ -148,7 +148,8 @@ def test_a_real_process_prints_one_line_and_exits_2(args, needles):
 def test_notes_wait_for_the_command_to_succeed_so_bad_input_is_one_line():
     # the notes (what --hf-config read, a layout left out) went to stderr before the error: three lines
     mixtral = str(Path(__file__).parents[1] / "data/hf/mixtral-tiny.json")
-    one_line_error(memcalc_cli("estimate", "--hf-config", mixtral, "--s", "63", "--t", "2"), "s=63 is not divisible by t=2")
+    refused = memcalc_cli("estimate", "--hf-config", mixtral, "--s", "63", "--t", "2")
+    one_line_error(refused, "s=63 is not divisible by t=2")
     ok = memcalc_cli("estimate", "--hf-config", mixtral, "--s", "64", "--t", "2")
     assert ok.code == 0
     assert [line.split(":")[1] for line in ok.err.splitlines()] == [" read mixtral config.json", " note"]

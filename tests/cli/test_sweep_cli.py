@@ -200,3 +200,14 @@ def test_bad_input_under_hf_config_is_one_line_and_the_fields_note_waits_for_the
     ok = invoke("sweep", "--hf-config", gpt2, "--s", "64", "--t", "1,5")
     assert ok.exit_code == 0 and ok.stdout.startswith("b,s,")
     assert [line.split(":")[1] for line in ok.stderr.splitlines()] == [" read gpt2 config.json", " note"]
+
+
+def test_deepseeks_config_json_sweeps_as_estimate_reads_it():
+    # its num_key_value_heads = num_attention_heads = 128: estimate took it (multi-head, as latent attention is) and
+    # sweep refused it ("num_query_groups=128 with kv_lora_rank"), the knobs alone not knowing a
+    deepseek = str(ROOT / "tests/data/hf/deepseek-v3.json")
+    model = ("--hf-config", deepseek, "--s", "128", "--strategy", "none")
+    (row,) = csv.DictReader(io.StringIO(invoke("sweep", *model, "--format", "csv").stdout))
+    estimate = json.loads(invoke("estimate", *model, "--json").stdout)["strategies"]["none"]
+    assert int(row["per_layer_bytes"]) == estimate["per_layer_bytes"]
+    assert int(row["total_bytes"]) == estimate["total_bytes"]
