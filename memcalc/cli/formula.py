@@ -8,7 +8,7 @@ import click
 
 from memcalc.cli import echo_json
 from memcalc.cli.options import (
-    accounting_options, config_option, knob_options, knobs_from, strategy_names, strategy_option,
+    accounting_options, config_option, hf_config_option, knob_options, knobs_from, strategy_names, strategy_option,
 )
 from memcalc.cli.types import Integer
 from memcalc.model.knobs import Accounting, Knobs
@@ -21,6 +21,7 @@ from memcalc.schemas import SCHEMA_VERSION
 
 @click.command("formula")
 @config_option
+@hf_config_option
 @knob_options
 @strategy_option
 @accounting_options

@@ -189,9 +189,9 @@ def _defaulted_knobs(config: ModelConfig, fields: dict[str, Any], overrides: dic
 
 
 def knobs_from(params: dict[str, Any]) -> Knobs:
-    """For the commands that need no sizes (formula, explain): the knobs of --config (whose sizes are then validated
-    too) with the knob flags laid over, else of the flags alone."""
-    if params.get("config_path") is not None:
+    """For the commands that need no sizes (formula, explain): the knobs of --config or --hf-config (whose sizes are
+    then validated too) with the knob flags laid over, else of the flags alone."""
+    if params.get("config_path") is not None or params.get("hf_config_path") is not None:
         return Knobs.of(model_from(params))
     return Knobs.of(build_knobs({k: params[k] for k in KNOB_FLAGS if params.get(k) is not None}))
 

@@ -1,6 +1,7 @@
 """`memcalc formula`: the seed's formulas in text, LaTeX that parses back, JSON and sympy."""
 
 import json
+from pathlib import Path
 
 import pytest
 import sympy
@@ -104,3 +105,24 @@ def test_formula_at_sizes_no_layout_runs_is_refused_as_estimate_refuses_them(arg
 
 def test_formula_at_sizes_takes_s_not_divisible_by_t_without_sequence_parallelism():
     assert "At b=1 s=127 a=8 t=2, tp is outside" in _ok("--s", "127", "--a", "8", "--t", "2", "--strategy", "tp")
+
+
+def test_formula_and_explain_read_an_hf_config_as_estimate_does():
+    # they took --config only: a config.json that estimate, sweep and fit read had no formula
+    llama = str(Path(__file__).parents[1] / "data/hf/llama-tiny.json")
+    doc = json.loads(_ok_with_note("--hf-config", llama, "--format", "json"))
+    estimate = json.loads(memcalc_cli("estimate", "--hf-config", llama, "--json").out)
+    config = estimate["config"]
+    at = {SYMBOLS[n]: config[field] for n, field in (("b", "b"), ("s", "s"), ("h", "h"), ("a", "a"), ("t", "t"),
+                                                    ("g", "num_query_groups"), ("f", "ffn_hidden_size"))}
+    for name, entry in doc["strategies"].items():
+        value = sympy.sympify(entry["sympy"], locals=SYMBOLS).subs(at)
+        assert value == estimate["strategies"][name]["per_layer_bytes"], name
+    assert "attention/q" in memcalc_cli("explain", "--hf-config", llama).out
+
+
+def _ok_with_note(*args: str) -> str:
+    """formula's output where stderr holds only what --hf-config read."""
+    run = memcalc_cli("formula", *args)
+    assert run.code == 0 and run.err.startswith("memcalc: read ") and run.err.count("\n") == 1, run.err
+    return run.out
