@@ -45,7 +45,8 @@ def command(
     runs in a window of them), the text says under which sizes each formula
     holds; given --s and --a (and --b, --t), it prints the one that holds there.
     """
-    knobs = knobs_from(params)  # bad input fails before the second that sympy takes to import
+    given = {name: size for name, size in zip("bsat", (b, s, a, t)) if size is not None}
+    knobs = knobs_from(params | given)  # a file's sizes as given; bad input fails before sympy's second to import
     names = strategy_names(strategy, knobs)
     sizes = _sizes(knobs, names, b, s, a, t)
     from memcalc.model import formula as F  # sympy: paid only here

@@ -126,3 +126,11 @@ def _ok_with_note(*args: str) -> str:
     run = memcalc_cli("formula", *args)
     assert run.code == 0 and run.err.startswith("memcalc: read ") and run.err.count("\n") == 1, run.err
     return run.out
+
+
+def test_formula_at_sizes_validates_the_file_at_those_sizes():
+    # Mistral's file says s = 32768 beyond its 4096 window, which impl megatron refuses: --s 4096 was not applied
+    mistral = str(Path(__file__).parents[1] / "data/hf/mistral-7b.json")
+    assert "At b=1 s=4096 a=32 t=1" in _ok_with_note("--hf-config", mistral, "--s", "4096", "--a", "32")
+    one_line_error(memcalc_cli("formula", "--config", shipped("tiny"), "--s", "16", "--a", "8", "--t", "3"),
+                   "tiny.yaml: a=8 is not divisible by t=3")
