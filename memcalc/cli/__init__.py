@@ -65,6 +65,15 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+_NOTES: list[str] = []  # stderr lines that wait for the command to succeed (`note`)
+
+
+def note(line: str) -> None:
+    """A line for stderr (what --hf-config read, a layout left out, what a sweep skipped), printed when the command
+    ends without an error: on bad input the error is the one line."""
+    _NOTES.append(line)
+
+
 class _ReaderGone(Exception):
     """stdout's reader closed the pipe. Not an OSError, so click, which exits 1 on EPIPE, lets it reach `main`."""
 
@@ -127,12 +136,15 @@ def main(argv: list[str] | None = None) -> None:
     """Run the CLI, turning every expected failure into one line on stderr."""
     debug = bool(os.environ.get("MEMCALC_DEBUG"))
     _tolerant_streams()
+    _NOTES.clear()
     try:
         # SIGTERM as SystemExit(143) and Ctrl-C as _CtrlC, so that `finally` blocks remove temporary files and stop
         # spawned workers.
         with _signals_handled({signal.SIGTERM: _exit_on_sigterm, signal.SIGINT: _raise_ctrl_c}):
             code = cli.main(args=argv, prog_name="memcalc", standalone_mode=False)
             sys.stdout.flush()  # now, so a full disk or a closed pipe is reported here rather than lost at exit
+            for line in _NOTES:
+                click.echo(line, err=True)
     except click.exceptions.NoArgsIsHelpError as exc:  # a bare `memcalc`: the help as click prints it
         exc.show()
         sys.exit(exc.exit_code)

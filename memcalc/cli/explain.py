@@ -6,7 +6,9 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from memcalc.cli.options import accounting_options, config_option, knob_options, knobs_from, note_left_out
+from memcalc.cli.options import (
+    accounting_options, config_option, hf_config_option, knob_options, knobs_from, note_left_out,
+)
 from memcalc.model.impls import layer_tensors, plan, strategies_of
 from memcalc.model.knobs import Accounting, element_bytes
 from memcalc.model.ledger import SavedTensor
@@ -22,6 +24,7 @@ COLUMNS = ("tensor", "saved by", "shape", "bytes/elem", "split by tp", "split by
 
 @click.command("explain")
 @config_option
+@hf_config_option
 @knob_options
 @accounting_options
 def command(exact: bool, device: str, **params: Any) -> None:

@@ -8,18 +8,20 @@ import click
 
 from memcalc.cli import echo_json
 from memcalc.cli.options import (
-    accounting_options, config_option, knob_options, knobs_from, strategy_names, strategy_option,
+    accounting_options, config_option, hf_config_option, knob_options, knobs_from, strategy_names, strategy_option,
 )
 from memcalc.cli.types import Integer
 from memcalc.model.knobs import Accounting, Knobs
 from memcalc.errors import ConfigError
 from memcalc.model.ledger import Dim
+from memcalc.model.rules import DIVISIBILITY, SEQUENCE_SPLIT
 from memcalc.model.strategy import STRATEGIES
 from memcalc.schemas import SCHEMA_VERSION
 
 
 @click.command("formula")
 @config_option
+@hf_config_option
 @knob_options
 @strategy_option
 @accounting_options
@@ -43,12 +45,13 @@ def command(
     runs in a window of them), the text says under which sizes each formula
     holds; given --s and --a (and --b, --t), it prints the one that holds there.
     """
-    knobs = knobs_from(params)  # bad input fails before the second that sympy takes to import
-    sizes = _sizes(knobs, b, s, a, t)
+    given = {name: size for name, size in zip("bsat", (b, s, a, t)) if size is not None}
+    knobs = knobs_from(params | given)  # a file's sizes as given; bad input fails before sympy's second to import
+    names = strategy_names(strategy, knobs)
+    sizes = _sizes(knobs, names, b, s, a, t)
     from memcalc.model import formula as F  # sympy: paid only here
 
     accounting = Accounting(exact=exact, device=device)
-    names = strategy_names(strategy, knobs)
     outside = [sizes is not None and F.outside_at(knobs, STRATEGIES[n], *sizes) for n in names]
     formulas = [F.layer_formula(STRATEGIES[n], knobs, accounting) if sizes is None else
                 F.formula_at(STRATEGIES[n], knobs, accounting, *sizes) for n in names]
@@ -66,14 +69,22 @@ def command(
         _print_window(F, names, knobs, accounting, sizes, outside)
 
 
-def _sizes(knobs: Knobs, b: int | None, s: int | None, a: int | None, t: int | None) -> tuple[dict, int] | None:
-    """The per-rank sizes a size rule reads (b, s, a, g) and t, when --s and --a are given; None when no size is."""
+def _sizes(
+    knobs: Knobs, names: list[str], b: int | None, s: int | None, a: int | None, t: int | None,
+) -> tuple[dict, int] | None:
+    """The per-rank sizes a size rule reads (b, s, a, g) and t, when --s and --a are given; None when no size is.
+    Sizes no layout runs (t not dividing a, or s under SP) are refused by estimate's rules, not shown a formula."""
     if (b, s, a, t) == (None,) * 4:
         return None
     if s is None or a is None:
         raise ConfigError("formula at given sizes needs --s and --a (and --b, --t: 1 unless given)")
-    groups = knobs.num_query_groups or a
-    return {Dim.B: b or 1, Dim.S: s, Dim.A: a, Dim.G: groups}, t or 1
+    given = {"s": s, "a": a, "t": t or 1, "num_query_groups": knobs.num_query_groups or a}
+    splits_s = any(STRATEGIES[n].sequence_parallel for n in names)
+    for rule in (*DIVISIBILITY, *([SEQUENCE_SPLIT] if splits_s else [])):
+        operands = [given.get(n) for n in rule.operands]
+        if None not in operands and rule.applies(knobs) and rule.fails(*operands):
+            raise ConfigError(rule.message(*operands))
+    return {Dim.B: b or 1, Dim.S: s, Dim.A: a, Dim.G: given["num_query_groups"]}, given["t"]
 
 
 def _print_window(F: Any, names: list[str], knobs: Knobs, accounting: Accounting, sizes: Any, outside: list) -> None:

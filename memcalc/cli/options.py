@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 import click
 
+from memcalc.cli import note
 from memcalc.config.gpus import DEFAULT_GPU, DEFAULT_RESERVE, GPUS
 from memcalc.config.schema import SIZES, ModelConfig, build_knobs, load_config, load_yaml
 from memcalc.cli.types import INTEGER, Integer, Real
@@ -167,11 +168,11 @@ device_options = _stack(
 def model_from(params: dict[str, Any]) -> ModelConfig:
     """The validated config that --config or --hf-config and the flags describe (the fields --hf-config used
     go to stderr, so stdout stays clean for --json)."""
-    fields, path, note = file_fields(params)
+    fields, path, read = file_fields(params)
     overrides = {k: params.get(k) for k in SIZE_FLAGS + EXPERT_FLAGS + KNOB_FLAGS + LAYOUT_FLAGS}
     config = load_config(path, overrides, base=fields)
-    if note is not None:
-        click.echo(f"memcalc: {note}{_defaulted_knobs(config, fields, overrides)}", err=True)
+    if read is not None:
+        note(f"memcalc: {read}{_defaulted_knobs(config, fields, overrides)}")
     return config
 
 
@@ -188,9 +189,9 @@ def _defaulted_knobs(config: ModelConfig, fields: dict[str, Any], overrides: dic
 
 
 def knobs_from(params: dict[str, Any]) -> Knobs:
-    """For the commands that need no sizes (formula, explain): the knobs of --config (whose sizes are then validated
-    too) with the knob flags laid over, else of the flags alone."""
-    if params.get("config_path") is not None:
+    """For the commands that need no sizes (formula, explain): the knobs of --config or --hf-config (whose sizes are
+    then validated too) with the knob flags laid over, else of the flags alone."""
+    if params.get("config_path") is not None or params.get("hf_config_path") is not None:
         return Knobs.of(model_from(params))
     return Knobs.of(build_knobs({k: params[k] for k in KNOB_FLAGS if params.get(k) is not None}))
 
@@ -221,4 +222,4 @@ def strategy_names(choice: str, knobs: Any) -> list[str]:
 def note_left_out(knobs: Any) -> None:
     """Name on stderr, one line each, the layouts the implementation does not run for these knobs, and why."""
     for line in left_out(knobs):
-        click.echo(f"memcalc: note: {line}", err=True)
+        note(f"memcalc: note: {line}")

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import click
 
+from memcalc.cli import note
 from memcalc.cli.options import SIZE_FLAGS, ByteSize, accounting_options, model_from, model_options, strategy_names
 from memcalc.cli.sweep import VALUES, SweptKnobs, build_sweep, chosen_strategies, check_out, strategies_option
 from memcalc.model.knobs import Knobs
@@ -145,7 +146,7 @@ def _line(
     result = evaluate_sweep(sweep)
     skipped = describe_skips(result)
     if skipped:
-        click.echo(f"memcalc: note: {skipped}", err=True)
+        note(f"memcalc: note: {skipped}")
     layers = 1 if per_layer else sweep.values["L"][0]
     lines = {f"{st.name} ({st.title})": y for st, y in result.along(x_name, per_layer).items()}
     sizes = " ".join(f"{n}={sweep.values[n][0]}" for n in SIZE_FLAGS if n != x_name)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import click
 
+from memcalc.cli import note
 from memcalc.cli.options import (
     EXPERT_FLAGS, KNOB_FLAGS, SIZE_FLAGS, STRATEGY_CHOICES, SWEPT_KNOBS, accounting_options, config_option,
     file_fields, hf_config_option, note_left_out, single_knob_options,
@@ -101,13 +102,13 @@ def build_sweep(
     over those, errors naming the file; with `strategies` None, a layout left out is named on stderr."""
     from memcalc.sizing.sweep import make_sweep
 
-    fields, path, note = file_fields(params)
+    fields, path, read = file_fields(params)
     fields.update({k: params[k] for k in SIZE_FLAGS + EXPERT_FLAGS + KNOB_FLAGS
                    if params.get(k) is not None and k not in ranges})
     with in_file(path):
         sweep = make_sweep(fields, ranges, strategies, accounting)
-    if note is not None:
-        click.echo(f"memcalc: {note}", err=True)
+    if read is not None:
+        note(f"memcalc: {read}")
     if strategies is None:
         note_left_out(sweep.knobs)
     return sweep
@@ -165,7 +166,7 @@ def command(
         _print_table(result)
     skipped = describe_skips(result)
     if skipped:
-        click.echo(f"memcalc: note: {skipped}", err=True)
+        note(f"memcalc: note: {skipped}")
 
 
 def _output_format(out: Path | None, fmt: str | None) -> str:

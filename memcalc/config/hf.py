@@ -58,7 +58,7 @@ def read_hf_config(path: Path) -> HfConfig:
             fields[row.target] = value
         used.append((_source(raw, present, value, written), row.target or row.note, value))
     if missing:
-        raise ConfigError(f"{path}: {family.name} config.json is missing {', '.join(missing)}")
+        raise ConfigError(f"{path}: {family.name} config.json is missing {', '.join(dict.fromkeys(missing))}")
     _check_sparse_layers(raw, fields, path, family.name)
     fields.setdefault("name", raw.get("_name_or_path") or _name_from(Path(path)))
     fields.setdefault("description", f"Hugging Face {family.name} config ({path})")

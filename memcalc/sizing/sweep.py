@@ -120,9 +120,13 @@ def make_sweep(
     layout the implementation runs for the knobs. Rules between sizes are left to `evaluate_sweep`, per point;
     cp > 1 is refused (each rank would keep s/cp tokens)."""
     # Knobs, and unknown keys so that validation names them; sizes and layout fields are not knobs.
-    knobs = build_knobs({
-        k: v for k, v in fields.items() if k in field_names(Knobs) or k not in field_names()
-    } | _expert_knobs(ranges, fields))
+    knob_fields = {k: v for k, v in fields.items() if k in field_names(Knobs) or k not in field_names()}
+    mla = fields.get("kv_lora_rank") is not None
+    if mla and "a" not in ranges and fields.get("num_query_groups") == fields.get("a"):
+        # a group per head, as DeepSeek's config.json says (num_key_value_heads): multi-head, which latent attention
+        # is; check_mla lets a config say so, and the knobs alone, without a, cannot tell
+        del knob_fields["num_query_groups"]
+    knobs = build_knobs(knob_fields | _expert_knobs(ranges, fields))
     if fields.get("cp", 1) != 1:
         raise ConfigError(f"sweeps do not model context parallelism (cp={fields['cp']}); use memcalc estimate for it")
     axes = AXES if knobs.moe else SIZES
@@ -143,7 +147,18 @@ def make_sweep(
             "(narrow the ranges, or split the sweep)"
         )
     config = _check_layout(fields, values)  # after the row cap, which bounds how many values of L it reads
+    _check_ep_layout(config, values, sweep.strategies)
     return replace(sweep, size_checks=_size_checks(config, values))
+
+
+def _check_ep_layout(config: ModelConfig, values: dict[str, Sequence[int]], planned: tuple[Strategy, ...]) -> None:
+    """A sweep lays each strategy out once, at ep = 1 (the knobs hold no ep). An implementation that lays its experts
+    out otherwise at ep > 1 (torchtitan's MoE routes each TP rank's own s/t tokens) is refused there, not priced as at
+    ep = 1."""
+    ep = next((e for e in values.get("ep", ()) if e > 1), None)
+    if ep is not None and any(plan(replace(config, ep=ep), STRATEGIES[st.name]) != st for st in planned):
+        raise ConfigError(f"impl {config.impl} lays its experts out differently at ep={ep} than at ep=1, and a sweep"
+                          " lays each strategy out once, at ep=1: sweep ep 1, or use memcalc estimate for ep > 1")
 
 
 def _expert_knobs(ranges: dict[str, Sequence[int]], fields: dict[str, Any]) -> dict[str, int]:

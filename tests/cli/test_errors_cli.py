@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from . import memcalc_cli
+from . import memcalc_cli, one_line_error
 
 ROOT = Path(__file__).parents[2]
 TINY = ["--s", "16", "--h", "64", "--a", "8"]
@@ -143,3 +143,13 @@ def test_a_real_process_prints_one_line_and_exits_2(args, needles):
         env={k: v for k, v in os.environ.items() if k != "MEMCALC_DEBUG"},
     )
     _assert_one_line_error(proc.returncode, proc.stdout, proc.stderr, needles)
+
+
+def test_notes_wait_for_the_command_to_succeed_so_bad_input_is_one_line():
+    # the notes (what --hf-config read, a layout left out) went to stderr before the error: three lines
+    mixtral = str(Path(__file__).parents[1] / "data/hf/mixtral-tiny.json")
+    refused = memcalc_cli("estimate", "--hf-config", mixtral, "--s", "63", "--t", "2")
+    one_line_error(refused, "s=63 is not divisible by t=2")
+    ok = memcalc_cli("estimate", "--hf-config", mixtral, "--s", "64", "--t", "2")
+    assert ok.code == 0
+    assert [line.split(":")[1] for line in ok.err.splitlines()] == [" read mixtral config.json", " note"]

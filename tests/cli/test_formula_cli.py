@@ -1,7 +1,9 @@
 """`memcalc formula`: the seed's formulas in text, LaTeX that parses back, JSON and sympy."""
 
 import json
+from pathlib import Path
 
+import pytest
 import sympy
 from sympy.parsing.latex import parse_latex
 
@@ -11,7 +13,7 @@ from memcalc.model.knobs import Accounting, Knobs
 
 from tests.helpers import SEED_TEXT, seed_bytes
 
-from . import memcalc_cli, shipped
+from . import memcalc_cli, one_line_error, shipped
 
 b, s, h, a, t = (SYMBOLS[n] for n in "bshat")
 SEED = {name: seed_bytes(name, b, s, h, a, t) for name in SEED_TEXT}
@@ -88,3 +90,47 @@ def test_exact_adds_the_per_token_norm_statistics():
     assert doc["strategies"]["none"]["formula"] == "sbh(34 + 16/h + 5as/h)"
     stats = [x for x in doc["strategies"]["none"]["terms"] if not x["paper"]]
     assert {x["name"] for x in stats} == {"ln1/mean", "ln1/rstd", "ln2/mean", "ln2/rstd"}
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--s", "128", "--a", "8", "--t", "3"], "a=8 is not divisible by t=3"),
+    (["--s", "127", "--a", "8", "--t", "2"], "s=127 is not divisible by t=2"),
+    (["--s", "128", "--a", "8", "--num-query-groups", "3"], "a=8 is not divisible by num_query_groups=3"),
+])
+def test_formula_at_sizes_no_layout_runs_is_refused_as_estimate_refuses_them(args, needle):
+    # at a=8 t=3 it printed "b*a/t=1*6/3=2": a formula for a = 6, never the sizes asked for
+    one_line_error(memcalc_cli("formula", *args), needle)
+    one_line_error(memcalc_cli("estimate", "--h", "64", *args), needle)
+
+
+def test_formula_at_sizes_takes_s_not_divisible_by_t_without_sequence_parallelism():
+    assert "At b=1 s=127 a=8 t=2, tp is outside" in _ok("--s", "127", "--a", "8", "--t", "2", "--strategy", "tp")
+
+
+def test_formula_and_explain_read_an_hf_config_as_estimate_does():
+    # they took --config only: a config.json that estimate, sweep and fit read had no formula
+    llama = str(Path(__file__).parents[1] / "data/hf/llama-tiny.json")
+    doc = json.loads(_ok_with_note("--hf-config", llama, "--format", "json"))
+    estimate = json.loads(memcalc_cli("estimate", "--hf-config", llama, "--json").out)
+    config = estimate["config"]
+    at = {SYMBOLS[n]: config[field] for n, field in (("b", "b"), ("s", "s"), ("h", "h"), ("a", "a"), ("t", "t"),
+                                                    ("g", "num_query_groups"), ("f", "ffn_hidden_size"))}
+    for name, entry in doc["strategies"].items():
+        value = sympy.sympify(entry["sympy"], locals=SYMBOLS).subs(at)
+        assert value == estimate["strategies"][name]["per_layer_bytes"], name
+    assert "attention/q" in memcalc_cli("explain", "--hf-config", llama).out
+
+
+def _ok_with_note(*args: str) -> str:
+    """formula's output where stderr holds only what --hf-config read."""
+    run = memcalc_cli("formula", *args)
+    assert run.code == 0 and run.err.startswith("memcalc: read ") and run.err.count("\n") == 1, run.err
+    return run.out
+
+
+def test_formula_at_sizes_validates_the_file_at_those_sizes():
+    # Mistral's file says s = 32768 beyond its 4096 window, which impl megatron refuses: --s 4096 was not applied
+    mistral = str(Path(__file__).parents[1] / "data/hf/mistral-7b.json")
+    assert "At b=1 s=4096 a=32 t=1" in _ok_with_note("--hf-config", mistral, "--s", "4096", "--a", "32")
+    one_line_error(memcalc_cli("formula", "--config", shipped("tiny"), "--s", "16", "--a", "8", "--t", "3"),
+                   "tiny.yaml: a=8 is not divisible by t=3")

@@ -177,3 +177,37 @@ def test_ep_sets_the_experts_split_and_each_row_is_what_estimate_says_at_that_ep
         assert int(row["total_bytes"]) == estimate["strategies"]["tp-sp"]["total_bytes"]
     one = next(csv.DictReader(io.StringIO(invoke("sweep", *model, "--t", "1").stdout)))
     assert int(one["total_bytes"]) < int(rows[0]["total_bytes"])  # worst case: every ep rank may route here
+
+
+@pytest.mark.parametrize("ep, needle", [
+    ("4", "impl torchtitan lays its experts out differently at ep=4 than at ep=1"),
+    ("1,2,4", "ep=2 is measured as ep = t over the TP ranks"),
+])
+def test_an_ep_that_changes_torchtitans_expert_layout_is_refused_not_priced_as_ep_1(ep, needle):
+    # torchtitan's MoE routes each TP rank's own s/t tokens at ep = t > 1; the sweep laid it out at ep = 1 and printed
+    # 728,064 B where estimate says 726,336 B (--exact's top-k outputs whole), and priced ep=2 at t=4, which estimate
+    # refuses
+    model = ("--config", "qwen1.5-moe-a2.7b", "--impl", "torchtitan", "--dropout", "0", "--b", "3", "--s", "16",
+             "--t", "4", "--strategy", "tp", "--exact")
+    _one_line_error(invoke("sweep", *model, "--ep", ep), needle)
+    assert invoke("sweep", *model, "--ep", "1").exit_code == 0
+
+
+def test_bad_input_under_hf_config_is_one_line_and_the_fields_note_waits_for_the_rows():
+    # the "read gpt2 config.json: ..." note went to stderr before the sweep found no configuration to evaluate
+    gpt2 = str(ROOT / "tests/data/hf/gpt2.json")
+    _one_line_error(invoke("sweep", "--hf-config", gpt2, "--s", "64", "--a", "7"), "h=768 is not divisible by a=7")
+    ok = invoke("sweep", "--hf-config", gpt2, "--s", "64", "--t", "1,5")
+    assert ok.exit_code == 0 and ok.stdout.startswith("b,s,")
+    assert [line.split(":")[1] for line in ok.stderr.splitlines()] == [" read gpt2 config.json", " note"]
+
+
+def test_deepseeks_config_json_sweeps_as_estimate_reads_it():
+    # its num_key_value_heads = num_attention_heads = 128: estimate took it (multi-head, as latent attention is) and
+    # sweep refused it ("num_query_groups=128 with kv_lora_rank"), the knobs alone not knowing a
+    deepseek = str(ROOT / "tests/data/hf/deepseek-v3.json")
+    model = ("--hf-config", deepseek, "--s", "128", "--strategy", "none")
+    (row,) = csv.DictReader(io.StringIO(invoke("sweep", *model, "--format", "csv").stdout))
+    estimate = json.loads(invoke("estimate", *model, "--json").stdout)["strategies"]["none"]
+    assert int(row["per_layer_bytes"]) == estimate["per_layer_bytes"]
+    assert int(row["total_bytes"]) == estimate["total_bytes"]

@@ -134,6 +134,14 @@ def test_missing_fields_are_all_named(tmp_path):
         read_hf_config(_write(tmp_path, raw))
 
 
+def test_a_missing_field_two_rows_read_is_named_once(tmp_path):
+    # GPT-2's n_positions gives both s and max_position_embeddings: it was named twice, "n_positions, n_positions"
+    raw = json.loads((DATA / "gpt2.json").read_text())
+    del raw["n_positions"]
+    with pytest.raises(ConfigError, match="gpt2 config.json is missing n_positions$"):
+        read_hf_config(_write(tmp_path, raw))
+
+
 @pytest.mark.parametrize("change,message", [
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' in a gated MLP"),
     ({"attention_bias": True, "mlp_bias": False}, "attention_bias and mlp_bias differ"),
