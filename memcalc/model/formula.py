@@ -12,6 +12,7 @@ from math import prod
 from typing import Callable
 
 import sympy
+from sympy.printing.str import StrPrinter
 
 from memcalc.model.impls import layer_tensors, plan, size_rule, tensors_at
 from memcalc.model.knobs import Accounting, Knobs, element_bytes
@@ -174,9 +175,20 @@ def to_latex(expr: sympy.Expr) -> str:
     return f"s b h \\cdot \\left({' + '.join(parts)}\\right)"
 
 
+class _PlainPrinter(StrPrinter):
+    """sympy's own printer, but a symbol whose bare name sympy reads as something else (E: Euler's number) is
+    written Symbol('E'), so that a plain sympy.sympify of the text gives back the formula, not a wrong number."""
+
+    def _print_Symbol(self, expr: sympy.Symbol) -> str:
+        return f"Symbol({expr.name!r})" if expr.name in _READ_OTHERWISE else expr.name
+
+
+_READ_OTHERWISE = frozenset({"E"})  # sympy's namespace names it too (tests pin that no other symbol is read so)
+
+
 def to_plain(expr: sympy.Expr) -> str:
-    """sympy's own string of the factored expression, for pasting into Python."""
-    return str(SBH * sympy.expand(expr / SBH))
+    """sympy's own string of the factored expression, for pasting into Python or reading with sympy.sympify."""
+    return _PlainPrinter().doprint(SBH * sympy.expand(expr / SBH))
 
 
 def symbols_in(exprs: list[sympy.Expr]) -> list[str]:

@@ -136,6 +136,15 @@ def test_plain_output_is_python_that_sympy_reads_back(knobs):
         assert _same(sympy.sympify(F.to_plain(expr), locals=F.SYMBOLS), expr)
 
 
+def test_plain_output_reads_back_with_a_bare_sympify_even_where_a_name_is_sympys_own():
+    # E (routed experts) is Euler's number to a bare sympify: written Symbol('E'), it stays the experts' count
+    expr = F.SBH * (4 * F.E / F.h + 2 * F.k)
+    text = F.to_plain(expr)
+    assert "Symbol('E')" in text
+    assert _same(sympy.sympify(text).subs({sympy.Symbol(n): x for n, x in F.SYMBOLS.items()}), expr)
+    assert [n for n in F.SYMBOLS if sympy.sympify(n) != sympy.Symbol(n)] == sorted(F._READ_OTHERWISE)
+
+
 def test_text_wraps_compound_denominators_and_writes_powers():
     assert F.to_text(F.SBH * (3 * a**2 / h**2 + 2 / (3 * t) + 1)) == "sbh(1 + 2/(3t) + 3a^2/(h^2))"
 
