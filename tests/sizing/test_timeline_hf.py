@@ -240,7 +240,7 @@ def test_attention_dropout_keeps_its_bool_mask_until_its_backward_runs():
     """Eager attention with dropout: the layer keeps native_dropout's 1-byte mask and the dropped-out weights instead of
     the softmax's bf16 cast; the mask goes at dropout's backward, which makes one gradient the size of the weights."""
     config, walked = _timeline(dropout=0.1, attention="eager")
-    moment = next(m for m in walked.moments if "dropout's backward" in m.label())
+    moment = next(m for m in walked.moments if "native_dropout_backward" in m.label())
     assert moment.where == "model.layers.2.self_attn"
     after = walked.moments[walked.moments.index(moment) + 1]
     scores = config.b * config.a * config.s * config.s

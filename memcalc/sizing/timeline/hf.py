@@ -228,8 +228,10 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
         (sharded and config.add_qkv_bias, "dp_shard or zero_stage with add_qkv_bias (its walks lay out one gradient a"
                                           " module, the weight's)"),
         # gradient checkpointing: each layer's forward op by op, rerun in backward
-        (config.recompute != "none" and config.has_dropout, f"{rerun} dropout (the probe's CUDA-like dropout shim is"
-                                                            " not active in the rerun)"),
+        (config.recompute != "none" and config.has_dropout and config.attention != "eager"
+         and accounting.device == "cpu", f"{rerun} SDPA's dropout on a CPU (torch's math kernel is walked as its"
+                                         " widest moment, not op by op as a checkpoint's forward frees what it"
+                                         " saves)"),
         (config.recompute != "none" and config.zero_stage is not None, f"{rerun} zero_stage"),
         (config.recompute != "none" and config.dtype == "fp32", f"{rerun} dtype fp32 (the norms' x.to(float32) are the"
                                                                 " checkpoint's input and the residual stream"
@@ -253,9 +255,6 @@ def _gpt2_missing(config: ModelConfig, family: str, tp: bool, accounting: Accoun
                                                                 " its positions: wpe)"),
         (config.attention != "eager" and config.has_dropout and accounting.device == "cpu",
          f"dropout {config.dropout} with SDPA in GPT-2's model on a CPU (torch's math kernel runs)"),
-        (config.recompute == "full" and config.has_dropout, f"recompute full (gradient checkpointing) with dropout in"
-                                                            " GPT-2's model (the probe's CUDA-like dropout shim is not"
-                                                            " active in the rerun)"),
         (config.dp_shard is not None or config.zero_stage is not None, "GPT-2's model under dp_shard or zero_stage"),
     ]
 
@@ -306,7 +305,7 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
         for name, norm, dx, branch in (
             ("post_attention_layernorm", rules.GEMMA_POST_ATTN, attn_out, "attn"),
             ("post_feedforward_layernorm", rules.GEMMA_POST_MLP, mlp_out, "mlp"))) if config.sandwich_norm else ((), ())
-    mid, output = layer.residuals(i, z, config.attention == "eager")
+    mid, output = layer.residuals(i, z, config.attention == "eager", config.has_dropout)
     ops = (
         *layer.rms_norm("input_layernorm", p, ln1, z, f"grad/{p}/ln1 output", out, f"grad/{p}/mid",
                         output=kept(p, ledger.QKV_IN)),

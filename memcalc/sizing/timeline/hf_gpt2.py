@@ -15,7 +15,7 @@ from memcalc.model.impls import hf as rules
 from memcalc.model.ledger import NormTensors, SavedTensor
 from memcalc.sizing.timeline.hf_layer import context
 from memcalc.sizing.timeline.tape import TEMPORARIES, Sizes
-from memcalc.sizing.timeline.torch_ops import WHY_WGRAD, linear
+from memcalc.sizing.timeline.torch_ops import WHY_WGRAD, dropout, linear
 from memcalc.sizing.timeline.walk import Checkpoint, Made, Op, Step, kept, kept_names
 
 WHY_NORM_GRADS = "the norm's weight and bias gradients, handed over as the node returns"
@@ -54,17 +54,6 @@ def conv1d(where: str, p: str, x: SavedTensor, gemm: Step, inputs: int, outputs:
     return Op(where, (gemm,), (replace(op.backward[0], moment=True), *op.backward[1:]), op.saves)
 
 
-def dropout(where: str, p: str, mask: SavedTensor, output: Made, dy: str, dx: str, dx_bytes: int,
-            gone: tuple[str, ...] = (), frees: tuple[str, ...] = (), then: Step | None = None) -> Op:
-    """nn.Dropout (and F.dropout) in training: the probe's shim runs CUDA's native_dropout, its output and a bool
-    mask, which backward multiplies dY by (scaled) into a new `dx`; `gone`: the input, rebound as it returns; `frees`:
-    dY, unless it lives on (the residual stream's); `then`: what goes after it (the module around it returns)."""
-    return Op(where, (Step("native_dropout: its output and bool mask", (output, kept(p, mask)), frees=gone),
-                      *((then,) if then else ())), (
-        Step("native_dropout_backward: dY * mask * scale", (Made(dx, dx_bytes, "dropout's backward"),),
-             frees=frees),), saves=(mask,))
-
-
 def block(i: int, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     """GPT2Block i, op by op. Its locals live to its return: the residual (ln_2's input, which it keeps), ln_2's
     output, attn_output and the attention weights it returns, the MLP's output; its output is the next norm's input
@@ -83,9 +72,16 @@ def block(i: int, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
         *mlp(p, z, config),
         Op("", (Step("the residual's sum: the block's output", (output,),
                      frees=(f"{p}/attn output", f"{p}/mlp output"),
-                     reads_last=kept_names(p, ledger.LN2.input, ledger.FC1_IN,
-                                           *((ledger.SOFTMAX_OUT,) if config.attention == "eager" else ()))),), ()),
+                     reads_last=kept_names(p, ledger.LN2.input, ledger.FC1_IN, *_returned(config))),), ()),
     )
+
+
+def _returned(config: ModelConfig) -> tuple[SavedTensor, ...]:
+    """The attention weights eager attention returns, which the block holds to its return: softmax's output, or with
+    dropout the dropped-out weights (SDPA returns none)."""
+    if config.attention != "eager":
+        return ()
+    return (ledger.ATTN_DROPOUT_OUT,) if config.has_dropout else (ledger.SOFTMAX_OUT,)
 
 
 def attention(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
@@ -145,7 +141,7 @@ def _eager(p: str, z: Sizes, copies: bool, dropped: bool) -> tuple[Op, ...]:
     weights = ledger.ATTN_DROPOUT_OUT if dropped else ledger.SOFTMAX_OUT
     dweights = f"{g}/dropped" if dropped else f"{g}/weights"
     drop = (dropout("attn", p, ledger.ATTN_DROPOUT_MASK, kept(p, ledger.ATTN_DROPOUT_OUT), dweights, f"{g}/weights",
-                    sc, frees=(dweights,)),) if dropped else ()
+                    sc, frees=(dweights,), reads=kept_names(p, ledger.SOFTMAX_OUT)),) if dropped else ()
     return (
         Op("attn", (
             *(Step(f"{n} copied for bmm", (kept(p, t),)) for n, t in (("q", ledger.Q), ("k^T", ledger.K)) if copies),

@@ -12,6 +12,7 @@ from memcalc.model import ledger
 from memcalc.model.impls import hf as rules
 from memcalc.model.ledger import RMSNormTensors, SavedTensor
 from memcalc.sizing.timeline.tape import Sizes
+from memcalc.sizing.timeline import torch_ops
 from memcalc.sizing.timeline.torch_ops import WHY_WGRAD, linear
 from memcalc.sizing.timeline.walk import Made, Op, Step, kept, kept_name
 
@@ -185,16 +186,18 @@ def layer_forward(i: int, z: Sizes, kept: Step, mlp: tuple[Op, ...] = (), core: 
     return (*core, made, *mlp, *down, out)
 
 
-def residuals(i: int, z: Sizes, eager: bool) -> tuple[Op, Op]:
+def residuals(i: int, z: Sizes, eager: bool, dropout: bool) -> tuple[Op, Op]:
     """Layer i's two residual sums; as the layer returns its locals go: the stream, the MLP's output (or its norm),
-    eager's attention weights (`hidden_states, _ = self.self_attn(...)` holds them), the input the caller rebinds."""
+    eager's attention weights (`hidden_states, _ = self.self_attn(...)` holds them: with `dropout` the dropped-out
+    ones), the input the caller rebinds."""
     p, full = f"layers.{i}", z.full(z.h)
     mid = Op("", (Step("x + attention", (Made(f"{p}/mid", full, "the residual stream after attention: ln2's input and"
                                               " the MLP's residual"),), frees=(f"{p}/attn output", f"{p}/attn normed")
                         ),), ())
     out = Op("", (Step("the layer's output", (Made(f"layers.{i + 1}/input", full, "the next layer's input"),),
                        frees=(f"{p}/mid", f"{p}/mlp output", f"{p}/mlp normed", *((f"{p}/input",) if i else ())),
-                       reads_last=(kept_name(p, rules.WEIGHTS),) if eager else ()),), ())
+                       reads_last=(kept_name(p, ledger.ATTN_DROPOUT_OUT if dropout else rules.WEIGHTS),)
+                       if eager else ()),), ())
     return mid, out
 
 
@@ -364,11 +367,13 @@ def _eager(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool = F
         Step("(.) * softcap", (Made(f"{p}/scores capped", z.act * scores, "a temporary"),), reads_last=(tanh,)),
     ), (*_softcap_backward(g, z.act * scores), scale), saves=(rules.SOFTCAP_TANH,)),)
     weights = f"{g}/dropped" if dropout else f"{g}/weights"
-    dropped = (Op("self_attn", (), (
-        Step("dropout's backward: dY * mask * scale", (Made(f"{g}/weights", z.act * scores, "native_dropout_backward:"
-                                                            " one kernel, the gradient through the mask"),),
-             frees=(weights,)),), saves=(ledger.ATTN_DROPOUT_MASK,)),) if dropout else ()
     sc, x, cast = z.act * scores, f"{p}/scores", z.act != 4  # fp32: softmax's casts are no-ops
+    # dropout's input: the softmax cast back (a local it rebinds), in fp32 the softmax itself
+    cast_back = Made(f"{p}/weights", sc, "the softmax cast back, dropout's input") if dropout else \
+        kept(p, rules.WEIGHTS)
+    dropped = (torch_ops.dropout("self_attn", p, ledger.ATTN_DROPOUT_MASK, kept(p, ledger.ATTN_DROPOUT_OUT), weights,
+                                 f"{g}/weights", sc, gone=(cast_back.name,) if cast else (), frees=(weights,),
+                                 reads=() if cast else (kept_name(p, rules.SOFTMAX_FP32),)),) if dropout else ()
     q_copied, k_copied, v_copied = _bmm_copies(z, saved, fused)
     repeated = expanded and not v_copied  # repeat_kv's copies, kept to the core's return; else matmul's, to bmm's
     copies = tuple(Step(f"repeat_kv({n})", (kept(p, t),)) for n, t in (("k", k), ("v", v))) if repeated else ()
@@ -389,7 +394,7 @@ def _eager(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool = F
                  frees=(f"{x} scaled", f"{x} capped")),
             *((Step("the cast to fp32", (Made(f"{x} fp32", 2 * sc, "softmax's input, a temporary"),)),
                Step("the fp32 softmax", (kept(p, rules.SOFTMAX_FP32),), frees=(f"{x} fp32",)),
-               Step("the cast back: the attention weights", (kept(p, rules.WEIGHTS),), frees=(f"{x} masked",),
+               Step("the cast back: the attention weights", (cast_back,), frees=(f"{x} masked",),
                     reads_last=(kept_name(p, rules.SOFTMAX_FP32),))) if cast else
               (Step("the fp32 softmax: the attention weights", (kept(p, rules.SOFTMAX_FP32),),
                     frees=(f"{x} masked",)),)),

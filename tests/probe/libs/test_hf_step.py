@@ -581,7 +581,7 @@ def test_under_recomputation_gpt2s_sizes_put_the_peak_in_five_different_places()
 # SDPA (its CPU flash kernel) without dropout; gradient checkpointing (each block's early-stopped rerun)
 @pytest.mark.parametrize("attention, dropout, recompute", [
     ("eager", 0.0, "none"), ("eager", 0.1, "none"), ("flash", 0.0, "none"), ("eager", 0.0, "full"),
-    ("flash", 0.0, "full")])
+    ("flash", 0.0, "full"), ("eager", 0.1, "full")])
 @pytest.mark.parametrize("changes", GPT2_STEPS, ids=str)
 def test_gpt2s_step_happens_in_order_and_peaks_where_the_timeline_says_to_the_byte(one_thread, changes, attention,
                                                                                     dropout, recompute):
@@ -597,7 +597,6 @@ def test_gpt2s_step_happens_in_order_and_peaks_where_the_timeline_says_to_the_by
 
 @pytest.mark.parametrize("changes, named", [
     ({"attention": "flash", "dropout": 0.1}, "dropout 0.1 with SDPA in GPT-2's model on a CPU"),
-    ({"recompute": "full", "dropout": 0.1}, "recompute full \\(gradient checkpointing\\) with dropout in GPT-2's"),
     ({"add_bias_linear": False}, "GPT-2 without add_bias_linear"),
     ({"position_embedding_type": "rope"}, "GPT-2 with position_embedding_type rope"),
     ({"t": 2, "tie_embeddings": False}, "GPT-2's model under tp \\(t=2\\): GPT2Config has no base_model_tp_plan"),
@@ -735,12 +734,35 @@ def test_checkpointed_experts_run_op_by_op_and_rerun_to_the_last_saved_tensor_to
     _exact_step(make_config(LLAMA, attention=attention, recompute="full", **changes), layout, route)
 
 
+# attention dropout checkpointed: the probe's CUDA-like shim drops out in the rerun too (the checkpoint's context_fn)
+RECOMPUTE_DROPOUT_STEPS = [
+    ("none", {"s": 13}, None),  # a/g = 4: the last layer's down_proj GEMMs
+    ("none", QWEN2 | {"b": 1, "s": 11, "num_query_groups": 8}, None),  # a/g = 1, b = 1
+    ("none", {"b": 1, "s": 96, "h": 16, "ffn_hidden_size": 16, "vocab_size": 20}, None),  # dropped x V's backward
+    ("none", ODD | {"b": 3, "s": 17, "num_query_groups": 2}, None),  # a/g = 3, b > 1: matmul's copies
+    ("tp", {"t": 2, "s": 9}, None),
+    ("none", MIXTRAL | {"s": 13}, "balanced"),
+    ("none", QWEN3_MOE | {"b": 3, "s": 7, "h": 48, "a": 6, "num_query_groups": 3, "num_experts": 3,
+                          "moe_router_topk": 1, "moe_ffn_hidden_size": 24}, "balanced"),
+]
+
+
+@pytest.mark.parametrize("layout, changes, route", RECOMPUTE_DROPOUT_STEPS, ids=str)
+def test_under_gradient_checkpointing_attention_dropout_keeps_its_mask_in_the_rerun_to_the_byte(one_thread, layout,
+                                                                                                changes, route):
+    """In forward native_dropout's mask goes at once and its input, the softmax cast back, as it returns; the layer
+    holds the dropped-out weights the attention returns to its end. The rerun drops out as the forward did (its own
+    mask, which the rerun keeps)."""
+    _exact_step(make_config(LLAMA, attention="eager", dropout=0.1, recompute="full", **changes), layout, route)
+
+
 @pytest.mark.parametrize("changes, named", [
-    ({"dropout": 0.1}, "recompute full \\(gradient checkpointing\\) with dropout"),
+    ({"dropout": 0.1, "attention": "flash"}, "recompute full \\(gradient checkpointing\\) with SDPA's dropout on a"
+                                             " CPU"),
 ])
 def test_under_gradient_checkpointing_what_the_walk_does_not_model_is_refused_by_name(changes, named):
     with pytest.raises(ConfigError, match=named):
-        timeline(make_config(LLAMA, attention="eager", recompute="full", **changes), STRATEGIES["none"], CPU)
+        timeline(make_config(LLAMA, recompute="full", **changes), STRATEGIES["none"], CPU)
 
 
 # fp32 (no master weights: the trainer's Fp32AdamW steps the weights themselves): every cast a no-op, so each norm's
