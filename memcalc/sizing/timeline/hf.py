@@ -233,9 +233,6 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
                                          " widest moment, not op by op as a checkpoint's forward frees what it"
                                          " saves)"),
         (config.recompute != "none" and config.zero_stage is not None, f"{rerun} zero_stage"),
-        (config.recompute != "none" and config.dtype == "fp32", f"{rerun} dtype fp32 (the norms' x.to(float32) are the"
-                                                                " checkpoint's input and the residual stream"
-                                                                " themselves, which the rerun's walk does not alias)"),
     ]
     for absent, what in missing:
         if absent:
@@ -301,14 +298,15 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
     attn_out, mlp_out = (f"grad/{p}/attn output", f"grad/{p}/mlp output") if config.sandwich_norm else (None, None)
     post_attn, post_mlp = (  # each on its branch's output, which goes as the norm returns
         layer.rms_norm(name, p, norm, z, None, dx, output=Made(f"{p}/{branch} normed", z.full(z.h), "the branch's"
-                                                                " output normalised"), gone=(f"{p}/{branch} output",))
+                                                                " output normalised"), gone=(f"{p}/{branch} output",),
+                       x=f"{p}/{branch} output")
         for name, norm, dx, branch in (
             ("post_attention_layernorm", rules.GEMMA_POST_ATTN, attn_out, "attn"),
             ("post_feedforward_layernorm", rules.GEMMA_POST_MLP, mlp_out, "mlp"))) if config.sandwich_norm else ((), ())
-    mid, output = layer.residuals(i, z, config.attention == "eager", config.has_dropout)
+    mid, output = layer.residuals(i, z, layer.returned_weights(z, config.attention == "eager", config.has_dropout))
     ops = (
         *layer.rms_norm("input_layernorm", p, ln1, z, f"grad/{p}/ln1 output", out, f"grad/{p}/mid",
-                        output=kept(p, ledger.QKV_IN)),
+                        output=kept(p, ledger.QKV_IN), x=f"{p}/input"),
         *layer.attention(p, z, config.attention == "eager", saved, config.groups != config.a, tp,
                          i == 0 and not checkpointed,
                          config.qk_layernorm, config.add_qkv_bias, config.has_dropout,
@@ -317,7 +315,7 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
         *((mid,) if checkpointed else ()),
         *layer.rms_norm("pre_feedforward_layernorm" if config.sandwich_norm else "post_attention_layernorm", p, ln2,
                         z, mlp, f"grad/{p}/mid", f"grad/{p}/output",
-                        output=kept(p, ledger.MOE_IN if block else ledger.FC1_IN)),
+                        output=kept(p, ledger.MOE_IN if block else ledger.FC1_IN), x=f"{p}/mid"),
         *(moe.checkpointed_forward(p, z, config) if block and checkpointed else ()),
         *(block or layer.mlp(p, z, tp, rules.GATED[config.mlp], mlp_out, config.fused_qkv)),
         *post_mlp,

@@ -22,18 +22,21 @@ ROPE = (rules.ROPE_COS, rules.ROPE_SIN)  # made once per forward by LlamaRotaryE
 
 def rms_norm(where: str, p: str, norm: RMSNormTensors, z: Sizes, dy: str | None, out: str, residual: str | None = None,
              forward: tuple[Step, ...] = (), width: int = 0, heads: int = 1, output: Made | None = None,
-             gone: tuple[str, ...] = ()) -> tuple[Op, ...]:
+             gone: tuple[str, ...] = (), x: str = "") -> tuple[Op, ...]:
     """LlamaRMSNorm's backward as autograd runs its eager ops, widest at pow's (five fp32 (b, s, h) tensors); with a
     `residual` the norm's dX and the stream's gradient summed into `out`. `forward`: the final norm's; `width`, `heads`:
     Qwen3's q_norm and k_norm, per head; `dy` None: the residual stream's too (Gemma 2's sandwich norms); `output`,
-    `gone`: the forward op by op, for a checkpoint's walk. GemmaRMSNorm (`norm.weight_plus_one`) multiplies in fp32 and
-    casts back last (`_gemma_weight`)."""
+    `gone`: the forward op by op, for a checkpoint's walk, `x` the norm's input (in fp32 its upcast is x itself, which
+    the norm then keeps). GemmaRMSNorm (`norm.weight_plus_one`) multiplies in fp32 and casts back last
+    (`_gemma_weight`)."""
     width = width or z.h
     g, fp32, row = _grad(p, where), z.tokens(4 * width), z.tokens(4 * heads)
     act = z.full(width)
     dx = out if residual is None else f"{g}/dx"
     walked = _gemma_norm_forward if norm.weight_plus_one else _norm_forward
-    forward = forward or (walked(f"{p}/{where}", p, norm, fp32, row, output, gone) if output else ())
+    upcast = Made(x, 0, "x.to(float32) in fp32: x itself", keeps=norm.input_fp32, alias=True) if act == fp32 else \
+        kept(p, norm.input_fp32)
+    forward = forward or (walked(f"{p}/{where}", p, norm, fp32, row, upcast, output, gone) if output else ())
     if act == fp32:  # fp32: x.to(float32) is x, whose gradients autograd sums as they come (`_summed_into_x`)
         cast = Op(where, forward=forward, backward=())
     else:
@@ -72,12 +75,13 @@ def rms_norm(where: str, p: str, norm: RMSNormTensors, z: Sizes, dy: str | None,
     if norm.weight_plus_one:
         return (cast, power, rstd, *_gemma_weight(where, g, norm, z, dy, fp32, width // heads))
     weight = Op(where, forward=(), backward=(
-        Step("weight * y's backward", (Made(f"{g}/dY w", act, "dY * weight"), Made(f"{g}/dY y", act, "dY * y"),
-                                       Made(f"{g}/dweight", z.act * width // heads, WHY_WGRAD)),
-             # a moment in fp32, where a tiny model with tied weights peaks here (no fp32 copy of the logits above
-             # it); under gradient checkpointing (16-bit only) the rerun's locals go around it, untimed by the walk
-             frees=(f"{g}/dY y",), hands_over=(f"{g}/dweight",), moment=act == fp32),
-        Step("", frees=(dy,) if dy else (), returns=True),
+        Step("weight * y's backward: its two products", (Made(f"{g}/dY w", act, "dY * weight"),
+                                                         Made(f"{g}/dY y", act, "dY * y")), returns=True, moment=False),
+        # summed to the weight's shape after the node returned (under a checkpoint y, the rerun's, is gone by then);
+        # a moment in fp32, where a tiny model with tied weights peaks here (no fp32 copy of the logits above it)
+        Step("weight * y's backward", (Made(f"{g}/dweight", z.act * width // heads, WHY_WGRAD),),
+             frees=(f"{g}/dY y",), hands_over=(f"{g}/dweight",), reduced=True, moment=act == fp32),
+        Step("", frees=(dy,) if dy else ()),
     ), saves=(norm.normed,))
     return (cast, power, rstd, weight)
 
@@ -94,32 +98,41 @@ def _summed_into_x(g: str, act: int, residual: str | None) -> tuple[tuple[Step, 
         frees=(f"{g}/dx (x * r)", residual), moment=False),), f"{g}/dx (sum)"
 
 
-def _norm_forward(n: str, p: str, norm: RMSNormTensors, fp32: int, row: int, output: Made, gone: tuple[str, ...]
-                  ) -> tuple[Step, ...]:
+def _norm_forward(n: str, p: str, norm: RMSNormTensors, fp32: int, row: int, upcast: Made, output: Made,
+                  gone: tuple[str, ...]) -> tuple[Step, ...]:
     """LlamaRMSNorm's forward op by op (the variance a local to the return). `fp32`: an fp32 copy's bytes, `row`: the
-    statistics'."""
+    statistics'; `upcast`: x.to(float32), in fp32 an alias of x, as the cast back is of x * rstd."""
+    read = (kept_name(p, norm.input_fp32), kept_name(p, norm.rstd))
+    normalised = (Step("x * rstd", (kept(p, norm.normed),), reads_last=read),) if upcast.alias else (
+        Step("x * rstd", (Made(f"{n}/normalised fp32", fp32, "a local until the norm returns"),), reads_last=read),
+        Step("the cast back to bf16", (kept(p, norm.normed),)))
     return (
-        Step("x.to(float32)", (kept(p, norm.input_fp32),)),
+        Step("x.to(float32)", (upcast,)),
         Step("pow(2)", (Made(f"{n}/pow", fp32, "x^2, a temporary"),)),
         Step("mean over h: the variance", (Made(f"{n}/variance", row, "a local until the norm returns"),),
              frees=(f"{n}/pow",)),
         Step("variance + eps", (Made(f"{n}/variance + eps", row, "rsqrt's input, a temporary"),)),
         Step("rsqrt", (kept(p, norm.rstd),), frees=(f"{n}/variance + eps",)),
-        Step("x * rstd", (Made(f"{n}/normalised fp32", fp32, "a local until the norm returns"),),
-             reads_last=(kept_name(p, norm.input_fp32), kept_name(p, norm.rstd))),
-        Step("the cast back to bf16", (kept(p, norm.normed),)),
+        *normalised,
         Step("weight * y: the norm's output", (output,), frees=(f"{n}/variance", f"{n}/normalised fp32", *gone),
              reads_last=(kept_name(p, norm.normed),)),
     )
 
 
-def _gemma_norm_forward(n: str, p: str, norm: RMSNormTensors, fp32: int, row: int, output: Made,
+def _gemma_norm_forward(n: str, p: str, norm: RMSNormTensors, fp32: int, row: int, upcast: Made, output: Made,
                         gone: tuple[str, ...]) -> tuple[Step, ...]:
     """GemmaRMSNorm's forward op by op (its `_norm` returns after x * rstd: the fp32 input and the rstd go unless
-    saved). `fp32`: an fp32 copy's bytes, `row`: the statistics'."""
+    saved). `fp32`: an fp32 copy's bytes, `row`: the statistics'; `upcast`: x.float(), in fp32 an alias of x, as
+    weight.float() is the weight and type_as(x) the product."""
     channels = fp32 // row  # the channels each statistic covers: the weight's
+    if upcast.alias:
+        return (Step("x.float()", (upcast,)),
+                *_gemma_norm_forward(n, p, norm, fp32, row, kept(p, norm.input_fp32), output, gone)[1:6],
+                Step("1.0 + weight", (kept(p, norm.weight_plus_one),)),
+                Step("the product, in fp32: the norm's output", (output,), frees=gone,
+                     reads_last=(kept_name(p, norm.normed_fp32), kept_name(p, norm.weight_plus_one))))
     return (
-        Step("x.float()", (kept(p, norm.input_fp32),)),
+        Step("x.float()", (upcast,)),
         Step("pow(2)", (Made(f"{n}/pow", fp32, "x^2, a temporary"),)),
         Step("mean over h", (Made(f"{n}/variance", row, "a temporary"),), frees=(f"{n}/pow",)),
         Step("mean + eps", (Made(f"{n}/variance + eps", row, "rsqrt's input, a temporary"),),
@@ -186,19 +199,26 @@ def layer_forward(i: int, z: Sizes, kept: Step, mlp: tuple[Op, ...] = (), core: 
     return (*core, made, *mlp, *down, out)
 
 
-def residuals(i: int, z: Sizes, eager: bool, dropout: bool) -> tuple[Op, Op]:
+def residuals(i: int, z: Sizes, weights: SavedTensor | None) -> tuple[Op, Op]:
     """Layer i's two residual sums; as the layer returns its locals go: the stream, the MLP's output (or its norm),
-    eager's attention weights (`hidden_states, _ = self.self_attn(...)` holds them: with `dropout` the dropped-out
-    ones), the input the caller rebinds."""
+    the attention `weights` eager returns (`hidden_states, _ = self.self_attn(...)` holds them), the input the caller
+    rebinds."""
     p, full = f"layers.{i}", z.full(z.h)
     mid = Op("", (Step("x + attention", (Made(f"{p}/mid", full, "the residual stream after attention: ln2's input and"
                                               " the MLP's residual"),), frees=(f"{p}/attn output", f"{p}/attn normed")
                         ),), ())
     out = Op("", (Step("the layer's output", (Made(f"layers.{i + 1}/input", full, "the next layer's input"),),
                        frees=(f"{p}/mid", f"{p}/mlp output", f"{p}/mlp normed", *((f"{p}/input",) if i else ())),
-                       reads_last=(kept_name(p, ledger.ATTN_DROPOUT_OUT if dropout else rules.WEIGHTS),)
-                       if eager else ()),), ())
+                       reads_last=(kept_name(p, weights),) if weights else ()),), ())
     return mid, out
+
+
+def returned_weights(z: Sizes, eager: bool, dropout: bool) -> SavedTensor | None:
+    """The attention weights eager attention returns: the dropped-out ones, in fp32 the softmax itself (its cast a
+    no-op), else its cast back; SDPA returns none."""
+    if not eager:
+        return None
+    return ledger.ATTN_DROPOUT_OUT if dropout else rules.SOFTMAX_FP32 if z.act == 4 else rules.WEIGHTS
 
 
 def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, tp: bool, first: bool,
@@ -224,7 +244,8 @@ def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, t
         if name in norms:  # the projection's output is the norm's input, RoPE's the norm's output
             projected = Made(f"{p}/{name} proj", z.full(width), f"{name}_proj's output, {name}_norm's input")
             ran += reversed(rms_norm(f"self_attn.{name}_norm", p, norms[name][0], z, heads, f"{g}/{name} normed",
-                                     width=width, heads=norms[name][1], output=made[name], gone=(projected.name,)))
+                                     width=width, heads=norms[name][1], output=made[name], gone=(projected.name,),
+                                     x=projected.name))
             heads = f"{g}/{name} normed"
         copy = width != z.d and z.s != 1  # one head: (b, 1, s, d) transposed is (b, s, 1, d) already, no copy
         tokens, dx = f"{g}/{name} tokens" if copy else heads, f"{g}/{name}_proj input"

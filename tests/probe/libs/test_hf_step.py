@@ -801,8 +801,36 @@ def test_in_fp32_every_moment_happens_in_order_and_the_peak_is_memtrackers(one_t
     _exact_step(make_config(LLAMA, attention=attention, **changes), layout, route)
 
 
+# fp32 under gradient checkpointing: each norm's x.to(float32) is x itself (the checkpoint's input, the rerun's residual
+# stream, a projection's output), which the rerun keeps to the norm's backward; its cast back is x * rstd, the router's
+# casts and Qwen's cast of the top-k weights are no-ops
+FP32_RECOMPUTE_STEPS = [
+    ("none", "eager", {}, None),  # the last layer's down_proj GEMMs
+    ("none", "flash", {"b": 1, "s": 7, "a": 12, "h": 96, "num_query_groups": 4, "vocab_size": 40}, None),
+    ("none", "eager", {"s": 96, "h": 16, "ffn_hidden_size": 16, "vocab_size": 20}, None),  # the softmax
+    ("none", "eager", ODD | {"b": 3, "s": 17, "num_query_groups": 2}, None),  # a/g = 3
+    ("tp", "eager", {"t": 2, "b": 1, "s": 9, "a": 12, "h": 96, "num_query_groups": 4}, None),
+    ("none", "eager", {"dropout": 0.1, "b": 1, "s": 7, "tie_embeddings": True}, None),
+    ("none", "flash", QWEN3 | {"b": 1, "s": 7, "kv_channels": 12, "num_query_groups": 4}, None),  # q_norm's, k_norm's x
+    ("none", "flash", QWEN2 | {"b": 1, "s": 9}, None),
+    ("none", "eager", GEMMA | {"b": 1, "s": 7}, None),  # weight.float() is the weight, type_as(x) the product
+    ("none", "eager", GEMMA2 | CAPPED | {"b": 1, "s": 7, "sliding_window": 3}, None),  # the sandwich norms' inputs
+    ("none", "eager", PHI3 | {"b": 1, "s": 7}, None),
+    ("none", "eager", MIXTRAL, "balanced"),  # the eager loop
+    ("none", "flash", GROUPED | {"b": 1, "s": 7}, "balanced"),
+    ("none", "flash", QWEN2_MOE_GROUPED | {"moe_shared_expert_intermediate_size": 40, "b": 1, "s": 10}, "balanced"),
+    ("none", "eager", QWEN3_MOE | {"b": 3, "s": 7, "h": 48, "a": 6, "num_query_groups": 3, "num_experts": 3,
+                                   "moe_router_topk": 1, "moe_ffn_hidden_size": 24}, "balanced"),
+]
+
+
+@pytest.mark.parametrize("layout, attention, changes, route", FP32_RECOMPUTE_STEPS, ids=str)
+def test_in_fp32_under_gradient_checkpointing_the_rerun_keeps_each_norms_input_itself_to_the_byte(
+        one_thread, layout, attention, changes, route):
+    _exact_step(make_config(LLAMA, attention=attention, recompute="full", **FP32, **changes), layout, route)
+
+
 @pytest.mark.parametrize("changes, named", [
-    ({"recompute": "full"}, "gradient checkpointing"),
     ({"zero_stage": 2, "dp": 2}, "dtype fp32 with zero_stage"),
 ])
 def test_in_fp32_what_the_walk_does_not_alias_is_refused_by_name(changes, named):
