@@ -122,7 +122,7 @@ def _gpt2(tape: Tape, config: ModelConfig, z: Sizes, saved: dict[str, int], hand
     gradient are Llama's (one rank, unsharded)."""
     ends = gpt2.ends(z, saved)
     layers = [(Walk(tape, f"layers.{i}", f"transformer.h.{i}", saved, hand_over, gpt2.checkpoint(i, config)),
-               gpt2.block(i, z, config)) for i in range(config.L)]
+               gpt2.block(i, z, config, rules.MATH_Q.name in saved)) for i in range(config.L)]
     inputs = (Walk(tape, "", "", ends, hand_over),
               (_batch(z), *gpt2.embedding(z, config, _embedding_backward(z, config, False, False))))
     outputs = (Walk(tape, "", "", ends, hand_over), (gpt2.final_norm(z, config), *_head(z, config)))
@@ -250,8 +250,6 @@ def _gpt2_missing(config: ModelConfig, family: str, tp: bool, accounting: Accoun
         (config.position_embedding_type != "learned_absolute", f"GPT-2 with position_embedding_type"
                                                                 f" {config.position_embedding_type} (GPT2Model learns"
                                                                 " its positions: wpe)"),
-        (config.attention != "eager" and config.has_dropout and accounting.device == "cpu",
-         f"dropout {config.dropout} with SDPA in GPT-2's model on a CPU (torch's math kernel runs)"),
         (config.dp_shard is not None or config.zero_stage is not None, "GPT-2's model under dp_shard or zero_stage"),
     ]
 

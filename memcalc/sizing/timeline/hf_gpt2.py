@@ -13,7 +13,7 @@ from memcalc.config.schema import ModelConfig
 from memcalc.model import ledger
 from memcalc.model.impls import hf as rules
 from memcalc.model.ledger import NormTensors, SavedTensor
-from memcalc.sizing.timeline.hf_layer import context
+from memcalc.sizing.timeline.hf_layer import MATH_WIDEST, context, math_locals, sdpa_math
 from memcalc.sizing.timeline.tape import TEMPORARIES, Sizes
 from memcalc.sizing.timeline.torch_ops import WHY_WGRAD, dropout, linear
 from memcalc.sizing.timeline.walk import Checkpoint, Made, Op, Step, kept, kept_names
@@ -54,8 +54,8 @@ def conv1d(where: str, p: str, x: SavedTensor, gemm: Step, inputs: int, outputs:
     return Op(where, (gemm,), (replace(op.backward[0], moment=True), *op.backward[1:]), op.saves)
 
 
-def block(i: int, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
-    """GPT2Block i, op by op. Its locals live to its return: the residual (ln_2's input, which it keeps), ln_2's
+def block(i: int, z: Sizes, config: ModelConfig, math: bool = False) -> tuple[Op, ...]:
+    """GPT2Block i, op by op (`math`: SDPA's CPU math kernel, dropout on a CPU). Its locals live to its return: the residual (ln_2's input, which it keeps), ln_2's
     output, attn_output and the attention weights it returns, the MLP's output; its output is the next norm's input
     (ln_1's, or ln_f's after the last block). Each kept tensor's last read in forward (`Step.reads_last`) is where it
     goes under a checkpoint."""
@@ -65,7 +65,7 @@ def block(i: int, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
                   full, "the block's output, the next norm's input, which it keeps")
     return (
         layer_norm("ln_1", p, ledger.LN1, z, kept(p, ledger.QKV_IN), f"{g}/ln1 output", below, f"{g}/mid"),
-        *attention(p, z, config),
+        *attention(p, z, config, math),
         Op("", (Step("attn_output + residual", (kept(p, ledger.LN2.input),),
                      reads_last=kept_names(p, ledger.QKV_IN)),), ()),
         layer_norm("ln_2", p, ledger.LN2, z, kept(p, ledger.FC1_IN), f"{g}/ln2 output", f"{g}/mid", f"{g}/output"),
@@ -84,21 +84,21 @@ def _returned(config: ModelConfig) -> tuple[SavedTensor, ...]:
     return (ledger.ATTN_DROPOUT_OUT,) if config.has_dropout else (ledger.SOFTMAX_OUT,)
 
 
-def attention(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
+def attention(p: str, z: Sizes, config: ModelConfig, math: bool = False) -> tuple[Op, ...]:
     """GPT2Attention: c_attn, whose (b, s, 3h) output q, k and v view; the eager core or SDPA's; c_proj (and
     resid_dropout). Eager's bmm batches (b, a) of a view only when b or a is 1: else matmul copies q, k^T and v (the
     copies are what it keeps, and c_attn's output goes as the attention returns); at b = 1 or one head, and under
-    SDPA, the core keeps the views, c_attn's output whole (the ledger's Q, K and V, its columns) until QK^T's (the
-    kernel's) backward."""
+    SDPA's flash kernel, the core keeps the views, c_attn's output whole (the ledger's Q, K and V, its columns) until
+    QK^T's (the kernel's) backward; the `math` kernel keeps fp32 copies."""
     g, full, h = f"grad/{p}", z.full(z.h), z.h
     eager = config.attention == "eager"
     copies = eager and z.b > 1 and z.a_t > 1
-    qkv = (Made(f"{p}/c_attn output", z.full(3 * h), "c_attn's (b, s, 3h) output, which q, k and v view"),) if copies \
-        else tuple(kept(p, x, "c_attn's output, q's, k's or v's columns: the core keeps the views, the storage"
+    qkv = (Made(f"{p}/c_attn output", z.full(3 * h), "c_attn's (b, s, 3h) output, which q, k and v view"),) \
+        if copies or math else tuple(kept(p, x, "c_attn's output, q's, k's or v's columns: the core keeps the views, the storage"
                               " whole") for x in QKV)
     c_attn = conv1d("attn.c_attn", p, ledger.QKV_IN, Step("the GEMM", qkv), h, 3 * h, z, f"{g}/ln1 output",
                     (f"{g}/qkv",))
-    core = _eager(p, z, copies, config.has_dropout) if eager else _sdpa(p, z)
+    core = _eager(p, z, copies, config.has_dropout) if eager else _sdpa_math(p, z) if math else _sdpa(p, z)
     dropped = config.has_dropout
     out = Made(f"{p}/attn output", full, "GPT2Block's attn_output, a local to its return")
     proj = Made(f"{p}/attn proj", full, "c_proj's output, resid_dropout's input") if dropped else out
@@ -110,15 +110,15 @@ def attention(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     c_proj = replace(c_proj, forward=(*c_proj.forward, *(() if dropped else (returns,))))
     resid = (dropout("attn.resid_dropout", p, ledger.ATTN_OUT_DROPOUT_MASK, out, f"{g}/mid", f"{g}/attn dropped",
                      full, gone=(proj.name,), then=returns),) if dropped else ()
-    split = _split(g, z, eager)
+    split = _split(g, z, eager or math)
     return tuple(_shadowed(x, "attn.resid_dropout", config) for x in (c_attn, split, *core, c_proj, *resid))
 
 
-def _split(g: str, z: Sizes, eager: bool) -> Op:
-    """The head views' backward: eager's q's and v's (b, a, s, d) gradients made (b, s, h) by a copy unless one head
-    or one token (k's, the transposed bmm's, is a view; SDPA's kernel writes all three (b, s, a, d)); split's
-    concatenates the three."""
-    copy = eager and z.a_t > 1 and z.s > 1
+def _split(g: str, z: Sizes, heads: bool) -> Op:
+    """The head views' backward: q's and v's (b, a, s, d) gradients (`heads`: eager's, the math kernel's) made
+    (b, s, h) by a copy unless one head or one token (k's, the transposed bmm's, is a view; SDPA's flash kernel writes
+    all three (b, s, a, d)); split's concatenates the three."""
+    copy = heads and z.a_t > 1 and z.s > 1
     tokens = {n: f"{g}/{n} tokens" if copy and n != "k" else f"{g}/{n} heads" for n in "qkv"}
     return Op("attn", (), (
         *(Step(f"{n}'s gradient made (b, s, h)", (Made(tokens[n], z.full(z.h), "the head view's backward: a"
@@ -184,6 +184,21 @@ def _sdpa(p: str, z: Sizes) -> tuple[Op, ...]:
             Made(f"{g}/q heads", q, "dQ"), Made(f"{g}/k heads", q, "dK"), Made(f"{g}/v heads", q, "dV")),
             frees=(f"{g}/c_proj input",)),),
         saves=(ledger.Q, ledger.K, ledger.V, ledger.SOFTMAX_LSE, ledger.PROJ_IN)),)
+
+
+def _sdpa_math(p: str, z: Sizes) -> tuple[Op, ...]:
+    """SDPA with dropout on a CPU: torch's math kernel (Llama's walk, memcalc.sizing.timeline.hf_layer.sdpa_math, one
+    K/V group a head) on q, k and v as views of c_attn's output. Its forward is one moment at its widest, every C++
+    local live to its return beside what it keeps; then its output is made (b, s, h), a copy unless one head or one
+    token."""
+    out = Made(f"{p}/math output", z.full(z.h), "the output cast back to bf16")
+    locals_ = math_locals(p, z, False)
+    widest = Step(MATH_WIDEST, (*(kept(p, x) for x in rules.SDPA_MATH), *locals_, out),
+                  frees=tuple(x.name for x in locals_))
+    made = Step("the context made (b, s, a, d)", (kept(p, ledger.PROJ_IN),), frees=(out.name,),
+                moment=z.a_t > 1 and z.s > 1)
+    first, *rest = (replace(x, where="attn") for x in sdpa_math(p, z, False, f"grad/{p}/c_proj input"))
+    return (replace(first, forward=(widest, made)), *rest)
 
 
 def mlp(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:

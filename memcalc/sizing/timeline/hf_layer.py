@@ -265,8 +265,8 @@ def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, t
                     _rope_backward(g, name, z.full(w), first and name == "q")) for name, w in
                  (("q", q), ("k", kv)))  # forward order: q's, then k's
     math = rules.MATH_Q.name in saved  # SDPA with dropout on a CPU: the math kernel (the ledger's SDPA_MATH)
-    core = _eager(p, z, saved, gqa, dropout, softcap, fused) if eager else _sdpa_math(p, z, gqa) if math else \
-        _sdpa(p, z)
+    core = _eager(p, z, saved, gqa, dropout, softcap, fused) if eager else \
+        sdpa_math(p, z, gqa, f"{g}/o_proj input") if math else _sdpa(p, z)
     o_proj = linear("self_attn.o_proj", ledger.PROJ_IN if eager or math else None, None, z.act * q * z.h,
                     f"{g}/o_proj input", z.full(q), p, (dy,) if dy else ())
     gone = (made["v"], *rotated.values(), kept(p, ledger.QKV_IN), kept(p, ledger.PROJ_IN))  # at the module's return
@@ -476,18 +476,18 @@ def _sdpa(p: str, z: Sizes) -> tuple[Op, ...]:
         saves=(ledger.Q, ledger.K, ledger.V, ledger.SOFTMAX_LSE, ledger.PROJ_IN)),)
 
 
-def _sdpa_math(p: str, z: Sizes, gqa: bool) -> tuple[Op, ...]:
+def sdpa_math(p: str, z: Sizes, gqa: bool, dy: str) -> tuple[Op, ...]:
     """SDPA with dropout on a CPU: torch's math kernel (aten _scaled_dot_product_attention_math), its ops recorded by
     autograd one by one, all in fp32 (q, k and v cast up, q and k^T scaled, K and V repeated to every head under GQA
     with enable_gqa, bmm, the causal mask added, _safe_softmax, dropout's scaled mask, bmm), its output cast back. Its
     backward runs those ops' backward in autograd's order: the dropout branch, then k's scale, the repeats' sums (v's,
-    then k's), q's scale, the three casts down (v's, k's, q's)."""
+    then k's), q's scale, the three casts down (v's, k's, q's). `dy`: the output's gradient (o_proj's dX)."""
     g, (heads, groups, folded) = f"grad/{p}", _math_sizes(z)
     scores = 4 * z.b * z.a_t * z.s * z.s
     v_grad = f"{g}/math dv expanded" if gqa else f"{g}/math dv"
     dropped = Op("self_attn", (), (
         Step("the output's cast to bf16: its backward", (Made(f"{g}/math out", heads, "dO in fp32"),),
-             frees=(f"{g}/o_proj input",), moment=not folded),
+             frees=(dy,), moment=not folded),
         *((Step("dO made contiguous to fold (b, a) for bmm", (Made(f"{g}/math out folded", heads, "a copy"),),
                 frees=(f"{g}/math out",)),) if folded else ()),
         Step("dropped x V: dV and the dropped weights' gradient", (
@@ -533,11 +533,23 @@ def sdpa_math_forward(p: str, z: Sizes, saved: dict[str, int], gqa: bool) -> tup
     (RoPE's q and k, v). None without the math kernel (the ledger's SDPA_MATH)."""
     if rules.MATH_Q.name not in saved:
         return ()
-    heads, groups, folded = _math_sizes(z)
     locals_ = (
         Made(f"{p}/q heads", z.full(z.a_t * z.d), "RoPE's q, a local of the attention"),
         Made(f"{p}/k heads", z.full(z.g_t * z.d), "RoPE's k, a local of the attention"),
         Made(f"{p}/v heads", z.full(z.g_t * z.d), "v_proj's output as heads, a local of the attention"),
+        *math_locals(p, z, gqa),
+        Made(f"{p}/math output", z.full(z.a_t * z.d), "the output cast back to bf16"),
+    )
+    return (Op("self_attn", (Step(MATH_WIDEST, locals_, frees=tuple(x.name for x in locals_)),), ()),)
+
+
+MATH_WIDEST = "SDPA's math kernel at its widest: its output cast back to bf16"
+
+
+def math_locals(p: str, z: Sizes, gqa: bool) -> tuple[Made, ...]:
+    """The math kernel's C++ locals at its widest, but its output (the ledger's SDPA_MATH aside)."""
+    heads, groups, folded = _math_sizes(z)
+    return (
         Made(f"{p}/math q", heads, "q.to(float32), a local"),
         Made(f"{p}/math k", groups, "k.to(float32), a local"),
         *((Made(f"{p}/math v", groups, "v.to(float32), a local (matmul copies it to fold (b, a))"),)
@@ -550,10 +562,7 @@ def sdpa_math_forward(p: str, z: Sizes, saved: dict[str, int], gqa: bool) -> tup
         Made(f"{p}/math weights", z.act * z.b * z.a_t * z.s * z.s, "the dropped-out weights cast to bf16, returned"
              " beside the output and dropped"),
         Made(f"{p}/math context", heads, "bmm's fp32 output"),
-        Made(f"{p}/math output", z.full(z.a_t * z.d), "the output cast back to bf16"),
     )
-    return (Op("self_attn", (Step("SDPA's math kernel at its widest: its output cast back to bf16", locals_,
-                                  frees=tuple(x.name for x in locals_)),), ()),)
 
 
 def mlp(p: str, z: Sizes, tp: bool, gated: tuple[SavedTensor, SavedTensor, SavedTensor], dy: str | None = None,

@@ -578,10 +578,11 @@ def test_under_recomputation_gpt2s_sizes_put_the_peak_in_five_different_places()
 
 
 # GPT2Config's default dropout, 0.1, after the embedding, on the attention's weights, after c_proj and after the MLP;
-# SDPA (its CPU flash kernel) without dropout; gradient checkpointing (each block's early-stopped rerun)
+# SDPA (its CPU flash kernel; with dropout torch's math kernel); gradient checkpointing (each block's early-stopped
+# rerun)
 @pytest.mark.parametrize("attention, dropout, recompute", [
     ("eager", 0.0, "none"), ("eager", 0.1, "none"), ("flash", 0.0, "none"), ("eager", 0.0, "full"),
-    ("flash", 0.0, "full"), ("eager", 0.1, "full")])
+    ("flash", 0.0, "full"), ("eager", 0.1, "full"), ("flash", 0.1, "none")])
 @pytest.mark.parametrize("changes", GPT2_STEPS, ids=str)
 def test_gpt2s_step_happens_in_order_and_peaks_where_the_timeline_says_to_the_byte(one_thread, changes, attention,
                                                                                     dropout, recompute):
@@ -596,7 +597,9 @@ def test_gpt2s_step_happens_in_order_and_peaks_where_the_timeline_says_to_the_by
 
 
 @pytest.mark.parametrize("changes, named", [
-    ({"attention": "flash", "dropout": 0.1}, "dropout 0.1 with SDPA in GPT-2's model on a CPU"),
+    ({"attention": "flash", "dropout": 0.1, "recompute": "full"}, "recompute full \\(gradient checkpointing\\) with"
+                                                                  " SDPA's dropout on a CPU"),
+    ({"attention": "flash", "dropout": 0.1, "dtype": "fp32"}, "dtype fp32 with SDPA's dropout on a CPU"),
     ({"add_bias_linear": False}, "GPT-2 without add_bias_linear"),
     ({"position_embedding_type": "rope"}, "GPT-2 with position_embedding_type rope"),
     ({"t": 2, "tie_embeddings": False}, "GPT-2's model under tp \\(t=2\\): GPT2Config has no base_model_tp_plan"),
