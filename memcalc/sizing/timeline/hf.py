@@ -228,10 +228,6 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
         (sharded and config.add_qkv_bias, "dp_shard or zero_stage with add_qkv_bias (its walks lay out one gradient a"
                                           " module, the weight's)"),
         # gradient checkpointing: each layer's forward op by op, rerun in backward
-        (config.recompute != "none" and config.has_dropout and config.attention != "eager"
-         and accounting.device == "cpu", f"{rerun} SDPA's dropout on a CPU (torch's math kernel is walked as its"
-                                         " widest moment, not op by op as a checkpoint's forward frees what it"
-                                         " saves)"),
         (config.recompute != "none" and config.zero_stage is not None, f"{rerun} zero_stage"),
     ]
     for absent, what in missing:

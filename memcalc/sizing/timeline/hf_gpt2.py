@@ -13,7 +13,7 @@ from memcalc.config.schema import ModelConfig
 from memcalc.model import ledger
 from memcalc.model.impls import hf as rules
 from memcalc.model.ledger import NormTensors, SavedTensor
-from memcalc.sizing.timeline.hf_layer import MATH_WIDEST, context, math_locals, sdpa_math
+from memcalc.sizing.timeline.hf_layer import context, sdpa_math
 from memcalc.sizing.timeline.tape import TEMPORARIES, Sizes
 from memcalc.sizing.timeline.torch_ops import WHY_WGRAD, dropout, linear
 from memcalc.sizing.timeline.walk import Checkpoint, Made, Op, Step, kept, kept_names
@@ -55,10 +55,10 @@ def conv1d(where: str, p: str, x: SavedTensor, gemm: Step, inputs: int, outputs:
 
 
 def block(i: int, z: Sizes, config: ModelConfig, math: bool = False) -> tuple[Op, ...]:
-    """GPT2Block i, op by op (`math`: SDPA's CPU math kernel, dropout on a CPU). Its locals live to its return: the residual (ln_2's input, which it keeps), ln_2's
-    output, attn_output and the attention weights it returns, the MLP's output; its output is the next norm's input
-    (ln_1's, or ln_f's after the last block). Each kept tensor's last read in forward (`Step.reads_last`) is where it
-    goes under a checkpoint."""
+    """GPT2Block i, op by op (`math`: SDPA's CPU math kernel, dropout on a CPU). Its locals live to its return: the
+    residual (ln_2's input, which it keeps), ln_2's output, attn_output and the attention weights it returns, the MLP's
+    output; its output is the next norm's input (ln_1's, or ln_f's after the last block). Each kept tensor's last read
+    in forward (`Step.reads_last`) is where it goes under a checkpoint."""
     p, g, full = f"layers.{i}", f"grad/layers.{i}", z.full(z.h)
     below = f"grad/layers.{i - 1}/output" if i else FIRST_GRAD if config.has_dropout else "grad/embedding output"
     output = Made(f"layers.{i + 1}/{ledger.LN1.input.name}" if i + 1 < config.L else ledger.FINAL_NORM.input.name,
@@ -94,8 +94,8 @@ def attention(p: str, z: Sizes, config: ModelConfig, math: bool = False) -> tupl
     eager = config.attention == "eager"
     copies = eager and z.b > 1 and z.a_t > 1
     qkv = (Made(f"{p}/c_attn output", z.full(3 * h), "c_attn's (b, s, 3h) output, which q, k and v view"),) \
-        if copies or math else tuple(kept(p, x, "c_attn's output, q's, k's or v's columns: the core keeps the views, the storage"
-                              " whole") for x in QKV)
+        if copies or math else tuple(kept(p, x, "c_attn's output, q's, k's or v's columns: the core keeps the views,"
+                                              " the storage whole") for x in QKV)
     c_attn = conv1d("attn.c_attn", p, ledger.QKV_IN, Step("the GEMM", qkv), h, 3 * h, z, f"{g}/ln1 output",
                     (f"{g}/qkv",))
     core = _eager(p, z, copies, config.has_dropout) if eager else _sdpa_math(p, z) if math else _sdpa(p, z)
@@ -187,18 +187,9 @@ def _sdpa(p: str, z: Sizes) -> tuple[Op, ...]:
 
 
 def _sdpa_math(p: str, z: Sizes) -> tuple[Op, ...]:
-    """SDPA with dropout on a CPU: torch's math kernel (Llama's walk, memcalc.sizing.timeline.hf_layer.sdpa_math, one
-    K/V group a head) on q, k and v as views of c_attn's output. Its forward is one moment at its widest, every C++
-    local live to its return beside what it keeps; then its output is made (b, s, h), a copy unless one head or one
-    token."""
-    out = Made(f"{p}/math output", z.full(z.h), "the output cast back to bf16")
-    locals_ = math_locals(p, z, False)
-    widest = Step(MATH_WIDEST, (*(kept(p, x) for x in rules.SDPA_MATH), *locals_, out),
-                  frees=tuple(x.name for x in locals_))
-    made = Step("the context made (b, s, a, d)", (kept(p, ledger.PROJ_IN),), frees=(out.name,),
-                moment=z.a_t > 1 and z.s > 1)
-    first, *rest = (replace(x, where="attn") for x in sdpa_math(p, z, False, f"grad/{p}/c_proj input"))
-    return (replace(first, forward=(widest, made)), *rest)
+    """SDPA with dropout on a CPU: torch's math kernel as Llama's walk describes it (memcalc.sizing.timeline.hf_layer
+    .sdpa_math, one K/V group a head) on q, k and v as views of c_attn's output."""
+    return tuple(replace(x, where="attn") for x in sdpa_math(p, z, False, f"grad/{p}/c_proj input"))
 
 
 def mlp(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:

@@ -14,7 +14,7 @@ from memcalc.model.ledger import RMSNormTensors, SavedTensor
 from memcalc.sizing.timeline.tape import Sizes
 from memcalc.sizing.timeline import torch_ops
 from memcalc.sizing.timeline.torch_ops import WHY_WGRAD, linear
-from memcalc.sizing.timeline.walk import Made, Op, Step, kept, kept_name
+from memcalc.sizing.timeline.walk import Made, Op, Step, kept, kept_name, kept_names
 
 WHY_SAVED = "kept for backward (the hf ledger); freed when the op that keeps it has run backward"
 ROPE = (rules.ROPE_COS, rules.ROPE_SIN)  # made once per forward by LlamaRotaryEmbedding, kept by every layer
@@ -481,7 +481,8 @@ def sdpa_math(p: str, z: Sizes, gqa: bool, dy: str) -> tuple[Op, ...]:
     autograd one by one, all in fp32 (q, k and v cast up, q and k^T scaled, K and V repeated to every head under GQA
     with enable_gqa, bmm, the causal mask added, _safe_softmax, dropout's scaled mask, bmm), its output cast back. Its
     backward runs those ops' backward in autograd's order: the dropout branch, then k's scale, the repeats' sums (v's,
-    then k's), q's scale, the three casts down (v's, k's, q's). `dy`: the output's gradient (o_proj's dX)."""
+    then k's), q's scale, the three casts down (v's, k's, q's). `dy`: the output's gradient (o_proj's dX). Its forward
+    op by op (`math_forward`) is the first op's."""
     g, (heads, groups, folded) = f"grad/{p}", _math_sizes(z)
     scores = 4 * z.b * z.a_t * z.s * z.s
     v_grad = f"{g}/math dv expanded" if gqa else f"{g}/math dv"
@@ -517,7 +518,28 @@ def sdpa_math(p: str, z: Sizes, gqa: bool, dy: str) -> tuple[Op, ...]:
                frees=(fp32,)) for n, w, fp32 in (("v", z.g_t, f"{g}/math dv"), ("k", z.g_t, f"{g}/math dk"),
                                                  ("q", z.a_t, f"{g}/math dq scaled"))),
     ), saves=(rules.MATH_Q, rules.MATH_K))
-    return (scaled, softmax, mask, dropped)
+    return (replace(scaled, forward=math_forward(p, z, gqa)), softmax, mask, dropped)
+
+
+def math_forward(p: str, z: Sizes, gqa: bool) -> tuple[Step, ...]:
+    """The math kernel's forward for a walk op by op (GPT-2's; Llama's under a checkpoint): what it keeps that no C++
+    local holds to its return (k^T scaled, the softmax, dropout's mask; matmul's copies of q scaled and v to fold
+    (b, a)) goes at once under a checkpoint, marking no moment; then its widest moment as its output is cast back (its
+    locals, `math_locals`, and the saved tensors they are); then its output made (b, s, a, d), a copy unless one head
+    or one token."""
+    folded = _math_sizes(z)[2]
+    gone = (rules.MATH_K, rules.MATH_SOFTMAX, rules.MATH_DROPOUT_MASK,
+            *((rules.MATH_Q,) if folded else ()), *((rules.MATH_V,) if folded and not gqa else ()))
+    held = tuple(x for x in rules.SDPA_MATH if x not in gone)
+    out, locals_ = Made(f"{p}/math output", z.full(z.a_t * z.d), "the output cast back to bf16"), math_locals(p, z, gqa)
+    return (
+        Step("what the math kernel keeps but no local of it holds", tuple(kept(p, x) for x in gone),
+             reads_last=kept_names(p, *gone), moment=False),
+        Step(MATH_WIDEST, (*(kept(p, x) for x in held), *locals_, out), frees=tuple(x.name for x in locals_),
+             reads_last=kept_names(p, *held)),
+        Step("the context made (b, s, a, d)", (kept(p, ledger.PROJ_IN),), frees=(out.name,),
+             moment=z.a_t > 1 and z.s > 1),
+    )
 
 
 def _math_sizes(z: Sizes) -> tuple[int, int, bool]:

@@ -167,7 +167,7 @@ class Walk:
             where = (trigger.shadow or trigger.where) if _ancestor(op.where, trigger.where) else op.where
             new = tuple(x for x in step.makes if x.name not in checkpoint.cached)
             self._make(new, checkpoint.rerun if op.where else checkpoint.own or checkpoint.rerun)
-            if any(not x.alias for x in new):
+            if step.moment and any(not x.alias for x in new):
                 self.tape.mark("backward", ".".join(x for x in (self.module, where) if x), step.what)
             made += [x.name for x in new if x.keeps is None]
             kept = {x.name for x in step.makes if x.keeps is not None and x.name in self.tape.live}
