@@ -188,8 +188,8 @@ def _sdpa(p: str, z: Sizes) -> tuple[Op, ...]:
 
 def _sdpa_math(p: str, z: Sizes) -> tuple[Op, ...]:
     """SDPA with dropout on a CPU: torch's math kernel as Llama's walk describes it (memcalc.sizing.timeline.hf_layer
-    .sdpa_math, one K/V group a head) on q, k and v as views of c_attn's output."""
-    return tuple(replace(x, where="attn") for x in sdpa_math(p, z, False, f"grad/{p}/c_proj input"))
+    .sdpa_math, one K/V group a head) on q, k and v as views of c_attn's output (16-bit: v's cast a copy)."""
+    return tuple(replace(x, where="attn") for x in sdpa_math(p, z, False, f"grad/{p}/c_proj input", ""))
 
 
 def mlp(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:

@@ -180,12 +180,13 @@ def layer_forward(i: int, z: Sizes, kept: Step, mlp: tuple[Op, ...] = (), core: 
     dense MLP's down_proj (RowwiseParallel) all-reduces its GEMM's partial sum into a new tensor: a moment before the
     sum, as many bytes as it (the partial goes as the sum is made), which MemTracker reads first."""
     p, full = f"layers.{i}", z.full(z.h)
+    # fp32: the norms' x.to(float32) are no-ops, so the ledger's fp32 inputs are the layer's input and the stream
+    alias = (Step("", frees=(f"{p}/input",)),) if z.act == 4 else ()
     if core:
         at = next(j for j, x in enumerate(kept.makes) if x.keeps == ledger.PROJ_IN)
-        core = (Op("", (replace(kept, makes=kept.makes[:at]),), ()), *core)
-        kept = replace(kept, makes=kept.makes[at:])
-    # fp32: the norms' x.to(float32) are no-ops, so the ledger's fp32 inputs are the layer's input and the stream
-    stream = (Step("", frees=(f"{p}/input",)),) if z.act == 4 else (Step("the residual stream", (Made(
+        core = (Op("", (replace(kept, makes=kept.makes[:at]), *alias), ()), *core)
+        kept, alias = replace(kept, makes=kept.makes[at:]), ()
+    stream = alias if z.act == 4 else (Step("the residual stream", (Made(
         f"{p}/mid", full, "the residual stream after attention: ln2's input and the MLP's residual"),), moment=False),)
     made = Op("", forward=(kept, *stream), backward=())
     output = () if mlp else (Made(f"{p}/mlp output", full, "down_proj's output, summed into the residual stream"),)
@@ -266,7 +267,7 @@ def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, t
                  (("q", q), ("k", kv)))  # forward order: q's, then k's
     math = rules.MATH_Q.name in saved  # SDPA with dropout on a CPU: the math kernel (the ledger's SDPA_MATH)
     core = _eager(p, z, saved, gqa, dropout, softcap, fused) if eager else \
-        sdpa_math(p, z, gqa, f"{g}/o_proj input") if math else _sdpa(p, z)
+        sdpa_math(p, z, gqa, f"{g}/o_proj input", made["v"].name) if math else _sdpa(p, z)
     o_proj = linear("self_attn.o_proj", ledger.PROJ_IN if eager or math else None, None, z.act * q * z.h,
                     f"{g}/o_proj input", z.full(q), p, (dy,) if dy else ())
     gone = (made["v"], *rotated.values(), kept(p, ledger.QKV_IN), kept(p, ledger.PROJ_IN))  # at the module's return
@@ -476,25 +477,29 @@ def _sdpa(p: str, z: Sizes) -> tuple[Op, ...]:
         saves=(ledger.Q, ledger.K, ledger.V, ledger.SOFTMAX_LSE, ledger.PROJ_IN)),)
 
 
-def sdpa_math(p: str, z: Sizes, gqa: bool, dy: str) -> tuple[Op, ...]:
+def sdpa_math(p: str, z: Sizes, gqa: bool, dy: str, v: str) -> tuple[Op, ...]:
     """SDPA with dropout on a CPU: torch's math kernel (aten _scaled_dot_product_attention_math), its ops recorded by
     autograd one by one, all in fp32 (q, k and v cast up, q and k^T scaled, K and V repeated to every head under GQA
     with enable_gqa, bmm, the causal mask added, _safe_softmax, dropout's scaled mask, bmm), its output cast back. Its
     backward runs those ops' backward in autograd's order: the dropout branch, then k's scale, the repeats' sums (v's,
-    then k's), q's scale, the three casts down (v's, k's, q's). `dy`: the output's gradient (o_proj's dX). Its forward
-    op by op (`math_forward`) is the first op's."""
-    g, (heads, groups, folded) = f"grad/{p}", _math_sizes(z)
+    then k's), q's scale, the three casts down (v's, k's, q's; in fp32 every cast is a no-op). `dy`: the output's
+    gradient (o_proj's dX); `v`: the tensor v is. Its forward op by op (`math_forward`) is the first op's."""
+    g, (heads, groups, folded), fp32 = f"grad/{p}", _math_sizes(z), z.act == 4
     scores = 4 * z.b * z.a_t * z.s * z.s
-    v_grad = f"{g}/math dv expanded" if gqa else f"{g}/math dv"
+
+    def grad(n: str, expanded: bool, scaled: str = "") -> str:  # in fp32 the cast's backward is the gradient itself
+        return f"{g}/math d{n}{scaled} expanded" if expanded else f"{g}/{n} heads" if fp32 else f"{g}/math d{n}{scaled}"
+
+    out = dy if fp32 else f"{g}/math out"
     dropped = Op("self_attn", (), (
-        Step("the output's cast to bf16: its backward", (Made(f"{g}/math out", heads, "dO in fp32"),),
-             frees=(dy,), moment=not folded),
+        *(() if fp32 else (Step("the output's cast to bf16: its backward", (Made(out, heads, "dO in fp32"),),
+                                frees=(dy,), moment=not folded),)),
         *((Step("dO made contiguous to fold (b, a) for bmm", (Made(f"{g}/math out folded", heads, "a copy"),),
-                frees=(f"{g}/math out",)),) if folded else ()),
+                frees=(out,)),) if folded else ()),
         Step("dropped x V: dV and the dropped weights' gradient", (
-            Made(v_grad, heads, "dV = dropped^T dO, at a heads"),
+            Made(grad("v", gqa), heads, "dV = dropped^T dO, at a heads"),
             Made(f"{g}/math dropped", scores, "dDropped = dO V^T, fp32 (b, a, s, s)")),
-            frees=(f"{g}/math out folded" if folded else f"{g}/math out",)),
+            frees=(f"{g}/math out folded" if folded else out,)),
     ), saves=(rules.MATH_DROPOUT_OUT, rules.MATH_V))
     mask = Op("self_attn", (), (
         Step("dropout's backward: dY * mask", (Made(f"{g}/math softmax", scores, "the softmax's gradient"),),
@@ -503,40 +508,43 @@ def sdpa_math(p: str, z: Sizes, gqa: bool, dy: str) -> tuple[Op, ...]:
         Step("_safe_softmax's backward", (Made(f"{g}/math scores", scores, "the scores' gradient (the mask's add"
                                                " passes it on)"),), frees=(f"{g}/math softmax",)),),
                  saves=(rules.MATH_SOFTMAX,))
-    k_grad = f"{g}/math dk expanded" if gqa else f"{g}/math dk"
     scaled = Op("self_attn", (), (
         Step("QK^T: dK^T and dQ", (Made(f"{g}/math dk^T", heads, "dK^T = Q^T dScores"),
                                    Made(f"{g}/math dq", heads, "dQ = dScores K")), frees=(f"{g}/math scores",),
              returns=True),
-        Step("k^T * scale's backward", (Made(k_grad, heads, "dK^T * scale, transposed back"),),
+        Step("k^T * scale's backward", (Made(grad("k", gqa), heads, "dK^T * scale, transposed back"),),
              frees=(f"{g}/math dk^T",)),
         *(Step(f"repeating {n}'s backward: summed over each group's heads", (
-            Made(f"{g}/math d{n}", groups, f"d{n} at g heads, fp32"),), frees=(f"{g}/math d{n} expanded",))
+            Made(grad(n, False), groups, f"d{n} at g heads, fp32"),), frees=(grad(n, True),))
           for n in (("v", "k") if gqa else ())),
-        Step("q * scale's backward", (Made(f"{g}/math dq scaled", heads, "dQ * scale"),), frees=(f"{g}/math dq",)),
+        Step("q * scale's backward", (Made(grad("q", False, " scaled"), heads, "dQ * scale"),),
+             frees=(f"{g}/math dq",)),
         *(Step(f"{n}'s cast to fp32: its backward", (Made(f"{g}/{n} heads", z.full(w * z.d), f"d{n} cast back"),),
-               frees=(fp32,)) for n, w, fp32 in (("v", z.g_t, f"{g}/math dv"), ("k", z.g_t, f"{g}/math dk"),
-                                                 ("q", z.a_t, f"{g}/math dq scaled"))),
+               frees=(grad(n, False, scaled),)) for n, w, scaled in (("v", z.g_t, ""), ("k", z.g_t, ""),
+                                                                      ("q", z.a_t, " scaled")) if not fp32),
     ), saves=(rules.MATH_Q, rules.MATH_K))
-    return (replace(scaled, forward=math_forward(p, z, gqa)), softmax, mask, dropped)
+    return (replace(scaled, forward=math_forward(p, z, gqa, v)), softmax, mask, dropped)
 
 
-def math_forward(p: str, z: Sizes, gqa: bool) -> tuple[Step, ...]:
+def math_forward(p: str, z: Sizes, gqa: bool, v: str) -> tuple[Step, ...]:
     """The math kernel's forward for a walk op by op (GPT-2's; Llama's under a checkpoint): what it keeps that no C++
     local holds to its return (k^T scaled, the softmax, dropout's mask; matmul's copies of q scaled and v to fold
-    (b, a)) goes at once under a checkpoint, marking no moment; then its widest moment as its output is cast back (its
-    locals, `math_locals`, and the saved tensors they are); then its output made (b, s, a, d), a copy unless one head
-    or one token."""
-    folded = _math_sizes(z)[2]
+    (b, a)) goes at once under a checkpoint, marking no moment; then its widest moment as it returns its output (its
+    locals, `math_locals`, and the saved tensors they are; in fp32 v's cast is `v` itself, kept as its MATH_V unless
+    repeated or copied); then its output made (b, s, a, d), a copy unless one head or one token."""
+    folded, fp32 = _math_sizes(z)[2], z.act == 4
     gone = (rules.MATH_K, rules.MATH_SOFTMAX, rules.MATH_DROPOUT_MASK,
             *((rules.MATH_Q,) if folded else ()), *((rules.MATH_V,) if folded and not gqa else ()))
-    held = tuple(x for x in rules.SDPA_MATH if x not in gone)
-    out, locals_ = Made(f"{p}/math output", z.full(z.a_t * z.d), "the output cast back to bf16"), math_locals(p, z, gqa)
+    aliased = fp32 and not gqa and not folded
+    held = tuple(kept(p, x) for x in rules.SDPA_MATH if x not in gone and not (aliased and x == rules.MATH_V))
+    same = (Made(v, 0, "v.to(float32) in fp32: v itself", keeps=rules.MATH_V, alias=True),) if aliased else ()
+    locals_ = math_locals(p, z, gqa)
+    out = locals_[-1] if fp32 else Made(f"{p}/math output", z.full(z.a_t * z.d), "the output cast back to bf16")
     return (
         Step("what the math kernel keeps but no local of it holds", tuple(kept(p, x) for x in gone),
              reads_last=kept_names(p, *gone), moment=False),
-        Step(MATH_WIDEST, (*(kept(p, x) for x in held), *locals_, out), frees=tuple(x.name for x in locals_),
-             reads_last=kept_names(p, *held)),
+        Step(MATH_WIDEST, (*held, *same, *locals_, *(() if fp32 else (out,))),
+             frees=tuple(x.name for x in locals_ if x is not out), reads_last=tuple(x.name for x in held)),
         Step("the context made (b, s, a, d)", (kept(p, ledger.PROJ_IN),), frees=(out.name,),
              moment=z.a_t > 1 and z.s > 1),
     )
@@ -549,40 +557,45 @@ def _math_sizes(z: Sizes) -> tuple[int, int, bool]:
 
 
 def sdpa_math_forward(p: str, z: Sizes, saved: dict[str, int], gqa: bool) -> tuple[Op, ...]:
-    """The math kernel's widest forward moment, as its output is cast back to bf16: its C++ locals all live to its
-    return (q, k and v cast to fp32, q scaled, the causal mask, K and V repeated under GQA, the dropped-out weights
-    cast to bf16 for the tuple it returns, bmm's fp32 output), beside what it keeps and the attention's bf16 locals
-    (RoPE's q and k, v). None without the math kernel (the ledger's SDPA_MATH)."""
+    """The math kernel's widest forward moment, as it returns its output: its C++ locals all live to its return (q, k
+    and v cast to fp32, q scaled, the causal mask, K and V repeated under GQA, the dropped-out weights cast to bf16
+    for the tuple it returns, bmm's fp32 output, cast back; in fp32 the casts are no-ops), beside what it keeps and
+    the attention's locals (RoPE's q and k, v: in fp32 without repeat or copy the kept MATH_V itself). None without
+    the math kernel (the ledger's SDPA_MATH)."""
     if rules.MATH_Q.name not in saved:
         return ()
+    fp32 = z.act == 4
     locals_ = (
         Made(f"{p}/q heads", z.full(z.a_t * z.d), "RoPE's q, a local of the attention"),
         Made(f"{p}/k heads", z.full(z.g_t * z.d), "RoPE's k, a local of the attention"),
-        Made(f"{p}/v heads", z.full(z.g_t * z.d), "v_proj's output as heads, a local of the attention"),
+        *(() if fp32 and not gqa and not _math_sizes(z)[2] else (
+            Made(f"{p}/v heads", z.full(z.g_t * z.d), "v_proj's output as heads, a local of the attention"),)),
         *math_locals(p, z, gqa),
-        Made(f"{p}/math output", z.full(z.a_t * z.d), "the output cast back to bf16"),
+        *(() if fp32 else (Made(f"{p}/math output", z.full(z.a_t * z.d), "the output cast back to bf16"),)),
     )
     return (Op("self_attn", (Step(MATH_WIDEST, locals_, frees=tuple(x.name for x in locals_)),), ()),)
 
 
-MATH_WIDEST = "SDPA's math kernel at its widest: its output cast back to bf16"
+MATH_WIDEST = "SDPA's math kernel at its widest, as it returns its output"
 
 
 def math_locals(p: str, z: Sizes, gqa: bool) -> tuple[Made, ...]:
-    """The math kernel's C++ locals at its widest, but its output (the ledger's SDPA_MATH aside)."""
+    """The math kernel's C++ locals at its widest, bmm's output last (in fp32 the kernel's output; the ledger's
+    SDPA_MATH aside). In fp32 q's, k's and v's casts and the dropped-out weights' are no-ops: no locals."""
     heads, groups, folded = _math_sizes(z)
+    cast = z.act != 4
     return (
-        Made(f"{p}/math q", heads, "q.to(float32), a local"),
-        Made(f"{p}/math k", groups, "k.to(float32), a local"),
+        *((Made(f"{p}/math q", heads, "q.to(float32), a local"),
+           Made(f"{p}/math k", groups, "k.to(float32), a local")) if cast else ()),
         *((Made(f"{p}/math v", groups, "v.to(float32), a local (matmul copies it to fold (b, a))"),)
-          if gqa or folded else ()),  # else the kept MATH_V
+          if (gqa or folded) and cast else ()),  # else the kept MATH_V
         *((Made(f"{p}/math q scaled", heads, "q * sqrt(scale), a local (matmul copies it to fold (b, a))"),)
           if folded else ()),  # else the kept MATH_Q
         *((Made(f"{p}/math mask", 4 * z.s * z.s, "the causal (s, s) fp32 mask, from a bool tril"),)
           if z.s > 1 else ()),  # one token attends without a mask (is_causal false)
         *((Made(f"{p}/math k expanded", heads, "K repeated to every head (enable_gqa), a local"),) if gqa else ()),
-        Made(f"{p}/math weights", z.act * z.b * z.a_t * z.s * z.s, "the dropped-out weights cast to bf16, returned"
-             " beside the output and dropped"),
+        *((Made(f"{p}/math weights", z.act * z.b * z.a_t * z.s * z.s, "the dropped-out weights cast to bf16,"
+                " returned beside the output and dropped"),) if cast else ()),
         Made(f"{p}/math context", heads, "bmm's fp32 output"),
     )
 

@@ -414,8 +414,12 @@ def _expert(z: Sizes, config: ModelConfig, e: int, sums: _Sums) -> list[Op]:
                  act * f * z.h, act * experts * z.h * f, (mine[ledger.EXPERT_FC2_IN.name],))
     swiglu = _op("mlp.experts", tuple(mine[x.name] for x in (ledger.EXPERT_UP, ledger.EXPERT_SILU_OUT,
                                                               ledger.EXPERT_GATE)),
-                 Step("SiLU(gate) * up's, SiLU's and chunk's backward", (
-                     Made(f"{g}/up", act * r * f, "dY * SiLU(gate)"), Made(f"{g}/silu", act * r * f, "dY * up"),
+                 # a moment before the product's node returns (fp32 at long s and small h peaks here); SiLU's node
+                 # still holds gate, and with it gate_up's storage, after it: the rest no moment
+                 Step("SiLU(gate) * up's backward", (
+                     Made(f"{g}/up", act * r * f, "dY * SiLU(gate)"), Made(f"{g}/silu", act * r * f, "dY * up")),
+                     returns=True),
+                 Step("SiLU's and chunk's backward", (
                      Made(f"{g}/gate", act * r * f, "SiLU's backward, at its kept input"),
                      Made(f"{g}/gate_up dY", act * r * 2 * f, "gate's and up's gradients concatenated")),
                      frees=(f"{g}/down dX", f"{g}/silu", f"{g}/gate", f"{g}/up"), moment=False))

@@ -831,6 +831,17 @@ def test_in_fp32_under_gradient_checkpointing_the_rerun_keeps_each_norms_input_i
     _exact_step(make_config(LLAMA, attention=attention, recompute="full", **FP32, **changes), layout, route)
 
 
+@pytest.mark.parametrize("recompute", ["none", "full"])
+@pytest.mark.parametrize("layout, changes, route", SDPA_DROPOUT_STEPS, ids=str)
+def test_in_fp32_sdpas_math_kernel_casts_nothing_and_the_step_is_memtrackers(one_thread, layout, changes, route,
+                                                                            recompute):
+    """q's, k's and v's casts, the dropped-out weights' and the output's are no-ops: bmm's output is the kernel's,
+    and without a repeat or a copy the kept v is v itself (the layer's input is the first norm's too: found by the
+    step differential)."""
+    _exact_step(make_config(LLAMA, attention="flash", dropout=0.1, recompute=recompute, **FP32, **changes), layout,
+                route)
+
+
 @pytest.mark.parametrize("changes, named", [
     ({"zero_stage": 2, "dp": 2}, "dtype fp32 with zero_stage"),
 ])
