@@ -192,7 +192,7 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
     rerun = f"recompute {config.recompute} (gradient checkpointing) with"
     missing = [
         (family not in WALKED, f"{family}'s model (it walks {', '.join(WALKED)})"),
-        *_gpt2_missing(config, family, tp, accounting),
+        *_gpt2_missing(config, family, tp),
         (config.sliding_window is not None and not config.sandwich_norm,
          f"sliding_window={config.sliding_window} outside Gemma 2 (it walks a window in Gemma 2's model only)"),
         (config.sandwich_norm and config.attention != "eager",
@@ -233,9 +233,10 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
             raise ConfigError(f"the step timeline for impl hf does not model {what} yet")
 
 
-def _gpt2_missing(config: ModelConfig, family: str, tp: bool, accounting: Accounting) -> list[tuple[bool, str]]:
+def _gpt2_missing(config: ModelConfig, family: str, tp: bool) -> list[tuple[bool, str]]:
     """What the walk of GPT2LMHeadModel (memcalc.sizing.timeline.hf_gpt2) leaves out. SDPA with dropout is the
-    flash kernel's walk on CUDA, which drops out inside (the ledger's FLASH_DROPOUT_LSE, read from torch's code)."""
+    flash kernel's walk on CUDA, which drops out inside (the ledger's FLASH_DROPOUT_LSE, read from torch's code), and
+    on a CPU torch's math kernel."""
     if family != "gpt2":
         return []
     return [
@@ -245,11 +246,6 @@ def _gpt2_missing(config: ModelConfig, family: str, tp: bool, accounting: Accoun
                                                                 f" {config.position_embedding_type} (GPT2Model learns"
                                                                 " its positions: wpe)"),
         (config.dp_shard is not None or config.zero_stage is not None, "GPT-2's model under dp_shard or zero_stage"),
-        # fp32: v's cast is a no-op, and the ledger's GPT2_MATH_V (the batch's reshape copies c_attn's view, or at b = 1
-        # or one head keeps all of c_attn's output) is not walked
-        (config.dtype == "fp32" and config.has_dropout and config.attention != "eager" and accounting.device == "cpu",
-         "GPT-2 in dtype fp32 with SDPA's dropout on a CPU (torch's math kernel keeps v as GPT2_MATH_V or as c_attn's"
-         " output)"),
     ]
 
 

@@ -89,16 +89,20 @@ def attention(p: str, z: Sizes, config: ModelConfig, math: bool = False) -> tupl
     resid_dropout). Eager's bmm batches (b, a) of a view only when b or a is 1: else matmul copies q, k^T and v (the
     copies are what it keeps, and c_attn's output goes as the attention returns); at b = 1 or one head, and under
     SDPA's flash kernel, the core keeps the views, c_attn's output whole (the ledger's Q, K and V, its columns) until
-    QK^T's (the kernel's) backward; the `math` kernel keeps fp32 copies."""
+    QK^T's (the kernel's) backward; the `math` kernel keeps fp32 copies (in fp32 at b = 1 or one head v's view, and
+    with it c_attn's output whole)."""
     g, full, h = f"grad/{p}", z.full(z.h), z.h
     eager = config.attention == "eager"
     copies = eager and z.b > 1 and z.a_t > 1
+    # fp32: v's cast a no-op, bmm folds v's (b, a) as a view at b = 1 or one head, keeping c_attn's output whole
+    viewed = math and z.act == 4 and (z.b == 1 or z.a_t == 1)
+    why = "c_attn's output, q's, k's or v's columns: the core keeps the views, the storage whole"
     qkv = (Made(f"{p}/c_attn output", z.full(3 * h), "c_attn's (b, s, 3h) output, which q, k and v view"),) \
-        if copies or math else tuple(kept(p, x, "c_attn's output, q's, k's or v's columns: the core keeps the views,"
-                                              " the storage whole") for x in QKV)
+        if copies or math and not viewed else tuple(kept(p, x, why) for x in QKV)
     c_attn = conv1d("attn.c_attn", p, ledger.QKV_IN, Step("the GEMM", qkv), h, 3 * h, z, f"{g}/ln1 output",
                     (f"{g}/qkv",))
-    core = _eager(p, z, copies, config.has_dropout) if eager else _sdpa_math(p, z) if math else _sdpa(p, z)
+    kept_v = QKV if viewed else (rules.GPT2_MATH_V,) if z.act == 4 else (rules.MATH_V,)
+    core = _eager(p, z, copies, config.has_dropout) if eager else _sdpa_math(p, z, kept_v) if math else _sdpa(p, z)
     dropped = config.has_dropout
     out = Made(f"{p}/attn output", full, "GPT2Block's attn_output, a local to its return")
     proj = Made(f"{p}/attn proj", full, "c_proj's output, resid_dropout's input") if dropped else out
@@ -186,10 +190,10 @@ def _sdpa(p: str, z: Sizes) -> tuple[Op, ...]:
         saves=(ledger.Q, ledger.K, ledger.V, ledger.SOFTMAX_LSE, ledger.PROJ_IN)),)
 
 
-def _sdpa_math(p: str, z: Sizes) -> tuple[Op, ...]:
+def _sdpa_math(p: str, z: Sizes, kept_v: tuple[SavedTensor, ...]) -> tuple[Op, ...]:
     """SDPA with dropout on a CPU: torch's math kernel as Llama's walk describes it (memcalc.sizing.timeline.hf_layer
-    .sdpa_math, one K/V group a head) on q, k and v as views of c_attn's output (16-bit: v's cast a copy)."""
-    return tuple(replace(x, where="attn") for x in sdpa_math(p, z, False, f"grad/{p}/c_proj input", ""))
+    .sdpa_math, one K/V group a head) on q, k and v as views of c_attn's output, of which bmm keeps `kept_v`."""
+    return tuple(replace(x, where="attn") for x in sdpa_math(p, z, False, f"grad/{p}/c_proj input", "", kept_v))
 
 
 def mlp(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:

@@ -477,13 +477,15 @@ def _sdpa(p: str, z: Sizes) -> tuple[Op, ...]:
         saves=(ledger.Q, ledger.K, ledger.V, ledger.SOFTMAX_LSE, ledger.PROJ_IN)),)
 
 
-def sdpa_math(p: str, z: Sizes, gqa: bool, dy: str, v: str) -> tuple[Op, ...]:
+def sdpa_math(p: str, z: Sizes, gqa: bool, dy: str, v: str, kept_v: tuple[SavedTensor, ...] = (rules.MATH_V,)
+              ) -> tuple[Op, ...]:
     """SDPA with dropout on a CPU: torch's math kernel (aten _scaled_dot_product_attention_math), its ops recorded by
     autograd one by one, all in fp32 (q, k and v cast up, q and k^T scaled, K and V repeated to every head under GQA
     with enable_gqa, bmm, the causal mask added, _safe_softmax, dropout's scaled mask, bmm), its output cast back. Its
     backward runs those ops' backward in autograd's order: the dropout branch, then k's scale, the repeats' sums (v's,
     then k's), q's scale, the three casts down (v's, k's, q's; in fp32 every cast is a no-op). `dy`: the output's
-    gradient (o_proj's dX); `v`: the tensor v is. Its forward op by op (`math_forward`) is the first op's."""
+    gradient (o_proj's dX); `v`: the tensor v is; `kept_v`: what bmm keeps of v (GPT-2's in fp32: the ledger's
+    GPT2_MATH_V, or c_attn's whole output). Its forward op by op (`math_forward`) is the first op's."""
     g, (heads, groups, folded), fp32 = f"grad/{p}", _math_sizes(z), z.act == 4
     scores = 4 * z.b * z.a_t * z.s * z.s
 
@@ -500,7 +502,7 @@ def sdpa_math(p: str, z: Sizes, gqa: bool, dy: str, v: str) -> tuple[Op, ...]:
             Made(grad("v", gqa), heads, "dV = dropped^T dO, at a heads"),
             Made(f"{g}/math dropped", scores, "dDropped = dO V^T, fp32 (b, a, s, s)")),
             frees=(f"{g}/math out folded" if folded else out,)),
-    ), saves=(rules.MATH_DROPOUT_OUT, rules.MATH_V))
+    ), saves=(rules.MATH_DROPOUT_OUT, *kept_v))
     mask = Op("self_attn", (), (
         Step("dropout's backward: dY * mask", (Made(f"{g}/math softmax", scores, "the softmax's gradient"),),
              frees=(f"{g}/math dropped",)),), saves=(rules.MATH_DROPOUT_MASK, rules.MATH_SOFTMAX))
@@ -523,20 +525,23 @@ def sdpa_math(p: str, z: Sizes, gqa: bool, dy: str, v: str) -> tuple[Op, ...]:
                frees=(grad(n, False, scaled),)) for n, w, scaled in (("v", z.g_t, ""), ("k", z.g_t, ""),
                                                                       ("q", z.a_t, " scaled")) if not fp32),
     ), saves=(rules.MATH_Q, rules.MATH_K))
-    return (replace(scaled, forward=math_forward(p, z, gqa, v)), softmax, mask, dropped)
+    return (replace(scaled, forward=math_forward(p, z, gqa, v, kept_v)), softmax, mask, dropped)
 
 
-def math_forward(p: str, z: Sizes, gqa: bool, v: str) -> tuple[Step, ...]:
+def math_forward(p: str, z: Sizes, gqa: bool, v: str, kept_v: tuple[SavedTensor, ...]) -> tuple[Step, ...]:
     """The math kernel's forward for a walk op by op (GPT-2's; Llama's under a checkpoint): what it keeps that no C++
     local holds to its return (k^T scaled, the softmax, dropout's mask; matmul's copies of q scaled and v to fold
     (b, a)) goes at once under a checkpoint, marking no moment; then its widest moment as it returns its output (its
     locals, `math_locals`, and the saved tensors they are; in fp32 v's cast is `v` itself, kept as its MATH_V unless
-    repeated or copied); then its output made (b, s, a, d), a copy unless one head or one token."""
-    folded, fp32 = _math_sizes(z)[2], z.act == 4
-    gone = (rules.MATH_K, rules.MATH_SOFTMAX, rules.MATH_DROPOUT_MASK,
-            *((rules.MATH_Q,) if folded else ()), *((rules.MATH_V,) if folded and not gqa else ()))
-    aliased = fp32 and not gqa and not folded
-    held = tuple(kept(p, x) for x in rules.SDPA_MATH if x not in gone and not (aliased and x == rules.MATH_V))
+    repeated or copied; GPT-2's `kept_v`, a copy or c_attn's output, is not the kernel's local); then its output made
+    (b, s, a, d), a copy unless one head or one token."""
+    folded, fp32, own = _math_sizes(z)[2], z.act == 4, rules.MATH_V in kept_v
+    copied = folded and not gqa if own else rules.GPT2_MATH_V in kept_v
+    gone = (rules.MATH_K, rules.MATH_SOFTMAX, rules.MATH_DROPOUT_MASK, *((rules.MATH_Q,) if folded else ()),
+            *(kept_v if copied else ()))
+    aliased = own and fp32 and not gqa and not folded
+    held = tuple(kept(p, x) for x in (rules.MATH_Q, rules.MATH_DROPOUT_OUT, *((rules.MATH_V,) if own and not aliased
+                                                                              else ())) if x not in gone)
     same = (Made(v, 0, "v.to(float32) in fp32: v itself", keeps=rules.MATH_V, alias=True),) if aliased else ()
     locals_ = math_locals(p, z, gqa)
     out = locals_[-1] if fp32 else Made(f"{p}/math output", z.full(z.a_t * z.d), "the output cast back to bf16")

@@ -596,8 +596,18 @@ def test_gpt2s_step_happens_in_order_and_peaks_where_the_timeline_says_to_the_by
     assert r.model == "transformers' GPT2LMHeadModel"
 
 
+@pytest.mark.parametrize("recompute", ["none", "full"])
+@pytest.mark.parametrize("changes", [c for c in GPT2_STEPS if "dtype" not in c], ids=str)
+def test_in_fp32_gpt2s_math_kernel_keeps_v_as_a_copy_or_c_attns_whole_output_to_the_byte(one_thread, changes,
+                                                                                         recompute):
+    """SDPA with dropout on a CPU in fp32: the math kernel casts nothing; bmm copies v to fold (b, a) (the ledger's
+    GPT2_MATH_V), at b = 1 or one head folds its view and keeps c_attn's output whole."""
+    r = _exact_step(make_config(GPT2_HF, attention="flash", dropout=0.1, dtype="fp32", recompute=recompute,
+                                **changes), "none")
+    assert r.model == "transformers' GPT2LMHeadModel"
+
+
 @pytest.mark.parametrize("changes, named", [
-    ({"attention": "flash", "dropout": 0.1, "dtype": "fp32"}, "dtype fp32 with SDPA's dropout on a CPU"),
     ({"add_bias_linear": False}, "GPT-2 without add_bias_linear"),
     ({"position_embedding_type": "rope"}, "GPT-2 with position_embedding_type rope"),
     ({"t": 2, "tie_embeddings": False}, "GPT-2's model under tp \\(t=2\\): GPT2Config has no base_model_tp_plan"),
