@@ -100,7 +100,8 @@ _HF_GPT2 = _knobs(attention=ATTENTION, dropout=DROPOUT, dtype=DTYPES, tie_embedd
 _FSDP = {"dp_shard": st.sampled_from((2, 3, 4)), "reshard_after_forward": st.booleans(),
          "dp_replicate": st.sampled_from((None, None, 2))}
 _TORCHTITAN_FSDP = _knobs(recompute=st.sampled_from(("none", "full", "op")), dtype=DTYPES, **_FSDP)
-_HF_FSDP = _knobs(attention=ATTENTION, tie_embeddings=TIED, dropout=DROPOUT, dtype=DTYPES, **_FSDP)
+_HF_FSDP = _knobs(attention=ATTENTION, tie_embeddings=TIED, dropout=DROPOUT, dtype=DTYPES,
+                  recompute=st.sampled_from(("none", "full")), **_FSDP)
 
 SUBJECTS = (
     Subject("megatron dense", "torch", {"impl": "megatron"},
