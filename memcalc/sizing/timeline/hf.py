@@ -131,8 +131,11 @@ def _gpt2(tape: Tape, config: ModelConfig, z: Sizes, saved: dict[str, int], hand
 
 def _unheld_masks(config: ModelConfig) -> tuple[str, ...]:
     """Under gradient checkpointing, LlamaModel's locals no layer's frame holds, gone as it returns: Qwen2-MoE's
-    sliding-window mask, which no layer is given (Gemma 2's sliding layers are)."""
-    return () if config.sandwich_norm else ("model/sliding_mask",)
+    sliding-window mask, which no layer is given (Gemma 2's sliding layers are); Gemma 2's causal mask with one layer,
+    which slides (`_checkpoint`'s masks)."""
+    if config.sandwich_norm:
+        return ("model/causal_mask",) if config.L == 1 else ()
+    return ("model/sliding_mask",)
 
 
 def _checkpoint(i: int, config: ModelConfig) -> Checkpoint | None:
@@ -208,9 +211,10 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
         (config.cp != 1, f"cp={config.cp}"),
         (config.add_bias_linear and family != "gpt2",
          "add_bias_linear (biases on every linear; Qwen2's q, k, v biases are add_qkv_bias)"),
-        ((scaled_embedding(config) or config.fused_qkv) and (tp or sharded or config.has_dropout),
-         "Gemma's or Phi-3's model under tp, dp_shard or zero_stage, or with dropout (unmeasured: t = 1 without"
-         " sharding or dropout only)"),
+        ((scaled_embedding(config) or config.fused_qkv) and (tp or sharded),
+         "Gemma's or Phi-3's model under tp, dp_shard or zero_stage (unmeasured: t = 1 without sharding only)"),
+        (config.fused_qkv and config.has_dropout, "Phi-3's model with dropout (its resid_attn_dropout and"
+                                                  " resid_mlp_dropout are walked as p = 0's identities only)"),
         (config.position_embedding_type != "rope" and family != "gpt2",
          f"position_embedding_type {config.position_embedding_type}"),
         (config.dtype == "fp32" and config.zero_stage is not None, "dtype fp32 with zero_stage (DeepSpeed's fp32"

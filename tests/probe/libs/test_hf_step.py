@@ -507,6 +507,30 @@ FAMILY_STEPS = [
 ]
 
 
+# attention dropout in Gemma's and Gemma 2's models (eager: native_dropout through the shim; SDPA: the math kernel),
+# with and without gradient checkpointing
+GEMMA_DROPOUT_STEPS = [
+    ("eager", GEMMA, "none"),
+    ("flash", GEMMA | {"b": 1, "s": 13, "kv_channels": 12, "num_query_groups": 4}, "none"),  # heads wider than h/a
+    ("eager", GEMMA | {"b": 3, "s": 7, "h": 48, "a": 6, "num_query_groups": 2}, "full"),
+    ("flash", GEMMA | {"b": 3, "s": 7}, "full"),
+    ("eager", GEMMA2 | CAPPED, "none"),  # the scores soft-capped before the mask, the softmax and dropout
+    ("eager", GEMMA2 | CAPPED | {"b": 1, "s": 13, "sliding_window": 4}, "full"),
+    ("eager", GEMMA2 | {"s": 95, "h": 16, "ffn_hidden_size": 16, "vocab_size": 20, "sliding_window": 16}, "full"),
+]
+
+
+@pytest.mark.parametrize("attention, changes, recompute", GEMMA_DROPOUT_STEPS, ids=str)
+def test_gemmas_attention_dropout_is_llamas_and_the_step_is_memtrackers(one_thread, attention, changes, recompute):
+    r = _exact_step(make_config(LLAMA, attention=attention, dropout=0.1, recompute=recompute, **changes), "none")
+    assert r.model.startswith("transformers' Gemma")
+
+
+def test_phi3s_residual_dropouts_are_refused_by_name():
+    with pytest.raises(ConfigError, match="Phi-3's model with dropout"):
+        timeline(make_config(LLAMA, attention="eager", dropout=0.1, **PHI3), STRATEGIES["none"], CPU)
+
+
 @pytest.mark.parametrize("attention", ATTENTIONS)
 def test_mistrals_own_model_without_a_window_steps_as_the_llama_walk_says_to_the_byte(one_thread, attention):
     """family mistral builds MistralForCausalLM, Llama's model under another name (a window is refused before)."""
