@@ -28,6 +28,7 @@ from memcalc.sizing.timeline.fsdp import ROOT, Fsdp
 from memcalc.sizing.timeline.tape import (
     ACTIVATIONS, GRADIENTS, PARAMETERS, TEMPORARIES, Moment, Sizes, Tape, Timeline, bulk,
 )
+from memcalc.sizing.timeline import torch_ops
 from memcalc.sizing.timeline.torch_ops import linear
 from memcalc.sizing.timeline.walk import Checkpoint, HandOver, Made, Op, Step, Walk, kept
 from memcalc.sizing.timeline.zero import Zero
@@ -213,8 +214,6 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
          "add_bias_linear (biases on every linear; Qwen2's q, k, v biases are add_qkv_bias)"),
         ((scaled_embedding(config) or config.fused_qkv) and (tp or sharded),
          "Gemma's or Phi-3's model under tp, dp_shard or zero_stage (unmeasured: t = 1 without sharding only)"),
-        (config.fused_qkv and config.has_dropout, "Phi-3's model with dropout (its resid_attn_dropout and"
-                                                  " resid_mlp_dropout are walked as p = 0's identities only)"),
         (config.position_embedding_type != "rope" and family != "gpt2",
          f"position_embedding_type {config.position_embedding_type}"),
         (config.dtype == "fp32" and config.zero_stage is not None, "dtype fp32 with zero_stage (DeepSpeed's fp32"
@@ -291,15 +290,25 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
     out = f"grad/layers.{i - 1}/output" if i else "grad/embedding output"
     mlp = moe.OUTPUT_GRAD if block else f"grad/{p}/ln2 output"
     ln1, ln2 = rules.RMS_NORMS[config.norm]
-    # Gemma 2's sandwich norms: on the attention's output and on the MLP's, whose gradients are then theirs
-    attn_out, mlp_out = (f"grad/{p}/attn output", f"grad/{p}/mlp output") if config.sandwich_norm else (None, None)
+    # Gemma 2's sandwich norms: on the attention's output and on the MLP's, whose gradients are then theirs; Phi-3's
+    # residual dropouts (p > 0) likewise on the branches' outputs, o_proj's and down_proj's ("proj")
+    resid = config.fused_qkv and config.has_dropout
+    attn_out, mlp_out = (f"grad/{p}/attn output", f"grad/{p}/mlp output") if config.sandwich_norm else (
+        f"grad/{p}/attn dropped", f"grad/{p}/mlp dropped") if resid else (None, None)
     post_attn, post_mlp = (  # each on its branch's output, which goes as the norm returns
         layer.rms_norm(name, p, norm, z, None, dx, output=Made(f"{p}/{branch} normed", z.full(z.h), "the branch's"
                                                                 " output normalised"), gone=(f"{p}/{branch} output",),
                        x=f"{p}/{branch} output")
         for name, norm, dx, branch in (
             ("post_attention_layernorm", rules.GEMMA_POST_ATTN, attn_out, "attn"),
-            ("post_feedforward_layernorm", rules.GEMMA_POST_MLP, mlp_out, "mlp"))) if config.sandwich_norm else ((), ())
+            ("post_feedforward_layernorm", rules.GEMMA_POST_MLP, mlp_out, "mlp"))) if config.sandwich_norm else (
+        (torch_ops.dropout(f"resid_{branch}_dropout", p, mask, Made(f"{p}/{branch} output", z.full(z.h), "the"
+                                                                    " branch's output dropped out"), stream, dx,
+                           z.full(z.h)),)  # the layer's variable holds the input to the residual sum
+        for branch, mask, stream, dx in (("attn", ledger.ATTN_OUT_DROPOUT_MASK, f"grad/{p}/mid", attn_out),
+                                         ("mlp", ledger.MLP_DROPOUT_MASK, f"grad/{p}/output", mlp_out))
+    ) if resid else ((), ())
+    proj = "proj" if resid else "output"
     mid, output = layer.residuals(i, z, layer.returned_weights(z, config.attention == "eager", config.has_dropout))
     ops = (
         *layer.rms_norm("input_layernorm", p, ln1, z, f"grad/{p}/ln1 output", out, f"grad/{p}/mid",
@@ -307,22 +316,23 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
         *layer.attention(p, z, config.attention == "eager", saved, config.groups != config.a, tp,
                          i == 0 and not checkpointed,
                          config.qk_layernorm, config.add_qkv_bias, config.has_dropout,
-                         config.attn_logit_softcapping is not None, attn_out, config.fused_qkv),
+                         config.attn_logit_softcapping is not None, attn_out, config.fused_qkv, f"attn {proj}"),
         *post_attn,
         *((mid,) if checkpointed else ()),
         *layer.rms_norm("pre_feedforward_layernorm" if config.sandwich_norm else "post_attention_layernorm", p, ln2,
                         z, mlp, f"grad/{p}/mid", f"grad/{p}/output",
                         output=kept(p, ledger.MOE_IN if block else ledger.FC1_IN), x=f"{p}/mid"),
         *(moe.checkpointed_forward(p, z, config) if block and checkpointed else ()),
-        *(block or layer.mlp(p, z, tp, rules.GATED[config.mlp], mlp_out, config.fused_qkv)),
+        *(block or layer.mlp(p, z, tp, rules.GATED[config.mlp], mlp_out, config.fused_qkv, f"mlp {proj}")),
         *post_mlp,
         *((output,) if checkpointed else ()),
     )
     if not checkpointed:
         ops = (*layer.layer_forward(i, z, made, moe.block_forward(p, z, config) if block else (),
-                                    layer.sdpa_math_forward(p, z, saved, config.groups != config.a)),
+                                    layer.sdpa_math_forward(p, z, saved, config.groups != config.a), resid),
                *(replace(x, forward=()) for x in ops))
-    return tuple(replace(x, shadow=PHI3_SHADOWED.get(x.where, "")) for x in ops) if config.fused_qkv else ops
+    return tuple(replace(x, shadow=PHI3_SHADOWED.get(x.where, "")) for x in ops) if config.fused_qkv and not resid \
+        else ops
 
 
 # Phi-3's residual dropouts (resid_pdrop 0: nn.Dropout returns its input) take o_proj's and down_proj's outputs as

@@ -172,8 +172,8 @@ def _gemma_weight(where: str, g: str, norm: RMSNormTensors, z: Sizes, dy: str | 
     return (product, up)
 
 
-def layer_forward(i: int, z: Sizes, kept: Step, mlp: tuple[Op, ...] = (), core: tuple[Op, ...] = ()
-                  ) -> tuple[Op, ...]:
+def layer_forward(i: int, z: Sizes, kept: Step, mlp: tuple[Op, ...] = (), core: tuple[Op, ...] = (),
+                  dropped: bool = False) -> tuple[Op, ...]:
     """Layer i's forward, one moment at its second residual sum: its kept tensors (`kept`, every layer's one step),
     the residual stream, and a sparse block's own moments (`mlp`, which makes the MLP's output); with the attention
     core's own moment (`core`), the tensors kept up to it (those before o_proj's input) are made before it. Under tp a
@@ -190,13 +190,15 @@ def layer_forward(i: int, z: Sizes, kept: Step, mlp: tuple[Op, ...] = (), core: 
         f"{p}/mid", full, "the residual stream after attention: ln2's input and the MLP's residual"),), moment=False),)
     made = Op("", forward=(kept, *stream), backward=())
     output = () if mlp else (Made(f"{p}/mlp output", full, "down_proj's output, summed into the residual stream"),)
+    if dropped:  # Phi-3's resid_mlp_dropout: the layer's variable holds down_proj's output to the sum too
+        output += (Made(f"{p}/mlp proj", full, "down_proj's output, resid_mlp_dropout's input"),)
     down = (Op("mlp.down_proj", forward=(Step("down_proj's partial sum all-reduced", (
         Made(f"{p}/mlp partial", full, "down_proj's GEMM: this rank's share of the sum, a local of its forward"),
         *output), frees=(f"{p}/mlp partial",)),), backward=()),) if output and z.t > 1 else ()
     out = Op("", forward=(Step("the layer's saved tensors, at its second residual sum", (
         *(() if down else output), Made(f"layers.{i + 1}/input", full, "the layer's output, the next layer's input")),
         # the caller rebinds its hidden_states; the first layer's input is inputs_embeds too
-        frees=(f"{p}/mid", f"{p}/mlp output", *((f"{p}/input",) if i else ()))),), backward=())
+        frees=(f"{p}/mid", f"{p}/mlp output", f"{p}/mlp proj", *((f"{p}/input",) if i else ()))),), backward=())
     return (*core, made, *mlp, *down, out)
 
 
@@ -206,10 +208,11 @@ def residuals(i: int, z: Sizes, weights: SavedTensor | None) -> tuple[Op, Op]:
     rebinds."""
     p, full = f"layers.{i}", z.full(z.h)
     mid = Op("", (Step("x + attention", (Made(f"{p}/mid", full, "the residual stream after attention: ln2's input and"
-                                              " the MLP's residual"),), frees=(f"{p}/attn output", f"{p}/attn normed")
-                        ),), ())
+                                              " the MLP's residual"),),
+                       frees=(f"{p}/attn output", f"{p}/attn normed", f"{p}/attn proj")),), ())
     out = Op("", (Step("the layer's output", (Made(f"layers.{i + 1}/input", full, "the next layer's input"),),
-                       frees=(f"{p}/mid", f"{p}/mlp output", f"{p}/mlp normed", *((f"{p}/input",) if i else ())),
+                       frees=(f"{p}/mid", f"{p}/mlp output", f"{p}/mlp normed", f"{p}/mlp proj",
+                              *((f"{p}/input",) if i else ())),
                        reads_last=(kept_name(p, weights),) if weights else ()),), ())
     return mid, out
 
@@ -224,10 +227,11 @@ def returned_weights(z: Sizes, eager: bool, dropout: bool) -> SavedTensor | None
 
 def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, tp: bool, first: bool,
               qk_norm: bool = False, qkv_bias: bool = False, dropout: bool = False, softcap: bool = False,
-              dy: str | None = None, fused: bool = False) -> tuple[Op, ...]:
+              dy: str | None = None, fused: bool = False, made_as: str = "attn output") -> tuple[Op, ...]:
     """q, k, v (their dX summed as they come; `qk_norm`: Qwen3's q_norm and k_norm; `qkv_bias`: Qwen2's biases;
     `fused`: Phi-3's one qkv_proj), RoPE, the core (eager with `dropout` or Gemma 2's `softcap`, or SDPA), o_proj (`dy`
-    its output's gradient; None: the residual stream's, which lives on); the heads go as the module returns."""
+    its output's gradient; None: the residual stream's, which lives on; `made_as` its output's name); the heads go as
+    the module returns."""
     g, q, kv, full = f"grad/{p}", z.a_t * z.d, z.g_t * z.d, z.full(z.h)
     # the projections' outputs and RoPE's, each the core's saved tensor or a local of the attention
     q_copied, k_copied, v_copied = _bmm_copies(z, saved, fused)
@@ -271,7 +275,7 @@ def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, t
     o_proj = linear("self_attn.o_proj", ledger.PROJ_IN if eager or math else None, None, z.act * q * z.h,
                     f"{g}/o_proj input", z.full(q), p, (dy,) if dy else ())
     gone = (made["v"], *rotated.values(), kept(p, ledger.QKV_IN), kept(p, ledger.PROJ_IN))  # at the module's return
-    o_proj = replace(o_proj, forward=(Step("the GEMM", (Made(f"{p}/attn output", full, "o_proj's output"),),
+    o_proj = replace(o_proj, forward=(Step("the GEMM", (Made(f"{p}/{made_as}", full, "o_proj's output"),),
                                            frees=tuple(x.name for x in gone if x.keeps is None),
                                            reads_last=tuple(x.name for x in gone if x.keeps is not None)),))
     return (*(_fused_qkv(p, z, q, kv, tp, made["v"]) if fused else reversed(ran)), *rope, *core, o_proj)
@@ -606,10 +610,11 @@ def math_locals(p: str, z: Sizes, gqa: bool) -> tuple[Made, ...]:
 
 
 def mlp(p: str, z: Sizes, tp: bool, gated: tuple[SavedTensor, SavedTensor, SavedTensor], dy: str | None = None,
-        fused: bool = False) -> tuple[Op, ...]:
+        fused: bool = False, made_as: str = "mlp output") -> tuple[Op, ...]:
     """LlamaMLP; down_proj's dY is the layer's output gradient, which ln2's residual sum still needs. `gated`: what the
     activation and the product keep (GemmaMLP's tanh GELU keeps as SiLU does); `dy`: down_proj's output gradient when
-    it is not the layer's (Gemma 2's post_feedforward_layernorm's dX); `fused`: Phi-3's one gate_up_proj, chunked."""
+    it is not the layer's (Gemma 2's post_feedforward_layernorm's dX, Phi-3's resid_mlp_dropout's); `fused`: Phi-3's
+    one gate_up_proj, chunked; `made_as`: down_proj's output's name."""
     g, f = f"grad/{p}", z.f_t
     gate_in, up, act_out = gated
     w, full = z.act * f * z.h, z.full(z.h)
@@ -625,7 +630,7 @@ def mlp(p: str, z: Sizes, tp: bool, gated: tuple[SavedTensor, SavedTensor, Saved
         frees=(f"{g}/down_proj input",)),), saves=(up, act_out))
     down = replace(linear("mlp.down_proj", ledger.FC2_IN, None, w, f"{g}/down_proj input", z.full(f), p,
                           (dy,) if dy else ()),
-                   forward=(Step("the GEMM", (Made(f"{p}/mlp output", z.full(z.h), "down_proj's output"),),
+                   forward=(Step("the GEMM", (Made(f"{p}/{made_as}", z.full(z.h), "down_proj's output"),),
                                  reads_last=(kept_name(p, ledger.FC2_IN), kept_name(p, ledger.FC1_IN))),))
     if fused:
         chunk = Op("mlp", (), (Step("chunk's backward: the two gradients concatenated", (

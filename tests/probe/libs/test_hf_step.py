@@ -526,9 +526,21 @@ def test_gemmas_attention_dropout_is_llamas_and_the_step_is_memtrackers(one_thre
     assert r.model.startswith("transformers' Gemma")
 
 
-def test_phi3s_residual_dropouts_are_refused_by_name():
-    with pytest.raises(ConfigError, match="Phi-3's model with dropout"):
-        timeline(make_config(LLAMA, attention="eager", dropout=0.1, **PHI3), STRATEGIES["none"], CPU)
+PHI3_DROPOUT_STEPS = [
+    (PHI3, "none"),
+    (PHI3 | {"b": 1, "s": 13, "kv_channels": 12, "num_query_groups": 4}, "none"),
+    (PHI3 | {"b": 3, "s": 7, "num_query_groups": 8}, "full"),  # V, a view of qkv_proj's output, copied
+    (PHI3 | {"b": 2, "s": 5, "num_query_groups": 1}, "full"),
+    (PHI3 | {"b": 1, "s": 7, "dtype": "fp32"}, "full"),
+]
+
+
+@pytest.mark.parametrize("changes, recompute", PHI3_DROPOUT_STEPS, ids=str)
+def test_phi3s_residual_dropouts_keep_their_masks_and_the_step_is_memtrackers(one_thread, changes, recompute):
+    """resid_attn_dropout and resid_mlp_dropout (p > 0) drop out o_proj's and down_proj's outputs, which the layer's
+    variable holds to the residual sum; each keeps its bool mask, and its backward makes the projection's dY."""
+    r = _exact_step(make_config(LLAMA, attention="eager", dropout=0.1, recompute=recompute, **changes), "none")
+    assert r.model.startswith("transformers' Phi3ForCausalLM")
 
 
 @pytest.mark.parametrize("attention", ATTENTIONS)
