@@ -218,7 +218,6 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
          f"position_embedding_type {config.position_embedding_type}"),
         (config.dtype == "fp32" and config.zero_stage is not None, "dtype fp32 with zero_stage (DeepSpeed's fp32"
                                                                    " optimizer is not walked)"),
-        # found by the step differential: the math kernel's walk counts its casts, which fp32 makes no-ops
         *_experts_missing(config, tp),
         # the FSDP2 and ZeRO walks
         (config.zero_stage == 0, "zero_stage=0 (DeepSpeed's bf16 optimizer without ZeRO; --totals counts its model"
