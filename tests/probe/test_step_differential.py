@@ -85,12 +85,13 @@ _TORCHTITAN_MOE = _knobs(num_experts=st.integers(2, 6), moe_router_topk=st.integ
                          moe_router_pre_softmax=st.booleans(),
                          moe_shared_expert_intermediate_size=st.sampled_from((None, 8, 48)),
                          recompute=st.sampled_from(("none", "full", "op")))
-_HF = _knobs(attention=ATTENTION, dropout=DROPOUT, dtype=DTYPES, tie_embeddings=TIED)
+_HF = _knobs(attention=ATTENTION, dropout=DROPOUT, dtype=DTYPES, tie_embeddings=TIED,
+             recompute=st.sampled_from(("none", "full")))
 _HF_MIXTRAL = _knobs(attention=ATTENTION, num_experts=st.integers(2, 6), moe_router_topk=st.integers(1, 3),
                      tie_embeddings=TIED, dropout=DROPOUT, recompute=st.sampled_from(("none", "full")), dtype=DTYPES)
 _HF_GEMMA2 = _knobs(attn_logit_softcapping=st.sampled_from((None, 50.0)), sliding_window=st.sampled_from((None, 3, 8)),
-                    tie_embeddings=TIED, dtype=DTYPES)
-_HF_PHI3 = _knobs(tie_embeddings=TIED, dtype=DTYPES)
+                    tie_embeddings=TIED, dtype=DTYPES, dropout=DROPOUT, recompute=st.sampled_from(("none", "full")))
+_HF_PHI3 = _knobs(tie_embeddings=TIED, dtype=DTYPES, dropout=DROPOUT, recompute=st.sampled_from(("none", "full")))
 # GPT2LMHeadModel: LayerNorm, Conv1D with biases, learned positions; no tp plan (t = 1)
 GPT2 = {"impl": "hf", "family": "gpt2", "norm": "layernorm", "position_embedding_type": "learned_absolute",
         "add_bias_linear": True}
@@ -99,7 +100,8 @@ _HF_GPT2 = _knobs(attention=ATTENTION, dropout=DROPOUT, dtype=DTYPES, tie_embedd
 _FSDP = {"dp_shard": st.sampled_from((2, 3, 4)), "reshard_after_forward": st.booleans(),
          "dp_replicate": st.sampled_from((None, None, 2))}
 _TORCHTITAN_FSDP = _knobs(recompute=st.sampled_from(("none", "full", "op")), dtype=DTYPES, **_FSDP)
-_HF_FSDP = _knobs(attention=ATTENTION, tie_embeddings=TIED, dropout=DROPOUT, dtype=DTYPES, **_FSDP)
+_HF_FSDP = _knobs(attention=ATTENTION, tie_embeddings=TIED, dropout=DROPOUT, dtype=DTYPES,
+                  recompute=st.sampled_from(("none", "full")), **_FSDP)
 
 SUBJECTS = (
     Subject("megatron dense", "torch", {"impl": "megatron"},
@@ -222,6 +224,20 @@ FINDINGS = [
              " fp32 and both fp32 products live (the walk, hf_layer._gemma_weight, frees dY fp32 a step early and"
              " marks no moment at the sum): 4h bytes short, the peak at b = s = 1 (the final norm's backward, 64 B of"
              " temporaries measured, 48 predicted)", fixed=True),
+    _finding("transformers", {"impl": "hf"} | LLAMA | {"attention": "eager", "tie_embeddings": False, "dropout": 0.0,
+                                                       "recompute": "none", "L": 2, "b": 1, "s": 16, "h": 2, "a": 1,
+                                                       "num_query_groups": 1, "ffn_hidden_size": 1, "vocab_size": 2,
+                                                       "dp_shard": 2}, "none",
+             "FSDP2 at tiny sizes: MemTracker peaks in the last layer's self_attn forward, 60 B more parameters than"
+             " the walk's peak at model.norm's forward (7,436 B measured, 7,376 predicted; so at 6fcba74 already,"
+             " found by a drawn run)"),
+    _finding("transformers", GEMMA | {"family": "gemma2", "sandwich_norm": True, "recompute": "full",
+                                      "tie_embeddings": False, "L": 1, "b": 1, "s": 1, "h": 2, "a": 1,
+                                      "num_query_groups": 1, "ffn_hidden_size": 1, "vocab_size": 2}, "none",
+             "Gemma 2 checkpointed with one layer: that layer slides, so no layer's frame holds the causal mask,"
+             " which goes as Gemma2Model returns; the walk (timeline/hf.py, _unheld_masks) kept it to the step's end,"
+             " 2 B more at s = 1 (896 B at the peak predicted, 894 measured; found once the drawn runs drew"
+             " recompute for Gemma 2)", fixed=True),
     _finding("torch", {"impl": "megatron", "mlp": "gelu", "norm": "layernorm", "dropout": 0.0, "recompute": "full",
                        "attention_softmax_in_fp32": True, "tie_embeddings": False, "add_bias_linear": False, "L": 1,
                        "b": 1, "s": 12, "h": 10, "a": 5, "ffn_hidden_size": 1, "vocab_size": 2}, "none",

@@ -6,9 +6,9 @@ Why each patch, and how a forced route assigns the experts: docs/probe.md, "Drop
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from types import MethodType
-from typing import Any, Iterator
+from typing import Any, ContextManager, Iterator
 
 from memcalc.probe import require_torch, shims
 
@@ -33,6 +33,13 @@ def cuda_like_dropout() -> Iterator[None]:
         yield
     finally:
         functional.dropout = original
+
+
+def dropout_in_rerun() -> tuple[ContextManager[None], ContextManager[None]]:
+    """torch.utils.checkpoint's `context_fn`: a gradient checkpoint's rerun, inside backward and so outside the forward
+    that `cuda_like_dropout` wraps, drops out as its forward did (else the CPU's mask, another saved tensor, fails
+    the checkpoint's metadata check). The forward's own context is the caller's."""
+    return nullcontext(), cuda_like_dropout()
 
 
 _LEAD = 100.0  # far above any logit of the probe's small, normal(0, 0.02) router, yet exact in bf16

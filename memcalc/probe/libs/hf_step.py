@@ -19,7 +19,7 @@ from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.layer import DTYPES
 from memcalc.probe.libs import hf_tp
 from memcalc.probe.libs.hf import force_routes, transformers_config
-from memcalc.probe.libs.hf_shim import cuda_like_dropout
+from memcalc.probe.libs.hf_shim import cuda_like_dropout, dropout_in_rerun
 from memcalc.probe.step import BATCH_SEED, StepMeasurement, Trainer, measure_trainer
 
 torch = require_torch()
@@ -77,6 +77,7 @@ def causal_lm(config: ModelConfig, route: str | None, dtype: torch.dtype, device
 def checkpointed(model: Any, config: ModelConfig) -> None:
     """Under recompute full, transformers' gradient checkpointing as the Trainer's activation_checkpointing=True turns
     it on: activation_checkpointing_enable() with its defaults (gradient_checkpointing_enable, its deprecated alias,
-    calls the same), a non-reentrant torch.utils.checkpoint around each decoder layer's forward, early stop on."""
+    calls the same), a non-reentrant torch.utils.checkpoint around each decoder layer's forward, early stop on; its
+    rerun drops out through the probe's CUDA-like shim too (`dropout_in_rerun`, the checkpoint's own context_fn)."""
     if config.recompute == "full":
-        model.activation_checkpointing_enable()
+        model.activation_checkpointing_enable({"use_reentrant": False, "context_fn": dropout_in_rerun})

@@ -28,6 +28,7 @@ from memcalc.sizing.timeline.fsdp import ROOT, Fsdp
 from memcalc.sizing.timeline.tape import (
     ACTIVATIONS, GRADIENTS, PARAMETERS, TEMPORARIES, Moment, Sizes, Tape, Timeline, bulk,
 )
+from memcalc.sizing.timeline import torch_ops
 from memcalc.sizing.timeline.torch_ops import linear
 from memcalc.sizing.timeline.walk import Checkpoint, HandOver, Made, Op, Step, Walk, kept
 from memcalc.sizing.timeline.zero import Zero
@@ -122,7 +123,7 @@ def _gpt2(tape: Tape, config: ModelConfig, z: Sizes, saved: dict[str, int], hand
     gradient are Llama's (one rank, unsharded)."""
     ends = gpt2.ends(z, saved)
     layers = [(Walk(tape, f"layers.{i}", f"transformer.h.{i}", saved, hand_over, gpt2.checkpoint(i, config)),
-               gpt2.block(i, z, config)) for i in range(config.L)]
+               gpt2.block(i, z, config, rules.MATH_Q.name in saved)) for i in range(config.L)]
     inputs = (Walk(tape, "", "", ends, hand_over),
               (_batch(z), *gpt2.embedding(z, config, _embedding_backward(z, config, False, False))))
     outputs = (Walk(tape, "", "", ends, hand_over), (gpt2.final_norm(z, config), *_head(z, config)))
@@ -131,8 +132,11 @@ def _gpt2(tape: Tape, config: ModelConfig, z: Sizes, saved: dict[str, int], hand
 
 def _unheld_masks(config: ModelConfig) -> tuple[str, ...]:
     """Under gradient checkpointing, LlamaModel's locals no layer's frame holds, gone as it returns: Qwen2-MoE's
-    sliding-window mask, which no layer is given (Gemma 2's sliding layers are)."""
-    return () if config.sandwich_norm else ("model/sliding_mask",)
+    sliding-window mask, which no layer is given (Gemma 2's sliding layers are); Gemma 2's causal mask with one layer,
+    which slides (`_checkpoint`'s masks)."""
+    if config.sandwich_norm:
+        return ("model/causal_mask",) if config.L == 1 else ()
+    return ("model/sliding_mask",)
 
 
 def _checkpoint(i: int, config: ModelConfig) -> Checkpoint | None:
@@ -192,7 +196,7 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
     rerun = f"recompute {config.recompute} (gradient checkpointing) with"
     missing = [
         (family not in WALKED, f"{family}'s model (it walks {', '.join(WALKED)})"),
-        *_gpt2_missing(config, family, tp, accounting),
+        *_gpt2_missing(config, family, tp),
         (config.sliding_window is not None and not config.sandwich_norm,
          f"sliding_window={config.sliding_window} outside Gemma 2 (it walks a window in Gemma 2's model only)"),
         (config.sandwich_norm and config.attention != "eager",
@@ -208,16 +212,12 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
         (config.cp != 1, f"cp={config.cp}"),
         (config.add_bias_linear and family != "gpt2",
          "add_bias_linear (biases on every linear; Qwen2's q, k, v biases are add_qkv_bias)"),
-        ((scaled_embedding(config) or config.fused_qkv) and (tp or sharded or config.has_dropout),
-         "Gemma's or Phi-3's model under tp, dp_shard or zero_stage, or with dropout (unmeasured: t = 1 without"
-         " sharding or dropout only)"),
+        ((scaled_embedding(config) or config.fused_qkv) and (tp or sharded),
+         "Gemma's or Phi-3's model under tp, dp_shard or zero_stage (unmeasured: t = 1 without sharding only)"),
         (config.position_embedding_type != "rope" and family != "gpt2",
          f"position_embedding_type {config.position_embedding_type}"),
         (config.dtype == "fp32" and config.zero_stage is not None, "dtype fp32 with zero_stage (DeepSpeed's fp32"
                                                                    " optimizer is not walked)"),
-        # found by the step differential: the math kernel's walk counts its casts, which fp32 makes no-ops
-        (config.dtype == "fp32" and config.has_dropout and config.attention != "eager" and accounting.device == "cpu",
-         "dtype fp32 with SDPA's dropout on a CPU (torch's math kernel, whose casts are then no-ops)"),
         *_experts_missing(config, tp),
         # the FSDP2 and ZeRO walks
         (config.zero_stage == 0, "zero_stage=0 (DeepSpeed's bf16 optimizer without ZeRO; --totals counts its model"
@@ -228,21 +228,17 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
         (sharded and config.add_qkv_bias, "dp_shard or zero_stage with add_qkv_bias (its walks lay out one gradient a"
                                           " module, the weight's)"),
         # gradient checkpointing: each layer's forward op by op, rerun in backward
-        (config.recompute != "none" and config.has_dropout, f"{rerun} dropout (the probe's CUDA-like dropout shim is"
-                                                            " not active in the rerun)"),
         (config.recompute != "none" and config.zero_stage is not None, f"{rerun} zero_stage"),
-        (config.recompute != "none" and config.dtype == "fp32", f"{rerun} dtype fp32 (the norms' x.to(float32) are the"
-                                                                " checkpoint's input and the residual stream"
-                                                                " themselves, which the rerun's walk does not alias)"),
     ]
     for absent, what in missing:
         if absent:
             raise ConfigError(f"the step timeline for impl hf does not model {what} yet")
 
 
-def _gpt2_missing(config: ModelConfig, family: str, tp: bool, accounting: Accounting) -> list[tuple[bool, str]]:
+def _gpt2_missing(config: ModelConfig, family: str, tp: bool) -> list[tuple[bool, str]]:
     """What the walk of GPT2LMHeadModel (memcalc.sizing.timeline.hf_gpt2) leaves out. SDPA with dropout is the
-    flash kernel's walk on CUDA, which drops out inside (the ledger's FLASH_DROPOUT_LSE, read from torch's code)."""
+    flash kernel's walk on CUDA, which drops out inside (the ledger's FLASH_DROPOUT_LSE, read from torch's code), and
+    on a CPU torch's math kernel."""
     if family != "gpt2":
         return []
     return [
@@ -251,11 +247,6 @@ def _gpt2_missing(config: ModelConfig, family: str, tp: bool, accounting: Accoun
         (config.position_embedding_type != "learned_absolute", f"GPT-2 with position_embedding_type"
                                                                 f" {config.position_embedding_type} (GPT2Model learns"
                                                                 " its positions: wpe)"),
-        (config.attention != "eager" and config.has_dropout and accounting.device == "cpu",
-         f"dropout {config.dropout} with SDPA in GPT-2's model on a CPU (torch's math kernel runs)"),
-        (config.recompute == "full" and config.has_dropout, f"recompute full (gradient checkpointing) with dropout in"
-                                                            " GPT-2's model (the probe's CUDA-like dropout shim is not"
-                                                            " active in the rerun)"),
         (config.dp_shard is not None or config.zero_stage is not None, "GPT-2's model under dp_shard or zero_stage"),
     ]
 
@@ -298,37 +289,49 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
     out = f"grad/layers.{i - 1}/output" if i else "grad/embedding output"
     mlp = moe.OUTPUT_GRAD if block else f"grad/{p}/ln2 output"
     ln1, ln2 = rules.RMS_NORMS[config.norm]
-    # Gemma 2's sandwich norms: on the attention's output and on the MLP's, whose gradients are then theirs
-    attn_out, mlp_out = (f"grad/{p}/attn output", f"grad/{p}/mlp output") if config.sandwich_norm else (None, None)
+    # Gemma 2's sandwich norms: on the attention's output and on the MLP's, whose gradients are then theirs; Phi-3's
+    # residual dropouts (p > 0) likewise on the branches' outputs, o_proj's and down_proj's ("proj")
+    resid = config.fused_qkv and config.has_dropout
+    attn_out, mlp_out = (f"grad/{p}/attn output", f"grad/{p}/mlp output") if config.sandwich_norm else (
+        f"grad/{p}/attn dropped", f"grad/{p}/mlp dropped") if resid else (None, None)
     post_attn, post_mlp = (  # each on its branch's output, which goes as the norm returns
         layer.rms_norm(name, p, norm, z, None, dx, output=Made(f"{p}/{branch} normed", z.full(z.h), "the branch's"
-                                                                " output normalised"), gone=(f"{p}/{branch} output",))
+                                                                " output normalised"), gone=(f"{p}/{branch} output",),
+                       x=f"{p}/{branch} output")
         for name, norm, dx, branch in (
             ("post_attention_layernorm", rules.GEMMA_POST_ATTN, attn_out, "attn"),
-            ("post_feedforward_layernorm", rules.GEMMA_POST_MLP, mlp_out, "mlp"))) if config.sandwich_norm else ((), ())
-    mid, output = layer.residuals(i, z, config.attention == "eager")
+            ("post_feedforward_layernorm", rules.GEMMA_POST_MLP, mlp_out, "mlp"))) if config.sandwich_norm else (
+        (torch_ops.dropout(f"resid_{branch}_dropout", p, mask, Made(f"{p}/{branch} output", z.full(z.h), "the"
+                                                                    " branch's output dropped out"), stream, dx,
+                           z.full(z.h)),)  # the layer's variable holds the input to the residual sum
+        for branch, mask, stream, dx in (("attn", ledger.ATTN_OUT_DROPOUT_MASK, f"grad/{p}/mid", attn_out),
+                                         ("mlp", ledger.MLP_DROPOUT_MASK, f"grad/{p}/output", mlp_out))
+    ) if resid else ((), ())
+    proj = "proj" if resid else "output"
+    mid, output = layer.residuals(i, z, layer.returned_weights(z, config.attention == "eager", config.has_dropout))
     ops = (
         *layer.rms_norm("input_layernorm", p, ln1, z, f"grad/{p}/ln1 output", out, f"grad/{p}/mid",
-                        output=kept(p, ledger.QKV_IN)),
+                        output=kept(p, ledger.QKV_IN), x=f"{p}/input"),
         *layer.attention(p, z, config.attention == "eager", saved, config.groups != config.a, tp,
                          i == 0 and not checkpointed,
                          config.qk_layernorm, config.add_qkv_bias, config.has_dropout,
-                         config.attn_logit_softcapping is not None, attn_out, config.fused_qkv),
+                         config.attn_logit_softcapping is not None, attn_out, config.fused_qkv, f"attn {proj}"),
         *post_attn,
         *((mid,) if checkpointed else ()),
         *layer.rms_norm("pre_feedforward_layernorm" if config.sandwich_norm else "post_attention_layernorm", p, ln2,
                         z, mlp, f"grad/{p}/mid", f"grad/{p}/output",
-                        output=kept(p, ledger.MOE_IN if block else ledger.FC1_IN)),
+                        output=kept(p, ledger.MOE_IN if block else ledger.FC1_IN), x=f"{p}/mid"),
         *(moe.checkpointed_forward(p, z, config) if block and checkpointed else ()),
-        *(block or layer.mlp(p, z, tp, rules.GATED[config.mlp], mlp_out, config.fused_qkv)),
+        *(block or layer.mlp(p, z, tp, rules.GATED[config.mlp], mlp_out, config.fused_qkv, f"mlp {proj}")),
         *post_mlp,
         *((output,) if checkpointed else ()),
     )
     if not checkpointed:
         ops = (*layer.layer_forward(i, z, made, moe.block_forward(p, z, config) if block else (),
-                                    layer.sdpa_math_forward(p, z, saved, config.groups != config.a)),
+                                    layer.sdpa_math_forward(p, z, saved, config.groups != config.a), resid),
                *(replace(x, forward=()) for x in ops))
-    return tuple(replace(x, shadow=PHI3_SHADOWED.get(x.where, "")) for x in ops) if config.fused_qkv else ops
+    return tuple(replace(x, shadow=PHI3_SHADOWED.get(x.where, "")) for x in ops) if config.fused_qkv and not resid \
+        else ops
 
 
 # Phi-3's residual dropouts (resid_pdrop 0: nn.Dropout returns its input) take o_proj's and down_proj's outputs as

@@ -13,9 +13,9 @@ from memcalc.config.schema import ModelConfig
 from memcalc.model import ledger
 from memcalc.model.impls import hf as rules
 from memcalc.model.ledger import NormTensors, SavedTensor
-from memcalc.sizing.timeline.hf_layer import context
+from memcalc.sizing.timeline.hf_layer import context, sdpa_math
 from memcalc.sizing.timeline.tape import TEMPORARIES, Sizes
-from memcalc.sizing.timeline.torch_ops import WHY_WGRAD, linear
+from memcalc.sizing.timeline.torch_ops import WHY_WGRAD, dropout, linear
 from memcalc.sizing.timeline.walk import Checkpoint, Made, Op, Step, kept, kept_names
 
 WHY_NORM_GRADS = "the norm's weight and bias gradients, handed over as the node returns"
@@ -54,55 +54,55 @@ def conv1d(where: str, p: str, x: SavedTensor, gemm: Step, inputs: int, outputs:
     return Op(where, (gemm,), (replace(op.backward[0], moment=True), *op.backward[1:]), op.saves)
 
 
-def dropout(where: str, p: str, mask: SavedTensor, output: Made, dy: str, dx: str, dx_bytes: int,
-            gone: tuple[str, ...] = (), frees: tuple[str, ...] = (), then: Step | None = None) -> Op:
-    """nn.Dropout (and F.dropout) in training: the probe's shim runs CUDA's native_dropout, its output and a bool
-    mask, which backward multiplies dY by (scaled) into a new `dx`; `gone`: the input, rebound as it returns; `frees`:
-    dY, unless it lives on (the residual stream's); `then`: what goes after it (the module around it returns)."""
-    return Op(where, (Step("native_dropout: its output and bool mask", (output, kept(p, mask)), frees=gone),
-                      *((then,) if then else ())), (
-        Step("native_dropout_backward: dY * mask * scale", (Made(dx, dx_bytes, "dropout's backward"),),
-             frees=frees),), saves=(mask,))
-
-
-def block(i: int, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
-    """GPT2Block i, op by op. Its locals live to its return: the residual (ln_2's input, which it keeps), ln_2's
-    output, attn_output and the attention weights it returns, the MLP's output; its output is the next norm's input
-    (ln_1's, or ln_f's after the last block). Each kept tensor's last read in forward (`Step.reads_last`) is where it
-    goes under a checkpoint."""
+def block(i: int, z: Sizes, config: ModelConfig, math: bool = False) -> tuple[Op, ...]:
+    """GPT2Block i, op by op (`math`: SDPA's CPU math kernel, dropout on a CPU). Its locals live to its return: the
+    residual (ln_2's input, which it keeps), ln_2's output, attn_output and the attention weights it returns, the MLP's
+    output; its output is the next norm's input (ln_1's, or ln_f's after the last block). Each kept tensor's last read
+    in forward (`Step.reads_last`) is where it goes under a checkpoint."""
     p, g, full = f"layers.{i}", f"grad/layers.{i}", z.full(z.h)
     below = f"grad/layers.{i - 1}/output" if i else FIRST_GRAD if config.has_dropout else "grad/embedding output"
     output = Made(f"layers.{i + 1}/{ledger.LN1.input.name}" if i + 1 < config.L else ledger.FINAL_NORM.input.name,
                   full, "the block's output, the next norm's input, which it keeps")
     return (
         layer_norm("ln_1", p, ledger.LN1, z, kept(p, ledger.QKV_IN), f"{g}/ln1 output", below, f"{g}/mid"),
-        *attention(p, z, config),
+        *attention(p, z, config, math),
         Op("", (Step("attn_output + residual", (kept(p, ledger.LN2.input),),
                      reads_last=kept_names(p, ledger.QKV_IN)),), ()),
         layer_norm("ln_2", p, ledger.LN2, z, kept(p, ledger.FC1_IN), f"{g}/ln2 output", f"{g}/mid", f"{g}/output"),
         *mlp(p, z, config),
         Op("", (Step("the residual's sum: the block's output", (output,),
                      frees=(f"{p}/attn output", f"{p}/mlp output"),
-                     reads_last=kept_names(p, ledger.LN2.input, ledger.FC1_IN,
-                                           *((ledger.SOFTMAX_OUT,) if config.attention == "eager" else ()))),), ()),
+                     reads_last=kept_names(p, ledger.LN2.input, ledger.FC1_IN, *_returned(config))),), ()),
     )
 
 
-def attention(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
+def _returned(config: ModelConfig) -> tuple[SavedTensor, ...]:
+    """The attention weights eager attention returns, which the block holds to its return: softmax's output, or with
+    dropout the dropped-out weights (SDPA returns none)."""
+    if config.attention != "eager":
+        return ()
+    return (ledger.ATTN_DROPOUT_OUT,) if config.has_dropout else (ledger.SOFTMAX_OUT,)
+
+
+def attention(p: str, z: Sizes, config: ModelConfig, math: bool = False) -> tuple[Op, ...]:
     """GPT2Attention: c_attn, whose (b, s, 3h) output q, k and v view; the eager core or SDPA's; c_proj (and
     resid_dropout). Eager's bmm batches (b, a) of a view only when b or a is 1: else matmul copies q, k^T and v (the
     copies are what it keeps, and c_attn's output goes as the attention returns); at b = 1 or one head, and under
-    SDPA, the core keeps the views, c_attn's output whole (the ledger's Q, K and V, its columns) until QK^T's (the
-    kernel's) backward."""
+    SDPA's flash kernel, the core keeps the views, c_attn's output whole (the ledger's Q, K and V, its columns) until
+    QK^T's (the kernel's) backward; the `math` kernel keeps fp32 copies (in fp32 at b = 1 or one head v's view, and
+    with it c_attn's output whole)."""
     g, full, h = f"grad/{p}", z.full(z.h), z.h
     eager = config.attention == "eager"
     copies = eager and z.b > 1 and z.a_t > 1
-    qkv = (Made(f"{p}/c_attn output", z.full(3 * h), "c_attn's (b, s, 3h) output, which q, k and v view"),) if copies \
-        else tuple(kept(p, x, "c_attn's output, q's, k's or v's columns: the core keeps the views, the storage"
-                              " whole") for x in QKV)
+    # fp32: v's cast a no-op, bmm folds v's (b, a) as a view at b = 1 or one head, keeping c_attn's output whole
+    viewed = math and z.act == 4 and (z.b == 1 or z.a_t == 1)
+    why = "c_attn's output, q's, k's or v's columns: the core keeps the views, the storage whole"
+    qkv = (Made(f"{p}/c_attn output", z.full(3 * h), "c_attn's (b, s, 3h) output, which q, k and v view"),) \
+        if copies or math and not viewed else tuple(kept(p, x, why) for x in QKV)
     c_attn = conv1d("attn.c_attn", p, ledger.QKV_IN, Step("the GEMM", qkv), h, 3 * h, z, f"{g}/ln1 output",
                     (f"{g}/qkv",))
-    core = _eager(p, z, copies, config.has_dropout) if eager else _sdpa(p, z)
+    kept_v = QKV if viewed else (rules.GPT2_MATH_V,) if z.act == 4 else (rules.MATH_V,)
+    core = _eager(p, z, copies, config.has_dropout) if eager else _sdpa_math(p, z, kept_v) if math else _sdpa(p, z)
     dropped = config.has_dropout
     out = Made(f"{p}/attn output", full, "GPT2Block's attn_output, a local to its return")
     proj = Made(f"{p}/attn proj", full, "c_proj's output, resid_dropout's input") if dropped else out
@@ -114,15 +114,15 @@ def attention(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     c_proj = replace(c_proj, forward=(*c_proj.forward, *(() if dropped else (returns,))))
     resid = (dropout("attn.resid_dropout", p, ledger.ATTN_OUT_DROPOUT_MASK, out, f"{g}/mid", f"{g}/attn dropped",
                      full, gone=(proj.name,), then=returns),) if dropped else ()
-    split = _split(g, z, eager)
+    split = _split(g, z, eager or math)
     return tuple(_shadowed(x, "attn.resid_dropout", config) for x in (c_attn, split, *core, c_proj, *resid))
 
 
-def _split(g: str, z: Sizes, eager: bool) -> Op:
-    """The head views' backward: eager's q's and v's (b, a, s, d) gradients made (b, s, h) by a copy unless one head
-    or one token (k's, the transposed bmm's, is a view; SDPA's kernel writes all three (b, s, a, d)); split's
-    concatenates the three."""
-    copy = eager and z.a_t > 1 and z.s > 1
+def _split(g: str, z: Sizes, heads: bool) -> Op:
+    """The head views' backward: q's and v's (b, a, s, d) gradients (`heads`: eager's, the math kernel's) made
+    (b, s, h) by a copy unless one head or one token (k's, the transposed bmm's, is a view; SDPA's flash kernel writes
+    all three (b, s, a, d)); split's concatenates the three."""
+    copy = heads and z.a_t > 1 and z.s > 1
     tokens = {n: f"{g}/{n} tokens" if copy and n != "k" else f"{g}/{n} heads" for n in "qkv"}
     return Op("attn", (), (
         *(Step(f"{n}'s gradient made (b, s, h)", (Made(tokens[n], z.full(z.h), "the head view's backward: a"
@@ -145,7 +145,7 @@ def _eager(p: str, z: Sizes, copies: bool, dropped: bool) -> tuple[Op, ...]:
     weights = ledger.ATTN_DROPOUT_OUT if dropped else ledger.SOFTMAX_OUT
     dweights = f"{g}/dropped" if dropped else f"{g}/weights"
     drop = (dropout("attn", p, ledger.ATTN_DROPOUT_MASK, kept(p, ledger.ATTN_DROPOUT_OUT), dweights, f"{g}/weights",
-                    sc, frees=(dweights,)),) if dropped else ()
+                    sc, frees=(dweights,), reads=kept_names(p, ledger.SOFTMAX_OUT)),) if dropped else ()
     return (
         Op("attn", (
             *(Step(f"{n} copied for bmm", (kept(p, t),)) for n, t in (("q", ledger.Q), ("k^T", ledger.K)) if copies),
@@ -188,6 +188,12 @@ def _sdpa(p: str, z: Sizes) -> tuple[Op, ...]:
             Made(f"{g}/q heads", q, "dQ"), Made(f"{g}/k heads", q, "dK"), Made(f"{g}/v heads", q, "dV")),
             frees=(f"{g}/c_proj input",)),),
         saves=(ledger.Q, ledger.K, ledger.V, ledger.SOFTMAX_LSE, ledger.PROJ_IN)),)
+
+
+def _sdpa_math(p: str, z: Sizes, kept_v: tuple[SavedTensor, ...]) -> tuple[Op, ...]:
+    """SDPA with dropout on a CPU: torch's math kernel as Llama's walk describes it (memcalc.sizing.timeline.hf_layer
+    .sdpa_math, one K/V group a head) on q, k and v as views of c_attn's output, of which bmm keeps `kept_v`."""
+    return tuple(replace(x, where="attn") for x in sdpa_math(p, z, False, f"grad/{p}/c_proj input", "", kept_v))
 
 
 def mlp(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:

@@ -12,8 +12,9 @@ from memcalc.model import ledger
 from memcalc.model.impls import hf as rules
 from memcalc.model.ledger import RMSNormTensors, SavedTensor
 from memcalc.sizing.timeline.tape import Sizes
+from memcalc.sizing.timeline import torch_ops
 from memcalc.sizing.timeline.torch_ops import WHY_WGRAD, linear
-from memcalc.sizing.timeline.walk import Made, Op, Step, kept, kept_name
+from memcalc.sizing.timeline.walk import Made, Op, Step, kept, kept_name, kept_names
 
 WHY_SAVED = "kept for backward (the hf ledger); freed when the op that keeps it has run backward"
 ROPE = (rules.ROPE_COS, rules.ROPE_SIN)  # made once per forward by LlamaRotaryEmbedding, kept by every layer
@@ -21,18 +22,21 @@ ROPE = (rules.ROPE_COS, rules.ROPE_SIN)  # made once per forward by LlamaRotaryE
 
 def rms_norm(where: str, p: str, norm: RMSNormTensors, z: Sizes, dy: str | None, out: str, residual: str | None = None,
              forward: tuple[Step, ...] = (), width: int = 0, heads: int = 1, output: Made | None = None,
-             gone: tuple[str, ...] = ()) -> tuple[Op, ...]:
+             gone: tuple[str, ...] = (), x: str = "") -> tuple[Op, ...]:
     """LlamaRMSNorm's backward as autograd runs its eager ops, widest at pow's (five fp32 (b, s, h) tensors); with a
     `residual` the norm's dX and the stream's gradient summed into `out`. `forward`: the final norm's; `width`, `heads`:
     Qwen3's q_norm and k_norm, per head; `dy` None: the residual stream's too (Gemma 2's sandwich norms); `output`,
-    `gone`: the forward op by op, for a checkpoint's walk. GemmaRMSNorm (`norm.weight_plus_one`) multiplies in fp32 and
-    casts back last (`_gemma_weight`)."""
+    `gone`: the forward op by op, for a checkpoint's walk, `x` the norm's input (in fp32 its upcast is x itself, which
+    the norm then keeps). GemmaRMSNorm (`norm.weight_plus_one`) multiplies in fp32 and casts back last
+    (`_gemma_weight`)."""
     width = width or z.h
     g, fp32, row = _grad(p, where), z.tokens(4 * width), z.tokens(4 * heads)
     act = z.full(width)
     dx = out if residual is None else f"{g}/dx"
     walked = _gemma_norm_forward if norm.weight_plus_one else _norm_forward
-    forward = forward or (walked(f"{p}/{where}", p, norm, fp32, row, output, gone) if output else ())
+    upcast = Made(x, 0, "x.to(float32) in fp32: x itself", keeps=norm.input_fp32, alias=True) if act == fp32 else \
+        kept(p, norm.input_fp32)
+    forward = forward or (walked(f"{p}/{where}", p, norm, fp32, row, upcast, output, gone) if output else ())
     if act == fp32:  # fp32: x.to(float32) is x, whose gradients autograd sums as they come (`_summed_into_x`)
         cast = Op(where, forward=forward, backward=())
     else:
@@ -71,12 +75,13 @@ def rms_norm(where: str, p: str, norm: RMSNormTensors, z: Sizes, dy: str | None,
     if norm.weight_plus_one:
         return (cast, power, rstd, *_gemma_weight(where, g, norm, z, dy, fp32, width // heads))
     weight = Op(where, forward=(), backward=(
-        Step("weight * y's backward", (Made(f"{g}/dY w", act, "dY * weight"), Made(f"{g}/dY y", act, "dY * y"),
-                                       Made(f"{g}/dweight", z.act * width // heads, WHY_WGRAD)),
-             # a moment in fp32, where a tiny model with tied weights peaks here (no fp32 copy of the logits above
-             # it); under gradient checkpointing (16-bit only) the rerun's locals go around it, untimed by the walk
-             frees=(f"{g}/dY y",), hands_over=(f"{g}/dweight",), moment=act == fp32),
-        Step("", frees=(dy,) if dy else (), returns=True),
+        Step("weight * y's backward: its two products", (Made(f"{g}/dY w", act, "dY * weight"),
+                                                         Made(f"{g}/dY y", act, "dY * y")), returns=True, moment=False),
+        # summed to the weight's shape after the node returned (under a checkpoint y, the rerun's, is gone by then);
+        # a moment in fp32, where a tiny model with tied weights peaks here (no fp32 copy of the logits above it)
+        Step("weight * y's backward", (Made(f"{g}/dweight", z.act * width // heads, WHY_WGRAD),),
+             frees=(f"{g}/dY y",), hands_over=(f"{g}/dweight",), reduced=True, moment=act == fp32),
+        Step("", frees=(dy,) if dy else ()),
     ), saves=(norm.normed,))
     return (cast, power, rstd, weight)
 
@@ -93,32 +98,41 @@ def _summed_into_x(g: str, act: int, residual: str | None) -> tuple[tuple[Step, 
         frees=(f"{g}/dx (x * r)", residual), moment=False),), f"{g}/dx (sum)"
 
 
-def _norm_forward(n: str, p: str, norm: RMSNormTensors, fp32: int, row: int, output: Made, gone: tuple[str, ...]
-                  ) -> tuple[Step, ...]:
+def _norm_forward(n: str, p: str, norm: RMSNormTensors, fp32: int, row: int, upcast: Made, output: Made,
+                  gone: tuple[str, ...]) -> tuple[Step, ...]:
     """LlamaRMSNorm's forward op by op (the variance a local to the return). `fp32`: an fp32 copy's bytes, `row`: the
-    statistics'."""
+    statistics'; `upcast`: x.to(float32), in fp32 an alias of x, as the cast back is of x * rstd."""
+    read = (kept_name(p, norm.input_fp32), kept_name(p, norm.rstd))
+    normalised = (Step("x * rstd", (kept(p, norm.normed),), reads_last=read),) if upcast.alias else (
+        Step("x * rstd", (Made(f"{n}/normalised fp32", fp32, "a local until the norm returns"),), reads_last=read),
+        Step("the cast back to bf16", (kept(p, norm.normed),)))
     return (
-        Step("x.to(float32)", (kept(p, norm.input_fp32),)),
+        Step("x.to(float32)", (upcast,)),
         Step("pow(2)", (Made(f"{n}/pow", fp32, "x^2, a temporary"),)),
         Step("mean over h: the variance", (Made(f"{n}/variance", row, "a local until the norm returns"),),
              frees=(f"{n}/pow",)),
         Step("variance + eps", (Made(f"{n}/variance + eps", row, "rsqrt's input, a temporary"),)),
         Step("rsqrt", (kept(p, norm.rstd),), frees=(f"{n}/variance + eps",)),
-        Step("x * rstd", (Made(f"{n}/normalised fp32", fp32, "a local until the norm returns"),),
-             reads_last=(kept_name(p, norm.input_fp32), kept_name(p, norm.rstd))),
-        Step("the cast back to bf16", (kept(p, norm.normed),)),
+        *normalised,
         Step("weight * y: the norm's output", (output,), frees=(f"{n}/variance", f"{n}/normalised fp32", *gone),
              reads_last=(kept_name(p, norm.normed),)),
     )
 
 
-def _gemma_norm_forward(n: str, p: str, norm: RMSNormTensors, fp32: int, row: int, output: Made,
+def _gemma_norm_forward(n: str, p: str, norm: RMSNormTensors, fp32: int, row: int, upcast: Made, output: Made,
                         gone: tuple[str, ...]) -> tuple[Step, ...]:
     """GemmaRMSNorm's forward op by op (its `_norm` returns after x * rstd: the fp32 input and the rstd go unless
-    saved). `fp32`: an fp32 copy's bytes, `row`: the statistics'."""
+    saved). `fp32`: an fp32 copy's bytes, `row`: the statistics'; `upcast`: x.float(), in fp32 an alias of x, as
+    weight.float() is the weight and type_as(x) the product."""
     channels = fp32 // row  # the channels each statistic covers: the weight's
+    if upcast.alias:
+        return (Step("x.float()", (upcast,)),
+                *_gemma_norm_forward(n, p, norm, fp32, row, kept(p, norm.input_fp32), output, gone)[1:6],
+                Step("1.0 + weight", (kept(p, norm.weight_plus_one),)),
+                Step("the product, in fp32: the norm's output", (output,), frees=gone,
+                     reads_last=(kept_name(p, norm.normed_fp32), kept_name(p, norm.weight_plus_one))))
     return (
-        Step("x.float()", (kept(p, norm.input_fp32),)),
+        Step("x.float()", (upcast,)),
         Step("pow(2)", (Made(f"{n}/pow", fp32, "x^2, a temporary"),)),
         Step("mean over h", (Made(f"{n}/variance", row, "a temporary"),), frees=(f"{n}/pow",)),
         Step("mean + eps", (Made(f"{n}/variance + eps", row, "rsqrt's input, a temporary"),),
@@ -158,52 +172,66 @@ def _gemma_weight(where: str, g: str, norm: RMSNormTensors, z: Sizes, dy: str | 
     return (product, up)
 
 
-def layer_forward(i: int, z: Sizes, kept: Step, mlp: tuple[Op, ...] = (), core: tuple[Op, ...] = ()
-                  ) -> tuple[Op, ...]:
+def layer_forward(i: int, z: Sizes, kept: Step, mlp: tuple[Op, ...] = (), core: tuple[Op, ...] = (),
+                  dropped: bool = False) -> tuple[Op, ...]:
     """Layer i's forward, one moment at its second residual sum: its kept tensors (`kept`, every layer's one step),
     the residual stream, and a sparse block's own moments (`mlp`, which makes the MLP's output); with the attention
     core's own moment (`core`), the tensors kept up to it (those before o_proj's input) are made before it. Under tp a
     dense MLP's down_proj (RowwiseParallel) all-reduces its GEMM's partial sum into a new tensor: a moment before the
     sum, as many bytes as it (the partial goes as the sum is made), which MemTracker reads first."""
     p, full = f"layers.{i}", z.full(z.h)
+    # fp32: the norms' x.to(float32) are no-ops, so the ledger's fp32 inputs are the layer's input and the stream
+    alias = (Step("", frees=(f"{p}/input",)),) if z.act == 4 else ()
     if core:
         at = next(j for j, x in enumerate(kept.makes) if x.keeps == ledger.PROJ_IN)
-        core = (Op("", (replace(kept, makes=kept.makes[:at]),), ()), *core)
-        kept = replace(kept, makes=kept.makes[at:])
-    # fp32: the norms' x.to(float32) are no-ops, so the ledger's fp32 inputs are the layer's input and the stream
-    stream = (Step("", frees=(f"{p}/input",)),) if z.act == 4 else (Step("the residual stream", (Made(
+        core = (Op("", (replace(kept, makes=kept.makes[:at]), *alias), ()), *core)
+        kept, alias = replace(kept, makes=kept.makes[at:]), ()
+    stream = alias if z.act == 4 else (Step("the residual stream", (Made(
         f"{p}/mid", full, "the residual stream after attention: ln2's input and the MLP's residual"),), moment=False),)
     made = Op("", forward=(kept, *stream), backward=())
     output = () if mlp else (Made(f"{p}/mlp output", full, "down_proj's output, summed into the residual stream"),)
+    if dropped:  # Phi-3's resid_mlp_dropout: the layer's variable holds down_proj's output to the sum too
+        output += (Made(f"{p}/mlp proj", full, "down_proj's output, resid_mlp_dropout's input"),)
     down = (Op("mlp.down_proj", forward=(Step("down_proj's partial sum all-reduced", (
         Made(f"{p}/mlp partial", full, "down_proj's GEMM: this rank's share of the sum, a local of its forward"),
         *output), frees=(f"{p}/mlp partial",)),), backward=()),) if output and z.t > 1 else ()
     out = Op("", forward=(Step("the layer's saved tensors, at its second residual sum", (
         *(() if down else output), Made(f"layers.{i + 1}/input", full, "the layer's output, the next layer's input")),
         # the caller rebinds its hidden_states; the first layer's input is inputs_embeds too
-        frees=(f"{p}/mid", f"{p}/mlp output", *((f"{p}/input",) if i else ()))),), backward=())
+        frees=(f"{p}/mid", f"{p}/mlp output", f"{p}/mlp proj", *((f"{p}/input",) if i else ()))),), backward=())
     return (*core, made, *mlp, *down, out)
 
 
-def residuals(i: int, z: Sizes, eager: bool) -> tuple[Op, Op]:
+def residuals(i: int, z: Sizes, weights: SavedTensor | None) -> tuple[Op, Op]:
     """Layer i's two residual sums; as the layer returns its locals go: the stream, the MLP's output (or its norm),
-    eager's attention weights (`hidden_states, _ = self.self_attn(...)` holds them), the input the caller rebinds."""
+    the attention `weights` eager returns (`hidden_states, _ = self.self_attn(...)` holds them), the input the caller
+    rebinds."""
     p, full = f"layers.{i}", z.full(z.h)
     mid = Op("", (Step("x + attention", (Made(f"{p}/mid", full, "the residual stream after attention: ln2's input and"
-                                              " the MLP's residual"),), frees=(f"{p}/attn output", f"{p}/attn normed")
-                        ),), ())
+                                              " the MLP's residual"),),
+                       frees=(f"{p}/attn output", f"{p}/attn normed", f"{p}/attn proj")),), ())
     out = Op("", (Step("the layer's output", (Made(f"layers.{i + 1}/input", full, "the next layer's input"),),
-                       frees=(f"{p}/mid", f"{p}/mlp output", f"{p}/mlp normed", *((f"{p}/input",) if i else ())),
-                       reads_last=(kept_name(p, rules.WEIGHTS),) if eager else ()),), ())
+                       frees=(f"{p}/mid", f"{p}/mlp output", f"{p}/mlp normed", f"{p}/mlp proj",
+                              *((f"{p}/input",) if i else ())),
+                       reads_last=(kept_name(p, weights),) if weights else ()),), ())
     return mid, out
+
+
+def returned_weights(z: Sizes, eager: bool, dropout: bool) -> SavedTensor | None:
+    """The attention weights eager attention returns: the dropped-out ones, in fp32 the softmax itself (its cast a
+    no-op), else its cast back; SDPA returns none."""
+    if not eager:
+        return None
+    return ledger.ATTN_DROPOUT_OUT if dropout else rules.SOFTMAX_FP32 if z.act == 4 else rules.WEIGHTS
 
 
 def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, tp: bool, first: bool,
               qk_norm: bool = False, qkv_bias: bool = False, dropout: bool = False, softcap: bool = False,
-              dy: str | None = None, fused: bool = False) -> tuple[Op, ...]:
+              dy: str | None = None, fused: bool = False, made_as: str = "attn output") -> tuple[Op, ...]:
     """q, k, v (their dX summed as they come; `qk_norm`: Qwen3's q_norm and k_norm; `qkv_bias`: Qwen2's biases;
     `fused`: Phi-3's one qkv_proj), RoPE, the core (eager with `dropout` or Gemma 2's `softcap`, or SDPA), o_proj (`dy`
-    its output's gradient; None: the residual stream's, which lives on); the heads go as the module returns."""
+    its output's gradient; None: the residual stream's, which lives on; `made_as` its output's name); the heads go as
+    the module returns."""
     g, q, kv, full = f"grad/{p}", z.a_t * z.d, z.g_t * z.d, z.full(z.h)
     # the projections' outputs and RoPE's, each the core's saved tensor or a local of the attention
     q_copied, k_copied, v_copied = _bmm_copies(z, saved, fused)
@@ -221,7 +249,8 @@ def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, t
         if name in norms:  # the projection's output is the norm's input, RoPE's the norm's output
             projected = Made(f"{p}/{name} proj", z.full(width), f"{name}_proj's output, {name}_norm's input")
             ran += reversed(rms_norm(f"self_attn.{name}_norm", p, norms[name][0], z, heads, f"{g}/{name} normed",
-                                     width=width, heads=norms[name][1], output=made[name], gone=(projected.name,)))
+                                     width=width, heads=norms[name][1], output=made[name], gone=(projected.name,),
+                                     x=projected.name))
             heads = f"{g}/{name} normed"
         copy = width != z.d and z.s != 1  # one head: (b, 1, s, d) transposed is (b, s, 1, d) already, no copy
         tokens, dx = f"{g}/{name} tokens" if copy else heads, f"{g}/{name}_proj input"
@@ -241,12 +270,12 @@ def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, t
                     _rope_backward(g, name, z.full(w), first and name == "q")) for name, w in
                  (("q", q), ("k", kv)))  # forward order: q's, then k's
     math = rules.MATH_Q.name in saved  # SDPA with dropout on a CPU: the math kernel (the ledger's SDPA_MATH)
-    core = _eager(p, z, saved, gqa, dropout, softcap, fused) if eager else _sdpa_math(p, z, gqa) if math else \
-        _sdpa(p, z)
+    core = _eager(p, z, saved, gqa, dropout, softcap, fused) if eager else \
+        sdpa_math(p, z, gqa, f"{g}/o_proj input", made["v"].name) if math else _sdpa(p, z)
     o_proj = linear("self_attn.o_proj", ledger.PROJ_IN if eager or math else None, None, z.act * q * z.h,
                     f"{g}/o_proj input", z.full(q), p, (dy,) if dy else ())
     gone = (made["v"], *rotated.values(), kept(p, ledger.QKV_IN), kept(p, ledger.PROJ_IN))  # at the module's return
-    o_proj = replace(o_proj, forward=(Step("the GEMM", (Made(f"{p}/attn output", full, "o_proj's output"),),
+    o_proj = replace(o_proj, forward=(Step("the GEMM", (Made(f"{p}/{made_as}", full, "o_proj's output"),),
                                            frees=tuple(x.name for x in gone if x.keeps is None),
                                            reads_last=tuple(x.name for x in gone if x.keeps is not None)),))
     return (*(_fused_qkv(p, z, q, kv, tp, made["v"]) if fused else reversed(ran)), *rope, *core, o_proj)
@@ -364,11 +393,13 @@ def _eager(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool = F
         Step("(.) * softcap", (Made(f"{p}/scores capped", z.act * scores, "a temporary"),), reads_last=(tanh,)),
     ), (*_softcap_backward(g, z.act * scores), scale), saves=(rules.SOFTCAP_TANH,)),)
     weights = f"{g}/dropped" if dropout else f"{g}/weights"
-    dropped = (Op("self_attn", (), (
-        Step("dropout's backward: dY * mask * scale", (Made(f"{g}/weights", z.act * scores, "native_dropout_backward:"
-                                                            " one kernel, the gradient through the mask"),),
-             frees=(weights,)),), saves=(ledger.ATTN_DROPOUT_MASK,)),) if dropout else ()
     sc, x, cast = z.act * scores, f"{p}/scores", z.act != 4  # fp32: softmax's casts are no-ops
+    # dropout's input: the softmax cast back (a local it rebinds), in fp32 the softmax itself
+    cast_back = Made(f"{p}/weights", sc, "the softmax cast back, dropout's input") if dropout else \
+        kept(p, rules.WEIGHTS)
+    dropped = (torch_ops.dropout("self_attn", p, ledger.ATTN_DROPOUT_MASK, kept(p, ledger.ATTN_DROPOUT_OUT), weights,
+                                 f"{g}/weights", sc, gone=(cast_back.name,) if cast else (), frees=(weights,),
+                                 reads=() if cast else (kept_name(p, rules.SOFTMAX_FP32),)),) if dropout else ()
     q_copied, k_copied, v_copied = _bmm_copies(z, saved, fused)
     repeated = expanded and not v_copied  # repeat_kv's copies, kept to the core's return; else matmul's, to bmm's
     copies = tuple(Step(f"repeat_kv({n})", (kept(p, t),)) for n, t in (("k", k), ("v", v))) if repeated else ()
@@ -389,7 +420,7 @@ def _eager(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool = F
                  frees=(f"{x} scaled", f"{x} capped")),
             *((Step("the cast to fp32", (Made(f"{x} fp32", 2 * sc, "softmax's input, a temporary"),)),
                Step("the fp32 softmax", (kept(p, rules.SOFTMAX_FP32),), frees=(f"{x} fp32",)),
-               Step("the cast back: the attention weights", (kept(p, rules.WEIGHTS),), frees=(f"{x} masked",),
+               Step("the cast back: the attention weights", (cast_back,), frees=(f"{x} masked",),
                     reads_last=(kept_name(p, rules.SOFTMAX_FP32),))) if cast else
               (Step("the fp32 softmax: the attention weights", (kept(p, rules.SOFTMAX_FP32),),
                     frees=(f"{x} masked",)),)),
@@ -450,25 +481,32 @@ def _sdpa(p: str, z: Sizes) -> tuple[Op, ...]:
         saves=(ledger.Q, ledger.K, ledger.V, ledger.SOFTMAX_LSE, ledger.PROJ_IN)),)
 
 
-def _sdpa_math(p: str, z: Sizes, gqa: bool) -> tuple[Op, ...]:
+def sdpa_math(p: str, z: Sizes, gqa: bool, dy: str, v: str, kept_v: tuple[SavedTensor, ...] = (rules.MATH_V,)
+              ) -> tuple[Op, ...]:
     """SDPA with dropout on a CPU: torch's math kernel (aten _scaled_dot_product_attention_math), its ops recorded by
     autograd one by one, all in fp32 (q, k and v cast up, q and k^T scaled, K and V repeated to every head under GQA
     with enable_gqa, bmm, the causal mask added, _safe_softmax, dropout's scaled mask, bmm), its output cast back. Its
     backward runs those ops' backward in autograd's order: the dropout branch, then k's scale, the repeats' sums (v's,
-    then k's), q's scale, the three casts down (v's, k's, q's)."""
-    g, (heads, groups, folded) = f"grad/{p}", _math_sizes(z)
+    then k's), q's scale, the three casts down (v's, k's, q's; in fp32 every cast is a no-op). `dy`: the output's
+    gradient (o_proj's dX); `v`: the tensor v is; `kept_v`: what bmm keeps of v (GPT-2's in fp32: the ledger's
+    GPT2_MATH_V, or c_attn's whole output). Its forward op by op (`math_forward`) is the first op's."""
+    g, (heads, groups, folded), fp32 = f"grad/{p}", _math_sizes(z), z.act == 4
     scores = 4 * z.b * z.a_t * z.s * z.s
-    v_grad = f"{g}/math dv expanded" if gqa else f"{g}/math dv"
+
+    def grad(n: str, expanded: bool, scaled: str = "") -> str:  # in fp32 the cast's backward is the gradient itself
+        return f"{g}/math d{n}{scaled} expanded" if expanded else f"{g}/{n} heads" if fp32 else f"{g}/math d{n}{scaled}"
+
+    out = dy if fp32 else f"{g}/math out"
     dropped = Op("self_attn", (), (
-        Step("the output's cast to bf16: its backward", (Made(f"{g}/math out", heads, "dO in fp32"),),
-             frees=(f"{g}/o_proj input",), moment=not folded),
+        *(() if fp32 else (Step("the output's cast to bf16: its backward", (Made(out, heads, "dO in fp32"),),
+                                frees=(dy,), moment=not folded),)),
         *((Step("dO made contiguous to fold (b, a) for bmm", (Made(f"{g}/math out folded", heads, "a copy"),),
-                frees=(f"{g}/math out",)),) if folded else ()),
+                frees=(out,)),) if folded else ()),
         Step("dropped x V: dV and the dropped weights' gradient", (
-            Made(v_grad, heads, "dV = dropped^T dO, at a heads"),
+            Made(grad("v", gqa), heads, "dV = dropped^T dO, at a heads"),
             Made(f"{g}/math dropped", scores, "dDropped = dO V^T, fp32 (b, a, s, s)")),
-            frees=(f"{g}/math out folded" if folded else f"{g}/math out",)),
-    ), saves=(rules.MATH_DROPOUT_OUT, rules.MATH_V))
+            frees=(f"{g}/math out folded" if folded else out,)),
+    ), saves=(rules.MATH_DROPOUT_OUT, *kept_v))
     mask = Op("self_attn", (), (
         Step("dropout's backward: dY * mask", (Made(f"{g}/math softmax", scores, "the softmax's gradient"),),
              frees=(f"{g}/math dropped",)),), saves=(rules.MATH_DROPOUT_MASK, rules.MATH_SOFTMAX))
@@ -476,22 +514,49 @@ def _sdpa_math(p: str, z: Sizes, gqa: bool) -> tuple[Op, ...]:
         Step("_safe_softmax's backward", (Made(f"{g}/math scores", scores, "the scores' gradient (the mask's add"
                                                " passes it on)"),), frees=(f"{g}/math softmax",)),),
                  saves=(rules.MATH_SOFTMAX,))
-    k_grad = f"{g}/math dk expanded" if gqa else f"{g}/math dk"
     scaled = Op("self_attn", (), (
         Step("QK^T: dK^T and dQ", (Made(f"{g}/math dk^T", heads, "dK^T = Q^T dScores"),
                                    Made(f"{g}/math dq", heads, "dQ = dScores K")), frees=(f"{g}/math scores",),
              returns=True),
-        Step("k^T * scale's backward", (Made(k_grad, heads, "dK^T * scale, transposed back"),),
+        Step("k^T * scale's backward", (Made(grad("k", gqa), heads, "dK^T * scale, transposed back"),),
              frees=(f"{g}/math dk^T",)),
         *(Step(f"repeating {n}'s backward: summed over each group's heads", (
-            Made(f"{g}/math d{n}", groups, f"d{n} at g heads, fp32"),), frees=(f"{g}/math d{n} expanded",))
+            Made(grad(n, False), groups, f"d{n} at g heads, fp32"),), frees=(grad(n, True),))
           for n in (("v", "k") if gqa else ())),
-        Step("q * scale's backward", (Made(f"{g}/math dq scaled", heads, "dQ * scale"),), frees=(f"{g}/math dq",)),
+        Step("q * scale's backward", (Made(grad("q", False, " scaled"), heads, "dQ * scale"),),
+             frees=(f"{g}/math dq",)),
         *(Step(f"{n}'s cast to fp32: its backward", (Made(f"{g}/{n} heads", z.full(w * z.d), f"d{n} cast back"),),
-               frees=(fp32,)) for n, w, fp32 in (("v", z.g_t, f"{g}/math dv"), ("k", z.g_t, f"{g}/math dk"),
-                                                 ("q", z.a_t, f"{g}/math dq scaled"))),
+               frees=(grad(n, False, scaled),)) for n, w, scaled in (("v", z.g_t, ""), ("k", z.g_t, ""),
+                                                                      ("q", z.a_t, " scaled")) if not fp32),
     ), saves=(rules.MATH_Q, rules.MATH_K))
-    return (scaled, softmax, mask, dropped)
+    return (replace(scaled, forward=math_forward(p, z, gqa, v, kept_v)), softmax, mask, dropped)
+
+
+def math_forward(p: str, z: Sizes, gqa: bool, v: str, kept_v: tuple[SavedTensor, ...]) -> tuple[Step, ...]:
+    """The math kernel's forward for a walk op by op (GPT-2's; Llama's under a checkpoint): what it keeps that no C++
+    local holds to its return (k^T scaled, the softmax, dropout's mask; matmul's copies of q scaled and v to fold
+    (b, a)) goes at once under a checkpoint, marking no moment; then its widest moment as it returns its output (its
+    locals, `math_locals`, and the saved tensors they are; in fp32 v's cast is `v` itself, kept as its MATH_V unless
+    repeated or copied; GPT-2's `kept_v`, a copy or c_attn's output, is not the kernel's local); then its output made
+    (b, s, a, d), a copy unless one head or one token."""
+    folded, fp32, own = _math_sizes(z)[2], z.act == 4, rules.MATH_V in kept_v
+    copied = folded and not gqa if own else rules.GPT2_MATH_V in kept_v
+    gone = (rules.MATH_K, rules.MATH_SOFTMAX, rules.MATH_DROPOUT_MASK, *((rules.MATH_Q,) if folded else ()),
+            *(kept_v if copied else ()))
+    aliased = own and fp32 and not gqa and not folded
+    held = tuple(kept(p, x) for x in (rules.MATH_Q, rules.MATH_DROPOUT_OUT, *((rules.MATH_V,) if own and not aliased
+                                                                              else ())) if x not in gone)
+    same = (Made(v, 0, "v.to(float32) in fp32: v itself", keeps=rules.MATH_V, alias=True),) if aliased else ()
+    locals_ = math_locals(p, z, gqa)
+    out = locals_[-1] if fp32 else Made(f"{p}/math output", z.full(z.a_t * z.d), "the output cast back to bf16")
+    return (
+        Step("what the math kernel keeps but no local of it holds", tuple(kept(p, x) for x in gone),
+             reads_last=kept_names(p, *gone), moment=False),
+        Step(MATH_WIDEST, (*held, *same, *locals_, *(() if fp32 else (out,))),
+             frees=tuple(x.name for x in locals_ if x is not out), reads_last=tuple(x.name for x in held)),
+        Step("the context made (b, s, a, d)", (kept(p, ledger.PROJ_IN),), frees=(out.name,),
+             moment=z.a_t > 1 and z.s > 1),
+    )
 
 
 def _math_sizes(z: Sizes) -> tuple[int, int, bool]:
@@ -501,40 +566,55 @@ def _math_sizes(z: Sizes) -> tuple[int, int, bool]:
 
 
 def sdpa_math_forward(p: str, z: Sizes, saved: dict[str, int], gqa: bool) -> tuple[Op, ...]:
-    """The math kernel's widest forward moment, as its output is cast back to bf16: its C++ locals all live to its
-    return (q, k and v cast to fp32, q scaled, the causal mask, K and V repeated under GQA, the dropped-out weights
-    cast to bf16 for the tuple it returns, bmm's fp32 output), beside what it keeps and the attention's bf16 locals
-    (RoPE's q and k, v). None without the math kernel (the ledger's SDPA_MATH)."""
+    """The math kernel's widest forward moment, as it returns its output: its C++ locals all live to its return (q, k
+    and v cast to fp32, q scaled, the causal mask, K and V repeated under GQA, the dropped-out weights cast to bf16
+    for the tuple it returns, bmm's fp32 output, cast back; in fp32 the casts are no-ops), beside what it keeps and
+    the attention's locals (RoPE's q and k, v: in fp32 without repeat or copy the kept MATH_V itself). None without
+    the math kernel (the ledger's SDPA_MATH)."""
     if rules.MATH_Q.name not in saved:
         return ()
-    heads, groups, folded = _math_sizes(z)
+    fp32 = z.act == 4
     locals_ = (
         Made(f"{p}/q heads", z.full(z.a_t * z.d), "RoPE's q, a local of the attention"),
         Made(f"{p}/k heads", z.full(z.g_t * z.d), "RoPE's k, a local of the attention"),
-        Made(f"{p}/v heads", z.full(z.g_t * z.d), "v_proj's output as heads, a local of the attention"),
-        Made(f"{p}/math q", heads, "q.to(float32), a local"),
-        Made(f"{p}/math k", groups, "k.to(float32), a local"),
+        *(() if fp32 and not gqa and not _math_sizes(z)[2] else (
+            Made(f"{p}/v heads", z.full(z.g_t * z.d), "v_proj's output as heads, a local of the attention"),)),
+        *math_locals(p, z, gqa),
+        *(() if fp32 else (Made(f"{p}/math output", z.full(z.a_t * z.d), "the output cast back to bf16"),)),
+    )
+    return (Op("self_attn", (Step(MATH_WIDEST, locals_, frees=tuple(x.name for x in locals_)),), ()),)
+
+
+MATH_WIDEST = "SDPA's math kernel at its widest, as it returns its output"
+
+
+def math_locals(p: str, z: Sizes, gqa: bool) -> tuple[Made, ...]:
+    """The math kernel's C++ locals at its widest, bmm's output last (in fp32 the kernel's output; the ledger's
+    SDPA_MATH aside). In fp32 q's, k's and v's casts and the dropped-out weights' are no-ops: no locals."""
+    heads, groups, folded = _math_sizes(z)
+    cast = z.act != 4
+    return (
+        *((Made(f"{p}/math q", heads, "q.to(float32), a local"),
+           Made(f"{p}/math k", groups, "k.to(float32), a local")) if cast else ()),
         *((Made(f"{p}/math v", groups, "v.to(float32), a local (matmul copies it to fold (b, a))"),)
-          if gqa or folded else ()),  # else the kept MATH_V
+          if (gqa or folded) and cast else ()),  # else the kept MATH_V
         *((Made(f"{p}/math q scaled", heads, "q * sqrt(scale), a local (matmul copies it to fold (b, a))"),)
           if folded else ()),  # else the kept MATH_Q
         *((Made(f"{p}/math mask", 4 * z.s * z.s, "the causal (s, s) fp32 mask, from a bool tril"),)
           if z.s > 1 else ()),  # one token attends without a mask (is_causal false)
         *((Made(f"{p}/math k expanded", heads, "K repeated to every head (enable_gqa), a local"),) if gqa else ()),
-        Made(f"{p}/math weights", z.act * z.b * z.a_t * z.s * z.s, "the dropped-out weights cast to bf16, returned"
-             " beside the output and dropped"),
+        *((Made(f"{p}/math weights", z.act * z.b * z.a_t * z.s * z.s, "the dropped-out weights cast to bf16,"
+                " returned beside the output and dropped"),) if cast else ()),
         Made(f"{p}/math context", heads, "bmm's fp32 output"),
-        Made(f"{p}/math output", z.full(z.a_t * z.d), "the output cast back to bf16"),
     )
-    return (Op("self_attn", (Step("SDPA's math kernel at its widest: its output cast back to bf16", locals_,
-                                  frees=tuple(x.name for x in locals_)),), ()),)
 
 
 def mlp(p: str, z: Sizes, tp: bool, gated: tuple[SavedTensor, SavedTensor, SavedTensor], dy: str | None = None,
-        fused: bool = False) -> tuple[Op, ...]:
+        fused: bool = False, made_as: str = "mlp output") -> tuple[Op, ...]:
     """LlamaMLP; down_proj's dY is the layer's output gradient, which ln2's residual sum still needs. `gated`: what the
     activation and the product keep (GemmaMLP's tanh GELU keeps as SiLU does); `dy`: down_proj's output gradient when
-    it is not the layer's (Gemma 2's post_feedforward_layernorm's dX); `fused`: Phi-3's one gate_up_proj, chunked."""
+    it is not the layer's (Gemma 2's post_feedforward_layernorm's dX, Phi-3's resid_mlp_dropout's); `fused`: Phi-3's
+    one gate_up_proj, chunked; `made_as`: down_proj's output's name."""
     g, f = f"grad/{p}", z.f_t
     gate_in, up, act_out = gated
     w, full = z.act * f * z.h, z.full(z.h)
@@ -550,7 +630,7 @@ def mlp(p: str, z: Sizes, tp: bool, gated: tuple[SavedTensor, SavedTensor, Saved
         frees=(f"{g}/down_proj input",)),), saves=(up, act_out))
     down = replace(linear("mlp.down_proj", ledger.FC2_IN, None, w, f"{g}/down_proj input", z.full(f), p,
                           (dy,) if dy else ()),
-                   forward=(Step("the GEMM", (Made(f"{p}/mlp output", z.full(z.h), "down_proj's output"),),
+                   forward=(Step("the GEMM", (Made(f"{p}/{made_as}", z.full(z.h), "down_proj's output"),),
                                  reads_last=(kept_name(p, ledger.FC2_IN), kept_name(p, ledger.FC1_IN))),))
     if fused:
         chunk = Op("mlp", (), (Step("chunk's backward: the two gradients concatenated", (

@@ -159,24 +159,32 @@ def checkpointed_forward(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...
                                     reads_last=kept_names(p, ledger.ROUTER_TOPK_INDICES, ledger.MOE_IN)),), ()))
 
 
+def _routing_weight(config: ModelConfig) -> SavedTensor:
+    """What the experts keep as a slot's routing weight: the ledger's, fp32 or (Qwen's, and every block's in fp32)
+    the activation dtype's."""
+    cast = rules.EXPERT_WEIGHT_CAST
+    return cast if cast in rules.moe_block(config) else rules.EXPERT_WEIGHT
+
+
 def _router_forward(p: str, z: Sizes, config: ModelConfig) -> Op:
     """The router: logits, their fp32 softmax (a local to its return), top-k, the sum and the in-place division (whose
-    clone autograd keeps), Qwen's cast to bf16."""
-    m, tokens, k, experts, bf16 = f"{p}/moe", z.b * z.s, config.moe_router_topk, config.num_experts, _bf16(config)
-    weights = f"{m}/top_k_weights"
+    clone autograd keeps), Qwen's cast to bf16 (in fp32 both casts are no-ops)."""
+    m, tokens, k, experts = f"{p}/moe", z.b * z.s, config.moe_router_topk, config.num_experts
+    weights, fp32, cast = f"{m}/top_k_weights", z.act == 4, _bf16(config) and z.act != 4
     norm = (
         Step("the top-k values' sum", (kept(p, rules.TOPK_SUM),)),
         Step("the values divided by it, in place: autograd keeps them as they were", (kept(p, rules.TOPK_WEIGHTS),),
              reads_last=kept_names(p, rules.TOPK_SUM, rules.TOPK_WEIGHTS)),
     ) if rules.TOPK_SUM in rules.moe_block(config) else ()
     cast = (Step("the top-k weights cast to bf16", (Made(weights, z.act * tokens * k, "the weights the experts read"),),
-                 frees=(f"{m}/top values",)),) if bf16 else ()
+                 frees=(f"{m}/top values",)),) if cast else ()
     *routed, last = (
         Step("the router's logits", (Made(f"{m}/router_logits", z.act * tokens * experts, "F.linear's (b*s, E) logits:"
                                           " the block's `_` holds them"),)),
-        Step("the logits cast to fp32", (Made(f"{m}/logits fp32", 4 * tokens * experts, "softmax's input"),)),
+        *(() if fp32 else (Step("the logits cast to fp32", (Made(f"{m}/logits fp32", 4 * tokens * experts,
+                                                                 "softmax's input"),)),)),
         Step("the fp32 softmax", (kept(p, rules.ROUTER_PROBS),), frees=(f"{m}/logits fp32",)),
-        Step("top-k", (Made(f"{m}/top values" if bf16 else weights, 4 * tokens * k, "the k largest probabilities"),
+        Step("top-k", (Made(f"{m}/top values" if cast else weights, 4 * tokens * k, "the k largest probabilities"),
                        kept(p, ledger.ROUTER_TOPK_INDICES))),
         *norm, *cast)
     return Op("mlp.gate", (*routed, replace(last, reads_last=last.reads_last + kept_names(p, rules.ROUTER_PROBS))), ())
@@ -186,7 +194,7 @@ def _grouped_experts_forward(p: str, z: Sizes, config: ModelConfig, out: str) ->
     """grouped_mm_experts_forward op by op, its locals to its return (`out`, what it returns)."""
     m, tokens, k, experts = f"{p}/moe", z.b * z.s, config.moe_router_topk, config.num_experts
     r, width, bf16 = k * tokens, _width(z, config), _bf16(config)
-    weight = rules.EXPERT_WEIGHT_CAST if bf16 else rules.EXPERT_WEIGHT
+    weight = _routing_weight(config)
     summed = out if bf16 else f"{m}/summed fp32"  # Qwen's sum is bf16: its cast a no-op
     held = kept_names(p, rules.SORTED_SLOTS, ledger.EXPERT_IN, weight, rules.EXPERT_OFFSETS, rules.EXPERT_OUT,
                       rules.UNSORTED_SLOTS)
@@ -226,7 +234,7 @@ def _loop_experts_forward(p: str, z: Sizes, config: ModelConfig, out: str) -> tu
     variables hold an expert's pairs, rows, gate_up output and weighted output until the next expert rebinds them
     (the last expert's to the return)."""
     m, tokens, k, experts, bf16 = f"{p}/moe", z.b * z.s, config.moe_router_topk, config.num_experts, _bf16(config)
-    weight = rules.EXPERT_WEIGHT_CAST if bf16 else rules.EXPERT_WEIGHT
+    weight = _routing_weight(config)
     names = [{x: kept_name(p, per_expert(e)[x.name]) for x in EXPERT_TENSORS} for e in range(experts)]
 
     def held(e: int) -> tuple[tuple[str, ...], Step]:
@@ -406,8 +414,12 @@ def _expert(z: Sizes, config: ModelConfig, e: int, sums: _Sums) -> list[Op]:
                  act * f * z.h, act * experts * z.h * f, (mine[ledger.EXPERT_FC2_IN.name],))
     swiglu = _op("mlp.experts", tuple(mine[x.name] for x in (ledger.EXPERT_UP, ledger.EXPERT_SILU_OUT,
                                                               ledger.EXPERT_GATE)),
-                 Step("SiLU(gate) * up's, SiLU's and chunk's backward", (
-                     Made(f"{g}/up", act * r * f, "dY * SiLU(gate)"), Made(f"{g}/silu", act * r * f, "dY * up"),
+                 # a moment before the product's node returns (fp32 at long s and small h peaks here); SiLU's node
+                 # still holds gate, and with it gate_up's storage, after it: the rest no moment
+                 Step("SiLU(gate) * up's backward", (
+                     Made(f"{g}/up", act * r * f, "dY * SiLU(gate)"), Made(f"{g}/silu", act * r * f, "dY * up")),
+                     returns=True),
+                 Step("SiLU's and chunk's backward", (
                      Made(f"{g}/gate", act * r * f, "SiLU's backward, at its kept input"),
                      Made(f"{g}/gate_up dY", act * r * 2 * f, "gate's and up's gradients concatenated")),
                      frees=(f"{g}/down dX", f"{g}/silu", f"{g}/gate", f"{g}/up"), moment=False))

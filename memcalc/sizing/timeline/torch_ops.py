@@ -1,6 +1,6 @@
 """torch ops that more than one library's step walk runs alike, described once: nn.Linear (transformers' and
-torchtitan's) and a SwiGLU FeedForward up to its down projection (torchtitan's dense FeedForward, its MoE's shared and
-grouped experts).
+torchtitan's), dropout as transformers' probe runs it (its shim's native_dropout) and a SwiGLU FeedForward up to its
+down projection (torchtitan's dense FeedForward, its MoE's shared and grouped experts).
 """
 
 from __future__ import annotations
@@ -47,6 +47,20 @@ def linear(where: str, x: SavedTensor | None, out: Made | None, weight: int, dx:
                                                              " Partial -> Replicate)"),), frees=(partial,)),)
     return Op(where, (Step(f"{label}GEMM" if label else "the GEMM", (out,)),) if out else (), (gemms, *after),
               saves=(x,) if x else ())
+
+
+def dropout(where: str, p: str, mask: SavedTensor, output: Made, dy: str, dx: str, dx_bytes: int,
+            gone: tuple[str, ...] = (), frees: tuple[str, ...] = (), then: Step | None = None,
+            reads: tuple[str, ...] = ()) -> Op:
+    """nn.Dropout (and F.dropout) in training: the probe's shim runs CUDA's native_dropout, its output and a bool
+    mask, which backward multiplies dY by (scaled) into a new `dx`; `gone`: the input, rebound as it returns (`reads`:
+    a kept one, read last); `frees`: dY, unless it lives on (the residual stream's); `then`: what goes after it (the
+    module around it returns)."""
+    return Op(where, (Step("native_dropout: its output and bool mask", (output, kept(p, mask)), frees=gone,
+                           reads_last=(*reads, kept_name(p, mask))),
+                      *((then,) if then else ())), (
+        Step("native_dropout_backward: dY * mask * scale", (Made(dx, dx_bytes, "dropout's backward"),),
+             frees=frees),), saves=(mask,))
 
 
 def swiglu_ops(p: str, m: str, tensors: tuple[SavedTensor, ...], w: int, f: int, x: int, dx: str,

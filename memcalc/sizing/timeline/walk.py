@@ -21,13 +21,16 @@ class Made:
     """A tensor a step makes: its tape name, its bytes, why it exists. `keeps`: the ledger's record when it is one
     of the saved tensors (its bytes are then the ledger's, not `bytes`; without a name, the walk names it by its
     prefix, so that every layer's walk can share the one Made). `category`: the tape category it is filed under;
-    empty for the phase's own (activations in forward, temporaries in backward)."""
+    empty for the phase's own (activations in forward, temporaries in backward). `alias`: a no-op cast (x.to(float32)
+    in fp32) whose output, the saved tensor `keeps`, is the live tensor `name` itself: nothing is made, and the op
+    that saves it lets `name` go (under a checkpoint its rerun keeps `name` to then)."""
 
     name: str
     bytes: int
     why: str
     keeps: SavedTensor | None = None
     category: str = ""
+    alias: bool = False
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,7 @@ class Walk:
     _rerun_kept: set[str] = field(default_factory=set)  # under a checkpoint: what the rerun made that ops keep
     _input_freed: bool = False  # under a checkpoint: whether an op's backward frees the region's input by name
     _releases: dict[int, tuple[str, ...]] = field(default_factory=dict)  # op index -> the tape names it frees
+    _aliases: dict[str, str] = field(default_factory=dict)  # a saved tensor's tape name -> the live tensor it is
 
     def forward(self, ops: tuple[Op, ...]) -> None:
         self._first_keepers(ops)
@@ -163,15 +167,15 @@ class Walk:
             where = (trigger.shadow or trigger.where) if _ancestor(op.where, trigger.where) else op.where
             new = tuple(x for x in step.makes if x.name not in checkpoint.cached)
             self._make(new, checkpoint.rerun if op.where else checkpoint.own or checkpoint.rerun)
-            if new:
+            if step.moment and any(not x.alias for x in new):
                 self.tape.mark("backward", ".".join(x for x in (self.module, where) if x), step.what)
             made += [x.name for x in new if x.keeps is None]
             kept = {x.name for x in step.makes if x.keeps is not None and x.name in self.tape.live}
-            self._rerun_kept.update(kept)
-            self.tape.drop(*(x for x in step.frees if x != checkpoint.holds))
+            self._rerun_kept.update(kept)  # an alias's tensor too: a local the saved tensor is, kept with it
+            self.tape.drop(*(x for x in step.frees if x != checkpoint.holds and x not in self._rerun_kept))
             if pending is not None and not (pending := pending - kept):
                 break  # early stop: the last saved tensor is made again; the forward's frame unwinds
-        self.tape.drop(*made)
+        self.tape.drop(*(x for x in made if x not in self._rerun_kept))
 
     def _release_frame(self) -> None:
         """Under a checkpoint: its frame, and with it the region's input, goes when the last tensor the rerun kept
@@ -184,7 +188,8 @@ class Walk:
         """What op i saves goes, unless an op before it (whose backward runs later) keeps it too (found once per op:
         one walk serves every layer, and a MoE layer has thousands of ops)."""
         if i not in self._releases:
-            self._releases[i] = tuple(kept_name(self.prefix, x) for x in op.saves if self._kept_by.get(x.name) == i)
+            names = (kept_name(self.prefix, x) for x in op.saves if self._kept_by.get(x.name) == i)
+            self._releases[i] = tuple(self._aliases.get(x, x) for x in names)
         self.tape.drop(*self._releases[i])
 
     def _step(self, step: Step, op: Op, phase: str, returns: int | None = None) -> None:
@@ -192,7 +197,7 @@ class Walk:
         op saves goes; then the weights' gradients are handed over (after the node returned, as AccumulateGrad runs)."""
         makes, frees = (step.makes, step.frees) if step.moment else step.net
         self._make(makes, ACTIVATIONS if phase == "forward" else TEMPORARIES)
-        if step.makes and step.moment:
+        if step.moment and any(not x.alias for x in step.makes):  # an alias makes nothing: no op ran
             self.tape.mark(phase, self._where(op, phase), step.what)
         if self.checkpoint is not None:
             # also the kept tensors it reads last: in forward nothing keeps them (but the region's input and the cached
@@ -214,7 +219,9 @@ class Walk:
     def _make(self, makes: tuple[Made, ...], category: str) -> None:
         tape = self.tape
         for x in makes:
-            if x.keeps is None:
+            if x.alias:
+                self._aliases[kept_name(self.prefix, x.keeps)] = x.name
+            elif x.keeps is None:
                 tape.add(x.name, x.category or category, x.bytes, x.why)
             elif x.keeps.name in self.saved:  # else not kept under these sizes (the ledger's size rules)
                 name = x.name or kept_name(self.prefix, x.keeps)

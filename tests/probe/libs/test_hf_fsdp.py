@@ -248,6 +248,10 @@ CHECKPOINTED = [  # gradient checkpointing inside each FSDP2 unit (transformers 
     {"dp_shard": 2, "attention": "eager", "b": 1, "s": 13, "num_query_groups": 8, "L": 3},
     {"dp_shard": 2, "b": 2, "s": 7, "family": "qwen3", "qk_layernorm": True},  # Qwen3ForCausalLM
     {"dp_shard": 2, "t": 2, "b": 2, "s": 7},  # on the 2-D mesh, transformers' tp_plan inside
+    # attention dropout: the rerun drops out through the probe's shim; SDPA's on a CPU, torch's math kernel
+    {"dp_shard": 2, "attention": "eager", "dropout": 0.1, "b": 1, "s": 7},
+    {"dp_shard": 2, "attention": "flash", "dropout": 0.1, "b": 2, "s": 9, "num_query_groups": 8},
+    {"dp_shard": 2, "attention": "eager", "dtype": "fp32", "b": 1, "s": 7},  # each norm's input is x itself
 ]
 
 

@@ -507,6 +507,42 @@ FAMILY_STEPS = [
 ]
 
 
+# attention dropout in Gemma's and Gemma 2's models (eager: native_dropout through the shim; SDPA: the math kernel),
+# with and without gradient checkpointing
+GEMMA_DROPOUT_STEPS = [
+    ("eager", GEMMA, "none"),
+    ("flash", GEMMA | {"b": 1, "s": 13, "kv_channels": 12, "num_query_groups": 4}, "none"),  # heads wider than h/a
+    ("eager", GEMMA | {"b": 3, "s": 7, "h": 48, "a": 6, "num_query_groups": 2}, "full"),
+    ("flash", GEMMA | {"b": 3, "s": 7}, "full"),
+    ("eager", GEMMA2 | CAPPED, "none"),  # the scores soft-capped before the mask, the softmax and dropout
+    ("eager", GEMMA2 | CAPPED | {"b": 1, "s": 13, "sliding_window": 4}, "full"),
+    ("eager", GEMMA2 | {"s": 95, "h": 16, "ffn_hidden_size": 16, "vocab_size": 20, "sliding_window": 16}, "full"),
+]
+
+
+@pytest.mark.parametrize("attention, changes, recompute", GEMMA_DROPOUT_STEPS, ids=str)
+def test_gemmas_attention_dropout_is_llamas_and_the_step_is_memtrackers(one_thread, attention, changes, recompute):
+    r = _exact_step(make_config(LLAMA, attention=attention, dropout=0.1, recompute=recompute, **changes), "none")
+    assert r.model.startswith("transformers' Gemma")
+
+
+PHI3_DROPOUT_STEPS = [
+    (PHI3, "none"),
+    (PHI3 | {"b": 1, "s": 13, "kv_channels": 12, "num_query_groups": 4}, "none"),
+    (PHI3 | {"b": 3, "s": 7, "num_query_groups": 8}, "full"),  # V, a view of qkv_proj's output, copied
+    (PHI3 | {"b": 2, "s": 5, "num_query_groups": 1}, "full"),
+    (PHI3 | {"b": 1, "s": 7, "dtype": "fp32"}, "full"),
+]
+
+
+@pytest.mark.parametrize("changes, recompute", PHI3_DROPOUT_STEPS, ids=str)
+def test_phi3s_residual_dropouts_keep_their_masks_and_the_step_is_memtrackers(one_thread, changes, recompute):
+    """resid_attn_dropout and resid_mlp_dropout (p > 0) drop out o_proj's and down_proj's outputs, which the layer's
+    variable holds to the residual sum; each keeps its bool mask, and its backward makes the projection's dY."""
+    r = _exact_step(make_config(LLAMA, attention="eager", dropout=0.1, recompute=recompute, **changes), "none")
+    assert r.model.startswith("transformers' Phi3ForCausalLM")
+
+
 @pytest.mark.parametrize("attention", ATTENTIONS)
 def test_mistrals_own_model_without_a_window_steps_as_the_llama_walk_says_to_the_byte(one_thread, attention):
     """family mistral builds MistralForCausalLM, Llama's model under another name (a window is refused before)."""
@@ -578,10 +614,11 @@ def test_under_recomputation_gpt2s_sizes_put_the_peak_in_five_different_places()
 
 
 # GPT2Config's default dropout, 0.1, after the embedding, on the attention's weights, after c_proj and after the MLP;
-# SDPA (its CPU flash kernel) without dropout; gradient checkpointing (each block's early-stopped rerun)
+# SDPA (its CPU flash kernel; with dropout torch's math kernel); gradient checkpointing (each block's early-stopped
+# rerun)
 @pytest.mark.parametrize("attention, dropout, recompute", [
     ("eager", 0.0, "none"), ("eager", 0.1, "none"), ("flash", 0.0, "none"), ("eager", 0.0, "full"),
-    ("flash", 0.0, "full")])
+    ("flash", 0.0, "full"), ("eager", 0.1, "full"), ("flash", 0.1, "none"), ("flash", 0.1, "full")])
 @pytest.mark.parametrize("changes", GPT2_STEPS, ids=str)
 def test_gpt2s_step_happens_in_order_and_peaks_where_the_timeline_says_to_the_byte(one_thread, changes, attention,
                                                                                     dropout, recompute):
@@ -595,9 +632,18 @@ def test_gpt2s_step_happens_in_order_and_peaks_where_the_timeline_says_to_the_by
     assert r.model == "transformers' GPT2LMHeadModel"
 
 
+@pytest.mark.parametrize("recompute", ["none", "full"])
+@pytest.mark.parametrize("changes", [c for c in GPT2_STEPS if "dtype" not in c], ids=str)
+def test_in_fp32_gpt2s_math_kernel_keeps_v_as_a_copy_or_c_attns_whole_output_to_the_byte(one_thread, changes,
+                                                                                         recompute):
+    """SDPA with dropout on a CPU in fp32: the math kernel casts nothing; bmm copies v to fold (b, a) (the ledger's
+    GPT2_MATH_V), at b = 1 or one head folds its view and keeps c_attn's output whole."""
+    r = _exact_step(make_config(GPT2_HF, attention="flash", dropout=0.1, dtype="fp32", recompute=recompute,
+                                **changes), "none")
+    assert r.model == "transformers' GPT2LMHeadModel"
+
+
 @pytest.mark.parametrize("changes, named", [
-    ({"attention": "flash", "dropout": 0.1}, "dropout 0.1 with SDPA in GPT-2's model on a CPU"),
-    ({"recompute": "full", "dropout": 0.1}, "recompute full \\(gradient checkpointing\\) with dropout in GPT-2's"),
     ({"add_bias_linear": False}, "GPT-2 without add_bias_linear"),
     ({"position_embedding_type": "rope"}, "GPT-2 with position_embedding_type rope"),
     ({"t": 2, "tie_embeddings": False}, "GPT-2's model under tp \\(t=2\\): GPT2Config has no base_model_tp_plan"),
@@ -735,12 +781,35 @@ def test_checkpointed_experts_run_op_by_op_and_rerun_to_the_last_saved_tensor_to
     _exact_step(make_config(LLAMA, attention=attention, recompute="full", **changes), layout, route)
 
 
-@pytest.mark.parametrize("changes, named", [
-    ({"dropout": 0.1}, "recompute full \\(gradient checkpointing\\) with dropout"),
-])
-def test_under_gradient_checkpointing_what_the_walk_does_not_model_is_refused_by_name(changes, named):
-    with pytest.raises(ConfigError, match=named):
-        timeline(make_config(LLAMA, attention="eager", recompute="full", **changes), STRATEGIES["none"], CPU)
+# attention dropout checkpointed: the probe's CUDA-like shim drops out in the rerun too (the checkpoint's context_fn)
+RECOMPUTE_DROPOUT_STEPS = [
+    ("none", {"s": 13}, None),  # a/g = 4: the last layer's down_proj GEMMs
+    ("none", QWEN2 | {"b": 1, "s": 11, "num_query_groups": 8}, None),  # a/g = 1, b = 1
+    ("none", {"b": 1, "s": 96, "h": 16, "ffn_hidden_size": 16, "vocab_size": 20}, None),  # dropped x V's backward
+    ("none", ODD | {"b": 3, "s": 17, "num_query_groups": 2}, None),  # a/g = 3, b > 1: matmul's copies
+    ("tp", {"t": 2, "s": 9}, None),
+    ("none", MIXTRAL | {"s": 13}, "balanced"),
+    ("none", QWEN3_MOE | {"b": 3, "s": 7, "h": 48, "a": 6, "num_query_groups": 3, "num_experts": 3,
+                          "moe_router_topk": 1, "moe_ffn_hidden_size": 24}, "balanced"),
+]
+
+
+@pytest.mark.parametrize("layout, changes, route", RECOMPUTE_DROPOUT_STEPS, ids=str)
+def test_under_gradient_checkpointing_attention_dropout_keeps_its_mask_in_the_rerun_to_the_byte(one_thread, layout,
+                                                                                                changes, route):
+    """In forward native_dropout's mask goes at once and its input, the softmax cast back, as it returns; the layer
+    holds the dropped-out weights the attention returns to its end. The rerun drops out as the forward did (its own
+    mask, which the rerun keeps)."""
+    _exact_step(make_config(LLAMA, attention="eager", dropout=0.1, recompute="full", **changes), layout, route)
+
+
+@pytest.mark.parametrize("layout, changes, route", SDPA_DROPOUT_STEPS, ids=str)
+def test_under_gradient_checkpointing_sdpas_math_kernel_frees_what_no_local_holds_and_the_rerun_keeps_it(
+        one_thread, layout, changes, route):
+    """In forward k^T scaled, the softmax, dropout's mask and matmul's fold copies go at once (autograd keeps none of
+    them), the kernel's locals at its return; the rerun keeps them all, its widest moment the one without a
+    checkpoint."""
+    _exact_step(make_config(LLAMA, attention="flash", dropout=0.1, recompute="full", **changes), layout, route)
 
 
 # fp32 (no master weights: the trainer's Fp32AdamW steps the weights themselves): every cast a no-op, so each norm's
@@ -779,8 +848,47 @@ def test_in_fp32_every_moment_happens_in_order_and_the_peak_is_memtrackers(one_t
     _exact_step(make_config(LLAMA, attention=attention, **changes), layout, route)
 
 
+# fp32 under gradient checkpointing: each norm's x.to(float32) is x itself (the checkpoint's input, the rerun's residual
+# stream, a projection's output), which the rerun keeps to the norm's backward; its cast back is x * rstd, the router's
+# casts and Qwen's cast of the top-k weights are no-ops
+FP32_RECOMPUTE_STEPS = [
+    ("none", "eager", {}, None),  # the last layer's down_proj GEMMs
+    ("none", "flash", {"b": 1, "s": 7, "a": 12, "h": 96, "num_query_groups": 4, "vocab_size": 40}, None),
+    ("none", "eager", {"s": 96, "h": 16, "ffn_hidden_size": 16, "vocab_size": 20}, None),  # the softmax
+    ("none", "eager", ODD | {"b": 3, "s": 17, "num_query_groups": 2}, None),  # a/g = 3
+    ("tp", "eager", {"t": 2, "b": 1, "s": 9, "a": 12, "h": 96, "num_query_groups": 4}, None),
+    ("none", "eager", {"dropout": 0.1, "b": 1, "s": 7, "tie_embeddings": True}, None),
+    ("none", "flash", QWEN3 | {"b": 1, "s": 7, "kv_channels": 12, "num_query_groups": 4}, None),  # q_norm's, k_norm's x
+    ("none", "flash", QWEN2 | {"b": 1, "s": 9}, None),
+    ("none", "eager", GEMMA | {"b": 1, "s": 7}, None),  # weight.float() is the weight, type_as(x) the product
+    ("none", "eager", GEMMA2 | CAPPED | {"b": 1, "s": 7, "sliding_window": 3}, None),  # the sandwich norms' inputs
+    ("none", "eager", PHI3 | {"b": 1, "s": 7}, None),
+    ("none", "eager", MIXTRAL, "balanced"),  # the eager loop
+    ("none", "flash", GROUPED | {"b": 1, "s": 7}, "balanced"),
+    ("none", "flash", QWEN2_MOE_GROUPED | {"moe_shared_expert_intermediate_size": 40, "b": 1, "s": 10}, "balanced"),
+    ("none", "eager", QWEN3_MOE | {"b": 3, "s": 7, "h": 48, "a": 6, "num_query_groups": 3, "num_experts": 3,
+                                   "moe_router_topk": 1, "moe_ffn_hidden_size": 24}, "balanced"),
+]
+
+
+@pytest.mark.parametrize("layout, attention, changes, route", FP32_RECOMPUTE_STEPS, ids=str)
+def test_in_fp32_under_gradient_checkpointing_the_rerun_keeps_each_norms_input_itself_to_the_byte(
+        one_thread, layout, attention, changes, route):
+    _exact_step(make_config(LLAMA, attention=attention, recompute="full", **FP32, **changes), layout, route)
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+@pytest.mark.parametrize("layout, changes, route", SDPA_DROPOUT_STEPS, ids=str)
+def test_in_fp32_sdpas_math_kernel_casts_nothing_and_the_step_is_memtrackers(one_thread, layout, changes, route,
+                                                                            recompute):
+    """q's, k's and v's casts, the dropped-out weights' and the output's are no-ops: bmm's output is the kernel's,
+    and without a repeat or a copy the kept v is v itself (the layer's input is the first norm's too: found by the
+    step differential)."""
+    _exact_step(make_config(LLAMA, attention="flash", dropout=0.1, recompute=recompute, **FP32, **changes), layout,
+                route)
+
+
 @pytest.mark.parametrize("changes, named", [
-    ({"recompute": "full"}, "gradient checkpointing"),
     ({"zero_stage": 2, "dp": 2}, "dtype fp32 with zero_stage"),
 ])
 def test_in_fp32_what_the_walk_does_not_alias_is_refused_by_name(changes, named):
