@@ -246,6 +246,15 @@ FINDINGS = [
              " never entered there; the walk (timeline/megatron_mla.py) named the core's backward"
              " ('backward layers.2.attention.core_attention (dK scaled)'), it now reads it as the attention's"
              " (Op.shadow), and the rerun's moment as the core's forward", fixed=True),
+    _finding("megatron.core", LATENT | {"q_lora_rank": None, "norm": "layernorm", "dropout": 0.0, "recompute": "none",
+                                        "L": 1, "b": 1, "s": 29, "h": 10, "a": 5, "ffn_hidden_size": 1,
+                                        "vocab_size": 2}, "none",
+             "A moment in the core's backward, named: at p = 0 nn.Dropout returns its input, so ModTracker leaves"
+             " attention_dropout (the hook on its input) before it enters it (the hook on its output, the same"
+             " tensor) and never leaves it; MemTracker reads the softmax's backward on (CopySlices at s = 29, the peak,"
+             " 116,969 B both) inside 'backward layers.0.attention.core_attention.attention_dropout', where the walk"
+             " (timeline/megatron_mla.py) named 'backward layers.0.attention'; it now names the module left open"
+             " (Op.shadow), as scale_mask_softmax with dropout when it masks its input in place", fixed=True),
 ]
 
 
