@@ -2,7 +2,8 @@
 ledger lists (memcalc.model.comm, derived from each implementation's TP plan): torchtitan's block gathers once at
 each block's entry and its SelectiveAC and FullAC rerun every forward collective after the output's backward one;
 transformers wraps each colwise linear's input on its own (an all-reduce each in backward), gathers the blocks its
-plan gathers, and its checkpoint's rerun stops before the layer's last collective.
+plan gathers, and its checkpoint's rerun stops before the layer's last collective (after it, where a dropout or a norm
+there keeps a tensor).
 
 Each runs as rank 0 of torch's fake group, where a call is logged with the sizes it is given (DTensor's functional
 collectives as aten ops): the log is exact though nothing moves.
