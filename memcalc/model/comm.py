@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 from memcalc.errors import ConfigError
 from memcalc.model.evaluate import check_strategy, dim_sizes
 from memcalc.model.impls import implementation, plan
-from memcalc.model.impls.hf import routing_weights_kind
+from memcalc.model.impls.hf import resid_dropout, routing_weights_kind
 from memcalc.model.knobs import DTYPE_BYTES, FIXED_BYTES, Knobs
 from memcalc.model.ledger import BSH, Dim, Kind
 from memcalc.model.strategy import Strategy
@@ -183,9 +183,10 @@ def layer_collectives(
         # the rerun starts as the first node that keeps a saved tensor runs: after the output's gradient crossed the
         # exit it meets first (of a MoE's two reduce-scatters under SP, the shared experts', made last)
         first = [c for c in backward[:1] if c.operator in _LEAVES] if rerun.after_output else []
-        # the rerun stops at the last saved tensor: before the exit, unless a norm after it keeps its input, or the
-        # shared expert Qwen2-MoE's block runs after its experts' output
-        stops = rerun.early_stop and not (knobs.post_norm or knobs.sandwich_norm
+        # the rerun stops at the last saved tensor: before the exit, unless a norm after it keeps its input, a
+        # dropout after it its mask (resid_dropout), or the shared expert Qwen2-MoE's block runs after its experts'
+        # output
+        stops = rerun.early_stop and not (knobs.post_norm or knobs.sandwich_norm or resid_dropout(knobs)
                                           or (knobs.moe and knobs.moe_shared_expert_intermediate_size))
         again = forward[:len(forward) - len(output)] if stops else forward
         backward = [*first, *(_rerun(c) for c in again), *backward[len(first):]]

@@ -55,14 +55,15 @@ def readings_after_every_op(trainer: Trainer) -> list[tuple[str, dict[str, int]]
 
 
 def assert_moments_in_order(moments: tuple[Moment, ...], readings: list[tuple[str, dict[str, int]]],
-                            places: bool = True) -> None:
-    """Each moment's bytes per category (and, with `places`, its phase and module) are those after some op, the
-    ops in the moments' order."""
+                            places: tuple[str, ...] = ("forward", "backward", "optimizer")) -> None:
+    """Each moment's bytes per category (and, for a moment of one of the phases `places` names, its phase and module)
+    are those after some op, the ops in the moments' order."""
     position = 0
     for moment in moments:
         expected = {c: n for c, n in moment.by_category().items() if n}
         where = f"{moment.phase} {moment.where}".strip()
+        placed = moment.phase in places
         found = next((i for i in range(position, len(readings))
-                      if readings[i][1] == expected and (readings[i][0] == where or not places)), None)
+                      if readings[i][1] == expected and (readings[i][0] == where or not placed)), None)
         assert found is not None, f"{moment.label()}: {expected} is not among the readings after op {position}"
         position = found

@@ -114,7 +114,7 @@ def _assert_every_moment_in_order(config, strategy):
     else:
         readings = _bytes_after_every_op(single(), config, st)
     moments = timeline(config, st, Accounting(exact=True, device="cpu")).moments[1:]
-    assert_moments_in_order(moments, readings, places=False)  # a forward moment names a block, not its last op's module
+    assert_moments_in_order(moments, readings, places=())  # a forward moment names a block, not its last op's module
 
 
 @pytest.mark.parametrize("model, strategy", CASES)

@@ -139,6 +139,25 @@ def test_latent_attention_is_walked_as_megatron_cores_eager_module_only(changes,
         _timeline("tp", **LATENT | changes)
 
 
+# megatron-core's latent attention at b = 1, odd s, one layer: the peak is the causal mask's CopySlices (torch's softmax)
+SMALL_LATENT = {"impl": "megatron", "mlp": "swiglu", "attention": "eager", "add_bias_linear": False, "kv_lora_rank": 12,
+                "qk_rope_head_dim": 4, "qk_nope_head_dim": 6, "v_head_dim": 5, "norm": "layernorm", "L": 1, "b": 1,
+                "h": 10, "a": 5, "ffn_hidden_size": 1, "vocab_size": 2}
+
+
+@pytest.mark.parametrize("dropout, s, module", [
+    (0.0, 29, "attention_dropout"),  # nn.Dropout returns its input: ModTracker leaves it before it enters it
+    (0.1, 63, "scale_mask_softmax"),  # its input masked in place: the hook that would leave it never runs
+])
+def test_latent_attentions_core_backward_is_named_inside_the_module_modtracker_never_leaves(dropout, s, module):
+    """Measured by the step differential (tests/probe/test_step_differential.py, FINDINGS) and every backward moment
+    of tests/probe/libs/test_megatron_mla_step.py."""
+    config = build_config(SMALL_LATENT | {"dropout": dropout, "s": s})
+    peak = timeline(config, STRATEGIES["none"], CPU).peak
+    assert peak.what.startswith("the causal mask: CopySlices")
+    assert peak.where == f"layers.0.attention.core_attention.{module}"
+
+
 MIXED = {"num_experts": 4, "moe_layer_freq": 2, "mlp": "swiglu", "add_bias_linear": False}  # MoE layers: the even ones
 
 

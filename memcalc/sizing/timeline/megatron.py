@@ -71,7 +71,7 @@ def layer_ops(
         backward.append(_layer(z, _made_here(kept), full))
     if full:  # the checkpoint's backward runs outside the modules' backward hooks: MemTracker reads the layer's
         backward = [*_rerun_layer(config, z, rerun, has),
-                    *(replace(x, where="") if x.backward else x for x in backward)]
+                    *(replace(x, where="", shadow="") if x.backward else x for x in backward)]
     return tuple(reversed(backward))
 
 
@@ -284,7 +284,7 @@ def _eager(ops: list[Op], config: ModelConfig, z: Sizes, frees: tuple[str, ...],
         Made("grad/v", basd, "weights x V's backward: dV = weights^T dY"),
         Made("grad/attention weights", z.act * bass, "weights x V's backward: dWeights = dY V^T")), frees=frees),
         saves=(v, ledger.ATTN_DROPOUT_OUT if has(ledger.ATTN_DROPOUT_MASK.name) else ledger.SOFTMAX_OUT)))
-    softmax(ops, config, z, "attention", "grad/attention weights", has)
+    softmax(ops, config, z, "grad/attention weights", has)
     ops.append(backward_only("attention", Step("QK^T: dQ and dK", (
         Made("grad/q", basd, "QK^T's backward: dQ = dScores K, then scaled (a new tensor)"),
         Made("grad/k unscaled", basd, "QK^T's backward: dK = dScores^T Q"),

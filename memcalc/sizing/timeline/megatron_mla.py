@@ -14,7 +14,8 @@ from memcalc.model.impls import megatron
 from memcalc.model.knobs import Accounting
 from memcalc.model.ledger import Kind, Region, SavedTensor
 from memcalc.sizing.timeline.megatron_pieces import (
-    GLOBAL_MEMORY_BUFFER, Has, backward_only, fused_softmax, linear, norm_kernel, one, row_parallel, softmax,
+    GLOBAL_MEMORY_BUFFER, Has, backward_only, fused_softmax, linear, masks_in_place, norm_kernel, one, row_parallel,
+    softmax,
 )
 from memcalc.sizing.timeline.tape import ACTIVATIONS, Sizes, Tape
 from memcalc.sizing.timeline.walk import Made, Op, Step
@@ -34,6 +35,11 @@ ATTN_MASK_TYPE = SavedTensor(
     Kind.INT32, Region.REPLICATED, "the checkpoint keeps its inputs for the rerun; host memory on CUDA, the CPU's"
     " here", paper=False,
 )
+
+# DotProductAttention and its modules, where their backward runs
+CORE = "attention.core_attention"
+CORE_DROPOUT = f"{CORE}.attention_dropout"
+CORE_SOFTMAX = f"{CORE}.scale_mask_softmax"
 
 
 @dataclass(frozen=True)
@@ -66,22 +72,45 @@ def attention(ops: list[Op], config: ModelConfig, z: Sizes, grad: str, residual:
     w = Widths.of(config)
     ops.append(row_parallel(z, "attention.linear_proj", ledger.MLA_PROJ_IN, grad, residual, z.a_t * w.v,
                              "grad/proj input"))
-    _core(ops, config, z, w, "grad/proj input", has)
-    _rope(ops, "key", z.full(w.rope), expanded=True)
-    _rope(ops, "query", z.full(z.a_t * w.rope), expanded=False)
+    inside: list[Op] = []
+    _core(inside, config, z, w, "grad/proj input", has)
+    _rope(inside, "key", z.full(w.rope), expanded=True)
+    _rope(inside, "query", z.full(z.a_t * w.rope), expanded=False)
+    _splits(inside, z, w)
+    ops.extend(_left_open(inside, config, z, has))
     _up(ops, z, w)
     return _down(ops, z, w)
 
 
-def _up(ops: list[Op], z: Sizes, w: Widths) -> None:
-    """From the core's dQ, dK, dV and the RoPE parts' input gradients to the latent norms' dX: the splits'
-    concatenations, the up projections (or q_proj), the norms."""
+def _left_open(ops: list[Op], config: ModelConfig, z: Sizes, has: Has) -> list[Op]:
+    """`ops` (the core's backward to the splits') as MemTracker reads them. ModTracker enters a module in backward as
+    its output's gradient arrives and leaves it as its inputs' arrive; it never leaves one whose input is its output
+    (nn.Dropout at p = 0 returns its input: the leave runs first, then the enter) nor one whose input was masked in
+    place (scale_mask_softmax's, `masks_in_place`: the hook waits on a node autograd no longer runs). From the
+    softmax's backward on MemTracker then reads every op inside that module (the last entered with no active
+    submodule) but those of modules entered after it: the up projections'. Under selective recomputation the core
+    runs without grad, then in backward, where ModTracker hooks no backward."""
+    dropout = has(ledger.ATTN_DROPOUT_MASK.name)
+    open_ = CORE_DROPOUT if not dropout else CORE_SOFTMAX if masks_in_place(config, z, has) else ""
+    if config.recompute == "selective" or not open_:
+        return ops
+    i = next(i for i, op in enumerate(ops) if op.where == CORE_SOFTMAX)
+    return [*ops[:i], *(replace(op, shadow=open_) for op in ops[i:])]
+
+
+def _splits(ops: list[Op], z: Sizes, w: Widths) -> None:
+    """The core's dK, dV and dQ with the RoPE parts' input gradients, concatenated as the up projections' outputs
+    were split."""
     ops.append(one("attention", "d[k_nope | v] concatenated: kv_up_proj's output gradient", Made(
         "grad/kv up output", z.full(z.a_t * (w.nope + w.v)), "k_nope and v were split from kv_up_proj's"
         " output: their gradients concatenated"), ("grad/k", "grad/v")))
     ops.append(one("attention", "d[q_nope | q_rope] concatenated: the query projection's output gradient", Made(
         "grad/q up output", z.full(z.a_t * w.qk), "q_nope and q_rope were split from the query projection's"
         " output: their gradients concatenated"), ("grad/q", "grad/query rope")))
+
+
+def _up(ops: list[Op], z: Sizes, w: Widths) -> None:
+    """From the splits' concatenations to the latent norms' dX: the up projections (or q_proj), the norms."""
     ops.append(linear(z, "attention.linear_kv_up_proj", ledger.MLA_KV_UP_IN, "grad/kv up output", w.kv_latent,
                        z.a_t * (w.nope + w.v), "grad/kv up input"))
     if w.q_latent is not None:
@@ -101,9 +130,14 @@ def _up(ops: list[Op], z: Sizes, w: Widths) -> None:
 def _down(ops: list[Op], z: Sizes, w: Widths) -> str:
     """From the latent norms' dX to the attention's input gradient: the kv down output's concatenation, the down
     projections (under tp on this rank's columns of dY, under SP gathered along s first), x's two gradients summed.
-    Returns the sum's name."""
-    latent = _whole_sequence(ops, z, "grad/kv latent", w.kv_latent)  # under SP a shard: scattered
-    ops.append(one("attention", "d[latent | k_rope] concatenated: kv_down_proj's output gradient", Made(
+    Returns the sum's name.
+
+    ModTracker leaves a module in backward only as the node that made its input runs: MemTracker reads the ops
+    before each down projection inside the module whose backward ran before them, still active (q_layernorm's norm,
+    whose input q_down_proj makes, or without a query latent q_proj, on x; then kv_down_proj, on x)."""
+    between: list[Op] = []
+    latent = _whole_sequence(between, z, "grad/kv latent", w.kv_latent)  # under SP a shard: scattered
+    between.append(one("attention", "d[latent | k_rope] concatenated: kv_down_proj's output gradient", Made(
         "grad/kv down output", z.full(w.kv_latent + w.rope), "the latent and the key's RoPE part were split"
         " from kv_down_proj's output: their gradients concatenated"), (latent, "grad/key rope")))
     down = (("attention.linear_kv_down_proj", "grad/kv down output", w.kv_latent + w.rope, "grad/kv down input"),
@@ -111,11 +145,16 @@ def _down(ops: list[Op], z: Sizes, w: Widths) -> str:
     summed = Step("the two input gradients summed", (Made(
         "grad/attention input", z.seq(z.h), "x feeds the query's and the key/value's projections: their gradients"
         " summed"),), frees=("grad/kv down input", "grad/q input"))
+    active = "attention.q_layernorm.norm" if w.q_latent else "attention.linear_q_proj"
     for i, (where, grad, width, dx) in enumerate(down):
         last = i == len(down) - 1
-        whole = grad if i == 0 else _whole_sequence(ops, z, grad, width)  # the query latent, scattered back
-        ops.append(linear(z, where, ledger.QKV_IN, _this_ranks_columns(ops, z, whole, width), z.h,
-                           width // z.t, dx, then=summed if last and z.t > 1 else None))
+        whole = grad if i == 0 else _whole_sequence(between, z, grad, width)  # the query latent, scattered back
+        columns = _this_ranks_columns(between, z, whole, width)
+        ops.extend(replace(x, shadow=active) for x in between)
+        between.clear()
+        ops.append(linear(z, where, ledger.QKV_IN, columns, z.h, width // z.t, dx,
+                          then=summed if last and z.t > 1 else None))
+        active = where
     if z.t == 1:  # ColumnParallelLinear's copy_to_tensor_model_parallel_region: x's gradients meet after it
         ops.append(backward_only(where, summed))
     return "grad/attention input"
@@ -161,7 +200,7 @@ def _core(ops: list[Op], config: ModelConfig, z: Sizes, w: Widths, dcontext: str
     # backward then runs inside the checkpoint's, where ModTracker hooks no module: MemTracker reads the attention's
     scores = Made("attention/recomputed scores", z.act * z.b * z.a_t * z.s * z.s,
                   "the rerun's baddbmm output: a local of the core's forward until it returns", category=ACTIVATIONS)
-    ops.append(backward_only("attention.core_attention", Step("selective recomputation: the core's forward again", (
+    ops.append(backward_only(CORE, Step("selective recomputation: the core's forward again", (
         scores, *(Made(x.name, 0, "made again by selective recomputation's rerun of the core", keeps=x,
                        category=ACTIVATIONS) for x in again),
         Made("attention/recomputed context", z.full(z.a_t * w.v), "the rerun's bmm output, before its copy",
@@ -181,16 +220,16 @@ def _core_backward(ops: list[Op], config: ModelConfig, z: Sizes, w: Widths, free
     selective recomputation each of dQ, dK, dV is then copied into its checkpoint input's layout (AccumulateGrad
     on the detached input: new_empty_strided)."""
     copied = " raw" if selective else ""  # under selective recomputation, before its copy into the input's layout
-    ops.append(backward_only("attention.core_attention", Step("weights x V: dV and dWeights", (
+    ops.append(backward_only(CORE, Step("weights x V: dV and dWeights", (
         Made(f"grad/v{copied}", z.full(z.a_t * w.v), "bmm's backward: dV = weights^T dY"),
         Made("grad/attention weights", z.act * z.b * z.a_t * z.s * z.s, "bmm's backward: dWeights = dY V^T")),
         frees=frees), saves=(ledger.MLA_V, ledger.ATTN_DROPOUT_OUT if has(ledger.ATTN_DROPOUT_MASK.name) else
                              ledger.SOFTMAX_OUT)))
     ops.extend(_copied("v", z.full(z.a_t * w.v), selective))
-    softmax(ops, config, z, "attention.core_attention", "grad/attention weights", has, scale=(SOFTMAX_SCALE,),
-            masks_a_view=True)
+    softmax(ops, config, z, "grad/attention weights", has, dropout_at=CORE_DROPOUT, softmax_at=CORE_SOFTMAX,
+            scale=(SOFTMAX_SCALE,), masks_a_view=True)
     qk = z.full(z.a_t * w.qk)
-    ops.append(backward_only("attention.core_attention", *(
+    ops.append(backward_only(CORE, *(
         step for x, other in (("q", "K"), ("k", "Q")) for step in (
             Step(f"baddbmm's backward: d{x.upper()} = dScores {other}", (
                 Made(f"grad/{x} unscaled", qk, f"baddbmm's backward: d{x.upper()} before its scale"),)),
@@ -205,7 +244,7 @@ def _copied(x: str, nbytes: int, selective: bool) -> tuple[Op, ...]:
     that leaf's AccumulateGrad, after the node that made it has returned."""
     if not selective:
         return ()
-    return (one("attention.core_attention", f"d{x.upper()} into its input's layout", Made(
+    return (one(CORE, f"d{x.upper()} into its input's layout", Made(
         f"grad/{x}", nbytes, "AccumulateGrad on the checkpoint's detached input: a copy in the input's strides"),
         (f"grad/{x} raw",)),)
 

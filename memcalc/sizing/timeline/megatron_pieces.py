@@ -125,57 +125,65 @@ def fused_softmax(config: ModelConfig, z: Sizes) -> bool:
     return config.impl == "paper" or (megatron.fused_softmax_kernel(config) and bool(window))
 
 
-def softmax(ops: list[Op], config: ModelConfig, z: Sizes, where: str, grad: str, has: Has,
-            scale: tuple[SavedTensor, ...] = (), masks_a_view: bool = False) -> None:
+def softmax(ops: list[Op], config: ModelConfig, z: Sizes, grad: str, has: Has, dropout_at: str = "attention",
+            softmax_at: str = "attention", scale: tuple[SavedTensor, ...] = (), masks_a_view: bool = False) -> None:
     """From the softmax output's (or with dropout, its dropout's) gradient `grad` to the scores' ("grad/scores"):
-    attention dropout's backward, then Megatron's fused kernel's, which keeps its 16-bit output (and `scale`), or
-    torch's (`_torch_softmax`; `masks_a_view`: megatron-core's DotProductAttention, whose torch softmax masks a view of
-    baddbmm's output in place)."""
+    attention dropout's backward (at `dropout_at`), then Megatron's fused kernel's, which keeps its 16-bit output (and
+    `scale`), or torch's (`_torch_softmax`), at `softmax_at`; `masks_a_view`: megatron-core's DotProductAttention,
+    whose torch softmax may mask a view of baddbmm's output in place (`masks_in_place`)."""
     bass = z.b * z.a_t * z.s * z.s
     if has(ledger.ATTN_DROPOUT_MASK.name):
-        ops.append(one(where, "attention dropout", Made(
+        ops.append(one(dropout_at, "attention dropout", Made(
             "grad/softmax output", z.act * bass, "attention dropout's backward: dY times the mask"), (grad,),
             saves=(ledger.ATTN_DROPOUT_MASK,)))
         grad = "grad/softmax output"
     if fused_softmax(config, z):
-        ops.append(one(where, "softmax", Made("grad/scores", z.act * bass, SOFTMAX), (grad,),
+        ops.append(one(softmax_at, "softmax", Made("grad/scores", z.act * bass, SOFTMAX), (grad,),
                        saves=(ledger.SOFTMAX_OUT, *scale)))
     else:
-        _torch_softmax(ops, z, grad, has, masks_a_view)
+        _torch_softmax(ops, z, softmax_at, grad, has, masks_a_view and masks_in_place(config, z, has))
 
 
-def _torch_softmax(ops: list[Op], z: Sizes, grad: str, has: Has, masks_a_view: bool = False) -> None:
+def masks_in_place(config: ModelConfig, z: Sizes, has: Has) -> bool:
+    """Whether megatron-core's torch softmax masks its input in place, a view of baddbmm's output
+    (attention_mask_func's masked_fill_): outside the fused kernel, with a causal mask (s > 1) and no fp32 cast
+    before it."""
+    causal = has(megatron.CAUSAL_MASK.name) and not has(megatron.SOFTMAX_FP32.name)
+    return causal and not fused_softmax(config, z)
+
+
+def _torch_softmax(ops: list[Op], z: Sizes, where: str, grad: str, has: Has, in_place: bool) -> None:
     """Megatron's forward_torch_softmax backward (outside the fused kernel's sizes, or in fp32), in backward order:
     the gradient cast up to fp32, softmax's backward, masked_fill's (a new tensor; with one query, s = 1, Megatron
-    masks nothing; `masks_a_view` and no cast: `_masked_view`), the cast back down."""
+    masks nothing; `in_place`, on a view of the scores: `_masked_view`), the cast back down."""
     bass = z.b * z.a_t * z.s * z.s
     sixteen_bit = has(megatron.SOFTMAX_FP32.name)  # an fp32 softmax of 16-bit scores, its output cast back
     width = 4 if sixteen_bit else z.act
     if sixteen_bit:
-        ops.append(one("attention", "the softmax output's cast", Made(
+        ops.append(one(where, "the softmax output's cast", Made(
             "grad/softmax fp32 output", 4 * bass, "the cast's backward: dY up to fp32"), (grad,)))
         grad = "grad/softmax fp32 output"
     scores = "grad/wide scores" if sixteen_bit else "grad/scores"  # the (fp32) scores' gradient
     masked = "grad/masked scores" if has(megatron.CAUSAL_MASK.name) else scores
-    ops.append(one("attention", "softmax", Made(masked, width * bass, SOFTMAX), (grad,),
+    ops.append(one(where, "softmax", Made(masked, width * bass, SOFTMAX), (grad,),
                     saves=(megatron.SOFTMAX_FP32 if sixteen_bit else ledger.SOFTMAX_OUT,)))
-    if masked != scores and masks_a_view and not sixteen_bit:
-        ops.append(_masked_view(width * bass, masked, scores))
+    if in_place:
+        ops.append(_masked_view(where, width * bass, masked, scores))
     elif masked != scores:
-        ops.append(one("attention", "the causal mask", Made(
+        ops.append(one(where, "the causal mask", Made(
             scores, width * bass, "masked_fill's backward: the masked gradient zeroed"), (masked,),
             saves=(megatron.CAUSAL_MASK,)))
     if sixteen_bit:
-        ops.append(one("attention", "the scores' cast", Made(
+        ops.append(one(where, "the scores' cast", Made(
             "grad/scores", z.act * bass, "the scores' cast to fp32: its backward casts back"), (scores,)))
 
 
-def _masked_view(nbytes: int, masked: str, scores: str) -> Op:
+def _masked_view(where: str, nbytes: int, masked: str, scores: str) -> Op:
     """attention_mask_func's masked_fill_ on a view of baddbmm's output, backward: the view's node puts dY into zeros
     of the base's shape; CopySlices copies that into a new base-shaped gradient and runs masked_fill's backward on a
     clone of its slice (a new tensor), copied back: four scores-sized tensors live at once, dY gone."""
     zeros = f"{scores} (the view's)"
-    return backward_only("attention", Step("the causal mask's view: dY into zeros of the scores' shape", (
+    return backward_only(where, Step("the causal mask's view: dY into zeros of the scores' shape", (
         Made(zeros, nbytes, "as_strided's backward: new_zeros of the base, dY copied in"),), frees=(masked,)),
         Step("the causal mask: CopySlices, masked_fill's backward on a clone of the slice", (
             Made(scores, nbytes, "CopySlices: the base's gradient, a new tensor"),

@@ -73,7 +73,7 @@ def _assert_every_moment_in_order(config, strategy, route):
         readings = run_fake(_readings, (config, st, route), config.t)
     else:
         readings = _readings(single(), config, st, route)
-    assert_moments_in_order(moments, readings, places=False)  # a forward moment names a layer, not its op
+    assert_moments_in_order(moments, readings, places=())  # a forward moment names a layer, not its op
 
 
 @pytest.mark.parametrize("route, changes", SHAPES, ids=str)
