@@ -231,7 +231,11 @@ FINDINGS = [
                                                        "dp_shard": 2}, "none",
              "FSDP2 at tiny sizes: MemTracker peaks in the last layer's self_attn forward, 60 B more parameters than"
              " the walk's peak at model.norm's forward (7,436 B measured, 7,376 predicted; so at 6fcba74 already,"
-             " found by a drawn run)"),
+             " found by a drawn run): eager attention's fp32 softmax (the masked scores and their fp32 cast beside"
+             " the softmax) is wider than the layer's end at s^2 >> h, with the layer's unsharded parameters still"
+             " live; the walk (timeline/hf.py) had the layer's forward as one moment, at its end; it now marks the"
+             " softmax (hf_layer.eager_forward), as without FSDP2, where the two moments tied in bytes",
+             fixed=True),
     _finding("transformers", GEMMA | {"family": "gemma2", "sandwich_norm": True, "recompute": "full",
                                       "tie_embeddings": False, "L": 1, "b": 1, "s": 1, "h": 2, "a": 1,
                                       "num_query_groups": 1, "ffn_hidden_size": 1, "vocab_size": 2}, "none",

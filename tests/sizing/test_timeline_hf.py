@@ -55,6 +55,22 @@ def test_backward_leaves_only_the_batch_and_the_loss_behind():
     assert optimizer.by_category() == steady | {ACTIVATIONS: steady[ACTIVATIONS] + batch_and_loss}
 
 
+@pytest.mark.parametrize("dtype, cast", [("bf16", 4), ("fp32", 0)])
+def test_a_layers_forward_marks_eager_attentions_fp32_softmax_the_steps_peak_where_s_squared_dwarfs_h(dtype, cast):
+    """eager_attention_forward's softmax: the masked scores (the local it rebinds) and, but in fp32, their fp32 cast
+    (its input) beside the softmax it keeps; the weights cast back come after it. In bf16, when s^2 >> h, wider than
+    the layer's end and the final norm: the step's peak (against MemTracker: tests/probe/libs/test_hf_fsdp.py)."""
+    config, steps = _timeline(b=1, s=16, h=2, a=1, num_query_groups=1, ffn_hidden_size=1, vocab_size=2,
+                              attention="eager", dtype=dtype)
+    (softmax,) = [m for m in steps.moments if (m.phase, m.where, m.what) == (
+        "forward", "model.layers.2.self_attn", "the fp32 softmax")]
+    assert (steps.peak is softmax) == (dtype == "bf16")
+    scores = config.b * config.a * config.s ** 2
+    live = {x.name: x.bytes for x in softmax.live if x.name.startswith("layers.2/")}
+    assert live["layers.2/scores masked"] == (4 if dtype == "fp32" else 2) * scores
+    assert live.get("layers.2/scores fp32", 0) == cast * scores
+    assert "layers.2/attention/softmax_fp32" in live and "layers.2/attention/weights" not in live
+
 @pytest.mark.parametrize("changes, named", [
     ({"recompute": "full", "zero_stage": 2}, "recompute full \\(gradient checkpointing\\) with zero_stage"),
     ({"add_bias_linear": True}, "add_bias_linear"),

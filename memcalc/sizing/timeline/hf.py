@@ -327,8 +327,9 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
         *((output,) if checkpointed else ()),
     )
     if not checkpointed:
-        ops = (*layer.layer_forward(i, z, made, moe.block_forward(p, z, config) if block else (),
-                                    layer.sdpa_math_forward(p, z, saved, config.groups != config.a), resid),
+        core, later = layer.eager_forward(p, z, saved, config.fused_qkv) if config.attention == "eager" else (
+            layer.sdpa_math_forward(p, z, saved, config.groups != config.a), frozenset())
+        ops = (*layer.layer_forward(i, z, made, moe.block_forward(p, z, config) if block else (), core, resid, later),
                *(replace(x, forward=()) for x in ops))
     return tuple(replace(x, shadow=PHI3_SHADOWED.get(x.where, "")) for x in ops) if config.fused_qkv and not resid \
         else ops

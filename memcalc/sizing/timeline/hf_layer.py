@@ -173,10 +173,11 @@ def _gemma_weight(where: str, g: str, norm: RMSNormTensors, z: Sizes, dy: str | 
 
 
 def layer_forward(i: int, z: Sizes, kept: Step, mlp: tuple[Op, ...] = (), core: tuple[Op, ...] = (),
-                  dropped: bool = False) -> tuple[Op, ...]:
+                  dropped: bool = False, later: frozenset[SavedTensor] = frozenset()) -> tuple[Op, ...]:
     """Layer i's forward, one moment at its second residual sum: its kept tensors (`kept`, every layer's one step),
     the residual stream, and a sparse block's own moments (`mlp`, which makes the MLP's output); with the attention
-    core's own moment (`core`), the tensors kept up to it (those before o_proj's input) are made before it. Under tp a
+    core's own moment (`core`), the tensors kept up to it (those before o_proj's input, but the core's `later` ones)
+    are made before it. Under tp a
     dense MLP's down_proj (RowwiseParallel) all-reduces its GEMM's partial sum into a new tensor: a moment before the
     sum, as many bytes as it (the partial goes as the sum is made), which MemTracker reads first."""
     p, full = f"layers.{i}", z.full(z.h)
@@ -184,8 +185,10 @@ def layer_forward(i: int, z: Sizes, kept: Step, mlp: tuple[Op, ...] = (), core: 
     alias = (Step("", frees=(f"{p}/input",)),) if z.act == 4 else ()
     if core:
         at = next(j for j, x in enumerate(kept.makes) if x.keeps == ledger.PROJ_IN)
-        core = (Op("", (replace(kept, makes=kept.makes[:at]), *alias), ()), *core)
-        kept, alias = replace(kept, makes=kept.makes[at:]), ()
+        before = tuple(x for x in kept.makes[:at] if x.keeps not in later)
+        after = (*(x for x in kept.makes[:at] if x.keeps in later), *kept.makes[at:])
+        core = (Op("", (replace(kept, makes=before), *alias), ()), *core)
+        kept, alias = replace(kept, makes=after), ()
     stream = alias if z.act == 4 else (Step("the residual stream", (Made(
         f"{p}/mid", full, "the residual stream after attention: ln2's input and the MLP's residual"),), moment=False),)
     made = Op("", forward=(kept, *stream), backward=())
@@ -557,6 +560,30 @@ def math_forward(p: str, z: Sizes, gqa: bool, v: str, kept_v: tuple[SavedTensor,
         Step("the context made (b, s, a, d)", (kept(p, ledger.PROJ_IN),), frees=(out.name,),
              moment=z.a_t > 1 and z.s > 1),
     )
+
+
+def eager_forward(p: str, z: Sizes, saved: dict[str, int], fused: bool = False
+                  ) -> tuple[tuple[Op, ...], frozenset[SavedTensor]]:
+    """eager_attention_forward's widest forward moment, its fp32 softmax (`_eager` op by op): the masked scores (the
+    local the softmax rebinds) and, but in fp32, softmax's fp32 cast of them (its input, a temporary) beside the
+    softmax itself and the attention's locals (RoPE's q and k, v, where matmul keeps contiguous copies of them); at
+    s^2 >> h wider than the layer's end. The kept tensors made after it: the weights cast back, dropout's, a V copied
+    for bmm."""
+    sc, (q_copied, k_copied, v_copied) = z.act * z.b * z.a_t * z.s * z.s, _bmm_copies(z, saved, fused)
+    q, kv = z.full(z.a_t * z.d), z.full(z.g_t * z.d)
+    v = rules.NEOX_QKV_OUT if rules.NEOX_QKV_OUT.name in saved else \
+        rules.V_EXPANDED if rules.K_EXPANDED.name in saved else ledger.V
+    heads = (_kept_or_local(p, ledger.Q, saved, "q heads", q, q_copied),
+             _kept_or_local(p, ledger.K, saved, "k heads", kv, k_copied),
+             _kept_or_local(p, rules.NEOX_QKV_OUT, saved, "qkv", z.full(z.a_t * z.d + 2 * z.g_t * z.d)) if fused else
+             _kept_or_local(p, ledger.V, saved, "v heads", kv, v_copied))
+    locals_ = (
+        *(x for x in heads if x.keeps is None),
+        Made(f"{p}/scores masked", sc, "the scores plus the mask, a local the softmax rebinds"),
+        *((Made(f"{p}/scores fp32", 2 * sc, "softmax's input cast to fp32, a temporary"),) if z.act != 4 else ()),
+    )
+    later = frozenset((rules.WEIGHTS, ledger.ATTN_DROPOUT_MASK, ledger.ATTN_DROPOUT_OUT, *((v,) if v_copied else ())))
+    return (Op("self_attn", (Step("the fp32 softmax", locals_, frees=tuple(x.name for x in locals_)),), ()),), later
 
 
 def _math_sizes(z: Sizes) -> tuple[int, int, bool]:

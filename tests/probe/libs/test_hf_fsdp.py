@@ -198,6 +198,20 @@ def test_under_tp_a_layers_forward_peaks_at_down_projs_all_reduce_beside_its_par
     assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
 
 
+
+def test_at_s_squared_beyond_h_a_layers_forward_peaks_at_eager_attentions_fp32_softmax(one_thread):
+    """eager_attention_forward's fp32 softmax: the masked scores and their fp32 cast beside the softmax itself, wider
+    than the layer's end where s^2 >> h; under FSDP2 the last layer's unsharded parameters (dim 0 padded over
+    dp_shard = 3: ffn 1, h 2) beside them, which the final norm's moment no longer holds (found by the step
+    differential at dp_shard = 2: the walk had the layer's forward as one moment, at its end)."""
+    config = make_config(LLAMA_HF, b=1, s=16, h=2, a=1, num_query_groups=1, L=2, ffn_hidden_size=1, vocab_size=2,
+                         attention="eager", dp_shard=3)
+    predicted = timeline(config, STRATEGIES["none"], Accounting(exact=True, device="cpu"))
+    assert_moments_in_order(predicted.moments[1:], _readings(config))
+    (r,) = measure_step(config, ["none"])
+    assert r.measured.moment == r.predicted_moment == "forward model.layers.1.self_attn"
+    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+
 # -- transformers' MoE models (grouped_mm, its default experts, and the loop), each layer's unit holding them all ----
 
 MOE = {"family": "mixtral", "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 48,
