@@ -296,6 +296,14 @@ def test_what_the_gemma_walk_leaves_out_is_refused_by_name(changes, named):
         _timeline(**GEMMA | changes)
 
 
+def test_phi3_checkpointed_in_fp32_is_refused_by_name_where_bf16_is_walked():
+    """The step differential measured Phi-3's fused projections rerun in fp32 (b=3 s=3 h=4) 180 B above the walk."""
+    phi3 = {"family": "phi3", "fused_qkv": True, "attention": "eager", "recompute": "full"}
+    with pytest.raises(ConfigError, match="recompute full \\(gradient checkpointing\\) with dtype fp32 in Phi-3"):
+        _timeline(**phi3, dtype="fp32")
+    _timeline(**phi3)
+
+
 def test_gemma_2s_final_logit_softcapping_keeps_tanhs_bsv_output_from_its_forward_to_its_backward():
     config, steps = _timeline(**GEMMA2, final_logit_softcapping=30.0, attention="eager")
     kept = 2 * config.b * config.s * config.vocab_size  # bf16, the unpadded vocabulary
