@@ -255,8 +255,9 @@ def test_deepseek_v3_totals_give_the_steps_peak_in_its_last_layers_attention_cor
     assert run.code == 3, run.err  # 11 TiB on one GPU fits no card
     assert "671,026,404,352 parameters" in run.out and "not modelled" not in run.out
     assert "12,491,063,502,860 B = 11.36 TiB (the step's peak)" in run.out
-    assert "none: the step peaks at 11.36 TiB, backward layers.60.attention.core_attention (softmax)" in " ".join(
-        run.out.split())
+    # read, as MemTracker reads it, inside attention_dropout: at p = 0 torch's ModTracker never leaves it in backward
+    assert ("none: the step peaks at 11.36 TiB, backward layers.60.attention.core_attention.attention_dropout"
+            " (softmax)") in " ".join(run.out.split())
 
 
 def test_hf_gradient_checkpointing_has_a_modelled_step_peak_below_the_one_without_it():

@@ -531,7 +531,6 @@ PHI3_DROPOUT_STEPS = [
     (PHI3 | {"b": 1, "s": 13, "kv_channels": 12, "num_query_groups": 4}, "none"),
     (PHI3 | {"b": 3, "s": 7, "num_query_groups": 8}, "full"),  # V, a view of qkv_proj's output, copied
     (PHI3 | {"b": 2, "s": 5, "num_query_groups": 1}, "full"),
-    (PHI3 | {"b": 1, "s": 7, "dtype": "fp32"}, "full"),
 ]
 
 
@@ -862,7 +861,6 @@ FP32_RECOMPUTE_STEPS = [
     ("none", "flash", QWEN2 | {"b": 1, "s": 9}, None),
     ("none", "eager", GEMMA | {"b": 1, "s": 7}, None),  # weight.float() is the weight, type_as(x) the product
     ("none", "eager", GEMMA2 | CAPPED | {"b": 1, "s": 7, "sliding_window": 3}, None),  # the sandwich norms' inputs
-    ("none", "eager", PHI3 | {"b": 1, "s": 7}, None),
     ("none", "eager", MIXTRAL, "balanced"),  # the eager loop
     ("none", "flash", GROUPED | {"b": 1, "s": 7}, "balanced"),
     ("none", "flash", QWEN2_MOE_GROUPED | {"moe_shared_expert_intermediate_size": 40, "b": 1, "s": 10}, "balanced"),
@@ -890,6 +888,8 @@ def test_in_fp32_sdpas_math_kernel_casts_nothing_and_the_step_is_memtrackers(one
 
 @pytest.mark.parametrize("changes, named", [
     ({"zero_stage": 2, "dp": 2}, "dtype fp32 with zero_stage"),
+    # exact at b=1 s=7, but the step differential measured 180 B more at b=3 s=3 h=4 (and at b=1 s=5)
+    (PHI3 | {"recompute": "full", "attention": "eager", "b": 3, "s": 3}, "with dtype fp32 in Phi-3's model"),
 ])
 def test_in_fp32_what_the_walk_does_not_alias_is_refused_by_name(changes, named):
     with pytest.raises(ConfigError, match=named):
