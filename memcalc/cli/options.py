@@ -183,7 +183,7 @@ def model_from(params: dict[str, Any]) -> ModelConfig:
         note(f"memcalc: {read}{_defaulted_knobs(config, fields, overrides)}")
     elif path is not None and overrides.get("impl") not in (None, fields.get("impl")) and (
             switched := _switched_knobs(config, fields, overrides)):
-        note(f"memcalc: note: {config.name} sets no {', '.join(k.split('=')[0] for k in switched)}: impl"
+        note(f"memcalc: note: {config.name or path.stem} sets no {', '.join(k.split('=')[0] for k in switched)}: impl"
              f" {config.impl}'s defaults apply ({', '.join(switched)}), not the seed's")
     return config
 
