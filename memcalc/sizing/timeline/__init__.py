@@ -180,6 +180,9 @@ def _stage(config: ModelConfig, name: str | None) -> Stage:
 # 512 take one to four seconds and under 100 MB, and the largest models have under 200 layers in all, so a stage of
 # more is refused rather than walked for minutes.
 MAX_WALKED_LAYERS = 512
+# Megatron's and transformers' MoE walks also take each local expert of a layer one by one (its own slots, its own
+# GEMMs): DeepSeek-V3 walks 61 layers of 256, Kimi K2 61 of 384; a stage of more than this many is refused.
+MAX_WALKED_EXPERTS = 2**15
 
 
 def _refuse_other_layers(config: ModelConfig) -> None:
@@ -188,6 +191,10 @@ def _refuse_other_layers(config: ModelConfig) -> None:
     if per_stage > MAX_WALKED_LAYERS:
         raise ConfigError(f"the step timeline walks a stage's layers one by one, at most {MAX_WALKED_LAYERS}:"
                           f" L/pp = {config.L}/{config.pp} is {per_stage}")
+    local = config.num_experts // config.ep if config.moe else 0
+    if per_stage * local > MAX_WALKED_EXPERTS:
+        raise ConfigError(f"the step timeline walks each layer's local experts one by one, at most"
+                          f" {MAX_WALKED_EXPERTS} in a stage: {per_stage} layers (L/pp) of {local} (num_experts/ep)")
     if config.mla and config.impl != "megatron":
         raise ConfigError(f"the step timeline models latent attention (kv_lora_rank) as megatron-core's"
                           f" MLASelfAttention (impl megatron), not impl {config.impl}")
