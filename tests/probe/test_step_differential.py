@@ -92,6 +92,9 @@ _HF_MIXTRAL = _knobs(attention=ATTENTION, num_experts=st.integers(2, 6), moe_rou
                      tie_embeddings=TIED, dropout=DROPOUT, recompute=st.sampled_from(("none", "full")), dtype=DTYPES)
 _HF_GEMMA2 = _knobs(attn_logit_softcapping=st.sampled_from((None, 50.0)), sliding_window=st.sampled_from((None, 3, 8)),
                     tie_embeddings=TIED, dtype=DTYPES, dropout=DROPOUT, recompute=st.sampled_from(("none", "full")))
+# DeepseekV3ForCausalLM's latent attention with dense MLPs; no tp plan for its attention (t = 1), fp32 refused
+_HF_DEEPSEEK = _knobs(q_lora_rank=st.sampled_from((None, 8)), tie_embeddings=TIED, dropout=DROPOUT,
+                      dtype=st.sampled_from(("bf16", "fp16")))
 _HF_PHI3 = _knobs(tie_embeddings=TIED, dtype=DTYPES, dropout=DROPOUT, recompute=st.sampled_from(("none", "full")))
 # GPT2LMHeadModel: LayerNorm, Conv1D with biases, learned positions; no tp plan (t = 1)
 GPT2 = {"impl": "hf", "family": "gpt2", "norm": "layernorm", "position_embedding_type": "learned_absolute",
@@ -126,6 +129,9 @@ SUBJECTS = (
     Subject("hf phi3", "transformers", {"impl": "hf", "family": "phi3", "fused_qkv": True, "attention": "eager",
                                        "dropout": 0.0} | LLAMA, _HF_PHI3),
     Subject("hf gpt2", "transformers", GPT2, _HF_GPT2, gqa=False, ts=(1,)),
+    Subject("hf deepseek_v3 (latent attention, dense)", "transformers",
+            {"impl": "hf", "family": "deepseek_v3", "attention": "eager"} | LLAMA | MLA, _HF_DEEPSEEK, gqa=False,
+            ts=(1,)),
     Subject("torchtitan fsdp2", "torchtitan", TORCHTITAN, _TORCHTITAN_FSDP, ts=(1, 2)),
     Subject("hf fsdp2", "transformers", {"impl": "hf"} | LLAMA, _HF_FSDP, ts=(1, 2)),
 )

@@ -195,9 +195,10 @@ def _refuse_other_layers(config: ModelConfig) -> None:
     if per_stage * local > MAX_WALKED_EXPERTS:
         raise ConfigError(f"the step timeline walks each layer's local experts one by one, at most"
                           f" {MAX_WALKED_EXPERTS} in a stage: {per_stage} layers (L/pp) of {local} (num_experts/ep)")
-    if config.mla and config.impl != "megatron":
+    if config.mla and config.impl not in ("megatron", "hf"):
         raise ConfigError(f"the step timeline models latent attention (kv_lora_rank) as megatron-core's"
-                          f" MLASelfAttention (impl megatron), not impl {config.impl}")
+                          f" MLASelfAttention (impl megatron) and transformers' DeepseekV3Attention (impl hf), not"
+                          f" impl {config.impl}")
 
 
 def _check_modelled(config: ModelConfig, kept: tuple[SavedTensor, ...], ops: tuple[Op, ...]) -> None:

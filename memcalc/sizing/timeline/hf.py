@@ -22,6 +22,7 @@ from memcalc.model.strategy import Strategy
 from memcalc.sizing.pipeline import stages
 from memcalc.sizing.timeline import hf_gpt2 as gpt2
 from memcalc.sizing.timeline import hf_layer as layer
+from memcalc.sizing.timeline import hf_mla as mla
 from memcalc.sizing.timeline import hf_moe as moe
 from memcalc.sizing.timeline.ends import model_states, optimizer_step
 from memcalc.sizing.timeline.fsdp import ROOT, Fsdp
@@ -69,8 +70,8 @@ def _moments(config: ModelConfig, z: Sizes, kept: tuple[tuple[ledger.SavedTensor
     else:
         model_states(tape, config, stage, z)
     if not rules.is_gpt2(config):  # GPT-2's positions are a learned table (a parameter), no rotary buffers
-        for name in ("inv_freq", "original_inv_freq"):
-            tape.add(f"states/rotary_emb.{name}", PARAMETERS, 4 * (z.d // 2),
+        for name in ("inv_freq", "original_inv_freq"):  # DeepSeek's rotate d_r channels of each head
+            tape.add(f"states/rotary_emb.{name}", PARAMETERS, 4 * ((config.qk_rope_head_dim or z.d) // 2),
                      "LlamaRotaryEmbedding's buffer, fp32 in a bf16 model (an explicit float arange)")
     if scaled_embedding(config):
         tape.add("states/embed_tokens.embed_scale", PARAMETERS, z.act, "GemmaTextScaledWordEmbedding's sqrt(h), a 0-d"
@@ -102,13 +103,13 @@ def _llama(tape: Tape, config: ModelConfig, z: Sizes, saved: dict[str, int], han
            sharded: bool) -> tuple[Walked, list[Walked], Walked]:
     """LlamaForCausalLM's (and its kin's) embedding, layers and output as walks and ops."""
     ln1, final = rules.RMS_NORMS[config.norm][0], final_norm(config)  # the final norm's tensors are ln1's sizes
-    ends = {x.name: saved[x.name] for x in layer.ROPE} | {ledger.OUTPUT_INPUT.name: z.full(z.h)} | {
+    ends = {x.name: saved[x.name] for x in _rope(config)} | {ledger.OUTPUT_INPUT.name: z.full(z.h)} | {
         y.name: saved[x.name] for x, y in zip(ln1, final) if x.name in saved} | {
         ledger.LOGITS_SOFTCAP_TANH.name: z.act * z.b * z.s * config.vocab_size}
-    tensors = tuple(x for x, _ in kept if x not in layer.ROPE)  # every layer shares one description of these
+    tensors = tuple(x for x, _ in kept if x not in _rope(config))  # every layer shares one description of these
     made, block = moe.kept_in_forward(tensors, config), moe.block_backward(z, config) if config.moe else ()
     saved |= moe.expert_bytes(saved, config) if config.moe else {}
-    plain = moe.kept_in_forward(tuple(x for x, _ in dense if x not in layer.ROPE), config)  # a dense one's among MoE
+    plain = moe.kept_in_forward(tuple(x for x, _ in dense if x not in _rope(config)), config)  # a dense one's among MoE
     layers = [(Walk(tape, f"layers.{i}", f"model.layers.{i}", saved, hand_over, _checkpoint(i, config)),
                _layer(i, z, config, saved, made, block) if not config.moe or moe.sparse(config, i) else
                _layer(i, z, config, saved, plain, ())) for i in range(config.L)]
@@ -130,6 +131,11 @@ def _gpt2(tape: Tape, config: ModelConfig, z: Sizes, saved: dict[str, int], hand
     return inputs, layers, outputs
 
 
+def _rope(config: ModelConfig) -> tuple[ledger.SavedTensor, ...]:
+    """The model's RoPE tables, which every layer keeps: DeepSeek's (s, d_r) ones, or Llama's (s, d)."""
+    return mla.TABLES if config.mla else layer.ROPE
+
+
 def _unheld_masks(config: ModelConfig) -> tuple[str, ...]:
     """Under gradient checkpointing, LlamaModel's locals no layer's frame holds, gone as it returns: Qwen2-MoE's
     sliding-window mask, which no layer is given (Gemma 2's sliding layers are); Gemma 2's causal mask with one layer,
@@ -148,7 +154,7 @@ def _checkpoint(i: int, config: ModelConfig) -> Checkpoint | None:
         return None
     # the mask LlamaModel passes each layer: Gemma 2's even layers slide (layer_types), the rest attend causally
     masks = ["model/sliding_mask" if config.sandwich_norm and j % 2 == 0 else "model/causal_mask" for j in range(i + 1)]
-    shared = (*(("model/position_ids", *(x.name for x in layer.ROPE)) if i == 0 else ()),
+    shared = (*(("model/position_ids", *(x.name for x in _rope(config))) if i == 0 else ()),
               *((masks[i],) if masks.index(masks[i]) == i else ()))
     rerun = ACTIVATIONS if config.dp_shard is None else TEMPORARIES  # FSDPMemTracker's: in backward, no unit's forward
     return Checkpoint(f"layers.{i}/input", rerun=rerun, early_stop=True, own=TEMPORARIES, frame=shared)
@@ -186,7 +192,8 @@ def _step(tape: Tape, sharding: Fsdp | Zero | None, inputs: Walked, layers: list
 
 
 # The families whose model the walk follows, which --step builds (memcalc.probe.libs.hf_step).
-WALKED = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma", "gemma2", "phi3", "gpt2")
+WALKED = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma", "gemma2", "phi3", "gpt2",
+          "deepseek_v3")
 
 
 def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounting) -> None:
@@ -219,6 +226,12 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
         (config.dtype == "fp32" and config.zero_stage is not None, "dtype fp32 with zero_stage (DeepSpeed's fp32"
                                                                    " optimizer is not walked)"),
         *_experts_missing(config, tp),
+        (config.mla and config.moe, "DeepseekV3MoE (it walks DeepSeek-V3's latent attention with dense MLPs)"),
+        (config.mla and config.recompute != "none", f"{rerun} latent attention"),
+        (config.mla and config.dtype == "fp32", "dtype fp32 with latent attention (its casts' no-ops are not walked)"),
+        # measured at b=1 s=7, dp_shard 2: 42,288 B more parameters between steps predicted (Llama's q, k, v shards)
+        (config.mla and sharded, "dp_shard or zero_stage with latent attention (its projections' shards are not laid"
+                                 " out)"),
         # the FSDP2 and ZeRO walks
         (config.zero_stage == 0, "zero_stage=0 (DeepSpeed's bf16 optimizer without ZeRO; --totals counts its model"
                                  " states)"),
@@ -316,10 +329,11 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
     ops = (
         *layer.rms_norm("input_layernorm", p, ln1, z, f"grad/{p}/ln1 output", out, f"grad/{p}/mid",
                         output=kept(p, ledger.QKV_IN), x=f"{p}/input"),
-        *layer.attention(p, z, config.attention == "eager", saved, config.groups != config.a, tp,
-                         i == 0 and not checkpointed,
-                         config.qk_layernorm, config.add_qkv_bias, config.has_dropout,
-                         config.attn_logit_softcapping is not None, attn_out, config.fused_qkv, f"attn {proj}"),
+        *(mla.attention(p, z, config, saved) if config.mla else
+          layer.attention(p, z, config.attention == "eager", saved, config.groups != config.a, tp,
+                          i == 0 and not checkpointed,
+                          config.qk_layernorm, config.add_qkv_bias, config.has_dropout,
+                          config.attn_logit_softcapping is not None, attn_out, config.fused_qkv, f"attn {proj}")),
         *post_attn,
         *((mid,) if checkpointed else ()),
         *layer.rms_norm("pre_feedforward_layernorm" if config.sandwich_norm else "post_attention_layernorm", p, ln2,
@@ -331,7 +345,8 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
         *((output,) if checkpointed else ()),
     )
     if not checkpointed:
-        core, later = layer.eager_forward(p, z, saved, config.fused_qkv) if config.attention == "eager" else (
+        core, later = mla.eager_forward(p, z, config, saved) if config.mla else \
+            layer.eager_forward(p, z, saved, config.fused_qkv) if config.attention == "eager" else (
             layer.sdpa_math_forward(p, z, saved, config.groups != config.a), frozenset())
         ops = (*layer.layer_forward(i, z, made, moe.block_forward(p, z, config) if block else (), core, resid, later),
                *(replace(x, forward=()) for x in ops))
@@ -361,7 +376,7 @@ def _embedding(z: Sizes, config: ModelConfig, sharded: bool) -> tuple[Op, ...]:
                 " mask beside the causal one: Gemma 2's sliding layers read it (Qwen2MoeModel makes it too, though no"
                 " layer slides)"),) if config.moe_shared_expert_intermediate_size or config.sandwich_norm else ()),
         *(kept("", x, "made once per forward by LlamaRotaryEmbedding; every layer's RoPE keeps it")
-          for x in layer.ROPE),
+          for x in _rope(config)),
     )
     first = Made("layers.0/input", z.full(z.h), "the embedding lookup, the first layer's input: LlamaModel's"
                  " inputs_embeds, live until it returns")

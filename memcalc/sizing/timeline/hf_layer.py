@@ -177,16 +177,18 @@ def layer_forward(i: int, z: Sizes, kept: Step, mlp: tuple[Op, ...] = (), core: 
     """Layer i's forward, one moment at its second residual sum: its kept tensors (`kept`, every layer's one step),
     the residual stream, and a sparse block's own moments (`mlp`, which makes the MLP's output); with the attention
     core's own moment (`core`), the tensors kept up to it (those before o_proj's input, but the core's `later` ones)
-    are made before it. Under tp a
+    are made before it, and those the core's steps make (DeepSeek's, hf_mla) are not made again. Under tp a
     dense MLP's down_proj (RowwiseParallel) all-reduces its GEMM's partial sum into a new tensor: a moment before the
     sum, as many bytes as it (the partial goes as the sum is made), which MemTracker reads first."""
     p, full = f"layers.{i}", z.full(z.h)
     # fp32: the norms' x.to(float32) are no-ops, so the ledger's fp32 inputs are the layer's input and the stream
     alias = (Step("", frees=(f"{p}/input",)),) if z.act == 4 else ()
     if core:
-        at = next(j for j, x in enumerate(kept.makes) if x.keeps == ledger.PROJ_IN)
+        at = next(j for j, x in enumerate(kept.makes) if x.keeps in (ledger.PROJ_IN, ledger.MLA_PROJ_IN))
         before = tuple(x for x in kept.makes[:at] if x.keeps not in later)
-        after = (*(x for x in kept.makes[:at] if x.keeps in later), *kept.makes[at:])
+        own = {x.keeps for op in core for step in op.forward for x in step.makes if x.keeps}  # made by the core
+        after = tuple(x for x in (*(x for x in kept.makes[:at] if x.keeps in later), *kept.makes[at:])
+                      if x.keeps not in own)
         core = (Op("", (replace(kept, makes=before), *alias), ()), *core)
         kept, alias = replace(kept, makes=after), ()
     stream = alias if z.act == 4 else (Step("the residual stream", (Made(
@@ -273,7 +275,7 @@ def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, t
                     _rope_backward(g, name, z.full(w), first and name == "q")) for name, w in
                  (("q", q), ("k", kv)))  # forward order: q's, then k's
     math = rules.MATH_Q.name in saved  # SDPA with dropout on a CPU: the math kernel (the ledger's SDPA_MATH)
-    core = _eager(p, z, saved, gqa, dropout, softcap, fused) if eager else \
+    core = eager_core(p, z, saved, gqa, dropout, softcap, fused) if eager else \
         sdpa_math(p, z, gqa, f"{g}/o_proj input", made["v"].name) if math else _sdpa(p, z)
     o_proj = linear("self_attn.o_proj", ledger.PROJ_IN if eager or math else None, None, z.act * q * z.h,
                     f"{g}/o_proj input", z.full(q), p, (dy,) if dy else ())
@@ -373,8 +375,8 @@ def _rope_backward(g: str, name: str, width: int, last: bool) -> tuple[Step, ...
     )
 
 
-def _eager(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool = False, softcap: bool = False,
-           fused: bool = False) -> tuple[Op, ...]:
+def eager_core(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool = False, softcap: bool = False,
+               fused: bool = False) -> tuple[Op, ...]:
     """eager_attention_forward; `dropout`: native_dropout keeps its bool mask (the probe's shim runs CUDA's op on a
     CPU, memcalc.probe.libs.hf_shim); repeat_kv's sums over each group's heads (GQA) end its backward."""
     g, q = f"grad/{p}", z.full(z.a_t * z.d)
@@ -564,7 +566,7 @@ def math_forward(p: str, z: Sizes, gqa: bool, v: str, kept_v: tuple[SavedTensor,
 
 def eager_forward(p: str, z: Sizes, saved: dict[str, int], fused: bool = False
                   ) -> tuple[tuple[Op, ...], frozenset[SavedTensor]]:
-    """eager_attention_forward's widest forward moment, its fp32 softmax (`_eager` op by op): the masked scores (the
+    """eager_attention_forward's widest forward moment, its fp32 softmax (`eager_core` op by op): the masked scores (the
     local the softmax rebinds) and, but in fp32, softmax's fp32 cast of them (its input, a temporary) beside the
     softmax itself and the attention's locals (RoPE's q and k, v, where matmul keeps contiguous copies of them); at
     s^2 >> h wider than the layer's end. The kept tensors made after it: the weights cast back, dropout's, a V copied

@@ -1,0 +1,76 @@
+"""One training step of transformers' own DeepseekV3ForCausalLM with dense MLPs (latent attention: the query's and the
+key/value latents, their RMSNorms and up projections, RoPE's interleaved halves, expand_kv's copies into the keys,
+the eager core over heads of d_n + d_r and values of d_v) against the hf step walk (memcalc.sizing.timeline.hf_mla):
+at sizes that put the peak in fifteen different places, every moment the walk names is MemTracker's reading after
+some op, in order, and the peak, each category at it and between steps are MemTracker's to the byte."""
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from memcalc.errors import ConfigError  # noqa: E402
+from memcalc.model.strategy import STRATEGIES  # noqa: E402
+from memcalc.sizing.timeline import timeline  # noqa: E402
+
+from tests.helpers import LLAMA_HF, make_config  # noqa: E402
+
+from .test_hf_step import CPU, _exact_step  # noqa: E402
+
+# DeepseekV3ForCausalLM as the probe builds it (every layer dense: first_k_dense_replace = L), small latents
+DEEPSEEK = LLAMA_HF | {"family": "deepseek_v3", "attention": "eager", "num_query_groups": None, "kv_lora_rank": 12,
+                       "q_lora_rank": 8, "qk_rope_head_dim": 4, "qk_nope_head_dim": 6, "v_head_dim": 5}
+NARROW = {"h": 16, "vocab_size": 8, "ffn_hidden_size": 8}  # the attention's own moments outweigh the ends and the MLP
+
+
+def _latents(kv: int, q: int | None, rope: int, nope: int, v: int) -> dict:
+    return {"kv_lora_rank": kv, "q_lora_rank": q, "qk_rope_head_dim": rope, "qk_nope_head_dim": nope, "v_head_dim": v}
+
+
+# each peaks in a different place: the comment says where
+PEAKS = [
+    {},  # the loss's backward
+    {"b": 1, "s": 13},  # lm_head's GEMMs
+    NARROW | {"b": 2, "s": 31, "a": 2, "q_lora_rank": 4},  # the final norm's backward
+    NARROW | {"b": 1, "s": 31, "a": 4} | _latents(8, None, 8, 2, 2),  # forward: the fp32 softmax
+    NARROW | {"b": 3, "s": 7, "a": 8} | _latents(12, 8, 64, 6, 40),  # forward: o_proj's input made (b, s, a, d_v)
+    NARROW | {"b": 2, "s": 31, "a": 8} | _latents(4, 48, 8, 2, 5),  # the softmax's backward
+    NARROW | {"b": 1, "s": 31, "a": 8} | _latents(4, 4, 2, 6, 40),  # weights x V's dV and dWeights
+    NARROW | {"b": 3, "s": 1, "a": 8} | _latents(8, 4, 64, 2, 5),  # copy_(k_rot)'s CopySlices
+    NARROW | {"b": 1, "s": 5, "a": 2} | _latents(12, 4, 8, 40, 40),  # o_proj's GEMMs
+    NARROW | {"b": 1, "s": 5, "a": 8} | _latents(64, 4, 64, 2, 40),  # kv_b_proj's GEMMs
+    NARROW | {"b": 2, "s": 7, "a": 1} | _latents(64, None, 64, 6, 40),  # kv_a_layernorm's backward
+    NARROW | {"b": 1, "s": 1, "a": 1} | _latents(64, 48, 2, 6, 5),  # kv_a_proj_with_mqa's GEMMs
+    NARROW | {"b": 1, "s": 3, "a": 4} | _latents(4, 48, 64, 6, 40),  # q_b_proj's GEMMs
+    NARROW | {"b": 1, "s": 3, "a": 1} | _latents(4, 48, 8, 6, 5),  # q_a_layernorm's backward
+    NARROW | {"b": 1, "s": 1, "a": 2} | _latents(8, 48, 4, 2, 2),  # q_a_proj's GEMMs
+    NARROW | {"b": 1, "s": 1, "a": 2} | _latents(12, None, 64, 6, 40),  # q_proj's GEMMs (no query latent)
+]
+
+
+def test_the_sizes_put_the_peak_in_sixteen_different_places():
+    peaks = {timeline(make_config(DEEPSEEK, **c), STRATEGIES["none"], CPU).peak.label() for c in PEAKS}
+    assert len(peaks) == len(PEAKS), peaks
+
+
+@pytest.mark.parametrize("changes", [
+    *PEAKS,
+    {"b": 3, "s": 7, "dropout": 0.1},  # attention_dropout keeps its bool mask
+    {"b": 3, "s": 5, "dtype": "fp16", "tie_embeddings": True},
+    NARROW | {"b": 3, "s": 11, "a": 4} | _latents(4, None, 8, 40, 40),  # matmul copies V at b > 1
+], ids=str)
+def test_deepseek_v3s_step_happens_in_order_and_peaks_where_the_timeline_says_to_the_byte(one_thread, changes):
+    r = _exact_step(make_config(DEEPSEEK, **changes), "none")
+    assert r.model.startswith("transformers' DeepseekV3ForCausalLM")
+
+
+@pytest.mark.parametrize("changes, named", [
+    ({"dtype": "fp32"}, "dtype fp32 with latent attention"),
+    ({"recompute": "full"}, "recompute full \\(gradient checkpointing\\) with latent attention"),
+    ({"dp_shard": 2}, "dp_shard or zero_stage with latent attention"),
+    ({"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 8, "moe_shared_expert_intermediate_size": 8,
+      "moe_router_score_function": "sigmoid"}, "DeepseekV3MoE"),
+])
+def test_what_the_latent_attention_walk_does_not_model_is_refused_by_name(changes, named):
+    with pytest.raises(ConfigError, match=named):
+        timeline(make_config(DEEPSEEK, **changes), STRATEGIES["none"], CPU)
