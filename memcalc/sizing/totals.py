@@ -124,7 +124,7 @@ def _stage_total(
     held, experts = sum(params.values()), expert_params(params)
     note = f"{held:,} parameters" + (f", {experts:,} of them experts'" if experts else "")
     terms += [Term(name, STATES, n, note) for name, n in state_bytes(config, held, experts).items()]
-    if config.moe_router_enable_expert_bias:
+    if router_buffer_bytes(config, stage):
         terms.append(Term("states/router buffers", STATES, router_buffer_bytes(config, stage), ROUTER_BUFFERS_WHY))
     if config.zero_stage == 3:
         terms.append(Term("zero3/largest_layer", STATES, zero3_largest_layer(config),

@@ -95,6 +95,11 @@ _HF_GEMMA2 = _knobs(attn_logit_softcapping=st.sampled_from((None, 50.0)), slidin
 # DeepseekV3ForCausalLM's latent attention with dense MLPs; no tp plan for its attention (t = 1), fp32 refused
 _HF_DEEPSEEK = _knobs(q_lora_rank=st.sampled_from((None, 8)), tie_embeddings=TIED, dropout=DROPOUT,
                       dtype=st.sampled_from(("bf16", "fp16")))
+# with DeepseekV3MoE: its shared experts are n_shared_experts of the experts' width
+_HF_DEEPSEEK_MOE = st.sampled_from((8, 16)).flatmap(lambda e: _knobs(
+    q_lora_rank=st.sampled_from((None, 8)), tie_embeddings=TIED, dropout=DROPOUT, dtype=st.sampled_from(("bf16", "fp16")),
+    num_experts=st.sampled_from((4, 6)), moe_router_topk=st.integers(1, 3), moe_first_dense_layers=st.sampled_from((None, 1)),
+    moe_ffn_hidden_size=st.just(e), moe_shared_expert_intermediate_size=st.sampled_from((e, 2 * e))))
 _HF_PHI3 = _knobs(tie_embeddings=TIED, dtype=DTYPES, dropout=DROPOUT, recompute=st.sampled_from(("none", "full")))
 # GPT2LMHeadModel: LayerNorm, Conv1D with biases, learned positions; no tp plan (t = 1)
 GPT2 = {"impl": "hf", "family": "gpt2", "norm": "layernorm", "position_embedding_type": "learned_absolute",
@@ -132,6 +137,9 @@ SUBJECTS = (
     Subject("hf deepseek_v3 (latent attention, dense)", "transformers",
             {"impl": "hf", "family": "deepseek_v3", "attention": "eager"} | LLAMA | MLA, _HF_DEEPSEEK, gqa=False,
             ts=(1,)),
+    Subject("hf deepseek_v3 (DeepseekV3MoE)", "transformers", {"impl": "hf", "family": "deepseek_v3",
+            "attention": "eager", "moe_router_score_function": "sigmoid"} | LLAMA | MLA, _HF_DEEPSEEK_MOE,
+            routes=(BALANCED, ROUTES[2]), gqa=False, align=8, ts=(1,)),
     Subject("torchtitan fsdp2", "torchtitan", TORCHTITAN, _TORCHTITAN_FSDP, ts=(1, 2)),
     Subject("hf fsdp2", "transformers", {"impl": "hf"} | LLAMA, _HF_FSDP, ts=(1, 2)),
 )
@@ -152,7 +160,7 @@ def steps(draw: st.DrawFn, subject: Subject) -> tuple[Any, str, str | None]:
     s = t * draw(st.integers(1, 4)) if STRATEGIES[layout].sequence_parallel else draw(st.integers(1, 32))
     route, tokens = draw(st.sampled_from(subject.routes))
     if "num_experts" in knobs:
-        knobs |= {"moe_ffn_hidden_size": t * subject.align * draw(st.integers(1, 3)), "moe_tokens": tokens}
+        knobs = {"moe_ffn_hidden_size": t * subject.align * draw(st.integers(1, 3)), "moe_tokens": tokens} | knobs
     fields = knobs | {"L": draw(st.integers(1, 3)), "b": draw(st.sampled_from((1, 1, 2, 3))), "s": s, "a": a,
                       "h": a * d, "num_query_groups": groups, "t": t, "ffn_hidden_size": t * draw(st.integers(1, 6)),
                       "vocab_size": t * draw(st.integers(2, 24))}

@@ -1,8 +1,9 @@
 """One training step of transformers' own DeepseekV3ForCausalLM with dense MLPs (latent attention: the query's and the
 key/value latents, their RMSNorms and up projections, RoPE's interleaved halves, expand_kv's copies into the keys,
-the eager core over heads of d_n + d_r and values of d_v) against the hf step walk (memcalc.sizing.timeline.hf_mla):
-at sizes that put the peak in fifteen different places, every moment the walk names is MemTracker's reading after
-some op, in order, and the peak, each category at it and between steps are MemTracker's to the byte."""
+the eager core over heads of d_n + d_r and values of d_v) against the hf step walk (memcalc.sizing.timeline.hf_mla),
+and with DeepseekV3MoE (hf_moe): at sizes that put the peak in sixteen different places (six with the experts), every
+moment the walk names is MemTracker's reading after some op, in order, and the peak, each category at it and between
+steps are MemTracker's to the byte."""
 
 import pytest
 
@@ -64,12 +65,48 @@ def test_deepseek_v3s_step_happens_in_order_and_peaks_where_the_timeline_says_to
     assert r.model.startswith("transformers' DeepseekV3ForCausalLM")
 
 
+# DeepseekV3MoE: DeepseekV3TopkRouter (an fp32 GEMM on an fp32 copy of the input, sigmoid scores, group-limited top-k,
+# the k scores normalised and scaled), Mixtral's grouped_mm experts on fp32 routing weights, then the shared experts
+EXPERTS = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 8, "moe_shared_expert_intermediate_size": 8,
+           "moe_router_score_function": "sigmoid"}
+MOE_PEAKS = [  # (route, changes): each peaks in a different place
+    ("balanced", {}),  # the loss's backward
+    ("balanced", NARROW | {"b": 1, "s": 17, "a": 4, "num_experts": 8, "moe_router_topk": 3, "moe_ffn_hidden_size": 64,
+                           "moe_shared_expert_intermediate_size": 64}),  # the experts' down_proj grouped GEMMs
+    ("all-to-one", NARROW | {"b": 2, "s": 5, "a": 4, "moe_router_topk": 1, "moe_ffn_hidden_size": 256,
+                             "moe_shared_expert_intermediate_size": 256}),  # their gate_up_proj grouped GEMMs
+    ("balanced", NARROW | {"b": 2, "s": 13, "a": 4, "num_experts": 6, "moe_router_topk": 3, "moe_ffn_hidden_size": 16,
+                           "moe_shared_expert_intermediate_size": 16}),  # dY * w cast to bf16
+    ("all-to-one", NARROW | {"b": 2, "s": 31, "a": 4, "moe_ffn_hidden_size": 256,
+                             "moe_shared_expert_intermediate_size": 256}),  # the shared experts' product's backward
+    ("balanced", NARROW | {"b": 1, "s": 3, "h": 64, "moe_shared_expert_intermediate_size": 1024}),  # their down_proj
+]
+
+
+def test_with_experts_the_sizes_put_the_peak_in_six_different_places():
+    peaks = {timeline(make_config(DEEPSEEK, **(EXPERTS | c)), STRATEGIES["none"], CPU).peak.label()
+             for _, c in MOE_PEAKS}
+    assert len(peaks) == len(MOE_PEAKS), peaks
+
+
+@pytest.mark.parametrize("route, changes", [
+    *MOE_PEAKS,
+    ("all-to-one", {"b": 3, "s": 7, "L": 3, "moe_first_dense_layers": 1}),  # first_k_dense_replace: LlamaMLP first
+    ("balanced", {"b": 1, "s": 13, "moe_router_topk": 1, "q_lora_rank": None}),
+    ("balanced", {"b": 3, "s": 11, "moe_shared_expert_intermediate_size": 64, "moe_router_pre_softmax": True,
+                  "dropout": 0.1}),  # norm_topk_prob false: no division
+], ids=str)
+def test_deepseek_v3moe_steps_happen_in_order_and_peak_where_the_timeline_says_to_the_byte(one_thread, route,
+                                                                                           changes):
+    r = _exact_step(make_config(DEEPSEEK, **(EXPERTS | changes)), "none", route)
+    assert r.model == f"transformers' DeepseekV3ForCausalLM, router forced {route}"
+
+
 @pytest.mark.parametrize("changes, named", [
     ({"dtype": "fp32"}, "dtype fp32 with latent attention"),
     ({"recompute": "full"}, "recompute full \\(gradient checkpointing\\) with latent attention"),
     ({"dp_shard": 2}, "dp_shard or zero_stage with latent attention"),
-    ({"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 8, "moe_shared_expert_intermediate_size": 8,
-      "moe_router_score_function": "sigmoid"}, "DeepseekV3MoE"),
+    (EXPERTS | {"experts_implementation": "eager"}, "DeepseekV3MoE's experts in the eager loop"),
 ])
 def test_what_the_latent_attention_walk_does_not_model_is_refused_by_name(changes, named):
     with pytest.raises(ConfigError, match=named):
