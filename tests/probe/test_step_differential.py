@@ -92,13 +92,13 @@ _HF_MIXTRAL = _knobs(attention=ATTENTION, num_experts=st.integers(2, 6), moe_rou
                      tie_embeddings=TIED, dropout=DROPOUT, recompute=st.sampled_from(("none", "full")), dtype=DTYPES)
 _HF_GEMMA2 = _knobs(attn_logit_softcapping=st.sampled_from((None, 50.0)), sliding_window=st.sampled_from((None, 3, 8)),
                     tie_embeddings=TIED, dtype=DTYPES, dropout=DROPOUT, recompute=st.sampled_from(("none", "full")))
-# DeepseekV3ForCausalLM's latent attention with dense MLPs; no tp plan for its attention (t = 1), fp32 refused
-_HF_DEEPSEEK = _knobs(q_lora_rank=st.sampled_from((None, 8)), tie_embeddings=TIED, dropout=DROPOUT,
-                      dtype=st.sampled_from(("bf16", "fp16")))
+# DeepseekV3ForCausalLM's latent attention with dense MLPs; no tp plan for its attention (t = 1)
+_HF_DEEPSEEK = _knobs(q_lora_rank=st.sampled_from((None, 8)), tie_embeddings=TIED, dropout=DROPOUT, dtype=DTYPES)
 # with DeepseekV3MoE: its shared experts are n_shared_experts of the experts' width
 _HF_DEEPSEEK_MOE = st.sampled_from((8, 16)).flatmap(lambda e: _knobs(
-    q_lora_rank=st.sampled_from((None, 8)), tie_embeddings=TIED, dropout=DROPOUT, dtype=st.sampled_from(("bf16", "fp16")),
-    num_experts=st.sampled_from((4, 6)), moe_router_topk=st.integers(1, 3), moe_first_dense_layers=st.sampled_from((None, 1)),
+    q_lora_rank=st.sampled_from((None, 8)), tie_embeddings=TIED, dropout=DROPOUT, dtype=DTYPES,
+    num_experts=st.sampled_from((4, 6)), moe_router_topk=st.integers(1, 3),
+    moe_first_dense_layers=st.sampled_from((None, 1)), experts_implementation=st.sampled_from(("grouped_mm", "eager")),
     moe_ffn_hidden_size=st.just(e), moe_shared_expert_intermediate_size=st.sampled_from((e, 2 * e))))
 _HF_PHI3 = _knobs(tie_embeddings=TIED, dtype=DTYPES, dropout=DROPOUT, recompute=st.sampled_from(("none", "full")))
 # GPT2LMHeadModel: LayerNorm, Conv1D with biases, learned positions; no tp plan (t = 1)

@@ -132,7 +132,7 @@ LATENT = {"kv_lora_rank": 24, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope
 @pytest.mark.parametrize("changes, named", [
     ({"attention": "flash"}, "latent attention with flash attention"),
     ({"impl": "hf", "family": "deepseek_v3", "attention": "eager", "add_bias_linear": False, "tie_embeddings": False,
-      "dtype": "fp32"}, "dtype fp32 with latent attention"),
+      "recompute": "full"}, "recompute full \\(gradient checkpointing\\) with latent attention"),
 ])
 def test_latent_attention_is_walked_as_megatron_cores_and_transformers_eager_modules_only(changes, named):
     with pytest.raises(ConfigError, match=named):

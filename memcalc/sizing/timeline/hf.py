@@ -226,12 +226,7 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
         (config.dtype == "fp32" and config.zero_stage is not None, "dtype fp32 with zero_stage (DeepSpeed's fp32"
                                                                    " optimizer is not walked)"),
         *_experts_missing(config, tp),
-        # measured at b=2 s=9, E=4, k=2: the second expert's dY * w cast 2,304 B (a (b*s, h) bf16 tensor) above the
-        # walk, the shared experts' input gradient summed first
-        (config.mla and config.moe and not moe.grouped(config), "DeepseekV3MoE's experts in the eager loop (it walks"
-                                                                 " transformers' default, grouped_mm)"),
         (config.mla and config.recompute != "none", f"{rerun} latent attention"),
-        (config.mla and config.dtype == "fp32", "dtype fp32 with latent attention (its casts' no-ops are not walked)"),
         # measured at b=1 s=7, dp_shard 2: 42,288 B more parameters between steps predicted (Llama's q, k, v shards)
         (config.mla and sharded, "dp_shard or zero_stage with latent attention (its projections' shards are not laid"
                                  " out)"),

@@ -353,6 +353,7 @@ class _Sums:
                      frees=(before, new), moment=bool(what)),)
 
 
+_EXPERTS_INPUT = "experts input"  # DeepSeek's loop: its experts' dX, summed before the shared experts' is added
 OUTPUT_GRAD = f"{STEM}/ln2 output"  # the block input's gradient, every path's summed, which ln2's backward reads
 
 
@@ -369,6 +370,10 @@ def block_backward(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     else:
         for e in reversed(range(config.num_experts)):
             ran += _expert(z, config, e, sums)
+        if config.mla:  # the experts' input is a view of the block's: their dX summed apart, then into the shared's
+            last = ran[-1]
+            ran[-1] = replace(last, backward=(*last.backward, *sums.add(
+                "block input", sums.current[_EXPERTS_INPUT], z.full(z.h))))
     ran += _sigmoid_router(z, config, sums) if config.mla else _router(z, config, sums, final=not gated)
     if gated:
         ran += _shared_expert(z, config, sums, last=True)
@@ -441,7 +446,7 @@ def _expert(z: Sizes, config: ModelConfig, e: int, sums: _Sums) -> list[Op]:
         Made(f"{g}/input zeros", z.full(z.h), "a (b*s, h) zero tensor"),
         Made(f"{g}/input put", z.full(z.h), "the expert's dX at its tokens")),
         frees=(f"{g}/input zeros", f"{g}/gate_up dX"), moment=False, returns=True),
-        sums.add("block input", f"{g}/input put", z.full(z.h)))
+        sums.add(_EXPERTS_INPUT if config.mla else "block input", f"{g}/input put", z.full(z.h)))
     return [combine, product, down, swiglu, gate_up, gather]
 
 
@@ -535,8 +540,9 @@ def _sigmoid_router(z: Sizes, config: ModelConfig, sums: _Sums) -> list[Op]:
                                                                              "(b*s, E) fp32"),),
                       frees=(sums.current["routing weights"],), moment=False))
     cast = z.act != 4  # hidden_states.type(float32): in fp32 a no-op, nor its backward
-    gate = linear("mlp.gate", rules.ROUTER_IN_FP32, None, 4 * experts * z.h, f"{g}/input fp32" if cast else
-                  f"{g}/input", z.tokens(4 * z.h), "", (f"{g}/logits",), dw=f"{g}/weight")
+    gate = linear("mlp.gate", rules.ROUTER_IN_FP32 if cast else ledger.MOE_IN, None, 4 * experts * z.h,
+                  f"{g}/input fp32" if cast else f"{g}/input", z.tokens(4 * z.h), "", (f"{g}/logits",),
+                  dw=f"{g}/weight")
     back = (Step("the input's cast to fp32: its backward", (Made(f"{g}/input", z.full(z.h), "dX back to bf16"),),
                  frees=(f"{g}/input fp32",), moment=False),) if cast else ()
     return [scores, replace(gate, backward=(*gate.backward, *back, *sums.add(

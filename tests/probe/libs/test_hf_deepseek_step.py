@@ -1,9 +1,9 @@
 """One training step of transformers' own DeepseekV3ForCausalLM with dense MLPs (latent attention: the query's and the
 key/value latents, their RMSNorms and up projections, RoPE's interleaved halves, expand_kv's copies into the keys,
 the eager core over heads of d_n + d_r and values of d_v) against the hf step walk (memcalc.sizing.timeline.hf_mla),
-and with DeepseekV3MoE (hf_moe): at sizes that put the peak in sixteen different places (six with the experts), every
-moment the walk names is MemTracker's reading after some op, in order, and the peak, each category at it and between
-steps are MemTracker's to the byte."""
+and with DeepseekV3MoE (hf_moe; grouped_mm and the eager loop): at sizes that put the peak in sixteen different
+places (six with the experts), every moment the walk names is MemTracker's reading after some op, in order, and the
+peak, each category at it and between steps are MemTracker's to the byte."""
 
 import pytest
 
@@ -58,6 +58,10 @@ def test_the_sizes_put_the_peak_in_sixteen_different_places():
     *PEAKS,
     {"b": 3, "s": 7, "dropout": 0.1},  # attention_dropout keeps its bool mask
     {"b": 3, "s": 5, "dtype": "fp16", "tie_embeddings": True},
+    # fp32: the norms' casts are no-ops, and the kv norm keeps kv_a_proj_with_mqa's whole output (its input a view)
+    {"b": 3, "s": 7, "dtype": "fp32"},
+    NARROW | {"b": 2, "s": 7, "a": 1, "dtype": "fp32"} | _latents(64, None, 64, 6, 40),
+    NARROW | {"b": 3, "s": 7, "a": 8, "dtype": "fp32", "dropout": 0.1} | _latents(12, 8, 64, 6, 40),
     NARROW | {"b": 3, "s": 11, "a": 4} | _latents(4, None, 8, 40, 40),  # matmul copies V at b > 1
 ], ids=str)
 def test_deepseek_v3s_step_happens_in_order_and_peaks_where_the_timeline_says_to_the_byte(one_thread, changes):
@@ -95,6 +99,16 @@ def test_with_experts_the_sizes_put_the_peak_in_six_different_places():
     ("balanced", {"b": 1, "s": 13, "moe_router_topk": 1, "q_lora_rank": None}),
     ("balanced", {"b": 3, "s": 11, "moe_shared_expert_intermediate_size": 64, "moe_router_pre_softmax": True,
                   "dropout": 0.1}),  # norm_topk_prob false: no division
+    # the eager loop: its experts' dX summed apart (their input a view of the block's), then into the shared experts'
+    ("balanced", {"b": 2, "s": 9, "experts_implementation": "eager", "moe_first_dense_layers": 1}),
+    ("balanced", NARROW | {"b": 1, "s": 32, "a": 4, "num_experts": 8, "moe_router_topk": 3,
+                           "experts_implementation": "eager"}),  # forward: the last expert's weighted output
+    ("balanced", NARROW | {"b": 1, "s": 4, "h": 64, "a": 4, "moe_router_topk": 3, "dtype": "fp32",  # gate_up's sum
+                           "moe_shared_expert_intermediate_size": 16, "experts_implementation": "eager"}),
+    # fp32: the router's cast a no-op, its GEMM keeps the block's input itself
+    ("all-to-one", {"b": 3, "s": 7, "L": 3, "moe_first_dense_layers": 1, "dtype": "fp32"}),
+    ("balanced", NARROW | {"b": 2, "s": 31, "a": 4, "moe_ffn_hidden_size": 256,
+                           "moe_shared_expert_intermediate_size": 256, "dtype": "fp32"}),
 ], ids=str)
 def test_deepseek_v3moe_steps_happen_in_order_and_peak_where_the_timeline_says_to_the_byte(one_thread, route,
                                                                                            changes):
@@ -103,10 +117,8 @@ def test_deepseek_v3moe_steps_happen_in_order_and_peak_where_the_timeline_says_t
 
 
 @pytest.mark.parametrize("changes, named", [
-    ({"dtype": "fp32"}, "dtype fp32 with latent attention"),
     ({"recompute": "full"}, "recompute full \\(gradient checkpointing\\) with latent attention"),
     ({"dp_shard": 2}, "dp_shard or zero_stage with latent attention"),
-    (EXPERTS | {"experts_implementation": "eager"}, "DeepseekV3MoE's experts in the eager loop"),
 ])
 def test_what_the_latent_attention_walk_does_not_model_is_refused_by_name(changes, named):
     with pytest.raises(ConfigError, match=named):
