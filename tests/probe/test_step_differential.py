@@ -93,7 +93,8 @@ _HF_MIXTRAL = _knobs(attention=ATTENTION, num_experts=st.integers(2, 6), moe_rou
 _HF_GEMMA2 = _knobs(attn_logit_softcapping=st.sampled_from((None, 50.0)), sliding_window=st.sampled_from((None, 3, 8)),
                     tie_embeddings=TIED, dtype=DTYPES, dropout=DROPOUT, recompute=st.sampled_from(("none", "full")))
 # DeepseekV3ForCausalLM's latent attention with dense MLPs; no tp plan for its attention (t = 1)
-_HF_DEEPSEEK = _knobs(q_lora_rank=st.sampled_from((None, 8)), tie_embeddings=TIED, dropout=DROPOUT, dtype=DTYPES)
+_HF_DEEPSEEK = _knobs(q_lora_rank=st.sampled_from((None, 8)), tie_embeddings=TIED, dropout=DROPOUT, dtype=DTYPES,
+                      dp_shard=st.sampled_from((None, None, 2, 3)), reshard_after_forward=st.booleans())
 # with DeepseekV3MoE: its shared experts are n_shared_experts of the experts' width
 _HF_DEEPSEEK_MOE = st.sampled_from((8, 16)).flatmap(lambda e: _knobs(
     q_lora_rank=st.sampled_from((None, 8)), tie_embeddings=TIED, dropout=DROPOUT, dtype=DTYPES,

@@ -1,4 +1,5 @@
-"""transformers' sparse MoE blocks (Mixtral's, Qwen2-MoE's, Qwen3-MoE's) as ops for the hf step walk (`--impl hf`).
+"""transformers' sparse MoE blocks (Mixtral's, Qwen2-MoE's, Qwen3-MoE's, DeepSeek-V3's) as ops for the hf step walk
+(`--impl hf`).
 
 The experts by experts_implementation (grouped_mm or the eager loop), each path's backward as autograd orders it:
 docs/timeline.md, "transformers' MoE blocks".
@@ -550,7 +551,7 @@ def _sigmoid_router(z: Sizes, config: ModelConfig, sums: _Sums) -> list[Op]:
         OUTPUT_GRAD)))]
 
 
-# -- Qwen2-MoE's shared expert: an MLP of width u on every token, gated by sigmoid(shared_expert_gate(x)) --------------
+# -- shared experts: an MLP of width u on every token, Qwen2-MoE's gated by sigmoid(shared_expert_gate(x)) ---------
 
 
 def _shared_gate(z: Sizes, sums: _Sums) -> list[Op]:

@@ -12,10 +12,13 @@ pytest.importorskip("transformers")
 
 from memcalc.errors import ConfigError  # noqa: E402
 from memcalc.model.strategy import STRATEGIES  # noqa: E402
+from memcalc.probe.step import measure_step  # noqa: E402
 from memcalc.sizing.timeline import timeline  # noqa: E402
 
 from tests.helpers import LLAMA_HF, make_config  # noqa: E402
 
+from ..step_readings import assert_moments_in_order  # noqa: E402
+from .test_hf_fsdp import _readings  # noqa: E402
 from .test_hf_step import CPU, _exact_step  # noqa: E402
 
 # DeepseekV3ForCausalLM as the probe builds it (every layer dense: first_k_dense_replace = L), small latents
@@ -116,9 +119,25 @@ def test_deepseek_v3moe_steps_happen_in_order_and_peak_where_the_timeline_says_t
     assert r.model == f"transformers' DeepseekV3ForCausalLM, router forced {route}"
 
 
+@pytest.mark.parametrize("changes", [
+    {"b": 1, "s": 7, "dp_shard": 2},
+    {"b": 3, "s": 5, "dp_shard": 2, "reshard_after_forward": False, "q_lora_rank": None},
+    {"b": 2, "s": 9, "dp_shard": 4, "dtype": "fp32"},
+], ids=str)
+def test_under_fsdp2_the_latent_attentions_step_happens_in_order_and_peaks_where_the_timeline_says(one_thread,
+                                                                                                   changes):
+    """FSDP2 over DeepseekV3DecoderLayer: each layer's unit lays out the latents' projections and norms."""
+    config = make_config(DEEPSEEK, **changes)
+    assert_moments_in_order(timeline(config, STRATEGIES["none"], CPU).moments[1:], _readings(config))
+    (r,) = measure_step(config, ["none"])
+    assert r.measured.moment == r.predicted_moment
+    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+
+
 @pytest.mark.parametrize("changes, named", [
     ({"recompute": "full"}, "recompute full \\(gradient checkpointing\\) with latent attention"),
-    ({"dp_shard": 2}, "dp_shard or zero_stage with latent attention"),
+    ({"zero_stage": 3}, "zero_stage with latent attention"),
+    (EXPERTS | {"dp_shard": 2}, "DeepseekV3MoE under dp_shard"),
 ])
 def test_what_the_latent_attention_walk_does_not_model_is_refused_by_name(changes, named):
     with pytest.raises(ConfigError, match=named):
