@@ -159,7 +159,7 @@ def eager_forward(p: str, z: Sizes, config: ModelConfig, saved: dict[str, int]
         Made(f"{p}/q states", z.full(a * (dn + dr)), "the query's up projection, q_pass a view of it"),
         # in fp32 the kv norm keeps it whole (its no-op cast's input is a view of it: the ledger's MLA_KV_NORM_VIEW)
         *((Made(f"{p}/compressed kv", z.full(config.kv_lora_rank + dr), "kv_a_proj_with_mqa's output"),)
-          if z.act != 4 else ()),
+          if cast else ()),
         Made(f"{p}/q rot", z.full(a * dr), "RoPE's q_rot"), Made(f"{p}/k rot", z.full(dr), "RoPE's k_rot"),
         *((Made(f"{p}/kv up", z.full(a * (dn + dv)), "kv_b_proj's output, V a view of it"),) if copied else ()),
     )
