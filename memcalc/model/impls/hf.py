@@ -539,7 +539,7 @@ def _rope(knobs: Any) -> tuple[SavedTensor, ...]:
 
 
 # The two norms of a Llama-shaped layer by memcalc's norm (rmsnorm_fp32w: gpt-oss's; OLMo 2 has post-norms only).
-_PRE_NORMS = RMS_NORMS | {"layernorm_np": (OLMO_LN1, OLMO_LN2), "rmsnorm_fp32w": (GPT_OSS_LN1, GPT_OSS_LN2)}
+PRE_NORMS = RMS_NORMS | {"layernorm_np": (OLMO_LN1, OLMO_LN2), "rmsnorm_fp32w": (GPT_OSS_LN1, GPT_OSS_LN2)}
 
 
 def norm_block(which: int, knobs: Any) -> tuple[SavedTensor, ...]:
@@ -552,7 +552,7 @@ def norm_block(which: int, knobs: Any) -> tuple[SavedTensor, ...]:
     if is_cohere(knobs):
         return _cohere_kept(COHERE_LN1, knobs)
     if is_llama(knobs):
-        return tuple(_PRE_NORMS.get(knobs.norm, RMS_NORMS["rmsnorm"])[which])
+        return tuple(PRE_NORMS.get(knobs.norm, RMS_NORMS["rmsnorm"])[which])
     if which == 1 and knobs.parallel_residual:
         return (ledger.LN2.mean, ledger.LN2.rstd)
     return tuple((ledger.LN1, ledger.LN2)[which])

@@ -22,6 +22,7 @@ from memcalc.model.strategy import Strategy
 from memcalc.sizing.pipeline import stages
 from memcalc.sizing.timeline import hf_gpt2 as gpt2
 from memcalc.sizing.timeline import hf_layer as layer
+from memcalc.sizing.timeline import hf_gpt_oss as oss
 from memcalc.sizing.timeline import hf_mla as mla
 from memcalc.sizing.timeline import hf_moe as moe
 from memcalc.sizing.timeline.ends import model_states, optimizer_step
@@ -37,7 +38,7 @@ from memcalc.sizing.timeline.zero import Zero
 
 def final_norm(config: ModelConfig) -> RMSNormTensors:
     """model.norm keeps what a layer's input_layernorm keeps (the same class), under its own names."""
-    ln1 = rules.RMS_NORMS[config.norm][0]
+    ln1 = rules.PRE_NORMS[config.norm][0]
     return replace(ln1, **{f.name: replace(x, name=f"final_norm/{x.name.partition('/')[2]}") for f in fields(ln1)
                            if (x := getattr(ln1, f.name)) is not None})
 
@@ -102,7 +103,7 @@ def _llama(tape: Tape, config: ModelConfig, z: Sizes, saved: dict[str, int], han
            kept: tuple[tuple[ledger.SavedTensor, int], ...], dense: tuple[tuple[ledger.SavedTensor, int], ...],
            sharded: bool) -> tuple[Walked, list[Walked], Walked]:
     """LlamaForCausalLM's (and its kin's) embedding, layers and output as walks and ops."""
-    ln1, final = rules.RMS_NORMS[config.norm][0], final_norm(config)  # the final norm's tensors are ln1's sizes
+    ln1, final = rules.PRE_NORMS[config.norm][0], final_norm(config)  # the final norm's tensors are ln1's sizes
     ends = {x.name: saved[x.name] for x in _rope(config)} | {ledger.OUTPUT_INPUT.name: z.full(z.h)} | {
         y.name: saved[x.name] for x, y in zip(ln1, final) if x.name in saved} | {
         ledger.LOGITS_SOFTCAP_TANH.name: z.act * z.b * z.s * config.vocab_size}
@@ -133,7 +134,7 @@ def _gpt2(tape: Tape, config: ModelConfig, z: Sizes, saved: dict[str, int], hand
 
 def _rope(config: ModelConfig) -> tuple[ledger.SavedTensor, ...]:
     """The model's RoPE tables, which every layer keeps: DeepSeek's (s, d_r) ones, or Llama's (s, d)."""
-    return mla.TABLES if config.mla else layer.ROPE
+    return mla.TABLES if config.mla else oss.TABLES if rules.is_gpt_oss(config) else layer.ROPE
 
 
 def _unheld_masks(config: ModelConfig) -> tuple[str, ...]:
@@ -193,7 +194,7 @@ def _step(tape: Tape, sharding: Fsdp | Zero | None, inputs: Walked, layers: list
 
 # The families whose model the walk follows, which --step builds (memcalc.probe.libs.hf_step).
 WALKED = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma", "gemma2", "phi3", "gpt2",
-          "deepseek_v3")
+          "deepseek_v3", "gpt_oss")
 
 
 def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounting) -> None:
@@ -204,8 +205,10 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
     missing = [
         (family not in WALKED, f"{family}'s model (it walks {', '.join(WALKED)})"),
         *_gpt2_missing(config, family, tp),
-        (config.sliding_window is not None and not config.sandwich_norm,
-         f"sliding_window={config.sliding_window} outside Gemma 2 (it walks a window in Gemma 2's model only)"),
+        *_gpt_oss_missing(config, family, sharded),
+        (config.sliding_window is not None and not config.sandwich_norm and not rules.is_gpt_oss(config),
+         f"sliding_window={config.sliding_window} outside Gemma 2 and gpt-oss (it walks a window in their models"
+         " only)"),
         (config.sandwich_norm and config.attention != "eager",
          f"attention {config.attention} in Gemma 2's model (Gemma2ForCausalLM runs eager attention only)"),
         (config.rotary_percent is not None, "GLM's partial RoPE and fused gate_up (it walks Llama's)"),
@@ -217,7 +220,7 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
          " named_parameters(), which names a tied weight once: KeyError)"),
         (config.pp != 1, f"pp={config.pp}"),
         (config.cp != 1, f"cp={config.cp}"),
-        (config.add_bias_linear and family != "gpt2",
+        (config.add_bias_linear and family not in ("gpt2", "gpt_oss"),
          "add_bias_linear (biases on every linear; Qwen2's q, k, v biases are add_qkv_bias)"),
         ((scaled_embedding(config) or config.fused_qkv) and (tp or sharded),
          "Gemma's or Phi-3's model under tp, dp_shard or zero_stage (unmeasured: t = 1 without sharding only)"),
@@ -267,6 +270,24 @@ def _gpt2_missing(config: ModelConfig, family: str, tp: bool) -> list[tuple[bool
     ]
 
 
+def _gpt_oss_missing(config: ModelConfig, family: str, sharded: bool) -> list[tuple[bool, str]]:
+    """What the walk of GptOssForCausalLM (memcalc.sizing.timeline.hf_gpt_oss) leaves out: it is measured eager,
+    without dropout or checkpointing, its experts by grouped_mm, on one unsharded rank."""
+    if family != "gpt_oss":
+        return []
+    return [
+        (not config.attention_sinks or config.attention != "eager", "gpt-oss's model without its eager attention with"
+                                                                    " sinks"),
+        (config.has_dropout, "attention dropout in gpt-oss's model"),
+        (config.recompute != "none", f"recompute {config.recompute} (gradient checkpointing) in gpt-oss's model"),
+        (not moe.grouped(config), "gpt-oss's experts by the eager loop"),
+        (sharded, "gpt-oss's model under dp_shard or zero_stage"),
+        # b = s = 1: the sinks' gradient is a strided view that AccumulateGrad copies (measured: 16 B filed as
+        # gradients, not temporaries, at the scale's backward)
+        (config.b * config.s == 1, "one token (b = s = 1) in gpt-oss's model"),
+    ]
+
+
 def _experts_missing(config: ModelConfig, tp: bool) -> list[tuple[bool, str]]:
     """What the walk of the sparse MoE blocks (memcalc.sizing.timeline.hf_moe) leaves out: grouped_mm's tensors hold
     all k*b*s slots whatever the counts, the eager loop's are per expert."""
@@ -304,7 +325,7 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
     p, tp, checkpointed = f"layers.{i}", z.t > 1, config.recompute == "full"
     out = f"grad/layers.{i - 1}/output" if i else "grad/embedding output"
     mlp = moe.OUTPUT_GRAD if block else f"grad/{p}/ln2 output"
-    ln1, ln2 = rules.RMS_NORMS[config.norm]
+    ln1, ln2 = rules.PRE_NORMS[config.norm]
     # Gemma 2's sandwich norms: on the attention's output and on the MLP's, whose gradients are then theirs; Phi-3's
     # residual dropouts (p > 0) likewise on the branches' outputs, o_proj's and down_proj's ("proj")
     resid = config.fused_qkv and config.has_dropout
@@ -331,8 +352,9 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
         *(mla.attention(p, z, config, saved) if config.mla else
           layer.attention(p, z, config.attention == "eager", saved, config.groups != config.a, tp,
                           i == 0 and not checkpointed,
-                          config.qk_layernorm, config.add_qkv_bias, config.has_dropout,
-                          config.attn_logit_softcapping is not None, attn_out, config.fused_qkv, f"attn {proj}")),
+                          config.qk_layernorm, config.add_qkv_bias or config.attention_sinks, config.has_dropout,
+                          config.attn_logit_softcapping is not None, attn_out, config.fused_qkv, f"attn {proj}",
+                          config.attention_sinks)),
         *post_attn,
         *((mid,) if checkpointed else ()),
         *layer.rms_norm("pre_feedforward_layernorm" if config.sandwich_norm else "post_attention_layernorm", p, ln2,
@@ -344,7 +366,8 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
         *((output,) if checkpointed else ()),
     )
     if not checkpointed:
-        core, later = mla.eager_forward(p, z, config, saved) if config.mla else \
+        core, later = mla.eager_forward(p, z, config, saved) if config.mla else oss.eager_forward(p, z, saved) if \
+            rules.is_gpt_oss(config) else \
             layer.eager_forward(p, z, saved, config.fused_qkv) if config.attention == "eager" else (
             layer.sdpa_math_forward(p, z, saved, config.groups != config.a), frozenset())
         ops = (*layer.layer_forward(i, z, made, moe.block_forward(p, z, config) if block else (), core, resid, later),
@@ -372,8 +395,9 @@ def _embedding(z: Sizes, config: ModelConfig, sharded: bool) -> tuple[Op, ...]:
         *((Made("model/causal_mask", act * z.b * s * s, "create_causal_mask's additive (b, 1, s, s) mask, live until"
                 " LlamaModel returns"),) if eager else ()),
         *((Made("model/sliding_mask", act * z.b * s * s if eager else s * s, "create_sliding_window_causal_mask's"
-                " mask beside the causal one: Gemma 2's sliding layers read it (Qwen2MoeModel makes it too, though no"
-                " layer slides)"),) if _qwen2_moe(config) or config.sandwich_norm else ()),
+                " mask beside the causal one: Gemma 2's and gpt-oss's sliding layers read it (Qwen2MoeModel makes it"
+                " too, though no"
+                " layer slides)"),) if _qwen2_moe(config) or config.sandwich_norm or rules.is_gpt_oss(config) else ()),
         *(kept("", x, "made once per forward by LlamaRotaryEmbedding; every layer's RoPE keeps it")
           for x in _rope(config)),
     )
@@ -445,10 +469,11 @@ def _output(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     # the locals alive at its widest: LlamaRMSNorm's variance and fp32 x * r; GemmaRMSNorm's fp32 product (in fp32 the
     # casts are no-ops: x * r is the ledger's normed, the product lm_head's input)
     fp32 = z.act == 4
-    temps = (() if fp32 else (Made("final_norm/product fp32", z.tokens(4 * z.h), "(x * r) * (1 + w) in fp32: a"
-                                   " local"),)) if final.weight_plus_one else (
-        Made("final_norm/variance", z.tokens(4), "pow(2).mean(-1): a local"),
-        *(() if fp32 else (Made("final_norm/normalised fp32", z.tokens(4 * z.h), "x * rsqrt(.): a local"),)))
+    product = Made("final_norm/product fp32", z.tokens(4 * z.h), "the weight times x * r in fp32: a local")
+    temps = (*(() if final.weight_plus_one else (Made("final_norm/variance", z.tokens(4), "pow(2).mean(-1): a"
+                                                      " local"),)),
+             *(() if fp32 else (product,) if final.normed_fp32 else (
+                 Made("final_norm/normalised fp32", z.tokens(4 * z.h), "x * rsqrt(.): a local"),)))
     widest = Step("RMSNorm at its widest: fp32 input and output, bf16 output", (
         *(kept("", x) for x in final), *temps, kept("", ledger.OUTPUT_INPUT, "the cast back: lm_head's input, which it"
                                                    " keeps")),

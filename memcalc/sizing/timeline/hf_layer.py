@@ -11,6 +11,7 @@ from dataclasses import replace
 from memcalc.model import ledger
 from memcalc.model.impls import hf as rules
 from memcalc.model.ledger import RMSNormTensors, SavedTensor
+from memcalc.sizing.timeline import hf_gpt_oss as oss
 from memcalc.sizing.timeline.tape import Sizes
 from memcalc.sizing.timeline import torch_ops
 from memcalc.sizing.timeline.torch_ops import WHY_WGRAD, linear
@@ -28,7 +29,7 @@ def rms_norm(where: str, p: str, norm: RMSNormTensors, z: Sizes, dy: str | None,
     Qwen3's q_norm and k_norm, per head; `dy` None: the residual stream's too (Gemma 2's sandwich norms); `output`,
     `gone`: the forward op by op, for a checkpoint's walk, `x` the norm's input (in fp32 its upcast is x itself, which
     the norm then keeps). GemmaRMSNorm (`norm.weight_plus_one`) multiplies in fp32 and casts back last
-    (`_gemma_weight`)."""
+    (`_fp32_weight`)."""
     width = width or z.h
     g, fp32, row = _grad(p, where), z.tokens(4 * width), z.tokens(4 * heads)
     act = z.full(width)
@@ -60,20 +61,20 @@ def rms_norm(where: str, p: str, norm: RMSNormTensors, z: Sizes, dy: str | None,
     ), saves=(norm.input_fp32,))
     upcast = Step("y.to(bf16)'s backward", (Made(f"{g}/dy fp32", fp32, "the gradient cast up to fp32"),),
                   frees=(f"{g}/dY w",), moment=False)
-    cast_up = act != fp32 and not norm.weight_plus_one  # fp32: y is x * r itself, and dY w its gradient
+    cast_up = act != fp32 and not norm.normed_fp32  # fp32: y is x * r itself, and dY w its gradient
     rstd = Op(where, forward=(), backward=(
         *((upcast,) if cast_up else ()),
         Step("x * r's backward", (Made(f"{g}/dx (x * r)", fp32, "dy * r"), Made(f"{g}/dr full", fp32, "dy * x"),
                                   Made(f"{g}/dr", row, "the rstd's gradient, (b, s, 1) fp32")),
-             frees=(f"{g}/dy fp32" if cast_up or norm.weight_plus_one else f"{g}/dY w", f"{g}/dr full"),
+             frees=(f"{g}/dy fp32" if cast_up or norm.normed_fp32 else f"{g}/dY w", f"{g}/dr full"),
              moment=False),
         *summed,
         Step("rsqrt's backward", (Made(f"{g}/r^3", row, "(b, s, 1) fp32"), Made(f"{g}/-r^3 / 2", row, "(b, s, 1) fp32"),
                                   Made(f"{g}/dvariance", row, "dr * -r^3 / 2")),
              frees=(f"{g}/r^3", f"{g}/-r^3 / 2", f"{g}/dr"), moment=False),
     ), saves=(norm.rstd,))
-    if norm.weight_plus_one:
-        return (cast, power, rstd, *_gemma_weight(where, g, norm, z, dy, fp32, width // heads))
+    if norm.normed_fp32:
+        return (cast, power, rstd, *_fp32_weight(where, g, norm, z, dy, fp32, width // heads))
     weight = Op(where, forward=(), backward=(
         Step("weight * y's backward: its two products", (Made(f"{g}/dY w", act, "dY * weight"),
                                                          Made(f"{g}/dY y", act, "dY * y")), returns=True, moment=False),
@@ -103,6 +104,15 @@ def _norm_forward(n: str, p: str, norm: RMSNormTensors, fp32: int, row: int, upc
     """LlamaRMSNorm's forward op by op (the variance a local to the return). `fp32`: an fp32 copy's bytes, `row`: the
     statistics'; `upcast`: x.to(float32), in fp32 an alias of x, as the cast back is of x * rstd."""
     read = (kept_name(p, norm.input_fp32), kept_name(p, norm.rstd))
+    if norm.normed_fp32:  # Olmo2RMSNorm's (GptOssRMSNorm's): weight * (x * rstd) in fp32, the cast back last
+        return (*_norm_forward(n, p, replace(norm, normed=norm.normed_fp32, normed_fp32=None), fp32, row, upcast, output, gone)[:5],
+                Step("x * rstd", (kept(p, norm.normed_fp32),), reads_last=read),
+                *((Step("weight * (.), in fp32", (Made(f"{n}/normalised fp32", fp32, "a local until the norm"
+                                                            " returns"),),
+                        reads_last=(kept_name(p, norm.normed_fp32),)),) if not upcast.alias else ()),
+                Step("the norm's output" if upcast.alias else "the cast back to bf16: the norm's output", (output,),
+                     frees=(f"{n}/variance", f"{n}/normalised fp32", *gone),
+                     reads_last=(kept_name(p, norm.normed_fp32),) if upcast.alias else ()))
     normalised = (Step("x * rstd", (kept(p, norm.normed),), reads_last=read),) if upcast.alias else (
         Step("x * rstd", (Made(f"{n}/normalised fp32", fp32, "a local until the norm returns"),), reads_last=read),
         Step("the cast back to bf16", (kept(p, norm.normed),)))
@@ -148,10 +158,11 @@ def _gemma_norm_forward(n: str, p: str, norm: RMSNormTensors, fp32: int, row: in
     )
 
 
-def _gemma_weight(where: str, g: str, norm: RMSNormTensors, z: Sizes, dy: str | None, fp32: int, channels: int
-                  ) -> tuple[Op, Op]:
+def _fp32_weight(where: str, g: str, norm: RMSNormTensors, z: Sizes, dy: str | None, fp32: int, channels: int
+                 ) -> tuple[Op, Op]:
     """GemmaRMSNorm's last two ops: (x * r) * (1.0 + weight.float()) in fp32, keeping both factors, then type_as(x)
-    (in fp32 a no-op: the product's backward reads dY itself)."""
+    (in fp32 a no-op: the product's backward reads dY itself); Olmo2RMSNorm's (GptOssRMSNorm's) alike, its weight
+    promoted by the product (no factor of its own kept), then .to(input_dtype)."""
     cast = z.act != 4
     dy_fp32 = f"{g}/dY fp32" if cast else dy
     product = Op(where, forward=(), backward=(
@@ -164,7 +175,7 @@ def _gemma_weight(where: str, g: str, norm: RMSNormTensors, z: Sizes, dy: str | 
              reduced=True),
         Step("weight.float()'s backward", (Made(f"{g}/dweight", z.act * channels, WHY_WGRAD),),
              frees=(f"{g}/dw+1",), hands_over=(f"{g}/dweight",), moment=False),
-    ), saves=(norm.weight_plus_one, norm.normed_fp32))
+    ), saves=tuple(x for x in (norm.weight_plus_one, norm.normed_fp32) if x))
     up = Op(where, forward=(), backward=(
         Step("type_as(x)'s backward", (Made(f"{g}/dY fp32", fp32, "the gradient cast up to fp32"),),
              frees=(dy,) if dy else (),
@@ -179,7 +190,8 @@ def layer_forward(i: int, z: Sizes, kept: Step, mlp: tuple[Op, ...] = (), core: 
     core's own moment (`core`), the tensors kept up to it (those before o_proj's input, but the core's `later` ones)
     are made before it, and those the core's steps make (DeepSeek's, hf_mla) are not made again. Under tp a
     dense MLP's down_proj (RowwiseParallel) all-reduces its GEMM's partial sum into a new tensor: a moment before the
-    sum, as many bytes as it (the partial goes as the sum is made), which MemTracker reads first."""
+    sum, as many bytes as it (the partial goes as the sum is made), which MemTracker reads first. The kept tensors the
+    MLP's own steps make (gpt-oss's experts') are made there, not before it."""
     p, full = f"layers.{i}", z.full(z.h)
     # fp32: the norms' x.to(float32) are no-ops, so the ledger's fp32 inputs are the layer's input and the stream
     alias = (Step("", frees=(f"{p}/input",)),) if z.act == 4 else ()
@@ -191,6 +203,8 @@ def layer_forward(i: int, z: Sizes, kept: Step, mlp: tuple[Op, ...] = (), core: 
                       if x.keeps not in own)
         core = (Op("", (replace(kept, makes=before), *alias), ()), *core)
         kept, alias = replace(kept, makes=after), ()
+    mine = {x.keeps for op in mlp for step in op.forward for x in step.makes if x.keeps}  # the block's own moments'
+    kept = replace(kept, makes=tuple(x for x in kept.makes if x.keeps not in mine))
     stream = alias if z.act == 4 else (Step("the residual stream", (Made(
         f"{p}/mid", full, "the residual stream after attention: ln2's input and the MLP's residual"),), moment=False),)
     made = Op("", forward=(kept, *stream), backward=())
@@ -232,11 +246,13 @@ def returned_weights(z: Sizes, eager: bool, dropout: bool) -> SavedTensor | None
 
 def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, tp: bool, first: bool,
               qk_norm: bool = False, qkv_bias: bool = False, dropout: bool = False, softcap: bool = False,
-              dy: str | None = None, fused: bool = False, made_as: str = "attn output") -> tuple[Op, ...]:
+              dy: str | None = None, fused: bool = False, made_as: str = "attn output", sinks: bool = False
+              ) -> tuple[Op, ...]:
     """q, k, v (their dX summed as they come; `qk_norm`: Qwen3's q_norm and k_norm; `qkv_bias`: Qwen2's biases;
     `fused`: Phi-3's one qkv_proj), RoPE, the core (eager with `dropout` or Gemma 2's `softcap`, or SDPA), o_proj (`dy`
     its output's gradient; None: the residual stream's, which lives on; `made_as` its output's name); the heads go as
-    the module returns."""
+    the module returns. `sinks`: gpt-oss's attention (memcalc.sizing.timeline.hf_gpt_oss: its RoPE on halves, its core
+    with the sinks, o_proj's bias)."""
     g, q, kv, full = f"grad/{p}", z.a_t * z.d, z.g_t * z.d, z.full(z.h)
     # the projections' outputs and RoPE's, each the core's saved tensor or a local of the attention
     q_copied, k_copied, v_copied = _bmm_copies(z, saved, fused)
@@ -271,14 +287,15 @@ def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, t
         summed = out if summed else dx
     if fused:  # q, k and v are views of qkv_proj's output, which V's view keeps whole at b = 1
         made["v"] = _kept_or_local(p, rules.NEOX_QKV_OUT, saved, "qkv", z.full(q + 2 * kv))
-    rope = tuple(Op("self_attn", _rope_forward(p, name, z.full(w), rotated[name], name == "k" and not fused, fused),
-                    _rope_backward(g, name, z.full(w), first and name == "q")) for name, w in
-                 (("q", q), ("k", kv)))  # forward order: q's, then k's
+    rope = oss.rope(g, z, first) if sinks else tuple(
+        Op("self_attn", _rope_forward(p, name, z.full(w), rotated[name], name == "k" and not fused, fused),
+           _rope_backward(g, name, z.full(w), first and name == "q")) for name, w in
+        (("q", q), ("k", kv)))  # forward order: q's, then k's
     math = rules.MATH_Q.name in saved  # SDPA with dropout on a CPU: the math kernel (the ledger's SDPA_MATH)
-    core = eager_core(p, z, saved, gqa, dropout, softcap, fused) if eager else \
+    core = oss.eager_core(p, z, saved, gqa) if sinks else eager_core(p, z, saved, gqa, dropout, softcap, fused) if eager else \
         sdpa_math(p, z, gqa, f"{g}/o_proj input", made["v"].name) if math else _sdpa(p, z)
     o_proj = linear("self_attn.o_proj", ledger.PROJ_IN if eager or math else None, None, z.act * q * z.h,
-                    f"{g}/o_proj input", z.full(q), p, (dy,) if dy else ())
+                    f"{g}/o_proj input", z.full(q), p, (dy,) if dy else (), bias=z.act * z.h if sinks else 0)
     gone = (made["v"], *rotated.values(), kept(p, ledger.QKV_IN), kept(p, ledger.PROJ_IN))  # at the module's return
     o_proj = replace(o_proj, forward=(Step("the GEMM", (Made(f"{p}/{made_as}", full, "o_proj's output"),),
                                            frees=tuple(x.name for x in gone if x.keeps is None),

@@ -14,6 +14,7 @@ from memcalc.config.schema import ModelConfig
 from memcalc.model import ledger
 from memcalc.model.impls import hf as rules
 from memcalc.model.ledger import SavedTensor
+from memcalc.sizing.timeline import hf_gpt_oss as oss
 from memcalc.sizing.timeline.hf_layer import WHY_SAVED
 from memcalc.sizing.timeline.tape import Sizes
 from memcalc.sizing.timeline.torch_ops import WHY_WGRAD, linear
@@ -81,7 +82,7 @@ def weight_of(where: str, gradient: str) -> str:
 def _bf16(config: ModelConfig) -> bool:
     """Whether the experts read routing weights in the activation dtype (Qwen's cast them, as the ledger says; in fp32
     every block's are) and so make no casts, or Mixtral's fp32 ones in a 16-bit model."""
-    return config.dtype == "fp32" or rules.EXPERT_WEIGHT_CAST in rules.moe_block(config)
+    return config.dtype == "fp32" or rules.EXPERT_WEIGHT_CAST in rules.moe_block(config) or rules.is_gpt_oss(config)
 
 
 def _width(z: Sizes, config: ModelConfig) -> int:
@@ -106,7 +107,9 @@ def block_forward(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
              " `_` holds them"),
         Made(f"{m}/top_k_weights", _width(z, config) * z.b * z.s * config.moe_router_topk,
              "the top-k weights the experts read"))
-    experts = (_grouped_forward if grouped(config) else _loop_forward)(m, out, z, config, routed)
+    # gpt-oss's experts read the kept softmax over the top k
+    experts = oss.experts_forward(p, out, z, config, routed[0]) if rules.is_gpt_oss(config) else (
+        _grouped_forward if grouped(config) else _loop_forward)(m, out, z, config, routed)
     summed = Op("mlp", forward=(Step("the experts' and the gated shared expert's outputs summed", (
         kept(p, rules.SHARED_GATE_SIGMOID), Made(f"{m}/shared gated", full, "sigmoid(gate(x)) * shared_expert(x)"),
         Made(f"{p}/mlp output", full, "the experts' and the gated shared expert's outputs summed")),
@@ -375,7 +378,9 @@ def block_backward(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
             last = ran[-1]
             ran[-1] = replace(last, backward=(*last.backward, *sums.add(
                 "block input", sums.current[_EXPERTS_INPUT], z.full(z.h))))
-    ran += _sigmoid_router(z, config, sums) if config.mla else _router(z, config, sums, final=not gated)
+    ran += _sigmoid_router(z, config, sums) if config.mla else oss.router_backward(
+        f"{sums.stem}/router", z, config.moe_router_topk, config.num_experts, sums.add, OUTPUT_GRAD) if \
+        rules.is_gpt_oss(config) else _router(z, config, sums, final=not gated)
     if gated:
         ran += _shared_expert(z, config, sums, last=True)
     first = ran[-1]  # the routing weights' gradient: live until the block's backward returns
@@ -457,7 +462,8 @@ def _grouped(z: Sizes, config: ModelConfig, sums: _Sums) -> list[Op]:
     r = config.moe_router_topk * z.b * z.s
     act, width, bf16, h = z.act, _width(z, config), _bf16(config), z.h
     tp = z.t > 1  # this rank's e/t of each expert, local tensors: the weights' gradients handed over at the end
-    copied = config.moe_router_topk > 1  # one slot a token: dY expanded to (b*s, 1, h) is the rows already, a view
+    # one slot a token, or one token: dY expanded to (b*s, k, h) views as the (k*b*s, h) rows, no copy
+    copied = config.moe_router_topk > 1 and z.b * z.s > 1
     combine = _op("mlp.experts", (), *(() if bf16 else (Step("the cast's backward: dY in fp32", (
         Made(f"{g}/dY fp32" if copied else f"{g}/slot rows", z.tokens(4 * h), "the block's dY cast to the sum's"
              " fp32"),)),)),
@@ -479,9 +485,10 @@ def _grouped(z: Sizes, config: ModelConfig, sums: _Sums) -> list[Op]:
                                 frees=(f"{g}/down dY fp32",), reduced=True),)),
         Step("dY * out summed over h", (Made(f"{g}/weights dw", width * r, "one value per slot, (k*b*s, 1)"),),
              frees=(f"{g}/sorted rows", f"{g}/weights dw rows"), reduced=True))
+    biased = rules.SORTED_EXPERT_IDS in rules.moe_block(config)  # gpt-oss's: dY lives on for the bias's gradient
     down = _op("mlp.experts", (ledger.EXPERT_FC2_IN,), Step("down_proj's grouped GEMMs: dW, then dX", (
         Made(f"{g}/down dW", act * experts * f * h, WHY_WGRAD), Made(f"{g}/down dX", act * r * f, "(k*b*s, e)")),
-        frees=(down_dy,), hands_over=() if tp else (f"{g}/down dW",)))
+        frees=() if biased else (down_dy,), hands_over=() if tp else (f"{g}/down dW",)))
     product_swiglu = _op("mlp.experts", (ledger.EXPERT_UP, ledger.EXPERT_SILU_OUT),
                          Step("SiLU(gate) * up's backward: dY * SiLU(gate)", (Made(f"{g}/up", act * r * f, "up's"),)),
                          Step("SiLU(gate) * up's backward: dY * up", (Made(f"{g}/silu", act * r * f, "SiLU's"),),
@@ -496,7 +503,7 @@ def _grouped(z: Sizes, config: ModelConfig, sums: _Sums) -> list[Op]:
         "gate_up_proj's grouped GEMMs: dW, then dX", (
             Made(f"{g}/gate_up dW", act * experts * 2 * f * h, WHY_WGRAD), Made(f"{g}/gate_up dX", act * r * h,
                                                                                 "(k*b*s, h)")),
-        frees=(f"{g}/gate_up dY",), hands_over=() if tp else (f"{g}/gate_up dW",)))
+        frees=() if biased else (f"{g}/gate_up dY",), hands_over=() if tp else (f"{g}/gate_up dW",)))
     weights = _op("mlp.experts", (rules.SORTED_SLOTS,), Step("indexing's backward: the weights' gradient in slots", (
         Made(f"{g}/weights zeros", width * r, "a zero (k*b*s,) tensor"),
         Made(f"{g}/weights put", width * r, "index_put's: the routing weights' gradient")),
@@ -510,7 +517,10 @@ def _grouped(z: Sizes, config: ModelConfig, sums: _Sums) -> list[Op]:
     # under tp the plan's hook made the weights local (to_local) as the experts began: autograd runs those last, the
     # down_proj's first, each handing its DTensor weight the gradient
     local = [_op("mlp.experts", (), Step("", hands_over=(f"{g}/{proj} dW",))) for proj in ("down", "gate_up")]
-    ran = [combine, unsort, product, down, product_swiglu, silu, chunk, gate_up, weights, gather]
+    ran = [combine, unsort, product, down, oss.bias_backward(g, "down", act * experts * h, down_dy),
+           *oss.glu_backward(g, act, r, f, f"{g}/down dX"), gate_up,
+           oss.bias_backward(g, "gate_up", act * experts * 2 * f, f"{g}/gate_up dY"), weights, gather] if biased else \
+        [combine, unsort, product, down, product_swiglu, silu, chunk, gate_up, weights, gather]
     return ran + local if tp else ran
 
 
