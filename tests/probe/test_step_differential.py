@@ -101,6 +101,11 @@ _HF_DEEPSEEK_MOE = st.sampled_from((8, 16)).flatmap(lambda e: _knobs(
     num_experts=st.sampled_from((4, 6)), moe_router_topk=st.integers(1, 3),
     moe_first_dense_layers=st.sampled_from((None, 1)), experts_implementation=st.sampled_from(("grouped_mm", "eager")),
     moe_ffn_hidden_size=st.just(e), moe_shared_expert_intermediate_size=st.sampled_from((e, 2 * e))))
+# GptOssForCausalLM: GptOssRMSNorm, biases, the sinks, sliding and full layers, the clamped GLU experts (grouped_mm)
+GPT_OSS = {"impl": "hf", "family": "gpt_oss", "norm": "rmsnorm_fp32w", "mlp": "swiglu_clamped", "attention_sinks": True,
+           "attention": "eager", "dropout": 0.0, "add_bias_linear": True, "position_embedding_type": "rope"}
+_HF_GPT_OSS = _knobs(num_experts=st.integers(2, 6), moe_router_topk=st.integers(1, 3), tie_embeddings=TIED,
+                     sliding_window=st.sampled_from((3, 8, 128)), dtype=DTYPES)
 _HF_PHI3 = _knobs(tie_embeddings=TIED, dtype=DTYPES, dropout=DROPOUT, recompute=st.sampled_from(("none", "full")))
 # GPT2LMHeadModel: LayerNorm, Conv1D with biases, learned positions; no tp plan (t = 1)
 GPT2 = {"impl": "hf", "family": "gpt2", "norm": "layernorm", "position_embedding_type": "learned_absolute",
@@ -141,6 +146,7 @@ SUBJECTS = (
     Subject("hf deepseek_v3 (DeepseekV3MoE)", "transformers", {"impl": "hf", "family": "deepseek_v3",
             "attention": "eager", "moe_router_score_function": "sigmoid"} | LLAMA | MLA, _HF_DEEPSEEK_MOE,
             routes=(BALANCED, ROUTES[2]), gqa=False, align=8, ts=(1,)),
+    Subject("hf gpt_oss", "transformers", GPT_OSS, _HF_GPT_OSS, routes=(BALANCED, ROUTES[2]), align=8, ts=(1,)),
     Subject("torchtitan fsdp2", "torchtitan", TORCHTITAN, _TORCHTITAN_FSDP, ts=(1, 2)),
     Subject("hf fsdp2", "transformers", {"impl": "hf"} | LLAMA, _HF_FSDP, ts=(1, 2)),
 )
