@@ -1,5 +1,6 @@
 """transformers' GptOssDecoderLayer's own ops for the hf step walk (`--impl hf`): RoPE on two halves (chunk, cat),
-the eager core with attention sinks, GptOssTopKRouter and GptOssExperts' clamped GLU under grouped_mm.
+the eager core with attention sinks, GptOssTopKRouter and GptOssExperts' clamped GLU under grouped_mm; the rest is
+Llama's walk (hf_layer) and Mixtral's grouped_mm experts (hf_moe). Each op: docs/timeline.md, "transformers' gpt-oss".
 """
 
 from __future__ import annotations
