@@ -103,9 +103,9 @@ _HF_DEEPSEEK_MOE = st.sampled_from((8, 16)).flatmap(lambda e: _knobs(
     moe_ffn_hidden_size=st.just(e), moe_shared_expert_intermediate_size=st.sampled_from((e, 2 * e))))
 # GptOssForCausalLM: GptOssRMSNorm, biases, the sinks, sliding and full layers, the clamped GLU experts (grouped_mm)
 GPT_OSS = {"impl": "hf", "family": "gpt_oss", "norm": "rmsnorm_fp32w", "mlp": "swiglu_clamped", "attention_sinks": True,
-           "attention": "eager", "dropout": 0.0, "add_bias_linear": True, "position_embedding_type": "rope"}
+           "attention": "eager", "add_bias_linear": True, "position_embedding_type": "rope"}
 _HF_GPT_OSS = _knobs(num_experts=st.integers(2, 6), moe_router_topk=st.integers(1, 3), tie_embeddings=TIED,
-                     sliding_window=st.sampled_from((3, 8, 128)), dtype=DTYPES)
+                     sliding_window=st.sampled_from((3, 8, 128)), dtype=DTYPES, dropout=DROPOUT)
 _HF_PHI3 = _knobs(tie_embeddings=TIED, dtype=DTYPES, dropout=DROPOUT, recompute=st.sampled_from(("none", "full")))
 # GPT2LMHeadModel: LayerNorm, Conv1D with biases, learned positions; no tp plan (t = 1)
 GPT2 = {"impl": "hf", "family": "gpt2", "norm": "layernorm", "position_embedding_type": "learned_absolute",

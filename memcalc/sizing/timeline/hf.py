@@ -278,7 +278,6 @@ def _gpt_oss_missing(config: ModelConfig, family: str, sharded: bool) -> list[tu
     return [
         (not config.attention_sinks or config.attention != "eager", "gpt-oss's model without its eager attention with"
                                                                     " sinks"),
-        (config.has_dropout, "attention dropout in gpt-oss's model"),
         (config.recompute != "none", f"recompute {config.recompute} (gradient checkpointing) in gpt-oss's model"),
         (not moe.grouped(config), "gpt-oss's experts by the eager loop"),
         (sharded, "gpt-oss's model under dp_shard or zero_stage"),
@@ -366,7 +365,7 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
         *((output,) if checkpointed else ()),
     )
     if not checkpointed:
-        core, later = mla.eager_forward(p, z, config, saved) if config.mla else oss.eager_forward(p, z, saved) if \
+        core, later = mla.eager_forward(p, z, config, saved) if config.mla else oss.eager_forward(p, z, saved, config.has_dropout) if \
             rules.is_gpt_oss(config) else \
             layer.eager_forward(p, z, saved, config.fused_qkv) if config.attention == "eager" else (
             layer.sdpa_math_forward(p, z, saved, config.groups != config.a), frozenset())

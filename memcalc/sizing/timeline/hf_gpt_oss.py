@@ -5,12 +5,14 @@ Llama's walk (hf_layer) and Mixtral's grouped_mm experts (hf_moe). Each op: docs
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 from memcalc.config.schema import ModelConfig
 from memcalc.model import ledger
 from memcalc.model.impls import hf as rules
 from memcalc.model.ledger import SavedTensor
+from memcalc.sizing.timeline import torch_ops
 from memcalc.sizing.timeline.tape import Sizes
 from memcalc.sizing.timeline.torch_ops import WHY_BGRAD, WHY_WGRAD
 from memcalc.sizing.timeline.walk import Made, Op, Step, kept
@@ -18,10 +20,12 @@ from memcalc.sizing.timeline.walk import Made, Op, Step, kept
 TABLES = (rules.HALF_ROPE_COS, rules.HALF_ROPE_SIN)  # GptOssRotaryEmbedding's (1, s, d/2), kept by every layer
 
 
-def eager_forward(p: str, z: Sizes, saved: dict[str, int]) -> tuple[tuple[Op, ...], frozenset[SavedTensor]]:
+def eager_forward(p: str, z: Sizes, saved: dict[str, int], dropout: bool
+                  ) -> tuple[tuple[Op, ...], frozenset[SavedTensor]]:
     """eager_attention_forward's widest forward moments: the rows' maximum subtracted from the scores joined to the
     sink column (the masked scores, a local the dropout rebinds, the joined logits, the maxima and their difference
-    beside each other), the softmax over them, then o_proj's input made (b, s, a, d) beside bmm's output; each with the
+    beside each other), the softmax over them, `dropout`'s output and mask (the masked scores rebound), then o_proj's
+    input made (b, s, a, d) beside bmm's output; each with the
     attention's locals (RoPE's k and v_proj's output, where repeat_kv's copies are what matmul keeps). Of one K/V
     group (b > 1) repeat_kv's expand and reshape are views, and matmul copies V only as weights x V runs: made then."""
     sc, q = z.b * z.a_t * z.s * z.s, z.full(z.a_t * z.d)
@@ -34,14 +38,17 @@ def eager_forward(p: str, z: Sizes, saved: dict[str, int]) -> tuple[tuple[Op, ..
               Made(f"{p}/maxima", z.act * z.b * z.a_t * z.s, "max(dim=-1).values, (b, a, s, 1): a temporary"))
     shifted = Made(f"{p}/logits shifted", logits, "combined_logits minus the rows' maxima, a local to the core's return")
     context = () if z.s == 1 or z.a_t == 1 else (Made(f"{p}/context", q, "bmm's (b, a, s, d) output"),)
+    masked, dropped = (f"{p}/scores masked",), (ledger.ATTN_DROPOUT_OUT, ledger.ATTN_DROPOUT_MASK) if dropout else ()
     return (Op("self_attn", (
         Step("the rows' maxima subtracted from the scores and the sink", (
             *locals_, Made(f"{p}/scores masked", z.act * sc, "the scores plus the mask, a local the dropout rebinds"),
             *joined, shifted), frees=tuple(x.name for x in joined)),
-        Step("the softmax over them", (kept(p, rules.SINK_SOFTMAX),), frees=(f"{p}/scores masked",)),
+        Step("the softmax over them", (kept(p, rules.SINK_SOFTMAX),), frees=() if dropout else masked),
+        *((Step("native_dropout: its output and bool mask", tuple(kept(p, x) for x in dropped), frees=masked),)
+          if dropout else ()),
         Step("weights x V, made (b, s, a, d)", (*(kept(p, x) for x in copied), kept(p, ledger.PROJ_IN), *context),
              frees=tuple(x.name for x in (*context, shifted, *locals_))),
-    ), ()),), frozenset((rules.SINK_SOFTMAX, *copied))
+    ), ()),), frozenset((rules.SINK_SOFTMAX, *dropped, *copied))
 
 
 def glu_backward(g: str, act: int, r: int, f: int, dy: str) -> tuple[Op, ...]:
@@ -149,11 +156,12 @@ def rope(g: str, z: Sizes, first: bool) -> tuple[Op, ...]:
                  for name, w in (("q", z.a_t), ("k", z.g_t)))
 
 
-def eager_core(p: str, z: Sizes, saved: dict[str, int], gqa: bool) -> tuple[Op, ...]:
+def eager_core(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool) -> tuple[Op, ...]:
     """eager_attention_forward with the sinks, its backward in forward order of its ops: repeat_kv's sums over each
     group's heads (`gqa`), QK^T's, the scale's and cat's (the logits' two gradients summed; the sinks' summed to (a,)),
-    max's scatter, the subtraction's, the softmax's (in the activation dtype), slice's and weights x V's. K and V as
-    matmul keeps them: repeat_kv's copies, or (the ledger's REPEAT_KV) the heads themselves."""
+    max's scatter, the subtraction's, the softmax's (in the activation dtype), slice's, `dropout`'s (its bool mask)
+    and weights x V's. K and V as matmul keeps them: repeat_kv's copies, or (the ledger's REPEAT_KV) the heads
+    themselves."""
     g, q, a = f"grad/{p}", z.full(z.a_t * z.d), z.b * z.a_t * z.s
     scores, logits = z.act * a * z.s, z.act * a * (z.s + 1)
     expanded = rules.K_EXPANDED.name in saved
@@ -181,14 +189,18 @@ def eager_core(p: str, z: Sizes, saved: dict[str, int], gqa: bool) -> tuple[Op, 
             Made(f"{g}/-dY", logits, "neg"), Made(f"{g}/maxima", z.act * a, "(b, a, s, 1)")), frees=(f"{g}/-dY",)),)),
         Op("self_attn", (), (Step("the softmax's backward", (Made(f"{g}/shifted", logits, "from its kept output"),),
                                   frees=(f"{g}/probs",)),), (rules.SINK_SOFTMAX,)),
+        Op("self_attn", (), (Step("the slice's backward: dWeights in a zero (b, a, s, s + 1) tensor", (
+            Made(f"{g}/probs", logits, "the sink column's gradient zero"),),
+            frees=(f"{g}/dropped" if dropout else f"{g}/weights",)),)),
+        *((replace(torch_ops.dropout("self_attn", p, ledger.ATTN_DROPOUT_MASK, kept(p, ledger.ATTN_DROPOUT_OUT),
+                                     f"{g}/weights", f"{g}/dropped", scores, frees=(f"{g}/weights",)), forward=()),)
+          if dropout else ()),
         Op("self_attn", (), (
             Step("the context made (b, a, s, d)", (Made(f"{g}/attn heads", q, "contiguous for bmm"),),
                  frees=(f"{g}/o_proj input",), moment=False),
             Step("weights x V: dV and dWeights", (Made(names["v"], q, "dV = weights^T dY, at a heads"), Made(
-                f"{g}/weights", scores, "dWeights = dY V^T")), frees=(f"{g}/attn heads",), returns=True),
-            Step("the slice's backward: dWeights in a zero (b, a, s, s + 1) tensor", (
-                Made(f"{g}/probs", logits, "the sink column's gradient zero"),), frees=(f"{g}/weights",)),
-        ), (rules.SINK_SOFTMAX, v)),
+                f"{g}/weights", scores, "dWeights = dY V^T")), frees=(f"{g}/attn heads",)),
+        ), (ledger.ATTN_DROPOUT_OUT if dropout else rules.SINK_SOFTMAX, v)),
     )
 
 

@@ -292,7 +292,7 @@ def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, t
            _rope_backward(g, name, z.full(w), first and name == "q")) for name, w in
         (("q", q), ("k", kv)))  # forward order: q's, then k's
     math = rules.MATH_Q.name in saved  # SDPA with dropout on a CPU: the math kernel (the ledger's SDPA_MATH)
-    core = oss.eager_core(p, z, saved, gqa) if sinks else eager_core(p, z, saved, gqa, dropout, softcap, fused) if eager else \
+    core = oss.eager_core(p, z, saved, gqa, dropout) if sinks else eager_core(p, z, saved, gqa, dropout, softcap, fused) if eager else \
         sdpa_math(p, z, gqa, f"{g}/o_proj input", made["v"].name) if math else _sdpa(p, z)
     o_proj = linear("self_attn.o_proj", ledger.PROJ_IN if eager or math else None, None, z.act * q * z.h,
                     f"{g}/o_proj input", z.full(q), p, (dy,) if dy else (), bias=z.act * z.h if sinks else 0)

@@ -1,5 +1,5 @@
 """One training step of transformers' own GptOssForCausalLM (GptOssRMSNorm, q/k/v/o biases, RoPE on two halves, the
-eager core with attention sinks, sliding and full layers, GptOssTopKRouter's softmax over the top k, the clamped GLU
+eager core with attention sinks (and dropout), sliding and full layers, GptOssTopKRouter's softmax over the top k, the clamped GLU
 experts with biases under grouped_mm) against the hf step walk (memcalc.sizing.timeline.hf_gpt_oss): at sizes that put
 the peak in twelve different places, every moment the walk names is MemTracker's reading after some op, in order, and
 the peak, each category at it and between steps are MemTracker's to the byte."""
@@ -54,6 +54,12 @@ def test_the_sizes_put_the_peak_in_twelve_different_places():
     {"b": 3, "s": 7, "num_query_groups": 1},  # at b > 1 matmul copies V as weights x V runs
     {"b": 3, "s": 3, "L": 1, "dtype": "fp32"},  # within the window
     {"h": 8, "vocab_size": 8, "b": 2, "s": 11, "a": 2, "num_query_groups": 1, "kv_channels": 64},
+    # attention dropout: its bool mask, and the dropped-out weights, which weights x V keeps
+    {"b": 1, "s": 7, "dropout": 0.1},
+    {"b": 3, "s": 9, "dropout": 0.1, "num_query_groups": 1},
+    {"b": 3, "s": 5, "dropout": 0.1, "dtype": "fp32", "num_query_groups": 4},
+    NARROW | {"b": 1, "s": 31, "a": 8, "num_query_groups": 1, "kv_channels": 8, "moe_ffn_hidden_size": 8,
+              "moe_router_topk": 1, "dropout": 0.1},  # the peak at native_dropout
 ], ids=str)
 def test_gpt_oss_s_step_happens_in_order_and_peaks_where_the_timeline_says_to_the_byte(one_thread, changes):
     r = _exact_step(make_config(GPT_OSS, **changes), "none", "balanced")
@@ -62,7 +68,6 @@ def test_gpt_oss_s_step_happens_in_order_and_peaks_where_the_timeline_says_to_th
 
 @pytest.mark.parametrize("changes, named", [
     ({"recompute": "full"}, "recompute full \\(gradient checkpointing\\) in gpt-oss's model"),
-    ({"dropout": 0.1}, "attention dropout in gpt-oss's model"),
     ({"experts_implementation": "eager"}, "gpt-oss's experts by the eager loop"),
     ({"dp_shard": 2}, "gpt-oss's model under dp_shard or zero_stage"),
     ({"s": 1}, "one token \\(b = s = 1\\) in gpt-oss's model"),
