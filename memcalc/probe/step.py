@@ -38,7 +38,7 @@ from memcalc.units import human_bytes
 torch = require_torch()
 import torch.distributed as dist  # noqa: E402  (after the install check above)
 from torch import nn  # noqa: E402
-from torch.distributed._tools.mem_tracker import MemTracker  # noqa: E402
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
@@ -404,6 +404,15 @@ class MomentTracker(MemTracker):
         super().__init__()
         self.entered: list[str] = []  # active modules, in the order they became active
         self.moment = ""
+        # root modules called again in one step (a pipeline stage, once a micro-batch), which MemTracker would take
+        # for its next iteration
+        self.called_per_microbatch: set = set()
+
+    def track_held(self, *tensors: torch.Tensor) -> None:
+        """Tensors a library makes once and keeps between steps, out of any module's parameters (a pipeline stage's
+        receive buffers), as activations."""
+        for x in tensors:
+            self._update_and_maybe_create_winfos(x, _MemRefType.ACT)
 
     def _enter(self, module) -> None:
         if module is not None:
@@ -415,7 +424,14 @@ class MomentTracker(MemTracker):
             del self.entered[len(self.entered) - 1 - self.entered[::-1].index(name)]
 
     def _pre_fw_hook(self, module, inputs) -> None:
-        super()._pre_fw_hook(module, inputs)
+        again = module in self.called_per_microbatch and module in self.memory_tracking
+        parents = self._mod_tracker.parents
+        if again:  # MemTracker takes a root module's second forward for the next iteration unless another is active
+            parents.add("pipeline schedule")
+        try:
+            super()._pre_fw_hook(module, inputs)
+        finally:
+            parents.discard("pipeline schedule")
         self._enter(module)
 
     def _post_fw_hook(self, module, inputs, outputs) -> None:

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from memcalc.config.schema import ModelConfig
+from memcalc.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class Stage:
@@ -52,6 +55,15 @@ def stages(L: int, pp: int, vpp: int | None, microbatches: int | None = None) ->
     held = chunk * chunks
     return (Stage("first", held, chunk * first, embedding, 0, says[0], first),
             Stage("last", held, chunk * last, 0, output, says[1], last))
+
+
+def stage_named(config: ModelConfig, name: str | None) -> Stage:
+    """`config`'s pipeline stage called `name` (one of `stages`), the first by default."""
+    found = stages(config.L, config.pp, config.vpp, config.microbatches)
+    chosen = next((x for x in found if name in (None, x.name)), None)
+    if chosen is None:
+        raise ConfigError(f"no {name} pipeline stage with pp={config.pp}: {', '.join(x.name for x in found)}")
+    return chosen
 
 
 def warmup(pp: int, vpp: int | None, rank: int, microbatches: int | None) -> int:

@@ -16,9 +16,10 @@ from memcalc.model.knobs import Accounting
 from memcalc.model.ledger import SavedTensor
 from memcalc.model.strategy import Strategy
 from memcalc.records import record
-from memcalc.sizing.pipeline import Stage, stages
+from memcalc.sizing.pipeline import Stage, stage_named, stages
 from memcalc.sizing.timeline.hf import hf_timeline
 from memcalc.sizing.timeline.torchtitan import torchtitan_timeline
+from memcalc.sizing.timeline.torchtitan_pp import pipeline_timeline
 from memcalc.sizing.timeline.ends import STEP_TENSORS, Ends, model_states, optimizer_step
 from memcalc.sizing.timeline import megatron_mla, megatron_moe
 from memcalc.sizing.timeline.megatron import INPUT, INPUT_GRAD, OUTPUT, OUTPUT_GRAD, layer_ops
@@ -44,6 +45,8 @@ def timeline(
     if config.impl == "hf":  # transformers' LlamaForCausalLM, op by op: its own walk
         return hf_timeline(config, strategy, accounting)
     if config.impl == "torchtitan":  # torchtitan's Llama3Model, described as ops for the generic walk
+        if config.pp > 1:  # one stage of its pipeline, torch's Schedule1F1B
+            return pipeline_timeline(config, strategy, accounting, stage)
         return torchtitan_timeline(config, strategy, accounting)
     missing = megatron_moe.unmodelled(config, Sizes.of(config, strategy)) if config.moe else None
     if missing:
@@ -56,7 +59,7 @@ def timeline(
     kinds = {False: _Kind.of(config, z, accounting, layer.tensors, rerun and rerun.tensors)}  # by `dense` below
     if layer.dense_layers:  # dense layers among MoE ones: a dense MLP, each tensor at the dense layer's bytes
         kinds[True] = _Kind.of(config.dense, z, accounting, layer.dense, rerun and rerun.dense)
-    st = _stage(config, stage)
+    st = stage_named(config, stage)
     tape = Tape()
     model_states(tape, config, st, z)
     tape.mark("steady", "", "model states between steps")
@@ -166,14 +169,6 @@ def timelines(config: ModelConfig, strategy: Strategy, accounting: Accounting = 
     """One timeline per stage that bounds memory (`memcalc.sizing.pipeline.stages`)."""
     return tuple(timeline(config, strategy, accounting, x.name)
                  for x in stages(config.L, config.pp, config.vpp, config.microbatches))
-
-
-def _stage(config: ModelConfig, name: str | None) -> Stage:
-    found = stages(config.L, config.pp, config.vpp, config.microbatches)
-    chosen = next((x for x in found if name in (None, x.name)), None)
-    if chosen is not None:
-        return chosen
-    raise ConfigError(f"no {name} pipeline stage with pp={config.pp}: {', '.join(x.name for x in found)}")
 
 
 # The walk's time grows with the layers a stage walks (a moment keeps its totals and its place in the tape's log):

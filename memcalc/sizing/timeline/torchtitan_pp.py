@@ -1,0 +1,118 @@
+"""torchtitan's pipeline on one stage's rank: torch's Schedule1F1B (torchtitan's default schedule) over the chunk its
+pipeline_llm builds there, micro-batch by micro-batch, each walked as the whole model's step walks it
+(memcalc.sizing.timeline.torchtitan).
+
+What a stage holds beside its chunk, and how long the schedule keeps each micro-batch's tensors: docs/timeline.md,
+"torchtitan's pipeline".
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from memcalc.config.schema import ModelConfig
+from memcalc.model.knobs import Accounting
+from memcalc.model.strategy import Strategy
+from memcalc.sizing.pipeline import Stage, stage_named
+from memcalc.sizing.timeline.tape import ACTIVATIONS, Sizes, Tape, Timeline
+from memcalc.sizing.timeline.torchtitan import OUTPUT, Parts, Segment, embedding_ops, model_parts, output_ops
+
+
+def pipeline_timeline(config: ModelConfig, strategy: Strategy, accounting: Accounting,
+                      stage: str | None = None) -> Timeline:
+    """The moments of one training step of torchtitan's Llama3Model on the rank of pipeline stage `stage` (the
+    first by default), pp > 1."""
+    st = stage_named(config, stage)
+    parts, _ = model_parts(config, strategy, accounting, st)
+    receive_buffers(parts.tape, config, parts.z, st)
+    parts.tape.mark("steady", "", "model states between steps")
+    walk_stage(parts, st)
+    return parts.timeline(st.name)
+
+
+def microbatches(config: ModelConfig) -> int:
+    """The micro-batches a step runs: the config's, else pp, the fewest torch's Schedule1F1B takes."""
+    return config.microbatches or config.pp
+
+
+def receive_buffers(tape: Tape, config: ModelConfig, z: Sizes, stage: Stage) -> None:
+    """torch's PipelineStage makes its receive buffers once, one (b, s, h) per micro-batch, and keeps them between
+    steps: the first stage's for the gradient of what it sends, the last's for what it is sent."""
+    m = microbatches(config)
+    what = "the sent output's gradient" if stage.has_embedding else "the input"
+    tape.add("pipeline/receive buffers", ACTIVATIONS, m * z.tokens(z.act * z.h),
+             f"{m} buffers for {what}, one per micro-batch, made by the first step")
+
+
+def walk_stage(parts: Parts, stage: Stage) -> None:
+    """The schedule on `stage`'s rank (`schedule`): the trainer's batch of m micro-batches loaded and counted, then
+    each micro-batch's forward and backward, its tensors renamed apart from the one to the other (`apart`). Beyond a
+    backward the schedule keeps its latest forward's output (its `output`) until the next forward returns, and on the
+    last stage each loss to the step's end and each input gradient, sent, until the next backward returns."""
+    config, z, tape = parts.config, parts.z, parts.tape
+    m, first = microbatches(config), stage.has_embedding
+    count = embedding_ops(replace(z, b=z.b * m))[0]  # the local batch, every micro-batch's ids and labels
+    parts.ends(None, "", (count,)).walk.forward((count,))
+    output = f"layers.{stage.layers}/input" if first else "lm_head/logits"
+    sent = f"grad/layers.{config.L - stage.layers}/input"  # the last stage's input gradient
+    made: dict[int, list[str]] = {}
+    walks: dict[int, list[Segment]] = {}
+    latest, done = 0, set()
+    for forward, j in schedule(m, config.pp, 0 if first else config.pp - 1):
+        if forward:
+            before = set(tape.live)
+            chunk, loss = _segments(parts, stage)
+            for segment in chunk:
+                segment.walk.forward(segment.ops)
+            if latest in done:  # the schedule's `output` lets the previous forward's go as this one returns
+                tape.drop(apart(latest, output))
+            latest = j
+            for segment in loss:
+                segment.walk.forward(segment.ops)
+            made[j], walks[j] = [x for x in tape.live if x not in before], [*chunk, *loss]
+            for x in made[j]:
+                tape.rename(x, apart(j, x))
+            continue
+        for x in made.pop(j):
+            tape.rename(apart(j, x), x)
+        for segment in reversed(walks.pop(j)):
+            segment.walk.backward(segment.ops)
+        done.add(j)
+        if latest == j:
+            tape.rename(output, apart(j, output))
+        tape.drop(output)
+        if not first:  # torch's stage_backward returns: its seed goes; the loss is kept, the input gradient sent
+            tape.drop("loss/grad seed", apart(j - 1, sent))
+            tape.rename("loss/value", apart(j, "loss/value"))
+            tape.rename(sent, apart(j, sent))
+    tape.drop(apart(latest, output), apart(m - 1, sent))  # the schedule's step returns
+
+
+def schedule(m: int, pp: int, rank: int) -> list[tuple[bool, int]]:
+    """torch's Schedule1F1B on rank `rank`, as (forward?, micro-batch): min(m, pp - rank) forwards, then a backward
+    and the next forward while any are left, then the remaining backwards."""
+    warm = min(m, pp - rank)
+    order = [(True, j) for j in range(warm)]
+    for j in range(m):
+        order.append((False, j))
+        if warm + j < m:
+            order.append((True, warm + j))
+    return order
+
+
+def apart(j: int, name: str) -> str:
+    """Micro-batch j's tensor `name` while another micro-batch's ops make and free tensors of that name."""
+    return f"micro-batch {j}/{name}"
+
+
+def _segments(parts: Parts, stage: Stage) -> tuple[list[Segment], list[Segment]]:
+    """One micro-batch's walk of the stage: the chunk pipeline_llm builds there (the first stage's embedding and
+    first layers; the last stage's last layers, final norm and lm_head), and on the last stage the loss the schedule
+    computes after the chunk returns."""
+    config, z = parts.config, parts.z
+    if stage.has_embedding:
+        return [parts.ends("tok_embeddings", "tok_embeddings", (embedding_ops(z)[1],)),
+                *parts.blocks(range(stage.layers))], []
+    *norm, lm_head, loss = output_ops(z, config, pipelined=True)
+    return [*parts.blocks(range(config.L - stage.layers, config.L)), parts.ends(OUTPUT, "norm", tuple(norm)),
+            parts.ends(OUTPUT, "lm_head", (lm_head,))], [parts.ends(None, "", (loss,))]

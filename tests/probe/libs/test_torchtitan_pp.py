@@ -1,0 +1,60 @@
+"""torchtitan's pipeline (pp = 2, torch's Schedule1F1B, its default) on one stage's rank under torch's MemTracker,
+against the step timeline (memcalc.sizing.timeline.torchtitan_pp): the chunk its pipeline_llm builds there, run by
+torch's PipelineStage through the fake process group (rank 0 for the first stage, rank 1 for the last): the peak, each
+category at it and the state between steps to the byte, where the timeline names it; and every moment the timeline
+names is MemTracker's reading after some op, in order, in its module."""
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("torchtitan")
+
+from memcalc.model.knobs import Accounting  # noqa: E402
+from memcalc.model.strategy import STRATEGIES  # noqa: E402
+from memcalc.probe.launch import run_fake  # noqa: E402
+from memcalc.probe.libs import torchtitan_shim as shim  # noqa: E402
+from memcalc.probe.libs.torchtitan_pp import measure_torchtitan_pp_step_on_rank, warmed_up_stage  # noqa: E402
+from memcalc.sizing.timeline import timeline  # noqa: E402
+
+from tests.helpers import TORCHTITAN_LLAMA3 as LLAMA3, make_config  # noqa: E402
+
+from ..step_readings import assert_moments_in_order, readings_after_every_op  # noqa: E402
+
+CPU = Accounting(exact=True, device="cpu")
+RANKS = {"first": 0, "last": 1}
+
+CASES = [
+    {},  # two micro-batches: the first stage holds both at its first backward
+    {"num_microbatches": 3},  # the last stage keeps each loss, and each input gradient to the next backward
+    {"b": 1, "s": 7, "num_query_groups": 8, "ffn_hidden_size": 100, "L": 4},  # b = 1, odd s, a/g = 1, two layers
+    {"b": 3, "s": 5, "dtype": "fp32", "num_query_groups": 4},  # fp32 (no casts), a/g = 2
+    {"b": 1, "s": 9, "num_query_groups": 1, "vocab_size": 31, "num_microbatches": 4},  # one K/V group, odd vocabulary
+]
+
+
+def _measured(config, stage):
+    return run_fake(measure_torchtitan_pp_step_on_rank, (config, STRATEGIES["none"]), config.pp, rank=RANKS[stage])
+
+
+@pytest.mark.parametrize("stage", RANKS)
+@pytest.mark.parametrize("changes", CASES, ids=str)
+def test_each_stage_peaks_where_the_walk_says_to_the_byte(one_thread, changes, stage):
+    config = make_config(LLAMA3, pp=2, **changes)
+    predicted, measured = timeline(config, STRATEGIES["none"], CPU, stage), _measured(config, stage)
+    assert f"{predicted.peak.phase} {predicted.peak.where}".strip() == measured.moment
+    assert predicted.peak.by_category() == {c: measured.peak.get(c, 0) for c in predicted.peak.by_category()}
+    assert predicted.steady.by_category() == {c: measured.steady.get(c, 0) for c in predicted.steady.by_category()}
+
+
+@pytest.mark.parametrize("stage", RANKS)
+@pytest.mark.parametrize("changes", [CASES[1], CASES[3]], ids=str)
+def test_every_moment_the_walk_names_happens_in_order_in_its_module_with_its_bytes(one_thread, changes, stage):
+    """Each micro-batch's forward and backward as the schedule runs them, and what it keeps between."""
+    config = make_config(LLAMA3, pp=2, **changes)
+
+    def readings(group):
+        with shim.pipeline_on_fake_group():
+            return readings_after_every_op(warmed_up_stage(group, config))
+
+    found = run_fake(readings, (), config.pp, rank=RANKS[stage])
+    assert_moments_in_order(timeline(config, STRATEGIES["none"], CPU, stage).moments[1:-1], found)
