@@ -84,6 +84,10 @@ def warmed_up_stage(group: TensorParallelGroup, config: ModelConfig) -> StageTra
         pp, config.L, parallelism.pipeline_parallel_first_stage_less_layers,
         parallelism.pipeline_parallel_last_stage_less_layers)
     chunk = pipeline_parallel._split_module(model, names[group.rank])
+    policy = titan.ac_config(config)  # applied to the chunk as pipeline_llm's parallelize_fn applies it
+    if policy is not None:
+        with shim.cuda_like_op_checkpointing():
+            policy.build().apply(chunk)
     chunk.to_empty(device=group.device)
     torch.manual_seed(BATCH_SEED)
     with torch.no_grad(), set_default_dtype(dtype):

@@ -73,14 +73,14 @@ def walk_stage(parts: Parts, stage: Stage) -> None:
             for x in made[j]:
                 tape.rename(x, apart(j, x))
             continue
-        for x in made.pop(j):
-            tape.rename(apart(j, x), x)
+        for x in made.pop(j):  # but the output, which its backward's rerun (under a checkpoint) makes again
+            if x != output:
+                tape.rename(apart(j, x), x)
         for segment in reversed(walks.pop(j)):
             segment.walk.backward(segment.ops)
         done.add(j)
-        if latest == j:
-            tape.rename(output, apart(j, output))
-        tape.drop(output)
+        if latest != j:
+            tape.drop(apart(j, output))
         if not first:  # torch's stage_backward returns: its seed goes; the loss is kept, the input gradient sent
             tape.drop("loss/grad seed", apart(j - 1, sent))
             tape.rename("loss/value", apart(j, "loss/value"))

@@ -29,6 +29,9 @@ CASES = [
     {"b": 1, "s": 7, "num_query_groups": 8, "ffn_hidden_size": 100, "L": 4},  # b = 1, odd s, a/g = 1, two layers
     {"b": 3, "s": 5, "dtype": "fp32", "num_query_groups": 4},  # fp32 (no casts), a/g = 2
     {"b": 1, "s": 9, "num_query_groups": 1, "vocab_size": 31, "num_microbatches": 4},  # one K/V group, odd vocabulary
+    {"recompute": "full"},  # FullAC: each block's rerun at its backward, the stage's output still held
+    {"recompute": "full", "dtype": "fp32", "b": 1, "s": 7},
+    {"recompute": "op", "num_microbatches": 3},  # SelectiveAC
 ]
 
 
@@ -47,7 +50,7 @@ def test_each_stage_peaks_where_the_walk_says_to_the_byte(one_thread, changes, s
 
 
 @pytest.mark.parametrize("stage", RANKS)
-@pytest.mark.parametrize("changes", [CASES[1], CASES[3]], ids=str)
+@pytest.mark.parametrize("changes", [CASES[1], CASES[3], CASES[5]], ids=str)
 def test_every_moment_the_walk_names_happens_in_order_in_its_module_with_its_bytes(one_thread, changes, stage):
     """Each micro-batch's forward and backward as the schedule runs them, and what it keeps between."""
     config = make_config(LLAMA3, pp=2, **changes)
