@@ -19,7 +19,7 @@ from memcalc.records import record
 from memcalc.sizing.pipeline import Stage, stage_named, stages
 from memcalc.sizing.timeline.hf import hf_timeline
 from memcalc.sizing.timeline.torchtitan import torchtitan_timeline
-from memcalc.sizing.timeline.torchtitan_pp import pipeline_timeline
+from memcalc.sizing.timeline.torchtitan_pp import microbatches, pipeline_timeline
 from memcalc.sizing.timeline.ends import STEP_TENSORS, Ends, model_states, optimizer_step
 from memcalc.sizing.timeline import megatron_mla, megatron_moe
 from memcalc.sizing.timeline.megatron import INPUT, INPUT_GRAD, OUTPUT, OUTPUT_GRAD, layer_ops
@@ -183,6 +183,11 @@ def _refuse_other_layers(config: ModelConfig) -> None:
     if per_stage > MAX_WALKED_LAYERS:
         raise ConfigError(f"the step timeline walks a stage's layers one by one, at most {MAX_WALKED_LAYERS}:"
                           f" L/pp = {config.L}/{config.pp} is {per_stage}")
+    m = microbatches(config) if config.impl == "torchtitan" and config.pp > 1 else 1  # it walks every micro-batch
+    if per_stage * m > MAX_WALKED_LAYERS:
+        raise ConfigError(f"the step timeline walks a stage's layers one by one, at most {MAX_WALKED_LAYERS}: L/pp ="
+                          f" {config.L}/{config.pp} is {per_stage}, times {m} micro-batches (torchtitan's pipeline is"
+                          f" walked micro-batch by micro-batch) {per_stage * m}")
     if config.mla and config.impl != "megatron":
         raise ConfigError(f"the step timeline models latent attention (kv_lora_rank) as megatron-core's"
                           f" MLASelfAttention (impl megatron), not impl {config.impl}")

@@ -8,7 +8,7 @@ What a stage holds beside its chunk, and how long the schedule keeps each micro-
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 from memcalc.config.schema import ModelConfig
 from memcalc.model.knobs import Accounting
@@ -46,46 +46,73 @@ def receive_buffers(tape: Tape, config: ModelConfig, z: Sizes, stage: Stage) -> 
 
 def walk_stage(parts: Parts, stage: Stage) -> None:
     """The schedule on `stage`'s rank (`schedule`): the trainer's batch of m micro-batches loaded and counted, then
-    each micro-batch's forward and backward, its tensors renamed apart from the one to the other (`apart`). Beyond a
-    backward the schedule keeps its latest forward's output (its `output`) until the next forward returns, and on the
-    last stage each loss to the step's end and each input gradient, sent, until the next backward returns."""
-    config, z, tape = parts.config, parts.z, parts.tape
-    m, first = microbatches(config), stage.has_embedding
+    each micro-batch's forward and backward (`_Schedule`)."""
+    z, m = parts.z, microbatches(parts.config)
     count = embedding_ops(replace(z, b=z.b * m))[0]  # the local batch, every micro-batch's ids and labels
     parts.ends(None, "", (count,)).walk.forward((count,))
-    output = f"layers.{stage.layers}/input" if first else "lm_head/logits"
-    sent = f"grad/layers.{config.L - stage.layers}/input"  # the last stage's input gradient
-    made: dict[int, list[str]] = {}
-    walks: dict[int, list[Segment]] = {}
-    latest, done = 0, set()
-    for forward, j in schedule(m, config.pp, 0 if first else config.pp - 1):
-        if forward:
-            before = set(tape.live)
-            chunk, loss = _segments(parts, stage)
-            for segment in chunk:
-                segment.walk.forward(segment.ops)
-            if latest in done:  # the schedule's `output` lets the previous forward's go as this one returns
-                tape.drop(apart(latest, output))
-            latest = j
-            for segment in loss:
-                segment.walk.forward(segment.ops)
-            made[j], walks[j] = [x for x in tape.live if x not in before], [*chunk, *loss]
-            for x in made[j]:
-                tape.rename(x, apart(j, x))
-            continue
-        for x in made.pop(j):  # but the output, which its backward's rerun (under a checkpoint) makes again
-            if x != output:
+    run = _Schedule(parts, stage)
+    for forward, j in schedule(m, parts.config.pp, 0 if stage.has_embedding else parts.config.pp - 1):
+        (run.forward if forward else run.backward)(j)
+    run.end()
+
+
+@dataclass
+class _Schedule:
+    """Micro-batches walked on one stage's rank, each one's tensors renamed apart (`apart`) from its forward to its
+    backward. Beyond a backward the schedule keeps its latest forward's output (its `output`) until the next forward
+    returns; on the last stage each loss to the step's end, and each input gradient, sent, until the next backward
+    returns (its `bwd_sends`)."""
+
+    parts: Parts
+    stage: Stage
+    made: dict[int, list[str]] = field(default_factory=dict)  # micro-batch -> what its forward left live
+    walks: dict[int, list[Segment]] = field(default_factory=dict)  # micro-batch -> its walks, for its backward
+    done: set[int] = field(default_factory=set)  # micro-batches whose backward ran
+    latest: int = 0  # the micro-batch of the latest forward
+
+    @property
+    def output(self) -> str:
+        """What the stage's chunk returns: the last layer's output, on the last stage the logits."""
+        return f"layers.{self.stage.layers}/input" if self.stage.has_embedding else "lm_head/logits"
+
+    @property
+    def sent(self) -> str:
+        """The last stage's input gradient, which it sends."""
+        return f"grad/layers.{self.parts.config.L - self.stage.layers}/input"
+
+    def forward(self, j: int) -> None:
+        tape = self.parts.tape
+        before = set(tape.live)
+        chunk, loss = _segments(self.parts, self.stage)
+        for segment in chunk:
+            segment.walk.forward(segment.ops)
+        if self.latest in self.done:  # the schedule's `output` lets the previous forward's go as this one returns
+            tape.drop(apart(self.latest, self.output))
+        self.latest = j
+        for segment in loss:
+            segment.walk.forward(segment.ops)
+        self.made[j], self.walks[j] = [x for x in tape.live if x not in before], [*chunk, *loss]
+        for x in self.made[j]:
+            tape.rename(x, apart(j, x))
+
+    def backward(self, j: int) -> None:
+        tape = self.parts.tape
+        for x in self.made.pop(j):  # but the output, which its backward's rerun (under a checkpoint) makes again
+            if x != self.output:
                 tape.rename(apart(j, x), x)
-        for segment in reversed(walks.pop(j)):
+        for segment in reversed(self.walks.pop(j)):
             segment.walk.backward(segment.ops)
-        done.add(j)
-        if latest != j:
-            tape.drop(apart(j, output))
-        if not first:  # torch's stage_backward returns: its seed goes; the loss is kept, the input gradient sent
-            tape.drop("loss/grad seed", apart(j - 1, sent))
+        self.done.add(j)
+        if self.latest != j:
+            tape.drop(apart(j, self.output))
+        if not self.stage.has_embedding:  # stage_backward returns: its seed goes; the loss is kept, the input's
+            tape.drop("loss/grad seed", apart(j - 1, self.sent))  # gradient sent
             tape.rename("loss/value", apart(j, "loss/value"))
-            tape.rename(sent, apart(j, sent))
-    tape.drop(apart(latest, output), apart(m - 1, sent))  # the schedule's step returns
+            tape.rename(self.sent, apart(j, self.sent))
+
+    def end(self) -> None:
+        """The schedule's step returns: its latest output goes, and the last input gradient sent."""
+        self.parts.tape.drop(apart(self.latest, self.output), apart(max(self.done), self.sent))
 
 
 def schedule(m: int, pp: int, rank: int) -> list[tuple[bool, int]]:
