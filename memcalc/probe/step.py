@@ -574,7 +574,7 @@ def measure_step(config: ModelConfig, strategies: list[str], route: str | None =
     for strategy, predicted in planned:
         if config.pp > 1:  # this process is the stage's rank of pp through the fake group
             rank = 0 if predicted.stage == "first" else config.pp - 1
-            measured = run_fake(trainer, (config, strategy), config.pp, rank=rank)
+            measured = run_fake(trainer, (config, strategy, route, device), config.pp, rank=rank)
             out.append(StepComparison(strategy, Mode.FAKE, predicted, measured, model, device))
             continue
         mode = Mode.FAKE if strategy.tensor_parallel and config.t > 1 or config.dp_shard else Mode.SINGLE

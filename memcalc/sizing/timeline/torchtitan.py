@@ -166,7 +166,6 @@ def _pipeline_missing(config: ModelConfig, strategy: Strategy, accounting: Accou
         (m < config.pp, f"num_microbatches={m} below pp={config.pp} (torch's Schedule1F1B refuses it)"),
         (strategy.weight_shards(config.t) > 1 or config.dp_shard is not None or config.moe,
          "pp with tp, dp_shard or experts (pp at t = 1 is walked)"),
-        (accounting.device == "cuda", "pp on CUDA's kernels (--device cuda)"),
     ]
 
 

@@ -15,7 +15,10 @@ from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import Strategy
 from memcalc.sizing.pipeline import Stage, stage_named
 from memcalc.sizing.timeline.tape import ACTIVATIONS, Sizes, Tape, Timeline
-from memcalc.sizing.timeline.torchtitan import OUTPUT, Parts, Segment, embedding_ops, model_parts, output_ops
+from memcalc.sizing.timeline.torchtitan import (
+    OUTPUT, Parts, Segment, embedding_ops, flex_inputs, model_parts, output_ops,
+)
+from memcalc.sizing.timeline.walk import Op
 
 
 def pipeline_timeline(config: ModelConfig, strategy: Strategy, accounting: Accounting,
@@ -45,11 +48,18 @@ def receive_buffers(tape: Tape, config: ModelConfig, z: Sizes, stage: Stage) -> 
 
 
 def walk_stage(parts: Parts, stage: Stage) -> None:
-    """The schedule on `stage`'s rank (`schedule`): the trainer's batch of m micro-batches loaded and counted, then
-    each micro-batch's forward and backward (`_Schedule`)."""
-    z, m = parts.z, microbatches(parts.config)
-    count = embedding_ops(replace(z, b=z.b * m))[0]  # the local batch, every micro-batch's ids and labels
+    """The schedule on `stage`'s rank (`schedule`): the trainer's batch of m micro-batches loaded and counted (on
+    CUDA then each micro-batch's positions and block mask, live all step), then each micro-batch's forward and
+    backward (`_Schedule`)."""
+    z, m, tape = parts.z, microbatches(parts.config), parts.tape
+    count = embedding_ops(replace(z, b=z.b * m, cuda=False))[0]  # the local batch, every micro-batch's ids and labels
     parts.ends(None, "", (count,)).walk.forward((count,))
+    for j in range(m if z.cuda else 0):
+        before = set(tape.live)
+        flex = Op("", forward=flex_inputs(z), backward=())
+        parts.ends(None, "", (flex,)).walk.forward((flex,))
+        for x in [x for x in tape.live if x not in before]:
+            tape.rename(x, apart(j, x))
     run = _Schedule(parts, stage)
     for forward, j in schedule(m, parts.config.pp, 0 if stage.has_embedding else parts.config.pp - 1):
         (run.forward if forward else run.backward)(j)

@@ -1,7 +1,8 @@
 """torchtitan's pipeline (pp = 2, torch's Schedule1F1B, its default) on one stage's rank under torch's MemTracker,
 against the step timeline (memcalc.sizing.timeline.torchtitan_pp): the chunk its pipeline_llm builds there, run by
 torch's PipelineStage through the fake process group (rank 0 for the first stage, rank 1 for the last): the peak, each
-category at it and the state between steps to the byte, where the timeline names it; and every moment the timeline
+category at it and the state between steps to the byte, where the timeline names it, on the CPU's kernels and run
+as CUDA runs them; and every moment the timeline
 names is MemTracker's reading after some op, in order, in its module."""
 
 import pytest
@@ -20,7 +21,6 @@ from tests.helpers import TORCHTITAN_LLAMA3 as LLAMA3, make_config  # noqa: E402
 
 from ..step_readings import assert_moments_in_order, readings_after_every_op  # noqa: E402
 
-CPU = Accounting(exact=True, device="cpu")
 RANKS = {"first": 0, "last": 1}
 
 CASES = [
@@ -35,15 +35,24 @@ CASES = [
 ]
 
 
-def _measured(config, stage):
-    return run_fake(measure_torchtitan_pp_step_on_rank, (config, STRATEGIES["none"]), config.pp, rank=RANKS[stage])
+# on CUDA's kernels (the CPU run as CUDA runs it: flex attention given each micro-batch's positions and block mask,
+# torch's fused RMSNorm): s past one mask block, b = 1 (the document mask's offsets table)
+CUDA_CASES = [{}, {"recompute": "op", "s": 130, "b": 1, "vocab_size": 31},
+              {"recompute": "full", "num_microbatches": 3, "dtype": "fp32", "b": 3, "s": 5, "num_query_groups": 4}]
+
+
+def _measured(config, stage, device):
+    return run_fake(measure_torchtitan_pp_step_on_rank, (config, STRATEGIES["none"], None, device), config.pp,
+                    rank=RANKS[stage])
 
 
 @pytest.mark.parametrize("stage", RANKS)
-@pytest.mark.parametrize("changes", CASES, ids=str)
-def test_each_stage_peaks_where_the_walk_says_to_the_byte(one_thread, changes, stage):
+@pytest.mark.parametrize("changes, device", [*((c, "cpu") for c in CASES), *((c, "cuda") for c in CUDA_CASES)],
+                         ids=str)
+def test_each_stage_peaks_where_the_walk_says_to_the_byte(one_thread, changes, device, stage):
     config = make_config(LLAMA3, pp=2, **changes)
-    predicted, measured = timeline(config, STRATEGIES["none"], CPU, stage), _measured(config, stage)
+    accounting = Accounting(exact=True, device=device)
+    predicted, measured = timeline(config, STRATEGIES["none"], accounting, stage), _measured(config, stage, device)
     assert f"{predicted.peak.phase} {predicted.peak.where}".strip() == measured.moment
     assert predicted.peak.by_category() == {c: measured.peak.get(c, 0) for c in predicted.peak.by_category()}
     assert predicted.steady.by_category() == {c: measured.steady.get(c, 0) for c in predicted.steady.by_category()}
@@ -60,4 +69,5 @@ def test_every_moment_the_walk_names_happens_in_order_in_its_module_with_its_byt
             return readings_after_every_op(warmed_up_stage(group, config))
 
     found = run_fake(readings, (), config.pp, rank=RANKS[stage])
-    assert_moments_in_order(timeline(config, STRATEGIES["none"], CPU, stage).moments[1:-1], found)
+    cpu = Accounting(exact=True, device="cpu")
+    assert_moments_in_order(timeline(config, STRATEGIES["none"], cpu, stage).moments[1:-1], found)
