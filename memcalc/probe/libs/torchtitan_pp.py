@@ -23,6 +23,7 @@ from memcalc.probe.libs import torchtitan_shim as shim
 from memcalc.probe.step import (
     BATCH_SEED, Fp32AdamW, MainGrads, MixedPrecisionAdamW, StepMeasurement, Trainer, batch, measure_trainer,
 )
+from memcalc.sizing.timeline.torchtitan_pp import microbatches
 
 torch = require_torch()
 
@@ -49,6 +50,7 @@ class StageTrainer(Trainer):
     schedule: Any = None
     stage: Any = None
     microbatches: int = 1
+    cuda: bool = False  # CUDA's path: each micro-batch's positions and block mask made before the step
 
     def register(self, tracker: Any) -> None:
         """Also the stage's receive buffers, which torch's PipelineStage makes once, one per micro-batch, and keeps
@@ -57,8 +59,6 @@ class StageTrainer(Trainer):
         infos = (*self.stage.args_recv_info.values(), *self.stage.grad_recv_info.values())
         tracker.track_held(*(x.buffer for recv in infos for x in recv if getattr(x, "buffer", None) is not None))
         tracker.called_per_microbatch.add(self.model)
-
-    cuda: bool = False
 
     def step(self) -> None:
         """Every micro-batch's ids and labels (views of the local batch's), their valid tokens counted, on CUDA each
@@ -114,8 +114,8 @@ def warmed_up_stage(group: TensorParallelGroup, config: ModelConfig, device: str
     with torch.no_grad(), set_default_dtype(dtype):
         chunk.init_states(buffer_device=group.device)
     chunk.train()
-    stage = PipelineStage(chunk, group.rank, pp, group.device, *_shapes(config, group.rank, pp, group.device))
-    m = config.microbatches or pp  # the fewest that reach 1F1B's steady phase
+    stage = PipelineStage(chunk, group.rank, pp, group.device, *_shapes(config, group.rank, pp))
+    m = microbatches(config)
     loss = CrossEntropyLoss(CrossEntropyLoss.Config(global_vocab_size=config.vocab_size))
     schedule = pipeline_parallel._build_pipeline_schedule(parallelism=parallelism, local_batch_size=config.b * m,
                                                           stages=[stage], loss_fn=loss)
@@ -127,7 +127,7 @@ def warmed_up_stage(group: TensorParallelGroup, config: ModelConfig, device: str
     return trainer
 
 
-def _shapes(config: ModelConfig, rank: int, pp: int, device: Any) -> tuple[Any, Any]:
+def _shapes(config: ModelConfig, rank: int, pp: int) -> tuple[Any, Any]:
     """What the stage receives and sends, per micro-batch (torch's static shapes: the fake group carries no
     metadata): the token ids or the previous stage's hidden states, and the hidden states or the logits."""
     b, s, h, dtype = config.b, config.s, config.h, DTYPES[config.dtype]
