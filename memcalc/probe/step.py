@@ -29,6 +29,7 @@ from memcalc.probe.linear import ColumnParallelLinear
 from memcalc.probe.mappings import f_star_leave_tp, split_seq
 from memcalc.probe.norm import Norm
 from memcalc.probe.recorder import batch_first, label
+from memcalc.sizing.pipeline import pipeline_stages, stage_rank
 from memcalc.sizing.states import vocab_shard
 from memcalc.sizing.timeline import (
     ACTIVATIONS, CATEGORIES, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, Timeline, timeline,
@@ -530,7 +531,7 @@ class StepComparison:
     def how(self) -> str:
         on = "on cpu" if self.device == "cpu" else "on cpu, run as CUDA runs it"
         if self.predicted.stage != "only":
-            rank = 0 if self.predicted.stage == "first" else self.measured.t - 1
+            rank = stage_rank(self.predicted.stage, self.measured.t)
             return (f"one process as rank {rank} of pp={self.measured.t} (the {self.predicted.stage} pipeline stage)"
                     f" through torch's fake process group {on}")
         if self.launch is Mode.FAKE:
@@ -573,8 +574,8 @@ def measure_step(config: ModelConfig, strategies: list[str], route: str | None =
     out = []
     for strategy, predicted in planned:
         if config.pp > 1:  # this process is the stage's rank of pp through the fake group
-            rank = 0 if predicted.stage == "first" else config.pp - 1
-            measured = run_fake(trainer, (config, strategy, route, device), config.pp, rank=rank)
+            measured = run_fake(trainer, (config, strategy, route, device), config.pp,
+                                rank=stage_rank(predicted.stage, config.pp))
             out.append(StepComparison(strategy, Mode.FAKE, predicted, measured, model, device))
             continue
         mode = Mode.FAKE if strategy.tensor_parallel and config.t > 1 or config.dp_shard else Mode.SINGLE
@@ -589,8 +590,8 @@ def measure_step(config: ModelConfig, strategies: list[str], route: str | None =
 
 
 def _stages(config: ModelConfig) -> tuple[str | None, ...]:
-    """The pipeline stages a step is measured on: the first and the last (those that bound memory), or the only."""
-    return ("first", "last") if config.pp > 1 else (None,)
+    """The pipeline stages a step is measured on, each on its rank (those that bound memory), or the only."""
+    return tuple(x.name for x in pipeline_stages(config)) if config.pp > 1 else (None,)
 
 
 def _route_pins_bound(config: ModelConfig, route: str | None) -> bool:

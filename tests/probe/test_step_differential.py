@@ -81,9 +81,9 @@ _MEGATRON_MOE = routed(_knobs(mlp=st.sampled_from(("gelu", "swiglu")), norm=st.s
                               moe_shared_expert_intermediate_size=st.sampled_from((None, 8, 24)), dtype=DTYPES,
                               ep=st.sampled_from((1, 2)), dp=st.just(2)))  # ep divides dp
 _TORCHTITAN = _knobs(recompute=st.sampled_from(("none", "full", "op")), dtype=DTYPES)
-# its pipeline (pp = 2, torch's Schedule1F1B): each stage on its rank
-_TORCHTITAN_PP = _knobs(recompute=st.sampled_from(("none", "full", "op")), dtype=DTYPES,
-                        num_microbatches=st.sampled_from((None, 2, 3, 4)))
+# its pipeline (torch's Schedule1F1B): each stage on its rank
+_TORCHTITAN_PP = _knobs(recompute=st.sampled_from(("none", "full", "op")), dtype=DTYPES, pp=st.sampled_from((2, 3)),
+                        num_microbatches=st.sampled_from((None, 3, 4)))
 _TORCHTITAN_MOE = _knobs(num_experts=st.integers(2, 6), moe_router_topk=st.integers(1, 3),
                          moe_router_score_function=st.sampled_from(("softmax", "sigmoid")),
                          moe_router_pre_softmax=st.booleans(),
@@ -119,7 +119,7 @@ SUBJECTS = (
     Subject("megatron experts", "megatron.core", {"impl": "megatron", "add_bias_linear": False}, _MEGATRON_MOE,
             routes=ROUTES[:2]),
     Subject("torchtitan dense", "torchtitan", TORCHTITAN, _TORCHTITAN),
-    Subject("torchtitan pp", "torchtitan", TORCHTITAN | {"pp": 2}, _TORCHTITAN_PP, ts=(1,)),
+    Subject("torchtitan pp", "torchtitan", TORCHTITAN, _TORCHTITAN_PP, ts=(1,)),
     Subject("torchtitan moe", "torchtitan", TORCHTITAN, _TORCHTITAN_MOE,
             routes=(BALANCED,), align=8),
     Subject("hf llama", "transformers", {"impl": "hf"} | LLAMA, _HF),

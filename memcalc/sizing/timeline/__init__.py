@@ -16,7 +16,7 @@ from memcalc.model.knobs import Accounting
 from memcalc.model.ledger import SavedTensor
 from memcalc.model.strategy import Strategy
 from memcalc.records import record
-from memcalc.sizing.pipeline import Stage, stage_named, stages
+from memcalc.sizing.pipeline import Stage, pipeline_stages, stage_named
 from memcalc.sizing.timeline.hf import hf_timeline
 from memcalc.sizing.timeline.torchtitan import torchtitan_timeline
 from memcalc.sizing.timeline.torchtitan_pp import microbatches, pipeline_timeline
@@ -38,7 +38,7 @@ def timeline(
     config: ModelConfig, strategy: Strategy, accounting: Accounting = Accounting(exact=True), stage: str | None = None,
 ) -> Timeline:
     """The moments of one training step of `config` under `strategy`, on one rank of a pipeline stage (one of
-    `memcalc.sizing.pipeline.stages`, the first by default): under 1F1B one micro-batch (interleaved, one model chunk)
+    `memcalc.sizing.pipeline.pipeline_stages`, the first by default): under 1F1B one micro-batch (interleaved, one model chunk)
     beside those the schedule keeps in flight."""
     accounting = replace(accounting, exact=True)  # a timeline counts every byte
     _refuse_other_layers(config)
@@ -166,9 +166,8 @@ class _Kind:
 
 def timelines(config: ModelConfig, strategy: Strategy, accounting: Accounting = Accounting(exact=True)
               ) -> tuple[Timeline, ...]:
-    """One timeline per stage that bounds memory (`memcalc.sizing.pipeline.stages`)."""
-    return tuple(timeline(config, strategy, accounting, x.name)
-                 for x in stages(config.L, config.pp, config.vpp, config.microbatches))
+    """One timeline per stage that bounds memory (`memcalc.sizing.pipeline.pipeline_stages`)."""
+    return tuple(timeline(config, strategy, accounting, x.name) for x in pipeline_stages(config))
 
 
 # The walk's time grows with the layers a stage walks (a moment keeps its totals and its place in the tape's log):

@@ -158,10 +158,6 @@ def _pipeline_missing(config: ModelConfig, strategy: Strategy, accounting: Accou
         return []
     m = config.microbatches or config.pp
     return [
-        # its _generate_llm_fqn_per_model_part counts the embedding and the output as a layer each: at pp = 2 each
-        # stage holds L/2 layers, at pp > 2 the middle stages hold more than the first and last
-        (config.pp > 2, f"pp={config.pp} (torchtitan's split gives the middle stages more layers than the first and"
-                        " the last; pp=2 is walked)"),
         (config.vpp is not None, f"vpp={config.vpp} (torchtitan's default schedule is 1F1B)"),
         (m < config.pp, f"num_microbatches={m} below pp={config.pp} (torch's Schedule1F1B refuses it)"),
         (strategy.weight_shards(config.t) > 1 or config.dp_shard is not None or config.moe,

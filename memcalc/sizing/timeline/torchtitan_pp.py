@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from memcalc.config.schema import ModelConfig
 from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import Strategy
-from memcalc.sizing.pipeline import Stage, stage_named
+from memcalc.sizing.pipeline import Stage, pipeline_stages, stage_named
 from memcalc.sizing.timeline.tape import ACTIVATIONS, Sizes, Tape, Timeline
 from memcalc.sizing.timeline.torchtitan import (
     OUTPUT, Parts, Segment, embedding_ops, flex_inputs, model_parts, output_ops,
@@ -40,11 +40,12 @@ def microbatches(config: ModelConfig) -> int:
 
 def receive_buffers(tape: Tape, config: ModelConfig, z: Sizes, stage: Stage) -> None:
     """torch's PipelineStage makes its receive buffers once, one (b, s, h) per micro-batch, and keeps them between
-    steps: the first stage's for the gradient of what it sends, the last's for what it is sent."""
+    steps: for the gradient of what it sends (but on the last stage) and for what it is sent (but on the first)."""
     m = microbatches(config)
-    what = "the sent output's gradient" if stage.has_embedding else "the input"
-    tape.add("pipeline/receive buffers", ACTIVATIONS, m * z.tokens(z.act * z.h),
-             f"{m} buffers for {what}, one per micro-batch, made by the first step")
+    what = [x for x, has in (("the sent output's gradient", not stage.has_output),
+                             ("the input", not stage.has_embedding)) if has]
+    tape.add("pipeline/receive buffers", ACTIVATIONS, len(what) * m * z.tokens(z.act * z.h),
+             f"{m} buffers for {' and for '.join(what)}, one per micro-batch, made by the first step")
 
 
 def walk_stage(parts: Parts, stage: Stage) -> None:
@@ -61,7 +62,7 @@ def walk_stage(parts: Parts, stage: Stage) -> None:
         for x in [x for x in tape.live if x not in before]:
             tape.rename(x, apart(j, x))
     run = _Schedule(parts, stage)
-    for forward, j in schedule(m, parts.config.pp, 0 if stage.has_embedding else parts.config.pp - 1):
+    for forward, j in schedule(m, parts.config.pp, run.rank):
         (run.forward if forward else run.backward)(j)
     run.end()
 
@@ -81,19 +82,30 @@ class _Schedule:
     latest: int = 0  # the micro-batch of the latest forward
 
     @property
+    def rank(self) -> int:
+        """The stage's rank (its index in torchtitan_stages)."""
+        return next(r for r, x in enumerate(pipeline_stages(self.parts.config)) if x.name == self.stage.name)
+
+    @property
+    def layers(self) -> range:
+        """The layers the stage's chunk holds."""
+        start = sum(x.layers for x in pipeline_stages(self.parts.config)[:self.rank])
+        return range(start, start + self.stage.layers)
+
+    @property
     def output(self) -> str:
-        """What the stage's chunk returns: the last layer's output, on the last stage the logits."""
-        return f"layers.{self.stage.layers}/input" if self.stage.has_embedding else "lm_head/logits"
+        """What the stage's chunk returns: its last layer's output, on the last stage the logits."""
+        return "lm_head/logits" if self.stage.has_output else f"layers.{self.layers.stop}/input"
 
     @property
     def sent(self) -> str:
-        """The last stage's input gradient, which it sends."""
-        return f"grad/layers.{self.parts.config.L - self.stage.layers}/input"
+        """The gradient of the stage's input, which it sends (but on the first stage)."""
+        return f"grad/layers.{self.layers.start}/input"
 
     def forward(self, j: int) -> None:
         tape = self.parts.tape
         before = set(tape.live)
-        chunk, loss = _segments(self.parts, self.stage)
+        chunk, loss = _segments(self.parts, self.stage, self.layers)
         for segment in chunk:
             segment.walk.forward(segment.ops)
         if self.latest in self.done:  # the schedule's `output` lets the previous forward's go as this one returns
@@ -115,9 +127,11 @@ class _Schedule:
         self.done.add(j)
         if self.latest != j:
             tape.drop(apart(j, self.output))
-        if not self.stage.has_embedding:  # stage_backward returns: its seed goes; the loss is kept, the input's
-            tape.drop("loss/grad seed", apart(j - 1, self.sent))  # gradient sent
+        if self.stage.has_output:  # stage_backward returns: its seed goes; the loss is kept
+            tape.drop("loss/grad seed")
             tape.rename("loss/value", apart(j, "loss/value"))
+        if not self.stage.has_embedding:  # the input's gradient, sent, kept until the next backward returns
+            tape.drop(apart(j - 1, self.sent))
             tape.rename(self.sent, apart(j, self.sent))
 
     def end(self) -> None:
@@ -142,14 +156,14 @@ def apart(j: int, name: str) -> str:
     return f"micro-batch {j}/{name}"
 
 
-def _segments(parts: Parts, stage: Stage) -> tuple[list[Segment], list[Segment]]:
-    """One micro-batch's walk of the stage: the chunk pipeline_llm builds there (the first stage's embedding and
-    first layers; the last stage's last layers, final norm and lm_head), and on the last stage the loss the schedule
-    computes after the chunk returns."""
-    config, z = parts.config, parts.z
-    if stage.has_embedding:
-        return [parts.ends("tok_embeddings", "tok_embeddings", (embedding_ops(z)[1],)),
-                *parts.blocks(range(stage.layers))], []
-    *norm, lm_head, loss = output_ops(z, config, pipelined=True)
-    return [*parts.blocks(range(config.L - stage.layers, config.L)), parts.ends(OUTPUT, "norm", tuple(norm)),
+def _segments(parts: Parts, stage: Stage, layers: range) -> tuple[list[Segment], list[Segment]]:
+    """One micro-batch's walk of the stage: the chunk pipeline_llm builds there (on the first stage the embedding,
+    then its `layers`, on the last the final norm and lm_head), and on the last stage the loss the schedule computes
+    after the chunk returns."""
+    z = parts.z
+    first = [parts.ends("tok_embeddings", "tok_embeddings", (embedding_ops(z)[1],))] if stage.has_embedding else []
+    if not stage.has_output:
+        return [*first, *parts.blocks(layers)], []
+    *norm, lm_head, loss = output_ops(z, parts.config, pipelined=True)
+    return [*first, *parts.blocks(layers), parts.ends(OUTPUT, "norm", tuple(norm)),
             parts.ends(OUTPUT, "lm_head", (lm_head,))], [parts.ends(None, "", (loss,))]
