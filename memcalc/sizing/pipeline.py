@@ -70,7 +70,8 @@ def torchtitan_stages(L: int, pp: int, microbatches: int) -> tuple[Stage, ...]:
         kept = min(microbatches, pp - r)
         name = "first" if r == 0 else "last" if r == pp - 1 else f"rank {r}"
         found.append(Stage(name, layers, layers * kept, kept if r == 0 else 0, int(r == pp - 1),
-                           f"torch's 1F1B keeps {kept} micro-batch{'es' if kept > 1 else ''} of {layers} layers", kept))
+                           f"torch's 1F1B keeps {kept} micro-batch{'es' if kept > 1 else ''} of {layers}"
+                           f" layer{'s' if layers != 1 else ''}", kept))
     return tuple(found)
 
 
