@@ -84,9 +84,10 @@ def test_what_the_hf_walk_does_not_model_is_refused_by_name(changes, named):
 
 
 def test_pp_is_refused_saying_transformers_has_no_pipeline_schedule_and_who_pipelines_it():
-    with pytest.raises(ConfigError, match="pp=2 \\(transformers has no pipeline schedule of its own; its"
-                                          " base_model_pp_plan is read by torchtitan.s experimental transformers"
-                                          " backend: see --impl torchtitan\\)"):
+    with pytest.raises(ConfigError, match="pp=2 \\(transformers has no pipeline schedule of its own: its"
+                                          " base_model_pp_plan only names each stage.s inputs and outputs, for"
+                                          " torchtitan.s experimental transformers backend; --impl torchtitan walks"
+                                          " torchtitan.s Llama3 under its pipeline\\)"):
         _timeline(L=2, pp=2)
 
 
