@@ -75,11 +75,17 @@ def torchtitan_stages(L: int, pp: int, microbatches: int) -> tuple[Stage, ...]:
     return tuple(found)
 
 
+def torchtitan_microbatches(config: ModelConfig) -> int:
+    """The micro-batches a step of torchtitan's pipeline runs: the config's, else pp, the fewest torch's
+    Schedule1F1B takes."""
+    return config.microbatches or config.pp
+
+
 def pipeline_stages(config: ModelConfig) -> tuple[Stage, ...]:
     """The stages whose step timelines bound per-GPU memory: under torchtitan's pipeline every rank's
-    (`torchtitan_stages`, m the config's micro-batches or pp, the fewest its schedule takes), else `stages`."""
+    (`torchtitan_stages`), else `stages`."""
     if config.impl == "torchtitan" and config.pp > 1:
-        return torchtitan_stages(config.L, config.pp, config.microbatches or config.pp)
+        return torchtitan_stages(config.L, config.pp, torchtitan_microbatches(config))
     return stages(config.L, config.pp, config.vpp, config.microbatches)
 
 

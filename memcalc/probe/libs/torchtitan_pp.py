@@ -23,7 +23,7 @@ from memcalc.probe.libs import torchtitan_shim as shim
 from memcalc.probe.step import (
     BATCH_SEED, Fp32AdamW, MainGrads, MixedPrecisionAdamW, StepMeasurement, Trainer, batch, measure_trainer,
 )
-from memcalc.sizing.timeline.torchtitan_pp import microbatches
+from memcalc.sizing.pipeline import torchtitan_microbatches
 
 torch = require_torch()
 
@@ -115,7 +115,7 @@ def warmed_up_stage(group: TensorParallelGroup, config: ModelConfig, device: str
         chunk.init_states(buffer_device=group.device)
     chunk.train()
     stage = PipelineStage(chunk, group.rank, pp, group.device, *_shapes(config, group.rank, pp))
-    m = microbatches(config)
+    m = torchtitan_microbatches(config)
     loss = CrossEntropyLoss(CrossEntropyLoss.Config(global_vocab_size=config.vocab_size))
     schedule = pipeline_parallel._build_pipeline_schedule(parallelism=parallelism, local_batch_size=config.b * m,
                                                           stages=[stage], loss_fn=loss)

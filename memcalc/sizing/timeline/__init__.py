@@ -16,10 +16,10 @@ from memcalc.model.knobs import Accounting
 from memcalc.model.ledger import SavedTensor
 from memcalc.model.strategy import Strategy
 from memcalc.records import record
-from memcalc.sizing.pipeline import Stage, pipeline_stages, stage_named
+from memcalc.sizing.pipeline import Stage, pipeline_stages, stage_named, torchtitan_microbatches
 from memcalc.sizing.timeline.hf import hf_timeline
 from memcalc.sizing.timeline.torchtitan import torchtitan_timeline
-from memcalc.sizing.timeline.torchtitan_pp import microbatches, pipeline_timeline
+from memcalc.sizing.timeline.torchtitan_pp import pipeline_timeline
 from memcalc.sizing.timeline.ends import STEP_TENSORS, Ends, model_states, optimizer_step
 from memcalc.sizing.timeline import megatron_mla, megatron_moe
 from memcalc.sizing.timeline.megatron import INPUT, INPUT_GRAD, OUTPUT, OUTPUT_GRAD, layer_ops
@@ -182,7 +182,7 @@ def _refuse_other_layers(config: ModelConfig) -> None:
     if per_stage > MAX_WALKED_LAYERS:
         raise ConfigError(f"the step timeline walks a stage's layers one by one, at most {MAX_WALKED_LAYERS}:"
                           f" L/pp = {config.L}/{config.pp} is {per_stage}")
-    m = microbatches(config) if config.impl == "torchtitan" and config.pp > 1 else 1  # it walks every micro-batch
+    m = torchtitan_microbatches(config) if config.impl == "torchtitan" and config.pp > 1 else 1  # it walks every micro-batch
     if per_stage * m > MAX_WALKED_LAYERS:
         raise ConfigError(f"the step timeline walks a stage's layers one by one, at most {MAX_WALKED_LAYERS}: L/pp ="
                           f" {config.L}/{config.pp} is {per_stage}, times {m} micro-batches (torchtitan's pipeline is"

@@ -19,7 +19,7 @@ from memcalc.model.impls import torchtitan as rules
 from memcalc.model.knobs import DTYPE_BYTES, Accounting, element_bytes
 from memcalc.model.ledger import SavedTensor
 from memcalc.model.strategy import Strategy
-from memcalc.sizing.pipeline import Stage, stage_named
+from memcalc.sizing.pipeline import Stage, stage_named, torchtitan_microbatches
 from memcalc.sizing.timeline.ends import model_states, optimizer_step
 from memcalc.sizing.timeline.fsdp import OUTPUT, Fsdp, expert_dim1, torchtitan_block
 from memcalc.sizing.timeline.tape import ACTIVATIONS, PARAMETERS, TEMPORARIES, Sizes, Tape, Timeline, prod
@@ -143,7 +143,7 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
         (config.position_embedding_type != "rope", f"position_embedding_type {config.position_embedding_type}"
                                                    " (Llama3 rotates q and k: set rope)"),
         (config.add_bias_linear or config.add_qkv_bias, "biases (Llama3 has none: set add_bias_linear false)"),
-        *_pipeline_missing(config, strategy, accounting),
+        *_pipeline_missing(config, strategy),
         (config.cp != 1, f"cp={config.cp}"),
         (config.b * config.s == 1, "b = s = 1 (V is then a view of the fused wqkv output)"),
     ]
@@ -152,11 +152,11 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
             raise ConfigError(f"the step timeline for impl torchtitan does not model {what} yet")
 
 
-def _pipeline_missing(config: ModelConfig, strategy: Strategy, accounting: Accounting) -> list[tuple[bool, str]]:
+def _pipeline_missing(config: ModelConfig, strategy: Strategy) -> list[tuple[bool, str]]:
     """What the pipelined walk (memcalc.sizing.timeline.torchtitan_pp) leaves out, pp > 1."""
     if config.pp == 1:
         return []
-    m = config.microbatches or config.pp
+    m = torchtitan_microbatches(config)
     return [
         (config.vpp is not None, f"vpp={config.vpp} (torchtitan's default schedule is 1F1B)"),
         (m < config.pp, f"num_microbatches={m} below pp={config.pp} (torch's Schedule1F1B refuses it)"),

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from memcalc.config.schema import ModelConfig
 from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import Strategy
-from memcalc.sizing.pipeline import Stage, pipeline_stages, stage_named
+from memcalc.sizing.pipeline import Stage, pipeline_stages, stage_named, torchtitan_microbatches
 from memcalc.sizing.timeline.tape import ACTIVATIONS, Sizes, Tape, Timeline
 from memcalc.sizing.timeline.torchtitan import (
     OUTPUT, Parts, Segment, embedding_ops, flex_inputs, model_parts, output_ops,
@@ -33,15 +33,10 @@ def pipeline_timeline(config: ModelConfig, strategy: Strategy, accounting: Accou
     return parts.timeline(st.name)
 
 
-def microbatches(config: ModelConfig) -> int:
-    """The micro-batches a step runs: the config's, else pp, the fewest torch's Schedule1F1B takes."""
-    return config.microbatches or config.pp
-
-
 def receive_buffers(tape: Tape, config: ModelConfig, z: Sizes, stage: Stage) -> None:
     """torch's PipelineStage makes its receive buffers once, one (b, s, h) per micro-batch, and keeps them between
     steps: for the gradient of what it sends (but on the last stage) and for what it is sent (but on the first)."""
-    m = microbatches(config)
+    m = torchtitan_microbatches(config)
     what = [x for x, has in (("the sent output's gradient", not stage.has_output),
                              ("the input", not stage.has_embedding)) if has]
     tape.add("pipeline/receive buffers", ACTIVATIONS, len(what) * m * z.tokens(z.act * z.h),
@@ -52,7 +47,7 @@ def walk_stage(parts: Parts, stage: Stage) -> None:
     """The schedule on `stage`'s rank (`schedule`): the trainer's batch of m micro-batches loaded and counted (on
     CUDA then each micro-batch's positions and block mask, live all step), then each micro-batch's forward and
     backward (`_Schedule`)."""
-    z, m, tape = parts.z, microbatches(parts.config), parts.tape
+    z, m, tape = parts.z, torchtitan_microbatches(parts.config), parts.tape
     count = embedding_ops(replace(z, b=z.b * m, cuda=False))[0]  # the local batch, every micro-batch's ids and labels
     parts.ends(None, "", (count,)).walk.forward((count,))
     for j in range(m if z.cuda else 0):
