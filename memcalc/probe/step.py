@@ -559,7 +559,8 @@ def measure_step(config: ModelConfig, strategies: list[str], route: str | None =
         raise ConfigError(f"--step runs as CUDA does (--device {device}) only with --impl torchtitan")
     if config.pp > 1 and config.impl != "torchtitan":
         raise ConfigError(f"--step runs one pipeline stage (pp={config.pp}) only with --impl torchtitan (torch's"
-                          f" pipelining on the fake group); with --impl {config.impl} it runs the whole model: set pp 1")
+                          f" pipelining on the fake group); with --impl {config.impl} it runs the whole model:"
+                          " set pp 1")
     accounting = Accounting(exact=True, device=device)
     planned = [(STRATEGIES[name], timeline(config, check_strategy(config, STRATEGIES[name]), accounting, stage))
                for name in strategies for stage in _stages(config)]

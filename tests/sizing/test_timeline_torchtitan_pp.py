@@ -42,7 +42,8 @@ def test_more_walked_layers_than_the_walk_takes_are_refused_counting_every_micro
         _timeline("first", num_microbatches=600)
 
 
-@pytest.mark.parametrize("L, pp, layers", [(8, 2, (4, 4)), (8, 4, (2, 3, 2, 1)), (6, 3, (2, 3, 1)), (4, 4, (1, 2, 1, 0))])
+@pytest.mark.parametrize("L, pp, layers", [(8, 2, (4, 4)), (8, 4, (2, 3, 2, 1)), (6, 3, (2, 3, 1)),
+                                           (4, 4, (1, 2, 1, 0))])
 def test_torchtitans_split_counts_the_embedding_and_the_output_as_a_layer_each(L, pp, layers):
     assert tuple(x.layers for x in torchtitan_stages(L, pp, pp)) == layers
 

@@ -38,14 +38,15 @@ def timeline(
     config: ModelConfig, strategy: Strategy, accounting: Accounting = Accounting(exact=True), stage: str | None = None,
 ) -> Timeline:
     """The moments of one training step of `config` under `strategy`, on one rank of a pipeline stage (one of
-    `memcalc.sizing.pipeline.pipeline_stages`, the first by default): under 1F1B one micro-batch (interleaved, one model chunk)
-    beside those the schedule keeps in flight."""
+    `memcalc.sizing.pipeline.pipeline_stages`, the first by default): under 1F1B one micro-batch (interleaved, one
+    model chunk) beside those the schedule keeps in flight (torchtitan's: every micro-batch walked)."""
     accounting = replace(accounting, exact=True)  # a timeline counts every byte
     _refuse_other_layers(config)
     if config.impl == "hf":  # transformers' LlamaForCausalLM, op by op: its own walk
         return hf_timeline(config, strategy, accounting)
     if config.impl == "torchtitan":  # torchtitan's Llama3Model, described as ops for the generic walk
         if config.pp > 1:  # one stage of its pipeline, torch's Schedule1F1B
+            _refuse_walking_every_microbatch(config)
             return pipeline_timeline(config, strategy, accounting, stage)
         return torchtitan_timeline(config, strategy, accounting)
     missing = megatron_moe.unmodelled(config, Sizes.of(config, strategy)) if config.moe else None
@@ -182,11 +183,6 @@ def _refuse_other_layers(config: ModelConfig) -> None:
     if per_stage > MAX_WALKED_LAYERS:
         raise ConfigError(f"the step timeline walks a stage's layers one by one, at most {MAX_WALKED_LAYERS}:"
                           f" L/pp = {config.L}/{config.pp} is {per_stage}")
-    m = torchtitan_microbatches(config) if config.impl == "torchtitan" and config.pp > 1 else 1  # it walks every micro-batch
-    if per_stage * m > MAX_WALKED_LAYERS:
-        raise ConfigError(f"the step timeline walks a stage's layers one by one, at most {MAX_WALKED_LAYERS}: L/pp ="
-                          f" {config.L}/{config.pp} is {per_stage}, times {m} micro-batches (torchtitan's pipeline is"
-                          f" walked micro-batch by micro-batch) {per_stage * m}")
     if config.mla and config.impl != "megatron":
         raise ConfigError(f"the step timeline models latent attention (kv_lora_rank) as megatron-core's"
                           f" MLASelfAttention (impl megatron), not impl {config.impl}")
@@ -211,3 +207,12 @@ def _check_modelled(config: ModelConfig, kept: tuple[SavedTensor, ...], ops: tup
     for absent, what in missing:
         if absent:
             raise ConfigError(f"the step timeline does not model {what} yet")
+
+
+def _refuse_walking_every_microbatch(config: ModelConfig) -> None:
+    """ConfigError past the walk's limit where torchtitan's pipeline walks each micro-batch's layers."""
+    per_stage, m = -(-config.L // config.pp), torchtitan_microbatches(config)
+    if per_stage * m > MAX_WALKED_LAYERS:
+        raise ConfigError(f"the step timeline walks a stage's layers one by one, at most {MAX_WALKED_LAYERS}: L/pp ="
+                          f" {config.L}/{config.pp} is {per_stage}, times {m} micro-batches (torchtitan's pipeline is"
+                          f" walked micro-batch by micro-batch) {per_stage * m}")
