@@ -2,7 +2,7 @@
 step timeline says.
 
 For every model `measure --step` trains (memcalc's GPT with megatron-core's modules, torchtitan's Llama3Model dense,
-checkpointed and with experts, transformers' families, and both under FSDP2), hypothesis draws a tensor-parallel size
+checkpointed, pipelined (each stage on its rank) and with experts, transformers' families, and both under FSDP2), hypothesis draws a tensor-parallel size
 t in {1, 2, 4}, one to three layers, b = 1 among the batch sizes, s <= 32 (odd ones included; long enough for the
 attention core's (s, s) gradients to be the peak), odd head counts per rank and every GQA ratio t allows, a small
 vocabulary, the knob values the model takes, one of the layouts its implementation runs and, with experts, a forced
@@ -81,6 +81,9 @@ _MEGATRON_MOE = routed(_knobs(mlp=st.sampled_from(("gelu", "swiglu")), norm=st.s
                               moe_shared_expert_intermediate_size=st.sampled_from((None, 8, 24)), dtype=DTYPES,
                               ep=st.sampled_from((1, 2)), dp=st.just(2)))  # ep divides dp
 _TORCHTITAN = _knobs(recompute=st.sampled_from(("none", "full", "op")), dtype=DTYPES)
+# its pipeline (torch's Schedule1F1B): each stage on its rank
+_TORCHTITAN_PP = _knobs(recompute=st.sampled_from(("none", "full", "op")), dtype=DTYPES, pp=st.sampled_from((2, 3)),
+                        num_microbatches=st.sampled_from((None, 3, 4)))
 _TORCHTITAN_MOE = _knobs(num_experts=st.integers(2, 6), moe_router_topk=st.integers(1, 3),
                          moe_router_score_function=st.sampled_from(("softmax", "sigmoid")),
                          moe_router_pre_softmax=st.booleans(),
@@ -125,6 +128,7 @@ SUBJECTS = (
     Subject("megatron experts", "megatron.core", {"impl": "megatron", "add_bias_linear": False}, _MEGATRON_MOE,
             routes=ROUTES[:2]),
     Subject("torchtitan dense", "torchtitan", TORCHTITAN, _TORCHTITAN),
+    Subject("torchtitan pp", "torchtitan", TORCHTITAN, _TORCHTITAN_PP, ts=(1,)),
     Subject("torchtitan moe", "torchtitan", TORCHTITAN, _TORCHTITAN_MOE,
             routes=(BALANCED,), align=8),
     Subject("hf llama", "transformers", {"impl": "hf"} | LLAMA, _HF),
@@ -176,10 +180,11 @@ def check_step(config: Any, layout: str, route: str | None) -> None:
     from memcalc.probe.step import measure_step
 
     try:
-        (r,) = measure_step(config, [layout], route=route)
+        compared = measure_step(config, [layout], route=route)  # under pp: the first stage and the last
     except ConfigError:
         assume(False)  # the step timeline refuses what it does not model, in one line
-    assert_step_exact(r)
+    for r in compared:
+        assert_step_exact(r)
 
 
 def assert_step_exact(r: Any) -> None:

@@ -215,7 +215,12 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
         (tp and config.tie_embeddings,
          "tied embeddings under tp (transformers' apply_tensor_parallelism looks lm_head.weight up among"
          " named_parameters(), which names a tied weight once: KeyError)"),
-        (config.pp != 1, f"pp={config.pp}"),
+        # transformers has no pipeline schedule: its config's base_model_pp_plan only names each stage's inputs and
+        # outputs (read by torchtitan's experimental transformers backend), its Trainer never pipelines, and
+        # accelerate's prepare_pippy splits a model for inference only
+        (config.pp != 1, f"pp={config.pp} (transformers has no pipeline schedule of its own: its base_model_pp_plan"
+                         " only names each stage's inputs and outputs, for torchtitan's experimental transformers"
+                         " backend; --impl torchtitan walks torchtitan's Llama3 under its pipeline)"),
         (config.cp != 1, f"cp={config.cp}"),
         (config.add_bias_linear and family != "gpt2",
          "add_bias_linear (biases on every linear; Qwen2's q, k, v biases are add_qkv_bias)"),
