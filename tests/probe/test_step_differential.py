@@ -39,7 +39,7 @@ LLAMA = {"norm": "rmsnorm", "mlp": "swiglu", "position_embedding_type": "rope", 
 BALANCED = ("balanced", "balanced")
 ROUTES = (BALANCED, ("all-to-one", "worst"), ("all-to-one", "balanced"))
 NO_ROUTE = ((None, "balanced"),)
-TORCHTITAN = {"impl": "torchtitan", "tie_embeddings": False} | LLAMA  # Llama3 unties them
+TORCHTITAN = {"impl": "torchtitan", "tie_embeddings": False} | LLAMA  # its 8B and 70B untie them (1B, 3B: drawn)
 LATENT = {"impl": "megatron", "mlp": "swiglu", "attention": "eager", "add_bias_linear": False} | MLA
 # GemmaForCausalLM: (1 + w) RMSNorm, tanh GeGLU, a scaled embedding; eager attention, which Gemma 2 runs alone
 GEMMA = {"impl": "hf", "family": "gemma", "norm": "rmsnorm_1p", "mlp": "geglu_tanh", "attention": "eager", "dropout": 0.0,
@@ -80,12 +80,12 @@ _MEGATRON_MOE = routed(_knobs(mlp=st.sampled_from(("gelu", "swiglu")), norm=st.s
                               attention=ATTENTION, dropout=DROPOUT, num_experts=st.integers(3, 6),
                               moe_shared_expert_intermediate_size=st.sampled_from((None, 8, 24)), dtype=DTYPES,
                               ep=st.sampled_from((1, 2)), dp=st.just(2)))  # ep divides dp
-_TORCHTITAN = _knobs(recompute=st.sampled_from(("none", "full", "op")), dtype=DTYPES)
+_TORCHTITAN = _knobs(recompute=st.sampled_from(("none", "full", "op")), dtype=DTYPES, tie_embeddings=TIED)
 _TORCHTITAN_MOE = _knobs(num_experts=st.integers(2, 6), moe_router_topk=st.integers(1, 3),
                          moe_router_score_function=st.sampled_from(("softmax", "sigmoid")),
                          moe_router_pre_softmax=st.booleans(),
                          moe_shared_expert_intermediate_size=st.sampled_from((None, 8, 48)),
-                         recompute=st.sampled_from(("none", "full", "op")))
+                         recompute=st.sampled_from(("none", "full", "op")), tie_embeddings=TIED)
 _HF = _knobs(attention=ATTENTION, dropout=DROPOUT, dtype=DTYPES, tie_embeddings=TIED,
              recompute=st.sampled_from(("none", "full")))
 _HF_MIXTRAL = _knobs(attention=ATTENTION, num_experts=st.integers(2, 6), moe_router_topk=st.integers(1, 3),

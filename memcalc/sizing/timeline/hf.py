@@ -409,8 +409,7 @@ def _embedding_backward(z: Sizes, config: ModelConfig, tp: bool, sharded: bool) 
                  " Shard(0) (DTensor's redistribute) to be added into the fp32 buffer")),
             frees=("grad/embedding (.grad)", "grad/embedding (rows)")),)
     if tied:
-        out += (Step("the tied weight's two gradients summed", (Made("grad/embedding (sum)", table, "autograd sums"
-                                                                     " the tied weight's two gradients"),)),)
+        out += (torch_ops.tied_sum(table),)
     handed = () if rows else ("grad/embedding (sum)" if tied else "grad/embedding (lookup)",)
     return out + (Step("", hands_over=handed), Step("", frees=("grad/embedding (lookup)", "grad/embedding (lm_head)")))
 
