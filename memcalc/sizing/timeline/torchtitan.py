@@ -96,8 +96,8 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
         (config.moe and config.ep > 1 and not strategy.sequence_parallel, f"experts at ep={config.ep} under tp without"
          " sequence parallel (its MoE slices the replicated input; tp-sp, torchtitan's default, is modelled)"),
         (config.moe and sharded_tp, "experts under dp_shard with tp (FSDP2 over its MoE sharding plan)"),
-        (config.tie_embeddings and config.dp_shard is not None, "tie_embeddings with dp_shard (tied, apply_fsdp"
-                                                                 " shards tok_embeddings, norm and lm_head as one unit)"),
+        (config.tie_embeddings and config.dp_shard is not None,
+         "tie_embeddings with dp_shard (tied, apply_fsdp shards tok_embeddings, norm and lm_head as one unit)"),
         (config.tie_embeddings and config.pp != 1, f"tie_embeddings with pp={config.pp} (Decoder.update_from_config"
                                                    " raises NotImplementedError: no weight tying under pp)"),
         (config.position_embedding_type != "rope", f"position_embedding_type {config.position_embedding_type}"

@@ -153,7 +153,7 @@ def test_what_the_walk_does_not_model_is_refused_by_name(changes, named):
         timeline(make_config(LLAMA3, **changes), STRATEGIES["none"], CPU)
 
 
-# -- tied (enable_weight_tying, as its 1B and 3B flavours): lm_head's weight gradient waits for the table's -------------
+# -- tied (enable_weight_tying, as its 1B and 3B flavours): lm_head's weight gradient waits for the table's ------------
 
 TIED = [
     ({"b": 1, "s": 9, "h": 64, "a": 4, "num_query_groups": 4, "ffn_hidden_size": 64, "vocab_size": 40}, "none",
