@@ -259,6 +259,16 @@ FINDINGS = [
              " an activation) is still held, then freed as the residual add makes its 2sbh, a tie MemTracker reaches"
              " first; the walk (timeline/megatron.py) marked the rerun once, after the add (1,620 B filed as"
              " temporaries that MemTracker files as activations); it now marks the dropout first", fixed=True),
+    _finding("torch", {"impl": "megatron", "mlp": "gelu", "norm": "layernorm", "dropout": 0.1, "recompute": "full",
+                       "attention_softmax_in_fp32": True, "tie_embeddings": False, "add_bias_linear": False, "L": 1,
+                       "b": 1, "s": 16, "h": 10, "a": 5, "ffn_hidden_size": 1, "vocab_size": 2}, "none",
+             "Full recomputation's rerun of the eager core with the fp32 softmax and dropout: memcalc's layer"
+             " (probe/attention.py) held the scores' fp32 copy to the core's end, where megatron-core's"
+             " forward_torch_softmax lets it go as it returns (DotProductAttention holds the 16-bit matmul_result"
+             " instead), so its rerun held the copy, the softmax, its cast and the dropout together, 640 B above"
+             " the walk; the probe now holds what megatron-core holds, and the walk (timeline/megatron.py,"
+             " _eager_core_rerun) reads the rerun's core at the cast, the dropout and the projection's input",
+             fixed=True),
     _finding("megatron.core", LATENT | {"q_lora_rank": None, "norm": "layernorm", "dropout": 0.0, "recompute": "selective", "L": 3, "b": 1,
                       "s": 3, "h": 10, "a": 5, "ffn_hidden_size": 1, "vocab_size": 2}, "none",
              "A moment in the core's selective rerun, named: the peak is dK scaled in the last layer's core backward;"
