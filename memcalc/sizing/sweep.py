@@ -169,12 +169,12 @@ def _as_a_config_reads(
     return {k: v for k, v in knob_fields.items() if not (k in unset and type(v) is int and v == unset[k])}
 
 
-def _one_value(name: str, fields: dict[str, Any], ranges: dict[str, Sequence[int]]) -> Any:
-    """The one value a size takes in the sweep (the config's, or an axis of one value), None where it varies."""
-    if name not in ranges:
-        return fields.get(name)
-    values = ranges[name]
-    return values[0] if values[0] == values[-1] and (isinstance(values, range) or len(set(values)) == 1) else None
+def _one_value(name: str, fields: dict[str, Any], ranges: dict[str, Sequence[int]]) -> int | None:
+    """The one whole number a size takes in the sweep (the config's, or an axis of one value), None where it varies
+    (or is not a whole number: validation names it later)."""
+    values = ranges.get(name, (fields.get(name),))
+    one = values[0] == values[-1] and (isinstance(values, range) or len(set(values)) == 1)
+    return values[0] if one and type(values[0]) is int else None
 
 
 def _expert_knobs(ranges: dict[str, Sequence[int]], fields: dict[str, Any]) -> dict[str, int]:
