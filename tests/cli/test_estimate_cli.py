@@ -106,3 +106,14 @@ def test_breakdown_adds_a_row_per_saved_tensor():
     assert "attention/softmax_out" not in plain
     softmax_row = next(line for line in detailed.splitlines() if "attention/softmax_out" in line)
     assert f"{2 * B * A * S * S:,}" in softmax_row and f"{2 * B * A * S * S // T:,}" in softmax_row
+
+
+def test_naming_qwen2_on_the_command_line_gives_its_layer_as_its_config_file_does(tmp_path):
+    # Qwen2Attention's q, k and v always carry biases (add_qkv_bias, a config field no flag sets): `--family qwen2`
+    # was refused as needing add_qkv_bias true, so the family ran from a config file only
+    model = ("--impl", "hf", "--norm", "rmsnorm", "--mlp", "swiglu", "--s", "16", "--h", "64", "--a", "4", "--totals")
+    config = tmp_path / "qwen2.yaml"
+    config.write_text("name: qwen2\nfamily: qwen2\nadd_qkv_bias: true\n")
+    named = _json(*model, "--family", "qwen2")
+    assert named["config"]["add_qkv_bias"] is True
+    assert named["per_gpu"] == _json(*model, "--config", str(config))["per_gpu"]
