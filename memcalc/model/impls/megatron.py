@@ -506,8 +506,8 @@ def _check_expert_biases(config: Any) -> None:
     shared = config.moe_shared_expert_intermediate_size is not None
     if config.add_bias_linear and (config.t > 1 or shared):
         where = "its shared experts" if shared else f"its experts at etp = t = {config.t} (only at etp = 1)"
-        raise ConfigError(f"impl megatron: megatron-core refuses biases in {where}; set add_bias_linear: false in"
-                          " the config (Megatron-LM's --disable-bias-linear)")
+        raise ConfigError(f"impl megatron: megatron-core refuses biases in {where}; give --no-bias-linear (or"
+                          " add_bias_linear: false in the config; Megatron-LM's --disable-bias-linear)")
 
 
 IMPLEMENTATION = Implementation(
