@@ -45,7 +45,8 @@ config_option = click.option(
 
 hf_config_option = click.option(
     "--hf-config", "hf_config_path", type=click.Path(path_type=Path), default=None,
-    help="A Hugging Face config.json (of a family `memcalc hf-families` lists) instead of --config.",
+    help="A Hugging Face config.json, or a model directory holding one (of a family `memcalc hf-families` lists),"
+    " instead of --config.",
 )
 
 def _int(flag: str, help: str, name: str | None = None) -> Callable:
