@@ -34,9 +34,14 @@ from memcalc.sizing.timeline.walk import Checkpoint, HandOver, Made, Op, Step, W
 from memcalc.sizing.timeline.zero import Zero
 
 
+def _norm_like_final(config: ModelConfig) -> RMSNormTensors:
+    """A layer's norm of model.norm's class and shape: its input_layernorm, or OLMo 2's first post-norm."""
+    return rules.POST_NORMS[config.norm][0] if config.post_norm else rules.RMS_NORMS[config.norm][0]
+
+
 def final_norm(config: ModelConfig) -> RMSNormTensors:
-    """model.norm keeps what a layer's input_layernorm keeps (the same class), under its own names."""
-    ln1 = rules.RMS_NORMS[config.norm][0]
+    """model.norm keeps what a layer's norm of its class keeps (`_norm_like_final`), under its own names."""
+    ln1 = _norm_like_final(config)
     return replace(ln1, **{f.name: replace(x, name=f"final_norm/{x.name.partition('/')[2]}") for f in fields(ln1)
                            if (x := getattr(ln1, f.name)) is not None})
 
@@ -101,14 +106,14 @@ def _llama(tape: Tape, config: ModelConfig, z: Sizes, saved: dict[str, int], han
            kept: tuple[tuple[ledger.SavedTensor, int], ...], dense: tuple[tuple[ledger.SavedTensor, int], ...],
            sharded: bool) -> tuple[Walked, list[Walked], Walked]:
     """LlamaForCausalLM's (and its kin's) embedding, layers and output as walks and ops."""
-    ln1, final = rules.RMS_NORMS[config.norm][0], final_norm(config)  # the final norm's tensors are ln1's sizes
-    ends = {x.name: saved[x.name] for x in layer.ROPE} | {ledger.OUTPUT_INPUT.name: z.full(z.h)} | {
+    ln1, final, rope = _norm_like_final(config), final_norm(config), rules.rope_tables(config)
+    ends = {x.name: saved[x.name] for x in rope} | {ledger.OUTPUT_INPUT.name: z.full(z.h)} | {
         y.name: saved[x.name] for x, y in zip(ln1, final) if x.name in saved} | {
         ledger.LOGITS_SOFTCAP_TANH.name: z.act * z.b * z.s * config.vocab_size}
-    tensors = tuple(x for x, _ in kept if x not in layer.ROPE)  # every layer shares one description of these
+    tensors = tuple(x for x, _ in kept if x not in rope)  # every layer shares one description of these
     made, block = moe.kept_in_forward(tensors, config), moe.block_backward(z, config) if config.moe else ()
     saved |= moe.expert_bytes(saved, config) if config.moe else {}
-    plain = moe.kept_in_forward(tuple(x for x, _ in dense if x not in layer.ROPE), config)  # a dense one's among MoE
+    plain = moe.kept_in_forward(tuple(x for x, _ in dense if x not in rope), config)  # a dense one's among MoE
     layers = [(Walk(tape, f"layers.{i}", f"model.layers.{i}", saved, hand_over, _checkpoint(i, config)),
                _layer(i, z, config, saved, made, block) if not config.moe or moe.sparse(config, i) else
                _layer(i, z, config, saved, plain, ())) for i in range(config.L)]
@@ -148,7 +153,7 @@ def _checkpoint(i: int, config: ModelConfig) -> Checkpoint | None:
         return None
     # the mask LlamaModel passes each layer: Gemma 2's even layers slide (layer_types), the rest attend causally
     masks = ["model/sliding_mask" if config.sandwich_norm and j % 2 == 0 else "model/causal_mask" for j in range(i + 1)]
-    shared = (*(("model/position_ids", *(x.name for x in layer.ROPE)) if i == 0 else ()),
+    shared = (*(("model/position_ids", *(x.name for x in rules.rope_tables(config))) if i == 0 else ()),
               *((masks[i],) if masks.index(masks[i]) == i else ()))
     rerun = ACTIVATIONS if config.dp_shard is None else TEMPORARIES  # FSDPMemTracker's: in backward, no unit's forward
     return Checkpoint(f"layers.{i}/input", rerun=rerun, early_stop=True, own=TEMPORARIES, frame=shared)
@@ -186,7 +191,8 @@ def _step(tape: Tape, sharding: Fsdp | Zero | None, inputs: Walked, layers: list
 
 
 # The families whose model the walk follows, which --step builds (memcalc.probe.libs.hf_step).
-WALKED = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma", "gemma2", "phi3", "gpt2")
+WALKED = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma", "gemma2", "phi3", "gpt2",
+          "olmo2")
 
 
 def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounting) -> None:
@@ -212,8 +218,9 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
         (config.cp != 1, f"cp={config.cp}"),
         (config.add_bias_linear and family != "gpt2",
          "add_bias_linear (biases on every linear; Qwen2's q, k, v biases are add_qkv_bias)"),
-        ((scaled_embedding(config) or config.fused_qkv) and (tp or sharded),
-         "Gemma's or Phi-3's model under tp, dp_shard or zero_stage (unmeasured: t = 1 without sharding only)"),
+        ((scaled_embedding(config) or config.fused_qkv or config.post_norm) and (tp or sharded),
+         "Gemma's, Phi-3's or OLMo 2's model under tp, dp_shard or zero_stage (unmeasured: t = 1 without sharding"
+         " only)"),
         (config.position_embedding_type != "rope" and family != "gpt2",
          f"position_embedding_type {config.position_embedding_type}"),
         (config.dtype == "fp32" and config.zero_stage is not None, "dtype fp32 with zero_stage (DeepSpeed's fp32"
@@ -292,19 +299,18 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
     p, tp, checkpointed = f"layers.{i}", z.t > 1, config.recompute == "full"
     out = f"grad/layers.{i - 1}/output" if i else "grad/embedding output"
     mlp = moe.OUTPUT_GRAD if block else f"grad/{p}/ln2 output"
-    ln1, ln2 = rules.RMS_NORMS[config.norm]
-    # Gemma 2's sandwich norms: on the attention's output and on the MLP's, whose gradients are then theirs; Phi-3's
-    # residual dropouts (p > 0) likewise on the branches' outputs, o_proj's and down_proj's ("proj")
-    resid = config.fused_qkv and config.has_dropout
-    attn_out, mlp_out = (f"grad/{p}/attn output", f"grad/{p}/mlp output") if config.sandwich_norm else (
+    # Gemma 2's sandwich norms (OLMo 2's post-norms): on the attention's output and on the MLP's, whose gradients are
+    # then theirs; Phi-3's residual dropouts (p > 0) likewise on the branches' outputs, o_proj's and down_proj's
+    resid, sandwich = config.fused_qkv and config.has_dropout, config.sandwich_norm or config.post_norm
+    attn_out, mlp_out = (f"grad/{p}/attn output", f"grad/{p}/mlp output") if sandwich else (
         f"grad/{p}/attn dropped", f"grad/{p}/mlp dropped") if resid else (None, None)
     post_attn, post_mlp = (  # each on its branch's output, which goes as the norm returns
         layer.rms_norm(name, p, norm, z, None, dx, output=Made(f"{p}/{branch} normed", z.full(z.h), "the branch's"
                                                                 " output normalised"), gone=(f"{p}/{branch} output",),
                        x=f"{p}/{branch} output")
-        for name, norm, dx, branch in (
-            ("post_attention_layernorm", rules.GEMMA_POST_ATTN, attn_out, "attn"),
-            ("post_feedforward_layernorm", rules.GEMMA_POST_MLP, mlp_out, "mlp"))) if config.sandwich_norm else (
+        for name, norm, dx, branch in zip(("post_attention_layernorm", "post_feedforward_layernorm"),
+                                          rules.POST_NORMS[config.norm], (attn_out, mlp_out), ("attn", "mlp"))
+    ) if sandwich else (
         (torch_ops.dropout(f"resid_{branch}_dropout", p, mask, Made(f"{p}/{branch} output", z.full(z.h), "the"
                                                                     " branch's output dropped out"), stream, dx,
                            z.full(z.h)),)  # the layer's variable holds the input to the residual sum
@@ -313,27 +319,34 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
     ) if resid else ((), ())
     proj = "proj" if resid else "output"
     mid, output = layer.residuals(i, z, layer.returned_weights(z, config.attention == "eager", config.has_dropout))
+    into = ((f"grad/{p}/mid", out), (f"grad/{p}/output", f"grad/{p}/mid")) if config.post_norm else (("", ""),) * 2
+    ln1, ln2 = (layer.unnormed(ledger.QKV_IN, f"{p}/input"), layer.unnormed(ledger.FC1_IN, f"{p}/mid")) \
+        if config.post_norm else (
+        layer.rms_norm("input_layernorm", p, rules.RMS_NORMS[config.norm][0], z, f"grad/{p}/ln1 output", out,
+                       f"grad/{p}/mid", output=kept(p, ledger.QKV_IN), x=f"{p}/input"),
+        layer.rms_norm("pre_feedforward_layernorm" if sandwich else "post_attention_layernorm", p,
+                       rules.RMS_NORMS[config.norm][1], z, mlp, f"grad/{p}/mid", f"grad/{p}/output",
+                       output=kept(p, ledger.MOE_IN if block else ledger.FC1_IN), x=f"{p}/mid"))
     ops = (
-        *layer.rms_norm("input_layernorm", p, ln1, z, f"grad/{p}/ln1 output", out, f"grad/{p}/mid",
-                        output=kept(p, ledger.QKV_IN), x=f"{p}/input"),
+        *ln1,
         *layer.attention(p, z, config.attention == "eager", saved, config.groups != config.a, tp,
                          i == 0 and not checkpointed,
-                         config.qk_layernorm, config.add_qkv_bias, config.has_dropout,
-                         config.attn_logit_softcapping is not None, attn_out, config.fused_qkv, f"attn {proj}"),
+                         config.norm if config.qk_layernorm else "", config.add_qkv_bias, config.has_dropout,
+                         config.attn_logit_softcapping is not None, attn_out, config.fused_qkv, f"attn {proj}",
+                         rules.rope_tables(config), into[0]),
         *post_attn,
         *((mid,) if checkpointed else ()),
-        *layer.rms_norm("pre_feedforward_layernorm" if config.sandwich_norm else "post_attention_layernorm", p, ln2,
-                        z, mlp, f"grad/{p}/mid", f"grad/{p}/output",
-                        output=kept(p, ledger.MOE_IN if block else ledger.FC1_IN), x=f"{p}/mid"),
+        *ln2,
         *(moe.checkpointed_forward(p, z, config) if block and checkpointed else ()),
-        *(block or layer.mlp(p, z, tp, rules.GATED[config.mlp], mlp_out, config.fused_qkv, f"mlp {proj}")),
+        *(block or layer.mlp(p, z, tp, rules.GATED[config.mlp], mlp_out, config.fused_qkv, f"mlp {proj}", into[1])),
         *post_mlp,
         *((output,) if checkpointed else ()),
     )
     if not checkpointed:
         core, later = layer.eager_forward(p, z, saved, config.fused_qkv) if config.attention == "eager" else (
             layer.sdpa_math_forward(p, z, saved, config.groups != config.a), frozenset())
-        ops = (*layer.layer_forward(i, z, made, moe.block_forward(p, z, config) if block else (), core, resid, later),
+        ops = (*layer.layer_forward(i, z, made, moe.block_forward(p, z, config) if block else (), core, resid, later,
+                                    config.post_norm),
                *(replace(x, forward=()) for x in ops))
     return tuple(replace(x, shadow=PHI3_SHADOWED.get(x.where, "")) for x in ops) if config.fused_qkv and not resid \
         else ops
@@ -361,7 +374,7 @@ def _embedding(z: Sizes, config: ModelConfig, sharded: bool) -> tuple[Op, ...]:
                 " mask beside the causal one: Gemma 2's sliding layers read it (Qwen2MoeModel makes it too, though no"
                 " layer slides)"),) if config.moe_shared_expert_intermediate_size or config.sandwich_norm else ()),
         *(kept("", x, "made once per forward by LlamaRotaryEmbedding; every layer's RoPE keeps it")
-          for x in layer.ROPE),
+          for x in rules.rope_tables(config)),
     )
     first = Made("layers.0/input", z.full(z.h), "the embedding lookup, the first layer's input: LlamaModel's"
                  " inputs_embeds, live until it returns")
@@ -423,13 +436,15 @@ def _output(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     """model.norm, then lm_head and the loss."""
     last = f"layers.{config.L}/input"
     final = final_norm(config)
-    # the locals alive at its widest: LlamaRMSNorm's variance and fp32 x * r; GemmaRMSNorm's fp32 product (in fp32 the
-    # casts are no-ops: x * r is the ledger's normed, the product lm_head's input)
+    # the locals alive at its widest: LlamaRMSNorm's variance and fp32 x * r; GemmaRMSNorm's fp32 product;
+    # Olmo2RMSNorm's variance and fp32 product (in fp32 the casts are no-ops: x * r is the ledger's normed, the product
+    # lm_head's input)
     fp32 = z.act == 4
-    temps = (() if fp32 else (Made("final_norm/product fp32", z.tokens(4 * z.h), "(x * r) * (1 + w) in fp32: a"
-                                   " local"),)) if final.weight_plus_one else (
-        Made("final_norm/variance", z.tokens(4), "pow(2).mean(-1): a local"),
-        *(() if fp32 else (Made("final_norm/normalised fp32", z.tokens(4 * z.h), "x * rsqrt(.): a local"),)))
+    variance = Made("final_norm/variance", z.tokens(4), "pow(2).mean(-1): a local")
+    temps = (*(() if final.weight_plus_one else (variance,)),
+             *(() if fp32 else (Made("final_norm/product fp32", z.tokens(4 * z.h), "the weight's product in fp32: a"
+                                     " local"),) if final.normed_fp32 else (
+                 Made("final_norm/normalised fp32", z.tokens(4 * z.h), "x * rsqrt(.): a local"),)))
     widest = Step("RMSNorm at its widest: fp32 input and output, bf16 output", (
         *(kept("", x) for x in final), *temps, kept("", ledger.OUTPUT_INPUT, "the cast back: lm_head's input, which it"
                                                    " keeps")),

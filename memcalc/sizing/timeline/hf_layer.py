@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from memcalc.model import ledger
 from memcalc.model.impls import hf as rules
-from memcalc.model.ledger import RMSNormTensors, SavedTensor
+from memcalc.model.ledger import Kind, RMSNormTensors, SavedTensor
 from memcalc.sizing.timeline.tape import Sizes
 from memcalc.sizing.timeline import torch_ops
 from memcalc.sizing.timeline.torch_ops import WHY_WGRAD, linear
@@ -27,8 +27,8 @@ def rms_norm(where: str, p: str, norm: RMSNormTensors, z: Sizes, dy: str | None,
     `residual` the norm's dX and the stream's gradient summed into `out`. `forward`: the final norm's; `width`, `heads`:
     Qwen3's q_norm and k_norm, per head; `dy` None: the residual stream's too (Gemma 2's sandwich norms); `output`,
     `gone`: the forward op by op, for a checkpoint's walk, `x` the norm's input (in fp32 its upcast is x itself, which
-    the norm then keeps). GemmaRMSNorm (`norm.weight_plus_one`) multiplies in fp32 and casts back last
-    (`_gemma_weight`)."""
+    the norm then keeps). GemmaRMSNorm (`norm.weight_plus_one`) and Olmo2RMSNorm (`norm.normed_fp32` alone: its weight
+    times the fp32 x * r) multiply in fp32 and cast back last (`_gemma_weight`)."""
     width = width or z.h
     g, fp32, row = _grad(p, where), z.tokens(4 * width), z.tokens(4 * heads)
     act = z.full(width)
@@ -60,19 +60,19 @@ def rms_norm(where: str, p: str, norm: RMSNormTensors, z: Sizes, dy: str | None,
     ), saves=(norm.input_fp32,))
     upcast = Step("y.to(bf16)'s backward", (Made(f"{g}/dy fp32", fp32, "the gradient cast up to fp32"),),
                   frees=(f"{g}/dY w",), moment=False)
-    cast_up = act != fp32 and not norm.weight_plus_one  # fp32: y is x * r itself, and dY w its gradient
+    cast_up = act != fp32 and not norm.normed_fp32  # fp32: y is x * r itself, and dY w its gradient
     rstd = Op(where, forward=(), backward=(
         *((upcast,) if cast_up else ()),
         Step("x * r's backward", (Made(f"{g}/dx (x * r)", fp32, "dy * r"), Made(f"{g}/dr full", fp32, "dy * x"),
                                   Made(f"{g}/dr", row, "the rstd's gradient, (b, s, 1) fp32")),
-             frees=(f"{g}/dy fp32" if cast_up or norm.weight_plus_one else f"{g}/dY w", f"{g}/dr full"),
+             frees=(f"{g}/dy fp32" if cast_up or norm.normed_fp32 else f"{g}/dY w", f"{g}/dr full"),
              moment=False),
         *summed,
         Step("rsqrt's backward", (Made(f"{g}/r^3", row, "(b, s, 1) fp32"), Made(f"{g}/-r^3 / 2", row, "(b, s, 1) fp32"),
                                   Made(f"{g}/dvariance", row, "dr * -r^3 / 2")),
              frees=(f"{g}/r^3", f"{g}/-r^3 / 2", f"{g}/dr"), moment=False),
     ), saves=(norm.rstd,))
-    if norm.weight_plus_one:
+    if norm.normed_fp32:
         return (cast, power, rstd, *_gemma_weight(where, g, norm, z, dy, fp32, width // heads))
     weight = Op(where, forward=(), backward=(
         Step("weight * y's backward: its two products", (Made(f"{g}/dY w", act, "dY * weight"),
@@ -101,11 +101,32 @@ def _summed_into_x(g: str, act: int, residual: str | None) -> tuple[tuple[Step, 
 def _norm_forward(n: str, p: str, norm: RMSNormTensors, fp32: int, row: int, upcast: Made, output: Made,
                   gone: tuple[str, ...]) -> tuple[Step, ...]:
     """LlamaRMSNorm's forward op by op (the variance a local to the return). `fp32`: an fp32 copy's bytes, `row`: the
-    statistics'; `upcast`: x.to(float32), in fp32 an alias of x, as the cast back is of x * rstd."""
+    statistics'; `upcast`: x.to(float32), in fp32 an alias of x, as the cast back is of x * rstd. Olmo2RMSNorm
+    (`norm.normed_fp32`) keeps x * rstd in fp32 and casts back its weight's fp32 product (in fp32 the output)."""
     read = (kept_name(p, norm.input_fp32), kept_name(p, norm.rstd))
+    gone = (f"{n}/variance", *gone)
+    if norm.normed_fp32:
+        normed = kept_name(p, norm.normed_fp32)
+        product = Made(f"{n}/product fp32", fp32, "weight * (.) in fp32, a temporary")
+        return (*_statistics(n, p, norm, fp32, row, upcast),
+                Step("x * rstd", (kept(p, norm.normed_fp32),), reads_last=read),
+                *((Step("weight * (.): the norm's output", (output,), frees=gone, reads_last=(normed,)),)
+                  if upcast.alias else (Step("weight * (.), in fp32", (product,)),  # x * rstd a local to the return
+                                        Step("the cast back: the norm's output", (output,),
+                                             frees=(product.name, *gone), reads_last=(normed,)))))
     normalised = (Step("x * rstd", (kept(p, norm.normed),), reads_last=read),) if upcast.alias else (
         Step("x * rstd", (Made(f"{n}/normalised fp32", fp32, "a local until the norm returns"),), reads_last=read),
         Step("the cast back to bf16", (kept(p, norm.normed),)))
+    return (
+        *_statistics(n, p, norm, fp32, row, upcast),
+        *normalised,
+        Step("weight * y: the norm's output", (output,), frees=(f"{n}/normalised fp32", *gone),
+             reads_last=(kept_name(p, norm.normed),)),
+    )
+
+
+def _statistics(n: str, p: str, norm: RMSNormTensors, fp32: int, row: int, upcast: Made) -> tuple[Step, ...]:
+    """LlamaRMSNorm's (and Olmo2RMSNorm's) first ops: the upcast, the variance (a local to the norm's return), rsqrt."""
     return (
         Step("x.to(float32)", (upcast,)),
         Step("pow(2)", (Made(f"{n}/pow", fp32, "x^2, a temporary"),)),
@@ -113,9 +134,6 @@ def _norm_forward(n: str, p: str, norm: RMSNormTensors, fp32: int, row: int, upc
              frees=(f"{n}/pow",)),
         Step("variance + eps", (Made(f"{n}/variance + eps", row, "rsqrt's input, a temporary"),)),
         Step("rsqrt", (kept(p, norm.rstd),), frees=(f"{n}/variance + eps",)),
-        *normalised,
-        Step("weight * y: the norm's output", (output,), frees=(f"{n}/variance", f"{n}/normalised fp32", *gone),
-             reads_last=(kept_name(p, norm.normed),)),
     )
 
 
@@ -151,7 +169,8 @@ def _gemma_norm_forward(n: str, p: str, norm: RMSNormTensors, fp32: int, row: in
 def _gemma_weight(where: str, g: str, norm: RMSNormTensors, z: Sizes, dy: str | None, fp32: int, channels: int
                   ) -> tuple[Op, Op]:
     """GemmaRMSNorm's last two ops: (x * r) * (1.0 + weight.float()) in fp32, keeping both factors, then type_as(x)
-    (in fp32 a no-op: the product's backward reads dY itself)."""
+    (in fp32 a no-op: the product's backward reads dY itself). Olmo2RMSNorm's weight * (x * r) keeps the fp32 factor
+    alone, its weight's gradient cast to the weight's dtype as autograd validates the node's outputs."""
     cast = z.act != 4
     dy_fp32 = f"{g}/dY fp32" if cast else dy
     product = Op(where, forward=(), backward=(
@@ -163,8 +182,8 @@ def _gemma_weight(where: str, g: str, norm: RMSNormTensors, z: Sizes, dy: str | 
              frees=(f"{g}/dw+1 full", *((dy_fp32,) if dy_fp32 else ())),
              reduced=True),
         Step("weight.float()'s backward", (Made(f"{g}/dweight", z.act * channels, WHY_WGRAD),),
-             frees=(f"{g}/dw+1",), hands_over=(f"{g}/dweight",), moment=False),
-    ), saves=(norm.weight_plus_one, norm.normed_fp32))
+             frees=(f"{g}/dw+1",), hands_over=(f"{g}/dweight",), reduced=not norm.weight_plus_one, moment=False),
+    ), saves=tuple(x for x in (norm.weight_plus_one, norm.normed_fp32) if x))
     up = Op(where, forward=(), backward=(
         Step("type_as(x)'s backward", (Made(f"{g}/dY fp32", fp32, "the gradient cast up to fp32"),),
              frees=(dy,) if dy else (),
@@ -172,24 +191,34 @@ def _gemma_weight(where: str, g: str, norm: RMSNormTensors, z: Sizes, dy: str | 
     return (product, up)
 
 
+def unnormed(kept_as: SavedTensor, x: str) -> tuple[Op]:
+    """OLMo 2's layer has no norm before the attention or the MLP: their projections keep the residual stream `x`
+    itself (`kept_as`, an alias), and autograd sums their dX into the stream's gradient as they come (`attention`'s
+    and `mlp`'s `into`)."""
+    stream = Made(x, 0, "the residual stream, read unnormalised", keeps=kept_as, alias=True)
+    return (Op("", (Step("", (stream,)),), ()),)
+
+
 def layer_forward(i: int, z: Sizes, kept: Step, mlp: tuple[Op, ...] = (), core: tuple[Op, ...] = (),
-                  dropped: bool = False, later: frozenset[SavedTensor] = frozenset()) -> tuple[Op, ...]:
+                  dropped: bool = False, later: frozenset[SavedTensor] = frozenset(), unnormed: bool = False
+                  ) -> tuple[Op, ...]:
     """Layer i's forward, one moment at its second residual sum: its kept tensors (`kept`, every layer's one step),
     the residual stream, and a sparse block's own moments (`mlp`, which makes the MLP's output); with the attention
     core's own moment (`core`), the tensors kept up to it (those before o_proj's input, but the core's `later` ones)
     are made before it. Under tp a
     dense MLP's down_proj (RowwiseParallel) all-reduces its GEMM's partial sum into a new tensor: a moment before the
-    sum, as many bytes as it (the partial goes as the sum is made), which MemTracker reads first."""
-    p, full = f"layers.{i}", z.full(z.h)
+    sum, as many bytes as it (the partial goes as the sum is made), which MemTracker reads first. `unnormed`: OLMo 2's
+    projections keep the layer's input and the stream themselves."""
+    p, full, streamed = f"layers.{i}", z.full(z.h), z.act == 4 or unnormed
     # fp32: the norms' x.to(float32) are no-ops, so the ledger's fp32 inputs are the layer's input and the stream
-    alias = (Step("", frees=(f"{p}/input",)),) if z.act == 4 else ()
+    alias = (Step("", frees=(f"{p}/input",)),) if streamed else ()
     if core:
         at = next(j for j, x in enumerate(kept.makes) if x.keeps == ledger.PROJ_IN)
         before = tuple(x for x in kept.makes[:at] if x.keeps not in later)
         after = (*(x for x in kept.makes[:at] if x.keeps in later), *kept.makes[at:])
         core = (Op("", (replace(kept, makes=before), *alias), ()), *core)
         kept, alias = replace(kept, makes=after), ()
-    stream = alias if z.act == 4 else (Step("the residual stream", (Made(
+    stream = alias if streamed else (Step("the residual stream", (Made(
         f"{p}/mid", full, "the residual stream after attention: ln2's input and the MLP's residual"),), moment=False),)
     made = Op("", forward=(kept, *stream), backward=())
     output = () if mlp else (Made(f"{p}/mlp output", full, "down_proj's output, summed into the residual stream"),)
@@ -229,12 +258,15 @@ def returned_weights(z: Sizes, eager: bool, dropout: bool) -> SavedTensor | None
 
 
 def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, tp: bool, first: bool,
-              qk_norm: bool = False, qkv_bias: bool = False, dropout: bool = False, softcap: bool = False,
-              dy: str | None = None, fused: bool = False, made_as: str = "attn output") -> tuple[Op, ...]:
-    """q, k, v (their dX summed as they come; `qk_norm`: Qwen3's q_norm and k_norm; `qkv_bias`: Qwen2's biases;
-    `fused`: Phi-3's one qkv_proj), RoPE, the core (eager with `dropout` or Gemma 2's `softcap`, or SDPA), o_proj (`dy`
-    its output's gradient; None: the residual stream's, which lives on; `made_as` its output's name); the heads go as
-    the module returns."""
+              qk_norm: str = "", qkv_bias: bool = False, dropout: bool = False, softcap: bool = False,
+              dy: str | None = None, fused: bool = False, made_as: str = "attn output",
+              rope: tuple[SavedTensor, ...] = ROPE, into: tuple[str, str] = ("", "")) -> tuple[Op, ...]:
+    """q, k, v (their dX summed as they come; `qk_norm`, the layer's norm: Qwen3's q_norm and k_norm, OLMo 2's over
+    the whole projection; `qkv_bias`: Qwen2's biases; `fused`: Phi-3's one qkv_proj), RoPE (`rope` the model's tables:
+    OLMo's fp32 ones make fp32 products, cast back), the core (eager with `dropout` or Gemma 2's `softcap`, or SDPA),
+    o_proj (`dy` its output's gradient; None: the residual stream's, which lives on; `made_as` its output's name); the
+    heads go as the module returns. `into`: OLMo 2's (unnormed) residual stream's gradient, which q's, k's and v's dX
+    join as they come, and the name of the sum."""
     g, q, kv, full = f"grad/{p}", z.a_t * z.d, z.g_t * z.d, z.full(z.h)
     # the projections' outputs and RoPE's, each the core's saved tensor or a local of the attention
     q_copied, k_copied, v_copied = _bmm_copies(z, saved, fused)
@@ -243,9 +275,9 @@ def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, t
             "v": _kept_or_local(p, ledger.V, saved, "v heads", z.full(kv), eager and v_copied)}
     rotated = {"q": _kept_or_local(p, ledger.Q, saved, "q heads", z.full(q), eager and q_copied),
                "k": _kept_or_local(p, ledger.K, saved, "k heads", z.full(kv), eager and k_copied)}
-    norms = {"q": (rules.Q_NORM_RMS, z.a_t), "k": (rules.K_NORM_RMS, z.g_t)} if qk_norm else {}
+    norms = _qk_norms(qk_norm, z)
     ran: list[Op] = []  # in the order autograd runs them
-    summed = ""
+    summed = into[0]
     for name, width in (("v", kv), ("k", kv), ("q", q)):
         heads = f"{g}/v heads" if name == "v" else f"{g}/{name} pre-rope"
         projected = made[name]
@@ -257,7 +289,7 @@ def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, t
             heads = f"{g}/{name} normed"
         copy = width != z.d and z.s != 1  # one head: (b, 1, s, d) transposed is (b, s, 1, d) already, no copy
         tokens, dx = f"{g}/{name} tokens" if copy else heads, f"{g}/{name}_proj input"
-        out = f"{g}/ln1 output" if name == "q" else f"{dx} + {summed}"
+        out = (into[1] or f"{g}/ln1 output") if name == "q" else f"{dx} + {summed}"
         lin = linear(f"self_attn.{name}_proj", ledger.QKV_IN, projected, z.act * width * z.h, dx, full, p, (tokens,),
                      reduced=tp, bias=z.act * width if qkv_bias else 0)
         ran.append(replace(lin, backward=(
@@ -269,9 +301,16 @@ def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, t
         summed = out if summed else dx
     if fused:  # q, k and v are views of qkv_proj's output, which V's view keeps whole at b = 1
         made["v"] = _kept_or_local(p, rules.NEOX_QKV_OUT, saved, "qkv", z.full(q + 2 * kv))
-    rope = tuple(Op("self_attn", _rope_forward(p, name, z.full(w), rotated[name], name == "k" and not fused, fused),
-                    _rope_backward(g, name, z.full(w), first and name == "q")) for name, w in
-                 (("q", q), ("k", kv)))  # forward order: q's, then k's
+    upcast = rope[0].kind is Kind.FP32 and z.act != 4  # OLMo's fp32 tables: fp32 products, each cast back
+    rope_ops = tuple(Op("self_attn", _rope_forward(p, name, z.full(w), rotated[name], name == "k" and not fused, fused,
+                                                   upcast and z.tokens(4 * w)),
+                        _rope_backward(g, name, z.full(w), rope if first and name == "q" else (),
+                                       upcast and z.tokens(4 * w))) for name, w in
+                     (("q", q), ("k", kv)))  # forward order: q's, then k's
+    if upcast:  # apply_rotary_pos_emb returns q's and k's sums cast back, its locals going as it returns
+        rope_ops = (rope_ops[0], replace(rope_ops[1], forward=(*rope_ops[1].forward, *(
+            Step(f"{name}_embed.to({name}'s dtype)", (rotated[name],)) for name in ("q", "k")), Step("", frees=(
+                f"{p}/q embed", f"{p}/k embed", f"{p}/q pre-rope", f"{p}/k pre-rope")))))
     math = rules.MATH_Q.name in saved  # SDPA with dropout on a CPU: the math kernel (the ledger's SDPA_MATH)
     core = _eager(p, z, saved, gqa, dropout, softcap, fused) if eager else \
         sdpa_math(p, z, gqa, f"{g}/o_proj input", made["v"].name) if math else _sdpa(p, z)
@@ -281,7 +320,17 @@ def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, t
     o_proj = replace(o_proj, forward=(Step("the GEMM", (Made(f"{p}/{made_as}", full, "o_proj's output"),),
                                            frees=tuple(x.name for x in gone if x.keeps is None),
                                            reads_last=tuple(x.name for x in gone if x.keeps is not None)),))
-    return (*(_fused_qkv(p, z, q, kv, tp, made["v"]) if fused else reversed(ran)), *rope, *core, o_proj)
+    return (*(_fused_qkv(p, z, q, kv, tp, made["v"]) if fused else reversed(ran)), *rope_ops, *core, o_proj)
+
+
+def _qk_norms(norm: str, z: Sizes) -> dict[str, tuple[RMSNormTensors, int]]:
+    """The q_norm and k_norm of a layer whose norm is `norm` ("" without), each with the statistics it keeps a token:
+    Qwen3's LlamaRMSNorm on each head, OLMo 2's Olmo2RMSNorm over the projection's whole output."""
+    if not norm:
+        return {}
+    if norm == "rmsnorm_fp32w":
+        return {"q": (rules.OLMO2_Q_NORM, 1), "k": (rules.OLMO2_K_NORM, 1)}
+    return {"q": (rules.Q_NORM_RMS, z.a_t), "k": (rules.K_NORM_RMS, z.g_t)}
 
 
 def _kept_or_local(p: str, tensor: SavedTensor, saved: dict[str, int], name: str, nbytes: int, copied: bool = False
@@ -334,11 +383,16 @@ def _fused_qkv(p: str, z: Sizes, q: int, kv: int, tp: bool, qkv: Made) -> tuple[
     return (lin, Op("self_attn", (), tuple(slices)), view)
 
 
-def _rope_forward(p: str, name: str, width: int, out: Made, last: bool, passthrough: bool = False
+def _rope_forward(p: str, name: str, width: int, out: Made, last: bool, passthrough: bool = False, wide: int = 0
                   ) -> tuple[Step, ...]:
     """apply_rotary_pos_emb for q or k (`out` its result); after k's (`last`) the projections' outputs go, rebound to
-    RoPE's. `passthrough`: Phi-3's, whose sum is concatenated with the empty unrotated rest: a copy, `out`."""
+    RoPE's. `passthrough`: Phi-3's, whose sum is concatenated with the empty unrotated rest: a copy, `out`. `wide`:
+    OLMo's fp32 products' bytes, whose fp32 sum lives to the function's return (`attention` casts it back)."""
     x = f"{p}/{name}"
+    if wide:
+        return tuple(replace(step, makes=tuple(replace(m, bytes=wide) for m in step.makes)) if i in (0, 3) else step
+                     for i, step in enumerate(_rope_forward(p, name, width, Made(
+                         f"{x} embed", wide, "the fp32 sum, a local until apply_rotary_pos_emb returns"), False)))
     if passthrough:
         summed = Made(f"{x} embed", width, "the rotated part, a temporary")
         return (*_rope_forward(p, name, width, summed, last)[:-1],
@@ -355,11 +409,15 @@ def _rope_forward(p: str, name: str, width: int, out: Made, last: bool, passthro
     )
 
 
-def _rope_backward(g: str, name: str, width: int, last: bool) -> tuple[Step, ...]:
-    """apply_rotary_pos_emb's backward for q or k; the last to run it (layers.0, q) frees the model's tables."""
+def _rope_backward(g: str, name: str, width: int, tables: tuple[SavedTensor, ...], wide: int = 0
+                   ) -> tuple[Step, ...]:
+    """apply_rotary_pos_emb's backward for q or k; the last to run it (layers.0, q) frees the model's `tables`. `wide`:
+    OLMo's, the cast back's fp32 gradient live to x * cos's (each product's fp32 gradient is cast to x's dtype as its
+    node returns: no moment)."""
     x = f"{g}/{name}"
-    tables = tuple(t.name for t in ROPE) if last else ()
-    return (
+    up = (Step("the cast back's backward", (Made(f"{x} dY fp32", wide, "the gradient cast up to fp32"),),
+               frees=(f"{x} heads",), moment=False),) if wide else ()
+    return (*up,
         Step("rotate_half(x) * sin's backward", (Made(f"{x} rotated", width, "dY * sin"), Made(
             f"{x} neg", width // 2, "the negated half's gradient, negated back"), Made(
             f"{x} slice 1", width, "a half's gradient placed in a zero tensor")), frees=(f"{x} neg",), moment=False),
@@ -368,7 +426,7 @@ def _rope_backward(g: str, name: str, width: int, last: bool) -> tuple[Step, ...
              frees=(f"{x} slice 1", f"{x} slice 2", f"{x} rotated"), moment=False),
         Step("x * cos's backward", (Made(f"{x} cos", width, "dY * cos"), Made(f"{x} pre-rope", width,
                                                                                 "x's two gradients summed")),
-             frees=(f"{x} cos", f"{x} rotate_half", f"{x} heads", *tables),
+             frees=(f"{x} cos", f"{x} rotate_half", f"{x} heads", f"{x} dY fp32", *(t.name for t in tables)),
              moment=False),
     )
 
@@ -637,11 +695,11 @@ def math_locals(p: str, z: Sizes, gqa: bool) -> tuple[Made, ...]:
 
 
 def mlp(p: str, z: Sizes, tp: bool, gated: tuple[SavedTensor, SavedTensor, SavedTensor], dy: str | None = None,
-        fused: bool = False, made_as: str = "mlp output") -> tuple[Op, ...]:
+        fused: bool = False, made_as: str = "mlp output", into: tuple[str, str] = ("", "")) -> tuple[Op, ...]:
     """LlamaMLP; down_proj's dY is the layer's output gradient, which ln2's residual sum still needs. `gated`: what the
     activation and the product keep (GemmaMLP's tanh GELU keeps as SiLU does); `dy`: down_proj's output gradient when
     it is not the layer's (Gemma 2's post_feedforward_layernorm's dX, Phi-3's resid_mlp_dropout's); `fused`: Phi-3's
-    one gate_up_proj, chunked; `made_as`: down_proj's output's name."""
+    one gate_up_proj, chunked; `made_as`: down_proj's output's name; `into`: as `attention`'s, up's dX and gate's."""
     g, f = f"grad/{p}", z.f_t
     gate_in, up, act_out = gated
     w, full = z.act * f * z.h, z.full(z.h)
@@ -670,12 +728,21 @@ def mlp(p: str, z: Sizes, tp: bool, gated: tuple[SavedTensor, SavedTensor, Saved
                 chunk, replace(silu, where="mlp.activation_fn", forward=(replace(silu.forward[0], reads_last=()),)),
                 replace(product, forward=(replace(product.forward[0], reads_last=(kept_name(p, act_out),)),)),
                 replace(down, forward=(replace(down.forward[0], reads_last=down.forward[0].reads_last + halves),)))
+    residual, out = into
+    up_proj = linear("mlp.up_proj", ledger.FC1_IN, kept(p, up), w, f"{g}/up_proj input", full, p, (f"{g}/up",),
+                     reduced=tp)
+    if residual:
+        up_proj = replace(up_proj, backward=(*up_proj.backward, Step("autograd sums up_proj's input gradient into the"
+                                                                     " stream's", (Made(f"{g}/up + stream", full,
+                                                                                        "summed"),),
+                                                                     frees=(f"{g}/up_proj input", residual),
+                                                                     moment=False)))
+    summed = f"{g}/up + stream" if residual else f"{g}/up_proj input"
     return (
         replace(gate, backward=(*gate.backward, Step("autograd sums gate_proj's and up_proj's input gradients", (
-            Made(f"{g}/ln2 output", full, "the MLP input's gradient"),), frees=(f"{g}/up_proj input",
-                                                                              f"{g}/gate_proj input"), moment=False))),
-        silu, linear("mlp.up_proj", ledger.FC1_IN, kept(p, up), w, f"{g}/up_proj input", full, p, (f"{g}/up",),
-                     reduced=tp), product, down,
+            Made(out or f"{g}/ln2 output", full, "the MLP input's gradient"),), frees=(summed, f"{g}/gate_proj input"),
+            moment=False))),
+        silu, up_proj, product, down,
     )
 
 

@@ -1,0 +1,52 @@
+"""transformers' RMSNorm families beyond Llama's layer, one difference each, in the hf step walk (`--impl hf`): OLMo 2's
+post-norms and whole-width q/k norms. Each one's whole training step under MemTracker against the walk: the peak's
+moment, every category at the peak and between steps to the byte, and every moment the walk names among MemTracker's
+readings, in order; at b = 1 and 3, odd s, several head ratios, bf16 and fp32, with and without gradient
+checkpointing and attention dropout."""
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from memcalc.model.families import FAMILIES  # noqa: E402
+from memcalc.model.strategy import STRATEGIES  # noqa: E402
+from memcalc.sizing.timeline import timeline  # noqa: E402
+
+from tests.helpers import LLAMA_HF as LLAMA, make_config  # noqa: E402
+
+from .test_hf_step import CPU, _exact_step  # noqa: E402
+
+# Olmo2ForCausalLM: no norm before the attention or the MLP, an Olmo2RMSNorm (fp32 weight product) on each branch's
+# output and on q_proj's and k_proj's whole outputs; OLMo's rotary tables stay fp32
+OLMO2 = {"family": "olmo2", "norm": "rmsnorm_fp32w", "post_norm": True, "qk_layernorm": True}
+FP32, FULL = {"dtype": "fp32"}, {"recompute": "full"}
+STEPS = [
+    ("olmo2", "flash", OLMO2),  # the loss's backward
+    ("olmo2", "eager", OLMO2 | {"b": 1, "s": 13, "num_query_groups": 8}),  # a/g = 1
+    ("olmo2", "eager", OLMO2 | {"b": 3, "s": 7, "h": 48, "a": 6, "num_query_groups": 2, "tie_embeddings": True}),
+    ("olmo2", "flash", OLMO2 | {"vocab_size": 40}),  # the final Olmo2RMSNorm's backward
+    ("olmo2", "flash", OLMO2 | {"vocab_size": 40, "h": 32, "ffn_hidden_size": 512}),  # the last SwiGLU's gradients
+    ("olmo2", "eager", OLMO2 | {"s": 95, "h": 16, "ffn_hidden_size": 16, "vocab_size": 20}),  # the fp32 softmax
+    ("olmo2", "eager", OLMO2 | FP32 | {"b": 1, "s": 7}),  # every cast a no-op: the norms' inputs the branches' outputs
+    ("olmo2", "flash", OLMO2 | FP32 | {"b": 3, "s": 9, "num_query_groups": 4}),
+    ("olmo2", "flash", OLMO2 | FULL),  # each layer op by op, rerun in backward
+    ("olmo2", "eager", OLMO2 | FULL | {"b": 1, "s": 11, "num_query_groups": 4}),
+    ("olmo2", "eager", OLMO2 | FULL | FP32 | {"b": 3, "s": 5, "h": 48, "a": 6, "num_query_groups": 3}),
+    ("olmo2", "eager", OLMO2 | {"dropout": 0.1, "b": 3, "s": 7}),  # attention dropout: native_dropout's mask
+    ("olmo2", "flash", OLMO2 | FULL | {"dropout": 0.1, "b": 1, "s": 9}),  # SDPA's math kernel on a CPU, rerun
+]
+
+
+def test_the_sizes_put_each_familys_peak_in_four_places_or_more():
+    """What gives the next test its meaning: a family's cases peak at several different moments."""
+    peaks = [(family, timeline(make_config(LLAMA, attention=a, **c), STRATEGIES["none"], CPU).peak.label())
+             for family, a, c in STEPS]
+    assert all(len({p for f, p in peaks if f == family}) >= 4 for family, _ in peaks), peaks
+
+
+@pytest.mark.parametrize("family, attention, changes", STEPS, ids=str)
+def test_each_familys_step_happens_in_order_and_peaks_where_the_timeline_says_to_the_byte(one_thread, family,
+                                                                                           attention, changes):
+    r = _exact_step(make_config(LLAMA, attention=attention, **changes), "none")
+    assert r.model.startswith(f"transformers' {FAMILIES[family].architectures[0]}")
