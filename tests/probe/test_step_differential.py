@@ -128,6 +128,8 @@ SUBJECTS = (
     Subject("hf gpt2", "transformers", GPT2, _HF_GPT2, gqa=False, ts=(1,)),
     Subject("hf olmo2", "transformers", LLAMA | {"impl": "hf", "family": "olmo2", "norm": "rmsnorm_fp32w",
                                                 "post_norm": True, "qk_layernorm": True}, _HF, ts=(1,)),
+    Subject("hf gemma3", "transformers", GEMMA | {"family": "gemma3_text", "sandwich_norm": True, "qk_layernorm": True},
+            _HF_GEMMA2, ts=(1,)),
     Subject("torchtitan fsdp2", "torchtitan", TORCHTITAN, _TORCHTITAN_FSDP, ts=(1, 2)),
     Subject("hf fsdp2", "transformers", {"impl": "hf"} | LLAMA, _HF_FSDP, ts=(1, 2)),
 )

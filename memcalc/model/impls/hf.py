@@ -598,8 +598,14 @@ def _eager(knobs: Any) -> tuple[SavedTensor, ...]:
     else:
         softmax = (SOFTMAX_FP32, WEIGHTS)
     dropout = (ledger.ATTN_DROPOUT_MASK, ledger.ATTN_DROPOUT_OUT) if knobs.has_dropout else ()
-    softcap = (SOFTCAP_TANH,) if knobs.attn_logit_softcapping is not None else ()
+    softcap = (SOFTCAP_TANH,) if scores_capped(knobs) else ()
     return (q, k, *softcap, *softmax, *dropout, v)
+
+
+def scores_capped(knobs: Any) -> bool:
+    """Whether eager attention soft-caps its scores: Gemma 2's passes attn_logit_softcapping as its softcap, Gemma 3's
+    Gemma3Attention passes none (its config's value changes nothing; found by the hf step walk's measurement)."""
+    return knobs.attn_logit_softcapping is not None and layer_family(knobs).name != "gemma3_text"
 
 
 def repeat_kv_copies(sizes: dict[Any, Any], t: Any) -> Any:

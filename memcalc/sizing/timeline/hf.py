@@ -135,13 +135,23 @@ def _gpt2(tape: Tape, config: ModelConfig, z: Sizes, saved: dict[str, int], hand
     return inputs, layers, outputs
 
 
+def _slides(config: ModelConfig, j: int) -> bool:
+    """Whether layer j is a sliding-window layer (layer_types): Gemma 2's even layers, Gemma 3's all but every sixth."""
+    family = layer_family(config).name
+    return family == "gemma2" and j % 2 == 0 or family == "gemma3_text" and (j + 1) % rules.GEMMA3_FULL_EVERY != 0
+
+
+def _layer_mask(config: ModelConfig, j: int) -> str:
+    """The mask LlamaModel passes layer j: the sliding-window one to a sliding layer, else the causal one."""
+    return "model/sliding_mask" if _slides(config, j) else "model/causal_mask"
+
+
 def _unheld_masks(config: ModelConfig) -> tuple[str, ...]:
-    """Under gradient checkpointing, LlamaModel's locals no layer's frame holds, gone as it returns: Qwen2-MoE's
-    sliding-window mask, which no layer is given (Gemma 2's sliding layers are); Gemma 2's causal mask with one layer,
-    which slides (`_checkpoint`'s masks)."""
-    if config.sandwich_norm:
-        return ("model/causal_mask",) if config.L == 1 else ()
-    return ("model/sliding_mask",)
+    """Under gradient checkpointing, LlamaModel's masks no layer's frame holds, gone as it returns: Qwen2-MoE's
+    sliding-window mask, which no layer is given (Gemma 2's and 3's sliding layers are); the causal mask where every
+    layer slides (Gemma 2's with one layer, Gemma 3's under six)."""
+    held = {_layer_mask(config, j) for j in range(config.L)}
+    return tuple(x for x in ("model/causal_mask", "model/sliding_mask") if x not in held)
 
 
 def _checkpoint(i: int, config: ModelConfig) -> Checkpoint | None:
@@ -151,8 +161,7 @@ def _checkpoint(i: int, config: ModelConfig) -> Checkpoint | None:
     residual sums, rerun outside any module's forward: MemTracker's temporaries."""
     if config.recompute != "full":
         return None
-    # the mask LlamaModel passes each layer: Gemma 2's even layers slide (layer_types), the rest attend causally
-    masks = ["model/sliding_mask" if config.sandwich_norm and j % 2 == 0 else "model/causal_mask" for j in range(i + 1)]
+    masks = [_layer_mask(config, j) for j in range(i + 1)]
     shared = (*(("model/position_ids", *(x.name for x in rules.rope_tables(config))) if i == 0 else ()),
               *((masks[i],) if masks.index(masks[i]) == i else ()))
     rerun = ACTIVATIONS if config.dp_shard is None else TEMPORARIES  # FSDPMemTracker's: in backward, no unit's forward
@@ -192,7 +201,7 @@ def _step(tape: Tape, sharding: Fsdp | Zero | None, inputs: Walked, layers: list
 
 # The families whose model the walk follows, which --step builds (memcalc.probe.libs.hf_step).
 WALKED = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma", "gemma2", "phi3", "gpt2",
-          "olmo2")
+          "olmo2", "gemma3_text")
 
 
 def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounting) -> None:
@@ -203,10 +212,14 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
     missing = [
         (family not in WALKED, f"{family}'s model (it walks {', '.join(WALKED)})"),
         *_gpt2_missing(config, family, tp),
-        (config.sliding_window is not None and not config.sandwich_norm,
-         f"sliding_window={config.sliding_window} outside Gemma 2 (it walks a window in Gemma 2's model only)"),
-        (config.sandwich_norm and config.attention != "eager",
-         f"attention {config.attention} in Gemma 2's model (Gemma2ForCausalLM runs eager attention only)"),
+        (config.sliding_window is not None and not _slides(config, 0),
+         f"sliding_window={config.sliding_window} outside Gemma 2 and 3 (it walks a window in their models only)"),
+        (_slides(config, 0) and config.attention != "eager",
+         f"attention {config.attention} in Gemma 2's or 3's model (Gemma2ForCausalLM runs eager attention only; Gemma"
+         " 3's SDPA is not walked)"),
+        (family == "gemma3_text" and config.L >= rules.GEMMA3_FULL_EVERY,
+         f"L={config.L} layers in Gemma 3's model (from its sixth layer on, full layers keep a second pair of RoPE"
+         " tables: not walked)"),
         (config.rotary_percent is not None, "GLM's partial RoPE and fused gate_up (it walks Llama's)"),
         (strategy.tensor_parallel and config.vocab_size % config.t != 0,
          f"vocab_size={config.vocab_size} that t={config.t} does not divide (DTensor pads uneven shards to gather"
@@ -332,7 +345,7 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
         *layer.attention(p, z, config.attention == "eager", saved, config.groups != config.a, tp,
                          i == 0 and not checkpointed,
                          config.norm if config.qk_layernorm else "", config.add_qkv_bias, config.has_dropout,
-                         config.attn_logit_softcapping is not None, attn_out, config.fused_qkv, f"attn {proj}",
+                         rules.scores_capped(config), attn_out, config.fused_qkv, f"attn {proj}",
                          rules.rope_tables(config), into[0]),
         *post_attn,
         *((mid,) if checkpointed else ()),
@@ -372,7 +385,7 @@ def _embedding(z: Sizes, config: ModelConfig, sharded: bool) -> tuple[Op, ...]:
                 " LlamaModel returns"),) if eager else ()),
         *((Made("model/sliding_mask", act * z.b * s * s if eager else s * s, "create_sliding_window_causal_mask's"
                 " mask beside the causal one: Gemma 2's sliding layers read it (Qwen2MoeModel makes it too, though no"
-                " layer slides)"),) if config.moe_shared_expert_intermediate_size or config.sandwich_norm else ()),
+                " layer slides)"),) if config.moe_shared_expert_intermediate_size or _slides(config, 0) else ()),
         *(kept("", x, "made once per forward by LlamaRotaryEmbedding; every layer's RoPE keeps it")
           for x in rules.rope_tables(config)),
     )

@@ -277,15 +277,16 @@ def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, t
                "k": _kept_or_local(p, ledger.K, saved, "k heads", z.full(kv), eager and k_copied)}
     norms = _qk_norms(qk_norm, z)
     ran: list[Op] = []  # in the order autograd runs them
+    late: list[Op] = []  # Gemma 3's q_norm and k_norm, run once all three projections have
     summed = into[0]
     for name, width in (("v", kv), ("k", kv), ("q", q)):
         heads = f"{g}/v heads" if name == "v" else f"{g}/{name} pre-rope"
         projected = made[name]
         if name in norms:  # the projection's output is the norm's input, RoPE's the norm's output
             projected = Made(f"{p}/{name} proj", z.full(width), f"{name}_proj's output, {name}_norm's input")
-            ran += reversed(rms_norm(f"self_attn.{name}_norm", p, norms[name][0], z, heads, f"{g}/{name} normed",
-                                     width=width, heads=norms[name][1], output=made[name], gone=(projected.name,),
-                                     x=projected.name))
+            norm = rms_norm(f"self_attn.{name}_norm", p, norms[name][0], z, heads, f"{g}/{name} normed", width=width,
+                            heads=norms[name][1], output=made[name], gone=(projected.name,), x=projected.name)
+            (late if qk_norm == "rmsnorm_1p" else ran).extend(reversed(norm))
             heads = f"{g}/{name} normed"
         copy = width != z.d and z.s != 1  # one head: (b, 1, s, d) transposed is (b, s, 1, d) already, no copy
         tokens, dx = f"{g}/{name} tokens" if copy else heads, f"{g}/{name}_proj input"
@@ -299,6 +300,7 @@ def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, t
             *((Step("autograd sums q's, k's and v's input gradients as they come", (Made(
                 out, full, "the input gradients summed"),), frees=(dx, summed), moment=False),) if summed else ()))))
         summed = out if summed else dx
+    ran[:0] = late
     if fused:  # q, k and v are views of qkv_proj's output, which V's view keeps whole at b = 1
         made["v"] = _kept_or_local(p, rules.NEOX_QKV_OUT, saved, "qkv", z.full(q + 2 * kv))
     upcast = rope[0].kind is Kind.FP32 and z.act != 4  # OLMo's fp32 tables: fp32 products, each cast back
@@ -323,14 +325,20 @@ def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, t
     return (*(_fused_qkv(p, z, q, kv, tp, made["v"]) if fused else reversed(ran)), *rope_ops, *core, o_proj)
 
 
+# q_norm and k_norm by the layer's norm: Qwen3's LlamaRMSNorm and Gemma 3's GemmaRMSNorm on each head, OLMo 2's
+# Olmo2RMSNorm over the projection's whole output
+QK_NORMS = {"rmsnorm": (rules.Q_NORM_RMS, rules.K_NORM_RMS), "rmsnorm_1p": (rules.GEMMA_Q_NORM, rules.GEMMA_K_NORM),
+            "rmsnorm_fp32w": (rules.OLMO2_Q_NORM, rules.OLMO2_K_NORM)}
+
+
 def _qk_norms(norm: str, z: Sizes) -> dict[str, tuple[RMSNormTensors, int]]:
     """The q_norm and k_norm of a layer whose norm is `norm` ("" without), each with the statistics it keeps a token:
-    Qwen3's LlamaRMSNorm on each head, OLMo 2's Olmo2RMSNorm over the projection's whole output."""
+    one a head, or OLMo 2's one over the whole projection."""
     if not norm:
         return {}
-    if norm == "rmsnorm_fp32w":
-        return {"q": (rules.OLMO2_Q_NORM, 1), "k": (rules.OLMO2_K_NORM, 1)}
-    return {"q": (rules.Q_NORM_RMS, z.a_t), "k": (rules.K_NORM_RMS, z.g_t)}
+    q, k = QK_NORMS[norm]
+    whole = norm == "rmsnorm_fp32w"
+    return {"q": (q, 1 if whole else z.a_t), "k": (k, 1 if whole else z.g_t)}
 
 
 def _kept_or_local(p: str, tensor: SavedTensor, saved: dict[str, int], name: str, nbytes: int, copied: bool = False

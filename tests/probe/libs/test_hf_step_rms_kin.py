@@ -1,15 +1,17 @@
 """transformers' RMSNorm families beyond Llama's layer, one difference each, in the hf step walk (`--impl hf`): OLMo 2's
-post-norms and whole-width q/k norms. Each one's whole training step under MemTracker against the walk: the peak's
-moment, every category at the peak and between steps to the byte, and every moment the walk names among MemTracker's
-readings, in order; at b = 1 and 3, odd s, several head ratios, bf16 and fp32, with and without gradient
-checkpointing and attention dropout."""
+post-norms and whole-width q/k norms, Gemma 3's per-head q/k norms in Gemma 2's layer. Each one's whole training step
+under MemTracker against the walk: the peak's moment, every category at the peak and between steps to the byte, and
+every moment the walk names among MemTracker's readings, in order; at b = 1 and 3, odd s, several head ratios, bf16
+and fp32, with and without gradient checkpointing and attention dropout."""
 
 import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from memcalc.errors import ConfigError  # noqa: E402
 from memcalc.model.families import FAMILIES  # noqa: E402
+from memcalc.model.impls import hf as rules  # noqa: E402
 from memcalc.model.strategy import STRATEGIES  # noqa: E402
 from memcalc.sizing.timeline import timeline  # noqa: E402
 
@@ -20,7 +22,11 @@ from .test_hf_step import CPU, _exact_step  # noqa: E402
 # Olmo2ForCausalLM: no norm before the attention or the MLP, an Olmo2RMSNorm (fp32 weight product) on each branch's
 # output and on q_proj's and k_proj's whole outputs; OLMo's rotary tables stay fp32
 OLMO2 = {"family": "olmo2", "norm": "rmsnorm_fp32w", "post_norm": True, "qk_layernorm": True}
-FP32, FULL = {"dtype": "fp32"}, {"recompute": "full"}
+# Gemma3ForCausalLM (gemma3_text): Gemma 2's layer, a GemmaRMSNorm on each query and key head once all three
+# projections have run; five sliding layers to a full one (layer_types), eager
+GEMMA3 = {"family": "gemma3_text", "norm": "rmsnorm_1p", "mlp": "geglu_tanh", "sandwich_norm": True,
+          "qk_layernorm": True}
+FP32, FULL, CAPPED = {"dtype": "fp32"}, {"recompute": "full"}, {"attn_logit_softcapping": 50.0}
 STEPS = [
     ("olmo2", "flash", OLMO2),  # the loss's backward
     ("olmo2", "eager", OLMO2 | {"b": 1, "s": 13, "num_query_groups": 8}),  # a/g = 1
@@ -35,6 +41,21 @@ STEPS = [
     ("olmo2", "eager", OLMO2 | FULL | FP32 | {"b": 3, "s": 5, "h": 48, "a": 6, "num_query_groups": 3}),
     ("olmo2", "eager", OLMO2 | {"dropout": 0.1, "b": 3, "s": 7}),  # attention dropout: native_dropout's mask
     ("olmo2", "flash", OLMO2 | FULL | {"dropout": 0.1, "b": 1, "s": 9}),  # SDPA's math kernel on a CPU, rerun
+    ("gemma3_text", "eager", GEMMA3),  # the loss's backward
+    ("gemma3_text", "eager", GEMMA3 | {"b": 1, "s": 13, "kv_channels": 12, "num_query_groups": 4}),
+    ("gemma3_text", "eager", GEMMA3 | CAPPED | {"b": 3, "s": 7, "h": 48, "a": 6, "num_query_groups": 2,
+                                               "tie_embeddings": True}),
+    ("gemma3_text", "eager", GEMMA3 | {"vocab_size": 40}),
+    ("gemma3_text", "eager", GEMMA3 | {"vocab_size": 40, "h": 32, "ffn_hidden_size": 512}),
+    ("gemma3_text", "eager", GEMMA3 | {"s": 95, "h": 16, "ffn_hidden_size": 16, "vocab_size": 20,
+                                       "sliding_window": 16}),  # a window shorter than s
+    ("gemma3_text", "eager", GEMMA3 | FP32 | {"b": 1, "s": 7, "L": 3}),
+    ("gemma3_text", "eager", GEMMA3 | FULL),
+    ("gemma3_text", "eager", GEMMA3 | FULL | {"L": 1, "b": 1, "s": 11, "num_query_groups": 4}),  # causal mask: unheld
+    ("gemma3_text", "eager", GEMMA3 | FULL | FP32 | CAPPED | {"b": 3, "s": 5, "h": 48, "a": 6, "num_query_groups": 3,
+                                                             "sliding_window": 3}),
+    ("gemma3_text", "eager", GEMMA3 | {"dropout": 0.1, "b": 3, "s": 7}),
+    ("gemma3_text", "eager", GEMMA3 | FULL | {"dropout": 0.1, "b": 1, "s": 9}),
 ]
 
 
@@ -50,3 +71,22 @@ def test_each_familys_step_happens_in_order_and_peaks_where_the_timeline_says_to
                                                                                            attention, changes):
     r = _exact_step(make_config(LLAMA, attention=attention, **changes), "none")
     assert r.model.startswith(f"transformers' {FAMILIES[family].architectures[0]}")
+
+
+@pytest.mark.parametrize("changes, named", [
+    (OLMO2 | {"t": 2}, "OLMo 2's model under tp"),  # its plan gathers the attention's projections: unmeasured
+    (OLMO2 | {"dp_shard": 2}, "OLMo 2's model under tp, dp_shard"),
+], ids=str)
+def test_what_the_walk_does_not_model_is_refused_by_name(changes, named):
+    config = make_config(LLAMA, **changes)
+    with pytest.raises(ConfigError, match=named):
+        timeline(config, STRATEGIES["tp" if config.t > 1 else "none"], CPU)
+
+
+def test_gemma_3s_attention_passes_no_softcap_so_its_layer_keeps_no_tanh_where_gemma_2s_does():
+    """Gemma3Attention calls its attention without attn_logit_softcapping (measured: the layer probe found no tanh)."""
+    capped = {"attention": "eager"} | CAPPED
+    kept = {family: rules.layer_tensors(make_config(LLAMA, **(fields | capped)), CPU)
+            for family, fields in (("gemma3_text", GEMMA3), ("gemma2", GEMMA3 | {"family": "gemma2",
+                                                                                "qk_layernorm": False}))}
+    assert rules.SOFTCAP_TANH not in kept["gemma3_text"] and rules.SOFTCAP_TANH in kept["gemma2"]
