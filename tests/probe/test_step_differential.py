@@ -92,6 +92,8 @@ _HF_MIXTRAL = _knobs(attention=ATTENTION, num_experts=st.integers(2, 6), moe_rou
                      tie_embeddings=TIED, dropout=DROPOUT, recompute=st.sampled_from(("none", "full")), dtype=DTYPES)
 _HF_GEMMA2 = _knobs(attn_logit_softcapping=st.sampled_from((None, 50.0)), sliding_window=st.sampled_from((None, 3, 8)),
                     tie_embeddings=TIED, dtype=DTYPES, dropout=DROPOUT, recompute=st.sampled_from(("none", "full")))
+_HF_GLM = _knobs(attention=ATTENTION, dropout=DROPOUT, dtype=DTYPES, tie_embeddings=TIED,
+                 recompute=st.sampled_from(("none", "full")), rotary_percent=st.sampled_from((0.5, 0.25, 1.0)))
 _HF_PHI3 = _knobs(tie_embeddings=TIED, dtype=DTYPES, dropout=DROPOUT, recompute=st.sampled_from(("none", "full")))
 # GPT2LMHeadModel: LayerNorm, Conv1D with biases, learned positions; no tp plan (t = 1)
 GPT2 = {"impl": "hf", "family": "gpt2", "norm": "layernorm", "position_embedding_type": "learned_absolute",
@@ -130,6 +132,10 @@ SUBJECTS = (
                                                 "post_norm": True, "qk_layernorm": True}, _HF, ts=(1,)),
     Subject("hf gemma3", "transformers", GEMMA | {"family": "gemma3_text", "sandwich_norm": True, "qk_layernorm": True},
             _HF_GEMMA2, ts=(1,)),
+    Subject("hf glm", "transformers", {"impl": "hf", "family": "glm", "add_qkv_bias": True} | LLAMA,
+            _HF_GLM, ts=(1,)),
+    Subject("hf glm4", "transformers", {"impl": "hf", "family": "glm4", "add_qkv_bias": True, "sandwich_norm": True,
+                                        "rotary_percent": 0.5} | LLAMA, _HF, ts=(1,)),
     Subject("torchtitan fsdp2", "torchtitan", TORCHTITAN, _TORCHTITAN_FSDP, ts=(1, 2)),
     Subject("hf fsdp2", "transformers", {"impl": "hf"} | LLAMA, _HF_FSDP, ts=(1, 2)),
 )

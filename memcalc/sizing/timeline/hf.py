@@ -13,11 +13,11 @@ from dataclasses import fields, replace
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError
 from memcalc.model import ledger
-from memcalc.model.evaluate import estimate
+from memcalc.model.evaluate import estimate, rotary_sizes
 from memcalc.model.families import layer_family
 from memcalc.model.impls import hf as rules
 from memcalc.model.knobs import Accounting
-from memcalc.model.ledger import RMSNormTensors
+from memcalc.model.ledger import Dim, RMSNormTensors
 from memcalc.model.strategy import Strategy
 from memcalc.sizing.pipeline import stages
 from memcalc.sizing.timeline import hf_gpt2 as gpt2
@@ -37,6 +37,31 @@ from memcalc.sizing.timeline.zero import Zero
 def _norm_like_final(config: ModelConfig) -> RMSNormTensors:
     """A layer's norm of model.norm's class and shape: its input_layernorm, or OLMo 2's first post-norm."""
     return rules.POST_NORMS[config.norm][0] if config.post_norm else rules.RMS_NORMS[config.norm][0]
+
+
+def _shared_tables(config: ModelConfig) -> tuple[ledger.SavedTensor, ...]:
+    """The ledger's RoPE tables every layer keeps, the model's own (made once per forward by its rotary embedding); none
+    where each layer keeps tables of its own (GLM's interleaved ones: the model's are then its locals)."""
+    return () if rules.is_glm(config) else rules.rope_tables(config)
+
+
+def _model_tables(config: ModelConfig, z: Sizes) -> tuple[Made, ...]:
+    """The (cos, sin) tables LlamaModel's rotary embedding makes once a forward and passes every layer."""
+    if shared := _shared_tables(config):
+        return tuple(kept("", x, "made once per forward by LlamaRotaryEmbedding; every layer's RoPE keeps it")
+                     for x in shared)
+    return tuple(Made(name, z.act * z.s * _rotary(config, z), "LlamaModel's position_embeddings, a local until it"
+                      " returns: each layer interleaves its own") for name in _table_names(config))
+
+
+def _table_names(config: ModelConfig) -> tuple[str, ...]:
+    """The tape names of the model's (cos, sin) tables: the ledger's where every layer keeps them."""
+    return tuple(x.name for x in _shared_tables(config)) or ("model/rope_cos", "model/rope_sin")
+
+
+def _rotary(config: ModelConfig, z: Sizes) -> int:
+    """The channels of each head RoPE rotates: d, or GLM's d_r (rotary_percent)."""
+    return rotary_sizes(config).get(Dim.DR, z.d)
 
 
 def final_norm(config: ModelConfig) -> RMSNormTensors:
@@ -75,7 +100,7 @@ def _moments(config: ModelConfig, z: Sizes, kept: tuple[tuple[ledger.SavedTensor
         model_states(tape, config, stage, z)
     if not rules.is_gpt2(config):  # GPT-2's positions are a learned table (a parameter), no rotary buffers
         for name in ("inv_freq", "original_inv_freq"):
-            tape.add(f"states/rotary_emb.{name}", PARAMETERS, 4 * (z.d // 2),
+            tape.add(f"states/rotary_emb.{name}", PARAMETERS, 4 * (_rotary(config, z) // 2),
                      "LlamaRotaryEmbedding's buffer, fp32 in a bf16 model (an explicit float arange)")
     if scaled_embedding(config):
         tape.add("states/embed_tokens.embed_scale", PARAMETERS, z.act, "GemmaTextScaledWordEmbedding's sqrt(h), a 0-d"
@@ -99,14 +124,15 @@ def _moments(config: ModelConfig, z: Sizes, kept: tuple[tuple[ledger.SavedTensor
 Walked = tuple[Walk, tuple[Op, ...]]  # ops and the walk that puts them on the tape
 
 # LlamaModel's locals, live until it returns: the first layer's input (inputs_embeds), the position ids and the masks
-MODEL_LOCALS = ("layers.0/input", "model/position_ids", "model/causal_mask", "model/sliding_mask")
+MODEL_LOCALS = ("layers.0/input", "model/position_ids", "model/causal_mask", "model/sliding_mask", "model/rope_cos",
+                "model/rope_sin")
 
 
 def _llama(tape: Tape, config: ModelConfig, z: Sizes, saved: dict[str, int], hand_over: HandOver,
            kept: tuple[tuple[ledger.SavedTensor, int], ...], dense: tuple[tuple[ledger.SavedTensor, int], ...],
            sharded: bool) -> tuple[Walked, list[Walked], Walked]:
     """LlamaForCausalLM's (and its kin's) embedding, layers and output as walks and ops."""
-    ln1, final, rope = _norm_like_final(config), final_norm(config), rules.rope_tables(config)
+    ln1, final, rope = _norm_like_final(config), final_norm(config), _shared_tables(config)
     ends = {x.name: saved[x.name] for x in rope} | {ledger.OUTPUT_INPUT.name: z.full(z.h)} | {
         y.name: saved[x.name] for x, y in zip(ln1, final) if x.name in saved} | {
         ledger.LOGITS_SOFTCAP_TANH.name: z.act * z.b * z.s * config.vocab_size}
@@ -162,7 +188,7 @@ def _checkpoint(i: int, config: ModelConfig) -> Checkpoint | None:
     if config.recompute != "full":
         return None
     masks = [_layer_mask(config, j) for j in range(i + 1)]
-    shared = (*(("model/position_ids", *(x.name for x in rules.rope_tables(config))) if i == 0 else ()),
+    shared = (*(("model/position_ids", *_table_names(config)) if i == 0 else ()),
               *((masks[i],) if masks.index(masks[i]) == i else ()))
     rerun = ACTIVATIONS if config.dp_shard is None else TEMPORARIES  # FSDPMemTracker's: in backward, no unit's forward
     return Checkpoint(f"layers.{i}/input", rerun=rerun, early_stop=True, own=TEMPORARIES, frame=shared)
@@ -201,7 +227,7 @@ def _step(tape: Tape, sharding: Fsdp | Zero | None, inputs: Walked, layers: list
 
 # The families whose model the walk follows, which --step builds (memcalc.probe.libs.hf_step).
 WALKED = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma", "gemma2", "phi3", "gpt2",
-          "olmo2", "gemma3_text")
+          "olmo2", "gemma3_text", "glm", "glm4")
 
 
 def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounting) -> None:
@@ -220,7 +246,10 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
         (family == "gemma3_text" and config.L >= rules.GEMMA3_FULL_EVERY,
          f"L={config.L} layers in Gemma 3's model (from its sixth layer on, full layers keep a second pair of RoPE"
          " tables: not walked)"),
-        (config.rotary_percent is not None, "GLM's partial RoPE and fused gate_up (it walks Llama's)"),
+        (config.rotary_percent is not None and not rules.is_glm(config), "partial RoPE (rotary_percent) outside"
+                                                                         " GLM's model"),
+        (rules.is_glm(config) and rotary_sizes(config)[Dim.DR] == 0,
+         f"GLM's RoPE on no channel (int(d * rotary_percent) = int({config.head_dim} * {config.rotary_percent}) = 0)"),
         (strategy.tensor_parallel and config.vocab_size % config.t != 0,
          f"vocab_size={config.vocab_size} that t={config.t} does not divide (DTensor pads uneven shards to gather"
          " the logits)"),
@@ -231,9 +260,8 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
         (config.cp != 1, f"cp={config.cp}"),
         (config.add_bias_linear and family != "gpt2",
          "add_bias_linear (biases on every linear; Qwen2's q, k, v biases are add_qkv_bias)"),
-        ((scaled_embedding(config) or config.fused_qkv or config.post_norm) and (tp or sharded),
-         "Gemma's, Phi-3's or OLMo 2's model under tp, dp_shard or zero_stage (unmeasured: t = 1 without sharding"
-         " only)"),
+        ((scaled_embedding(config) or config.fused_qkv or config.post_norm or rules.is_glm(config)) and (tp or sharded),
+         f"{family}'s model under tp, dp_shard or zero_stage (unmeasured: t = 1 without sharding only)"),
         (config.position_embedding_type != "rope" and family != "gpt2",
          f"position_embedding_type {config.position_embedding_type}"),
         (config.dtype == "fp32" and config.zero_stage is not None, "dtype fp32 with zero_stage (DeepSpeed's fp32"
@@ -253,6 +281,9 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
         # activations measured at the peak, 144 B fewer temporaries)
         (config.recompute != "none" and config.dtype == "fp32" and config.fused_qkv,
          f"{rerun} dtype fp32 in Phi-3's model (its rerun's fused projections in fp32 are not walked exactly)"),
+        # GLM's gate_up_proj likewise (b=1 s=5 h=6 a=1 f=1 L=1, eager: 140 B more activations, 120 B fewer temporaries)
+        (config.recompute != "none" and config.dtype == "fp32" and rules.is_glm(config),
+         f"{rerun} dtype fp32 in GLM's model (its rerun's gate_up_proj in fp32 is not walked exactly, as Phi-3's)"),
     ]
     for absent, what in missing:
         if absent:
@@ -305,6 +336,20 @@ def _hand_over(tape: Tape, sharding: Fsdp | Zero | None) -> HandOver:
     return hand_over
 
 
+# A layer's norms' module names, in forward order (before the attention, on its output, before the MLP, on its output):
+# Llama's two, Gemma 2's (and 3's) four, OLMo 2's post-norms (Gemma 2's second and fourth), GLM-4's four
+NORM_NAMES = {"llama": ("input_layernorm", "", "post_attention_layernorm", ""),
+              "gemma2": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                         "post_feedforward_layernorm"),
+              "glm4": ("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm")}
+
+
+def _norm_names(config: ModelConfig) -> tuple[str, str, str, str]:
+    """The layer's norms' module names (`NORM_NAMES`): its family's, or Llama's or Gemma 2's places."""
+    return NORM_NAMES.get(layer_family(config).name,
+                          NORM_NAMES["gemma2" if config.sandwich_norm or config.post_norm else "llama"])
+
+
 def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: Step, block: tuple[Op, ...]
            ) -> tuple[Op, ...]:
     """Decoder layer i as ops, its MLP LlamaMLP or a sparse `block`. Under a checkpoint its forward runs op by op;
@@ -321,7 +366,7 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
         layer.rms_norm(name, p, norm, z, None, dx, output=Made(f"{p}/{branch} normed", z.full(z.h), "the branch's"
                                                                 " output normalised"), gone=(f"{p}/{branch} output",),
                        x=f"{p}/{branch} output")
-        for name, norm, dx, branch in zip(("post_attention_layernorm", "post_feedforward_layernorm"),
+        for name, norm, dx, branch in zip(_norm_names(config)[1::2],
                                           rules.POST_NORMS[config.norm], (attn_out, mlp_out), ("attn", "mlp"))
     ) if sandwich else (
         (torch_ops.dropout(f"resid_{branch}_dropout", p, mask, Made(f"{p}/{branch} output", z.full(z.h), "the"
@@ -333,12 +378,12 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
     proj = "proj" if resid else "output"
     mid, output = layer.residuals(i, z, layer.returned_weights(z, config.attention == "eager", config.has_dropout))
     into = ((f"grad/{p}/mid", out), (f"grad/{p}/output", f"grad/{p}/mid")) if config.post_norm else (("", ""),) * 2
+    names = _norm_names(config)
     ln1, ln2 = (layer.unnormed(ledger.QKV_IN, f"{p}/input"), layer.unnormed(ledger.FC1_IN, f"{p}/mid")) \
         if config.post_norm else (
-        layer.rms_norm("input_layernorm", p, rules.RMS_NORMS[config.norm][0], z, f"grad/{p}/ln1 output", out,
+        layer.rms_norm(names[0], p, rules.RMS_NORMS[config.norm][0], z, f"grad/{p}/ln1 output", out,
                        f"grad/{p}/mid", output=kept(p, ledger.QKV_IN), x=f"{p}/input"),
-        layer.rms_norm("pre_feedforward_layernorm" if sandwich else "post_attention_layernorm", p,
-                       rules.RMS_NORMS[config.norm][1], z, mlp, f"grad/{p}/mid", f"grad/{p}/output",
+        layer.rms_norm(names[2], p, rules.RMS_NORMS[config.norm][1], z, mlp, f"grad/{p}/mid", f"grad/{p}/output",
                        output=kept(p, ledger.MOE_IN if block else ledger.FC1_IN), x=f"{p}/mid"))
     ops = (
         *ln1,
@@ -346,12 +391,13 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
                          i == 0 and not checkpointed,
                          config.norm if config.qk_layernorm else "", config.add_qkv_bias, config.has_dropout,
                          rules.scores_capped(config), attn_out, config.fused_qkv, f"attn {proj}",
-                         rules.rope_tables(config), into[0]),
+                         _shared_tables(config), into[0]),
         *post_attn,
         *((mid,) if checkpointed else ()),
         *ln2,
         *(moe.checkpointed_forward(p, z, config) if block and checkpointed else ()),
-        *(block or layer.mlp(p, z, tp, rules.GATED[config.mlp], mlp_out, config.fused_qkv, f"mlp {proj}", into[1])),
+        *(block or layer.mlp(p, z, tp, rules.GATED[config.mlp], mlp_out, config.fused_qkv or rules.is_glm(config),
+                             f"mlp {proj}", into[1])),
         *post_mlp,
         *((output,) if checkpointed else ()),
     )
@@ -386,8 +432,7 @@ def _embedding(z: Sizes, config: ModelConfig, sharded: bool) -> tuple[Op, ...]:
         *((Made("model/sliding_mask", act * z.b * s * s if eager else s * s, "create_sliding_window_causal_mask's"
                 " mask beside the causal one: Gemma 2's sliding layers read it (Qwen2MoeModel makes it too, though no"
                 " layer slides)"),) if config.moe_shared_expert_intermediate_size or _slides(config, 0) else ()),
-        *(kept("", x, "made once per forward by LlamaRotaryEmbedding; every layer's RoPE keeps it")
-          for x in rules.rope_tables(config)),
+        *_model_tables(config, z),
     )
     first = Made("layers.0/input", z.full(z.h), "the embedding lookup, the first layer's input: LlamaModel's"
                  " inputs_embeds, live until it returns")

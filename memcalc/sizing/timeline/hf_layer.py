@@ -262,8 +262,9 @@ def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, t
               dy: str | None = None, fused: bool = False, made_as: str = "attn output",
               rope: tuple[SavedTensor, ...] = ROPE, into: tuple[str, str] = ("", "")) -> tuple[Op, ...]:
     """q, k, v (their dX summed as they come; `qk_norm`, the layer's norm: Qwen3's q_norm and k_norm, OLMo 2's over
-    the whole projection; `qkv_bias`: Qwen2's biases; `fused`: Phi-3's one qkv_proj), RoPE (`rope` the model's tables:
-    OLMo's fp32 ones make fp32 products, cast back), the core (eager with `dropout` or Gemma 2's `softcap`, or SDPA),
+    the whole projection; `qkv_bias`: Qwen2's biases; `fused`: Phi-3's one qkv_proj), RoPE (`_rope_ops`; `rope` the
+    model's tables every layer keeps, none where each keeps its own: GLM's), the core (eager with `dropout` or Gemma 2's
+    `softcap`, or SDPA),
     o_proj (`dy` its output's gradient; None: the residual stream's, which lives on; `made_as` its output's name); the
     heads go as the module returns. `into`: OLMo 2's (unnormed) residual stream's gradient, which q's, k's and v's dX
     join as they come, and the name of the sum."""
@@ -303,20 +304,13 @@ def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, t
     ran[:0] = late
     if fused:  # q, k and v are views of qkv_proj's output, which V's view keeps whole at b = 1
         made["v"] = _kept_or_local(p, rules.NEOX_QKV_OUT, saved, "qkv", z.full(q + 2 * kv))
-    upcast = rope[0].kind is Kind.FP32 and z.act != 4  # OLMo's fp32 tables: fp32 products, each cast back
-    rope_ops = tuple(Op("self_attn", _rope_forward(p, name, z.full(w), rotated[name], name == "k" and not fused, fused,
-                                                   upcast and z.tokens(4 * w)),
-                        _rope_backward(g, name, z.full(w), rope if first and name == "q" else (),
-                                       upcast and z.tokens(4 * w))) for name, w in
-                     (("q", q), ("k", kv)))  # forward order: q's, then k's
-    if upcast:  # apply_rotary_pos_emb returns q's and k's sums cast back, its locals going as it returns
-        rope_ops = (rope_ops[0], replace(rope_ops[1], forward=(*rope_ops[1].forward, *(
-            Step(f"{name}_embed.to({name}'s dtype)", (rotated[name],)) for name in ("q", "k")), Step("", frees=(
-                f"{p}/q embed", f"{p}/k embed", f"{p}/q pre-rope", f"{p}/k pre-rope")))))
+    rope_ops = _rope_ops(p, z, {"q": q, "k": kv}, rotated, saved, fused, rope, first)
     math = rules.MATH_Q.name in saved  # SDPA with dropout on a CPU: the math kernel (the ledger's SDPA_MATH)
     core = _eager(p, z, saved, gqa, dropout, softcap, fused) if eager else \
-        sdpa_math(p, z, gqa, f"{g}/o_proj input", made["v"].name) if math else _sdpa(p, z)
-    o_proj = linear("self_attn.o_proj", ledger.PROJ_IN if eager or math else None, None, z.act * q * z.h,
+        sdpa_math(p, z, gqa, f"{g}/o_proj input", made["v"].name, q_folds=rules.GLM_ROPE_COS.name not in saved) \
+        if math else _sdpa(p, z, saved)
+    copied = eager or math or rules.GLM_SDPA_OUT.name in saved  # o_proj's input no kernel's output
+    o_proj = linear("self_attn.o_proj", ledger.PROJ_IN if copied else None, None, z.act * q * z.h,
                     f"{g}/o_proj input", z.full(q), p, (dy,) if dy else ())
     gone = (made["v"], *rotated.values(), kept(p, ledger.QKV_IN), kept(p, ledger.PROJ_IN))  # at the module's return
     o_proj = replace(o_proj, forward=(Step("the GEMM", (Made(f"{p}/{made_as}", full, "o_proj's output"),),
@@ -361,6 +355,8 @@ def _bmm_copies(z: Sizes, saved: dict[str, int], fused: bool = False) -> tuple[b
     if fused:
         return False, views, views or (not expanded and z.b > 1 and z.a_t > 1)
     plain = strided and z.g_t > 1 and not expanded
+    if rules.GLM_ROPE_COS.name in saved:  # GLM's Q and K: RoPE's concatenations, contiguous (b, heads, s, d)
+        return False, views, plain or views
     return strided and z.a_t > 1, plain or views, plain or views
 
 
@@ -391,30 +387,58 @@ def _fused_qkv(p: str, z: Sizes, q: int, kv: int, tp: bool, qkv: Made) -> tuple[
     return (lin, Op("self_attn", (), tuple(slices)), view)
 
 
-def _rope_forward(p: str, name: str, width: int, out: Made, last: bool, passthrough: bool = False, wide: int = 0
-                  ) -> tuple[Step, ...]:
+def _rope_forward(p: str, name: str, width: int, out: Made, last: bool, passthrough: bool = False, rot: int = 0,
+                  wide: int = 0) -> tuple[Step, ...]:
     """apply_rotary_pos_emb for q or k (`out` its result); after k's (`last`) the projections' outputs go, rebound to
-    RoPE's. `passthrough`: Phi-3's, whose sum is concatenated with the empty unrotated rest: a copy, `out`. `wide`:
-    OLMo's fp32 products' bytes, whose fp32 sum lives to the function's return (`attention` casts it back)."""
+    RoPE's. `passthrough`: Phi-3's, whose sum is concatenated with the empty unrotated rest: a copy, `out`. `rot`:
+    GLM's rotated share's bytes, `wide`: OLMo's fp32 products' bytes; either's sum lives on, finished after k's
+    (`_rope_ops`)."""
     x = f"{p}/{name}"
-    if wide:
-        return tuple(replace(step, makes=tuple(replace(m, bytes=wide) for m in step.makes)) if i in (0, 3) else step
-                     for i, step in enumerate(_rope_forward(p, name, width, Made(
-                         f"{x} embed", wide, "the fp32 sum, a local until apply_rotary_pos_emb returns"), False)))
     if passthrough:
         summed = Made(f"{x} embed", width, "the rotated part, a temporary")
         return (*_rope_forward(p, name, width, summed, last)[:-1],
                 Step("RoPE's sum", (summed,), frees=(f"{x} cos", f"{x} sin")),
                 Step("the rotated part and the rest concatenated", (out,), frees=(summed.name,)))
+    if rot or wide:
+        out, last = Made(f"{x} embed", wide or rot, "RoPE's sum, a local of apply_rotary_pos_emb"), False
+    rot = rot or width
+    product = wide or rot
     return (
-        Step(f"{name} * cos", (Made(f"{x} cos", width, "a temporary"),)),
-        Step("rotate_half: the negated half", (Made(f"{x} neg", width // 2, "-x2, a temporary"),)),
-        Step("rotate_half: the halves concatenated", (Made(f"{x} rotated", width, "a temporary"),),
+        Step(f"{name} * cos", (Made(f"{x} cos", product, "a temporary"),)),
+        Step("rotate_half: the negated half", (Made(f"{x} neg", rot // 2, "-x2, a temporary"),)),
+        Step("rotate_half: the halves concatenated", (Made(f"{x} rotated", rot, "a temporary"),),
              frees=(f"{x} neg",)),
-        Step("rotate_half(x) * sin", (Made(f"{x} sin", width, "a temporary"),), frees=(f"{x} rotated",)),
+        Step("rotate_half(x) * sin", (Made(f"{x} sin", product, "a temporary"),), frees=(f"{x} rotated",)),
         Step("RoPE's sum", (out,), frees=(f"{x} cos", f"{x} sin",
                                           *((f"{p}/q pre-rope", f"{p}/k pre-rope") if last else ()))),
     )
+
+
+def _rope_ops(p: str, z: Sizes, widths: dict[str, int], rotated: dict[str, Made], saved: dict[str, int], fused: bool,
+              tables: tuple[SavedTensor, ...], first: bool) -> tuple[Op, Op]:
+    """RoPE on q, then on k (`widths` their channels, `rotated` what each becomes); `tables`: the model's, which the
+    `first` layer's q frees in backward. OLMo's fp32 tables make fp32 products, each sum cast back as the function
+    returns; GLM's (its own (s, d_r) tables, interleaved from the model's, which its products keep) rotate the first
+    d_r channels of each head, each sum then concatenated with the rest (in backward the Llama walk's steps, net: no
+    moment inside)."""
+    g, glm = f"grad/{p}", rules.GLM_ROPE_COS.name in saved
+    upcast = bool(tables) and tables[0].kind is Kind.FP32 and z.act != 4
+    share = saved[rules.GLM_ROPE_COS.name] // (z.act * z.s) if glm else z.d  # d_r: the interleaved table's width
+    own = (rules.GLM_ROPE_COS, rules.GLM_ROPE_SIN) if glm else ()
+    ops = [Op("self_attn", (
+        *(Step(f"{x.name}: the model's table interleaved", (kept(p, x),)) for x in (own if name == "q" else ())),
+        *_rope_forward(p, name, z.full(w), rotated[name], name == "k" and not fused, fused,
+                       glm and z.full(w // z.d * share), upcast and z.tokens(4 * w))),
+        _rope_backward(g, name, z.full(w), tables if first and name == "q" else (), upcast and z.tokens(4 * w)),
+        saves=own)
+        for name, w in widths.items()]  # forward order: q's, then k's
+    finish = "concatenated with the passed channels" if glm else "cast back" if upcast else ""
+    if finish:  # GLM's rebinds each sum to its concatenation; OLMo's sums, the function's locals, go as it returns
+        ops[1] = replace(ops[1], forward=(*ops[1].forward, *(
+            Step(f"{name}'s sum {finish}", (rotated[name],), frees=(f"{p}/{name} embed",) if glm else ())
+            for name in widths), Step("", frees=(f"{p}/q embed", f"{p}/k embed", f"{p}/q pre-rope", f"{p}/k pre-rope"),
+                                      reads_last=kept_names(p, *own))))
+    return ops[0], ops[1]
 
 
 def _rope_backward(g: str, name: str, width: int, tables: tuple[SavedTensor, ...], wide: int = 0
@@ -538,27 +562,32 @@ def _softcap_backward(g: str, scores: int) -> tuple[Step, ...]:
                  for what, old, new in zip(("(.) * softcap", "tanh", "(.) / softcap"), names, (*names[1:], names[0])))
 
 
-def _sdpa(p: str, z: Sizes) -> tuple[Op, ...]:
+def _sdpa(p: str, z: Sizes, saved: dict[str, int]) -> tuple[Op, ...]:
     """SDPA's flash kernel, one kernel each way; with dropout on CUDA too, which regenerates its mask in backward from
-    the RNG state mha_fwd allocates with or without dropout (torch's flash_api.cpp: read from code, not measured)."""
+    the RNG state mha_fwd allocates with or without dropout (torch's flash_api.cpp: read from code, not measured).
+    GLM's output, laid out as its (b, a, s, d) query, is copied (b, s, a, d) for o_proj (the ledger's GLM_SDPA_OUT)."""
     g, kv = f"grad/{p}", z.full(z.g_t * z.d)
+    out = rules.GLM_SDPA_OUT if rules.GLM_SDPA_OUT.name in saved else ledger.PROJ_IN
+    copied = (Step("the output made (b, s, a, d)", (kept(p, ledger.PROJ_IN),), reads_last=(kept_name(p, out),)),) \
+        if out != ledger.PROJ_IN else ()
     return (Op("self_attn", (Step("SDPA's flash kernel: its output and log-sum-exp", (
-        kept(p, ledger.PROJ_IN), kept(p, ledger.SOFTMAX_LSE)), reads_last=(kept_name(p, ledger.SOFTMAX_LSE),)),), (
+        kept(p, out), kept(p, ledger.SOFTMAX_LSE)), reads_last=(kept_name(p, ledger.SOFTMAX_LSE),)), *copied), (
         Step("the SDPA kernel's backward: dQ, dK, dV", (
         Made(f"{g}/q heads", z.full(z.a_t * z.d), "dQ"), Made(f"{g}/k heads", kv, "dK, at g heads"),
         Made(f"{g}/v heads", kv, "dV, at g heads")), frees=(f"{g}/o_proj input",)),),
-        saves=(ledger.Q, ledger.K, ledger.V, ledger.SOFTMAX_LSE, ledger.PROJ_IN)),)
+        saves=(ledger.Q, ledger.K, ledger.V, ledger.SOFTMAX_LSE, out)),)
 
 
-def sdpa_math(p: str, z: Sizes, gqa: bool, dy: str, v: str, kept_v: tuple[SavedTensor, ...] = (rules.MATH_V,)
-              ) -> tuple[Op, ...]:
+def sdpa_math(p: str, z: Sizes, gqa: bool, dy: str, v: str, kept_v: tuple[SavedTensor, ...] = (rules.MATH_V,),
+              q_folds: bool = True) -> tuple[Op, ...]:
     """SDPA with dropout on a CPU: torch's math kernel (aten _scaled_dot_product_attention_math), its ops recorded by
     autograd one by one, all in fp32 (q, k and v cast up, q and k^T scaled, K and V repeated to every head under GQA
     with enable_gqa, bmm, the causal mask added, _safe_softmax, dropout's scaled mask, bmm), its output cast back. Its
     backward runs those ops' backward in autograd's order: the dropout branch, then k's scale, the repeats' sums (v's,
     then k's), q's scale, the three casts down (v's, k's, q's; in fp32 every cast is a no-op). `dy`: the output's
     gradient (o_proj's dX); `v`: the tensor v is; `kept_v`: what bmm keeps of v (GPT-2's in fp32: the ledger's
-    GPT2_MATH_V, or c_attn's whole output). Its forward op by op (`math_forward`) is the first op's."""
+    GPT2_MATH_V, or c_attn's whole output); `q_folds`: whether q is laid out (b, s, a, d), Llama's (GLM's is RoPE's
+    contiguous concatenation). Its forward op by op (`math_forward`) is the first op's."""
     g, (heads, groups, folded), fp32 = f"grad/{p}", _math_sizes(z), z.act == 4
     scores = 4 * z.b * z.a_t * z.s * z.s
 
@@ -598,10 +627,11 @@ def sdpa_math(p: str, z: Sizes, gqa: bool, dy: str, v: str, kept_v: tuple[SavedT
                frees=(grad(n, False, scaled),)) for n, w, scaled in (("v", z.g_t, ""), ("k", z.g_t, ""),
                                                                       ("q", z.a_t, " scaled")) if not fp32),
     ), saves=(rules.MATH_Q, rules.MATH_K))
-    return (replace(scaled, forward=math_forward(p, z, gqa, v, kept_v)), softmax, mask, dropped)
+    return (replace(scaled, forward=math_forward(p, z, gqa, v, kept_v, q_folds)), softmax, mask, dropped)
 
 
-def math_forward(p: str, z: Sizes, gqa: bool, v: str, kept_v: tuple[SavedTensor, ...]) -> tuple[Step, ...]:
+def math_forward(p: str, z: Sizes, gqa: bool, v: str, kept_v: tuple[SavedTensor, ...], q_folds: bool = True
+                 ) -> tuple[Step, ...]:
     """The math kernel's forward for a walk op by op (GPT-2's; Llama's under a checkpoint): what it keeps that no C++
     local holds to its return (k^T scaled, the softmax, dropout's mask; matmul's copies of q scaled and v to fold
     (b, a)) goes at once under a checkpoint, marking no moment; then its widest moment as it returns its output (its
@@ -610,13 +640,13 @@ def math_forward(p: str, z: Sizes, gqa: bool, v: str, kept_v: tuple[SavedTensor,
     (b, s, a, d), a copy unless one head or one token."""
     folded, fp32, own = _math_sizes(z)[2], z.act == 4, rules.MATH_V in kept_v
     copied = folded and not gqa if own else rules.GPT2_MATH_V in kept_v
-    gone = (rules.MATH_K, rules.MATH_SOFTMAX, rules.MATH_DROPOUT_MASK, *((rules.MATH_Q,) if folded else ()),
+    gone = (rules.MATH_K, rules.MATH_SOFTMAX, rules.MATH_DROPOUT_MASK, *((rules.MATH_Q,) if folded and q_folds else ()),
             *(kept_v if copied else ()))
     aliased = own and fp32 and not gqa and not folded
     held = tuple(kept(p, x) for x in (rules.MATH_Q, rules.MATH_DROPOUT_OUT, *((rules.MATH_V,) if own and not aliased
                                                                               else ())) if x not in gone)
     same = (Made(v, 0, "v.to(float32) in fp32: v itself", keeps=rules.MATH_V, alias=True),) if aliased else ()
-    locals_ = math_locals(p, z, gqa)
+    locals_ = math_locals(p, z, gqa, q_folds)
     out = locals_[-1] if fp32 else Made(f"{p}/math output", z.full(z.a_t * z.d), "the output cast back to bf16")
     return (
         Step("what the math kernel keeps but no local of it holds", tuple(kept(p, x) for x in gone),
@@ -672,7 +702,7 @@ def sdpa_math_forward(p: str, z: Sizes, saved: dict[str, int], gqa: bool) -> tup
         Made(f"{p}/k heads", z.full(z.g_t * z.d), "RoPE's k, a local of the attention"),
         *(() if fp32 and not gqa and not _math_sizes(z)[2] else (
             Made(f"{p}/v heads", z.full(z.g_t * z.d), "v_proj's output as heads, a local of the attention"),)),
-        *math_locals(p, z, gqa),
+        *math_locals(p, z, gqa, rules.GLM_ROPE_COS.name not in saved),
         *(() if fp32 else (Made(f"{p}/math output", z.full(z.a_t * z.d), "the output cast back to bf16"),)),
     )
     return (Op("self_attn", (Step(MATH_WIDEST, locals_, frees=tuple(x.name for x in locals_)),), ()),)
@@ -681,9 +711,10 @@ def sdpa_math_forward(p: str, z: Sizes, saved: dict[str, int], gqa: bool) -> tup
 MATH_WIDEST = "SDPA's math kernel at its widest, as it returns its output"
 
 
-def math_locals(p: str, z: Sizes, gqa: bool) -> tuple[Made, ...]:
+def math_locals(p: str, z: Sizes, gqa: bool, q_folds: bool = True) -> tuple[Made, ...]:
     """The math kernel's C++ locals at its widest, bmm's output last (in fp32 the kernel's output; the ledger's
-    SDPA_MATH aside). In fp32 q's, k's and v's casts and the dropped-out weights' are no-ops: no locals."""
+    SDPA_MATH aside). In fp32 q's, k's and v's casts and the dropped-out weights' are no-ops: no locals. `q_folds`: as
+    `sdpa_math`'s."""
     heads, groups, folded = _math_sizes(z)
     cast = z.act != 4
     return (
@@ -692,7 +723,7 @@ def math_locals(p: str, z: Sizes, gqa: bool) -> tuple[Made, ...]:
         *((Made(f"{p}/math v", groups, "v.to(float32), a local (matmul copies it to fold (b, a))"),)
           if (gqa or folded) and cast else ()),  # else the kept MATH_V
         *((Made(f"{p}/math q scaled", heads, "q * sqrt(scale), a local (matmul copies it to fold (b, a))"),)
-          if folded else ()),  # else the kept MATH_Q
+          if folded and q_folds else ()),  # else the kept MATH_Q
         *((Made(f"{p}/math mask", 4 * z.s * z.s, "the causal (s, s) fp32 mask, from a bool tril"),)
           if z.s > 1 else ()),  # one token attends without a mask (is_causal false)
         *((Made(f"{p}/math k expanded", heads, "K repeated to every head (enable_gqa), a local"),) if gqa else ()),

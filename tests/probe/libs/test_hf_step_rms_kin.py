@@ -1,5 +1,6 @@
 """transformers' RMSNorm families beyond Llama's layer, one difference each, in the hf step walk (`--impl hf`): OLMo 2's
-post-norms and whole-width q/k norms, Gemma 3's per-head q/k norms in Gemma 2's layer. Each one's whole training step
+post-norms and whole-width q/k norms, Gemma 3's per-head q/k norms in Gemma 2's layer, GLM's partial interleaved RoPE
+and one gate_up_proj (GLM-4's with sandwich norms too). Each one's whole training step
 under MemTracker against the walk: the peak's moment, every category at the peak and between steps to the byte, and
 every moment the walk names among MemTracker's readings, in order; at b = 1 and 3, odd s, several head ratios, bf16
 and fp32, with and without gradient checkpointing and attention dropout."""
@@ -26,6 +27,10 @@ OLMO2 = {"family": "olmo2", "norm": "rmsnorm_fp32w", "post_norm": True, "qk_laye
 # projections have run; five sliding layers to a full one (layer_types), eager
 GEMMA3 = {"family": "gemma3_text", "norm": "rmsnorm_1p", "mlp": "geglu_tanh", "sandwich_norm": True,
           "qk_layernorm": True}
+# GlmForCausalLM: Llama's layer with q, k, v biases, RoPE on the first half of each head (its own interleaved tables,
+# then concatenated with the rest) and one gate_up_proj; Glm4ForCausalLM adds a norm on each branch's output
+GLM = {"family": "glm", "rotary_percent": 0.5, "add_qkv_bias": True}
+GLM4 = GLM | {"family": "glm4", "sandwich_norm": True}
 FP32, FULL, CAPPED = {"dtype": "fp32"}, {"recompute": "full"}, {"attn_logit_softcapping": 50.0}
 STEPS = [
     ("olmo2", "flash", OLMO2),  # the loss's backward
@@ -56,6 +61,22 @@ STEPS = [
                                                              "sliding_window": 3}),
     ("gemma3_text", "eager", GEMMA3 | {"dropout": 0.1, "b": 3, "s": 7}),
     ("gemma3_text", "eager", GEMMA3 | FULL | {"dropout": 0.1, "b": 1, "s": 9}),
+    ("glm", "flash", GLM),  # the loss's backward
+    ("glm", "eager", GLM | {"b": 1, "s": 13, "num_query_groups": 8, "rotary_percent": 0.25}),  # a/g = 1
+    ("glm", "flash", GLM | {"b": 3, "s": 7, "h": 48, "a": 6, "num_query_groups": 2, "tie_embeddings": True}),
+    ("glm", "flash", GLM | {"vocab_size": 40}),
+    ("glm", "eager", GLM | {"s": 95, "h": 16, "ffn_hidden_size": 16, "vocab_size": 20}),  # the fp32 softmax
+    ("glm", "flash", GLM | FP32 | {"b": 1, "s": 7, "a": 1, "h": 16, "num_query_groups": 1}),  # one head: no copy
+    ("glm", "flash", GLM | FULL | {"b": 3, "s": 9, "h": 48, "a": 6, "num_query_groups": 3}),
+    ("glm", "eager", GLM | FULL | {"b": 1, "s": 5, "num_query_groups": 1}),
+    ("glm", "flash", GLM | {"dropout": 0.1, "b": 3, "s": 7}),  # SDPA's math kernel: q, contiguous, folds as it is
+    ("glm", "flash", GLM | FULL | {"dropout": 0.1, "b": 3, "s": 5, "num_query_groups": 1}),
+    ("glm4", "flash", GLM4),
+    ("glm4", "eager", GLM4 | {"b": 3, "s": 7, "h": 48, "a": 6, "num_query_groups": 2}),
+    ("glm4", "flash", GLM4 | {"vocab_size": 40, "h": 32, "ffn_hidden_size": 512}),  # the last SwiGLU's gradients
+    ("glm4", "eager", GLM4 | FP32 | {"b": 1, "s": 5}),
+    ("glm4", "flash", GLM4 | FULL),
+    ("glm4", "eager", GLM4 | FULL | {"dropout": 0.1, "b": 1, "s": 5}),
 ]
 
 
@@ -74,8 +95,14 @@ def test_each_familys_step_happens_in_order_and_peaks_where_the_timeline_says_to
 
 
 @pytest.mark.parametrize("changes, named", [
-    (OLMO2 | {"t": 2}, "OLMo 2's model under tp"),  # its plan gathers the attention's projections: unmeasured
-    (OLMO2 | {"dp_shard": 2}, "OLMo 2's model under tp, dp_shard"),
+    (OLMO2 | {"t": 2}, "olmo2's model under tp"),  # its plan gathers the attention's projections: unmeasured
+    (OLMO2 | {"dp_shard": 2}, "olmo2's model under tp, dp_shard"),
+    (GLM | {"t": 2}, "glm's model under tp"),  # its plan gathers gate_up_proj's output: unmeasured
+    (GLM | {"h": 10, "a": 5, "num_query_groups": 5, "rotary_percent": 0.25}, "GLM's RoPE on no channel"),  # d = 2
+    # its gate_up_proj rerun in fp32, as Phi-3's fused projections: measured 140 B more activations, 120 B fewer
+    # temporaries than the walk at b=1 s=5 h=6 a=1 f=1 L=1 (found by the step differential)
+    (GLM | FULL | FP32 | {"b": 1, "s": 5, "h": 6, "a": 1, "num_query_groups": 1, "ffn_hidden_size": 1, "L": 1},
+     "dtype fp32 in GLM's model"),
 ], ids=str)
 def test_what_the_walk_does_not_model_is_refused_by_name(changes, named):
     config = make_config(LLAMA, **changes)
