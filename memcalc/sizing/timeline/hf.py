@@ -46,17 +46,28 @@ def _shared_tables(config: ModelConfig) -> tuple[ledger.SavedTensor, ...]:
 
 
 def _model_tables(config: ModelConfig, z: Sizes) -> tuple[Made, ...]:
-    """The (cos, sin) tables LlamaModel's rotary embedding makes once a forward and passes every layer."""
+    """The (cos, sin) tables LlamaModel's rotary embedding makes once a forward and passes the layers: a pair for each
+    kind of layer (Gemma 3's full layers get a pair of their own)."""
+    pairs = dict.fromkeys(_table_names(config, j) for j in range(config.L))
     if shared := _shared_tables(config):
-        return tuple(kept("", x, "made once per forward by LlamaRotaryEmbedding; every layer's RoPE keeps it")
-                     for x in shared)
+        return tuple(Made(name, 0, "made once per forward by the rotary embedding; the layers' RoPE keeps it", keeps=x)
+                     for names in pairs for name, x in zip(names, shared))
     return tuple(Made(name, z.act * z.s * _rotary(config, z), "LlamaModel's position_embeddings, a local until it"
-                      " returns: each layer interleaves its own") for name in _table_names(config))
+                      " returns: each layer interleaves its own") for names in pairs for name in names)
 
 
-def _table_names(config: ModelConfig) -> tuple[str, ...]:
-    """The tape names of the model's (cos, sin) tables: the ledger's where every layer keeps them."""
-    return tuple(x.name for x in _shared_tables(config)) or ("model/rope_cos", "model/rope_sin")
+def _table_names(config: ModelConfig, j: int = 0) -> tuple[str, ...]:
+    """The tape names of the (cos, sin) tables layer j reads: the ledger's where every layer keeps them, Gemma 3's full
+    layers' a pair of their own (its rotary embedding's global base)."""
+    names = tuple(x.name for x in _shared_tables(config)) or ("model/rope_cos", "model/rope_sin")
+    full = layer_family(config).name == "gemma3_text" and not _slides(config, j)
+    return tuple(f"{x} (full)" for x in names) if full else names
+
+
+def _first_reader(config: ModelConfig, j: int) -> tuple[str, ...]:
+    """The model's tables layer j is the first to read: the last to hold them, in backward (its frame, or its RoPE)."""
+    names = _table_names(config, j)
+    return names if all(_table_names(config, i) != names for i in range(j)) else ()
 
 
 def _rotary(config: ModelConfig, z: Sizes) -> int:
@@ -99,7 +110,9 @@ def _moments(config: ModelConfig, z: Sizes, kept: tuple[tuple[ledger.SavedTensor
     else:
         model_states(tape, config, stage, z)
     if not rules.is_gpt2(config):  # GPT-2's positions are a learned table (a parameter), no rotary buffers
-        for name in ("inv_freq", "original_inv_freq"):
+        kinds = {_table_names(config, j) for j in range(config.L)}  # Gemma 3's: a pair for each kind of layer
+        for name in (f"{kind}{x}" for kind in ("", "full_attention_")[:len(kinds)]
+                     for x in ("inv_freq", "original_inv_freq")):
             tape.add(f"states/rotary_emb.{name}", PARAMETERS, 4 * (_rotary(config, z) // 2),
                      "LlamaRotaryEmbedding's buffer, fp32 in a bf16 model (an explicit float arange)")
     if scaled_embedding(config):
@@ -188,7 +201,7 @@ def _checkpoint(i: int, config: ModelConfig) -> Checkpoint | None:
     if config.recompute != "full":
         return None
     masks = [_layer_mask(config, j) for j in range(i + 1)]
-    shared = (*(("model/position_ids", *_table_names(config)) if i == 0 else ()),
+    shared = (*(("model/position_ids",) if i == 0 else ()), *_first_reader(config, i),
               *((masks[i],) if masks.index(masks[i]) == i else ()))
     rerun = ACTIVATIONS if config.dp_shard is None else TEMPORARIES  # FSDPMemTracker's: in backward, no unit's forward
     return Checkpoint(f"layers.{i}/input", rerun=rerun, early_stop=True, own=TEMPORARIES, frame=shared)
@@ -243,9 +256,6 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
         (_slides(config, 0) and config.attention != "eager",
          f"attention {config.attention} in Gemma 2's or 3's model (Gemma2ForCausalLM runs eager attention only; Gemma"
          " 3's SDPA is not walked)"),
-        (family == "gemma3_text" and config.L >= rules.GEMMA3_FULL_EVERY,
-         f"L={config.L} layers in Gemma 3's model (from its sixth layer on, full layers keep a second pair of RoPE"
-         " tables: not walked)"),
         (config.rotary_percent is not None and not rules.is_glm(config), "partial RoPE (rotary_percent) outside"
                                                                          " GLM's model"),
         (rules.is_glm(config) and rotary_sizes(config)[Dim.DR] == 0,
@@ -388,7 +398,7 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
     ops = (
         *ln1,
         *layer.attention(p, z, config.attention == "eager", saved, config.groups != config.a, tp,
-                         i == 0 and not checkpointed,
+                         () if checkpointed else _first_reader(config, i),
                          config.norm if config.qk_layernorm else "", config.add_qkv_bias, config.has_dropout,
                          rules.scores_capped(config), attn_out, config.fused_qkv, f"attn {proj}",
                          _shared_tables(config), into[0]),

@@ -257,13 +257,14 @@ def returned_weights(z: Sizes, eager: bool, dropout: bool) -> SavedTensor | None
     return ledger.ATTN_DROPOUT_OUT if dropout else rules.SOFTMAX_FP32 if z.act == 4 else rules.WEIGHTS
 
 
-def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, tp: bool, first: bool,
+def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, tp: bool, first: tuple[str, ...],
               qk_norm: str = "", qkv_bias: bool = False, dropout: bool = False, softcap: bool = False,
               dy: str | None = None, fused: bool = False, made_as: str = "attn output",
               rope: tuple[SavedTensor, ...] = ROPE, into: tuple[str, str] = ("", "")) -> tuple[Op, ...]:
     """q, k, v (their dX summed as they come; `qk_norm`, the layer's norm: Qwen3's q_norm and k_norm, OLMo 2's over
     the whole projection; `qkv_bias`: Qwen2's biases; `fused`: Phi-3's one qkv_proj), RoPE (`_rope_ops`; `rope` the
-    model's tables every layer keeps, none where each keeps its own: GLM's), the core (eager with `dropout` or Gemma 2's
+    model's tables every layer keeps, none where each keeps its own: GLM's; `first`, those the layer is the first to
+    read, gone in its backward), the core (eager with `dropout` or Gemma 2's
     `softcap`, or SDPA),
     o_proj (`dy` its output's gradient; None: the residual stream's, which lives on; `made_as` its output's name); the
     heads go as the module returns. `into`: OLMo 2's (unnormed) residual stream's gradient, which q's, k's and v's dX
@@ -415,12 +416,12 @@ def _rope_forward(p: str, name: str, width: int, out: Made, last: bool, passthro
 
 
 def _rope_ops(p: str, z: Sizes, widths: dict[str, int], rotated: dict[str, Made], saved: dict[str, int], fused: bool,
-              tables: tuple[SavedTensor, ...], first: bool) -> tuple[Op, Op]:
-    """RoPE on q, then on k (`widths` their channels, `rotated` what each becomes); `tables`: the model's, which the
-    `first` layer's q frees in backward. OLMo's fp32 tables make fp32 products, each sum cast back as the function
-    returns; GLM's (its own (s, d_r) tables, interleaved from the model's, which its products keep) rotate the first
-    d_r channels of each head, each sum then concatenated with the rest (in backward the Llama walk's steps, net: no
-    moment inside)."""
+              tables: tuple[SavedTensor, ...], first: tuple[str, ...]) -> tuple[Op, Op]:
+    """RoPE on q, then on k (`widths` their channels, `rotated` what each becomes); `tables`: the model's, of which q's
+    backward frees those the layer is the `first` to read. OLMo's fp32 tables make fp32 products, each sum cast back
+    as the function returns; GLM's (its own (s, d_r) tables, interleaved from the model's, which its products keep)
+    rotate the first d_r channels of each head, each sum then concatenated with the rest (in backward the Llama walk's
+    steps, net: no moment inside)."""
     g, glm = f"grad/{p}", rules.GLM_ROPE_COS.name in saved
     upcast = bool(tables) and tables[0].kind is Kind.FP32 and z.act != 4
     share = saved[rules.GLM_ROPE_COS.name] // (z.act * z.s) if glm else z.d  # d_r: the interleaved table's width
@@ -429,7 +430,7 @@ def _rope_ops(p: str, z: Sizes, widths: dict[str, int], rotated: dict[str, Made]
         *(Step(f"{x.name}: the model's table interleaved", (kept(p, x),)) for x in (own if name == "q" else ())),
         *_rope_forward(p, name, z.full(w), rotated[name], name == "k" and not fused, fused,
                        glm and z.full(w // z.d * share), upcast and z.tokens(4 * w))),
-        _rope_backward(g, name, z.full(w), tables if first and name == "q" else (), upcast and z.tokens(4 * w)),
+        _rope_backward(g, name, z.full(w), first if name == "q" else (), upcast and z.tokens(4 * w)),
         saves=own)
         for name, w in widths.items()]  # forward order: q's, then k's
     finish = "concatenated with the passed channels" if glm else "cast back" if upcast else ""
@@ -441,8 +442,7 @@ def _rope_ops(p: str, z: Sizes, widths: dict[str, int], rotated: dict[str, Made]
     return ops[0], ops[1]
 
 
-def _rope_backward(g: str, name: str, width: int, tables: tuple[SavedTensor, ...], wide: int = 0
-                   ) -> tuple[Step, ...]:
+def _rope_backward(g: str, name: str, width: int, tables: tuple[str, ...], wide: int = 0) -> tuple[Step, ...]:
     """apply_rotary_pos_emb's backward for q or k; the last to run it (layers.0, q) frees the model's `tables`. `wide`:
     OLMo's, the cast back's fp32 gradient live to x * cos's (each product's fp32 gradient is cast to x's dtype as its
     node returns: no moment)."""
@@ -458,7 +458,7 @@ def _rope_backward(g: str, name: str, width: int, tables: tuple[SavedTensor, ...
              frees=(f"{x} slice 1", f"{x} slice 2", f"{x} rotated"), moment=False),
         Step("x * cos's backward", (Made(f"{x} cos", width, "dY * cos"), Made(f"{x} pre-rope", width,
                                                                                 "x's two gradients summed")),
-             frees=(f"{x} cos", f"{x} rotate_half", f"{x} heads", f"{x} dY fp32", *(t.name for t in tables)),
+             frees=(f"{x} cos", f"{x} rotate_half", f"{x} heads", f"{x} dY fp32", *tables),
              moment=False),
     )
 
