@@ -94,6 +94,9 @@ _HF_GEMMA2 = _knobs(attn_logit_softcapping=st.sampled_from((None, 50.0)), slidin
                     tie_embeddings=TIED, dtype=DTYPES, dropout=DROPOUT, recompute=st.sampled_from(("none", "full")))
 _HF_GLM = _knobs(attention=ATTENTION, dropout=DROPOUT, dtype=DTYPES, tie_embeddings=TIED,
                  recompute=st.sampled_from(("none", "full")), rotary_percent=st.sampled_from((0.5, 0.25, 1.0)))
+_HF_GEMMA3 = _knobs(attention=ATTENTION, attn_logit_softcapping=st.sampled_from((None, 50.0)),
+                    sliding_window=st.sampled_from((None, 3, 8)), tie_embeddings=TIED, dtype=DTYPES, dropout=DROPOUT,
+                    recompute=st.sampled_from(("none", "full")))
 _HF_PHI3 = _knobs(tie_embeddings=TIED, dtype=DTYPES, dropout=DROPOUT, recompute=st.sampled_from(("none", "full")))
 # GPT2LMHeadModel: LayerNorm, Conv1D with biases, learned positions; no tp plan (t = 1)
 GPT2 = {"impl": "hf", "family": "gpt2", "norm": "layernorm", "position_embedding_type": "learned_absolute",
@@ -131,7 +134,7 @@ SUBJECTS = (
     Subject("hf olmo2", "transformers", LLAMA | {"impl": "hf", "family": "olmo2", "norm": "rmsnorm_fp32w",
                                                 "post_norm": True, "qk_layernorm": True}, _HF, ts=(1,)),
     Subject("hf gemma3", "transformers", GEMMA | {"family": "gemma3_text", "sandwich_norm": True, "qk_layernorm": True},
-            _HF_GEMMA2, ts=(1,)),
+            _HF_GEMMA3, ts=(1,)),
     Subject("hf glm", "transformers", {"impl": "hf", "family": "glm", "add_qkv_bias": True} | LLAMA,
             _HF_GLM, ts=(1,)),
     Subject("hf glm4", "transformers", {"impl": "hf", "family": "glm4", "add_qkv_bias": True, "sandwich_norm": True,

@@ -253,9 +253,8 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
         *_gpt2_missing(config, family, tp),
         (config.sliding_window is not None and not _slides(config, 0),
          f"sliding_window={config.sliding_window} outside Gemma 2 and 3 (it walks a window in their models only)"),
-        (_slides(config, 0) and config.attention != "eager",
-         f"attention {config.attention} in Gemma 2's or 3's model (Gemma2ForCausalLM runs eager attention only; Gemma"
-         " 3's SDPA is not walked)"),
+        (family == "gemma2" and config.attention != "eager",
+         f"attention {config.attention} in Gemma 2's model (Gemma2ForCausalLM runs eager attention only)"),
         (config.rotary_percent is not None and not rules.is_glm(config), "partial RoPE (rotary_percent) outside"
                                                                          " GLM's model"),
         (rules.is_glm(config) and rotary_sizes(config)[Dim.DR] == 0,
@@ -441,7 +440,8 @@ def _embedding(z: Sizes, config: ModelConfig, sharded: bool) -> tuple[Op, ...]:
                 " LlamaModel returns"),) if eager else ()),
         *((Made("model/sliding_mask", act * z.b * s * s if eager else s * s, "create_sliding_window_causal_mask's"
                 " mask beside the causal one: Gemma 2's sliding layers read it (Qwen2MoeModel makes it too, though no"
-                " layer slides)"),) if config.moe_shared_expert_intermediate_size or _slides(config, 0) else ()),
+                " layer slides; under SDPA Gemma 3's window, not below s, is causal: no mask)"),)
+          if config.moe_shared_expert_intermediate_size or _slides(config, 0) and eager else ()),
         *_model_tables(config, z),
     )
     first = Made("layers.0/input", z.full(z.h), "the embedding lookup, the first layer's input: LlamaModel's"

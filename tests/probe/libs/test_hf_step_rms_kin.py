@@ -24,7 +24,7 @@ from .test_hf_step import CPU, _exact_step  # noqa: E402
 # output and on q_proj's and k_proj's whole outputs; OLMo's rotary tables stay fp32
 OLMO2 = {"family": "olmo2", "norm": "rmsnorm_fp32w", "post_norm": True, "qk_layernorm": True}
 # Gemma3ForCausalLM (gemma3_text): Gemma 2's layer, a GemmaRMSNorm on each query and key head once all three
-# projections have run; five sliding layers to a full one (layer_types), each kind its own RoPE tables, eager
+# projections have run; five sliding layers to a full one (layer_types), each kind its own RoPE tables
 GEMMA3 = {"family": "gemma3_text", "norm": "rmsnorm_1p", "mlp": "geglu_tanh", "sandwich_norm": True,
           "qk_layernorm": True}
 # GlmForCausalLM: Llama's layer with q, k, v biases, RoPE on the first half of each head (its own interleaved tables,
@@ -61,6 +61,9 @@ STEPS = [
                                                              "sliding_window": 3}),
     ("gemma3_text", "eager", GEMMA3 | {"dropout": 0.1, "b": 3, "s": 7}),
     ("gemma3_text", "eager", GEMMA3 | {"L": 6, "b": 1, "s": 9}),  # the sixth layer full: a RoPE pair of its own
+    ("gemma3_text", "flash", GEMMA3 | {"b": 3, "s": 9, "h": 48, "a": 6, "num_query_groups": 3}),  # SDPA: no masks
+    ("gemma3_text", "flash", GEMMA3 | FULL | FP32 | {"L": 7, "b": 1, "s": 5}),
+    ("gemma3_text", "flash", GEMMA3 | {"dropout": 0.1, "b": 3, "s": 7}),  # SDPA's math kernel on a CPU
     ("gemma3_text", "eager", GEMMA3 | FULL | FP32 | {"L": 7, "b": 3, "s": 5, "sliding_window": 3}),  # its frame's
     ("gemma3_text", "eager", GEMMA3 | FULL | {"dropout": 0.1, "b": 1, "s": 9}),
     ("glm", "flash", GLM),  # the loss's backward
