@@ -74,6 +74,29 @@ def test_what_does_not_apply_or_is_not_modelled_exits_2_before_running(config, f
     _one_line_error(memcalc_cli("measure", "--config", config, "--step", *flags), 2, needle)
 
 
+def test_impl_torchtitan_under_pp_measures_the_first_and_the_last_stage_each_on_its_rank_and_exits_0(tmp_path):
+    pytest.importorskip("torchtitan")
+    path = tmp_path / "titan.yaml"
+    path.write_text(STEP_YAML.replace("t: 2\n", "") + "impl: torchtitan\npp: 2\nnum_query_groups: 2\n"
+                    "ffn_hidden_size: 176\nposition_embedding_type: rope\nadd_bias_linear: false\n"
+                    "tie_embeddings: false\n")
+    run = memcalc_cli("measure", "--config", str(path), "--step", "--strategy", "none", "--json")
+    assert run.code == 0, run.err
+    stages = json.loads(run.out)["strategies"]
+    assert list(stages) == ["none (first stage)", "none (last stage)"]
+    assert [x["how"].split(" through")[0] for x in stages.values()] == [
+        "one process as rank 0 of pp=2 (the first pipeline stage)", "one process as rank 1 of pp=2 (the last pipeline"
+        " stage)"]
+    assert all(x["match"] and x["moment"]["match"] for x in stages.values())
+
+
+def test_a_pipeline_stage_of_memcalcs_own_gpt_is_refused_not_compared_with_the_whole_model(tmp_path):
+    path = tmp_path / "pp.yaml"
+    path.write_text(STEP_YAML.replace("L: 2", "L: 2\npp: 2"))
+    _one_line_error(memcalc_cli("measure", "--config", str(path), "--step"), 2,
+                    "--step runs one pipeline stage (pp=2) only with --impl torchtitan")
+
+
 def test_impl_hf_runs_transformers_llama_for_causal_lm_and_exits_0(tmp_path):
     pytest.importorskip("transformers")
     path = tmp_path / "llama.yaml"

@@ -2,7 +2,7 @@
 step timeline says.
 
 For every model `measure --step` trains (memcalc's GPT with megatron-core's modules, torchtitan's Llama3Model dense,
-checkpointed and with experts, transformers' families, and both under FSDP2), hypothesis draws a tensor-parallel size
+checkpointed, pipelined (each stage on its rank) and with experts, transformers' families, and both under FSDP2), hypothesis draws a tensor-parallel size
 t in {1, 2, 4}, one to three layers, b = 1 among the batch sizes, s <= 32 (odd ones included; long enough for the
 attention core's (s, s) gradients to be the peak), odd head counts per rank and every GQA ratio t allows, a small
 vocabulary, the knob values the model takes, one of the layouts its implementation runs and, with experts, a forced
@@ -81,6 +81,9 @@ _MEGATRON_MOE = routed(_knobs(mlp=st.sampled_from(("gelu", "swiglu")), norm=st.s
                               moe_shared_expert_intermediate_size=st.sampled_from((None, 8, 24)), dtype=DTYPES,
                               ep=st.sampled_from((1, 2)), dp=st.just(2)))  # ep divides dp
 _TORCHTITAN = _knobs(recompute=st.sampled_from(("none", "full", "op")), dtype=DTYPES)
+# its pipeline (torch's Schedule1F1B): each stage on its rank
+_TORCHTITAN_PP = _knobs(recompute=st.sampled_from(("none", "full", "op")), dtype=DTYPES, pp=st.sampled_from((2, 3)),
+                        num_microbatches=st.sampled_from((None, 3, 4)))
 _TORCHTITAN_MOE = _knobs(num_experts=st.integers(2, 6), moe_router_topk=st.integers(1, 3),
                          moe_router_score_function=st.sampled_from(("softmax", "sigmoid")),
                          moe_router_pre_softmax=st.booleans(),
@@ -92,6 +95,15 @@ _HF_MIXTRAL = _knobs(attention=ATTENTION, num_experts=st.integers(2, 6), moe_rou
                      tie_embeddings=TIED, dropout=DROPOUT, recompute=st.sampled_from(("none", "full")), dtype=DTYPES)
 _HF_GEMMA2 = _knobs(attn_logit_softcapping=st.sampled_from((None, 50.0)), sliding_window=st.sampled_from((None, 3, 8)),
                     tie_embeddings=TIED, dtype=DTYPES, dropout=DROPOUT, recompute=st.sampled_from(("none", "full")))
+# DeepseekV3ForCausalLM's latent attention with dense MLPs; no tp plan for its attention (t = 1)
+_HF_DEEPSEEK = _knobs(q_lora_rank=st.sampled_from((None, 8)), tie_embeddings=TIED, dropout=DROPOUT, dtype=DTYPES,
+                      dp_shard=st.sampled_from((None, None, 2, 3)), reshard_after_forward=st.booleans())
+# with DeepseekV3MoE: its shared experts are n_shared_experts of the experts' width
+_HF_DEEPSEEK_MOE = st.sampled_from((8, 16)).flatmap(lambda e: _knobs(
+    q_lora_rank=st.sampled_from((None, 8)), tie_embeddings=TIED, dropout=DROPOUT, dtype=DTYPES,
+    num_experts=st.sampled_from((4, 6)), moe_router_topk=st.integers(1, 3),
+    moe_first_dense_layers=st.sampled_from((None, 1)), experts_implementation=st.sampled_from(("grouped_mm", "eager")),
+    moe_ffn_hidden_size=st.just(e), moe_shared_expert_intermediate_size=st.sampled_from((e, 2 * e))))
 _HF_GLM = _knobs(attention=ATTENTION, dropout=DROPOUT, dtype=DTYPES, tie_embeddings=TIED,
                  recompute=st.sampled_from(("none", "full")), rotary_percent=st.sampled_from((0.5, 0.25, 1.0)))
 _HF_GEMMA3 = _knobs(attention=ATTENTION, attn_logit_softcapping=st.sampled_from((None, 50.0)),
@@ -121,6 +133,7 @@ SUBJECTS = (
     Subject("megatron experts", "megatron.core", {"impl": "megatron", "add_bias_linear": False}, _MEGATRON_MOE,
             routes=ROUTES[:2]),
     Subject("torchtitan dense", "torchtitan", TORCHTITAN, _TORCHTITAN),
+    Subject("torchtitan pp", "torchtitan", TORCHTITAN, _TORCHTITAN_PP, ts=(1,)),
     Subject("torchtitan moe", "torchtitan", TORCHTITAN, _TORCHTITAN_MOE,
             routes=(BALANCED,), align=8),
     Subject("hf llama", "transformers", {"impl": "hf"} | LLAMA, _HF),
@@ -131,6 +144,12 @@ SUBJECTS = (
     Subject("hf phi3", "transformers", {"impl": "hf", "family": "phi3", "fused_qkv": True, "attention": "eager",
                                        "dropout": 0.0} | LLAMA, _HF_PHI3),
     Subject("hf gpt2", "transformers", GPT2, _HF_GPT2, gqa=False, ts=(1,)),
+    Subject("hf deepseek_v3 (latent attention, dense)", "transformers",
+            {"impl": "hf", "family": "deepseek_v3", "attention": "eager"} | LLAMA | MLA, _HF_DEEPSEEK, gqa=False,
+            ts=(1,)),
+    Subject("hf deepseek_v3 (DeepseekV3MoE)", "transformers", {"impl": "hf", "family": "deepseek_v3",
+            "attention": "eager", "moe_router_score_function": "sigmoid"} | LLAMA | MLA, _HF_DEEPSEEK_MOE,
+            routes=(BALANCED, ROUTES[2]), gqa=False, align=8, ts=(1,)),
     Subject("hf olmo2", "transformers", LLAMA | {"impl": "hf", "family": "olmo2", "norm": "rmsnorm_fp32w",
                                                 "post_norm": True, "qk_layernorm": True}, _HF, ts=(1,)),
     Subject("hf gemma3", "transformers", GEMMA | {"family": "gemma3_text", "sandwich_norm": True, "qk_layernorm": True},
@@ -159,7 +178,7 @@ def steps(draw: st.DrawFn, subject: Subject) -> tuple[Any, str, str | None]:
     s = t * draw(st.integers(1, 4)) if STRATEGIES[layout].sequence_parallel else draw(st.integers(1, 32))
     route, tokens = draw(st.sampled_from(subject.routes))
     if "num_experts" in knobs:
-        knobs |= {"moe_ffn_hidden_size": t * subject.align * draw(st.integers(1, 3)), "moe_tokens": tokens}
+        knobs = {"moe_ffn_hidden_size": t * subject.align * draw(st.integers(1, 3)), "moe_tokens": tokens} | knobs
     fields = knobs | {"L": draw(st.integers(1, 3)), "b": draw(st.sampled_from((1, 1, 2, 3))), "s": s, "a": a,
                       "h": a * d, "num_query_groups": groups, "t": t, "ffn_hidden_size": t * draw(st.integers(1, 6)),
                       "vocab_size": t * draw(st.integers(2, 24))}
@@ -174,10 +193,11 @@ def check_step(config: Any, layout: str, route: str | None) -> None:
     from memcalc.probe.step import measure_step
 
     try:
-        (r,) = measure_step(config, [layout], route=route)
+        compared = measure_step(config, [layout], route=route)  # under pp: the first stage and the last
     except ConfigError:
         assume(False)  # the step timeline refuses what it does not model, in one line
-    assert_step_exact(r)
+    for r in compared:
+        assert_step_exact(r)
 
 
 def assert_step_exact(r: Any) -> None:

@@ -131,10 +131,10 @@ LATENT = {"kv_lora_rank": 24, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope
 
 @pytest.mark.parametrize("changes, named", [
     ({"attention": "flash"}, "latent attention with flash attention"),
-    ({"impl": "hf", "family": "deepseek_v3", "attention": "eager", "add_bias_linear": False},
-     "latent attention .* not impl hf"),
+    ({"impl": "hf", "family": "deepseek_v3", "attention": "eager", "add_bias_linear": False, "tie_embeddings": False,
+      "recompute": "full"}, "recompute full \\(gradient checkpointing\\) with latent attention"),
 ])
-def test_latent_attention_is_walked_as_megatron_cores_eager_module_only(changes, named):
+def test_latent_attention_is_walked_as_megatron_cores_and_transformers_eager_modules_only(changes, named):
     with pytest.raises(ConfigError, match=named):
         _timeline("tp", **LATENT | changes)
 

@@ -83,6 +83,14 @@ def test_what_the_hf_walk_does_not_model_is_refused_by_name(changes, named):
         _timeline(**changes)
 
 
+def test_pp_is_refused_saying_transformers_has_no_pipeline_schedule_and_who_pipelines_it():
+    with pytest.raises(ConfigError, match="pp=2 \\(transformers has no pipeline schedule of its own: its"
+                                          " base_model_pp_plan only names each stage.s inputs and outputs, for"
+                                          " torchtitan.s experimental transformers backend; --impl torchtitan walks"
+                                          " torchtitan.s Llama3 under its pipeline\\)"):
+        _timeline(L=2, pp=2)
+
+
 def test_sdpa_with_dropout_walks_the_math_kernel_on_a_cpu_and_the_flash_kernel_unchanged_on_cuda():
     """A CPU runs torch's math kernel, its fp32 scores live in forward and backward; CUDA's flash kernel drops out
     inside, regenerating its mask from the RNG state it allocates with or without dropout (read from torch's code)."""

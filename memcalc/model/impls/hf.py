@@ -728,8 +728,9 @@ def moe_block(knobs: Any) -> tuple[SavedTensor, ...]:
                 *expert_block(knobs, EXPERT_WEIGHT_CAST))
     qwen = routing_weights_kind(knobs) is Kind.ACTIVATION
     norm = () if knobs.moe_router_pre_softmax else (TOPK_SUM, TOPK_WEIGHTS)
-    if knobs.mla:
-        router: tuple[SavedTensor, ...] = (ROUTER_IN_FP32, ROUTER_SCORES, ledger.ROUTER_TOPK_INDICES, *norm)
+    if knobs.mla:  # in fp32 the input's cast is a no-op: F.linear keeps the block's input (MOE_IN, kept below)
+        cast = () if knobs.dtype == "fp32" else (ROUTER_IN_FP32,)
+        router: tuple[SavedTensor, ...] = (*cast, ROUTER_SCORES, ledger.ROUTER_TOPK_INDICES, *norm)
     else:
         router = (ledger.MOE_IN, ROUTER_PROBS, ledger.ROUTER_TOPK_INDICES, *norm)
     experts = expert_block(knobs, EXPERT_WEIGHT_CAST if qwen else EXPERT_WEIGHT)

@@ -52,7 +52,7 @@ def model_states(tape: Tape, config: ModelConfig, stage: Stage, z: Sizes) -> Non
     ):
         tape.add(name, category, states.get(name, 0), why)
     tape.add("optimizer/step", OPTIMIZER, 4, "torch's AdamW counts steps in a 0-d fp32 tensor")
-    if config.moe_router_enable_expert_bias:  # buffers, which MemTracker files with the parameters
+    if router_buffer_bytes(config, stage):  # buffers (and fp32 weights), which MemTracker files as parameters
         tape.add("states/router buffers", PARAMETERS, router_buffer_bytes(config, stage), ROUTER_BUFFERS_WHY)
 
 

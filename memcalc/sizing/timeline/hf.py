@@ -22,6 +22,7 @@ from memcalc.model.strategy import Strategy
 from memcalc.sizing.pipeline import stages
 from memcalc.sizing.timeline import hf_gpt2 as gpt2
 from memcalc.sizing.timeline import hf_layer as layer
+from memcalc.sizing.timeline import hf_mla as mla
 from memcalc.sizing.timeline import hf_moe as moe
 from memcalc.sizing.timeline.ends import model_states, optimizer_step
 from memcalc.sizing.timeline.fsdp import ROOT, Fsdp
@@ -40,9 +41,10 @@ def _norm_like_final(config: ModelConfig) -> RMSNormTensors:
 
 
 def _shared_tables(config: ModelConfig) -> tuple[ledger.SavedTensor, ...]:
-    """The ledger's RoPE tables every layer keeps, the model's own (made once per forward by its rotary embedding); none
-    where each layer keeps tables of its own (GLM's interleaved ones: the model's are then its locals)."""
-    return () if rules.is_glm(config) else rules.rope_tables(config)
+    """The ledger's RoPE tables every layer keeps, the model's own (made once per forward by its rotary embedding:
+    DeepSeek's (s, d_r) ones, Llama's (s, d), OLMo's fp32); none where each layer keeps tables of its own (GLM's
+    interleaved ones: the model's are then its locals)."""
+    return () if rules.is_glm(config) else mla.TABLES if config.mla else rules.rope_tables(config)
 
 
 def _model_tables(config: ModelConfig, z: Sizes) -> tuple[Made, ...]:
@@ -71,8 +73,8 @@ def _first_reader(config: ModelConfig, j: int) -> tuple[str, ...]:
 
 
 def _rotary(config: ModelConfig, z: Sizes) -> int:
-    """The channels of each head RoPE rotates: d, or GLM's d_r (rotary_percent)."""
-    return rotary_sizes(config).get(Dim.DR, z.d)
+    """The channels of each head RoPE rotates: d, or GLM's d_r (rotary_percent), DeepSeek's qk_rope_head_dim."""
+    return config.qk_rope_head_dim if config.mla else rotary_sizes(config).get(Dim.DR, z.d)
 
 
 def final_norm(config: ModelConfig) -> RMSNormTensors:
@@ -240,7 +242,7 @@ def _step(tape: Tape, sharding: Fsdp | Zero | None, inputs: Walked, layers: list
 
 # The families whose model the walk follows, which --step builds (memcalc.probe.libs.hf_step).
 WALKED = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma", "gemma2", "phi3", "gpt2",
-          "olmo2", "gemma3_text", "glm", "glm4")
+          "deepseek_v3", "olmo2", "gemma3_text", "glm", "glm4")
 
 
 def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounting) -> None:
@@ -265,7 +267,12 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
         (tp and config.tie_embeddings,
          "tied embeddings under tp (transformers' apply_tensor_parallelism looks lm_head.weight up among"
          " named_parameters(), which names a tied weight once: KeyError)"),
-        (config.pp != 1, f"pp={config.pp}"),
+        # transformers has no pipeline schedule: its config's base_model_pp_plan only names each stage's inputs and
+        # outputs (read by torchtitan's experimental transformers backend), its Trainer never pipelines, and
+        # accelerate's prepare_pippy splits a model for inference only
+        (config.pp != 1, f"pp={config.pp} (transformers has no pipeline schedule of its own: its base_model_pp_plan"
+                         " only names each stage's inputs and outputs, for torchtitan's experimental transformers"
+                         " backend; --impl torchtitan walks torchtitan's Llama3 under its pipeline)"),
         (config.cp != 1, f"cp={config.cp}"),
         (config.add_bias_linear and family != "gpt2",
          "add_bias_linear (biases on every linear; Qwen2's q, k, v biases are add_qkv_bias)"),
@@ -276,6 +283,11 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
         (config.dtype == "fp32" and config.zero_stage is not None, "dtype fp32 with zero_stage (DeepSpeed's fp32"
                                                                    " optimizer is not walked)"),
         *_experts_missing(config, tp),
+        (config.mla and config.recompute != "none", f"{rerun} latent attention"),
+        (config.mla and config.zero_stage is not None, "zero_stage with latent attention (DeepSpeed's step on it"
+                                                       " unmeasured)"),
+        (config.mla and config.moe and config.dp_shard is not None,
+         "DeepseekV3MoE under dp_shard (its router's fp32 weight in a 16-bit FSDP2 unit is not laid out)"),
         # the FSDP2 and ZeRO walks
         (config.zero_stage == 0, "zero_stage=0 (DeepSpeed's bf16 optimizer without ZeRO; --totals counts its model"
                                  " states)"),
@@ -396,11 +408,12 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
                        output=kept(p, ledger.MOE_IN if block else ledger.FC1_IN), x=f"{p}/mid"))
     ops = (
         *ln1,
-        *layer.attention(p, z, config.attention == "eager", saved, config.groups != config.a, tp,
-                         () if checkpointed else _first_reader(config, i),
-                         config.norm if config.qk_layernorm else "", config.add_qkv_bias, config.has_dropout,
-                         rules.scores_capped(config), attn_out, config.fused_qkv, f"attn {proj}",
-                         _shared_tables(config), into[0]),
+        *(mla.attention(p, z, config, saved) if config.mla else
+          layer.attention(p, z, config.attention == "eager", saved, config.groups != config.a, tp,
+                          () if checkpointed else _first_reader(config, i),
+                          config.norm if config.qk_layernorm else "", config.add_qkv_bias, config.has_dropout,
+                          rules.scores_capped(config), attn_out, config.fused_qkv, f"attn {proj}",
+                          _shared_tables(config), into[0])),
         *post_attn,
         *((mid,) if checkpointed else ()),
         *ln2,
@@ -411,7 +424,8 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
         *((output,) if checkpointed else ()),
     )
     if not checkpointed:
-        core, later = layer.eager_forward(p, z, saved, config.fused_qkv) if config.attention == "eager" else (
+        core, later = mla.eager_forward(p, z, config, saved) if config.mla else \
+            layer.eager_forward(p, z, saved, config.fused_qkv) if config.attention == "eager" else (
             layer.sdpa_math_forward(p, z, saved, config.groups != config.a), frozenset())
         ops = (*layer.layer_forward(i, z, made, moe.block_forward(p, z, config) if block else (), core, resid, later,
                                     config.post_norm),
@@ -441,7 +455,7 @@ def _embedding(z: Sizes, config: ModelConfig, sharded: bool) -> tuple[Op, ...]:
         *((Made("model/sliding_mask", act * z.b * s * s if eager else s * s, "create_sliding_window_causal_mask's"
                 " mask beside the causal one: Gemma 2's sliding layers read it (Qwen2MoeModel makes it too, though no"
                 " layer slides; under SDPA Gemma 3's window, not below s, is causal: no mask)"),)
-          if config.moe_shared_expert_intermediate_size or _slides(config, 0) and eager else ()),
+          if _qwen2_moe(config) or _slides(config, 0) and eager else ()),
         *_model_tables(config, z),
     )
     first = Made("layers.0/input", z.full(z.h), "the embedding lookup, the first layer's input: LlamaModel's"
@@ -458,6 +472,11 @@ def _embedding(z: Sizes, config: ModelConfig, sharded: bool) -> tuple[Op, ...]:
     return (_batch(z), Op("model.embed_tokens", forward=(
         *looked_up, Step("what LlamaModel makes once for all layers", model, moment=False),
     ), backward=(*scaled, *_embedding_backward(z, config, tp, sharded))))
+
+
+def _qwen2_moe(config: ModelConfig) -> bool:
+    """Qwen2-MoE's model, known by its shared expert (DeepSeek-V3's, beside latent attention, is another block)."""
+    return bool(config.moe_shared_expert_intermediate_size) and not config.mla
 
 
 def _batch(z: Sizes) -> Op:

@@ -205,7 +205,7 @@ def layer_forward(i: int, z: Sizes, kept: Step, mlp: tuple[Op, ...] = (), core: 
     """Layer i's forward, one moment at its second residual sum: its kept tensors (`kept`, every layer's one step),
     the residual stream, and a sparse block's own moments (`mlp`, which makes the MLP's output); with the attention
     core's own moment (`core`), the tensors kept up to it (those before o_proj's input, but the core's `later` ones)
-    are made before it. Under tp a
+    are made before it, and those the core's steps make (DeepSeek's, hf_mla) are not made again. Under tp a
     dense MLP's down_proj (RowwiseParallel) all-reduces its GEMM's partial sum into a new tensor: a moment before the
     sum, as many bytes as it (the partial goes as the sum is made), which MemTracker reads first. `unnormed`: OLMo 2's
     projections keep the layer's input and the stream themselves."""
@@ -213,9 +213,11 @@ def layer_forward(i: int, z: Sizes, kept: Step, mlp: tuple[Op, ...] = (), core: 
     # fp32: the norms' x.to(float32) are no-ops, so the ledger's fp32 inputs are the layer's input and the stream
     alias = (Step("", frees=(f"{p}/input",)),) if streamed else ()
     if core:
-        at = next(j for j, x in enumerate(kept.makes) if x.keeps == ledger.PROJ_IN)
+        at = next(j for j, x in enumerate(kept.makes) if x.keeps in (ledger.PROJ_IN, ledger.MLA_PROJ_IN))
         before = tuple(x for x in kept.makes[:at] if x.keeps not in later)
-        after = (*(x for x in kept.makes[:at] if x.keeps in later), *kept.makes[at:])
+        own = {x.keeps for op in core for step in op.forward for x in step.makes if x.keeps}  # made by the core
+        after = tuple(x for x in (*(x for x in kept.makes[:at] if x.keeps in later), *kept.makes[at:])
+                      if x.keeps not in own)
         core = (Op("", (replace(kept, makes=before), *alias), ()), *core)
         kept, alias = replace(kept, makes=after), ()
     stream = alias if streamed else (Step("the residual stream", (Made(
@@ -307,7 +309,7 @@ def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, t
         made["v"] = _kept_or_local(p, rules.NEOX_QKV_OUT, saved, "qkv", z.full(q + 2 * kv))
     rope_ops = _rope_ops(p, z, {"q": q, "k": kv}, rotated, saved, fused, rope, first)
     math = rules.MATH_Q.name in saved  # SDPA with dropout on a CPU: the math kernel (the ledger's SDPA_MATH)
-    core = _eager(p, z, saved, gqa, dropout, softcap, fused) if eager else \
+    core = eager_core(p, z, saved, gqa, dropout, softcap, fused) if eager else \
         sdpa_math(p, z, gqa, f"{g}/o_proj input", made["v"].name, q_folds=rules.GLM_ROPE_COS.name not in saved) \
         if math else _sdpa(p, z, saved)
     copied = eager or math or rules.GLM_SDPA_OUT.name in saved  # o_proj's input no kernel's output
@@ -463,8 +465,8 @@ def _rope_backward(g: str, name: str, width: int, tables: tuple[str, ...], wide:
     )
 
 
-def _eager(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool = False, softcap: bool = False,
-           fused: bool = False) -> tuple[Op, ...]:
+def eager_core(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool = False, softcap: bool = False,
+               fused: bool = False) -> tuple[Op, ...]:
     """eager_attention_forward; `dropout`: native_dropout keeps its bool mask (the probe's shim runs CUDA's op on a
     CPU, memcalc.probe.libs.hf_shim); repeat_kv's sums over each group's heads (GQA) end its backward."""
     g, q = f"grad/{p}", z.full(z.a_t * z.d)
@@ -660,7 +662,7 @@ def math_forward(p: str, z: Sizes, gqa: bool, v: str, kept_v: tuple[SavedTensor,
 
 def eager_forward(p: str, z: Sizes, saved: dict[str, int], fused: bool = False
                   ) -> tuple[tuple[Op, ...], frozenset[SavedTensor]]:
-    """eager_attention_forward's widest forward moment, its fp32 softmax (`_eager` op by op): the masked scores (the
+    """eager_attention_forward's widest forward moment, its fp32 softmax (`eager_core` op by op): the masked scores (the
     local the softmax rebinds) and, but in fp32, softmax's fp32 cast of them (its input, a temporary) beside the
     softmax itself and the attention's locals (RoPE's q and k, v, where matmul keeps contiguous copies of them); at
     s^2 >> h wider than the layer's end. The kept tensors made after it: the weights cast back, dropout's, a V copied
