@@ -39,7 +39,7 @@ LLAMA = {"norm": "rmsnorm", "mlp": "swiglu", "position_embedding_type": "rope", 
 BALANCED = ("balanced", "balanced")
 ROUTES = (BALANCED, ("all-to-one", "worst"), ("all-to-one", "balanced"))
 NO_ROUTE = ((None, "balanced"),)
-TORCHTITAN = {"impl": "torchtitan", "tie_embeddings": False} | LLAMA  # Llama3 unties them
+TORCHTITAN = {"impl": "torchtitan", "tie_embeddings": False} | LLAMA  # its 8B and 70B untie them (1B, 3B: drawn)
 LATENT = {"impl": "megatron", "mlp": "swiglu", "attention": "eager", "add_bias_linear": False} | MLA
 # GemmaForCausalLM: (1 + w) RMSNorm, tanh GeGLU, a scaled embedding; eager attention, which Gemma 2 runs alone
 GEMMA = {"impl": "hf", "family": "gemma", "norm": "rmsnorm_1p", "mlp": "geglu_tanh", "attention": "eager", "dropout": 0.0,
@@ -80,15 +80,15 @@ _MEGATRON_MOE = routed(_knobs(mlp=st.sampled_from(("gelu", "swiglu")), norm=st.s
                               attention=ATTENTION, dropout=DROPOUT, num_experts=st.integers(3, 6),
                               moe_shared_expert_intermediate_size=st.sampled_from((None, 8, 24)), dtype=DTYPES,
                               ep=st.sampled_from((1, 2)), dp=st.just(2)))  # ep divides dp
-_TORCHTITAN = _knobs(recompute=st.sampled_from(("none", "full", "op")), dtype=DTYPES)
-# its pipeline (torch's Schedule1F1B): each stage on its rank
+_TORCHTITAN = _knobs(recompute=st.sampled_from(("none", "full", "op")), dtype=DTYPES, tie_embeddings=TIED)
+# its pipeline (torch's Schedule1F1B): each stage on its rank (torchtitan refuses a tied model under pp)
 _TORCHTITAN_PP = _knobs(recompute=st.sampled_from(("none", "full", "op")), dtype=DTYPES, pp=st.sampled_from((2, 3)),
                         num_microbatches=st.sampled_from((None, 3, 4)))
 _TORCHTITAN_MOE = _knobs(num_experts=st.integers(2, 6), moe_router_topk=st.integers(1, 3),
                          moe_router_score_function=st.sampled_from(("softmax", "sigmoid")),
                          moe_router_pre_softmax=st.booleans(),
                          moe_shared_expert_intermediate_size=st.sampled_from((None, 8, 48)),
-                         recompute=st.sampled_from(("none", "full", "op")))
+                         recompute=st.sampled_from(("none", "full", "op")), tie_embeddings=TIED)
 _HF = _knobs(attention=ATTENTION, dropout=DROPOUT, dtype=DTYPES, tie_embeddings=TIED,
              recompute=st.sampled_from(("none", "full")))
 _HF_MIXTRAL = _knobs(attention=ATTENTION, num_experts=st.integers(2, 6), moe_router_topk=st.integers(1, 3),
@@ -292,6 +292,16 @@ FINDINGS = [
              " an activation) is still held, then freed as the residual add makes its 2sbh, a tie MemTracker reaches"
              " first; the walk (timeline/megatron.py) marked the rerun once, after the add (1,620 B filed as"
              " temporaries that MemTracker files as activations); it now marks the dropout first", fixed=True),
+    _finding("torch", {"impl": "megatron", "mlp": "gelu", "norm": "layernorm", "dropout": 0.1, "recompute": "full",
+                       "attention_softmax_in_fp32": True, "tie_embeddings": False, "add_bias_linear": False, "L": 1,
+                       "b": 1, "s": 16, "h": 10, "a": 5, "ffn_hidden_size": 1, "vocab_size": 2}, "none",
+             "Full recomputation's rerun of the eager core with the fp32 softmax and dropout: memcalc's layer"
+             " (probe/attention.py) held the scores' fp32 copy to the core's end, where megatron-core's"
+             " forward_torch_softmax lets it go as it returns (DotProductAttention holds the 16-bit matmul_result"
+             " instead), so its rerun held the copy, the softmax, its cast and the dropout together, 640 B above"
+             " the walk; the probe now holds what megatron-core holds, and the walk (timeline/megatron.py,"
+             " _eager_core_rerun) reads the rerun's core at the cast, the dropout and the projection's input",
+             fixed=True),
     _finding("megatron.core", LATENT | {"q_lora_rank": None, "norm": "layernorm", "dropout": 0.0, "recompute": "selective", "L": 3, "b": 1,
                       "s": 3, "h": 10, "a": 5, "ffn_hidden_size": 1, "vocab_size": 2}, "none",
              "A moment in the core's selective rerun, named: the peak is dK scaled in the last layer's core backward;"

@@ -303,12 +303,17 @@ def test_what_the_gemma_walk_leaves_out_is_refused_by_name(changes, named):
         _timeline(**GEMMA | changes)
 
 
-def test_phi3_checkpointed_in_fp32_is_refused_by_name_where_bf16_is_walked():
-    """The step differential measured Phi-3's fused projections rerun in fp32 (b=3 s=3 h=4) 180 B above the walk."""
-    phi3 = {"family": "phi3", "fused_qkv": True, "attention": "eager", "recompute": "full"}
-    with pytest.raises(ConfigError, match="recompute full \\(gradient checkpointing\\) with dtype fp32 in Phi-3"):
-        _timeline(**phi3, dtype="fp32")
-    _timeline(**phi3)
+def test_in_fp32_under_a_checkpoint_a_norms_weight_backward_holds_y_beside_dy_and_both_products():
+    """The rerun's y goes as the node returns, before its product is summed to the weight's shape: Phi-3's
+    post_attention_layernorm peaks there at b=3 s=3 h=4 (found by the step differential, 180 B above the walk)."""
+    phi3 = {"family": "phi3", "fused_qkv": True, "attention": "eager", "recompute": "full", "b": 3, "s": 3, "h": 4,
+            "a": 1, "num_query_groups": 1, "L": 1, "ffn_hidden_size": 1, "vocab_size": 2}
+    _, steps = _timeline(**phi3, dtype="fp32")
+    live = {x.name for x in steps.peak.live}
+    assert steps.peak.what == "weight * y's backward: its two products"
+    assert {"layers.0/ln2/normed", "grad/layers.0/post_attention_layernorm/dY y"} <= live
+    _, bf16 = _timeline(**phi3)
+    assert "weight * y's backward: its two products" not in {m.what for m in bf16.moments}  # bf16: a transient
 
 
 def test_gemma_2s_final_logit_softcapping_keeps_tanhs_bsv_output_from_its_forward_to_its_backward():

@@ -11,7 +11,6 @@ from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError
 from memcalc.model import ledger
 from memcalc.model.evaluate import TensorBytes, estimate
-from memcalc.model.impls.megatron import SOFTMAX_FP32
 from memcalc.model.knobs import Accounting
 from memcalc.model.ledger import SavedTensor
 from memcalc.model.strategy import Strategy
@@ -198,15 +197,10 @@ def _refuse_other_layers(config: ModelConfig) -> None:
 
 def _check_modelled(config: ModelConfig, kept: tuple[SavedTensor, ...], ops: tuple[Op, ...]) -> None:
     """ConfigError naming the first thing this timeline does not model yet."""
-    names = {x.name for x in kept}
     missing = [
         # the paper's layer is Megatron's with the fused softmax at every size: the same walk, its own tensors
         (config.impl not in ("megatron", "paper"), f"impl {config.impl} (the timeline follows Megatron's layer)"),
         (config.cp != 1, f"cp={config.cp}"),
-        # found by the step differential: there the rerun's eager core holds its fp32 scores, softmax, cast and
-        # dropout together, a moment the walk does not read (b=1 s=16 h=10 a=5: 640 B more, measured)
-        (config.recompute == "full" and config.has_dropout and SOFTMAX_FP32.name in names,
-         "full recomputation of the eager core with its fp32 softmax and dropout"),
     ]
     known = {x.name for op in ops for x in op.saves}  # what the layer's ops free: the tensors the walk knows
     unknown = dict.fromkeys(x.name for x in kept if x.name not in known)

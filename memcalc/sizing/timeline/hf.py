@@ -298,13 +298,6 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
                                           " module, the weight's)"),
         # gradient checkpointing: each layer's forward op by op, rerun in backward
         (config.recompute != "none" and config.zero_stage is not None, f"{rerun} zero_stage"),
-        # found by the step differential: its fused qkv_proj and gate_up_proj in fp32 (b=3 s=3 h=4: 180 B more
-        # activations measured at the peak, 144 B fewer temporaries)
-        (config.recompute != "none" and config.dtype == "fp32" and config.fused_qkv,
-         f"{rerun} dtype fp32 in Phi-3's model (its rerun's fused projections in fp32 are not walked exactly)"),
-        # GLM's gate_up_proj likewise (b=1 s=5 h=6 a=1 f=1 L=1, eager: 140 B more activations, 120 B fewer temporaries)
-        (config.recompute != "none" and config.dtype == "fp32" and rules.is_glm(config),
-         f"{rerun} dtype fp32 in GLM's model (its rerun's gate_up_proj in fp32 is not walked exactly, as Phi-3's)"),
     ]
     for absent, what in missing:
         if absent:
@@ -513,8 +506,7 @@ def _embedding_backward(z: Sizes, config: ModelConfig, tp: bool, sharded: bool) 
                  " Shard(0) (DTensor's redistribute) to be added into the fp32 buffer")),
             frees=("grad/embedding (.grad)", "grad/embedding (rows)")),)
     if tied:
-        out += (Step("the tied weight's two gradients summed", (Made("grad/embedding (sum)", table, "autograd sums"
-                                                                     " the tied weight's two gradients"),)),)
+        out += (torch_ops.tied_sum(table),)
     handed = () if rows else ("grad/embedding (sum)" if tied else "grad/embedding (lookup)",)
     return out + (Step("", hands_over=handed), Step("", frees=("grad/embedding (lookup)", "grad/embedding (lm_head)")))
 

@@ -75,8 +75,11 @@ def rms_norm(where: str, p: str, norm: RMSNormTensors, z: Sizes, dy: str | None,
     if norm.normed_fp32:
         return (cast, power, rstd, *_gemma_weight(where, g, norm, z, dy, fp32, width // heads))
     weight = Op(where, forward=(), backward=(
+        # a moment in fp32: under a checkpoint y (the rerun's) is still live here, gone at the sum below, and with
+        # dY and both products this can be the step's peak (Phi-3's post_attention_layernorm at b=3 s=3 h=4: measured)
         Step("weight * y's backward: its two products", (Made(f"{g}/dY w", act, "dY * weight"),
-                                                         Made(f"{g}/dY y", act, "dY * y")), returns=True, moment=False),
+                                                         Made(f"{g}/dY y", act, "dY * y")), returns=True,
+             moment=act == fp32),
         # summed to the weight's shape after the node returned (under a checkpoint y, the rerun's, is gone by then);
         # a moment in fp32, where a tiny model with tied weights peaks here (no fp32 copy of the logits above it)
         Step("weight * y's backward", (Made(f"{g}/dweight", z.act * width // heads, WHY_WGRAD),),

@@ -23,7 +23,7 @@ from memcalc.sizing.pipeline import Stage, stage_named, torchtitan_microbatches
 from memcalc.sizing.timeline.ends import model_states, optimizer_step
 from memcalc.sizing.timeline.fsdp import OUTPUT, Fsdp, expert_dim1, torchtitan_block
 from memcalc.sizing.timeline.tape import ACTIVATIONS, PARAMETERS, TEMPORARIES, Sizes, Tape, Timeline, prod
-from memcalc.sizing.timeline.torch_ops import WHY_WGRAD, linear, module_returns, swiglu_ops
+from memcalc.sizing.timeline.torch_ops import WHY_WGRAD, linear, module_returns, swiglu_ops, tied_sum
 from memcalc.sizing.timeline.torchtitan_moe import moe_ops
 from memcalc.sizing.timeline.walk import Checkpoint, Made, Op, Step, Walk, kept, kept_name, kept_names
 from memcalc.sizing.totals import end_sizes
@@ -101,7 +101,7 @@ class Parts:
 def _walk(parts: Parts, fsdp: Fsdp | None) -> None:
     """The whole model's step on its one rank: the trainer's forward, loss.backward(), under FSDP2 its hooks."""
     z, config, tape = parts.z, parts.config, parts.tape
-    count, lookup = embedding_ops(z)
+    count, lookup = embedding_ops(z, config.tie_embeddings)
     *norm, lm_head, loss = output_ops(z, config)
     segments = [
         parts.ends(None, "", (count,)),
@@ -129,6 +129,9 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
     sharded_tp = config.dp_shard is not None and strategy.weight_shards(config.t) > 1
     missing = [
         (config.zero_stage is not None, "zero_stage (DeepSpeed's ZeRO: torchtitan shards with FSDP2, dp_shard)"),
+        # measured (t=2, dp_shard=2, L=1, b=2 s=24 h=64): the peak agrees, the norms' backward does not: under FSDP2 (the
+        # partial_dtensor backend) dY reaches the final norm unreduced (cast up to fp32 first, where the walk has f's
+        # all-reduced copy) and ffn_norm's backward holds 6,528 B more temporaries at each of its moments
         (sharded_tp and not strategy.sequence_parallel, "dp_shard with tp (t > 1 without sequence parallel: DTensor"
                                                         " carries a Partial gradient through the norms' backward;"
                                                         " tp-sp, torchtitan's default, is modelled)"),
@@ -139,7 +142,10 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
         (config.moe and config.ep > 1 and not strategy.sequence_parallel, f"experts at ep={config.ep} under tp without"
          " sequence parallel (its MoE slices the replicated input; tp-sp, torchtitan's default, is modelled)"),
         (config.moe and sharded_tp, "experts under dp_shard with tp (FSDP2 over its MoE sharding plan)"),
-        (config.tie_embeddings, "tie_embeddings (Llama3 unties them; set tie_embeddings false)"),
+        (config.tie_embeddings and config.dp_shard is not None,
+         "tie_embeddings with dp_shard (tied, apply_fsdp shards tok_embeddings, norm and lm_head as one unit)"),
+        (config.tie_embeddings and config.pp != 1, f"tie_embeddings with pp={config.pp} (Decoder.update_from_config"
+                                                   " raises NotImplementedError: no weight tying under pp)"),
         (config.position_embedding_type != "rope", f"position_embedding_type {config.position_embedding_type}"
                                                    " (Llama3 rotates q and k: set rope)"),
         (config.add_bias_linear or config.add_qkv_bias, "biases (Llama3 has none: set add_bias_linear false)"),
@@ -635,8 +641,9 @@ def _second_residual(p: str, x: str, mid: str, out: str, ffn_out: str, h: int, k
 # -- the model's two ends -----------------------------------------------------------------------------------------
 
 
-def embedding_ops(z: Sizes) -> tuple[Op, ...]:
-    """The batch, the trainer's count of valid tokens, and tok_embeddings (the first block's input)."""
+def embedding_ops(z: Sizes, tied: bool = False) -> tuple[Op, ...]:
+    """The batch, the trainer's count of valid tokens, and tok_embeddings (the first block's input); `tied`
+    (enable_weight_tying, its 1B and 3B flavours'), the table's gradient summed with lm_head's, which waited."""
     count = Op("", forward=(
         Step("the token ids", (Made(ledger.EMBEDDING_INPUT_IDS.name, z.tokens(8),
                                     "the micro-batch's token ids (int64), live all step; the embedding keeps them"),)),
@@ -647,14 +654,23 @@ def embedding_ops(z: Sizes) -> tuple[Op, ...]:
                                                   " backward keeps it"),), frees=("loss/valid mask",)),
     ), backward=())
     if z.t > 1:
-        return (count, _vocab_parallel_lookup(z))
+        return (count, _vocab_parallel_lookup(z, tied))
     lookup = Op("tok_embeddings", forward=(
         Step("the embedding lookup", (Made("layers.0/input", z.tokens(z.act * z.h), "the first block's input"),)),
-    ), backward=(
-        Step("the embedding's gradient", (Made("grad/embedding", z.act * z.v_t * z.h, WHY_WGRAD),),
-             frees=("grad/layers.0/input",), hands_over=("grad/embedding",)),
-    ))
+    ), backward=_table_gradient(z, ("grad/layers.0/input",), tied))
     return (count, lookup)
+
+
+def _table_gradient(z: Sizes, frees: tuple[str, ...], tied: bool) -> tuple[Step, ...]:
+    """tok_embeddings' backward: dY added into the rows the ids picked (this rank's, under tp), then `frees`;
+    handed over, or `tied` first summed with lm_head's, which waited in autograd's input buffer."""
+    table = z.act * z.v_t * z.h
+    made = Step("the embedding's gradient", (Made("grad/embedding", table, WHY_WGRAD),), frees=frees,
+                hands_over=() if tied else ("grad/embedding",))
+    if not tied:
+        return (made,)
+    return (made, tied_sum(table), Step("", hands_over=("grad/embedding (sum)",)),
+            Step("", frees=("grad/embedding", "grad/embedding (lm_head)")))
 
 
 def flex_inputs(z: Sizes) -> tuple[Step, ...]:
@@ -677,7 +693,7 @@ def flex_inputs(z: Sizes) -> tuple[Step, ...]:
     )
 
 
-def _vocab_parallel_lookup(z: Sizes) -> Op:
+def _vocab_parallel_lookup(z: Sizes, tied: bool) -> Op:
     """torchtitan's Embedding under tp: this rank's rows looked up, the others masked out, the partial sums
     reduce-scattered along s (SP) or all-reduced into a copy; in backward dY (under SP all-gathered) masked and added
     into this rank's rows."""
@@ -697,8 +713,7 @@ def _vocab_parallel_lookup(z: Sizes) -> Op:
     masked = (
         Step("dY times the mask", (Made(f"grad/{e} masked", full, "bf16"),),
              frees=(f"grad/{e} gathered" if z.sp else "grad/layers.0/input", f"{e}/mask bf16")),
-        Step("the embedding's gradient: this rank's rows", (Made("grad/embedding", z.act * z.v_t * z.h, WHY_WGRAD),),
-             frees=(f"grad/{e} masked", f"{e}/ids"), hands_over=("grad/embedding",)),
+        *_table_gradient(z, (f"grad/{e} masked", f"{e}/ids"), tied),
     )
     if not z.sp:
         return Op("tok_embeddings", forward=(*lookup, Step("f*: all-reduced into a copy, the first block's input", (
@@ -750,7 +765,8 @@ def output_ops(z: Sizes, config: ModelConfig, pipelined: bool = False) -> tuple[
         *gather("norm", z, "", kept("", ledger.OUTPUT_INPUT), "grad/lm_head dx", "grad/norm dy",
                 frees=("norm out",) if _keeps_input(z) else ("norm out", last)),  # the norm keeps its input
         linear("lm_head", ledger.OUTPUT_INPUT, Made("lm_head/logits", logits, "bf16 logits: the trainer's pred"),
-               z.act * z.v_t * z.h, "grad/lm_head dx", z.tokens(z.act * z.h), "", frees=("grad/logits",)),
+               z.act * z.v_t * z.h, "grad/lm_head dx", z.tokens(z.act * z.h), "", frees=("grad/logits",),
+               dw="grad/embedding (lm_head)" if config.tie_embeddings else "", waits=config.tie_embeddings),
         loss,
     )
 
