@@ -153,7 +153,7 @@ SUBJECTS = (
     Subject("hf olmo2", "transformers", LLAMA | {"impl": "hf", "family": "olmo2", "norm": "rmsnorm_fp32w",
                                                 "post_norm": True, "qk_layernorm": True}, _HF, ts=(1,)),
     Subject("hf gemma3", "transformers", GEMMA | {"family": "gemma3_text", "sandwich_norm": True, "qk_layernorm": True},
-            _HF_GEMMA3, ts=(1,)),
+            _HF_GEMMA3),
     Subject("hf glm", "transformers", {"impl": "hf", "family": "glm", "add_qkv_bias": True} | LLAMA,
             _HF_GLM, ts=(1,)),
     Subject("hf glm4", "transformers", {"impl": "hf", "family": "glm4", "add_qkv_bias": True, "sandwich_norm": True,

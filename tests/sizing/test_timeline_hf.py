@@ -290,9 +290,9 @@ def test_gemmas_model_states_add_its_embedding_scale_a_0_d_buffer_in_the_weights
     assert "states/embed_tokens.embed_scale" in final
 
 
-def test_gemma_under_tp_is_refused_by_name():
-    with pytest.raises(ConfigError, match="does not model gemma's model under tp"):
-        _timeline(TP, t=2, **GEMMA)
+def test_gemma_under_dp_shard_is_refused_by_name():
+    with pytest.raises(ConfigError, match="does not model gemma's model under dp_shard"):
+        _timeline(dp_shard=2, **GEMMA)
 
 
 @pytest.mark.parametrize("changes, named", [

@@ -257,6 +257,11 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
          f"sliding_window={config.sliding_window} outside Gemma 2 and 3 (it walks a window in their models only)"),
         (family == "gemma2" and config.attention != "eager",
          f"attention {config.attention} in Gemma 2's model (Gemma2ForCausalLM runs eager attention only)"),
+        # found by the step differential: with a window of s its SDPA masks are made (b=1 s=3 sliding_window=3:
+        # 18 B more activations measured at the forward's peak)
+        (family == "gemma3_text" and config.attention != "eager" and config.sliding_window is not None
+         and config.sliding_window <= config.s,
+         f"sliding_window={config.sliding_window} not above s={config.s} under SDPA in Gemma 3's model (its masks)"),
         (config.rotary_percent is not None and not rules.is_glm(config), "partial RoPE (rotary_percent) outside"
                                                                          " GLM's model"),
         (rules.is_glm(config) and rotary_sizes(config)[Dim.DR] == 0,
@@ -276,8 +281,9 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
         (config.cp != 1, f"cp={config.cp}"),
         (config.add_bias_linear and family != "gpt2",
          "add_bias_linear (biases on every linear; Qwen2's q, k, v biases are add_qkv_bias)"),
-        ((scaled_embedding(config) or config.fused_qkv or config.post_norm or rules.is_glm(config)) and (tp or sharded),
+        ((config.fused_qkv or config.post_norm or rules.is_glm(config)) and (tp or sharded),
          f"{family}'s model under tp, dp_shard or zero_stage (unmeasured: t = 1 without sharding only)"),
+        (scaled_embedding(config) and sharded, f"{family}'s model under dp_shard or zero_stage (unmeasured)"),
         (config.position_embedding_type != "rope" and family != "gpt2",
          f"position_embedding_type {config.position_embedding_type}"),
         (config.dtype == "fp32" and config.zero_stage is not None, "dtype fp32 with zero_stage (DeepSpeed's fp32"
@@ -420,8 +426,9 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
         core, later = mla.eager_forward(p, z, config, saved) if config.mla else \
             layer.eager_forward(p, z, saved, config.fused_qkv) if config.attention == "eager" else (
             layer.sdpa_math_forward(p, z, saved, config.groups != config.a), frozenset())
+        closing = frozenset(rules.POST_NORMS[config.norm][1]) if config.sandwich_norm else frozenset()
         ops = (*layer.layer_forward(i, z, made, moe.block_forward(p, z, config) if block else (), core, resid, later,
-                                    config.post_norm),
+                                    config.post_norm, closing),
                *(replace(x, forward=()) for x in ops))
     return tuple(replace(x, shadow=PHI3_SHADOWED.get(x.where, "")) for x in ops) if config.fused_qkv and not resid \
         else ops

@@ -203,15 +203,16 @@ def unnormed(kept_as: SavedTensor, x: str) -> tuple[Op]:
 
 
 def layer_forward(i: int, z: Sizes, kept: Step, mlp: tuple[Op, ...] = (), core: tuple[Op, ...] = (),
-                  dropped: bool = False, later: frozenset[SavedTensor] = frozenset(), unnormed: bool = False
-                  ) -> tuple[Op, ...]:
+                  dropped: bool = False, later: frozenset[SavedTensor] = frozenset(), unnormed: bool = False,
+                  closing: frozenset[SavedTensor] = frozenset()) -> tuple[Op, ...]:
     """Layer i's forward, one moment at its second residual sum: its kept tensors (`kept`, every layer's one step),
     the residual stream, and a sparse block's own moments (`mlp`, which makes the MLP's output); with the attention
     core's own moment (`core`), the tensors kept up to it (those before o_proj's input, but the core's `later` ones)
     are made before it, and those the core's steps make (DeepSeek's, hf_mla) are not made again. Under tp a
     dense MLP's down_proj (RowwiseParallel) all-reduces its GEMM's partial sum into a new tensor: a moment before the
     sum, as many bytes as it (the partial goes as the sum is made), which MemTracker reads first. `unnormed`: OLMo 2's
-    projections keep the layer's input and the stream themselves."""
+    projections keep the layer's input and the stream themselves. `closing`: what Gemma 2's post_feedforward_layernorm
+    keeps, made after down_proj (whose output goes as the norm returns)."""
     p, full, streamed = f"layers.{i}", z.full(z.h), z.act == 4 or unnormed
     # fp32: the norms' x.to(float32) are no-ops, so the ledger's fp32 inputs are the layer's input and the stream
     alias = (Step("", frees=(f"{p}/input",)),) if streamed else ()
@@ -225,15 +226,17 @@ def layer_forward(i: int, z: Sizes, kept: Step, mlp: tuple[Op, ...] = (), core: 
         kept, alias = replace(kept, makes=after), ()
     stream = alias if streamed else (Step("the residual stream", (Made(
         f"{p}/mid", full, "the residual stream after attention: ln2's input and the MLP's residual"),), moment=False),)
-    made = Op("", forward=(kept, *stream), backward=())
+    late = tuple(x for x in kept.makes if x.keeps in closing)
+    made = Op("", (replace(kept, makes=tuple(x for x in kept.makes if x.keeps not in closing)), *stream), ())
     output = () if mlp else (Made(f"{p}/mlp output", full, "down_proj's output, summed into the residual stream"),)
     if dropped:  # Phi-3's resid_mlp_dropout: the layer's variable holds down_proj's output to the sum too
         output += (Made(f"{p}/mlp proj", full, "down_proj's output, resid_mlp_dropout's input"),)
     down = (Op("mlp.down_proj", forward=(Step("down_proj's partial sum all-reduced", (
         Made(f"{p}/mlp partial", full, "down_proj's GEMM: this rank's share of the sum, a local of its forward"),
-        *output), frees=(f"{p}/mlp partial",)),), backward=()),) if output and z.t > 1 else ()
+        *output), frees=(f"{p}/mlp partial",)), *((Step("", frees=(f"{p}/mlp output",)),) if late else ())),
+        backward=()),) if output and z.t > 1 else ()
     out = Op("", forward=(Step("the layer's saved tensors, at its second residual sum", (
-        *(() if down else output), Made(f"layers.{i + 1}/input", full, "the layer's output, the next layer's input")),
+        *late, *(() if down and not late else output), Made(f"layers.{i + 1}/input", full, "the layer's output, the next layer's input")),
         # the caller rebinds its hidden_states; the first layer's input is inputs_embeds too
         frees=(f"{p}/mid", f"{p}/mlp output", f"{p}/mlp proj", *((f"{p}/input",) if i else ()))),), backward=())
     return (*core, made, *mlp, *down, out)

@@ -107,6 +107,8 @@ def test_each_familys_step_happens_in_order_and_peaks_where_the_timeline_says_to
 @pytest.mark.parametrize("changes, named", [
     (OLMO2 | {"t": 2}, "olmo2's model under tp"),  # its plan gathers the attention's projections: unmeasured
     (OLMO2 | {"dp_shard": 2}, "olmo2's model under tp, dp_shard"),
+    (GEMMA3 | {"attention": "flash", "b": 1, "s": 3, "h": 2, "a": 1, "num_query_groups": 1, "sliding_window": 3,
+               "L": 1, "ffn_hidden_size": 1, "vocab_size": 2}, "sliding_window=3 not above s=3 under SDPA"),
     (GLM | {"t": 2}, "glm's model under tp"),  # its plan gathers gate_up_proj's output: unmeasured
     (GLM | {"h": 10, "a": 5, "num_query_groups": 5, "rotary_percent": 0.25}, "GLM's RoPE on no channel"),  # d = 2
 ], ids=str)
@@ -123,3 +125,28 @@ def test_gemma_3s_attention_passes_no_softcap_so_its_layer_keeps_no_tanh_where_g
             for family, fields in (("gemma3_text", GEMMA3), ("gemma2", GEMMA3 | {"family": "gemma2",
                                                                                 "qk_layernorm": False}))}
     assert rules.SOFTCAP_TANH not in kept["gemma3_text"] and rules.SOFTCAP_TANH in kept["gemma2"]
+
+
+# Gemma's, Gemma 2's and Gemma 3's models under transformers' tp_plan (rank 0 of t through the fake group): the
+# post_feedforward_layernorm's tensors made after down_proj's all-reduce, whose output goes as the norm returns
+GEMMA = {"family": "gemma", "norm": "rmsnorm_1p", "mlp": "geglu_tanh"}
+GEMMA2 = GEMMA | {"family": "gemma2", "sandwich_norm": True}
+TP_STEPS = [
+    ("eager", GEMMA | {"b": 1, "s": 13, "a": 6, "h": 48, "num_query_groups": 2}),
+    ("flash", GEMMA | {"b": 3, "s": 5, "dtype": "fp32", "dropout": 0.1}),
+    ("eager", GEMMA | {"s": 96, "h": 16, "ffn_hidden_size": 16, "vocab_size": 20}),  # the fp32 softmax's backward
+    ("eager", GEMMA2 | CAPPED | {"b": 2, "s": 96, "h": 16, "ffn_hidden_size": 16, "vocab_size": 20,
+                                 "sliding_window": 16}),  # the peak in the forward
+    ("eager", GEMMA2 | FULL | FP32 | {"b": 3, "s": 5}),
+    ("eager", GEMMA2 | {"b": 2, "s": 7, "vocab_size": 40, "h": 32, "ffn_hidden_size": 512}),  # down_proj's GEMMs
+    ("eager", GEMMA3 | {"b": 1, "s": 9, "t": 4, "a": 4, "h": 32, "num_query_groups": 4, "ffn_hidden_size": 48}),
+    ("flash", GEMMA3 | {"b": 3, "s": 33, "a": 6, "h": 48, "num_query_groups": 2}),
+    ("eager", GEMMA3 | FULL | FP32 | {"b": 1, "s": 5, "L": 7}),
+    ("eager", GEMMA3 | {"dropout": 0.1, "b": 3, "s": 7}),
+]
+
+
+@pytest.mark.parametrize("attention, changes", TP_STEPS, ids=str)
+def test_under_tp_gemmas_steps_happen_in_order_and_peak_where_the_timeline_says_to_the_byte(one_thread, attention,
+                                                                                            changes):
+    _exact_step(make_config(LLAMA, attention=attention, **({"t": 2, "vocab_size": 8} | changes)), "tp")
