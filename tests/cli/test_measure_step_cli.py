@@ -175,3 +175,13 @@ def test_megatron_moe_step_under_full_recomputation_beside_ep_and_tp_sp_matches_
     assert [c["predicted"] - c["measured"] for c in tp_sp["peak"].values()] == [0] * len(tp_sp["peak"])
     assert tp_sp["peak_bytes"]["predicted"] == tp_sp["peak_bytes"]["measured"] == 1_067_244
     assert tp_sp["steady_bytes"]["predicted"] == tp_sp["steady_bytes"]["measured"] and tp_sp["moment"]["match"]
+
+
+@pytest.mark.parametrize("family, model", [("olmo2", "Olmo2ForCausalLM"), ("glm", "GlmForCausalLM"),
+                                           ("glm4", "Glm4ForCausalLM"), ("gemma3", "Gemma3ForCausalLM")])
+def test_impl_hf_steps_the_rmsnorm_kin_from_their_config_json_as_the_walk_says(family, model):
+    run = memcalc_cli("measure", "--hf-config", f"tests/data/hf/{family}-tiny.json", "--impl", "hf", "--step",
+                      "--strategy", "none", "--b", "3", "--s", "9", "--attention", "eager")
+    assert run.code == 0, run.err
+    for words in (f"ran as: transformers' {model}", "(same moment)", "match: the peak and every category within 1%"):
+        assert words in run.out, (words, run.out)

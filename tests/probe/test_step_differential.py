@@ -104,6 +104,11 @@ _HF_DEEPSEEK_MOE = st.sampled_from((8, 16)).flatmap(lambda e: _knobs(
     num_experts=st.sampled_from((4, 6)), moe_router_topk=st.integers(1, 3),
     moe_first_dense_layers=st.sampled_from((None, 1)), experts_implementation=st.sampled_from(("grouped_mm", "eager")),
     moe_ffn_hidden_size=st.just(e), moe_shared_expert_intermediate_size=st.sampled_from((e, 2 * e))))
+_HF_GLM = _knobs(attention=ATTENTION, dropout=DROPOUT, dtype=DTYPES, tie_embeddings=TIED,
+                 recompute=st.sampled_from(("none", "full")), rotary_percent=st.sampled_from((0.5, 0.25, 1.0)))
+_HF_GEMMA3 = _knobs(attention=ATTENTION, attn_logit_softcapping=st.sampled_from((None, 50.0)),
+                    sliding_window=st.sampled_from((None, 3, 8)), tie_embeddings=TIED, dtype=DTYPES, dropout=DROPOUT,
+                    recompute=st.sampled_from(("none", "full")))
 _HF_PHI3 = _knobs(tie_embeddings=TIED, dtype=DTYPES, dropout=DROPOUT, recompute=st.sampled_from(("none", "full")))
 # GPT2LMHeadModel: LayerNorm, Conv1D with biases, learned positions; no tp plan (t = 1)
 GPT2 = {"impl": "hf", "family": "gpt2", "norm": "layernorm", "position_embedding_type": "learned_absolute",
@@ -153,6 +158,14 @@ SUBJECTS = (
     Subject("hf deepseek_v3 (DeepseekV3MoE)", "transformers", {"impl": "hf", "family": "deepseek_v3",
             "attention": "eager", "moe_router_score_function": "sigmoid"} | LLAMA | MLA, _HF_DEEPSEEK_MOE,
             routes=(BALANCED, ROUTES[2]), gqa=False, align=8, ts=(1,)),
+    Subject("hf olmo2", "transformers", LLAMA | {"impl": "hf", "family": "olmo2", "norm": "rmsnorm_fp32w",
+                                                "post_norm": True, "qk_layernorm": True}, _HF, ts=(1,)),
+    Subject("hf gemma3", "transformers", GEMMA | {"family": "gemma3_text", "sandwich_norm": True, "qk_layernorm": True},
+            _HF_GEMMA3),
+    Subject("hf glm", "transformers", {"impl": "hf", "family": "glm", "add_qkv_bias": True} | LLAMA,
+            _HF_GLM, ts=(1,)),
+    Subject("hf glm4", "transformers", {"impl": "hf", "family": "glm4", "add_qkv_bias": True, "sandwich_norm": True,
+                                        "rotary_percent": 0.5} | LLAMA, _HF, ts=(1,)),
     Subject("torchtitan fsdp2", "torchtitan", TORCHTITAN, _TORCHTITAN_FSDP, ts=(1, 2)),
     Subject("hf fsdp2", "transformers", {"impl": "hf"} | LLAMA, _HF_FSDP, ts=(1, 2)),
 )
