@@ -25,7 +25,7 @@ KNOB_FLAGS = tuple(k.name for k in KNOBS)
 SHARDING_FLAGS = ("dp_shard", "dp_replicate", "reshard_after_forward", "reduce_dtype", "zero_stage")
 LAYOUT_FLAGS = (
     "pp", "vpp", "dp", "cp", "distributed_optimizer", *SHARDING_FLAGS, "vocab_size", "tie_embeddings",
-    "gpus", "num_microbatches", "global_batch_size", "make_vocab_size_divisible_by",
+    "add_bias_linear", "gpus", "num_microbatches", "global_batch_size", "make_vocab_size_divisible_by",
 )
 STRATEGY_CHOICES = ("all", *STRATEGIES)
 
@@ -45,7 +45,8 @@ config_option = click.option(
 
 hf_config_option = click.option(
     "--hf-config", "hf_config_path", type=click.Path(path_type=Path), default=None,
-    help="A Hugging Face config.json (of a family `memcalc hf-families` lists) instead of --config.",
+    help="A Hugging Face config.json, or a model directory holding one (of a family `memcalc hf-families` lists),"
+    " instead of --config.",
 )
 
 def _int(flag: str, help: str, name: str | None = None) -> Callable:
@@ -122,6 +123,11 @@ layout_options = _stack(
     _int("--vocab-size", "Vocabulary size v [default: 51200]."),
     click.option(
         "--tie-embeddings/--untie-embeddings", default=None, help="Output layer shares the embedding [default: tied]."
+    ),
+    click.option(
+        "--bias-linear/--no-bias-linear", "add_bias_linear", default=None,
+        help="Biases on every linear (add_bias_linear; Megatron-LM's --disable-bias-linear is --no-bias-linear)"
+        " [default: on, as the seed's; the libraries' Llamas: off].",
     ),
     _int("--gpus", "GPUs in the job: dp is derived as gpus/(t*pp*cp), which must be whole."),
     _int("--num-microbatches", "Micro-batches per step; fewer than pp caps what a stage keeps in flight [default:"

@@ -40,11 +40,11 @@ def _norm_params(config: ModelConfig, width: int | None = None) -> int:
 def _layer_norm_params(c: ModelConfig) -> int:
     """A layer's norms: before the attention and the MLP (one read by both with single_norm: GPT-J's, Cohere's,
     Falcon-7B's), and the QK norms, one head's d channels shared by every head, or Cohere's (heads, d) weights, one
-    row a head."""
+    row a head, or OLMo 2's over q_proj's and k_proj's whole outputs (post_norm)."""
     norms = (1 if c.single_norm else 4 if c.sandwich_norm else 2) * _norm_params(c)  # sandwich: on both outputs too
     if not c.qk_layernorm:
         return norms
-    heads = c.a + c.groups if c.norm == "layernorm_nb" else 2
+    heads = c.a + c.groups if c.norm == "layernorm_nb" or c.post_norm else 2
     return norms + heads * _norm_params(c, c.head_dim)
 
 
@@ -138,7 +138,8 @@ PARAM_GROUPS: tuple[ParamGroup, ...] = (
         "layer/norms", "layer", lambda c, t: _layer_norm_params(c),
         "two norms per layer (one with single_norm, four with sandwich_norm), and with qk_layernorm the query's and the"
         " key's over one head's d"
-        " channels (shared by every head; Cohere's use_qk_norm weighs each head apart), whole on every rank"
+        " channels (shared by every head; Cohere's use_qk_norm weighs each head apart, OLMo 2's norms the whole"
+        " projection), whole on every rank"
         " (LayerNorm: weight and bias; RMSNorm: weight)",
     ),
     ParamGroup(

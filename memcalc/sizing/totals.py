@@ -18,7 +18,7 @@ from memcalc.model.impls import implementation
 from memcalc.model.impls.base import drop_small
 from memcalc.model.knobs import Accounting, element_bytes
 from memcalc.model.ledger import Dim, SavedTensor
-from memcalc.sizing.pipeline import Stage, stages
+from memcalc.sizing.pipeline import Stage, pipeline_stages
 from memcalc.sizing.states import (
     ROUTER_BUFFERS_WHY, expert_params, group_params, moe_layers_held, padded_vocab, router_buffer_bytes,
     state_bytes, zero3_largest_layer,
@@ -101,11 +101,12 @@ class PerGpu:
 
 
 def per_gpu(config: ModelConfig, strategy: Strategy, accounting: Accounting = Accounting()) -> PerGpu:
-    """Per-GPU memory of `config` under `strategy`, for the first and last pipeline stages (or the only one)."""
+    """Per-GPU memory of `config` under `strategy`, for the pipeline stages that bound it (the first and the last;
+    under torchtitan's split every rank's: memcalc.sizing.pipeline.pipeline_stages), or the only one."""
     layer = estimate(config, strategy, accounting)
     rebuilt = _rebuilt_layer_bytes(config, strategy, accounting, layer)
     return PerGpu(strategy, layer, tuple(
-        _stage_total(config, strategy, accounting, x, layer, rebuilt) for x in stages(config.L, config.pp, config.vpp, config.microbatches)
+        _stage_total(config, strategy, accounting, x, layer, rebuilt) for x in pipeline_stages(config)
     ))
 
 

@@ -126,3 +126,14 @@ def test_another_impl_on_a_seed_config_names_the_knobs_it_switches():
 def test_an_impl_that_switches_no_knob_notes_nothing(args):
     run = memcalc_cli("estimate", *args, "--json")
     assert (run.code, run.err) == (0, "")
+
+
+def test_naming_qwen2_on_the_command_line_gives_its_layer_as_its_config_file_does(tmp_path):
+    # Qwen2Attention's q, k and v always carry biases (add_qkv_bias, a config field no flag sets): `--family qwen2`
+    # was refused as needing add_qkv_bias true, so the family ran from a config file only
+    model = ("--impl", "hf", "--norm", "rmsnorm", "--mlp", "swiglu", "--s", "16", "--h", "64", "--a", "4", "--totals")
+    config = tmp_path / "qwen2.yaml"
+    config.write_text("name: qwen2\nimpl: hf\nfamily: qwen2\nadd_qkv_bias: true\n")
+    named = _json(*model, "--family", "qwen2")
+    assert named["config"]["add_qkv_bias"] is True
+    assert named["per_gpu"] == _json(*model, "--config", str(config))["per_gpu"]

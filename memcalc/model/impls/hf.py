@@ -522,7 +522,7 @@ def rope_pairs(knobs: Any, layers: Any) -> Any:
     return 1 + (layers >= GEMMA3_FULL_EVERY) if gemma3 else 1
 
 
-def _rope(knobs: Any) -> tuple[SavedTensor, ...]:
+def rope_tables(knobs: Any) -> tuple[SavedTensor, ...]:
     """The (s, d) cos and sin tables RoPE's products keep: OLMo's fp32, GLM's interleaved, the first d_r channels'
     (rotary_percent), a whole head's, or none (GPT-2's learned positions live in the embedding)."""
     if is_gptj(knobs):
@@ -598,8 +598,14 @@ def _eager(knobs: Any) -> tuple[SavedTensor, ...]:
     else:
         softmax = (SOFTMAX_FP32, WEIGHTS)
     dropout = (ledger.ATTN_DROPOUT_MASK, ledger.ATTN_DROPOUT_OUT) if knobs.has_dropout else ()
-    softcap = (SOFTCAP_TANH,) if knobs.attn_logit_softcapping is not None else ()
+    softcap = (SOFTCAP_TANH,) if scores_capped(knobs) else ()
     return (q, k, *softcap, *softmax, *dropout, v)
+
+
+def scores_capped(knobs: Any) -> bool:
+    """Whether eager attention soft-caps its scores: Gemma 2's passes attn_logit_softcapping as its softcap, Gemma 3's
+    Gemma3Attention passes none (its config's value changes nothing; found by the hf step walk's measurement)."""
+    return knobs.attn_logit_softcapping is not None and layer_family(knobs).name != "gemma3_text"
 
 
 def repeat_kv_copies(sizes: dict[Any, Any], t: Any) -> Any:
@@ -683,7 +689,7 @@ def attention_block(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ..
         core += (GLM_SDPA_OUT,)
     resid = (ledger.ATTN_OUT_DROPOUT_MASK,) if resid_dropout(knobs) else ()
     index = (FALCON_K_INDEX, FALCON_V_INDEX) if is_falcon(knobs) and (knobs.gqa or knobs.fused_qkv) else ()
-    return (ledger.QKV_IN, *index, *qk_norm, *_rope(knobs), *core, ledger.PROJ_IN, *resid)
+    return (ledger.QKV_IN, *index, *qk_norm, *rope_tables(knobs), *core, ledger.PROJ_IN, *resid)
 
 
 def mlp_block(knobs: Any) -> tuple[SavedTensor, ...]:
@@ -760,16 +766,18 @@ def layer_tensors(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]
     return drop_small(blocks, accounting)
 
 
+# The norms on the attention's and the MLP's outputs by memcalc's norm: Gemma 2/3's GemmaRMSNorm, GLM-4's LlamaRMSNorm
+# code, OLMo 2's post-norms (its only ones).
+POST_NORMS = {"rmsnorm_1p": (GEMMA_POST_ATTN, GEMMA_POST_MLP), "rmsnorm": (GLM_POST_ATTN, GLM_POST_MLP),
+              "rmsnorm_fp32w": (OLMO2_ATTN_OUT, OLMO2_MLP_OUT)}
+
+
 def sandwich_norms(knobs: Any) -> tuple[tuple[SavedTensor, ...], tuple[SavedTensor, ...]]:
-    """The norms on the attention's and the MLP's outputs: Gemma 2/3's GemmaRMSNorm, GLM-4's LlamaRMSNorm code,
-    OLMo 2's post-norms (its only ones)."""
-    if knobs.post_norm:
-        return tuple(OLMO2_ATTN_OUT), tuple(OLMO2_MLP_OUT)
-    if not knobs.sandwich_norm:
+    """What the norms on the attention's and the MLP's outputs keep (`POST_NORMS`), if the layer has them."""
+    if not (knobs.post_norm or knobs.sandwich_norm):
         return (), ()
-    if knobs.norm == "rmsnorm_1p":
-        return tuple(GEMMA_POST_ATTN), tuple(GEMMA_POST_MLP)
-    return tuple(GLM_POST_ATTN), tuple(GLM_POST_MLP)
+    attn, mlp = POST_NORMS[knobs.norm]
+    return tuple(attn), tuple(mlp)
 
 
 def check(knobs: Any) -> None:
@@ -919,7 +927,7 @@ def _check_rotary(config: Any) -> None:
     and the odd ones: an even count, at least 2. The other families rotate halves (rotate_half), and a whole head of
     odd width runs nowhere alike: transformers' RoPE validation refuses it (d > 4), apply_rotary_pos_emb fails (d = 3)
     or the tables round up past the head (d = 1); a share of a head rounds its odd d_r up within it (measured)."""
-    if config.mla or not _rope(config):
+    if config.mla or not rope_tables(config):
         return
     share = 1 if config.rotary_percent is None else config.rotary_percent
     d_r = int(config.head_dim * share)

@@ -132,11 +132,11 @@ def router_backward(g: str, z: Sizes, k: int, experts: int, add: Callable[..., t
     )
 
 
-def rope(g: str, z: Sizes, first: bool) -> tuple[Op, ...]:
+def rope(g: str, z: Sizes, first: tuple[str, ...]) -> tuple[Op, ...]:
     """_apply_rotary_emb's backward for q, then k (forward order; k's runs first): each half's two products' gradients
-    (-dY's for the subtracted one), each half's summed, chunk's concatenation; the last to run it (layers.0's q) frees
-    the model's tables. The walk takes the layer's forward as one moment: no forward steps."""
-    def backward(name: str, width: int, last: bool) -> tuple[Step, ...]:
+    (-dY's for the subtracted one), each half's summed, chunk's concatenation; q's frees the model's tables the layer
+    is the `first` to read (layers.0's). The walk takes the layer's forward as one moment: no forward steps."""
+    def backward(name: str, width: int, tables: tuple[str, ...]) -> tuple[Step, ...]:
         x, half = f"{g}/{name}", width // 2
         products = tuple(Made(f"{x} {n}", half, why) for n, why in (
             ("x1 sin", "dY2 * sin: x1's gradient in x2 * cos + x1 * sin"), ("x2 cos", "dY2 * cos"),
@@ -150,9 +150,9 @@ def rope(g: str, z: Sizes, first: bool) -> tuple[Op, ...]:
                  frees=(f"{x} x1 sin", f"{x} x1 cos"), moment=False),
             Step("chunk's backward: the halves' gradients concatenated", (Made(f"{x} pre-rope", width, "(b, heads, s,"
                                                                                 " d)"),),
-                 frees=(f"{x} x1", f"{x} x2", f"{x} heads", *((t.name for t in TABLES) if last else ())), moment=False),
+                 frees=(f"{x} x1", f"{x} x2", f"{x} heads", *tables), moment=False),
         )
-    return tuple(Op("self_attn", (), backward(name, z.full(w * z.d), first and name == "q"))
+    return tuple(Op("self_attn", (), backward(name, z.full(w * z.d), first if name == "q" else ()))
                  for name, w in (("q", z.a_t), ("k", z.g_t)))
 
 
