@@ -185,3 +185,15 @@ def test_impl_hf_steps_the_rmsnorm_kin_from_their_config_json_as_the_walk_says(f
     assert run.code == 0, run.err
     for words in (f"ran as: transformers' {model}", "(same moment)", "match: the peak and every category within 1%"):
         assert words in run.out, (words, run.out)
+
+
+def test_impl_hf_steps_gpt_oss_from_its_config_json_to_the_byte():
+    """GptOssForCausalLM from tests/data/hf/gpt-oss-tiny.json (a sliding layer, then a full one): the peak, in the
+    experts' gate_up_proj GEMMs, every category and the steady state are MemTracker's exactly."""
+    run = memcalc_cli("measure", "--hf-config", "tests/data/hf/gpt-oss-tiny.json", "--impl", "hf", "--step",
+                      "--strategy", "none", "--b", "1", "--s", "7", "--route", "balanced", "--json")
+    assert run.code == 0, run.err
+    none = json.loads(run.out)["strategies"]["none"]
+    assert [c["predicted"] - c["measured"] for c in none["peak"].values()] == [0] * len(none["peak"])
+    assert none["peak_bytes"]["predicted"] == none["peak_bytes"]["measured"] == 812_268
+    assert none["steady_bytes"]["predicted"] == none["steady_bytes"]["measured"] and none["moment"]["match"]
