@@ -23,6 +23,7 @@ from memcalc.sizing.pipeline import stages
 from memcalc.sizing.timeline import hf_gpt2 as gpt2
 from memcalc.sizing.timeline import hf_layer as layer
 from memcalc.sizing.timeline import hf_moe as moe
+from memcalc.sizing.timeline import hf_olmo as olmo
 from memcalc.sizing.timeline.ends import model_states, optimizer_step
 from memcalc.sizing.timeline.fsdp import ROOT, Fsdp
 from memcalc.sizing.timeline.tape import (
@@ -34,11 +35,23 @@ from memcalc.sizing.timeline.walk import Checkpoint, HandOver, Made, Op, Step, W
 from memcalc.sizing.timeline.zero import Zero
 
 
-def final_norm(config: ModelConfig) -> RMSNormTensors:
+def final_norm(config: ModelConfig) -> RMSNormTensors | ledger.NormTensors:
     """model.norm keeps what a layer's input_layernorm keeps (the same class), under its own names."""
-    ln1 = rules.RMS_NORMS[config.norm][0]
+    ln1 = _norms(config)[0]
+    if isinstance(ln1, ledger.NormTensors):
+        return ledger.NormTensors(*(replace(x, name=f"final_norm/{x.name.partition('/')[2]}") for x in ln1))
     return replace(ln1, **{f.name: replace(x, name=f"final_norm/{x.name.partition('/')[2]}") for f in fields(ln1)
                            if (x := getattr(ln1, f.name)) is not None})
+
+
+def _norms(config: ModelConfig) -> tuple[RMSNormTensors, RMSNormTensors] | tuple[ledger.NormTensors, ...]:
+    """A layer's two norms: OLMo's LayerNorms (memcalc.sizing.timeline.hf_olmo), or the RMSNorms of its norm."""
+    return olmo.NORMS if olmo.walks(config) else rules.RMS_NORMS[config.norm]
+
+
+def _tables(config: ModelConfig) -> tuple[ledger.SavedTensor, ...]:
+    """RoPE's cos and sin, made once per forward and kept by every layer: OLMo's fp32 ones, or Llama's."""
+    return olmo.TABLES if olmo.walks(config) else layer.ROPE
 
 
 def hf_timeline(config: ModelConfig, strategy: Strategy, accounting: Accounting) -> Timeline:
@@ -101,14 +114,14 @@ def _llama(tape: Tape, config: ModelConfig, z: Sizes, saved: dict[str, int], han
            kept: tuple[tuple[ledger.SavedTensor, int], ...], dense: tuple[tuple[ledger.SavedTensor, int], ...],
            sharded: bool) -> tuple[Walked, list[Walked], Walked]:
     """LlamaForCausalLM's (and its kin's) embedding, layers and output as walks and ops."""
-    ln1, final = rules.RMS_NORMS[config.norm][0], final_norm(config)  # the final norm's tensors are ln1's sizes
-    ends = {x.name: saved[x.name] for x in layer.ROPE} | {ledger.OUTPUT_INPUT.name: z.full(z.h)} | {
+    ln1, final = _norms(config)[0], final_norm(config)  # the final norm's tensors are ln1's sizes
+    ends = {x.name: saved[x.name] for x in _tables(config)} | {ledger.OUTPUT_INPUT.name: z.full(z.h)} | {
         y.name: saved[x.name] for x, y in zip(ln1, final) if x.name in saved} | {
         ledger.LOGITS_SOFTCAP_TANH.name: z.act * z.b * z.s * config.vocab_size}
-    tensors = tuple(x for x, _ in kept if x not in layer.ROPE)  # every layer shares one description of these
+    tensors = tuple(x for x, _ in kept if not x.model_wide)  # every layer shares one description of these
     made, block = moe.kept_in_forward(tensors, config), moe.block_backward(z, config) if config.moe else ()
     saved |= moe.expert_bytes(saved, config) if config.moe else {}
-    plain = moe.kept_in_forward(tuple(x for x, _ in dense if x not in layer.ROPE), config)  # a dense one's among MoE
+    plain = moe.kept_in_forward(tuple(x for x, _ in dense if not x.model_wide), config)  # a dense one's among MoE
     layers = [(Walk(tape, f"layers.{i}", f"model.layers.{i}", saved, hand_over, _checkpoint(i, config)),
                _layer(i, z, config, saved, made, block) if not config.moe or moe.sparse(config, i) else
                _layer(i, z, config, saved, plain, ())) for i in range(config.L)]
@@ -148,7 +161,7 @@ def _checkpoint(i: int, config: ModelConfig) -> Checkpoint | None:
         return None
     # the mask LlamaModel passes each layer: Gemma 2's even layers slide (layer_types), the rest attend causally
     masks = ["model/sliding_mask" if config.sandwich_norm and j % 2 == 0 else "model/causal_mask" for j in range(i + 1)]
-    shared = (*(("model/position_ids", *(x.name for x in layer.ROPE)) if i == 0 else ()),
+    shared = (*(("model/position_ids", *(x.name for x in _tables(config))) if i == 0 else ()),
               *((masks[i],) if masks.index(masks[i]) == i else ()))
     rerun = ACTIVATIONS if config.dp_shard is None else TEMPORARIES  # FSDPMemTracker's: in backward, no unit's forward
     return Checkpoint(f"layers.{i}/input", rerun=rerun, early_stop=True, own=TEMPORARIES, frame=shared)
@@ -186,7 +199,8 @@ def _step(tape: Tape, sharding: Fsdp | Zero | None, inputs: Walked, layers: list
 
 
 # The families whose model the walk follows, which --step builds (memcalc.probe.libs.hf_step).
-WALKED = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma", "gemma2", "phi3", "gpt2")
+WALKED = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma", "gemma2", "phi3", "gpt2",
+          "olmo")
 
 
 def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounting) -> None:
@@ -292,7 +306,8 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
     p, tp, checkpointed = f"layers.{i}", z.t > 1, config.recompute == "full"
     out = f"grad/layers.{i - 1}/output" if i else "grad/embedding output"
     mlp = moe.OUTPUT_GRAD if block else f"grad/{p}/ln2 output"
-    ln1, ln2 = rules.RMS_NORMS[config.norm]
+    ln1, ln2 = _norms(config)
+    norm = olmo.layer_norm if olmo.walks(config) else layer.rms_norm
     # Gemma 2's sandwich norms: on the attention's output and on the MLP's, whose gradients are then theirs; Phi-3's
     # residual dropouts (p > 0) likewise on the branches' outputs, o_proj's and down_proj's ("proj")
     resid = config.fused_qkv and config.has_dropout
@@ -314,15 +329,16 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
     proj = "proj" if resid else "output"
     mid, output = layer.residuals(i, z, layer.returned_weights(z, config.attention == "eager", config.has_dropout))
     ops = (
-        *layer.rms_norm("input_layernorm", p, ln1, z, f"grad/{p}/ln1 output", out, f"grad/{p}/mid",
+        *norm("input_layernorm", p, ln1, z, f"grad/{p}/ln1 output", out, f"grad/{p}/mid",
                         output=kept(p, ledger.QKV_IN), x=f"{p}/input"),
         *layer.attention(p, z, config.attention == "eager", saved, config.groups != config.a, tp,
-                         i == 0 and not checkpointed,
+                         _tables(config) if i == 0 and not checkpointed else (),
                          config.qk_layernorm, config.add_qkv_bias, config.has_dropout,
-                         config.attn_logit_softcapping is not None, attn_out, config.fused_qkv, f"attn {proj}"),
+                         config.attn_logit_softcapping is not None, attn_out, config.fused_qkv, f"attn {proj}",
+                         olmo.rope if olmo.walks(config) and z.act != 4 else None),
         *post_attn,
         *((mid,) if checkpointed else ()),
-        *layer.rms_norm("pre_feedforward_layernorm" if config.sandwich_norm else "post_attention_layernorm", p, ln2,
+        *norm("pre_feedforward_layernorm" if config.sandwich_norm else "post_attention_layernorm", p, ln2,
                         z, mlp, f"grad/{p}/mid", f"grad/{p}/output",
                         output=kept(p, ledger.MOE_IN if block else ledger.FC1_IN), x=f"{p}/mid"),
         *(moe.checkpointed_forward(p, z, config) if block and checkpointed else ()),
@@ -361,7 +377,7 @@ def _embedding(z: Sizes, config: ModelConfig, sharded: bool) -> tuple[Op, ...]:
                 " mask beside the causal one: Gemma 2's sliding layers read it (Qwen2MoeModel makes it too, though no"
                 " layer slides)"),) if config.moe_shared_expert_intermediate_size or config.sandwich_norm else ()),
         *(kept("", x, "made once per forward by LlamaRotaryEmbedding; every layer's RoPE keeps it")
-          for x in layer.ROPE),
+          for x in _tables(config)),
     )
     first = Made("layers.0/input", z.full(z.h), "the embedding lookup, the first layer's input: LlamaModel's"
                  " inputs_embeds, live until it returns")
@@ -423,6 +439,11 @@ def _output(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     """model.norm, then lm_head and the loss."""
     last = f"layers.{config.L}/input"
     final = final_norm(config)
+    locals_ = MODEL_LOCALS if config.recompute != "full" else _unheld_masks(config)  # the first layer's frame: the rest
+    if olmo.walks(config):  # in fp32 x.to(float32) is the last layer's output itself, which the norm keeps
+        return (*olmo.layer_norm("model.norm", "", final, z, "grad/lm_head input", f"grad/layers.{config.L - 1}/output",
+                                 output=kept("", ledger.OUTPUT_INPUT, "lm_head's input, which it keeps"),
+                                 gone=(*(() if z.act == 4 else (last,)), *locals_), x=last), *_head(z, config))
     # the locals alive at its widest: LlamaRMSNorm's variance and fp32 x * r; GemmaRMSNorm's fp32 product (in fp32 the
     # casts are no-ops: x * r is the ledger's normed, the product lm_head's input)
     fp32 = z.act == 4
@@ -433,8 +454,7 @@ def _output(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     widest = Step("RMSNorm at its widest: fp32 input and output, bf16 output", (
         *(kept("", x) for x in final), *temps, kept("", ledger.OUTPUT_INPUT, "the cast back: lm_head's input, which it"
                                                    " keeps")),
-        frees=(*(x.name for x in temps), last,  # the first layer's frame holds the rest
-               *(MODEL_LOCALS if config.recompute != "full" else _unheld_masks(config))))
+        frees=(*(x.name for x in temps), last, *locals_))
     # fp32: x.to(float32) is the last layer's output itself, which the norm keeps
     norm = layer.rms_norm("model.norm", "", final, z, "grad/lm_head input", f"grad/layers.{config.L - 1}/output",
                           forward=((Step("", frees=(last,)),) if fp32 else ()) + (widest,))

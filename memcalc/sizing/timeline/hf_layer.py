@@ -7,6 +7,7 @@ layer".
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Callable
 
 from memcalc.model import ledger
 from memcalc.model.impls import hf as rules
@@ -228,13 +229,15 @@ def returned_weights(z: Sizes, eager: bool, dropout: bool) -> SavedTensor | None
     return ledger.ATTN_DROPOUT_OUT if dropout else rules.SOFTMAX_FP32 if z.act == 4 else rules.WEIGHTS
 
 
-def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, tp: bool, first: bool,
-              qk_norm: bool = False, qkv_bias: bool = False, dropout: bool = False, softcap: bool = False,
-              dy: str | None = None, fused: bool = False, made_as: str = "attn output") -> tuple[Op, ...]:
+def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, tp: bool,
+              tables: tuple[SavedTensor, ...], qk_norm: bool = False, qkv_bias: bool = False, dropout: bool = False,
+              softcap: bool = False, dy: str | None = None, fused: bool = False, made_as: str = "attn output",
+              rope: RopeOps | None = None) -> tuple[Op, ...]:
     """q, k, v (their dX summed as they come; `qk_norm`: Qwen3's q_norm and k_norm; `qkv_bias`: Qwen2's biases;
-    `fused`: Phi-3's one qkv_proj), RoPE, the core (eager with `dropout` or Gemma 2's `softcap`, or SDPA), o_proj (`dy`
-    its output's gradient; None: the residual stream's, which lives on; `made_as` its output's name); the heads go as
-    the module returns."""
+    `fused`: Phi-3's one qkv_proj), RoPE (`rope`, Llama's `llama_rope` by default; `tables`: the model's tables, which
+    this layer's RoPE backward lets go last, or none), the core (eager with `dropout` or Gemma 2's `softcap`, or SDPA),
+    o_proj (`dy` its output's gradient; None: the residual stream's, which lives on; `made_as` its output's name); the
+    heads go as the module returns."""
     g, q, kv, full = f"grad/{p}", z.a_t * z.d, z.g_t * z.d, z.full(z.h)
     # the projections' outputs and RoPE's, each the core's saved tensor or a local of the attention
     q_copied, k_copied, v_copied = _bmm_copies(z, saved, fused)
@@ -269,9 +272,8 @@ def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, t
         summed = out if summed else dx
     if fused:  # q, k and v are views of qkv_proj's output, which V's view keeps whole at b = 1
         made["v"] = _kept_or_local(p, rules.NEOX_QKV_OUT, saved, "qkv", z.full(q + 2 * kv))
-    rope = tuple(Op("self_attn", _rope_forward(p, name, z.full(w), rotated[name], name == "k" and not fused, fused),
-                    _rope_backward(g, name, z.full(w), first and name == "q")) for name, w in
-                 (("q", q), ("k", kv)))  # forward order: q's, then k's
+    rope_ops = (rope or llama_rope)(p, {"q": (z.full(q), rotated["q"]), "k": (z.full(kv), rotated["k"])}, fused,
+                                    tuple(t.name for t in tables))
     math = rules.MATH_Q.name in saved  # SDPA with dropout on a CPU: the math kernel (the ledger's SDPA_MATH)
     core = _eager(p, z, saved, gqa, dropout, softcap, fused) if eager else \
         sdpa_math(p, z, gqa, f"{g}/o_proj input", made["v"].name) if math else _sdpa(p, z)
@@ -281,7 +283,7 @@ def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, t
     o_proj = replace(o_proj, forward=(Step("the GEMM", (Made(f"{p}/{made_as}", full, "o_proj's output"),),
                                            frees=tuple(x.name for x in gone if x.keeps is None),
                                            reads_last=tuple(x.name for x in gone if x.keeps is not None)),))
-    return (*(_fused_qkv(p, z, q, kv, tp, made["v"]) if fused else reversed(ran)), *rope, *core, o_proj)
+    return (*(_fused_qkv(p, z, q, kv, tp, made["v"]) if fused else reversed(ran)), *rope_ops, *core, o_proj)
 
 
 def _kept_or_local(p: str, tensor: SavedTensor, saved: dict[str, int], name: str, nbytes: int, copied: bool = False
@@ -334,6 +336,19 @@ def _fused_qkv(p: str, z: Sizes, q: int, kv: int, tp: bool, qkv: Made) -> tuple[
     return (lin, Op("self_attn", (), tuple(slices)), view)
 
 
+# apply_rotary_pos_emb as ops, q's then k's: (p, {"q": (bytes, output), "k": ...}, passthrough, the tables q's frees)
+RopeOps = Callable[[str, dict[str, tuple[int, Made]], bool, tuple[str, ...]], tuple[Op, ...]]
+
+
+def llama_rope(p: str, heads: dict[str, tuple[int, Made]], passthrough: bool, tables: tuple[str, ...]
+               ) -> tuple[Op, ...]:
+    """apply_rotary_pos_emb on q, then k (each of `heads`' bytes, made its output), as Llama's model runs it;
+    `passthrough`: Phi-3's; q's backward, the last to run, lets the model's `tables` go (layer 0's)."""
+    return tuple(Op("self_attn", _rope_forward(p, name, w, out, name == "k" and not passthrough, passthrough),
+                    _rope_backward(f"grad/{p}", name, w, tables if name == "q" else ()))
+                 for name, (w, out) in heads.items())
+
+
 def _rope_forward(p: str, name: str, width: int, out: Made, last: bool, passthrough: bool = False
                   ) -> tuple[Step, ...]:
     """apply_rotary_pos_emb for q or k (`out` its result); after k's (`last`) the projections' outputs go, rebound to
@@ -355,10 +370,9 @@ def _rope_forward(p: str, name: str, width: int, out: Made, last: bool, passthro
     )
 
 
-def _rope_backward(g: str, name: str, width: int, last: bool) -> tuple[Step, ...]:
-    """apply_rotary_pos_emb's backward for q or k; the last to run it (layers.0, q) frees the model's tables."""
+def _rope_backward(g: str, name: str, width: int, tables: tuple[str, ...]) -> tuple[Step, ...]:
+    """apply_rotary_pos_emb's backward for q or k; the last to run it (layers.0, q) frees the model's `tables`."""
     x = f"{g}/{name}"
-    tables = tuple(t.name for t in ROPE) if last else ()
     return (
         Step("rotate_half(x) * sin's backward", (Made(f"{x} rotated", width, "dY * sin"), Made(
             f"{x} neg", width // 2, "the negated half's gradient, negated back"), Made(

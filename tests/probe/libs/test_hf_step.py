@@ -482,6 +482,7 @@ GEMMA = {"family": "gemma", "norm": "rmsnorm_1p", "mlp": "geglu_tanh"}
 GEMMA2 = GEMMA | {"family": "gemma2", "sandwich_norm": True}
 CAPPED = {"attn_logit_softcapping": 50.0}
 PHI3 = {"family": "phi3", "fused_qkv": True}
+OLMO = {"family": "olmo", "norm": "layernorm_np"}
 FAMILY_STEPS = [
     ("gemma", "eager", GEMMA),  # the loss's backward
     ("gemma", "flash", GEMMA | {"b": 1, "s": 13, "kv_channels": 12, "num_query_groups": 4}),  # lm_head's GEMMs
@@ -504,6 +505,12 @@ FAMILY_STEPS = [
     ("phi3", "eager", PHI3 | {"vocab_size": 40}),
     ("phi3", "eager", PHI3 | {"vocab_size": 40, "h": 32, "ffn_hidden_size": 512}),
     ("phi3", "eager", PHI3 | {"s": 95, "h": 16, "ffn_hidden_size": 16, "vocab_size": 20}),
+    ("olmo", "eager", OLMO),  # OlmoForCausalLM: LayerNorm without parameters on an fp32 copy, fp32 RoPE tables
+    ("olmo", "flash", OLMO | {"b": 1, "s": 13, "kv_channels": 12, "num_query_groups": 4}),
+    ("olmo", "eager", OLMO | {"b": 3, "s": 7, "h": 48, "a": 6, "num_query_groups": 2, "tie_embeddings": True}),
+    ("olmo", "flash", OLMO | {"vocab_size": 40}),
+    ("olmo", "flash", OLMO | {"vocab_size": 40, "h": 32, "ffn_hidden_size": 512}),
+    ("olmo", "eager", OLMO | {"s": 95, "h": 16, "ffn_hidden_size": 16, "vocab_size": 20}),
 ]
 
 
@@ -540,6 +547,27 @@ def test_phi3s_residual_dropouts_keep_their_masks_and_the_step_is_memtrackers(on
     variable holds to the residual sum; each keeps its bool mask, and its backward makes the projection's dY."""
     r = _exact_step(make_config(LLAMA, attention="eager", dropout=0.1, recompute=recompute, **changes), "none")
     assert r.model.startswith("transformers' Phi3ForCausalLM")
+
+
+# OlmoForCausalLM in fp32 (its casts no-ops: x.to(float32) is the stream itself, RoPE Llama's), under gradient
+# checkpointing (each OlmoLayerNorm and the fp32 RoPE op by op in the rerun), with dropout, under the tp_plan
+OLMO_STEPS = [
+    ("eager", OLMO | {"dtype": "fp32", "b": 3, "s": 7, "num_query_groups": 8}, "none", "none"),
+    ("flash", OLMO | {"dtype": "fp32", "b": 1, "s": 13}, "full", "none"),
+    ("eager", OLMO | {"b": 1, "s": 13, "kv_channels": 12, "num_query_groups": 4}, "full", "none"),
+    ("flash", OLMO | {"b": 3, "s": 7, "h": 48, "a": 6, "num_query_groups": 2}, "full", "none"),
+    ("eager", OLMO | {"s": 95, "h": 16, "ffn_hidden_size": 16, "vocab_size": 20}, "full", "none"),
+    ("eager", OLMO | {"dropout": 0.1, "b": 3, "s": 9}, "full", "none"),
+    ("flash", OLMO | {"dropout": 0.1, "b": 1, "s": 5, "dtype": "fp32"}, "none", "none"),
+    ("flash", OLMO | {"t": 2, "b": 3, "s": 7}, "full", "tp"),
+]
+
+
+@pytest.mark.parametrize("attention, changes, recompute, layout", OLMO_STEPS, ids=str)
+def test_olmos_parameterless_layernorms_and_fp32_rope_step_as_the_walk_says_to_the_byte(one_thread, attention,
+                                                                                      changes, recompute, layout):
+    r = _exact_step(make_config(LLAMA, attention=attention, recompute=recompute, **changes), layout)
+    assert r.model.startswith("transformers' OlmoForCausalLM")
 
 
 @pytest.mark.parametrize("attention", ATTENTIONS)
