@@ -522,7 +522,7 @@ def rope_pairs(knobs: Any, layers: Any) -> Any:
     return 1 + (layers >= GEMMA3_FULL_EVERY) if gemma3 else 1
 
 
-def _rope(knobs: Any) -> tuple[SavedTensor, ...]:
+def rope_tables(knobs: Any) -> tuple[SavedTensor, ...]:
     """The (s, d) cos and sin tables RoPE's products keep: OLMo's fp32, GLM's interleaved, the first d_r channels'
     (rotary_percent), a whole head's, or none (GPT-2's learned positions live in the embedding)."""
     if is_gptj(knobs):
@@ -683,7 +683,7 @@ def attention_block(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ..
         core += (GLM_SDPA_OUT,)
     resid = (ledger.ATTN_OUT_DROPOUT_MASK,) if resid_dropout(knobs) else ()
     index = (FALCON_K_INDEX, FALCON_V_INDEX) if is_falcon(knobs) and (knobs.gqa or knobs.fused_qkv) else ()
-    return (ledger.QKV_IN, *index, *qk_norm, *_rope(knobs), *core, ledger.PROJ_IN, *resid)
+    return (ledger.QKV_IN, *index, *qk_norm, *rope_tables(knobs), *core, ledger.PROJ_IN, *resid)
 
 
 def mlp_block(knobs: Any) -> tuple[SavedTensor, ...]:
@@ -918,7 +918,7 @@ def _check_rotary(config: Any) -> None:
     and the odd ones: an even count, at least 2. The other families rotate halves (rotate_half), and a whole head of
     odd width runs nowhere alike: transformers' RoPE validation refuses it (d > 4), apply_rotary_pos_emb fails (d = 3)
     or the tables round up past the head (d = 1); a share of a head rounds its odd d_r up within it (measured)."""
-    if config.mla or not _rope(config):
+    if config.mla or not rope_tables(config):
         return
     share = 1 if config.rotary_percent is None else config.rotary_percent
     d_r = int(config.head_dim * share)

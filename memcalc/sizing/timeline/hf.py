@@ -50,8 +50,9 @@ def _norms(config: ModelConfig) -> tuple[RMSNormTensors, RMSNormTensors] | tuple
 
 
 def _tables(config: ModelConfig) -> tuple[ledger.SavedTensor, ...]:
-    """RoPE's cos and sin, made once per forward and kept by every layer: OLMo's fp32 ones, or Llama's."""
-    return olmo.TABLES if olmo.walks(config) else layer.ROPE
+    """RoPE's cos and sin, made once per forward and kept by every layer (the ledger's: OLMo's fp32 ones, StarCoder
+    2's of d_r = d channels, Llama's)."""
+    return rules.rope_tables(config)
 
 
 def hf_timeline(config: ModelConfig, strategy: Strategy, accounting: Accounting) -> Timeline:

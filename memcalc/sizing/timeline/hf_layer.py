@@ -18,7 +18,6 @@ from memcalc.sizing.timeline.torch_ops import WHY_WGRAD, linear
 from memcalc.sizing.timeline.walk import Made, Op, Step, kept, kept_name, kept_names
 
 WHY_SAVED = "kept for backward (the hf ledger); freed when the op that keeps it has run backward"
-ROPE = (rules.ROPE_COS, rules.ROPE_SIN)  # made once per forward by LlamaRotaryEmbedding, kept by every layer
 
 
 def rms_norm(where: str, p: str, norm: RMSNormTensors, z: Sizes, dy: str | None, out: str, residual: str | None = None,

@@ -18,7 +18,6 @@ from memcalc.sizing.timeline.tape import Sizes
 from memcalc.sizing.timeline.walk import Made, Op, Step, kept, kept_names
 
 NORMS = (rules.OLMO_LN1, rules.OLMO_LN2)
-TABLES = (rules.OLMO_ROPE_COS, rules.OLMO_ROPE_SIN)  # fp32, made once per forward, kept by every layer
 
 
 def walks(config: ModelConfig) -> bool:
