@@ -23,6 +23,7 @@ from memcalc.sizing.pipeline import stages
 from memcalc.sizing.timeline import hf_gpt2 as gpt2
 from memcalc.sizing.timeline import hf_layer as layer
 from memcalc.sizing.timeline import hf_moe as moe
+from memcalc.sizing.timeline import hf_ln as ln
 from memcalc.sizing.timeline import hf_olmo as olmo
 from memcalc.sizing.timeline.ends import model_states, optimizer_step
 from memcalc.sizing.timeline.fsdp import ROOT, Fsdp
@@ -45,8 +46,9 @@ def final_norm(config: ModelConfig) -> RMSNormTensors | ledger.NormTensors:
 
 
 def _norms(config: ModelConfig) -> tuple[RMSNormTensors, RMSNormTensors] | tuple[ledger.NormTensors, ...]:
-    """A layer's two norms: OLMo's LayerNorms (memcalc.sizing.timeline.hf_olmo), or the RMSNorms of its norm."""
-    return olmo.NORMS if olmo.walks(config) else rules.RMS_NORMS[config.norm]
+    """A layer's two norms: OLMo's LayerNorms (memcalc.sizing.timeline.hf_olmo), nn.LayerNorm's (hf_ln), or the
+    RMSNorms of its norm."""
+    return olmo.NORMS if olmo.walks(config) else ln.NORMS if ln.walks(config) else rules.RMS_NORMS[config.norm]
 
 
 def _tables(config: ModelConfig) -> tuple[ledger.SavedTensor, ...]:
@@ -201,7 +203,7 @@ def _step(tape: Tape, sharding: Fsdp | Zero | None, inputs: Walked, layers: list
 
 # The families whose model the walk follows, which --step builds (memcalc.probe.libs.hf_step).
 WALKED = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma", "gemma2", "phi3", "gpt2",
-          "olmo")
+          "olmo", "starcoder2")
 
 
 def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounting) -> None:
@@ -216,7 +218,8 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
          f"sliding_window={config.sliding_window} outside Gemma 2 (it walks a window in Gemma 2's model only)"),
         (config.sandwich_norm and config.attention != "eager",
          f"attention {config.attention} in Gemma 2's model (Gemma2ForCausalLM runs eager attention only)"),
-        (config.rotary_percent is not None, "GLM's partial RoPE and fused gate_up (it walks Llama's)"),
+        (config.rotary_percent is not None and family != "starcoder2",
+         "GLM's partial RoPE and fused gate_up (it walks Llama's)"),
         (strategy.tensor_parallel and config.vocab_size % config.t != 0,
          f"vocab_size={config.vocab_size} that t={config.t} does not divide (DTensor pads uneven shards to gather"
          " the logits)"),
@@ -225,13 +228,16 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
          " named_parameters(), which names a tied weight once: KeyError)"),
         (config.pp != 1, f"pp={config.pp}"),
         (config.cp != 1, f"cp={config.cp}"),
-        (config.add_bias_linear and family != "gpt2",
+        (config.add_bias_linear and family not in ("gpt2", "starcoder2"),
          "add_bias_linear (biases on every linear; Qwen2's q, k, v biases are add_qkv_bias)"),
         # measured at dp_shard 2: 1,280 B of parameters more than FSDP2 holds (fsdp.py's units carry norm weights)
         (olmo.walks(config) and sharded, "OLMo's model under dp_shard or zero_stage (the sharded walks lay out norm"
                                          " weights, which OlmoLayerNorm has not)"),
         ((scaled_embedding(config) or config.fused_qkv) and (tp or sharded),
          "Gemma's or Phi-3's model under tp, dp_shard or zero_stage (unmeasured: t = 1 without sharding only)"),
+        (ln.walks(config) and (tp or sharded), "StarCoder 2's model under tp, dp_shard or zero_stage (its MLP is"
+                                               " walked unsharded: t = 1 only)"),
+        (ln.walks(config) and config.has_dropout, "dropout in StarCoder 2's model"),
         (config.position_embedding_type != "rope" and family != "gpt2",
          f"position_embedding_type {config.position_embedding_type}"),
         (config.dtype == "fp32" and config.zero_stage is not None, "dtype fp32 with zero_stage (DeepSpeed's fp32"
@@ -311,7 +317,7 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
     out = f"grad/layers.{i - 1}/output" if i else "grad/embedding output"
     mlp = moe.OUTPUT_GRAD if block else f"grad/{p}/ln2 output"
     ln1, ln2 = _norms(config)
-    norm = olmo.layer_norm if olmo.walks(config) else layer.rms_norm
+    norm = olmo.layer_norm if olmo.walks(config) else ln.layer_norm if ln.walks(config) else layer.rms_norm
     # Gemma 2's sandwich norms: on the attention's output and on the MLP's, whose gradients are then theirs; Phi-3's
     # residual dropouts (p > 0) likewise on the branches' outputs, o_proj's and down_proj's ("proj")
     resid = config.fused_qkv and config.has_dropout
@@ -337,23 +343,25 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
                         output=kept(p, ledger.QKV_IN), x=f"{p}/input"),
         *layer.attention(p, z, config.attention == "eager", saved, config.groups != config.a, tp,
                          _tables(config) if i == 0 and not checkpointed else (),
-                         config.qk_layernorm, config.add_qkv_bias, config.has_dropout,
+                         config.qk_layernorm, config.add_qkv_bias or config.add_bias_linear, config.has_dropout,
                          config.attn_logit_softcapping is not None, attn_out, config.fused_qkv, f"attn {proj}",
-                         olmo.rope if olmo.walks(config) and z.act != 4 else None),
+                         olmo.rope if olmo.walks(config) and z.act != 4 else None, config.add_bias_linear),
         *post_attn,
         *((mid,) if checkpointed else ()),
         *norm("pre_feedforward_layernorm" if config.sandwich_norm else "post_attention_layernorm", p, ln2,
                         z, mlp, f"grad/{p}/mid", f"grad/{p}/output",
                         output=kept(p, ledger.MOE_IN if block else ledger.FC1_IN), x=f"{p}/mid"),
         *(moe.checkpointed_forward(p, z, config) if block and checkpointed else ()),
-        *(block or layer.mlp(p, z, tp, rules.GATED[config.mlp], mlp_out, config.fused_qkv, f"mlp {proj}")),
+        *(block or (ln.mlp(p, z, config) if ln.walks(config) else
+                    layer.mlp(p, z, tp, rules.GATED[config.mlp], mlp_out, config.fused_qkv, f"mlp {proj}"))),
         *post_mlp,
         *((output,) if checkpointed else ()),
     )
     if not checkpointed:
         core, later = layer.eager_forward(p, z, saved, config.fused_qkv) if config.attention == "eager" else (
             layer.sdpa_math_forward(p, z, saved, config.groups != config.a), frozenset())
-        ops = (*layer.layer_forward(i, z, made, moe.block_forward(p, z, config) if block else (), core, resid, later),
+        ops = (*layer.layer_forward(i, z, made, moe.block_forward(p, z, config) if block else (), core, resid, later,
+                                    ln.walks(config)),
                *(replace(x, forward=()) for x in ops))
     return tuple(replace(x, shadow=PHI3_SHADOWED.get(x.where, "")) for x in ops) if config.fused_qkv and not resid \
         else ops
@@ -444,10 +452,12 @@ def _output(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     last = f"layers.{config.L}/input"
     final = final_norm(config)
     locals_ = MODEL_LOCALS if config.recompute != "full" else _unheld_masks(config)  # the first layer's frame: the rest
-    if olmo.walks(config):  # in fp32 x.to(float32) is the last layer's output itself, which the norm keeps
-        return (*olmo.layer_norm("model.norm", "", final, z, "grad/lm_head input", f"grad/layers.{config.L - 1}/output",
-                                 output=kept("", ledger.OUTPUT_INPUT, "lm_head's input, which it keeps"),
-                                 gone=(*(() if z.act == 4 else (last,)), *locals_), x=last), *_head(z, config))
+    if olmo.walks(config) or ln.walks(config):  # a LayerNorm (OLMo's in fp32 too) keeps the last layer's output itself
+        norm = olmo.layer_norm if olmo.walks(config) else ln.layer_norm
+        kept_x = ln.walks(config) or z.act == 4
+        return (*norm("model.norm", "", final, z, "grad/lm_head input", f"grad/layers.{config.L - 1}/output",
+                      output=kept("", ledger.OUTPUT_INPUT, "lm_head's input, which it keeps"),
+                      gone=(*(() if kept_x else (last,)), *locals_), x=last), *_head(z, config))
     # the locals alive at its widest: LlamaRMSNorm's variance and fp32 x * r; GemmaRMSNorm's fp32 product (in fp32 the
     # casts are no-ops: x * r is the ledger's normed, the product lm_head's input)
     fp32 = z.act == 4

@@ -196,8 +196,9 @@ def _sdpa_math(p: str, z: Sizes, kept_v: tuple[SavedTensor, ...]) -> tuple[Op, .
     return tuple(replace(x, where="attn") for x in sdpa_math(p, z, False, f"grad/{p}/c_proj input", "", kept_v))
 
 
-def mlp(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
-    """GPT2MLP: c_fc, the activation (gelu_new written out, or torch's GELU), c_proj."""
+def mlp(p: str, z: Sizes, config: ModelConfig, drop: str | None = "mlp.dropout") -> tuple[Op, ...]:
+    """GPT2MLP: c_fc, the activation (gelu_new written out, or torch's GELU), c_proj, its `drop` module (None:
+    F.dropout inside the MLP's forward, StarCoder 2's: no module MemTracker reads c_proj's backward in)."""
     g, full, f = f"grad/{p}", z.full(z.h), z.f_t
     c_fc = conv1d("mlp.c_fc", p, ledger.FC1_IN, Step("the GEMM", (kept(p, ledger.GELU_IN),)), z.h, f, z,
                   f"{g}/ln2 output", (f"{g}/gelu_in",))
@@ -210,9 +211,9 @@ def mlp(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     proj = Made(f"{p}/mlp proj", full, "c_proj's output, the dropout's input") if dropped else out
     c_proj = conv1d("mlp.c_proj", p, ledger.FC2_IN, Step("the GEMM", (proj,), reads_last=kept_names(
         p, ledger.FC2_IN)), f, z.h, z, f"{g}/act output", (f"{g}/mlp dropped",) if dropped else ())
-    resid = (dropout("mlp.dropout", p, ledger.MLP_DROPOUT_MASK, out, f"{g}/output", f"{g}/mlp dropped", full,
+    resid = (dropout(drop or "mlp", p, ledger.MLP_DROPOUT_MASK, out, f"{g}/output", f"{g}/mlp dropped", full,
                      gone=(proj.name,)),) if dropped else ()
-    return (c_fc, *act, _shadowed(c_proj, "mlp.dropout", config), *resid)
+    return (c_fc, *act, _shadowed(c_proj, drop, config) if drop else c_proj, *resid)
 
 
 def _gelu_new(p: str, z: Sizes) -> tuple[Op, ...]:

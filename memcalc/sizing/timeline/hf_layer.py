@@ -173,23 +173,26 @@ def _gemma_weight(where: str, g: str, norm: RMSNormTensors, z: Sizes, dy: str | 
 
 
 def layer_forward(i: int, z: Sizes, kept: Step, mlp: tuple[Op, ...] = (), core: tuple[Op, ...] = (),
-                  dropped: bool = False, later: frozenset[SavedTensor] = frozenset()) -> tuple[Op, ...]:
+                  dropped: bool = False, later: frozenset[SavedTensor] = frozenset(), kept_inputs: bool = False
+                  ) -> tuple[Op, ...]:
     """Layer i's forward, one moment at its second residual sum: its kept tensors (`kept`, every layer's one step),
     the residual stream, and a sparse block's own moments (`mlp`, which makes the MLP's output); with the attention
     core's own moment (`core`), the tensors kept up to it (those before o_proj's input, but the core's `later` ones)
     are made before it. Under tp a
     dense MLP's down_proj (RowwiseParallel) all-reduces its GEMM's partial sum into a new tensor: a moment before the
-    sum, as many bytes as it (the partial goes as the sum is made), which MemTracker reads first."""
+    sum, as many bytes as it (the partial goes as the sum is made), which MemTracker reads first. `kept_inputs`: the
+    norms keep their inputs themselves (nn.LayerNorm's)."""
     p, full = f"layers.{i}", z.full(z.h)
-    # fp32: the norms' x.to(float32) are no-ops, so the ledger's fp32 inputs are the layer's input and the stream
-    alias = (Step("", frees=(f"{p}/input",)),) if z.act == 4 else ()
+    # the ledger's norm inputs are the layer's input and the stream: in fp32 the norms' x.to(float32) are no-ops
+    aliased = kept_inputs or z.act == 4
+    alias = (Step("", frees=(f"{p}/input",)),) if aliased else ()
     if core:
         at = next(j for j, x in enumerate(kept.makes) if x.keeps == ledger.PROJ_IN)
         before = tuple(x for x in kept.makes[:at] if x.keeps not in later)
         after = (*(x for x in kept.makes[:at] if x.keeps in later), *kept.makes[at:])
         core = (Op("", (replace(kept, makes=before), *alias), ()), *core)
         kept, alias = replace(kept, makes=after), ()
-    stream = alias if z.act == 4 else (Step("the residual stream", (Made(
+    stream = alias if aliased else (Step("the residual stream", (Made(
         f"{p}/mid", full, "the residual stream after attention: ln2's input and the MLP's residual"),), moment=False),)
     made = Op("", forward=(kept, *stream), backward=())
     output = () if mlp else (Made(f"{p}/mlp output", full, "down_proj's output, summed into the residual stream"),)
@@ -231,12 +234,12 @@ def returned_weights(z: Sizes, eager: bool, dropout: bool) -> SavedTensor | None
 def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, tp: bool,
               tables: tuple[SavedTensor, ...], qk_norm: bool = False, qkv_bias: bool = False, dropout: bool = False,
               softcap: bool = False, dy: str | None = None, fused: bool = False, made_as: str = "attn output",
-              rope: RopeOps | None = None) -> tuple[Op, ...]:
+              rope: RopeOps | None = None, o_bias: bool = False) -> tuple[Op, ...]:
     """q, k, v (their dX summed as they come; `qk_norm`: Qwen3's q_norm and k_norm; `qkv_bias`: Qwen2's biases;
     `fused`: Phi-3's one qkv_proj), RoPE (`rope`, Llama's `llama_rope` by default; `tables`: the model's tables, which
     this layer's RoPE backward lets go last, or none), the core (eager with `dropout` or Gemma 2's `softcap`, or SDPA),
-    o_proj (`dy` its output's gradient; None: the residual stream's, which lives on; `made_as` its output's name); the
-    heads go as the module returns."""
+    o_proj (`dy` its output's gradient; None: the residual stream's, which lives on; `made_as` its output's name;
+    `o_bias`: StarCoder 2's bias); the heads go as the module returns."""
     g, q, kv, full = f"grad/{p}", z.a_t * z.d, z.g_t * z.d, z.full(z.h)
     # the projections' outputs and RoPE's, each the core's saved tensor or a local of the attention
     q_copied, k_copied, v_copied = _bmm_copies(z, saved, fused)
@@ -277,7 +280,7 @@ def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, t
     core = _eager(p, z, saved, gqa, dropout, softcap, fused) if eager else \
         sdpa_math(p, z, gqa, f"{g}/o_proj input", made["v"].name) if math else _sdpa(p, z)
     o_proj = linear("self_attn.o_proj", ledger.PROJ_IN if eager or math else None, None, z.act * q * z.h,
-                    f"{g}/o_proj input", z.full(q), p, (dy,) if dy else ())
+                    f"{g}/o_proj input", z.full(q), p, (dy,) if dy else (), bias=z.act * z.h if o_bias else 0)
     gone = (made["v"], *rotated.values(), kept(p, ledger.QKV_IN), kept(p, ledger.PROJ_IN))  # at the module's return
     o_proj = replace(o_proj, forward=(Step("the GEMM", (Made(f"{p}/{made_as}", full, "o_proj's output"),),
                                            frees=tuple(x.name for x in gone if x.keeps is None),

@@ -483,6 +483,9 @@ GEMMA2 = GEMMA | {"family": "gemma2", "sandwich_norm": True}
 CAPPED = {"attn_logit_softcapping": 50.0}
 PHI3 = {"family": "phi3", "fused_qkv": True}
 OLMO = {"family": "olmo", "norm": "layernorm_np"}
+# Starcoder2ForCausalLM: nn.LayerNorm, biases on every linear, a GELU MLP (mlp gelu: torch's tanh kernel), RoPE
+STARCODER2 = {"family": "starcoder2", "norm": "layernorm", "mlp": "gelu", "rotary_percent": 1.0,
+              "add_bias_linear": True}
 FAMILY_STEPS = [
     ("gemma", "eager", GEMMA),  # the loss's backward
     ("gemma", "flash", GEMMA | {"b": 1, "s": 13, "kv_channels": 12, "num_query_groups": 4}),  # lm_head's GEMMs
@@ -511,6 +514,13 @@ FAMILY_STEPS = [
     ("olmo", "flash", OLMO | {"vocab_size": 40}),
     ("olmo", "flash", OLMO | {"vocab_size": 40, "h": 32, "ffn_hidden_size": 512}),
     ("olmo", "eager", OLMO | {"s": 95, "h": 16, "ffn_hidden_size": 16, "vocab_size": 20}),
+    ("starcoder2", "eager", STARCODER2),
+    ("starcoder2", "flash", STARCODER2 | {"b": 1, "s": 13}),
+    ("starcoder2", "eager", STARCODER2 | {"b": 3, "s": 7, "h": 48, "a": 6, "num_query_groups": 2,
+                                         "tie_embeddings": True}),
+    ("starcoder2", "flash", STARCODER2 | {"vocab_size": 40}),  # c_proj's bias gradient
+    ("starcoder2", "eager", STARCODER2 | {"vocab_size": 40, "h": 32, "ffn_hidden_size": 512, "mlp": "gelu_tanh"}),
+    ("starcoder2", "eager", STARCODER2 | {"s": 95, "h": 16, "ffn_hidden_size": 16, "vocab_size": 20}),
 ]
 
 
@@ -568,6 +578,25 @@ def test_olmos_parameterless_layernorms_and_fp32_rope_step_as_the_walk_says_to_t
                                                                                       changes, recompute, layout):
     r = _exact_step(make_config(LLAMA, attention=attention, recompute=recompute, **changes), layout)
     assert r.model.startswith("transformers' OlmoForCausalLM")
+
+
+# Starcoder2ForCausalLM in fp32, under gradient checkpointing (each nn.LayerNorm keeps its input, the layer's own
+# tensor), with gelu_new, at b = 1 and 3, a/g 1 to 4
+STARCODER2_STEPS = [
+    ("eager", STARCODER2 | {"dtype": "fp32", "b": 3, "s": 7, "num_query_groups": 8}, "none"),
+    ("eager", STARCODER2 | {"vocab_size": 20, "b": 1, "s": 3, "h": 128, "ffn_hidden_size": 64}, "none"),  # o_proj's bias
+    ("flash", STARCODER2 | {"b": 1, "s": 13}, "full"),
+    ("eager", STARCODER2 | {"b": 3, "s": 7, "mlp": "gelu_tanh"}, "full"),
+    ("eager", STARCODER2 | {"dtype": "fp32", "b": 3, "s": 9, "num_query_groups": 4}, "full"),
+    ("flash", STARCODER2 | {"dtype": "fp32", "b": 1, "s": 5, "num_query_groups": 8}, "full"),
+]
+
+
+@pytest.mark.parametrize("attention, changes, recompute", STARCODER2_STEPS, ids=str)
+def test_starcoder2s_layernorms_biases_and_gelu_mlp_step_as_the_walk_says_to_the_byte(one_thread, attention, changes,
+                                                                                      recompute):
+    r = _exact_step(make_config(LLAMA, attention=attention, recompute=recompute, **changes), "none")
+    assert r.model.startswith("transformers' Starcoder2ForCausalLM")
 
 
 @pytest.mark.parametrize("attention", ATTENTIONS)
