@@ -20,6 +20,7 @@ from memcalc.model.knobs import Accounting
 from memcalc.model.ledger import RMSNormTensors
 from memcalc.model.strategy import Strategy
 from memcalc.sizing.pipeline import stages
+from memcalc.sizing.timeline import hf_cohere as cohere
 from memcalc.sizing.timeline import hf_gpt2 as gpt2
 from memcalc.sizing.timeline import hf_layer as layer
 from memcalc.sizing.timeline import hf_moe as moe
@@ -39,8 +40,8 @@ from memcalc.sizing.timeline.zero import Zero
 def final_norm(config: ModelConfig) -> RMSNormTensors | ledger.NormTensors:
     """model.norm keeps what a layer's input_layernorm keeps (the same class), under its own names."""
     ln1 = _norms(config)[0]
-    if isinstance(ln1, ledger.NormTensors):
-        return ledger.NormTensors(*(replace(x, name=f"final_norm/{x.name.partition('/')[2]}") for x in ln1))
+    if isinstance(ln1, tuple):  # a LayerNorm's (OLMo's, Cohere's)
+        return type(ln1)(*(replace(x, name=f"final_norm/{x.name.partition('/')[2]}") for x in ln1))
     return replace(ln1, **{f.name: replace(x, name=f"final_norm/{x.name.partition('/')[2]}") for f in fields(ln1)
                            if (x := getattr(ln1, f.name)) is not None})
 
@@ -48,7 +49,8 @@ def final_norm(config: ModelConfig) -> RMSNormTensors | ledger.NormTensors:
 def _norms(config: ModelConfig) -> tuple[RMSNormTensors, RMSNormTensors] | tuple[ledger.NormTensors, ...]:
     """A layer's two norms: OLMo's LayerNorms (memcalc.sizing.timeline.hf_olmo), nn.LayerNorm's (hf_ln), or the
     RMSNorms of its norm."""
-    return olmo.NORMS if olmo.walks(config) else ln.NORMS if ln.walks(config) else rules.RMS_NORMS[config.norm]
+    return olmo.NORMS if olmo.walks(config) else ln.NORMS if ln.walks(config) else cohere.NORMS \
+        if cohere.walks(config) else rules.RMS_NORMS[config.norm]
 
 
 def _tables(config: ModelConfig) -> tuple[ledger.SavedTensor, ...]:
@@ -126,6 +128,7 @@ def _llama(tape: Tape, config: ModelConfig, z: Sizes, saved: dict[str, int], han
     saved |= moe.expert_bytes(saved, config) if config.moe else {}
     plain = moe.kept_in_forward(tuple(x for x, _ in dense if not x.model_wide), config)  # a dense one's among MoE
     layers = [(Walk(tape, f"layers.{i}", f"model.layers.{i}", saved, hand_over, _checkpoint(i, config)),
+               cohere.layer(i, z, config, saved, _tables(config), made) if cohere.walks(config) else
                _layer(i, z, config, saved, made, block) if not config.moe or moe.sparse(config, i) else
                _layer(i, z, config, saved, plain, ())) for i in range(config.L)]
     inputs = (Walk(tape, "", "", ends, hand_over), _embedding(z, config, sharded))
@@ -203,7 +206,7 @@ def _step(tape: Tape, sharding: Fsdp | Zero | None, inputs: Walked, layers: list
 
 # The families whose model the walk follows, which --step builds (memcalc.probe.libs.hf_step).
 WALKED = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma", "gemma2", "phi3", "gpt2",
-          "olmo", "starcoder2")
+          "olmo", "starcoder2", "cohere")
 
 
 def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounting) -> None:
@@ -238,6 +241,8 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
         (ln.walks(config) and (tp or sharded), "StarCoder 2's model under tp, dp_shard or zero_stage (its MLP is"
                                                " walked unsharded: t = 1 only)"),
         (ln.walks(config) and config.has_dropout, "dropout in StarCoder 2's model"),
+        (cohere.walks(config) and (tp or sharded or config.qk_layernorm),
+         "Cohere's model under tp, dp_shard or zero_stage, or with use_qk_norm (qk_layernorm)"),
         (config.position_embedding_type != "rope" and family != "gpt2",
          f"position_embedding_type {config.position_embedding_type}"),
         (config.dtype == "fp32" and config.zero_stage is not None, "dtype fp32 with zero_stage (DeepSpeed's fp32"
@@ -361,7 +366,7 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
         core, later = layer.eager_forward(p, z, saved, config.fused_qkv) if config.attention == "eager" else (
             layer.sdpa_math_forward(p, z, saved, config.groups != config.a), frozenset())
         ops = (*layer.layer_forward(i, z, made, moe.block_forward(p, z, config) if block else (), core, resid, later,
-                                    ln.walks(config)),
+                                    ln.walks(config) or z.act == 4),
                *(replace(x, forward=()) for x in ops))
     return tuple(replace(x, shadow=PHI3_SHADOWED.get(x.where, "")) for x in ops) if config.fused_qkv and not resid \
         else ops
@@ -452,9 +457,9 @@ def _output(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     last = f"layers.{config.L}/input"
     final = final_norm(config)
     locals_ = MODEL_LOCALS if config.recompute != "full" else _unheld_masks(config)  # the first layer's frame: the rest
-    if olmo.walks(config) or ln.walks(config):  # a LayerNorm (OLMo's in fp32 too) keeps the last layer's output itself
-        norm = olmo.layer_norm if olmo.walks(config) else ln.layer_norm
-        kept_x = ln.walks(config) or z.act == 4
+    if olmo.walks(config) or ln.walks(config) or cohere.walks(config):
+        norm = olmo.layer_norm if olmo.walks(config) else ln.layer_norm if ln.walks(config) else cohere.layer_norm
+        kept_x = ln.walks(config) or z.act == 4 and olmo.walks(config)  # the norm keeps the last layer's output
         return (*norm("model.norm", "", final, z, "grad/lm_head input", f"grad/layers.{config.L - 1}/output",
                       output=kept("", ledger.OUTPUT_INPUT, "lm_head's input, which it keeps"),
                       gone=(*(() if kept_x else (last,)), *locals_), x=last), *_head(z, config))
@@ -490,7 +495,7 @@ def _head(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     lm_head = replace(head, forward=(Step("the gathered logits: this rank's columns, the gather's buffer, all", (
         *gather, Made("lm_head/logits", logits, "lm_head's bf16 logits; the output object holds them until it goes")),
         frees=("lm_head/local logits", "lm_head/gathered"), moment=tp),), backward=(*columns, *head.backward))
-    return (lm_head, *_softcap(config, logits), _loss(z, logits))
+    return (lm_head, *_softcap(config, logits), *cohere.logit_scale(z, config), _loss(z, logits))
 
 
 def _softcap(config: ModelConfig, logits: int) -> tuple[Op, ...]:

@@ -173,18 +173,19 @@ def _gemma_weight(where: str, g: str, norm: RMSNormTensors, z: Sizes, dy: str | 
 
 
 def layer_forward(i: int, z: Sizes, kept: Step, mlp: tuple[Op, ...] = (), core: tuple[Op, ...] = (),
-                  dropped: bool = False, later: frozenset[SavedTensor] = frozenset(), kept_inputs: bool = False
-                  ) -> tuple[Op, ...]:
+                  dropped: bool = False, later: frozenset[SavedTensor] = frozenset(), kept_inputs: bool = False,
+                  parallel: bool = False) -> tuple[Op, ...]:
     """Layer i's forward, one moment at its second residual sum: its kept tensors (`kept`, every layer's one step),
     the residual stream, and a sparse block's own moments (`mlp`, which makes the MLP's output); with the attention
     core's own moment (`core`), the tensors kept up to it (those before o_proj's input, but the core's `later` ones)
     are made before it. Under tp a
     dense MLP's down_proj (RowwiseParallel) all-reduces its GEMM's partial sum into a new tensor: a moment before the
     sum, as many bytes as it (the partial goes as the sum is made), which MemTracker reads first. `kept_inputs`: the
-    norms keep their inputs themselves (nn.LayerNorm's)."""
+    norms keep their inputs themselves (nn.LayerNorm's; in fp32 x.to(float32), a no-op). `parallel`: the attention
+    and the MLP read one norm's output (Cohere's), summed with the input at the end, o_proj's output live to then."""
     p, full = f"layers.{i}", z.full(z.h)
-    # the ledger's norm inputs are the layer's input and the stream: in fp32 the norms' x.to(float32) are no-ops
-    aliased = kept_inputs or z.act == 4
+    # the ledger's norm inputs are the layer's input and the stream
+    aliased = kept_inputs
     alias = (Step("", frees=(f"{p}/input",)),) if aliased else ()
     if core:
         at = next(j for j, x in enumerate(kept.makes) if x.keeps == ledger.PROJ_IN)
@@ -193,7 +194,9 @@ def layer_forward(i: int, z: Sizes, kept: Step, mlp: tuple[Op, ...] = (), core: 
         core = (Op("", (replace(kept, makes=before), *alias), ()), *core)
         kept, alias = replace(kept, makes=after), ()
     stream = alias if aliased else (Step("the residual stream", (Made(
-        f"{p}/mid", full, "the residual stream after attention: ln2's input and the MLP's residual"),), moment=False),)
+        f"{p}/mid", full, "the residual stream after attention: ln2's input and the MLP's residual"),), moment=False),
+    ) if not parallel else (Step("the attention's output", (Made(f"{p}/attn output", full, "o_proj's output, a local"
+                                                                 " to the layer's sum"),), moment=False),)
     made = Op("", forward=(kept, *stream), backward=())
     output = () if mlp else (Made(f"{p}/mlp output", full, "down_proj's output, summed into the residual stream"),)
     if dropped:  # Phi-3's resid_mlp_dropout: the layer's variable holds down_proj's output to the sum too
@@ -201,10 +204,13 @@ def layer_forward(i: int, z: Sizes, kept: Step, mlp: tuple[Op, ...] = (), core: 
     down = (Op("mlp.down_proj", forward=(Step("down_proj's partial sum all-reduced", (
         Made(f"{p}/mlp partial", full, "down_proj's GEMM: this rank's share of the sum, a local of its forward"),
         *output), frees=(f"{p}/mlp partial",)),), backward=()),) if output and z.t > 1 else ()
+    partial = (Made(f"{p}/partial sum", full, "the input plus the attention's output"),) if parallel else ()
     out = Op("", forward=(Step("the layer's saved tensors, at its second residual sum", (
-        *(() if down else output), Made(f"layers.{i + 1}/input", full, "the layer's output, the next layer's input")),
+        *(() if down else output), *partial,
+        Made(f"layers.{i + 1}/input", full, "the layer's output, the next layer's input")),
         # the caller rebinds its hidden_states; the first layer's input is inputs_embeds too
-        frees=(f"{p}/mid", f"{p}/mlp output", f"{p}/mlp proj", *((f"{p}/input",) if i else ()))),), backward=())
+        frees=(f"{p}/mid", f"{p}/mlp output", f"{p}/mlp proj", *(x.name for x in partial), f"{p}/attn output",
+               *((f"{p}/input",) if i else ()))),), backward=())
     return (*core, made, *mlp, *down, out)
 
 
@@ -234,12 +240,13 @@ def returned_weights(z: Sizes, eager: bool, dropout: bool) -> SavedTensor | None
 def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, tp: bool,
               tables: tuple[SavedTensor, ...], qk_norm: bool = False, qkv_bias: bool = False, dropout: bool = False,
               softcap: bool = False, dy: str | None = None, fused: bool = False, made_as: str = "attn output",
-              rope: RopeOps | None = None, o_bias: bool = False) -> tuple[Op, ...]:
+              rope: RopeOps | None = None, o_bias: bool = False, pending: str = "") -> tuple[Op, ...]:
     """q, k, v (their dX summed as they come; `qk_norm`: Qwen3's q_norm and k_norm; `qkv_bias`: Qwen2's biases;
     `fused`: Phi-3's one qkv_proj), RoPE (`rope`, Llama's `llama_rope` by default; `tables`: the model's tables, which
     this layer's RoPE backward lets go last, or none), the core (eager with `dropout` or Gemma 2's `softcap`, or SDPA),
     o_proj (`dy` its output's gradient; None: the residual stream's, which lives on; `made_as` its output's name;
-    `o_bias`: StarCoder 2's bias); the heads go as the module returns."""
+    `o_bias`: StarCoder 2's bias); the heads go as the module returns. `pending`: the input's gradient autograd holds
+    already (a parallel MLP's), into which v's, k's and q's are summed as they come."""
     g, q, kv, full = f"grad/{p}", z.a_t * z.d, z.g_t * z.d, z.full(z.h)
     # the projections' outputs and RoPE's, each the core's saved tensor or a local of the attention
     q_copied, k_copied, v_copied = _bmm_copies(z, saved, fused)
@@ -250,7 +257,7 @@ def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, t
                "k": _kept_or_local(p, ledger.K, saved, "k heads", z.full(kv), eager and k_copied)}
     norms = {"q": (rules.Q_NORM_RMS, z.a_t), "k": (rules.K_NORM_RMS, z.g_t)} if qk_norm else {}
     ran: list[Op] = []  # in the order autograd runs them
-    summed = ""
+    summed = pending
     for name, width in (("v", kv), ("k", kv), ("q", q)):
         heads = f"{g}/v heads" if name == "v" else f"{g}/{name} pre-rope"
         projected = made[name]

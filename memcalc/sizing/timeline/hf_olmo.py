@@ -67,18 +67,22 @@ def _forward(n: str, p: str, norm: ledger.NormTensors, z: Sizes, output: Made, g
     )
 
 
-def rope(p: str, heads: dict[str, tuple[int, Made]], passthrough: bool, tables: tuple[str, ...]) -> tuple[Op, ...]:
+def rope(p: str, heads: dict[str, tuple[int, Made]], passthrough: bool, tables: tuple[str, ...],
+         upcast: bool = False) -> tuple[Op, ...]:
     """apply_rotary_pos_emb on OLMo's fp32 tables (hf_layer.RopeOps; in fp32 Llama's own): q * cos and
     rotate_half(q) * sin promote to fp32, and so does their sum; k's likewise; then q's sum is cast back, and k's;
-    the fp32 sums, its locals, go as it returns, and the projections' outputs as the attention rebinds them. In
-    backward dY is cast up first; its fp32 copy goes with the last product's node (the products' gradients, cast
-    back to bf16 as autograd validates them, mark no moment)."""
+    the fp32 sums, its locals, go as it returns, and the projections' outputs as the attention rebinds them.
+    `upcast`: Cohere's, which casts q and k to fp32 first (its locals to its return), so rotate_half runs in fp32
+    too. In backward dY is cast up first; its fp32 copy goes with the last product's node (the products' gradients,
+    cast back to bf16 as autograd validates them, mark no moment)."""
     (_, (_, q_out)), (_, (_, k_out)) = heads.items()
     ops = []
     for name, (w, _) in heads.items():
         x, g = f"{p}/{name}", f"grad/{p}/{name}"
-        llama = _rope_forward(p, name, w, Made("", 0, ""), False)
-        forward = (Step(f"{name} * cos, in fp32", (Made(f"{x} cos", 2 * w, "a temporary"),)), *llama[1:3],
+        llama = _rope_forward(p, name, 2 * w if upcast else w, Made("", 0, ""), False)
+        casts = tuple(Step(f"{n}.float()", (Made(f"{p}/{n} fp32", 2 * heads[n][0], "a local to its return"),))
+                      for n in heads if upcast and name == "q")
+        forward = (*casts, Step(f"{name} * cos, in fp32", (Made(f"{x} cos", 2 * w, "a temporary"),)), *llama[1:3],
                    Step("rotate_half(x) * sin, in fp32", (Made(f"{x} sin", 2 * w, "a temporary"),),
                         frees=(f"{x} rotated",)),
                    Step("RoPE's sum, in fp32", (Made(f"{x} embed fp32", 2 * w, "cast back once k's is made too"),),
@@ -88,7 +92,7 @@ def rope(p: str, heads: dict[str, tuple[int, Made]], passthrough: bool, tables: 
                     *_rope_backward(f"grad/{p}", name, w, tables if name == "q" else ()),
                     Step("", frees=(f"{g} dsum fp32",)))
         ops.append(Op("self_attn", forward, backward))
-    casts = (Step("q_embed.to(q_type)", (q_out,)),  # the fp32 sums, its locals, go as it returns
-             Step("k_embed.to(k_type)", (k_out,), frees=tuple(f"{p}/{x}" for x in (
-                 "q embed fp32", "k embed fp32", "q pre-rope", "k pre-rope"))))
-    return (ops[0], replace(ops[1], forward=(*ops[1].forward, *casts)))
+    back = (Step("q_embed.to(q_type)", (q_out,)),  # the fp32 sums, its locals, go as it returns
+            Step("k_embed.to(k_type)", (k_out,), frees=tuple(f"{p}/{x}" for x in (
+                "q embed fp32", "k embed fp32", "q fp32", "k fp32", "q pre-rope", "k pre-rope"))))
+    return (ops[0], replace(ops[1], forward=(*ops[1].forward, *back)))

@@ -486,6 +486,8 @@ OLMO = {"family": "olmo", "norm": "layernorm_np"}
 # Starcoder2ForCausalLM: nn.LayerNorm, biases on every linear, a GELU MLP (mlp gelu: torch's tanh kernel), RoPE
 STARCODER2 = {"family": "starcoder2", "norm": "layernorm", "mlp": "gelu", "rotary_percent": 1.0,
               "add_bias_linear": True}
+# CohereForCausalLM: the attention and the MLP side by side on one CohereLayerNorm, fp32 RoPE, scaled logits
+COHERE = {"family": "cohere", "norm": "layernorm_nb", "parallel_residual": True, "single_norm": True}
 FAMILY_STEPS = [
     ("gemma", "eager", GEMMA),  # the loss's backward
     ("gemma", "flash", GEMMA | {"b": 1, "s": 13, "kv_channels": 12, "num_query_groups": 4}),  # lm_head's GEMMs
@@ -521,6 +523,12 @@ FAMILY_STEPS = [
     ("starcoder2", "flash", STARCODER2 | {"vocab_size": 40}),  # c_proj's bias gradient
     ("starcoder2", "eager", STARCODER2 | {"vocab_size": 40, "h": 32, "ffn_hidden_size": 512, "mlp": "gelu_tanh"}),
     ("starcoder2", "eager", STARCODER2 | {"s": 95, "h": 16, "ffn_hidden_size": 16, "vocab_size": 20}),
+    ("cohere", "eager", COHERE),
+    ("cohere", "flash", COHERE | {"b": 1, "s": 13, "kv_channels": 12, "num_query_groups": 4}),
+    ("cohere", "eager", COHERE | {"b": 3, "s": 7, "h": 48, "a": 6, "num_query_groups": 2, "tie_embeddings": True}),
+    ("cohere", "flash", COHERE | {"vocab_size": 40}),  # the final norm's weight gradient
+    ("cohere", "flash", COHERE | {"vocab_size": 40, "h": 32, "ffn_hidden_size": 512}),
+    ("cohere", "eager", COHERE | {"s": 95, "h": 16, "ffn_hidden_size": 16, "vocab_size": 20}),
 ]
 
 
@@ -597,6 +605,27 @@ def test_starcoder2s_layernorms_biases_and_gelu_mlp_step_as_the_walk_says_to_the
                                                                                       recompute):
     r = _exact_step(make_config(LLAMA, attention=attention, recompute=recompute, **changes), "none")
     assert r.model.startswith("transformers' Starcoder2ForCausalLM")
+
+
+# CohereForCausalLM in fp32 (x.to(float32) is x: its gradients summed into the stream's as they come), under gradient
+# checkpointing (the norm and the fp32 RoPE op by op in the rerun, which peaks there), with dropout, a/g 1 to 3
+COHERE_STEPS = [
+    ("eager", COHERE | {"dtype": "fp32", "b": 3, "s": 7}, "none"),
+    ("flash", COHERE | {"dtype": "fp32", "b": 1, "s": 13, "vocab_size": 40, "num_query_groups": 8}, "none"),
+    ("eager", COHERE | {"vocab_size": 20, "h": 128, "ffn_hidden_size": 16, "a": 2, "num_query_groups": 1}, "none"),
+    ("eager", COHERE | {"vocab_size": 20, "h": 256, "ffn_hidden_size": 8, "a": 2, "num_query_groups": 2}, "full"),
+    ("eager", COHERE | {"dtype": "fp32", "b": 3, "s": 9, "num_query_groups": 4}, "full"),
+    ("flash", COHERE | {"b": 1, "s": 13, "num_query_groups": 8}, "full"),
+    ("flash", COHERE | {"dropout": 0.1, "b": 3, "s": 7}, "full"),
+    ("eager", COHERE | {"dropout": 0.1, "b": 1, "s": 5, "h": 48, "a": 6, "num_query_groups": 3}, "full"),
+]
+
+
+@pytest.mark.parametrize("attention, changes, recompute", COHERE_STEPS, ids=str)
+def test_coheres_parallel_block_on_one_norm_steps_as_the_walk_says_to_the_byte(one_thread, attention, changes,
+                                                                               recompute):
+    r = _exact_step(make_config(LLAMA, attention=attention, recompute=recompute, **changes), "none")
+    assert r.model.startswith("transformers' CohereForCausalLM")
 
 
 @pytest.mark.parametrize("attention", ATTENTIONS)
