@@ -98,11 +98,11 @@ GPT2 = {"impl": "hf", "family": "gpt2", "norm": "layernorm", "position_embedding
         "add_bias_linear": True}
 _HF_GPT2 = _knobs(attention=ATTENTION, dropout=DROPOUT, dtype=DTYPES, tie_embeddings=TIED,
                   mlp=st.sampled_from(("gelu_tanh", "gelu")), recompute=st.sampled_from(("none", "full")))
-# Starcoder2ForCausalLM: nn.LayerNorm, biases, a GELU MLP (torch's tanh kernel or gelu_new); t = 1, no dropout yet
+# Starcoder2ForCausalLM: nn.LayerNorm, biases, a GELU MLP (torch's tanh kernel or gelu_new), F.dropout; t = 1
 STARCODER2 = {"impl": "hf", "family": "starcoder2", "norm": "layernorm", "rotary_percent": 1.0,
-              "position_embedding_type": "rope", "add_bias_linear": True, "dropout": 0.0}
+              "position_embedding_type": "rope", "add_bias_linear": True}
 _HF_STARCODER2 = _knobs(attention=ATTENTION, dtype=DTYPES, tie_embeddings=TIED, mlp=st.sampled_from(("gelu_tanh", "gelu")),
-                        recompute=st.sampled_from(("none", "full")))
+                        dropout=DROPOUT, recompute=st.sampled_from(("none", "full")))
 _FSDP = {"dp_shard": st.sampled_from((2, 3, 4)), "reshard_after_forward": st.booleans(),
          "dp_replicate": st.sampled_from((None, None, 2))}
 _TORCHTITAN_FSDP = _knobs(recompute=st.sampled_from(("none", "full", "op")), dtype=DTYPES, **_FSDP)

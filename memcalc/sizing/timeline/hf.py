@@ -122,7 +122,8 @@ def _llama(tape: Tape, config: ModelConfig, z: Sizes, saved: dict[str, int], han
     ln1, final = _norms(config)[0], final_norm(config)  # the final norm's tensors are ln1's sizes
     ends = {x.name: saved[x.name] for x in _tables(config)} | {ledger.OUTPUT_INPUT.name: z.full(z.h)} | {
         y.name: saved[x.name] for x, y in zip(ln1, final) if x.name in saved} | {
-        ledger.LOGITS_SOFTCAP_TANH.name: z.act * z.b * z.s * config.vocab_size}
+        ledger.LOGITS_SOFTCAP_TANH.name: z.act * z.b * z.s * config.vocab_size,
+        ledger.EMBEDDING_DROPOUT_MASK.name: z.tokens(z.h)}  # a bool mask (StarCoder 2's, hf_ln)
     tensors = tuple(x for x, _ in kept if not x.model_wide)  # every layer shares one description of these
     made, block = moe.kept_in_forward(tensors, config), moe.block_backward(z, config) if config.moe else ()
     saved |= moe.expert_bytes(saved, config) if config.moe else {}
@@ -240,7 +241,6 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
          "Gemma's or Phi-3's model under tp, dp_shard or zero_stage (unmeasured: t = 1 without sharding only)"),
         (ln.walks(config) and (tp or sharded), "StarCoder 2's model under tp, dp_shard or zero_stage (its MLP is"
                                                " walked unsharded: t = 1 only)"),
-        (ln.walks(config) and config.has_dropout, "dropout in StarCoder 2's model"),
         (cohere.walks(config) and (tp or sharded or config.qk_layernorm),
          "Cohere's model under tp, dp_shard or zero_stage, or with use_qk_norm (qk_layernorm)"),
         (config.position_embedding_type != "rope" and family != "gpt2",
@@ -319,15 +319,16 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
     """Decoder layer i as ops, its MLP LlamaMLP or a sparse `block`. Under a checkpoint its forward runs op by op;
     without, it is one moment (`made`, every kept tensor at once)."""
     p, tp, checkpointed = f"layers.{i}", z.t > 1, config.recompute == "full"
-    out = f"grad/layers.{i - 1}/output" if i else "grad/embedding output"
+    out = f"grad/layers.{i - 1}/output" if i else ln.first_grad(config)
     mlp = moe.OUTPUT_GRAD if block else f"grad/{p}/ln2 output"
     ln1, ln2 = _norms(config)
     norm = olmo.layer_norm if olmo.walks(config) else ln.layer_norm if ln.walks(config) else layer.rms_norm
     # Gemma 2's sandwich norms: on the attention's output and on the MLP's, whose gradients are then theirs; Phi-3's
     # residual dropouts (p > 0) likewise on the branches' outputs, o_proj's and down_proj's ("proj")
     resid = config.fused_qkv and config.has_dropout
+    inner = ln.walks(config) and config.has_dropout  # StarCoder 2's F.dropout inside the attention (hf_ln)
     attn_out, mlp_out = (f"grad/{p}/attn output", f"grad/{p}/mlp output") if config.sandwich_norm else (
-        f"grad/{p}/attn dropped", f"grad/{p}/mlp dropped") if resid else (None, None)
+        f"grad/{p}/attn dropped", f"grad/{p}/mlp dropped") if resid or inner else (None, None)
     post_attn, post_mlp = (  # each on its branch's output, which goes as the norm returns
         layer.rms_norm(name, p, norm, z, None, dx, output=Made(f"{p}/{branch} normed", z.full(z.h), "the branch's"
                                                                 " output normalised"), gone=(f"{p}/{branch} output",),
@@ -341,16 +342,17 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
         for branch, mask, stream, dx in (("attn", ledger.ATTN_OUT_DROPOUT_MASK, f"grad/{p}/mid", attn_out),
                                          ("mlp", ledger.MLP_DROPOUT_MASK, f"grad/{p}/output", mlp_out))
     ) if resid else ((), ())
-    proj = "proj" if resid else "output"
+    proj = "proj" if resid or inner else "output"
     mid, output = layer.residuals(i, z, layer.returned_weights(z, config.attention == "eager", config.has_dropout))
     ops = (
         *norm("input_layernorm", p, ln1, z, f"grad/{p}/ln1 output", out, f"grad/{p}/mid",
                         output=kept(p, ledger.QKV_IN), x=f"{p}/input"),
-        *layer.attention(p, z, config.attention == "eager", saved, config.groups != config.a, tp,
-                         _tables(config) if i == 0 and not checkpointed else (),
-                         config.qk_layernorm, config.add_qkv_bias or config.add_bias_linear, config.has_dropout,
-                         config.attn_logit_softcapping is not None, attn_out, config.fused_qkv, f"attn {proj}",
-                         olmo.rope if olmo.walks(config) and z.act != 4 else None, config.add_bias_linear),
+        *ln.dropped_attention(layer.attention(
+            p, z, config.attention == "eager", saved, config.groups != config.a, tp,
+            _tables(config) if i == 0 and not checkpointed else (), config.qk_layernorm,
+            config.add_qkv_bias or config.add_bias_linear, config.has_dropout, config.attn_logit_softcapping is not None,
+            attn_out, config.fused_qkv, f"attn {proj}", olmo.rope if olmo.walks(config) and z.act != 4 else None,
+            config.add_bias_linear), p, z, config),
         *post_attn,
         *((mid,) if checkpointed else ()),
         *norm("pre_feedforward_layernorm" if config.sandwich_norm else "post_attention_layernorm", p, ln2,
@@ -393,11 +395,12 @@ def _embedding(z: Sizes, config: ModelConfig, sharded: bool) -> tuple[Op, ...]:
         *((Made("model/sliding_mask", act * z.b * s * s if eager else s * s, "create_sliding_window_causal_mask's"
                 " mask beside the causal one: Gemma 2's sliding layers read it (Qwen2MoeModel makes it too, though no"
                 " layer slides)"),) if config.moe_shared_expert_intermediate_size or config.sandwich_norm else ()),
-        *(kept("", x, "made once per forward by LlamaRotaryEmbedding; every layer's RoPE keeps it")
-          for x in _tables(config)),
     )
-    first = Made("layers.0/input", z.full(z.h), "the embedding lookup, the first layer's input: LlamaModel's"
-                 " inputs_embeds, live until it returns")
+    tables = tuple(kept("", x, "made once per forward by LlamaRotaryEmbedding; every layer's RoPE keeps it")
+                   for x in _tables(config))
+    dropped = ln.embedding_dropout(z, config, Step("RoPE's tables", tables, moment=False))
+    first = Made("model/inputs_embeds" if dropped else "layers.0/input", z.full(z.h), "the embedding lookup, the first"
+                 " layer's input: LlamaModel's inputs_embeds, live until it returns")
     looked_up = (Step("the embedding lookup" + (", all-reduced" if tp else ""), (*lookup, first),
                       frees=("embedding/partial",)),)
     scaled: tuple[Step, ...] = ()
@@ -408,8 +411,8 @@ def _embedding(z: Sizes, config: ModelConfig, sharded: bool) -> tuple[Op, ...]:
         scaled = (Step("the scale's backward", (Made("grad/embedding (scaled)", z.full(z.h), "dY * scale, the lookup's"
                                                      " gradient"),), frees=("grad/embedding output",), moment=False),)
     return (_batch(z), Op("model.embed_tokens", forward=(
-        *looked_up, Step("what LlamaModel makes once for all layers", model, moment=False),
-    ), backward=(*scaled, *_embedding_backward(z, config, tp, sharded))))
+        *looked_up, Step("what LlamaModel makes once for all layers", model + (() if dropped else tables), moment=False),
+    ), backward=(*scaled, *_embedding_backward(z, config, tp, sharded))), *dropped)
 
 
 def _batch(z: Sizes) -> Op:
@@ -456,7 +459,8 @@ def _output(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     """model.norm, then lm_head and the loss."""
     last = f"layers.{config.L}/input"
     final = final_norm(config)
-    locals_ = MODEL_LOCALS if config.recompute != "full" else _unheld_masks(config)  # the first layer's frame: the rest
+    locals_ = (*(MODEL_LOCALS if config.recompute != "full" else _unheld_masks(config)),  # the first layer's frame: the
+               "model/inputs_embeds")  # rest; inputs_embeds, where a dropout made the first layer's input
     if olmo.walks(config) or ln.walks(config) or cohere.walks(config):
         norm = olmo.layer_norm if olmo.walks(config) else ln.layer_norm if ln.walks(config) else cohere.layer_norm
         kept_x = ln.walks(config) or z.act == 4 and olmo.walks(config)  # the norm keeps the last layer's output

@@ -589,8 +589,14 @@ def test_olmos_parameterless_layernorms_and_fp32_rope_step_as_the_walk_says_to_t
 
 
 # Starcoder2ForCausalLM in fp32, under gradient checkpointing (each nn.LayerNorm keeps its input, the layer's own
-# tensor), with gelu_new, at b = 1 and 3, a/g 1 to 4
+# tensor), with gelu_new, with dropout (F.dropout on the embedding, o_proj's and c_proj's outputs; the attention's
+# weights), at b = 1 and 3, a/g 1 to 4
 STARCODER2_STEPS = [
+    ("eager", STARCODER2 | {"dropout": 0.1, "b": 3, "s": 7}, "none"),
+    ("eager", STARCODER2 | {"dropout": 0.1, "s": 95, "h": 16, "ffn_hidden_size": 16, "vocab_size": 20}, "none"),
+    ("eager", STARCODER2 | {"dropout": 0.1, "b": 3, "s": 7}, "full"),
+    ("flash", STARCODER2 | {"dropout": 0.1, "b": 3, "s": 9, "mlp": "gelu_tanh", "num_query_groups": 4}, "full"),
+    ("flash", STARCODER2 | {"dropout": 0.1, "dtype": "fp32", "b": 1, "s": 5}, "full"),
     ("eager", STARCODER2 | {"dtype": "fp32", "b": 3, "s": 7, "num_query_groups": 8}, "none"),
     ("eager", STARCODER2 | {"vocab_size": 20, "b": 1, "s": 3, "h": 128, "ffn_hidden_size": 64}, "none"),  # o_proj's bias
     ("flash", STARCODER2 | {"b": 1, "s": 13}, "full"),
