@@ -350,9 +350,9 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
         *ln.dropped_attention(layer.attention(
             p, z, config.attention == "eager", saved, config.groups != config.a, tp,
             _tables(config) if i == 0 and not checkpointed else (), config.qk_layernorm,
-            config.add_qkv_bias or config.add_bias_linear, config.has_dropout, config.attn_logit_softcapping is not None,
-            attn_out, config.fused_qkv, f"attn {proj}", olmo.rope if olmo.walks(config) and z.act != 4 else None,
-            config.add_bias_linear), p, z, config),
+            config.add_qkv_bias or config.add_bias_linear, config.has_dropout,
+            config.attn_logit_softcapping is not None, attn_out, config.fused_qkv, f"attn {proj}",
+            olmo.rope if olmo.walks(config) and z.act != 4 else None, config.add_bias_linear), p, z, config),
         *post_attn,
         *((mid,) if checkpointed else ()),
         *norm("pre_feedforward_layernorm" if config.sandwich_norm else "post_attention_layernorm", p, ln2,
@@ -411,7 +411,8 @@ def _embedding(z: Sizes, config: ModelConfig, sharded: bool) -> tuple[Op, ...]:
         scaled = (Step("the scale's backward", (Made("grad/embedding (scaled)", z.full(z.h), "dY * scale, the lookup's"
                                                      " gradient"),), frees=("grad/embedding output",), moment=False),)
     return (_batch(z), Op("model.embed_tokens", forward=(
-        *looked_up, Step("what LlamaModel makes once for all layers", model + (() if dropped else tables), moment=False),
+        *looked_up, Step("what LlamaModel makes once for all layers", model + (() if dropped else tables),
+                         moment=False),
     ), backward=(*scaled, *_embedding_backward(z, config, tp, sharded))), *dropped)
 
 
