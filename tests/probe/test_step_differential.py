@@ -134,7 +134,7 @@ SUBJECTS = (
     Subject("hf olmo", "transformers", {"impl": "hf", "family": "olmo"} | LLAMA | {"norm": "layernorm_np"}, _HF),
     Subject("hf starcoder2", "transformers", STARCODER2, _HF_STARCODER2, ts=(1,)),
     Subject("hf cohere", "transformers", {"impl": "hf", "family": "cohere", "parallel_residual": True,
-                                         "single_norm": True} | LLAMA | {"norm": "layernorm_nb"}, _HF, ts=(1,)),
+                                         "single_norm": True} | LLAMA | {"norm": "layernorm_nb"}, _HF),
     Subject("torchtitan fsdp2", "torchtitan", TORCHTITAN, _TORCHTITAN_FSDP, ts=(1, 2)),
     Subject("hf fsdp2", "transformers", {"impl": "hf"} | LLAMA, _HF_FSDP, ts=(1, 2)),
 )

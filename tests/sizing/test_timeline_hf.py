@@ -82,7 +82,7 @@ def test_a_layers_forward_marks_eager_attentions_fp32_softmax_the_steps_peak_whe
     ({"family": "starcoder2", "norm": "layernorm", "mlp": "gelu", "rotary_percent": 1.0, "add_bias_linear": True,
       "dp_shard": 2}, "StarCoder 2's model under tp, dp_shard or zero_stage"),
     ({"family": "cohere", "norm": "layernorm_nb", "parallel_residual": True, "single_norm": True,
-      "qk_layernorm": True}, "Cohere's model under tp, dp_shard or zero_stage, or with use_qk_norm"),
+      "qk_layernorm": True}, "Cohere's model under dp_shard or zero_stage, or with use_qk_norm"),
     ({"position_embedding_type": "learned_absolute"}, "position_embedding_type learned_absolute"),
 ])
 def test_what_the_hf_walk_does_not_model_is_refused_by_name(changes, named):

@@ -241,8 +241,8 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
          "Gemma's or Phi-3's model under tp, dp_shard or zero_stage (unmeasured: t = 1 without sharding only)"),
         (ln.walks(config) and (tp or sharded), "StarCoder 2's model under tp, dp_shard or zero_stage (its MLP is"
                                                " walked unsharded: t = 1 only)"),
-        (cohere.walks(config) and (tp or sharded or config.qk_layernorm),
-         "Cohere's model under tp, dp_shard or zero_stage, or with use_qk_norm (qk_layernorm)"),
+        (cohere.walks(config) and (sharded or config.qk_layernorm),
+         "Cohere's model under dp_shard or zero_stage, or with use_qk_norm (qk_layernorm)"),
         (config.position_embedding_type != "rope" and family != "gpt2",
          f"position_embedding_type {config.position_embedding_type}"),
         (config.dtype == "fp32" and config.zero_stage is not None, "dtype fp32 with zero_stage (DeepSpeed's fp32"

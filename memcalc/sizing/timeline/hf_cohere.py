@@ -136,7 +136,7 @@ def layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], tables: 
     eager = config.attention == "eager"
     out = f"grad/layers.{i - 1}/output" if i else "grad/embedding output"
     normed = kept_name(p, ledger.QKV_IN)  # the layer's variable: the MLP reads it after the attention returns
-    attention = hf_layer.attention(p, z, eager, saved, config.groups != config.a, False,
+    attention = hf_layer.attention(p, z, eager, saved, config.groups != config.a, z.t > 1,
                                 tables if i == 0 and not checkpointed else (), dropout=config.has_dropout,
                                 rope=partial(olmo.rope, upcast=True) if z.act != 4 else None, pending=f"{g}/ln2 output")
     *attention, o_proj = attention
@@ -148,7 +148,7 @@ def layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], tables: 
         *layer_norm("input_layernorm", p, rules.COHERE_LN1, z, f"{g}/ln1 output", out, f"{g}/output",
                     output=kept(p, ledger.QKV_IN), gone=() if z.act == 4 else (), x=f"{p}/input"),
         *attention, o_proj,
-        *hf_layer.mlp(p, z, False, rules.GATED["swiglu"]),
+        *hf_layer.mlp(p, z, z.t > 1, rules.GATED["swiglu"]),
         Op("", (Step("input + the attention's output", (Made(f"{p}/partial sum", full, "a temporary"),)),
                 Step("+ the MLP's output: the layer's output", (Made(f"layers.{i + 1}/input", full, "the next"
                                                                      " layer's input"),),

@@ -627,10 +627,21 @@ COHERE_STEPS = [
 ]
 
 
-@pytest.mark.parametrize("attention, changes, recompute", COHERE_STEPS, ids=str)
+# under its tp_plan (Llama's: q, k, v, gate, up colwise, o and down rowwise, the norm whole)
+COHERE_TP_STEPS = [
+    ("flash", COHERE | {"t": 2, "vocab_size": 40, "h": 32, "ffn_hidden_size": 512}, "none"),
+    ("eager", COHERE | {"t": 2, "vocab_size": 20, "h": 128, "ffn_hidden_size": 16, "a": 2, "num_query_groups": 2,
+                        "b": 1, "s": 5}, "none"),
+    ("eager", COHERE | {"t": 2, "b": 1, "s": 13, "dropout": 0.1, "a": 6, "h": 48, "num_query_groups": 2}, "full"),
+    ("eager", COHERE | {"t": 4, "b": 3, "s": 9, "num_query_groups": 4, "dtype": "fp32", "vocab_size": 248}, "none"),
+]
+
+
+@pytest.mark.parametrize("attention, changes, recompute", COHERE_STEPS + COHERE_TP_STEPS, ids=str)
 def test_coheres_parallel_block_on_one_norm_steps_as_the_walk_says_to_the_byte(one_thread, attention, changes,
                                                                                recompute):
-    r = _exact_step(make_config(LLAMA, attention=attention, recompute=recompute, **changes), "none")
+    layout = "tp" if changes.get("t", 1) > 1 else "none"
+    r = _exact_step(make_config(LLAMA, attention=attention, recompute=recompute, **changes), layout)
     assert r.model.startswith("transformers' CohereForCausalLM")
 
 
