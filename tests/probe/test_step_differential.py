@@ -98,7 +98,7 @@ GPT2 = {"impl": "hf", "family": "gpt2", "norm": "layernorm", "position_embedding
         "add_bias_linear": True}
 _HF_GPT2 = _knobs(attention=ATTENTION, dropout=DROPOUT, dtype=DTYPES, tie_embeddings=TIED,
                   mlp=st.sampled_from(("gelu_tanh", "gelu")), recompute=st.sampled_from(("none", "full")))
-# Starcoder2ForCausalLM: nn.LayerNorm, biases, a GELU MLP (torch's tanh kernel or gelu_new), F.dropout; t = 1
+# Starcoder2ForCausalLM: nn.LayerNorm, biases, a GELU MLP (torch's tanh kernel or gelu_new), F.dropout
 STARCODER2 = {"impl": "hf", "family": "starcoder2", "norm": "layernorm", "rotary_percent": 1.0,
               "position_embedding_type": "rope", "add_bias_linear": True}
 _HF_STARCODER2 = _knobs(attention=ATTENTION, dtype=DTYPES, tie_embeddings=TIED, mlp=st.sampled_from(("gelu_tanh", "gelu")),
@@ -132,7 +132,7 @@ SUBJECTS = (
                                        "dropout": 0.0} | LLAMA, _HF_PHI3),
     Subject("hf gpt2", "transformers", GPT2, _HF_GPT2, gqa=False, ts=(1,)),
     Subject("hf olmo", "transformers", {"impl": "hf", "family": "olmo"} | LLAMA | {"norm": "layernorm_np"}, _HF),
-    Subject("hf starcoder2", "transformers", STARCODER2, _HF_STARCODER2, ts=(1,)),
+    Subject("hf starcoder2", "transformers", STARCODER2, _HF_STARCODER2),
     Subject("hf cohere", "transformers", {"impl": "hf", "family": "cohere", "parallel_residual": True,
                                          "single_norm": True} | LLAMA | {"norm": "layernorm_nb"}, _HF),
     Subject("torchtitan fsdp2", "torchtitan", TORCHTITAN, _TORCHTITAN_FSDP, ts=(1, 2)),

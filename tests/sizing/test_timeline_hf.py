@@ -80,7 +80,7 @@ def test_a_layers_forward_marks_eager_attentions_fp32_softmax_the_steps_peak_whe
      "bloom's model"),
     ({"family": "olmo", "norm": "layernorm_np", "dp_shard": 2}, "OLMo's model under dp_shard or zero_stage"),
     ({"family": "starcoder2", "norm": "layernorm", "mlp": "gelu", "rotary_percent": 1.0, "add_bias_linear": True,
-      "dp_shard": 2}, "StarCoder 2's model under tp, dp_shard or zero_stage"),
+      "dp_shard": 2}, "StarCoder 2's model under dp_shard or zero_stage"),
     ({"family": "cohere", "norm": "layernorm_nb", "parallel_residual": True, "single_norm": True,
       "qk_layernorm": True}, "Cohere's model under dp_shard or zero_stage, or with use_qk_norm"),
     ({"position_embedding_type": "learned_absolute"}, "position_embedding_type learned_absolute"),

@@ -239,8 +239,8 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
                                          " weights, which OlmoLayerNorm has not)"),
         ((scaled_embedding(config) or config.fused_qkv) and (tp or sharded),
          "Gemma's or Phi-3's model under tp, dp_shard or zero_stage (unmeasured: t = 1 without sharding only)"),
-        (ln.walks(config) and (tp or sharded), "StarCoder 2's model under tp, dp_shard or zero_stage (its MLP is"
-                                               " walked unsharded: t = 1 only)"),
+        (ln.walks(config) and sharded, "StarCoder 2's model under dp_shard or zero_stage (FSDP2's units are Llama's"
+                                       " modules)"),
         (cohere.walks(config) and (sharded or config.qk_layernorm),
          "Cohere's model under dp_shard or zero_stage, or with use_qk_norm (qk_layernorm)"),
         (config.position_embedding_type != "rope" and family != "gpt2",
@@ -368,7 +368,8 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
         core, later = layer.eager_forward(p, z, saved, config.fused_qkv) if config.attention == "eager" else (
             layer.sdpa_math_forward(p, z, saved, config.groups != config.a), frozenset())
         ops = (*layer.layer_forward(i, z, made, moe.block_forward(p, z, config) if block else (), core, resid, later,
-                                    ln.walks(config) or z.act == 4),
+                                    ln.walks(config) or z.act == 4, down_proj=ln.DOWN if ln.walks(config) else
+                                    layer.DOWN_PROJ),
                *(replace(x, forward=()) for x in ops))
     return tuple(replace(x, shadow=PHI3_SHADOWED.get(x.where, "")) for x in ops) if config.fused_qkv and not resid \
         else ops

@@ -46,11 +46,13 @@ def layer_norm(where: str, p: str, norm: NormTensors, z: Sizes, output: Made, dy
 
 
 def conv1d(where: str, p: str, x: SavedTensor, gemm: Step, inputs: int, outputs: int, z: Sizes, dx: str,
-           frees: tuple[str, ...] = ()) -> Op:
+           frees: tuple[str, ...] = (), reduced: bool = False) -> Op:
     """transformers' Conv1D: addmm(bias, x viewed (b * s, inputs), weight (inputs, outputs)), `gemm` its forward; in
     backward nn.Linear's GEMMs and its bias's sum (memcalc.sizing.timeline.torch_ops.linear), the GEMMs a moment of
-    their own: under a checkpoint the node's saved tensors, the rerun's, go before the sum."""
-    op = linear(where, x, None, z.act * inputs * outputs, dx, z.full(inputs), p, frees, bias=z.act * outputs)
+    their own: under a checkpoint the node's saved tensors, the rerun's, go before the sum. `reduced`: a colwise
+    nn.Linear under tp (StarCoder 2's c_fc), its dX all-reduced."""
+    op = linear(where, x, None, z.act * inputs * outputs, dx, z.full(inputs), p, frees, bias=z.act * outputs,
+                reduced=reduced)
     return Op(where, (gemm,), (replace(op.backward[0], moment=True), *op.backward[1:]), op.saves)
 
 
@@ -196,12 +198,13 @@ def _sdpa_math(p: str, z: Sizes, kept_v: tuple[SavedTensor, ...]) -> tuple[Op, .
     return tuple(replace(x, where="attn") for x in sdpa_math(p, z, False, f"grad/{p}/c_proj input", "", kept_v))
 
 
-def mlp(p: str, z: Sizes, config: ModelConfig, drop: str | None = "mlp.dropout") -> tuple[Op, ...]:
+def mlp(p: str, z: Sizes, config: ModelConfig, drop: str | None = "mlp.dropout", tp: bool = False) -> tuple[Op, ...]:
     """GPT2MLP: c_fc, the activation (gelu_new written out, or torch's GELU), c_proj, its `drop` module (None:
-    F.dropout inside the MLP's forward, StarCoder 2's: no module MemTracker reads c_proj's backward in)."""
+    F.dropout inside the MLP's forward, StarCoder 2's: no module MemTracker reads c_proj's backward in; `tp`: its
+    c_fc colwise)."""
     g, full, f = f"grad/{p}", z.full(z.h), z.f_t
     c_fc = conv1d("mlp.c_fc", p, ledger.FC1_IN, Step("the GEMM", (kept(p, ledger.GELU_IN),)), z.h, f, z,
-                  f"{g}/ln2 output", (f"{g}/gelu_in",))
+                  f"{g}/ln2 output", (f"{g}/gelu_in",), reduced=tp)
     act = _gelu_new(p, z) if config.mlp == "gelu_tanh" else (Op("mlp.act", (
         Step("GELU", (kept(p, ledger.FC2_IN),), reads_last=kept_names(p, ledger.GELU_IN)),), (
         Step("GELU's backward", (Made(f"{g}/gelu_in", z.full(f), "dY * GELU'(x)"),), frees=(f"{g}/act output",)),),

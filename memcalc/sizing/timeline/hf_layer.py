@@ -172,9 +172,12 @@ def _gemma_weight(where: str, g: str, norm: RMSNormTensors, z: Sizes, dy: str | 
     return (product, up)
 
 
+DOWN_PROJ = "mlp.down_proj"  # LlamaMLP's rowwise projection under tp
+
+
 def layer_forward(i: int, z: Sizes, kept: Step, mlp: tuple[Op, ...] = (), core: tuple[Op, ...] = (),
                   dropped: bool = False, later: frozenset[SavedTensor] = frozenset(), kept_inputs: bool = False,
-                  parallel: bool = False) -> tuple[Op, ...]:
+                  parallel: bool = False, down_proj: str = DOWN_PROJ) -> tuple[Op, ...]:
     """Layer i's forward, one moment at its second residual sum: its kept tensors (`kept`, every layer's one step),
     the residual stream, and a sparse block's own moments (`mlp`, which makes the MLP's output); with the attention
     core's own moment (`core`), the tensors kept up to it (those before o_proj's input, but the core's `later` ones)
@@ -182,7 +185,8 @@ def layer_forward(i: int, z: Sizes, kept: Step, mlp: tuple[Op, ...] = (), core: 
     dense MLP's down_proj (RowwiseParallel) all-reduces its GEMM's partial sum into a new tensor: a moment before the
     sum, as many bytes as it (the partial goes as the sum is made), which MemTracker reads first. `kept_inputs`: the
     norms keep their inputs themselves (nn.LayerNorm's; in fp32 x.to(float32), a no-op). `parallel`: the attention
-    and the MLP read one norm's output (Cohere's), summed with the input at the end, o_proj's output live to then."""
+    and the MLP read one norm's output (Cohere's), summed with the input at the end, o_proj's output live to then.
+    `down_proj`: the MLP's rowwise projection (StarCoder 2's c_proj)."""
     p, full = f"layers.{i}", z.full(z.h)
     # the ledger's norm inputs are the layer's input and the stream
     aliased = kept_inputs
@@ -197,16 +201,18 @@ def layer_forward(i: int, z: Sizes, kept: Step, mlp: tuple[Op, ...] = (), core: 
         f"{p}/mid", full, "the residual stream after attention: ln2's input and the MLP's residual"),), moment=False),
     ) if not parallel else (Step("the attention's output", (Made(f"{p}/attn output", full, "o_proj's output, a local"
                                                                  " to the layer's sum"),), moment=False),)
-    made = Op("", forward=(kept, *stream), backward=())
+    # under tp, an MLP's dropout (StarCoder 2's) keeps its mask after down_proj's all-reduce
+    late = tuple(x for x in kept.makes if x.keeps == ledger.MLP_DROPOUT_MASK) if z.t > 1 and not mlp else ()
+    made = Op("", forward=(replace(kept, makes=tuple(x for x in kept.makes if x not in late)), *stream), backward=())
     output = () if mlp else (Made(f"{p}/mlp output", full, "down_proj's output, summed into the residual stream"),)
     if dropped:  # Phi-3's resid_mlp_dropout: the layer's variable holds down_proj's output to the sum too
         output += (Made(f"{p}/mlp proj", full, "down_proj's output, resid_mlp_dropout's input"),)
-    down = (Op("mlp.down_proj", forward=(Step("down_proj's partial sum all-reduced", (
+    down = (Op(down_proj, forward=(Step("down_proj's partial sum all-reduced", (
         Made(f"{p}/mlp partial", full, "down_proj's GEMM: this rank's share of the sum, a local of its forward"),
         *output), frees=(f"{p}/mlp partial",)),), backward=()),) if output and z.t > 1 else ()
     partial = (Made(f"{p}/partial sum", full, "the input plus the attention's output"),) if parallel else ()
     out = Op("", forward=(Step("the layer's saved tensors, at its second residual sum", (
-        *(() if down else output), *partial,
+        *late, *(() if down else output), *partial,
         Made(f"layers.{i + 1}/input", full, "the layer's output, the next layer's input")),
         # the caller rebinds its hidden_states; the first layer's input is inputs_embeds too
         frees=(f"{p}/mid", f"{p}/mlp output", f"{p}/mlp proj", *(x.name for x in partial), f"{p}/attn output",

@@ -17,6 +17,7 @@ from memcalc.sizing.timeline.torch_ops import dropout, module_returns
 from memcalc.sizing.timeline.walk import Made, Op, Step, kept, kept_name
 
 NORMS = (ledger.LN1, ledger.LN2)
+DOWN = "mlp.c_proj"  # the MLP's rowwise projection under tp
 
 
 def walks(config: ModelConfig) -> bool:
@@ -39,9 +40,9 @@ def layer_norm(where: str, p: str, norm: ledger.NormTensors, z: Sizes, dy: str, 
 
 
 def mlp(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
-    """Starcoder2MLP: GPT2MLP's ops (c_fc, torch's tanh GELU or gelu_new, c_proj), its dropout F.dropout's; its
-    input, the layer's variable, goes as it returns (the layer rebinds it)."""
-    return module_returns(gpt2.mlp(p, z, config, drop=None), kept_name(p, ledger.FC1_IN))
+    """Starcoder2MLP: GPT2MLP's ops (c_fc, torch's tanh GELU or gelu_new, c_proj; under tp c_fc colwise, c_proj
+    rowwise), its dropout F.dropout's; its input, the layer's variable, goes as it returns (the layer rebinds it)."""
+    return module_returns(gpt2.mlp(p, z, config, drop=None, tp=z.t > 1), kept_name(p, ledger.FC1_IN))
 
 
 def dropped_attention(ops: tuple[Op, ...], p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:

@@ -606,10 +606,24 @@ STARCODER2_STEPS = [
 ]
 
 
-@pytest.mark.parametrize("attention, changes, recompute", STARCODER2_STEPS, ids=str)
+# under its tp_plan (q, k, v and c_fc colwise, o_proj and c_proj rowwise, their biases whole; the MLP's dropout mask
+# made after c_proj's all-reduce)
+STARCODER2_TP_STEPS = [
+    ("eager", STARCODER2 | {"t": 2, "vocab_size": 40, "h": 32, "ffn_hidden_size": 512}, "none"),
+    ("eager", STARCODER2 | {"t": 2, "vocab_size": 20, "b": 1, "s": 3, "h": 128, "ffn_hidden_size": 64}, "none"),
+    ("eager", STARCODER2 | {"t": 2, "b": 3, "s": 5, "dropout": 0.1, "a": 6, "h": 48, "num_query_groups": 2,
+                            "vocab_size": 40, "ffn_hidden_size": 256}, "none"),
+    ("flash", STARCODER2 | {"t": 2, "b": 3, "s": 7, "dropout": 0.1}, "full"),
+    ("eager", STARCODER2 | {"t": 4, "b": 1, "s": 9, "num_query_groups": 4, "dtype": "fp32", "vocab_size": 248,
+                            "mlp": "gelu_tanh"}, "none"),
+]
+
+
+@pytest.mark.parametrize("attention, changes, recompute", STARCODER2_STEPS + STARCODER2_TP_STEPS, ids=str)
 def test_starcoder2s_layernorms_biases_and_gelu_mlp_step_as_the_walk_says_to_the_byte(one_thread, attention, changes,
                                                                                       recompute):
-    r = _exact_step(make_config(LLAMA, attention=attention, recompute=recompute, **changes), "none")
+    layout = "tp" if changes.get("t", 1) > 1 else "none"
+    r = _exact_step(make_config(LLAMA, attention=attention, recompute=recompute, **changes), layout)
     assert r.model.startswith("transformers' Starcoder2ForCausalLM")
 
 
