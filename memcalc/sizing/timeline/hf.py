@@ -234,9 +234,10 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
         (config.cp != 1, f"cp={config.cp}"),
         (config.add_bias_linear and family not in ("gpt2", "starcoder2"),
          "add_bias_linear (biases on every linear; Qwen2's q, k, v biases are add_qkv_bias)"),
-        # measured at dp_shard 2: 1,280 B of parameters more than FSDP2 holds (fsdp.py's units carry norm weights)
-        (olmo.walks(config) and sharded, "OLMo's model under dp_shard or zero_stage (the sharded walks lay out norm"
-                                         " weights, which OlmoLayerNorm has not)"),
+        # measured at dp_shard 2: FSDP2's MixedPrecisionPolicy casts each layer's fp32 inputs, OlmoRotaryEmbedding's
+        # cos and sin, to bf16 at its pre-forward (384 B each at s=24 d=8), which that layer's RoPE then keeps
+        (olmo.walks(config) and sharded, "OLMo's model under dp_shard or zero_stage (FSDP2 casts its fp32 RoPE tables"
+                                         " to bf16 copies for each layer)"),
         ((scaled_embedding(config) or config.fused_qkv) and (tp or sharded),
          "Gemma's or Phi-3's model under tp, dp_shard or zero_stage (unmeasured: t = 1 without sharding only)"),
         (ln.walks(config) and sharded, "StarCoder 2's model under dp_shard or zero_stage (FSDP2's units are Llama's"
