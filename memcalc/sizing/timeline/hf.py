@@ -324,6 +324,7 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
     mlp = moe.OUTPUT_GRAD if block else f"grad/{p}/ln2 output"
     ln1, ln2 = _norms(config)
     norm = olmo.layer_norm if olmo.walks(config) else ln.layer_norm if ln.walks(config) else layer.rms_norm
+    rope, rotated = olmo.recorded(olmo.rope) if olmo.walks(config) and z.act != 4 else (None, [])
     # Gemma 2's sandwich norms: on the attention's output and on the MLP's, whose gradients are then theirs; Phi-3's
     # residual dropouts (p > 0) likewise on the branches' outputs, o_proj's and down_proj's ("proj")
     resid = config.fused_qkv and config.has_dropout
@@ -353,7 +354,7 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
             _tables(config) if i == 0 and not checkpointed else (), config.qk_layernorm,
             config.add_qkv_bias or config.add_bias_linear, config.has_dropout,
             config.attn_logit_softcapping is not None, attn_out, config.fused_qkv, f"attn {proj}",
-            olmo.rope if olmo.walks(config) and z.act != 4 else None, config.add_bias_linear), p, z, config),
+            rope, config.add_bias_linear), p, z, config),
         *post_attn,
         *((mid,) if checkpointed else ()),
         *norm("pre_feedforward_layernorm" if config.sandwich_norm else "post_attention_layernorm", p, ln2,
@@ -368,9 +369,11 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
     if not checkpointed:
         core, later = layer.eager_forward(p, z, saved, config.fused_qkv) if config.attention == "eager" else (
             layer.sdpa_math_forward(p, z, saved, config.groups != config.a), frozenset())
+        fp32_rope = olmo.forward(p, z, saved, rotated, config.attention == "eager", tuple(ln1)) if rotated else (
+            (), frozenset())
         ops = (*layer.layer_forward(i, z, made, moe.block_forward(p, z, config) if block else (), core, resid, later,
                                     ln.walks(config) or z.act == 4, down_proj=ln.DOWN if ln.walks(config) else
-                                    layer.DOWN_PROJ),
+                                    layer.DOWN_PROJ, rope=fp32_rope),
                *(replace(x, forward=()) for x in ops))
     return tuple(replace(x, shadow=PHI3_SHADOWED.get(x.where, "")) for x in ops) if config.fused_qkv and not resid \
         else ops

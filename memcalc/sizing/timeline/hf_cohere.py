@@ -136,9 +136,10 @@ def layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], tables: 
     eager = config.attention == "eager"
     out = f"grad/layers.{i - 1}/output" if i else "grad/embedding output"
     normed = kept_name(p, ledger.QKV_IN)  # the layer's variable: the MLP reads it after the attention returns
+    rope, rotated = olmo.recorded(partial(olmo.rope, upcast=True)) if z.act != 4 else (None, [])
     attention = hf_layer.attention(p, z, eager, saved, config.groups != config.a, z.t > 1,
                                 tables if i == 0 and not checkpointed else (), dropout=config.has_dropout,
-                                rope=partial(olmo.rope, upcast=True) if z.act != 4 else None, pending=f"{g}/ln2 output")
+                                rope=rope, pending=f"{g}/ln2 output")
     *attention, o_proj = attention
     step = o_proj.forward[-1]
     o_proj = replace(o_proj, forward=(*o_proj.forward[:-1], replace(step, reads_last=tuple(
@@ -159,7 +160,9 @@ def layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], tables: 
         return ops
     core, later = hf_layer.eager_forward(p, z, saved) if eager else (
         hf_layer.sdpa_math_forward(p, z, saved, config.groups != config.a), frozenset())
-    return (*hf_layer.layer_forward(i, z, made, (), core, False, later, parallel=True),
+    return (*hf_layer.layer_forward(i, z, made, (), core, False, later, parallel=True,
+                                    rope=olmo.forward(p, z, saved, rotated, eager, tuple(rules.COHERE_LN1))
+                                    if rotated else ((), frozenset())),
             *(replace(x, forward=()) for x in ops))
 
 

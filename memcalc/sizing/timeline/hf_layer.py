@@ -177,7 +177,8 @@ DOWN_PROJ = "mlp.down_proj"  # LlamaMLP's rowwise projection under tp
 
 def layer_forward(i: int, z: Sizes, kept: Step, mlp: tuple[Op, ...] = (), core: tuple[Op, ...] = (),
                   dropped: bool = False, later: frozenset[SavedTensor] = frozenset(), kept_inputs: bool = False,
-                  parallel: bool = False, down_proj: str = DOWN_PROJ) -> tuple[Op, ...]:
+                  parallel: bool = False, down_proj: str = DOWN_PROJ,
+                  rope: tuple[tuple[Op, ...], frozenset[SavedTensor]] = ((), frozenset())) -> tuple[Op, ...]:
     """Layer i's forward, one moment at its second residual sum: its kept tensors (`kept`, every layer's one step),
     the residual stream, and a sparse block's own moments (`mlp`, which makes the MLP's output); with the attention
     core's own moment (`core`), the tensors kept up to it (those before o_proj's input, but the core's `later` ones)
@@ -186,16 +187,24 @@ def layer_forward(i: int, z: Sizes, kept: Step, mlp: tuple[Op, ...] = (), core: 
     sum, as many bytes as it (the partial goes as the sum is made), which MemTracker reads first. `kept_inputs`: the
     norms keep their inputs themselves (nn.LayerNorm's; in fp32 x.to(float32), a no-op). `parallel`: the attention
     and the MLP read one norm's output (Cohere's), summed with the input at the end, o_proj's output live to then.
-    `down_proj`: the MLP's rowwise projection (StarCoder 2's c_proj)."""
+    `down_proj`: the MLP's rowwise projection (StarCoder 2's c_proj). `rope`: RoPE's forward in fp32 (OLMo's, Cohere's)
+    op by op, which makes Q and K itself, and the kept tensors made before it (the rest of those before o_proj's input,
+    the core's, after it)."""
     p, full = f"layers.{i}", z.full(z.h)
     # the ledger's norm inputs are the layer's input and the stream
     aliased = kept_inputs
     alias = (Step("", frees=(f"{p}/input",)),) if aliased else ()
-    if core:
+    rope_ops, early = rope
+    if core or rope_ops:
         at = next(j for j, x in enumerate(kept.makes) if x.keeps == ledger.PROJ_IN)
-        before = tuple(x for x in kept.makes[:at] if x.keeps not in later)
-        after = (*(x for x in kept.makes[:at] if x.keeps in later), *kept.makes[at:])
-        core = (Op("", (replace(kept, makes=before), *alias), ()), *core)
+        rotated = {x.keeps for op in rope_ops for step in op.forward for x in step.makes if x.keeps is not None}
+        before = tuple(x for x in kept.makes[:at] if x.keeps not in later | rotated)
+        if rope_ops:  # the core's kept tensors made after RoPE's
+            made_after = (Op("", (Step("the core's kept tensors", tuple(x for x in before if x.keeps not in early),
+                                       moment=False),), ()),)
+            rope_ops, before = (*rope_ops, *made_after), tuple(x for x in before if x.keeps in early)
+        after = (*(x for x in kept.makes[:at] if x.keeps in later - rotated), *kept.makes[at:])
+        core = (Op("", (replace(kept, makes=before), *alias), ()), *rope_ops, *core)
         kept, alias = replace(kept, makes=after), ()
     stream = alias if aliased else (Step("the residual stream", (Made(
         f"{p}/mid", full, "the residual stream after attention: ln2's input and the MLP's residual"),), moment=False),

@@ -483,6 +483,15 @@ GEMMA2 = GEMMA | {"family": "gemma2", "sandwich_norm": True}
 CAPPED = {"attn_logit_softcapping": 50.0}
 PHI3 = {"family": "phi3", "fused_qkv": True}
 OLMO = {"family": "olmo", "norm": "layernorm_np"}
+# heads wider than h (a * d >> h), a small vocabulary and MLP: in bf16 the step peaks at RoPE's fp32 products and sums
+WIDE_HEADS = [
+    ({"b": 3, "s": 16, "h": 64, "a": 2, "kv_channels": 256, "num_query_groups": 1}, "flash", "none"),
+    ({"b": 2, "s": 3, "h": 32, "a": 4, "kv_channels": 256, "num_query_groups": 4, "tie_embeddings": True}, "eager",
+     "none"),
+    ({"b": 1, "s": 9, "h": 32, "a": 4, "kv_channels": 128, "num_query_groups": 2, "L": 2}, "eager", "none"),
+    ({"b": 3, "s": 5, "h": 32, "a": 4, "kv_channels": 128, "num_query_groups": 1}, "flash", "full"),  # the rerun's
+]
+WIDE = {"vocab_size": 8, "ffn_hidden_size": 8, "L": 1}
 # Starcoder2ForCausalLM: nn.LayerNorm, biases on every linear, a GELU MLP (mlp gelu: torch's tanh kernel), RoPE
 STARCODER2 = {"family": "starcoder2", "norm": "layernorm", "mlp": "gelu", "rotary_percent": 1.0,
               "add_bias_linear": True}
@@ -578,6 +587,7 @@ OLMO_STEPS = [
     ("eager", OLMO | {"dropout": 0.1, "b": 3, "s": 9}, "full", "none"),
     ("flash", OLMO | {"dropout": 0.1, "b": 1, "s": 5, "dtype": "fp32"}, "none", "none"),
     ("flash", OLMO | {"t": 2, "b": 3, "s": 7}, "full", "tp"),
+    *((attention, OLMO | WIDE | changes, recompute, "none") for changes, attention, recompute in WIDE_HEADS),
 ]
 
 
@@ -638,6 +648,7 @@ COHERE_STEPS = [
     ("flash", COHERE | {"b": 1, "s": 13, "num_query_groups": 8}, "full"),
     ("flash", COHERE | {"dropout": 0.1, "b": 3, "s": 7}, "full"),
     ("eager", COHERE | {"dropout": 0.1, "b": 1, "s": 5, "h": 48, "a": 6, "num_query_groups": 3}, "full"),
+    *((attention, COHERE | WIDE | changes, recompute) for changes, attention, recompute in WIDE_HEADS),
 ]
 
 
