@@ -608,7 +608,8 @@ STARCODER2_STEPS = [
     ("flash", STARCODER2 | {"dropout": 0.1, "b": 3, "s": 9, "mlp": "gelu_tanh", "num_query_groups": 4}, "full"),
     ("flash", STARCODER2 | {"dropout": 0.1, "dtype": "fp32", "b": 1, "s": 5}, "full"),
     ("eager", STARCODER2 | {"dtype": "fp32", "b": 3, "s": 7, "num_query_groups": 8}, "none"),
-    ("eager", STARCODER2 | {"vocab_size": 20, "b": 1, "s": 3, "h": 128, "ffn_hidden_size": 64}, "none"),  # o_proj's bias
+    # o_proj's bias gradient
+    ("eager", STARCODER2 | {"vocab_size": 20, "b": 1, "s": 3, "h": 128, "ffn_hidden_size": 64}, "none"),
     ("flash", STARCODER2 | {"b": 1, "s": 13}, "full"),
     ("eager", STARCODER2 | {"b": 3, "s": 7, "mlp": "gelu_tanh"}, "full"),
     ("eager", STARCODER2 | {"dtype": "fp32", "b": 3, "s": 9, "num_query_groups": 4}, "full"),
