@@ -2,8 +2,8 @@
 
 OlmoLayerNorm (input_layernorm, post_attention_layernorm, the final norm) is F.layer_norm without weight or bias on
 x.to(float32), cast back; OlmoRotaryEmbedding returns its cos and sin tables in fp32 (no cast to x's dtype), so
-apply_rotary_pos_emb's products run in fp32 and its outputs are cast back. What differs from Llama's walk:
-docs/timeline.md, "transformers' OLMo".
+apply_rotary_pos_emb's products run in fp32 and its outputs are cast back (Cohere's RoPE too, which casts q and k up
+first: memcalc.sizing.timeline.hf_cohere). What differs from Llama's walk: docs/timeline.md, "transformers' OLMo".
 """
 
 from __future__ import annotations
