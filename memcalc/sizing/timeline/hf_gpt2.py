@@ -48,12 +48,11 @@ def layer_norm(where: str, p: str, norm: NormTensors, z: Sizes, output: Made, dy
 def conv1d(where: str, p: str, x: SavedTensor, gemm: Step, inputs: int, outputs: int, z: Sizes, dx: str,
            frees: tuple[str, ...] = (), reduced: bool = False) -> Op:
     """transformers' Conv1D: addmm(bias, x viewed (b * s, inputs), weight (inputs, outputs)), `gemm` its forward; in
-    backward nn.Linear's GEMMs and its bias's sum (memcalc.sizing.timeline.torch_ops.linear), the GEMMs a moment of
-    their own: under a checkpoint the node's saved tensors, the rerun's, go before the sum. `reduced`: a colwise
+    backward nn.Linear's GEMMs and its bias's sum (memcalc.sizing.timeline.torch_ops.linear). `reduced`: a colwise
     nn.Linear under tp (StarCoder 2's c_fc), its dX all-reduced."""
     op = linear(where, x, None, z.act * inputs * outputs, dx, z.full(inputs), p, frees, bias=z.act * outputs,
                 reduced=reduced)
-    return Op(where, (gemm,), (replace(op.backward[0], moment=True), *op.backward[1:]), op.saves)
+    return replace(op, forward=(gemm,))
 
 
 def block(i: int, z: Sizes, config: ModelConfig, math: bool = False) -> tuple[Op, ...]:
