@@ -607,6 +607,9 @@ STARCODER2_STEPS = [
     ("eager", STARCODER2 | {"dropout": 0.1, "b": 3, "s": 7}, "full"),
     ("flash", STARCODER2 | {"dropout": 0.1, "b": 3, "s": 9, "mlp": "gelu_tanh", "num_query_groups": 4}, "full"),
     ("flash", STARCODER2 | {"dropout": 0.1, "dtype": "fp32", "b": 1, "s": 5}, "full"),
+    # found by the step differential: o_proj's GEMMs, their rerun's input still held, as wide as its bias's sum
+    ("eager", STARCODER2 | {"mlp": "gelu_tanh", "ffn_hidden_size": 1, "num_query_groups": 1, "b": 1, "s": 1, "h": 8,
+                            "a": 2, "L": 1, "vocab_size": 2}, "full"),
     ("eager", STARCODER2 | {"dtype": "fp32", "b": 3, "s": 7, "num_query_groups": 8}, "none"),
     # o_proj's bias gradient
     ("eager", STARCODER2 | {"vocab_size": 20, "b": 1, "s": 3, "h": 128, "ffn_hidden_size": 64}, "none"),
