@@ -638,9 +638,14 @@ STARCODER2_TP_STEPS = [
 @pytest.mark.parametrize("attention, changes, recompute", STARCODER2_STEPS + STARCODER2_TP_STEPS, ids=str)
 def test_starcoder2s_layernorms_biases_and_gelu_mlp_step_as_the_walk_says_to_the_byte(one_thread, attention, changes,
                                                                                       recompute):
+    _exact_family_step(attention, changes, recompute, "Starcoder2ForCausalLM")
+
+
+def _exact_family_step(attention: str, changes: dict, recompute: str, architecture: str) -> None:
+    """`_exact_step` on `architecture`'s model, under its tp_plan where t > 1."""
     layout = "tp" if changes.get("t", 1) > 1 else "none"
     r = _exact_step(make_config(LLAMA, attention=attention, recompute=recompute, **changes), layout)
-    assert r.model.startswith("transformers' Starcoder2ForCausalLM")
+    assert r.model.startswith(f"transformers' {architecture}")
 
 
 # CohereForCausalLM in fp32 (x.to(float32) is x: its gradients summed into the stream's as they come), under gradient
@@ -671,9 +676,7 @@ COHERE_TP_STEPS = [
 @pytest.mark.parametrize("attention, changes, recompute", COHERE_STEPS + COHERE_TP_STEPS, ids=str)
 def test_coheres_parallel_block_on_one_norm_steps_as_the_walk_says_to_the_byte(one_thread, attention, changes,
                                                                                recompute):
-    layout = "tp" if changes.get("t", 1) > 1 else "none"
-    r = _exact_step(make_config(LLAMA, attention=attention, recompute=recompute, **changes), layout)
-    assert r.model.startswith("transformers' CohereForCausalLM")
+    _exact_family_step(attention, changes, recompute, "CohereForCausalLM")
 
 
 @pytest.mark.parametrize("attention", ATTENTIONS)
