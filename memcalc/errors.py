@@ -6,6 +6,7 @@ non-zero exit (see `memcalc.cli.main`). Nothing here imports click.
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -42,3 +43,9 @@ def in_file(path: Path | None) -> Iterator[None]:
         if path is None:
             raise
         raise ConfigError(f"{path}: {exc}") from None
+
+
+def debugging() -> bool:
+    """Whether MEMCALC_DEBUG asks for tracebacks (and torch's own log): any value but empty, 0, false, no or off, so
+    that MEMCALC_DEBUG=0 turns it off as it reads."""
+    return os.environ.get("MEMCALC_DEBUG", "").strip().lower() not in ("", "0", "false", "no", "off")

@@ -37,7 +37,9 @@ def parse_bytes(text: str) -> int:
     """'80GiB' -> 85899345920; decimal (GB) and binary (GiB) units, case-insensitive.
 
     The number is read exactly (as a fraction, never a float that a 400-digit
-    value would turn into infinity) and must come to at most MAX_BYTES.
+    value would turn into infinity) and must come to at most MAX_BYTES. A
+    fraction of a byte is dropped in larger units; in bytes, or where nothing
+    would be left, it is refused.
     """
     match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
     unit = match.group(2).lower() if match else None
@@ -50,7 +52,11 @@ def parse_bytes(text: str) -> int:
         raise ConfigError(f"size {short_repr(text)} has {len(number)} digits; at most {MAX_DIGITS}")
     from fractions import Fraction  # exact decimals; only a size flag pays for the import
 
-    size = int(Fraction(number) * _FACTORS[unit])
+    exact = Fraction(number) * _FACTORS[unit]
+    size = int(exact)  # a fraction of a byte in a larger unit (1.3GiB) is dropped
+    if exact != size and (_FACTORS[unit] == 1 or size == 0):  # "0.5B": half a byte is no size, never 0 B
+        raise ConfigError(f"size {short_repr(text)} is not a whole number of bytes (B is bytes: 0.5GB is half a"
+                          " gigabyte)")
     if size > MAX_BYTES:
         raise ConfigError(f"size {short_repr(text)} is too large (at most {MAX_BYTES} bytes, 8 EiB)")
     return size

@@ -43,7 +43,7 @@ _WHILE_LOADING = _set_handlers({signal.SIGINT: _end_at_once})
 import click  # noqa: E402
 
 from memcalc import __version__  # noqa: E402
-from memcalc.errors import MemcalcError  # noqa: E402
+from memcalc.errors import MemcalcError, debugging  # noqa: E402
 from memcalc.text import printable  # noqa: E402
 
 # What is loaded so far lives as long as the process: frozen, it is not rescanned while a subcommand's modules load
@@ -134,7 +134,7 @@ def cli() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI, turning every expected failure into one line on stderr."""
-    debug = bool(os.environ.get("MEMCALC_DEBUG"))
+    debug = debugging()
     _tolerant_streams()
     _NOTES.clear()
     try:

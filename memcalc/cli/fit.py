@@ -8,7 +8,7 @@ import click
 
 from memcalc.cli import echo_json
 from memcalc.cli.options import (
-    ByteSize, accounting_options, device_options, layout_options, model_from, model_options, strategy_names,
+    ByteSize, accounting_options, fit_device_options, layout_options, model_from, model_options, strategy_names,
     strategy_option,
 )
 from memcalc.config.gpus import budget_for
@@ -46,7 +46,7 @@ _COUNTED = {
     "--budget", type=ByteSize(), default=None,
     help="Bytes PyTorch's allocator may use on one GPU, e.g. 76GiB; or give --gpu (its memory less --reserve).",
 )
-@device_options
+@fit_device_options
 @click.option("--solve", type=click.Choice(SOLVES), default="b", show_default=True, help="What to solve for.")
 @click.option(
     "--count", type=click.Choice(COUNTS), default="peak", show_default=True,

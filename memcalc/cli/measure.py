@@ -12,6 +12,7 @@ from memcalc.cli.options import model_from, model_options, sharding_options, str
 from memcalc.cli.types import POSITIVE, Real
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError, ProbeError
+from memcalc.model.rules import divides
 from memcalc.probe import LAYERS, ROUTES, routing_fixed
 
 if TYPE_CHECKING:  # torch: only when the command runs
@@ -124,13 +125,16 @@ def _measure(config: ModelConfig, names: list[str], device: str, backend: str | 
              layer: str, overlap: str | None, num_splits: int, route: str | None) -> list[StrategyMeasurement]:
     """Each strategy's layer run and recorded (`memcalc.probe.measure.measure`), with --overlap read first."""
     from memcalc.probe.measure import measure  # needs torch: a one-line ProbeError without it
-    from memcalc.probe.overlap import NO_OVERLAP, Overlap
+    from memcalc.probe.overlap import NO_OVERLAP, Method, Overlap
 
     methods = [m.strip() for m in overlap.split(",")] if overlap else []
     try:
         chosen = Overlap.of(*methods, num_splits=num_splits) if methods else NO_OVERLAP
     except ProbeError as exc:  # a bad --overlap is bad input
         raise ConfigError(f"--overlap: {exc}") from None
+    if Method.PIPELINED_RS in chosen.methods:  # bad input too, found before any rank starts
+        divides(num_splits, "num_splits", config.h, "h", "the pipelined reduce-scatter cuts each row linear's h"
+                " output features into num_splits blocks")
     return measure(config, names, device, backend, launch, timeout_s, layer, chosen, route)
 
 

@@ -54,7 +54,12 @@ def _check_flags(device: str, launch: str, backend: str | None, layer: str | Non
 
 def to_json(config: ModelConfig, results: list[StepComparison]) -> dict[str, Any]:
     """The config, and per strategy: how it ran, the moment of the peak, and each category predicted and measured."""
-    return document(config, results, strategies={r.strategy.name: _strategy_json(r) for r in results})
+    return document(config, results, strategies={_name(r): _strategy_json(r) for r in results})
+
+
+def _name(r: StepComparison) -> str:
+    """The strategy, and under pipelining the stage: "none", "none (first stage)"."""
+    return r.strategy.name if r.predicted.stage == "only" else f"{r.strategy.name} ({r.predicted.stage} stage)"
 
 
 def _strategy_json(r: StepComparison) -> dict[str, Any]:
@@ -103,14 +108,15 @@ def print_steps(config: ModelConfig, results: list[StepComparison], tolerance: f
         console.print("largest activations and temporaries at the peak: " + ", ".join(
             f"{for_rich(x.name)} {human_bytes(x.bytes)}" for x in largest), highlight=False)
         console.print(f"ran as: {r.model}, {r.how()}", highlight=False)
-        for note in notes(config.impl, cuda_step=True) if r.device == "cuda" else ():
+        for note in (*(notes(config.impl, cuda_step=True) if r.device == "cuda" else ()),
+                     *(notes(config.impl, pp_step=True) if config.pp > 1 else ())):
             console.print(f"[dim]shim: {note}[/dim]", highlight=False)
         console.print(verdict(r.matches, f"the peak and every category within {tolerance:.0%}"))
 
 
 def _table(r: StepComparison) -> Table:
-    table = comparison_table(f"{r.strategy.name} ({r.strategy.title}): rank 0 of t={r.measured.t}, one step",
-                             "at the peak")
+    ranks = f"rank 0 of t={r.measured.t}" if r.predicted.stage == "only" else r.how().split(" (")[0].split("as ")[1]
+    table = comparison_table(f"{_name(r)} ({r.strategy.title}): {ranks}, one step", "at the peak")
     *rows, total = r.rows("peak")
     for row in rows:
         table.add_row(row.category, f"{row.predicted:,}", f"{row.measured:,}", _difference(row))

@@ -11,7 +11,7 @@ import click
 
 from memcalc.cli import note
 from memcalc.config.gpus import DEFAULT_GPU, DEFAULT_RESERVE, GPUS
-from memcalc.config.schema import SIZES, ModelConfig, build_knobs, load_config, load_yaml
+from memcalc.config.schema import SIZES, ModelConfig, build_knobs, field_default, load_config, load_yaml
 from memcalc.cli.types import INTEGER, Integer, Real
 from memcalc.errors import ConfigError
 from memcalc.model.impls import left_out, strategies_of
@@ -25,7 +25,7 @@ KNOB_FLAGS = tuple(k.name for k in KNOBS)
 SHARDING_FLAGS = ("dp_shard", "dp_replicate", "reshard_after_forward", "reduce_dtype", "zero_stage")
 LAYOUT_FLAGS = (
     "pp", "vpp", "dp", "cp", "distributed_optimizer", *SHARDING_FLAGS, "vocab_size", "tie_embeddings",
-    "gpus", "num_microbatches", "global_batch_size", "make_vocab_size_divisible_by",
+    "add_bias_linear", "gpus", "num_microbatches", "global_batch_size", "make_vocab_size_divisible_by",
 )
 STRATEGY_CHOICES = ("all", *STRATEGIES)
 
@@ -45,7 +45,8 @@ config_option = click.option(
 
 hf_config_option = click.option(
     "--hf-config", "hf_config_path", type=click.Path(path_type=Path), default=None,
-    help="A Hugging Face config.json (of a family `memcalc hf-families` lists) instead of --config.",
+    help="A Hugging Face config.json, or a model directory holding one (of a family `memcalc hf-families` lists),"
+    " instead of --config.",
 )
 
 def _int(flag: str, help: str, name: str | None = None) -> Callable:
@@ -123,6 +124,11 @@ layout_options = _stack(
     click.option(
         "--tie-embeddings/--untie-embeddings", default=None, help="Output layer shares the embedding [default: tied]."
     ),
+    click.option(
+        "--bias-linear/--no-bias-linear", "add_bias_linear", default=None,
+        help="Biases on every linear (add_bias_linear; Megatron-LM's --disable-bias-linear is --no-bias-linear)"
+        " [default: on, as the seed's; the libraries' Llamas: off].",
+    ),
     _int("--gpus", "GPUs in the job: dp is derived as gpus/(t*pp*cp), which must be whole."),
     _int("--num-microbatches", "Micro-batches per step; fewer than pp caps what a stage keeps in flight [default:"
          " enough to fill it]."),
@@ -149,20 +155,28 @@ class ByteSize(click.ParamType):
             self.fail(str(exc), param, ctx)
 
 
-device_options = _stack(
-    click.option(
-        "--gpu", type=click.Choice(list(GPUS)), default=None,
-        help=f"The GPU, for its usable memory as its driver reports it [default: {DEFAULT_GPU}].",
-    ),
-    click.option(
-        "--device-memory", type=ByteSize(), default=None, help="Memory of one GPU, instead of --gpu's (e.g. 80GiB).",
-    ),
-    click.option(
-        "--reserve", type=ByteSize(), default=None,
-        help="What PyTorch's allocator does not see (CUDA context, NCCL buffers, fragmentation), taken off the"
-        f" device memory [default: {human_bytes(DEFAULT_RESERVE)}].",
-    ),
-)
+def _device_options(gpu_default: str) -> Callable:
+    """--gpu, --device-memory and --reserve; `gpu_default` closes --gpu's help (estimate assumes an H100, fit
+    assumes nothing: it asks for --gpu or --budget)."""
+    return _stack(
+        click.option(
+            "--gpu", type=click.Choice(list(GPUS)), default=None,
+            help=f"The GPU, for its usable memory as its driver reports it [{gpu_default}].",
+        ),
+        click.option(
+            "--device-memory", type=ByteSize(), default=None,
+            help="Memory of one GPU, instead of --gpu's (e.g. 80GiB).",
+        ),
+        click.option(
+            "--reserve", type=ByteSize(), default=None,
+            help="What PyTorch's allocator does not see (CUDA context, NCCL buffers, fragmentation), taken off the"
+            f" device memory [default: {human_bytes(DEFAULT_RESERVE)}].",
+        ),
+    )
+
+
+device_options = _device_options(f"default: {DEFAULT_GPU}")
+fit_device_options = _device_options("no default: give --gpu or --budget")
 
 
 def model_from(params: dict[str, Any]) -> ModelConfig:
@@ -173,6 +187,10 @@ def model_from(params: dict[str, Any]) -> ModelConfig:
     config = load_config(path, overrides, base=fields)
     if read is not None:
         note(f"memcalc: {read}{_defaulted_knobs(config, fields, overrides)}")
+    elif path is not None and overrides.get("impl") not in (None, fields.get("impl")) and (
+            switched := _switched_knobs(config, fields, overrides)):
+        note(f"memcalc: note: {config.name or path.stem} sets no {', '.join(k.split('=')[0] for k in switched)}: impl"
+             f" {config.impl}'s defaults apply ({', '.join(switched)}), not the seed's")
     return config
 
 
@@ -186,6 +204,16 @@ def _defaulted_knobs(config: ModelConfig, fields: dict[str, Any], overrides: dic
         and (not k.impls or config.impl in k.impls)  # another library's setting: this one has none
     ]
     return f"; defaults (impl {config.impl}'s, else the seed's): {', '.join(taken)}" if taken else ""
+
+
+def _switched_knobs(config: ModelConfig, fields: dict[str, Any], overrides: dict[str, Any]) -> list[str]:
+    """The knobs a --config file leaves unset that --impl gives another value than the seed's (GPT-3 under --impl hf
+    is a SwiGLU layer with RMSNorm and no dropout unless the file says otherwise)."""
+    return [
+        f"{k.name}={getattr(config, k.name)}"
+        for k in KNOBS if k.name not in fields and overrides.get(k.name) is None
+        and getattr(config, k.name) != field_default(k.name) and (config.moe or not is_moe(k))
+    ]
 
 
 def knobs_from(params: dict[str, Any]) -> Knobs:

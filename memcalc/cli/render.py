@@ -293,12 +293,12 @@ def _print_peaks(peaks: dict, sharded: bool) -> None:
             console.print(f"  {name}: at the peak, {in_words(worst.peak)}", highlight=False)
 
 
-_STAGE_TITLES = {"only": "Per-GPU memory", "first": "Per-GPU memory, first stage", "last": "Per-GPU memory, last stage"}
 
 
 def stage_table(stages: list[StageTotal], names: list[str]) -> Table:
     """One row per term of one stage, one column per strategy."""
-    table = Table(title=_STAGE_TITLES[stages[0].stage.name])
+    name = stages[0].stage.name  # "only", "first", "last", or under torchtitan's split "rank 1"
+    table = Table(title="Per-GPU memory" if name == "only" else f"Per-GPU memory, {name} stage")
     table.add_column("term", no_wrap=True)
     for name in names:
         table.add_column(name, justify="right", no_wrap=True)

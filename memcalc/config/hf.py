@@ -35,8 +35,12 @@ class HfConfig:
 
 
 def read_hf_config(path: Path) -> HfConfig:
-    """Map a Hugging Face config.json to memcalc fields, or raise ConfigError naming what is wrong."""
-    raw = _load_json(Path(path))
+    """Map a Hugging Face config.json (or a model directory's, as from_pretrained takes one) to memcalc fields, or
+    raise ConfigError naming what is wrong."""
+    path = Path(path)
+    if path.is_dir() and (path / "config.json").is_file():
+        path = path / "config.json"
+    raw = _load_json(path)
     family = _family(raw, path)
     raw, written = _renamed(raw, family)
     _refuse_unmodelled(raw, path, family)

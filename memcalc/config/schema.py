@@ -247,13 +247,14 @@ def with_library_defaults(fields: dict[str, Any], knobs_only: bool = False) -> d
 
 
 def _family_fixed(fields: dict[str, Any]) -> dict[str, Any]:
-    """The position and bias values a named transformers family fixes (families.Family.fixed), which its layer's code
-    has whatever the config says; its picks (fused_qkv, alibi, ...) stay the config's, checked by check_family."""
+    """The config fields (positions, biases: not knobs) a named transformers family fixes (families.Family.fixed),
+    which its layer's code has whatever the config says (Qwen2's q, k and v biases too, which no flag sets); its picks
+    (fused_qkv, alibi, ...) stay the config's, checked by check_family."""
     from memcalc.model.families import FAMILIES
 
     family = FAMILIES.get(fields.get("family")) if isinstance(fields.get("family"), str) else None
     fixed = family.fixed if family is not None and fields.get("impl") == "hf" else {}
-    return {k: v for k, v in fixed.items() if k in ("position_embedding_type", "add_bias_linear")}
+    return {k: v for k, v in fixed.items() if k not in KNOBS_BY_NAME}
 
 
 def build_config(fields: dict[str, Any]) -> ModelConfig:

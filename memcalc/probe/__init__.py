@@ -11,7 +11,7 @@ import os
 from types import ModuleType
 from typing import Any
 
-from memcalc.errors import ProbeError
+from memcalc.errors import ProbeError, debugging
 
 # Named here so that the CLI offers them without importing torch: which code builds the layer `memcalc measure` runs
 # (the implementation's own library, or memcalc's own Megatron-style layer), and the assignments `--route` forces a
@@ -37,7 +37,7 @@ def require_torch() -> ModuleType:
     its own line. TORCH_CPP_LOG_LEVEL set by the user, or MEMCALC_DEBUG, keeps torch's own level. It is read
     once, when torch is first imported.
     """
-    if not os.environ.get("MEMCALC_DEBUG"):
+    if not debugging():
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
     try:
         import torch

@@ -185,19 +185,13 @@ def eager_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, soft
         label(k, megatron.K_EXPANDED)
         label(v, megatron.V_EXPANDED)
     q3, k3, v3 = _grouped(q, k, v)
-    scores = _scores(q3, k3)  # (b*a/t, s, s), scaled as megatron's baddbmm(alpha=1/sqrt(d)) scales them
+    # (b*a/t, s, s), scaled as megatron's baddbmm(alpha=1/sqrt(d)) scales them; held to the end, as
+    # DotProductAttention.forward holds its matmul_result
+    scores = _scores(q3, k3)
     if softmax.fused(b, heads, s, q.dtype):  # one kernel: keeps its 16-bit output alone
         weights = FusedCausalSoftmax.apply(scores, 1.0)  # megatron's FusedScaleMaskSoftmax: scale None, so 1
-    else:  # forward_torch_softmax: the scores masked in place (keeps the mask), softmax kept in its dtype
-        scores = wide(scores) if softmax.in_fp32 else scores
-        if s > 1:  # with one query (sq = 1, megatron's KV-cache case) it masks nothing
-            future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
-            scores = scores.masked_fill_(future, float("-inf"))
-            label(future, megatron.CAUSAL_MASK)
-        weights = torch.softmax(scores, dim=-1)
-        if weights.dtype != q.dtype:
-            label(weights.view(b, heads, s, s), megatron.SOFTMAX_FP32)
-            weights = weights.to(q.dtype)  # cast back; what follows keeps the cast
+    else:
+        weights = _torch_softmax(scores, softmax.in_fp32, (b, heads, s, s))
     label(weights.view(b, heads, s, s), ledger.SOFTMAX_OUT)
     if p > 0:
         weights, keep = torch.native_dropout(weights, p, True)  # keeps a 1-byte mask
@@ -207,6 +201,23 @@ def eager_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, soft
     # (b, a/t, s, d) -> (s, b, a/t, d), copied: the projection's GEMM needs a contiguous input,
     # and F.linear would otherwise make (and keep) a contiguous copy of its own
     return context.view(b, heads, s, d).permute(2, 0, 1, 3).contiguous().view(s, b, heads * d)
+
+
+def _torch_softmax(scores: torch.Tensor, in_fp32: bool, shape: tuple[int, ...]) -> torch.Tensor:
+    """megatron's forward_torch_softmax: the scores (in fp32 a copy, its local until it returns) masked in place
+    (keeps the mask), their softmax kept in its dtype and, if that is not the scores', cast back (`shape`: the
+    softmax's (b, a/t, s, s))."""
+    s = scores.shape[-1]
+    x = wide(scores) if in_fp32 else scores
+    if s > 1:  # with one query (sq = 1, megatron's KV-cache case) it masks nothing
+        future = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
+        x = x.masked_fill_(future, float("-inf"))
+        label(future, megatron.CAUSAL_MASK)
+    weights = torch.softmax(x, dim=-1)
+    if weights.dtype == scores.dtype:
+        return weights
+    label(weights.view(shape), megatron.SOFTMAX_FP32)
+    return weights.to(scores.dtype)  # cast back beside the fp32 copy; what follows keeps the cast
 
 
 class FusedCausalSoftmax(torch.autograd.Function):

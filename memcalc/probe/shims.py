@@ -34,6 +34,7 @@ class Shim:
     kind: Kind
     route: bool = False  # only under --route, which prints its own line (each runner's route_note)
     cuda_step: bool = False  # only where `measure --step --device cuda` runs the CPU as CUDA runs
+    pp_step: bool = False  # only where `measure --step` runs a pipeline stage (pp > 1)
 
     def note(self) -> str:
         """The line `memcalc measure` prints under the table (after "shim: ")."""
@@ -136,6 +137,11 @@ SHIMS: tuple[Shim, ...] = (
     Shim("torchtitan", "TokenChoiceTopKRouter.gate's logits (--route)",
          "--route: the gate's logits lead on known experts; scores, top-k and route_norm run as written",
          "the tokens each expert receives become known, so bytes can be exact", Kind.KNOB, route=True),
+    Shim("torchtitan", "PipelineStage._warmup_forward_vote, _warmup_backward_result (--step with pp)",
+         "each pipeline stage's warm-up vote is its own: static, as the probe gives every stage the shapes it receives"
+         " and sends",
+         "a receive on the fake group leaves its buffer as it was: the peers' votes would read 0, and every stage would"
+         " infer shapes over P2P, whose received sizes are garbage", Kind.MEASURES, pp_step=True),
     # -- transformers 5.24.0 (memcalc.probe.libs.hf_shim, hf.py) --
     Shim("hf", "torch.nn.functional.dropout",
          "dropout runs torch.native_dropout, keeping CUDA's 1-byte mask (CPU F.dropout keeps a mask in the"
@@ -159,10 +165,12 @@ SHIMS: tuple[Shim, ...] = (
 )
 
 
-def notes(library: str, cuda_step: bool = False) -> tuple[str, ...]:
+def notes(library: str, cuda_step: bool = False, pp_step: bool = False) -> tuple[str, ...]:
     """The `shim:` lines `memcalc measure --impl <library>` prints, every change but the --route ones, which it
-    prints with their route; with `cuda_step`, those `measure --step --device cuda` adds."""
-    return tuple(s.note() for s in SHIMS if s.library == library and not s.route and s.cuda_step == cuda_step)
+    prints with their route; with `cuda_step`, those `measure --step --device cuda` adds; with `pp_step`, those a
+    pipeline stage's `measure --step` adds."""
+    return tuple(s.note() for s in SHIMS if s.library == library and not s.route and s.cuda_step == cuda_step
+                 and s.pp_step == pp_step)
 
 
 def markdown() -> str:

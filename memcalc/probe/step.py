@@ -22,13 +22,14 @@ from memcalc.model.strategy import STRATEGIES, Strategy
 from memcalc.probe import require_torch, routing_fixed
 from memcalc.probe.footprint import available
 from memcalc.probe.group import TensorParallelGroup
-from memcalc.probe.launch import Mode, run
+from memcalc.probe.launch import Mode, run, run_fake
 from memcalc.probe.measure import runner
 from memcalc.probe.layer import DTYPES, TransformerLayer
 from memcalc.probe.linear import ColumnParallelLinear
 from memcalc.probe.mappings import f_star_leave_tp, split_seq
 from memcalc.probe.norm import Norm
 from memcalc.probe.recorder import batch_first, label
+from memcalc.sizing.pipeline import pipeline_stages, stage_rank
 from memcalc.sizing.states import vocab_shard
 from memcalc.sizing.timeline import (
     ACTIVATIONS, CATEGORIES, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, Timeline, timeline,
@@ -38,7 +39,7 @@ from memcalc.units import human_bytes
 torch = require_torch()
 import torch.distributed as dist  # noqa: E402  (after the install check above)
 from torch import nn  # noqa: E402
-from torch.distributed._tools.mem_tracker import MemTracker  # noqa: E402
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
@@ -404,6 +405,15 @@ class MomentTracker(MemTracker):
         super().__init__()
         self.entered: list[str] = []  # active modules, in the order they became active
         self.moment = ""
+        # root modules called again in one step (a pipeline stage, once a micro-batch), which MemTracker would take
+        # for its next iteration
+        self.called_per_microbatch: set = set()
+
+    def track_held(self, *tensors: torch.Tensor) -> None:
+        """Tensors a library makes once and keeps between steps, out of any module's parameters (a pipeline stage's
+        receive buffers), as activations."""
+        for x in tensors:
+            self._update_and_maybe_create_winfos(x, _MemRefType.ACT)
 
     def _enter(self, module) -> None:
         if module is not None:
@@ -415,7 +425,14 @@ class MomentTracker(MemTracker):
             del self.entered[len(self.entered) - 1 - self.entered[::-1].index(name)]
 
     def _pre_fw_hook(self, module, inputs) -> None:
-        super()._pre_fw_hook(module, inputs)
+        again = module in self.called_per_microbatch and module in self.memory_tracking
+        parents = self._mod_tracker.parents
+        if again:  # MemTracker takes a root module's second forward for the next iteration unless another is active
+            parents.add("pipeline schedule")
+        try:
+            super()._pre_fw_hook(module, inputs)
+        finally:
+            parents.discard("pipeline schedule")
         self._enter(module)
 
     def _post_fw_hook(self, module, inputs, outputs) -> None:
@@ -513,6 +530,10 @@ class StepComparison:
 
     def how(self) -> str:
         on = "on cpu" if self.device == "cpu" else "on cpu, run as CUDA runs it"
+        if self.predicted.stage != "only":
+            rank = stage_rank(self.predicted.stage, self.measured.t)
+            return (f"one process as rank {rank} of pp={self.measured.t} (the {self.predicted.stage} pipeline stage)"
+                    f" through torch's fake process group {on}")
         if self.launch is Mode.FAKE:
             return f"one process as rank 0 of t={self.measured.t} through torch's fake process group {on}"
         return f"one process (t=1) {on}"
@@ -536,9 +557,13 @@ def measure_step(config: ModelConfig, strategies: list[str], route: str | None =
         raise ConfigError(f"--route {route} forces a MoE router: the config has no experts (set num_experts)")
     if device != "cpu" and config.impl != "torchtitan":
         raise ConfigError(f"--step runs as CUDA does (--device {device}) only with --impl torchtitan")
+    if config.pp > 1 and config.impl != "torchtitan":
+        raise ConfigError(f"--step runs one pipeline stage (pp={config.pp}) only with --impl torchtitan (torch's"
+                          f" pipelining on the fake group); with --impl {config.impl} it runs the whole model:"
+                          " set pp 1")
     accounting = Accounting(exact=True, device=device)
-    planned = [(STRATEGIES[name], timeline(config, check_strategy(config, STRATEGIES[name]), accounting))
-               for name in strategies]
+    planned = [(STRATEGIES[name], timeline(config, check_strategy(config, STRATEGIES[name]), accounting, stage))
+               for name in strategies for stage in _stages(config)]
     if config.moe and not _route_pins_bound(config, route):
         raise ConfigError(f"--step on a mixture of experts needs --route balanced with moe_tokens balanced (or, with"
                           f" --impl megatron, --route all-to-one with moe_tokens worst; not"
@@ -549,6 +574,11 @@ def measure_step(config: ModelConfig, strategies: list[str], route: str | None =
     trainer = _trainer(config)
     out = []
     for strategy, predicted in planned:
+        if config.pp > 1:  # this process is the stage's rank of pp through the fake group
+            measured = run_fake(trainer, (config, strategy, route, device), config.pp,
+                                rank=stage_rank(predicted.stage, config.pp))
+            out.append(StepComparison(strategy, Mode.FAKE, predicted, measured, model, device))
+            continue
         mode = Mode.FAKE if strategy.tensor_parallel and config.t > 1 or config.dp_shard else Mode.SINGLE
         tp = config.t if strategy.tensor_parallel else 1
         # FSDP2: the fake group is every rank of the mesh, dp_replicate*dp_shard*t
@@ -558,6 +588,11 @@ def measure_step(config: ModelConfig, strategies: list[str], route: str | None =
         (measured,) = run(trainer, (config, strategy, *routed), mode=mode, t=t)
         out.append(StepComparison(strategy, mode, predicted, measured, model, device))
     return out
+
+
+def _stages(config: ModelConfig) -> tuple[str | None, ...]:
+    """The pipeline stages a step is measured on, each on its rank (those that bound memory), or the only."""
+    return tuple(x.name for x in pipeline_stages(config)) if config.pp > 1 else (None,)
 
 
 def _route_pins_bound(config: ModelConfig, route: str | None) -> bool:
@@ -577,11 +612,12 @@ def _route_pins_bound(config: ModelConfig, route: str | None) -> bool:
 # step runs (each imports its library: an optional extra). megatron's trains memcalc's GPT with megatron-core's
 # modules (`_megatron_modules`); every other case trains memcalc's own GPT.
 STEP_TRAINERS = {
-    ("hf", False): ("memcalc.probe.libs.hf_step", "measure_hf_step_on_rank"),
-    ("hf", True): ("memcalc.probe.libs.hf_fsdp", "measure_hf_fsdp_step_on_rank"),
-    ("torchtitan", False): ("memcalc.probe.libs.torchtitan_step", "measure_torchtitan_step_on_rank"),
-    ("torchtitan", True): ("memcalc.probe.libs.torchtitan_step", "measure_torchtitan_fsdp_step_on_rank"),
-    ("megatron", False): ("memcalc.probe.libs.megatron_step", "measure_megatron_step_on_rank"),
+    ("hf", ""): ("memcalc.probe.libs.hf_step", "measure_hf_step_on_rank"),
+    ("hf", "fsdp"): ("memcalc.probe.libs.hf_fsdp", "measure_hf_fsdp_step_on_rank"),
+    ("torchtitan", ""): ("memcalc.probe.libs.torchtitan_step", "measure_torchtitan_step_on_rank"),
+    ("torchtitan", "fsdp"): ("memcalc.probe.libs.torchtitan_step", "measure_torchtitan_fsdp_step_on_rank"),
+    ("torchtitan", "pp"): ("memcalc.probe.libs.torchtitan_pp", "measure_torchtitan_pp_step_on_rank"),
+    ("megatron", ""): ("memcalc.probe.libs.megatron_step", "measure_megatron_step_on_rank"),
 }
 
 
@@ -595,7 +631,7 @@ def _megatron_modules(config: ModelConfig) -> list[str]:
 def _trainer(config: ModelConfig) -> Callable[..., StepMeasurement]:
     """memcalc's own GPT's step, or the one `STEP_TRAINERS` names, imported only then; the MoE runners take the
     route too."""
-    key = (config.impl, config.dp_shard is not None)
+    key = (config.impl, "fsdp" if config.dp_shard is not None else "pp" if config.pp > 1 else "")
     if key not in STEP_TRAINERS or config.impl == "megatron" and not _megatron_modules(config):
         return measure_step_on_rank
     runner(config.impl)  # ProbeError naming the extra to install when the library is missing

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from memcalc.config.schema import ModelConfig
+from memcalc.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class Stage:
@@ -52,6 +55,52 @@ def stages(L: int, pp: int, vpp: int | None, microbatches: int | None = None) ->
     held = chunk * chunks
     return (Stage("first", held, chunk * first, embedding, 0, says[0], first),
             Stage("last", held, chunk * last, 0, output, says[1], last))
+
+
+def torchtitan_stages(L: int, pp: int, microbatches: int) -> tuple[Stage, ...]:
+    """Every rank's stage of torchtitan's pipeline: its pipeline_llm splits the model by
+    _generate_llm_fqn_per_model_part, which counts the embedding and the output as a layer each (its
+    first_stage_less_layers and last_stage_less_layers, 1 by default) and gives each rank (L + 2)/pp of them, the
+    first ranks one more where it does not divide; its default schedule, torch's Schedule1F1B, keeps min(m, pp - r)
+    micro-batches in flight on rank r. With pp > 2 a middle stage can hold the most."""
+    per, extra = divmod(L + 2, pp)
+    found = []
+    for r in range(pp):
+        layers = per + (r < extra) - (r == 0) - (r == pp - 1)
+        kept = min(microbatches, pp - r)
+        name = "first" if r == 0 else "last" if r == pp - 1 else f"rank {r}"
+        found.append(Stage(name, layers, layers * kept, kept if r == 0 else 0, int(r == pp - 1),
+                           f"torch's 1F1B keeps {kept} micro-batch{'es' if kept > 1 else ''} of {layers}"
+                           f" layer{'s' if layers != 1 else ''}", kept))
+    return tuple(found)
+
+
+def torchtitan_microbatches(config: ModelConfig) -> int:
+    """The micro-batches a step of torchtitan's pipeline runs: the config's, else pp, the fewest torch's
+    Schedule1F1B takes."""
+    return config.microbatches or config.pp
+
+
+def pipeline_stages(config: ModelConfig) -> tuple[Stage, ...]:
+    """The stages whose step timelines bound per-GPU memory: under torchtitan's pipeline every rank's
+    (`torchtitan_stages`), else `stages`."""
+    if config.impl == "torchtitan" and config.pp > 1:
+        return torchtitan_stages(config.L, config.pp, torchtitan_microbatches(config))
+    return stages(config.L, config.pp, config.vpp, config.microbatches)
+
+
+def stage_rank(name: str, pp: int) -> int:
+    """The pipeline rank of the stage called `name` (`torchtitan_stages`' names)."""
+    return {"first": 0, "last": pp - 1}.get(name) if name in ("first", "last") else int(name.split()[-1])
+
+
+def stage_named(config: ModelConfig, name: str | None) -> Stage:
+    """`config`'s pipeline stage called `name` (one of `pipeline_stages`), the first by default."""
+    found = pipeline_stages(config)
+    chosen = next((x for x in found if name in (None, x.name)), None)
+    if chosen is None:
+        raise ConfigError(f"no {name} pipeline stage with pp={config.pp}: {', '.join(x.name for x in found)}")
+    return chosen
 
 
 def warmup(pp: int, vpp: int | None, rank: int, microbatches: int | None) -> int:

@@ -41,11 +41,11 @@ def _norm_params(config: ModelConfig, width: int | None = None) -> int:
 def _layer_norm_params(c: ModelConfig) -> int:
     """A layer's norms: before the attention and the MLP (one read by both with single_norm: GPT-J's, Cohere's,
     Falcon-7B's), and the QK norms, one head's d channels shared by every head, or Cohere's (heads, d) weights, one
-    row a head."""
+    row a head, or OLMo 2's over q_proj's and k_proj's whole outputs (post_norm)."""
     norms = (1 if c.single_norm else 4 if c.sandwich_norm else 2) * _norm_params(c)  # sandwich: on both outputs too
     if not c.qk_layernorm:
         return norms
-    heads = c.a + c.groups if c.norm == "layernorm_nb" else 2
+    heads = c.a + c.groups if c.norm == "layernorm_nb" or c.post_norm else 2
     return norms + heads * _norm_params(c, c.head_dim)
 
 
@@ -93,12 +93,13 @@ def _experts(c: ModelConfig, t: int) -> int:
 
 def _shared(c: ModelConfig, t: int) -> int:
     """Shared experts: one MLP of width u, split by t as the dense MLP; transformers' Qwen2-MoE gates it with a
-    linear h -> 1 (whole), and its tp plan names neither: whole on every rank."""
+    linear h -> 1 (whole; DeepSeek-V3's DeepseekV3MLP has no gate), and its tp plan names neither: whole on every
+    rank."""
     if not c.moe_shared_expert_intermediate_size:
         return 0
     shared, hf = replace(c, ffn_hidden_size=c.moe_shared_expert_intermediate_size), c.impl == "hf"
     split = 1 if hf else t
-    return _fc1(shared, split) + _fc2(shared, split) + (c.h if hf else 0)
+    return _fc1(shared, split) + _fc2(shared, split) + (c.h if hf and not c.mla else 0)
 
 
 def _output(c: ModelConfig, t: int) -> int:
@@ -138,7 +139,8 @@ PARAM_GROUPS: tuple[ParamGroup, ...] = (
         "layer/norms", "layer", lambda c, t: _layer_norm_params(c),
         "two norms per layer (one with single_norm, four with sandwich_norm), and with qk_layernorm the query's and the"
         " key's over one head's d"
-        " channels (shared by every head; Cohere's use_qk_norm weighs each head apart), whole on every rank"
+        " channels (shared by every head; Cohere's use_qk_norm weighs each head apart, OLMo 2's norms the whole"
+        " projection), whole on every rank"
         " (LayerNorm: weight and bias; RMSNorm: weight)",
     ),
     ParamGroup(
@@ -192,13 +194,24 @@ def moe_layers_held(config: ModelConfig, stage: Stage) -> int:
     return config.moe_layers if config.pp == 1 else stage.layers // config.moe_layer_freq
 
 
-ROUTER_BUFFERS_WHY = "each MoE layer's TopKRouter keeps expert_bias and local_tokens_per_expert, fp32 (E,) buffers"
+ROUTER_BUFFERS_WHY = ("each MoE layer's TopKRouter keeps expert_bias and local_tokens_per_expert, fp32 (E,) buffers;"
+                      " transformers' DeepseekV3TopkRouter keeps e_score_correction_bias, an fp32 (E,) buffer, and its"
+                      " (E, h) weight in fp32 whatever the dtype (_keep_in_fp32_modules_strict)")
 
 
 def router_buffer_bytes(config: ModelConfig, stage: Stage) -> int:
-    """megatron-core's router buffers under moe_router_enable_expert_bias, on every rank of the stage's MoE layers:
-    two fp32 (E,) tensors a layer, beside the parameters (not sharded, no gradient, no optimizer state)."""
-    return 2 * 4 * config.num_experts * moe_layers_held(config, stage) if config.moe_router_enable_expert_bias else 0
+    """What each MoE layer's router holds beside the parameters the weights count, on every rank of the stage's MoE
+    layers (not sharded, no gradient, no optimizer state): megatron-core's two fp32 (E,) buffers under
+    moe_router_enable_expert_bias; transformers' DeepseekV3TopkRouter's fp32 (E,) correction bias, and its weight's
+    2 bytes a value more than a 16-bit model's weights count (its fp32 gradient is the fp32 buffer's already)."""
+    e, c = config.num_experts, config
+    if c.moe_router_enable_expert_bias:
+        per_layer = 2 * 4 * e
+    elif c.impl == "hf" and c.mla and c.moe:
+        per_layer = 4 * e + (4 - DTYPE_BYTES[c.dtype]) * e * c.h
+    else:
+        return 0
+    return per_layer * moe_layers_held(config, stage)
 
 
 def group_params(config: ModelConfig, stage: Stage, t: int) -> dict[str, int]:

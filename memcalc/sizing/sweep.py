@@ -120,12 +120,8 @@ def make_sweep(
     layout the implementation runs for the knobs. Rules between sizes are left to `evaluate_sweep`, per point;
     cp > 1 is refused (each rank would keep s/cp tokens)."""
     # Knobs, and unknown keys so that validation names them; sizes and layout fields are not knobs.
-    knob_fields = {k: v for k, v in fields.items() if k in field_names(Knobs) or k not in field_names()}
-    mla = fields.get("kv_lora_rank") is not None
-    if mla and "a" not in ranges and fields.get("num_query_groups") == fields.get("a"):
-        # a group per head, as DeepSeek's config.json says (num_key_value_heads): multi-head, which latent attention
-        # is; check_mla lets a config say so, and the knobs alone, without a, cannot tell
-        del knob_fields["num_query_groups"]
+    knob_fields = _as_a_config_reads({k: v for k, v in fields.items()
+                                      if k in field_names(Knobs) or k not in field_names()}, fields, ranges)
     knobs = build_knobs(knob_fields | _expert_knobs(ranges, fields))
     if fields.get("cp", 1) != 1:
         raise ConfigError(f"sweeps do not model context parallelism (cp={fields['cp']}); use memcalc estimate for it")
@@ -159,6 +155,26 @@ def _check_ep_layout(config: ModelConfig, values: dict[str, Sequence[int]], plan
     if ep is not None and any(plan(replace(config, ep=ep), STRATEGIES[st.name]) != st for st in planned):
         raise ConfigError(f"impl {config.impl} lays its experts out differently at ep={ep} than at ep=1, and a sweep"
                           " lays each strategy out once, at ep=1: sweep ep 1, or use memcalc estimate for ep > 1")
+
+
+def _as_a_config_reads(
+    knob_fields: dict[str, Any], fields: dict[str, Any], ranges: dict[str, Sequence[int]]
+) -> dict[str, Any]:
+    """The knob fields without a group per head (num_query_groups = a) or heads of h/a channels (kv_channels = h/a)
+    where a and h take one value: a config reads those as unset (`Knobs.of`), and so does `estimate`; the knobs
+    alone, without a and h, cannot tell (DeepSeek's config.json says num_key_value_heads = heads, which latent
+    attention refuses as K/V groups; impl paper refuses either as outside the seed's layer)."""
+    a, h = _one_value("a", fields, ranges), _one_value("h", fields, ranges)
+    unset = {"num_query_groups": a, "kv_channels": h // a if a and h and h % a == 0 else None}
+    return {k: v for k, v in knob_fields.items() if not (k in unset and type(v) is int and v == unset[k])}
+
+
+def _one_value(name: str, fields: dict[str, Any], ranges: dict[str, Sequence[int]]) -> int | None:
+    """The one whole number a size takes in the sweep (the config's, or an axis of one value), None where it varies
+    (or is not a whole number: validation names it later)."""
+    values = ranges.get(name, (fields.get(name),))
+    one = values[0] == values[-1] and (isinstance(values, range) or len(set(values)) == 1)
+    return values[0] if one and type(values[0]) is int else None
 
 
 def _expert_knobs(ranges: dict[str, Sequence[int]], fields: dict[str, Any]) -> dict[str, int]:

@@ -18,7 +18,7 @@ from memcalc.model.impls import implementation
 from memcalc.model.impls.base import drop_small
 from memcalc.model.knobs import Accounting, element_bytes
 from memcalc.model.ledger import Dim, SavedTensor
-from memcalc.sizing.pipeline import Stage, stages
+from memcalc.sizing.pipeline import Stage, pipeline_stages
 from memcalc.sizing.states import (
     ROUTER_BUFFERS_WHY, expert_params, group_params, moe_layers_held, padded_vocab, router_buffer_bytes,
     state_bytes, zero3_largest_layer,
@@ -101,11 +101,12 @@ class PerGpu:
 
 
 def per_gpu(config: ModelConfig, strategy: Strategy, accounting: Accounting = Accounting()) -> PerGpu:
-    """Per-GPU memory of `config` under `strategy`, for the first and last pipeline stages (or the only one)."""
+    """Per-GPU memory of `config` under `strategy`, for the pipeline stages that bound it (the first and the last;
+    under torchtitan's split every rank's: memcalc.sizing.pipeline.pipeline_stages), or the only one."""
     layer = estimate(config, strategy, accounting)
     rebuilt = _rebuilt_layer_bytes(config, strategy, accounting, layer)
     return PerGpu(strategy, layer, tuple(
-        _stage_total(config, strategy, accounting, x, layer, rebuilt) for x in stages(config.L, config.pp, config.vpp, config.microbatches)
+        _stage_total(config, strategy, accounting, x, layer, rebuilt) for x in pipeline_stages(config)
     ))
 
 
@@ -124,7 +125,7 @@ def _stage_total(
     held, experts = sum(params.values()), expert_params(params)
     note = f"{held:,} parameters" + (f", {experts:,} of them experts'" if experts else "")
     terms += [Term(name, STATES, n, note) for name, n in state_bytes(config, held, experts).items()]
-    if config.moe_router_enable_expert_bias:
+    if router_buffer_bytes(config, stage):
         terms.append(Term("states/router buffers", STATES, router_buffer_bytes(config, stage), ROUTER_BUFFERS_WHY))
     if config.zero_stage == 3:
         terms.append(Term("zero3/largest_layer", STATES, zero3_largest_layer(config),

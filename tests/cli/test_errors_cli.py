@@ -127,6 +127,14 @@ def test_memcalc_debug_lets_the_exception_through(monkeypatch):
         memcalc_cli("estimate", "--s", "16", "--h", "60", "--a", "8")
 
 
+
+@pytest.mark.parametrize("off", ["0", "false", "Off", ""])
+def test_memcalc_debug_set_to_an_off_value_keeps_the_one_line(monkeypatch, off):
+    # MEMCALC_DEBUG=0 read as set: a traceback where the user asked for none
+    monkeypatch.setenv("MEMCALC_DEBUG", off)
+    run = memcalc_cli("estimate", "--s", "16", "--h", "60", "--a", "8")
+    assert run.code == 2 and run.err.count("\n") == 1 and "h=60 is not divisible by a=8" in run.err
+
 # A real process is the honest check of "one line on stderr, no traceback": a few only (~0.5 s each).
 @pytest.mark.procs
 @pytest.mark.parametrize(

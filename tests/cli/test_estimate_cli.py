@@ -106,3 +106,34 @@ def test_breakdown_adds_a_row_per_saved_tensor():
     assert "attention/softmax_out" not in plain
     softmax_row = next(line for line in detailed.splitlines() if "attention/softmax_out" in line)
     assert f"{2 * B * A * S * S:,}" in softmax_row and f"{2 * B * A * S * S // T:,}" in softmax_row
+
+
+def test_another_impl_on_a_seed_config_names_the_knobs_it_switches():
+    """GPT-3's file leaves its layer to the seed's defaults; --impl hf runs transformers' own defaults instead (a
+    SwiGLU layer with RMSNorm): said on stderr, with every value, so the number is not read as GPT-3's layer."""
+    run = memcalc_cli("estimate", "--config", "gpt3-175b", "--impl", "hf", "--json")
+    assert run.code == 0 and json.loads(run.out)["config"]["mlp"] == "swiglu"
+    assert run.err == ("memcalc: note: gpt3-175b sets no mlp, attention, norm, dropout: impl hf's defaults apply"
+                       " (mlp=swiglu, attention=flash, norm=rmsnorm, dropout=0.0), not the seed's\n")
+
+
+@pytest.mark.parametrize("args", [
+    ("--config", "gpt3-175b", "--impl", "megatron"),  # the seed's defaults are megatron's
+    ("--config", "llama2-7b", "--impl", "hf"),  # its file names every knob
+    ("--config", "gpt3-175b", "--impl", "hf", "--mlp", "gelu", "--norm", "layernorm", "--attention", "eager",
+     "--dropout", "0.1", "--strategy", "none"),
+])
+def test_an_impl_that_switches_no_knob_notes_nothing(args):
+    run = memcalc_cli("estimate", *args, "--json")
+    assert (run.code, run.err) == (0, "")
+
+
+def test_naming_qwen2_on_the_command_line_gives_its_layer_as_its_config_file_does(tmp_path):
+    # Qwen2Attention's q, k and v always carry biases (add_qkv_bias, a config field no flag sets): `--family qwen2`
+    # was refused as needing add_qkv_bias true, so the family ran from a config file only
+    model = ("--impl", "hf", "--norm", "rmsnorm", "--mlp", "swiglu", "--s", "16", "--h", "64", "--a", "4", "--totals")
+    config = tmp_path / "qwen2.yaml"
+    config.write_text("name: qwen2\nimpl: hf\nfamily: qwen2\nadd_qkv_bias: true\n")
+    named = _json(*model, "--family", "qwen2")
+    assert named["config"]["add_qkv_bias"] is True
+    assert named["per_gpu"] == _json(*model, "--config", str(config))["per_gpu"]

@@ -280,3 +280,12 @@ def test_mixtral_under_recomputation_has_a_modelled_step_peak_below_the_one_with
         assert {per[r][name]["needed_basis"] for r in per} == {"the step's peak"}
         assert per["full"][name]["needed_bytes"] < per["selective"][name]["needed_bytes"] \
             < per["none"][name]["needed_bytes"]
+
+
+def test_megatron_experts_without_biases_are_one_flag_away():
+    """megatron-core refuses biases in experts at etp = t > 1, and Megatron's default is biases on: without a flag
+    for add_bias_linear, a MoE layout from flags alone had no way past the refusal."""
+    model = ("--num-experts", "8", "--t", "2", "--s", "64", "--h", "64", "--a", "8", "--L", "2", "--strategy", "tp-sp")
+    one_line_error(memcalc_cli("estimate", *model), "refuses biases in its experts", "give --no-bias-linear")
+    run = memcalc_cli("estimate", *model, "--no-bias-linear", "--json")
+    assert run.code == 0 and json.loads(run.out)["config"]["add_bias_linear"] is False

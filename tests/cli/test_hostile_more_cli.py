@@ -89,6 +89,16 @@ def test_a_stage_of_65536_layers_is_not_walked_layer_by_layer():
     assert run.code == 3 and run.err.startswith("memcalc: error: nothing fits in 1.00 KiB"), run.err
 
 
+@pytest.mark.parametrize("impl", ["megatron", "hf"])
+def test_two_billion_experts_are_not_walked_expert_by_expert(impl):
+    """The MoE walks take each local expert one by one: config.json's n_routed_experts = 2**31 once held 17 GB and
+    ran for hours. Beyond 2**15 experts in a stage the peak is named as not modelled, at once."""
+    run = memcalc_cli("estimate", "--hf-config", "tests/data/hf/mixtral-tiny.json", "--impl", impl, "--totals",
+                      "--strategy", "none", "--num-experts", str(2**31), "--s", "64")
+    assert run.code in (0, 3) and "at most 32768 in a stage: 2 layers (L/pp) of 2147483648 (num_experts/ep)" in run.out, (
+        run.out + run.err)
+
+
 # -- nonsense accepted -------------------------------------------------------------------------------------
 
 

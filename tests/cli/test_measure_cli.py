@@ -164,3 +164,9 @@ def test_without_torch_measure_says_how_to_install_it_in_one_line():
     assert proc.returncode == 1 and proc.stdout == ""
     assert proc.stderr.startswith("memcalc: error: the probe needs PyTorch") and proc.stderr.count("\n") == 1
     assert "pip install" in proc.stderr
+
+
+def test_num_splits_that_do_not_divide_h_are_bad_input_before_any_rank_runs():
+    # the pipelined reduce-scatter's blocks failed inside the layer's run: exit 1 (a failed measurement), no config
+    run = memcalc_cli("measure", *TINY, "--overlap", "pipelined-rs", "--num-splits", "3")
+    _one_line_error(run, 2, "h=64 is not divisible by num_splits=3")

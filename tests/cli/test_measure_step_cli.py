@@ -65,13 +65,34 @@ def test_a_step_beyond_one_percent_exits_1_naming_the_category(config, monkeypat
     (["--backend", "gloo"], "--backend does not apply"),
     (["--comm"], "--comm does not apply"),
     (["--impl", "paper"], "--step runs memcalc's own Megatron-style model, transformers' LlamaForCausalLM"),
-    (["--impl", "torchtitan"], "the step timeline for impl torchtitan does not model tie_embeddings"),
-    (["--impl", "hf", "--t", "1", "--family", "phi3", "--fused-qkv", "--recompute", "full", "--dtype", "fp32",
-      "--attention", "eager"],
-     "the step timeline for impl hf does not model recompute full (gradient checkpointing) with dtype fp32 in Phi-3"),
+    (["--impl", "torchtitan"], "the step timeline for impl torchtitan does not model position_embedding_type"),
+    (["--impl", "hf", "--t", "2"], "the step timeline for impl hf does not model tied embeddings under tp"),
 ])
 def test_what_does_not_apply_or_is_not_modelled_exits_2_before_running(config, flags, needle):
     _one_line_error(memcalc_cli("measure", "--config", config, "--step", *flags), 2, needle)
+
+
+def test_impl_torchtitan_under_pp_measures_the_first_and_the_last_stage_each_on_its_rank_and_exits_0(tmp_path):
+    pytest.importorskip("torchtitan")
+    path = tmp_path / "titan.yaml"
+    path.write_text(STEP_YAML.replace("t: 2\n", "") + "impl: torchtitan\npp: 2\nnum_query_groups: 2\n"
+                    "ffn_hidden_size: 176\nposition_embedding_type: rope\nadd_bias_linear: false\n"
+                    "tie_embeddings: false\n")
+    run = memcalc_cli("measure", "--config", str(path), "--step", "--strategy", "none", "--json")
+    assert run.code == 0, run.err
+    stages = json.loads(run.out)["strategies"]
+    assert list(stages) == ["none (first stage)", "none (last stage)"]
+    assert [x["how"].split(" through")[0] for x in stages.values()] == [
+        "one process as rank 0 of pp=2 (the first pipeline stage)", "one process as rank 1 of pp=2 (the last pipeline"
+        " stage)"]
+    assert all(x["match"] and x["moment"]["match"] for x in stages.values())
+
+
+def test_a_pipeline_stage_of_memcalcs_own_gpt_is_refused_not_compared_with_the_whole_model(tmp_path):
+    path = tmp_path / "pp.yaml"
+    path.write_text(STEP_YAML.replace("L: 2", "L: 2\npp: 2"))
+    _one_line_error(memcalc_cli("measure", "--config", str(path), "--step"), 2,
+                    "--step runs one pipeline stage (pp=2) only with --impl torchtitan")
 
 
 def test_impl_hf_runs_transformers_llama_for_causal_lm_and_exits_0(tmp_path):
@@ -154,3 +175,13 @@ def test_megatron_moe_step_under_full_recomputation_beside_ep_and_tp_sp_matches_
     assert [c["predicted"] - c["measured"] for c in tp_sp["peak"].values()] == [0] * len(tp_sp["peak"])
     assert tp_sp["peak_bytes"]["predicted"] == tp_sp["peak_bytes"]["measured"] == 1_067_244
     assert tp_sp["steady_bytes"]["predicted"] == tp_sp["steady_bytes"]["measured"] and tp_sp["moment"]["match"]
+
+
+@pytest.mark.parametrize("family, model", [("olmo2", "Olmo2ForCausalLM"), ("glm", "GlmForCausalLM"),
+                                           ("glm4", "Glm4ForCausalLM"), ("gemma3", "Gemma3ForCausalLM")])
+def test_impl_hf_steps_the_rmsnorm_kin_from_their_config_json_as_the_walk_says(family, model):
+    run = memcalc_cli("measure", "--hf-config", f"tests/data/hf/{family}-tiny.json", "--impl", "hf", "--step",
+                      "--strategy", "none", "--b", "3", "--s", "9", "--attention", "eager")
+    assert run.code == 0, run.err
+    for words in (f"ran as: transformers' {model}", "(same moment)", "match: the peak and every category within 1%"):
+        assert words in run.out, (words, run.out)

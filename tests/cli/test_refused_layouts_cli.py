@@ -51,7 +51,7 @@ def test_totals_and_tp_sp_alone_are_unchanged():
 @pytest.mark.parametrize("impl, config", [("megatron", "llama2-7b"), ("torchtitan", "llama3-70b")])
 def test_a_dense_model_keeps_its_tp_row(impl, config):
     run = memcalc_cli("estimate", "--config", shipped(config), "--impl", impl, "--t", "2", "--json")
-    assert (run.code, run.err) == (0, "")
+    assert run.code == 0 and "left out" not in run.err  # torchtitan's note is its own recompute default
     assert list(json.loads(run.out)["strategies"]) == ["none", "tp", "tp-sp"]
 
 

@@ -211,3 +211,26 @@ def test_deepseeks_config_json_sweeps_as_estimate_reads_it():
     estimate = json.loads(invoke("estimate", *model, "--json").stdout)["strategies"]["none"]
     assert int(row["per_layer_bytes"]) == estimate["per_layer_bytes"]
     assert int(row["total_bytes"]) == estimate["total_bytes"]
+
+
+@pytest.mark.parametrize("model", [
+    ("--impl", "paper", "--a", "5", "--h", "320", "--num-query-groups", "5"),  # a group per head: multi-head
+    ("--impl", "paper", "--a", "5", "--h", "320", "--kv-channels", "64"),  # heads of h/a channels
+    ("--impl", "torchtitan", "--dropout", "0", "--mlp", "swiglu", "--norm", "rmsnorm", "--attention", "flash",
+     "--a", "2", "--h", "256", "--kv-channels", "128"),
+    ("--a", "2", "--h", "256", "--num-query-groups", "2", "--kv-lora-rank", "8", "--qk-rope-head-dim", "4",
+     "--qk-nope-head-dim", "4", "--v-head-dim", "4"),
+])
+def test_a_knob_at_the_value_estimate_reads_as_unset_sweeps_as_estimate_reads_it(model):
+    # sweep built its knobs without a and h, so the knob read as set: impl paper refused it as outside the seed's
+    # layer, torchtitan as Qwen3's head_dim, latent attention as K/V groups, where estimate gave a number
+    args = (*model, "--s", "64", "--strategy", "none")
+    (row,) = csv.DictReader(io.StringIO(invoke("sweep", *args, "--format", "csv").stdout))
+    estimate = json.loads(invoke("estimate", *args, "--json").stdout)["strategies"]["none"]
+    assert int(row["per_layer_bytes"]) == estimate["per_layer_bytes"]
+
+
+def test_a_swept_a_leaves_a_group_count_set():
+    # at a = 10 five groups are grouped-query attention, which the paper's layer is not
+    _one_line_error(invoke("sweep", "--impl", "paper", "--a", "5,10", "--h", "320", "--num-query-groups", "5",
+                           "--s", "64"), "num_query_groups=5 is outside it")

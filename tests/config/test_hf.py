@@ -367,3 +367,16 @@ def test_an_experts_implementation_memcalc_has_not_measured_is_refused_by_name(t
     raw = json.loads((DATA / "mistral-7b.json").read_text()) | MIXTRAL | {"experts_implementation": value}
     with pytest.raises(ConfigError, match="experts_implementation=.* is not modelled .*grouped_mm, its default, and eager"):
         read_hf_config(_write(tmp_path, raw))
+
+
+def test_a_model_directory_reads_its_config_json_as_from_pretrained_does(tmp_path):
+    model = tmp_path / "llama-tiny"
+    model.mkdir()
+    (model / "config.json").write_text((DATA / "llama-tiny.json").read_text())
+    read = read_hf_config(model)
+    assert read.fields == read_hf_config(model / "config.json").fields and read.fields["name"] == "llama-tiny"
+
+
+def test_a_directory_without_config_json_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="it is a directory"):
+        read_hf_config(tmp_path)

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from memcalc.config.hf import read_hf_config
+from memcalc.sizing.timeline.hf import WALKED
 from memcalc.model.families import FAMILIES, UNREAD
 from memcalc.errors import ConfigError
 from tests.cli import memcalc_cli, one_line_error
@@ -98,6 +99,8 @@ def test_hf_families_lists_each_family_with_the_layer_it_was_measured_on():
     lines = {line.split()[0]: line for line in run.out.splitlines()}
     for f in FAMILIES.values():
         assert f.config_class in lines[f.name] and FAMILIES[f.runs_as or f.name].layer in lines[f.name]
+        assert ("peak walked" in lines[f.name]) == ((f.runs_as or f.name) in WALKED)
+    assert "peak walked" in lines["llama"] and "peak not walked" in lines["bloom"]  # bloom's ALiBi is not walked
     assert all("refused: " in lines[name] for name in UNREAD)
 
 

@@ -135,7 +135,7 @@ def test_comm_json_of_a_dense_and_moe_mix_counts_both_kinds_and_names_each_colle
 
     from memcalc.schemas import SCHEMAS
 
-    args = ["comm", "--config", "tiny", "--t", "2", "--L", "4", "--num-experts", "4", "--moe-router-topk", "2",
+    args = ["comm", "--config", "mixtral-8x7b", "--t", "2", "--L", "4", "--num-experts", "4", "--moe-router-topk", "2",
             "--ep", "2", "--moe-layer-freq", "2", "--strategy", "tp-sp", "--json"]
     doc = json.loads(CliRunner().invoke(cli, args).output)
     assert list(Draft202012Validator(SCHEMAS["comm"]).iter_errors(doc)) == []

@@ -93,3 +93,16 @@ def test_megatron_keeps_for_tanh_gelu_what_it_keeps_for_exact_gelu(fused):
 def test_megatrons_fused_tanh_gelu_needs_fc1s_bias():
     with pytest.raises(ConfigError, match="bias_activation_fusion with gelu_tanh fuses fc1's bias"):
         build_config(SIZES | {"mlp": "gelu_tanh", "bias_activation_fusion": True, "add_bias_linear": False})
+
+
+@pytest.mark.parametrize("t, shared, words", [
+    (2, None, "biases in its experts at etp = t = 2"),  # TransformerConfig: "Bias in Moe is only supported when ETP==1"
+    (1, 64, "biases in its shared experts"),  # SharedExpertMLP asserts add_bias_linear == False
+])
+def test_megatron_refuses_biases_where_megatron_core_refuses_them_in_its_experts(t, shared, words):
+    # estimate priced both (add_bias_linear is megatron's default) where megatron-core refuses to build the layer
+    moe = {"num_experts": 4, "moe_shared_expert_intermediate_size": shared, "t": t}
+    with pytest.raises(ConfigError, match=words):
+        build_config(SIZES | moe)
+    assert build_config(SIZES | moe | {"add_bias_linear": False}).moe
+    assert build_config(SIZES | moe | {"t": 1, "moe_shared_expert_intermediate_size": None}).add_bias_linear

@@ -63,7 +63,7 @@ def test_a_pairs_entry_and_exit_are_the_operators_named_for_its_block():
 
 
 def test_megatrons_shared_experts_are_a_pair_of_their_own_beside_the_experts():
-    moe = GPT | {"num_experts": 4, "moe_shared_expert_intermediate_size": 64}
+    moe = GPT | {"num_experts": 4, "moe_shared_expert_intermediate_size": 64, "add_bias_linear": False}
     plan = _plan(moe)
     assert list(plan.pairs()) == [ATTENTION, SHARED] and plan.rules[-1].style is Style.EXPERTS
     assert {c.name.split("/")[0] for c in layer_collectives(build_config(moe), TP_SP)} >= {"attention", "shared"}

@@ -131,8 +131,11 @@ ODD = dict(b=1, s=7, a=12, h=96, num_query_groups=4, attention_softmax_in_fp32=T
     ({"s": 1, "dropout": 0.0}, "none"),  # b = 2, s = 1: the labels made sequence-first are contiguous, no copy
     (ODD, "tp"),  # odd s outside the fused softmax's window, fp32 softmax, K and V copied to three heads each
     (ODD | {"recompute": "selective", "mlp": "swiglu", "ffn_hidden_size": 176}, "tp"),
-    # (with dropout the rerun of the fp32 softmax's core is refused: memcalc.sizing.timeline._check_modelled)
     ({"s": 1, "recompute": "full", "attention_softmax_in_fp32": True, "num_query_groups": 2, "dropout": 0.0}, "tp"),
+    # full recomputation's rerun of the eager core: at the fp32 softmax's cast, the dropout and the projection's input
+    (ODD | {"recompute": "full", "dropout": 0.1}, "tp"),  # K and V, expanded, held by the attention
+    (ODD | {"recompute": "full", "dropout": 0.1, "num_query_groups": 12, "b": 3, "s": 9}, "none"),
+    ({"recompute": "full", "dropout": 0.1, "s": 10, "num_query_groups": 2}, "tp-sp"),  # the 16-bit softmax
 ], ids=lambda x: str(x))
 def test_at_odd_shapes_every_moment_happens_in_order_with_its_bytes(changes, strategy):
     _assert_every_moment_in_order(build_config(STEP | changes), strategy)

@@ -2,7 +2,7 @@
 step timeline says.
 
 For every model `measure --step` trains (memcalc's GPT with megatron-core's modules, torchtitan's Llama3Model dense,
-checkpointed and with experts, transformers' families, and both under FSDP2), hypothesis draws a tensor-parallel size
+checkpointed, pipelined (each stage on its rank) and with experts, transformers' families, and both under FSDP2), hypothesis draws a tensor-parallel size
 t in {1, 2, 4}, one to three layers, b = 1 among the batch sizes, s <= 32 (odd ones included; long enough for the
 attention core's (s, s) gradients to be the peak), odd head counts per rank and every GQA ratio t allows, a small
 vocabulary, the knob values the model takes, one of the layouts its implementation runs and, with experts, a forced
@@ -39,7 +39,7 @@ LLAMA = {"norm": "rmsnorm", "mlp": "swiglu", "position_embedding_type": "rope", 
 BALANCED = ("balanced", "balanced")
 ROUTES = (BALANCED, ("all-to-one", "worst"), ("all-to-one", "balanced"))
 NO_ROUTE = ((None, "balanced"),)
-TORCHTITAN = {"impl": "torchtitan", "tie_embeddings": False} | LLAMA  # Llama3 unties them
+TORCHTITAN = {"impl": "torchtitan", "tie_embeddings": False} | LLAMA  # its 8B and 70B untie them (1B, 3B: drawn)
 LATENT = {"impl": "megatron", "mlp": "swiglu", "attention": "eager", "add_bias_linear": False} | MLA
 # GemmaForCausalLM: (1 + w) RMSNorm, tanh GeGLU, a scaled embedding; eager attention, which Gemma 2 runs alone
 GEMMA = {"impl": "hf", "family": "gemma", "norm": "rmsnorm_1p", "mlp": "geglu_tanh", "attention": "eager", "dropout": 0.0,
@@ -80,18 +80,35 @@ _MEGATRON_MOE = routed(_knobs(mlp=st.sampled_from(("gelu", "swiglu")), norm=st.s
                               attention=ATTENTION, dropout=DROPOUT, num_experts=st.integers(3, 6),
                               moe_shared_expert_intermediate_size=st.sampled_from((None, 8, 24)), dtype=DTYPES,
                               ep=st.sampled_from((1, 2)), dp=st.just(2)))  # ep divides dp
-_TORCHTITAN = _knobs(recompute=st.sampled_from(("none", "full", "op")), dtype=DTYPES)
+_TORCHTITAN = _knobs(recompute=st.sampled_from(("none", "full", "op")), dtype=DTYPES, tie_embeddings=TIED)
+# its pipeline (torch's Schedule1F1B): each stage on its rank (torchtitan refuses a tied model under pp)
+_TORCHTITAN_PP = _knobs(recompute=st.sampled_from(("none", "full", "op")), dtype=DTYPES, pp=st.sampled_from((2, 3)),
+                        num_microbatches=st.sampled_from((None, 3, 4)))
 _TORCHTITAN_MOE = _knobs(num_experts=st.integers(2, 6), moe_router_topk=st.integers(1, 3),
                          moe_router_score_function=st.sampled_from(("softmax", "sigmoid")),
                          moe_router_pre_softmax=st.booleans(),
                          moe_shared_expert_intermediate_size=st.sampled_from((None, 8, 48)),
-                         recompute=st.sampled_from(("none", "full", "op")))
+                         recompute=st.sampled_from(("none", "full", "op")), tie_embeddings=TIED)
 _HF = _knobs(attention=ATTENTION, dropout=DROPOUT, dtype=DTYPES, tie_embeddings=TIED,
              recompute=st.sampled_from(("none", "full")))
 _HF_MIXTRAL = _knobs(attention=ATTENTION, num_experts=st.integers(2, 6), moe_router_topk=st.integers(1, 3),
                      tie_embeddings=TIED, dropout=DROPOUT, recompute=st.sampled_from(("none", "full")), dtype=DTYPES)
 _HF_GEMMA2 = _knobs(attn_logit_softcapping=st.sampled_from((None, 50.0)), sliding_window=st.sampled_from((None, 3, 8)),
                     tie_embeddings=TIED, dtype=DTYPES, dropout=DROPOUT, recompute=st.sampled_from(("none", "full")))
+# DeepseekV3ForCausalLM's latent attention with dense MLPs; no tp plan for its attention (t = 1)
+_HF_DEEPSEEK = _knobs(q_lora_rank=st.sampled_from((None, 8)), tie_embeddings=TIED, dropout=DROPOUT, dtype=DTYPES,
+                      dp_shard=st.sampled_from((None, None, 2, 3)), reshard_after_forward=st.booleans())
+# with DeepseekV3MoE: its shared experts are n_shared_experts of the experts' width
+_HF_DEEPSEEK_MOE = st.sampled_from((8, 16)).flatmap(lambda e: _knobs(
+    q_lora_rank=st.sampled_from((None, 8)), tie_embeddings=TIED, dropout=DROPOUT, dtype=DTYPES,
+    num_experts=st.sampled_from((4, 6)), moe_router_topk=st.integers(1, 3),
+    moe_first_dense_layers=st.sampled_from((None, 1)), experts_implementation=st.sampled_from(("grouped_mm", "eager")),
+    moe_ffn_hidden_size=st.just(e), moe_shared_expert_intermediate_size=st.sampled_from((e, 2 * e))))
+_HF_GLM = _knobs(attention=ATTENTION, dropout=DROPOUT, dtype=DTYPES, tie_embeddings=TIED,
+                 recompute=st.sampled_from(("none", "full")), rotary_percent=st.sampled_from((0.5, 0.25, 1.0)))
+_HF_GEMMA3 = _knobs(attention=ATTENTION, attn_logit_softcapping=st.sampled_from((None, 50.0)),
+                    sliding_window=st.sampled_from((None, 3, 8)), tie_embeddings=TIED, dtype=DTYPES, dropout=DROPOUT,
+                    recompute=st.sampled_from(("none", "full")))
 _HF_PHI3 = _knobs(tie_embeddings=TIED, dtype=DTYPES, dropout=DROPOUT, recompute=st.sampled_from(("none", "full")))
 # GPT2LMHeadModel: LayerNorm, Conv1D with biases, learned positions; no tp plan (t = 1)
 GPT2 = {"impl": "hf", "family": "gpt2", "norm": "layernorm", "position_embedding_type": "learned_absolute",
@@ -121,12 +138,21 @@ SUBJECTS = (
     Subject("megatron experts", "megatron.core", {"impl": "megatron", "add_bias_linear": False}, _MEGATRON_MOE,
             routes=ROUTES[:2]),
     Subject("torchtitan dense", "torchtitan", TORCHTITAN, _TORCHTITAN),
+    Subject("torchtitan pp", "torchtitan", TORCHTITAN, _TORCHTITAN_PP, ts=(1,)),
     Subject("torchtitan moe", "torchtitan", TORCHTITAN, _TORCHTITAN_MOE,
             routes=(BALANCED,), align=8),
     Subject("hf llama", "transformers", {"impl": "hf"} | LLAMA, _HF),
     Subject("hf qwen3", "transformers", {"impl": "hf", "family": "qwen3", "qk_layernorm": True} | LLAMA, _HF),
     Subject("hf mixtral (grouped_mm)", "transformers", {"impl": "hf", "family": "mixtral"} | LLAMA,
             _HF_MIXTRAL, routes=(BALANCED, ROUTES[2]), align=8),
+    Subject("hf mistral", "transformers", {"impl": "hf", "family": "mistral"} | LLAMA, _HF),
+    Subject("hf qwen2", "transformers", {"impl": "hf", "family": "qwen2", "add_qkv_bias": True} | LLAMA, _HF),
+    Subject("hf qwen2_moe", "transformers", {"impl": "hf", "family": "qwen2_moe",
+                                             "moe_shared_expert_intermediate_size": 8} | LLAMA, _HF_MIXTRAL,
+            routes=(BALANCED, ROUTES[2]), align=8),
+    Subject("hf qwen3_moe", "transformers", {"impl": "hf", "family": "qwen3_moe", "qk_layernorm": True} | LLAMA,
+            _HF_MIXTRAL, routes=(BALANCED, ROUTES[2]), align=8),
+    Subject("hf gemma", "transformers", GEMMA, _HF_PHI3),  # the same knobs drawn as Phi-3's
     Subject("hf gemma2", "transformers", GEMMA | {"family": "gemma2", "sandwich_norm": True}, _HF_GEMMA2),
     Subject("hf phi3", "transformers", {"impl": "hf", "family": "phi3", "fused_qkv": True, "attention": "eager",
                                        "dropout": 0.0} | LLAMA, _HF_PHI3),
@@ -135,6 +161,20 @@ SUBJECTS = (
     Subject("hf starcoder2", "transformers", STARCODER2, _HF_STARCODER2),
     Subject("hf cohere", "transformers", {"impl": "hf", "family": "cohere", "parallel_residual": True,
                                          "single_norm": True} | LLAMA | {"norm": "layernorm_nb"}, _HF),
+    Subject("hf deepseek_v3 (latent attention, dense)", "transformers",
+            {"impl": "hf", "family": "deepseek_v3", "attention": "eager"} | LLAMA | MLA, _HF_DEEPSEEK, gqa=False,
+            ts=(1,)),
+    Subject("hf deepseek_v3 (DeepseekV3MoE)", "transformers", {"impl": "hf", "family": "deepseek_v3",
+            "attention": "eager", "moe_router_score_function": "sigmoid"} | LLAMA | MLA, _HF_DEEPSEEK_MOE,
+            routes=(BALANCED, ROUTES[2]), gqa=False, align=8, ts=(1,)),
+    Subject("hf olmo2", "transformers", LLAMA | {"impl": "hf", "family": "olmo2", "norm": "rmsnorm_fp32w",
+                                                "post_norm": True, "qk_layernorm": True}, _HF, ts=(1,)),
+    Subject("hf gemma3", "transformers", GEMMA | {"family": "gemma3_text", "sandwich_norm": True, "qk_layernorm": True},
+            _HF_GEMMA3),
+    Subject("hf glm", "transformers", {"impl": "hf", "family": "glm", "add_qkv_bias": True} | LLAMA,
+            _HF_GLM, ts=(1,)),
+    Subject("hf glm4", "transformers", {"impl": "hf", "family": "glm4", "add_qkv_bias": True, "sandwich_norm": True,
+                                        "rotary_percent": 0.5} | LLAMA, _HF, ts=(1,)),
     Subject("torchtitan fsdp2", "torchtitan", TORCHTITAN, _TORCHTITAN_FSDP, ts=(1, 2)),
     Subject("hf fsdp2", "transformers", {"impl": "hf"} | LLAMA, _HF_FSDP, ts=(1, 2)),
 )
@@ -155,7 +195,7 @@ def steps(draw: st.DrawFn, subject: Subject) -> tuple[Any, str, str | None]:
     s = t * draw(st.integers(1, 4)) if STRATEGIES[layout].sequence_parallel else draw(st.integers(1, 32))
     route, tokens = draw(st.sampled_from(subject.routes))
     if "num_experts" in knobs:
-        knobs |= {"moe_ffn_hidden_size": t * subject.align * draw(st.integers(1, 3)), "moe_tokens": tokens}
+        knobs = {"moe_ffn_hidden_size": t * subject.align * draw(st.integers(1, 3)), "moe_tokens": tokens} | knobs
     fields = knobs | {"L": draw(st.integers(1, 3)), "b": draw(st.sampled_from((1, 1, 2, 3))), "s": s, "a": a,
                       "h": a * d, "num_query_groups": groups, "t": t, "ffn_hidden_size": t * draw(st.integers(1, 6)),
                       "vocab_size": t * draw(st.integers(2, 24))}
@@ -170,10 +210,11 @@ def check_step(config: Any, layout: str, route: str | None) -> None:
     from memcalc.probe.step import measure_step
 
     try:
-        (r,) = measure_step(config, [layout], route=route)
+        compared = measure_step(config, [layout], route=route)  # under pp: the first stage and the last
     except ConfigError:
         assume(False)  # the step timeline refuses what it does not model, in one line
-    assert_step_exact(r)
+    for r in compared:
+        assert_step_exact(r)
 
 
 def assert_step_exact(r: Any) -> None:
@@ -268,6 +309,16 @@ FINDINGS = [
              " an activation) is still held, then freed as the residual add makes its 2sbh, a tie MemTracker reaches"
              " first; the walk (timeline/megatron.py) marked the rerun once, after the add (1,620 B filed as"
              " temporaries that MemTracker files as activations); it now marks the dropout first", fixed=True),
+    _finding("torch", {"impl": "megatron", "mlp": "gelu", "norm": "layernorm", "dropout": 0.1, "recompute": "full",
+                       "attention_softmax_in_fp32": True, "tie_embeddings": False, "add_bias_linear": False, "L": 1,
+                       "b": 1, "s": 16, "h": 10, "a": 5, "ffn_hidden_size": 1, "vocab_size": 2}, "none",
+             "Full recomputation's rerun of the eager core with the fp32 softmax and dropout: memcalc's layer"
+             " (probe/attention.py) held the scores' fp32 copy to the core's end, where megatron-core's"
+             " forward_torch_softmax lets it go as it returns (DotProductAttention holds the 16-bit matmul_result"
+             " instead), so its rerun held the copy, the softmax, its cast and the dropout together, 640 B above"
+             " the walk; the probe now holds what megatron-core holds, and the walk (timeline/megatron.py,"
+             " _eager_core_rerun) reads the rerun's core at the cast, the dropout and the projection's input",
+             fixed=True),
     _finding("megatron.core", LATENT | {"q_lora_rank": None, "norm": "layernorm", "dropout": 0.0, "recompute": "selective", "L": 3, "b": 1,
                       "s": 3, "h": 10, "a": 5, "ffn_hidden_size": 1, "vocab_size": 2}, "none",
              "A moment in the core's selective rerun, named: the peak is dK scaled in the last layer's core backward;"

@@ -6,7 +6,8 @@ import pytest
 from memcalc.config.schema import build_config, load_config
 from memcalc.errors import ConfigError
 from memcalc.sizing.pipeline import stages
-from memcalc.sizing.states import group_params, padded_vocab, state_bytes, total_params, vocab_shard
+from memcalc.sizing.states import (group_params, padded_vocab, router_buffer_bytes, state_bytes, total_params,
+                                   vocab_shard)
 
 # By-hand counts use v as given (no padding); the padding tests below set the divisor themselves.
 GPT = dict(s=128, h=64, a=8, L=4, vocab_size=1000, make_vocab_size_divisible_by=1)
@@ -142,6 +143,24 @@ def test_transformers_tp_plan_leaves_qwen2_moes_shared_expert_and_its_gate_whole
                                      norm="rmsnorm", position_embedding_type="rope", add_bias_linear=False))
     params = group_params(config, stages(config.L, 1, None)[0], 2)
     assert params["moe/shared_experts"] == config.L * (3 * 64 * 32 + 64)
+
+
+DEEPSEEK_MOE = MOE | dict(impl="hf", family="deepseek_v3", mlp="swiglu", norm="rmsnorm", attention="eager",
+                          position_embedding_type="rope", add_bias_linear=False, moe_ffn_hidden_size=32,
+                          moe_shared_expert_intermediate_size=32, moe_router_score_function="sigmoid", kv_lora_rank=12,
+                          qk_rope_head_dim=4, qk_nope_head_dim=6, v_head_dim=5)
+
+
+def test_deepseek_v3s_shared_experts_have_no_gate_and_its_router_holds_an_fp32_weight_and_bias():
+    """DeepseekV3MLP is ungated (Qwen2-MoE's h -> 1 gate is not there); DeepseekV3TopkRouter's (E, h) weight stays fp32
+    in a bf16 model (2 bytes a value above the weights' count) beside its fp32 (E,) e_score_correction_bias (measured
+    by the hf step, tests/probe/libs/test_hf_deepseek_step.py)."""
+    config = build_config(DEEPSEEK_MOE)
+    stage = stages(config.L, 1, None)[0]
+    assert group_params(config, stage, 1)["moe/shared_experts"] == config.L * 3 * 64 * 32
+    assert router_buffer_bytes(config, stage) == config.L * (2 * config.num_experts * 64 + 4 * config.num_experts)
+    fp32 = build_config(DEEPSEEK_MOE | dict(dtype="fp32"))
+    assert router_buffer_bytes(fp32, stage) == config.L * 4 * config.num_experts
 
 
 def test_the_distributed_optimizer_shards_expert_states_over_the_expert_data_parallel_group():

@@ -102,7 +102,8 @@ def test_layout_fields_do_not_change_the_numbers():
     assert laid_out.per_layer.tolist() == plain.per_layer.tolist()
 
 
-MOE = dict(b=1, s=64, h=32, a=4, t=2, L=6, num_experts=8, moe_router_topk=2, dp=4)
+# without biases, as Megatron-LM's MoE recipes (--disable-bias-linear): megatron-core refuses them at etp = t > 1
+MOE = dict(b=1, s=64, h=32, a=4, t=2, L=6, num_experts=8, moe_router_topk=2, dp=4, add_bias_linear=False)
 
 
 @pytest.mark.parametrize("family, kinds", [

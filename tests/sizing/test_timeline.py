@@ -104,13 +104,27 @@ def test_a_larger_vocabulary_moves_the_peak_to_the_loss():
 
 @pytest.mark.parametrize("changes, named", [
     ({"cp": 2, "attention": "flash"}, "cp=2"),
-    # found by the step differential (the rerun's core holds its fp32 scores, softmax and dropout together)
-    ({"recompute": "full", "dropout": 0.1, "attention_softmax_in_fp32": True, "masked_softmax_fusion": False},
-     "full recomputation of the eager core with its fp32 softmax and dropout"),
 ])
 def test_what_is_not_modelled_yet_is_refused_by_name(changes, named):
     with pytest.raises(ConfigError, match=f"does not model {named}"):
         _timeline("tp", **changes)
+
+
+def test_full_recomputation_reads_the_rerun_eager_core_at_the_cast_the_dropout_and_the_projections_input():
+    """The rerun's fp32 softmax is cast back beside the scores and their fp32 copy, which then goes; the dropout
+    frees the cast; the projection's input is copied beside the bmm's output (found by the step differential: once
+    refused, at b=1 s=16 h=10 its rerun held 640 B more than the walk read)."""
+    _, tl = _timeline("tp", recompute="full", dropout=0.1, attention_softmax_in_fp32=True, masked_softmax_fusion=False,
+                      num_query_groups=2)
+    core = [m for m in tl.moments if m.where == "layers.1.attention" and m.phase == "backward"][:3]
+    live = [{x.name for x in m.live} for m in core]
+    assert [m.what for m in core] == ["the softmax cast back", "attention dropout",
+                                      "weights x V, made contiguous: the projection's input"]
+    local = "attention/recomputed "
+    assert {local + x for x in ("scores", "scores fp32", "softmax cast", "k", "v")} <= live[0]
+    assert local + "scores fp32" not in live[1] and local + "softmax cast" in live[1]
+    assert {local + "context", "attention/proj_in"} <= live[2] - live[1] and local + "scores" in live[2]
+    assert local + "softmax cast" not in live[2]
 
 
 def test_in_fp32_the_step_keeps_no_master_copy_and_the_logits_are_the_losss_own():
@@ -131,10 +145,10 @@ LATENT = {"kv_lora_rank": 24, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope
 
 @pytest.mark.parametrize("changes, named", [
     ({"attention": "flash"}, "latent attention with flash attention"),
-    ({"impl": "hf", "family": "deepseek_v3", "attention": "eager", "add_bias_linear": False},
-     "latent attention .* not impl hf"),
+    ({"impl": "hf", "family": "deepseek_v3", "attention": "eager", "add_bias_linear": False, "tie_embeddings": False,
+      "recompute": "full"}, "recompute full \\(gradient checkpointing\\) with latent attention"),
 ])
-def test_latent_attention_is_walked_as_megatron_cores_eager_module_only(changes, named):
+def test_latent_attention_is_walked_as_megatron_cores_and_transformers_eager_modules_only(changes, named):
     with pytest.raises(ConfigError, match=named):
         _timeline("tp", **LATENT | changes)
 

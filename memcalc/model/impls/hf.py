@@ -598,8 +598,14 @@ def _eager(knobs: Any) -> tuple[SavedTensor, ...]:
     else:
         softmax = (SOFTMAX_FP32, WEIGHTS)
     dropout = (ledger.ATTN_DROPOUT_MASK, ledger.ATTN_DROPOUT_OUT) if knobs.has_dropout else ()
-    softcap = (SOFTCAP_TANH,) if knobs.attn_logit_softcapping is not None else ()
+    softcap = (SOFTCAP_TANH,) if scores_capped(knobs) else ()
     return (q, k, *softcap, *softmax, *dropout, v)
+
+
+def scores_capped(knobs: Any) -> bool:
+    """Whether eager attention soft-caps its scores: Gemma 2's passes attn_logit_softcapping as its softcap, Gemma 3's
+    Gemma3Attention passes none (its config's value changes nothing; found by the hf step walk's measurement)."""
+    return knobs.attn_logit_softcapping is not None and layer_family(knobs).name != "gemma3_text"
 
 
 def repeat_kv_copies(sizes: dict[Any, Any], t: Any) -> Any:
@@ -722,8 +728,9 @@ def moe_block(knobs: Any) -> tuple[SavedTensor, ...]:
                 *expert_block(knobs, EXPERT_WEIGHT_CAST))
     qwen = routing_weights_kind(knobs) is Kind.ACTIVATION
     norm = () if knobs.moe_router_pre_softmax else (TOPK_SUM, TOPK_WEIGHTS)
-    if knobs.mla:
-        router: tuple[SavedTensor, ...] = (ROUTER_IN_FP32, ROUTER_SCORES, ledger.ROUTER_TOPK_INDICES, *norm)
+    if knobs.mla:  # in fp32 the input's cast is a no-op: F.linear keeps the block's input (MOE_IN, kept below)
+        cast = () if knobs.dtype == "fp32" else (ROUTER_IN_FP32,)
+        router: tuple[SavedTensor, ...] = (*cast, ROUTER_SCORES, ledger.ROUTER_TOPK_INDICES, *norm)
     else:
         router = (ledger.MOE_IN, ROUTER_PROBS, ledger.ROUTER_TOPK_INDICES, *norm)
     experts = expert_block(knobs, EXPERT_WEIGHT_CAST if qwen else EXPERT_WEIGHT)
@@ -759,16 +766,18 @@ def layer_tensors(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]
     return drop_small(blocks, accounting)
 
 
+# The norms on the attention's and the MLP's outputs by memcalc's norm: Gemma 2/3's GemmaRMSNorm, GLM-4's LlamaRMSNorm
+# code, OLMo 2's post-norms (its only ones).
+POST_NORMS = {"rmsnorm_1p": (GEMMA_POST_ATTN, GEMMA_POST_MLP), "rmsnorm": (GLM_POST_ATTN, GLM_POST_MLP),
+              "rmsnorm_fp32w": (OLMO2_ATTN_OUT, OLMO2_MLP_OUT)}
+
+
 def sandwich_norms(knobs: Any) -> tuple[tuple[SavedTensor, ...], tuple[SavedTensor, ...]]:
-    """The norms on the attention's and the MLP's outputs: Gemma 2/3's GemmaRMSNorm, GLM-4's LlamaRMSNorm code,
-    OLMo 2's post-norms (its only ones)."""
-    if knobs.post_norm:
-        return tuple(OLMO2_ATTN_OUT), tuple(OLMO2_MLP_OUT)
-    if not knobs.sandwich_norm:
+    """What the norms on the attention's and the MLP's outputs keep (`POST_NORMS`), if the layer has them."""
+    if not (knobs.post_norm or knobs.sandwich_norm):
         return (), ()
-    if knobs.norm == "rmsnorm_1p":
-        return tuple(GEMMA_POST_ATTN), tuple(GEMMA_POST_MLP)
-    return tuple(GLM_POST_ATTN), tuple(GLM_POST_MLP)
+    attn, mlp = POST_NORMS[knobs.norm]
+    return tuple(attn), tuple(mlp)
 
 
 def check(knobs: Any) -> None:

@@ -490,11 +490,24 @@ def check_sizes(config: Any) -> None:
                     " gathered over t")
     if not config.moe:
         return
+    _check_expert_biases(config)
     divides(config.t, "t", config.expert_ffn, "moe_ffn_hidden_size", "expert tensor parallelism, etp = t, splits"
             " each expert's MLP into t column shards")
     if config.moe_shared_expert_intermediate_size:
         divides(config.t, "t", config.moe_shared_expert_intermediate_size, "moe_shared_expert_intermediate_size",
                 "the shared experts' MLP is split into t column shards")
+
+
+
+def _check_expert_biases(config: Any) -> None:
+    """megatron-core refuses biases in its experts at etp > 1 (TransformerConfig.__post_init__: "Bias in Moe is only
+    supported when ETP==1") and in its shared experts at all (SharedExpertMLP.__init__ asserts add_bias_linear ==
+    False); memcalc models etp = t."""
+    shared = config.moe_shared_expert_intermediate_size is not None
+    if config.add_bias_linear and (config.t > 1 or shared):
+        where = "its shared experts" if shared else f"its experts at etp = t = {config.t} (only at etp = 1)"
+        raise ConfigError(f"impl megatron: megatron-core refuses biases in {where}; give --no-bias-linear (or"
+                          " add_bias_linear: false in the config; Megatron-LM's --disable-bias-linear)")
 
 
 IMPLEMENTATION = Implementation(

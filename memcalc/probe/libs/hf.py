@@ -256,7 +256,7 @@ def _family_fields(config: ModelConfig, family: str) -> dict[str, Any]:
                                 "rope_parameters": _rope(config.rotary_percent or 1.0),
                                 "sliding_window": config.sliding_window}
     if family in ("glm", "glm4"):  # its rotary share, its Q, K, V biases
-        return head | {"rope_parameters": _rope(config.rotary_percent), "attention_bias": config.add_qkv_bias}
+        return head | no_ids | {"rope_parameters": _rope(config.rotary_percent), "attention_bias": config.add_qkv_bias}
     if family == "cohere":
         return head | no_ids | {"use_qk_norm": config.qk_layernorm}
     return head

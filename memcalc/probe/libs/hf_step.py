@@ -62,6 +62,8 @@ def causal_lm(config: ModelConfig, route: str | None, dtype: torch.dtype, device
         raise ProbeError("impl hf: --step on experts forces the router (--route balanced or all-to-one)")
     hf_config = transformers_config(config, family)
     hf_config.use_cache = False
+    if family == "deepseek_v3" and config.moe:  # every group eligible: the group-limited top-k keeps the forced route
+        hf_config.topk_group = hf_config.n_group  # (the eager loop's counts kbs/E; the choice itself saves nothing)
     model = getattr(transformers, FAMILIES[family].architectures[0])._from_config(hf_config, dtype=dtype)
     k = config.moe_router_topk if config.moe else 0
 

@@ -68,7 +68,7 @@ def block_config(config: ModelConfig, sequence_parallel: bool) -> Any:
 
 def model_config(config: ModelConfig, sequence_parallel: bool, layers: int, vocab_size: int,
                  flex: bool = False) -> Any:
-    """torchtitan's Llama3Model config at memcalc's sizes (as its flavours build it, untied), TP plan filled in;
+    """torchtitan's Llama3Model config at memcalc's sizes (as its flavours build it, tied or not), TP plan filled in;
     with experts the layers `is_moe_layer` picks are its Qwen3 MoE decoder layers (`moe_block_config`). `flex`: its
     own attention, flex (CUDA's), which the shim runs on a CPU (flex_on_cpu); else the SDPA stand-in (flex has no
     CPU backward)."""
@@ -88,11 +88,12 @@ def _llama3_config(config: ModelConfig, sequence_parallel: bool, layers: int, vo
     )
     for block in blocks if not flex else ():
         block.attention.inner_attention = ScaledDotProductAttention.Config()
+    tied = config.tie_embeddings  # as its 1B and 3B flavours: the table is lm_head's weight, initialised as lm_head's
     model = Llama3Model.Config(
-        dim=config.h, vocab_size=vocab_size, layers=blocks,
+        dim=config.h, vocab_size=vocab_size, layers=blocks, enable_weight_tying=tied,
         norm=RMSNorm.Config(normalized_shape=config.h, param_init=llama3._NORM_INIT),
         tok_embeddings=Embedding.Config(num_embeddings=vocab_size, embedding_dim=config.h,
-                                        param_init=llama3._EMBEDDING_INIT),
+                                        param_init=llama3._EMBEDDING_SKIP_INIT if tied else llama3._EMBEDDING_INIT),
         lm_head=Linear.Config(in_features=config.h, out_features=vocab_size,
                               param_init=llama3._output_linear_init(config.h)),
     )

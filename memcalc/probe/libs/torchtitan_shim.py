@@ -217,3 +217,18 @@ def route_gates(block: torch.nn.Module, route: str | None, k: int) -> None:
     for gate in [m.gate for m in block.modules() if isinstance(m, TokenChoiceTopKRouter)]:
         gate.register_forward_pre_hook(fp32_on_cpu)
         gate.register_forward_hook(restored)
+
+
+def pipeline_on_fake_group() -> Any:
+    """Each pipeline stage's warm-up vote is its own: on the fake group a receive leaves its buffer as it was, so the
+    peers' votes read 0 and every stage would fall back to inferring shapes over P2P, whose received sizes are
+    garbage; the probe gives every stage its shapes, as the peers' votes would then say."""
+    from torch.distributed.pipelining import stage
+    from torch.distributed.pipelining.stage import InferenceMode
+
+    def own_vote(self: Any, has_backward: bool, received_acc: Any = None) -> torch.Tensor:
+        static = not InferenceMode.needs_dynamic(self._user_meta, has_backward)
+        return torch.tensor([int(static)], dtype=torch.int32, device=self.device)
+
+    return mock.patch.multiple(stage.PipelineStage, _warmup_forward_vote=own_vote,
+                               _warmup_backward_result=lambda self, received_result=None: received_result)

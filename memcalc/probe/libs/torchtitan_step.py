@@ -67,9 +67,7 @@ def warmed_up(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, 
 
 
 def _check_buildable(config: ModelConfig, route: str | None) -> None:
-    """ProbeError for what the step cannot build: tied embeddings (Llama3 unties them), experts without a route."""
-    if config.tie_embeddings:
-        raise ProbeError("impl torchtitan: Llama3 unties its embedding and output layer; set tie_embeddings false")
+    """ProbeError for what the step cannot build: experts without a route."""
     if config.moe and route is None:
         raise ProbeError("impl torchtitan: --step on experts forces the router (--route balanced or all-to-one)")
 

@@ -11,14 +11,14 @@ from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError
 from memcalc.model import ledger
 from memcalc.model.evaluate import TensorBytes, estimate
-from memcalc.model.impls.megatron import SOFTMAX_FP32
 from memcalc.model.knobs import Accounting
 from memcalc.model.ledger import SavedTensor
 from memcalc.model.strategy import Strategy
 from memcalc.records import record
-from memcalc.sizing.pipeline import Stage, stages
+from memcalc.sizing.pipeline import Stage, pipeline_stages, stage_named, torchtitan_microbatches
 from memcalc.sizing.timeline.hf import hf_timeline
 from memcalc.sizing.timeline.torchtitan import torchtitan_timeline
+from memcalc.sizing.timeline.torchtitan_pp import pipeline_timeline
 from memcalc.sizing.timeline.ends import STEP_TENSORS, Ends, model_states, optimizer_step
 from memcalc.sizing.timeline import megatron_mla, megatron_moe
 from memcalc.sizing.timeline.megatron import INPUT, INPUT_GRAD, OUTPUT, OUTPUT_GRAD, layer_ops
@@ -37,13 +37,16 @@ def timeline(
     config: ModelConfig, strategy: Strategy, accounting: Accounting = Accounting(exact=True), stage: str | None = None,
 ) -> Timeline:
     """The moments of one training step of `config` under `strategy`, on one rank of a pipeline stage (one of
-    `memcalc.sizing.pipeline.stages`, the first by default): under 1F1B one micro-batch (interleaved, one model chunk)
-    beside those the schedule keeps in flight."""
+    `memcalc.sizing.pipeline.pipeline_stages`, the first by default): under 1F1B one micro-batch (interleaved, one
+    model chunk) beside those the schedule keeps in flight (torchtitan's: every micro-batch walked)."""
     accounting = replace(accounting, exact=True)  # a timeline counts every byte
     _refuse_other_layers(config)
     if config.impl == "hf":  # transformers' LlamaForCausalLM, op by op: its own walk
         return hf_timeline(config, strategy, accounting)
     if config.impl == "torchtitan":  # torchtitan's Llama3Model, described as ops for the generic walk
+        if config.pp > 1:  # one stage of its pipeline, torch's Schedule1F1B
+            _refuse_walking_every_microbatch(config)
+            return pipeline_timeline(config, strategy, accounting, stage)
         return torchtitan_timeline(config, strategy, accounting)
     missing = megatron_moe.unmodelled(config, Sizes.of(config, strategy)) if config.moe else None
     if missing:
@@ -56,7 +59,7 @@ def timeline(
     kinds = {False: _Kind.of(config, z, accounting, layer.tensors, rerun and rerun.tensors)}  # by `dense` below
     if layer.dense_layers:  # dense layers among MoE ones: a dense MLP, each tensor at the dense layer's bytes
         kinds[True] = _Kind.of(config.dense, z, accounting, layer.dense, rerun and rerun.dense)
-    st = _stage(config, stage)
+    st = stage_named(config, stage)
     tape = Tape()
     model_states(tape, config, st, z)
     tape.mark("steady", "", "model states between steps")
@@ -163,23 +166,17 @@ class _Kind:
 
 def timelines(config: ModelConfig, strategy: Strategy, accounting: Accounting = Accounting(exact=True)
               ) -> tuple[Timeline, ...]:
-    """One timeline per stage that bounds memory (`memcalc.sizing.pipeline.stages`)."""
-    return tuple(timeline(config, strategy, accounting, x.name)
-                 for x in stages(config.L, config.pp, config.vpp, config.microbatches))
-
-
-def _stage(config: ModelConfig, name: str | None) -> Stage:
-    found = stages(config.L, config.pp, config.vpp, config.microbatches)
-    chosen = next((x for x in found if name in (None, x.name)), None)
-    if chosen is not None:
-        return chosen
-    raise ConfigError(f"no {name} pipeline stage with pp={config.pp}: {', '.join(x.name for x in found)}")
+    """One timeline per stage that bounds memory (`memcalc.sizing.pipeline.pipeline_stages`)."""
+    return tuple(timeline(config, strategy, accounting, x.name) for x in pipeline_stages(config))
 
 
 # The walk's time grows with the layers a stage walks (a moment keeps its totals and its place in the tape's log):
 # 512 take one to four seconds and under 100 MB, and the largest models have under 200 layers in all, so a stage of
 # more is refused rather than walked for minutes.
 MAX_WALKED_LAYERS = 512
+# Megatron's and transformers' MoE walks also take each local expert of a layer one by one (its own slots, its own
+# GEMMs): DeepSeek-V3 walks 61 layers of 256, Kimi K2 61 of 384; a stage of more than this many is refused.
+MAX_WALKED_EXPERTS = 2**15
 
 
 def _refuse_other_layers(config: ModelConfig) -> None:
@@ -188,22 +185,22 @@ def _refuse_other_layers(config: ModelConfig) -> None:
     if per_stage > MAX_WALKED_LAYERS:
         raise ConfigError(f"the step timeline walks a stage's layers one by one, at most {MAX_WALKED_LAYERS}:"
                           f" L/pp = {config.L}/{config.pp} is {per_stage}")
-    if config.mla and config.impl != "megatron":
+    local = config.num_experts // config.ep if config.moe else 0
+    if per_stage * local > MAX_WALKED_EXPERTS:
+        raise ConfigError(f"the step timeline walks each layer's local experts one by one, at most"
+                          f" {MAX_WALKED_EXPERTS} in a stage: {per_stage} layers (L/pp) of {local} (num_experts/ep)")
+    if config.mla and config.impl not in ("megatron", "hf"):
         raise ConfigError(f"the step timeline models latent attention (kv_lora_rank) as megatron-core's"
-                          f" MLASelfAttention (impl megatron), not impl {config.impl}")
+                          f" MLASelfAttention (impl megatron) and transformers' DeepseekV3Attention (impl hf), not"
+                          f" impl {config.impl}")
 
 
 def _check_modelled(config: ModelConfig, kept: tuple[SavedTensor, ...], ops: tuple[Op, ...]) -> None:
     """ConfigError naming the first thing this timeline does not model yet."""
-    names = {x.name for x in kept}
     missing = [
         # the paper's layer is Megatron's with the fused softmax at every size: the same walk, its own tensors
         (config.impl not in ("megatron", "paper"), f"impl {config.impl} (the timeline follows Megatron's layer)"),
         (config.cp != 1, f"cp={config.cp}"),
-        # found by the step differential: there the rerun's eager core holds its fp32 scores, softmax, cast and
-        # dropout together, a moment the walk does not read (b=1 s=16 h=10 a=5: 640 B more, measured)
-        (config.recompute == "full" and config.has_dropout and SOFTMAX_FP32.name in names,
-         "full recomputation of the eager core with its fp32 softmax and dropout"),
     ]
     known = {x.name for op in ops for x in op.saves}  # what the layer's ops free: the tensors the walk knows
     unknown = dict.fromkeys(x.name for x in kept if x.name not in known)
@@ -212,3 +209,12 @@ def _check_modelled(config: ModelConfig, kept: tuple[SavedTensor, ...], ops: tup
     for absent, what in missing:
         if absent:
             raise ConfigError(f"the step timeline does not model {what} yet")
+
+
+def _refuse_walking_every_microbatch(config: ModelConfig) -> None:
+    """ConfigError past the walk's limit where torchtitan's pipeline walks each micro-batch's layers."""
+    per_stage, m = -(-config.L // config.pp), torchtitan_microbatches(config)
+    if per_stage * m > MAX_WALKED_LAYERS:
+        raise ConfigError(f"the step timeline walks a stage's layers one by one, at most {MAX_WALKED_LAYERS}: L/pp ="
+                          f" {config.L}/{config.pp} is {per_stage}, times {m} micro-batches (torchtitan's pipeline is"
+                          f" walked micro-batch by micro-batch) {per_stage * m}")

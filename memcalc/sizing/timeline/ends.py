@@ -13,6 +13,7 @@ from memcalc.sizing.states import ROUTER_BUFFERS_WHY, group_params, router_buffe
 from memcalc.sizing.timeline.megatron import INPUT, INPUT_GRAD, OUTPUT_GRAD, column_parallel
 from memcalc.sizing.timeline.megatron_pieces import norm_kernel
 from memcalc.sizing.timeline.tape import ACTIVATIONS, GRADIENTS, OPTIMIZER, PARAMETERS, Sizes, Tape, prod
+from memcalc.sizing.timeline.torch_ops import tied_sum
 from memcalc.sizing.timeline.walk import Made, Op, Step, kept
 from memcalc.sizing.totals import end_sizes, end_tensors
 
@@ -52,7 +53,7 @@ def model_states(tape: Tape, config: ModelConfig, stage: Stage, z: Sizes) -> Non
     ):
         tape.add(name, category, states.get(name, 0), why)
     tape.add("optimizer/step", OPTIMIZER, 4, "torch's AdamW counts steps in a 0-d fp32 tensor")
-    if config.moe_router_enable_expert_bias:  # buffers, which MemTracker files with the parameters
+    if router_buffer_bytes(config, stage):  # buffers (and fp32 weights), which MemTracker files as parameters
         tape.add("states/router buffers", PARAMETERS, router_buffer_bytes(config, stage), ROUTER_BUFFERS_WHY)
 
 
@@ -137,8 +138,7 @@ class Ends:
                                                                " gradient, dY added into the rows the ids picked"),),
                              frees=(grad, *((ledger.EMBEDDING_INPUT_IDS.name,) if tp else ()))))
         if self.tied:
-            backward.append(Step("the tied weight's two gradients summed", (Made(
-                "grad/embedding (sum)", table, "autograd sums the tied weight's two gradients into a new tensor"),)))
+            backward.append(tied_sum(table))
         backward.append(Step("", frees=("grad/embedding (output layer)", "grad/embedding (lookup)",
                                         "grad/embedding (sum)", "loss/grad seed")))  # backward is over
         return (Op("embedding", forward=(forward,), backward=tuple(backward)),)

@@ -77,17 +77,29 @@ class Unit:
 
 
 def hf_layer(c: ModelConfig, t: int, i: int, reshard: bool) -> Unit:
-    """LlamaDecoderLayer's parameters in registration order, as this rank of t holds them before FSDP2 shards them
-    (transformers' tp_plan: q, k, v, gate, up colwise, o and down rowwise, the norms whole)."""
+    """LlamaDecoderLayer's parameters in registration order (DeepseekV3DecoderLayer's latent attention in place of
+    q, k, v and o), as this rank of t holds them before FSDP2 shards them (transformers' tp_plan: q, k, v, gate, up
+    colwise, o and down rowwise, the norms whole)."""
     q, kv, f = c.a * c.head_dim // t, c.groups * c.head_dim // t, c.ffn // t
     m = f"model.layers.{i}"
     qk = ((f"{m}.self_attn.q_norm", (c.head_dim,)), (f"{m}.self_attn.k_norm", (c.head_dim,))) if c.qk_layernorm else ()
     mlp = hf_moe_parameters(c, f"{m}.mlp") if sparse(c, i) else (
         (f"{m}.mlp.gate_proj", (f, c.h)), (f"{m}.mlp.up_proj", (f, c.h)), (f"{m}.mlp.down_proj", (c.h, f)))
-    return Unit(f"layers.{i}", (
+    attention = _latent_attention(c, f"{m}.self_attn") if c.mla else (
         (f"{m}.self_attn.q_proj", (q, c.h)), (f"{m}.self_attn.k_proj", (kv, c.h)),
-        (f"{m}.self_attn.v_proj", (kv, c.h)), (f"{m}.self_attn.o_proj", (c.h, q)), *qk, *mlp,
-        (f"{m}.input_layernorm", (c.h,)), (f"{m}.post_attention_layernorm", (c.h,))), reshard)
+        (f"{m}.self_attn.v_proj", (kv, c.h)), (f"{m}.self_attn.o_proj", (c.h, q)), *qk)
+    return Unit(f"layers.{i}", (*attention, *mlp, (f"{m}.input_layernorm", (c.h,)),
+                                (f"{m}.post_attention_layernorm", (c.h,))), reshard)
+
+
+def _latent_attention(c: ModelConfig, m: str) -> tuple[Param, ...]:
+    """DeepseekV3Attention's parameters in registration order (t = 1): the query's latent (or q_proj), the key/value
+    latent with k_rot, their norms and up projections, o_proj."""
+    a, dq, dv, qr, kvr = c.a, c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim, c.q_lora_rank, c.kv_lora_rank
+    query = ((f"{m}.q_proj", (a * dq, c.h)),) if qr is None else (
+        (f"{m}.q_a_proj", (qr, c.h)), (f"{m}.q_a_layernorm", (qr,)), (f"{m}.q_b_proj", (a * dq, qr)))
+    return (*query, (f"{m}.kv_a_proj_with_mqa", (kvr + c.qk_rope_head_dim, c.h)), (f"{m}.kv_a_layernorm", (kvr,)),
+            (f"{m}.kv_b_proj", (a * (c.qk_nope_head_dim + dv), kvr)), (f"{m}.o_proj", (c.h, a * dv)))
 
 
 def hf_moe_parameters(c: ModelConfig, m: str) -> tuple[Param, ...]:

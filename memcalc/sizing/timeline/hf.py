@@ -13,16 +13,17 @@ from dataclasses import fields, replace
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError
 from memcalc.model import ledger
-from memcalc.model.evaluate import estimate
+from memcalc.model.evaluate import estimate, rotary_sizes
 from memcalc.model.families import layer_family
 from memcalc.model.impls import hf as rules
 from memcalc.model.knobs import Accounting
-from memcalc.model.ledger import RMSNormTensors
+from memcalc.model.ledger import Dim, RMSNormTensors
 from memcalc.model.strategy import Strategy
 from memcalc.sizing.pipeline import stages
 from memcalc.sizing.timeline import hf_cohere as cohere
 from memcalc.sizing.timeline import hf_gpt2 as gpt2
 from memcalc.sizing.timeline import hf_layer as layer
+from memcalc.sizing.timeline import hf_mla as mla
 from memcalc.sizing.timeline import hf_moe as moe
 from memcalc.sizing.timeline import hf_ln as ln
 from memcalc.sizing.timeline import hf_olmo as olmo
@@ -37,10 +38,52 @@ from memcalc.sizing.timeline.walk import Checkpoint, HandOver, Made, Op, Step, W
 from memcalc.sizing.timeline.zero import Zero
 
 
+def _norm_like_final(config: ModelConfig) -> RMSNormTensors | ledger.NormTensors:
+    """A layer's norm of model.norm's class and shape: its input_layernorm, or OLMo 2's first post-norm."""
+    return rules.POST_NORMS[config.norm][0] if config.post_norm else _norms(config)[0]
+
+
+def _shared_tables(config: ModelConfig) -> tuple[ledger.SavedTensor, ...]:
+    """The ledger's RoPE tables every layer keeps, the model's own (made once per forward by its rotary embedding:
+    DeepSeek's (s, d_r) ones, Llama's (s, d), OLMo's fp32); none where each layer keeps tables of its own (GLM's
+    interleaved ones: the model's are then its locals)."""
+    return () if rules.is_glm(config) else mla.TABLES if config.mla else rules.rope_tables(config)
+
+
+def _model_tables(config: ModelConfig, z: Sizes) -> tuple[Made, ...]:
+    """The (cos, sin) tables LlamaModel's rotary embedding makes once a forward and passes the layers: a pair for each
+    kind of layer (Gemma 3's full layers get a pair of their own)."""
+    pairs = dict.fromkeys(_table_names(config, j) for j in range(config.L))
+    if shared := _shared_tables(config):
+        return tuple(Made(name, 0, "made once per forward by the rotary embedding; the layers' RoPE keeps it", keeps=x)
+                     for names in pairs for name, x in zip(names, shared))
+    return tuple(Made(name, z.act * z.s * _rotary(config, z), "LlamaModel's position_embeddings, a local until it"
+                      " returns: each layer interleaves its own") for names in pairs for name in names)
+
+
+def _table_names(config: ModelConfig, j: int = 0) -> tuple[str, ...]:
+    """The tape names of the (cos, sin) tables layer j reads: the ledger's where every layer keeps them, Gemma 3's full
+    layers' a pair of their own (its rotary embedding's global base)."""
+    names = tuple(x.name for x in _shared_tables(config)) or ("model/rope_cos", "model/rope_sin")
+    full = layer_family(config).name == "gemma3_text" and not _slides(config, j)
+    return tuple(f"{x} (full)" for x in names) if full else names
+
+
+def _first_reader(config: ModelConfig, j: int) -> tuple[str, ...]:
+    """The model's tables layer j is the first to read: the last to hold them, in backward (its frame, or its RoPE)."""
+    names = _table_names(config, j)
+    return names if all(_table_names(config, i) != names for i in range(j)) else ()
+
+
+def _rotary(config: ModelConfig, z: Sizes) -> int:
+    """The channels of each head RoPE rotates: d, or GLM's d_r (rotary_percent), DeepSeek's qk_rope_head_dim."""
+    return config.qk_rope_head_dim if config.mla else rotary_sizes(config).get(Dim.DR, z.d)
+
+
 def final_norm(config: ModelConfig) -> RMSNormTensors | ledger.NormTensors:
-    """model.norm keeps what a layer's input_layernorm keeps (the same class), under its own names."""
-    ln1 = _norms(config)[0]
-    if isinstance(ln1, tuple):  # a LayerNorm's (OLMo's, Cohere's)
+    """model.norm keeps what a layer's norm of its class keeps (`_norm_like_final`), under its own names."""
+    ln1 = _norm_like_final(config)
+    if isinstance(ln1, tuple):  # a LayerNorm's (OLMo's, StarCoder 2's, Cohere's)
         return type(ln1)(*(replace(x, name=f"final_norm/{x.name.partition('/')[2]}") for x in ln1))
     return replace(ln1, **{f.name: replace(x, name=f"final_norm/{x.name.partition('/')[2]}") for f in fields(ln1)
                            if (x := getattr(ln1, f.name)) is not None})
@@ -51,12 +94,6 @@ def _norms(config: ModelConfig) -> tuple[RMSNormTensors, RMSNormTensors] | tuple
     RMSNorms of its norm."""
     return olmo.NORMS if olmo.walks(config) else ln.NORMS if ln.walks(config) else cohere.NORMS \
         if cohere.walks(config) else rules.RMS_NORMS[config.norm]
-
-
-def _tables(config: ModelConfig) -> tuple[ledger.SavedTensor, ...]:
-    """RoPE's cos and sin, made once per forward and kept by every layer (the ledger's: OLMo's fp32 ones, StarCoder
-    2's of d_r = d channels, Llama's)."""
-    return rules.rope_tables(config)
 
 
 def hf_timeline(config: ModelConfig, strategy: Strategy, accounting: Accounting) -> Timeline:
@@ -87,8 +124,10 @@ def _moments(config: ModelConfig, z: Sizes, kept: tuple[tuple[ledger.SavedTensor
     else:
         model_states(tape, config, stage, z)
     if not rules.is_gpt2(config):  # GPT-2's positions are a learned table (a parameter), no rotary buffers
-        for name in ("inv_freq", "original_inv_freq"):
-            tape.add(f"states/rotary_emb.{name}", PARAMETERS, 4 * (z.d // 2),
+        kinds = {_table_names(config, j) for j in range(config.L)}  # Gemma 3's: a pair for each kind of layer
+        for name in (f"{kind}{x}" for kind in ("", "full_attention_")[:len(kinds)]
+                     for x in ("inv_freq", "original_inv_freq")):
+            tape.add(f"states/rotary_emb.{name}", PARAMETERS, 4 * (_rotary(config, z) // 2),
                      "LlamaRotaryEmbedding's buffer, fp32 in a bf16 model (an explicit float arange)")
     if scaled_embedding(config):
         tape.add("states/embed_tokens.embed_scale", PARAMETERS, z.act, "GemmaTextScaledWordEmbedding's sqrt(h), a 0-d"
@@ -112,24 +151,25 @@ def _moments(config: ModelConfig, z: Sizes, kept: tuple[tuple[ledger.SavedTensor
 Walked = tuple[Walk, tuple[Op, ...]]  # ops and the walk that puts them on the tape
 
 # LlamaModel's locals, live until it returns: the first layer's input (inputs_embeds), the position ids and the masks
-MODEL_LOCALS = ("layers.0/input", "model/position_ids", "model/causal_mask", "model/sliding_mask")
+MODEL_LOCALS = ("layers.0/input", "model/position_ids", "model/causal_mask", "model/sliding_mask", "model/rope_cos",
+                "model/rope_sin")
 
 
 def _llama(tape: Tape, config: ModelConfig, z: Sizes, saved: dict[str, int], hand_over: HandOver,
            kept: tuple[tuple[ledger.SavedTensor, int], ...], dense: tuple[tuple[ledger.SavedTensor, int], ...],
            sharded: bool) -> tuple[Walked, list[Walked], Walked]:
     """LlamaForCausalLM's (and its kin's) embedding, layers and output as walks and ops."""
-    ln1, final = _norms(config)[0], final_norm(config)  # the final norm's tensors are ln1's sizes
-    ends = {x.name: saved[x.name] for x in _tables(config)} | {ledger.OUTPUT_INPUT.name: z.full(z.h)} | {
+    ln1, final, rope = _norm_like_final(config), final_norm(config), _shared_tables(config)
+    ends = {x.name: saved[x.name] for x in rope} | {ledger.OUTPUT_INPUT.name: z.full(z.h)} | {
         y.name: saved[x.name] for x, y in zip(ln1, final) if x.name in saved} | {
         ledger.LOGITS_SOFTCAP_TANH.name: z.act * z.b * z.s * config.vocab_size,
         ledger.EMBEDDING_DROPOUT_MASK.name: z.tokens(z.h)}  # a bool mask (StarCoder 2's, hf_ln)
-    tensors = tuple(x for x, _ in kept if not x.model_wide)  # every layer shares one description of these
+    tensors = tuple(x for x, _ in kept if x not in rope)  # every layer shares one description of these
     made, block = moe.kept_in_forward(tensors, config), moe.block_backward(z, config) if config.moe else ()
     saved |= moe.expert_bytes(saved, config) if config.moe else {}
-    plain = moe.kept_in_forward(tuple(x for x, _ in dense if not x.model_wide), config)  # a dense one's among MoE
+    plain = moe.kept_in_forward(tuple(x for x, _ in dense if x not in rope), config)  # a dense one's among MoE
     layers = [(Walk(tape, f"layers.{i}", f"model.layers.{i}", saved, hand_over, _checkpoint(i, config)),
-               cohere.layer(i, z, config, saved, _tables(config), made) if cohere.walks(config) else
+               cohere.layer(i, z, config, saved, rope, made) if cohere.walks(config) else
                _layer(i, z, config, saved, made, block) if not config.moe or moe.sparse(config, i) else
                _layer(i, z, config, saved, plain, ())) for i in range(config.L)]
     inputs = (Walk(tape, "", "", ends, hand_over), _embedding(z, config, sharded))
@@ -150,13 +190,23 @@ def _gpt2(tape: Tape, config: ModelConfig, z: Sizes, saved: dict[str, int], hand
     return inputs, layers, outputs
 
 
+def _slides(config: ModelConfig, j: int) -> bool:
+    """Whether layer j is a sliding-window layer (layer_types): Gemma 2's even layers, Gemma 3's all but every sixth."""
+    family = layer_family(config).name
+    return family == "gemma2" and j % 2 == 0 or family == "gemma3_text" and (j + 1) % rules.GEMMA3_FULL_EVERY != 0
+
+
+def _layer_mask(config: ModelConfig, j: int) -> str:
+    """The mask LlamaModel passes layer j: the sliding-window one to a sliding layer, else the causal one."""
+    return "model/sliding_mask" if _slides(config, j) else "model/causal_mask"
+
+
 def _unheld_masks(config: ModelConfig) -> tuple[str, ...]:
-    """Under gradient checkpointing, LlamaModel's locals no layer's frame holds, gone as it returns: Qwen2-MoE's
-    sliding-window mask, which no layer is given (Gemma 2's sliding layers are); Gemma 2's causal mask with one layer,
-    which slides (`_checkpoint`'s masks)."""
-    if config.sandwich_norm:
-        return ("model/causal_mask",) if config.L == 1 else ()
-    return ("model/sliding_mask",)
+    """Under gradient checkpointing, LlamaModel's masks no layer's frame holds, gone as it returns: Qwen2-MoE's
+    sliding-window mask, which no layer is given (Gemma 2's and 3's sliding layers are); the causal mask where every
+    layer slides (Gemma 2's with one layer, Gemma 3's under six)."""
+    held = {_layer_mask(config, j) for j in range(config.L)}
+    return tuple(x for x in ("model/causal_mask", "model/sliding_mask") if x not in held)
 
 
 def _checkpoint(i: int, config: ModelConfig) -> Checkpoint | None:
@@ -166,9 +216,8 @@ def _checkpoint(i: int, config: ModelConfig) -> Checkpoint | None:
     residual sums, rerun outside any module's forward: MemTracker's temporaries."""
     if config.recompute != "full":
         return None
-    # the mask LlamaModel passes each layer: Gemma 2's even layers slide (layer_types), the rest attend causally
-    masks = ["model/sliding_mask" if config.sandwich_norm and j % 2 == 0 else "model/causal_mask" for j in range(i + 1)]
-    shared = (*(("model/position_ids", *(x.name for x in _tables(config))) if i == 0 else ()),
+    masks = [_layer_mask(config, j) for j in range(i + 1)]
+    shared = (*(("model/position_ids",) if i == 0 else ()), *_first_reader(config, i),
               *((masks[i],) if masks.index(masks[i]) == i else ()))
     rerun = ACTIVATIONS if config.dp_shard is None else TEMPORARIES  # FSDPMemTracker's: in backward, no unit's forward
     return Checkpoint(f"layers.{i}/input", rerun=rerun, early_stop=True, own=TEMPORARIES, frame=shared)
@@ -207,7 +256,7 @@ def _step(tape: Tape, sharding: Fsdp | Zero | None, inputs: Walked, layers: list
 
 # The families whose model the walk follows, which --step builds (memcalc.probe.libs.hf_step).
 WALKED = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma", "gemma2", "phi3", "gpt2",
-          "olmo", "starcoder2", "cohere")
+          "olmo", "starcoder2", "cohere", "deepseek_v3", "olmo2", "gemma3_text", "glm", "glm4")
 
 
 def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounting) -> None:
@@ -218,19 +267,31 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
     missing = [
         (family not in WALKED, f"{family}'s model (it walks {', '.join(WALKED)})"),
         *_gpt2_missing(config, family, tp),
-        (config.sliding_window is not None and not config.sandwich_norm,
-         f"sliding_window={config.sliding_window} outside Gemma 2 (it walks a window in Gemma 2's model only)"),
-        (config.sandwich_norm and config.attention != "eager",
+        (config.sliding_window is not None and not _slides(config, 0),
+         f"sliding_window={config.sliding_window} outside Gemma 2 and 3 (it walks a window in their models only)"),
+        (family == "gemma2" and config.attention != "eager",
          f"attention {config.attention} in Gemma 2's model (Gemma2ForCausalLM runs eager attention only)"),
-        (config.rotary_percent is not None and family != "starcoder2",
-         "GLM's partial RoPE and fused gate_up (it walks Llama's)"),
+        # found by the step differential: with a window of s its SDPA masks are made (b=1 s=3 sliding_window=3:
+        # 18 B more activations measured at the forward's peak)
+        (family == "gemma3_text" and config.attention != "eager" and config.sliding_window is not None
+         and config.sliding_window <= config.s,
+         f"sliding_window={config.sliding_window} not above s={config.s} under SDPA in Gemma 3's model (its masks)"),
+        (config.rotary_percent is not None and not rules.is_glm(config) and family != "starcoder2",
+         "partial RoPE (rotary_percent) outside GLM's model"),
+        (rules.is_glm(config) and rotary_sizes(config)[Dim.DR] == 0,
+         f"GLM's RoPE on no channel (int(d * rotary_percent) = int({config.head_dim} * {config.rotary_percent}) = 0)"),
         (strategy.tensor_parallel and config.vocab_size % config.t != 0,
          f"vocab_size={config.vocab_size} that t={config.t} does not divide (DTensor pads uneven shards to gather"
          " the logits)"),
         (tp and config.tie_embeddings,
          "tied embeddings under tp (transformers' apply_tensor_parallelism looks lm_head.weight up among"
          " named_parameters(), which names a tied weight once: KeyError)"),
-        (config.pp != 1, f"pp={config.pp}"),
+        # transformers has no pipeline schedule: its config's base_model_pp_plan only names each stage's inputs and
+        # outputs (read by torchtitan's experimental transformers backend), its Trainer never pipelines, and
+        # accelerate's prepare_pippy splits a model for inference only
+        (config.pp != 1, f"pp={config.pp} (transformers has no pipeline schedule of its own: its base_model_pp_plan"
+                         " only names each stage's inputs and outputs, for torchtitan's experimental transformers"
+                         " backend; --impl torchtitan walks torchtitan's Llama3 under its pipeline)"),
         (config.cp != 1, f"cp={config.cp}"),
         (config.add_bias_linear and family not in ("gpt2", "starcoder2"),
          "add_bias_linear (biases on every linear; Qwen2's q, k, v biases are add_qkv_bias)"),
@@ -238,8 +299,9 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
         # cos and sin, to bf16 at its pre-forward (384 B each at s=24 d=8), which that layer's RoPE then keeps
         (olmo.walks(config) and sharded, "OLMo's model under dp_shard or zero_stage (FSDP2 casts its fp32 RoPE tables"
                                          " to bf16 copies for each layer)"),
-        ((scaled_embedding(config) or config.fused_qkv) and (tp or sharded),
-         "Gemma's or Phi-3's model under tp, dp_shard or zero_stage (unmeasured: t = 1 without sharding only)"),
+        ((config.fused_qkv or config.post_norm or rules.is_glm(config)) and (tp or sharded),
+         f"{family}'s model under tp, dp_shard or zero_stage (unmeasured: t = 1 without sharding only)"),
+        (scaled_embedding(config) and sharded, f"{family}'s model under dp_shard or zero_stage (unmeasured)"),
         (ln.walks(config) and sharded, "StarCoder 2's model under dp_shard or zero_stage (FSDP2's units are Llama's"
                                        " modules)"),
         (cohere.walks(config) and (sharded or config.qk_layernorm),
@@ -252,6 +314,11 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
         (config.dtype == "fp32" and config.zero_stage is not None, "dtype fp32 with zero_stage (DeepSpeed's fp32"
                                                                    " optimizer is not walked)"),
         *_experts_missing(config, tp),
+        (config.mla and config.recompute != "none", f"{rerun} latent attention"),
+        (config.mla and config.zero_stage is not None, "zero_stage with latent attention (DeepSpeed's step on it"
+                                                       " unmeasured)"),
+        (config.mla and config.moe and config.dp_shard is not None,
+         "DeepseekV3MoE under dp_shard (its router's fp32 weight in a 16-bit FSDP2 unit is not laid out)"),
         # the FSDP2 and ZeRO walks
         (config.zero_stage == 0, "zero_stage=0 (DeepSpeed's bf16 optimizer without ZeRO; --totals counts its model"
                                  " states)"),
@@ -262,10 +329,6 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
                                           " module, the weight's)"),
         # gradient checkpointing: each layer's forward op by op, rerun in backward
         (config.recompute != "none" and config.zero_stage is not None, f"{rerun} zero_stage"),
-        # found by the step differential: its fused qkv_proj and gate_up_proj in fp32 (b=3 s=3 h=4: 180 B more
-        # activations measured at the peak, 144 B fewer temporaries)
-        (config.recompute != "none" and config.dtype == "fp32" and config.fused_qkv,
-         f"{rerun} dtype fp32 in Phi-3's model (its rerun's fused projections in fp32 are not walked exactly)"),
     ]
     for absent, what in missing:
         if absent:
@@ -318,6 +381,20 @@ def _hand_over(tape: Tape, sharding: Fsdp | Zero | None) -> HandOver:
     return hand_over
 
 
+# A layer's norms' module names, in forward order (before the attention, on its output, before the MLP, on its output):
+# Llama's two, Gemma 2's (and 3's) four, OLMo 2's post-norms (Gemma 2's second and fourth), GLM-4's four
+NORM_NAMES = {"llama": ("input_layernorm", "", "post_attention_layernorm", ""),
+              "gemma2": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                         "post_feedforward_layernorm"),
+              "glm4": ("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm")}
+
+
+def _norm_names(config: ModelConfig) -> tuple[str, str, str, str]:
+    """The layer's norms' module names (`NORM_NAMES`): its family's, or Llama's or Gemma 2's places."""
+    return NORM_NAMES.get(layer_family(config).name,
+                          NORM_NAMES["gemma2" if config.sandwich_norm or config.post_norm else "llama"])
+
+
 def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: Step, block: tuple[Op, ...]
            ) -> tuple[Op, ...]:
     """Decoder layer i as ops, its MLP LlamaMLP or a sparse `block`. Under a checkpoint its forward runs op by op;
@@ -325,22 +402,21 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
     p, tp, checkpointed = f"layers.{i}", z.t > 1, config.recompute == "full"
     out = f"grad/layers.{i - 1}/output" if i else ln.first_grad(config)
     mlp = moe.OUTPUT_GRAD if block else f"grad/{p}/ln2 output"
-    ln1, ln2 = _norms(config)
-    norm = olmo.layer_norm if olmo.walks(config) else ln.layer_norm if ln.walks(config) else layer.rms_norm
+    norm_ops = olmo.layer_norm if olmo.walks(config) else ln.layer_norm if ln.walks(config) else layer.rms_norm
     rope, rotated = olmo.recorded(olmo.rope) if olmo.walks(config) and z.act != 4 else (None, [])
-    # Gemma 2's sandwich norms: on the attention's output and on the MLP's, whose gradients are then theirs; Phi-3's
-    # residual dropouts (p > 0) likewise on the branches' outputs, o_proj's and down_proj's ("proj")
-    resid = config.fused_qkv and config.has_dropout
+    # Gemma 2's sandwich norms (OLMo 2's post-norms): on the attention's output and on the MLP's, whose gradients are
+    # then theirs; Phi-3's residual dropouts (p > 0) likewise on the branches' outputs, o_proj's and down_proj's
+    resid, sandwich = config.fused_qkv and config.has_dropout, config.sandwich_norm or config.post_norm
     inner = ln.walks(config) and config.has_dropout  # StarCoder 2's F.dropout inside the attention (hf_ln)
-    attn_out, mlp_out = (f"grad/{p}/attn output", f"grad/{p}/mlp output") if config.sandwich_norm else (
+    attn_out, mlp_out = (f"grad/{p}/attn output", f"grad/{p}/mlp output") if sandwich else (
         f"grad/{p}/attn dropped", f"grad/{p}/mlp dropped") if resid or inner else (None, None)
     post_attn, post_mlp = (  # each on its branch's output, which goes as the norm returns
         layer.rms_norm(name, p, norm, z, None, dx, output=Made(f"{p}/{branch} normed", z.full(z.h), "the branch's"
                                                                 " output normalised"), gone=(f"{p}/{branch} output",),
                        x=f"{p}/{branch} output")
-        for name, norm, dx, branch in (
-            ("post_attention_layernorm", rules.GEMMA_POST_ATTN, attn_out, "attn"),
-            ("post_feedforward_layernorm", rules.GEMMA_POST_MLP, mlp_out, "mlp"))) if config.sandwich_norm else (
+        for name, norm, dx, branch in zip(_norm_names(config)[1::2],
+                                          rules.POST_NORMS[config.norm], (attn_out, mlp_out), ("attn", "mlp"))
+    ) if sandwich else (
         (torch_ops.dropout(f"resid_{branch}_dropout", p, mask, Made(f"{p}/{branch} output", z.full(z.h), "the"
                                                                     " branch's output dropped out"), stream, dx,
                            z.full(z.h)),)  # the layer's variable holds the input to the residual sum
@@ -349,34 +425,42 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
     ) if resid else ((), ())
     proj = "proj" if resid or inner else "output"
     mid, output = layer.residuals(i, z, layer.returned_weights(z, config.attention == "eager", config.has_dropout))
+    into = ((f"grad/{p}/mid", out), (f"grad/{p}/output", f"grad/{p}/mid")) if config.post_norm else (("", ""),) * 2
+    names = _norm_names(config)
+    ln1, ln2 = (layer.unnormed(ledger.QKV_IN, f"{p}/input"), layer.unnormed(ledger.FC1_IN, f"{p}/mid")) \
+        if config.post_norm else (
+        norm_ops(names[0], p, _norms(config)[0], z, f"grad/{p}/ln1 output", out, f"grad/{p}/mid",
+                 output=kept(p, ledger.QKV_IN), x=f"{p}/input"),
+        norm_ops(names[2], p, _norms(config)[1], z, mlp, f"grad/{p}/mid", f"grad/{p}/output",
+                 output=kept(p, ledger.MOE_IN if block else ledger.FC1_IN), x=f"{p}/mid"))
     ops = (
-        *norm("input_layernorm", p, ln1, z, f"grad/{p}/ln1 output", out, f"grad/{p}/mid",
-                        output=kept(p, ledger.QKV_IN), x=f"{p}/input"),
-        *ln.dropped_attention(layer.attention(
+        *ln1,
+        *(mla.attention(p, z, config, saved) if config.mla else ln.dropped_attention(layer.attention(
             p, z, config.attention == "eager", saved, config.groups != config.a, tp,
-            _tables(config) if i == 0 and not checkpointed else (), config.qk_layernorm,
-            config.add_qkv_bias or config.add_bias_linear, config.has_dropout,
-            config.attn_logit_softcapping is not None, attn_out, config.fused_qkv, f"attn {proj}",
-            rope, config.add_bias_linear), p, z, config),
+            () if checkpointed else _first_reader(config, i), config.norm if config.qk_layernorm else "",
+            config.add_qkv_bias or config.add_bias_linear, config.has_dropout, rules.scores_capped(config), attn_out,
+            config.fused_qkv, f"attn {proj}", _shared_tables(config), into[0], rope, config.add_bias_linear),
+            p, z, config)),
         *post_attn,
         *((mid,) if checkpointed else ()),
-        *norm("pre_feedforward_layernorm" if config.sandwich_norm else "post_attention_layernorm", p, ln2,
-                        z, mlp, f"grad/{p}/mid", f"grad/{p}/output",
-                        output=kept(p, ledger.MOE_IN if block else ledger.FC1_IN), x=f"{p}/mid"),
+        *ln2,
         *(moe.checkpointed_forward(p, z, config) if block and checkpointed else ()),
         *(block or (ln.mlp(p, z, config) if ln.walks(config) else
-                    layer.mlp(p, z, tp, rules.GATED[config.mlp], mlp_out, config.fused_qkv, f"mlp {proj}"))),
+                    layer.mlp(p, z, tp, rules.GATED[config.mlp], mlp_out, config.fused_qkv or rules.is_glm(config),
+                              f"mlp {proj}", into[1]))),
         *post_mlp,
         *((output,) if checkpointed else ()),
     )
     if not checkpointed:
-        core, later = layer.eager_forward(p, z, saved, config.fused_qkv) if config.attention == "eager" else (
+        core, later = mla.eager_forward(p, z, config, saved) if config.mla else \
+            layer.eager_forward(p, z, saved, config.fused_qkv) if config.attention == "eager" else (
             layer.sdpa_math_forward(p, z, saved, config.groups != config.a), frozenset())
-        fp32_rope = olmo.forward(p, z, saved, rotated, config.attention == "eager", tuple(ln1)) if rotated else (
-            (), frozenset())
+        fp32_rope = olmo.forward(p, z, saved, rotated, config.attention == "eager", tuple(_norms(config)[0])) \
+            if rotated else ((), frozenset())
+        closing = frozenset(rules.POST_NORMS[config.norm][1]) if config.sandwich_norm else frozenset()
         ops = (*layer.layer_forward(i, z, made, moe.block_forward(p, z, config) if block else (), core, resid, later,
-                                    ln.walks(config) or z.act == 4, down_proj=ln.DOWN if ln.walks(config) else
-                                    layer.DOWN_PROJ, rope=fp32_rope),
+                                    config.post_norm or ln.walks(config) or z.act == 4, closing,
+                                    down_proj=ln.DOWN if ln.walks(config) else layer.DOWN_PROJ, rope=fp32_rope),
                *(replace(x, forward=()) for x in ops))
     return tuple(replace(x, shadow=PHI3_SHADOWED.get(x.where, "")) for x in ops) if config.fused_qkv and not resid \
         else ops
@@ -402,10 +486,10 @@ def _embedding(z: Sizes, config: ModelConfig, sharded: bool) -> tuple[Op, ...]:
                 " LlamaModel returns"),) if eager else ()),
         *((Made("model/sliding_mask", act * z.b * s * s if eager else s * s, "create_sliding_window_causal_mask's"
                 " mask beside the causal one: Gemma 2's sliding layers read it (Qwen2MoeModel makes it too, though no"
-                " layer slides)"),) if config.moe_shared_expert_intermediate_size or config.sandwich_norm else ()),
+                " layer slides; under SDPA Gemma 3's window, not below s, is causal: no mask)"),)
+          if _qwen2_moe(config) or _slides(config, 0) and eager else ()),
     )
-    tables = tuple(kept("", x, "made once per forward by LlamaRotaryEmbedding; every layer's RoPE keeps it")
-                   for x in _tables(config))
+    tables = _model_tables(config, z)
     dropped = ln.embedding_dropout(z, config, Step("RoPE's tables", tables, moment=False))
     first = Made("model/inputs_embeds" if dropped else "layers.0/input", z.full(z.h), "the embedding lookup, the first"
                  " layer's input: LlamaModel's inputs_embeds, live until it returns")
@@ -422,6 +506,11 @@ def _embedding(z: Sizes, config: ModelConfig, sharded: bool) -> tuple[Op, ...]:
         *looked_up, Step("what LlamaModel makes once for all layers", model + (() if dropped else tables),
                          moment=False),
     ), backward=(*scaled, *_embedding_backward(z, config, tp, sharded))), *dropped)
+
+
+def _qwen2_moe(config: ModelConfig) -> bool:
+    """Qwen2-MoE's model, known by its shared expert (DeepSeek-V3's, beside latent attention, is another block)."""
+    return bool(config.moe_shared_expert_intermediate_size) and not config.mla
 
 
 def _batch(z: Sizes) -> Op:
@@ -458,8 +547,7 @@ def _embedding_backward(z: Sizes, config: ModelConfig, tp: bool, sharded: bool) 
                  " Shard(0) (DTensor's redistribute) to be added into the fp32 buffer")),
             frees=("grad/embedding (.grad)", "grad/embedding (rows)")),)
     if tied:
-        out += (Step("the tied weight's two gradients summed", (Made("grad/embedding (sum)", table, "autograd sums"
-                                                                     " the tied weight's two gradients"),)),)
+        out += (torch_ops.tied_sum(table),)
     handed = () if rows else ("grad/embedding (sum)" if tied else "grad/embedding (lookup)",)
     return out + (Step("", hands_over=handed), Step("", frees=("grad/embedding (lookup)", "grad/embedding (lm_head)")))
 
@@ -476,13 +564,15 @@ def _output(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
         return (*norm("model.norm", "", final, z, "grad/lm_head input", f"grad/layers.{config.L - 1}/output",
                       output=kept("", ledger.OUTPUT_INPUT, "lm_head's input, which it keeps"),
                       gone=(*(() if kept_x else (last,)), *locals_), x=last), *_head(z, config))
-    # the locals alive at its widest: LlamaRMSNorm's variance and fp32 x * r; GemmaRMSNorm's fp32 product (in fp32 the
-    # casts are no-ops: x * r is the ledger's normed, the product lm_head's input)
+    # the locals alive at its widest: LlamaRMSNorm's variance and fp32 x * r; GemmaRMSNorm's fp32 product;
+    # Olmo2RMSNorm's variance and fp32 product (in fp32 the casts are no-ops: x * r is the ledger's normed, the product
+    # lm_head's input)
     fp32 = z.act == 4
-    temps = (() if fp32 else (Made("final_norm/product fp32", z.tokens(4 * z.h), "(x * r) * (1 + w) in fp32: a"
-                                   " local"),)) if final.weight_plus_one else (
-        Made("final_norm/variance", z.tokens(4), "pow(2).mean(-1): a local"),
-        *(() if fp32 else (Made("final_norm/normalised fp32", z.tokens(4 * z.h), "x * rsqrt(.): a local"),)))
+    variance = Made("final_norm/variance", z.tokens(4), "pow(2).mean(-1): a local")
+    temps = (*(() if final.weight_plus_one else (variance,)),
+             *(() if fp32 else (Made("final_norm/product fp32", z.tokens(4 * z.h), "the weight's product in fp32: a"
+                                     " local"),) if final.normed_fp32 else (
+                 Made("final_norm/normalised fp32", z.tokens(4 * z.h), "x * rsqrt(.): a local"),)))
     widest = Step("RMSNorm at its widest: fp32 input and output, bf16 output", (
         *(kept("", x) for x in final), *temps, kept("", ledger.OUTPUT_INPUT, "the cast back: lm_head's input, which it"
                                                    " keeps")),

@@ -11,7 +11,7 @@ from typing import Callable
 
 from memcalc.model import ledger
 from memcalc.model.impls import hf as rules
-from memcalc.model.ledger import RMSNormTensors, SavedTensor
+from memcalc.model.ledger import Kind, RMSNormTensors, SavedTensor
 from memcalc.sizing.timeline.tape import Sizes
 from memcalc.sizing.timeline import torch_ops
 from memcalc.sizing.timeline.torch_ops import WHY_WGRAD, linear
@@ -27,8 +27,8 @@ def rms_norm(where: str, p: str, norm: RMSNormTensors, z: Sizes, dy: str | None,
     `residual` the norm's dX and the stream's gradient summed into `out`. `forward`: the final norm's; `width`, `heads`:
     Qwen3's q_norm and k_norm, per head; `dy` None: the residual stream's too (Gemma 2's sandwich norms); `output`,
     `gone`: the forward op by op, for a checkpoint's walk, `x` the norm's input (in fp32 its upcast is x itself, which
-    the norm then keeps). GemmaRMSNorm (`norm.weight_plus_one`) multiplies in fp32 and casts back last
-    (`_gemma_weight`)."""
+    the norm then keeps). GemmaRMSNorm (`norm.weight_plus_one`) and Olmo2RMSNorm (`norm.normed_fp32` alone: its weight
+    times the fp32 x * r) multiply in fp32 and cast back last (`_gemma_weight`)."""
     width = width or z.h
     g, fp32, row = _grad(p, where), z.tokens(4 * width), z.tokens(4 * heads)
     act = z.full(width)
@@ -60,23 +60,26 @@ def rms_norm(where: str, p: str, norm: RMSNormTensors, z: Sizes, dy: str | None,
     ), saves=(norm.input_fp32,))
     upcast = Step("y.to(bf16)'s backward", (Made(f"{g}/dy fp32", fp32, "the gradient cast up to fp32"),),
                   frees=(f"{g}/dY w",), moment=False)
-    cast_up = act != fp32 and not norm.weight_plus_one  # fp32: y is x * r itself, and dY w its gradient
+    cast_up = act != fp32 and not norm.normed_fp32  # fp32: y is x * r itself, and dY w its gradient
     rstd = Op(where, forward=(), backward=(
         *((upcast,) if cast_up else ()),
         Step("x * r's backward", (Made(f"{g}/dx (x * r)", fp32, "dy * r"), Made(f"{g}/dr full", fp32, "dy * x"),
                                   Made(f"{g}/dr", row, "the rstd's gradient, (b, s, 1) fp32")),
-             frees=(f"{g}/dy fp32" if cast_up or norm.weight_plus_one else f"{g}/dY w", f"{g}/dr full"),
+             frees=(f"{g}/dy fp32" if cast_up or norm.normed_fp32 else f"{g}/dY w", f"{g}/dr full"),
              moment=False),
         *summed,
         Step("rsqrt's backward", (Made(f"{g}/r^3", row, "(b, s, 1) fp32"), Made(f"{g}/-r^3 / 2", row, "(b, s, 1) fp32"),
                                   Made(f"{g}/dvariance", row, "dr * -r^3 / 2")),
              frees=(f"{g}/r^3", f"{g}/-r^3 / 2", f"{g}/dr"), moment=False),
     ), saves=(norm.rstd,))
-    if norm.weight_plus_one:
+    if norm.normed_fp32:
         return (cast, power, rstd, *_gemma_weight(where, g, norm, z, dy, fp32, width // heads))
     weight = Op(where, forward=(), backward=(
+        # a moment in fp32: under a checkpoint y (the rerun's) is still live here, gone at the sum below, and with
+        # dY and both products this can be the step's peak (Phi-3's post_attention_layernorm at b=3 s=3 h=4: measured)
         Step("weight * y's backward: its two products", (Made(f"{g}/dY w", act, "dY * weight"),
-                                                         Made(f"{g}/dY y", act, "dY * y")), returns=True, moment=False),
+                                                         Made(f"{g}/dY y", act, "dY * y")), returns=True,
+             moment=act == fp32),
         # summed to the weight's shape after the node returned (under a checkpoint y, the rerun's, is gone by then);
         # a moment in fp32, where a tiny model with tied weights peaks here (no fp32 copy of the logits above it)
         Step("weight * y's backward", (Made(f"{g}/dweight", z.act * width // heads, WHY_WGRAD),),
@@ -101,11 +104,32 @@ def _summed_into_x(g: str, act: int, residual: str | None) -> tuple[tuple[Step, 
 def _norm_forward(n: str, p: str, norm: RMSNormTensors, fp32: int, row: int, upcast: Made, output: Made,
                   gone: tuple[str, ...]) -> tuple[Step, ...]:
     """LlamaRMSNorm's forward op by op (the variance a local to the return). `fp32`: an fp32 copy's bytes, `row`: the
-    statistics'; `upcast`: x.to(float32), in fp32 an alias of x, as the cast back is of x * rstd."""
+    statistics'; `upcast`: x.to(float32), in fp32 an alias of x, as the cast back is of x * rstd. Olmo2RMSNorm
+    (`norm.normed_fp32`) keeps x * rstd in fp32 and casts back its weight's fp32 product (in fp32 the output)."""
     read = (kept_name(p, norm.input_fp32), kept_name(p, norm.rstd))
+    gone = (f"{n}/variance", *gone)
+    if norm.normed_fp32:
+        normed = kept_name(p, norm.normed_fp32)
+        product = Made(f"{n}/product fp32", fp32, "weight * (.) in fp32, a temporary")
+        return (*_statistics(n, p, norm, fp32, row, upcast),
+                Step("x * rstd", (kept(p, norm.normed_fp32),), reads_last=read),
+                *((Step("weight * (.): the norm's output", (output,), frees=gone, reads_last=(normed,)),)
+                  if upcast.alias else (Step("weight * (.), in fp32", (product,)),  # x * rstd a local to the return
+                                        Step("the cast back: the norm's output", (output,),
+                                             frees=(product.name, *gone), reads_last=(normed,)))))
     normalised = (Step("x * rstd", (kept(p, norm.normed),), reads_last=read),) if upcast.alias else (
         Step("x * rstd", (Made(f"{n}/normalised fp32", fp32, "a local until the norm returns"),), reads_last=read),
         Step("the cast back to bf16", (kept(p, norm.normed),)))
+    return (
+        *_statistics(n, p, norm, fp32, row, upcast),
+        *normalised,
+        Step("weight * y: the norm's output", (output,), frees=(f"{n}/normalised fp32", *gone),
+             reads_last=(kept_name(p, norm.normed),)),
+    )
+
+
+def _statistics(n: str, p: str, norm: RMSNormTensors, fp32: int, row: int, upcast: Made) -> tuple[Step, ...]:
+    """LlamaRMSNorm's (and Olmo2RMSNorm's) first ops: the upcast, the variance (a local to the norm's return), rsqrt."""
     return (
         Step("x.to(float32)", (upcast,)),
         Step("pow(2)", (Made(f"{n}/pow", fp32, "x^2, a temporary"),)),
@@ -113,9 +137,6 @@ def _norm_forward(n: str, p: str, norm: RMSNormTensors, fp32: int, row: int, upc
              frees=(f"{n}/pow",)),
         Step("variance + eps", (Made(f"{n}/variance + eps", row, "rsqrt's input, a temporary"),)),
         Step("rsqrt", (kept(p, norm.rstd),), frees=(f"{n}/variance + eps",)),
-        *normalised,
-        Step("weight * y: the norm's output", (output,), frees=(f"{n}/variance", f"{n}/normalised fp32", *gone),
-             reads_last=(kept_name(p, norm.normed),)),
     )
 
 
@@ -151,7 +172,8 @@ def _gemma_norm_forward(n: str, p: str, norm: RMSNormTensors, fp32: int, row: in
 def _gemma_weight(where: str, g: str, norm: RMSNormTensors, z: Sizes, dy: str | None, fp32: int, channels: int
                   ) -> tuple[Op, Op]:
     """GemmaRMSNorm's last two ops: (x * r) * (1.0 + weight.float()) in fp32, keeping both factors, then type_as(x)
-    (in fp32 a no-op: the product's backward reads dY itself)."""
+    (in fp32 a no-op: the product's backward reads dY itself). Olmo2RMSNorm's weight * (x * r) keeps the fp32 factor
+    alone, its weight's gradient cast to the weight's dtype as autograd validates the node's outputs."""
     cast = z.act != 4
     dy_fp32 = f"{g}/dY fp32" if cast else dy
     product = Op(where, forward=(), backward=(
@@ -163,8 +185,8 @@ def _gemma_weight(where: str, g: str, norm: RMSNormTensors, z: Sizes, dy: str | 
              frees=(f"{g}/dw+1 full", *((dy_fp32,) if dy_fp32 else ())),
              reduced=True),
         Step("weight.float()'s backward", (Made(f"{g}/dweight", z.act * channels, WHY_WGRAD),),
-             frees=(f"{g}/dw+1",), hands_over=(f"{g}/dweight",), moment=False),
-    ), saves=(norm.weight_plus_one, norm.normed_fp32))
+             frees=(f"{g}/dw+1",), hands_over=(f"{g}/dweight",), reduced=not norm.weight_plus_one, moment=False),
+    ), saves=tuple(x for x in (norm.weight_plus_one, norm.normed_fp32) if x))
     up = Op(where, forward=(), backward=(
         Step("type_as(x)'s backward", (Made(f"{g}/dY fp32", fp32, "the gradient cast up to fp32"),),
              frees=(dy,) if dy else (),
@@ -175,53 +197,64 @@ def _gemma_weight(where: str, g: str, norm: RMSNormTensors, z: Sizes, dy: str | 
 DOWN_PROJ = "mlp.down_proj"  # LlamaMLP's rowwise projection under tp
 
 
+def unnormed(kept_as: SavedTensor, x: str) -> tuple[Op]:
+    """OLMo 2's layer has no norm before the attention or the MLP: their projections keep the residual stream `x`
+    itself (`kept_as`, an alias), and autograd sums their dX into the stream's gradient as they come (`attention`'s
+    and `mlp`'s `into`)."""
+    stream = Made(x, 0, "the residual stream, read unnormalised", keeps=kept_as, alias=True)
+    return (Op("", (Step("", (stream,)),), ()),)
+
+
 def layer_forward(i: int, z: Sizes, kept: Step, mlp: tuple[Op, ...] = (), core: tuple[Op, ...] = (),
                   dropped: bool = False, later: frozenset[SavedTensor] = frozenset(), kept_inputs: bool = False,
-                  parallel: bool = False, down_proj: str = DOWN_PROJ,
+                  closing: frozenset[SavedTensor] = frozenset(), parallel: bool = False, down_proj: str = DOWN_PROJ,
                   rope: tuple[tuple[Op, ...], frozenset[SavedTensor]] = ((), frozenset())) -> tuple[Op, ...]:
     """Layer i's forward, one moment at its second residual sum: its kept tensors (`kept`, every layer's one step),
     the residual stream, and a sparse block's own moments (`mlp`, which makes the MLP's output); with the attention
     core's own moment (`core`), the tensors kept up to it (those before o_proj's input, but the core's `later` ones)
-    are made before it. Under tp a
+    are made before it, and those the core's steps make (DeepSeek's, hf_mla) are not made again. Under tp a
     dense MLP's down_proj (RowwiseParallel) all-reduces its GEMM's partial sum into a new tensor: a moment before the
     sum, as many bytes as it (the partial goes as the sum is made), which MemTracker reads first. `kept_inputs`: the
-    norms keep their inputs themselves (nn.LayerNorm's; in fp32 x.to(float32), a no-op). `parallel`: the attention
-    and the MLP read one norm's output (Cohere's), summed with the input at the end, o_proj's output live to then.
-    `down_proj`: the MLP's rowwise projection (StarCoder 2's c_proj). `rope`: RoPE's forward in fp32 (OLMo's, Cohere's)
-    op by op, which makes Q and K itself, and the kept tensors made before it (the rest of those before o_proj's input,
-    the core's, after it)."""
+    layer's input and the stream are kept themselves (nn.LayerNorm's inputs; in fp32 the norms' x.to(float32), a
+    no-op; OLMo 2's projections, `unnormed`). `closing`: what Gemma 2's post_feedforward_layernorm keeps, made after
+    down_proj (whose output goes as the norm returns). `parallel`: the attention and the MLP read one norm's output
+    (Cohere's), summed with the input at the end, o_proj's output live to then. `down_proj`: the MLP's rowwise
+    projection (StarCoder 2's c_proj). `rope`: RoPE's forward in fp32 (OLMo's, Cohere's) op by op, which makes Q and K
+    itself, and the kept tensors made before it (the rest of those before o_proj's input, the core's, after it)."""
     p, full = f"layers.{i}", z.full(z.h)
-    # the ledger's norm inputs are the layer's input and the stream
-    aliased = kept_inputs
-    alias = (Step("", frees=(f"{p}/input",)),) if aliased else ()
+    alias = (Step("", frees=(f"{p}/input",)),) if kept_inputs else ()
     rope_ops, early = rope
     if core or rope_ops:
-        at = next(j for j, x in enumerate(kept.makes) if x.keeps == ledger.PROJ_IN)
+        at = next(j for j, x in enumerate(kept.makes) if x.keeps in (ledger.PROJ_IN, ledger.MLA_PROJ_IN))
         rotated = {x.keeps for op in rope_ops for step in op.forward for x in step.makes if x.keeps is not None}
         before = tuple(x for x in kept.makes[:at] if x.keeps not in later | rotated)
         if rope_ops:  # the core's kept tensors made after RoPE's
             made_after = (Op("", (Step("the core's kept tensors", tuple(x for x in before if x.keeps not in early),
                                        moment=False),), ()),)
             rope_ops, before = (*rope_ops, *made_after), tuple(x for x in before if x.keeps in early)
-        after = (*(x for x in kept.makes[:at] if x.keeps in later - rotated), *kept.makes[at:])
+        own = {x.keeps for op in core for step in op.forward for x in step.makes if x.keeps}  # made by the core
+        after = tuple(x for x in (*(x for x in kept.makes[:at] if x.keeps in later - rotated), *kept.makes[at:])
+                      if x.keeps not in own)
         core = (Op("", (replace(kept, makes=before), *alias), ()), *rope_ops, *core)
         kept, alias = replace(kept, makes=after), ()
-    stream = alias if aliased else (Step("the residual stream", (Made(
+    stream = alias if kept_inputs else (Step("the residual stream", (Made(
         f"{p}/mid", full, "the residual stream after attention: ln2's input and the MLP's residual"),), moment=False),
     ) if not parallel else (Step("the attention's output", (Made(f"{p}/attn output", full, "o_proj's output, a local"
                                                                  " to the layer's sum"),), moment=False),)
+    late = tuple(x for x in kept.makes if x.keeps in closing)
     # under tp, an MLP's dropout (StarCoder 2's) keeps its mask after down_proj's all-reduce
-    late = tuple(x for x in kept.makes if x.keeps == ledger.MLP_DROPOUT_MASK) if z.t > 1 and not mlp else ()
-    made = Op("", forward=(replace(kept, makes=tuple(x for x in kept.makes if x not in late)), *stream), backward=())
+    masked = tuple(x for x in kept.makes if x.keeps == ledger.MLP_DROPOUT_MASK) if z.t > 1 and not mlp else ()
+    made = Op("", (replace(kept, makes=tuple(x for x in kept.makes if x not in late + masked)), *stream), ())
     output = () if mlp else (Made(f"{p}/mlp output", full, "down_proj's output, summed into the residual stream"),)
     if dropped:  # Phi-3's resid_mlp_dropout: the layer's variable holds down_proj's output to the sum too
         output += (Made(f"{p}/mlp proj", full, "down_proj's output, resid_mlp_dropout's input"),)
     down = (Op(down_proj, forward=(Step("down_proj's partial sum all-reduced", (
         Made(f"{p}/mlp partial", full, "down_proj's GEMM: this rank's share of the sum, a local of its forward"),
-        *output), frees=(f"{p}/mlp partial",)),), backward=()),) if output and z.t > 1 else ()
+        *output), frees=(f"{p}/mlp partial",)), *((Step("", frees=(f"{p}/mlp output",)),) if late else ())),
+        backward=()),) if output and z.t > 1 else ()
     partial = (Made(f"{p}/partial sum", full, "the input plus the attention's output"),) if parallel else ()
     out = Op("", forward=(Step("the layer's saved tensors, at its second residual sum", (
-        *late, *(() if down else output), *partial,
+        *late, *masked, *(() if down and not late else output), *partial,
         Made(f"layers.{i + 1}/input", full, "the layer's output, the next layer's input")),
         # the caller rebinds its hidden_states; the first layer's input is inputs_embeds too
         frees=(f"{p}/mid", f"{p}/mlp output", f"{p}/mlp proj", *(x.name for x in partial), f"{p}/attn output",
@@ -252,16 +285,19 @@ def returned_weights(z: Sizes, eager: bool, dropout: bool) -> SavedTensor | None
     return ledger.ATTN_DROPOUT_OUT if dropout else rules.SOFTMAX_FP32 if z.act == 4 else rules.WEIGHTS
 
 
-def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, tp: bool,
-              tables: tuple[SavedTensor, ...], qk_norm: bool = False, qkv_bias: bool = False, dropout: bool = False,
-              softcap: bool = False, dy: str | None = None, fused: bool = False, made_as: str = "attn output",
-              rope: RopeOps | None = None, o_bias: bool = False, pending: str = "") -> tuple[Op, ...]:
-    """q, k, v (their dX summed as they come; `qk_norm`: Qwen3's q_norm and k_norm; `qkv_bias`: Qwen2's biases;
-    `fused`: Phi-3's one qkv_proj), RoPE (`rope`, Llama's `llama_rope` by default; `tables`: the model's tables, which
-    this layer's RoPE backward lets go last, or none), the core (eager with `dropout` or Gemma 2's `softcap`, or SDPA),
-    o_proj (`dy` its output's gradient; None: the residual stream's, which lives on; `made_as` its output's name;
-    `o_bias`: StarCoder 2's bias); the heads go as the module returns. `pending`: the input's gradient autograd holds
-    already (a parallel MLP's), into which v's, k's and q's are summed as they come."""
+def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, tp: bool, first: tuple[str, ...],
+              qk_norm: str = "", qkv_bias: bool = False, dropout: bool = False, softcap: bool = False,
+              dy: str | None = None, fused: bool = False, made_as: str = "attn output",
+              rope: tuple[SavedTensor, ...] = (), into: tuple[str, str] = ("", ""), rope_ops: RopeOps | None = None,
+              o_bias: bool = False) -> tuple[Op, ...]:
+    """q, k, v (their dX summed as they come; `qk_norm`, the layer's norm: Qwen3's q_norm and k_norm, OLMo 2's over
+    the whole projection; `qkv_bias`: Qwen2's biases; `fused`: Phi-3's one qkv_proj), RoPE (`_rope_ops`, or the
+    `rope_ops` builder: OLMo's and Cohere's fp32 RoPE, hf_olmo.rope; `rope` the model's tables every layer keeps, none
+    where each keeps its own: GLM's; `first`, those the layer is the first to read, gone in its backward), the core
+    (eager with `dropout` or Gemma 2's `softcap`, or SDPA), o_proj (`dy` its output's gradient; None: the residual
+    stream's, which lives on; `made_as` its output's name; `o_bias`: StarCoder 2's bias); the heads go as the module
+    returns. `into`: the input's gradient autograd holds already (OLMo 2's unnormed residual stream's, Cohere's
+    parallel MLP's), which q's, k's and v's dX join as they come, and the name of the sum ("": the norm's dY)."""
     g, q, kv, full = f"grad/{p}", z.a_t * z.d, z.g_t * z.d, z.full(z.h)
     # the projections' outputs and RoPE's, each the core's saved tensor or a local of the attention
     q_copied, k_copied, v_copied = _bmm_copies(z, saved, fused)
@@ -270,21 +306,22 @@ def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, t
             "v": _kept_or_local(p, ledger.V, saved, "v heads", z.full(kv), eager and v_copied)}
     rotated = {"q": _kept_or_local(p, ledger.Q, saved, "q heads", z.full(q), eager and q_copied),
                "k": _kept_or_local(p, ledger.K, saved, "k heads", z.full(kv), eager and k_copied)}
-    norms = {"q": (rules.Q_NORM_RMS, z.a_t), "k": (rules.K_NORM_RMS, z.g_t)} if qk_norm else {}
+    norms = _qk_norms(qk_norm, z)
     ran: list[Op] = []  # in the order autograd runs them
-    summed = pending
+    late: list[Op] = []  # Gemma 3's q_norm and k_norm, run once all three projections have
+    summed = into[0]
     for name, width in (("v", kv), ("k", kv), ("q", q)):
         heads = f"{g}/v heads" if name == "v" else f"{g}/{name} pre-rope"
         projected = made[name]
         if name in norms:  # the projection's output is the norm's input, RoPE's the norm's output
             projected = Made(f"{p}/{name} proj", z.full(width), f"{name}_proj's output, {name}_norm's input")
-            ran += reversed(rms_norm(f"self_attn.{name}_norm", p, norms[name][0], z, heads, f"{g}/{name} normed",
-                                     width=width, heads=norms[name][1], output=made[name], gone=(projected.name,),
-                                     x=projected.name))
+            norm = rms_norm(f"self_attn.{name}_norm", p, norms[name][0], z, heads, f"{g}/{name} normed", width=width,
+                            heads=norms[name][1], output=made[name], gone=(projected.name,), x=projected.name)
+            (late if qk_norm == "rmsnorm_1p" else ran).extend(reversed(norm))
             heads = f"{g}/{name} normed"
         copy = width != z.d and z.s != 1  # one head: (b, 1, s, d) transposed is (b, s, 1, d) already, no copy
         tokens, dx = f"{g}/{name} tokens" if copy else heads, f"{g}/{name}_proj input"
-        out = f"{g}/ln1 output" if name == "q" else f"{dx} + {summed}"
+        out = (into[1] or f"{g}/ln1 output") if name == "q" else f"{dx} + {summed}"
         lin = linear(f"self_attn.{name}_proj", ledger.QKV_IN, projected, z.act * width * z.h, dx, full, p, (tokens,),
                      reduced=tp, bias=z.act * width if qkv_bias else 0)
         ran.append(replace(lin, backward=(
@@ -294,20 +331,39 @@ def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, t
             *((Step("autograd sums q's, k's and v's input gradients as they come", (Made(
                 out, full, "the input gradients summed"),), frees=(dx, summed), moment=False),) if summed else ()))))
         summed = out if summed else dx
+    ran[:0] = late
     if fused:  # q, k and v are views of qkv_proj's output, which V's view keeps whole at b = 1
         made["v"] = _kept_or_local(p, rules.NEOX_QKV_OUT, saved, "qkv", z.full(q + 2 * kv))
-    rope_ops = (rope or llama_rope)(p, {"q": (z.full(q), rotated["q"]), "k": (z.full(kv), rotated["k"])}, fused,
-                                    tuple(t.name for t in tables))
     math = rules.MATH_Q.name in saved  # SDPA with dropout on a CPU: the math kernel (the ledger's SDPA_MATH)
-    core = _eager(p, z, saved, gqa, dropout, softcap, fused) if eager else \
-        sdpa_math(p, z, gqa, f"{g}/o_proj input", made["v"].name) if math else _sdpa(p, z)
-    o_proj = linear("self_attn.o_proj", ledger.PROJ_IN if eager or math else None, None, z.act * q * z.h,
+    rope_built = rope_ops(p, {"q": (z.full(q), rotated["q"]), "k": (z.full(kv), rotated["k"])}, fused, first) \
+        if rope_ops else _rope_ops(p, z, {"q": q, "k": kv}, rotated, saved, fused, rope, first)
+    core = eager_core(p, z, saved, gqa, dropout, softcap, fused) if eager else \
+        sdpa_math(p, z, gqa, f"{g}/o_proj input", made["v"].name, q_folds=rules.GLM_ROPE_COS.name not in saved) \
+        if math else _sdpa(p, z, saved)
+    copied = eager or math or rules.GLM_SDPA_OUT.name in saved  # o_proj's input no kernel's output
+    o_proj = linear("self_attn.o_proj", ledger.PROJ_IN if copied else None, None, z.act * q * z.h,
                     f"{g}/o_proj input", z.full(q), p, (dy,) if dy else (), bias=z.act * z.h if o_bias else 0)
     gone = (made["v"], *rotated.values(), kept(p, ledger.QKV_IN), kept(p, ledger.PROJ_IN))  # at the module's return
     o_proj = replace(o_proj, forward=(Step("the GEMM", (Made(f"{p}/{made_as}", full, "o_proj's output"),),
                                            frees=tuple(x.name for x in gone if x.keeps is None),
                                            reads_last=tuple(x.name for x in gone if x.keeps is not None)),))
-    return (*(_fused_qkv(p, z, q, kv, tp, made["v"]) if fused else reversed(ran)), *rope_ops, *core, o_proj)
+    return (*(_fused_qkv(p, z, q, kv, tp, made["v"]) if fused else reversed(ran)), *rope_built, *core, o_proj)
+
+
+# q_norm and k_norm by the layer's norm: Qwen3's LlamaRMSNorm and Gemma 3's GemmaRMSNorm on each head, OLMo 2's
+# Olmo2RMSNorm over the projection's whole output
+QK_NORMS = {"rmsnorm": (rules.Q_NORM_RMS, rules.K_NORM_RMS), "rmsnorm_1p": (rules.GEMMA_Q_NORM, rules.GEMMA_K_NORM),
+            "rmsnorm_fp32w": (rules.OLMO2_Q_NORM, rules.OLMO2_K_NORM)}
+
+
+def _qk_norms(norm: str, z: Sizes) -> dict[str, tuple[RMSNormTensors, int]]:
+    """The q_norm and k_norm of a layer whose norm is `norm` ("" without), each with the statistics it keeps a token:
+    one a head, or OLMo 2's one over the whole projection."""
+    if not norm:
+        return {}
+    q, k = QK_NORMS[norm]
+    whole = norm == "rmsnorm_fp32w"
+    return {"q": (q, 1 if whole else z.a_t), "k": (k, 1 if whole else z.g_t)}
 
 
 def _kept_or_local(p: str, tensor: SavedTensor, saved: dict[str, int], name: str, nbytes: int, copied: bool = False
@@ -330,6 +386,8 @@ def _bmm_copies(z: Sizes, saved: dict[str, int], fused: bool = False) -> tuple[b
     if fused:
         return False, views, views or (not expanded and z.b > 1 and z.a_t > 1)
     plain = strided and z.g_t > 1 and not expanded
+    if rules.GLM_ROPE_COS.name in saved:  # GLM's Q and K: RoPE's concatenations, contiguous (b, heads, s, d)
+        return False, views, plain or views
     return strided and z.a_t > 1, plain or views, plain or views
 
 
@@ -360,44 +418,73 @@ def _fused_qkv(p: str, z: Sizes, q: int, kv: int, tp: bool, qkv: Made) -> tuple[
     return (lin, Op("self_attn", (), tuple(slices)), view)
 
 
-# apply_rotary_pos_emb as ops, q's then k's: (p, {"q": (bytes, output), "k": ...}, passthrough, the tables q's frees)
+# apply_rotary_pos_emb as ops, q's then k's, built apart from `_rope_ops` (OLMo's and Cohere's fp32 RoPE, hf_olmo.rope):
+# (p, {"q": (bytes, output), "k": ...}, passthrough, the tables q's backward frees)
 RopeOps = Callable[[str, dict[str, tuple[int, Made]], bool, tuple[str, ...]], tuple[Op, ...]]
 
 
-def llama_rope(p: str, heads: dict[str, tuple[int, Made]], passthrough: bool, tables: tuple[str, ...]
-               ) -> tuple[Op, ...]:
-    """apply_rotary_pos_emb on q, then k (each of `heads`' bytes, made its output), as Llama's model runs it;
-    `passthrough`: Phi-3's; q's backward, the last to run, lets the model's `tables` go (layer 0's)."""
-    return tuple(Op("self_attn", _rope_forward(p, name, w, out, name == "k" and not passthrough, passthrough),
-                    _rope_backward(f"grad/{p}", name, w, tables if name == "q" else ()))
-                 for name, (w, out) in heads.items())
-
-
-def _rope_forward(p: str, name: str, width: int, out: Made, last: bool, passthrough: bool = False
-                  ) -> tuple[Step, ...]:
+def _rope_forward(p: str, name: str, width: int, out: Made, last: bool, passthrough: bool = False, rot: int = 0,
+                  wide: int = 0) -> tuple[Step, ...]:
     """apply_rotary_pos_emb for q or k (`out` its result); after k's (`last`) the projections' outputs go, rebound to
-    RoPE's. `passthrough`: Phi-3's, whose sum is concatenated with the empty unrotated rest: a copy, `out`."""
+    RoPE's. `passthrough`: Phi-3's, whose sum is concatenated with the empty unrotated rest: a copy, `out`. `rot`:
+    GLM's rotated share's bytes, `wide`: OLMo's fp32 products' bytes; either's sum lives on, finished after k's
+    (`_rope_ops`)."""
     x = f"{p}/{name}"
     if passthrough:
         summed = Made(f"{x} embed", width, "the rotated part, a temporary")
         return (*_rope_forward(p, name, width, summed, last)[:-1],
                 Step("RoPE's sum", (summed,), frees=(f"{x} cos", f"{x} sin")),
                 Step("the rotated part and the rest concatenated", (out,), frees=(summed.name,)))
+    if rot or wide:
+        out, last = Made(f"{x} embed", wide or rot, "RoPE's sum, a local of apply_rotary_pos_emb"), False
+    rot = rot or width
+    product = wide or rot
     return (
-        Step(f"{name} * cos", (Made(f"{x} cos", width, "a temporary"),)),
-        Step("rotate_half: the negated half", (Made(f"{x} neg", width // 2, "-x2, a temporary"),)),
-        Step("rotate_half: the halves concatenated", (Made(f"{x} rotated", width, "a temporary"),),
+        Step(f"{name} * cos", (Made(f"{x} cos", product, "a temporary"),)),
+        Step("rotate_half: the negated half", (Made(f"{x} neg", rot // 2, "-x2, a temporary"),)),
+        Step("rotate_half: the halves concatenated", (Made(f"{x} rotated", rot, "a temporary"),),
              frees=(f"{x} neg",)),
-        Step("rotate_half(x) * sin", (Made(f"{x} sin", width, "a temporary"),), frees=(f"{x} rotated",)),
+        Step("rotate_half(x) * sin", (Made(f"{x} sin", product, "a temporary"),), frees=(f"{x} rotated",)),
         Step("RoPE's sum", (out,), frees=(f"{x} cos", f"{x} sin",
                                           *((f"{p}/q pre-rope", f"{p}/k pre-rope") if last else ()))),
     )
 
 
-def _rope_backward(g: str, name: str, width: int, tables: tuple[str, ...]) -> tuple[Step, ...]:
-    """apply_rotary_pos_emb's backward for q or k; the last to run it (layers.0, q) frees the model's `tables`."""
+def _rope_ops(p: str, z: Sizes, widths: dict[str, int], rotated: dict[str, Made], saved: dict[str, int], fused: bool,
+              tables: tuple[SavedTensor, ...], first: tuple[str, ...]) -> tuple[Op, Op]:
+    """RoPE on q, then on k (`widths` their channels, `rotated` what each becomes); `tables`: the model's, of which q's
+    backward frees those the layer is the `first` to read. OLMo's fp32 tables make fp32 products, each sum cast back
+    as the function returns; GLM's (its own (s, d_r) tables, interleaved from the model's, which its products keep)
+    rotate the first d_r channels of each head, each sum then concatenated with the rest (in backward the Llama walk's
+    steps, net: no moment inside)."""
+    g, glm = f"grad/{p}", rules.GLM_ROPE_COS.name in saved
+    upcast = bool(tables) and tables[0].kind is Kind.FP32 and z.act != 4
+    share = saved[rules.GLM_ROPE_COS.name] // (z.act * z.s) if glm else z.d  # d_r: the interleaved table's width
+    own = (rules.GLM_ROPE_COS, rules.GLM_ROPE_SIN) if glm else ()
+    ops = [Op("self_attn", (
+        *(Step(f"{x.name}: the model's table interleaved", (kept(p, x),)) for x in (own if name == "q" else ())),
+        *_rope_forward(p, name, z.full(w), rotated[name], name == "k" and not fused, fused,
+                       glm and z.full(w // z.d * share), upcast and z.tokens(4 * w))),
+        _rope_backward(g, name, z.full(w), first if name == "q" else (), upcast and z.tokens(4 * w)),
+        saves=own)
+        for name, w in widths.items()]  # forward order: q's, then k's
+    finish = "concatenated with the passed channels" if glm else "cast back" if upcast else ""
+    if finish:  # GLM's rebinds each sum to its concatenation; OLMo's sums, the function's locals, go as it returns
+        ops[1] = replace(ops[1], forward=(*ops[1].forward, *(
+            Step(f"{name}'s sum {finish}", (rotated[name],), frees=(f"{p}/{name} embed",) if glm else ())
+            for name in widths), Step("", frees=(f"{p}/q embed", f"{p}/k embed", f"{p}/q pre-rope", f"{p}/k pre-rope"),
+                                      reads_last=kept_names(p, *own))))
+    return ops[0], ops[1]
+
+
+def _rope_backward(g: str, name: str, width: int, tables: tuple[str, ...], wide: int = 0) -> tuple[Step, ...]:
+    """apply_rotary_pos_emb's backward for q or k; the last to run it (layers.0, q) frees the model's `tables`. `wide`:
+    OLMo's, the cast back's fp32 gradient live to x * cos's (each product's fp32 gradient is cast to x's dtype as its
+    node returns: no moment)."""
     x = f"{g}/{name}"
-    return (
+    up = (Step("the cast back's backward", (Made(f"{x} dY fp32", wide, "the gradient cast up to fp32"),),
+               frees=(f"{x} heads",), moment=False),) if wide else ()
+    return (*up,
         Step("rotate_half(x) * sin's backward", (Made(f"{x} rotated", width, "dY * sin"), Made(
             f"{x} neg", width // 2, "the negated half's gradient, negated back"), Made(
             f"{x} slice 1", width, "a half's gradient placed in a zero tensor")), frees=(f"{x} neg",), moment=False),
@@ -406,13 +493,13 @@ def _rope_backward(g: str, name: str, width: int, tables: tuple[str, ...]) -> tu
              frees=(f"{x} slice 1", f"{x} slice 2", f"{x} rotated"), moment=False),
         Step("x * cos's backward", (Made(f"{x} cos", width, "dY * cos"), Made(f"{x} pre-rope", width,
                                                                                 "x's two gradients summed")),
-             frees=(f"{x} cos", f"{x} rotate_half", f"{x} heads", *tables),
+             frees=(f"{x} cos", f"{x} rotate_half", f"{x} heads", f"{x} dY fp32", *tables),
              moment=False),
     )
 
 
-def _eager(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool = False, softcap: bool = False,
-           fused: bool = False) -> tuple[Op, ...]:
+def eager_core(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool = False, softcap: bool = False,
+               fused: bool = False) -> tuple[Op, ...]:
     """eager_attention_forward; `dropout`: native_dropout keeps its bool mask (the probe's shim runs CUDA's op on a
     CPU, memcalc.probe.libs.hf_shim); repeat_kv's sums over each group's heads (GQA) end its backward."""
     g, q = f"grad/{p}", z.full(z.a_t * z.d)
@@ -510,27 +597,32 @@ def _softcap_backward(g: str, scores: int) -> tuple[Step, ...]:
                  for what, old, new in zip(("(.) * softcap", "tanh", "(.) / softcap"), names, (*names[1:], names[0])))
 
 
-def _sdpa(p: str, z: Sizes) -> tuple[Op, ...]:
+def _sdpa(p: str, z: Sizes, saved: dict[str, int]) -> tuple[Op, ...]:
     """SDPA's flash kernel, one kernel each way; with dropout on CUDA too, which regenerates its mask in backward from
-    the RNG state mha_fwd allocates with or without dropout (torch's flash_api.cpp: read from code, not measured)."""
+    the RNG state mha_fwd allocates with or without dropout (torch's flash_api.cpp: read from code, not measured).
+    GLM's output, laid out as its (b, a, s, d) query, is copied (b, s, a, d) for o_proj (the ledger's GLM_SDPA_OUT)."""
     g, kv = f"grad/{p}", z.full(z.g_t * z.d)
+    out = rules.GLM_SDPA_OUT if rules.GLM_SDPA_OUT.name in saved else ledger.PROJ_IN
+    copied = (Step("the output made (b, s, a, d)", (kept(p, ledger.PROJ_IN),), reads_last=(kept_name(p, out),)),) \
+        if out != ledger.PROJ_IN else ()
     return (Op("self_attn", (Step("SDPA's flash kernel: its output and log-sum-exp", (
-        kept(p, ledger.PROJ_IN), kept(p, ledger.SOFTMAX_LSE)), reads_last=(kept_name(p, ledger.SOFTMAX_LSE),)),), (
+        kept(p, out), kept(p, ledger.SOFTMAX_LSE)), reads_last=(kept_name(p, ledger.SOFTMAX_LSE),)), *copied), (
         Step("the SDPA kernel's backward: dQ, dK, dV", (
         Made(f"{g}/q heads", z.full(z.a_t * z.d), "dQ"), Made(f"{g}/k heads", kv, "dK, at g heads"),
         Made(f"{g}/v heads", kv, "dV, at g heads")), frees=(f"{g}/o_proj input",)),),
-        saves=(ledger.Q, ledger.K, ledger.V, ledger.SOFTMAX_LSE, ledger.PROJ_IN)),)
+        saves=(ledger.Q, ledger.K, ledger.V, ledger.SOFTMAX_LSE, out)),)
 
 
-def sdpa_math(p: str, z: Sizes, gqa: bool, dy: str, v: str, kept_v: tuple[SavedTensor, ...] = (rules.MATH_V,)
-              ) -> tuple[Op, ...]:
+def sdpa_math(p: str, z: Sizes, gqa: bool, dy: str, v: str, kept_v: tuple[SavedTensor, ...] = (rules.MATH_V,),
+              q_folds: bool = True) -> tuple[Op, ...]:
     """SDPA with dropout on a CPU: torch's math kernel (aten _scaled_dot_product_attention_math), its ops recorded by
     autograd one by one, all in fp32 (q, k and v cast up, q and k^T scaled, K and V repeated to every head under GQA
     with enable_gqa, bmm, the causal mask added, _safe_softmax, dropout's scaled mask, bmm), its output cast back. Its
     backward runs those ops' backward in autograd's order: the dropout branch, then k's scale, the repeats' sums (v's,
     then k's), q's scale, the three casts down (v's, k's, q's; in fp32 every cast is a no-op). `dy`: the output's
     gradient (o_proj's dX); `v`: the tensor v is; `kept_v`: what bmm keeps of v (GPT-2's in fp32: the ledger's
-    GPT2_MATH_V, or c_attn's whole output). Its forward op by op (`math_forward`) is the first op's."""
+    GPT2_MATH_V, or c_attn's whole output); `q_folds`: whether q is laid out (b, s, a, d), Llama's (GLM's is RoPE's
+    contiguous concatenation). Its forward op by op (`math_forward`) is the first op's."""
     g, (heads, groups, folded), fp32 = f"grad/{p}", _math_sizes(z), z.act == 4
     scores = 4 * z.b * z.a_t * z.s * z.s
 
@@ -570,10 +662,11 @@ def sdpa_math(p: str, z: Sizes, gqa: bool, dy: str, v: str, kept_v: tuple[SavedT
                frees=(grad(n, False, scaled),)) for n, w, scaled in (("v", z.g_t, ""), ("k", z.g_t, ""),
                                                                       ("q", z.a_t, " scaled")) if not fp32),
     ), saves=(rules.MATH_Q, rules.MATH_K))
-    return (replace(scaled, forward=math_forward(p, z, gqa, v, kept_v)), softmax, mask, dropped)
+    return (replace(scaled, forward=math_forward(p, z, gqa, v, kept_v, q_folds)), softmax, mask, dropped)
 
 
-def math_forward(p: str, z: Sizes, gqa: bool, v: str, kept_v: tuple[SavedTensor, ...]) -> tuple[Step, ...]:
+def math_forward(p: str, z: Sizes, gqa: bool, v: str, kept_v: tuple[SavedTensor, ...], q_folds: bool = True
+                 ) -> tuple[Step, ...]:
     """The math kernel's forward for a walk op by op (GPT-2's; Llama's under a checkpoint): what it keeps that no C++
     local holds to its return (k^T scaled, the softmax, dropout's mask; matmul's copies of q scaled and v to fold
     (b, a)) goes at once under a checkpoint, marking no moment; then its widest moment as it returns its output (its
@@ -582,13 +675,13 @@ def math_forward(p: str, z: Sizes, gqa: bool, v: str, kept_v: tuple[SavedTensor,
     (b, s, a, d), a copy unless one head or one token."""
     folded, fp32, own = _math_sizes(z)[2], z.act == 4, rules.MATH_V in kept_v
     copied = folded and not gqa if own else rules.GPT2_MATH_V in kept_v
-    gone = (rules.MATH_K, rules.MATH_SOFTMAX, rules.MATH_DROPOUT_MASK, *((rules.MATH_Q,) if folded else ()),
+    gone = (rules.MATH_K, rules.MATH_SOFTMAX, rules.MATH_DROPOUT_MASK, *((rules.MATH_Q,) if folded and q_folds else ()),
             *(kept_v if copied else ()))
     aliased = own and fp32 and not gqa and not folded
     held = tuple(kept(p, x) for x in (rules.MATH_Q, rules.MATH_DROPOUT_OUT, *((rules.MATH_V,) if own and not aliased
                                                                               else ())) if x not in gone)
     same = (Made(v, 0, "v.to(float32) in fp32: v itself", keeps=rules.MATH_V, alias=True),) if aliased else ()
-    locals_ = math_locals(p, z, gqa)
+    locals_ = math_locals(p, z, gqa, q_folds)
     out = locals_[-1] if fp32 else Made(f"{p}/math output", z.full(z.a_t * z.d), "the output cast back to bf16")
     return (
         Step("what the math kernel keeps but no local of it holds", tuple(kept(p, x) for x in gone),
@@ -602,7 +695,7 @@ def math_forward(p: str, z: Sizes, gqa: bool, v: str, kept_v: tuple[SavedTensor,
 
 def eager_forward(p: str, z: Sizes, saved: dict[str, int], fused: bool = False
                   ) -> tuple[tuple[Op, ...], frozenset[SavedTensor]]:
-    """eager_attention_forward's widest forward moment, its fp32 softmax (`_eager` op by op): the masked scores (the
+    """eager_attention_forward's widest forward moment, its fp32 softmax (`eager_core` op by op): the masked scores (the
     local the softmax rebinds) and, but in fp32, softmax's fp32 cast of them (its input, a temporary) beside the
     softmax itself and the attention's locals (RoPE's q and k, v, where matmul keeps contiguous copies of them); at
     s^2 >> h wider than the layer's end. The kept tensors made after it: the weights cast back, dropout's, a V copied
@@ -644,7 +737,7 @@ def sdpa_math_forward(p: str, z: Sizes, saved: dict[str, int], gqa: bool) -> tup
         Made(f"{p}/k heads", z.full(z.g_t * z.d), "RoPE's k, a local of the attention"),
         *(() if fp32 and not gqa and not _math_sizes(z)[2] else (
             Made(f"{p}/v heads", z.full(z.g_t * z.d), "v_proj's output as heads, a local of the attention"),)),
-        *math_locals(p, z, gqa),
+        *math_locals(p, z, gqa, rules.GLM_ROPE_COS.name not in saved),
         *(() if fp32 else (Made(f"{p}/math output", z.full(z.a_t * z.d), "the output cast back to bf16"),)),
     )
     return (Op("self_attn", (Step(MATH_WIDEST, locals_, frees=tuple(x.name for x in locals_)),), ()),)
@@ -653,9 +746,10 @@ def sdpa_math_forward(p: str, z: Sizes, saved: dict[str, int], gqa: bool) -> tup
 MATH_WIDEST = "SDPA's math kernel at its widest, as it returns its output"
 
 
-def math_locals(p: str, z: Sizes, gqa: bool) -> tuple[Made, ...]:
+def math_locals(p: str, z: Sizes, gqa: bool, q_folds: bool = True) -> tuple[Made, ...]:
     """The math kernel's C++ locals at its widest, bmm's output last (in fp32 the kernel's output; the ledger's
-    SDPA_MATH aside). In fp32 q's, k's and v's casts and the dropped-out weights' are no-ops: no locals."""
+    SDPA_MATH aside). In fp32 q's, k's and v's casts and the dropped-out weights' are no-ops: no locals. `q_folds`: as
+    `sdpa_math`'s."""
     heads, groups, folded = _math_sizes(z)
     cast = z.act != 4
     return (
@@ -664,7 +758,7 @@ def math_locals(p: str, z: Sizes, gqa: bool) -> tuple[Made, ...]:
         *((Made(f"{p}/math v", groups, "v.to(float32), a local (matmul copies it to fold (b, a))"),)
           if (gqa or folded) and cast else ()),  # else the kept MATH_V
         *((Made(f"{p}/math q scaled", heads, "q * sqrt(scale), a local (matmul copies it to fold (b, a))"),)
-          if folded else ()),  # else the kept MATH_Q
+          if folded and q_folds else ()),  # else the kept MATH_Q
         *((Made(f"{p}/math mask", 4 * z.s * z.s, "the causal (s, s) fp32 mask, from a bool tril"),)
           if z.s > 1 else ()),  # one token attends without a mask (is_causal false)
         *((Made(f"{p}/math k expanded", heads, "K repeated to every head (enable_gqa), a local"),) if gqa else ()),
@@ -675,11 +769,11 @@ def math_locals(p: str, z: Sizes, gqa: bool) -> tuple[Made, ...]:
 
 
 def mlp(p: str, z: Sizes, tp: bool, gated: tuple[SavedTensor, SavedTensor, SavedTensor], dy: str | None = None,
-        fused: bool = False, made_as: str = "mlp output") -> tuple[Op, ...]:
+        fused: bool = False, made_as: str = "mlp output", into: tuple[str, str] = ("", "")) -> tuple[Op, ...]:
     """LlamaMLP; down_proj's dY is the layer's output gradient, which ln2's residual sum still needs. `gated`: what the
     activation and the product keep (GemmaMLP's tanh GELU keeps as SiLU does); `dy`: down_proj's output gradient when
     it is not the layer's (Gemma 2's post_feedforward_layernorm's dX, Phi-3's resid_mlp_dropout's); `fused`: Phi-3's
-    one gate_up_proj, chunked; `made_as`: down_proj's output's name."""
+    one gate_up_proj, chunked; `made_as`: down_proj's output's name; `into`: as `attention`'s, up's dX and gate's."""
     g, f = f"grad/{p}", z.f_t
     gate_in, up, act_out = gated
     w, full = z.act * f * z.h, z.full(z.h)
@@ -708,12 +802,21 @@ def mlp(p: str, z: Sizes, tp: bool, gated: tuple[SavedTensor, SavedTensor, Saved
                 chunk, replace(silu, where="mlp.activation_fn", forward=(replace(silu.forward[0], reads_last=()),)),
                 replace(product, forward=(replace(product.forward[0], reads_last=(kept_name(p, act_out),)),)),
                 replace(down, forward=(replace(down.forward[0], reads_last=down.forward[0].reads_last + halves),)))
+    residual, out = into
+    up_proj = linear("mlp.up_proj", ledger.FC1_IN, kept(p, up), w, f"{g}/up_proj input", full, p, (f"{g}/up",),
+                     reduced=tp)
+    if residual:
+        up_proj = replace(up_proj, backward=(*up_proj.backward, Step("autograd sums up_proj's input gradient into the"
+                                                                     " stream's", (Made(f"{g}/up + stream", full,
+                                                                                        "summed"),),
+                                                                     frees=(f"{g}/up_proj input", residual),
+                                                                     moment=False)))
+    summed = f"{g}/up + stream" if residual else f"{g}/up_proj input"
     return (
         replace(gate, backward=(*gate.backward, Step("autograd sums gate_proj's and up_proj's input gradients", (
-            Made(f"{g}/ln2 output", full, "the MLP input's gradient"),), frees=(f"{g}/up_proj input",
-                                                                              f"{g}/gate_proj input"), moment=False))),
-        silu, linear("mlp.up_proj", ledger.FC1_IN, kept(p, up), w, f"{g}/up_proj input", full, p, (f"{g}/up",),
-                     reduced=tp), product, down,
+            Made(out or f"{g}/ln2 output", full, "the MLP input's gradient"),), frees=(summed, f"{g}/gate_proj input"),
+            moment=False))),
+        silu, up_proj, product, down,
     )
 
 

@@ -1,4 +1,5 @@
-"""transformers' sparse MoE blocks (Mixtral's, Qwen2-MoE's, Qwen3-MoE's) as ops for the hf step walk (`--impl hf`).
+"""transformers' sparse MoE blocks (Mixtral's, Qwen2-MoE's, Qwen3-MoE's, DeepSeek-V3's) as ops for the hf step walk
+(`--impl hf`).
 
 The experts by experts_implementation (grouped_mm or the eager loop), each path's backward as autograd orders it:
 docs/timeline.md, "transformers' MoE blocks".
@@ -42,8 +43,9 @@ def expert_bytes(saved: dict[str, int], config: ModelConfig) -> dict[str, int]:
 
 
 def sparse(config: ModelConfig, i: int) -> bool:
-    """Whether layer i has the sparse block: decoder_sparse_step (moe_layer_freq; Mixtral's 1) divides i + 1."""
-    return config.moe and (i + 1) % config.moe_layer_freq == 0
+    """Whether layer i has the sparse block: decoder_sparse_step (moe_layer_freq; Mixtral's 1) divides i + 1, past
+    DeepSeek's first_k_dense_replace dense layers."""
+    return config.moe and (i + 1) % config.moe_layer_freq == 0 and i >= (config.moe_first_dense_layers or 0)
 
 
 def grouped(config: ModelConfig) -> bool:
@@ -53,13 +55,14 @@ def grouped(config: ModelConfig) -> bool:
 
 def kept_in_forward(tensors: tuple[SavedTensor, ...], config: ModelConfig) -> Step:
     """A layer's kept tensors as its forward makes them, sized by the ledger and named by each layer's walk: a sparse
-    block's eager loop keeps one storage per expert; the shared gate's is `block_forward`'s."""
+    block's eager loop keeps one storage per expert; the shared gate's (Qwen2-MoE's) and DeepSeek-V3's shared experts',
+    which run after the experts, are `block_forward`'s."""
     made: list[Made] = []
     loop = not grouped(config)
     for x in tensors:
         if loop and x in EXPERT_TENSORS:
             made += [Made("", 0, WHY_SAVED, keeps=per_expert(e)[x.name]) for e in range(config.num_experts)]
-        elif x != rules.SHARED_GATE_SIGMOID:
+        elif x != rules.SHARED_GATE_SIGMOID and not (config.mla and x in rules.SHARED_MLP):
             made.append(Made("", 0, WHY_SAVED, keeps=x))
     return Step("the layer's saved tensors", tuple(made), moment=False)
 
@@ -92,12 +95,14 @@ def _slots(config: ModelConfig) -> int:
 
 
 def block_forward(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
-    """The block's widest forward moments, `{p}/mlp output` (what it returns) live after them."""
+    """The block's widest forward moments, `{p}/mlp output` (what it returns) live after them: DeepSeek-V3's shared
+    experts run after the experts, their output summed with theirs."""
     shared = bool(config.moe_shared_expert_intermediate_size)
     full, m = z.full(z.h), f"{p}/moe"
     out = f"{m}/experts output" if shared else f"{p}/mlp output"
+    logits = 4 if config.mla else z.act  # DeepseekV3TopkRouter's GEMM runs in fp32
     routed = (
-        Made(f"{m}/router_logits", z.act * z.b * z.s * config.num_experts, "F.linear's (b*s, E) logits: the block's"
+        Made(f"{m}/router_logits", logits * z.b * z.s * config.num_experts, "F.linear's (b*s, E) logits: the block's"
              " `_` holds them"),
         Made(f"{m}/top_k_weights", _width(z, config) * z.b * z.s * config.moe_router_topk,
              "the top-k weights the experts read"))
@@ -106,6 +111,11 @@ def block_forward(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
         kept(p, rules.SHARED_GATE_SIGMOID), Made(f"{m}/shared gated", full, "sigmoid(gate(x)) * shared_expert(x)"),
         Made(f"{p}/mlp output", full, "the experts' and the gated shared expert's outputs summed")),
         frees=(out, f"{m}/shared gated")),), backward=())
+    if config.mla:
+        summed = Op("mlp", forward=(Step("the experts' and the shared experts' outputs summed", (
+            *(kept(p, x) for x in rules.SHARED_MLP), Made(f"{m}/shared output", full, "shared_experts(residuals)"),
+            Made(f"{p}/mlp output", full, "the experts' and the shared experts' outputs summed")),
+            frees=(out, f"{m}/shared output")),), backward=())
     done = Op("mlp", forward=(Step("", frees=(f"{m}/router_logits", f"{m}/top_k_weights")),), backward=())
     return (experts, *((summed,) if shared else ()), done)
 
@@ -344,22 +354,30 @@ class _Sums:
                      frees=(before, new), moment=bool(what)),)
 
 
+_EXPERTS_INPUT = "experts input"  # DeepSeek's loop: its experts' dX, summed before the shared experts' is added
 OUTPUT_GRAD = f"{STEM}/ln2 output"  # the block input's gradient, every path's summed, which ln2's backward reads
 
 
 def block_backward(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     """The block's ops in forward order, one description for every layer (one block's backward runs at a time);
     `OUTPUT_GRAD` is every path's input gradient summed."""
-    shared, sums = bool(config.moe_shared_expert_intermediate_size), _Sums(STEM)
-    ran = [*(_shared_gate(z, sums) if shared else ())]  # in the order autograd runs them
+    sums = _Sums(STEM)
+    gated = bool(config.moe_shared_expert_intermediate_size) and not config.mla  # Qwen2-MoE's, its backward last
+    # in the order autograd runs them: DeepSeek-V3's shared experts, added last, first
+    ran = [*(_shared_gate(z, sums) if gated else ()), *(_shared_expert(z, config, sums, last=False) if config.mla
+                                                         else ())]
     if grouped(config):
         ran += _grouped(z, config, sums)
     else:
         for e in reversed(range(config.num_experts)):
             ran += _expert(z, config, e, sums)
-    ran += _router(z, config, sums, final=not shared)
-    if shared:
-        ran += _shared_expert(z, config, sums)
+        if config.mla:  # the experts' input is a view of the block's: their dX summed apart, then into the shared's
+            last = ran[-1]
+            ran[-1] = replace(last, backward=(*last.backward, *sums.add(
+                "block input", sums.current[_EXPERTS_INPUT], z.full(z.h))))
+    ran += _sigmoid_router(z, config, sums) if config.mla else _router(z, config, sums, final=not gated)
+    if gated:
+        ran += _shared_expert(z, config, sums, last=True)
     first = ran[-1]  # the routing weights' gradient: live until the block's backward returns
     ran[-1] = replace(first, backward=(*first.backward, Step("", frees=(sums.current["routing weights"],))))
     return tuple(reversed(ran))
@@ -429,7 +447,7 @@ def _expert(z: Sizes, config: ModelConfig, e: int, sums: _Sums) -> list[Op]:
         Made(f"{g}/input zeros", z.full(z.h), "a (b*s, h) zero tensor"),
         Made(f"{g}/input put", z.full(z.h), "the expert's dX at its tokens")),
         frees=(f"{g}/input zeros", f"{g}/gate_up dX"), moment=False, returns=True),
-        sums.add("block input", f"{g}/input put", z.full(z.h)))
+        sums.add(_EXPERTS_INPUT if config.mla else "block input", f"{g}/input put", z.full(z.h)))
     return [combine, product, down, swiglu, gate_up, gather]
 
 
@@ -513,7 +531,27 @@ def _router(z: Sizes, config: ModelConfig, sums: _Sums, final: bool) -> list[Op]
         OUTPUT_GRAD if final else "")))]
 
 
-# -- Qwen2-MoE's shared expert: an MLP of width u on every token, gated by sigmoid(shared_expert_gate(x)) --------------
+def _sigmoid_router(z: Sizes, config: ModelConfig, sums: _Sums) -> list[Op]:
+    """DeepseekV3TopkRouter's backward: the scaling's, the division's and the sum's, gather's scatter into an (b*s, E)
+    zero tensor and the sigmoid's, all small fp32 (no moment); then its fp32 GEMMs on the input's fp32 copy (dW, fp32
+    as the weight, and dX), dX cast back to bf16 and summed last into ln2's output gradient."""
+    g, tokens, experts = f"{sums.stem}/router", z.b * z.s, config.num_experts
+    scores = _op("mlp.gate", (rules.TOPK_SUM, rules.TOPK_WEIGHTS, ledger.ROUTER_TOPK_INDICES, rules.ROUTER_SCORES),
+                 Step("the top-k weights' and the sigmoid's backward", (Made(f"{g}/logits", 4 * tokens * experts,
+                                                                             "(b*s, E) fp32"),),
+                      frees=(sums.current["routing weights"],), moment=False))
+    cast = z.act != 4  # hidden_states.type(float32): in fp32 a no-op, nor its backward
+    gate = linear("mlp.gate", rules.ROUTER_IN_FP32 if cast else ledger.MOE_IN, None, 4 * experts * z.h,
+                  f"{g}/input fp32" if cast else f"{g}/input", z.tokens(4 * z.h), "", (f"{g}/logits",),
+                  dw=f"{g}/weight")
+    back = (Step("the input's cast to fp32: its backward", (Made(f"{g}/input", z.full(z.h), "dX back to bf16"),),
+                 frees=(f"{g}/input fp32",), moment=False),) if cast else ()
+    return [scores, replace(gate, backward=(*gate.backward, *back, *sums.add(
+        "block input", f"{g}/input", z.full(z.h), "the router's input gradient summed with the block's others",
+        OUTPUT_GRAD)))]
+
+
+# -- shared experts: an MLP of width u on every token, Qwen2-MoE's gated by sigmoid(shared_expert_gate(x)) ---------
 
 
 def _shared_gate(z: Sizes, sums: _Sums) -> list[Op]:
@@ -530,27 +568,31 @@ def _shared_gate(z: Sizes, sums: _Sums) -> list[Op]:
                                      "", (f"{g}/gate logits",), dw=f"{g}/gate weight")]
 
 
-def _shared_expert(z: Sizes, config: ModelConfig, sums: _Sums) -> list[Op]:
-    """Qwen2MoeMLP's backward, autograd's last in the block: its dX summed into the block input's gradient."""
-    g, s, u = f"{sums.stem}/shared", "mlp.shared_expert", config.moe_shared_expert_intermediate_size
+def _shared_expert(z: Sizes, config: ModelConfig, sums: _Sums, last: bool) -> list[Op]:
+    """Qwen2MoeMLP's backward, autograd's `last` in the block (its dY the gated product's), or DeepseekV3MLP's, its
+    first (its dY the block's, the residual stream's, which lives on): its dX summed into the block input's
+    gradient."""
+    g, s, u = f"{sums.stem}/shared", "mlp.shared_expert" if last else "mlp.shared_experts", \
+        config.moe_shared_expert_intermediate_size
     w = z.act * z.h * u
 
     def gemms(proj: str, dy: str, saves: tuple[SavedTensor, ...], final: bool) -> Op:
-        """up_proj or gate_proj: dW and dX (no moment), then dX summed into the block input's gradient."""
+        """up_proj or gate_proj: dW and dX (Qwen2-MoE's: no moment), then dX summed into the block input's
+        gradient."""
         dx, weight = f"{g}/{proj} dX", f"{g}/{proj} weight"
         return _op(f"{s}.{proj}_proj", saves, Step("GEMMs", (Made(weight, w, WHY_WGRAD), Made(dx, z.full(z.h), "dY W")),
-                                                 frees=(dy,), moment=False, returns=True),
+                                                 frees=(dy,), moment=not last, returns=True),
                    sums.add("block input", dx, z.full(z.h), f"the shared expert's {proj}_proj dX summed into the"
-                            " block's", OUTPUT_GRAD if final else ""),
+                            " block's", OUTPUT_GRAD if final and last else ""),
                    Step("", hands_over=(weight,)))
     return [
-        linear(f"{s}.down_proj", ledger.SHARED_FC2_IN, None, w, f"{g}/down dX", z.full(u), "", (f"{g}/out",),
-               dw=f"{g}/down weight"),
-        _op("mlp", (ledger.SHARED_UP, ledger.SHARED_SILU_OUT), Step("SiLU(gate) * up's backward", (
+        linear(f"{s}.down_proj", ledger.SHARED_FC2_IN, None, w, f"{g}/down dX", z.full(u), "",
+               (f"{g}/out",) if last else (), dw=f"{g}/down weight"),
+        _op("mlp" if last else s, (ledger.SHARED_UP, ledger.SHARED_SILU_OUT), Step("SiLU(gate) * up's backward", (
             Made(f"{g}/up", z.full(u), "dY * SiLU(gate)"), Made(f"{g}/silu", z.full(u), "dY * up")),
-            frees=(f"{g}/down dX",), moment=False)),
+            frees=(f"{g}/down dX",), moment=not last)),
         gemms("up", f"{g}/up", (), False),
-        _op("mlp", (ledger.SHARED_GATE,), Step("SiLU's backward", (Made(f"{g}/gate", z.full(u), "at its kept input"),),
-                                                frees=(f"{g}/silu",), moment=False)),
+        _op("mlp" if last else f"{s}.act_fn", (ledger.SHARED_GATE,), Step("SiLU's backward", (
+            Made(f"{g}/gate", z.full(u), "at its kept input"),), frees=(f"{g}/silu",), moment=False)),
         gemms("gate", f"{g}/gate", (ledger.MOE_IN,), True),
     ]

@@ -102,6 +102,9 @@ def _rerun_layer(config: ModelConfig, z: Sizes, rerun: tuple[SavedTensor, ...], 
     )
     later = tuple(x for x in again if x.name == ledger.MLP_DROPOUT_MASK.name)  # the block's, after the MLP
     before = tuple(x for x in again if x not in later)
+    core: tuple[Op, ...] = ()
+    if config.attention == "eager" and not config.mla:
+        core, before = _eager_core_rerun(z, before, has)
     mlp = Made("layer/recomputed MLP output", z.seq(z.h), "the MLP's output (a submodule's forward's)",
                category=ACTIVATIONS)
     if config.moe:
@@ -110,6 +113,7 @@ def _rerun_layer(config: ModelConfig, z: Sizes, rerun: tuple[SavedTensor, ...], 
         first, made = (_fc2_rerun(config, z, before, mlp),), ()
     output = Made("layer/recomputed output", z.seq(z.h),
                   "the rerun's output: the checkpoint holds it while autograd runs the layer's backward")
+    first = (*core, *first)
     to = "full recomputation: the layer's forward again, to"
     if not has(ledger.MLP_DROPOUT_MASK.name):  # the MLP's output is the last residual add's other operand
         return (*first, backward_only("", Step(f"{to} its last residual add", (*later, output, *made),
@@ -121,6 +125,49 @@ def _rerun_layer(config: ModelConfig, z: Sizes, rerun: tuple[SavedTensor, ...], 
     return (*first, backward_only(
         "", Step(f"{to} the MLP's dropout", (*later, *made, dropped), frees=(mlp.name,)),
         Step("the rerun's last residual add", (output,), frees=(dropped.name,))))
+
+
+def _eager_core_rerun(z: Sizes, made: tuple[Made, ...], has: Has) -> tuple[tuple[Op, ...], tuple[Made, ...]]:
+    """The rerun to the eager core's end (memcalc.probe.attention.eager_core, as megatron-core's DotProductAttention),
+    read in the attention where it is widest: at the fp32 softmax's cast back (forward_torch_softmax still holds the
+    scores' fp32 copy), at the dropout (which frees that cast) and at the projection's input (the bmm's output made
+    contiguous: a copy unless s = 1 or b*a/t = 1). Beside what the rerun keeps, the core's frame holds the scores
+    (megatron's matmul_result), and the attention's, until it returns, the K and V that grouped-query attention
+    expands. `made`: what the rerun makes to fc2, of which it makes those to the projection's input. Returns its op
+    and the rest."""
+    end = 1 + next(i for i, x in enumerate(made) if x.name == ledger.PROJ_IN.name)
+    core, rest = made[:end], made[end:]
+    bass, heads = z.b * z.a_t * z.s * z.s, z.act * z.b * z.s * z.d
+    fp32, out, proj_in = megatron.SOFTMAX_FP32.name, ledger.SOFTMAX_OUT.name, ledger.PROJ_IN.name
+    dropped = (ledger.ATTN_DROPOUT_MASK.name, ledger.ATTN_DROPOUT_OUT.name)
+    wide = has(fp32)  # torch's softmax in fp32 of 16-bit scores, cast back
+
+    def made_as(*names: str) -> tuple[Made, ...]:
+        return tuple(x for x in core if x.name in names)
+
+    def local(name: str, nbytes: int, why: str) -> Made:
+        return Made(f"attention/recomputed {name}", nbytes, why, category=ACTIVATIONS)
+
+    grouped = has(megatron.K_EXPANDED.name) and not has(megatron.QKV_OUT.name)  # else views of the kept QKV output
+    kv = tuple(local(x.name.rpartition("/")[2], heads * z.g_t, "what grouped-query attention expands, a local")
+               for x in (ledger.K, ledger.V) if grouped and not has(x.name))  # (with QK norms V is kept)
+    scores = local("scores", z.act * bass, "baddbmm's output, held by the core to its end (matmul_result)")
+    copy = local("scores fp32", 4 * bass, "the scores' fp32 copy, forward_torch_softmax's local until it returns")
+    cast = made_as(out) or (local("softmax cast", z.act * bass, "the softmax cast back, dropout's input alone"),)
+    context = local("context", heads * z.a_t, "the bmm's output, (b*a/t, s, d), copied contiguous")
+    copied = z.s > 1 and z.b * z.a_t > 1  # else (s, b, a/t, d) permuted from (b, a/t, s, d) is contiguous already
+    steps = (
+        Step("the scores and their softmax", (
+            *(x for x in core if x.name not in (fp32, out, *dropped, proj_in)), *kv, scores,
+            *((copy, *made_as(fp32)) if wide else made_as(out))), moment=False),
+        *((Step("the softmax cast back", cast, frees=(copy.name,)),) if wide else ()),
+        *((Step("attention dropout", made_as(*dropped), frees=tuple(x.name for x in cast if wide and not x.keeps)),)
+          if has(ledger.ATTN_DROPOUT_MASK.name) else ()),
+        Step("weights x V, made contiguous: the projection's input", (*(context,) * copied, *made_as(proj_in)),
+             frees=(context.name,) * copied + (scores.name,)),
+        Step("", frees=tuple(x.name for x in kv)),  # as the attention returns
+    )
+    return (backward_only("attention", *steps),), rest
 
 
 def _fc2_rerun(config: ModelConfig, z: Sizes, before: tuple[Made, ...], mlp: Made) -> Op:

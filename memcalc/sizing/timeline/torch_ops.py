@@ -50,6 +50,13 @@ def linear(where: str, x: SavedTensor | None, out: Made | None, weight: int, dx:
               saves=(x,) if x else ())
 
 
+def tied_sum(table: int) -> Step:
+    """A tied embedding's gradient: autograd's input buffer sums the output layer's (waiting there since its
+    backward) with the lookup's into a new tensor, "grad/embedding (sum)", before the weight's accumulator runs."""
+    return Step("the tied weight's two gradients summed", (Made(
+        "grad/embedding (sum)", table, "autograd sums the tied weight's two gradients into a new tensor"),))
+
+
 def dropout(where: str, p: str, mask: SavedTensor, output: Made, dy: str, dx: str, dx_bytes: int,
             gone: tuple[str, ...] = (), frees: tuple[str, ...] = (), then: Step | None = None,
             reads: tuple[str, ...] = ()) -> Op:

@@ -9,6 +9,7 @@ ops, the model's ends, its TP plan, FullAC and SelectiveAC, FSDP2 and where it i
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Callable
 
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError
@@ -18,18 +19,29 @@ from memcalc.model.impls import torchtitan as rules
 from memcalc.model.knobs import DTYPE_BYTES, Accounting, element_bytes
 from memcalc.model.ledger import SavedTensor
 from memcalc.model.strategy import Strategy
-from memcalc.sizing.pipeline import stages
+from memcalc.sizing.pipeline import Stage, stage_named, torchtitan_microbatches
 from memcalc.sizing.timeline.ends import model_states, optimizer_step
 from memcalc.sizing.timeline.fsdp import OUTPUT, Fsdp, expert_dim1, torchtitan_block
 from memcalc.sizing.timeline.tape import ACTIVATIONS, PARAMETERS, TEMPORARIES, Sizes, Tape, Timeline, prod
-from memcalc.sizing.timeline.torch_ops import WHY_WGRAD, linear, module_returns, swiglu_ops
+from memcalc.sizing.timeline.torch_ops import WHY_WGRAD, linear, module_returns, swiglu_ops, tied_sum
 from memcalc.sizing.timeline.torchtitan_moe import moe_ops
 from memcalc.sizing.timeline.walk import Checkpoint, Made, Op, Step, Walk, kept, kept_name, kept_names
 from memcalc.sizing.totals import end_sizes
 
 
 def torchtitan_timeline(config: ModelConfig, strategy: Strategy, accounting: Accounting) -> Timeline:
-    """The moments of one training step of torchtitan's Llama3Model sized by `config`, on its one rank."""
+    """The moments of one training step of torchtitan's Llama3Model sized by `config`, on its one rank (a pipeline
+    stage's rank: memcalc.sizing.timeline.torchtitan_pp)."""
+    parts, fsdp = model_parts(config, strategy, accounting, stage_named(config, None))
+    parts.tape.mark("steady", "", "model states between steps")
+    _walk(parts, fsdp)
+    return parts.timeline("only")
+
+
+def model_parts(config: ModelConfig, strategy: Strategy, accounting: Accounting,
+                stage: Stage) -> tuple[Parts, Fsdp | None]:
+    """The tape with `stage`'s model states on it (under FSDP2 its sharded ones: the Fsdp), and what its segments are
+    built from."""
     check_modelled(config, strategy, accounting)
     layer = estimate(config, strategy, accounting)
     # under recomputation each block's rerun keeps what a block without it keeps: the walk sizes those
@@ -37,34 +49,67 @@ def torchtitan_timeline(config: ModelConfig, strategy: Strategy, accounting: Acc
     unpadded = replace(config, make_vocab_size_divisible_by=1)  # torchtitan trains the vocabulary as it is
     # under FSDP2 its TP plan runs on DTensor (memcalc.probe.libs.torchtitan_step.data_parallel)
     z = replace(Sizes.of(unpadded, strategy), dtensor=config.dp_shard is not None, cuda=accounting.device == "cuda")
-    (stage,) = stages(config.L, config.pp, config.vpp, config.microbatches)
     tape = Tape()
     fsdp = Fsdp.torchtitan(unpadded, z.t, z.sp) if config.dp_shard is not None else None
     if fsdp is None:
         model_states(tape, unpadded, stage, z)
     else:
         fsdp.states(tape)
-    tape.add("states/rope caches", PARAMETERS, config.L * 8 * config.s * (z.d // 2),
+    tape.add("states/rope caches", PARAMETERS, stage.layers * 8 * config.s * (z.d // 2),
              "each block's ComplexRoPE keeps its own complex64 (s, d/2) table, a buffer")
     if config.moe:
         tape.add("states/moe buffers", PARAMETERS, config.moe_layers * 2 * 4 * config.num_experts,
                  "each MoE keeps two fp32 (E,) buffers: expert_bias_E and tokens_per_expert_E")
-    tape.mark("steady", "", "model states between steps")
-    saved = {x.tensor.name: x.bytes for x in (*every.tensors, *every.dense)}  # a MoE layer's, and a dense one's
-    end = _end_bytes(unpadded, strategy, accounting)
     # without FSDP2 a weight's bf16 gradient is added into the fp32 buffer and dropped as autograd hands it over
     hand_over = (lambda where, name, nbytes: tape.drop(name)) if fsdp is None else _keep_grad(tape, fsdp)
-    count, lookup = embedding_ops(z)
+    saved = {x.tensor.name: x.bytes for x in (*every.tensors, *every.dense)}  # a MoE layer's, and a dense one's
+    return Parts(tape, config, z, accounting, layer.strategy, saved, _end_bytes(unpadded, strategy, accounting),
+                 hand_over), fsdp
+
+
+@dataclass(frozen=True)
+class Parts:
+    """What the model's segments are built from: the tape, the sizes, the bytes the blocks (`saved`) and the ends
+    (`end`) keep, and what happens to a weight's gradient autograd hands over."""
+
+    tape: Tape
+    config: ModelConfig
+    z: Sizes
+    accounting: Accounting
+    strategy: Strategy  # the strategy as the ledger checked it
+    saved: dict[str, int]
+    end: dict[str, int]
+    hand_over: Callable[[str, str, int], None]
+
+    def timeline(self, stage: str) -> Timeline:
+        """The step's moments, ended by the optimizer's."""
+        optimizer_step(self.tape, self.config)
+        return Timeline(self.strategy, tuple(self.tape.moments), stage)
+
+    def ends(self, unit: str | None, where: str, ops: tuple[Op, ...]) -> Segment:
+        """A segment of the model's ends (or the trainer's ops: `unit` None)."""
+        return Segment(unit, where, Walk(self.tape, "", "", self.end, self.hand_over), ops)
+
+    def blocks(self, layers: range) -> list[Segment]:
+        """Each block of `layers`, its own segment (its own walk: a checkpoint's rerun is the walk's state)."""
+        config, z = self.config, self.z
+        return [Segment(f"layers.{i}", f"layers.{i}", Walk(
+            self.tape, f"layers.{i}", torchtitan_block(i, config), self.saved, self.hand_over,
+            block_checkpoint(i, config, self.accounting, z)), block_ops(i, z, config)) for i in layers]
+
+
+def _walk(parts: Parts, fsdp: Fsdp | None) -> None:
+    """The whole model's step on its one rank: the trainer's forward, loss.backward(), under FSDP2 its hooks."""
+    z, config, tape = parts.z, parts.config, parts.tape
+    count, lookup = embedding_ops(z, config.tie_embeddings)
     *norm, lm_head, loss = output_ops(z, config)
     segments = [
-        Segment(None, "", Walk(tape, "", "", end, hand_over), (count,)),
-        Segment("tok_embeddings", "tok_embeddings", Walk(tape, "", "", end, hand_over), (lookup,)),
-        *(Segment(f"layers.{i}", f"layers.{i}", Walk(tape, f"layers.{i}", torchtitan_block(i, config), saved, hand_over,
-                                                      block_checkpoint(i, config, accounting, z)),
-                  block_ops(i, z, config)) for i in range(config.L)),
-        Segment(OUTPUT, "norm", Walk(tape, "", "", end, hand_over), tuple(norm)),
-        Segment(OUTPUT, "lm_head", Walk(tape, "", "", end, hand_over), (lm_head,)),
-        Segment(None, "", Walk(tape, "", "", end, hand_over), (loss,)),
+        parts.ends(None, "", (count,)),
+        parts.ends("tok_embeddings", "tok_embeddings", (lookup,)),
+        *parts.blocks(range(config.L)),
+        parts.ends(OUTPUT, "norm", tuple(norm)),
+        parts.ends(OUTPUT, "lm_head", (lm_head,)),
+        parts.ends(None, "", (loss,)),
     ]
     for i, segment in enumerate(segments):
         segment.forward(fsdp, segments[i + 1].unit if i + 1 < len(segments) else None)
@@ -77,8 +122,6 @@ def torchtitan_timeline(config: ModelConfig, strategy: Strategy, accounting: Acc
         tape.drop("fsdp/tok_embeddings reduce-scatter")
         fsdp.finalize_backward(tape)
     tape.drop("loss/grad seed")  # backward() returns
-    optimizer_step(tape, config)
-    return Timeline(layer.strategy, tuple(tape.moments), stage.name)
 
 
 def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounting) -> None:
@@ -86,6 +129,9 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
     sharded_tp = config.dp_shard is not None and strategy.weight_shards(config.t) > 1
     missing = [
         (config.zero_stage is not None, "zero_stage (DeepSpeed's ZeRO: torchtitan shards with FSDP2, dp_shard)"),
+        # measured (t=2, dp_shard=2, L=1, b=2 s=24 h=64): the peak agrees, the norms' backward does not: under FSDP2 (the
+        # partial_dtensor backend) dY reaches the final norm unreduced (cast up to fp32 first, where the walk has f's
+        # all-reduced copy) and ffn_norm's backward holds 6,528 B more temporaries at each of its moments
         (sharded_tp and not strategy.sequence_parallel, "dp_shard with tp (t > 1 without sequence parallel: DTensor"
                                                         " carries a Partial gradient through the norms' backward;"
                                                         " tp-sp, torchtitan's default, is modelled)"),
@@ -96,17 +142,33 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
         (config.moe and config.ep > 1 and not strategy.sequence_parallel, f"experts at ep={config.ep} under tp without"
          " sequence parallel (its MoE slices the replicated input; tp-sp, torchtitan's default, is modelled)"),
         (config.moe and sharded_tp, "experts under dp_shard with tp (FSDP2 over its MoE sharding plan)"),
-        (config.tie_embeddings, "tie_embeddings (Llama3 unties them; set tie_embeddings false)"),
+        (config.tie_embeddings and config.dp_shard is not None,
+         "tie_embeddings with dp_shard (tied, apply_fsdp shards tok_embeddings, norm and lm_head as one unit)"),
+        (config.tie_embeddings and config.pp != 1, f"tie_embeddings with pp={config.pp} (Decoder.update_from_config"
+                                                   " raises NotImplementedError: no weight tying under pp)"),
         (config.position_embedding_type != "rope", f"position_embedding_type {config.position_embedding_type}"
                                                    " (Llama3 rotates q and k: set rope)"),
         (config.add_bias_linear or config.add_qkv_bias, "biases (Llama3 has none: set add_bias_linear false)"),
-        (config.pp != 1, f"pp={config.pp}"),
+        *_pipeline_missing(config, strategy),
         (config.cp != 1, f"cp={config.cp}"),
         (config.b * config.s == 1, "b = s = 1 (V is then a view of the fused wqkv output)"),
     ]
     for absent, what in missing:
         if absent:
             raise ConfigError(f"the step timeline for impl torchtitan does not model {what} yet")
+
+
+def _pipeline_missing(config: ModelConfig, strategy: Strategy) -> list[tuple[bool, str]]:
+    """What the pipelined walk (memcalc.sizing.timeline.torchtitan_pp) leaves out, pp > 1."""
+    if config.pp == 1:
+        return []
+    m = torchtitan_microbatches(config)
+    return [
+        (config.vpp is not None, f"vpp={config.vpp} (torchtitan's default schedule is 1F1B)"),
+        (m < config.pp, f"num_microbatches={m} below pp={config.pp} (torch's Schedule1F1B refuses it)"),
+        (strategy.weight_shards(config.t) > 1 or config.dp_shard is not None or config.moe,
+         "pp with tp, dp_shard or experts (pp at t = 1 is walked)"),
+    ]
 
 
 def block_checkpoint(i: int, config: ModelConfig, accounting: Accounting, z: Sizes) -> Checkpoint | None:
@@ -579,8 +641,9 @@ def _second_residual(p: str, x: str, mid: str, out: str, ffn_out: str, h: int, k
 # -- the model's two ends -----------------------------------------------------------------------------------------
 
 
-def embedding_ops(z: Sizes) -> tuple[Op, ...]:
-    """The batch, the trainer's count of valid tokens, and tok_embeddings (the first block's input)."""
+def embedding_ops(z: Sizes, tied: bool = False) -> tuple[Op, ...]:
+    """The batch, the trainer's count of valid tokens, and tok_embeddings (the first block's input); `tied`
+    (enable_weight_tying, its 1B and 3B flavours'), the table's gradient summed with lm_head's, which waited."""
     count = Op("", forward=(
         Step("the token ids", (Made(ledger.EMBEDDING_INPUT_IDS.name, z.tokens(8),
                                     "the micro-batch's token ids (int64), live all step; the embedding keeps them"),)),
@@ -591,14 +654,23 @@ def embedding_ops(z: Sizes) -> tuple[Op, ...]:
                                                   " backward keeps it"),), frees=("loss/valid mask",)),
     ), backward=())
     if z.t > 1:
-        return (count, _vocab_parallel_lookup(z))
+        return (count, _vocab_parallel_lookup(z, tied))
     lookup = Op("tok_embeddings", forward=(
         Step("the embedding lookup", (Made("layers.0/input", z.tokens(z.act * z.h), "the first block's input"),)),
-    ), backward=(
-        Step("the embedding's gradient", (Made("grad/embedding", z.act * z.v_t * z.h, WHY_WGRAD),),
-             frees=("grad/layers.0/input",), hands_over=("grad/embedding",)),
-    ))
+    ), backward=_table_gradient(z, ("grad/layers.0/input",), tied))
     return (count, lookup)
+
+
+def _table_gradient(z: Sizes, frees: tuple[str, ...], tied: bool) -> tuple[Step, ...]:
+    """tok_embeddings' backward: dY added into the rows the ids picked (this rank's, under tp), then `frees`;
+    handed over, or `tied` first summed with lm_head's, which waited in autograd's input buffer."""
+    table = z.act * z.v_t * z.h
+    made = Step("the embedding's gradient", (Made("grad/embedding", table, WHY_WGRAD),), frees=frees,
+                hands_over=() if tied else ("grad/embedding",))
+    if not tied:
+        return (made,)
+    return (made, tied_sum(table), Step("", hands_over=("grad/embedding (sum)",)),
+            Step("", frees=("grad/embedding", "grad/embedding (lm_head)")))
 
 
 def flex_inputs(z: Sizes) -> tuple[Step, ...]:
@@ -621,7 +693,7 @@ def flex_inputs(z: Sizes) -> tuple[Step, ...]:
     )
 
 
-def _vocab_parallel_lookup(z: Sizes) -> Op:
+def _vocab_parallel_lookup(z: Sizes, tied: bool) -> Op:
     """torchtitan's Embedding under tp: this rank's rows looked up, the others masked out, the partial sums
     reduce-scattered along s (SP) or all-reduced into a copy; in backward dY (under SP all-gathered) masked and added
     into this rank's rows."""
@@ -641,8 +713,7 @@ def _vocab_parallel_lookup(z: Sizes) -> Op:
     masked = (
         Step("dY times the mask", (Made(f"grad/{e} masked", full, "bf16"),),
              frees=(f"grad/{e} gathered" if z.sp else "grad/layers.0/input", f"{e}/mask bf16")),
-        Step("the embedding's gradient: this rank's rows", (Made("grad/embedding", z.act * z.v_t * z.h, WHY_WGRAD),),
-             frees=(f"grad/{e} masked", f"{e}/ids"), hands_over=("grad/embedding",)),
+        *_table_gradient(z, (f"grad/{e} masked", f"{e}/ids"), tied),
     )
     if not z.sp:
         return Op("tok_embeddings", forward=(*lookup, Step("f*: all-reduced into a copy, the first block's input", (
@@ -660,8 +731,9 @@ def _vocab_parallel_lookup(z: Sizes) -> Op:
     ))
 
 
-def output_ops(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
-    """The final norm, lm_head, and torchtitan's cross_entropy_loss divided by the valid tokens."""
+def output_ops(z: Sizes, config: ModelConfig, pipelined: bool = False) -> tuple[Op, ...]:
+    """The final norm, lm_head, and torchtitan's cross_entropy_loss divided by the valid tokens; `pipelined`, as the
+    pipeline schedule computes it: the trainer's count of valid tokens and the schedule's logits outlive the loss."""
     last = f"layers.{config.L}/input"
     logits, fp32, cast = z.tokens(z.act * z.v_t), z.tokens(4 * z.v_t), z.act != 4  # fp32: .float() is a no-op
     loss = Op("", forward=(
@@ -672,10 +744,11 @@ def output_ops(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
                                                           Made("loss/total_weight", 4, "0-d fp32, kept")),
              frees=("loss/logits fp32",)),
         Step("divided by the valid tokens", (Made("loss/value", 4, "the loss (0-d fp32), live all step"),)),
-        Step("", frees=("loss/sum", "lm_head/logits")),  # the trainer's `del pred`
+        Step("", frees=("loss/sum",) if pipelined else ("loss/sum", "lm_head/logits")),  # the trainer's `del pred`
         Step("loss.backward() seeds autograd", (Made("loss/grad seed", 4, "a 0-d ones tensor"),)),
     ), backward=(
-        Step("the division's backward", (Made("grad/loss sum", 4, "0-d fp32"),), frees=("loss/valid tokens",)),
+        Step("the division's backward", (Made("grad/loss sum", 4, "0-d fp32"),),
+             frees=() if pipelined else ("loss/valid tokens",)),
         Step("nll_loss's backward", (Made("grad/log_softmax", fp32, "-1 at each target, fp32"),),
              frees=("grad/loss sum", "loss/total_weight")),
         Step("log_softmax's backward", (Made("grad/logits fp32" if cast else "grad/logits", fp32, "fp32"),),
@@ -692,7 +765,8 @@ def output_ops(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
         *gather("norm", z, "", kept("", ledger.OUTPUT_INPUT), "grad/lm_head dx", "grad/norm dy",
                 frees=("norm out",) if _keeps_input(z) else ("norm out", last)),  # the norm keeps its input
         linear("lm_head", ledger.OUTPUT_INPUT, Made("lm_head/logits", logits, "bf16 logits: the trainer's pred"),
-               z.act * z.v_t * z.h, "grad/lm_head dx", z.tokens(z.act * z.h), "", frees=("grad/logits",)),
+               z.act * z.v_t * z.h, "grad/lm_head dx", z.tokens(z.act * z.h), "", frees=("grad/logits",),
+               dw="grad/embedding (lm_head)" if config.tie_embeddings else "", waits=config.tie_embeddings),
         loss,
     )
 

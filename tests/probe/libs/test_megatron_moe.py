@@ -108,7 +108,6 @@ def test_with_the_real_router_each_tensor_lies_within_the_balanced_and_worst_bou
 
 @pytest.mark.parametrize("strategy, t, knobs, words", [
     ("tp", 2, {}, "without sequence parallelism"),
-    ("tp-sp", 2, {"add_bias_linear": True}, "no biases with expert tensor parallelism"),
     ("none", 1, {"add_bias_linear": True}, "adds fc2's bias in place"),  # megatron's own error: a view autograd refuses
 ])
 def test_what_megatrons_moe_layer_refuses_is_refused_in_one_line(strategy, t, knobs, words):

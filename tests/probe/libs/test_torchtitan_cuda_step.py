@@ -119,7 +119,9 @@ def test_measure_step_on_device_cuda_says_it_ran_as_cuda_runs_and_matches(tmp_pa
                     "position_embedding_type: rope\nadd_bias_linear: false\ntie_embeddings: false\n")
     run = memcalc_cli("measure", "--step", "--impl", "torchtitan", "--device", "cuda", "--config", str(path),
                       "--strategy", "tp-sp", "--t", "2")
-    assert (run.code, run.err) == (0, "")
+    assert run.code == 0 and run.err == ("memcalc: note: llama3 sets no mlp, attention, norm, dropout, recompute: impl"
+                                         " torchtitan's defaults apply (mlp=swiglu, attention=flash, norm=rmsnorm,"
+                                         " dropout=0.0, recompute=op), not the seed's\n")
     assert "fake process group on cpu, run as CUDA runs it" in run.out and "match: the peak" in run.out
     assert "shim: device emulation: each norm runs as torch's CUDA _fused_rms_norm" in run.out
 

@@ -142,15 +142,44 @@ def test_under_its_activation_checkpointing_every_moment_happens_in_order(one_th
 
 
 @pytest.mark.parametrize("changes, named", [
-    ({"pp": 2}, "pp=2"),
+    ({"pp": 2, "L": 4, "vpp": 2}, "vpp=2"),
+    ({"pp": 2, "num_microbatches": 1}, "num_microbatches=1 below pp=2"),
+    ({"pp": 2, "dp_shard": 2}, "pp with tp, dp_shard or experts"),
     ({"cp": 2}, "cp=2"),
     ({"zero_stage": 2}, "zero_stage"),
-    ({"tie_embeddings": True}, "tie_embeddings"),
+    ({"tie_embeddings": True, "dp_shard": 2}, "tie_embeddings with dp_shard"),
     ({"position_embedding_type": "learned_absolute"}, "position_embedding_type learned_absolute"),
 ])
 def test_what_the_walk_does_not_model_is_refused_by_name(changes, named):
     with pytest.raises(ConfigError, match=named):
         timeline(make_config(LLAMA3, **changes), STRATEGIES["none"], CPU)
+
+
+# -- tied (enable_weight_tying, as its 1B and 3B flavours): lm_head's weight gradient waits for the table's ------------
+
+TIED = [
+    ({"b": 1, "s": 9, "h": 64, "a": 4, "num_query_groups": 4, "ffn_hidden_size": 64, "vocab_size": 40}, "none",
+     "none"),  # wqkv's GEMMs, lm_head's gradient waiting
+    ({"b": 3, "s": 7, "h": 48, "a": 6, "num_query_groups": 2, "ffn_hidden_size": 96, "vocab_size": 24}, "none",
+     "full"),  # w2's GEMMs after the rerun
+    ({"b": 1, "s": 3, "h": 32, "a": 1, "num_query_groups": 1, "ffn_hidden_size": 2, "vocab_size": 96, "L": 1,
+      "dtype": "fp32"}, "none", "op"),  # the two gradients summed
+    ({"t": 2, "b": 1, "s": 4, "h": 32, "a": 2, "num_query_groups": 2, "ffn_hidden_size": 2, "vocab_size": 192,
+      "L": 1, "dtype": "fp32"}, "tp", "none"),  # this rank's rows of both summed
+    ({"t": 2, "b": 3, "s": 6, "h": 24, "a": 6, "num_query_groups": 2, "ffn_hidden_size": 4, "vocab_size": 96},
+     "tp-sp", "op"),
+]
+
+
+@pytest.mark.parametrize("changes, strategy, recompute", TIED, ids=str)
+def test_tied_lm_heads_weight_gradient_waits_for_the_tables_and_the_step_is_memtrackers(one_thread, changes,
+                                                                                       strategy, recompute):
+    config = make_config(LLAMA3, tie_embeddings=True, recompute=recompute, **changes)
+    untied = timeline(make_config(LLAMA3, recompute=recompute, **changes), STRATEGIES[strategy], CPU)
+    assert timeline(config, STRATEGIES[strategy], CPU).steady.bytes < untied.steady.bytes  # one table, not two
+    (r,) = measure_step(config, [strategy])
+    assert r.measured.moment == r.predicted_moment
+    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
 
 
 # -- with experts: its Qwen3 MoE decoder layers in the Llama3Model, the router forced ------------------------------

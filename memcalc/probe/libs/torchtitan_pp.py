@@ -1,0 +1,138 @@
+"""One rank of torchtitan's pipeline (its default schedule, 1F1B) stepped under MemTracker, on the fake process group.
+
+torchtitan's Llama3Model is split as its pipeline_llm splits it (its own _generate_llm_fqn_per_model_part and
+_split_module), the rank's chunk wrapped in torch's PipelineStage and scheduled by torchtitan's own
+_build_pipeline_schedule. How it runs on the fake group, and where it departs from torchtitan's trainer: docs/probe.md,
+"torchtitan's pipeline under `--step`".
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
+from typing import Any
+
+from memcalc.config.schema import ModelConfig
+from memcalc.errors import ProbeError
+from memcalc.model.strategy import Strategy
+from memcalc.probe import require_torch
+from memcalc.probe.group import TensorParallelGroup
+from memcalc.probe.layer import DTYPES
+from memcalc.probe.libs import torchtitan as titan
+from memcalc.probe.libs import torchtitan_shim as shim
+from memcalc.probe.step import (
+    BATCH_SEED, Fp32AdamW, MainGrads, MixedPrecisionAdamW, StepMeasurement, Trainer, batch, measure_trainer,
+)
+from memcalc.sizing.pipeline import torchtitan_microbatches
+
+torch = require_torch()
+
+from torchtitan.components.loss import IGNORE_INDEX, CrossEntropyLoss  # noqa: E402  (memcalc[torchtitan])
+from torchtitan.config.configs import ParallelismConfig  # noqa: E402
+from torchtitan.distributed import pipeline_parallel  # noqa: E402
+from torchtitan.tools.utils import set_default_dtype  # noqa: E402
+from torch.distributed.pipelining import PipelineStage  # noqa: E402
+
+
+def measure_torchtitan_pp_step_on_rank(group: TensorParallelGroup, config: ModelConfig, strategy: Strategy,
+                                       route: str | None = None, device: str = "cpu") -> StepMeasurement:
+    """This rank's pipeline stage of torchtitan's Llama3Model (the group is the pipeline's pp ranks; on `device` cuda
+    run as CUDA runs it), stepped once, then one step measured under MemTracker."""
+    with shim.pipeline_on_fake_group(), shim.flex_on_cpu() if device == "cuda" else nullcontext():
+        return measure_trainer(warmed_up_stage(group, config, device), group, strategy)
+
+
+@dataclass(frozen=True)
+class StageTrainer(Trainer):
+    """memcalc's trainer (fp32 gradient buffer, AdamW) around one pipeline stage: each step loads the local batch
+    (`microbatches` micro-batches of b), counts its valid tokens, and runs the schedule over it."""
+
+    schedule: Any = None
+    stage: Any = None
+    microbatches: int = 1
+    cuda: bool = False  # CUDA's path: each micro-batch's positions and block mask made before the step
+
+    def register(self, tracker: Any) -> None:
+        """Also the stage's receive buffers, which torch's PipelineStage makes once, one per micro-batch, and keeps
+        between steps: activations, as they hold one."""
+        super().register(tracker)
+        infos = (*self.stage.args_recv_info.values(), *self.stage.grad_recv_info.values())
+        tracker.track_held(*(x.buffer for recv in infos for x in recv if getattr(x, "buffer", None) is not None))
+        tracker.called_per_microbatch.add(self.model)
+
+    def step(self) -> None:
+        """Every micro-batch's ids and labels (views of the local batch's), their valid tokens counted, on CUDA each
+        micro-batch's positions and block mask (its post_dataloading_process), then the schedule's step over them as
+        torchtitan's trainer calls it (`_step`)."""
+        self.main_grads.zero()
+        stage, config, m = self.stage, self.config, self.microbatches
+        tokens, labels = batch(replace(config, b=config.b * m), self.main_grads.buffer.device)
+        valid = (labels != IGNORE_INDEX).sum()
+        kwargs: list[dict] = [{} for _ in range(m)]
+        if self.cuda:  # one document a row, as the whole model's step has them
+            for x in kwargs:
+                positions = torch.arange(config.s, device=tokens.device).repeat(config.b, 1)
+                x |= {"positions": positions, "attention_masks": self.model.get_attention_masks(positions)}
+        losses: list | None = [] if stage.is_last else None
+        _step(self.schedule, [(x,) for x in tokens.tensor_split(m)] if stage.is_first else None, kwargs,
+              list(labels.tensor_split(m)) if stage.is_last else None, losses, {"global_valid_tokens": valid})
+        self.optimizer.step()
+
+
+def _step(schedule: Any, args: list | None, kwargs: list[dict], targets: list | None, losses: list | None,
+          loss_kwargs: dict) -> None:
+    """What the schedule's step(arg_mbs=..., kwarg_mbs=..., target_mbs=...), which torchtitan's trainer calls, does
+    in the torch it is written for (torch 2.13's step has no such parameters: it would hand them to the model)."""
+    schedule._stage.has_backward = schedule._has_backward
+    schedule._stage.clear_runtime_states()
+    schedule._step_microbatches(args, kwargs, targets, losses, return_outputs=False, loss_kwargs=loss_kwargs)
+
+
+def warmed_up_stage(group: TensorParallelGroup, config: ModelConfig, device: str = "cpu") -> StageTrainer:
+    """Rank `group.rank`'s stage: the chunk pipeline_llm would build there (on the meta device, then its own
+    storage, initialised as torchtitan initialises it; on `device` cuda, inside `flex_on_cpu`, its flex attention and
+    fused norms), its PipelineStage given the shapes it sends and receives, the schedule torchtitan builds, memcalc's
+    trainer around it, stepped once."""
+    if config.tie_embeddings:
+        raise ProbeError("impl torchtitan: Llama3 unties its embedding and output layer; set tie_embeddings false")
+    pp, dtype = group.size, DTYPES[config.dtype]
+    parallelism = ParallelismConfig(pipeline_parallel_degree=pp, pipeline_parallel_microbatch_size=config.b)
+    with torch.device("meta"), set_default_dtype(dtype):
+        model = titan.model_config(config, False, config.L, config.vocab_size, device == "cuda").build()
+    names = pipeline_parallel._generate_llm_fqn_per_model_part(
+        pp, config.L, parallelism.pipeline_parallel_first_stage_less_layers,
+        parallelism.pipeline_parallel_last_stage_less_layers)
+    chunk = pipeline_parallel._split_module(model, names[group.rank])
+    if device == "cuda":  # the chunk's own norms (a deep copy of the model's)
+        shim.fused_norms(chunk)
+    policy = titan.ac_config(config)  # applied to the chunk as pipeline_llm's parallelize_fn applies it
+    if policy is not None:
+        with shim.cuda_like_op_checkpointing():
+            policy.build().apply(chunk)
+    chunk.to_empty(device=group.device)
+    torch.manual_seed(BATCH_SEED)
+    with torch.no_grad(), set_default_dtype(dtype):
+        chunk.init_states(buffer_device=group.device)
+    chunk.train()
+    stage = PipelineStage(chunk, group.rank, pp, group.device, *_shapes(config, group.rank, pp))
+    m = torchtitan_microbatches(config)
+    loss = CrossEntropyLoss(CrossEntropyLoss.Config(global_vocab_size=config.vocab_size))
+    schedule = pipeline_parallel._build_pipeline_schedule(parallelism=parallelism, local_batch_size=config.b * m,
+                                                          stages=[stage], loss_fn=loss)
+    params = list(chunk.parameters())
+    main_grads = MainGrads(params)
+    optimizer = (Fp32AdamW if config.dtype == "fp32" else MixedPrecisionAdamW)(params, main_grads)
+    trainer = StageTrainer(config, chunk, main_grads, optimizer, loss, schedule, stage, m, device == "cuda")
+    trainer.step()
+    return trainer
+
+
+def _shapes(config: ModelConfig, rank: int, pp: int) -> tuple[Any, Any]:
+    """What the stage receives and sends, per micro-batch (torch's static shapes: the fake group carries no
+    metadata): the token ids or the previous stage's hidden states, and the hidden states or the logits."""
+    b, s, h, dtype = config.b, config.s, config.h, DTYPES[config.dtype]
+    hidden = torch.empty(b, s, h, dtype=dtype, device="meta", requires_grad=True)
+    received = torch.empty(b, s, dtype=torch.int64, device="meta") if rank == 0 else hidden
+    sent = torch.empty(b, s, config.vocab_size, dtype=dtype, device="meta", requires_grad=True) \
+        if rank == pp - 1 else hidden
+    return received, sent

@@ -1,0 +1,55 @@
+"""torchtitan's pipeline in the step timeline (memcalc.sizing.timeline.torchtitan_pp): torch's Schedule1F1B order,
+what a stage keeps between steps and to the step's end, and what is refused. Against MemTracker:
+tests/probe/libs/test_torchtitan_pp.py."""
+
+import pytest
+
+from memcalc.errors import ConfigError
+from memcalc.model.knobs import Accounting
+from memcalc.model.strategy import STRATEGIES
+from memcalc.sizing.pipeline import torchtitan_stages
+from memcalc.sizing.timeline import ACTIVATIONS, timelines, timeline
+from memcalc.sizing.timeline.torchtitan_pp import schedule
+
+from tests.helpers import TORCHTITAN_LLAMA3 as LLAMA3, make_config
+
+CPU = Accounting(exact=True, device="cpu")
+
+
+def _timeline(stage, **changes):
+    return timeline(make_config(LLAMA3, pp=2, **changes), STRATEGIES["none"], CPU, stage)
+
+
+def test_1f1b_runs_pp_minus_rank_forwards_then_a_backward_before_each_further_forward():
+    assert schedule(3, 2, 0) == [(True, 0), (True, 1), (False, 0), (True, 2), (False, 1), (False, 2)]
+    assert schedule(3, 2, 1) == [(True, 0), (False, 0), (True, 1), (False, 1), (True, 2), (False, 2)]
+
+
+@pytest.mark.parametrize("stage, buffers", [("first", 1), ("rank 1", 2), ("last", 1)])
+def test_between_steps_a_stage_keeps_one_receive_buffer_per_micro_batch_each_way_it_receives(stage, buffers):
+    config = make_config(LLAMA3, pp=3, L=6, num_microbatches=3)
+    steady = timeline(config, STRATEGIES["none"], CPU, stage).steady
+    assert steady.by_category()[ACTIVATIONS] == buffers * 3 * config.b * config.s * config.h * 2
+
+
+def test_the_last_stage_keeps_each_micro_batchs_loss_to_the_optimizer():
+    live = {x.name for x in _timeline("last", num_microbatches=3).moments[-1].live}
+    assert {f"micro-batch {j}/loss/value" for j in range(3)} <= live
+
+
+def test_more_walked_layers_than_the_walk_takes_are_refused_counting_every_micro_batch():
+    with pytest.raises(ConfigError, match="L/pp = 2/2 is 1, times 600 micro-batches"):
+        _timeline("first", num_microbatches=600)
+
+
+@pytest.mark.parametrize("L, pp, layers", [(8, 2, (4, 4)), (8, 4, (2, 3, 2, 1)), (6, 3, (2, 3, 1)),
+                                           (4, 4, (1, 2, 1, 0))])
+def test_torchtitans_split_counts_the_embedding_and_the_output_as_a_layer_each(L, pp, layers):
+    assert tuple(x.layers for x in torchtitan_stages(L, pp, pp)) == layers
+
+
+def test_with_pp_4_a_middle_stage_bounds_memory_where_megatrons_first_and_last_would_not_say():
+    config = make_config(LLAMA3, pp=4, L=8)
+    walked = timelines(config, STRATEGIES["none"], CPU)
+    assert [x.stage for x in walked] == ["first", "rank 1", "rank 2", "last"]
+    assert max(walked, key=lambda x: x.peak.bytes).stage == "rank 1"
