@@ -403,7 +403,7 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
     out = f"grad/layers.{i - 1}/output" if i else ln.first_grad(config)
     mlp = moe.OUTPUT_GRAD if block else f"grad/{p}/ln2 output"
     norm_ops = olmo.layer_norm if olmo.walks(config) else ln.layer_norm if ln.walks(config) else layer.rms_norm
-    rope, rotated = olmo.recorded(olmo.rope) if olmo.walks(config) and z.act != 4 else (None, [])
+    rope, rotated = olmo.recorded(olmo.rope) if olmo.fp32_rope(config) and z.act != 4 else (None, [])
     # Gemma 2's sandwich norms (OLMo 2's post-norms): on the attention's output and on the MLP's, whose gradients are
     # then theirs; Phi-3's residual dropouts (p > 0) likewise on the branches' outputs, o_proj's and down_proj's
     resid, sandwich = config.fused_qkv and config.has_dropout, config.sandwich_norm or config.post_norm
@@ -439,7 +439,7 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
             p, z, config.attention == "eager", saved, config.groups != config.a, tp,
             () if checkpointed else _first_reader(config, i), config.norm if config.qk_layernorm else "",
             config.add_qkv_bias or config.add_bias_linear, config.has_dropout, rules.scores_capped(config), attn_out,
-            config.fused_qkv, f"attn {proj}", _shared_tables(config), into[0], rope, config.add_bias_linear),
+            config.fused_qkv, f"attn {proj}", into[0], rope, config.add_bias_linear),
             p, z, config)),
         *post_attn,
         *((mid,) if checkpointed else ()),
@@ -455,8 +455,9 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
         core, later = mla.eager_forward(p, z, config, saved) if config.mla else \
             layer.eager_forward(p, z, saved, config.fused_qkv) if config.attention == "eager" else (
             layer.sdpa_math_forward(p, z, saved, config.groups != config.a), frozenset())
-        fp32_rope = olmo.forward(p, z, saved, rotated, config.attention == "eager", tuple(_norms(config)[0])) \
-            if rotated else ((), frozenset())
+        before_rope = (*rules.OLMO2_Q_NORM, *rules.OLMO2_K_NORM) if config.post_norm else tuple(_norms(config)[0])
+        fp32_rope = olmo.forward(p, z, saved, rotated, config.attention == "eager", before_rope) if rotated else (
+            (), frozenset())
         closing = frozenset(rules.POST_NORMS[config.norm][1]) if config.sandwich_norm else frozenset()
         ops = (*layer.layer_forward(i, z, made, moe.block_forward(p, z, config) if block else (), core, resid, later,
                                     config.post_norm or ln.walks(config) or z.act == 4, closing,

@@ -139,7 +139,7 @@ def layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], tables: 
     rope, rotated = olmo.recorded(partial(olmo.rope, upcast=True)) if z.act != 4 else (None, [])
     attention = hf_layer.attention(p, z, eager, saved, config.groups != config.a, z.t > 1,
                                 tuple(x.name for x in tables) if i == 0 and not checkpointed else (),
-                                dropout=config.has_dropout, rope=tables, into=(f"{g}/ln2 output", ""), rope_ops=rope)
+                                dropout=config.has_dropout, into=(f"{g}/ln2 output", ""), rope_ops=rope)
     *attention, o_proj = attention
     step = o_proj.forward[-1]
     o_proj = replace(o_proj, forward=(*o_proj.forward[:-1], replace(step, reads_last=tuple(

@@ -11,7 +11,7 @@ from typing import Callable
 
 from memcalc.model import ledger
 from memcalc.model.impls import hf as rules
-from memcalc.model.ledger import Kind, RMSNormTensors, SavedTensor
+from memcalc.model.ledger import RMSNormTensors, SavedTensor
 from memcalc.sizing.timeline.tape import Sizes
 from memcalc.sizing.timeline import torch_ops
 from memcalc.sizing.timeline.torch_ops import WHY_WGRAD, linear
@@ -288,12 +288,12 @@ def returned_weights(z: Sizes, eager: bool, dropout: bool) -> SavedTensor | None
 def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, tp: bool, first: tuple[str, ...],
               qk_norm: str = "", qkv_bias: bool = False, dropout: bool = False, softcap: bool = False,
               dy: str | None = None, fused: bool = False, made_as: str = "attn output",
-              rope: tuple[SavedTensor, ...] = (), into: tuple[str, str] = ("", ""), rope_ops: RopeOps | None = None,
-              o_bias: bool = False) -> tuple[Op, ...]:
+              into: tuple[str, str] = ("", ""), rope_ops: RopeOps | None = None, o_bias: bool = False
+              ) -> tuple[Op, ...]:
     """q, k, v (their dX summed as they come; `qk_norm`, the layer's norm: Qwen3's q_norm and k_norm, OLMo 2's over
     the whole projection; `qkv_bias`: Qwen2's biases; `fused`: Phi-3's one qkv_proj), RoPE (`_rope_ops`, or the
-    `rope_ops` builder: OLMo's and Cohere's fp32 RoPE, hf_olmo.rope; `rope` the model's tables every layer keeps, none
-    where each keeps its own: GLM's; `first`, those the layer is the first to read, gone in its backward), the core
+    `rope_ops` builder: the fp32 RoPE of OLMo, OLMo 2 and Cohere, hf_olmo.rope; `first`, the model's tables the layer
+    is the first to read, gone in its backward), the core
     (eager with `dropout` or Gemma 2's `softcap`, or SDPA), o_proj (`dy` its output's gradient; None: the residual
     stream's, which lives on; `made_as` its output's name; `o_bias`: StarCoder 2's bias); the heads go as the module
     returns. `into`: the input's gradient autograd holds already (OLMo 2's unnormed residual stream's, Cohere's
@@ -336,7 +336,7 @@ def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, t
         made["v"] = _kept_or_local(p, rules.NEOX_QKV_OUT, saved, "qkv", z.full(q + 2 * kv))
     math = rules.MATH_Q.name in saved  # SDPA with dropout on a CPU: the math kernel (the ledger's SDPA_MATH)
     rope_built = rope_ops(p, {"q": (z.full(q), rotated["q"]), "k": (z.full(kv), rotated["k"])}, fused, first) \
-        if rope_ops else _rope_ops(p, z, {"q": q, "k": kv}, rotated, saved, fused, rope, first)
+        if rope_ops else _rope_ops(p, z, {"q": q, "k": kv}, rotated, saved, fused, first)
     core = eager_core(p, z, saved, gqa, dropout, softcap, fused) if eager else \
         sdpa_math(p, z, gqa, f"{g}/o_proj input", made["v"].name, q_folds=rules.GLM_ROPE_COS.name not in saved) \
         if math else _sdpa(p, z, saved)
@@ -423,22 +423,20 @@ def _fused_qkv(p: str, z: Sizes, q: int, kv: int, tp: bool, qkv: Made) -> tuple[
 RopeOps = Callable[[str, dict[str, tuple[int, Made]], bool, tuple[str, ...]], tuple[Op, ...]]
 
 
-def _rope_forward(p: str, name: str, width: int, out: Made, last: bool, passthrough: bool = False, rot: int = 0,
-                  wide: int = 0) -> tuple[Step, ...]:
+def _rope_forward(p: str, name: str, width: int, out: Made, last: bool, passthrough: bool = False, rot: int = 0
+                  ) -> tuple[Step, ...]:
     """apply_rotary_pos_emb for q or k (`out` its result); after k's (`last`) the projections' outputs go, rebound to
     RoPE's. `passthrough`: Phi-3's, whose sum is concatenated with the empty unrotated rest: a copy, `out`. `rot`:
-    GLM's rotated share's bytes, `wide`: OLMo's fp32 products' bytes; either's sum lives on, finished after k's
-    (`_rope_ops`)."""
+    GLM's rotated share's bytes, whose sum lives on, concatenated after k's (`_rope_ops`)."""
     x = f"{p}/{name}"
     if passthrough:
         summed = Made(f"{x} embed", width, "the rotated part, a temporary")
         return (*_rope_forward(p, name, width, summed, last)[:-1],
                 Step("RoPE's sum", (summed,), frees=(f"{x} cos", f"{x} sin")),
                 Step("the rotated part and the rest concatenated", (out,), frees=(summed.name,)))
-    if rot or wide:
-        out, last = Made(f"{x} embed", wide or rot, "RoPE's sum, a local of apply_rotary_pos_emb"), False
-    rot = rot or width
-    product = wide or rot
+    if rot:
+        out, last = Made(f"{x} embed", rot, "RoPE's sum, a local of apply_rotary_pos_emb"), False
+    rot = product = rot or width
     return (
         Step(f"{name} * cos", (Made(f"{x} cos", product, "a temporary"),)),
         Step("rotate_half: the negated half", (Made(f"{x} neg", rot // 2, "-x2, a temporary"),)),
@@ -451,40 +449,33 @@ def _rope_forward(p: str, name: str, width: int, out: Made, last: bool, passthro
 
 
 def _rope_ops(p: str, z: Sizes, widths: dict[str, int], rotated: dict[str, Made], saved: dict[str, int], fused: bool,
-              tables: tuple[SavedTensor, ...], first: tuple[str, ...]) -> tuple[Op, Op]:
-    """RoPE on q, then on k (`widths` their channels, `rotated` what each becomes); `tables`: the model's, of which q's
-    backward frees those the layer is the `first` to read. OLMo's fp32 tables make fp32 products, each sum cast back
-    as the function returns; GLM's (its own (s, d_r) tables, interleaved from the model's, which its products keep)
-    rotate the first d_r channels of each head, each sum then concatenated with the rest (in backward the Llama walk's
-    steps, net: no moment inside)."""
+              first: tuple[str, ...]) -> tuple[Op, Op]:
+    """RoPE on q, then on k (`widths` their channels, `rotated` what each becomes); q's backward frees the model's
+    tables the layer is the `first` to read. GLM's (its own (s, d_r) tables, interleaved from the model's, which its
+    products keep) rotate the first d_r channels of each head, each sum then concatenated with the rest (in backward
+    the Llama walk's steps, net: no moment inside). OLMo's and OLMo 2's fp32 tables: hf_olmo.rope."""
     g, glm = f"grad/{p}", rules.GLM_ROPE_COS.name in saved
-    upcast = bool(tables) and tables[0].kind is Kind.FP32 and z.act != 4
     share = saved[rules.GLM_ROPE_COS.name] // (z.act * z.s) if glm else z.d  # d_r: the interleaved table's width
     own = (rules.GLM_ROPE_COS, rules.GLM_ROPE_SIN) if glm else ()
     ops = [Op("self_attn", (
         *(Step(f"{x.name}: the model's table interleaved", (kept(p, x),)) for x in (own if name == "q" else ())),
         *_rope_forward(p, name, z.full(w), rotated[name], name == "k" and not fused, fused,
-                       glm and z.full(w // z.d * share), upcast and z.tokens(4 * w))),
-        _rope_backward(g, name, z.full(w), first if name == "q" else (), upcast and z.tokens(4 * w)),
+                       glm and z.full(w // z.d * share))),
+        _rope_backward(g, name, z.full(w), first if name == "q" else ()),
         saves=own)
         for name, w in widths.items()]  # forward order: q's, then k's
-    finish = "concatenated with the passed channels" if glm else "cast back" if upcast else ""
-    if finish:  # GLM's rebinds each sum to its concatenation; OLMo's sums, the function's locals, go as it returns
+    if glm:  # each sum rebound to its concatenation
         ops[1] = replace(ops[1], forward=(*ops[1].forward, *(
-            Step(f"{name}'s sum {finish}", (rotated[name],), frees=(f"{p}/{name} embed",) if glm else ())
+            Step(f"{name}'s sum concatenated with the passed channels", (rotated[name],), frees=(f"{p}/{name} embed",))
             for name in widths), Step("", frees=(f"{p}/q embed", f"{p}/k embed", f"{p}/q pre-rope", f"{p}/k pre-rope"),
                                       reads_last=kept_names(p, *own))))
     return ops[0], ops[1]
 
 
-def _rope_backward(g: str, name: str, width: int, tables: tuple[str, ...], wide: int = 0) -> tuple[Step, ...]:
-    """apply_rotary_pos_emb's backward for q or k; the last to run it (layers.0, q) frees the model's `tables`. `wide`:
-    OLMo's, the cast back's fp32 gradient live to x * cos's (each product's fp32 gradient is cast to x's dtype as its
-    node returns: no moment)."""
+def _rope_backward(g: str, name: str, width: int, tables: tuple[str, ...]) -> tuple[Step, ...]:
+    """apply_rotary_pos_emb's backward for q or k; the last to run it (layers.0, q) frees the model's `tables`."""
     x = f"{g}/{name}"
-    up = (Step("the cast back's backward", (Made(f"{x} dY fp32", wide, "the gradient cast up to fp32"),),
-               frees=(f"{x} heads",), moment=False),) if wide else ()
-    return (*up,
+    return (
         Step("rotate_half(x) * sin's backward", (Made(f"{x} rotated", width, "dY * sin"), Made(
             f"{x} neg", width // 2, "the negated half's gradient, negated back"), Made(
             f"{x} slice 1", width, "a half's gradient placed in a zero tensor")), frees=(f"{x} neg",), moment=False),

@@ -2,8 +2,8 @@
 
 OlmoLayerNorm (input_layernorm, post_attention_layernorm, the final norm) is F.layer_norm without weight or bias on
 x.to(float32), cast back; OlmoRotaryEmbedding returns its cos and sin tables in fp32 (no cast to x's dtype), so
-apply_rotary_pos_emb's products run in fp32 and its outputs are cast back (Cohere's RoPE too, which casts q and k up
-first: memcalc.sizing.timeline.hf_cohere). What differs from Llama's walk: docs/timeline.md, "transformers' OLMo".
+apply_rotary_pos_emb's products run in fp32 and its outputs are cast back (OLMo 2's, whose Olmo2RotaryEmbedding casts
+nothing either; Cohere's, which casts q and k up first: memcalc.sizing.timeline.hf_cohere). What differs from Llama's walk: docs/timeline.md, "transformers' OLMo".
 """
 
 from __future__ import annotations
@@ -25,6 +25,11 @@ NORMS = (rules.OLMO_LN1, rules.OLMO_LN2)
 def walks(config: ModelConfig) -> bool:
     """Whether the config is OLMo's model (its LayerNorm without parameters, norm layernorm_np)."""
     return config.norm == "layernorm_np"
+
+
+def fp32_rope(config: ModelConfig) -> bool:
+    """Whether the model's rotary embedding returns fp32 tables (OLMo's and OLMo 2's: `rope` walks their RoPE)."""
+    return rules.rope_tables(config) == (rules.OLMO_ROPE_COS, rules.OLMO_ROPE_SIN)
 
 
 def layer_norm(where: str, p: str, norm: ledger.NormTensors, z: Sizes, dy: str, out: str,
@@ -87,7 +92,8 @@ def forward(p: str, z: Sizes, saved: dict[str, int], built: list[Op], eager: boo
     """RoPE's forward op by op for the layer's one forward moment (hf_layer.layer_forward's `rope`): its fp32
     products, sums (and Cohere's q and k cast up) are wider than the layer's end where heads are wide. Beside them the
     attention's locals: q_proj's and k_proj's outputs, v where no kept tensor is it (`eager`: matmul's copy may be);
-    and the kept tensors made before it: the first `norm`'s, its output, V where the core keeps v itself."""
+    and the kept tensors made before it: `norm`'s (the first norm's, or OLMo 2's q_norm and k_norm), the attention's
+    input, V where the core keeps v itself."""
     q, kv = z.full(z.a_t * z.d), z.full(z.g_t * z.d)
     v = _kept_or_local(p, ledger.V, saved, "v heads", kv, eager and _bmm_copies(z, saved)[2])
     locals_ = (Made(f"{p}/q pre-rope", q, "q_proj's output, a local"), Made(f"{p}/k pre-rope", kv, "k_proj's output,"
