@@ -32,9 +32,10 @@ def vocab_shard(config: ModelConfig, t: int) -> int:
 
 
 def _norm_params(config: ModelConfig, width: int | None = None) -> int:
-    """One norm over `width` channels (the hidden size unless given)."""
+    """One norm over `width` channels (the hidden size unless given): OLMo's LayerNorm (layernorm_np) has no
+    parameters at all, RMSNorm no bias."""
     width = config.h if width is None else width
-    return 2 * width if config.norm == "layernorm" else width  # RMSNorm has no bias
+    return 2 * width if config.norm == "layernorm" else 0 if config.norm == "layernorm_np" else width
 
 
 def _layer_norm_params(c: ModelConfig) -> int:

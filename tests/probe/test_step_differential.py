@@ -120,6 +120,11 @@ GPT2 = {"impl": "hf", "family": "gpt2", "norm": "layernorm", "position_embedding
         "add_bias_linear": True}
 _HF_GPT2 = _knobs(attention=ATTENTION, dropout=DROPOUT, dtype=DTYPES, tie_embeddings=TIED,
                   mlp=st.sampled_from(("gelu_tanh", "gelu")), recompute=st.sampled_from(("none", "full")))
+# Starcoder2ForCausalLM: nn.LayerNorm, biases, a GELU MLP (torch's tanh kernel or gelu_new), F.dropout
+STARCODER2 = {"impl": "hf", "family": "starcoder2", "norm": "layernorm", "rotary_percent": 1.0,
+              "position_embedding_type": "rope", "add_bias_linear": True}
+_HF_STARCODER2 = _knobs(attention=ATTENTION, dtype=DTYPES, tie_embeddings=TIED, mlp=st.sampled_from(("gelu_tanh", "gelu")),
+                        dropout=DROPOUT, recompute=st.sampled_from(("none", "full")))
 _FSDP = {"dp_shard": st.sampled_from((2, 3, 4)), "reshard_after_forward": st.booleans(),
          "dp_replicate": st.sampled_from((None, None, 2))}
 _TORCHTITAN_FSDP = _knobs(recompute=st.sampled_from(("none", "full", "op")), dtype=DTYPES, **_FSDP)
@@ -157,6 +162,10 @@ SUBJECTS = (
     Subject("hf phi3", "transformers", {"impl": "hf", "family": "phi3", "fused_qkv": True, "attention": "eager",
                                        "dropout": 0.0} | LLAMA, _HF_PHI3),
     Subject("hf gpt2", "transformers", GPT2, _HF_GPT2, gqa=False, ts=(1,)),
+    Subject("hf olmo", "transformers", {"impl": "hf", "family": "olmo"} | LLAMA | {"norm": "layernorm_np"}, _HF),
+    Subject("hf starcoder2", "transformers", STARCODER2, _HF_STARCODER2),
+    Subject("hf cohere", "transformers", {"impl": "hf", "family": "cohere", "parallel_residual": True,
+                                         "single_norm": True} | LLAMA | {"norm": "layernorm_nb"}, _HF),
     Subject("hf deepseek_v3 (latent attention, dense)", "transformers",
             {"impl": "hf", "family": "deepseek_v3", "attention": "eager"} | LLAMA | MLA, _HF_DEEPSEEK, gqa=False,
             ts=(1,)),

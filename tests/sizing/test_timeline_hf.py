@@ -75,7 +75,14 @@ def test_a_layers_forward_marks_eager_attentions_fp32_softmax_the_steps_peak_whe
     ({"recompute": "full", "zero_stage": 2}, "recompute full \\(gradient checkpointing\\) with zero_stage"),
     ({"add_bias_linear": True}, "add_bias_linear"),
     ({"family": "qwen2", "add_qkv_bias": True, "dp_shard": 2}, "dp_shard or zero_stage with add_qkv_bias"),
-    ({"family": "olmo", "norm": "layernorm_np"}, "olmo's model"),
+    ({"family": "bloom", "norm": "layernorm", "alibi": True, "mlp": "gelu_tanh", "attention": "eager",
+      "ffn_hidden_size": 256, "position_embedding_type": "alibi", "add_bias_linear": True, "num_query_groups": None},
+     "bloom's model"),
+    ({"family": "olmo", "norm": "layernorm_np", "dp_shard": 2}, "OLMo's model under dp_shard or zero_stage"),
+    ({"family": "starcoder2", "norm": "layernorm", "mlp": "gelu", "rotary_percent": 1.0, "add_bias_linear": True,
+      "dp_shard": 2}, "StarCoder 2's model under dp_shard or zero_stage"),
+    ({"family": "cohere", "norm": "layernorm_nb", "parallel_residual": True, "single_norm": True,
+      "qk_layernorm": True}, "Cohere's model under dp_shard or zero_stage, or with use_qk_norm"),
     ({"position_embedding_type": "learned_absolute"}, "position_embedding_type learned_absolute"),
 ])
 def test_what_the_hf_walk_does_not_model_is_refused_by_name(changes, named):

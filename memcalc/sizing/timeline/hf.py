@@ -20,11 +20,14 @@ from memcalc.model.knobs import Accounting
 from memcalc.model.ledger import Dim, RMSNormTensors
 from memcalc.model.strategy import Strategy
 from memcalc.sizing.pipeline import stages
+from memcalc.sizing.timeline import hf_cohere as cohere
 from memcalc.sizing.timeline import hf_gpt2 as gpt2
 from memcalc.sizing.timeline import hf_layer as layer
 from memcalc.sizing.timeline import hf_gpt_oss as oss
 from memcalc.sizing.timeline import hf_mla as mla
 from memcalc.sizing.timeline import hf_moe as moe
+from memcalc.sizing.timeline import hf_ln as ln
+from memcalc.sizing.timeline import hf_olmo as olmo
 from memcalc.sizing.timeline.ends import model_states, optimizer_step
 from memcalc.sizing.timeline.fsdp import ROOT, Fsdp
 from memcalc.sizing.timeline.tape import (
@@ -36,9 +39,9 @@ from memcalc.sizing.timeline.walk import Checkpoint, HandOver, Made, Op, Step, W
 from memcalc.sizing.timeline.zero import Zero
 
 
-def _norm_like_final(config: ModelConfig) -> RMSNormTensors:
+def _norm_like_final(config: ModelConfig) -> RMSNormTensors | ledger.NormTensors:
     """A layer's norm of model.norm's class and shape: its input_layernorm, or OLMo 2's first post-norm."""
-    return rules.POST_NORMS[config.norm][0] if config.post_norm else rules.PRE_NORMS[config.norm][0]
+    return rules.POST_NORMS[config.norm][0] if config.post_norm else _norms(config)[0]
 
 
 def _shared_tables(config: ModelConfig) -> tuple[ledger.SavedTensor, ...]:
@@ -78,11 +81,20 @@ def _rotary(config: ModelConfig, z: Sizes) -> int:
     return config.qk_rope_head_dim if config.mla else rotary_sizes(config).get(Dim.DR, z.d)
 
 
-def final_norm(config: ModelConfig) -> RMSNormTensors:
+def final_norm(config: ModelConfig) -> RMSNormTensors | ledger.NormTensors:
     """model.norm keeps what a layer's norm of its class keeps (`_norm_like_final`), under its own names."""
     ln1 = _norm_like_final(config)
+    if isinstance(ln1, tuple):  # a LayerNorm's (OLMo's, StarCoder 2's, Cohere's)
+        return type(ln1)(*(replace(x, name=f"final_norm/{x.name.partition('/')[2]}") for x in ln1))
     return replace(ln1, **{f.name: replace(x, name=f"final_norm/{x.name.partition('/')[2]}") for f in fields(ln1)
                            if (x := getattr(ln1, f.name)) is not None})
+
+
+def _norms(config: ModelConfig) -> tuple[RMSNormTensors, RMSNormTensors] | tuple[ledger.NormTensors, ...]:
+    """A layer's two norms: OLMo's LayerNorms (memcalc.sizing.timeline.hf_olmo), nn.LayerNorm's (hf_ln), or the
+    RMSNorms of its norm."""
+    return olmo.NORMS if olmo.walks(config) else ln.NORMS if ln.walks(config) else cohere.NORMS \
+        if cohere.walks(config) else rules.PRE_NORMS[config.norm]
 
 
 def hf_timeline(config: ModelConfig, strategy: Strategy, accounting: Accounting) -> Timeline:
@@ -151,12 +163,14 @@ def _llama(tape: Tape, config: ModelConfig, z: Sizes, saved: dict[str, int], han
     ln1, final, rope = _norm_like_final(config), final_norm(config), _shared_tables(config)
     ends = {x.name: saved[x.name] for x in rope} | {ledger.OUTPUT_INPUT.name: z.full(z.h)} | {
         y.name: saved[x.name] for x, y in zip(ln1, final) if x.name in saved} | {
-        ledger.LOGITS_SOFTCAP_TANH.name: z.act * z.b * z.s * config.vocab_size}
+        ledger.LOGITS_SOFTCAP_TANH.name: z.act * z.b * z.s * config.vocab_size,
+        ledger.EMBEDDING_DROPOUT_MASK.name: z.tokens(z.h)}  # a bool mask (StarCoder 2's, hf_ln)
     tensors = tuple(x for x, _ in kept if x not in rope)  # every layer shares one description of these
     made, block = moe.kept_in_forward(tensors, config), moe.block_backward(z, config) if config.moe else ()
     saved |= moe.expert_bytes(saved, config) if config.moe else {}
     plain = moe.kept_in_forward(tuple(x for x, _ in dense if x not in rope), config)  # a dense one's among MoE
     layers = [(Walk(tape, f"layers.{i}", f"model.layers.{i}", saved, hand_over, _checkpoint(i, config)),
+               cohere.layer(i, z, config, saved, rope, made) if cohere.walks(config) else
                _layer(i, z, config, saved, made, block) if not config.moe or moe.sparse(config, i) else
                _layer(i, z, config, saved, plain, ())) for i in range(config.L)]
     inputs = (Walk(tape, "", "", ends, hand_over), _embedding(z, config, sharded))
@@ -245,7 +259,7 @@ def _step(tape: Tape, sharding: Fsdp | Zero | None, inputs: Walked, layers: list
 
 # The families whose model the walk follows, which --step builds (memcalc.probe.libs.hf_step).
 WALKED = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma", "gemma2", "phi3", "gpt2",
-          "deepseek_v3", "olmo2", "gemma3_text", "glm", "glm4", "gpt_oss")
+          "olmo", "starcoder2", "cohere", "deepseek_v3", "olmo2", "gemma3_text", "glm", "glm4", "gpt_oss")
 
 
 def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounting) -> None:
@@ -267,8 +281,8 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
         (family == "gemma3_text" and config.attention != "eager" and config.sliding_window is not None
          and config.sliding_window <= config.s,
          f"sliding_window={config.sliding_window} not above s={config.s} under SDPA in Gemma 3's model (its masks)"),
-        (config.rotary_percent is not None and not rules.is_glm(config), "partial RoPE (rotary_percent) outside"
-                                                                         " GLM's model"),
+        (config.rotary_percent is not None and not rules.is_glm(config) and family != "starcoder2",
+         "partial RoPE (rotary_percent) outside GLM's model"),
         (rules.is_glm(config) and rotary_sizes(config)[Dim.DR] == 0,
          f"GLM's RoPE on no channel (int(d * rotary_percent) = int({config.head_dim} * {config.rotary_percent}) = 0)"),
         (strategy.tensor_parallel and config.vocab_size % config.t != 0,
@@ -284,11 +298,22 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
                          " only names each stage's inputs and outputs, for torchtitan's experimental transformers"
                          " backend; --impl torchtitan walks torchtitan's Llama3 under its pipeline)"),
         (config.cp != 1, f"cp={config.cp}"),
-        (config.add_bias_linear and family not in ("gpt2", "gpt_oss"),
+        (config.add_bias_linear and family not in ("gpt2", "gpt_oss", "starcoder2"),
          "add_bias_linear (biases on every linear; Qwen2's q, k, v biases are add_qkv_bias)"),
+        # measured at dp_shard 2: FSDP2's MixedPrecisionPolicy casts each layer's fp32 inputs, OlmoRotaryEmbedding's
+        # cos and sin, to bf16 at its pre-forward (384 B each at s=24 d=8), which that layer's RoPE then keeps
+        (olmo.walks(config) and sharded, "OLMo's model under dp_shard or zero_stage (FSDP2 casts its fp32 RoPE tables"
+                                         " to bf16 copies for each layer)"),
         ((config.fused_qkv or config.post_norm or rules.is_glm(config)) and (tp or sharded),
          f"{family}'s model under tp, dp_shard or zero_stage (unmeasured: t = 1 without sharding only)"),
         (scaled_embedding(config) and sharded, f"{family}'s model under dp_shard or zero_stage (unmeasured)"),
+        (ln.walks(config) and sharded, "StarCoder 2's model under dp_shard or zero_stage (FSDP2's units are Llama's"
+                                       " modules)"),
+        (cohere.walks(config) and (sharded or config.qk_layernorm),
+         "Cohere's model under dp_shard or zero_stage, or with use_qk_norm (qk_layernorm)"),
+        # found by the step differential: t=2 b=2 s=2 h=16 a=4 g=4 f=2 v=4 L=1 fp32, the rerun under tp: 896 B of the
+        # peak's activations walked as temporaries (and at h=8 g=2 bf16 the peak named in gate_proj, not o_proj)
+        (cohere.walks(config) and tp and config.recompute != "none", f"{rerun} tp in Cohere's model"),
         (config.position_embedding_type != "rope" and family != "gpt2",
          f"position_embedding_type {config.position_embedding_type}"),
         (config.dtype == "fp32" and config.zero_stage is not None, "dtype fp32 with zero_stage (DeepSpeed's fp32"
@@ -397,13 +422,16 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
     """Decoder layer i as ops, its MLP LlamaMLP or a sparse `block`. Under a checkpoint its forward runs op by op;
     without, it is one moment (`made`, every kept tensor at once)."""
     p, tp, checkpointed = f"layers.{i}", z.t > 1, config.recompute == "full"
-    out = f"grad/layers.{i - 1}/output" if i else "grad/embedding output"
+    out = f"grad/layers.{i - 1}/output" if i else ln.first_grad(config)
     mlp = moe.OUTPUT_GRAD if block else f"grad/{p}/ln2 output"
+    norm_ops = olmo.layer_norm if olmo.walks(config) else ln.layer_norm if ln.walks(config) else layer.rms_norm
+    rope, rotated = olmo.recorded(olmo.rope) if olmo.fp32_rope(config) and z.act != 4 else (None, [])
     # Gemma 2's sandwich norms (OLMo 2's post-norms): on the attention's output and on the MLP's, whose gradients are
     # then theirs; Phi-3's residual dropouts (p > 0) likewise on the branches' outputs, o_proj's and down_proj's
     resid, sandwich = config.fused_qkv and config.has_dropout, config.sandwich_norm or config.post_norm
+    inner = ln.walks(config) and config.has_dropout  # StarCoder 2's F.dropout inside the attention (hf_ln)
     attn_out, mlp_out = (f"grad/{p}/attn output", f"grad/{p}/mlp output") if sandwich else (
-        f"grad/{p}/attn dropped", f"grad/{p}/mlp dropped") if resid else (None, None)
+        f"grad/{p}/attn dropped", f"grad/{p}/mlp dropped") if resid or inner else (None, None)
     post_attn, post_mlp = (  # each on its branch's output, which goes as the norm returns
         layer.rms_norm(name, p, norm, z, None, dx, output=Made(f"{p}/{branch} normed", z.full(z.h), "the branch's"
                                                                 " output normalised"), gone=(f"{p}/{branch} output",),
@@ -417,30 +445,31 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
         for branch, mask, stream, dx in (("attn", ledger.ATTN_OUT_DROPOUT_MASK, f"grad/{p}/mid", attn_out),
                                          ("mlp", ledger.MLP_DROPOUT_MASK, f"grad/{p}/output", mlp_out))
     ) if resid else ((), ())
-    proj = "proj" if resid else "output"
+    proj = "proj" if resid or inner else "output"
     mid, output = layer.residuals(i, z, layer.returned_weights(z, config.attention == "eager", config.has_dropout))
     into = ((f"grad/{p}/mid", out), (f"grad/{p}/output", f"grad/{p}/mid")) if config.post_norm else (("", ""),) * 2
     names = _norm_names(config)
     ln1, ln2 = (layer.unnormed(ledger.QKV_IN, f"{p}/input"), layer.unnormed(ledger.FC1_IN, f"{p}/mid")) \
         if config.post_norm else (
-        layer.rms_norm(names[0], p, rules.PRE_NORMS[config.norm][0], z, f"grad/{p}/ln1 output", out,
-                       f"grad/{p}/mid", output=kept(p, ledger.QKV_IN), x=f"{p}/input"),
-        layer.rms_norm(names[2], p, rules.PRE_NORMS[config.norm][1], z, mlp, f"grad/{p}/mid", f"grad/{p}/output",
-                       output=kept(p, ledger.MOE_IN if block else ledger.FC1_IN), x=f"{p}/mid"))
+        norm_ops(names[0], p, _norms(config)[0], z, f"grad/{p}/ln1 output", out, f"grad/{p}/mid",
+                 output=kept(p, ledger.QKV_IN), x=f"{p}/input"),
+        norm_ops(names[2], p, _norms(config)[1], z, mlp, f"grad/{p}/mid", f"grad/{p}/output",
+                 output=kept(p, ledger.MOE_IN if block else ledger.FC1_IN), x=f"{p}/mid"))
     ops = (
         *ln1,
-        *(mla.attention(p, z, config, saved) if config.mla else
-          layer.attention(p, z, config.attention == "eager", saved, config.groups != config.a, tp,
-                          () if checkpointed else _first_reader(config, i),
-                          config.norm if config.qk_layernorm else "", config.add_qkv_bias or config.attention_sinks,
-                          config.has_dropout, rules.scores_capped(config), attn_out, config.fused_qkv, f"attn {proj}",
-                          _shared_tables(config), into[0], config.attention_sinks)),
+        *(mla.attention(p, z, config, saved) if config.mla else ln.dropped_attention(layer.attention(
+            p, z, config.attention == "eager", saved, config.groups != config.a, tp,
+            () if checkpointed else _first_reader(config, i), config.norm if config.qk_layernorm else "",
+            config.add_qkv_bias or config.add_bias_linear, config.has_dropout, rules.scores_capped(config), attn_out,
+            config.fused_qkv, f"attn {proj}", into[0], rope, config.add_bias_linear, config.attention_sinks),
+            p, z, config)),
         *post_attn,
         *((mid,) if checkpointed else ()),
         *ln2,
         *(moe.checkpointed_forward(p, z, config) if block and checkpointed else ()),
-        *(block or layer.mlp(p, z, tp, rules.GATED[config.mlp], mlp_out, config.fused_qkv or rules.is_glm(config),
-                             f"mlp {proj}", into[1])),
+        *(block or (ln.mlp(p, z, config) if ln.walks(config) else
+                    layer.mlp(p, z, tp, rules.GATED[config.mlp], mlp_out, config.fused_qkv or rules.is_glm(config),
+                              f"mlp {proj}", into[1]))),
         *post_mlp,
         *((output,) if checkpointed else ()),
     )
@@ -449,9 +478,13 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
             p, z, saved, config.has_dropout) if rules.is_gpt_oss(config) else \
             layer.eager_forward(p, z, saved, config.fused_qkv) if config.attention == "eager" else (
             layer.sdpa_math_forward(p, z, saved, config.groups != config.a), frozenset())
+        before_rope = (*rules.OLMO2_Q_NORM, *rules.OLMO2_K_NORM) if config.post_norm else tuple(_norms(config)[0])
+        fp32_rope = olmo.forward(p, z, saved, rotated, config.attention == "eager", before_rope) if rotated else (
+            (), frozenset())
         closing = frozenset(rules.POST_NORMS[config.norm][1]) if config.sandwich_norm else frozenset()
         ops = (*layer.layer_forward(i, z, made, moe.block_forward(p, z, config) if block else (), core, resid, later,
-                                    config.post_norm, closing),
+                                    config.post_norm or ln.walks(config) or z.act == 4, closing,
+                                    down_proj=ln.DOWN if ln.walks(config) else layer.DOWN_PROJ, rope=fp32_rope),
                *(replace(x, forward=()) for x in ops))
     return tuple(replace(x, shadow=PHI3_SHADOWED.get(x.where, "")) for x in ops) if config.fused_qkv and not resid \
         else ops
@@ -479,10 +512,11 @@ def _embedding(z: Sizes, config: ModelConfig, sharded: bool) -> tuple[Op, ...]:
                 " mask beside the causal one: Gemma 2's sliding layers read it (Qwen2MoeModel makes it too, though no"
                 " layer slides; under SDPA Gemma 3's window, not below s, is causal: no mask)"),)
           if _qwen2_moe(config) or _slides(config, 0) and eager else ()),
-        *_model_tables(config, z),
     )
-    first = Made("layers.0/input", z.full(z.h), "the embedding lookup, the first layer's input: LlamaModel's"
-                 " inputs_embeds, live until it returns")
+    tables = _model_tables(config, z)
+    dropped = ln.embedding_dropout(z, config, Step("RoPE's tables", tables, moment=False))
+    first = Made("model/inputs_embeds" if dropped else "layers.0/input", z.full(z.h), "the embedding lookup, the first"
+                 " layer's input: LlamaModel's inputs_embeds, live until it returns")
     looked_up = (Step("the embedding lookup" + (", all-reduced" if tp else ""), (*lookup, first),
                       frees=("embedding/partial",)),)
     scaled: tuple[Step, ...] = ()
@@ -493,8 +527,9 @@ def _embedding(z: Sizes, config: ModelConfig, sharded: bool) -> tuple[Op, ...]:
         scaled = (Step("the scale's backward", (Made("grad/embedding (scaled)", z.full(z.h), "dY * scale, the lookup's"
                                                      " gradient"),), frees=("grad/embedding output",), moment=False),)
     return (_batch(z), Op("model.embed_tokens", forward=(
-        *looked_up, Step("what LlamaModel makes once for all layers", model, moment=False),
-    ), backward=(*scaled, *_embedding_backward(z, config, tp, sharded))))
+        *looked_up, Step("what LlamaModel makes once for all layers", model + (() if dropped else tables),
+                         moment=False),
+    ), backward=(*scaled, *_embedding_backward(z, config, tp, sharded))), *dropped)
 
 
 def _qwen2_moe(config: ModelConfig) -> bool:
@@ -545,6 +580,14 @@ def _output(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     """model.norm, then lm_head and the loss."""
     last = f"layers.{config.L}/input"
     final = final_norm(config)
+    locals_ = (*(MODEL_LOCALS if config.recompute != "full" else _unheld_masks(config)),  # the first layer's frame: the
+               "model/inputs_embeds")  # rest; inputs_embeds, where a dropout made the first layer's input
+    if olmo.walks(config) or ln.walks(config) or cohere.walks(config):
+        norm = olmo.layer_norm if olmo.walks(config) else ln.layer_norm if ln.walks(config) else cohere.layer_norm
+        kept_x = ln.walks(config) or z.act == 4 and olmo.walks(config)  # the norm keeps the last layer's output
+        return (*norm("model.norm", "", final, z, "grad/lm_head input", f"grad/layers.{config.L - 1}/output",
+                      output=kept("", ledger.OUTPUT_INPUT, "lm_head's input, which it keeps"),
+                      gone=(*(() if kept_x else (last,)), *locals_), x=last), *_head(z, config))
     # the locals alive at its widest: LlamaRMSNorm's variance and fp32 x * r; GemmaRMSNorm's fp32 product;
     # Olmo2RMSNorm's variance and fp32 product (in fp32 the casts are no-ops: x * r is the ledger's normed, the product
     # lm_head's input)
@@ -557,8 +600,7 @@ def _output(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     widest = Step("RMSNorm at its widest: fp32 input and output, bf16 output", (
         *(kept("", x) for x in final), *temps, kept("", ledger.OUTPUT_INPUT, "the cast back: lm_head's input, which it"
                                                    " keeps")),
-        frees=(*(x.name for x in temps), last,  # the first layer's frame holds the rest
-               *(MODEL_LOCALS if config.recompute != "full" else _unheld_masks(config))))
+        frees=(*(x.name for x in temps), last, *locals_))
     # fp32: x.to(float32) is the last layer's output itself, which the norm keeps
     norm = layer.rms_norm("model.norm", "", final, z, "grad/lm_head input", f"grad/layers.{config.L - 1}/output",
                           forward=((Step("", frees=(last,)),) if fp32 else ()) + (widest,))
@@ -580,7 +622,7 @@ def _head(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     lm_head = replace(head, forward=(Step("the gathered logits: this rank's columns, the gather's buffer, all", (
         *gather, Made("lm_head/logits", logits, "lm_head's bf16 logits; the output object holds them until it goes")),
         frees=("lm_head/local logits", "lm_head/gathered"), moment=tp),), backward=(*columns, *head.backward))
-    return (lm_head, *_softcap(config, logits), _loss(z, logits))
+    return (lm_head, *_softcap(config, logits), *cohere.logit_scale(z, config), _loss(z, logits))
 
 
 def _softcap(config: ModelConfig, logits: int) -> tuple[Op, ...]:

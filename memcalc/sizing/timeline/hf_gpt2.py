@@ -46,12 +46,13 @@ def layer_norm(where: str, p: str, norm: NormTensors, z: Sizes, output: Made, dy
 
 
 def conv1d(where: str, p: str, x: SavedTensor, gemm: Step, inputs: int, outputs: int, z: Sizes, dx: str,
-           frees: tuple[str, ...] = ()) -> Op:
+           frees: tuple[str, ...] = (), reduced: bool = False) -> Op:
     """transformers' Conv1D: addmm(bias, x viewed (b * s, inputs), weight (inputs, outputs)), `gemm` its forward; in
-    backward nn.Linear's GEMMs and its bias's sum (memcalc.sizing.timeline.torch_ops.linear), the GEMMs a moment of
-    their own: under a checkpoint the node's saved tensors, the rerun's, go before the sum."""
-    op = linear(where, x, None, z.act * inputs * outputs, dx, z.full(inputs), p, frees, bias=z.act * outputs)
-    return Op(where, (gemm,), (replace(op.backward[0], moment=True), *op.backward[1:]), op.saves)
+    backward nn.Linear's GEMMs and its bias's sum (memcalc.sizing.timeline.torch_ops.linear). `reduced`: a colwise
+    nn.Linear under tp (StarCoder 2's c_fc), its dX all-reduced."""
+    op = linear(where, x, None, z.act * inputs * outputs, dx, z.full(inputs), p, frees, bias=z.act * outputs,
+                reduced=reduced)
+    return replace(op, forward=(gemm,))
 
 
 def block(i: int, z: Sizes, config: ModelConfig, math: bool = False) -> tuple[Op, ...]:
@@ -196,11 +197,13 @@ def _sdpa_math(p: str, z: Sizes, kept_v: tuple[SavedTensor, ...]) -> tuple[Op, .
     return tuple(replace(x, where="attn") for x in sdpa_math(p, z, False, f"grad/{p}/c_proj input", "", kept_v))
 
 
-def mlp(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
-    """GPT2MLP: c_fc, the activation (gelu_new written out, or torch's GELU), c_proj."""
+def mlp(p: str, z: Sizes, config: ModelConfig, drop: str | None = "mlp.dropout", tp: bool = False) -> tuple[Op, ...]:
+    """GPT2MLP: c_fc, the activation (gelu_new written out, or torch's GELU), c_proj, its `drop` module (None:
+    F.dropout inside the MLP's forward, StarCoder 2's: no module MemTracker reads c_proj's backward in; `tp`: its
+    c_fc colwise)."""
     g, full, f = f"grad/{p}", z.full(z.h), z.f_t
     c_fc = conv1d("mlp.c_fc", p, ledger.FC1_IN, Step("the GEMM", (kept(p, ledger.GELU_IN),)), z.h, f, z,
-                  f"{g}/ln2 output", (f"{g}/gelu_in",))
+                  f"{g}/ln2 output", (f"{g}/gelu_in",), reduced=tp)
     act = _gelu_new(p, z) if config.mlp == "gelu_tanh" else (Op("mlp.act", (
         Step("GELU", (kept(p, ledger.FC2_IN),), reads_last=kept_names(p, ledger.GELU_IN)),), (
         Step("GELU's backward", (Made(f"{g}/gelu_in", z.full(f), "dY * GELU'(x)"),), frees=(f"{g}/act output",)),),
@@ -210,9 +213,9 @@ def mlp(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     proj = Made(f"{p}/mlp proj", full, "c_proj's output, the dropout's input") if dropped else out
     c_proj = conv1d("mlp.c_proj", p, ledger.FC2_IN, Step("the GEMM", (proj,), reads_last=kept_names(
         p, ledger.FC2_IN)), f, z.h, z, f"{g}/act output", (f"{g}/mlp dropped",) if dropped else ())
-    resid = (dropout("mlp.dropout", p, ledger.MLP_DROPOUT_MASK, out, f"{g}/output", f"{g}/mlp dropped", full,
+    resid = (dropout(drop or "mlp", p, ledger.MLP_DROPOUT_MASK, out, f"{g}/output", f"{g}/mlp dropped", full,
                      gone=(proj.name,)),) if dropped else ()
-    return (c_fc, *act, _shadowed(c_proj, "mlp.dropout", config), *resid)
+    return (c_fc, *act, _shadowed(c_proj, drop, config) if drop else c_proj, *resid)
 
 
 def _gelu_new(p: str, z: Sizes) -> tuple[Op, ...]:

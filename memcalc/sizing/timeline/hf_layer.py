@@ -7,6 +7,7 @@ layer".
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Callable
 
 from memcalc.model import ledger
 from memcalc.model.impls import hf as rules
@@ -18,7 +19,6 @@ from memcalc.sizing.timeline.torch_ops import WHY_WGRAD, linear
 from memcalc.sizing.timeline.walk import Made, Op, Step, kept, kept_name, kept_names
 
 WHY_SAVED = "kept for backward (the hf ledger); freed when the op that keeps it has run backward"
-ROPE = (rules.ROPE_COS, rules.ROPE_SIN)  # made once per forward by LlamaRotaryEmbedding, kept by every layer
 
 
 def rms_norm(where: str, p: str, norm: RMSNormTensors, z: Sizes, dy: str | None, out: str, residual: str | None = None,
@@ -195,6 +195,9 @@ def _gemma_weight(where: str, g: str, norm: RMSNormTensors, z: Sizes, dy: str | 
     return (product, up)
 
 
+DOWN_PROJ = "mlp.down_proj"  # LlamaMLP's rowwise projection under tp
+
+
 def unnormed(kept_as: SavedTensor, x: str) -> tuple[Op]:
     """OLMo 2's layer has no norm before the attention or the MLP: their projections keep the residual stream `x`
     itself (`kept_as`, an alias), and autograd sums their dX into the stream's gradient as they come (`attention`'s
@@ -204,45 +207,62 @@ def unnormed(kept_as: SavedTensor, x: str) -> tuple[Op]:
 
 
 def layer_forward(i: int, z: Sizes, kept: Step, mlp: tuple[Op, ...] = (), core: tuple[Op, ...] = (),
-                  dropped: bool = False, later: frozenset[SavedTensor] = frozenset(), unnormed: bool = False,
-                  closing: frozenset[SavedTensor] = frozenset()) -> tuple[Op, ...]:
+                  dropped: bool = False, later: frozenset[SavedTensor] = frozenset(), kept_inputs: bool = False,
+                  closing: frozenset[SavedTensor] = frozenset(), parallel: bool = False, down_proj: str = DOWN_PROJ,
+                  rope: tuple[tuple[Op, ...], frozenset[SavedTensor]] = ((), frozenset())) -> tuple[Op, ...]:
     """Layer i's forward, one moment at its second residual sum: its kept tensors (`kept`, every layer's one step),
     the residual stream, and a sparse block's own moments (`mlp`, which makes the MLP's output); with the attention
     core's own moment (`core`), the tensors kept up to it (those before o_proj's input, but the core's `later` ones)
     are made before it, and those the core's steps make (DeepSeek's, hf_mla) are not made again. Under tp a
     dense MLP's down_proj (RowwiseParallel) all-reduces its GEMM's partial sum into a new tensor: a moment before the
-    sum, as many bytes as it (the partial goes as the sum is made), which MemTracker reads first. `unnormed`: OLMo 2's
-    projections keep the layer's input and the stream themselves. `closing`: what Gemma 2's post_feedforward_layernorm
-    keeps, made after down_proj (whose output goes as the norm returns). The kept tensors the MLP's own steps make
-    (gpt-oss's experts') are made there, not before it."""
-    p, full, streamed = f"layers.{i}", z.full(z.h), z.act == 4 or unnormed
-    # fp32: the norms' x.to(float32) are no-ops, so the ledger's fp32 inputs are the layer's input and the stream
-    alias = (Step("", frees=(f"{p}/input",)),) if streamed else ()
-    if core:
+    sum, as many bytes as it (the partial goes as the sum is made), which MemTracker reads first. `kept_inputs`: the
+    layer's input and the stream are kept themselves (nn.LayerNorm's inputs; in fp32 the norms' x.to(float32), a
+    no-op; OLMo 2's projections, `unnormed`). `closing`: what Gemma 2's post_feedforward_layernorm keeps, made after
+    down_proj (whose output goes as the norm returns). `parallel`: the attention and the MLP read one norm's output
+    (Cohere's), summed with the input at the end, o_proj's output live to then. `down_proj`: the MLP's rowwise
+    projection (StarCoder 2's c_proj). `rope`: RoPE's forward in fp32 (OLMo's, Cohere's) op by op, which makes Q and K
+    itself, and the kept tensors made before it (the rest of those before o_proj's input, the core's, after it). The
+    kept tensors the MLP's own steps make (gpt-oss's experts') are made there, not before it."""
+    p, full = f"layers.{i}", z.full(z.h)
+    alias = (Step("", frees=(f"{p}/input",)),) if kept_inputs else ()
+    rope_ops, early = rope
+    if core or rope_ops:
         at = next(j for j, x in enumerate(kept.makes) if x.keeps in (ledger.PROJ_IN, ledger.MLA_PROJ_IN))
-        before = tuple(x for x in kept.makes[:at] if x.keeps not in later)
+        rotated = {x.keeps for op in rope_ops for step in op.forward for x in step.makes if x.keeps is not None}
+        before = tuple(x for x in kept.makes[:at] if x.keeps not in later | rotated)
+        if rope_ops:  # the core's kept tensors made after RoPE's
+            made_after = (Op("", (Step("the core's kept tensors", tuple(x for x in before if x.keeps not in early),
+                                       moment=False),), ()),)
+            rope_ops, before = (*rope_ops, *made_after), tuple(x for x in before if x.keeps in early)
         own = {x.keeps for op in core for step in op.forward for x in step.makes if x.keeps}  # made by the core
-        after = tuple(x for x in (*(x for x in kept.makes[:at] if x.keeps in later), *kept.makes[at:])
+        after = tuple(x for x in (*(x for x in kept.makes[:at] if x.keeps in later - rotated), *kept.makes[at:])
                       if x.keeps not in own)
-        core = (Op("", (replace(kept, makes=before), *alias), ()), *core)
+        core = (Op("", (replace(kept, makes=before), *alias), ()), *rope_ops, *core)
         kept, alias = replace(kept, makes=after), ()
     mine = {x.keeps for op in mlp for step in op.forward for x in step.makes if x.keeps}  # the block's own moments'
     kept = replace(kept, makes=tuple(x for x in kept.makes if x.keeps not in mine))
-    stream = alias if streamed else (Step("the residual stream", (Made(
-        f"{p}/mid", full, "the residual stream after attention: ln2's input and the MLP's residual"),), moment=False),)
+    stream = alias if kept_inputs else (Step("the residual stream", (Made(
+        f"{p}/mid", full, "the residual stream after attention: ln2's input and the MLP's residual"),), moment=False),
+    ) if not parallel else (Step("the attention's output", (Made(f"{p}/attn output", full, "o_proj's output, a local"
+                                                                 " to the layer's sum"),), moment=False),)
     late = tuple(x for x in kept.makes if x.keeps in closing)
-    made = Op("", (replace(kept, makes=tuple(x for x in kept.makes if x.keeps not in closing)), *stream), ())
+    # under tp, an MLP's dropout (StarCoder 2's) keeps its mask after down_proj's all-reduce
+    masked = tuple(x for x in kept.makes if x.keeps == ledger.MLP_DROPOUT_MASK) if z.t > 1 and not mlp else ()
+    made = Op("", (replace(kept, makes=tuple(x for x in kept.makes if x not in late + masked)), *stream), ())
     output = () if mlp else (Made(f"{p}/mlp output", full, "down_proj's output, summed into the residual stream"),)
     if dropped:  # Phi-3's resid_mlp_dropout: the layer's variable holds down_proj's output to the sum too
         output += (Made(f"{p}/mlp proj", full, "down_proj's output, resid_mlp_dropout's input"),)
-    down = (Op("mlp.down_proj", forward=(Step("down_proj's partial sum all-reduced", (
+    down = (Op(down_proj, forward=(Step("down_proj's partial sum all-reduced", (
         Made(f"{p}/mlp partial", full, "down_proj's GEMM: this rank's share of the sum, a local of its forward"),
         *output), frees=(f"{p}/mlp partial",)), *((Step("", frees=(f"{p}/mlp output",)),) if late else ())),
         backward=()),) if output and z.t > 1 else ()
+    partial = (Made(f"{p}/partial sum", full, "the input plus the attention's output"),) if parallel else ()
     out = Op("", forward=(Step("the layer's saved tensors, at its second residual sum", (
-        *late, *(() if down and not late else output), Made(f"layers.{i + 1}/input", full, "the layer's output, the next layer's input")),
+        *late, *masked, *(() if down and not late else output), *partial,
+        Made(f"layers.{i + 1}/input", full, "the layer's output, the next layer's input")),
         # the caller rebinds its hidden_states; the first layer's input is inputs_embeds too
-        frees=(f"{p}/mid", f"{p}/mlp output", f"{p}/mlp proj", *((f"{p}/input",) if i else ()))),), backward=())
+        frees=(f"{p}/mid", f"{p}/mlp output", f"{p}/mlp proj", *(x.name for x in partial), f"{p}/attn output",
+               *((f"{p}/input",) if i else ()))),), backward=())
     return (*core, made, *mlp, *down, out)
 
 
@@ -272,17 +292,17 @@ def returned_weights(z: Sizes, eager: bool, dropout: bool) -> SavedTensor | None
 def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, tp: bool, first: tuple[str, ...],
               qk_norm: str = "", qkv_bias: bool = False, dropout: bool = False, softcap: bool = False,
               dy: str | None = None, fused: bool = False, made_as: str = "attn output",
-              rope: tuple[SavedTensor, ...] = ROPE, into: tuple[str, str] = ("", ""), sinks: bool = False
-              ) -> tuple[Op, ...]:
+              into: tuple[str, str] = ("", ""), rope_ops: RopeOps | None = None, o_bias: bool = False,
+              sinks: bool = False) -> tuple[Op, ...]:
     """q, k, v (their dX summed as they come; `qk_norm`, the layer's norm: Qwen3's q_norm and k_norm, OLMo 2's over
-    the whole projection; `qkv_bias`: Qwen2's biases; `fused`: Phi-3's one qkv_proj), RoPE (`_rope_ops`; `rope` the
-    model's tables every layer keeps, none where each keeps its own: GLM's; `first`, those the layer is the first to
-    read, gone in its backward), the core (eager with `dropout` or Gemma 2's
-    `softcap`, or SDPA),
-    o_proj (`dy` its output's gradient; None: the residual stream's, which lives on; `made_as` its output's name); the
-    heads go as the module returns. `into`: OLMo 2's (unnormed) residual stream's gradient, which q's, k's and v's dX
-    join as they come, and the name of the sum. `sinks`: gpt-oss's attention (memcalc.sizing.timeline.hf_gpt_oss: its
-    RoPE on halves, its core with the sinks, o_proj's bias)."""
+    the whole projection; `qkv_bias`: Qwen2's biases; `fused`: Phi-3's one qkv_proj), RoPE (`_rope_ops`, or the
+    `rope_ops` builder: the fp32 RoPE of OLMo, OLMo 2 and Cohere, hf_olmo.rope; `first`, the model's tables the layer
+    is the first to read, gone in its backward), the core
+    (eager with `dropout` or Gemma 2's `softcap`, or SDPA), o_proj (`dy` its output's gradient; None: the residual
+    stream's, which lives on; `made_as` its output's name; `o_bias`: StarCoder 2's bias); the heads go as the module
+    returns. `into`: the input's gradient autograd holds already (OLMo 2's unnormed residual stream's, Cohere's
+    parallel MLP's), which q's, k's and v's dX join as they come, and the name of the sum ("": the norm's dY).
+    `sinks`: gpt-oss's attention (memcalc.sizing.timeline.hf_gpt_oss: its RoPE on halves, its core with the sinks)."""
     g, q, kv, full = f"grad/{p}", z.a_t * z.d, z.g_t * z.d, z.full(z.h)
     # the projections' outputs and RoPE's, each the core's saved tensor or a local of the attention
     q_copied, k_copied, v_copied = _bmm_copies(z, saved, fused)
@@ -319,21 +339,22 @@ def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, t
     ran[:0] = late
     if fused:  # q, k and v are views of qkv_proj's output, which V's view keeps whole at b = 1
         made["v"] = _kept_or_local(p, rules.NEOX_QKV_OUT, saved, "qkv", z.full(q + 2 * kv))
-    rope_ops = oss.rope(g, z, first) if sinks else _rope_ops(p, z, {"q": q, "k": kv}, rotated, saved, fused, rope,
-                                                               first)
     math = rules.MATH_Q.name in saved  # SDPA with dropout on a CPU: the math kernel (the ledger's SDPA_MATH)
+    rope_built = oss.rope(g, z, first) if sinks else rope_ops(
+        p, {"q": (z.full(q), rotated["q"]), "k": (z.full(kv), rotated["k"])}, fused, first) if rope_ops else _rope_ops(
+        p, z, {"q": q, "k": kv}, rotated, saved, fused, first)
     core = oss.eager_core(p, z, saved, gqa, dropout) if sinks else \
         eager_core(p, z, saved, gqa, dropout, softcap, fused) if eager else \
         sdpa_math(p, z, gqa, f"{g}/o_proj input", made["v"].name, q_folds=rules.GLM_ROPE_COS.name not in saved) \
         if math else _sdpa(p, z, saved)
     copied = eager or math or rules.GLM_SDPA_OUT.name in saved  # o_proj's input no kernel's output
     o_proj = linear("self_attn.o_proj", ledger.PROJ_IN if copied else None, None, z.act * q * z.h,
-                    f"{g}/o_proj input", z.full(q), p, (dy,) if dy else (), bias=z.act * z.h if sinks else 0)
+                    f"{g}/o_proj input", z.full(q), p, (dy,) if dy else (), bias=z.act * z.h if o_bias else 0)
     gone = (made["v"], *rotated.values(), kept(p, ledger.QKV_IN), kept(p, ledger.PROJ_IN))  # at the module's return
     o_proj = replace(o_proj, forward=(Step("the GEMM", (Made(f"{p}/{made_as}", full, "o_proj's output"),),
                                            frees=tuple(x.name for x in gone if x.keeps is None),
                                            reads_last=tuple(x.name for x in gone if x.keeps is not None)),))
-    return (*(_fused_qkv(p, z, q, kv, tp, made["v"]) if fused else reversed(ran)), *rope_ops, *core, o_proj)
+    return (*(_fused_qkv(p, z, q, kv, tp, made["v"]) if fused else reversed(ran)), *rope_built, *core, o_proj)
 
 
 # q_norm and k_norm by the layer's norm: Qwen3's LlamaRMSNorm and Gemma 3's GemmaRMSNorm on each head, OLMo 2's
@@ -404,22 +425,25 @@ def _fused_qkv(p: str, z: Sizes, q: int, kv: int, tp: bool, qkv: Made) -> tuple[
     return (lin, Op("self_attn", (), tuple(slices)), view)
 
 
-def _rope_forward(p: str, name: str, width: int, out: Made, last: bool, passthrough: bool = False, rot: int = 0,
-                  wide: int = 0) -> tuple[Step, ...]:
+# apply_rotary_pos_emb as ops, q's then k's, built apart from `_rope_ops` (OLMo's and Cohere's fp32 RoPE, hf_olmo.rope):
+# (p, {"q": (bytes, output), "k": ...}, passthrough, the tables q's backward frees)
+RopeOps = Callable[[str, dict[str, tuple[int, Made]], bool, tuple[str, ...]], tuple[Op, ...]]
+
+
+def _rope_forward(p: str, name: str, width: int, out: Made, last: bool, passthrough: bool = False, rot: int = 0
+                  ) -> tuple[Step, ...]:
     """apply_rotary_pos_emb for q or k (`out` its result); after k's (`last`) the projections' outputs go, rebound to
     RoPE's. `passthrough`: Phi-3's, whose sum is concatenated with the empty unrotated rest: a copy, `out`. `rot`:
-    GLM's rotated share's bytes, `wide`: OLMo's fp32 products' bytes; either's sum lives on, finished after k's
-    (`_rope_ops`)."""
+    GLM's rotated share's bytes, whose sum lives on, concatenated after k's (`_rope_ops`)."""
     x = f"{p}/{name}"
     if passthrough:
         summed = Made(f"{x} embed", width, "the rotated part, a temporary")
         return (*_rope_forward(p, name, width, summed, last)[:-1],
                 Step("RoPE's sum", (summed,), frees=(f"{x} cos", f"{x} sin")),
                 Step("the rotated part and the rest concatenated", (out,), frees=(summed.name,)))
-    if rot or wide:
-        out, last = Made(f"{x} embed", wide or rot, "RoPE's sum, a local of apply_rotary_pos_emb"), False
-    rot = rot or width
-    product = wide or rot
+    if rot:
+        out, last = Made(f"{x} embed", rot, "RoPE's sum, a local of apply_rotary_pos_emb"), False
+    rot = product = rot or width
     return (
         Step(f"{name} * cos", (Made(f"{x} cos", product, "a temporary"),)),
         Step("rotate_half: the negated half", (Made(f"{x} neg", rot // 2, "-x2, a temporary"),)),
@@ -432,40 +456,33 @@ def _rope_forward(p: str, name: str, width: int, out: Made, last: bool, passthro
 
 
 def _rope_ops(p: str, z: Sizes, widths: dict[str, int], rotated: dict[str, Made], saved: dict[str, int], fused: bool,
-              tables: tuple[SavedTensor, ...], first: tuple[str, ...]) -> tuple[Op, Op]:
-    """RoPE on q, then on k (`widths` their channels, `rotated` what each becomes); `tables`: the model's, of which q's
-    backward frees those the layer is the `first` to read. OLMo's fp32 tables make fp32 products, each sum cast back
-    as the function returns; GLM's (its own (s, d_r) tables, interleaved from the model's, which its products keep)
-    rotate the first d_r channels of each head, each sum then concatenated with the rest (in backward the Llama walk's
-    steps, net: no moment inside)."""
+              first: tuple[str, ...]) -> tuple[Op, Op]:
+    """RoPE on q, then on k (`widths` their channels, `rotated` what each becomes); q's backward frees the model's
+    tables the layer is the `first` to read. GLM's (its own (s, d_r) tables, interleaved from the model's, which its
+    products keep) rotate the first d_r channels of each head, each sum then concatenated with the rest (in backward
+    the Llama walk's steps, net: no moment inside). OLMo's and OLMo 2's fp32 tables: hf_olmo.rope."""
     g, glm = f"grad/{p}", rules.GLM_ROPE_COS.name in saved
-    upcast = bool(tables) and tables[0].kind is Kind.FP32 and z.act != 4
     share = saved[rules.GLM_ROPE_COS.name] // (z.act * z.s) if glm else z.d  # d_r: the interleaved table's width
     own = (rules.GLM_ROPE_COS, rules.GLM_ROPE_SIN) if glm else ()
     ops = [Op("self_attn", (
         *(Step(f"{x.name}: the model's table interleaved", (kept(p, x),)) for x in (own if name == "q" else ())),
         *_rope_forward(p, name, z.full(w), rotated[name], name == "k" and not fused, fused,
-                       glm and z.full(w // z.d * share), upcast and z.tokens(4 * w))),
-        _rope_backward(g, name, z.full(w), first if name == "q" else (), upcast and z.tokens(4 * w)),
+                       glm and z.full(w // z.d * share))),
+        _rope_backward(g, name, z.full(w), first if name == "q" else ()),
         saves=own)
         for name, w in widths.items()]  # forward order: q's, then k's
-    finish = "concatenated with the passed channels" if glm else "cast back" if upcast else ""
-    if finish:  # GLM's rebinds each sum to its concatenation; OLMo's sums, the function's locals, go as it returns
+    if glm:  # each sum rebound to its concatenation
         ops[1] = replace(ops[1], forward=(*ops[1].forward, *(
-            Step(f"{name}'s sum {finish}", (rotated[name],), frees=(f"{p}/{name} embed",) if glm else ())
+            Step(f"{name}'s sum concatenated with the passed channels", (rotated[name],), frees=(f"{p}/{name} embed",))
             for name in widths), Step("", frees=(f"{p}/q embed", f"{p}/k embed", f"{p}/q pre-rope", f"{p}/k pre-rope"),
                                       reads_last=kept_names(p, *own))))
     return ops[0], ops[1]
 
 
-def _rope_backward(g: str, name: str, width: int, tables: tuple[str, ...], wide: int = 0) -> tuple[Step, ...]:
-    """apply_rotary_pos_emb's backward for q or k; the last to run it (layers.0, q) frees the model's `tables`. `wide`:
-    OLMo's, the cast back's fp32 gradient live to x * cos's (each product's fp32 gradient is cast to x's dtype as its
-    node returns: no moment)."""
+def _rope_backward(g: str, name: str, width: int, tables: tuple[str, ...]) -> tuple[Step, ...]:
+    """apply_rotary_pos_emb's backward for q or k; the last to run it (layers.0, q) frees the model's `tables`."""
     x = f"{g}/{name}"
-    up = (Step("the cast back's backward", (Made(f"{x} dY fp32", wide, "the gradient cast up to fp32"),),
-               frees=(f"{x} heads",), moment=False),) if wide else ()
-    return (*up,
+    return (
         Step("rotate_half(x) * sin's backward", (Made(f"{x} rotated", width, "dY * sin"), Made(
             f"{x} neg", width // 2, "the negated half's gradient, negated back"), Made(
             f"{x} slice 1", width, "a half's gradient placed in a zero tensor")), frees=(f"{x} neg",), moment=False),

@@ -24,7 +24,8 @@ def linear(where: str, x: SavedTensor | None, out: Made | None, weight: int, dx:
 
     `sums` (the other gradient, the sum's name, its bytes): the input has a gradient already, and autograd sums dX
     into it at once, before it reaches the weight's accumulator. `bias` (Qwen2's q, k, v): addmm's node passes dY on
-    as the bias's gradient, summed to its shape after the node returned (`Step.reduced`) while dY lives. `reduced`: a
+    as the bias's gradient, summed to its shape after the node returned (`Step.reduced`) while dY lives; the GEMMs are
+    a moment of their own (under a checkpoint the node's saved tensors, the rerun's, go before the sum). `reduced`: a
     colwise linear under tp, whose Partial dX DTensor.from_local's backward all-reduces into a new tensor (the
     paper's f). `label`: what names the GEMMs where one module runs several (GroupedExperts: "w1's grouped ").
     """
@@ -36,7 +37,7 @@ def linear(where: str, x: SavedTensor | None, out: Made | None, weight: int, dx:
     gemms = Step(f"{label}GEMMs: dW and dX", (
         Made(dw, weight, "the tied weight's gradient, waiting in autograd's input buffer" if waits else WHY_WGRAD),
         Made(partial, dx_bytes, "dX = dY W" + (", this rank's partial sum" if reduced else ""))),
-        () if bias else frees, () if bias else handed, returns=True, moment=not bias)
+        () if bias else frees, () if bias else handed, returns=True)
     after = (Step("the bias's gradient: dY summed over the tokens", biased, frees, handed, reduced=True),
              ) if bias else ()
     if sums:

@@ -159,6 +159,8 @@ def test_under_tp_every_moment_the_timeline_names_happens_in_order(one_thread, a
 @pytest.mark.parametrize("changes, named", [
     ({"tie_embeddings": True}, "tied embeddings under tp"),
     ({"t": 4, "num_query_groups": 4}, "vocab_size=250 that t=4 does not divide"),
+    ({"family": "cohere", "norm": "layernorm_nb", "parallel_residual": True, "single_norm": True, "recompute": "full"},
+     "with tp in Cohere's model"),
 ])
 def test_under_tp_what_the_walk_does_not_model_is_refused_by_name(changes, named):
     with pytest.raises(ConfigError, match=named):
@@ -482,6 +484,21 @@ GEMMA = {"family": "gemma", "norm": "rmsnorm_1p", "mlp": "geglu_tanh"}
 GEMMA2 = GEMMA | {"family": "gemma2", "sandwich_norm": True}
 CAPPED = {"attn_logit_softcapping": 50.0}
 PHI3 = {"family": "phi3", "fused_qkv": True}
+OLMO = {"family": "olmo", "norm": "layernorm_np"}
+# heads wider than h (a * d >> h), a small vocabulary and MLP: in bf16 the step peaks at RoPE's fp32 products and sums
+WIDE_HEADS = [
+    ({"b": 3, "s": 16, "h": 64, "a": 2, "kv_channels": 256, "num_query_groups": 1}, "flash", "none"),
+    ({"b": 2, "s": 3, "h": 32, "a": 4, "kv_channels": 256, "num_query_groups": 4, "tie_embeddings": True}, "eager",
+     "none"),
+    ({"b": 1, "s": 9, "h": 32, "a": 4, "kv_channels": 128, "num_query_groups": 2, "L": 2}, "eager", "none"),
+    ({"b": 3, "s": 5, "h": 32, "a": 4, "kv_channels": 128, "num_query_groups": 1}, "flash", "full"),  # the rerun's
+]
+WIDE = {"vocab_size": 8, "ffn_hidden_size": 8, "L": 1}
+# Starcoder2ForCausalLM: nn.LayerNorm, biases on every linear, a GELU MLP (mlp gelu: torch's tanh kernel), RoPE
+STARCODER2 = {"family": "starcoder2", "norm": "layernorm", "mlp": "gelu", "rotary_percent": 1.0,
+              "add_bias_linear": True}
+# CohereForCausalLM: the attention and the MLP side by side on one CohereLayerNorm, fp32 RoPE, scaled logits
+COHERE = {"family": "cohere", "norm": "layernorm_nb", "parallel_residual": True, "single_norm": True}
 FAMILY_STEPS = [
     ("gemma", "eager", GEMMA),  # the loss's backward
     ("gemma", "flash", GEMMA | {"b": 1, "s": 13, "kv_channels": 12, "num_query_groups": 4}),  # lm_head's GEMMs
@@ -504,6 +521,25 @@ FAMILY_STEPS = [
     ("phi3", "eager", PHI3 | {"vocab_size": 40}),
     ("phi3", "eager", PHI3 | {"vocab_size": 40, "h": 32, "ffn_hidden_size": 512}),
     ("phi3", "eager", PHI3 | {"s": 95, "h": 16, "ffn_hidden_size": 16, "vocab_size": 20}),
+    ("olmo", "eager", OLMO),  # OlmoForCausalLM: LayerNorm without parameters on an fp32 copy, fp32 RoPE tables
+    ("olmo", "flash", OLMO | {"b": 1, "s": 13, "kv_channels": 12, "num_query_groups": 4}),
+    ("olmo", "eager", OLMO | {"b": 3, "s": 7, "h": 48, "a": 6, "num_query_groups": 2, "tie_embeddings": True}),
+    ("olmo", "flash", OLMO | {"vocab_size": 40}),
+    ("olmo", "flash", OLMO | {"vocab_size": 40, "h": 32, "ffn_hidden_size": 512}),
+    ("olmo", "eager", OLMO | {"s": 95, "h": 16, "ffn_hidden_size": 16, "vocab_size": 20}),
+    ("starcoder2", "eager", STARCODER2),
+    ("starcoder2", "flash", STARCODER2 | {"b": 1, "s": 13}),
+    ("starcoder2", "eager", STARCODER2 | {"b": 3, "s": 7, "h": 48, "a": 6, "num_query_groups": 2,
+                                         "tie_embeddings": True}),
+    ("starcoder2", "flash", STARCODER2 | {"vocab_size": 40}),  # c_proj's bias gradient
+    ("starcoder2", "eager", STARCODER2 | {"vocab_size": 40, "h": 32, "ffn_hidden_size": 512, "mlp": "gelu_tanh"}),
+    ("starcoder2", "eager", STARCODER2 | {"s": 95, "h": 16, "ffn_hidden_size": 16, "vocab_size": 20}),
+    ("cohere", "eager", COHERE),
+    ("cohere", "flash", COHERE | {"b": 1, "s": 13, "kv_channels": 12, "num_query_groups": 4}),
+    ("cohere", "eager", COHERE | {"b": 3, "s": 7, "h": 48, "a": 6, "num_query_groups": 2, "tie_embeddings": True}),
+    ("cohere", "flash", COHERE | {"vocab_size": 40}),  # the final norm's weight gradient
+    ("cohere", "flash", COHERE | {"vocab_size": 40, "h": 32, "ffn_hidden_size": 512}),
+    ("cohere", "eager", COHERE | {"s": 95, "h": 16, "ffn_hidden_size": 16, "vocab_size": 20}),
 ]
 
 
@@ -540,6 +576,107 @@ def test_phi3s_residual_dropouts_keep_their_masks_and_the_step_is_memtrackers(on
     variable holds to the residual sum; each keeps its bool mask, and its backward makes the projection's dY."""
     r = _exact_step(make_config(LLAMA, attention="eager", dropout=0.1, recompute=recompute, **changes), "none")
     assert r.model.startswith("transformers' Phi3ForCausalLM")
+
+
+# OlmoForCausalLM in fp32 (its casts no-ops: x.to(float32) is the stream itself, RoPE Llama's), under gradient
+# checkpointing (each OlmoLayerNorm and the fp32 RoPE op by op in the rerun), with dropout, under the tp_plan
+OLMO_STEPS = [
+    ("eager", OLMO | {"dtype": "fp32", "b": 3, "s": 7, "num_query_groups": 8}, "none", "none"),
+    ("flash", OLMO | {"dtype": "fp32", "b": 1, "s": 13}, "full", "none"),
+    ("eager", OLMO | {"b": 1, "s": 13, "kv_channels": 12, "num_query_groups": 4}, "full", "none"),
+    ("flash", OLMO | {"b": 3, "s": 7, "h": 48, "a": 6, "num_query_groups": 2}, "full", "none"),
+    ("eager", OLMO | {"s": 95, "h": 16, "ffn_hidden_size": 16, "vocab_size": 20}, "full", "none"),
+    ("eager", OLMO | {"dropout": 0.1, "b": 3, "s": 9}, "full", "none"),
+    ("flash", OLMO | {"dropout": 0.1, "b": 1, "s": 5, "dtype": "fp32"}, "none", "none"),
+    ("flash", OLMO | {"t": 2, "b": 3, "s": 7}, "full", "tp"),
+    *((attention, OLMO | WIDE | changes, recompute, "none") for changes, attention, recompute in WIDE_HEADS),
+]
+
+
+@pytest.mark.parametrize("attention, changes, recompute, layout", OLMO_STEPS, ids=str)
+def test_olmos_parameterless_layernorms_and_fp32_rope_step_as_the_walk_says_to_the_byte(one_thread, attention,
+                                                                                      changes, recompute, layout):
+    r = _exact_step(make_config(LLAMA, attention=attention, recompute=recompute, **changes), layout)
+    assert r.model.startswith("transformers' OlmoForCausalLM")
+
+
+# Starcoder2ForCausalLM in fp32, under gradient checkpointing (each nn.LayerNorm keeps its input, the layer's own
+# tensor), with gelu_new, with dropout (F.dropout on the embedding, o_proj's and c_proj's outputs; the attention's
+# weights), at b = 1 and 3, a/g 1 to 4
+STARCODER2_STEPS = [
+    ("eager", STARCODER2 | {"dropout": 0.1, "b": 3, "s": 7}, "none"),
+    ("eager", STARCODER2 | {"dropout": 0.1, "s": 95, "h": 16, "ffn_hidden_size": 16, "vocab_size": 20}, "none"),
+    ("eager", STARCODER2 | {"dropout": 0.1, "b": 3, "s": 7}, "full"),
+    ("flash", STARCODER2 | {"dropout": 0.1, "b": 3, "s": 9, "mlp": "gelu_tanh", "num_query_groups": 4}, "full"),
+    ("flash", STARCODER2 | {"dropout": 0.1, "dtype": "fp32", "b": 1, "s": 5}, "full"),
+    # found by the step differential: o_proj's GEMMs, their rerun's input still held, as wide as its bias's sum
+    ("eager", STARCODER2 | {"mlp": "gelu_tanh", "ffn_hidden_size": 1, "num_query_groups": 1, "b": 1, "s": 1, "h": 8,
+                            "a": 2, "L": 1, "vocab_size": 2}, "full"),
+    ("eager", STARCODER2 | {"dtype": "fp32", "b": 3, "s": 7, "num_query_groups": 8}, "none"),
+    # o_proj's bias gradient
+    ("eager", STARCODER2 | {"vocab_size": 20, "b": 1, "s": 3, "h": 128, "ffn_hidden_size": 64}, "none"),
+    ("flash", STARCODER2 | {"b": 1, "s": 13}, "full"),
+    ("eager", STARCODER2 | {"b": 3, "s": 7, "mlp": "gelu_tanh"}, "full"),
+    ("eager", STARCODER2 | {"dtype": "fp32", "b": 3, "s": 9, "num_query_groups": 4}, "full"),
+    ("flash", STARCODER2 | {"dtype": "fp32", "b": 1, "s": 5, "num_query_groups": 8}, "full"),
+]
+
+
+# under its tp_plan (q, k, v and c_fc colwise, o_proj and c_proj rowwise, their biases whole; the MLP's dropout mask
+# made after c_proj's all-reduce)
+STARCODER2_TP_STEPS = [
+    ("eager", STARCODER2 | {"t": 2, "vocab_size": 40, "h": 32, "ffn_hidden_size": 512}, "none"),
+    ("eager", STARCODER2 | {"t": 2, "vocab_size": 20, "b": 1, "s": 3, "h": 128, "ffn_hidden_size": 64}, "none"),
+    ("eager", STARCODER2 | {"t": 2, "b": 3, "s": 5, "dropout": 0.1, "a": 6, "h": 48, "num_query_groups": 2,
+                            "vocab_size": 40, "ffn_hidden_size": 256}, "none"),
+    ("flash", STARCODER2 | {"t": 2, "b": 3, "s": 7, "dropout": 0.1}, "full"),
+    ("eager", STARCODER2 | {"t": 4, "b": 1, "s": 9, "num_query_groups": 4, "dtype": "fp32", "vocab_size": 248,
+                            "mlp": "gelu_tanh"}, "none"),
+]
+
+
+@pytest.mark.parametrize("attention, changes, recompute", STARCODER2_STEPS + STARCODER2_TP_STEPS, ids=str)
+def test_starcoder2s_layernorms_biases_and_gelu_mlp_step_as_the_walk_says_to_the_byte(one_thread, attention, changes,
+                                                                                      recompute):
+    _exact_family_step(attention, changes, recompute, "Starcoder2ForCausalLM")
+
+
+def _exact_family_step(attention: str, changes: dict, recompute: str, architecture: str) -> None:
+    """`_exact_step` on `architecture`'s model, under its tp_plan where t > 1."""
+    layout = "tp" if changes.get("t", 1) > 1 else "none"
+    r = _exact_step(make_config(LLAMA, attention=attention, recompute=recompute, **changes), layout)
+    assert r.model.startswith(f"transformers' {architecture}")
+
+
+# CohereForCausalLM in fp32 (x.to(float32) is x: its gradients summed into the stream's as they come), under gradient
+# checkpointing (the norm and the fp32 RoPE op by op in the rerun, which peaks there), with dropout, a/g 1 to 3
+COHERE_STEPS = [
+    ("eager", COHERE | {"dtype": "fp32", "b": 3, "s": 7}, "none"),
+    ("flash", COHERE | {"dtype": "fp32", "b": 1, "s": 13, "vocab_size": 40, "num_query_groups": 8}, "none"),
+    ("eager", COHERE | {"vocab_size": 20, "h": 128, "ffn_hidden_size": 16, "a": 2, "num_query_groups": 1}, "none"),
+    ("eager", COHERE | {"vocab_size": 20, "h": 256, "ffn_hidden_size": 8, "a": 2, "num_query_groups": 2}, "full"),
+    ("eager", COHERE | {"dtype": "fp32", "b": 3, "s": 9, "num_query_groups": 4}, "full"),
+    ("flash", COHERE | {"b": 1, "s": 13, "num_query_groups": 8}, "full"),
+    ("flash", COHERE | {"dropout": 0.1, "b": 3, "s": 7}, "full"),
+    ("eager", COHERE | {"dropout": 0.1, "b": 1, "s": 5, "h": 48, "a": 6, "num_query_groups": 3}, "full"),
+    *((attention, COHERE | WIDE | changes, recompute) for changes, attention, recompute in WIDE_HEADS),
+]
+
+
+# under its tp_plan (Llama's: q, k, v, gate, up colwise, o and down rowwise, the norm whole)
+COHERE_TP_STEPS = [
+    ("flash", COHERE | {"t": 2, "vocab_size": 40, "h": 32, "ffn_hidden_size": 512}, "none"),
+    ("eager", COHERE | {"t": 2, "vocab_size": 20, "h": 128, "ffn_hidden_size": 16, "a": 2, "num_query_groups": 2,
+                        "b": 1, "s": 5}, "none"),
+    ("eager", COHERE | {"t": 2, "b": 1, "s": 13, "dropout": 0.1, "a": 6, "h": 48, "num_query_groups": 2}, "none"),
+    ("eager", COHERE | {"t": 4, "b": 3, "s": 9, "num_query_groups": 4, "dtype": "fp32", "vocab_size": 248}, "none"),
+]
+
+
+@pytest.mark.parametrize("attention, changes, recompute", COHERE_STEPS + COHERE_TP_STEPS, ids=str)
+def test_coheres_parallel_block_on_one_norm_steps_as_the_walk_says_to_the_byte(one_thread, attention, changes,
+                                                                               recompute):
+    _exact_family_step(attention, changes, recompute, "CohereForCausalLM")
 
 
 @pytest.mark.parametrize("attention", ATTENTIONS)

@@ -18,7 +18,7 @@ from memcalc.sizing.timeline import timeline  # noqa: E402
 
 from tests.helpers import LLAMA_HF as LLAMA, make_config  # noqa: E402
 
-from .test_hf_step import CPU, _exact_step  # noqa: E402
+from .test_hf_step import CPU, WIDE, WIDE_HEADS, _exact_step  # noqa: E402
 
 # Olmo2ForCausalLM: no norm before the attention or the MLP, an Olmo2RMSNorm (fp32 weight product) on each branch's
 # output and on q_proj's and k_proj's whole outputs; OLMo's rotary tables stay fp32
@@ -46,6 +46,10 @@ STEPS = [
     ("olmo2", "eager", OLMO2 | FULL | FP32 | {"b": 3, "s": 5, "h": 48, "a": 6, "num_query_groups": 3}),
     ("olmo2", "eager", OLMO2 | {"dropout": 0.1, "b": 3, "s": 7}),  # attention dropout: native_dropout's mask
     ("olmo2", "flash", OLMO2 | FULL | {"dropout": 0.1, "b": 1, "s": 9}),  # SDPA's math kernel on a CPU, rerun
+    # heads wider than h: the step peaks at RoPE's fp32 products and sums (hf_olmo.rope, OLMo's; the walk put the peak
+    # at the layer's end, measured in RoPE's forward at b=3 s=16 h=64 a=2 kv_channels=256)
+    *(("olmo2", attention, OLMO2 | WIDE | changes | {"recompute": recompute})
+      for changes, attention, recompute in WIDE_HEADS),
     ("gemma3_text", "eager", GEMMA3),  # the loss's backward
     ("gemma3_text", "eager", GEMMA3 | {"b": 1, "s": 13, "kv_channels": 12, "num_query_groups": 4}),
     ("gemma3_text", "eager", GEMMA3 | CAPPED | {"b": 3, "s": 7, "h": 48, "a": 6, "num_query_groups": 2,

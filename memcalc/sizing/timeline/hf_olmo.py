@@ -1,0 +1,137 @@
+"""transformers' OlmoForCausalLM for the hf step walk: Llama's model with two differences, described here as ops.
+
+OlmoLayerNorm (input_layernorm, post_attention_layernorm, the final norm) is F.layer_norm without weight or bias on
+x.to(float32), cast back; OlmoRotaryEmbedding returns its cos and sin tables in fp32 (no cast to x's dtype), so
+apply_rotary_pos_emb's products run in fp32 and its outputs are cast back (OLMo 2's, whose Olmo2RotaryEmbedding casts
+nothing either; Cohere's, which casts q and k up first: memcalc.sizing.timeline.hf_cohere). What differs from Llama's walk: docs/timeline.md, "transformers' OLMo".
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from memcalc.config.schema import ModelConfig
+from memcalc.model import ledger
+from memcalc.model.ledger import SavedTensor
+from memcalc.model.impls import hf as rules
+from memcalc.sizing.timeline.hf_layer import RopeOps, _bmm_copies, _kept_or_local, _rope_backward, _rope_forward
+from memcalc.sizing.timeline.tape import Sizes
+from memcalc.sizing.timeline.walk import Made, Op, Step, kept, kept_names
+
+NORMS = (rules.OLMO_LN1, rules.OLMO_LN2)
+
+
+def walks(config: ModelConfig) -> bool:
+    """Whether the config is OLMo's model (its LayerNorm without parameters, norm layernorm_np)."""
+    return config.norm == "layernorm_np"
+
+
+def fp32_rope(config: ModelConfig) -> bool:
+    """Whether the model's rotary embedding returns fp32 tables (OLMo's and OLMo 2's: `rope` walks their RoPE)."""
+    return rules.rope_tables(config) == (rules.OLMO_ROPE_COS, rules.OLMO_ROPE_SIN)
+
+
+def layer_norm(where: str, p: str, norm: ledger.NormTensors, z: Sizes, dy: str, out: str,
+               residual: str | None = None, output: Made | None = None, gone: tuple[str, ...] = (),
+               x: str = "") -> tuple[Op, ...]:
+    """OlmoLayerNorm: x.to(float32) (kept; in fp32 x itself), native_layer_norm's fp32 output, mean and rstd (those
+    kept), the output cast back; `output`, `gone`: its forward op by op (a checkpoint's walk, the final norm), `x` its
+    input. Backward: dY cast up, native_layer_norm_backward's dX (no weight, no bias), cast back; with a `residual`
+    summed with the stream's gradient into `out`."""
+    g, fp32 = "/".join(n for n in ("grad", p, where) if n), z.act == 4
+    wide, dx = z.tokens(4 * z.h), f"{g}/dx" if residual else out
+    dy32, dx32 = (dy, dx) if fp32 else (f"{g}/dy fp32", f"{g}/dx fp32")
+    forward = _forward("/".join(n for n in (p, where) if n), p, norm, z, output, gone, x) if output else ()
+    backward = (
+        *(() if fp32 else (Step("the cast back's backward: dY in fp32", (Made(dy32, wide, "dY cast up"),),
+                                frees=(dy,), moment=False),)),
+        Step("native_layer_norm_backward: dX", (Made(dx32, wide, "the norm's dX, fp32"),), frees=(dy32,),
+             returns=True),
+        *(() if fp32 else (Step("x.to(float32)'s backward", (Made(dx, z.full(z.h), "dX cast back"),),
+                                frees=(dx32,), moment=False),)),
+        *((Step("the residual's sum", (Made(out, z.full(z.h), "the residual stream's gradient: the norm's dX and the"
+                                            " residual's summed"),), frees=(dx, residual), moment=False),)
+          if residual else ()),
+    )
+    return (Op(where, forward, backward, saves=tuple(norm)),)
+
+
+def _forward(n: str, p: str, norm: ledger.NormTensors, z: Sizes, output: Made, gone: tuple[str, ...], x: str
+             ) -> tuple[Step, ...]:
+    """OlmoLayerNorm's forward op by op; in fp32 x.to(float32) is x itself and the layer_norm's output the norm's."""
+    fp32 = z.act == 4
+    upcast = Made(x, 0, "x.to(float32) in fp32: x itself", keeps=norm.input, alias=True) if fp32 else \
+        kept(p, norm.input)
+    normed = output if fp32 else Made(f"{n}/output fp32", z.tokens(4 * z.h), "native_layer_norm's output, a"
+                                      " temporary")
+    stats = (kept(p, norm.mean), kept(p, norm.rstd))
+    return (
+        Step("x.to(float32)", (upcast,)),
+        Step("native_layer_norm: output, mean, rstd", (normed, *stats), frees=gone if fp32 else (),
+             reads_last=kept_names(p, *norm)),
+        *(() if fp32 else (Step("the cast back", (output,), frees=(normed.name, *gone)),)),
+    )
+
+
+def recorded(builder: RopeOps) -> tuple[RopeOps, list[Op]]:
+    """`builder` (hf_layer.RopeOps) and the list it appends the ops it builds to: the layer's one forward moment walks
+    RoPE's fp32 forward op by op (`forward`)."""
+    built: list[Op] = []
+
+    def build(*args: Any) -> tuple[Op, ...]:
+        ops = builder(*args)
+        built.extend(ops)
+        return ops
+
+    return build, built
+
+
+def forward(p: str, z: Sizes, saved: dict[str, int], built: list[Op], eager: bool, norm: tuple[SavedTensor, ...]
+            ) -> tuple[tuple[Op, ...], frozenset[SavedTensor]]:
+    """RoPE's forward op by op for the layer's one forward moment (hf_layer.layer_forward's `rope`): its fp32
+    products, sums (and Cohere's q and k cast up) are wider than the layer's end where heads are wide. Beside them the
+    attention's locals: q_proj's and k_proj's outputs, v where no kept tensor is it (`eager`: matmul's copy may be);
+    and the kept tensors made before it: `norm`'s (the first norm's, or OLMo 2's q_norm and k_norm), the attention's
+    input, V where the core keeps v itself."""
+    q, kv = z.full(z.a_t * z.d), z.full(z.g_t * z.d)
+    v = _kept_or_local(p, ledger.V, saved, "v heads", kv, eager and _bmm_copies(z, saved)[2])
+    locals_ = (Made(f"{p}/q pre-rope", q, "q_proj's output, a local"), Made(f"{p}/k pre-rope", kv, "k_proj's output,"
+                                                                             " a local"),
+               *((v,) if v.keeps is None else ()))
+    made = tuple(x.name for op in built for step in op.forward for x in step.makes if x.keeps is None)
+    ops = (Op("self_attn", (Step("the projections' outputs", locals_, moment=False),), ()),
+           *(replace(op, backward=()) for op in built),  # then its locals go: the core's moment makes its own
+           Op("self_attn", (Step("", frees=(*made, *((v.name,) if v.keeps is None else ()))),), ()))
+    return ops, frozenset((*norm, ledger.QKV_IN, *((ledger.V,) if v.keeps is not None else ())))
+
+
+def rope(p: str, heads: dict[str, tuple[int, Made]], passthrough: bool, tables: tuple[str, ...],
+         upcast: bool = False) -> tuple[Op, ...]:
+    """apply_rotary_pos_emb on OLMo's fp32 tables (hf_layer.RopeOps; in fp32 Llama's own): q * cos and
+    rotate_half(q) * sin promote to fp32, and so does their sum; k's likewise; then q's sum is cast back, and k's;
+    the fp32 sums, its locals, go as it returns, and the projections' outputs as the attention rebinds them.
+    `upcast`: Cohere's, which casts q and k to fp32 first (its locals to its return), so rotate_half runs in fp32
+    too. In backward dY is cast up first; its fp32 copy goes with the last product's node (the products' gradients,
+    cast back to bf16 as autograd validates them, mark no moment)."""
+    (_, (_, q_out)), (_, (_, k_out)) = heads.items()
+    ops = []
+    for name, (w, _) in heads.items():
+        x, g = f"{p}/{name}", f"grad/{p}/{name}"
+        llama = _rope_forward(p, name, 2 * w if upcast else w, Made("", 0, ""), False)
+        casts = tuple(Step(f"{n}.float()", (Made(f"{p}/{n} fp32", 2 * heads[n][0], "a local to its return"),))
+                      for n in heads if upcast and name == "q")
+        forward = (*casts, Step(f"{name} * cos, in fp32", (Made(f"{x} cos", 2 * w, "a temporary"),)), *llama[1:3],
+                   Step("rotate_half(x) * sin, in fp32", (Made(f"{x} sin", 2 * w, "a temporary"),),
+                        frees=(f"{x} rotated",)),
+                   Step("RoPE's sum, in fp32", (Made(f"{x} embed fp32", 2 * w, "cast back once k's is made too"),),
+                        frees=(f"{x} cos", f"{x} sin")))
+        backward = (Step("the cast back's backward: dY in fp32", (Made(f"{g} dsum fp32", 2 * w, "dY cast up"),),
+                         frees=(f"{g} heads",), moment=False),
+                    *_rope_backward(f"grad/{p}", name, w, tables if name == "q" else ()),
+                    Step("", frees=(f"{g} dsum fp32",)))
+        ops.append(Op("self_attn", forward, backward))
+    back = (Step("q_embed.to(q_type)", (q_out,)),  # the fp32 sums, its locals, go as it returns
+            Step("k_embed.to(k_type)", (k_out,), frees=tuple(f"{p}/{x}" for x in (
+                "q embed fp32", "k embed fp32", "q fp32", "k fp32", "q pre-rope", "k pre-rope"))))
+    return (ops[0], replace(ops[1], forward=(*ops[1].forward, *back)))
