@@ -194,13 +194,19 @@ def model_from(params: dict[str, Any]) -> ModelConfig:
     return config
 
 
+def _unset_knobs(config: ModelConfig, fields: dict[str, Any], overrides: dict[str, Any]) -> list[Knob]:
+    """The knobs neither the file nor a flag set, so a default stands (a dense model's MoE knobs change nothing:
+    never named)."""
+    return [k for k in KNOBS if k.name not in fields and overrides.get(k.name) is None
+            and (config.moe or not is_moe(k))]
+
+
 def _defaulted_knobs(config: ModelConfig, fields: dict[str, Any], overrides: dict[str, Any]) -> str:
     """The knobs config.json cannot say (the attention kernel, ...) and no flag set: the implementation's
     defaults, or the seed's, named so that every assumed value is on the line."""
     taken = [
-        f"{k.name}={getattr(config, k.name)}"
-        for k in KNOBS if k.name not in fields and overrides.get(k.name) is None and getattr(config, k.name) is not None
-        and (config.moe or not is_moe(k))  # a dense model's MoE knobs change nothing: not assumed, not shown
+        f"{k.name}={getattr(config, k.name)}" for k in _unset_knobs(config, fields, overrides)
+        if getattr(config, k.name) is not None
         and (not k.impls or config.impl in k.impls)  # another library's setting: this one has none
     ]
     return f"; defaults (impl {config.impl}'s, else the seed's): {', '.join(taken)}" if taken else ""
@@ -209,11 +215,8 @@ def _defaulted_knobs(config: ModelConfig, fields: dict[str, Any], overrides: dic
 def _switched_knobs(config: ModelConfig, fields: dict[str, Any], overrides: dict[str, Any]) -> list[str]:
     """The knobs a --config file leaves unset that --impl gives another value than the seed's (GPT-3 under --impl hf
     is a SwiGLU layer with RMSNorm and no dropout unless the file says otherwise)."""
-    return [
-        f"{k.name}={getattr(config, k.name)}"
-        for k in KNOBS if k.name not in fields and overrides.get(k.name) is None
-        and getattr(config, k.name) != field_default(k.name) and (config.moe or not is_moe(k))
-    ]
+    return [f"{k.name}={getattr(config, k.name)}" for k in _unset_knobs(config, fields, overrides)
+            if getattr(config, k.name) != field_default(k.name)]
 
 
 def knobs_from(params: dict[str, Any]) -> Knobs:
