@@ -8,7 +8,6 @@ config: the config.json reader (`memcalc.config.hf`), the hf ledger and the prob
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, Callable
 
 from memcalc.errors import ConfigError
@@ -23,39 +22,41 @@ _GELUS = {
 }
 
 
-def _gated(act: str) -> str:
-    """Llama-style MLPs are gated: SiLU(gate) * up is SwiGLU."""
-    if act in ("silu", "swish"):
-        return "swiglu"
-    raise ConfigError(f"hidden_act {short_repr(act)} in a gated MLP is not modelled (memcalc knows SwiGLU: silu)")
-
-
-def _gemma_gated(act: Any) -> str:
-    """Gemma's gated MLP: GemmaConfig turns the legacy "gelu" into gelu_pytorch_tanh, torch's tanh GELU kernel."""
-    if act in ("gelu", "gelu_pytorch_tanh"):
-        return "geglu_tanh"
-    raise ConfigError(f"hidden_act {short_repr(act)} in Gemma's gated MLP is not modelled (memcalc knows"
-                      " gelu_pytorch_tanh, and gelu, which GemmaConfig reads as it)")
-
-
-def _only(name: str, modelled: tuple[Any, ...], why: str) -> Callable[[Any], Any]:
-    """config.json's `name` at a value other than `modelled` asks for what memcalc has not measured (`why`)."""
+def _checked(ok: Callable[[Any], bool], says: str, then: Callable[[Any], Any] = lambda v: v) -> Callable[[Any], Any]:
+    """A reader of config.json's value (or of a row's values, combined): `then` of it where `ok` holds it modelled,
+    else ConfigError `says`, the value's short repr in place of its {}."""
 
     def convert(value: Any) -> Any:
-        if value not in modelled:
-            raise ConfigError(f"{name}={short_repr(value)} is not modelled ({why})")
-        return value
+        if not ok(value):
+            raise ConfigError(says.format(short_repr(value)))
+        return then(value)
 
     return convert
 
 
-def _plain(act: Any) -> Mlp:
-    """GPT-2 and GPT-NeoX MLPs are fc1 -> activation -> fc2."""
-    if isinstance(act, str) and act in _GELUS:
-        return _GELUS[act]
-    raise ConfigError(
-        f"activation {short_repr(act)} is not modelled (memcalc knows the GELU variants: {', '.join(_GELUS)})"
-    )
+def _number(value: Any) -> bool:
+    """An int or a float (config.json's true and false are bools, which Python counts as ints: not numbers)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+# Llama-style MLPs are gated: SiLU(gate) * up is SwiGLU.
+_gated = _checked(lambda act: act in ("silu", "swish"),
+                  "hidden_act {} in a gated MLP is not modelled (memcalc knows SwiGLU: silu)", lambda act: "swiglu")
+# Gemma's gated MLP: GemmaConfig turns the legacy "gelu" into gelu_pytorch_tanh, torch's tanh GELU kernel.
+_gemma_gated = _checked(lambda act: act in ("gelu", "gelu_pytorch_tanh"), "hidden_act {} in Gemma's gated MLP is not"
+                        " modelled (memcalc knows gelu_pytorch_tanh, and gelu, which GemmaConfig reads as it)",
+                        lambda act: "geglu_tanh")
+
+
+def _only(name: str, modelled: tuple[Any, ...], why: str) -> Callable[[Any], Any]:
+    """config.json's `name` at a value other than `modelled` asks for what memcalc has not measured (`why`)."""
+    return _checked(lambda value: value in modelled, f"{name}={{}} is not modelled ({why})")
+
+
+# GPT-2 and GPT-NeoX MLPs are fc1 -> activation -> fc2.
+_plain = _checked(lambda act: isinstance(act, str) and act in _GELUS,
+                  f"activation {{}} is not modelled (memcalc knows the GELU variants: {', '.join(_GELUS)})",
+                  _GELUS.__getitem__)
 
 
 def _kernel_gelu(act: Any) -> Mlp:
@@ -64,26 +65,17 @@ def _kernel_gelu(act: Any) -> Mlp:
     return Mlp.GELU if act == "gelu_pytorch_tanh" else _plain(act)
 
 
-def _both_or_neither(values: list[Any]) -> Any:
-    """Llama's attention_bias and mlp_bias: memcalc's add_bias_linear puts biases on every linear or on none."""
-    if any(v != values[0] for v in values[1:]):
-        raise ConfigError(
-            f"attention_bias and mlp_bias differ ({short_repr(values)}); memcalc's add_bias_linear is all or none"
-        )
-    return values[0]
+# Llama's attention_bias and mlp_bias: memcalc's add_bias_linear puts biases on every linear or on none.
+_both_or_neither = _checked(lambda values: all(v == values[0] for v in values[1:]), "attention_bias and mlp_bias"
+                            " differ ({}); memcalc's add_bias_linear is all or none", lambda values: values[0])
+# GPT-2's and GPT-NeoX's several dropouts: memcalc has one probability, so it keeps the largest.
+_largest_dropout = _checked(lambda values: all(map(_number, values)), "dropout probabilities must be numbers, got {}",
+                            max)
 
 
-def _largest_dropout(values: list[Any]) -> float:
-    """GPT-2's and GPT-NeoX's several dropouts: memcalc has one probability, so it keeps the largest."""
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-        raise ConfigError(f"dropout probabilities must be numbers, got {short_repr(values)}")
-    return max(values)
-
-
-def _flag(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{name} must be true or false, got {short_repr(value)}")
-    return value
+def _flag(name: str) -> Callable[[Any], bool]:
+    """A true-or-false field of config.json's."""
+    return _checked(lambda value: isinstance(value, bool), f"{name} must be true or false, got {{}}")
 
 
 def _rotary_fraction(values: list[Any]) -> float:
@@ -94,11 +86,8 @@ def _rotary_fraction(values: list[Any]) -> float:
     return _fraction(given if given is not ... else pct if pct is not ... else 0.25)
 
 
-def _fraction(fraction: Any) -> float:
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
-        raise ConfigError(f"the rotary fraction (partial_rotary_factor, rotary_pct) must be in (0, 1], got"
-                          f" {short_repr(fraction)}")
-    return fraction
+_fraction = _checked(lambda fraction: _number(fraction) and 0 < fraction <= 1, "the rotary fraction"
+                     " (partial_rotary_factor, rotary_pct) must be in (0, 1], got {}")
 
 
 @dataclass(frozen=True)
@@ -140,13 +129,8 @@ def _like(rows: tuple[Row, ...], *changed: Row, drop: tuple[str, ...] = ()) -> t
 
 def _positive_whole(name: str, null: str = "") -> Callable[[Any], int]:
     """A count of config.json's (`null`: " or null" where a null means none)."""
-
-    def convert(value: Any) -> int:
-        if type(value) is not int or value < 1:
-            raise ConfigError(f"{name} must be a positive whole number{null}, got {short_repr(value)}")
-        return value
-
-    return convert
+    return _checked(lambda value: type(value) is int and value >= 1, f"{name} must be a positive whole number{null},"
+                    " got {}")
 
 
 def _head_dim_row(default: Any = None) -> Row:
@@ -158,14 +142,6 @@ def _head_dim_row(default: Any = None) -> Row:
 def _window(default: int | None) -> Row:
     """sliding_window: each query sees the last W keys (W a positive whole number; null: full causal attention)."""
     return Row("sliding_window", ("sliding_window",), _positive_whole("sliding_window", " or null"), default=default)
-
-
-def _no_sliding_window(value: Any) -> Any:
-    """Qwen's use_sliding_window: sliding-window layers mask differently (and leave SDPA's causal kernel)."""
-    if value is not False:
-        raise ConfigError(f"use_sliding_window={short_repr(value)} is not modelled (memcalc models full causal"
-                          " attention in every layer)")
-    return value
 
 
 _LLAMA = (
@@ -182,31 +158,18 @@ _LLAMA = (
 _LLAMA_HEADS = (*_LLAMA, _head_dim_row())
 
 
-def _positive_number(name: str) -> Callable[[Any], Any]:
-    def convert(given: Any) -> Any:
-        if isinstance(given, bool) or not isinstance(given, (int, float)) or given <= 0:
-            raise ConfigError(f"{name} must be a positive number, got {short_repr(given)}")
-        return given
-
-    return convert
-
-
-def _positive_or_null(name: str) -> Callable[[Any], Any]:
-    check = _positive_number(name)
-    return lambda value: None if value is None else check(value)
+def _positive_number(name: str, null: bool = False) -> Callable[[Any], Any]:
+    """A positive number of config.json's (`null`: or null, for none)."""
+    return _checked(lambda value: (null and value is None) or (_number(value) and value > 0),
+                    f"{name} must be a positive number, got {{}}")
 
 
 _KINDS_OF_LAYER = ("sliding_attention", "full_attention")
 
 
-def _layer_types(value: Any) -> Any:
-    """Gemma 2/3's and gpt-oss's layer_types: each layer's attention, a sliding window or full causal."""
-    if not isinstance(value, list) or not all(kind in _KINDS_OF_LAYER for kind in value):
-        raise ConfigError(f"layer_types must list {' or '.join(_KINDS_OF_LAYER)} for each layer, got"
-                          f" {short_repr(value)}")
-    return value
-
-
+# Gemma 2/3's and gpt-oss's layer_types: each layer's attention, a sliding window or full causal.
+_layer_types = _checked(lambda value: isinstance(value, list) and all(kind in _KINDS_OF_LAYER for kind in value),
+                        f"layer_types must list {' or '.join(_KINDS_OF_LAYER)} for each layer, got {{}}")
 # Sliding and full layers are counted alike, L times one layer, exactly: memcalc counts a window shorter than the
 # sequence under transformers' eager attention only (check_sliding_window), whose mask is added to the whole (s, s)
 # scores, so each kind keeps the same tensors (tests/probe/libs/test_hf_gpt_oss.py measures both).
@@ -219,10 +182,10 @@ _LAYER_TYPES = _kept_nothing("layer_types", _layer_types, "sliding and full laye
 # attention's bytes); its activation field is hidden_activation. The query scale keeps nothing.
 _GEMMA2_ONLY = (
     Row("mlp", ("hidden_activation",), _gemma_gated, default="geglu_tanh"),
-    Row("attn_logit_softcapping", ("attn_logit_softcapping",), _positive_or_null("attn_logit_softcapping"),
+    Row("attn_logit_softcapping", ("attn_logit_softcapping",), _positive_number("attn_logit_softcapping", null=True),
         default=None),
     _window(4096),
-    Row("final_logit_softcapping", ("final_logit_softcapping",), _positive_or_null("final_logit_softcapping"),
+    Row("final_logit_softcapping", ("final_logit_softcapping",), _positive_number("final_logit_softcapping", null=True),
         default=None),
     _kept_nothing("query_pre_attn_scalar", lambda v: v, "a scale: keeps nothing"),
     _LAYER_TYPES,
@@ -237,7 +200,10 @@ _GEMMA = (*_like(_LLAMA, Row("mlp", ("hidden_act",), _gemma_gated, default="gegl
                  _norm_row("rms_norm_eps", "rmsnorm_1p"), _tied(True)), _head_dim_row(256))
 # Qwen3Config: a Llama layer whose heads are head_dim wide (128 by default, whatever h/a is) and whose queries and
 # keys are RMS-normalised per head (q_norm, k_norm) before RoPE; no sliding window.
-_FULL_CAUSAL = _kept_nothing("use_sliding_window", _no_sliding_window, "full causal attention in every layer")
+# Qwen's use_sliding_window: sliding-window layers mask differently (and leave SDPA's causal kernel).
+_FULL_CAUSAL = _kept_nothing("use_sliding_window", _checked(lambda value: value is False, "use_sliding_window={} is not"
+                             " modelled (memcalc models full causal attention in every layer)"),
+                             "full causal attention in every layer")
 _QWEN2 = (*_LLAMA_HEADS, _FULL_CAUSAL)
 _QWEN3 = (*_LLAMA, _head_dim_row(128), _FULL_CAUSAL)
 # DeepseekV2Config / DeepseekV3Config: a Llama layer whose attention is multi-head latent attention.
@@ -263,14 +229,8 @@ def _shared_width(values: list[Any]) -> int | None:
 def _deepseek_v3_only(field_name: str, value: str) -> Callable[[Any], Any]:
     """A DeepSeek router setting transformers' DeepseekV3TopkRouter hard-codes: refused when config.json asks for
     another (DeepSeek-V2's softmax and greedy top-k are not what transformers' V3 layer runs)."""
-
-    def convert(given: Any) -> Any:
-        if given != value:
-            raise ConfigError(f"{field_name}={short_repr(given)} is not modelled: transformers' DeepseekV3TopkRouter"
-                              f" always runs {field_name}={value}")
-        return given
-
-    return convert
+    return _checked(lambda given: given == value, f"{field_name}={{}} is not modelled: transformers'"
+                    f" DeepseekV3TopkRouter always runs {field_name}={value}")
 
 
 def _aux_loss(values: list[Any]) -> bool:
@@ -281,7 +241,7 @@ def _aux_loss(values: list[Any]) -> bool:
 
 def _pre_softmax(norm_topk_prob: Any) -> bool:
     """norm_topk_prob false: the top-k probabilities are used as the softmax over all experts gave them."""
-    return not _flag("norm_topk_prob", norm_topk_prob)
+    return not _flag("norm_topk_prob")(norm_topk_prob)
 
 
 # Every MoE family's experts run by transformers' use_experts_implementation; absent: memcalc's default, grouped_mm.
@@ -377,7 +337,7 @@ _GPT_NEOX = (
     Row("dropout", ("attention_dropout", "hidden_dropout"), default=0.0, combine=_largest_dropout),
     _tied(False),
     Row("add_bias_linear", ("attention_bias",), default=True),
-    Row("parallel_residual", ("use_parallel_residual",), partial(_flag, "use_parallel_residual"), default=True),
+    Row("parallel_residual", ("use_parallel_residual",), _flag("use_parallel_residual"), default=True),
     Row("rotary_percent", ("rope_parameters", "rotary_pct"), default=0.25, combine=_rotary_fraction),
 )
 
@@ -395,7 +355,7 @@ _STARCODER2 = (
     Row("dropout", ("attention_dropout", "residual_dropout", "embedding_dropout"), default=0.0,
         combine=_largest_dropout),
     _tied(True),
-    Row("add_bias_linear", ("use_bias",), partial(_flag, "use_bias"), default=True),
+    Row("add_bias_linear", ("use_bias",), _flag("use_bias"), default=True),
     _window(None),
 )
 
@@ -453,7 +413,7 @@ _PHI3 = (
 _OLMO2 = (
     *_like(_LLAMA, _norm_row("rms_norm_eps", "rmsnorm_fp32w"), drop=("add_bias_linear",)),
     _head_dim_row(),
-    _kept_nothing("attention_bias", partial(_flag, "attention_bias"), "q, k, v and o biases keep nothing"),
+    _kept_nothing("attention_bias", _flag("attention_bias"), "q, k, v and o biases keep nothing"),
 )
 
 
@@ -473,7 +433,7 @@ def _partial_rotary(default: float) -> Callable[[Any], float]:
 # Glm4Config: the same layer with sandwich norms (post_self_attn_layernorm and post_mlp_layernorm).
 _GLM = (
     *_like(_LLAMA, drop=("add_bias_linear",)), _head_dim_row(128),
-    Row("add_qkv_bias", ("attention_bias",), partial(_flag, "attention_bias"), default=True),
+    Row("add_qkv_bias", ("attention_bias",), _flag("attention_bias"), default=True),
     Row("rotary_percent", ("rope_parameters",), _partial_rotary(0.5), default=0.5),
 )
 
@@ -482,7 +442,7 @@ def _refused_if(name: str, refused: Any, what: str) -> Callable[[Any], Any]:
     """A Falcon switch whose `refused` value asks for a layer memcalc has not measured (`what`)."""
 
     def convert(value: Any) -> Any:
-        if _flag(name, value) == refused:
+        if _flag(name)(value) == refused:
             raise ConfigError(f"{name}={str(value).lower()} is not modelled ({what})")
         return value
 
@@ -491,7 +451,7 @@ def _refused_if(name: str, refused: Any, what: str) -> Callable[[Any], Any]:
 
 def _new_layout(value: Any) -> bool:
     """FalconConfig's new_decoder_architecture (absent: the class's False)."""
-    return value is not None and _flag("new_decoder_architecture", value)
+    return value is not None and _flag("new_decoder_architecture")(value)
 
 
 def _falcon_groups(values: list[Any]) -> int | None:
@@ -500,7 +460,7 @@ def _falcon_groups(values: list[Any]) -> int | None:
     new, multi_query, groups, heads = values
     if _new_layout(new):
         return None if groups in (None, heads) else groups
-    return 1 if multi_query is None or _flag("multi_query", multi_query) else None
+    return 1 if multi_query is None or _flag("multi_query")(multi_query) else None
 
 
 def _falcon_single_norm(values: list[Any]) -> bool:
@@ -531,7 +491,7 @@ _FALCON = (
     Row("s", ("max_position_embeddings",), default=None),
     Row("dropout", ("hidden_dropout",), default=0.0, combine=_largest_dropout),
     _tied(True),
-    Row("add_bias_linear", ("bias",), partial(_flag, "bias"), default=False),
+    Row("add_bias_linear", ("bias",), _flag("bias"), default=False),
     Row("num_query_groups", ("new_decoder_architecture", "multi_query", "num_kv_heads", "num_attention_heads"),
         default=None, combine=_falcon_groups),
     Row("parallel_residual", ("parallel_attn",),
@@ -540,7 +500,7 @@ _FALCON = (
     _kept_nothing("alibi", _refused_if("alibi", True, "ALiBi: FalconAttention adds its bias to fp32 scores and"
                                        " drops the probabilities out, which memcalc has not measured"),
                   "RoPE, no ALiBi"),
-    Row("fused_qkv", ("new_decoder_architecture",), partial(_flag, "new_decoder_architecture"), default=False),
+    Row("fused_qkv", ("new_decoder_architecture",), _flag("new_decoder_architecture"), default=False),
     Row("single_norm", ("new_decoder_architecture", "num_ln_in_parallel_attn"), default=None,
         combine=_falcon_single_norm),
     _kept_nothing("attention_dropout", lambda v: v, "without ALiBi no dropout on the attention"),
@@ -566,17 +526,10 @@ _BLOOM = (
     Row("dropout", ("attention_dropout", "hidden_dropout"), default=0.0, combine=_bloom_dropout),
     _tied(True),
     _kept_nothing("apply_residual_connection_post_layernorm",
-                  partial(_flag, "apply_residual_connection_post_layernorm"), "which tensor the residual adds"),
+                  _flag("apply_residual_connection_post_layernorm"), "which tensor the residual adds"),
     _kept_nothing("slow_but_exact", _refused_if("slow_but_exact", True, "BLOOM's sliced dense layers under"
                                                 " pretraining_tp, which memcalc has not measured"), "no slicing"),
 )
-
-
-def _logit_scale(value: Any) -> Any:
-    """Cohere's logit_scale: a number the logits are multiplied by (null: none)."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-        raise ConfigError(f"logit_scale must be a number or null, got {short_repr(value)}")
-    return value
 
 
 # CohereConfig (Command R, Command R+): Llama's attention (GQA, RoPE on whole heads, its tables interleaved) and
@@ -585,9 +538,11 @@ def _logit_scale(value: Any) -> Any:
 _COHERE = (
     *_like(_LLAMA, _norm_row("layer_norm_eps", "layernorm_nb"), _tied(True), drop=("add_bias_linear",)),
     _head_dim_row(),
-    Row("qk_layernorm", ("use_qk_norm",), partial(_flag, "use_qk_norm"), default=False),
-    _kept_nothing("attention_bias", partial(_flag, "attention_bias"), "q, k, v and o biases keep nothing"),
-    _kept_nothing("logit_scale", _logit_scale, "outside the decoder layers: the logits times a number keep nothing"),
+    Row("qk_layernorm", ("use_qk_norm",), _flag("use_qk_norm"), default=False),
+    _kept_nothing("attention_bias", _flag("attention_bias"), "q, k, v and o biases keep nothing"),
+    # Cohere's logit_scale: a number the logits are multiplied by (null: none)
+    _kept_nothing("logit_scale", _checked(lambda v: v is None or _number(v), "logit_scale must be a number or null,"
+                                          " got {}"), "outside the decoder layers: the logits times a number keep nothing"),
 )
 
 
@@ -620,7 +575,7 @@ _GPT_OSS = (
     Row("s", ("max_position_embeddings",), default=None),
     Row("dropout", ("attention_dropout",), default=0.0),
     _tied(False),
-    Row("add_bias_linear", ("attention_bias",), partial(_flag, "attention_bias"), default=True),
+    Row("add_bias_linear", ("attention_bias",), _flag("attention_bias"), default=True),
     _window(128),
     _LAYER_TYPES, _EXPERTS_IMPLEMENTATION, _AUX_LOSS,
     _kept_nothing("swiglu_limit", _positive_number("swiglu_limit"), "the GLU's clamp bound: the same tensors"),
