@@ -145,14 +145,17 @@ def _sets(raw: dict[str, Any], name: str) -> bool:
 
 
 def _family(raw: dict[str, Any], path: Path) -> Family:
-    """The family named by model_type, else by architectures."""
+    """The family model_type names, else the first whose architecture is listed."""
     model_type, architectures = raw.get("model_type"), raw.get("architectures") or []
     if not isinstance(model_type, (str, type(None))) or not isinstance(architectures, list):
         raise ConfigError(
             f"{path}: model_type should be a string and architectures a list"
             f" (got {short_repr(model_type)} and {short_repr(architectures)})"
         )
-    family = _known_family(raw)
+    if model_type in FAMILIES:
+        return FAMILIES[model_type]
+    named = [a for a in architectures if isinstance(a, str)]
+    family = next((f for f in FAMILIES.values() if any(a in f.architectures for a in named)), None)
     if family is not None:
         return family
     if model_type in UNREAD:
@@ -169,16 +172,6 @@ def _family(raw: dict[str, Any], path: Path) -> Family:
         f" architectures={short_repr(architectures)});"
         f" memcalc reads {known}"
     )
-
-
-def _known_family(raw: dict[str, Any]) -> Family | None:
-    """The family model_type names, else the first whose architecture is listed; None if neither (or malformed)."""
-    model_type, architectures = raw.get("model_type"), raw.get("architectures")
-    if isinstance(model_type, str) and model_type in FAMILIES:
-        return FAMILIES[model_type]
-    listed = architectures if isinstance(architectures, list) else []
-    return next((f for f in FAMILIES.values() if any(a in f.architectures for a in listed if isinstance(a, str))),
-                None)
 
 
 def _check_sparse_layers(raw: dict[str, Any], fields: dict[str, Any], path: Path, family: str) -> None:
