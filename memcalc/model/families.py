@@ -542,7 +542,8 @@ _COHERE = (
     _kept_nothing("attention_bias", _flag("attention_bias"), "q, k, v and o biases keep nothing"),
     # Cohere's logit_scale: a number the logits are multiplied by (null: none)
     _kept_nothing("logit_scale", _checked(lambda v: v is None or _number(v), "logit_scale must be a number or null,"
-                                          " got {}"), "outside the decoder layers: the logits times a number keep nothing"),
+                                          " got {}"),
+                  "outside the decoder layers: the logits times a number keep nothing"),
 )
 
 
@@ -608,7 +609,6 @@ class Family:
     architectures: tuple[str, ...]
     rows: tuple[Row, ...]
     fixed: dict[str, Any] = field(default_factory=dict)
-    norm: str = "rmsnorm"
     mlps: tuple[str, ...] = ("swiglu",)
     when: Callable[[Any], bool] = lambda k: True
     runs_as: str | None = None
@@ -618,6 +618,11 @@ class Family:
     # the blocks whose fused outputs the config class's base_model_tp_plan gathers ("colwise_gather_output"): under tp
     # every rank runs them whole, and only the next linear's input ("rowwise_split_input") is split
     gathered: tuple[str, ...] = ()
+
+    @property
+    def norm(self) -> str:
+        """The norm its layer runs: its table's (whatever config.json's epsilon says)."""
+        return next(row.default for row in self.rows if row.target == "norm")
 
     @property
     def modeling(self) -> str:
@@ -648,23 +653,18 @@ FAMILIES: dict[str, Family] = {
         Family("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeDecoderLayer", ("Qwen3MoeForCausalLM",), _QWEN3_MOE,
                _ROPE | {"qk_layernorm": True}, when=lambda k: k.moe, router="Qwen3MoeTopKRouter",
                attribute_map=_EXPERTS),
-        Family("gemma", "GemmaConfig", "GemmaDecoderLayer", ("GemmaForCausalLM",), _GEMMA, _ROPE,
-               norm="rmsnorm_1p", mlps=("geglu_tanh",)),
+        Family("gemma", "GemmaConfig", "GemmaDecoderLayer", ("GemmaForCausalLM",), _GEMMA, _ROPE, mlps=("geglu_tanh",)),
         Family("gemma2", "Gemma2Config", "Gemma2DecoderLayer", ("Gemma2ForCausalLM",),
-               (*_like(_GEMMA, drop=("mlp",)), *_GEMMA2_ONLY), _ROPE | {"sandwich_norm": True},
-               norm="rmsnorm_1p", mlps=("geglu_tanh",)),
+               (*_like(_GEMMA, drop=("mlp",)), *_GEMMA2_ONLY), _ROPE | {"sandwich_norm": True}, mlps=("geglu_tanh",)),
         Family("gemma3_text", "Gemma3TextConfig", "Gemma3DecoderLayer", ("Gemma3ForCausalLM",), _GEMMA3,
-               _ROPE | {"sandwich_norm": True, "qk_layernorm": True}, norm="rmsnorm_1p", mlps=("geglu_tanh",),
-               package="gemma3"),
-        Family("olmo", "OlmoConfig", "OlmoDecoderLayer", ("OlmoForCausalLM",), _OLMO, _ROPE, norm="layernorm_np"),
+               _ROPE | {"sandwich_norm": True, "qk_layernorm": True}, mlps=("geglu_tanh",), package="gemma3"),
+        Family("olmo", "OlmoConfig", "OlmoDecoderLayer", ("OlmoForCausalLM",), _OLMO, _ROPE),
         Family("gpt2", "GPT2Config", "GPT2Block", ("GPT2LMHeadModel",), _GPT2,
-               {"position_embedding_type": "learned_absolute", "add_bias_linear": True}, norm="layernorm",
-               mlps=("gelu", "gelu_tanh"),
+               {"position_embedding_type": "learned_absolute", "add_bias_linear": True}, mlps=("gelu", "gelu_tanh"),
                attribute_map={"hidden_size": "n_embd", "max_position_embeddings": "n_positions",
                               "num_attention_heads": "n_head", "num_hidden_layers": "n_layer"}),
         Family("gpt_neox", "GPTNeoXConfig", "GPTNeoXLayer", ("GPTNeoXForCausalLM",), _GPT_NEOX,
-               _ROPE | {"fused_qkv": True}, norm="layernorm", mlps=("gelu", "gelu_tanh"),
-               when=_rotates),
+               _ROPE | {"fused_qkv": True}, mlps=("gelu", "gelu_tanh"), when=_rotates),
         Family("deepseek_v2", "DeepseekV2Config", "DeepseekV2DecoderLayer", ("DeepseekV2ForCausalLM",), _DEEPSEEK,
                _ROPE, runs_as="deepseek_v3", attribute_map={"num_experts": "n_routed_experts"}),
         Family("deepseek_v3", "DeepseekV3Config", "DeepseekV3DecoderLayer", ("DeepseekV3ForCausalLM",),
@@ -673,31 +673,28 @@ FAMILIES: dict[str, Family] = {
         Family("phi3", "Phi3Config", "Phi3DecoderLayer", ("Phi3ForCausalLM",), _PHI3, _ROPE | {"fused_qkv": True},
                gathered=("attention", "mlp")),
         Family("olmo2", "Olmo2Config", "Olmo2DecoderLayer", ("Olmo2ForCausalLM",), _OLMO2,
-               _ROPE | {"post_norm": True, "qk_layernorm": True}, norm="rmsnorm_fp32w", gathered=("attention",)),
+               _ROPE | {"post_norm": True, "qk_layernorm": True}, gathered=("attention",)),
         Family("falcon", "FalconConfig", "FalconDecoderLayer", ("FalconForCausalLM",), _FALCON, _ROPE,
-               norm="layernorm", mlps=("gelu", "gelu_tanh"),
-               when=lambda k: k.parallel_residual),
+               mlps=("gelu", "gelu_tanh"), when=lambda k: k.parallel_residual),
         Family("bloom", "BloomConfig", "BloomBlock", ("BloomForCausalLM",), _BLOOM,
                {"position_embedding_type": "alibi", "alibi": True, "mlp": "gelu_tanh", "add_bias_linear": True},
-               norm="layernorm", mlps=("gelu_tanh",),
+               mlps=("gelu_tanh",),
                attribute_map={"num_hidden_layers": "n_layer", "num_attention_heads": "n_head"}),
         Family("glm", "GlmConfig", "GlmDecoderLayer", ("GlmForCausalLM",), _GLM, _ROPE, when=_rotates,
                gathered=("mlp",)),
         Family("glm4", "Glm4Config", "Glm4DecoderLayer", ("Glm4ForCausalLM",), _GLM, _ROPE | {"sandwich_norm": True},
                when=_rotates, gathered=("mlp",)),
         Family("starcoder2", "Starcoder2Config", "Starcoder2DecoderLayer", ("Starcoder2ForCausalLM",), _STARCODER2,
-               _ROPE | {"rotary_percent": 1.0}, norm="layernorm", mlps=("gelu", "gelu_tanh")),
+               _ROPE | {"rotary_percent": 1.0}, mlps=("gelu", "gelu_tanh")),
         Family("gptj", "GPTJConfig", "GPTJBlock", ("GPTJForCausalLM",), _GPTJ,
-               _ROPE | {"parallel_residual": True, "single_norm": True}, norm="layernorm", mlps=("gelu", "gelu_tanh"),
-               when=_rotates,
+               _ROPE | {"parallel_residual": True, "single_norm": True}, mlps=("gelu", "gelu_tanh"), when=_rotates,
                attribute_map={"max_position_embeddings": "n_positions", "hidden_size": "n_embd",
                               "num_attention_heads": "n_head", "num_hidden_layers": "n_layer"}),
         Family("cohere", "CohereConfig", "CohereDecoderLayer", ("CohereForCausalLM",), _COHERE,
-               _ROPE | {"parallel_residual": True, "single_norm": True}, norm="layernorm_nb"),
+               _ROPE | {"parallel_residual": True, "single_norm": True}),
         Family("gpt_oss", "GptOssConfig", "GptOssDecoderLayer", ("GptOssForCausalLM",), _GPT_OSS,
                _ROPE | {"mlp": "swiglu_clamped", "attention_sinks": True, "attention": "eager"},
-               norm="rmsnorm_fp32w", mlps=("swiglu_clamped",),
-               router="GptOssTopKRouter", attribute_map=_EXPERTS),
+               mlps=("swiglu_clamped",), router="GptOssTopKRouter", attribute_map=_EXPERTS),
     )
 }
 # model_types transformers builds whose layers memcalc has no rules for, and what they lack: refused by name.
