@@ -637,6 +637,8 @@ class Family:
 
 _ROPE = {"position_embedding_type": "rope"}
 _EXPERTS = {"num_experts": "num_local_experts"}  # Mixtral's, Qwen3-MoE's and gpt-oss's attribute_map
+_GPT2_NAMES = {"hidden_size": "n_embd", "max_position_embeddings": "n_positions", "num_attention_heads": "n_head",
+               "num_hidden_layers": "n_layer"}  # GPT-2's and GPT-J's attribute_map
 FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
@@ -661,8 +663,7 @@ FAMILIES: dict[str, Family] = {
         Family("olmo", "OlmoConfig", "OlmoDecoderLayer", ("OlmoForCausalLM",), _OLMO, _ROPE),
         Family("gpt2", "GPT2Config", "GPT2Block", ("GPT2LMHeadModel",), _GPT2,
                {"position_embedding_type": "learned_absolute", "add_bias_linear": True}, mlps=("gelu", "gelu_tanh"),
-               attribute_map={"hidden_size": "n_embd", "max_position_embeddings": "n_positions",
-                              "num_attention_heads": "n_head", "num_hidden_layers": "n_layer"}),
+               attribute_map=_GPT2_NAMES),
         Family("gpt_neox", "GPTNeoXConfig", "GPTNeoXLayer", ("GPTNeoXForCausalLM",), _GPT_NEOX,
                _ROPE | {"fused_qkv": True}, mlps=("gelu", "gelu_tanh"), when=_rotates),
         Family("deepseek_v2", "DeepseekV2Config", "DeepseekV2DecoderLayer", ("DeepseekV2ForCausalLM",), _DEEPSEEK,
@@ -688,8 +689,7 @@ FAMILIES: dict[str, Family] = {
                _ROPE | {"rotary_percent": 1.0}, mlps=("gelu", "gelu_tanh")),
         Family("gptj", "GPTJConfig", "GPTJBlock", ("GPTJForCausalLM",), _GPTJ,
                _ROPE | {"parallel_residual": True, "single_norm": True}, mlps=("gelu", "gelu_tanh"), when=_rotates,
-               attribute_map={"max_position_embeddings": "n_positions", "hidden_size": "n_embd",
-                              "num_attention_heads": "n_head", "num_hidden_layers": "n_layer"}),
+               attribute_map=_GPT2_NAMES),
         Family("cohere", "CohereConfig", "CohereDecoderLayer", ("CohereForCausalLM",), _COHERE,
                _ROPE | {"parallel_residual": True, "single_norm": True}),
         Family("gpt_oss", "GptOssConfig", "GptOssDecoderLayer", ("GptOssForCausalLM",), _GPT_OSS,

@@ -126,12 +126,10 @@ def pairings(config: ModelConfig, strategy: Strategy, gpu: Gpu) -> tuple[Pairing
         raise ConfigError(f"kv_lora_rank={config.kv_lora_rank}: overlap pairs the dense layer's GEMMs with its"
                           " collectives; latent attention's are not paired")
     flops, sizes, width = gemm_flops(config), dim_sizes(config), DTYPE_BYTES[config.dtype]
-    seen: dict[tuple[str, str], int] = {}
-    found = {}
+    found: dict[tuple[str, str, int], int] = {}  # by name, pass and index among equal names in that pass
     for c in layer_collectives(config, strategy):
-        key = (c.name, c.phase)
-        found[(*key, seen.get(key, 0))] = sent_bytes(c, sizes, config.t, width)
-        seen[key] = seen.get(key, 0) + 1
+        index = sum(key[:2] == (c.name, c.phase) for key in found)
+        found[c.name, c.phase, index] = sent_bytes(c, sizes, config.t, width)
     out = []
     for name, phase, index, gemm, methods in PAIRS:
         sent = found.get((name, phase, index))
