@@ -438,15 +438,10 @@ _GLM = (
 )
 
 
-def _refused_if(name: str, refused: Any, what: str) -> Callable[[Any], Any]:
+def _refused_if(name: str, refused: bool, what: str) -> Callable[[Any], Any]:
     """A Falcon switch whose `refused` value asks for a layer memcalc has not measured (`what`)."""
-
-    def convert(value: Any) -> Any:
-        if _flag(name)(value) == refused:
-            raise ConfigError(f"{name}={str(value).lower()} is not modelled ({what})")
-        return value
-
-    return convert
+    return _checked(lambda value: _flag(name)(value) != refused, f"{name}={str(refused).lower()} is not modelled"
+                    f" ({what})")
 
 
 def _new_layout(value: Any) -> bool:
