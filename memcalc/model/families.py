@@ -80,10 +80,10 @@ def _flag(name: str) -> Callable[[Any], bool]:
 
 def _rotary_fraction(values: list[Any]) -> float:
     """GPT-NeoX's share of each head that RoPE rotates: rope_parameters' partial_rotary_factor (what
-    GPTNeoXConfig saves), else an older file's rotary_pct, else the class's 0.25."""
+    GPTNeoXConfig saves), else an older file's rotary_pct, else the class's 0.25 (the row's default, each absent
+    one's)."""
     rope, pct = values
-    given = rope.get("partial_rotary_factor", ...) if isinstance(rope, dict) else ...
-    return _fraction(given if given is not ... else pct if pct is not ... else 0.25)
+    return _fraction(rope.get("partial_rotary_factor", pct) if isinstance(rope, dict) else pct)
 
 
 _fraction = _checked(lambda fraction: _number(fraction) and 0 < fraction <= 1, "the rotary fraction"
@@ -417,14 +417,10 @@ _OLMO2 = (
 )
 
 
-def _partial_rotary(default: float) -> Callable[[Any], float]:
-    """GLM's share of each head that RoPE rotates: rope_parameters' partial_rotary_factor (the config class sets
-    `default` when the file has none)."""
-
-    def convert(rope: Any) -> float:
-        return _fraction(rope.get("partial_rotary_factor", default) if isinstance(rope, dict) else rope)
-
-    return convert
+def _glm_rotary(rope: Any) -> float:
+    """GLM's share of each head that RoPE rotates: rope_parameters' partial_rotary_factor (GlmConfig sets 0.5 when the
+    file has none)."""
+    return _fraction(rope.get("partial_rotary_factor", 0.5) if isinstance(rope, dict) else rope)
 
 
 # GlmConfig: a Llama layer (LlamaRMSNorm's code) whose gate and up are one gate_up_proj (its tp_plan gathers that
@@ -434,7 +430,7 @@ def _partial_rotary(default: float) -> Callable[[Any], float]:
 _GLM = (
     *_like(_LLAMA, drop=("add_bias_linear",)), _head_dim_row(128),
     Row("add_qkv_bias", ("attention_bias",), _flag("attention_bias"), default=True),
-    Row("rotary_percent", ("rope_parameters",), _partial_rotary(0.5), default=0.5),
+    Row("rotary_percent", ("rope_parameters",), _glm_rotary, default=0.5),
 )
 
 
