@@ -23,8 +23,8 @@ _GELUS = {
 
 
 def _checked(ok: Callable[[Any], bool], says: str, then: Callable[[Any], Any] = lambda v: v) -> Callable[[Any], Any]:
-    """A reader of config.json's value (or of a row's values, combined): `then` of it where `ok` holds it modelled,
-    else ConfigError `says`, the value's short repr in place of its {}."""
+    """A reader of config.json's value (or of a row's values, combined): `then` of it where `ok` holds, else
+    ConfigError `says`, with the value's short repr in place of its {} (one place words every refusal's value)."""
 
     def convert(value: Any) -> Any:
         if not ok(value):
