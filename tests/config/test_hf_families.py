@@ -359,3 +359,42 @@ def test_gpt_oss_s_parameters_are_what_its_class_builds_and_openai_publishes(tmp
     path = tmp_path / "config.json"
     assert total_params(load_config(path, {"impl": "hf"}, base=read_hf_config(path).fields)) == built
     assert published is None or built == published
+
+
+@pytest.mark.parametrize("model_type, fields, words", [
+    ("llama", {"attention_bias": True, "mlp_bias": False},
+     "attention_bias and mlp_bias differ ([True, False]); memcalc's add_bias_linear is all or none"),
+    ("llama", {"hidden_act": "gelu"}, "hidden_act 'gelu' in a gated MLP is not modelled (memcalc knows SwiGLU: silu)"),
+    ("gemma", {"hidden_act": "relu"}, "hidden_act 'relu' in Gemma's gated MLP is not modelled (memcalc knows"
+     " gelu_pytorch_tanh, and gelu, which GemmaConfig reads as it)"),
+    ("gpt2", {"activation_function": "relu"}, "activation 'relu' is not modelled (memcalc knows the GELU variants:"
+     " gelu, gelu_python, quick_gelu, gelu_new, gelu_pytorch_tanh, gelu_fast)"),
+    ("gpt2", {"resid_pdrop": "x"}, "dropout probabilities must be numbers, got ['x', 0.1, 0.1]"),
+    ("gpt_neox", {"use_parallel_residual": "yes"}, "use_parallel_residual must be true or false, got 'yes'"),
+    ("gpt_neox", {"rotary_pct": 2}, "the rotary fraction (partial_rotary_factor, rotary_pct) must be in (0, 1], got 2"),
+    ("olmo", {"clip_qkv": 8.0}, "clip_qkv=8.0 is not modelled (OLMo's in-place clamp of Q, K and V)"),
+    ("gemma3_text", {"use_bidirectional_attention": True},
+     "use_bidirectional_attention=True is not modelled (memcalc counts causal decoder layers)"),
+    ("cohere", {"logit_scale": "x"}, "logit_scale must be a number or null, got 'x'"),
+    ("qwen2", {"use_sliding_window": True},
+     "use_sliding_window=True is not modelled (memcalc models full causal attention in every layer)"),
+    ("mistral", {"sliding_window": 0}, "sliding_window must be a positive whole number or null, got 0"),
+    ("llama", {"head_dim": 0}, "head_dim must be a positive whole number, got 0"),
+    ("gemma2", {"attn_logit_softcapping": 0}, "attn_logit_softcapping must be a positive number, got 0"),
+    ("gpt_oss", {"swiglu_limit": True}, "swiglu_limit must be a positive number, got True"),
+    ("mixtral", {"experts_implementation": "batched_mm"}, "experts_implementation='batched_mm' is not modelled"
+     " (memcalc models transformers' grouped_mm, its default, and eager)"),
+    ("deepseek_v3", {"topk_method": "greedy"}, "topk_method='greedy' is not modelled: transformers'"
+     " DeepseekV3TopkRouter always runs topk_method=noaux_tc"),
+    ("falcon", {"parallel_attn": False},
+     "parallel_attn=false is not modelled (Falcon's sequential block: attention, dropout_add, then its MLP)"),
+    ("bloom", {"slow_but_exact": True}, "slow_but_exact=true is not modelled (BLOOM's sliced dense layers under"
+     " pretraining_tp, which memcalc has not measured)"),
+])
+def test_a_config_json_value_memcalc_has_not_measured_is_refused_in_its_own_words(tmp_path, model_type, fields,
+                                                                                   words):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": model_type, **fields}))
+    with pytest.raises(ConfigError) as refused:
+        read_hf_config(path)
+    assert str(refused.value) == f"{path}: {words}"
