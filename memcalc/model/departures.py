@@ -13,15 +13,12 @@ from typing import TYPE_CHECKING
 from memcalc.model.evaluate import LayerEstimate, dim_sizes, estimate
 from memcalc.model.impls import IMPLEMENTATIONS, layer_tensors, size_rule, tensors_at
 from memcalc.model.impls.paper import outside
-from memcalc.model.knobs import KNOBS, Accounting, Knobs
+from memcalc.model.knobs import KNOBS, Accounting, Impl, Knobs
 from memcalc.model.strategy import STRATEGIES
 from memcalc.records import record
 
 if TYPE_CHECKING:
     from memcalc.config.schema import ModelConfig
-
-PAPER = "paper"
-
 
 @record
 class Departure:
@@ -46,13 +43,13 @@ class PaperComparison:
 
 def paper_config(config: ModelConfig) -> ModelConfig:
     """The same inputs under the paper, the knobs only other libraries have at their defaults (it has none)."""
-    unset = {k.name: k.default for k in KNOBS if k.impls and PAPER not in k.impls}
-    return replace(config, impl=PAPER, **unset)
+    unset = {k.name: k.default for k in KNOBS if k.impls and Impl.PAPER not in k.impls}
+    return replace(config, impl=Impl.PAPER, **unset)
 
 
 def compare_with_paper(config: ModelConfig, result: LayerEstimate, accounting: Accounting) -> PaperComparison:
     """`result` (one layout's estimate of `config`) beside the paper's at the same inputs, departures named."""
-    if config.impl == PAPER:
+    if config.impl == Impl.PAPER:
         return PaperComparison(result)
     same = paper_config(config)
     knob = outside(same)
@@ -93,7 +90,7 @@ def _settings(knobs: Knobs, sizes: dict, t: int, accounting: Accounting) -> list
     out = []
     for knob in KNOBS:
         value = getattr(knobs, knob.name)
-        if not knob.impls or PAPER in knob.impls or value == knob.default:
+        if not knob.impls or Impl.PAPER in knob.impls or value == knob.default:
             continue
         default = set(tensors_at(replace(knobs, **{knob.name: knob.default}), accounting, sizes, t))
         words = next((meaning for values, meaning in knob.variants() if values.get(knob.name) == value), knob.help)
