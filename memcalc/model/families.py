@@ -8,6 +8,7 @@ config: the config.json reader (`memcalc.config.hf`), the hf ledger and the prob
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Callable
 
 from memcalc.errors import ConfigError
@@ -610,7 +611,7 @@ class Family:
     # every rank runs them whole, and only the next linear's input ("rowwise_split_input") is split
     gathered: tuple[str, ...] = ()
 
-    @property
+    @cached_property  # read on every layer_family call
     def norm(self) -> str:
         """The norm its layer runs: its table's (whatever config.json's epsilon says)."""
         return next(row.default for row in self.rows if row.target == "norm")
