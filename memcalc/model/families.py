@@ -29,7 +29,7 @@ def _checked(ok: Callable[[Any], bool], says: str, then: Callable[[Any], Any] = 
 
     def convert(value: Any) -> Any:
         if not ok(value):
-            raise ConfigError(says.format(short_repr(value)))
+            raise ConfigError(says.replace("{}", short_repr(value)))
         return then(value)
 
     return convert
