@@ -38,14 +38,12 @@ def _kept_by_layers(tp, config, sharded: bool) -> int:
     from memcalc.probe.step import batch
 
     torch.manual_seed(0)
-    model, loss = causal_lm(config, None, torch.float32, tp.device)
-    if sharded:
+    model, loss = causal_lm(config, None, torch.float32 if sharded else torch.bfloat16, tp.device)
+    if sharded:  # fp32 parameters, computed in bf16 (memcalc.probe.libs.hf_fsdp's layout)
         mesh, policy = init_device_mesh("cpu", (tp.size,)), MixedPrecisionPolicy(param_dtype=torch.bfloat16)
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
-    else:
-        model.to(torch.bfloat16)
     saved, own = {}, []  # own: the running layer's parameters' storages, or empty outside a layer
 
     def enter(layer, _args):
