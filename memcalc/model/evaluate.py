@@ -7,6 +7,7 @@ test checks the two agree.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from math import prod
 from typing import TYPE_CHECKING, Any
 
@@ -173,6 +174,7 @@ def estimate(config: ModelConfig, strategy: Strategy, accounting: Accounting = A
     """Per-rank activation bytes of `config` under `strategy`, tensor by tensor."""
     strategy = check_strategy(config, strategy)
     knobs = Knobs.of(config)
+    accounting = replace(accounting, layer_inputs_cast=config.dp_shard is not None)
     sizes = dim_sizes(config, config.t if strategy.sequence_parallel else 1)
 
     def kept_bytes(layer_knobs: Knobs) -> tuple[TensorBytes, ...]:

@@ -670,6 +670,9 @@ class Accounting:
 
     exact: bool = False
     device: str = "cuda"
+    # FSDP2's mixed precision (dp_shard set) casts every floating tensor a sharded layer is called with to the
+    # activation dtype: a table the model hands its layers in fp32 (OLMo's RoPE) reaches each layer as its own copy
+    layer_inputs_cast: bool = False
 
 
 FIXED_BYTES = {Kind.MASK: 1, Kind.INT64: 8, Kind.INDEX_PAIR: 16, Kind.FP32: 4, Kind.INT32: 4}  # not the dtype's width
