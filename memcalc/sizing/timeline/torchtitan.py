@@ -34,7 +34,7 @@ def torchtitan_timeline(config: ModelConfig, strategy: Strategy, accounting: Acc
     stage's rank: memcalc.sizing.timeline.torchtitan_pp)."""
     parts, fsdp = model_parts(config, strategy, accounting, stage_named(config, None))
     parts.tape.mark("steady", "", "model states between steps")
-    _walk(parts, fsdp)
+    _walk(parts, fsdp, stage_named(config, None))
     return parts.timeline("only")
 
 
@@ -97,20 +97,25 @@ class Parts:
             self.tape, f"layers.{i}", torchtitan_block(i, config), self.saved, self.hand_over,
             block_checkpoint(i, config, self.accounting, z)), block_ops(i, z, config)) for i in layers]
 
+    def chunk(self, stage: Stage, layers: range, pipelined: bool = False) -> tuple[list[Segment], list[Segment]]:
+        """The segments of `stage`'s model chunk (on the first stage the embedding, then its `layers`, on the last
+        the final norm and lm_head), and on the last stage the loss's (`pipelined`: the schedule's, after the chunk
+        returns)."""
+        z, config = self.z, self.config
+        first = [self.ends("tok_embeddings", "tok_embeddings", (embedding_ops(z, config.tie_embeddings)[1],))]
+        chunk = [*(first if stage.has_embedding else []), *self.blocks(layers)]
+        if not stage.has_output:
+            return chunk, []
+        *norm, lm_head, loss = output_ops(z, config, pipelined)
+        return [*chunk, self.ends(OUTPUT, "norm", tuple(norm)), self.ends(OUTPUT, "lm_head", (lm_head,))], [
+            self.ends(None, "", (loss,))]
 
-def _walk(parts: Parts, fsdp: Fsdp | None) -> None:
+
+def _walk(parts: Parts, fsdp: Fsdp | None, stage: Stage) -> None:
     """The whole model's step on its one rank: the trainer's forward, loss.backward(), under FSDP2 its hooks."""
-    z, config, tape = parts.z, parts.config, parts.tape
-    count, lookup = embedding_ops(z, config.tie_embeddings)
-    *norm, lm_head, loss = output_ops(z, config)
-    segments = [
-        parts.ends(None, "", (count,)),
-        parts.ends("tok_embeddings", "tok_embeddings", (lookup,)),
-        *parts.blocks(range(config.L)),
-        parts.ends(OUTPUT, "norm", tuple(norm)),
-        parts.ends(OUTPUT, "lm_head", (lm_head,)),
-        parts.ends(None, "", (loss,)),
-    ]
+    tape = parts.tape
+    chunk, loss = parts.chunk(stage, range(parts.config.L))
+    segments = [parts.ends(None, "", embedding_ops(parts.z)[:1]), *chunk, *loss]
     for i, segment in enumerate(segments):
         segment.forward(fsdp, segments[i + 1].unit if i + 1 < len(segments) else None)
     order = list(dict.fromkeys(x.unit for x in segments if x.unit is not None))  # the units in forward order
