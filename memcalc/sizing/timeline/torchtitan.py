@@ -548,50 +548,45 @@ def attention_ops(p: str, z: Sizes, mid: str, gmid: str, gx: str, h: int, q: int
 
 
 def rope_ops(p: str, z: Sizes, q: int, kv: int) -> Op:
-    """ComplexRoPE: q and k in fp32 times the complex64 table, cast back (Q and K kept). On CUDA's flex path, given
-    the batch's positions, the table is first gathered at them (kept by both products, until q's backward)."""
-    g, gathered = f"grad/{p}/attention", kept_name(p, rules.ROPE_CACHE)
+    """ComplexRoPE: q and k in fp32 times the complex64 table, cast back (Q and K kept); in fp32 .float() and type_as
+    are no-ops, the complex products Q and K themselves. On CUDA's flex path, given the batch's positions, the table is
+    first gathered at them (kept by both products, until q's backward)."""
+    g, gathered, cast = f"grad/{p}/attention", kept_name(p, rules.ROPE_CACHE), z.act != 4
     fp32q, fp32k = 4 * q // z.act, 4 * kv // z.act  # the fp32 copies and their complex64 products
     # the table's conjugate, materialised: the (1, s, 1, d/2) buffer's, or on CUDA the gathered (b, s, 1, d/2) one
     table = 8 * z.s * (z.d // 2) * (z.b if z.cuda else 1)
     gather = (Step("the table gathered at the positions", (kept(p, rules.ROPE_CACHE),)),) if z.cuda else ()
-    if z.act == 4:  # fp32: .float() and type_as are no-ops, the complex products Q and K themselves
-        return Op("attention.rope", forward=(
-            *gather,
-            Step("q times the table: Q", (kept(p, ledger.Q),)),
-            Step("k times the table: K", (kept(p, ledger.K),), frees=(f"{p}/q pre-rope", f"{p}/k pre-rope"),
-                 reads_last=(gathered,))),
-            backward=(
-            Step("the table's conjugate, for k", (Made(f"{g}/conj k", table, "complex64"),)),
-            Step("dK times it", (Made(f"{g}/dk pre-rope", fp32k, "complex64, seen as real"),), frees=(f"{g}/conj k",)),
-            Step("the table's conjugate, for q", (Made(f"{g}/conj q", table, "complex64"),)),
-            Step("dQ times it", (Made(f"{g}/dq pre-rope", fp32q, "complex64, seen as real"),),
-                 frees=(f"{g}/conj q", f"{g}/dq", f"{g}/dk"), returns=True)),
-            saves=(rules.ROPE_CACHE,) if z.cuda else ())
-    return Op(
-        "attention.rope",
-        forward=(*gather,
-                 Step("q.float()", (Made(f"{p}/q fp32", fp32q, "q in fp32"),)),
-                 Step("k.float()", (Made(f"{p}/k fp32", fp32k, "k in fp32"),)),
-                 Step("q times the table", (Made(f"{p}/q rotated", fp32q, "complex64"),)),
-                 Step("k times the table", (Made(f"{p}/k rotated", fp32k, "complex64"),)),
-                 Step("q cast back", (kept(p, ledger.Q),)),
-                 Step("k cast back", (kept(p, ledger.K),), frees=(
-                     f"{p}/q fp32", f"{p}/k fp32", f"{p}/q rotated", f"{p}/k rotated", f"{p}/q pre-rope",
-                     f"{p}/k pre-rope"), reads_last=(gathered,))),  # the gathered table: a local of its forward
-        backward=(
+    pre = (f"{p}/q pre-rope", f"{p}/k pre-rope")
+
+    def conjugate(x: str, nbytes: int, *frees: str, returns: bool = False) -> tuple[Step, ...]:
+        """dX (cast up to fp32) times the table's conjugate; in fp32 that is x's gradient before RoPE."""
+        into = Made(f"{g}/d{x} rotated", nbytes, "complex64") if cast else Made(
+            f"{g}/d{x} pre-rope", nbytes, "complex64, seen as real")
+        return (Step(f"the table's conjugate, for {x}", (Made(f"{g}/conj {x}", table, "complex64"),)),
+                Step(f"d{x.upper()} times it", (into,), frees=(f"{g}/conj {x}", *frees), returns=returns))
+    if not cast:
+        forward = (Step("q times the table: Q", (kept(p, ledger.Q),)),
+                   Step("k times the table: K", (kept(p, ledger.K),), frees=pre, reads_last=(gathered,)))
+        backward = (*conjugate("k", fp32k), *conjugate("q", fp32q, f"{g}/dq", f"{g}/dk", returns=True))
+    else:
+        forward = (Step("q.float()", (Made(f"{p}/q fp32", fp32q, "q in fp32"),)),
+                   Step("k.float()", (Made(f"{p}/k fp32", fp32k, "k in fp32"),)),
+                   Step("q times the table", (Made(f"{p}/q rotated", fp32q, "complex64"),)),
+                   Step("k times the table", (Made(f"{p}/k rotated", fp32k, "complex64"),)),
+                   Step("q cast back", (kept(p, ledger.Q),)),
+                   Step("k cast back", (kept(p, ledger.K),), frees=(
+                       f"{p}/q fp32", f"{p}/k fp32", f"{p}/q rotated", f"{p}/k rotated", *pre),
+                       reads_last=(gathered,)))  # the gathered table: a local of its forward
+        backward = (
             Step("k's cast's backward: dK up to fp32", (Made(f"{g}/dk fp32", fp32k, "fp32"),)),
             Step("q's cast's backward: dQ up to fp32", (Made(f"{g}/dq fp32", fp32q, "fp32"),)),
-            Step("the table's conjugate, for k", (Made(f"{g}/conj k", table, "complex64"),)),
-            Step("dK times it", (Made(f"{g}/dk rotated", fp32k, "complex64"),), frees=(f"{g}/conj k", f"{g}/dk fp32")),
-            Step("the table's conjugate, for q", (Made(f"{g}/conj q", table, "complex64"),)),
-            Step("dQ times it", (Made(f"{g}/dq rotated", fp32q, "complex64"),), frees=(f"{g}/conj q", f"{g}/dq fp32"),
-                 returns=True),
+            *conjugate("k", fp32k, f"{g}/dk fp32"),
+            *conjugate("q", fp32q, f"{g}/dq fp32", returns=True),
             Step("k.float()'s backward: to bf16", (Made(f"{g}/dk pre-rope", kv, "bf16"),), frees=(f"{g}/dk rotated",)),
             Step("q.float()'s backward: to bf16", (Made(f"{g}/dq pre-rope", q, "bf16"),),
                  frees=(f"{g}/dq rotated", f"{g}/dq", f"{g}/dk")),
-        ),
-        saves=(rules.ROPE_CACHE,) if z.cuda else ())
+        )
+    return Op("attention.rope", (*gather, *forward), backward, saves=(rules.ROPE_CACHE,) if z.cuda else ())
 
 
 def feed_forward_ops(p: str, z: Sizes, x: str, mid: str, out: str, h: int) -> tuple[Op, ...]:
