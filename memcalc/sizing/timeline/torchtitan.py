@@ -132,6 +132,7 @@ def _walk(parts: Parts, fsdp: Fsdp | None, stage: Stage) -> None:
 def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounting) -> None:
     """ConfigError naming the first thing the torchtitan step timeline does not model yet."""
     sharded_tp = config.dp_shard is not None and strategy.weight_shards(config.t) > 1
+    m = torchtitan_microbatches(config)
     missing = [
         (config.zero_stage is not None, "zero_stage (DeepSpeed's ZeRO: torchtitan shards with FSDP2, dp_shard)"),
         # measured (t=2, dp_shard=2, L=1, b=2 s=24 h=64): the peak agrees, the norms' backward does not: under FSDP2 (the
@@ -154,26 +155,17 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
         (config.position_embedding_type != "rope", f"position_embedding_type {config.position_embedding_type}"
                                                    " (Llama3 rotates q and k: set rope)"),
         (config.add_bias_linear or config.add_qkv_bias, "biases (Llama3 has none: set add_bias_linear false)"),
-        *_pipeline_missing(config, strategy),
+        # the pipelined walk (memcalc.sizing.timeline.torchtitan_pp)
+        (config.pp > 1 and config.vpp is not None, f"vpp={config.vpp} (torchtitan's default schedule is 1F1B)"),
+        (config.pp > m, f"num_microbatches={m} below pp={config.pp} (torch's Schedule1F1B refuses it)"),
+        (config.pp > 1 and (strategy.weight_shards(config.t) > 1 or config.dp_shard is not None or config.moe),
+         "pp with tp, dp_shard or experts (pp at t = 1 is walked)"),
         (config.cp != 1, f"cp={config.cp}"),
         (config.b * config.s == 1, "b = s = 1 (V is then a view of the fused wqkv output)"),
     ]
     for absent, what in missing:
         if absent:
             raise ConfigError(f"the step timeline for impl torchtitan does not model {what} yet")
-
-
-def _pipeline_missing(config: ModelConfig, strategy: Strategy) -> list[tuple[bool, str]]:
-    """What the pipelined walk (memcalc.sizing.timeline.torchtitan_pp) leaves out, pp > 1."""
-    if config.pp == 1:
-        return []
-    m = torchtitan_microbatches(config)
-    return [
-        (config.vpp is not None, f"vpp={config.vpp} (torchtitan's default schedule is 1F1B)"),
-        (m < config.pp, f"num_microbatches={m} below pp={config.pp} (torch's Schedule1F1B refuses it)"),
-        (strategy.weight_shards(config.t) > 1 or config.dp_shard is not None or config.moe,
-         "pp with tp, dp_shard or experts (pp at t = 1 is walked)"),
-    ]
 
 
 def block_checkpoint(i: int, config: ModelConfig, accounting: Accounting, z: Sizes) -> Checkpoint | None:
