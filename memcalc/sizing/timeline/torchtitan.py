@@ -42,7 +42,7 @@ def model_parts(config: ModelConfig, strategy: Strategy, accounting: Accounting,
                 stage: Stage) -> tuple[Parts, Fsdp | None]:
     """The tape with `stage`'s model states on it (under FSDP2 its sharded ones: the Fsdp), and what its segments are
     built from."""
-    check_modelled(config, strategy, accounting)
+    check_modelled(config, strategy)
     layer = estimate(config, strategy, accounting)
     # under recomputation each block's rerun keeps what a block without it keeps: the walk sizes those
     every = estimate(replace(config, recompute="none"), strategy, accounting) if config.recompute != "none" else layer
@@ -63,8 +63,7 @@ def model_parts(config: ModelConfig, strategy: Strategy, accounting: Accounting,
     # without FSDP2 a weight's bf16 gradient is added into the fp32 buffer and dropped as autograd hands it over
     hand_over = (lambda where, name, nbytes: tape.drop(name)) if fsdp is None else _keep_grad(tape, fsdp)
     saved = {x.tensor.name: x.bytes for x in (*every.tensors, *every.dense)}  # a MoE layer's, and a dense one's
-    return Parts(tape, config, z, accounting, layer.strategy, saved, _end_bytes(unpadded, strategy, accounting),
-                 hand_over), fsdp
+    return Parts(tape, config, z, layer.strategy, saved, _end_bytes(unpadded, strategy, accounting), hand_over), fsdp
 
 
 @dataclass(frozen=True)
@@ -75,7 +74,6 @@ class Parts:
     tape: Tape
     config: ModelConfig
     z: Sizes
-    accounting: Accounting
     strategy: Strategy  # the strategy as the ledger checked it
     saved: dict[str, int]
     end: dict[str, int]
@@ -95,7 +93,7 @@ class Parts:
         config, z = self.config, self.z
         return [Segment(f"layers.{i}", f"layers.{i}", Walk(
             self.tape, f"layers.{i}", torchtitan_block(i, config), self.saved, self.hand_over,
-            block_checkpoint(i, config, self.accounting, z)), block_ops(i, z, config)) for i in layers]
+            block_checkpoint(i, config, z)), block_ops(i, z, config)) for i in layers]
 
     def chunk(self, stage: Stage, layers: range, pipelined: bool = False) -> tuple[list[Segment], list[Segment]]:
         """The segments of `stage`'s model chunk (on the first stage the embedding, then its `layers`, on the last
@@ -129,7 +127,7 @@ def _walk(parts: Parts, fsdp: Fsdp | None, stage: Stage) -> None:
     tape.drop("loss/grad seed")  # backward() returns
 
 
-def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounting) -> None:
+def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
     """ConfigError naming the first thing the torchtitan step timeline does not model yet."""
     sharded_tp = config.dp_shard is not None and strategy.weight_shards(config.t) > 1
     m = torchtitan_microbatches(config)
@@ -168,7 +166,7 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
             raise ConfigError(f"the step timeline for impl torchtitan does not model {what} yet")
 
 
-def block_checkpoint(i: int, config: ModelConfig, accounting: Accounting, z: Sizes) -> Checkpoint | None:
+def block_checkpoint(i: int, config: ModelConfig, z: Sizes) -> Checkpoint | None:
     """torchtitan's FullAC or SelectiveAC around block i (torch.utils.checkpoint, non-reentrant): its input held,
     and under op the op outputs SelectiveAC caches, the ledger's (the block's input aside), and on DTensor under SP
     wo's and w2's reduce-scatter outputs (funcol's reduce_scatter_tensor, on its list of communication ops to save).
@@ -430,7 +428,7 @@ def block_ops(i: int, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     fp32 = _into_stream(z)
     ffn_dx, ffn_stream = (gmid, gout) if fp32 else (f"grad/{p}/ffn_norm dx", "")
     attention = (*attention_ops(p, z, mid, gmid, gx, h, q, kv),
-                 *(() if fp32 else (residual(p, "ffn_norm", ffn_dx, gout, gmid, h, z.cuda),)))
+                 *(() if fp32 else (residual("ffn_norm", ffn_dx, gout, gmid, h, z.cuda),)))
     if config.is_moe_layer(i):
         shared = bool(config.moe_shared_expert_intermediate_size)
         # the MoE's input: the norm's output, under SP at ep = 1 gathered at the MoE's entry (kept by the shared
@@ -445,7 +443,7 @@ def block_ops(i: int, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
                  f"grad/{p}/ffn_norm dy" if gathered else f"grad/{p}/ffn_norm out", ffn_dx, mid, stream=ffn_stream),
             *(gather("moe", z, p, moe_in, f"grad/{p}/ffn_norm out", f"grad/{p}/ffn_norm dy") if gathered else ()),
             *moe_ops(p, z, config, moe_in.name, shared_experts_ops(p, z, config) if shared else (), reduce_scatter),
-            _second_residual(p, x, mid, out, f"{p}/ffn out", h, _keeps_input(z)),
+            _second_residual(x, mid, out, f"{p}/ffn out", h, _keeps_input(z)),
         )
     return (
         *attention,
@@ -483,7 +481,7 @@ def _into_stream(z: Sizes) -> bool:
     return z.act == 4 and not z.cuda
 
 
-def residual(p: str, norm: str, dx: str, grad: str, out: str, h: int, in_place: bool = False) -> Op:
+def residual(norm: str, dx: str, grad: str, out: str, h: int, in_place: bool = False) -> Op:
     """In backward: the norm's dX and the residual stream's gradient summed, as soon as the norm's returns (autograd
     does it inside the norm's window); listed before the norm, so it runs after it. The forward sum is the branch's
     last op. `in_place`: autograd adds dX into the residual stream's gradient, which it holds alone (its input
@@ -503,7 +501,7 @@ def attention_ops(p: str, z: Sizes, mid: str, gmid: str, gx: str, h: int, q: int
     fp32, kept_mid = _into_stream(z), _stream_after_attention(z)
     dx, stream = (gx, gmid) if fp32 else (f"grad/{p}/attention_norm dx", "")
     return (
-        *(() if fp32 else (residual(p, "attention_norm", dx, gmid, gx, h, z.cuda),)),
+        *(() if fp32 else (residual("attention_norm", dx, gmid, gx, h, z.cuda),)),
         norm("attention_norm", z, rules.LN1, p, _norm_out(z, p, "attention_norm", rules.QKV_IN),
              f"grad/{p}/attention_norm dy" if z.t > 1 else f"grad/{p}/qkv dx", dx, f"{p}/input", stream=stream),
         *gather(a, z, p, kept(p, rules.QKV_IN), f"grad/{p}/qkv dx", f"grad/{p}/attention_norm dy"),
@@ -594,7 +592,7 @@ def feed_forward_ops(p: str, z: Sizes, x: str, mid: str, out: str, h: int) -> tu
                    frees=(dy,) if z.sp else ()),
             *reduce_scatter(f"{m}.w2", z, p, w2_out, f"{p}/ffn out", dy, (f"{p}/ffn_norm out",)),
         ), *kept_names(p, rules.FC1_IN, ledger.FC2_IN)),
-        _second_residual(p, x, mid, out, ffn_out, h, _keeps_input(z)),
+        _second_residual(x, mid, out, ffn_out, h, _keeps_input(z)),
     )
 
 
@@ -621,7 +619,7 @@ def shared_experts_ops(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     ), *kept_names(p, ledger.SHARED_FC2_IN, *((rules.MOE_SHARED_IN,) if gathered else ())))
 
 
-def _second_residual(p: str, x: str, mid: str, out: str, ffn_out: str, h: int, kept: bool = False) -> Op:
+def _second_residual(x: str, mid: str, out: str, ffn_out: str, h: int, kept: bool = False) -> Op:
     """h + the feed-forward's output: the block's output; the block's input, h and that output go (where the norms
     keep x and h, `kept`: under a checkpoint h goes, which keeps nothing but x)."""
     kept_inputs = (mid, x) if kept else ()
