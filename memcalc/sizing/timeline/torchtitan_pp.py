@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from memcalc.config.schema import ModelConfig
 from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import Strategy
-from memcalc.sizing.pipeline import Stage, pipeline_stages, stage_named, torchtitan_microbatches
+from memcalc.sizing.pipeline import Stage, pipeline_stages, stage_named, stage_rank, torchtitan_microbatches
 from memcalc.sizing.timeline.tape import ACTIVATIONS, Sizes, Tape, Timeline
 from memcalc.sizing.timeline.torchtitan import Parts, Segment, embedding_ops, flex_inputs, model_parts
 from memcalc.sizing.timeline.walk import Op
@@ -77,7 +77,7 @@ class _Schedule:
     @property
     def rank(self) -> int:
         """The stage's rank (its index in torchtitan_stages)."""
-        return next(r for r, x in enumerate(pipeline_stages(self.parts.config)) if x.name == self.stage.name)
+        return stage_rank(self.stage.name, self.parts.config.pp)
 
     @property
     def layers(self) -> range:
