@@ -32,9 +32,10 @@ from memcalc.sizing.totals import end_sizes
 def torchtitan_timeline(config: ModelConfig, strategy: Strategy, accounting: Accounting) -> Timeline:
     """The moments of one training step of torchtitan's Llama3Model sized by `config`, on its one rank (a pipeline
     stage's rank: memcalc.sizing.timeline.torchtitan_pp)."""
-    parts, fsdp = model_parts(config, strategy, accounting, stage_named(config, None))
+    stage = stage_named(config, None)
+    parts, fsdp = model_parts(config, strategy, accounting, stage)
     parts.tape.mark("steady", "", "model states between steps")
-    _walk(parts, fsdp, stage_named(config, None))
+    _walk(parts, fsdp, stage)
     return parts.timeline("only")
 
 
