@@ -32,9 +32,10 @@ from memcalc.sizing.totals import end_sizes
 def torchtitan_timeline(config: ModelConfig, strategy: Strategy, accounting: Accounting) -> Timeline:
     """The moments of one training step of torchtitan's Llama3Model sized by `config`, on its one rank (a pipeline
     stage's rank: memcalc.sizing.timeline.torchtitan_pp)."""
-    parts, fsdp = model_parts(config, strategy, accounting, stage_named(config, None))
+    stage = stage_named(config, None)
+    parts, fsdp = model_parts(config, strategy, accounting, stage)
     parts.tape.mark("steady", "", "model states between steps")
-    _walk(parts, fsdp)
+    _walk(parts, fsdp, stage)
     return parts.timeline("only")
 
 
@@ -42,7 +43,7 @@ def model_parts(config: ModelConfig, strategy: Strategy, accounting: Accounting,
                 stage: Stage) -> tuple[Parts, Fsdp | None]:
     """The tape with `stage`'s model states on it (under FSDP2 its sharded ones: the Fsdp), and what its segments are
     built from."""
-    check_modelled(config, strategy, accounting)
+    check_modelled(config, strategy)
     layer = estimate(config, strategy, accounting)
     # under recomputation each block's rerun keeps what a block without it keeps: the walk sizes those
     every = estimate(replace(config, recompute="none"), strategy, accounting) if config.recompute != "none" else layer
@@ -63,8 +64,7 @@ def model_parts(config: ModelConfig, strategy: Strategy, accounting: Accounting,
     # without FSDP2 a weight's bf16 gradient is added into the fp32 buffer and dropped as autograd hands it over
     hand_over = (lambda where, name, nbytes: tape.drop(name)) if fsdp is None else _keep_grad(tape, fsdp)
     saved = {x.tensor.name: x.bytes for x in (*every.tensors, *every.dense)}  # a MoE layer's, and a dense one's
-    return Parts(tape, config, z, accounting, layer.strategy, saved, _end_bytes(unpadded, strategy, accounting),
-                 hand_over), fsdp
+    return Parts(tape, config, z, layer.strategy, saved, _end_bytes(unpadded, strategy, accounting), hand_over), fsdp
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,6 @@ class Parts:
     tape: Tape
     config: ModelConfig
     z: Sizes
-    accounting: Accounting
     strategy: Strategy  # the strategy as the ledger checked it
     saved: dict[str, int]
     end: dict[str, int]
@@ -95,22 +94,27 @@ class Parts:
         config, z = self.config, self.z
         return [Segment(f"layers.{i}", f"layers.{i}", Walk(
             self.tape, f"layers.{i}", torchtitan_block(i, config), self.saved, self.hand_over,
-            block_checkpoint(i, config, self.accounting, z)), block_ops(i, z, config)) for i in layers]
+            block_checkpoint(i, config, z)), block_ops(i, z, config)) for i in layers]
+
+    def chunk(self, stage: Stage, layers: range, pipelined: bool = False) -> tuple[list[Segment], list[Segment]]:
+        """The segments of `stage`'s model chunk (on the first stage the embedding, then its `layers`, on the last
+        the final norm and lm_head), and on the last stage the loss's (`pipelined`: the schedule's, after the chunk
+        returns)."""
+        z, config = self.z, self.config
+        first = [self.ends("tok_embeddings", "tok_embeddings", (embedding_ops(z, config.tie_embeddings)[1],))]
+        chunk = [*(first if stage.has_embedding else []), *self.blocks(layers)]
+        if not stage.has_output:
+            return chunk, []
+        *norm, lm_head, loss = output_ops(z, config, pipelined)
+        return [*chunk, self.ends(OUTPUT, "norm", tuple(norm)), self.ends(OUTPUT, "lm_head", (lm_head,))], [
+            self.ends(None, "", (loss,))]
 
 
-def _walk(parts: Parts, fsdp: Fsdp | None) -> None:
+def _walk(parts: Parts, fsdp: Fsdp | None, stage: Stage) -> None:
     """The whole model's step on its one rank: the trainer's forward, loss.backward(), under FSDP2 its hooks."""
-    z, config, tape = parts.z, parts.config, parts.tape
-    count, lookup = embedding_ops(z, config.tie_embeddings)
-    *norm, lm_head, loss = output_ops(z, config)
-    segments = [
-        parts.ends(None, "", (count,)),
-        parts.ends("tok_embeddings", "tok_embeddings", (lookup,)),
-        *parts.blocks(range(config.L)),
-        parts.ends(OUTPUT, "norm", tuple(norm)),
-        parts.ends(OUTPUT, "lm_head", (lm_head,)),
-        parts.ends(None, "", (loss,)),
-    ]
+    tape = parts.tape
+    chunk, loss = parts.chunk(stage, range(parts.config.L))
+    segments = [parts.ends(None, "", embedding_ops(parts.z)[:1]), *chunk, *loss]
     for i, segment in enumerate(segments):
         segment.forward(fsdp, segments[i + 1].unit if i + 1 < len(segments) else None)
     order = list(dict.fromkeys(x.unit for x in segments if x.unit is not None))  # the units in forward order
@@ -124,9 +128,10 @@ def _walk(parts: Parts, fsdp: Fsdp | None) -> None:
     tape.drop("loss/grad seed")  # backward() returns
 
 
-def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounting) -> None:
+def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
     """ConfigError naming the first thing the torchtitan step timeline does not model yet."""
     sharded_tp = config.dp_shard is not None and strategy.weight_shards(config.t) > 1
+    m = torchtitan_microbatches(config)
     missing = [
         (config.zero_stage is not None, "zero_stage (DeepSpeed's ZeRO: torchtitan shards with FSDP2, dp_shard)"),
         # measured (t=2, dp_shard=2, L=1, b=2 s=24 h=64): the peak agrees, the norms' backward does not: under FSDP2 (the
@@ -149,7 +154,11 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
         (config.position_embedding_type != "rope", f"position_embedding_type {config.position_embedding_type}"
                                                    " (Llama3 rotates q and k: set rope)"),
         (config.add_bias_linear or config.add_qkv_bias, "biases (Llama3 has none: set add_bias_linear false)"),
-        *_pipeline_missing(config, strategy),
+        # the pipelined walk (memcalc.sizing.timeline.torchtitan_pp)
+        (config.pp > 1 and config.vpp is not None, f"vpp={config.vpp} (torchtitan's default schedule is 1F1B)"),
+        (config.pp > m, f"num_microbatches={m} below pp={config.pp} (torch's Schedule1F1B refuses it)"),
+        (config.pp > 1 and (strategy.weight_shards(config.t) > 1 or config.dp_shard is not None or config.moe),
+         "pp with tp, dp_shard or experts (pp at t = 1 is walked)"),
         (config.cp != 1, f"cp={config.cp}"),
         (config.b * config.s == 1, "b = s = 1 (V is then a view of the fused wqkv output)"),
     ]
@@ -158,20 +167,7 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
             raise ConfigError(f"the step timeline for impl torchtitan does not model {what} yet")
 
 
-def _pipeline_missing(config: ModelConfig, strategy: Strategy) -> list[tuple[bool, str]]:
-    """What the pipelined walk (memcalc.sizing.timeline.torchtitan_pp) leaves out, pp > 1."""
-    if config.pp == 1:
-        return []
-    m = torchtitan_microbatches(config)
-    return [
-        (config.vpp is not None, f"vpp={config.vpp} (torchtitan's default schedule is 1F1B)"),
-        (m < config.pp, f"num_microbatches={m} below pp={config.pp} (torch's Schedule1F1B refuses it)"),
-        (strategy.weight_shards(config.t) > 1 or config.dp_shard is not None or config.moe,
-         "pp with tp, dp_shard or experts (pp at t = 1 is walked)"),
-    ]
-
-
-def block_checkpoint(i: int, config: ModelConfig, accounting: Accounting, z: Sizes) -> Checkpoint | None:
+def block_checkpoint(i: int, config: ModelConfig, z: Sizes) -> Checkpoint | None:
     """torchtitan's FullAC or SelectiveAC around block i (torch.utils.checkpoint, non-reentrant): its input held,
     and under op the op outputs SelectiveAC caches, the ledger's (the block's input aside), and on DTensor under SP
     wo's and w2's reduce-scatter outputs (funcol's reduce_scatter_tensor, on its list of communication ops to save).
@@ -433,7 +429,7 @@ def block_ops(i: int, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     fp32 = _into_stream(z)
     ffn_dx, ffn_stream = (gmid, gout) if fp32 else (f"grad/{p}/ffn_norm dx", "")
     attention = (*attention_ops(p, z, mid, gmid, gx, h, q, kv),
-                 *(() if fp32 else (residual(p, "ffn_norm", ffn_dx, gout, gmid, h, z.cuda),)))
+                 *(() if fp32 else (residual("ffn_norm", ffn_dx, gout, gmid, h, z.cuda),)))
     if config.is_moe_layer(i):
         shared = bool(config.moe_shared_expert_intermediate_size)
         # the MoE's input: the norm's output, under SP at ep = 1 gathered at the MoE's entry (kept by the shared
@@ -448,7 +444,7 @@ def block_ops(i: int, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
                  f"grad/{p}/ffn_norm dy" if gathered else f"grad/{p}/ffn_norm out", ffn_dx, mid, stream=ffn_stream),
             *(gather("moe", z, p, moe_in, f"grad/{p}/ffn_norm out", f"grad/{p}/ffn_norm dy") if gathered else ()),
             *moe_ops(p, z, config, moe_in.name, shared_experts_ops(p, z, config) if shared else (), reduce_scatter),
-            _second_residual(p, x, mid, out, f"{p}/ffn out", h, _keeps_input(z)),
+            _second_residual(x, mid, out, f"{p}/ffn out", h, _keeps_input(z)),
         )
     return (
         *attention,
@@ -486,7 +482,7 @@ def _into_stream(z: Sizes) -> bool:
     return z.act == 4 and not z.cuda
 
 
-def residual(p: str, norm: str, dx: str, grad: str, out: str, h: int, in_place: bool = False) -> Op:
+def residual(norm: str, dx: str, grad: str, out: str, h: int, in_place: bool = False) -> Op:
     """In backward: the norm's dX and the residual stream's gradient summed, as soon as the norm's returns (autograd
     does it inside the norm's window); listed before the norm, so it runs after it. The forward sum is the branch's
     last op. `in_place`: autograd adds dX into the residual stream's gradient, which it holds alone (its input
@@ -506,7 +502,7 @@ def attention_ops(p: str, z: Sizes, mid: str, gmid: str, gx: str, h: int, q: int
     fp32, kept_mid = _into_stream(z), _stream_after_attention(z)
     dx, stream = (gx, gmid) if fp32 else (f"grad/{p}/attention_norm dx", "")
     return (
-        *(() if fp32 else (residual(p, "attention_norm", dx, gmid, gx, h, z.cuda),)),
+        *(() if fp32 else (residual("attention_norm", dx, gmid, gx, h, z.cuda),)),
         norm("attention_norm", z, rules.LN1, p, _norm_out(z, p, "attention_norm", rules.QKV_IN),
              f"grad/{p}/attention_norm dy" if z.t > 1 else f"grad/{p}/qkv dx", dx, f"{p}/input", stream=stream),
         *gather(a, z, p, kept(p, rules.QKV_IN), f"grad/{p}/qkv dx", f"grad/{p}/attention_norm dy"),
@@ -543,50 +539,45 @@ def attention_ops(p: str, z: Sizes, mid: str, gmid: str, gx: str, h: int, q: int
 
 
 def rope_ops(p: str, z: Sizes, q: int, kv: int) -> Op:
-    """ComplexRoPE: q and k in fp32 times the complex64 table, cast back (Q and K kept). On CUDA's flex path, given
-    the batch's positions, the table is first gathered at them (kept by both products, until q's backward)."""
-    g, gathered = f"grad/{p}/attention", kept_name(p, rules.ROPE_CACHE)
+    """ComplexRoPE: q and k in fp32 times the complex64 table, cast back (Q and K kept); in fp32 .float() and type_as
+    are no-ops, the complex products Q and K themselves. On CUDA's flex path, given the batch's positions, the table is
+    first gathered at them (kept by both products, until q's backward)."""
+    g, gathered, cast = f"grad/{p}/attention", kept_name(p, rules.ROPE_CACHE), z.act != 4
     fp32q, fp32k = 4 * q // z.act, 4 * kv // z.act  # the fp32 copies and their complex64 products
     # the table's conjugate, materialised: the (1, s, 1, d/2) buffer's, or on CUDA the gathered (b, s, 1, d/2) one
     table = 8 * z.s * (z.d // 2) * (z.b if z.cuda else 1)
     gather = (Step("the table gathered at the positions", (kept(p, rules.ROPE_CACHE),)),) if z.cuda else ()
-    if z.act == 4:  # fp32: .float() and type_as are no-ops, the complex products Q and K themselves
-        return Op("attention.rope", forward=(
-            *gather,
-            Step("q times the table: Q", (kept(p, ledger.Q),)),
-            Step("k times the table: K", (kept(p, ledger.K),), frees=(f"{p}/q pre-rope", f"{p}/k pre-rope"),
-                 reads_last=(gathered,))),
-            backward=(
-            Step("the table's conjugate, for k", (Made(f"{g}/conj k", table, "complex64"),)),
-            Step("dK times it", (Made(f"{g}/dk pre-rope", fp32k, "complex64, seen as real"),), frees=(f"{g}/conj k",)),
-            Step("the table's conjugate, for q", (Made(f"{g}/conj q", table, "complex64"),)),
-            Step("dQ times it", (Made(f"{g}/dq pre-rope", fp32q, "complex64, seen as real"),),
-                 frees=(f"{g}/conj q", f"{g}/dq", f"{g}/dk"), returns=True)),
-            saves=(rules.ROPE_CACHE,) if z.cuda else ())
-    return Op(
-        "attention.rope",
-        forward=(*gather,
-                 Step("q.float()", (Made(f"{p}/q fp32", fp32q, "q in fp32"),)),
-                 Step("k.float()", (Made(f"{p}/k fp32", fp32k, "k in fp32"),)),
-                 Step("q times the table", (Made(f"{p}/q rotated", fp32q, "complex64"),)),
-                 Step("k times the table", (Made(f"{p}/k rotated", fp32k, "complex64"),)),
-                 Step("q cast back", (kept(p, ledger.Q),)),
-                 Step("k cast back", (kept(p, ledger.K),), frees=(
-                     f"{p}/q fp32", f"{p}/k fp32", f"{p}/q rotated", f"{p}/k rotated", f"{p}/q pre-rope",
-                     f"{p}/k pre-rope"), reads_last=(gathered,))),  # the gathered table: a local of its forward
-        backward=(
+    pre = (f"{p}/q pre-rope", f"{p}/k pre-rope")
+
+    def conjugate(x: str, nbytes: int, *frees: str, returns: bool = False) -> tuple[Step, ...]:
+        """dX (cast up to fp32) times the table's conjugate; in fp32 that is x's gradient before RoPE."""
+        into = Made(f"{g}/d{x} rotated", nbytes, "complex64") if cast else Made(
+            f"{g}/d{x} pre-rope", nbytes, "complex64, seen as real")
+        return (Step(f"the table's conjugate, for {x}", (Made(f"{g}/conj {x}", table, "complex64"),)),
+                Step(f"d{x.upper()} times it", (into,), frees=(f"{g}/conj {x}", *frees), returns=returns))
+    if not cast:
+        forward = (Step("q times the table: Q", (kept(p, ledger.Q),)),
+                   Step("k times the table: K", (kept(p, ledger.K),), frees=pre, reads_last=(gathered,)))
+        backward = (*conjugate("k", fp32k), *conjugate("q", fp32q, f"{g}/dq", f"{g}/dk", returns=True))
+    else:
+        forward = (Step("q.float()", (Made(f"{p}/q fp32", fp32q, "q in fp32"),)),
+                   Step("k.float()", (Made(f"{p}/k fp32", fp32k, "k in fp32"),)),
+                   Step("q times the table", (Made(f"{p}/q rotated", fp32q, "complex64"),)),
+                   Step("k times the table", (Made(f"{p}/k rotated", fp32k, "complex64"),)),
+                   Step("q cast back", (kept(p, ledger.Q),)),
+                   Step("k cast back", (kept(p, ledger.K),), frees=(
+                       f"{p}/q fp32", f"{p}/k fp32", f"{p}/q rotated", f"{p}/k rotated", *pre),
+                       reads_last=(gathered,)))  # the gathered table: a local of its forward
+        backward = (
             Step("k's cast's backward: dK up to fp32", (Made(f"{g}/dk fp32", fp32k, "fp32"),)),
             Step("q's cast's backward: dQ up to fp32", (Made(f"{g}/dq fp32", fp32q, "fp32"),)),
-            Step("the table's conjugate, for k", (Made(f"{g}/conj k", table, "complex64"),)),
-            Step("dK times it", (Made(f"{g}/dk rotated", fp32k, "complex64"),), frees=(f"{g}/conj k", f"{g}/dk fp32")),
-            Step("the table's conjugate, for q", (Made(f"{g}/conj q", table, "complex64"),)),
-            Step("dQ times it", (Made(f"{g}/dq rotated", fp32q, "complex64"),), frees=(f"{g}/conj q", f"{g}/dq fp32"),
-                 returns=True),
+            *conjugate("k", fp32k, f"{g}/dk fp32"),
+            *conjugate("q", fp32q, f"{g}/dq fp32", returns=True),
             Step("k.float()'s backward: to bf16", (Made(f"{g}/dk pre-rope", kv, "bf16"),), frees=(f"{g}/dk rotated",)),
             Step("q.float()'s backward: to bf16", (Made(f"{g}/dq pre-rope", q, "bf16"),),
                  frees=(f"{g}/dq rotated", f"{g}/dq", f"{g}/dk")),
-        ),
-        saves=(rules.ROPE_CACHE,) if z.cuda else ())
+        )
+    return Op("attention.rope", (*gather, *forward), backward, saves=(rules.ROPE_CACHE,) if z.cuda else ())
 
 
 def feed_forward_ops(p: str, z: Sizes, x: str, mid: str, out: str, h: int) -> tuple[Op, ...]:
@@ -602,7 +593,7 @@ def feed_forward_ops(p: str, z: Sizes, x: str, mid: str, out: str, h: int) -> tu
                    frees=(dy,) if z.sp else ()),
             *reduce_scatter(f"{m}.w2", z, p, w2_out, f"{p}/ffn out", dy, (f"{p}/ffn_norm out",)),
         ), *kept_names(p, rules.FC1_IN, ledger.FC2_IN)),
-        _second_residual(p, x, mid, out, ffn_out, h, _keeps_input(z)),
+        _second_residual(x, mid, out, ffn_out, h, _keeps_input(z)),
     )
 
 
@@ -629,7 +620,7 @@ def shared_experts_ops(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     ), *kept_names(p, ledger.SHARED_FC2_IN, *((rules.MOE_SHARED_IN,) if gathered else ())))
 
 
-def _second_residual(p: str, x: str, mid: str, out: str, ffn_out: str, h: int, kept: bool = False) -> Op:
+def _second_residual(x: str, mid: str, out: str, ffn_out: str, h: int, kept: bool = False) -> Op:
     """h + the feed-forward's output: the block's output; the block's input, h and that output go (where the norms
     keep x and h, `kept`: under a checkpoint h goes, which keeps nothing but x)."""
     kept_inputs = (mid, x) if kept else ()

@@ -13,11 +13,9 @@ from dataclasses import dataclass, field, replace
 from memcalc.config.schema import ModelConfig
 from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import Strategy
-from memcalc.sizing.pipeline import Stage, pipeline_stages, stage_named, torchtitan_microbatches
+from memcalc.sizing.pipeline import Stage, pipeline_stages, stage_named, stage_rank, torchtitan_microbatches
 from memcalc.sizing.timeline.tape import ACTIVATIONS, Sizes, Tape, Timeline
-from memcalc.sizing.timeline.torchtitan import (
-    OUTPUT, Parts, Segment, embedding_ops, flex_inputs, model_parts, output_ops,
-)
+from memcalc.sizing.timeline.torchtitan import Parts, Segment, embedding_ops, flex_inputs, model_parts
 from memcalc.sizing.timeline.walk import Op
 
 
@@ -79,7 +77,7 @@ class _Schedule:
     @property
     def rank(self) -> int:
         """The stage's rank (its index in torchtitan_stages)."""
-        return next(r for r, x in enumerate(pipeline_stages(self.parts.config)) if x.name == self.stage.name)
+        return stage_rank(self.stage.name, self.parts.config.pp)
 
     @property
     def layers(self) -> range:
@@ -100,7 +98,7 @@ class _Schedule:
     def forward(self, j: int) -> None:
         tape = self.parts.tape
         before = set(tape.live)
-        chunk, loss = _segments(self.parts, self.stage, self.layers)
+        chunk, loss = self.parts.chunk(self.stage, self.layers, pipelined=True)
         for segment in chunk:
             segment.walk.forward(segment.ops)
         if self.latest in self.done:  # the schedule's `output` lets the previous forward's go as this one returns
@@ -150,15 +148,3 @@ def apart(j: int, name: str) -> str:
     """Micro-batch j's tensor `name` while another micro-batch's ops make and free tensors of that name."""
     return f"micro-batch {j}/{name}"
 
-
-def _segments(parts: Parts, stage: Stage, layers: range) -> tuple[list[Segment], list[Segment]]:
-    """One micro-batch's walk of the stage: the chunk pipeline_llm builds there (on the first stage the embedding,
-    then its `layers`, on the last the final norm and lm_head), and on the last stage the loss the schedule computes
-    after the chunk returns."""
-    z = parts.z
-    first = [parts.ends("tok_embeddings", "tok_embeddings", (embedding_ops(z)[1],))] if stage.has_embedding else []
-    if not stage.has_output:
-        return [*first, *parts.blocks(layers)], []
-    *norm, lm_head, loss = output_ops(z, parts.config, pipelined=True)
-    return [*first, *parts.blocks(layers), parts.ends(OUTPUT, "norm", tuple(norm)),
-            parts.ends(OUTPUT, "lm_head", (lm_head,))], [parts.ends(None, "", (loss,))]
