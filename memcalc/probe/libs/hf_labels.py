@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from fnmatch import fnmatchcase
+from functools import partial
 from typing import Any, Callable
 
 from memcalc.config.schema import ModelConfig
@@ -276,16 +277,15 @@ def _core_rules(
     sdpa = "scaled_dot_product_attention"
     q, k, v = qkv
     own = _copy if copies_only else (lambda axes: axes)
+    # what the newest bmm keeps of its first and of its second operand
+    first, second = partial(_kept, "BmmBackward0", "_saved_self"), partial(_kept, "BmmBackward0", "_saved_mat2")
     return (
         # eager: matmul copies q, k^T (k after repeat_kv) and v into contiguous storages and keeps those
-        Rule(attention, "matmul", q, nth=0, view=_kept("BmmBackward0", "_saved_self", then=own(_batch(b)))),
-        Rule(attention, "matmul", k, nth=0,
-             view=_kept("BmmBackward0", "_saved_mat2", then=own(_stored(_heads_t(b))))),
-        Rule(attention, "matmul", rules.K_EXPANDED, nth=0,
-             view=_kept("BmmBackward0", "_saved_mat2", then=_heads_t(b))),
-        Rule(attention, "matmul", v, nth=1, view=_kept("BmmBackward0", "_saved_mat2", then=own(_stored(_batch(b))))),
-        Rule(attention, "matmul", rules.V_EXPANDED, nth=1,
-             view=_kept("BmmBackward0", "_saved_mat2", then=_batch(b))),
+        Rule(attention, "matmul", q, nth=0, view=first(then=own(_batch(b)))),
+        Rule(attention, "matmul", k, nth=0, view=second(then=own(_stored(_heads_t(b))))),
+        Rule(attention, "matmul", rules.K_EXPANDED, nth=0, view=second(then=_heads_t(b))),
+        Rule(attention, "matmul", v, nth=1, view=second(then=own(_stored(_batch(b))))),
+        Rule(attention, "matmul", rules.V_EXPANDED, nth=1, view=second(then=_batch(b))),
         Rule(attention, "tanh", rules.SOFTCAP_TANH),  # Gemma 2's soft-capping
         Rule(attention, "softmax", ledger.SOFTMAX_OUT),
         Rule(attention, "softmax", rules.SOFTMAX_FP32),
@@ -300,13 +300,13 @@ def _core_rules(
         Rule(attention, sdpa, ledger.SOFTMAX_LSE, view=_kept("ScaledDotProduct*Backward0", "_saved_logsumexp")),
         Rule(attention, sdpa, rules.SDPA_OUT),  # OLMo 2 under tp: o_proj's input is a split copy of it
         # SDPA, CPU math kernel (dropout): fp32 copies, two bmm, the softmax, dropout's mask
-        Rule(attention, sdpa, rules.MATH_Q, view=_kept("BmmBackward0", "_saved_self", newest=1, then=_batch(b))),
-        Rule(attention, sdpa, rules.MATH_K, view=_kept("BmmBackward0", "_saved_mat2", newest=1, then=_heads_t(b))),
+        Rule(attention, sdpa, rules.MATH_Q, view=first(newest=1, then=_batch(b))),
+        Rule(attention, sdpa, rules.MATH_K, view=second(newest=1, then=_heads_t(b))),
         Rule(attention, sdpa, rules.MATH_SOFTMAX, view=_kept("SafeSoftmaxBackward0", "_saved_result")),
         Rule(attention, sdpa, rules.MATH_DROPOUT_MASK, view=_kept("MulBackward0", "_saved_other")),
-        Rule(attention, sdpa, rules.MATH_DROPOUT_OUT, view=_kept("BmmBackward0", "_saved_self", then=_batch(b))),
+        Rule(attention, sdpa, rules.MATH_DROPOUT_OUT, view=first(then=_batch(b))),
         Rule(attention, sdpa, rules.GPT2_MATH_V if copies_only and config.dtype == "fp32" else rules.MATH_V,
-             view=_kept("BmmBackward0", "_saved_mat2", then=own(_batch(b)))),
+             view=second(then=own(_batch(b)))),
     )
 
 
@@ -348,6 +348,15 @@ _GELU = (
 )
 
 
+def _gelu_mlp(fc1: str | None, fc2: str, dropout: str | None, function: str = "linear", arg: int = 0,
+              view: Callable[[Any], Any] | None = None) -> tuple[Rule, ...]:
+    """A GELU MLP (`fc1` and `fc2` under mlp): fc1's input (None: the attention's too, one norm read side by side),
+    transformers' GELU modules (`_GELU`), fc2's input, the mask of the dropout in `dropout` (None: none)."""
+    first = (Rule(f"mlp.{fc1}", function, ledger.FC1_IN, arg=arg, view=view),) if fc1 else ()
+    last = (_dropout_mask(dropout, ledger.MLP_DROPOUT_MASK),) if dropout else ()
+    return (*first, *_GELU, Rule(f"mlp.{fc2}", function, ledger.FC2_IN, arg=arg, view=view), *last)
+
+
 def _gpt2_rules(config: ModelConfig) -> tuple[Rule, ...]:
     """GPT2Block: its Conv1Ds are addmm on (b * s, h) tokens."""
     flat = _batch(config.b)
@@ -362,10 +371,7 @@ def _gpt2_rules(config: ModelConfig) -> tuple[Rule, ...]:
         Rule("attn.c_proj", "addmm", ledger.PROJ_IN, arg=1, view=lambda x: head_columns(config.head_dim)(flat(x))),
         _dropout_mask("attn.resid_dropout", ledger.ATTN_OUT_DROPOUT_MASK),
         *_norm_rules("layernorm", "ln_2", ledger.LN2),
-        Rule("mlp.c_fc", "addmm", ledger.FC1_IN, arg=1, view=flat),
-        *_GELU,
-        Rule("mlp.c_proj", "addmm", ledger.FC2_IN, arg=1, view=flat),
-        _dropout_mask("mlp.dropout", ledger.MLP_DROPOUT_MASK),
+        *_gelu_mlp("c_fc", "c_proj", "mlp.dropout", "addmm", arg=1, view=flat),
     )
 
 
@@ -376,10 +382,7 @@ def _neox_rules(config: ModelConfig) -> tuple[Rule, ...]:
         *_norm_rules("layernorm", "input_layernorm", ledger.LN1),
         *_fused_attention(config, "attention", "query_key_value", "dense", "post_attention_dropout"),
         *_norm_rules("layernorm", "post_attention_layernorm", ledger.LN2),
-        Rule("mlp.dense_h_to_4h", "linear", ledger.FC1_IN, arg=0),
-        *_GELU,
-        Rule("mlp.dense_4h_to_h", "linear", ledger.FC2_IN, arg=0),
-        _dropout_mask("post_mlp_dropout", ledger.MLP_DROPOUT_MASK),
+        *_gelu_mlp("dense_h_to_4h", "dense_4h_to_h", "post_mlp_dropout"),
     )
 
 
@@ -436,8 +439,7 @@ def _falcon_rules(config: ModelConfig) -> tuple[Rule, ...]:
         Rule(attention, "scaled_dot_product_attention", rules.FALCON_V_HEADS, arg=2),
         _fused_v(attention, config),
         Rule(f"{attention}.dense", "forward", ledger.PROJ_IN, arg=0, view=head_columns(config.head_dim)),
-        *_GELU,
-        Rule("mlp.dense_4h_to_h", "forward", ledger.FC2_IN, arg=0),
+        *_gelu_mlp(None, "dense_4h_to_h", None, "forward"),
     )
 
 
@@ -452,9 +454,7 @@ def _gptj_rules(config: ModelConfig) -> tuple[Rule, ...]:
         *_core_rules("attn", config, (rules.GPTJ_Q, rules.GPTJ_K, ledger.V)), *_sdpa_inputs("attn"),
         Rule("attn.out_proj", "linear", ledger.PROJ_IN, arg=0, view=head_columns(config.head_dim)),
         _dropout_mask("attn.resid_dropout", ledger.ATTN_OUT_DROPOUT_MASK),
-        *_GELU,
-        _dropout_mask("mlp.dropout", ledger.MLP_DROPOUT_MASK),
-        Rule("mlp.fc_out", "linear", ledger.FC2_IN, arg=0),
+        *_gelu_mlp(None, "fc_out", "mlp.dropout"),
     )
 
 
@@ -467,10 +467,7 @@ def _starcoder2_rules(config: ModelConfig) -> tuple[Rule, ...]:
         *_llama_attention_rules(config),
         _dropout_mask("self_attn", ledger.ATTN_OUT_DROPOUT_MASK, nth=1 if config.attention == "eager" else 0),
         *_norm_rules("layernorm", "post_attention_layernorm", ledger.LN2),
-        Rule("mlp.c_fc", "linear", ledger.FC1_IN, arg=0),
-        *_GELU,
-        Rule("mlp.c_proj", "linear", ledger.FC2_IN, arg=0),
-        _dropout_mask("mlp", ledger.MLP_DROPOUT_MASK),
+        *_gelu_mlp("c_fc", "c_proj", "mlp"),
     )
 
 
