@@ -155,9 +155,7 @@ def _clamped_glu_expert_rules(experts: str) -> tuple[Rule, ...]:
     tokens, their weights, gate_up's biases by expert id, _apply_gate's two slices, down's biases, and the rows put back
     in slot order (inv_perm)."""
     return (
-        Rule(experts, "where", rules.TOKEN_SLOTS, nth=None),
-        Rule(experts, "matmul", ledger.EXPERT_IN, nth=0, every=2, arg=0),
-        Rule(experts, "matmul", ledger.EXPERT_FC2_IN, nth=1, every=2, arg=0),
+        *_expert_paths(experts, "matmul", unsorted=6),
         Rule(experts, "clamp", _GLU_GATE_UP, nth=0, every=2, arg=0, view=_whole),
         Rule(experts, "clamp", rules.GLU_GATE, nth=0, every=2),
         Rule(experts, "sigmoid", rules.GLU_SIGMOID, nth=None),
@@ -165,14 +163,7 @@ def _clamped_glu_expert_rules(experts: str) -> tuple[Rule, ...]:
         Rule(experts, "mul", rules.GLU_UP_PLUS_ONE, nth=2, every=4, arg=0),
         Rule(experts, "mul", rules.EXPERT_OUT, nth=3, every=4, arg=0),
         Rule(experts, "mul", rules.EXPERT_WEIGHT_CAST, nth=3, every=4, arg=1, view=statistics),
-        Rule(experts, "index_add_", rules.COMBINE_IN, nth=None, arg=3),
-        Rule(experts, "__getitem__", rules.TOKEN_INDICES, nth=0, arg=1),
-        Rule(experts, "__getitem__", rules.SORTED_SLOTS, nth=1, arg=1),
         Rule(experts, "__getitem__", rules.SORTED_EXPERT_IDS, nth=2, arg=1),
-        Rule(experts, "__getitem__", rules.UNSORTED_SLOTS, nth=6, arg=1),
-        Rule(experts, "cumsum", rules.EXPERT_OFFSETS),
-        Rule(experts, "_grouped_mm", ledger.EXPERT_IN, nth=0, arg=0),
-        Rule(experts, "_grouped_mm", ledger.EXPERT_FC2_IN, nth=1, arg=0),
     )
 
 
@@ -567,26 +558,34 @@ def _expert_rules(experts: str) -> tuple[Rule, ...]:
     """The experts (MixtralExperts' code, DeepseekV3Experts' too): the eager loop's two linears and two products an
     expert, or grouped_mm's three indexings, offsets, two grouped matmuls and two products. SiLU(gate) * up is the
     first product, the routing weight's the second, on either path."""
-    grouped = "_grouped_mm"  # torch.nn.functional.grouped_mm's call, as the torch function mode sees it
     return (
-        Rule(experts, "where", rules.TOKEN_SLOTS, nth=None),  # (token_pos, token_idx): views of one (r_e, 2) storage
-        Rule(experts, "linear", ledger.EXPERT_IN, nth=0, every=2, arg=0),
+        *_expert_paths(experts, "linear", unsorted=2),
         Rule(experts, "linear", _GATE_UP, nth=0, every=2),
         Rule(f"{experts}.act_fn", "silu", ledger.EXPERT_SILU_OUT),
-        Rule(experts, "linear", ledger.EXPERT_FC2_IN, nth=1, every=2, arg=0),
         Rule(experts, "linear", rules.EXPERT_OUT, nth=1, every=2),
         Rule(experts, "mul", rules.EXPERT_WEIGHT, nth=1, every=2, arg=1, view=statistics),
         Rule(experts, "mul", rules.EXPERT_WEIGHT_CAST, nth=1, every=2, arg=1, view=statistics),
+        Rule(experts, "_grouped_mm", _GATE_UP, nth=0),
+        Rule(experts, "_grouped_mm", rules.EXPERT_OUT, nth=1),
+    )
+
+
+def _expert_paths(experts: str, loop: str, unsorted: int) -> tuple[Rule, ...]:
+    """What both experts' classes (Mixtral's, gpt-oss's) keep alike on either path: the eager loop's (token, slot)
+    pairs, the inputs of its two `loop` calls an expert and index_add_'s source; grouped_mm's sorted tokens and
+    weights, the rows put back in slot order (its `unsorted`-th indexing), the offsets, its two matmuls' inputs
+    (torch.nn.functional.grouped_mm's call, as the torch function mode sees it: _grouped_mm)."""
+    return (
+        Rule(experts, "where", rules.TOKEN_SLOTS, nth=None),  # (token_pos, token_idx): views of one (r_e, 2) storage
+        Rule(experts, loop, ledger.EXPERT_IN, nth=0, every=2, arg=0),
+        Rule(experts, loop, ledger.EXPERT_FC2_IN, nth=1, every=2, arg=0),
         Rule(experts, "index_add_", rules.COMBINE_IN, nth=None, arg=3),
-        # grouped_mm: hidden_states[perm // k], sample_weights[perm], then weighted_out[inv_perm]
         Rule(experts, "__getitem__", rules.TOKEN_INDICES, nth=0, arg=1),
         Rule(experts, "__getitem__", rules.SORTED_SLOTS, nth=1, arg=1),
-        Rule(experts, "__getitem__", rules.UNSORTED_SLOTS, nth=2, arg=1),
+        Rule(experts, "__getitem__", rules.UNSORTED_SLOTS, nth=unsorted, arg=1),
         Rule(experts, "cumsum", rules.EXPERT_OFFSETS),
-        Rule(experts, grouped, ledger.EXPERT_IN, nth=0, arg=0),
-        Rule(experts, grouped, _GATE_UP, nth=0),
-        Rule(experts, grouped, ledger.EXPERT_FC2_IN, nth=1, arg=0),
-        Rule(experts, grouped, rules.EXPERT_OUT, nth=1),
+        Rule(experts, "_grouped_mm", ledger.EXPERT_IN, nth=0, arg=0),
+        Rule(experts, "_grouped_mm", ledger.EXPERT_FC2_IN, nth=1, arg=0),
     )
 
 
