@@ -204,17 +204,15 @@ def library_rules(config: ModelConfig, t: int) -> tuple[Rule, ...]:
     v = Rule("*attention.inner_attention", "scaled_dot_product_attention", ledger.V, arg=2)
     if rules.V_IN_QKV_OUT in predicted:  # the view's base: wqkv's output, (b, s, (a+2g) d)
         v = replace(v, tensor=rules.V_IN_QKV_OUT, view=lambda x: head_columns(d)(x._base))
-    if config.recompute != "none":
+    wo = Rule("*attention.wo", "linear", ledger.PROJ_IN, arg=0, view=head_columns(d))  # the attention kernel's output
+    gate = Rule("*feed_forward", "silu", ledger.SWIGLU_GATE, arg=0)  # w1's output
+    if config.recompute != "none":  # of the MoE's: topk's second output (gather's index), the shared experts' w1's
+        moe = (r for r in moe_rules() if r.tensor in (ledger.ROUTER_TOPK_INDICES, ledger.SHARED_GATE))
         return (
             Rule("", "forward", ledger.LAYER_INPUT, arg=0),
-            Rule("*attention.qkv_linear.wqkv", "linear", rules.QKV_OUT, view=head_columns(d)),
-            # wo's input: the attention kernel's output
-            Rule("*attention.wo", "linear", ledger.PROJ_IN, arg=0, view=head_columns(d)),
-            Rule("*feed_forward", "silu", ledger.SWIGLU_GATE, arg=0),  # w1's output
+            Rule("*attention.qkv_linear.wqkv", "linear", rules.QKV_OUT, view=head_columns(d)), wo, gate,
             Rule("*feed_forward.w2", "linear", rules.FC2_OUT),
-            Rule("*moe.router", "topk", rules.MOE_TOPK_VALUES),
-            Rule("*moe.router", "gather", ledger.ROUTER_TOPK_INDICES, arg="index"),  # topk's second output
-            Rule("*moe.shared_experts", "silu", ledger.SHARED_GATE, arg=0),  # w1's output
+            Rule("*moe.router", "topk", rules.MOE_TOPK_VALUES), *moe,
             Rule("*moe.shared_experts.w2", "linear", rules.SHARED_FC2_OUT),
         )
     return (
@@ -223,10 +221,8 @@ def library_rules(config: ModelConfig, t: int) -> tuple[Rule, ...]:
         Rule("*attention.qkv_linear.wqkv", "linear", rules.QKV_IN, arg=0),
         Rule("*attention.inner_attention", "scaled_dot_product_attention", ledger.Q, arg=0),
         Rule("*attention.inner_attention", "scaled_dot_product_attention", ledger.K, arg=1),
-        v,
-        Rule("*attention.wo", "linear", ledger.PROJ_IN, arg=0, view=head_columns(d)),
-        Rule("*feed_forward.w1", "linear", rules.FC1_IN, arg=0),
-        Rule("*feed_forward", "silu", ledger.SWIGLU_GATE, arg=0),
+        v, wo,
+        Rule("*feed_forward.w1", "linear", rules.FC1_IN, arg=0), gate,
         Rule("*feed_forward", "mul", ledger.SWIGLU_SILU_OUT, arg=0),
         Rule("*feed_forward", "mul", ledger.SWIGLU_UP, arg=1),
         Rule("*feed_forward.w2", "linear", ledger.FC2_IN, arg=0),
