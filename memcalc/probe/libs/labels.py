@@ -136,20 +136,14 @@ def statistics(x: Any) -> Any:
 def merged_rows(saved: tuple[SavedStorage, ...], names: frozenset[str]) -> tuple[SavedStorage, ...]:
     """Each of `names`' storages (an expert's, one per expert) as one row, where the first is: the sum of their
     bytes and rows, so that a ledger row of r token slots reads as the experts' storages together."""
-    merged: dict[str, SavedStorage] = {}
-    rows: list[SavedStorage | str] = []
-    for storage in saved:
-        if storage.name not in names:
-            rows.append(storage)
-            continue
-        known = merged.get(storage.name)
-        if known is None:
-            rows.append(storage.name)
-            merged[storage.name] = storage
-        else:
-            shape = (known.shape[0] + storage.shape[0], *known.shape[1:])
-            merged[storage.name] = SavedStorage(storage.name, known.nbytes + storage.nbytes, shape, storage.dtype)
-    return tuple(merged[row] if isinstance(row, str) else row for row in rows)
+    rows: dict[str | int, SavedStorage] = {}  # keyed by name where merged, else by position
+    for i, storage in enumerate(saved):
+        key = storage.name if storage.name in names else i
+        known = rows.get(key)
+        rows[key] = storage if known is None else SavedStorage(
+            storage.name, known.nbytes + storage.nbytes, (known.shape[0] + storage.shape[0], *known.shape[1:]),
+            storage.dtype)
+    return tuple(rows.values())
 
 
 Part = tuple[SavedTensor, int, tuple[int, ...]]  # a ledger tensor, its share of a storage's columns, its shape
