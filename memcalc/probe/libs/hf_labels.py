@@ -527,10 +527,7 @@ def _moe_rules(config: ModelConfig) -> tuple[Rule, ...]:
     """The sparse MoE block: its router (mlp.gate), the experts (grouped_mm or the eager loop),
     and Qwen2-MoE's gated shared expert. Views give (b*s, ...) tensors the ledger's (b, s, ...) axes."""
     flat = _batch(config.b)
-
-    def per_token(x: Any) -> Any:  # (b*s, 1) as (b, s)
-        return x.unflatten(0, (config.b, -1)).squeeze(-1)
-
+    per_token = lambda x: statistics(flat(x))  # noqa: E731  (a (b*s, 1) statistic as (b, s))
     experts = "mlp.experts"
     if config.mla:  # DeepseekV3TopkRouter: F.linear on an fp32 copy of x, the sigmoid, gather by the chosen
         # indices, and the in-place renormalisation (its divisor is sum + 1e-20)

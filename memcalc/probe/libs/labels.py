@@ -27,8 +27,8 @@ class Rule:
     tensor: SavedTensor
     nth: int | None = 0  # which matching call in one forward of that module (None: every one)
     every: int | None = None  # a loop's body: the nth of each `every` matching calls (an expert's two linears)
-    arg: int | str | None = None  # None: the result (a tuple's first tensor); int or keyword: that argument
-    output: int = 0  # with arg None: which tensor of a tuple result (an aten op's second output)
+    arg: int | str | None = None  # None: the result (a tuple's `output`-th tensor); int or keyword: that argument
+    output: int = 0  # which tensor of a tuple result: 0 the first, 1 an aten op's second (its rstd, its lse)
     view: Callable[[Any], Any] | None = None  # the tensor as a view in the ledger's axis order, for its shape
 
 
