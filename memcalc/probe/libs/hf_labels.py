@@ -204,20 +204,16 @@ _NORM_CODE = {
                      ("mul", 0, "normed_fp32", "axes")),
     "layernorm": _LAYER_NORM, "layernorm_np": _LAYER_NORM,  # torch's layer_norm (OLMo's weightless one too)
 }
-# A Llama-family layer's norms by kind: (module, tensors) before its attention and after it, and its q_norm's and
-# k_norm's tensors (Qwen3's kind where the kind has none of its own)
+# A Llama-family layer's norms by kind: (module, tensors) before its attention and after it
 _LLAMA_NORMS = {
-    "rmsnorm": ((("input_layernorm", rules.LN1_RMS),), (("post_attention_layernorm", rules.LN2_RMS),),
-                (rules.Q_NORM_RMS, rules.K_NORM_RMS)),
-    "rmsnorm_1p": ((("input_layernorm", rules.GEMMA_LN1),), (("post_attention_layernorm", rules.GEMMA_LN2),),
-                   (rules.GEMMA_Q_NORM, rules.GEMMA_K_NORM)),
+    "rmsnorm": ((("input_layernorm", rules.LN1_RMS),), (("post_attention_layernorm", rules.LN2_RMS),)),
+    "rmsnorm_1p": ((("input_layernorm", rules.GEMMA_LN1),), (("post_attention_layernorm", rules.GEMMA_LN2),)),
     # OLMo 2: no norm before the attention or the MLP, one after each
     "rmsnorm_fp32w": ((), (("post_attention_layernorm", rules.OLMO2_ATTN_OUT),
-                           ("post_feedforward_layernorm", rules.OLMO2_MLP_OUT)),
-                      (rules.OLMO2_Q_NORM, rules.OLMO2_K_NORM)),
+                           ("post_feedforward_layernorm", rules.OLMO2_MLP_OUT))),
     # Cohere: one norm, read by the attention and the MLP
-    "layernorm_nb": ((("input_layernorm", rules.COHERE_LN1),), (), (rules.COHERE_Q_NORM, rules.COHERE_K_NORM)),
-    "layernorm_np": ((("input_layernorm", rules.OLMO_LN1),), (("post_attention_layernorm", rules.OLMO_LN2),), None),
+    "layernorm_nb": ((("input_layernorm", rules.COHERE_LN1),), ()),
+    "layernorm_np": ((("input_layernorm", rules.OLMO_LN1),), (("post_attention_layernorm", rules.OLMO_LN2),)),
 }
 # Gemma 2's sandwich: post_attention_layernorm on the attention's output, pre_feedforward_layernorm before the MLP,
 # post_feedforward_layernorm after it
@@ -237,7 +233,7 @@ def _norm_rules(kind: str, module: str, norm: Any, axes: Callable[[Any], Any] | 
 
 def _llama_norm_rules(config: ModelConfig) -> tuple[tuple[Rule, ...], tuple[Rule, ...]]:
     """A Llama-family layer's norms before and after its attention (_LLAMA_NORMS), Gemma 2's sandwich after it."""
-    before, after, _ = _LLAMA_NORMS[config.norm]
+    before, after = _LLAMA_NORMS[config.norm]
     if config.norm == "rmsnorm_1p" and config.sandwich_norm:
         after = _GEMMA2_AFTER
     return tuple(tuple(r for module, norm in norms for r in _norm_rules(config.norm, module, norm))
@@ -247,9 +243,9 @@ def _llama_norm_rules(config: ModelConfig) -> tuple[tuple[Rule, ...], tuple[Rule
 def _qk_norm_rules(config: ModelConfig) -> tuple[Rule, ...]:
     """q_norm and k_norm: Qwen3's and Cohere's on (b, s, heads, d), OLMo 2's over q_proj's and k_proj's whole
     (b, s, heads * d) outputs, Gemma 3's on each head of the transposed (b, heads, s, d) q and k."""
-    kind = config.norm if _LLAMA_NORMS.get(config.norm, (0, 0, None))[2] else "rmsnorm"
+    kind = config.norm if config.norm in rules.QK_NORMS else "rmsnorm"
     axes = {"rmsnorm_fp32w": head_columns(config.head_dim), "rmsnorm_1p": None}.get(kind, _per_head)
-    q, k = _LLAMA_NORMS[kind][2]
+    q, k = rules.QK_NORMS[kind]
     return (*_norm_rules(kind, "self_attn.q_norm", q, axes), *_norm_rules(kind, "self_attn.k_norm", k, axes))
 
 
