@@ -8,7 +8,7 @@ transformers' Python keeps more than Megatron's fused kernels, family by family,
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterable, NamedTuple
 
 from memcalc.model.families import FAMILIES, check_family, layer_family
 from memcalc.errors import ConfigError
@@ -131,9 +131,10 @@ COHERE_Q_NORM = _cohere_norm("attention/q_norm_", "q_norm, each query head", Dim
 COHERE_K_NORM = _cohere_norm("attention/k_norm_", "k_norm, each key head", Dim.D, heads=Dim.G)
 
 
-def _kept_at(norm: Any, knobs: Any) -> tuple[SavedTensor, ...]:
+def _kept_at(norm: Any, knobs: Any) -> Iterable[SavedTensor]:
     """A norm's tensors at this dtype: under fp32 a CohereLayerNorm's weight.to(float32) is the parameter, no copy."""
-    return tuple(x for x in norm if x is not getattr(norm, "weight_fp32", None) or knobs.dtype != "fp32")
+    copy = getattr(norm, "weight_fp32", None) if knobs.dtype == "fp32" else None
+    return norm if copy is None else tuple(x for x in norm if x is not copy)
 
 
 # OLMo 2's only norms: on the attention's output and on the MLP's, before each residual add (post_norm).
@@ -554,7 +555,7 @@ def norm_block(which: int, knobs: Any) -> tuple[SavedTensor, ...]:
     if which == 1 and knobs.single_norm:  # GPT-J, Cohere, Falcon-7B: no second norm
         return ()
     if is_cohere(knobs):
-        return _kept_at(COHERE_LN1, knobs)
+        return tuple(_kept_at(COHERE_LN1, knobs))
     if is_llama(knobs):
         return tuple(PRE_NORMS.get(knobs.norm, RMS_NORMS["rmsnorm"])[which])
     if which == 1 and knobs.parallel_residual:
@@ -684,8 +685,8 @@ def attention_block(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ..
     """Q/K/V projections' input, RoPE tables (Llama), the core, o_proj's input, GPT-2's resid dropout."""
     if knobs.mla:
         return latent_attention(knobs)
-    qk = QK_NORMS.get(knobs.norm, QK_NORMS["rmsnorm"]) if knobs.qk_layernorm else ()
-    qk_norm = tuple(x for norm in qk for x in _kept_at(norm, knobs))
+    q, k = QK_NORMS.get(knobs.norm, QK_NORMS["rmsnorm"]) if knobs.qk_layernorm else ((), ())
+    qk_norm = (*_kept_at(q, knobs), *_kept_at(k, knobs))
     core = _sdpa(knobs, accounting) if knobs.attention == "flash" else _eager(knobs)
     if is_glm(knobs) and knobs.attention == "flash" and core != SDPA_MATH:
         core += (GLM_SDPA_OUT,)
