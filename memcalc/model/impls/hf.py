@@ -8,7 +8,7 @@ transformers' Python keeps more than Megatron's fused kernels, family by family,
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterable, NamedTuple
 
 from memcalc.model.families import FAMILIES, check_family, layer_family
 from memcalc.errors import ConfigError
@@ -131,9 +131,10 @@ COHERE_Q_NORM = _cohere_norm("attention/q_norm_", "q_norm, each query head", Dim
 COHERE_K_NORM = _cohere_norm("attention/k_norm_", "k_norm, each key head", Dim.D, heads=Dim.G)
 
 
-def _cohere_kept(norm: CohereNormTensors, knobs: Any) -> tuple[SavedTensor, ...]:
-    """A CohereLayerNorm's tensors at this dtype: under fp32 weight.to(float32) is the parameter, no copy."""
-    return tuple(x for x in norm if x is not norm.weight_fp32 or knobs.dtype != "fp32")
+def _kept_at(norm: Any, knobs: Any) -> Iterable[SavedTensor]:
+    """A norm's tensors at this dtype: under fp32 a CohereLayerNorm's weight.to(float32) is the parameter, no copy."""
+    copy = getattr(norm, "weight_fp32", None) if knobs.dtype == "fp32" else None
+    return norm if copy is None else tuple(x for x in norm if x is not copy)
 
 
 # OLMo 2's only norms: on the attention's output and on the MLP's, before each residual add (post_norm).
@@ -172,6 +173,10 @@ RMS_NORMS = {"rmsnorm": (LN1_RMS, LN2_RMS), "rmsnorm_1p": (GEMMA_LN1, GEMMA_LN2)
 # d), before RoPE; its output, transposed, goes on to RoPE and the core.
 Q_NORM_RMS = _rms_norm("attention/q_norm_", "Qwen3RMSNorm q_norm, each query head", Dim.D, heads=Dim.A)
 K_NORM_RMS = _rms_norm("attention/k_norm_", "Qwen3RMSNorm k_norm, each key head", Dim.D, heads=Dim.G)
+# The q_norm and k_norm of a layer with qk_layernorm by memcalc's norm: Qwen3's (LlamaRMSNorm's code, Qwen3's where the
+# norm has none of its own), Gemma 3's, OLMo 2's over whole projections, Cohere's per-head CohereLayerNorms.
+QK_NORMS = {"rmsnorm": (Q_NORM_RMS, K_NORM_RMS), "rmsnorm_1p": (GEMMA_Q_NORM, GEMMA_K_NORM),
+            "rmsnorm_fp32w": (OLMO2_Q_NORM, OLMO2_K_NORM), "layernorm_nb": (COHERE_Q_NORM, COHERE_K_NORM)}
 
 # DeepseekV3Attention (models/deepseek_v3, DeepSeek-V2/V3's MLA): its latent norms are LlamaRMSNorm's code
 # (DeepseekV3RMSNorm), each followed by an up projection that keeps the norm's output; RoPE runs on the query's
@@ -556,7 +561,7 @@ def norm_block(which: int, knobs: Any) -> tuple[SavedTensor, ...]:
     if which == 1 and knobs.single_norm:  # GPT-J, Cohere, Falcon-7B: no second norm
         return ()
     if is_cohere(knobs):
-        return _cohere_kept(COHERE_LN1, knobs)
+        return tuple(_kept_at(COHERE_LN1, knobs))
     if is_llama(knobs):
         return tuple(PRE_NORMS.get(knobs.norm, RMS_NORMS["rmsnorm"])[which])
     if which == 1 and knobs.parallel_residual:
@@ -686,10 +691,8 @@ def attention_block(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ..
     """Q/K/V projections' input, RoPE tables (Llama), the core, o_proj's input, GPT-2's resid dropout."""
     if knobs.mla:
         return latent_attention(knobs)
-    qk_norm = (() if not knobs.qk_layernorm else (*GEMMA_Q_NORM, *GEMMA_K_NORM) if knobs.norm == "rmsnorm_1p"
-               else (*OLMO2_Q_NORM, *OLMO2_K_NORM) if knobs.norm == "rmsnorm_fp32w"
-               else (*_cohere_kept(COHERE_Q_NORM, knobs), *_cohere_kept(COHERE_K_NORM, knobs)) if is_cohere(knobs)
-               else (*Q_NORM_RMS, *K_NORM_RMS))
+    q, k = QK_NORMS.get(knobs.norm, QK_NORMS["rmsnorm"]) if knobs.qk_layernorm else ((), ())
+    qk_norm = (*_kept_at(q, knobs), *_kept_at(k, knobs))
     core = _sdpa(knobs, accounting) if knobs.attention == "flash" else _eager(knobs)
     if is_glm(knobs) and knobs.attention == "flash" and core != SDPA_MATH:
         core += (GLM_SDPA_OUT,)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from fnmatch import fnmatchcase
+from functools import partial
 from typing import Any, Callable
 
 from memcalc.config.schema import ModelConfig
@@ -154,9 +155,7 @@ def _clamped_glu_expert_rules(experts: str) -> tuple[Rule, ...]:
     tokens, their weights, gate_up's biases by expert id, _apply_gate's two slices, down's biases, and the rows put back
     in slot order (inv_perm)."""
     return (
-        Rule(experts, "where", rules.TOKEN_SLOTS, nth=None),
-        Rule(experts, "matmul", ledger.EXPERT_IN, nth=0, every=2, arg=0),
-        Rule(experts, "matmul", ledger.EXPERT_FC2_IN, nth=1, every=2, arg=0),
+        *_expert_paths(experts, "matmul", unsorted=6),
         Rule(experts, "clamp", _GLU_GATE_UP, nth=0, every=2, arg=0, view=_whole),
         Rule(experts, "clamp", rules.GLU_GATE, nth=0, every=2),
         Rule(experts, "sigmoid", rules.GLU_SIGMOID, nth=None),
@@ -164,14 +163,7 @@ def _clamped_glu_expert_rules(experts: str) -> tuple[Rule, ...]:
         Rule(experts, "mul", rules.GLU_UP_PLUS_ONE, nth=2, every=4, arg=0),
         Rule(experts, "mul", rules.EXPERT_OUT, nth=3, every=4, arg=0),
         Rule(experts, "mul", rules.EXPERT_WEIGHT_CAST, nth=3, every=4, arg=1, view=statistics),
-        Rule(experts, "index_add_", rules.COMBINE_IN, nth=None, arg=3),
-        Rule(experts, "__getitem__", rules.TOKEN_INDICES, nth=0, arg=1),
-        Rule(experts, "__getitem__", rules.SORTED_SLOTS, nth=1, arg=1),
         Rule(experts, "__getitem__", rules.SORTED_EXPERT_IDS, nth=2, arg=1),
-        Rule(experts, "__getitem__", rules.UNSORTED_SLOTS, nth=6, arg=1),
-        Rule(experts, "cumsum", rules.EXPERT_OFFSETS),
-        Rule(experts, "_grouped_mm", ledger.EXPERT_IN, nth=0, arg=0),
-        Rule(experts, "_grouped_mm", ledger.EXPERT_FC2_IN, nth=1, arg=0),
     )
 
 
@@ -212,20 +204,16 @@ _NORM_CODE = {
                      ("mul", 0, "normed_fp32", "axes")),
     "layernorm": _LAYER_NORM, "layernorm_np": _LAYER_NORM,  # torch's layer_norm (OLMo's weightless one too)
 }
-# A Llama-family layer's norms by kind: (module, tensors) before its attention and after it, and its q_norm's and
-# k_norm's tensors (Qwen3's kind where the kind has none of its own)
+# A Llama-family layer's norms by kind: (module, tensors) before its attention and after it
 _LLAMA_NORMS = {
-    "rmsnorm": ((("input_layernorm", rules.LN1_RMS),), (("post_attention_layernorm", rules.LN2_RMS),),
-                (rules.Q_NORM_RMS, rules.K_NORM_RMS)),
-    "rmsnorm_1p": ((("input_layernorm", rules.GEMMA_LN1),), (("post_attention_layernorm", rules.GEMMA_LN2),),
-                   (rules.GEMMA_Q_NORM, rules.GEMMA_K_NORM)),
+    "rmsnorm": ((("input_layernorm", rules.LN1_RMS),), (("post_attention_layernorm", rules.LN2_RMS),)),
+    "rmsnorm_1p": ((("input_layernorm", rules.GEMMA_LN1),), (("post_attention_layernorm", rules.GEMMA_LN2),)),
     # OLMo 2: no norm before the attention or the MLP, one after each
     "rmsnorm_fp32w": ((), (("post_attention_layernorm", rules.OLMO2_ATTN_OUT),
-                           ("post_feedforward_layernorm", rules.OLMO2_MLP_OUT)),
-                      (rules.OLMO2_Q_NORM, rules.OLMO2_K_NORM)),
+                           ("post_feedforward_layernorm", rules.OLMO2_MLP_OUT))),
     # Cohere: one norm, read by the attention and the MLP
-    "layernorm_nb": ((("input_layernorm", rules.COHERE_LN1),), (), (rules.COHERE_Q_NORM, rules.COHERE_K_NORM)),
-    "layernorm_np": ((("input_layernorm", rules.OLMO_LN1),), (("post_attention_layernorm", rules.OLMO_LN2),), None),
+    "layernorm_nb": ((("input_layernorm", rules.COHERE_LN1),), ()),
+    "layernorm_np": ((("input_layernorm", rules.OLMO_LN1),), (("post_attention_layernorm", rules.OLMO_LN2),)),
 }
 # Gemma 2's sandwich: post_attention_layernorm on the attention's output, pre_feedforward_layernorm before the MLP,
 # post_feedforward_layernorm after it
@@ -245,7 +233,7 @@ def _norm_rules(kind: str, module: str, norm: Any, axes: Callable[[Any], Any] | 
 
 def _llama_norm_rules(config: ModelConfig) -> tuple[tuple[Rule, ...], tuple[Rule, ...]]:
     """A Llama-family layer's norms before and after its attention (_LLAMA_NORMS), Gemma 2's sandwich after it."""
-    before, after, _ = _LLAMA_NORMS[config.norm]
+    before, after = _LLAMA_NORMS[config.norm]
     if config.norm == "rmsnorm_1p" and config.sandwich_norm:
         after = _GEMMA2_AFTER
     return tuple(tuple(r for module, norm in norms for r in _norm_rules(config.norm, module, norm))
@@ -255,9 +243,9 @@ def _llama_norm_rules(config: ModelConfig) -> tuple[tuple[Rule, ...], tuple[Rule
 def _qk_norm_rules(config: ModelConfig) -> tuple[Rule, ...]:
     """q_norm and k_norm: Qwen3's and Cohere's on (b, s, heads, d), OLMo 2's over q_proj's and k_proj's whole
     (b, s, heads * d) outputs, Gemma 3's on each head of the transposed (b, heads, s, d) q and k."""
-    kind = config.norm if _LLAMA_NORMS.get(config.norm, (0, 0, None))[2] else "rmsnorm"
+    kind = config.norm if config.norm in rules.QK_NORMS else "rmsnorm"
     axes = {"rmsnorm_fp32w": head_columns(config.head_dim), "rmsnorm_1p": None}.get(kind, _per_head)
-    q, k = _LLAMA_NORMS[kind][2]
+    q, k = rules.QK_NORMS[kind]
     return (*_norm_rules(kind, "self_attn.q_norm", q, axes), *_norm_rules(kind, "self_attn.k_norm", k, axes))
 
 
@@ -276,16 +264,15 @@ def _core_rules(
     sdpa = "scaled_dot_product_attention"
     q, k, v = qkv
     own = _copy if copies_only else (lambda axes: axes)
+    # what the newest bmm keeps of its first and of its second operand
+    first, second = partial(_kept, "BmmBackward0", "_saved_self"), partial(_kept, "BmmBackward0", "_saved_mat2")
     return (
         # eager: matmul copies q, k^T (k after repeat_kv) and v into contiguous storages and keeps those
-        Rule(attention, "matmul", q, nth=0, view=_kept("BmmBackward0", "_saved_self", then=own(_batch(b)))),
-        Rule(attention, "matmul", k, nth=0,
-             view=_kept("BmmBackward0", "_saved_mat2", then=own(_stored(_heads_t(b))))),
-        Rule(attention, "matmul", rules.K_EXPANDED, nth=0,
-             view=_kept("BmmBackward0", "_saved_mat2", then=_heads_t(b))),
-        Rule(attention, "matmul", v, nth=1, view=_kept("BmmBackward0", "_saved_mat2", then=own(_stored(_batch(b))))),
-        Rule(attention, "matmul", rules.V_EXPANDED, nth=1,
-             view=_kept("BmmBackward0", "_saved_mat2", then=_batch(b))),
+        Rule(attention, "matmul", q, nth=0, view=first(then=own(_batch(b)))),
+        Rule(attention, "matmul", k, nth=0, view=second(then=own(_stored(_heads_t(b))))),
+        Rule(attention, "matmul", rules.K_EXPANDED, nth=0, view=second(then=_heads_t(b))),
+        Rule(attention, "matmul", v, nth=1, view=second(then=own(_stored(_batch(b))))),
+        Rule(attention, "matmul", rules.V_EXPANDED, nth=1, view=second(then=_batch(b))),
         Rule(attention, "tanh", rules.SOFTCAP_TANH),  # Gemma 2's soft-capping
         Rule(attention, "softmax", ledger.SOFTMAX_OUT),
         Rule(attention, "softmax", rules.SOFTMAX_FP32),
@@ -300,13 +287,13 @@ def _core_rules(
         Rule(attention, sdpa, ledger.SOFTMAX_LSE, view=_kept("ScaledDotProduct*Backward0", "_saved_logsumexp")),
         Rule(attention, sdpa, rules.SDPA_OUT),  # OLMo 2 under tp: o_proj's input is a split copy of it
         # SDPA, CPU math kernel (dropout): fp32 copies, two bmm, the softmax, dropout's mask
-        Rule(attention, sdpa, rules.MATH_Q, view=_kept("BmmBackward0", "_saved_self", newest=1, then=_batch(b))),
-        Rule(attention, sdpa, rules.MATH_K, view=_kept("BmmBackward0", "_saved_mat2", newest=1, then=_heads_t(b))),
+        Rule(attention, sdpa, rules.MATH_Q, view=first(newest=1, then=_batch(b))),
+        Rule(attention, sdpa, rules.MATH_K, view=second(newest=1, then=_heads_t(b))),
         Rule(attention, sdpa, rules.MATH_SOFTMAX, view=_kept("SafeSoftmaxBackward0", "_saved_result")),
         Rule(attention, sdpa, rules.MATH_DROPOUT_MASK, view=_kept("MulBackward0", "_saved_other")),
-        Rule(attention, sdpa, rules.MATH_DROPOUT_OUT, view=_kept("BmmBackward0", "_saved_self", then=_batch(b))),
+        Rule(attention, sdpa, rules.MATH_DROPOUT_OUT, view=first(then=_batch(b))),
         Rule(attention, sdpa, rules.GPT2_MATH_V if copies_only and config.dtype == "fp32" else rules.MATH_V,
-             view=_kept("BmmBackward0", "_saved_mat2", then=own(_batch(b)))),
+             view=second(then=own(_batch(b)))),
     )
 
 
@@ -348,6 +335,15 @@ _GELU = (
 )
 
 
+def _gelu_mlp(fc1: str | None, fc2: str, dropout: str | None, function: str = "linear", arg: int = 0,
+              view: Callable[[Any], Any] | None = None) -> tuple[Rule, ...]:
+    """A GELU MLP (`fc1` and `fc2` under mlp): fc1's input (None: the attention's too, one norm read side by side),
+    transformers' GELU modules (`_GELU`), fc2's input, the mask of the dropout in `dropout` (None: none)."""
+    first = (Rule(f"mlp.{fc1}", function, ledger.FC1_IN, arg=arg, view=view),) if fc1 else ()
+    last = (_dropout_mask(dropout, ledger.MLP_DROPOUT_MASK),) if dropout else ()
+    return (*first, *_GELU, Rule(f"mlp.{fc2}", function, ledger.FC2_IN, arg=arg, view=view), *last)
+
+
 def _gpt2_rules(config: ModelConfig) -> tuple[Rule, ...]:
     """GPT2Block: its Conv1Ds are addmm on (b * s, h) tokens."""
     flat = _batch(config.b)
@@ -362,10 +358,7 @@ def _gpt2_rules(config: ModelConfig) -> tuple[Rule, ...]:
         Rule("attn.c_proj", "addmm", ledger.PROJ_IN, arg=1, view=lambda x: head_columns(config.head_dim)(flat(x))),
         _dropout_mask("attn.resid_dropout", ledger.ATTN_OUT_DROPOUT_MASK),
         *_norm_rules("layernorm", "ln_2", ledger.LN2),
-        Rule("mlp.c_fc", "addmm", ledger.FC1_IN, arg=1, view=flat),
-        *_GELU,
-        Rule("mlp.c_proj", "addmm", ledger.FC2_IN, arg=1, view=flat),
-        _dropout_mask("mlp.dropout", ledger.MLP_DROPOUT_MASK),
+        *_gelu_mlp("c_fc", "c_proj", "mlp.dropout", "addmm", arg=1, view=flat),
     )
 
 
@@ -376,10 +369,7 @@ def _neox_rules(config: ModelConfig) -> tuple[Rule, ...]:
         *_norm_rules("layernorm", "input_layernorm", ledger.LN1),
         *_fused_attention(config, "attention", "query_key_value", "dense", "post_attention_dropout"),
         *_norm_rules("layernorm", "post_attention_layernorm", ledger.LN2),
-        Rule("mlp.dense_h_to_4h", "linear", ledger.FC1_IN, arg=0),
-        *_GELU,
-        Rule("mlp.dense_4h_to_h", "linear", ledger.FC2_IN, arg=0),
-        _dropout_mask("post_mlp_dropout", ledger.MLP_DROPOUT_MASK),
+        *_gelu_mlp("dense_h_to_4h", "dense_4h_to_h", "post_mlp_dropout"),
     )
 
 
@@ -436,8 +426,7 @@ def _falcon_rules(config: ModelConfig) -> tuple[Rule, ...]:
         Rule(attention, "scaled_dot_product_attention", rules.FALCON_V_HEADS, arg=2),
         _fused_v(attention, config),
         Rule(f"{attention}.dense", "forward", ledger.PROJ_IN, arg=0, view=head_columns(config.head_dim)),
-        *_GELU,
-        Rule("mlp.dense_4h_to_h", "forward", ledger.FC2_IN, arg=0),
+        *_gelu_mlp(None, "dense_4h_to_h", None, "forward"),
     )
 
 
@@ -452,9 +441,7 @@ def _gptj_rules(config: ModelConfig) -> tuple[Rule, ...]:
         *_core_rules("attn", config, (rules.GPTJ_Q, rules.GPTJ_K, ledger.V)), *_sdpa_inputs("attn"),
         Rule("attn.out_proj", "linear", ledger.PROJ_IN, arg=0, view=head_columns(config.head_dim)),
         _dropout_mask("attn.resid_dropout", ledger.ATTN_OUT_DROPOUT_MASK),
-        *_GELU,
-        _dropout_mask("mlp.dropout", ledger.MLP_DROPOUT_MASK),
-        Rule("mlp.fc_out", "linear", ledger.FC2_IN, arg=0),
+        *_gelu_mlp(None, "fc_out", "mlp.dropout"),
     )
 
 
@@ -467,10 +454,7 @@ def _starcoder2_rules(config: ModelConfig) -> tuple[Rule, ...]:
         *_llama_attention_rules(config),
         _dropout_mask("self_attn", ledger.ATTN_OUT_DROPOUT_MASK, nth=1 if config.attention == "eager" else 0),
         *_norm_rules("layernorm", "post_attention_layernorm", ledger.LN2),
-        Rule("mlp.c_fc", "linear", ledger.FC1_IN, arg=0),
-        *_GELU,
-        Rule("mlp.c_proj", "linear", ledger.FC2_IN, arg=0),
-        _dropout_mask("mlp", ledger.MLP_DROPOUT_MASK),
+        *_gelu_mlp("c_fc", "c_proj", "mlp"),
     )
 
 
@@ -539,10 +523,7 @@ def _moe_rules(config: ModelConfig) -> tuple[Rule, ...]:
     """The sparse MoE block: its router (mlp.gate), the experts (grouped_mm or the eager loop),
     and Qwen2-MoE's gated shared expert. Views give (b*s, ...) tensors the ledger's (b, s, ...) axes."""
     flat = _batch(config.b)
-
-    def per_token(x: Any) -> Any:  # (b*s, 1) as (b, s)
-        return x.unflatten(0, (config.b, -1)).squeeze(-1)
-
+    per_token = lambda x: statistics(flat(x))  # noqa: E731  (a (b*s, 1) statistic as (b, s))
     experts = "mlp.experts"
     if config.mla:  # DeepseekV3TopkRouter: F.linear on an fp32 copy of x, the sigmoid, gather by the chosen
         # indices, and the in-place renormalisation (its divisor is sum + 1e-20)
@@ -570,26 +551,34 @@ def _expert_rules(experts: str) -> tuple[Rule, ...]:
     """The experts (MixtralExperts' code, DeepseekV3Experts' too): the eager loop's two linears and two products an
     expert, or grouped_mm's three indexings, offsets, two grouped matmuls and two products. SiLU(gate) * up is the
     first product, the routing weight's the second, on either path."""
-    grouped = "_grouped_mm"  # torch.nn.functional.grouped_mm's call, as the torch function mode sees it
     return (
-        Rule(experts, "where", rules.TOKEN_SLOTS, nth=None),  # (token_pos, token_idx): views of one (r_e, 2) storage
-        Rule(experts, "linear", ledger.EXPERT_IN, nth=0, every=2, arg=0),
+        *_expert_paths(experts, "linear", unsorted=2),
         Rule(experts, "linear", _GATE_UP, nth=0, every=2),
         Rule(f"{experts}.act_fn", "silu", ledger.EXPERT_SILU_OUT),
-        Rule(experts, "linear", ledger.EXPERT_FC2_IN, nth=1, every=2, arg=0),
         Rule(experts, "linear", rules.EXPERT_OUT, nth=1, every=2),
         Rule(experts, "mul", rules.EXPERT_WEIGHT, nth=1, every=2, arg=1, view=statistics),
         Rule(experts, "mul", rules.EXPERT_WEIGHT_CAST, nth=1, every=2, arg=1, view=statistics),
+        Rule(experts, "_grouped_mm", _GATE_UP, nth=0),
+        Rule(experts, "_grouped_mm", rules.EXPERT_OUT, nth=1),
+    )
+
+
+def _expert_paths(experts: str, loop: str, unsorted: int) -> tuple[Rule, ...]:
+    """What both experts' classes (Mixtral's, gpt-oss's) keep alike on either path: the eager loop's (token, slot)
+    pairs, the inputs of its two `loop` calls an expert and index_add_'s source; grouped_mm's sorted tokens and
+    weights, the rows put back in slot order (its `unsorted`-th indexing), the offsets, its two matmuls' inputs
+    (torch.nn.functional.grouped_mm's call, as the torch function mode sees it: _grouped_mm)."""
+    return (
+        Rule(experts, "where", rules.TOKEN_SLOTS, nth=None),  # (token_pos, token_idx): views of one (r_e, 2) storage
+        Rule(experts, loop, ledger.EXPERT_IN, nth=0, every=2, arg=0),
+        Rule(experts, loop, ledger.EXPERT_FC2_IN, nth=1, every=2, arg=0),
         Rule(experts, "index_add_", rules.COMBINE_IN, nth=None, arg=3),
-        # grouped_mm: hidden_states[perm // k], sample_weights[perm], then weighted_out[inv_perm]
         Rule(experts, "__getitem__", rules.TOKEN_INDICES, nth=0, arg=1),
         Rule(experts, "__getitem__", rules.SORTED_SLOTS, nth=1, arg=1),
-        Rule(experts, "__getitem__", rules.UNSORTED_SLOTS, nth=2, arg=1),
+        Rule(experts, "__getitem__", rules.UNSORTED_SLOTS, nth=unsorted, arg=1),
         Rule(experts, "cumsum", rules.EXPERT_OFFSETS),
-        Rule(experts, grouped, ledger.EXPERT_IN, nth=0, arg=0),
-        Rule(experts, grouped, _GATE_UP, nth=0),
-        Rule(experts, grouped, ledger.EXPERT_FC2_IN, nth=1, arg=0),
-        Rule(experts, grouped, rules.EXPERT_OUT, nth=1),
+        Rule(experts, "_grouped_mm", ledger.EXPERT_IN, nth=0, arg=0),
+        Rule(experts, "_grouped_mm", ledger.EXPERT_FC2_IN, nth=1, arg=0),
     )
 
 

@@ -23,11 +23,12 @@ class Rule:
     """Which tensor, made where, is which ledger entry."""
 
     module: str  # fnmatch pattern on the innermost running module's name under the root ("" is the root)
-    function: str  # __name__ of the torch function or tensor method called there, or "forward"
+    function: str  # __name__ of the torch function or tensor method called there (an aten op's name), or "forward"
     tensor: SavedTensor
     nth: int | None = 0  # which matching call in one forward of that module (None: every one)
     every: int | None = None  # a loop's body: the nth of each `every` matching calls (an expert's two linears)
-    arg: int | str | None = None  # None: the result (a tuple's first tensor); int or keyword: that argument
+    arg: int | str | None = None  # None: the result (a tuple's `output`-th tensor); int or keyword: that argument
+    output: int = 0  # which tensor of a tuple result: 0 the first, 1 an aten op's second (its rstd, its lse)
     view: Callable[[Any], Any] | None = None  # the tensor as a view in the ledger's axis order, for its shape
 
 
@@ -40,10 +41,11 @@ class _Frame:
 
 
 class ModuleFrames:
-    """A torch mode's view of which of `root`'s modules run (a `_Frame` each, the innermost last), by hooks on each
-    while inside; `_entered` and `_left` are called as a module's forward starts and ends."""
+    """Label the tensors `rules` pick out while `root` (and its submodules) run: which module runs is kept by hooks
+    on each while inside (a `_Frame` each, the innermost last); a torch mode (`Labels`, or an aten dispatch mode) hands
+    each call it sees to `_called`."""
 
-    def __init__(self, root: torch.nn.Module, rules: Sequence[Any]) -> None:
+    def __init__(self, root: torch.nn.Module, rules: Sequence[Rule]) -> None:
         super().__init__()
         self._root, self._rules = root, tuple(rules)
         self._stack: list[_Frame] = []
@@ -62,25 +64,10 @@ class ModuleFrames:
         self._handles.clear()
         self._stack.clear()
 
-    def _entered(self, name: str) -> Callable:
-        def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-            self._stack.append(_Frame(name))
-        return hook
-
-    def _left(self, name: str) -> Callable:
-        def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            self._stack.pop()
-        return hook
-
-
-class Labels(ModuleFrames, TorchFunctionMode):
-    """Context manager: label the tensors `rules` pick out while `root` (and its submodules) run."""
-
-    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        result = func(*args, **kwargs)
+    def _called(self, function: str, args: tuple, kwargs: dict, result: Any) -> Any:
+        """Label what the rules name in a call made inside a module; its result, passed on."""
         if self._stack:
-            self._match(self._stack[-1], getattr(func, "__name__", ""), args, kwargs, result)
+            self._match(self._stack[-1], function, args, kwargs, result)
         return result
 
     def _entered(self, name: str) -> Callable:
@@ -109,16 +96,27 @@ class Labels(ModuleFrames, TorchFunctionMode):
                 continue
             if output is not None and output != (rule.arg is None):
                 continue  # a forward's input rules apply on entry, its output rules on exit
-            target = _pick(result, args, kwargs, rule.arg)
+            target = _pick(result, args, kwargs, rule.arg, rule.output)
             named = rule.view(target) if rule.view and isinstance(target, torch.Tensor) else target
             if isinstance(named, torch.Tensor):  # a view may find nothing to name (None)
                 label(named, rule.tensor)
 
 
-def _pick(result: Any, args: tuple, kwargs: dict, arg: int | str | None) -> Any:
-    """The result (a tuple's first tensor), or the positional or keyword argument `arg`."""
+class Labels(ModuleFrames, TorchFunctionMode):
+    """Context manager: label the tensors `rules` pick out of torch's functions and tensor methods."""
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        return self._called(getattr(func, "__name__", ""), args, kwargs, func(*args, **kwargs))
+
+
+def _pick(result: Any, args: tuple, kwargs: dict, arg: int | str | None, output: int) -> Any:
+    """The result (a tuple's `output`-th tensor), or the positional or keyword argument `arg`."""
     if arg is None:
-        return next((x for x in result if isinstance(x, torch.Tensor)), None) if isinstance(result, tuple) else result
+        if not isinstance(result, tuple):
+            return result
+        tensors = [x for x in result if isinstance(x, torch.Tensor)]
+        return tensors[output] if output < len(tensors) else None
     if isinstance(arg, int):
         return args[arg] if arg < len(args) else None
     return kwargs.get(arg)
@@ -138,20 +136,14 @@ def statistics(x: Any) -> Any:
 def merged_rows(saved: tuple[SavedStorage, ...], names: frozenset[str]) -> tuple[SavedStorage, ...]:
     """Each of `names`' storages (an expert's, one per expert) as one row, where the first is: the sum of their
     bytes and rows, so that a ledger row of r token slots reads as the experts' storages together."""
-    merged: dict[str, SavedStorage] = {}
-    rows: list[SavedStorage | str] = []
-    for storage in saved:
-        if storage.name not in names:
-            rows.append(storage)
-            continue
-        known = merged.get(storage.name)
-        if known is None:
-            rows.append(storage.name)
-            merged[storage.name] = storage
-        else:
-            shape = (known.shape[0] + storage.shape[0], *known.shape[1:])
-            merged[storage.name] = SavedStorage(storage.name, known.nbytes + storage.nbytes, shape, storage.dtype)
-    return tuple(merged[row] if isinstance(row, str) else row for row in rows)
+    rows: dict[str | int, SavedStorage] = {}  # keyed by name where merged, else by position
+    for i, storage in enumerate(saved):
+        key = storage.name if storage.name in names else i
+        known = rows.get(key)
+        rows[key] = storage if known is None else SavedStorage(
+            storage.name, known.nbytes + storage.nbytes, (known.shape[0] + storage.shape[0], *known.shape[1:]),
+            storage.dtype)
+    return tuple(rows.values())
 
 
 Part = tuple[SavedTensor, int, tuple[int, ...]]  # a ledger tensor, its share of a storage's columns, its shape

@@ -406,10 +406,9 @@ def _attention_rules(config: ModelConfig, t: int) -> tuple[Rule, ...]:
 def _fp32_softmax(config: ModelConfig, t: int) -> bool:
     """Whether FusedScaleMaskSoftmax runs torch's softmax on 16-bit scores cast up to fp32 (and keeps that): eager
     attention, not rerun, attention_softmax_in_fp32, and the fused kernel off or outside its sizes."""
-    sixteen_bit = config.dtype != "fp32"
-    fused = config.masked_softmax_fusion and sixteen_bit and rules.fused_softmax_runs(dim_sizes(config), t)
+    fused = rules.fused_softmax_kernel(config) and rules.fused_softmax_runs(dim_sizes(config), t)
     return (config.attention == "eager" and config.recompute == "none" and config.attention_softmax_in_fp32
-            and sixteen_bit and not fused)
+            and config.dtype != "fp32" and not fused)
 
 
 def _mlp_rules(config: ModelConfig) -> tuple[Rule, ...]:

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import warnings
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, replace
-from fnmatch import fnmatchcase
+from dataclasses import replace
 from itertools import chain
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ProbeError
@@ -205,17 +204,15 @@ def library_rules(config: ModelConfig, t: int) -> tuple[Rule, ...]:
     v = Rule("*attention.inner_attention", "scaled_dot_product_attention", ledger.V, arg=2)
     if rules.V_IN_QKV_OUT in predicted:  # the view's base: wqkv's output, (b, s, (a+2g) d)
         v = replace(v, tensor=rules.V_IN_QKV_OUT, view=lambda x: head_columns(d)(x._base))
-    if config.recompute != "none":
+    wo = Rule("*attention.wo", "linear", ledger.PROJ_IN, arg=0, view=head_columns(d))  # the attention kernel's output
+    gate = Rule("*feed_forward", "silu", ledger.SWIGLU_GATE, arg=0)  # w1's output
+    if config.recompute != "none":  # of the MoE's: topk's second output (gather's index), the shared experts' w1's
+        moe = (r for r in moe_rules() if r.tensor in (ledger.ROUTER_TOPK_INDICES, ledger.SHARED_GATE))
         return (
             Rule("", "forward", ledger.LAYER_INPUT, arg=0),
-            Rule("*attention.qkv_linear.wqkv", "linear", rules.QKV_OUT, view=head_columns(d)),
-            # wo's input: the attention kernel's output
-            Rule("*attention.wo", "linear", ledger.PROJ_IN, arg=0, view=head_columns(d)),
-            Rule("*feed_forward", "silu", ledger.SWIGLU_GATE, arg=0),  # w1's output
+            Rule("*attention.qkv_linear.wqkv", "linear", rules.QKV_OUT, view=head_columns(d)), wo, gate,
             Rule("*feed_forward.w2", "linear", rules.FC2_OUT),
-            Rule("*moe.router", "topk", rules.MOE_TOPK_VALUES),
-            Rule("*moe.router", "gather", ledger.ROUTER_TOPK_INDICES, arg="index"),  # topk's second output
-            Rule("*moe.shared_experts", "silu", ledger.SHARED_GATE, arg=0),  # w1's output
+            Rule("*moe.router", "topk", rules.MOE_TOPK_VALUES), *moe,
             Rule("*moe.shared_experts.w2", "linear", rules.SHARED_FC2_OUT),
         )
     return (
@@ -224,10 +221,8 @@ def library_rules(config: ModelConfig, t: int) -> tuple[Rule, ...]:
         Rule("*attention.qkv_linear.wqkv", "linear", rules.QKV_IN, arg=0),
         Rule("*attention.inner_attention", "scaled_dot_product_attention", ledger.Q, arg=0),
         Rule("*attention.inner_attention", "scaled_dot_product_attention", ledger.K, arg=1),
-        v,
-        Rule("*attention.wo", "linear", ledger.PROJ_IN, arg=0, view=head_columns(d)),
-        Rule("*feed_forward.w1", "linear", rules.FC1_IN, arg=0),
-        Rule("*feed_forward", "silu", ledger.SWIGLU_GATE, arg=0),
+        v, wo,
+        Rule("*feed_forward.w1", "linear", rules.FC1_IN, arg=0), gate,
         Rule("*feed_forward", "mul", ledger.SWIGLU_SILU_OUT, arg=0),
         Rule("*feed_forward", "mul", ledger.SWIGLU_UP, arg=1),
         Rule("*feed_forward.w2", "linear", ledger.FC2_IN, arg=0),
@@ -267,59 +262,35 @@ def moe_rules() -> tuple[Rule, ...]:
     )
 
 
-@dataclass(frozen=True)
-class AtenRule:
-    """A tensor made inside a C++ composite, named at the aten op that makes it: module pattern, op, output."""
-
-    module: str
-    op: str  # the aten op's name, without overload: "_to_copy", "rsqrt", "_fused_rms_norm"
-    tensor: SavedTensor
-    nth: int = 0  # which call of that op in one forward of the module
-    output: int | None = 0  # which output; None: the argument `arg`
-    arg: int = 0
-    view: Callable[[torch.Tensor], torch.Tensor] | None = None
-
-
 _LSE_OPS = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
             "_scaled_dot_product_cudnn_attention")
 
 
-def aten_rules() -> tuple[AtenRule, ...]:
+def aten_rules() -> tuple[Rule, ...]:
     """The norms' tensors (CPU composite, or CUDA's _fused_rms_norm), the attention kernel's log-sum-exp, and the
     MoE gate's fp32 copies of its weight and input (autocast's)."""
     norms = []
     for module, norm in (("*attention_norm", rules.LN1), ("*ffn_norm", rules.LN2)):
         norms += [
-            AtenRule(module, "_to_copy", norm.input_fp32),  # input.to(float32); the last _to_copy casts back
-            AtenRule(module, "rsqrt", norm.rstd, view=statistics),
-            AtenRule(module, "mul", norm.normed_fp32),  # x * rstd; the second mul is by the weight
-            AtenRule(module, "_fused_rms_norm", norm.input, output=None),
-            AtenRule(module, "_fused_rms_norm", norm.rstd, output=1, view=statistics),
+            Rule(module, "_to_copy", norm.input_fp32),  # input.to(float32); the last _to_copy casts back
+            Rule(module, "rsqrt", norm.rstd, view=statistics),
+            Rule(module, "mul", norm.normed_fp32),  # x * rstd; the second mul is by the weight
+            Rule(module, "_fused_rms_norm", norm.input, arg=0),
+            Rule(module, "_fused_rms_norm", norm.rstd, output=1, view=statistics),
         ]
-    lse = [AtenRule("*attention.inner_attention", op, ledger.SOFTMAX_LSE, output=1) for op in _LSE_OPS]
-    gate = [AtenRule("*moe.router.gate", "_to_copy", rules.MOE_ROUTER_WEIGHT),  # autocast casts the weight first
-            AtenRule("*moe.router.gate", "_to_copy", rules.MOE_ROUTER_IN, nth=1)]
+    lse = [Rule("*attention.inner_attention", op, ledger.SOFTMAX_LSE, output=1) for op in _LSE_OPS]
+    gate = [Rule("*moe.router.gate", "_to_copy", rules.MOE_ROUTER_WEIGHT),  # autocast casts the weight first
+            Rule("*moe.router.gate", "_to_copy", rules.MOE_ROUTER_IN, nth=1)]
     return (*norms, *lse, *gate)
 
 
 class AtenLabels(ModuleFrames, TorchDispatchMode):
-    """Context manager: label tensors that aten ops make inside `root`'s modules, by `AtenRule`s."""
+    """Context manager: label tensors that aten ops make inside `root`'s modules (made inside a C++ composite), by
+    rules whose function is the aten op's name without overload ("_to_copy", "rsqrt", "_fused_rms_norm")."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        result = func(*args, **(kwargs or {}))
-        if self._stack:
-            frame = self._stack[-1]
-            op = func.overloadpacket.__name__
-            nth = frame.calls[op]
-            frame.calls[op] += 1
-            for rule in self._rules:
-                if rule.op == op and rule.nth == nth and fnmatchcase(frame.name, rule.module):
-                    if rule.output is None:
-                        target = args[rule.arg]
-                    else:
-                        target = result[rule.output] if isinstance(result, (tuple, list)) else result
-                    label(rule.view(target) if rule.view else target, rule.tensor)
-        return result
+        kwargs = kwargs or {}
+        return self._called(func.overloadpacket.__name__, args, kwargs, func(*args, **kwargs))
 
 
 class _KeptUntilBackward(torch.autograd.Function):
