@@ -18,7 +18,7 @@ from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.layer import DTYPES
 from memcalc.probe.libs import hf_tp
 from memcalc.probe.libs.hf_step import causal_lm, checkpointed
-from memcalc.probe.step import BATCH_SEED, MomentTracker, StepMeasurement, batch, categories
+from memcalc.probe.step import MomentTracker, StepMeasurement, batch, categories
 from memcalc.sizing.timeline import ACTIVATIONS, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES
 
 torch = require_torch()
@@ -114,7 +114,6 @@ def warmed_up_sharded(tp: TensorParallelGroup, config: ModelConfig, route: str |
     if tp.size % (replicas * shards) or t not in (1, config.t):
         raise ProbeError(f"the fake group has {tp.size} ranks, not dp_replicate*dp_shard*t={replicas}*{shards}*"
                          f"{config.t}")
-    torch.manual_seed(BATCH_SEED)
     model, loss = causal_lm(config, route, torch.float32, tp.device)
     mesh = init_device_mesh(tp.device.type, (replicas, shards, t), mesh_dim_names=("replicate", "shard", "tp"))
     if t > 1:  # transformers' own plan over the mesh's inner dimension, then FSDP2 (HSDP) over the outer ones
