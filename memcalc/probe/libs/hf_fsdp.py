@@ -121,9 +121,8 @@ def warmed_up_sharded(tp: TensorParallelGroup, config: ModelConfig, route: str |
     checkpointed(model, config)
     dp = mesh["replicate", "shard"] if replicas > 1 else mesh["shard"]
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[config.dtype], reduce_dtype=DTYPES[config.reduce_dtype])
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=dp, mp_policy=policy, reshard_after_forward=config.reshard_after_forward)
-    fully_shard(model, mesh=dp, mp_policy=policy, reshard_after_forward=config.reshard_after_forward)
+    for unit in (*model.model.layers, model):  # every decoder layer, then the whole model
+        fully_shard(unit, mesh=dp, mp_policy=policy, reshard_after_forward=config.reshard_after_forward)
     trainer = ShardedTrainer(config, model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True), loss)
     trainer.step()
     return trainer
