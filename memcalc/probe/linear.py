@@ -131,13 +131,6 @@ class _ParallelLinear(nn.Module):
                 raise ProbeError("a bias was given to a linear built with bias=False")
             self.bias.copy_(self.tp.block(full_bias, 0, "bias") if self.bias_is_split else full_bias)
 
-    def extra_repr(self) -> str:
-        return (
-            f"in_features={self.in_features}, out_features={self.out_features}, t={self.tp.size}, "
-            f"sequence_parallel={self.sequence_parallel}, bias={self.bias is not None}"
-            + (f", overlap={self.overlap}" if self.overlap else "")
-        )
-
 
 class ColumnParallelLinear(_ParallelLinear):
     """y = x W^T + b, W's rows and b split by rank: (s, b, in), or (s/t, b, in) under SP -> (s, b, out/t)."""

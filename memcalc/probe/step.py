@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from memcalc.model.families import layer_family
 from memcalc.config.schema import ModelConfig
@@ -338,13 +338,13 @@ class Trainer:
 
     @classmethod
     def around(cls, config: ModelConfig, model: nn.Module,
-               loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Trainer:
-        """`model` with Megatron's gradient buffer and optimizer, stepped once: Adam's moments exist from the
-        first step on, so the next step is a steady one."""
+               loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], **fields: Any) -> Trainer:
+        """`model` with Megatron's gradient buffer and optimizer (and a subclass's own `fields`), stepped once: Adam's
+        moments exist from the first step on, so the next step is a steady one."""
         params = list(model.parameters())
         main_grads = MainGrads(params)
         optimizer = (Fp32AdamW if config.dtype == "fp32" else MixedPrecisionAdamW)(params, main_grads)
-        trainer = cls(config, model, main_grads, optimizer, loss)
+        trainer = cls(config, model, main_grads, optimizer, loss, **fields)
         trainer.step()
         return trainer
 

@@ -18,7 +18,7 @@ from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.layer import DTYPES
 from memcalc.probe.libs import hf_tp
 from memcalc.probe.libs.hf_step import causal_lm, checkpointed
-from memcalc.probe.step import BATCH_SEED, MomentTracker, StepMeasurement, batch, categories
+from memcalc.probe.step import MomentTracker, StepMeasurement, batch, categories
 from memcalc.sizing.timeline import ACTIVATIONS, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES
 
 torch = require_torch()
@@ -114,7 +114,6 @@ def warmed_up_sharded(tp: TensorParallelGroup, config: ModelConfig, route: str |
     if tp.size % (replicas * shards) or t not in (1, config.t):
         raise ProbeError(f"the fake group has {tp.size} ranks, not dp_replicate*dp_shard*t={replicas}*{shards}*"
                          f"{config.t}")
-    torch.manual_seed(BATCH_SEED)
     model, loss = causal_lm(config, route, torch.float32, tp.device)
     mesh = init_device_mesh(tp.device.type, (replicas, shards, t), mesh_dim_names=("replicate", "shard", "tp"))
     if t > 1:  # transformers' own plan over the mesh's inner dimension, then FSDP2 (HSDP) over the outer ones
@@ -122,9 +121,8 @@ def warmed_up_sharded(tp: TensorParallelGroup, config: ModelConfig, route: str |
     checkpointed(model, config)
     dp = mesh["replicate", "shard"] if replicas > 1 else mesh["shard"]
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[config.dtype], reduce_dtype=DTYPES[config.reduce_dtype])
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=dp, mp_policy=policy, reshard_after_forward=config.reshard_after_forward)
-    fully_shard(model, mesh=dp, mp_policy=policy, reshard_after_forward=config.reshard_after_forward)
+    for unit in (*model.model.layers, model):  # every decoder layer, then the whole model
+        fully_shard(unit, mesh=dp, mp_policy=policy, reshard_after_forward=config.reshard_after_forward)
     trainer = ShardedTrainer(config, model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True), loss)
     trainer.step()
     return trainer

@@ -6,9 +6,10 @@ Why each patch, and how a forced route assigns the experts: docs/probe.md, "Drop
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from types import MethodType
 from typing import Any, ContextManager, Iterator
+from unittest import mock
 
 from memcalc.probe import require_torch, shims
 
@@ -20,19 +21,15 @@ NOTES: tuple[str, ...] = shims.notes("hf")  # every shim below, one line each (m
 @contextmanager
 def cuda_like_dropout() -> Iterator[None]:
     """While inside, F.dropout in training keeps a bool mask on every device, as CUDA's native_dropout does."""
-    functional = torch.nn.functional
-    original = functional.dropout
+    original = torch.nn.functional.dropout
 
     def dropout(input, p=0.5, training=True, inplace=False):  # noqa: A002  (torch's own parameter name)
         if training and 0 < p < 1 and not inplace and input.device.type == "cpu":
             return torch.native_dropout(input, p, True)[0]
         return original(input, p, training, inplace)
 
-    functional.dropout = dropout
-    try:
+    with mock.patch.object(torch.nn.functional, "dropout", dropout):
         yield
-    finally:
-        functional.dropout = original
 
 
 def dropout_in_rerun() -> tuple[ContextManager[None], ContextManager[None]]:
@@ -59,14 +56,10 @@ def route_lead(route: str) -> str:
 @contextmanager
 def forced_routing(router_classes: tuple[type, ...], route: str, k: int) -> Iterator[None]:
     """While inside, each router class's forward picks the experts `route` assigns (`lead`)."""
-    originals = {cls: cls.forward for cls in router_classes}
-    for cls, original in originals.items():
-        cls.forward = _leading(original, route, k)
-    try:
+    with ExitStack() as patches:
+        for cls in router_classes:
+            patches.enter_context(mock.patch.object(cls, "forward", _leading(cls.forward, route, k)))
         yield
-    finally:
-        for cls, original in originals.items():
-            cls.forward = original
 
 
 def force_routers(model: Any, router_classes: tuple[type, ...], route: str, k: int) -> None:
@@ -81,18 +74,14 @@ def _leading(original: Any, route: str, k: int) -> Any:
     """A router forward whose logits (its one F.linear) lead on the assigned experts."""
 
     def forward(self: Any, hidden_states: Any) -> Any:
-        functional = torch.nn.functional
-        linear = functional.linear
+        linear = torch.nn.functional.linear
 
         def led(input, weight, bias=None):  # noqa: A002  (torch's own parameter name)
             logits = linear(input, weight, bias)  # (tokens, E)
             return logits + lead(logits, route, k)
 
-        functional.linear = led
-        try:
+        with mock.patch.object(torch.nn.functional, "linear", led):
             return original(self, hidden_states)
-        finally:
-            functional.linear = linear
 
     return forward
 

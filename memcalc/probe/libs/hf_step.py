@@ -42,7 +42,6 @@ def warmed_up(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, 
     if tp.size > 1 and config.tie_embeddings:
         raise ProbeError("impl hf: transformers' apply_tensor_parallelism cannot lay out tied embeddings (it looks"
                          " lm_head.weight up among named_parameters(), which name a tied weight once); untie them")
-    torch.manual_seed(BATCH_SEED)  # the weights, as the model initialises them
     model, loss = causal_lm(config, route, DTYPES[config.dtype], tp.device)
     if tp.size > 1:  # the plan from_pretrained(tp_plan="auto") applies, by the function it applies it with
         hf_tp.apply(model, hf_tp.model_plan(model, tp.size), tp)
@@ -64,6 +63,7 @@ def causal_lm(config: ModelConfig, route: str | None, dtype: torch.dtype, device
     hf_config.use_cache = False
     if family == "deepseek_v3" and config.moe:  # every group eligible: the group-limited top-k keeps the forced route
         hf_config.topk_group = hf_config.n_group  # (the eager loop's counts kbs/E; the choice itself saves nothing)
+    torch.manual_seed(BATCH_SEED)  # the weights, as the model initialises them
     model = getattr(transformers, FAMILIES[family].architectures[0])._from_config(hf_config, dtype=dtype)
     k = config.moe_router_topk if config.moe else 0
 

@@ -65,36 +65,28 @@ def warmed_up(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy) 
 
 
 def _moe_layer(config: ModelConfig, megatron_config: Any, device: torch.device, i: int) -> nn.Module | None:
-    """Layer i's MLP: the MoELayer its spec gives a MoE layer, returning its output alone (the probe's layer adds it;
-    the bias is None without biases); None for a dense one (the probe's own MLP)."""
-    from megatron.core.transformer.spec_utils import build_module
-
+    """Layer i's MLP: the MoELayer its spec gives a MoE layer; None for a dense one (the probe's own MLP)."""
     if not config.is_moe_layer(i):
         return None
-    spec = layer_spec(megatron_config, i).submodules.mlp
-
-    class OutputOnly(spec.module):
-        def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-            output, bias = super().forward(hidden_states)
-            assert bias is None, "MoELayer's experts have no biases here (megatron._check_experts)"
-            return output
-
-    return build_module(replace(spec, module=OutputOnly), config=megatron_config, layer_number=i + 1).to(device)
+    return _output_only(layer_spec(megatron_config, i).submodules.mlp, megatron_config, i + 1, device)
 
 
 def latent_attention(megatron_config: Any, device: torch.device) -> nn.Module:
-    """megatron-core's MLASelfAttention from the latent layer's spec, called as the probe's layer calls its
-    attention: (s, b, h) in, its output out (no bias: see above), with no attention mask (the core's is causal). Its
-    module names stay megatron's (attention.linear_kv_down_proj), as MemTracker reports them."""
-    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
-
+    """megatron-core's MLASelfAttention from the latent layer's spec, with no attention mask (the core's is causal).
+    Its module names stay megatron's (attention.linear_kv_down_proj), as MemTracker reports them."""
     spec = layer_spec(megatron_config, 0).submodules.self_attention
+    return _output_only(spec, megatron_config, 1, device, None)
 
-    class LatentAttention(spec.module):
+
+def _output_only(spec: Any, megatron_config: Any, layer_number: int, device: torch.device, *args: Any) -> nn.Module:
+    """The spec's module, called as the probe's layer calls its attention and its MLP: (s, b, h) in (then `args`), its
+    output alone out (the probe's layer adds it; the bias is None without biases)."""
+    from megatron.core.transformer.spec_utils import build_module
+
+    class OutputOnly(spec.module):
         def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-            output, _ = super().forward(hidden_states, None)
+            output, bias = super().forward(hidden_states, *args)
+            assert bias is None, "no biases here (megatron._check_experts, warmed_up)"
             return output
 
-    mla = build_module(ModuleSpec(module=LatentAttention, params=spec.params, submodules=spec.submodules),
-                       config=megatron_config, layer_number=1)
-    return mla.to(device)
+    return build_module(replace(spec, module=OutputOnly), config=megatron_config, layer_number=layer_number).to(device)

@@ -20,9 +20,8 @@ from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.layer import DTYPES
 from memcalc.probe.libs import torchtitan as titan
 from memcalc.probe.libs import torchtitan_shim as shim
-from memcalc.probe.step import (
-    BATCH_SEED, Fp32AdamW, MainGrads, MixedPrecisionAdamW, StepMeasurement, Trainer, batch, measure_trainer,
-)
+from memcalc.probe.libs.torchtitan_step import initialised
+from memcalc.probe.step import StepMeasurement, Trainer, batch, measure_trainer
 from memcalc.sizing.pipeline import torchtitan_microbatches
 
 torch = require_torch()
@@ -105,26 +104,15 @@ def warmed_up_stage(group: TensorParallelGroup, config: ModelConfig, device: str
     chunk = pipeline_parallel._split_module(model, names[group.rank])
     if device == "cuda":  # the chunk's own norms (a deep copy of the model's)
         shim.fused_norms(chunk)
-    policy = titan.ac_config(config)  # applied to the chunk as pipeline_llm's parallelize_fn applies it
-    if policy is not None:
-        with shim.cuda_like_op_checkpointing():
-            policy.build().apply(chunk)
-    chunk.to_empty(device=group.device)
-    torch.manual_seed(BATCH_SEED)
-    with torch.no_grad(), set_default_dtype(dtype):
-        chunk.init_states(buffer_device=group.device)
+    initialised(chunk, config, group.device)  # checkpointed as pipeline_llm's parallelize_fn checkpoints a chunk
     chunk.train()
     stage = PipelineStage(chunk, group.rank, pp, group.device, *_shapes(config, group.rank, pp))
     m = torchtitan_microbatches(config)
     loss = CrossEntropyLoss(CrossEntropyLoss.Config(global_vocab_size=config.vocab_size))
     schedule = pipeline_parallel._build_pipeline_schedule(parallelism=parallelism, local_batch_size=config.b * m,
                                                           stages=[stage], loss_fn=loss)
-    params = list(chunk.parameters())
-    main_grads = MainGrads(params)
-    optimizer = (Fp32AdamW if config.dtype == "fp32" else MixedPrecisionAdamW)(params, main_grads)
-    trainer = StageTrainer(config, chunk, main_grads, optimizer, loss, schedule, stage, m, device == "cuda")
-    trainer.step()
-    return trainer
+    return StageTrainer.around(config, chunk, loss, schedule=schedule, stage=stage, microbatches=m,
+                               cuda=device == "cuda")
 
 
 def _shapes(config: ModelConfig, rank: int, pp: int) -> tuple[Any, Any]:

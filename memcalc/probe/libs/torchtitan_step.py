@@ -47,29 +47,38 @@ def warmed_up(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, 
     """torchtitan's Llama3Model with memcalc's trainer, stepped once; under tp (inside `runtime`) laid out by its own
     plan, its loss vocabulary-parallel; on `device` cuda (inside `runtime` for it) as CUDA runs it (the shim's
     fused_norms, and flex attention given the trainer's positions and block mask)."""
-    _check_buildable(config, route)
     cuda = device == "cuda"
-    with torch.device("meta"), set_default_dtype(DTYPES[config.dtype]):  # as its trainer builds a model
-        model = titan.model_config(config, strategy.sequence_parallel, config.L, config.vocab_size, cuda).build()
-    if cuda:  # before its plan, which wraps each module's forward in its redistributions
-        shim.fused_norms(model)
+    model = on_meta(config, strategy.sequence_parallel, route, cuda, DTYPES[config.dtype])
     if dims is not None:
         model.parallelize(dims)
-    policy = titan.ac_config(config)  # applied as parallelize_llama applies it: after the TP plan, on the meta device
-    if policy is not None:
-        with shim.cuda_like_op_checkpointing():
-            policy.build().apply(model)
-    model.to_empty(device=tp.device)  # each parameter its own shard's storage (a view would keep the whole one)
-    torch.manual_seed(BATCH_SEED)  # the weights, as torchtitan initialises them
-    with torch.no_grad(), set_default_dtype(DTYPES[config.dtype]):
-        model.init_states(buffer_device=tp.device)
+    initialised(model, config, tp.device)  # checkpointed as parallelize_llama does it: after the TP plan, on meta
     return Trainer.around(config, model, _forward(model, config, route, cuda))
 
 
-def _check_buildable(config: ModelConfig, route: str | None) -> None:
-    """ProbeError for what the step cannot build: experts without a route."""
+def on_meta(config: ModelConfig, sequence_parallel: bool, route: str | None, cuda: bool, dtype: torch.dtype) -> Any:
+    """Llama3Model built on the meta device in `dtype`, as its trainer builds a model; on CUDA each norm fused (before
+    its plan, which wraps each module's forward in its redistributions). Experts without a route: ProbeError."""
     if config.moe and route is None:
         raise ProbeError("impl torchtitan: --step on experts forces the router (--route balanced or all-to-one)")
+    with torch.device("meta"), set_default_dtype(dtype):
+        model = titan.model_config(config, sequence_parallel, config.L, config.vocab_size, cuda).build()
+    if cuda:
+        shim.fused_norms(model)
+    return model
+
+
+def initialised(model: torch.nn.Module, config: ModelConfig, device: torch.device) -> None:
+    """`model` under torchtitan's activation checkpointing for `recompute`, as its parallelize functions apply it,
+    then each parameter given its own shard's storage (a view would keep the whole one) and initialised as torchtitan
+    initialises it."""
+    policy = titan.ac_config(config)
+    if policy is not None:
+        with shim.cuda_like_op_checkpointing():
+            policy.build().apply(model)
+    model.to_empty(device=device)
+    torch.manual_seed(BATCH_SEED)
+    with torch.no_grad(), set_default_dtype(DTYPES[config.dtype]):
+        model.init_states(buffer_device=device)
 
 
 def _forward(model: Any, config: ModelConfig, route: str | None, cuda: bool) -> Callable:
@@ -147,13 +156,9 @@ def warmed_up_sharded(tp: TensorParallelGroup, config: ModelConfig, strategy: St
 
     from memcalc.probe.libs.hf_fsdp import ShardedTrainer
 
-    _check_buildable(config, route)
     backend = dims.spmd_backend
     cuda = device == "cuda"  # as `warmed_up` runs it (inside flex_on_cpu)
-    with torch.device("meta"):
-        model = titan.model_config(config, strategy.sequence_parallel, config.L, config.vocab_size, cuda).build()
-    if cuda:
-        shim.fused_norms(model)
+    model = on_meta(config, strategy.sequence_parallel, route, cuda, torch.float32)
     precision = {"bf16": "bfloat16", "fp32": "float32"}
     training = TrainingConfig(mixed_precision_param=precision[config.dtype],
                               mixed_precision_reduce=precision[config.reduce_dtype])
