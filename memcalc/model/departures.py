@@ -11,7 +11,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from memcalc.model.evaluate import LayerEstimate, dim_sizes, estimate
-from memcalc.model.impls import IMPLEMENTATIONS, layer_tensors, size_rule, tensors_at
+from memcalc.model.impls import layer_tensors, size_rule, tensors_at
 from memcalc.model.impls.paper import outside
 from memcalc.model.knobs import KNOBS, Accounting, Impl, Knobs
 from memcalc.model.strategy import STRATEGIES
@@ -74,7 +74,7 @@ def departures(
         by_rule = tuple((n, d) for n, d in differing if n in moved and n not in claimed)
         claimed |= {n for n, _ in by_rule}
         out += [Departure(rule, by_rule)] if by_rule else []
-    known = IMPLEMENTATIONS[config.impl].by_name()
+    known = {x.tensor.name: x.tensor for x in (*paper.tensors, *result.tensors)}  # this layer's own record wins
     for name, delta in differing:
         if name not in claimed:
             x = known[name]
