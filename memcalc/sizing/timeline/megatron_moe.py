@@ -84,16 +84,12 @@ def pieces(config: ModelConfig, z: Sizes, kept: tuple[SavedTensor, ...], saved: 
     out: list[SavedTensor] = []
     sizes = {name: nbytes for name, nbytes in saved.items() if name not in _PER_EXPERT}
     for x in kept:
-        if x.name in HELD:  # `held`: the dispatcher holds it beyond backward
-            continue
-        if x.name not in _PER_EXPERT:
+        if x.name in _PER_EXPERT:  # an expert without tokens keeps nothing
+            shares = [(piece(x, e), saved[x.name] * r // sum(slots)) for e, r in enumerate(slots) if r]
+            out.extend(y for y, _ in shares)
+            sizes.update((y.name, nbytes) for y, nbytes in shares)
+        elif x.name not in HELD:  # `held`: the dispatcher holds it beyond backward
             out.append(x)
-            continue
-        for e, r in enumerate(slots):
-            if not r:  # an expert without tokens keeps nothing
-                continue
-            out.append(piece(x, e))
-            sizes[piece(x, e).name] = saved[x.name] * r // sum(slots)
     return tuple(out), sizes
 
 
@@ -184,9 +180,7 @@ def experts_forward(config: ModelConfig, z: Sizes, before: tuple[Made, ...], gon
         # at t = 1 one expert's input is MoELayer.forward's: it lives to its end
         routed = tuple(x.name for x in ROUTED_LOCALS if x.name in gone and not (one and z.t == 1))
         steps += (("mlp", _combine(config, z, slots, local, returned, routed, mine)),)
-    if rerun:
-        return tuple(Op(where, forward=(), backward=x) for where, x in steps)
-    return tuple(Op(where, forward=x, backward=()) for where, x in steps)
+    return tuple(Op(where, forward=() if rerun else x, backward=x if rerun else ()) for where, x in steps)
 
 
 def _combine(config: ModelConfig, z: Sizes, slots: int, local: int, returned: tuple[str, ...],
