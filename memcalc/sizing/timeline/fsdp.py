@@ -350,8 +350,8 @@ class Fsdp:
         reduced = {n: self.all_reduced(tape, block, where, n) for n in partial if n in grads}
         grads = [reduced.get(n, n) for n in grads]
         tape.drop(f"fsdp/{block} unsharded")
-        for name in [n for n in tape.live if n.startswith("fsdp/") and n.endswith(" reduce-scatter")]:
-            tape.drop(name)  # the previous block's, waited on now
+        # the previous block's reduce-scatter buffer, waited on now
+        tape.drop(*[n for n in tape.live if n.startswith("fsdp/") and n.endswith(" reduce-scatter")])
         tape.drop(f"fsdp/{block} all-reduce")  # this unit's last, under HSDP (_wait_for_post_backward)
         dim1 = self._dim0_copies(tape, block, where, grads)
         whole = self.unsharded(block, modules)

@@ -224,12 +224,10 @@ def column_parallel(ops: list[Op], z: Sizes, where: str, x: SavedTensor, grad: s
         return dx
     gemms = Step(f"GEMMs: dX and {dw}", (Made(dx, z.full(z.h), "dX = dY W, the input's gradient"), *weights),
                  frees=(grad,), hands_over=handed, returns=True)
-    if z.t == 1:
-        ops.append(backward_only(where, gemms, saves=(x,)))
-        return dx
-    reduced = f"{dx} (all-reduced)"
-    ops.append(backward_only(where, gemms, Step("all-reduce of dX (f's backward)", (
-        Made(reduced, z.full(z.h), "f's backward all-reduces dX into a copy"),), frees=(dx,)), saves=(x,)))
+    reduced = f"{dx} (all-reduced)" if z.t > 1 else dx
+    reduce = (Step("all-reduce of dX (f's backward)", (
+        Made(reduced, z.full(z.h), "f's backward all-reduces dX into a copy"),), frees=(dx,)),) if z.t > 1 else ()
+    ops.append(backward_only(where, gemms, *reduce, saves=(x,)))
     return reduced
 
 

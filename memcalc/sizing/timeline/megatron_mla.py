@@ -113,12 +113,9 @@ def _up(ops: list[Op], z: Sizes, w: Widths) -> None:
     """From the splits' concatenations to the latent norms' dX: the up projections (or q_proj), the norms."""
     ops.append(linear(z, "attention.linear_kv_up_proj", ledger.MLA_KV_UP_IN, "grad/kv up output", w.kv_latent,
                        z.a_t * (w.nope + w.v), "grad/kv up input"))
-    if w.q_latent is not None:
-        ops.append(linear(z, "attention.linear_q_up_proj", ledger.MLA_Q_UP_IN, "grad/q up output", w.q_latent,
-                           z.a_t * w.qk, "grad/q up input"))
-    else:  # q_proj runs where q_up_proj would, on x
-        ops.append(linear(z, "attention.linear_q_proj", ledger.QKV_IN, "grad/q up output", z.h, z.a_t * w.qk,
-                           "grad/q input"))
+    q, x, width, dx = (("q_up_proj", ledger.MLA_Q_UP_IN, w.q_latent, "grad/q up input") if w.q_latent is not None
+                       else ("q_proj", ledger.QKV_IN, z.h, "grad/q input"))  # q_proj runs where q_up_proj would, on x
+    ops.append(linear(z, f"attention.linear_{q}", x, "grad/q up output", width, z.a_t * w.qk, dx))
     for x, norm, width in (("kv", megatron.MLA_KV_NORM, w.kv_latent), ("q", megatron.MLA_Q_NORM, w.q_latent)):
         if width is not None:  # the probe's norm inside megatron's spec
             where = f"attention.{x}_layernorm.norm"
