@@ -53,8 +53,8 @@ def model_states(tape: Tape, config: ModelConfig, stage: Stage, z: Sizes) -> Non
     ):
         tape.add(name, category, states.get(name, 0), why)
     tape.add("optimizer/step", OPTIMIZER, 4, "torch's AdamW counts steps in a 0-d fp32 tensor")
-    if router_buffer_bytes(config, stage):  # buffers (and fp32 weights), which MemTracker files as parameters
-        tape.add("states/router buffers", PARAMETERS, router_buffer_bytes(config, stage), ROUTER_BUFFERS_WHY)
+    # buffers (and fp32 weights), which MemTracker files as parameters; none without experts (the tape adds no 0 B)
+    tape.add("states/router buffers", PARAMETERS, router_buffer_bytes(config, stage), ROUTER_BUFFERS_WHY)
 
 
 def optimizer_step(tape: Tape, config: ModelConfig) -> None:
