@@ -10,7 +10,7 @@ from memcalc.config.schema import ModelConfig
 from memcalc.model import ledger
 from memcalc.model.impls import megatron
 from memcalc.model.ledger import NormTensors, SavedTensor
-from memcalc.sizing.timeline import megatron_mla, megatron_moe
+from memcalc.sizing.timeline import megatron_mla, megatron_moe, walk
 from memcalc.sizing.timeline.megatron_pieces import (
     WGRAD, Has, activation, backward_only, norm_kernel, one, row_parallel, softmax,
 )
@@ -64,7 +64,7 @@ def layer_ops(
         gone = (ledger.LN2.input, *megatron_moe.LOCALS) if full else ()
         made = gone or _made_here(kept)
         later = tuple(x for x in made if x.name == ledger.MLP_DROPOUT_MASK.name)
-        before = tuple(Made(x.name, 0, "kept for backward (the ledger)", keeps=x) for x in made if x not in later)
+        before = tuple(walk.kept("", x) for x in made if x not in later)
         moments = megatron_moe.experts_forward(config, z, before, tuple(x.name for x in gone))
         backward.extend((_layer(z, later, full), *reversed(moments)))
     else:
@@ -84,7 +84,7 @@ def _layer(z: Sizes, made: tuple[SavedTensor, ...], full: bool) -> Op:
     """The layer's forward as one moment: the saved tensors it makes (`made`) and its output. Under full
     recomputation it is a checkpoint: it keeps the layer's input, and when it returns its rerun's output and the
     output's gradient (held while the rerun's backward runs) go."""
-    tensors = tuple(Made(x.name, 0, "kept for backward (the ledger)", keeps=x) for x in made)
+    tensors = tuple(walk.kept("", x) for x in made)
     output = Made(OUTPUT, z.seq(z.h), "the layer's output, the next block's input")
     returns = (Step("the checkpoint returns", frees=("layer/recomputed output", OUTPUT_GRAD)),) if full else ()
     return Op("", forward=(Step("the layer's saved tensors", (*tensors, output)),), backward=returns,
@@ -270,7 +270,7 @@ def _attention(ops: list[Op], config: ModelConfig, z: Sizes, dcontext: str, has:
         again = {x.name: x for op in core for x in op.saves if x.name not in held}.values()
         what = "the flash kernel's" if config.attention == "flash" else "the attention core's"
         ops.append(backward_only("attention", Step(f"selective recomputation: {what} forward again", (
-            *(Made(x.name, 0, "made again by selective recomputation's rerun of the core", keeps=x) for x in again),
+            *(walk.kept("", x, "made again by selective recomputation's rerun of the core") for x in again),
             Made("attention/recomputed output", z.full(z.h_t),
                  "the rerun's output: the checkpoint holds it while autograd runs the core's backward")))))
     ops.extend(core)
