@@ -160,23 +160,24 @@ def _down(ops: list[Op], z: Sizes, w: Widths) -> str:
 def _whole_sequence(ops: list[Op], z: Sizes, grad: str, width: int) -> str:
     """Under SP a latent's sequence shard is scattered out of the gathered one (scatter_to_sequence_parallel_region):
     the scatter's backward all-gathers dY along s, a new tensor."""
-    if not z.sp:
-        return grad
-    ops.append(one("attention", "the scatter's backward: dY all-gathered along s", Made(
-        f"{grad} gathered", z.full(width), "the scatter's backward all-gathers dY along s: (s, b, width)"),
-        (grad,)))
-    return f"{grad} gathered"
+    return _collective(ops, z.sp, grad, "gathered", "the scatter's backward: dY all-gathered along s", z.full(width),
+                       "the scatter's backward all-gathers dY along s: (s, b, width)")
 
 
 def _this_ranks_columns(ops: list[Op], z: Sizes, grad: str, width: int) -> str:
     """Under tp a down projection is column-parallel and its output gathered over t
     (gather_from_tensor_model_parallel_region): the gather's backward keeps this rank's columns of dY, a copy."""
-    if z.t == 1:
+    return _collective(ops, z.t > 1, grad, "columns", "the gather's backward: this rank's columns",
+                       z.full(width // z.t), "the all-gather's backward: this rank's columns of dY, copied")
+
+
+def _collective(ops: list[Op], runs: bool, grad: str, suffix: str, what: str, nbytes: int, why: str) -> str:
+    """A collective's backward (if it `runs`): dY into a new tensor, named f"{grad} {suffix}", and dY gone. Returns
+    the gradient's name after it."""
+    if not runs:
         return grad
-    ops.append(one("attention", "the gather's backward: this rank's columns", Made(
-        f"{grad} columns", z.full(width // z.t), "the all-gather's backward: this rank's columns of dY, copied"),
-        (grad,)))
-    return f"{grad} columns"
+    ops.append(one("attention", what, Made(f"{grad} {suffix}", nbytes, why), (grad,)))
+    return f"{grad} {suffix}"
 
 
 def _core(ops: list[Op], config: ModelConfig, z: Sizes, w: Widths, dcontext: str, has: Has) -> None:
