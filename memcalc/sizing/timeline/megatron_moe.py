@@ -173,13 +173,11 @@ def experts_forward(config: ModelConfig, z: Sizes, before: tuple[Made, ...], gon
     widest = Step("the expert's output" if one else "the experts' outputs concatenated", (
         *before, *local_in, *(() if rerun else held(config, z)), *held_by_forward, *outputs),
         frees=tuple(x.name for x in (*outputs, *local_in)))
-    steps = (("mlp.experts.local_experts.0.linear_fc2" if one else "mlp.experts", (widest,)),)
-    if not exchanged:
-        steps += (("mlp", (Step("MoELayer's forward returns", frees=returned),)),)
-    else:
-        # at t = 1 one expert's input is MoELayer.forward's: it lives to its end
-        routed = tuple(x.name for x in ROUTED_LOCALS if x.name in gone and not (one and z.t == 1))
-        steps += (("mlp", _combine(config, z, slots, local, returned, routed, mine)),)
+    # at t = 1 one expert's input is MoELayer.forward's: it lives to its end
+    routed = tuple(x.name for x in ROUTED_LOCALS if x.name in gone and not (one and z.t == 1))
+    returns = _combine(config, z, slots, local, returned, routed, mine) if exchanged else (
+        Step("MoELayer's forward returns", frees=returned),)
+    steps = (("mlp.experts.local_experts.0.linear_fc2" if one else "mlp.experts", (widest,)), ("mlp", returns))
     return tuple(Op(where, forward=() if rerun else x, backward=x if rerun else ()) for where, x in steps)
 
 
