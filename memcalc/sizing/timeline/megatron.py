@@ -107,10 +107,8 @@ def _rerun_layer(config: ModelConfig, z: Sizes, rerun: tuple[SavedTensor, ...], 
         core, before = _eager_core_rerun(z, before, has)
     mlp = Made("layer/recomputed MLP output", z.seq(z.h), "the MLP's output (a submodule's forward's)",
                category=ACTIVATIONS)
-    if config.moe:
-        first, made = megatron_moe.experts_forward(config, z, before, rerun=True), (mlp,)
-    else:
-        first, made = (_fc2_rerun(config, z, before, mlp),), ()
+    first, made = ((megatron_moe.experts_forward(config, z, before, rerun=True), (mlp,)) if config.moe
+                   else ((_fc2_rerun(config, z, before, mlp),), ()))
     output = Made("layer/recomputed output", z.seq(z.h),
                   "the rerun's output: the checkpoint holds it while autograd runs the layer's backward")
     first = (*core, *first)
