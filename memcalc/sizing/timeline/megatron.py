@@ -258,10 +258,9 @@ def _attention(ops: list[Op], config: ModelConfig, z: Sizes, dcontext: str, has:
     # what QK^T keeps of the query beside q: the core's copy, or the fused QKV output it views (impls.megatron)
     query = tuple(x for x in (megatron.QUERY_COPY, megatron.QKV_OUT) if has(x.name))
     core: list[Op] = []
-    if config.attention == "flash":
-        k, v = _flash(core, z, () if selective else (dcontext,), selective)
-    else:
-        k, v = _eager(core, config, z, () if selective else (dcontext,), has, (*query, ledger.Q))
+    frees = () if selective else (dcontext,)  # what the core's backward frees first: dY, unless the checkpoint holds it
+    k, v = (_flash(core, z, frees, selective) if config.attention == "flash"
+            else _eager(core, config, z, frees, has, (*query, ledger.Q)))
     if selective:
         checkpoint = (ledger.Q, ledger.K, ledger.V, megatron.QKV_QUERY_COLUMNS)
         held = {x.name for x in (*checkpoint, *query)}  # the rerun's query: a view of the checkpoint's q
