@@ -144,13 +144,12 @@ def _down(ops: list[Op], z: Sizes, w: Widths) -> str:
         " summed"),), frees=("grad/kv down input", "grad/q input"))
     active = "attention.q_layernorm.norm" if w.q_latent else "attention.linear_q_proj"
     for i, (where, grad, width, dx) in enumerate(down):
-        last = i == len(down) - 1
         whole = grad if i == 0 else _whole_sequence(between, z, grad, width)  # the query latent, scattered back
         columns = _this_ranks_columns(between, z, whole, width)
         ops.extend(replace(x, shadow=active) for x in between)
         between.clear()
         ops.append(linear(z, where, ledger.QKV_IN, columns, z.h, width // z.t, dx,
-                          then=summed if last and z.t > 1 else None))
+                          then=summed if i == len(down) - 1 and z.t > 1 else None))
         active = where
     if z.t == 1:  # ColumnParallelLinear's copy_to_tensor_model_parallel_region: x's gradients meet after it
         ops.append(backward_only(where, summed))
