@@ -185,10 +185,9 @@ class Fsdp:
         alone: their Replicate weights' gradients are Partial sums over t."""
         units = torchtitan_units(config, t)
         norms = frozenset(m for u in units for m, shape in u.params if len(shape) == 1) if sp else frozenset()
-        experts = frozenset(m for u in units for m, _ in u.params if m.endswith(tuple(W.values())))
+        dim1 = frozenset(m for u in units for m, _ in u.params if expert_dim1(config) and m.endswith(tuple(W.values())))
         return cls(config.dp_shard or 1, DTYPE_BYTES[config.dtype], DTYPE_BYTES[config.reduce_dtype], units,
-                   accumulate=True, partial=norms, replicas=config.dp_replicate or 1,
-                   dim1=experts if expert_dim1(config) else frozenset())
+                   accumulate=True, partial=norms, replicas=config.dp_replicate or 1, dim1=dim1)
 
     def holds(self, module: str) -> bool:
         """Whether some unit has a parameter of `module` (named by the module's path)."""
