@@ -53,8 +53,8 @@ def model_states(tape: Tape, config: ModelConfig, stage: Stage, z: Sizes) -> Non
     ):
         tape.add(name, category, states.get(name, 0), why)
     tape.add("optimizer/step", OPTIMIZER, 4, "torch's AdamW counts steps in a 0-d fp32 tensor")
-    if router_buffer_bytes(config, stage):  # buffers (and fp32 weights), which MemTracker files as parameters
-        tape.add("states/router buffers", PARAMETERS, router_buffer_bytes(config, stage), ROUTER_BUFFERS_WHY)
+    # buffers (and fp32 weights), which MemTracker files as parameters; none without experts (the tape adds no 0 B)
+    tape.add("states/router buffers", PARAMETERS, router_buffer_bytes(config, stage), ROUTER_BUFFERS_WHY)
 
 
 def optimizer_step(tape: Tape, config: ModelConfig) -> None:
@@ -76,16 +76,14 @@ class Ends:
         extra = (*((VOCAB_MASK,) if z.t > 1 else ()), *((POSITION_IDS,) if z.positions else ()),
                  TARGET_MASK, MASKED_TARGET)
         kept = (*end_tensors(config, accounting, "first"), *end_tensors(config, accounting, "last"), *extra)
-        self.saved = {
-            x.name: element_bytes(x.kind, config, accounting) * prod(rank_shape(x, strategy, sizes, config.t))
-            for x in kept
-        }
+        self.saved = {x.name: element_bytes(x.kind, config, accounting) * prod(rank_shape(x, strategy, sizes, config.t))
+                      for x in kept}
         labels = (Made("batch/labels", z.tokens(8), "the micro-batch's labels (int64), live for the whole step"),
                   ) if stage.has_output else ()  # only the stage that computes the loss loads them
+        received = Made(INPUT, z.seq(z.h), "the previous stage's output, received (p2p) as this stage's input; the"
+                        " first layer keeps it")
         self.inputs = self._embedding(labels) if stage.has_embedding else (Op("", forward=(Step(
-            "the input received from the previous stage", (*labels, Made(INPUT, z.seq(z.h), "the previous stage's"
-                                                           " output, received (p2p) as this stage's input; the first"
-                                                           " layer keeps it"))),),
+            "the input received from the previous stage", (*labels, received)),),
             backward=(Step("", frees=(INPUT_GRAD,)),)),)  # sent: the previous stage receives it
         # Megatron frees the sent output's data at once (deallocate_pipeline_outputs): the next stage keeps it.
         self.outputs = self._head() if stage.has_output else (Op("", forward=(Step("", frees=(INPUT,)),), backward=(

@@ -76,7 +76,7 @@ class Unit:
         return tuple(shape for _, shape in self.params)
 
 
-def hf_layer(c: ModelConfig, t: int, i: int, reshard: bool) -> Unit:
+def hf_layer(c: ModelConfig, t: int, i: int) -> Unit:
     """LlamaDecoderLayer's parameters in registration order (DeepseekV3DecoderLayer's latent attention in place of
     q, k, v and o), as this rank of t holds them before FSDP2 shards them (transformers' tp_plan: q, k, v, gate, up
     colwise, o and down rowwise, the norms whole)."""
@@ -89,7 +89,7 @@ def hf_layer(c: ModelConfig, t: int, i: int, reshard: bool) -> Unit:
         (f"{m}.self_attn.q_proj", (q, c.h)), (f"{m}.self_attn.k_proj", (kv, c.h)),
         (f"{m}.self_attn.v_proj", (kv, c.h)), (f"{m}.self_attn.o_proj", (c.h, q)), *qk)
     return Unit(f"layers.{i}", (*attention, *mlp, (f"{m}.input_layernorm", (c.h,)),
-                                (f"{m}.post_attention_layernorm", (c.h,))), reshard)
+                                (f"{m}.post_attention_layernorm", (c.h,))), c.reshard_after_forward)
 
 
 def _latent_attention(c: ModelConfig, m: str) -> tuple[Param, ...]:
@@ -128,20 +128,20 @@ def torchtitan_block(i: int, c: ModelConfig) -> str:
     return f"layers.{i}._checkpoint_wrapped_module" if c.recompute != "none" else f"layers.{i}"
 
 
-def torchtitan_units(c: ModelConfig, reshard: bool, t: int = 1) -> tuple[Unit, ...]:
+def torchtitan_units(c: ModelConfig, t: int) -> tuple[Unit, ...]:
     """torchtitan's apply_fsdp_to_decoder on its untied Llama3Model; norm and lm_head never resharded after forward
     ("as an optimization": FSDP2 would prefetch them at once). Each parameter as this rank of t holds it under
     torchtitan's TP plan (set_llama3_sharding_config): wo and w2 split on dim 1, the norms whole, the rest on dim 0."""
-    qkv, f, v = (c.a + 2 * c.groups) * c.head_dim // t, c.ffn // t, c.vocab_size // t
+    qkv, o, f, v = (c.a + 2 * c.groups) * c.head_dim // t, c.a * c.head_dim // t, c.ffn // t, c.vocab_size // t
 
     def block(i: int) -> Unit:
         m = torchtitan_block(i, c)
         mlp = torchtitan_moe_parameters(c, f"{m}.moe") if c.is_moe_layer(i) else (
             (f"{m}.feed_forward.w1", (f, c.h)), (f"{m}.feed_forward.w2", (c.h, f)), (f"{m}.feed_forward.w3", (f, c.h)))
-        return Unit(f"layers.{i}", ((f"{m}.attention.qkv_linear.wqkv", (qkv, c.h)),
-                                    (f"{m}.attention.wo", (c.h, c.a * c.head_dim // t)), *mlp,
-                                    (f"{m}.attention_norm", (c.h,)), (f"{m}.ffn_norm", (c.h,))), reshard)
-    return (Unit("tok_embeddings", (("tok_embeddings", (v, c.h)),), reshard),
+        attention = ((f"{m}.attention.qkv_linear.wqkv", (qkv, c.h)), (f"{m}.attention.wo", (c.h, o)))
+        norms = ((f"{m}.attention_norm", (c.h,)), (f"{m}.ffn_norm", (c.h,)))
+        return Unit(f"layers.{i}", (*attention, *mlp, *norms), c.reshard_after_forward)
+    return (Unit("tok_embeddings", (("tok_embeddings", (v, c.h)),), c.reshard_after_forward),
             *(block(i) for i in range(c.L)),
             Unit(OUTPUT, (("norm", (c.h,)), ("lm_head", (v, c.h))), False))
 
@@ -179,16 +179,15 @@ class Fsdp:
     replicas: int = 1  # HSDP's dp_replicate: each reduce-scatter's output all-reduced across replicas
 
     @classmethod
-    def torchtitan(cls, config: ModelConfig, t: int = 1, sp: bool = False) -> Fsdp:
+    def torchtitan(cls, config: ModelConfig, t: int, sp: bool) -> Fsdp:
         """torchtitan's layout (torchtitan_units) over dp_shard ranks, on this rank's shards of t under its TP plan,
         its trainer's zero_grad(set_to_none=False). Under sequence parallelism the norms run on this rank's tokens
         alone: their Replicate weights' gradients are Partial sums over t."""
-        units = torchtitan_units(config, config.reshard_after_forward, t)
+        units = torchtitan_units(config, t)
         norms = frozenset(m for u in units for m, shape in u.params if len(shape) == 1) if sp else frozenset()
-        experts = frozenset(m for u in units for m, _ in u.params if m.endswith(tuple(W.values())))
+        dim1 = frozenset(m for u in units for m, _ in u.params if expert_dim1(config) and m.endswith(tuple(W.values())))
         return cls(config.dp_shard or 1, DTYPE_BYTES[config.dtype], DTYPE_BYTES[config.reduce_dtype], units,
-                   accumulate=True, partial=norms, replicas=config.dp_replicate or 1,
-                   dim1=experts if expert_dim1(config) else frozenset())
+                   accumulate=True, partial=norms, replicas=config.dp_replicate or 1, dim1=dim1)
 
     def holds(self, module: str) -> bool:
         """Whether some unit has a parameter of `module` (named by the module's path)."""
@@ -199,10 +198,10 @@ class Fsdp:
         return next(u.name for u in self.units if any(m == module for m, _ in u.params))
 
     @classmethod
-    def of(cls, config: ModelConfig, t: int = 1) -> Fsdp:
+    def of(cls, config: ModelConfig, t: int) -> Fsdp:
         """accelerate's layout of transformers' Llama: FSDP2 over dp_shard ranks on each decoder layer, then the root
         (the weights' shards on one rank of t, tp on the mesh's other dimension)."""
-        layers = tuple(hf_layer(config, t, i, config.reshard_after_forward) for i in range(config.L))
+        layers = tuple(hf_layer(config, t, i) for i in range(config.L))
         return cls(config.dp_shard or 1, DTYPE_BYTES[config.dtype], DTYPE_BYTES[config.reduce_dtype],
                    (*layers, hf_root(config, t)), t > 1)
 
@@ -313,7 +312,7 @@ class Fsdp:
         """FSDP2's final callback: the all-reduce inputs HSDP still holds (each unit's last) go."""
         tape.drop(*[n for n in tape.live if n.startswith("fsdp/") and n.endswith(" all-reduce")])
 
-    def all_reduced(self, tape: Tape, block: str, where: str, name: str) -> str:
+    def all_reduced(self, tape: Tape, where: str, name: str) -> str:
         """FSDP2 lays a Partial gradient out as its Replicate weight (DTensor's redistribute: an all-reduce over t
         into a new tensor) before the reduce-scatter; the Partial one goes as the unsharded .grad is set to None."""
         reduced = f"{name} (all-reduced)"
@@ -347,11 +346,11 @@ class Fsdp:
         if block == ROOT and self.tp:
             grads.append(self.embedding_rows(tape, where))
         partial = [f"fsdp/{block} grad {m}" for m, _ in self.unit(block).params if m in self.partial]  # in order
-        reduced = {n: self.all_reduced(tape, block, where, n) for n in partial if n in grads}
+        reduced = {n: self.all_reduced(tape, where, n) for n in partial if n in grads}
         grads = [reduced.get(n, n) for n in grads]
         tape.drop(f"fsdp/{block} unsharded")
-        for name in [n for n in tape.live if n.startswith("fsdp/") and n.endswith(" reduce-scatter")]:
-            tape.drop(name)  # the previous block's, waited on now
+        # the previous block's reduce-scatter buffer, waited on now
+        tape.drop(*[n for n in tape.live if n.startswith("fsdp/") and n.endswith(" reduce-scatter")])
         tape.drop(f"fsdp/{block} all-reduce")  # this unit's last, under HSDP (_wait_for_post_backward)
         dim1 = self._dim0_copies(tape, block, where, grads)
         whole = self.unsharded(block, modules)

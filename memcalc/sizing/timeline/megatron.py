@@ -10,7 +10,7 @@ from memcalc.config.schema import ModelConfig
 from memcalc.model import ledger
 from memcalc.model.impls import megatron
 from memcalc.model.ledger import NormTensors, SavedTensor
-from memcalc.sizing.timeline import megatron_mla, megatron_moe
+from memcalc.sizing.timeline import megatron_mla, megatron_moe, walk
 from memcalc.sizing.timeline.megatron_pieces import (
     WGRAD, Has, activation, backward_only, norm_kernel, one, row_parallel, softmax,
 )
@@ -64,7 +64,7 @@ def layer_ops(
         gone = (ledger.LN2.input, *megatron_moe.LOCALS) if full else ()
         made = gone or _made_here(kept)
         later = tuple(x for x in made if x.name == ledger.MLP_DROPOUT_MASK.name)
-        before = tuple(Made(x.name, 0, "kept for backward (the ledger)", keeps=x) for x in made if x not in later)
+        before = tuple(walk.kept("", x) for x in made if x not in later)
         moments = megatron_moe.experts_forward(config, z, before, tuple(x.name for x in gone))
         backward.extend((_layer(z, later, full), *reversed(moments)))
     else:
@@ -84,7 +84,7 @@ def _layer(z: Sizes, made: tuple[SavedTensor, ...], full: bool) -> Op:
     """The layer's forward as one moment: the saved tensors it makes (`made`) and its output. Under full
     recomputation it is a checkpoint: it keeps the layer's input, and when it returns its rerun's output and the
     output's gradient (held while the rerun's backward runs) go."""
-    tensors = tuple(Made(x.name, 0, "kept for backward (the ledger)", keeps=x) for x in made)
+    tensors = tuple(walk.kept("", x) for x in made)
     output = Made(OUTPUT, z.seq(z.h), "the layer's output, the next block's input")
     returns = (Step("the checkpoint returns", frees=("layer/recomputed output", OUTPUT_GRAD)),) if full else ()
     return Op("", forward=(Step("the layer's saved tensors", (*tensors, output)),), backward=returns,
@@ -107,10 +107,8 @@ def _rerun_layer(config: ModelConfig, z: Sizes, rerun: tuple[SavedTensor, ...], 
         core, before = _eager_core_rerun(z, before, has)
     mlp = Made("layer/recomputed MLP output", z.seq(z.h), "the MLP's output (a submodule's forward's)",
                category=ACTIVATIONS)
-    if config.moe:
-        first, made = megatron_moe.experts_forward(config, z, before, rerun=True), (mlp,)
-    else:
-        first, made = (_fc2_rerun(config, z, before, mlp),), ()
+    first, made = ((megatron_moe.experts_forward(config, z, before, rerun=True), (mlp,)) if config.moe
+                   else ((_fc2_rerun(config, z, before, mlp),), ()))
     output = Made("layer/recomputed output", z.seq(z.h),
                   "the rerun's output: the checkpoint holds it while autograd runs the layer's backward")
     first = (*core, *first)
@@ -224,12 +222,10 @@ def column_parallel(ops: list[Op], z: Sizes, where: str, x: SavedTensor, grad: s
         return dx
     gemms = Step(f"GEMMs: dX and {dw}", (Made(dx, z.full(z.h), "dX = dY W, the input's gradient"), *weights),
                  frees=(grad,), hands_over=handed, returns=True)
-    if z.t == 1:
-        ops.append(backward_only(where, gemms, saves=(x,)))
-        return dx
-    reduced = f"{dx} (all-reduced)"
-    ops.append(backward_only(where, gemms, Step("all-reduce of dX (f's backward)", (
-        Made(reduced, z.full(z.h), "f's backward all-reduces dX into a copy"),), frees=(dx,)), saves=(x,)))
+    reduced = f"{dx} (all-reduced)" if z.t > 1 else dx
+    reduce = (Step("all-reduce of dX (f's backward)", (
+        Made(reduced, z.full(z.h), "f's backward all-reduces dX into a copy"),), frees=(dx,)),) if z.t > 1 else ()
+    ops.append(backward_only(where, gemms, *reduce, saves=(x,)))
     return reduced
 
 
@@ -262,17 +258,16 @@ def _attention(ops: list[Op], config: ModelConfig, z: Sizes, dcontext: str, has:
     # what QK^T keeps of the query beside q: the core's copy, or the fused QKV output it views (impls.megatron)
     query = tuple(x for x in (megatron.QUERY_COPY, megatron.QKV_OUT) if has(x.name))
     core: list[Op] = []
-    if config.attention == "flash":
-        k, v = _flash(core, z, () if selective else (dcontext,), selective)
-    else:
-        k, v = _eager(core, config, z, () if selective else (dcontext,), has, (*query, ledger.Q))
+    frees = () if selective else (dcontext,)  # what the core's backward frees first: dY, unless the checkpoint holds it
+    k, v = (_flash(core, z, frees, selective) if config.attention == "flash"
+            else _eager(core, config, z, frees, has, (*query, ledger.Q)))
     if selective:
         checkpoint = (ledger.Q, ledger.K, ledger.V, megatron.QKV_QUERY_COLUMNS)
         held = {x.name for x in (*checkpoint, *query)}  # the rerun's query: a view of the checkpoint's q
         again = {x.name: x for op in core for x in op.saves if x.name not in held}.values()
         what = "the flash kernel's" if config.attention == "flash" else "the attention core's"
         ops.append(backward_only("attention", Step(f"selective recomputation: {what} forward again", (
-            *(Made(x.name, 0, "made again by selective recomputation's rerun of the core", keeps=x) for x in again),
+            *(walk.kept("", x, "made again by selective recomputation's rerun of the core") for x in again),
             Made("attention/recomputed output", z.full(z.h_t),
                  "the rerun's output: the checkpoint holds it while autograd runs the core's backward")))))
     ops.extend(core)

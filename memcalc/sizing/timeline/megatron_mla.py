@@ -113,12 +113,9 @@ def _up(ops: list[Op], z: Sizes, w: Widths) -> None:
     """From the splits' concatenations to the latent norms' dX: the up projections (or q_proj), the norms."""
     ops.append(linear(z, "attention.linear_kv_up_proj", ledger.MLA_KV_UP_IN, "grad/kv up output", w.kv_latent,
                        z.a_t * (w.nope + w.v), "grad/kv up input"))
-    if w.q_latent is not None:
-        ops.append(linear(z, "attention.linear_q_up_proj", ledger.MLA_Q_UP_IN, "grad/q up output", w.q_latent,
-                           z.a_t * w.qk, "grad/q up input"))
-    else:  # q_proj runs where q_up_proj would, on x
-        ops.append(linear(z, "attention.linear_q_proj", ledger.QKV_IN, "grad/q up output", z.h, z.a_t * w.qk,
-                           "grad/q input"))
+    q, x, width, dx = (("q_up_proj", ledger.MLA_Q_UP_IN, w.q_latent, "grad/q up input") if w.q_latent is not None
+                       else ("q_proj", ledger.QKV_IN, z.h, "grad/q input"))  # q_proj runs where q_up_proj would, on x
+    ops.append(linear(z, f"attention.linear_{q}", x, "grad/q up output", width, z.a_t * w.qk, dx))
     for x, norm, width in (("kv", megatron.MLA_KV_NORM, w.kv_latent), ("q", megatron.MLA_Q_NORM, w.q_latent)):
         if width is not None:  # the probe's norm inside megatron's spec
             where = f"attention.{x}_layernorm.norm"
@@ -147,13 +144,12 @@ def _down(ops: list[Op], z: Sizes, w: Widths) -> str:
         " summed"),), frees=("grad/kv down input", "grad/q input"))
     active = "attention.q_layernorm.norm" if w.q_latent else "attention.linear_q_proj"
     for i, (where, grad, width, dx) in enumerate(down):
-        last = i == len(down) - 1
         whole = grad if i == 0 else _whole_sequence(between, z, grad, width)  # the query latent, scattered back
         columns = _this_ranks_columns(between, z, whole, width)
         ops.extend(replace(x, shadow=active) for x in between)
         between.clear()
         ops.append(linear(z, where, ledger.QKV_IN, columns, z.h, width // z.t, dx,
-                          then=summed if last and z.t > 1 else None))
+                          then=summed if i == len(down) - 1 and z.t > 1 else None))
         active = where
     if z.t == 1:  # ColumnParallelLinear's copy_to_tensor_model_parallel_region: x's gradients meet after it
         ops.append(backward_only(where, summed))
@@ -163,23 +159,24 @@ def _down(ops: list[Op], z: Sizes, w: Widths) -> str:
 def _whole_sequence(ops: list[Op], z: Sizes, grad: str, width: int) -> str:
     """Under SP a latent's sequence shard is scattered out of the gathered one (scatter_to_sequence_parallel_region):
     the scatter's backward all-gathers dY along s, a new tensor."""
-    if not z.sp:
-        return grad
-    ops.append(one("attention", "the scatter's backward: dY all-gathered along s", Made(
-        f"{grad} gathered", z.full(width), "the scatter's backward all-gathers dY along s: (s, b, width)"),
-        (grad,)))
-    return f"{grad} gathered"
+    return _collective(ops, z.sp, grad, "gathered", "the scatter's backward: dY all-gathered along s", z.full(width),
+                       "the scatter's backward all-gathers dY along s: (s, b, width)")
 
 
 def _this_ranks_columns(ops: list[Op], z: Sizes, grad: str, width: int) -> str:
     """Under tp a down projection is column-parallel and its output gathered over t
     (gather_from_tensor_model_parallel_region): the gather's backward keeps this rank's columns of dY, a copy."""
-    if z.t == 1:
+    return _collective(ops, z.t > 1, grad, "columns", "the gather's backward: this rank's columns",
+                       z.full(width // z.t), "the all-gather's backward: this rank's columns of dY, copied")
+
+
+def _collective(ops: list[Op], runs: bool, grad: str, suffix: str, what: str, nbytes: int, why: str) -> str:
+    """A collective's backward (if it `runs`): dY into a new tensor, named f"{grad} {suffix}", and dY gone. Returns
+    the gradient's name after it."""
+    if not runs:
         return grad
-    ops.append(one("attention", "the gather's backward: this rank's columns", Made(
-        f"{grad} columns", z.full(width // z.t), "the all-gather's backward: this rank's columns of dY, copied"),
-        (grad,)))
-    return f"{grad} columns"
+    ops.append(one("attention", what, Made(f"{grad} {suffix}", nbytes, why), (grad,)))
+    return f"{grad} {suffix}"
 
 
 def _core(ops: list[Op], config: ModelConfig, z: Sizes, w: Widths, dcontext: str, has: Has) -> None:
@@ -242,11 +239,9 @@ def _core_backward(ops: list[Op], config: ModelConfig, z: Sizes, w: Widths, free
 def _copied(x: str, nbytes: int, selective: bool) -> tuple[Op, ...]:
     """Under selective recomputation: d`x` copied into the layout of the checkpoint's detached input (its .grad), by
     that leaf's AccumulateGrad, after the node that made it has returned."""
-    if not selective:
-        return ()
     return (one(CORE, f"d{x.upper()} into its input's layout", Made(
         f"grad/{x}", nbytes, "AccumulateGrad on the checkpoint's detached input: a copy in the input's strides"),
-        (f"grad/{x} raw",)),)
+        (f"grad/{x} raw",)),) * selective
 
 
 def _rope(ops: list[Op], part: str, width: int, expanded: bool) -> None:

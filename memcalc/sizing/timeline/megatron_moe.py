@@ -84,16 +84,12 @@ def pieces(config: ModelConfig, z: Sizes, kept: tuple[SavedTensor, ...], saved: 
     out: list[SavedTensor] = []
     sizes = {name: nbytes for name, nbytes in saved.items() if name not in _PER_EXPERT}
     for x in kept:
-        if x.name in HELD:  # `held`: the dispatcher holds it beyond backward
-            continue
-        if x.name not in _PER_EXPERT:
+        if x.name in _PER_EXPERT:  # an expert without tokens keeps nothing
+            shares = [(piece(x, e), saved[x.name] * r // sum(slots)) for e, r in enumerate(slots) if r]
+            out.extend(y for y, _ in shares)
+            sizes.update((y.name, nbytes) for y, nbytes in shares)
+        elif x.name not in HELD:  # `held`: the dispatcher holds it beyond backward
             out.append(x)
-            continue
-        for e, r in enumerate(slots):
-            if not r:  # an expert without tokens keeps nothing
-                continue
-            out.append(piece(x, e))
-            sizes[piece(x, e).name] = saved[x.name] * r // sum(slots)
     return tuple(out), sizes
 
 
@@ -177,16 +173,12 @@ def experts_forward(config: ModelConfig, z: Sizes, before: tuple[Made, ...], gon
     widest = Step("the expert's output" if one else "the experts' outputs concatenated", (
         *before, *local_in, *(() if rerun else held(config, z)), *held_by_forward, *outputs),
         frees=tuple(x.name for x in (*outputs, *local_in)))
-    steps = (("mlp.experts.local_experts.0.linear_fc2" if one else "mlp.experts", (widest,)),)
-    if not exchanged:
-        steps += (("mlp", (Step("MoELayer's forward returns", frees=returned),)),)
-    else:
-        # at t = 1 one expert's input is MoELayer.forward's: it lives to its end
-        routed = tuple(x.name for x in ROUTED_LOCALS if x.name in gone and not (one and z.t == 1))
-        steps += (("mlp", _combine(config, z, slots, local, returned, routed, mine)),)
-    if rerun:
-        return tuple(Op(where, forward=(), backward=x) for where, x in steps)
-    return tuple(Op(where, forward=x, backward=()) for where, x in steps)
+    # at t = 1 one expert's input is MoELayer.forward's: it lives to its end
+    routed = tuple(x.name for x in ROUTED_LOCALS if x.name in gone and not (one and z.t == 1))
+    returns = _combine(config, z, slots, local, returned, routed, mine) if exchanged else (
+        Step("MoELayer's forward returns", frees=returned),)
+    steps = (("mlp.experts.local_experts.0.linear_fc2" if one else "mlp.experts", (widest,)), ("mlp", returns))
+    return tuple(Op(where, forward=() if rerun else x, backward=x if rerun else ()) for where, x in steps)
 
 
 def _combine(config: ModelConfig, z: Sizes, slots: int, local: int, returned: tuple[str, ...],
@@ -350,20 +342,23 @@ def _shared(ops: list[Op], config: ModelConfig, z: Sizes, grad: str, residual: s
 def _permute(ops: list[Op], z: Sizes, n: int, experts: int, tokens: str, probs: str) -> None:
     """The dispatcher's permute, backward: index_select's (the tokens' gradient `tokens`) and masked_select's (the
     probabilities', `probs`)."""
-    act, h = z.act, z.h
     ops.extend((
-        _backward("mlp", Step("index_select's backward: new_zeros", (Made(
-            "grad/permute zeros", act * n * h, "index_select's backward starts from new_zeros, (n, h)"),)),
-            Step("index_select's backward: index_add", (Made(
-                "grad/permute input", act * n * h, "index_add of the sorted tokens' gradient, out of place"),),
-                frees=("grad/permute zeros", tokens))),  # its indices: HELD
-        _backward("mlp", Step("masked_select's backward: zeros_like", (Made(
-            "grad/probs zeros", act * n * experts, "masked_select's backward starts from zeros_like, (E, n)"),)),
-            Step("masked_select's backward: masked_scatter", (Made(
-                "grad/probs", act * n * experts, "masked_scatter of the permuted probabilities' gradient"),),
-                frees=("grad/probs zeros", probs)),
+        _into_zeros("mlp", "index_select", "new_zeros", "index_add", "grad/permute zeros", "(n, h)", Made(
+            "grad/permute input", z.act * n * z.h, "index_add of the sorted tokens' gradient, out of place"),
+            tokens),  # its indices: HELD
+        _into_zeros("mlp", "masked_select", "zeros_like", "masked_scatter", "grad/probs zeros", "(E, n)", Made(
+            "grad/probs", z.act * n * experts, "masked_scatter of the permuted probabilities' gradient"), probs,
             saves=(megatron.ROUTING_MAP, megatron.PROBS_T)),
     ))
+
+
+def _into_zeros(where: str, what: str, start: str, fill: str, zeros: str, shape: str, out: Made, grad: str,
+                saves: tuple[SavedTensor, ...] = ()) -> Op:
+    """An indexing op's backward: zeros of its input's `shape` (as many bytes as `out`) made by `start`, then `grad`
+    put into them by `fill`, making `out`."""
+    return _backward(where, Step(f"{what}'s backward: {start}", (Made(
+        zeros, out.bytes, f"{what}'s backward starts from {start}, {shape}"),)),
+        Step(f"{what}'s backward: {fill}", (out,), frees=(zeros, grad)), saves=saves)
 
 
 def _router(ops: list[Op], config: ModelConfig, z: Sizes, n: int, out: str) -> None:
@@ -456,10 +451,8 @@ def _casts(z: Sizes, elements: int, grad: str, out: str, what: str, keeps: Saved
 def _topk(z: Sizes, n: int, experts: int, grad: str, out: str, biased: bool = False) -> Op:
     """top-k's backward (`biased`: the expert bias's, gather's by the biased top-k's indices, which keeps every
     expert's score): new_zeros, and the k values' gradient scattered (added) into it, (n, E)."""
-    what = "gather" if biased else "top-k"
-    return _backward("mlp.router", Step(f"{what}'s backward: new_zeros", (Made(
-        "grad/topk zeros", z.act * n * experts, f"{what}'s backward starts from new_zeros, (n, E)"),)),
-        Step(f"{what}'s backward: scatter{'_add' if biased else ''}", (Made(
-            out, z.act * n * experts, "the k values' gradient scattered into (n, E)"),),
-            frees=("grad/topk zeros", grad)),
-        saves=(*((megatron.BIASED_CHOICE_SCORES,) if biased else ()), ledger.ROUTER_TOPK_INDICES))
+    what, scattered = "gather" if biased else "top-k", Made(out, z.act * n * experts, "the k values' gradient"
+                                                             " scattered into (n, E)")
+    return _into_zeros("mlp.router", what, "new_zeros", f"scatter{'_add' if biased else ''}", "grad/topk zeros",
+                       "(n, E)", scattered, grad,
+                       saves=(*((megatron.BIASED_CHOICE_SCORES,) if biased else ()), ledger.ROUTER_TOPK_INDICES))

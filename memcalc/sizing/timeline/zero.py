@@ -52,7 +52,7 @@ class Zero:
 
     def __init__(self, config: ModelConfig) -> None:
         h = config.h
-        self.layer, self.root = hf_layer(config, 1, 0, False).shapes, hf_root(config, 1).shapes
+        self.layer, self.root = hf_layer(config, 1, 0).shapes, hf_root(config, 1).shapes
         self.threshold = threshold = DEEPSPEED_AUTO["stage3_param_persistence_threshold"](h)
         shapes = [*self.layer] * config.L + [*self.root]
         self.stage, self.dp, self.act = config.zero_stage, config.dp, DTYPE_BYTES[config.dtype]  # act: bf16's bytes
