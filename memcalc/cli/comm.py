@@ -99,9 +99,7 @@ def to_json(config: ModelConfig, results: list[LayerComm], microbatches: int, wi
 
 
 def _print(config: ModelConfig, results: list[LayerComm], microbatches: int, width: int) -> None:
-    from rich.table import Table
-
-    from memcalc.cli.render import console, describe
+    from memcalc.cli.render import console, describe, new_table
     from memcalc.units import human_bytes
 
     console.print(describe(config), highlight=False)
@@ -109,10 +107,8 @@ def _print(config: ModelConfig, results: list[LayerComm], microbatches: int, wid
         if not r.collectives:
             console.print(f"{r.strategy.name} ({r.strategy.title}): no tensor-parallel collectives", highlight=False)
             continue
-        table = Table(title=f"{r.strategy.name} ({r.strategy.title}): one layer, one micro-batch, per rank")
-        for col in ("operator", "collective", "pass", "moves"):
-            table.add_column(col)
-        table.add_column("bytes sent", justify="right", no_wrap=True)
+        table = new_table(f"{r.strategy.name} ({r.strategy.title}): one layer, one micro-batch, per rank",
+                          ("operator", "collective", "pass", "moves"), ["bytes sent"], wrap=True)
         for c, n in r.collectives:
             table.add_row(c.name, c.op.value, c.phase, c.moves, f"{n:,}")
         table.add_row("[bold]per layer[/bold]", "", "", formula(config, r.strategy, width, config.ep)[0],
@@ -150,19 +146,14 @@ def overlap_report(config: ModelConfig, strategy: Strategy, methods: frozenset[s
 
 
 def _print_overlap(config: ModelConfig, report: dict) -> None:
-    from rich.table import Table
-
-    from memcalc.cli.render import console, describe
+    from memcalc.cli.render import console, describe, new_table
     from memcalc.units import human_bytes
 
     console.print(describe(config), highlight=False)
     gpu = report["gpu"]
     title = f"tp-sp, one layer on {gpu['name']} ({gpu['tflops']:g} TFLOPS, {gpu['link_gb_s']:g} GB/s), microseconds"
-    table = Table(title=title)
-    for col in ("collective", "GEMM", "method"):
-        table.add_column(col, no_wrap=True)
-    for col in ("GEMM us", "comm us", "exposed"):  # without overlap all of comm is exposed
-        table.add_column(col, justify="right", no_wrap=True)
+    # without overlap all of comm is exposed
+    table = new_table(title, ("collective", "GEMM", "method"), ("GEMM us", "comm us", "exposed"))
     us = lambda x: f"{x * 1e6:,.1f}"  # noqa: E731
     for r in report["collectives"]:
         name = r["collective"].replace(" forward", " fwd").replace(" backward", " bwd")

@@ -52,14 +52,9 @@ def verdict(matches: bool, agreed: str) -> str:
 
 def comparison_table(title: str, *labels: str) -> Table:
     """A table of rows named by `labels`' columns, then predicted, measured and their difference."""
-    from rich.table import Table
+    from memcalc.cli.render import new_table
 
-    table = Table(title=title)
-    for label in labels:
-        table.add_column(label, no_wrap=True)
-    for col in ("predicted", "measured", "difference"):
-        table.add_column(col, justify="right", no_wrap=True)
-    return table
+    return new_table(title, labels, ("predicted", "measured", "difference"))
 
 
 def add_total(table: Table, predicted: int, measured: int, difference: str, *blanks: str) -> None:

@@ -167,9 +167,7 @@ def _bytes(c: Candidate) -> str:
 
 def _print(config: ModelConfig, solve: str, count: str, budget: int, fits: list[Fit], strategy: str) -> None:
     """The model, what was solved, and a row per strategy and recompute choice (a section per strategy)."""
-    from rich.table import Table
-
-    from memcalc.cli.render import console, describe, describe_layout
+    from memcalc.cli.render import console, describe, describe_layout, new_table
 
     console.print(describe(config), highlight=False)
     console.print(describe_layout(config), highlight=False)
@@ -178,11 +176,9 @@ def _print(config: ModelConfig, solve: str, count: str, budget: int, fits: list[
         console.print("[dim]'none' keeps whole layers on one GPU, so t does not change it: left out.[/dim]")
     unanswered = any(f.answer is None for f in fits)
     caption = f"-: nothing fits; next {solve} is the cheapest candidate" if unanswered else None
-    table = Table(caption=caption, pad_edge=False)  # no edge padding: seven columns fit 80 characters
-    for col in ("strategy", "recompute"):
-        table.add_column(col, no_wrap=True)
-    for col in (solve, "needs", "left over", f"next {solve}", "it needs"):
-        table.add_column(col, justify="right", no_wrap=True)
+    # no edge padding: seven columns fit 80 characters
+    table = new_table(None, ("strategy", "recompute"), (solve, "needs", "left over", f"next {solve}", "it needs"),
+                      caption=caption, pad_edge=False)
     for f, after in zip(fits, [*fits[1:], None]):
         a, n = f.answer, f.beyond
         cells = (str(a.value), _bytes(a), human_bytes(budget - a.bytes)) if a else ("-", "-", "-")

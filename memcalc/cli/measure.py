@@ -252,11 +252,10 @@ def _difference(row: Row) -> str:
 
 def _comm_table(m: StrategyMeasurement) -> Table:
     """Rank 0's collectives, in order, next to the communication ledger's: kind, pass and bytes sent."""
-    from rich.table import Table
+    from memcalc.cli.render import new_table
 
-    table = Table(title=f"{m.strategy.name}: collectives on rank 0, bytes sent (ring)")
-    for col in ("collective", "predicted", "measured"):
-        table.add_column(col, no_wrap=True)
+    table = new_table(f"{m.strategy.name}: collectives on rank 0, bytes sent (ring)",
+                      ("collective", "predicted", "measured"))
     for c in m.comm[0]:
         cells = [" ".join(map(str, x)) if x else "none" for x in (c.predicted, c.measured)]
         table.add_row(c.name, cells[0], cells[1] if c.matches else f"[red]{cells[1]}[/red]")
