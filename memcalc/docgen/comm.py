@@ -5,12 +5,13 @@ and `memcalc.model.overlap` into docs/templates/comm.md.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterable
 
 from memcalc.config.gpus import GPUS
-from memcalc.docgen.template import filled
+from memcalc.docgen.template import filled, md_table
 from memcalc.units import human_bytes
 from memcalc.model import overlap
-from memcalc.model.comm import block_docs, formula, layer_collectives
+from memcalc.model.comm import Collective, block_docs, formula, layer_collectives
 from memcalc.model.knobs import Knobs
 from memcalc.model.strategy import STRATEGIES
 
@@ -34,8 +35,10 @@ def render() -> str:
         "",
         filled(
             "comm.md",
-            collectives=_collectives(),
-            experts=_experts(),
+            # Each strategy's collectives of one layer (Megatron, default knobs); a MoE layer's (megatron-core's
+            # all-to-all dispatcher) at ep > 1, under tp-sp and under ep alone.
+            collectives=_sections(Knobs(), STRATEGIES, 1, ": {} bytes sent per rank per layer (bf16)"),
+            experts=_sections(_MOE, ("tp-sp", "none"), 2, ", ep > 1: {} bytes sent per rank per MoE layer (bf16)"),
             latent=_latent(),
             **{f"{block}_doc": doc for block, doc in block_docs().items()},  # experts_doc, latent_doc, ...
             overlap_doc=(overlap.__doc__ or "").split("\n\n", 1)[1].strip(),
@@ -49,39 +52,30 @@ def render() -> str:
     ])
 
 
-def _collectives() -> str:
-    """Each strategy's collectives of one layer (Megatron, default knobs): its formula and a table."""
-    lines = []
-    for name, strategy in STRATEGIES.items():
-        rows = layer_collectives(Knobs(), strategy)
-        text, latex = formula(Knobs(), strategy, 2)
-        lines += ["", f"### `{name}`: {text} bytes sent per rank per layer (bf16)", "", f"$$\n{latex}\n$$", ""]
-        if not rows:
-            lines.append("No tensor-parallel collectives.")
-            continue
-        lines += ["| operator | collective | pass | moves | why |", "|---|---|---|---|---|"]
-        lines += [f"| `{c.name}` | {c.op.value} | {c.phase} | {c.moves} | {c.why} |" for c in rows]
-    return "\n".join(lines[1:])
+def _sections(knobs: Knobs, names: Iterable[str], ep: int, heading: str) -> str:
+    """Per strategy: the bytes one rank sends per layer as a formula (`heading` words it after the name) and a table of
+    the layer's collectives; at ep > 1, with the group each runs over."""
+    parts = []
+    for name in names:
+        rows = layer_collectives(knobs, STRATEGIES[name], ep=ep)
+        text, latex = formula(knobs, STRATEGIES[name], 2, ep=ep)
+        table = _table(rows, over=ep > 1) if rows else "No tensor-parallel collectives."
+        parts.append(f"### `{name}`{heading.format(text)}\n\n$$\n{latex}\n$$\n\n{table}")
+    return "\n\n".join(parts)
+
+
+def _table(rows: Iterable[Collective], over: bool = False) -> str:
+    """Collectives as a markdown table; `over`: with the group each runs over."""
+    group = ("over",) if over else ()
+    return md_table(("operator", "collective", *group, "pass", "moves", "why"), (
+        [f"`{c.name}`", c.op.value, *((c.group.value,) if over else ()), c.phase, c.moves, c.why] for c in rows
+    ))
 
 
 def _latent() -> str:
     """Latent attention's collectives under tp and tp-sp (its MLP's are a dense layer's)."""
-    lines = []
-    for name in ("tp", "tp-sp"):
-        rows = [c for c in layer_collectives(_MLA, STRATEGIES[name]) if c.name.startswith("attention")]
-        lines += ["", f"### `{name}`", "", "| operator | collective | pass | moves | why |", "|---|---|---|---|---|"]
-        lines += [f"| `{c.name}` | {c.op.value} | {c.phase} | {c.moves} | {c.why} |" for c in rows]
-    return "\n".join(lines[1:])
-
-
-def _experts() -> str:
-    """A MoE layer's collectives (megatron-core's all-to-all dispatcher), ep > 1, under tp-sp and under ep alone."""
-    lines = []
-    for name in ("tp-sp", "none"):
-        strategy = STRATEGIES[name]
-        text, latex = formula(_MOE, strategy, 2, ep=2)
-        lines += ["", f"### `{name}`, ep > 1: {text} bytes sent per rank per MoE layer (bf16)", "", f"$$\n{latex}\n$$",
-                  "", "| operator | collective | over | pass | moves | why |", "|---|---|---|---|---|---|"]
-        lines += [f"| `{c.name}` | {c.op.value} | {c.group.value} | {c.phase} | {c.moves} | {c.why} |"
-                  for c in layer_collectives(_MOE, strategy, ep=2)]
-    return "\n".join(lines[1:])
+    return "\n\n".join(
+        f"### `{name}`\n\n"
+        + _table(c for c in layer_collectives(_MLA, STRATEGIES[name]) if c.name.startswith("attention"))
+        for name in ("tp", "tp-sp")
+    )

@@ -11,6 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from memcalc.docgen.model import formula_section
+from memcalc.docgen.template import md_table
 from memcalc.model.impls import IMPLEMENTATIONS
 from memcalc.model.impls.base import Implementation
 from memcalc.model.knobs import KNOBS, Accounting, Knobs, element_bytes
@@ -65,12 +66,12 @@ def _own_knobs(impl: Implementation) -> str:
     own = [k for k in KNOBS if impl.name in k.impls]
     if not own:
         return ""
-    rows = [f"| `{k.flag}` | {k.default} | {k.source} |" for k in own]
     return "\n".join([
         "## Its own knobs", "",
         "Settings other libraries do not have (refused there). Each default is what the library's users get unless"
         " they pass a flag; the probe builds the library's config from the same values.", "",
-        "| flag | default | where the default comes from |", "|---|---|---|", *rows,
+        md_table(("flag", "default", "where the default comes from"),
+                 ([f"`{k.flag}`", str(k.default), k.source] for k in own)),
     ])
 
 
@@ -125,12 +126,10 @@ def _size_conditions(impl: Implementation) -> str:
 
 
 def _tensor_table(tensors: list[SavedTensor], knobs: Knobs) -> str:
-    rows = [
-        f"| `{x.name}` | {x.saved_by} | ({', '.join(d.value for d in x.shape)}) |"
-        f" {element_bytes(x.kind, knobs, EXACT)} | {x.why} |"
-        for x in tensors
-    ]
-    return "\n".join(["| tensor | kept by | shape | bytes per element (cuda) | why |", "|---|---|---|---|---|", *rows])
+    return md_table(("tensor", "kept by", "shape", "bytes per element (cuda)", "why"), (
+        [f"`{x.name}`", x.saved_by, f"({', '.join(d.value for d in x.shape)})",
+         str(element_bytes(x.kind, knobs, EXACT)), x.why] for x in tensors
+    ))
 
 
 def pages() -> dict[Path, str]:

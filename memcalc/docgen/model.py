@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from memcalc.docgen.template import filled
+from memcalc.docgen.template import filled, md_table
 from memcalc.model import formula as F
 from memcalc.model import ledger
 from memcalc.model.impls import implementation, layer_tensors
@@ -126,20 +126,18 @@ def _splits(strategy: Strategy) -> str:
 
 def _tensors() -> str:
     """Each block's saved tensors, a table each."""
-    parts = []
-    for block in dict.fromkeys(x.block for x in ledger.ALL_TENSORS):
-        parts += ["", f"### {BLOCK_TITLES.get(block, block)}", "",
-                  "| tensor | saved by | shape | bytes per element | tp | tp-sp | when | why backward needs it |",
-                  "|---|---|---|---|---|---|---|---|"]
-        parts += [_tensor_row(x) for x in ledger.ALL_TENSORS if x.block == block]
-    return "\n".join(parts[1:])
+    header = ("tensor", "saved by", "shape", "bytes per element", "tp", "tp-sp", "when", "why backward needs it")
+    return "\n\n".join(
+        f"### {BLOCK_TITLES.get(block, block)}\n\n"
+        + md_table(header, [_tensor_cells(x) for x in ledger.ALL_TENSORS if x.block == block])
+        for block in dict.fromkeys(x.block for x in ledger.ALL_TENSORS)
+    )
 
 
-def _tensor_row(x: SavedTensor) -> str:
+def _tensor_cells(x: SavedTensor) -> list[str]:
     shape = "(" + ", ".join(d.value for d in x.shape) + ")"
     splits = [f"{d.value}/t" if (d := s.split_dim(x)) else "-" for s in (TP, TP_SP)]
-    cells = [f"`{x.name}`", x.saved_by, shape, x.kind.value, *splits, _when(x), x.why]
-    return "| " + " | ".join(cells) + " |"
+    return [f"`{x.name}`", x.saved_by, shape, x.kind.value, *splits, _when(x), x.why]
 
 
 def _when(x: SavedTensor) -> str:
@@ -205,16 +203,14 @@ def terms_by_tensor(formulas: list[F.LayerFormula]) -> dict[SavedTensor, list]:
 
 def terms_table(rows: list[tuple[SavedTensor, list]], names: tuple[str, ...]) -> str:
     """A markdown table: a row per tensor, a column per strategy, each cell that tensor's term."""
-    lines = [f"| tensor | {' | '.join(names)} |", "|---" * (len(names) + 1) + "|"]
-    lines += [f"| `{x.name}` | " + " | ".join(f"`{F.to_text(e)}`" for e in exprs) + " |" for x, exprs in rows]
-    return "\n".join(lines)
+    return md_table(["tensor", *names], ([f"`{x.name}`", *(f"`{F.to_text(e)}`" for e in exprs)] for x, exprs in rows))
 
 
 def totals(formulas: list[F.LayerFormula]) -> str:
     """The per-layer formula of each strategy, as text and as one LaTeX block."""
-    text = "\n".join(f"| `{lf.strategy.name}` | `{F.to_text(lf.total)}` |" for lf in formulas)
+    table = md_table(("strategy", "bytes per GPU per layer"),
+                     ([f"`{lf.strategy.name}`", f"`{F.to_text(lf.total)}`"] for lf in formulas))
     latex = " \\\\\n".join(f"\\text{{{lf.strategy.name}}} &= {F.to_latex(lf.total)}" for lf in formulas)
-    table = f"| strategy | bytes per GPU per layer |\n|---|---|\n{text}"
     return f"{table}\n\n$$\n\\begin{{aligned}}\n{latex}\n\\end{{aligned}}\n$$"
 
 
