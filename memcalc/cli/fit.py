@@ -8,7 +8,7 @@ import click
 
 from memcalc.cli import echo_json
 from memcalc.cli.options import (
-    ByteSize, accounting_options, fit_device_options, layout_options, model_from, model_options, strategy_names,
+    BYTES, accounting_options, fit_device_options, layout_options, model_from, model_options, strategy_names,
     strategy_option,
 )
 from memcalc.config.gpus import budget_for
@@ -43,7 +43,7 @@ _COUNTED = {
 @strategy_option
 @accounting_options
 @click.option(
-    "--budget", type=ByteSize(), default=None,
+    "--budget", type=BYTES, default=None,
     help="Bytes PyTorch's allocator may use on one GPU, e.g. 76GiB; or give --gpu (its memory less --reserve).",
 )
 @fit_device_options
