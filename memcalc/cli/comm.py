@@ -7,16 +7,15 @@ from typing import Any
 
 import click
 
-from memcalc.cli import echo_json
+from memcalc.cli import echo_json, json_document
 from memcalc.cli.options import layout_options, model_from, model_options, strategy_names, strategy_option
 from memcalc.cli.types import POSITIVE, Real
-from memcalc.config.schema import ModelConfig, config_record
+from memcalc.config.schema import ModelConfig
 from memcalc.model.comm import LayerComm, formula, layer_comm
 from memcalc.model.knobs import DTYPE_BYTES
 from memcalc.config.gpus import GPUS, Gpu
 from memcalc.model.overlap import DEFAULT_SPLITS, buffer_bytes, chosen, exposed, pairings, resolve
 from memcalc.model.strategy import STRATEGIES, TP_SP, Strategy
-from memcalc.schemas import SCHEMA_VERSION
 
 
 # TFLOPS and GB/s: far beyond any card both ways, and near enough that every time the model computes stays finite.
@@ -75,11 +74,7 @@ def command(strategy: str, microbatches: int, fmt: str, overlap: str | None, gpu
 
 
 def to_json(config: ModelConfig, results: list[LayerComm], microbatches: int, width: int) -> dict:
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "config": config_record(config),
-        "microbatches": microbatches,
-        "strategies": {
+    return json_document(config, microbatches=microbatches, strategies={
             r.strategy.name: {
                 "per_layer_bytes": r.per_layer_bytes,
                 "per_step_bytes": r.per_step_bytes,
@@ -94,8 +89,7 @@ def to_json(config: ModelConfig, results: list[LayerComm], microbatches: int, wi
                 ],
             }
             for r in results
-        },
-    }
+        })
 
 
 def _print(config: ModelConfig, results: list[LayerComm], microbatches: int, width: int) -> None:
@@ -135,14 +129,12 @@ def overlap_report(config: ModelConfig, strategy: Strategy, methods: frozenset[s
             "exposed_s": exposed(p, method, config.t, splits),
         })
     buffers = buffer_bytes(config, methods, config.t)
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "gpu": vars(gpu), "methods": sorted(methods), "num_splits": splits, "collectives": rows,
-        "per_layer": {k: sum(r[k] for r in rows) for k in ("gemm_s", "comm_s", "exposed_without_s", "exposed_s")},
-        "userbuffer_bytes": buffers,
-        "userbuffer_total_bytes": sum(buffers.values()),
-        "note": "userbuffers are allocated once for the model, outside PyTorch's allocator: torch.cuda never sees them",
-    }
+    return json_document(
+        gpu=vars(gpu), methods=sorted(methods), num_splits=splits, collectives=rows,
+        per_layer={k: sum(r[k] for r in rows) for k in ("gemm_s", "comm_s", "exposed_without_s", "exposed_s")},
+        userbuffer_bytes=buffers, userbuffer_total_bytes=sum(buffers.values()),
+        note="userbuffers are allocated once for the model, outside PyTorch's allocator: torch.cuda never sees them",
+    )
 
 
 def _print_overlap(config: ModelConfig, report: dict) -> None:

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from memcalc.cli import echo_json
-from memcalc.config.schema import ModelConfig, config_record
+from memcalc.cli import echo_json, json_document
+from memcalc.config.schema import ModelConfig
 from memcalc.errors import ProbeError
-from memcalc.schemas import SCHEMA_VERSION
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -29,12 +28,7 @@ def report(results: Sequence[Any], as_json: bool, document: Callable[[], dict[st
 
 def document(config: ModelConfig, results: Sequence[Any], **fields: Any) -> dict[str, Any]:
     """A measurement's JSON document: its schema version, the config, whether every strategy matched, then `fields`."""
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "config": config_record(config),
-        "match": all(r.matches for r in results),
-        **fields,
-    }
+    return json_document(config, match=all(r.matches for r in results), **fields)
 
 
 def print_header(config: ModelConfig, what: str) -> None:

@@ -7,13 +7,13 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from memcalc.cli import echo_json
+from memcalc.cli import echo_json, json_document
 from memcalc.cli.options import (
     LAYOUT_FLAGS, accounting_options, device_options, layout_options, model_from, model_options, strategy_names,
     strategy_option,
 )
 from memcalc.config.gpus import Budget, budget_for
-from memcalc.config.schema import ModelConfig, config_record
+from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError, DoesNotFit
 from memcalc.model.departures import PaperComparison, compare_with_paper
 from memcalc.model.evaluate import LayerEstimate, TensorBytes, estimate
@@ -104,13 +104,9 @@ def to_json(
     per: list[PerGpu] | None, budget: Budget, peaks: dict | None, comparisons: list[PaperComparison],
 ) -> dict:
     """The config, the accounting, each strategy's numbers beside the paper's (and departures), totals if asked."""
-    from memcalc.schemas import SCHEMA_VERSION  # the schema tables load only for JSON
-
-    doc = {
-        "schema_version": SCHEMA_VERSION,
-        "config": config_record(config),
-        "accounting": {"exact": accounting.exact, "device": accounting.device, "impl": str(config.impl)},
-        "strategies": {
+    doc = json_document(
+        config, accounting={"exact": accounting.exact, "device": accounting.device, "impl": str(config.impl)},
+        strategies={
             r.strategy.name: {
                 "per_layer_bytes": r.per_layer_bytes,
                 "total_bytes": r.total_bytes,
@@ -120,7 +116,7 @@ def to_json(
             }
             for r, c in zip(results, comparisons)
         },
-    }
+    )
     if per is not None:
         doc["per_gpu"] = per_gpu_json(config, per, budget, peaks or {})
     return doc

@@ -6,19 +6,18 @@ from typing import Any
 
 import click
 
-from memcalc.cli import echo_json
+from memcalc.cli import echo_json, json_document
 from memcalc.cli.options import (
     BYTES, accounting_options, fit_device_options, layout_options, model_from, model_options, strategy_names,
     strategy_option,
 )
 from memcalc.config.gpus import budget_for
-from memcalc.config.schema import ModelConfig, build_config, choices, config_record
+from memcalc.config.schema import ModelConfig, build_config, choices
 from memcalc.errors import ConfigError, DoesNotFit
 from memcalc.sizing.fit import Candidate, Fit, fit
 from memcalc.sizing.verdict import COUNTS, SOLVES
 from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import STRATEGIES
-from memcalc.schemas import SCHEMA_VERSION
 from memcalc.sizing.verdict import PEAK, SAVED
 from memcalc.units import human_bytes
 
@@ -141,13 +140,7 @@ def _candidate_json(p: Candidate | None) -> dict | None:
 
 def to_json(config: ModelConfig, solve: str, count: str, budget: int, fits: list[Fit]) -> dict:
     """The JSON document: what was solved and counted, and each row's answer with the candidate past it."""
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "config": config_record(config),
-        "solve": solve,
-        "count": count,
-        "budget_bytes": budget,
-        "results": [
+    return json_document(config, solve=solve, count=count, budget_bytes=budget, results=[
             {
                 "strategy": f.strategy.name,
                 "recompute": f.recompute,
@@ -156,8 +149,7 @@ def to_json(config: ModelConfig, solve: str, count: str, budget: int, fits: list
                 "beyond": _candidate_json(f.beyond),
             }
             for f in fits
-        ],
-    }
+        ])
 
 
 def _bytes(c: Candidate) -> str:
