@@ -96,10 +96,10 @@ def _print(config: ModelConfig, results: list[LayerComm], microbatches: int, wid
     from memcalc.cli.render import console, describe, new_table
     from memcalc.units import human_bytes
 
-    console.print(describe(config), highlight=False)
+    console.print(describe(config))
     for r in results:
         if not r.collectives:
-            console.print(f"{r.strategy.name} ({r.strategy.title}): no tensor-parallel collectives", highlight=False)
+            console.print(f"{r.strategy.name} ({r.strategy.title}): no tensor-parallel collectives")
             continue
         table = new_table(f"{r.strategy.name} ({r.strategy.title}): one layer, one micro-batch, per rank",
                           ("operator", "collective", "pass", "moves"), ["bytes sent"], wrap=True)
@@ -111,11 +111,8 @@ def _print(config: ModelConfig, results: list[LayerComm], microbatches: int, wid
         moe, dense = r.layers
         layers = f"{moe} MoE layers + {dense} dense layers ({r.dense_layer_bytes:,} B each)" if dense else f"{moe} layers"
         pipe = f" + {human_bytes(r.pipeline_bytes)} between pipeline stages" if r.pipeline_bytes else ""
-        console.print(
-            f"per step: {layers} x {microbatches} micro-batch{'es' if microbatches > 1 else ''}{pipe}"
-            f" = {r.per_step_bytes:,} B ({human_bytes(r.per_step_bytes)}) sent by each rank",
-            highlight=False,
-        )
+        console.print(f"per step: {layers} x {microbatches} micro-batch{'es' if microbatches > 1 else ''}{pipe}"
+                      f" = {r.per_step_bytes:,} B ({human_bytes(r.per_step_bytes)}) sent by each rank")
 
 
 def overlap_report(config: ModelConfig, strategy: Strategy, methods: frozenset[str], gpu: Gpu, splits: int) -> dict:
@@ -141,7 +138,7 @@ def _print_overlap(config: ModelConfig, report: dict) -> None:
     from memcalc.cli.render import console, describe, new_table
     from memcalc.units import human_bytes
 
-    console.print(describe(config), highlight=False)
+    console.print(describe(config))
     gpu = report["gpu"]
     title = f"tp-sp, one layer on {gpu['name']} ({gpu['tflops']:g} TFLOPS, {gpu['link_gb_s']:g} GB/s), microseconds"
     # without overlap all of comm is exposed
@@ -157,5 +154,4 @@ def _print_overlap(config: ModelConfig, report: dict) -> None:
     console.print(
         f"userbuffers: {human_bytes(report['userbuffer_total_bytes'])} for the whole model"
         f" ({len(report['userbuffer_bytes'])} GEMMs), outside PyTorch's allocator: torch.cuda never counts them",
-        highlight=False,
     )

@@ -35,7 +35,7 @@ def print_header(config: ModelConfig, what: str) -> None:
     """The config in one line, then (dimmed) what the tables below count."""
     from memcalc.cli.render import console, describe
 
-    console.print(describe(config), highlight=False)
+    console.print(describe(config))
     console.print(f"[dim]{what}[/dim]")
 
 

@@ -161,8 +161,8 @@ def _print(config: ModelConfig, solve: str, count: str, budget: int, fits: list[
     """The model, what was solved, and a row per strategy and recompute choice (a section per strategy)."""
     from memcalc.cli.render import console, describe, describe_layout, new_table
 
-    console.print(describe(config), highlight=False)
-    console.print(describe_layout(config), highlight=False)
+    console.print(describe(config))
+    console.print(describe_layout(config))
     console.print(f"The {_WHAT[solve]} that fits {human_bytes(budget)} per GPU, counting {_COUNTED[count]}.")
     if solve == "t" and strategy == "all":
         console.print("[dim]'none' keeps whole layers on one GPU, so t does not change it: left out.[/dim]")

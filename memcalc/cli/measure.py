@@ -208,15 +208,14 @@ def print_measurements(config: ModelConfig, results: list[StrategyMeasurement], 
         console.print(_table(m))
         if comm and m.comm and m.comm[0]:
             console.print(_comm_table(m))
-        console.print(f"ran as: {m.layer}, {m.how()}", highlight=False)
+        console.print(f"ran as: {m.layer}, {m.how()}")
         for note in m.notes:
-            console.print(f"[dim]shim: {note}[/dim]", highlight=False)
+            console.print(f"[dim]shim: {note}[/dim]")
         cuda = m.ranks[0].cuda
         if cuda is not None:
             console.print(
                 f"torch.cuda on rank 0: forward left {human_bytes(cuda.kept)} allocated (saved tensors, the layer's"
                 f" output, allocator rounding) and peaked {human_bytes(cuda.peak)} above its start",
-                highlight=False,
             )
         console.print(verdict(m.matches, "every tensor agrees to the byte"))
 

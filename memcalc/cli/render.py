@@ -139,7 +139,7 @@ def print_estimates(
     comparisons: list[PaperComparison],
 ) -> None:
     """The per-strategy table, each departure from the paper's numbers and, if asked, the per-tensor table."""
-    console.print(describe(config), highlight=False)
+    console.print(describe(config))
     if config.cp > 1:
         console.print(f"context parallel: cp={config.cp}, so each rank keeps s/cp = {config.s // config.cp} tokens")
     console.print(f"[dim]{accounting_note(accounting, config.impl)}[/dim]")
@@ -150,7 +150,7 @@ def print_estimates(
         table.add_row(r.strategy.name, _bytes_cell(r.per_layer_bytes), _bytes_cell(r.total_bytes), f"{ratio:.4f}")
     console.print(table)
     for line in departure_lines(config, comparisons):
-        console.print(line, highlight=False)
+        console.print(line)
     if breakdown:
         console.print(breakdown_table(results, comparisons))
 
@@ -248,25 +248,20 @@ def print_totals(config: ModelConfig, per: list[PerGpu], device: Budget, peaks: 
     """A table per bounding pipeline stage, every term by name, a verdict per strategy, and the step's peak."""
     from memcalc.sizing.verdict import need
 
-    console.print(describe_layout(config), highlight=False)
+    console.print(describe_layout(config))
     for i, stage in enumerate(per[0].stages):
         console.print(stage_table([p.stages[i] for p in per], [p.strategy.name for p in per]))
         where = "" if stage.stage.name == "only" else f"{stage.stage.name} stage: "
         console.print(f"[dim]{where}{stage.stage.schedule}[/dim]")
     budget = device.bytes
-    console.print(
-        f"Fits in {human_bytes(budget)} per GPU? ({device.source}: {human_bytes(device.device_bytes)}, less a"
-        f" {human_bytes(device.reserve_bytes)} reserve for what the allocator does not see)", highlight=False,
-    )
+    console.print(f"Fits in {human_bytes(budget)} per GPU? ({device.source}: {human_bytes(device.device_bytes)}, less a"
+                  f" {human_bytes(device.reserve_bytes)} reserve for what the allocator does not see)")
     for p in per:
         needed = need(p, peaks.get(p.strategy.name))
         where = f", {needed.stage} stage" if needed.stage != "only" else ""
-        console.print(
-            f"  {p.strategy.name}: {'yes' if needed.bytes <= budget else 'no'}, {needed.bytes:,} B ="
-            f" {human_bytes(needed.bytes)} ({needed.basis}{where}), {human_bytes(abs(budget - needed.bytes))}"
-            f" {'left' if needed.bytes <= budget else 'over'}",
-            highlight=False,
-        )
+        console.print(f"  {p.strategy.name}: {'yes' if needed.bytes <= budget else 'no'}, {needed.bytes:,} B ="
+                      f" {human_bytes(needed.bytes)} ({needed.basis}{where}), {human_bytes(abs(budget - needed.bytes))}"
+                      f" {'left' if needed.bytes <= budget else 'over'}")
     from memcalc.sizing.states import sharding
 
     _print_peaks(peaks, sharded=sharding(config) != "megatron")
@@ -292,12 +287,12 @@ def _print_peaks(peaks: dict, sharded: bool) -> None:
         )
         console.print(
             f"  {name}: the step peaks at {human_bytes(worst.peak.bytes)}{where}, {worst.peak.label()}: {live}"
-            f"{others}; {human_bytes(worst.steady.bytes)} between steps", highlight=False,
+            f"{others}; {human_bytes(worst.steady.bytes)} between steps",
         )
         if sharded:
             from memcalc.sizing.timeline.words import in_words
 
-            console.print(f"  {name}: at the peak, {in_words(worst.peak)}", highlight=False)
+            console.print(f"  {name}: at the peak, {in_words(worst.peak)}")
 
 
 

@@ -239,7 +239,7 @@ def _print_table(result: SweepResult) -> None:
     fixed = " ".join(f"{n}={sweep.values[n][0]}" for n in SIZE_FLAGS if n not in swept) + (
         f" ep={sweep.ep}" if sweep.ep not in (None, 1) else "")
     name = f"{for_rich(sweep.name)}: " if sweep.name else ""  # a name from a file may hold markup or escapes
-    console.print(f"{name}{fixed} | {describe_knobs(SweptKnobs(sweep.knobs, swept))}", highlight=False)
+    console.print(f"{name}{fixed} | {describe_knobs(SweptKnobs(sweep.knobs, swept))}")
     console.print(f"[dim]{accounting_note(sweep.accounting, sweep.knobs.impl)}[/dim]")
     layers = "all L layers" if "L" in swept else f"all {sweep.values['L'][0]} layers"
     table = Table(title="Activation memory per GPU")
