@@ -14,12 +14,12 @@ from memcalc.cli.options import (
 )
 from memcalc.config.gpus import Budget, budget_for
 from memcalc.config.schema import ModelConfig
-from memcalc.errors import ConfigError, DoesNotFit
+from memcalc.errors import DoesNotFit
 from memcalc.model.departures import PaperComparison, compare_with_paper
 from memcalc.model.evaluate import LayerEstimate, TensorBytes, estimate
 from memcalc.model.impls import strategies_of
 from memcalc.model.knobs import Accounting
-from memcalc.model.strategy import STRATEGIES, Strategy
+from memcalc.model.strategy import STRATEGIES
 
 if TYPE_CHECKING:  # per-GPU totals, the timeline and the verdict load only when --totals asks for them
     from memcalc.sizing.timeline import Timeline
@@ -71,6 +71,7 @@ def command(
     given = params | {"gpu": gpu, "device_memory": device_memory, "reserve": reserve}
     if totals or any(given.get(k) is not None for k in TOTALS_FLAGS):
         from memcalc.sizing.totals import per_gpu
+        from memcalc.sizing.verdict import step_peaks
 
         per = [per_gpu(config, r.strategy, accounting) for r in results]
         peaks = {r.strategy.name: step_peaks(config, r.strategy, device) for r in results}
@@ -87,16 +88,6 @@ def command(
 
         if not any(need(p, peaks.get(p.strategy.name)).bytes <= budget.bytes for p in per):
             click.get_current_context().exit(DoesNotFit.exit_code)  # printed the verdict; only the code says no
-
-
-def step_peaks(config: ModelConfig, strategy: Strategy, device: str) -> tuple[Timeline, ...] | str:
-    """One step's timeline per bounding stage on `device`'s kernels, or why it is not modelled for this config."""
-    from memcalc.sizing.timeline import timelines  # only --totals pays for it
-
-    try:
-        return timelines(config, strategy, Accounting(exact=True, device=device))
-    except ConfigError as exc:
-        return str(exc)
 
 
 def to_json(
