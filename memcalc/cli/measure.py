@@ -12,6 +12,7 @@ from memcalc.cli.options import model_from, model_options, sharding_options, str
 from memcalc.cli.types import POSITIVE, Real
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError, ProbeError
+from memcalc.model.overlap import DEFAULT_SPLITS
 from memcalc.model.rules import divides
 from memcalc.probe import LAYERS, ROUTES, routing_fixed
 
@@ -65,7 +66,7 @@ MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: torch's timedelta and any real run st
     help="Run memcalc's own tp-sp layer with its forward collectives overlapped: a comma list of ring-ag, ring-rs,"
     " pipelined-rs (with --comm, every ring hop and chunk is compared with the ledger).",
 )
-@click.option("--num-splits", type=POSITIVE, default=4, show_default=True,
+@click.option("--num-splits", type=POSITIVE, default=DEFAULT_SPLITS, show_default=True,
               help="Chunks of a pipelined reduce-scatter.")
 @click.option(
     "--step", is_flag=True,
