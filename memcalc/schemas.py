@@ -30,11 +30,23 @@ NUMBER: Schema = {"type": "number"}
 TEXT: Schema = {"type": "string"}
 FLAG: Schema = {"type": "boolean"}
 STRATEGY: Schema = {"enum": list(STRATEGIES)}
-SHAPE: Schema = {"type": "array", "items": COUNT}
 
 
 def _nullable(schema: Schema) -> Schema:
     return {"anyOf": [schema, {"type": "null"}]}
+
+
+def _array(items: Schema, **bounds: int) -> Schema:
+    """A list of `items` (`bounds`: minItems)."""
+    return {"type": "array", "items": items, **bounds}
+
+
+def _map(values: Schema) -> Schema:
+    """An object of any keys, each value of `values`."""
+    return {"type": "object", "additionalProperties": values}
+
+
+SHAPE: Schema = _array(COUNT)
 
 
 def _object(properties: dict[str, Schema], optional: tuple[str, ...] = ()) -> Schema:
@@ -99,12 +111,12 @@ STAGE: Schema = _object(
         "layer_activations_kept": COUNT,
         "total_bytes": COUNT,
         "parameters": COUNT,
-        "parameter_groups": {"type": "object", "additionalProperties": COUNT},
-        "terms": {"type": "array", "items": _object({"name": TEXT, "group": TEXT, "bytes": COUNT, "note": TEXT})},
+        "parameter_groups": _map(COUNT),
+        "terms": _array(_object({"name": TEXT, "group": TEXT, "bytes": COUNT, "note": TEXT})),
         "peak_bytes": COUNT,
         "peak_moment": TEXT,
         "peak_in_words": TEXT,  # the moment, and which of FSDP2's or ZeRO's buffers are live then
-        "peak_by_category": {"type": "object", "additionalProperties": COUNT},
+        "peak_by_category": _map(COUNT),
         "steady_bytes": COUNT,
         "peak_not_modelled": TEXT,
     },
@@ -127,11 +139,11 @@ PER_GPU: Schema = _object({
         "needed_basis": {"enum": [PEAK, SAVED]},
         "fits": FLAG,
         "headroom_bytes": INT,  # negative when it does not fit
-        "stages": {"type": "array", "items": STAGE, "minItems": 1},
+        "stages": _array(STAGE, minItems=1),
     })),
 })
 
-_TENSORS: Schema = {"type": "array", "items": _object({"name": TEXT, "bytes": COUNT, "shape": SHAPE, "saved_by": TEXT})}
+_TENSORS: Schema = _array(_object({"name": TEXT, "bytes": COUNT, "shape": SHAPE, "saved_by": TEXT}))
 
 # The paper's numbers at the same inputs (--impl paper), and each rule by which the implementation departs from
 # them: its words, the bytes per layer it adds (negative: takes away), and each tensor it moves; or, where the paper
@@ -140,10 +152,9 @@ PAPER: Schema = {"anyOf": [
     _object({
         "per_layer_bytes": COUNT,
         "tensors": _TENSORS,
-        "departures": {"type": "array", "items": _object({
-            "rule": TEXT, "bytes": INT,
-            "tensors": {"type": "array", "items": _object({"name": TEXT, "bytes": INT}), "minItems": 1},
-        })},
+        "departures": _array(_object(
+            {"rule": TEXT, "bytes": INT, "tensors": _array(_object({"name": TEXT, "bytes": INT}), minItems=1)}
+        )),
     }),
     _object({"not_modelled": TEXT}),
 ]}
@@ -169,12 +180,10 @@ FORMULA: Schema = _document(
     {
         "knobs": KNOBS,
         "accounting": ACCOUNTING,
-        "symbols": {"type": "object", "additionalProperties": TEXT},
+        "symbols": _map(TEXT),
         "strategies": _by_strategy(_object({
             "formula": TEXT, "latex": TEXT, "sympy": TEXT,
-            "terms": {"type": "array", "items": _object(
-                {"name": TEXT, "formula": TEXT, "latex": TEXT, "paper": FLAG}
-            )},
+            "terms": _array(_object({"name": TEXT, "formula": TEXT, "latex": TEXT, "paper": FLAG})),
         })),
     },
     "memcalc formula --format json",
@@ -189,13 +198,12 @@ COMM: Schema = _document(
             "per_step_bytes": COUNT,
             "pipeline_bytes": COUNT,
             "dense_layer_bytes": COUNT,  # a dense layer's, in a dense and MoE mix (0 otherwise)
-            "layers": {"type": "object", "additionalProperties": COUNT},  # on the stage counted: moe and dense, or dense
+            "layers": _map(COUNT),  # on the stage counted: moe and dense, or dense
             "formula": TEXT,
-            "collectives": {"type": "array", "items": _object({
+            "collectives": _array(_object({
                 "name": TEXT, "operator": TEXT, "op": TEXT, "phase": {"enum": ["forward", "backward"]},
-                "over": TEXT, "moves": TEXT, "shape": {"type": "array", "items": TEXT}, "bytes_sent": COUNT,
-                "why": TEXT,
-            })},
+                "over": TEXT, "moves": TEXT, "shape": _array(TEXT), "bytes_sent": COUNT, "why": TEXT,
+            })),
         })),
     },
     "memcalc comm --json",
@@ -207,13 +215,13 @@ COMM_OVERLAP: Schema = _document(
         "gpu": _object({
             "name": TEXT, "memory_bytes": COUNT, "memory_source": TEXT, "tflops": NUMBER, "link_gb_s": NUMBER,
         }),
-        "methods": {"type": "array", "items": TEXT},
+        "methods": _array(TEXT),
         "num_splits": POSITIVE,
-        "collectives": {"type": "array", "items": _object(
+        "collectives": _array(_object(
             {"collective": TEXT, "gemm": TEXT, "method": _nullable(TEXT), "bytes_sent": COUNT, **_SECONDS}
-        )},
+        )),
         "per_layer": _object(_SECONDS),
-        "userbuffer_bytes": {"type": "object", "additionalProperties": COUNT},
+        "userbuffer_bytes": _map(COUNT),
         "userbuffer_total_bytes": COUNT,
         "note": TEXT,
     },
@@ -224,17 +232,17 @@ _MEASURED_TENSOR = {
     "name": TEXT, "predicted": COUNT, "measured": COUNT,
     "predicted_shape": _nullable(SHAPE), "measured_shape": _nullable(SHAPE), "match": FLAG,
 }
-_COLLECTIVE_SEEN: Schema = {"type": "array", "items": {"type": ["string", "integer"]}}  # (op, pass, bytes), or empty
+_COLLECTIVE_SEEN: Schema = _array({"type": ["string", "integer"]})  # (op, pass, bytes), or empty
 MEASURE: Schema = _document(
     {
         "config": CONFIG,
         "match": FLAG,
         "predicted_bytes": COUNT,
         "measured_bytes": COUNT,
-        "tensors": {"type": "array", "items": _object({"strategy": STRATEGY, **_MEASURED_TENSOR})},
+        "tensors": _array(_object({"strategy": STRATEGY, **_MEASURED_TENSOR})),
         "strategies": _by_strategy(_object({
             "layer": TEXT,
-            "cuda_like": {"type": "array", "items": TEXT},
+            "cuda_like": _array(TEXT),
             "launch": TEXT,
             "group": TEXT,
             "device": TEXT,
@@ -244,12 +252,12 @@ MEASURE: Schema = _document(
             "predicted_bytes": COUNT,
             "measured_bytes": COUNT,
             "match": FLAG,
-            "differences": {"type": "array", "items": TEXT},
-            "tensors": {"type": "array", "items": _object(_MEASURED_TENSOR)},
+            "differences": _array(TEXT),
+            "tensors": _array(_object(_MEASURED_TENSOR)),
             "cuda": _nullable(_object({"kept": INT, "peak": INT})),
-            "collectives": {"type": "array", "items": _object(
+            "collectives": _array(_object(
                 {"name": TEXT, "predicted": _COLLECTIVE_SEEN, "measured": _COLLECTIVE_SEEN, "match": FLAG}
-            )},
+            )),
         })),
     },
     "memcalc measure --json",
@@ -265,15 +273,13 @@ MEASURE_STEP: Schema = _document(
             "t": POSITIVE,
             "how": TEXT,
             "match": FLAG,
-            "differences": {"type": "array", "items": TEXT},
+            "differences": _array(TEXT),
             "moment": _object({"predicted": TEXT, "measured": TEXT, "match": FLAG, "what": TEXT}),
             "peak_bytes": _PAIR,
             "steady_bytes": _PAIR,
-            "peak": {"type": "object", "additionalProperties": _PAIR},
-            "steady": {"type": "object", "additionalProperties": _PAIR},
-            "live_at_peak": {"type": "array", "items": _object(
-                {"name": TEXT, "category": TEXT, "bytes": COUNT, "why": TEXT}
-            )},
+            "peak": _map(_PAIR),
+            "steady": _map(_PAIR),
+            "live_at_peak": _array(_object({"name": TEXT, "category": TEXT, "bytes": COUNT, "why": TEXT})),
         })),
     },
     "memcalc measure --step --json",
@@ -290,19 +296,16 @@ FIT: Schema = _document(
         "solve": {"enum": list(SOLVES)},
         "count": {"enum": list(COUNTS)},
         "budget_bytes": COUNT,
-        "results": {"type": "array", "items": _object({
-            "strategy": STRATEGY,
-            "recompute": KNOBS["properties"]["recompute"],
-            "answer": _CANDIDATE,
-            "left_over_bytes": _nullable(COUNT),
-            "beyond": _CANDIDATE,
-        })},
+        "results": _array(_object({
+            "strategy": STRATEGY, "recompute": KNOBS["properties"]["recompute"], "answer": _CANDIDATE,
+            "left_over_bytes": _nullable(COUNT), "beyond": _CANDIDATE,
+        })),
     },
     "memcalc fit --json",
 )
 
 # One list per column, all of length `rows` (JSON Schema cannot say "equal lengths"; the tests do).
-_SWEEP_COLUMNS = {name: {"type": "array", "items": POSITIVE} for name in SIZES}
+_SWEEP_COLUMNS = {name: _array(POSITIVE) for name in SIZES}
 _EXPERT_AXES = ("num_experts", "moe_router_topk", "ep")  # columns of a sweep whose model has experts
 SWEEP: Schema = _document(
     {
@@ -313,14 +316,14 @@ SWEEP: Schema = _document(
         "ep": _nullable(POSITIVE),
         "accounting": {"enum": ["paper", "exact-cuda", "exact-cpu"]},
         "configurations": COUNT,
-        "skipped": {"type": "array", "items": _object({"rule": TEXT, "count": POSITIVE, "example": TEXT})},
+        "skipped": _array(_object({"rule": TEXT, "count": POSITIVE, "example": TEXT})),
         "rows": COUNT,
         "columns": _object({
             **_SWEEP_COLUMNS,
-            "strategy": {"type": "array", "items": STRATEGY},
-            "per_layer_bytes": {"type": "array", "items": COUNT},
-            "total_bytes": {"type": "array", "items": COUNT},
-            **{name: {"type": "array", "items": POSITIVE} for name in _EXPERT_AXES},
+            "strategy": _array(STRATEGY),
+            "per_layer_bytes": _array(COUNT),
+            "total_bytes": _array(COUNT),
+            **{name: _array(POSITIVE) for name in _EXPERT_AXES},
         }, optional=_EXPERT_AXES),
     },
     "memcalc sweep --format json",

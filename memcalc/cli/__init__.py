@@ -182,6 +182,16 @@ def echo_json(doc: object) -> None:
     click.echo(json.dumps(doc, indent=2, allow_nan=False))
 
 
+def json_document(config: Any = None, **fields: Any) -> dict[str, Any]:
+    """A command's JSON document: `schema_version` first, then the config it ran (a ModelConfig, where it has one)
+    as `memcalc.config.schema.config_record` writes it, then `fields` (the schema tables load only for JSON)."""
+    from memcalc.config.schema import config_record
+    from memcalc.schemas import SCHEMA_VERSION
+
+    head = {"schema_version": SCHEMA_VERSION}
+    return head | ({"config": config_record(config)} if config is not None else {}) | fields
+
+
 def _fail(message: str, code: int) -> None:
     """One line on stderr: whitespace folded, control characters escaped, never a flood."""
     line = printable(" ".join(message.split()))

@@ -7,16 +7,15 @@ from typing import Any
 
 import click
 
-from memcalc.cli import echo_json
+from memcalc.cli import echo_json, json_document
 from memcalc.cli.options import layout_options, model_from, model_options, strategy_names, strategy_option
 from memcalc.cli.types import POSITIVE, Real
-from memcalc.config.schema import ModelConfig, config_record
+from memcalc.config.schema import ModelConfig
 from memcalc.model.comm import LayerComm, formula, layer_comm
 from memcalc.model.knobs import DTYPE_BYTES
 from memcalc.config.gpus import GPUS, Gpu
 from memcalc.model.overlap import DEFAULT_SPLITS, buffer_bytes, chosen, exposed, pairings, resolve
 from memcalc.model.strategy import STRATEGIES, TP_SP, Strategy
-from memcalc.schemas import SCHEMA_VERSION
 
 
 # TFLOPS and GB/s: far beyond any card both ways, and near enough that every time the model computes stays finite.
@@ -75,11 +74,7 @@ def command(strategy: str, microbatches: int, fmt: str, overlap: str | None, gpu
 
 
 def to_json(config: ModelConfig, results: list[LayerComm], microbatches: int, width: int) -> dict:
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "config": config_record(config),
-        "microbatches": microbatches,
-        "strategies": {
+    return json_document(config, microbatches=microbatches, strategies={
             r.strategy.name: {
                 "per_layer_bytes": r.per_layer_bytes,
                 "per_step_bytes": r.per_step_bytes,
@@ -94,25 +89,20 @@ def to_json(config: ModelConfig, results: list[LayerComm], microbatches: int, wi
                 ],
             }
             for r in results
-        },
-    }
+        })
 
 
 def _print(config: ModelConfig, results: list[LayerComm], microbatches: int, width: int) -> None:
-    from rich.table import Table
-
-    from memcalc.cli.render import console, describe
+    from memcalc.cli.render import console, describe, new_table
     from memcalc.units import human_bytes
 
-    console.print(describe(config), highlight=False)
+    console.print(describe(config))
     for r in results:
         if not r.collectives:
-            console.print(f"{r.strategy.name} ({r.strategy.title}): no tensor-parallel collectives", highlight=False)
+            console.print(f"{r.strategy.name} ({r.strategy.title}): no tensor-parallel collectives")
             continue
-        table = Table(title=f"{r.strategy.name} ({r.strategy.title}): one layer, one micro-batch, per rank")
-        for col in ("operator", "collective", "pass", "moves"):
-            table.add_column(col)
-        table.add_column("bytes sent", justify="right", no_wrap=True)
+        table = new_table(f"{r.strategy.name} ({r.strategy.title}): one layer, one micro-batch, per rank",
+                          ("operator", "collective", "pass", "moves"), ["bytes sent"], wrap=True)
         for c, n in r.collectives:
             table.add_row(c.name, c.op.value, c.phase, c.moves, f"{n:,}")
         table.add_row("[bold]per layer[/bold]", "", "", formula(config, r.strategy, width, config.ep)[0],
@@ -121,11 +111,8 @@ def _print(config: ModelConfig, results: list[LayerComm], microbatches: int, wid
         moe, dense = r.layers
         layers = f"{moe} MoE layers + {dense} dense layers ({r.dense_layer_bytes:,} B each)" if dense else f"{moe} layers"
         pipe = f" + {human_bytes(r.pipeline_bytes)} between pipeline stages" if r.pipeline_bytes else ""
-        console.print(
-            f"per step: {layers} x {microbatches} micro-batch{'es' if microbatches > 1 else ''}{pipe}"
-            f" = {r.per_step_bytes:,} B ({human_bytes(r.per_step_bytes)}) sent by each rank",
-            highlight=False,
-        )
+        console.print(f"per step: {layers} x {microbatches} micro-batch{'es' if microbatches > 1 else ''}{pipe}"
+                      f" = {r.per_step_bytes:,} B ({human_bytes(r.per_step_bytes)}) sent by each rank")
 
 
 def overlap_report(config: ModelConfig, strategy: Strategy, methods: frozenset[str], gpu: Gpu, splits: int) -> dict:
@@ -139,30 +126,23 @@ def overlap_report(config: ModelConfig, strategy: Strategy, methods: frozenset[s
             "exposed_s": exposed(p, method, config.t, splits),
         })
     buffers = buffer_bytes(config, methods, config.t)
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "gpu": vars(gpu), "methods": sorted(methods), "num_splits": splits, "collectives": rows,
-        "per_layer": {k: sum(r[k] for r in rows) for k in ("gemm_s", "comm_s", "exposed_without_s", "exposed_s")},
-        "userbuffer_bytes": buffers,
-        "userbuffer_total_bytes": sum(buffers.values()),
-        "note": "userbuffers are allocated once for the model, outside PyTorch's allocator: torch.cuda never sees them",
-    }
+    return json_document(
+        gpu=vars(gpu), methods=sorted(methods), num_splits=splits, collectives=rows,
+        per_layer={k: sum(r[k] for r in rows) for k in ("gemm_s", "comm_s", "exposed_without_s", "exposed_s")},
+        userbuffer_bytes=buffers, userbuffer_total_bytes=sum(buffers.values()),
+        note="userbuffers are allocated once for the model, outside PyTorch's allocator: torch.cuda never sees them",
+    )
 
 
 def _print_overlap(config: ModelConfig, report: dict) -> None:
-    from rich.table import Table
-
-    from memcalc.cli.render import console, describe
+    from memcalc.cli.render import console, describe, new_table
     from memcalc.units import human_bytes
 
-    console.print(describe(config), highlight=False)
+    console.print(describe(config))
     gpu = report["gpu"]
     title = f"tp-sp, one layer on {gpu['name']} ({gpu['tflops']:g} TFLOPS, {gpu['link_gb_s']:g} GB/s), microseconds"
-    table = Table(title=title)
-    for col in ("collective", "GEMM", "method"):
-        table.add_column(col, no_wrap=True)
-    for col in ("GEMM us", "comm us", "exposed"):  # without overlap all of comm is exposed
-        table.add_column(col, justify="right", no_wrap=True)
+    # without overlap all of comm is exposed
+    table = new_table(title, ("collective", "GEMM", "method"), ("GEMM us", "comm us", "exposed"))
     us = lambda x: f"{x * 1e6:,.1f}"  # noqa: E731
     for r in report["collectives"]:
         name = r["collective"].replace(" forward", " fwd").replace(" backward", " bwd")
@@ -174,5 +154,4 @@ def _print_overlap(config: ModelConfig, report: dict) -> None:
     console.print(
         f"userbuffers: {human_bytes(report['userbuffer_total_bytes'])} for the whole model"
         f" ({len(report['userbuffer_bytes'])} GEMMs), outside PyTorch's allocator: torch.cuda never counts them",
-        highlight=False,
     )

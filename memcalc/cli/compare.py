@@ -6,10 +6,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from memcalc.cli import echo_json
-from memcalc.config.schema import ModelConfig, config_record
+from memcalc.cli import echo_json, json_document
+from memcalc.config.schema import ModelConfig
 from memcalc.errors import ProbeError
-from memcalc.schemas import SCHEMA_VERSION
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -29,19 +28,14 @@ def report(results: Sequence[Any], as_json: bool, document: Callable[[], dict[st
 
 def document(config: ModelConfig, results: Sequence[Any], **fields: Any) -> dict[str, Any]:
     """A measurement's JSON document: its schema version, the config, whether every strategy matched, then `fields`."""
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "config": config_record(config),
-        "match": all(r.matches for r in results),
-        **fields,
-    }
+    return json_document(config, match=all(r.matches for r in results), **fields)
 
 
 def print_header(config: ModelConfig, what: str) -> None:
     """The config in one line, then (dimmed) what the tables below count."""
     from memcalc.cli.render import console, describe
 
-    console.print(describe(config), highlight=False)
+    console.print(describe(config))
     console.print(f"[dim]{what}[/dim]")
 
 
@@ -52,14 +46,9 @@ def verdict(matches: bool, agreed: str) -> str:
 
 def comparison_table(title: str, *labels: str) -> Table:
     """A table of rows named by `labels`' columns, then predicted, measured and their difference."""
-    from rich.table import Table
+    from memcalc.cli.render import new_table
 
-    table = Table(title=title)
-    for label in labels:
-        table.add_column(label, no_wrap=True)
-    for col in ("predicted", "measured", "difference"):
-        table.add_column(col, justify="right", no_wrap=True)
-    return table
+    return new_table(title, labels, ("predicted", "measured", "difference"))
 
 
 def add_total(table: Table, predicted: int, measured: int, difference: str, *blanks: str) -> None:

@@ -7,19 +7,19 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from memcalc.cli import echo_json
+from memcalc.cli import echo_json, json_document
 from memcalc.cli.options import (
     LAYOUT_FLAGS, accounting_options, device_options, layout_options, model_from, model_options, strategy_names,
     strategy_option,
 )
 from memcalc.config.gpus import Budget, budget_for
-from memcalc.config.schema import ModelConfig, config_record
-from memcalc.errors import ConfigError, DoesNotFit
+from memcalc.config.schema import ModelConfig
+from memcalc.errors import DoesNotFit
 from memcalc.model.departures import PaperComparison, compare_with_paper
 from memcalc.model.evaluate import LayerEstimate, TensorBytes, estimate
 from memcalc.model.impls import strategies_of
 from memcalc.model.knobs import Accounting
-from memcalc.model.strategy import STRATEGIES, Strategy
+from memcalc.model.strategy import STRATEGIES
 
 if TYPE_CHECKING:  # per-GPU totals, the timeline and the verdict load only when --totals asks for them
     from memcalc.sizing.timeline import Timeline
@@ -71,6 +71,7 @@ def command(
     given = params | {"gpu": gpu, "device_memory": device_memory, "reserve": reserve}
     if totals or any(given.get(k) is not None for k in TOTALS_FLAGS):
         from memcalc.sizing.totals import per_gpu
+        from memcalc.sizing.verdict import step_peaks
 
         per = [per_gpu(config, r.strategy, accounting) for r in results]
         peaks = {r.strategy.name: step_peaks(config, r.strategy, device) for r in results}
@@ -89,28 +90,14 @@ def command(
             click.get_current_context().exit(DoesNotFit.exit_code)  # printed the verdict; only the code says no
 
 
-def step_peaks(config: ModelConfig, strategy: Strategy, device: str) -> tuple[Timeline, ...] | str:
-    """One step's timeline per bounding stage on `device`'s kernels, or why it is not modelled for this config."""
-    from memcalc.sizing.timeline import timelines  # only --totals pays for it
-
-    try:
-        return timelines(config, strategy, Accounting(exact=True, device=device))
-    except ConfigError as exc:
-        return str(exc)
-
-
 def to_json(
     config: ModelConfig, accounting: Accounting, results: list[LayerEstimate], baseline: LayerEstimate,
     per: list[PerGpu] | None, budget: Budget, peaks: dict | None, comparisons: list[PaperComparison],
 ) -> dict:
     """The config, the accounting, each strategy's numbers beside the paper's (and departures), totals if asked."""
-    from memcalc.schemas import SCHEMA_VERSION  # the schema tables load only for JSON
-
-    doc = {
-        "schema_version": SCHEMA_VERSION,
-        "config": config_record(config),
-        "accounting": {"exact": accounting.exact, "device": accounting.device, "impl": str(config.impl)},
-        "strategies": {
+    doc = json_document(
+        config, accounting={"exact": accounting.exact, "device": accounting.device, "impl": str(config.impl)},
+        strategies={
             r.strategy.name: {
                 "per_layer_bytes": r.per_layer_bytes,
                 "total_bytes": r.total_bytes,
@@ -120,7 +107,7 @@ def to_json(
             }
             for r, c in zip(results, comparisons)
         },
-    }
+    )
     if per is not None:
         doc["per_gpu"] = per_gpu_json(config, per, budget, peaks or {})
     return doc

@@ -83,5 +83,5 @@ def _print_list(title: str, rows: list[tuple[str, ...]]) -> None:
     console.print(f"[bold]{title}[/bold]")
     console.print("[dim]tensor, shape, bytes per element, split by tp, split by sp[/dim]")
     for name, saved_by, shape, width, tp, sp, why in rows:
-        console.print(f"[bold]{name}[/bold]  {shape} x {width} B  tp: {tp}  sp: {sp}", highlight=False)
-        console.print(f"    saved by {saved_by}: {why}", highlight=False)
+        console.print(f"[bold]{name}[/bold]  {shape} x {width} B  tp: {tp}  sp: {sp}")
+        console.print(f"    saved by {saved_by}: {why}")

@@ -6,19 +6,18 @@ from typing import Any
 
 import click
 
-from memcalc.cli import echo_json
+from memcalc.cli import echo_json, json_document
 from memcalc.cli.options import (
-    ByteSize, accounting_options, fit_device_options, layout_options, model_from, model_options, strategy_names,
+    BYTES, accounting_options, fit_device_options, layout_options, model_from, model_options, strategy_names,
     strategy_option,
 )
 from memcalc.config.gpus import budget_for
-from memcalc.config.schema import ModelConfig, build_config, choices, config_record
+from memcalc.config.schema import ModelConfig, build_config, choices
 from memcalc.errors import ConfigError, DoesNotFit
 from memcalc.sizing.fit import Candidate, Fit, fit
 from memcalc.sizing.verdict import COUNTS, SOLVES
 from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import STRATEGIES
-from memcalc.schemas import SCHEMA_VERSION
 from memcalc.sizing.verdict import PEAK, SAVED
 from memcalc.units import human_bytes
 
@@ -43,7 +42,7 @@ _COUNTED = {
 @strategy_option
 @accounting_options
 @click.option(
-    "--budget", type=ByteSize(), default=None,
+    "--budget", type=BYTES, default=None,
     help="Bytes PyTorch's allocator may use on one GPU, e.g. 76GiB; or give --gpu (its memory less --reserve).",
 )
 @fit_device_options
@@ -141,13 +140,7 @@ def _candidate_json(p: Candidate | None) -> dict | None:
 
 def to_json(config: ModelConfig, solve: str, count: str, budget: int, fits: list[Fit]) -> dict:
     """The JSON document: what was solved and counted, and each row's answer with the candidate past it."""
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "config": config_record(config),
-        "solve": solve,
-        "count": count,
-        "budget_bytes": budget,
-        "results": [
+    return json_document(config, solve=solve, count=count, budget_bytes=budget, results=[
             {
                 "strategy": f.strategy.name,
                 "recompute": f.recompute,
@@ -156,8 +149,7 @@ def to_json(config: ModelConfig, solve: str, count: str, budget: int, fits: list
                 "beyond": _candidate_json(f.beyond),
             }
             for f in fits
-        ],
-    }
+        ])
 
 
 def _bytes(c: Candidate) -> str:
@@ -167,22 +159,18 @@ def _bytes(c: Candidate) -> str:
 
 def _print(config: ModelConfig, solve: str, count: str, budget: int, fits: list[Fit], strategy: str) -> None:
     """The model, what was solved, and a row per strategy and recompute choice (a section per strategy)."""
-    from rich.table import Table
+    from memcalc.cli.render import console, describe, describe_layout, new_table
 
-    from memcalc.cli.render import console, describe, describe_layout
-
-    console.print(describe(config), highlight=False)
-    console.print(describe_layout(config), highlight=False)
+    console.print(describe(config))
+    console.print(describe_layout(config))
     console.print(f"The {_WHAT[solve]} that fits {human_bytes(budget)} per GPU, counting {_COUNTED[count]}.")
     if solve == "t" and strategy == "all":
         console.print("[dim]'none' keeps whole layers on one GPU, so t does not change it: left out.[/dim]")
     unanswered = any(f.answer is None for f in fits)
     caption = f"-: nothing fits; next {solve} is the cheapest candidate" if unanswered else None
-    table = Table(caption=caption, pad_edge=False)  # no edge padding: seven columns fit 80 characters
-    for col in ("strategy", "recompute"):
-        table.add_column(col, no_wrap=True)
-    for col in (solve, "needs", "left over", f"next {solve}", "it needs"):
-        table.add_column(col, justify="right", no_wrap=True)
+    # no edge padding: seven columns fit 80 characters
+    table = new_table(None, ("strategy", "recompute"), (solve, "needs", "left over", f"next {solve}", "it needs"),
+                      caption=caption, pad_edge=False)
     for f, after in zip(fits, [*fits[1:], None]):
         a, n = f.answer, f.beyond
         cells = (str(a.value), _bytes(a), human_bytes(budget - a.bytes)) if a else ("-", "-", "-")

@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from memcalc.cli import echo_json
+from memcalc.cli import echo_json, json_document
 from memcalc.cli.options import (
     accounting_options, config_option, hf_config_option, knob_options, knobs_from, strategy_names, strategy_option,
 )
@@ -16,7 +16,6 @@ from memcalc.errors import ConfigError
 from memcalc.model.ledger import Dim
 from memcalc.model.rules import DIVISIBILITY, SEQUENCE_SPLIT
 from memcalc.model.strategy import STRATEGIES
-from memcalc.schemas import SCHEMA_VERSION
 
 
 @click.command("formula")
@@ -114,12 +113,10 @@ def _print_window(F: Any, names: list[str], knobs: Knobs, accounting: Accounting
 
 
 def _json(F: Any, formulas: list, knobs: Knobs, accounting: Accounting) -> dict:
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "knobs": knobs.__dict__,
-        "accounting": accounting.__dict__,
-        "symbols": {n: F.MEANINGS[n] for n in F.symbols_in([lf.total for lf in formulas])},
-        "strategies": {
+    return json_document(
+        knobs=knobs.__dict__, accounting=accounting.__dict__,
+        symbols={n: F.MEANINGS[n] for n in F.symbols_in([lf.total for lf in formulas])},
+        strategies={
             lf.strategy.name: {
                 "formula": F.to_text(lf.total), "latex": F.to_latex(lf.total), "sympy": F.to_plain(lf.total),
                 "terms": [
@@ -129,7 +126,7 @@ def _json(F: Any, formulas: list, knobs: Knobs, accounting: Accounting) -> dict:
             }
             for lf in formulas
         },
-    }
+    )
 
 
 def _print_text(F: Any, formulas: list, knobs: Knobs, accounting: Accounting) -> None:

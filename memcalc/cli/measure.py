@@ -12,6 +12,7 @@ from memcalc.cli.options import model_from, model_options, sharding_options, str
 from memcalc.cli.types import POSITIVE, Real
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError, ProbeError
+from memcalc.model.overlap import DEFAULT_SPLITS
 from memcalc.model.rules import divides
 from memcalc.probe import LAYERS, ROUTES, routing_fixed
 
@@ -65,7 +66,7 @@ MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: torch's timedelta and any real run st
     help="Run memcalc's own tp-sp layer with its forward collectives overlapped: a comma list of ring-ag, ring-rs,"
     " pipelined-rs (with --comm, every ring hop and chunk is compared with the ledger).",
 )
-@click.option("--num-splits", type=POSITIVE, default=4, show_default=True,
+@click.option("--num-splits", type=POSITIVE, default=DEFAULT_SPLITS, show_default=True,
               help="Chunks of a pipelined reduce-scatter.")
 @click.option(
     "--step", is_flag=True,
@@ -208,15 +209,14 @@ def print_measurements(config: ModelConfig, results: list[StrategyMeasurement], 
         console.print(_table(m))
         if comm and m.comm and m.comm[0]:
             console.print(_comm_table(m))
-        console.print(f"ran as: {m.layer}, {m.how()}", highlight=False)
+        console.print(f"ran as: {m.layer}, {m.how()}")
         for note in m.notes:
-            console.print(f"[dim]shim: {note}[/dim]", highlight=False)
+            console.print(f"[dim]shim: {note}[/dim]")
         cuda = m.ranks[0].cuda
         if cuda is not None:
             console.print(
                 f"torch.cuda on rank 0: forward left {human_bytes(cuda.kept)} allocated (saved tensors, the layer's"
                 f" output, allocator rounding) and peaked {human_bytes(cuda.peak)} above its start",
-                highlight=False,
             )
         console.print(verdict(m.matches, "every tensor agrees to the byte"))
 
@@ -252,11 +252,10 @@ def _difference(row: Row) -> str:
 
 def _comm_table(m: StrategyMeasurement) -> Table:
     """Rank 0's collectives, in order, next to the communication ledger's: kind, pass and bytes sent."""
-    from rich.table import Table
+    from memcalc.cli.render import new_table
 
-    table = Table(title=f"{m.strategy.name}: collectives on rank 0, bytes sent (ring)")
-    for col in ("collective", "predicted", "measured"):
-        table.add_column(col, no_wrap=True)
+    table = new_table(f"{m.strategy.name}: collectives on rank 0, bytes sent (ring)",
+                      ("collective", "predicted", "measured"))
     for c in m.comm[0]:
         cells = [" ".join(map(str, x)) if x else "none" for x in (c.predicted, c.measured)]
         table.add_row(c.name, cells[0], cells[1] if c.matches else f"[red]{cells[1]}[/red]")

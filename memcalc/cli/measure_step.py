@@ -96,21 +96,18 @@ def print_steps(config: ModelConfig, results: list[StepComparison], tolerance: f
         console.print(_table(r))
         peak = r.predicted.peak
         moment = "[green]same moment[/green]" if r.moment_matches else "[red]another moment[/red]"
-        console.print(f"peak: predicted at {for_rich(peak.label())}; MemTracker at {r.measured.moment} ({moment})",
-                      highlight=False)
+        console.print(f"peak: predicted at {for_rich(peak.label())}; MemTracker at {r.measured.moment} ({moment})")
         steady = r.rows("steady")[-1]
-        console.print(
-            f"steady state before the step: predicted {steady.predicted:,}, measured {steady.measured:,}"
-            f" ({human_bytes(steady.measured)})", highlight=False,
-        )
+        console.print(f"steady state before the step: predicted {steady.predicted:,}, measured {steady.measured:,}"
+                      f" ({human_bytes(steady.measured)})")
         transient = [x for x in peak.live if x.category in (ACTIVATIONS, TEMPORARIES)]
         largest = sorted(transient, key=lambda x: -x.bytes)[:TOP_TERMS]
         console.print("largest activations and temporaries at the peak: " + ", ".join(
-            f"{for_rich(x.name)} {human_bytes(x.bytes)}" for x in largest), highlight=False)
-        console.print(f"ran as: {r.model}, {r.how()}", highlight=False)
+            f"{for_rich(x.name)} {human_bytes(x.bytes)}" for x in largest))
+        console.print(f"ran as: {r.model}, {r.how()}")
         for note in (*(notes(config.impl, cuda_step=True) if r.device == "cuda" else ()),
                      *(notes(config.impl, pp_step=True) if config.pp > 1 else ())):
-            console.print(f"[dim]shim: {note}[/dim]", highlight=False)
+            console.print(f"[dim]shim: {note}[/dim]")
         console.print(verdict(r.matches, f"the peak and every category within {tolerance:.0%}"))
 
 

@@ -12,7 +12,7 @@ import click
 from memcalc.cli import note
 from memcalc.config.gpus import DEFAULT_GPU, DEFAULT_RESERVE, GPUS
 from memcalc.config.schema import SIZES, ModelConfig, build_knobs, field_default, load_config, load_yaml
-from memcalc.cli.types import INTEGER, Integer, Real
+from memcalc.cli.types import INTEGER, Integer, Parsed, Real
 from memcalc.errors import ConfigError
 from memcalc.model.impls import left_out, strategies_of
 from memcalc.model.strategy import STRATEGIES
@@ -141,18 +141,7 @@ layout_options = _stack(
 model_options = _stack(config_option, hf_config_option, size_options, knob_options)
 
 
-class ByteSize(click.ParamType):
-    """A size such as 80GiB, 40GB or 1024MiB, read by `memcalc.units.parse_bytes`."""
-
-    name = "size"
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
-        if isinstance(value, int):
-            return value
-        try:
-            return parse_bytes(value)
-        except ConfigError as exc:
-            self.fail(str(exc), param, ctx)
+BYTES = Parsed("size", parse_bytes)  # a size such as 80GiB, 40GB or 1024MiB (`memcalc.units.parse_bytes`)
 
 
 def _device_options(gpu_default: str) -> Callable:
@@ -164,11 +153,11 @@ def _device_options(gpu_default: str) -> Callable:
             help=f"The GPU, for its usable memory as its driver reports it [{gpu_default}].",
         ),
         click.option(
-            "--device-memory", type=ByteSize(), default=None,
+            "--device-memory", type=BYTES, default=None,
             help="Memory of one GPU, instead of --gpu's (e.g. 80GiB).",
         ),
         click.option(
-            "--reserve", type=ByteSize(), default=None,
+            "--reserve", type=BYTES, default=None,
             help="What PyTorch's allocator does not see (CUDA context, NCCL buffers, fragmentation), taken off the"
             f" device memory [default: {human_bytes(DEFAULT_RESERVE)}].",
         ),

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import click
 
 from memcalc.cli import note
-from memcalc.cli.options import SIZE_FLAGS, ByteSize, accounting_options, model_from, model_options, strategy_names
+from memcalc.cli.options import BYTES, SIZE_FLAGS, accounting_options, model_from, model_options, strategy_names
 from memcalc.cli.sweep import VALUES, SweptKnobs, build_sweep, chosen_strategies, check_out, strategies_option
 from memcalc.model.knobs import Knobs
 from memcalc.errors import ConfigError
@@ -60,7 +60,7 @@ def _image_out(ctx: click.Context, param: click.Parameter, out: Path) -> Path:
 @click.option("--group", type=click.Choice(["tensor", "block"]), default="tensor", show_default=True,
               help="Breakdown segments: each saved tensor, or each block (norms, attention, MLP).")
 @click.option("--per-layer", is_flag=True, help="One layer's bytes instead of all L layers'.")
-@click.option("--device-memory", type=ByteSize(), help="Draw the device's memory as a line, e.g. 80GiB.")
+@click.option("--device-memory", type=BYTES, help="Draw the device's memory as a line, e.g. 80GiB.")
 @click.option(
     "--out", type=click.Path(path_type=Path), required=True, callback=_image_out, help="Image to write: .png or .svg."
 )

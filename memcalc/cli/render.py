@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from rich.console import Console, ConsoleDimensions
 from rich.measure import Measurement
@@ -96,6 +96,18 @@ console = _Console(
 )
 
 
+def new_table(title: str | None, left: Sequence[str] = (), right: Sequence[str] = (), *, wrap: bool = False,
+              **options: Any) -> Table:
+    """A table whose `left` columns hold names (on one line unless `wrap`) and whose `right` columns hold numbers,
+    right-aligned on one line; `options` go to rich's Table (a caption, edge padding)."""
+    table = Table(title=title, **options)
+    for col in left:
+        table.add_column(col, no_wrap=not wrap)
+    for col in right:
+        table.add_column(col, justify="right", no_wrap=True)
+    return table
+
+
 def describe(config: ModelConfig) -> str:
     """One line naming the model's sizes and knobs."""
     c = config
@@ -127,20 +139,18 @@ def print_estimates(
     comparisons: list[PaperComparison],
 ) -> None:
     """The per-strategy table, each departure from the paper's numbers and, if asked, the per-tensor table."""
-    console.print(describe(config), highlight=False)
+    console.print(describe(config))
     if config.cp > 1:
         console.print(f"context parallel: cp={config.cp}, so each rank keeps s/cp = {config.s // config.cp} tokens")
     console.print(f"[dim]{accounting_note(accounting, config.impl)}[/dim]")
-    table = Table(title="Activation memory per GPU")
-    table.add_column("strategy")
-    for col in ("per layer", f"all {config.L} layers", "vs none"):
-        table.add_column(col, justify="right", no_wrap=True)
+    table = new_table("Activation memory per GPU", ["strategy"], ("per layer", f"all {config.L} layers", "vs none"),
+                      wrap=True)
     for r in results:
         ratio = r.per_layer_bytes / baseline.per_layer_bytes
         table.add_row(r.strategy.name, _bytes_cell(r.per_layer_bytes), _bytes_cell(r.total_bytes), f"{ratio:.4f}")
     console.print(table)
     for line in departure_lines(config, comparisons):
-        console.print(line, highlight=False)
+        console.print(line)
     if breakdown:
         console.print(breakdown_table(results, comparisons))
 
@@ -170,10 +180,7 @@ def _bytes_cell(n: int) -> str:
 def breakdown_table(results: list[LayerEstimate], comparisons: list[PaperComparison]) -> Table:
     """One row per saved tensor, keyed by name (a layout, or the paper, may keep one the others do not), one column
     of per-layer bytes per strategy; where the implementation departs from the paper, the paper's bytes below."""
-    table = Table(title="Per-tensor bytes per GPU, one layer")
-    table.add_column("tensor")
-    for r in results:
-        table.add_column(r.strategy.name, justify="right", no_wrap=True)
+    table = new_table("Per-tensor bytes per GPU, one layer", ["tensor"], [r.strategy.name for r in results], wrap=True)
     papers = [c.paper if c.departures else None for c in comparisons]
     compared = [p for p in papers if p is not None]
     for x, cells in tensor_rows([*results, *compared]):
@@ -241,25 +248,20 @@ def print_totals(config: ModelConfig, per: list[PerGpu], device: Budget, peaks: 
     """A table per bounding pipeline stage, every term by name, a verdict per strategy, and the step's peak."""
     from memcalc.sizing.verdict import need
 
-    console.print(describe_layout(config), highlight=False)
+    console.print(describe_layout(config))
     for i, stage in enumerate(per[0].stages):
         console.print(stage_table([p.stages[i] for p in per], [p.strategy.name for p in per]))
         where = "" if stage.stage.name == "only" else f"{stage.stage.name} stage: "
         console.print(f"[dim]{where}{stage.stage.schedule}[/dim]")
     budget = device.bytes
-    console.print(
-        f"Fits in {human_bytes(budget)} per GPU? ({device.source}: {human_bytes(device.device_bytes)}, less a"
-        f" {human_bytes(device.reserve_bytes)} reserve for what the allocator does not see)", highlight=False,
-    )
+    console.print(f"Fits in {human_bytes(budget)} per GPU? ({device.source}: {human_bytes(device.device_bytes)}, less a"
+                  f" {human_bytes(device.reserve_bytes)} reserve for what the allocator does not see)")
     for p in per:
         needed = need(p, peaks.get(p.strategy.name))
         where = f", {needed.stage} stage" if needed.stage != "only" else ""
-        console.print(
-            f"  {p.strategy.name}: {'yes' if needed.bytes <= budget else 'no'}, {needed.bytes:,} B ="
-            f" {human_bytes(needed.bytes)} ({needed.basis}{where}), {human_bytes(abs(budget - needed.bytes))}"
-            f" {'left' if needed.bytes <= budget else 'over'}",
-            highlight=False,
-        )
+        console.print(f"  {p.strategy.name}: {'yes' if needed.bytes <= budget else 'no'}, {needed.bytes:,} B ="
+                      f" {human_bytes(needed.bytes)} ({needed.basis}{where}), {human_bytes(abs(budget - needed.bytes))}"
+                      f" {'left' if needed.bytes <= budget else 'over'}")
     from memcalc.sizing.states import sharding
 
     _print_peaks(peaks, sharded=sharding(config) != "megatron")
@@ -285,12 +287,12 @@ def _print_peaks(peaks: dict, sharded: bool) -> None:
         )
         console.print(
             f"  {name}: the step peaks at {human_bytes(worst.peak.bytes)}{where}, {worst.peak.label()}: {live}"
-            f"{others}; {human_bytes(worst.steady.bytes)} between steps", highlight=False,
+            f"{others}; {human_bytes(worst.steady.bytes)} between steps",
         )
         if sharded:
             from memcalc.sizing.timeline.words import in_words
 
-            console.print(f"  {name}: at the peak, {in_words(worst.peak)}", highlight=False)
+            console.print(f"  {name}: at the peak, {in_words(worst.peak)}")
 
 
 
@@ -298,10 +300,7 @@ def _print_peaks(peaks: dict, sharded: bool) -> None:
 def stage_table(stages: list[StageTotal], names: list[str]) -> Table:
     """One row per term of one stage, one column per strategy."""
     name = stages[0].stage.name  # "only", "first", "last", or under torchtitan's split "rank 1"
-    table = Table(title="Per-GPU memory" if name == "only" else f"Per-GPU memory, {name} stage")
-    table.add_column("term", no_wrap=True)
-    for name in names:
-        table.add_column(name, justify="right", no_wrap=True)
+    table = new_table("Per-GPU memory" if name == "only" else f"Per-GPU memory, {name} stage", ["term"], names)
     for rows in zip(*(st.terms for st in stages)):
         table.add_row(rows[0].name, *(human_bytes(x.bytes) for x in rows))
     held = (f"[dim]{sum(st.params.values()):,}[/dim]" for st in stages)

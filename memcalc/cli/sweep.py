@@ -18,7 +18,7 @@ from memcalc.cli.options import (
     EXPERT_FLAGS, KNOB_FLAGS, SIZE_FLAGS, STRATEGY_CHOICES, SWEPT_KNOBS, accounting_options, config_option,
     file_fields, hf_config_option, note_left_out, single_knob_options,
 )
-from memcalc.cli.types import INTEGER
+from memcalc.cli.types import INTEGER, Parsed
 from memcalc.config.schema import field_help
 from memcalc.errors import ConfigError, in_file
 from memcalc.model.knobs import Accounting
@@ -32,23 +32,14 @@ PROGRESS_ROWS = 200_000  # below this a sweep is done before a bar would draw
 TABLE_ROWS = 40  # a longer table shows its first and last 20 rows
 
 
-class Values(click.ParamType):
-    """A list or range of sizes, read where the flag is parsed (`memcalc.sizing.sweep.parse_values`)."""
+def _values(text: str) -> Sequence[int]:
+    """A list or range of sizes (`memcalc.sizing.sweep.parse_values`; numpy loads with it, when a flag is read)."""
+    from memcalc.sizing.sweep import parse_values
 
-    name = "VALUES"
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Sequence[int]:
-        if not isinstance(value, str):
-            return value
-        from memcalc.sizing.sweep import parse_values
-
-        try:
-            return parse_values(value)
-        except ConfigError as exc:
-            self.fail(str(exc), param, ctx)
+    return parse_values(text)
 
 
-VALUES = Values()
+VALUES = Parsed("VALUES", _values)
 
 
 RANGE_FLAGS = (*SIZE_FLAGS, *SWEPT_KNOBS, "ep")  # each takes one value, a list or a range
@@ -248,7 +239,7 @@ def _print_table(result: SweepResult) -> None:
     fixed = " ".join(f"{n}={sweep.values[n][0]}" for n in SIZE_FLAGS if n not in swept) + (
         f" ep={sweep.ep}" if sweep.ep not in (None, 1) else "")
     name = f"{for_rich(sweep.name)}: " if sweep.name else ""  # a name from a file may hold markup or escapes
-    console.print(f"{name}{fixed} | {describe_knobs(SweptKnobs(sweep.knobs, swept))}", highlight=False)
+    console.print(f"{name}{fixed} | {describe_knobs(SweptKnobs(sweep.knobs, swept))}")
     console.print(f"[dim]{accounting_note(sweep.accounting, sweep.knobs.impl)}[/dim]")
     layers = "all L layers" if "L" in swept else f"all {sweep.values['L'][0]} layers"
     table = Table(title="Activation memory per GPU")

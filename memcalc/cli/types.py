@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any
+from typing import Any, Callable
 
 import click
 
@@ -68,6 +68,22 @@ class Real(click.ParamType):
         if self.most is not None and number > self.most:
             self.fail(f"{number:g} is above {self.most:g}", param, ctx)
         return number
+
+
+class Parsed(click.ParamType):
+    """A flag's text read by `parse` (a size such as 80GiB, a list or range of sizes), its ConfigError a usage
+    error; a value that is not text (a default) is taken as it is."""
+
+    def __init__(self, name: str, parse: Callable[[str], Any]) -> None:
+        self.name, self.parse = name, parse
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if not isinstance(value, str):
+            return value
+        try:
+            return self.parse(value)
+        except ConfigError as exc:
+            self.fail(str(exc), param, ctx)
 
 
 INTEGER = Integer()

@@ -17,9 +17,8 @@ from memcalc.errors import ConfigError
 from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import Strategy
 from memcalc.sizing.divisors import divisors
-from memcalc.sizing.timeline import timelines
 from memcalc.sizing.totals import per_gpu
-from memcalc.sizing.verdict import need
+from memcalc.sizing.verdict import need, step_peaks
 from memcalc.units import human_bytes
 
 _SEARCH_LIMIT = 2**48  # a guard: no real budget fits this many tokens or micro-batches
@@ -96,11 +95,7 @@ def _measure(value: int, config: ModelConfig, strategy: Strategy, accounting: Ac
     per = per_gpu(config, strategy, accounting)  # raises ConfigError for an invalid candidate
     if count != "peak":
         return Candidate(value, per.bytes(count))
-    try:
-        peaks: tuple | str = timelines(config, strategy)
-    except ConfigError as exc:  # valid, but not modelled by the timeline
-        peaks = str(exc)
-    needed = need(per, peaks)
+    needed = need(per, step_peaks(config, strategy))  # a valid config the timeline may not model
     return Candidate(value, needed.bytes, basis=needed.basis)
 
 

@@ -6,9 +6,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from memcalc.errors import ConfigError
+from memcalc.model.knobs import Accounting
 from memcalc.records import record
 
 if TYPE_CHECKING:
+    from memcalc.config.schema import ModelConfig
+    from memcalc.model.strategy import Strategy
     from memcalc.sizing.timeline import Timeline
     from memcalc.sizing.totals import PerGpu
 
@@ -25,6 +29,16 @@ class Need:
     bytes: int
     basis: str
     stage: str
+
+
+def step_peaks(config: ModelConfig, strategy: Strategy, device: str = "cuda") -> tuple[Timeline, ...] | str:
+    """One step's timeline per bounding stage on `device`'s kernels, or why it is not modelled for this config."""
+    from memcalc.sizing.timeline import timelines  # only the verdict pays for it
+
+    try:
+        return timelines(config, strategy, Accounting(exact=True, device=device))
+    except ConfigError as exc:
+        return str(exc)
 
 
 def need(per: PerGpu, peaks: tuple[Timeline, ...] | str | None) -> Need:
