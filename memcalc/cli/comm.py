@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from memcalc.cli import echo_json, json_document
-from memcalc.cli.options import layout_options, model_from, model_options, strategy_names, strategy_option
+from memcalc.cli.options import layout_options, model_from, model_options, strategies_at, strategy_option
 from memcalc.cli.types import POSITIVE, Real
 from memcalc.config.schema import ModelConfig
 from memcalc.model.comm import LayerComm, formula, layer_comm
@@ -61,7 +61,7 @@ def command(strategy: str, microbatches: int, fmt: str, overlap: str | None, gpu
         report = overlap_report(config, layout, methods, device, num_splits)
         echo_json(report) if as_json else _print_overlap(config, report)
         return
-    results = [layer_comm(config, STRATEGIES[n], microbatches) for n in strategy_names(strategy, config)]
+    results = [layer_comm(config, STRATEGIES[n], microbatches) for n in strategies_at(strategy, config)]
     width = DTYPE_BYTES[config.dtype]
     if as_json:
         echo_json(to_json(config, results, microbatches, width))

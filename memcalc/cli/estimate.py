@@ -9,7 +9,7 @@ import click
 
 from memcalc.cli import echo_json, json_document
 from memcalc.cli.options import (
-    LAYOUT_FLAGS, accounting_options, device_options, layout_options, model_from, model_options, strategy_names,
+    LAYOUT_FLAGS, accounting_options, device_options, layout_options, model_from, model_options, strategies_at,
     strategy_option,
 )
 from memcalc.config.gpus import Budget, budget_for
@@ -63,7 +63,7 @@ def command(
     alone = config if "none" in strategies_of(config) else replace(config, ep=1)
     baseline = estimate(alone, STRATEGIES["none"], accounting)
     results = [
-        baseline if n == "none" else estimate(config, STRATEGIES[n], accounting) for n in strategy_names(strategy, config)
+        baseline if n == "none" else estimate(config, STRATEGIES[n], accounting) for n in strategies_at(strategy, config)
     ]
     comparisons = [compare_with_paper(config, r, accounting) for r in results]
     per = peaks = None

@@ -8,7 +8,8 @@ import click
 
 from memcalc.cli import echo_json, json_document
 from memcalc.cli.options import (
-    accounting_options, config_option, hf_config_option, knob_options, knobs_from, strategy_names, strategy_option,
+    accounting_options, config_option, hf_config_option, knob_options, knobs_from, runnable, strategy_names,
+    strategy_option,
 )
 from memcalc.cli.types import Integer
 from memcalc.model.knobs import Accounting, Knobs
@@ -47,6 +48,8 @@ def command(
     given = {name: size for name, size in zip("bsat", (b, s, a, t)) if size is not None}
     knobs = knobs_from(params | given)  # a file's sizes as given; bad input fails before sympy's second to import
     names = strategy_names(strategy, knobs)
+    if strategy == "all":  # a layout these sizes rule out (SP where t does not divide s) left out, as estimate does
+        names = runnable(names, lambda n: _sizes(knobs, [n], b, s, a, t))
     sizes = _sizes(knobs, names, b, s, a, t)
     from memcalc.model import formula as F  # sympy: paid only here
 
@@ -114,7 +117,7 @@ def _print_window(F: Any, names: list[str], knobs: Knobs, accounting: Accounting
 
 def _json(F: Any, formulas: list, knobs: Knobs, accounting: Accounting) -> dict:
     return json_document(
-        knobs=knobs.__dict__, accounting=accounting.__dict__,
+        knobs=knobs.__dict__, accounting={"exact": accounting.exact, "device": accounting.device},
         symbols={n: F.MEANINGS[n] for n in F.symbols_in([lf.total for lf in formulas])},
         strategies={
             lf.strategy.name: {

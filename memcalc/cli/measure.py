@@ -8,7 +8,7 @@ import click
 
 from memcalc.cli import signals_end_at_once
 from memcalc.cli.compare import add_total, comparison_table, document, print_header, report, verdict
-from memcalc.cli.options import model_from, model_options, sharding_options, strategy_names, strategy_option
+from memcalc.cli.options import model_from, model_options, sharding_options, strategies_at, strategy_option
 from memcalc.cli.types import POSITIVE, Real
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError, ProbeError
@@ -95,7 +95,7 @@ def command(strategy: str, device: str, backend: str | None, launch: str, timeou
              torchrun --nproc-per-node 8 -m memcalc measure --config tiny --t 8 --device cuda
     """
     config = model_from(params)
-    names = strategy_names(strategy, config)  # once: "all" names on stderr a layout left out for these knobs
+    names = strategies_at(strategy, config)  # once: "all" names on stderr a layout left out for these knobs
     if step:
         from memcalc.cli.measure_step import run_step
 

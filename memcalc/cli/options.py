@@ -14,6 +14,7 @@ from memcalc.config.gpus import DEFAULT_GPU, DEFAULT_RESERVE, GPUS
 from memcalc.config.schema import SIZES, ModelConfig, build_knobs, field_default, load_config, load_yaml
 from memcalc.cli.types import INTEGER, Integer, Parsed, Real
 from memcalc.errors import ConfigError
+from memcalc.model.evaluate import check_strategy
 from memcalc.model.impls import left_out, strategies_of
 from memcalc.model.strategy import STRATEGIES
 from memcalc.model.knobs import KNOBS, Knob, Knobs, is_moe
@@ -237,6 +238,32 @@ def strategy_names(choice: str, knobs: Any) -> list[str]:
         return [choice]
     note_left_out(knobs)
     return list(strategies_of(knobs))
+
+
+def strategies_at(choice: str, config: ModelConfig) -> list[str]:
+    """strategy_names for a config at its sizes: under "all", a layout these sizes rule out (sequence parallelism
+    where t does not divide s) is also left out (`runnable`). Named alone, a layout is refused as before (one line,
+    exit 2)."""
+    names = strategy_names(choice, config)
+    return runnable(names, lambda n: check_strategy(config, STRATEGIES[n])) if choice == "all" else names
+
+
+def runnable(names: list[str], check: Callable[[str], Any]) -> list[str]:
+    """The layouts `check` (a layout's name -> ConfigError, or nothing) lets through; each it refuses is named on
+    stderr, with why, and left out. Where it refuses every layout that splits by t, the first one's error is raised
+    instead: no layout shown would read t."""
+    refused = {}
+    for name in names:
+        try:
+            check(name)
+        except ConfigError as error:
+            refused[name] = error
+    split = [n for n in names if n != "none"]
+    if split and all(n in refused for n in split):
+        raise refused[split[0]]
+    for name, why in refused.items():
+        note(f"memcalc: note: {name} left out: {why}")
+    return [n for n in names if n not in refused]
 
 
 def note_left_out(knobs: Any) -> None:

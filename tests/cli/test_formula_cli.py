@@ -94,13 +94,22 @@ def test_exact_adds_the_per_token_norm_statistics():
 
 @pytest.mark.parametrize("args, needle", [
     (["--s", "128", "--a", "8", "--t", "3"], "a=8 is not divisible by t=3"),
-    (["--s", "127", "--a", "8", "--t", "2"], "s=127 is not divisible by t=2"),
+    (["--s", "127", "--a", "8", "--t", "2", "--strategy", "tp-sp"], "s=127 is not divisible by t=2"),
     (["--s", "128", "--a", "8", "--num-query-groups", "3"], "a=8 is not divisible by num_query_groups=3"),
 ])
 def test_formula_at_sizes_no_layout_runs_is_refused_as_estimate_refuses_them(args, needle):
     # at a=8 t=3 it printed "b*a/t=1*6/3=2": a formula for a = 6, never the sizes asked for
     one_line_error(memcalc_cli("formula", *args), needle)
     one_line_error(memcalc_cli("estimate", "--h", "64", *args), needle)
+
+
+def test_at_sizes_sequence_parallelism_cannot_split_all_leaves_it_out_with_a_note_as_estimate_does():
+    for command in (("formula",), ("estimate", "--h", "64")):
+        result = memcalc_cli(*command, "--s", "127", "--a", "8", "--t", "2")
+        assert result.code == 0, result.err
+        assert result.err.splitlines()[-1] == ("memcalc: note: tp-sp left out: s=127 is not divisible by t=2 (sequence"
+                                               " parallelism splits the sequence across t ranks)")
+        assert "tp-sp" not in result.out and " tp " in result.out
 
 
 def test_formula_at_sizes_takes_s_not_divisible_by_t_without_sequence_parallelism():

@@ -143,9 +143,16 @@ def test_a_timeout_too_short_for_the_ranks_to_start_is_the_timeout_error(monkeyp
 
 def test_sizes_the_strategy_cannot_split_exit_2_before_any_rank_starts(monkeypatch):
     monkeypatch.setattr(measure_module, "run", lambda *a, **k: pytest.fail("a rank was started"))
-    run = memcalc_cli("measure", *TINY, "--s", "15", "--t", "2", "--backend", "gloo")
+    run = memcalc_cli("measure", *TINY, "--s", "15", "--t", "2", "--backend", "gloo", "--strategy", "tp-sp")
     _one_line_error(run, 2, "s=15 is not divisible by t=2")
     assert run.out == ""
+
+
+def test_all_leaves_out_a_layout_the_sizes_rule_out_and_measures_the_others():
+    run = memcalc_cli("measure", *TINY, "--s", "15", "--t", "2", "--launch", "fake")
+    assert run.code == 0, run.err
+    assert "memcalc: note: tp-sp left out: s=15 is not divisible by t=2" in run.err
+    assert "tp-sp" not in run.out and "tp" in run.out
 
 
 def test_the_launch_choices_are_auto_and_the_probes_modes():
