@@ -134,11 +134,17 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
     m = torchtitan_microbatches(config)
     missing = [
         (config.zero_stage is not None, "zero_stage (DeepSpeed's ZeRO: torchtitan shards with FSDP2, dp_shard)"),
-        # measured (t=2, dp_shard=2, L=1, b=2 s=24 h=64): the peak agrees, the norms' backward does not: under FSDP2 (the
-        # partial_dtensor backend) dY reaches the final norm unreduced (cast up to fp32 first, where the walk has f's
-        # all-reduced copy) and ffn_norm's backward holds 6,528 B more temporaries at each of its moments
-        (sharded_tp and not strategy.sequence_parallel, "dp_shard with tp (t > 1 without sequence parallel: DTensor"
-                                                        " carries a Partial gradient through the norms' backward;"
+        # measured (FSDPMemTracker op by op; t=2, dp_shard=2, L=1, b=2, s=24, h=64, f=102): on the partial_dtensor
+        # backend the stream between blocks is a Replicate DTensor (its plan's "I" has no DTensor placement), and
+        # torch's _redistribute_backward leaves a Partial gradient Partial, so lm_head's dX is all-reduced only in
+        # tok_embeddings' backward, not at lm_head, w1/w3 or wqkv (the walk's f copies). It reaches w2 and wo Partial,
+        # and DTensor's mm for Partial dY against Shard(-1) x all-gathers x (dW whole, (h, f) Partial, reduce-scattered
+        # over t at the block's post-backward) and the Shard(1) weight (dX whole, (b*s, f), reduce-scattered to
+        # Shard(-1) by each factor of the product's backward, and for wo once before SDPA's). The peak agrees here;
+        # from w1's backward on each moment holds 6,528 B more: w2's dW whole, 2*h*f, where the walk has 2*h*f/t
+        (sharded_tp and not strategy.sequence_parallel, "dp_shard with tp (t > 1 without sequence parallel: on DTensor"
+                                                        " the stream's gradient stays Partial down to tok_embeddings,"
+                                                        " so w2 and wo gather their inputs and weights in backward;"
                                                         " tp-sp, torchtitan's default, is modelled)"),
         (config.reduce_dtype != "fp32", f"reduce_dtype {config.reduce_dtype} (torchtitan reduces in float32 only)"),
         (expert_dim1(config) and bool(config.expert_ffn % config.dp_shard or config.h % config.dp_shard),
