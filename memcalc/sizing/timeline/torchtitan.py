@@ -20,6 +20,7 @@ from memcalc.model.knobs import DTYPE_BYTES, Accounting, element_bytes
 from memcalc.model.ledger import SavedTensor
 from memcalc.model.strategy import Strategy
 from memcalc.sizing.pipeline import Stage, stage_named, torchtitan_microbatches
+from memcalc.sizing.states import moe_layers_held
 from memcalc.sizing.timeline.ends import model_states, optimizer_step
 from memcalc.sizing.timeline.fsdp import OUTPUT, Fsdp, expert_dim1, torchtitan_block
 from memcalc.sizing.timeline.tape import ACTIVATIONS, PARAMETERS, TEMPORARIES, Sizes, Tape, Timeline, prod
@@ -59,7 +60,7 @@ def model_parts(config: ModelConfig, strategy: Strategy, accounting: Accounting,
     tape.add("states/rope caches", PARAMETERS, stage.layers * 8 * config.s * (z.d // 2),
              "each block's ComplexRoPE keeps its own complex64 (s, d/2) table, a buffer")
     if config.moe:
-        tape.add("states/moe buffers", PARAMETERS, config.moe_layers * 2 * 4 * config.num_experts,
+        tape.add("states/moe buffers", PARAMETERS, moe_layers_held(config, stage) * 2 * 4 * config.num_experts,
                  "each MoE keeps two fp32 (E,) buffers: expert_bias_E and tokens_per_expert_E")
     # without FSDP2 a weight's bf16 gradient is added into the fp32 buffer and dropped as autograd hands it over
     hand_over = (lambda where, name, nbytes: tape.drop(name)) if fsdp is None else _keep_grad(tape, fsdp)
@@ -163,8 +164,15 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
         # the pipelined walk (memcalc.sizing.timeline.torchtitan_pp)
         (config.pp > 1 and config.vpp is not None, f"vpp={config.vpp} (torchtitan's default schedule is 1F1B)"),
         (config.pp > m, f"num_microbatches={m} below pp={config.pp} (torch's Schedule1F1B refuses it)"),
-        (config.pp > 1 and (strategy.weight_shards(config.t) > 1 or config.dp_shard is not None or config.moe),
-         "pp with tp, dp_shard or experts (pp at t = 1 is walked)"),
+        # the probe runs a stage on a fake group of pp ranks (memcalc.probe.libs.torchtitan_pp), with no mesh for tp
+        # or dp_shard beside it: nothing to measure a walk against
+        (config.pp > 1 and (strategy.weight_shards(config.t) > 1 or config.dp_shard is not None),
+         "pp with tp or dp_shard (pp at t = 1 is walked, with experts too)"),
+        # memcalc.sizing.states counts a stage's MoE layers as layers/freq, a share torchtitan's split (the embedding
+        # and the output counted as a layer each) need not keep
+        (config.pp > 1 and config.moe and config.moe_layer_freq != 1,
+         f"experts beside dense blocks under pp (moe_layer_freq={config.moe_layer_freq}: each stage's MoE layers as"
+         " torchtitan splits the layers)"),
         (config.cp != 1, f"cp={config.cp}"),
         (config.b * config.s == 1, "b = s = 1 (V is then a view of the fused wqkv output)"),
     ]
