@@ -141,8 +141,9 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
         # tok_embeddings' backward, not at lm_head, w1/w3 or wqkv (the walk's f copies). It reaches w2 and wo Partial,
         # and DTensor's mm for Partial dY against Shard(-1) x all-gathers x (dW whole, (h, f) Partial, reduce-scattered
         # over t at the block's post-backward) and the Shard(1) weight (dX whole, (b*s, f), reduce-scattered to
-        # Shard(-1) by each factor of the product's backward, and for wo once before SDPA's). The peak agrees here;
-        # from w1's backward on each moment holds 6,528 B more: w2's dW whole, 2*h*f, where the walk has 2*h*f/t
+        # Shard(-1) by each factor of the product's backward, and for wo once before SDPA's). The peak agrees here,
+        # but from w1's backward on each moment holds 6,528 B more: w2's dW whole, 2*h*f, where the walk has 2*h*f/t;
+        # at f=400, L=2 the peak moves into w2's backward, 89,600 B above the walk's
         (sharded_tp and not strategy.sequence_parallel, "dp_shard with tp (t > 1 without sequence parallel: on DTensor"
                                                         " the stream's gradient stays Partial down to tok_embeddings,"
                                                         " so w2 and wo gather their inputs and weights in backward;"
