@@ -20,7 +20,7 @@ from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.layer import DTYPES
 from memcalc.probe.libs import torchtitan as titan
 from memcalc.probe.libs import torchtitan_shim as shim
-from memcalc.probe.libs.torchtitan_step import initialised
+from memcalc.probe.libs.torchtitan_step import check_route, initialised
 from memcalc.probe.step import StepMeasurement, Trainer, batch, measure_trainer
 from memcalc.sizing.pipeline import torchtitan_microbatches
 
@@ -35,10 +35,11 @@ from torch.distributed.pipelining import PipelineStage  # noqa: E402
 
 def measure_torchtitan_pp_step_on_rank(group: TensorParallelGroup, config: ModelConfig, strategy: Strategy,
                                        route: str | None = None, device: str = "cpu") -> StepMeasurement:
-    """This rank's pipeline stage of torchtitan's Llama3Model (the group is the pipeline's pp ranks; on `device` cuda
-    run as CUDA runs it), stepped once, then one step measured under MemTracker."""
+    """This rank's pipeline stage of torchtitan's Llama3Model (the group is the pipeline's pp ranks; with experts its
+    routers forced to `route`; on `device` cuda run as CUDA runs it), stepped once, then one step measured under
+    MemTracker."""
     with shim.pipeline_on_fake_group(), shim.flex_on_cpu() if device == "cuda" else nullcontext():
-        return measure_trainer(warmed_up_stage(group, config, device), group, strategy)
+        return measure_trainer(warmed_up_stage(group, config, device, route), group, strategy)
 
 
 @dataclass(frozen=True)
@@ -87,13 +88,15 @@ def _step(schedule: Any, args: list | None, kwargs: list[dict], targets: list | 
     schedule._step_microbatches(args, kwargs, targets, losses, return_outputs=False, loss_kwargs=loss_kwargs)
 
 
-def warmed_up_stage(group: TensorParallelGroup, config: ModelConfig, device: str = "cpu") -> StageTrainer:
+def warmed_up_stage(group: TensorParallelGroup, config: ModelConfig, device: str = "cpu",
+                    route: str | None = None) -> StageTrainer:
     """Rank `group.rank`'s stage: the chunk pipeline_llm would build there (on the meta device, then its own
     storage, initialised as torchtitan initialises it; on `device` cuda, inside `flex_on_cpu`, its flex attention and
-    fused norms), its PipelineStage given the shapes it sends and receives, the schedule torchtitan builds, memcalc's
-    trainer around it, stepped once."""
+    fused norms; with experts each router forced to `route`), its PipelineStage given the shapes it sends and receives,
+    the schedule torchtitan builds, memcalc's trainer around it, stepped once."""
     if config.tie_embeddings:
         raise ProbeError("impl torchtitan: Llama3 unties its embedding and output layer; set tie_embeddings false")
+    check_route(config, route)
     pp, dtype = group.size, DTYPES[config.dtype]
     parallelism = ParallelismConfig(pipeline_parallel_degree=pp, pipeline_parallel_microbatch_size=config.b)
     with torch.device("meta"), set_default_dtype(dtype):
@@ -106,6 +109,8 @@ def warmed_up_stage(group: TensorParallelGroup, config: ModelConfig, device: str
         shim.fused_norms(chunk)
     initialised(chunk, config, group.device)  # checkpointed as pipeline_llm's parallelize_fn checkpoints a chunk
     chunk.train()
+    if config.moe:
+        shim.route_gates(chunk, route, config.moe_router_topk)
     stage = PipelineStage(chunk, group.rank, pp, group.device, *_shapes(config, group.rank, pp))
     m = torchtitan_microbatches(config)
     loss = CrossEntropyLoss(CrossEntropyLoss.Config(global_vocab_size=config.vocab_size))

@@ -58,13 +58,18 @@ def warmed_up(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, 
 def on_meta(config: ModelConfig, sequence_parallel: bool, route: str | None, cuda: bool, dtype: torch.dtype) -> Any:
     """Llama3Model built on the meta device in `dtype`, as its trainer builds a model; on CUDA each norm fused (before
     its plan, which wraps each module's forward in its redistributions). Experts without a route: ProbeError."""
-    if config.moe and route is None:
-        raise ProbeError("impl torchtitan: --step on experts forces the router (--route balanced or all-to-one)")
+    check_route(config, route)
     with torch.device("meta"), set_default_dtype(dtype):
         model = titan.model_config(config, sequence_parallel, config.L, config.vocab_size, cuda).build()
     if cuda:
         shim.fused_norms(model)
     return model
+
+
+def check_route(config: ModelConfig, route: str | None) -> None:
+    """ProbeError for experts without a forced route: each expert's tokens would be the data's."""
+    if config.moe and route is None:
+        raise ProbeError("impl torchtitan: --step on experts forces the router (--route balanced or all-to-one)")
 
 
 def initialised(model: torch.nn.Module, config: ModelConfig, device: torch.device) -> None:

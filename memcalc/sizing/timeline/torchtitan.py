@@ -19,7 +19,8 @@ from memcalc.model.impls import torchtitan as rules
 from memcalc.model.knobs import DTYPE_BYTES, Accounting, element_bytes
 from memcalc.model.ledger import SavedTensor
 from memcalc.model.strategy import Strategy
-from memcalc.sizing.pipeline import Stage, stage_named, torchtitan_microbatches
+from memcalc.sizing.pipeline import Stage, pipeline_stages, stage_named, torchtitan_microbatches
+from memcalc.sizing.states import moe_layers_held
 from memcalc.sizing.timeline.ends import model_states, optimizer_step
 from memcalc.sizing.timeline.fsdp import OUTPUT, Fsdp, expert_dim1, torchtitan_block
 from memcalc.sizing.timeline.tape import ACTIVATIONS, PARAMETERS, TEMPORARIES, Sizes, Tape, Timeline, prod
@@ -59,7 +60,7 @@ def model_parts(config: ModelConfig, strategy: Strategy, accounting: Accounting,
     tape.add("states/rope caches", PARAMETERS, stage.layers * 8 * config.s * (z.d // 2),
              "each block's ComplexRoPE keeps its own complex64 (s, d/2) table, a buffer")
     if config.moe:
-        tape.add("states/moe buffers", PARAMETERS, config.moe_layers * 2 * 4 * config.num_experts,
+        tape.add("states/moe buffers", PARAMETERS, moe_layers_held(config, stage) * 2 * 4 * config.num_experts,
                  "each MoE keeps two fp32 (E,) buffers: expert_bias_E and tokens_per_expert_E")
     # without FSDP2 a weight's bf16 gradient is added into the fp32 buffer and dropped as autograd hands it over
     hand_over = (lambda where, name, nbytes: tape.drop(name)) if fsdp is None else _keep_grad(tape, fsdp)
@@ -134,11 +135,18 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
     m = torchtitan_microbatches(config)
     missing = [
         (config.zero_stage is not None, "zero_stage (DeepSpeed's ZeRO: torchtitan shards with FSDP2, dp_shard)"),
-        # measured (t=2, dp_shard=2, L=1, b=2 s=24 h=64): the peak agrees, the norms' backward does not: under FSDP2 (the
-        # partial_dtensor backend) dY reaches the final norm unreduced (cast up to fp32 first, where the walk has f's
-        # all-reduced copy) and ffn_norm's backward holds 6,528 B more temporaries at each of its moments
-        (sharded_tp and not strategy.sequence_parallel, "dp_shard with tp (t > 1 without sequence parallel: DTensor"
-                                                        " carries a Partial gradient through the norms' backward;"
+        # measured (FSDPMemTracker op by op; t=2, dp_shard=2, L=1, b=2, s=24, h=64, f=102): on the partial_dtensor
+        # backend the stream between blocks is a Replicate DTensor (its plan's "I" has no DTensor placement), and
+        # torch's _redistribute_backward leaves a Partial gradient Partial, so lm_head's dX is all-reduced only in
+        # tok_embeddings' backward, not at lm_head, w1/w3 or wqkv (the walk's f copies). It reaches w2 and wo Partial,
+        # and DTensor's mm for Partial dY against Shard(-1) x all-gathers x (dW whole, (h, f) Partial, reduce-scattered
+        # over t at the block's post-backward) and the Shard(1) weight (dX whole, (b*s, f), reduce-scattered to
+        # Shard(-1) by each factor of the product's backward, and for wo once before SDPA's). The peak agrees here,
+        # but from w1's backward on each moment holds 6,528 B more: w2's dW whole, 2*h*f, where the walk has 2*h*f/t;
+        # at f=400, L=2 the peak moves into w2's backward, 89,600 B above the walk's
+        (sharded_tp and not strategy.sequence_parallel, "dp_shard with tp (t > 1 without sequence parallel: on DTensor"
+                                                        " the stream's gradient stays Partial down to tok_embeddings,"
+                                                        " so w2 and wo gather their inputs and weights in backward;"
                                                         " tp-sp, torchtitan's default, is modelled)"),
         (config.reduce_dtype != "fp32", f"reduce_dtype {config.reduce_dtype} (torchtitan reduces in float32 only)"),
         (expert_dim1(config) and bool(config.expert_ffn % config.dp_shard or config.h % config.dp_shard),
@@ -157,14 +165,33 @@ def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
         # the pipelined walk (memcalc.sizing.timeline.torchtitan_pp)
         (config.pp > 1 and config.vpp is not None, f"vpp={config.vpp} (torchtitan's default schedule is 1F1B)"),
         (config.pp > m, f"num_microbatches={m} below pp={config.pp} (torch's Schedule1F1B refuses it)"),
-        (config.pp > 1 and (strategy.weight_shards(config.t) > 1 or config.dp_shard is not None or config.moe),
-         "pp with tp, dp_shard or experts (pp at t = 1 is walked)"),
+        # the probe runs a stage on a fake group of pp ranks (memcalc.probe.libs.torchtitan_pp), with no mesh for tp
+        # or dp_shard beside it: nothing to measure a walk against
+        (config.pp > 1 and (strategy.weight_shards(config.t) > 1 or config.dp_shard is not None),
+         "pp with tp or dp_shard (pp at t = 1 is walked, with experts too)"),
+        (config.pp > 1 and not _moe_share_kept(config),
+         "experts beside dense blocks under pp where a stage's share of MoE layers is not its layers/freq"
+         f" (moe_layer_freq={config.moe_layer_freq}: each stage's MoE layers as torchtitan splits the layers)"),
         (config.cp != 1, f"cp={config.cp}"),
         (config.b * config.s == 1, "b = s = 1 (V is then a view of the fused wqkv output)"),
     ]
     for absent, what in missing:
         if absent:
             raise ConfigError(f"the step timeline for impl torchtitan does not model {what} yet")
+
+
+def stage_layers(config: ModelConfig, stage: Stage) -> range:
+    """The layers `stage`'s chunk holds, as torchtitan's pipeline_llm splits them (all of them without pp)."""
+    found = pipeline_stages(config)
+    start = sum(x.layers for x in found[:found.index(stage)])
+    return range(start, start + stage.layers)
+
+
+def _moe_share_kept(config: ModelConfig) -> bool:
+    """Whether each stage holds layers/freq MoE layers, as memcalc.sizing.states counts them: a share torchtitan's
+    split (the embedding and the output counted as a layer each) need not keep beside dense blocks."""
+    return all(sum(map(config.is_moe_layer, stage_layers(config, x))) == moe_layers_held(config, x)
+               for x in pipeline_stages(config))
 
 
 def block_checkpoint(i: int, config: ModelConfig, z: Sizes) -> Checkpoint | None:

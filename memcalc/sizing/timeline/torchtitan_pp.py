@@ -13,9 +13,9 @@ from dataclasses import dataclass, field, replace
 from memcalc.config.schema import ModelConfig
 from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import Strategy
-from memcalc.sizing.pipeline import Stage, pipeline_stages, stage_named, stage_rank, torchtitan_microbatches
+from memcalc.sizing.pipeline import Stage, stage_named, stage_rank, torchtitan_microbatches
 from memcalc.sizing.timeline.tape import ACTIVATIONS, Sizes, Tape, Timeline
-from memcalc.sizing.timeline.torchtitan import Parts, Segment, embedding_ops, flex_inputs, model_parts
+from memcalc.sizing.timeline.torchtitan import Parts, Segment, embedding_ops, flex_inputs, model_parts, stage_layers
 from memcalc.sizing.timeline.walk import Op
 
 
@@ -82,8 +82,7 @@ class _Schedule:
     @property
     def layers(self) -> range:
         """The layers the stage's chunk holds."""
-        start = sum(x.layers for x in pipeline_stages(self.parts.config)[:self.rank])
-        return range(start, start + self.stage.layers)
+        return stage_layers(self.parts.config, self.stage)
 
     @property
     def output(self) -> str:

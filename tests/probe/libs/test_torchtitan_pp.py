@@ -51,29 +51,56 @@ def _ranks(cases, device):
     return [(c, device, x.name) for c in cases for x in pipeline_stages(_config(c))]
 
 
-def _measured(config, stage, device):
-    return run_fake(measure_torchtitan_pp_step_on_rank, (config, STRATEGIES["none"], None, device), config.pp,
+# Qwen3's MoE blocks (each stage's routers forced): b = 1 and 3, odd s, a/g = 1, 2 and 4, shared experts, FullAC and
+# SelectiveAC, pp = 3, dense blocks beside MoE ones; on CUDA's kernels with flex attention past one mask block
+MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 24, "moe_tokens": "balanced"}
+MOE_CASES = [MOE, MOE | {"b": 1, "s": 7, "L": 4, "moe_shared_expert_intermediate_size": 48},
+             MOE | {"b": 3, "s": 5, "num_query_groups": 4, "recompute": "full"},
+             MOE | {"recompute": "op", "num_microbatches": 3, "moe_shared_expert_intermediate_size": 48, "s": 9},
+             MOE | {"pp": 3, "L": 6, "num_query_groups": 1, "s": 7, "num_microbatches": 4},
+             MOE | {"L": 4, "moe_layer_freq": 2, "recompute": "op", "b": 1, "s": 7}]
+MOE_CUDA_CASES = [MOE | {"recompute": "op", "moe_shared_expert_intermediate_size": 48, "b": 1, "s": 130}]
+
+
+def _measured(config, stage, device, route=None):
+    return run_fake(measure_torchtitan_pp_step_on_rank, (config, STRATEGIES["none"], route, device), config.pp,
                     rank=stage_rank(stage, config.pp))
 
 
-@pytest.mark.parametrize("changes, device, stage", [*_ranks(CASES, "cpu"), *_ranks(CUDA_CASES, "cuda")], ids=str)
-def test_each_stage_peaks_where_the_walk_says_to_the_byte(one_thread, changes, device, stage):
-    config = _config(changes)
+def _assert_peak_exact(config, stage, device, route=None):
+    """The stage's peak at the predicted moment, each category at it and between steps to the byte."""
     accounting = Accounting(exact=True, device=device)
-    predicted, measured = timeline(config, STRATEGIES["none"], accounting, stage), _measured(config, stage, device)
+    predicted = timeline(config, STRATEGIES["none"], accounting, stage)
+    measured = _measured(config, stage, device, route)
     assert f"{predicted.peak.phase} {predicted.peak.where}".strip() == measured.moment
     assert predicted.peak.by_category() == {c: measured.peak.get(c, 0) for c in predicted.peak.by_category()}
     assert predicted.steady.by_category() == {c: measured.steady.get(c, 0) for c in predicted.steady.by_category()}
 
 
-@pytest.mark.parametrize("changes, device, stage", _ranks([CASES[1], CASES[3], CASES[5], CASES[9]], "cpu"), ids=str)
-def test_every_moment_the_walk_names_happens_in_order_in_its_module_with_its_bytes(one_thread, changes, device, stage):
+@pytest.mark.parametrize("changes, device, stage", [*_ranks(CASES, "cpu"), *_ranks(CUDA_CASES, "cuda")], ids=str)
+def test_each_stage_peaks_where_the_walk_says_to_the_byte(one_thread, changes, device, stage):
+    _assert_peak_exact(_config(changes), stage, device)
+
+
+@pytest.mark.parametrize("route", ["balanced", "all-to-one"])
+@pytest.mark.parametrize("changes, device, stage", [*_ranks(MOE_CASES, "cpu"), *_ranks(MOE_CUDA_CASES, "cuda")],
+                         ids=str)
+def test_with_experts_each_stage_peaks_where_the_walk_says_to_the_byte(one_thread, changes, device, stage, route):
+    """Each stage holds its own MoE layers' buffers; its walk is the whole model's MoE block's."""
+    _assert_peak_exact(_config(changes), stage, device, route)
+
+
+@pytest.mark.parametrize("changes, device, stage, route", [
+    *((*x, None) for x in _ranks([CASES[1], CASES[3], CASES[5], CASES[9]], "cpu")),
+    *((*x, "all-to-one") for x in _ranks([MOE_CASES[1], MOE_CASES[3]], "cpu"))], ids=str)
+def test_every_moment_the_walk_names_happens_in_order_in_its_module_with_its_bytes(one_thread, changes, device, stage,
+                                                                                   route):
     """Each micro-batch's forward and backward as the schedule runs them, and what it keeps between."""
     config = _config(changes)
 
     def readings(group):
         with shim.pipeline_on_fake_group():
-            return readings_after_every_op(warmed_up_stage(group, config))
+            return readings_after_every_op(warmed_up_stage(group, config, route=route))
 
     found = run_fake(readings, (), config.pp, rank=stage_rank(stage, config.pp))
     cpu = Accounting(exact=True, device="cpu")
