@@ -424,6 +424,7 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
     p, tp, checkpointed = f"layers.{i}", z.t > 1, config.recompute == "full"
     out = f"grad/layers.{i - 1}/output" if i else ln.first_grad(config)
     mlp = moe.OUTPUT_GRAD if block else f"grad/{p}/ln2 output"
+    sparse = moe.block_forward(p, z, config, checkpointed) if block else ()  # the sparse block's forward
     norm_ops = olmo.layer_norm if olmo.walks(config) else ln.layer_norm if ln.walks(config) else layer.rms_norm
     rope, rotated = olmo.recorded(olmo.rope) if olmo.fp32_rope(config) and z.act != 4 else (None, [])
     # Gemma 2's sandwich norms (OLMo 2's post-norms): on the attention's output and on the MLP's, whose gradients are
@@ -466,7 +467,7 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
         *post_attn,
         *((mid,) if checkpointed else ()),
         *ln2,
-        *(moe.checkpointed_forward(p, z, config) if block and checkpointed else ()),
+        *(sparse if checkpointed else ()),
         *(block or (ln.mlp(p, z, config) if ln.walks(config) else
                     layer.mlp(p, z, tp, rules.GATED[config.mlp], mlp_out, config.fused_qkv or rules.is_glm(config),
                               f"mlp {proj}", into[1]))),
@@ -482,7 +483,7 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
         fp32_rope = olmo.forward(p, z, saved, rotated, config.attention == "eager", before_rope) if rotated else (
             (), frozenset())
         closing = frozenset(rules.POST_NORMS[config.norm][1]) if config.sandwich_norm else frozenset()
-        ops = (*layer.layer_forward(i, z, made, moe.block_forward(p, z, config) if block else (), core, resid, later,
+        ops = (*layer.layer_forward(i, z, made, sparse, core, resid, later,
                                     config.post_norm or ln.walks(config) or z.act == 4, closing,
                                     down_proj=ln.DOWN if ln.walks(config) else layer.DOWN_PROJ, rope=fp32_rope),
                *(replace(x, forward=()) for x in ops))
