@@ -505,10 +505,8 @@ def eager_core(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool
     expanded = rules.K_EXPANDED.name in saved  # repeat_kv's copies (memcalc.model.impls.hf.REPEAT_KV)
     v, k = (rules.V_EXPANDED, rules.K_EXPANDED) if expanded else (ledger.V, ledger.K)
     v = rules.NEOX_QKV_OUT if rules.NEOX_QKV_OUT.name in saved else v  # Phi-3's V, a view of the whole qkv output
-    sums = tuple(Step("repeat_kv's backward", (Made(f"{g}/{n} heads", z.full(z.g_t * z.d), f"d{n} summed over each"
-                                                    " group's heads"),), frees=(f"{g}/{n} expanded",), moment=False)
-                 for n in ("v", "k")) if gqa else ()
-    names = {n: f"{g}/{n} {'expanded' if gqa else 'heads'}" for n in ("k", "v")}
+    weights = f"{g}/dropped" if dropout else f"{g}/weights"
+    sums, qk_backward, context_backward = core_backward(g, z, gqa, weights, z.act * scores)
     scale = Step("the scale's backward", (Made(f"{g}/scaled scores", z.act * scores, "the mask's passes dY on"),),
                  frees=(f"{g}/scores",), moment=False)
     tanh = kept_name(p, rules.SOFTCAP_TANH)
@@ -518,7 +516,6 @@ def eager_core(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool
         Step("tanh", (kept(p, rules.SOFTCAP_TANH),), frees=(f"{p}/scores divided",)),
         Step("(.) * softcap", (Made(f"{p}/scores capped", z.act * scores, "a temporary"),), reads_last=(tanh,)),
     ), (*_softcap_backward(g, z.act * scores), scale), saves=(rules.SOFTCAP_TANH,)),)
-    weights = f"{g}/dropped" if dropout else f"{g}/weights"
     sc, x, cast = z.act * scores, f"{p}/scores", z.act != 4  # fp32: softmax's casts are no-ops
     # dropout's input: the softmax cast back (a local it rebinds), in fp32 the softmax itself
     cast_back = Made(f"{p}/weights", sc, "the softmax cast back, dropout's input") if dropout else \
@@ -536,10 +533,7 @@ def eager_core(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool
             *(Step("made contiguous for bmm", (kept(p, t),)) for t in qk),
             Step("QK^T", (Made(x, sc, "bmm's output"),), reads_last=tuple(kept_name(p, t) for t in qk)),
             Step("times the scale", (Made(f"{x} scaled", sc, "a temporary"),), frees=(x,)),
-        ), (
-            Step("QK^T: dQ and dK", (Made(f"{g}/q heads", q, "dQ = dScores K"), Made(
-                names["k"], q, "dK = dScores^T Q, at a heads")), frees=(f"{g}/scaled scores",)),
-        ), saves=(ledger.Q, k)),
+        ), (qk_backward,), saves=(ledger.Q, k)),
         *(capped if softcap else ()),
         Op("self_attn", (
             Step("plus the mask", (Made(f"{x} masked", sc, "a local, rebound by the softmax"),),
@@ -551,16 +545,13 @@ def eager_core(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool
               (Step("the fp32 softmax: the attention weights", (kept(p, rules.SOFTMAX_FP32),),
                     frees=(f"{x} masked",)),)),
         ), (
-            Step("the cast to bf16's backward", (Made(f"{g}/softmax fp32", 4 * scores, "the gradient up to fp32"),),
-                 frees=(f"{g}/weights",), moment=False),
-            Step("the fp32 softmax's backward", (Made(f"{g}/scores fp32", 4 * scores, "softmax's backward"),),
-                 frees=(f"{g}/softmax fp32",), returns=True),
-            Step("the cast to fp32's backward", (Made(f"{g}/scores", z.act * scores, "back to bf16"),),
-                 frees=(f"{g}/scores fp32",), moment=False),
-            *(() if softcap else (scale,)),
-        ) if cast else (
-            Step("the fp32 softmax's backward", (Made(f"{g}/scores", 4 * scores, "softmax's backward"),),
-                 frees=(f"{g}/weights",), returns=True),
+            *((Step("the cast to bf16's backward", (Made(f"{g}/softmax fp32", 4 * scores, "the gradient up to fp32"),),
+                    frees=(f"{g}/weights",), moment=False),) if cast else ()),
+            Step("the fp32 softmax's backward", (Made(f"{g}/scores fp32" if cast else f"{g}/scores", 4 * scores,
+                                                      "softmax's backward"),),
+                 frees=(f"{g}/softmax fp32" if cast else f"{g}/weights",), returns=True),
+            *((Step("the cast to fp32's backward", (Made(f"{g}/scores", z.act * scores, "back to bf16"),),
+                    frees=(f"{g}/scores fp32",), moment=False),) if cast else ()),
             *(() if softcap else (scale,)),
         ), saves=(rules.SOFTMAX_FP32,)),
         *dropped,
@@ -568,13 +559,27 @@ def eager_core(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool
             *((Step("V made contiguous for bmm", (kept(p, v),)),) if v_copied else ()),
             *context(p, z, q, (kept_name(p, v),) if v_copied else (),
                       tuple(kept_name(p, t) for t in (k, v)) if repeated else ()),
-        ), (
-            Step("the context made (b, a, s, d)", (Made(f"{g}/attn heads", q, "contiguous for bmm"),),
-                 frees=(f"{g}/o_proj input",), moment=False),
-            Step("weights x V: dV and dWeights", (Made(names["v"], q, "dV = weights^T dY, at a heads"), Made(
-                weights, z.act * scores, "dWeights = dY V^T")), frees=(f"{g}/attn heads",)),
-        ), saves=(ledger.ATTN_DROPOUT_OUT if dropout else rules.WEIGHTS, v)),
+        ), context_backward, saves=(ledger.ATTN_DROPOUT_OUT if dropout else rules.WEIGHTS, v)),
     )
+
+
+def core_backward(g: str, z: Sizes, gqa: bool, weights: str, scores: int) -> tuple[tuple[Step, ...], Step,
+                                                                                    tuple[Step, ...]]:
+    """What eager_attention_forward's backward makes alike in Llama's core and gpt-oss's (with the sinks): repeat_kv's
+    sums over each group's heads (`gqa`), QK^T's dQ and dK, and weights x V's dV and dWeights (`weights`, of
+    `scores` bytes) after dY made (b, a, s, d)."""
+    q = z.full(z.a_t * z.d)
+    names = {n: f"{g}/{n} {'expanded' if gqa else 'heads'}" for n in ("k", "v")}
+    sums = tuple(Step("repeat_kv's backward", (Made(f"{g}/{n} heads", z.full(z.g_t * z.d), f"d{n} summed over each"
+                                                    " group's heads"),), frees=(f"{g}/{n} expanded",), moment=False)
+                 for n in ("v", "k")) if gqa else ()
+    qk = Step("QK^T: dQ and dK", (Made(f"{g}/q heads", q, "dQ = dScores K"), Made(
+        names["k"], q, "dK = dScores^T Q, at a heads")), frees=(f"{g}/scaled scores",))
+    context = (Step("the context made (b, a, s, d)", (Made(f"{g}/attn heads", q, "contiguous for bmm"),),
+                    frees=(f"{g}/o_proj input",), moment=False),
+               Step("weights x V: dV and dWeights", (Made(names["v"], q, "dV = weights^T dY, at a heads"), Made(
+                   weights, scores, "dWeights = dY V^T")), frees=(f"{g}/attn heads",)))
+    return sums, qk, context
 
 
 def context(p: str, z: Sizes, q: int, read: tuple[str, ...], gone: tuple[str, ...]) -> tuple[Step, ...]:
