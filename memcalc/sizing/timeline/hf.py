@@ -589,23 +589,14 @@ def _output(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
         return (*norm("model.norm", "", final, z, "grad/lm_head input", f"grad/layers.{config.L - 1}/output",
                       output=kept("", ledger.OUTPUT_INPUT, "lm_head's input, which it keeps"),
                       gone=(*(() if kept_x else (last,)), *locals_), x=last), *_head(z, config))
-    # the locals alive at its widest: LlamaRMSNorm's variance and fp32 x * r; GemmaRMSNorm's fp32 product;
-    # Olmo2RMSNorm's variance and fp32 product (in fp32 the casts are no-ops: x * r is the ledger's normed, the product
-    # lm_head's input)
-    fp32 = z.act == 4
-    variance = Made("final_norm/variance", z.tokens(4), "pow(2).mean(-1): a local")
-    temps = (*(() if final.weight_plus_one else (variance,)),
-             *(() if fp32 else (Made("final_norm/product fp32", z.tokens(4 * z.h), "the weight's product in fp32: a"
-                                     " local"),) if final.normed_fp32 else (
-                 Made("final_norm/normalised fp32", z.tokens(4 * z.h), "x * rsqrt(.): a local"),)))
-    widest = Step("RMSNorm at its widest: fp32 input and output, bf16 output", (
-        *(kept("", x) for x in final), *temps, kept("", ledger.OUTPUT_INPUT, "the cast back: lm_head's input, which it"
-                                                   " keeps")),
-        frees=(*(x.name for x in temps), last, *locals_))
-    # fp32: x.to(float32) is the last layer's output itself, which the norm keeps
+    # one moment, at its widest, as it returns: the locals then alive, LlamaRMSNorm's variance and fp32 x * r,
+    # GemmaRMSNorm's fp32 product, Olmo2RMSNorm's variance and fp32 product (in fp32 the casts are no-ops: x.to(float32)
+    # is the last layer's output itself, which the norm keeps; x * r the ledger's normed, the product lm_head's input)
     norm = layer.rms_norm("model.norm", "", final, z, "grad/lm_head input", f"grad/layers.{config.L - 1}/output",
-                          forward=((Step("", frees=(last,)),) if fp32 else ()) + (widest,))
-    return (*norm, *_head(z, config))
+                          output=kept("", ledger.OUTPUT_INPUT, "the cast back: lm_head's input, which it keeps"),
+                          gone=(*(() if z.act == 4 else (last,)), *locals_), x=last)
+    at_return = {norm[0].forward[-1].what: "RMSNorm at its widest: fp32 input and output, bf16 output"}
+    return (*layer.widest(norm, at_return), *_head(z, config))
 
 
 def _head(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:

@@ -195,6 +195,16 @@ def _gemma_weight(where: str, g: str, norm: RMSNormTensors, z: Sizes, dy: str | 
     return (product, up)
 
 
+def widest(ops: tuple[Op, ...], moments: dict[str, str]) -> tuple[Op, ...]:
+    """Ops described op by op (for a checkpoint's walk) as a forward without one walks them, at its widest moments
+    only: every step makes and frees what it does (kept tensors too), and only the last step of each name in
+    `moments` marks a moment, in that moment's words (a sparse block's, hf_moe.block_forward; the final norm's)."""
+    last = {step.what: (i, j) for i, op in enumerate(ops) for j, step in enumerate(op.forward)}
+    marked = {last[what]: words for what, words in moments.items() if what in last}
+    return tuple(replace(op, forward=tuple(replace(step, what=marked.get((i, j), step.what), moment=(i, j) in marked)
+                                           for j, step in enumerate(op.forward))) for i, op in enumerate(ops))
+
+
 DOWN_PROJ = "mlp.down_proj"  # LlamaMLP's rowwise projection under tp
 
 

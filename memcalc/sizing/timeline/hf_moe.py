@@ -15,7 +15,7 @@ from memcalc.model import ledger
 from memcalc.model.impls import hf as rules
 from memcalc.model.ledger import SavedTensor
 from memcalc.sizing.timeline import hf_gpt_oss as oss
-from memcalc.sizing.timeline.hf_layer import WHY_SAVED
+from memcalc.sizing.timeline.hf_layer import WHY_SAVED, widest
 from memcalc.sizing.timeline.tape import Sizes
 from memcalc.sizing.timeline.torch_ops import WHY_WGRAD, linear
 from memcalc.sizing.timeline.walk import Made, Op, Step, kept, kept_name, kept_names
@@ -101,7 +101,7 @@ def block_forward(p: str, z: Sizes, config: ModelConfig, checkpointed: bool) -> 
     Qwen2-MoE's shared expert first, the router, the experts (their locals live to their return), then Qwen2-MoE's
     shared expert's gate or DeepSeek-V3's shared experts, summed with the experts' output; the block's locals (the
     router's outputs, its input) live to its return. Without a checkpoint the layer's one forward moment walks the same
-    ops, only the widest marking moments (`_widest`); gpt-oss's experts are hf_gpt_oss's."""
+    ops, only the widest marking moments (hf_layer.widest); gpt-oss's experts are hf_gpt_oss's."""
     m, shared, bf16 = f"{p}/moe", bool(config.moe_shared_expert_intermediate_size), _bf16(config)
     out = f"{m}/experts output" if shared else f"{p}/mlp output"
     done = Op("mlp", (Step("", frees=(f"{m}/router_logits", f"{m}/top_k_weights"),
@@ -115,23 +115,12 @@ def block_forward(p: str, z: Sizes, config: ModelConfig, checkpointed: bool) -> 
     if checkpointed:
         return ops
     last = "the output times its routing weights" if bf16 else "cast to bf16: index_add_'s source"
-    return _widest(ops, {
+    return widest(ops, {
         "the rows in slot order": "the weighted rows put back in slot order",  # grouped_mm's
         "summed over each token's k slots": "the rows summed over each token's k slots",
         "the sum cast to bf16": "the sum cast to bf16",
         last: "the last expert's weighted output" + ("" if bf16 else " cast to bf16"),  # the eager loop's
         GATED_SUM: GATED_SUM, SHARED_SUM: SHARED_SUM})
-
-
-def _widest(ops: tuple[Op, ...], moments: dict[str, str]) -> tuple[Op, ...]:
-    """The block's ops as the layer's one forward moment walks them, without a checkpoint: its kept tensors made as
-    the ops make them (before its first moment), and only its widest steps marking moments, the last step of each
-    name in `moments`, in that moment's words (the eager loop's last expert's: an earlier expert's hold fewer, each
-    expert after it keeping 4 r_e h bytes, as much as Mixtral's fp32 product)."""
-    last = {step.what: (i, j) for i, op in enumerate(ops) for j, step in enumerate(op.forward)}
-    marked = {last[what]: words for what, words in moments.items() if what in last}
-    return tuple(replace(op, forward=tuple(replace(step, what=marked.get((i, j), step.what), moment=(i, j) in marked)
-                                           for j, step in enumerate(op.forward))) for i, op in enumerate(ops))
 
 
 def _routing_weight(config: ModelConfig) -> SavedTensor:
