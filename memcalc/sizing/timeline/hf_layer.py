@@ -197,12 +197,31 @@ def _gemma_weight(where: str, g: str, norm: RMSNormTensors, z: Sizes, dy: str | 
 
 def widest(ops: tuple[Op, ...], moments: dict[str, str]) -> tuple[Op, ...]:
     """Ops described op by op (for a checkpoint's walk) as a forward without one walks them, at its widest moments
-    only: every step makes and frees what it does (kept tensors too), and only the last step of each name in
-    `moments` marks a moment, in that moment's words (a sparse block's, hf_moe.block_forward; the final norm's)."""
+    only: the last step of each name in `moments` marks one, in that moment's words (a sparse block's,
+    hf_moe.block_forward; the final norm's). The steps between two moments are one: what they free of older tensors
+    goes first, what they make and do not free again is made at the moment, in its op (a MoE layer has thousands of
+    steps); backward is the ops' own."""
     last = {step.what: (i, j) for i, op in enumerate(ops) for j, step in enumerate(op.forward)}
     marked = {last[what]: words for what, words in moments.items() if what in last}
-    return tuple(replace(op, forward=tuple(replace(step, what=marked.get((i, j), step.what), moment=(i, j) in marked)
-                                           for j, step in enumerate(op.forward))) for i, op in enumerate(ops))
+    forward: list[list[Step]] = [[] for _ in ops]
+    made: dict[str, Made] = {}  # made since the last moment and live
+    older: list[str] = []  # freed since the last moment, made before it
+    holder = 0
+    for i, op in enumerate(ops):
+        for j, step in enumerate(op.forward):
+            holder = i
+            made.update((x.name or x.keeps.name, x) for x in step.makes)
+            if (i, j) in marked:
+                forward[i] += [Step("", frees=tuple(older)), Step(marked[i, j], tuple(made.values()), step.frees)]
+                made, older = {}, []
+                continue
+            for name in step.frees:
+                if name in made and not made[name].alias:
+                    del made[name]
+                else:
+                    older.append(name)
+    forward[holder] += [Step("", tuple(made.values()), tuple(older), moment=False)]
+    return tuple(replace(op, forward=tuple(steps)) for op, steps in zip(ops, forward))
 
 
 DOWN_PROJ = "mlp.down_proj"  # LlamaMLP's rowwise projection under tp
@@ -249,8 +268,9 @@ def layer_forward(i: int, z: Sizes, kept: Step, mlp: tuple[Op, ...] = (), core: 
                       if x.keeps not in own)
         core = (Op("", (replace(kept, makes=before), *alias), ()), *rope_ops, *core)
         kept, alias = replace(kept, makes=after), ()
-    mine = {x.keeps for op in mlp for step in op.forward for x in step.makes if x.keeps}  # the block's own moments'
-    kept = replace(kept, makes=tuple(x for x in kept.makes if x.keeps not in mine))
+    # the block's own steps' (by name: a MoE block makes thousands)
+    mine = {x.keeps.name for op in mlp for step in op.forward for x in step.makes if x.keeps}
+    kept = replace(kept, makes=tuple(x for x in kept.makes if x.keeps is None or x.keeps.name not in mine))
     stream = alias if kept_inputs else (Step("the residual stream", (Made(
         f"{p}/mid", full, "the residual stream after attention: ln2's input and the MLP's residual"),), moment=False),
     ) if not parallel else (Step("the attention's output", (Made(f"{p}/attn output", full, "o_proj's output, a local"
