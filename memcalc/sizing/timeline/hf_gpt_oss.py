@@ -6,7 +6,6 @@ Llama's walk (hf_layer) and Mixtral's grouped_mm experts (hf_moe). Each op: docs
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable
 
 from memcalc.config.schema import ModelConfig
 from memcalc.model import ledger
@@ -107,11 +106,10 @@ def bias_backward(g: str, proj: str, nbytes: int, dy: str) -> Op:
             frees=(f"{g}/{proj} bias zeros", dy), hands_over=(f"{g}/{proj} bias",)),), (rules.SORTED_EXPERT_IDS,))
 
 
-def router_backward(g: str, z: Sizes, k: int, experts: int, add: Callable[..., tuple[Step, ...]], out: str
-                    ) -> tuple[Op, ...]:
+def router_backward(g: str, z: Sizes, k: int, experts: int, summed: tuple[Step, ...]) -> tuple[Op, ...]:
     """GptOssTopKRouter's backward in autograd's order: the top-k softmax's (in the activation dtype), top-k's scatter
     into a zero (b*s, E) tensor, then F.linear's GEMMs and its bias's sum; its dX summed into the block input's gradient
-    (`add`, named `out`) before autograd hands the weight's and the bias's gradients over."""
+    (`summed`, the steps that sum it, hf_moe's) before autograd hands the weight's and the bias's gradients over."""
     tokens, act = z.b * z.s, z.act
     logits = act * tokens * experts
     return (
@@ -125,8 +123,7 @@ def router_backward(g: str, z: Sizes, k: int, experts: int, add: Callable[..., t
                                       Made(f"{g}/weight", act * experts * z.h, WHY_WGRAD)), returns=True, moment=False),
             Step("the bias's gradient: dY summed over the tokens", (Made(f"{g}/bias", act * experts, WHY_BGRAD),),
                  frees=(f"{g}/logits",), reduced=True, moment=False),
-            *add("block input", f"{g}/input", z.full(z.h), "the router's input gradient summed with the block's others",
-                 out),
+            *summed,
             Step("", hands_over=(f"{g}/bias", f"{g}/weight")),
         ), (ledger.MOE_IN,)),
     )

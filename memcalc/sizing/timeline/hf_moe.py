@@ -328,6 +328,11 @@ class _Sums:
                                                                    " gradients so far"),),
                      frees=(before, new), moment=bool(what)),)
 
+    def router(self, g: str, z: Sizes, out: str = "") -> tuple[Step, ...]:
+        """The router's dX (`{g}/input`) summed into the block input's gradient, a moment; `out` names the sum."""
+        return self.add("block input", f"{g}/input", z.full(z.h), "the router's input gradient summed with the"
+                        " block's others", out)
+
 
 _EXPERTS_INPUT = "experts input"  # DeepSeek's loop: its experts' dX, summed before the shared experts' is added
 OUTPUT_GRAD = f"{STEM}/ln2 output"  # the block input's gradient, every path's summed, which ln2's backward reads
@@ -350,8 +355,9 @@ def block_backward(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
             last = ran[-1]
             ran[-1] = replace(last, backward=(*last.backward, *sums.add(
                 "block input", sums.current[_EXPERTS_INPUT], z.full(z.h))))
+    router = f"{sums.stem}/router"
     ran += _sigmoid_router(z, config, sums) if config.mla else oss.router_backward(
-        f"{sums.stem}/router", z, config.moe_router_topk, config.num_experts, sums.add, OUTPUT_GRAD) if \
+        router, z, config.moe_router_topk, config.num_experts, sums.router(router, z, OUTPUT_GRAD)) if \
         rules.is_gpt_oss(config) else _router(z, config, sums, final=not gated)
     if gated:
         ran += _shared_expert(z, config, sums, last=True)
@@ -508,9 +514,7 @@ def _router(z: Sizes, config: ModelConfig, sums: _Sums, final: bool) -> list[Op]
                 frees=(f"{g}/logits fp32",), moment=False),) if cast else ()))
     gate = linear("mlp.gate", ledger.MOE_IN if final else None, None, z.act * experts * z.h, f"{g}/input",
                   z.full(z.h), "", (f"{g}/logits",), dw=f"{g}/weight")
-    return [topk, softmax, replace(gate, backward=(*gate.backward, *sums.add(
-        "block input", f"{g}/input", z.full(z.h), "the router's input gradient summed with the block's others",
-        OUTPUT_GRAD if final else "")))]
+    return [topk, softmax, replace(gate, backward=(*gate.backward, *sums.router(g, z, OUTPUT_GRAD if final else "")))]
 
 
 def _sigmoid_router(z: Sizes, config: ModelConfig, sums: _Sums) -> list[Op]:
@@ -528,9 +532,7 @@ def _sigmoid_router(z: Sizes, config: ModelConfig, sums: _Sums) -> list[Op]:
                   dw=f"{g}/weight")
     back = (Step("the input's cast to fp32: its backward", (Made(f"{g}/input", z.full(z.h), "dX back to bf16"),),
                  frees=(f"{g}/input fp32",), moment=False),) if cast else ()
-    return [scores, replace(gate, backward=(*gate.backward, *back, *sums.add(
-        "block input", f"{g}/input", z.full(z.h), "the router's input gradient summed with the block's others",
-        OUTPUT_GRAD)))]
+    return [scores, replace(gate, backward=(*gate.backward, *back, *sums.router(g, z, OUTPUT_GRAD)))]
 
 
 # -- shared experts: an MLP of width u on every token, Qwen2-MoE's gated by sigmoid(shared_expert_gate(x)) ---------
