@@ -22,10 +22,10 @@ WHY_SAVED = "kept for backward (the hf ledger); freed when the op that keeps it 
 
 
 def rms_norm(where: str, p: str, norm: RMSNormTensors, z: Sizes, dy: str | None, out: str, residual: str | None = None,
-             forward: tuple[Step, ...] = (), width: int = 0, heads: int = 1, output: Made | None = None,
-             gone: tuple[str, ...] = (), x: str = "") -> tuple[Op, ...]:
+             width: int = 0, heads: int = 1, output: Made | None = None, gone: tuple[str, ...] = (), x: str = ""
+             ) -> tuple[Op, ...]:
     """LlamaRMSNorm's backward as autograd runs its eager ops, widest at pow's (five fp32 (b, s, h) tensors); with a
-    `residual` the norm's dX and the stream's gradient summed into `out`. `forward`: the final norm's; `width`, `heads`:
+    `residual` the norm's dX and the stream's gradient summed into `out`. `width`, `heads`:
     Qwen3's q_norm and k_norm, per head; `dy` None: the residual stream's too (Gemma 2's sandwich norms); `output`,
     `gone`: the forward op by op, for a checkpoint's walk, `x` the norm's input (in fp32 its upcast is x itself, which
     the norm then keeps). GemmaRMSNorm (`norm.weight_plus_one`) and Olmo2RMSNorm (`norm.normed_fp32` alone: its weight
@@ -37,17 +37,15 @@ def rms_norm(where: str, p: str, norm: RMSNormTensors, z: Sizes, dy: str | None,
     walked = _gemma_norm_forward if norm.weight_plus_one else _norm_forward
     upcast = Made(x, 0, "x.to(float32) in fp32: x itself", keeps=norm.input_fp32, alias=True) if act == fp32 else \
         kept(p, norm.input_fp32)
-    forward = forward or (walked(f"{p}/{where}", p, norm, fp32, row, upcast, output, gone) if output else ())
-    if act == fp32:  # fp32: x.to(float32) is x, whose gradients autograd sums as they come (`_summed_into_x`)
-        cast = Op(where, forward=forward, backward=())
-    else:
-        cast = Op(where, forward=forward, backward=(
-            Step("x.to(float32)'s backward", (Made(f"{g}/dx fp32", fp32, "autograd sums x's two fp32 gradients"),
-                                              Made(dx, act, "x.to(float32)'s backward: cast back to bf16")),
-                 frees=(f"{g}/dx (x * r)", f"{g}/dx (pow)", f"{g}/dx fp32"), moment=False),
-            *((Step("the residual's sum", (Made(out, act, "the residual stream's gradient: the norm's dX and the"
-                                                " residual's summed"),), frees=(dx, residual), moment=False),)
-              if residual else ())))
+    forward = walked(f"{p}/{where}", p, norm, fp32, row, upcast, output, gone) if output else ()
+    # fp32: x.to(float32) is x, whose gradients autograd sums as they come (`_summed_into_x`)
+    cast = Op(where, forward, () if act == fp32 else (
+        Step("x.to(float32)'s backward", (Made(f"{g}/dx fp32", fp32, "autograd sums x's two fp32 gradients"),
+                                          Made(dx, act, "x.to(float32)'s backward: cast back to bf16")),
+             frees=(f"{g}/dx (x * r)", f"{g}/dx (pow)", f"{g}/dx fp32"), moment=False),
+        *((Step("the residual's sum", (Made(out, act, "the residual stream's gradient: the norm's dX and the"
+                                            " residual's summed"),), frees=(dx, residual), moment=False),)
+          if residual else ())))
     summed, first = _summed_into_x(g, act, residual) if act == fp32 else ((), "")
     power = Op(where, forward=(), backward=(
         Step("mean's backward", (Made(f"{g}/dpow", fp32, "dvariance spread over h and divided by h"),),
