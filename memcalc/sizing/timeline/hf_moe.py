@@ -101,7 +101,9 @@ def block_forward(p: str, z: Sizes, config: ModelConfig, checkpointed: bool) -> 
     Qwen2-MoE's shared expert first, the router, the experts (their locals live to their return), then Qwen2-MoE's
     shared expert's gate or DeepSeek-V3's shared experts, summed with the experts' output; the block's locals (the
     router's outputs, its input) live to its return. Without a checkpoint the layer's one forward moment walks the same
-    ops, only the widest marking moments (hf_layer.widest); gpt-oss's experts are hf_gpt_oss's."""
+    ops, only the widest marking moments (hf_layer.widest); DeepSeek-V3's, never walked op by op (latent attention
+    refuses a checkpoint), takes the softmax router's steps, of which its moments hold what it holds too (the logits, its
+    GEMM's fp32, and the top-k weights); gpt-oss's experts are hf_gpt_oss's."""
     m, shared, bf16 = f"{p}/moe", bool(config.moe_shared_expert_intermediate_size), _bf16(config)
     out = f"{m}/experts output" if shared else f"{p}/mlp output"
     done = Op("mlp", (Step("", frees=(f"{m}/router_logits", f"{m}/top_k_weights"),
@@ -119,7 +121,9 @@ def block_forward(p: str, z: Sizes, config: ModelConfig, checkpointed: bool) -> 
         "the rows in slot order": "the weighted rows put back in slot order",  # grouped_mm's
         "summed over each token's k slots": "the rows summed over each token's k slots",
         "the sum cast to bf16": "the sum cast to bf16",
-        last: "the last expert's weighted output" + ("" if bf16 else " cast to bf16"),  # the eager loop's
+        # the eager loop's: an earlier expert's hold fewer, each expert after it keeping 4 r_e h bytes, as much as
+        # Mixtral's fp32 product
+        last: "the last expert's weighted output" + ("" if bf16 else " cast to bf16"),
         GATED_SUM: GATED_SUM, SHARED_SUM: SHARED_SUM})
 
 
@@ -367,7 +371,7 @@ def block_backward(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
 
 
 def _op(where: str, saves: tuple[SavedTensor, ...], *steps: Step | tuple[Step, ...]) -> Op:
-    """An op with only a backward (the block's forward is its one moment), its steps flattened."""
+    """An op with only a backward (the block's forward is `block_forward`'s), its steps flattened."""
     flat = tuple(x for s in steps for x in (s if isinstance(s, tuple) else (s,)))
     return Op(where, (), flat, saves)
 
