@@ -55,17 +55,12 @@ def grouped(config: ModelConfig) -> bool:
 
 
 def kept_in_forward(tensors: tuple[SavedTensor, ...], config: ModelConfig) -> Step:
-    """A layer's kept tensors as its forward makes them, sized by the ledger and named by each layer's walk: a sparse
-    block's eager loop keeps one storage per expert (those the block's own steps make are `block_forward`'s:
-    hf_layer.layer_forward leaves them out)."""
-    made: list[Made] = []
+    """A layer's kept tensors as its forward makes them, sized by the ledger and named by each layer's walk; those a
+    sparse block's own steps make are `block_forward`'s (hf_layer.layer_forward leaves them out), the eager loop's
+    rows among them, one storage per expert (`per_expert`)."""
     loop = not grouped(config)
-    for x in tensors:
-        if loop and x in EXPERT_TENSORS:
-            made += [Made("", 0, WHY_SAVED, keeps=per_expert(e)[x.name]) for e in range(config.num_experts)]
-        else:
-            made.append(Made("", 0, WHY_SAVED, keeps=x))
-    return Step("the layer's saved tensors", tuple(made), moment=False)
+    return Step("the layer's saved tensors", tuple(Made("", 0, WHY_SAVED, keeps=x) for x in tensors
+                                                   if not (loop and x in EXPERT_TENSORS)), moment=False)
 
 
 STEM = "grad/moe"  # the block's gradients, named for no layer (one block's backward runs at a time)
