@@ -97,8 +97,8 @@ def block_forward(p: str, z: Sizes, config: ModelConfig, checkpointed: bool) -> 
     shared expert's gate or DeepSeek-V3's shared experts, summed with the experts' output; the block's locals (the
     router's outputs, its input) live to its return. Without a checkpoint the layer's one forward moment walks the same
     ops, only the widest marking moments (hf_layer.widest); DeepSeek-V3's, never walked op by op (latent attention
-    refuses a checkpoint), takes the softmax router's steps, of which its moments hold what it holds too (the logits, its
-    GEMM's fp32, and the top-k weights); gpt-oss's experts are hf_gpt_oss's."""
+    refuses a checkpoint), takes the softmax router's steps, of which its moments hold what it holds too (the logits,
+    its GEMM's fp32, and the top-k weights); gpt-oss's experts are hf_gpt_oss's."""
     m, shared, bf16 = f"{p}/moe", bool(config.moe_shared_expert_intermediate_size), _bf16(config)
     out = f"{m}/experts output" if shared else f"{p}/mlp output"
     done = Op("mlp", (Step("", frees=(f"{m}/router_logits", f"{m}/top_k_weights"),
