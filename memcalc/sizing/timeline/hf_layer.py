@@ -249,7 +249,7 @@ def layer_forward(i: int, z: Sizes, kept: Step, mlp: tuple[Op, ...] = (), core: 
     (Cohere's), summed with the input at the end, o_proj's output live to then. `down_proj`: the MLP's rowwise
     projection (StarCoder 2's c_proj). `rope`: RoPE's forward in fp32 (OLMo's, Cohere's) op by op, which makes Q and K
     itself, and the kept tensors made before it (the rest of those before o_proj's input, the core's, after it). The
-    kept tensors the MLP's own steps make (gpt-oss's experts') are made there, not before it."""
+    kept tensors a sparse block's own steps make (hf_moe.block_forward) are made there, not before it."""
     p, full = f"layers.{i}", z.full(z.h)
     alias = (Step("", frees=(f"{p}/input",)),) if kept_inputs else ()
     rope_ops, early = rope
