@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import fields, replace
+from typing import Any
 
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError
@@ -91,10 +92,15 @@ def final_norm(config: ModelConfig) -> RMSNormTensors | ledger.NormTensors:
 
 
 def _norms(config: ModelConfig) -> tuple[RMSNormTensors, RMSNormTensors] | tuple[ledger.NormTensors, ...]:
-    """A layer's two norms: OLMo's LayerNorms (memcalc.sizing.timeline.hf_olmo), nn.LayerNorm's (hf_ln), or the
-    RMSNorms of its norm."""
-    return olmo.NORMS if olmo.walks(config) else ln.NORMS if ln.walks(config) else cohere.NORMS \
-        if cohere.walks(config) else rules.PRE_NORMS[config.norm]
+    """A layer's two norms: its LayerNorm family's (`_layer_norms`), or the RMSNorms of its norm."""
+    family = _layer_norms(config)
+    return family.NORMS if family else rules.PRE_NORMS[config.norm]
+
+
+def _layer_norms(config: ModelConfig) -> Any:
+    """The module that walks the family's LayerNorms (its NORMS and `layer_norm`, with hf_layer.rms_norm's arguments):
+    OLMo's (memcalc.sizing.timeline.hf_olmo), nn.LayerNorm's (hf_ln) or Cohere's; None for RMSNorms."""
+    return next((x for x in (olmo, ln, cohere) if x.walks(config)), None)
 
 
 def hf_timeline(config: ModelConfig, strategy: Strategy, accounting: Accounting) -> Timeline:
@@ -424,7 +430,8 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
     p, tp, checkpointed = f"layers.{i}", z.t > 1, config.recompute == "full"
     out = f"grad/layers.{i - 1}/output" if i else ln.first_grad(config)
     mlp = moe.OUTPUT_GRAD if block else f"grad/{p}/ln2 output"
-    norm_ops = olmo.layer_norm if olmo.walks(config) else ln.layer_norm if ln.walks(config) else layer.rms_norm
+    sparse = moe.block_forward(p, z, config, checkpointed) if block else ()  # the sparse block's forward
+    norm_ops = family.layer_norm if (family := _layer_norms(config)) else layer.rms_norm  # Cohere's: cohere.layer
     rope, rotated = olmo.recorded(olmo.rope) if olmo.fp32_rope(config) and z.act != 4 else (None, [])
     # Gemma 2's sandwich norms (OLMo 2's post-norms): on the attention's output and on the MLP's, whose gradients are
     # then theirs; Phi-3's residual dropouts (p > 0) likewise on the branches' outputs, o_proj's and down_proj's
@@ -466,7 +473,7 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
         *post_attn,
         *((mid,) if checkpointed else ()),
         *ln2,
-        *(moe.checkpointed_forward(p, z, config) if block and checkpointed else ()),
+        *(sparse if checkpointed else ()),
         *(block or (ln.mlp(p, z, config) if ln.walks(config) else
                     layer.mlp(p, z, tp, rules.GATED[config.mlp], mlp_out, config.fused_qkv or rules.is_glm(config),
                               f"mlp {proj}", into[1]))),
@@ -482,7 +489,7 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
         fp32_rope = olmo.forward(p, z, saved, rotated, config.attention == "eager", before_rope) if rotated else (
             (), frozenset())
         closing = frozenset(rules.POST_NORMS[config.norm][1]) if config.sandwich_norm else frozenset()
-        ops = (*layer.layer_forward(i, z, made, moe.block_forward(p, z, config) if block else (), core, resid, later,
+        ops = (*layer.layer_forward(i, z, made, sparse, core, resid, later,
                                     config.post_norm or ln.walks(config) or z.act == 4, closing,
                                     down_proj=ln.DOWN if ln.walks(config) else layer.DOWN_PROJ, rope=fp32_rope),
                *(replace(x, forward=()) for x in ops))
@@ -582,28 +589,18 @@ def _output(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     final = final_norm(config)
     locals_ = (*(MODEL_LOCALS if config.recompute != "full" else _unheld_masks(config)),  # the first layer's frame: the
                "model/inputs_embeds")  # rest; inputs_embeds, where a dropout made the first layer's input
-    if olmo.walks(config) or ln.walks(config) or cohere.walks(config):
-        norm = olmo.layer_norm if olmo.walks(config) else ln.layer_norm if ln.walks(config) else cohere.layer_norm
-        kept_x = ln.walks(config) or z.act == 4 and olmo.walks(config)  # the norm keeps the last layer's output
-        return (*norm("model.norm", "", final, z, "grad/lm_head input", f"grad/layers.{config.L - 1}/output",
-                      output=kept("", ledger.OUTPUT_INPUT, "lm_head's input, which it keeps"),
-                      gone=(*(() if kept_x else (last,)), *locals_), x=last), *_head(z, config))
-    # the locals alive at its widest: LlamaRMSNorm's variance and fp32 x * r; GemmaRMSNorm's fp32 product;
-    # Olmo2RMSNorm's variance and fp32 product (in fp32 the casts are no-ops: x * r is the ledger's normed, the product
-    # lm_head's input)
-    fp32 = z.act == 4
-    variance = Made("final_norm/variance", z.tokens(4), "pow(2).mean(-1): a local")
-    temps = (*(() if final.weight_plus_one else (variance,)),
-             *(() if fp32 else (Made("final_norm/product fp32", z.tokens(4 * z.h), "the weight's product in fp32: a"
-                                     " local"),) if final.normed_fp32 else (
-                 Made("final_norm/normalised fp32", z.tokens(4 * z.h), "x * rsqrt(.): a local"),)))
-    widest = Step("RMSNorm at its widest: fp32 input and output, bf16 output", (
-        *(kept("", x) for x in final), *temps, kept("", ledger.OUTPUT_INPUT, "the cast back: lm_head's input, which it"
-                                                   " keeps")),
-        frees=(*(x.name for x in temps), last, *locals_))
-    # fp32: x.to(float32) is the last layer's output itself, which the norm keeps
-    norm = layer.rms_norm("model.norm", "", final, z, "grad/lm_head input", f"grad/layers.{config.L - 1}/output",
-                          forward=((Step("", frees=(last,)),) if fp32 else ()) + (widest,))
+    family = _layer_norms(config)
+    # the norm keeps the last layer's output: nn.LayerNorm's, and in fp32 OLMo's and an RMSNorm's (x.to(float32) is x)
+    kept_x = ln.walks(config) or z.act == 4 and (olmo.walks(config) or not family)
+    norm = (family.layer_norm if family else layer.rms_norm)(
+        "model.norm", "", final, z, "grad/lm_head input", f"grad/layers.{config.L - 1}/output",
+        output=kept("", ledger.OUTPUT_INPUT, "lm_head's input, which it keeps"),
+        gone=(*(() if kept_x else (last,)), *locals_), x=last)
+    if not family:  # one moment, at its widest, as it returns: the locals then alive, LlamaRMSNorm's variance and fp32
+        # x * r, GemmaRMSNorm's fp32 product, Olmo2RMSNorm's variance and fp32 product (in fp32 the casts are no-ops:
+        # x * r is the ledger's normed, the product lm_head's input)
+        norm = layer.widest(norm, {norm[0].forward[-1].what: "RMSNorm at its widest: fp32 input and output, bf16"
+                                                              " output"})
     return (*norm, *_head(z, config))
 
 

@@ -6,13 +6,12 @@ Llama's walk (hf_layer) and Mixtral's grouped_mm experts (hf_moe). Each op: docs
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable
 
 from memcalc.config.schema import ModelConfig
 from memcalc.model import ledger
 from memcalc.model.impls import hf as rules
 from memcalc.model.ledger import SavedTensor
-from memcalc.sizing.timeline import torch_ops
+from memcalc.sizing.timeline import hf_layer, torch_ops
 from memcalc.sizing.timeline.tape import Sizes
 from memcalc.sizing.timeline.torch_ops import WHY_BGRAD, WHY_WGRAD
 from memcalc.sizing.timeline.walk import Made, Op, Step, kept
@@ -107,11 +106,10 @@ def bias_backward(g: str, proj: str, nbytes: int, dy: str) -> Op:
             frees=(f"{g}/{proj} bias zeros", dy), hands_over=(f"{g}/{proj} bias",)),), (rules.SORTED_EXPERT_IDS,))
 
 
-def router_backward(g: str, z: Sizes, k: int, experts: int, add: Callable[..., tuple[Step, ...]], out: str
-                    ) -> tuple[Op, ...]:
+def router_backward(g: str, z: Sizes, k: int, experts: int, summed: tuple[Step, ...]) -> tuple[Op, ...]:
     """GptOssTopKRouter's backward in autograd's order: the top-k softmax's (in the activation dtype), top-k's scatter
     into a zero (b*s, E) tensor, then F.linear's GEMMs and its bias's sum; its dX summed into the block input's gradient
-    (`add`, named `out`) before autograd hands the weight's and the bias's gradients over."""
+    (`summed`, the steps that sum it, hf_moe's) before autograd hands the weight's and the bias's gradients over."""
     tokens, act = z.b * z.s, z.act
     logits = act * tokens * experts
     return (
@@ -125,8 +123,7 @@ def router_backward(g: str, z: Sizes, k: int, experts: int, add: Callable[..., t
                                       Made(f"{g}/weight", act * experts * z.h, WHY_WGRAD)), returns=True, moment=False),
             Step("the bias's gradient: dY summed over the tokens", (Made(f"{g}/bias", act * experts, WHY_BGRAD),),
                  frees=(f"{g}/logits",), reduced=True, moment=False),
-            *add("block input", f"{g}/input", z.full(z.h), "the router's input gradient summed with the block's others",
-                 out),
+            *summed,
             Step("", hands_over=(f"{g}/bias", f"{g}/weight")),
         ), (ledger.MOE_IN,)),
     )
@@ -162,18 +159,14 @@ def eager_core(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool
     max's scatter, the subtraction's, the softmax's (in the activation dtype), slice's, `dropout`'s (its bool mask)
     and weights x V's. K and V as matmul keeps them: repeat_kv's copies, or (the ledger's REPEAT_KV) the heads
     themselves."""
-    g, q, a = f"grad/{p}", z.full(z.a_t * z.d), z.b * z.a_t * z.s
+    g, a = f"grad/{p}", z.b * z.a_t * z.s
     scores, logits = z.act * a * z.s, z.act * a * (z.s + 1)
     expanded = rules.K_EXPANDED.name in saved
     k, v = (rules.K_EXPANDED, rules.V_EXPANDED) if expanded else (ledger.K, ledger.V)
-    names = {n: f"{g}/{n} {'expanded' if gqa else 'heads'}" for n in ("k", "v")}
-    sums = tuple(Step("repeat_kv's backward", (Made(f"{g}/{n} heads", z.full(z.g_t * z.d), f"d{n} summed over each"
-                                                    " group's heads"),), frees=(f"{g}/{n} expanded",), moment=False)
-                 for n in ("v", "k")) if gqa else ()
+    sums, qk, context = hf_layer.core_backward(g, z, gqa, f"{g}/weights", scores)
     return (
         Op("self_attn", (), sums),
-        Op("self_attn", (), (Step("QK^T: dQ and dK", (Made(f"{g}/q heads", q, "dQ = dScores K"), Made(
-            names["k"], q, "dK = dScores^T Q, at a heads")), frees=(f"{g}/scaled scores",)),), (ledger.Q, k)),
+        Op("self_attn", (), (qk,), (ledger.Q, k)),
         Op("self_attn", (), (
             Step("autograd sums the logits' two gradients", (Made(f"{g}/logits", logits, "the softmax's and max's"),),
                  frees=(f"{g}/shifted", f"{g}/max scattered")),
@@ -195,12 +188,7 @@ def eager_core(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool
         *((replace(torch_ops.dropout("self_attn", p, ledger.ATTN_DROPOUT_MASK, kept(p, ledger.ATTN_DROPOUT_OUT),
                                      f"{g}/weights", f"{g}/dropped", scores, frees=(f"{g}/weights",)), forward=()),)
           if dropout else ()),
-        Op("self_attn", (), (
-            Step("the context made (b, a, s, d)", (Made(f"{g}/attn heads", q, "contiguous for bmm"),),
-                 frees=(f"{g}/o_proj input",), moment=False),
-            Step("weights x V: dV and dWeights", (Made(names["v"], q, "dV = weights^T dY, at a heads"), Made(
-                f"{g}/weights", scores, "dWeights = dY V^T")), frees=(f"{g}/attn heads",)),
-        ), (ledger.ATTN_DROPOUT_OUT if dropout else rules.SINK_SOFTMAX, v)),
+        Op("self_attn", (), context, (ledger.ATTN_DROPOUT_OUT if dropout else rules.SINK_SOFTMAX, v)),
     )
 
 

@@ -22,10 +22,10 @@ WHY_SAVED = "kept for backward (the hf ledger); freed when the op that keeps it 
 
 
 def rms_norm(where: str, p: str, norm: RMSNormTensors, z: Sizes, dy: str | None, out: str, residual: str | None = None,
-             forward: tuple[Step, ...] = (), width: int = 0, heads: int = 1, output: Made | None = None,
-             gone: tuple[str, ...] = (), x: str = "") -> tuple[Op, ...]:
+             width: int = 0, heads: int = 1, output: Made | None = None, gone: tuple[str, ...] = (), x: str = ""
+             ) -> tuple[Op, ...]:
     """LlamaRMSNorm's backward as autograd runs its eager ops, widest at pow's (five fp32 (b, s, h) tensors); with a
-    `residual` the norm's dX and the stream's gradient summed into `out`. `forward`: the final norm's; `width`, `heads`:
+    `residual` the norm's dX and the stream's gradient summed into `out`. `width`, `heads`:
     Qwen3's q_norm and k_norm, per head; `dy` None: the residual stream's too (Gemma 2's sandwich norms); `output`,
     `gone`: the forward op by op, for a checkpoint's walk, `x` the norm's input (in fp32 its upcast is x itself, which
     the norm then keeps). GemmaRMSNorm (`norm.weight_plus_one`) and Olmo2RMSNorm (`norm.normed_fp32` alone: its weight
@@ -37,17 +37,15 @@ def rms_norm(where: str, p: str, norm: RMSNormTensors, z: Sizes, dy: str | None,
     walked = _gemma_norm_forward if norm.weight_plus_one else _norm_forward
     upcast = Made(x, 0, "x.to(float32) in fp32: x itself", keeps=norm.input_fp32, alias=True) if act == fp32 else \
         kept(p, norm.input_fp32)
-    forward = forward or (walked(f"{p}/{where}", p, norm, fp32, row, upcast, output, gone) if output else ())
-    if act == fp32:  # fp32: x.to(float32) is x, whose gradients autograd sums as they come (`_summed_into_x`)
-        cast = Op(where, forward=forward, backward=())
-    else:
-        cast = Op(where, forward=forward, backward=(
-            Step("x.to(float32)'s backward", (Made(f"{g}/dx fp32", fp32, "autograd sums x's two fp32 gradients"),
-                                              Made(dx, act, "x.to(float32)'s backward: cast back to bf16")),
-                 frees=(f"{g}/dx (x * r)", f"{g}/dx (pow)", f"{g}/dx fp32"), moment=False),
-            *((Step("the residual's sum", (Made(out, act, "the residual stream's gradient: the norm's dX and the"
-                                                " residual's summed"),), frees=(dx, residual), moment=False),)
-              if residual else ())))
+    forward = walked(f"{p}/{where}", p, norm, fp32, row, upcast, output, gone) if output else ()
+    # fp32: x.to(float32) is x, whose gradients autograd sums as they come (`_summed_into_x`)
+    cast = Op(where, forward, () if act == fp32 else (
+        Step("x.to(float32)'s backward", (Made(f"{g}/dx fp32", fp32, "autograd sums x's two fp32 gradients"),
+                                          Made(dx, act, "x.to(float32)'s backward: cast back to bf16")),
+             frees=(f"{g}/dx (x * r)", f"{g}/dx (pow)", f"{g}/dx fp32"), moment=False),
+        *((Step("the residual's sum", (Made(out, act, "the residual stream's gradient: the norm's dX and the"
+                                            " residual's summed"),), frees=(dx, residual), moment=False),)
+          if residual else ())))
     summed, first = _summed_into_x(g, act, residual) if act == fp32 else ((), "")
     power = Op(where, forward=(), backward=(
         Step("mean's backward", (Made(f"{g}/dpow", fp32, "dvariance spread over h and divided by h"),),
@@ -195,6 +193,35 @@ def _gemma_weight(where: str, g: str, norm: RMSNormTensors, z: Sizes, dy: str | 
     return (product, up)
 
 
+def widest(ops: tuple[Op, ...], moments: dict[str, str]) -> tuple[Op, ...]:
+    """Ops described op by op (for a checkpoint's walk) as a forward without one walks them, at its widest moments
+    only: the last step of each name in `moments` marks one, in that moment's words (a sparse block's,
+    hf_moe.block_forward; the final norm's). The steps between two moments are one: what they free of older tensors
+    goes first, what they make and do not free again is made at the moment, in its op (a MoE layer has thousands of
+    steps); backward is the ops' own."""
+    last = {step.what: (i, j) for i, op in enumerate(ops) for j, step in enumerate(op.forward)}
+    marked = {last[what]: words for what, words in moments.items() if what in last}
+    forward: list[list[Step]] = [[] for _ in ops]
+    made: dict[str, Made] = {}  # made since the last moment and live
+    older: list[str] = []  # freed since the last moment, made before it
+    holder = 0
+    for i, op in enumerate(ops):
+        for j, step in enumerate(op.forward):
+            holder = i
+            made.update((x.name or x.keeps.name, x) for x in step.makes)
+            if (i, j) in marked:
+                forward[i] += [Step("", frees=tuple(older)), Step(marked[i, j], tuple(made.values()), step.frees)]
+                made, older = {}, []
+                continue
+            for name in step.frees:
+                if name in made and not made[name].alias:
+                    del made[name]
+                else:
+                    older.append(name)
+    forward[holder] += [Step("", tuple(made.values()), tuple(older), moment=False)]
+    return tuple(replace(op, forward=tuple(steps)) for op, steps in zip(ops, forward))
+
+
 DOWN_PROJ = "mlp.down_proj"  # LlamaMLP's rowwise projection under tp
 
 
@@ -222,7 +249,7 @@ def layer_forward(i: int, z: Sizes, kept: Step, mlp: tuple[Op, ...] = (), core: 
     (Cohere's), summed with the input at the end, o_proj's output live to then. `down_proj`: the MLP's rowwise
     projection (StarCoder 2's c_proj). `rope`: RoPE's forward in fp32 (OLMo's, Cohere's) op by op, which makes Q and K
     itself, and the kept tensors made before it (the rest of those before o_proj's input, the core's, after it). The
-    kept tensors the MLP's own steps make (gpt-oss's experts') are made there, not before it."""
+    kept tensors a sparse block's own steps make (hf_moe.block_forward) are made there, not before it."""
     p, full = f"layers.{i}", z.full(z.h)
     alias = (Step("", frees=(f"{p}/input",)),) if kept_inputs else ()
     rope_ops, early = rope
@@ -239,8 +266,9 @@ def layer_forward(i: int, z: Sizes, kept: Step, mlp: tuple[Op, ...] = (), core: 
                       if x.keeps not in own)
         core = (Op("", (replace(kept, makes=before), *alias), ()), *rope_ops, *core)
         kept, alias = replace(kept, makes=after), ()
-    mine = {x.keeps for op in mlp for step in op.forward for x in step.makes if x.keeps}  # the block's own moments'
-    kept = replace(kept, makes=tuple(x for x in kept.makes if x.keeps not in mine))
+    # the block's own steps' (by name: a MoE block makes thousands)
+    mine = {x.keeps.name for op in mlp for step in op.forward for x in step.makes if x.keeps}
+    kept = replace(kept, makes=tuple(x for x in kept.makes if x.keeps is None or x.keeps.name not in mine))
     stream = alias if kept_inputs else (Step("the residual stream", (Made(
         f"{p}/mid", full, "the residual stream after attention: ln2's input and the MLP's residual"),), moment=False),
     ) if not parallel else (Step("the attention's output", (Made(f"{p}/attn output", full, "o_proj's output, a local"
@@ -505,10 +533,8 @@ def eager_core(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool
     expanded = rules.K_EXPANDED.name in saved  # repeat_kv's copies (memcalc.model.impls.hf.REPEAT_KV)
     v, k = (rules.V_EXPANDED, rules.K_EXPANDED) if expanded else (ledger.V, ledger.K)
     v = rules.NEOX_QKV_OUT if rules.NEOX_QKV_OUT.name in saved else v  # Phi-3's V, a view of the whole qkv output
-    sums = tuple(Step("repeat_kv's backward", (Made(f"{g}/{n} heads", z.full(z.g_t * z.d), f"d{n} summed over each"
-                                                    " group's heads"),), frees=(f"{g}/{n} expanded",), moment=False)
-                 for n in ("v", "k")) if gqa else ()
-    names = {n: f"{g}/{n} {'expanded' if gqa else 'heads'}" for n in ("k", "v")}
+    weights = f"{g}/dropped" if dropout else f"{g}/weights"
+    sums, qk_backward, context_backward = core_backward(g, z, gqa, weights, z.act * scores)
     scale = Step("the scale's backward", (Made(f"{g}/scaled scores", z.act * scores, "the mask's passes dY on"),),
                  frees=(f"{g}/scores",), moment=False)
     tanh = kept_name(p, rules.SOFTCAP_TANH)
@@ -518,7 +544,6 @@ def eager_core(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool
         Step("tanh", (kept(p, rules.SOFTCAP_TANH),), frees=(f"{p}/scores divided",)),
         Step("(.) * softcap", (Made(f"{p}/scores capped", z.act * scores, "a temporary"),), reads_last=(tanh,)),
     ), (*_softcap_backward(g, z.act * scores), scale), saves=(rules.SOFTCAP_TANH,)),)
-    weights = f"{g}/dropped" if dropout else f"{g}/weights"
     sc, x, cast = z.act * scores, f"{p}/scores", z.act != 4  # fp32: softmax's casts are no-ops
     # dropout's input: the softmax cast back (a local it rebinds), in fp32 the softmax itself
     cast_back = Made(f"{p}/weights", sc, "the softmax cast back, dropout's input") if dropout else \
@@ -536,10 +561,7 @@ def eager_core(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool
             *(Step("made contiguous for bmm", (kept(p, t),)) for t in qk),
             Step("QK^T", (Made(x, sc, "bmm's output"),), reads_last=tuple(kept_name(p, t) for t in qk)),
             Step("times the scale", (Made(f"{x} scaled", sc, "a temporary"),), frees=(x,)),
-        ), (
-            Step("QK^T: dQ and dK", (Made(f"{g}/q heads", q, "dQ = dScores K"), Made(
-                names["k"], q, "dK = dScores^T Q, at a heads")), frees=(f"{g}/scaled scores",)),
-        ), saves=(ledger.Q, k)),
+        ), (qk_backward,), saves=(ledger.Q, k)),
         *(capped if softcap else ()),
         Op("self_attn", (
             Step("plus the mask", (Made(f"{x} masked", sc, "a local, rebound by the softmax"),),
@@ -551,16 +573,13 @@ def eager_core(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool
               (Step("the fp32 softmax: the attention weights", (kept(p, rules.SOFTMAX_FP32),),
                     frees=(f"{x} masked",)),)),
         ), (
-            Step("the cast to bf16's backward", (Made(f"{g}/softmax fp32", 4 * scores, "the gradient up to fp32"),),
-                 frees=(f"{g}/weights",), moment=False),
-            Step("the fp32 softmax's backward", (Made(f"{g}/scores fp32", 4 * scores, "softmax's backward"),),
-                 frees=(f"{g}/softmax fp32",), returns=True),
-            Step("the cast to fp32's backward", (Made(f"{g}/scores", z.act * scores, "back to bf16"),),
-                 frees=(f"{g}/scores fp32",), moment=False),
-            *(() if softcap else (scale,)),
-        ) if cast else (
-            Step("the fp32 softmax's backward", (Made(f"{g}/scores", 4 * scores, "softmax's backward"),),
-                 frees=(f"{g}/weights",), returns=True),
+            *((Step("the cast to bf16's backward", (Made(f"{g}/softmax fp32", 4 * scores, "the gradient up to fp32"),),
+                    frees=(f"{g}/weights",), moment=False),) if cast else ()),
+            Step("the fp32 softmax's backward", (Made(f"{g}/scores fp32" if cast else f"{g}/scores", 4 * scores,
+                                                      "softmax's backward"),),
+                 frees=(f"{g}/softmax fp32" if cast else f"{g}/weights",), returns=True),
+            *((Step("the cast to fp32's backward", (Made(f"{g}/scores", z.act * scores, "back to bf16"),),
+                    frees=(f"{g}/scores fp32",), moment=False),) if cast else ()),
             *(() if softcap else (scale,)),
         ), saves=(rules.SOFTMAX_FP32,)),
         *dropped,
@@ -568,13 +587,27 @@ def eager_core(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool
             *((Step("V made contiguous for bmm", (kept(p, v),)),) if v_copied else ()),
             *context(p, z, q, (kept_name(p, v),) if v_copied else (),
                       tuple(kept_name(p, t) for t in (k, v)) if repeated else ()),
-        ), (
-            Step("the context made (b, a, s, d)", (Made(f"{g}/attn heads", q, "contiguous for bmm"),),
-                 frees=(f"{g}/o_proj input",), moment=False),
-            Step("weights x V: dV and dWeights", (Made(names["v"], q, "dV = weights^T dY, at a heads"), Made(
-                weights, z.act * scores, "dWeights = dY V^T")), frees=(f"{g}/attn heads",)),
-        ), saves=(ledger.ATTN_DROPOUT_OUT if dropout else rules.WEIGHTS, v)),
+        ), context_backward, saves=(ledger.ATTN_DROPOUT_OUT if dropout else rules.WEIGHTS, v)),
     )
+
+
+def core_backward(g: str, z: Sizes, gqa: bool, weights: str, scores: int) -> tuple[tuple[Step, ...], Step,
+                                                                                    tuple[Step, ...]]:
+    """What eager_attention_forward's backward makes alike in Llama's core and gpt-oss's (with the sinks): repeat_kv's
+    sums over each group's heads (`gqa`), QK^T's dQ and dK, and weights x V's dV and dWeights (`weights`, of
+    `scores` bytes) after dY made (b, a, s, d)."""
+    q = z.full(z.a_t * z.d)
+    names = {n: f"{g}/{n} {'expanded' if gqa else 'heads'}" for n in ("k", "v")}
+    sums = tuple(Step("repeat_kv's backward", (Made(f"{g}/{n} heads", z.full(z.g_t * z.d), f"d{n} summed over each"
+                                                    " group's heads"),), frees=(f"{g}/{n} expanded",), moment=False)
+                 for n in ("v", "k")) if gqa else ()
+    qk = Step("QK^T: dQ and dK", (Made(f"{g}/q heads", q, "dQ = dScores K"), Made(
+        names["k"], q, "dK = dScores^T Q, at a heads")), frees=(f"{g}/scaled scores",))
+    context = (Step("the context made (b, a, s, d)", (Made(f"{g}/attn heads", q, "contiguous for bmm"),),
+                    frees=(f"{g}/o_proj input",), moment=False),
+               Step("weights x V: dV and dWeights", (Made(names["v"], q, "dV = weights^T dY, at a heads"), Made(
+                   weights, scores, "dWeights = dY V^T")), frees=(f"{g}/attn heads",)))
+    return sums, qk, context
 
 
 def context(p: str, z: Sizes, q: int, read: tuple[str, ...], gone: tuple[str, ...]) -> tuple[Step, ...]:

@@ -15,7 +15,7 @@ from memcalc.model import ledger
 from memcalc.model.impls import hf as rules
 from memcalc.model.ledger import SavedTensor
 from memcalc.sizing.timeline import hf_gpt_oss as oss
-from memcalc.sizing.timeline.hf_layer import WHY_SAVED
+from memcalc.sizing.timeline.hf_layer import WHY_SAVED, widest
 from memcalc.sizing.timeline.tape import Sizes
 from memcalc.sizing.timeline.torch_ops import WHY_WGRAD, linear
 from memcalc.sizing.timeline.walk import Made, Op, Step, kept, kept_name, kept_names
@@ -55,17 +55,12 @@ def grouped(config: ModelConfig) -> bool:
 
 
 def kept_in_forward(tensors: tuple[SavedTensor, ...], config: ModelConfig) -> Step:
-    """A layer's kept tensors as its forward makes them, sized by the ledger and named by each layer's walk: a sparse
-    block's eager loop keeps one storage per expert; the shared gate's (Qwen2-MoE's) and DeepSeek-V3's shared experts',
-    which run after the experts, are `block_forward`'s."""
-    made: list[Made] = []
+    """A layer's kept tensors as its forward makes them, sized by the ledger and named by each layer's walk; those a
+    sparse block's own steps make are `block_forward`'s (hf_layer.layer_forward leaves them out), the eager loop's
+    rows among them, one storage per expert (`per_expert`)."""
     loop = not grouped(config)
-    for x in tensors:
-        if loop and x in EXPERT_TENSORS:
-            made += [Made("", 0, WHY_SAVED, keeps=per_expert(e)[x.name]) for e in range(config.num_experts)]
-        elif x != rules.SHARED_GATE_SIGMOID and not (config.mla and x in rules.SHARED_MLP):
-            made.append(Made("", 0, WHY_SAVED, keeps=x))
-    return Step("the layer's saved tensors", tuple(made), moment=False)
+    return Step("the layer's saved tensors", tuple(Made("", 0, WHY_SAVED, keeps=x) for x in tensors
+                                                   if not (loop and x in EXPERT_TENSORS)), moment=False)
 
 
 STEM = "grad/moe"  # the block's gradients, named for no layer (one block's backward runs at a time)
@@ -95,81 +90,36 @@ def _slots(config: ModelConfig) -> int:
     return config.moe_router_topk * config.b * config.s // config.num_experts
 
 
-def block_forward(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
-    """The block's widest forward moments, `{p}/mlp output` (what it returns) live after them: DeepSeek-V3's shared
-    experts run after the experts, their output summed with theirs."""
-    shared = bool(config.moe_shared_expert_intermediate_size)
-    full, m = z.full(z.h), f"{p}/moe"
+def block_forward(p: str, z: Sizes, config: ModelConfig, checkpointed: bool) -> tuple[Op, ...]:
+    """The block's forward op by op (`checkpointed`: for gradient checkpointing, its forward, which keeps nothing, and
+    its rerun in backward, which keeps the ledger's tensors and stops early at the last one the layer saves):
+    Qwen2-MoE's shared expert first, the router, the experts (their locals live to their return), then Qwen2-MoE's
+    shared expert's gate or DeepSeek-V3's shared experts, summed with the experts' output; the block's locals (the
+    router's outputs, its input) live to its return. Without a checkpoint the layer's one forward moment walks the same
+    ops, only the widest marking moments (hf_layer.widest); DeepSeek-V3's, never walked op by op (latent attention
+    refuses a checkpoint), takes the softmax router's steps, of which its moments hold what it holds too (the logits,
+    its GEMM's fp32, and the top-k weights); gpt-oss's experts are hf_gpt_oss's."""
+    m, shared, bf16 = f"{p}/moe", bool(config.moe_shared_expert_intermediate_size), _bf16(config)
     out = f"{m}/experts output" if shared else f"{p}/mlp output"
-    logits = 4 if config.mla else z.act  # DeepseekV3TopkRouter's GEMM runs in fp32
-    routed = (
-        Made(f"{m}/router_logits", logits * z.b * z.s * config.num_experts, "F.linear's (b*s, E) logits: the block's"
-             " `_` holds them"),
-        Made(f"{m}/top_k_weights", _width(z, config) * z.b * z.s * config.moe_router_topk,
-             "the top-k weights the experts read"))
-    # gpt-oss's experts read the kept softmax over the top k
-    experts = oss.experts_forward(p, out, z, config, routed[0]) if rules.is_gpt_oss(config) else (
-        _grouped_forward if grouped(config) else _loop_forward)(m, out, z, config, routed)
-    summed = Op("mlp", forward=(Step("the experts' and the gated shared expert's outputs summed", (
-        kept(p, rules.SHARED_GATE_SIGMOID), Made(f"{m}/shared gated", full, "sigmoid(gate(x)) * shared_expert(x)"),
-        Made(f"{p}/mlp output", full, "the experts' and the gated shared expert's outputs summed")),
-        frees=(out, f"{m}/shared gated")),), backward=())
-    if config.mla:
-        summed = Op("mlp", forward=(Step("the experts' and the shared experts' outputs summed", (
-            *(kept(p, x) for x in rules.SHARED_MLP), Made(f"{m}/shared output", full, "shared_experts(residuals)"),
-            Made(f"{p}/mlp output", full, "the experts' and the shared experts' outputs summed")),
-            frees=(out, f"{m}/shared output")),), backward=())
-    done = Op("mlp", forward=(Step("", frees=(f"{m}/router_logits", f"{m}/top_k_weights")),), backward=())
-    return (experts, *((summed,) if shared else ()), done)
-
-
-def _loop_forward(m: str, out: str, z: Sizes, config: ModelConfig, routed: tuple[Made, ...]) -> Op:
-    """The eager loop's widest moment, the last expert's weighted output (an earlier expert's moments hold fewer, each
-    expert after it keeping 4 r_e h bytes, as much as Mixtral's fp32 product)."""
-    tokens, k, experts, bf16 = z.b * z.s, config.moe_router_topk, config.num_experts, _bf16(config)
-    return Op("mlp.experts", forward=(Step("the last expert's weighted output" + ("" if bf16 else " cast to bf16"), (
-        Made(out, z.full(z.h), "zeros_like(x), the experts' index_add_ target"), *routed,
-        Made(f"{m}/expert_mask", 8 * tokens * k * (experts + 1), "one_hot(top_k_index, E + 1): (b*s, k, E + 1) int64"),
-        Made(f"{m}/expert_hit", 8 * experts, "nonzero(the mask's sums): the E experts hit, (E, 1) int64"),
-        # Qwen's weights are bf16 already: the product is the kept bf16 output itself
-        *(() if bf16 else (Made(f"{m}/weighted fp32", 4 * _slots(config) * z.h, "expert output * its fp32 routing"
-                                  " weight, (r_e, h); the loop's variable holds it until the loop returns"),))),
-        frees=(f"{m}/expert_mask", f"{m}/expert_hit", f"{m}/weighted fp32")),), backward=())
-
-
-def _grouped_forward(m: str, out: str, z: Sizes, config: ModelConfig, routed: tuple[Made, ...]) -> Op:
-    """grouped_mm's widest moments, every kept tensor made, the arange that inverted the permutation gone."""
-    r, width, bf16 = config.moe_router_topk * z.b * z.s, _width(z, config), _bf16(config)
-    temporaries = (f"{m}/slot order", f"{m}/sorted expert ids", f"{m}/histc input", f"{m}/tokens per expert")
-    summed = out if bf16 else f"{m}/summed fp32"
-    return Op("mlp.experts", forward=(
-        Step("the weighted rows put back in slot order", (
-            *routed,
-            Made(f"{m}/sorted expert ids", 8 * r, "torch.sort's values, each sorted slot's expert: (k*b*s,) int64"),
-            Made(f"{m}/histc input", 4 * r, "the sorted ids as fp32 (histc takes no integers on the CPU)"),
-            Made(f"{m}/tokens per expert", 4 * config.num_experts, "histc's (E,) fp32 counts"),
-            Made(f"{m}/weighted", width * r * z.h, "down_proj's rows * their routing weights, in expert order"),
-            Made(f"{m}/slot order", width * r * z.h, "weighted_out[inv_perm]: the rows in slot order")),
-            frees=(f"{m}/weighted",)),
-        Step("the rows summed over each token's k slots", (Made(summed, width * z.b * z.s * z.h, "view(b*s, k, h)"
-                                                                 ".sum(1)"),), frees=temporaries if bf16 else ()),
-        *(() if bf16 else (Step("the sum cast to bf16", (Made(out, z.full(z.h), ".to(hidden_states.dtype)"),),
-                                frees=(summed, *temporaries)),)),
-    ), backward=())
-
-
-def checkpointed_forward(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
-    """The block's forward op by op, for gradient checkpointing (its forward, which keeps nothing, and its rerun in
-    backward, which keeps the ledger's tensors and stops early at the last one the layer saves): Qwen2-MoE's shared
-    expert first, the router, grouped_mm_experts_forward (its locals live to its return), then the shared expert's
-    gate; the block's locals (the router's outputs, its input) live to its return."""
-    m, shared = f"{p}/moe", bool(config.moe_shared_expert_intermediate_size)
-    out = f"{m}/experts output" if shared else f"{p}/mlp output"
+    done = Op("mlp", (Step("", frees=(f"{m}/router_logits", f"{m}/top_k_weights"),
+                           reads_last=kept_names(p, ledger.ROUTER_TOPK_INDICES, ledger.MOE_IN)),), ())
+    if rules.is_gpt_oss(config):  # its experts read the kept softmax over the top k
+        return (oss.experts_forward(p, out, z, config, _router_logits(m, z, config)), done)
     experts = _grouped_experts_forward if grouped(config) else _loop_experts_forward
-    block = (*(_shared_forward(p) if shared else ()), _router_forward(p, z, config),
-             *experts(p, z, config, out), *(_shared_gated(p, z, out) if shared else ()))
-    return (*block, Op("mlp", (Step("", frees=(f"{m}/router_logits", f"{m}/top_k_weights"),
-                                    reads_last=kept_names(p, ledger.ROUTER_TOPK_INDICES, ledger.MOE_IN)),), ()))
+    gated = shared and not config.mla
+    ops = (*(_shared_forward(p) if gated else ()), _router_forward(p, z, config), *experts(p, z, config, out),
+           *(_shared_gated(p, z, out) if gated else _shared_summed(p, z, out) if shared else ()), done)
+    if checkpointed:
+        return ops
+    last = "the output times its routing weights" if bf16 else "cast to bf16: index_add_'s source"
+    return widest(ops, {
+        "the rows in slot order": "the weighted rows put back in slot order",  # grouped_mm's
+        "summed over each token's k slots": "the rows summed over each token's k slots",
+        "the sum cast to bf16": "the sum cast to bf16",
+        # the eager loop's: an earlier expert's hold fewer, each expert after it keeping 4 r_e h bytes, as much as
+        # Mixtral's fp32 product
+        last: "the last expert's weighted output" + ("" if bf16 else " cast to bf16"),
+        GATED_SUM: GATED_SUM, SHARED_SUM: SHARED_SUM})
 
 
 def _routing_weight(config: ModelConfig) -> SavedTensor:
@@ -177,6 +127,14 @@ def _routing_weight(config: ModelConfig) -> SavedTensor:
     the activation dtype's."""
     cast = rules.EXPERT_WEIGHT_CAST
     return cast if cast in rules.moe_block(config) else rules.EXPERT_WEIGHT
+
+
+def _router_logits(m: str, z: Sizes, config: ModelConfig) -> Made:
+    """The router's (b*s, E) logits, which the block's `_` holds to its return: DeepseekV3TopkRouter's GEMM runs in
+    fp32."""
+    width = 4 if config.mla else z.act
+    return Made(f"{m}/router_logits", width * z.b * z.s * config.num_experts, "F.linear's (b*s, E) logits: the block's"
+                " `_` holds them")
 
 
 def _router_forward(p: str, z: Sizes, config: ModelConfig) -> Op:
@@ -192,8 +150,7 @@ def _router_forward(p: str, z: Sizes, config: ModelConfig) -> Op:
     cast = (Step("the top-k weights cast to bf16", (Made(weights, z.act * tokens * k, "the weights the experts read"),),
                  frees=(f"{m}/top values",)),) if cast else ()
     *routed, last = (
-        Step("the router's logits", (Made(f"{m}/router_logits", z.act * tokens * experts, "F.linear's (b*s, E) logits:"
-                                          " the block's `_` holds them"),)),
+        Step("the router's logits", (_router_logits(m, z, config),)),
         *(() if fp32 else (Step("the logits cast to fp32", (Made(f"{m}/logits fp32", 4 * tokens * experts,
                                                                  "softmax's input"),)),)),
         Step("the fp32 softmax", (kept(p, rules.ROUTER_PROBS),), frees=(f"{m}/logits fp32",)),
@@ -329,10 +286,24 @@ def _shared_gated(p: str, z: Sizes, experts: str) -> tuple[Op, ...]:
             Step("sigmoid", (kept(p, rules.SHARED_GATE_SIGMOID),), frees=(f"{m}/shared gate logits",)),
             Step("sigmoid(gate(x)) * shared_expert(x)", (Made(f"{m}/shared gated", z.full(z.h), "the gated output"),),
                  reads_last=kept_names(p, rules.SHARED_GATE_SIGMOID, rules.SHARED_OUT)),
-            Step("the experts' and the gated shared expert's outputs summed", (
-                Made(f"{p}/mlp output", z.full(z.h), "the block's output"),), frees=(experts, f"{m}/shared gated")),
+            Step(GATED_SUM, (Made(f"{p}/mlp output", z.full(z.h), "the block's output"),),
+                 frees=(experts, f"{m}/shared gated")),
         ), ()),
     )
+
+
+def _shared_summed(p: str, z: Sizes, experts: str) -> tuple[Op]:
+    """DeepseekV3MLP's output on the block's input added to the experts' (`experts`), its kept tensors made then: one
+    step (latent attention refuses a checkpoint, so nothing walks it op by op)."""
+    m, full = f"{p}/moe", z.full(z.h)
+    return (Op("mlp", (Step(SHARED_SUM, (
+        *(kept(p, x) for x in rules.SHARED_MLP), Made(f"{m}/shared output", full, "shared_experts(residuals)"),
+        Made(f"{p}/mlp output", full, "the experts' and the shared experts' outputs summed")),
+        frees=(experts, f"{m}/shared output")),), ()),)
+
+
+GATED_SUM = "the experts' and the gated shared expert's outputs summed"  # Qwen2-MoE's
+SHARED_SUM = "the experts' and the shared experts' outputs summed"  # DeepSeek-V3's
 
 
 @dataclass
@@ -356,6 +327,11 @@ class _Sums:
                                                                    " gradients so far"),),
                      frees=(before, new), moment=bool(what)),)
 
+    def router(self, g: str, z: Sizes, out: str = "") -> tuple[Step, ...]:
+        """The router's dX (`{g}/input`) summed into the block input's gradient, a moment; `out` names the sum."""
+        return self.add("block input", f"{g}/input", z.full(z.h), "the router's input gradient summed with the"
+                        " block's others", out)
+
 
 _EXPERTS_INPUT = "experts input"  # DeepSeek's loop: its experts' dX, summed before the shared experts' is added
 OUTPUT_GRAD = f"{STEM}/ln2 output"  # the block input's gradient, every path's summed, which ln2's backward reads
@@ -378,8 +354,9 @@ def block_backward(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
             last = ran[-1]
             ran[-1] = replace(last, backward=(*last.backward, *sums.add(
                 "block input", sums.current[_EXPERTS_INPUT], z.full(z.h))))
+    router = f"{sums.stem}/router"
     ran += _sigmoid_router(z, config, sums) if config.mla else oss.router_backward(
-        f"{sums.stem}/router", z, config.moe_router_topk, config.num_experts, sums.add, OUTPUT_GRAD) if \
+        router, z, config.moe_router_topk, config.num_experts, sums.router(router, z, OUTPUT_GRAD)) if \
         rules.is_gpt_oss(config) else _router(z, config, sums, final=not gated)
     if gated:
         ran += _shared_expert(z, config, sums, last=True)
@@ -389,7 +366,7 @@ def block_backward(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
 
 
 def _op(where: str, saves: tuple[SavedTensor, ...], *steps: Step | tuple[Step, ...]) -> Op:
-    """An op with only a backward (the block's forward is its one moment), its steps flattened."""
+    """An op with only a backward (the block's forward is `block_forward`'s), its steps flattened."""
     flat = tuple(x for s in steps for x in (s if isinstance(s, tuple) else (s,)))
     return Op(where, (), flat, saves)
 
@@ -536,9 +513,7 @@ def _router(z: Sizes, config: ModelConfig, sums: _Sums, final: bool) -> list[Op]
                 frees=(f"{g}/logits fp32",), moment=False),) if cast else ()))
     gate = linear("mlp.gate", ledger.MOE_IN if final else None, None, z.act * experts * z.h, f"{g}/input",
                   z.full(z.h), "", (f"{g}/logits",), dw=f"{g}/weight")
-    return [topk, softmax, replace(gate, backward=(*gate.backward, *sums.add(
-        "block input", f"{g}/input", z.full(z.h), "the router's input gradient summed with the block's others",
-        OUTPUT_GRAD if final else "")))]
+    return [topk, softmax, replace(gate, backward=(*gate.backward, *sums.router(g, z, OUTPUT_GRAD if final else "")))]
 
 
 def _sigmoid_router(z: Sizes, config: ModelConfig, sums: _Sums) -> list[Op]:
@@ -556,9 +531,7 @@ def _sigmoid_router(z: Sizes, config: ModelConfig, sums: _Sums) -> list[Op]:
                   dw=f"{g}/weight")
     back = (Step("the input's cast to fp32: its backward", (Made(f"{g}/input", z.full(z.h), "dX back to bf16"),),
                  frees=(f"{g}/input fp32",), moment=False),) if cast else ()
-    return [scores, replace(gate, backward=(*gate.backward, *back, *sums.add(
-        "block input", f"{g}/input", z.full(z.h), "the router's input gradient summed with the block's others",
-        OUTPUT_GRAD)))]
+    return [scores, replace(gate, backward=(*gate.backward, *back, *sums.router(g, z, OUTPUT_GRAD)))]
 
 
 # -- shared experts: an MLP of width u on every token, Qwen2-MoE's gated by sigmoid(shared_expert_gate(x)) ---------
