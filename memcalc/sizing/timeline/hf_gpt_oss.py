@@ -11,7 +11,7 @@ from memcalc.config.schema import ModelConfig
 from memcalc.model import ledger
 from memcalc.model.impls import hf as rules
 from memcalc.model.ledger import SavedTensor
-from memcalc.sizing.timeline import hf_layer, torch_ops
+from memcalc.sizing.timeline import torch_ops
 from memcalc.sizing.timeline.tape import Sizes
 from memcalc.sizing.timeline.torch_ops import WHY_BGRAD, WHY_WGRAD
 from memcalc.sizing.timeline.walk import Made, Op, Step, kept
@@ -163,7 +163,7 @@ def eager_core(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool
     scores, logits = z.act * a * z.s, z.act * a * (z.s + 1)
     expanded = rules.K_EXPANDED.name in saved
     k, v = (rules.K_EXPANDED, rules.V_EXPANDED) if expanded else (ledger.K, ledger.V)
-    sums, qk, context = hf_layer.core_backward(g, z, gqa, f"{g}/weights", scores)
+    sums, qk, context = torch_ops.core_backward(g, z, gqa, f"{g}/weights", scores)
     return (
         Op("self_attn", (), sums),
         Op("self_attn", (), (qk,), (ledger.Q, k)),

@@ -534,7 +534,7 @@ def eager_core(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool
     v, k = (rules.V_EXPANDED, rules.K_EXPANDED) if expanded else (ledger.V, ledger.K)
     v = rules.NEOX_QKV_OUT if rules.NEOX_QKV_OUT.name in saved else v  # Phi-3's V, a view of the whole qkv output
     weights = f"{g}/dropped" if dropout else f"{g}/weights"
-    sums, qk_backward, context_backward = core_backward(g, z, gqa, weights, z.act * scores)
+    sums, qk_backward, context_backward = torch_ops.core_backward(g, z, gqa, weights, z.act * scores)
     scale = Step("the scale's backward", (Made(f"{g}/scaled scores", z.act * scores, "the mask's passes dY on"),),
                  frees=(f"{g}/scores",), moment=False)
     tanh = kept_name(p, rules.SOFTCAP_TANH)
@@ -589,25 +589,6 @@ def eager_core(p: str, z: Sizes, saved: dict[str, int], gqa: bool, dropout: bool
                       tuple(kept_name(p, t) for t in (k, v)) if repeated else ()),
         ), context_backward, saves=(ledger.ATTN_DROPOUT_OUT if dropout else rules.WEIGHTS, v)),
     )
-
-
-def core_backward(g: str, z: Sizes, gqa: bool, weights: str, scores: int) -> tuple[tuple[Step, ...], Step,
-                                                                                    tuple[Step, ...]]:
-    """What eager_attention_forward's backward makes alike in Llama's core and gpt-oss's (with the sinks): repeat_kv's
-    sums over each group's heads (`gqa`), QK^T's dQ and dK, and weights x V's dV and dWeights (`weights`, of
-    `scores` bytes) after dY made (b, a, s, d)."""
-    q = z.full(z.a_t * z.d)
-    names = {n: f"{g}/{n} {'expanded' if gqa else 'heads'}" for n in ("k", "v")}
-    sums = tuple(Step("repeat_kv's backward", (Made(f"{g}/{n} heads", z.full(z.g_t * z.d), f"d{n} summed over each"
-                                                    " group's heads"),), frees=(f"{g}/{n} expanded",), moment=False)
-                 for n in ("v", "k")) if gqa else ()
-    qk = Step("QK^T: dQ and dK", (Made(f"{g}/q heads", q, "dQ = dScores K"), Made(
-        names["k"], q, "dK = dScores^T Q, at a heads")), frees=(f"{g}/scaled scores",))
-    context = (Step("the context made (b, a, s, d)", (Made(f"{g}/attn heads", q, "contiguous for bmm"),),
-                    frees=(f"{g}/o_proj input",), moment=False),
-               Step("weights x V: dV and dWeights", (Made(names["v"], q, "dV = weights^T dY, at a heads"), Made(
-                   weights, scores, "dWeights = dY V^T")), frees=(f"{g}/attn heads",)))
-    return sums, qk, context
 
 
 def context(p: str, z: Sizes, q: int, read: tuple[str, ...], gone: tuple[str, ...]) -> tuple[Step, ...]:

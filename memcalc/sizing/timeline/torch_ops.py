@@ -1,6 +1,7 @@
 """torch ops that more than one library's step walk runs alike, described once: nn.Linear (transformers' and
 torchtitan's), dropout as transformers' probe runs it (its shim's native_dropout) and a SwiGLU FeedForward up to its
-down projection (torchtitan's dense FeedForward, its MoE's shared and grouped experts).
+down projection (torchtitan's dense FeedForward, its MoE's shared and grouped experts), and the matmuls' backward of
+transformers' eager_attention_forward (Llama's core and gpt-oss's, with its sinks).
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from memcalc.model.ledger import SavedTensor
+from memcalc.sizing.timeline.tape import Sizes
 from memcalc.sizing.timeline.walk import Made, Op, Step, kept, kept_name, kept_names
 
 WHY_WGRAD = "the weight's bf16 gradient, added into the fp32 buffer when autograd hands it over"
@@ -106,3 +108,22 @@ def module_returns(ops: tuple[Op, ...], *names: str) -> tuple[Op, ...]:
     *before, last = ops
     *steps, final = last.forward
     return (*before, replace(last, forward=(*steps, replace(final, reads_last=final.reads_last + names))))
+
+
+def core_backward(g: str, z: Sizes, gqa: bool, weights: str, scores: int) -> tuple[tuple[Step, ...], Step,
+                                                                                    tuple[Step, ...]]:
+    """What eager_attention_forward's backward makes alike in Llama's core and gpt-oss's (with the sinks): repeat_kv's
+    sums over each group's heads (`gqa`), QK^T's dQ and dK, and weights x V's dV and dWeights (`weights`, of
+    `scores` bytes) after dY made (b, a, s, d)."""
+    q = z.full(z.a_t * z.d)
+    names = {n: f"{g}/{n} {'expanded' if gqa else 'heads'}" for n in ("k", "v")}
+    sums = tuple(Step("repeat_kv's backward", (Made(f"{g}/{n} heads", z.full(z.g_t * z.d), f"d{n} summed over each"
+                                                    " group's heads"),), frees=(f"{g}/{n} expanded",), moment=False)
+                 for n in ("v", "k")) if gqa else ()
+    qk = Step("QK^T: dQ and dK", (Made(f"{g}/q heads", q, "dQ = dScores K"), Made(
+        names["k"], q, "dK = dScores^T Q, at a heads")), frees=(f"{g}/scaled scores",))
+    context = (Step("the context made (b, a, s, d)", (Made(f"{g}/attn heads", q, "contiguous for bmm"),),
+                    frees=(f"{g}/o_proj input",), moment=False),
+               Step("weights x V: dV and dWeights", (Made(names["v"], q, "dV = weights^T dY, at a heads"), Made(
+                   weights, scores, "dWeights = dY V^T")), frees=(f"{g}/attn heads",)))
+    return sums, qk, context
