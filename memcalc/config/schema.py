@@ -394,12 +394,15 @@ SHARDING_REFUSALS: tuple[tuple[Any, str], ...] = (
      "dp_shard={c.dp_shard} with distributed_optimizer: FSDP2 shards the optimizer's states itself; give one"),
     (lambda c: c.zero_stage is not None and c.distributed_optimizer,
      "zero_stage={c.zero_stage} with distributed_optimizer: ZeRO shards the optimizer's states itself; give one"),
+    (lambda c: c.distributed_optimizer and c.impl in ("hf", "torchtitan"),
+     "distributed_optimizer is Megatron-LM's (impl megatron); impl {c.impl} shards with {own}"),
     (lambda c: c.zero_stage is not None and c.dp_shard is not None,
      "zero_stage={c.zero_stage} with dp_shard={c.dp_shard}: transformers' Trainer runs DeepSpeed or FSDP2, not both"),
     (lambda c: c.dp_shard is None and (not c.reshard_after_forward or c.reduce_dtype != "fp32"),
      "reshard_after_forward and reduce_dtype are FSDP2's: they need dp_shard"),
 )
-_OWN_SHARDING = {"megatron": "its distributed optimizer (distributed_optimizer)", "torchtitan": "FSDP2 (dp_shard)"}
+_OWN_SHARDING = {"megatron": "its distributed optimizer (distributed_optimizer)", "torchtitan": "FSDP2 (dp_shard)",
+                 "hf": "DeepSpeed's ZeRO (zero_stage) or FSDP2 (dp_shard)"}
 
 
 def check_sharding(config: ModelConfig) -> None:

@@ -30,7 +30,7 @@ from memcalc.probe.mappings import f_star_leave_tp, split_seq
 from memcalc.probe.norm import Norm
 from memcalc.probe.recorder import batch_first, label
 from memcalc.sizing.pipeline import pipeline_stages, stage_rank
-from memcalc.sizing.states import vocab_shard
+from memcalc.sizing.states import DISTRIBUTED_OPTIMIZER, vocab_shard
 from memcalc.sizing.timeline import (
     ACTIVATIONS, CATEGORIES, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, Timeline, timeline,
 )
@@ -561,6 +561,10 @@ def measure_step(config: ModelConfig, strategies: list[str], route: str | None =
         raise ConfigError(f"--step runs one pipeline stage (pp={config.pp}) only with --impl torchtitan (torch's"
                           f" pipelining on the fake group); with --impl {config.impl} it runs the whole model:"
                           " set pp 1")
+    if DISTRIBUTED_OPTIMIZER.ranks(config) > 1:
+        raise ConfigError(f"--step runs one rank's AdamW on the whole model, not Megatron-LM's distributed optimizer"
+                          f" (its states sharded over dp*cp={DISTRIBUTED_OPTIMIZER.ranks(config)}): see them with"
+                          " estimate --totals")
     accounting = Accounting(exact=True, device=device)
     planned = [(STRATEGIES[name], timeline(config, check_strategy(config, STRATEGIES[name]), accounting, stage))
                for name in strategies for stage in _stages(config)]

@@ -10,6 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from memcalc.config.schema import build_config  # noqa: E402
+from memcalc.errors import ConfigError  # noqa: E402
 from memcalc.model.knobs import Accounting  # noqa: E402
 from memcalc.model.strategy import STRATEGIES  # noqa: E402
 from memcalc.probe.group import single  # noqa: E402
@@ -203,6 +204,14 @@ def test_a_category_off_by_more_than_one_percent_is_reported(measured):
     assert any(d.startswith("peak activations") for d in wrong.differences())
     assert CategoryRow("x", 101, 100).within and not CategoryRow("x", 102, 100).within
     assert not CategoryRow("x", 1, 0).within
+
+
+def test_megatrons_distributed_optimizer_is_refused_not_compared_with_one_ranks_whole_adamw():
+    """A drawn step found it: at dp 2 the timeline sharded the optimizer's states that the probe's one rank keeps
+    whole, a disagreement of half of them (exit 1) where --step runs no distributed optimizer at all."""
+    config = build_config(STEP | dict(t=1, dp=2, distributed_optimizer=True))
+    with pytest.raises(ConfigError, match=r"distributed optimizer \(its states sharded over dp\*cp=2\)"):
+        measure_step(config, ["none"])
 
 
 # fp32, as Megatron trains it without master weights (FP32Optimizer): fp32 weights and main_grad buffer, Adam's

@@ -31,6 +31,10 @@ def test_dp_is_dp_replicate_times_dp_shard_and_the_replicas_are_derived():
      " optimizer (distributed_optimizer), not its own FSDP"),
     ({"dp_shard": 2, "distributed_optimizer": True}, "dp_shard=2 with distributed_optimizer: FSDP2 shards the"
      " optimizer's states itself; give one"),
+    ({"dp": 2, "distributed_optimizer": True}, "distributed_optimizer is Megatron-LM's (impl megatron); impl hf"
+     " shards with DeepSpeed's ZeRO (zero_stage) or FSDP2 (dp_shard)"),
+    ({"impl": "torchtitan", "attention": "flash", "distributed_optimizer": True}, "distributed_optimizer is"
+     " Megatron-LM's (impl megatron); impl torchtitan shards with FSDP2 (dp_shard)"),
     ({"zero_stage": 3, "dp_shard": 2}, "zero_stage=3 with dp_shard=2: transformers' Trainer runs DeepSpeed or FSDP2,"
      " not both"),
     ({"reshard_after_forward": False}, "reshard_after_forward and reduce_dtype are FSDP2's: they need dp_shard"),

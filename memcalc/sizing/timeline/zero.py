@@ -97,7 +97,8 @@ class Zero:
         if self.stage != 3:
             return
         tape.drop(*[n for n in tape.live if n.startswith(f"{GATHERED} ")])
-        widest = max(prod(x) for x in (self.root if block == ROOT else self.layer) if prod(x) >= self.threshold)
+        shapes = self.root if block == ROOT else self.layer
+        widest = max((prod(x) for x in shapes if prod(x) >= self.threshold), default=0)  # all whole: none gathered
         tape.add(f"{GATHERED} {block}", PARAMETERS, self.act * (widest + self.prefetch),
                  f"ZeRO-3: {block}'s widest module gathered whole in bf16, and the prefetch bucket's elements ahead")
 
