@@ -25,9 +25,6 @@ def run_step(
 ) -> None:
     """Measure one step per strategy (`route` forces a MoE router) and print it; ProbeError beyond the tolerance."""
     _check_flags(device, launch, backend, layer, comm, overlap)
-    if config.zero_stage is not None:
-        raise ConfigError(f"--step does not run DeepSpeed's engine: the ZeRO-{config.zero_stage} step is modelled from"
-                          " DeepSpeed's sources, not measured (docs/sharding.md); see it with estimate --totals")
     from memcalc.probe.step import TOLERANCE, measure_step  # needs torch: a one-line ProbeError without it
 
     results = measure_step(config, strategies, route, device)

@@ -3,14 +3,13 @@ tape (memcalc.sizing.timeline.hf calls them where FSDP2's hooks would run: `Zero
 memcalc.sizing.timeline.fsdp.Fsdp).
 
 Modelled from DeepSpeed 0.19.8's own sources (deepspeed/runtime/zero/stage_1_and_2.py, stage3.py,
-partitioned_param_coordinator.py), not yet measured to the byte. DeepSpeed 0.19.8's engine does run a step on CPU
-over torch's fake process group (with LOCAL_RANK set; it JIT-builds its shm comm op), with the Trainer's fused torch
-AdamW, but MemTracker does not see its fp32 master partition (neither a module's parameter nor an optimizer state
-when tracking starts): its peak plus that partition was within 0.6% of this walk's (ZeRO-1 and 2: 1,220,464 +
-242,304 B against 1,454,636 predicted; ZeRO-3: 1,220,544 + 242,304 against 1,459,708; the tests' small Llama at
-dp 2), not yet compared moment by moment. bf16 with DeepSpeed's default gradient accumulation dtype (the model's),
-contiguous_gradients on, overlap_comm off at stages 1 and 2 and on at stage 3 (DeepSpeed's defaults), and the sizes
-the Trainer fills for a config's "auto" (`DEEPSPEED_AUTO`). What the tape holds:
+partitioned_param_coordinator.py) and measured by memcalc.probe.libs.hf_zero (DeepSpeed's engine on the fake group,
+the Trainer's fused torch AdamW): at stages 1 and 2 the state between steps is MemTracker's to the byte, the walk's
+peak 888 B above MemTracker's (h = 64, at every b, s, a and g tried; MemTracker files DeepSpeed's gradient partition
+as activations and names no moment inside DeepSpeed's step); at stage 3 MemTracker does not see the partition DeepSpeed
+keeps on each parameter (ds_tensor, no module's parameter). bf16 with DeepSpeed's default gradient accumulation
+dtype (the model's), contiguous_gradients on, overlap_comm off at stages 1 and 2 and on at stage 3 (DeepSpeed's
+defaults), and the sizes the Trainer fills for a config's "auto" (`DEEPSPEED_AUTO`). What the tape holds:
 
     steady          bf16 weights (stage 3: this rank's partition, and the parameters under the persistence
                     threshold whole); this rank's fp32 partition of master weights, Adam's m and v; at stage 3
