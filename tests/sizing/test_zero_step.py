@@ -1,5 +1,5 @@
 """DeepSpeed ZeRO's step on transformers' Llama (memcalc.sizing.timeline.zero), modelled from DeepSpeed 0.19.8's
-sources and not measured (the CPU probe does not run DeepSpeed's engine): its steady state is the state layout's,
+sources (measured where deepspeed runs: tests/probe/libs/test_hf_zero_step.py): its steady state is the state layout's,
 its optimizer step holds DeepSpeed's own estimate (estimate_zero2_model_states_mem_needs) beside the flattened copy
 its step() makes, stage 3 gathers modules and stage 2 reduces in buckets of reduce_bucket_size."""
 

@@ -53,7 +53,8 @@ class Zero:
         h = config.h
         self.layer, self.root = hf_layer(config, 1, 0).shapes, hf_root(config, 1).shapes
         self.threshold = threshold = DEEPSPEED_AUTO["stage3_param_persistence_threshold"](h)
-        shapes = [*self.layer] * config.L + [*self.root]
+        # every layer's own: a MoE model's dense layers among sparse ones (decoder_sparse_step) hold other shapes
+        shapes = [x for i in range(config.L) for x in hf_layer(config, 1, i).shapes] + [*self.root]
         self.stage, self.dp, self.act = config.zero_stage, config.dp, DTYPE_BYTES[config.dtype]  # act: bf16's bytes
         self.params = sum(prod(x) for x in shapes)  # every parameter of the model
         # stage 3: parameters under the persistence threshold, kept whole
