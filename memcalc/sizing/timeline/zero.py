@@ -5,11 +5,13 @@ memcalc.sizing.timeline.fsdp.Fsdp).
 Modelled from DeepSpeed 0.19.8's own sources (deepspeed/runtime/zero/stage_1_and_2.py, stage3.py,
 partitioned_param_coordinator.py) and measured by memcalc.probe.libs.hf_zero (DeepSpeed's engine on the fake group,
 the Trainer's fused torch AdamW): at stages 1 and 2 the state between steps is MemTracker's to the byte, the walk's
-peak 888 B above MemTracker's (h = 64, at every b, s, a and g tried; MemTracker files DeepSpeed's gradient partition
-as activations and names no moment inside DeepSpeed's step); at stage 3 MemTracker does not see the partition DeepSpeed
-keeps on each parameter (ds_tensor, no module's parameter). bf16 with DeepSpeed's default gradient accumulation
-dtype (the model's), contiguous_gradients on, overlap_comm off at stages 1 and 2 and on at stage 3 (DeepSpeed's
-defaults), and the sizes the Trainer fills for a config's "auto" (`DEEPSPEED_AUTO`). What the tape holds:
+peak 888 B above MemTracker's (h = 64, at every b, s, a and g tried: DeepSpeed flattens and casts one parameter
+group's partition at a time, and its grads_in_partition holds whole each parameter reaching into the partition,
+docs/limitations.md; MemTracker files the gradient partition as activations and names no moment in DeepSpeed's
+step); at stage 3 MemTracker does not see the partition DeepSpeed keeps on each parameter (ds_tensor, no module's
+parameter). bf16 with DeepSpeed's default gradient accumulation dtype (the model's), contiguous_gradients on,
+overlap_comm off at stages 1 and 2 and on at stage 3 (DeepSpeed's defaults), and the sizes the Trainer fills for a
+config's "auto" (`DEEPSPEED_AUTO`). What the tape holds:
 
     steady          bf16 weights (stage 3: this rank's partition, and the parameters under the persistence
                     threshold whole); this rank's fp32 partition of master weights, Adam's m and v; at stage 3
