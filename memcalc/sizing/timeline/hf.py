@@ -318,9 +318,9 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
          f"position_embedding_type {config.position_embedding_type}"),
         # measured (memcalc.probe.libs.hf_zero, h=64 L=2 dp=2): the state between steps exact at stages 1 and 2, but
         # DeepSpeed makes no fp32 copy of an fp32 gradient partition (stage_1_and_2.py step(): .to(fp32) returns it),
-        # which the walk's optimizer step casts: its peak 218,216 B above MemTracker's at ZeRO-2 (b=1 s=7), and
-        # without the cast 7,704 B below at b=3 s=5 g=1, the peak elsewhere; ZeRO-1's 132 B below; at stage 3 the
-        # fp32 master partition is the weights' own (stage3.py: fp32_partitioned_groups_flat aliases them)
+        # which the walk casts; without that cast (tried) ZeRO-1's peak is 4 B under MemTracker's and ZeRO-2's 624 B
+        # over at b=1 s=7, 18,044 B over at b=3 s=5 g=1 with the walk's peak in backward (not found yet); at stage 3
+        # the fp32 master partition is the weights' own (stage3.py: fp32_partitioned_groups_flat aliases them)
         (config.dtype == "fp32" and config.zero_stage is not None, "dtype fp32 with zero_stage (DeepSpeed keeps no"
                                                                    " fp32 copy of an fp32 gradient partition)"),
         *_experts_missing(config, tp),
@@ -343,9 +343,9 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
         (config.zero_stage is not None and tp,
          f"zero_stage={config.zero_stage} under tp (t={config.t}): the Trainer runs DeepSpeed's tp through its AutoTP"
          " modules, not transformers' tp_plan"),
-        # measured at stages 1 and 2 (Mixtral, grouped_mm and the eager loop; gradient checkpointing): the state between
-        # steps exact, the peak's difference the dense walk's; stage 3 is not measured (MemTracker does not see the
-        # partition DeepSpeed keeps on each parameter, ds_tensor)
+        # measured at stages 1 and 2 (Mixtral on both paths, Qwen2-MoE's dense layers among sparse ones; gradient
+        # checkpointing): the state between steps and the peak's total exact; stage 3 is not measured (MemTracker does
+        # not see the partition DeepSpeed keeps on each parameter, ds_tensor)
         (config.zero_stage == 3 and config.moe, "zero_stage=3 with experts"),
         (sharded and config.add_qkv_bias, "dp_shard or zero_stage with add_qkv_bias (its walks lay out one gradient a"
                                           " module, the weight's)"),
