@@ -583,10 +583,11 @@ def measure_step(config: ModelConfig, strategies: list[str], route: str | None =
                                 rank=stage_rank(predicted.stage, config.pp))
             out.append(StepComparison(strategy, Mode.FAKE, predicted, measured, model, device))
             continue
-        mode = Mode.FAKE if strategy.tensor_parallel and config.t > 1 or config.dp_shard else Mode.SINGLE
+        zero = config.zero_stage is not None
+        mode = Mode.FAKE if strategy.tensor_parallel and config.t > 1 or config.dp_shard or zero else Mode.SINGLE
         tp = config.t if strategy.tensor_parallel else 1
-        # FSDP2: the fake group is every rank of the mesh, dp_replicate*dp_shard*t
-        t = (config.dp_replicate or 1) * (config.dp_shard or 1) * tp if mode is Mode.FAKE else 1
+        # FSDP2: the fake group is every rank of the mesh, dp_replicate*dp_shard*t; DeepSpeed's, dp
+        t = config.dp if zero else (config.dp_replicate or 1) * (config.dp_shard or 1) * tp if mode is Mode.FAKE else 1
         routed = (route,) if config.moe else ()  # only the MoE runners take one
         routed = (route, device) if device != "cpu" else routed  # torchtitan's runner takes the device after it
         (measured,) = run(trainer, (config, strategy, *routed), mode=mode, t=t)
@@ -618,6 +619,7 @@ def _route_pins_bound(config: ModelConfig, route: str | None) -> bool:
 STEP_TRAINERS = {
     ("hf", ""): ("memcalc.probe.libs.hf_step", "measure_hf_step_on_rank"),
     ("hf", "fsdp"): ("memcalc.probe.libs.hf_fsdp", "measure_hf_fsdp_step_on_rank"),
+    ("hf", "zero"): ("memcalc.probe.libs.hf_zero", "measure_hf_zero_step_on_rank"),
     ("torchtitan", ""): ("memcalc.probe.libs.torchtitan_step", "measure_torchtitan_step_on_rank"),
     ("torchtitan", "fsdp"): ("memcalc.probe.libs.torchtitan_step", "measure_torchtitan_fsdp_step_on_rank"),
     ("torchtitan", "pp"): ("memcalc.probe.libs.torchtitan_pp", "measure_torchtitan_pp_step_on_rank"),
@@ -635,7 +637,8 @@ def _megatron_modules(config: ModelConfig) -> list[str]:
 def _trainer(config: ModelConfig) -> Callable[..., StepMeasurement]:
     """memcalc's own GPT's step, or the one `STEP_TRAINERS` names, imported only then; the MoE runners take the
     route too."""
-    key = (config.impl, "fsdp" if config.dp_shard is not None else "pp" if config.pp > 1 else "")
+    key = (config.impl, "fsdp" if config.dp_shard is not None else "zero" if config.zero_stage is not None
+           else "pp" if config.pp > 1 else "")
     if key not in STEP_TRAINERS or config.impl == "megatron" and not _megatron_modules(config):
         return measure_step_on_rank
     runner(config.impl)  # ProbeError naming the extra to install when the library is missing

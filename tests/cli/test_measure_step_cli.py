@@ -67,6 +67,7 @@ def test_a_step_beyond_one_percent_exits_1_naming_the_category(config, monkeypat
     (["--impl", "paper"], "--step runs memcalc's own Megatron-style model, transformers' LlamaForCausalLM"),
     (["--impl", "torchtitan"], "the step timeline for impl torchtitan does not model position_embedding_type"),
     (["--impl", "hf", "--t", "2"], "the step timeline for impl hf does not model tied embeddings under tp"),
+    (["--impl", "hf", "--zero-stage", "2"], "--step does not compare DeepSpeed's ZeRO-2 step"),
 ])
 def test_what_does_not_apply_or_is_not_modelled_exits_2_before_running(config, flags, needle):
     _one_line_error(memcalc_cli("measure", "--config", config, "--step", *flags), 2, needle)

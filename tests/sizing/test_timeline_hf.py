@@ -72,7 +72,7 @@ def test_a_layers_forward_marks_eager_attentions_fp32_softmax_the_steps_peak_whe
     assert "layers.2/attention/softmax_fp32" in live and "layers.2/attention/weights" not in live
 
 @pytest.mark.parametrize("changes, named", [
-    ({"recompute": "full", "zero_stage": 2}, "recompute full \\(gradient checkpointing\\) with zero_stage"),
+    ({"recompute": "full", "zero_stage": 3}, "recompute full \\(gradient checkpointing\\) with zero_stage=3"),
     ({"add_bias_linear": True}, "add_bias_linear"),
     ({"family": "qwen2", "add_qkv_bias": True, "dp_shard": 2}, "dp_shard or zero_stage with add_qkv_bias"),
     ({"family": "bloom", "norm": "layernorm", "alibi": True, "mlp": "gelu_tanh", "attention": "eager",
@@ -213,8 +213,8 @@ def test_with_decoder_sparse_step_only_every_freq_th_layer_walks_the_sparse_bloc
     assert sparse == {"1", "3"}
 
 
-def test_experts_under_zero_are_refused_by_name():
-    with pytest.raises(ConfigError, match="for impl hf does not model zero_stage with experts"):
+def test_experts_under_zero3_are_refused_by_name():
+    with pytest.raises(ConfigError, match="for impl hf does not model zero_stage=3 with experts"):
         _timeline(**(MIXTRAL | {"zero_stage": 3}))
 
 

@@ -1,5 +1,5 @@
 """DeepSpeed ZeRO's step on transformers' Llama (memcalc.sizing.timeline.zero), modelled from DeepSpeed 0.19.8's
-sources and not measured (the CPU probe does not run DeepSpeed's engine): its steady state is the state layout's,
+sources (measured where deepspeed runs: tests/probe/libs/test_hf_zero_step.py): its steady state is the state layout's,
 its optimizer step holds DeepSpeed's own estimate (estimate_zero2_model_states_mem_needs) beside the flattened copy
 its step() makes, stage 3 gathers modules and stage 2 reduces in buckets of reduce_bucket_size."""
 
@@ -12,7 +12,7 @@ from memcalc.errors import ConfigError
 from memcalc.model.strategy import STRATEGIES
 from memcalc.sizing.states import state_bytes, total_params
 from memcalc.sizing.timeline import OPTIMIZER, PARAMETERS, timeline
-from memcalc.sizing.timeline.zero import BUCKET, DEEPSPEED_AUTO, GATHERED, PARTITION
+from memcalc.sizing.timeline.zero import BUCKET, DEEPSPEED_AUTO, GATHERED, PARTITION, Zero
 
 LLAMA = dict(impl="hf", b=1, s=128, h=256, a=8, L=2, vocab_size=512, mlp="swiglu", ffn_hidden_size=704,
              norm="rmsnorm", num_query_groups=4, position_embedding_type="rope", add_bias_linear=False, dropout=0.0,
@@ -34,18 +34,22 @@ def test_between_steps_the_walk_holds_the_layouts_weights_master_and_moments(sta
 
 
 def test_zero2s_optimizer_step_holds_deepspeeds_estimate_beside_its_flattened_copy():
-    """estimate_zero2_model_states_mem_needs: 2P + 18P/dp; step() also flattens the bf16 partition before casting it
-    (2P/dp), and AdamW keeps a 0-d step per parameter group."""
+    """estimate_zero2_model_states_mem_needs: 2P + 18P/dp; step() also flattens each group's bf16 partition before
+    casting it (at the last group's cast, that group's flat copy), AdamW keeps a 0-d step per parameter group, the gradient norm two 0-d
+    tensors, and grads_in_partition holds whole each gradient reaching into the partition (the estimator: 2P/dp)."""
     deepspeed = pytest.importorskip("deepspeed.runtime.zero.stage_1_and_2")
     config, walk = _walk(2)
     params = total_params(config)
     assert params % 8 == 0
-    (step,) = [m for m in walk.moments if m.phase == "optimizer" and "fp32 gradient partition" in m.what]
-    live = {x.name: x.bytes for x in step.live}
+    *_, last = [m for m in walk.moments if m.phase == "optimizer" and "fp32 gradient partition" in m.what]
+    live = {x.name: x.bytes for x in last.live}
     _, estimate = deepspeed.estimate_zero2_model_states_mem_needs(params, 8, 1, cpu_offload=False)
     states = sum(n for name, n in live.items() if name.startswith(("states/", "zero/", "optimizer/"))
                  and not name.startswith("states/rotary_emb."))  # LlamaRotaryEmbedding's buffers: no parameters
-    assert states == estimate + live["zero/flat grad partition"] + live["optimizer/step"]
+    reaching = live[PARTITION] - 2 * params // 8
+    assert reaching > 0, "a weight straddles the partition's end: it is held whole"
+    assert states == estimate + live["zero/flat grad partition"] + live["optimizer/step"] + live["zero/grad norm"] \
+        + reaching
 
 
 def test_zero2_reduces_a_bucket_of_reduce_bucket_size_before_it_overflows():
@@ -55,7 +59,15 @@ def test_zero2_reduces_a_bucket_of_reduce_bucket_size_before_it_overflows():
     for m in reductions:
         live = {x.name: x.bytes for x in m.live}
         assert live[BUCKET] == 2 * DEEPSPEED_AUTO["reduce_bucket_size"](config.h)
-        assert live[PARTITION] == 2 * total_params(config) // 8
+        assert live[PARTITION] == 2 * Zero(config).in_partition
+
+
+def test_grads_in_partition_holds_each_weight_reaching_into_the_partition_whole():
+    """Two layers of 8 KiB weights, the norms apart: rank 0's partition of the weights' group ends inside one."""
+    config = build_config(LLAMA | {"zero_stage": 2})
+    zero = Zero(config)
+    weights, norms = zero.groups
+    assert zero.in_partition > zero.partition(sum(weights)) + zero.partition(sum(norms))
 
 
 def test_zero3_partitions_the_weights_and_gathers_each_block_in_turn():

@@ -3,14 +3,14 @@ tape (memcalc.sizing.timeline.hf calls them where FSDP2's hooks would run: `Zero
 memcalc.sizing.timeline.fsdp.Fsdp).
 
 Modelled from DeepSpeed 0.19.8's own sources (deepspeed/runtime/zero/stage_1_and_2.py, stage3.py,
-partitioned_param_coordinator.py), not yet measured to the byte. DeepSpeed 0.19.8's engine does run a step on CPU
-over torch's fake process group (with LOCAL_RANK set; it JIT-builds its shm comm op), with the Trainer's fused torch
-AdamW, but MemTracker does not see its fp32 master partition (neither a module's parameter nor an optimizer state
-when tracking starts): its peak plus that partition was within 0.6% of this walk's (ZeRO-1 and 2: 1,220,464 +
-242,304 B against 1,454,636 predicted; ZeRO-3: 1,220,544 + 242,304 against 1,459,708; the tests' small Llama at
-dp 2), not yet compared moment by moment. bf16 with DeepSpeed's default gradient accumulation dtype (the model's),
-contiguous_gradients on, overlap_comm off at stages 1 and 2 and on at stage 3 (DeepSpeed's defaults), and the sizes
-the Trainer fills for a config's "auto" (`DEEPSPEED_AUTO`). What the tape holds:
+partitioned_param_coordinator.py) and measured by memcalc.probe.libs.hf_zero (DeepSpeed's engine on the fake group,
+the Trainer's fused torch AdamW over its two groups): at stages 1 and 2 the state between steps and the peak's
+total are MemTracker's to the byte (with experts and gradient checkpointing too), not yet the categories at the peak
+(MemTracker files the gradient partition as activations) nor its moment (MemTracker names none inside DeepSpeed's
+step); at stage 3 MemTracker does not see the partition DeepSpeed keeps on each parameter (ds_tensor, no module's
+parameter). bf16 with DeepSpeed's default gradient accumulation dtype (the model's), contiguous_gradients on,
+overlap_comm off at stages 1 and 2 and on at stage 3 (DeepSpeed's defaults), and the sizes the Trainer fills for a
+config's "auto" (`DEEPSPEED_AUTO`). What the tape holds:
 
     steady          bf16 weights (stage 3: this rank's partition, and the parameters under the persistence
                     threshold whole); this rank's fp32 partition of master weights, Adam's m and v; at stage 3
@@ -22,13 +22,17 @@ the Trainer fills for a config's "auto" (`DEEPSPEED_AUTO`). What the tape holds:
                     bucket by bucket and this rank's partition copied out; stages 2 and 3: each gradient
                     copied into the reduce bucket (reduce_bucket_size bf16 elements) as autograd hands it
                     over, the bucket reduced when the next gradient would overflow it and this rank's part
-                    copied into the bf16 gradient partition (stage 2: allocated at the first reduction); a
-                    gradient wider than the bucket is reduced on its own
-    optimizer       the partition's bf16 gradients flattened into a new tensor and cast to fp32 (the fp32
-                    gradient partition the optimizer reads), AdamW in place, the bf16 weights gathered back
+                    copied into the bf16 gradient partition (grads_in_partition: whole, each gradient that reaches
+                    into this rank's partition; stage 2: allocated at the first reduction); a gradient wider than
+                    the bucket is reduced on its own
+    optimizer       the gradient norm; group by group (the Trainer's two; stage 3: one) the partition's bf16
+                    gradients flattened into a new tensor and cast to fp32 (the fp32 gradient partition the
+                    optimizer reads); AdamW in place, the bf16 weights gathered back
 """
 
 from __future__ import annotations
+
+import itertools
 
 from memcalc.config.schema import ModelConfig
 from memcalc.model.knobs import DTYPE_BYTES
@@ -54,7 +58,12 @@ class Zero:
         h = config.h
         self.layer, self.root = hf_layer(config, 1, 0).shapes, hf_root(config, 1).shapes
         self.threshold = threshold = DEEPSPEED_AUTO["stage3_param_persistence_threshold"](h)
-        shapes = [*self.layer] * config.L + [*self.root]
+        # every layer's own (a MoE model's dense layers among sparse ones hold other shapes), in registration order
+        shapes = [self.root[0], *(x for i in range(config.L) for x in hf_layer(config, 1, i).shapes), *self.root[1:]]
+        # the Trainer's two parameter groups (weights with decay, norms without), each partitioned on its own; stage 3
+        # (not measured) flattened whole
+        self.groups = ([prod(x) for x in shapes if len(x) > 1], [prod(x) for x in shapes if len(x) == 1]) \
+            if config.zero_stage < 3 else ([prod(x) for x in shapes],)
         self.stage, self.dp, self.act = config.zero_stage, config.dp, DTYPE_BYTES[config.dtype]  # act: bf16's bytes
         self.params = sum(prod(x) for x in shapes)  # every parameter of the model
         # stage 3: parameters under the persistence threshold, kept whole
@@ -67,12 +76,26 @@ class Zero:
         """This rank's share of `elements`, as DeepSpeed pads a partition: ceil(n/dp)."""
         return -(-elements // self.dp)
 
+    @property
+    def part(self) -> int:
+        """This rank's partition of every group's parameters."""
+        return sum(self.partition(sum(group)) for group in self.groups)
+
+    @property
+    def in_partition(self) -> int:
+        """Stages 1 and 2: the elements of grads_in_partition, each parameter that reaches into rank 0's partition of
+        its group whole (stage_1_and_2.py: params_in_partition's numel)."""
+        def reaching(group: list[int]) -> int:
+            starts = itertools.accumulate(group, initial=0)
+            return sum(n for n, start in zip(group, starts) if start < self.partition(sum(group)))
+        return sum(reaching(group) for group in self.groups)
+
     block_of = staticmethod(Fsdp.block_of)
 
     def states(self, tape: Tape) -> None:
         """bf16 weights (partitioned at stage 3), the fp32 partition of master weights and moments, and at stage 3
         the buffers DeepSpeed allocates once."""
-        part = self.partition(self.params)
+        part = self.part
         if self.stage == 3:
             whole = self.persistent
             tape.add("states/weights", PARAMETERS, self.act * (self.partition(self.params - whole) + whole),
@@ -135,8 +158,8 @@ class Zero:
     def _to_partition(self, tape: Tape, where: str, what: str) -> None:
         """This rank's part of a reduction copied into the bf16 gradient partition (allocated at the first)."""
         if PARTITION not in tape.live:
-            tape.add(PARTITION, GRADIENTS, self.act * self.partition(self.params),
-                     "this rank's bf16 gradient partition (grads_in_partition), allocated at the first reduction")
+            tape.add(PARTITION, GRADIENTS, self.act * self.in_partition, "grads_in_partition: each bf16 gradient"
+                     " that reaches into this rank's partition, whole, allocated at the first reduction")
         tape.mark("backward", where, what)
 
     def post_backward(self, tape: Tape, block: str, where: str) -> None:
@@ -158,15 +181,18 @@ class Zero:
         self.filled = 0
 
     def optimizer_step(self, tape: Tape) -> None:
-        """The partition's bf16 gradients flattened into a new tensor and cast to fp32 beside them, the gradients
-        freed (at stage 3 the partition buffer stays), AdamW in place."""
-        part = self.partition(self.params)
-        tape.add("zero/flat grad partition", TEMPORARIES, self.act * part, "the partition's bf16 gradients flattened")
-        tape.add("zero/fp32 grad partition", TEMPORARIES, 4 * part, "the flat partition cast to fp32: the gradient"
-                 " the optimizer reads")
-        tape.mark("optimizer", "", "ZeRO's fp32 gradient partition made from the flattened bf16 one")
-        tape.drop("zero/flat grad partition")
+        """The global gradient norm (two 0-d fp32 tensors: it and its unscaled copy), then group by group the
+        partition's bf16 gradients flattened into a new tensor and cast to fp32 beside them, the flat copy freed; then
+        the gradients freed (at stage 3 the partition buffer stays), AdamW in place."""
+        tape.add("zero/grad norm", TEMPORARIES, 4 * 2, "the global gradient norm and _global_grad_norm, 0-d fp32")
+        for i, group in enumerate(self.groups):
+            part = self.partition(sum(group))
+            tape.add("zero/flat grad partition", TEMPORARIES, self.act * part, f"group {i}'s bf16 gradients flattened")
+            tape.add(f"zero/fp32 grad partition {i}", TEMPORARIES, 4 * part, f"group {i}'s flat partition cast to"
+                     " fp32: the gradient the optimizer reads")
+            tape.mark("optimizer", "", f"ZeRO's fp32 gradient partition of group {i} made from the flattened bf16 one")
+            tape.drop("zero/flat grad partition")
         if self.stage != 3:
             tape.drop(PARTITION)
         tape.mark("optimizer", "", "AdamW on the fp32 partition, in place")
-        tape.drop("zero/fp32 grad partition")
+        tape.drop("zero/grad norm", *[f"zero/fp32 grad partition {i}" for i in range(len(self.groups))])

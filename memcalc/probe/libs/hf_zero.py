@@ -1,0 +1,93 @@
+"""One training step of transformers' `LlamaForCausalLM` under DeepSpeed's own engine (ZeRO 1-3), under MemTracker
+(`memcalc measure --step --impl hf --zero-stage N`).
+
+DeepSpeed 0.19.8 runs on the CPU over torch's fake process group (rank 0 of dp; its CPU accelerator JIT-builds its
+shm comm op once, into torch's extensions cache). The model is built as `memcalc.probe.libs.hf_step` builds it, in the
+config's dtype (DeepSpeed's "bf16" section on or off), the Trainer's torch AdamW (fused) over its two parameter groups
+handed to `deepspeed.initialize` as the client optimizer, with the sizes the Trainer fills for "auto"
+(memcalc.sizing.timeline.zero.DEEPSPEED_AUTO). MemTracker sees neither DeepSpeed's fp32 master partition nor the
+flat buffers it makes at start-up: the partition is registered with it (filed as an optimizer state, as the walk
+files it).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from memcalc.config.schema import ModelConfig
+from memcalc.errors import ProbeError
+from memcalc.model.strategy import Strategy
+from memcalc.probe import require_torch
+from memcalc.probe.group import TensorParallelGroup
+from memcalc.probe.layer import DTYPES
+from memcalc.probe.libs.hf_step import causal_lm, checkpointed
+from memcalc.probe.step import MEASURED_CATEGORIES, MomentTracker, StepMeasurement, batch, categories
+from memcalc.sizing.timeline import OPTIMIZER
+from memcalc.sizing.timeline.zero import DEEPSPEED_AUTO
+
+torch = require_torch()
+try:
+    import deepspeed
+except ImportError as err:  # one line, as memcalc.probe.measure.runner says it for a library
+    raise ProbeError(f"--zero-stage runs DeepSpeed's own engine, which is not installed ({err}); install the extra"
+                     " 'deepspeed' (in a checkout: pip install -e '.[deepspeed]')") from err
+
+# MemTracker's categories as the timeline's; "Other" is the fp32 master partition, the one tensor registered.
+ZERO_CATEGORIES = MEASURED_CATEGORIES | {"Other": OPTIMIZER}
+
+
+@dataclass(frozen=True)
+class ZeroTrainer:
+    """DeepSpeed's engine around a model on this rank; `loss` its forward, (tokens, labels) -> the loss."""
+
+    config: ModelConfig
+    engine: Any
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+    def step(self) -> None:
+        """Load a batch, forward, engine.backward (its hooks reduce), engine.step (it zeroes the gradients)."""
+        tokens, labels = batch(self.config, torch.device("cpu"))
+        loss = self.loss(tokens, labels)
+        self.engine.backward(loss)
+        self.engine.step()
+
+    def register(self, tracker: MomentTracker) -> None:
+        """Show the tracker the weights, the client optimizer's states and DeepSpeed's fp32 master partition."""
+        zero = self.engine.optimizer
+        tracker.track_external(self.engine.module, zero.optimizer)
+        tracker.track_external(*getattr(zero, "single_partition_of_fp32_groups", ()),
+                               *getattr(zero, "fp32_partitioned_groups_flat", ()))
+
+
+def warmed_up_zero(tp: TensorParallelGroup, config: ModelConfig, route: str | None = None) -> ZeroTrainer:
+    """Rank 0 of dp (the fake group's world): the family's model under DeepSpeed ZeRO at the config's stage, the
+    Trainer's AdamW over its groups (weights with decay, norms and biases without), stepped once."""
+    os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed's engine reads it; torch's group is already made
+    deepspeed.utils.groups._WORLD_GROUP = None  # its clone of the world group, made by a run whose group is destroyed
+    model, loss = causal_lm(config, route, DTYPES[config.dtype], tp.device)
+    checkpointed(model, config)
+    decay = [p for p in model.parameters() if p.dim() > 1]
+    rest = [p for p in model.parameters() if p.dim() <= 1]
+    optimizer = torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}], lr=1e-4, fused=True)
+    zero = {"stage": config.zero_stage, **{knob: auto(config.h) for knob, auto in DEEPSPEED_AUTO.items()}}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config={
+        "train_micro_batch_size_per_gpu": config.b, "gradient_accumulation_steps": 1, "zero_optimization": zero,
+        "bf16": {"enabled": config.dtype == "bf16"}})
+    trainer = ZeroTrainer(config, engine, loss)
+    trainer.step()
+    return trainer
+
+
+def measure_hf_zero_step_on_rank(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy,
+                                 route: str | None = None) -> StepMeasurement:
+    """One step of the model under DeepSpeed ZeRO under MemTracker: the state before it, the peak and its moment."""
+    trainer = warmed_up_zero(tp, config, route)
+    tracker = MomentTracker()
+    trainer.register(tracker)
+    steady = categories(tracker.get_tracker_snapshot("current"), ZERO_CATEGORIES)
+    with tracker:
+        trainer.step()
+    peak = categories(tracker.get_tracker_snapshot("peak"), ZERO_CATEGORIES)
+    return StepMeasurement(strategy.name, tp.size, tp.mode, steady, peak, sum(peak.values()), tracker.moment)
