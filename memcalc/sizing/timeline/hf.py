@@ -48,8 +48,8 @@ def _norm_like_final(config: ModelConfig) -> RMSNormTensors | ledger.NormTensors
 def _shared_tables(config: ModelConfig) -> tuple[ledger.SavedTensor, ...]:
     """The ledger's RoPE tables every layer keeps, the model's own (made once per forward by its rotary embedding:
     DeepSeek's (s, d_r) ones, Llama's (s, d), OLMo's fp32); none where each layer keeps tables of its own (GLM's
-    interleaved ones: the model's are then its locals)."""
-    return () if rules.is_glm(config) else mla.TABLES if config.mla else rules.rope_tables(config)
+    interleaved ones, OLMo's cast by FSDP2 for each layer: the model's are then its locals)."""
+    return () if rules.is_glm(config) or olmo.cast(config) else mla.TABLES if config.mla else rules.rope_tables(config)
 
 
 def _model_tables(config: ModelConfig, z: Sizes) -> tuple[Made, ...]:
@@ -59,8 +59,10 @@ def _model_tables(config: ModelConfig, z: Sizes) -> tuple[Made, ...]:
     if shared := _shared_tables(config):
         return tuple(Made(name, 0, "made once per forward by the rotary embedding; the layers' RoPE keeps it", keeps=x)
                      for names in pairs for name, x in zip(names, shared))
-    return tuple(Made(name, z.act * z.s * _rotary(config, z), "LlamaModel's position_embeddings, a local until it"
-                      " returns: each layer interleaves its own") for names in pairs for name in names)
+    width = 4 if olmo.cast(config) else z.act  # OlmoRotaryEmbedding's fp32 ones
+    return tuple(Made(name, width * z.s * _rotary(config, z), "LlamaModel's position_embeddings, a local until it"
+                      " returns: each layer interleaves (OLMo's under FSDP2: is given) its own")
+                 for names in pairs for name in names)
 
 
 def _table_names(config: ModelConfig, j: int = 0) -> tuple[str, ...]:
@@ -147,7 +149,7 @@ def _moments(config: ModelConfig, z: Sizes, kept: tuple[tuple[ledger.SavedTensor
     else:
         inputs, layers, outputs = _llama(tape, config, z, saved, hand_over, kept, dense, sharding is not None)
     with bulk():  # an eager MoE walk puts some hundred thousand tensors on the tape
-        _step(tape, sharding, inputs, layers, outputs)
+        _step(tape, sharding, inputs, layers, outputs, (olmo.cast_inputs(),) if olmo.cast(config) else ())
     if isinstance(sharding, Zero):  # DeepSpeed's step makes the fp32 gradient partition first
         sharding.optimizer_step(tape)
     else:
@@ -171,10 +173,11 @@ def _llama(tape: Tape, config: ModelConfig, z: Sizes, saved: dict[str, int], han
         y.name: saved[x.name] for x, y in zip(ln1, final) if x.name in saved} | {
         ledger.LOGITS_SOFTCAP_TANH.name: z.act * z.b * z.s * config.vocab_size,
         ledger.EMBEDDING_DROPOUT_MASK.name: z.tokens(z.h)}  # a bool mask (StarCoder 2's, hf_ln)
-    tensors = tuple(x for x, _ in kept if x not in rope)  # every layer shares one description of these
+    own = (*rope, *rules.OLMO_ROPE_CAST)  # the model's tables; the copies FSDP2 casts at a layer's pre-forward
+    tensors = tuple(x for x, _ in kept if x not in own)  # every layer shares one description of these
     made, block = moe.kept_in_forward(tensors, config), moe.block_backward(z, config) if config.moe else ()
     saved |= moe.expert_bytes(saved, config) if config.moe else {}
-    plain = moe.kept_in_forward(tuple(x for x, _ in dense if x not in rope), config)  # a dense one's among MoE
+    plain = moe.kept_in_forward(tuple(x for x, _ in dense if x not in own), config)  # a dense one's among MoE
     layers = [(Walk(tape, f"layers.{i}", f"model.layers.{i}", saved, hand_over, _checkpoint(i, config)),
                cohere.layer(i, z, config, saved, rope, made) if cohere.walks(config) else
                _layer(i, z, config, saved, made, block) if not config.moe or moe.sparse(config, i) else
@@ -232,9 +235,11 @@ def _checkpoint(i: int, config: ModelConfig) -> Checkpoint | None:
     return Checkpoint(f"layers.{i}/input", rerun=rerun, early_stop=True, own=TEMPORARIES, frame=shared)
 
 
-def _step(tape: Tape, sharding: Fsdp | Zero | None, inputs: Walked, layers: list[Walked], outputs: Walked) -> None:
-    """Forward, each layer gathered around it under FSDP2 or ZeRO-3; loss.backward(), each layer gathered again under
-    FSDP2 and its gradients reduce-scattered after it."""
+def _step(tape: Tape, sharding: Fsdp | Zero | None, inputs: Walked, layers: list[Walked], outputs: Walked,
+          cast: tuple[Op, ...] = ()) -> None:
+    """Forward, each layer gathered around it under FSDP2 or ZeRO-3 (`cast`: FSDP2's pre-forward ops before its
+    all-gather, hf_olmo.cast_inputs); loss.backward(), each layer gathered again under FSDP2 and its gradients
+    reduce-scattered after it."""
     (front, (batch, *embedding)), (back, out) = inputs, outputs
     front.forward((batch,))
     if sharding is not None:  # the root's pre-forward: embedding, final norm and lm_head gathered
@@ -242,6 +247,7 @@ def _step(tape: Tape, sharding: Fsdp | Zero | None, inputs: Walked, layers: list
     front.forward(tuple(embedding))
     for i, (walk, ops) in enumerate(layers):
         if sharding is not None:
+            walk.forward(cast)
             sharding.copy_out(tape, f"layers.{i}", "forward", f"model.layers.{i}")
         walk.forward(ops)
         if sharding is not None:
@@ -306,12 +312,17 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
         (config.cp != 1, f"cp={config.cp}"),
         (config.add_bias_linear and family not in ("gpt2", "gpt_oss", "starcoder2"),
          "add_bias_linear (biases on every linear; Qwen2's q, k, v biases are add_qkv_bias)"),
-        # measured at dp_shard 2: FSDP2's MixedPrecisionPolicy casts each layer's fp32 inputs, OlmoRotaryEmbedding's
-        # cos and sin, to bf16 at its pre-forward (384 B each at s=24 d=8), which that layer's RoPE then keeps
-        (olmo.walks(config) and sharded, "OLMo's model under dp_shard or zero_stage (FSDP2 casts its fp32 RoPE tables"
-                                         " to bf16 copies for each layer)"),
-        ((config.fused_qkv or config.post_norm or rules.is_glm(config)) and (tp or sharded),
+        ((olmo.walks(config) or config.post_norm) and config.zero_stage is not None,
+         f"{family}'s model under zero_stage (unmeasured)"),
+        # measured at dp_shard 2, b=2 s=24 d=8 (OLMo and OLMo 2): 2,304 B (12 s d) of activations more walked than
+        # measured at the peak. FSDP2 casts a layer's inputs inside the checkpointed call, but not again in the rerun
+        # (its pre-forward returns at once in backward): the forward's RoPE is on the bf16 copies, the rerun's on the
+        # model's fp32 tables, which the layers' one description of their ops cannot tell apart
+        (olmo.cast(config) and config.recompute != "none", f"{rerun} dp_shard in OLMo's and OLMo 2's models (FSDP2 casts"
+                                                            " the RoPE tables in forward, not in the rerun)"),
+        ((config.fused_qkv or rules.is_glm(config)) and (tp or sharded),
          f"{family}'s model under tp, dp_shard or zero_stage (unmeasured: t = 1 without sharding only)"),
+        (config.post_norm and tp, f"{family}'s model under tp (unmeasured)"),
         (scaled_embedding(config) and sharded, f"{family}'s model under dp_shard or zero_stage (unmeasured)"),
         (ln.walks(config) and sharded, "StarCoder 2's model under dp_shard or zero_stage (FSDP2's units are Llama's"
                                        " modules)"),
@@ -466,7 +477,7 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
         *ln1,
         *(mla.attention(p, z, config, saved) if config.mla else ln.dropped_attention(layer.attention(
             p, z, config.attention == "eager", saved, config.groups != config.a, tp,
-            () if checkpointed else _first_reader(config, i), config.norm if config.qk_layernorm else "",
+            () if checkpointed else (*_first_reader(config, i), *olmo.cast_names(p, config)), config.norm if config.qk_layernorm else "",
             config.add_qkv_bias or config.add_bias_linear, config.has_dropout, rules.scores_capped(config), attn_out,
             config.fused_qkv, f"attn {proj}", into[0], rope, config.add_bias_linear, config.attention_sinks),
             p, z, config)),
