@@ -131,7 +131,6 @@ _FSDP = {"dp_shard": st.sampled_from((2, 3, 4)), "reshard_after_forward": st.boo
 _TORCHTITAN_FSDP = _knobs(recompute=st.sampled_from(("none", "full", "op")), dtype=DTYPES, **_FSDP)
 _HF_FSDP = _knobs(attention=ATTENTION, tie_embeddings=TIED, dropout=DROPOUT, dtype=DTYPES,
                   recompute=st.sampled_from(("none", "full")), **_FSDP)
-_HF_OLMO_FSDP = _knobs(attention=ATTENTION, tie_embeddings=TIED, dropout=DROPOUT, dtype=DTYPES, **_FSDP)
 
 SUBJECTS = (
     Subject("megatron dense", "torch", {"impl": "megatron"},
@@ -185,8 +184,8 @@ SUBJECTS = (
     Subject("torchtitan fsdp2", "torchtitan", TORCHTITAN, _TORCHTITAN_FSDP, ts=(1, 2)),
     Subject("hf fsdp2", "transformers", {"impl": "hf"} | LLAMA, _HF_FSDP, ts=(1, 2)),
     Subject("hf olmo fsdp2", "transformers", {"impl": "hf", "family": "olmo"} | LLAMA | {"norm": "layernorm_np"},
-            _HF_OLMO_FSDP, ts=(1, 2)),
-    Subject("hf olmo2 fsdp2", "transformers", OLMO2, _HF_OLMO_FSDP, ts=(1,)),
+            _HF_FSDP, ts=(1, 2)),
+    Subject("hf olmo2 fsdp2", "transformers", OLMO2, _HF_FSDP, ts=(1,)),
 )
 
 

@@ -224,12 +224,14 @@ def _unheld_masks(config: ModelConfig) -> tuple[str, ...]:
 def _checkpoint(i: int, config: ModelConfig) -> Checkpoint | None:
     """gradient_checkpointing_enable's non-reentrant checkpoint around layer i's forward, torch's early stop on. Its
     frame holds the layer's input and the keyword arguments LlamaModel passes (the position ids and RoPE's tables,
-    which layer 0's frame is the last to hold; a mask, which the first layer given it is). The layer's own ops, its
-    residual sums, rerun outside any module's forward: MemTracker's temporaries."""
+    which layer 0's frame is the last to hold; under FSDP2 OLMo's layers' own cast copies, hf_olmo.cast_inputs, as
+    transformers checkpoints a layer's forward, FSDP2's hooks outside it; a mask, which the first layer given it is).
+    The layer's own ops, its residual sums, rerun outside any module's forward: MemTracker's temporaries."""
     if config.recompute != "full":
         return None
     masks = [_layer_mask(config, j) for j in range(i + 1)]
-    shared = (*(("model/position_ids",) if i == 0 else ()), *_first_reader(config, i),
+    shared = (*(("model/position_ids",) if i == 0 else ()), *(olmo.cast_names(f"layers.{i}", config)
+                                                              or _first_reader(config, i)),
               *((masks[i],) if masks.index(masks[i]) == i else ()))
     rerun = ACTIVATIONS if config.dp_shard is None else TEMPORARIES  # FSDPMemTracker's: in backward, no unit's forward
     return Checkpoint(f"layers.{i}/input", rerun=rerun, early_stop=True, own=TEMPORARIES, frame=shared)
@@ -314,12 +316,6 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
          "add_bias_linear (biases on every linear; Qwen2's q, k, v biases are add_qkv_bias)"),
         ((olmo.walks(config) or config.post_norm) and config.zero_stage is not None,
          f"{family}'s model under zero_stage (unmeasured)"),
-        # measured at dp_shard 2, b=2 s=24 d=8 (OLMo and OLMo 2): 2,304 B (12 s d) of activations more walked than
-        # measured at the peak. FSDP2 casts a layer's inputs inside the checkpointed call, but not again in the rerun
-        # (its pre-forward returns at once in backward): the forward's RoPE is on the bf16 copies, the rerun's on the
-        # model's fp32 tables, which the layers' one description of their ops cannot tell apart
-        (olmo.cast(config) and config.recompute != "none", f"{rerun} dp_shard in OLMo's and OLMo 2's models (FSDP2 casts"
-                                                            " the RoPE tables in forward, not in the rerun)"),
         ((config.fused_qkv or rules.is_glm(config)) and (tp or sharded),
          f"{family}'s model under tp, dp_shard or zero_stage (unmeasured: t = 1 without sharding only)"),
         (config.post_norm and tp, f"{family}'s model under tp (unmeasured)"),
@@ -600,7 +596,8 @@ def _output(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     last = f"layers.{config.L}/input"
     final = final_norm(config)
     locals_ = (*(MODEL_LOCALS if config.recompute != "full" else _unheld_masks(config)),  # the first layer's frame: the
-               "model/inputs_embeds")  # rest; inputs_embeds, where a dropout made the first layer's input
+               "model/inputs_embeds",  # rest; inputs_embeds, where a dropout made the first layer's input
+               *(_table_names(config) if olmo.cast(config) else ()))  # the layers' frames hold their cast copies
     family = _layer_norms(config)
     # the norm keeps the last layer's output: nn.LayerNorm's, and in fp32 OLMo's and an RMSNorm's (x.to(float32) is x)
     kept_x = ln.walks(config) or z.act == 4 and (olmo.walks(config) or not family)

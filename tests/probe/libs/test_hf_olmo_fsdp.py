@@ -3,7 +3,9 @@ layer, then the root) over dp_shard = 2 ranks of the fake group, with and withou
 FSDPMemTracker, against the hf step timeline: the peak, each category at it and the state between steps to the byte,
 the peak's moment, and every moment in order. FSDP2's MixedPrecisionPolicy casts the model's fp32 RoPE tables to bf16
 at each layer's pre-forward, before its all-gather (hf_olmo.cast_inputs): that layer's RoPE keeps its own copies,
-and is Llama's; OlmoLayerNorm has no weights, so no FSDP2 parameter."""
+and is Llama's; under gradient checkpointing (transformers checkpoints the layer's forward, FSDP2's hooks outside
+it) the checkpoint's frame holds them to the layer's backward. OlmoLayerNorm has no weights, so no FSDP2
+parameter."""
 
 import pytest
 
@@ -32,6 +34,11 @@ SHAPES = {  # b = 1 and 3, odd s, a/g = 1, 3 and 4, eager and SDPA, tied, fp32 (
     "b=1 s=11 a/g=2 fp32": {"b": 1, "s": 11, "num_query_groups": 4, "dtype": "fp32"},
     "b=3 s=63 dp_shard=4 eager": {"dp_shard": 4, "b": 3, "s": 63, "h": 32, "a": 4, "num_query_groups": 1,
                                   "ffn_hidden_size": 64, "attention": "eager"},
+    "b=2 s=24 a/g=4 checkpointed": {"recompute": "full"},
+    "b=1 s=13 a/g=1 eager checkpointed": {"b": 1, "s": 13, "attention": "eager", "num_query_groups": 8,
+                                          "recompute": "full"},
+    "b=3 s=9 L=3 dp_shard=4 checkpointed": {"b": 3, "s": 9, "L": 3, "dp_shard": 4, "num_query_groups": 4,
+                                            "recompute": "full"},
 }
 CASES = {f"{family} {shape}": base | changes for family, base in (("olmo", OLMO), ("olmo2", OLMO2))
          for shape, changes in SHAPES.items()}
@@ -47,14 +54,16 @@ def test_the_peak_its_moment_every_category_and_the_steady_state_are_fsdpmemtrac
     assert r.measured.moment == r.predicted_moment
 
 
-def test_olmo_under_tp_on_a_2d_mesh_is_fsdpmemtrackers_to_the_byte(one_thread):
-    (r,) = measure_step(make_config(OLMO, t=2), ["tp"])
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_olmo_under_tp_on_a_2d_mesh_is_fsdpmemtrackers_to_the_byte(one_thread, recompute):
+    (r,) = measure_step(make_config(OLMO, t=2, recompute=recompute), ["tp"])
     assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
     assert r.measured.moment == r.predicted_moment
 
 
 @pytest.mark.parametrize("reshard", RESHARD)
-@pytest.mark.parametrize("name", ["olmo b=2 s=24 a/g=4", "olmo2 b=1 s=13 a/g=1 eager"])
+@pytest.mark.parametrize("name", ["olmo b=2 s=24 a/g=4", "olmo2 b=1 s=13 a/g=1 eager",
+                                  "olmo b=1 s=13 a/g=1 eager checkpointed", "olmo2 b=2 s=24 a/g=4 checkpointed"])
 def test_every_moment_the_walk_names_happens_in_order_in_its_module_with_its_bytes(one_thread, name, reshard):
     config = make_config(CASES[name], reshard_after_forward=reshard)
     assert_moments_in_order(timeline(config, STRATEGIES["none"], CPU).moments[1:], _readings(config))
