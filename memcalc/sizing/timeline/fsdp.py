@@ -79,8 +79,9 @@ class Unit:
 
 def hf_layer(c: ModelConfig, t: int, i: int) -> Unit:
     """LlamaDecoderLayer's parameters in registration order (DeepseekV3DecoderLayer's latent attention in place of
-    q, k, v and o), as this rank of t holds them before FSDP2 shards them (transformers' tp_plan: q, k, v, gate, up
-    colwise, o and down rowwise, the norms whole)."""
+    q, k, v and o; OLMo's without norm weights; OLMo 2's q_norm and k_norm over the whole projections, its post-norms
+    in place of Llama's norms), as this rank of t holds them before FSDP2 shards them (transformers' tp_plan: q, k, v,
+    gate, up colwise, o and down rowwise, the norms whole)."""
     q, kv, f = c.a * c.head_dim // t, c.groups * c.head_dim // t, c.ffn // t
     m = f"model.layers.{i}"
     qk_widths = (q, kv) if c.post_norm else (c.head_dim, c.head_dim)  # OLMo 2's over the whole projection
@@ -93,8 +94,8 @@ def hf_layer(c: ModelConfig, t: int, i: int) -> Unit:
     # OLMo 2's post-norms; OLMo's OlmoLayerNorm has no weights
     norms = ("post_attention_layernorm", "post_feedforward_layernorm") if c.post_norm else (
         "input_layernorm", "post_attention_layernorm")
-    return Unit(f"layers.{i}", (*attention, *mlp, *(((f"{m}.{x}", (c.h,)) for x in norms) if not olmo.walks(c) else ())),
-                c.reshard_after_forward)
+    weighted = () if olmo.walks(c) else tuple((f"{m}.{x}", (c.h,)) for x in norms)
+    return Unit(f"layers.{i}", (*attention, *mlp, *weighted), c.reshard_after_forward)
 
 
 def _latent_attention(c: ModelConfig, m: str) -> tuple[Param, ...]:

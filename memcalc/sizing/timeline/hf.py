@@ -473,7 +473,8 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
         *ln1,
         *(mla.attention(p, z, config, saved) if config.mla else ln.dropped_attention(layer.attention(
             p, z, config.attention == "eager", saved, config.groups != config.a, tp,
-            () if checkpointed else (*_first_reader(config, i), *olmo.cast_names(p, config)), config.norm if config.qk_layernorm else "",
+            () if checkpointed else (*_first_reader(config, i), *olmo.cast_names(p, config)),
+            config.norm if config.qk_layernorm else "",
             config.add_qkv_bias or config.add_bias_linear, config.has_dropout, rules.scores_capped(config), attn_out,
             config.fused_qkv, f"attn {proj}", into[0], rope, config.add_bias_linear, config.attention_sinks),
             p, z, config)),

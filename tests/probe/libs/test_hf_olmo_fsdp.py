@@ -7,7 +7,10 @@ and is Llama's; under gradient checkpointing (transformers checkpoints the layer
 it) the checkpoint's frame holds them to the layer's backward. OlmoLayerNorm has no weights, so no FSDP2
 parameter."""
 
+import json
+
 import pytest
+import yaml
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -19,6 +22,7 @@ from memcalc.probe.step import measure_step  # noqa: E402
 from memcalc.sizing.timeline import timeline  # noqa: E402
 
 from ..step_readings import assert_moments_in_order  # noqa: E402
+from tests.cli import memcalc_cli  # noqa: E402
 from .test_hf_fsdp import _readings  # noqa: E402
 from tests.helpers import LLAMA_HF, make_config  # noqa: E402
 
@@ -80,3 +84,17 @@ def test_each_layer_casts_the_models_fp32_tables_to_a_bf16_pair_of_its_own_befor
         assert "cos" in cos.what and "sin" in sin.what and "all-gather" in gather.what
         cast = {x.name: x.bytes for x in sin.live if x.name.startswith(f"layers.{i}/attention/rope_")}
         assert cast == {f"layers.{i}/{x.name}": pair for x in rules.OLMO_ROPE_CAST}
+
+
+@pytest.mark.parametrize("name", ["olmo b=3 s=7 a/g=4", "olmo2 b=1 s=13 a/g=1 eager checkpointed"])
+def test_estimate_totals_json_reports_the_measured_peak(one_thread, tmp_path, name):
+    fields = dict(CASES[name])
+    shards = fields.pop("dp_shard")
+    (r,) = measure_step(make_config(CASES[name]), ["none"])
+    path = tmp_path / "olmo.yaml"
+    path.write_text(yaml.safe_dump(fields))
+    result = memcalc_cli("estimate", "--config", str(path), f"--dp-shard={shards}", "--strategy=none", "--totals",
+                         "--json")
+    assert result.code == 0, result.err
+    (stage,) = json.loads(result.out)["per_gpu"]["strategies"]["none"]["stages"]
+    assert (stage["peak_bytes"], stage["peak_moment"]) == (r.measured.peak_bytes, r.predicted.peak.label())
