@@ -42,6 +42,7 @@ NO_ROUTE = ((None, "balanced"),)
 TORCHTITAN = {"impl": "torchtitan", "tie_embeddings": False} | LLAMA  # its 8B and 70B untie them (1B, 3B: drawn)
 LATENT = {"impl": "megatron", "mlp": "swiglu", "attention": "eager", "add_bias_linear": False} | MLA
 # GemmaForCausalLM: (1 + w) RMSNorm, tanh GeGLU, a scaled embedding; eager attention, which Gemma 2 runs alone
+OLMO2 = LLAMA | {"impl": "hf", "family": "olmo2", "norm": "rmsnorm_fp32w", "post_norm": True, "qk_layernorm": True}
 GEMMA = {"impl": "hf", "family": "gemma", "norm": "rmsnorm_1p", "mlp": "geglu_tanh", "attention": "eager", "dropout": 0.0,
          "position_embedding_type": "rope", "add_bias_linear": False}
 
@@ -172,8 +173,7 @@ SUBJECTS = (
     Subject("hf deepseek_v3 (DeepseekV3MoE)", "transformers", {"impl": "hf", "family": "deepseek_v3",
             "attention": "eager", "moe_router_score_function": "sigmoid"} | LLAMA | MLA, _HF_DEEPSEEK_MOE,
             routes=(BALANCED, ROUTES[2]), gqa=False, align=8, ts=(1,)),
-    Subject("hf olmo2", "transformers", LLAMA | {"impl": "hf", "family": "olmo2", "norm": "rmsnorm_fp32w",
-                                                "post_norm": True, "qk_layernorm": True}, _HF, ts=(1,)),
+    Subject("hf olmo2", "transformers", OLMO2, _HF, ts=(1,)),
     Subject("hf gemma3", "transformers", GEMMA | {"family": "gemma3_text", "sandwich_norm": True, "qk_layernorm": True},
             _HF_GEMMA3),
     Subject("hf glm", "transformers", {"impl": "hf", "family": "glm", "add_qkv_bias": True} | LLAMA,
@@ -183,6 +183,9 @@ SUBJECTS = (
     Subject("hf gpt_oss", "transformers", GPT_OSS, _HF_GPT_OSS, routes=(BALANCED, ROUTES[2]), align=8, ts=(1,)),
     Subject("torchtitan fsdp2", "torchtitan", TORCHTITAN, _TORCHTITAN_FSDP, ts=(1, 2)),
     Subject("hf fsdp2", "transformers", {"impl": "hf"} | LLAMA, _HF_FSDP, ts=(1, 2)),
+    Subject("hf olmo fsdp2", "transformers", {"impl": "hf", "family": "olmo"} | LLAMA | {"norm": "layernorm_np"},
+            _HF_FSDP, ts=(1, 2)),
+    Subject("hf olmo2 fsdp2", "transformers", OLMO2, _HF_FSDP, ts=(1,)),
 )
 
 
@@ -342,6 +345,14 @@ FINDINGS = [
              " 116,969 B both) inside 'backward layers.0.attention.core_attention.attention_dropout', where the walk"
              " (timeline/megatron_mla.py) named 'backward layers.0.attention'; it now names the module left open"
              " (Op.shadow), as scale_mask_softmax with dropout when it masks its input in place", fixed=True),
+    _finding("transformers", OLMO2 | {"attention": "eager", "tie_embeddings": False, "dropout": 0.0, "L": 1, "b": 1,
+                                      "s": 1, "h": 2, "a": 1, "num_query_groups": 1, "ffn_hidden_size": 1,
+                                      "vocab_size": 2, "dp_shard": 2}, "none",
+             "OLMo 2 under FSDP2 at tiny sizes: MemTracker peaks in layer 0's post_feedforward_layernorm forward, 12 B"
+             " above the walk's peak at the layer's end (672 B measured, 660 predicted): Olmo2RMSNorm casts back its"
+             " fp32 weight * (x * r) beside down_proj's output and its variance, 4 bsh + 4 bs bytes above the layer's"
+             " end, where the layer's unsharded parameters are live; the walk (hf_layer._post_norm_widest) now marks"
+             " it", fixed=True),
 ]
 
 

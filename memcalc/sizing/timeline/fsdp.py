@@ -45,6 +45,7 @@ from dataclasses import dataclass, replace
 
 from memcalc.config.schema import ModelConfig
 from memcalc.model.knobs import DTYPE_BYTES
+from memcalc.sizing.timeline import hf_olmo as olmo
 from memcalc.sizing.timeline.hf_moe import sparse
 from memcalc.sizing.timeline.tape import ACTIVATIONS, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, Tape, prod
 from memcalc.sizing.timeline.torchtitan_moe import GROUPED_WEIGHTS as W
@@ -78,18 +79,23 @@ class Unit:
 
 def hf_layer(c: ModelConfig, t: int, i: int) -> Unit:
     """LlamaDecoderLayer's parameters in registration order (DeepseekV3DecoderLayer's latent attention in place of
-    q, k, v and o), as this rank of t holds them before FSDP2 shards them (transformers' tp_plan: q, k, v, gate, up
-    colwise, o and down rowwise, the norms whole)."""
+    q, k, v and o; OLMo's without norm weights; OLMo 2's q_norm and k_norm over the whole projections, its post-norms
+    in place of Llama's norms), as this rank of t holds them before FSDP2 shards them (transformers' tp_plan: q, k, v,
+    gate, up colwise, o and down rowwise, the norms whole)."""
     q, kv, f = c.a * c.head_dim // t, c.groups * c.head_dim // t, c.ffn // t
     m = f"model.layers.{i}"
-    qk = ((f"{m}.self_attn.q_norm", (c.head_dim,)), (f"{m}.self_attn.k_norm", (c.head_dim,))) if c.qk_layernorm else ()
+    qk_widths = (q, kv) if c.post_norm else (c.head_dim, c.head_dim)  # OLMo 2's over the whole projection
+    qk = tuple((f"{m}.self_attn.{x}_norm", (w,)) for x, w in zip("qk", qk_widths)) if c.qk_layernorm else ()
     mlp = hf_moe_parameters(c, f"{m}.mlp") if sparse(c, i) else (
         (f"{m}.mlp.gate_proj", (f, c.h)), (f"{m}.mlp.up_proj", (f, c.h)), (f"{m}.mlp.down_proj", (c.h, f)))
     attention = _latent_attention(c, f"{m}.self_attn") if c.mla else (
         (f"{m}.self_attn.q_proj", (q, c.h)), (f"{m}.self_attn.k_proj", (kv, c.h)),
         (f"{m}.self_attn.v_proj", (kv, c.h)), (f"{m}.self_attn.o_proj", (c.h, q)), *qk)
-    return Unit(f"layers.{i}", (*attention, *mlp, (f"{m}.input_layernorm", (c.h,)),
-                                (f"{m}.post_attention_layernorm", (c.h,))), c.reshard_after_forward)
+    # OLMo 2's post-norms; OLMo's OlmoLayerNorm has no weights
+    norms = ("post_attention_layernorm", "post_feedforward_layernorm") if c.post_norm else (
+        "input_layernorm", "post_attention_layernorm")
+    weighted = () if olmo.walks(c) else tuple((f"{m}.{x}", (c.h,)) for x in norms)
+    return Unit(f"layers.{i}", (*attention, *mlp, *weighted), c.reshard_after_forward)
 
 
 def _latent_attention(c: ModelConfig, m: str) -> tuple[Param, ...]:
@@ -118,7 +124,7 @@ def hf_root(c: ModelConfig, t: int) -> Unit:
     """The root's own parameters: embed_tokens and lm_head (unless tied) v/t rows each under tp, the final norm; it
     stays unsharded from its forward to the end of backward."""
     rows = c.vocab_size // t
-    return Unit(ROOT, (("model.embed_tokens", (rows, c.h)), ("model.norm", (c.h,)),
+    return Unit(ROOT, (("model.embed_tokens", (rows, c.h)), *((("model.norm", (c.h,)),) if not olmo.walks(c) else ()),
                        *((("lm_head", (rows, c.h)),) if not c.tie_embeddings else ())), False)
 
 

@@ -48,8 +48,8 @@ def _norm_like_final(config: ModelConfig) -> RMSNormTensors | ledger.NormTensors
 def _shared_tables(config: ModelConfig) -> tuple[ledger.SavedTensor, ...]:
     """The ledger's RoPE tables every layer keeps, the model's own (made once per forward by its rotary embedding:
     DeepSeek's (s, d_r) ones, Llama's (s, d), OLMo's fp32); none where each layer keeps tables of its own (GLM's
-    interleaved ones: the model's are then its locals)."""
-    return () if rules.is_glm(config) else mla.TABLES if config.mla else rules.rope_tables(config)
+    interleaved ones, OLMo's cast by FSDP2 for each layer: the model's are then its locals)."""
+    return () if rules.is_glm(config) or olmo.cast(config) else mla.TABLES if config.mla else rules.rope_tables(config)
 
 
 def _model_tables(config: ModelConfig, z: Sizes) -> tuple[Made, ...]:
@@ -59,8 +59,10 @@ def _model_tables(config: ModelConfig, z: Sizes) -> tuple[Made, ...]:
     if shared := _shared_tables(config):
         return tuple(Made(name, 0, "made once per forward by the rotary embedding; the layers' RoPE keeps it", keeps=x)
                      for names in pairs for name, x in zip(names, shared))
-    return tuple(Made(name, z.act * z.s * _rotary(config, z), "LlamaModel's position_embeddings, a local until it"
-                      " returns: each layer interleaves its own") for names in pairs for name in names)
+    width = 4 if olmo.cast(config) else z.act  # OlmoRotaryEmbedding's fp32 ones
+    return tuple(Made(name, width * z.s * _rotary(config, z), "LlamaModel's position_embeddings, a local until it"
+                      " returns: each layer interleaves (OLMo's under FSDP2: is given) its own")
+                 for names in pairs for name in names)
 
 
 def _table_names(config: ModelConfig, j: int = 0) -> tuple[str, ...]:
@@ -147,7 +149,7 @@ def _moments(config: ModelConfig, z: Sizes, kept: tuple[tuple[ledger.SavedTensor
     else:
         inputs, layers, outputs = _llama(tape, config, z, saved, hand_over, kept, dense, sharding is not None)
     with bulk():  # an eager MoE walk puts some hundred thousand tensors on the tape
-        _step(tape, sharding, inputs, layers, outputs)
+        _step(tape, sharding, inputs, layers, outputs, (olmo.cast_inputs(),) if olmo.cast(config) else ())
     if isinstance(sharding, Zero):  # DeepSpeed's step makes the fp32 gradient partition first
         sharding.optimizer_step(tape)
     else:
@@ -171,10 +173,11 @@ def _llama(tape: Tape, config: ModelConfig, z: Sizes, saved: dict[str, int], han
         y.name: saved[x.name] for x, y in zip(ln1, final) if x.name in saved} | {
         ledger.LOGITS_SOFTCAP_TANH.name: z.act * z.b * z.s * config.vocab_size,
         ledger.EMBEDDING_DROPOUT_MASK.name: z.tokens(z.h)}  # a bool mask (StarCoder 2's, hf_ln)
-    tensors = tuple(x for x, _ in kept if x not in rope)  # every layer shares one description of these
+    own = (*rope, *rules.OLMO_ROPE_CAST)  # the model's tables; the copies FSDP2 casts at a layer's pre-forward
+    tensors = tuple(x for x, _ in kept if x not in own)  # every layer shares one description of these
     made, block = moe.kept_in_forward(tensors, config), moe.block_backward(z, config) if config.moe else ()
     saved |= moe.expert_bytes(saved, config) if config.moe else {}
-    plain = moe.kept_in_forward(tuple(x for x, _ in dense if x not in rope), config)  # a dense one's among MoE
+    plain = moe.kept_in_forward(tuple(x for x, _ in dense if x not in own), config)  # a dense one's among MoE
     layers = [(Walk(tape, f"layers.{i}", f"model.layers.{i}", saved, hand_over, _checkpoint(i, config)),
                cohere.layer(i, z, config, saved, rope, made) if cohere.walks(config) else
                _layer(i, z, config, saved, made, block) if not config.moe or moe.sparse(config, i) else
@@ -221,20 +224,24 @@ def _unheld_masks(config: ModelConfig) -> tuple[str, ...]:
 def _checkpoint(i: int, config: ModelConfig) -> Checkpoint | None:
     """gradient_checkpointing_enable's non-reentrant checkpoint around layer i's forward, torch's early stop on. Its
     frame holds the layer's input and the keyword arguments LlamaModel passes (the position ids and RoPE's tables,
-    which layer 0's frame is the last to hold; a mask, which the first layer given it is). The layer's own ops, its
-    residual sums, rerun outside any module's forward: MemTracker's temporaries."""
+    which layer 0's frame is the last to hold; under FSDP2 OLMo's layers' own cast copies, hf_olmo.cast_inputs, as
+    transformers checkpoints a layer's forward, FSDP2's hooks outside it; a mask, which the first layer given it is).
+    The layer's own ops, its residual sums, rerun outside any module's forward: MemTracker's temporaries."""
     if config.recompute != "full":
         return None
     masks = [_layer_mask(config, j) for j in range(i + 1)]
-    shared = (*(("model/position_ids",) if i == 0 else ()), *_first_reader(config, i),
+    shared = (*(("model/position_ids",) if i == 0 else ()), *(olmo.cast_names(f"layers.{i}", config)
+                                                              or _first_reader(config, i)),
               *((masks[i],) if masks.index(masks[i]) == i else ()))
     rerun = ACTIVATIONS if config.dp_shard is None else TEMPORARIES  # FSDPMemTracker's: in backward, no unit's forward
     return Checkpoint(f"layers.{i}/input", rerun=rerun, early_stop=True, own=TEMPORARIES, frame=shared)
 
 
-def _step(tape: Tape, sharding: Fsdp | Zero | None, inputs: Walked, layers: list[Walked], outputs: Walked) -> None:
-    """Forward, each layer gathered around it under FSDP2 or ZeRO-3; loss.backward(), each layer gathered again under
-    FSDP2 and its gradients reduce-scattered after it."""
+def _step(tape: Tape, sharding: Fsdp | Zero | None, inputs: Walked, layers: list[Walked], outputs: Walked,
+          cast: tuple[Op, ...] = ()) -> None:
+    """Forward, each layer gathered around it under FSDP2 or ZeRO-3 (`cast`: FSDP2's pre-forward ops before its
+    all-gather, hf_olmo.cast_inputs); loss.backward(), each layer gathered again under FSDP2 and its gradients
+    reduce-scattered after it."""
     (front, (batch, *embedding)), (back, out) = inputs, outputs
     front.forward((batch,))
     if sharding is not None:  # the root's pre-forward: embedding, final norm and lm_head gathered
@@ -242,6 +249,7 @@ def _step(tape: Tape, sharding: Fsdp | Zero | None, inputs: Walked, layers: list
     front.forward(tuple(embedding))
     for i, (walk, ops) in enumerate(layers):
         if sharding is not None:
+            walk.forward(cast)
             sharding.copy_out(tape, f"layers.{i}", "forward", f"model.layers.{i}")
         walk.forward(ops)
         if sharding is not None:
@@ -306,12 +314,11 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
         (config.cp != 1, f"cp={config.cp}"),
         (config.add_bias_linear and family not in ("gpt2", "gpt_oss", "starcoder2"),
          "add_bias_linear (biases on every linear; Qwen2's q, k, v biases are add_qkv_bias)"),
-        # measured at dp_shard 2: FSDP2's MixedPrecisionPolicy casts each layer's fp32 inputs, OlmoRotaryEmbedding's
-        # cos and sin, to bf16 at its pre-forward (384 B each at s=24 d=8), which that layer's RoPE then keeps
-        (olmo.walks(config) and sharded, "OLMo's model under dp_shard or zero_stage (FSDP2 casts its fp32 RoPE tables"
-                                         " to bf16 copies for each layer)"),
-        ((config.fused_qkv or config.post_norm or rules.is_glm(config)) and (tp or sharded),
+        ((olmo.walks(config) or config.post_norm) and config.zero_stage is not None,
+         f"{family}'s model under zero_stage (unmeasured)"),
+        ((config.fused_qkv or rules.is_glm(config)) and (tp or sharded),
          f"{family}'s model under tp, dp_shard or zero_stage (unmeasured: t = 1 without sharding only)"),
+        (config.post_norm and tp, f"{family}'s model under tp (unmeasured)"),
         (scaled_embedding(config) and sharded, f"{family}'s model under dp_shard or zero_stage (unmeasured)"),
         (ln.walks(config) and sharded, "StarCoder 2's model under dp_shard or zero_stage (FSDP2's units are Llama's"
                                        " modules)"),
@@ -483,7 +490,8 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
         *ln1,
         *(mla.attention(p, z, config, saved) if config.mla else ln.dropped_attention(layer.attention(
             p, z, config.attention == "eager", saved, config.groups != config.a, tp,
-            () if checkpointed else _first_reader(config, i), config.norm if config.qk_layernorm else "",
+            () if checkpointed else (*_first_reader(config, i), *olmo.cast_names(p, config)),
+            config.norm if config.qk_layernorm else "",
             config.add_qkv_bias or config.add_bias_linear, config.has_dropout, rules.scores_capped(config), attn_out,
             config.fused_qkv, f"attn {proj}", into[0], rope, config.add_bias_linear, config.attention_sinks),
             p, z, config)),
@@ -508,7 +516,8 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
         closing = frozenset(rules.POST_NORMS[config.norm][1]) if config.sandwich_norm else frozenset()
         ops = (*layer.layer_forward(i, z, made, sparse, core, resid, later,
                                     config.post_norm or ln.walks(config) or z.act == 4, closing,
-                                    down_proj=ln.DOWN if ln.walks(config) else layer.DOWN_PROJ, rope=fp32_rope),
+                                    down_proj=ln.DOWN if ln.walks(config) else layer.DOWN_PROJ, rope=fp32_rope,
+                                    post_norm=names[3] if config.post_norm else ""),
                *(replace(x, forward=()) for x in ops))
     return tuple(replace(x, shadow=PHI3_SHADOWED.get(x.where, "")) for x in ops) if config.fused_qkv and not resid \
         else ops
@@ -605,7 +614,8 @@ def _output(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     last = f"layers.{config.L}/input"
     final = final_norm(config)
     locals_ = (*(MODEL_LOCALS if config.recompute != "full" else _unheld_masks(config)),  # the first layer's frame: the
-               "model/inputs_embeds")  # rest; inputs_embeds, where a dropout made the first layer's input
+               "model/inputs_embeds",  # rest; inputs_embeds, where a dropout made the first layer's input
+               *(_table_names(config) if olmo.cast(config) else ()))  # the layers' frames hold their cast copies
     family = _layer_norms(config)
     # the norm keeps the last layer's output: nn.LayerNorm's, and in fp32 OLMo's and an RMSNorm's (x.to(float32) is x)
     kept_x = ln.walks(config) or z.act == 4 and (olmo.walks(config) or not family)

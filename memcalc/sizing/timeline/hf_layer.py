@@ -236,7 +236,8 @@ def unnormed(kept_as: SavedTensor, x: str) -> tuple[Op]:
 def layer_forward(i: int, z: Sizes, kept: Step, mlp: tuple[Op, ...] = (), core: tuple[Op, ...] = (),
                   dropped: bool = False, later: frozenset[SavedTensor] = frozenset(), kept_inputs: bool = False,
                   closing: frozenset[SavedTensor] = frozenset(), parallel: bool = False, down_proj: str = DOWN_PROJ,
-                  rope: tuple[tuple[Op, ...], frozenset[SavedTensor]] = ((), frozenset())) -> tuple[Op, ...]:
+                  rope: tuple[tuple[Op, ...], frozenset[SavedTensor]] = ((), frozenset()), post_norm: str = ""
+                  ) -> tuple[Op, ...]:
     """Layer i's forward, one moment at its second residual sum: its kept tensors (`kept`, every layer's one step),
     the residual stream, and a sparse block's own moments (`mlp`, which makes the MLP's output); with the attention
     core's own moment (`core`), the tensors kept up to it (those before o_proj's input, but the core's `later` ones)
@@ -249,7 +250,8 @@ def layer_forward(i: int, z: Sizes, kept: Step, mlp: tuple[Op, ...] = (), core: 
     (Cohere's), summed with the input at the end, o_proj's output live to then. `down_proj`: the MLP's rowwise
     projection (StarCoder 2's c_proj). `rope`: RoPE's forward in fp32 (OLMo's, Cohere's) op by op, which makes Q and K
     itself, and the kept tensors made before it (the rest of those before o_proj's input, the core's, after it). The
-    kept tensors a sparse block's own steps make (hf_moe.block_forward) are made there, not before it."""
+    kept tensors a sparse block's own steps make (hf_moe.block_forward) are made there, not before it. `post_norm`:
+    OLMo 2's post_feedforward_layernorm, in bf16 wider than the layer's end (`_post_norm_widest`)."""
     p, full = f"layers.{i}", z.full(z.h)
     alias = (Step("", frees=(f"{p}/input",)),) if kept_inputs else ()
     rope_ops, early = rope
@@ -284,14 +286,29 @@ def layer_forward(i: int, z: Sizes, kept: Step, mlp: tuple[Op, ...] = (), core: 
         Made(f"{p}/mlp partial", full, "down_proj's GEMM: this rank's share of the sum, a local of its forward"),
         *output), frees=(f"{p}/mlp partial",)), *((Step("", frees=(f"{p}/mlp output",)),) if late else ())),
         backward=()),) if output and z.t > 1 else ()
+    closing_norm = _post_norm_widest(p, z, post_norm, output) if post_norm and z.act != 4 else ()
+    output = () if closing_norm else output
     partial = (Made(f"{p}/partial sum", full, "the input plus the attention's output"),) if parallel else ()
     out = Op("", forward=(Step("the layer's saved tensors, at its second residual sum", (
         *late, *masked, *(() if down and not late else output), *partial,
         Made(f"layers.{i + 1}/input", full, "the layer's output, the next layer's input")),
         # the caller rebinds its hidden_states; the first layer's input is inputs_embeds too
         frees=(f"{p}/mid", f"{p}/mlp output", f"{p}/mlp proj", *(x.name for x in partial), f"{p}/attn output",
-               *((f"{p}/input",) if i else ()))),), backward=())
-    return (*core, made, *mlp, *down, out)
+               *((f"{p}/input",) if i else ()), f"{p}/post-norm output")),), backward=())
+    return (*core, made, *mlp, *down, *closing_norm, out)
+
+
+def _post_norm_widest(p: str, z: Sizes, where: str, output: tuple[Made, ...]) -> tuple[Op]:
+    """Olmo2RMSNorm on the MLP's `output` at its widest, its cast back: the fp32 weight * (x * r), its bf16 copy and
+    the variance (locals to the return) beside down_proj's output, which goes as the norm returns (4 bsh + 4 bs bytes
+    above the layer's end, whose sum reads the copy): the step's peak where the layer's unsharded parameters are
+    live in forward (FSDP2) and h is small."""
+    return (Op(where, (
+        Step("Olmo2RMSNorm at its widest: weight * (x * r) in fp32 cast back", (
+            *output, Made(f"{p}/post-norm product", z.tokens(4 * z.h), "weight * (x * r) in fp32, a temporary"),
+            Made(f"{p}/post-norm variance", z.tokens(4), "mean(x^2), (b, s, 1) fp32, a local to the return"),
+            Made(f"{p}/post-norm output", z.full(z.h), "the product cast back, the residual sum's input"))),
+        Step("", frees=(*(x.name for x in output), f"{p}/post-norm product", f"{p}/post-norm variance"))), ()),)
 
 
 def residuals(i: int, z: Sizes, weights: SavedTensor | None) -> tuple[Op, Op]:

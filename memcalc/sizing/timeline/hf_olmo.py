@@ -28,8 +28,29 @@ def walks(config: ModelConfig) -> bool:
 
 
 def fp32_rope(config: ModelConfig) -> bool:
-    """Whether the model's rotary embedding returns fp32 tables (OLMo's and OLMo 2's: `rope` walks their RoPE)."""
-    return rules.rope_tables(config) == (rules.OLMO_ROPE_COS, rules.OLMO_ROPE_SIN)
+    """Whether the layers' RoPE reads the model's fp32 tables (OLMo's and OLMo 2's: `rope` walks their RoPE), not
+    copies cast for each layer (`cast`)."""
+    return rules.rope_tables(config) == (rules.OLMO_ROPE_COS, rules.OLMO_ROPE_SIN) and not cast(config)
+
+
+def cast(config: ModelConfig) -> bool:
+    """Whether FSDP2's MixedPrecisionPolicy casts the model's fp32 tables to bf16 at each sharded layer's pre-forward
+    (the ledger's OLMO_ROPE_CAST, kept by that layer's RoPE, which is then Llama's; the model's tables its locals)."""
+    tables = rules.rope_tables(config) == (rules.OLMO_ROPE_COS, rules.OLMO_ROPE_SIN)
+    return tables and config.dp_shard is not None and config.dtype != "fp32"
+
+
+def cast_inputs() -> Op:
+    """FSDP2's pre-forward of a sharded layer, before its all-gather: the tables it is called with cast to bf16, one
+    `.to` each, the layer's own copies (freed by its RoPE's backward, hf_layer's `first`)."""
+    return Op("", tuple(Step(f"FSDP2 casts the layer's input {x.name.split('_')[-2]} to param_dtype",
+                             (Made("", 0, "the model's fp32 table cast for this layer (MixedPrecisionPolicy)",
+                                   keeps=x),)) for x in rules.OLMO_ROPE_CAST), ())
+
+
+def cast_names(p: str, config: ModelConfig) -> tuple[str, ...]:
+    """Layer `p`'s own cast tables (`cast_inputs`), which its RoPE's backward frees; none unless `cast`."""
+    return kept_names(p, *rules.OLMO_ROPE_CAST) if cast(config) else ()
 
 
 def layer_norm(where: str, p: str, norm: ledger.NormTensors, z: Sizes, dy: str, out: str,

@@ -110,7 +110,7 @@ def test_each_familys_step_happens_in_order_and_peaks_where_the_timeline_says_to
 
 @pytest.mark.parametrize("changes, named", [
     (OLMO2 | {"t": 2}, "olmo2's model under tp"),  # its plan gathers the attention's projections: unmeasured
-    (OLMO2 | {"dp_shard": 2}, "olmo2's model under tp, dp_shard"),
+    (OLMO2 | {"zero_stage": 3}, "olmo2's model under zero_stage"),
     (GEMMA3 | {"attention": "flash", "b": 1, "s": 3, "h": 2, "a": 1, "num_query_groups": 1, "sliding_window": 3,
                "L": 1, "ffn_hidden_size": 1, "vocab_size": 2}, "sliding_window=3 not above s=3 under SDPA"),
     (GLM | {"t": 2}, "glm's model under tp"),  # its plan gathers gate_up_proj's output: unmeasured
