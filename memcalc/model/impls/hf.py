@@ -167,6 +167,12 @@ GATED = {"swiglu": (ledger.SWIGLU_GATE, ledger.SWIGLU_UP, ledger.SWIGLU_SILU_OUT
          "geglu_tanh": (GEGLU_GATE, GEGLU_UP, GEGLU_GELU_OUT)}
 LN1_RMS = _rms_norm("ln1", "input_layernorm")
 LN2_RMS = _rms_norm("ln2", "post_attention_layernorm")
+def tables_cast(knobs: Any, layer_inputs_cast: bool) -> bool:
+    """Whether each layer keeps its own copy of the model's fp32 RoPE tables (OLMo's), cast to the activation dtype
+    by FSDP2's mixed precision (`layer_inputs_cast`: dp_shard set), not the model's one fp32 pair."""
+    return layer_inputs_cast and knobs.dtype != "fp32" and rope_tables(knobs) == (OLMO_ROPE_COS, OLMO_ROPE_SIN)
+
+
 # The two norms of a Llama-shaped layer by memcalc's norm: LlamaRMSNorm, GemmaRMSNorm.
 RMS_NORMS = {"rmsnorm": (LN1_RMS, LN2_RMS), "rmsnorm_1p": (GEMMA_LN1, GEMMA_LN2)}
 # Qwen3Attention (qk_layernorm): Qwen3RMSNorm, LlamaRMSNorm's code, on q_proj(x) and k_proj(x) viewed as (b, s, heads,
@@ -698,9 +704,7 @@ def attention_block(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ..
         core += (GLM_SDPA_OUT,)
     resid = (ledger.ATTN_OUT_DROPOUT_MASK,) if resid_dropout(knobs) else ()
     index = (FALCON_K_INDEX, FALCON_V_INDEX) if is_falcon(knobs) and (knobs.gqa or knobs.fused_qkv) else ()
-    tables = rope_tables(knobs)
-    if accounting.layer_inputs_cast and knobs.dtype != "fp32" and tables == (OLMO_ROPE_COS, OLMO_ROPE_SIN):
-        tables = OLMO_ROPE_CAST
+    tables = OLMO_ROPE_CAST if tables_cast(knobs, accounting.layer_inputs_cast) else rope_tables(knobs)
     return (ledger.QKV_IN, *index, *qk_norm, *tables, *core, ledger.PROJ_IN, *resid)
 
 

@@ -36,8 +36,7 @@ def fp32_rope(config: ModelConfig) -> bool:
 def cast(config: ModelConfig) -> bool:
     """Whether FSDP2's MixedPrecisionPolicy casts the model's fp32 tables to bf16 at each sharded layer's pre-forward
     (the ledger's OLMO_ROPE_CAST, kept by that layer's RoPE, which is then Llama's; the model's tables its locals)."""
-    tables = rules.rope_tables(config) == (rules.OLMO_ROPE_COS, rules.OLMO_ROPE_SIN)
-    return tables and config.dp_shard is not None and config.dtype != "fp32"
+    return rules.tables_cast(config, config.dp_shard is not None)
 
 
 def cast_inputs() -> Op:
