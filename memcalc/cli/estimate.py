@@ -62,9 +62,8 @@ def command(
     # no parallelism: where the library's expert ranks are its TP ranks (torchtitan's), without ep too
     alone = config if "none" in strategies_of(config) else replace(config, ep=1)
     baseline = estimate(alone, STRATEGIES["none"], accounting)
-    results = [
-        baseline if n == "none" else estimate(config, STRATEGIES[n], accounting) for n in strategies_at(strategy, config)
-    ]
+    names = strategies_at(strategy, config)
+    results = [baseline if n == "none" else estimate(config, STRATEGIES[n], accounting) for n in names]
     comparisons = [compare_with_paper(config, r, accounting) for r in results]
     per = peaks = None
     budget = budget_for(gpu, device_memory, reserve)
