@@ -242,8 +242,7 @@ def strategy_names(choice: str, knobs: Any) -> list[str]:
 
 def strategies_at(choice: str, config: ModelConfig) -> list[str]:
     """strategy_names for a config at its sizes: under "all", a layout these sizes rule out (sequence parallelism
-    where t does not divide s) is also left out (`runnable`). Named alone, a layout is refused as before (one line,
-    exit 2)."""
+    where t does not divide s) is also left out (`runnable`). A layout named alone is refused (one line, exit 2)."""
     names = strategy_names(choice, config)
     return runnable(names, lambda n: check_strategy(config, STRATEGIES[n])) if choice == "all" else names
 

@@ -20,7 +20,7 @@ from memcalc.cli.options import (
 )
 from memcalc.cli.types import INTEGER, Parsed
 from memcalc.config.schema import field_help
-from memcalc.errors import ConfigError, in_file
+from memcalc.errors import in_file
 from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import STRATEGIES, Strategy
 

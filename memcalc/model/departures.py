@@ -20,6 +20,7 @@ from memcalc.records import record
 if TYPE_CHECKING:
     from memcalc.config.schema import ModelConfig
 
+
 @record
 class Departure:
     """One reason the implementation keeps other bytes than the paper, and the tensors it moves."""

@@ -661,11 +661,14 @@ Knobs = record(type("Knobs", (), _knobs_namespace() | {  # __module__: for pickl
 
 @record
 class Accounting:
-    """How strictly to count: the paper's terms only, or every saved byte.
+    """How strictly to count (the paper's terms only, or every saved byte), and the run's facts beyond the layer's
+    knobs that decide what it keeps.
 
     `device` matters only for exact accounting: LayerNorm statistics are fp32
     on CUDA but kept in the activation dtype on CPU, and an implementation may
     keep other tensors where a CPU kernel is not its CUDA twin.
+    `layer_inputs_cast` is the config's layout, not a choice: `estimate` sets it
+    from dp_shard for every caller.
     """
 
     exact: bool = False

@@ -367,14 +367,16 @@ def measure_step_on_rank(tp: TensorParallelGroup, config: ModelConfig, strategy:
     return measure_trainer(Trainer.warmed_up(tp, config, strategy), tp, strategy)
 
 
-def measure_trainer(trainer: Trainer, tp: TensorParallelGroup, strategy: Strategy) -> StepMeasurement:
-    """One step of a warmed-up trainer under MemTracker: the state before it, the peak, and where the peak was."""
+def measure_trainer(trainer: Trainer, tp: TensorParallelGroup, strategy: Strategy,
+                    kinds: dict[str, str] = MEASURED_CATEGORIES) -> StepMeasurement:
+    """One step of a warmed-up trainer under MemTracker: the state before it, the peak, and where the peak was (each
+    filed by `kinds`, MemTracker's categories as the timeline's)."""
     tracker = MomentTracker()
     trainer.register(tracker)
-    steady = categories(tracker.get_tracker_snapshot("current"))
+    steady = categories(tracker.get_tracker_snapshot("current"), kinds)
     with tracker:
         trainer.step()
-    peak = categories(tracker.get_tracker_snapshot("peak"))
+    peak = categories(tracker.get_tracker_snapshot("peak"), kinds)
     return StepMeasurement(strategy.name, tp.size, tp.mode, steady, peak, sum(peak.values()), tracker.moment)
 
 

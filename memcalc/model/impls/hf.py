@@ -294,10 +294,13 @@ OLMO_ROPE_SIN = replace(ROPE_SIN, name="attention/rope_sin_fp32", kind=Kind.FP32
                         saved_by="OLMo apply_rotary_pos_emb: rotate_half(q) * sin, sin fp32")
 # Under FSDP2's mixed precision every sharded decoder layer is called with those fp32 tables cast to the activation
 # dtype (MixedPrecisionPolicy casts a layer's floating inputs): each layer's products keep a copy of its own.
-OLMO_ROPE_CAST = tuple(
-    replace(x, name=x.name.replace("_fp32", "_cast"), kind=Kind.ACTIVATION, stage="layer",
-            saved_by=f"{x.saved_by.split(', ')[0]}, {table}: the layer's own copy, cast by FSDP2's mixed precision")
-    for x, table in ((OLMO_ROPE_COS, "cos"), (OLMO_ROPE_SIN, "sin")))
+_FSDP2_COPY = "the layer's own copy, cast by FSDP2's mixed precision"
+OLMO_ROPE_CAST = (
+    replace(ROPE_COS, name="attention/rope_cos_cast", stage="layer",
+            saved_by=f"OLMo apply_rotary_pos_emb: q * cos, cos: {_FSDP2_COPY}"),
+    replace(ROPE_SIN, name="attention/rope_sin_cast", stage="layer",
+            saved_by=f"OLMo apply_rotary_pos_emb: rotate_half(q) * sin, sin: {_FSDP2_COPY}"),
+)
 K_EXPANDED = SavedTensor("attention/k_expanded", "repeat_kv, kept by matmul(q, k^T)", BASD, Kind.ACTIVATION, _TEN,
                          "eager attention copies each K group to its a/g heads; QK^T's backward reads the copy")
 V_EXPANDED = SavedTensor("attention/v_expanded", "repeat_kv, kept by matmul(weights, v)", BASD, Kind.ACTIVATION, _TEN,
@@ -1111,13 +1114,13 @@ IMPLEMENTATION = Implementation(
     # FLASH_DROPOUT_LSE is the ledger's LSE, described as read from code
     tensors=(
         *LN1_RMS, *LN2_RMS, *Q_NORM_RMS, *K_NORM_RMS, ROPE_COS, ROPE_SIN, *MLA_Q_RMS, *MLA_KV_RMS, MLA_ROPE_COS,
-        MLA_ROPE_SIN, ledger.MLA_KV_UP_OUT, K_EXPANDED, V_EXPANDED, SOFTMAX_FP32, WEIGHTS, *SDPA_MATH, GPT2_MATH_V, HALF_X, TANH_OUT,
-        ONE_PLUS_TANH, *MOE_TENSORS, NEOX_ROPE_COS, NEOX_ROPE_SIN, NEOX_QKV_OUT, *GPTJ_ROPE, GPTJ_Q, GPTJ_K,
-        *OLMO2_ATTN_OUT, *OLMO2_MLP_OUT, *OLMO2_Q_NORM, *OLMO2_K_NORM, SDPA_OUT, *GEMMA_LN1, *GEMMA_LN2, *GEMMA_Q_NORM,
-        *GEMMA_K_NORM, *GEMMA_POST_ATTN, *GEMMA_POST_MLP, SOFTCAP_TANH, GEGLU_GATE, GEGLU_UP, GEGLU_GELU_OUT, *OLMO_LN1,
-        *OLMO_LN2, OLMO_ROPE_COS, OLMO_ROPE_SIN, *OLMO_ROPE_CAST, GLM_ROPE_COS, GLM_ROPE_SIN, GLM_SDPA_OUT, *GLM_POST_ATTN,
-        *GLM_POST_MLP, FALCON_K_INDEX, FALCON_V_INDEX, *COHERE_LN1, *COHERE_Q_NORM, *COHERE_K_NORM, *GPT_OSS_TENSORS,
-        FALCON_K_HEADS, FALCON_V_HEADS,
+        MLA_ROPE_SIN, ledger.MLA_KV_UP_OUT, K_EXPANDED, V_EXPANDED, SOFTMAX_FP32, WEIGHTS, *SDPA_MATH, GPT2_MATH_V,
+        HALF_X, TANH_OUT, ONE_PLUS_TANH, *MOE_TENSORS, NEOX_ROPE_COS, NEOX_ROPE_SIN, NEOX_QKV_OUT, *GPTJ_ROPE, GPTJ_Q,
+        GPTJ_K, *OLMO2_ATTN_OUT, *OLMO2_MLP_OUT, *OLMO2_Q_NORM, *OLMO2_K_NORM, SDPA_OUT, *GEMMA_LN1, *GEMMA_LN2,
+        *GEMMA_Q_NORM, *GEMMA_K_NORM, *GEMMA_POST_ATTN, *GEMMA_POST_MLP, SOFTCAP_TANH, GEGLU_GATE, GEGLU_UP,
+        GEGLU_GELU_OUT, *OLMO_LN1, *OLMO_LN2, OLMO_ROPE_COS, OLMO_ROPE_SIN, *OLMO_ROPE_CAST, GLM_ROPE_COS, GLM_ROPE_SIN,
+        GLM_SDPA_OUT, *GLM_POST_ATTN, *GLM_POST_MLP, FALCON_K_INDEX, FALCON_V_INDEX, *COHERE_LN1, *COHERE_Q_NORM,
+        *COHERE_K_NORM, *GPT_OSS_TENSORS, FALCON_K_HEADS, FALCON_V_HEADS,
     ),
     # LlamaConfig's own: RMSNorm, SwiGLU, attention_dropout 0, attn_implementation "sdpa" (memcalc's flash).
     defaults={

@@ -1,5 +1,6 @@
-"""One training step of transformers' `LlamaForCausalLM` under DeepSpeed's own engine (ZeRO 1-3), under MemTracker
-(`memcalc measure --step --impl hf --zero-stage N`).
+"""One training step of the config's transformers causal LM (`hf_step.causal_lm`: Llama's, Mixtral's, Qwen2-MoE's, ...)
+under DeepSpeed's own engine (ZeRO 1-3), under MemTracker: reached through probe.step's STEP_TRAINERS by the tests
+(`memcalc measure --step` refuses ZeRO until MemTracker files DeepSpeed's step by the walk's categories).
 
 DeepSpeed 0.19.8 runs on the CPU over torch's fake process group (rank 0 of dp; its CPU accelerator JIT-builds its
 shm comm op once, into torch's extensions cache). The model is built as `memcalc.probe.libs.hf_step` builds it, in the
@@ -23,7 +24,7 @@ from memcalc.probe import require_torch
 from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.layer import DTYPES
 from memcalc.probe.libs.hf_step import causal_lm, checkpointed
-from memcalc.probe.step import MEASURED_CATEGORIES, MomentTracker, StepMeasurement, batch, categories
+from memcalc.probe.step import MEASURED_CATEGORIES, MomentTracker, StepMeasurement, batch, measure_trainer
 from memcalc.sizing.timeline import OPTIMIZER
 from memcalc.sizing.timeline.zero import DEEPSPEED_AUTO
 
@@ -83,11 +84,4 @@ def warmed_up_zero(tp: TensorParallelGroup, config: ModelConfig, route: str | No
 def measure_hf_zero_step_on_rank(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy,
                                  route: str | None = None) -> StepMeasurement:
     """One step of the model under DeepSpeed ZeRO under MemTracker: the state before it, the peak and its moment."""
-    trainer = warmed_up_zero(tp, config, route)
-    tracker = MomentTracker()
-    trainer.register(tracker)
-    steady = categories(tracker.get_tracker_snapshot("current"), ZERO_CATEGORIES)
-    with tracker:
-        trainer.step()
-    peak = categories(tracker.get_tracker_snapshot("peak"), ZERO_CATEGORIES)
-    return StepMeasurement(strategy.name, tp.size, tp.mode, steady, peak, sum(peak.values()), tracker.moment)
+    return measure_trainer(warmed_up_zero(tp, config, route), tp, strategy, ZERO_CATEGORIES)

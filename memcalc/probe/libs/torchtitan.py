@@ -19,7 +19,6 @@ from memcalc.model.evaluate import dim_sizes
 from memcalc.model.impls import tensors_at
 from memcalc.model.impls import torchtitan as rules
 from memcalc.model.knobs import Accounting, Knobs
-from memcalc.model.ledger import SavedTensor
 from memcalc.model.strategy import Strategy
 from memcalc.probe import require_torch
 from memcalc.probe.collectives import CollectiveLog, LoggedCollective

@@ -42,9 +42,9 @@ def cast(config: ModelConfig) -> bool:
 def cast_inputs() -> Op:
     """FSDP2's pre-forward of a sharded layer, before its all-gather: the tables it is called with cast to bf16, one
     `.to` each, the layer's own copies (freed by its RoPE's backward, hf_layer's `first`)."""
-    return Op("", tuple(Step(f"FSDP2 casts the layer's input {x.name.split('_')[-2]} to param_dtype",
+    return Op("", tuple(Step(f"FSDP2 casts the layer's input {table} to param_dtype",
                              (Made("", 0, "the model's fp32 table cast for this layer (MixedPrecisionPolicy)",
-                                   keeps=x),)) for x in rules.OLMO_ROPE_CAST), ())
+                                   keeps=x),)) for table, x in zip(("cos", "sin"), rules.OLMO_ROPE_CAST)), ())
 
 
 def cast_names(p: str, config: ModelConfig) -> tuple[str, ...]:

@@ -239,9 +239,11 @@ def _core_backward(ops: list[Op], config: ModelConfig, z: Sizes, w: Widths, free
 def _copied(x: str, nbytes: int, selective: bool) -> tuple[Op, ...]:
     """Under selective recomputation: d`x` copied into the layout of the checkpoint's detached input (its .grad), by
     that leaf's AccumulateGrad, after the node that made it has returned."""
+    if not selective:
+        return ()
     return (one(CORE, f"d{x.upper()} into its input's layout", Made(
         f"grad/{x}", nbytes, "AccumulateGrad on the checkpoint's detached input: a copy in the input's strides"),
-        (f"grad/{x} raw",)),) * selective
+        (f"grad/{x} raw",)),)
 
 
 def _rope(ops: list[Op], part: str, width: int, expanded: bool) -> None:
