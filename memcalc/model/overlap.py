@@ -32,6 +32,7 @@ allocator: torch.cuda's counters never see them, so memcalc counts them apart.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
@@ -127,9 +128,10 @@ def pairings(config: ModelConfig, strategy: Strategy, gpu: Gpu) -> tuple[Pairing
                           " collectives; latent attention's are not paired")
     flops, sizes, width = gemm_flops(config), dim_sizes(config), DTYPE_BYTES[config.dtype]
     found: dict[tuple[str, str, int], int] = {}  # by name, pass and index among equal names in that pass
+    seen: Counter = Counter()  # how many of each name and pass come before
     for c in layer_collectives(config, strategy):
-        index = sum(key[:2] == (c.name, c.phase) for key in found)
-        found[c.name, c.phase, index] = sent_bytes(c, sizes, config.t, width)
+        found[c.name, c.phase, seen[c.name, c.phase]] = sent_bytes(c, sizes, config.t, width)
+        seen[c.name, c.phase] += 1
     out = []
     for name, phase, index, gemm, methods in PAIRS:
         sent = found.get((name, phase, index))

@@ -124,8 +124,9 @@ def hf_root(c: ModelConfig, t: int) -> Unit:
     """The root's own parameters: embed_tokens and lm_head (unless tied) v/t rows each under tp, the final norm; it
     stays unsharded from its forward to the end of backward."""
     rows = c.vocab_size // t
-    return Unit(ROOT, (("model.embed_tokens", (rows, c.h)), *((("model.norm", (c.h,)),) if not olmo.walks(c) else ()),
-                       *((("lm_head", (rows, c.h)),) if not c.tie_embeddings else ())), False)
+    final_norm = () if olmo.walks(c) else (("model.norm", (c.h,)),)  # OlmoLayerNorm has no weights
+    head = () if c.tie_embeddings else (("lm_head", (rows, c.h)),)
+    return Unit(ROOT, (("model.embed_tokens", (rows, c.h)), *final_norm, *head), False)
 
 
 def torchtitan_block(i: int, c: ModelConfig) -> str:

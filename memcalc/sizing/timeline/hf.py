@@ -455,7 +455,8 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
     out = f"grad/layers.{i - 1}/output" if i else ln.first_grad(config)
     mlp = moe.OUTPUT_GRAD if block else f"grad/{p}/ln2 output"
     sparse = moe.block_forward(p, z, config, checkpointed) if block else ()  # the sparse block's forward
-    norm_ops = family.layer_norm if (family := _layer_norms(config)) else layer.rms_norm  # Cohere's: cohere.layer
+    family = _layer_norms(config)
+    norm_ops = family.layer_norm if family else layer.rms_norm  # Cohere's: cohere.layer
     rope, rotated = olmo.recorded(olmo.rope) if olmo.fp32_rope(config) and z.act != 4 else (None, [])
     # Gemma 2's sandwich norms (OLMo 2's post-norms): on the attention's output and on the MLP's, whose gradients are
     # then theirs; Phi-3's residual dropouts (p > 0) likewise on the branches' outputs, o_proj's and down_proj's
@@ -618,7 +619,7 @@ def _output(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
                *(_table_names(config) if olmo.cast(config) else ()))  # the layers' frames hold their cast copies
     family = _layer_norms(config)
     # the norm keeps the last layer's output: nn.LayerNorm's, and in fp32 OLMo's and an RMSNorm's (x.to(float32) is x)
-    kept_x = ln.walks(config) or z.act == 4 and (olmo.walks(config) or not family)
+    kept_x = ln.walks(config) or (z.act == 4 and (olmo.walks(config) or not family))
     norm = (family.layer_norm if family else layer.rms_norm)(
         "model.norm", "", final, z, "grad/lm_head input", f"grad/layers.{config.L - 1}/output",
         output=kept("", ledger.OUTPUT_INPUT, "lm_head's input, which it keeps"),

@@ -62,8 +62,8 @@ class Zero:
         shapes = [self.root[0], *(x for i in range(config.L) for x in hf_layer(config, 1, i).shapes), *self.root[1:]]
         # the Trainer's two parameter groups (weights with decay, norms without), each partitioned on its own; stage 3
         # (not measured) flattened whole
-        self.groups = ([prod(x) for x in shapes if len(x) > 1], [prod(x) for x in shapes if len(x) == 1]) \
-            if config.zero_stage < 3 else ([prod(x) for x in shapes],)
+        decay, rest = [prod(x) for x in shapes if len(x) > 1], [prod(x) for x in shapes if len(x) == 1]
+        self.groups = (decay, rest) if config.zero_stage < 3 else ([prod(x) for x in shapes],)
         self.stage, self.dp, self.act = config.zero_stage, config.dp, DTYPE_BYTES[config.dtype]  # act: bf16's bytes
         self.params = sum(prod(x) for x in shapes)  # every parameter of the model
         # stage 3: parameters under the persistence threshold, kept whole
