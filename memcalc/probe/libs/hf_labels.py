@@ -335,7 +335,7 @@ _GELU = (
 )
 
 
-def _gelu_mlp(fc1: str | None, fc2: str, dropout: str | None, function: str = "linear", arg: int = 0,
+def _gelu_mlp(fc1: str | None, fc2: str, *, dropout: str | None, function: str = "linear", arg: int = 0,
               view: Callable[[Any], Any] | None = None) -> tuple[Rule, ...]:
     """A GELU MLP (`fc1` and `fc2` under mlp): fc1's input (None: the attention's too, one norm read side by side),
     transformers' GELU modules (`_GELU`), fc2's input, the mask of the dropout in `dropout` (None: none)."""
@@ -358,7 +358,7 @@ def _gpt2_rules(config: ModelConfig) -> tuple[Rule, ...]:
         Rule("attn.c_proj", "addmm", ledger.PROJ_IN, arg=1, view=lambda x: head_columns(config.head_dim)(flat(x))),
         _dropout_mask("attn.resid_dropout", ledger.ATTN_OUT_DROPOUT_MASK),
         *_norm_rules("layernorm", "ln_2", ledger.LN2),
-        *_gelu_mlp("c_fc", "c_proj", "mlp.dropout", "addmm", arg=1, view=flat),
+        *_gelu_mlp("c_fc", "c_proj", dropout="mlp.dropout", function="addmm", arg=1, view=flat),
     )
 
 
@@ -369,7 +369,7 @@ def _neox_rules(config: ModelConfig) -> tuple[Rule, ...]:
         *_norm_rules("layernorm", "input_layernorm", ledger.LN1),
         *_fused_attention(config, "attention", "query_key_value", "dense", "post_attention_dropout"),
         *_norm_rules("layernorm", "post_attention_layernorm", ledger.LN2),
-        *_gelu_mlp("dense_h_to_4h", "dense_4h_to_h", "post_mlp_dropout"),
+        *_gelu_mlp("dense_h_to_4h", "dense_4h_to_h", dropout="post_mlp_dropout"),
     )
 
 
@@ -426,7 +426,7 @@ def _falcon_rules(config: ModelConfig) -> tuple[Rule, ...]:
         Rule(attention, "scaled_dot_product_attention", rules.FALCON_V_HEADS, arg=2),
         _fused_v(attention, config),
         Rule(f"{attention}.dense", "forward", ledger.PROJ_IN, arg=0, view=head_columns(config.head_dim)),
-        *_gelu_mlp(None, "dense_4h_to_h", None, "forward"),
+        *_gelu_mlp(None, "dense_4h_to_h", dropout=None, function="forward"),
     )
 
 
@@ -441,7 +441,7 @@ def _gptj_rules(config: ModelConfig) -> tuple[Rule, ...]:
         *_core_rules("attn", config, (rules.GPTJ_Q, rules.GPTJ_K, ledger.V)), *_sdpa_inputs("attn"),
         Rule("attn.out_proj", "linear", ledger.PROJ_IN, arg=0, view=head_columns(config.head_dim)),
         _dropout_mask("attn.resid_dropout", ledger.ATTN_OUT_DROPOUT_MASK),
-        *_gelu_mlp(None, "fc_out", "mlp.dropout"),
+        *_gelu_mlp(None, "fc_out", dropout="mlp.dropout"),
     )
 
 
@@ -454,7 +454,7 @@ def _starcoder2_rules(config: ModelConfig) -> tuple[Rule, ...]:
         *_llama_attention_rules(config),
         _dropout_mask("self_attn", ledger.ATTN_OUT_DROPOUT_MASK, nth=1 if config.attention == "eager" else 0),
         *_norm_rules("layernorm", "post_attention_layernorm", ledger.LN2),
-        *_gelu_mlp("c_fc", "c_proj", "mlp"),
+        *_gelu_mlp("c_fc", "c_proj", dropout="mlp"),
     )
 
 

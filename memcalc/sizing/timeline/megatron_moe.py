@@ -343,16 +343,17 @@ def _permute(ops: list[Op], z: Sizes, n: int, experts: int, tokens: str, probs: 
     """The dispatcher's permute, backward: index_select's (the tokens' gradient `tokens`) and masked_select's (the
     probabilities', `probs`)."""
     ops.extend((
-        _into_zeros("mlp", "index_select", "new_zeros", "index_add", "grad/permute zeros", "(n, h)", Made(
-            "grad/permute input", z.act * n * z.h, "index_add of the sorted tokens' gradient, out of place"),
-            tokens),  # its indices: HELD
-        _into_zeros("mlp", "masked_select", "zeros_like", "masked_scatter", "grad/probs zeros", "(E, n)", Made(
+        _into_zeros("mlp", "index_select", Made(
+            "grad/permute input", z.act * n * z.h, "index_add of the sorted tokens' gradient, out of place"), tokens,
+            start="new_zeros", fill="index_add", zeros="grad/permute zeros", shape="(n, h)"),  # its indices: HELD
+        _into_zeros("mlp", "masked_select", Made(
             "grad/probs", z.act * n * experts, "masked_scatter of the permuted probabilities' gradient"), probs,
+            start="zeros_like", fill="masked_scatter", zeros="grad/probs zeros", shape="(E, n)",
             saves=(megatron.ROUTING_MAP, megatron.PROBS_T)),
     ))
 
 
-def _into_zeros(where: str, what: str, start: str, fill: str, zeros: str, shape: str, out: Made, grad: str,
+def _into_zeros(where: str, what: str, out: Made, grad: str, *, start: str, fill: str, zeros: str, shape: str,
                 saves: tuple[SavedTensor, ...] = ()) -> Op:
     """An indexing op's backward: zeros of its input's `shape` (as many bytes as `out`) made by `start`, then `grad`
     put into them by `fill`, making `out`."""
@@ -451,8 +452,9 @@ def _casts(z: Sizes, elements: int, grad: str, out: str, what: str, keeps: Saved
 def _topk(z: Sizes, n: int, experts: int, grad: str, out: str, biased: bool = False) -> Op:
     """top-k's backward (`biased`: the expert bias's, gather's by the biased top-k's indices, which keeps every
     expert's score): new_zeros, and the k values' gradient scattered (added) into it, (n, E)."""
-    what, scattered = "gather" if biased else "top-k", Made(out, z.act * n * experts, "the k values' gradient"
-                                                             " scattered into (n, E)")
-    return _into_zeros("mlp.router", what, "new_zeros", f"scatter{'_add' if biased else ''}", "grad/topk zeros",
-                       "(n, E)", scattered, grad,
+    what = "gather" if biased else "top-k"
+    scattered = Made(out, z.act * n * experts, "the k values' gradient scattered into (n, E)")
+    fill = "scatter_add" if biased else "scatter"
+    return _into_zeros("mlp.router", what, scattered, grad, start="new_zeros", fill=fill, zeros="grad/topk zeros",
+                       shape="(n, E)",
                        saves=(*((megatron.BIASED_CHOICE_SCORES,) if biased else ()), ledger.ROUTER_TOPK_INDICES))
