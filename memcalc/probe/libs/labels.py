@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any, Callable, Sequence
 
+from memcalc.model import ledger
 from memcalc.model.ledger import SavedTensor
 from memcalc.probe import require_torch
 from memcalc.probe.recorder import SavedStorage, label
@@ -120,6 +121,14 @@ def _pick(result: Any, args: tuple, kwargs: dict, arg: int | str | None, output:
     if isinstance(arg, int):
         return args[arg] if arg < len(args) else None
     return kwargs.get(arg)
+
+
+SDPA = "scaled_dot_product_attention"  # torch's function, as rules name it
+
+
+def sdpa_inputs(module: str) -> tuple[Rule, ...]:
+    """Q, K and V as `module` passes them to SDPA, whose flash kernel keeps them as they are."""
+    return tuple(Rule(module, SDPA, x, arg=i) for i, x in enumerate((ledger.Q, ledger.K, ledger.V)))
 
 
 def head_columns(d: int) -> Callable[[Any], Any]:
