@@ -11,7 +11,8 @@ from fnmatch import fnmatchcase
 from typing import Any, Callable, Sequence
 
 from memcalc.model import ledger
-from memcalc.model.ledger import SavedTensor
+from memcalc.model.impls.base import Implementation
+from memcalc.model.ledger import Region, SavedTensor
 from memcalc.probe import require_torch
 from memcalc.probe.recorder import SavedStorage, label
 
@@ -142,9 +143,11 @@ def statistics(x: Any) -> Any:
     return x.squeeze(-1)
 
 
-def merged_rows(saved: tuple[SavedStorage, ...], names: frozenset[str]) -> tuple[SavedStorage, ...]:
-    """Each of `names`' storages (an expert's, one per expert) as one row, where the first is: the sum of their
-    bytes and rows, so that a ledger row of r token slots reads as the experts' storages together."""
+def merged_rows(saved: tuple[SavedStorage, ...], impl: Implementation) -> tuple[SavedStorage, ...]:
+    """The storages of each tensor `impl` keeps per expert (Region.EXPERT: one storage an expert) as one row, where
+    the first is: the sum of their bytes and rows, so that a ledger row of r token slots reads as the experts'
+    storages together."""
+    names = {name for name, x in impl.by_name().items() if x.region is Region.EXPERT}
     rows: dict[str | int, SavedStorage] = {}  # keyed by name where merged, else by position
     for i, storage in enumerate(saved):
         key = storage.name if storage.name in names else i

@@ -51,8 +51,6 @@ _EXPERT_FC1_OUT = SavedTensor("moe/expert_fc1_out", "linear_fc1", (), Kind.ACTIV
 _SHARED_FC1_OUT = SavedTensor("moe/shared_fc1_out", "linear_fc1", (), Kind.ACTIVATION, Region.TENSOR, "gate, up")
 _HALVES = {out.name: keeps[1:3] for out, keeps in (  # gate, up
     (_FC1_OUT, rules.DENSE_ACT), (_EXPERT_FC1_OUT, rules.EXPERT_ACT), (_SHARED_FC1_OUT, rules.SHARED_ACT))}
-# Each expert keeps these for its own tokens, a storage per expert: one ledger row of r rows in all.
-_EXPERT_ROWS = frozenset(x.name for x in rules.IMPLEMENTATION.by_name().values() if x.region is Region.EXPERT)
 
 
 def run_layer(
@@ -90,7 +88,7 @@ def run_layer(
                 y.backward(torch.ones_like(y))
     if collectives is not None:
         collectives.extend(log.calls)
-    return merged_rows(_attributed(recorder.saved, layer, tp.size), _EXPERT_ROWS)
+    return merged_rows(_attributed(recorder.saved, layer, tp.size), rules.IMPLEMENTATION)
 
 
 def _quiet() -> None:
