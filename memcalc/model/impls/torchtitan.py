@@ -219,20 +219,19 @@ def keeps(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]:
 
 # Knob values torchtitan's Llama3 block does not have, each with the reason.
 _REFUSED = (
-    ("norm", "layernorm", "Llama3 normalises with nn.RMSNorm; use norm rmsnorm"),
-    ("mlp", "gelu", "Llama3's FeedForward is SwiGLU; use mlp swiglu"),
-    ("mlp", "gelu_tanh", "Llama3's FeedForward is SwiGLU; use mlp swiglu"),
-    ("attention", "eager", "torchtitan's attention is a fused kernel (flex, SDPA or varlen); use attention flash"),
-    ("recompute", "selective", "torchtitan's selective checkpointing is op-level: use recompute op (or none, full)"),
-    ("dtype", "fp16", "its mixed_precision_param is bfloat16 or float32; use dtype bf16 or fp32"),
+    ("norm", ("layernorm",), "Llama3 normalises with nn.RMSNorm; use norm rmsnorm"),
+    ("mlp", ("gelu", "gelu_tanh"), "Llama3's FeedForward is SwiGLU; use mlp swiglu"),
+    ("attention", ("eager",), "torchtitan's attention is a fused kernel (flex, SDPA or varlen); use attention flash"),
+    ("recompute", ("selective",), "torchtitan's selective checkpointing is op-level: use recompute op (or none, full)"),
+    ("dtype", ("fp16",), "its mixed_precision_param is bfloat16 or float32; use dtype bf16 or fp32"),
 )
 
 
 def check(knobs: Any) -> None:
     """ConfigError for knob values torchtitan's Llama3 block cannot run."""
-    for name, value, reason in _REFUSED:
-        if getattr(knobs, name) == value:
-            raise ConfigError(f"impl torchtitan: {name} {value} is not in torchtitan's Llama3: {reason}")
+    for name, values, reason in _REFUSED:
+        if getattr(knobs, name) in values:
+            raise ConfigError(f"impl torchtitan: {name} {getattr(knobs, name)} is not in torchtitan's Llama3: {reason}")
     if knobs.dropout > 0:
         raise ConfigError(f"impl torchtitan: dropout {knobs.dropout}, but Llama3 has no dropout; use dropout 0")
     if knobs.bias_activation_fusion:
