@@ -118,7 +118,7 @@ class Implementation:
     name: str  # the --impl value
     title: str
     measured_on: str  # the library, its version and the modules the rules were measured on
-    layer_tensors: Callable[[Any, Accounting], tuple[SavedTensor, ...]]  # one layer, forward order
+    keeps: Callable[[Any, Accounting], tuple[SavedTensor, ...]]  # one layer, forward order, unless fully recomputed
     tp_plan: Callable[[Any], TPPlan]  # for a knob set, the library's TP plan of one layer (memcalc.model.tp_plan)
     strategies: tuple[str, ...] = ("none", "tp", "tp-sp")  # the layouts the library runs (for some knobs)
     rerun: Rerun = Rerun()
@@ -139,6 +139,13 @@ class Implementation:
     # For a knob set, how many copies of the model-wide tensors (ledger.SavedTensor.model_wide) a model chunk of
     # `layers` layers keeps (numbers or arrays): the model makes one for every layer that reads the same
     model_wide_copies: Callable[[Any, Any], Any] = lambda knobs, layers: 1
+
+    def layer_tensors(self, knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]:
+        """Every tensor one layer keeps for backward, in forward order: under full recomputation the layer's input
+        alone, which the checkpoint reruns the layer from in backward (every library's), else `keeps`."""
+        if knobs.recompute == "full":
+            return (ledger.LAYER_INPUT,)
+        return self.keeps(knobs, accounting)
 
     def knob_defaults(self) -> dict[str, Any]:
         """The library's own knob values alone (what a knob set, without sizes or layout, takes)."""

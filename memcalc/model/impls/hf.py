@@ -667,7 +667,7 @@ def _at_batch_of_one(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, .
     query_key_value (qkv_proj) output in V's place (GPT-NeoX, Phi-3: its V is a view of it)."""
     fused_v = NEOX_QKV_OUT if has_fused_v_view(knobs) else ledger.V
     swap = {V_EXPANDED.name: fused_v, K_EXPANDED.name: ledger.K} if knobs.gqa else {ledger.V.name: fused_v}
-    return tuple(swap.get(x.name, x) for x in layer_tensors(knobs, accounting))
+    return tuple(swap.get(x.name, x) for x in keeps(knobs, accounting))
 
 
 REPEAT_KV = SizeRule(
@@ -772,10 +772,9 @@ def expert_block(knobs: Any, weight: SavedTensor) -> tuple[SavedTensor, ...]:
     return (TOKEN_INDICES, SORTED_SLOTS, *bias_ids, EXPERT_OFFSETS, *swiglu, weight, EXPERT_OUT, UNSORTED_SLOTS)
 
 
-def layer_tensors(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]:
-    """Every tensor one transformers decoder layer keeps for backward, in forward order."""
-    if knobs.recompute == "full":
-        return (ledger.LAYER_INPUT,)  # torch.utils.checkpoint keeps the layer's positional input
+def keeps(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]:
+    """Every tensor one transformers decoder layer keeps for backward, in forward order (unless fully recomputed:
+    torch.utils.checkpoint then keeps the layer's positional input, `Implementation.layer_tensors`)."""
     post_attn, post_mlp = sandwich_norms(knobs)
     first, second = ((), ()) if knobs.post_norm else (norm_block(0, knobs), norm_block(1, knobs))  # OLMo 2: none
     blocks = (
@@ -1088,7 +1087,7 @@ IMPLEMENTATION = Implementation(
     " (use_qk_norm: t = 1); GptOssDecoderLayer (attention sinks, sliding and full layers, half-head RoPE tables, its"
     " router and clamped-GLU experts by grouped_mm and the eager loop), eager, t = 1 (the families `memcalc"
     " hf-families` lists, each from a config.json its transformers class wrote)",
-    layer_tensors=layer_tensors,
+    keeps=keeps,
     refuses=(NO_SEQUENCE_PARALLEL, GPT2_NO_TP_PLAN, NEOX_TP_NOT_MODELLED, LATENT_TP_NOT_MODELLED, FALCON_NO_TP_PLAN,
              BLOOM_NO_TP_PLAN, COHERE_QK_NORM_NO_TP, GPT_OSS_NO_LAYER_TP_PLAN),
     tp_plan=tp_plan,

@@ -341,10 +341,8 @@ def shared_experts(knobs: Any) -> tuple[SavedTensor, ...]:
     return (*activation(knobs, SHARED_ACT), ledger.SHARED_FC2_IN)
 
 
-def layer_tensors(knobs: Any, accounting: Accounting, fused_softmax: bool = True) -> tuple[SavedTensor, ...]:
-    """Every tensor one layer keeps for backward, in forward order."""
-    if knobs.recompute == "full":
-        return (ledger.LAYER_INPUT,)
+def keeps(knobs: Any, accounting: Accounting, fused_softmax: bool = True) -> tuple[SavedTensor, ...]:
+    """Every tensor one layer keeps for backward, in forward order (unless fully recomputed)."""
     blocks = (
         norm_block(ledger.LN1, knobs) + attention_block(knobs, fused_softmax)
         + norm_block(ledger.LN2, knobs) + (moe_block(knobs) if knobs.moe else mlp_block(knobs))
@@ -392,7 +390,7 @@ FUSED_SOFTMAX = SizeRule(
     " attention_softmax_in_fp32)",
     applies=lambda knobs: knobs.attention == "eager" and knobs.recompute not in ("selective", "full")
     and fused_softmax_kernel(knobs), runs=fused_softmax_runs,
-    outside=lambda knobs, accounting: layer_tensors(knobs, accounting, fused_softmax=False),
+    outside=lambda knobs, accounting: keeps(knobs, accounting, fused_softmax=False),
     misses=fused_softmax_misses,
 )
 
@@ -513,7 +511,7 @@ def _check_expert_biases(config: Any) -> None:
 IMPLEMENTATION = Implementation(
     name="megatron", title="Megatron-core",
     measured_on="megatron-core 0.16.1 TransformerLayer and TransformerBlock (full recompute), local spec, on CPU",
-    layer_tensors=layer_tensors, tp_plan=tp_plan, sequence_parallel_forms=sequence_parallel_forms, tensors=TENSORS,
+    keeps=keeps, tp_plan=tp_plan, sequence_parallel_forms=sequence_parallel_forms, tensors=TENSORS,
     check=check, check_sizes=check_sizes, size_rule=FUSED_SOFTMAX, size_conditions=CONDITIONS,
     refuses=(MOE_WITHOUT_SP,),
 )

@@ -21,10 +21,9 @@ SEED_LAYER = ("the seed's layer (LayerNorm, GELU MLP of 4h, multi-head eager att
               " dropout, no experts or latents)")
 
 
-def layer_tensors(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]:
-    """The seed's per-layer ledger (SEED.md section 2), in forward order; LayerNorm statistics with exact accounting."""
-    if knobs.recompute == "full":
-        return (ledger.LAYER_INPUT,)
+def keeps(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]:
+    """The seed's per-layer ledger (SEED.md section 2), in forward order; LayerNorm statistics with exact accounting
+    (unless fully recomputed)."""
     core = () if knobs.recompute == "selective" else (
         ledger.SOFTMAX_OUT, ledger.ATTN_DROPOUT_MASK, ledger.ATTN_DROPOUT_OUT,
     )
@@ -73,7 +72,7 @@ IMPLEMENTATION = Implementation(
     title="the paper (Korthikanti et al. 2022)",
     measured_on="memcalc's own layer with a fused scale-mask-softmax that keeps its 16-bit output"
     " (memcalc measure --impl paper)",
-    layer_tensors=layer_tensors,
+    keeps=keeps,
     tp_plan=lambda knobs: TP_PLAN,
     check=check,
 )

@@ -205,10 +205,9 @@ def moe_block(knobs: Any) -> tuple[SavedTensor, ...]:
     return (*router, *experts, *(shared if knobs.moe_shared_expert_intermediate_size else ()))
 
 
-def layer_tensors(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]:
-    """Every tensor one block (Llama3's, or with experts Qwen3's MoE block) keeps for backward, in forward order."""
-    if knobs.recompute == "full":
-        return (ledger.LAYER_INPUT,)
+def keeps(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]:
+    """Every tensor one block (Llama3's, or with experts Qwen3's MoE block) keeps for backward, in forward order
+    (unless fully recomputed)."""
     if knobs.recompute == "op":
         return drop_small(op_checkpoint(knobs), accounting)
     # a FeedForward: the gathered w1/w3 input, SiLU's input, both factors of the product, w2's input
@@ -220,20 +219,19 @@ def layer_tensors(knobs: Any, accounting: Accounting) -> tuple[SavedTensor, ...]
 
 # Knob values torchtitan's Llama3 block does not have, each with the reason.
 _REFUSED = (
-    ("norm", "layernorm", "Llama3 normalises with nn.RMSNorm; use norm rmsnorm"),
-    ("mlp", "gelu", "Llama3's FeedForward is SwiGLU; use mlp swiglu"),
-    ("mlp", "gelu_tanh", "Llama3's FeedForward is SwiGLU; use mlp swiglu"),
-    ("attention", "eager", "torchtitan's attention is a fused kernel (flex, SDPA or varlen); use attention flash"),
-    ("recompute", "selective", "torchtitan's selective checkpointing is op-level: use recompute op (or none, full)"),
-    ("dtype", "fp16", "its mixed_precision_param is bfloat16 or float32; use dtype bf16 or fp32"),
+    ("norm", ("layernorm",), "Llama3 normalises with nn.RMSNorm; use norm rmsnorm"),
+    ("mlp", ("gelu", "gelu_tanh"), "Llama3's FeedForward is SwiGLU; use mlp swiglu"),
+    ("attention", ("eager",), "torchtitan's attention is a fused kernel (flex, SDPA or varlen); use attention flash"),
+    ("recompute", ("selective",), "torchtitan's selective checkpointing is op-level: use recompute op (or none, full)"),
+    ("dtype", ("fp16",), "its mixed_precision_param is bfloat16 or float32; use dtype bf16 or fp32"),
 )
 
 
 def check(knobs: Any) -> None:
     """ConfigError for knob values torchtitan's Llama3 block cannot run."""
-    for name, value, reason in _REFUSED:
-        if getattr(knobs, name) == value:
-            raise ConfigError(f"impl torchtitan: {name} {value} is not in torchtitan's Llama3: {reason}")
+    for name, values, reason in _REFUSED:
+        if getattr(knobs, name) in values:
+            raise ConfigError(f"impl torchtitan: {name} {getattr(knobs, name)} is not in torchtitan's Llama3: {reason}")
     if knobs.dropout > 0:
         raise ConfigError(f"impl torchtitan: dropout {knobs.dropout}, but Llama3 has no dropout; use dropout 0")
     if knobs.bias_activation_fusion:
@@ -349,7 +347,7 @@ IMPLEMENTATION = Implementation(
     " shared experts) at ep 1 without recomputation, under FullAC and SelectiveAC, its router forced balanced and"
     " all-to-one; under its MoE sharding plan (set_moe_sharding_config) at tp and tp-sp, ep 1 and ep = t (the"
     " all-to-all dispatcher over the TP ranks)",
-    layer_tensors=layer_tensors,
+    keeps=keeps,
     tp_plan=tp_plan,
     rerun=Rerun(frozenset({"op", "full"}), after_output=True),  # SelectiveAC caches no collective of spmd_types
     tensors=(*LN1, *LN2, QKV_IN, FC1_IN, QKV_OUT, FC2_OUT, ROPE_CACHE, V_IN_QKV_OUT, *MOE_TENSORS, SHARED_FC2_OUT,

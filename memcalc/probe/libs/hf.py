@@ -21,7 +21,7 @@ from memcalc.model.evaluate import dim_sizes
 from memcalc.model.impls import hf as rules
 from memcalc.model.impls import tensors_at
 from memcalc.model.knobs import Accounting, Knobs
-from memcalc.model.ledger import Region, SavedTensor
+from memcalc.model.ledger import SavedTensor
 from memcalc.model.strategy import Strategy
 from memcalc.probe import require_torch
 from memcalc.probe.collectives import CollectiveLog, LoggedCollective
@@ -72,8 +72,7 @@ def record_layer(
         y.backward(torch.ones_like(y))  # inside the shim: a checkpoint's recompute must drop out alike
     if collectives is not None:
         collectives.extend(log.calls)
-    experts = frozenset(name for name, x in rules.IMPLEMENTATION.by_name().items() if x.region is Region.EXPERT)
-    return merged_rows(attributed(recorder.saved, config), experts)  # each expert's storages of a name as one row
+    return merged_rows(attributed(recorder.saved, config), rules.IMPLEMENTATION)  # each expert's storages as one row
 
 
 run_layer = record_layer  # the name memcalc.probe.measure calls each library's runner by

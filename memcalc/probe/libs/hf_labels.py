@@ -18,7 +18,7 @@ from memcalc.model import ledger
 from memcalc.model.families import layer_family
 from memcalc.model.impls import hf as rules
 from memcalc.model.ledger import Kind, Region, SavedTensor
-from memcalc.probe.libs.labels import Rule, head_columns, split_rows, statistics
+from memcalc.probe.libs.labels import SDPA, Rule, head_columns, sdpa_inputs, split_rows, statistics
 from memcalc.probe.recorder import SavedStorage
 
 # A storage holding three ledger tensors side by side; never reported under this name.
@@ -174,7 +174,7 @@ def _glm_rules(config: ModelConfig) -> tuple[Rule, ...]:
     return (
         Rule("self_attn", "repeat_interleave", rules.GLM_ROPE_COS, nth=0, view=table),
         Rule("self_attn", "repeat_interleave", rules.GLM_ROPE_SIN, nth=1, view=table),
-        Rule("self_attn", "scaled_dot_product_attention", rules.GLM_SDPA_OUT),
+        Rule("self_attn", SDPA, rules.GLM_SDPA_OUT),
         Rule("mlp.gate_up_proj", "linear", ledger.FC1_IN, arg=0),
         Rule("mlp.gate_up_proj", "forward", _DENSE_GATE_UP),  # under tp the gathered output (colwise_gather_output)
         Rule("mlp.activation_fn", "silu", ledger.SWIGLU_SILU_OUT),
@@ -258,10 +258,9 @@ def _core_rules(
     attention: str, config: ModelConfig, qkv: tuple[SavedTensor, ...] = _QKV_PARTS, copies_only: bool = False,
 ) -> tuple[Rule, ...]:
     """Eager, SDPA (flash kernel) and SDPA's CPU math kernel: the tensors inside `attention` (SDPA's q, k and v,
-    its arguments, by `_sdpa_inputs`); `qkv` names the eager core's Q, K and V (latent attention's own); with
+    its arguments, by `sdpa_inputs`); `qkv` names the eager core's Q, K and V (latent attention's own); with
     `copies_only`, only where matmul made them copies of their own (GPT-2's views of c_attn's output: `_gpt2_rules`)."""
     b = config.b
-    sdpa = "scaled_dot_product_attention"
     q, k, v = qkv
     own = _copy if copies_only else (lambda axes: axes)
     # what the newest bmm keeps of its first and of its second operand
@@ -284,24 +283,17 @@ def _core_rules(
         Rule(attention, "native_dropout", ledger.ATTN_DROPOUT_OUT),  # the shim's dropout
         _dropout_mask(attention, ledger.ATTN_DROPOUT_MASK),
         # SDPA, flash kernel: the log-sum-exp (and q, k, v as passed)
-        Rule(attention, sdpa, ledger.SOFTMAX_LSE, view=_kept("ScaledDotProduct*Backward0", "_saved_logsumexp")),
-        Rule(attention, sdpa, rules.SDPA_OUT),  # OLMo 2 under tp: o_proj's input is a split copy of it
+        Rule(attention, SDPA, ledger.SOFTMAX_LSE, view=_kept("ScaledDotProduct*Backward0", "_saved_logsumexp")),
+        Rule(attention, SDPA, rules.SDPA_OUT),  # OLMo 2 under tp: o_proj's input is a split copy of it
         # SDPA, CPU math kernel (dropout): fp32 copies, two bmm, the softmax, dropout's mask
-        Rule(attention, sdpa, rules.MATH_Q, view=first(newest=1, then=_batch(b))),
-        Rule(attention, sdpa, rules.MATH_K, view=second(newest=1, then=_heads_t(b))),
-        Rule(attention, sdpa, rules.MATH_SOFTMAX, view=_kept("SafeSoftmaxBackward0", "_saved_result")),
-        Rule(attention, sdpa, rules.MATH_DROPOUT_MASK, view=_kept("MulBackward0", "_saved_other")),
-        Rule(attention, sdpa, rules.MATH_DROPOUT_OUT, view=first(then=_batch(b))),
-        Rule(attention, sdpa, rules.GPT2_MATH_V if copies_only and config.dtype == "fp32" else rules.MATH_V,
+        Rule(attention, SDPA, rules.MATH_Q, view=first(newest=1, then=_batch(b))),
+        Rule(attention, SDPA, rules.MATH_K, view=second(newest=1, then=_heads_t(b))),
+        Rule(attention, SDPA, rules.MATH_SOFTMAX, view=_kept("SafeSoftmaxBackward0", "_saved_result")),
+        Rule(attention, SDPA, rules.MATH_DROPOUT_MASK, view=_kept("MulBackward0", "_saved_other")),
+        Rule(attention, SDPA, rules.MATH_DROPOUT_OUT, view=first(then=_batch(b))),
+        Rule(attention, SDPA, rules.GPT2_MATH_V if copies_only and config.dtype == "fp32" else rules.MATH_V,
              view=second(then=own(_batch(b)))),
     )
-
-
-def _sdpa_inputs(attention: str) -> tuple[Rule, ...]:
-    """The flash kernel keeps q, k and v as they were passed."""
-    sdpa = "scaled_dot_product_attention"
-    return (Rule(attention, sdpa, ledger.Q, arg=0), Rule(attention, sdpa, ledger.K, arg=1),
-            Rule(attention, sdpa, ledger.V, arg=2))
 
 
 def _llama_attention_rules(config: ModelConfig) -> tuple[Rule, ...]:
@@ -309,7 +301,7 @@ def _llama_attention_rules(config: ModelConfig) -> tuple[Rule, ...]:
         Rule("self_attn.q_proj", "linear", ledger.QKV_IN, arg=0),
         *_qk_norm_rules(config),
         *_core_rules("self_attn", config),
-        *_sdpa_inputs("self_attn"),
+        *sdpa_inputs("self_attn"),
         Rule("self_attn.o_proj", "linear", ledger.PROJ_IN, arg=0, view=head_columns(config.head_dim)),
     )
 
@@ -353,7 +345,7 @@ def _gpt2_rules(config: ModelConfig) -> tuple[Rule, ...]:
         *_core_rules("attn", config, copies_only=True),
         # q, k, v are views of c_attn's output (b * s, 3h): its whole storage, split by `attributed`. Under SDPA
         # always; under eager where bmm takes them as they are (b = 1 or a = 1: the (b, a) batch flattens as a view)
-        Rule("attn", "scaled_dot_product_attention", _QKV_OUT, arg=0, view=lambda q: q._base),
+        Rule("attn", SDPA, _QKV_OUT, arg=0, view=lambda q: q._base),
         Rule("attn", "matmul", _QKV_OUT, nth=0, view=_kept("BmmBackward0", "_saved_self", then=_in_larger)),
         Rule("attn.c_proj", "addmm", ledger.PROJ_IN, arg=1, view=lambda x: head_columns(config.head_dim)(flat(x))),
         _dropout_mask("attn.resid_dropout", ledger.ATTN_OUT_DROPOUT_MASK),
@@ -420,10 +412,10 @@ def _falcon_rules(config: ModelConfig) -> tuple[Rule, ...]:
         Rule(attention, "__getitem__", rules.FALCON_K_INDEX, nth=1, view=index),
         Rule(attention, "__getitem__", rules.FALCON_V_INDEX, nth=2, view=index),
         *_core_rules(attention, config, qkv=(ledger.Q, key, ledger.V)),
-        *_sdpa_inputs(attention),
-        Rule(attention, "scaled_dot_product_attention", rules.FALCON_K_HEADS, arg=1),
-        Rule(attention, "scaled_dot_product_attention", ledger.V, arg=2, view=_stored(lambda v: v)),
-        Rule(attention, "scaled_dot_product_attention", rules.FALCON_V_HEADS, arg=2),
+        *sdpa_inputs(attention),
+        Rule(attention, SDPA, rules.FALCON_K_HEADS, arg=1),
+        Rule(attention, SDPA, ledger.V, arg=2, view=_stored(lambda v: v)),
+        Rule(attention, SDPA, rules.FALCON_V_HEADS, arg=2),
         _fused_v(attention, config),
         Rule(f"{attention}.dense", "forward", ledger.PROJ_IN, arg=0, view=head_columns(config.head_dim)),
         *_gelu_mlp(None, "dense_4h_to_h", dropout=None, function="forward"),
@@ -438,7 +430,7 @@ def _gptj_rules(config: ModelConfig) -> tuple[Rule, ...]:
     return (
         *_norm_rules("layernorm", "ln_1", ledger.LN1),
         Rule("attn.q_proj", "linear", ledger.QKV_IN, arg=0), *tables,
-        *_core_rules("attn", config, (rules.GPTJ_Q, rules.GPTJ_K, ledger.V)), *_sdpa_inputs("attn"),
+        *_core_rules("attn", config, (rules.GPTJ_Q, rules.GPTJ_K, ledger.V)), *sdpa_inputs("attn"),
         Rule("attn.out_proj", "linear", ledger.PROJ_IN, arg=0, view=head_columns(config.head_dim)),
         _dropout_mask("attn.resid_dropout", ledger.ATTN_OUT_DROPOUT_MASK),
         *_gelu_mlp(None, "fc_out", dropout="mlp.dropout"),

@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any, Callable, Sequence
 
-from memcalc.model.ledger import SavedTensor
+from memcalc.model import ledger
+from memcalc.model.impls.base import Implementation
+from memcalc.model.ledger import Region, SavedTensor
 from memcalc.probe import require_torch
 from memcalc.probe.recorder import SavedStorage, label
 
@@ -122,6 +124,14 @@ def _pick(result: Any, args: tuple, kwargs: dict, arg: int | str | None, output:
     return kwargs.get(arg)
 
 
+SDPA = "scaled_dot_product_attention"  # torch's function, as rules name it
+
+
+def sdpa_inputs(module: str) -> tuple[Rule, ...]:
+    """Q, K and V as `module` passes them to SDPA, whose flash kernel keeps them as they are."""
+    return tuple(Rule(module, SDPA, x, arg=i) for i, x in enumerate((ledger.Q, ledger.K, ledger.V)))
+
+
 def head_columns(d: int) -> Callable[[Any], Any]:
     """A rule's view: (b, s, heads * d) as (b, s, heads, d), a heads or under tp this rank's a/t (a fused QKV output,
     the output projection's input)."""
@@ -133,9 +143,11 @@ def statistics(x: Any) -> Any:
     return x.squeeze(-1)
 
 
-def merged_rows(saved: tuple[SavedStorage, ...], names: frozenset[str]) -> tuple[SavedStorage, ...]:
-    """Each of `names`' storages (an expert's, one per expert) as one row, where the first is: the sum of their
-    bytes and rows, so that a ledger row of r token slots reads as the experts' storages together."""
+def merged_rows(saved: tuple[SavedStorage, ...], impl: Implementation) -> tuple[SavedStorage, ...]:
+    """The storages of each tensor `impl` keeps per expert (Region.EXPERT: one storage an expert) as one row, where
+    the first is: the sum of their bytes and rows, so that a ledger row of r token slots reads as the experts'
+    storages together."""
+    names = {name for name, x in impl.by_name().items() if x.region is Region.EXPERT}
     rows: dict[str | int, SavedStorage] = {}  # keyed by name where merged, else by position
     for i, storage in enumerate(saved):
         key = storage.name if storage.name in names else i

@@ -51,8 +51,6 @@ _EXPERT_FC1_OUT = SavedTensor("moe/expert_fc1_out", "linear_fc1", (), Kind.ACTIV
 _SHARED_FC1_OUT = SavedTensor("moe/shared_fc1_out", "linear_fc1", (), Kind.ACTIVATION, Region.TENSOR, "gate, up")
 _HALVES = {out.name: keeps[1:3] for out, keeps in (  # gate, up
     (_FC1_OUT, rules.DENSE_ACT), (_EXPERT_FC1_OUT, rules.EXPERT_ACT), (_SHARED_FC1_OUT, rules.SHARED_ACT))}
-# Each expert keeps these for its own tokens, a storage per expert: one ledger row of r rows in all.
-_EXPERT_ROWS = frozenset(x.name for x in rules.IMPLEMENTATION.by_name().values() if x.region is Region.EXPERT)
 
 
 def run_layer(
@@ -90,7 +88,7 @@ def run_layer(
                 y.backward(torch.ones_like(y))
     if collectives is not None:
         collectives.extend(log.calls)
-    return merged_rows(_attributed(recorder.saved, layer, tp.size), _EXPERT_ROWS)
+    return merged_rows(_attributed(recorder.saved, layer, tp.size), rules.IMPLEMENTATION)
 
 
 def _quiet() -> None:
@@ -378,12 +376,12 @@ def _attention_rules(config: ModelConfig, t: int) -> tuple[Rule, ...]:
     if config.qk_layernorm and not config.mla:  # the norms' outputs are the core's Q and K (the checkpoint's too)
         rules_ += [Rule("*q_layernorm", "forward", ledger.Q, view=_heads_first),
                    Rule("*k_layernorm", "forward", ledger.K, view=_heads_first)]
-        if _query_copied(config, t):  # the query heads' copy is q_layernorm's input
-            rules_.append(Rule("*self_attention", "reshape", ledger.Q_NORM.input, view=_heads_first))
-    if gqa and config.recompute == "selective" and not config.qk_layernorm:
-        if _query_copied(config, t):  # the checkpoint keeps the query copy beside the whole QKV output
-            rules_.append(Rule("*self_attention", "reshape", ledger.Q, view=_heads_first))
-    elif gqa:  # QK^T keeps a query copy (or the QKV output it views), the core expands K and V to every head
+    if _query_copied(config, t) and (config.qk_layernorm or config.recompute == "selective"):
+        # the query heads' copy: q_layernorm's input, or Q, which the checkpoint keeps beside the whole QKV output
+        rules_.append(Rule("*self_attention", "reshape", ledger.Q_NORM.input if config.qk_layernorm else ledger.Q,
+                           view=_heads_first))
+    if gqa and (config.recompute != "selective" or config.qk_layernorm):
+        # QK^T keeps a query copy (or the QKV output it views), the core expands K and V to every head
         rules_ += [
             *((Rule("*core_attention", "reshape", rules.QUERY_COPY,
                     view=lambda q: _heads_first(q.unflatten(1, (config.b, -1)))),)

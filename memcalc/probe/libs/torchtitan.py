@@ -25,7 +25,7 @@ from memcalc.probe.collectives import CollectiveLog, LoggedCollective
 from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.layer import DTYPES
 from memcalc.probe.libs import torchtitan_shim as shim
-from memcalc.probe.libs.labels import Labels, ModuleFrames, Rule, head_columns, statistics
+from memcalc.probe.libs.labels import Labels, ModuleFrames, Rule, head_columns, sdpa_inputs, statistics
 from memcalc.probe.measure import INPUT_SEED
 from memcalc.probe.recorder import SavedStorage, SavedTensorRecorder, label
 
@@ -200,7 +200,7 @@ def library_rules(config: ModelConfig, t: int) -> tuple[Rule, ...]:
     """
     d = config.h // config.a
     predicted = tensors_at(Knobs.of(config), Accounting(exact=True), dim_sizes(config), t)
-    v = Rule("*attention.inner_attention", "scaled_dot_product_attention", ledger.V, arg=2)
+    q, k, v = sdpa_inputs("*attention.inner_attention")
     if rules.V_IN_QKV_OUT in predicted:  # the view's base: wqkv's output, (b, s, (a+2g) d)
         v = replace(v, tensor=rules.V_IN_QKV_OUT, view=lambda x: head_columns(d)(x._base))
     wo = Rule("*attention.wo", "linear", ledger.PROJ_IN, arg=0, view=head_columns(d))  # the attention kernel's output
@@ -218,9 +218,7 @@ def library_rules(config: ModelConfig, t: int) -> tuple[Rule, ...]:
         Rule("*attention_norm", "rms_norm", rules.LN1.input_fp32, arg=0),  # fp32 only: bf16 is upcast (AtenLabels)
         Rule("*ffn_norm", "rms_norm", rules.LN2.input_fp32, arg=0),
         Rule("*attention.qkv_linear.wqkv", "linear", rules.QKV_IN, arg=0),
-        Rule("*attention.inner_attention", "scaled_dot_product_attention", ledger.Q, arg=0),
-        Rule("*attention.inner_attention", "scaled_dot_product_attention", ledger.K, arg=1),
-        v, wo,
+        q, k, v, wo,
         Rule("*feed_forward.w1", "linear", rules.FC1_IN, arg=0), gate,
         Rule("*feed_forward", "mul", ledger.SWIGLU_SILU_OUT, arg=0),
         Rule("*feed_forward", "mul", ledger.SWIGLU_UP, arg=1),

@@ -125,7 +125,7 @@ def test_what_the_walk_does_not_model_is_refused_by_name(changes, named):
 def test_gemma_3s_attention_passes_no_softcap_so_its_layer_keeps_no_tanh_where_gemma_2s_does():
     """Gemma3Attention calls its attention without attn_logit_softcapping (measured: the layer probe found no tanh)."""
     capped = {"attention": "eager"} | CAPPED
-    kept = {family: rules.layer_tensors(make_config(LLAMA, **(fields | capped)), CPU)
+    kept = {family: rules.keeps(make_config(LLAMA, **(fields | capped)), CPU)
             for family, fields in (("gemma3_text", GEMMA3), ("gemma2", GEMMA3 | {"family": "gemma2",
                                                                                 "qk_layernorm": False}))}
     assert rules.SOFTCAP_TANH not in kept["gemma3_text"] and rules.SOFTCAP_TANH in kept["gemma2"]
