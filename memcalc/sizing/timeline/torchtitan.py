@@ -14,20 +14,20 @@ from typing import Callable
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError
 from memcalc.model import ledger
-from memcalc.model.evaluate import estimate, rank_shape
+from memcalc.model.evaluate import estimate
 from memcalc.model.impls import torchtitan as rules
-from memcalc.model.knobs import DTYPE_BYTES, Accounting, element_bytes
+from memcalc.model.knobs import DTYPE_BYTES, Accounting
 from memcalc.model.ledger import SavedTensor
 from memcalc.model.strategy import Strategy
 from memcalc.sizing.pipeline import Stage, pipeline_stages, stage_named, torchtitan_microbatches
 from memcalc.sizing.states import moe_layers_held
 from memcalc.sizing.timeline.ends import model_states, optimizer_step
 from memcalc.sizing.timeline.fsdp import OUTPUT, Fsdp, expert_dim1, torchtitan_block
-from memcalc.sizing.timeline.tape import ACTIVATIONS, PARAMETERS, TEMPORARIES, Sizes, Tape, Timeline, prod
+from memcalc.sizing.timeline.tape import ACTIVATIONS, PARAMETERS, TEMPORARIES, Sizes, Tape, Timeline
 from memcalc.sizing.timeline.torch_ops import WHY_WGRAD, linear, module_returns, swiglu_ops, tied_sum
 from memcalc.sizing.timeline.torchtitan_moe import moe_ops
 from memcalc.sizing.timeline.walk import Checkpoint, Made, Op, Step, Walk, kept, kept_name, kept_names
-from memcalc.sizing.totals import end_sizes
+from memcalc.sizing.totals import end_bytes
 
 
 def torchtitan_timeline(config: ModelConfig, strategy: Strategy, accounting: Accounting) -> Timeline:
@@ -270,9 +270,7 @@ def _keep_grad(tape: Tape, fsdp: Fsdp):
 def _end_bytes(config: ModelConfig, strategy: Strategy, accounting: Accounting) -> dict[str, int]:
     """The bytes of what the model's ends keep on this rank: the final norm's (named in
     memcalc.model.impls.torchtitan as the block's norms are) and lm_head's input."""
-    sizes = end_sizes(config, strategy)
-    out = {x.name: element_bytes(x.kind, config, accounting) * prod(rank_shape(x, strategy, sizes, config.t))
-           for x in rules.norm_block(rules.FINAL_NORM, accounting)}
+    out = {x.name: end_bytes(x, config, strategy, accounting) for x in rules.norm_block(rules.FINAL_NORM, accounting)}
     # lm_head keeps its input all-gathered along s (its plan declares it Replicate), as the blocks' linears do
     return out | {ledger.OUTPUT_INPUT.name: DTYPE_BYTES[config.dtype] * config.b * config.s * config.h}
 
