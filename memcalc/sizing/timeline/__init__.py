@@ -45,7 +45,6 @@ def timeline(
         return hf_timeline(config, strategy, accounting)
     if config.impl == "torchtitan":  # torchtitan's Llama3Model, described as ops for the generic walk
         if config.pp > 1:  # one stage of its pipeline, torch's Schedule1F1B
-            _refuse_walking_every_microbatch(config)
             return pipeline_timeline(config, strategy, accounting, stage)
         return torchtitan_timeline(config, strategy, accounting)
     missing = megatron_moe.unmodelled(config, Sizes.of(config, strategy)) if config.moe else None
@@ -180,11 +179,13 @@ MAX_WALKED_EXPERTS = 2**15
 
 
 def _refuse_other_layers(config: ModelConfig) -> None:
-    """ConfigError for layers no walk models yet, whichever library runs them, or more than it walks."""
+    """ConfigError for layers no walk models yet, whichever library runs them, or more than it walks (torchtitan's
+    pipeline walks each micro-batch's layers)."""
     per_stage = -(-config.L // config.pp)
+    walked = (f"the step timeline walks a stage's layers one by one, at most {MAX_WALKED_LAYERS}: L/pp ="
+              f" {config.L}/{config.pp} is {per_stage}")
     if per_stage > MAX_WALKED_LAYERS:
-        raise ConfigError(f"the step timeline walks a stage's layers one by one, at most {MAX_WALKED_LAYERS}:"
-                          f" L/pp = {config.L}/{config.pp} is {per_stage}")
+        raise ConfigError(walked)
     local = config.num_experts // config.ep if config.moe else 0
     if per_stage * local > MAX_WALKED_EXPERTS:
         raise ConfigError(f"the step timeline walks each layer's local experts one by one, at most"
@@ -193,6 +194,10 @@ def _refuse_other_layers(config: ModelConfig) -> None:
         raise ConfigError(f"the step timeline models latent attention (kv_lora_rank) as megatron-core's"
                           f" MLASelfAttention (impl megatron) and transformers' DeepseekV3Attention (impl hf), not"
                           f" impl {config.impl}")
+    m = torchtitan_microbatches(config) if config.impl == "torchtitan" and config.pp > 1 else 1
+    if per_stage * m > MAX_WALKED_LAYERS:
+        raise ConfigError(f"{walked}, times {m} micro-batches (torchtitan's pipeline is walked micro-batch by"
+                          f" micro-batch) {per_stage * m}")
 
 
 def _check_modelled(config: ModelConfig, kept: tuple[SavedTensor, ...], ops: tuple[Op, ...]) -> None:
@@ -210,11 +215,3 @@ def _check_modelled(config: ModelConfig, kept: tuple[SavedTensor, ...], ops: tup
         if absent:
             raise ConfigError(f"the step timeline does not model {what} yet")
 
-
-def _refuse_walking_every_microbatch(config: ModelConfig) -> None:
-    """ConfigError past the walk's limit where torchtitan's pipeline walks each micro-batch's layers."""
-    per_stage, m = -(-config.L // config.pp), torchtitan_microbatches(config)
-    if per_stage * m > MAX_WALKED_LAYERS:
-        raise ConfigError(f"the step timeline walks a stage's layers one by one, at most {MAX_WALKED_LAYERS}: L/pp ="
-                          f" {config.L}/{config.pp} is {per_stage}, times {m} micro-batches (torchtitan's pipeline is"
-                          f" walked micro-batch by micro-batch) {per_stage * m}")
