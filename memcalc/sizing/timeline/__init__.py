@@ -142,17 +142,11 @@ class _Kind:
         """The layer keeping the ledger's `tensors`; `rerun`: what it keeps without recomputation (None: no
         recomputation)."""
         host = megatron_mla.host_scalars(config, z, accounting) if config.mla else ()  # beside the ledger's, on the CPU
-        kept = (*(x.tensor for x in tensors), *host)
-        saved = {x.tensor.name: x.bytes for x in tensors} | {x.name: 4 for x in host}
-        if config.moe:  # each expert's own storages as pieces of the ledger's rows
-            kept, saved = megatron_moe.pieces(config, z, kept, saved)
-        again, sizes = kept, saved
-        if rerun is not None:  # what the layer keeps without recomputation, made again in backward
-            again, sizes = tuple(x.tensor for x in rerun), {x.tensor.name: x.bytes for x in rerun}
-            if config.moe:
-                again, sizes = megatron_moe.pieces(config, z, again, sizes)
+        kept, saved = _rows(config, z, tensors, host)
+        # what the layer keeps without recomputation, made again in backward
         host_again = megatron_mla.rerun_host_scalars(config, z, accounting) if config.mla else ()
-        again, sizes = (*again, *host_again), sizes | {x.name: 4 for x in host_again} | saved
+        again, sizes = _rows(config, z, rerun, host_again) if rerun is not None else (kept, saved)
+        sizes = sizes | saved
         ops = layer_ops(config, z, kept, again, sizes)
         _check_modelled(config, (*kept, *again), ops)
         return cls(config, kept, saved, sizes, ops)
@@ -161,6 +155,16 @@ class _Kind:
     def folded(self) -> tuple[str, ...]:
         """What the walk sums after the layer's forward: its input first, then what it made."""
         return (INPUT, *(x.name for x in self.kept if x.name not in (INPUT, ledger.LAYER_INPUT.name)))
+
+
+
+def _rows(config: ModelConfig, z: Sizes, tensors: tuple[TensorBytes, ...], host: tuple[SavedTensor, ...]
+          ) -> tuple[tuple[SavedTensor, ...], dict[str, int]]:
+    """The ledger's `tensors` and the `host` scalars beside them (4 bytes each), with each expert's own storages as
+    pieces of the ledger's rows; and every tensor's bytes by name."""
+    kept = (*(x.tensor for x in tensors), *host)
+    saved = {x.tensor.name: x.bytes for x in tensors} | {x.name: 4 for x in host}
+    return megatron_moe.pieces(config, z, kept, saved) if config.moe else (kept, saved)
 
 
 def timelines(config: ModelConfig, strategy: Strategy, accounting: Accounting = Accounting(exact=True)
