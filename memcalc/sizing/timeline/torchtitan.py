@@ -262,7 +262,7 @@ def _keep_grad(tape: Tape, fsdp: Fsdp):
     """Under FSDP2 a weight's bf16 gradient is the unsharded parameter's .grad, kept to its unit's reduce-scatter; a
     module of several parameters (GroupedExperts) hands each over under its parameter's name (GROUPED_WEIGHTS)."""
     def keep(where: str, name: str, nbytes: int) -> None:
-        param = where if fsdp.holds(where) else f"{where}.{name.rsplit('/', 1)[1]}"
+        param = where if fsdp.unit_of(where) else f"{where}.{name.rsplit('/', 1)[1]}"
         tape.rename(name, f"fsdp/{fsdp.unit_of(param)} grad {param}")
     return keep
 
