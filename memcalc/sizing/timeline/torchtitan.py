@@ -455,6 +455,8 @@ def block_ops(i: int, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     ffn_dx, ffn_stream = (gmid, gout) if fp32 else (f"grad/{p}/ffn_norm dx", "")
     attention = (*attention_ops(p, z, mid, gmid, gx, h, q, kv),
                  *(() if fp32 else (residual("ffn_norm", ffn_dx, gout, gmid, h, z.cuda),)))
+    # ffn_norm's dY where its output is gathered (the gather's backward's output), and the gather's own dX
+    dy, dx = f"grad/{p}/ffn_norm dy", f"grad/{p}/ffn_norm out"
     if config.is_moe_layer(i):
         shared = bool(config.moe_shared_expert_intermediate_size)
         # the MoE's input: the norm's output, under SP at ep = 1 gathered at the MoE's entry (kept by the shared
@@ -463,21 +465,15 @@ def block_ops(i: int, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
         gathered = z.t > 1 and config.ep == 1
         if not gathered:
             moe_in = Made(f"{p}/ffn_norm out", h, "bf16, the MoE's input") if z.sp else moe_in
-        return (
-            *attention,
-            norm("ffn_norm", z, rules.LN2, p, Made(f"{p}/ffn_norm out", h, "bf16") if z.sp else moe_in,
-                 f"grad/{p}/ffn_norm dy" if gathered else f"grad/{p}/ffn_norm out", ffn_dx, mid, stream=ffn_stream),
-            *(gather("moe", z, p, moe_in, f"grad/{p}/ffn_norm out", f"grad/{p}/ffn_norm dy") if gathered else ()),
-            *moe_ops(p, z, config, moe_in.name, shared_experts_ops(p, z, config) if shared else (), reduce_scatter),
-            _second_residual(x, mid, out, f"{p}/ffn out", h, _keeps_input(z)),
-        )
-    return (
-        *attention,
-        norm("ffn_norm", z, rules.LN2, p, _norm_out(z, p, "ffn_norm", rules.FC1_IN),
-             f"grad/{p}/ffn_norm dy" if z.t > 1 else f"grad/{p}/ffn_norm out", ffn_dx, mid, stream=ffn_stream),
-        *gather("feed_forward", z, p, kept(p, rules.FC1_IN), f"grad/{p}/ffn_norm out", f"grad/{p}/ffn_norm dy"),
-        *feed_forward_ops(p, z, x, mid, out, h),
-    )
+        normed = Made(f"{p}/ffn_norm out", h, "bf16") if z.sp else moe_in
+        ffn = (*(gather("moe", z, p, moe_in, dx, dy) if gathered else ()),
+               *moe_ops(p, z, config, moe_in.name, shared_experts_ops(p, z, config) if shared else (), reduce_scatter),
+               _second_residual(x, mid, out, f"{p}/ffn out", h, _keeps_input(z)))
+    else:
+        gathered, normed = z.t > 1, _norm_out(z, p, "ffn_norm", rules.FC1_IN)
+        ffn = (*gather("feed_forward", z, p, kept(p, rules.FC1_IN), dx, dy), *feed_forward_ops(p, z, x, mid, out, h))
+    return (*attention, norm("ffn_norm", z, rules.LN2, p, normed, dy if gathered else dx, ffn_dx, mid,
+                             stream=ffn_stream), *ffn)
 
 
 def _norm_out(z: Sizes, p: str, norm: str, kept_input: SavedTensor) -> Made:
