@@ -506,7 +506,8 @@ def pre_norm(where: str, z: Sizes, tensors: rules.RMSNormTensors, p: str, out: M
         return (norm(where, z, tensors, p, out, grad, into, x, stream=stream),)
     dx = f"grad/{p}/{where} dx"
     summed = Step("the residual stream's gradients summed", (Made(
-        into, z.seq(z.h), "the residual stream's gradient: both paths' summed"),), frees=(dx, stream), moment=not z.cuda)
+        into, z.seq(z.h), "the residual stream's gradient: both paths' summed"),), frees=(dx, stream),
+        moment=not z.cuda)
     return (Op(where, forward=(), backward=(summed,)), norm(where, z, tensors, p, out, grad, dx, x))
 
 
