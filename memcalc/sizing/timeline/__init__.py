@@ -218,4 +218,3 @@ def _check_modelled(config: ModelConfig, kept: tuple[SavedTensor, ...], ops: tup
     for absent, what in missing:
         if absent:
             raise ConfigError(f"the step timeline does not model {what} yet")
-
