@@ -206,15 +206,14 @@ def _refuse_other_layers(config: ModelConfig) -> None:
 
 def _check_modelled(config: ModelConfig, kept: tuple[SavedTensor, ...], ops: tuple[Op, ...]) -> None:
     """ConfigError naming the first thing this timeline does not model yet."""
+    known = {x.name for op in ops for x in op.saves}  # what the layer's ops free: the tensors the walk knows
+    unknown = dict.fromkeys(x.name for x in kept if x.name not in known)
     missing = [
         # the paper's layer is Megatron's with the fused softmax at every size: the same walk, its own tensors
         (config.impl not in ("megatron", "paper"), f"impl {config.impl} (the timeline follows Megatron's layer)"),
         (config.cp != 1, f"cp={config.cp}"),
+        (bool(unknown), f"a layer that keeps {', '.join(unknown)}"),
     ]
-    known = {x.name for op in ops for x in op.saves}  # what the layer's ops free: the tensors the walk knows
-    unknown = dict.fromkeys(x.name for x in kept if x.name not in known)
-    if unknown:
-        missing.append((True, f"a layer that keeps {', '.join(unknown)}"))
     for absent, what in missing:
         if absent:
             raise ConfigError(f"the step timeline does not model {what} yet")
