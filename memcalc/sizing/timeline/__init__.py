@@ -45,7 +45,6 @@ def timeline(
         return hf_timeline(config, strategy, accounting)
     if config.impl == "torchtitan":  # torchtitan's Llama3Model, described as ops for the generic walk
         if config.pp > 1:  # one stage of its pipeline, torch's Schedule1F1B
-            _refuse_walking_every_microbatch(config)
             return pipeline_timeline(config, strategy, accounting, stage)
         return torchtitan_timeline(config, strategy, accounting)
     missing = megatron_moe.unmodelled(config, Sizes.of(config, strategy)) if config.moe else None
@@ -143,17 +142,11 @@ class _Kind:
         """The layer keeping the ledger's `tensors`; `rerun`: what it keeps without recomputation (None: no
         recomputation)."""
         host = megatron_mla.host_scalars(config, z, accounting) if config.mla else ()  # beside the ledger's, on the CPU
-        kept = (*(x.tensor for x in tensors), *host)
-        saved = {x.tensor.name: x.bytes for x in tensors} | {x.name: 4 for x in host}
-        if config.moe:  # each expert's own storages as pieces of the ledger's rows
-            kept, saved = megatron_moe.pieces(config, z, kept, saved)
-        again, sizes = kept, saved
-        if rerun is not None:  # what the layer keeps without recomputation, made again in backward
-            again, sizes = tuple(x.tensor for x in rerun), {x.tensor.name: x.bytes for x in rerun}
-            if config.moe:
-                again, sizes = megatron_moe.pieces(config, z, again, sizes)
+        kept, saved = _rows(config, z, tensors, host)
+        # what the layer keeps without recomputation, made again in backward
         host_again = megatron_mla.rerun_host_scalars(config, z, accounting) if config.mla else ()
-        again, sizes = (*again, *host_again), sizes | {x.name: 4 for x in host_again} | saved
+        again, sizes = _rows(config, z, rerun, host_again) if rerun is not None else (kept, saved)
+        sizes = sizes | saved
         ops = layer_ops(config, z, kept, again, sizes)
         _check_modelled(config, (*kept, *again), ops)
         return cls(config, kept, saved, sizes, ops)
@@ -162,6 +155,16 @@ class _Kind:
     def folded(self) -> tuple[str, ...]:
         """What the walk sums after the layer's forward: its input first, then what it made."""
         return (INPUT, *(x.name for x in self.kept if x.name not in (INPUT, ledger.LAYER_INPUT.name)))
+
+
+
+def _rows(config: ModelConfig, z: Sizes, tensors: tuple[TensorBytes, ...], host: tuple[SavedTensor, ...]
+          ) -> tuple[tuple[SavedTensor, ...], dict[str, int]]:
+    """The ledger's `tensors` and the `host` scalars beside them (4 bytes each), with each expert's own storages as
+    pieces of the ledger's rows; and every tensor's bytes by name."""
+    kept = (*(x.tensor for x in tensors), *host)
+    saved = {x.tensor.name: x.bytes for x in tensors} | {x.name: 4 for x in host}
+    return megatron_moe.pieces(config, z, kept, saved) if config.moe else (kept, saved)
 
 
 def timelines(config: ModelConfig, strategy: Strategy, accounting: Accounting = Accounting(exact=True)
@@ -180,11 +183,13 @@ MAX_WALKED_EXPERTS = 2**15
 
 
 def _refuse_other_layers(config: ModelConfig) -> None:
-    """ConfigError for layers no walk models yet, whichever library runs them, or more than it walks."""
+    """ConfigError for layers no walk models yet, whichever library runs them, or more than it walks (torchtitan's
+    pipeline walks each micro-batch's layers)."""
     per_stage = -(-config.L // config.pp)
+    walked = (f"the step timeline walks a stage's layers one by one, at most {MAX_WALKED_LAYERS}: L/pp ="
+              f" {config.L}/{config.pp} is {per_stage}")
     if per_stage > MAX_WALKED_LAYERS:
-        raise ConfigError(f"the step timeline walks a stage's layers one by one, at most {MAX_WALKED_LAYERS}:"
-                          f" L/pp = {config.L}/{config.pp} is {per_stage}")
+        raise ConfigError(walked)
     local = config.num_experts // config.ep if config.moe else 0
     if per_stage * local > MAX_WALKED_EXPERTS:
         raise ConfigError(f"the step timeline walks each layer's local experts one by one, at most"
@@ -193,28 +198,22 @@ def _refuse_other_layers(config: ModelConfig) -> None:
         raise ConfigError(f"the step timeline models latent attention (kv_lora_rank) as megatron-core's"
                           f" MLASelfAttention (impl megatron) and transformers' DeepseekV3Attention (impl hf), not"
                           f" impl {config.impl}")
+    m = torchtitan_microbatches(config) if config.impl == "torchtitan" and config.pp > 1 else 1
+    if per_stage * m > MAX_WALKED_LAYERS:
+        raise ConfigError(f"{walked}, times {m} micro-batches (torchtitan's pipeline is walked micro-batch by"
+                          f" micro-batch) {per_stage * m}")
 
 
 def _check_modelled(config: ModelConfig, kept: tuple[SavedTensor, ...], ops: tuple[Op, ...]) -> None:
     """ConfigError naming the first thing this timeline does not model yet."""
+    known = {x.name for op in ops for x in op.saves}  # what the layer's ops free: the tensors the walk knows
+    unknown = dict.fromkeys(x.name for x in kept if x.name not in known)
     missing = [
         # the paper's layer is Megatron's with the fused softmax at every size: the same walk, its own tensors
         (config.impl not in ("megatron", "paper"), f"impl {config.impl} (the timeline follows Megatron's layer)"),
         (config.cp != 1, f"cp={config.cp}"),
+        (bool(unknown), f"a layer that keeps {', '.join(unknown)}"),
     ]
-    known = {x.name for op in ops for x in op.saves}  # what the layer's ops free: the tensors the walk knows
-    unknown = dict.fromkeys(x.name for x in kept if x.name not in known)
-    if unknown:
-        missing.append((True, f"a layer that keeps {', '.join(unknown)}"))
     for absent, what in missing:
         if absent:
             raise ConfigError(f"the step timeline does not model {what} yet")
-
-
-def _refuse_walking_every_microbatch(config: ModelConfig) -> None:
-    """ConfigError past the walk's limit where torchtitan's pipeline walks each micro-batch's layers."""
-    per_stage, m = -(-config.L // config.pp), torchtitan_microbatches(config)
-    if per_stage * m > MAX_WALKED_LAYERS:
-        raise ConfigError(f"the step timeline walks a stage's layers one by one, at most {MAX_WALKED_LAYERS}: L/pp ="
-                          f" {config.L}/{config.pp} is {per_stage}, times {m} micro-batches (torchtitan's pipeline is"
-                          f" walked micro-batch by micro-batch) {per_stage * m}")

@@ -4,18 +4,17 @@ from __future__ import annotations
 
 from memcalc.config.schema import ModelConfig
 from memcalc.model import ledger
-from memcalc.model.evaluate import rank_shape
-from memcalc.model.knobs import Accounting, element_bytes
+from memcalc.model.knobs import Accounting
 from memcalc.model.ledger import Dim, Kind, Region, SavedTensor
 from memcalc.model.strategy import Strategy
 from memcalc.sizing.pipeline import Stage
 from memcalc.sizing.states import ROUTER_BUFFERS_WHY, group_params, router_buffer_bytes, state_bytes
 from memcalc.sizing.timeline.megatron import INPUT, INPUT_GRAD, OUTPUT_GRAD, column_parallel
 from memcalc.sizing.timeline.megatron_pieces import norm_kernel
-from memcalc.sizing.timeline.tape import ACTIVATIONS, GRADIENTS, OPTIMIZER, PARAMETERS, Sizes, Tape, prod
+from memcalc.sizing.timeline.tape import ACTIVATIONS, GRADIENTS, OPTIMIZER, PARAMETERS, Sizes, Tape
 from memcalc.sizing.timeline.torch_ops import tied_sum
 from memcalc.sizing.timeline.walk import Made, Op, Step, kept
-from memcalc.sizing.totals import end_sizes, end_tensors
+from memcalc.sizing.totals import end_bytes, end_tensors
 
 # -- tensors the model's ends keep that the ledger's END_TENSORS does not list ----------------------
 
@@ -72,12 +71,10 @@ class Ends:
         self.z, self.stage = z, stage
         # With pp > 1 the last stage's output layer holds its own copy of a tied embedding: untied in backward.
         self.tied = config.tie_embeddings and stage.has_embedding and stage.has_output
-        sizes = end_sizes(config, strategy)
         extra = (*((VOCAB_MASK,) if z.t > 1 else ()), *((POSITION_IDS,) if z.positions else ()),
                  TARGET_MASK, MASKED_TARGET)
         kept = (*end_tensors(config, accounting, "first"), *end_tensors(config, accounting, "last"), *extra)
-        self.saved = {x.name: element_bytes(x.kind, config, accounting) * prod(rank_shape(x, strategy, sizes, config.t))
-                      for x in kept}
+        self.saved = {x.name: end_bytes(x, config, strategy, accounting) for x in kept}
         labels = (Made("batch/labels", z.tokens(8), "the micro-batch's labels (int64), live for the whole step"),
                   ) if stage.has_output else ()  # only the stage that computes the loss loads them
         received = Made(INPUT, z.seq(z.h), "the previous stage's output, received (p2p) as this stage's input; the"

@@ -196,13 +196,9 @@ class Fsdp:
         return cls(config.dp_shard or 1, DTYPE_BYTES[config.dtype], DTYPE_BYTES[config.reduce_dtype], units,
                    accumulate=True, partial=norms, replicas=config.dp_replicate or 1, dim1=dim1)
 
-    def holds(self, module: str) -> bool:
-        """Whether some unit has a parameter of `module` (named by the module's path)."""
-        return any(m == module for u in self.units for m, _ in u.params)
-
-    def unit_of(self, module: str) -> str:
-        """The unit that holds the parameter of `module`."""
-        return next(u.name for u in self.units if any(m == module for m, _ in u.params))
+    def unit_of(self, module: str) -> str | None:
+        """The unit that holds the parameter of `module` (named by the module's path); None if no unit does."""
+        return next((u.name for u in self.units if any(m == module for m, _ in u.params)), None)
 
     @classmethod
     def of(cls, config: ModelConfig, t: int) -> Fsdp:

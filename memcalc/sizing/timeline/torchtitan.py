@@ -14,20 +14,20 @@ from typing import Callable
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError
 from memcalc.model import ledger
-from memcalc.model.evaluate import estimate, rank_shape
+from memcalc.model.evaluate import estimate
 from memcalc.model.impls import torchtitan as rules
-from memcalc.model.knobs import DTYPE_BYTES, Accounting, element_bytes
+from memcalc.model.knobs import DTYPE_BYTES, Accounting
 from memcalc.model.ledger import SavedTensor
 from memcalc.model.strategy import Strategy
 from memcalc.sizing.pipeline import Stage, pipeline_stages, stage_named, torchtitan_microbatches
 from memcalc.sizing.states import moe_layers_held
 from memcalc.sizing.timeline.ends import model_states, optimizer_step
 from memcalc.sizing.timeline.fsdp import OUTPUT, Fsdp, expert_dim1, torchtitan_block
-from memcalc.sizing.timeline.tape import ACTIVATIONS, PARAMETERS, TEMPORARIES, Sizes, Tape, Timeline, prod
+from memcalc.sizing.timeline.tape import ACTIVATIONS, PARAMETERS, TEMPORARIES, Sizes, Tape, Timeline
 from memcalc.sizing.timeline.torch_ops import WHY_WGRAD, linear, module_returns, swiglu_ops, tied_sum
 from memcalc.sizing.timeline.torchtitan_moe import moe_ops
 from memcalc.sizing.timeline.walk import Checkpoint, Made, Op, Step, Walk, kept, kept_name, kept_names
-from memcalc.sizing.totals import end_sizes
+from memcalc.sizing.totals import end_bytes
 
 
 def torchtitan_timeline(config: ModelConfig, strategy: Strategy, accounting: Accounting) -> Timeline:
@@ -262,7 +262,7 @@ def _keep_grad(tape: Tape, fsdp: Fsdp):
     """Under FSDP2 a weight's bf16 gradient is the unsharded parameter's .grad, kept to its unit's reduce-scatter; a
     module of several parameters (GroupedExperts) hands each over under its parameter's name (GROUPED_WEIGHTS)."""
     def keep(where: str, name: str, nbytes: int) -> None:
-        param = where if fsdp.holds(where) else f"{where}.{name.rsplit('/', 1)[1]}"
+        param = where if fsdp.unit_of(where) else f"{where}.{name.rsplit('/', 1)[1]}"
         tape.rename(name, f"fsdp/{fsdp.unit_of(param)} grad {param}")
     return keep
 
@@ -270,9 +270,7 @@ def _keep_grad(tape: Tape, fsdp: Fsdp):
 def _end_bytes(config: ModelConfig, strategy: Strategy, accounting: Accounting) -> dict[str, int]:
     """The bytes of what the model's ends keep on this rank: the final norm's (named in
     memcalc.model.impls.torchtitan as the block's norms are) and lm_head's input."""
-    sizes = end_sizes(config, strategy)
-    out = {x.name: element_bytes(x.kind, config, accounting) * prod(rank_shape(x, strategy, sizes, config.t))
-           for x in rules.norm_block(rules.FINAL_NORM, accounting)}
+    out = {x.name: end_bytes(x, config, strategy, accounting) for x in rules.norm_block(rules.FINAL_NORM, accounting)}
     # lm_head keeps its input all-gathered along s (its plan declares it Replicate), as the blocks' linears do
     return out | {ledger.OUTPUT_INPUT.name: DTYPE_BYTES[config.dtype] * config.b * config.s * config.h}
 
@@ -453,10 +451,9 @@ def block_ops(i: int, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
     x, out, mid = f"{p}/input", f"layers.{i + 1}/input", kept_name(p, kept_mid) if kept_mid else f"{p}/mid"
     gx, gout, gmid = f"grad/{p}/input", f"grad/layers.{i + 1}/input", f"grad/{p}/mid"
     h, q, kv = z.seq(z.h), z.tokens(z.act * z.a_t * z.d), z.tokens(z.act * z.g_t * z.d)
-    fp32 = _into_stream(z)
-    ffn_dx, ffn_stream = (gmid, gout) if fp32 else (f"grad/{p}/ffn_norm dx", "")
-    attention = (*attention_ops(p, z, mid, gmid, gx, h, q, kv),
-                 *(() if fp32 else (residual("ffn_norm", ffn_dx, gout, gmid, h, z.cuda),)))
+    attention = attention_ops(p, z, mid, gmid, gx, h, q, kv)
+    # ffn_norm's dY where its output is gathered (the gather's backward's output), and the gather's own dX
+    dy, dx = f"grad/{p}/ffn_norm dy", f"grad/{p}/ffn_norm out"
     if config.is_moe_layer(i):
         shared = bool(config.moe_shared_expert_intermediate_size)
         # the MoE's input: the norm's output, under SP at ep = 1 gathered at the MoE's entry (kept by the shared
@@ -465,21 +462,14 @@ def block_ops(i: int, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
         gathered = z.t > 1 and config.ep == 1
         if not gathered:
             moe_in = Made(f"{p}/ffn_norm out", h, "bf16, the MoE's input") if z.sp else moe_in
-        return (
-            *attention,
-            norm("ffn_norm", z, rules.LN2, p, Made(f"{p}/ffn_norm out", h, "bf16") if z.sp else moe_in,
-                 f"grad/{p}/ffn_norm dy" if gathered else f"grad/{p}/ffn_norm out", ffn_dx, mid, stream=ffn_stream),
-            *(gather("moe", z, p, moe_in, f"grad/{p}/ffn_norm out", f"grad/{p}/ffn_norm dy") if gathered else ()),
-            *moe_ops(p, z, config, moe_in.name, shared_experts_ops(p, z, config) if shared else (), reduce_scatter),
-            _second_residual(x, mid, out, f"{p}/ffn out", h, _keeps_input(z)),
-        )
-    return (
-        *attention,
-        norm("ffn_norm", z, rules.LN2, p, _norm_out(z, p, "ffn_norm", rules.FC1_IN),
-             f"grad/{p}/ffn_norm dy" if z.t > 1 else f"grad/{p}/ffn_norm out", ffn_dx, mid, stream=ffn_stream),
-        *gather("feed_forward", z, p, kept(p, rules.FC1_IN), f"grad/{p}/ffn_norm out", f"grad/{p}/ffn_norm dy"),
-        *feed_forward_ops(p, z, x, mid, out, h),
-    )
+        normed = Made(f"{p}/ffn_norm out", h, "bf16") if z.sp else moe_in
+        ffn = (*(gather("moe", z, p, moe_in, dx, dy) if gathered else ()),
+               *moe_ops(p, z, config, moe_in.name, shared_experts_ops(p, z, config) if shared else (), reduce_scatter),
+               _second_residual(x, mid, out, f"{p}/ffn out", h, _keeps_input(z)))
+    else:
+        gathered, normed = z.t > 1, _norm_out(z, p, "ffn_norm", rules.FC1_IN)
+        ffn = (*gather("feed_forward", z, p, kept(p, rules.FC1_IN), dx, dy), *feed_forward_ops(p, z, x, mid, out, h))
+    return (*attention, *pre_norm("ffn_norm", z, rules.LN2, p, normed, dy if gathered else dx, mid, gout, gmid), *ffn)
 
 
 def _norm_out(z: Sizes, p: str, norm: str, kept_input: SavedTensor) -> Made:
@@ -503,20 +493,22 @@ def _stream_after_attention(z: Sizes) -> SavedTensor | None:
     return rules.LN2.input_fp32 if z.act == 4 else None
 
 
-def _into_stream(z: Sizes) -> bool:
-    """Whether a block's norms add x's gradients into the residual stream's themselves (`norm`'s `stream`), with no
-    `residual` sum of their own: the CPU composite in fp32, whose input is the stream's tensor itself."""
-    return z.act == 4 and not z.cuda
-
-
-def residual(norm: str, dx: str, grad: str, out: str, h: int, in_place: bool = False) -> Op:
-    """In backward: the norm's dX and the residual stream's gradient summed, as soon as the norm's returns (autograd
-    does it inside the norm's window); listed before the norm, so it runs after it. The forward sum is the branch's
-    last op. `in_place`: autograd adds dX into the residual stream's gradient, which it holds alone (its input
-    buffer's in-place accumulation, after a fused norm's node as after native_layer_norm's; not after the CPU
-    composite's), making nothing."""
-    return Op(norm, forward=(), backward=(Step("the residual stream's gradients summed", (
-        Made(out, h, "the residual stream's gradient: both paths' summed"),), frees=(dx, grad), moment=not in_place),))
+def pre_norm(where: str, z: Sizes, tensors: rules.RMSNormTensors, p: str, out: Made, grad: str, x: str, stream: str,
+             into: str) -> tuple[Op, ...]:
+    """A block's norm on the residual stream `x` (`norm`), and in backward its dX and the residual stream's gradient
+    `stream` summed into `into` as soon as the norm's returns (autograd does it inside the norm's window): listed
+    before the norm, so it runs after it. The forward sum is the branch's last op. On CUDA autograd adds dX into the
+    residual stream's gradient, which it holds alone (its input buffer's in-place accumulation, after a fused norm's
+    node as after native_layer_norm's; not after the CPU composite's), making nothing. The CPU composite in fp32,
+    whose input is the stream's tensor itself, adds x's gradients into the stream's itself (`norm`'s `stream`), with
+    no sum of its own."""
+    if z.act == 4 and not z.cuda:
+        return (norm(where, z, tensors, p, out, grad, into, x, stream=stream),)
+    dx = f"grad/{p}/{where} dx"
+    summed = Step("the residual stream's gradients summed", (Made(
+        into, z.seq(z.h), "the residual stream's gradient: both paths' summed"),), frees=(dx, stream),
+        moment=not z.cuda)
+    return (Op(where, forward=(), backward=(summed,)), norm(where, z, tensors, p, out, grad, dx, x))
 
 
 def attention_ops(p: str, z: Sizes, mid: str, gmid: str, gx: str, h: int, q: int, kv: int) -> tuple[Op, ...]:
@@ -526,12 +518,10 @@ def attention_ops(p: str, z: Sizes, mid: str, gmid: str, gx: str, h: int, q: int
     full, dy = z.full(z.h), f"{g}/dY whole"  # wo's dY, all-gathered under SP
     wo_out = f"{p}/wo partial" if z.t > 1 else f"{p}/attention out"
     kernel = "flex attention" if z.cuda else "SDPA's flash kernel"
-    fp32, kept_mid = _into_stream(z), _stream_after_attention(z)
-    dx, stream = (gx, gmid) if fp32 else (f"grad/{p}/attention_norm dx", "")
+    kept_mid = _stream_after_attention(z)
     return (
-        *(() if fp32 else (residual("attention_norm", dx, gmid, gx, h, z.cuda),)),
-        norm("attention_norm", z, rules.LN1, p, _norm_out(z, p, "attention_norm", rules.QKV_IN),
-             f"grad/{p}/attention_norm dy" if z.t > 1 else f"grad/{p}/qkv dx", dx, f"{p}/input", stream=stream),
+        *pre_norm("attention_norm", z, rules.LN1, p, _norm_out(z, p, "attention_norm", rules.QKV_IN),
+                  f"grad/{p}/attention_norm dy" if z.t > 1 else f"grad/{p}/qkv dx", f"{p}/input", gmid, gx),
         *gather(a, z, p, kept(p, rules.QKV_IN), f"grad/{p}/qkv dx", f"grad/{p}/attention_norm dy"),
         linear(f"{a}.qkv_linear.wqkv", rules.QKV_IN,
                Made(kept_name(p, rules.QKV_OUT), qkv, "the fused projection's output"),

@@ -55,7 +55,7 @@ def walk_stage(parts: Parts, stage: Stage) -> None:
         for x in [x for x in tape.live if x not in before]:
             tape.rename(x, apart(j, x))
     run = _Schedule(parts, stage)
-    for forward, j in schedule(m, parts.config.pp, run.rank):
+    for forward, j in schedule(m, parts.config.pp, stage_rank(stage.name, parts.config.pp)):
         (run.forward if forward else run.backward)(j)
     run.end()
 
@@ -73,11 +73,6 @@ class _Schedule:
     walks: dict[int, list[Segment]] = field(default_factory=dict)  # micro-batch -> its walks, for its backward
     done: set[int] = field(default_factory=set)  # micro-batches whose backward ran
     latest: int = 0  # the micro-batch of the latest forward
-
-    @property
-    def rank(self) -> int:
-        """The stage's rank (its index in torchtitan_stages)."""
-        return stage_rank(self.stage.name, self.parts.config.pp)
 
     @property
     def layers(self) -> range:
