@@ -198,9 +198,11 @@ def widest(ops: tuple[Op, ...], moments: dict[str, str]) -> tuple[Op, ...]:
     only: the last step of each name in `moments` marks one, in that moment's words (a sparse block's,
     hf_moe.block_forward; the final norm's). The steps between two moments are one: what they free of older tensors
     goes first, what they make and do not free again is made at the moment, in its op (a MoE layer has thousands of
-    steps); backward is the ops' own."""
+    steps); backward is the ops' own. A name no step has is an error: its moment would go unmarked."""
     last = {step.what: (i, j) for i, op in enumerate(ops) for j, step in enumerate(op.forward)}
-    marked = {last[what]: words for what, words in moments.items() if what in last}
+    if missing := moments.keys() - last.keys():
+        raise AssertionError(f"no step to mark the moment of: {', '.join(sorted(missing))}")
+    marked = {last[what]: words for what, words in moments.items()}
     forward: list[list[Step]] = [[] for _ in ops]
     made: dict[str, Made] = {}  # made since the last moment and live
     older: list[str] = []  # freed since the last moment, made before it

@@ -111,15 +111,27 @@ def block_forward(p: str, z: Sizes, config: ModelConfig, checkpointed: bool) -> 
            *(_shared_gated(p, z, out) if gated else _shared_summed(p, z, out) if shared else ()), done)
     if checkpointed:
         return ops
-    last = "the output times its routing weights" if bf16 else "cast to bf16: index_add_'s source"
-    return widest(ops, {
-        "the rows in slot order": "the weighted rows put back in slot order",  # grouped_mm's
-        "summed over each token's k slots": "the rows summed over each token's k slots",
-        "the sum cast to bf16": "the sum cast to bf16",
-        # the eager loop's: an earlier expert's hold fewer, each expert after it keeping 4 r_e h bytes, as much as
-        # Mixtral's fp32 product
-        last: "the last expert's weighted output" + ("" if bf16 else " cast to bf16"),
-        GATED_SUM: GATED_SUM, SHARED_SUM: SHARED_SUM})
+    summed = {GATED_SUM: GATED_SUM} if gated else {SHARED_SUM: SHARED_SUM} if shared else {}
+    return widest(ops, _widest_steps(config, bf16) | summed)
+
+
+# The experts' steps that mark the block's widest forward moments without a checkpoint (hf_layer.widest). grouped_mm's:
+SLOT_ORDER = "the rows in slot order"
+SLOTS_SUMMED = "summed over each token's k slots"
+SUM_CAST = "the sum cast to bf16"
+# the eager loop's last expert's (an earlier expert's hold fewer, each expert after it keeping 4 r_e h bytes, as much
+# as Mixtral's fp32 product)
+WEIGHTED = "the output times its routing weights"
+WEIGHTED_CAST = "cast to bf16: index_add_'s source"
+
+
+def _widest_steps(config: ModelConfig, bf16: bool) -> dict[str, str]:
+    """The titles of the experts' steps that mark the block's widest moments, each with its moment's words."""
+    if grouped(config):
+        return {SLOT_ORDER: "the weighted rows put back in slot order",
+                SLOTS_SUMMED: "the rows summed over each token's k slots", **({} if bf16 else {SUM_CAST: SUM_CAST})}
+    return {WEIGHTED: "the last expert's weighted output"} if bf16 else {
+        WEIGHTED_CAST: "the last expert's weighted output cast to bf16"}
 
 
 def _routing_weight(config: ModelConfig) -> SavedTensor:
@@ -188,10 +200,10 @@ def _grouped_experts_forward(p: str, z: Sizes, config: ModelConfig, out: str) ->
         Step("the rows times their routing weights", (Made(f"{m}/weighted", width * r * z.h, "in expert order"),)),
         Step("inv_perm[perm] = arange", (kept(p, rules.UNSORTED_SLOTS), Made(f"{m}/arange", 8 * r, "a temporary")),
              frees=(f"{m}/arange",)),
-        Step("the rows in slot order", (Made(f"{m}/slot order", width * r * z.h, "weighted_out[inv_perm]"),),
+        Step(SLOT_ORDER, (Made(f"{m}/slot order", width * r * z.h, "weighted_out[inv_perm]"),),
              frees=(f"{m}/weighted",)),
-        Step("summed over each token's k slots", (Made(summed, width * tokens * z.h, "view(b*s, k, h).sum(1)"),)),
-        *(() if bf16 else (Step("the sum cast to bf16", (Made(out, z.full(z.h), "the experts' output"),)),)),
+        Step(SLOTS_SUMMED, (Made(summed, width * tokens * z.h, "view(b*s, k, h).sum(1)"),)),
+        *(() if bf16 else (Step(SUM_CAST, (Made(out, z.full(z.h), "the experts' output"),)),)),
         Step("", frees=(f"{m}/sorted expert ids", f"{m}/histc input", f"{m}/tokens per expert", f"{m}/slot order",
                         f"{m}/summed fp32"), reads_last=held),
     ), ())
@@ -222,7 +234,7 @@ def _loop_experts_forward(p: str, z: Sizes, config: ModelConfig, out: str) -> tu
         before, weighted = held(e - 1)  # the previous expert's, let go as this one's rebind them
         product = (kept(p, mine[rules.COMBINE_IN.name]) if bf16 else
                    Made(f"{m}/weighted fp32 {e}", 4 * _slots(config) * z.h, "fp32: the loop's variable holds it"))
-        cast = () if bf16 else (Step("cast to bf16: index_add_'s source", (kept(p, mine[rules.COMBINE_IN.name]),)),
+        cast = () if bf16 else (Step(WEIGHTED_CAST, (kept(p, mine[rules.COMBINE_IN.name]),)),
                                 Step("index_add_", reads_last=(name[rules.COMBINE_IN],)))
         return (
             Op("mlp.experts", (
@@ -239,7 +251,7 @@ def _loop_experts_forward(p: str, z: Sizes, config: ModelConfig, out: str) -> tu
                 Step("down_proj's GEMM", (kept(p, mine[rules.EXPERT_OUT.name]),),
                      reads_last=(name[ledger.EXPERT_FC2_IN],)),
                 Step("its routing weights", (kept(p, mine[weight.name]),)),
-                Step("the output times its routing weights", (product,),
+                Step(WEIGHTED, (product,),
                      reads_last=(name[weight], name[rules.EXPERT_OUT])),
                 *cast,
             ), ()),
