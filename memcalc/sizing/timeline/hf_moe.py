@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 from memcalc.config.schema import ModelConfig
 from memcalc.model import ledger
@@ -96,10 +97,46 @@ def block_forward(p: str, z: Sizes, config: ModelConfig, checkpointed: bool) -> 
     Qwen2-MoE's shared expert first, the router, the experts (their locals live to their return), then Qwen2-MoE's
     shared expert's gate or DeepSeek-V3's shared experts, summed with the experts' output; the block's locals (the
     router's outputs, its input) live to its return. Without a checkpoint the layer's one forward moment walks the same
-    ops, only the widest marking moments (hf_layer.widest); DeepSeek-V3's, never walked op by op (latent attention
+    ops, only the widest marking moments (`_widest_forward`); DeepSeek-V3's, never walked op by op (latent attention
     refuses a checkpoint), takes the softmax router's steps, of which its moments hold what it holds too (the logits,
     its GEMM's fp32, and the top-k weights); gpt-oss's experts are hf_gpt_oss's."""
-    m, shared, bf16 = f"{p}/moe", bool(config.moe_shared_expert_intermediate_size), _bf16(config)
+    if checkpointed or rules.is_gpt_oss(config):
+        return _block_ops(p, z, config)
+    return _in_layer(p, _widest_forward(z, config))
+
+
+_ANY_LAYER = "<layer>"  # the prefix `_widest_forward` walks the block at, each layer's in its place
+
+
+@functools.lru_cache(maxsize=2)
+def _widest_forward(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
+    """The block's ops as a layer's forward without a checkpoint walks them (hf_layer.widest), condensed once for
+    every layer (the eager loop's thousands of steps a layer took a third of the walk's time): its kept tensors left
+    for each layer's walk to name, its locals for `_in_layer`."""
+    ops = widest(_block_ops(_ANY_LAYER, z, config), _widest_steps(config))
+
+    def unnamed(x: Made) -> Made:  # the walk names a kept tensor without a name by its prefix, as this one is named
+        return replace(x, name="") if x.keeps is not None and x.name == kept_name(_ANY_LAYER, x.keeps) else x
+    return _renamed(ops, unnamed, lambda name: name)
+
+
+def _in_layer(p: str, ops: tuple[Op, ...]) -> tuple[Op, ...]:
+    """`_widest_forward`'s ops with layer p's names."""
+    return _renamed(ops, lambda x: replace(x, name=x.name.replace(_ANY_LAYER, p)) if x.name else x,
+                    lambda name: name.replace(_ANY_LAYER, p))
+
+
+def _renamed(ops: tuple[Op, ...], made: Callable[[Made], Made], freed: Callable[[str], str]) -> tuple[Op, ...]:
+    """The ops with what each forward step makes passed through `made`, the names it frees through `freed` (the
+    steps hf_layer.widest leaves make and free only)."""
+    def step(x: Step) -> Step:
+        return replace(x, makes=tuple(map(made, x.makes)), frees=tuple(map(freed, x.frees)))
+    return tuple(replace(op, forward=tuple(map(step, op.forward))) if op.forward else op for op in ops)
+
+
+def _block_ops(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
+    """The block's forward op by op (`block_forward`'s), layer p's."""
+    m, shared = f"{p}/moe", bool(config.moe_shared_expert_intermediate_size)
     out = f"{m}/experts output" if shared else f"{p}/mlp output"
     done = Op("mlp", (Step("", frees=(f"{m}/router_logits", f"{m}/top_k_weights"),
                            reads_last=kept_names(p, ledger.ROUTER_TOPK_INDICES, ledger.MOE_IN)),), ())
@@ -107,12 +144,8 @@ def block_forward(p: str, z: Sizes, config: ModelConfig, checkpointed: bool) -> 
         return (oss.experts_forward(p, out, z, config, _router_logits(m, z, config)), done)
     experts = _grouped_experts_forward if grouped(config) else _loop_experts_forward
     gated = shared and not config.mla
-    ops = (*(_shared_forward(p) if gated else ()), _router_forward(p, z, config), *experts(p, z, config, out),
-           *(_shared_gated(p, z, out) if gated else _shared_summed(p, z, out) if shared else ()), done)
-    if checkpointed:
-        return ops
-    summed = {GATED_SUM: GATED_SUM} if gated else {SHARED_SUM: SHARED_SUM} if shared else {}
-    return widest(ops, _widest_steps(config, bf16) | summed)
+    return (*(_shared_forward(p) if gated else ()), _router_forward(p, z, config), *experts(p, z, config, out),
+            *(_shared_gated(p, z, out) if gated else _shared_summed(p, z, out) if shared else ()), done)
 
 
 # The experts' steps that mark the block's widest forward moments without a checkpoint (hf_layer.widest). grouped_mm's:
@@ -125,13 +158,17 @@ WEIGHTED = "the output times its routing weights"
 WEIGHTED_CAST = "cast to bf16: index_add_'s source"
 
 
-def _widest_steps(config: ModelConfig, bf16: bool) -> dict[str, str]:
-    """The titles of the experts' steps that mark the block's widest moments, each with its moment's words."""
+def _widest_steps(config: ModelConfig) -> dict[str, str]:
+    """The titles of the block's steps that mark its widest moments, each with its moment's words: the experts', and
+    the shared experts' sum with theirs."""
+    bf16, total = _bf16(config), SHARED_SUM if config.mla else GATED_SUM
+    summed = {total: total} if config.moe_shared_expert_intermediate_size else {}
     if grouped(config):
         return {SLOT_ORDER: "the weighted rows put back in slot order",
-                SLOTS_SUMMED: "the rows summed over each token's k slots", **({} if bf16 else {SUM_CAST: SUM_CAST})}
-    return {WEIGHTED: "the last expert's weighted output"} if bf16 else {
-        WEIGHTED_CAST: "the last expert's weighted output cast to bf16"}
+                SLOTS_SUMMED: "the rows summed over each token's k slots", **({} if bf16 else {SUM_CAST: SUM_CAST}),
+                **summed}
+    return {WEIGHTED if bf16 else WEIGHTED_CAST: "the last expert's weighted output" + ("" if bf16 else " cast to bf16"),
+            **summed}
 
 
 def _routing_weight(config: ModelConfig) -> SavedTensor:
