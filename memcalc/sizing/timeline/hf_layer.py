@@ -808,40 +808,37 @@ def mlp(p: str, z: Sizes, tp: bool, gated: tuple[SavedTensor, SavedTensor, Saved
     g, f = f"grad/{p}", z.f_t
     gate_in, up, act_out = gated
     w, full = z.act * f * z.h, z.full(z.h)
-    gate = linear("mlp.gate_proj", ledger.FC1_IN, kept(p, gate_in), w, f"{g}/gate_proj input", full, p, (f"{g}/gate",),
-                  reduced=tp)
-    silu = Op("mlp.act_fn", (Step("the activation", (kept(p, act_out),), reads_last=(kept_name(p, gate_in),)),), (
+    halves = kept_names(p, gate_in, up) if fused else ()  # one storage, gone as the MLP returns
+    activation = Step("the activation", (kept(p, act_out),), reads_last=() if fused else kept_names(p, gate_in))
+    silu = Op("mlp.activation_fn" if fused else "mlp.act_fn", (activation,), (
         Step("SiLU's backward, at its kept input", (Made(f"{g}/gate", z.full(f), "dSiLU"),), frees=(f"{g}/silu",),
              moment=False),), saves=(gate_in,))
     product = Op("mlp", (Step("act(gate) * up", (kept(p, ledger.FC2_IN),),
-                              reads_last=(kept_name(p, act_out), kept_name(p, up))),), (
+                              reads_last=kept_names(p, act_out, *(() if fused else (up,)))),), (
         Step("SiLU(gate) * up: its two gradients", (
         Made(f"{g}/up", z.full(f), "dY * SiLU(gate)"), Made(f"{g}/silu", z.full(f), "dY * up")),
         frees=(f"{g}/down_proj input",)),), saves=(up, act_out))
     down = replace(linear("mlp.down_proj", ledger.FC2_IN, None, w, f"{g}/down_proj input", z.full(f), p,
                           (dy,) if dy else ()),
                    forward=(Step("the GEMM", (Made(f"{p}/{made_as}", z.full(z.h), "down_proj's output"),),
-                                 reads_last=(kept_name(p, ledger.FC2_IN), kept_name(p, ledger.FC1_IN))),))
+                                 reads_last=(*kept_names(p, ledger.FC2_IN, ledger.FC1_IN), *halves)),))
     if fused:
         chunk = Op("mlp", (), (Step("chunk's backward: the two gradients concatenated", (
             Made(f"{g}/gate_up", z.full(2 * f), "(b, s, 2f), gate's and up's"),), frees=(f"{g}/gate", f"{g}/up"),
             moment=False),))
         gate_up = linear("mlp.gate_up_proj", ledger.FC1_IN, None, 2 * w, f"{g}/ln2 output", full, p, (f"{g}/gate_up",),
                          reduced=tp)
-        halves = tuple(kept_name(p, x) for x in (gate_in, up))  # one storage, gone as the MLP returns
         return (replace(gate_up, forward=(Step("the GEMM: gate and up, chunked", (kept(p, gate_in), kept(p, up))),)),
-                chunk, replace(silu, where="mlp.activation_fn", forward=(replace(silu.forward[0], reads_last=()),)),
-                replace(product, forward=(replace(product.forward[0], reads_last=(kept_name(p, act_out),)),)),
-                replace(down, forward=(replace(down.forward[0], reads_last=down.forward[0].reads_last + halves),)))
+                chunk, silu, product, down)
     residual, out = into
+    gate = linear("mlp.gate_proj", ledger.FC1_IN, kept(p, gate_in), w, f"{g}/gate_proj input", full, p, (f"{g}/gate",),
+                  reduced=tp)
     up_proj = linear("mlp.up_proj", ledger.FC1_IN, kept(p, up), w, f"{g}/up_proj input", full, p, (f"{g}/up",),
                      reduced=tp)
     if residual:
-        up_proj = replace(up_proj, backward=(*up_proj.backward, Step("autograd sums up_proj's input gradient into the"
-                                                                     " stream's", (Made(f"{g}/up + stream", full,
-                                                                                        "summed"),),
-                                                                     frees=(f"{g}/up_proj input", residual),
-                                                                     moment=False)))
+        into_stream = Step("autograd sums up_proj's input gradient into the stream's", (
+            Made(f"{g}/up + stream", full, "summed"),), frees=(f"{g}/up_proj input", residual), moment=False)
+        up_proj = replace(up_proj, backward=(*up_proj.backward, into_stream))
     summed = f"{g}/up + stream" if residual else f"{g}/up_proj input"
     return (
         replace(gate, backward=(*gate.backward, Step("autograd sums gate_proj's and up_proj's input gradients", (

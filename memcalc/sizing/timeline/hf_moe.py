@@ -167,8 +167,9 @@ def _widest_steps(config: ModelConfig) -> dict[str, str]:
         return {SLOT_ORDER: "the weighted rows put back in slot order",
                 SLOTS_SUMMED: "the rows summed over each token's k slots", **({} if bf16 else {SUM_CAST: SUM_CAST}),
                 **summed}
-    return {WEIGHTED if bf16 else WEIGHTED_CAST: "the last expert's weighted output" + ("" if bf16 else " cast to bf16"),
-            **summed}
+    last = {WEIGHTED: "the last expert's weighted output"} if bf16 else {
+        WEIGHTED_CAST: "the last expert's weighted output cast to bf16"}
+    return last | summed
 
 
 def _routing_weight(config: ModelConfig) -> SavedTensor:
