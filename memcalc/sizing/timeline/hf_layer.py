@@ -145,12 +145,8 @@ def _gemma_norm_forward(n: str, p: str, norm: RMSNormTensors, fp32: int, row: in
     saved). `fp32`: an fp32 copy's bytes, `row`: the statistics'; `upcast`: x.float(), in fp32 an alias of x, as
     weight.float() is the weight and type_as(x) the product."""
     channels = fp32 // row  # the channels each statistic covers: the weight's
-    if upcast.alias:
-        return (Step("x.float()", (upcast,)),
-                *_gemma_norm_forward(n, p, norm, fp32, row, kept(p, norm.input_fp32), output, gone)[1:6],
-                Step("1.0 + weight", (kept(p, norm.weight_plus_one),)),
-                Step("the product, in fp32: the norm's output", (output,), frees=gone,
-                     reads_last=(kept_name(p, norm.normed_fp32), kept_name(p, norm.weight_plus_one))))
+    alias = upcast.alias  # in fp32 weight.float() is the weight and type_as(x) the product: no steps
+    product = output if alias else Made(f"{n}/product fp32", fp32, "a local until the norm returns")
     return (
         Step("x.float()", (upcast,)),
         Step("pow(2)", (Made(f"{n}/pow", fp32, "x^2, a temporary"),)),
@@ -160,11 +156,12 @@ def _gemma_norm_forward(n: str, p: str, norm: RMSNormTensors, fp32: int, row: in
         Step("rsqrt", (kept(p, norm.rstd),), frees=(f"{n}/variance + eps",)),
         Step("x * rstd", (kept(p, norm.normed_fp32),),
              reads_last=(kept_name(p, norm.input_fp32), kept_name(p, norm.rstd))),
-        Step("weight.float()", (Made(f"{n}/weight fp32", 4 * channels, "the weight's (h,) fp32 copy, a temporary"),)),
-        Step("1.0 + weight", (kept(p, norm.weight_plus_one),), frees=(f"{n}/weight fp32",)),
-        Step("the product, in fp32", (Made(f"{n}/product fp32", fp32, "a local until the norm returns"),),
+        *(() if alias else (Step("weight.float()", (Made(f"{n}/weight fp32", 4 * channels, "the weight's (h,) fp32"
+                                                         " copy, a temporary"),)),)),
+        Step("1.0 + weight", (kept(p, norm.weight_plus_one),), frees=() if alias else (f"{n}/weight fp32",)),
+        Step("the product, in fp32" + (": the norm's output" if alias else ""), (product,), frees=gone if alias else (),
              reads_last=(kept_name(p, norm.normed_fp32), kept_name(p, norm.weight_plus_one))),
-        Step("type_as(x): the norm's output", (output,), frees=(f"{n}/product fp32", *gone)),
+        *(() if alias else (Step("type_as(x): the norm's output", (output,), frees=(f"{n}/product fp32", *gone)),)),
     )
 
 
