@@ -31,7 +31,8 @@ def rms_norm(where: str, p: str, norm: RMSNormTensors, z: Sizes, dy: str | None,
     the norm then keeps). GemmaRMSNorm (`norm.weight_plus_one`) and Olmo2RMSNorm (`norm.normed_fp32` alone: its weight
     times the fp32 x * r) multiply in fp32 and cast back last (`_gemma_weight`)."""
     width = width or z.h
-    g, fp32, row = _grad(p, where), z.tokens(4 * width), z.tokens(4 * heads)
+    # the gradients' name stem: "grad/layers.0/mlp.up_proj", at the model's end "grad/model.norm"
+    g, fp32, row = "/".join(x for x in ("grad", p, where) if x), z.tokens(4 * width), z.tokens(4 * heads)
     act = z.full(width)
     dx = out if residual is None else f"{g}/dx"
     walked = _gemma_norm_forward if norm.weight_plus_one else _norm_forward
@@ -843,8 +844,3 @@ def mlp(p: str, z: Sizes, tp: bool, gated: tuple[SavedTensor, SavedTensor, Saved
             moment=False))),
         silu, up_proj, product, down,
     )
-
-
-def _grad(p: str, where: str) -> str:
-    """The name stem of an op's gradients: "grad/layers.0/mlp.up_proj", "grad/model.norm" at the model's end."""
-    return "/".join(x for x in ("grad", p, where) if x)
