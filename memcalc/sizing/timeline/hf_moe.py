@@ -255,42 +255,38 @@ def _loop_experts_forward(p: str, z: Sizes, config: ModelConfig, out: str) -> tu
     (the last expert's to the return)."""
     m, tokens, k, experts, bf16 = f"{p}/moe", z.b * z.s, config.moe_router_topk, config.num_experts, _bf16(config)
     weight = _routing_weight(config)
-    names = [{x: kept_name(p, per_expert(e)[x.name]) for x in EXPERT_TENSORS} for e in range(experts)]
+    made = [{x: kept(p, per_expert(e)[x.name]) for x in EXPERT_TENSORS} for e in range(experts)]  # by ledger row
 
     def held(e: int) -> tuple[tuple[str, ...], Step]:
         """Expert e's kept tensors the loop's variables hold (pairs, rows, gate_up's two halves), and the step that
         lets its weighted output go: Qwen's is index_add_'s kept source, Mixtral's an fp32 local."""
         if e < 0:
             return (), Step("")
-        mine = names[e]
-        rows = (mine[rules.TOKEN_SLOTS], mine[ledger.EXPERT_IN], mine[ledger.EXPERT_GATE], mine[ledger.EXPERT_UP])
-        return rows, Step("", reads_last=(mine[rules.COMBINE_IN],)) if bf16 else Step("", frees=(
+        rows = tuple(made[e][x].name for x in (rules.TOKEN_SLOTS, ledger.EXPERT_IN, ledger.EXPERT_GATE,
+                                               ledger.EXPERT_UP))
+        return rows, Step("", reads_last=(made[e][rules.COMBINE_IN].name,)) if bf16 else Step("", frees=(
             f"{m}/weighted fp32 {e}",))
 
     def expert(e: int) -> tuple[Op, ...]:
-        mine, name = per_expert(e), names[e]
+        mine = made[e]
         before, weighted = held(e - 1)  # the previous expert's, let go as this one's rebind them
-        product = (kept(p, mine[rules.COMBINE_IN.name]) if bf16 else
-                   Made(f"{m}/weighted fp32 {e}", 4 * _slots(config) * z.h, "fp32: the loop's variable holds it"))
-        cast = () if bf16 else (Step(WEIGHTED_CAST, (kept(p, mine[rules.COMBINE_IN.name]),)),
-                                Step("index_add_", reads_last=(name[rules.COMBINE_IN],)))
+        product = mine[rules.COMBINE_IN] if bf16 else Made(f"{m}/weighted fp32 {e}", 4 * _slots(config) * z.h,
+                                                           "fp32: the loop's variable holds it")
+        cast = () if bf16 else (Step(WEIGHTED_CAST, (mine[rules.COMBINE_IN],)),
+                                Step("index_add_", reads_last=(mine[rules.COMBINE_IN].name,)))
         return (
             Op("mlp.experts", (
-                Step(f"expert {e}: its (token, slot) pairs", (kept(p, mine[rules.TOKEN_SLOTS.name]),),
-                     reads_last=before[:1]),
-                Step("its rows", (kept(p, mine[ledger.EXPERT_IN.name]),), reads_last=before[1:2]),
-                Step("gate_up's GEMM", (kept(p, mine[ledger.EXPERT_GATE.name]), kept(p, mine[ledger.EXPERT_UP.name])),
-                     reads_last=before[2:]),
+                Step(f"expert {e}: its (token, slot) pairs", (mine[rules.TOKEN_SLOTS],), reads_last=before[:1]),
+                Step("its rows", (mine[ledger.EXPERT_IN],), reads_last=before[1:2]),
+                Step("gate_up's GEMM", (mine[ledger.EXPERT_GATE], mine[ledger.EXPERT_UP]), reads_last=before[2:]),
             ), ()),
-            Op("mlp.experts.act_fn", (Step("SiLU", (kept(p, mine[ledger.EXPERT_SILU_OUT.name]),)),), ()),
+            Op("mlp.experts.act_fn", (Step("SiLU", (mine[ledger.EXPERT_SILU_OUT],)),), ()),
             Op("mlp.experts", (
-                Step("SiLU(gate) * up", (kept(p, mine[ledger.EXPERT_FC2_IN.name]),), frees=weighted.frees,
-                     reads_last=(name[ledger.EXPERT_SILU_OUT], *weighted.reads_last)),
-                Step("down_proj's GEMM", (kept(p, mine[rules.EXPERT_OUT.name]),),
-                     reads_last=(name[ledger.EXPERT_FC2_IN],)),
-                Step("its routing weights", (kept(p, mine[weight.name]),)),
-                Step(WEIGHTED, (product,),
-                     reads_last=(name[weight], name[rules.EXPERT_OUT])),
+                Step("SiLU(gate) * up", (mine[ledger.EXPERT_FC2_IN],), frees=weighted.frees,
+                     reads_last=(mine[ledger.EXPERT_SILU_OUT].name, *weighted.reads_last)),
+                Step("down_proj's GEMM", (mine[rules.EXPERT_OUT],), reads_last=(mine[ledger.EXPERT_FC2_IN].name,)),
+                Step("its routing weights", (mine[weight],)),
+                Step(WEIGHTED, (product,), reads_last=(mine[weight].name, mine[rules.EXPERT_OUT].name)),
                 *cast,
             ), ()),
         )
