@@ -103,34 +103,13 @@ def _summed_into_x(g: str, act: int, residual: str | None) -> tuple[tuple[Step, 
 
 def _norm_forward(n: str, p: str, norm: RMSNormTensors, fp32: int, row: int, upcast: Made, output: Made,
                   gone: tuple[str, ...]) -> tuple[Step, ...]:
-    """LlamaRMSNorm's forward op by op (the variance a local to the return). `fp32`: an fp32 copy's bytes, `row`: the
-    statistics'; `upcast`: x.to(float32), in fp32 an alias of x, as the cast back is of x * rstd. Olmo2RMSNorm
-    (`norm.normed_fp32`) keeps x * rstd in fp32 and casts back its weight's fp32 product (in fp32 the output)."""
+    """LlamaRMSNorm's forward op by op: the upcast, the variance (a local to the return), rsqrt, x * rstd. `fp32`: an
+    fp32 copy's bytes, `row`: the statistics'; `upcast`: x.to(float32), in fp32 an alias of x, as the cast back is of
+    x * rstd. Olmo2RMSNorm (`norm.normed_fp32`) keeps x * rstd in fp32 and casts back its weight's fp32 product (in
+    fp32 the output)."""
     read = (kept_name(p, norm.input_fp32), kept_name(p, norm.rstd))
     gone = (f"{n}/variance", *gone)
-    if norm.normed_fp32:
-        normed = kept_name(p, norm.normed_fp32)
-        product = Made(f"{n}/product fp32", fp32, "weight * (.) in fp32, a temporary")
-        return (*_statistics(n, p, norm, fp32, row, upcast),
-                Step("x * rstd", (kept(p, norm.normed_fp32),), reads_last=read),
-                *((Step("weight * (.): the norm's output", (output,), frees=gone, reads_last=(normed,)),)
-                  if upcast.alias else (Step("weight * (.), in fp32", (product,)),  # x * rstd a local to the return
-                                        Step("the cast back: the norm's output", (output,),
-                                             frees=(product.name, *gone), reads_last=(normed,)))))
-    normalised = (Step("x * rstd", (kept(p, norm.normed),), reads_last=read),) if upcast.alias else (
-        Step("x * rstd", (Made(f"{n}/normalised fp32", fp32, "a local until the norm returns"),), reads_last=read),
-        Step("the cast back to bf16", (kept(p, norm.normed),)))
-    return (
-        *_statistics(n, p, norm, fp32, row, upcast),
-        *normalised,
-        Step("weight * y: the norm's output", (output,), frees=(f"{n}/normalised fp32", *gone),
-             reads_last=(kept_name(p, norm.normed),)),
-    )
-
-
-def _statistics(n: str, p: str, norm: RMSNormTensors, fp32: int, row: int, upcast: Made) -> tuple[Step, ...]:
-    """LlamaRMSNorm's (and Olmo2RMSNorm's) first ops: the upcast, the variance (a local to the norm's return), rsqrt."""
-    return (
+    statistics = (
         Step("x.to(float32)", (upcast,)),
         Step("pow(2)", (Made(f"{n}/pow", fp32, "x^2, a temporary"),)),
         Step("mean over h: the variance", (Made(f"{n}/variance", row, "a local until the norm returns"),),
@@ -138,6 +117,20 @@ def _statistics(n: str, p: str, norm: RMSNormTensors, fp32: int, row: int, upcas
         Step("variance + eps", (Made(f"{n}/variance + eps", row, "rsqrt's input, a temporary"),)),
         Step("rsqrt", (kept(p, norm.rstd),), frees=(f"{n}/variance + eps",)),
     )
+    if norm.normed_fp32:
+        normed = kept_name(p, norm.normed_fp32)
+        product = Made(f"{n}/product fp32", fp32, "weight * (.) in fp32, a temporary")
+        return (*statistics, Step("x * rstd", (kept(p, norm.normed_fp32),), reads_last=read),
+                *((Step("weight * (.): the norm's output", (output,), frees=gone, reads_last=(normed,)),)
+                  if upcast.alias else (Step("weight * (.), in fp32", (product,)),  # x * rstd a local to the return
+                                        Step("the cast back: the norm's output", (output,),
+                                             frees=(product.name, *gone), reads_last=(normed,)))))
+    normalised = (Step("x * rstd", (kept(p, norm.normed),), reads_last=read),) if upcast.alias else (
+        Step("x * rstd", (Made(f"{n}/normalised fp32", fp32, "a local until the norm returns"),), reads_last=read),
+        Step("the cast back to bf16", (kept(p, norm.normed),)))
+    weighted = Step("weight * y: the norm's output", (output,), frees=(f"{n}/normalised fp32", *gone),
+                    reads_last=(kept_name(p, norm.normed),))
+    return (*statistics, *normalised, weighted)
 
 
 def _gemma_norm_forward(n: str, p: str, norm: RMSNormTensors, fp32: int, row: int, upcast: Made, output: Made,
