@@ -11,7 +11,7 @@ from typing import Callable
 
 from memcalc.model import ledger
 from memcalc.model.impls import hf as rules
-from memcalc.model.ledger import Kind, RMSNormTensors, SavedTensor
+from memcalc.model.ledger import RMSNormTensors, SavedTensor
 from memcalc.sizing.timeline import hf_gpt_oss as oss
 from memcalc.sizing.timeline.tape import Sizes
 from memcalc.sizing.timeline import torch_ops
