@@ -13,6 +13,8 @@ from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import STRATEGIES
 from memcalc.sizing.states import total_params
 from memcalc.sizing.timeline import ACTIVATIONS, PARAMETERS, TEMPORARIES, timeline
+from memcalc.sizing.timeline.hf_layer import widest
+from memcalc.sizing.timeline.walk import Made, Op, Step
 from tests.helpers import LLAMA_HF
 
 LLAMA = LLAMA_HF | {"L": 3}
@@ -341,3 +343,12 @@ def test_gemma_2s_layers_add_its_sandwich_norms_and_soft_capping_as_the_ledger_k
     assert {rules.GEMMA_POST_MLP.normed_fp32.name, rules.SOFTCAP_TANH.name} <= ledger.keys()
     shared = ledger[rules.ROPE_COS.name] + ledger[rules.ROPE_SIN.name]
     assert [b - a for a, b in zip(ends[1:], ends[2:])] == [sum(ledger.values()) - shared] * (config.L - 2)
+
+
+def test_a_moment_no_step_is_titled_for_is_an_error_not_a_moment_left_unmarked():
+    """hf_layer.widest marks the last step of each title it is given: a title no step has (a step renamed, or one
+    path's title given to another path's ops) would silently drop that moment from the timeline."""
+    op = Op("mlp", (Step("the GEMM", (Made("layers.0/x", 2, "an output"),)),), ())
+    assert [x.what for x in widest((op,), {"the GEMM": "at its widest"})[0].forward] == ["", "at its widest", ""]
+    with pytest.raises(AssertionError, match="the GEMMs"):
+        widest((op,), {"the GEMMs": "at its widest"})

@@ -519,7 +519,7 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
                                     config.post_norm or ln.walks(config) or z.act == 4, closing,
                                     down_proj=ln.DOWN if ln.walks(config) else layer.DOWN_PROJ, rope=fp32_rope,
                                     post_norm=names[3] if config.post_norm else ""),
-               *(replace(x, forward=()) for x in ops))
+               *(replace(x, forward=()) if x.forward else x for x in ops))
     return tuple(replace(x, shadow=PHI3_SHADOWED.get(x.where, "")) for x in ops) if config.fused_qkv and not resid \
         else ops
 

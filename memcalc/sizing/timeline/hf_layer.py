@@ -11,7 +11,7 @@ from typing import Callable
 
 from memcalc.model import ledger
 from memcalc.model.impls import hf as rules
-from memcalc.model.ledger import Kind, RMSNormTensors, SavedTensor
+from memcalc.model.ledger import RMSNormTensors, SavedTensor
 from memcalc.sizing.timeline import hf_gpt_oss as oss
 from memcalc.sizing.timeline.tape import Sizes
 from memcalc.sizing.timeline import torch_ops
@@ -31,7 +31,8 @@ def rms_norm(where: str, p: str, norm: RMSNormTensors, z: Sizes, dy: str | None,
     the norm then keeps). GemmaRMSNorm (`norm.weight_plus_one`) and Olmo2RMSNorm (`norm.normed_fp32` alone: its weight
     times the fp32 x * r) multiply in fp32 and cast back last (`_gemma_weight`)."""
     width = width or z.h
-    g, fp32, row = _grad(p, where), z.tokens(4 * width), z.tokens(4 * heads)
+    # the gradients' name stem: "grad/layers.0/mlp.up_proj", at the model's end "grad/model.norm"
+    g, fp32, row = "/".join(x for x in ("grad", p, where) if x), z.tokens(4 * width), z.tokens(4 * heads)
     act = z.full(width)
     dx = out if residual is None else f"{g}/dx"
     walked = _gemma_norm_forward if norm.weight_plus_one else _norm_forward
@@ -102,34 +103,13 @@ def _summed_into_x(g: str, act: int, residual: str | None) -> tuple[tuple[Step, 
 
 def _norm_forward(n: str, p: str, norm: RMSNormTensors, fp32: int, row: int, upcast: Made, output: Made,
                   gone: tuple[str, ...]) -> tuple[Step, ...]:
-    """LlamaRMSNorm's forward op by op (the variance a local to the return). `fp32`: an fp32 copy's bytes, `row`: the
-    statistics'; `upcast`: x.to(float32), in fp32 an alias of x, as the cast back is of x * rstd. Olmo2RMSNorm
-    (`norm.normed_fp32`) keeps x * rstd in fp32 and casts back its weight's fp32 product (in fp32 the output)."""
+    """LlamaRMSNorm's forward op by op: the upcast, the variance (a local to the return), rsqrt, x * rstd. `fp32`: an
+    fp32 copy's bytes, `row`: the statistics'; `upcast`: x.to(float32), in fp32 an alias of x, as the cast back is of
+    x * rstd. Olmo2RMSNorm (`norm.normed_fp32`) keeps x * rstd in fp32 and casts back its weight's fp32 product (in
+    fp32 the output)."""
     read = (kept_name(p, norm.input_fp32), kept_name(p, norm.rstd))
     gone = (f"{n}/variance", *gone)
-    if norm.normed_fp32:
-        normed = kept_name(p, norm.normed_fp32)
-        product = Made(f"{n}/product fp32", fp32, "weight * (.) in fp32, a temporary")
-        return (*_statistics(n, p, norm, fp32, row, upcast),
-                Step("x * rstd", (kept(p, norm.normed_fp32),), reads_last=read),
-                *((Step("weight * (.): the norm's output", (output,), frees=gone, reads_last=(normed,)),)
-                  if upcast.alias else (Step("weight * (.), in fp32", (product,)),  # x * rstd a local to the return
-                                        Step("the cast back: the norm's output", (output,),
-                                             frees=(product.name, *gone), reads_last=(normed,)))))
-    normalised = (Step("x * rstd", (kept(p, norm.normed),), reads_last=read),) if upcast.alias else (
-        Step("x * rstd", (Made(f"{n}/normalised fp32", fp32, "a local until the norm returns"),), reads_last=read),
-        Step("the cast back to bf16", (kept(p, norm.normed),)))
-    return (
-        *_statistics(n, p, norm, fp32, row, upcast),
-        *normalised,
-        Step("weight * y: the norm's output", (output,), frees=(f"{n}/normalised fp32", *gone),
-             reads_last=(kept_name(p, norm.normed),)),
-    )
-
-
-def _statistics(n: str, p: str, norm: RMSNormTensors, fp32: int, row: int, upcast: Made) -> tuple[Step, ...]:
-    """LlamaRMSNorm's (and Olmo2RMSNorm's) first ops: the upcast, the variance (a local to the norm's return), rsqrt."""
-    return (
+    statistics = (
         Step("x.to(float32)", (upcast,)),
         Step("pow(2)", (Made(f"{n}/pow", fp32, "x^2, a temporary"),)),
         Step("mean over h: the variance", (Made(f"{n}/variance", row, "a local until the norm returns"),),
@@ -137,6 +117,20 @@ def _statistics(n: str, p: str, norm: RMSNormTensors, fp32: int, row: int, upcas
         Step("variance + eps", (Made(f"{n}/variance + eps", row, "rsqrt's input, a temporary"),)),
         Step("rsqrt", (kept(p, norm.rstd),), frees=(f"{n}/variance + eps",)),
     )
+    if norm.normed_fp32:
+        normed = kept_name(p, norm.normed_fp32)
+        product = Made(f"{n}/product fp32", fp32, "weight * (.) in fp32, a temporary")
+        return (*statistics, Step("x * rstd", (kept(p, norm.normed_fp32),), reads_last=read),
+                *((Step("weight * (.): the norm's output", (output,), frees=gone, reads_last=(normed,)),)
+                  if upcast.alias else (Step("weight * (.), in fp32", (product,)),  # x * rstd a local to the return
+                                        Step("the cast back: the norm's output", (output,),
+                                             frees=(product.name, *gone), reads_last=(normed,)))))
+    normalised = (Step("x * rstd", (kept(p, norm.normed),), reads_last=read),) if upcast.alias else (
+        Step("x * rstd", (Made(f"{n}/normalised fp32", fp32, "a local until the norm returns"),), reads_last=read),
+        Step("the cast back to bf16", (kept(p, norm.normed),)))
+    weighted = Step("weight * y: the norm's output", (output,), frees=(f"{n}/normalised fp32", *gone),
+                    reads_last=(kept_name(p, norm.normed),))
+    return (*statistics, *normalised, weighted)
 
 
 def _gemma_norm_forward(n: str, p: str, norm: RMSNormTensors, fp32: int, row: int, upcast: Made, output: Made,
@@ -145,12 +139,8 @@ def _gemma_norm_forward(n: str, p: str, norm: RMSNormTensors, fp32: int, row: in
     saved). `fp32`: an fp32 copy's bytes, `row`: the statistics'; `upcast`: x.float(), in fp32 an alias of x, as
     weight.float() is the weight and type_as(x) the product."""
     channels = fp32 // row  # the channels each statistic covers: the weight's
-    if upcast.alias:
-        return (Step("x.float()", (upcast,)),
-                *_gemma_norm_forward(n, p, norm, fp32, row, kept(p, norm.input_fp32), output, gone)[1:6],
-                Step("1.0 + weight", (kept(p, norm.weight_plus_one),)),
-                Step("the product, in fp32: the norm's output", (output,), frees=gone,
-                     reads_last=(kept_name(p, norm.normed_fp32), kept_name(p, norm.weight_plus_one))))
+    alias = upcast.alias  # in fp32 weight.float() is the weight and type_as(x) the product: no steps
+    product = output if alias else Made(f"{n}/product fp32", fp32, "a local until the norm returns")
     return (
         Step("x.float()", (upcast,)),
         Step("pow(2)", (Made(f"{n}/pow", fp32, "x^2, a temporary"),)),
@@ -160,11 +150,12 @@ def _gemma_norm_forward(n: str, p: str, norm: RMSNormTensors, fp32: int, row: in
         Step("rsqrt", (kept(p, norm.rstd),), frees=(f"{n}/variance + eps",)),
         Step("x * rstd", (kept(p, norm.normed_fp32),),
              reads_last=(kept_name(p, norm.input_fp32), kept_name(p, norm.rstd))),
-        Step("weight.float()", (Made(f"{n}/weight fp32", 4 * channels, "the weight's (h,) fp32 copy, a temporary"),)),
-        Step("1.0 + weight", (kept(p, norm.weight_plus_one),), frees=(f"{n}/weight fp32",)),
-        Step("the product, in fp32", (Made(f"{n}/product fp32", fp32, "a local until the norm returns"),),
+        *(() if alias else (Step("weight.float()", (Made(f"{n}/weight fp32", 4 * channels, "the weight's (h,) fp32"
+                                                         " copy, a temporary"),)),)),
+        Step("1.0 + weight", (kept(p, norm.weight_plus_one),), frees=() if alias else (f"{n}/weight fp32",)),
+        Step("the product, in fp32" + (": the norm's output" if alias else ""), (product,), frees=gone if alias else (),
              reads_last=(kept_name(p, norm.normed_fp32), kept_name(p, norm.weight_plus_one))),
-        Step("type_as(x): the norm's output", (output,), frees=(f"{n}/product fp32", *gone)),
+        *(() if alias else (Step("type_as(x): the norm's output", (output,), frees=(f"{n}/product fp32", *gone)),)),
     )
 
 
@@ -198,9 +189,11 @@ def widest(ops: tuple[Op, ...], moments: dict[str, str]) -> tuple[Op, ...]:
     only: the last step of each name in `moments` marks one, in that moment's words (a sparse block's,
     hf_moe.block_forward; the final norm's). The steps between two moments are one: what they free of older tensors
     goes first, what they make and do not free again is made at the moment, in its op (a MoE layer has thousands of
-    steps); backward is the ops' own."""
+    steps); backward is the ops' own. A name no step has is an error: its moment would go unmarked."""
     last = {step.what: (i, j) for i, op in enumerate(ops) for j, step in enumerate(op.forward)}
-    marked = {last[what]: words for what, words in moments.items() if what in last}
+    if missing := moments.keys() - last.keys():
+        raise AssertionError(f"no step to mark the moment of: {', '.join(sorted(missing))}")
+    marked = {last[what]: words for what, words in moments.items()}
     forward: list[list[Step]] = [[] for _ in ops]
     made: dict[str, Made] = {}  # made since the last moment and live
     older: list[str] = []  # freed since the last moment, made before it
@@ -806,40 +799,37 @@ def mlp(p: str, z: Sizes, tp: bool, gated: tuple[SavedTensor, SavedTensor, Saved
     g, f = f"grad/{p}", z.f_t
     gate_in, up, act_out = gated
     w, full = z.act * f * z.h, z.full(z.h)
-    gate = linear("mlp.gate_proj", ledger.FC1_IN, kept(p, gate_in), w, f"{g}/gate_proj input", full, p, (f"{g}/gate",),
-                  reduced=tp)
-    silu = Op("mlp.act_fn", (Step("the activation", (kept(p, act_out),), reads_last=(kept_name(p, gate_in),)),), (
+    halves = kept_names(p, gate_in, up) if fused else ()  # one storage, gone as the MLP returns
+    activation = Step("the activation", (kept(p, act_out),), reads_last=() if fused else kept_names(p, gate_in))
+    silu = Op("mlp.activation_fn" if fused else "mlp.act_fn", (activation,), (
         Step("SiLU's backward, at its kept input", (Made(f"{g}/gate", z.full(f), "dSiLU"),), frees=(f"{g}/silu",),
              moment=False),), saves=(gate_in,))
     product = Op("mlp", (Step("act(gate) * up", (kept(p, ledger.FC2_IN),),
-                              reads_last=(kept_name(p, act_out), kept_name(p, up))),), (
+                              reads_last=kept_names(p, act_out, *(() if fused else (up,)))),), (
         Step("SiLU(gate) * up: its two gradients", (
         Made(f"{g}/up", z.full(f), "dY * SiLU(gate)"), Made(f"{g}/silu", z.full(f), "dY * up")),
         frees=(f"{g}/down_proj input",)),), saves=(up, act_out))
     down = replace(linear("mlp.down_proj", ledger.FC2_IN, None, w, f"{g}/down_proj input", z.full(f), p,
                           (dy,) if dy else ()),
                    forward=(Step("the GEMM", (Made(f"{p}/{made_as}", z.full(z.h), "down_proj's output"),),
-                                 reads_last=(kept_name(p, ledger.FC2_IN), kept_name(p, ledger.FC1_IN))),))
+                                 reads_last=(*kept_names(p, ledger.FC2_IN, ledger.FC1_IN), *halves)),))
     if fused:
         chunk = Op("mlp", (), (Step("chunk's backward: the two gradients concatenated", (
             Made(f"{g}/gate_up", z.full(2 * f), "(b, s, 2f), gate's and up's"),), frees=(f"{g}/gate", f"{g}/up"),
             moment=False),))
         gate_up = linear("mlp.gate_up_proj", ledger.FC1_IN, None, 2 * w, f"{g}/ln2 output", full, p, (f"{g}/gate_up",),
                          reduced=tp)
-        halves = tuple(kept_name(p, x) for x in (gate_in, up))  # one storage, gone as the MLP returns
         return (replace(gate_up, forward=(Step("the GEMM: gate and up, chunked", (kept(p, gate_in), kept(p, up))),)),
-                chunk, replace(silu, where="mlp.activation_fn", forward=(replace(silu.forward[0], reads_last=()),)),
-                replace(product, forward=(replace(product.forward[0], reads_last=(kept_name(p, act_out),)),)),
-                replace(down, forward=(replace(down.forward[0], reads_last=down.forward[0].reads_last + halves),)))
+                chunk, silu, product, down)
     residual, out = into
+    gate = linear("mlp.gate_proj", ledger.FC1_IN, kept(p, gate_in), w, f"{g}/gate_proj input", full, p, (f"{g}/gate",),
+                  reduced=tp)
     up_proj = linear("mlp.up_proj", ledger.FC1_IN, kept(p, up), w, f"{g}/up_proj input", full, p, (f"{g}/up",),
                      reduced=tp)
     if residual:
-        up_proj = replace(up_proj, backward=(*up_proj.backward, Step("autograd sums up_proj's input gradient into the"
-                                                                     " stream's", (Made(f"{g}/up + stream", full,
-                                                                                        "summed"),),
-                                                                     frees=(f"{g}/up_proj input", residual),
-                                                                     moment=False)))
+        into_stream = Step("autograd sums up_proj's input gradient into the stream's", (
+            Made(f"{g}/up + stream", full, "summed"),), frees=(f"{g}/up_proj input", residual), moment=False)
+        up_proj = replace(up_proj, backward=(*up_proj.backward, into_stream))
     summed = f"{g}/up + stream" if residual else f"{g}/up_proj input"
     return (
         replace(gate, backward=(*gate.backward, Step("autograd sums gate_proj's and up_proj's input gradients", (
@@ -847,8 +837,3 @@ def mlp(p: str, z: Sizes, tp: bool, gated: tuple[SavedTensor, SavedTensor, Saved
             moment=False))),
         silu, up_proj, product, down,
     )
-
-
-def _grad(p: str, where: str) -> str:
-    """The name stem of an op's gradients: "grad/layers.0/mlp.up_proj", "grad/model.norm" at the model's end."""
-    return "/".join(x for x in ("grad", p, where) if x)

@@ -14,7 +14,7 @@ from memcalc.model.impls import hf as rules
 from memcalc.sizing.timeline import hf_gpt2 as gpt2
 from memcalc.sizing.timeline.tape import Sizes
 from memcalc.sizing.timeline.torch_ops import dropout, module_returns
-from memcalc.sizing.timeline.walk import Made, Op, Step, kept, kept_name
+from memcalc.sizing.timeline.walk import Made, Op, Step, kept_name
 
 NORMS = (ledger.LN1, ledger.LN2)
 DOWN = "mlp.c_proj"  # the MLP's rowwise projection under tp

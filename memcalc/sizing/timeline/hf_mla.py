@@ -23,11 +23,6 @@ TABLES = (rules.MLA_ROPE_COS, rules.MLA_ROPE_SIN)  # the model's (s, d_r) tables
 _CORE = {ledger.Q: ledger.MLA_Q, ledger.K: ledger.MLA_K}
 
 
-def _value(saved: dict[str, int]) -> SavedTensor:
-    """What the core keeps as V: matmul's copy, or the up projection's whole output where V stays a view of it."""
-    return ledger.MLA_V if ledger.MLA_V.name in saved else ledger.MLA_KV_UP_OUT
-
-
 def attention(p: str, z: Sizes, config: ModelConfig, saved: dict[str, int]) -> tuple[Op, ...]:
     """The attention's ops in forward order (their backward as autograd runs it): the query's down projection, norm and
     up projection (or q_proj), the key/value latent's, RoPE, expand_kv's copies, Llama's eager core, o_proj; its
@@ -137,7 +132,8 @@ def _key_copies(g: str, z: Sizes, dn: int, dr: int) -> tuple[Op, ...]:
 def _core(p: str, z: Sizes, config: ModelConfig, saved: dict[str, int], dq: int, dv: int) -> tuple[Op, ...]:
     """Llama's eager core (hf_layer), QK^T over heads of d_q channels and weights x V over d_v ones, keeping the
     latent attention's records; no repeat_kv (a head a K/V group)."""
-    records = _CORE | {ledger.V: _value(saved)}
+    # what the core keeps as V: matmul's copy, or the up projection's whole output where V stays a view of it
+    records = _CORE | {ledger.V: ledger.MLA_V if ledger.MLA_V.name in saved else ledger.MLA_KV_UP_OUT}
     narrow = {n: layer.eager_core(p, replace(z, d=d), saved, False, config.has_dropout)
               for n, d in (("q", dq), ("v", dv))}
     _, qk, *rest = narrow["q"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 from memcalc.config.schema import ModelConfig
 from memcalc.model import ledger
@@ -96,10 +97,46 @@ def block_forward(p: str, z: Sizes, config: ModelConfig, checkpointed: bool) -> 
     Qwen2-MoE's shared expert first, the router, the experts (their locals live to their return), then Qwen2-MoE's
     shared expert's gate or DeepSeek-V3's shared experts, summed with the experts' output; the block's locals (the
     router's outputs, its input) live to its return. Without a checkpoint the layer's one forward moment walks the same
-    ops, only the widest marking moments (hf_layer.widest); DeepSeek-V3's, never walked op by op (latent attention
+    ops, only the widest marking moments (`_widest_forward`); DeepSeek-V3's, never walked op by op (latent attention
     refuses a checkpoint), takes the softmax router's steps, of which its moments hold what it holds too (the logits,
     its GEMM's fp32, and the top-k weights); gpt-oss's experts are hf_gpt_oss's."""
-    m, shared, bf16 = f"{p}/moe", bool(config.moe_shared_expert_intermediate_size), _bf16(config)
+    if checkpointed or rules.is_gpt_oss(config):
+        return _block_ops(p, z, config)
+    return _in_layer(p, _widest_forward(z, config))
+
+
+_ANY_LAYER = "<layer>"  # the prefix `_widest_forward` walks the block at, each layer's in its place
+
+
+@functools.lru_cache(maxsize=2)
+def _widest_forward(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
+    """The block's ops as a layer's forward without a checkpoint walks them (hf_layer.widest), condensed once for
+    every layer (the eager loop's thousands of steps a layer took a third of the walk's time): its kept tensors left
+    for each layer's walk to name, its locals for `_in_layer`."""
+    ops = widest(_block_ops(_ANY_LAYER, z, config), _widest_steps(config))
+
+    def unnamed(x: Made) -> Made:  # the walk names a kept tensor without a name by its prefix, as this one is named
+        return replace(x, name="") if x.keeps is not None and x.name == kept_name(_ANY_LAYER, x.keeps) else x
+    return _renamed(ops, unnamed, lambda name: name)
+
+
+def _in_layer(p: str, ops: tuple[Op, ...]) -> tuple[Op, ...]:
+    """`_widest_forward`'s ops with layer p's names."""
+    return _renamed(ops, lambda x: replace(x, name=x.name.replace(_ANY_LAYER, p)) if x.name else x,
+                    lambda name: name.replace(_ANY_LAYER, p))
+
+
+def _renamed(ops: tuple[Op, ...], made: Callable[[Made], Made], freed: Callable[[str], str]) -> tuple[Op, ...]:
+    """The ops with what each forward step makes passed through `made`, the names it frees through `freed` (the
+    steps hf_layer.widest leaves make and free only)."""
+    def step(x: Step) -> Step:
+        return replace(x, makes=tuple(map(made, x.makes)), frees=tuple(map(freed, x.frees)))
+    return tuple(replace(op, forward=tuple(map(step, op.forward))) if op.forward else op for op in ops)
+
+
+def _block_ops(p: str, z: Sizes, config: ModelConfig) -> tuple[Op, ...]:
+    """The block's forward op by op (`block_forward`'s), layer p's."""
+    m, shared = f"{p}/moe", bool(config.moe_shared_expert_intermediate_size)
     out = f"{m}/experts output" if shared else f"{p}/mlp output"
     done = Op("mlp", (Step("", frees=(f"{m}/router_logits", f"{m}/top_k_weights"),
                            reads_last=kept_names(p, ledger.ROUTER_TOPK_INDICES, ledger.MOE_IN)),), ())
@@ -107,19 +144,32 @@ def block_forward(p: str, z: Sizes, config: ModelConfig, checkpointed: bool) -> 
         return (oss.experts_forward(p, out, z, config, _router_logits(m, z, config)), done)
     experts = _grouped_experts_forward if grouped(config) else _loop_experts_forward
     gated = shared and not config.mla
-    ops = (*(_shared_forward(p) if gated else ()), _router_forward(p, z, config), *experts(p, z, config, out),
-           *(_shared_gated(p, z, out) if gated else _shared_summed(p, z, out) if shared else ()), done)
-    if checkpointed:
-        return ops
-    last = "the output times its routing weights" if bf16 else "cast to bf16: index_add_'s source"
-    return widest(ops, {
-        "the rows in slot order": "the weighted rows put back in slot order",  # grouped_mm's
-        "summed over each token's k slots": "the rows summed over each token's k slots",
-        "the sum cast to bf16": "the sum cast to bf16",
-        # the eager loop's: an earlier expert's hold fewer, each expert after it keeping 4 r_e h bytes, as much as
-        # Mixtral's fp32 product
-        last: "the last expert's weighted output" + ("" if bf16 else " cast to bf16"),
-        GATED_SUM: GATED_SUM, SHARED_SUM: SHARED_SUM})
+    return (*(_shared_forward(p) if gated else ()), _router_forward(p, z, config), *experts(p, z, config, out),
+            *(_shared_gated(p, z, out) if gated else _shared_summed(p, z, out) if shared else ()), done)
+
+
+# The experts' steps that mark the block's widest forward moments without a checkpoint (hf_layer.widest). grouped_mm's:
+SLOT_ORDER = "the rows in slot order"
+SLOTS_SUMMED = "summed over each token's k slots"
+SUM_CAST = "the sum cast to bf16"
+# the eager loop's last expert's (an earlier expert's hold fewer, each expert after it keeping 4 r_e h bytes, as much
+# as Mixtral's fp32 product)
+WEIGHTED = "the output times its routing weights"
+WEIGHTED_CAST = "cast to bf16: index_add_'s source"
+
+
+def _widest_steps(config: ModelConfig) -> dict[str, str]:
+    """The titles of the block's steps that mark its widest moments, each with its moment's words: the experts', and
+    the shared experts' sum with theirs."""
+    bf16, total = _bf16(config), SHARED_SUM if config.mla else GATED_SUM
+    summed = {total: total} if config.moe_shared_expert_intermediate_size else {}
+    if grouped(config):
+        return {SLOT_ORDER: "the weighted rows put back in slot order",
+                SLOTS_SUMMED: "the rows summed over each token's k slots", **({} if bf16 else {SUM_CAST: SUM_CAST}),
+                **summed}
+    last = {WEIGHTED: "the last expert's weighted output"} if bf16 else {
+        WEIGHTED_CAST: "the last expert's weighted output cast to bf16"}
+    return last | summed
 
 
 def _routing_weight(config: ModelConfig) -> SavedTensor:
@@ -188,10 +238,10 @@ def _grouped_experts_forward(p: str, z: Sizes, config: ModelConfig, out: str) ->
         Step("the rows times their routing weights", (Made(f"{m}/weighted", width * r * z.h, "in expert order"),)),
         Step("inv_perm[perm] = arange", (kept(p, rules.UNSORTED_SLOTS), Made(f"{m}/arange", 8 * r, "a temporary")),
              frees=(f"{m}/arange",)),
-        Step("the rows in slot order", (Made(f"{m}/slot order", width * r * z.h, "weighted_out[inv_perm]"),),
+        Step(SLOT_ORDER, (Made(f"{m}/slot order", width * r * z.h, "weighted_out[inv_perm]"),),
              frees=(f"{m}/weighted",)),
-        Step("summed over each token's k slots", (Made(summed, width * tokens * z.h, "view(b*s, k, h).sum(1)"),)),
-        *(() if bf16 else (Step("the sum cast to bf16", (Made(out, z.full(z.h), "the experts' output"),)),)),
+        Step(SLOTS_SUMMED, (Made(summed, width * tokens * z.h, "view(b*s, k, h).sum(1)"),)),
+        *(() if bf16 else (Step(SUM_CAST, (Made(out, z.full(z.h), "the experts' output"),)),)),
         Step("", frees=(f"{m}/sorted expert ids", f"{m}/histc input", f"{m}/tokens per expert", f"{m}/slot order",
                         f"{m}/summed fp32"), reads_last=held),
     ), ())
@@ -205,42 +255,38 @@ def _loop_experts_forward(p: str, z: Sizes, config: ModelConfig, out: str) -> tu
     (the last expert's to the return)."""
     m, tokens, k, experts, bf16 = f"{p}/moe", z.b * z.s, config.moe_router_topk, config.num_experts, _bf16(config)
     weight = _routing_weight(config)
-    names = [{x: kept_name(p, per_expert(e)[x.name]) for x in EXPERT_TENSORS} for e in range(experts)]
+    made = [{x: kept(p, per_expert(e)[x.name]) for x in EXPERT_TENSORS} for e in range(experts)]  # by ledger row
 
     def held(e: int) -> tuple[tuple[str, ...], Step]:
         """Expert e's kept tensors the loop's variables hold (pairs, rows, gate_up's two halves), and the step that
         lets its weighted output go: Qwen's is index_add_'s kept source, Mixtral's an fp32 local."""
         if e < 0:
             return (), Step("")
-        mine = names[e]
-        rows = (mine[rules.TOKEN_SLOTS], mine[ledger.EXPERT_IN], mine[ledger.EXPERT_GATE], mine[ledger.EXPERT_UP])
-        return rows, Step("", reads_last=(mine[rules.COMBINE_IN],)) if bf16 else Step("", frees=(
+        rows = tuple(made[e][x].name for x in (rules.TOKEN_SLOTS, ledger.EXPERT_IN, ledger.EXPERT_GATE,
+                                               ledger.EXPERT_UP))
+        return rows, Step("", reads_last=(made[e][rules.COMBINE_IN].name,)) if bf16 else Step("", frees=(
             f"{m}/weighted fp32 {e}",))
 
     def expert(e: int) -> tuple[Op, ...]:
-        mine, name = per_expert(e), names[e]
+        mine = made[e]
         before, weighted = held(e - 1)  # the previous expert's, let go as this one's rebind them
-        product = (kept(p, mine[rules.COMBINE_IN.name]) if bf16 else
-                   Made(f"{m}/weighted fp32 {e}", 4 * _slots(config) * z.h, "fp32: the loop's variable holds it"))
-        cast = () if bf16 else (Step("cast to bf16: index_add_'s source", (kept(p, mine[rules.COMBINE_IN.name]),)),
-                                Step("index_add_", reads_last=(name[rules.COMBINE_IN],)))
+        product = mine[rules.COMBINE_IN] if bf16 else Made(f"{m}/weighted fp32 {e}", 4 * _slots(config) * z.h,
+                                                           "fp32: the loop's variable holds it")
+        cast = () if bf16 else (Step(WEIGHTED_CAST, (mine[rules.COMBINE_IN],)),
+                                Step("index_add_", reads_last=(mine[rules.COMBINE_IN].name,)))
         return (
             Op("mlp.experts", (
-                Step(f"expert {e}: its (token, slot) pairs", (kept(p, mine[rules.TOKEN_SLOTS.name]),),
-                     reads_last=before[:1]),
-                Step("its rows", (kept(p, mine[ledger.EXPERT_IN.name]),), reads_last=before[1:2]),
-                Step("gate_up's GEMM", (kept(p, mine[ledger.EXPERT_GATE.name]), kept(p, mine[ledger.EXPERT_UP.name])),
-                     reads_last=before[2:]),
+                Step(f"expert {e}: its (token, slot) pairs", (mine[rules.TOKEN_SLOTS],), reads_last=before[:1]),
+                Step("its rows", (mine[ledger.EXPERT_IN],), reads_last=before[1:2]),
+                Step("gate_up's GEMM", (mine[ledger.EXPERT_GATE], mine[ledger.EXPERT_UP]), reads_last=before[2:]),
             ), ()),
-            Op("mlp.experts.act_fn", (Step("SiLU", (kept(p, mine[ledger.EXPERT_SILU_OUT.name]),)),), ()),
+            Op("mlp.experts.act_fn", (Step("SiLU", (mine[ledger.EXPERT_SILU_OUT],)),), ()),
             Op("mlp.experts", (
-                Step("SiLU(gate) * up", (kept(p, mine[ledger.EXPERT_FC2_IN.name]),), frees=weighted.frees,
-                     reads_last=(name[ledger.EXPERT_SILU_OUT], *weighted.reads_last)),
-                Step("down_proj's GEMM", (kept(p, mine[rules.EXPERT_OUT.name]),),
-                     reads_last=(name[ledger.EXPERT_FC2_IN],)),
-                Step("its routing weights", (kept(p, mine[weight.name]),)),
-                Step("the output times its routing weights", (product,),
-                     reads_last=(name[weight], name[rules.EXPERT_OUT])),
+                Step("SiLU(gate) * up", (mine[ledger.EXPERT_FC2_IN],), frees=weighted.frees,
+                     reads_last=(mine[ledger.EXPERT_SILU_OUT].name, *weighted.reads_last)),
+                Step("down_proj's GEMM", (mine[rules.EXPERT_OUT],), reads_last=(mine[ledger.EXPERT_FC2_IN].name,)),
+                Step("its routing weights", (mine[weight],)),
+                Step(WEIGHTED, (product,), reads_last=(mine[weight].name, mine[rules.EXPERT_OUT].name)),
                 *cast,
             ), ()),
         )
