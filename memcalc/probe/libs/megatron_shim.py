@@ -13,7 +13,6 @@ import sys
 import types
 from contextlib import ExitStack, contextmanager
 from typing import Any, Iterator
-from unittest import mock
 
 from memcalc.model import ledger
 from memcalc.model.ledger import NormTensors
@@ -22,6 +21,7 @@ from memcalc.probe.kernels import fused_causal_softmax, fused_causal_softmax_bac
 from memcalc.probe.libs.hf_shim import lead, route_lead
 from memcalc.probe.norm import EPS, Norm
 from memcalc.probe.recorder import batch_first, label
+from memcalc.probe.shims import patched, patched_items
 
 torch = require_torch()
 import torch.distributed as dist  # noqa: E402  (after the install check above)
@@ -45,23 +45,21 @@ def cpu_megatron() -> Iterator[None]:
     with ExitStack() as patches:
         enter = patches.enter_context
         enter(torch._dynamo.config.patch(disable=True))
-        enter(mock.patch.object(F, "dropout", _cuda_like_dropout))
-        enter(mock.patch.dict(sys.modules, {_SOFTMAX_EXTENSION: _softmax_extension(), _SOFTMAX_SIZES: _sizes()}))
-        enter(mock.patch.object(fused_softmax, "get_default_causal_mask", _causal_mask))
+        enter(patched(F, dropout=_cuda_like_dropout))
+        enter(patched_items(sys.modules, **{_SOFTMAX_EXTENSION: _softmax_extension(), _SOFTMAX_SIZES: _sizes()}))
+        enter(patched(fused_softmax, get_default_causal_mask=_causal_mask))
         if not torch.cuda.is_available():
-            enter(mock.patch.object(torch.cuda, "current_device", lambda: torch.device("cpu")))
-        enter(mock.patch.object(mrandom, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state()))
-        enter(mock.patch.object(mrandom, "_set_cuda_rng_state", lambda state, *a, **k: torch.set_rng_state(state)))
-        enter(mock.patch.object(mrandom, "_CUDA_RNG_STATE_TRACKER", _CpuRNGStatesTracker()))
-        enter(mock.patch.object(mrandom, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", True))
-        enter(mock.patch.object(multi_latent_attention, "HAVE_TE", False))
-        enter(mock.patch.object(moe_utils, "te_general_gemm", None, create=True))
+            enter(patched(torch.cuda, current_device=lambda: torch.device("cpu")))
+        enter(patched(mrandom, _get_cuda_rng_state=lambda *a, **k: torch.get_rng_state(),
+                      _set_cuda_rng_state=lambda state, *a, **k: torch.set_rng_state(state),
+                      _CUDA_RNG_STATE_TRACKER=_CpuRNGStatesTracker(), _CUDA_RNG_STATE_TRACKER_INITIALIZED=True))
+        enter(patched(multi_latent_attention, HAVE_TE=False))
+        enter(patched(moe_utils, create=True, te_general_gemm=None))
         alltoall = token_dispatcher.MoEAlltoAllTokenDispatcher
-        enter(mock.patch.object(alltoall, "cuda_dtoh_stream", "cpu"))  # not None: __init__ makes no CUDA stream
-        enter(mock.patch.object(alltoall, "_maybe_dtoh_and_synchronize", _cpu_dtoh))
+        # cuda_dtoh_stream not None: __init__ makes no CUDA stream
+        enter(patched(alltoall, cuda_dtoh_stream="cpu", _maybe_dtoh_and_synchronize=_cpu_dtoh))
         gather = token_dispatcher.gather_from_sequence_parallel_region
-        enter(mock.patch.object(token_dispatcher, "gather_from_sequence_parallel_region",
-                                _every_rank_like_this_one(gather)))
+        enter(patched(token_dispatcher, gather_from_sequence_parallel_region=_every_rank_like_this_one(gather)))
         yield
 
 
@@ -152,7 +150,7 @@ def forced_routing(route: str, k: int, ep: int) -> Iterator[None]:
         logits = gating(self, input)  # (s, b, E)
         return logits + lead(logits.view(-1, logits.shape[-1]), route, k, ep).view_as(logits)
 
-    with mock.patch.object(TopKRouter, "gating", led):
+    with patched(TopKRouter, gating=led):
         yield
 
 
