@@ -7,7 +7,7 @@ Torch-free: the docs and the CLI read this table without importing any library.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Iterator
@@ -175,9 +175,6 @@ def notes(library: str, cuda_step: bool = False, pp_step: bool = False) -> tuple
                  and s.pp_step == pp_step)
 
 
-_ABSENT = object()
-
-
 @contextmanager
 def patched(owner: Any, create: bool = False, **values: Any) -> Iterator[None]:
     """While inside, `owner`'s attributes named in `values` hold them; on exit each is put back as the owner held it,
@@ -186,17 +183,14 @@ def patched(owner: Any, create: bool = False, **values: Any) -> Iterator[None]:
     missing = [name for name in values if not hasattr(owner, name)]
     if missing and not create:
         raise AttributeError(f"{owner!r} has no attribute {', '.join(missing)} to patch")
-    own = {name: vars(owner).get(name, _ABSENT) for name in values}
-    for name, value in values.items():
-        setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        for name, value in own.items():
-            if value is _ABSENT:
-                delattr(owner, name)
+    with ExitStack() as undo:
+        for name, value in values.items():
+            if name in vars(owner):
+                undo.callback(setattr, owner, name, vars(owner)[name])
             else:
-                setattr(owner, name, value)
+                undo.callback(delattr, owner, name)
+            setattr(owner, name, value)
+        yield
 
 
 @contextmanager
