@@ -52,7 +52,7 @@ def cpu_megatron() -> Iterator[None]:
             enter(patched(torch.cuda, current_device=lambda: torch.device("cpu")))
         enter(patched(mrandom, _get_cuda_rng_state=lambda *a, **k: torch.get_rng_state(),
                       _set_cuda_rng_state=lambda state, *a, **k: torch.set_rng_state(state),
-                      _CUDA_RNG_STATE_TRACKER=_CpuRNGStatesTracker(), _CUDA_RNG_STATE_TRACKER_INITIALIZED=True))
+                      _CUDA_RNG_STATE_TRACKER=_cpu_rng_tracker(), _CUDA_RNG_STATE_TRACKER_INITIALIZED=True))
         enter(patched(multi_latent_attention, HAVE_TE=False))
         enter(patched(moe_utils, create=True, te_general_gemm=None))
         alltoall = token_dispatcher.MoEAlltoAllTokenDispatcher
@@ -164,39 +164,30 @@ def route_note(route: str) -> str:
 # -- the RNG tracker ----------------------------------------------------------------
 
 
-class _CpuRNGStatesTracker:
-    """megatron's CudaRNGStatesTracker over torch's CPU generator: named states, forked in turn."""
+def _cpu_rng_tracker() -> Any:
+    """megatron's CudaRNGStatesTracker over torch's CPU generator: its own named states and their bookkeeping, each
+    state added and forked on the CPU."""
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
 
-    def __init__(self) -> None:
-        self.states_: dict[str, torch.Tensor] = {}
-
-    def is_initialized(self) -> bool:
-        return bool(self.states_)
-
-    def reset(self) -> None:
-        self.states_ = {}
-
-    def get_states(self) -> dict[str, torch.Tensor]:
-        return dict(self.states_)
-
-    def set_states(self, states: dict[str, torch.Tensor]) -> None:
-        self.states_ = states
-
-    def add(self, name: str, seed: int) -> None:
-        outside = torch.get_rng_state()
-        torch.manual_seed(seed)
-        self.states_[name] = torch.get_rng_state()
-        torch.set_rng_state(outside)
-
-    @contextmanager
-    def fork(self, name: str = "model-parallel-rng") -> Iterator[None]:
-        outside = torch.get_rng_state()
-        torch.set_rng_state(self.states_[name])
-        try:
-            yield
-        finally:
+    class CpuRNGStatesTracker(CudaRNGStatesTracker):
+        def add(self, name: str, seed: int) -> None:
+            self._is_initialized = True
+            outside = torch.get_rng_state()
+            torch.manual_seed(seed)
             self.states_[name] = torch.get_rng_state()
             torch.set_rng_state(outside)
+
+        @contextmanager
+        def fork(self, name: str = "model-parallel-rng") -> Iterator[None]:
+            outside = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(outside)
+
+    return CpuRNGStatesTracker()
 
 
 def seed_rng_tracker(seed: int, tp_rank: int) -> None:
