@@ -20,8 +20,8 @@ from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.layer import DTYPES
 from memcalc.probe.libs import torchtitan as titan
 from memcalc.probe.libs import torchtitan_shim as shim
-from memcalc.probe.libs.torchtitan_step import check_route, flex_inputs, initialised
-from memcalc.probe.step import StepMeasurement, Trainer, batch, measure_trainer
+from memcalc.probe.libs.torchtitan_step import flex_inputs, initialised
+from memcalc.probe.step import StepMeasurement, Trainer, batch, check_route, measure_trainer
 from memcalc.sizing.pipeline import torchtitan_microbatches
 
 torch = require_torch()

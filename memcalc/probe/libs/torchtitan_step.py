@@ -17,7 +17,7 @@ from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.layer import DTYPES
 from memcalc.probe.libs import torchtitan as titan
 from memcalc.probe.libs import torchtitan_shim as shim
-from memcalc.probe.step import BATCH_SEED, StepMeasurement, Trainer, measure_trainer
+from memcalc.probe.step import BATCH_SEED, StepMeasurement, Trainer, check_route, measure_trainer
 
 torch = require_torch()
 
@@ -64,12 +64,6 @@ def on_meta(config: ModelConfig, sequence_parallel: bool, route: str | None, cud
     if cuda:
         shim.fused_norms(model)
     return model
-
-
-def check_route(config: ModelConfig, route: str | None) -> None:
-    """ProbeError for experts without a forced route: each expert's tokens would be the data's."""
-    if config.moe and route is None:
-        raise ProbeError("impl torchtitan: --step on experts forces the router (--route balanced or all-to-one)")
 
 
 def initialised(model: torch.nn.Module, config: ModelConfig, device: torch.device) -> None:
