@@ -14,11 +14,11 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable
-from unittest.mock import patch
 
 from memcalc.model.comm import Collective, Op, sent_bytes
 from memcalc.model.ledger import Dim
 from memcalc.probe import require_torch
+from memcalc.probe.shims import patched
 
 torch = require_torch()
 import torch.distributed as dist  # noqa: E402  (after the install check above)
@@ -87,11 +87,11 @@ class CollectiveLog:
             wrapped = self._wrapped(original, op.value, arg)
             aliases = [(m, alias) for m in self._aliases for alias, value in vars(m).items() if value is original]
             for module, alias in [(dist, name), *aliases]:
-                self._patches.enter_context(patch.object(module, alias, wrapped))
+                self._patches.enter_context(patched(module, **{alias: wrapped}))
         for name, kind in _P2P_CALLS.items():
             wrapped = self._wrapped(getattr(dist, name), kind, 0)
             for module in (dist, c10d):
-                self._patches.enter_context(patch.object(module, name, wrapped))
+                self._patches.enter_context(patched(module, **{name: wrapped}))
         self._patches.enter_context(_FunctionalLog(self))
         return self
 

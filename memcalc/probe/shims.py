@@ -7,8 +7,10 @@ Torch-free: the docs and the CLI read this table without importing any library.
 
 from __future__ import annotations
 
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any, Iterator
 
 
 class Kind(Enum):
@@ -171,6 +173,37 @@ def notes(library: str, cuda_step: bool = False, pp_step: bool = False) -> tuple
     pipeline stage's `measure --step` adds."""
     return tuple(s.note() for s in SHIMS if s.library == library and not s.route and s.cuda_step == cuda_step
                  and s.pp_step == pp_step)
+
+
+@contextmanager
+def patched(owner: Any, create: bool = False, **values: Any) -> Iterator[None]:
+    """While inside, `owner`'s attributes named in `values` hold them; on exit each is put back as the owner held it,
+    or removed where the owner held none of its own (inherited from a class, or made here: only with `create`, so
+    that a library's renamed attribute fails here rather than leaving the probe measuring unpatched code)."""
+    missing = [name for name in values if not hasattr(owner, name)]
+    if missing and not create:
+        raise AttributeError(f"{owner!r} has no attribute {', '.join(missing)} to patch")
+    with ExitStack() as undo:
+        for name, value in values.items():
+            if name in vars(owner):
+                undo.callback(setattr, owner, name, vars(owner)[name])
+            else:
+                undo.callback(delattr, owner, name)
+            setattr(owner, name, value)
+        yield
+
+
+@contextmanager
+def patched_items(table: dict, **values: Any) -> Iterator[None]:
+    """While inside, `table` holds `values` too (sys.modules: stand-in modules); on exit the table is as it was, so
+    whatever was added to it inside (a module imported while the stand-ins were there) goes too."""
+    before = dict(table)
+    table.update(values)
+    try:
+        yield
+    finally:
+        table.clear()
+        table.update(before)
 
 
 def markdown() -> str:

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from memcalc.model.families import layer_family
 from memcalc.config.schema import ModelConfig
-from memcalc.errors import ConfigError
+from memcalc.errors import ConfigError, ProbeError
 from memcalc.model import ledger
 from memcalc.model.evaluate import check_strategy
 from memcalc.model.knobs import Accounting
@@ -313,6 +313,12 @@ def batch(config: ModelConfig, device: torch.device) -> tuple[torch.Tensor, torc
     tokens = torch.randint(config.vocab_size, (config.b, config.s), generator=generator)
     labels = torch.randint(config.vocab_size, (config.b, config.s), generator=generator)
     return tokens.to(device), labels.to(device)
+
+
+def check_route(config: ModelConfig, route: str | None) -> None:
+    """ProbeError for a library's experts without a forced route: each expert's tokens would be the data's."""
+    if config.moe and route is None:
+        raise ProbeError(f"impl {config.impl}: --step on experts forces the router (--route balanced or all-to-one)")
 
 
 @dataclass(frozen=True)

@@ -1,17 +1,18 @@
 """The table of shims (memcalc.probe.shims) lists every patch the shim modules make, and docs/probe.md shows it."""
 
+import ast
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from memcalc.probe.shims import SHIMS, Kind, markdown, notes
+from memcalc.probe.shims import SHIMS, Kind, markdown, notes, patched, patched_items
 
 ROOT = Path(__file__).parents[2]
 SHIM_MODULES = {"megatron": "megatron_shim.py", "torchtitan": "torchtitan_shim.py", "hf": "hf_shim.py"}
-# mock.patch.object(target, "name", ...), and `owner.name = value` (not on the shims' own objects: their stand-in
-# modules, instances and the parameters they mark)
-PATCHED = re.compile(r'mock\.patch\.object\([\w.]+, "(\w+)"|^\s*(?!self\.|param\.|stub\.|module\.)\w+\.(\w+) = ', re.M)
+# `owner.name = value` (not on the shims' own objects: their stand-in modules, instances and the parameters they mark)
+PATCHED = re.compile(r"^\s*(?!self\.|param\.|stub\.|module\.)\w+\.(\w+) = ", re.M)
 
 
 # `a.x, b.y = ...`: several attributes patched at once
@@ -22,7 +23,9 @@ def _patched_names(library: str) -> set[str]:
     source = (ROOT / "memcalc" / "probe" / "libs" / SHIM_MODULES[library]).read_text()
     together = {target.rsplit(".", 1)[-1] for targets in PATCHED_TOGETHER.findall(source)
                 for target in targets.split(",") if "." in target}
-    return {a or b for a, b in PATCHED.findall(source)} | together
+    in_calls = {keyword.arg for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Call)
+                and getattr(node.func, "id", None) == "patched" for keyword in node.keywords}  # patched(owner, name=...)
+    return set(PATCHED.findall(source)) | together | (in_calls - {None, "create"})
 
 
 @pytest.mark.parametrize("library", SHIM_MODULES)
@@ -45,3 +48,34 @@ def test_measure_names_each_shims_kind_and_leaves_route_lines_to_route(library):
 def test_dropout_is_a_device_emulation_wherever_a_library_runs_it():
     dropout = [s for s in SHIMS if s.patched == "torch.nn.functional.dropout"]
     assert {s.library for s in dropout} == {"megatron", "hf"} and {s.kind for s in dropout} == {Kind.EMULATION}
+
+
+class _Base:
+    inherited = "base's"
+
+
+def test_patched_puts_back_an_owners_own_value_and_unshadows_an_inherited_one():
+    class Owner(_Base):
+        own = "owner's"
+
+    with patched(Owner, own=1, inherited=2):
+        assert (Owner.own, Owner.inherited) == (1, 2)
+    assert (Owner.own, Owner.inherited, "inherited" in vars(Owner)) == ("owner's", "base's", False)
+
+
+def test_patched_refuses_an_attribute_the_owner_lacks_unless_told_to_create_it():
+    owner = SimpleNamespace()
+    with pytest.raises(AttributeError, match="renamed"):
+        with patched(owner, renamed=1):
+            pass
+    with patched(owner, create=True, renamed=1):
+        assert owner.renamed == 1
+    assert not hasattr(owner, "renamed")
+
+
+def test_patched_items_leaves_the_table_as_it_was_even_what_was_added_inside():
+    table = {"kept": 1}
+    with patched_items(table, stand_in=2):
+        table["added inside"] = 3
+        assert table == {"kept": 1, "stand_in": 2, "added inside": 3}
+    assert table == {"kept": 1}

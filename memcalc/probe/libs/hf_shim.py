@@ -9,9 +9,8 @@ from __future__ import annotations
 from contextlib import ExitStack, contextmanager, nullcontext
 from types import MethodType
 from typing import Any, ContextManager, Iterator
-from unittest import mock
-
 from memcalc.probe import require_torch, shims
+from memcalc.probe.shims import patched
 
 torch = require_torch()
 
@@ -28,7 +27,7 @@ def cuda_like_dropout() -> Iterator[None]:
             return torch.native_dropout(input, p, True)[0]
         return original(input, p, training, inplace)
 
-    with mock.patch.object(torch.nn.functional, "dropout", dropout):
+    with patched(torch.nn.functional, dropout=dropout):
         yield
 
 
@@ -58,7 +57,7 @@ def forced_routing(router_classes: tuple[type, ...], route: str, k: int) -> Iter
     """While inside, each router class's forward picks the experts `route` assigns (`lead`)."""
     with ExitStack() as patches:
         for cls in router_classes:
-            patches.enter_context(mock.patch.object(cls, "forward", _leading(cls.forward, route, k)))
+            patches.enter_context(patched(cls, forward=_leading(cls.forward, route, k)))
         yield
 
 
@@ -80,7 +79,7 @@ def _leading(original: Any, route: str, k: int) -> Any:
             logits = linear(input, weight, bias)  # (tokens, E)
             return logits + lead(logits, route, k)
 
-        with mock.patch.object(torch.nn.functional, "linear", led):
+        with patched(torch.nn.functional, linear=led):
             return original(self, hidden_states)
 
     return forward

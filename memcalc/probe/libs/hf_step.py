@@ -20,7 +20,7 @@ from memcalc.probe.layer import DTYPES
 from memcalc.probe.libs import hf_tp
 from memcalc.probe.libs.hf import force_routes, transformers_config
 from memcalc.probe.libs.hf_shim import cuda_like_dropout, dropout_in_rerun
-from memcalc.probe.step import BATCH_SEED, StepMeasurement, Trainer, measure_trainer
+from memcalc.probe.step import BATCH_SEED, StepMeasurement, Trainer, check_route, measure_trainer
 
 torch = require_torch()
 import transformers  # noqa: E402  (memcalc[hf])
@@ -57,8 +57,7 @@ def causal_lm(config: ModelConfig, route: str | None, dtype: torch.dtype, device
     router forced to `route` for the model's life (a gradient checkpoint reruns it inside backward). The output object
     (and the bf16 logits in it) goes as the loss returns."""
     family = layer_family(config).name
-    if config.moe and route is None:
-        raise ProbeError("impl hf: --step on experts forces the router (--route balanced or all-to-one)")
+    check_route(config, route)
     hf_config = transformers_config(config, family)
     hf_config.use_cache = False
     if family == "deepseek_v3" and config.moe:  # every group eligible: the group-limited top-k keeps the forced route

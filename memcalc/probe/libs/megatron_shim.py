@@ -13,7 +13,6 @@ import sys
 import types
 from contextlib import ExitStack, contextmanager
 from typing import Any, Iterator
-from unittest import mock
 
 from memcalc.model import ledger
 from memcalc.model.ledger import NormTensors
@@ -22,6 +21,7 @@ from memcalc.probe.kernels import fused_causal_softmax, fused_causal_softmax_bac
 from memcalc.probe.libs.hf_shim import lead, route_lead
 from memcalc.probe.norm import EPS, Norm
 from memcalc.probe.recorder import batch_first, label
+from memcalc.probe.shims import patched, patched_items
 
 torch = require_torch()
 import torch.distributed as dist  # noqa: E402  (after the install check above)
@@ -45,23 +45,21 @@ def cpu_megatron() -> Iterator[None]:
     with ExitStack() as patches:
         enter = patches.enter_context
         enter(torch._dynamo.config.patch(disable=True))
-        enter(mock.patch.object(F, "dropout", _cuda_like_dropout))
-        enter(mock.patch.dict(sys.modules, {_SOFTMAX_EXTENSION: _softmax_extension(), _SOFTMAX_SIZES: _sizes()}))
-        enter(mock.patch.object(fused_softmax, "get_default_causal_mask", _causal_mask))
+        enter(patched(F, dropout=_cuda_like_dropout))
+        enter(patched_items(sys.modules, **{_SOFTMAX_EXTENSION: _softmax_extension(), _SOFTMAX_SIZES: _sizes()}))
+        enter(patched(fused_softmax, get_default_causal_mask=_causal_mask))
         if not torch.cuda.is_available():
-            enter(mock.patch.object(torch.cuda, "current_device", lambda: torch.device("cpu")))
-        enter(mock.patch.object(mrandom, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state()))
-        enter(mock.patch.object(mrandom, "_set_cuda_rng_state", lambda state, *a, **k: torch.set_rng_state(state)))
-        enter(mock.patch.object(mrandom, "_CUDA_RNG_STATE_TRACKER", _CpuRNGStatesTracker()))
-        enter(mock.patch.object(mrandom, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", True))
-        enter(mock.patch.object(multi_latent_attention, "HAVE_TE", False))
-        enter(mock.patch.object(moe_utils, "te_general_gemm", None, create=True))
+            enter(patched(torch.cuda, current_device=lambda: torch.device("cpu")))
+        enter(patched(mrandom, _get_cuda_rng_state=lambda *a, **k: torch.get_rng_state(),
+                      _set_cuda_rng_state=lambda state, *a, **k: torch.set_rng_state(state),
+                      _CUDA_RNG_STATE_TRACKER=_cpu_rng_tracker(), _CUDA_RNG_STATE_TRACKER_INITIALIZED=True))
+        enter(patched(multi_latent_attention, HAVE_TE=False))
+        enter(patched(moe_utils, create=True, te_general_gemm=None))
         alltoall = token_dispatcher.MoEAlltoAllTokenDispatcher
-        enter(mock.patch.object(alltoall, "cuda_dtoh_stream", "cpu"))  # not None: __init__ makes no CUDA stream
-        enter(mock.patch.object(alltoall, "_maybe_dtoh_and_synchronize", _cpu_dtoh))
+        # cuda_dtoh_stream not None: __init__ makes no CUDA stream
+        enter(patched(alltoall, cuda_dtoh_stream="cpu", _maybe_dtoh_and_synchronize=_cpu_dtoh))
         gather = token_dispatcher.gather_from_sequence_parallel_region
-        enter(mock.patch.object(token_dispatcher, "gather_from_sequence_parallel_region",
-                                _every_rank_like_this_one(gather)))
+        enter(patched(token_dispatcher, gather_from_sequence_parallel_region=_every_rank_like_this_one(gather)))
         yield
 
 
@@ -152,7 +150,7 @@ def forced_routing(route: str, k: int, ep: int) -> Iterator[None]:
         logits = gating(self, input)  # (s, b, E)
         return logits + lead(logits.view(-1, logits.shape[-1]), route, k, ep).view_as(logits)
 
-    with mock.patch.object(TopKRouter, "gating", led):
+    with patched(TopKRouter, gating=led):
         yield
 
 
@@ -166,39 +164,30 @@ def route_note(route: str) -> str:
 # -- the RNG tracker ----------------------------------------------------------------
 
 
-class _CpuRNGStatesTracker:
-    """megatron's CudaRNGStatesTracker over torch's CPU generator: named states, forked in turn."""
+def _cpu_rng_tracker() -> Any:
+    """megatron's CudaRNGStatesTracker over torch's CPU generator: its own named states and their bookkeeping, each
+    state added and forked on the CPU."""
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
 
-    def __init__(self) -> None:
-        self.states_: dict[str, torch.Tensor] = {}
-
-    def is_initialized(self) -> bool:
-        return bool(self.states_)
-
-    def reset(self) -> None:
-        self.states_ = {}
-
-    def get_states(self) -> dict[str, torch.Tensor]:
-        return dict(self.states_)
-
-    def set_states(self, states: dict[str, torch.Tensor]) -> None:
-        self.states_ = states
-
-    def add(self, name: str, seed: int) -> None:
-        outside = torch.get_rng_state()
-        torch.manual_seed(seed)
-        self.states_[name] = torch.get_rng_state()
-        torch.set_rng_state(outside)
-
-    @contextmanager
-    def fork(self, name: str = "model-parallel-rng") -> Iterator[None]:
-        outside = torch.get_rng_state()
-        torch.set_rng_state(self.states_[name])
-        try:
-            yield
-        finally:
+    class CpuRNGStatesTracker(CudaRNGStatesTracker):
+        def add(self, name: str, seed: int) -> None:
+            self._is_initialized = True
+            outside = torch.get_rng_state()
+            torch.manual_seed(seed)
             self.states_[name] = torch.get_rng_state()
             torch.set_rng_state(outside)
+
+        @contextmanager
+        def fork(self, name: str = "model-parallel-rng") -> Iterator[None]:
+            outside = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(outside)
+
+    return CpuRNGStatesTracker()
 
 
 def seed_rng_tracker(seed: int, tp_rank: int) -> None:

@@ -20,8 +20,8 @@ from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.layer import DTYPES
 from memcalc.probe.libs import torchtitan as titan
 from memcalc.probe.libs import torchtitan_shim as shim
-from memcalc.probe.libs.torchtitan_step import check_route, initialised
-from memcalc.probe.step import StepMeasurement, Trainer, batch, measure_trainer
+from memcalc.probe.libs.torchtitan_step import flex_inputs, initialised
+from memcalc.probe.step import StepMeasurement, Trainer, batch, check_route, measure_trainer
 from memcalc.sizing.pipeline import torchtitan_microbatches
 
 torch = require_torch()
@@ -68,11 +68,8 @@ class StageTrainer(Trainer):
         stage, config, m = self.stage, self.config, self.microbatches
         tokens, labels = batch(replace(config, b=config.b * m), self.main_grads.buffer.device)
         valid = (labels != IGNORE_INDEX).sum()
-        kwargs: list[dict] = [{} for _ in range(m)]
-        if self.cuda:  # one document a row, as the whole model's step has them
-            for x in kwargs:
-                positions = torch.arange(config.s, device=tokens.device).repeat(config.b, 1)
-                x |= {"positions": positions, "attention_masks": self.model.get_attention_masks(positions)}
+        # on CUDA one document a row, as the whole model's step has them
+        kwargs = [flex_inputs(self.model, config.b, config.s, tokens.device) if self.cuda else {} for _ in range(m)]
         losses: list | None = [] if stage.is_last else None
         _step(self.schedule, [(x,) for x in tokens.tensor_split(m)] if stage.is_first else None, kwargs,
               list(labels.tensor_split(m)) if stage.is_last else None, losses, {"global_valid_tokens": valid})

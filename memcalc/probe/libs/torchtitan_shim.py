@@ -13,10 +13,10 @@ import sys
 import types
 from contextlib import contextmanager
 from typing import Any, Iterator
-from unittest import mock
 
 from memcalc.probe import require_torch, shims
 from memcalc.probe.libs.hf_shim import lead, route_lead
+from memcalc.probe.shims import patched
 
 torch = require_torch()
 
@@ -48,7 +48,7 @@ def mesh_device(device_type: str) -> Any:
     """While building a mesh: torchtitan's device type is the rank's, not its "cuda" fallback."""
     from torchtitan.distributed import parallel_dims
 
-    return mock.patch.object(parallel_dims, "device_type", device_type)
+    return patched(parallel_dims, device_type=device_type)
 
 
 @contextmanager
@@ -76,9 +76,9 @@ def every_rank_routes_alike() -> Iterator[None]:
         received.copy_(mine.expand(ep, -1))
         return received
 
-    with (mock.patch.object(AllToAllTokenDispatcher, "_token_count_exchange", exchanged),
-          mock.patch.object(torch.distributed, "all_to_all", uneven)):
-        yield
+    with patched(AllToAllTokenDispatcher, _token_count_exchange=exchanged):
+        with patched(torch.distributed, all_to_all=uneven):
+            yield
 
 
 @contextmanager
@@ -87,8 +87,8 @@ def flex_on_cpu() -> Iterator[None]:
     are one document a row, so its block mask says the same), and its compiled create_block_mask runs as one op."""
     from torchtitan.models.common import attention, decoder
 
-    with mock.patch.object(attention.FlexAttention, "compiled_flex_attn", staticmethod(_flash)):
-        with mock.patch.object(decoder, "create_attention_mask", _block_mask):
+    with patched(attention.FlexAttention, compiled_flex_attn=staticmethod(_flash)):
+        with patched(decoder, create_attention_mask=_block_mask):
             yield
 
 
@@ -160,7 +160,7 @@ def cuda_like_op_checkpointing() -> Any:
 
     original = activation_checkpoint._get_default_save_ops
     cpu_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-    return mock.patch.object(activation_checkpoint, "_get_default_save_ops", lambda: original() | {cpu_flash})
+    return patched(activation_checkpoint, _get_default_save_ops=lambda: original() | {cpu_flash})
 
 
 @contextmanager
@@ -176,7 +176,7 @@ def op_checkpoint_caches() -> Iterator[list[dict]]:
         caches.append(contexts[0].storage)  # the caching mode's storage: {op: {call index: outputs}}
         return contexts
 
-    with mock.patch.object(activation_checkpoint, "create_selective_checkpoint_contexts", recording):
+    with patched(activation_checkpoint, create_selective_checkpoint_contexts=recording):
         yield caches
 
 
@@ -230,5 +230,5 @@ def pipeline_on_fake_group() -> Any:
         static = not InferenceMode.needs_dynamic(self._user_meta, has_backward)
         return torch.tensor([int(static)], dtype=torch.int32, device=self.device)
 
-    return mock.patch.multiple(stage.PipelineStage, _warmup_forward_vote=own_vote,
-                               _warmup_backward_result=lambda self, received_result=None: received_result)
+    return patched(stage.PipelineStage, _warmup_forward_vote=own_vote,
+                   _warmup_backward_result=lambda self, received_result=None: received_result)

@@ -17,7 +17,7 @@ from memcalc.probe.group import TensorParallelGroup
 from memcalc.probe.layer import DTYPES
 from memcalc.probe.libs import torchtitan as titan
 from memcalc.probe.libs import torchtitan_shim as shim
-from memcalc.probe.step import BATCH_SEED, StepMeasurement, Trainer, measure_trainer
+from memcalc.probe.step import BATCH_SEED, StepMeasurement, Trainer, check_route, measure_trainer
 
 torch = require_torch()
 
@@ -66,12 +66,6 @@ def on_meta(config: ModelConfig, sequence_parallel: bool, route: str | None, cud
     return model
 
 
-def check_route(config: ModelConfig, route: str | None) -> None:
-    """ProbeError for experts without a forced route: each expert's tokens would be the data's."""
-    if config.moe and route is None:
-        raise ProbeError("impl torchtitan: --step on experts forces the router (--route balanced or all-to-one)")
-
-
 def initialised(model: torch.nn.Module, config: ModelConfig, device: torch.device) -> None:
     """`model` under torchtitan's activation checkpointing for `recompute`, as its parallelize functions apply it,
     then each parameter given its own shard's storage (a view would keep the whole one) and initialised as torchtitan
@@ -96,19 +90,25 @@ def _forward(model: Any, config: ModelConfig, route: str | None, cuda: bool) -> 
     if config.moe:
         shim.route_gates(model, route, config.moe_router_topk)
     loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config(global_vocab_size=config.vocab_size))
-    held: list[Any] = []
+    held: dict[str, Any] = {}
 
     def forward(tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if cuda:
-            held.clear()
-            positions = torch.arange(tokens.shape[1], device=tokens.device).repeat(tokens.shape[0], 1)
-            held.extend((positions, model.get_attention_masks(positions)))
+            held.clear()  # the last step's go first
+            held.update(flex_inputs(model, *tokens.shape, tokens.device))
         valid = (labels != IGNORE_INDEX).sum()
-        pred = model(tokens, **({"positions": held[0], "attention_masks": held[1]} if cuda else {}))
+        pred = model(tokens, **held)
         loss, _ = loss_fn(pred, labels, valid)
         return loss
 
     return forward
+
+
+def flex_inputs(model: Any, b: int, s: int, device: torch.device) -> dict[str, Any]:
+    """Flex attention's inputs for b rows of s tokens, as torchtitan's trainer makes them on CUDA: the positions (one
+    document a row) and the block mask made of them."""
+    positions = torch.arange(s, device=device).repeat(b, 1)
+    return {"positions": positions, "attention_masks": model.get_attention_masks(positions)}
 
 
 def measure_torchtitan_fsdp_step_on_rank(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy,
