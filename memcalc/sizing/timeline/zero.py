@@ -4,11 +4,9 @@ memcalc.sizing.timeline.fsdp.Fsdp).
 
 Modelled from DeepSpeed 0.19.8's own sources (deepspeed/runtime/zero/stage_1_and_2.py, stage3.py,
 partitioned_param_coordinator.py) and measured by memcalc.probe.libs.hf_zero (DeepSpeed's engine on the fake group,
-the Trainer's fused torch AdamW over its two groups): at stages 1 and 2 the state between steps and the peak's
-total are MemTracker's to the byte (with experts and gradient checkpointing too), not yet the categories at the peak
-(MemTracker files the gradient partition as activations) nor its moment (MemTracker names none inside DeepSpeed's
-step); at stage 3 MemTracker does not see the partition DeepSpeed keeps on each parameter (ds_tensor, no module's
-parameter). bf16 with DeepSpeed's default gradient accumulation dtype (the model's), contiguous_gradients on,
+the Trainer's fused torch AdamW over its two groups): at stages 1 and 2 the state between steps and the peak, category
+by category, and its moment are MemTracker's to the byte (with experts and gradient checkpointing too); at stage 3
+MemTracker does not see the partition DeepSpeed keeps on each parameter (ds_tensor, no module's parameter). bf16 with DeepSpeed's default gradient accumulation dtype (the model's), contiguous_gradients on,
 overlap_comm off at stages 1 and 2 and on at stage 3 (DeepSpeed's defaults), and the sizes the Trainer fills for a
 config's "auto" (`DEEPSPEED_AUTO`). What the tape holds:
 
