@@ -53,13 +53,26 @@ def test_zero2s_optimizer_step_holds_deepspeeds_estimate_beside_its_flattened_co
 
 
 def test_zero2_reduces_a_bucket_of_reduce_bucket_size_before_it_overflows():
+    """grads_in_partition is allocated at the first reduction of a gradient reaching into rank 0's partition:
+    backward reduces the last layers' gradients, other ranks' partitions, first."""
     config, walk = _walk(2)
     reductions = [m for m in walk.moments if "reduce bucket reduced before" in m.what]
     assert reductions, "h^2 elements hold two of a layer's weights: some bucket fills up"
+    held = [PARTITION in {x.name for x in m.live} for m in reductions]
+    assert not held[0] and held[-1] and held == sorted(held), held
     for m in reductions:
         live = {x.name: x.bytes for x in m.live}
         assert live[BUCKET] == 2 * DEEPSPEED_AUTO["reduce_bucket_size"](config.h)
-        assert live[PARTITION] == 2 * Zero(config).in_partition
+        assert live.get(PARTITION, 2 * Zero(config).in_partition) == 2 * Zero(config).in_partition
+
+
+def test_zero2_keeps_a_gradient_wider_than_the_bucket_in_its_grad_until_the_next_reduction():
+    """DeepSpeed puts a gradient wider than reduce_bucket_size alone in the bucket, uncopied, and reduces it when the
+    next gradient arrives (stage_1_and_2.py: extra_large_param_to_reduce)."""
+    config, walk = _walk(2)
+    wide = "grad/lm_head"  # (v, h): wider than h^2 elements
+    holding = [m.what for m in walk.moments if wide in {x.name for x in m.live}]
+    assert holding and holding[-1] == "the reduce bucket reduced before model.norm's gradient would overflow it"
 
 
 def test_grads_in_partition_holds_each_weight_reaching_into_the_partition_whole():

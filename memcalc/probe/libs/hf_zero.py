@@ -92,10 +92,11 @@ class ZeroTrainer:
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
     def step(self) -> None:
-        """Load a batch, forward, engine.backward (its hooks reduce), engine.step (it zeroes the gradients)."""
+        """Load a batch, forward, engine.backward (its hooks reduce; scale_wrt_gas off, as transformers' Trainer
+        calls it), engine.step (it zeroes the gradients)."""
         tokens, labels = batch(self.config, torch.device("cpu"))
         loss = self.loss(tokens, labels)
-        self.engine.backward(loss)
+        self.engine.backward(loss, scale_wrt_gas=False)
         self.engine.step()
 
     def register(self, tracker: ZeroTracker) -> None:

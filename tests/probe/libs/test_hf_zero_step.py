@@ -40,7 +40,27 @@ def test_deepspeeds_step_holds_what_the_zero_walk_holds_between_steps_and_at_its
     at the peak, in DeepSpeed's step (the optimizer's moment): the first group's flat bf16 and fp32 gradient
     partitions and the gradient norm (temporaries) beside grads_in_partition (gradients), each category exact."""
     r = _step(stage, **changes)
+    _exact(r)
+    assert r.predicted_moment == "optimizer"
+
+
+def _exact(r) -> None:
+    """Every category between steps and at the peak, and the peak's moment, MemTracker's."""
     for at in ("steady", "peak"):
         assert all(row.predicted == row.measured for row in r.rows(at)), r.rows(at)
-    assert (r.predicted_moment, r.measured.moment, r.measured.group) == ("optimizer", "optimizer", "fake")
+    assert (r.predicted_moment, r.measured.group) == (r.measured.moment, "fake")
     assert r.rows("peak")[-1].measured == r.measured.peak_bytes
+
+
+@pytest.mark.parametrize("stage,changes,moment", [
+    (1, {"b": 3, "s": 65, "a": 4, "num_query_groups": 4}, "backward"),
+    (2, {"b": 3, "s": 61, "vocab_size": 1000, "num_query_groups": 1}, "backward"),
+    (2, {"b": 3, "s": 63, "recompute": "full"}, "backward model.layers.0.mlp"),
+])
+def test_a_peak_in_backward_holds_the_scaled_loss_and_the_reduce_buckets_state(one_thread, stage, changes, moment):
+    """Long sequences put the peak in backward: engine.backward's scaled copy of the loss is live; a gradient wider
+    than the bucket stays in its .grad until the next reduction; grads_in_partition is allocated at the first
+    reduction of a gradient reaching into this rank's partition (the last layer's are the other rank's)."""
+    r = _step(stage, **changes)
+    _exact(r)
+    assert r.predicted_moment == moment
