@@ -75,6 +75,18 @@ def test_zero2_keeps_a_gradient_wider_than_the_bucket_in_its_grad_until_the_next
     assert holding and holding[-1] == "the reduce bucket reduced before model.norm's gradient would overflow it"
 
 
+def test_stages_1_and_2_pad_each_groups_flat_buffer_to_a_multiple_of_2dp_elements():
+    """stage_1_and_2.py aligns each group's flat bf16 buffer to nccl_start_alignment_factor (2) * dp elements: at
+    dp = 3 the norms' 1,280 elements are 1,284 (a partition of 428, not 427), the weights' 1,736,704 are 1,736,706;
+    every rank holds the padded buffers whole."""
+    config, walk = _walk(2, dp=3)
+    zero = Zero(config)
+    weights, norms = zero.groups
+    assert (sum(weights), sum(norms)) == (1_736_704, 1_280)
+    assert (zero.partition(sum(weights)), zero.partition(sum(norms))) == (578_902, 428)
+    assert {x.name: x.bytes for x in walk.steady.live}["states/weights"] == 2 * (1_736_706 + 1_284)
+
+
 def test_grads_in_partition_holds_each_weight_reaching_into_the_partition_whole():
     """Two layers of 8 KiB weights, the norms apart: rank 0's partition of the weights' group ends inside one."""
     config = build_config(LLAMA | {"zero_stage": 2})

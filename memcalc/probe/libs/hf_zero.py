@@ -48,39 +48,45 @@ FILED = {"step": _MemRefType.TEMP, "setup_buckets": _MemRefType.GRAD, "copy_grad
 
 class ZeroTracker(MomentTracker):
     """A MomentTracker that files what DeepSpeed's ZeRO optimizer holds and makes as the walk does, as torch's
-    FSDPMemTracker files FSDP2's buffers; its step is the optimizer's moment (torch's optimizer hooks, which MemTracker
-    reads, see only the client optimizer's step inside it, whose states MemTracker files itself)."""
+    FSDPMemTracker files FSDP2's buffers, and names the walk's moments in DeepSpeed's own code: its step the
+    optimizer's (torch's optimizer hooks, which MemTracker reads, see only the client optimizer's step inside it,
+    whose states MemTracker files itself), the engine's reduction after loss.backward() returns backward's."""
 
     def __init__(self) -> None:
         super().__init__()
         self.filing: _MemRefType | None = None  # what the running method of `FILED` makes
+        self.phase = ""  # the walk's phase of the DeepSpeed method running, if it names one
 
-    def file(self, zero: Any) -> None:
+    def file(self, engine: Any) -> None:
         """The ZeRO optimizer's fp32 master partition (made before the tracker) as an optimizer state; its methods of
-        `FILED` wrapped on the instance, so that its own calls go through them too."""
+        `FILED`, its step and the engine's reduction wrapped on the instances, so that their own calls go through
+        them too."""
+        zero = engine.optimizer
         master = getattr(zero, "single_partition_of_fp32_groups", None) or zero.fp32_partitioned_groups_flat  # ZeRO-3's
         for x in master:
             self._update_and_maybe_create_winfos(x, _MemRefType.OPT)
         for name, reftype in FILED.items():
             if hasattr(zero, name):
-                setattr(zero, name, self._filed(getattr(zero, name), reftype))
+                setattr(zero, name, self._filed(getattr(zero, name), reftype, "optimizer" if name == "step" else ""))
+        engine.allreduce_gradients = self._filed(engine.allreduce_gradients, None, "backward")
 
-    def _filed(self, method: Callable, reftype: _MemRefType) -> Callable:
+    def _filed(self, method: Callable, reftype: _MemRefType | None, phase: str) -> Callable:
         @functools.wraps(method)
         def filed(*args, **kwargs):
-            outer, self.filing = self.filing, reftype
+            outer = self.filing, self.phase
+            self.filing, self.phase = reftype or self.filing, phase or self.phase
             try:
                 return method(*args, **kwargs)
             finally:
-                self.filing = outer
+                self.filing, self.phase = outer
         return filed
 
     def _track(self, reftype: _MemRefType, t: torch.Tensor) -> None:
         super()._track(reftype if self.filing is None or self._in_opt else self.filing, t)
 
     def where(self) -> str:
-        """MomentTracker's, or "optimizer" inside DeepSpeed's step."""
-        return "optimizer" if self.filing is FILED["step"] else super().where()
+        """MomentTracker's, or the phase of the DeepSpeed method running."""
+        return self.phase or super().where()
 
 
 @dataclass(frozen=True)
@@ -100,10 +106,9 @@ class ZeroTrainer:
         self.engine.step()
 
     def register(self, tracker: ZeroTracker) -> None:
-        """Show the tracker the weights, the client optimizer's states and the ZeRO optimizer (`ZeroTracker.file`)."""
-        zero = self.engine.optimizer
-        tracker.track_external(self.engine.module, zero.optimizer)
-        tracker.file(zero)
+        """Show the tracker the weights, the client optimizer's states and DeepSpeed's own (`ZeroTracker.file`)."""
+        tracker.track_external(self.engine.module, self.engine.optimizer.optimizer)
+        tracker.file(self.engine)
 
 
 def warmed_up_zero(tp: TensorParallelGroup, config: ModelConfig, route: str | None = None) -> ZeroTrainer:

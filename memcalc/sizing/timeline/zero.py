@@ -80,8 +80,10 @@ class Zero:
         self.in_bucket: list[str] = []  # the weights whose gradients the next reduction reduces
 
     def partition(self, elements: int) -> int:
-        """This rank's share of `elements`, as DeepSpeed pads a partition: ceil(n/dp)."""
-        return -(-elements // self.dp)
+        """This rank's share of `elements`, as DeepSpeed pads a partition: ceil(n/dp); at stages 1 and 2 of a group's
+        flat buffer, which it pads to a multiple of 2*dp elements (stage_1_and_2.py: nccl_start_alignment_factor)."""
+        align = self.dp * (2 if self.stage < 3 else 1)
+        return -(-elements // align) * align // self.dp
 
     @property
     def part(self) -> int:
@@ -112,7 +114,8 @@ class Zero:
                      "this rank's bf16 partition of each parameter, and those under"
                      " stage3_param_persistence_threshold (10h: the norms) whole")
         else:
-            tape.add("states/weights", PARAMETERS, self.act * self.params, "bf16 weights, whole on every rank")
+            tape.add("states/weights", PARAMETERS, self.act * self.dp * part, "bf16 weights, whole on every rank:"
+                     " each group's flat buffer, padded to dp partitions")
         tape.add("states/master_weights", OPTIMIZER, 4 * part, "this rank's fp32 partition of the weights")
         tape.add("states/adam_m", OPTIMIZER, 4 * part, "AdamW's first moment of the partition, fp32")
         tape.add("states/adam_v", OPTIMIZER, 4 * part, "AdamW's second moment of the partition, fp32")

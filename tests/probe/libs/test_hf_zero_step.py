@@ -18,8 +18,9 @@ QWEN2_MOE = MIXTRAL | {"family": "qwen2_moe", "moe_shared_expert_intermediate_si
 
 
 def _step(stage: int, **changes):
-    """The step at `stage` (dp 2) with the walk's and MemTracker's bytes; experts under the balanced route."""
-    config = make_config(LLAMA, zero_stage=stage, dp=2, **changes)
+    """The step at `stage` (dp 2 unless changed) with the walk's and MemTracker's bytes; experts under the balanced
+    route."""
+    config = make_config(LLAMA, **{"zero_stage": stage, "dp": 2} | changes)
     (r,) = measure_step(config, ["none"], route="balanced" if config.moe else None)
     return r
 
@@ -56,11 +57,15 @@ def _exact(r) -> None:
     (1, {"b": 3, "s": 65, "a": 4, "num_query_groups": 4}, "backward"),
     (2, {"b": 3, "s": 61, "vocab_size": 1000, "num_query_groups": 1}, "backward"),
     (2, {"b": 3, "s": 63, "recompute": "full"}, "backward model.layers.0.mlp"),
+    (2, {"b": 1, "s": 65, "dp": 3}, "backward"),
+    (1, {"b": 3, "s": 7, "dp": 3, "h": 48, "a": 6, "num_query_groups": 3, "ffn_hidden_size": 100}, "backward"),
 ])
 def test_a_peak_in_backward_holds_the_scaled_loss_and_the_reduce_buckets_state(one_thread, stage, changes, moment):
     """Long sequences put the peak in backward: engine.backward's scaled copy of the loss is live; a gradient wider
     than the bucket stays in its .grad until the next reduction; grads_in_partition is allocated at the first
-    reduction of a gradient reaching into this rank's partition (the last layer's are the other rank's)."""
+    reduction of a gradient reaching into this rank's partition (the last layer's are the other rank's). At dp = 3
+    each group's flat buffer is padded to 2*dp elements, and stage 1's peak is its reduction after loss.backward()
+    returns (the engine's, in its backward)."""
     r = _step(stage, **changes)
     _exact(r)
     assert r.predicted_moment == moment
