@@ -6,13 +6,15 @@ Modelled from DeepSpeed 0.19.8's own sources (deepspeed/runtime/zero/stage_1_and
 partitioned_param_coordinator.py) and measured by memcalc.probe.libs.hf_zero (DeepSpeed's engine on the fake group,
 the Trainer's fused torch AdamW over its two groups): at stages 1 and 2 the state between steps and the peak, category
 by category, and its moment are MemTracker's to the byte (with experts and gradient checkpointing too); at stage 3
-MemTracker does not see the partition DeepSpeed keeps on each parameter (ds_tensor, no module's parameter). bf16 with DeepSpeed's default gradient accumulation dtype (the model's), contiguous_gradients on,
-overlap_comm off at stages 1 and 2 and on at stage 3 (DeepSpeed's defaults), and the sizes the Trainer fills for a
-config's "auto" (`DEEPSPEED_AUTO`). What the tape holds:
+MemTracker does not see the partition DeepSpeed keeps on each parameter (ds_tensor, no module's parameter). bf16 with
+DeepSpeed's default gradient accumulation dtype (the model's), contiguous_gradients on, overlap_comm off at stages 1
+and 2 and on at stage 3 (DeepSpeed's defaults), and the sizes the Trainer fills for a config's "auto"
+(`DEEPSPEED_AUTO`). What the tape holds:
 
-    steady          bf16 weights (stage 3: this rank's partition, and the parameters under the persistence
-                    threshold whole); this rank's fp32 partition of master weights, Adam's m and v; at stage 3
-                    the reduce bucket and the bf16 gradient partition, allocated once at start-up
+    steady          bf16 weights (stages 1 and 2: each group's flat buffer, padded to 2*dp elements; stage 3:
+                    this rank's partition, and the parameters under the persistence threshold whole); this
+                    rank's fp32 partition of master weights, Adam's m and v; at stage 3 the reduce bucket and
+                    the bf16 gradient partition, allocated once at start-up
     forward, stage 3  each module gathered before it runs and released after; at a block's moment, its widest
                     module and the prefetch bucket's elements ahead of it (a bound: DeepSpeed prefetches the
                     modules its trace names, up to stage3_prefetch_bucket_size elements)
@@ -22,7 +24,7 @@ config's "auto" (`DEEPSPEED_AUTO`). What the tape holds:
                     (reduce_bucket_size bf16 elements) as autograd hands it over, the bucket reduced first when
                     the gradient would overflow it and this rank's part copied into the bf16 gradient partition
                     (grads_in_partition: whole, each gradient that reaches into this rank's partition; stage 2:
-                    allocated at the first reduction); a gradient wider than the bucket stays in its .grad, the
+                    allocated at the first reduction of one); a gradient wider than the bucket stays in its .grad, the
                     bucket's one gradient, until the next reduction; the last bucket reduced after
                     loss.backward() returns
     optimizer       the gradient norm; group by group (the Trainer's two; stage 3: one) the partition's bf16
