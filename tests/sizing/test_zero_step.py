@@ -12,7 +12,7 @@ from memcalc.errors import ConfigError
 from memcalc.model.strategy import STRATEGIES
 from memcalc.sizing.states import state_bytes, total_params
 from memcalc.sizing.timeline import OPTIMIZER, PARAMETERS, timeline
-from memcalc.sizing.timeline.zero import BUCKET, DEEPSPEED_AUTO, GATHERED, PARTITION, Zero
+from memcalc.sizing.timeline.zero import BUCKET, DEEPSPEED_AUTO, GATHERED, GRAD_NORM, PARTITION, Zero
 
 LLAMA = dict(impl="hf", b=1, s=128, h=256, a=8, L=2, vocab_size=512, mlp="swiglu", ffn_hidden_size=704,
              norm="rmsnorm", num_query_groups=4, position_embedding_type="rope", add_bias_linear=False, dropout=0.0,
@@ -48,7 +48,7 @@ def test_zero2s_optimizer_step_holds_deepspeeds_estimate_beside_its_flattened_co
                  and not name.startswith("states/rotary_emb."))  # LlamaRotaryEmbedding's buffers: no parameters
     reaching = live[PARTITION] - 2 * params // 8
     assert reaching > 0, "a weight straddles the partition's end: it is held whole"
-    assert states == estimate + live["zero/flat grad partition"] + live["optimizer/step"] + live["zero/grad norm"] \
+    assert states == estimate + live["zero/flat grad partition"] + live["optimizer/step"] + live[GRAD_NORM] \
         + reaching
 
 

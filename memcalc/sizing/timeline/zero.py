@@ -51,6 +51,7 @@ DEEPSPEED_AUTO = {
 # ZeRO's buffers on the tape.
 BUCKET, PARTITION, GATHERED = "zero/reduce bucket", "zero/bf16 grad partition", "zero/gathered"
 SCALED_LOSS = "zero/scaled loss"
+GRAD_NORM = "zero/gradient norm"  # not "zero/grad ...": the words for stage 1's whole gradients (timeline.words)
 
 
 class Zero:
@@ -212,7 +213,7 @@ class Zero:
         """The global gradient norm (two 0-d fp32 tensors: it and its unscaled copy), then group by group the
         partition's bf16 gradients flattened into a new tensor and cast to fp32 beside them, the flat copy freed; then
         the gradients freed (at stage 3 the partition buffer stays), AdamW in place."""
-        tape.add("zero/grad norm", TEMPORARIES, 4 * 2, "the global gradient norm and _global_grad_norm, 0-d fp32")
+        tape.add(GRAD_NORM, TEMPORARIES, 4 * 2, "the global gradient norm and _global_grad_norm, 0-d fp32")
         for i, group in enumerate(self.groups):
             part = self.partition(sum(group))
             tape.add("zero/flat grad partition", TEMPORARIES, self.act * part, f"group {i}'s bf16 gradients flattened")
@@ -223,4 +224,4 @@ class Zero:
         if self.stage != 3:
             tape.drop(PARTITION)
         tape.mark("optimizer", "", "AdamW on the fp32 partition, in place")
-        tape.drop("zero/grad norm", *[f"zero/fp32 grad partition {i}" for i in range(len(self.groups))])
+        tape.drop(GRAD_NORM, *[f"zero/fp32 grad partition {i}" for i in range(len(self.groups))])
