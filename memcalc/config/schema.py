@@ -155,6 +155,12 @@ class ModelConfig(Knobs):
         """One expert's MLP hidden size: moe_ffn_hidden_size, else the dense MLP's."""
         return self.moe_ffn_hidden_size if self.moe_ffn_hidden_size is not None else self.ffn
 
+    @property
+    def layer_inputs_cast(self) -> bool:
+        """Whether FSDP2's mixed precision casts every floating tensor a sharded layer is called with (dp_shard set):
+        the layout `estimate` puts in its Accounting, and the step walk reads (OLMo's cast RoPE tables)."""
+        return self.dp_shard is not None
+
     def is_moe_layer(self, i: int) -> bool:
         """Whether layer i (0-based) has a MoE MLP: i % moe_layer_freq == 0 (Megatron-LM's rule), past the first
         moe_first_dense_layers (DeepSeek's first_k_dense_replace). `moe_layers` counts them."""

@@ -174,7 +174,7 @@ def estimate(config: ModelConfig, strategy: Strategy, accounting: Accounting = A
     """Per-rank activation bytes of `config` under `strategy`, tensor by tensor."""
     strategy = check_strategy(config, strategy)
     knobs = Knobs.of(config)
-    accounting = replace(accounting, layer_inputs_cast=config.dp_shard is not None)
+    accounting = replace(accounting, layer_inputs_cast=config.layer_inputs_cast)
     sizes = dim_sizes(config, config.t if strategy.sequence_parallel else 1)
 
     def kept_bytes(layer_knobs: Knobs) -> tuple[TensorBytes, ...]:

@@ -668,7 +668,7 @@ class Accounting:
     on CUDA but kept in the activation dtype on CPU, and an implementation may
     keep other tensors where a CPU kernel is not its CUDA twin.
     `layer_inputs_cast` is the config's layout, not a choice: `estimate` sets it
-    from dp_shard for every caller.
+    from the config's (ModelConfig.layer_inputs_cast) for every caller.
     """
 
     exact: bool = False

@@ -374,15 +374,15 @@ def measure_step_on_rank(tp: TensorParallelGroup, config: ModelConfig, strategy:
 
 
 def measure_trainer(trainer: Trainer, tp: TensorParallelGroup, strategy: Strategy,
-                    kinds: dict[str, str] = MEASURED_CATEGORIES) -> StepMeasurement:
-    """One step of a warmed-up trainer under MemTracker: the state before it, the peak, and where the peak was (each
-    filed by `kinds`, MemTracker's categories as the timeline's)."""
-    tracker = MomentTracker()
+                    tracker: MomentTracker | None = None) -> StepMeasurement:
+    """One step of a warmed-up trainer under MemTracker (or `tracker`, a library's): the state before it, the peak,
+    and where the peak was."""
+    tracker = tracker or MomentTracker()
     trainer.register(tracker)
-    steady = categories(tracker.get_tracker_snapshot("current"), kinds)
+    steady = categories(tracker.get_tracker_snapshot("current"))
     with tracker:
         trainer.step()
-    peak = categories(tracker.get_tracker_snapshot("peak"), kinds)
+    peak = categories(tracker.get_tracker_snapshot("peak"))
     return StepMeasurement(strategy.name, tp.size, tp.mode, steady, peak, sum(peak.values()), tracker.moment)
 
 

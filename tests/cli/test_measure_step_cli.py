@@ -67,7 +67,7 @@ def test_a_step_beyond_one_percent_exits_1_naming_the_category(config, monkeypat
     (["--impl", "paper"], "--step runs memcalc's own Megatron-style model, transformers' LlamaForCausalLM"),
     (["--impl", "torchtitan"], "the step timeline for impl torchtitan does not model position_embedding_type"),
     (["--impl", "hf", "--t", "2"], "the step timeline for impl hf does not model tied embeddings under tp"),
-    (["--impl", "hf", "--zero-stage", "2"], "--step does not compare DeepSpeed's ZeRO-2 step"),
+    (["--impl", "hf", "--zero-stage", "3"], "--step does not compare DeepSpeed's ZeRO-3 step"),
 ])
 def test_what_does_not_apply_or_is_not_modelled_exits_2_before_running(config, flags, needle):
     _one_line_error(memcalc_cli("measure", "--config", config, "--step", *flags), 2, needle)
@@ -198,3 +198,20 @@ def test_impl_hf_steps_gpt_oss_from_its_config_json_to_the_byte():
     assert [c["predicted"] - c["measured"] for c in none["peak"].values()] == [0] * len(none["peak"])
     assert none["peak_bytes"]["predicted"] == none["peak_bytes"]["measured"] == 812_268
     assert none["steady_bytes"]["predicted"] == none["steady_bytes"]["measured"] and none["moment"]["match"]
+
+
+def test_impl_hf_under_deepspeed_zero_2_matches_every_category_in_deepspeeds_step_and_exits_0(tmp_path):
+    """DeepSpeed's engine at ZeRO-2 (rank 0 of dp = 2): the peak, in DeepSpeed's step (the optimizer's moment), every
+    category and the steady state are MemTracker's exactly (memcalc.probe.libs.hf_zero.ZeroTracker)."""
+    pytest.importorskip("deepspeed")
+    path = tmp_path / "zero.yaml"
+    path.write_text(STEP_YAML.replace("t: 2\n", "").replace("b: 2\ns: 24", "b: 1\ns: 7") + "impl: hf\nzero_stage: 2\n"
+                    "dp: 2\nnum_query_groups: 2\nffn_hidden_size: 176\nposition_embedding_type: rope\n"
+                    "add_bias_linear: false\ntie_embeddings: false\n")
+    run = memcalc_cli("measure", "--config", str(path), "--step", "--strategy", "none", "--json")
+    assert run.code == 0, run.err
+    none = json.loads(run.out)["strategies"]["none"]
+    assert [c["predicted"] - c["measured"] for c in none["peak"].values()] == [0] * len(none["peak"])
+    assert none["peak_bytes"]["predicted"] == none["peak_bytes"]["measured"]
+    assert none["steady_bytes"]["predicted"] == none["steady_bytes"]["measured"]
+    assert none["moment"] == {**none["moment"], "predicted": "optimizer", "measured": "optimizer", "match": True}

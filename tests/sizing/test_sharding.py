@@ -124,8 +124,8 @@ def test_fit_finds_the_smallest_fsdp2_shard_group_that_fits_hsdp_replicating_the
     (("estimate", "--config", "tiny", "--dp-shard", "2", "--distributed-optimizer"), "dp_shard=2 under impl megatron"),
     (("estimate", "--config", "tiny", "--zero-stage", "5"), "--zero-stage"),
     (("measure", "--config", "tiny", "--impl", "hf", "--zero-stage", "2"), "give --step"),
-    (("measure", "--config", "tiny", "--impl", "hf", "--zero-stage", "2", "--step", "--t", "1", "--dtype", "fp32"),
-     "--step does not compare DeepSpeed's ZeRO-2 step"),
+    (("measure", "--config", "tiny", "--impl", "hf", "--zero-stage", "3", "--step", "--t", "1"),
+     "--step does not compare DeepSpeed's ZeRO-3 step"),
 ])
 def test_the_cli_refuses_a_layout_the_stack_cannot_run_in_one_line(args, needle):
     from tests.cli import memcalc_cli, one_line_error

@@ -51,6 +51,12 @@ def test_a_moment_under_zero3_names_the_gathered_modules_and_the_bucket():
                                      " partition")
 
 
+def test_zero2s_peak_in_its_step_names_the_gradient_partition_not_stage_1s_whole_gradients():
+    """The gradient norm DeepSpeed's step makes is no gradient stage 1 keeps whole."""
+    peak, _ = _peak(zero_stage=2, dp=2, b=1, s=7)
+    assert (peak.phase, in_words(peak)) == ("optimizer", f"optimizer ({peak.what}): the bf16 gradient partition")
+
+
 def test_without_sharding_a_moment_is_its_phase_block_and_op_alone():
     peak, _ = _peak()
     assert in_words(peak) == f"{peak.phase} ({peak.what})"

@@ -12,7 +12,7 @@ from memcalc.errors import ConfigError
 from memcalc.model.strategy import STRATEGIES
 from memcalc.sizing.states import state_bytes, total_params
 from memcalc.sizing.timeline import OPTIMIZER, PARAMETERS, timeline
-from memcalc.sizing.timeline.zero import BUCKET, DEEPSPEED_AUTO, GATHERED, PARTITION, Zero
+from memcalc.sizing.timeline.zero import BUCKET, DEEPSPEED_AUTO, GATHERED, GRAD_NORM, PARTITION, Zero
 
 LLAMA = dict(impl="hf", b=1, s=128, h=256, a=8, L=2, vocab_size=512, mlp="swiglu", ffn_hidden_size=704,
              norm="rmsnorm", num_query_groups=4, position_embedding_type="rope", add_bias_linear=False, dropout=0.0,
@@ -48,18 +48,43 @@ def test_zero2s_optimizer_step_holds_deepspeeds_estimate_beside_its_flattened_co
                  and not name.startswith("states/rotary_emb."))  # LlamaRotaryEmbedding's buffers: no parameters
     reaching = live[PARTITION] - 2 * params // 8
     assert reaching > 0, "a weight straddles the partition's end: it is held whole"
-    assert states == estimate + live["zero/flat grad partition"] + live["optimizer/step"] + live["zero/grad norm"] \
+    assert states == estimate + live["zero/flat grad partition"] + live["optimizer/step"] + live[GRAD_NORM] \
         + reaching
 
 
 def test_zero2_reduces_a_bucket_of_reduce_bucket_size_before_it_overflows():
+    """grads_in_partition is allocated at the first reduction of a gradient reaching into rank 0's partition:
+    backward reduces the last layers' gradients, other ranks' partitions, first."""
     config, walk = _walk(2)
     reductions = [m for m in walk.moments if "reduce bucket reduced before" in m.what]
     assert reductions, "h^2 elements hold two of a layer's weights: some bucket fills up"
+    held = [PARTITION in {x.name for x in m.live} for m in reductions]
+    assert not held[0] and held[-1] and held == sorted(held), held
     for m in reductions:
         live = {x.name: x.bytes for x in m.live}
         assert live[BUCKET] == 2 * DEEPSPEED_AUTO["reduce_bucket_size"](config.h)
-        assert live[PARTITION] == 2 * Zero(config).in_partition
+        assert live.get(PARTITION, 2 * Zero(config).in_partition) == 2 * Zero(config).in_partition
+
+
+def test_zero2_keeps_a_gradient_wider_than_the_bucket_in_its_grad_until_the_next_reduction():
+    """DeepSpeed puts a gradient wider than reduce_bucket_size alone in the bucket, uncopied, and reduces it when the
+    next gradient arrives (stage_1_and_2.py: extra_large_param_to_reduce)."""
+    config, walk = _walk(2)
+    wide = "grad/lm_head"  # (v, h): wider than h^2 elements
+    holding = [m.what for m in walk.moments if wide in {x.name for x in m.live}]
+    assert holding and holding[-1] == "the reduce bucket reduced before model.norm's gradient would overflow it"
+
+
+def test_stages_1_and_2_pad_each_groups_flat_buffer_to_a_multiple_of_2dp_elements():
+    """stage_1_and_2.py aligns each group's flat bf16 buffer to nccl_start_alignment_factor (2) * dp elements: at
+    dp = 3 the norms' 1,280 elements are 1,284 (a partition of 428, not 427), the weights' 1,736,704 are 1,736,706;
+    every rank holds the padded buffers whole."""
+    config, walk = _walk(2, dp=3)
+    zero = Zero(config)
+    weights, norms = zero.groups
+    assert (sum(weights), sum(norms)) == (1_736_704, 1_280)
+    assert (zero.partition(sum(weights)), zero.partition(sum(norms))) == (578_902, 428)
+    assert {x.name: x.bytes for x in walk.steady.live}["states/weights"] == 2 * (1_736_706 + 1_284)
 
 
 def test_grads_in_partition_holds_each_weight_reaching_into_the_partition_whole():

@@ -36,7 +36,7 @@ def fp32_rope(config: ModelConfig) -> bool:
 def cast(config: ModelConfig) -> bool:
     """Whether FSDP2's MixedPrecisionPolicy casts the model's fp32 tables to bf16 at each sharded layer's pre-forward
     (the ledger's OLMO_ROPE_CAST, kept by that layer's RoPE, which is then Llama's; the model's tables its locals)."""
-    return rules.tables_cast(config, config.dp_shard is not None)
+    return rules.tables_cast(config, config.layer_inputs_cast)
 
 
 def cast_inputs() -> Op:

@@ -4,27 +4,29 @@ memcalc.sizing.timeline.fsdp.Fsdp).
 
 Modelled from DeepSpeed 0.19.8's own sources (deepspeed/runtime/zero/stage_1_and_2.py, stage3.py,
 partitioned_param_coordinator.py) and measured by memcalc.probe.libs.hf_zero (DeepSpeed's engine on the fake group,
-the Trainer's fused torch AdamW over its two groups): at stages 1 and 2 the state between steps and the peak's
-total are MemTracker's to the byte (with experts and gradient checkpointing too), not yet the categories at the peak
-(MemTracker files the gradient partition as activations) nor its moment (MemTracker names none inside DeepSpeed's
-step); at stage 3 MemTracker does not see the partition DeepSpeed keeps on each parameter (ds_tensor, no module's
-parameter). bf16 with DeepSpeed's default gradient accumulation dtype (the model's), contiguous_gradients on,
-overlap_comm off at stages 1 and 2 and on at stage 3 (DeepSpeed's defaults), and the sizes the Trainer fills for a
-config's "auto" (`DEEPSPEED_AUTO`). What the tape holds:
+the Trainer's fused torch AdamW over its two groups): at stages 1 and 2 the state between steps and the peak, category
+by category, and its moment are MemTracker's to the byte (with experts and gradient checkpointing too); at stage 3
+MemTracker does not see the partition DeepSpeed keeps on each parameter (ds_tensor, no module's parameter). bf16 with
+DeepSpeed's default gradient accumulation dtype (the model's), contiguous_gradients on, overlap_comm off at stages 1
+and 2 and on at stage 3 (DeepSpeed's defaults), and the sizes the Trainer fills for a config's "auto"
+(`DEEPSPEED_AUTO`). What the tape holds:
 
-    steady          bf16 weights (stage 3: this rank's partition, and the parameters under the persistence
-                    threshold whole); this rank's fp32 partition of master weights, Adam's m and v; at stage 3
-                    the reduce bucket and the bf16 gradient partition, allocated once at start-up
+    steady          bf16 weights (stages 1 and 2: each group's flat buffer, padded to 2*dp elements; stage 3:
+                    this rank's partition, and the parameters under the persistence threshold whole); this
+                    rank's fp32 partition of master weights, Adam's m and v; at stage 3 the reduce bucket and
+                    the bf16 gradient partition, allocated once at start-up
     forward, stage 3  each module gathered before it runs and released after; at a block's moment, its widest
                     module and the prefetch bucket's elements ahead of it (a bound: DeepSpeed prefetches the
                     modules its trace names, up to stage3_prefetch_bucket_size elements)
-    backward        stage 1: each weight's bf16 gradient kept whole to the end of backward, then reduced
-                    bucket by bucket and this rank's partition copied out; stages 2 and 3: each gradient
-                    copied into the reduce bucket (reduce_bucket_size bf16 elements) as autograd hands it
-                    over, the bucket reduced when the next gradient would overflow it and this rank's part
-                    copied into the bf16 gradient partition (grads_in_partition: whole, each gradient that reaches
-                    into this rank's partition; stage 2: allocated at the first reduction); a gradient wider than
-                    the bucket is reduced on its own
+    backward        engine.backward's scaled copy of the loss, to its end; stage 1: each weight's bf16
+                    gradient kept whole to the end of backward, then reduced bucket by bucket and this rank's
+                    partition copied out; stages 2 and 3: each gradient copied into the reduce bucket
+                    (reduce_bucket_size bf16 elements) as autograd hands it over, the bucket reduced first when
+                    the gradient would overflow it and this rank's part copied into the bf16 gradient partition
+                    (grads_in_partition: whole, each gradient that reaches into this rank's partition; stage 2:
+                    allocated at the first reduction of one); a gradient wider than the bucket stays in its .grad, the
+                    bucket's one gradient, until the next reduction; the last bucket reduced after
+                    loss.backward() returns
     optimizer       the gradient norm; group by group (the Trainer's two; stage 3: one) the partition's bf16
                     gradients flattened into a new tensor and cast to fp32 (the fp32 gradient partition the
                     optimizer reads); AdamW in place, the bf16 weights gathered back
@@ -36,8 +38,8 @@ import itertools
 
 from memcalc.config.schema import ModelConfig
 from memcalc.model.knobs import DTYPE_BYTES
-from memcalc.sizing.timeline.fsdp import ROOT, Fsdp, hf_layer, hf_root
-from memcalc.sizing.timeline.tape import GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, Tape, prod
+from memcalc.sizing.timeline.fsdp import ROOT, Fsdp, Param, hf_layer, hf_root
+from memcalc.sizing.timeline.tape import ACTIVATIONS, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, Tape, prod
 
 # transformers' HfTrainerDeepSpeedConfig.trainer_config_finalize: what a DeepSpeed config's "auto" becomes, in
 # elements, from the model's hidden size h.
@@ -48,6 +50,8 @@ DEEPSPEED_AUTO = {
 }
 # ZeRO's buffers on the tape.
 BUCKET, PARTITION, GATHERED = "zero/reduce bucket", "zero/bf16 grad partition", "zero/gathered"
+SCALED_LOSS = "zero/scaled loss"
+GRAD_NORM = "zero/gradient norm"  # not "zero/grad ...": the words for stage 1's whole gradients (timeline.words)
 
 
 class Zero:
@@ -59,22 +63,30 @@ class Zero:
         self.layer, self.root = hf_layer(config, 1, 0).shapes, hf_root(config, 1).shapes
         self.threshold = threshold = DEEPSPEED_AUTO["stage3_param_persistence_threshold"](h)
         # every layer's own (a MoE model's dense layers among sparse ones hold other shapes), in registration order
-        shapes = [self.root[0], *(x for i in range(config.L) for x in hf_layer(config, 1, i).shapes), *self.root[1:]]
+        root = hf_root(config, 1).params
+        params = [root[0], *(x for i in range(config.L) for x in hf_layer(config, 1, i).params), *root[1:]]
+        shapes = [shape for _, shape in params]
         # the Trainer's two parameter groups (weights with decay, norms without), each partitioned on its own; stage 3
         # (not measured) flattened whole
-        decay, rest = [prod(x) for x in shapes if len(x) > 1], [prod(x) for x in shapes if len(x) == 1]
-        self.groups = (decay, rest) if config.zero_stage < 3 else ([prod(x) for x in shapes],)
+        groups = ([x for x in params if len(x[1]) > 1], [x for x in params if len(x[1]) == 1]) \
+            if config.zero_stage < 3 else (params,)
+        self.groups = tuple([prod(shape) for _, shape in group] for group in groups)
         self.stage, self.dp, self.act = config.zero_stage, config.dp, DTYPE_BYTES[config.dtype]  # act: bf16's bytes
+        self.mine = {name: n for group in groups for name, n in self._reaching(group).items()}
         self.params = sum(prod(x) for x in shapes)  # every parameter of the model
         # stage 3: parameters under the persistence threshold, kept whole
         self.persistent = sum(prod(x) for x in shapes if prod(x) < threshold) if config.zero_stage == 3 else 0
         self.bucket = DEEPSPEED_AUTO["reduce_bucket_size"](h)
         self.prefetch = DEEPSPEED_AUTO["stage3_prefetch_bucket_size"](h)
         self.filled = 0  # elements in the reduce bucket
+        self.wide: list[str] = []  # a gradient wider than the bucket, alone in it until the next reduction
+        self.in_bucket: list[str] = []  # the weights whose gradients the next reduction reduces
 
     def partition(self, elements: int) -> int:
-        """This rank's share of `elements`, as DeepSpeed pads a partition: ceil(n/dp)."""
-        return -(-elements // self.dp)
+        """This rank's share of `elements`, as DeepSpeed pads a partition: ceil(n/dp); at stages 1 and 2 of a group's
+        flat buffer, which it pads to a multiple of 2*dp elements (stage_1_and_2.py: nccl_start_alignment_factor)."""
+        align = self.dp * (2 if self.stage < 3 else 1)
+        return -(-elements // align) * align // self.dp
 
     @property
     def part(self) -> int:
@@ -83,12 +95,15 @@ class Zero:
 
     @property
     def in_partition(self) -> int:
-        """Stages 1 and 2: the elements of grads_in_partition, each parameter that reaches into rank 0's partition of
-        its group whole (stage_1_and_2.py: params_in_partition's numel)."""
-        def reaching(group: list[int]) -> int:
-            starts = itertools.accumulate(group, initial=0)
-            return sum(n for n, start in zip(group, starts) if start < self.partition(sum(group)))
-        return sum(reaching(group) for group in self.groups)
+        """Stages 1 and 2: the elements of grads_in_partition, each parameter of `mine` whole."""
+        return sum(self.mine.values())
+
+    def _reaching(self, group: list[Param]) -> dict[str, int]:
+        """Stages 1 and 2: the group's parameters that reach into rank 0's partition of it, by module path, with their
+        elements: grads_in_partition holds each whole (stage_1_and_2.py: params_in_partition)."""
+        sizes = [prod(shape) for _, shape in group]
+        starts = itertools.accumulate(sizes, initial=0)
+        return {name: n for (name, _), n, start in zip(group, sizes, starts) if start < self.partition(sum(sizes))}
 
     block_of = staticmethod(Fsdp.block_of)
 
@@ -102,7 +117,8 @@ class Zero:
                      "this rank's bf16 partition of each parameter, and those under"
                      " stage3_param_persistence_threshold (10h: the norms) whole")
         else:
-            tape.add("states/weights", PARAMETERS, self.act * self.params, "bf16 weights, whole on every rank")
+            tape.add("states/weights", PARAMETERS, self.act * self.dp * part, "bf16 weights, whole on every rank:"
+                     " each group's flat buffer, padded to dp partitions")
         tape.add("states/master_weights", OPTIMIZER, 4 * part, "this rank's fp32 partition of the weights")
         tape.add("states/adam_m", OPTIMIZER, 4 * part, "AdamW's first moment of the partition, fp32")
         tape.add("states/adam_v", OPTIMIZER, 4 * part, "AdamW's second moment of the partition, fp32")
@@ -126,7 +142,10 @@ class Zero:
                  f"ZeRO-3: {block}'s widest module gathered whole in bf16, and the prefetch bucket's elements ahead")
 
     def forward_done(self, tape: Tape, keep: str | None = None) -> None:
-        """Forward's gathers are released with their modules."""
+        """engine.backward scales the loss (the Trainer turns its division by the accumulation steps off; the loss
+        scaler multiplies by 1.0 in bf16): a new 0-d fp32 tensor, to the end of engine.backward. Forward's gathers are
+        released with their modules."""
+        tape.add(SCALED_LOSS, ACTIVATIONS, 4, "engine.backward's loss times the loss scaler's scale, 0-d fp32")
 
     def post_forward(self, tape: Tape, block: str) -> None:
         """Modules are released after their forward (the next block's gather replaces this one's)."""
@@ -135,56 +154,66 @@ class Zero:
         self.copy_out(tape, block, "backward", where)
 
     def keep_grad(self, tape: Tape, block: str, name: str, nbytes: int) -> None:
-        """A weight's bf16 gradient, as autograd hands it over: kept whole at stage 1; copied into the reduce bucket
-        at stages 2 and 3 (reduced first if it would overflow), or reduced on its own if wider than the bucket."""
-        elements = nbytes // self.act
+        """A weight's bf16 gradient, as autograd hands it over: kept whole at stage 1; at stages 2 and 3 the bucket
+        reduced first if the gradient would overflow it, then the gradient copied into the bucket, or, wider than the
+        bucket, left in its .grad as the bucket's one gradient until the next reduction."""
         if self.stage == 1:
             tape.add(f"zero/grad {name}", GRADIENTS, nbytes, "the weight's bf16 .grad, kept whole to the end of"
                      " backward (stage 1 reduces after it)")
             return
+        grad, elements = f"grad/{name}", nbytes // self.act
+        tape.add(grad, GRADIENTS, nbytes, "the weight's bf16 .grad, as autograd hands it over")
         if BUCKET not in tape.live:
             tape.add(BUCKET, GRADIENTS, self.act * self.bucket, "the reduce bucket, reduce_bucket_size bf16 elements,"
                      " allocated at backward's first gradient")
-        if elements > self.bucket:  # reduced in place on its own .grad, then this rank's part copied out
-            tape.add(f"zero/grad {name}", GRADIENTS, nbytes, "a gradient wider than the bucket, reduced on its own")
-            self._to_partition(tape, name, f"{name}'s gradient, wider than the bucket, reduced on its own")
-            tape.drop(f"zero/grad {name}")
-            return
-        if self.filled + elements > self.bucket:
-            self._to_partition(tape, name, f"the reduce bucket reduced before {name}'s gradient would overflow it")
-            self.filled = 0
+        if self.filled and self.filled + elements > self.bucket:
+            self._reduce(tape, name, f"the reduce bucket reduced before {name}'s gradient would overflow it")
         self.filled += elements
+        self.in_bucket.append(name)
+        if elements > self.bucket:
+            self.wide.append(grad)
+        else:
+            tape.drop(grad)  # copied into the bucket, its .grad a view of it
 
-    def _to_partition(self, tape: Tape, where: str, what: str) -> None:
-        """This rank's part of a reduction copied into the bf16 gradient partition (allocated at the first)."""
-        if PARTITION not in tape.live:
+    def _reduce(self, tape: Tape, where: str, what: str) -> None:
+        """The bucket reduced into the gradient partition; a gradient wider than the bucket goes with it (its .grad
+        moved into the partition or cleared)."""
+        self._to_partition(tape, where, what, reaching=any(name in self.mine for name in self.in_bucket))
+        tape.drop(*self.wide)
+        self.filled, self.wide, self.in_bucket = 0, [], []
+
+    def _to_partition(self, tape: Tape, where: str, what: str, reaching: bool = True) -> None:
+        """This rank's part of a reduction copied into the bf16 gradient partition, allocated at the first reduction
+        of a gradient `reaching` into it (copy_grads_in_partition: a reduction of others' only clears them)."""
+        if reaching and PARTITION not in tape.live:
             tape.add(PARTITION, GRADIENTS, self.act * self.in_partition, "grads_in_partition: each bf16 gradient"
                      " that reaches into this rank's partition, whole, allocated at the first reduction")
         tape.mark("backward", where, what)
 
     def post_backward(self, tape: Tape, block: str, where: str) -> None:
         """At the end of backward (the root's post-backward): the last bucket reduced, or at stage 1 every gradient
-        reduced bucket by bucket and this rank's partition copied out; then the buffers stages 1 and 2 allocate
-        per step released, the gradient partition kept for the optimizer."""
+        reduced bucket by bucket and this rank's partition copied out, both after loss.backward() returns (its seed
+        gone); then the buffers stages 1 and 2 allocate per step released, the gradient partition kept for the
+        optimizer, and engine.backward's scaled loss with it as it returns."""
         if block != ROOT:
             return
+        tape.drop("loss/grad seed")
         if self.stage == 1:
             tape.add(BUCKET, GRADIENTS, self.act * self.bucket,
                      "the reduce bucket, allocated when the reduction starts")
             self._to_partition(tape, "", "stage 1 reduces every gradient after backward, bucket by bucket")
             tape.drop(*[n for n in tape.live if n.startswith("zero/grad ")])
         else:
-            self._to_partition(tape, "", "the last reduce bucket reduced at the end of backward")
+            self._reduce(tape, "", "the last reduce bucket reduced at the end of backward")
         if self.stage != 3:
             tape.drop(BUCKET)
-        tape.drop(*[n for n in tape.live if n.startswith(f"{GATHERED} ")])
-        self.filled = 0
+        tape.drop(SCALED_LOSS, *[n for n in tape.live if n.startswith(f"{GATHERED} ")])
 
     def optimizer_step(self, tape: Tape) -> None:
         """The global gradient norm (two 0-d fp32 tensors: it and its unscaled copy), then group by group the
         partition's bf16 gradients flattened into a new tensor and cast to fp32 beside them, the flat copy freed; then
         the gradients freed (at stage 3 the partition buffer stays), AdamW in place."""
-        tape.add("zero/grad norm", TEMPORARIES, 4 * 2, "the global gradient norm and _global_grad_norm, 0-d fp32")
+        tape.add(GRAD_NORM, TEMPORARIES, 4 * 2, "the global gradient norm and _global_grad_norm, 0-d fp32")
         for i, group in enumerate(self.groups):
             part = self.partition(sum(group))
             tape.add("zero/flat grad partition", TEMPORARIES, self.act * part, f"group {i}'s bf16 gradients flattened")
@@ -195,4 +224,4 @@ class Zero:
         if self.stage != 3:
             tape.drop(PARTITION)
         tape.mark("optimizer", "", "AdamW on the fp32 partition, in place")
-        tape.drop("zero/grad norm", *[f"zero/fp32 grad partition {i}" for i in range(len(self.groups))])
+        tape.drop(GRAD_NORM, *[f"zero/fp32 grad partition {i}" for i in range(len(self.groups))])

@@ -1,7 +1,7 @@
 """One training step of transformers' LlamaForCausalLM under DeepSpeed's own engine (memcalc.probe.libs.hf_zero,
 rank 0 of dp through the fake group), against the ZeRO walk (memcalc.sizing.timeline.zero): at stages 1 and 2 the
-state between steps and the peak's total are MemTracker's to the byte, with experts and gradient checkpointing too;
-the categories at the peak and its moment are not yet (docs/limitations.md, "DeepSpeed's step")."""
+state between steps and the peak, category by category, and its moment are MemTracker's to the byte, with experts and
+gradient checkpointing too (hf_zero.ZeroTracker files DeepSpeed's buffers as the walk does)."""
 
 import pytest
 
@@ -18,8 +18,9 @@ QWEN2_MOE = MIXTRAL | {"family": "qwen2_moe", "moe_shared_expert_intermediate_si
 
 
 def _step(stage: int, **changes):
-    """The step at `stage` (dp 2) with the walk's and MemTracker's bytes; experts under the balanced route."""
-    config = make_config(LLAMA, zero_stage=stage, dp=2, **changes)
+    """The step at `stage` (dp 2 unless changed) with the walk's and MemTracker's bytes; experts under the balanced
+    route."""
+    config = make_config(LLAMA, **{"zero_stage": stage, "dp": 2} | changes)
     (r,) = measure_step(config, ["none"], route="balanced" if config.moe else None)
     return r
 
@@ -37,9 +38,34 @@ def _step(stage: int, **changes):
 ])
 def test_deepspeeds_step_holds_what_the_zero_walk_holds_between_steps_and_at_its_peak(one_thread, stage, changes):
     """Between steps: bf16 weights whole, this rank's fp32 master partition, Adam's moments and the two groups' steps;
-    at the peak, in DeepSpeed's step: the first group's flat bf16 and fp32 gradient partitions beside
-    grads_in_partition and the gradient norm."""
+    at the peak, in DeepSpeed's step (the optimizer's moment): the first group's flat bf16 and fp32 gradient
+    partitions and the gradient norm (temporaries) beside grads_in_partition (gradients), each category exact."""
     r = _step(stage, **changes)
-    steady, peak = r.rows("steady")[-1], r.rows("peak")[-1]
-    assert (steady.predicted, r.measured.group) == (steady.measured, "fake"), r.rows("steady")
-    assert peak.predicted == peak.measured == r.measured.peak_bytes, r.rows("peak")
+    _exact(r)
+    assert r.predicted_moment == "optimizer"
+
+
+def _exact(r) -> None:
+    """Every category between steps and at the peak, and the peak's moment, MemTracker's."""
+    for at in ("steady", "peak"):
+        assert all(row.predicted == row.measured for row in r.rows(at)), r.rows(at)
+    assert (r.predicted_moment, r.measured.group) == (r.measured.moment, "fake")
+    assert r.rows("peak")[-1].measured == r.measured.peak_bytes
+
+
+@pytest.mark.parametrize("stage,changes,moment", [
+    (1, {"b": 3, "s": 65, "a": 4, "num_query_groups": 4}, "backward"),
+    (2, {"b": 3, "s": 61, "vocab_size": 1000, "num_query_groups": 1}, "backward"),
+    (2, {"b": 3, "s": 63, "recompute": "full"}, "backward model.layers.0.mlp"),
+    (2, {"b": 1, "s": 65, "dp": 3}, "backward"),
+    (1, {"b": 3, "s": 7, "dp": 3, "h": 48, "a": 6, "num_query_groups": 3, "ffn_hidden_size": 100}, "backward"),
+])
+def test_a_peak_in_backward_holds_the_scaled_loss_and_the_reduce_buckets_state(one_thread, stage, changes, moment):
+    """Long sequences put the peak in backward: engine.backward's scaled copy of the loss is live; a gradient wider
+    than the bucket stays in its .grad until the next reduction; grads_in_partition is allocated at the first
+    reduction of a gradient reaching into this rank's partition (the last layer's are the other rank's). At dp = 3
+    each group's flat buffer is padded to 2*dp elements, and stage 1's peak is its reduction after loss.backward()
+    returns (the engine's, in its backward)."""
+    r = _step(stage, **changes)
+    _exact(r)
+    assert r.predicted_moment == moment
