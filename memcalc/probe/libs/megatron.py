@@ -116,13 +116,18 @@ def _check_experts(config: ModelConfig, tp: TensorParallelGroup, strategy: Strat
     if tp.size > 1 and not strategy.sequence_parallel:
         raise ProbeError("impl megatron: MoELayer refuses tensor parallelism without sequence parallelism in"
                          " training (megatron-core's own check); measure MoE with --strategy tp-sp or none")
-    if config.add_bias_linear:
-        raise ProbeError("impl megatron: megatron-core's MoE has no biases with expert tensor parallelism or"
-                         " shared experts, and without them its expert adds fc2's bias in place to the output of a"
-                         " one-rank reduce (a view autograd refuses); set add_bias_linear: false in the config")
+    check_expert_biases(config)
     if config.ep > 1 and tp.mode not in ("single", "fake"):
         raise ProbeError(f"ep={config.ep} runs as rank 0 of t*ep={tp.size * config.ep} ranks in torch's fake"
                          f" group only; measure with --launch fake (not {tp.mode})")
+
+
+def check_expert_biases(config: ModelConfig) -> None:
+    """MoELayer's experts cannot train with biases here, in the layer probe and the step alike."""
+    if config.moe and config.add_bias_linear:
+        raise ProbeError("impl megatron: megatron-core's MoE has no biases with expert tensor parallelism or"
+                         " shared experts, and without them its expert adds fc2's bias in place to the output of a"
+                         " one-rank reduce (a view autograd refuses); set add_bias_linear: false in the config")
 
 
 def fake_world(config: ModelConfig, t: int) -> str | None:

@@ -17,7 +17,7 @@ from memcalc.errors import ProbeError
 from memcalc.model.strategy import Strategy
 from memcalc.probe import require_torch
 from memcalc.probe.group import TensorParallelGroup
-from memcalc.probe.libs.megatron import WEIGHT_SEED, _model_parallel, _quiet, transformer_config
+from memcalc.probe.libs.megatron import WEIGHT_SEED, _model_parallel, _quiet, check_expert_biases, transformer_config
 from memcalc.probe.libs.megatron_shim import cpu_megatron, forced_routing, layer_spec, seed_rng_tracker
 from memcalc.probe.step import BATCH_SEED, GPT, StepMeasurement, Trainer, measure_trainer
 
@@ -52,6 +52,7 @@ def warmed_up(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy) 
     if config.mla and config.add_bias_linear:
         raise ProbeError("impl megatron: --step adds no bias after MLASelfAttention's linear_proj (skip_bias_add);"
                          " set add_bias_linear: false, as DeepSeek trains")
+    check_expert_biases(config)
     megatron_config = transformer_config(config, tp.size, strategy.sequence_parallel and tp.size > 1)
     torch.manual_seed(WEIGHT_SEED)
     seed_rng_tracker(WEIGHT_SEED, tp.rank)  # the core's attention dropout forks the model-parallel state

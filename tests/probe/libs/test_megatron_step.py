@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
 
-from memcalc.errors import ConfigError  # noqa: E402
+from memcalc.errors import ConfigError, ProbeError  # noqa: E402
 from memcalc.model.knobs import Accounting  # noqa: E402
 from memcalc.model.strategy import STRATEGIES  # noqa: E402
 from memcalc.probe.group import single  # noqa: E402
@@ -335,6 +335,13 @@ def test_a_megatron_moe_step_peaks_where_the_timeline_says_to_the_byte(one_threa
 def test_a_megatron_moe_step_is_measured_only_under_the_route_that_pins_the_walks_bound(route, bound):
     with pytest.raises(ConfigError, match="needs --route balanced with moe_tokens balanced"):
         measure_step(make_config(MOE, moe_tokens=bound), ["none"], route=route)
+
+
+def test_a_megatron_moe_step_with_biased_experts_is_refused_in_one_line_not_a_traceback():
+    # megatron-core's expert adds fc2's bias in place to the output of a one-rank reduce, which autograd refuses
+    with pytest.raises(ProbeError, match="set add_bias_linear: false") as err:
+        measure_step(make_config(MOE, add_bias_linear=True), ["none"], route="balanced")
+    assert "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize("changes, strategy, words", [
