@@ -113,7 +113,7 @@ def print_steps(config: ModelConfig, results: list[StepComparison], tolerance: f
 
 
 def _table(r: StepComparison) -> Table:
-    ranks = f"rank 0 of t={r.measured.t}" if r.predicted.stage == "only" else r.how().split(" (")[0].split("as ")[1]
+    ranks = f"rank 0 of {r.world or 't=1'}" if r.predicted.stage == "only" else r.how().split(" (")[0].split("as ")[1]
     table = comparison_table(f"{_name(r)} ({r.strategy.title}): {ranks}, one step", "at the peak")
     *rows, total = r.rows("peak")
     for row in rows:

@@ -9,6 +9,7 @@ MemTracker's categories are read, and the libraries' own models under `--step`: 
 from __future__ import annotations
 
 import importlib
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -508,6 +509,7 @@ class StepComparison:
     measured: StepMeasurement
     model: str = "memcalc's own GPT"  # what ran: STEP_MODELS
     device: str = "cpu"  # whose kernels: cuda runs the CPU as CUDA runs (torchtitan's shim)
+    world: str = ""  # the fake group's world in its factors (t=2, dp_shard*t=2*2=4); "" for one process alone
 
     @property
     def predicted_moment(self) -> str:
@@ -543,7 +545,7 @@ class StepComparison:
             return (f"one process as rank {rank} of pp={self.measured.t} (the {self.predicted.stage} pipeline stage)"
                     f" through torch's fake process group {on}")
         if self.launch is Mode.FAKE:
-            return f"one process as rank 0 of t={self.measured.t} through torch's fake process group {on}"
+            return f"one process as rank 0 of {self.world} through torch's fake process group {on}"
         return f"one process (t=1) {on}"
 
 
@@ -591,16 +593,32 @@ def measure_step(config: ModelConfig, strategies: list[str], route: str | None =
                                 rank=stage_rank(predicted.stage, config.pp))
             out.append(StepComparison(strategy, Mode.FAKE, predicted, measured, model, device))
             continue
-        zero = config.zero_stage is not None
-        mode = Mode.FAKE if strategy.tensor_parallel and config.t > 1 or config.dp_shard or zero else Mode.SINGLE
-        tp = config.t if strategy.tensor_parallel else 1
-        # FSDP2: the fake group is every rank of the mesh, dp_replicate*dp_shard*t; DeepSpeed's, dp
-        t = config.dp if zero else (config.dp_replicate or 1) * (config.dp_shard or 1) * tp if mode is Mode.FAKE else 1
+        world = _fake_world(config, strategy)
+        mode = Mode.FAKE if world else Mode.SINGLE
         routed = (route,) if config.moe else ()  # only the MoE runners take one
         routed = (route, device) if device != "cpu" else routed  # torchtitan's runner takes the device after it
-        (measured,) = run(trainer, (config, strategy, *routed), mode=mode, t=t)
-        out.append(StepComparison(strategy, mode, predicted, measured, model, device))
+        (measured,) = run(trainer, (config, strategy, *routed), mode=mode, t=math.prod(world.values()) if world else 1)
+        out.append(StepComparison(strategy, mode, predicted, measured, model, device, _in_words(world)))
     return out
+
+
+def _fake_world(config: ModelConfig, strategy: Strategy) -> dict[str, int]:
+    """The factors of the fake group's world a whole-model step runs rank 0 of (empty: one process alone): FSDP2's
+    mesh dp_replicate*dp_shard*t, DeepSpeed's dp, or tp's t."""
+    tp = config.t if strategy.tensor_parallel else 1
+    if config.zero_stage is not None:
+        return {"dp": config.dp}
+    if config.dp_shard:
+        return {name: n for name, n in (("dp_replicate", config.dp_replicate), ("dp_shard", config.dp_shard),
+                                        ("t", tp)) if n and n > 1} or {"dp_shard": config.dp_shard}
+    return {"t": tp} if tp > 1 else {}
+
+
+def _in_words(world: dict[str, int]) -> str:
+    """The fake group's world as its factors say it: t=2, dp=3, dp_shard*t=2*2=4."""
+    if len(world) == 1:
+        return "{}={}".format(*next(iter(world.items())))
+    return f"{'*'.join(world)}={'*'.join(map(str, world.values()))}={math.prod(world.values())}"
 
 
 def _stages(config: ModelConfig) -> tuple[str | None, ...]:

@@ -131,6 +131,19 @@ def test_impl_hf_under_its_own_tp_plan_runs_rank_zero_of_t_and_exits_0(tmp_path)
         assert words in run.out, (words, run.out)
 
 
+def test_a_sharded_step_names_the_ranks_it_runs_one_of_by_their_layout_not_as_t(tmp_path):
+    """Under FSDP2 the fake group's world is dp_shard*t (each factor named), not "t=4"."""
+    pytest.importorskip("transformers")
+    path = tmp_path / "llama.yaml"
+    path.write_text(STEP_YAML.replace("b: 2\ns: 24", "b: 1\ns: 7") + "impl: hf\nnum_query_groups: 2\n"
+                    "ffn_hidden_size: 176\nposition_embedding_type: rope\nadd_bias_linear: false\n"
+                    "tie_embeddings: false\ndp_shard: 2\n")
+    run = memcalc_cli("measure", "--config", str(path), "--step", "--strategy", "all", "--attention", "eager")
+    assert (run.code, run.err) == (0, "")
+    for words in ("rank 0 of dp_shard=2, one step", "one process as rank 0 of dp_shard*t=2*2=4 through torch's fake"):
+        assert words in run.out, (words, run.out)
+
+
 def test_impl_hf_refuses_tp_sp_citing_transformers(config):
     run = memcalc_cli("measure", "--config", config, "--step", "--impl", "hf", "--strategy", "tp-sp")
     _one_line_error(run, 2, "transformers has no sequence parallelism")
