@@ -5,7 +5,9 @@ timeline (every layer of DeepSeek-V3 671B, pp 16) walks in under a second. This 
 `memcalc.sizing.timeline.timelines` (every stage that bounds memory) for:
 
   - each shipped config (DeepSeek-V3's 61 layers on one stage), under its own implementation, each strategy;
-  - the same under the transformers implementation (`--impl hf`), where it is walked.
+  - the same under the transformers implementation (`--impl hf`), where it is walked;
+  - each shipped mixture of experts under `--impl hf` with transformers' eager expert loop, walked expert by expert
+    (qwen3-30b-a3b: 128 experts in each of 48 layers).
 
 DeepSeek-V3's 61 layers do not split evenly over pp 16 (memcalc models even stages), so its full-model walk is the
 one stage of pp 1, which walks all 61: more than any stage of pp 16 would.
@@ -37,9 +39,14 @@ def cases() -> list[tuple[str, str, dict[str, object]]]:
     sys.path.insert(0, str(ROOT))
     from memcalc.config.shipped import shipped_names
 
+    from memcalc.config.schema import load_config
+
     found = []
     for name in shipped_names():
         found += [(name, name, {}), (f"{name} --impl hf", name, {"impl": "hf"})]
+    eager = {"impl": "hf", "experts_implementation": "eager"}
+    found += [(f"{name} --impl hf, eager experts", name, eager) for name in shipped_names()
+              if load_config(Path(name), {}).moe]
     return found
 
 
