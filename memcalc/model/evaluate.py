@@ -99,10 +99,11 @@ def routed_slots(config: ModelConfig, bound: str, routers: Any = 1) -> Any:
 def capacity_slots(config: ModelConfig, routers: Any = 1) -> Any:
     """The slots one rank's experts receive when every expert is full: each of the `routers` ranks that split a
     tensor-parallel group's b*s/cp tokens keeps ceil(k*(b*s/cp/routers)/E * c) slots an expert (Megatron's
-    get_capacity on the tokens one router sees), and this rank's E/ep experts take them from the ep groups."""
+    get_capacity on the tokens one router sees), at most one a token (topk_routing_with_capacity masks no token
+    where the capacity exceeds them), and this rank's E/ep experts take them from the ep groups."""
     c, local = config, config.b * (config.s // config.cp) // routers
     per_expert = -(-((c.moe_router_topk * local / c.num_experts) * c.moe_expert_capacity_factor) // 1)
-    return _whole(per_expert) * c.num_experts * routers
+    return minimum(_whole(per_expert), local) * c.num_experts * routers
 
 
 def _whole(x: Any) -> Any:
