@@ -192,9 +192,11 @@ def estimate(config: ModelConfig, strategy: Strategy, accounting: Accounting = A
     sizes = dim_sizes(config, routers(config, strategy))
 
     def kept_bytes(layer_knobs: Knobs) -> tuple[TensorBytes, ...]:
-        kept = strategy.kept(tensors_at(layer_knobs, accounting, sizes, strategy.weight_shards(config.t)))
+        # a dense layer among MoE ones under its own MLP's TP plan too (torchtitan keeps w1's input gathered under SP)
+        laid = strategy if layer_knobs is knobs else plan(layer_knobs, strategy)
+        kept = laid.kept(tensors_at(layer_knobs, accounting, sizes, laid.weight_shards(config.t)))
         return tuple(
-            TensorBytes(x, rank_shape(x, strategy, sizes, config.t), element_bytes(x.kind, knobs, accounting))
+            TensorBytes(x, rank_shape(x, laid, sizes, config.t), element_bytes(x.kind, knobs, accounting))
             for x in kept
         )
 
