@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from memcalc.model.evaluate import LayerEstimate, dim_sizes, estimate
+from memcalc.model.evaluate import LayerEstimate, dim_sizes, estimate, routers
 from memcalc.model.impls import layer_tensors, size_rule, tensors_at
 from memcalc.model.impls.paper import outside
 from memcalc.model.knobs import KNOBS, Accounting, Impl, Knobs
@@ -69,7 +69,7 @@ def departures(
     names = [*mine, *(n for n in theirs if n not in mine)]
     differing = [(n, mine.get(n, 0) - theirs.get(n, 0)) for n in names if mine.get(n, 0) != theirs.get(n, 0)]
     knobs, t = Knobs.of(config), result.strategy.weight_shards(config.t)
-    sizes = dim_sizes(config, config.t if result.strategy.sequence_parallel else 1)
+    sizes = dim_sizes(config, routers(config, result.strategy))
     out, claimed = [], set()
     for rule, moved in (_window(knobs, sizes, t, accounting), *_settings(knobs, sizes, t, accounting)):
         by_rule = tuple((n, d) for n, d in differing if n in moved and n not in claimed)

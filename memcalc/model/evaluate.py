@@ -39,8 +39,15 @@ def dim_sizes(config: ModelConfig, routers: Any = 1) -> dict[Dim, Any]:
         Dim.FE: config.expert_ffn,
         Dim.U: config.moe_shared_expert_intermediate_size or 0,
         Dim.R: routed_slots(config, config.moe_tokens, routers),
-        Dim.RS: routed_slots(config, "balanced", routers),  # r_s: the slots its own tokens keep, whatever the route
+        Dim.RS: routed_slots(config, "own", routers),  # r_s: the slots its own tokens keep, whatever the route
     }
+
+
+def routers(config: ModelConfig, strategy: Strategy) -> int:
+    """The ranks that split a tensor-parallel group's tokens before a MoE router (`dim_sizes`): t under SP, and
+    under TP where the library's plan splits the MoE's tokens over the TP ranks (torchtitan at ep = t: its `splits`)."""
+    split = strategy.sequence_parallel or strategy.tensor_parallel and bool(implementation(config).splits(config))
+    return config.t if split else 1
 
 
 def rotary_sizes(config: Any) -> dict[Dim, Any]:
@@ -68,28 +75,35 @@ def mla_sizes(config: Any) -> dict[Dim, Any]:
 def routed_slots(config: ModelConfig, bound: str, routers: Any = 1) -> Any:
     """r: the token-expert slots one rank's experts receive in one MoE layer, under `bound` (numbers or arrays).
 
-    With etp = t the slots of the t ranks sharing experts arrive on each, so r does not depend on t. balanced:
-    k*b*s; worst: every token of the ep ranks sends all k slots here, ep*b*s*min(k, E/ep). A capacity factor caps
-    each bound at every expert full (`capacity_slots`), which is r itself when padded to capacity.
+    With etp = t the slots of the t ranks sharing experts arrive on each, so r does not depend on t. balanced: each of
+    the `routers` of each ep rank deals its k*b*s/routers slots round the ep ranks (the forced balanced route: slot m
+    to rank m mod ep), so a rank receives ep*routers*ceil(k*b*s/(routers*ep)): k*b*s where ep divides a router's
+    slots, more where not (the first ranks get one more from each); own: k*b*s, the slots this rank's own tokens
+    keep, whatever the route; worst: every token of the ep ranks sends all k slots here, ep*b*s*min(k, E/ep). A
+    capacity factor caps each bound at every expert full (`capacity_slots`), which is r itself when padded to capacity
+    (capacity: the worst, so capped).
     """
     c, tokens = config, config.b * (config.s // config.cp)
     k = c.moe_router_topk
     worst = c.ep * tokens * minimum(k, c.num_experts // c.ep)
+    bounds = {"own": k * tokens, "balanced": -(-(k * (tokens // routers)) // c.ep) * c.ep * routers, "worst": worst,
+              "capacity": worst}  # capacity: capped below
     if c.moe_expert_capacity_factor is None:
-        return worst if bound == "worst" else k * tokens
+        return bounds[bound]
     full = capacity_slots(config, routers)
     if c.moe_pad_expert_input_to_capacity:
         return full
-    return minimum(full, k * tokens if bound == "balanced" else worst)
+    return minimum(full, bounds[bound])
 
 
 def capacity_slots(config: ModelConfig, routers: Any = 1) -> Any:
     """The slots one rank's experts receive when every expert is full: each of the `routers` ranks that split a
     tensor-parallel group's b*s/cp tokens keeps ceil(k*(b*s/cp/routers)/E * c) slots an expert (Megatron's
-    get_capacity on the tokens one router sees), and this rank's E/ep experts take them from the ep groups."""
+    get_capacity on the tokens one router sees), at most one a token (topk_routing_with_capacity masks no token
+    where the capacity exceeds them), and this rank's E/ep experts take them from the ep groups."""
     c, local = config, config.b * (config.s // config.cp) // routers
     per_expert = -(-((c.moe_router_topk * local / c.num_experts) * c.moe_expert_capacity_factor) // 1)
-    return _whole(per_expert) * c.num_experts * routers
+    return minimum(_whole(per_expert), local) * c.num_experts * routers
 
 
 def _whole(x: Any) -> Any:
@@ -175,12 +189,14 @@ def estimate(config: ModelConfig, strategy: Strategy, accounting: Accounting = A
     strategy = check_strategy(config, strategy)
     knobs = Knobs.of(config)
     accounting = replace(accounting, layer_inputs_cast=config.layer_inputs_cast)
-    sizes = dim_sizes(config, config.t if strategy.sequence_parallel else 1)
+    sizes = dim_sizes(config, routers(config, strategy))
 
     def kept_bytes(layer_knobs: Knobs) -> tuple[TensorBytes, ...]:
-        kept = strategy.kept(tensors_at(layer_knobs, accounting, sizes, strategy.weight_shards(config.t)))
+        # a dense layer among MoE ones under its own MLP's TP plan too (torchtitan keeps w1's input gathered under SP)
+        laid = strategy if layer_knobs is knobs else plan(layer_knobs, strategy)
+        kept = laid.kept(tensors_at(layer_knobs, accounting, sizes, laid.weight_shards(config.t)))
         return tuple(
-            TensorBytes(x, rank_shape(x, strategy, sizes, config.t), element_bytes(x.kind, knobs, accounting))
+            TensorBytes(x, rank_shape(x, laid, sizes, config.t), element_bytes(x.kind, knobs, accounting))
             for x in kept
         )
 

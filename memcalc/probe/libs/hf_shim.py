@@ -46,6 +46,10 @@ def route_note(route: str) -> str:
     return f"hf: the router is forced ({route}): its logits get {route_lead(route)}; its scores and top-k run as written"
 
 
+# a balanced route's words where it deals over ep ranks (`lead`): megatron's and torchtitan's shims print them
+DEALT = " (over ep, residue m = q ep + r on rank r's expert q)"
+
+
 def route_lead(route: str) -> str:
     """What a forced route adds to the logits, in words (megatron's shim forces its router the same way)."""
     where = "experts (ik + j) mod E for token i, slot j" if route == "balanced" else "experts 0..k-1 for every token"

@@ -18,7 +18,7 @@ from memcalc.model import ledger
 from memcalc.model.ledger import NormTensors
 from memcalc.probe import require_torch, shims
 from memcalc.probe.kernels import fused_causal_softmax, fused_causal_softmax_backward
-from memcalc.probe.libs.hf_shim import lead, route_lead
+from memcalc.probe.libs.hf_shim import DEALT, lead, route_lead
 from memcalc.probe.norm import EPS, Norm
 from memcalc.probe.recorder import batch_first, label
 from memcalc.probe.shims import patched, patched_items
@@ -156,7 +156,7 @@ def forced_routing(route: str, k: int, ep: int) -> Iterator[None]:
 
 def route_note(route: str) -> str:
     """The `shim:` line a forced route prints."""
-    dealt = " (over ep, residue m = q ep + r on rank r's expert q)" if route == "balanced" else ""
+    dealt = DEALT if route == "balanced" else ""
     return f"the router is forced ({route}): TopKRouter.gating's logits get {route_lead(route)}{dealt}; softmax and" \
         " top-k run as written"
 

@@ -325,7 +325,7 @@ def run_layer(
         caches = stack.enter_context(shim.op_checkpoint_caches())
         block = build_block(config, tp, strategy, dims)
         x = block_input(config, tp, strategy)
-        shim.route_gates(block, route, config.moe_router_topk)
+        shim.route_gates(block, route, config.moe_router_topk, config.ep)
         state = chain(block.parameters(), block.buffers())  # buffers: the RoPE table is state, like a weight
         log = stack.enter_context(CollectiveLog())
         with SavedTensorRecorder(state) as recorder:

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 from memcalc.probe import require_torch, shims
-from memcalc.probe.libs.hf_shim import lead, route_lead
+from memcalc.probe.libs.hf_shim import DEALT, lead, route_lead
 from memcalc.probe.shims import patched
 
 torch = require_torch()
@@ -189,12 +189,15 @@ def cached_tensors(caches: list[dict]) -> list[torch.Tensor]:
 
 def route_note(route: str) -> str:
     """The `shim:` line a forced route prints."""
-    return f"torchtitan: the router is forced ({route}): its gate's logits get {route_lead(route)}; the rest as written"
+    dealt = DEALT if route == "balanced" else ""
+    return f"torchtitan: the router is forced ({route}): its gate's logits get {route_lead(route)}{dealt}; the rest as" \
+        " written"
 
 
-def route_gates(block: torch.nn.Module, route: str | None, k: int) -> None:
-    """Hooks that make each MoE gate of `block` run as under CUDA's autocast(float32), its logits led by `route`,
-    in forward and in a checkpoint's rerun in backward alike, for the life of `block`."""
+def route_gates(block: torch.nn.Module, route: str | None, k: int, ep: int = 1) -> None:
+    """Hooks that make each MoE gate of `block` run as under CUDA's autocast(float32), its logits led by `route`
+    (balanced: dealt round the `ep` ranks first, as megatron's), in forward and in a checkpoint's rerun in backward
+    alike, for the life of `block`."""
     from torchtitan.models.common.moe import TokenChoiceTopKRouter
 
     found: list[tuple[bool, Any]] = []  # the CPU autocast state each running gate found
@@ -212,7 +215,7 @@ def route_gates(block: torch.nn.Module, route: str | None, k: int) -> None:
             torch.set_autocast_dtype("cpu", dtype)
             if not enabled:
                 torch.clear_autocast_cache()
-        return logits if route is None else logits + lead(logits.flatten(0, -2), route, k).view_as(logits)
+        return logits if route is None else logits + lead(logits.flatten(0, -2), route, k, ep).view_as(logits)
 
     for gate in [m.gate for m in block.modules() if isinstance(m, TokenChoiceTopKRouter)]:
         gate.register_forward_pre_hook(fp32_on_cpu)

@@ -88,7 +88,7 @@ def _forward(model: Any, config: ModelConfig, route: str | None, cuda: bool) -> 
     (its trainer holds them through this one's backward)."""
     model.train()
     if config.moe:
-        shim.route_gates(model, route, config.moe_router_topk)
+        shim.route_gates(model, route, config.moe_router_topk, config.ep)
     loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config(global_vocab_size=config.vocab_size))
     held: dict[str, Any] = {}
 

@@ -38,7 +38,7 @@ class Slots:
             tokens = z.b * z.s
             return cls(tokens, k * tokens, k * tokens, e, config.expert_ffn // z.t)
         tokens = z.b * z.s // z.t
-        return cls(tokens, k * tokens, routed_slots(config, config.moe_tokens) // z.t, e // config.ep,
+        return cls(tokens, k * tokens, routed_slots(config, config.moe_tokens, z.t) // z.t, e // config.ep,
                    config.expert_ffn)
 
 

@@ -32,6 +32,7 @@ SIZES = {"b": 2, "s": 32, "h": 64, "a": 16, "num_experts": 4, "moe_router_topk":
          "add_bias_linear": False, "dropout": 0.0}
 SWIGLU = {"mlp": "swiglu"}
 SHARED = {"moe_shared_expert_intermediate_size": 48}
+TOP1 = {"moe_router_topk": 1, "moe_router_pre_softmax": True}  # megatron's top-1 takes the softmax over all E
 
 CASES = {
     "gelu experts": ("none", 1, {}),
@@ -48,6 +49,10 @@ CASES = {
     "ep=2": ("none", 1, {"ep": 2}),
     "ep=4, one expert a rank": ("none", 1, SWIGLU | {"ep": 4}),
     "ep=2 under tp-sp t=2": ("tp-sp", 2, SHARED | {"ep": 2}),
+    # found by a drawn run: where ep does not divide a router's k*b*s slots the forced route deals rank 0 one more from
+    # each (here 2 of 3, so it receives 4); the rules said k*b*s = 3 (expert_in 16 B short at h = 8)
+    "ep=2, three slots a router: rank 0 receives two of each rank's": ("none", 1, TOP1 | {"ep": 2, "b": 1, "s": 3}),
+    "ep=2 under tp-sp t=2, three slots a router": ("tp-sp", 2, TOP1 | {"ep": 2, "b": 1, "s": 6}),
     "the sigmoid router: fp32 scores, the top k renormalised": ("none", 1, {"moe_router_score_function": "sigmoid"}),
     "sigmoid with the expert bias and its aux loss, ep=2 under tp-sp t=2: the gather's scores, bf16 aux scores":
         ("tp-sp", 2, SWIGLU | {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
@@ -67,6 +72,11 @@ CASES = {
     "the all-gather dispatcher": ("none", 1, {"moe_token_dispatcher_type": "allgather"}),
     "all-gather, ep=2 under tp-sp t=2: the gathered tokens' map whole on every rank, r permutation indices":
         ("tp-sp", 2, SWIGLU | SHARED | {"moe_token_dispatcher_type": "allgather", "ep": 2}),
+    # found by a drawn run: get_capacity's ceil(k*b*s/E * c) = 5 is more than the 4 tokens, so topk_routing_with_capacity
+    # masks none and pads every expert to the 4 tokens alone; the rules padded to 5 (expert_in 64 B over at h = 8)
+    "all-gather padded to a capacity past the tokens (1.5, top-3 of 4)":
+        ("none", 1, {"moe_token_dispatcher_type": "allgather", "moe_router_topk": 3, "moe_expert_capacity_factor": 1.5,
+                     "moe_pad_expert_input_to_capacity": True, "b": 1, "s": 4}),
     "all-gather padded to capacity 0.5, ep=4": ("none", 1, {"moe_token_dispatcher_type": "allgather", "ep": 4,
                                                           "moe_expert_capacity_factor": 0.5,
                                                           "moe_pad_expert_input_to_capacity": True}),

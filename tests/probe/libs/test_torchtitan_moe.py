@@ -127,14 +127,23 @@ def test_expert_parallelism_without_tensor_parallelism_is_refused_naming_where_t
 # at ep = 1 the MoE's input gathered whole (under SP), the experts split in width; at ep = t each rank routes its own
 # s/t tokens to E/ep whole experts over the all-to-all dispatcher (all-to-one: rank 0 receives every rank's slots)
 
-# (the forced balanced route deals a rank's k*b*s/t slots round the E experts: even where E divides them; elsewhere
-# the first experts get one more, rank 0's among them)
+# (the forced balanced route deals a rank's k*b*s/t slots round the ep ranks first, then round each rank's E/ep
+# experts: every rank gets k*b*s/(t*ep) of them where ep divides them, whether or not E does; elsewhere rank 0 one more)
 TP_CASES = {
     "qwen3-moe": QWEN3_MOE | {"moe_ffn_hidden_size": 32},
     "deepseek-v3 at b = 1, s/t odd, k = 2 of 6": DEEPSEEK_V3 | {
         "b": 1, "s": 6, "num_experts": 6, "moe_router_topk": 2, "moe_ffn_hidden_size": 16},
     "one of eight, b = 8, s/t = 1": QWEN3_MOE | {
         "b": 8, "s": 2, "num_experts": 8, "moe_router_topk": 1, "moe_ffn_hidden_size": 48},
+    # found by a drawn run (tp-sp, t = ep = 2, b = 1, s = 2, k = 2 of 4): the route dealt slots m to experts m mod E,
+    # so both of a rank's slots went to rank 0's experts 0 and 1 and rank 0 received 4 slots, not k*b*s/t = 2
+    # (expert_in +384 B at h = 96); it now deals them round the ep ranks first, as megatron's forced route does
+    "qwen3-moe at b = 1, s/t = 1: a rank's two slots, fewer than the four experts": QWEN3_MOE | {
+        "b": 1, "s": 2, "moe_ffn_hidden_size": 32},
+    # found by a drawn run: ep = 2 does not divide a rank's one slot, so rank 0 receives one from each rank, 2, where
+    # the rules said k*b*s/t = 1 (evaluate.routed_slots now deals as the route does; under tp too, its `routers`)
+    "qwen3-moe top-1 at b = 1, s/t = 1: one slot a rank, which ep = 2 does not divide": QWEN3_MOE | {
+        "b": 1, "s": 2, "moe_router_topk": 1, "moe_ffn_hidden_size": 32},
     # found by `memcalc measure`: SelectiveAC keeps the shared experts' w2 output before its reduce-scatter, whole
     "deepseek-v3 under SelectiveAC: the shared experts' w2 output is every token's": DEEPSEEK_V3 | {
         "recompute": "op", "moe_ffn_hidden_size": 16},

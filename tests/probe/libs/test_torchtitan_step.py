@@ -343,6 +343,9 @@ TP_MOE_MOMENTS = [
     ({"L": 1, "moe_shared_expert_intermediate_size": 48, "moe_ffn_hidden_size": 256}, "tp", "balanced", "full"),
     ({"moe_shared_expert_intermediate_size": 48}, "tp-sp", "all-to-one", "op"),
     ({"L": 1, "moe_router_pre_softmax": True}, "tp", "balanced", "op"),
+    # found by a drawn run: a dense block beside MoE ones keeps w1's input gathered under SP, as in a dense model; the
+    # rules laid it out under the MoE blocks' TP plan, w1's input a shard (b*s/t*h*2 = 512 B short at b = 1, s = 8)
+    ({"L": 2, "moe_first_dense_layers": 1, "b": 1, "s": 8}, "tp-sp", "balanced", "none"),
 ]
 
 
