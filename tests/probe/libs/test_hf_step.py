@@ -670,6 +670,11 @@ COHERE_TP_STEPS = [
                         "b": 1, "s": 5}, "none"),
     ("eager", COHERE | {"t": 2, "b": 1, "s": 13, "dropout": 0.1, "a": 6, "h": 48, "num_query_groups": 2}, "none"),
     ("eager", COHERE | {"t": 4, "b": 3, "s": 9, "num_query_groups": 4, "dtype": "fp32", "vocab_size": 248}, "none"),
+    # the peak in layer 0's SDPA, before any rowwise o_proj has run: o_proj's meta tensor (transformers' rowwise style
+    # reads its strides from one) raised the meta device's peak there, which MomentTracker took for the step's
+    # (found by a drawn run: 'forward model.layers.0.self_attn.o_proj' measured, every byte the walk's)
+    ("flash", COHERE | {"t": 2, "b": 1, "s": 12, "h": 4, "a": 2, "num_query_groups": 2, "L": 1, "vocab_size": 4,
+                        "ffn_hidden_size": 2, "dropout": 0.1}, "none"),
 ]
 
 
