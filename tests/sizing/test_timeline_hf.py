@@ -191,8 +191,6 @@ def test_the_experts_widest_moment_holds_gate_ups_gradient_three_times_beside_do
     ({"moe_tokens": "worst"}, "moe_tokens worst"),
     ({"num_experts": 5}, "k\\*b\\*s=96 slots that E=5 experts do not share evenly"),
     ({"ep": 2}, "ep=2"),
-    ({"family": "qwen2_moe", "moe_shared_expert_intermediate_size": 64, "recompute": "full"},
-     "recompute full \\(gradient checkpointing\\) with the eager loop's experts beside Qwen2-MoE's gated shared"),
 ])
 def test_what_the_mixtral_walk_does_not_model_is_refused_by_name(changes, named):
     with pytest.raises(ConfigError, match=f"for impl hf does not model {named}"):

@@ -417,13 +417,6 @@ def _experts_missing(config: ModelConfig, tp: bool) -> list[tuple[bool, str]]:
         (config.ep != 1, f"ep={config.ep}"),
         (config.moe_tokens != "balanced", f"moe_tokens {config.moe_tokens} (it walks the balanced bound, kbs/E slots"
                                           " an expert, which the forced balanced router gives)"),
-        # found by a drawn run (b=1 s=12 h=16 a=1 g=1 E=2 k=1 moe_ffn_hidden_size=8, shared 8, L=1, bf16): in the
-        # rerun's backward the first expert's gate_up GEMMs and select's (E, 2f, h) zeros peak, 300 B above the walk's
-        # peak at the next expert's gradient sum (55,312 B measured, 55,012 predicted; 1,068 B more activations, 768
-        # fewer temporaries); the walk marks no moment there, and its one step for those ops is 128 B over
-        (not moe.grouped(config) and config.recompute != "none" and bool(config.moe_shared_expert_intermediate_size)
-         and not config.mla, f"recompute {config.recompute} (gradient checkpointing) with the eager loop's experts"
-                             " beside Qwen2-MoE's gated shared expert"),
         (config.experts_implementation == "eager" and slots % config.num_experts != 0,
          f"k*b*s={slots} slots that E={config.num_experts} experts do not share evenly in the eager loop (balanced"
          " routing would give them unequal counts)"),
