@@ -457,11 +457,16 @@ class MomentTracker(MemTracker):
         self._leave(module)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        before = sum(self._peak_mem.values())
+        before = self._peak_bytes()
         out = super().__torch_dispatch__(func, types, args, kwargs)
-        if sum(self._peak_mem.values()) > before:
+        if self._peak_bytes() > before:
             self.moment = self.where()
         return out
+
+    def _peak_bytes(self) -> int:
+        """The peaks' sum over the devices that hold memory: a meta tensor's peak (transformers' rowwise style makes
+        one, `categories`) rising is no moment of the step's."""
+        return sum(n for device, n in self._peak_mem.items() if torch.device(device).type != "meta")
 
     def where(self) -> str:
         """`backward layers.1.mlp.fc2`: the phase and the innermost active module, less the root's name."""

@@ -95,6 +95,20 @@ _HF_FALCON_NEW = _knobs(attention=st.sampled_from(("eager", "flash")), dtype=DTY
                         single_norm=st.booleans())
 _HF_MOE = _knobs(attention=st.sampled_from(("eager", "flash")), dtype=DTYPES, recompute=st.sampled_from(("none", "full")),
                  moe_router_topk=st.sampled_from((1, 2)))
+_HF_GEMMA2 = _knobs(dropout=DROPOUT, dtype=DTYPES, recompute=st.sampled_from(("none", "full")),
+                    attn_logit_softcapping=st.sampled_from((None, 50.0)), sliding_window=st.sampled_from((None, 3, 8)))
+_HF_GEMMA3 = _knobs(attention=st.sampled_from(("eager", "flash")), dropout=DROPOUT, dtype=DTYPES,
+                    recompute=st.sampled_from(("none", "full")), attn_logit_softcapping=st.sampled_from((None, 50.0)),
+                    sliding_window=st.sampled_from((None, 3, 8)))
+# GPTNeoXLayer: its share of each head rotated on an even number of channels (align 2: d in 4, 8, 12)
+_HF_GPT_NEOX = _knobs(attention=st.sampled_from(("eager", "flash")), dropout=DROPOUT, dtype=DTYPES,
+                      recompute=st.sampled_from(("none", "full")), mlp=st.sampled_from(("gelu", "gelu_tanh")),
+                      rotary_percent=st.sampled_from((0.5, 1.0)), parallel_residual=st.booleans())
+_HF_MISTRAL_WINDOW = _knobs(dropout=DROPOUT, dtype=DTYPES, recompute=st.sampled_from(("none", "full")),
+                            sliding_window=st.sampled_from((3, 8, 40)))
+_HF_DEEPSEEK_MOE = _knobs(dtype=DTYPES, recompute=st.sampled_from(("none", "full")),
+                          moe_router_topk=st.sampled_from((1, 2)),
+                          moe_shared_expert_intermediate_size=st.sampled_from((None, 16)))
 _HF_GPT_OSS = _knobs(dropout=DROPOUT, dtype=DTYPES, recompute=st.sampled_from(("none", "full")),
                      moe_router_topk=st.sampled_from((1, 2)),
                      experts_implementation=st.sampled_from(("grouped_mm", "eager")),
@@ -117,6 +131,13 @@ SUBJECTS = (
     Subject("hf olmo", "transformers", {"impl": "hf", "norm": "layernorm_np", "mlp": "swiglu"}, _HF_LLAMA,
             family="olmo"),
     Subject("hf gpt2", "transformers", {"impl": "hf", "norm": "layernorm"}, _HF_GPT2, family="gpt2", gqa=False),
+    Subject("hf mistral (sliding_window)", "transformers", {"impl": "hf", "attention": "eager"} | LLAMA,
+            _HF_MISTRAL_WINDOW, family="mistral"),
+    Subject("hf gemma2", "transformers", {"impl": "hf", "norm": "rmsnorm_1p", "mlp": "geglu_tanh", "attention": "eager",
+                                          "sandwich_norm": True}, _HF_GEMMA2, family="gemma2"),
+    Subject("hf gemma3_text", "transformers", {"impl": "hf", "norm": "rmsnorm_1p", "mlp": "geglu_tanh",
+                                               "sandwich_norm": True, "qk_layernorm": True}, _HF_GEMMA3,
+            family="gemma3_text"),
     Subject("hf phi3", "transformers", {"impl": "hf", "fused_qkv": True, "attention": "eager"} | LLAMA, _HF_EAGER,
             family="phi3"),
     Subject("hf olmo2", "transformers", {"impl": "hf", "norm": "rmsnorm_fp32w", "mlp": "swiglu", "post_norm": True,
@@ -132,6 +153,14 @@ SUBJECTS = (
             _HF_FALCON_NEW, family="falcon"),
     Subject("hf starcoder2", "transformers", {"impl": "hf", "norm": "layernorm", "rotary_percent": 1.0}, _HF_GPT2,
             family="starcoder2"),
+    Subject("hf gpt_neox", "transformers", {"impl": "hf", "norm": "layernorm", "fused_qkv": True,
+                                            "add_bias_linear": True}, _HF_GPT_NEOX, family="gpt_neox", gqa=False,
+            align=2),
+    # BloomMLP is 4h wide (ffn_hidden_size None); BloomAttention has no sdpa path
+    Subject("hf bloom", "transformers", {"impl": "hf", "norm": "layernorm", "alibi": True, "mlp": "gelu_tanh",
+                                         "attention": "eager", "position_embedding_type": "alibi",
+                                         "add_bias_linear": True, "ffn_hidden_size": None}, _HF_EAGER, family="bloom",
+            gqa=False),
     Subject("hf gptj", "transformers", {"impl": "hf", "norm": "layernorm", "rotary_percent": 0.5,
                                         "parallel_residual": True, "single_norm": True}, _HF_GPT2, family="gptj",
             gqa=False),
@@ -142,7 +171,13 @@ SUBJECTS = (
                                                         "qk_layernorm": True}, _HF_LLAMA, family="cohere"),
     Subject("hf deepseek_v3 (latent attention, dense)", "transformers", {"impl": "hf", "attention": "eager"} | LLAMA,
             _HF_EAGER, family="deepseek_v3", extra=MLA),
+    Subject("hf deepseek_v3 (DeepseekV3MoE)", "transformers", {"impl": "hf", "attention": "eager", "dropout": 0.0,
+                                                              "num_experts": 4, "moe_router_score_function": "sigmoid"}
+            | LLAMA, _HF_DEEPSEEK_MOE, family="deepseek_v3", extra=MLA, gqa=False, moe=True, align=8),
     Subject("hf mixtral", "transformers", {"impl": "hf", "dropout": 0.0, "num_experts": 4} | LLAMA, _HF_MOE,
+            family="mixtral", moe=True, align=8),
+    Subject("hf mixtral (eager loop)", "transformers", {"impl": "hf", "dropout": 0.0, "num_experts": 4,
+                                                        "experts_implementation": "eager"} | LLAMA, _HF_MOE,
             family="mixtral", moe=True, align=8),
     Subject("hf qwen2_moe", "transformers", {"impl": "hf", "dropout": 0.0, "num_experts": 4,
                                              "moe_shared_expert_intermediate_size": 8} | LLAMA, _HF_MOE,
@@ -172,8 +207,9 @@ def cases(draw: st.DrawFn, subject: Subject) -> tuple[Any, str]:
     if subject.moe:  # the balanced route gives every expert k*b*s/E tokens: E must divide them
         assume(knobs["moe_router_topk"] * b * s % knobs["num_experts"] == 0)
         knobs |= {"moe_ffn_hidden_size": t * subject.align * draw(st.integers(1, 3))}
-    fields = knobs | {"b": b, "s": s, "a": a, "h": a * d, "num_query_groups": groups, "t": t,
-                      "ffn_hidden_size": t * draw(st.integers(1, 6))}
+    # a width the subject fixes (BLOOM's 4h) is kept
+    fields = {"ffn_hidden_size": t * draw(st.integers(1, 6))} | knobs | {"b": b, "s": s, "a": a, "h": a * d,
+                                                                        "num_query_groups": groups, "t": t}
     try:
         config = build_config(fields)
         IMPLEMENTATIONS[config.impl].check(config)

@@ -94,6 +94,10 @@ _HF = _knobs(attention=ATTENTION, dropout=DROPOUT, dtype=DTYPES, tie_embeddings=
              recompute=st.sampled_from(("none", "full")))
 _HF_MIXTRAL = _knobs(attention=ATTENTION, num_experts=st.integers(2, 6), moe_router_topk=st.integers(1, 3),
                      tie_embeddings=TIED, dropout=DROPOUT, recompute=st.sampled_from(("none", "full")), dtype=DTYPES)
+# transformers' eager expert loop (per-expert rows; the balanced route only: each expert's count known)
+_HF_LOOP = _knobs(attention=ATTENTION, num_experts=st.integers(2, 6), moe_router_topk=st.integers(1, 3),
+                  tie_embeddings=TIED, dropout=DROPOUT, recompute=st.sampled_from(("none", "full")), dtype=DTYPES,
+                  experts_implementation=st.just("eager"))
 _HF_GEMMA2 = _knobs(attn_logit_softcapping=st.sampled_from((None, 50.0)), sliding_window=st.sampled_from((None, 3, 8)),
                     tie_embeddings=TIED, dtype=DTYPES, dropout=DROPOUT, recompute=st.sampled_from(("none", "full")))
 # DeepseekV3ForCausalLM's latent attention with dense MLPs; no tp plan for its attention (t = 1)
@@ -131,6 +135,8 @@ _FSDP = {"dp_shard": st.sampled_from((2, 3, 4)), "reshard_after_forward": st.boo
 _TORCHTITAN_FSDP = _knobs(recompute=st.sampled_from(("none", "full", "op")), dtype=DTYPES, **_FSDP)
 _HF_FSDP = _knobs(attention=ATTENTION, tie_embeddings=TIED, dropout=DROPOUT, dtype=DTYPES,
                   recompute=st.sampled_from(("none", "full")), **_FSDP)
+_HF_MOE_FSDP = _knobs(attention=ATTENTION, num_experts=st.integers(2, 6), moe_router_topk=st.integers(1, 3),
+                      dtype=DTYPES, recompute=st.sampled_from(("none", "full")), **_FSDP)
 
 SUBJECTS = (
     Subject("megatron dense", "torch", {"impl": "megatron"},
@@ -151,6 +157,11 @@ SUBJECTS = (
     Subject("hf qwen3", "transformers", {"impl": "hf", "family": "qwen3", "qk_layernorm": True} | LLAMA, _HF),
     Subject("hf mixtral (grouped_mm)", "transformers", {"impl": "hf", "family": "mixtral"} | LLAMA,
             _HF_MIXTRAL, routes=(BALANCED, ROUTES[2]), align=8),
+    Subject("hf mixtral (eager loop)", "transformers", {"impl": "hf", "family": "mixtral"} | LLAMA, _HF_LOOP,
+            routes=(BALANCED,), align=8),
+    Subject("hf qwen2_moe (eager loop)", "transformers", {"impl": "hf", "family": "qwen2_moe",
+                                                          "moe_shared_expert_intermediate_size": 8} | LLAMA,
+            _HF_LOOP, routes=(BALANCED,), align=8),
     Subject("hf mistral", "transformers", {"impl": "hf", "family": "mistral"} | LLAMA, _HF),
     Subject("hf qwen2", "transformers", {"impl": "hf", "family": "qwen2", "add_qkv_bias": True} | LLAMA, _HF),
     Subject("hf qwen2_moe", "transformers", {"impl": "hf", "family": "qwen2_moe",
@@ -186,6 +197,9 @@ SUBJECTS = (
     Subject("hf olmo fsdp2", "transformers", {"impl": "hf", "family": "olmo"} | LLAMA | {"norm": "layernorm_np"},
             _HF_FSDP, ts=(1, 2)),
     Subject("hf olmo2 fsdp2", "transformers", OLMO2, _HF_FSDP, ts=(1,)),
+    # grouped_mm's experts under FSDP2, and under tp too (each rank's e/t channels of every expert, then dp_shard's)
+    Subject("hf mixtral fsdp2", "transformers", {"impl": "hf", "family": "mixtral"} | LLAMA, _HF_MOE_FSDP,
+            routes=(BALANCED, ROUTES[2]), align=8, ts=(1, 2)),
 )
 
 

@@ -86,7 +86,7 @@ def hf_layer(c: ModelConfig, t: int, i: int) -> Unit:
     m = f"model.layers.{i}"
     qk_widths = (q, kv) if c.post_norm else (c.head_dim, c.head_dim)  # OLMo 2's over the whole projection
     qk = tuple((f"{m}.self_attn.{x}_norm", (w,)) for x, w in zip("qk", qk_widths)) if c.qk_layernorm else ()
-    mlp = hf_moe_parameters(c, f"{m}.mlp") if sparse(c, i) else (
+    mlp = hf_moe_parameters(c, t, f"{m}.mlp") if sparse(c, i) else (
         (f"{m}.mlp.gate_proj", (f, c.h)), (f"{m}.mlp.up_proj", (f, c.h)), (f"{m}.mlp.down_proj", (c.h, f)))
     attention = _latent_attention(c, f"{m}.self_attn") if c.mla else (
         (f"{m}.self_attn.q_proj", (q, c.h)), (f"{m}.self_attn.k_proj", (kv, c.h)),
@@ -108,12 +108,15 @@ def _latent_attention(c: ModelConfig, m: str) -> tuple[Param, ...]:
             (f"{m}.kv_b_proj", (a * (c.qk_nope_head_dim + dv), kvr)), (f"{m}.o_proj", (c.h, a * dv)))
 
 
-def hf_moe_parameters(c: ModelConfig, m: str) -> tuple[Param, ...]:
-    """A sparse MoE block's parameters in registration order (t = 1; Qwen3-MoE registers its experts first). The
-    experts' two weights are one module's: each is named by its own path (memcalc.sizing.timeline.hf_moe.weight_of)."""
+def hf_moe_parameters(c: ModelConfig, t: int, m: str) -> tuple[Param, ...]:
+    """A sparse MoE block's parameters in registration order (Qwen3-MoE registers its experts first), as this rank of
+    t holds them: the experts' gate_up_proj packed_colwise and down_proj rowwise (their expert_ffn/t channels), the
+    router and the shared expert whole. The experts' two weights are one module's: each is named by its own path
+    (memcalc.sizing.timeline.hf_moe.weight_of)."""
+    f = c.expert_ffn // t
     router = ((f"{m}.gate", (c.num_experts, c.h)),)
-    experts = ((f"{m}.experts.gate_up_proj", (c.num_experts, 2 * c.expert_ffn, c.h)),
-               (f"{m}.experts.down_proj", (c.num_experts, c.h, c.expert_ffn)))
+    experts = ((f"{m}.experts.gate_up_proj", (c.num_experts, 2 * f, c.h)),
+               (f"{m}.experts.down_proj", (c.num_experts, c.h, f)))
     u = c.moe_shared_expert_intermediate_size
     shared = ((f"{m}.shared_expert.gate_proj", (u, c.h)), (f"{m}.shared_expert.up_proj", (u, c.h)),
               (f"{m}.shared_expert.down_proj", (c.h, u)), (f"{m}.shared_expert_gate", (1, c.h))) if u else ()

@@ -474,7 +474,7 @@ def _expert(z: Sizes, config: ModelConfig, e: int, sums: _Sums) -> list[Op]:
     gather = _op("mlp.experts", (mine[rules.TOKEN_SLOTS.name],), Step("index's backward", (
         Made(f"{g}/input zeros", z.full(z.h), "a (b*s, h) zero tensor"),
         Made(f"{g}/input put", z.full(z.h), "the expert's dX at its tokens")),
-        frees=(f"{g}/input zeros", f"{g}/gate_up dX"), moment=False, returns=True),
+        frees=(f"{g}/input zeros", f"{g}/gate_up dX"), returns=True),
         sums.add(_EXPERTS_INPUT if config.mla else "block input", f"{g}/input put", z.full(z.h)))
     return [combine, product, down, swiglu, gate_up, gather]
 

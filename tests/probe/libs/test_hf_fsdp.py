@@ -241,6 +241,20 @@ def test_a_moe_model_sharded_by_fsdp2_peaks_where_the_timeline_says_to_the_byte(
     assert r.matches and r.moment_matches, r.differences()
 
 
+@pytest.mark.parametrize("changes", [
+    {},
+    {"reshard_after_forward": False, "num_experts": 3, "b": 1, "s": 7, "dp_shard": 3},
+    QWEN2_MOE | {"b": 3, "s": 5},  # its shared expert whole on each rank of t (the plan names no style for it)
+], ids=str)
+def test_on_a_2d_mesh_a_moe_models_experts_are_sharded_over_t_and_then_dp_shard(one_thread, changes):
+    """transformers' plan splits the experts' gate_up_proj (packed_colwise) and down_proj (rowwise) over t before
+    FSDP2 shards them (found by a drawn run: the walk sharded them whole over dp_shard, 3,072 B of fp32 parameters
+    and 6,144 B of AdamW's moments above FSDPMemTracker's at E = 2, moe_ffn_hidden_size = 16, h = 32)."""
+    (r,) = measure_step(make_config(LLAMA, **(MOE | {"t": 2} | changes)), ["tp"], route="balanced")
+    assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
+    assert r.moment_matches, (r.predicted_moment, r.measured.moment)
+
+
 @pytest.mark.parametrize("changes, route", [
     ({}, "balanced"),
     (QWEN2_MOE | {"b": 1, "s": 13, "attention": "eager"}, "all-to-one"),

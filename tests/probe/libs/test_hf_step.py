@@ -378,6 +378,26 @@ def test_qwen2_moe_with_wide_heads_at_odd_sizes_peaks_where_the_timeline_says(on
     assert_moments_in_order(timeline(config, STRATEGIES["none"], CPU).moments[1:], readings)
 
 
+CHECKPOINTED_LOOP = {"recompute": "full", "b": 1, "s": 14, "h": 16, "a": 1, "num_query_groups": 1, "L": 1,
+                     "vocab_size": 2, "ffn_hidden_size": 1, "num_experts": 2, "moe_router_topk": 1,
+                     "moe_ffn_hidden_size": 8}
+
+
+@pytest.mark.parametrize("base, changes", [
+    (MIXTRAL, {"dtype": "fp32"}),
+    (QWEN3_MOE, {}),
+    (QWEN2_MOE, {"s": 12, "moe_shared_expert_intermediate_size": 8}),
+], ids=str)
+def test_a_checkpointed_loop_peaks_at_the_first_experts_index_backward_beside_its_unsummed_weight_gradients(
+        one_thread, base, changes):
+    """The first expert autograd runs holds its gate_up and down weight gradients, each in an (E, ...) zero tensor
+    not yet summed with another's, when index's backward makes its (b*s, h) zeros and their put; found by drawn
+    runs, where the walk marked no moment there (Qwen2-MoE: 55,312 B measured, the walk's peak 55,012 at the next
+    expert's sum)."""
+    config = make_config(LLAMA, attention="eager", **(base | CHECKPOINTED_LOOP | changes))
+    _exact_step(config, "none", "balanced")
+
+
 # -- transformers' Qwen3ForCausalLM (qk_layernorm: each query and key head RMS-normalised) and Qwen3MoeForCausalLM ---
 
 QWEN3_STEPS = [
@@ -670,6 +690,11 @@ COHERE_TP_STEPS = [
                         "b": 1, "s": 5}, "none"),
     ("eager", COHERE | {"t": 2, "b": 1, "s": 13, "dropout": 0.1, "a": 6, "h": 48, "num_query_groups": 2}, "none"),
     ("eager", COHERE | {"t": 4, "b": 3, "s": 9, "num_query_groups": 4, "dtype": "fp32", "vocab_size": 248}, "none"),
+    # the peak in layer 0's SDPA, before any rowwise o_proj has run: o_proj's meta tensor (transformers' rowwise style
+    # reads its strides from one) raised the meta device's peak there, which MomentTracker took for the step's
+    # (found by a drawn run: 'forward model.layers.0.self_attn.o_proj' measured, every byte the walk's)
+    ("flash", COHERE | {"t": 2, "b": 1, "s": 12, "h": 4, "a": 2, "num_query_groups": 2, "L": 1, "vocab_size": 4,
+                        "ffn_hidden_size": 2, "dropout": 0.1}, "none"),
 ]
 
 
