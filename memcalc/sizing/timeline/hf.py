@@ -324,9 +324,6 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
                                        " modules)"),
         (cohere.walks(config) and (sharded or config.qk_layernorm),
          "Cohere's model under dp_shard or zero_stage, or with use_qk_norm (qk_layernorm)"),
-        # found by the step differential: t=2 b=2 s=2 h=16 a=4 g=4 f=2 v=4 L=1 fp32, the rerun under tp: 896 B of the
-        # peak's activations walked as temporaries (and at h=8 g=2 bf16 the peak named in gate_proj, not o_proj)
-        (cohere.walks(config) and tp and config.recompute != "none", f"{rerun} tp in Cohere's model"),
         (config.position_embedding_type != "rope" and family != "gpt2",
          f"position_embedding_type {config.position_embedding_type}"),
         # measured (memcalc.probe.libs.hf_zero, h=64 L=2 dp=2): the state between steps exact at stages 1 and 2, but
