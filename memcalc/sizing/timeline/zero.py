@@ -8,9 +8,9 @@ the Trainer's fused torch AdamW over its two groups): at stages 1 and 2 the stat
 total are MemTracker's to the byte (with experts and gradient checkpointing too), not yet the categories at the peak
 (MemTracker files the gradient partition as activations) nor its moment (MemTracker names none inside DeepSpeed's
 step); at stage 3 MemTracker does not see the partition DeepSpeed keeps on each parameter (ds_tensor, no module's
-parameter). bf16 with DeepSpeed's default gradient accumulation dtype (the model's), contiguous_gradients on,
-overlap_comm off at stages 1 and 2 and on at stage 3 (DeepSpeed's defaults), and the sizes the Trainer fills for a
-config's "auto" (`DEEPSPEED_AUTO`). What the tape holds:
+parameter). bf16 or fp32 (stages 1 and 2) with DeepSpeed's default gradient accumulation dtype (the model's),
+contiguous_gradients on, overlap_comm off at stages 1 and 2 and on at stage 3 (DeepSpeed's defaults), and the sizes
+the Trainer fills for a config's "auto" (`DEEPSPEED_AUTO`). What the tape holds:
 
     steady          bf16 weights (stage 3: this rank's partition, and the parameters under the persistence
                     threshold whole); this rank's fp32 partition of master weights, Adam's m and v; at stage 3
@@ -18,16 +18,18 @@ config's "auto" (`DEEPSPEED_AUTO`). What the tape holds:
     forward, stage 3  each module gathered before it runs and released after; at a block's moment, its widest
                     module and the prefetch bucket's elements ahead of it (a bound: DeepSpeed prefetches the
                     modules its trace names, up to stage3_prefetch_bucket_size elements)
-    backward        stage 1: each weight's bf16 gradient kept whole to the end of backward, then reduced
-                    bucket by bucket and this rank's partition copied out; stages 2 and 3: each gradient
-                    copied into the reduce bucket (reduce_bucket_size bf16 elements) as autograd hands it
-                    over, the bucket reduced when the next gradient would overflow it and this rank's part
-                    copied into the bf16 gradient partition (grads_in_partition: whole, each gradient that reaches
-                    into this rank's partition; stage 2: allocated at the first reduction); a gradient wider than
-                    the bucket is reduced on its own
-    optimizer       the gradient norm; group by group (the Trainer's two; stage 3: one) the partition's bf16
-                    gradients flattened into a new tensor and cast to fp32 (the fp32 gradient partition the
-                    optimizer reads); AdamW in place, the bf16 weights gathered back
+    backward        engine.backward's two 0-d losses (divided, scaled) to its return; the reduce bucket
+                    (reduce_bucket_size elements) allocated at the first gradient; stage 1: each weight's gradient
+                    kept whole to the end of backward, then reduced bucket by bucket and this rank's partition
+                    copied out; stage 2: each gradient copied into the bucket as autograd hands it over, the
+                    bucket reduced (the new gradient still live) when it would overflow, a gradient wider than the
+                    bucket kept as its .grad and reduced with the next reduction, and this rank's part copied into
+                    the gradient partition (grads_in_partition: whole, each gradient that reaches into this rank's
+                    partition, allocated at the first reduction into it); stage 3: a gradient wider than the
+                    bucket reduced on its own
+    optimizer       the gradient norm; group by group (the Trainer's two; stage 3: one) the partition's
+                    gradients flattened into a new tensor and cast to fp32 (in fp32 the flat tensor itself), the
+                    clip factors, AdamW in place, the group's fp32 gradient freed; the weights gathered back
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import itertools
 from memcalc.config.schema import ModelConfig
 from memcalc.model.knobs import DTYPE_BYTES
 from memcalc.sizing.timeline.fsdp import ROOT, Fsdp, hf_layer, hf_root
-from memcalc.sizing.timeline.tape import GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, Tape, prod
+from memcalc.sizing.timeline.tape import ACTIVATIONS, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, Tape, prod
 
 # transformers' HfTrainerDeepSpeedConfig.trainer_config_finalize: what a DeepSpeed config's "auto" becomes, in
 # elements, from the model's hidden size h.
@@ -48,6 +50,7 @@ DEEPSPEED_AUTO = {
 }
 # ZeRO's buffers on the tape.
 BUCKET, PARTITION, GATHERED = "zero/reduce bucket", "zero/bf16 grad partition", "zero/gathered"
+ENGINE_LOSSES = "zero/engine losses"
 
 
 class Zero:
@@ -56,21 +59,29 @@ class Zero:
 
     def __init__(self, config: ModelConfig) -> None:
         h = config.h
+        self.stage, self.dp, self.act = config.zero_stage, config.dp, DTYPE_BYTES[config.dtype]  # act: bf16's bytes
         self.layer, self.root = hf_layer(config, 1, 0).shapes, hf_root(config, 1).shapes
         self.threshold = threshold = DEEPSPEED_AUTO["stage3_param_persistence_threshold"](h)
         # every layer's own (a MoE model's dense layers among sparse ones hold other shapes), in registration order
-        shapes = [self.root[0], *(x for i in range(config.L) for x in hf_layer(config, 1, i).shapes), *self.root[1:]]
+        root = hf_root(config, 1).params
+        named = [root[0], *(x for i in range(config.L) for x in hf_layer(config, 1, i).params), *root[1:]]
+        shapes = [shape for _, shape in named]
         # the Trainer's two parameter groups (weights with decay, norms without), each partitioned on its own; stage 3
         # (not measured) flattened whole
-        decay, rest = [prod(x) for x in shapes if len(x) > 1], [prod(x) for x in shapes if len(x) == 1]
-        self.groups = (decay, rest) if config.zero_stage < 3 else ([prod(x) for x in shapes],)
-        self.stage, self.dp, self.act = config.zero_stage, config.dp, DTYPE_BYTES[config.dtype]  # act: bf16's bytes
+        decay, rest = [x for x in named if len(x[1]) > 1], [x for x in named if len(x[1]) == 1]
+        self.groups = tuple([prod(shape) for _, shape in group] for group in (decay, rest)) \
+            if config.zero_stage < 3 else ([prod(x) for x in shapes],)
+        # stages 1 and 2: the parameters that reach into rank 0's partition of their group (params_in_partition)
+        self.reaching = frozenset(name for group in (decay, rest) for (name, _), start in zip(
+            group, itertools.accumulate((prod(shape) for _, shape in group), initial=0))
+            if start < self.partition(sum(prod(shape) for _, shape in group)))
         self.params = sum(prod(x) for x in shapes)  # every parameter of the model
         # stage 3: parameters under the persistence threshold, kept whole
         self.persistent = sum(prod(x) for x in shapes if prod(x) < threshold) if config.zero_stage == 3 else 0
         self.bucket = DEEPSPEED_AUTO["reduce_bucket_size"](h)
         self.prefetch = DEEPSPEED_AUTO["stage3_prefetch_bucket_size"](h)
         self.filled = 0  # elements in the reduce bucket
+        self.waiting: list[str] = []  # stage 2: the parameters whose gradients the next reduction reduces
 
     def partition(self, elements: int) -> int:
         """This rank's share of `elements`, as DeepSpeed pads a partition: ceil(n/dp)."""
@@ -126,7 +137,11 @@ class Zero:
                  f"ZeRO-3: {block}'s widest module gathered whole in bf16, and the prefetch bucket's elements ahead")
 
     def forward_done(self, tape: Tape, keep: str | None = None) -> None:
-        """Forward's gathers are released with their modules."""
+        """Forward's gathers are released with their modules. DeepSpeed's engine.backward (runtime/engine.py) divides
+        the loss by gradient_accumulation_steps and has the loss scaler scale it (by 1.0 in bf16 and fp32): two new
+        0-d fp32 tensors, made before loss.backward() and held to engine.backward's return, its epilogue included."""
+        tape.add(ENGINE_LOSSES, ACTIVATIONS, 4 * 2, "engine.backward's loss / gradient_accumulation_steps and"
+                 " scale_if_loss's scaled loss, 0-d fp32")
 
     def post_forward(self, tape: Tape, block: str) -> None:
         """Modules are released after their forward (the next block's gather replaces this one's)."""
@@ -135,16 +150,34 @@ class Zero:
         self.copy_out(tape, block, "backward", where)
 
     def keep_grad(self, tape: Tape, block: str, name: str, nbytes: int) -> None:
-        """A weight's bf16 gradient, as autograd hands it over: kept whole at stage 1; copied into the reduce bucket
-        at stages 2 and 3 (reduced first if it would overflow), or reduced on its own if wider than the bucket."""
+        """A weight's gradient, as autograd hands it over (the reduce bucket allocated at the first, setup_buckets):
+        kept whole at stage 1. Stage 2 (reduce_independent_p_g_buckets_and_remove_grads) first reduces what the
+        bucket holds if this gradient would overflow it, the gradient still its own .grad, then copies it into the
+        bucket; one wider than the bucket stays its own .grad, counted as filling the bucket, and is reduced with the
+        next reduction. Stage 3 (not measured): reduced on its own when wider than the bucket."""
         elements = nbytes // self.act
+        if BUCKET not in tape.live:
+            tape.add(BUCKET, GRADIENTS, self.act * self.bucket, "the reduce bucket, reduce_bucket_size bf16 elements,"
+                     " allocated at backward's first gradient")
         if self.stage == 1:
             tape.add(f"zero/grad {name}", GRADIENTS, nbytes, "the weight's bf16 .grad, kept whole to the end of"
                      " backward (stage 1 reduces after it)")
             return
-        if BUCKET not in tape.live:
-            tape.add(BUCKET, GRADIENTS, self.act * self.bucket, "the reduce bucket, reduce_bucket_size bf16 elements,"
-                     " allocated at backward's first gradient")
+        if self.stage == 3:
+            self._keep_grad_stage3(tape, name, nbytes, elements)
+            return
+        tape.add(f"zero/grad {name}", GRADIENTS, nbytes, "the weight's .grad, until it is copied into the bucket or,"
+                 " wider than the bucket, reduced in place")
+        if self.filled + elements > self.bucket:
+            self._to_partition(tape, name, f"the reduce bucket reduced before {name}'s gradient would overflow it")
+        if elements <= self.bucket:
+            tape.drop(f"zero/grad {name}")
+        self.waiting.append(name)
+        self.filled += elements
+
+    def _keep_grad_stage3(self, tape: Tape, name: str, nbytes: int, elements: int) -> None:
+        """Stage 3: each gradient copied into the reduce bucket (reduced first if it would overflow), or reduced on
+        its own if wider than the bucket."""
         if elements > self.bucket:  # reduced in place on its own .grad, then this rank's part copied out
             tape.add(f"zero/grad {name}", GRADIENTS, nbytes, "a gradient wider than the bucket, reduced on its own")
             self._to_partition(tape, name, f"{name}'s gradient, wider than the bucket, reduced on its own")
@@ -156,11 +189,16 @@ class Zero:
         self.filled += elements
 
     def _to_partition(self, tape: Tape, where: str, what: str) -> None:
-        """This rank's part of a reduction copied into the bf16 gradient partition (allocated at the first)."""
-        if PARTITION not in tape.live:
+        """This rank's part of a reduction copied into the bf16 gradient partition: allocated at stage 2 by the first
+        reduction holding a parameter that reaches into it (copy_grads_in_partition), at stage 1 at its one
+        reduction; at stage 2 the reduced gradients wider than the bucket then freed."""
+        if PARTITION not in tape.live and (self.stage == 1 or self.reaching.intersection(self.waiting)):
             tape.add(PARTITION, GRADIENTS, self.act * self.in_partition, "grads_in_partition: each bf16 gradient"
-                     " that reaches into this rank's partition, whole, allocated at the first reduction")
+                     " that reaches into this rank's partition, whole, allocated at the first reduction into it")
         tape.mark("backward", where, what)
+        if self.stage == 2:
+            tape.drop(*[f"zero/grad {n}" for n in self.waiting])
+            self.waiting, self.filled = [], 0
 
     def post_backward(self, tape: Tape, block: str, where: str) -> None:
         """At the end of backward (the root's post-backward): the last bucket reduced, or at stage 1 every gradient
@@ -168,31 +206,40 @@ class Zero:
         per step released, the gradient partition kept for the optimizer."""
         if block != ROOT:
             return
+        tape.drop("loss/grad seed")  # loss.backward() has returned: engine.backward's epilogue reduces
         if self.stage == 1:
-            tape.add(BUCKET, GRADIENTS, self.act * self.bucket,
-                     "the reduce bucket, allocated when the reduction starts")
             self._to_partition(tape, "", "stage 1 reduces every gradient after backward, bucket by bucket")
             tape.drop(*[n for n in tape.live if n.startswith("zero/grad ")])
         else:
             self._to_partition(tape, "", "the last reduce bucket reduced at the end of backward")
         if self.stage != 3:
             tape.drop(BUCKET)
-        tape.drop(*[n for n in tape.live if n.startswith(f"{GATHERED} ")])
+        tape.drop(*[n for n in tape.live if n.startswith(f"{GATHERED} ")], ENGINE_LOSSES)
         self.filled = 0
 
     def optimizer_step(self, tape: Tape) -> None:
-        """The global gradient norm (two 0-d fp32 tensors: it and its unscaled copy), then group by group the
-        partition's bf16 gradients flattened into a new tensor and cast to fp32 beside them, the flat copy freed; then
-        the gradients freed (at stage 3 the partition buffer stays), AdamW in place."""
+        """The global gradient norm (two 0-d fp32 tensors: it and its unscaled copy), then group by group
+        (stage_1_and_2.py step()): the partition's gradients flattened into a new tensor and cast to fp32 beside them
+        (in fp32 `.to` returns the flat tensor itself), the flat copy freed (after the last group's, the gradient
+        partition its gradients viewed, but at stage 3); unscale_and_clip_grads' 0-d fp32 factors; AdamW on the group
+        in place, and its fp32 gradient freed before the next group's is made."""
         tape.add("zero/grad norm", TEMPORARIES, 4 * 2, "the global gradient norm and _global_grad_norm, 0-d fp32")
         for i, group in enumerate(self.groups):
-            part = self.partition(sum(group))
-            tape.add("zero/flat grad partition", TEMPORARIES, self.act * part, f"group {i}'s bf16 gradients flattened")
-            tape.add(f"zero/fp32 grad partition {i}", TEMPORARIES, 4 * part, f"group {i}'s flat partition cast to"
-                     " fp32: the gradient the optimizer reads")
-            tape.mark("optimizer", "", f"ZeRO's fp32 gradient partition of group {i} made from the flattened bf16 one")
-            tape.drop("zero/flat grad partition")
-        if self.stage != 3:
-            tape.drop(PARTITION)
-        tape.mark("optimizer", "", "AdamW on the fp32 partition, in place")
-        tape.drop("zero/grad norm", *[f"zero/fp32 grad partition {i}" for i in range(len(self.groups))])
+            part, fp32 = self.partition(sum(group)), f"zero/fp32 grad partition {i}"
+            tape.add("zero/flat grad partition", TEMPORARIES, self.act * part, f"group {i}'s gradients flattened")
+            if self.act == 4:
+                tape.rename("zero/flat grad partition", fp32)
+            else:
+                tape.add(fp32, TEMPORARIES, 4 * part, f"group {i}'s flat partition cast to fp32: the gradient the"
+                         " optimizer reads")
+            tape.mark("optimizer", "", f"ZeRO's fp32 gradient partition of group {i} made from the flattened"
+                      f"{' bf16' if self.act != 4 else ''} one")
+            tape.drop("zero/flat grad partition", *((PARTITION,) if i == len(self.groups) - 1 and self.stage != 3
+                                                    else ()))
+            tape.add("zero/clip", TEMPORARIES, 4 * 4, "unscale_and_clip_grads' 0-d fp32 clip, clamped clip, combined"
+                     " scale and its reciprocal")
+            tape.mark("optimizer", "", f"group {i}'s gradients unscaled and clipped: four 0-d fp32 factors")
+            tape.drop("zero/clip")
+            tape.mark("optimizer", "", f"AdamW on group {i}'s fp32 partition, in place")
+            tape.drop(fp32)
+        tape.drop("zero/grad norm")

@@ -1042,7 +1042,7 @@ def test_in_fp32_sdpas_math_kernel_casts_nothing_and_the_step_is_memtrackers(one
 
 
 @pytest.mark.parametrize("changes, named", [
-    ({"zero_stage": 2, "dp": 2}, "dtype fp32 with zero_stage"),
+    ({"zero_stage": 3, "dp": 2}, "dtype fp32 with zero_stage=3"),
 ])
 def test_in_fp32_what_the_walk_does_not_alias_is_refused_by_name(changes, named):
     with pytest.raises(ConfigError, match=named):

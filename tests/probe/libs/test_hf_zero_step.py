@@ -1,7 +1,7 @@
 """One training step of transformers' LlamaForCausalLM under DeepSpeed's own engine (memcalc.probe.libs.hf_zero,
 rank 0 of dp through the fake group), against the ZeRO walk (memcalc.sizing.timeline.zero): at stages 1 and 2 the
-state between steps and the peak's total are MemTracker's to the byte, with experts and gradient checkpointing too;
-the categories at the peak and its moment are not yet (docs/limitations.md, "DeepSpeed's step")."""
+state between steps and the peak's total are MemTracker's to the byte, with experts, gradient checkpointing and in
+fp32 too; the categories at the peak and its moment are not yet (docs/limitations.md, "DeepSpeed's step")."""
 
 import pytest
 
@@ -34,10 +34,20 @@ def _step(stage: int, **changes):
     (1, {"b": 3, "s": 4, **MIXTRAL, "experts_implementation": "eager"}),
     (2, {"b": 1, "s": 5, **QWEN2_MOE}),
     (2, {"b": 3, "s": 5, "h": 48, "a": 6, "num_query_groups": 3, "ffn_hidden_size": 100}),
+    # small and checkpointed: the peak in backward, grads_in_partition made by the first reduction into rank 0's
+    # partition, in layer 0 (the walk made it at the first reduction: its peak a layer early, 376 B over)
+    (2, {"b": 3, "s": 4, "h": 16, "a": 4, "ffn_hidden_size": 12, "vocab_size": 14, "recompute": "full",
+         "attention": "eager"}),
+    # fp32: no flat copy to cast; the peak at stage 1's reductions after backward, at stage 2 in the first group's
+    # clip factors (a wide gradient held to the next reduction, grads_in_partition made by the first into it)
+    (1, {"b": 1, "s": 7, "dtype": "fp32"}),
+    (1, {"b": 3, "s": 5, "recompute": "full", "dtype": "fp32"}),
+    (2, {"b": 3, "s": 5, "num_query_groups": 1, "dtype": "fp32"}),
+    (2, {"b": 1, "s": 9, "a": 4, "num_query_groups": 4, "dtype": "fp32"}),
 ])
 def test_deepspeeds_step_holds_what_the_zero_walk_holds_between_steps_and_at_its_peak(one_thread, stage, changes):
-    """Between steps: bf16 weights whole, this rank's fp32 master partition, Adam's moments and the two groups' steps;
-    at the peak, in DeepSpeed's step: the first group's flat bf16 and fp32 gradient partitions beside
+    """Between steps: the weights whole, this rank's fp32 master partition, Adam's moments and the two groups' steps;
+    at the peak, in bf16 in DeepSpeed's step: the first group's flat bf16 and fp32 gradient partitions beside
     grads_in_partition and the gradient norm."""
     r = _step(stage, **changes)
     steady, peak = r.rows("steady")[-1], r.rows("peak")[-1]
