@@ -37,7 +37,7 @@ from memcalc.sizing.timeline.tape import (
 from memcalc.sizing.timeline import torch_ops
 from memcalc.sizing.timeline.torch_ops import linear
 from memcalc.sizing.timeline.walk import Checkpoint, HandOver, Made, Op, Step, Walk, kept
-from memcalc.sizing.timeline.zero import Zero
+from memcalc.sizing.timeline.zero import LOSS_GRAD, Zero
 
 
 def _norm_like_final(config: ModelConfig) -> RMSNormTensors | ledger.NormTensors:
@@ -684,7 +684,7 @@ def _loss(z: Sizes, logits: int) -> Op:
     ), backward=(
         # a moment: in fp32 (no upcast copy in forward) at small sizes the step peaks here
         Step("nll_loss's backward", (Made("grad/log_softmax", wide, "-1/N at each target, zero elsewhere"),),
-             frees=("loss/shift_labels", "loss/padded labels", "loss/total_weight")),
+             frees=("loss/shift_labels", "loss/padded labels", "loss/total_weight", LOSS_GRAD)),
         Step("log_softmax's backward: three fp32 (b*s, v) tensors", (Made(
             "grad/logits fp32" if cast else "grad/logits", wide, "fp32"),),
              frees=("grad/log_softmax", "loss/log_softmax")),

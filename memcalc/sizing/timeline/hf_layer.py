@@ -81,9 +81,10 @@ def rms_norm(where: str, p: str, norm: RMSNormTensors, z: Sizes, dy: str | None,
              moment=act == fp32),
         # summed to the weight's shape after the node returned (under a checkpoint y, the rerun's, is gone by then);
         # a moment in fp32, where a tiny model with tied weights peaks here (no fp32 copy of the logits above it)
+        # dY, the node's input, goes before AccumulateGrad takes the weight's gradient (ZeRO's hook reads it there)
         Step("weight * y's backward", (Made(f"{g}/dweight", z.act * width // heads, WHY_WGRAD),),
-             frees=(f"{g}/dY y",), hands_over=(f"{g}/dweight",), reduced=True, moment=act == fp32),
-        Step("", frees=(dy,) if dy else ()),
+             frees=(f"{g}/dY y", *((dy,) if dy else ())), hands_over=(f"{g}/dweight",), reduced=True,
+             moment=act == fp32),
     ), saves=(norm.normed,))
     return (cast, power, rstd, weight)
 

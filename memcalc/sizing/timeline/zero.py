@@ -50,7 +50,7 @@ DEEPSPEED_AUTO = {
 }
 # ZeRO's buffers on the tape.
 BUCKET, PARTITION, GATHERED = "zero/reduce bucket", "zero/bf16 grad partition", "zero/gathered"
-ENGINE_LOSSES = "zero/engine losses"
+ENGINE_LOSSES, LOSS_GRAD = "zero/engine losses", "zero/loss grad"
 
 
 class Zero:
@@ -147,6 +147,11 @@ class Zero:
         """Modules are released after their forward (the next block's gather replaces this one's)."""
 
     def pre_backward(self, tape: Tape, block: str, where: str, prefetch: str | None) -> None:
+        """Stage 3's gathers; before the loss's backward (the root's), the gradient autograd passes it through the
+        engine's scaling and division (MulBackward0, DivBackward0): a 0-d fp32 tensor, freed after nll_loss's
+        backward (hf's walk frees LOSS_GRAD there)."""
+        if block == ROOT:
+            tape.add(LOSS_GRAD, TEMPORARIES, 4, "the loss's gradient through engine.backward's scaling and division")
         self.copy_out(tape, block, "backward", where)
 
     def keep_grad(self, tape: Tape, block: str, name: str, nbytes: int) -> None:
