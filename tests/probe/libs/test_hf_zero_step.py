@@ -61,15 +61,15 @@ def test_deepspeeds_step_holds_what_the_zero_walk_holds_between_steps_and_at_its
 
 
 def _totals_after_every_op(config) -> list[int]:
-    """MemTracker's total after each op of one step under DeepSpeed's engine (its categories are not the walk's yet:
-    docs/limitations.md, "DeepSpeed's step")."""
+    """MemTracker's total after each op of one step under DeepSpeed's engine, experts under the balanced route (its
+    categories are not the walk's yet: docs/limitations.md, "DeepSpeed's step")."""
     from memcalc.probe.launch import run_fake
     from memcalc.probe.libs.hf_zero import ZERO_CATEGORIES, warmed_up_zero
     from memcalc.probe.step import MomentTracker
     from ..step_readings import reading_every_op
 
     def on_rank(tp):
-        trainer = warmed_up_zero(tp, config)
+        trainer = warmed_up_zero(tp, config, "balanced" if config.moe else None)
         tracker = reading_every_op(MomentTracker, ZERO_CATEGORIES)()
         tracker.readings = []
         trainer.register(tracker)
@@ -85,6 +85,8 @@ def _totals_after_every_op(config) -> list[int]:
     (2, {"b": 3, "s": 5, "num_query_groups": 1, "dtype": "fp32"}),
     (1, {"b": 3, "s": 5, "num_query_groups": 1}),
     (2, {"b": 1, "s": 7}),
+    (2, {"b": 1, "s": 7, "recompute": "full", "num_query_groups": 8, "dtype": "fp32"}),
+    (2, {"b": 1, "s": 6, **MIXTRAL, "dtype": "fp32"}),
 ])
 def test_every_moment_of_the_zero_walk_is_memtrackers_total_after_some_op_in_order(one_thread, stage, changes):
     """engine.backward's two 0-d losses and the loss's gradient through them, the reduce bucket from the first
