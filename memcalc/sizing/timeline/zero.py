@@ -239,8 +239,9 @@ class Zero:
                          " optimizer reads")
             tape.mark("optimizer", "", f"ZeRO's fp32 gradient partition of group {i} made from the flattened"
                       f"{' bf16' if self.act != 4 else ''} one")
-            tape.drop("zero/flat grad partition", *((PARTITION,) if i == len(self.groups) - 1 and self.stage != 3
-                                                    else ()))
+            tape.drop("zero/flat grad partition")
+            if i == len(self.groups) - 1 and self.stage != 3:
+                tape.drop(PARTITION)  # its last views, the last group's gradients, freed
             tape.add("zero/clip", TEMPORARIES, 4 * 4, "unscale_and_clip_grads' 0-d fp32 clip, clamped clip, combined"
                      " scale and its reciprocal")
             tape.mark("optimizer", "", f"group {i}'s gradients unscaled and clipped: four 0-d fp32 factors")
