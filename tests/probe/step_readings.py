@@ -44,9 +44,11 @@ def torchtitan_fsdp_readings(config, strategy: str, route: str | None = None) ->
     return run_fake(on_rank, (), (config.dp_replicate or 1) * config.dp_shard * plan.weight_shards(config.t))
 
 
-def readings_after_every_op(trainer: Trainer) -> list[tuple[str, dict[str, int]]]:
-    """Where (`MomentTracker.where`) and the bytes per category after each op of one step of a warmed-up trainer."""
-    tracker = reading_every_op(MomentTracker)()
+def readings_after_every_op(trainer: Trainer, tracker: type[MomentTracker] = MomentTracker
+                            ) -> list[tuple[str, dict[str, int]]]:
+    """Where (`MomentTracker.where`) and the bytes per category after each op of one step of a warmed-up trainer,
+    under `tracker` (a library's MomentTracker)."""
+    tracker = reading_every_op(tracker)()
     tracker.readings = []
     trainer.register(tracker)
     with tracker:

@@ -34,21 +34,24 @@ def test_between_steps_the_walk_holds_the_layouts_weights_master_and_moments(sta
 
 
 def test_zero2s_optimizer_step_holds_deepspeeds_estimate_beside_its_flattened_copy():
-    """estimate_zero2_model_states_mem_needs: 2P + 18P/dp; step() also flattens each group's bf16 partition before
-    casting it (at the last group's cast, that group's flat copy), AdamW keeps a 0-d step per parameter group, the gradient norm two 0-d
-    tensors, and grads_in_partition holds whole each gradient reaching into the partition (the estimator: 2P/dp)."""
+    """estimate_zero2_model_states_mem_needs: 2P + 18P/dp, of which 4P/dp the fp32 gradient partition; step() makes it
+    group by group, each freed after its group's AdamW step (stage_1_and_2.py), and flattens each group's bf16
+    partition before casting it: at the first group's cast, the estimate but the later groups' fp32 partitions, beside
+    that group's flat copy. AdamW keeps a 0-d step per parameter group, the gradient norm two 0-d tensors, and
+    grads_in_partition holds whole each gradient reaching into the partition (the estimator: 2P/dp)."""
     deepspeed = pytest.importorskip("deepspeed.runtime.zero.stage_1_and_2")
     config, walk = _walk(2)
-    params = total_params(config)
+    params, zero = total_params(config), Zero(config)
     assert params % 8 == 0
-    *_, last = [m for m in walk.moments if m.phase == "optimizer" and "fp32 gradient partition" in m.what]
-    live = {x.name: x.bytes for x in last.live}
+    first = next(m for m in walk.moments if m.phase == "optimizer" and "fp32 gradient partition of group 0" in m.what)
+    live = {x.name: x.bytes for x in first.live}
     _, estimate = deepspeed.estimate_zero2_model_states_mem_needs(params, 8, 1, cpu_offload=False)
     states = sum(n for name, n in live.items() if name.startswith(("states/", "zero/", "optimizer/"))
                  and not name.startswith("states/rotary_emb."))  # LlamaRotaryEmbedding's buffers: no parameters
     reaching = live[PARTITION] - 2 * params // 8
     assert reaching > 0, "a weight straddles the partition's end: it is held whole"
-    assert states == estimate + live["zero/flat grad partition"] + live["optimizer/step"] + live[GRAD_NORM] \
+    later = 4 * sum(zero.partition(sum(group)) for group in zero.groups[1:])
+    assert states == estimate - later + live["zero/flat grad partition"] + live["optimizer/step"] + live[GRAD_NORM] \
         + reaching
 
 
@@ -68,11 +71,14 @@ def test_zero2_reduces_a_bucket_of_reduce_bucket_size_before_it_overflows():
 
 def test_zero2_keeps_a_gradient_wider_than_the_bucket_in_its_grad_until_the_next_reduction():
     """DeepSpeed puts a gradient wider than reduce_bucket_size alone in the bucket, uncopied, and reduces it when the
-    next gradient arrives (stage_1_and_2.py: extra_large_param_to_reduce)."""
+    next gradient arrives (stage_1_and_2.py: extra_large_param_to_reduce), that gradient (the final norm's) live too,
+    not yet copied in."""
     config, walk = _walk(2)
     wide = "grad/lm_head"  # (v, h): wider than h^2 elements
-    holding = [m.what for m in walk.moments if wide in {x.name for x in m.live}]
-    assert holding and holding[-1] == "the reduce bucket reduced before model.norm's gradient would overflow it"
+    holding = [m for m in walk.moments if wide in {x.name for x in m.live}]
+    assert holding and holding[-1].what == "the reduce bucket reduced before model.norm's gradient would overflow it"
+    live = {x.name: x.bytes for x in holding[-1].live}
+    assert (live[wide], live["grad/model.norm"]) == (2 * config.vocab_size * config.h, 2 * config.h)
 
 
 def test_stages_1_and_2_pad_each_groups_flat_buffer_to_a_multiple_of_2dp_elements():
@@ -85,6 +91,32 @@ def test_stages_1_and_2_pad_each_groups_flat_buffer_to_a_multiple_of_2dp_element
     assert (sum(weights), sum(norms)) == (1_736_704, 1_280)
     assert (zero.partition(sum(weights)), zero.partition(sum(norms))) == (578_902, 428)
     assert {x.name: x.bytes for x in walk.steady.live}["states/weights"] == 2 * (1_736_706 + 1_284)
+
+
+def test_zero1_allocates_the_reduce_bucket_at_backwards_first_gradient():
+    """setup_buckets, at every stage: the bucket lives from lm_head's gradient to the end of backward."""
+    config, walk = _walk(1)
+    (gemms,) = [m for m in walk.moments if m.where == "model.norm" and m.phase == "backward"][:1]
+    assert {x.name: x.bytes for x in gemms.live}[BUCKET] == 2 * DEEPSPEED_AUTO["reduce_bucket_size"](config.h)
+
+
+def test_in_fp32_deepspeeds_flattened_gradient_partition_is_the_fp32_one():
+    """step(): flat_grad_partition.to(fp32) returns the fp32 flat tensor itself; in bf16 a copy beside it."""
+    for dtype, names in (("fp32", {"zero/fp32 grad partition 0"}),
+                         ("bf16", {"zero/fp32 grad partition 0", "zero/flat grad partition"})):
+        _, walk = _walk(2, dtype=dtype)
+        cast = next(m for m in walk.moments if "fp32 gradient partition of group 0" in m.what)
+        assert {x.name for x in cast.live if x.name.startswith(("zero/fp32", "zero/flat"))} == names
+
+
+def test_each_groups_fp32_gradient_partition_goes_before_the_next_groups_is_made():
+    """step() frees a group's fp32 gradient after its AdamW step; in fp32, with no flat copy to free first,
+    unscale_and_clip_grads' four 0-d fp32 factors lie on the first group's (at small sizes the step's peak)."""
+    _, walk = _walk(2, dtype="fp32")
+    cast = next(m for m in walk.moments if "fp32 gradient partition of group 1" in m.what)
+    assert "zero/fp32 grad partition 0" not in {x.name for x in cast.live}
+    first, clipped = [m for m in walk.moments if "group 0" in m.what][:2]
+    assert clipped.bytes - first.bytes == 4 * 4
 
 
 def test_grads_in_partition_holds_each_weight_reaching_into_the_partition_whole():

@@ -37,7 +37,7 @@ from memcalc.sizing.timeline.tape import (
 from memcalc.sizing.timeline import torch_ops
 from memcalc.sizing.timeline.torch_ops import linear
 from memcalc.sizing.timeline.walk import Checkpoint, HandOver, Made, Op, Step, Walk, kept
-from memcalc.sizing.timeline.zero import Zero
+from memcalc.sizing.timeline.zero import LOSS_GRAD, Zero
 
 
 def _norm_like_final(config: ModelConfig) -> RMSNormTensors | ledger.NormTensors:
@@ -324,18 +324,12 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
                                        " modules)"),
         (cohere.walks(config) and (sharded or config.qk_layernorm),
          "Cohere's model under dp_shard or zero_stage, or with use_qk_norm (qk_layernorm)"),
-        # found by the step differential: t=2 b=2 s=2 h=16 a=4 g=4 f=2 v=4 L=1 fp32, the rerun under tp: 896 B of the
-        # peak's activations walked as temporaries (and at h=8 g=2 bf16 the peak named in gate_proj, not o_proj)
-        (cohere.walks(config) and tp and config.recompute != "none", f"{rerun} tp in Cohere's model"),
         (config.position_embedding_type != "rope" and family != "gpt2",
          f"position_embedding_type {config.position_embedding_type}"),
-        # measured (memcalc.probe.libs.hf_zero, h=64 L=2 dp=2): the state between steps exact at stages 1 and 2, but
-        # DeepSpeed makes no fp32 copy of an fp32 gradient partition (stage_1_and_2.py step(): .to(fp32) returns it),
-        # which the walk casts; without that cast (tried) ZeRO-1's peak is 4 B under MemTracker's and ZeRO-2's 624 B
-        # over at b=1 s=7, 18,044 B over at b=3 s=5 g=1 with the walk's peak in backward (not found yet); at stage 3
-        # the fp32 master partition is the weights' own (stage3.py: fp32_partitioned_groups_flat aliases them)
-        (config.dtype == "fp32" and config.zero_stage is not None, "dtype fp32 with zero_stage (DeepSpeed keeps no"
-                                                                   " fp32 copy of an fp32 gradient partition)"),
+        # stage3.py's _create_fp32_partitions: fp32_partitioned_groups_flat is the fp32 weights' own partition (no
+        # master copy), which the walk's states lay out; and MemTracker does not see ds_tensor (stage 3 unmeasured)
+        (config.dtype == "fp32" and config.zero_stage == 3, "dtype fp32 with zero_stage=3 (stage3.py keeps the fp32"
+                                                            " weights' partition as the master partition, no copy)"),
         *_experts_missing(config, tp),
         (config.mla and config.recompute != "none", f"{rerun} latent attention"),
         (config.mla and config.zero_stage is not None, "zero_stage with latent attention (DeepSpeed's step on it"
@@ -690,7 +684,7 @@ def _loss(z: Sizes, logits: int) -> Op:
     ), backward=(
         # a moment: in fp32 (no upcast copy in forward) at small sizes the step peaks here
         Step("nll_loss's backward", (Made("grad/log_softmax", wide, "-1/N at each target, zero elsewhere"),),
-             frees=("loss/shift_labels", "loss/padded labels", "loss/total_weight")),
+             frees=("loss/shift_labels", "loss/padded labels", "loss/total_weight", LOSS_GRAD)),
         Step("log_softmax's backward: three fp32 (b*s, v) tensors", (Made(
             "grad/logits fp32" if cast else "grad/logits", wide, "fp32"),),
              frees=("grad/log_softmax", "loss/log_softmax")),

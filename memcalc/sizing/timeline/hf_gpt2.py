@@ -13,7 +13,7 @@ from memcalc.config.schema import ModelConfig
 from memcalc.model import ledger
 from memcalc.model.impls import hf as rules
 from memcalc.model.ledger import NormTensors, SavedTensor
-from memcalc.sizing.timeline.hf_layer import context, sdpa_math
+from memcalc.sizing.timeline.hf_layer import context, rowwise, sdpa_math
 from memcalc.sizing.timeline.tape import TEMPORARIES, Sizes
 from memcalc.sizing.timeline.torch_ops import WHY_WGRAD, dropout, linear
 from memcalc.sizing.timeline.walk import Checkpoint, Made, Op, Step, kept, kept_names
@@ -200,7 +200,7 @@ def _sdpa_math(p: str, z: Sizes, kept_v: tuple[SavedTensor, ...]) -> tuple[Op, .
 def mlp(p: str, z: Sizes, config: ModelConfig, drop: str | None = "mlp.dropout", tp: bool = False) -> tuple[Op, ...]:
     """GPT2MLP: c_fc, the activation (gelu_new written out, or torch's GELU), c_proj, its `drop` module (None:
     F.dropout inside the MLP's forward, StarCoder 2's: no module MemTracker reads c_proj's backward in; `tp`: its
-    c_fc colwise)."""
+    c_fc colwise, c_proj rowwise)."""
     g, full, f = f"grad/{p}", z.full(z.h), z.f_t
     c_fc = conv1d("mlp.c_fc", p, ledger.FC1_IN, Step("the GEMM", (kept(p, ledger.GELU_IN),)), z.h, f, z,
                   f"{g}/ln2 output", (f"{g}/gelu_in",), reduced=tp)
@@ -211,8 +211,9 @@ def mlp(p: str, z: Sizes, config: ModelConfig, drop: str | None = "mlp.dropout",
     dropped = config.has_dropout
     out = Made(f"{p}/mlp output", full, "the MLP's output, a local of the block to its return")
     proj = Made(f"{p}/mlp proj", full, "c_proj's output, the dropout's input") if dropped else out
-    c_proj = conv1d("mlp.c_proj", p, ledger.FC2_IN, Step("the GEMM", (proj,), reads_last=kept_names(
-        p, ledger.FC2_IN)), f, z.h, z, f"{g}/act output", (f"{g}/mlp dropped",) if dropped else ())
+    c_proj = conv1d("mlp.c_proj", p, ledger.FC2_IN, rowwise(Step("the GEMM", (proj,), reads_last=kept_names(
+        p, ledger.FC2_IN)), f"{p}/mlp partial", tp), f, z.h, z, f"{g}/act output",
+                    (f"{g}/mlp dropped",) if dropped else ())
     resid = (dropout(drop or "mlp", p, ledger.MLP_DROPOUT_MASK, out, f"{g}/output", f"{g}/mlp dropped", full,
                      gone=(proj.name,)),) if dropped else ()
     return (c_fc, *act, _shadowed(c_proj, drop, config) if drop else c_proj, *resid)

@@ -82,9 +82,10 @@ def rms_norm(where: str, p: str, norm: RMSNormTensors, z: Sizes, dy: str | None,
              moment=act == fp32),
         # summed to the weight's shape after the node returned (under a checkpoint y, the rerun's, is gone by then);
         # a moment in fp32, where a tiny model with tied weights peaks here (no fp32 copy of the logits above it)
+        # dY, the node's input, goes before AccumulateGrad takes the weight's gradient (ZeRO's hook reads it there)
         Step("weight * y's backward", (Made(f"{g}/dweight", z.act * width // heads, WHY_WGRAD),),
-             frees=(f"{g}/dY y",), hands_over=(f"{g}/dweight",), reduced=True, moment=act == fp32),
-        Step("", frees=(dy,) if dy else ()),
+             frees=(f"{g}/dY y", *((dy,) if dy else ())), hands_over=(f"{g}/dweight",), reduced=True,
+             moment=act == fp32),
     ), saves=(norm.normed,))
     return (cast, power, rstd, weight)
 
@@ -389,10 +390,24 @@ def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, t
     o_proj = linear("self_attn.o_proj", ledger.PROJ_IN if copied else None, None, z.act * q * z.h,
                     f"{g}/o_proj input", z.full(q), p, (dy,) if dy else (), bias=z.act * z.h if o_bias else 0)
     gone = (made["v"], *rotated.values(), kept(p, ledger.QKV_IN), kept(p, ledger.PROJ_IN))  # at the module's return
-    o_proj = replace(o_proj, forward=(Step("the GEMM", (Made(f"{p}/{made_as}", full, "o_proj's output"),),
-                                           frees=tuple(x.name for x in gone if x.keeps is None),
-                                           reads_last=tuple(x.name for x in gone if x.keeps is not None)),))
+    o_proj = replace(o_proj, forward=(rowwise(Step("the GEMM", (Made(f"{p}/{made_as}", full, "o_proj's output"),),
+                                                   frees=tuple(x.name for x in gone if x.keeps is None),
+                                                   reads_last=tuple(x.name for x in gone if x.keeps is not None)),
+                                              f"{p}/attn partial", tp),))
     return (*(_fused_qkv(p, z, q, kv, tp, made["v"]) if fused else reversed(ran)), *rope_built, *core, o_proj)
+
+
+def rowwise(gemm: Step, partial: str, tp: bool) -> Step:
+    """A projection's GEMM (`gemm`, which makes its output) op by op (a checkpoint's forward and rerun), under tp
+    transformers' RowwiseParallel: the GEMM makes this rank's partial sum, which transform_output_post_forward
+    (transformers/distributed/tensor_parallel.py) wraps as a Partial DTensor and redistributes to Replicate, an
+    all-reduce into a new tensor, the output; the partial goes as the hook returns. Both live at one moment, which
+    MemTracker reads (Cohere's rerun peaks there)."""
+    if not tp:
+        return gemm
+    made = Made(partial, gemm.makes[0].bytes, "the GEMM's output: this rank's partial sum, a local of the forward")
+    return replace(gemm, what="the GEMM, its partial sum all-reduced", makes=(made, *gemm.makes),
+                   frees=(*gemm.frees, partial))
 
 
 # q_norm and k_norm by the layer's norm: Qwen3's LlamaRMSNorm and Gemma 3's GemmaRMSNorm on each head, OLMo 2's
@@ -811,8 +826,9 @@ def mlp(p: str, z: Sizes, tp: bool, gated: tuple[SavedTensor, SavedTensor, Saved
         frees=(f"{g}/down_proj input",)),), saves=(up, act_out))
     down = replace(linear("mlp.down_proj", ledger.FC2_IN, None, w, f"{g}/down_proj input", z.full(f), p,
                           (dy,) if dy else ()),
-                   forward=(Step("the GEMM", (Made(f"{p}/{made_as}", z.full(z.h), "down_proj's output"),),
-                                 reads_last=(*kept_names(p, ledger.FC2_IN, ledger.FC1_IN), *halves)),))
+                   forward=(rowwise(Step("the GEMM", (Made(f"{p}/{made_as}", z.full(z.h), "down_proj's output"),),
+                                         reads_last=(*kept_names(p, ledger.FC2_IN, ledger.FC1_IN), *halves)),
+                                    f"{p}/mlp partial", tp),))
     if fused:
         chunk = Op("mlp", (), (Step("chunk's backward: the two gradients concatenated", (
             Made(f"{g}/gate_up", z.full(2 * f), "(b, s, 2f), gate's and up's"),), frees=(f"{g}/gate", f"{g}/up"),

@@ -54,9 +54,11 @@ def dropped_attention(ops: tuple[Op, ...], p: str, z: Sizes, config: ModelConfig
         return ops
     *before, o_proj = ops
     gemm, proj_in = o_proj.forward[-1], kept_name(p, ledger.PROJ_IN)
-    returns = Step("", frees=gemm.frees, reads_last=tuple(x for x in gemm.reads_last if x != proj_in))
-    o_proj = replace(o_proj, forward=(*o_proj.forward[:-1], replace(gemm, frees=(), reads_last=tuple(
-        x for x in gemm.reads_last if x == proj_in))))
+    own = {x.name for x in gemm.makes}  # under tp its partial sum (hf_layer.rowwise), gone as o_proj returns
+    returns = Step("", frees=tuple(x for x in gemm.frees if x not in own),
+                   reads_last=tuple(x for x in gemm.reads_last if x != proj_in))
+    o_proj = replace(o_proj, forward=(*o_proj.forward[:-1], replace(gemm, frees=tuple(
+        x for x in gemm.frees if x in own), reads_last=tuple(x for x in gemm.reads_last if x == proj_in))))
     return (*before, o_proj, dropout("self_attn", p, ledger.ATTN_OUT_DROPOUT_MASK, Made(
         f"{p}/attn output", z.full(z.h), "o_proj's output dropped out"), f"grad/{p}/mid", f"grad/{p}/attn dropped",
         z.full(z.h), gone=(f"{p}/attn proj",), then=returns))

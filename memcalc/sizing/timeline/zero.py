@@ -6,10 +6,10 @@ Modelled from DeepSpeed 0.19.8's own sources (deepspeed/runtime/zero/stage_1_and
 partitioned_param_coordinator.py) and measured by memcalc.probe.libs.hf_zero (DeepSpeed's engine on the fake group,
 the Trainer's fused torch AdamW over its two groups): at stages 1 and 2 the state between steps and the peak, category
 by category, and its moment are MemTracker's to the byte (with experts and gradient checkpointing too); at stage 3
-MemTracker does not see the partition DeepSpeed keeps on each parameter (ds_tensor, no module's parameter). bf16 with
-DeepSpeed's default gradient accumulation dtype (the model's), contiguous_gradients on, overlap_comm off at stages 1
-and 2 and on at stage 3 (DeepSpeed's defaults), and the sizes the Trainer fills for a config's "auto"
-(`DEEPSPEED_AUTO`). What the tape holds:
+MemTracker does not see the partition DeepSpeed keeps on each parameter (ds_tensor, no module's parameter). bf16 or
+fp32 (stages 1 and 2) with DeepSpeed's default gradient accumulation dtype (the model's), contiguous_gradients on,
+overlap_comm off at stages 1 and 2 and on at stage 3 (DeepSpeed's defaults), and the sizes the Trainer fills for a
+config's "auto" (`DEEPSPEED_AUTO`). What the tape holds:
 
     steady          bf16 weights (stages 1 and 2: each group's flat buffer, padded to 2*dp elements; stage 3:
                     this rank's partition, and the parameters under the persistence threshold whole); this
@@ -18,18 +18,19 @@ and 2 and on at stage 3 (DeepSpeed's defaults), and the sizes the Trainer fills 
     forward, stage 3  each module gathered before it runs and released after; at a block's moment, its widest
                     module and the prefetch bucket's elements ahead of it (a bound: DeepSpeed prefetches the
                     modules its trace names, up to stage3_prefetch_bucket_size elements)
-    backward        engine.backward's scaled copy of the loss, to its end; stage 1: each weight's bf16
-                    gradient kept whole to the end of backward, then reduced bucket by bucket and this rank's
-                    partition copied out; stages 2 and 3: each gradient copied into the reduce bucket
-                    (reduce_bucket_size bf16 elements) as autograd hands it over, the bucket reduced first when
-                    the gradient would overflow it and this rank's part copied into the bf16 gradient partition
-                    (grads_in_partition: whole, each gradient that reaches into this rank's partition; stage 2:
-                    allocated at the first reduction of one); a gradient wider than the bucket stays in its .grad, the
-                    bucket's one gradient, until the next reduction; the last bucket reduced after
+    backward        engine.backward's scaled copy of the loss, to its end, and the loss's gradient through it,
+                    to nll_loss's backward; the reduce bucket (reduce_bucket_size elements) allocated at the first
+                    gradient; stage 1: each weight's gradient kept whole to the end of backward, then reduced
+                    bucket by bucket and this rank's partition copied out; stages 2 and 3: each gradient copied
+                    into the reduce bucket as autograd hands it over, the bucket reduced first (the new gradient
+                    still live) when the gradient would overflow it and this rank's part copied into the gradient
+                    partition (grads_in_partition: whole, each gradient that reaches into this rank's partition;
+                    stage 2: allocated at the first reduction of one); a gradient wider than the bucket stays in
+                    its .grad, the bucket's one gradient, until the next reduction; the last bucket reduced after
                     loss.backward() returns
-    optimizer       the gradient norm; group by group (the Trainer's two; stage 3: one) the partition's bf16
-                    gradients flattened into a new tensor and cast to fp32 (the fp32 gradient partition the
-                    optimizer reads); AdamW in place, the bf16 weights gathered back
+    optimizer       the gradient norm; group by group (the Trainer's two; stage 3: one) the partition's
+                    gradients flattened into a new tensor and cast to fp32 (in fp32 the flat tensor itself), the
+                    clip factors, AdamW in place, the group's fp32 gradient freed; the weights gathered back
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ DEEPSPEED_AUTO = {
 BUCKET, PARTITION, GATHERED = "zero/reduce bucket", "zero/bf16 grad partition", "zero/gathered"
 SCALED_LOSS = "zero/scaled loss"
 GRAD_NORM = "zero/gradient norm"  # not "zero/grad ...": the words for stage 1's whole gradients (timeline.words)
+LOSS_GRAD = "zero/loss grad"
 
 
 class Zero:
@@ -60,6 +62,7 @@ class Zero:
 
     def __init__(self, config: ModelConfig) -> None:
         h = config.h
+        self.stage, self.dp, self.act = config.zero_stage, config.dp, DTYPE_BYTES[config.dtype]  # act: bf16's bytes
         self.layer, self.root = hf_layer(config, 1, 0).shapes, hf_root(config, 1).shapes
         self.threshold = threshold = DEEPSPEED_AUTO["stage3_param_persistence_threshold"](h)
         # every layer's own (a MoE model's dense layers among sparse ones hold other shapes), in registration order
@@ -71,7 +74,6 @@ class Zero:
         groups = ([x for x in params if len(x[1]) > 1], [x for x in params if len(x[1]) == 1]) \
             if config.zero_stage < 3 else (params,)
         self.groups = tuple([prod(shape) for _, shape in group] for group in groups)
-        self.stage, self.dp, self.act = config.zero_stage, config.dp, DTYPE_BYTES[config.dtype]  # act: bf16's bytes
         self.mine = {name: n for group in groups for name, n in self._reaching(group).items()}
         self.params = sum(prod(x) for x in shapes)  # every parameter of the model
         # stage 3: parameters under the persistence threshold, kept whole
@@ -143,29 +145,35 @@ class Zero:
 
     def forward_done(self, tape: Tape, keep: str | None = None) -> None:
         """engine.backward scales the loss (the Trainer turns its division by the accumulation steps off; the loss
-        scaler multiplies by 1.0 in bf16): a new 0-d fp32 tensor, to the end of engine.backward. Forward's gathers are
-        released with their modules."""
+        scaler multiplies by 1.0 in bf16 and fp32): a new 0-d fp32 tensor, to the end of engine.backward. Forward's
+        gathers are released with their modules."""
         tape.add(SCALED_LOSS, ACTIVATIONS, 4, "engine.backward's loss times the loss scaler's scale, 0-d fp32")
 
     def post_forward(self, tape: Tape, block: str) -> None:
         """Modules are released after their forward (the next block's gather replaces this one's)."""
 
     def pre_backward(self, tape: Tape, block: str, where: str, prefetch: str | None) -> None:
+        """Stage 3's gathers; before the loss's backward (the root's), the gradient autograd passes it through the
+        engine's scaling (MulBackward0): a 0-d fp32 tensor, freed after nll_loss's backward (hf's walk frees LOSS_GRAD
+        there)."""
+        if block == ROOT:
+            tape.add(LOSS_GRAD, TEMPORARIES, 4, "the loss's gradient through engine.backward's scaling")
         self.copy_out(tape, block, "backward", where)
 
     def keep_grad(self, tape: Tape, block: str, name: str, nbytes: int) -> None:
-        """A weight's bf16 gradient, as autograd hands it over: kept whole at stage 1; at stages 2 and 3 the bucket
-        reduced first if the gradient would overflow it, then the gradient copied into the bucket, or, wider than the
-        bucket, left in its .grad as the bucket's one gradient until the next reduction."""
+        """A weight's gradient, as autograd hands it over (the reduce bucket allocated at the first: setup_buckets, at
+        every stage): kept whole at stage 1; at stages 2 and 3 the bucket reduced first if the gradient would overflow
+        it, then the gradient copied into the bucket, or, wider than the bucket, left in its .grad as the bucket's one
+        gradient until the next reduction."""
+        if BUCKET not in tape.live:
+            tape.add(BUCKET, GRADIENTS, self.act * self.bucket, "the reduce bucket, reduce_bucket_size bf16 elements,"
+                     " allocated at backward's first gradient")
         if self.stage == 1:
             tape.add(f"zero/grad {name}", GRADIENTS, nbytes, "the weight's bf16 .grad, kept whole to the end of"
                      " backward (stage 1 reduces after it)")
             return
         grad, elements = f"grad/{name}", nbytes // self.act
         tape.add(grad, GRADIENTS, nbytes, "the weight's bf16 .grad, as autograd hands it over")
-        if BUCKET not in tape.live:
-            tape.add(BUCKET, GRADIENTS, self.act * self.bucket, "the reduce bucket, reduce_bucket_size bf16 elements,"
-                     " allocated at backward's first gradient")
         if self.filled and self.filled + elements > self.bucket:
             self._reduce(tape, name, f"the reduce bucket reduced before {name}'s gradient would overflow it")
         self.filled += elements
@@ -187,7 +195,7 @@ class Zero:
         of a gradient `reaching` into it (copy_grads_in_partition: a reduction of others' only clears them)."""
         if reaching and PARTITION not in tape.live:
             tape.add(PARTITION, GRADIENTS, self.act * self.in_partition, "grads_in_partition: each bf16 gradient"
-                     " that reaches into this rank's partition, whole, allocated at the first reduction")
+                     " that reaches into this rank's partition, whole, allocated at the first reduction into it")
         tape.mark("backward", where, what)
 
     def post_backward(self, tape: Tape, block: str, where: str) -> None:
@@ -197,10 +205,8 @@ class Zero:
         optimizer, and engine.backward's scaled loss with it as it returns."""
         if block != ROOT:
             return
-        tape.drop("loss/grad seed")
+        tape.drop("loss/grad seed")  # loss.backward() has returned: engine.backward's epilogue reduces
         if self.stage == 1:
-            tape.add(BUCKET, GRADIENTS, self.act * self.bucket,
-                     "the reduce bucket, allocated when the reduction starts")
             self._to_partition(tape, "", "stage 1 reduces every gradient after backward, bucket by bucket")
             tape.drop(*[n for n in tape.live if n.startswith("zero/grad ")])
         else:
@@ -210,18 +216,29 @@ class Zero:
         tape.drop(SCALED_LOSS, *[n for n in tape.live if n.startswith(f"{GATHERED} ")])
 
     def optimizer_step(self, tape: Tape) -> None:
-        """The global gradient norm (two 0-d fp32 tensors: it and its unscaled copy), then group by group the
-        partition's bf16 gradients flattened into a new tensor and cast to fp32 beside them, the flat copy freed; then
-        the gradients freed (at stage 3 the partition buffer stays), AdamW in place."""
+        """The global gradient norm (two 0-d fp32 tensors: it and its unscaled copy), then group by group
+        (stage_1_and_2.py step()): the partition's gradients flattened into a new tensor and cast to fp32 beside them
+        (in fp32 `.to` returns the flat tensor itself), the flat copy freed (after the last group's, the gradient
+        partition its gradients viewed, but at stage 3); unscale_and_clip_grads' 0-d fp32 factors; AdamW on the group
+        in place, and its fp32 gradient freed before the next group's is made."""
         tape.add(GRAD_NORM, TEMPORARIES, 4 * 2, "the global gradient norm and _global_grad_norm, 0-d fp32")
         for i, group in enumerate(self.groups):
-            part = self.partition(sum(group))
-            tape.add("zero/flat grad partition", TEMPORARIES, self.act * part, f"group {i}'s bf16 gradients flattened")
-            tape.add(f"zero/fp32 grad partition {i}", TEMPORARIES, 4 * part, f"group {i}'s flat partition cast to"
-                     " fp32: the gradient the optimizer reads")
-            tape.mark("optimizer", "", f"ZeRO's fp32 gradient partition of group {i} made from the flattened bf16 one")
+            part, fp32 = self.partition(sum(group)), f"zero/fp32 grad partition {i}"
+            tape.add("zero/flat grad partition", TEMPORARIES, self.act * part, f"group {i}'s gradients flattened")
+            if self.act == 4:
+                tape.rename("zero/flat grad partition", fp32)
+            else:
+                tape.add(fp32, TEMPORARIES, 4 * part, f"group {i}'s flat partition cast to fp32: the gradient the"
+                         " optimizer reads")
+            tape.mark("optimizer", "", f"ZeRO's fp32 gradient partition of group {i} made from the flattened"
+                      f"{' bf16' if self.act != 4 else ''} one")
             tape.drop("zero/flat grad partition")
-        if self.stage != 3:
-            tape.drop(PARTITION)
-        tape.mark("optimizer", "", "AdamW on the fp32 partition, in place")
-        tape.drop(GRAD_NORM, *[f"zero/fp32 grad partition {i}" for i in range(len(self.groups))])
+            if i == len(self.groups) - 1 and self.stage != 3:
+                tape.drop(PARTITION)  # its last views, the last group's gradients, freed
+            tape.add("zero/clip", TEMPORARIES, 4 * 4, "unscale_and_clip_grads' 0-d fp32 clip, clamped clip, combined"
+                     " scale and its reciprocal")
+            tape.mark("optimizer", "", f"group {i}'s gradients unscaled and clipped: four 0-d fp32 factors")
+            tape.drop("zero/clip")
+            tape.mark("optimizer", "", f"AdamW on group {i}'s fp32 partition, in place")
+            tape.drop(fp32)
+        tape.drop(GRAD_NORM)

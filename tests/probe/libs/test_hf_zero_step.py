@@ -1,7 +1,8 @@
 """One training step of transformers' LlamaForCausalLM under DeepSpeed's own engine (memcalc.probe.libs.hf_zero,
 rank 0 of dp through the fake group), against the ZeRO walk (memcalc.sizing.timeline.zero): at stages 1 and 2 the
-state between steps and the peak, category by category, and its moment are MemTracker's to the byte, with experts and
-gradient checkpointing too (hf_zero.ZeroTracker files DeepSpeed's buffers as the walk does)."""
+state between steps and the peak, category by category, and its moment are MemTracker's to the byte, with experts,
+gradient checkpointing and in fp32 too (hf_zero.ZeroTracker files DeepSpeed's buffers as the walk does), and every
+moment of the walk is MemTracker's reading after some op, in order."""
 
 import pytest
 
@@ -9,8 +10,13 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("deepspeed")
 
+from memcalc.model.knobs import Accounting  # noqa: E402
+from memcalc.model.strategy import STRATEGIES  # noqa: E402
 from memcalc.probe.step import measure_step  # noqa: E402
+from memcalc.sizing.timeline import timeline  # noqa: E402
 from tests.helpers import LLAMA_HF as LLAMA, make_config  # noqa: E402
+
+from ..step_readings import readings_after_every_op  # noqa: E402
 
 MIXTRAL = {"family": "mixtral", "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 48}
 # Qwen2-MoE's shared expert, a dense layer before each sparse one (decoder_sparse_step 2)
@@ -35,11 +41,18 @@ def _step(stage: int, **changes):
     (1, {"b": 3, "s": 4, **MIXTRAL, "experts_implementation": "eager"}),
     (2, {"b": 1, "s": 5, **QWEN2_MOE}),
     (2, {"b": 3, "s": 5, "h": 48, "a": 6, "num_query_groups": 3, "ffn_hidden_size": 100}),
+    # fp32: no flat copy to cast; the peak at stage 2 in the first group's clip factors (a wide gradient held to the
+    # next reduction, grads_in_partition made by the first into it)
+    (2, {"b": 3, "s": 5, "num_query_groups": 1, "dtype": "fp32"}),
+    (2, {"b": 1, "s": 9, "a": 4, "num_query_groups": 4, "dtype": "fp32"}),
+    (2, {"b": 3, "s": 5, "h": 48, "a": 6, "num_query_groups": 3, "ffn_hidden_size": 100, "dtype": "fp32"}),
+    (2, {"b": 1, "s": 6, **MIXTRAL, "dtype": "fp32"}),
 ])
 def test_deepspeeds_step_holds_what_the_zero_walk_holds_between_steps_and_at_its_peak(one_thread, stage, changes):
     """Between steps: bf16 weights whole, this rank's fp32 master partition, Adam's moments and the two groups' steps;
     at the peak, in DeepSpeed's step (the optimizer's moment): the first group's flat bf16 and fp32 gradient
-    partitions and the gradient norm (temporaries) beside grads_in_partition (gradients), each category exact."""
+    partitions (in fp32 one, and the clip factors) and the gradient norm (temporaries) beside grads_in_partition
+    (gradients), each category exact."""
     r = _step(stage, **changes)
     _exact(r)
     assert r.predicted_moment == "optimizer"
@@ -59,6 +72,13 @@ def _exact(r) -> None:
     (2, {"b": 3, "s": 63, "recompute": "full"}, "backward model.layers.0.mlp"),
     (2, {"b": 1, "s": 65, "dp": 3}, "backward"),
     (1, {"b": 3, "s": 7, "dp": 3, "h": 48, "a": 6, "num_query_groups": 3, "ffn_hidden_size": 100}, "backward"),
+    # small and checkpointed: grads_in_partition made by the first reduction into rank 0's partition, in layer 0 (the
+    # walk made it at the first reduction: its peak a layer early, 376 B over)
+    (2, {"b": 3, "s": 4, "h": 16, "a": 4, "ffn_hidden_size": 12, "vocab_size": 14, "recompute": "full",
+         "attention": "eager"}, "backward model.layers.0.post_attention_layernorm"),
+    # fp32: no flat copy to cast, so stage 1's reductions after backward are its peak
+    (1, {"b": 1, "s": 7, "dtype": "fp32"}, "backward"),
+    (1, {"b": 3, "s": 5, "recompute": "full", "dtype": "fp32"}, "backward"),
 ])
 def test_a_peak_in_backward_holds_the_scaled_loss_and_the_reduce_buckets_state(one_thread, stage, changes, moment):
     """Long sequences put the peak in backward: engine.backward's scaled copy of the loss is live; a gradient wider
@@ -69,3 +89,36 @@ def test_a_peak_in_backward_holds_the_scaled_loss_and_the_reduce_buckets_state(o
     r = _step(stage, **changes)
     _exact(r)
     assert r.predicted_moment == moment
+
+
+def _totals_after_every_op(config) -> list[int]:
+    """MemTracker's total after each op of one step under DeepSpeed's engine (hf_zero.ZeroTracker), experts under the
+    balanced route."""
+    from memcalc.probe.launch import run_fake
+    from memcalc.probe.libs.hf_zero import ZeroTracker, warmed_up_zero
+
+    def on_rank(tp):
+        trainer = warmed_up_zero(tp, config, "balanced" if config.moe else None)
+        return [sum(reading.values()) for _, reading in readings_after_every_op(trainer, ZeroTracker)]
+
+    return run_fake(on_rank, (), config.dp)
+
+
+@pytest.mark.parametrize("stage,changes", [
+    (1, {"b": 1, "s": 7, "dtype": "fp32"}),
+    (2, {"b": 3, "s": 5, "num_query_groups": 1, "dtype": "fp32"}),
+    (1, {"b": 3, "s": 5, "num_query_groups": 1}),
+    (2, {"b": 1, "s": 7}),
+    (2, {"b": 1, "s": 7, "recompute": "full", "num_query_groups": 8, "dtype": "fp32"}),
+    (2, {"b": 1, "s": 6, **MIXTRAL, "dtype": "fp32"}),
+])
+def test_every_moment_of_the_zero_walk_is_memtrackers_total_after_some_op_in_order(one_thread, stage, changes):
+    """engine.backward's scaled loss and the loss's gradient through it, the reduce bucket from the first gradient, a
+    norm's dY gone before its weight's gradient is reduced, a wide gradient held to the next reduction,
+    grads_in_partition made by the first reduction into it, each group's fp32 gradient and clip factors in turn."""
+    config = make_config(LLAMA, zero_stage=stage, dp=2, **changes)
+    totals, position = _totals_after_every_op(config), 0
+    for moment in timeline(config, STRATEGIES["none"], Accounting(exact=True, device="cpu")).moments[1:]:
+        found = next((i for i in range(position, len(totals)) if totals[i] == moment.bytes), None)
+        assert found is not None, f"{moment.label()}: {moment.bytes} B is not among the totals after op {position}"
+        position = found
