@@ -556,8 +556,8 @@ class StepComparison:
 
 def measure_step(config: ModelConfig, strategies: list[str], route: str | None = None,
                  device: str = "cpu") -> list[StepComparison]:
-    """Predict and measure one training step per strategy, on the CPU: one process, or rank 0 of t (fake group);
-    with `device` cuda (torchtitan's model) predicted for CUDA's kernels and run as CUDA runs them (its shim).
+    """Predict and measure one training step per strategy, on the CPU: one process, or rank 0 of the fake group's
+    world (t, FSDP2's mesh or DeepSpeed's dp); with `device` cuda (torchtitan's model) predicted for CUDA's kernels and run as CUDA runs them (its shim).
 
     Every strategy's timeline is made before any step runs, so an unmodelled knob is named at once. `route`
     forces a mixture of experts' router (transformers' Mixtral and Qwen2-MoE, megatron-core's MoELayer): the timeline
@@ -602,7 +602,7 @@ def measure_step(config: ModelConfig, strategies: list[str], route: str | None =
         mode = Mode.FAKE if world else Mode.SINGLE
         routed = (route,) if config.moe else ()  # only the MoE runners take one
         routed = (route, device) if device != "cpu" else routed  # torchtitan's runner takes the device after it
-        (measured,) = run(trainer, (config, strategy, *routed), mode=mode, t=math.prod(world.values()) if world else 1)
+        (measured,) = run(trainer, (config, strategy, *routed), mode=mode, t=math.prod(world.values()))
         out.append(StepComparison(strategy, mode, predicted, measured, model, device, _in_words(world)))
     return out
 
@@ -620,7 +620,9 @@ def _fake_world(config: ModelConfig, strategy: Strategy) -> dict[str, int]:
 
 
 def _in_words(world: dict[str, int]) -> str:
-    """The fake group's world as its factors say it: t=2, dp=3, dp_shard*t=2*2=4."""
+    """The fake group's world as its factors say it: t=2, dp=3, dp_shard*t=2*2=4; "" for none (one process)."""
+    if not world:
+        return ""
     if len(world) == 1:
         return "{}={}".format(*next(iter(world.items())))
     return f"{'*'.join(world)}={'*'.join(map(str, world.values()))}={math.prod(world.values())}"

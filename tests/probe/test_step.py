@@ -15,7 +15,7 @@ from memcalc.model.knobs import Accounting  # noqa: E402
 from memcalc.model.strategy import STRATEGIES  # noqa: E402
 from memcalc.probe.group import single  # noqa: E402
 from memcalc.probe.launch import run_fake  # noqa: E402
-from memcalc.probe.step import TOLERANCE, CategoryRow, Trainer, measure_step  # noqa: E402
+from memcalc.probe.step import TOLERANCE, CategoryRow, Trainer, _fake_world, _in_words, measure_step  # noqa: E402
 from memcalc.sizing.timeline import ACTIVATIONS, timeline  # noqa: E402
 
 from .step_readings import assert_moments_in_order, readings_after_every_op  # noqa: E402
@@ -229,3 +229,16 @@ FP32 = dict(dtype="fp32")
 ], ids=lambda x: str(x))
 def test_in_fp32_every_moment_happens_in_order_with_its_bytes(changes, strategy):
     _assert_every_moment_in_order(build_config(STEP | changes), strategy)
+
+
+@pytest.mark.parametrize("changes, strategy, words", [
+    ({}, "none", ""),  # one process alone: no fake world to name
+    ({"t": 2}, "tp", "t=2"),
+    ({"t": 2}, "none", ""),
+    ({"impl": "hf", "dp_shard": 2}, "none", "dp_shard=2"),
+    ({"impl": "hf", "zero_stage": 2, "dp": 3}, "none", "dp=3"),  # DeepSpeed's world is dp
+    ({"impl": "hf", "t": 2, "dp_shard": 2, "dp_replicate": 3}, "tp", "dp_replicate*dp_shard*t=3*2*2=12"),
+], ids=str)
+def test_a_step_names_the_fake_world_it_runs_rank_zero_of_by_its_factors(changes, strategy, words):
+    config = build_config(dict(name="w", b=1, s=4, h=16, a=2, L=1, vocab_size=8, **changes))
+    assert _in_words(_fake_world(config, STRATEGIES[strategy])) == words
