@@ -37,16 +37,14 @@ LIMIT = 1.0  # seconds of CPU time for one config's timelines
 def cases() -> list[tuple[str, str, dict[str, object]]]:
     """(label, shipped config, overrides) for every walk to time."""
     sys.path.insert(0, str(ROOT))
+    from memcalc.config.schema import load_config
     from memcalc.config.shipped import shipped_names
 
-    from memcalc.config.schema import load_config
-
+    names, eager = shipped_names(), {"impl": "hf", "experts_implementation": "eager"}
     found = []
-    for name in shipped_names():
+    for name in names:
         found += [(name, name, {}), (f"{name} --impl hf", name, {"impl": "hf"})]
-    eager = {"impl": "hf", "experts_implementation": "eager"}
-    found += [(f"{name} --impl hf, eager experts", name, eager) for name in shipped_names()
-              if load_config(Path(name), {}).moe]
+    found += [(f"{name} --impl hf, eager experts", name, eager) for name in names if load_config(Path(name), {}).moe]
     return found
 
 

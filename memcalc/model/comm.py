@@ -280,7 +280,8 @@ def _gather(p: Pair, r: Rule, phase: str) -> Collective:
 # -- a mixture of experts: megatron-core 0.16.1's MoELayer with the all-to-all token dispatcher ---------------------
 
 _R_H, _R = (Dim.R, Dim.H), (Dim.R,)
-_BOUND = {"balanced": "balanced routing, r = kbs", "capacity": "the capacity bound on r",
+_BOUND = {"balanced": "balanced routing, r = kbs (where ep divides a router's slots)",
+          "capacity": "the capacity bound on r",
           "worst": "the worst-case bound on r"}
 
 

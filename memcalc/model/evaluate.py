@@ -186,14 +186,14 @@ def check_strategy(config: ModelConfig, strategy: Strategy) -> Strategy:
 
 def estimate(config: ModelConfig, strategy: Strategy, accounting: Accounting = Accounting()) -> LayerEstimate:
     """Per-rank activation bytes of `config` under `strategy`, tensor by tensor."""
-    strategy = check_strategy(config, strategy)
+    given, strategy = strategy, check_strategy(config, strategy)
     knobs = Knobs.of(config)
     accounting = replace(accounting, layer_inputs_cast=config.layer_inputs_cast)
     sizes = dim_sizes(config, routers(config, strategy))
 
     def kept_bytes(layer_knobs: Knobs) -> tuple[TensorBytes, ...]:
         # a dense layer among MoE ones under its own MLP's TP plan too (torchtitan keeps w1's input gathered under SP)
-        laid = strategy if layer_knobs is knobs else plan(layer_knobs, strategy)
+        laid = strategy if layer_knobs is knobs else plan(layer_knobs, given)
         kept = laid.kept(tensors_at(layer_knobs, accounting, sizes, laid.weight_shards(config.t)))
         return tuple(
             TensorBytes(x, rank_shape(x, laid, sizes, config.t), element_bytes(x.kind, knobs, accounting))

@@ -57,7 +57,8 @@ _DIM_EXPRS: dict[Dim, Callable[[Knobs], sympy.Expr]] = {
     Dim.FE: lambda kn: e if kn.moe_ffn_hidden_size is not None else dim_expr(Dim.F, kn),
     Dim.R: lambda kn: routed_slots_expr(kn),
     Dim.EL: lambda kn: E / ep,
-    # the slots a group's own tokens keep (evaluate.routed_slots' balanced bound, without its rounding and cap)
+    # the slots a group's own tokens keep (evaluate.routed_slots' own bound; the capacity factor's without its rounding
+    # and cap)
     Dim.RS: lambda kn: (c if kn.moe_expert_capacity_factor is not None else 1) * k * b * s,
 }
 
@@ -69,7 +70,8 @@ def dim_expr(dim: Dim, knobs: Knobs) -> sympy.Expr:
 
 
 def routed_slots_expr(knobs: Knobs) -> sympy.Expr:
-    """r, the slots a rank's experts receive, under the knobs' bound (evaluate.routed_slots without rounding)."""
+    """r, the slots a rank's experts receive, under the knobs' bound (evaluate.routed_slots without its rounding up to
+    whole slots a rank and an expert, or its cap of one slot a token)."""
     bound, capped = knobs.moe_tokens, knobs.moe_expert_capacity_factor is not None
     if bound == "capacity" or (capped and (bound == "worst" or knobs.moe_pad_expert_input_to_capacity)):
         return c * k * b * s

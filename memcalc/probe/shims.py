@@ -2,7 +2,8 @@
 (docs/probe.md, "What the shims change": the rule, and the table `markdown` renders). `memcalc measure` prints each
 record of the library it runs (`notes`), kind first, so that a device emulation is named where the measurement is shown.
 
-Torch-free: the docs and the CLI read this table without importing any library.
+Torch-free: the docs and the CLI read this table without importing any library. `patched` and `patched_items` are
+the run-time patching the shim modules do it with (put back on exit).
 """
 
 from __future__ import annotations
@@ -185,11 +186,10 @@ def patched(owner: Any, create: bool = False, **values: Any) -> Iterator[None]:
         raise AttributeError(f"{owner!r} has no attribute {', '.join(missing)} to patch")
     with ExitStack() as undo:
         for name, value in values.items():
-            if name in vars(owner):
-                undo.callback(setattr, owner, name, vars(owner)[name])
-            else:
-                undo.callback(delattr, owner, name)
-            setattr(owner, name, value)
+            own = name in vars(owner)
+            before = vars(owner)[name] if own else None
+            setattr(owner, name, value)  # first: an attribute that cannot be set fails with its own error
+            undo.callback(*((setattr, owner, name, before) if own else (delattr, owner, name)))
         yield
 
 

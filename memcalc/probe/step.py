@@ -387,6 +387,11 @@ def measure_trainer(trainer: Trainer, tp: TensorParallelGroup, strategy: Strateg
     return StepMeasurement(strategy.name, tp.size, tp.mode, steady, peak, sum(peak.values()), tracker.moment)
 
 
+def holds_memory(device: Any) -> bool:
+    """Whether a MemTracker device's bytes are memory: not the meta device's (`categories`)."""
+    return torch.device(device).type != "meta"
+
+
 def categories(snapshot: dict, kinds: dict[str, str] = MEASURED_CATEGORIES) -> dict[str, int]:
     """A MemTracker snapshot of this rank's one device as bytes per timeline category (`kinds`: the tracker's
     categories as the timeline's; FSDPMemTracker has its own).
@@ -397,7 +402,7 @@ def categories(snapshot: dict, kinds: dict[str, str] = MEASURED_CATEGORIES) -> d
     """
     out: dict[str, int] = {}
     for device, device_snapshot in snapshot.items():
-        if torch.device(device).type == "meta":
+        if not holds_memory(device):
             continue
         for key, nbytes in device_snapshot.items():
             if (category := kinds.get(getattr(key, "value", key))) is not None:
@@ -466,7 +471,7 @@ class MomentTracker(MemTracker):
     def _peak_bytes(self) -> int:
         """The peaks' sum over the devices that hold memory: a meta tensor's peak (transformers' rowwise style makes
         one, `categories`) rising is no moment of the step's."""
-        return sum(n for device, n in self._peak_mem.items() if torch.device(device).type != "meta")
+        return sum(n for device, n in self._peak_mem.items() if holds_memory(device))
 
     def where(self) -> str:
         """`backward layers.1.mlp.fc2`: the phase and the innermost active module, less the root's name."""
@@ -557,7 +562,8 @@ class StepComparison:
 def measure_step(config: ModelConfig, strategies: list[str], route: str | None = None,
                  device: str = "cpu") -> list[StepComparison]:
     """Predict and measure one training step per strategy, on the CPU: one process, or rank 0 of the fake group's
-    world (t, FSDP2's mesh or DeepSpeed's dp); with `device` cuda (torchtitan's model) predicted for CUDA's kernels and run as CUDA runs them (its shim).
+    world (t, FSDP2's mesh or DeepSpeed's dp); with `device` cuda (torchtitan's model) predicted for CUDA's kernels
+    and run as CUDA runs them (its shim).
 
     Every strategy's timeline is made before any step runs, so an unmodelled knob is named at once. `route`
     forces a mixture of experts' router (transformers' Mixtral and Qwen2-MoE, megatron-core's MoELayer): the timeline

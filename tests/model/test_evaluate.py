@@ -106,3 +106,19 @@ def test_megatron_refuses_biases_where_megatron_core_refuses_them_in_its_experts
         build_config(SIZES | moe)
     assert build_config(SIZES | moe | {"add_bias_linear": False}).moe
     assert build_config(SIZES | moe | {"t": 1, "moe_shared_expert_intermediate_size": None}).add_bias_linear
+
+
+@pytest.mark.parametrize("dispatcher, factor, refused", [
+    ("alltoall", 1.5, True),  # 3*1.5 = 4.5 > 4 experts: megatron-core's permute fails ("shape '[4, 5]' is invalid")
+    ("alltoall", 4 / 3, False),  # 3*4/3 = 4: each expert padded to exactly the tokens, which its view takes
+    ("allgather", 1.5, False),  # the all-gather dispatcher keeps each token once, padded or not
+])
+def test_megatron_refuses_its_all_to_all_dispatcher_padded_past_the_tokens_where_megatron_core_fails(
+        dispatcher, factor, refused):
+    moe = {"num_experts": 4, "moe_router_topk": 3, "moe_expert_capacity_factor": factor, "add_bias_linear": False,
+           "moe_pad_expert_input_to_capacity": True, "moe_token_dispatcher_type": dispatcher, "moe_tokens": "capacity"}
+    if refused:
+        with pytest.raises(ConfigError, match=r"topk\*moe_expert_capacity_factor=3\*1.5=4.5 > num_experts=4"):
+            build_config(SIZES | moe)
+    else:
+        assert build_config(SIZES | moe).moe

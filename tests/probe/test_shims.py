@@ -23,8 +23,9 @@ def _patched_names(library: str) -> set[str]:
     source = (ROOT / "memcalc" / "probe" / "libs" / SHIM_MODULES[library]).read_text()
     together = {target.rsplit(".", 1)[-1] for targets in PATCHED_TOGETHER.findall(source)
                 for target in targets.split(",") if "." in target}
+    # patched(owner, name=...)
     in_calls = {keyword.arg for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Call)
-                and getattr(node.func, "id", None) == "patched" for keyword in node.keywords}  # patched(owner, name=...)
+                and getattr(node.func, "id", None) == "patched" for keyword in node.keywords}
     return set(PATCHED.findall(source)) | together | (in_calls - {None, "create"})
 
 
@@ -79,3 +80,18 @@ def test_patched_items_leaves_the_table_as_it_was_even_what_was_added_inside():
         table["added inside"] = 3
         assert table == {"kept": 1, "stand_in": 2, "added inside": 3}
     assert table == {"kept": 1}
+
+
+def test_patched_fails_with_the_attributes_own_error_and_puts_back_what_it_had_set():
+    class Owner:
+        first = "owner's"
+
+        @property
+        def fixed(self) -> int:  # a property without a setter: an instance's cannot be set
+            return 0
+
+    owner = Owner()
+    with pytest.raises(AttributeError, match="no setter"):
+        with patched(owner, create=True, first=1, fixed=2):
+            pass
+    assert (owner.first, "first" in vars(owner)) == ("owner's", False)

@@ -47,14 +47,14 @@ def test_torchtitans_peak_under_fsdp2_is_said_of_its_block():
 def test_a_moment_under_zero3_names_the_gathered_modules_and_the_bucket():
     walk = timeline(build_config(LLAMA | {"zero_stage": 3}), STRATEGIES["none"])
     (moment,) = [m for m in walk.moments if m.where == "model.layers.1.self_attn.q_proj" and "reduce bucket" in m.what]
-    assert in_words(moment).endswith(": its modules gathered by ZeRO-3, ZeRO's reduce bucket and the bf16 gradient"
+    assert in_words(moment).endswith(": its modules gathered by ZeRO-3, ZeRO's reduce bucket and the gradient"
                                      " partition")
 
 
 def test_zero2s_peak_in_its_step_names_the_gradient_partition_not_stage_1s_whole_gradients():
     """The gradient norm DeepSpeed's step makes is no gradient stage 1 keeps whole."""
     peak, _ = _peak(zero_stage=2, dp=2, b=1, s=7)
-    assert (peak.phase, in_words(peak)) == ("optimizer", f"optimizer ({peak.what}): the bf16 gradient partition")
+    assert (peak.phase, in_words(peak)) == ("optimizer", f"optimizer ({peak.what}): the gradient partition")
 
 
 def test_without_sharding_a_moment_is_its_phase_block_and_op_alone():

@@ -3,7 +3,6 @@ sources (measured where deepspeed runs: tests/probe/libs/test_hf_zero_step.py): 
 its optimizer step holds DeepSpeed's own estimate (estimate_zero2_model_states_mem_needs) beside the flattened copy
 its step() makes, stage 3 gathers modules and stage 2 reduces in buckets of reduce_bucket_size."""
 
-from dataclasses import replace
 
 import pytest
 
@@ -156,6 +155,7 @@ def test_zero1_keeps_every_bf16_gradient_to_the_end_of_backward():
 @pytest.mark.parametrize("changes,needle", [
     ({"zero_stage": 0}, "zero_stage=0"),
     ({"zero_stage": 2, "t": 2, "dp": 4}, "under tp"),
+    ({"zero_stage": 1, "dtype": "fp16"}, "dtype fp16 with zero_stage=1"),  # was walked as if bf16
 ])
 def test_what_the_zero_walk_leaves_out_is_refused_by_name(changes, needle):
     config = build_config(LLAMA | changes)

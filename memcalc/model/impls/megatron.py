@@ -489,12 +489,25 @@ def check_sizes(config: Any) -> None:
     if not config.moe:
         return
     _check_expert_biases(config)
+    _check_padded_all_to_all(config)
     divides(config.t, "t", config.expert_ffn, "moe_ffn_hidden_size", "expert tensor parallelism, etp = t, splits"
             " each expert's MLP into t column shards")
     if config.moe_shared_expert_intermediate_size:
         divides(config.t, "t", config.moe_shared_expert_intermediate_size, "moe_shared_expert_intermediate_size",
                 "the shared experts' MLP is split into t column shards")
 
+
+def _check_padded_all_to_all(config: Any) -> None:
+    """megatron-core's all-to-all dispatcher, padded to capacity, views a router's permuted tokens as (E, capacity);
+    where the capacity ceil(k*n/E * c) passes the n tokens a router sees, an expert keeps each token once (fewer
+    than capacity) and the view fails ("shape '[4, 5]' is invalid for input of size 16"). Since n >= 1 is whole, that
+    is k*c > E whatever b and s are."""
+    k, c, e = config.moe_router_topk, config.moe_expert_capacity_factor, config.num_experts
+    if config.moe_token_dispatcher_type == "alltoall" and config.moe_pad_expert_input_to_capacity and k * c > e:
+        raise ConfigError(f"impl megatron: megatron-core's all-to-all dispatcher fails padded to a capacity past the"
+                          f" tokens a router sees (moe_router_topk*moe_expert_capacity_factor={k}*{c}={k * c:g} >"
+                          f" num_experts={e}: its permute views them as (E, capacity)); use"
+                          f" moe_token_dispatcher_type allgather, or a capacity factor of at most E/k={e / k:g}")
 
 
 def _check_expert_biases(config: Any) -> None:

@@ -165,9 +165,9 @@ def route_note(route: str) -> str:
 
 
 def _cpu_rng_tracker() -> Any:
-    """megatron's CudaRNGStatesTracker over torch's CPU generator: its own named states and their bookkeeping, each
-    state added and forked on the CPU."""
-    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+    """megatron's CudaRNGStatesTracker over torch's CPU generator: its own named states, each added (without its
+    checks for a name or seed added twice) and forked on the CPU."""
+    from megatron.core.tensor_parallel.random import _MODEL_PARALLEL_RNG_TRACKER_NAME, CudaRNGStatesTracker
 
     class CpuRNGStatesTracker(CudaRNGStatesTracker):
         def add(self, name: str, seed: int) -> None:
@@ -178,7 +178,7 @@ def _cpu_rng_tracker() -> Any:
             torch.set_rng_state(outside)
 
         @contextmanager
-        def fork(self, name: str = "model-parallel-rng") -> Iterator[None]:
+        def fork(self, name: str = _MODEL_PARALLEL_RNG_TRACKER_NAME) -> Iterator[None]:
             outside = torch.get_rng_state()
             torch.set_rng_state(self.states_[name])
             try:

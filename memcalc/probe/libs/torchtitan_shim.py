@@ -190,8 +190,8 @@ def cached_tensors(caches: list[dict]) -> list[torch.Tensor]:
 def route_note(route: str) -> str:
     """The `shim:` line a forced route prints."""
     dealt = DEALT if route == "balanced" else ""
-    return f"torchtitan: the router is forced ({route}): its gate's logits get {route_lead(route)}{dealt}; the rest as" \
-        " written"
+    lead = route_lead(route)
+    return f"torchtitan: the router is forced ({route}): its gate's logits get {lead}{dealt}; the rest as written"
 
 
 def route_gates(block: torch.nn.Module, route: str | None, k: int, ep: int = 1) -> None:

@@ -157,7 +157,6 @@ class _Kind:
         return (INPUT, *(x.name for x in self.kept if x.name not in (INPUT, ledger.LAYER_INPUT.name)))
 
 
-
 def _rows(config: ModelConfig, z: Sizes, tensors: tuple[TensorBytes, ...], host: tuple[SavedTensor, ...]
           ) -> tuple[tuple[SavedTensor, ...], dict[str, int]]:
     """The ledger's `tensors` and the `host` scalars beside them (4 bytes each), with each expert's own storages as

@@ -327,9 +327,15 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
         (config.position_embedding_type != "rope" and family != "gpt2",
          f"position_embedding_type {config.position_embedding_type}"),
         # stage3.py's _create_fp32_partitions: fp32_partitioned_groups_flat is the fp32 weights' own partition (no
-        # master copy), which the walk's states lay out; and MemTracker does not see ds_tensor (stage 3 unmeasured)
+        # master copy), which the walk's states would count twice; and MemTracker does not see ds_tensor (stage 3
+        # unmeasured)
         (config.dtype == "fp32" and config.zero_stage == 3, "dtype fp32 with zero_stage=3 (stage3.py keeps the fp32"
                                                             " weights' partition as the master partition, no copy)"),
+        # the probe gives DeepSpeed its bf16 section (or none, fp32); fp16's loss scaler and its FP16 optimizers are
+        # neither walked nor measured
+        (config.dtype == "fp16" and config.zero_stage is not None,
+         f"dtype fp16 with zero_stage={config.zero_stage} (DeepSpeed's loss-scaled fp16 optimizer; bf16 and fp32 are"
+         " walked)"),
         *_experts_missing(config, tp),
         (config.mla and config.recompute != "none", f"{rerun} latent attention"),
         (config.mla and config.zero_stage is not None, "zero_stage with latent attention (DeepSpeed's step on it"
@@ -351,8 +357,8 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
          f"zero_stage={config.zero_stage} under tp (t={config.t}): the Trainer runs DeepSpeed's tp through its AutoTP"
          " modules, not transformers' tp_plan"),
         # measured at stages 1 and 2 (Mixtral on both paths, Qwen2-MoE's dense layers among sparse ones; gradient
-        # checkpointing): the state between steps and the peak's total exact; stage 3 is not measured (MemTracker does
-        # not see the partition DeepSpeed keeps on each parameter, ds_tensor)
+        # checkpointing): the state between steps, the peak, its categories and moment exact; stage 3 is not measured
+        # (MemTracker does not see the partition DeepSpeed keeps on each parameter, ds_tensor)
         (config.zero_stage == 3 and config.moe, "zero_stage=3 with experts"),
         (sharded and config.add_qkv_bias, "dp_shard or zero_stage with add_qkv_bias (its walks lay out one gradient a"
                                           " module, the weight's)"),

@@ -21,9 +21,9 @@ PHRASES: tuple[tuple[str, str], ...] = (
     (r"fsdp/(?P<block>\S+) all-gather", "{of} all-gather buffer"),
     (r"fsdp/(?P<block>\S+) reduce-scatter", "the reduce-scatter of {of} gradients"),
     (re.escape(GATHERED) + r" (?P<block>\S+)", "{of} modules gathered by ZeRO-3"),
-    (r"zero/grad .*", "the bf16 gradients stage 1 keeps whole"),
+    (r"zero/grad .*", "the gradients stage 1 keeps whole"),
     (re.escape(BUCKET), "ZeRO's reduce bucket"),
-    (re.escape(PARTITION), "the bf16 gradient partition"),
+    (re.escape(PARTITION), "the gradient partition"),
     (r"zero/fp32 grad partition", "the fp32 gradient partition"),
 )
 

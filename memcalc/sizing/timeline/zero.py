@@ -14,7 +14,7 @@ config's "auto" (`DEEPSPEED_AUTO`). What the tape holds:
     steady          bf16 weights (stages 1 and 2: each group's flat buffer, padded to 2*dp elements; stage 3:
                     this rank's partition, and the parameters under the persistence threshold whole); this
                     rank's fp32 partition of master weights, Adam's m and v; at stage 3 the reduce bucket and
-                    the bf16 gradient partition, allocated once at start-up
+                    the gradient partition (the model's dtype), allocated once at start-up
     forward, stage 3  each module gathered before it runs and released after; at a block's moment, its widest
                     module and the prefetch bucket's elements ahead of it (a bound: DeepSpeed prefetches the
                     modules its trace names, up to stage3_prefetch_bucket_size elements)
@@ -166,14 +166,14 @@ class Zero:
         it, then the gradient copied into the bucket, or, wider than the bucket, left in its .grad as the bucket's one
         gradient until the next reduction."""
         if BUCKET not in tape.live:
-            tape.add(BUCKET, GRADIENTS, self.act * self.bucket, "the reduce bucket, reduce_bucket_size bf16 elements,"
+            tape.add(BUCKET, GRADIENTS, self.act * self.bucket, "the reduce bucket, reduce_bucket_size elements,"
                      " allocated at backward's first gradient")
         if self.stage == 1:
-            tape.add(f"zero/grad {name}", GRADIENTS, nbytes, "the weight's bf16 .grad, kept whole to the end of"
+            tape.add(f"zero/grad {name}", GRADIENTS, nbytes, "the weight's .grad, kept whole to the end of"
                      " backward (stage 1 reduces after it)")
             return
         grad, elements = f"grad/{name}", nbytes // self.act
-        tape.add(grad, GRADIENTS, nbytes, "the weight's bf16 .grad, as autograd hands it over")
+        tape.add(grad, GRADIENTS, nbytes, "the weight's .grad, as autograd hands it over")
         if self.filled and self.filled + elements > self.bucket:
             self._reduce(tape, name, f"the reduce bucket reduced before {name}'s gradient would overflow it")
         self.filled += elements
@@ -191,10 +191,10 @@ class Zero:
         self.filled, self.wide, self.in_bucket = 0, [], []
 
     def _to_partition(self, tape: Tape, where: str, what: str, reaching: bool = True) -> None:
-        """This rank's part of a reduction copied into the bf16 gradient partition, allocated at the first reduction
+        """This rank's part of a reduction copied into the gradient partition, allocated at the first reduction
         of a gradient `reaching` into it (copy_grads_in_partition: a reduction of others' only clears them)."""
         if reaching and PARTITION not in tape.live:
-            tape.add(PARTITION, GRADIENTS, self.act * self.in_partition, "grads_in_partition: each bf16 gradient"
+            tape.add(PARTITION, GRADIENTS, self.act * self.in_partition, "grads_in_partition: each gradient"
                      " that reaches into this rank's partition, whole, allocated at the first reduction into it")
         tape.mark("backward", where, what)
 

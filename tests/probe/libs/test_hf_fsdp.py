@@ -198,7 +198,6 @@ def test_under_tp_a_layers_forward_peaks_at_down_projs_all_reduce_beside_its_par
     assert [row.difference for row in (*r.rows("peak"), *r.rows("steady"))] == [0] * 12, r.differences()
 
 
-
 def test_at_s_squared_beyond_h_a_layers_forward_peaks_at_eager_attentions_fp32_softmax(one_thread):
     """eager_attention_forward's fp32 softmax: the masked scores and their fp32 cast beside the softmax itself, wider
     than the layer's end where s^2 >> h; under FSDP2 the last layer's unsharded parameters (dim 0 padded over

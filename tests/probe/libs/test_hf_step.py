@@ -41,7 +41,6 @@ def _exact_step(config, layout: str, route: str | None = None):
     return r
 
 
-
 @pytest.fixture(scope="module")
 def measured(one_thread):
     return {(attention, r.strategy.name): r for attention in ATTENTIONS

@@ -72,8 +72,9 @@ CASES = {
     "the all-gather dispatcher": ("none", 1, {"moe_token_dispatcher_type": "allgather"}),
     "all-gather, ep=2 under tp-sp t=2: the gathered tokens' map whole on every rank, r permutation indices":
         ("tp-sp", 2, SWIGLU | SHARED | {"moe_token_dispatcher_type": "allgather", "ep": 2}),
-    # found by a drawn run: get_capacity's ceil(k*b*s/E * c) = 5 is more than the 4 tokens, so topk_routing_with_capacity
-    # masks none and pads every expert to the 4 tokens alone; the rules padded to 5 (expert_in 64 B over at h = 8)
+    # found by a drawn run: get_capacity's ceil(k*b*s/E * c) = 5 is more than the 4 tokens, so
+    # topk_routing_with_capacity masks none and pads every expert to the 4 tokens alone; the rules padded to 5
+    # (expert_in 64 B over at h = 8)
     "all-gather padded to a capacity past the tokens (1.5, top-3 of 4)":
         ("none", 1, {"moe_token_dispatcher_type": "allgather", "moe_router_topk": 3, "moe_expert_capacity_factor": 1.5,
                      "moe_pad_expert_input_to_capacity": True, "b": 1, "s": 4}),
