@@ -11,7 +11,7 @@ from memcalc.sizing.pipeline import Stage
 from memcalc.sizing.states import ROUTER_BUFFERS_WHY, group_params, router_buffer_bytes, state_bytes
 from memcalc.sizing.timeline.megatron import INPUT, INPUT_GRAD, OUTPUT_GRAD, column_parallel
 from memcalc.sizing.timeline.megatron_pieces import norm_kernel
-from memcalc.sizing.timeline.tape import ACTIVATIONS, GRADIENTS, OPTIMIZER, PARAMETERS, Sizes, Tape
+from memcalc.sizing.timeline.tape import ACTIVATIONS, GRAD_SEED, GRADIENTS, OPTIMIZER, PARAMETERS, Sizes, Tape
 from memcalc.sizing.timeline.torch_ops import tied_sum
 from memcalc.sizing.timeline.walk import Made, Op, Step, kept
 from memcalc.sizing.totals import end_bytes, end_tensors
@@ -135,7 +135,7 @@ class Ends:
         if self.tied:
             backward.append(tied_sum(table))
         backward.append(Step("", frees=("grad/embedding (output layer)", "grad/embedding (lookup)",
-                                        "grad/embedding (sum)", "loss/grad seed")))  # backward is over
+                                        "grad/embedding (sum)", GRAD_SEED)))  # backward is over
         return (Op("embedding", forward=(forward,), backward=tuple(backward)),)
 
     def _head(self) -> tuple[Op, ...]:
@@ -163,7 +163,7 @@ class Ends:
         loss_kept = (ledger.LOSS_LOGITS, TARGET_MASK, MASKED_TARGET)
         logits_made = (Made("output/logits", logits, "the output layer's logits (s, b, v/t) in the training dtype"),
                        ) if cast else ()
-        seed = Made("loss/grad seed", 4, "loss.backward() starts from a 0-d ones tensor, made before autograd runs",
+        seed = Made(GRAD_SEED, 4, "loss.backward() starts from a 0-d ones tensor, made before autograd runs",
                     category=ACTIVATIONS)
         cast_back = (Made("grad/logits", logits, "the loss's fp32 gradient is the saved softmax, changed in place;"
                           " autograd casts it to the training dtype"),) if cast else ()

@@ -32,7 +32,7 @@ from memcalc.sizing.timeline import hf_olmo as olmo
 from memcalc.sizing.timeline.ends import model_states, optimizer_step
 from memcalc.sizing.timeline.fsdp import ROOT, Fsdp
 from memcalc.sizing.timeline.tape import (
-    ACTIVATIONS, GRADIENTS, PARAMETERS, TEMPORARIES, Moment, Sizes, Tape, Timeline, bulk,
+    ACTIVATIONS, GRAD_SEED, GRADIENTS, PARAMETERS, TEMPORARIES, Moment, Sizes, Tape, Timeline, bulk,
 )
 from memcalc.sizing.timeline import torch_ops
 from memcalc.sizing.timeline.torch_ops import linear
@@ -268,7 +268,7 @@ def _step(tape: Tape, sharding: Fsdp | Zero | None, inputs: Walked, layers: list
     front.backward(tuple(embedding))
     if sharding is not None:  # the final callback, inside backward(): the root's post-backward (no module active),
         sharding.post_backward(tape, ROOT, "")  # then the last reduce-scatter waited on
-    tape.drop(f"fsdp/{ROOT} reduce-scatter", "loss/grad seed")
+    tape.drop(f"fsdp/{ROOT} reduce-scatter", GRAD_SEED)
 
 
 # The families whose model the walk follows, which --step builds (memcalc.probe.libs.hf_step).
@@ -686,7 +686,7 @@ def _loss(z: Sizes, logits: int) -> Op:
             Made("loss/value", 4, "the mean loss (a 0-d fp32 tensor) lives to the step's end"),
             Made("loss/total_weight", 4, "nll_loss's count of targets (0-d fp32), kept for its backward")),
              frees=("lm_head/logits", "loss/logits fp32", *(("loss/padded labels",) if z.b > 1 else ()))),
-        Step("loss.backward() seeds autograd", (Made("loss/grad seed", 4, "a 0-d ones tensor"),), moment=False),
+        Step("loss.backward() seeds autograd", (Made(GRAD_SEED, 4, "a 0-d ones tensor"),), moment=False),
     ), backward=(
         # a moment: in fp32 (no upcast copy in forward) at small sizes the step peaks here
         Step("nll_loss's backward", (Made("grad/log_softmax", wide, "-1/N at each target, zero elsewhere"),),

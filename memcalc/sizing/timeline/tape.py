@@ -22,6 +22,7 @@ PARAMETERS, GRADIENTS, OPTIMIZER, ACTIVATIONS, TEMPORARIES = (
     "parameters", "gradients", "optimizer states", "activations", "temporaries",
 )
 CATEGORIES = (PARAMETERS, GRADIENTS, OPTIMIZER, ACTIVATIONS, TEMPORARIES)
+GRAD_SEED = "loss/grad seed"  # loss.backward()'s 0-d ones tensor, autograd's first gradient, to backward's end
 
 
 @dataclass(frozen=True)

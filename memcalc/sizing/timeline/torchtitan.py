@@ -23,7 +23,7 @@ from memcalc.sizing.pipeline import Stage, pipeline_stages, stage_named, torchti
 from memcalc.sizing.states import moe_layers_held
 from memcalc.sizing.timeline.ends import model_states, optimizer_step
 from memcalc.sizing.timeline.fsdp import OUTPUT, Fsdp, expert_dim1, torchtitan_block
-from memcalc.sizing.timeline.tape import ACTIVATIONS, PARAMETERS, TEMPORARIES, Sizes, Tape, Timeline
+from memcalc.sizing.timeline.tape import ACTIVATIONS, GRAD_SEED, PARAMETERS, TEMPORARIES, Sizes, Tape, Timeline
 from memcalc.sizing.timeline.torch_ops import WHY_WGRAD, linear, module_returns, swiglu_ops, tied_sum
 from memcalc.sizing.timeline.torchtitan_moe import moe_ops
 from memcalc.sizing.timeline.walk import Checkpoint, Made, Op, Step, Walk, kept, kept_name, kept_names
@@ -126,7 +126,7 @@ def _walk(parts: Parts, fsdp: Fsdp | None, stage: Stage) -> None:
         _post_backward(fsdp, tape, "tok_embeddings", "")
         tape.drop("fsdp/tok_embeddings reduce-scatter")
         fsdp.finalize_backward(tape)
-    tape.drop("loss/grad seed")  # backward() returns
+    tape.drop(GRAD_SEED)  # backward() returns
 
 
 def check_modelled(config: ModelConfig, strategy: Strategy) -> None:
@@ -753,7 +753,7 @@ def output_ops(z: Sizes, config: ModelConfig, pipelined: bool = False) -> tuple[
              frees=("loss/logits fp32",)),
         Step("divided by the valid tokens", (Made("loss/value", 4, "the loss (0-d fp32), live all step"),)),
         Step("", frees=("loss/sum",) if pipelined else ("loss/sum", "lm_head/logits")),  # the trainer's `del pred`
-        Step("loss.backward() seeds autograd", (Made("loss/grad seed", 4, "a 0-d ones tensor"),)),
+        Step("loss.backward() seeds autograd", (Made(GRAD_SEED, 4, "a 0-d ones tensor"),)),
     ), backward=(
         Step("the division's backward", (Made("grad/loss sum", 4, "0-d fp32"),),
              frees=() if pipelined else ("loss/valid tokens",)),

@@ -14,7 +14,7 @@ from memcalc.config.schema import ModelConfig
 from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import Strategy
 from memcalc.sizing.pipeline import Stage, stage_named, stage_rank, torchtitan_microbatches
-from memcalc.sizing.timeline.tape import ACTIVATIONS, Sizes, Tape, Timeline
+from memcalc.sizing.timeline.tape import ACTIVATIONS, GRAD_SEED, Sizes, Tape, Timeline
 from memcalc.sizing.timeline.torchtitan import Parts, Segment, embedding_ops, flex_inputs, model_parts, stage_layers
 from memcalc.sizing.timeline.walk import Op
 
@@ -115,7 +115,7 @@ class _Schedule:
         if self.latest != j:
             tape.drop(apart(j, self.output))
         if self.stage.has_output:  # stage_backward returns: its seed goes; the loss is kept
-            tape.drop("loss/grad seed")
+            tape.drop(GRAD_SEED)
             tape.rename("loss/value", apart(j, "loss/value"))
         if not self.stage.has_embedding:  # the input's gradient, sent, kept until the next backward returns
             tape.drop(apart(j - 1, self.sent))

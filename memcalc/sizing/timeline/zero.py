@@ -40,7 +40,9 @@ import itertools
 from memcalc.config.schema import ModelConfig
 from memcalc.model.knobs import DTYPE_BYTES
 from memcalc.sizing.timeline.fsdp import ROOT, Fsdp, Param, hf_layer, hf_root
-from memcalc.sizing.timeline.tape import ACTIVATIONS, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, Tape, prod
+from memcalc.sizing.timeline.tape import (
+    ACTIVATIONS, GRAD_SEED, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, Tape, prod,
+)
 
 # transformers' HfTrainerDeepSpeedConfig.trainer_config_finalize: what a DeepSpeed config's "auto" becomes, in
 # elements, from the model's hidden size h.
@@ -205,7 +207,7 @@ class Zero:
         optimizer, and engine.backward's scaled loss with it as it returns."""
         if block != ROOT:
             return
-        tape.drop("loss/grad seed")  # loss.backward() has returned: engine.backward's epilogue reduces
+        tape.drop(GRAD_SEED)  # loss.backward() has returned: engine.backward's epilogue reduces
         if self.stage == 1:
             self._to_partition(tape, "", "stage 1 reduces every gradient after backward, bucket by bucket")
             tape.drop(*[n for n in tape.live if n.startswith("zero/grad ")])
