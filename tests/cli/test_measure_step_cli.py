@@ -13,6 +13,9 @@ torch = pytest.importorskip("torch")
 from memcalc.probe import step as step_module  # noqa: E402
 
 STEP_YAML = "name: step\nb: 2\ns: 24\nh: 64\na: 8\nt: 2\nL: 2\nvocab_size: 250\n"
+# transformers' Llama, untied, on the step's sizes
+HF_LLAMA = ("impl: hf\nnum_query_groups: 2\nffn_hidden_size: 176\nposition_embedding_type: rope\n"
+            "add_bias_linear: false\ntie_embeddings: false\n")
 
 
 @pytest.fixture
@@ -99,8 +102,7 @@ def test_a_pipeline_stage_of_memcalcs_own_gpt_is_refused_not_compared_with_the_w
 def test_impl_hf_runs_transformers_llama_for_causal_lm_and_exits_0(tmp_path):
     pytest.importorskip("transformers")
     path = tmp_path / "llama.yaml"
-    path.write_text(STEP_YAML.replace("t: 2\n", "") + "impl: hf\nnum_query_groups: 2\nffn_hidden_size: 176\n"
-                    "position_embedding_type: rope\nadd_bias_linear: false\ntie_embeddings: false\n")
+    path.write_text(STEP_YAML.replace("t: 2\n", "") + HF_LLAMA)
     run = memcalc_cli("measure", "--config", str(path), "--step", "--attention", "eager")
     assert (run.code, run.err) == (0, "")
     for words in ("ran as: transformers' LlamaForCausalLM, one process (t=1) on cpu", "(same moment)",
@@ -122,8 +124,7 @@ def test_impl_hf_family_gpt2_from_flags_alone_runs_gpt2_lm_head_model_exactly_an
 def test_impl_hf_under_its_own_tp_plan_runs_rank_zero_of_t_and_exits_0(tmp_path):
     pytest.importorskip("transformers")
     path = tmp_path / "llama.yaml"
-    path.write_text(STEP_YAML + "impl: hf\nnum_query_groups: 2\nffn_hidden_size: 176\n"
-                    "position_embedding_type: rope\nadd_bias_linear: false\ntie_embeddings: false\n")
+    path.write_text(STEP_YAML + HF_LLAMA)
     run = memcalc_cli("measure", "--config", str(path), "--step", "--strategy", "tp", "--attention", "eager")
     assert (run.code, run.err) == (0, "")
     for words in ("ran as: transformers' LlamaForCausalLM, one process as rank 0 of t=2 through torch's fake process",
@@ -135,9 +136,7 @@ def test_a_sharded_step_names_the_ranks_it_runs_one_of_by_their_layout_not_as_t(
     """Under FSDP2 the fake group's world is dp_shard*t (each factor named), not "t=4"."""
     pytest.importorskip("transformers")
     path = tmp_path / "llama.yaml"
-    path.write_text(STEP_YAML.replace("b: 2\ns: 24", "b: 1\ns: 7") + "impl: hf\nnum_query_groups: 2\n"
-                    "ffn_hidden_size: 176\nposition_embedding_type: rope\nadd_bias_linear: false\n"
-                    "tie_embeddings: false\ndp_shard: 2\n")
+    path.write_text(STEP_YAML.replace("b: 2\ns: 24", "b: 1\ns: 7") + HF_LLAMA + "dp_shard: 2\n")
     run = memcalc_cli("measure", "--config", str(path), "--step", "--strategy", "all", "--attention", "eager")
     assert (run.code, run.err) == (0, "")
     for words in ("rank 0 of dp_shard=2, one step", "one process as rank 0 of dp_shard*t=2*2=4 through torch's fake"):
@@ -218,9 +217,8 @@ def test_impl_hf_under_deepspeed_zero_2_matches_every_category_in_deepspeeds_ste
     category and the steady state are MemTracker's exactly (memcalc.probe.libs.hf_zero.ZeroTracker)."""
     pytest.importorskip("deepspeed")
     path = tmp_path / "zero.yaml"
-    path.write_text(STEP_YAML.replace("t: 2\n", "").replace("b: 2\ns: 24", "b: 1\ns: 7") + "impl: hf\nzero_stage: 2\n"
-                    "dp: 2\nnum_query_groups: 2\nffn_hidden_size: 176\nposition_embedding_type: rope\n"
-                    "add_bias_linear: false\ntie_embeddings: false\n")
+    path.write_text(STEP_YAML.replace("t: 2\n", "").replace("b: 2\ns: 24", "b: 1\ns: 7") + HF_LLAMA
+                    + "zero_stage: 2\ndp: 2\n")
     run = memcalc_cli("measure", "--config", str(path), "--step", "--strategy", "none", "--json")
     assert run.code == 0, run.err
     none = json.loads(run.out)["strategies"]["none"]
