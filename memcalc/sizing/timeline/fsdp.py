@@ -297,10 +297,11 @@ class Fsdp:
         if prefetch is not None and f"fsdp/{prefetch} unsharded" not in tape.live:
             self.all_gather(tape, prefetch, "backward", where)
 
-    def keep_grad(self, tape: Tape, block: str, name: str, nbytes: int) -> None:
-        """A weight's bf16 gradient, the unsharded parameter's .grad until the block's reduce-scatter."""
-        tape.add(f"fsdp/{block} grad {name}", TEMPORARIES, nbytes, "the unsharded parameter's .grad, kept until"
-                 " the block's reduce-scatter (made in backward: a temporary, as MemTracker files it)")
+    def keep_grad(self, tape: Tape, where: str, name: str, nbytes: int) -> None:
+        """A weight's bf16 gradient, the unsharded parameter's .grad until the reduce-scatter of the block of `where`
+        (the module handing it over)."""
+        tape.add(f"fsdp/{self.block_of(where)} grad {name}", TEMPORARIES, nbytes, "the unsharded parameter's .grad,"
+                 " kept until the block's reduce-scatter (made in backward: a temporary, as MemTracker files it)")
 
     def embedding_rows(self, tape: Tape, where: str) -> str:
         """Under tp the embedding's gradient is the whole (v, h) table (DTensor gives the Shard(0) weight a

@@ -429,7 +429,7 @@ def _hand_over(tape: Tape, sharding: Fsdp | Zero | None) -> HandOver:
     def hand_over(where: str, name: str, nbytes: int) -> None:
         tape.drop(name)
         if sharding is not None:
-            sharding.keep_grad(tape, sharding.block_of(where), moe.weight_of(where, name), nbytes)
+            sharding.keep_grad(tape, where, moe.weight_of(where, name), nbytes)
     return hand_over
 
 

@@ -367,13 +367,11 @@ def attention(p: str, z: Sizes, eager: bool, saved: dict[str, int], gqa: bool, t
         tokens, dx = f"{g}/{name} tokens" if copy else heads, f"{g}/{name}_proj input"
         out = (into[1] or f"{g}/ln1 output") if name == "q" else f"{dx} + {summed}"
         lin = linear(f"self_attn.{name}_proj", ledger.QKV_IN, projected, z.act * width * z.h, dx, full, p, (tokens,),
-                     reduced=tp, bias=z.act * width if qkv_bias else 0)
+                     sums=(summed, out, full) if summed else None, reduced=tp, bias=z.act * width if qkv_bias else 0)
         ran.append(replace(lin, backward=(
             *((Step("transpose's backward", (Made(tokens, z.full(width), f"{name}'s gradient made (b, s, heads * d)"
                                                   " again, contiguous for the GEMM"),), frees=(heads,), moment=False),)
-              if copy else ()), *lin.backward,
-            *((Step("autograd sums q's, k's and v's input gradients as they come", (Made(
-                out, full, "the input gradients summed"),), frees=(dx, summed), moment=False),) if summed else ()))))
+              if copy else ()), *lin.backward)))
         summed = out if summed else dx
     ran[:0] = late
     if fused:  # q, k and v are views of qkv_proj's output, which V's view keeps whole at b = 1
@@ -838,18 +836,9 @@ def mlp(p: str, z: Sizes, tp: bool, gated: tuple[SavedTensor, SavedTensor, Saved
         return (replace(gate_up, forward=(Step("the GEMM: gate and up, chunked", (kept(p, gate_in), kept(p, up))),)),
                 chunk, silu, product, down)
     residual, out = into
-    gate = linear("mlp.gate_proj", ledger.FC1_IN, kept(p, gate_in), w, f"{g}/gate_proj input", full, p, (f"{g}/gate",),
-                  reduced=tp)
-    up_proj = linear("mlp.up_proj", ledger.FC1_IN, kept(p, up), w, f"{g}/up_proj input", full, p, (f"{g}/up",),
-                     reduced=tp)
-    if residual:
-        into_stream = Step("autograd sums up_proj's input gradient into the stream's", (
-            Made(f"{g}/up + stream", full, "summed"),), frees=(f"{g}/up_proj input", residual), moment=False)
-        up_proj = replace(up_proj, backward=(*up_proj.backward, into_stream))
     summed = f"{g}/up + stream" if residual else f"{g}/up_proj input"
-    return (
-        replace(gate, backward=(*gate.backward, Step("autograd sums gate_proj's and up_proj's input gradients", (
-            Made(out or f"{g}/ln2 output", full, "the MLP input's gradient"),), frees=(summed, f"{g}/gate_proj input"),
-            moment=False))),
-        silu, up_proj, product, down,
-    )
+    gate = linear("mlp.gate_proj", ledger.FC1_IN, kept(p, gate_in), w, f"{g}/gate_proj input", full, p, (f"{g}/gate",),
+                  sums=(summed, out or f"{g}/ln2 output", full), reduced=tp)
+    up_proj = linear("mlp.up_proj", ledger.FC1_IN, kept(p, up), w, f"{g}/up_proj input", full, p, (f"{g}/up",),
+                     sums=(residual, summed, full) if residual else None, reduced=tp)
+    return gate, silu, up_proj, product, down

@@ -25,29 +25,33 @@ def linear(where: str, x: SavedTensor | None, out: Made | None, weight: int, dx:
     by default the module's.
 
     `sums` (the other gradient, the sum's name, its bytes): the input has a gradient already, and autograd sums dX
-    into it at once, before it reaches the weight's accumulator. `bias` (Qwen2's q, k, v): addmm's node passes dY on
-    as the bias's gradient, summed to its shape after the node returned (`Step.reduced`) while dY lives; the GEMMs are
-    a moment of their own (under a checkpoint the node's saved tensors, the rerun's, go before the sum). `reduced`: a
-    colwise linear under tp, whose Partial dX DTensor.from_local's backward all-reduces into a new tensor (the
-    paper's f). `label`: what names the GEMMs where one module runs several (GroupedExperts: "w1's grouped ").
+    into it before dW reaches its accumulator (ZeRO-2 reduces there): matmul views the input after weight.t(), so
+    the view's backward, and the sum, run before t()'s; addmm's (`bias`) viewed it before, and so runs after the
+    accumulators, as under tp does dX's all-reduce, the sum after it (MemTracker's readings, test_hf_zero_step).
+    `bias` (Qwen2's q, k, v): addmm's node passes dY on as the bias's gradient, summed to its shape after the node
+    returned (`Step.reduced`) while dY lives; the GEMMs are a moment of their own (under a checkpoint the node's saved
+    tensors, the rerun's, go before the sum). `reduced`: a colwise linear under tp, whose Partial dX
+    DTensor.from_local's backward all-reduces into a new tensor (the paper's f). `label`: what names the GEMMs where one module runs several (GroupedExperts: "w1's grouped ").
     """
     stem = "/".join(n for n in ("grad", p, where) if n)
     dw = dw or f"{stem} weight"
     biased = (Made(f"{stem} bias", bias, WHY_BGRAD),) if bias else ()
-    handed = (*(() if waits or sums else (dw,)), *(n.name for n in biased))
+    handed = (*(() if waits else (dw,)), *(n.name for n in biased))
+    summed = sums and not reduced and not bias  # the accumulators run after the sum
     partial = f"{dx} (partial)" if reduced else dx
     gemms = Step(f"{label}GEMMs: dW and dX", (
         Made(dw, weight, "the tied weight's gradient, waiting in autograd's input buffer" if waits else WHY_WGRAD),
         Made(partial, dx_bytes, "dX = dY W" + (", this rank's partial sum" if reduced else ""))),
-        () if bias else frees, () if bias else handed, returns=True)
-    after = (Step("the bias's gradient: dY summed over the tokens", biased, frees, handed, reduced=True),
-             ) if bias else ()
-    if sums:
-        after += (Step("autograd sums the input's two gradients", (Made(
-            sums[1], sums[2], "the input's gradient: both uses' summed"),), frees=(dx, sums[0]), hands_over=(dw,)),)
+        () if bias else frees, () if bias or summed else handed, returns=True)
+    after = (Step("the bias's gradient: dY summed over the tokens", biased, frees, () if summed else handed,
+                  reduced=True),) if bias else ()
     if reduced:
         after += (Step("dX all-reduced", (Made(dx, dx_bytes, "the input's gradient all-reduced over the ranks (DTensor:"
                                                              " Partial -> Replicate)"),), frees=(partial,)),)
+    if sums:
+        after += (Step("autograd sums the input's two gradients", (Made(
+            sums[1], sums[2], "the input's gradient: both uses' summed"),), frees=(dx, sums[0]),
+            hands_over=handed if summed else ()),)
     return Op(where, (Step(f"{label}GEMM" if label else "the GEMM", (out,)),) if out else (), (gemms, *after),
               saves=(x,) if x else ())
 

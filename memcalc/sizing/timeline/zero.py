@@ -39,7 +39,7 @@ import itertools
 
 from memcalc.config.schema import ModelConfig
 from memcalc.model.knobs import DTYPE_BYTES
-from memcalc.sizing.timeline.fsdp import ROOT, Fsdp, Param, hf_layer, hf_root
+from memcalc.sizing.timeline.fsdp import ROOT, Param, hf_layer, hf_root
 from memcalc.sizing.timeline.tape import (
     ACTIVATIONS, GRAD_SEED, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, Tape, prod,
 )
@@ -109,8 +109,6 @@ class Zero:
         starts = itertools.accumulate(sizes, initial=0)
         return {name: n for (name, _), n, start in zip(group, sizes, starts) if start < self.partition(sum(sizes))}
 
-    block_of = staticmethod(Fsdp.block_of)
-
     def states(self, tape: Tape) -> None:
         """bf16 weights (partitioned at stage 3), the fp32 partition of master weights and moments, and at stage 3
         the buffers DeepSpeed allocates once."""
@@ -162,11 +160,12 @@ class Zero:
             tape.add(LOSS_GRAD, TEMPORARIES, 4, "the loss's gradient through engine.backward's scaling")
         self.copy_out(tape, block, "backward", where)
 
-    def keep_grad(self, tape: Tape, block: str, name: str, nbytes: int) -> None:
+    def keep_grad(self, tape: Tape, where: str, name: str, nbytes: int) -> None:
         """A weight's gradient, as autograd hands it over (the reduce bucket allocated at the first: setup_buckets, at
         every stage): kept whole at stage 1; at stages 2 and 3 the bucket reduced first if the gradient would overflow
         it, then the gradient copied into the bucket, or, wider than the bucket, left in its .grad as the bucket's one
-        gradient until the next reduction."""
+        gradient until the next reduction. `where`: the module handing it over (MixtralExperts hands over two weights),
+        MemTracker's place during the reduction."""
         if BUCKET not in tape.live:
             tape.add(BUCKET, GRADIENTS, self.act * self.bucket, "the reduce bucket, reduce_bucket_size elements,"
                      " allocated at backward's first gradient")
@@ -177,7 +176,7 @@ class Zero:
         grad, elements = f"grad/{name}", nbytes // self.act
         tape.add(grad, GRADIENTS, nbytes, "the weight's .grad, as autograd hands it over")
         if self.filled and self.filled + elements > self.bucket:
-            self._reduce(tape, name, f"the reduce bucket reduced before {name}'s gradient would overflow it")
+            self._reduce(tape, where, f"the reduce bucket reduced before {name}'s gradient would overflow it")
         self.filled += elements
         self.in_bucket.append(name)
         if elements > self.bucket:
