@@ -276,10 +276,9 @@ def layer_forward(i: int, z: Sizes, kept: Step, mlp: tuple[Op, ...] = (), core: 
     output = () if mlp else (Made(f"{p}/mlp output", full, "down_proj's output, summed into the residual stream"),)
     if dropped:  # Phi-3's resid_mlp_dropout: the layer's variable holds down_proj's output to the sum too
         output += (Made(f"{p}/mlp proj", full, "down_proj's output, resid_mlp_dropout's input"),)
-    down = (Op(down_proj, forward=(Step("down_proj's partial sum all-reduced", (
-        Made(f"{p}/mlp partial", full, "down_proj's GEMM: this rank's share of the sum, a local of its forward"),
-        *output), frees=(f"{p}/mlp partial",)), *((Step("", frees=(f"{p}/mlp output",)),) if late else ())),
-        backward=()),) if output and z.t > 1 else ()
+    down = (Op(down_proj, forward=(rowwise(Step("", output), f"{p}/mlp partial", True),
+                                   *((Step("", frees=(f"{p}/mlp output",)),) if late else ())),
+               backward=()),) if output and z.t > 1 else ()
     closing_norm = _post_norm_widest(p, z, post_norm, output) if post_norm and z.act != 4 else ()
     output = () if closing_norm else output
     partial = (Made(f"{p}/partial sum", full, "the input plus the attention's output"),) if parallel else ()
