@@ -39,6 +39,7 @@ import itertools
 
 from memcalc.config.schema import ModelConfig
 from memcalc.model.knobs import DTYPE_BYTES
+from memcalc.sizing.states import zero_partition
 from memcalc.sizing.timeline.fsdp import ROOT, Param, hf_layer, hf_root
 from memcalc.sizing.timeline.tape import (
     ACTIVATIONS, GRAD_SEED, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, Tape, prod,
@@ -86,16 +87,14 @@ class Zero:
         self.wide: list[str] = []  # a gradient wider than the bucket, alone in it until the next reduction
         self.in_bucket: list[str] = []  # the weights whose gradients the next reduction reduces
 
-    def partition(self, elements: int) -> int:
-        """This rank's share of `elements`, as DeepSpeed pads a partition: ceil(n/dp); at stages 1 and 2 of a group's
-        flat buffer, which it pads to a multiple of 2*dp elements (stage_1_and_2.py: nccl_start_alignment_factor)."""
-        align = self.dp * (2 if self.stage < 3 else 1)
-        return -(-elements // align) * align // self.dp
+    def partition(self, group: list[int]) -> int:
+        """This rank's share of a group of parameters' elements, padded as DeepSpeed pads it (states.zero_partition)."""
+        return zero_partition(self.stage, self.dp, group)
 
     @property
     def part(self) -> int:
         """This rank's partition of every group's parameters."""
-        return sum(self.partition(sum(group)) for group in self.groups)
+        return sum(self.partition(group) for group in self.groups)
 
     @property
     def in_partition(self) -> int:
@@ -107,7 +106,7 @@ class Zero:
         elements: grads_in_partition holds each whole (stage_1_and_2.py: params_in_partition)."""
         sizes = [prod(shape) for _, shape in group]
         starts = itertools.accumulate(sizes, initial=0)
-        return {name: n for (name, _), n, start in zip(group, sizes, starts) if start < self.partition(sum(sizes))}
+        return {name: n for (name, _), n, start in zip(group, sizes, starts) if start < self.partition(sizes)}
 
     def states(self, tape: Tape) -> None:
         """bf16 weights (partitioned at stage 3), the fp32 partition of master weights and moments, and at stage 3
@@ -115,9 +114,8 @@ class Zero:
         part = self.part
         if self.stage == 3:
             whole = self.persistent
-            tape.add("states/weights", PARAMETERS, self.act * (self.partition(self.params - whole) + whole),
-                     "this rank's bf16 partition of each parameter, and those under"
-                     " stage3_param_persistence_threshold (10h: the norms) whole")
+            tape.add("states/weights", PARAMETERS, self.act * (part + whole), "this rank's bf16 partition of each"
+                     " parameter, and those under stage3_param_persistence_threshold (10h: the norms) whole too")
         else:
             tape.add("states/weights", PARAMETERS, self.act * self.dp * part, "bf16 weights, whole on every rank:"
                      " each group's flat buffer, padded to dp partitions")
@@ -224,7 +222,7 @@ class Zero:
         in place, and its fp32 gradient freed before the next group's is made."""
         tape.add(GRAD_NORM, TEMPORARIES, 4 * 2, "the global gradient norm and _global_grad_norm, 0-d fp32")
         for i, group in enumerate(self.groups):
-            part, fp32 = self.partition(sum(group)), f"zero/fp32 grad partition {i}"
+            part, fp32 = self.partition(group), f"zero/fp32 grad partition {i}"
             tape.add("zero/flat grad partition", TEMPORARIES, self.act * part, f"group {i}'s gradients flattened")
             if self.act == 4:
                 tape.rename("zero/flat grad partition", fp32)
