@@ -362,9 +362,11 @@ def zero_partition(stage: int, dp: int, group: Iterable[int]) -> int:
 
 def no_decay_params(config: ModelConfig, stage: Stage, t: int) -> int:
     """Of `group_params`' counts, the Trainer's group without weight decay (get_decay_parameter_names: the norms'
-    and the biases' parameters), those a model without norms or biases lacks."""
-    bare = replace(config, norm="layernorm_np", add_bias_linear=False, add_qkv_bias=False)
-    return sum(group_params(config, stage, t).values()) - sum(group_params(bare, stage, t).values())
+    and the biases' parameters), those a model without norms or biases lacks (gpt-oss's sinks aside: its router's
+    and experts' biases come with them)."""
+    bare = replace(config, norm="layernorm_np", add_bias_linear=False, add_qkv_bias=False, attention_sinks=False)
+    params = group_params(config, stage, t)
+    return sum(params.values()) - params["attention/sinks"] - sum(group_params(bare, stage, t).values())
 
 
 def zero3_largest_layer(config: ModelConfig) -> int:
