@@ -129,6 +129,9 @@ def _readings_after_every_op(config) -> list[tuple[str, dict[str, int]]]:
     (1, {"b": 1, "s": 9, "a": 4, "num_query_groups": 4}),
     (2, {"b": 3, "s": 5, "h": 48, "a": 6, "num_query_groups": 3, "ffn_hidden_size": 100}),
     (2, {"b": 3, "s": 5, **QWEN2_MOE}),
+    # the eager loop: each expert's select sums, the router's weight handed over before its dX is summed (reshape's
+    # view between them), the wide experts' gradients making a reduction of each later hand-over
+    (2, {"b": 1, "s": 6, **MIXTRAL, "experts_implementation": "eager"}),
 ])
 def test_every_moment_of_the_zero_walk_is_memtrackers_reading_after_some_op_in_order(one_thread, stage, changes):
     """engine.backward's scaled loss and the loss's gradient through it, the reduce bucket from the first gradient, a
