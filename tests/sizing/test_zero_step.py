@@ -169,3 +169,13 @@ def test_what_the_zero_walk_leaves_out_is_refused_by_name(changes, needle):
     config = build_config(LLAMA | changes)
     with pytest.raises(ConfigError, match=needle):
         timeline(config, STRATEGIES["tp" if config.t > 1 else "none"])
+
+
+def test_zero3_keeps_a_parameter_of_exactly_the_persistence_threshold_whole():
+    """mark_persistent_parameters keeps whole each parameter of stage3_param_persistence_threshold (10h) elements or
+    fewer: k_proj and v_proj of one group of 10 channels are (10, h), kept whole beside their partitions and never
+    gathered (the walk had their partitions alone: 20,480 B of weights too few at h = 256, L = 2)."""
+    config, walk = _walk(3, num_query_groups=1, kv_channels=10)
+    params = total_params(config)
+    whole = (2 * config.L + 1) * config.h + 2 * config.L * 10 * config.h  # the norms, k_proj and v_proj
+    assert walk.steady.by_category()[PARAMETERS] == 2 * (params // 8 + whole) + 4 * config.head_dim  # RoPE's buffers
