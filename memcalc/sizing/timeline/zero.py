@@ -78,7 +78,6 @@ class Zero:
             if config.zero_stage < 3 else (params,)
         self.groups = tuple([prod(shape) for _, shape in group] for group in groups)
         self.mine = {name: n for group in groups for name, n in self._reaching(group).items()}
-        self.params = sum(prod(x) for x in shapes)  # every parameter of the model
         # stage 3: parameters of the persistence threshold or fewer elements, kept whole (mark_persistent_parameters)
         self.persistent = sum(prod(x) for x in shapes if prod(x) <= self.threshold) if config.zero_stage == 3 else 0
         self.bucket = DEEPSPEED_AUTO["reduce_bucket_size"](h)
