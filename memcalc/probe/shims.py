@@ -75,8 +75,8 @@ SHIMS: tuple[Shim, ...] = (
          "current_device() and the default causal mask use the CPU",
          "megatron's global memory buffer and causal mask are made on 'cuda'", Kind.RUNS),
     Shim("megatron", "tensor_parallel.random: _get_cuda_rng_state, _set_cuda_rng_state, _CUDA_RNG_STATE_TRACKER,"
-         " _CUDA_RNG_STATE_TRACKER_INITIALIZED",
-         "the CUDA RNG tracker's states are the CPU generator's",
+         " _CUDA_RNG_STATE_TRACKER_INITIALIZED; torch.cuda.get_rng_state, torch.cuda.manual_seed (in its add)",
+         "the CUDA RNG tracker's states are the CPU generator's (added by megatron's own add, checks and all)",
          "dropout inside get_cuda_rng_tracker().fork() and a checkpoint's RNG restore need a tracker", Kind.RUNS),
     Shim("megatron", "multi_latent_attention.HAVE_TE, core_attention -> MlaDotProductAttention",
          "latent attention runs the local DotProductAttention, taking MLA's k_channels/v_channels",

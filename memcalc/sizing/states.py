@@ -9,7 +9,7 @@ data-parallel group, t*cp*dp/(ep*etp) ranks, which is what the distributed optim
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, Iterable
 
 from memcalc.config.schema import ModelConfig
 from memcalc.errors import ConfigError
@@ -330,18 +330,43 @@ def describe_sharding(config: ModelConfig) -> str:
     return f"distributed optimizer over dp*cp={c.dp * c.cp}" if c.distributed_optimizer else "optimizer unsharded"
 
 
-def state_bytes(config: ModelConfig, params: int, experts: int = 0) -> dict[str, int]:
+def state_bytes(config: ModelConfig, params: int, experts: int = 0, no_decay: int = 0) -> dict[str, int]:
     """Bytes of each model state (widths of 0 left out) for `params` parameters, `experts` of them expert
-    ones, each split as its stack splits it; Megatron's distributed optimizer shards the experts' over expert_dp."""
+    ones, each split as its stack splits it; Megatron's distributed optimizer shards the experts' over expert_dp.
+    ZeRO-1/2 pads each of the Trainer's two groups (`no_decay` parameters in the one without weight decay) as
+    `zero_partition` does: the bf16 flat buffers whole, the partitions dp of them."""
     c = config
     expert_dp = c.t * c.cp * c.dp // (c.ep * (c.etp or c.t))  # whole by check_expert_states
+    padded = c.zero_stage in (1, 2)
+    part = sum(zero_partition(c.zero_stage, c.dp, [n]) for n in (params - no_decay, no_decay)) if padded else 0
     out = {}
     for term in STATE_LAYOUTS[sharding(c)]:
         width, shards = term.width(c), term.split.ranks(c)
-        if width:
+        if width and padded and (shards > 1 or term.name != "states/grads"):  # stage 1's .grad: each weight's own
+            out[term.name] = width * part * (c.dp // shards)  # the flat buffers whole, or this rank's partitions
+        elif width:
             expert_shards = expert_dp if shards > 1 and sharding(c) == "megatron" else shards
             out[term.name] = width * (-(-(params - experts) // shards) + -(-experts // expert_shards))
     return out
+
+
+def zero_partition(stage: int, dp: int, group: Iterable[int]) -> int:
+    """This rank's share of a parameter group (its parameters' elements) as DeepSpeed partitions it: at stages 1 and
+    2 the group's flat buffer padded to a multiple of 2*dp elements (stage_1_and_2.py: nccl_start_alignment_factor 2
+    elements, 4 bytes of bf16) and split in dp; at stage 3 each parameter apart, padded to a multiple of dp
+    (partition_parameters.py: _padding_size)."""
+    if stage == 3:
+        return sum(-(-n // dp) for n in group)
+    return -(-sum(group) // (2 * dp)) * 2
+
+
+def no_decay_params(config: ModelConfig, stage: Stage, t: int) -> int:
+    """Of `group_params`' counts, the Trainer's group without weight decay (get_decay_parameter_names: the norms'
+    and the biases' parameters), those a model without norms or biases lacks (gpt-oss's sinks aside: its router's
+    and experts' biases come with them)."""
+    bare = replace(config, norm="layernorm_np", add_bias_linear=False, add_qkv_bias=False, attention_sinks=False)
+    params = group_params(config, stage, t)
+    return sum(params.values()) - params["attention/sinks"] - sum(group_params(bare, stage, t).values())
 
 
 def zero3_largest_layer(config: ModelConfig) -> int:

@@ -20,8 +20,8 @@ from memcalc.model.knobs import Accounting, element_bytes
 from memcalc.model.ledger import Dim, SavedTensor
 from memcalc.sizing.pipeline import Stage, pipeline_stages
 from memcalc.sizing.states import (
-    ROUTER_BUFFERS_WHY, expert_params, group_params, moe_layers_held, padded_vocab, router_buffer_bytes,
-    state_bytes, zero3_largest_layer,
+    ROUTER_BUFFERS_WHY, expert_params, group_params, moe_layers_held, no_decay_params, padded_vocab,
+    router_buffer_bytes, state_bytes, zero3_largest_layer,
 )
 from memcalc.model.strategy import Strategy
 
@@ -124,7 +124,8 @@ def _stage_total(
     params = group_params(config, stage, strategy.weight_shards(config.t))
     held, experts = sum(params.values()), expert_params(params)
     note = f"{held:,} parameters" + (f", {experts:,} of them experts'" if experts else "")
-    terms += [Term(name, STATES, n, note) for name, n in state_bytes(config, held, experts).items()]
+    states = state_bytes(config, held, experts, no_decay_params(config, stage, strategy.weight_shards(config.t)))
+    terms += [Term(name, STATES, n, note) for name, n in states.items()]
     if router_buffer_bytes(config, stage):
         terms.append(Term("states/router buffers", STATES, router_buffer_bytes(config, stage), ROUTER_BUFFERS_WHY))
     if config.zero_stage == 3:

@@ -3,11 +3,16 @@ reduce_dtype, zero_stage), what each stack refuses, and the model states each ke
 parameter, and DeepSpeed ZeRO's against DeepSpeed's own estimators where it is installed (a documented layout
 otherwise: stage 1 shards the 16 bytes of fp32 state, stage 2 the bf16 gradients too, stage 3 the weights)."""
 
+import json
+from pathlib import Path
+
 import pytest
 
-from memcalc.config.schema import build_config
+from memcalc.config.hf import read_hf_config
+from memcalc.config.schema import build_config, load_config
 from memcalc.errors import ConfigError
-from memcalc.sizing.states import sharding, state_bytes, total_params, zero3_largest_layer
+from memcalc.sizing.pipeline import pipeline_stages
+from memcalc.sizing.states import no_decay_params, sharding, state_bytes, total_params, zero3_largest_layer
 from memcalc.sizing.totals import per_gpu
 from memcalc.model.strategy import STRATEGIES
 
@@ -92,6 +97,24 @@ def test_zero2_and_zero3_are_deepspeeds_own_estimates(n):
     assert totals[2].bytes("model states") == zero2
     assert totals[3].bytes("model states") == zero3
     assert zero3_largest_layer(config) == largest_bytes
+
+
+@pytest.mark.parametrize("name", ["gpt2", "qwen2-0.5b", "gpt-oss-tiny", "cohere-tiny", "olmo2-tiny", "starcoder2-tiny",
+                                  "qwen3-30b-a3b"])
+def test_the_trainers_group_without_weight_decay_holds_the_norms_and_the_biases(name):
+    """ZeRO-1/2 pads each of the Trainer's two parameter groups apart: the one without weight decay is what
+    get_decay_parameter_names leaves out (norms, biases; gpt-oss's router and expert biases, not its sinks), counted
+    on transformers' own model built from the config.json."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    path = Path(__file__).parents[1] / "data" / "hf" / f"{name}.json"
+    config = load_config(path, {"impl": "hf", "s": 8}, base=read_hf_config(path).fields)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(
+            **json.loads(path.read_text())))
+    decay = set(transformers.Trainer.get_decay_parameter_names(None, model))
+    (stage,) = pipeline_stages(config)
+    assert no_decay_params(config, stage, 1) == sum(p.numel() for n, p in model.named_parameters() if n not in decay)
 
 
 def test_fit_finds_the_largest_micro_batch_by_the_fsdp2_step_peak():

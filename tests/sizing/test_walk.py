@@ -8,6 +8,7 @@ something, and the input goes with the last tensor the rerun kept."""
 from memcalc.model.ledger import Dim, Kind, Region, SavedTensor
 from memcalc.sizing.timeline import ACTIVATIONS, TEMPORARIES
 from memcalc.sizing.timeline.tape import Tape
+from memcalc.sizing.timeline.torch_ops import linear
 from memcalc.sizing.timeline.walk import Checkpoint, Made, Op, Step, Walk, kept
 
 X = SavedTensor("x", "both linears", (Dim.B, Dim.S, Dim.H), Kind.ACTIVATION, Region.REPLICATED, "dW = X^T dY")
@@ -127,3 +128,15 @@ def test_a_cached_output_outlives_its_frees_in_forward_and_the_rerun_takes_it_in
     tape, first = _checkpointed(frozenset({"l/y"}))
     assert "l/y" in {x.name for x in tape.moments[first].live}  # kept from forward to the rerun
     assert [m.what for m in tape.moments[first:first + 2]] == ["x = f(in)", "in + y"]
+
+
+def test_a_biased_linear_hands_its_biass_gradient_over_before_its_weights():
+    """addmm's node passes the bias's gradient straight to its accumulator, which autograd runs before the weight's
+    (behind t()'s backward, or GPT-2's Conv1D's, after the bias's): the order ZeRO's reduce bucket fills in
+    (transformers' Qwen2 q, k, v and GPT-2's Conv1D, read from their post-accumulate-grad hooks)."""
+    tape, handed = Tape(), []
+    walk = Walk(tape, "l", "layers.0", SAVED, lambda where, name, nbytes: (handed.append(name), tape.drop(name)))
+    op = linear("q", X, Made("l/q", 10, "out"), 7, "g/dx", 100, "", bias=3)
+    walk.forward((op,))
+    walk.backward((op,))
+    assert handed == ["grad/q bias", "grad/q weight"]

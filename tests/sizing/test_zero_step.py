@@ -9,7 +9,8 @@ import pytest
 from memcalc.config.schema import build_config
 from memcalc.errors import ConfigError
 from memcalc.model.strategy import STRATEGIES
-from memcalc.sizing.states import state_bytes, total_params
+from memcalc.sizing.states import total_params
+from memcalc.sizing.totals import per_gpu
 from memcalc.sizing.timeline import OPTIMIZER, PARAMETERS, timeline
 from memcalc.sizing.timeline.zero import BUCKET, DEEPSPEED_AUTO, GATHERED, GRAD_NORM, PARTITION, Zero
 
@@ -24,12 +25,17 @@ def _walk(stage, **changes):
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-def test_between_steps_the_walk_holds_the_layouts_weights_master_and_moments(stage):
-    config, walk = _walk(stage)
+@pytest.mark.parametrize("changes", [{}, {"dp": 3}, {"dp": 5, "h": 250, "a": 5, "num_query_groups": 5},
+                                     {"dp": 6, "vocab_size": 509, "ffn_hidden_size": 701}])
+def test_between_steps_the_walk_holds_the_totals_weights_master_and_moments(stage, changes):
+    """--totals' model states are the walk's between steps, padding included: each of the Trainer's two groups' flat
+    buffer padded to a multiple of 2*dp elements (at dp = 3 the totals had 12 B of weights and 8 B of each fp32
+    state too few)."""
+    config, walk = _walk(stage, **changes)
     live = {x.name: x.bytes for x in walk.steady.live}
-    layout = state_bytes(config, total_params(config))
+    totals = {x.name: x.bytes for x in per_gpu(config, STRATEGIES["none"]).worst().terms}
     for name in ("states/weights", "states/master_weights", "states/adam_m", "states/adam_v"):
-        assert live[name] == layout[name]
+        assert live[name] == totals[name]
 
 
 def test_zero2s_optimizer_step_holds_deepspeeds_estimate_beside_its_flattened_copy():
@@ -49,7 +55,7 @@ def test_zero2s_optimizer_step_holds_deepspeeds_estimate_beside_its_flattened_co
                  and not name.startswith("states/rotary_emb."))  # LlamaRotaryEmbedding's buffers: no parameters
     reaching = live[PARTITION] - 2 * params // 8
     assert reaching > 0, "a weight straddles the partition's end: it is held whole"
-    later = 4 * sum(zero.partition(sum(group)) for group in zero.groups[1:])
+    later = 4 * sum(zero.partition(group) for group in zero.groups[1:])
     assert states == estimate - later + live["zero/flat grad partition"] + live["optimizer/step"] + live[GRAD_NORM] \
         + reaching
 
@@ -88,7 +94,7 @@ def test_stages_1_and_2_pad_each_groups_flat_buffer_to_a_multiple_of_2dp_element
     zero = Zero(config)
     weights, norms = zero.groups
     assert (sum(weights), sum(norms)) == (1_736_704, 1_280)
-    assert (zero.partition(sum(weights)), zero.partition(sum(norms))) == (578_902, 428)
+    assert (zero.partition(weights), zero.partition(norms)) == (578_902, 428)
     assert {x.name: x.bytes for x in walk.steady.live}["states/weights"] == 2 * (1_736_706 + 1_284)
 
 
@@ -123,14 +129,16 @@ def test_grads_in_partition_holds_each_weight_reaching_into_the_partition_whole(
     config = build_config(LLAMA | {"zero_stage": 2})
     zero = Zero(config)
     weights, norms = zero.groups
-    assert zero.in_partition > zero.partition(sum(weights)) + zero.partition(sum(norms))
+    assert zero.in_partition > zero.partition(weights) + zero.partition(norms)
 
 
 def test_zero3_partitions_the_weights_and_gathers_each_block_in_turn():
+    """Every parameter keeps its partition (ds_tensor), those under stage3_param_persistence_threshold (10h: the
+    norms) gathered whole beside it."""
     config, walk = _walk(3)
     params = total_params(config)
-    norms = (2 * config.L + 1) * config.h  # under stage3_param_persistence_threshold (10h): whole
-    assert walk.steady.by_category()[PARAMETERS] == 2 * ((params - norms) // 8 + norms) + 4 * config.h // config.a
+    norms = (2 * config.L + 1) * config.h
+    assert walk.steady.by_category()[PARAMETERS] == 2 * (params // 8 + norms) + 4 * config.h // config.a
     gathered = {x.name for m in walk.moments for x in m.live if x.name.startswith(GATHERED)}
     assert gathered == {f"{GATHERED} {b}" for b in ("root", "layers.0", "layers.1")}
     assert walk.peak.by_category()[OPTIMIZER] == 12 * params // 8 + 8
@@ -161,3 +169,13 @@ def test_what_the_zero_walk_leaves_out_is_refused_by_name(changes, needle):
     config = build_config(LLAMA | changes)
     with pytest.raises(ConfigError, match=needle):
         timeline(config, STRATEGIES["tp" if config.t > 1 else "none"])
+
+
+def test_zero3_keeps_a_parameter_of_exactly_the_persistence_threshold_whole():
+    """mark_persistent_parameters keeps whole each parameter of stage3_param_persistence_threshold (10h) elements or
+    fewer: k_proj and v_proj of one group of 10 channels are (10, h), kept whole beside their partitions and never
+    gathered (the walk had their partitions alone: 20,480 B of weights too few at h = 256, L = 2)."""
+    config, walk = _walk(3, num_query_groups=1, kv_channels=10)
+    params = total_params(config)
+    whole = (2 * config.L + 1) * config.h + 2 * config.L * 10 * config.h  # the norms, k_proj and v_proj
+    assert walk.steady.by_category()[PARAMETERS] == 2 * (params // 8 + whole) + 4 * config.head_dim  # RoPE's buffers

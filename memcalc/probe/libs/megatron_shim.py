@@ -165,17 +165,15 @@ def route_note(route: str) -> str:
 
 
 def _cpu_rng_tracker() -> Any:
-    """megatron's CudaRNGStatesTracker over torch's CPU generator: its own named states, each added (without its
-    checks for a name or seed added twice) and forked on the CPU."""
+    """megatron's CudaRNGStatesTracker over torch's CPU generator: its own named states, each added by megatron's own
+    add (which refuses a name or a seed added twice) with torch.cuda's generator calls the CPU's, and forked on the
+    CPU (megatron's fork would warn that the CPU's state changed inside it)."""
     from megatron.core.tensor_parallel.random import _MODEL_PARALLEL_RNG_TRACKER_NAME, CudaRNGStatesTracker
 
     class CpuRNGStatesTracker(CudaRNGStatesTracker):
         def add(self, name: str, seed: int) -> None:
-            self._is_initialized = True
-            outside = torch.get_rng_state()
-            torch.manual_seed(seed)
-            self.states_[name] = torch.get_rng_state()
-            torch.set_rng_state(outside)
+            with patched(torch.cuda, get_rng_state=torch.get_rng_state, manual_seed=torch.manual_seed):
+                super().add(name, seed)
 
         @contextmanager
         def fork(self, name: str = _MODEL_PARALLEL_RNG_TRACKER_NAME) -> Iterator[None]:

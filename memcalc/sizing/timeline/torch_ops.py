@@ -36,7 +36,7 @@ def linear(where: str, x: SavedTensor | None, out: Made | None, weight: int, dx:
     stem = "/".join(n for n in ("grad", p, where) if n)
     dw = dw or f"{stem} weight"
     biased = (Made(f"{stem} bias", bias, WHY_BGRAD),) if bias else ()
-    handed = (*(() if waits else (dw,)), *(n.name for n in biased))
+    handed = (*(n.name for n in biased), *(() if waits else (dw,)))  # addmm's bias's accumulator runs first
     summed = sums and not reduced and not bias  # the accumulators run after the sum
     partial = f"{dx} (partial)" if reduced else dx
     gemms = Step(f"{label}GEMMs: dW and dX", (

@@ -12,7 +12,7 @@ overlap_comm off at stages 1 and 2 and on at stage 3 (DeepSpeed's defaults), and
 config's "auto" (`DEEPSPEED_AUTO`). What the tape holds:
 
     steady          bf16 weights (stages 1 and 2: each group's flat buffer, padded to 2*dp elements; stage 3:
-                    this rank's partition, and the parameters under the persistence threshold whole); this
+                    this rank's partition, and the parameters up to the persistence threshold whole); this
                     rank's fp32 partition of master weights, Adam's m and v; at stage 3 the reduce bucket and
                     the gradient partition (the model's dtype), allocated once at start-up
     forward, stage 3  each module gathered before it runs and released after; at a block's moment, its widest
@@ -39,6 +39,7 @@ import itertools
 
 from memcalc.config.schema import ModelConfig
 from memcalc.model.knobs import DTYPE_BYTES
+from memcalc.sizing.states import zero_partition
 from memcalc.sizing.timeline.fsdp import ROOT, Param, hf_layer, hf_root
 from memcalc.sizing.timeline.tape import (
     ACTIVATIONS, GRAD_SEED, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, Tape, prod,
@@ -66,7 +67,7 @@ class Zero:
         h = config.h
         self.stage, self.dp, self.act = config.zero_stage, config.dp, DTYPE_BYTES[config.dtype]  # act: bf16's bytes
         self.layer, self.root = hf_layer(config, 1, 0).shapes, hf_root(config, 1).shapes
-        self.threshold = threshold = DEEPSPEED_AUTO["stage3_param_persistence_threshold"](h)
+        self.threshold = DEEPSPEED_AUTO["stage3_param_persistence_threshold"](h)
         # every layer's own (a MoE model's dense layers among sparse ones hold other shapes), in registration order
         root = hf_root(config, 1).params
         params = [root[0], *(x for i in range(config.L) for x in hf_layer(config, 1, i).params), *root[1:]]
@@ -77,25 +78,22 @@ class Zero:
             if config.zero_stage < 3 else (params,)
         self.groups = tuple([prod(shape) for _, shape in group] for group in groups)
         self.mine = {name: n for group in groups for name, n in self._reaching(group).items()}
-        self.params = sum(prod(x) for x in shapes)  # every parameter of the model
-        # stage 3: parameters under the persistence threshold, kept whole
-        self.persistent = sum(prod(x) for x in shapes if prod(x) < threshold) if config.zero_stage == 3 else 0
+        # stage 3: parameters of the persistence threshold or fewer elements, kept whole (mark_persistent_parameters)
+        self.persistent = sum(prod(x) for x in shapes if prod(x) <= self.threshold) if config.zero_stage == 3 else 0
         self.bucket = DEEPSPEED_AUTO["reduce_bucket_size"](h)
         self.prefetch = DEEPSPEED_AUTO["stage3_prefetch_bucket_size"](h)
         self.filled = 0  # elements in the reduce bucket
         self.wide: list[str] = []  # a gradient wider than the bucket, alone in it until the next reduction
         self.in_bucket: list[str] = []  # the weights whose gradients the next reduction reduces
 
-    def partition(self, elements: int) -> int:
-        """This rank's share of `elements`, as DeepSpeed pads a partition: ceil(n/dp); at stages 1 and 2 of a group's
-        flat buffer, which it pads to a multiple of 2*dp elements (stage_1_and_2.py: nccl_start_alignment_factor)."""
-        align = self.dp * (2 if self.stage < 3 else 1)
-        return -(-elements // align) * align // self.dp
+    def partition(self, group: list[int]) -> int:
+        """This rank's share of a group of parameters' elements, padded as DeepSpeed pads it (states.zero_partition)."""
+        return zero_partition(self.stage, self.dp, group)
 
     @property
     def part(self) -> int:
         """This rank's partition of every group's parameters."""
-        return sum(self.partition(sum(group)) for group in self.groups)
+        return sum(self.partition(group) for group in self.groups)
 
     @property
     def in_partition(self) -> int:
@@ -107,17 +105,16 @@ class Zero:
         elements: grads_in_partition holds each whole (stage_1_and_2.py: params_in_partition)."""
         sizes = [prod(shape) for _, shape in group]
         starts = itertools.accumulate(sizes, initial=0)
-        return {name: n for (name, _), n, start in zip(group, sizes, starts) if start < self.partition(sum(sizes))}
+        return {name: n for (name, _), n, start in zip(group, sizes, starts) if start < self.partition(sizes)}
 
     def states(self, tape: Tape) -> None:
         """bf16 weights (partitioned at stage 3), the fp32 partition of master weights and moments, and at stage 3
         the buffers DeepSpeed allocates once."""
         part = self.part
         if self.stage == 3:
-            whole = self.persistent
-            tape.add("states/weights", PARAMETERS, self.act * (self.partition(self.params - whole) + whole),
-                     "this rank's bf16 partition of each parameter, and those under"
-                     " stage3_param_persistence_threshold (10h: the norms) whole")
+            tape.add("states/weights", PARAMETERS, self.act * (part + self.persistent), "this rank's bf16 partition of"
+                     " each parameter, and those of stage3_param_persistence_threshold (10h: the norms) elements or"
+                     " fewer whole too")
         else:
             tape.add("states/weights", PARAMETERS, self.act * self.dp * part, "bf16 weights, whole on every rank:"
                      " each group's flat buffer, padded to dp partitions")
@@ -139,7 +136,7 @@ class Zero:
             return
         tape.drop(*[n for n in tape.live if n.startswith(f"{GATHERED} ")])
         shapes = self.root if block == ROOT else self.layer
-        widest = max((prod(x) for x in shapes if prod(x) >= self.threshold), default=0)  # all whole: none gathered
+        widest = max((prod(x) for x in shapes if prod(x) > self.threshold), default=0)  # all whole: none gathered
         tape.add(f"{GATHERED} {block}", PARAMETERS, self.act * (widest + self.prefetch),
                  f"ZeRO-3: {block}'s widest module gathered whole in bf16, and the prefetch bucket's elements ahead")
 
@@ -224,7 +221,7 @@ class Zero:
         in place, and its fp32 gradient freed before the next group's is made."""
         tape.add(GRAD_NORM, TEMPORARIES, 4 * 2, "the global gradient norm and _global_grad_norm, 0-d fp32")
         for i, group in enumerate(self.groups):
-            part, fp32 = self.partition(sum(group)), f"zero/fp32 grad partition {i}"
+            part, fp32 = self.partition(group), f"zero/fp32 grad partition {i}"
             tape.add("zero/flat grad partition", TEMPORARIES, self.act * part, f"group {i}'s gradients flattened")
             if self.act == 4:
                 tape.rename("zero/flat grad partition", fp32)

@@ -13,7 +13,8 @@ pytest.importorskip("deepspeed")
 from memcalc.model.knobs import Accounting  # noqa: E402
 from memcalc.model.strategy import STRATEGIES  # noqa: E402
 from memcalc.probe.step import measure_step  # noqa: E402
-from memcalc.sizing.timeline import timeline  # noqa: E402
+from memcalc.sizing.timeline import OPTIMIZER, PARAMETERS, timeline  # noqa: E402
+from memcalc.sizing.totals import per_gpu  # noqa: E402
 from tests.helpers import LLAMA_HF as LLAMA, make_config  # noqa: E402
 
 from ..step_readings import assert_moments_in_order, readings_after_every_op  # noqa: E402
@@ -91,6 +92,21 @@ def test_a_peak_in_backward_holds_the_scaled_loss_and_the_reduce_buckets_state(o
     assert r.predicted_moment == moment
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_at_dp_3_deepspeeds_state_between_steps_is_the_totals_padded_model_states(one_thread, stage):
+    """Each of the Trainer's two groups' flat buffer padded to a multiple of 2*dp elements (120,064 weights' elements
+    to 120,066, 320 norms' to 324): DeepSpeed's optimizer states are --totals' fp32 master weights, m and v, and
+    AdamW's two 0-d steps; its parameters --totals' bf16 weights beside LlamaRotaryEmbedding's buffers (--totals had
+    12 B of weights and 8 B of each fp32 state too few)."""
+    r = _step(stage, dp=3, b=1, s=5)
+    config = make_config(LLAMA, zero_stage=stage, dp=3, b=1, s=5)
+    states = {x.name: x.bytes for x in per_gpu(config, STRATEGIES["none"]).worst().terms}
+    buffers = sum(x.bytes for x in r.predicted.steady.live if x.name.startswith("states/rotary_emb."))
+    assert r.measured.steady[PARAMETERS] == states["states/weights"] + buffers
+    fp32 = ("states/master_weights", "states/adam_m", "states/adam_v")
+    assert r.measured.steady[OPTIMIZER] == sum(states[x] for x in fp32) + 4 * 2
+
+
 def _readings_after_every_op(config) -> list[tuple[str, dict[str, int]]]:
     """MemTracker's place and bytes per category after each op of one step under DeepSpeed's engine
     (hf_zero.ZeroTracker), experts under the balanced route."""
@@ -113,6 +129,9 @@ def _readings_after_every_op(config) -> list[tuple[str, dict[str, int]]]:
     (1, {"b": 1, "s": 9, "a": 4, "num_query_groups": 4}),
     (2, {"b": 3, "s": 5, "h": 48, "a": 6, "num_query_groups": 3, "ffn_hidden_size": 100}),
     (2, {"b": 3, "s": 5, **QWEN2_MOE}),
+    # the eager loop: each expert's select sums, the router's weight handed over before its dX is summed (reshape's
+    # view between them), the wide experts' gradients making a reduction of each later hand-over
+    (2, {"b": 1, "s": 6, **MIXTRAL, "experts_implementation": "eager"}),
 ])
 def test_every_moment_of_the_zero_walk_is_memtrackers_reading_after_some_op_in_order(one_thread, stage, changes):
     """engine.backward's scaled loss and the loss's gradient through it, the reduce bucket from the first gradient, a

@@ -129,3 +129,24 @@ def test_flash_attention_is_refused_for_the_local_spec():
     config = build_config(SIZES | {"attention": "flash"})
     with pytest.raises(ProbeError, match="Transformer Engine"):
         run(_measured, (config, "none"), mode="single", t=1)
+
+
+@pytest.mark.parametrize("again", [("other", 1234), ("model-parallel-rng", 99)], ids=["seed", "name"])
+def test_the_cpu_rng_tracker_keeps_megatrons_refusal_of_a_seed_or_name_added_twice(again):
+    """The shim's tracker adds through megatron's own CudaRNGStatesTracker.add (on the CPU generator), so its checks
+    still run: a seed or a state name added twice raises as on a GPU; a state added once forks to its own seed's."""
+    import torch
+    from megatron.core.tensor_parallel import random as mrandom
+
+    from memcalc.probe.libs.megatron_shim import cpu_megatron
+
+    with cpu_megatron():
+        tracker = mrandom.get_cuda_rng_tracker()
+        tracker.reset()
+        tracker.add("model-parallel-rng", 1234)
+        with pytest.raises(Exception, match="already exists"):
+            tracker.add(*again)
+        with tracker.fork("model-parallel-rng"):
+            drawn = torch.rand(3)
+    torch.manual_seed(1234)
+    assert torch.equal(drawn, torch.rand(3))
