@@ -330,11 +330,14 @@ def describe_sharding(config: ModelConfig) -> str:
     return f"distributed optimizer over dp*cp={c.dp * c.cp}" if c.distributed_optimizer else "optimizer unsharded"
 
 
-def state_bytes(config: ModelConfig, params: int, experts: int = 0, no_decay: int = 0) -> dict[str, int]:
+def state_bytes(config: ModelConfig, params: int, experts: int = 0, no_decay: int = 0,
+                per_parameter: tuple[int, int] | None = None) -> dict[str, int]:
     """Bytes of each model state (widths of 0 left out) for `params` parameters, `experts` of them expert
     ones, each split as its stack splits it; Megatron's distributed optimizer shards the experts' over expert_dp.
     ZeRO-1/2 pads each of the Trainer's two groups (`no_decay` parameters in the one without weight decay) as
-    `zero_partition` does: the bf16 flat buffers whole, the partitions dp of them."""
+    `zero_partition` does: the bf16 flat buffers whole, the partitions dp of them. FSDP2 and ZeRO-3 shard each
+    parameter apart: `per_parameter` (memcalc.sizing.totals.per_parameter_shards) gives the elements of this rank's
+    padded shards, and of the weights ZeRO-3 keeps whole beside them."""
     c = config
     expert_dp = c.t * c.cp * c.dp // (c.ep * (c.etp or c.t))  # whole by check_expert_states
     padded = c.zero_stage in (1, 2)
@@ -342,7 +345,10 @@ def state_bytes(config: ModelConfig, params: int, experts: int = 0, no_decay: in
     out = {}
     for term in STATE_LAYOUTS[sharding(c)]:
         width, shards = term.width(c), term.split.ranks(c)
-        if width and padded and (shards > 1 or term.name != "states/grads"):  # stage 1's .grad: each weight's own
+        if width and per_parameter:  # every state of FSDP2 and ZeRO-3 is sharded
+            shard, whole = per_parameter
+            out[term.name] = width * (shard + (whole if term.name == "states/weights" else 0))
+        elif width and padded and (shards > 1 or term.name != "states/grads"):  # stage 1's .grad: each weight's own
             out[term.name] = width * part * (c.dp // shards)  # the flat buffers whole, or this rank's partitions
         elif width:
             expert_shards = expert_dp if shards > 1 and sharding(c) == "megatron" else shards

@@ -219,9 +219,15 @@ class Fsdp:
         return sum(_padded(shape, self.shards, m in self.dim1) for m, shape in self.unit(block).params
                    if modules is None or m in modules)
 
+    @property
+    def shard(self) -> int:
+        """Elements of this rank's shard of every parameter (each dim 0 padded): memcalc.sizing.states counts the
+        model states of it too."""
+        return sum(self.unsharded(u.name) for u in self.units) // self.shards
+
     def states(self, tape: Tape) -> None:
         """fp32 shards of every parameter, AdamW's m and v of them, and one 0-d step per parameter."""
-        shard = sum(self.unsharded(u.name) for u in self.units) // self.shards
+        shard = self.shard
         count = sum(len(u.params) for u in self.units)
         tape.add("states/weights", PARAMETERS, 4 * shard, f"fp32 DTensor shards (1/{self.shards} of each"
                  " parameter, dim 0 padded): the optimizer's copy itself")
