@@ -144,10 +144,12 @@ def per_parameter_shards(config: ModelConfig, t: int, params: int) -> tuple[int,
     shards and of the weights kept whole, summed over the step walk's inventory of the parameters
     (memcalc.sizing.timeline.fsdp's units, zero.Zero's), each on one rank of t; None for a stack that shards a flat
     buffer, or where that inventory is not these `params` (a pipeline stage, a model the walk does not lay out)."""
-    from memcalc.sizing.timeline.fsdp import Fsdp  # the timeline package imports this module
+    from memcalc.sizing.timeline.fsdp import Fsdp, fuses_modules  # the timeline package imports this module
     from memcalc.sizing.timeline.zero import Zero
 
     c = config
+    if c.impl == "hf" and fuses_modules(c):  # as many parameters as Llama's layer, in other shapes
+        return None
     if c.dp_shard is not None and c.impl in ("hf", "torchtitan"):
         fsdp = Fsdp.of(c, t) if c.impl == "hf" else Fsdp.torchtitan(c, t, sp=False)
         fsdp = replace(fsdp, shards=FSDP_SHARDS.ranks(c))
