@@ -287,7 +287,8 @@ STATE_LAYOUTS: dict[str, tuple[StateTerm, ...]] = {"megatron": (
     StateTerm("states/adam_v", lambda c: 4, DISTRIBUTED_OPTIMIZER, _ADAM_V),
 ), "fsdp2": (
     StateTerm("states/weights", lambda c: 4, FSDP_SHARDS,
-              "fully_shard keeps each parameter as an fp32 DTensor sharded on dim 0: the optimizer's copy itself;"
+              "fully_shard keeps each parameter as an fp32 DTensor sharded on dim 0 (padded to a multiple of the"
+              " shards): the optimizer's copy itself;"
               " forward and backward compute with param_dtype copies all-gathered block by block (transients)"),
     StateTerm("states/grads", lambda c: 4, FSDP_SHARDS,
               "each block's reduce-scatter leaves this rank its shard of the gradient, cast to the parameter's"
@@ -298,8 +299,11 @@ STATE_LAYOUTS: dict[str, tuple[StateTerm, ...]] = {"megatron": (
     # DeepSpeed's layout with bf16, as its estimators (estimate_zero2/3_model_states_mem_needs) count it: bf16 weights
     # and gradients, and per parameter 16 bytes of fp32 state (a gradient partition, master weights, m and v). Stage 1
     # partitions those 16 over dp, stage 2 the bf16 gradients too (2 + 18/dp), stage 3 the weights as well (18/dp,
-    # beside the largest module's weights gathered and their gradients, `zero3_largest_layer`).
-    StateTerm("states/weights", _width, _zero(3), "bf16 weights, partitioned over dp at stage 3"),
+    # beside the largest module's weights gathered and their gradients, `zero3_largest_layer`, and the persistent
+    # parameters' weights whole, which the estimator leaves out).
+    StateTerm("states/weights", _width, _zero(3), "bf16 weights, partitioned over dp at stage 3 (each parameter"
+              " padded to a multiple of dp; those of stage3_param_persistence_threshold elements or fewer whole"
+              " too)"),
     StateTerm("states/grads", lambda c: 0 if (c.zero_stage or 0) >= 3 else _width(c), _zero(2),
               "bf16 gradients, partitioned over dp at stage 2 (at stage 3 only the gathered module's, in"
               " zero3/largest_layer)"),
