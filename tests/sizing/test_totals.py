@@ -192,14 +192,20 @@ def test_the_expert_bias_router_buffers_are_a_state_term_as_the_step_counts_them
     assert (buffers.bytes, buffers.category) == (term.bytes, PARAMETERS)
 
 
+ODD = {"h": 250, "a": 5, "num_query_groups": 5, "vocab_size": 509, "ffn_hidden_size": 701, "recompute": "none"}
+# four experts over three ranks: each expert weight's dim 0 (E) padded to six
+MOE = {"h": 120, "a": 5, "num_query_groups": 5, "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 56,
+       "recompute": "none"}
+
+
 @pytest.mark.parametrize("impl", ["hf", "torchtitan"])
-@pytest.mark.parametrize("dp_shard", [3, 5])
-def test_fsdp2s_states_are_the_walks_each_parameter_padded_on_dim_0(impl, dp_shard):
+@pytest.mark.parametrize("dp_shard, changes", [(3, ODD), (5, ODD), (3, MOE)])
+def test_fsdp2s_states_are_the_walks_each_parameter_padded_on_dim_0(impl, dp_shard, changes):
     """fully_shard pads each parameter's dim 0 to a multiple of dp_shard (_fsdp_param.py): --totals' fp32 states are
     the walk's between steps, not the parameters' sum split evenly (at dp_shard 3, h 250, v 509: 11,084 B of each
-    too few)."""
-    config = build_config(LLAMA_HF | {"impl": impl, "h": 250, "a": 5, "num_query_groups": 5, "vocab_size": 509,
-                                      "ffn_hidden_size": 701, "dp_shard": dp_shard, "recompute": "none"})
+    too few; four experts of h 120, f_e 56: 108,800 B)."""
+    family = {"family": "mixtral"} if impl == "hf" and "num_experts" in changes else {}
+    config = build_config(LLAMA_HF | {"impl": impl, "dp_shard": dp_shard} | family | changes)
     live = {x.name: x.bytes for x in timeline(config, NONE).steady.live}
     terms = _terms(per_gpu(config, NONE).worst())
     for name in ("states/weights", "states/adam_m", "states/adam_v"):
