@@ -287,7 +287,8 @@ STATE_LAYOUTS: dict[str, tuple[StateTerm, ...]] = {"megatron": (
     StateTerm("states/adam_v", lambda c: 4, DISTRIBUTED_OPTIMIZER, _ADAM_V),
 ), "fsdp2": (
     StateTerm("states/weights", lambda c: 4, FSDP_SHARDS,
-              "fully_shard keeps each parameter as an fp32 DTensor sharded on dim 0: the optimizer's copy itself;"
+              "fully_shard keeps each parameter as an fp32 DTensor sharded on dim 0 (padded to a multiple of the"
+              " shards): the optimizer's copy itself;"
               " forward and backward compute with param_dtype copies all-gathered block by block (transients)"),
     StateTerm("states/grads", lambda c: 4, FSDP_SHARDS,
               "each block's reduce-scatter leaves this rank its shard of the gradient, cast to the parameter's"
@@ -298,8 +299,11 @@ STATE_LAYOUTS: dict[str, tuple[StateTerm, ...]] = {"megatron": (
     # DeepSpeed's layout with bf16, as its estimators (estimate_zero2/3_model_states_mem_needs) count it: bf16 weights
     # and gradients, and per parameter 16 bytes of fp32 state (a gradient partition, master weights, m and v). Stage 1
     # partitions those 16 over dp, stage 2 the bf16 gradients too (2 + 18/dp), stage 3 the weights as well (18/dp,
-    # beside the largest module's weights gathered and their gradients, `zero3_largest_layer`).
-    StateTerm("states/weights", _width, _zero(3), "bf16 weights, partitioned over dp at stage 3"),
+    # beside the largest module's weights gathered and their gradients, `zero3_largest_layer`, and the persistent
+    # parameters' weights whole, which the estimator leaves out).
+    StateTerm("states/weights", _width, _zero(3), "bf16 weights, partitioned over dp at stage 3 (each parameter"
+              " padded to a multiple of dp; those of stage3_param_persistence_threshold elements or fewer whole"
+              " too)"),
     StateTerm("states/grads", lambda c: 0 if (c.zero_stage or 0) >= 3 else _width(c), _zero(2),
               "bf16 gradients, partitioned over dp at stage 2 (at stage 3 only the gathered module's, in"
               " zero3/largest_layer)"),
@@ -330,11 +334,14 @@ def describe_sharding(config: ModelConfig) -> str:
     return f"distributed optimizer over dp*cp={c.dp * c.cp}" if c.distributed_optimizer else "optimizer unsharded"
 
 
-def state_bytes(config: ModelConfig, params: int, experts: int = 0, no_decay: int = 0) -> dict[str, int]:
+def state_bytes(config: ModelConfig, params: int, experts: int = 0, no_decay: int = 0,
+                per_parameter: tuple[int, int] | None = None) -> dict[str, int]:
     """Bytes of each model state (widths of 0 left out) for `params` parameters, `experts` of them expert
     ones, each split as its stack splits it; Megatron's distributed optimizer shards the experts' over expert_dp.
     ZeRO-1/2 pads each of the Trainer's two groups (`no_decay` parameters in the one without weight decay) as
-    `zero_partition` does: the bf16 flat buffers whole, the partitions dp of them."""
+    `zero_partition` does: the bf16 flat buffers whole, the partitions dp of them. FSDP2 and ZeRO-3 shard each
+    parameter apart: `per_parameter` (memcalc.sizing.totals.per_parameter_shards) gives the elements of this rank's
+    padded shards, and of the weights ZeRO-3 keeps whole beside them."""
     c = config
     expert_dp = c.t * c.cp * c.dp // (c.ep * (c.etp or c.t))  # whole by check_expert_states
     padded = c.zero_stage in (1, 2)
@@ -342,7 +349,10 @@ def state_bytes(config: ModelConfig, params: int, experts: int = 0, no_decay: in
     out = {}
     for term in STATE_LAYOUTS[sharding(c)]:
         width, shards = term.width(c), term.split.ranks(c)
-        if width and padded and (shards > 1 or term.name != "states/grads"):  # stage 1's .grad: each weight's own
+        if width and per_parameter:  # every state of FSDP2 and ZeRO-3 is sharded
+            shard, whole = per_parameter
+            out[term.name] = width * (shard + (whole if term.name == "states/weights" else 0))
+        elif width and padded and (shards > 1 or term.name != "states/grads"):  # stage 1's .grad: each weight's own
             out[term.name] = width * part * (c.dp // shards)  # the flat buffers whole, or this rank's partitions
         elif width:
             expert_shards = expert_dp if shards > 1 and sharding(c) == "megatron" else shards

@@ -20,7 +20,7 @@ from memcalc.model.knobs import Accounting, element_bytes
 from memcalc.model.ledger import Dim, SavedTensor
 from memcalc.sizing.pipeline import Stage, pipeline_stages
 from memcalc.sizing.states import (
-    ROUTER_BUFFERS_WHY, expert_params, group_params, moe_layers_held, no_decay_params, padded_vocab,
+    FSDP_SHARDS, ROUTER_BUFFERS_WHY, expert_params, group_params, moe_layers_held, no_decay_params, padded_vocab,
     router_buffer_bytes, state_bytes, zero3_largest_layer,
 )
 from memcalc.model.strategy import Strategy
@@ -121,10 +121,12 @@ def _stage_total(
     for x, in_flight in ends:
         note = f"{in_flight} micro-batch{'es' if in_flight > 1 else ''} in flight"
         terms.append(Term(x.name, ACTIVATIONS, in_flight * end_bytes(x, config, strategy, accounting), note))
-    params = group_params(config, stage, strategy.weight_shards(config.t))
+    t = strategy.weight_shards(config.t)
+    params = group_params(config, stage, t)
     held, experts = sum(params.values()), expert_params(params)
     note = f"{held:,} parameters" + (f", {experts:,} of them experts'" if experts else "")
-    states = state_bytes(config, held, experts, no_decay_params(config, stage, strategy.weight_shards(config.t)))
+    per_parameter = per_parameter_shards(config, t, held)
+    states = state_bytes(config, held, experts, no_decay_params(config, stage, t), per_parameter)
     terms += [Term(name, STATES, n, note) for name, n in states.items()]
     if router_buffer_bytes(config, stage):
         terms.append(Term("states/router buffers", STATES, router_buffer_bytes(config, stage), ROUTER_BUFFERS_WHY))
@@ -133,6 +135,29 @@ def _stage_total(
                           "ZeRO-3 gathers a module's bf16 weights (and makes their gradients) while it runs: the"
                           " largest module's, as DeepSpeed's estimator counts it"))
     return StageTotal(stage, params, tuple(terms))
+
+
+def per_parameter_shards(config: ModelConfig, t: int, params: int) -> tuple[int, int] | None:
+    """FSDP2 and ZeRO-3 shard each parameter apart, padded: FSDP2 its dim 0 to a multiple of its dp_shard*cp shards
+    (_fsdp_param.py), ZeRO-3 its elements to a multiple of dp (partition_parameters.py: _padding_size), keeping the
+    parameters of stage3_param_persistence_threshold elements or fewer whole too. The elements of this rank's
+    shards and of the weights kept whole, summed over the step walk's inventory of the parameters
+    (memcalc.sizing.timeline.fsdp's units, zero.Zero's), each on one rank of t; None for a stack that shards a flat
+    buffer, or where that inventory is not these `params` (a pipeline stage, a model the walk does not lay out)."""
+    from memcalc.sizing.timeline.fsdp import Fsdp, fuses_modules  # the timeline package imports this module
+    from memcalc.sizing.timeline.zero import Zero
+
+    c = config
+    if c.impl == "hf" and fuses_modules(c):  # as many parameters as Llama's layer, in other shapes
+        return None
+    if c.dp_shard is not None and c.impl in ("hf", "torchtitan"):
+        fsdp = Fsdp.of(c, t) if c.impl == "hf" else Fsdp.torchtitan(c, t, sp=False)
+        fsdp = replace(fsdp, shards=FSDP_SHARDS.ranks(c))
+        return (fsdp.shard, 0) if sum(prod(x) for u in fsdp.units for x in u.shapes) == params else None
+    if c.zero_stage == 3:
+        zero = Zero(c)
+        return (zero.part, zero.persistent) if sum(map(sum, zero.groups)) == params else None
+    return None
 
 
 def _layers_term(config: ModelConfig, stage: Stage, layer: LayerEstimate) -> Term:

@@ -77,7 +77,9 @@ def test_zero_stages_shard_fp32_state_then_bf16_gradients_then_weights(stage, pe
 @pytest.mark.parametrize("n", [2, 8])
 def test_zero2_and_zero3_are_deepspeeds_own_estimates(n):
     """estimate_zero2/3_model_states_mem_needs (no offload) on transformers' own Llama, its parameters and largest
-    module counted by DeepSpeed's model_to_params."""
+    module counted by DeepSpeed's model_to_params; at stage 3 beside the bf16 weights the estimator leaves out that
+    DeepSpeed keeps whole: those of stage3_param_persistence_threshold (10h, the Trainer's "auto") elements or fewer
+    (the norms), as the step walk does."""
     pytest.importorskip("deepspeed")
     transformers = pytest.importorskip("transformers")
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs, model_to_params
@@ -95,7 +97,8 @@ def test_zero2_and_zero3_are_deepspeeds_own_estimates(n):
     totals = {stage: per_gpu(build_config(LLAMA | {"dp": n, "zero_stage": stage}), STRATEGIES["none"]).worst()
               for stage in (2, 3)}
     assert totals[2].bytes("model states") == zero2
-    assert totals[3].bytes("model states") == zero3
+    persistent = sum(x.numel() for x in model.parameters() if x.numel() <= 10 * config.h)
+    assert totals[3].bytes("model states") == zero3 + 2 * persistent
     assert zero3_largest_layer(config) == largest_bytes
 
 

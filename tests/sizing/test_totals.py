@@ -11,7 +11,9 @@ from memcalc.errors import ConfigError
 from memcalc.model.evaluate import estimate
 from memcalc.model.knobs import Accounting
 from memcalc.model.strategy import NONE, STRATEGIES, TP, TP_SP
-from memcalc.sizing.totals import ACTIVATIONS, STATES, per_gpu
+from memcalc.sizing.timeline import timeline
+from memcalc.sizing.totals import ACTIVATIONS, STATES, per_gpu, per_parameter_shards
+from tests.helpers import LLAMA_HF
 
 b, s, h, a, t, L, v = 2, 64, 32, 16, 4, 8, 1000  # b*a/t = 8: Megatron's fused softmax runs
 GPT = dict(b=b, s=s, h=h, a=a, t=t, L=L, vocab_size=v, make_vocab_size_divisible_by=1)  # the paper's v: unpadded
@@ -188,3 +190,33 @@ def test_the_expert_bias_router_buffers_are_a_state_term_as_the_step_counts_them
     assert term.group == STATES and term.bytes == 2 * 4 * 256 * 3
     (buffers,) = [x for x in timeline(config, NONE).moments[0].live if x.name == "states/router buffers"]
     assert (buffers.bytes, buffers.category) == (term.bytes, PARAMETERS)
+
+
+ODD = {"h": 250, "a": 5, "num_query_groups": 5, "vocab_size": 509, "ffn_hidden_size": 701, "recompute": "none"}
+# four experts over three ranks: each expert weight's dim 0 (E) padded to six
+MOE = {"h": 120, "a": 5, "num_query_groups": 5, "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 56,
+       "recompute": "none"}
+
+
+@pytest.mark.parametrize("impl", ["hf", "torchtitan"])
+@pytest.mark.parametrize("dp_shard, changes", [(3, ODD), (5, ODD), (3, MOE)])
+def test_fsdp2s_states_are_the_walks_each_parameter_padded_on_dim_0(impl, dp_shard, changes):
+    """fully_shard pads each parameter's dim 0 to a multiple of dp_shard (_fsdp_param.py): --totals' fp32 states are
+    the walk's between steps, not the parameters' sum split evenly (at dp_shard 3, h 250, v 509: 11,084 B of each
+    too few; four experts of h 120, f_e 56: 108,800 B)."""
+    family = {"family": "mixtral"} if impl == "hf" and "num_experts" in changes else {}
+    config = build_config(LLAMA_HF | {"impl": impl, "dp_shard": dp_shard} | family | changes)
+    live = {x.name: x.bytes for x in timeline(config, NONE).steady.live}
+    terms = _terms(per_gpu(config, NONE).worst())
+    for name in ("states/weights", "states/adam_m", "states/adam_v"):
+        assert terms[name] == live[name]
+    assert terms["states/grads"] == live["states/weights"]  # sharded as the weights (torchtitan's live between steps)
+
+
+@pytest.mark.parametrize("shard", [{"dp_shard": 3}, {"zero_stage": 3, "dp": 3}])
+def test_phi3s_fused_qkv_and_gate_up_are_not_padded_as_llamas_modules_apart(shard):
+    """Phi-3's layer has Llama's parameters in fewer modules (qkv_proj, gate_up_proj): the step walk's inventory,
+    Llama's modules, has as many elements but other shapes to pad, so --totals does not read it there."""
+    config = build_config(LLAMA_HF | {"family": "phi3", "fused_qkv": True, "attention": "eager"} | shard)
+    held = sum(per_gpu(config, NONE).worst().params.values())
+    assert per_parameter_shards(config, 1, held) is None

@@ -24,13 +24,14 @@ def _walk(stage, **changes):
     return config, timeline(config, STRATEGIES["none"])
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("changes", [{}, {"dp": 3}, {"dp": 5, "h": 250, "a": 5, "num_query_groups": 5},
                                      {"dp": 6, "vocab_size": 509, "ffn_hidden_size": 701}])
 def test_between_steps_the_walk_holds_the_totals_weights_master_and_moments(stage, changes):
-    """--totals' model states are the walk's between steps, padding included: each of the Trainer's two groups' flat
-    buffer padded to a multiple of 2*dp elements (at dp = 3 the totals had 12 B of weights and 8 B of each fp32
-    state too few)."""
+    """--totals' model states are the walk's between steps, padding included: at stages 1 and 2 each of the
+    Trainer's two groups' flat buffer padded to a multiple of 2*dp elements (at dp = 3 the totals had 12 B of weights
+    and 8 B of each fp32 state too few), at stage 3 each parameter to a multiple of dp, the persistent ones whole too
+    (the totals split one sum: at dp = 3, 40 B of each fp32 state and 2,580 B of weights too few)."""
     config, walk = _walk(stage, **changes)
     live = {x.name: x.bytes for x in walk.steady.live}
     totals = {x.name: x.bytes for x in per_gpu(config, STRATEGIES["none"]).worst().terms}

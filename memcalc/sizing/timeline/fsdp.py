@@ -44,6 +44,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, replace
 
 from memcalc.config.schema import ModelConfig
+from memcalc.model.impls import hf as rules
 from memcalc.model.knobs import DTYPE_BYTES
 from memcalc.sizing.timeline import hf_olmo as olmo
 from memcalc.sizing.timeline.hf_moe import sparse
@@ -96,6 +97,12 @@ def hf_layer(c: ModelConfig, t: int, i: int) -> Unit:
         "input_layernorm", "post_attention_layernorm")
     weighted = () if olmo.walks(c) else tuple((f"{m}.{x}", (c.h,)) for x in norms)
     return Unit(f"layers.{i}", (*attention, *mlp, *weighted), c.reshard_after_forward)
+
+
+def fuses_modules(c: ModelConfig) -> bool:
+    """Whether transformers' layer fuses q, k and v into one module (fused_qkv: Phi-3's qkv_proj) or gate and up
+    (GLM's gate_up_proj), which `hf_layer` lays out apart, as Llama's: FSDP2 and ZeRO-3 would pad the fused ones."""
+    return c.fused_qkv or rules.is_glm(c)
 
 
 def _latent_attention(c: ModelConfig, m: str) -> tuple[Param, ...]:
@@ -219,9 +226,15 @@ class Fsdp:
         return sum(_padded(shape, self.shards, m in self.dim1) for m, shape in self.unit(block).params
                    if modules is None or m in modules)
 
+    @property
+    def shard(self) -> int:
+        """Elements of this rank's shard of every parameter (each dim 0 padded): memcalc.sizing.states counts the
+        model states of it too."""
+        return sum(self.unsharded(u.name) for u in self.units) // self.shards
+
     def states(self, tape: Tape) -> None:
         """fp32 shards of every parameter, AdamW's m and v of them, and one 0-d step per parameter."""
-        shard = sum(self.unsharded(u.name) for u in self.units) // self.shards
+        shard = self.shard
         count = sum(len(u.params) for u in self.units)
         tape.add("states/weights", PARAMETERS, 4 * shard, f"fp32 DTensor shards (1/{self.shards} of each"
                  " parameter, dim 0 padded): the optimizer's copy itself")

@@ -30,7 +30,7 @@ from memcalc.sizing.timeline import hf_moe as moe
 from memcalc.sizing.timeline import hf_ln as ln
 from memcalc.sizing.timeline import hf_olmo as olmo
 from memcalc.sizing.timeline.ends import model_states, optimizer_step
-from memcalc.sizing.timeline.fsdp import ROOT, Fsdp
+from memcalc.sizing.timeline.fsdp import ROOT, Fsdp, fuses_modules
 from memcalc.sizing.timeline.tape import (
     ACTIVATIONS, GRAD_SEED, GRADIENTS, PARAMETERS, TEMPORARIES, Moment, Sizes, Tape, Timeline, bulk,
 )
@@ -316,7 +316,7 @@ def check_modelled(config: ModelConfig, strategy: Strategy, accounting: Accounti
          "add_bias_linear (biases on every linear; Qwen2's q, k, v biases are add_qkv_bias)"),
         ((olmo.walks(config) or config.post_norm) and config.zero_stage is not None,
          f"{family}'s model under zero_stage (unmeasured)"),
-        ((config.fused_qkv or rules.is_glm(config)) and (tp or sharded),
+        (fuses_modules(config) and (tp or sharded),
          f"{family}'s model under tp, dp_shard or zero_stage (unmeasured: t = 1 without sharding only)"),
         (config.post_norm and tp, f"{family}'s model under tp (unmeasured)"),
         (scaled_embedding(config) and sharded, f"{family}'s model under dp_shard or zero_stage (unmeasured)"),
@@ -501,7 +501,7 @@ def _layer(i: int, z: Sizes, config: ModelConfig, saved: dict[str, int], made: S
         *ln2,
         *(sparse if checkpointed else ()),
         *(block or (ln.mlp(p, z, config) if ln.walks(config) else
-                    layer.mlp(p, z, tp, rules.GATED[config.mlp], mlp_out, config.fused_qkv or rules.is_glm(config),
+                    layer.mlp(p, z, tp, rules.GATED[config.mlp], mlp_out, fuses_modules(config),
                               f"mlp {proj}", into[1]))),
         *post_mlp,
         *((output,) if checkpointed else ()),

@@ -104,8 +104,8 @@ class Zero:
         """Stages 1 and 2: the group's parameters that reach into rank 0's partition of it, by module path, with their
         elements: grads_in_partition holds each whole (stage_1_and_2.py: params_in_partition)."""
         sizes = [prod(shape) for _, shape in group]
-        starts = itertools.accumulate(sizes, initial=0)
-        return {name: n for (name, _), n, start in zip(group, sizes, starts) if start < self.partition(sizes)}
+        starts, end = itertools.accumulate(sizes, initial=0), self.partition(sizes)
+        return {name: n for (name, _), n, start in zip(group, sizes, starts) if start < end}
 
     def states(self, tape: Tape) -> None:
         """bf16 weights (partitioned at stage 3), the fp32 partition of master weights and moments, and at stage 3

@@ -20,6 +20,7 @@ from memcalc.probe.libs.hf_fsdp import FSDP_CATEGORIES, FsdpMomentTracker, warme
 from memcalc.probe.step import measure_step  # noqa: E402
 from memcalc.sizing.states import state_bytes, total_params  # noqa: E402
 from memcalc.sizing.timeline import OPTIMIZER, PARAMETERS, timeline  # noqa: E402
+from memcalc.sizing.totals import per_gpu  # noqa: E402
 
 from ..step_readings import assert_moments_in_order, reading_every_op  # noqa: E402
 from tests.cli import memcalc_cli  # noqa: E402
@@ -57,6 +58,20 @@ def test_between_steps_each_rank_holds_16_bytes_a_parameter_over_dp_shard(measur
     tensors = 9 * LLAMA["L"] + 3  # nine a decoder layer; embedding, final norm, lm_head
     assert steady[OPTIMIZER] == 8 * params // n + 4 * tensors
     assert sum(state_bytes(config, params).values()) == 16 * params // n
+
+
+def test_at_dp_shard_3_fsdp2s_state_between_steps_is_the_totals_padded_model_states(one_thread):
+    """fully_shard pads each parameter's dim 0 to a multiple of dp_shard (h 250 over 5 heads, v 509, f 701: none
+    divides by 3): the measured fp32 shards are --totals' weights beside LlamaRotaryEmbedding's buffers, AdamW's
+    states its m and v and a 0-d step per parameter (--totals split the parameters' sum: 11,084 B of each too few)."""
+    config = make_config(LLAMA, dp_shard=3, b=1, s=5, h=250, a=5, num_query_groups=5, vocab_size=509,
+                         ffn_hidden_size=701)
+    (r,) = measure_step(config, ["none"])
+    states = {x.name: x.bytes for x in per_gpu(config, STRATEGIES["none"]).worst().terms}
+    buffers = sum(x.bytes for x in r.predicted.steady.live if x.name.startswith("states/rotary_emb."))
+    assert r.measured.steady[PARAMETERS] == states["states/weights"] + buffers
+    tensors = 9 * LLAMA["L"] + 3  # nine a decoder layer; embedding, final norm, lm_head
+    assert r.measured.steady[OPTIMIZER] == states["states/adam_m"] + states["states/adam_v"] + 4 * tensors
 
 
 def test_the_chosen_sizes_put_the_peak_in_forward_and_in_backward(measured):

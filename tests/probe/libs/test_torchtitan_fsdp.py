@@ -15,6 +15,7 @@ from memcalc.model.knobs import Accounting  # noqa: E402
 from memcalc.model.strategy import STRATEGIES  # noqa: E402
 from memcalc.probe.step import measure_step  # noqa: E402
 from memcalc.sizing.timeline import GRADIENTS, OPTIMIZER, PARAMETERS, timeline  # noqa: E402
+from memcalc.sizing.totals import per_gpu  # noqa: E402
 
 from tests.helpers import TORCHTITAN_LLAMA3, make_config  # noqa: E402
 
@@ -61,6 +62,19 @@ def test_between_steps_each_rank_holds_each_padded_parameter_over_dp_shard_four_
     assert steady[PARAMETERS] == 4 * shard + c.L * 8 * c.s * (c.head_dim // 2)
     assert steady[GRADIENTS] == 4 * shard
     assert steady[OPTIMIZER] == 8 * shard + 4 * (7 * c.L + 3)
+
+
+def test_at_dp_shard_3_its_state_between_steps_is_the_totals_padded_model_states(one_thread):
+    """fully_shard pads each parameter's dim 0 to a multiple of dp_shard (h 250 over 5 heads, v 509, f 701: none
+    divides by 3): the measured fp32 shards, their gradients and AdamW's m and v are --totals' (which split the
+    parameters' sum: 11,084 B of each too few), beside the RoPE tables and a 0-d step per parameter."""
+    c = make_config(LLAMA3, dp_shard=3, b=1, s=5, h=250, a=5, num_query_groups=5, vocab_size=509,
+                    ffn_hidden_size=701)
+    steady = measure_step(c, ["none"])[0].measured.steady
+    states = {x.name: x.bytes for x in per_gpu(c, STRATEGIES["none"]).worst().terms}
+    assert steady[PARAMETERS] == states["states/weights"] + c.L * 8 * c.s * (c.head_dim // 2)
+    assert steady[GRADIENTS] == states["states/grads"]
+    assert steady[OPTIMIZER] == states["states/adam_m"] + states["states/adam_v"] + 4 * (7 * c.L + 3)
 
 
 @pytest.mark.parametrize("n, reshard, recompute", [(2, True, "none"), (2, False, "none"), (4, True, "none"),
