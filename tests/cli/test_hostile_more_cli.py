@@ -369,3 +369,14 @@ def test_breakdown_rows_are_keyed_by_tensor_when_strategies_keep_different_tenso
     else:
         pytest.fail("no total row")
     assert sorted(r[0] for r in rows if r[0] != "total") == sorted(set().union(*by_strategy.values()))
+
+
+# -- third round: what a demanding user found -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field, value", [("moe_expert_capacity_factor", "true"), ("moe_expert_capacity_factor", "'2'"),
+                                          ("rotary_percent", "'0.5'")])
+def test_a_factor_written_as_text_or_a_boolean_is_refused_as_dropout_is(tmp_path, field, value):
+    """A quoted '2' or a YAML true was read as 2.0 or 1.0 and the estimate printed: a factor is a number."""
+    config = yaml_file(tmp_path, f"{SIZES}num_experts: 8\nadd_bias_linear: false\n{field}: {value}\n")
+    one_line_error(memcalc_cli("estimate", "--config", config), f"field '{field}': input should be a valid number")
