@@ -380,3 +380,10 @@ def test_a_factor_written_as_text_or_a_boolean_is_refused_as_dropout_is(tmp_path
     """A quoted '2' or a YAML true was read as 2.0 or 1.0 and the estimate printed: a factor is a number."""
     config = yaml_file(tmp_path, f"{SIZES}num_experts: 8\nadd_bias_linear: false\n{field}: {value}\n")
     one_line_error(memcalc_cli("estimate", "--config", config), f"field '{field}': input should be a valid number")
+
+
+@pytest.mark.parametrize("merge", ["<<: {s: 4096}\ns: 16\n", "<<: [{s: 4096}, {s: 16}]\n"])
+def test_a_yaml_merge_key_is_refused_as_a_duplicate_key_is(tmp_path, merge):
+    """A merge lets one field be written twice with one silently winning: s=16 or s=4096 was shown."""
+    config = yaml_file(tmp_path, f"{merge}h: 64\na: 8\n")
+    one_line_error(memcalc_cli("estimate", "--config", config), "merge key '<<' at line 1")
