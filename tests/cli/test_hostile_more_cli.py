@@ -387,3 +387,12 @@ def test_a_yaml_merge_key_is_refused_as_a_duplicate_key_is(tmp_path, merge):
     """A merge lets one field be written twice with one silently winning: s=16 or s=4096 was shown."""
     config = yaml_file(tmp_path, f"{merge}h: 64\na: 8\n")
     one_line_error(memcalc_cli("estimate", "--config", config), "merge key '<<' at line 1")
+
+
+@pytest.mark.parametrize("args", [["--s", "-1"], ["--s", "4096"], ["--x", "t", "--t", "4"]])
+def test_plot_refuses_a_flag_for_the_knob_its_line_varies(tmp_path, args):
+    """--s beside --x s (the default) was dropped without a word, even --s -1: the plot drew 1024..131072."""
+    x = args[1] if args[0] == "--x" else "s"
+    run = memcalc_cli("plot", "--config", "tiny", *args, "--out", str(tmp_path / "p.svg"))
+    one_line_error(run, f"is the line's x axis (--x {x}); give its values with --range")
+    assert list(tmp_path.iterdir()) == []
