@@ -15,6 +15,7 @@ third of that, and only when a value is not plainly valid (`memcalc.config.core`
 
 from __future__ import annotations
 
+import os
 from dataclasses import MISSING, asdict, field, fields, replace
 from functools import lru_cache
 from pathlib import Path
@@ -455,7 +456,7 @@ def load_yaml(path: Path) -> dict[str, Any]:
     `path` may also be the name of a shipped config (`gpt3-175b`); messages name it as given.
     """
     found = locate(Path(path))
-    if not found.exists():
+    if not os.path.exists(found):  # os.path's: False, not OSError, for a name too long
         bare = Path(path).parent == Path(".")  # a bare name may have meant a shipped config
         hint = f" (nor a shipped config: {', '.join(shipped_names())})" if bare else ""
         raise ConfigError(f"config file not found: {path}{hint}")

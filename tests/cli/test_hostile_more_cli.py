@@ -405,3 +405,18 @@ def test_fit_refuses_a_size_with_more_divisors_than_it_tries(solve, size):
     run = memcalc_cli("fit", "--config", "tiny", "--budget", "1KiB", "--solve", solve, *size, "--strategy", "tp",
                       "--recompute", "full")
     one_line_error(run, "=2162160 has 320 divisors, each a", "fit tries at most 256", f"memcalc estimate --{solve} N")
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["estimate", "--config", "x" * 300], "config file not found: xxx"),
+    (["estimate", "--config", "/tmp/" + "x" * 300], "config file not found: /tmp/xxx"),
+    (["estimate", "--hf-config", "x" * 300], "cannot read Hugging Face config xxx"),
+    (["sweep", "--config", "tiny", "--out", "x" * 300 + ".csv"], "'--out': cannot write xxx"),
+    (["plot", "--config", "tiny", "--out", "x" * 300 + ".svg"], "'--out': cannot write xxx"),
+])
+def test_a_file_name_longer_than_the_file_system_takes_is_bad_input(args, needle):
+    """A name over 255 bytes made Path.exists() raise ENAMETOOLONG: 'cannot write output', exit 1, as if stdout
+    had failed."""
+    run = memcalc_cli(*args)
+    one_line_error(run, needle)
+    assert len(run.err) < 2100
