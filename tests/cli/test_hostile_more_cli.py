@@ -426,4 +426,5 @@ def test_a_file_name_longer_than_the_file_system_takes_is_bad_input(args, needle
 def test_measure_on_meta_with_a_library_impl_names_the_impls_meta_runs(layer):
     """--impl hf --device meta said 'use --layer library'; with it, 'add --layer memcalc': advice in a loop."""
     run = memcalc_cli("measure", "--config", "tiny", "--impl", "hf", "--device", "meta", *layer)
-    one_line_error(run, "--device meta runs memcalc's own layer only: add --layer memcalc, with --impl megatron or paper")
+    one_line_error(run, "--device meta runs memcalc's own layer only: add --layer memcalc,",
+                   "with --impl megatron or paper")
