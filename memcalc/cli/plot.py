@@ -86,6 +86,9 @@ def command(
     strategies = chosen_strategies(strategy)
     if kind != "line" and x_values is not None:
         raise click.UsageError(f"--range applies to --kind line; the {kind} is drawn at the config's sizes")
+    if kind == "line" and params.get(x_name) is not None:  # the line varies it: the flag's value would be dropped
+        flag = "--" + x_name.replace("_", "-")
+        raise click.UsageError(f"{flag} is the line's x axis (--x {x_name}); give its values with --range")
     if kind == "breakdown":
         figure = _breakdown(params, strategies, accounting, group == "block", per_layer, device_memory)
     elif kind == "timeline":

@@ -6,6 +6,7 @@ they look like). numpy and rich are imported inside the command.
 
 from __future__ import annotations
 
+import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -61,9 +62,9 @@ def check_out(ctx: click.Context, param: click.Parameter, out: Path | None) -> P
         return None
     from memcalc.output import OutputError, check_writable
 
-    if out.is_dir():
+    if os.path.isdir(out):  # os.path's: False, not OSError, for a name too long (check_writable names that)
         raise click.BadParameter(f"'{out}' is a directory", ctx, param)
-    if not out.parent.is_dir():
+    if not os.path.isdir(out.parent):
         raise click.BadParameter(f"directory '{out.parent}' does not exist", ctx, param)
     try:
         check_writable(out)

@@ -25,8 +25,9 @@ def int_schema(**bounds: int) -> Schema:
     return {"type": "int", "strict": True, **bounds}
 
 
-def float_schema(strict: bool = False, allow_inf_nan: bool = True, **bounds: float) -> Schema:
-    return {"type": "float", "strict": strict, "allow_inf_nan": allow_inf_nan, **bounds}
+def float_schema(allow_inf_nan: bool = True, **bounds: float) -> Schema:
+    """A strict number (an int or a float; no bool, no text), within gt/ge/lt/le `bounds`."""
+    return {"type": "float", "strict": True, "allow_inf_nan": allow_inf_nan, **bounds}
 
 
 def bool_schema() -> Schema:

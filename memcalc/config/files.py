@@ -2,7 +2,8 @@
 
 A FIFO that never ends, /dev/zero, an alias bomb, a 5000-digit integer, a list nested 100,000 deep: each is refused
 with one ConfigError naming the file and the rule. The YAML loader is safe and also refuses aliases (how a 500-byte
-file expands to gigabytes) and duplicate keys (the last would silently win).
+file expands to gigabytes), duplicate keys (the last would silently win) and merge keys (a merged key silently loses
+to one written out, or to an earlier merge).
 """
 
 from __future__ import annotations
@@ -163,6 +164,9 @@ def _bounded_loader(yaml: Any) -> type:
             for key_node, _ in node.value:
                 if not isinstance(key_node, yaml.ScalarNode):
                     continue  # a list or mapping as a key: validation names it
+                if key_node.tag == "tag:yaml.org,2002:merge":  # a key it merges would silently lose to another
+                    raise ConfigError(f"YAML merge key '<<' at line {key_node.start_mark.line + 1}: merges are not"
+                                      " accepted in a config (write the fields out)")
                 if key_node.value in seen:
                     raise ConfigError(
                         f"duplicate key '{printable(key_node.value[:40])}' at line {key_node.start_mark.line + 1}"

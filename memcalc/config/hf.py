@@ -8,6 +8,7 @@ and where a field is absent, the class's own default applies (noted per row).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,7 @@ def read_hf_config(path: Path) -> HfConfig:
     """Map a Hugging Face config.json (or a model directory's, as from_pretrained takes one) to memcalc fields, or
     raise ConfigError naming what is wrong."""
     path = Path(path)
-    if path.is_dir() and (path / "config.json").is_file():
+    if os.path.isdir(path) and os.path.isfile(path / "config.json"):  # os.path's: False for a name too long
         path = path / "config.json"
     raw = _load_json(path)
     family = _family(raw, path)

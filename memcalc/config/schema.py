@@ -15,6 +15,7 @@ third of that, and only when a value is not plainly valid (`memcalc.config.core`
 
 from __future__ import annotations
 
+import os
 from dataclasses import MISSING, asdict, field, fields, replace
 from functools import lru_cache
 from pathlib import Path
@@ -66,7 +67,7 @@ def _choice(default: str, *values: str, help: str) -> Any:
 # with the knobs (impls.implementation).
 _KNOB_SCHEMAS = {
     "name": cs.nullable_schema(cs.str_schema()), "size": cs.nullable_schema(cs.int_schema(gt=0, lt=_SIZE_LIMIT)),
-    "probability": cs.float_schema(strict=True, ge=0.0, lt=1.0),
+    "probability": cs.float_schema(ge=0.0, lt=1.0),
     "factor": cs.nullable_schema(cs.float_schema(gt=0.0, le=_FACTOR_LIMIT, allow_inf_nan=False)),
     "flag": cs.bool_schema(),
 }
@@ -455,7 +456,7 @@ def load_yaml(path: Path) -> dict[str, Any]:
     `path` may also be the name of a shipped config (`gpt3-175b`); messages name it as given.
     """
     found = locate(Path(path))
-    if not found.exists():
+    if not os.path.exists(found):  # os.path's: False, not OSError, for a name too long
         bare = Path(path).parent == Path(".")  # a bare name may have meant a shipped config
         hint = f" (nor a shipped config: {', '.join(shipped_names())})" if bare else ""
         raise ConfigError(f"config file not found: {path}{hint}")

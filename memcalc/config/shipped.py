@@ -7,6 +7,7 @@ a bare name with no file behind it is looked up here.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from memcalc.config.files import parse_yaml, read_capped
@@ -37,10 +38,10 @@ def shipped_names() -> list[str]:
 
 def locate(path: Path) -> Path:
     """`path` if it exists; else the shipped config it names (`gpt3-175b` or `gpt3-175b.yaml`); else `path`."""
-    if path.exists() or path.parent != Path("."):
+    if os.path.exists(path) or path.parent != Path("."):  # os.path's: False, not OSError, for a name too long
         return path
     candidate = shipped_dir() / (path.name if path.suffix == SUFFIX else f"{path.name}{SUFFIX}")
-    return candidate if candidate.is_file() else path
+    return candidate if os.path.isfile(candidate) else path
 
 
 def catalogue() -> list[Shipped]:

@@ -327,15 +327,17 @@ def measure(
     forces a ROUTED library's MoE router. Returns nothing on a torchrun rank other than 0."""
     if config.cp != 1:
         raise ConfigError(f"cp={config.cp}: the probe runs one layer without context parallelism; measure with cp=1")
+    # meta first: else the two checks below send --impl hf on meta from --layer memcalc to library and back
+    if device == "meta" and (layer == "library" or config.impl not in OWN_LAYER_IMPLS):
+        raise ConfigError(
+            "--device meta runs memcalc's own layer only: add --layer memcalc, with --impl"
+            f" {' or '.join(OWN_LAYER_IMPLS)} (the libraries' runners build their layers on the CPU, or read values"
+            " that meta tensors do not have)"
+        )
     if layer == "memcalc" and config.impl not in OWN_LAYER_IMPLS:
         raise ConfigError(f"--layer memcalc is memcalc's own Megatron-style layer; with --impl {config.impl} use --layer library")
     if layer == "library" and config.impl not in RUNNERS:
         raise ConfigError(f"impl {config.impl} has no library: its layer is memcalc's own (--layer memcalc)")
-    if device == "meta" and layer == "library":
-        raise ConfigError(
-            "--device meta runs memcalc's own layer only: add --layer memcalc (the libraries' runners"
-            " build their layers on the CPU, or read values that meta tensors do not have)"
-        )
     if layer == "library":
         runner(config.impl)  # a missing library is named before any rank starts
     if route is not None and (layer != "library" or config.impl not in ROUTED or config.num_experts is None):

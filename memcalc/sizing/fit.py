@@ -22,6 +22,9 @@ from memcalc.sizing.verdict import need, step_peaks
 from memcalc.units import human_bytes
 
 _SEARCH_LIMIT = 2**48  # a guard: no real budget fits this many tokens or micro-batches
+# A guard on time: each divisor tried is a whole step walk (up to ~60 ms), and a size below 2^63 can have 103,680
+# divisors (hours when nothing fits). Every size below 1,441,440 has at most 240.
+_MOST_DIVISORS = 256
 
 
 @dataclass(frozen=True)
@@ -136,8 +139,13 @@ def _smallest(
 ) -> tuple[Candidate | None, Candidate | None]:
     """The smallest valid divisor of `size` that fits, and the valid value just below it (or the cheapest, if
     none fits)."""
+    candidates = divisors(size)
+    if len(candidates) > _MOST_DIVISORS:
+        raise ConfigError(f"{name}={size} has {len(candidates)} divisors, each a {solve} to try; fit tries at most"
+                          f" {_MOST_DIVISORS} (a guard on its time): try the {solve} you mean with `memcalc estimate"
+                          f" --{solve.replace('_', '-')} N`")
     valid: list[Candidate] = []
-    for value in divisors(size):
+    for value in candidates:
         p = try_value(value)
         if p.bytes is None:
             continue

@@ -369,3 +369,62 @@ def test_breakdown_rows_are_keyed_by_tensor_when_strategies_keep_different_tenso
     else:
         pytest.fail("no total row")
     assert sorted(r[0] for r in rows if r[0] != "total") == sorted(set().union(*by_strategy.values()))
+
+
+# -- third round: what a demanding user found -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field, value", [("moe_expert_capacity_factor", "true"), ("moe_expert_capacity_factor", "'2'"),
+                                          ("rotary_percent", "'0.5'")])
+def test_a_factor_written_as_text_or_a_boolean_is_refused_as_dropout_is(tmp_path, field, value):
+    """A quoted '2' or a YAML true was read as 2.0 or 1.0 and the estimate printed: a factor is a number."""
+    config = yaml_file(tmp_path, f"{SIZES}num_experts: 8\nadd_bias_linear: false\n{field}: {value}\n")
+    one_line_error(memcalc_cli("estimate", "--config", config), f"field '{field}': input should be a valid number")
+
+
+@pytest.mark.parametrize("merge", ["<<: {s: 4096}\ns: 16\n", "<<: [{s: 4096}, {s: 16}]\n"])
+def test_a_yaml_merge_key_is_refused_as_a_duplicate_key_is(tmp_path, merge):
+    """A merge lets one field be written twice with one silently winning: s=16 or s=4096 was shown."""
+    config = yaml_file(tmp_path, f"{merge}h: 64\na: 8\n")
+    one_line_error(memcalc_cli("estimate", "--config", config), "merge key '<<' at line 1")
+
+
+@pytest.mark.parametrize("args", [["--s", "-1"], ["--s", "4096"], ["--x", "t", "--t", "4"]])
+def test_plot_refuses_a_flag_for_the_knob_its_line_varies(tmp_path, args):
+    """--s beside --x s (the default) was dropped without a word, even --s -1: the plot drew 1024..131072."""
+    x = args[1] if args[0] == "--x" else "s"
+    run = memcalc_cli("plot", "--config", "tiny", *args, "--out", str(tmp_path / "p.svg"))
+    one_line_error(run, f"is the line's x axis (--x {x}); give its values with --range")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("solve, size", [("t", ["--h", "2162160", "--a", "2162160"]), ("pp", ["--L", "2162160"])])
+def test_fit_refuses_a_size_with_more_divisors_than_it_tries(solve, size):
+    """2162160 has 320 divisors, each a whole step walk per strategy and recompute; a size below 2^63 can have
+    103,680 (hours when nothing fits)."""
+    run = memcalc_cli("fit", "--config", "tiny", "--budget", "1KiB", "--solve", solve, *size, "--strategy", "tp",
+                      "--recompute", "full")
+    one_line_error(run, "=2162160 has 320 divisors, each a", "fit tries at most 256", f"memcalc estimate --{solve} N")
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["estimate", "--config", "x" * 300], "config file not found: xxx"),
+    (["estimate", "--config", "/tmp/" + "x" * 300], "config file not found: /tmp/xxx"),
+    (["estimate", "--hf-config", "x" * 300], "cannot read Hugging Face config xxx"),
+    (["sweep", "--config", "tiny", "--out", "x" * 300 + ".csv"], "'--out': cannot write xxx"),
+    (["plot", "--config", "tiny", "--out", "x" * 300 + ".svg"], "'--out': cannot write xxx"),
+])
+def test_a_file_name_longer_than_the_file_system_takes_is_bad_input(args, needle):
+    """A name over 255 bytes made Path.exists() raise ENAMETOOLONG: 'cannot write output', exit 1, as if stdout
+    had failed."""
+    run = memcalc_cli(*args)
+    one_line_error(run, needle)
+    assert len(run.err) < 2100
+
+
+@pytest.mark.parametrize("layer", [[], ["--layer", "library"], ["--layer", "memcalc"]])
+def test_measure_on_meta_with_a_library_impl_names_the_impls_meta_runs(layer):
+    """--impl hf --device meta said 'use --layer library'; with it, 'add --layer memcalc': advice in a loop."""
+    run = memcalc_cli("measure", "--config", "tiny", "--impl", "hf", "--device", "meta", *layer)
+    one_line_error(run, "--device meta runs memcalc's own layer only: add --layer memcalc,",
+                   "with --impl megatron or paper")
