@@ -93,11 +93,8 @@ def force_routes(model: Any, family: str, route: str | None, k: int) -> None:
 
 def _router_class(family: str, route: str) -> tuple[type]:
     """The MoE family's router class, which `route` forces."""
-    router = FAMILIES[family].router
-    if router is None:
-        raise ProbeError(f"--route {route} forces a MoE router: the config has no experts (set num_experts)")
     _, module = _classes(family)
-    return (getattr(module, router),)
+    return (getattr(module, FAMILIES[family].router),)
 
 
 # -- building the layer -----------------------------------------------------------------
