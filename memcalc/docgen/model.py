@@ -168,7 +168,7 @@ def _variant(v: Variant) -> str:
     the implementation runs for the variant's knobs (a layout it leaves out is named, with why)."""
     impl = implementation(v.knobs)
     names = impl.runs(v.knobs)
-    refused = [r for n in impl.strategies if (r := impl.refusal(v.knobs, n)) is not None]
+    refused = [r for n in STRATEGIES if (r := impl.refusal(v.knobs, n)) is not None]
     left_out = [f"`{r.strategy}` is left out: `--impl {impl.name}` does not run it {r.condition}: {r.reason}"
                 f" ([impl-{impl.name}.md](impl-{impl.name}.md))." for r in refused]
     formulas = _formulas(v.knobs, v.accounting, names)

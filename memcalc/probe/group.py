@@ -17,8 +17,6 @@ torch = require_torch()
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-MODES = ("single", "gloo", "nccl", "fake")
-
 
 @dataclass(frozen=True)
 class TensorParallelGroup:
@@ -27,16 +25,8 @@ class TensorParallelGroup:
     group: ProcessGroup | None  # None: one process, t = 1, no collectives
     rank: int
     size: int  # t
-    mode: str  # one of MODES; "fake" is torch's fake group: one process acting as `rank` of `size`
+    mode: str  # "single", "gloo", "nccl" or "fake" (torch's fake group: one process acting as `rank` of `size`)
     device: torch.device
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ProbeError(f"unknown process-group mode {self.mode!r}; expected one of {', '.join(MODES)}")
-        if not 0 <= self.rank < self.size:
-            raise ProbeError(f"rank={self.rank} is outside a group of t={self.size}")
-        if self.group is None and self.size != 1:
-            raise ProbeError(f"a group of t={self.size} ranks needs a process group")
 
     def divide(self, n: int, what: str) -> int:
         """n / t, or a ProbeError naming the equation when t does not divide n."""

@@ -18,7 +18,7 @@ from memcalc.model.impls.base import Implementation, SizeRule, always
 from memcalc.model.knobs import Accounting
 from memcalc.model.ledger import SavedTensor
 from memcalc.model.rules import check_mla, check_moe, check_settings
-from memcalc.model.strategy import Strategy
+from memcalc.model.strategy import STRATEGIES, Strategy
 
 _MODULES = ("megatron", "hf", "torchtitan", "paper")  # memcalc.model.impls.<name>, each with its IMPLEMENTATION
 
@@ -43,9 +43,7 @@ IMPLEMENTATIONS: Mapping[str, Implementation] = _Registry()
 
 def implementation(knobs: Any) -> Implementation:
     """The implementation a knob set (or config) names, after it has checked the knobs."""
-    impl = IMPLEMENTATIONS.get(knobs.impl)
-    if impl is None:
-        raise ConfigError(f"impl {knobs.impl} has no rules yet (memcalc models: {', '.join(IMPLEMENTATIONS)})")
+    impl = IMPLEMENTATIONS[knobs.impl]  # a knob set's impl is one of the `impl` knob's choices, each a module here
     check_settings(knobs)
     check_moe(knobs)
     check_mla(knobs)
@@ -98,10 +96,9 @@ def plan(knobs: Any, strategy: Strategy) -> Strategy:
     (at all, or for these knobs: its declared `refuses`, whose reason the one line carries)."""
     impl = implementation(knobs)
     refusal = impl.refusal(knobs, strategy.name)
-    if strategy.name not in impl.strategies or refusal is not None:
-        why = f" {refusal.cited()}" if refusal is not None else ""
+    if refusal is not None:
         raise ConfigError(
-            f"impl {impl.name} ({impl.title}) does not run {strategy.name} ({strategy.title}){why};"
+            f"impl {impl.name} ({impl.title}) does not run {strategy.name} ({strategy.title}) {refusal.cited()};"
             f" it runs: {', '.join(impl.runs(knobs))}"
         )
     return strategy.planned(impl, knobs)
@@ -116,7 +113,7 @@ def left_out(knobs: Any) -> tuple[str, ...]:
     """One line for each layout the implementation runs for other knobs but not these, saying why: what a
     command that shows every layout prints beside the ones it shows (a layout it never runs goes unsaid)."""
     impl = implementation(knobs)
-    refused = (impl.refusal(knobs, n) for n in impl.strategies)
+    refused = (impl.refusal(knobs, n) for n in STRATEGIES)
     return tuple(f"{r.strategy} left out: impl {impl.name} does not run it {r.condition}: {r.reason}"
                  for r in refused if r is not None and r.when is not always)
 

@@ -16,6 +16,7 @@ from memcalc.errors import ConfigError
 from memcalc.model import ledger
 from memcalc.model.knobs import BY_NAME as KNOB_NAMES, DTYPE_BYTES, Accounting
 from memcalc.model.ledger import SavedTensor
+from memcalc.model.strategy import STRATEGIES
 from memcalc.model.tp_plan import TPPlan
 from memcalc.records import record
 
@@ -120,9 +121,8 @@ class Implementation:
     measured_on: str  # the library, its version and the modules the rules were measured on
     keeps: Callable[[Any, Accounting], tuple[SavedTensor, ...]]  # one layer, forward order, unless fully recomputed
     tp_plan: Callable[[Any], TPPlan]  # for a knob set, the library's TP plan of one layer (memcalc.model.tp_plan)
-    strategies: tuple[str, ...] = ("none", "tp", "tp-sp")  # the layouts the library runs (for some knobs)
     rerun: Rerun = Rerun()
-    refuses: tuple[Refusal, ...] = ()  # layouts of `strategies` it does not run under some knobs, and why
+    refuses: tuple[Refusal, ...] = ()  # layouts it does not run under some knobs (or any: `always`), and why
     # For a config (its ep), the dimension a tensor-parallel layout splits by t in tensors the library's plan splits
     # otherwise than their region says, before what it keeps whole: torchtitan's experts, spread over the TP ranks
     splits: Callable[[Any], tuple[tuple[str, Any], ...]] = lambda config: ()
@@ -156,8 +156,8 @@ class Implementation:
         return next((r for r in self.refuses if r.strategy == strategy and r.when(knobs)), None)
 
     def runs(self, knobs: Any) -> tuple[str, ...]:
-        """The layouts the library runs for these knobs, in the order of `strategies`."""
-        return tuple(n for n in self.strategies if self.refusal(knobs, n) is None)
+        """The layouts the library runs for these knobs, in the order of STRATEGIES."""
+        return tuple(n for n in STRATEGIES if self.refusal(knobs, n) is None)
 
     def by_name(self) -> dict[str, SavedTensor]:
         """Every tensor this implementation can name: the ledger's, with its own in their place where they differ."""

@@ -82,22 +82,19 @@ def routing(family: str, route: str | None, k: int) -> Any:
     """The shim's forced router for a MoE family's router class, or nothing."""
     if route is None:
         return nullcontext()
-    return forced_routing(_router_class(family, route), route, k)
+    return forced_routing(_router_class(family), route, k)
 
 
 def force_routes(model: Any, family: str, route: str | None, k: int) -> None:
     """The shim's forced router on each router of `model` for its life (a checkpoint's rerun too), or nothing."""
     if route is not None:
-        force_routers(model, _router_class(family, route), route, k)
+        force_routers(model, _router_class(family), route, k)
 
 
-def _router_class(family: str, route: str) -> tuple[type]:
-    """The MoE family's router class, which `route` forces."""
-    router = FAMILIES[family].router
-    if router is None:
-        raise ProbeError(f"--route {route} forces a MoE router: the config has no experts (set num_experts)")
+def _router_class(family: str) -> tuple[type]:
+    """The MoE family's router class, which a forced route replaces."""
     _, module = _classes(family)
-    return (getattr(module, router),)
+    return (getattr(module, FAMILIES[family].router),)
 
 
 # -- building the layer -----------------------------------------------------------------

@@ -12,7 +12,6 @@ from typing import Any, Callable
 
 from memcalc.model.families import FAMILIES, layer_family
 from memcalc.config.schema import ModelConfig
-from memcalc.errors import ProbeError
 from memcalc.model.strategy import Strategy
 from memcalc.probe import require_torch
 from memcalc.probe.group import TensorParallelGroup
@@ -37,11 +36,6 @@ def measure_hf_step_on_rank(
 def warmed_up(tp: TensorParallelGroup, config: ModelConfig, strategy: Strategy, route: str | None = None) -> Trainer:
     """transformers' LlamaForCausalLM (with experts MixtralForCausalLM or Qwen2MoeForCausalLM, the router forced to
     `route`) in training mode with memcalc's trainer, stepped once."""
-    if strategy.sequence_parallel:
-        raise ProbeError(f"impl hf runs no sequence parallelism (got {strategy.name})")
-    if tp.size > 1 and config.tie_embeddings:
-        raise ProbeError("impl hf: transformers' apply_tensor_parallelism cannot lay out tied embeddings (it looks"
-                         " lm_head.weight up among named_parameters(), which name a tied weight once); untie them")
     model, loss = causal_lm(config, route, DTYPES[config.dtype], tp.device)
     if tp.size > 1:  # the plan from_pretrained(tp_plan="auto") applies, by the function it applies it with
         hf_tp.apply(model, hf_tp.model_plan(model, tp.size), tp)

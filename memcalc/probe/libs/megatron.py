@@ -64,7 +64,7 @@ def run_layer(
     `collectives`: a list that gets every collective forward and backward issue (memcalc.probe.collectives). A MoE
     layer counts only what a live node still holds (kept_only): the aux loss's top-k saves indices for values nobody
     reads, freed as the router returns."""
-    _check(config, tp, strategy, route)
+    _check(config, tp)
     routing = forced_routing(route, config.moe_router_topk, config.ep) if route else nullcontext()
     layer = config.dense if dense else config  # the knobs the built layer has: a mix's dense layer, no experts
     # megatron-core refuses sequence parallelism without tensor parallelism; at t = 1 it splits nothing anyway
@@ -97,12 +97,10 @@ def _quiet() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
 
 
-def _check(config: ModelConfig, tp: TensorParallelGroup, strategy: Strategy, route: str | None) -> None:
+def _check(config: ModelConfig, tp: TensorParallelGroup) -> None:
     """ProbeError for what megatron's local layer cannot run here (each its own line)."""
-    if route is not None and not config.moe:
-        raise ProbeError(f"--route {route} forces a MoE router: the config has no experts (set num_experts)")
     if config.moe:
-        _check_experts(config, tp, strategy)
+        _check_experts(config, tp)
     if config.attention == "flash":
         raise ProbeError(
             "impl megatron: the local spec's core attention is DotProductAttention (eager); flash attention"
@@ -110,12 +108,9 @@ def _check(config: ModelConfig, tp: TensorParallelGroup, strategy: Strategy, rou
         )
 
 
-def _check_experts(config: ModelConfig, tp: TensorParallelGroup, strategy: Strategy) -> None:
-    """MoELayer refuses TP without SP in training, and its experts cannot train with biases; ep > 1 needs a
-    fake group of t*ep ranks, which only the fake and single launches can make."""
-    if tp.size > 1 and not strategy.sequence_parallel:
-        raise ProbeError("impl megatron: MoELayer refuses tensor parallelism without sequence parallelism in"
-                         " training (megatron-core's own check); measure MoE with --strategy tp-sp or none")
+def _check_experts(config: ModelConfig, tp: TensorParallelGroup) -> None:
+    """Its experts cannot train with biases; ep > 1 needs a fake group of t*ep ranks, which only the fake and single
+    launches can make. (MoELayer's refusal of TP without SP is the implementation's: `plan` refuses tp first.)"""
     check_expert_biases(config)
     if config.ep > 1 and tp.mode not in ("single", "fake"):
         raise ProbeError(f"ep={config.ep} runs as rank 0 of t*ep={tp.size * config.ep} ranks in torch's fake"

@@ -13,7 +13,6 @@ from itertools import chain
 from typing import Any, Iterator
 
 from memcalc.config.schema import ModelConfig
-from memcalc.errors import ProbeError
 from memcalc.model import ledger
 from memcalc.model.evaluate import dim_sizes
 from memcalc.model.impls import tensors_at
@@ -145,8 +144,6 @@ def ac_config(config: ModelConfig) -> Any:
     full, FullAC's; op, SelectiveAC's; none, None."""
     policies = {"full": activation_checkpoint.FullAC.Config, "op": activation_checkpoint.SelectiveAC.Config,
                 "none": lambda: None}
-    if config.recompute not in policies:
-        raise ProbeError(f"impl torchtitan: recompute {config.recompute} is not torchtitan's; use none, op or full")
     return policies[config.recompute]()
 
 
@@ -317,8 +314,6 @@ def run_layer(
 ) -> tuple[SavedStorage, ...]:
     """torchtitan's block on this rank: one recorded forward (named by the ledger), then backward once; `route`
     forces a MoE router (memcalc.probe.ROUTES); `collectives` gets every collective forward and backward issue."""
-    if route is not None and not config.moe:
-        raise ProbeError(f"--route {route} forces a MoE router: the config has no experts (set num_experts)")
     with ExitStack() as stack:
         dims = stack.enter_context(tensor_parallel(tp, config.ep))
         stack.enter_context(shim.cuda_like_op_checkpointing())

@@ -13,7 +13,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from memcalc.config.schema import ModelConfig
-from memcalc.errors import ProbeError
 from memcalc.model.strategy import Strategy
 from memcalc.probe import require_torch
 from memcalc.probe.group import TensorParallelGroup
@@ -91,8 +90,6 @@ def warmed_up_stage(group: TensorParallelGroup, config: ModelConfig, device: str
     storage, initialised as torchtitan initialises it; on `device` cuda, inside `flex_on_cpu`, its flex attention and
     fused norms; with experts each router forced to `route`), its PipelineStage given the shapes it sends and receives,
     the schedule torchtitan builds, memcalc's trainer around it, stepped once."""
-    if config.tie_embeddings:
-        raise ProbeError("impl torchtitan: Llama3 unties its embedding and output layer; set tie_embeddings false")
     check_route(config, route)
     pp, dtype = group.size, DTYPES[config.dtype]
     parallelism = ParallelismConfig(pipeline_parallel_degree=pp, pipeline_parallel_microbatch_size=config.b)

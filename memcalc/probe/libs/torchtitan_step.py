@@ -10,7 +10,6 @@ from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Iterator
 
 from memcalc.config.schema import ModelConfig
-from memcalc.errors import ProbeError
 from memcalc.model.strategy import Strategy
 from memcalc.probe import require_torch
 from memcalc.probe.group import TensorParallelGroup
@@ -132,9 +131,6 @@ def data_parallel(tp: TensorParallelGroup, config: ModelConfig, strategy: Strate
 
     t = config.t if strategy.tensor_parallel else 1
     replicas = config.dp_replicate or 1
-    if tp.size != replicas * config.dp_shard * t:
-        raise ProbeError(f"the fake group has {tp.size} ranks, not dp_replicate*dp_shard*t={replicas}*"
-                         f"{config.dp_shard}*{t}")
     backend = "partial_dtensor"
     dims = ParallelDims(dp_replicate=replicas, dp_shard=config.dp_shard, cp=1, tp=t, pp=1, ep=1,
                         world_size=tp.size, spmd_backend=backend)

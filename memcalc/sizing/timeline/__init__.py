@@ -47,6 +47,7 @@ def timeline(
         if config.pp > 1:  # one stage of its pipeline, torch's Schedule1F1B
             return pipeline_timeline(config, strategy, accounting, stage)
         return torchtitan_timeline(config, strategy, accounting)
+    # megatron's layer, or the paper's: Megatron's with the fused softmax at every size, the same walk, its own tensors
     missing = megatron_moe.unmodelled(config, Sizes.of(config, strategy)) if config.moe else None
     if missing:
         raise ConfigError(f"the step timeline does not model {missing} yet: it walks megatron-core's MoELayer"
@@ -193,10 +194,6 @@ def _refuse_other_layers(config: ModelConfig) -> None:
     if per_stage * local > MAX_WALKED_EXPERTS:
         raise ConfigError(f"the step timeline walks each layer's local experts one by one, at most"
                           f" {MAX_WALKED_EXPERTS} in a stage: {per_stage} layers (L/pp) of {local} (num_experts/ep)")
-    if config.mla and config.impl not in ("megatron", "hf"):
-        raise ConfigError(f"the step timeline models latent attention (kv_lora_rank) as megatron-core's"
-                          f" MLASelfAttention (impl megatron) and transformers' DeepseekV3Attention (impl hf), not"
-                          f" impl {config.impl}")
     m = torchtitan_microbatches(config) if config.impl == "torchtitan" and config.pp > 1 else 1
     if per_stage * m > MAX_WALKED_LAYERS:
         raise ConfigError(f"{walked}, times {m} micro-batches (torchtitan's pipeline is walked micro-batch by"
@@ -208,8 +205,6 @@ def _check_modelled(config: ModelConfig, kept: tuple[SavedTensor, ...], ops: tup
     known = {x.name for op in ops for x in op.saves}  # what the layer's ops free: the tensors the walk knows
     unknown = dict.fromkeys(x.name for x in kept if x.name not in known)
     missing = [
-        # the paper's layer is Megatron's with the fused softmax at every size: the same walk, its own tensors
-        (config.impl not in ("megatron", "paper"), f"impl {config.impl} (the timeline follows Megatron's layer)"),
         (config.cp != 1, f"cp={config.cp}"),
         (bool(unknown), f"a layer that keeps {', '.join(unknown)}"),
     ]
