@@ -145,11 +145,24 @@ def test_zero3_under_a_vocabulary_of_fewer_than_ten_rows_gathers_no_module_of_th
     assert roots == {2 * DEEPSPEED_AUTO["stage3_prefetch_bucket_size"](config.h)}
 
 
+def _first_reduction_keeps(stage, **changes):
+    """The bytes of stage 1's whole gradients at the reduction that allocates grads_in_partition."""
+    config, walk = _walk(stage, **changes)
+    first = next(m for m in walk.moments if PARTITION in {x.name for x in m.live})
+    return config, sum(x.bytes for x in first.live if x.name.startswith("zero/grad "))
+
+
 def test_zero1_keeps_every_bf16_gradient_to_the_end_of_backward():
-    config, walk = _walk(1)
-    (end,) = [m for m in walk.moments if "stage 1 reduces every gradient" in m.what]
-    kept = sum(x.bytes for x in end.live if x.name.startswith("zero/grad "))
+    """The embedding, wider than the bucket, stays in its .grad to the first reduction: every gradient whole there."""
+    config, kept = _first_reduction_keeps(1)
     assert kept == 2 * total_params(config)
+
+
+def test_zero1_copies_a_gradient_narrower_than_the_bucket_into_it_before_the_first_reduction():
+    """reduce_gradients puts every gradient through the bucket in bit16_groups' order: the embedding's (64 x 256, a
+    quarter of the bucket) is copied in and its own storage freed before q_proj's overflows it."""
+    config, kept = _first_reduction_keeps(1, vocab_size=64)
+    assert kept == 2 * (total_params(config) - 64 * config.h)
 
 
 @pytest.mark.parametrize("changes,needle", [

@@ -20,8 +20,10 @@ config's "auto" (`DEEPSPEED_AUTO`). What the tape holds:
                     modules its trace names, up to stage3_prefetch_bucket_size elements)
     backward        engine.backward's scaled copy of the loss, to its end, and the loss's gradient through it,
                     to nll_loss's backward; the reduce bucket (reduce_bucket_size elements) allocated at the first
-                    gradient; stage 1: each weight's gradient kept whole to the end of backward, then reduced
-                    bucket by bucket and this rank's partition copied out; stages 2 and 3: each gradient copied
+                    gradient; stage 1: each weight's gradient kept whole to the end of backward, then each in
+                    bit16_groups' order put through the bucket as stage 2 puts it (reduce_gradients: one that fits
+                    copied in and freed, the bucket reduced before it overflows; another rank's gradient wider
+                    than the bucket left in its .grad to backward's end); stages 2 and 3: each gradient copied
                     into the reduce bucket as autograd hands it over, the bucket reduced first (the new gradient
                     still live) when the gradient would overflow it and this rank's part copied into the gradient
                     partition (grads_in_partition: whole, each gradient that reaches into this rank's partition;
@@ -76,6 +78,7 @@ class Zero:
         groups = ([x for x in params if len(x[1]) > 1], [x for x in params if len(x[1]) == 1]) \
             if config.zero_stage < 3 else (params,)
         self.groups = tuple([prod(shape) for _, shape in group] for group in groups)
+        self.order = [(name, prod(shape)) for group in groups for name, shape in group]  # bit16_groups' order
         self.mine = {name: n for group in groups for name, n in self._reaching(group).items()}
         self.params = sum(prod(x) for x in shapes)  # every parameter of the model
         # stage 3: parameters under the persistence threshold, kept whole
@@ -173,8 +176,14 @@ class Zero:
             tape.add(f"zero/grad {name}", GRADIENTS, nbytes, "the weight's .grad, kept whole to the end of"
                      " backward (stage 1 reduces after it)")
             return
-        grad, elements = f"grad/{name}", nbytes // self.act
+        grad = f"grad/{name}"
         tape.add(grad, GRADIENTS, nbytes, "the weight's .grad, as autograd hands it over")
+        self._into_bucket(tape, where, grad, name, nbytes // self.act)
+
+    def _into_bucket(self, tape: Tape, where: str, grad: str, name: str, elements: int) -> None:
+        """reduce_independent_p_g_buckets_and_remove_grads on a weight's gradient (`grad` on the tape): the bucket
+        reduced first if the gradient would overflow it, then the gradient copied into it (its .grad a view of the
+        bucket), or, wider than the bucket, left in its .grad as the bucket's one gradient."""
         if self.filled and self.filled + elements > self.bucket:
             self._reduce(tape, where, f"the reduce bucket reduced before {name}'s gradient would overflow it")
         self.filled += elements
@@ -185,10 +194,13 @@ class Zero:
             tape.drop(grad)  # copied into the bucket, its .grad a view of it
 
     def _reduce(self, tape: Tape, where: str, what: str) -> None:
-        """The bucket reduced into the gradient partition; a gradient wider than the bucket goes with it (its .grad
-        moved into the partition or cleared)."""
-        self._to_partition(tape, where, what, reaching=any(name in self.mine for name in self.in_bucket))
-        tape.drop(*self.wide)
+        """The bucket reduced into the gradient partition; a gradient wider than the bucket (alone in it) goes with
+        it: its .grad moved into the partition, or at stages 2 and 3 cleared (reduce_ipg_grads: stage 1 leaves
+        another rank's in its .grad to the end of backward)."""
+        reaching = any(name in self.mine for name in self.in_bucket)
+        self._to_partition(tape, where, what, reaching)
+        if reaching or self.stage > 1:
+            tape.drop(*self.wide)
         self.filled, self.wide, self.in_bucket = 0, [], []
 
     def _to_partition(self, tape: Tape, where: str, what: str, reaching: bool = True) -> None:
@@ -200,18 +212,19 @@ class Zero:
         tape.mark("backward", where, what)
 
     def post_backward(self, tape: Tape, block: str, where: str) -> None:
-        """At the end of backward (the root's post-backward): the last bucket reduced, or at stage 1 every gradient
-        reduced bucket by bucket and this rank's partition copied out, both after loss.backward() returns (its seed
-        gone); then the buffers stages 1 and 2 allocate per step released, the gradient partition kept for the
-        optimizer, and engine.backward's scaled loss with it as it returns."""
+        """At the end of backward (the root's post-backward), after loss.backward() returns (its seed gone): at stage 1
+        every gradient put through the bucket in bit16_groups' order (reduce_gradients, as stage 2's hook puts each);
+        the last bucket reduced; then the buffers stages 1 and 2 allocate per step released, the gradient partition
+        kept for the optimizer, and engine.backward's scaled loss with it as it returns."""
         if block != ROOT:
             return
         tape.drop(GRAD_SEED)  # loss.backward() has returned: engine.backward's epilogue reduces
-        if self.stage == 1:
-            self._to_partition(tape, "", "stage 1 reduces every gradient after backward, bucket by bucket")
-            tape.drop(*[n for n in tape.live if n.startswith("zero/grad ")])
-        else:
-            self._reduce(tape, "", "the last reduce bucket reduced at the end of backward")
+        if self.stage == 1:  # reduce_gradients: every gradient through the bucket, in bit16_groups' order
+            for name, elements in self.order:
+                if (grad := f"zero/grad {name}") in tape.live:
+                    self._into_bucket(tape, where, grad, name, elements)
+        self._reduce(tape, "", "the last reduce bucket reduced at the end of backward")
+        tape.drop(*[n for n in tape.live if n.startswith("zero/grad ")])
         if self.stage != 3:
             tape.drop(BUCKET)
         tape.drop(SCALED_LOSS, *[n for n in tape.live if n.startswith(f"{GATHERED} ")])

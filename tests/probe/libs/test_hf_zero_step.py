@@ -79,6 +79,11 @@ def _exact(r) -> None:
     # fp32: no flat copy to cast, so stage 1's reductions after backward are its peak
     (1, {"b": 1, "s": 7, "dtype": "fp32"}, "backward"),
     (1, {"b": 3, "s": 5, "recompute": "full", "dtype": "fp32"}, "backward"),
+    # stage 1 at dp = 4 with the embedding narrower than the bucket: reduce_gradients copies its gradient into the
+    # bucket (freeing its own) before the first reduction allocates grads_in_partition (the walk held every gradient
+    # to that allocation: 256 B over; found by a drawn run, with Mixtral and Qwen3-MoE too)
+    (1, {"b": 1, "s": 1, "h": 16, "a": 1, "num_query_groups": 1, "L": 1, "ffn_hidden_size": 8, "vocab_size": 8, "dp": 4,
+         "attention": "eager"}, "backward"),
 ])
 def test_a_peak_in_backward_holds_the_scaled_loss_and_the_reduce_buckets_state(one_thread, stage, changes, moment):
     """Long sequences put the peak in backward: engine.backward's scaled copy of the loss is live; a gradient wider
@@ -113,6 +118,10 @@ def _readings_after_every_op(config) -> list[tuple[str, dict[str, int]]]:
     (1, {"b": 1, "s": 9, "a": 4, "num_query_groups": 4}),
     (2, {"b": 3, "s": 5, "h": 48, "a": 6, "num_query_groups": 3, "ffn_hidden_size": 100}),
     (2, {"b": 3, "s": 5, **QWEN2_MOE}),
+    # stage 1's reductions after backward, in bit16_groups' order through the bucket: the experts' gate_up_proj, wider
+    # than the bucket and another rank's, left in its .grad to the end of backward
+    (1, {"b": 1, "s": 1, "h": 16, "a": 1, "num_query_groups": 1, "L": 1, "vocab_size": 5, **MIXTRAL,
+         "num_experts": 2, "moe_router_topk": 1, "moe_ffn_hidden_size": 8, "attention": "eager"}),
 ])
 def test_every_moment_of_the_zero_walk_is_memtrackers_reading_after_some_op_in_order(one_thread, stage, changes):
     """engine.backward's scaled loss and the loss's gradient through it, the reduce bucket from the first gradient, a
