@@ -114,7 +114,7 @@ def test_each_groups_fp32_gradient_partition_goes_before_the_next_groups_is_made
     _, walk = _walk(2, dtype="fp32")
     cast = next(m for m in walk.moments if "fp32 gradient partition of group 1" in m.what)
     assert "zero/fp32 grad partition 0" not in {x.name for x in cast.live}
-    first, clipped = [m for m in walk.moments if "group 0" in m.what][:2]
+    first, clipped = [m for m in walk.moments if "group 0" in m.what and "float64" not in m.what][:2]
     assert clipped.bytes - first.bytes == 4 * 4
 
 
@@ -174,3 +174,18 @@ def test_what_the_zero_walk_leaves_out_is_refused_by_name(changes, needle):
     config = build_config(LLAMA | changes)
     with pytest.raises(ConfigError, match=needle):
         timeline(config, STRATEGIES["tp" if config.t > 1 else "none"])
+
+
+def test_zero2s_gradient_norm_casts_each_gradient_of_the_partition_to_float64_and_one_gradient_flattens_to_a_view():
+    """get_grad_norm_direct casts rank 0's part of each gradient in its partition to float64 (get_norm_dtype), one at
+    a time; at dp = 64 the embedding (512 x 256) covers rank 0's partition of the weights, so the norm's cast is 8
+    bytes an element of the partition, and flattening the one gradient is a view of it (torch's flatten of one tensor),
+    no copy."""
+    config, walk = _walk(2, dp=64)
+    zero = Zero(config)
+    part = zero.partition(sum(zero.groups[0]))
+    assert part < config.vocab_size * config.h
+    norm = next(m for m in walk.moments if "group 0's widest gradient" in m.what)
+    assert {x.name: x.bytes for x in norm.live}["zero/norm cast"] == 8 * part + 8
+    cast = next(m for m in walk.moments if "fp32 gradient partition of group 0" in m.what)
+    assert "zero/flat grad partition" not in {x.name for x in cast.live}

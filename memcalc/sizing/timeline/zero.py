@@ -109,8 +109,13 @@ class Zero:
         """Stages 1 and 2: the group's parameters that reach into rank 0's partition of it, by module path, with their
         elements: grads_in_partition holds each whole (stage_1_and_2.py: params_in_partition)."""
         sizes = [prod(shape) for _, shape in group]
-        starts = itertools.accumulate(sizes, initial=0)
-        return {name: n for (name, _), n, start in zip(group, sizes, starts) if start < self.partition(sum(sizes))}
+        return {name: n for (name, _), n, _ in zip(group, sizes, self._slices(sizes))}
+
+    def _slices(self, sizes: list[int]) -> list[int]:
+        """Stages 1 and 2: rank 0's part of each of a group's parameters (`sizes`, in order) that reaches into its
+        partition of the group: averaged_gradients' views of grads_in_partition (get_flat_partition)."""
+        end = self.partition(sum(sizes))
+        return [min(n, end - start) for n, start in zip(sizes, itertools.accumulate(sizes, initial=0)) if start < end]
 
     def states(self, tape: Tape) -> None:
         """bf16 weights (partitioned at stage 3), the fp32 partition of master weights and moments, and at stage 3
@@ -230,24 +235,31 @@ class Zero:
         tape.drop(SCALED_LOSS, *[n for n in tape.live if n.startswith(f"{GATHERED} ")])
 
     def optimizer_step(self, tape: Tape) -> None:
-        """The global gradient norm (two 0-d fp32 tensors: it and its unscaled copy), then group by group
-        (stage_1_and_2.py step()): the partition's gradients flattened into a new tensor and cast to fp32 beside them
+        """Stages 1 and 2: the gradient norm group by group (`_norms`); the global gradient norm (two 0-d fp32
+        tensors: it and its unscaled copy), then group by group (stage_1_and_2.py step()): the partition's gradients
+        flattened into a new tensor (torch's flatten of one tensor, a view of it: none) and cast to fp32 beside them
         (in fp32 `.to` returns the flat tensor itself), the flat copy freed (after the last group's, the gradient
-        partition its gradients viewed, but at stage 3); unscale_and_clip_grads' 0-d fp32 factors; AdamW on the group
-        in place, and its fp32 gradient freed before the next group's is made."""
+        partition its gradients viewed, but at stage 3, or while an fp32 view of it is the optimizer's gradient);
+        unscale_and_clip_grads' 0-d fp32 factors; AdamW on the group in place, and its fp32 gradient freed before the
+        next group's is made."""
+        if self.stage < 3:
+            self._norms(tape)
         tape.add(GRAD_NORM, TEMPORARIES, 4 * 2, "the global gradient norm and _global_grad_norm, 0-d fp32")
         for i, group in enumerate(self.groups):
             part, fp32 = self.partition(sum(group)), f"zero/fp32 grad partition {i}"
-            tape.add("zero/flat grad partition", TEMPORARIES, self.act * part, f"group {i}'s gradients flattened")
-            if self.act == 4:
-                tape.rename("zero/flat grad partition", fp32)
-            else:
+            viewed = self.stage < 3 and len(self._slices(group)) == 1  # rank 0 of dp > 1: never the aligned flatten
+            if not viewed:
+                tape.add("zero/flat grad partition", TEMPORARIES, self.act * part, f"group {i}'s gradients flattened")
+            if self.act != 4:
                 tape.add(fp32, TEMPORARIES, 4 * part, f"group {i}'s flat partition cast to fp32: the gradient the"
                          " optimizer reads")
+            elif not viewed:  # viewed: the optimizer's gradient is a view of grads_in_partition
+                tape.rename("zero/flat grad partition", fp32)
             tape.mark("optimizer", "", f"ZeRO's fp32 gradient partition of group {i} made from the flattened"
                       f"{' bf16' if self.act != 4 else ''} one")
             tape.drop("zero/flat grad partition")
-            if i == len(self.groups) - 1 and self.stage != 3:
+            last = i == len(self.groups) - 1 and self.stage != 3
+            if last and fp32 in tape.live:
                 tape.drop(PARTITION)  # its last views, the last group's gradients, freed
             tape.add("zero/clip", TEMPORARIES, 4 * 4, "unscale_and_clip_grads' 0-d fp32 clip, clamped clip, combined"
                      " scale and its reciprocal")
@@ -255,4 +267,20 @@ class Zero:
             tape.drop("zero/clip")
             tape.mark("optimizer", "", f"AdamW on group {i}'s fp32 partition, in place")
             tape.drop(fp32)
+            if last:
+                tape.drop(PARTITION)  # an fp32 view of it was the last group's gradient
         tape.drop(GRAD_NORM)
+
+    def _norms(self, tape: Tape) -> None:
+        """get_grad_norm_direct, group by group: each gradient of the partition (`_slices`) cast to float64
+        (get_norm_dtype) for its norm, a 0-d float64 kept per gradient, each group's norm left a 0-d fp32; marked at
+        each group's widest cast with the norms before it."""
+        for i, group in enumerate(self.groups):
+            slices = self._slices(group)
+            j = max(range(len(slices)), key=lambda k: slices[k] + k)  # the cast with the most bytes beside it
+            tape.add("zero/norms", TEMPORARIES, 4 * i + 8 * j, "the earlier groups' 0-d fp32 norms and this group's"
+                     " earlier gradients' 0-d float64 norms")
+            tape.add("zero/norm cast", TEMPORARIES, 8 * slices[j] + 8, f"group {i}'s gradient cast to float64 for its"
+                     " norm, and the norm")
+            tape.mark("optimizer", "", f"group {i}'s widest gradient in the partition cast to float64 for its norm")
+            tape.drop("zero/norms", "zero/norm cast")

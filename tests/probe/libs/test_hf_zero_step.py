@@ -47,6 +47,13 @@ def _step(stage: int, **changes):
     (2, {"b": 1, "s": 9, "a": 4, "num_query_groups": 4, "dtype": "fp32"}),
     (2, {"b": 3, "s": 5, "h": 48, "a": 6, "num_query_groups": 3, "ffn_hidden_size": 100, "dtype": "fp32"}),
     (2, {"b": 1, "s": 6, **MIXTRAL, "dtype": "fp32"}),
+    # the embedding's gradient covers rank 0's partition of the weights (dp = 4): get_grad_norm_direct's float64
+    # copy of it (8 bytes an element) is the step's peak, and flattening the one gradient is a view of it, no copy
+    # (the walk had neither: 1,728 B short in bf16; in fp32 the peak's moment elsewhere; found by a drawn run)
+    (2, {"b": 1, "s": 1, "h": 16, "a": 1, "num_query_groups": 1, "L": 1, "ffn_hidden_size": 8, "vocab_size": 64, "dp": 4,
+         "attention": "eager"}),
+    (2, {"b": 1, "s": 1, "h": 16, "a": 1, "num_query_groups": 1, "L": 1, "ffn_hidden_size": 8, "vocab_size": 64, "dp": 4,
+         "attention": "eager", "dtype": "fp32"}),
 ])
 def test_deepspeeds_step_holds_what_the_zero_walk_holds_between_steps_and_at_its_peak(one_thread, stage, changes):
     """Between steps: bf16 weights whole, this rank's fp32 master partition, Adam's moments and the two groups' steps;
@@ -84,6 +91,11 @@ def _exact(r) -> None:
     # to that allocation: 256 B over; found by a drawn run, with Mixtral and Qwen3-MoE too)
     (1, {"b": 1, "s": 1, "h": 16, "a": 1, "num_query_groups": 1, "L": 1, "ffn_hidden_size": 8, "vocab_size": 8, "dp": 4,
          "attention": "eager"}, "backward"),
+    # tied, the embedding's gradient the first into rank 0's partition (dp = 4): autograd frees the tied weight's two
+    # gradients as it sums them, before the reduction allocating grads_in_partition (the walk held both there: 6,432 B
+    # over in bf16, 12,864 in fp32)
+    (2, {"b": 1, "s": 1, "h": 16, "a": 1, "num_query_groups": 1, "L": 1, "ffn_hidden_size": 8, "vocab_size": 200,
+         "dp": 4, "tie_embeddings": True, "attention": "eager"}, "backward model.embed_tokens"),
 ])
 def test_a_peak_in_backward_holds_the_scaled_loss_and_the_reduce_buckets_state(one_thread, stage, changes, moment):
     """Long sequences put the peak in backward: engine.backward's scaled copy of the loss is live; a gradient wider
@@ -118,6 +130,11 @@ def _readings_after_every_op(config) -> list[tuple[str, dict[str, int]]]:
     (1, {"b": 1, "s": 9, "a": 4, "num_query_groups": 4}),
     (2, {"b": 3, "s": 5, "h": 48, "a": 6, "num_query_groups": 3, "ffn_hidden_size": 100}),
     (2, {"b": 3, "s": 5, **QWEN2_MOE}),
+    # the tied embedding alone in rank 0's partition of the weights: its float64 copy for the norm, its flatten a view
+    (2, {"b": 1, "s": 1, "h": 16, "a": 1, "num_query_groups": 1, "L": 1, "ffn_hidden_size": 8, "vocab_size": 200,
+         "tie_embeddings": True, "attention": "eager", "dtype": "fp32"}),
+    (1, {"b": 1, "s": 1, "h": 16, "a": 1, "num_query_groups": 1, "L": 1, "ffn_hidden_size": 8, "vocab_size": 200,
+         "tie_embeddings": True, "attention": "eager"}),
     # stage 1's reductions after backward, in bit16_groups' order through the bucket: the experts' gate_up_proj, wider
     # than the bucket and another rank's, left in its .grad to the end of backward
     (1, {"b": 1, "s": 1, "h": 16, "a": 1, "num_query_groups": 1, "L": 1, "vocab_size": 5, **MIXTRAL,
