@@ -79,6 +79,10 @@ class Zero:
             if config.zero_stage < 3 else (params,)
         self.groups = tuple([prod(shape) for _, shape in group] for group in groups)
         self.order = [(name, prod(shape)) for group in groups for name, shape in group]  # bit16_groups' order
+        # each parameter's place in its group's flat buffer: (a rank's partition of the group, start, elements)
+        self.spans = {name: (self.partition(sum(sizes)), start, n) for sizes, group in zip(self.groups, groups)
+                      for (name, _), n, start in zip(group, sizes, itertools.accumulate(sizes, initial=0))}
+        self.after_backward = False  # the engine's reductions after loss.backward() returns: MemTracker's activations
         self.mine = {name: n for group in groups for name, n in self._reaching(group).items()}
         self.params = sum(prod(x) for x in shapes)  # every parameter of the model
         # stage 3: parameters under the persistence threshold, kept whole
@@ -203,10 +207,40 @@ class Zero:
         it: its .grad moved into the partition, or at stages 2 and 3 cleared (reduce_ipg_grads: stage 1 leaves
         another rank's in its .grad to the end of backward)."""
         reaching = any(name in self.mine for name in self.in_bucket)
-        self._to_partition(tape, where, what, reaching)
+        copy = self._flat_copy() if self.stage < 3 else 0
+        if copy:
+            tape.add("zero/flat slices", ACTIVATIONS if self.after_backward else TEMPORARIES, self.act * copy,
+                     "allreduce_and_scatter's flattened copy of the bucket's slices bound for several ranks")
+            tape.mark("backward", where, f"{what}: its slices for several ranks flattened for the all-reduce")
+            tape.drop("zero/flat slices")
+        if not copy or (reaching and PARTITION not in tape.live):  # else the moment after the copy is the one before
+            self._to_partition(tape, where, what, reaching)
         if reaching or self.stage > 1:
             tape.drop(*self.wide)
         self.filled, self.wide, self.in_bucket = 0, [], []
+
+    def _flat_copy(self) -> int:
+        """Stages 1 and 2, average_tensor: the bucket's gradients cut at the ranks' partitions, in the bucket's order
+        (a slice for the rank of the one before it merged into it), all-reduced by allreduce_and_scatter in chunks
+        closed past reduce_bucket_size elements, each flattened (torch's flatten: a copy of several tensors, a view of
+        one): the widest copy's elements."""
+        slices, rank_before = [], None
+        for name in self.in_bucket:
+            part, start, n = self.spans[name]
+            for rank in range(start // part, (start + n - 1) // part + 1):
+                size = min(start + n, (rank + 1) * part) - max(start, rank * part)
+                if rank == rank_before:
+                    slices[-1] += size
+                else:
+                    slices.append(size)
+                rank_before = rank
+        widest, chunk = 0, []
+        for i, size in enumerate(slices):
+            chunk.append(size)
+            if sum(chunk) > self.bucket or i == len(slices) - 1:
+                widest = max(widest, sum(chunk) if len(chunk) > 1 else 0)
+                chunk = []
+        return widest
 
     def _to_partition(self, tape: Tape, where: str, what: str, reaching: bool = True) -> None:
         """This rank's part of a reduction copied into the gradient partition, allocated at the first reduction
@@ -224,6 +258,7 @@ class Zero:
         if block != ROOT:
             return
         tape.drop(GRAD_SEED)  # loss.backward() has returned: engine.backward's epilogue reduces
+        self.after_backward = True
         if self.stage == 1:  # reduce_gradients: every gradient through the bucket, in bit16_groups' order
             for name, elements in self.order:
                 if (grad := f"zero/grad {name}") in tape.live:

@@ -96,6 +96,10 @@ def _exact(r) -> None:
     # over in bf16, 12,864 in fp32)
     (2, {"b": 1, "s": 1, "h": 16, "a": 1, "num_query_groups": 1, "L": 1, "ffn_hidden_size": 8, "vocab_size": 200,
          "dp": 4, "tie_embeddings": True, "attention": "eager"}, "backward model.embed_tokens"),
+    # allreduce_and_scatter flattens the bucket's slices for several ranks into one copy before the all-reduce: in fp32
+    # with one K/V group the copy beside o_proj's new gradient is the peak (the walk had no copy: 2,560 B short)
+    (2, {"b": 1, "s": 4, "h": 40, "a": 5, "num_query_groups": 1, "L": 1, "ffn_hidden_size": 4, "vocab_size": 6, "dp": 4,
+         "attention": "eager", "dtype": "fp32"}, "backward model.layers.0.self_attn.o_proj"),
 ])
 def test_a_peak_in_backward_holds_the_scaled_loss_and_the_reduce_buckets_state(one_thread, stage, changes, moment):
     """Long sequences put the peak in backward: engine.backward's scaled copy of the loss is live; a gradient wider
@@ -130,6 +134,11 @@ def _readings_after_every_op(config) -> list[tuple[str, dict[str, int]]]:
     (1, {"b": 1, "s": 9, "a": 4, "num_query_groups": 4}),
     (2, {"b": 3, "s": 5, "h": 48, "a": 6, "num_query_groups": 3, "ffn_hidden_size": 100}),
     (2, {"b": 3, "s": 5, **QWEN2_MOE}),
+    # the bucket's slices for several ranks flattened at each reduction (a wide gradient across two ranks' partitions
+    # too), in backward and after it
+    (2, {"b": 1, "s": 1, "h": 16, "a": 1, "num_query_groups": 1, "L": 1, "ffn_hidden_size": 8, "vocab_size": 64}),
+    (2, {"b": 1, "s": 1, "h": 16, "a": 1, "num_query_groups": 1, "L": 1, "vocab_size": 2, **MIXTRAL, "num_experts": 2,
+         "moe_router_topk": 1, "moe_ffn_hidden_size": 8, "attention": "eager", "dtype": "fp32"}),
     # the tied embedding alone in rank 0's partition of the weights: its float64 copy for the norm, its flatten a view
     (2, {"b": 1, "s": 1, "h": 16, "a": 1, "num_query_groups": 1, "L": 1, "ffn_hidden_size": 8, "vocab_size": 200,
          "tie_embeddings": True, "attention": "eager", "dtype": "fp32"}),
