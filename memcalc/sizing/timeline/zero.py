@@ -29,10 +29,13 @@ config's "auto" (`DEEPSPEED_AUTO`). What the tape holds:
                     partition (grads_in_partition: whole, each gradient that reaches into this rank's partition;
                     stage 2: allocated at the first reduction of one); a gradient wider than the bucket stays in
                     its .grad, the bucket's one gradient, until the next reduction; the last bucket reduced after
-                    loss.backward() returns
-    optimizer       the gradient norm; group by group (the Trainer's two; stage 3: one) the partition's
-                    gradients flattened into a new tensor and cast to fp32 (in fp32 the flat tensor itself), the
-                    clip factors, AdamW in place, the group's fp32 gradient freed; the weights gathered back
+                    loss.backward() returns; stages 1 and 2: a reduction's slices bound for several ranks
+                    flattened into one copy for the all-reduce
+    optimizer       stages 1 and 2: each gradient of the partition cast to float64 for its norm, one at a time;
+                    the gradient norm; group by group (the Trainer's two; stage 3: one) the partition's
+                    gradients flattened into a new tensor (one gradient: a view of it) and cast to fp32 (in fp32
+                    the flat tensor itself), the clip factors, AdamW in place, the group's fp32 gradient freed;
+                    the weights gathered back
 """
 
 from __future__ import annotations
