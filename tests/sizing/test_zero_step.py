@@ -121,7 +121,7 @@ def test_each_groups_fp32_gradient_partition_goes_before_the_next_groups_is_made
     _, walk = _walk(2, dtype="fp32")
     cast = next(m for m in walk.moments if "fp32 gradient partition of group 1" in m.what)
     assert "zero/fp32 grad partition 0" not in {x.name for x in cast.live}
-    first, clipped = [m for m in walk.moments if "group 0" in m.what][:2]
+    first, clipped = [m for m in walk.moments if "group 0" in m.what and "float64" not in m.what][:2]
     assert clipped.bytes - first.bytes == 4 * 4
 
 
@@ -154,11 +154,24 @@ def test_zero3_under_a_vocabulary_of_fewer_than_ten_rows_gathers_no_module_of_th
     assert roots == {2 * DEEPSPEED_AUTO["stage3_prefetch_bucket_size"](config.h)}
 
 
+def _first_reduction_keeps(stage, **changes):
+    """The bytes of stage 1's whole gradients at the reduction that allocates grads_in_partition."""
+    config, walk = _walk(stage, **changes)
+    first = next(m for m in walk.moments if PARTITION in {x.name for x in m.live})
+    return config, sum(x.bytes for x in first.live if x.name.startswith("zero/grad "))
+
+
 def test_zero1_keeps_every_bf16_gradient_to_the_end_of_backward():
-    config, walk = _walk(1)
-    (end,) = [m for m in walk.moments if "stage 1 reduces every gradient" in m.what]
-    kept = sum(x.bytes for x in end.live if x.name.startswith("zero/grad "))
+    """The embedding, wider than the bucket, stays in its .grad to the first reduction: every gradient whole there."""
+    config, kept = _first_reduction_keeps(1)
     assert kept == 2 * total_params(config)
+
+
+def test_zero1_copies_a_gradient_narrower_than_the_bucket_into_it_before_the_first_reduction():
+    """reduce_gradients puts every gradient through the bucket in bit16_groups' order: the embedding's (64 x 256, a
+    quarter of the bucket) is copied in and its own storage freed before q_proj's overflows it."""
+    config, kept = _first_reduction_keeps(1, vocab_size=64)
+    assert kept == 2 * (total_params(config) - 64 * config.h)
 
 
 @pytest.mark.parametrize("changes,needle", [
@@ -180,3 +193,18 @@ def test_zero3_keeps_a_parameter_of_exactly_the_persistence_threshold_whole():
     params = total_params(config)
     whole = (2 * config.L + 1) * config.h + 2 * config.L * 10 * config.h  # the norms, k_proj and v_proj
     assert walk.steady.by_category()[PARAMETERS] == 2 * (params // 8 + whole) + 4 * config.head_dim  # RoPE's buffers
+
+
+def test_zero2s_gradient_norm_casts_each_gradient_of_the_partition_to_float64_and_one_gradient_flattens_to_a_view():
+    """get_grad_norm_direct casts rank 0's part of each gradient in its partition to float64 (get_norm_dtype), one at
+    a time; at dp = 64 the embedding (512 x 256) covers rank 0's partition of the weights, so the norm's cast is 8
+    bytes an element of the partition, and flattening the one gradient is a view of it (torch's flatten of one tensor),
+    no copy."""
+    config, walk = _walk(2, dp=64)
+    zero = Zero(config)
+    part = zero.partition(zero.groups[0])
+    assert part < config.vocab_size * config.h
+    norm = next(m for m in walk.moments if "group 0's widest gradient" in m.what)
+    assert {x.name: x.bytes for x in norm.live}["zero/norm cast"] == 8 * part + 8
+    cast = next(m for m in walk.moments if "fp32 gradient partition of group 0" in m.what)
+    assert "zero/flat grad partition" not in {x.name for x in cast.live}

@@ -607,7 +607,9 @@ def _embedding_backward(z: Sizes, config: ModelConfig, tp: bool, sharded: bool) 
     if tied:
         out += (torch_ops.tied_sum(table),)
     handed = () if rows else ("grad/embedding (sum)" if tied else "grad/embedding (lookup)",)
-    return out + (Step("", hands_over=handed), Step("", frees=("grad/embedding (lookup)", "grad/embedding (lm_head)")))
+    # a tied weight's two gradients go as autograd sums them, before its accumulator runs (ZeRO's reduction there)
+    summands = tuple(x for x in ("grad/embedding (lookup)", "grad/embedding (lm_head)") if x not in handed)
+    return out + (Step("", frees=summands, hands_over=handed),)
 
 
 def _output(z: Sizes, config: ModelConfig) -> tuple[Op, ...]:

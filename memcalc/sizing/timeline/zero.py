@@ -20,17 +20,22 @@ config's "auto" (`DEEPSPEED_AUTO`). What the tape holds:
                     modules its trace names, up to stage3_prefetch_bucket_size elements)
     backward        engine.backward's scaled copy of the loss, to its end, and the loss's gradient through it,
                     to nll_loss's backward; the reduce bucket (reduce_bucket_size elements) allocated at the first
-                    gradient; stage 1: each weight's gradient kept whole to the end of backward, then reduced
-                    bucket by bucket and this rank's partition copied out; stages 2 and 3: each gradient copied
+                    gradient; stage 1: each weight's gradient kept whole to the end of backward, then each in
+                    bit16_groups' order put through the bucket as stage 2 puts it (reduce_gradients: one that fits
+                    copied in and freed, the bucket reduced before it overflows; another rank's gradient wider
+                    than the bucket left in its .grad to backward's end); stages 2 and 3: each gradient copied
                     into the reduce bucket as autograd hands it over, the bucket reduced first (the new gradient
                     still live) when the gradient would overflow it and this rank's part copied into the gradient
                     partition (grads_in_partition: whole, each gradient that reaches into this rank's partition;
                     stage 2: allocated at the first reduction of one); a gradient wider than the bucket stays in
                     its .grad, the bucket's one gradient, until the next reduction; the last bucket reduced after
-                    loss.backward() returns
-    optimizer       the gradient norm; group by group (the Trainer's two; stage 3: one) the partition's
-                    gradients flattened into a new tensor and cast to fp32 (in fp32 the flat tensor itself), the
-                    clip factors, AdamW in place, the group's fp32 gradient freed; the weights gathered back
+                    loss.backward() returns; stages 1 and 2: a reduction's slices bound for several ranks
+                    flattened into one copy for the all-reduce
+    optimizer       stages 1 and 2: each gradient of the partition cast to float64 for its norm, one at a time;
+                    the gradient norm; group by group (the Trainer's two; stage 3: one) the partition's
+                    gradients flattened into a new tensor (one gradient: a view of it) and cast to fp32 (in fp32
+                    the flat tensor itself), the clip factors, AdamW in place, the group's fp32 gradient freed;
+                    the weights gathered back
 """
 
 from __future__ import annotations
@@ -77,6 +82,11 @@ class Zero:
         groups = ([x for x in params if len(x[1]) > 1], [x for x in params if len(x[1]) == 1]) \
             if config.zero_stage < 3 else (params,)
         self.groups = tuple([prod(shape) for _, shape in group] for group in groups)
+        self.order = [(name, prod(shape)) for group in groups for name, shape in group]  # bit16_groups' order
+        # each parameter's place in its group's flat buffer: (a rank's partition of the group, start, elements)
+        self.spans = {name: (self.partition(sizes), start, n) for sizes, group in zip(self.groups, groups)
+                      for (name, _), n, start in zip(group, sizes, itertools.accumulate(sizes, initial=0))}
+        self.after_backward = False  # the engine's reductions after loss.backward() returns: MemTracker's activations
         self.mine = {name: n for group in groups for name, n in self._reaching(group).items()}
         # stage 3: parameters of the persistence threshold or fewer elements, kept whole (mark_persistent_parameters)
         self.persistent = sum(prod(x) for x in shapes if prod(x) <= self.threshold) if config.zero_stage == 3 else 0
@@ -104,8 +114,13 @@ class Zero:
         """Stages 1 and 2: the group's parameters that reach into rank 0's partition of it, by module path, with their
         elements: grads_in_partition holds each whole (stage_1_and_2.py: params_in_partition)."""
         sizes = [prod(shape) for _, shape in group]
-        starts, end = itertools.accumulate(sizes, initial=0), self.partition(sizes)
-        return {name: n for (name, _), n, start in zip(group, sizes, starts) if start < end}
+        return {name: n for (name, _), n, _ in zip(group, sizes, self._slices(sizes))}
+
+    def _slices(self, sizes: list[int]) -> list[int]:
+        """Stages 1 and 2: rank 0's part of each of a group's parameters (`sizes`, in order) that reaches into its
+        partition of the group: averaged_gradients' views of grads_in_partition (get_flat_partition)."""
+        end = self.partition(sizes)
+        return [min(n, end - start) for n, start in zip(sizes, itertools.accumulate(sizes, initial=0)) if start < end]
 
     def states(self, tape: Tape) -> None:
         """bf16 weights (partitioned at stage 3), the fp32 partition of master weights and moments, and at stage 3
@@ -170,8 +185,14 @@ class Zero:
             tape.add(f"zero/grad {name}", GRADIENTS, nbytes, "the weight's .grad, kept whole to the end of"
                      " backward (stage 1 reduces after it)")
             return
-        grad, elements = f"grad/{name}", nbytes // self.act
+        grad = f"grad/{name}"
         tape.add(grad, GRADIENTS, nbytes, "the weight's .grad, as autograd hands it over")
+        self._into_bucket(tape, where, grad, name, nbytes // self.act)
+
+    def _into_bucket(self, tape: Tape, where: str, grad: str, name: str, elements: int) -> None:
+        """reduce_independent_p_g_buckets_and_remove_grads on a weight's gradient (`grad` on the tape): the bucket
+        reduced first if the gradient would overflow it, then the gradient copied into it (its .grad a view of the
+        bucket), or, wider than the bucket, left in its .grad as the bucket's one gradient."""
         if self.filled and self.filled + elements > self.bucket:
             self._reduce(tape, where, f"the reduce bucket reduced before {name}'s gradient would overflow it")
         self.filled += elements
@@ -182,11 +203,44 @@ class Zero:
             tape.drop(grad)  # copied into the bucket, its .grad a view of it
 
     def _reduce(self, tape: Tape, where: str, what: str) -> None:
-        """The bucket reduced into the gradient partition; a gradient wider than the bucket goes with it (its .grad
-        moved into the partition or cleared)."""
-        self._to_partition(tape, where, what, reaching=any(name in self.mine for name in self.in_bucket))
-        tape.drop(*self.wide)
+        """The bucket reduced into the gradient partition; a gradient wider than the bucket (alone in it) goes with
+        it: its .grad moved into the partition, or at stages 2 and 3 cleared (reduce_ipg_grads: stage 1 leaves
+        another rank's in its .grad to the end of backward)."""
+        reaching = any(name in self.mine for name in self.in_bucket)
+        copy = self._flat_copy() if self.stage < 3 else 0
+        if copy:
+            tape.add("zero/flat slices", ACTIVATIONS if self.after_backward else TEMPORARIES, self.act * copy,
+                     "allreduce_and_scatter's flattened copy of the bucket's slices bound for several ranks")
+            tape.mark("backward", where, f"{what}: its slices for several ranks flattened for the all-reduce")
+            tape.drop("zero/flat slices")
+        if not copy or (reaching and PARTITION not in tape.live):  # else the moment after the copy is the one before
+            self._to_partition(tape, where, what, reaching)
+        if reaching or self.stage > 1:
+            tape.drop(*self.wide)
         self.filled, self.wide, self.in_bucket = 0, [], []
+
+    def _flat_copy(self) -> int:
+        """Stages 1 and 2, average_tensor: the bucket's gradients cut at the ranks' partitions, in the bucket's order
+        (a slice for the rank of the one before it merged into it), all-reduced by allreduce_and_scatter in chunks
+        closed past reduce_bucket_size elements, each flattened (torch's flatten: a copy of several tensors, a view of
+        one): the widest copy's elements."""
+        slices, rank_before = [], None
+        for name in self.in_bucket:
+            part, start, n = self.spans[name]
+            for rank in range(start // part, (start + n - 1) // part + 1):
+                size = min(start + n, (rank + 1) * part) - max(start, rank * part)
+                if rank == rank_before:
+                    slices[-1] += size
+                else:
+                    slices.append(size)
+                rank_before = rank
+        widest, chunk = 0, []
+        for i, size in enumerate(slices):
+            chunk.append(size)
+            if sum(chunk) > self.bucket or i == len(slices) - 1:
+                widest = max(widest, sum(chunk) if len(chunk) > 1 else 0)
+                chunk = []
+        return widest
 
     def _to_partition(self, tape: Tape, where: str, what: str, reaching: bool = True) -> None:
         """This rank's part of a reduction copied into the gradient partition, allocated at the first reduction
@@ -197,41 +251,50 @@ class Zero:
         tape.mark("backward", where, what)
 
     def post_backward(self, tape: Tape, block: str, where: str) -> None:
-        """At the end of backward (the root's post-backward): the last bucket reduced, or at stage 1 every gradient
-        reduced bucket by bucket and this rank's partition copied out, both after loss.backward() returns (its seed
-        gone); then the buffers stages 1 and 2 allocate per step released, the gradient partition kept for the
-        optimizer, and engine.backward's scaled loss with it as it returns."""
+        """At the end of backward (the root's post-backward), after loss.backward() returns (its seed gone): at stage 1
+        every gradient put through the bucket in bit16_groups' order (reduce_gradients, as stage 2's hook puts each);
+        the last bucket reduced; then the buffers stages 1 and 2 allocate per step released, the gradient partition
+        kept for the optimizer, and engine.backward's scaled loss with it as it returns."""
         if block != ROOT:
             return
         tape.drop(GRAD_SEED)  # loss.backward() has returned: engine.backward's epilogue reduces
-        if self.stage == 1:
-            self._to_partition(tape, "", "stage 1 reduces every gradient after backward, bucket by bucket")
-            tape.drop(*[n for n in tape.live if n.startswith("zero/grad ")])
-        else:
-            self._reduce(tape, "", "the last reduce bucket reduced at the end of backward")
+        self.after_backward = True
+        if self.stage == 1:  # reduce_gradients: every gradient through the bucket, in bit16_groups' order
+            for name, elements in self.order:
+                if (grad := f"zero/grad {name}") in tape.live:
+                    self._into_bucket(tape, where, grad, name, elements)
+        self._reduce(tape, "", "the last reduce bucket reduced at the end of backward")
+        tape.drop(*[n for n in tape.live if n.startswith("zero/grad ")])
         if self.stage != 3:
             tape.drop(BUCKET)
         tape.drop(SCALED_LOSS, *[n for n in tape.live if n.startswith(f"{GATHERED} ")])
 
     def optimizer_step(self, tape: Tape) -> None:
-        """The global gradient norm (two 0-d fp32 tensors: it and its unscaled copy), then group by group
-        (stage_1_and_2.py step()): the partition's gradients flattened into a new tensor and cast to fp32 beside them
+        """Stages 1 and 2: the gradient norm group by group (`_norms`); the global gradient norm (two 0-d fp32
+        tensors: it and its unscaled copy), then group by group (stage_1_and_2.py step()): the partition's gradients
+        flattened into a new tensor (torch's flatten of one tensor, a view of it: none) and cast to fp32 beside them
         (in fp32 `.to` returns the flat tensor itself), the flat copy freed (after the last group's, the gradient
-        partition its gradients viewed, but at stage 3); unscale_and_clip_grads' 0-d fp32 factors; AdamW on the group
-        in place, and its fp32 gradient freed before the next group's is made."""
+        partition its gradients viewed, but at stage 3, or while an fp32 view of it is the optimizer's gradient);
+        unscale_and_clip_grads' 0-d fp32 factors; AdamW on the group in place, and its fp32 gradient freed before the
+        next group's is made."""
+        if self.stage < 3:
+            self._norms(tape)
         tape.add(GRAD_NORM, TEMPORARIES, 4 * 2, "the global gradient norm and _global_grad_norm, 0-d fp32")
         for i, group in enumerate(self.groups):
             part, fp32 = self.partition(group), f"zero/fp32 grad partition {i}"
-            tape.add("zero/flat grad partition", TEMPORARIES, self.act * part, f"group {i}'s gradients flattened")
-            if self.act == 4:
-                tape.rename("zero/flat grad partition", fp32)
-            else:
+            viewed = self.stage < 3 and len(self._slices(group)) == 1  # rank 0 of dp > 1: never the aligned flatten
+            if not viewed:
+                tape.add("zero/flat grad partition", TEMPORARIES, self.act * part, f"group {i}'s gradients flattened")
+            if self.act != 4:
                 tape.add(fp32, TEMPORARIES, 4 * part, f"group {i}'s flat partition cast to fp32: the gradient the"
                          " optimizer reads")
+            elif not viewed:  # viewed: the optimizer's gradient is a view of grads_in_partition
+                tape.rename("zero/flat grad partition", fp32)
             tape.mark("optimizer", "", f"ZeRO's fp32 gradient partition of group {i} made from the flattened"
                       f"{' bf16' if self.act != 4 else ''} one")
             tape.drop("zero/flat grad partition")
-            if i == len(self.groups) - 1 and self.stage != 3:
+            last = i == len(self.groups) - 1 and self.stage != 3
+            if last and fp32 in tape.live:
                 tape.drop(PARTITION)  # its last views, the last group's gradients, freed
             tape.add("zero/clip", TEMPORARIES, 4 * 4, "unscale_and_clip_grads' 0-d fp32 clip, clamped clip, combined"
                      " scale and its reciprocal")
@@ -239,4 +302,20 @@ class Zero:
             tape.drop("zero/clip")
             tape.mark("optimizer", "", f"AdamW on group {i}'s fp32 partition, in place")
             tape.drop(fp32)
+            if last:
+                tape.drop(PARTITION)  # an fp32 view of it was the last group's gradient
         tape.drop(GRAD_NORM)
+
+    def _norms(self, tape: Tape) -> None:
+        """get_grad_norm_direct, group by group: each gradient of the partition (`_slices`) cast to float64
+        (get_norm_dtype) for its norm, a 0-d float64 kept per gradient, each group's norm left a 0-d fp32; marked at
+        each group's widest cast with the norms before it."""
+        for i, group in enumerate(self.groups):
+            slices = self._slices(group)
+            j = max(range(len(slices)), key=lambda k: slices[k] + k)  # the cast with the most bytes beside it
+            tape.add("zero/norms", TEMPORARIES, 4 * i + 8 * j, "the earlier groups' 0-d fp32 norms and this group's"
+                     " earlier gradients' 0-d float64 norms")
+            tape.add("zero/norm cast", TEMPORARIES, 8 * slices[j] + 8, f"group {i}'s gradient cast to float64 for its"
+                     " norm, and the norm")
+            tape.mark("optimizer", "", f"group {i}'s widest gradient in the partition cast to float64 for its norm")
+            tape.drop("zero/norms", "zero/norm cast")

@@ -48,6 +48,13 @@ def _step(stage: int, **changes):
     (2, {"b": 1, "s": 9, "a": 4, "num_query_groups": 4, "dtype": "fp32"}),
     (2, {"b": 3, "s": 5, "h": 48, "a": 6, "num_query_groups": 3, "ffn_hidden_size": 100, "dtype": "fp32"}),
     (2, {"b": 1, "s": 6, **MIXTRAL, "dtype": "fp32"}),
+    # the embedding's gradient covers rank 0's partition of the weights (dp = 4): get_grad_norm_direct's float64
+    # copy of it (8 bytes an element) is the step's peak, and flattening the one gradient is a view of it, no copy
+    # (the walk had neither: 1,728 B short in bf16; in fp32 the peak's moment elsewhere; found by a drawn run)
+    (2, {"b": 1, "s": 1, "h": 16, "a": 1, "num_query_groups": 1, "L": 1, "ffn_hidden_size": 8, "vocab_size": 64, "dp": 4,
+         "attention": "eager"}),
+    (2, {"b": 1, "s": 1, "h": 16, "a": 1, "num_query_groups": 1, "L": 1, "ffn_hidden_size": 8, "vocab_size": 64, "dp": 4,
+         "attention": "eager", "dtype": "fp32"}),
 ])
 def test_deepspeeds_step_holds_what_the_zero_walk_holds_between_steps_and_at_its_peak(one_thread, stage, changes):
     """Between steps: bf16 weights whole, this rank's fp32 master partition, Adam's moments and the two groups' steps;
@@ -80,6 +87,20 @@ def _exact(r) -> None:
     # fp32: no flat copy to cast, so stage 1's reductions after backward are its peak
     (1, {"b": 1, "s": 7, "dtype": "fp32"}, "backward"),
     (1, {"b": 3, "s": 5, "recompute": "full", "dtype": "fp32"}, "backward"),
+    # stage 1 at dp = 4 with the embedding narrower than the bucket: reduce_gradients copies its gradient into the
+    # bucket (freeing its own) before the first reduction allocates grads_in_partition (the walk held every gradient
+    # to that allocation: 256 B over; found by a drawn run, with Mixtral and Qwen3-MoE too)
+    (1, {"b": 1, "s": 1, "h": 16, "a": 1, "num_query_groups": 1, "L": 1, "ffn_hidden_size": 8, "vocab_size": 8, "dp": 4,
+         "attention": "eager"}, "backward"),
+    # tied, the embedding's gradient the first into rank 0's partition (dp = 4): autograd frees the tied weight's two
+    # gradients as it sums them, before the reduction allocating grads_in_partition (the walk held both there: 6,432 B
+    # over in bf16, 12,864 in fp32)
+    (2, {"b": 1, "s": 1, "h": 16, "a": 1, "num_query_groups": 1, "L": 1, "ffn_hidden_size": 8, "vocab_size": 200,
+         "dp": 4, "tie_embeddings": True, "attention": "eager"}, "backward model.embed_tokens"),
+    # allreduce_and_scatter flattens the bucket's slices for several ranks into one copy before the all-reduce: in fp32
+    # with one K/V group the copy beside o_proj's new gradient is the peak (the walk had no copy: 2,560 B short)
+    (2, {"b": 1, "s": 4, "h": 40, "a": 5, "num_query_groups": 1, "L": 1, "ffn_hidden_size": 4, "vocab_size": 6, "dp": 4,
+         "attention": "eager", "dtype": "fp32"}, "backward model.layers.0.self_attn.o_proj"),
 ])
 def test_a_peak_in_backward_holds_the_scaled_loss_and_the_reduce_buckets_state(one_thread, stage, changes, moment):
     """Long sequences put the peak in backward: engine.backward's scaled copy of the loss is live; a gradient wider
@@ -132,6 +153,20 @@ def _readings_after_every_op(config) -> list[tuple[str, dict[str, int]]]:
     # the eager loop: each expert's select sums, the router's weight handed over before its dX is summed (reshape's
     # view between them), the wide experts' gradients making a reduction of each later hand-over
     (2, {"b": 1, "s": 6, **MIXTRAL, "experts_implementation": "eager"}),
+    # the bucket's slices for several ranks flattened at each reduction (a wide gradient across two ranks' partitions
+    # too), in backward and after it
+    (2, {"b": 1, "s": 1, "h": 16, "a": 1, "num_query_groups": 1, "L": 1, "ffn_hidden_size": 8, "vocab_size": 64}),
+    (2, {"b": 1, "s": 1, "h": 16, "a": 1, "num_query_groups": 1, "L": 1, "vocab_size": 2, **MIXTRAL, "num_experts": 2,
+         "moe_router_topk": 1, "moe_ffn_hidden_size": 8, "attention": "eager", "dtype": "fp32"}),
+    # the tied embedding alone in rank 0's partition of the weights: its float64 copy for the norm, its flatten a view
+    (2, {"b": 1, "s": 1, "h": 16, "a": 1, "num_query_groups": 1, "L": 1, "ffn_hidden_size": 8, "vocab_size": 200,
+         "tie_embeddings": True, "attention": "eager", "dtype": "fp32"}),
+    (1, {"b": 1, "s": 1, "h": 16, "a": 1, "num_query_groups": 1, "L": 1, "ffn_hidden_size": 8, "vocab_size": 200,
+         "tie_embeddings": True, "attention": "eager"}),
+    # stage 1's reductions after backward, in bit16_groups' order through the bucket: the experts' gate_up_proj, wider
+    # than the bucket and another rank's, left in its .grad to the end of backward
+    (1, {"b": 1, "s": 1, "h": 16, "a": 1, "num_query_groups": 1, "L": 1, "vocab_size": 5, **MIXTRAL,
+         "num_experts": 2, "moe_router_topk": 1, "moe_ffn_hidden_size": 8, "attention": "eager"}),
 ])
 def test_every_moment_of_the_zero_walk_is_memtrackers_reading_after_some_op_in_order(one_thread, stage, changes):
     """engine.backward's scaled loss and the loss's gradient through it, the reduce bucket from the first gradient, a
