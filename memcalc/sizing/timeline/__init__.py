@@ -25,7 +25,7 @@ from memcalc.sizing.timeline import megatron_mla, megatron_moe
 from memcalc.sizing.timeline.megatron import INPUT, INPUT_GRAD, OUTPUT, OUTPUT_GRAD, layer_ops
 from memcalc.sizing.timeline.walk import Op, Walk
 from memcalc.sizing.timeline.tape import (
-    ACTIVATIONS, CATEGORIES, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, Live, Moment, Sizes, Tape, Timeline,
+    ACTIVATIONS, CATEGORIES, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, Live, Moment, Sizes, Tape, Timeline, bulk,
 )
 
 __all__ = [
@@ -59,8 +59,9 @@ def timeline(
     rerun = estimate(replace(config, recompute="none"), strategy, accounting) if config.recompute != "none" else None
     st = stage_named(config, stage)
     saved = tuple(end_saved(config, strategy, accounting, z).items())
-    moments = _moments(config, z, accounting, st, layer.tensors, layer.dense, rerun and rerun.tensors,
-                       rerun and rerun.dense, saved)
+    with bulk():  # a MoE walk puts some hundred thousand tensors on the tape
+        moments = _moments(config, z, accounting, st, layer.tensors, layer.dense, rerun and rerun.tensors,
+                           rerun and rerun.dense, saved)
     return Timeline(layer.strategy, moments, st.name)
 
 
