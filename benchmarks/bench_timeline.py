@@ -70,12 +70,14 @@ def walks(name: str, overrides: dict[str, object]) -> list[tuple[str, Callable[[
 
 
 def uncached(walk: Callable[..., object]) -> Callable[..., object]:
-    """The walk with the hf timeline's cache of moments emptied first (it spares `none` and `tp` at t = 1 one walk,
+    """The walk with the timelines' caches of moments emptied first (they spare `none` and `tp` at t = 1 one walk,
     not the runs of a benchmark)."""
+    from memcalc.sizing import timeline
     from memcalc.sizing.timeline import hf
 
     def run(*args: object) -> object:
         hf._moments.cache_clear()
+        timeline._moments.cache_clear()
         return walk(*args)
     return run
 

@@ -5,6 +5,7 @@ Why the peak, not the totals, and what it models phase by phase and library by l
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 from memcalc.config.schema import ModelConfig
@@ -19,12 +20,12 @@ from memcalc.sizing.pipeline import Stage, pipeline_stages, stage_named, torchti
 from memcalc.sizing.timeline.hf import hf_timeline
 from memcalc.sizing.timeline.torchtitan import torchtitan_timeline
 from memcalc.sizing.timeline.torchtitan_pp import pipeline_timeline
-from memcalc.sizing.timeline.ends import STEP_TENSORS, Ends, model_states, optimizer_step
+from memcalc.sizing.timeline.ends import STEP_TENSORS, Ends, end_saved, model_states, optimizer_step
 from memcalc.sizing.timeline import megatron_mla, megatron_moe
 from memcalc.sizing.timeline.megatron import INPUT, INPUT_GRAD, OUTPUT, OUTPUT_GRAD, layer_ops
 from memcalc.sizing.timeline.walk import Op, Walk
 from memcalc.sizing.timeline.tape import (
-    ACTIVATIONS, CATEGORIES, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, Live, Moment, Sizes, Tape, Timeline,
+    ACTIVATIONS, CATEGORIES, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, Live, Moment, Sizes, Tape, Timeline, bulk,
 )
 
 __all__ = [
@@ -56,14 +57,30 @@ def timeline(
     z = Sizes.of(config, strategy)
     # under recomputation the layer rerun in backward keeps what it keeps without
     rerun = estimate(replace(config, recompute="none"), strategy, accounting) if config.recompute != "none" else None
-    kinds = {False: _Kind.of(config, z, accounting, layer.tensors, rerun and rerun.tensors)}  # by `dense` below
-    if layer.dense_layers:  # dense layers among MoE ones: a dense MLP, each tensor at the dense layer's bytes
-        kinds[True] = _Kind.of(config.dense, z, accounting, layer.dense, rerun and rerun.dense)
     st = stage_named(config, stage)
+    saved = tuple(end_saved(config, strategy, accounting, z).items())
+    with bulk():  # a MoE walk puts some hundred thousand tensors on the tape
+        moments = _moments(config, z, accounting, st, layer.tensors, layer.dense, rerun and rerun.tensors,
+                           rerun and rerun.dense, saved)
+    return Timeline(layer.strategy, moments, st.name)
+
+
+@functools.lru_cache(maxsize=2)
+def _moments(config: ModelConfig, z: Sizes, accounting: Accounting, st: Stage, tensors: tuple[TensorBytes, ...],
+             dense_tensors: tuple[TensorBytes, ...], rerun: tuple[TensorBytes, ...] | None,
+             rerun_dense: tuple[TensorBytes, ...] | None, end_bytes: tuple[tuple[str, int], ...]
+             ) -> tuple[Moment, ...]:
+    """The step's moments on a rank of these sizes, its layers keeping the ledger's `tensors` (`dense_tensors`, a
+    dense layer's among MoE ones; `rerun`, what they keep without recomputation, None without it) and its ends
+    `end_bytes`: two strategies that give a rank the same (none and tp-sp at t = 1) walk the same step, once (`fit`
+    tries both at every candidate)."""
+    kinds = {False: _Kind.of(config, z, accounting, tensors, rerun)}  # by `dense` below
+    if dense_tensors:  # dense layers among MoE ones: a dense MLP, each tensor at the dense layer's bytes
+        kinds[True] = _Kind.of(config.dense, z, accounting, dense_tensors, rerun_dense)
     tape = Tape()
     model_states(tape, config, st, z)
     tape.mark("steady", "", "model states between steps")
-    ends = Ends(config, strategy, accounting, z, st)
+    ends = Ends(config, dict(end_bytes), z, st)
     walked = config.L // (config.pp * config.vpp) if config.vpp and config.pp > 1 else st.layers  # one model chunk
     first = 0 if st.has_embedding else config.L - walked
     layers = range(first, first + walked)
@@ -113,7 +130,7 @@ def timeline(
     front.backward(ends.inputs)
     tape.drop("pipeline/other micro-batches")  # the cool-down runs their backwards, as this one's
     optimizer_step(tape, config)
-    return Timeline(layer.strategy, tuple(tape.moments), st.name)
+    return tuple(tape.moments)
 
 
 def _others_in_flight(tape: Tape, st: Stage, walked: int, walked_bytes: int, embedding: int) -> None:

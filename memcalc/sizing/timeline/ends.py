@@ -63,18 +63,23 @@ def optimizer_step(tape: Tape, config: ModelConfig) -> None:
     tape.mark("optimizer", "", f"fused AdamW on {on}, in place")
 
 
+def end_saved(config: ModelConfig, strategy: Strategy, accounting: Accounting, z: Sizes) -> dict[str, int]:
+    """The bytes of each tensor the model's ends keep for backward on this rank, by name."""
+    extra = (*((VOCAB_MASK,) if z.t > 1 else ()), *((POSITION_IDS,) if z.positions else ()),
+             TARGET_MASK, MASKED_TARGET)
+    kept = (*end_tensors(config, accounting, "first"), *end_tensors(config, accounting, "last"), *extra)
+    return {x.name: end_bytes(x, config, strategy, accounting) for x in kept}
+
+
 class Ends:
     """Embedding, final norm, output layer and loss as ops for the generic walk (memcalc.sizing.timeline.walk):
     their saved tensors (ledger) and their gradients; on a middle stage, the input received and the output sent."""
 
-    def __init__(self, config: ModelConfig, strategy: Strategy, accounting: Accounting, z: Sizes, stage: Stage) -> None:
-        self.z, self.stage = z, stage
+    def __init__(self, config: ModelConfig, saved: dict[str, int], z: Sizes, stage: Stage) -> None:
+        """`saved`: what the ends keep, by name (`end_saved`)."""
+        self.z, self.stage, self.saved = z, stage, saved
         # With pp > 1 the last stage's output layer holds its own copy of a tied embedding: untied in backward.
         self.tied = config.tie_embeddings and stage.has_embedding and stage.has_output
-        extra = (*((VOCAB_MASK,) if z.t > 1 else ()), *((POSITION_IDS,) if z.positions else ()),
-                 TARGET_MASK, MASKED_TARGET)
-        kept = (*end_tensors(config, accounting, "first"), *end_tensors(config, accounting, "last"), *extra)
-        self.saved = {x.name: end_bytes(x, config, strategy, accounting) for x in kept}
         labels = (Made("batch/labels", z.tokens(8), "the micro-batch's labels (int64), live for the whole step"),
                   ) if stage.has_output else ()  # only the stage that computes the loss loads them
         received = Made(INPUT, z.seq(z.h), "the previous stage's output, received (p2p) as this stage's input; the"

@@ -41,7 +41,7 @@ On the fake process group the collectives move nothing, but every buffer is allo
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from memcalc.config.schema import ModelConfig
 from memcalc.model.impls import hf as rules
@@ -257,7 +257,7 @@ class Fsdp:
         tape.add(name, made, self.act * whole, "FSDP2's all-gather output: the whole block in param_dtype, one flat"
                  " buffer")
         tape.mark(phase, where, f"FSDP2's all-gather of {block}: its output, beside this rank's cast shards")
-        tape.live[name] = replace(tape.live[name], category=PARAMETERS)
+        tape.live[name] = tape.live[name]._replace(category=PARAMETERS)
         tape.mark(phase, where, f"FSDP2's all-gather of {block}: its buffer beside this rank's cast shards")
         tape.drop(f"fsdp/{block} cast")
 
@@ -286,7 +286,7 @@ class Fsdp:
             self.forward_done(tape, keep=block)
         else:
             tape.drop(f"fsdp/{block} all-gather")
-        tape.live[name] = replace(tape.live[name], category=PARAMETERS)
+        tape.live[name] = tape.live[name]._replace(category=PARAMETERS)
 
     @staticmethod
     def forward_done(tape: Tape, keep: str | None = None) -> None:
@@ -362,7 +362,7 @@ class Fsdp:
         (foreach_reduce takes only those), all by default."""
         grads = [n for n in tape.live if n.startswith(f"fsdp/{block} grad ")]
         for name in grads:
-            tape.live[name] = replace(tape.live[name], category=GRADIENTS)
+            tape.live[name] = tape.live[name]._replace(category=GRADIENTS)
         if block == ROOT and self.tp:
             grads.append(self.embedding_rows(tape, where))
         partial = [f"fsdp/{block} grad {m}" for m, _ in self.unit(block).params if m in self.partial]  # in order
@@ -387,7 +387,7 @@ class Fsdp:
         tape.add(out, TEMPORARIES, self.reduce * whole // self.shards,
                  "this rank's shard of the block's gradients, in reduce_dtype")
         tape.mark("backward", where, f"{block}'s gradients copied in and freed, the reduce-scatter's output made")
-        tape.live[rs] = replace(tape.live[rs], category=GRADIENTS)  # filed as the reduce-scatter's input
+        tape.live[rs] = tape.live[rs]._replace(category=GRADIENTS)  # filed as the reduce-scatter's input
         tape.mark("backward", where, f"the reduce-scatter of {block}'s gradients")
         if self.reduce != 4:  # cast to the fp32 parameters' dtype; the reduce_dtype output goes
             tape.add(f"{out} (fp32)", TEMPORARIES, 4 * whole // self.shards, "the shard cast to the parameters' fp32")
@@ -400,4 +400,4 @@ class Fsdp:
         elif self.accumulate:  # added into the sharded gradients
             tape.drop(out)
         else:
-            tape.live[out] = replace(tape.live[out], category=GRADIENTS)
+            tape.live[out] = tape.live[out]._replace(category=GRADIENTS)

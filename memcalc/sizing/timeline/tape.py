@@ -10,8 +10,9 @@ import gc
 import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from math import prod as prod  # the walks' element counts, imported from here
+from typing import NamedTuple
 
 from memcalc.config.schema import ModelConfig
 from memcalc.model.knobs import DTYPE_BYTES
@@ -25,9 +26,9 @@ CATEGORIES = (PARAMETERS, GRADIENTS, OPTIMIZER, ACTIVATIONS, TEMPORARIES)
 GRAD_SEED = "loss/grad seed"  # loss.backward()'s 0-d ones tensor, autograd's first gradient, to backward's end
 
 
-@dataclass(frozen=True)
-class Live:
-    """One tensor (or one block's saved tensors together) live at a moment."""
+class Live(NamedTuple):
+    """One tensor (or one block's saved tensors together) live at a moment (a named tuple, not a frozen dataclass,
+    whose __init__ took a quarter of a walk: a walk makes one per tensor, a MoE step hundreds of thousands)."""
 
     name: str
     category: str  # one of CATEGORIES
@@ -151,11 +152,12 @@ class _Live(dict):
         self.totals = dict.fromkeys(CATEGORIES, 0)
         self.log: list[Live | str] = []
 
+    # dict's own methods called by name, not through super(): a walk makes millions of these calls
     def __setitem__(self, name: str, x: Live) -> None:
-        old = self.get(name)
+        old = dict.get(self, name)
         if old is not None:
             self.totals[old.category] -= old.bytes
-        super().__setitem__(name, x)
+        dict.__setitem__(self, name, x)
         self.totals[x.category] += x.bytes
         self.log.append(x)
 
@@ -163,9 +165,9 @@ class _Live(dict):
         self.pop(name)
 
     def pop(self, name: str, *default: Live | None) -> Live | None:  # type: ignore[override]
-        x = super().pop(name, None)
+        x = dict.pop(self, name, None)
         if x is None:
-            return super().pop(name, *default)
+            return dict.pop(self, name, *default)
         self.totals[x.category] -= x.bytes
         self.log.append(name)
         return x
@@ -193,7 +195,7 @@ class Tape:
 
     def rename(self, old: str, new: str) -> None:
         """The same bytes, under the name the next op knows them by (a gradient handed on, a buffer reused)."""
-        self.live[new] = replace(self.live.pop(old), name=new)
+        self.live[new] = self.live.pop(old)._replace(name=new)
 
     def mark(self, phase: str, where: str, what: str) -> None:
         live = self.live
